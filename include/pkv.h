@@ -1,0 +1,307 @@
+/* pkv.h: the one public header of pagedkv (libpkv): a paged KV cache and paged attention for
+ * LLM inference engines. C99/C++ clean. Every fallible function returns int: 0 on success, a
+ * negative PKV_E* code on error (pkv_strerror names it). A call that fails changes nothing.
+ *
+ * Words (docs/design.md has the full glossary):
+ *   block        block_tokens consecutive token slots; the unit of allocation, sharing, hashing.
+ *   slot         block_id * block_tokens + offset: where one token position lives in the pool.
+ *   sequence     one stream of token positions with its block table (logical block -> block id).
+ *   committed    positions whose K/V are written for every layer; only committed full blocks
+ *                enter the prefix index.
+ *   cached block refcount 0 but still in the prefix index; evictable (LRU, leaves first).
+ */
+#ifndef PKV_H
+#define PKV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PKV_VERSION_MAJOR 0
+#define PKV_VERSION_MINOR 1
+#define PKV_VERSION_PATCH 0
+#define PKV_VERSION_STRING "0.1.0"
+#define PKV_VERSION_NUMBER (PKV_VERSION_MAJOR * 10000 + PKV_VERSION_MINOR * 100 + PKV_VERSION_PATCH)
+
+#if defined(_WIN32) && defined(PKV_SHARED_BUILD)
+#define PKV_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define PKV_API __attribute__((visibility("default")))
+#else
+#define PKV_API
+#endif
+
+#if defined(__GNUC__)
+#define PKV_NODISCARD __attribute__((warn_unused_result))
+#else
+#define PKV_NODISCARD
+#endif
+
+/* ---- status codes: values never change once released ------------------------------------ */
+enum {
+    PKV_OK = 0,
+    PKV_EINVAL = -1,   /* bad argument: NULL, shape/dtype mismatch, slot/layer/position out of range */
+    PKV_ENOMEM = -2,   /* host allocation failed (the allocator hook returned NULL) */
+    PKV_ENOSPC = -3,   /* no block available, even after evicting every cached block */
+    PKV_ENOENT = -4,   /* unknown or stale sequence id */
+    PKV_ELIMIT = -5,   /* max_seqs or max_blocks_per_seq would be exceeded */
+    PKV_ECORRUPT = -6, /* the checker or a tier found a broken invariant / bad data */
+    PKV_EIO = -7,      /* I/O error (tiers, model files) */
+    PKV_ENOTSUP = -8,  /* valid request this build or configuration does not support */
+    PKV_EBUSY = -9     /* the object is in use (e.g. a block shared with another sequence) */
+};
+
+/* Static, thread-safe description of a status code; never NULL. */
+PKV_API const char *pkv_strerror(int rc);
+/* "MAJOR.MINOR.PATCH" of the library actually linked. */
+PKV_API const char *pkv_version(void);
+
+/* ---- element formats --------------------------------------------------------------------- */
+typedef enum pkv_dtype {
+    PKV_DTYPE_F32 = 0,
+    PKV_DTYPE_F16 = 1,      /* IEEE binary16 */
+    PKV_DTYPE_BF16 = 2,     /* bfloat16, round to nearest even */
+    PKV_DTYPE_Q8_0 = 3,     /* per 32 values along head_dim: f16 scale + 32 x int8 (34 bytes) */
+    PKV_DTYPE_Q4_0 = 4,     /* per 32 values along head_dim: f16 scale + 16 bytes of nibbles (18 bytes) */
+    PKV_DTYPE_FP8_E4M3 = 5, /* per (token, kv head) row: f32 scale, then head_dim e4m3 bytes */
+    PKV_DTYPE_COUNT
+} pkv_dtype;
+
+/* Bytes one token row of `head_dim` elements takes in the pool in this dtype (including its
+ * scales), or 0 if the dtype cannot hold such a row (q8_0/q4_0 need head_dim % 32 == 0). */
+PKV_API size_t pkv_dtype_row_bytes(pkv_dtype dtype, uint32_t head_dim);
+/* "f32", "f16", "bf16", "q8_0", "q4_0", "fp8_e4m3"; NULL for an unknown value. */
+PKV_API const char *pkv_dtype_name(pkv_dtype dtype);
+/* Parses the names above; PKV_EINVAL if unknown. */
+PKV_API PKV_NODISCARD int pkv_dtype_from_name(const char *name, pkv_dtype *out);
+
+/* ---- hooks --------------------------------------------------------------------------------- */
+/* Allocator hook (zstd customMem style). alloc returns memory aligned to `align` (a power of
+ * two, >= sizeof(void*)) or NULL; free receives the pointer and the size it was asked for.
+ * alloc == NULL selects the default (aligned_alloc/free). The library calls it only in
+ * pkv_cache_create (and tiers' create calls), never on the hot path. */
+typedef struct pkv_allocator {
+    void *(*alloc)(void *ctx, size_t size, size_t align);
+    void (*free)(void *ctx, void *ptr, size_t size);
+    void *ctx;
+} pkv_allocator;
+
+enum { PKV_LOG_ERROR = 0, PKV_LOG_WARN = 1, PKV_LOG_INFO = 2, PKV_LOG_DEBUG = 3 };
+/* Log hook: the library never prints; it reports through this (NULL = silent). */
+typedef void (*pkv_log_fn)(void *ctx, int level, const char *msg);
+
+/* ---- configuration --------------------------------------------------------------------------- */
+typedef struct pkv_config {
+    uint32_t n_layers;           /* >= 1 */
+    uint32_t n_kv_heads;         /* >= 1 */
+    uint32_t head_dim;           /* 1..1024 (multiple of 32 for q8_0 / q4_0) */
+    uint32_t block_tokens;       /* B, token slots per block, 1..1024; default 16 */
+    uint32_t n_blocks;           /* pool size in blocks; 0 = derive from mem_budget_bytes */
+    uint64_t mem_budget_bytes;   /* K/V bytes for the pool when n_blocks == 0 */
+    pkv_dtype k_dtype;           /* pool element format of K (default f16) */
+    pkv_dtype v_dtype;           /* pool element format of V (default f16) */
+    uint32_t max_seqs;           /* live sequences (pins included) at once; default 256 */
+    uint32_t max_blocks_per_seq; /* block-table capacity; 0 = min(n_blocks, 65536) */
+    uint32_t n_threads;          /* attention worker threads incl. the caller; 0 = all online cpus */
+    int enable_prefix_cache;     /* 1 (default): full committed blocks are indexed and reused */
+    int huge_pages;              /* 1 (default): madvise(MADV_HUGEPAGE) the pool where possible */
+    pkv_allocator allocator;     /* alloc == NULL: default allocator */
+    pkv_log_fn log;              /* NULL: silent */
+    void *log_ctx;
+} pkv_config;
+
+/* Defaults: 1 layer, 8 kv heads, head_dim 128, B = 16, 1024 blocks, f16/f16, 256 sequences,
+ * prefix cache on, huge pages on, all cpus. Fields are only ever appended. */
+PKV_API pkv_config pkv_config_default(void);
+
+typedef struct pkv_cache pkv_cache;
+
+/* Sequence handle: (generation << 32) | index. 0 is never a valid id. A released id is
+ * stale forever (its slot's generation moves on): using it returns PKV_ENOENT. */
+typedef uint64_t pkv_seq;
+#define PKV_SEQ_NONE ((pkv_seq)0)
+
+/* Creates a cache: allocates the whole pool, the metadata and the attention thread pool now;
+ * nothing is allocated later. PKV_EINVAL for a bad config, PKV_ENOMEM, PKV_ENOTSUP. */
+PKV_API PKV_NODISCARD int pkv_cache_create(const pkv_config *cfg, pkv_cache **out);
+/* Frees everything; NULL is a no-op. Outstanding sequence ids become invalid. */
+PKV_API void pkv_cache_destroy(pkv_cache *c);
+/* Releases every sequence and pin and empties the prefix index: all blocks FREE. */
+PKV_API PKV_NODISCARD int pkv_cache_reset(pkv_cache *c);
+/* The effective configuration (n_blocks, max_blocks_per_seq and n_threads resolved). */
+PKV_API PKV_NODISCARD int pkv_cache_config(const pkv_cache *c, pkv_config *out);
+
+/* Where the pool lives, for engines that run their own kernels over it (vLLM layout):
+ * K of layer l = k_base + l * layer_stride_bytes; block b, kv head h, offset t of K starts at
+ * K + b * k_block_bytes + (h * block_tokens + t) * k_row_bytes; V likewise with v_*.
+ * The pointers stay valid until pkv_cache_destroy. */
+typedef struct pkv_layout {
+    uint8_t *k_base, *v_base;
+    size_t layer_stride_bytes;     /* between layers of K (and of V) */
+    size_t k_row_bytes, v_row_bytes;
+    size_t k_block_bytes, v_block_bytes; /* n_kv_heads * block_tokens * row bytes */
+    uint32_t n_blocks, block_tokens, n_kv_heads, head_dim, n_layers;
+    pkv_dtype k_dtype, v_dtype;
+} pkv_layout;
+PKV_API PKV_NODISCARD int pkv_cache_layout(const pkv_cache *c, pkv_layout *out);
+
+/* ---- sequences --------------------------------------------------------------------------- */
+/* New empty sequence. salt (may be NULL when salt_len == 0, at most 256 bytes) names its
+ * prefix-index namespace: sequences with different salts never share indexed blocks.
+ * PKV_ELIMIT when max_seqs are live. */
+PKV_API PKV_NODISCARD int pkv_seq_create(pkv_cache *c, const void *salt, size_t salt_len, pkv_seq *out);
+
+/* Appends n positions with their token ids (tokens must not be NULL when n > 0) and returns
+ * their slots in slots_out (may be NULL). Allocates blocks as needed, FREE blocks first, then
+ * evicting CACHED blocks (LRU, leaves first); if the current tail block is shared (refcount > 1)
+ * or indexed, it is first copied (copy-on-write, all layers). All-or-nothing: PKV_ENOSPC if
+ * the blocks cannot be had, PKV_ELIMIT past max_blocks_per_seq. */
+PKV_API PKV_NODISCARD int pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
+                                         int32_t *slots_out);
+
+/* Writes K and V of one layer for n tokens at the given slots (vLLM reshape_and_cache).
+ * k, v: [n][n_kv_heads][head_dim] elements of in_dtype (f32, f16 or bf16), converted to the
+ * pool dtype. slot -1 is skipped (padding). Every slot is checked first: it must lie in a
+ * block that is ACTIVE with refcount 1 and not in the prefix index (else PKV_EINVAL; nothing
+ * is written). k or v may be NULL to write only the other. */
+PKV_API PKV_NODISCARD int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n,
+                                       const void *k, const void *v, pkv_dtype in_dtype);
+
+/* Positions [0, n_pos) of s now hold K/V for every layer. Full blocks in that range enter the
+ * prefix index (when enabled). n_pos may not exceed the length; committing less than is
+ * already committed is a no-op. */
+PKV_API PKV_NODISCARD int pkv_seq_commit(pkv_cache *c, pkv_seq s, uint32_t n_pos);
+
+/* New sequence sharing every block of parent (refcounts + 1, no data copied), same length,
+ * committed count and salt. PKV_ELIMIT when max_seqs are live. */
+PKV_API PKV_NODISCARD int pkv_seq_fork(pkv_cache *c, pkv_seq parent, pkv_seq *child);
+
+/* Keeps positions [0, n); releases the blocks past n. Never fails for n >= length (no-op).
+ * The committed count becomes min(committed, n). Shared blocks are only dereferenced. */
+PKV_API PKV_NODISCARD int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
+
+/* Drops the sequence: each block's refcount falls by one; a block reaching 0 becomes CACHED
+ * if indexed, else FREE. The id becomes stale. */
+PKV_API PKV_NODISCARD int pkv_seq_release(pkv_cache *c, pkv_seq s);
+
+typedef struct pkv_seq_info {
+    uint32_t n_tokens;     /* length in positions */
+    uint32_t n_committed;  /* positions [0, n_committed) committed */
+    uint32_t n_blocks;     /* block-table length */
+    uint32_t n_shared;     /* blocks of its table with refcount > 1 */
+    uint32_t n_reused;     /* tokens attached by pkv_seq_match_prefix */
+} pkv_seq_info;
+PKV_API PKV_NODISCARD int pkv_seq_get_info(pkv_cache *c, pkv_seq s, pkv_seq_info *out);
+
+/* Slots of positions [start, start + n) (start + n <= length): the vLLM slot_mapping. */
+PKV_API PKV_NODISCARD int pkv_seq_slots(pkv_cache *c, pkv_seq s, uint32_t start, uint32_t n, int32_t *slots);
+
+/* Copies the block table (block ids, int32) into out[0 .. cap); *n_out = its length.
+ * PKV_EINVAL if cap is smaller than the length (nothing written). */
+PKV_API PKV_NODISCARD int pkv_seq_block_table(pkv_cache *c, pkv_seq s, int32_t *out, uint32_t cap,
+                                              uint32_t *n_out);
+
+/* Gathers positions [start, start + n) of one layer into contiguous f32
+ * k_out, v_out: [n][n_kv_heads][head_dim] (either may be NULL). Dequantizes. */
+PKV_API PKV_NODISCARD int pkv_seq_gather(pkv_cache *c, pkv_seq s, uint32_t layer, uint32_t start, uint32_t n,
+                                         float *k_out, float *v_out);
+
+/* Block tables of n_seqs sequences, vLLM dense format: block_tables [n_seqs][max_blocks]
+ * int32 (unused entries -1) and seq_lens [n_seqs] int32. PKV_EINVAL if a table is longer
+ * than max_blocks. */
+PKV_API PKV_NODISCARD int pkv_export_dense(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, uint32_t max_blocks,
+                                           int32_t *block_tables, int32_t *seq_lens);
+
+/* FlashInfer CSR format: indptr [n_seqs + 1], indices [indptr[n_seqs]] (capacity
+ * indices_cap), last_page_len [n_seqs] (tokens in each last block, 0 for an empty sequence).
+ * PKV_EINVAL if indices_cap is too small (n_needed, if not NULL, says how many). */
+PKV_API PKV_NODISCARD int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, int32_t *indptr,
+                                         int32_t *indices, uint32_t indices_cap, int32_t *last_page_len,
+                                         uint32_t *n_needed);
+
+/* ---- prefix cache ---------------------------------------------------------------------------- */
+/* For an empty sequence s and its prompt tokens[0 .. n): attaches the longest run of indexed,
+ * committed blocks of s's namespace whose token ids match exactly, plus (token-granular) the
+ * matching leading tokens of the next indexed block, copied into a fresh block. Reuses at most
+ * n - 1 tokens (the last prompt token must be computed). On return s has length
+ * *n_reused, all committed; append the rest with pkv_seq_append. PKV_EINVAL if s is not empty.
+ * With the prefix cache disabled it attaches nothing (*n_reused = 0). */
+PKV_API PKV_NODISCARD int pkv_seq_match_prefix(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
+                                               uint32_t *n_reused);
+
+/* Pins the committed full blocks of positions [0, n_pos) of s: they stay in use (never
+ * evicted, counted ACTIVE) until pkv_pin_release, even after s is released. *pin is a handle
+ * of its own (it counts against max_seqs). */
+PKV_API PKV_NODISCARD int pkv_pin_create(pkv_cache *c, pkv_seq s, uint32_t n_pos, pkv_seq *pin);
+PKV_API PKV_NODISCARD int pkv_pin_release(pkv_cache *c, pkv_seq pin);
+
+/* ---- statistics and checker ------------------------------------------------------------------ */
+typedef struct pkv_stats {
+    uint32_t n_blocks, n_free, n_cached, n_active;
+    uint32_t n_seqs, n_pins;
+    uint64_t n_tokens;            /* positions over all live sequences (shared ones counted per sequence) */
+    uint64_t n_slots_used;        /* distinct slots holding a live token (shared blocks counted once) */
+    uint64_t kv_bytes;            /* pool bytes, all layers, K and V */
+    uint64_t kv_bytes_per_block;  /* all layers, K and V */
+    uint64_t meta_bytes;          /* metadata the cache allocated besides the pool */
+    uint64_t frag_slots;          /* unused slots in partly filled ACTIVE blocks */
+    uint64_t cow_copies;          /* blocks copied by copy-on-write */
+    uint32_t peak_active;         /* most ACTIVE blocks at once */
+    uint64_t prefix_lookups;      /* pkv_seq_match_prefix calls */
+    uint64_t prefix_tokens_queried;
+    uint64_t prefix_tokens_hit;
+    uint64_t prefix_miss_new;     /* lookups that stopped at a block never indexed */
+    uint64_t prefix_miss_evicted; /* ... at a block that was indexed but has been evicted */
+    uint64_t prefix_miss_namespace; /* ... at a block indexed only under another namespace */
+    uint64_t n_indexed;           /* blocks in the prefix index (ACTIVE or CACHED) */
+    uint64_t evictions;           /* CACHED blocks evicted to satisfy allocations */
+} pkv_stats;
+PKV_API PKV_NODISCARD int pkv_cache_get_stats(pkv_cache *c, pkv_stats *out);
+
+/* Verifies every invariant (block-state counts, refcounts against block tables and pins,
+ * free/LRU queues, index identities, sequence lengths) in O(n_blocks + table entries).
+ * 0 if all hold, else PKV_ECORRUPT with a description of the first broken one in msg. */
+PKV_API PKV_NODISCARD int pkv_cache_check(pkv_cache *c, char *msg, size_t msg_cap);
+
+/* ---- attention ------------------------------------------------------------------------------- */
+typedef struct pkv_attn_params {
+    uint32_t n_q_heads;  /* multiple of n_kv_heads (GQA/MQA); 0 = n_kv_heads */
+    float scale;         /* 0 = 1/sqrt(head_dim) */
+    float softcap;       /* logit soft-cap: s = softcap * tanh(s / softcap); 0 = off */
+    uint32_t window;     /* sliding window: query at p sees (p - window, p]; 0 = off */
+    float *lse;          /* optional out: natural-log sum-exp of the scaled (capped) logits,
+                            [n_queries][n_q_heads]; NULL = not wanted */
+} pkv_attn_params;
+PKV_API pkv_attn_params pkv_attn_params_default(void);
+
+/* Decode: one query per sequence, at its last position (length - 1), seeing [0, length).
+ * q, out: [n_seqs][n_q_heads][head_dim] f32. K/V of every visible position must have been
+ * written for this layer. */
+PKV_API PKV_NODISCARD int pkv_attn_decode(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, uint32_t n_seqs,
+                                          const float *q, float *out, const pkv_attn_params *p);
+
+/* One prefill/extend request: queries for positions [q_start, q_start + n_q) of seq, causal
+ * (a query at position p sees positions <= p, reused prefix blocks included);
+ * q_start + n_q <= length. */
+typedef struct pkv_attn_req {
+    pkv_seq seq;
+    uint32_t q_start;
+    uint32_t n_q;
+} pkv_attn_req;
+
+/* Ragged batch of prefill requests in one call. q, out: the requests' queries concatenated,
+ * [sum n_q][n_q_heads][head_dim] f32. */
+PKV_API PKV_NODISCARD int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs,
+                                           const float *q, float *out, const pkv_attn_params *p);
+
+/* Which kernel family attention uses: "ref", "avx2", "avx512", "neon" (chosen once at
+ * creation from CPU detection; PKV_FORCE_REF=1 in the environment forces "ref"). */
+PKV_API const char *pkv_attn_backend(const pkv_cache *c);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PKV_H */

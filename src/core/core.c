@@ -1,0 +1,156 @@
+/* core.c: status strings, version, the allocator and log hooks, asserts, CPU detection. */
+#include "core.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+PKV_API const char *pkv_strerror(int rc) {
+    switch (rc) {
+    case PKV_OK: return "success";
+    case PKV_EINVAL: return "invalid argument";
+    case PKV_ENOMEM: return "out of host memory";
+    case PKV_ENOSPC: return "no free KV block (even after eviction)";
+    case PKV_ENOENT: return "unknown or stale sequence";
+    case PKV_ELIMIT: return "limit reached (max_seqs or max_blocks_per_seq)";
+    case PKV_ECORRUPT: return "invariant violated or corrupt data";
+    case PKV_EIO: return "I/O error";
+    case PKV_ENOTSUP: return "not supported";
+    case PKV_EBUSY: return "resource busy";
+    default: return rc > 0 ? "unexpected positive status" : "unknown error";
+    }
+}
+
+PKV_API const char *pkv_version(void) { return PKV_VERSION_STRING; }
+
+void pkv__assert_fail(const char *expr, const char *file, int line) {
+    /* A library bug, never a user error: there is no safe way to continue. */
+    fprintf(stderr, "pagedkv: internal invariant failed: %s (%s:%d)\n", expr, file, line);
+    abort();
+}
+
+/* ---- allocation ---------------------------------------------------------------------------- */
+/* The default allocator maps big regions (the pool) with mmap: zeroed, committed lazily,
+ * aligned to 2 MiB so transparent huge pages can back them. Small ones use aligned_alloc. */
+static void *default_alloc(size_t size, size_t align) {
+    if (size >= PKV_HUGEPAGE) {
+        size_t len = size + PKV_HUGEPAGE;
+        if (len < size) return NULL;
+        uint8_t *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) return NULL;
+        uintptr_t a = ((uintptr_t)p + PKV_HUGEPAGE - 1) & ~(uintptr_t)(PKV_HUGEPAGE - 1);
+        size_t head = a - (uintptr_t)p, tail = len - head - size;
+        if (head) munmap(p, head);
+        size_t tail_page = tail & ~(size_t)(sysconf(_SC_PAGESIZE) - 1);
+        (void)tail_page; /* keep the tail: munmap in free rounds the length itself */
+        return (void *)a;
+    }
+    if (align < sizeof(void *)) align = sizeof(void *);
+    size_t rounded = (size + align - 1) & ~(align - 1);
+    if (rounded < size) return NULL;
+    return aligned_alloc(align, rounded ? rounded : align);
+}
+
+static void default_free(void *p, size_t size) {
+    if (!p) return;
+    if (size >= PKV_HUGEPAGE) {
+        /* the mapping starts at p (head trimmed) and runs at least size bytes; the tail slack
+           (< 2 MiB) is unmapped with it since munmap accepts any range inside mappings. */
+        munmap(p, size + PKV_HUGEPAGE - ((uintptr_t)p & (PKV_HUGEPAGE - 1)));
+        return;
+    }
+    free(p);
+}
+
+void *pkv__alloc(const pkv_allocator *a, size_t size, size_t align) {
+    if (size == 0) size = 1;
+    if (a && a->alloc) return a->alloc(a->ctx, size, align);
+    return default_alloc(size, align);
+}
+
+void *pkv__calloc(const pkv_allocator *a, size_t size, size_t align) {
+    if (size == 0) size = 1;
+    void *p = pkv__alloc(a, size, align);
+    /* mmap'ed regions from the default allocator are already zero: skip touching them. */
+    if (p && ((a && a->alloc) || size < PKV_HUGEPAGE)) memset(p, 0, size);
+    return p;
+}
+
+void pkv__free(const pkv_allocator *a, void *p, size_t size) {
+    if (!p) return;
+    if (size == 0) size = 1;
+    if (a && a->alloc) {
+        if (a->free) a->free(a->ctx, p, size);
+        return;
+    }
+    default_free(p, size);
+}
+
+void pkv__log(pkv_log_fn log, void *ctx, int level, const char *fmt, ...) {
+    if (!log) return;
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    log(ctx, level, buf);
+}
+
+/* ---- cpu ------------------------------------------------------------------------------------ */
+static uint32_t g_cpu;
+static pthread_once_t g_cpu_once = PTHREAD_ONCE_INIT;
+
+static void detect_cpu(void) {
+    uint32_t f = 0;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) f |= PKV_CPU_AVX2;
+    if (__builtin_cpu_supports("fma")) f |= PKV_CPU_FMA;
+    if (__builtin_cpu_supports("avx512f")) f |= PKV_CPU_AVX512F;
+    if (__builtin_cpu_supports("avx512bw")) f |= PKV_CPU_AVX512BW;
+    if (__builtin_cpu_supports("avx512vl")) f |= PKV_CPU_AVX512VL;
+    if (__builtin_cpu_supports("avx512dq")) f |= PKV_CPU_AVX512DQ;
+    if (__builtin_cpu_supports("avx512vnni")) f |= PKV_CPU_AVX512VNNI;
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+    if (__builtin_cpu_supports("avx512bf16")) f |= PKV_CPU_AVX512BF16;
+    if (__builtin_cpu_supports("avx512fp16")) f |= PKV_CPU_AVX512FP16;
+    if (__builtin_cpu_supports("avxvnni")) f |= PKV_CPU_AVXVNNI;
+#endif
+    /* F16C: CPUID.1:ECX bit 29 */
+    {
+        uint32_t a = 1, b, c, d;
+        __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(0));
+        if (c & (1u << 29)) f |= PKV_CPU_F16C;
+    }
+#elif defined(__aarch64__)
+    f |= PKV_CPU_NEON;
+#endif
+    g_cpu = f;
+}
+
+uint32_t pkv__cpu_features(void) {
+    pthread_once(&g_cpu_once, detect_cpu);
+    return g_cpu;
+}
+
+bool pkv__force_ref(void) {
+    const char *e = getenv("PKV_FORCE_REF");
+    return e && *e && strcmp(e, "0") != 0;
+}
+
+uint32_t pkv__n_cpus(void) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (uint32_t)n : 1u;
+}
+
+uint64_t pkv__now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}

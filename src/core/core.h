@@ -1,0 +1,61 @@
+/* core.h: internals shared by every layer: allocation through the hook, logging, asserts,
+ * CPU feature detection, small helpers. Depends on nothing but pkv.h and libc. */
+#ifndef PKV_CORE_H
+#define PKV_CORE_H
+
+#include "pkv.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define PKV_INTERNAL __attribute__((visibility("hidden")))
+
+#define PKV_LIKELY(x) __builtin_expect(!!(x), 1)
+#define PKV_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define PKV_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define PKV_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define PKV_CACHELINE 64
+#define PKV_HUGEPAGE (2u << 20)
+
+/* A broken internal invariant (never a user error): abort with the place. User errors are
+ * statuses; this fires only on library bugs. */
+void pkv__assert_fail(const char *expr, const char *file, int line) __attribute__((noreturn));
+#define pkv_assert(e) ((e) ? (void)0 : pkv__assert_fail(#e, __FILE__, __LINE__))
+
+/* Allocation through the user's hook (cfg.allocator; alloc == NULL means the default, which
+ * maps sizes >= 2 MiB with mmap: zeroed, lazily committed, huge-page friendly). */
+void *pkv__alloc(const pkv_allocator *a, size_t size, size_t align);
+void *pkv__calloc(const pkv_allocator *a, size_t size, size_t align); /* zeroed */
+void pkv__free(const pkv_allocator *a, void *p, size_t size);
+/* Checked size arithmetic: false on overflow. */
+static inline bool pkv__mul_ok(size_t a, size_t b, size_t *out) { return !__builtin_mul_overflow(a, b, out); }
+static inline bool pkv__add_ok(size_t a, size_t b, size_t *out) { return !__builtin_add_overflow(a, b, out); }
+
+/* Logging through the hook; a no-op when log == NULL. printf-style. */
+void pkv__log(pkv_log_fn log, void *ctx, int level, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+
+/* CPU features, detected once (thread-safe, cached). */
+enum {
+    PKV_CPU_AVX2 = 1u << 0,
+    PKV_CPU_FMA = 1u << 1,
+    PKV_CPU_F16C = 1u << 2,
+    PKV_CPU_AVX512F = 1u << 3,
+    PKV_CPU_AVX512BW = 1u << 4,
+    PKV_CPU_AVX512VL = 1u << 5,
+    PKV_CPU_AVX512DQ = 1u << 6,
+    PKV_CPU_AVX512BF16 = 1u << 7,
+    PKV_CPU_AVX512FP16 = 1u << 8,
+    PKV_CPU_AVX512VNNI = 1u << 9,
+    PKV_CPU_AVXVNNI = 1u << 10,
+    PKV_CPU_NEON = 1u << 11,
+};
+uint32_t pkv__cpu_features(void);
+/* True when PKV_FORCE_REF is set to a non-empty value other than "0". */
+bool pkv__force_ref(void);
+/* Online cpus (>= 1). */
+uint32_t pkv__n_cpus(void);
+/* Monotonic nanoseconds. */
+uint64_t pkv__now_ns(void);
+
+#endif

@@ -1,0 +1,84 @@
+/* quant.c: row encode/decode for every pool dtype (scalar reference) and input conversion. */
+#include "quant.h"
+
+#include <math.h>
+
+size_t pkv__row_bytes(pkv_dtype dt, uint32_t d) {
+    switch (dt) {
+    case PKV_DTYPE_F32: return (size_t)d * 4;
+    case PKV_DTYPE_F16:
+    case PKV_DTYPE_BF16: return (size_t)d * 2;
+    case PKV_DTYPE_Q8_0: return d % 32 ? 0 : (size_t)d / 32 * sizeof(pkv_block_q8_0);
+    case PKV_DTYPE_Q4_0: return d % 32 ? 0 : (size_t)d / 32 * sizeof(pkv_block_q4_0);
+    case PKV_DTYPE_FP8_E4M3: return PKV_FP8_ROW_HEADER + (size_t)d;
+    default: return 0;
+    }
+}
+
+PKV_API size_t pkv_dtype_row_bytes(pkv_dtype dtype, uint32_t head_dim) {
+    if (head_dim == 0) return 0;
+    return pkv__row_bytes(dtype, head_dim);
+}
+
+static const char *const k_names[PKV_DTYPE_COUNT] = {"f32", "f16", "bf16", "q8_0", "q4_0", "fp8_e4m3"};
+
+PKV_API const char *pkv_dtype_name(pkv_dtype dtype) {
+    return (unsigned)dtype < PKV_DTYPE_COUNT ? k_names[dtype] : NULL;
+}
+
+PKV_API int pkv_dtype_from_name(const char *name, pkv_dtype *out) {
+    if (!name || !out) return PKV_EINVAL;
+    for (int i = 0; i < PKV_DTYPE_COUNT; i++)
+        if (!strcmp(name, k_names[i])) {
+            *out = (pkv_dtype)i;
+            return PKV_OK;
+        }
+    if (!strcmp(name, "fp8")) {
+        *out = PKV_DTYPE_FP8_E4M3;
+        return PKV_OK;
+    }
+    return PKV_EINVAL;
+}
+
+void pkv__to_f32(pkv_dtype in, const void *src, size_t n, float *dst) {
+    switch (in) {
+    case PKV_DTYPE_F32: memcpy(dst, src, n * 4); break;
+    case PKV_DTYPE_F16: {
+        const uint16_t *s = src;
+        for (size_t i = 0; i < n; i++) dst[i] = pkv__f16_to_f32(s[i]);
+        break;
+    }
+    case PKV_DTYPE_BF16: {
+        const uint16_t *s = src;
+        for (size_t i = 0; i < n; i++) dst[i] = pkv__bf16_to_f32(s[i]);
+        break;
+    }
+    default: pkv_assert(!"input dtype must be f32, f16 or bf16");
+    }
+}
+
+void pkv__row_encode(pkv_dtype dt, const float *x, uint32_t d, void *dst) {
+    switch (dt) {
+    case PKV_DTYPE_F32: memcpy(dst, x, (size_t)d * 4); break;
+    case PKV_DTYPE_F16: {
+        uint16_t *o = dst;
+        for (uint32_t i = 0; i < d; i++) o[i] = pkv__f32_to_f16(x[i]);
+        break;
+    }
+    case PKV_DTYPE_BF16: {
+        uint16_t *o = dst;
+        for (uint32_t i = 0; i < d; i++) o[i] = pkv__f32_to_bf16(x[i]);
+        break;
+    }
+    default: pkv__qrow_encode(dt, x, d, dst); break;
+    }
+}
+
+void pkv__row_decode(pkv_dtype dt, const void *src, uint32_t d, float *y) {
+    switch (dt) {
+    case PKV_DTYPE_F32: memcpy(y, src, (size_t)d * 4); break;
+    case PKV_DTYPE_F16:
+    case PKV_DTYPE_BF16: pkv__to_f32(dt, src, d, y); break;
+    default: pkv__qrow_decode(dt, src, d, y); break;
+    }
+}

@@ -1,0 +1,57 @@
+/* pkv.c: the command-line tool's entry point: dispatches to bench, sim and run. */
+#include "tool.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "pkv %s - paged KV cache and paged attention for LLM inference\n"
+            "\n"
+            "usage: pkv <command> [options]\n"
+            "\n"
+            "commands:\n"
+            "  sim            serving replay: paged + prefix caching vs paged vs contiguous\n"
+            "                 (built-in seeded workload; `pkv sim --help`)\n"
+            "  run MODEL      generate with a llama2.c checkpoint over the paged cache\n"
+            "  bench ops      median ns of cache operations (append, fork, truncate, ...)\n"
+            "  bench attn     paged attention against contiguous and the memory bandwidth\n"
+            "  bench prefix   prefix-match cost per token, hit and miss\n"
+            "  version        print the library version\n"
+            "\n"
+            "Each command takes --help. Exit status: 0 ok, 1 usage error, 2 runtime error.\n",
+            pkv_version());
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stderr);
+        return TOOL_USAGE;
+    }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
+        usage(stdout);
+        return TOOL_OK;
+    }
+    if (!strcmp(cmd, "version") || !strcmp(cmd, "--version")) {
+        printf("pkv %s\n", pkv_version());
+        return TOOL_OK;
+    }
+    if (!strcmp(cmd, "sim")) return tool_sim(argc - 1, argv + 1);
+    if (!strcmp(cmd, "run")) return tool_run(argc - 1, argv + 1);
+    if (!strcmp(cmd, "bench")) {
+        if (argc < 3) {
+            fprintf(stderr, "pkv bench: which benchmark? ops, attn or prefix\n");
+            return TOOL_USAGE;
+        }
+        const char *what = argv[2];
+        if (!strcmp(what, "ops")) return tool_bench_ops(argc - 2, argv + 2);
+        if (!strcmp(what, "attn")) return tool_bench_attn(argc - 2, argv + 2);
+        if (!strcmp(what, "prefix")) return tool_bench_prefix(argc - 2, argv + 2);
+        fprintf(stderr, "pkv bench: unknown benchmark '%s' (ops, attn, prefix)\n", what);
+        return TOOL_USAGE;
+    }
+    fprintf(stderr, "pkv: unknown command '%s'\n\n", cmd);
+    usage(stderr);
+    return TOOL_USAGE;
+}

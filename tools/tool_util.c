@@ -1,0 +1,88 @@
+/* tool_util.c: small helpers the CLI's subcommands share: clocks, medians, an RNG, build info. */
+#include "tool.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+uint64_t tool_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+double tool_percentile(double *v, size_t n, double pct) {
+    if (n == 0) return 0.0;
+    qsort(v, n, sizeof *v, cmp_double);
+    double pos = pct / 100.0 * (double)(n - 1);
+    size_t lo = (size_t)pos;
+    if (lo + 1 >= n) return v[n - 1];
+    double frac = pos - (double)lo;
+    return v[lo] * (1.0 - frac) + v[lo + 1] * frac;
+}
+
+double tool_median(double *v, size_t n) { return tool_percentile(v, n, 50.0); }
+
+int tool_check(int rc, const char *what) {
+    if (rc < 0) fprintf(stderr, "pkv: %s failed: %s\n", what, pkv_strerror(rc));
+    return rc;
+}
+
+void tool_rng_seed(tool_rng *r, uint64_t seed) { r->s = seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull; }
+
+uint64_t tool_rng_u64(tool_rng *r) { /* splitmix64 */
+    uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+double tool_rng_unit(tool_rng *r) { return (double)(tool_rng_u64(r) >> 11) * (1.0 / 9007199254740992.0); }
+
+double tool_rng_normal(tool_rng *r) {
+    double u1 = tool_rng_unit(r), u2 = tool_rng_unit(r);
+    if (u1 < 1e-300) u1 = 1e-300;
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+const char *tool_build_info(void) {
+    static char buf[128];
+#ifdef __clang__
+    snprintf(buf, sizeof buf, "pkv %s clang %d.%d", pkv_version(), __clang_major__, __clang_minor__);
+#elif defined(__GNUC__)
+    snprintf(buf, sizeof buf, "pkv %s gcc %d.%d", pkv_version(), __GNUC__, __GNUC_MINOR__);
+#else
+    snprintf(buf, sizeof buf, "pkv %s", pkv_version());
+#endif
+    return buf;
+}
+
+const char *tool_cpu_name(void) {
+    static char name[128] = "unknown";
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (!f) return name;
+    char line[512];
+    while (fgets(line, sizeof line, f)) {
+        if (!strncmp(line, "model name", 10)) {
+            char *p = strchr(line, ':');
+            if (p) {
+                p++;
+                while (*p == ' ') p++;
+                size_t n = strcspn(p, "\n");
+                if (n >= sizeof name) n = sizeof name - 1;
+                memcpy(name, p, n);
+                name[n] = 0;
+            }
+            break;
+        }
+    }
+    fclose(f);
+    return name;
+}
