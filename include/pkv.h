@@ -165,8 +165,10 @@ PKV_API PKV_NODISCARD int pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t 
 /* Writes K and V of one layer for n tokens at the given slots (vLLM reshape_and_cache).
  * k, v: [n][n_kv_heads][head_dim] elements of in_dtype (f32, f16 or bf16), converted to the
  * pool dtype. slot -1 is skipped (padding). Every slot is checked first: it must lie in a
- * block that is ACTIVE with refcount 1 and not in the prefix index (else PKV_EINVAL; nothing
- * is written). k or v may be NULL to write only the other. */
+ * block that is ACTIVE with refcount 1 and not in the prefix index, at a position not yet
+ * committed (committed K/V is immutable), else PKV_EINVAL and nothing is written. k or v may
+ * be NULL to write only the other. So write a sequence's K/V before forking it: a block shared
+ * by a fork is read-only until copy-on-write gives the writer its own copy. */
 PKV_API PKV_NODISCARD int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n,
                                        const void *k, const void *v, pkv_dtype in_dtype);
 
@@ -234,7 +236,8 @@ PKV_API PKV_NODISCARD int pkv_seq_match_prefix(pkv_cache *c, pkv_seq s, const in
 
 /* Pins the committed full blocks of positions [0, n_pos) of s: they stay in use (never
  * evicted, counted ACTIVE) until pkv_pin_release, even after s is released. *pin is a handle
- * of its own (it counts against max_seqs). */
+ * of its own (it counts against max_seqs, and pkv_seq_* calls on it return PKV_EINVAL).
+ * Pinning 0 full blocks is valid (an empty pin). */
 PKV_API PKV_NODISCARD int pkv_pin_create(pkv_cache *c, pkv_seq s, uint32_t n_pos, pkv_seq *pin);
 PKV_API PKV_NODISCARD int pkv_pin_release(pkv_cache *c, pkv_seq pin);
 
