@@ -104,7 +104,7 @@ typedef struct pkv_config {
     pkv_dtype k_dtype;           /* pool element format of K (default f16) */
     pkv_dtype v_dtype;           /* pool element format of V (default f16) */
     uint32_t max_seqs;           /* live sequences (pins included) at once; default 256 */
-    uint32_t max_blocks_per_seq; /* block-table capacity; 0 = min(n_blocks, 65536) */
+    uint32_t max_blocks_per_seq; /* block-table capacity; 0 = min(n_blocks, 4096) */
     uint32_t n_threads;          /* attention worker threads incl. the caller; 0 = all online cpus */
     int enable_prefix_cache;     /* 1 (default): full committed blocks are indexed and reused */
     int huge_pages;              /* 1 (default): madvise(MADV_HUGEPAGE) the pool where possible */
