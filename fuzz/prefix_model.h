@@ -60,6 +60,7 @@ typedef struct pm_world {
     /* coverage, so a test can insist the workload did exercise reuse */
     uint64_t n_steps, n_matches, n_full_block_hits, n_partial_hits, n_enospc, n_forks, n_pins, n_truncs;
     char err[600];
+    int trace; /* print every call to stderr (PM_TRACE=1 in the tests, -trace in the fuzzer) */
     /* scratch */
     float kbuf[PM_MAX_TOK * PM_MAX_H * PM_MAX_D], vbuf[PM_MAX_TOK * PM_MAX_H * PM_MAX_D];
     float kexp[PM_MAX_TOK * PM_MAX_H * PM_MAX_D], vexp[PM_MAX_TOK * PM_MAX_H * PM_MAX_D];
@@ -108,6 +109,12 @@ static int pm_fail(pm_world *w, const char *fmt, ...) {
     va_end(ap);
     return -1;
 }
+
+#define PM_TR(w, ...)                                                                              \
+    do {                                                                                           \
+        if ((w)->trace) fprintf(stderr, __VA_ARGS__);                                              \
+    } while (0)
+#define PM_SI(w, q) ((int)((q) - (w)->s))
 
 #define PM_EXPECT(w, cond, ...)                                                                    \
     do {                                                                                           \
@@ -304,6 +311,7 @@ static inline int pm_append(pm_world *w, pm_seq *q, const int32_t *tok, uint32_t
     if (pkv_cache_get_stats(w->c, &before) < 0 || pkv_seq_get_info(w->c, q->id, &ib) < 0)
         return pm_fail(w, "stats/info before append");
     int rc = pkv_seq_append(w->c, q->id, tok, n, w->slots);
+    PM_TR(w, "   s%d append(%u) to %u -> %s\n", PM_SI(w, q), n, q->len, pkv_strerror(rc));
     uint32_t new_len = q->len + n;
     uint32_t need = (new_len + w->B - 1) / w->B - (q->len + w->B - 1) / w->B; /* without CoW */
     uint32_t avail = before.n_free + before.n_cached;
@@ -387,13 +395,15 @@ static inline int pm_op_match(pm_world *w, pm_src *src) {
     int32_t prompt[PM_PROMPT_MAX];
     int salt = (int)(pm_byte(src) % PM_N_SALTS);
     uint32_t n = pm_prompt(w, src, prompt);
-    pm_seq *q;
+    pm_seq *q = NULL;
     int r = pm_create(w, salt, &q);
     if (r) return r < 0 ? -1 : 0;
     pkv_stats before;
     if (pkv_cache_get_stats(w->c, &before) < 0) return pm_fail(w, "stats");
     uint32_t reused = 0xdeadbeef;
     int rc = pkv_seq_match_prefix(w->c, q->id, prompt, n, &reused);
+    PM_TR(w, "%llu: s%d = create(salt %d) + match(%u tokens) -> %s, reused %u\n", (unsigned long long)w->n_steps,
+          PM_SI(w, q), salt, n, pkv_strerror(rc), reused);
     if (rc == PKV_ENOSPC) {
         /* only a token-granular copy needs a block; allowed only when none can be had */
         PM_EXPECT(w, before.n_free + before.n_cached == 0, "match: ENOSPC with %u free %u cached", before.n_free,
@@ -419,8 +429,9 @@ static inline int pm_op_match(pm_world *w, pm_src *src) {
         w->n_matches++;
         if (reused >= w->B) w->n_full_block_hits++;
         if (reused % w->B) w->n_partial_hits++;
-        if (reused > 0 && reused % w->B) {
-            /* the token-granular copy lives in a fresh, unshared block */
+        if (reused % w->B && !(reused == n - 1 && n % w->B == 0)) {
+            /* the token-granular copy lives in a fresh, unshared block (unless the whole prompt
+               matched: then the tail is the attached indexed block, length n - 1) */
             PM_EXPECT(w, info.n_shared <= info.n_blocks - 1, "partial tail block shared");
         }
     }
@@ -432,6 +443,7 @@ static inline int pm_op_match(pm_world *w, pm_src *src) {
     }
     uint32_t c = pm_byte(src) < 200 ? q->len : pm_below(src, q->len + 1);
     rc = pkv_seq_commit(w->c, q->id, c);
+    PM_TR(w, "   s%d commit(%u) of %u -> %s\n", PM_SI(w, q), c, q->len, pkv_strerror(rc));
     PM_EXPECT(w, rc == 0, "commit %u of %u: %s", c, q->len, pkv_strerror(rc));
     if (c > q->committed) q->committed = c;
     return 0;
@@ -453,10 +465,12 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         pm_seq *q;
         r = pm_create(w, salt, &q);
         if (r) return r < 0 ? -1 : 0;
+        PM_TR(w, "%llu: s%d = create(salt %d)\n", (unsigned long long)w->n_steps, PM_SI(w, q), salt);
         if (pm_append(w, q, prompt, n) < 0) return -1;
         uint32_t c = pm_below(src, q->len + 1);
         if (pm_byte(src) & 1) c = q->len;
         rc = pkv_seq_commit(w->c, q->id, c);
+        PM_TR(w, "   s%d commit(%u) -> %s\n", PM_SI(w, q), c, pkv_strerror(rc));
         PM_EXPECT(w, rc == 0, "commit: %s", pkv_strerror(rc));
         if (c > q->committed) q->committed = c;
         break;
@@ -475,8 +489,10 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         if (q->len + n > w->max_tok) {
             if (q->len + n > PM_MAX_TOK) break;
         }
+        PM_TR(w, "%llu: append\n", (unsigned long long)w->n_steps);
         if (pm_append(w, q, tok, n) < 0) return -1;
         if (pm_byte(src) < 128) {
+            PM_TR(w, "   s%d commit(%u)\n", PM_SI(w, q), q->len);
             rc = pkv_seq_commit(w->c, q->id, q->len);
             PM_EXPECT(w, rc == 0, "commit: %s", pkv_strerror(rc));
             q->committed = q->len;
@@ -488,6 +504,8 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         if (!q) break;
         uint32_t c = pm_below(src, q->len + 2);
         rc = pkv_seq_commit(w->c, q->id, c);
+        PM_TR(w, "%llu: s%d commit(%u) of %u -> %s\n", (unsigned long long)w->n_steps, PM_SI(w, q), c, q->len,
+              pkv_strerror(rc));
         if (c > q->len) {
             PM_EXPECT(w, rc == PKV_EINVAL, "commit %u past length %u: %s", c, q->len, pkv_strerror(rc));
         } else {
@@ -502,6 +520,8 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         pm_seq *q = pm_free_slot(w);
         pkv_seq id = 0;
         rc = pkv_seq_fork(w->c, p->id, &id);
+        PM_TR(w, "%llu: s%d = fork(s%d) -> %s\n", (unsigned long long)w->n_steps, q ? PM_SI(w, q) : -1, PM_SI(w, p),
+              pkv_strerror(rc));
         if (!q) {
             PM_EXPECT(w, rc == PKV_ELIMIT, "fork when full: %s", pkv_strerror(rc));
             break;
@@ -517,6 +537,8 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         if (!q) break;
         uint32_t n = pm_below(src, q->len + 3);
         rc = pkv_seq_truncate(w->c, q->id, n);
+        PM_TR(w, "%llu: s%d truncate(%u) of %u -> %s\n", (unsigned long long)w->n_steps, PM_SI(w, q), n, q->len,
+              pkv_strerror(rc));
         PM_EXPECT(w, rc == 0, "truncate %u of %u: %s", n, q->len, pkv_strerror(rc));
         if (n < q->len) q->len = n;
         if (q->committed > q->len) q->committed = q->len;
@@ -527,6 +549,7 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         pm_seq *q = pm_pick(w, src, 0);
         if (!q) break;
         rc = pkv_seq_release(w->c, q->id);
+        PM_TR(w, "%llu: s%d release -> %s\n", (unsigned long long)w->n_steps, PM_SI(w, q), pkv_strerror(rc));
         PM_EXPECT(w, rc == 0, "release: %s", pkv_strerror(rc));
         q->live = 0;
         pm_add_stale(w, q->id);
@@ -541,6 +564,8 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         pkv_stats before, after;
         if (pkv_cache_get_stats(w->c, &before) < 0) return pm_fail(w, "stats");
         rc = pkv_pin_create(w->c, p->id, n_pos, &id);
+        PM_TR(w, "%llu: s%d = pin(s%d, %u) of %u -> %s\n", (unsigned long long)w->n_steps, q ? PM_SI(w, q) : -1,
+              PM_SI(w, p), n_pos, p->len, pkv_strerror(rc));
         if (!q) {
             PM_EXPECT(w, rc == PKV_ELIMIT, "pin when full: %s", pkv_strerror(rc));
             break;
@@ -566,6 +591,7 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         pm_seq *q = pm_pick(w, src, 1);
         if (!q) break;
         rc = pkv_pin_release(w->c, q->id);
+        PM_TR(w, "%llu: s%d unpin -> %s\n", (unsigned long long)w->n_steps, PM_SI(w, q), pkv_strerror(rc));
         PM_EXPECT(w, rc == 0, "pin_release: %s", pkv_strerror(rc));
         q->live = 0;
         pm_add_stale(w, q->id);

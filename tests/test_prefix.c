@@ -175,6 +175,32 @@ static void test_prefix_full_match_then_cow(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* B = 1: a full match of the whole prompt reuses n - 1 tokens in n - 1 blocks; the block of the
+ * last prompt token holds no kept position and is not attached. */
+static void test_prefix_b1_full_match(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(1, 32, 2, PKV_DTYPE_F16, 1);
+    int32_t p[10];
+    tp_tokens(p, 10, 17);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 10);
+    tp_commit(c, a, 10);
+    pkv_seq b = tp_seq(c, 0);
+    uint32_t reused = 0;
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 10, &reused), 0);
+    assert_int_equal(reused, 9);
+    pkv_seq_info info;
+    assert_int_equal(pkv_seq_get_info(c, b, &info), 0);
+    assert_int_equal(info.n_tokens, 9);
+    assert_int_equal(info.n_blocks, 9);
+    tp_check(c);
+    tp_expect_same(c, a, b, 0, 9);
+    tp_compute(c, b, 0, p, 9, 1);
+    tp_expect_kv(c, b, 0, p, 0, 10);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
 /* ---- namespaces --------------------------------------------------------------------------- */
 
 static void test_prefix_salt_isolation(void **state) {
@@ -583,6 +609,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_same_prompt_token_granular),
         cmocka_unit_test(test_prefix_diverge_inside_block),
         cmocka_unit_test(test_prefix_full_match_then_cow),
+        cmocka_unit_test(test_prefix_b1_full_match),
         cmocka_unit_test(test_prefix_salt_isolation),
         cmocka_unit_test(test_prefix_forced_hash_collision),
         cmocka_unit_test(test_prefix_uncommitted_not_matched),

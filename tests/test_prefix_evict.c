@@ -202,8 +202,9 @@ static void test_prefix_evict_leaves_before_parents(void **state) {
         assert_int_equal(stats(c).evictions, (uint64_t)i + 1);
         tp_check(c);
     }
-    /* nothing left to evict, nothing FREE */
-    assert_int_equal(pkv_seq_append(c, w, fill, 1, NULL), PKV_ENOSPC);
+    /* nothing left to evict, nothing FREE (w is at max_blocks_per_seq: ask with another) */
+    pkv_seq e = tp_seq(c, 0);
+    assert_int_equal(pkv_seq_append(c, e, fill, 1, NULL), PKV_ENOSPC);
     tp_check(c);
     pkv_cache_destroy(c);
 }

@@ -20,6 +20,7 @@ static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, i
     assert_non_null(w);
     pkv_config cfg = pm_config(b0, b1, prefix_off);
     if (pm_init(w, &cfg, seed) < 0) fail_msg("%s", w->err);
+    w->trace = getenv("PM_TRACE") && atoi(getenv("PM_TRACE"));
     pm_src src = {.use_rng = 1, .rng = seed * 0x9E3779B97F4A7C15ull + b0 * 131 + b1};
     for (int i = 0; i < steps; i++)
         if (pm_step(w, &src) < 0)
