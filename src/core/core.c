@@ -47,8 +47,10 @@ static void *default_alloc(size_t size, size_t align) {
         uintptr_t a = ((uintptr_t)p + PKV_HUGEPAGE - 1) & ~(uintptr_t)(PKV_HUGEPAGE - 1);
         size_t head = a - (uintptr_t)p, tail = len - head - size;
         if (head) munmap(p, head);
-        size_t tail_page = tail & ~(size_t)(sysconf(_SC_PAGESIZE) - 1);
-        (void)tail_page; /* keep the tail: munmap in free rounds the length itself */
+        /* trim the tail too, so the mapping is exactly [a, a + page-rounded size): free then
+           unmaps exactly that and never a neighbouring mapping */
+        size_t pg = (size_t)sysconf(_SC_PAGESIZE), used = (size + pg - 1) & ~(pg - 1);
+        if (tail + size > used) munmap((uint8_t *)a + used, tail + size - used);
         return (void *)a;
     }
     if (align < sizeof(void *)) align = sizeof(void *);
@@ -60,9 +62,9 @@ static void *default_alloc(size_t size, size_t align) {
 static void default_free(void *p, size_t size) {
     if (!p) return;
     if (size >= PKV_HUGEPAGE) {
-        /* the mapping starts at p (head trimmed) and runs at least size bytes; the tail slack
-           (< 2 MiB) is unmapped with it since munmap accepts any range inside mappings. */
-        munmap(p, size + PKV_HUGEPAGE - ((uintptr_t)p & (PKV_HUGEPAGE - 1)));
+        /* the mapping is exactly [p, p + page-rounded size) (default_alloc trimmed both ends) */
+        size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+        munmap(p, (size + pg - 1) & ~(pg - 1));
         return;
     }
     free(p);
