@@ -330,6 +330,20 @@ PKV_API int pkv_seq_create(pkv_cache *c, const void *salt, size_t salt_len, pkv_
     return PKV_OK;
 }
 
+/* When s is the sole owner of an unindexed, partly used tail block, positions past its length
+ * belong to nobody (a co-holder that appended or committed them has left): trim the block's
+ * fill and commit counts to s's length so those positions can be written again. */
+static void claim_tail(pkv_cache *c, pkv__seq *s) {
+    uint32_t off = s->n_tokens % c->B;
+    if (off == 0) return;
+    uint32_t b = (uint32_t)s->table[s->n_blocks - 1];
+    pkv__blk *k = &c->blk[b];
+    if (k->ref != 1 || (k->flags & PKV_BLKF_INDEXED)) return;
+    if (k->n_fill > off) pkv__pool_set_fill(&c->pool, b, off);
+    if (k->n_commit > off) k->n_commit = (uint16_t)off;
+    if ((k->flags & PKV_BLKF_PARTIAL) && k->n_commit == 0) pkv__partial_unlink(c, b);
+}
+
 /* Would the tail block need a copy before positions are appended after length len? */
 static bool tail_needs_cow(const pkv_cache *c, const pkv__seq *s) {
     if (s->n_tokens % c->B == 0) return false;
@@ -376,6 +390,7 @@ PKV_API int pkv_seq_append(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint
         goto out;
     }
     if (cow) cow_tail(c, s);
+    else claim_tail(c, s);
     const uint32_t B = c->B;
     uint32_t pos = s->n_tokens;
     for (uint32_t j = 0; j < n;) {
@@ -519,16 +534,7 @@ PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq id, uint32_t n) {
     s->n_tokens = n;
     if (s->n_committed > n) s->n_committed = n;
     if (s->idx_len > n / B) s->idx_len = n / B;
-    if (n % B) {
-        uint32_t b = (uint32_t)s->table[s->n_blocks - 1];
-        pkv__blk *k = &c->blk[b];
-        if (k->ref == 1 && !(k->flags & PKV_BLKF_INDEXED)) {
-            /* sole owner of an unindexed tail: the positions past n are gone */
-            pkv__pool_set_fill(&c->pool, b, n % B);
-            if (k->n_commit > n % B) k->n_commit = (uint16_t)(n % B);
-            if ((k->flags & PKV_BLKF_PARTIAL) && k->n_commit == 0) pkv__partial_unlink(c, b);
-        }
-    }
+    claim_tail(c, s);
 out:
     UNLOCK(c);
     return rc;
