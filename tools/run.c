@@ -1,10 +1,400 @@
-/* run.c: placeholder until the subcommand lands; reports that it is not built yet. */
+/* run.c: `pkv run`: generates text with a llama2.c checkpoint, many sequences decoded together
+ * in one batch per step, their K/V in the paged cache (prefix reuse, forks, paged attention). */
+#include "model.h"
 #include "tool.h"
 
+#include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: pkv run MODEL [options]\n"
+            "\n"
+            "Generates with a llama2.c (v0 format) checkpoint; attention and K/V go through the paged\n"
+            "cache. Without -z, prints each sequence's generated token ids on one line (space separated)\n"
+            "and nothing else on stdout; statistics go to stderr.\n"
+            "\n"
+            "options (defaults in brackets):\n"
+            "  -t TEMP            temperature; 0 = greedy [1.0]\n"
+            "  -p TOPP            nucleus sampling mass in (0,1); 0 or 1 = off [0.9]\n"
+            "  -s SEED            random seed; sequence i samples with SEED + i [time]\n"
+            "  -n STEPS           positions per sequence, prompt included, as llama2.c; 0 = model\n"
+            "                     seq_len [256]\n"
+            "  -z TOKENIZER       llama2.c tokenizer.bin: print text instead of token ids\n"
+            "  --prompt-ids IDS   a prompt as comma-separated token ids, e.g. 1,403,407; several\n"
+            "                     prompts separated by ';' (quote it) or given by repeating the flag.\n"
+            "                     Ids are used as given (put BOS=1 first yourself). [one prompt: 1]\n"
+            "  --batch N          sequences decoded together [number of prompts]; with N > prompts,\n"
+            "                     sequence i >= prompts is forked from prompt i %% prompts after its\n"
+            "                     prefill and samples with its own seed\n"
+            "  --block-tokens B   cache block size in tokens [16]\n"
+            "  --blocks N         pool size in blocks [enough for every sequence at full length]\n"
+            "  --threads N        attention threads; 0 = all cpus [0]\n"
+            "  --no-prefix-cache  disable prefix caching (prompts sharing a prefix recompute it)\n"
+            "  -h, --help         this help\n"
+            "\n"
+            "Prompts are prefilled one after the other, each first matching the prefix cache, so\n"
+            "prompts sharing a prefix reuse its blocks. A sequence stops at BOS (1) or at STEPS.\n"
+            "Exit status: 0 ok, 1 usage error, 2 runtime error (bad model file, cache error).\n");
+}
+
+typedef struct prompt_list {
+    int32_t **ids;
+    uint32_t *len;
+    uint32_t n;
+} prompt_list;
+
+static int parse_prompts(prompt_list *pl, const char *arg) {
+    const char *p = arg;
+    for (;;) {
+        size_t seg = strcspn(p, ";");
+        int32_t *ids = malloc((seg / 2 + 2) * sizeof *ids);
+        uint32_t n = 0;
+        if (!ids) return -1;
+        const char *q = p, *end = p + seg;
+        while (q < end) {
+            while (q < end && (*q == ' ' || *q == ',')) q++;
+            if (q >= end) break;
+            char *e;
+            errno = 0;
+            long v = strtol(q, &e, 10);
+            if (e == q || errno || v < 0 || v > INT32_MAX || (e < end && *e != ',' && *e != ' ')) {
+                fprintf(stderr, "pkv run: --prompt-ids: bad token id near '%.*s'\n", (int)(end - q), q);
+                free(ids);
+                return -1;
+            }
+            ids[n++] = (int32_t)v;
+            q = e;
+        }
+        if (n == 0) {
+            fprintf(stderr, "pkv run: --prompt-ids: empty prompt in '%s'\n", arg);
+            free(ids);
+            return -1;
+        }
+        pl->ids = realloc(pl->ids, (pl->n + 1) * sizeof *pl->ids);
+        pl->len = realloc(pl->len, (pl->n + 1) * sizeof *pl->len);
+        if (!pl->ids || !pl->len) return -1;
+        pl->ids[pl->n] = ids;
+        pl->len[pl->n++] = n;
+        if (!p[seg]) break;
+        p += seg + 1;
+        if (!*p) break; /* trailing ';' */
+    }
+    return 0;
+}
+
+static int parse_u32(const char *s, uint32_t *out) {
+    char *e;
+    errno = 0;
+    unsigned long v = strtoul(s, &e, 10);
+    if (!*s || *e || errno || v > UINT32_MAX || s[0] == '-') return -1;
+    *out = (uint32_t)v;
+    return 0;
+}
+
+static int parse_f32(const char *s, float *out) {
+    char *e;
+    errno = 0;
+    double v = strtod(s, &e);
+    if (!*s || *e || errno) return -1;
+    *out = (float)v;
+    return 0;
+}
 
 int tool_run(int argc, char **argv) {
-    (void)argc;
-    fprintf(stderr, "pkv: '%s' is not implemented yet\n", argv[0]);
-    return TOOL_FAIL;
+    const char *model_path = NULL, *tok_path = NULL;
+    float temp = 1.0f, topp = 0.9f;
+    uint64_t seed = 0;
+    int have_seed = 0, prefix_cache = 1;
+    uint32_t steps = 256, batch = 0, block_tokens = 16, n_blocks = 0, n_threads = 0;
+    prompt_list pl = {0};
+    int status = TOOL_FAIL;
+
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *val = i + 1 < argc ? argv[i + 1] : NULL;
+        int bad = 0;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage(stdout);
+            status = TOOL_OK;
+            goto out;
+        } else if (!strcmp(a, "--no-prefix-cache")) {
+            prefix_cache = 0;
+            continue;
+        } else if (a[0] != '-') {
+            if (model_path) {
+                fprintf(stderr, "pkv run: unexpected argument '%s'\n", a);
+                status = TOOL_USAGE;
+                goto out;
+            }
+            model_path = a;
+            continue;
+        }
+        if (!val) {
+            fprintf(stderr, "pkv run: option %s needs a value (see pkv run --help)\n", a);
+            status = TOOL_USAGE;
+            goto out;
+        }
+        i++;
+        if (!strcmp(a, "-t")) bad = parse_f32(val, &temp) || temp < 0;
+        else if (!strcmp(a, "-p")) bad = parse_f32(val, &topp) || topp < 0 || topp > 1;
+        else if (!strcmp(a, "-s")) {
+            char *e;
+            errno = 0;
+            seed = strtoull(val, &e, 10);
+            bad = !*val || *e || errno;
+            have_seed = 1;
+        } else if (!strcmp(a, "-n")) bad = parse_u32(val, &steps);
+        else if (!strcmp(a, "-z")) tok_path = val;
+        else if (!strcmp(a, "--prompt-ids")) {
+            if (parse_prompts(&pl, val)) {
+                status = TOOL_USAGE;
+                goto out;
+            }
+        } else if (!strcmp(a, "--batch")) bad = parse_u32(val, &batch) || batch == 0;
+        else if (!strcmp(a, "--block-tokens")) bad = parse_u32(val, &block_tokens) || block_tokens == 0;
+        else if (!strcmp(a, "--blocks")) bad = parse_u32(val, &n_blocks);
+        else if (!strcmp(a, "--threads")) bad = parse_u32(val, &n_threads);
+        else {
+            fprintf(stderr, "pkv run: unknown option '%s' (see pkv run --help)\n", a);
+            status = TOOL_USAGE;
+            goto out;
+        }
+        if (bad) {
+            fprintf(stderr, "pkv run: bad value '%s' for %s\n", val, a);
+            status = TOOL_USAGE;
+            goto out;
+        }
+    }
+    if (!model_path) {
+        fprintf(stderr, "pkv run: no MODEL given\n\n");
+        usage(stderr);
+        status = TOOL_USAGE;
+        goto out;
+    }
+    if (!have_seed) seed = (uint64_t)time(NULL);
+    if (pl.n == 0) {
+        static const char *bos = "1";
+        if (parse_prompts(&pl, bos)) goto out;
+    }
+    if (batch == 0) batch = pl.n;
+    if (batch < pl.n) {
+        fprintf(stderr, "pkv run: --batch %u is smaller than the %u prompts given\n", batch, pl.n);
+        status = TOOL_USAGE;
+        goto out;
+    }
+
+    char err[512];
+    model m;
+    if (model_load(model_path, &m, err, sizeof err)) {
+        fprintf(stderr, "pkv run: %s\n", err);
+        goto out;
+    }
+    const model_config *p = &m.cfg;
+    if (steps == 0 || steps > (uint32_t)p->seq_len) steps = (uint32_t)p->seq_len;
+    uint32_t max_prompt = 0;
+    for (uint32_t i = 0; i < pl.n; i++) {
+        for (uint32_t j = 0; j < pl.len[i]; j++)
+            if (pl.ids[i][j] >= p->vocab_size) {
+                fprintf(stderr, "pkv run: prompt %u: token id %d is outside the vocabulary (%d tokens)\n", i,
+                        pl.ids[i][j], p->vocab_size);
+                status = TOOL_USAGE;
+                model_free(&m);
+                goto out;
+            }
+        if (pl.len[i] > max_prompt) max_prompt = pl.len[i];
+    }
+    if (max_prompt > steps) {
+        fprintf(stderr, "pkv run: a prompt has %u tokens, more than the %u steps (-n)\n", max_prompt, steps);
+        status = TOOL_USAGE;
+        model_free(&m);
+        goto out;
+    }
+    model_tokenizer tok = {0};
+    if (tok_path && model_tokenizer_load(tok_path, p->vocab_size, &tok, err, sizeof err)) {
+        fprintf(stderr, "pkv run: %s\n", err);
+        model_free(&m);
+        goto out;
+    }
+
+    /* The pool: every sequence at full length, plus one block each for copy-on-write. */
+    uint64_t per_seq = (steps + block_tokens - 1) / block_tokens + 1;
+    if (n_blocks == 0) n_blocks = (uint32_t)(per_seq * batch + 1);
+    pkv_config cfg = model_pkv_config(&m, block_tokens, n_blocks);
+    cfg.max_seqs = batch + 1;
+    cfg.n_threads = n_threads;
+    cfg.enable_prefix_cache = prefix_cache;
+    pkv_cache *c = NULL;
+    model_scratch s = {0};
+    pkv_seq *seqs = calloc(batch, sizeof *seqs);
+    int32_t **gen = calloc(batch, sizeof *gen);
+    uint32_t *n_gen = calloc(batch, sizeof *n_gen), *len = calloc(batch, sizeof *len), *n_new = calloc(batch, 4);
+    int32_t *next = calloc(batch, sizeof *next), *feed = calloc(batch, sizeof *feed);
+    uint32_t *live = calloc(batch, sizeof *live);
+    model_sampler *smp = calloc(batch, sizeof *smp);
+    float *logits = malloc((size_t)batch * (size_t)p->vocab_size * sizeof(float));
+    void *work = malloc(model_sample_work_bytes(p->vocab_size));
+    pkv_seq *bseqs = calloc(batch, sizeof *bseqs);
+    int rc = 0;
+    if (!seqs || !gen || !n_gen || !len || !n_new || !next || !feed || !live || !smp || !logits || !work || !bseqs ||
+        model_scratch_init(&s, &m, max_prompt > batch ? max_prompt : batch)) {
+        fprintf(stderr, "pkv run: out of memory\n");
+        goto cleanup;
+    }
+    for (uint32_t i = 0; i < batch; i++) {
+        gen[i] = malloc(steps * sizeof **gen);
+        if (!gen[i]) {
+            fprintf(stderr, "pkv run: out of memory\n");
+            goto cleanup;
+        }
+        model_sampler_init(&smp[i], temp, topp, seed + i);
+    }
+    rc = pkv_cache_create(&cfg, &c);
+    if (rc < 0) {
+        fprintf(stderr, "pkv run: pkv_cache_create (%u blocks of %u tokens, %d layers, %d kv heads, head_dim %d): %s\n",
+                n_blocks, block_tokens, p->n_layers, p->n_kv_heads, p->head_size, pkv_strerror(rc));
+        goto cleanup;
+    }
+
+    model_pkv_step tm = {0};
+    uint64_t t_start = tool_now_ns();
+    uint64_t reused_total = 0, prompt_total = 0;
+    /* Prefill: prompt by prompt, reusing what earlier prompts committed. */
+    for (uint32_t i = 0; i < pl.n; i++) {
+        uint32_t reused = 0;
+        const char *what = "pkv_seq_create";
+        uint64_t t0 = tool_now_ns();
+        rc = pkv_seq_create(c, NULL, 0, &seqs[i]);
+        if (rc >= 0) {
+            what = "pkv_seq_match_prefix";
+            rc = pkv_seq_match_prefix(c, seqs[i], pl.ids[i], pl.len[i], &reused);
+        }
+        tm.ns_pkv += tool_now_ns() - t0;
+        if (rc >= 0) {
+            what = "prefill";
+            uint32_t n = pl.len[i] - reused;
+            rc = model_pkv_forward(&m, &s, c, &seqs[i], 1, &n, pl.ids[i] + reused, logits + (size_t)i * p->vocab_size, &tm);
+        }
+        if (rc < 0) {
+            fprintf(stderr, "pkv run: %s of prompt %u failed: %s%s\n", what, i, pkv_strerror(rc),
+                    rc == PKV_ENOTSUP ? " (this build has no attention kernels for this configuration)" : "");
+            goto cleanup;
+        }
+        len[i] = pl.len[i];
+        reused_total += reused;
+        prompt_total += pl.len[i];
+    }
+    for (uint32_t i = pl.n; i < batch; i++) {
+        uint32_t src = i % pl.n;
+        rc = pkv_seq_fork(c, seqs[src], &seqs[i]);
+        if (rc < 0) {
+            fprintf(stderr, "pkv run: pkv_seq_fork: %s\n", pkv_strerror(rc));
+            goto cleanup;
+        }
+        len[i] = len[src];
+        memcpy(logits + (size_t)i * p->vocab_size, logits + (size_t)src * p->vocab_size, (size_t)p->vocab_size * sizeof(float));
+    }
+    uint64_t t_decode = tool_now_ns();
+    uint64_t n_decoded = 0, n_steps = 0;
+    uint32_t n_live = batch;
+    for (uint32_t i = 0; i < batch; i++) live[i] = 1;
+    while (n_live) {
+        uint32_t nb = 0;
+        for (uint32_t i = 0; i < batch; i++) {
+            if (!live[i]) continue;
+            int32_t t = model_sample(&smp[i], logits + (size_t)i * p->vocab_size, p->vocab_size, work);
+            gen[i][n_gen[i]++] = t;
+            /* llama2.c: BOS ends a sequence; the token that fills position `steps` is not fed */
+            if (t == 1 || len[i] + 1 > steps) {
+                live[i] = 0;
+                n_live--;
+                continue;
+            }
+            bseqs[nb] = seqs[i];
+            feed[nb] = t;
+            next[nb] = (int32_t)i;
+            n_new[nb] = 1;
+            nb++;
+        }
+        if (!nb) break;
+        rc = model_pkv_forward(&m, &s, c, bseqs, nb, n_new, feed, logits + 0, &tm);
+        if (rc < 0) {
+            fprintf(stderr, "pkv run: decode step %llu (%u sequences) failed: %s%s\n", (unsigned long long)n_steps, nb,
+                    pkv_strerror(rc),
+                    rc == PKV_ENOSPC ? " (pool too small: raise --blocks)"
+                    : rc == PKV_ENOTSUP ? " (this build has no attention kernels for this configuration)" : "");
+            goto cleanup;
+        }
+        /* logits come back in batch order: move them to their sequences' rows (descending
+         * batch index is always >= its row, so a backwards pass never overwrites unread rows) */
+        for (uint32_t j = nb; j-- > 0;) {
+            uint32_t i = (uint32_t)next[j];
+            if (i != j) memcpy(logits + (size_t)i * p->vocab_size, logits + (size_t)j * p->vocab_size, (size_t)p->vocab_size * sizeof(float));
+            len[i]++;
+        }
+        n_decoded += nb;
+        n_steps++;
+    }
+    uint64_t t_end = tool_now_ns();
+
+    pkv_stats st;
+    char msg[256];
+    if (pkv_cache_get_stats(c, &st) < 0 || pkv_cache_check(c, msg, sizeof msg) < 0) {
+        fprintf(stderr, "pkv run: cache check failed: %s\n", msg);
+        goto cleanup;
+    }
+    /* output */
+    for (uint32_t i = 0; i < batch; i++) {
+        if (!tok_path) {
+            for (uint32_t j = 0; j < n_gen[i]; j++) printf(j ? " %d" : "%d", gen[i][j]);
+            printf("\n");
+        } else {
+            char buf[512];
+            if (batch > 1) printf("--- sequence %u ---\n", i);
+            const int32_t *pr = pl.ids[i % pl.n];
+            uint32_t plen = pl.len[i % pl.n];
+            int32_t prev = -1;
+            for (uint32_t j = 0; j < plen; j++) {
+                if (pr[j] != 1) fputs(model_tokenizer_decode(&tok, prev, pr[j], buf, sizeof buf), stdout);
+                prev = pr[j];
+            }
+            for (uint32_t j = 0; j < n_gen[i]; j++) {
+                if (gen[i][j] != 1) fputs(model_tokenizer_decode(&tok, prev, gen[i][j], buf, sizeof buf), stdout);
+                prev = gen[i][j];
+            }
+            printf("\n");
+        }
+    }
+    fflush(stdout);
+    double s_total = (double)(t_end - t_start) * 1e-9, s_dec = (double)(t_end - t_decode) * 1e-9;
+    uint64_t n_out = 0;
+    for (uint32_t i = 0; i < batch; i++) n_out += n_gen[i];
+    fprintf(stderr,
+            "pkv run: %u sequences, %llu tokens generated in %.3f s (%.1f tok/s); decode %llu steps, %.1f tok/s\n"
+            "pkv run: prefill %llu prompt tokens, %llu reused from the prefix cache; %.3f s in pkv calls "
+            "(%.3f s attention, backend %s)\n"
+            "pkv run: peak %u of %u blocks active, %llu copy-on-write copies, checker ok\n",
+            batch, (unsigned long long)n_out, s_total, s_total > 0 ? (double)n_out / s_total : 0.0,
+            (unsigned long long)n_steps, s_dec > 0 ? (double)n_decoded / s_dec : 0.0,
+            (unsigned long long)prompt_total, (unsigned long long)reused_total, (double)tm.ns_pkv * 1e-9,
+            (double)tm.ns_attn * 1e-9, pkv_attn_backend(c), st.peak_active, st.n_blocks,
+            (unsigned long long)st.cow_copies);
+    status = TOOL_OK;
+
+cleanup:
+    pkv_cache_destroy(c);
+    model_scratch_free(&s);
+    if (gen)
+        for (uint32_t i = 0; i < batch; i++) free(gen[i]);
+    free(seqs), free(gen), free(n_gen), free(len), free(n_new), free(next), free(feed), free(live), free(smp);
+    free(logits), free(work), free(bseqs);
+    model_tokenizer_free(&tok);
+    model_free(&m);
+out:
+    for (uint32_t i = 0; i < pl.n; i++) free(pl.ids[i]);
+    free(pl.ids), free(pl.len);
+    return status;
 }

@@ -1,0 +1,780 @@
+/* cache.c: the cache object and sequences: create/destroy, append with copy-on-write, K/V
+ * writes, commit, fork, truncate, release, gather, block-table exports, attention entry points. */
+#include "cache_int.h"
+
+#include <math.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#define LOCK(c) pthread_mutex_lock(&(c)->mu)
+#define UNLOCK(c) pthread_mutex_unlock(&(c)->mu)
+
+PKV_API pkv_config pkv_config_default(void) {
+    pkv_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.n_layers = 1;
+    cfg.n_kv_heads = 8;
+    cfg.head_dim = 128;
+    cfg.block_tokens = 16;
+    cfg.n_blocks = 1024;
+    cfg.k_dtype = PKV_DTYPE_F16;
+    cfg.v_dtype = PKV_DTYPE_F16;
+    cfg.max_seqs = 256;
+    cfg.enable_prefix_cache = 1;
+    cfg.huge_pages = 1;
+    return cfg;
+}
+
+/* ---- ids -------------------------------------------------------------------------------------- */
+pkv_seq pkv__seq_id(const pkv_cache *c, const pkv__seq *s) {
+    return ((uint64_t)s->gen << 32) | (uint64_t)(s - c->seqs);
+}
+
+pkv__seq *pkv__seq_get(pkv_cache *c, pkv_seq id) {
+    uint64_t idx = id & 0xffffffffu;
+    uint32_t gen = (uint32_t)(id >> 32);
+    if (id == PKV_SEQ_NONE || idx >= c->max_seqs) return NULL;
+    pkv__seq *s = &c->seqs[idx];
+    if (!s->live || s->gen != gen) return NULL;
+    return s;
+}
+
+/* A live, non-pin sequence, or the status saying why not. */
+static int get_seq(pkv_cache *c, pkv_seq id, pkv__seq **out) {
+    pkv__seq *s = pkv__seq_get(c, id);
+    if (!s) return PKV_ENOENT;
+    if (s->is_pin) return PKV_EINVAL;
+    *out = s;
+    return PKV_OK;
+}
+
+pkv__seq *pkv__seq_new(pkv_cache *c) {
+    if (c->seq_free == PKV_NONE) return NULL;
+    pkv__seq *s = &c->seqs[c->seq_free];
+    c->seq_free = s->next_free;
+    s->live = 1;
+    s->is_pin = 0;
+    s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = 0;
+    s->ns_lo = s->ns_hi = 0;
+    s->next_free = PKV_NONE;
+    c->n_live++;
+    return s;
+}
+
+void pkv__seq_free(pkv_cache *c, pkv__seq *s) {
+    if (!s->is_pin) c->n_tokens_total -= s->n_tokens;
+    else c->n_pins--;
+    s->live = 0;
+    s->is_pin = 0;
+    s->gen = s->gen + 1 ? s->gen + 1 : 1; /* a released id is stale forever (0 skipped) */
+    s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = 0;
+    s->next_free = c->seq_free;
+    c->seq_free = (uint32_t)(s - c->seqs);
+    c->n_live--;
+}
+
+/* ---- blocks ----------------------------------------------------------------------------------- */
+uint32_t pkv__take_block(pkv_cache *c) {
+    uint32_t b = pkv__pool_free_pop(&c->pool);
+    if (b == PKV_NONE) {
+        b = c->pool.lru_head;
+        if (b == PKV_NONE) return PKV_NONE;
+        pkv__pool_lru_remove(&c->pool, b);
+        pkv__index_evict(c, b);
+        c->evictions++;
+        c->blk[b].state = PKV_BLK_FREE;
+    }
+    pkv__pool_activate(&c->pool, b);
+    return b;
+}
+
+void pkv__drop_block(pkv_cache *c, uint32_t b) {
+    if (pkv__pool_unref(&c->pool, b) > 0) return;
+    pkv__blk *k = &c->blk[b];
+    if (k->flags & PKV_BLKF_INDEXED) {
+        pkv__pool_lru_push(&c->pool, b);
+    } else {
+        if (k->flags & PKV_BLKF_PARTIAL) pkv__partial_unlink(c, b);
+        pkv__pool_free_push(&c->pool, b);
+    }
+}
+
+void pkv__copy_block(pkv_cache *c, uint32_t dst, uint32_t src, uint32_t n) {
+    if (n == 0) return;
+    for (uint32_t l = 0; l < c->n_layers; l++) {
+        uint8_t *k = c->kv + l * c->layer_stride, *v = k + c->k_layer;
+        if (n == c->B) {
+            memcpy(k + dst * c->k_blk, k + src * c->k_blk, c->k_blk);
+            memcpy(v + dst * c->v_blk, v + src * c->v_blk, c->v_blk);
+            continue;
+        }
+        for (uint32_t h = 0; h < c->n_kv; h++) {
+            memcpy(k + dst * c->k_blk + (size_t)h * c->B * c->k_row, k + src * c->k_blk + (size_t)h * c->B * c->k_row,
+                   n * c->k_row);
+            memcpy(v + dst * c->v_blk + (size_t)h * c->B * c->v_row, v + src * c->v_blk + (size_t)h * c->B * c->v_row,
+                   n * c->v_row);
+        }
+    }
+    memcpy(c->tokens + (size_t)dst * c->B, c->tokens + (size_t)src * c->B, n * sizeof(int32_t));
+}
+
+/* ---- create / destroy ---------------------------------------------------------------------- */
+/* Counting shim between the attention context and the user's allocator. */
+static void *attn_shim_alloc(void *ctx, size_t size, size_t align) {
+    pkv_cache *c = ctx;
+    void *p = pkv__alloc(&c->alloc, size, align);
+    if (p) c->attn_bytes += size;
+    return p;
+}
+
+static void attn_shim_free(void *ctx, void *p, size_t size) {
+    pkv_cache *c = ctx;
+    c->attn_bytes -= size;
+    pkv__free(&c->alloc, p, size);
+}
+
+static int validate_config(const pkv_config *cfg) {
+    if (cfg->n_layers < 1 || cfg->n_layers > 4096) return PKV_EINVAL;
+    if (cfg->n_kv_heads < 1 || cfg->n_kv_heads > 4096) return PKV_EINVAL;
+    if (cfg->head_dim < 1 || cfg->head_dim > 1024) return PKV_EINVAL;
+    if (cfg->block_tokens < 1 || cfg->block_tokens > 1024) return PKV_EINVAL;
+    if ((unsigned)cfg->k_dtype >= PKV_DTYPE_COUNT || (unsigned)cfg->v_dtype >= PKV_DTYPE_COUNT) return PKV_EINVAL;
+    if (!pkv__row_bytes(cfg->k_dtype, cfg->head_dim) || !pkv__row_bytes(cfg->v_dtype, cfg->head_dim)) return PKV_EINVAL;
+    if (!pkv__dtype_pool_supported(cfg->k_dtype) || !pkv__dtype_pool_supported(cfg->v_dtype)) return PKV_ENOTSUP;
+    if (cfg->max_seqs < 1 || cfg->max_seqs > (1u << 24)) return PKV_EINVAL;
+    if (cfg->n_threads > 1024) return PKV_EINVAL;
+    if (cfg->enable_prefix_cache != 0 && cfg->enable_prefix_cache != 1) return PKV_EINVAL;
+    if (cfg->huge_pages != 0 && cfg->huge_pages != 1) return PKV_EINVAL;
+    if (cfg->allocator.alloc && !cfg->allocator.free) return PKV_EINVAL;
+    return PKV_OK;
+}
+
+static uint32_t pow2_at_least(uint64_t n) {
+    uint32_t p = 16;
+    while (p < n && p < (1u << 31)) p <<= 1;
+    return p;
+}
+
+/* Every allocation create makes, in order; destroy frees the same list. */
+#define CACHE_ALLOCS(X)                                                                               \
+    X(blk, sizeof(pkv__blk) * (size_t)c->n_blocks)                                                     \
+    X(tokens, sizeof(int32_t) * (size_t)c->n_blocks * c->B)                                            \
+    X(seqs, sizeof(pkv__seq) * (size_t)c->max_seqs)                                                    \
+    X(tables, sizeof(int32_t) * (size_t)c->max_seqs * c->max_bps)                                      \
+    X(buckets, sizeof(uint32_t) * ((size_t)c->bucket_mask + 1))                                        \
+    X(fp_seen, sizeof(uint64_t) * ((size_t)c->fp_mask + 1))                                            \
+    X(fp_content, sizeof(uint64_t) * ((size_t)c->fp_mask + 1))                                         \
+    X(chk_ref, sizeof(uint32_t) * (size_t)c->n_blocks)                                                 \
+    X(chk_pos, sizeof(uint32_t) * (size_t)c->n_blocks)                                                 \
+    X(items, sizeof(pkv__attn_item) * (size_t)c->max_seqs)
+
+static void cache_free_all(pkv_cache *c) {
+    pkv_allocator a = c->alloc;
+    if (c->attn) pkv__attn_destroy(c->attn);
+#define FREE_ONE(field, size) pkv__free(&a, c->field, size);
+    CACHE_ALLOCS(FREE_ONE)
+#undef FREE_ONE
+    if (c->kv) pkv__free(&a, c->kv, c->kv_bytes);
+    pthread_mutex_destroy(&c->mu);
+    pthread_mutex_destroy(&c->attn_mu);
+    pkv__free(&a, c, sizeof *c);
+}
+
+PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
+    if (!cfg_in || !out) return PKV_EINVAL;
+    int rc = validate_config(cfg_in);
+    if (rc) return rc;
+    pkv_config cfg = *cfg_in;
+    size_t k_row = pkv__row_bytes(cfg.k_dtype, cfg.head_dim), v_row = pkv__row_bytes(cfg.v_dtype, cfg.head_dim);
+    size_t k_blk = k_row * cfg.block_tokens * cfg.n_kv_heads, v_blk = v_row * cfg.block_tokens * cfg.n_kv_heads;
+    /* keep every block's K and V 64-byte aligned */
+    if (k_blk % PKV_CACHELINE || v_blk % PKV_CACHELINE) {
+        /* rows of quantized formats are not multiples of 64: blocks still tile exactly, only
+           alignment of later blocks is relaxed; kernels use unaligned loads. */
+    }
+    size_t per_block = (k_blk + v_blk) * cfg.n_layers;
+    if (cfg.n_blocks == 0) {
+        if (cfg.mem_budget_bytes == 0) return PKV_EINVAL;
+        uint64_t nb = cfg.mem_budget_bytes / per_block;
+        if (nb == 0) return PKV_EINVAL;
+        cfg.n_blocks = nb > UINT32_MAX ? UINT32_MAX : (uint32_t)nb;
+    }
+    if ((uint64_t)cfg.n_blocks * cfg.block_tokens >= (1ull << 31)) return PKV_EINVAL; /* int32 slots */
+    if (cfg.max_blocks_per_seq == 0) cfg.max_blocks_per_seq = PKV_MIN(cfg.n_blocks, 4096u);
+    if ((uint64_t)cfg.max_blocks_per_seq * cfg.block_tokens >= (1ull << 31)) return PKV_EINVAL;
+    if ((uint64_t)cfg.max_seqs * cfg.max_blocks_per_seq > (1ull << 34)) return PKV_EINVAL;
+    size_t layer_bytes, kv_bytes;
+    if (!pkv__mul_ok(cfg.n_blocks, k_blk + v_blk, &layer_bytes) || !pkv__mul_ok(layer_bytes, cfg.n_layers, &kv_bytes))
+        return PKV_EINVAL;
+    if (cfg.n_threads == 0) cfg.n_threads = pkv__n_cpus();
+
+    pkv_allocator a = cfg.allocator;
+    pkv_cache *c = pkv__calloc(&a, sizeof *c, PKV_CACHELINE);
+    if (!c) return PKV_ENOMEM;
+    c->alloc = a;
+    c->cfg = cfg;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_mutex_init(&c->attn_mu, NULL);
+    c->B = cfg.block_tokens;
+    c->n_blocks = cfg.n_blocks;
+    c->max_seqs = cfg.max_seqs;
+    c->max_bps = cfg.max_blocks_per_seq;
+    c->n_layers = cfg.n_layers;
+    c->n_kv = cfg.n_kv_heads;
+    c->head_dim = cfg.head_dim;
+    c->k_row = k_row;
+    c->v_row = v_row;
+    c->k_blk = k_blk;
+    c->v_blk = v_blk;
+    c->k_layer = (size_t)cfg.n_blocks * k_blk;
+    c->layer_stride = layer_bytes;
+    c->bucket_mask = pow2_at_least(cfg.n_blocks) - 1;
+    c->fp_mask = pow2_at_least(PKV_MIN((uint64_t)cfg.n_blocks * 2, 1u << 22)) - 1;
+
+    uint64_t meta = sizeof *c;
+#define ALLOC_ONE(field, size)                                   \
+    c->field = pkv__calloc(&a, size, PKV_CACHELINE);            \
+    if (!c->field) goto oom;                                     \
+    meta += size;
+    CACHE_ALLOCS(ALLOC_ONE)
+#undef ALLOC_ONE
+    c->kv_bytes = kv_bytes;
+    c->kv = pkv__alloc(&a, kv_bytes, PKV_HUGEPAGE);
+    if (!c->kv) goto oom;
+    if (cfg.huge_pages && kv_bytes >= PKV_HUGEPAGE && ((uintptr_t)c->kv & (PKV_HUGEPAGE - 1)) == 0)
+        (void)madvise(c->kv, kv_bytes & ~(size_t)(PKV_HUGEPAGE - 1), MADV_HUGEPAGE);
+    pkv__attn_limits lim = {.max_items = c->max_seqs, .max_blocks_per_seq = c->max_bps,
+                            .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B};
+    c->attn_alloc = (pkv_allocator){.alloc = attn_shim_alloc, .free = attn_shim_free, .ctx = c};
+    rc = pkv__attn_create(&c->attn_alloc, cfg.n_threads, &lim, &c->attn);
+    if (rc) {
+        c->attn = NULL;
+        cache_free_all(c);
+        return rc;
+    }
+    c->meta_bytes = meta + c->attn_bytes;
+
+    pkv__pool_init(&c->pool, c->blk, c->n_blocks);
+    for (uint32_t i = 0; i < c->max_seqs; i++) {
+        c->seqs[i].gen = 1;
+        c->seqs[i].table = c->tables + (size_t)i * c->max_bps;
+        c->seqs[i].next_free = i + 1 < c->max_seqs ? i + 1 : PKV_NONE;
+    }
+    c->seq_free = 0;
+    pkv__index_reset(c);
+    pkv__log(cfg.log, cfg.log_ctx, PKV_LOG_INFO,
+             "pkv: cache of %u blocks x %u tokens, %u layers, %zu KV bytes, attention %s x%u", c->n_blocks, c->B,
+             c->n_layers, kv_bytes, pkv__attn_backend_name(c->attn), pkv__attn_n_threads(c->attn));
+    *out = c;
+    return PKV_OK;
+oom:
+    cache_free_all(c);
+    return PKV_ENOMEM;
+}
+
+PKV_API void pkv_cache_destroy(pkv_cache *c) {
+    if (c) cache_free_all(c);
+}
+
+PKV_API int pkv_cache_reset(pkv_cache *c) {
+    if (!c) return PKV_EINVAL;
+    LOCK(c);
+    for (uint32_t i = 0; i < c->max_seqs; i++) {
+        pkv__seq *s = &c->seqs[i];
+        if (!s->live) continue;
+        s->live = 0;
+        s->gen = s->gen + 1 ? s->gen + 1 : 1;
+    }
+    c->n_live = c->n_pins = 0;
+    c->n_tokens_total = 0;
+    for (uint32_t i = 0; i < c->max_seqs; i++) {
+        pkv__seq *s = &c->seqs[i];
+        s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = 0;
+        s->next_free = i + 1 < c->max_seqs ? i + 1 : PKV_NONE;
+    }
+    c->seq_free = 0;
+    uint32_t peak = c->pool.peak_active;
+    pkv__pool_init(&c->pool, c->blk, c->n_blocks);
+    c->pool.peak_active = peak;
+    pkv__index_reset(c);
+    UNLOCK(c);
+    return PKV_OK;
+}
+
+PKV_API int pkv_cache_config(const pkv_cache *c, pkv_config *out) {
+    if (!c || !out) return PKV_EINVAL;
+    *out = c->cfg;
+    return PKV_OK;
+}
+
+PKV_API int pkv_cache_layout(const pkv_cache *c, pkv_layout *out) {
+    if (!c || !out) return PKV_EINVAL;
+    memset(out, 0, sizeof *out);
+    out->k_base = c->kv;
+    out->v_base = c->kv + c->k_layer;
+    out->layer_stride_bytes = c->layer_stride;
+    out->k_row_bytes = c->k_row;
+    out->v_row_bytes = c->v_row;
+    out->k_block_bytes = c->k_blk;
+    out->v_block_bytes = c->v_blk;
+    out->n_blocks = c->n_blocks;
+    out->block_tokens = c->B;
+    out->n_kv_heads = c->n_kv;
+    out->head_dim = c->head_dim;
+    out->n_layers = c->n_layers;
+    out->k_dtype = c->cfg.k_dtype;
+    out->v_dtype = c->cfg.v_dtype;
+    return PKV_OK;
+}
+
+/* ---- sequences -------------------------------------------------------------------------------- */
+PKV_API int pkv_seq_create(pkv_cache *c, const void *salt, size_t salt_len, pkv_seq *out) {
+    if (!c || !out || (salt_len && !salt) || salt_len > 256) return PKV_EINVAL;
+    uint64_t lo, hi;
+    pkv__salt_digest(salt, salt_len, &lo, &hi);
+    LOCK(c);
+    pkv__seq *s = pkv__seq_new(c);
+    if (!s) {
+        UNLOCK(c);
+        return PKV_ELIMIT;
+    }
+    s->ns_lo = lo;
+    s->ns_hi = hi;
+    *out = pkv__seq_id(c, s);
+    UNLOCK(c);
+    return PKV_OK;
+}
+
+static uint32_t committed_in_block(const pkv_cache *c, const pkv__seq *s, uint32_t i) {
+    uint64_t start = (uint64_t)i * c->B;
+    if (s->n_committed <= start) return 0;
+    return (uint32_t)PKV_MIN((uint64_t)c->B, s->n_committed - start);
+}
+
+/* When s is the sole owner of an unindexed, partly used tail block, positions past its length
+ * belong to nobody (a co-holder that appended them has left): trim the block's fill to s's
+ * length. Likewise a commit count above s's own committed positions in that block was set by a
+ * departed co-holder: trim it to s's, so s can write the positions it has not committed. */
+static void claim_tail(pkv_cache *c, pkv__seq *s) {
+    uint32_t off = s->n_tokens % c->B;
+    if (off == 0) return;
+    uint32_t b = (uint32_t)s->table[s->n_blocks - 1];
+    pkv__blk *k = &c->blk[b];
+    if (k->ref != 1 || (k->flags & PKV_BLKF_INDEXED)) return;
+    uint32_t own = committed_in_block(c, s, s->n_blocks - 1);
+    if (k->n_fill > off) pkv__pool_set_fill(&c->pool, b, off);
+    if (k->n_commit > own) k->n_commit = (uint16_t)own;
+    if ((k->flags & PKV_BLKF_PARTIAL) && k->n_commit == 0) pkv__partial_unlink(c, b);
+}
+
+/* Would the tail block need a copy before positions are appended after length len? */
+static bool tail_needs_cow(const pkv_cache *c, const pkv__seq *s) {
+    if (s->n_tokens % c->B == 0) return false;
+    const pkv__blk *k = &c->blk[s->table[s->n_blocks - 1]];
+    return k->ref > 1 || (k->flags & PKV_BLKF_INDEXED);
+}
+
+/* Replaces the shared or indexed tail block by a private copy of its first len % B positions. */
+static void cow_tail(pkv_cache *c, pkv__seq *s) {
+    uint32_t i = s->n_blocks - 1, old = (uint32_t)s->table[i], off = s->n_tokens % c->B;
+    uint32_t nb = pkv__take_block(c);
+    pkv_assert(nb != PKV_NONE); /* availability was checked by the caller */
+    pkv__copy_block(c, nb, old, off);
+    pkv__pool_set_fill(&c->pool, nb, off);
+    c->blk[nb].n_commit = (uint16_t)PKV_MIN(committed_in_block(c, s, i), off);
+    s->table[i] = (int32_t)nb;
+    if (s->idx_len > i) s->idx_len = i;
+    pkv__drop_block(c, old);
+    c->cow_copies++;
+}
+
+PKV_API int pkv_seq_append(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, int32_t *slots_out) {
+    if (!c || (n && !tokens)) return PKV_EINVAL;
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    if (rc || n == 0) goto out;
+    uint64_t new_len = (uint64_t)s->n_tokens + n;
+    uint64_t nb_needed = (new_len + c->B - 1) / c->B;
+    if (nb_needed > c->max_bps) {
+        rc = PKV_ELIMIT;
+        goto out;
+    }
+    bool cow = tail_needs_cow(c, s);
+    uint64_t n_new = nb_needed - s->n_blocks + (cow ? 1 : 0);
+    if (n_new > (uint64_t)c->pool.n_free + c->pool.n_cached) {
+        rc = PKV_ENOSPC;
+        goto out;
+    }
+    if (cow) cow_tail(c, s);
+    else claim_tail(c, s);
+    const uint32_t B = c->B;
+    uint32_t pos = s->n_tokens;
+    for (uint32_t j = 0; j < n;) {
+        uint32_t bi = pos / B, off = pos % B;
+        if (bi == s->n_blocks) {
+            uint32_t b = pkv__take_block(c);
+            pkv_assert(b != PKV_NONE);
+            s->table[s->n_blocks++] = (int32_t)b;
+        }
+        uint32_t b = (uint32_t)s->table[bi];
+        uint32_t run = PKV_MIN(B - off, n - j);
+        memcpy(c->tokens + (size_t)b * B + off, tokens + j, run * sizeof(int32_t));
+        if (slots_out)
+            for (uint32_t t = 0; t < run; t++) slots_out[j + t] = (int32_t)(b * B + off + t);
+        if (c->blk[b].n_fill < off + run) pkv__pool_set_fill(&c->pool, b, off + run);
+        pos += run;
+        j += run;
+    }
+    s->n_tokens = pos;
+    c->n_tokens_total += n;
+    if (cow) pkv__index_after_commit(c, s); /* the copied tail may be a registrable partial */
+out:
+    UNLOCK(c);
+    return rc;
+}
+
+PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n, const void *k,
+                         const void *v, pkv_dtype in_dtype) {
+    if (!c || (n && !slots) || (!k && !v) || layer >= c->n_layers) return PKV_EINVAL;
+    if (in_dtype != PKV_DTYPE_F32 && in_dtype != PKV_DTYPE_F16 && in_dtype != PKV_DTYPE_BF16) return PKV_EINVAL;
+    if (n == 0) return PKV_OK;
+    const uint32_t B = c->B;
+    const int64_t n_slots = (int64_t)c->n_blocks * B;
+    /* Validate every slot under the lock; copy the data outside it. */
+    LOCK(c);
+    for (uint32_t i = 0; i < n; i++) {
+        int32_t slot = slots[i];
+        if (slot == -1) continue;
+        if (slot < 0 || slot >= n_slots) goto bad;
+        const pkv__blk *bk = &c->blk[(uint32_t)slot / B];
+        if (bk->state != PKV_BLK_ACTIVE || bk->ref != 1 || (bk->flags & PKV_BLKF_INDEXED)) goto bad;
+        if ((uint32_t)slot % B < bk->n_commit) goto bad;
+    }
+    UNLOCK(c);
+    const uint32_t d = c->head_dim, nkv = c->n_kv;
+    const size_t in_el = in_dtype == PKV_DTYPE_F32 ? 4 : 2, in_row = (size_t)d * in_el;
+    uint8_t *kl = c->kv + layer * c->layer_stride, *vl = kl + c->k_layer;
+    float tmp[1024];
+    for (int pass = 0; pass < 2; pass++) {
+        const uint8_t *src = pass ? v : k;
+        if (!src) continue;
+        uint8_t *base = pass ? vl : kl;
+        size_t row = pass ? c->v_row : c->k_row, blk = pass ? c->v_blk : c->k_blk;
+        pkv_dtype dt = pass ? c->cfg.v_dtype : c->cfg.k_dtype;
+        for (uint32_t i = 0; i < n; i++) {
+            if (slots[i] < 0) continue;
+            uint32_t b = (uint32_t)slots[i] / B, off = (uint32_t)slots[i] % B;
+            for (uint32_t h = 0; h < nkv; h++) {
+                const uint8_t *s = src + ((size_t)i * nkv + h) * in_row;
+                uint8_t *dst = base + b * blk + ((size_t)h * B + off) * row;
+                if (dt == in_dtype) {
+                    memcpy(dst, s, in_row);
+                } else {
+                    pkv__to_f32(in_dtype, s, d, tmp);
+                    pkv__row_encode(dt, tmp, d, dst);
+                }
+            }
+        }
+    }
+    return PKV_OK;
+bad:
+    UNLOCK(c);
+    return PKV_EINVAL;
+}
+
+PKV_API int pkv_seq_commit(pkv_cache *c, pkv_seq id, uint32_t n_pos) {
+    if (!c) return PKV_EINVAL;
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    if (rc) goto out;
+    if (n_pos > s->n_tokens) {
+        rc = PKV_EINVAL;
+        goto out;
+    }
+    if (n_pos <= s->n_committed) goto out;
+    for (uint32_t i = s->n_committed / c->B; i < s->n_blocks && (uint64_t)i * c->B < n_pos; i++) {
+        pkv__blk *k = &c->blk[s->table[i]];
+        uint32_t in_block = (uint32_t)PKV_MIN((uint64_t)c->B, n_pos - (uint64_t)i * c->B);
+        if (k->n_commit < in_block) k->n_commit = (uint16_t)in_block;
+    }
+    s->n_committed = n_pos;
+    pkv__index_after_commit(c, s);
+out:
+    UNLOCK(c);
+    return rc;
+}
+
+PKV_API int pkv_seq_fork(pkv_cache *c, pkv_seq parent, pkv_seq *child) {
+    if (!c || !child) return PKV_EINVAL;
+    LOCK(c);
+    pkv__seq *p;
+    int rc = get_seq(c, parent, &p);
+    if (rc) goto out;
+    pkv__seq *s = pkv__seq_new(c);
+    if (!s) {
+        rc = PKV_ELIMIT;
+        goto out;
+    }
+    for (uint32_t i = 0; i < p->n_blocks; i++) {
+        s->table[i] = p->table[i];
+        pkv__pool_ref(&c->pool, (uint32_t)p->table[i]);
+    }
+    s->n_blocks = p->n_blocks;
+    s->n_tokens = p->n_tokens;
+    s->n_committed = p->n_committed;
+    s->idx_len = p->idx_len;
+    s->ns_lo = p->ns_lo;
+    s->ns_hi = p->ns_hi;
+    c->n_tokens_total += s->n_tokens;
+    *child = pkv__seq_id(c, s);
+out:
+    UNLOCK(c);
+    return rc;
+}
+
+/* Drops table[keep_blocks ..) deepest first (so the LRU queue holds leaves before parents). */
+static void drop_tail_blocks(pkv_cache *c, pkv__seq *s, uint32_t keep_blocks) {
+    while (s->n_blocks > keep_blocks) pkv__drop_block(c, (uint32_t)s->table[--s->n_blocks]);
+}
+
+PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq id, uint32_t n) {
+    if (!c) return PKV_EINVAL;
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    if (rc || n >= s->n_tokens) goto out;
+    const uint32_t B = c->B;
+    drop_tail_blocks(c, s, (n + B - 1) / B);
+    c->n_tokens_total -= s->n_tokens - n;
+    s->n_tokens = n;
+    if (s->n_committed > n) s->n_committed = n;
+    if (s->idx_len > n / B) s->idx_len = n / B;
+    claim_tail(c, s);
+out:
+    UNLOCK(c);
+    return rc;
+}
+
+PKV_API int pkv_seq_release(pkv_cache *c, pkv_seq id) {
+    if (!c) return PKV_EINVAL;
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    if (!rc) {
+        drop_tail_blocks(c, s, 0);
+        pkv__seq_free(c, s);
+    }
+    UNLOCK(c);
+    return rc;
+}
+
+PKV_API int pkv_seq_get_info(pkv_cache *c, pkv_seq id, pkv_seq_info *out) {
+    if (!c || !out) return PKV_EINVAL;
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    if (!rc) {
+        out->n_tokens = s->n_tokens;
+        out->n_committed = s->n_committed;
+        out->n_blocks = s->n_blocks;
+        out->n_reused = s->n_reused;
+        out->n_shared = 0;
+        for (uint32_t i = 0; i < s->n_blocks; i++) out->n_shared += c->blk[s->table[i]].ref > 1;
+    }
+    UNLOCK(c);
+    return rc;
+}
+
+PKV_API int pkv_seq_slots(pkv_cache *c, pkv_seq id, uint32_t start, uint32_t n, int32_t *slots) {
+    if (!c || (n && !slots)) return PKV_EINVAL;
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    if (!rc && (uint64_t)start + n > s->n_tokens) rc = PKV_EINVAL;
+    if (!rc)
+        for (uint32_t j = 0; j < n; j++) {
+            uint32_t p = start + j;
+            slots[j] = s->table[p / c->B] * (int32_t)c->B + (int32_t)(p % c->B);
+        }
+    UNLOCK(c);
+    return rc;
+}
+
+PKV_API int pkv_seq_block_table(pkv_cache *c, pkv_seq id, int32_t *out, uint32_t cap, uint32_t *n_out) {
+    if (!c || !n_out || (cap && !out)) return PKV_EINVAL;
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    if (!rc && cap < s->n_blocks) rc = PKV_EINVAL;
+    if (!rc) {
+        memcpy(out, s->table, s->n_blocks * sizeof(int32_t));
+        *n_out = s->n_blocks;
+    }
+    UNLOCK(c);
+    return rc;
+}
+
+PKV_API int pkv_seq_gather(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, uint32_t n, float *k_out,
+                           float *v_out) {
+    if (!c || layer >= c->n_layers || (n && !k_out && !v_out)) return PKV_EINVAL;
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    if (!rc && (uint64_t)start + n > s->n_tokens) rc = PKV_EINVAL;
+    if (!rc) {
+        const uint32_t B = c->B, d = c->head_dim;
+        const uint8_t *kl = c->kv + layer * c->layer_stride, *vl = kl + c->k_layer;
+        for (uint32_t j = 0; j < n; j++) {
+            uint32_t p = start + j, b = (uint32_t)s->table[p / B], off = p % B;
+            for (uint32_t h = 0; h < c->n_kv; h++) {
+                size_t o = ((size_t)j * c->n_kv + h) * d;
+                if (k_out) pkv__row_decode(c->cfg.k_dtype, kl + b * c->k_blk + ((size_t)h * B + off) * c->k_row, d, k_out + o);
+                if (v_out) pkv__row_decode(c->cfg.v_dtype, vl + b * c->v_blk + ((size_t)h * B + off) * c->v_row, d, v_out + o);
+            }
+        }
+    }
+    UNLOCK(c);
+    return rc;
+}
+
+/* Validates every id of a list (live, not a pin). */
+static int check_ids(pkv_cache *c, const pkv_seq *seqs, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) {
+        pkv__seq *s;
+        int rc = get_seq(c, seqs[i], &s);
+        if (rc) return rc;
+    }
+    return PKV_OK;
+}
+
+PKV_API int pkv_export_dense(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, uint32_t max_blocks,
+                             int32_t *block_tables, int32_t *seq_lens) {
+    if (!c || (n_seqs && (!seqs || !block_tables || !seq_lens))) return PKV_EINVAL;
+    LOCK(c);
+    int rc = check_ids(c, seqs, n_seqs);
+    for (uint32_t i = 0; !rc && i < n_seqs; i++)
+        if (pkv__seq_get(c, seqs[i])->n_blocks > max_blocks) rc = PKV_EINVAL;
+    for (uint32_t i = 0; !rc && i < n_seqs; i++) {
+        const pkv__seq *s = pkv__seq_get(c, seqs[i]);
+        int32_t *row = block_tables + (size_t)i * max_blocks;
+        memcpy(row, s->table, s->n_blocks * sizeof(int32_t));
+        for (uint32_t j = s->n_blocks; j < max_blocks; j++) row[j] = -1;
+        seq_lens[i] = (int32_t)s->n_tokens;
+    }
+    UNLOCK(c);
+    return rc;
+}
+
+PKV_API int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, int32_t *indptr, int32_t *indices,
+                           uint32_t indices_cap, int32_t *last_page_len, uint32_t *n_needed) {
+    if (!c || !indptr || (n_seqs && (!seqs || !last_page_len)) || (indices_cap && !indices)) return PKV_EINVAL;
+    LOCK(c);
+    int rc = check_ids(c, seqs, n_seqs);
+    uint64_t total = 0;
+    for (uint32_t i = 0; !rc && i < n_seqs; i++) total += pkv__seq_get(c, seqs[i])->n_blocks;
+    if (!rc && n_needed) *n_needed = total > UINT32_MAX ? UINT32_MAX : (uint32_t)total;
+    if (!rc && (total > indices_cap || total > INT32_MAX)) rc = PKV_EINVAL;
+    if (!rc) {
+        uint32_t at = 0;
+        indptr[0] = 0;
+        for (uint32_t i = 0; i < n_seqs; i++) {
+            const pkv__seq *s = pkv__seq_get(c, seqs[i]);
+            memcpy(indices + at, s->table, s->n_blocks * sizeof(int32_t));
+            at += s->n_blocks;
+            indptr[i + 1] = (int32_t)at;
+            last_page_len[i] = s->n_tokens ? (int32_t)(s->n_tokens - (s->n_blocks - 1) * c->B) : 0;
+        }
+    }
+    UNLOCK(c);
+    return rc;
+}
+
+/* ---- attention -------------------------------------------------------------------------------- */
+PKV_API pkv_attn_params pkv_attn_params_default(void) {
+    pkv_attn_params p;
+    memset(&p, 0, sizeof p);
+    return p;
+}
+
+PKV_API const char *pkv_attn_backend(const pkv_cache *c) {
+    return c ? pkv__attn_backend_name(c->attn) : "none";
+}
+
+static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_params *p, pkv__attn_call *call) {
+    if (layer >= c->n_layers) return PKV_EINVAL;
+    pkv_attn_params d = pkv_attn_params_default();
+    if (!p) p = &d;
+    uint32_t nq = p->n_q_heads ? p->n_q_heads : c->n_kv;
+    if (nq % c->n_kv || nq > c->n_kv * 1024u) return PKV_EINVAL;
+    if (!(p->scale >= 0.0f) || isinf(p->scale) || !(p->softcap >= 0.0f) || isinf(p->softcap)) return PKV_EINVAL;
+    call->n_q_heads = nq;
+    call->scale = p->scale > 0.0f ? p->scale : 1.0f / sqrtf((float)c->head_dim);
+    call->softcap = p->softcap;
+    call->window = p->window;
+    return PKV_OK;
+}
+
+static pkv__kv_view layer_view(const pkv_cache *c, uint32_t layer) {
+    pkv__kv_view v = {.k = c->kv + layer * c->layer_stride, .v = c->kv + layer * c->layer_stride + c->k_layer,
+                      .k_dtype = c->cfg.k_dtype, .v_dtype = c->cfg.v_dtype, .k_row_bytes = c->k_row,
+                      .v_row_bytes = c->v_row, .k_block_bytes = c->k_blk, .v_block_bytes = c->v_blk,
+                      .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B,
+                      .n_blocks = c->n_blocks};
+    return v;
+}
+
+/* Shared body of decode and prefill: reqs == NULL means decode (one query at length - 1). */
+static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const pkv_attn_req *reqs, uint32_t n,
+                       const float *q, float *out, const pkv_attn_params *p) {
+    if (!c || (n && (!q || !out || (!seqs && !reqs)))) return PKV_EINVAL;
+    pkv__attn_call call;
+    int rc = resolve_call(c, layer, p, &call);
+    if (rc || n == 0) return rc;
+    float *lse = p ? p->lse : NULL;
+    const size_t qrow = (size_t)call.n_q_heads * c->head_dim;
+    pkv__kv_view view = layer_view(c, layer);
+
+    pthread_mutex_lock(&c->attn_mu);
+    /* validate everything first: no kernel runs on a bad request */
+    LOCK(c);
+    for (uint32_t i = 0; i < n && !rc; i++) {
+        pkv__seq *s;
+        rc = get_seq(c, reqs ? reqs[i].seq : seqs[i], &s);
+        if (rc) break;
+        if (reqs ? ((uint64_t)reqs[i].q_start + reqs[i].n_q > s->n_tokens) : s->n_tokens == 0) rc = PKV_EINVAL;
+    }
+    UNLOCK(c);
+    size_t q_at = 0;
+    for (uint32_t i0 = 0; i0 < n && !rc; i0 += c->max_seqs) {
+        uint32_t m = PKV_MIN(n - i0, c->max_seqs), k = 0;
+        LOCK(c);
+        for (uint32_t j = 0; j < m; j++) {
+            uint32_t i = i0 + j;
+            pkv__seq *s = pkv__seq_get(c, reqs ? reqs[i].seq : seqs[i]);
+            uint32_t q0 = reqs ? reqs[i].q_start : s->n_tokens - 1, nq = reqs ? reqs[i].n_q : 1;
+            if (nq == 0) continue;
+            c->items[k++] = (pkv__attn_item){.block_table = s->table, .q_pos0 = q0, .n_q = nq,
+                                             .q = q + q_at * qrow, .out = out + q_at * qrow,
+                                             .lse = lse ? lse + q_at * call.n_q_heads : NULL};
+            q_at += nq;
+        }
+        UNLOCK(c);
+        if (k) rc = pkv__attn_run(c->attn, &view, c->items, k, &call);
+    }
+    pthread_mutex_unlock(&c->attn_mu);
+    return rc;
+}
+
+PKV_API int pkv_attn_decode(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, uint32_t n_seqs, const float *q,
+                            float *out, const pkv_attn_params *p) {
+    if (n_seqs && !seqs) return PKV_EINVAL;
+    return attn_common(c, layer, seqs, NULL, n_seqs, q, out, p);
+}
+
+PKV_API int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs, const float *q,
+                             float *out, const pkv_attn_params *p) {
+    if (n_reqs && !reqs) return PKV_EINVAL;
+    return attn_common(c, layer, NULL, reqs, n_reqs, q, out, p);
+}

@@ -1,0 +1,95 @@
+/* cache_int.h: the cache object: pool memory, sequences and block tables, the prefix index,
+ * counters. Private to src/cache/. */
+#ifndef PKV_CACHE_INT_H
+#define PKV_CACHE_INT_H
+
+#include "../attn/attn.h"
+#include "../pool/pool.h"
+#include "../quant/quant.h"
+
+#include <pthread.h>
+
+typedef struct pkv__seq {
+    uint32_t gen;  /* generation: the id is (gen << 32) | index; moves on at release */
+    uint8_t live;  /* slot holds a live sequence or pin */
+    uint8_t is_pin;
+    uint32_t n_tokens, n_committed, n_blocks, n_reused;
+    uint32_t idx_len; /* table[0 .. idx_len) is this sequence's indexed chain */
+    uint64_t ns_lo, ns_hi; /* namespace: XXH3-128 of the salt */
+    uint32_t next_free;    /* free-slot list */
+    int32_t *table;        /* [max_blocks_per_seq] block ids; [0, n_blocks) valid */
+} pkv__seq;
+
+struct pkv_cache {
+    pkv_config cfg; /* resolved */
+    pkv_allocator alloc;
+    pthread_mutex_t mu;      /* metadata: pool, sequences, index, counters */
+    pthread_mutex_t attn_mu; /* serializes attention calls (scratch + thread pool) */
+    uint32_t B, n_blocks, max_seqs, max_bps, n_layers, n_kv, head_dim;
+
+    /* pool memory: layer l: K at kv + l * layer_stride, V at kv + l * layer_stride + k_layer */
+    uint8_t *kv;
+    size_t kv_bytes, layer_stride, k_layer, k_row, v_row, k_blk, v_blk;
+
+    pkv__pool pool;
+    pkv__blk *blk;  /* [n_blocks] */
+    int32_t *tokens; /* [n_blocks][B] token ids of each block */
+
+    pkv__seq *seqs;  /* [max_seqs] */
+    int32_t *tables; /* [max_seqs][max_bps] */
+    uint32_t seq_free, n_live, n_pins;
+    uint64_t n_tokens_total; /* sum of n_tokens over live sequences (pins excluded) */
+
+    /* prefix index */
+    uint32_t *buckets; /* [bucket_mask + 1] first block of each hash chain */
+    uint32_t bucket_mask;
+    uint64_t n_indexed;
+    uint64_t *fp_seen, *fp_content; /* [fp_mask + 1] fingerprints for miss reasons */
+    uint32_t fp_mask;
+    int const_hash; /* test switch: every identity hash is the same value */
+
+    /* counters */
+    uint64_t cow_copies, evictions;
+    uint64_t pfx_lookups, pfx_queried, pfx_hit, miss_new, miss_evicted, miss_ns;
+    uint64_t meta_bytes;
+
+    /* checker scratch */
+    uint32_t *chk_ref; /* [n_blocks] */
+    uint32_t *chk_pos; /* [n_blocks] */
+
+    pkv__attn *attn;
+    pkv__attn_item *items; /* [max_seqs] */
+    /* the attention context allocates through this counting shim, so meta_bytes includes it */
+    pkv_allocator attn_alloc;
+    uint64_t attn_bytes;
+};
+
+/* ---- cache.c ---- */
+pkv__seq *pkv__seq_get(pkv_cache *c, pkv_seq id); /* NULL if unknown or stale */
+/* A fresh live slot (NULL when max_seqs are live) / back to the free list (id goes stale). */
+pkv__seq *pkv__seq_new(pkv_cache *c);
+void pkv__seq_free(pkv_cache *c, pkv__seq *s);
+pkv_seq pkv__seq_id(const pkv_cache *c, const pkv__seq *s);
+/* Takes one block: FREE first, then evicts the LRU head. PKV_NONE if none. */
+uint32_t pkv__take_block(pkv_cache *c);
+/* Drops one reference; a block reaching 0 becomes CACHED (indexed) or FREE. */
+void pkv__drop_block(pkv_cache *c, uint32_t b);
+/* Copies positions [0, n) of block src into dst (all layers, K and V, token ids). */
+void pkv__copy_block(pkv_cache *c, uint32_t dst, uint32_t src, uint32_t n);
+
+/* ---- prefix.c ---- */
+void pkv__index_reset(pkv_cache *c);
+/* Un-indexes a CACHED block about to be reused (eviction). */
+void pkv__index_evict(pkv_cache *c, uint32_t b);
+/* Unlinks a PARTIAL block from its parent. */
+void pkv__partial_unlink(pkv_cache *c, uint32_t b);
+/* After a commit (or match / append) of s: index its full committed blocks, register its
+ * committed partial tail. */
+void pkv__index_after_commit(pkv_cache *c, pkv__seq *s);
+uint64_t pkv__identity_hash(const pkv_cache *c, uint32_t parent, uint64_t ns_lo, uint64_t ns_hi, const int32_t *toks);
+uint64_t pkv__content_hash(const pkv_cache *c, uint32_t parent, const int32_t *toks);
+void pkv__salt_digest(const void *salt, size_t len, uint64_t *lo, uint64_t *hi);
+/* Test-only: make every identity hash collide (forces exact comparison). */
+void pkv__cache_test_const_hash(pkv_cache *c, int on);
+
+#endif

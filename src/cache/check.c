@@ -1,0 +1,226 @@
+/* check.c: statistics and the invariant checker (mimalloc-style validator): every rule of
+ * ARCHITECTURE section 4 verified in O(n_blocks + table entries), naming the first one broken. */
+#include "cache_int.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+PKV_API int pkv_cache_get_stats(pkv_cache *c, pkv_stats *out) {
+    if (!c || !out) return PKV_EINVAL;
+    pthread_mutex_lock(&c->mu);
+    memset(out, 0, sizeof *out);
+    out->n_blocks = c->n_blocks;
+    out->n_free = c->pool.n_free;
+    out->n_cached = c->pool.n_cached;
+    out->n_active = c->pool.n_active;
+    out->n_seqs = c->n_live - c->n_pins;
+    out->n_pins = c->n_pins;
+    out->n_tokens = c->n_tokens_total;
+    out->n_slots_used = c->pool.slots_used;
+    out->kv_bytes = c->kv_bytes;
+    out->kv_bytes_per_block = (uint64_t)(c->k_blk + c->v_blk) * c->n_layers;
+    out->meta_bytes = c->meta_bytes;
+    out->frag_slots = (uint64_t)c->pool.n_active * c->B - c->pool.slots_used;
+    out->cow_copies = c->cow_copies;
+    out->peak_active = c->pool.peak_active;
+    out->prefix_lookups = c->pfx_lookups;
+    out->prefix_tokens_queried = c->pfx_queried;
+    out->prefix_tokens_hit = c->pfx_hit;
+    out->prefix_miss_new = c->miss_new;
+    out->prefix_miss_evicted = c->miss_evicted;
+    out->prefix_miss_namespace = c->miss_ns;
+    out->n_indexed = c->n_indexed;
+    out->evictions = c->evictions;
+    pthread_mutex_unlock(&c->mu);
+    return PKV_OK;
+}
+
+typedef struct {
+    char *msg;
+    size_t cap;
+} report;
+
+static int fail(report *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int fail(report *r, const char *fmt, ...) {
+    if (r->msg && r->cap) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(r->msg, r->cap, fmt, ap);
+        va_end(ap);
+    }
+    return PKV_ECORRUPT;
+}
+
+#define REQUIRE(cond, ...)                    \
+    do {                                      \
+        if (!(cond)) return fail(r, __VA_ARGS__); \
+    } while (0)
+
+static int check_queues(pkv_cache *c, report *r) {
+    const pkv__pool *p = &c->pool;
+    uint32_t *pos = c->chk_pos;
+    uint32_t n = 0, prev = PKV_NONE;
+    for (uint32_t b = p->free_head; b != PKV_NONE; prev = b, b = c->blk[b].qnext) {
+        REQUIRE(b < c->n_blocks, "free queue: block id %u out of range", b);
+        REQUIRE(++n <= p->n_free, "free queue: longer than n_free=%u (cycle?)", p->n_free);
+        REQUIRE(c->blk[b].state == PKV_BLK_FREE, "free queue: block %u is not FREE", b);
+        REQUIRE(c->blk[b].qprev == prev, "free queue: block %u has a wrong back link", b);
+    }
+    REQUIRE(n == p->n_free && prev == p->free_tail, "free queue: %u blocks linked, n_free=%u", n, p->n_free);
+    n = 0;
+    prev = PKV_NONE;
+    for (uint32_t b = p->lru_head; b != PKV_NONE; prev = b, b = c->blk[b].qnext) {
+        REQUIRE(b < c->n_blocks, "LRU queue: block id %u out of range", b);
+        REQUIRE(++n <= p->n_cached, "LRU queue: longer than n_cached=%u (cycle?)", p->n_cached);
+        REQUIRE(c->blk[b].state == PKV_BLK_CACHED, "LRU queue: block %u is not CACHED", b);
+        REQUIRE(c->blk[b].qprev == prev, "LRU queue: block %u has a wrong back link", b);
+        pos[b] = n;
+    }
+    REQUIRE(n == p->n_cached && prev == p->lru_tail, "LRU queue: %u blocks linked, n_cached=%u", n, p->n_cached);
+    return PKV_OK;
+}
+
+static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
+    uint32_t *ref = c->chk_ref;
+    memset(ref, 0, sizeof(uint32_t) * c->n_blocks);
+    uint32_t live = 0, pins = 0;
+    *n_tokens = 0;
+    for (uint32_t i = 0; i < c->max_seqs; i++) {
+        const pkv__seq *s = &c->seqs[i];
+        if (!s->live) continue;
+        live++;
+        pins += s->is_pin;
+        if (!s->is_pin) *n_tokens += s->n_tokens;
+        REQUIRE(s->gen != 0, "sequence %u: generation 0", i);
+        REQUIRE(s->n_blocks == (s->n_tokens + c->B - 1) / c->B,
+                "sequence %u: %u blocks for %u tokens (B=%u)", i, s->n_blocks, s->n_tokens, c->B);
+        REQUIRE(s->n_blocks <= c->max_bps, "sequence %u: %u blocks > max_blocks_per_seq", i, s->n_blocks);
+        REQUIRE(s->n_committed <= s->n_tokens, "sequence %u: committed %u > length %u", i, s->n_committed, s->n_tokens);
+        REQUIRE((uint64_t)s->idx_len * c->B <= s->n_committed, "sequence %u: indexed chain of %u blocks past committed %u",
+                i, s->idx_len, s->n_committed);
+        for (uint32_t j = 0; j < s->n_blocks; j++) {
+            int32_t b = s->table[j];
+            REQUIRE(b >= 0 && (uint32_t)b < c->n_blocks, "sequence %u: table[%u]=%d out of range", i, j, b);
+            ref[b]++;
+            const pkv__blk *k = &c->blk[b];
+            REQUIRE(k->state == PKV_BLK_ACTIVE, "sequence %u: table[%u]=block %d is not ACTIVE", i, j, b);
+            uint32_t need = (uint32_t)PKV_MIN((uint64_t)c->B, s->n_tokens - (uint64_t)j * c->B);
+            REQUIRE(k->n_fill >= need, "sequence %u: block %d holds %u tokens, sequence uses %u", i, b, k->n_fill, need);
+            if (j < s->idx_len) {
+                REQUIRE(k->flags & PKV_BLKF_INDEXED, "sequence %u: chain block %u (block %d) not indexed", i, j, b);
+                REQUIRE(k->parent == (j ? (uint32_t)s->table[j - 1] : PKV_NONE),
+                        "sequence %u: chain block %u (block %d) has parent %u, table says %d", i, j, b, k->parent,
+                        j ? s->table[j - 1] : -1);
+            }
+            uint64_t committed = s->n_committed > (uint64_t)j * c->B ? s->n_committed - (uint64_t)j * c->B : 0;
+            REQUIRE(k->n_commit >= PKV_MIN(committed, (uint64_t)c->B),
+                    "sequence %u: block %d commit count %u below the sequence's %llu", i, b, k->n_commit,
+                    (unsigned long long)PKV_MIN(committed, (uint64_t)c->B));
+        }
+    }
+    REQUIRE(live == c->n_live && pins == c->n_pins, "sequence count: %u live (%u pins) vs counters %u (%u)", live,
+            pins, c->n_live, c->n_pins);
+    uint32_t n_free_slots = 0;
+    for (uint32_t i = c->seq_free; i != PKV_NONE; i = c->seqs[i].next_free) {
+        REQUIRE(i < c->max_seqs && !c->seqs[i].live, "sequence free list: slot %u is live or out of range", i);
+        REQUIRE(++n_free_slots <= c->max_seqs - live, "sequence free list: too long (cycle?)");
+    }
+    REQUIRE(n_free_slots == c->max_seqs - live, "sequence free list: %u slots, expected %u", n_free_slots,
+            c->max_seqs - live);
+    return PKV_OK;
+}
+
+static int check_blocks(pkv_cache *c, report *r) {
+    uint32_t n_free = 0, n_cached = 0, n_active = 0;
+    uint64_t slots = 0, n_indexed = 0;
+    for (uint32_t b = 0; b < c->n_blocks; b++) {
+        const pkv__blk *k = &c->blk[b];
+        REQUIRE(k->ref == c->chk_ref[b], "block %u: refcount %u but %u table entries and pins name it", b, k->ref,
+                c->chk_ref[b]);
+        REQUIRE(!((k->flags & PKV_BLKF_INDEXED) && (k->flags & PKV_BLKF_PARTIAL)), "block %u: both indexed and partial", b);
+        REQUIRE(k->n_commit <= k->n_fill && k->n_fill <= c->B, "block %u: commit %u / fill %u / B %u inconsistent", b,
+                k->n_commit, k->n_fill, c->B);
+        switch (k->state) {
+        case PKV_BLK_FREE:
+            n_free++;
+            REQUIRE(k->ref == 0 && k->flags == 0, "block %u: FREE but ref %u flags %u", b, k->ref, k->flags);
+            break;
+        case PKV_BLK_CACHED:
+            n_cached++;
+            REQUIRE(k->ref == 0 && (k->flags & PKV_BLKF_INDEXED), "block %u: CACHED but ref %u / not indexed", b, k->ref);
+            break;
+        case PKV_BLK_ACTIVE:
+            n_active++;
+            slots += k->n_fill;
+            REQUIRE(k->ref > 0, "block %u: ACTIVE with refcount 0", b);
+            break;
+        default: return fail(r, "block %u: unknown state %u", b, k->state);
+        }
+        if (k->flags & PKV_BLKF_INDEXED) {
+            n_indexed++;
+            REQUIRE(k->n_commit == c->B && k->n_fill == c->B, "block %u: indexed but not full and committed", b);
+            const int32_t *toks = c->tokens + (size_t)b * c->B;
+            uint64_t h = pkv__identity_hash(c, k->parent, k->ns_lo, k->ns_hi, toks);
+            REQUIRE(h == k->hash, "block %u: indexed identity changed (hash %016llx, recomputed %016llx)", b,
+                    (unsigned long long)k->hash, (unsigned long long)h);
+            uint32_t x = c->buckets[h & c->bucket_mask], steps = 0;
+            while (x != PKV_NONE && x != b && steps++ <= c->n_blocks) x = c->blk[x].hnext;
+            REQUIRE(x == b, "block %u: indexed but not in its hash bucket", b);
+            if (k->parent != PKV_NONE) {
+                const pkv__blk *p = &c->blk[k->parent];
+                REQUIRE(p->flags & PKV_BLKF_INDEXED, "block %u: indexed under parent %u which is not indexed", b, k->parent);
+                if (k->state == PKV_BLK_ACTIVE)
+                    REQUIRE(p->state == PKV_BLK_ACTIVE, "block %u: ACTIVE but its parent %u is not", b, k->parent);
+                if (k->state == PKV_BLK_CACHED && p->state == PKV_BLK_CACHED)
+                    REQUIRE(c->chk_pos[b] < c->chk_pos[k->parent],
+                            "LRU: cached block %u is behind its cached parent %u (leaves must go first)", b, k->parent);
+            }
+            uint32_t n_ch = 0;
+            for (uint32_t ch = k->child; ch != PKV_NONE; ch = c->blk[ch].sib_next) {
+                REQUIRE(ch < c->n_blocks && c->blk[ch].parent == b, "block %u: child %u does not name it as parent", b, ch);
+                REQUIRE(++n_ch <= c->n_blocks, "block %u: child list cycles", b);
+            }
+        } else if (k->flags & PKV_BLKF_PARTIAL) {
+            REQUIRE(k->state == PKV_BLK_ACTIVE && k->n_commit > 0, "block %u: partial but not ACTIVE with commits", b);
+            REQUIRE(k->parent != PKV_NONE && (c->blk[k->parent].flags & PKV_BLKF_INDEXED),
+                    "block %u: partial under a parent that is not indexed", b);
+        } else {
+            REQUIRE(k->child == PKV_NONE, "block %u: not indexed but has children", b);
+        }
+    }
+    REQUIRE(n_free == c->pool.n_free && n_cached == c->pool.n_cached && n_active == c->pool.n_active,
+            "block states: %u free / %u cached / %u active, counters %u / %u / %u", n_free, n_cached, n_active,
+            c->pool.n_free, c->pool.n_cached, c->pool.n_active);
+    REQUIRE(n_free + n_cached + n_active == c->n_blocks, "block states do not add up to n_blocks");
+    REQUIRE(slots == c->pool.slots_used, "slots used: %llu counted, counter %llu", (unsigned long long)slots,
+            (unsigned long long)c->pool.slots_used);
+    REQUIRE(n_indexed == c->n_indexed, "index: %llu indexed blocks, counter %llu", (unsigned long long)n_indexed,
+            (unsigned long long)c->n_indexed);
+    REQUIRE(c->pool.peak_active >= n_active, "peak_active %u below n_active %u", c->pool.peak_active, n_active);
+    /* children counts: every INDEXED block's n_children equals its indexed children */
+    for (uint32_t b = 0; b < c->n_blocks; b++) {
+        const pkv__blk *k = &c->blk[b];
+        if (!(k->flags & PKV_BLKF_INDEXED)) continue;
+        uint32_t n_idx = 0;
+        for (uint32_t ch = k->child; ch != PKV_NONE; ch = c->blk[ch].sib_next)
+            n_idx += (c->blk[ch].flags & PKV_BLKF_INDEXED) != 0;
+        REQUIRE(n_idx == k->n_children, "block %u: %u indexed children, counter %u", b, n_idx, k->n_children);
+    }
+    return PKV_OK;
+}
+
+PKV_API int pkv_cache_check(pkv_cache *c, char *msg, size_t msg_cap) {
+    if (!c || (msg_cap && !msg)) return PKV_EINVAL;
+    report rep = {msg, msg_cap}, *r = &rep;
+    if (msg_cap) msg[0] = 0;
+    pthread_mutex_lock(&c->mu);
+    uint64_t n_tokens = 0;
+    int rc = check_queues(c, r);
+    if (!rc) rc = check_sequences(c, r, &n_tokens);
+    if (!rc) rc = check_blocks(c, r);
+    if (!rc && n_tokens != c->n_tokens_total)
+        rc = fail(r, "token count: %llu over sequences, counter %llu", (unsigned long long)n_tokens,
+                  (unsigned long long)c->n_tokens_total);
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}

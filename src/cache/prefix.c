@@ -1,0 +1,287 @@
+/* prefix.c: the prefix index: identity hashing (XXH3), exact lookup, indexing at commit,
+ * token-granular matching, eviction bookkeeping and pins.
+ *
+ * A block's identity is (namespace, parent block, its B token ids). The hash chains the
+ * parent's hash, so it is a digest of the namespace and the whole token prefix; a lookup
+ * compares the parent id, the namespace (roots) and every token id exactly, so a hash
+ * collision can only cost time, never hand out the wrong K/V.
+ *
+ * Chains: a sequence indexes its full committed blocks only while its own table is the indexed
+ * chain (table[i]'s parent is table[i-1]). Hence whoever holds an indexed block holds its
+ * ancestors, a CACHED block has no ACTIVE descendants, and releasing deepest-first keeps every
+ * CACHED block behind its CACHED children in the LRU queue: evicting from the head always
+ * takes a leaf. */
+#include "cache_int.h"
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+void pkv__salt_digest(const void *salt, size_t len, uint64_t *lo, uint64_t *hi) {
+    XXH128_hash_t h = XXH3_128bits_withSeed(len ? salt : "", len, 0x706b7673616c74ull /* "pkvsalt" */);
+    *lo = h.low64;
+    *hi = h.high64;
+}
+
+uint64_t pkv__identity_hash(const pkv_cache *c, uint32_t parent, uint64_t ns_lo, uint64_t ns_hi,
+                            const int32_t *toks) {
+    if (c->const_hash) return 0x5151515151515151ull;
+    uint64_t seed = parent == PKV_NONE ? ns_lo ^ (ns_hi * 0x9E3779B97F4A7C15ull) : c->blk[parent].hash;
+    return XXH3_64bits_withSeed(toks, (size_t)c->B * sizeof(int32_t), seed);
+}
+
+uint64_t pkv__content_hash(const pkv_cache *c, uint32_t parent, const int32_t *toks) {
+    uint64_t seed = parent == PKV_NONE ? 0x636f6e74656e74ull : c->blk[parent].chash;
+    return XXH3_64bits_withSeed(toks, (size_t)c->B * sizeof(int32_t), seed);
+}
+
+void pkv__cache_test_const_hash(pkv_cache *c, int on) {
+    pthread_mutex_lock(&c->mu);
+    c->const_hash = on;
+    pthread_mutex_unlock(&c->mu);
+}
+
+void pkv__index_reset(pkv_cache *c) {
+    for (uint32_t i = 0; i <= c->bucket_mask; i++) c->buckets[i] = PKV_NONE;
+    c->n_indexed = 0;
+    /* the fingerprint tables keep their history across a reset: "evicted" stays meaningful */
+}
+
+/* ---- child lists (INDEXED and PARTIAL children of a block) ---- */
+static void child_link(pkv_cache *c, uint32_t parent, uint32_t b) {
+    pkv__blk *k = &c->blk[b], *p = &c->blk[parent];
+    k->parent = parent;
+    k->sib_prev = PKV_NONE;
+    k->sib_next = p->child;
+    if (p->child != PKV_NONE) c->blk[p->child].sib_prev = b;
+    p->child = b;
+}
+
+static void child_unlink(pkv_cache *c, uint32_t b) {
+    pkv__blk *k = &c->blk[b];
+    if (k->parent == PKV_NONE) return;
+    pkv__blk *p = &c->blk[k->parent];
+    if (k->sib_prev != PKV_NONE) c->blk[k->sib_prev].sib_next = k->sib_next;
+    else p->child = k->sib_next;
+    if (k->sib_next != PKV_NONE) c->blk[k->sib_next].sib_prev = k->sib_prev;
+    k->sib_prev = k->sib_next = PKV_NONE;
+    k->parent = PKV_NONE;
+}
+
+void pkv__partial_unlink(pkv_cache *c, uint32_t b) {
+    pkv_assert(c->blk[b].flags & PKV_BLKF_PARTIAL);
+    child_unlink(c, b);
+    c->blk[b].flags &= (uint8_t)~PKV_BLKF_PARTIAL;
+}
+
+/* ---- hash table ---- */
+static uint32_t lookup(const pkv_cache *c, uint64_t h, uint32_t parent, uint64_t ns_lo, uint64_t ns_hi,
+                       const int32_t *toks) {
+    for (uint32_t b = c->buckets[h & c->bucket_mask]; b != PKV_NONE; b = c->blk[b].hnext) {
+        const pkv__blk *k = &c->blk[b];
+        if (k->hash != h || k->parent != parent) continue;
+        if (parent == PKV_NONE && (k->ns_lo != ns_lo || k->ns_hi != ns_hi)) continue;
+        if (memcmp(c->tokens + (size_t)b * c->B, toks, (size_t)c->B * sizeof(int32_t))) continue;
+        return b;
+    }
+    return PKV_NONE;
+}
+
+static void bucket_remove(pkv_cache *c, uint32_t b) {
+    uint32_t *at = &c->buckets[c->blk[b].hash & c->bucket_mask];
+    while (*at != b) {
+        pkv_assert(*at != PKV_NONE);
+        at = &c->blk[*at].hnext;
+    }
+    *at = c->blk[b].hnext;
+    c->blk[b].hnext = PKV_NONE;
+}
+
+void pkv__index_evict(pkv_cache *c, uint32_t b) {
+    pkv__blk *k = &c->blk[b];
+    pkv_assert((k->flags & PKV_BLKF_INDEXED) && k->child == PKV_NONE && k->n_children == 0); /* a leaf */
+    bucket_remove(c, b);
+    if (k->parent != PKV_NONE) c->blk[k->parent].n_children--;
+    child_unlink(c, b);
+    k->flags = 0;
+    k->ns_lo = k->ns_hi = 0;
+    c->n_indexed--;
+}
+
+/* Makes block b (full, committed, table[i] of s) an index entry under parent. */
+static void index_insert(pkv_cache *c, const pkv__seq *s, uint32_t b, uint32_t parent, uint64_t h) {
+    pkv__blk *k = &c->blk[b];
+    if (k->flags & PKV_BLKF_PARTIAL) { /* a registered partial that just filled up */
+        child_unlink(c, b);
+        k->flags &= (uint8_t)~PKV_BLKF_PARTIAL;
+    }
+    k->flags |= PKV_BLKF_INDEXED;
+    k->hash = h;
+    k->chash = pkv__content_hash(c, parent, c->tokens + (size_t)b * c->B);
+    k->ns_lo = parent == PKV_NONE ? s->ns_lo : 0;
+    k->ns_hi = parent == PKV_NONE ? s->ns_hi : 0;
+    k->parent = PKV_NONE;
+    if (parent != PKV_NONE) {
+        child_link(c, parent, b);
+        c->blk[parent].n_children++;
+    }
+    uint32_t *bucket = &c->buckets[h & c->bucket_mask];
+    k->hnext = *bucket;
+    *bucket = b;
+    c->fp_seen[h & c->fp_mask] = h;
+    c->fp_content[k->chash & c->fp_mask] = k->chash;
+    c->n_indexed++;
+}
+
+void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
+    if (!c->cfg.enable_prefix_cache) return;
+    const uint32_t B = c->B;
+    uint32_t full = s->n_committed / B;
+    /* extend this sequence's indexed chain over its full committed blocks */
+    while (s->idx_len < full) {
+        uint32_t i = s->idx_len, b = (uint32_t)s->table[i];
+        uint32_t parent = i ? (uint32_t)s->table[i - 1] : PKV_NONE;
+        pkv__blk *k = &c->blk[b];
+        if (k->flags & PKV_BLKF_INDEXED) { /* attached by match or fork: already the chain */
+            pkv_assert(k->parent == parent);
+            s->idx_len++;
+            continue;
+        }
+        const int32_t *toks = c->tokens + (size_t)b * B;
+        uint64_t h = pkv__identity_hash(c, parent, s->ns_lo, s->ns_hi, toks);
+        if (lookup(c, h, parent, s->ns_lo, s->ns_hi, toks) != PKV_NONE) break; /* a twin is indexed */
+        index_insert(c, s, b, parent, h);
+        s->idx_len++;
+    }
+    /* register the committed part of the tail block for token-granular matching */
+    uint32_t rem = s->n_committed % B, i = full;
+    if (rem && i >= 1 && i == s->idx_len && i < s->n_blocks) {
+        uint32_t b = (uint32_t)s->table[i];
+        pkv__blk *k = &c->blk[b];
+        if (!(k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) && k->n_commit > 0) {
+            child_link(c, (uint32_t)s->table[i - 1], b);
+            k->flags |= PKV_BLKF_PARTIAL;
+        }
+    }
+}
+
+static uint32_t common_prefix(const int32_t *a, const int32_t *b, uint32_t n) {
+    uint32_t i = 0;
+    while (i < n && a[i] == b[i]) i++;
+    return i;
+}
+
+PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, uint32_t *n_reused) {
+    if (!c || !n_reused || (n && !tokens)) return PKV_EINVAL;
+    pthread_mutex_lock(&c->mu);
+    pkv__seq *s = pkv__seq_get(c, id);
+    int rc = !s ? PKV_ENOENT : s->is_pin ? PKV_EINVAL : PKV_OK;
+    if (rc) goto out;
+    if (s->n_tokens != 0) {
+        rc = PKV_EINVAL;
+        goto out;
+    }
+    *n_reused = 0;
+    if (!c->cfg.enable_prefix_cache) goto out;
+    c->pfx_lookups++;
+    c->pfx_queried += n;
+    if (n <= 1) goto out;
+    const uint32_t B = c->B, cap = n - 1;
+    /* blocks holding positions [0, cap): with B = 1 the block of the last prompt token holds no
+       reusable position and must not be attached (it would lie past the length) */
+    uint32_t prev = PKV_NONE, k = 0, full = PKV_MIN(PKV_MIN(n / B, (cap + B - 1) / B), c->max_bps);
+    while (k < full) {
+        const int32_t *t = tokens + (size_t)k * B;
+        uint64_t h = pkv__identity_hash(c, prev, s->ns_lo, s->ns_hi, t);
+        uint32_t b = lookup(c, h, prev, s->ns_lo, s->ns_hi, t);
+        if (b == PKV_NONE) {
+            /* why: the same namespace+prefix was indexed once (evicted), the same tokens exist
+               under another namespace, or never seen. Best effort: fingerprint tables. */
+            uint64_t ch = pkv__content_hash(c, prev, t);
+            if (!c->const_hash && c->fp_seen[h & c->fp_mask] == h) c->miss_evicted++;
+            else if (c->fp_content[ch & c->fp_mask] == ch) c->miss_ns++;
+            else c->miss_new++;
+            break;
+        }
+        pkv__pool_ref(&c->pool, b);
+        s->table[k++] = (int32_t)b;
+        prev = b;
+    }
+    uint32_t reused = PKV_MIN(k * B, cap);
+    s->n_blocks = k;
+    s->idx_len = PKV_MIN(k, reused / B);
+    /* token-granular: the child of the last matched block sharing the longest token prefix */
+    if (k >= 1 && reused == k * B && reused < cap && k < c->max_bps) {
+        uint32_t want = PKV_MIN(B, cap - reused), best = PKV_NONE, best_m = 0;
+        for (uint32_t ch = c->blk[prev].child; ch != PKV_NONE; ch = c->blk[ch].sib_next) {
+            uint32_t lim = PKV_MIN(want, (uint32_t)c->blk[ch].n_commit);
+            uint32_t m = common_prefix(c->tokens + (size_t)ch * B, tokens + reused, lim);
+            if (m > best_m) {
+                best_m = m;
+                best = ch;
+            }
+        }
+        if (best_m && c->pool.n_free + c->pool.n_cached > (c->blk[best].state == PKV_BLK_CACHED ? 1u : 0u)) {
+            pkv__pool_ref(&c->pool, best); /* protect the source from eviction */
+            uint32_t nb = pkv__take_block(c);
+            pkv_assert(nb != PKV_NONE);
+            pkv__copy_block(c, nb, best, best_m);
+            pkv__pool_set_fill(&c->pool, nb, best_m);
+            c->blk[nb].n_commit = (uint16_t)best_m;
+            pkv__drop_block(c, best);
+            s->table[s->n_blocks++] = (int32_t)nb;
+            reused += best_m;
+        }
+    }
+    s->n_tokens = s->n_committed = s->n_reused = reused;
+    c->n_tokens_total += reused;
+    c->pfx_hit += reused;
+    *n_reused = reused;
+    pkv__index_after_commit(c, s);
+out:
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+/* ---- pins ----------------------------------------------------------------------------------- */
+PKV_API int pkv_pin_create(pkv_cache *c, pkv_seq id, uint32_t n_pos, pkv_seq *pin) {
+    if (!c || !pin) return PKV_EINVAL;
+    pthread_mutex_lock(&c->mu);
+    pkv__seq *s = pkv__seq_get(c, id);
+    int rc = !s ? PKV_ENOENT : s->is_pin ? PKV_EINVAL : PKV_OK;
+    if (rc) goto out;
+    pkv__seq *p = pkv__seq_new(c);
+    if (!p) {
+        rc = PKV_ELIMIT;
+        goto out;
+    }
+    uint32_t nb = PKV_MIN(n_pos, s->n_committed) / c->B;
+    p->is_pin = 1;
+    c->n_pins++;
+    for (uint32_t i = 0; i < nb; i++) {
+        p->table[i] = s->table[i];
+        pkv__pool_ref(&c->pool, (uint32_t)s->table[i]);
+    }
+    p->n_blocks = nb;
+    p->n_tokens = p->n_committed = nb * c->B;
+    p->n_reused = 0;
+    p->idx_len = PKV_MIN(s->idx_len, nb);
+    p->ns_lo = s->ns_lo;
+    p->ns_hi = s->ns_hi;
+    *pin = pkv__seq_id(c, p);
+out:
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+PKV_API int pkv_pin_release(pkv_cache *c, pkv_seq pin) {
+    if (!c) return PKV_EINVAL;
+    pthread_mutex_lock(&c->mu);
+    pkv__seq *p = pkv__seq_get(c, pin);
+    int rc = !p ? PKV_ENOENT : !p->is_pin ? PKV_EINVAL : PKV_OK;
+    if (!rc) {
+        while (p->n_blocks > 0) pkv__drop_block(c, (uint32_t)p->table[--p->n_blocks]);
+        pkv__seq_free(c, p);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
