@@ -198,7 +198,8 @@ static inline __m256 softcap8(__m256 x, __m256 c, __m256 m2_inv_c) {
     const __m256 one = _mm256_set1_ps(1.0f);
     __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
     t = _mm256_or_ps(t, _mm256_and_ps(sign, x));
-    return _mm256_mul_ps(c, t);
+    /* masked keys (-inf) stay masked */
+    return _mm256_blendv_ps(_mm256_mul_ps(c, t), x, _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
 }
 
 static void softmax_avx2(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
