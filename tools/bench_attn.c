@@ -157,29 +157,29 @@ static void setup_free(setup *s) {
     memset(s, 0, sizeof *s);
 }
 
-/* Fills every block of every layer with valid K/V of the dtype: 64 distinct blocks written
- * through pkv_write_kv (random input), then copied over the pool through pkv_cache_layout. */
+/* Fills every block of every layer with valid K/V of the dtype: the first (up to) 64 blocks of
+ * sequence 0 are written through pkv_write_kv (random input, converted by the library), then
+ * copied over the whole pool through pkv_cache_layout. The values are irrelevant to the
+ * timing as long as they are finite and not all alike (the softmax max changes now and then). */
 static int fill_pool(setup *s, tool_rng *rng) {
     pkv_layout L;
     if (tool_check(pkv_cache_layout(s->c, &L), "pkv_cache_layout") < 0) return -1;
-    const uint32_t n_pat = 64 < L.n_blocks ? 64 : L.n_blocks, n_tok = n_pat * BT;
-    pkv_seq p;
-    if (tool_check(pkv_seq_create(s->c, NULL, 0, &p), "pkv_seq_create") < 0) return -1;
-    int32_t *tok = calloc(n_tok, sizeof *tok), *slots = malloc(sizeof(int32_t) * n_tok);
+    const uint32_t per_seq = s->ctx / BT;
+    const uint32_t n_pat = 64 < per_seq ? 64 : per_seq, n_tok = n_pat * BT;
+    int32_t *slots = malloc(sizeof(int32_t) * n_tok);
     float *k = malloc(sizeof(float) * n_tok * H_KV * HEAD_DIM), *v = malloc(sizeof(float) * n_tok * H_KV * HEAD_DIM);
     uint8_t *pat_k = malloc(L.k_block_bytes * n_pat), *pat_v = malloc(L.v_block_bytes * n_pat);
     int rc = -1;
-    if (!tok || !slots || !k || !v || !pat_k || !pat_v) goto out;
+    if (!slots || !k || !v || !pat_k || !pat_v) goto out;
     for (size_t i = 0; i < (size_t)n_tok * H_KV * HEAD_DIM; i++)
         k[i] = (float)tool_rng_normal(rng), v[i] = (float)tool_rng_normal(rng);
-    if (tool_check(pkv_seq_append(s->c, p, tok, n_tok, slots), "pkv_seq_append") < 0) goto out;
+    if (tool_check(pkv_seq_slots(s->c, s->seqs[0], 0, n_tok, slots), "pkv_seq_slots") < 0) goto out;
     if (tool_check(pkv_write_kv(s->c, 0, slots, n_tok, k, v, PKV_DTYPE_F32), "pkv_write_kv") < 0) goto out;
     for (uint32_t b = 0; b < n_pat; b++) {
         uint32_t id = (uint32_t)slots[b * BT] / BT;
         memcpy(pat_k + b * L.k_block_bytes, L.k_base + (size_t)id * L.k_block_bytes, L.k_block_bytes);
         memcpy(pat_v + b * L.v_block_bytes, L.v_base + (size_t)id * L.v_block_bytes, L.v_block_bytes);
     }
-    if (tool_check(pkv_seq_release(s->c, p), "pkv_seq_release") < 0) goto out;
     for (uint32_t l = 0; l < L.n_layers; l++)
         for (uint32_t b = 0; b < L.n_blocks; b++) {
             memcpy(L.k_base + l * L.layer_stride_bytes + (size_t)b * L.k_block_bytes, pat_k + (b % n_pat) * L.k_block_bytes,
@@ -189,7 +189,7 @@ static int fill_pool(setup *s, tool_rng *rng) {
         }
     rc = 0;
 out:
-    free(tok), free(slots), free(k), free(v), free(pat_k), free(pat_v);
+    free(slots), free(k), free(v), free(pat_k), free(pat_v);
     return rc;
 }
 
@@ -230,7 +230,7 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
     cfg.n_kv_heads = H_KV;
     cfg.head_dim = HEAD_DIM;
     cfg.block_tokens = BT;
-    cfg.n_blocks = n_blocks + 64; /* + the pattern blocks fill_pool writes through the API */
+    cfg.n_blocks = n_blocks;
     cfg.k_dtype = cfg.v_dtype = dt;
     cfg.max_seqs = 1024 + 32;
     cfg.max_blocks_per_seq = per_seq > 64 ? per_seq : 64;
@@ -238,7 +238,7 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
     cfg.enable_prefix_cache = 0;
     int rc = pkv_cache_create(&cfg, &s->c);
     if (rc < 0) return rc;
-    if (paged && scatter_free_queue(s, rng, n_blocks + 64) < 0) goto fail;
+    if (paged && scatter_free_queue(s, rng, n_blocks) < 0) goto fail;
     int32_t *tok = calloc(ctx, sizeof *tok);
     int32_t *table = malloc(sizeof(int32_t) * per_seq);
     uint64_t adj = 0, pairs = 0;

@@ -83,10 +83,11 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
     static inline __attribute__((always_inline)) void score_rows_##T(const float *q, size_t qs, const uint8_t *k, \
                                                                      size_t krb, const uint32_t R, uint32_t n_keys, \
                                                                      uint32_t D, float *s, uint32_t ss) {       \
+        /* 3-key tiles, but end on 2-key tiles rather than a 1-key one (4 chains, latency-bound) */         \
         uint32_t t = 0;                                                                                         \
-        for (; t + 3 <= n_keys; t += 3) score_tile_##T(q, qs, k + t * krb, krb, R, 3, D, s + t, ss);            \
-        if (n_keys - t == 2) score_tile_##T(q, qs, k + t * krb, krb, R, 2, D, s + t, ss);                       \
-        else if (n_keys - t == 1) score_tile_##T(q, qs, k + t * krb, krb, R, 1, D, s + t, ss);                  \
+        for (; n_keys - t >= 3 && n_keys - t != 4; t += 3) score_tile_##T(q, qs, k + t * krb, krb, R, 3, D, s + t, ss); \
+        for (; n_keys - t >= 2; t += 2) score_tile_##T(q, qs, k + t * krb, krb, R, 2, D, s + t, ss);            \
+        if (n_keys - t == 1) score_tile_##T(q, qs, k + t * krb, krb, R, 1, D, s + t, ss);                       \
     }                                                                                                           \
     static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,        \
                           uint32_t D, float *s, uint32_t ss) {                                                  \
@@ -124,9 +125,10 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
                                                                      uint32_t D, float *acc) {                  \
         const size_t esz = sizeof(elem_##T);                                                                    \
+        /* 24-column tiles, ending on 16-column ones rather than an 8-column one (e.g. 128 = 4 x 24 + 2 x 16) */ \
         uint32_t d = 0;                                                                                         \
-        for (; d + 24 <= D; d += 24) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D);         \
-        if (D - d >= 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D), d += 16;            \
+        for (; D - d >= 24 && D - d != 32; d += 24) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D); \
+        for (; D - d >= 16; d += 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D);         \
         if (D - d >= 8) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D), d += 8;              \
         for (uint32_t i = 0; i < R; i++) /* head_dim not a multiple of 8 */                                     \
             for (uint32_t t = 0; t < n_keys; t++) {                                                             \

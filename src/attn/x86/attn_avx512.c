@@ -94,9 +94,9 @@ typedef uint16_t elem_bf16;
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
                                                                      uint32_t D, float *acc) {                  \
         const size_t esz = sizeof(elem_##T);                                                                    \
-        uint32_t d = 0;                                                                                         \
-        for (; d + 48 <= D; d += 48) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D);         \
-        if (D - d >= 32) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D), d += 32;            \
+        uint32_t d = 0; /* 48-column tiles, ending on 32-column ones rather than a 16-column one */            \
+        for (; D - d >= 48 && D - d != 64; d += 48) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D); \
+        for (; D - d >= 32; d += 32) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D);         \
         if (D - d >= 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D), d += 16;            \
         for (uint32_t i = 0; i < R; i++) /* head_dim not a multiple of 16 */                                    \
             for (uint32_t t = 0; t < n_keys; t++) {                                                             \
