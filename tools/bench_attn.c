@@ -318,7 +318,7 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
             return -1;
         }
         bw[paged] = bw_now((int)nt);
-        rc = time_decode(&s, q, out, o->quick ? 0.3 : 1.0, &med[paged]);
+        rc = time_decode(&s, q, out, o->quick ? 0.3 : 0.5, &med[paged]);
         adjf[paged] = s.adjacent;
         setup_free(&s);
         if (rc < 0) {
