@@ -19,7 +19,8 @@ typedef struct pkv__kv_view {
 /* One sequence's share of an attention call: n_q consecutive queries at positions
  * q_pos0 .. q_pos0 + n_q - 1; the query at position p attends to positions
  * [max(0, p - window + 1), p] (window 0 = [0, p]). block_table covers at least
- * ceil((q_pos0 + n_q) / block_tokens) entries, all valid block ids. */
+ * ceil((q_pos0 + n_q) / block_tokens) entries, all valid block ids. Decode is the item
+ * {q_pos0 = length - 1, n_q = 1}. */
 typedef struct pkv__attn_item {
     const int32_t *block_table;
     uint32_t q_pos0;
@@ -30,7 +31,7 @@ typedef struct pkv__attn_item {
 } pkv__attn_item;
 
 typedef struct pkv__attn_call {
-    uint32_t n_q_heads; /* multiple of n_kv_heads, already validated */
+    uint32_t n_q_heads; /* multiple of n_kv_heads (pkv__attn_run checks it) */
     float scale;        /* resolved (never 0) */
     float softcap;      /* 0 = off */
     uint32_t window;    /* 0 = off */
@@ -45,15 +46,97 @@ typedef struct pkv__attn_limits {
 
 typedef struct pkv__attn pkv__attn; /* thread pool, scratch, chosen backend */
 
-/* n_threads: workers including the caller (0 = all cpus). Allocates through a. */
+/* n_threads: workers including the caller (0 = all cpus). Allocates through a. Picks the
+ * backend once from pkv__cpu_features() (PKV_FORCE_REF=1 forces "ref"). */
 int pkv__attn_create(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim, pkv__attn **out);
+/* Same with a named backend ("ref", "avx2", "avx512", "neon"; NULL = automatic): tests use
+ * it to compare every SIMD path with the reference. PKV_ENOTSUP if this CPU or build lacks it. */
+int pkv__attn_create_backend(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim,
+                             const char *backend, pkv__attn **out);
 void pkv__attn_destroy(pkv__attn *at);
 const char *pkv__attn_backend_name(const pkv__attn *at);
 uint32_t pkv__attn_n_threads(const pkv__attn *at);
 
 /* Runs attention for n_items items (n_items <= max_items). Not reentrant on one context: the
- * cache serializes calls. Allocates nothing. Returns 0 or a PKV_E* status. */
+ * cache serializes calls. Allocates nothing. Returns 0, PKV_EINVAL (NULL pointers, n_q_heads
+ * not a positive multiple of n_kv_heads, view shape beyond the limits), or PKV_ENOTSUP when
+ * the backend has no kernel for (k_dtype, v_dtype). On error nothing is written. */
 int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *items, uint32_t n_items,
                   const pkv__attn_call *call);
+
+/* ---- kernel dispatch ---------------------------------------------------------------------
+ *
+ * The driver (attn.c) owns everything dtype-independent: the work plan (items x kv-head
+ * groups x query tiles x key splits), the thread pool, the causal / window masks, the
+ * split-K log-sum-exp merge and the final normalisation. For each (block, kv head) it calls
+ * three primitives from the backend's pkv__attn_kernels table:
+ *
+ *   prep_q[k_dtype]   once per work unit: query rows (f32, times scale) -> the layout the
+ *                     score kernel wants (a plain f32 copy, or e.g. int8 + per-32 scales).
+ *   score[k_dtype]    s[r][t] = <prepared q row r, K row t> for up to one block of K rows.
+ *   softmax           (dtype-free, per backend) soft-cap, online-softmax update of m, l, the
+ *                     rescale of acc, and s -> p = exp(s - m).
+ *   accum[v_dtype]    acc[r][:] += sum_t p[r][t] * V row t.
+ *
+ * A pair (k_dtype, v_dtype) is supported by a backend when prep_q[k], score[k] and accum[v]
+ * are all non-NULL; otherwise pkv__attn_run returns PKV_ENOTSUP. Dtypes mix freely (e.g.
+ * q8_0 K with f16 V).
+ *
+ * How to add a dtype's kernels (e.g. q8_0 on AVX2):
+ *   1. Write src/attn/x86/attn_q8_avx2.c (the _avx2 suffix gives it -mavx2 -mfma -mf16c)
+ *      with static prep / score / accum functions following the contracts below, and one
+ *      exported filler:  void pkv__attn_fill_q8_avx2(pkv__attn_kernels *kt)  that sets
+ *      kt->prep_q[PKV_DTYPE_Q8_0], kt->score[...], kt->accum[...].
+ *   2. Declare the filler in the "fillers" list below and call it from the backend's
+ *      table builder in attn.c (function build_kernels: one line per filler, under the
+ *      same #if as the backend). The scalar reference fills live in attn_ref.c (fill the
+ *      ref table too, so PKV_FORCE_REF=1 and the oracle tests cover the dtype).
+ *   3. Nothing else changes: the tests in tests/test_attn.c loop over every dtype the
+ *      pool accepts and compare each backend with the reference, and `pkv bench attn`
+ *      lists every dtype pkv_cache_create accepts.
+ * Rows of a quantized dtype are pkv__row_bytes(dt, head_dim) bytes with inline scales
+ * (quant.h); kernels receive the row pointer and row stride and decode in registers (no
+ * dequantized copy of the cache). Kernels run on worker threads: no static mutable state.
+ */
+
+/* Bytes of prepared-query space per row, 64-aligned: room for head_dim f32 (prep_q of the
+ * float dtypes) and for any quantized form that is not larger than f32. */
+#define PKV__ATTN_QROW_BYTES(head_dim) ((((size_t)(head_dim) * 4u) + 63u) & ~(size_t)63u)
+
+/* prep_q: n_rows query rows, row r at q + r * q_stride (floats), head_dim f32 values each;
+ * writes row r of (scale * q) in the kernel's own format at qp + r * PKV__ATTN_QROW_BYTES. */
+typedef void (*pkv__attn_prep_fn)(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim,
+                                  float scale, void *qp);
+/* score: for r < n_rows, t < n_keys: s[r * s_stride + t] = <prepared row r, K row t>, K row t
+ * at k + t * k_row_bytes (k_dtype elements, head_dim of them, scales inline). */
+typedef void (*pkv__attn_score_fn)(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes,
+                                   uint32_t n_keys, uint32_t head_dim, float *s, uint32_t s_stride);
+/* accum: for r < n_rows: acc[r * head_dim + d] += sum_{t < n_keys} p[r * p_stride + t] * V[t][d],
+ * V row t at v + t * v_row_bytes. acc is 64-byte aligned, head_dim floats per row. */
+typedef void (*pkv__attn_accum_fn)(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v,
+                                   size_t v_row_bytes, uint32_t n_keys, uint32_t head_dim, float *acc);
+/* softmax: one online-softmax step over a block of scores s[r * s_stride + t] (t < n_keys;
+ * masked entries are -inf). If softcap > 0 first s = softcap * tanh(s / softcap). Then per row:
+ * m' = max(m[r], max_t s); acc row *= exp(m[r] - m') (skipped when m' == m[r]);
+ * s[t] = exp(s[t] - m') (0 for -inf); l[r] = l[r] * exp(m[r] - m') + sum_t s[t]; m[r] = m'.
+ * A row whose m' is still -inf is left with p = 0 and m, l, acc unchanged. */
+typedef void (*pkv__attn_softmax_fn)(float *s, uint32_t s_stride, uint32_t n_rows, uint32_t n_keys, float softcap,
+                                     float *m, float *l, float *acc, uint32_t head_dim);
+
+typedef struct pkv__attn_kernels {
+    const char *name;
+    pkv__attn_prep_fn prep_q[PKV_DTYPE_COUNT];  /* by k_dtype */
+    pkv__attn_score_fn score[PKV_DTYPE_COUNT];  /* by k_dtype */
+    pkv__attn_accum_fn accum[PKV_DTYPE_COUNT];  /* by v_dtype */
+    pkv__attn_softmax_fn softmax;
+} pkv__attn_kernels;
+
+/* ---- fillers: each sets the entries its file implements (one per backend x dtype family) -- */
+void pkv__attn_fill_ref(pkv__attn_kernels *kt);     /* attn_ref.c: f32, f16, bf16 + softmax */
+void pkv__attn_fill_avx2(pkv__attn_kernels *kt);    /* x86/attn_avx2.c */
+void pkv__attn_fill_avx512(pkv__attn_kernels *kt);  /* x86/attn_avx512.c */
+void pkv__attn_fill_neon(pkv__attn_kernels *kt);    /* arm/attn_neon.c */
+void pkv__attn_fill_q_ref(pkv__attn_kernels *kt);   /* attn_q_ref.c: q8_0, q4_0, fp8_e4m3 */
+void pkv__attn_fill_q_avx2(pkv__attn_kernels *kt);  /* x86/attn_q_avx2.c: q8_0, q4_0, fp8_e4m3 */
 
 #endif

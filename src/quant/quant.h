@@ -8,25 +8,45 @@
 
 #include <string.h>
 
-/* q8_0: per 32 consecutive values along head_dim, one f16 scale d = max|x| / 127 and
- * q = round(x / d) (saturating to [-127, 127]); x ~= d * q. ggml's block_q8_0. */
+/* q8_0: per 32 consecutive values along head_dim, one f16 scale and 32 int8 (ggml's
+ * block_q8_0 layout). Encoding (every path, scalar and SIMD, bit for bit):
+ *   NaN inputs count as 0; amax = min(max|x|, FLT_MAX);
+ *   d = f16(amax / 127) rounded to nearest even, saturated to the largest finite f16;
+ *   q = clamp(rne(x * (1 / d)), -127, 127), q = 0 when d == 0.
+ * The quantization uses the stored (f16) d, not the f32 one, so the bound is in terms of what
+ * is stored: |x - d * q| <= max(d / 2, amax - 127 d) (+ f32 rounding) for finite x with
+ * amax <= 127 * 65504; the second term exceeds d / 2 only when d is an f16 subnormal
+ * (amax < 127 * 2^-14). ggml rounds half away from zero and quantizes with the f32 d; we use
+ * round-half-even (what the SIMD round instruction does) and the stored d. Decode: d * q. */
 typedef struct {
     uint16_t d;
     int8_t qs[32];
 } pkv_block_q8_0;
 _Static_assert(sizeof(pkv_block_q8_0) == 34, "q8_0 block is 34 bytes");
 
-/* q4_0: per 32 values, f16 scale d = max / -8 (max = the value of largest magnitude, sign
- * kept), q = clamp(round(x / d) + 8, 0, 15); value j in the low nibble of qs[j] (j < 16) and
- * value j + 16 in the high nibble of qs[j]; x ~= d * (q - 8). ggml's block_q4_0. */
+/* q4_0: per 32 values, one f16 scale and 16 bytes of nibbles (ggml's block_q4_0 layout: value
+ * j in the low nibble of qs[j] (j < 16), value j + 16 in the high nibble of qs[j]).
+ * Encoding (every path, bit for bit): NaN inputs count as 0; m = the value of largest
+ * magnitude, sign kept (between +a and -a the positive one: order independent, unlike
+ * ggml's first occurrence), clamped to +-FLT_MAX; d = f16(m / -8) (round to nearest even,
+ * saturated to +-65504); q = clamp(rne(x * (1 / d)), -8, 7) + 8 (q = 8 when d == 0).
+ * An all-zero block stores d = +0 (ggml: -0). Decode: x ~= d * (q - 8). Bound (d normal):
+ * |x - d (q - 8)| <= |d| / 2 for x / d in [-8.5, 7.5], which is every value except those of
+ * opposite sign to m with |x| > 15/16 |m|: they clamp to 7 and err by at most |d|
+ * (+ f32 rounding). */
 typedef struct {
     uint16_t d;
     uint8_t qs[16];
 } pkv_block_q4_0;
 _Static_assert(sizeof(pkv_block_q4_0) == 18, "q4_0 block is 18 bytes");
 
-/* fp8 e4m3 row: f32 scale s = max|x| / 448 (1 when the row is all zeros), then head_dim
- * e4m3fn bytes of x / s (round to nearest even, saturating to +-448). x ~= s * e4m3(b). */
+/* fp8 e4m3 row: f32 scale s, then head_dim e4m3fn bytes (bias 7, 3 mantissa bits, no
+ * infinity, 0x7f / 0xff are NaN, largest finite 448). Encoding (every path, bit for bit):
+ * NaN inputs count as 0; amax = min(max|x|, FLT_MAX); s = max(amax / 448, 2^-126) (so 1 / s
+ * is finite; an all-zero row stores 2^-126); b = e4m3(x * (1 / s)) rounded to nearest even,
+ * saturating to +-448, -0 kept. Decode: x ~= s * e4m3(b). Bound: |x - s e4m3(b)| <=
+ * max(|x| / 16, s * 2^-10) (+ f32 rounding): half an ulp of 3 mantissa bits for normals
+ * (|x / s| >= 2^-6), half the subnormal step 2^-9 below. */
 #define PKV_FP8_ROW_HEADER 4
 
 /* Bytes of one row (0 if the dtype cannot hold head_dim values). */
@@ -41,6 +61,34 @@ void pkv__qrow_encode(pkv_dtype dt, const float *x, uint32_t d, void *dst);
 void pkv__qrow_decode(pkv_dtype dt, const void *src, uint32_t d, float *y);
 /* True when the pool may hold this dtype in this build. */
 bool pkv__dtype_pool_supported(pkv_dtype dt);
+
+/* ---- quantized rows: per-format kernels (quant_q.c: _ref, x86/quant_avx2.c: _avx2) ----
+ * Every variant produces the same bytes / floats as _ref bit for bit (tests check it).
+ * d: values in the row (multiple of 32 for q8_0 / q4_0, any for fp8). */
+void pkv__q8_0_encode_ref(const float *x, uint32_t d, void *dst);
+void pkv__q8_0_decode_ref(const void *src, uint32_t d, float *y);
+void pkv__q4_0_encode_ref(const float *x, uint32_t d, void *dst);
+void pkv__q4_0_decode_ref(const void *src, uint32_t d, float *y);
+void pkv__fp8_encode_ref(const float *x, uint32_t d, void *dst);
+void pkv__fp8_decode_ref(const void *src, uint32_t d, float *y);
+#if defined(__x86_64__) || defined(__i386__)
+void pkv__q8_0_encode_avx2(const float *x, uint32_t d, void *dst);
+void pkv__q8_0_decode_avx2(const void *src, uint32_t d, float *y);
+void pkv__q4_0_encode_avx2(const float *x, uint32_t d, void *dst);
+void pkv__q4_0_decode_avx2(const void *src, uint32_t d, float *y);
+void pkv__fp8_encode_avx2(const float *x, uint32_t d, void *dst);
+void pkv__fp8_decode_avx2(const void *src, uint32_t d, float *y);
+#endif
+/* Name of the row-kernel set chosen at first use ("ref" or "avx2"). */
+const char *pkv__qrow_backend(void);
+
+/* Shared scale rules (the SIMD variants compute scales with these, so they cannot drift). */
+/* f16 bits of v rounded to nearest even, saturated to +-65504 (never inf; NaN not expected). */
+static inline uint16_t pkv__f16_sat(float v);
+/* e4m3fn <-> f32. Encode: round to nearest even, |v| >= 448 (and inf) saturate to +-448,
+ * NaN -> 0x7f with the sign, -0 -> 0x80. Decode: exact; 0x7f / 0xff -> NaN. */
+static inline uint8_t pkv__f32_to_e4m3(float v);
+static inline float pkv__e4m3_to_f32(uint8_t b);
 
 /* Convert n input elements (f32, f16 or bf16) to f32. */
 void pkv__to_f32(pkv_dtype in, const void *src, size_t n, float *dst);
@@ -85,6 +133,40 @@ static inline uint16_t pkv__f32_to_bf16(float f) {
     if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40); /* quiet nan */
     x += 0x7fffu + ((x >> 16) & 1);
     return (uint16_t)(x >> 16);
+}
+
+static inline uint16_t pkv__f16_sat(float v) {
+    uint16_t h = pkv__f32_to_f16(v);
+    if ((h & 0x7fffu) > 0x7bffu) h = (uint16_t)((h & 0x8000u) | 0x7bffu);
+    return h;
+}
+
+static inline uint8_t pkv__f32_to_e4m3(float v) {
+    uint32_t x = pkv__f32_bits(v);
+    uint8_t sign = (uint8_t)((x >> 24) & 0x80);
+    uint32_t a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint8_t)(sign | 0x7f);
+    if (a >= 0x43e00000u) return (uint8_t)(sign | 0x7e); /* >= 448, inf: saturate */
+    if (a < 0x3c800000u) {                                /* < 2^-6: subnormal, units of 2^-9 */
+        float t = pkv__bits_f32(a) * 512.0f;              /* exact: a power-of-two scaling */
+        return (uint8_t)(sign | (uint8_t)__builtin_nearbyintf(t)); /* 8 -> 0x08 = 2^-6: right */
+    }
+    /* normal: round the 23-bit mantissa to 3 bits (ties to even); a carry bumps the exponent */
+    uint32_t r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+    uint32_t e = r - (120u << 3); /* rebias 127 -> 7 */
+    if (e > 0x7eu) e = 0x7eu;
+    return (uint8_t)(sign | e);
+}
+
+static inline float pkv__e4m3_to_f32(uint8_t b) {
+    uint32_t sign = (uint32_t)(b & 0x80) << 24;
+    uint32_t e = (b >> 3) & 15u, m = b & 7u;
+    if ((b & 0x7f) == 0x7f) return pkv__bits_f32(sign | 0x7fc00000u);
+    if (e == 0) {
+        float f = (float)m * (1.0f / 512.0f);
+        return sign ? -f : f;
+    }
+    return pkv__bits_f32(sign | ((e + 120u) << 23) | (m << 20));
 }
 
 #endif

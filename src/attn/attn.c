@@ -1,0 +1,516 @@
+/* attn.c: the paged attention driver: validates a call, plans it into work units (items x
+ * kv-head groups x query tiles x key splits), runs them on the context's thread pool with the
+ * backend's primitives (online softmax over one block at a time) and merges key splits by
+ * log-sum-exp. Dtype- and ISA-independent; see attn.h for the kernel table. */
+#include "attn.h"
+#include "attn_pool.h"
+#include "../quant/quant.h"
+
+#include <math.h>
+#include <string.h>
+
+/* Rows (query position x query head pairs) one work unit holds; its scratch is
+ * ROWS_MAX x (prepared q + acc) + a block of scores. 64 covers every kv head of a decode with
+ * 32 query heads, and prefill tiles of 32 rows per kv head for two heads. */
+#define ROWS_MAX 64u
+/* Prefill tiles aim at this many rows per kv head: every K/V row loaded is used this many times. */
+#define ROWS_PER_HEAD 32u
+/* A key split covers at least this many blocks: below it, the merge costs more than it saves. */
+#define MIN_SPLIT_BLOCKS 4u
+/* Key-split partial slots per thread. */
+#define SLOTS_PER_THREAD 16u
+
+typedef struct plan_item {
+    uint32_t unit0;      /* first unit of this item */
+    uint32_t n_units;
+    uint32_t n_hgs;      /* head groups: kv-head ranges, or query-head sub-groups of one kv head */
+    uint32_t heads_per;  /* kv heads per group (1 when n_gsub > 1) */
+    uint32_t n_gsub;     /* query-head sub-groups per kv head (> 1 only when G > ROWS_MAX) */
+    uint32_t gsub;       /* query heads per sub-group */
+    uint32_t qtile;      /* queries per tile */
+    uint32_t n_qt;
+    uint32_t n_ks;       /* key splits per (group, tile) */
+    uint32_t slot0;      /* first partial slot (n_ks > 1) */
+    uint32_t grp0;       /* first split counter (n_ks > 1) */
+} plan_item;
+
+struct pkv__attn {
+    pkv_allocator a;
+    size_t alloc_bytes;
+    pkv__attn_kernels kt;
+    pkv__attn_limits lim;
+    uint32_t n_threads;
+    pkv__tpool pool;
+    pkv__tpool_worker *workers;
+    /* per-thread scratch, thread_bytes each: prepared q [ROWS_MAX][QROW], acc [ROWS_MAX][head_dim],
+     * m, l [ROWS_MAX], scores [ROWS_MAX][s_stride] */
+    uint8_t *scratch;
+    size_t thread_bytes;
+    uint32_t s_stride;
+    /* key-split partials: n_slots x [ROWS_MAX] m, [ROWS_MAX] l, [ROWS_MAX][head_dim] acc */
+    float *partials;
+    size_t slot_floats;
+    uint32_t n_slots;
+    _Atomic uint32_t *split_done; /* [n_slots]: finished splits per (group, tile) */
+    plan_item *plan;              /* [max_items] */
+    /* the call being run (read-only for the workers during a job) */
+    const pkv__kv_view *kv;
+    const pkv__attn_item *items;
+    const pkv__attn_call *call;
+    uint32_t n_items;
+    uint32_t G; /* query heads per kv head */
+};
+
+/* ---- backend tables ------------------------------------------------------------------------- */
+
+static bool have_avx2(uint32_t f) {
+    const uint32_t need = PKV_CPU_AVX2 | PKV_CPU_FMA | PKV_CPU_F16C;
+    return (f & need) == need;
+}
+static bool have_avx512(uint32_t f) {
+    const uint32_t need = PKV_CPU_AVX512F | PKV_CPU_AVX512BW | PKV_CPU_AVX512VL | PKV_CPU_AVX512DQ;
+    return (f & need) == need && have_avx2(f);
+}
+
+/* Every table starts as the reference, then the SIMD fillers override what they implement:
+ * a dtype with only a reference kernel still runs (slowly) on a SIMD backend. */
+static int build_kernels(const char *want, pkv__attn_kernels *kt) {
+    memset(kt, 0, sizeof *kt);
+    pkv__attn_fill_ref(kt);
+    pkv__attn_fill_q_ref(kt);
+    if (!strcmp(want, "ref")) return PKV_OK;
+#if defined(__x86_64__) || defined(__i386__)
+    const uint32_t f = pkv__cpu_features();
+    if (!strcmp(want, "avx2")) {
+        if (!have_avx2(f)) return PKV_ENOTSUP;
+        pkv__attn_fill_avx2(kt);
+        /* quantized-dtype fillers for AVX2 go here */
+        pkv__attn_fill_q_avx2(kt);
+        return PKV_OK;
+    }
+    if (!strcmp(want, "avx512")) {
+        if (!have_avx512(f)) return PKV_ENOTSUP;
+        pkv__attn_fill_avx2(kt); /* anything the 512-bit file lacks runs at 256 bits */
+        /* quantized-dtype fillers for AVX2 go here */
+        pkv__attn_fill_q_avx2(kt);
+        pkv__attn_fill_avx512(kt);
+        /* quantized-dtype fillers for AVX-512 go here */
+        return PKV_OK;
+    }
+#elif defined(__aarch64__)
+    if (!strcmp(want, "neon")) {
+        pkv__attn_fill_neon(kt);
+        /* quantized-dtype fillers for NEON go here */
+        return PKV_OK;
+    }
+#endif
+    return PKV_ENOTSUP;
+}
+
+static const char *auto_backend(void) {
+    if (pkv__force_ref()) return "ref";
+#if defined(__x86_64__) || defined(__i386__)
+    const uint32_t f = pkv__cpu_features();
+    if (have_avx512(f)) return "avx512";
+    if (have_avx2(f)) return "avx2";
+#elif defined(__aarch64__)
+    return "neon";
+#endif
+    return "ref";
+}
+
+/* ---- create / destroy ------------------------------------------------------------------------ */
+
+static size_t align64(size_t x) { return (x + 63u) & ~(size_t)63u; }
+
+int pkv__attn_create_backend(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim,
+                             const char *backend, pkv__attn **out) {
+    if (!lim || !out) return PKV_EINVAL;
+    if (lim->head_dim == 0 || lim->head_dim > 4096 || lim->block_tokens == 0 || lim->block_tokens > 4096 ||
+        lim->n_kv_heads == 0)
+        return PKV_EINVAL;
+    pkv__attn_kernels kt;
+    int rc = build_kernels(backend ? backend : auto_backend(), &kt);
+    if (rc < 0) return rc;
+    if (n_threads == 0) n_threads = pkv__n_cpus();
+    if (n_threads > 256) n_threads = 256;
+
+    const uint32_t D = lim->head_dim;
+    const uint32_t s_stride = (lim->block_tokens + 15u) & ~15u;
+    const size_t thread_bytes = align64((size_t)ROWS_MAX * PKV__ATTN_QROW_BYTES(D)) +
+                                align64((size_t)ROWS_MAX * D * sizeof(float)) +
+                                2 * align64(ROWS_MAX * sizeof(float)) +
+                                align64((size_t)ROWS_MAX * s_stride * sizeof(float));
+    const uint32_t n_slots = n_threads > 1 ? SLOTS_PER_THREAD * n_threads : 0;
+    const size_t slot_floats = (size_t)ROWS_MAX * (D + 2);
+    const uint32_t max_items = lim->max_items ? lim->max_items : 1;
+
+    /* one allocation: context | workers | plan | split counters | partials | scratch */
+    size_t off_workers = align64(sizeof(pkv__attn));
+    size_t off_plan = off_workers + align64(sizeof(pkv__tpool_worker) * n_threads);
+    size_t off_done = off_plan + align64(sizeof(plan_item) * (size_t)max_items);
+    size_t off_part = off_done + align64(sizeof(_Atomic uint32_t) * (n_slots + 1));
+    size_t off_scr = off_part + align64(slot_floats * sizeof(float) * n_slots);
+    size_t total = off_scr + thread_bytes * n_threads;
+
+    uint8_t *mem = pkv__alloc(a, total, 64);
+    if (!mem) return PKV_ENOMEM;
+    pkv__attn *at = (pkv__attn *)mem;
+    memset(at, 0, sizeof *at);
+    if (a) at->a = *a;
+    at->alloc_bytes = total;
+    at->kt = kt;
+    at->lim = *lim;
+    at->lim.max_items = max_items;
+    at->n_threads = n_threads;
+    at->workers = (pkv__tpool_worker *)(mem + off_workers);
+    at->plan = (plan_item *)(mem + off_plan);
+    at->split_done = (_Atomic uint32_t *)(mem + off_done);
+    for (uint32_t i = 0; i < n_slots + 1; i++) atomic_init(&at->split_done[i], 0);
+    at->partials = (float *)(mem + off_part);
+    at->slot_floats = slot_floats;
+    at->n_slots = n_slots;
+    at->scratch = mem + off_scr;
+    at->thread_bytes = thread_bytes;
+    at->s_stride = s_stride;
+    rc = pkv__tpool_init(&at->pool, n_threads, at->workers);
+    if (rc < 0) {
+        pkv__free(&at->a, mem, total);
+        return rc;
+    }
+    *out = at;
+    return PKV_OK;
+}
+
+int pkv__attn_create(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim, pkv__attn **out) {
+    return pkv__attn_create_backend(a, n_threads, lim, NULL, out);
+}
+
+void pkv__attn_destroy(pkv__attn *at) {
+    if (!at) return;
+    pkv__tpool_fini(&at->pool);
+    pkv_allocator a = at->a;
+    pkv__free(&a, at, at->alloc_bytes);
+}
+
+const char *pkv__attn_backend_name(const pkv__attn *at) { return at ? at->kt.name : "none"; }
+uint32_t pkv__attn_n_threads(const pkv__attn *at) { return at ? at->n_threads : 0; }
+
+/* ---- one work unit --------------------------------------------------------------------------- */
+
+typedef struct unit {
+    const pkv__attn_item *item;
+    const plan_item *pi;
+    uint32_t kvh0, n_kvh; /* kv heads [kvh0, kvh0 + n_kvh) */
+    uint32_t g0, gs;      /* query heads g0 .. g0 + gs - 1 of each kv head's group */
+    uint32_t qa, nq;      /* queries [qa, qa + nq) of the item */
+    uint32_t ks;          /* key split index */
+    uint32_t grp;         /* (group, tile) index within the item, for split slots */
+} unit;
+
+static void decode_unit(const pkv__attn *at, uint32_t u, unit *w) {
+    /* binary search: last item with unit0 <= u */
+    uint32_t lo = 0, hi = at->n_items;
+    while (hi - lo > 1) {
+        uint32_t mid = (lo + hi) / 2;
+        if (at->plan[mid].unit0 <= u) lo = mid;
+        else hi = mid;
+    }
+    const plan_item *pi = &at->plan[lo];
+    uint32_t r = u - pi->unit0;
+    w->item = &at->items[lo];
+    w->pi = pi;
+    w->ks = r % pi->n_ks;
+    r /= pi->n_ks;
+    w->grp = r;
+    /* later query tiles see more keys: hand them out first for balance */
+    uint32_t qt = pi->n_qt - 1 - r % pi->n_qt;
+    uint32_t hg = r / pi->n_qt;
+    w->qa = qt * pi->qtile;
+    w->nq = PKV_MIN(pi->qtile, w->item->n_q - w->qa);
+    if (pi->n_gsub > 1) {
+        w->kvh0 = hg / pi->n_gsub;
+        w->n_kvh = 1;
+        w->g0 = (hg % pi->n_gsub) * pi->gsub;
+        w->gs = PKV_MIN(pi->gsub, at->G - w->g0);
+    } else {
+        w->kvh0 = hg * pi->heads_per;
+        w->n_kvh = PKV_MIN(pi->heads_per, at->kv->n_kv_heads - w->kvh0);
+        w->g0 = 0;
+        w->gs = at->G;
+    }
+}
+
+static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
+    return (window && pos + 1 > window) ? pos + 1 - window : 0;
+}
+
+static void prefetch_rows(const uint8_t *p, size_t bytes) {
+    for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
+}
+
+static void write_final(const pkv__attn *at, const unit *w, const float *m, const float *l, const float *acc) {
+    const uint32_t D = at->kv->head_dim, nqh = at->call->n_q_heads, G = at->G;
+    const uint32_t rows_h = w->nq * w->gs;
+    for (uint32_t j = 0; j < w->n_kvh; j++)
+        for (uint32_t qi = 0; qi < w->nq; qi++)
+            for (uint32_t g = 0; g < w->gs; g++) {
+                const uint32_t r = j * rows_h + qi * w->gs + g;
+                const size_t o = (size_t)(w->qa + qi) * nqh + (size_t)(w->kvh0 + j) * G + w->g0 + g;
+                float *dst = w->item->out + o * D;
+                const float *src = acc + (size_t)r * D;
+                if (l[r] > 0.0f) {
+                    const float inv = 1.0f / l[r];
+                    for (uint32_t d = 0; d < D; d++) dst[d] = src[d] * inv;
+                } else {
+                    for (uint32_t d = 0; d < D; d++) dst[d] = 0.0f;
+                }
+                if (w->item->lse) w->item->lse[o] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
+            }
+}
+
+/* Merges the n_ks partials of a (group, tile) into the first slot's m, l, acc. Each slot holds
+ * softmax state relative to its own max: rescale to the common max and add. */
+static void merge_splits(const pkv__attn *at, float *slot0, uint32_t n_ks, uint32_t rows) {
+    const uint32_t D = at->kv->head_dim;
+    float *m0 = slot0, *l0 = slot0 + ROWS_MAX, *a0 = slot0 + 2 * ROWS_MAX;
+    for (uint32_t r = 0; r < rows; r++) {
+        float mx = -INFINITY;
+        for (uint32_t s = 0; s < n_ks; s++) mx = PKV_MAX(mx, slot0[s * at->slot_floats + r]);
+        if (mx == -INFINITY) continue; /* nothing visible at all: l stays 0 */
+        float *ar = a0 + (size_t)r * D;
+        const float f0 = expf(m0[r] - mx);
+        float lsum = l0[r] * f0;
+        for (uint32_t d = 0; d < D; d++) ar[d] *= f0;
+        for (uint32_t s = 1; s < n_ks; s++) {
+            const float *sl = slot0 + s * at->slot_floats;
+            if (sl[ROWS_MAX + r] == 0.0f) continue;
+            const float f = expf(sl[r] - mx);
+            const float *as = sl + 2 * ROWS_MAX + (size_t)r * D;
+            lsum += sl[ROWS_MAX + r] * f;
+            for (uint32_t d = 0; d < D; d++) ar[d] += as[d] * f;
+        }
+        m0[r] = mx;
+        l0[r] = lsum;
+    }
+}
+
+static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
+    pkv__attn *at = ctx;
+    const pkv__kv_view *kv = at->kv;
+    const pkv__attn_call *call = at->call;
+    const pkv__attn_kernels *kt = &at->kt;
+    const uint32_t D = kv->head_dim, B = kv->block_tokens, G = at->G, nqh = call->n_q_heads;
+    const size_t qrow = PKV__ATTN_QROW_BYTES(D);
+    unit w;
+    decode_unit(at, u, &w);
+    const plan_item *pi = w.pi;
+    const pkv__attn_item *it = w.item;
+
+    uint8_t *scr = at->scratch + (size_t)tid * at->thread_bytes;
+    uint8_t *qp = scr;
+    scr += align64((size_t)ROWS_MAX * qrow);
+    float *acc = (float *)scr;
+    scr += align64((size_t)ROWS_MAX * D * sizeof(float));
+    float *m = (float *)scr;
+    scr += align64(ROWS_MAX * sizeof(float));
+    float *l = (float *)scr;
+    scr += align64(ROWS_MAX * sizeof(float));
+    float *s = (float *)scr;
+
+    const uint32_t rows_h = w.nq * w.gs, rows = w.n_kvh * rows_h;
+    pkv_assert(rows <= ROWS_MAX);
+    for (uint32_t j = 0; j < w.n_kvh; j++)
+        for (uint32_t qi = 0; qi < w.nq; qi++) {
+            const float *q = it->q + ((size_t)(w.qa + qi) * nqh + (size_t)(w.kvh0 + j) * G + w.g0) * D;
+            kt->prep_q[kv->k_dtype](q, D, w.gs, D, call->scale, qp + (size_t)(j * rows_h + qi * w.gs) * qrow);
+        }
+    for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
+    memset(acc, 0, (size_t)rows * D * sizeof(float));
+
+    /* keys this tile sees: [k_lo, k_hi]; split ks takes an even share of its blocks */
+    const uint32_t pos_first = it->q_pos0 + w.qa, pos_last = pos_first + w.nq - 1;
+    const uint32_t k_lo = key_lo(pos_first, call->window), k_hi = pos_last;
+    const uint32_t bl = k_lo / B, nb = k_hi / B - bl + 1;
+    const uint32_t b0 = bl + (uint32_t)((uint64_t)nb * w.ks / pi->n_ks);
+    const uint32_t b1 = bl + (uint32_t)((uint64_t)nb * (w.ks + 1) / pi->n_ks);
+    /* rows that may need masking inside a block: causal when a key is past the first query,
+     * window when a key is before the last query's window start */
+    const uint32_t lo_last = key_lo(pos_last, call->window);
+
+    const pkv__attn_score_fn score = kt->score[kv->k_dtype];
+    const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
+    const size_t kblk = (size_t)B * kv->k_row_bytes, vblk = (size_t)B * kv->v_row_bytes;
+    for (uint32_t b = b0; b < b1; b++) {
+        const size_t bid = (size_t)it->block_table[b];
+        const uint32_t kb = b * B; /* position of the block's first key */
+        const uint32_t t0 = k_lo > kb ? k_lo - kb : 0;
+        const uint32_t t1 = PKV_MIN(B, k_hi - kb + 1);
+        const uint32_t n_keys = t1 - t0;
+        const bool mask = (kb + t1 - 1 > pos_first) || (lo_last > kb + t0);
+        const uint8_t *kn = NULL, *vn = NULL;
+        if (b + 1 < b1) {
+            kn = kv->k + (size_t)it->block_table[b + 1] * kv->k_block_bytes;
+            vn = kv->v + (size_t)it->block_table[b + 1] * kv->v_block_bytes;
+        }
+        for (uint32_t j = 0; j < w.n_kvh; j++) {
+            const uint32_t h = w.kvh0 + j;
+            if (kn) { /* the same head of the next block: one block ahead of the loads */
+                prefetch_rows(kn + h * kblk, kblk);
+                prefetch_rows(vn + h * vblk, vblk);
+            }
+            const uint8_t *kr = kv->k + bid * kv->k_block_bytes + ((size_t)h * B + t0) * kv->k_row_bytes;
+            const uint8_t *vr = kv->v + bid * kv->v_block_bytes + ((size_t)h * B + t0) * kv->v_row_bytes;
+            const uint32_t r0 = j * rows_h;
+            score(qp + (size_t)r0 * qrow, rows_h, kr, kv->k_row_bytes, n_keys, D, s, at->s_stride);
+            if (mask)
+                for (uint32_t qi = 0; qi < w.nq; qi++) {
+                    const uint32_t p = pos_first + qi, plo = key_lo(p, call->window);
+                    for (uint32_t g = 0; g < w.gs; g++) {
+                        float *sr = s + (size_t)(qi * w.gs + g) * at->s_stride;
+                        for (uint32_t t = 0; t < n_keys; t++) {
+                            const uint32_t kp = kb + t0 + t;
+                            if (kp > p || kp < plo) sr[t] = -INFINITY;
+                        }
+                    }
+                }
+            kt->softmax(s, at->s_stride, rows_h, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
+            accum(s, at->s_stride, rows_h, vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D);
+        }
+    }
+
+    if (pi->n_ks == 1) {
+        write_final(at, &w, m, l, acc);
+        return;
+    }
+    /* key split: publish the partial; the last split of this (group, tile) merges and writes */
+    float *slot0 = at->partials + (size_t)(pi->slot0 + w.grp * pi->n_ks) * at->slot_floats;
+    float *slot = slot0 + (size_t)w.ks * at->slot_floats;
+    memcpy(slot, m, rows * sizeof(float));
+    memcpy(slot + ROWS_MAX, l, rows * sizeof(float));
+    memcpy(slot + 2 * ROWS_MAX, acc, (size_t)rows * D * sizeof(float));
+    if (atomic_fetch_add_explicit(&at->split_done[pi->grp0 + w.grp], 1, memory_order_acq_rel) + 1 != pi->n_ks)
+        return;
+    merge_splits(at, slot0, pi->n_ks, rows);
+    write_final(at, &w, slot0, slot0 + ROWS_MAX, slot0 + 2 * ROWS_MAX);
+}
+
+/* ---- planning -------------------------------------------------------------------------------- */
+
+/* Units without key splitting, and the blocks a tile sees on average (for the split choice). */
+static void plan_shape(const pkv__attn *at, const pkv__attn_item *it, plan_item *pi) {
+    const uint32_t G = at->G, H = at->kv->n_kv_heads;
+    if (G > ROWS_MAX) {
+        pi->n_gsub = (G + ROWS_MAX - 1) / ROWS_MAX;
+        pi->gsub = (G + pi->n_gsub - 1) / pi->n_gsub;
+        pi->heads_per = 1;
+        pi->qtile = 1;
+        pi->n_hgs = H * pi->n_gsub;
+    } else {
+        pi->n_gsub = 1;
+        pi->gsub = G;
+        pi->qtile = PKV_MAX(1u, PKV_MIN(it->n_q, ROWS_PER_HEAD / G));
+        const uint32_t rows_h = pi->qtile * G;
+        /* as many kv heads per unit as fit: their blocks are adjacent in the pool */
+        pi->heads_per = PKV_MAX(1u, PKV_MIN(H, ROWS_MAX / rows_h));
+        pi->n_hgs = (H + pi->heads_per - 1) / pi->heads_per;
+    }
+    pi->n_qt = (it->n_q + pi->qtile - 1) / pi->qtile;
+    pi->n_ks = 1;
+}
+
+static uint32_t item_blocks(const pkv__attn *at, const pkv__attn_item *it) {
+    const uint32_t B = at->kv->block_tokens, last = it->q_pos0 + it->n_q - 1;
+    const uint32_t lo = key_lo(it->q_pos0 + it->n_q - 1, at->call->window) / B;
+    return last / B - PKV_MIN(lo, last / B) + 1;
+}
+
+static uint32_t make_plan(pkv__attn *at) {
+    uint64_t base_total = 0, work_total = 0;
+    for (uint32_t i = 0; i < at->n_items; i++) {
+        plan_item *pi = &at->plan[i];
+        if (at->items[i].n_q == 0) { /* nothing to compute: no units */
+            memset(pi, 0, sizeof *pi);
+            pi->n_ks = 1;
+            continue;
+        }
+        plan_shape(at, &at->items[i], pi);
+        const uint64_t base = (uint64_t)pi->n_hgs * pi->n_qt;
+        base_total += base;
+        work_total += base * item_blocks(at, &at->items[i]);
+    }
+    /* Split keys when there are too few units to keep every thread busy (few long
+     * sequences): aim at 4 units per thread, each split at least MIN_SPLIT_BLOCKS long. */
+    const uint64_t target = 4ull * at->n_threads;
+    uint32_t slots_left = at->n_slots;
+    const bool split = at->n_threads > 1 && base_total < target && work_total > 0;
+    uint32_t unit0 = 0, grp0 = 0;
+    for (uint32_t i = 0; i < at->n_items; i++) {
+        plan_item *pi = &at->plan[i];
+        const uint64_t base = (uint64_t)pi->n_hgs * pi->n_qt;
+        if (split && pi->n_qt == 1) {
+            const uint32_t nb = item_blocks(at, &at->items[i]);
+            uint64_t want = (target * base * nb + work_total - 1) / work_total; /* this item's share */
+            want = (want + base - 1) / base;
+            want = PKV_MIN(want, nb / MIN_SPLIT_BLOCKS);
+            want = PKV_MIN(want, slots_left / base);
+            if (want > 1) {
+                pi->n_ks = (uint32_t)want;
+                pi->slot0 = at->n_slots - slots_left;
+                pi->grp0 = grp0;
+                for (uint64_t g = 0; g < base; g++) atomic_store_explicit(&at->split_done[grp0 + g], 0, memory_order_relaxed);
+                grp0 += (uint32_t)base;
+                slots_left -= (uint32_t)(base * want);
+            }
+        }
+        pi->unit0 = unit0;
+        pi->n_units = (uint32_t)(base * pi->n_ks);
+        unit0 += pi->n_units;
+    }
+    return unit0;
+}
+
+/* ---- run ------------------------------------------------------------------------------------- */
+
+int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *items, uint32_t n_items,
+                  const pkv__attn_call *call) {
+    if (!at || !kv || !call || (n_items && !items)) return PKV_EINVAL;
+    if (n_items > at->lim.max_items) return PKV_EINVAL;
+    if (!kv->k || !kv->v || kv->n_kv_heads == 0 || kv->head_dim == 0 || kv->block_tokens == 0) return PKV_EINVAL;
+    if (kv->head_dim > at->lim.head_dim || kv->block_tokens > at->lim.block_tokens) return PKV_EINVAL;
+    if ((unsigned)kv->k_dtype >= PKV_DTYPE_COUNT || (unsigned)kv->v_dtype >= PKV_DTYPE_COUNT) return PKV_EINVAL;
+    const size_t krb = pkv__row_bytes(kv->k_dtype, kv->head_dim), vrb = pkv__row_bytes(kv->v_dtype, kv->head_dim);
+    if (!krb || !vrb || kv->k_row_bytes < krb || kv->v_row_bytes < vrb) return PKV_EINVAL;
+    if (kv->k_block_bytes < (size_t)kv->n_kv_heads * kv->block_tokens * kv->k_row_bytes ||
+        kv->v_block_bytes < (size_t)kv->n_kv_heads * kv->block_tokens * kv->v_row_bytes)
+        return PKV_EINVAL;
+    if (call->n_q_heads == 0 || call->n_q_heads % kv->n_kv_heads) return PKV_EINVAL;
+    if (!isfinite(call->scale) || call->scale == 0.0f || !(call->softcap >= 0.0f) || isinf(call->softcap))
+        return PKV_EINVAL;
+    if (!at->kt.prep_q[kv->k_dtype] || !at->kt.score[kv->k_dtype] || !at->kt.accum[kv->v_dtype]) return PKV_ENOTSUP;
+    for (uint32_t i = 0; i < n_items; i++) {
+        const pkv__attn_item *it = &items[i];
+        if (it->n_q == 0) continue;
+        if (!it->q || !it->out || !it->block_table) return PKV_EINVAL;
+        const uint64_t end = (uint64_t)it->q_pos0 + it->n_q;
+        const uint64_t nbt = (end + kv->block_tokens - 1) / kv->block_tokens;
+        if (nbt > at->lim.max_blocks_per_seq && at->lim.max_blocks_per_seq) return PKV_EINVAL;
+        if (end > UINT32_MAX) return PKV_EINVAL;
+        /* only the blocks a query can see are read; each must name a block of the pool */
+        const uint32_t lo = key_lo(it->q_pos0, call->window) / kv->block_tokens;
+        for (uint64_t b = lo; b < nbt; b++)
+            if (it->block_table[b] < 0 || (uint32_t)it->block_table[b] >= kv->n_blocks) return PKV_EINVAL;
+    }
+
+    at->kv = kv;
+    at->call = call;
+    at->G = call->n_q_heads / kv->n_kv_heads;
+    at->items = items;
+    at->n_items = n_items;
+    const uint32_t n_units = make_plan(at);
+    if (n_units) pkv__tpool_run(&at->pool, run_unit, at, n_units);
+    at->kv = NULL;
+    at->items = NULL;
+    at->call = NULL;
+    return PKV_OK;
+}

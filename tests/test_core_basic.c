@@ -1,0 +1,621 @@
+/* test_core_basic.c: exact arithmetic of the core: blocks per length, slot mapping, the pool
+ * layout written by pkv_write_kv (reshape_and_cache) read back raw and through gather, dtype
+ * conversions, the dense / CSR block-table exports and the statistics of a scripted scenario. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include "support_util.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* K (or V) element address of (layer, block, head, offset) per pkv.h's pkv_layout contract. */
+static uint8_t *elem_addr(const pkv_layout *L, int is_v, uint32_t layer, uint32_t slot, uint32_t head) {
+    uint8_t *base = is_v ? L->v_base : L->k_base;
+    size_t block_bytes = is_v ? L->v_block_bytes : L->k_block_bytes;
+    size_t row_bytes = is_v ? L->v_row_bytes : L->k_row_bytes;
+    uint32_t b = slot / L->block_tokens, t = slot % L->block_tokens;
+    return base + (size_t)layer * L->layer_stride_bytes + (size_t)b * block_bytes +
+           ((size_t)head * L->block_tokens + t) * row_bytes;
+}
+
+/* ---- blocks needed per length, B = 16 (SEEDS 7 and 15) ---- */
+static void test_blocks_needed(void **state) {
+    (void)state;
+    pkv_config cfg = tu_config(64, 16, 1, 1, 8, PKV_DTYPE_F32);
+    pkv_cache *c = tu_create(&cfg);
+    const uint32_t lens[] = {0, 1, 16, 17, 32, 33};
+    const uint32_t want[] = {0, 1, 1, 2, 2, 3};
+    /* one sequence grown step by step ... */
+    pkv_seq s = tu_seq(c);
+    uint32_t len = 0;
+    for (size_t i = 0; i < 6; i++) {
+        tu_append(c, s, lens[i] - len, (int32_t)len, NULL);
+        len = lens[i];
+        pkv_seq_info in = tu_info(c, s);
+        assert_int_equal(in.n_tokens, lens[i]);
+        assert_int_equal(in.n_blocks, want[i]);
+        TU_CHECK(c);
+    }
+    /* ... and fresh sequences appended in one call each */
+    uint32_t total_blocks = want[5];
+    for (size_t i = 0; i < 6; i++) {
+        pkv_seq t = tu_seq(c);
+        tu_append(c, t, lens[i], 0, NULL);
+        pkv_seq_info in = tu_info(c, t);
+        assert_int_equal(in.n_tokens, lens[i]);
+        assert_int_equal(in.n_blocks, want[i]);
+        total_blocks += want[i];
+        pkv_stats st = tu_stats(c);
+        assert_int_equal(st.n_active, total_blocks);
+        assert_int_equal(st.n_free, 64 - total_blocks);
+        TU_CHECK(c);
+    }
+    pkv_cache_destroy(c);
+}
+
+/* ---- slots of positions 14..17 with block table [5, 10], B = 16 (SEEDS 10) ---- */
+static void test_slots_block_table_5_10(void **state) {
+    (void)state;
+    pkv_config cfg = tu_config(32, 16, 1, 1, 8, PKV_DTYPE_F32);
+    pkv_cache *c = tu_create(&cfg);
+    /* The free queue starts 0..n-1 (FIFO): a holds 0..4, s gets 5, b holds 6..9, s gets 10. */
+    pkv_seq a = tu_seq(c), s = tu_seq(c), b = tu_seq(c);
+    int32_t sl[64];
+    tu_append(c, a, 5 * 16, 0, NULL);
+    tu_append(c, s, 16, 100, sl);
+    for (int i = 0; i < 16; i++) assert_int_equal(sl[i], 5 * 16 + i);
+    tu_append(c, b, 4 * 16, 200, NULL);
+    tu_append(c, s, 2, 116, sl); /* positions 16, 17 */
+    assert_int_equal(sl[0], 160);
+    assert_int_equal(sl[1], 161);
+    int32_t tab[8];
+    assert_int_equal(tu_table(c, s, tab, 8), 2);
+    assert_int_equal(tab[0], 5);
+    assert_int_equal(tab[1], 10);
+    int32_t slots[4] = {-7, -7, -7, -7};
+    TU_OK(pkv_seq_slots(c, s, 14, 4, slots));
+    assert_int_equal(slots[0], 94);
+    assert_int_equal(slots[1], 95);
+    assert_int_equal(slots[2], 160);
+    assert_int_equal(slots[3], 161);
+    /* position 18 does not exist (length 18): asking for it is an error, nothing written */
+    slots[0] = -7;
+    TU_RC(pkv_seq_slots(c, s, 15, 4, slots), PKV_EINVAL);
+    assert_int_equal(slots[0], -7);
+    /* every slot equals block_table[p / B] * B + p % B */
+    int32_t all[18];
+    TU_OK(pkv_seq_slots(c, s, 0, 18, all));
+    for (int p = 0; p < 18; p++) assert_int_equal(all[p], tab[p / 16] * 16 + p % 16);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- layout fields ---- */
+static void test_layout_fields(void **state) {
+    (void)state;
+    pkv_config cfg = tu_config(10, 4, 3, 2, 8, PKV_DTYPE_F16);
+    cfg.v_dtype = PKV_DTYPE_F32;
+    pkv_cache *c = tu_create(&cfg);
+    pkv_layout L;
+    TU_OK(pkv_cache_layout(c, &L));
+    assert_int_equal(L.n_blocks, 10);
+    assert_int_equal(L.block_tokens, 4);
+    assert_int_equal(L.n_kv_heads, 2);
+    assert_int_equal(L.head_dim, 8);
+    assert_int_equal(L.n_layers, 3);
+    assert_int_equal(L.k_dtype, PKV_DTYPE_F16);
+    assert_int_equal(L.v_dtype, PKV_DTYPE_F32);
+    assert_int_equal(L.k_row_bytes, 16);
+    assert_int_equal(L.v_row_bytes, 32);
+    assert_int_equal(L.k_block_bytes, 2 * 4 * 16);
+    assert_int_equal(L.v_block_bytes, 2 * 4 * 32);
+    assert_non_null(L.k_base);
+    assert_non_null(L.v_base);
+    assert_true(L.layer_stride_bytes >= 10 * L.v_block_bytes);
+    assert_int_equal((uintptr_t)L.k_base % 64, 0);
+    assert_int_equal((uintptr_t)L.v_base % 64, 0);
+    /* the K and V regions of all layers are pairwise disjoint */
+    uint8_t *lo[6], *hi[6];
+    for (int l = 0; l < 3; l++) {
+        lo[2 * l] = L.k_base + l * L.layer_stride_bytes;
+        hi[2 * l] = lo[2 * l] + 10 * L.k_block_bytes;
+        lo[2 * l + 1] = L.v_base + l * L.layer_stride_bytes;
+        hi[2 * l + 1] = lo[2 * l + 1] + 10 * L.v_block_bytes;
+    }
+    for (int i = 0; i < 6; i++)
+        for (int j = i + 1; j < 6; j++) assert_true(hi[i] <= lo[j] || hi[j] <= lo[i]);
+    pkv_stats st = tu_stats(c);
+    assert_int_equal(st.kv_bytes_per_block, 3 * (2 * 4 * 16 + 2 * 4 * 32));
+    assert_int_equal(st.kv_bytes, 10 * st.kv_bytes_per_block);
+    pkv_cache_destroy(c);
+}
+
+/* Zeroes K and V of every slot of s for every layer (the pool's initial content is not part
+ * of the contract, so tests that look at "everything else" write it first). */
+static void zero_seq(pkv_cache *c, pkv_seq s, uint32_t n_layers, uint32_t row_elems) {
+    pkv_seq_info in = tu_info(c, s);
+    int32_t *slots = calloc(in.n_tokens, sizeof *slots);
+    float *z = calloc((size_t)in.n_tokens * row_elems, sizeof *z);
+    TU_OK(pkv_seq_slots(c, s, 0, in.n_tokens, slots));
+    for (uint32_t l = 0; l < n_layers; l++) TU_OK(pkv_write_kv(c, l, slots, in.n_tokens, z, z, PKV_DTYPE_F32));
+    free(slots);
+    free(z);
+}
+
+/* ---- SEEDS 12: ones at slots [1, 5] of a [4 blocks, B 2, 1 head, D 4] cache ---- */
+static void test_reshape_boostr12(void **state) {
+    (void)state;
+    pkv_config cfg = tu_config(4, 2, 1, 1, 4, PKV_DTYPE_F32);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s = tu_seq(c);
+    tu_append(c, s, 6, 0, NULL); /* blocks 0, 1, 2 */
+    zero_seq(c, s, 1, 4);
+    const int32_t slots[2] = {1, 5};
+    float ones[8];
+    for (int i = 0; i < 8; i++) ones[i] = 1.0f;
+    TU_OK(pkv_write_kv(c, 0, slots, 2, ones, ones, PKV_DTYPE_F32));
+    pkv_layout L;
+    TU_OK(pkv_cache_layout(c, &L));
+    const float *kc = (const float *)L.k_base, *vc = (const float *)L.v_base;
+    for (int i = 0; i < 24; i++) { /* blocks 0..2 are contiguous: [block][head][token][dim] */
+        float want = ((i >= 4 && i < 8) || (i >= 20 && i < 24)) ? 1.0f : 0.0f;
+        assert_true(kc[i] == want);
+        assert_true(vc[i] == want);
+    }
+    float k[6 * 4], v[6 * 4];
+    TU_OK(pkv_seq_gather(c, s, 0, 0, 6, k, v));
+    for (int p = 0; p < 6; p++)
+        for (int d = 0; d < 4; d++) {
+            float want = (p == 1 || p == 5) ? 1.0f : 0.0f;
+            assert_true(k[p * 4 + d] == want && v[p * 4 + d] == want);
+        }
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- SEEDS 13: 3 tokens, H 2, D 4, k[i] = 0.1 i at slots [0, 1, 9], B 8; plus a padding
+ * slot -1 carrying a sentinel that must land nowhere, and a second layer ---- */
+static void test_reshape_boostr13(void **state) {
+    (void)state;
+    pkv_config cfg = tu_config(4, 8, 2, 2, 4, PKV_DTYPE_F32);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s = tu_seq(c);
+    tu_append(c, s, 16, 0, NULL); /* blocks 0, 1 */
+    zero_seq(c, s, 2, 8);
+    /* token order: slot 0, pad, slot 1, slot 9 */
+    const int32_t slots[4] = {0, -1, 1, 9};
+    float k[4 * 8], v[4 * 8];
+    int src = 0;
+    for (int t = 0; t < 4; t++)
+        for (int i = 0; i < 8; i++) {
+            if (t == 1) {
+                k[t * 8 + i] = 99.0f;
+                v[t * 8 + i] = 99.0f;
+            } else {
+                k[t * 8 + i] = 0.1f * (float)src;
+                v[t * 8 + i] = -0.1f * (float)src;
+                src++;
+            }
+        }
+    TU_OK(pkv_write_kv(c, 1, slots, 4, k, v, PKV_DTYPE_F32));
+    pkv_layout L;
+    TU_OK(pkv_cache_layout(c, &L));
+    const float *kc = (const float *)(L.k_base + L.layer_stride_bytes);
+    /* boostr's asserted values: kc[0] = 0.0, kc[1] = 0.1 */
+    assert_true(kc[0] == 0.0f);
+    assert_true(kc[1] == 0.1f);
+    /* derived for the vLLM layout [block][head][token][dim]: slot 9 = block 1 offset 1;
+       head 0 at (1*2*8 + 0*8 + 1)*4 = 68, head 1 at (16 + 8 + 1)*4 = 100 */
+    for (int d = 0; d < 4; d++) {
+        assert_true(kc[68 + d] == 0.1f * (float)(16 + d));
+        assert_true(kc[100 + d] == 0.1f * (float)(20 + d));
+        assert_true(kc[4 + d] == 0.1f * (float)(8 + d)); /* slot 1 head 0: boostr's kc[8..12] here */
+    }
+    /* every element at the documented address; nothing else written (sentinel nowhere) */
+    for (int t = 0; t < 4; t++) {
+        if (slots[t] < 0) continue;
+        for (uint32_t h = 0; h < 2; h++) {
+            const float *kr = (const float *)elem_addr(&L, 0, 1, (uint32_t)slots[t], h);
+            const float *vr = (const float *)elem_addr(&L, 1, 1, (uint32_t)slots[t], h);
+            for (int d = 0; d < 4; d++) {
+                assert_true(kr[d] == k[t * 8 + h * 4 + d]);
+                assert_true(vr[d] == v[t * 8 + h * 4 + d]);
+            }
+        }
+    }
+    for (uint32_t layer = 0; layer < 2; layer++)
+        for (uint32_t slot = 0; slot < 16; slot++)
+            for (uint32_t h = 0; h < 2; h++) {
+                const float *kr = (const float *)elem_addr(&L, 0, layer, slot, h);
+                const float *vr = (const float *)elem_addr(&L, 1, layer, slot, h);
+                int written = layer == 1 && (slot == 0 || slot == 1 || slot == 9);
+                for (int d = 0; d < 4; d++) {
+                    assert_true(kr[d] != 99.0f && vr[d] != 99.0f);
+                    if (!written) assert_true(kr[d] == 0.0f && vr[d] == 0.0f);
+                }
+            }
+    /* layer 0 untouched, layer 1 gathers back what was written */
+    float gk[16 * 8], gv[16 * 8];
+    TU_OK(pkv_seq_gather(c, s, 0, 0, 16, gk, gv));
+    for (int i = 0; i < 16 * 8; i++) assert_true(gk[i] == 0.0f && gv[i] == 0.0f);
+    TU_OK(pkv_seq_gather(c, s, 1, 0, 16, gk, NULL));
+    TU_OK(pkv_seq_gather(c, s, 1, 0, 16, NULL, gv));
+    const int pos_of[4] = {0, -1, 1, 9};
+    for (int t = 0; t < 4; t++) {
+        if (pos_of[t] < 0) continue;
+        for (int i = 0; i < 8; i++) {
+            assert_true(gk[pos_of[t] * 8 + i] == k[t * 8 + i]);
+            assert_true(gv[pos_of[t] * 8 + i] == v[t * 8 + i]);
+        }
+    }
+    /* a sub-range gather equals the corresponding rows */
+    float sk[3 * 8];
+    TU_OK(pkv_seq_gather(c, s, 1, 8, 3, sk, NULL));
+    assert_memory_equal(sk, gk + 8 * 8, sizeof sk);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- writing only K or only V ---- */
+static void test_write_k_only_v_only(void **state) {
+    (void)state;
+    pkv_config cfg = tu_config(4, 4, 1, 1, 4, PKV_DTYPE_F32);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s = tu_seq(c);
+    int32_t slots[2];
+    tu_append(c, s, 2, 0, slots);
+    zero_seq(c, s, 1, 4);
+    float a[8] = {1, 2, 3, 4, 5, 6, 7, 8}, b[8] = {-1, -2, -3, -4, -5, -6, -7, -8};
+    TU_OK(pkv_write_kv(c, 0, slots, 2, a, NULL, PKV_DTYPE_F32));
+    float gk[8], gv[8];
+    TU_OK(pkv_seq_gather(c, s, 0, 0, 2, gk, gv));
+    assert_memory_equal(gk, a, sizeof a);
+    for (int i = 0; i < 8; i++) assert_true(gv[i] == 0.0f);
+    TU_OK(pkv_write_kv(c, 0, slots, 2, NULL, b, PKV_DTYPE_F32));
+    TU_OK(pkv_seq_gather(c, s, 0, 0, 2, gk, gv));
+    assert_memory_equal(gk, a, sizeof a);
+    assert_memory_equal(gv, b, sizeof b);
+    pkv_cache_destroy(c);
+}
+
+/* ---- dtype conversions: pool f16 / bf16 / f32 from input f32 / f16 / bf16 ---- */
+static uint16_t read_u16(const uint8_t *p) {
+    uint16_t u;
+    memcpy(&u, p, 2);
+    return u;
+}
+
+typedef struct {
+    pkv_dtype pool, in;
+} conv_case;
+
+static void run_conversion(pkv_dtype pool, pkv_dtype in, uint64_t seed) {
+    enum { NT = 16, H = 2, D = 8, E = NT * H * D };
+    pkv_config cfg = tu_config(8, 4, 1, H, D, pool);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s = tu_seq(c);
+    int32_t slots[NT];
+    tu_append(c, s, NT, 0, slots);
+    /* values: wide random magnitudes for rows 0..11, exactly representable ones for 12..15 */
+    static const float exact_f16[] = {0.0f, 1.0f, -1.0f, 0.5f, 1.5f, -2.25f, 1024.0f, 1.0009765625f, 65504.0f,
+                                      -0.0009765625f, 3.140625f, 6.103515625e-05f};
+    static const float exact_bf16[] = {0.0f, 1.0f, -1.0f, 0.5f, 1.5f, -2.25f, 1024.0f, 1.0078125f,
+                                       3.3895313892515355e38f, -0.0009765625f, 3.140625f, 1.1754943508222875e-38f};
+    const float *exact = pool == PKV_DTYPE_BF16 || in == PKV_DTYPE_BF16 ? exact_bf16 : exact_f16;
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    float x[E];          /* the values the caller means, f32 */
+    uint16_t x16[E];     /* their f16 / bf16 encoding when in != f32 */
+    for (int i = 0; i < E; i++) {
+        float v;
+        if (i < 12 * H * D) v = tu_rng_float(&r) * ldexpf(1.0f, (int)tu_rng_below(&r, 16) - 8);
+        else v = exact[tu_rng_below(&r, 12)] * (tu_rng_chance(&r, 0.5) ? 1.0f : -1.0f);
+        if (pool == PKV_DTYPE_F16 || in == PKV_DTYPE_F16)
+            if (fabsf(v) > 65000.0f) v = copysignf(exact == exact_f16 ? 65504.0f : 65024.0f, v);
+        if (in == PKV_DTYPE_F16) {
+            x16[i] = tu_f32_to_f16(v);
+            v = tu_f16_to_f32(x16[i]);
+        } else if (in == PKV_DTYPE_BF16) {
+            x16[i] = tu_f32_to_bf16(v);
+            v = tu_bf16_to_f32(x16[i]);
+        }
+        x[i] = v;
+    }
+    const void *src = in == PKV_DTYPE_F32 ? (const void *)x : (const void *)x16;
+    TU_OK(pkv_write_kv(c, 0, slots, NT, src, src, in));
+    pkv_layout L;
+    TU_OK(pkv_cache_layout(c, &L));
+    float g[E];
+    TU_OK(pkv_seq_gather(c, s, 0, 0, NT, g, NULL));
+    for (int t = 0; t < NT; t++)
+        for (int h = 0; h < H; h++) {
+            const uint8_t *row = elem_addr(&L, 0, 0, (uint32_t)slots[t], (uint32_t)h);
+            const uint8_t *vrow = elem_addr(&L, 1, 0, (uint32_t)slots[t], (uint32_t)h);
+            for (int d = 0; d < D; d++) {
+                int i = (t * H + h) * D + d;
+                float want;
+                if (pool == PKV_DTYPE_F32) {
+                    float got;
+                    memcpy(&got, row + 4 * d, 4);
+                    want = x[i];
+                    assert_true(got == want); /* f16 / bf16 -> f32 is exact */
+                } else {
+                    uint16_t want_bits = pool == PKV_DTYPE_F16 ? tu_f32_to_f16(x[i]) : tu_f32_to_bf16(x[i]);
+                    uint16_t got_bits = read_u16(row + 2 * d);
+                    if (got_bits != want_bits)
+                        fail_msg("pool %s in %s: element %d = %.9g stored as 0x%04x, want 0x%04x (RNE)",
+                                 pkv_dtype_name(pool), pkv_dtype_name(in), i, (double)x[i], got_bits, want_bits);
+                    assert_int_equal(read_u16(vrow + 2 * d), want_bits);
+                    want = pool == PKV_DTYPE_F16 ? tu_f16_to_f32(want_bits) : tu_bf16_to_f32(want_bits);
+                    double rel = pool == PKV_DTYPE_F16 ? ldexp(1.0, -11) : ldexp(1.0, -8);
+                    /* the documented precision, for normal values */
+                    if (fabsf(x[i]) >= (pool == PKV_DTYPE_F16 ? 6.103515625e-05f : 1.1754943508222875e-38f))
+                        if (!(fabs((double)g[i] - (double)x[i]) <= rel * fabs((double)x[i])))
+                            fail_msg("pool %s in %s: element %d = %.9g gathers as %.9g: relative error above 2^%d",
+                                     pkv_dtype_name(pool), pkv_dtype_name(in), i, (double)x[i], (double)g[i],
+                                     pool == PKV_DTYPE_F16 ? -11 : -8);
+                }
+                assert_true(g[i] == want); /* gather decodes exactly what is stored */
+                if (t >= 12 && (in == pool || pool == PKV_DTYPE_F32 || in == PKV_DTYPE_F32))
+                    assert_true(g[i] == x[i]); /* representable values survive exactly */
+            }
+        }
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+static void test_conversions(void **state) {
+    (void)state;
+    const pkv_dtype dts[3] = {PKV_DTYPE_F32, PKV_DTYPE_F16, PKV_DTYPE_BF16};
+    for (int p = 0; p < 3; p++)
+        for (int i = 0; i < 3; i++) run_conversion(dts[p], dts[i], 1000 + 3 * p + i);
+}
+
+/* ---- exports: dense (vLLM) and CSR (FlashInfer) against the block tables ---- */
+static void test_exports(void **state) {
+    (void)state;
+    pkv_config cfg = tu_config(32, 4, 1, 1, 4, PKV_DTYPE_F32);
+    pkv_cache *c = tu_create(&cfg);
+    const uint32_t lens[5] = {0, 3, 4, 9, 1};
+    pkv_seq s[5];
+    for (int i = 0; i < 5; i++) s[i] = tu_seq(c);
+    /* interleave growth so tables are not contiguous ranges */
+    for (uint32_t step = 0; step < 9; step++)
+        for (int i = 0; i < 5; i++)
+            if (step < lens[i]) tu_append(c, s[i], 1, (int32_t)step, NULL);
+    int32_t tabs[5][8];
+    uint32_t ntab[5];
+    for (int i = 0; i < 5; i++) ntab[i] = tu_table(c, s[i], tabs[i], 8);
+    assert_int_equal(ntab[0], 0);
+    assert_int_equal(ntab[1], 1);
+    assert_int_equal(ntab[2], 1);
+    assert_int_equal(ntab[3], 3);
+    assert_int_equal(ntab[4], 1);
+    /* dense with room for 4 blocks */
+    int32_t bt[5 * 4], sl[5];
+    memset(bt, 0x7f, sizeof bt);
+    memset(sl, 0x7f, sizeof sl);
+    TU_OK(pkv_export_dense(c, s, 5, 4, bt, sl));
+    for (int i = 0; i < 5; i++) {
+        assert_int_equal(sl[i], (int32_t)lens[i]);
+        for (uint32_t j = 0; j < 4; j++) assert_int_equal(bt[i * 4 + j], j < ntab[i] ? tabs[i][j] : -1);
+    }
+    /* exactly enough room: 3 */
+    int32_t bt3[5 * 3];
+    TU_OK(pkv_export_dense(c, s, 5, 3, bt3, sl));
+    for (int i = 0; i < 5; i++)
+        for (uint32_t j = 0; j < 3; j++) assert_int_equal(bt3[i * 3 + j], j < ntab[i] ? tabs[i][j] : -1);
+    /* too small: EINVAL, nothing written */
+    int32_t bt2[5 * 2], sl2[5];
+    memset(bt2, 0x55, sizeof bt2);
+    memset(sl2, 0x55, sizeof sl2);
+    TU_RC(pkv_export_dense(c, s, 5, 2, bt2, sl2), PKV_EINVAL);
+    for (int i = 0; i < 10; i++) assert_int_equal(bt2[i], 0x55555555);
+    for (int i = 0; i < 5; i++) assert_int_equal(sl2[i], 0x55555555);
+    /* a subset in another order */
+    pkv_seq sub[2] = {s[3], s[1]};
+    TU_OK(pkv_export_dense(c, sub, 2, 3, bt3, sl));
+    assert_int_equal(sl[0], 9);
+    assert_int_equal(sl[1], 3);
+    assert_memory_equal(bt3, tabs[3], 3 * sizeof(int32_t));
+    assert_int_equal(bt3[3], tabs[1][0]);
+    assert_int_equal(bt3[4], -1);
+
+    /* CSR */
+    int32_t indptr[6], idx[16], lpl[5];
+    uint32_t need = 0;
+    memset(idx, 0x7f, sizeof idx);
+    TU_OK(pkv_export_csr(c, s, 5, indptr, idx, 16, lpl, &need));
+    assert_int_equal(need, 6);
+    int32_t acc = 0;
+    assert_int_equal(indptr[0], 0);
+    for (int i = 0; i < 5; i++) {
+        for (uint32_t j = 0; j < ntab[i]; j++) assert_int_equal(idx[acc + (int32_t)j], tabs[i][j]);
+        acc += (int32_t)ntab[i];
+        assert_int_equal(indptr[i + 1], acc);
+    }
+    assert_int_equal(idx[6], 0x7f7f7f7f); /* nothing past indptr[n] */
+    const int32_t want_lpl[5] = {0, 3, 4, 1, 1};
+    for (int i = 0; i < 5; i++) assert_int_equal(lpl[i], want_lpl[i]);
+    /* exactly enough, n_needed may be NULL */
+    TU_OK(pkv_export_csr(c, s, 5, indptr, idx, 6, lpl, NULL));
+    /* too small: EINVAL, n_needed says 6, nothing written to the arrays */
+    int32_t indptr2[6], idx2[5], lpl2[5];
+    memset(indptr2, 0x55, sizeof indptr2);
+    memset(idx2, 0x55, sizeof idx2);
+    memset(lpl2, 0x55, sizeof lpl2);
+    need = 0;
+    TU_RC(pkv_export_csr(c, s, 5, indptr2, idx2, 5, lpl2, &need), PKV_EINVAL);
+    assert_int_equal(need, 6);
+    for (int i = 0; i < 5; i++) assert_int_equal(idx2[i], 0x55555555);
+    for (int i = 0; i < 5; i++) assert_int_equal(lpl2[i], 0x55555555);
+    for (int i = 0; i < 6; i++) assert_int_equal(indptr2[i], 0x55555555);
+    /* zero sequences */
+    indptr[0] = 77;
+    TU_OK(pkv_export_csr(c, s, 0, indptr, idx, 0, lpl, &need));
+    assert_int_equal(indptr[0], 0);
+    assert_int_equal(need, 0);
+    TU_OK(pkv_export_dense(c, s, 0, 4, bt, sl));
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- stats on a scripted scenario (B = 4, 16 blocks) ---- */
+static void assert_stats(pkv_cache *c, uint32_t active, uint32_t seqs, uint64_t tokens, uint64_t used,
+                         uint64_t cow, uint32_t peak) {
+    pkv_stats st = tu_stats(c);
+    assert_int_equal(st.n_blocks, 16);
+    assert_int_equal(st.n_active, active);
+    assert_int_equal(st.n_cached, 0);
+    assert_int_equal(st.n_free, 16 - active);
+    assert_int_equal(st.n_seqs, seqs);
+    assert_int_equal(st.n_pins, 0);
+    assert_int_equal(st.n_tokens, tokens);
+    assert_int_equal(st.n_slots_used, used);
+    assert_int_equal(st.frag_slots, (uint64_t)active * 4 - used);
+    assert_int_equal(st.cow_copies, cow);
+    assert_int_equal(st.peak_active, peak);
+    assert_int_equal(st.n_indexed, 0);
+    assert_int_equal(st.evictions, 0);
+    assert_int_equal(st.prefix_lookups, 0);
+    /* 2 layers x (K + V) x 2 heads x 4 tokens x 8 dims x 4 bytes */
+    assert_int_equal(st.kv_bytes_per_block, 2 * 2 * 2 * 4 * 8 * 4);
+    assert_int_equal(st.kv_bytes, 16 * st.kv_bytes_per_block);
+    TU_CHECK(c);
+}
+
+static void test_stats_scripted(void **state) {
+    (void)state;
+    tu_alloc_state as;
+    tu_alloc_reset(&as, -1);
+    pkv_config cfg = tu_config(16, 4, 2, 2, 8, PKV_DTYPE_F32);
+    cfg.allocator = tu_allocator(&as);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_stats st0 = tu_stats(c);
+    /* every byte the cache allocated is either pool (kv_bytes) or metadata (meta_bytes) */
+    assert_int_equal(st0.kv_bytes + st0.meta_bytes, as.live_bytes);
+    assert_true(st0.meta_bytes > 0);
+    assert_stats(c, 0, 0, 0, 0, 0, 0);
+
+    pkv_seq s1 = tu_seq(c);
+    tu_append(c, s1, 6, 0, NULL); /* [0,1], fill 4+2 */
+    assert_stats(c, 2, 1, 6, 6, 0, 2);
+    pkv_seq s2;
+    TU_OK(pkv_seq_fork(c, s1, &s2)); /* shares [0,1]: slots counted once */
+    assert_stats(c, 2, 2, 12, 6, 0, 2);
+    tu_append(c, s2, 1, 6, NULL); /* CoW of block 1 into 2: fill 3 */
+    assert_stats(c, 3, 2, 13, 4 + 2 + 3, 1, 3);
+    pkv_seq s3 = tu_seq(c);
+    tu_append(c, s3, 9, 0, NULL); /* [3,4,5] */
+    assert_stats(c, 6, 3, 22, 9 + 9, 1, 6);
+    TU_OK(pkv_seq_release(c, s3)); /* free queue: 6..15, then 5,4,3 (deepest first) */
+    assert_stats(c, 3, 2, 13, 9, 1, 6);
+    TU_OK(pkv_seq_truncate(c, s1, 4)); /* block 1 only s1's: freed -> queue ..., 5, 4, 3, 1 */
+    assert_stats(c, 2, 2, 11, 4 + 3, 1, 6);
+    tu_append(c, s1, 1, 4, NULL); /* new tail block from the queue front: 6 */
+    int32_t tab[8];
+    assert_int_equal(tu_table(c, s1, tab, 8), 2);
+    assert_int_equal(tab[0], 0);
+    assert_int_equal(tab[1], 6);
+    assert_int_equal(tu_table(c, s2, tab, 8), 2);
+    assert_int_equal(tab[0], 0);
+    assert_int_equal(tab[1], 2);
+    assert_stats(c, 3, 2, 12, 4 + 1 + 3, 1, 6);
+    /* drain the queue: 7..15 (9 blocks), then the freed ones in their release order 5,4,3,1 */
+    pkv_seq s4 = tu_seq(c);
+    tu_append(c, s4, 4 * 13, 0, NULL);
+    int32_t t4[16];
+    assert_int_equal(tu_table(c, s4, t4, 16), 13);
+    for (int i = 0; i < 9; i++) assert_int_equal(t4[i], 7 + i);
+    assert_int_equal(t4[9], 5);
+    assert_int_equal(t4[10], 4);
+    assert_int_equal(t4[11], 3);
+    assert_int_equal(t4[12], 1);
+    assert_stats(c, 16, 3, 64, 8 + 52, 1, 16);
+    TU_OK(pkv_seq_release(c, s4));
+    TU_OK(pkv_seq_release(c, s1));
+    TU_OK(pkv_seq_release(c, s2));
+    assert_stats(c, 0, 0, 0, 0, 1, 16);
+    pkv_stats st1 = tu_stats(c);
+    assert_int_equal(st1.meta_bytes, st0.meta_bytes);
+    /* reset: everything FREE, counters of blocks consistent */
+    TU_OK(pkv_cache_reset(c));
+    pkv_stats st2 = tu_stats(c);
+    assert_int_equal(st2.n_free, 16);
+    assert_int_equal(st2.n_seqs, 0);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+    assert_int_equal(as.live_bytes, 0);
+    assert_int_equal(as.n_bad_free, 0);
+}
+
+/* ---- configuration round trip and defaults ---- */
+static void test_config_roundtrip(void **state) {
+    (void)state;
+    pkv_config d = pkv_config_default();
+    assert_int_equal(d.n_layers, 1);
+    assert_int_equal(d.n_kv_heads, 8);
+    assert_int_equal(d.head_dim, 128);
+    assert_int_equal(d.block_tokens, 16);
+    assert_int_equal(d.n_blocks, 1024);
+    assert_int_equal(d.k_dtype, PKV_DTYPE_F16);
+    assert_int_equal(d.v_dtype, PKV_DTYPE_F16);
+    assert_int_equal(d.max_seqs, 256);
+    assert_int_equal(d.enable_prefix_cache, 1);
+    pkv_config cfg = tu_config(20, 8, 2, 1, 16, PKV_DTYPE_F32);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_config e;
+    TU_OK(pkv_cache_config(c, &e));
+    assert_int_equal(e.n_blocks, 20);
+    assert_int_equal(e.block_tokens, 8);
+    assert_int_equal(e.n_layers, 2);
+    assert_int_equal(e.max_blocks_per_seq, 20); /* 0 resolves to min(n_blocks, 65536) */
+    assert_int_equal(e.n_threads, 1);
+    pkv_cache_destroy(c);
+    /* n_blocks from the budget: 1 layer, 1 head, D 16, B 8, f32: 2 * 8 * 16 * 4 = 1024 B/block */
+    cfg.n_blocks = 0;
+    cfg.n_layers = 1;
+    cfg.mem_budget_bytes = 10 * 1024 + 1000;
+    c = tu_create(&cfg);
+    TU_OK(pkv_cache_config(c, &e));
+    assert_int_equal(e.n_blocks, 10);
+    pkv_stats st = tu_stats(c);
+    assert_int_equal(st.kv_bytes, 10 * 1024);
+    pkv_cache_destroy(c);
+    /* pkv.h: max_blocks_per_seq 0 = min(n_blocks, 4096) */
+    cfg = tu_config(70000, 1, 1, 1, 1, PKV_DTYPE_F32);
+    cfg.max_seqs = 2;
+    c = tu_create(&cfg);
+    TU_OK(pkv_cache_config(c, &e));
+    assert_int_equal(e.max_blocks_per_seq, 4096);
+    pkv_cache_destroy(c);
+    cfg.n_blocks = 3000;
+    c = tu_create(&cfg);
+    TU_OK(pkv_cache_config(c, &e));
+    assert_int_equal(e.max_blocks_per_seq, 3000);
+    pkv_seq s = tu_seq(c);
+    tu_append(c, s, 3000, 0, NULL); /* one sequence may hold the whole pool */
+    assert_int_equal(tu_info(c, s).n_blocks, 3000);
+    pkv_cache_destroy(c);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_blocks_needed),
+        cmocka_unit_test(test_slots_block_table_5_10),
+        cmocka_unit_test(test_layout_fields),
+        cmocka_unit_test(test_reshape_boostr12),
+        cmocka_unit_test(test_reshape_boostr13),
+        cmocka_unit_test(test_write_k_only_v_only),
+        cmocka_unit_test(test_conversions),
+        cmocka_unit_test(test_exports),
+        cmocka_unit_test(test_stats_scripted),
+        cmocka_unit_test(test_config_roundtrip),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,496 @@
+/* test_core_seq.c: sequence life cycle of the core: fork and copy-on-write isolation, pool
+ * exhaustion (all-or-nothing, FIFO reuse), the max_seqs / max_blocks_per_seq limits and
+ * truncation (own and shared blocks, rewrite after truncate). */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include "support_util.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Snapshot of everything observable about a set of sequences, to prove "nothing changed". */
+typedef struct {
+    pkv_stats st;
+    uint32_t n;
+    pkv_seq_info info[8];
+    int32_t tab[8][64];
+    uint32_t ntab[8];
+} snap;
+
+static void take(pkv_cache *c, const pkv_seq *s, uint32_t n, snap *o) {
+    memset(o, 0, sizeof *o);
+    o->st = tu_stats(c);
+    o->n = n;
+    for (uint32_t i = 0; i < n; i++) {
+        o->info[i] = tu_info(c, s[i]);
+        o->ntab[i] = tu_table(c, s[i], o->tab[i], 64);
+    }
+}
+
+static void assert_same(pkv_cache *c, const pkv_seq *s, const snap *before) {
+    snap now;
+    take(c, s, before->n, &now);
+    TU_STATS_EQ(&before->st, &now.st);
+    for (uint32_t i = 0; i < before->n; i++) {
+        assert_memory_equal(&before->info[i], &now.info[i], sizeof now.info[i]);
+        assert_int_equal(before->ntab[i], now.ntab[i]);
+        assert_memory_equal(before->tab[i], now.tab[i], now.ntab[i] * sizeof(int32_t));
+    }
+    TU_CHECK(c);
+}
+
+static pkv_config cfg_small(uint32_t n_blocks) { return tu_config(n_blocks, 4, 2, 2, 8, PKV_DTYPE_F32); }
+
+/* ---- fork shares; CoW on the shared partly filled tail isolates both sides ---- */
+static void test_fork_cow_isolation(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(16);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq p = tu_seq(c);
+    tu_append(c, p, 6, 0, NULL); /* [0,1], tail holds 2 of 4 */
+    TU_WRITE_PAT(c, p, 0, 6, 1);
+    TU_OK(pkv_seq_commit(c, p, 4)); /* block 0 committed, block 1 not */
+    pkv_seq ch;
+    TU_OK(pkv_seq_fork(c, p, &ch));
+    TU_CHECK(c);
+    int32_t tp[8], tc[8];
+    assert_int_equal(tu_table(c, p, tp, 8), 2);
+    assert_int_equal(tu_table(c, ch, tc, 8), 2);
+    assert_memory_equal(tp, tc, 2 * sizeof(int32_t));
+    pkv_seq_info ip = tu_info(c, p), ic = tu_info(c, ch);
+    assert_int_equal(ic.n_tokens, 6);
+    assert_int_equal(ic.n_committed, 4);
+    assert_int_equal(ic.n_blocks, 2);
+    assert_int_equal(ic.n_shared, 2);
+    assert_int_equal(ip.n_shared, 2);
+    pkv_stats st = tu_stats(c);
+    assert_int_equal(st.n_active, 2);
+    assert_int_equal(st.cow_copies, 0);
+    TU_SAME_PAT(c, ch, 0, 6, 1);
+
+    /* shared blocks are read-only for both: writes are refused, nothing written */
+    int32_t slot5;
+    TU_OK(pkv_seq_slots(c, p, 5, 1, &slot5));
+    float junk[16] = {0};
+    TU_RC(pkv_write_kv(c, 0, &slot5, 1, junk, junk, PKV_DTYPE_F32), PKV_EINVAL);
+    TU_SAME_PAT(c, p, 0, 6, 1);
+
+    /* raw bytes of the parent's tail block, all layers, before the child appends */
+    pkv_layout L;
+    TU_OK(pkv_cache_layout(c, &L));
+    uint8_t before_k[2][4 * 2 * 8 * 4];
+    for (uint32_t l = 0; l < 2; l++)
+        memcpy(before_k[l], L.k_base + l * L.layer_stride_bytes + (size_t)tp[1] * L.k_block_bytes, L.k_block_bytes);
+
+    int32_t slot6;
+    int32_t tok = 6;
+    TU_OK(pkv_seq_append(c, ch, &tok, 1, &slot6));
+    st = tu_stats(c);
+    assert_int_equal(st.cow_copies, 1);
+    assert_int_equal(st.n_active, 3);
+    assert_int_equal(tu_table(c, ch, tc, 8), 2);
+    assert_int_equal(tc[0], tp[0]);
+    assert_true(tc[1] != tp[1]);
+    assert_int_equal(slot6, tc[1] * 4 + 2);
+    ic = tu_info(c, ch);
+    ip = tu_info(c, p);
+    assert_int_equal(ic.n_shared, 1);
+    assert_int_equal(ip.n_shared, 1);
+    assert_int_equal(ic.n_tokens, 7);
+    TU_CHECK(c);
+    /* the copy carries every layer of the shared positions */
+    TU_SAME_PAT(c, ch, 0, 6, 1);
+    /* the child writes its new position, the parent (now sole owner of its tail) rewrites its
+       uncommitted positions 4, 5: neither sees the other's writes */
+    TU_WRITE_PAT(c, ch, 6, 1, 2);
+    TU_WRITE_PAT(c, p, 4, 2, 3);
+    TU_SAME_PAT(c, p, 0, 4, 1);
+    TU_SAME_PAT(c, p, 4, 2, 3);
+    TU_SAME_PAT(c, ch, 0, 6, 1);
+    TU_SAME_PAT(c, ch, 6, 1, 2);
+    /* the parent's block bytes at offsets 2, 3 (never written by the parent) did not move */
+    for (uint32_t l = 0; l < 2; l++)
+        for (uint32_t h = 0; h < 2; h++) {
+            const uint8_t *blk = L.k_base + l * L.layer_stride_bytes + (size_t)tp[1] * L.k_block_bytes;
+            size_t off = ((size_t)h * 4 + 2) * L.k_row_bytes;
+            assert_memory_equal(blk + off, before_k[l] + off, 2 * L.k_row_bytes);
+        }
+    /* a second append to the child (tail now its own) copies nothing */
+    tu_append(c, ch, 1, 7, NULL);
+    assert_int_equal(tu_stats(c).cow_copies, 1);
+
+    /* release the parent first: the child's data stays */
+    TU_OK(pkv_seq_release(c, p));
+    TU_CHECK(c);
+    TU_SAME_PAT(c, ch, 0, 6, 1);
+    TU_SAME_PAT(c, ch, 6, 1, 2);
+    ic = tu_info(c, ch);
+    assert_int_equal(ic.n_shared, 0);
+    st = tu_stats(c);
+    assert_int_equal(st.n_active, 2);
+    TU_OK(pkv_seq_release(c, ch));
+    st = tu_stats(c);
+    assert_int_equal(st.n_active, 0);
+    assert_int_equal(st.n_free, 16);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- fork of a block-aligned parent: appends need no copy; parent released first ---- */
+static void test_fork_full_tail_no_cow(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(16);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq p = tu_seq(c), a, b;
+    tu_append(c, p, 8, 0, NULL);
+    TU_WRITE_PAT(c, p, 0, 8, 5);
+    TU_OK(pkv_seq_commit(c, p, 8));
+    TU_OK(pkv_seq_fork(c, p, &a));
+    TU_OK(pkv_seq_fork(c, a, &b)); /* fork of a fork */
+    assert_int_equal(tu_info(c, b).n_shared, 2);
+    tu_append(c, a, 3, 100, NULL);
+    tu_append(c, b, 5, 200, NULL);
+    pkv_stats st = tu_stats(c);
+    assert_int_equal(st.cow_copies, 0);
+    assert_int_equal(st.n_active, 2 + 1 + 2);
+    TU_WRITE_PAT(c, a, 8, 3, 6);
+    TU_WRITE_PAT(c, b, 8, 5, 7);
+    TU_OK(pkv_seq_release(c, p));
+    TU_CHECK(c);
+    TU_SAME_PAT(c, a, 0, 8, 5);
+    TU_SAME_PAT(c, b, 0, 8, 5);
+    TU_SAME_PAT(c, a, 8, 3, 6);
+    TU_SAME_PAT(c, b, 8, 5, 7);
+    assert_int_equal(tu_info(c, a).n_shared, 2);
+    TU_OK(pkv_seq_release(c, a));
+    assert_int_equal(tu_info(c, b).n_shared, 0);
+    TU_SAME_PAT(c, b, 0, 8, 5);
+    TU_SAME_PAT(c, b, 8, 5, 7);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- CoW with no free block: PKV_ENOSPC, nothing changes; succeeds once a block frees ---- */
+static void test_cow_enospc(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(4);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s[3];
+    s[0] = tu_seq(c);
+    tu_append(c, s[0], 6, 0, NULL); /* [0,1] */
+    TU_WRITE_PAT(c, s[0], 0, 6, 9);
+    s[2] = tu_seq(c);
+    tu_append(c, s[2], 5, 50, NULL); /* [2,3]: pool full */
+    TU_OK(pkv_seq_fork(c, s[0], &s[1]));
+    snap before;
+    take(c, s, 3, &before);
+    assert_int_equal(before.st.n_free, 0);
+    int32_t toks[3] = {6, 7, 8}, slots[3] = {-9, -9, -9};
+    TU_RC(pkv_seq_append(c, s[1], toks, 1, slots), PKV_ENOSPC); /* needs the CoW block */
+    assert_same(c, s, &before);
+    TU_RC(pkv_seq_append(c, s[0], toks, 1, slots), PKV_ENOSPC); /* the parent too */
+    assert_same(c, s, &before);
+    TU_SAME_PAT(c, s[1], 0, 6, 9);
+    /* free one block: CoW + nothing else fits; CoW + one more block does not */
+    TU_OK(pkv_seq_truncate(c, s[2], 4));
+    snap before2;
+    take(c, s, 3, &before2);
+    assert_int_equal(before2.st.n_free, 1);
+    TU_RC(pkv_seq_append(c, s[1], toks, 3, slots), PKV_ENOSPC); /* 6..8: CoW + a new block */
+    assert_same(c, s, &before2);
+    TU_OK(pkv_seq_append(c, s[1], toks, 1, slots));
+    pkv_stats st = tu_stats(c);
+    assert_int_equal(st.cow_copies, 1);
+    assert_int_equal(st.n_free, 0);
+    TU_SAME_PAT(c, s[1], 0, 6, 9);
+    TU_SAME_PAT(c, s[0], 0, 6, 9);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- exhaustion: N blocks filled exactly, one more fails cleanly, all N reusable (FIFO) ---- */
+static void test_exhaustion_and_reuse(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(8);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s[3];
+    s[0] = tu_seq(c);
+    s[1] = tu_seq(c);
+    s[2] = tu_seq(c);
+    tu_append(c, s[0], 20, 0, NULL); /* [0..4] */
+    tu_append(c, s[1], 12, 0, NULL); /* [5,6,7] */
+    snap before;
+    take(c, s, 3, &before);
+    assert_int_equal(before.st.n_free, 0);
+    assert_int_equal(before.st.n_active, 8);
+    assert_int_equal(before.st.n_slots_used, 32);
+    int32_t toks[40];
+    tu_tokens(toks, 40, 0);
+    TU_RC(pkv_seq_append(c, s[1], toks, 1, NULL), PKV_ENOSPC);
+    assert_same(c, s, &before);
+    TU_RC(pkv_seq_append(c, s[2], toks, 1, NULL), PKV_ENOSPC);
+    assert_same(c, s, &before);
+    TU_RC(pkv_seq_append(c, s[2], toks, 32, NULL), PKV_ENOSPC); /* 8 blocks: the cap, none free */
+    assert_same(c, s, &before);
+    TU_OK(pkv_seq_append(c, s[2], toks, 0, NULL)); /* zero positions: always fine */
+    assert_same(c, s, &before);
+    /* release s0 (deepest first): the queue is 4,3,2,1,0 */
+    TU_OK(pkv_seq_release(c, s[0]));
+    s[0] = tu_seq(c);
+    int32_t tab[8];
+    tu_append(c, s[0], 17, 0, NULL);
+    assert_int_equal(tu_table(c, s[0], tab, 8), 5);
+    const int32_t want0[5] = {4, 3, 2, 1, 0};
+    assert_memory_equal(tab, want0, sizeof want0);
+    TU_RC(pkv_seq_append(c, s[2], toks, 1, NULL), PKV_ENOSPC);
+    /* everything released: all 8 reusable by one sequence */
+    TU_OK(pkv_seq_release(c, s[1])); /* queue 7,6,5 */
+    TU_OK(pkv_seq_release(c, s[0])); /* then 0,1,2,3,4 */
+    pkv_stats st = tu_stats(c);
+    assert_int_equal(st.n_free, 8);
+    assert_int_equal(st.n_active, 0);
+    tu_append(c, s[2], 32, 0, NULL);
+    assert_int_equal(tu_table(c, s[2], tab, 8), 8);
+    const int32_t want2[8] = {7, 6, 5, 0, 1, 2, 3, 4};
+    assert_memory_equal(tab, want2, sizeof want2);
+    TU_WRITE_PAT(c, s[2], 0, 32, 4);
+    TU_SAME_PAT(c, s[2], 0, 32, 4);
+    st = tu_stats(c);
+    assert_int_equal(st.n_free, 0);
+    assert_int_equal(st.peak_active, 8);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- limits: max_blocks_per_seq and max_seqs (pins included) ---- */
+static void test_limits(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(16);
+    cfg.max_blocks_per_seq = 3;
+    cfg.max_seqs = 3;
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s[3];
+    s[0] = tu_seq(c);
+    tu_append(c, s[0], 12, 0, NULL); /* 3 blocks: the cap */
+    int32_t toks[16];
+    tu_tokens(toks, 16, 0);
+    snap before;
+    take(c, s, 1, &before);
+    TU_RC(pkv_seq_append(c, s[0], toks, 1, NULL), PKV_ELIMIT);
+    assert_same(c, s, &before);
+    s[1] = tu_seq(c);
+    take(c, s, 2, &before);
+    TU_RC(pkv_seq_append(c, s[1], toks, 13, NULL), PKV_ELIMIT);
+    assert_same(c, s, &before);
+    TU_OK(pkv_seq_append(c, s[1], toks, 11, NULL));
+    /* a fork of a full-cap sequence cannot grow either */
+    TU_OK(pkv_seq_fork(c, s[0], &s[2]));
+    take(c, s, 3, &before);
+    TU_RC(pkv_seq_append(c, s[2], toks, 1, NULL), PKV_ELIMIT);
+    assert_same(c, s, &before);
+    /* max_seqs = 3: create, fork and pin refuse */
+    pkv_seq x = 0;
+    TU_RC(pkv_seq_create(c, NULL, 0, &x), PKV_ELIMIT);
+    assert_same(c, s, &before);
+    TU_RC(pkv_seq_fork(c, s[0], &x), PKV_ELIMIT);
+    assert_same(c, s, &before);
+    TU_RC(pkv_pin_create(c, s[0], 0, &x), PKV_ELIMIT);
+    assert_same(c, s, &before);
+    TU_OK(pkv_seq_release(c, s[2]));
+    TU_OK(pkv_seq_create(c, NULL, 0, &s[2]));
+    assert_int_equal(tu_stats(c).n_seqs, 3);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- truncate: frees blocks past n, no-op for n >= length ---- */
+static void test_truncate_frees(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(16);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s = tu_seq(c);
+    tu_append(c, s, 10, 0, NULL); /* [0,1,2] */
+    TU_WRITE_PAT(c, s, 0, 10, 11);
+    TU_OK(pkv_seq_commit(c, s, 7));
+    TU_OK(pkv_seq_truncate(c, s, 10)); /* no-op */
+    TU_OK(pkv_seq_truncate(c, s, 1000));
+    pkv_seq_info in = tu_info(c, s);
+    assert_int_equal(in.n_tokens, 10);
+    assert_int_equal(in.n_committed, 7);
+    assert_int_equal(tu_stats(c).n_active, 3);
+    TU_OK(pkv_seq_truncate(c, s, 5));
+    in = tu_info(c, s);
+    assert_int_equal(in.n_tokens, 5);
+    assert_int_equal(in.n_blocks, 2);
+    assert_int_equal(in.n_committed, 5);
+    pkv_stats st = tu_stats(c);
+    assert_int_equal(st.n_active, 2);
+    assert_int_equal(st.n_free, 14);
+    assert_int_equal(st.n_tokens, 5);
+    assert_int_equal(st.n_slots_used, 5);
+    TU_SAME_PAT(c, s, 0, 5, 11);
+    TU_OK(pkv_seq_truncate(c, s, 4));
+    assert_int_equal(tu_info(c, s).n_blocks, 1);
+    TU_OK(pkv_seq_truncate(c, s, 0));
+    in = tu_info(c, s);
+    assert_int_equal(in.n_tokens, 0);
+    assert_int_equal(in.n_blocks, 0);
+    assert_int_equal(in.n_committed, 0);
+    st = tu_stats(c);
+    assert_int_equal(st.n_active, 0);
+    assert_int_equal(st.n_free, 16);
+    TU_CHECK(c);
+    /* the emptied sequence is usable again */
+    tu_append(c, s, 3, 0, NULL);
+    TU_WRITE_PAT(c, s, 0, 3, 12);
+    TU_SAME_PAT(c, s, 0, 3, 12);
+    pkv_cache_destroy(c);
+}
+
+/* ---- truncate then append rewrites the freed positions (own, unshared tail) ---- */
+static void test_truncate_then_append_rewrites(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(16);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s = tu_seq(c);
+    int32_t sl[8];
+    tu_append(c, s, 8, 0, sl); /* [0,1] */
+    TU_WRITE_PAT(c, s, 0, 8, 21);
+    TU_OK(pkv_seq_commit(c, s, 8));
+    TU_OK(pkv_seq_truncate(c, s, 6)); /* committed 6; block 1 keeps 2 */
+    assert_int_equal(tu_info(c, s).n_committed, 6);
+    int32_t toks[2] = {500, 501}, sl2[2];
+    TU_OK(pkv_seq_append(c, s, toks, 2, sl2));
+    assert_int_equal(sl2[0], sl[6]); /* same block, same slots: no new block, no copy */
+    assert_int_equal(sl2[1], sl[7]);
+    pkv_stats st = tu_stats(c);
+    assert_int_equal(st.n_active, 2);
+    assert_int_equal(st.cow_copies, 0);
+    TU_WRITE_PAT(c, s, 6, 2, 22); /* positions past the committed count are writable again */
+    TU_SAME_PAT(c, s, 0, 6, 21);
+    TU_SAME_PAT(c, s, 6, 2, 22);
+    /* a committed position stays immutable */
+    float junk[16] = {0};
+    TU_RC(pkv_write_kv(c, 0, &sl[5], 1, junk, junk, PKV_DTYPE_F32), PKV_EINVAL);
+    TU_SAME_PAT(c, s, 0, 6, 21);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- truncating into a shared block leaves the other sequence's data alone ---- */
+static void test_truncate_shared(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(16);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq p = tu_seq(c), ch;
+    tu_append(c, p, 10, 0, NULL); /* [0,1,2] */
+    TU_WRITE_PAT(c, p, 0, 10, 31);
+    TU_OK(pkv_seq_fork(c, p, &ch));
+    TU_OK(pkv_seq_truncate(c, ch, 5)); /* ch keeps [0,1]; 1 still shared, 2 only p's */
+    pkv_seq_info ic = tu_info(c, ch), ip = tu_info(c, p);
+    assert_int_equal(ic.n_tokens, 5);
+    assert_int_equal(ic.n_blocks, 2);
+    assert_int_equal(ic.n_shared, 2);
+    assert_int_equal(ip.n_shared, 2);
+    assert_int_equal(tu_stats(c).n_active, 3);
+    TU_SAME_PAT(c, p, 0, 10, 31);
+    TU_CHECK(c);
+    int32_t tok = 77, slot;
+    TU_OK(pkv_seq_append(c, ch, &tok, 1, &slot)); /* position 5 in shared block 1: CoW */
+    pkv_stats st = tu_stats(c);
+    assert_int_equal(st.cow_copies, 1);
+    int32_t tc[4], tp[4];
+    tu_table(c, ch, tc, 4);
+    tu_table(c, p, tp, 4);
+    assert_int_equal(tc[0], tp[0]);
+    assert_true(tc[1] != tp[1] && tc[1] != tp[2]);
+    TU_WRITE_PAT(c, ch, 5, 1, 32);
+    TU_SAME_PAT(c, p, 0, 10, 31);
+    TU_SAME_PAT(c, ch, 0, 5, 31);
+    TU_SAME_PAT(c, ch, 5, 1, 32);
+    /* the parent truncates into its (no longer shared) block 1 and rewrites */
+    TU_OK(pkv_seq_truncate(c, p, 6));
+    TU_WRITE_PAT(c, p, 5, 1, 33);
+    TU_SAME_PAT(c, ch, 5, 1, 32);
+    TU_SAME_PAT(c, p, 0, 5, 31);
+    TU_SAME_PAT(c, p, 5, 1, 33);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- a block that was shared when truncated, then became sole-owned: the positions past
+ * the sequence's committed count must be writable after append (pkv.h: "at a position not
+ * yet committed") ---- */
+static void test_truncate_shared_then_sole_owner_writes(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(16);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq p = tu_seq(c), ch;
+    tu_append(c, p, 8, 0, NULL); /* [0,1] full */
+    TU_WRITE_PAT(c, p, 0, 8, 41);
+    TU_OK(pkv_seq_commit(c, p, 8));
+    TU_OK(pkv_seq_fork(c, p, &ch));
+    TU_OK(pkv_seq_truncate(c, ch, 6)); /* block 1 shared: only dereferenced */
+    assert_int_equal(tu_info(c, ch).n_committed, 6);
+    TU_OK(pkv_seq_release(c, p)); /* block 1 now only ch's */
+    assert_int_equal(tu_info(c, ch).n_shared, 0);
+    int32_t toks[2] = {90, 91}, sl[2];
+    TU_OK(pkv_seq_append(c, ch, toks, 2, sl));
+    TU_WRITE_PAT(c, ch, 6, 2, 42);
+    TU_SAME_PAT(c, ch, 0, 6, 41);
+    TU_SAME_PAT(c, ch, 6, 2, 42);
+    TU_OK(pkv_seq_commit(c, ch, 8));
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- release makes ids stale; pkv_cache_reset frees everything ---- */
+static void test_release_and_reset(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(16);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq a = tu_seq(c), b = tu_seq(c);
+    tu_append(c, a, 9, 0, NULL);
+    TU_OK(pkv_seq_fork(c, a, &b));
+    TU_OK(pkv_seq_release(c, a));
+    pkv_seq_info in;
+    TU_RC(pkv_seq_get_info(c, a, &in), PKV_ENOENT);
+    TU_RC(pkv_seq_release(c, a), PKV_ENOENT);
+    pkv_seq a2 = tu_seq(c); /* may reuse a's index, never its id */
+    assert_true(a2 != a);
+    TU_RC(pkv_seq_get_info(c, a, &in), PKV_ENOENT);
+    assert_int_equal(tu_stats(c).n_active, 3);
+    TU_OK(pkv_cache_reset(c));
+    pkv_stats st = tu_stats(c);
+    assert_int_equal(st.n_free, 16);
+    assert_int_equal(st.n_active, 0);
+    assert_int_equal(st.n_seqs, 0);
+    assert_int_equal(st.n_tokens, 0);
+    TU_RC(pkv_seq_get_info(c, b, &in), PKV_ENOENT);
+    TU_RC(pkv_seq_get_info(c, a2, &in), PKV_ENOENT);
+    TU_CHECK(c);
+    pkv_seq s = tu_seq(c);
+    tu_append(c, s, 64, 0, NULL);
+    assert_int_equal(tu_stats(c).n_free, 0);
+    pkv_cache_destroy(c);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_fork_cow_isolation),
+        cmocka_unit_test(test_fork_full_tail_no_cow),
+        cmocka_unit_test(test_cow_enospc),
+        cmocka_unit_test(test_exhaustion_and_reuse),
+        cmocka_unit_test(test_limits),
+        cmocka_unit_test(test_truncate_frees),
+        cmocka_unit_test(test_truncate_then_append_rewrites),
+        cmocka_unit_test(test_truncate_shared),
+        cmocka_unit_test(test_truncate_shared_then_sole_owner_writes),
+        cmocka_unit_test(test_release_and_reset),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
