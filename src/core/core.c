@@ -45,13 +45,10 @@ static void *default_alloc(size_t size, size_t align) {
         uint8_t *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) return NULL;
         uintptr_t a = ((uintptr_t)p + PKV_HUGEPAGE - 1) & ~(uintptr_t)(PKV_HUGEPAGE - 1);
-        /* keep exactly [a, a + size rounded to pages): default_free unmaps (a, size), so the
-           slack on both sides goes now (unmapping more in free would hit a neighbour) */
-        size_t pg = (size_t)sysconf(_SC_PAGESIZE);
-        size_t keep = (size + pg - 1) & ~(pg - 1), mapped = (len + pg - 1) & ~(pg - 1);
-        size_t head = a - (uintptr_t)p, tail = mapped - head - keep;
+        size_t head = a - (uintptr_t)p, pg = (size_t)sysconf(_SC_PAGESIZE);
+        size_t keep = (size + pg - 1) & ~(pg - 1); /* the mapping is exactly [a, a + keep) */
         if (head) munmap(p, head);
-        if (tail) munmap((uint8_t *)a + keep, tail);
+        if (len - head > keep) munmap((uint8_t *)a + keep, len - head - keep);
         return (void *)a;
     }
     if (align < sizeof(void *)) align = sizeof(void *);
@@ -63,9 +60,10 @@ static void *default_alloc(size_t size, size_t align) {
 static void default_free(void *p, size_t size) {
     if (!p) return;
     if (size >= PKV_HUGEPAGE) {
-        /* the mapping is exactly [p, p + size rounded to pages) (default_alloc trimmed both
-           ends); munmap rounds the length up itself */
-        munmap(p, size);
+        /* default_alloc trimmed the mapping to exactly [p, p + size rounded up to a page):
+           unmapping more would unmap whatever the kernel placed after it. */
+        size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+        munmap(p, (size + pg - 1) & ~(pg - 1));
         return;
     }
     free(p);
