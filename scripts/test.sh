@@ -5,7 +5,7 @@
 # any stage fails; prints each stage's ctest summary at the end.
 #
 # Environment: PKV_STRESS_OPS (stress test operations in the Release stage, default 1000000, about
-# 5 s; the test itself defaults to 200000 when run alone), PKV_ASAN_STRESS_OPS (the ASan stage
+# 5 s; the test itself defaults to 200000 when run alone), PKV_ASAN_STRESS_OPS (the ASan
 # stage, default 200000: about 10 s there), PKV_THR_ITERS (threaded test
 # iterations, default 2000; the TSan stage uses PKV_TSAN_THR_ITERS, default 1000),
 # PKV_FUZZ_SECONDS (default 60), PKV_FUZZ_RUNS (default 2000000), JOBS (default nproc).
