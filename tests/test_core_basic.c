@@ -587,20 +587,20 @@ static void test_config_roundtrip(void **state) {
     pkv_stats st = tu_stats(c);
     assert_int_equal(st.kv_bytes, 10 * 1024);
     pkv_cache_destroy(c);
-    /* pkv.h: max_blocks_per_seq 0 = min(n_blocks, 65536) */
+    /* pkv.h: max_blocks_per_seq 0 = min(n_blocks, 4096) */
     cfg = tu_config(70000, 1, 1, 1, 1, PKV_DTYPE_F32);
     cfg.max_seqs = 2;
     c = tu_create(&cfg);
     TU_OK(pkv_cache_config(c, &e));
-    assert_int_equal(e.max_blocks_per_seq, 65536);
+    assert_int_equal(e.max_blocks_per_seq, 4096);
     pkv_cache_destroy(c);
-    cfg.n_blocks = 5000;
+    cfg.n_blocks = 3000;
     c = tu_create(&cfg);
     TU_OK(pkv_cache_config(c, &e));
-    assert_int_equal(e.max_blocks_per_seq, 5000);
+    assert_int_equal(e.max_blocks_per_seq, 3000);
     pkv_seq s = tu_seq(c);
-    tu_append(c, s, 5000, 0, NULL); /* one sequence may hold the whole pool */
-    assert_int_equal(tu_info(c, s).n_blocks, 5000);
+    tu_append(c, s, 3000, 0, NULL); /* one sequence may hold the whole pool */
+    assert_int_equal(tu_info(c, s).n_blocks, 3000);
     pkv_cache_destroy(c);
 }
 

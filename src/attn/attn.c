@@ -77,6 +77,7 @@ static bool have_avx512(uint32_t f) {
 static int build_kernels(const char *want, pkv__attn_kernels *kt) {
     memset(kt, 0, sizeof *kt);
     pkv__attn_fill_ref(kt);
+    pkv__attn_fill_q_ref(kt);
     if (!strcmp(want, "ref")) return PKV_OK;
 #if defined(__x86_64__) || defined(__i386__)
     const uint32_t f = pkv__cpu_features();
@@ -84,12 +85,14 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
         if (!have_avx2(f)) return PKV_ENOTSUP;
         pkv__attn_fill_avx2(kt);
         /* quantized-dtype fillers for AVX2 go here */
+        pkv__attn_fill_q_avx2(kt);
         return PKV_OK;
     }
     if (!strcmp(want, "avx512")) {
         if (!have_avx512(f)) return PKV_ENOTSUP;
         pkv__attn_fill_avx2(kt); /* anything the 512-bit file lacks runs at 256 bits */
         /* quantized-dtype fillers for AVX2 go here */
+        pkv__attn_fill_q_avx2(kt);
         pkv__attn_fill_avx512(kt);
         /* quantized-dtype fillers for AVX-512 go here */
         return PKV_OK;

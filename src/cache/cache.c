@@ -119,6 +119,20 @@ void pkv__copy_block(pkv_cache *c, uint32_t dst, uint32_t src, uint32_t n) {
 }
 
 /* ---- create / destroy ---------------------------------------------------------------------- */
+/* Counting shim between the attention context and the user's allocator. */
+static void *attn_shim_alloc(void *ctx, size_t size, size_t align) {
+    pkv_cache *c = ctx;
+    void *p = pkv__alloc(&c->alloc, size, align);
+    if (p) c->attn_bytes += size;
+    return p;
+}
+
+static void attn_shim_free(void *ctx, void *p, size_t size) {
+    pkv_cache *c = ctx;
+    c->attn_bytes -= size;
+    pkv__free(&c->alloc, p, size);
+}
+
 static int validate_config(const pkv_config *cfg) {
     if (cfg->n_layers < 1 || cfg->n_layers > 4096) return PKV_EINVAL;
     if (cfg->n_kv_heads < 1 || cfg->n_kv_heads > 4096) return PKV_EINVAL;
@@ -231,13 +245,14 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
         (void)madvise(c->kv, kv_bytes & ~(size_t)(PKV_HUGEPAGE - 1), MADV_HUGEPAGE);
     pkv__attn_limits lim = {.max_items = c->max_seqs, .max_blocks_per_seq = c->max_bps,
                             .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B};
-    rc = pkv__attn_create(&a, cfg.n_threads, &lim, &c->attn);
+    c->attn_alloc = (pkv_allocator){.alloc = attn_shim_alloc, .free = attn_shim_free, .ctx = c};
+    rc = pkv__attn_create(&c->attn_alloc, cfg.n_threads, &lim, &c->attn);
     if (rc) {
         c->attn = NULL;
         cache_free_all(c);
         return rc;
     }
-    c->meta_bytes = meta;
+    c->meta_bytes = meta + c->attn_bytes;
 
     pkv__pool_init(&c->pool, c->blk, c->n_blocks);
     for (uint32_t i = 0; i < c->max_seqs; i++) {

@@ -1,0 +1,184 @@
+/* attn_q_ref.c: scalar reference attention primitives for quantized K/V (q8_0, q4_0, fp8
+ * e4m3), read straight from the pool rows (quant.h layouts, dequantized in registers). They
+ * define the arithmetic the SIMD variants (x86/attn_q_avx2.c) reproduce up to float
+ * summation order: for q8_0 / q4_0 K the query is quantized per 32 values to int8 (as ggml
+ * does for q8_0 / q4_0 dot products) and each block's dot product is an exact integer. */
+#include "attn.h"
+#include "attn_q.h"
+#include "../quant/quant.h"
+
+#include <math.h>
+
+/* ---- prepared query for integer K (q8_0, q4_0) ----------------------------------------------
+ * Row layout (within PKV__ATTN_QROW_BYTES(D) = 4 D rounded to 64, so it always fits):
+ *   int8 q[D] | uint8 |q|[D] | f32 dq[D / 32]
+ * Per 32 values: dq = amax / 127 (f32, never stored in the pool, so no f16 rounding),
+ * q = rne(x / dq) in [-127, 127], x = scale * query. |q| serves the AVX2 sign trick. */
+void pkv__attn_prep_q8(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
+    const uint32_t nb = head_dim / 32;
+    for (uint32_t r = 0; r < n_rows; r++) {
+        uint8_t *dst = (uint8_t *)qp + r * qrow;
+        int8_t *qs = (int8_t *)dst;
+        uint8_t *qa = dst + head_dim;
+        float *dq = (float *)(dst + 2 * (size_t)head_dim);
+        const float *src = q + r * q_stride;
+        for (uint32_t b = 0; b < nb; b++) {
+            float x[32], amax = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                x[j] = src[32 * b + j] * scale;
+                amax = fmaxf(amax, fabsf(x[j]));
+            }
+            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            dq[b] = d;
+            for (int j = 0; j < 32; j++) {
+                float v = fminf(fmaxf(nearbyintf(x[j] * id), -127.0f), 127.0f);
+                qs[32 * b + j] = (int8_t)v;
+                qa[32 * b + j] = (uint8_t)(v < 0 ? -v : v);
+            }
+        }
+    }
+}
+
+static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
+                       uint32_t head_dim, float *s, uint32_t s_stride) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
+    const uint32_t nb = head_dim / 32;
+    for (uint32_t t = 0; t < n_keys; t++) {
+        const uint8_t *kr = k + t * k_row_bytes;
+        for (uint32_t r = 0; r < n_rows; r++) {
+            const uint8_t *row = (const uint8_t *)qp + r * qrow;
+            const int8_t *qs = (const int8_t *)row;
+            const float *dq = (const float *)(row + 2 * (size_t)head_dim);
+            float acc = 0.0f;
+            for (uint32_t b = 0; b < nb; b++) {
+                pkv_block_q8_0 blk;
+                memcpy(&blk, kr + b * sizeof blk, sizeof blk);
+                int32_t isum = 0;
+                for (int j = 0; j < 32; j++) isum += (int32_t)qs[32 * b + j] * blk.qs[j];
+                acc += dq[b] * pkv__f16_to_f32(blk.d) * (float)isum;
+            }
+            s[r * s_stride + t] = acc;
+        }
+    }
+}
+
+static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
+                       uint32_t head_dim, float *s, uint32_t s_stride) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
+    const uint32_t nb = head_dim / 32;
+    for (uint32_t t = 0; t < n_keys; t++) {
+        const uint8_t *kr = k + t * k_row_bytes;
+        for (uint32_t r = 0; r < n_rows; r++) {
+            const uint8_t *row = (const uint8_t *)qp + r * qrow;
+            const int8_t *qs = (const int8_t *)row;
+            const float *dq = (const float *)(row + 2 * (size_t)head_dim);
+            float acc = 0.0f;
+            for (uint32_t b = 0; b < nb; b++) {
+                pkv_block_q4_0 blk;
+                memcpy(&blk, kr + b * sizeof blk, sizeof blk);
+                int32_t isum = 0;
+                for (int j = 0; j < 16; j++) {
+                    isum += (int32_t)qs[32 * b + j] * ((blk.qs[j] & 15) - 8);
+                    isum += (int32_t)qs[32 * b + j + 16] * ((blk.qs[j] >> 4) - 8);
+                }
+                acc += dq[b] * pkv__f16_to_f32(blk.d) * (float)isum;
+            }
+            s[r * s_stride + t] = acc;
+        }
+    }
+}
+
+/* ---- fp8 K: f32 query (the prep of the float dtypes), row scale applied after the sum ---- */
+void pkv__attn_prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
+    for (uint32_t r = 0; r < n_rows; r++) {
+        float *dst = (float *)((uint8_t *)qp + r * qrow);
+        for (uint32_t d = 0; d < head_dim; d++) dst[d] = q[r * q_stride + d] * scale;
+        for (uint32_t d = head_dim; d % 8; d++) dst[d] = 0.0f; /* fits: qrow >= 4 * roundup(D, 16) */
+    }
+}
+
+static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
+                      uint32_t head_dim, float *s, uint32_t s_stride) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
+    for (uint32_t t = 0; t < n_keys; t++) {
+        const uint8_t *kr = k + t * k_row_bytes;
+        float sk;
+        memcpy(&sk, kr, 4);
+        const uint8_t *e = kr + PKV_FP8_ROW_HEADER;
+        for (uint32_t r = 0; r < n_rows; r++) {
+            const float *qr = (const float *)((const uint8_t *)qp + r * qrow);
+            float acc = 0.0f;
+            for (uint32_t d = 0; d < head_dim; d++) acc += qr[d] * pkv__e4m3_to_f32(e[d]);
+            s[r * s_stride + t] = sk * acc;
+        }
+    }
+}
+
+/* ---- V accumulation: acc[r] += p[r][t] * scale(t, block) * code ---- */
+static void accum_q8_0(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
+                       uint32_t n_keys, uint32_t head_dim, float *acc) {
+    const uint32_t nb = head_dim / 32;
+    for (uint32_t t = 0; t < n_keys; t++) {
+        const uint8_t *vr = v + t * v_row_bytes;
+        for (uint32_t b = 0; b < nb; b++) {
+            pkv_block_q8_0 blk;
+            memcpy(&blk, vr + b * sizeof blk, sizeof blk);
+            const float dv = pkv__f16_to_f32(blk.d);
+            for (uint32_t r = 0; r < n_rows; r++) {
+                const float w = p[r * p_stride + t] * dv;
+                float *a = acc + (size_t)r * head_dim + 32 * b;
+                for (int j = 0; j < 32; j++) a[j] += w * (float)blk.qs[j];
+            }
+        }
+    }
+}
+
+static void accum_q4_0(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
+                       uint32_t n_keys, uint32_t head_dim, float *acc) {
+    const uint32_t nb = head_dim / 32;
+    for (uint32_t t = 0; t < n_keys; t++) {
+        const uint8_t *vr = v + t * v_row_bytes;
+        for (uint32_t b = 0; b < nb; b++) {
+            pkv_block_q4_0 blk;
+            memcpy(&blk, vr + b * sizeof blk, sizeof blk);
+            const float dv = pkv__f16_to_f32(blk.d);
+            for (uint32_t r = 0; r < n_rows; r++) {
+                const float w = p[r * p_stride + t] * dv;
+                float *a = acc + (size_t)r * head_dim + 32 * b;
+                for (int j = 0; j < 16; j++) {
+                    a[j] += w * (float)((blk.qs[j] & 15) - 8);
+                    a[j + 16] += w * (float)((blk.qs[j] >> 4) - 8);
+                }
+            }
+        }
+    }
+}
+
+static void accum_fp8(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
+                      uint32_t n_keys, uint32_t head_dim, float *acc) {
+    for (uint32_t t = 0; t < n_keys; t++) {
+        const uint8_t *vr = v + t * v_row_bytes;
+        float sv;
+        memcpy(&sv, vr, 4);
+        const uint8_t *e = vr + PKV_FP8_ROW_HEADER;
+        for (uint32_t r = 0; r < n_rows; r++) {
+            const float w = p[r * p_stride + t] * sv;
+            float *a = acc + (size_t)r * head_dim;
+            for (uint32_t d = 0; d < head_dim; d++) a[d] += w * pkv__e4m3_to_f32(e[d]);
+        }
+    }
+}
+
+void pkv__attn_fill_q_ref(pkv__attn_kernels *kt) {
+    kt->prep_q[PKV_DTYPE_Q8_0] = pkv__attn_prep_q8;
+    kt->prep_q[PKV_DTYPE_Q4_0] = pkv__attn_prep_q8;
+    kt->prep_q[PKV_DTYPE_FP8_E4M3] = pkv__attn_prep_f32;
+    kt->score[PKV_DTYPE_Q8_0] = score_q8_0;
+    kt->score[PKV_DTYPE_Q4_0] = score_q4_0;
+    kt->score[PKV_DTYPE_FP8_E4M3] = score_fp8;
+    kt->accum[PKV_DTYPE_Q8_0] = accum_q8_0;
+    kt->accum[PKV_DTYPE_Q4_0] = accum_q4_0;
+    kt->accum[PKV_DTYPE_FP8_E4M3] = accum_fp8;
+}
