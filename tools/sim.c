@@ -24,7 +24,7 @@ static void defaults(sim_cli *c) {
                                 .sys_len = 256, .sys_frac = 0.5, .n_frac = 0.1, .n_samples = 4, .seed = 1};
     c->so = (sim_opts){.model = {.n_layers = 2, .n_kv_heads = 2, .n_q_heads = 8, .head_dim = 64, .dtype = PKV_DTYPE_F16},
                        .block_tokens = 16, .n_blocks = 2048, .max_len = 2048, .step_tokens = 2048, .max_seqs = 256,
-                       .watermark = 0.01, .n_threads = 0, .attn = 1};
+                       .watermark = 0.01, .headroom = 1.0, .n_threads = 0, .attn = 1};
     c->step_ms = 20.0;
     c->n_policies = SIM_N_POLICIES;
     for (int i = 0; i < SIM_N_POLICIES; i++) c->policies[i] = i;
@@ -75,6 +75,8 @@ static void usage(FILE *f) {
             "  --step-tokens N     token budget per step (prefill chunks + decodes) [%u]\n"
             "  --max-seqs N        running sequences at most [%u]\n"
             "  --watermark F       fraction of the pool kept free when admitting [%g]\n"
+            "  --headroom F        blocks per running sequence also kept free when admitting, so\n"
+            "                      the running ones can grow without preempting the newcomer [%g]\n"
             "  --threads N         attention threads, 0 = all cpus [%u]\n"
             "  --policies LIST     comma-separated subset of paged_prefix,paged,contiguous [all]\n"
             "  --no-attn           skip K/V writes and attention: memory-only replay (the pool then\n"
@@ -92,7 +94,7 @@ static void usage(FILE *f) {
             d.wo.output_sigma, d.wo.max_len, d.wo.n_sys, d.wo.sys_len, d.wo.sys_frac, d.wo.n_frac, d.wo.n_samples,
             (unsigned long long)d.wo.seed, d.so.model.n_layers, d.so.model.n_kv_heads, d.so.model.n_q_heads,
             d.so.model.head_dim, pkv_dtype_name(d.so.model.dtype), d.so.block_tokens, d.so.n_blocks,
-            d.so.step_tokens, d.so.max_seqs, d.so.watermark, d.so.n_threads);
+            d.so.step_tokens, d.so.max_seqs, d.so.watermark, d.so.headroom, d.so.n_threads);
 }
 
 static int parse_u32(const char *s, uint32_t *out) {
@@ -176,6 +178,7 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         else if (!strcmp(a, "--step-tokens")) bad = parse_u32(v, &c->so.step_tokens) || !c->so.step_tokens;
         else if (!strcmp(a, "--max-seqs")) bad = parse_u32(v, &c->so.max_seqs) || !c->so.max_seqs;
         else if (!strcmp(a, "--watermark")) bad = parse_f64(v, &d) || d < 0 || d >= 1 || ((c->so.watermark = d), 0);
+        else if (!strcmp(a, "--headroom")) bad = parse_f64(v, &c->so.headroom) || c->so.headroom < 0;
         else if (!strcmp(a, "--threads")) bad = parse_u32(v, &c->so.n_threads);
         else if (!strcmp(a, "--policies")) bad = parse_policies(c, v);
         else if (!strcmp(a, "--plot")) c->plot = v;

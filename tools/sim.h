@@ -68,6 +68,7 @@ typedef struct sim_opts {
     uint32_t step_tokens;   /* token budget per step (prefill chunks + decodes) */
     uint32_t max_seqs;      /* running sequences at most */
     double watermark;       /* fraction of the pool kept free at admission */
+    double headroom;        /* blocks per running sequence kept free at admission */
     uint32_t n_threads;
     int attn;               /* 0: --no-attn (no K/V writes, no kernels) */
     uint64_t seed;

@@ -178,8 +178,11 @@ static int admit(sim *S, uint32_t *budget, uint32_t *n_items, uint32_t *off) {
             S->ns_pkv += tool_now_ns() - t0;
             if (rc < 0) return fail(S, rc, "pkv_cache_get_stats");
             /* the whole prompt (+1 for a copy-on-write of a matched tail) must fit above the
-             * watermark; cached blocks count as available since they can be evicted */
-            uint64_t need = ceil_div(rq->prompt_len + S->rs[r].kept, B) + 1u + wm;
+             * watermark plus `headroom` blocks per running sequence (their growth over the next
+             * B steps: without it a new admission is preempted again at once); cached blocks
+             * count as available since they can be evicted */
+            uint64_t need = ceil_div(rq->prompt_len + S->rs[r].kept, B) + 1u + wm +
+                            (uint64_t)(o->headroom * S->running_seqs + 0.5);
             if ((uint64_t)st.n_free + st.n_cached < need) break;
         }
         S->wq_head = (S->wq_head + 1) % S->wq_cap;
@@ -213,6 +216,35 @@ static int admit(sim *S, uint32_t *budget, uint32_t *n_items, uint32_t *off) {
         *off += n;
         *budget -= n;
     }
+    return 0;
+}
+
+/* Appends items [from, to) to their sequences; when the pool is out of blocks (PKV_ENOSPC),
+ * preempts the newest running request and retries (possibly the item's own request). */
+static int append_items(sim *S, uint32_t from, uint32_t to) {
+    uint64_t t0 = tool_now_ns();
+    int rc = 0;
+    for (uint32_t i = from; i < to; i++) {
+        item *it = &S->items[i];
+        entry *e = &S->ent[it->e];
+        if (!e->alive) continue;
+        sim_tokens(&S->w->reqs[e->req], e->sample, e->len, it->n, S->tok + it->off);
+        for (;;) {
+            rc = pkv_seq_append(S->c, e->s, S->tok + it->off, it->n, S->slots + it->off);
+            if (rc != PKV_ENOSPC || S->policy == SIM_CONTIGUOUS) break;
+            int64_t v = newest_running(S);
+            if (v < 0) break;
+            uint32_t own = e->req;
+            if (preempt(S, (uint32_t)v)) return -1;
+            if ((uint32_t)v == own) break; /* the item's own request went back to the queue */
+        }
+        if (!e->alive) continue;
+        if (rc < 0) {
+            S->ns_pkv += tool_now_ns() - t0;
+            return fail(S, rc, "pkv_seq_append");
+        }
+    }
+    S->ns_pkv += tool_now_ns() - t0;
     return 0;
 }
 
@@ -359,35 +391,14 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
             off += k;
             budget -= k;
         }
-        if (admit(&S, &budget, &n_items, &off)) goto done;
-
-        /* append: on ENOSPC preempt the newest running request and retry */
-        uint64_t t0 = tool_now_ns();
-        for (uint32_t i = 0; i < n_items; i++) {
-            item *it = &S.items[i];
-            entry *e = &S.ent[it->e];
-            if (!e->alive) continue;
-            sim_tokens(&w->reqs[e->req], e->sample, e->len, it->n, S.tok + it->off);
-            for (;;) {
-                rc = pkv_seq_append(S.c, e->s, S.tok + it->off, it->n, S.slots + it->off);
-                if (rc != PKV_ENOSPC || policy == SIM_CONTIGUOUS) break;
-                int64_t v = newest_running(&S);
-                if (v < 0) break;
-                uint32_t own = e->req;
-                if (preempt(&S, (uint32_t)v)) goto done;
-                if ((uint32_t)v == own) break; /* e itself is gone */
-            }
-            if (!e->alive) continue;
-            if (rc == PKV_ENOSPC && newest_running(&S) < 0) {
-                fail(&S, rc, "a request does not fit the pool even alone");
-                goto done;
-            }
-            if (rc < 0) {
-                fail(&S, rc, "pkv_seq_append");
-                goto done;
-            }
+        /* the running sequences get their slots first; only a step that preempted nobody admits
+         * (vLLM's rule: admitting right after a preemption would only thrash) */
+        uint32_t preempted_before = res->preemptions;
+        if (append_items(&S, 0, n_items)) goto done;
+        if (res->preemptions == preempted_before) {
+            uint32_t first_new = n_items;
+            if (admit(&S, &budget, &n_items, &off) || append_items(&S, first_new, n_items)) goto done;
         }
-        S.ns_pkv += tool_now_ns() - t0;
 
         /* gather the surviving work: slots for the writes, decode and prefill lists */
         uint32_t T = 0, n_dec = 0, n_pre = 0;
@@ -434,7 +445,7 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
             item *it = &S.items[i];
             uint32_t ei = it->e;
             if (!S.ent[ei].alive) continue;
-            t0 = tool_now_ns();
+            uint64_t t0 = tool_now_ns();
             rc = pkv_seq_commit(S.c, S.ent[ei].s, S.ent[ei].len + it->n);
             S.ns_pkv += tool_now_ns() - t0;
             if (rc < 0) {
