@@ -15,7 +15,7 @@
 extern char **environ;
 
 /* Path of the CLI: $PKV_BIN, else the build tree's. */
-static const char *cli_path(void) {
+static inline const char *cli_path(void) {
     const char *b = getenv("PKV_BIN");
     if (b && *b) return b;
 #ifdef PKV_BINARY_DIR
@@ -25,7 +25,7 @@ static const char *cli_path(void) {
 #endif
 }
 
-static char *slurp_fd(int fd) {
+static inline char *slurp_fd(int fd) {
     struct stat st;
     if (fstat(fd, &st)) return NULL;
     char *buf = malloc((size_t)st.st_size + 1);
@@ -43,7 +43,9 @@ static char *slurp_fd(int fd) {
 
 /* Runs argv (argv[0] is replaced by the CLI path). Returns the exit status, or 128 + signal
  * when it was killed, or -1 if it could not start. *out / *err (malloc'ed) get its output. */
-static int run_cli(char **argv, char **out, char **err) {
+static inline int run_cli(char **argv, char **out, char **err) {
+    if (out) *out = NULL;
+    if (err) *err = NULL;
     char o_path[] = "/tmp/pkv-test-out-XXXXXX", e_path[] = "/tmp/pkv-test-err-XXXXXX";
     int ofd = mkstemp(o_path), efd = mkstemp(e_path);
     if (ofd < 0 || efd < 0) return -1;
@@ -69,7 +71,7 @@ static int run_cli(char **argv, char **out, char **err) {
 }
 
 /* $PKV_SHARED_DIR/models/NAME (or the compile-time default), in a static buffer. */
-static const char *shared_model(const char *name) {
+static inline const char *shared_model(const char *name) {
     static char path[4096];
     const char *d = getenv("PKV_SHARED_DIR");
 #ifdef PKV_SHARED_DIR
