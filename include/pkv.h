@@ -166,7 +166,10 @@ PKV_API PKV_NODISCARD int pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t 
  * k, v: [n][n_kv_heads][head_dim] elements of in_dtype (f32, f16 or bf16), converted to the
  * pool dtype. slot -1 is skipped (padding). Every slot is checked first: it must lie in a
  * block that is ACTIVE with refcount 1 and not in the prefix index, at a position not yet
- * committed (committed K/V is immutable), else PKV_EINVAL and nothing is written. k or v may
+ * committed, else PKV_EINVAL and nothing is written. Committed K/V is immutable: a position
+ * that any holder of its block has committed stays read-only until that block is freed (a
+ * sequence that later owns the block alone may rewrite only past its own committed count
+ * after a truncate or append, which trim the block's counts to it). k or v may
  * be NULL to write only the other. So write a sequence's K/V before forking it: a block shared
  * by a fork is read-only until copy-on-write gives the writer its own copy. */
 PKV_API PKV_NODISCARD int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n,

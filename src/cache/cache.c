@@ -119,6 +119,20 @@ void pkv__copy_block(pkv_cache *c, uint32_t dst, uint32_t src, uint32_t n) {
 }
 
 /* ---- create / destroy ---------------------------------------------------------------------- */
+/* Counting shim between the attention context and the user's allocator. */
+static void *attn_shim_alloc(void *ctx, size_t size, size_t align) {
+    pkv_cache *c = ctx;
+    void *p = pkv__alloc(&c->alloc, size, align);
+    if (p) c->attn_bytes += size;
+    return p;
+}
+
+static void attn_shim_free(void *ctx, void *p, size_t size) {
+    pkv_cache *c = ctx;
+    c->attn_bytes -= size;
+    pkv__free(&c->alloc, p, size);
+}
+
 static int validate_config(const pkv_config *cfg) {
     if (cfg->n_layers < 1 || cfg->n_layers > 4096) return PKV_EINVAL;
     if (cfg->n_kv_heads < 1 || cfg->n_kv_heads > 4096) return PKV_EINVAL;
@@ -231,13 +245,14 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
         (void)madvise(c->kv, kv_bytes & ~(size_t)(PKV_HUGEPAGE - 1), MADV_HUGEPAGE);
     pkv__attn_limits lim = {.max_items = c->max_seqs, .max_blocks_per_seq = c->max_bps,
                             .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B};
-    rc = pkv__attn_create(&a, cfg.n_threads, &lim, &c->attn);
+    c->attn_alloc = (pkv_allocator){.alloc = attn_shim_alloc, .free = attn_shim_free, .ctx = c};
+    rc = pkv__attn_create(&c->attn_alloc, cfg.n_threads, &lim, &c->attn);
     if (rc) {
         c->attn = NULL;
         cache_free_all(c);
         return rc;
     }
-    c->meta_bytes = meta;
+    c->meta_bytes = meta + c->attn_bytes;
 
     pkv__pool_init(&c->pool, c->blk, c->n_blocks);
     for (uint32_t i = 0; i < c->max_seqs; i++) {
@@ -330,17 +345,25 @@ PKV_API int pkv_seq_create(pkv_cache *c, const void *salt, size_t salt_len, pkv_
     return PKV_OK;
 }
 
+static uint32_t committed_in_block(const pkv_cache *c, const pkv__seq *s, uint32_t i) {
+    uint64_t start = (uint64_t)i * c->B;
+    if (s->n_committed <= start) return 0;
+    return (uint32_t)PKV_MIN((uint64_t)c->B, s->n_committed - start);
+}
+
 /* When s is the sole owner of an unindexed, partly used tail block, positions past its length
- * belong to nobody (a co-holder that appended or committed them has left): trim the block's
- * fill and commit counts to s's length so those positions can be written again. */
+ * belong to nobody (a co-holder that appended them has left): trim the block's fill to s's
+ * length. Likewise a commit count above s's own committed positions in that block was set by a
+ * departed co-holder: trim it to s's, so s can write the positions it has not committed. */
 static void claim_tail(pkv_cache *c, pkv__seq *s) {
     uint32_t off = s->n_tokens % c->B;
     if (off == 0) return;
     uint32_t b = (uint32_t)s->table[s->n_blocks - 1];
     pkv__blk *k = &c->blk[b];
     if (k->ref != 1 || (k->flags & PKV_BLKF_INDEXED)) return;
+    uint32_t own = committed_in_block(c, s, s->n_blocks - 1);
     if (k->n_fill > off) pkv__pool_set_fill(&c->pool, b, off);
-    if (k->n_commit > off) k->n_commit = (uint16_t)off;
+    if (k->n_commit > own) k->n_commit = (uint16_t)own;
     if ((k->flags & PKV_BLKF_PARTIAL) && k->n_commit == 0) pkv__partial_unlink(c, b);
 }
 
@@ -349,12 +372,6 @@ static bool tail_needs_cow(const pkv_cache *c, const pkv__seq *s) {
     if (s->n_tokens % c->B == 0) return false;
     const pkv__blk *k = &c->blk[s->table[s->n_blocks - 1]];
     return k->ref > 1 || (k->flags & PKV_BLKF_INDEXED);
-}
-
-static uint32_t committed_in_block(const pkv_cache *c, const pkv__seq *s, uint32_t i) {
-    uint64_t start = (uint64_t)i * c->B;
-    if (s->n_committed <= start) return 0;
-    return (uint32_t)PKV_MIN((uint64_t)c->B, s->n_committed - start);
 }
 
 /* Replaces the shared or indexed tail block by a private copy of its first len % B positions. */

@@ -59,6 +59,9 @@ struct pkv_cache {
 
     pkv__attn *attn;
     pkv__attn_item *items; /* [max_seqs] */
+    /* the attention context allocates through this counting shim, so meta_bytes includes it */
+    pkv_allocator attn_alloc;
+    uint64_t attn_bytes;
 };
 
 /* ---- cache.c ---- */

@@ -186,7 +186,9 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
     c->pfx_queried += n;
     if (n <= 1) goto out;
     const uint32_t B = c->B, cap = n - 1;
-    uint32_t prev = PKV_NONE, k = 0, full = PKV_MIN(n / B, c->max_bps);
+    /* blocks holding positions [0, cap): with B = 1 the block of the last prompt token holds no
+       reusable position and must not be attached (it would lie past the length) */
+    uint32_t prev = PKV_NONE, k = 0, full = PKV_MIN(PKV_MIN(n / B, (cap + B - 1) / B), c->max_bps);
     while (k < full) {
         const int32_t *t = tokens + (size_t)k * B;
         uint64_t h = pkv__identity_hash(c, prev, s->ns_lo, s->ns_hi, t);

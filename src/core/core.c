@@ -45,12 +45,10 @@ static void *default_alloc(size_t size, size_t align) {
         uint8_t *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) return NULL;
         uintptr_t a = ((uintptr_t)p + PKV_HUGEPAGE - 1) & ~(uintptr_t)(PKV_HUGEPAGE - 1);
-        size_t head = a - (uintptr_t)p, tail = len - head - size;
+        size_t head = a - (uintptr_t)p, pg = (size_t)sysconf(_SC_PAGESIZE);
+        size_t keep = (size + pg - 1) & ~(pg - 1); /* the mapping is exactly [a, a + keep) */
         if (head) munmap(p, head);
-        /* trim the tail too, so the mapping is exactly [a, a + page-rounded size): free then
-           unmaps exactly that and never a neighbouring mapping */
-        size_t pg = (size_t)sysconf(_SC_PAGESIZE), used = (size + pg - 1) & ~(pg - 1);
-        if (tail + size > used) munmap((uint8_t *)a + used, tail + size - used);
+        if (len - head > keep) munmap((uint8_t *)a + keep, len - head - keep);
         return (void *)a;
     }
     if (align < sizeof(void *)) align = sizeof(void *);
@@ -62,7 +60,8 @@ static void *default_alloc(size_t size, size_t align) {
 static void default_free(void *p, size_t size) {
     if (!p) return;
     if (size >= PKV_HUGEPAGE) {
-        /* the mapping is exactly [p, p + page-rounded size) (default_alloc trimmed both ends) */
+        /* default_alloc trimmed the mapping to exactly [p, p + size rounded up to a page):
+           unmapping more would unmap whatever the kernel placed after it. */
         size_t pg = (size_t)sysconf(_SC_PAGESIZE);
         munmap(p, (size + pg - 1) & ~(pg - 1));
         return;

@@ -1,0 +1,42 @@
+#!/usr/bin/env python3
+"""make_corpus.py: writes the seed corpus of fuzz_api (fuzz/corpus/seed-NN), deterministic.
+
+Input format (fuzz/fuzz_api.c): byte 0 = config (block size 4/1/3/16 in bits 0-1, dtypes,
+layers in bit 7), byte 1 = pool size, byte 2 = prompt set (0xff: prefix cache off), then the
+call script read by pm_step (op byte, then its operand bytes). Each seed covers one config with
+a script biased towards one theme (matches, eviction pressure, forks/truncates, pins)."""
+import os
+import random
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "corpus")
+# pm_step op numbers (enum in prefix_model.h)
+MATCH, CREATE, APPEND, COMMIT, FORK, TRUNC, RELEASE, PIN, UNPIN, NEG, REWRITE, MATCH2 = range(12)
+THEMES = {
+    "match": [MATCH, MATCH2, CREATE, RELEASE, MATCH, COMMIT],
+    "evict": [CREATE, APPEND, APPEND, RELEASE, MATCH, MATCH2],
+    "fork": [MATCH, FORK, TRUNC, APPEND, COMMIT, REWRITE, RELEASE],
+    "pin": [MATCH, PIN, RELEASE, UNPIN, APPEND, MATCH2],
+    "mixed": list(range(12)),
+}
+
+
+def main():
+    os.makedirs(OUT, exist_ok=True)
+    rng = random.Random(20261122)
+    configs = [0x00, 0x01, 0x02, 0x03, 0x04, 0x84, 0x88, 0x13, 0x8f, 0x16]
+    n = 0
+    for theme, ops in THEMES.items():
+        for k in range(4):
+            cfg = configs[(n + k) % len(configs)]
+            data = bytearray([cfg, rng.randrange(256), 0xFF if (theme == "mixed" and k == 3) else rng.randrange(4)])
+            for _ in range(rng.randrange(40, 90)):
+                data.append(rng.choice(ops))
+                data.extend(rng.randrange(256) for _ in range(6))  # operands: any bytes decode
+            with open(os.path.join(OUT, "seed-%02d-%s" % (n, theme)), "wb") as f:
+                f.write(bytes(data))
+            n += 1
+
+
+if __name__ == "__main__":
+    main()

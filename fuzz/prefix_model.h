@@ -1,0 +1,684 @@
+/* prefix_model.h: a shadow model of a pagedkv cache (token history per sequence, K/V as a pure
+ * function of the prefix) and a byte-driven interpreter of API calls over it, shared by the
+ * libFuzzer target (fuzz/fuzz_api.c) and the seeded randomized test (tests/test_prefix_random.c).
+ *
+ * The oracle: the K/V written at position p of a sequence is a deterministic function of
+ * (layer, K or V, head, dim, H(salt, tokens[0..p])). So a correct prefix reuse (same namespace,
+ * same tokens) gathers exactly the values the sequence would hold had it computed them itself,
+ * and any wrong reuse (other tenant, other tokens, stale or overwritten block) shows up as a
+ * value mismatch. Values are k/8 with |k| <= 128: exact in f32, f16 and bf16.
+ *
+ * After every call the interpreter runs pkv_cache_check, gathers every layer of every live
+ * sequence and compares with the model, and compares the stats it can predict. Public API only.
+ * Header-only (static functions) so both users compile it without build-system changes. */
+#ifndef PKV_PREFIX_MODEL_H
+#define PKV_PREFIX_MODEL_H
+
+#include "pkv.h"
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#define PM_MAX_SEQS 12    /* max_seqs of the cache: sequences and pins together */
+#define PM_MAX_TOK 384    /* tokens per sequence the model holds */
+#define PM_MAX_H 2        /* kv heads */
+#define PM_MAX_D 4        /* head_dim */
+#define PM_MAX_L 2        /* layers */
+#define PM_N_PROMPTS 6
+#define PM_PROMPT_MAX 72
+#define PM_N_SALTS 4
+#define PM_N_STALE 8
+
+/* The oracle's arithmetic and comparison loops are not fuzzing targets: keep libFuzzer's
+   comparison tracing out of them (it cost most of the run time), the library stays instrumented. */
+#if defined(__clang__) && __clang_major__ >= 13
+#define PM_NOCOV __attribute__((no_sanitize("coverage")))
+#else
+#define PM_NOCOV
+#endif
+
+typedef struct pm_seq {
+    pkv_seq id;
+    int live, is_pin, salt;
+    uint32_t len, committed;
+    int32_t tok[PM_MAX_TOK];
+    uint64_t h[PM_MAX_TOK]; /* h[p] = H(salt, tok[0..p]) */
+} pm_seq;
+
+typedef struct pm_src {
+    const uint8_t *p;
+    size_t n, i;
+    uint64_t rng;
+    int use_rng, done;
+} pm_src;
+
+typedef struct pm_world {
+    pkv_cache *c;
+    pkv_config cfg;
+    uint32_t B, max_tok;
+    pm_seq s[PM_MAX_SEQS];
+    pkv_seq stale[PM_N_STALE];
+    uint32_t n_stale;
+    int32_t prompt[PM_N_PROMPTS][PM_PROMPT_MAX];
+    uint32_t prompt_len[PM_N_PROMPTS];
+    /* what the model predicts of the stats */
+    uint64_t lookups, tokens_hit, tokens_queried;
+    /* coverage, so a test can insist the workload did exercise reuse */
+    uint64_t n_steps, n_matches, n_full_block_hits, n_partial_hits, n_enospc, n_forks, n_pins, n_truncs;
+    char err[600];
+    int trace; /* print every call to stderr (PM_TRACE=1 in the tests, -trace in the fuzzer) */
+    /* scratch */
+    float kbuf[PM_MAX_TOK * PM_MAX_H * PM_MAX_D], vbuf[PM_MAX_TOK * PM_MAX_H * PM_MAX_D];
+    float kexp[PM_MAX_TOK * PM_MAX_H * PM_MAX_D], vexp[PM_MAX_TOK * PM_MAX_H * PM_MAX_D];
+    int32_t slots[PM_MAX_TOK], table[PM_MAX_TOK];
+} pm_world;
+
+static const char *const pm_salts[PM_N_SALTS] = {"", "tenant-a", "tenant-b", "tenant-a\0x"};
+static const size_t pm_salt_lens[PM_N_SALTS] = {0, 8, 8, 10};
+
+PM_NOCOV static inline uint64_t pm_mix(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+PM_NOCOV static inline uint64_t pm_root(int salt) { return pm_mix(0x5A17ull * 131 + (uint64_t)salt); }
+PM_NOCOV static inline uint64_t pm_next(uint64_t prev, int32_t tok, uint32_t pos) {
+    return pm_mix(prev ^ pm_mix((uint64_t)(uint32_t)tok * 0x100000001B3ull + pos));
+}
+
+/* The K (kv = 0) or V (kv = 1) element of one position: k/8, k in [-128, 127]. */
+PM_NOCOV static inline float pm_val(uint64_t h, uint32_t layer, uint32_t kv, uint32_t head, uint32_t d) {
+    uint64_t x = pm_mix(h ^ ((uint64_t)layer << 40 | (uint64_t)kv << 32 | (uint64_t)head << 16 | d));
+    return (float)((int)(x & 255) - 128) / 8.0f;
+}
+
+static inline uint32_t pm_byte(pm_src *s) {
+    if (s->use_rng) {
+        s->rng = pm_mix(s->rng);
+        return (uint32_t)(s->rng >> 56);
+    }
+    if (s->i < s->n) return s->p[s->i++];
+    s->done = 1;
+    return 0;
+}
+static inline uint32_t pm_u16(pm_src *s) { return pm_byte(s) | pm_byte(s) << 8; }
+static inline uint32_t pm_below(pm_src *s, uint32_t n) { return n ? pm_u16(s) % n : 0; }
+
+static int pm_fail(pm_world *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int pm_fail(pm_world *w, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int k = snprintf(w->err, sizeof w->err, "step %llu: ", (unsigned long long)w->n_steps);
+    vsnprintf(w->err + k, sizeof w->err - (size_t)k, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+#define PM_TR(w, ...)                                                                              \
+    do {                                                                                           \
+        if ((w)->trace) fprintf(stderr, __VA_ARGS__);                                              \
+    } while (0)
+#define PM_SI(w, q) ((int)((q) - (w)->s))
+
+#define PM_EXPECT(w, cond, ...)                                                                    \
+    do {                                                                                           \
+        if (!(cond)) return pm_fail((w), __VA_ARGS__);                                             \
+    } while (0)
+
+/* Config choice from one byte: block size, pool dtype, pool size; prefix cache on unless
+ * `prefix_off`. */
+static inline pkv_config pm_config(uint32_t b0, uint32_t b1, int prefix_off) {
+    static const uint32_t bs[4] = {4, 1, 3, 16};
+    static const pkv_dtype dt[3] = {PKV_DTYPE_F16, PKV_DTYPE_F32, PKV_DTYPE_BF16};
+    pkv_config cfg = pkv_config_default();
+    cfg.n_layers = 1 + (b0 >> 7);
+    cfg.n_kv_heads = PM_MAX_H;
+    cfg.head_dim = PM_MAX_D;
+    cfg.block_tokens = bs[b0 & 3];
+    cfg.k_dtype = dt[(b0 >> 2) % 3];
+    cfg.v_dtype = dt[((b0 >> 2) + (b0 >> 4)) % 3];
+    cfg.n_blocks = 6 + b1 % 48;
+    if (cfg.block_tokens == 1) cfg.n_blocks *= 3;
+    uint32_t cap = PM_MAX_TOK / cfg.block_tokens;
+    cfg.max_blocks_per_seq = cfg.n_blocks < cap ? cfg.n_blocks : cap;
+    cfg.max_seqs = PM_MAX_SEQS;
+    cfg.n_threads = 1;
+    cfg.huge_pages = 0;
+    cfg.enable_prefix_cache = !prefix_off;
+    return cfg;
+}
+
+/* Prompts that share prefixes: P1 and P2 extend P0's first 21 and 9 tokens, P4 extends P3,
+ * P5 is P0 plus a tail. Small vocabulary so random appends sometimes coincide with them. */
+static inline void pm_make_prompts(pm_world *w, uint64_t seed) {
+    uint64_t r = seed;
+#define PM_TOK() ((int32_t)((r = pm_mix(r)) % 24))
+    w->prompt_len[0] = 37;
+    for (uint32_t i = 0; i < 37; i++) w->prompt[0][i] = PM_TOK();
+    w->prompt_len[1] = 45;
+    memcpy(w->prompt[1], w->prompt[0], 21 * sizeof(int32_t));
+    for (uint32_t i = 21; i < 45; i++) w->prompt[1][i] = 100 + PM_TOK();
+    w->prompt_len[2] = 30;
+    memcpy(w->prompt[2], w->prompt[0], 9 * sizeof(int32_t));
+    for (uint32_t i = 9; i < 30; i++) w->prompt[2][i] = 200 + PM_TOK();
+    w->prompt_len[3] = 20;
+    for (uint32_t i = 0; i < 20; i++) w->prompt[3][i] = 300 + PM_TOK();
+    w->prompt_len[4] = 52;
+    memcpy(w->prompt[4], w->prompt[3], 20 * sizeof(int32_t));
+    for (uint32_t i = 20; i < 52; i++) w->prompt[4][i] = 300 + PM_TOK();
+    w->prompt_len[5] = 70;
+    memcpy(w->prompt[5], w->prompt[0], 37 * sizeof(int32_t));
+    for (uint32_t i = 37; i < 70; i++) w->prompt[5][i] = PM_TOK();
+#undef PM_TOK
+}
+
+static inline int pm_init(pm_world *w, const pkv_config *cfg, uint64_t prompt_seed) {
+    memset(w, 0, sizeof *w);
+    w->cfg = *cfg;
+    w->B = cfg->block_tokens;
+    w->max_tok = cfg->max_blocks_per_seq * cfg->block_tokens;
+    if (w->max_tok > PM_MAX_TOK) w->max_tok = PM_MAX_TOK;
+    pm_make_prompts(w, prompt_seed);
+    int rc = pkv_cache_create(cfg, &w->c);
+    if (rc < 0) return pm_fail(w, "pkv_cache_create: %s", pkv_strerror(rc));
+    return 0;
+}
+
+static inline void pm_fini(pm_world *w) {
+    pkv_cache_destroy(w->c);
+    w->c = NULL;
+}
+
+static inline uint32_t pm_n_live(const pm_world *w) {
+    uint32_t n = 0;
+    for (int i = 0; i < PM_MAX_SEQS; i++) n += w->s[i].live;
+    return n;
+}
+
+/* A live sequence (not a pin), chosen by the source, or NULL if none. */
+static inline pm_seq *pm_pick(pm_world *w, pm_src *src, int want_pin) {
+    uint32_t k = pm_byte(src);
+    for (int j = 0; j < PM_MAX_SEQS; j++) {
+        pm_seq *q = &w->s[(k + (uint32_t)j) % PM_MAX_SEQS];
+        if (q->live && q->is_pin == want_pin) return q;
+    }
+    return NULL;
+}
+
+static inline pm_seq *pm_free_slot(pm_world *w) {
+    for (int i = 0; i < PM_MAX_SEQS; i++)
+        if (!w->s[i].live) return &w->s[i];
+    return NULL;
+}
+
+PM_NOCOV static inline void pm_push_tokens(pm_seq *q, const int32_t *tok, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t p = q->len + i;
+        q->tok[p] = tok[i];
+        q->h[p] = pm_next(p ? q->h[p - 1] : pm_root(q->salt), tok[i], p);
+    }
+    q->len += n;
+}
+
+static inline void pm_add_stale(pm_world *w, pkv_seq id) {
+    w->stale[w->n_stale % PM_N_STALE] = id;
+    w->n_stale++;
+}
+
+/* Writes the model's K/V of positions [start, start + n) of q at `slots`, every layer. */
+PM_NOCOV static inline int pm_write(pm_world *w, pm_seq *q, uint32_t start, uint32_t n, const int32_t *slots) {
+    const uint32_t H = w->cfg.n_kv_heads, D = w->cfg.head_dim;
+    for (uint32_t l = 0; l < w->cfg.n_layers; l++) {
+        for (uint32_t i = 0; i < n; i++)
+            for (uint32_t h = 0; h < H; h++)
+                for (uint32_t d = 0; d < D; d++) {
+                    w->kbuf[(i * H + h) * D + d] = pm_val(q->h[start + i], l, 0, h, d);
+                    w->vbuf[(i * H + h) * D + d] = pm_val(q->h[start + i], l, 1, h, d);
+                }
+        int rc = pkv_write_kv(w->c, l, slots, n, w->kbuf, w->vbuf, PKV_DTYPE_F32);
+        PM_EXPECT(w, rc == 0, "write_kv layer %u of %u fresh positions [%u,%u): %s", l, n, start, start + n,
+                  pkv_strerror(rc));
+    }
+    return 0;
+}
+
+/* The cache agrees with the model: checker, per-sequence info and gathered K/V, stats. */
+PM_NOCOV static inline int pm_verify(pm_world *w) {
+    char msg[256] = "";
+    int rc = pkv_cache_check(w->c, msg, sizeof msg);
+    PM_EXPECT(w, rc == 0, "pkv_cache_check: %s (%s)", pkv_strerror(rc), msg);
+    const uint32_t H = w->cfg.n_kv_heads, D = w->cfg.head_dim;
+    uint64_t n_tokens = 0;
+    uint32_t n_seqs = 0, n_pins = 0;
+    for (int i = 0; i < PM_MAX_SEQS; i++) {
+        pm_seq *q = &w->s[i];
+        if (!q->live) continue;
+        if (q->is_pin) {
+            n_pins++;
+            continue;
+        }
+        n_seqs++;
+        n_tokens += q->len;
+        pkv_seq_info info;
+        rc = pkv_seq_get_info(w->c, q->id, &info);
+        PM_EXPECT(w, rc == 0, "get_info: %s", pkv_strerror(rc));
+        PM_EXPECT(w, info.n_tokens == q->len && info.n_committed == q->committed,
+                  "seq %d: cache says len %u committed %u, model %u %u", i, info.n_tokens, info.n_committed, q->len,
+                  q->committed);
+        PM_EXPECT(w, info.n_blocks == (q->len + w->B - 1) / w->B, "seq %d: %u blocks for %u tokens", i, info.n_blocks,
+                  q->len);
+        if (!q->len) continue;
+        for (uint32_t l = 0; l < w->cfg.n_layers; l++) {
+            rc = pkv_seq_gather(w->c, q->id, l, 0, q->len, w->kbuf, w->vbuf);
+            PM_EXPECT(w, rc == 0, "gather: %s", pkv_strerror(rc));
+            for (uint32_t p = 0; p < q->len; p++)
+                for (uint32_t h = 0; h < H; h++)
+                    for (uint32_t d = 0; d < D; d++) {
+                        size_t o = ((size_t)p * H + h) * D + d;
+                        float ke = pm_val(q->h[p], l, 0, h, d), ve = pm_val(q->h[p], l, 1, h, d);
+                        PM_EXPECT(w, w->kbuf[o] == ke && w->vbuf[o] == ve,
+                                  "seq %d layer %u pos %u head %u dim %u: K %g V %g, expected %g %g (len %u, "
+                                  "committed %u)",
+                                  i, l, p, h, d, w->kbuf[o], w->vbuf[o], ke, ve, q->len, q->committed);
+                    }
+        }
+    }
+    pkv_stats st;
+    rc = pkv_cache_get_stats(w->c, &st);
+    PM_EXPECT(w, rc == 0, "get_stats: %s", pkv_strerror(rc));
+    PM_EXPECT(w, st.n_free + st.n_cached + st.n_active == st.n_blocks && st.n_blocks == w->cfg.n_blocks,
+              "stats: free %u + cached %u + active %u != %u", st.n_free, st.n_cached, st.n_active, st.n_blocks);
+    PM_EXPECT(w, st.n_seqs == n_seqs && st.n_pins == n_pins, "stats: %u seqs %u pins, model %u %u", st.n_seqs,
+              st.n_pins, n_seqs, n_pins);
+    PM_EXPECT(w, st.n_tokens == n_tokens, "stats: n_tokens %llu, model %llu", (unsigned long long)st.n_tokens,
+              (unsigned long long)n_tokens);
+    /* with the prefix cache off, whether a match counts as a lookup is left open */
+    PM_EXPECT(w, (st.prefix_lookups == w->lookups || !w->cfg.enable_prefix_cache) && st.prefix_tokens_hit == w->tokens_hit,
+              "stats: lookups %llu hit %llu, model %llu %llu", (unsigned long long)st.prefix_lookups,
+              (unsigned long long)st.prefix_tokens_hit, (unsigned long long)w->lookups,
+              (unsigned long long)w->tokens_hit);
+    PM_EXPECT(w, st.prefix_tokens_hit <= st.prefix_tokens_queried, "stats: hit %llu > queried %llu",
+              (unsigned long long)st.prefix_tokens_hit, (unsigned long long)st.prefix_tokens_queried);
+    PM_EXPECT(w, st.n_cached <= st.n_indexed, "stats: %u cached but %llu indexed", st.n_cached,
+              (unsigned long long)st.n_indexed);
+    if (!w->cfg.enable_prefix_cache)
+        PM_EXPECT(w, st.n_indexed == 0 && st.n_cached == 0 && st.prefix_tokens_hit == 0,
+                  "prefix cache off but %llu indexed", (unsigned long long)st.n_indexed);
+    return 0;
+}
+
+/* Appends n tokens to q (and writes their K/V); checks the all-or-nothing contract on failure.
+ * Returns 0 (appended), 1 (refused as allowed), -1 (broken contract). */
+static inline int pm_append(pm_world *w, pm_seq *q, const int32_t *tok, uint32_t n) {
+    pkv_stats before, after;
+    pkv_seq_info ib, ia;
+    if (pkv_cache_get_stats(w->c, &before) < 0 || pkv_seq_get_info(w->c, q->id, &ib) < 0)
+        return pm_fail(w, "stats/info before append");
+    int rc = pkv_seq_append(w->c, q->id, tok, n, w->slots);
+    PM_TR(w, "   s%d append(%u) to %u -> %s\n", PM_SI(w, q), n, q->len, pkv_strerror(rc));
+    uint32_t new_len = q->len + n;
+    uint32_t need = (new_len + w->B - 1) / w->B - (q->len + w->B - 1) / w->B; /* without CoW */
+    uint32_t avail = before.n_free + before.n_cached;
+    int over_limit = (new_len + w->B - 1) / w->B > w->cfg.max_blocks_per_seq;
+    if (rc < 0) {
+        PM_EXPECT(w, (rc == PKV_ELIMIT && over_limit) || (rc == PKV_ENOSPC && need + 1 > avail),
+                  "append %u to len %u: %s (need %u, avail %u, over_limit %d)", n, q->len, pkv_strerror(rc), need,
+                  avail, over_limit);
+        if (pkv_cache_get_stats(w->c, &after) < 0 || pkv_seq_get_info(w->c, q->id, &ia) < 0)
+            return pm_fail(w, "stats/info after append");
+        PM_EXPECT(w,
+                  ia.n_tokens == ib.n_tokens && ia.n_blocks == ib.n_blocks && after.n_free == before.n_free &&
+                      after.n_cached == before.n_cached && after.evictions == before.evictions &&
+                      after.cow_copies == before.cow_copies,
+                  "failed append changed state");
+        if (rc == PKV_ENOSPC) w->n_enospc++;
+        return 1;
+    }
+    PM_EXPECT(w, rc == 0, "append: %s", pkv_strerror(rc));
+    PM_EXPECT(w, !over_limit && need <= avail, "append past the limits succeeded (need %u avail %u)", need, avail);
+    uint32_t nb = 0;
+    rc = pkv_seq_block_table(w->c, q->id, w->table, PM_MAX_TOK, &nb);
+    PM_EXPECT(w, rc == 0 && nb == (new_len + w->B - 1) / w->B, "block_table: %s, %u blocks", pkv_strerror(rc), nb);
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t p = q->len + i;
+        PM_EXPECT(w, w->slots[i] == w->table[p / w->B] * (int32_t)w->B + (int32_t)(p % w->B),
+                  "append slot of pos %u is %d, table says block %d", p, w->slots[i], w->table[p / w->B]);
+    }
+    uint32_t start = q->len;
+    pm_push_tokens(q, tok, n);
+    return pm_write(w, q, start, n, w->slots) < 0 ? -1 : 0;
+}
+
+/* New sequence with a salt; 1 if the cache is full (allowed), -1 on a broken contract. */
+static inline int pm_create(pm_world *w, int salt, pm_seq **out) {
+    pm_seq *q = pm_free_slot(w);
+    pkv_seq id = 0;
+    int rc = pkv_seq_create(w->c, pm_salts[salt], pm_salt_lens[salt], &id);
+    if (!q) {
+        PM_EXPECT(w, rc == PKV_ELIMIT, "create with %u live: %s, expected ELIMIT", pm_n_live(w), pkv_strerror(rc));
+        return 1;
+    }
+    PM_EXPECT(w, rc == 0 && id != 0, "create: %s", pkv_strerror(rc));
+    memset(q, 0, offsetof(pm_seq, tok));
+    q->id = id;
+    q->live = 1;
+    q->salt = salt;
+    *out = q;
+    return 0;
+}
+
+/* One prompt from the source: a stored prompt, a length, maybe one changed token. */
+static inline uint32_t pm_prompt(pm_world *w, pm_src *src, int32_t *out) {
+    uint32_t k = pm_byte(src) % PM_N_PROMPTS;
+    uint32_t n = 1 + pm_below(src, w->prompt_len[k]);
+    if (pm_byte(src) & 1) n = w->prompt_len[k]; /* whole prompts more often */
+    if (n > w->max_tok) n = w->max_tok;
+    memcpy(out, w->prompt[k], n * sizeof(int32_t));
+    uint32_t m = pm_byte(src);
+    if (m < 48 && n) out[m % n] = 1000 + (int32_t)(m % 3); /* diverge inside some block */
+    return n;
+}
+
+enum {
+    PM_OP_MATCH,
+    PM_OP_CREATE_PROMPT,
+    PM_OP_APPEND,
+    PM_OP_COMMIT,
+    PM_OP_FORK,
+    PM_OP_TRUNCATE,
+    PM_OP_RELEASE,
+    PM_OP_PIN,
+    PM_OP_UNPIN,
+    PM_OP_NEGATIVE,
+    PM_OP_REWRITE,
+    PM_OP_MATCH2,
+    PM_OP_COUNT
+};
+
+static inline int pm_op_match(pm_world *w, pm_src *src) {
+    int32_t prompt[PM_PROMPT_MAX];
+    int salt = (int)(pm_byte(src) % PM_N_SALTS);
+    uint32_t n = pm_prompt(w, src, prompt);
+    pm_seq *q = NULL;
+    int r = pm_create(w, salt, &q);
+    if (r) return r < 0 ? -1 : 0;
+    pkv_stats before;
+    if (pkv_cache_get_stats(w->c, &before) < 0) return pm_fail(w, "stats");
+    uint32_t reused = 0xdeadbeef;
+    int rc = pkv_seq_match_prefix(w->c, q->id, prompt, n, &reused);
+    PM_TR(w, "%llu: s%d = create(salt %d) + match(%u tokens) -> %s, reused %u\n", (unsigned long long)w->n_steps,
+          PM_SI(w, q), salt, n, pkv_strerror(rc), reused);
+    if (rc == PKV_ENOSPC) {
+        /* only a token-granular copy needs a block; allowed only when none can be had */
+        PM_EXPECT(w, before.n_free + before.n_cached == 0, "match: ENOSPC with %u free %u cached", before.n_free,
+                  before.n_cached);
+        w->lookups++; /* counted or not is unspecified: resync from the cache */
+        pkv_stats st;
+        if (pkv_cache_get_stats(w->c, &st) < 0) return pm_fail(w, "stats");
+        w->lookups = st.prefix_lookups;
+        w->tokens_queried = st.prefix_tokens_queried;
+        PM_EXPECT(w, st.prefix_tokens_hit == w->tokens_hit, "ENOSPC match counted hits");
+    } else {
+        PM_EXPECT(w, rc == 0, "match of %u tokens: %s", n, pkv_strerror(rc));
+        PM_EXPECT(w, reused <= n - 1, "match reused %u of %u tokens", reused, n);
+        if (!w->cfg.enable_prefix_cache) PM_EXPECT(w, reused == 0, "prefix cache off, reused %u", reused);
+        pkv_seq_info info;
+        rc = pkv_seq_get_info(w->c, q->id, &info);
+        PM_EXPECT(w, rc == 0 && info.n_reused == reused, "info.n_reused %u, match said %u", info.n_reused, reused);
+        pm_push_tokens(q, prompt, reused);
+        q->committed = reused;
+        w->lookups++;
+        w->tokens_queried += n;
+        w->tokens_hit += reused;
+        w->n_matches++;
+        if (reused >= w->B) w->n_full_block_hits++;
+        if (reused % w->B) w->n_partial_hits++;
+        if (reused % w->B && !(reused == n - 1 && n % w->B == 0)) {
+            /* the token-granular copy lives in a fresh, unshared block (unless the whole prompt
+               matched: then the tail is the attached indexed block, length n - 1) */
+            PM_EXPECT(w, info.n_shared <= info.n_blocks - 1, "partial tail block shared");
+        }
+    }
+    if (pm_verify(w) < 0) return -1;
+    /* compute the rest of the prompt, as an engine would, and commit some of it */
+    if (q->len < n) {
+        r = pm_append(w, q, prompt + q->len, n - q->len);
+        if (r < 0) return -1;
+    }
+    uint32_t c = pm_byte(src) < 200 ? q->len : pm_below(src, q->len + 1);
+    rc = pkv_seq_commit(w->c, q->id, c);
+    PM_TR(w, "   s%d commit(%u) of %u -> %s\n", PM_SI(w, q), c, q->len, pkv_strerror(rc));
+    PM_EXPECT(w, rc == 0, "commit %u of %u: %s", c, q->len, pkv_strerror(rc));
+    if (c > q->committed) q->committed = c;
+    return 0;
+}
+
+static inline int pm_step(pm_world *w, pm_src *src) {
+    w->n_steps++;
+    uint32_t op = pm_byte(src) % PM_OP_COUNT;
+    int rc, r;
+    switch (op) {
+    case PM_OP_MATCH:
+    case PM_OP_MATCH2:
+        if (pm_op_match(w, src) < 0) return -1;
+        break;
+    case PM_OP_CREATE_PROMPT: { /* a sequence that computes its prompt without looking it up */
+        int32_t prompt[PM_PROMPT_MAX];
+        int salt = (int)(pm_byte(src) % PM_N_SALTS);
+        uint32_t n = pm_prompt(w, src, prompt);
+        pm_seq *q;
+        r = pm_create(w, salt, &q);
+        if (r) return r < 0 ? -1 : 0;
+        PM_TR(w, "%llu: s%d = create(salt %d)\n", (unsigned long long)w->n_steps, PM_SI(w, q), salt);
+        if (pm_append(w, q, prompt, n) < 0) return -1;
+        uint32_t c = pm_below(src, q->len + 1);
+        if (pm_byte(src) & 1) c = q->len;
+        rc = pkv_seq_commit(w->c, q->id, c);
+        PM_TR(w, "   s%d commit(%u) -> %s\n", PM_SI(w, q), c, pkv_strerror(rc));
+        PM_EXPECT(w, rc == 0, "commit: %s", pkv_strerror(rc));
+        if (c > q->committed) q->committed = c;
+        break;
+    }
+    case PM_OP_APPEND: {
+        pm_seq *q = pm_pick(w, src, 0);
+        if (!q) break;
+        int32_t tok[64];
+        uint32_t n = 1 + pm_below(src, 2 * w->B + 3);
+        uint32_t k = pm_byte(src) % PM_N_PROMPTS;
+        for (uint32_t i = 0; i < n; i++) {
+            /* continue a stored prompt where it lines up, else small random ids */
+            uint32_t p = q->len + i;
+            tok[i] = (p < w->prompt_len[k] && (k & 1)) ? w->prompt[k][p] : (int32_t)pm_below(src, 24);
+        }
+        if (q->len + n > w->max_tok) {
+            if (q->len + n > PM_MAX_TOK) break;
+        }
+        PM_TR(w, "%llu: append\n", (unsigned long long)w->n_steps);
+        if (pm_append(w, q, tok, n) < 0) return -1;
+        if (pm_byte(src) < 128) {
+            PM_TR(w, "   s%d commit(%u)\n", PM_SI(w, q), q->len);
+            rc = pkv_seq_commit(w->c, q->id, q->len);
+            PM_EXPECT(w, rc == 0, "commit: %s", pkv_strerror(rc));
+            q->committed = q->len;
+        }
+        break;
+    }
+    case PM_OP_COMMIT: {
+        pm_seq *q = pm_pick(w, src, 0);
+        if (!q) break;
+        uint32_t c = pm_below(src, q->len + 2);
+        rc = pkv_seq_commit(w->c, q->id, c);
+        PM_TR(w, "%llu: s%d commit(%u) of %u -> %s\n", (unsigned long long)w->n_steps, PM_SI(w, q), c, q->len,
+              pkv_strerror(rc));
+        if (c > q->len) {
+            PM_EXPECT(w, rc == PKV_EINVAL, "commit %u past length %u: %s", c, q->len, pkv_strerror(rc));
+        } else {
+            PM_EXPECT(w, rc == 0, "commit %u of %u: %s", c, q->len, pkv_strerror(rc));
+            if (c > q->committed) q->committed = c;
+        }
+        break;
+    }
+    case PM_OP_FORK: {
+        pm_seq *p = pm_pick(w, src, 0);
+        if (!p) break;
+        pm_seq *q = pm_free_slot(w);
+        pkv_seq id = 0;
+        rc = pkv_seq_fork(w->c, p->id, &id);
+        PM_TR(w, "%llu: s%d = fork(s%d) -> %s\n", (unsigned long long)w->n_steps, q ? PM_SI(w, q) : -1, PM_SI(w, p),
+              pkv_strerror(rc));
+        if (!q) {
+            PM_EXPECT(w, rc == PKV_ELIMIT, "fork when full: %s", pkv_strerror(rc));
+            break;
+        }
+        PM_EXPECT(w, rc == 0, "fork: %s", pkv_strerror(rc));
+        memcpy(q, p, sizeof *q);
+        q->id = id;
+        w->n_forks++;
+        break;
+    }
+    case PM_OP_TRUNCATE: {
+        pm_seq *q = pm_pick(w, src, 0);
+        if (!q) break;
+        uint32_t n = pm_below(src, q->len + 3);
+        rc = pkv_seq_truncate(w->c, q->id, n);
+        PM_TR(w, "%llu: s%d truncate(%u) of %u -> %s\n", (unsigned long long)w->n_steps, PM_SI(w, q), n, q->len,
+              pkv_strerror(rc));
+        PM_EXPECT(w, rc == 0, "truncate %u of %u: %s", n, q->len, pkv_strerror(rc));
+        if (n < q->len) q->len = n;
+        if (q->committed > q->len) q->committed = q->len;
+        w->n_truncs++;
+        break;
+    }
+    case PM_OP_RELEASE: {
+        pm_seq *q = pm_pick(w, src, 0);
+        if (!q) break;
+        rc = pkv_seq_release(w->c, q->id);
+        PM_TR(w, "%llu: s%d release -> %s\n", (unsigned long long)w->n_steps, PM_SI(w, q), pkv_strerror(rc));
+        PM_EXPECT(w, rc == 0, "release: %s", pkv_strerror(rc));
+        q->live = 0;
+        pm_add_stale(w, q->id);
+        break;
+    }
+    case PM_OP_PIN: {
+        pm_seq *p = pm_pick(w, src, 0);
+        if (!p) break;
+        uint32_t n_pos = pm_below(src, p->len + 1);
+        pm_seq *q = pm_free_slot(w);
+        pkv_seq id = 0;
+        pkv_stats before, after;
+        if (pkv_cache_get_stats(w->c, &before) < 0) return pm_fail(w, "stats");
+        rc = pkv_pin_create(w->c, p->id, n_pos, &id);
+        PM_TR(w, "%llu: s%d = pin(s%d, %u) of %u -> %s\n", (unsigned long long)w->n_steps, q ? PM_SI(w, q) : -1,
+              PM_SI(w, p), n_pos, p->len, pkv_strerror(rc));
+        if (!q) {
+            PM_EXPECT(w, rc == PKV_ELIMIT, "pin when full: %s", pkv_strerror(rc));
+            break;
+        }
+        PM_EXPECT(w, rc == 0 && id != 0, "pin_create(%u of %u): %s", n_pos, p->len, pkv_strerror(rc));
+        if (pkv_cache_get_stats(w->c, &after) < 0) return pm_fail(w, "stats");
+        /* the sequence already holds the blocks: pinning changes no state counts */
+        PM_EXPECT(w, after.n_active == before.n_active && after.n_cached == before.n_cached,
+                  "pinning held blocks changed active %u->%u", before.n_active, after.n_active);
+        memset(q, 0, offsetof(pm_seq, tok));
+        q->id = id;
+        q->live = 1;
+        q->is_pin = 1;
+        w->n_pins++;
+        pkv_seq_info info;
+        rc = pkv_seq_get_info(w->c, id, &info);
+        PM_EXPECT(w, rc == PKV_EINVAL, "get_info on a pin: %s, expected EINVAL", pkv_strerror(rc));
+        rc = pkv_pin_release(w->c, p->id);
+        PM_EXPECT(w, rc == PKV_EINVAL, "pin_release on a sequence: %s, expected EINVAL", pkv_strerror(rc));
+        break;
+    }
+    case PM_OP_UNPIN: {
+        pm_seq *q = pm_pick(w, src, 1);
+        if (!q) break;
+        rc = pkv_pin_release(w->c, q->id);
+        PM_TR(w, "%llu: s%d unpin -> %s\n", (unsigned long long)w->n_steps, PM_SI(w, q), pkv_strerror(rc));
+        PM_EXPECT(w, rc == 0, "pin_release: %s", pkv_strerror(rc));
+        q->live = 0;
+        pm_add_stale(w, q->id);
+        break;
+    }
+    case PM_OP_NEGATIVE: {
+        uint32_t kind = pm_byte(src) % 5;
+        pm_seq *q = pm_pick(w, src, 0);
+        if (kind == 0 && w->n_stale) { /* stale ids */
+            pkv_seq id = w->stale[pm_below(src, w->n_stale < PM_N_STALE ? w->n_stale : PM_N_STALE)];
+            pkv_seq_info info;
+            rc = pkv_seq_get_info(w->c, id, &info);
+            PM_EXPECT(w, rc == PKV_ENOENT, "get_info on a stale id: %s", pkv_strerror(rc));
+            int32_t t = 1;
+            rc = pkv_seq_append(w->c, id, &t, 1, NULL);
+            PM_EXPECT(w, rc == PKV_ENOENT, "append on a stale id: %s", pkv_strerror(rc));
+            rc = pkv_pin_release(w->c, id);
+            PM_EXPECT(w, rc == PKV_ENOENT, "pin_release on a stale id: %s", pkv_strerror(rc));
+        } else if (kind == 1 && q && q->len) { /* match into a non-empty sequence */
+            uint32_t reused = 7;
+            rc = pkv_seq_match_prefix(w->c, q->id, q->tok, q->len, &reused);
+            PM_EXPECT(w, rc == PKV_EINVAL, "match into a sequence of %u tokens: %s", q->len, pkv_strerror(rc));
+        } else if (kind == 2 && q) { /* gather past the end */
+            rc = pkv_seq_gather(w->c, q->id, 0, q->len, 1, w->kbuf, w->vbuf);
+            PM_EXPECT(w, rc == PKV_EINVAL, "gather past length %u: %s", q->len, pkv_strerror(rc));
+        } else if (kind == 3 && q && q->committed) { /* write into a committed position */
+            uint32_t p = pm_below(src, q->committed);
+            int32_t slot;
+            rc = pkv_seq_slots(w->c, q->id, p, 1, &slot);
+            PM_EXPECT(w, rc == 0, "slots: %s", pkv_strerror(rc));
+            for (uint32_t i = 0; i < w->cfg.n_kv_heads * w->cfg.head_dim; i++) w->kbuf[i] = 99.0f;
+            rc = pkv_write_kv(w->c, 0, &slot, 1, w->kbuf, w->kbuf, PKV_DTYPE_F32);
+            PM_EXPECT(w, rc == PKV_EINVAL, "write into committed pos %u (committed %u): %s", p, q->committed,
+                      pkv_strerror(rc));
+        } else if (kind == 4) { /* an out-of-range slot among good ones changes nothing */
+            int32_t bad = (int32_t)(w->cfg.n_blocks * w->B);
+            for (uint32_t i = 0; i < w->cfg.n_kv_heads * w->cfg.head_dim; i++) w->kbuf[i] = 99.0f;
+            rc = pkv_write_kv(w->c, 0, &bad, 1, w->kbuf, w->kbuf, PKV_DTYPE_F32);
+            PM_EXPECT(w, rc == PKV_EINVAL, "write to slot %d: %s", bad, pkv_strerror(rc));
+        }
+        break;
+    }
+    case PM_OP_REWRITE: {
+        /* rewrite one position with the value it already holds: allowed only for an uncommitted
+           position of a block nobody else holds; either way the data must stay the same */
+        pm_seq *q = pm_pick(w, src, 0);
+        if (!q || !q->len) break;
+        uint32_t p = pm_below(src, q->len);
+        int32_t slot;
+        rc = pkv_seq_slots(w->c, q->id, p, 1, &slot);
+        PM_EXPECT(w, rc == 0, "slots: %s", pkv_strerror(rc));
+        int shared = 0;
+        uint32_t nb;
+        for (int i = 0; i < PM_MAX_SEQS; i++) {
+            pm_seq *o = &w->s[i];
+            if (!o->live || o->is_pin || o == q) continue;
+            rc = pkv_seq_block_table(w->c, o->id, w->table, PM_MAX_TOK, &nb);
+            PM_EXPECT(w, rc == 0, "block_table: %s", pkv_strerror(rc));
+            for (uint32_t b = 0; b < nb; b++) shared |= w->table[b] == slot / (int32_t)w->B;
+        }
+        int32_t s2[1] = {slot};
+        rc = 0;
+        for (uint32_t l = 0; l < w->cfg.n_layers && rc == 0; l++) {
+            for (uint32_t h = 0; h < w->cfg.n_kv_heads; h++)
+                for (uint32_t d = 0; d < w->cfg.head_dim; d++) {
+                    w->kbuf[h * w->cfg.head_dim + d] = pm_val(q->h[p], l, 0, h, d);
+                    w->vbuf[h * w->cfg.head_dim + d] = pm_val(q->h[p], l, 1, h, d);
+                }
+            rc = pkv_write_kv(w->c, l, s2, 1, w->kbuf, w->vbuf, PKV_DTYPE_F32);
+        }
+        if (p < q->committed || shared)
+            PM_EXPECT(w, rc == PKV_EINVAL, "rewrite pos %u (committed %u, shared %d) accepted: %s", p, q->committed,
+                      shared, pkv_strerror(rc));
+        else
+            PM_EXPECT(w, rc == 0 || rc == PKV_EINVAL, "rewrite: %s", pkv_strerror(rc));
+        break;
+    }
+    }
+    return pm_verify(w);
+}
+
+#endif

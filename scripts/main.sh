@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# main.sh: the project's main job: installs missing Debian packages, builds Release and runs the
+# serving replay `./build/pkv sim` (arguments are passed on). Fails loudly if sim fails.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PKGS=(cmake ninja-build gcc clang libcmocka-dev libxxhash-dev gnuplot-nox libclang-rt-14-dev python3)
+missing=()
+for p in "${PKGS[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    echo "=== installing: ${missing[*]}"
+    SUDO=()
+    [ "$(id -u)" -ne 0 ] && SUDO=(sudo)
+    "${SUDO[@]}" apt-get update -q
+    DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y --no-install-recommends "${missing[@]}"
+fi
+
+echo "=== build (Release)"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
+ninja -C build -j "${JOBS:-$(nproc)}"
+
+echo "=== ./build/pkv sim $*"
+rc=0
+./build/pkv sim "$@" || rc=$?
+if [ "$rc" -ne 0 ]; then
+    echo "=== FAILED: ./build/pkv sim exited with status $rc" >&2
+    exit "$rc"
+fi
+echo "=== pkv sim done"

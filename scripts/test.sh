@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# test.sh: the CI test run: installs missing Debian packages, then a Release build running every
+# ctest test, an ASan+UBSan Debug build running the "unit" tests, a TSan build running the
+# "thread" tests, and (when fuzz/fuzz_api.c exists) a bounded libFuzzer run. Exits non-zero if
+# any stage fails; prints each stage's ctest summary at the end.
+#
+# Environment: PKV_STRESS_OPS (stress test operations, default 200000 everywhere; the ASan stage
+# uses PKV_ASAN_STRESS_OPS, default 200000 too: about 5 s there), PKV_THR_ITERS (threaded test
+# iterations, default 2000; the TSan stage uses PKV_TSAN_THR_ITERS, default 1000),
+# PKV_FUZZ_SECONDS (default 60), PKV_FUZZ_RUNS (default 2000000), JOBS (default nproc).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+t_start=$(date +%s)
+
+# ---- packages -------------------------------------------------------------------------------
+PKGS=(cmake ninja-build gcc clang libcmocka-dev libxxhash-dev gnuplot-nox libclang-rt-14-dev python3)
+missing=()
+for p in "${PKGS[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    echo "=== installing: ${missing[*]}"
+    SUDO=()
+    [ "$(id -u)" -ne 0 ] && SUDO=(sudo)
+    "${SUDO[@]}" apt-get update -q
+    DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y --no-install-recommends "${missing[@]}"
+fi
+
+JOBS=${JOBS:-$(nproc)}
+LOG_DIR=$(mktemp -d)
+trap 'rm -rf "$LOG_DIR"' EXIT
+failed=()
+summary=()
+
+# run_stage NAME BUILD_DIR "CMAKE ARGS" "CTEST ARGS" [ENV=VALUE ...]
+run_stage() {
+    local name=$1 dir=$2 cmake_args=$3 ctest_args=$4
+    shift 4
+    local t0 log="$LOG_DIR/$name.log"
+    t0=$(date +%s)
+    echo "=== [$name] configure + build in $dir"
+    # shellcheck disable=SC2086
+    if ! cmake -S . -B "$dir" -G Ninja $cmake_args >"$log" 2>&1 || ! ninja -C "$dir" -j "$JOBS" >>"$log" 2>&1; then
+        tail -n 60 "$log"
+        echo "=== [$name] BUILD FAILED"
+        failed+=("$name (build)")
+        summary+=("[$name] build failed")
+        return 0
+    fi
+    echo "=== [$name] ctest $ctest_args"
+    local rc=0
+    # shellcheck disable=SC2086
+    (cd "$dir" && env "$@" ctest --output-on-failure -j "$JOBS" $ctest_args) 2>&1 | tee "$LOG_DIR/$name.ctest" || rc=$?
+    local lines
+    lines=$(grep -E "tests passed|tests failed out of|No tests were found" "$LOG_DIR/$name.ctest" || true)
+    [ -z "$lines" ] && lines="(no ctest summary)"
+    summary+=("[$name] $lines ($(($(date +%s) - t0)) s)")
+    if [ "$rc" -ne 0 ] || ! grep -q "100% tests passed" "$LOG_DIR/$name.ctest"; then
+        failed+=("$name")
+        grep -A50 "The following tests FAILED" "$LOG_DIR/$name.ctest" | grep -E "^\s+[0-9]+ - " | sed "s/^/[$name] FAILED: /" \
+            >>"$LOG_DIR/failed_tests" || true
+    fi
+}
+
+run_stage release build "-DCMAKE_BUILD_TYPE=Release" "" \
+    "PKV_STRESS_OPS=${PKV_STRESS_OPS:-200000}" "PKV_THR_ITERS=${PKV_THR_ITERS:-2000}"
+
+run_stage asan build-asan "-DCMAKE_BUILD_TYPE=Debug -DPKV_SANITIZE=address,undefined -DCMAKE_C_COMPILER=clang" "-L unit" \
+    "PKV_STRESS_OPS=${PKV_ASAN_STRESS_OPS:-200000}" \
+    "ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1" \
+    "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1"
+
+run_stage tsan build-tsan "-DCMAKE_BUILD_TYPE=Debug -DPKV_SANITIZE=thread -DCMAKE_C_COMPILER=clang" "-L thread" \
+    "PKV_THR_ITERS=${PKV_TSAN_THR_ITERS:-1000}" "TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1"
+
+# ---- fuzz hook: only when the fuzz target exists ---------------------------------------------
+if [ -f fuzz/fuzz_api.c ]; then
+    t0=$(date +%s)
+    echo "=== [fuzz] build (clang, libFuzzer + ASan/UBSan, the library instrumented too)"
+    log="$LOG_DIR/fuzz.log"
+    if cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang -DPKV_FUZZ=ON \
+        -DPKV_BUILD_TESTS=OFF -DPKV_BUILD_TOOLS=OFF \
+        "-DCMAKE_C_FLAGS=-fsanitize=fuzzer-no-link,address,undefined -fno-omit-frame-pointer" >"$log" 2>&1 &&
+        ninja -C build-fuzz -j "$JOBS" fuzz_api >>"$log" 2>&1; then
+        work=$(mktemp -d)
+        seeds=()
+        [ -d fuzz/corpus ] && seeds=(fuzz/corpus)
+        echo "=== [fuzz] fuzz_api -runs=${PKV_FUZZ_RUNS:-2000000} -max_total_time=${PKV_FUZZ_SECONDS:-60}"
+        # new inputs go to a scratch corpus (first directory); fuzz/corpus only seeds the run
+        if ASAN_OPTIONS=detect_leaks=1 ./build-fuzz/fuzz_api -runs="${PKV_FUZZ_RUNS:-2000000}" \
+            -max_total_time="${PKV_FUZZ_SECONDS:-60}" -print_final_stats=1 "$work" "${seeds[@]}" \
+            >"$LOG_DIR/fuzz.run" 2>&1; then
+            summary+=("[fuzz] $(grep -E '^Done|stat::number_of_executed_units' "$LOG_DIR/fuzz.run" | tr '\n' ' ') ($(($(date +%s) - t0)) s)")
+        else
+            tail -n 60 "$LOG_DIR/fuzz.run"
+            failed+=("fuzz")
+            summary+=("[fuzz] FAILED (crash or leak; see above)")
+        fi
+        rm -rf "$work"
+    else
+        tail -n 60 "$log"
+        failed+=("fuzz (build)")
+        summary+=("[fuzz] build failed")
+    fi
+else
+    summary+=("[fuzz] skipped: fuzz/fuzz_api.c does not exist yet")
+fi
+
+# ---- summary ----------------------------------------------------------------------------------
+echo
+echo "=== summary ($(($(date +%s) - t_start)) s in all)"
+printf '%s\n' "${summary[@]}"
+[ -f "$LOG_DIR/failed_tests" ] && cat "$LOG_DIR/failed_tests"
+if ((${#failed[@]})); then
+    echo "=== FAILED stages: ${failed[*]}"
+    exit 1
+fi
+echo "=== all stages passed"

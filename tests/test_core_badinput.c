@@ -1,0 +1,441 @@
+/* test_core_badinput.c: every public function of pkv.h called with each kind of bad argument
+ * (NULL cache / out pointers / buffers, stale, forged and zero ids, pins where sequences are
+ * expected, layer / slot / range out of bounds, slots in free, shared, committed or indexed
+ * blocks, bad dtypes, sizes past the limits, bad config fields one by one). Each row checks
+ * the exact status, then that the checker passes and nothing observable changed. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include "support_util.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+enum { NB = 16, BT = 4, NL = 2, NH = 2, HD = 8 };
+
+typedef struct fx {
+    pkv_cache *c;
+    pkv_seq live;    /* 10 tokens, written, committed 8 (2 full blocks indexed) */
+    pkv_seq parent;  /* 6 tokens, written, forked into child: both share 2 blocks */
+    pkv_seq child;
+    pkv_seq empty;   /* length 0 */
+    pkv_seq stale;   /* released */
+    pkv_seq forged;  /* live's index with another generation */
+    pkv_seq out_of_range; /* index >= max_seqs */
+    pkv_seq pin;     /* a pin of live */
+    int32_t free_slot;      /* a slot in a FREE block */
+    int32_t cached_slot;    /* a slot in a CACHED block (indexed, refcount 0) */
+    int32_t shared_slot;    /* an uncommitted position of a shared block */
+    int32_t committed_slot; /* a committed position of live's own tail */
+    int32_t live_slot;      /* a valid slot: live position 9 (uncommitted, own, unindexed) */
+    int32_t tok[64];
+    float kv[64 * NH * HD];
+    float out[64 * NH * HD];
+    int32_t ibuf[256];
+    pkv_seq list[4];
+} fx;
+
+static pkv_seq all_ids(const fx *f, int i) {
+    const pkv_seq ids[] = {f->live, f->parent, f->child, f->empty};
+    return ids[i];
+}
+
+static int setup(void **state) {
+    fx *f = calloc(1, sizeof *f);
+    pkv_config cfg = tu_config(NB, BT, NL, NH, HD, PKV_DTYPE_F32);
+    cfg.enable_prefix_cache = 1;
+    cfg.max_seqs = 8;
+    f->c = tu_create(&cfg);
+    pkv_cache *c = f->c;
+    tu_tokens(f->tok, 64, 1000);
+    /* a released sequence with committed blocks: they stay indexed as CACHED */
+    pkv_seq gone = tu_seq(c);
+    tu_append(c, gone, 4, 5000, NULL);
+    TU_WRITE_PAT(c, gone, 0, 4, 99);
+    TU_OK(pkv_seq_commit(c, gone, 4));
+    int32_t gone_tab[1];
+    tu_table(c, gone, gone_tab, 1);
+    TU_OK(pkv_seq_release(c, gone));
+    f->cached_slot = gone_tab[0] * BT + 1;
+    assert_int_equal(tu_stats(c).n_cached, 1);
+
+    f->live = tu_seq(c);
+    tu_append(c, f->live, 10, 0, NULL);
+    TU_WRITE_PAT(c, f->live, 0, 9, 1);
+    TU_OK(pkv_seq_commit(c, f->live, 8));
+    TU_OK(pkv_seq_slots(c, f->live, 9, 1, &f->live_slot));
+    TU_OK(pkv_seq_slots(c, f->live, 7, 1, &f->committed_slot));
+    f->parent = tu_seq(c);
+    tu_append(c, f->parent, 6, 100, NULL);
+    TU_WRITE_PAT(c, f->parent, 0, 6, 2);
+    TU_OK(pkv_seq_fork(c, f->parent, &f->child));
+    TU_OK(pkv_seq_slots(c, f->parent, 5, 1, &f->shared_slot));
+    f->empty = tu_seq(c);
+    f->stale = tu_seq(c);
+    TU_OK(pkv_seq_release(c, f->stale));
+    f->forged = f->live ^ (7ull << 32);
+    f->out_of_range = (f->live & ~0xffffffffull) | 0x00ffffffu;
+    TU_OK(pkv_pin_create(c, f->live, 8, &f->pin));
+    /* a FREE block: the last one of the FIFO queue is never handed out here */
+    f->free_slot = (NB - 1) * BT + 2;
+    pkv_stats st = tu_stats(c);
+    assert_true(st.n_free > 0 && st.n_cached == 1);
+    for (int i = 0; i < 64 * NH * HD; i++) f->kv[i] = (float)i;
+    TU_CHECK(c);
+    *state = f;
+    return 0;
+}
+
+static int teardown(void **state) {
+    fx *f = *state;
+    pkv_cache_destroy(f->c);
+    free(f);
+    return 0;
+}
+
+/* A row: name, expected status, the call (f is the fixture). */
+#define ROWS(X)                                                                                                       \
+    /* dtype helpers */                                                                                               \
+    X(dtype_from_name_null_name, PKV_EINVAL, ({ pkv_dtype d; pkv_dtype_from_name(NULL, &d); }))                       \
+    X(dtype_from_name_null_out, PKV_EINVAL, pkv_dtype_from_name("f16", NULL))                                         \
+    X(dtype_from_name_unknown, PKV_EINVAL, ({ pkv_dtype d; pkv_dtype_from_name("f17", &d); }))                       \
+    X(dtype_from_name_empty, PKV_EINVAL, ({ pkv_dtype d; pkv_dtype_from_name("", &d); }))                            \
+    /* cache-level */                                                                                                 \
+    X(create_null_cfg, PKV_EINVAL, ({ pkv_cache *x = NULL; pkv_cache_create(NULL, &x); }))                           \
+    X(create_null_out, PKV_EINVAL, ({ pkv_config cf = pkv_config_default(); pkv_cache_create(&cf, NULL); }))         \
+    X(reset_null, PKV_EINVAL, pkv_cache_reset(NULL))                                                                  \
+    X(config_null_cache, PKV_EINVAL, ({ pkv_config cf; pkv_cache_config(NULL, &cf); }))                             \
+    X(config_null_out, PKV_EINVAL, pkv_cache_config(f->c, NULL))                                                      \
+    X(layout_null_cache, PKV_EINVAL, ({ pkv_layout L; pkv_cache_layout(NULL, &L); }))                               \
+    X(layout_null_out, PKV_EINVAL, pkv_cache_layout(f->c, NULL))                                                      \
+    X(stats_null_cache, PKV_EINVAL, ({ pkv_stats s; pkv_cache_get_stats(NULL, &s); }))                              \
+    X(stats_null_out, PKV_EINVAL, pkv_cache_get_stats(f->c, NULL))                                                    \
+    X(check_null_cache, PKV_EINVAL, ({ char m[64]; pkv_cache_check(NULL, m, sizeof m); }))                          \
+    X(check_null_msg_ok, PKV_OK, pkv_cache_check(f->c, NULL, 0))                                                      \
+    X(check_tiny_msg_ok, PKV_OK, ({ char m[1]; pkv_cache_check(f->c, m, 1); }))                                     \
+    /* seq_create */                                                                                                  \
+    X(seq_create_null_cache, PKV_EINVAL, ({ pkv_seq s; pkv_seq_create(NULL, NULL, 0, &s); }))                       \
+    X(seq_create_null_out, PKV_EINVAL, pkv_seq_create(f->c, NULL, 0, NULL))                                           \
+    X(seq_create_null_salt, PKV_EINVAL, ({ pkv_seq s; pkv_seq_create(f->c, NULL, 4, &s); }))                        \
+    X(seq_create_salt_too_long, PKV_EINVAL, ({ pkv_seq s; char salt[257] = {0}; pkv_seq_create(f->c, salt, 257, &s); })) \
+    /* append */                                                                                                      \
+    X(append_null_cache, PKV_EINVAL, pkv_seq_append(NULL, f->live, f->tok, 1, NULL))                                  \
+    X(append_null_tokens, PKV_EINVAL, pkv_seq_append(f->c, f->live, NULL, 1, NULL))                                   \
+    X(append_stale, PKV_ENOENT, pkv_seq_append(f->c, f->stale, f->tok, 1, NULL))                                      \
+    X(append_forged, PKV_ENOENT, pkv_seq_append(f->c, f->forged, f->tok, 1, NULL))                                    \
+    X(append_id0, PKV_ENOENT, pkv_seq_append(f->c, 0, f->tok, 1, NULL))                                               \
+    X(append_index_out_of_range, PKV_ENOENT, pkv_seq_append(f->c, f->out_of_range, f->tok, 1, NULL))                  \
+    X(append_pin, PKV_EINVAL, pkv_seq_append(f->c, f->pin, f->tok, 1, NULL))                                          \
+    X(append_past_table, PKV_ELIMIT, pkv_seq_append(f->c, f->empty, f->tok, NB * BT + 1, NULL))                       \
+    X(append_u32_max, PKV_ELIMIT, pkv_seq_append(f->c, f->live, f->tok, UINT32_MAX, NULL))                            \
+    X(append_no_space, PKV_ENOSPC, pkv_seq_append(f->c, f->empty, f->tok, 60, NULL))                                  \
+    /* write_kv */                                                                                                    \
+    X(write_null_cache, PKV_EINVAL, pkv_write_kv(NULL, 0, &f->live_slot, 1, f->kv, f->kv, PKV_DTYPE_F32))             \
+    X(write_layer_out_of_range, PKV_EINVAL, pkv_write_kv(f->c, NL, &f->live_slot, 1, f->kv, f->kv, PKV_DTYPE_F32))    \
+    X(write_layer_huge, PKV_EINVAL, pkv_write_kv(f->c, UINT32_MAX, &f->live_slot, 1, f->kv, f->kv, PKV_DTYPE_F32))   \
+    X(write_null_slots, PKV_EINVAL, pkv_write_kv(f->c, 0, NULL, 1, f->kv, f->kv, PKV_DTYPE_F32))                      \
+    X(write_null_k_and_v, PKV_EINVAL, pkv_write_kv(f->c, 0, &f->live_slot, 1, NULL, NULL, PKV_DTYPE_F32))             \
+    X(write_dtype_q8, PKV_EINVAL, pkv_write_kv(f->c, 0, &f->live_slot, 1, f->kv, f->kv, PKV_DTYPE_Q8_0))              \
+    X(write_dtype_fp8, PKV_EINVAL, pkv_write_kv(f->c, 0, &f->live_slot, 1, f->kv, f->kv, PKV_DTYPE_FP8_E4M3))         \
+    X(write_dtype_99, PKV_EINVAL, pkv_write_kv(f->c, 0, &f->live_slot, 1, f->kv, f->kv, (pkv_dtype)99))               \
+    X(write_dtype_neg, PKV_EINVAL, pkv_write_kv(f->c, 0, &f->live_slot, 1, f->kv, f->kv, (pkv_dtype)-1))              \
+    X(write_slot_past_pool, PKV_EINVAL, ({ int32_t s = NB * BT; pkv_write_kv(f->c, 0, &s, 1, f->kv, f->kv, PKV_DTYPE_F32); })) \
+    X(write_slot_int_max, PKV_EINVAL, ({ int32_t s = INT32_MAX; pkv_write_kv(f->c, 0, &s, 1, f->kv, f->kv, PKV_DTYPE_F32); })) \
+    X(write_slot_minus2, PKV_EINVAL, ({ int32_t s = -2; pkv_write_kv(f->c, 0, &s, 1, f->kv, f->kv, PKV_DTYPE_F32); })) \
+    X(write_slot_int_min, PKV_EINVAL, ({ int32_t s = INT32_MIN; pkv_write_kv(f->c, 0, &s, 1, f->kv, f->kv, PKV_DTYPE_F32); })) \
+    X(write_slot_free_block, PKV_EINVAL, pkv_write_kv(f->c, 0, &f->free_slot, 1, f->kv, f->kv, PKV_DTYPE_F32))        \
+    X(write_slot_cached_block, PKV_EINVAL, pkv_write_kv(f->c, 0, &f->cached_slot, 1, f->kv, f->kv, PKV_DTYPE_F32))    \
+    X(write_slot_shared_block, PKV_EINVAL, pkv_write_kv(f->c, 0, &f->shared_slot, 1, f->kv, f->kv, PKV_DTYPE_F32))    \
+    X(write_slot_committed, PKV_EINVAL, pkv_write_kv(f->c, 0, &f->committed_slot, 1, f->kv, f->kv, PKV_DTYPE_F32))    \
+    X(write_one_bad_among_good, PKV_EINVAL, ({ int32_t s[3] = {f->live_slot, -1, f->shared_slot};                     \
+                                              pkv_write_kv(f->c, 1, s, 3, f->kv, f->kv, PKV_DTYPE_F32); }))          \
+    X(write_pinned_block, PKV_EINVAL, ({ int32_t s; pkv_seq_slots(f->c, f->live, 3, 1, &s) ? -100 :                  \
+                                         pkv_write_kv(f->c, 0, &s, 1, f->kv, NULL, PKV_DTYPE_F32); }))               \
+    /* commit */                                                                                                      \
+    X(commit_null_cache, PKV_EINVAL, pkv_seq_commit(NULL, f->live, 9))                                                \
+    X(commit_stale, PKV_ENOENT, pkv_seq_commit(f->c, f->stale, 0))                                                    \
+    X(commit_forged, PKV_ENOENT, pkv_seq_commit(f->c, f->forged, 9))                                                  \
+    X(commit_id0, PKV_ENOENT, pkv_seq_commit(f->c, 0, 0))                                                             \
+    X(commit_pin, PKV_EINVAL, pkv_seq_commit(f->c, f->pin, 0))                                                        \
+    X(commit_past_length, PKV_EINVAL, pkv_seq_commit(f->c, f->live, 11))                                              \
+    X(commit_u32_max, PKV_EINVAL, pkv_seq_commit(f->c, f->live, UINT32_MAX))                                          \
+    /* fork */                                                                                                        \
+    X(fork_null_cache, PKV_EINVAL, ({ pkv_seq s; pkv_seq_fork(NULL, f->live, &s); }))                               \
+    X(fork_null_out, PKV_EINVAL, pkv_seq_fork(f->c, f->live, NULL))                                                   \
+    X(fork_stale, PKV_ENOENT, ({ pkv_seq s; pkv_seq_fork(f->c, f->stale, &s); }))                                   \
+    X(fork_forged, PKV_ENOENT, ({ pkv_seq s; pkv_seq_fork(f->c, f->forged, &s); }))                                 \
+    X(fork_id0, PKV_ENOENT, ({ pkv_seq s; pkv_seq_fork(f->c, 0, &s); }))                                            \
+    X(fork_out_of_range, PKV_ENOENT, ({ pkv_seq s; pkv_seq_fork(f->c, f->out_of_range, &s); }))                     \
+    X(fork_pin, PKV_EINVAL, ({ pkv_seq s; pkv_seq_fork(f->c, f->pin, &s); }))                                       \
+    /* truncate */                                                                                                    \
+    X(truncate_null_cache, PKV_EINVAL, pkv_seq_truncate(NULL, f->live, 0))                                            \
+    X(truncate_stale, PKV_ENOENT, pkv_seq_truncate(f->c, f->stale, 0))                                                \
+    X(truncate_forged, PKV_ENOENT, pkv_seq_truncate(f->c, f->forged, 0))                                              \
+    X(truncate_id0, PKV_ENOENT, pkv_seq_truncate(f->c, 0, 0))                                                         \
+    X(truncate_pin, PKV_EINVAL, pkv_seq_truncate(f->c, f->pin, 0))                                                    \
+    X(truncate_past_length_noop, PKV_OK, pkv_seq_truncate(f->c, f->live, UINT32_MAX))                                 \
+    /* release */                                                                                                     \
+    X(release_null_cache, PKV_EINVAL, pkv_seq_release(NULL, f->live))                                                 \
+    X(release_stale, PKV_ENOENT, pkv_seq_release(f->c, f->stale))                                                     \
+    X(release_forged, PKV_ENOENT, pkv_seq_release(f->c, f->forged))                                                   \
+    X(release_id0, PKV_ENOENT, pkv_seq_release(f->c, 0))                                                              \
+    X(release_out_of_range, PKV_ENOENT, pkv_seq_release(f->c, f->out_of_range))                                       \
+    X(release_pin, PKV_EINVAL, pkv_seq_release(f->c, f->pin))                                                         \
+    /* get_info */                                                                                                    \
+    X(info_null_cache, PKV_EINVAL, ({ pkv_seq_info i; pkv_seq_get_info(NULL, f->live, &i); }))                      \
+    X(info_null_out, PKV_EINVAL, pkv_seq_get_info(f->c, f->live, NULL))                                               \
+    X(info_stale, PKV_ENOENT, ({ pkv_seq_info i; pkv_seq_get_info(f->c, f->stale, &i); }))                          \
+    X(info_forged, PKV_ENOENT, ({ pkv_seq_info i; pkv_seq_get_info(f->c, f->forged, &i); }))                        \
+    X(info_id0, PKV_ENOENT, ({ pkv_seq_info i; pkv_seq_get_info(f->c, 0, &i); }))                                   \
+    X(info_pin, PKV_EINVAL, ({ pkv_seq_info i; pkv_seq_get_info(f->c, f->pin, &i); }))                              \
+    /* slots */                                                                                                       \
+    X(slots_null_cache, PKV_EINVAL, pkv_seq_slots(NULL, f->live, 0, 1, f->ibuf))                                      \
+    X(slots_null_buf, PKV_EINVAL, pkv_seq_slots(f->c, f->live, 0, 1, NULL))                                           \
+    X(slots_stale, PKV_ENOENT, pkv_seq_slots(f->c, f->stale, 0, 0, f->ibuf))                                          \
+    X(slots_forged, PKV_ENOENT, pkv_seq_slots(f->c, f->forged, 0, 1, f->ibuf))                                        \
+    X(slots_pin, PKV_EINVAL, pkv_seq_slots(f->c, f->pin, 0, 1, f->ibuf))                                              \
+    X(slots_past_length, PKV_EINVAL, pkv_seq_slots(f->c, f->live, 5, 6, f->ibuf))                                     \
+    X(slots_start_past_length, PKV_EINVAL, pkv_seq_slots(f->c, f->live, 11, 0, f->ibuf))                              \
+    X(slots_overflow, PKV_EINVAL, pkv_seq_slots(f->c, f->live, UINT32_MAX, 2, f->ibuf))                               \
+    /* block_table */                                                                                                 \
+    X(table_null_cache, PKV_EINVAL, ({ uint32_t n; pkv_seq_block_table(NULL, f->live, f->ibuf, 8, &n); }))          \
+    X(table_null_out, PKV_EINVAL, ({ uint32_t n; pkv_seq_block_table(f->c, f->live, NULL, 8, &n); }))               \
+    X(table_null_n_out, PKV_EINVAL, pkv_seq_block_table(f->c, f->live, f->ibuf, 8, NULL))                             \
+    X(table_cap_too_small, PKV_EINVAL, ({ uint32_t n; pkv_seq_block_table(f->c, f->live, f->ibuf, 2, &n); }))       \
+    X(table_stale, PKV_ENOENT, ({ uint32_t n; pkv_seq_block_table(f->c, f->stale, f->ibuf, 8, &n); }))              \
+    X(table_forged, PKV_ENOENT, ({ uint32_t n; pkv_seq_block_table(f->c, f->forged, f->ibuf, 8, &n); }))            \
+    X(table_pin, PKV_EINVAL, ({ uint32_t n; pkv_seq_block_table(f->c, f->pin, f->ibuf, 8, &n); }))                  \
+    /* gather */                                                                                                      \
+    X(gather_null_cache, PKV_EINVAL, pkv_seq_gather(NULL, f->live, 0, 0, 1, f->out, f->out))                          \
+    X(gather_null_both, PKV_EINVAL, pkv_seq_gather(f->c, f->live, 0, 0, 1, NULL, NULL))                               \
+    X(gather_layer, PKV_EINVAL, pkv_seq_gather(f->c, f->live, NL, 0, 1, f->out, NULL))                                \
+    X(gather_past_length, PKV_EINVAL, pkv_seq_gather(f->c, f->live, 0, 9, 2, f->out, NULL))                           \
+    X(gather_overflow, PKV_EINVAL, pkv_seq_gather(f->c, f->live, 0, UINT32_MAX, 2, f->out, NULL))                     \
+    X(gather_stale, PKV_ENOENT, pkv_seq_gather(f->c, f->stale, 0, 0, 0, f->out, NULL))                                \
+    X(gather_forged, PKV_ENOENT, pkv_seq_gather(f->c, f->forged, 0, 0, 1, f->out, NULL))                              \
+    X(gather_pin, PKV_EINVAL, pkv_seq_gather(f->c, f->pin, 0, 0, 1, f->out, NULL))                                    \
+    /* export dense */                                                                                                \
+    X(dense_null_cache, PKV_EINVAL, pkv_export_dense(NULL, f->list, 2, 8, f->ibuf, f->ibuf + 128))                    \
+    X(dense_null_seqs, PKV_EINVAL, pkv_export_dense(f->c, NULL, 2, 8, f->ibuf, f->ibuf + 128))                        \
+    X(dense_null_tables, PKV_EINVAL, pkv_export_dense(f->c, f->list, 2, 8, NULL, f->ibuf + 128))                      \
+    X(dense_null_lens, PKV_EINVAL, pkv_export_dense(f->c, f->list, 2, 8, f->ibuf, NULL))                              \
+    X(dense_too_narrow, PKV_EINVAL, pkv_export_dense(f->c, f->list, 2, 2, f->ibuf, f->ibuf + 128))                    \
+    X(dense_stale_in_list, PKV_ENOENT, ({ pkv_seq l[2] = {f->live, f->stale};                                         \
+                                          pkv_export_dense(f->c, l, 2, 8, f->ibuf, f->ibuf + 128); }))               \
+    X(dense_pin_in_list, PKV_EINVAL, ({ pkv_seq l[2] = {f->live, f->pin};                                             \
+                                        pkv_export_dense(f->c, l, 2, 8, f->ibuf, f->ibuf + 128); }))                 \
+    /* export csr */                                                                                                  \
+    X(csr_null_cache, PKV_EINVAL, pkv_export_csr(NULL, f->list, 2, f->ibuf, f->ibuf + 8, 64, f->ibuf + 100, NULL))   \
+    X(csr_null_seqs, PKV_EINVAL, pkv_export_csr(f->c, NULL, 2, f->ibuf, f->ibuf + 8, 64, f->ibuf + 100, NULL))       \
+    X(csr_null_indptr, PKV_EINVAL, pkv_export_csr(f->c, f->list, 2, NULL, f->ibuf + 8, 64, f->ibuf + 100, NULL))     \
+    X(csr_null_indices, PKV_EINVAL, pkv_export_csr(f->c, f->list, 2, f->ibuf, NULL, 64, f->ibuf + 100, NULL))        \
+    X(csr_null_last, PKV_EINVAL, pkv_export_csr(f->c, f->list, 2, f->ibuf, f->ibuf + 8, 64, NULL, NULL))             \
+    X(csr_cap_too_small, PKV_EINVAL, pkv_export_csr(f->c, f->list, 2, f->ibuf, f->ibuf + 8, 4, f->ibuf + 100, NULL)) \
+    X(csr_stale_in_list, PKV_ENOENT, ({ pkv_seq l[2] = {f->stale, f->live};                                           \
+                                        pkv_export_csr(f->c, l, 2, f->ibuf, f->ibuf + 8, 64, f->ibuf + 100, NULL); })) \
+    /* match_prefix */                                                                                                \
+    X(match_null_cache, PKV_EINVAL, ({ uint32_t r; pkv_seq_match_prefix(NULL, f->empty, f->tok, 8, &r); }))         \
+    X(match_null_tokens, PKV_EINVAL, ({ uint32_t r; pkv_seq_match_prefix(f->c, f->empty, NULL, 8, &r); }))          \
+    X(match_null_out, PKV_EINVAL, pkv_seq_match_prefix(f->c, f->empty, f->tok, 8, NULL))                              \
+    X(match_not_empty, PKV_EINVAL, ({ uint32_t r; pkv_seq_match_prefix(f->c, f->live, f->tok, 8, &r); }))           \
+    X(match_stale, PKV_ENOENT, ({ uint32_t r; pkv_seq_match_prefix(f->c, f->stale, f->tok, 8, &r); }))              \
+    X(match_forged, PKV_ENOENT, ({ uint32_t r; pkv_seq_match_prefix(f->c, f->forged, f->tok, 8, &r); }))            \
+    X(match_pin, PKV_EINVAL, ({ uint32_t r; pkv_seq_match_prefix(f->c, f->pin, f->tok, 8, &r); }))                  \
+    /* pins */                                                                                                        \
+    X(pin_null_cache, PKV_EINVAL, ({ pkv_seq p; pkv_pin_create(NULL, f->live, 8, &p); }))                           \
+    X(pin_null_out, PKV_EINVAL, pkv_pin_create(f->c, f->live, 8, NULL))                                               \
+    X(pin_stale, PKV_ENOENT, ({ pkv_seq p; pkv_pin_create(f->c, f->stale, 8, &p); }))                               \
+    X(pin_forged, PKV_ENOENT, ({ pkv_seq p; pkv_pin_create(f->c, f->forged, 8, &p); }))                             \
+    X(pin_of_pin, PKV_EINVAL, ({ pkv_seq p; pkv_pin_create(f->c, f->pin, 8, &p); }))                                \
+    X(pin_release_null, PKV_EINVAL, pkv_pin_release(NULL, f->pin))                                                    \
+    X(pin_release_seq, PKV_EINVAL, pkv_pin_release(f->c, f->live))                                                    \
+    X(pin_release_stale, PKV_ENOENT, pkv_pin_release(f->c, f->stale))                                                 \
+    X(pin_release_id0, PKV_ENOENT, pkv_pin_release(f->c, 0))                                                          \
+    /* attention */                                                                                                   \
+    X(decode_null_cache, PKV_EINVAL, pkv_attn_decode(NULL, 0, &f->live, 1, f->kv, f->out, NULL))                      \
+    X(decode_layer, PKV_EINVAL, pkv_attn_decode(f->c, NL, &f->live, 1, f->kv, f->out, NULL))                          \
+    X(decode_null_seqs, PKV_EINVAL, pkv_attn_decode(f->c, 0, NULL, 1, f->kv, f->out, NULL))                           \
+    X(decode_null_q, PKV_EINVAL, pkv_attn_decode(f->c, 0, &f->live, 1, NULL, f->out, NULL))                           \
+    X(decode_null_out, PKV_EINVAL, pkv_attn_decode(f->c, 0, &f->live, 1, f->kv, NULL, NULL))                          \
+    X(decode_stale, PKV_ENOENT, pkv_attn_decode(f->c, 0, &f->stale, 1, f->kv, f->out, NULL))                          \
+    X(decode_pin, PKV_EINVAL, pkv_attn_decode(f->c, 0, &f->pin, 1, f->kv, f->out, NULL))                              \
+    X(decode_empty_seq, PKV_EINVAL, pkv_attn_decode(f->c, 0, &f->empty, 1, f->kv, f->out, NULL))                      \
+    X(decode_bad_q_heads, PKV_EINVAL, ({ pkv_attn_params p = pkv_attn_params_default(); p.n_q_heads = NH + 1;         \
+                                         pkv_attn_decode(f->c, 0, &f->live, 1, f->kv, f->out, &p); }))              \
+    X(decode_negative_scale, PKV_EINVAL, ({ pkv_attn_params p = pkv_attn_params_default(); p.scale = -1.0f;           \
+                                            pkv_attn_decode(f->c, 0, &f->live, 1, f->kv, f->out, &p); }))           \
+    X(prefill_null_cache, PKV_EINVAL, ({ pkv_attn_req r = {f->live, 0, 1};                                            \
+                                         pkv_attn_prefill(NULL, 0, &r, 1, f->kv, f->out, NULL); }))                 \
+    X(prefill_null_reqs, PKV_EINVAL, pkv_attn_prefill(f->c, 0, NULL, 1, f->kv, f->out, NULL))                         \
+    X(prefill_layer, PKV_EINVAL, ({ pkv_attn_req r = {f->live, 0, 1};                                                 \
+                                    pkv_attn_prefill(f->c, NL, &r, 1, f->kv, f->out, NULL); }))                     \
+    X(prefill_past_length, PKV_EINVAL, ({ pkv_attn_req r = {f->live, 5, 6};                                           \
+                                          pkv_attn_prefill(f->c, 0, &r, 1, f->kv, f->out, NULL); }))                \
+    X(prefill_overflow, PKV_EINVAL, ({ pkv_attn_req r = {f->live, UINT32_MAX, 2};                                     \
+                                       pkv_attn_prefill(f->c, 0, &r, 1, f->kv, f->out, NULL); }))                   \
+    X(prefill_stale, PKV_ENOENT, ({ pkv_attn_req r = {f->stale, 0, 0};                                                \
+                                    pkv_attn_prefill(f->c, 0, &r, 1, f->kv, f->out, NULL); }))                      \
+    X(prefill_null_q, PKV_EINVAL, ({ pkv_attn_req r = {f->live, 0, 1};                                                \
+                                     pkv_attn_prefill(f->c, 0, &r, 1, NULL, f->out, NULL); }))
+
+#define DEF_ROW(name, want, expr) \
+    static int row_##name(fx *f) { (void)f; return (expr); }
+ROWS(DEF_ROW)
+#undef DEF_ROW
+
+typedef struct {
+    const char *name;
+    int want;
+    int (*fn)(fx *);
+} row;
+
+#define TABLE_ROW(name, want, expr) {#name, want, row_##name},
+static const row g_rows[] = {ROWS(TABLE_ROW)};
+#undef TABLE_ROW
+
+typedef struct {
+    pkv_stats st;
+    pkv_seq_info info[4];
+    int32_t tab[4][NB];
+    uint32_t ntab[4];
+    float k[NL][16 * NH * HD];
+} obs;
+
+static void observe(fx *f, obs *o) {
+    memset(o, 0, sizeof *o);
+    o->st = tu_stats(f->c);
+    for (int i = 0; i < 4; i++) {
+        o->info[i] = tu_info(f->c, all_ids(f, i));
+        o->ntab[i] = tu_table(f->c, all_ids(f, i), o->tab[i], NB);
+    }
+    for (uint32_t l = 0; l < NL; l++) TU_OK(pkv_seq_gather(f->c, f->live, l, 0, 10, o->k[l], NULL));
+}
+
+static void test_bad_inputs(void **state) {
+    fx *f = *state;
+    f->list[0] = f->live;
+    f->list[1] = f->parent;
+    size_t n = sizeof g_rows / sizeof g_rows[0];
+    for (size_t i = 0; i < n; i++) {
+        obs before, after;
+        observe(f, &before);
+        int rc = g_rows[i].fn(f);
+        if (rc != g_rows[i].want)
+            fail_msg("row %s: got %d (%s), want %d (%s)", g_rows[i].name, rc, pkv_strerror(rc), g_rows[i].want,
+                     pkv_strerror(g_rows[i].want));
+        char msg[256] = "";
+        if (pkv_cache_check(f->c, msg, sizeof msg) != 0) fail_msg("row %s: checker: %s", g_rows[i].name, msg);
+        observe(f, &after);
+        if (memcmp(&before.st, &after.st, sizeof before.st) != 0) {
+            print_error("row %s changed the stats\n", g_rows[i].name);
+            TU_STATS_EQ(&before.st, &after.st);
+        }
+        if (memcmp(&before, &after, sizeof before) != 0) fail_msg("row %s changed a sequence", g_rows[i].name);
+    }
+    print_message("%zu bad-input rows checked\n", n);
+}
+
+/* Functions without a status: documented answers for bad values. */
+static void test_bad_inputs_no_status(void **state) {
+    (void)state;
+    assert_non_null(pkv_strerror(12345));
+    assert_non_null(pkv_strerror(-12345));
+    assert_non_null(pkv_strerror(INT32_MIN));
+    for (int rc = 0; rc >= PKV_EBUSY; rc--) assert_true(strlen(pkv_strerror(rc)) > 0);
+    assert_null(pkv_dtype_name(PKV_DTYPE_COUNT));
+    assert_null(pkv_dtype_name((pkv_dtype)-1));
+    assert_int_equal(pkv_dtype_row_bytes(PKV_DTYPE_COUNT, 128), 0);
+    assert_int_equal(pkv_dtype_row_bytes((pkv_dtype)-1, 128), 0);
+    assert_int_equal(pkv_dtype_row_bytes(PKV_DTYPE_Q8_0, 33), 0);
+    assert_int_equal(pkv_dtype_row_bytes(PKV_DTYPE_Q4_0, 16), 0);
+    assert_int_equal(pkv_dtype_row_bytes(PKV_DTYPE_F16, 0), 0);
+    assert_int_equal(pkv_dtype_row_bytes(PKV_DTYPE_F32, 128), 512);
+    assert_int_equal(pkv_dtype_row_bytes(PKV_DTYPE_Q8_0, 64), 68);
+    assert_int_equal(pkv_dtype_row_bytes(PKV_DTYPE_Q4_0, 64), 36);
+    assert_int_equal(pkv_dtype_row_bytes(PKV_DTYPE_FP8_E4M3, 64), 68);
+    for (int d = 0; d < PKV_DTYPE_COUNT; d++) {
+        pkv_dtype back;
+        TU_OK(pkv_dtype_from_name(pkv_dtype_name((pkv_dtype)d), &back));
+        assert_int_equal(back, d);
+    }
+    pkv_cache_destroy(NULL); /* a no-op */
+    assert_non_null(pkv_attn_backend(NULL));
+    assert_string_equal(pkv_version(), PKV_VERSION_STRING);
+}
+
+/* Bad config fields one by one: PKV_EINVAL, nothing allocated (counting hook), nothing leaked. */
+typedef struct {
+    const char *name;
+    void (*mutate)(pkv_config *);
+    int want;
+} cfg_row;
+
+#define CFG(name, want, stmt) \
+    static void cfg_##name(pkv_config *c) { stmt; }
+#define CFG_ROWS(X)                                                                                 \
+    X(n_layers_0, PKV_EINVAL, c->n_layers = 0)                                                      \
+    X(n_kv_heads_0, PKV_EINVAL, c->n_kv_heads = 0)                                                  \
+    X(head_dim_0, PKV_EINVAL, c->head_dim = 0)                                                      \
+    X(head_dim_1025, PKV_EINVAL, c->head_dim = 1025)                                                \
+    X(block_tokens_0, PKV_EINVAL, c->block_tokens = 0)                                              \
+    X(block_tokens_1025, PKV_EINVAL, c->block_tokens = 1025)                                        \
+    X(no_blocks_no_budget, PKV_EINVAL, (c->n_blocks = 0, c->mem_budget_bytes = 0))                  \
+    X(budget_below_one_block, PKV_EINVAL, (c->n_blocks = 0, c->mem_budget_bytes = 100))             \
+    X(n_blocks_slots_overflow, PKV_EINVAL, (c->block_tokens = 16, c->n_blocks = (1u << 31) / 16))   \
+    X(max_seqs_0, PKV_EINVAL, c->max_seqs = 0)                                                      \
+    X(max_seqs_too_many, PKV_EINVAL, c->max_seqs = (1u << 24) + 1)                                  \
+    X(k_dtype_count, PKV_EINVAL, c->k_dtype = PKV_DTYPE_COUNT)                                      \
+    X(v_dtype_neg, PKV_EINVAL, c->v_dtype = (pkv_dtype)-1)                                          \
+    X(k_dtype_99, PKV_EINVAL, c->k_dtype = (pkv_dtype)99)                                           \
+    X(q8_head_dim_40, PKV_EINVAL, (c->k_dtype = PKV_DTYPE_Q8_0, c->head_dim = 40))                  \
+    X(q4_head_dim_16, PKV_EINVAL, (c->v_dtype = PKV_DTYPE_Q4_0, c->head_dim = 16))                  \
+    X(alloc_without_free, PKV_EINVAL, c->allocator.free = NULL)
+
+CFG_ROWS(CFG)
+#undef CFG
+#define CFG_TABLE(name, want, stmt) {#name, cfg_##name, want},
+static const cfg_row g_cfg_rows[] = {CFG_ROWS(CFG_TABLE)};
+#undef CFG_TABLE
+
+static void test_bad_config(void **state) {
+    (void)state;
+    for (size_t i = 0; i < sizeof g_cfg_rows / sizeof g_cfg_rows[0]; i++) {
+        tu_alloc_state as;
+        tu_alloc_reset(&as, -1);
+        pkv_config cfg = tu_config(8, 4, 1, 1, 32, PKV_DTYPE_F32);
+        cfg.allocator = tu_allocator(&as);
+        g_cfg_rows[i].mutate(&cfg);
+        pkv_cache *c = NULL;
+        int rc = pkv_cache_create(&cfg, &c);
+        if (rc != g_cfg_rows[i].want)
+            fail_msg("config row %s: got %d (%s), want %d", g_cfg_rows[i].name, rc, pkv_strerror(rc),
+                     g_cfg_rows[i].want);
+        assert_null(c);
+        assert_int_equal(as.n_live, 0);
+        assert_int_equal(as.n_bad_free, 0);
+    }
+    /* the edges that are valid */
+    const uint32_t hd[] = {1, 1024}, bt[] = {1, 1024};
+    for (int i = 0; i < 2; i++) {
+        pkv_config cfg = tu_config(4, bt[i], 1, 1, hd[i], PKV_DTYPE_F16);
+        pkv_cache *c = tu_create(&cfg);
+        pkv_seq s = tu_seq(c);
+        tu_append(c, s, bt[i] + 1, 0, NULL);
+        TU_WRITE_PAT(c, s, 0, bt[i] + 1, 3);
+        TU_SAME_PAT(c, s, 0, bt[i] + 1, 3);
+        TU_CHECK(c);
+        pkv_cache_destroy(c);
+    }
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_bad_inputs, setup, teardown),
+        cmocka_unit_test(test_bad_inputs_no_status),
+        cmocka_unit_test(test_bad_config),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

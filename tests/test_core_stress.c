@@ -1,0 +1,678 @@
+/* test_core_stress.c: seeded random operations (create, append, write K/V, commit, fork,
+ * truncate, release, gather, pins, prefix matches) on a small pool, with pkv_cache_check after
+ * EVERY step and a shadow model of every sequence (token ids, K/V per position per layer,
+ * block refcounts) that the library's answers must match exactly. PKV_STRESS_OPS sets the
+ * number of operations (default 200000, split between a prefix-cache-off and -on run);
+ * PKV_STRESS_SEED the seed. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include "support_util.h"
+#include "cache/cache_int.h" /* only to print a failing block's internal state */
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* 1: pkv.h's rule for pkv_write_kv ("a position not yet committed") is per sequence, so a
+ * refusal because a departed co-holder committed the position is a failure (BUGS-core.md #3).
+ * 0: the per-block rule (a position committed by any holder stays immutable) is the contract;
+ * the shadow model predicts that one exactly either way. */
+#ifndef STRESS_SEQ_LEVEL_COMMIT
+#define STRESS_SEQ_LEVEL_COMMIT 0 /* the lead chose the per-block rule (pkv.h, pkv_write_kv) */
+#endif
+
+#define PKV_MIN_U(a, b) ((a) < (b) ? (a) : (b))
+
+enum { NBLK = 64, B = 4, NL = 2, NH = 2, HD = 8, ROW = NH * HD, MAXS = 16, MAXLEN = 120, NBASE = 4, VOCAB = 6 };
+
+typedef struct {
+    int live, is_pin, salt, base;
+    pkv_seq id;
+    uint32_t len, committed, nb;
+    int32_t tok[MAXLEN];
+    uint64_t ph[MAXLEN];       /* hash of (salt, tokens[0..p]): defines the canonical K/V */
+    int16_t ver[NL][MAXLEN];   /* -1 unwritten, 0 canonical, > 0 a noise version */
+    int32_t tab[NBLK];
+} sh_seq;
+
+typedef struct {
+    pkv_cache *c;
+    int prefix;
+    tu_rng r;
+    sh_seq s[MAXS];
+    int32_t base[NBASE][MAXLEN];
+    uint32_t ref[NBLK];
+    /* per block: how many leading positions some holder committed (the library keeps this per
+       block, pkv.h speaks of a sequence's committed positions); -1 = not knowable here */
+    int bc[NBLK];
+    uint64_t n_dev; /* writes pkv.h allows (position >= the sequence's committed count, block
+                       private and unindexed) that the library refused: see BUGS-core.md */
+    char first_dev[200];
+    pkv_seq dead[8]; /* released ids, for stale-id probes */
+    uint32_t n_dead;
+    uint64_t step;
+    uint64_t n_ok[16], n_fail[16];
+} world;
+
+enum { OP_CREATE, OP_APPEND, OP_WRITE, OP_COMMIT, OP_FORK, OP_TRUNCATE, OP_RELEASE, OP_GATHER, OP_PIN, OP_UNPIN,
+       OP_MATCH, OP_STALE, OP_COUNT };
+
+static uint64_t mix(uint64_t h, uint64_t x) {
+    h ^= x + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+    h *= 0xff51afd7ed558ccdull;
+    return h ^ (h >> 33);
+}
+
+static float kv_val(const sh_seq *s, uint32_t l, uint32_t p, int ver, uint32_t e, int is_v) {
+    uint64_t h = s->ph[p];
+    return tu_pat((uint32_t)(h ^ (h >> 32)) + (uint32_t)ver * 7777u, l, p, e, is_v);
+}
+
+static void set_token(sh_seq *s, uint32_t p, int32_t t) {
+    s->tok[p] = t;
+    s->ph[p] = mix(p ? s->ph[p - 1] : 0x1234567ull + (uint64_t)s->salt * 0xABCDEFull, (uint64_t)(uint32_t)t);
+    for (int l = 0; l < NL; l++) s->ver[l][p] = -1;
+}
+
+static void recount(world *w) {
+    memset(w->ref, 0, sizeof w->ref);
+    for (int i = 0; i < MAXS; i++)
+        if (w->s[i].live)
+            for (uint32_t j = 0; j < w->s[i].nb; j++) w->ref[w->s[i].tab[j]]++;
+}
+
+/* The last operations, printed when a step fails (the minimal repro is usually in there). */
+static int g_debug;
+static char g_trace[4096][160];
+static uint64_t g_ntrace;
+#define TRACE(...) snprintf(g_trace[g_ntrace++ % 4096], sizeof g_trace[0], __VA_ARGS__)
+
+static void fail_at(world *w, const char *what) {
+    for (uint64_t i = g_ntrace > 4096 ? g_ntrace - 4096 : 0; i < g_ntrace; i++) print_error("  %s\n", g_trace[i % 4096]);
+    fail_msg("stress (prefix %s) step %llu: %s", w->prefix ? "on" : "off", (unsigned long long)w->step, what);
+}
+
+/* Reads s's table from the library and checks length / committed / block count. */
+static void sync_seq(world *w, sh_seq *s) {
+    if (s->is_pin) return; /* pins have no block_table access; their table is set at creation */
+    uint32_t n = 0;
+    int rc = pkv_seq_block_table(w->c, s->id, s->tab, NBLK, &n);
+    if (rc) fail_at(w, "block_table of a live sequence failed");
+    s->nb = n;
+    pkv_seq_info in = tu_info(w->c, s->id);
+    if (in.n_tokens != s->len || in.n_committed != s->committed || in.n_blocks != (s->len + B - 1) / B ||
+        n != in.n_blocks) {
+        char m[200];
+        snprintf(m, sizeof m, "info {len %u, committed %u, blocks %u, table %u}, shadow {len %u, committed %u}",
+                 in.n_tokens, in.n_committed, in.n_blocks, n, s->len, s->committed);
+        fail_at(w, m);
+    }
+}
+
+/* Global invariants the shadow predicts, after every step. */
+static void check_world(world *w) {
+    TU_CHECK(w->c);
+    recount(w);
+    uint32_t active = 0, seqs = 0, pins = 0;
+    uint64_t tokens = 0;
+    for (int b = 0; b < NBLK; b++) active += w->ref[b] > 0;
+    for (int i = 0; i < MAXS; i++)
+        if (w->s[i].live) {
+            if (w->s[i].is_pin) pins++;
+            else {
+                seqs++;
+                tokens += w->s[i].len;
+            }
+        }
+    pkv_stats st = tu_stats(w->c);
+    if (st.n_active != active || st.n_free + st.n_cached != NBLK - active || st.n_seqs != seqs ||
+        st.n_pins != pins || st.n_tokens != tokens || (!w->prefix && (st.n_cached || st.n_indexed))) {
+        char m[300];
+        snprintf(m, sizeof m,
+                 "stats active %u free %u cached %u seqs %u pins %u tokens %llu; shadow active %u seqs %u pins %u "
+                 "tokens %llu",
+                 st.n_active, st.n_free, st.n_cached, st.n_seqs, st.n_pins, (unsigned long long)st.n_tokens, active,
+                 seqs, pins, (unsigned long long)tokens);
+        fail_at(w, m);
+    }
+    if (st.frag_slots != (uint64_t)st.n_active * B - st.n_slots_used) fail_at(w, "frag_slots");
+    if (g_debug) /* PKV_STRESS_DEBUG=1: the per-block commit model against the library's internals */
+        for (int b = 0; b < NBLK; b++)
+            if (w->ref[b] && w->bc[b] >= 0 && w->bc[b] != w->c->blk[b].n_commit) {
+                char m[200];
+                int o = snprintf(m, sizeof m, "model commit count of block %d is %d, library %u; held by", b,
+                                 w->bc[b], w->c->blk[b].n_commit);
+                for (int i = 0; i < MAXS; i++)
+                    for (uint32_t j = 0; w->s[i].live && j < w->s[i].nb; j++)
+                        if (w->s[i].tab[j] == b && o < 180)
+                            o += snprintf(m + o, sizeof m - (size_t)o, " seq%d[%u]", i, j);
+                fail_at(w, m);
+            }
+}
+
+/* Compares [p0, p0 + n) of layer l of s with the shadow (written positions only). */
+static void verify_range(world *w, sh_seq *s, uint32_t l, uint32_t p0, uint32_t n) {
+    float k[MAXLEN * ROW], v[MAXLEN * ROW];
+    int rc = pkv_seq_gather(w->c, s->id, l, p0, n, k, v);
+    if (rc) fail_at(w, "gather of a valid range failed");
+    for (uint32_t t = 0; t < n; t++) {
+        uint32_t p = p0 + t;
+        int ver = s->ver[l][p];
+        if (ver < 0) continue;
+        for (uint32_t e = 0; e < ROW; e++)
+            if (k[t * ROW + e] != kv_val(s, l, p, ver, e, 0) || v[t * ROW + e] != kv_val(s, l, p, ver, e, 1)) {
+                char m[200];
+                snprintf(m, sizeof m, "K/V mismatch: seq slot %d layer %u position %u (version %d, len %u)",
+                         (int)(s - w->s), l, p, ver, s->len);
+                fail_at(w, m);
+            }
+    }
+}
+
+static void verify_all(world *w) {
+    for (int i = 0; i < MAXS; i++)
+        if (w->s[i].live && !w->s[i].is_pin && w->s[i].len)
+            for (uint32_t l = 0; l < NL; l++) verify_range(w, &w->s[i], l, 0, w->s[i].len);
+}
+
+static int pick(world *w, int want_live, int allow_pin) {
+    int cand[MAXS], n = 0;
+    for (int i = 0; i < MAXS; i++)
+        if (w->s[i].live == want_live && (want_live == 0 || allow_pin || !w->s[i].is_pin)) cand[n++] = i;
+    return n ? cand[tu_rng_below(&w->r, (uint32_t)n)] : -1;
+}
+
+/* Is block bi of s possibly in the prefix index (only knowable from the library's dedup
+   decisions)? Only a block some holder committed in full can be: this sequence (committed
+   past the block's start: it may since have truncated into it) or a co-holder (bc == B). */
+static int maybe_indexed(const world *w, const sh_seq *s, uint32_t bi) {
+    int bc = w->bc[s->tab[bi]];
+    return w->prefix && (s->committed > bi * B || bc < 0 || bc >= B);
+}
+
+static int own_committed(const sh_seq *s, uint32_t bi) {
+    return s->committed <= bi * B ? 0 : (int)PKV_MIN_U(B, s->committed - bi * B);
+}
+
+/* The library trims a private, unindexed tail's commit count to the sequence's own. */
+static void model_claim_tail(world *w, sh_seq *s, uint32_t len) {
+    if (len % B == 0) return;
+    uint32_t bi = (len - 1) / B;
+    int32_t b = s->tab[bi];
+    if (w->ref[b] != 1) return;
+    if (maybe_indexed(w, s, bi)) {
+        w->bc[b] = -1;
+        return;
+    }
+    if (w->bc[b] > own_committed(s, bi)) w->bc[b] = own_committed(s, bi);
+}
+
+static void bury(world *w, sh_seq *s) {
+    w->dead[w->n_dead++ % 8] = s->id;
+    s->live = 0;
+}
+
+static void do_append(world *w, sh_seq *s) {
+    uint32_t n = tu_rng_chance(&w->r, 0.5) ? 1 : 1 + tu_rng_below(&w->r, 9);
+    if (tu_rng_chance(&w->r, 0.05)) n = 0;
+    if (s->len + n > MAXLEN) n = MAXLEN - s->len; /* keep the shadow bounded (30 blocks < the table cap) */
+    int32_t toks[16];
+    for (uint32_t j = 0; j < n; j++) {
+        uint32_t p = s->len + j;
+        toks[j] = (p < MAXLEN && tu_rng_chance(&w->r, 0.9)) ? w->base[s->base][p] : (int32_t)tu_rng_below(&w->r, VOCAB);
+    }
+    pkv_stats st0 = tu_stats(w->c);
+    uint64_t new_len = s->len + n;
+    uint32_t nb_need = (uint32_t)((new_len + B - 1) / B);
+    uint32_t tail = s->len % B ? s->nb - 1 : UINT32_MAX;
+    int cow_must = tail != UINT32_MAX && w->ref[s->tab[tail]] > 1;
+    int cow_maybe = tail != UINT32_MAX && !cow_must && maybe_indexed(w, s, tail);
+    uint32_t need_lo = nb_need - s->nb + (uint32_t)cow_must, need_hi = need_lo + (uint32_t)cow_maybe;
+    uint32_t avail = st0.n_free + st0.n_cached;
+    int32_t old_tab[NBLK];
+    memcpy(old_tab, s->tab, sizeof old_tab);
+    uint32_t old_nb = s->nb;
+    int32_t slots[16];
+    int rc = pkv_seq_append(w->c, s->id, toks, n, slots);
+    TRACE("append seq%d n=%u -> %d (len %u)", (int)(s - w->s), n, rc, s->len);
+    int want_fail = n > 0 && need_lo > avail, may_fail = n > 0 && need_hi > avail;
+    if (rc == PKV_ENOSPC) {
+        if (!may_fail) fail_at(w, "append: PKV_ENOSPC with enough blocks");
+        pkv_stats st1 = tu_stats(w->c);
+        TU_STATS_EQ(&st0, &st1);
+        sync_seq(w, s);
+        if (s->nb != old_nb || memcmp(old_tab, s->tab, old_nb * sizeof(int32_t))) fail_at(w, "failed append changed the table");
+        w->n_fail[OP_APPEND]++;
+        return;
+    }
+    if (rc != PKV_OK) fail_at(w, "append: unexpected status");
+    if (want_fail) fail_at(w, "append succeeded without enough blocks");
+    pkv_stats st1 = tu_stats(w->c);
+    uint64_t cows = st1.cow_copies - st0.cow_copies;
+    if (n == 0 && cows) fail_at(w, "empty append copied");
+    if (n && cow_must && cows != 1) fail_at(w, "append into a shared tail did not copy it once");
+    if (n && !cow_must && !cow_maybe && cows != 0) {
+        const pkv__blk *kb = &w->c->blk[old_tab[tail]];
+        print_error("  old tail block %d: ref %u flags %u fill %u commit %u; seq len %u committed %u\n",
+                    old_tab[tail], kb->ref, kb->flags, kb->n_fill, kb->n_commit, s->len, s->committed);
+        fail_at(w, "append copied a private tail");
+    }
+    for (uint32_t j = 0; j < n; j++) set_token(s, s->len + j, toks[j]);
+    s->len += n;
+    sync_seq(w, s);
+    /* the table: old entries kept (the tail replaced by a copy iff CoW), new ones fresh */
+    for (uint32_t j = 0; j < old_nb; j++) {
+        int replaced = cows && j == tail;
+        if (!replaced && s->tab[j] != old_tab[j]) fail_at(w, "append changed an old table entry");
+        if (replaced && (s->tab[j] == old_tab[j] || w->ref[s->tab[j]] != 0)) fail_at(w, "CoW did not take a free block");
+    }
+    for (uint32_t j = old_nb; j < s->nb; j++) {
+        if (w->ref[s->tab[j]] != 0) fail_at(w, "append took a block in use");
+        w->bc[s->tab[j]] = 0;
+    }
+    if (cows) {
+        uint32_t off = (s->len - n) % B;
+        w->bc[s->tab[tail]] = (int)PKV_MIN_U((uint32_t)own_committed(s, tail), off);
+    } else if (n && tail != UINT32_MAX) {
+        recount(w); /* claim_tail runs before the positions are added: the old tail */
+        model_claim_tail(w, s, s->len - n);
+    }
+    for (uint32_t j = 0; j < n; j++) {
+        uint32_t p = s->len - n + j;
+        if (slots[j] != s->tab[p / B] * B + (int32_t)(p % B)) fail_at(w, "append returned a wrong slot");
+    }
+    w->n_ok[OP_APPEND]++;
+}
+
+static void dump_blocks(world *w, sh_seq *s, uint32_t p0, uint32_t n) {
+    for (uint32_t j = 0; j < n; j++) {
+        uint32_t b = (uint32_t)s->tab[(p0 + j) / B];
+        const pkv__blk *kb = &w->c->blk[b];
+        print_error("  position %u: block %u state %u ref %u flags %u fill %u commit %u (model ref %u commit %d)\n",
+                    p0 + j, b, kb->state, kb->ref, kb->flags, kb->n_fill, kb->n_commit, w->ref[b], w->bc[b]);
+    }
+}
+
+static void do_write(world *w, sh_seq *s) {
+    if (s->len == 0) return;
+    uint32_t l = tu_rng_below(&w->r, NL);
+    uint32_t p0 = tu_rng_below(&w->r, s->len);
+    if (tu_rng_chance(&w->r, 0.7) && s->committed < s->len) p0 = s->committed + tu_rng_below(&w->r, s->len - s->committed);
+    uint32_t n = 1 + tu_rng_below(&w->r, PKV_MIN_U(8, s->len - p0));
+    int ver = tu_rng_chance(&w->r, 0.85) ? 0 : 1 + (int)tu_rng_below(&w->r, 100);
+    int32_t slots[9];
+    float k[9 * ROW], v[9 * ROW];
+    TU_OK(pkv_seq_slots(w->c, s->id, p0, n, slots));
+    uint32_t pad = tu_rng_chance(&w->r, 0.2) ? tu_rng_below(&w->r, n + 1) : UINT32_MAX; /* a -1 row */
+    int32_t call_slots[9];
+    uint32_t m = 0, pos_of[9];
+    int valid = 1, maybe = 0, seq_valid = 1;
+    for (uint32_t j = 0; j <= n; j++) {
+        if (j == pad) {
+            call_slots[m] = -1;
+            for (uint32_t e = 0; e < ROW; e++) k[m * ROW + e] = v[m * ROW + e] = 12345.0f;
+            pos_of[m++] = UINT32_MAX;
+        }
+        if (j == n) break;
+        uint32_t p = p0 + j, bi = p / B;
+        call_slots[m] = slots[j];
+        for (uint32_t e = 0; e < ROW; e++) {
+            k[m * ROW + e] = kv_val(s, l, p, ver, e, 0);
+            v[m * ROW + e] = kv_val(s, l, p, ver, e, 1);
+        }
+        pos_of[m++] = p;
+        int32_t b = s->tab[bi];
+        if (w->ref[b] != 1 || p < s->committed) valid = seq_valid = 0;
+        else if (maybe_indexed(w, s, bi) || w->bc[b] < 0) maybe = 1;
+        else if ((int)(p % B) < w->bc[b]) valid = 0; /* committed by a co-holder that left */
+    }
+    int rc = pkv_write_kv(w->c, l, call_slots, m, k, v, PKV_DTYPE_F32);
+    TRACE("write seq%d layer %u pos %u..%u ver %d -> %d (len %u committed %u)", (int)(s - w->s), l, p0, p0 + n - 1,
+          ver, rc, s->len, s->committed);
+    if (rc == PKV_OK) {
+        if (!valid) {
+            dump_blocks(w, s, p0, n);
+            fail_at(w, "write into a shared block or a committed position was accepted");
+        }
+        for (uint32_t j = 0; j < m; j++)
+            if (pos_of[j] != UINT32_MAX) s->ver[l][pos_of[j]] = (int16_t)ver;
+        w->n_ok[OP_WRITE]++;
+    } else if (rc == PKV_EINVAL) {
+        if (!valid && seq_valid && !maybe) {
+            if (!w->n_dev++)
+                snprintf(w->first_dev, sizeof w->first_dev,
+                         "step %llu: write of positions %u..%u refused (len %u, committed %u), block private and "
+                         "unindexed, its leading positions committed by a co-holder that has left",
+                         (unsigned long long)w->step, p0, p0 + n - 1, s->len, s->committed);
+        }
+        if (valid && !maybe) {
+            dump_blocks(w, s, p0, n);
+            char msg[200];
+            snprintf(msg, sizeof msg,
+                     "write refused: positions %u..%u (len %u, committed %u), all blocks refcount 1, none indexed",
+                     p0, p0 + n - 1, s->len, s->committed);
+            fail_at(w, msg);
+        }
+        w->n_fail[OP_WRITE]++;
+    } else {
+        fail_at(w, "write: unexpected status");
+    }
+}
+
+static void do_commit(world *w, sh_seq *s) {
+    if (tu_rng_chance(&w->r, 0.05)) {
+        pkv_stats st0 = tu_stats(w->c);
+        TU_RC(pkv_seq_commit(w->c, s->id, s->len + 1 + tu_rng_below(&w->r, 5)), PKV_EINVAL);
+        pkv_stats st1 = tu_stats(w->c);
+        TU_STATS_EQ(&st0, &st1);
+        w->n_fail[OP_COMMIT]++;
+        return;
+    }
+    /* only canonical, fully written positions are committed (the index trusts them) */
+    uint32_t ok = 0;
+    while (ok < s->len) {
+        int all = 1;
+        for (int l = 0; l < NL; l++) all &= s->ver[l][ok] == 0;
+        if (!all) break;
+        ok++;
+    }
+    uint32_t n_pos = tu_rng_chance(&w->r, 0.7) ? ok : tu_rng_below(&w->r, ok + 1);
+    TU_OK(pkv_seq_commit(w->c, s->id, n_pos));
+    for (uint32_t i = s->committed / B; i < s->nb && i * B < n_pos; i++) {
+        int in_block = (int)PKV_MIN_U(B, n_pos - i * B);
+        if (w->bc[s->tab[i]] >= 0 && w->bc[s->tab[i]] < in_block) w->bc[s->tab[i]] = in_block;
+    }
+    TRACE("commit seq%d %u (len %u)", (int)(s - w->s), n_pos, s->len);
+    if (n_pos > s->committed) s->committed = n_pos;
+    sync_seq(w, s);
+    w->n_ok[OP_COMMIT]++;
+}
+
+static void do_fork(world *w, sh_seq *p) {
+    int i = pick(w, 0, 0);
+    pkv_seq child = 0;
+    int rc = pkv_seq_fork(w->c, p->id, &child);
+    if (i < 0) {
+        if (rc != PKV_ELIMIT) fail_at(w, "fork past max_seqs did not return PKV_ELIMIT");
+        w->n_fail[OP_FORK]++;
+        return;
+    }
+    if (rc) fail_at(w, "fork failed");
+    sh_seq *c = &w->s[i];
+    TRACE("fork seq%d -> seq%d (len %u committed %u)", (int)(p - w->s), i, p->len, p->committed);
+    *c = *p;
+    c->id = child;
+    sync_seq(w, c);
+    if (c->nb != p->nb || memcmp(c->tab, p->tab, p->nb * sizeof(int32_t))) fail_at(w, "fork table differs");
+    w->n_ok[OP_FORK]++;
+}
+
+static void do_truncate(world *w, sh_seq *s) {
+    uint32_t n = tu_rng_chance(&w->r, 0.1) ? s->len + tu_rng_below(&w->r, 4) : tu_rng_below(&w->r, s->len + 1);
+    int32_t old_tab[NBLK];
+    memcpy(old_tab, s->tab, sizeof old_tab);
+    uint32_t old_len = s->len;
+    TU_OK(pkv_seq_truncate(w->c, s->id, n));
+    TRACE("truncate seq%d %u (len %u committed %u)", (int)(s - w->s), n, s->len, s->committed);
+    if (n < s->len) {
+        s->len = n;
+        if (s->committed > n) s->committed = n;
+    }
+    sync_seq(w, s);
+    if (memcmp(old_tab, s->tab, s->nb * sizeof(int32_t))) fail_at(w, "truncate changed kept entries");
+    recount(w);
+    if (n < old_len) model_claim_tail(w, s, s->len); /* a no-op truncate claims nothing */
+    w->n_ok[OP_TRUNCATE]++;
+}
+
+static void do_pin(world *w, sh_seq *s) {
+    int i = pick(w, 0, 0);
+    pkv_seq pin = 0;
+    uint32_t n_pos = tu_rng_below(&w->r, s->len + 3);
+    int rc = pkv_pin_create(w->c, s->id, n_pos, &pin);
+    if (i < 0) {
+        if (rc != PKV_ELIMIT) fail_at(w, "pin past max_seqs did not return PKV_ELIMIT");
+        return;
+    }
+    if (rc) fail_at(w, "pin_create failed");
+    TRACE("pin seq%d n_pos %u -> seq%d", (int)(s - w->s), n_pos, i);
+    sh_seq *p = &w->s[i];
+    memset(p, 0, sizeof *p);
+    p->live = p->is_pin = 1;
+    p->id = pin;
+    p->nb = PKV_MIN_U(n_pos, s->committed) / B;
+    memcpy(p->tab, s->tab, p->nb * sizeof(int32_t));
+    /* the pin's references are visible in the shared counts of s */
+    pkv_seq_info in = tu_info(w->c, s->id);
+    recount(w);
+    uint32_t shared = 0;
+    for (uint32_t j = 0; j < s->nb; j++) shared += w->ref[s->tab[j]] > 1;
+    if (in.n_shared != shared) fail_at(w, "n_shared after pin");
+    w->n_ok[OP_PIN]++;
+}
+
+static void do_match(world *w) {
+    int i = pick(w, 0, 0);
+    if (i < 0) return;
+    sh_seq *s = &w->s[i];
+    memset(s, 0, sizeof *s);
+    s->salt = (int)tu_rng_below(&w->r, 2);
+    s->base = (int)tu_rng_below(&w->r, NBASE);
+    char salt = (char)('a' + s->salt);
+    TU_OK(pkv_seq_create(w->c, &salt, 1, &s->id));
+    s->live = 1;
+    uint32_t n = 1 + tu_rng_below(&w->r, 48);
+    int32_t prompt[48];
+    for (uint32_t p = 0; p < n; p++)
+        prompt[p] = tu_rng_chance(&w->r, 0.97) ? w->base[s->base][p] : (int32_t)tu_rng_below(&w->r, VOCAB);
+    uint32_t reused = 0xdead;
+    pkv_stats st0 = tu_stats(w->c);
+    TU_OK(pkv_seq_match_prefix(w->c, s->id, prompt, n, &reused));
+    TRACE("match seq%d salt %d n %u -> reused %u", i, s->salt, n, reused);
+    pkv_stats st1 = tu_stats(w->c);
+    if (reused > n - 1) fail_at(w, "match reused the whole prompt");
+    if (!w->prefix && reused) fail_at(w, "match reused tokens with the prefix cache off");
+    if ((w->prefix && st1.prefix_lookups != st0.prefix_lookups + 1) ||
+        st1.prefix_tokens_hit != st0.prefix_tokens_hit + reused)
+        fail_at(w, "prefix stats");
+    for (uint32_t p = 0; p < reused; p++) {
+        set_token(s, p, prompt[p]);
+        for (int l = 0; l < NL; l++) s->ver[l][p] = 0; /* committed = canonical */
+    }
+    s->len = s->committed = reused;
+    sync_seq(w, s);
+    for (uint32_t j = 0; j < s->nb; j++) w->bc[s->tab[j]] = -1;
+    pkv_seq_info in = tu_info(w->c, s->id);
+    if (in.n_reused != reused) fail_at(w, "info.n_reused");
+    for (uint32_t l = 0; l < NL && reused; l++) verify_range(w, s, l, 0, reused);
+    /* the matched blocks hold the prompt's token ids: a fork + gather is not enough to see
+       them, but the prefix index compared them; n_reused full blocks must be shared ones
+       or private copies, never FREE blocks */
+    recount(w);
+    w->n_ok[OP_MATCH] += reused > 0;
+    w->n_fail[OP_MATCH] += reused == 0;
+}
+
+static void step(world *w) {
+    uint32_t r = tu_rng_below(&w->r, 100);
+    int op;
+    if (r < 6) op = OP_CREATE;
+    else if (r < 30) op = OP_APPEND;
+    else if (r < 55) op = OP_WRITE;
+    else if (r < 63) op = OP_COMMIT;
+    else if (r < 69) op = OP_FORK;
+    else if (r < 76) op = OP_TRUNCATE;
+    else if (r < 82) op = OP_RELEASE;
+    else if (r < 88) op = OP_GATHER;
+    else if (r < 91) op = OP_PIN;
+    else if (r < 94) op = OP_UNPIN;
+    else if (r < 99) op = OP_MATCH;
+    else op = OP_STALE;
+    recount(w);
+    int i;
+    switch (op) {
+    case OP_CREATE: {
+        i = pick(w, 0, 0);
+        pkv_seq id = 0;
+        int salt = (int)tu_rng_below(&w->r, 2);
+        char sb = (char)('a' + salt);
+        int rc = pkv_seq_create(w->c, &sb, 1, &id);
+        if (i < 0) {
+            if (rc != PKV_ELIMIT) fail_at(w, "create past max_seqs");
+            break;
+        }
+        if (rc) fail_at(w, "create failed");
+        sh_seq *s = &w->s[i];
+        memset(s, 0, sizeof *s);
+        s->live = 1;
+        s->id = id;
+        s->salt = salt;
+        s->base = (int)tu_rng_below(&w->r, NBASE);
+        sync_seq(w, s);
+        TRACE("create seq%d salt %d", i, salt);
+        w->n_ok[op]++;
+        break;
+    }
+    case OP_APPEND:
+        if ((i = pick(w, 1, 0)) >= 0) do_append(w, &w->s[i]);
+        break;
+    case OP_WRITE:
+        if ((i = pick(w, 1, 0)) >= 0) do_write(w, &w->s[i]);
+        break;
+    case OP_COMMIT:
+        if ((i = pick(w, 1, 0)) >= 0) do_commit(w, &w->s[i]);
+        break;
+    case OP_FORK:
+        if ((i = pick(w, 1, 0)) >= 0) do_fork(w, &w->s[i]);
+        break;
+    case OP_TRUNCATE:
+        if ((i = pick(w, 1, 0)) >= 0) do_truncate(w, &w->s[i]);
+        break;
+    case OP_RELEASE:
+        if ((i = pick(w, 1, 0)) >= 0) {
+            TU_OK(pkv_seq_release(w->c, w->s[i].id));
+            TRACE("release seq%d", i);
+            bury(w, &w->s[i]);
+            w->n_ok[op]++;
+        }
+        break;
+    case OP_GATHER:
+        if ((i = pick(w, 1, 0)) >= 0 && w->s[i].len) {
+            sh_seq *s = &w->s[i];
+            uint32_t p0 = tu_rng_below(&w->r, s->len);
+            verify_range(w, s, tu_rng_below(&w->r, NL), p0, 1 + tu_rng_below(&w->r, s->len - p0));
+            w->n_ok[op]++;
+        }
+        break;
+    case OP_PIN:
+        if ((i = pick(w, 1, 0)) >= 0) do_pin(w, &w->s[i]);
+        break;
+    case OP_UNPIN: {
+        int cand[MAXS], n = 0;
+        for (int j = 0; j < MAXS; j++)
+            if (w->s[j].live && w->s[j].is_pin) cand[n++] = j;
+        if (n) {
+            i = cand[tu_rng_below(&w->r, (uint32_t)n)];
+            TU_OK(pkv_pin_release(w->c, w->s[i].id));
+            TRACE("unpin seq%d", i);
+            bury(w, &w->s[i]);
+            w->n_ok[op]++;
+        }
+        break;
+    }
+    case OP_MATCH:
+        do_match(w);
+        break;
+    case OP_STALE:
+        if (w->n_dead) {
+            pkv_seq id = w->dead[tu_rng_below(&w->r, PKV_MIN_U(w->n_dead, 8))];
+            pkv_stats st0 = tu_stats(w->c);
+            int32_t t = 1;
+            TU_RC(pkv_seq_append(w->c, id, &t, 1, NULL), PKV_ENOENT);
+            TU_RC(pkv_seq_release(w->c, id), PKV_ENOENT);
+            pkv_seq x;
+            TU_RC(pkv_seq_fork(w->c, id, &x), PKV_ENOENT);
+            pkv_stats st1 = tu_stats(w->c);
+            TU_STATS_EQ(&st0, &st1);
+            w->n_ok[op]++;
+        }
+        break;
+    }
+    check_world(w);
+}
+
+static void run(int prefix, uint64_t n_ops, uint64_t seed) {
+    g_debug = (int)tu_env_u64("PKV_STRESS_DEBUG", 0);
+    world *w = calloc(1, sizeof *w);
+    w->prefix = prefix;
+    tu_rng_seed(&w->r, seed);
+    pkv_config cfg = tu_config(NBLK, B, NL, NH, HD, PKV_DTYPE_F32);
+    cfg.enable_prefix_cache = prefix;
+    cfg.max_seqs = MAXS;
+    w->c = tu_create(&cfg);
+    for (int b = 0; b < NBASE; b++)
+        for (int p = 0; p < MAXLEN; p++) w->base[b][p] = (int32_t)tu_rng_below(&w->r, VOCAB);
+    for (w->step = 0; w->step < n_ops; w->step++) {
+        step(w);
+        if (w->step % 997 == 0) verify_all(w);
+        if (w->step % 50000 == 49999 && tu_rng_chance(&w->r, 0.5)) { /* occasionally start over */
+            TU_OK(pkv_cache_reset(w->c));
+            for (int i = 0; i < MAXS; i++)
+                if (w->s[i].live) bury(w, &w->s[i]);
+            memset(w->bc, 0, sizeof w->bc);
+            check_world(w);
+        }
+    }
+    verify_all(w);
+    pkv_stats st = tu_stats(w->c);
+    print_message("prefix %s, seed %llu: %llu ops; ok/fail: append %llu/%llu write %llu/%llu commit %llu fork %llu "
+                  "truncate %llu release %llu gather %llu pin %llu match hit/miss %llu/%llu; cow %llu evictions %llu "
+                  "peak %u\n",
+                  prefix ? "on" : "off", (unsigned long long)seed, (unsigned long long)n_ops,
+                  (unsigned long long)w->n_ok[OP_APPEND], (unsigned long long)w->n_fail[OP_APPEND],
+                  (unsigned long long)w->n_ok[OP_WRITE], (unsigned long long)w->n_fail[OP_WRITE],
+                  (unsigned long long)w->n_ok[OP_COMMIT], (unsigned long long)w->n_ok[OP_FORK],
+                  (unsigned long long)w->n_ok[OP_TRUNCATE], (unsigned long long)w->n_ok[OP_RELEASE],
+                  (unsigned long long)w->n_ok[OP_GATHER], (unsigned long long)w->n_ok[OP_PIN],
+                  (unsigned long long)w->n_ok[OP_MATCH], (unsigned long long)w->n_fail[OP_MATCH],
+                  (unsigned long long)st.cow_copies, (unsigned long long)st.evictions, st.peak_active);
+    /* the run must have exercised the paths it exists for */
+    assert_true(w->n_fail[OP_APPEND] > 0 || n_ops < 20000); /* exhaustion */
+    assert_true(st.cow_copies > 0 || n_ops < 20000);
+    if (prefix) assert_true(st.evictions > 0 || n_ops < 20000);
+    if (prefix) assert_true(w->n_ok[OP_MATCH] > 0 || n_ops < 20000);
+    pkv_cache_destroy(w->c);
+    uint64_t n_dev = w->n_dev;
+    char first[200];
+    memcpy(first, w->first_dev, sizeof first);
+    free(w);
+    if (n_dev) print_message("%llu write(s) refused under the per-block commit rule; first at %s\n",
+                             (unsigned long long)n_dev, first);
+    if (STRESS_SEQ_LEVEL_COMMIT && n_dev)
+        fail_msg("%llu K/V write(s) that pkv.h allows were refused (BUGS-core.md #3); first at %s",
+                 (unsigned long long)n_dev, first);
+}
+
+static void test_stress_prefix_off(void **state) {
+    (void)state;
+    uint64_t n = tu_env_u64("PKV_STRESS_OPS", 200000);
+    run(0, n / 2, tu_env_u64("PKV_STRESS_SEED", 1));
+}
+
+static void test_stress_prefix_on(void **state) {
+    (void)state;
+    uint64_t n = tu_env_u64("PKV_STRESS_OPS", 200000);
+    run(1, n - n / 2, tu_env_u64("PKV_STRESS_SEED", 1) + 1000);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_stress_prefix_off),
+        cmocka_unit_test(test_stress_prefix_on),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

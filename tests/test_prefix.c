@@ -1,0 +1,623 @@
+/* test_prefix.c: automatic prefix caching, scripted: exact and token-granular reuse with K/V
+ * compared against the sequence that computed it, tenant isolation (salts), forced hash
+ * collisions, uncommitted / indexed / truncated blocks, the disabled cache, miss reasons.
+ * Eviction order and pins live in test_prefix_evict.c. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include "../fuzz/prefix_model.h" /* pm_val / pm_next / pm_root: K/V as a function of the prefix */
+#include "test_prefix_util.h"
+
+/* Test-only switch of src/cache: every identity hash becomes the same value. */
+void pkv__cache_test_const_hash(pkv_cache *c, int on);
+
+/* ---- same 100-token prompt, B = 16 ------------------------------------------------------------ */
+
+/* The first sequence is released before the second matches: its partial tail block went FREE,
+ * so only the 6 full blocks (96 tokens) can be reused. */
+static void test_prefix_same_prompt_full_blocks_only(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(16, 64, 3, PKV_DTYPE_F16, 1);
+    int32_t p[100];
+    tp_tokens(p, 100, 7);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 100);
+    tp_commit(c, a, 100);
+    tp_expect_kv(c, a, 0, p, 0, 100); /* the oracle itself holds for the computing sequence */
+    int32_t ta[8];
+    uint32_t na = tp_table(c, a, ta, 8);
+    assert_int_equal(na, 7);
+    assert_int_equal(pkv_seq_release(c, a), 0);
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_int_equal(st.n_cached, 6); /* the 6 indexed full blocks; the tail went FREE */
+    assert_int_equal(st.n_indexed, 6);
+    tp_check(c);
+
+    pkv_seq b = tp_seq(c, 0);
+    uint32_t reused = 0;
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 100, &reused), 0);
+    assert_int_equal(reused, 96);
+    tp_check(c);
+    int32_t tb[8];
+    assert_int_equal(tp_table(c, b, tb, 8), 6);
+    for (int i = 0; i < 6; i++) assert_int_equal(tb[i], ta[i]); /* the very same blocks */
+    tp_expect_info(c, b, 96, 96);
+    tp_expect_kv(c, b, 0, p, 0, 96); /* == what a computed over [0, 96), every layer */
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_int_equal(st.n_cached, 0);
+    assert_int_equal(st.prefix_tokens_hit, 96);
+    /* the engine computes the rest; the whole sequence then holds the oracle's K/V */
+    tp_compute(c, b, 0, p, 96, 4);
+    tp_commit(c, b, 100);
+    tp_expect_kv(c, b, 0, p, 0, 100);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* The first sequence stays alive: its committed partial tail (4 tokens) is matchable, so the
+ * second reuses 99 tokens (the last prompt token must be computed); K/V equal over [0, 99). */
+static void test_prefix_same_prompt_token_granular(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(16, 64, 3, PKV_DTYPE_F16, 1);
+    int32_t p[100];
+    tp_tokens(p, 100, 7);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 100);
+    tp_commit(c, a, 100);
+    pkv_stats before, after;
+    assert_int_equal(pkv_cache_get_stats(c, &before), 0);
+
+    pkv_seq b = tp_seq(c, 0);
+    uint32_t reused = 0;
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 100, &reused), 0);
+    assert_int_equal(reused, 99);
+    tp_check(c);
+    tp_expect_info(c, b, 99, 99);
+    tp_expect_same(c, a, b, 0, 99); /* every layer, K and V, against the first sequence */
+    tp_expect_kv(c, b, 0, p, 0, 99);
+    int32_t ta[8], tb[8];
+    assert_int_equal(tp_table(c, a, ta, 8), 7);
+    assert_int_equal(tp_table(c, b, tb, 8), 7);
+    for (int i = 0; i < 6; i++) assert_int_equal(tb[i], ta[i]);
+    assert_int_not_equal(tb[6], ta[6]); /* the 3 tail tokens were copied into a fresh block */
+    assert_int_equal(pkv_cache_get_stats(c, &after), 0);
+    assert_int_equal(after.prefix_tokens_hit - before.prefix_tokens_hit, 99);
+    assert_int_equal(after.prefix_lookups - before.prefix_lookups, 1);
+    assert_int_equal(after.prefix_tokens_queried - before.prefix_tokens_queried, 100);
+    assert_int_equal(after.n_active - before.n_active, 1);
+
+    /* computing the last token writes into b's own copy; a is untouched */
+    tp_compute(c, b, 0, p, 99, 1);
+    tp_commit(c, b, 100);
+    tp_expect_kv(c, b, 0, p, 0, 100);
+    tp_expect_kv(c, a, 0, p, 0, 100);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* The prompt diverges inside block 2 (position 40): blocks 0-1 are attached, and the 8 matching
+ * leading tokens of the indexed block 2 are copied. Divergence inside block 0: no reuse (partial
+ * matching needs one full matched block). */
+static void test_prefix_diverge_inside_block(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(16, 64, 2, PKV_DTYPE_F32, 1);
+    int32_t p[64], q[64];
+    tp_tokens(p, 64, 3);
+    pkv_seq a = tp_seq(c, 1);
+    tp_compute(c, a, 1, p, 0, 64);
+    tp_commit(c, a, 64);
+
+    memcpy(q, p, sizeof q);
+    q[40] = 5000;
+    pkv_seq b = tp_seq(c, 1);
+    uint32_t reused = 0;
+    assert_int_equal(pkv_seq_match_prefix(c, b, q, 64, &reused), 0);
+    assert_int_equal(reused, 40);
+    tp_check(c);
+    int32_t ta[4], tb[4];
+    tp_table(c, a, ta, 4);
+    assert_int_equal(tp_table(c, b, tb, 4), 3);
+    assert_int_equal(tb[0], ta[0]);
+    assert_int_equal(tb[1], ta[1]);
+    assert_int_not_equal(tb[2], ta[2]);
+    tp_expect_same(c, a, b, 0, 40);
+    tp_compute(c, b, 1, q, 40, 24);
+    tp_commit(c, b, 64);
+    tp_expect_kv(c, b, 1, q, 0, 64);
+    tp_expect_kv(c, a, 1, p, 0, 64);
+
+    memcpy(q, p, sizeof q);
+    q[5] = 5000;
+    pkv_seq d = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, d, q, 64, &reused), 0);
+    assert_int_equal(reused, 0);
+    tp_expect_info(c, d, 0, 0);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* A full match reaching the whole prompt attaches every block but reuses n - 1 tokens; the
+ * first append then copy-on-writes the indexed tail block, leaving the original untouched. */
+static void test_prefix_full_match_then_cow(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(16, 32, 2, PKV_DTYPE_F16, 1);
+    int32_t p[48];
+    tp_tokens(p, 48, 11);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 48);
+    tp_commit(c, a, 48);
+    pkv_seq b = tp_seq(c, 0);
+    uint32_t reused = 0;
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 48, &reused), 0);
+    assert_int_equal(reused, 47);
+    tp_expect_info(c, b, 47, 47);
+    int32_t ta[3], tb[3];
+    tp_table(c, a, ta, 3);
+    assert_int_equal(tp_table(c, b, tb, 3), 3);
+    for (int i = 0; i < 3; i++) assert_int_equal(tb[i], ta[i]);
+    pkv_seq_info info;
+    assert_int_equal(pkv_seq_get_info(c, b, &info), 0);
+    assert_int_equal(info.n_shared, 3);
+    pkv_stats before, after;
+    assert_int_equal(pkv_cache_get_stats(c, &before), 0);
+    tp_compute(c, b, 0, p, 47, 1);
+    assert_int_equal(pkv_cache_get_stats(c, &after), 0);
+    assert_int_equal(after.cow_copies - before.cow_copies, 1);
+    assert_int_equal(tp_table(c, b, tb, 3), 3);
+    assert_int_not_equal(tb[2], ta[2]);
+    tp_expect_kv(c, b, 0, p, 0, 48);
+    tp_expect_kv(c, a, 0, p, 0, 48);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* B = 1: a full match of the whole prompt reuses n - 1 tokens in n - 1 blocks; the block of the
+ * last prompt token holds no kept position and is not attached. */
+static void test_prefix_b1_full_match(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(1, 32, 2, PKV_DTYPE_F16, 1);
+    int32_t p[10];
+    tp_tokens(p, 10, 17);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 10);
+    tp_commit(c, a, 10);
+    pkv_seq b = tp_seq(c, 0);
+    uint32_t reused = 0;
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 10, &reused), 0);
+    assert_int_equal(reused, 9);
+    pkv_seq_info info;
+    assert_int_equal(pkv_seq_get_info(c, b, &info), 0);
+    assert_int_equal(info.n_tokens, 9);
+    assert_int_equal(info.n_blocks, 9);
+    tp_check(c);
+    tp_expect_same(c, a, b, 0, 9);
+    tp_compute(c, b, 0, p, 9, 1);
+    tp_expect_kv(c, b, 0, p, 0, 10);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- namespaces --------------------------------------------------------------------------- */
+
+static void test_prefix_salt_isolation(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(8, 64, 1, PKV_DTYPE_F32, 1);
+    int32_t p[41];
+    tp_tokens(p, 41, 21);
+    pkv_seq a = tp_seq(c, 1); /* "tenant-a" */
+    tp_compute(c, a, 1, p, 0, 40);
+    tp_commit(c, a, 40);
+    uint32_t reused = 1;
+    pkv_seq b = tp_seq(c, 2); /* "tenant-b": same tokens, other tenant */
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 41, &reused), 0);
+    assert_int_equal(reused, 0);
+    pkv_seq n0 = tp_seq(c, 0); /* no salt */
+    assert_int_equal(pkv_seq_match_prefix(c, n0, p, 41, &reused), 0);
+    assert_int_equal(reused, 0);
+    pkv_seq ax = tp_seq(c, 3); /* "tenant-a\0x": a salt is bytes, not a C string */
+    assert_int_equal(pkv_seq_match_prefix(c, ax, p, 41, &reused), 0);
+    assert_int_equal(reused, 0);
+    pkv_seq a2 = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, a2, p, 41, &reused), 0);
+    assert_int_equal(reused, 40);
+    tp_expect_same(c, a, a2, 0, 40);
+
+    /* a salt of length 0 is the empty namespace, whatever the pointer */
+    pkv_seq e1, e2;
+    assert_int_equal(pkv_seq_create(c, NULL, 0, &e1), 0);
+    tp_compute(c, e1, 0, p, 0, 16);
+    tp_commit(c, e1, 16);
+    assert_int_equal(pkv_seq_create(c, "ignored", 0, &e2), 0);
+    assert_int_equal(pkv_seq_match_prefix(c, e2, p, 17, &reused), 0);
+    assert_int_equal(reused, 16);
+
+    /* a fork inherits the salt: its newly committed blocks are tenant-a's */
+    pkv_seq f;
+    assert_int_equal(pkv_seq_fork(c, a2, &f), 0);
+    int32_t longer[65];
+    memcpy(longer, p, 40 * sizeof(int32_t));
+    tp_tokens(longer + 40, 25, 22);
+    tp_compute(c, f, 1, longer, 40, 24);
+    tp_commit(c, f, 64);
+    pkv_seq a3 = tp_seq(c, 1), b3 = tp_seq(c, 2);
+    assert_int_equal(pkv_seq_match_prefix(c, a3, longer, 65, &reused), 0);
+    assert_int_equal(reused, 64);
+    tp_expect_kv(c, a3, 1, longer, 0, 64);
+    assert_int_equal(pkv_seq_match_prefix(c, b3, longer, 65, &reused), 0);
+    assert_int_equal(reused, 0);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* Every identity hash made equal: lookups must still compare namespace, parent and tokens. */
+static void test_prefix_forced_hash_collision(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(16, 64, 2, PKV_DTYPE_F32, 1);
+    pkv__cache_test_const_hash(c, 1);
+    int32_t p[49], q[49];
+    tp_tokens(p, 49, 31);
+    pkv_seq a = tp_seq(c, 1);
+    tp_compute(c, a, 1, p, 0, 48);
+    tp_commit(c, a, 48);
+    /* a second chain in the same (single) hash bucket, sharing nothing */
+    int32_t o[49];
+    tp_tokens(o, 49, 32);
+    pkv_seq a_other = tp_seq(c, 1);
+    tp_compute(c, a_other, 1, o, 0, 48);
+    tp_commit(c, a_other, 48);
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_int_equal(st.n_indexed, 6);
+    tp_check(c);
+
+    uint32_t reused;
+    /* differs at position 20 (block 1): block 0 attached, 4 tokens of block 1 copied */
+    memcpy(q, p, sizeof q);
+    q[20] = 7777;
+    pkv_seq b = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, b, q, 49, &reused), 0);
+    assert_int_equal(reused, 20);
+    tp_expect_same(c, a, b, 0, 20);
+    int32_t ta[3], tb[3];
+    tp_table(c, a, ta, 3);
+    assert_int_equal(tp_table(c, b, tb, 3), 2);
+    assert_int_equal(tb[0], ta[0]);
+    assert_int_not_equal(tb[1], ta[1]);
+    /* differs in the last token of block 0: nothing */
+    memcpy(q, p, sizeof q);
+    q[15] = 7777;
+    pkv_seq d = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, d, q, 49, &reused), 0);
+    assert_int_equal(reused, 0);
+    /* block 1 of the other chain under block 0 of this one: parent must match too */
+    memcpy(q, p, sizeof q);
+    memcpy(q + 16, o + 16, 16 * sizeof(int32_t));
+    pkv_seq d2 = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, d2, q, 49, &reused), 0);
+    assert_int_equal(reused, 16);
+    tp_expect_same(c, a, d2, 0, 16);
+    /* other namespace, identical tokens: nothing */
+    pkv_seq e = tp_seq(c, 2);
+    assert_int_equal(pkv_seq_match_prefix(c, e, p, 49, &reused), 0);
+    assert_int_equal(reused, 0);
+    /* the real thing still hits */
+    pkv_seq g = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, g, p, 49, &reused), 0);
+    assert_int_equal(reused, 48);
+    tp_expect_kv(c, g, 1, p, 0, 48);
+    pkv_seq g2 = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, g2, o, 49, &reused), 0);
+    assert_int_equal(reused, 48);
+    tp_expect_kv(c, g2, 1, o, 0, 48);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- what may not be matched or written ------------------------------------------------------- */
+
+static void test_prefix_uncommitted_not_matched(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(16, 64, 2, PKV_DTYPE_F16, 1);
+    int32_t p[33];
+    tp_tokens(p, 33, 41);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 32); /* written but not committed */
+    uint32_t reused = 9;
+    pkv_seq b = tp_seq(c, 0);
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 33, &reused), 0);
+    assert_int_equal(reused, 0);
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_int_equal(st.n_indexed, 0);
+    assert_int_equal(pkv_seq_release(c, b), 0);
+
+    tp_commit(c, a, 20); /* block 0 full and committed, block 1 committed up to 4 tokens */
+    pkv_seq b2 = tp_seq(c, 0);
+    assert_int_equal(pkv_seq_match_prefix(c, b2, p, 33, &reused), 0);
+    assert_int_equal(reused, 20);
+    tp_expect_same(c, a, b2, 0, 20);
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_int_equal(st.n_indexed, 1);
+
+    tp_commit(c, a, 32);
+    pkv_seq b3 = tp_seq(c, 0);
+    assert_int_equal(pkv_seq_match_prefix(c, b3, p, 33, &reused), 0);
+    assert_int_equal(reused, 32);
+    tp_expect_kv(c, b3, 0, p, 0, 32);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* Truncating the sequence that computed a prefix, or the one reusing it, and then appending new
+ * tokens, never changes the blocks the other one reads. */
+static void test_prefix_truncate_keeps_reused_blocks(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(16, 64, 2, PKV_DTYPE_F16, 1);
+    int32_t p[64], q[64], r[64];
+    tp_tokens(p, 64, 51);
+    memcpy(q, p, 48 * sizeof(int32_t));
+    tp_tokens(q + 48, 16, 52);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 64);
+    tp_commit(c, a, 64);
+    pkv_seq b = tp_seq(c, 0);
+    uint32_t reused;
+    assert_int_equal(pkv_seq_match_prefix(c, b, q, 64, &reused), 0);
+    assert_int_equal(reused, 48);
+    int32_t tb_before[4], tb_after[4];
+    tp_table(c, b, tb_before, 4);
+
+    /* a rolls back to 10 tokens and generates something else */
+    assert_int_equal(pkv_seq_truncate(c, a, 10), 0);
+    tp_expect_info(c, a, 10, 10);
+    memcpy(r, p, 10 * sizeof(int32_t));
+    tp_tokens(r + 10, 54, 53);
+    tp_compute(c, a, 0, r, 10, 40);
+    tp_commit(c, a, 50);
+    tp_check(c);
+    tp_expect_kv(c, a, 0, r, 0, 50);
+    tp_expect_kv(c, b, 0, q, 0, 48);
+    assert_int_equal(tp_table(c, b, tb_after, 4), 3);
+    assert_int_equal(memcmp(tb_before, tb_after, 3 * sizeof(int32_t)), 0);
+
+    /* b rolls back inside its reused block 2 and goes on: a copy, the index keeps the original */
+    assert_int_equal(pkv_seq_truncate(c, b, 40), 0);
+    tp_expect_info(c, b, 40, 40);
+    tp_compute(c, b, 0, q, 40, 24);
+    tp_commit(c, b, 64);
+    assert_int_equal(tp_table(c, b, tb_after, 4), 4);
+    assert_int_not_equal(tb_after[2], tb_before[2]);
+    tp_expect_kv(c, b, 0, q, 0, 64);
+    pkv_seq d = tp_seq(c, 0);
+    assert_int_equal(pkv_seq_match_prefix(c, d, p, 49, &reused), 0);
+    assert_int_equal(reused, 48); /* the original chain of p is intact */
+    tp_expect_kv(c, d, 0, p, 0, 48);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* Slots of indexed (committed) blocks, of cached blocks, of a block that stays indexed after a
+ * truncate: PKV_EINVAL and nothing written, even for the good slots of the same call. */
+static void test_prefix_write_into_indexed_rejected(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(16, 64, 1, PKV_DTYPE_F32, 1);
+    int32_t p[48];
+    tp_tokens(p, 48, 61);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 32);
+    tp_commit(c, a, 32);
+    float kv[32 * TP_H * TP_D]; /* up to 32 tokens */
+    for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++) kv[i] = 42.0f;
+    int32_t slots[32];
+    assert_int_equal(pkv_seq_slots(c, a, 0, 32, slots), 0);
+    for (int i = 0; i < 32; i++) assert_int_equal(pkv_write_kv(c, 0, &slots[i], 1, kv, kv, PKV_DTYPE_F32), PKV_EINVAL);
+    /* through the reusing sequence's slots: the same blocks */
+    pkv_seq b = tp_seq(c, 0);
+    uint32_t reused;
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 33, &reused), 0);
+    assert_int_equal(reused, 32);
+    assert_int_equal(pkv_seq_slots(c, b, 0, 32, slots), 0);
+    assert_int_equal(pkv_write_kv(c, 0, slots, 32, kv, NULL, PKV_DTYPE_F32), PKV_EINVAL);
+    assert_int_equal(pkv_write_kv(c, 0, slots + 31, 1, NULL, kv, PKV_DTYPE_F32), PKV_EINVAL);
+    /* a good slot (a fresh uncommitted position of a) in the same call is not written either */
+    tp_compute(c, a, 0, p, 32, 1);
+    int32_t pair[2];
+    assert_int_equal(pkv_seq_slots(c, a, 32, 1, &pair[0]), 0);
+    pair[1] = slots[3];
+    assert_int_equal(pkv_write_kv(c, 0, pair, 2, kv, kv, PKV_DTYPE_F32), PKV_EINVAL);
+    tp_expect_kv(c, a, 0, p, 0, 33);
+    tp_expect_kv(c, b, 0, p, 0, 32);
+    /* after both are released the blocks are CACHED: still not writable */
+    int32_t cached_slot = slots[5];
+    assert_int_equal(pkv_seq_release(c, a), 0);
+    assert_int_equal(pkv_seq_release(c, b), 0);
+    assert_int_equal(pkv_write_kv(c, 0, &cached_slot, 1, kv, kv, PKV_DTYPE_F32), PKV_EINVAL);
+    /* truncate keeps an indexed block indexed: its slots past the new length stay read-only,
+       and appending copies it first */
+    pkv_seq d = tp_seq(c, 0);
+    assert_int_equal(pkv_seq_match_prefix(c, d, p, 33, &reused), 0);
+    assert_int_equal(reused, 32);
+    assert_int_equal(pkv_seq_truncate(c, d, 20), 0);
+    int32_t tab[2];
+    assert_int_equal(tp_table(c, d, tab, 2), 2);
+    int32_t past = tab[1] * 16 + 9; /* position 25: no longer in d, but indexed */
+    assert_int_equal(pkv_write_kv(c, 0, &past, 1, kv, kv, PKV_DTYPE_F32), PKV_EINVAL);
+    pkv_stats s0, s1;
+    assert_int_equal(pkv_cache_get_stats(c, &s0), 0);
+    int32_t alt[48];
+    memcpy(alt, p, 20 * sizeof(int32_t));
+    tp_tokens(alt + 20, 28, 62);
+    tp_compute(c, d, 0, alt, 20, 6);
+    assert_int_equal(pkv_cache_get_stats(c, &s1), 0);
+    assert_int_equal(s1.cow_copies - s0.cow_copies, 1);
+    tp_expect_kv(c, d, 0, alt, 0, 26);
+    pkv_seq g = tp_seq(c, 0);
+    assert_int_equal(pkv_seq_match_prefix(c, g, p, 33, &reused), 0);
+    assert_int_equal(reused, 32);
+    tp_expect_kv(c, g, 0, p, 0, 32);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+static void test_prefix_match_nonempty_einval(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(16, 32, 1, PKV_DTYPE_F16, 1);
+    int32_t p[40];
+    tp_tokens(p, 40, 71);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 32);
+    tp_commit(c, a, 32);
+    pkv_seq b = tp_seq(c, 0);
+    tp_compute(c, b, 0, p, 0, 3);
+    pkv_stats s0, s1;
+    assert_int_equal(pkv_cache_get_stats(c, &s0), 0);
+    uint32_t reused = 1234;
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 40, &reused), PKV_EINVAL);
+    assert_int_equal(pkv_seq_match_prefix(c, a, p, 40, &reused), PKV_EINVAL);
+    assert_int_equal(pkv_cache_get_stats(c, &s1), 0);
+    assert_int_equal(s1.prefix_lookups, s0.prefix_lookups);
+    assert_int_equal(s1.n_active, s0.n_active);
+    tp_expect_info(c, b, 3, 0);
+    tp_expect_kv(c, b, 0, p, 0, 3);
+    /* bad arguments */
+    pkv_seq e = tp_seq(c, 0);
+    assert_int_equal(pkv_seq_match_prefix(c, e, NULL, 5, &reused), PKV_EINVAL);
+    assert_int_equal(pkv_seq_match_prefix(c, e, p, 5, NULL), PKV_EINVAL);
+    assert_int_equal(pkv_seq_match_prefix(NULL, e, p, 5, &reused), PKV_EINVAL);
+    /* stale and pin ids */
+    pkv_seq pin;
+    assert_int_equal(pkv_pin_create(c, a, 32, &pin), 0);
+    assert_int_equal(pkv_seq_match_prefix(c, pin, p, 5, &reused), PKV_EINVAL);
+    assert_int_equal(pkv_seq_release(c, e), 0);
+    assert_int_equal(pkv_seq_match_prefix(c, e, p, 5, &reused), PKV_ENOENT);
+    assert_int_equal(pkv_seq_match_prefix(c, (pkv_seq)0, p, 5, &reused), PKV_ENOENT);
+    /* n = 0 and n = 1: nothing can be reused */
+    pkv_seq z = tp_seq(c, 0);
+    assert_int_equal(pkv_seq_match_prefix(c, z, p, 0, &reused), 0);
+    assert_int_equal(reused, 0);
+    assert_int_equal(pkv_seq_match_prefix(c, z, p, 1, &reused), 0);
+    assert_int_equal(reused, 0);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+static void test_prefix_disabled_no_reuse(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(16, 32, 1, PKV_DTYPE_F16, 0);
+    int32_t p[49];
+    tp_tokens(p, 49, 81);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 48);
+    tp_commit(c, a, 48);
+    pkv_seq b = tp_seq(c, 0);
+    uint32_t reused = 77;
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 49, &reused), 0);
+    assert_int_equal(reused, 0);
+    tp_expect_info(c, b, 0, 0);
+    assert_int_equal(pkv_seq_release(c, a), 0);
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_int_equal(st.n_indexed, 0);
+    assert_int_equal(st.n_cached, 0);
+    assert_int_equal(st.n_free, 32);
+    assert_int_equal(st.prefix_tokens_hit, 0);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* ---- stats: misses by reason ------------------------------------------------------------------ */
+
+static void expect_misses(pkv_cache *c, uint64_t n_new, uint64_t n_evicted, uint64_t n_ns) {
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_int_equal(st.prefix_miss_new, n_new);
+    assert_int_equal(st.prefix_miss_evicted, n_evicted);
+    assert_int_equal(st.prefix_miss_namespace, n_ns);
+}
+
+static void test_prefix_miss_reasons(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(4, 16, 1, PKV_DTYPE_F16, 1);
+    int32_t p[9], q[9], p2[9];
+    tp_tokens(p, 9, 91);
+    tp_tokens(q, 9, 92);
+    uint32_t reused;
+    /* 1. nothing indexed yet: never seen */
+    pkv_seq s = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, s, p, 9, &reused), 0);
+    assert_int_equal(reused, 0);
+    expect_misses(c, 1, 0, 0);
+    /* compute p under tenant-a (2 full blocks indexed) and release it */
+    tp_compute(c, s, 1, p, 0, 9);
+    tp_commit(c, s, 9);
+    assert_int_equal(pkv_seq_release(c, s), 0);
+    /* 2. a full hit (8 of 9) is no miss */
+    s = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, s, p, 9, &reused), 0);
+    assert_int_equal(reused, 8);
+    expect_misses(c, 1, 0, 0);
+    assert_int_equal(pkv_seq_release(c, s), 0);
+    /* 3. same tokens, tenant-b: other namespace */
+    s = tp_seq(c, 2);
+    assert_int_equal(pkv_seq_match_prefix(c, s, p, 9, &reused), 0);
+    assert_int_equal(reused, 0);
+    expect_misses(c, 1, 0, 1);
+    assert_int_equal(pkv_seq_release(c, s), 0);
+    /* 4. other tokens, tenant-a: never seen */
+    s = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, s, q, 9, &reused), 0);
+    assert_int_equal(reused, 0);
+    expect_misses(c, 2, 0, 1);
+    assert_int_equal(pkv_seq_release(c, s), 0);
+    /* 5. block 0 hits, block 1 never seen (diverges at its first token: no partial copy) */
+    memcpy(p2, p, sizeof p2);
+    p2[4] = 999;
+    s = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, s, p2, 9, &reused), 0);
+    assert_int_equal(reused, 4);
+    expect_misses(c, 3, 0, 1);
+    assert_int_equal(pkv_seq_release(c, s), 0);
+    /* 6. fill the whole pool: both cached blocks are evicted; p is then an evicted miss */
+    pkv_seq w = tp_seq(c, 0);
+    int32_t fill[64];
+    tp_tokens(fill, 64, 93);
+    tp_compute(c, w, 0, fill, 0, 64);
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_int_equal(st.evictions, 2);
+    assert_int_equal(st.n_indexed, 0);
+    assert_int_equal(pkv_seq_release(c, w), 0);
+    s = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, s, p, 9, &reused), 0);
+    assert_int_equal(reused, 0);
+    expect_misses(c, 3, 1, 1);
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_int_equal(st.prefix_lookups, 6);
+    assert_int_equal(st.prefix_tokens_queried, 54);
+    assert_int_equal(st.prefix_tokens_hit, 12);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_prefix_same_prompt_full_blocks_only),
+        cmocka_unit_test(test_prefix_same_prompt_token_granular),
+        cmocka_unit_test(test_prefix_diverge_inside_block),
+        cmocka_unit_test(test_prefix_full_match_then_cow),
+        cmocka_unit_test(test_prefix_b1_full_match),
+        cmocka_unit_test(test_prefix_salt_isolation),
+        cmocka_unit_test(test_prefix_forced_hash_collision),
+        cmocka_unit_test(test_prefix_uncommitted_not_matched),
+        cmocka_unit_test(test_prefix_truncate_keeps_reused_blocks),
+        cmocka_unit_test(test_prefix_write_into_indexed_rejected),
+        cmocka_unit_test(test_prefix_match_nonempty_einval),
+        cmocka_unit_test(test_prefix_disabled_no_reuse),
+        cmocka_unit_test(test_prefix_miss_reasons),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

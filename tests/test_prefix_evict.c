@@ -1,0 +1,341 @@
+/* test_prefix_evict.c: CACHED blocks after release and their reuse, eviction order under
+ * pressure (FREE first, then LRU, leaves before parents, a match refreshes recency), and pins
+ * (a pinned prefix survives pressure, counts as in use, and becomes evictable once unpinned).
+ * Block ids are read from block tables, so each eviction is checked by name. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include "../fuzz/prefix_model.h"
+#include "test_prefix_util.h"
+
+static pkv_stats stats(pkv_cache *c) {
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    return st;
+}
+
+/* Reused tokens of a probe match of toks[0 .. n); the probe is released again (which makes the
+ * matched blocks the most recently used). */
+static uint32_t probe(pkv_cache *c, int salt, const int32_t *toks, uint32_t n) {
+    pkv_seq s = tp_seq(c, salt);
+    uint32_t reused = 0xffffffffu;
+    assert_int_equal(pkv_seq_match_prefix(c, s, toks, n, &reused), 0);
+    tp_check(c);
+    assert_int_equal(pkv_seq_release(c, s), 0);
+    return reused;
+}
+
+/* Blocks of s's table, in order. */
+static uint32_t table(pkv_cache *c, pkv_seq s, int32_t *out) { return tp_table(c, s, out, 64); }
+
+static void test_prefix_cached_after_release(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(16, 16, 2, PKV_DTYPE_F16, 1);
+    int32_t p[33];
+    tp_tokens(p, 33, 1);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 33);
+    tp_commit(c, a, 33);
+    int32_t ta[3], tb[3];
+    assert_int_equal(table(c, a, ta), 3);
+    assert_int_equal(pkv_seq_release(c, a), 0);
+    pkv_stats s0 = stats(c);
+    assert_int_equal(s0.n_cached, 2);
+    assert_int_equal(s0.n_free, 14);
+    assert_int_equal(s0.n_active, 0);
+    tp_check(c);
+
+    pkv_seq b = tp_seq(c, 0);
+    uint32_t reused = 0;
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 33, &reused), 0);
+    assert_int_equal(reused, 32);
+    assert_int_equal(table(c, b, tb), 2);
+    assert_int_equal(tb[0], ta[0]);
+    assert_int_equal(tb[1], ta[1]);
+    tp_expect_kv(c, b, 0, p, 0, 32); /* the K/V a computed, kept while CACHED */
+    pkv_stats s1 = stats(c);
+    assert_int_equal(s1.n_cached, 0);
+    assert_int_equal(s1.n_active, 2);
+    assert_int_equal(s1.n_free, 14);
+    assert_int_equal(s1.prefix_tokens_hit - s0.prefix_tokens_hit, 32);
+    assert_int_equal(s1.evictions, 0);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* Chains X, Y, Z (2 full blocks each, B = 4) released in that order; 6 FREE blocks. The first 6
+ * new blocks come from FREE, then the evictions go X1, X0, Y1 (LRU, leaf before parent). */
+static void test_prefix_evict_lru_order(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(4, 12, 1, PKV_DTYPE_F16, 1);
+    int32_t x[9], y[9], z[9];
+    tp_tokens(x, 9, 11);
+    tp_tokens(y, 9, 12);
+    tp_tokens(z, 9, 13);
+    pkv_seq sx = tp_seq(c, 0), sy = tp_seq(c, 0), sz = tp_seq(c, 0);
+    tp_compute(c, sx, 0, x, 0, 8);
+    tp_compute(c, sy, 0, y, 0, 8);
+    tp_compute(c, sz, 0, z, 0, 8);
+    tp_commit(c, sx, 8);
+    tp_commit(c, sy, 8);
+    tp_commit(c, sz, 8);
+    int32_t tx[2], ty[2], tz[2], tw[16];
+    table(c, sx, tx);
+    table(c, sy, ty);
+    table(c, sz, tz);
+    assert_int_equal(pkv_seq_release(c, sx), 0);
+    assert_int_equal(pkv_seq_release(c, sy), 0);
+    assert_int_equal(pkv_seq_release(c, sz), 0);
+    assert_int_equal(stats(c).n_cached, 6);
+
+    int32_t fill[64];
+    tp_tokens(fill, 64, 14);
+    pkv_seq w = tp_seq(c, 0);
+    tp_compute(c, w, 0, fill, 0, 24);
+    assert_int_equal(stats(c).evictions, 0);
+    assert_int_equal(stats(c).n_free, 0);
+    assert_int_equal(table(c, w, tw), 6);
+    for (int i = 0; i < 6; i++)
+        for (int j = 0; j < 2; j++) {
+            assert_int_not_equal(tw[i], tx[j]);
+            assert_int_not_equal(tw[i], ty[j]);
+            assert_int_not_equal(tw[i], tz[j]);
+        }
+    tp_compute(c, w, 0, fill, 24, 4);
+    assert_int_equal(table(c, w, tw), 7);
+    assert_int_equal(tw[6], tx[1]); /* least recently released, leaf first */
+    assert_int_equal(stats(c).evictions, 1);
+    tp_check(c);
+    tp_compute(c, w, 0, fill, 28, 4);
+    table(c, w, tw);
+    assert_int_equal(tw[7], tx[0]);
+    tp_compute(c, w, 0, fill, 32, 4);
+    table(c, w, tw);
+    assert_int_equal(tw[8], ty[1]);
+    pkv_stats st = stats(c);
+    assert_int_equal(st.evictions, 3);
+    assert_int_equal(st.n_cached, 3);
+    assert_int_equal(st.n_indexed, 3);
+    tp_check(c);
+    tp_expect_kv(c, w, 0, fill, 0, 36); /* evicted blocks were fully taken over */
+
+    assert_int_equal(probe(c, 0, z, 9), 8);
+    assert_int_equal(probe(c, 0, y, 9), 4);
+    assert_int_equal(probe(c, 0, x, 9), 0);
+    pkv_cache_destroy(c);
+}
+
+/* Recency is use, not creation: X released before Y, then X matched and released again; under
+ * pressure Y goes first. */
+static void test_prefix_evict_match_refreshes(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(4, 8, 1, PKV_DTYPE_F16, 1);
+    int32_t x[9], y[9], fill[32];
+    tp_tokens(x, 9, 21);
+    tp_tokens(y, 9, 22);
+    tp_tokens(fill, 32, 23);
+    pkv_seq sx = tp_seq(c, 0), sy = tp_seq(c, 0);
+    tp_compute(c, sx, 0, x, 0, 8);
+    tp_commit(c, sx, 8);
+    tp_compute(c, sy, 0, y, 0, 8);
+    tp_commit(c, sy, 8);
+    int32_t tx[2], ty[2], tw[8];
+    table(c, sx, tx);
+    table(c, sy, ty);
+    assert_int_equal(pkv_seq_release(c, sx), 0);
+    assert_int_equal(pkv_seq_release(c, sy), 0);
+    assert_int_equal(probe(c, 0, x, 9), 8); /* X is now the most recently used */
+    pkv_seq w = tp_seq(c, 0);
+    tp_compute(c, w, 0, fill, 0, 24); /* 4 FREE + 2 evicted */
+    assert_int_equal(table(c, w, tw), 6);
+    assert_int_equal(tw[4], ty[1]);
+    assert_int_equal(tw[5], ty[0]);
+    assert_int_equal(stats(c).evictions, 2);
+    assert_int_equal(probe(c, 0, x, 9), 8);
+    assert_int_equal(probe(c, 0, y, 9), 0);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* A tree: C0 <- C1 <- C2 (sequence a) and C1 <- D2 (sequence b, matched C0 C1 then computed
+ * its own third block). b released first, then a. LRU: D2, C2, C1, C0: a parent never goes
+ * before its children, even the child released earlier than the parent's other child. */
+static void test_prefix_evict_leaves_before_parents(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(4, 8, 1, PKV_DTYPE_F16, 1);
+    int32_t p[13], q[13], fill[32];
+    tp_tokens(p, 13, 31);
+    memcpy(q, p, 8 * sizeof(int32_t));
+    tp_tokens(q + 8, 5, 32);
+    tp_tokens(fill, 32, 33);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 12);
+    tp_commit(c, a, 12);
+    pkv_seq b = tp_seq(c, 0);
+    uint32_t reused;
+    assert_int_equal(pkv_seq_match_prefix(c, b, q, 13, &reused), 0);
+    assert_int_equal(reused, 8);
+    tp_compute(c, b, 0, q, 8, 4);
+    tp_commit(c, b, 12);
+    int32_t ta[3], tb[3], tw[8];
+    table(c, a, ta);
+    table(c, b, tb);
+    assert_int_equal(tb[0], ta[0]);
+    assert_int_equal(tb[1], ta[1]);
+    assert_int_equal(stats(c).n_indexed, 4);
+    assert_int_equal(pkv_seq_release(c, b), 0);
+    assert_int_equal(pkv_seq_release(c, a), 0);
+    assert_int_equal(stats(c).n_cached, 4);
+    tp_check(c);
+
+    pkv_seq w = tp_seq(c, 0);
+    tp_compute(c, w, 0, fill, 0, 16); /* the 4 FREE blocks */
+    assert_int_equal(stats(c).evictions, 0);
+    const int32_t want[4] = {tb[2], ta[2], ta[1], ta[0]};
+    for (int i = 0; i < 4; i++) {
+        tp_compute(c, w, 0, fill, 16 + 4 * (uint32_t)i, 4);
+        assert_int_equal(table(c, w, tw), 5 + i);
+        assert_int_equal(tw[4 + i], want[i]);
+        assert_int_equal(stats(c).evictions, (uint64_t)i + 1);
+        tp_check(c);
+    }
+    /* nothing left to evict, nothing FREE (w is at max_blocks_per_seq: ask with another) */
+    pkv_seq e = tp_seq(c, 0);
+    assert_int_equal(pkv_seq_append(c, e, fill, 1, NULL), PKV_ENOSPC);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* A pinned prefix survives any pressure, counts as ACTIVE, is reusable; unpinned, it is
+ * CACHED and evictable. */
+static void test_prefix_pin_survives_pressure(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(4, 10, 1, PKV_DTYPE_F16, 1);
+    int32_t p[13], fill[48];
+    tp_tokens(p, 13, 41);
+    tp_tokens(fill, 48, 42);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 12);
+    tp_commit(c, a, 12);
+    int32_t ta[3], tw[12];
+    table(c, a, ta);
+    pkv_seq pin;
+    assert_int_equal(pkv_pin_create(c, a, 12, &pin), 0);
+    assert_int_not_equal(pin, 0);
+    assert_int_equal(pkv_seq_release(c, a), 0);
+    pkv_stats st = stats(c);
+    assert_int_equal(st.n_pins, 1);
+    assert_int_equal(st.n_seqs, 0);
+    assert_int_equal(st.n_active, 3); /* pinned blocks count as in use */
+    assert_int_equal(st.n_cached, 0);
+    assert_int_equal(st.n_free, 7);
+    tp_check(c);
+
+    pkv_seq w = tp_seq(c, 0);
+    tp_compute(c, w, 0, fill, 0, 28); /* every FREE block */
+    assert_int_equal(pkv_seq_append(c, w, fill + 28, 1, NULL), PKV_ENOSPC);
+    assert_int_equal(stats(c).evictions, 0);
+    assert_int_equal(table(c, w, tw), 7);
+    for (int i = 0; i < 7; i++)
+        for (int j = 0; j < 3; j++) assert_int_not_equal(tw[i], ta[j]);
+    tp_check(c);
+    assert_int_equal(pkv_seq_release(c, w), 0);
+
+    pkv_seq b = tp_seq(c, 0);
+    uint32_t reused = 0;
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 13, &reused), 0);
+    assert_int_equal(reused, 12);
+    tp_expect_kv(c, b, 0, p, 0, 12);
+    assert_int_equal(pkv_seq_release(c, b), 0);
+
+    /* unpinned: CACHED, and all of the pool can be had again */
+    assert_int_equal(pkv_pin_release(c, pin), 0);
+    assert_int_equal(pkv_pin_release(c, pin), PKV_ENOENT);
+    st = stats(c);
+    assert_int_equal(st.n_pins, 0);
+    assert_int_equal(st.n_active, 0);
+    assert_int_equal(st.n_cached, 3);
+    tp_check(c);
+    w = tp_seq(c, 0);
+    tp_compute(c, w, 0, fill, 0, 40);
+    assert_int_equal(stats(c).evictions, 3);
+    assert_int_equal(stats(c).n_indexed, 0);
+    assert_int_equal(pkv_seq_release(c, w), 0);
+    assert_int_equal(probe(c, 0, p, 13), 0);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* Pin of a partial range holds floor(min(n_pos, committed) / B) blocks, survives truncation
+ * of its sequence, is not a sequence, and counts against max_seqs. */
+static void test_prefix_pin_rules(void **state) {
+    (void)state;
+    pkv_config cfg = pkv_config_default();
+    cfg.n_layers = 1;
+    cfg.n_kv_heads = TP_H;
+    cfg.head_dim = TP_D;
+    cfg.block_tokens = 4;
+    cfg.n_blocks = 8;
+    cfg.max_seqs = 3;
+    cfg.n_threads = 1;
+    cfg.huge_pages = 0;
+    pkv_cache *c = NULL;
+    assert_int_equal(pkv_cache_create(&cfg, &c), 0);
+    int32_t p[16];
+    tp_tokens(p, 16, 51);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 16);
+    tp_commit(c, a, 14); /* 3 full committed blocks */
+    pkv_seq pin;
+    assert_int_equal(pkv_pin_create(c, a, 11, &pin), 0); /* floor(11 / 4) = 2 blocks */
+    assert_int_equal(pkv_seq_truncate(c, a, 0), 0);
+    pkv_stats st = stats(c);
+    assert_int_equal(st.n_active, 2);
+    assert_int_equal(st.n_cached, 1); /* the third committed block */
+    assert_int_equal(st.n_pins, 1);
+    tp_check(c);
+    /* a pin is not a sequence, a sequence not a pin */
+    pkv_seq_info info;
+    int32_t t = 1;
+    assert_int_equal(pkv_seq_get_info(c, pin, &info), PKV_EINVAL);
+    assert_int_equal(pkv_seq_append(c, pin, &t, 1, NULL), PKV_EINVAL);
+    assert_int_equal(pkv_seq_release(c, pin), PKV_EINVAL);
+    pkv_seq f;
+    assert_int_equal(pkv_seq_fork(c, pin, &f), PKV_EINVAL);
+    assert_int_equal(pkv_pin_release(c, a), PKV_EINVAL);
+    /* max_seqs = 3: a, the pin and one more */
+    pkv_seq b = tp_seq(c, 0), d;
+    assert_int_equal(pkv_seq_create(c, NULL, 0, &d), PKV_ELIMIT);
+    pkv_seq pin2;
+    assert_int_equal(pkv_pin_create(c, b, 0, &pin2), PKV_ELIMIT);
+    assert_int_equal(pkv_seq_release(c, b), 0);
+    assert_int_equal(pkv_pin_create(c, a, 0, &pin2), 0); /* an empty pin is valid */
+    assert_int_equal(stats(c).n_pins, 2);
+    assert_int_equal(pkv_pin_release(c, pin2), 0);
+    /* stale */
+    assert_int_equal(pkv_pin_create(c, b, 4, &pin2), PKV_ENOENT);
+    /* the pinned 8 tokens are reusable, the unpinned third block too while not evicted */
+    assert_int_equal(probe(c, 0, p, 13), 12);
+    assert_int_equal(pkv_pin_release(c, pin), 0);
+    assert_int_equal(pkv_seq_release(c, a), 0);
+    st = stats(c);
+    assert_int_equal(st.n_active, 0);
+    assert_int_equal(st.n_cached, 3);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_prefix_cached_after_release),
+        cmocka_unit_test(test_prefix_evict_lru_order),
+        cmocka_unit_test(test_prefix_evict_match_refreshes),
+        cmocka_unit_test(test_prefix_evict_leaves_before_parents),
+        cmocka_unit_test(test_prefix_pin_survives_pressure),
+        cmocka_unit_test(test_prefix_pin_rules),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,92 @@
+/* test_prefix_random.c: seeded randomized prefix-caching workload (many sequences sharing a few
+ * prompts, salts, forks, truncates, releases, matches, pins) run against the shadow model of
+ * fuzz/prefix_model.h, with pkv_cache_check and a K/V gather of every sequence after each step. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include "../fuzz/prefix_model.h"
+
+#include <stdlib.h>
+
+typedef struct totals {
+    uint64_t matches, full_hits, partial_hits, evictions, cow, enospc, forks, pins, truncs, tokens_hit;
+} totals;
+
+static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, int steps, totals *t) {
+    pm_world *w = malloc(sizeof *w);
+    assert_non_null(w);
+    pkv_config cfg = pm_config(b0, b1, prefix_off);
+    if (pm_init(w, &cfg, seed) < 0) fail_msg("%s", w->err);
+    w->trace = getenv("PM_TRACE") && atoi(getenv("PM_TRACE"));
+    pm_src src = {.use_rng = 1, .rng = seed * 0x9E3779B97F4A7C15ull + b0 * 131 + b1};
+    for (int i = 0; i < steps; i++)
+        if (pm_step(w, &src) < 0)
+            fail_msg("seed %llu B=%u k=%s v=%s layers=%u n_blocks=%u prefix=%d: %s", (unsigned long long)seed,
+                     cfg.block_tokens, pkv_dtype_name(cfg.k_dtype), pkv_dtype_name(cfg.v_dtype), cfg.n_layers,
+                     cfg.n_blocks, cfg.enable_prefix_cache, w->err);
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(w->c, &st), 0);
+    t->matches += w->n_matches;
+    t->full_hits += w->n_full_block_hits;
+    t->partial_hits += w->n_partial_hits;
+    t->evictions += st.evictions;
+    t->cow += st.cow_copies;
+    t->enospc += w->n_enospc;
+    t->forks += w->n_forks;
+    t->pins += w->n_pins;
+    t->truncs += w->n_truncs;
+    t->tokens_hit += st.prefix_tokens_hit;
+    pm_fini(w);
+    free(w);
+}
+
+/* B = 4, f16 pool, pools from tight to roomy: reuse, eviction and CoW must all happen. */
+static void test_prefix_random_b4(void **state) {
+    (void)state;
+    totals t = {0};
+    for (uint64_t seed = 1; seed <= 6; seed++) run_world(0x00, (uint32_t)(seed * 7), 0, seed, 1500, &t);
+    print_message("B=4: matches %llu full-block hits %llu partial hits %llu evictions %llu cow %llu enospc %llu\n",
+                  (unsigned long long)t.matches, (unsigned long long)t.full_hits, (unsigned long long)t.partial_hits,
+                  (unsigned long long)t.evictions, (unsigned long long)t.cow, (unsigned long long)t.enospc);
+    /* the workload must really exercise what it checks, or it proves nothing */
+    assert_true(t.full_hits > 0);
+    assert_true(t.partial_hits > 0);
+    assert_true(t.evictions > 0);
+    assert_true(t.cow > 0);
+    assert_true(t.forks > 0 && t.pins > 0 && t.truncs > 0);
+}
+
+/* Other block sizes (1, 3, 16), dtypes (f32, bf16, mixed K/V) and two layers. */
+static void test_prefix_random_shapes(void **state) {
+    (void)state;
+    totals t = {0};
+    static const uint32_t b0s[] = {0x01, 0x02, 0x03, 0x84, 0x88, 0x16, 0x1b, 0x8f};
+    for (size_t i = 0; i < sizeof b0s / sizeof b0s[0]; i++)
+        for (uint64_t seed = 1; seed <= 2; seed++)
+            run_world(b0s[i], (uint32_t)(11 * seed + i), 0, 100 + seed, 1000, &t);
+    print_message("shapes: matches %llu full-block hits %llu partial hits %llu evictions %llu cow %llu\n",
+                  (unsigned long long)t.matches, (unsigned long long)t.full_hits, (unsigned long long)t.partial_hits,
+                  (unsigned long long)t.evictions, (unsigned long long)t.cow);
+    assert_true(t.full_hits > 0 && t.partial_hits > 0 && t.evictions > 0);
+}
+
+/* Prefix cache disabled: the same workload must never reuse or index anything. */
+static void test_prefix_random_disabled(void **state) {
+    (void)state;
+    totals t = {0};
+    for (uint64_t seed = 1; seed <= 2; seed++) run_world(0x00, 20, 1, seed, 800, &t);
+    assert_true(t.matches > 0);
+    assert_int_equal(t.tokens_hit, 0);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_prefix_random_b4),
+        cmocka_unit_test(test_prefix_random_shapes),
+        cmocka_unit_test(test_prefix_random_disabled),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

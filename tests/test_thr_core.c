@@ -1,0 +1,187 @@
+/* test_thr_core.c: several pthreads hammer one cache (create, append, write K/V, commit, fork,
+ * CoW, truncate, gather, prefix match, release) on their own sequences plus forks of shared
+ * parents that are only read; every thread verifies its data; at the end the checker passes
+ * and the shared parents are intact. Runs under ThreadSanitizer in CI (label "thread"). */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include "support_util.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { NTHR = 4, NPARENT = 3, PARENT_LEN = 10, B = 4 };
+
+typedef struct {
+    pkv_cache *c;
+    pkv_seq parents[NPARENT];
+    int32_t parent_tok[NPARENT][PARENT_LEN];
+    int tid;
+    uint32_t iters;
+    long errors;
+    long enospc;
+    long ok_iters, match_hits;
+    char first_error[200];
+} targ;
+
+#define TFAIL(a, ...)                                                                                                \
+    do {                                                                                                             \
+        if (!(a)->errors++) snprintf((a)->first_error, sizeof (a)->first_error, __VA_ARGS__);                        \
+        goto done;                                                                                                   \
+    } while (0)
+#define TCALL(a, expr)                                                                                               \
+    do {                                                                                                             \
+        int rc_ = (expr);                                                                                            \
+        if (rc_ == PKV_ENOSPC) {                                                                                     \
+            (a)->enospc++;                                                                                           \
+            goto done;                                                                                               \
+        }                                                                                                            \
+        if (rc_) TFAIL(a, "thread %d: %s -> %s", (a)->tid, #expr, pkv_strerror(rc_));                               \
+    } while (0)
+
+static void *worker(void *p) {
+    targ *a = p;
+    pkv_cache *c = a->c;
+    tu_rng r;
+    tu_rng_seed(&r, 777 + (uint64_t)a->tid);
+    int32_t toks[64];
+    for (uint32_t it = 0; it < a->iters && a->errors == 0; it++) {
+        pkv_seq s = 0, f = 0, g = 0, m = 0;
+        uint32_t tag = (uint32_t)(a->tid * 100000 + (int)it * 4);
+        uint32_t n = 1 + tu_rng_below(&r, 20);
+        for (uint32_t i = 0; i < n + 8; i++) toks[i] = (int32_t)(tag * 64 + i); /* private tokens */
+        TCALL(a, pkv_seq_create(c, NULL, 0, &s));
+        TCALL(a, pkv_seq_append(c, s, toks, n, NULL));
+        TCALL(a, tu_write_pattern(c, s, 0, n, tag));
+        TCALL(a, pkv_seq_commit(c, s, n));
+        /* fork and grow the fork: copy-on-write of a partly filled tail */
+        TCALL(a, pkv_seq_fork(c, s, &f));
+        uint32_t extra = 1 + tu_rng_below(&r, 6);
+        TCALL(a, pkv_seq_append(c, f, toks + n, extra, NULL));
+        TCALL(a, tu_write_pattern(c, f, n, extra, tag + 1));
+        if (tu_cmp_pattern(c, f, 0, n, tag) != 0) TFAIL(a, "thread %d: fork lost the parent's K/V", a->tid);
+        if (tu_cmp_pattern(c, f, n, extra, tag + 1) != 0) TFAIL(a, "thread %d: fork's own K/V wrong", a->tid);
+        if (tu_cmp_pattern(c, s, 0, n, tag) != 0) TFAIL(a, "thread %d: parent changed by its fork", a->tid);
+        /* truncate and rewrite the fork */
+        uint32_t keep = n + tu_rng_below(&r, extra);
+        TCALL(a, pkv_seq_truncate(c, f, keep));
+        TCALL(a, pkv_seq_append(c, f, toks + keep, 2, NULL));
+        TCALL(a, tu_write_pattern(c, f, keep, 2, tag + 2));
+        if (tu_cmp_pattern(c, f, keep, 2, tag + 2) != 0 || tu_cmp_pattern(c, f, 0, n, tag) != 0)
+            TFAIL(a, "thread %d: truncate + rewrite wrong", a->tid);
+        /* a fork of a shared parent that every thread reads */
+        int k = (int)tu_rng_below(&r, NPARENT);
+        TCALL(a, pkv_seq_fork(c, a->parents[k], &g));
+        TCALL(a, pkv_seq_append(c, g, toks, 3, NULL));
+        TCALL(a, tu_write_pattern(c, g, PARENT_LEN, 3, tag + 3));
+        if (tu_cmp_pattern(c, g, 0, PARENT_LEN, 9000 + (uint32_t)k) != 0)
+            TFAIL(a, "thread %d: fork of shared parent %d has wrong K/V", a->tid, k);
+        if (tu_cmp_pattern(c, g, PARENT_LEN, 3, tag + 3) != 0)
+            TFAIL(a, "thread %d: K/V appended to a shared parent's fork wrong", a->tid);
+        /* a prefix match against the shared parents' committed blocks */
+        TCALL(a, pkv_seq_create(c, NULL, 0, &m));
+        uint32_t reused = 0;
+        TCALL(a, pkv_seq_match_prefix(c, m, a->parent_tok[k], PARENT_LEN, &reused));
+        if (reused > PARENT_LEN - 1) TFAIL(a, "thread %d: match reused too much", a->tid);
+        if (reused && tu_cmp_pattern(c, m, 0, reused, 9000 + (uint32_t)k) != 0)
+            TFAIL(a, "thread %d: prefix match attached wrong K/V", a->tid);
+        a->match_hits += reused > 0;
+        if (tu_rng_chance(&r, 0.5)) {
+            TCALL(a, pkv_seq_truncate(c, s, tu_rng_below(&r, n + 1)));
+            pkv_seq_info in;
+            TCALL(a, pkv_seq_get_info(c, s, &in));
+            if (tu_cmp_pattern(c, s, 0, in.n_tokens, tag) != 0) TFAIL(a, "thread %d: truncated parent wrong", a->tid);
+        }
+        a->ok_iters++;
+    done:
+        {
+            pkv_seq ids[4] = {s, f, g, m};
+            for (int i = 0; i < 4; i++)
+                if (ids[i] && pkv_seq_release(c, ids[i]) && !a->errors++)
+                    snprintf(a->first_error, sizeof a->first_error, "thread %d: release failed", a->tid);
+        }
+    }
+    return NULL;
+}
+
+static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy) {
+    pkv_config cfg = tu_config(n_blocks, B, 2, 2, 8, PKV_DTYPE_F32);
+    cfg.enable_prefix_cache = prefix;
+    cfg.max_seqs = 64;
+    pkv_cache *c = tu_create(&cfg);
+    targ args[NTHR];
+    memset(args, 0, sizeof args);
+    pkv_seq parents[NPARENT];
+    int32_t ptok[NPARENT][PARENT_LEN];
+    for (int k = 0; k < NPARENT; k++) {
+        parents[k] = tu_seq(c);
+        for (int i = 0; i < PARENT_LEN; i++) ptok[k][i] = 1000000 + k * 100 + i;
+        TU_OK(pkv_seq_append(c, parents[k], ptok[k], PARENT_LEN, NULL));
+        TU_WRITE_PAT(c, parents[k], 0, PARENT_LEN, 9000 + (uint32_t)k);
+        TU_OK(pkv_seq_commit(c, parents[k], PARENT_LEN));
+    }
+    pthread_t th[NTHR];
+    for (int t = 0; t < NTHR; t++) {
+        args[t].c = c;
+        memcpy(args[t].parents, parents, sizeof parents);
+        memcpy(args[t].parent_tok, ptok, sizeof ptok);
+        args[t].tid = t;
+        args[t].iters = iters;
+        assert_int_equal(pthread_create(&th[t], NULL, worker, &args[t]), 0);
+    }
+    long errors = 0, ok = 0, enospc = 0, hits = 0;
+    for (int t = 0; t < NTHR; t++) {
+        assert_int_equal(pthread_join(th[t], NULL), 0);
+        if (args[t].errors) print_error("%s\n", args[t].first_error);
+        errors += args[t].errors;
+        ok += args[t].ok_iters;
+        enospc += args[t].enospc;
+        hits += args[t].match_hits;
+    }
+    print_message("prefix %s: %d threads x %u iterations: %ld complete, %ld out of blocks, %ld prefix hits\n",
+                  prefix ? "on" : "off", NTHR, iters, ok, enospc, hits);
+    assert_int_equal(errors, 0);
+    if (roomy) assert_true(ok > (long)(NTHR * iters) / 2);
+    else assert_true(ok > 0); /* how many hit PKV_ENOSPC depends on the interleaving */
+    if (prefix) assert_true(hits > 0);
+    TU_CHECK(c);
+    pkv_stats st = tu_stats(c);
+    assert_int_equal(st.n_seqs, NPARENT);
+    assert_int_equal(st.n_active, NPARENT * ((PARENT_LEN + B - 1) / B));
+    for (int k = 0; k < NPARENT; k++) {
+        TU_SAME_PAT(c, parents[k], 0, PARENT_LEN, 9000 + (uint32_t)k);
+        pkv_seq_info in = tu_info(c, parents[k]);
+        assert_int_equal(in.n_tokens, PARENT_LEN);
+        assert_int_equal(in.n_shared, 0);
+    }
+    pkv_cache_destroy(c);
+}
+
+static void test_threads_prefix_off(void **state) {
+    (void)state;
+    run_threads(0, 512, (uint32_t)tu_env_u64("PKV_THR_ITERS", 2000), 1);
+}
+
+static void test_threads_prefix_on(void **state) {
+    (void)state;
+    run_threads(1, 512, (uint32_t)tu_env_u64("PKV_THR_ITERS", 2000), 1);
+}
+
+static void test_threads_small_pool(void **state) {
+    (void)state; /* exhaustion under contention: failures must be clean PKV_ENOSPC */
+    run_threads(1, 20, (uint32_t)tu_env_u64("PKV_THR_ITERS", 2000) / 2, 0);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_threads_prefix_off),
+        cmocka_unit_test(test_threads_prefix_on),
+        cmocka_unit_test(test_threads_small_pool),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
