@@ -274,7 +274,12 @@ static void accum_blocks(const float *p, uint32_t p_stride, uint32_t n_rows, con
             float *ar = acc + (size_t)r0 * D;
             for (uint32_t rr = 0; rr < nr; rr++) {
                 const float *pp = p + (size_t)(r0 + rr) * p_stride + t0;
-                for (uint32_t t = 0; t < VKEYS; t++) pr[rr * VKEYS + t] = t < nk ? pp[t] : 0.0f;
+                if (nk == VKEYS) {
+                    _mm256_store_ps(pr + rr * VKEYS, _mm256_loadu_ps(pp));
+                    _mm256_store_ps(pr + rr * VKEYS + 8, _mm256_loadu_ps(pp + 8));
+                } else {
+                    for (uint32_t t = 0; t < VKEYS; t++) pr[rr * VKEYS + t] = t < nk ? pp[t] : 0.0f;
+                }
             }
             for (uint32_t bb = 0; bb < nbp; bb++) {
                 const uint32_t b = b0 + bb;
