@@ -162,10 +162,11 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
         const __m256 skv = _mm256_loadu_ps(sk);
         for (uint32_t d0 = 0; d0 < D; d0 += PIECE) {
             const uint32_t dn = PKV_MIN(PIECE, D - d0), dn8 = (dn + 7) & ~7u;
-            const float *kf[8];
             for (uint32_t j = 0; j < 8; j++) {
-                kf[j] = tile[j < nk ? j : 0];
-                if (j >= nk) continue;
+                if (j >= nk) { /* padding keys: zeros (fixed tile offsets keep the fma loop lean) */
+                    memset(tile[j], 0, dn8 * sizeof(float));
+                    continue;
+                }
                 const uint8_t *e = k + (size_t)(t0 + j) * k_row_bytes + PKV_FP8_ROW_HEADER + d0;
                 uint32_t d = 0;
                 for (; d + 16 <= dn; d += 16) {
@@ -183,7 +184,7 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
                 for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
                 for (uint32_t d = 0; d < dn8; d += 8) {
                     const __m256 qv = _mm256_loadu_ps(qr + d);
-                    for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_load_ps(kf[j] + d), acc[j]);
+                    for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_load_ps(&tile[j][d]), acc[j]);
                 }
                 store_lanes(s + (size_t)r * s_stride + t0, _mm256_mul_ps(reduce8_ps(acc), skv), nk, d0 > 0);
             }
