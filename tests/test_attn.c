@@ -293,6 +293,7 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         /* big shapes get shorter contexts to bound the run time of the double reference */
         lens[i] = rand_len();
         if ((size_t)H * D > 1024 && lens[i] > 2500) lens[i] = 1 + lens[i] / 2;
+        if (o->prefill && lens[i] > 2000) lens[i] = 1 + lens[i] / 3;
         uint32_t nb = (lens[i] + B - 1) / B;
         total_blocks += nb;
         max_blocks = nb > max_blocks ? nb : max_blocks;
@@ -315,9 +316,9 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
     for (uint32_t i = 0; i < n_seqs; i++) {
         uint32_t n_q = 1, pos0 = lens[i] - 1;
         if (o->prefill) {
-            /* extend: up to 48 queries ending anywhere; or a whole short prompt */
-            n_q = 1 + rng_below(lens[i] < 48 ? lens[i] : 48);
-            if (lens[i] <= 300 && rng_below(2)) n_q = lens[i];
+            /* extend: up to 20 queries ending anywhere; or a whole short prompt */
+            n_q = 1 + rng_below(lens[i] < 20 ? lens[i] : 20);
+            if (lens[i] <= 160 && rng_below(2)) n_q = lens[i];
             pos0 = rng_below(lens[i] - n_q + 1);
         }
         items[i] = (pkv__attn_item){.block_table = seqs[i].table, .q_pos0 = pos0, .n_q = n_q,

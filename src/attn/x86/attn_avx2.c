@@ -27,12 +27,10 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Sums of 8 vectors, lane i = sum of a[i]. */
-static inline __m256 hsum8x8(const __m256 a[8]) {
-    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+/* Sums of 4 vectors, lane i = sum of a_i. */
+static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
 }
 
 static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp) {
@@ -48,105 +46,92 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
 }
 
 /* ---- score: s[r][t] = <q_r, k_t> ---------------------------------------------------------------
- * Tiles of 4 query rows x 2 keys: 8 accumulators, per 8 elements 2 K loads (+ converts) and 4 q
- * loads for 8 FMAs; then one transpose-add reduces all 8. Row and key tails use 1-wide tiles. */
+ * Tiles of 4 query rows x 3 keys: 12 independent accumulators (an FMA has 4 cycles of latency
+ * and 2 issue per cycle, so 8 chains would leave no slack), per 8 elements 3 K loads (+ converts)
+ * and 4 q loads for 12 FMAs. Row and key tails use narrower tiles of the same code. */
 #define DEF_SCORE(T)                                                                                            \
-    static inline void score_tile_##T(const float *q, size_t qs, const uint8_t *k, size_t krb, uint32_t R,        \
-                                      uint32_t K, uint32_t D, float *s, uint32_t ss) {                          \
-        __m256 acc[4][2];                                                                                       \
-        for (uint32_t r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                           \
-        const uint32_t D8 = D & ~7u;                                                                            \
-        const uint8_t *k0 = k, *k1 = k + krb;                                                                   \
+    static inline __attribute__((always_inline)) void score_tile_##T(const float *q, size_t qs, const uint8_t *k, \
+                                                                     size_t krb, const uint32_t R, const uint32_t K, \
+                                                                     uint32_t D, float *s, uint32_t ss) {       \
+        __m256 acc[4][3];                                                                                       \
         const size_t esz = sizeof(elem_##T);                                                                    \
-        if (R == 4 && K == 2) {                                                                                 \
-            for (uint32_t d = 0; d < D8; d += 8) {                                                              \
-                __m256 a = ld_##T(k0 + d * esz), b = ld_##T(k1 + d * esz);                                      \
-                for (uint32_t r = 0; r < 4; r++) {                                                              \
-                    __m256 x = _mm256_loadu_ps(q + r * qs + d);                                                 \
-                    acc[r][0] = _mm256_fmadd_ps(x, a, acc[r][0]);                                               \
-                    acc[r][1] = _mm256_fmadd_ps(x, b, acc[r][1]);                                               \
-                }                                                                                               \
-            }                                                                                                   \
-            __m256 v[8] = {acc[0][0], acc[0][1], acc[1][0], acc[1][1], acc[2][0], acc[2][1], acc[3][0], acc[3][1]}; \
-            float o[8];                                                                                         \
-            _mm256_storeu_ps(o, hsum8x8(v));                                                                    \
-            for (uint32_t d = D8; d < D; d++) { /* head_dim not a multiple of 8 */                              \
-                const float ka = sc_##T(k0, d), kb = sc_##T(k1, d);                                             \
-                for (uint32_t r = 0; r < 4; r++) o[2 * r] += q[r * qs + d] * ka, o[2 * r + 1] += q[r * qs + d] * kb; \
-            }                                                                                                   \
-            for (uint32_t r = 0; r < 4; r++) s[r * ss] = o[2 * r], s[r * ss + 1] = o[2 * r + 1];               \
-            return;                                                                                             \
-        }                                                                                                       \
-        for (uint32_t d = 0; d < D8; d += 8) {                                                                  \
-            __m256 a = ld_##T(k0 + d * esz);                                                                    \
-            __m256 b = K == 2 ? ld_##T(k1 + d * esz) : a;                                                       \
-            for (uint32_t r = 0; r < R; r++) {                                                                  \
-                __m256 x = _mm256_loadu_ps(q + r * qs + d);                                                     \
-                acc[r][0] = _mm256_fmadd_ps(x, a, acc[r][0]);                                                   \
-                if (K == 2) acc[r][1] = _mm256_fmadd_ps(x, b, acc[r][1]);                                       \
-            }                                                                                                   \
-        }                                                                                                       \
+        const uint32_t D8 = D & ~7u;                                                                            \
         for (uint32_t r = 0; r < R; r++)                                                                        \
-            for (uint32_t t = 0; t < K; t++) {                                                                  \
-                float o = hsum8(acc[r][t]);                                                                     \
-                const uint8_t *kr = t ? k1 : k0;                                                                \
-                for (uint32_t d = D8; d < D; d++) o += q[r * qs + d] * sc_##T(kr, d);                           \
-                s[r * ss + t] = o;                                                                              \
+            for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm256_setzero_ps();                                   \
+        for (uint32_t d = 0; d < D8; d += 8) {                                                                  \
+            __m256 kk[3];                                                                                       \
+            for (uint32_t t = 0; t < K; t++) kk[t] = ld_##T(k + t * krb + d * esz);                             \
+            for (uint32_t r = 0; r < R; r++) {                                                                  \
+                const __m256 x = _mm256_loadu_ps(q + r * qs + d);                                               \
+                for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm256_fmadd_ps(x, kk[t], acc[r][t]);              \
             }                                                                                                   \
+        }                                                                                                       \
+        if (R == 4) {                                                                                           \
+            for (uint32_t t = 0; t < K; t++) {                                                                  \
+                float o[4];                                                                                     \
+                _mm_storeu_ps(o, hsum4x8(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));                          \
+                for (uint32_t r = 0; r < 4; r++) s[r * ss + t] = o[r];                                          \
+            }                                                                                                   \
+        } else {                                                                                                \
+            for (uint32_t r = 0; r < R; r++)                                                                    \
+                for (uint32_t t = 0; t < K; t++) s[r * ss + t] = hsum8(acc[r][t]);                              \
+        }                                                                                                       \
+        for (uint32_t d = D8; d < D; d++) /* head_dim not a multiple of 8 */                                    \
+            for (uint32_t r = 0; r < R; r++)                                                                    \
+                for (uint32_t t = 0; t < K; t++) s[r * ss + t] += q[r * qs + d] * sc_##T(k + t * krb, d);       \
+    }                                                                                                           \
+    static inline __attribute__((always_inline)) void score_rows_##T(const float *q, size_t qs, const uint8_t *k, \
+                                                                     size_t krb, const uint32_t R, uint32_t n_keys, \
+                                                                     uint32_t D, float *s, uint32_t ss) {       \
+        uint32_t t = 0;                                                                                         \
+        for (; t + 3 <= n_keys; t += 3) score_tile_##T(q, qs, k + t * krb, krb, R, 3, D, s + t, ss);            \
+        if (n_keys - t == 2) score_tile_##T(q, qs, k + t * krb, krb, R, 2, D, s + t, ss);                       \
+        else if (n_keys - t == 1) score_tile_##T(q, qs, k + t * krb, krb, R, 1, D, s + t, ss);                  \
     }                                                                                                           \
     static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,        \
                           uint32_t D, float *s, uint32_t ss) {                                                  \
         const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
         const float *q = qp;                                                                                    \
         uint32_t r = 0;                                                                                         \
-        for (; r + 4 <= n_rows; r += 4) {                                                                       \
-            uint32_t t = 0;                                                                                     \
-            for (; t + 2 <= n_keys; t += 2) score_tile_##T(q + r * qs, qs, k + t * krb, krb, 4, 2, D, s + r * ss + t, ss); \
-            if (t < n_keys) score_tile_##T(q + r * qs, qs, k + t * krb, krb, 4, 1, D, s + r * ss + t, ss);      \
-        }                                                                                                       \
-        for (; r < n_rows; r++) {                                                                               \
-            uint32_t t = 0;                                                                                     \
-            for (; t + 2 <= n_keys; t += 2) score_tile_##T(q + r * qs, qs, k + t * krb, krb, 1, 2, D, s + r * ss + t, ss); \
-            if (t < n_keys) score_tile_##T(q + r * qs, qs, k + t * krb, krb, 1, 1, D, s + r * ss + t, ss);      \
-        }                                                                                                       \
+        for (; r + 4 <= n_rows; r += 4) score_rows_##T(q + r * qs, qs, k, krb, 4, n_keys, D, s + r * ss, ss);   \
+        for (; r < n_rows; r++) score_rows_##T(q + r * qs, qs, k, krb, 1, n_keys, D, s + r * ss, ss);           \
     }
 
 /* ---- accum: acc[r][:] += sum_t p[r][t] * v_t ----------------------------------------------------
- * Tiles of 4 rows x 16 columns held in 8 registers across all keys of the block: per key 2 V
- * loads (+ converts), 4 broadcasts, 8 FMAs. */
+ * Tiles of 4 rows x 24 columns held in 12 registers across all keys of the block: per key 3 V
+ * loads (+ converts), 4 broadcasts, 12 FMAs. Column tails use 16- and 8-wide tiles. */
 #define DEF_ACCUM(T)                                                                                            \
-    static inline void accum_tile_##T(const float *p, uint32_t ps, uint32_t R, const uint8_t *v, size_t vrb,     \
-                                      uint32_t n_keys, uint32_t W, float *acc, uint32_t D) {                    \
-        __m256 a[4][2];                                                                                         \
+    static inline __attribute__((always_inline)) void accum_tile_##T(const float *p, uint32_t ps, const uint32_t R, \
+                                                                     const uint8_t *v, size_t vrb, uint32_t n_keys, \
+                                                                     const uint32_t C, float *acc, uint32_t D) { \
+        __m256 a[4][3];                                                                                         \
         const size_t esz = sizeof(elem_##T);                                                                    \
-        for (uint32_t r = 0; r < R; r++) {                                                                      \
-            a[r][0] = _mm256_loadu_ps(acc + r * D);                                                             \
-            if (W == 16) a[r][1] = _mm256_loadu_ps(acc + r * D + 8);                                            \
-        }                                                                                                       \
+        for (uint32_t r = 0; r < R; r++)                                                                        \
+            for (uint32_t c = 0; c < C; c++) a[r][c] = _mm256_loadu_ps(acc + r * D + 8 * c);                   \
         for (uint32_t t = 0; t < n_keys; t++) {                                                                 \
             const uint8_t *vr = v + t * vrb;                                                                    \
-            __m256 x0 = ld_##T(vr), x1 = W == 16 ? ld_##T(vr + 8 * esz) : x0;                                   \
+            __m256 x[3];                                                                                        \
+            for (uint32_t c = 0; c < C; c++) x[c] = ld_##T(vr + 8 * c * esz);                                   \
             for (uint32_t r = 0; r < R; r++) {                                                                  \
-                __m256 w = _mm256_broadcast_ss(p + r * ps + t);                                                 \
-                a[r][0] = _mm256_fmadd_ps(w, x0, a[r][0]);                                                      \
-                if (W == 16) a[r][1] = _mm256_fmadd_ps(w, x1, a[r][1]);                                         \
+                const __m256 w = _mm256_broadcast_ss(p + r * ps + t);                                           \
+                for (uint32_t c = 0; c < C; c++) a[r][c] = _mm256_fmadd_ps(w, x[c], a[r][c]);                   \
             }                                                                                                   \
         }                                                                                                       \
-        for (uint32_t r = 0; r < R; r++) {                                                                      \
-            _mm256_storeu_ps(acc + r * D, a[r][0]);                                                             \
-            if (W == 16) _mm256_storeu_ps(acc + r * D + 8, a[r][1]);                                            \
-        }                                                                                                       \
+        for (uint32_t r = 0; r < R; r++)                                                                        \
+            for (uint32_t c = 0; c < C; c++) _mm256_storeu_ps(acc + r * D + 8 * c, a[r][c]);                   \
     }                                                                                                           \
-    static inline void accum_rows_##T(const float *p, uint32_t ps, uint32_t R, const uint8_t *v, size_t vrb,    \
-                                      uint32_t n_keys, uint32_t D, float *acc) {                                \
+    static inline __attribute__((always_inline)) void accum_rows_##T(const float *p, uint32_t ps, const uint32_t R, \
+                                                                     const uint8_t *v, size_t vrb, uint32_t n_keys, \
+                                                                     uint32_t D, float *acc) {                  \
         const size_t esz = sizeof(elem_##T);                                                                    \
-        const uint32_t D16 = D & ~15u, D8 = D & ~7u;                                                            \
-        for (uint32_t d = 0; d < D16; d += 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 16, acc + d, D); \
-        if (D8 > D16) accum_tile_##T(p, ps, R, v + D16 * esz, vrb, n_keys, 8, acc + D16, D);                   \
+        uint32_t d = 0;                                                                                         \
+        for (; d + 24 <= D; d += 24) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D);         \
+        if (D - d >= 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D), d += 16;            \
+        if (D - d >= 8) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D), d += 8;              \
         for (uint32_t i = 0; i < R; i++) /* head_dim not a multiple of 8 */                                     \
             for (uint32_t t = 0; t < n_keys; t++) {                                                             \
                 const float w = p[i * ps + t];                                                                  \
-                for (uint32_t d = D8; d < D; d++) acc[(size_t)i * D + d] += w * sc_##T(v + t * vrb, d);         \
+                for (uint32_t e = d; e < D; e++) acc[(size_t)i * D + e] += w * sc_##T(v + t * vrb, e);          \
             }                                                                                                   \
     }                                                                                                           \
     static void accum_##T(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,            \
@@ -198,7 +183,8 @@ static inline __m256 softcap8(__m256 x, __m256 c, __m256 m2_inv_c) {
     const __m256 one = _mm256_set1_ps(1.0f);
     __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
     t = _mm256_or_ps(t, _mm256_and_ps(sign, x));
-    return _mm256_mul_ps(c, t);
+    /* masked keys (-inf) stay masked */
+    return _mm256_blendv_ps(_mm256_mul_ps(c, t), x, _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
 }
 
 static void softmax_avx2(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
