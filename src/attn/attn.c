@@ -245,6 +245,11 @@ static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
     return (window && pos + 1 > window) ? pos + 1 - window : 0;
 }
 
+/* Software prefetch of the next block's rows of one head (into L2: prefetcht1), issued just
+ * before this block's head is computed; PF_DIST blocks ahead. */
+#ifndef PKV_ATTN_PF_DIST
+#define PKV_ATTN_PF_DIST 1
+#endif
 static void prefetch_rows(const uint8_t *p, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
 }
@@ -349,9 +354,9 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
         const uint32_t n_keys = t1 - t0;
         const bool mask = (kb + t1 - 1 > pos_first) || (lo_last > kb + t0);
         const uint8_t *kn = NULL, *vn = NULL;
-        if (b + 1 < b1) {
-            kn = kv->k + (size_t)it->block_table[b + 1] * kv->k_block_bytes;
-            vn = kv->v + (size_t)it->block_table[b + 1] * kv->v_block_bytes;
+        if (PKV_ATTN_PF_DIST && b + PKV_ATTN_PF_DIST < b1) {
+            kn = kv->k + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->k_block_bytes;
+            vn = kv->v + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->v_block_bytes;
         }
         for (uint32_t j = 0; j < w.n_kvh; j++) {
             const uint32_t h = w.kvh0 + j;

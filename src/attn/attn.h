@@ -116,7 +116,8 @@ typedef void (*pkv__attn_score_fn)(const void *qp, uint32_t n_rows, const uint8_
 typedef void (*pkv__attn_accum_fn)(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v,
                                    size_t v_row_bytes, uint32_t n_keys, uint32_t head_dim, float *acc);
 /* softmax: one online-softmax step over a block of scores s[r * s_stride + t] (t < n_keys;
- * masked entries are -inf). If softcap > 0 first s = softcap * tanh(s / softcap). Then per row:
+ * masked entries are -inf). If softcap > 0 first s = softcap * tanh(s / softcap) for every s that is
+ * not -inf (masked keys stay -inf). Then per row:
  * m' = max(m[r], max_t s); acc row *= exp(m[r] - m') (skipped when m' == m[r]);
  * s[t] = exp(s[t] - m') (0 for -inf); l[r] = l[r] * exp(m[r] - m') + sum_t s[t]; m[r] = m'.
  * A row whose m' is still -inf is left with p = 0 and m, l, acc unchanged. */

@@ -60,7 +60,8 @@ static void softmax_ref(float *s, uint32_t s_stride, uint32_t n_rows, uint32_t n
         float *sr = s + (size_t)r * s_stride;
         if (softcap > 0.0f) {
             const float inv = 1.0f / softcap;
-            for (uint32_t t = 0; t < n_keys; t++) sr[t] = softcap * tanhf(sr[t] * inv);
+            for (uint32_t t = 0; t < n_keys; t++) /* masked keys (-inf) stay masked */
+                if (sr[t] != -INFINITY) sr[t] = softcap * tanhf(sr[t] * inv);
         }
         float mx = m[r];
         for (uint32_t t = 0; t < n_keys; t++) mx = sr[t] > mx ? sr[t] : mx;

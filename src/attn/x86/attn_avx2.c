@@ -1,4 +1,248 @@
-/* attn_avx2.c: AVX2 + FMA + F16C primitives of paged attention (f32, f16, bf16 K/V). */
+/* attn_avx2.c: AVX2 + FMA + F16C primitives of paged attention (f32, f16, bf16 K/V, softmax).
+ * Decode is memory-bound at ~2 multiply-adds per byte, so the inner loops use every loaded
+ * K/V vector for 4 query rows (a GQA group) and keep converts at one per 4 FMAs: f16 through
+ * vcvtph2ps, bf16 through a zero-extend and a 16-bit shift. */
 #include "../attn.h"
 
-void pkv__attn_fill_avx2(pkv__attn_kernels *kt) { kt->name = "avx2"; }
+#include <immintrin.h>
+#include <math.h>
+
+/* ---- loads: 8 elements of a K/V row as f32 ----------------------------------------------------- */
+static inline __m256 ld_f32(const void *p) { return _mm256_loadu_ps((const float *)p); }
+static inline __m256 ld_f16(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m256 ld_bf16(const void *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline float sc_f32(const void *p, uint32_t i) { return ((const float *)p)[i]; }
+static inline float sc_f16(const void *p, uint32_t i) { return _cvtsh_ss(((const uint16_t *)p)[i]); }
+static inline float sc_bf16(const void *p, uint32_t i) {
+    union { uint32_t u; float f; } x = {(uint32_t)((const uint16_t *)p)[i] << 16};
+    return x.f;
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Sums of 4 vectors, lane i = sum of a_i. */
+static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (uint32_t r = 0; r < n_rows; r++) {
+        float *dst = (float *)((uint8_t *)qp + r * qrow);
+        const float *src = q + r * q_stride;
+        uint32_t d = 0;
+        for (; d + 8 <= head_dim; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), vs));
+        for (; d < head_dim; d++) dst[d] = src[d] * scale;
+    }
+}
+
+/* ---- score: s[r][t] = <q_r, k_t> ---------------------------------------------------------------
+ * Tiles of 4 query rows x 3 keys: 12 independent accumulators (an FMA has 4 cycles of latency
+ * and 2 issue per cycle, so 8 chains would leave no slack), per 8 elements 3 K loads (+ converts)
+ * and 4 q loads for 12 FMAs. Row and key tails use narrower tiles of the same code. */
+#define DEF_SCORE(T)                                                                                            \
+    static inline __attribute__((always_inline)) void score_tile_##T(const float *q, size_t qs, const uint8_t *k, \
+                                                                     size_t krb, const uint32_t R, const uint32_t K, \
+                                                                     uint32_t D, float *s, uint32_t ss) {       \
+        __m256 acc[4][3];                                                                                       \
+        const size_t esz = sizeof(elem_##T);                                                                    \
+        const uint32_t D8 = D & ~7u;                                                                            \
+        for (uint32_t r = 0; r < R; r++)                                                                        \
+            for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm256_setzero_ps();                                   \
+        for (uint32_t d = 0; d < D8; d += 8) {                                                                  \
+            __m256 kk[3];                                                                                       \
+            for (uint32_t t = 0; t < K; t++) kk[t] = ld_##T(k + t * krb + d * esz);                             \
+            for (uint32_t r = 0; r < R; r++) {                                                                  \
+                const __m256 x = _mm256_loadu_ps(q + r * qs + d);                                               \
+                for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm256_fmadd_ps(x, kk[t], acc[r][t]);              \
+            }                                                                                                   \
+        }                                                                                                       \
+        if (R == 4) {                                                                                           \
+            for (uint32_t t = 0; t < K; t++) {                                                                  \
+                float o[4];                                                                                     \
+                _mm_storeu_ps(o, hsum4x8(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));                          \
+                for (uint32_t r = 0; r < 4; r++) s[r * ss + t] = o[r];                                          \
+            }                                                                                                   \
+        } else {                                                                                                \
+            for (uint32_t r = 0; r < R; r++)                                                                    \
+                for (uint32_t t = 0; t < K; t++) s[r * ss + t] = hsum8(acc[r][t]);                              \
+        }                                                                                                       \
+        for (uint32_t d = D8; d < D; d++) /* head_dim not a multiple of 8 */                                    \
+            for (uint32_t r = 0; r < R; r++)                                                                    \
+                for (uint32_t t = 0; t < K; t++) s[r * ss + t] += q[r * qs + d] * sc_##T(k + t * krb, d);       \
+    }                                                                                                           \
+    static inline __attribute__((always_inline)) void score_rows_##T(const float *q, size_t qs, const uint8_t *k, \
+                                                                     size_t krb, const uint32_t R, uint32_t n_keys, \
+                                                                     uint32_t D, float *s, uint32_t ss) {       \
+        uint32_t t = 0;                                                                                         \
+        for (; t + 3 <= n_keys; t += 3) score_tile_##T(q, qs, k + t * krb, krb, R, 3, D, s + t, ss);            \
+        if (n_keys - t == 2) score_tile_##T(q, qs, k + t * krb, krb, R, 2, D, s + t, ss);                       \
+        else if (n_keys - t == 1) score_tile_##T(q, qs, k + t * krb, krb, R, 1, D, s + t, ss);                  \
+    }                                                                                                           \
+    static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,        \
+                          uint32_t D, float *s, uint32_t ss) {                                                  \
+        const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
+        const float *q = qp;                                                                                    \
+        uint32_t r = 0;                                                                                         \
+        for (; r + 4 <= n_rows; r += 4) score_rows_##T(q + r * qs, qs, k, krb, 4, n_keys, D, s + r * ss, ss);   \
+        for (; r < n_rows; r++) score_rows_##T(q + r * qs, qs, k, krb, 1, n_keys, D, s + r * ss, ss);           \
+    }
+
+/* ---- accum: acc[r][:] += sum_t p[r][t] * v_t ----------------------------------------------------
+ * Tiles of 4 rows x 24 columns held in 12 registers across all keys of the block: per key 3 V
+ * loads (+ converts), 4 broadcasts, 12 FMAs. Column tails use 16- and 8-wide tiles. */
+#define DEF_ACCUM(T)                                                                                            \
+    static inline __attribute__((always_inline)) void accum_tile_##T(const float *p, uint32_t ps, const uint32_t R, \
+                                                                     const uint8_t *v, size_t vrb, uint32_t n_keys, \
+                                                                     const uint32_t C, float *acc, uint32_t D) { \
+        __m256 a[4][3];                                                                                         \
+        const size_t esz = sizeof(elem_##T);                                                                    \
+        for (uint32_t r = 0; r < R; r++)                                                                        \
+            for (uint32_t c = 0; c < C; c++) a[r][c] = _mm256_loadu_ps(acc + r * D + 8 * c);                   \
+        for (uint32_t t = 0; t < n_keys; t++) {                                                                 \
+            const uint8_t *vr = v + t * vrb;                                                                    \
+            __m256 x[3];                                                                                        \
+            for (uint32_t c = 0; c < C; c++) x[c] = ld_##T(vr + 8 * c * esz);                                   \
+            for (uint32_t r = 0; r < R; r++) {                                                                  \
+                const __m256 w = _mm256_broadcast_ss(p + r * ps + t);                                           \
+                for (uint32_t c = 0; c < C; c++) a[r][c] = _mm256_fmadd_ps(w, x[c], a[r][c]);                   \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (uint32_t r = 0; r < R; r++)                                                                        \
+            for (uint32_t c = 0; c < C; c++) _mm256_storeu_ps(acc + r * D + 8 * c, a[r][c]);                   \
+    }                                                                                                           \
+    static inline __attribute__((always_inline)) void accum_rows_##T(const float *p, uint32_t ps, const uint32_t R, \
+                                                                     const uint8_t *v, size_t vrb, uint32_t n_keys, \
+                                                                     uint32_t D, float *acc) {                  \
+        const size_t esz = sizeof(elem_##T);                                                                    \
+        uint32_t d = 0;                                                                                         \
+        for (; d + 24 <= D; d += 24) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D);         \
+        if (D - d >= 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D), d += 16;            \
+        if (D - d >= 8) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D), d += 8;              \
+        for (uint32_t i = 0; i < R; i++) /* head_dim not a multiple of 8 */                                     \
+            for (uint32_t t = 0; t < n_keys; t++) {                                                             \
+                const float w = p[i * ps + t];                                                                  \
+                for (uint32_t e = d; e < D; e++) acc[(size_t)i * D + e] += w * sc_##T(v + t * vrb, e);          \
+            }                                                                                                   \
+    }                                                                                                           \
+    static void accum_##T(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,            \
+                          uint32_t n_keys, uint32_t D, float *acc) {                                            \
+        uint32_t r = 0;                                                                                         \
+        for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, D, acc + (size_t)r * D); \
+        for (; r < n_rows; r++) accum_rows_##T(p + r * ps, ps, 1, v, vrb, n_keys, D, acc + (size_t)r * D);     \
+    }
+
+typedef float elem_f32;
+typedef uint16_t elem_f16;
+typedef uint16_t elem_bf16;
+DEF_SCORE(f32)
+DEF_SCORE(f16)
+DEF_SCORE(bf16)
+DEF_ACCUM(f32)
+DEF_ACCUM(f16)
+DEF_ACCUM(bf16)
+
+/* ---- softmax ------------------------------------------------------------------------------------ */
+/* e^x for x <= 88.7: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 minimax polynomial (about
+ * 2 ulp), times 2^n built in the exponent field. x < -87.3 (and -inf) gives 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3f)), lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(zero_mask, y);
+}
+
+/* c * tanh(x / c) = c * sign(x) * (1 - e) / (1 + e), e = exp(-2|x| / c); 1 - e is exact for
+ * e >= 1/2, so the absolute error stays near 1 ulp of c. */
+static inline __m256 softcap8(__m256 x, __m256 c, __m256 m2_inv_c) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 ax = _mm256_andnot_ps(sign, x);
+    const __m256 e = exp8(_mm256_mul_ps(ax, m2_inv_c));
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    t = _mm256_or_ps(t, _mm256_and_ps(sign, x));
+    /* masked keys (-inf) stay masked */
+    return _mm256_blendv_ps(_mm256_mul_ps(c, t), x, _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+}
+
+static void softmax_avx2(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
+                         float *acc, uint32_t D) {
+    const uint32_t n8 = (n_keys + 7) & ~7u; /* rows of s are padded to a multiple of 16 */
+    const __m256 c = _mm256_set1_ps(softcap), m2ic = _mm256_set1_ps(-2.0f / softcap);
+    for (uint32_t r = 0; r < n_rows; r++) {
+        float *sr = s + (size_t)r * ss;
+        for (uint32_t t = n_keys; t < n8; t++) sr[t] = -INFINITY;
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        for (uint32_t t = 0; t < n8; t += 8) {
+            __m256 x = _mm256_loadu_ps(sr + t);
+            if (softcap > 0.0f) {
+                x = softcap8(x, c, m2ic);
+                _mm256_storeu_ps(sr + t, x);
+            }
+            mx = _mm256_max_ps(mx, x);
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float mnew = _mm_cvtss_f32(h);
+        if (mnew < m[r]) mnew = m[r];
+        if (mnew == -INFINITY) {
+            for (uint32_t t = 0; t < n8; t++) sr[t] = 0.0f;
+            continue;
+        }
+        const __m256 vm = _mm256_set1_ps(mnew);
+        __m256 sum = _mm256_setzero_ps();
+        for (uint32_t t = 0; t < n8; t += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + t), vm));
+            _mm256_storeu_ps(sr + t, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        if (mnew != m[r]) {
+            const float f = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
+            float *a = acc + (size_t)r * D;
+            const __m256 vf = _mm256_set1_ps(f);
+            uint32_t d = 0;
+            for (; d + 8 <= D; d += 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), vf));
+            for (; d < D; d++) a[d] *= f;
+            l[r] *= f;
+            m[r] = mnew;
+        }
+        l[r] += hsum8(sum);
+    }
+}
+
+void pkv__attn_fill_avx2(pkv__attn_kernels *kt) {
+    kt->name = "avx2";
+    kt->prep_q[PKV_DTYPE_F32] = prep_f32;
+    kt->prep_q[PKV_DTYPE_F16] = prep_f32;
+    kt->prep_q[PKV_DTYPE_BF16] = prep_f32;
+    kt->score[PKV_DTYPE_F32] = score_f32;
+    kt->score[PKV_DTYPE_F16] = score_f16;
+    kt->score[PKV_DTYPE_BF16] = score_bf16;
+    kt->accum[PKV_DTYPE_F32] = accum_f32;
+    kt->accum[PKV_DTYPE_F16] = accum_f16;
+    kt->accum[PKV_DTYPE_BF16] = accum_bf16;
+    kt->softmax = softmax_avx2;
+}

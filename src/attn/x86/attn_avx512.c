@@ -1,4 +1,205 @@
-/* attn_avx512.c: AVX-512 (F, BW, VL, DQ) primitives of paged attention (f32, f16, bf16 K/V). */
+/* attn_avx512.c: AVX-512 (F, BW, VL, DQ) primitives of paged attention (f32, f16, bf16 K/V,
+ * softmax): the AVX2 tiling at 16 lanes. The query preparation stays the AVX2 one (the table
+ * is filled by pkv__attn_fill_avx2 first). Not run on the development machine (no AVX-512):
+ * test_attn compares it with the reference wherever the CPU has it. */
 #include "../attn.h"
 
-void pkv__attn_fill_avx512(pkv__attn_kernels *kt) { kt->name = "avx512"; }
+#include <immintrin.h>
+#include <math.h>
+
+static inline __m512 ld_f32(const void *p) { return _mm512_loadu_ps(p); }
+static inline __m512 ld_f16(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline __m512 ld_bf16(const void *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline float sc_f32(const void *p, uint32_t i) { return ((const float *)p)[i]; }
+static inline float sc_f16(const void *p, uint32_t i) { return _cvtsh_ss(((const uint16_t *)p)[i]); }
+static inline float sc_bf16(const void *p, uint32_t i) {
+    union { uint32_t u; float f; } x = {(uint32_t)((const uint16_t *)p)[i] << 16};
+    return x.f;
+}
+
+typedef float elem_f32;
+typedef uint16_t elem_f16;
+typedef uint16_t elem_bf16;
+
+/* ---- score: tiles of 4 rows x 4 keys (16 accumulators of 32), 16 elements per step ---------- */
+#define DEF_SCORE(T)                                                                                            \
+    static inline __attribute__((always_inline)) void score_tile_##T(const float *q, size_t qs, const uint8_t *k, \
+                                                                     size_t krb, const uint32_t R, const uint32_t K, \
+                                                                     uint32_t D, float *s, uint32_t ss) {       \
+        __m512 acc[4][4];                                                                                       \
+        const size_t esz = sizeof(elem_##T);                                                                    \
+        const uint32_t D16 = D & ~15u;                                                                          \
+        for (uint32_t r = 0; r < R; r++)                                                                        \
+            for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm512_setzero_ps();                                   \
+        for (uint32_t d = 0; d < D16; d += 16) {                                                                \
+            __m512 kk[4];                                                                                       \
+            for (uint32_t t = 0; t < K; t++) kk[t] = ld_##T(k + t * krb + d * esz);                             \
+            for (uint32_t r = 0; r < R; r++) {                                                                  \
+                const __m512 x = _mm512_loadu_ps(q + r * qs + d);                                               \
+                for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm512_fmadd_ps(x, kk[t], acc[r][t]);              \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (uint32_t r = 0; r < R; r++)                                                                        \
+            for (uint32_t t = 0; t < K; t++) {                                                                  \
+                float o = _mm512_reduce_add_ps(acc[r][t]);                                                      \
+                for (uint32_t d = D16; d < D; d++) o += q[r * qs + d] * sc_##T(k + t * krb, d);                 \
+                s[r * ss + t] = o;                                                                              \
+            }                                                                                                   \
+    }                                                                                                           \
+    static inline __attribute__((always_inline)) void score_rows_##T(const float *q, size_t qs, const uint8_t *k, \
+                                                                     size_t krb, const uint32_t R, uint32_t n_keys, \
+                                                                     uint32_t D, float *s, uint32_t ss) {       \
+        uint32_t t = 0;                                                                                         \
+        for (; t + 4 <= n_keys; t += 4) score_tile_##T(q, qs, k + t * krb, krb, R, 4, D, s + t, ss);            \
+        switch (n_keys - t) {                                                                                   \
+        case 3: score_tile_##T(q, qs, k + t * krb, krb, R, 3, D, s + t, ss); break;                             \
+        case 2: score_tile_##T(q, qs, k + t * krb, krb, R, 2, D, s + t, ss); break;                             \
+        case 1: score_tile_##T(q, qs, k + t * krb, krb, R, 1, D, s + t, ss); break;                             \
+        default: break;                                                                                         \
+        }                                                                                                       \
+    }                                                                                                           \
+    static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,        \
+                          uint32_t D, float *s, uint32_t ss) {                                                  \
+        const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
+        const float *q = qp;                                                                                    \
+        uint32_t r = 0;                                                                                         \
+        for (; r + 4 <= n_rows; r += 4) score_rows_##T(q + r * qs, qs, k, krb, 4, n_keys, D, s + r * ss, ss);   \
+        for (; r < n_rows; r++) score_rows_##T(q + r * qs, qs, k, krb, 1, n_keys, D, s + r * ss, ss);           \
+    }
+
+/* ---- accum: tiles of 4 rows x 48 columns (12 accumulators) across the block's keys ----------- */
+#define DEF_ACCUM(T)                                                                                            \
+    static inline __attribute__((always_inline)) void accum_tile_##T(const float *p, uint32_t ps, const uint32_t R, \
+                                                                     const uint8_t *v, size_t vrb, uint32_t n_keys, \
+                                                                     const uint32_t C, float *acc, uint32_t D) { \
+        __m512 a[4][3];                                                                                         \
+        const size_t esz = sizeof(elem_##T);                                                                    \
+        for (uint32_t r = 0; r < R; r++)                                                                        \
+            for (uint32_t c = 0; c < C; c++) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);                  \
+        for (uint32_t t = 0; t < n_keys; t++) {                                                                 \
+            const uint8_t *vr = v + t * vrb;                                                                    \
+            __m512 x[3];                                                                                        \
+            for (uint32_t c = 0; c < C; c++) x[c] = ld_##T(vr + 16 * c * esz);                                  \
+            for (uint32_t r = 0; r < R; r++) {                                                                  \
+                const __m512 w = _mm512_set1_ps(p[r * ps + t]);                                                 \
+                for (uint32_t c = 0; c < C; c++) a[r][c] = _mm512_fmadd_ps(w, x[c], a[r][c]);                   \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (uint32_t r = 0; r < R; r++)                                                                        \
+            for (uint32_t c = 0; c < C; c++) _mm512_storeu_ps(acc + r * D + 16 * c, a[r][c]);                  \
+    }                                                                                                           \
+    static inline __attribute__((always_inline)) void accum_rows_##T(const float *p, uint32_t ps, const uint32_t R, \
+                                                                     const uint8_t *v, size_t vrb, uint32_t n_keys, \
+                                                                     uint32_t D, float *acc) {                  \
+        const size_t esz = sizeof(elem_##T);                                                                    \
+        uint32_t d = 0;                                                                                         \
+        for (; d + 48 <= D; d += 48) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D);         \
+        if (D - d >= 32) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D), d += 32;            \
+        if (D - d >= 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D), d += 16;            \
+        for (uint32_t i = 0; i < R; i++) /* head_dim not a multiple of 16 */                                    \
+            for (uint32_t t = 0; t < n_keys; t++) {                                                             \
+                const float w = p[i * ps + t];                                                                  \
+                for (uint32_t e = d; e < D; e++) acc[(size_t)i * D + e] += w * sc_##T(v + t * vrb, e);          \
+            }                                                                                                   \
+    }                                                                                                           \
+    static void accum_##T(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,            \
+                          uint32_t n_keys, uint32_t D, float *acc) {                                            \
+        uint32_t r = 0;                                                                                         \
+        for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, D, acc + (size_t)r * D); \
+        for (; r < n_rows; r++) accum_rows_##T(p + r * ps, ps, 1, v, vrb, n_keys, D, acc + (size_t)r * D);     \
+    }
+
+DEF_SCORE(f32)
+DEF_SCORE(f16)
+DEF_SCORE(bf16)
+DEF_ACCUM(f32)
+DEF_ACCUM(f16)
+DEF_ACCUM(bf16)
+
+/* ---- softmax (same polynomial as the AVX2 path) ------------------------------------------------ */
+static inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ); /* x < -87.3, -inf, nan -> 0 */
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
+}
+
+static inline __m512 softcap16(__m512 x, __m512 c, __m512 m2_inv_c) {
+    const __m512 ax = _mm512_abs_ps(x);
+    const __m512 e = exp16(_mm512_mul_ps(ax, m2_inv_c));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    /* sign of x back on; masked keys (-inf) stay masked */
+    t = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t),
+                                            _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
+    const __mmask16 masked = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    return _mm512_mask_blend_ps(masked, _mm512_mul_ps(c, t), x);
+}
+
+static void softmax_avx512(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
+                           float *acc, uint32_t D) {
+    const uint32_t n16 = (n_keys + 15) & ~15u; /* rows of s are padded to a multiple of 16 */
+    const __m512 c = _mm512_set1_ps(softcap), m2ic = _mm512_set1_ps(-2.0f / softcap);
+    for (uint32_t r = 0; r < n_rows; r++) {
+        float *sr = s + (size_t)r * ss;
+        for (uint32_t t = n_keys; t < n16; t++) sr[t] = -INFINITY;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (uint32_t t = 0; t < n16; t += 16) {
+            __m512 x = _mm512_loadu_ps(sr + t);
+            if (softcap > 0.0f) {
+                x = softcap16(x, c, m2ic);
+                _mm512_storeu_ps(sr + t, x);
+            }
+            mx = _mm512_max_ps(mx, x);
+        }
+        float mnew = _mm512_reduce_max_ps(mx);
+        if (mnew < m[r]) mnew = m[r];
+        if (mnew == -INFINITY) {
+            for (uint32_t t = 0; t < n16; t++) sr[t] = 0.0f;
+            continue;
+        }
+        const __m512 vm = _mm512_set1_ps(mnew);
+        __m512 sum = _mm512_setzero_ps();
+        for (uint32_t t = 0; t < n16; t += 16) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + t), vm));
+            _mm512_storeu_ps(sr + t, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        if (mnew != m[r]) {
+            const float f = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
+            float *a = acc + (size_t)r * D;
+            const __m512 vf = _mm512_set1_ps(f);
+            uint32_t d = 0;
+            for (; d + 16 <= D; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), vf));
+            for (; d < D; d++) a[d] *= f;
+            l[r] *= f;
+            m[r] = mnew;
+        }
+        l[r] += _mm512_reduce_add_ps(sum);
+    }
+}
+
+void pkv__attn_fill_avx512(pkv__attn_kernels *kt) {
+    kt->name = "avx512";
+    kt->score[PKV_DTYPE_F32] = score_f32;
+    kt->score[PKV_DTYPE_F16] = score_f16;
+    kt->score[PKV_DTYPE_BF16] = score_bf16;
+    kt->accum[PKV_DTYPE_F32] = accum_f32;
+    kt->accum[PKV_DTYPE_F16] = accum_f16;
+    kt->accum[PKV_DTYPE_BF16] = accum_bf16;
+    kt->softmax = softmax_avx512;
+}

@@ -1,0 +1,636 @@
+/* test_attn.c: the paged attention kernels against a double-precision contiguous reference,
+ * for every backend this CPU has, over pools built here (fragmented block tables), plus the
+ * seed value, soft-cap, sliding window, LSE merge and bad input. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attn/attn.h"
+#include "quant/quant.h"
+
+/* ---- tolerances ------------------------------------------------------------------------------
+ * Errors are measured as max |out - ref| / max |V| over the sequence: every output is a convex
+ * combination of V rows, so max |V| is the output's natural scale (the output itself can be
+ * near 0 when it averages thousands of random values, which would make a relative error
+ * meaningless).
+ * TOL_F32: the kernels accumulate q.k over head_dim <= 256 and p.v over <= 5000 keys in f32
+ * (rounding ~6e-8 per operation, mostly cancelling); 1e-5 leaves a wide margin over the
+ * ~1e-6 we observe, while a wrong mask, a dropped block or a bad merge gives errors >= 1e-3.
+ * TOL_F16 / TOL_BF16: the reference is computed on the f16/bf16-rounded K and V the kernel
+ * reads, so what remains is the same f32 accumulation: the same bound holds.
+ * TOL_LSE: the log-sum-exp, absolute, relative to max(1, |lse|). */
+#define TOL_F32 1e-5
+#define TOL_F16 1e-5
+#define TOL_BF16 1e-5
+#define TOL_LSE 1e-5
+
+static double tol_for(pkv_dtype k, pkv_dtype v) {
+    double t = TOL_F32;
+    if (k == PKV_DTYPE_F16 || v == PKV_DTYPE_F16) t = TOL_F16;
+    if (k == PKV_DTYPE_BF16 || v == PKV_DTYPE_BF16) t = fmax(t, TOL_BF16);
+    return t;
+}
+
+/* ---- deterministic rng ----------------------------------------------------------------------- */
+static uint64_t g_rng = 1;
+static uint64_t rng_u64(void) {
+    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static uint32_t rng_below(uint32_t n) { return (uint32_t)(rng_u64() % n); }
+static double rng_unit(void) { return (double)(rng_u64() >> 11) * (1.0 / 9007199254740992.0); }
+static float rng_normal(void) {
+    double u1 = rng_unit(), u2 = rng_unit();
+    if (u1 < 1e-300) u1 = 1e-300;
+    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+/* ---- a pool built by hand -------------------------------------------------------------------- */
+typedef struct tpool {
+    uint32_t H, D, B, n_blocks, next_free;
+    int32_t *free_ids; /* shuffled: sequences get fragmented block tables */
+    uint8_t *k, *v;
+    pkv__kv_view view;
+} tpool;
+
+typedef struct tseq {
+    uint32_t len;
+    int32_t *table;
+    float *kf, *vf; /* the values the pool holds, decoded: [len][H][D] */
+    float vmax;     /* max |V| */
+} tseq;
+
+static void pool_init(tpool *p, uint32_t H, uint32_t D, uint32_t B, uint32_t n_blocks, pkv_dtype kdt, pkv_dtype vdt) {
+    memset(p, 0, sizeof *p);
+    p->H = H, p->D = D, p->B = B, p->n_blocks = n_blocks;
+    size_t krb = pkv__row_bytes(kdt, D), vrb = pkv__row_bytes(vdt, D);
+    assert_true(krb && vrb);
+    p->view.k_dtype = kdt, p->view.v_dtype = vdt;
+    p->view.k_row_bytes = krb, p->view.v_row_bytes = vrb;
+    p->view.k_block_bytes = (size_t)H * B * krb, p->view.v_block_bytes = (size_t)H * B * vrb;
+    p->view.n_kv_heads = H, p->view.head_dim = D, p->view.block_tokens = B, p->view.n_blocks = n_blocks;
+    size_t kb = (p->view.k_block_bytes * n_blocks + 63) & ~(size_t)63, vb = (p->view.v_block_bytes * n_blocks + 63) & ~(size_t)63;
+    p->k = aligned_alloc(64, kb);
+    p->v = aligned_alloc(64, vb);
+    assert_non_null(p->k);
+    assert_non_null(p->v);
+    /* garbage everywhere: a kernel reading a slot it should not read shows up as NaN */
+    memset(p->k, 0xff, kb);
+    memset(p->v, 0xff, vb);
+    p->view.k = p->k, p->view.v = p->v;
+    p->free_ids = malloc(sizeof(int32_t) * n_blocks);
+    for (uint32_t i = 0; i < n_blocks; i++) p->free_ids[i] = (int32_t)i;
+    for (uint32_t i = n_blocks; i > 1; i--) {
+        uint32_t j = rng_below(i);
+        int32_t t = p->free_ids[i - 1];
+        p->free_ids[i - 1] = p->free_ids[j];
+        p->free_ids[j] = t;
+    }
+}
+
+static void pool_free(tpool *p) {
+    free(p->k);
+    free(p->v);
+    free(p->free_ids);
+}
+
+/* Writes one token's K and V (f32 [H][D] each) at position pos of s. */
+static void seq_put(tpool *p, tseq *s, uint32_t pos, const float *k, const float *v) {
+    const uint32_t D = p->D;
+    int32_t b = s->table[pos / p->B];
+    for (uint32_t h = 0; h < p->H; h++) {
+        uint8_t *kr = p->k + (size_t)b * p->view.k_block_bytes + ((size_t)h * p->B + pos % p->B) * p->view.k_row_bytes;
+        uint8_t *vr = p->v + (size_t)b * p->view.v_block_bytes + ((size_t)h * p->B + pos % p->B) * p->view.v_row_bytes;
+        pkv__row_encode(p->view.k_dtype, k + (size_t)h * D, D, kr);
+        pkv__row_encode(p->view.v_dtype, v + (size_t)h * D, D, vr);
+        float *kf = s->kf + ((size_t)pos * p->H + h) * D, *vf = s->vf + ((size_t)pos * p->H + h) * D;
+        pkv__row_decode(p->view.k_dtype, kr, D, kf);
+        pkv__row_decode(p->view.v_dtype, vr, D, vf);
+        for (uint32_t d = 0; d < D; d++) s->vmax = fmaxf(s->vmax, fabsf(vf[d]));
+    }
+}
+
+/* A sequence of len random tokens (K ~ N(0,1) * kmul, V ~ N(0,1)) on fresh shuffled blocks. */
+static void seq_make(tpool *p, tseq *s, uint32_t len, float kmul) {
+    memset(s, 0, sizeof *s);
+    s->len = len;
+    uint32_t nb = (len + p->B - 1) / p->B;
+    s->table = malloc(sizeof(int32_t) * (nb + 1));
+    assert_true(p->next_free + nb <= p->n_blocks);
+    for (uint32_t i = 0; i < nb; i++) s->table[i] = p->free_ids[p->next_free++];
+    size_t n = (size_t)len * p->H * p->D;
+    s->kf = malloc(sizeof(float) * (n + 1));
+    s->vf = malloc(sizeof(float) * (n + 1));
+    float *k = malloc(sizeof(float) * p->H * p->D), *v = malloc(sizeof(float) * p->H * p->D);
+    for (uint32_t pos = 0; pos < len; pos++) {
+        for (uint32_t i = 0; i < p->H * p->D; i++) k[i] = rng_normal() * kmul, v[i] = rng_normal();
+        seq_put(p, s, pos, k, v);
+    }
+    free(k);
+    free(v);
+}
+
+static void seq_free(tseq *s) {
+    free(s->table);
+    free(s->kf);
+    free(s->vf);
+}
+
+/* ---- the reference: plain contiguous attention in double -------------------------------------- */
+static void ref_query(const tpool *p, const tseq *s, uint32_t n_q_heads, const float *q, uint32_t pos, double scale,
+                      double softcap, uint32_t window, double *out, double *lse) {
+    const uint32_t D = p->D, G = n_q_heads / p->H;
+    const uint32_t lo = (window && pos + 1 > window) ? pos + 1 - window : 0;
+    double *w = malloc(sizeof(double) * (pos - lo + 1));
+    for (uint32_t hq = 0; hq < n_q_heads; hq++) {
+        const uint32_t h = hq / G;
+        const float *qr = q + (size_t)hq * D;
+        double mx = -INFINITY;
+        for (uint32_t t = lo; t <= pos; t++) {
+            const float *kr = s->kf + ((size_t)t * p->H + h) * D;
+            double dot = 0;
+            for (uint32_t d = 0; d < D; d++) dot += (double)qr[d] * kr[d];
+            double x = dot * scale;
+            if (softcap > 0) x = softcap * tanh(x / softcap);
+            w[t - lo] = x;
+            mx = fmax(mx, x);
+        }
+        double sum = 0;
+        for (uint32_t t = lo; t <= pos; t++) sum += (w[t - lo] = exp(w[t - lo] - mx));
+        double *o = out + (size_t)hq * D;
+        for (uint32_t d = 0; d < D; d++) o[d] = 0;
+        for (uint32_t t = lo; t <= pos; t++) {
+            const float *vr = s->vf + ((size_t)t * p->H + h) * D;
+            for (uint32_t d = 0; d < D; d++) o[d] += w[t - lo] * vr[d];
+        }
+        for (uint32_t d = 0; d < D; d++) o[d] /= sum;
+        if (lse) lse[hq] = mx + log(sum);
+    }
+    free(w);
+}
+
+/* Compares the n_q queries of one item with the reference; returns the worst scaled error. */
+static double check_item(const tpool *p, const tseq *s, uint32_t nqh, const pkv__attn_item *it, const pkv__attn_call *c,
+                         double *lse_err) {
+    const uint32_t D = p->D;
+    double *ro = malloc(sizeof(double) * nqh * D), *rl = malloc(sizeof(double) * nqh);
+    double worst = 0;
+    for (uint32_t qi = 0; qi < it->n_q; qi++) {
+        ref_query(p, s, nqh, it->q + (size_t)qi * nqh * D, it->q_pos0 + qi, c->scale, c->softcap, c->window, ro, rl);
+        for (uint32_t i = 0; i < nqh * D; i++) {
+            double e = fabs((double)it->out[(size_t)qi * nqh * D + i] - ro[i]) / fmax(s->vmax, 1e-30);
+            if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
+        }
+        if (it->lse)
+            for (uint32_t h = 0; h < nqh; h++) {
+                double e = fabs((double)it->lse[(size_t)qi * nqh + h] - rl[h]) / fmax(1.0, fabs(rl[h]));
+                if (!(e <= *lse_err)) *lse_err = isnan(e) ? INFINITY : e;
+            }
+    }
+    free(ro);
+    free(rl);
+    return worst;
+}
+
+/* ---- backend selection ----------------------------------------------------------------------- */
+typedef struct backend_case {
+    const char *name;
+} backend_case;
+
+/* Creates a context with the named backend, or skips the test when this CPU lacks it. */
+static pkv__attn *make_attn(const char *backend, uint32_t n_threads, uint32_t max_items, uint32_t max_blocks,
+                            uint32_t H, uint32_t D, uint32_t B) {
+    pkv__attn_limits lim = {.max_items = max_items, .max_blocks_per_seq = max_blocks, .n_kv_heads = H, .head_dim = D,
+                            .block_tokens = B};
+    pkv__attn *at = NULL;
+    int rc = pkv__attn_create_backend(NULL, n_threads, &lim, backend, &at);
+    if (rc == PKV_ENOTSUP) return NULL;
+    assert_int_equal(rc, PKV_OK);
+    assert_string_equal(pkv__attn_backend_name(at), backend);
+    assert_int_equal(pkv__attn_n_threads(at), n_threads);
+    return at;
+}
+
+static float *rand_q(size_t n) {
+    float *q = malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++) q[i] = rng_normal();
+    return q;
+}
+
+/* ---- seed value (SEEDS.md test 40) ------------------------------------------------------------ */
+/* One query, H = 1, D = 4, scale 1, B = 3. Block 0 holds 3 tokens with K = 0.1, V = 0.2 (every
+ * element); block 1 holds 2 tokens with K = 0.5, V = 0.6; the query is all ones. Logits are
+ * 0.4 (x3) and 2.0 (x2): out = (3e^0.4 * 0.2 + 2e^2 * 0.6) / (3e^0.4 + 2e^2) = 0.5070205 for
+ * every element. The blocks are placed at ids 1 and 0 (reversed) to exercise the table. */
+static void test_seed_value(void **state) {
+    const backend_case *bc = *state;
+    for (uint32_t nt = 1; nt <= 2; nt++) {
+        pkv__attn *at = make_attn(bc->name, nt, 1, 2, 1, 4, 3);
+        if (!at) skip();
+        float kbuf[2][3][4], vbuf[2][3][4];
+        for (int b = 0; b < 2; b++)
+            for (int t = 0; t < 3; t++)
+                for (int d = 0; d < 4; d++) {
+                    /* block id 1 = logical block 0, block id 0 = logical block 1; slot 2 of block
+                     * id 0 is past the end: NaN there must not leak into the result */
+                    kbuf[b][t][d] = b == 1 ? 0.1f : (t < 2 ? 0.5f : NAN);
+                    vbuf[b][t][d] = b == 1 ? 0.2f : (t < 2 ? 0.6f : NAN);
+                }
+        pkv__kv_view kv = {.k = (const uint8_t *)kbuf, .v = (const uint8_t *)vbuf, .k_dtype = PKV_DTYPE_F32,
+                           .v_dtype = PKV_DTYPE_F32, .k_row_bytes = 16, .v_row_bytes = 16, .k_block_bytes = 48,
+                           .v_block_bytes = 48, .n_kv_heads = 1, .head_dim = 4, .block_tokens = 3, .n_blocks = 2};
+        const int32_t table[2] = {1, 0};
+        const float q[4] = {1, 1, 1, 1};
+        float out[4] = {0}, lse = 0;
+        pkv__attn_item it = {.block_table = table, .q_pos0 = 4, .n_q = 1, .q = q, .out = out, .lse = &lse};
+        pkv__attn_call call = {.n_q_heads = 1, .scale = 1.0f};
+        assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_OK);
+        for (int d = 0; d < 4; d++) assert_float_equal(out[d], 0.5070205f, 1e-6f);
+        assert_float_equal(lse, (float)log(3 * exp(0.4) + 2 * exp(2.0)), 1e-5f);
+        pkv__attn_destroy(at);
+    }
+}
+
+/* ---- the oracle ------------------------------------------------------------------------------- */
+static const uint32_t k_dims[] = {64, 80, 128, 256};
+static const uint32_t k_heads[][2] = {{1, 1}, {8, 8}, {32, 8}, {8, 1}}; /* n_q_heads, n_kv_heads */
+static const pkv_dtype k_types[] = {PKV_DTYPE_F32, PKV_DTYPE_F16, PKV_DTYPE_BF16};
+
+/* A random context length: mostly short, sometimes long (up to 5000). */
+static uint32_t rand_len(void) {
+    switch (rng_below(4)) {
+    case 0: return 1 + rng_below(20);
+    case 1: return 1 + rng_below(300);
+    case 2: return 1 + rng_below(1500);
+    default: return 1 + rng_below(5000);
+    }
+}
+
+typedef struct oracle_opts {
+    int prefill;     /* 0: decode items (one query at the end); 1: prefill / extend items */
+    int softcap;     /* random soft-cap */
+    int window;      /* random sliding window */
+} oracle_opts;
+
+/* One random case: a batch of sequences in one pool, one run, every query checked. */
+static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uint32_t nqh, uint32_t H, pkv_dtype kdt,
+                        pkv_dtype vdt, const oracle_opts *o, double *worst, double *worst_lse) {
+    static const uint32_t k_btok[] = {1, 3, 16, 16, 16, 32};
+    const uint32_t B = k_btok[rng_below(6)];
+    const uint32_t n_seqs = 1 + rng_below(4);
+    tseq seqs[4];
+    uint32_t lens[4], total_blocks = 0, max_blocks = 0;
+    for (uint32_t i = 0; i < n_seqs; i++) {
+        /* big shapes get shorter contexts to bound the run time of the double reference */
+        lens[i] = rand_len();
+        if ((size_t)H * D > 1024 && lens[i] > 2500) lens[i] = 1 + lens[i] / 2;
+        if (o->prefill && lens[i] > 2000) lens[i] = 1 + lens[i] / 3;
+        uint32_t nb = (lens[i] + B - 1) / B;
+        total_blocks += nb;
+        max_blocks = nb > max_blocks ? nb : max_blocks;
+    }
+    tpool p;
+    pool_init(&p, H, D, B, total_blocks + 3, kdt, vdt);
+    /* peaky and flat attention both: scale q.k by 1/sqrt(D) times 0.5 .. 4 */
+    const float kmul = (float)(0.5 + 3.5 * rng_unit());
+    for (uint32_t i = 0; i < n_seqs; i++) seq_make(&p, &seqs[i], lens[i], kmul);
+    pkv__attn *at = make_attn(backend, n_threads, n_seqs, max_blocks, H, D, B);
+    if (!at) {
+        for (uint32_t i = 0; i < n_seqs; i++) seq_free(&seqs[i]);
+        pool_free(&p);
+        skip();
+    }
+    pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
+    if (o->softcap) call.softcap = (float)(1.0 + 30.0 * rng_unit());
+    if (o->window) call.window = 1 + rng_below(600);
+    pkv__attn_item items[4];
+    for (uint32_t i = 0; i < n_seqs; i++) {
+        uint32_t n_q = 1, pos0 = lens[i] - 1;
+        if (o->prefill) {
+            /* extend: up to 20 queries ending anywhere; or a whole short prompt */
+            n_q = 1 + rng_below(lens[i] < 20 ? lens[i] : 20);
+            if (lens[i] <= 160 && rng_below(2)) n_q = lens[i];
+            pos0 = rng_below(lens[i] - n_q + 1);
+        }
+        items[i] = (pkv__attn_item){.block_table = seqs[i].table, .q_pos0 = pos0, .n_q = n_q,
+                                    .q = rand_q((size_t)n_q * nqh * D),
+                                    .out = malloc(sizeof(float) * n_q * nqh * D),
+                                    .lse = rng_below(2) ? malloc(sizeof(float) * n_q * nqh) : NULL};
+    }
+    assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
+    for (uint32_t i = 0; i < n_seqs; i++) {
+        /* errors in units of the tolerance of this (K, V) pair */
+        double e = check_item(&p, &seqs[i], nqh, &items[i], &call, worst_lse) / tol_for(kdt, vdt);
+        if (!(e <= *worst)) {
+            *worst = e;
+            if (e > 1.0)
+                print_message("  fail: %s D=%u q/kv=%u/%u B=%u len=%u q_pos0=%u n_q=%u softcap=%g window=%u thr=%u: err %.3g\n",
+                              backend, D, nqh, H, B, lens[i], items[i].q_pos0, items[i].n_q, call.softcap, call.window,
+                              n_threads, e);
+        }
+        free((void *)items[i].q);
+        free(items[i].out);
+        free(items[i].lse);
+        seq_free(&seqs[i]);
+    }
+    pkv__attn_destroy(at);
+    pool_free(&p);
+}
+
+static void run_oracle(const char *backend, const oracle_opts *o, uint64_t seed) {
+    g_rng = seed;
+    for (size_t ti = 0; ti < sizeof k_types / sizeof *k_types; ti++) {
+        double worst = 0, worst_lse = 0;
+        for (size_t di = 0; di < 4; di++)
+            for (size_t hi = 0; hi < 4; hi++) {
+                const uint32_t nt = 1 + rng_below(3); /* 1..3 threads: 2 and 3 exercise key splits */
+                /* K and V of different types sometimes: the dispatch is per tensor */
+                pkv_dtype kdt = k_types[ti], vdt = rng_below(4) ? kdt : k_types[rng_below(3)];
+                oracle_case(backend, nt, k_dims[di], k_heads[hi][0], k_heads[hi][1], kdt, vdt, o, &worst, &worst_lse);
+            }
+        print_message("  %s K=%s%s%s%s: max err %.3g of the tolerance, lse err %.3g\n", backend,
+                      pkv_dtype_name(k_types[ti]), o->prefill ? " prefill" : " decode", o->softcap ? " softcap" : "",
+                      o->window ? " window" : "", worst, worst_lse);
+        assert_true(worst <= 1.0);
+        assert_true(worst_lse <= TOL_LSE);
+    }
+}
+
+static void test_oracle_decode(void **state) {
+    const backend_case *bc = *state;
+    oracle_opts o = {0};
+    run_oracle(bc->name, &o, 101);
+}
+static void test_oracle_prefill(void **state) {
+    const backend_case *bc = *state;
+    oracle_opts o = {.prefill = 1};
+    run_oracle(bc->name, &o, 202);
+}
+static void test_oracle_softcap_window(void **state) {
+    const backend_case *bc = *state;
+    oracle_opts o = {.softcap = 1, .window = 1};
+    run_oracle(bc->name, &o, 303);
+    o.prefill = 1;
+    run_oracle(bc->name, &o, 304);
+    o.softcap = 0;
+    run_oracle(bc->name, &o, 305);
+}
+
+/* ---- soft-cap and window: exact effects on a hand-made case ------------------------------------ */
+/* Window 1: a query sees only its own position, so out == V[p] exactly and lse == its logit. */
+static void test_window_one_sees_itself(void **state) {
+    const backend_case *bc = *state;
+    g_rng = 7;
+    tpool p;
+    pool_init(&p, 2, 64, 16, 8, PKV_DTYPE_F32, PKV_DTYPE_F32);
+    tseq s;
+    seq_make(&p, &s, 100, 1.0f);
+    pkv__attn *at = make_attn(bc->name, 2, 1, 8, 2, 64, 16);
+    if (!at) skip();
+    const uint32_t nqh = 4, n_q = 40;
+    float *q = rand_q((size_t)n_q * nqh * 64), *out = malloc(sizeof(float) * n_q * nqh * 64);
+    float lse[40 * 4];
+    pkv__attn_item it = {.block_table = s.table, .q_pos0 = 60, .n_q = n_q, .q = q, .out = out, .lse = lse};
+    pkv__attn_call call = {.n_q_heads = nqh, .scale = 0.125f, .softcap = 5.0f, .window = 1};
+    assert_int_equal(pkv__attn_run(at, &p.view, &it, 1, &call), PKV_OK);
+    for (uint32_t qi = 0; qi < n_q; qi++)
+        for (uint32_t hq = 0; hq < nqh; hq++) {
+            const uint32_t h = hq / 2, pos = 60 + qi;
+            const float *v = s.vf + ((size_t)pos * 2 + h) * 64;
+            for (uint32_t d = 0; d < 64; d++) assert_float_equal(out[((size_t)qi * nqh + hq) * 64 + d], v[d], 1e-6f);
+            double dot = 0;
+            for (uint32_t d = 0; d < 64; d++) dot += (double)q[((size_t)qi * nqh + hq) * 64 + d] * s.kf[((size_t)pos * 2 + h) * 64 + d];
+            double logit = 5.0 * tanh(dot * 0.125 / 5.0);
+            assert_float_equal(lse[qi * nqh + hq], (float)logit, 1e-5f);
+            assert_true(fabs(logit) <= 5.0);
+        }
+    free(q);
+    free(out);
+    seq_free(&s);
+    pool_free(&p);
+    pkv__attn_destroy(at);
+}
+
+/* ---- LSE merge: attention over two halves, merged by their LSEs, equals the whole ------------ */
+static void test_lse_merge_halves(void **state) {
+    const backend_case *bc = *state;
+    g_rng = 11;
+    const uint32_t H = 8, D = 128, B = 16, nqh = 32, n1 = 64 * B, n2 = 37 * B + 5;
+    tpool p;
+    pool_init(&p, H, D, B, 300, PKV_DTYPE_F16, PKV_DTYPE_F16);
+    tseq whole;
+    seq_make(&p, &whole, n1 + n2, 1.0f);
+    pkv__attn *at = make_attn(bc->name, 2, 3, 200, H, D, B);
+    if (!at) skip();
+    float *q = rand_q((size_t)nqh * D);
+    float *o[3], l[3][32];
+    for (int i = 0; i < 3; i++) o[i] = malloc(sizeof(float) * nqh * D);
+    /* the halves as sequences of their own: the first n1 positions, and the rest re-based at 0
+     * (their block table is the tail of the whole one, since n1 is a multiple of B) */
+    pkv__attn_item items[3] = {
+        {.block_table = whole.table, .q_pos0 = n1 + n2 - 1, .n_q = 1, .q = q, .out = o[0], .lse = l[0]},
+        {.block_table = whole.table, .q_pos0 = n1 - 1, .n_q = 1, .q = q, .out = o[1], .lse = l[1]},
+        {.block_table = whole.table + n1 / B, .q_pos0 = n2 - 1, .n_q = 1, .q = q, .out = o[2], .lse = l[2]},
+    };
+    pkv__attn_call call = {.n_q_heads = nqh, .scale = 0.088f, .softcap = 0};
+    assert_int_equal(pkv__attn_run(at, &p.view, items, 3, &call), PKV_OK);
+    for (uint32_t h = 0; h < nqh; h++) {
+        double m = fmax(l[1][h], l[2][h]);
+        double w1 = exp(l[1][h] - m), w2 = exp(l[2][h] - m);
+        assert_float_equal(l[0][h], (float)(m + log(w1 + w2)), 1e-5f);
+        for (uint32_t d = 0; d < D; d++) {
+            double merged = (w1 * o[1][h * D + d] + w2 * o[2][h * D + d]) / (w1 + w2);
+            assert_true(fabs(merged - o[0][h * D + d]) <= 1e-5 * whole.vmax);
+        }
+    }
+    for (int i = 0; i < 3; i++) free(o[i]);
+    free(q);
+    seq_free(&whole);
+    pool_free(&p);
+    pkv__attn_destroy(at);
+}
+
+/* ---- threads and splits give the same answer as one thread ----------------------------------- */
+static void test_threads_agree(void **state) {
+    const backend_case *bc = *state;
+    g_rng = 13;
+    const uint32_t H = 1, D = 128, B = 16, nqh = 8;
+    tpool p;
+    pool_init(&p, H, D, B, 400, PKV_DTYPE_BF16, PKV_DTYPE_BF16);
+    tseq s;
+    seq_make(&p, &s, 6000, 1.0f);
+    float *q = rand_q((size_t)nqh * D), out[3][8 * 128];
+    for (uint32_t nt = 1; nt <= 3; nt++) {
+        pkv__attn *at = make_attn(bc->name, nt, 1, 400, H, D, B);
+        if (!at) skip();
+        pkv__attn_item it = {.block_table = s.table, .q_pos0 = 5999, .n_q = 1, .q = q, .out = out[nt - 1]};
+        pkv__attn_call call = {.n_q_heads = nqh, .scale = 0.1f};
+        assert_int_equal(pkv__attn_run(at, &p.view, &it, 1, &call), PKV_OK);
+        pkv__attn_destroy(at);
+    }
+    for (uint32_t i = 0; i < nqh * D; i++) {
+        assert_true(fabsf(out[1][i] - out[0][i]) <= 1e-5f * s.vmax);
+        assert_true(fabsf(out[2][i] - out[0][i]) <= 1e-5f * s.vmax);
+    }
+    free(q);
+    seq_free(&s);
+    pool_free(&p);
+}
+
+/* ---- bad input --------------------------------------------------------------------------------- */
+static void test_bad_input(void **state) {
+    (void)state;
+    g_rng = 17;
+    tpool p;
+    pool_init(&p, 2, 64, 16, 8, PKV_DTYPE_F16, PKV_DTYPE_F16);
+    tseq s;
+    seq_make(&p, &s, 40, 1.0f);
+    pkv__attn *at = make_attn("ref", 2, 2, 8, 2, 64, 16);
+    float q[4 * 64], out[4 * 64];
+    for (int i = 0; i < 4 * 64; i++) q[i] = 1.0f, out[i] = 42.0f;
+    pkv__attn_item it = {.block_table = s.table, .q_pos0 = 39, .n_q = 1, .q = q, .out = out};
+    pkv__attn_call call = {.n_q_heads = 4, .scale = 0.125f};
+    pkv__kv_view kv = p.view;
+
+    assert_int_equal(pkv__attn_run(NULL, &kv, &it, 1, &call), PKV_EINVAL);
+    assert_int_equal(pkv__attn_run(at, NULL, &it, 1, &call), PKV_EINVAL);
+    assert_int_equal(pkv__attn_run(at, &kv, NULL, 1, &call), PKV_EINVAL);
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, NULL), PKV_EINVAL);
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 3, &call), PKV_EINVAL); /* > max_items */
+    call.n_q_heads = 3; /* not a multiple of 2 kv heads */
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    call.n_q_heads = 0;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    call.n_q_heads = 4;
+    call.scale = NAN;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    call.scale = 0.125f;
+    call.softcap = -1.0f;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    call.softcap = 0.0f;
+    kv.k_dtype = (pkv_dtype)99;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    kv = p.view;
+    kv.head_dim = 128; /* beyond the limits the context was sized for */
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    kv = p.view;
+    kv.k = NULL;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    kv = p.view;
+    it.q = NULL;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    it.q = q;
+    it.out = NULL;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    it.out = out;
+    it.block_table = NULL;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    int32_t bad_table[3] = {s.table[0], 99, s.table[2]}; /* 99 is not a block of the pool */
+    it.block_table = bad_table;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    bad_table[1] = -1;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    it.block_table = s.table;
+    it.q_pos0 = 8 * 16; /* past the block-table capacity */
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    it.q_pos0 = 39;
+    /* a failing call wrote nothing */
+    for (int i = 0; i < 4 * 64; i++) assert_true(out[i] == 42.0f);
+    /* zero items and empty items are fine and write nothing */
+    assert_int_equal(pkv__attn_run(at, &kv, NULL, 0, &call), PKV_OK);
+    it.n_q = 0;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_OK);
+    for (int i = 0; i < 4 * 64; i++) assert_true(out[i] == 42.0f);
+    it.n_q = 1;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_OK);
+    assert_true(out[0] != 42.0f);
+    pkv__attn_destroy(at);
+    pkv__attn_destroy(NULL);
+
+    pkv__attn_limits lim = {.max_items = 1, .max_blocks_per_seq = 1, .n_kv_heads = 1, .head_dim = 64, .block_tokens = 16};
+    pkv__attn *x = NULL;
+    assert_int_equal(pkv__attn_create_backend(NULL, 1, &lim, "no-such-isa", &x), PKV_ENOTSUP);
+    assert_null(x);
+    assert_int_equal(pkv__attn_create(NULL, 1, NULL, &x), PKV_EINVAL);
+    lim.head_dim = 0;
+    assert_int_equal(pkv__attn_create(NULL, 1, &lim, &x), PKV_EINVAL);
+    seq_free(&s);
+    pool_free(&p);
+}
+
+/* Quantized K/V: either a kernel exists (then it runs) or the call says PKV_ENOTSUP and writes
+ * nothing. The kernels and their error bounds are tested by the quant tests. */
+static void test_quant_dtypes_supported_or_enotsup(void **state) {
+    const backend_case *bc = *state;
+    const pkv_dtype qt[] = {PKV_DTYPE_Q8_0, PKV_DTYPE_Q4_0, PKV_DTYPE_FP8_E4M3};
+    for (int i = 0; i < 3; i++) {
+        g_rng = 19;
+        tpool p;
+        pool_init(&p, 1, 64, 16, 4, qt[i], qt[i]);
+        tseq s;
+        seq_make(&p, &s, 50, 1.0f);
+        pkv__attn *at = make_attn(bc->name, 1, 1, 4, 1, 64, 16);
+        if (!at) skip();
+        float q[64], out[64];
+        for (int d = 0; d < 64; d++) q[d] = 0.1f, out[d] = 42.0f;
+        pkv__attn_item it = {.block_table = s.table, .q_pos0 = 49, .n_q = 1, .q = q, .out = out};
+        pkv__attn_call call = {.n_q_heads = 1, .scale = 0.125f};
+        int rc = pkv__attn_run(at, &p.view, &it, 1, &call);
+        assert_true(rc == PKV_OK || rc == PKV_ENOTSUP);
+        if (rc == PKV_ENOTSUP)
+            for (int d = 0; d < 64; d++) assert_true(out[d] == 42.0f);
+        else
+            for (int d = 0; d < 64; d++) assert_true(isfinite(out[d]) && fabsf(out[d]) <= s.vmax * 1.01f);
+        pkv__attn_destroy(at);
+        seq_free(&s);
+        pool_free(&p);
+    }
+}
+
+/* PKV_FORCE_REF=1 makes the automatic choice the reference. */
+static void test_force_ref(void **state) {
+    (void)state;
+    pkv__attn_limits lim = {.max_items = 1, .max_blocks_per_seq = 1, .n_kv_heads = 1, .head_dim = 64, .block_tokens = 16};
+    pkv__attn *at = NULL;
+    setenv("PKV_FORCE_REF", "1", 1);
+    assert_int_equal(pkv__attn_create(NULL, 1, &lim, &at), PKV_OK);
+    assert_string_equal(pkv__attn_backend_name(at), "ref");
+    pkv__attn_destroy(at);
+    unsetenv("PKV_FORCE_REF");
+    assert_int_equal(pkv__attn_create(NULL, 1, &lim, &at), PKV_OK);
+    const uint32_t f = pkv__cpu_features();
+    if ((f & (PKV_CPU_AVX2 | PKV_CPU_FMA | PKV_CPU_F16C)) == (PKV_CPU_AVX2 | PKV_CPU_FMA | PKV_CPU_F16C))
+        assert_string_not_equal(pkv__attn_backend_name(at), "ref");
+    pkv__attn_destroy(at);
+}
+
+static backend_case g_ref = {"ref"}, g_avx2 = {"avx2"}, g_avx512 = {"avx512"}, g_neon = {"neon"};
+
+#define PER_BACKEND(fn)                                                                                            \
+    cmocka_unit_test_prestate(fn, &g_ref), cmocka_unit_test_prestate(fn, &g_avx2),                                 \
+        cmocka_unit_test_prestate(fn, &g_avx512), cmocka_unit_test_prestate(fn, &g_neon)
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        PER_BACKEND(test_seed_value),
+        PER_BACKEND(test_oracle_decode),
+        PER_BACKEND(test_oracle_prefill),
+        PER_BACKEND(test_oracle_softcap_window),
+        PER_BACKEND(test_window_one_sees_itself),
+        PER_BACKEND(test_lse_merge_halves),
+        PER_BACKEND(test_threads_agree),
+        PER_BACKEND(test_quant_dtypes_supported_or_enotsup),
+        cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_force_ref),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

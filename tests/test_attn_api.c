@@ -1,0 +1,313 @@
+/* test_attn_api.c: attention through the public API (pkv_attn_decode / pkv_attn_prefill) over
+ * sequences built with pkv_seq_append + pkv_write_kv: oracle against a contiguous double
+ * reference kept by the test, forks after copy-on-write, shared prefix blocks, bad input. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pkv.h"
+#include "quant/quant.h"
+
+/* Same tolerance as test_attn.c: max |out - ref| / max |V|, reference on the pool-rounded K/V. */
+#define TOL 1e-5
+
+enum { L = 2, H = 2, D = 64, B = 16, NQH = 8, MAXTOK = 400 };
+
+static uint64_t g_rng = 99;
+static float rnd(void) {
+    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)((double)(z >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+}
+
+/* The test's own copy of a sequence: per layer, [pos][H][D] K and V as the pool holds them. */
+typedef struct host_seq {
+    pkv_seq id;
+    uint32_t len;
+    float k[L][MAXTOK][H][D], v[L][MAXTOK][H][D];
+} host_seq;
+
+static pkv_cache *make_cache(pkv_dtype dt, uint32_t n_threads, int prefix) {
+    pkv_config cfg = pkv_config_default();
+    cfg.n_layers = L, cfg.n_kv_heads = H, cfg.head_dim = D, cfg.block_tokens = B, cfg.n_blocks = 128;
+    cfg.k_dtype = cfg.v_dtype = dt;
+    cfg.n_threads = n_threads;
+    cfg.enable_prefix_cache = prefix;
+    cfg.max_seqs = 16;
+    pkv_cache *c = NULL;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    return c;
+}
+
+/* Appends n tokens to s and writes random K/V for them in every layer (the tokens' ids are
+ * tok0 + i, so two sequences built from the same tok0 share a prefix). */
+static void append_write(pkv_cache *c, pkv_dtype dt, host_seq *s, uint32_t n, int32_t tok0) {
+    int32_t tok[MAXTOK], slots[MAXTOK];
+    assert_true(s->len + n <= MAXTOK);
+    for (uint32_t i = 0; i < n; i++) tok[i] = tok0 + (int32_t)(s->len + i);
+    assert_int_equal(pkv_seq_append(c, s->id, tok, n, slots), PKV_OK);
+    static float kin[MAXTOK][H][D], vin[MAXTOK][H][D];
+    for (uint32_t l = 0; l < L; l++) {
+        for (uint32_t i = 0; i < n; i++)
+            for (uint32_t h = 0; h < H; h++) {
+                for (uint32_t d = 0; d < D; d++) kin[i][h][d] = rnd() * 2.0f, vin[i][h][d] = rnd();
+                /* what the pool will hold: the value rounded to the pool dtype */
+                uint8_t row[D * 4];
+                pkv__row_encode(dt, kin[i][h], D, row);
+                pkv__row_decode(dt, row, D, s->k[l][s->len + i][h]);
+                pkv__row_encode(dt, vin[i][h], D, row);
+                pkv__row_decode(dt, row, D, s->v[l][s->len + i][h]);
+            }
+        assert_int_equal(pkv_write_kv(c, l, slots, n, kin, vin, PKV_DTYPE_F32), PKV_OK);
+    }
+    s->len += n;
+}
+
+/* Reference for one query row set (NQH heads) at position pos of s. */
+static void ref_one(const host_seq *s, uint32_t l, const float *q, uint32_t pos, const pkv_attn_params *p, double *out,
+                    double *lse) {
+    const double scale = p->scale > 0 ? p->scale : 1.0 / sqrt((double)D);
+    const uint32_t lo = (p->window && pos + 1 > p->window) ? pos + 1 - p->window : 0;
+    for (uint32_t hq = 0; hq < NQH; hq++) {
+        const uint32_t h = hq / (NQH / H);
+        double w[MAXTOK], mx = -INFINITY, sum = 0;
+        for (uint32_t t = lo; t <= pos; t++) {
+            double dot = 0;
+            for (uint32_t d = 0; d < D; d++) dot += (double)q[hq * D + d] * s->k[l][t][h][d];
+            double x = dot * scale;
+            if (p->softcap > 0) x = p->softcap * tanh(x / p->softcap);
+            w[t] = x;
+            mx = fmax(mx, x);
+        }
+        for (uint32_t t = lo; t <= pos; t++) sum += (w[t] = exp(w[t] - mx));
+        for (uint32_t d = 0; d < D; d++) {
+            double o = 0;
+            for (uint32_t t = lo; t <= pos; t++) o += w[t] * s->v[l][t][h][d];
+            out[hq * D + d] = o / sum;
+        }
+        if (lse) lse[hq] = mx + log(sum);
+    }
+}
+
+static double vmax_of(const host_seq *s, uint32_t l) {
+    double m = 1e-30;
+    for (uint32_t t = 0; t < s->len; t++)
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t d = 0; d < D; d++) m = fmax(m, fabs(s->v[l][t][h][d]));
+    return m;
+}
+
+/* Checks n queries (positions pos0..) of s in out/lse against the reference. */
+static void check(const host_seq *s, uint32_t l, const float *q, const float *out, const float *lse, uint32_t pos0,
+                  uint32_t n, const pkv_attn_params *p) {
+    double ro[NQH * D], rl[NQH];
+    const double vm = vmax_of(s, l);
+    for (uint32_t i = 0; i < n; i++) {
+        ref_one(s, l, q + (size_t)i * NQH * D, pos0 + i, p, ro, rl);
+        for (uint32_t j = 0; j < NQH * D; j++) assert_true(fabs(out[(size_t)i * NQH * D + j] - ro[j]) <= TOL * vm);
+        if (lse)
+            for (uint32_t h = 0; h < NQH; h++) assert_true(fabs(lse[i * NQH + h] - rl[h]) <= 1e-5 * fmax(1.0, fabs(rl[h])));
+    }
+}
+
+static float *rand_q(uint32_t n) {
+    float *q = malloc(sizeof(float) * n * NQH * D);
+    for (uint32_t i = 0; i < n * NQH * D; i++) q[i] = rnd();
+    return q;
+}
+
+static const pkv_dtype k_types[] = {PKV_DTYPE_F32, PKV_DTYPE_F16, PKV_DTYPE_BF16};
+
+/* Decode and ragged prefill over three sequences, every float dtype, 1 and 2 threads, with and
+ * without soft-cap / window / LSE. */
+static void test_api_oracle(void **state) {
+    (void)state;
+    static host_seq s[3];
+    for (size_t ti = 0; ti < 3; ti++)
+        for (uint32_t nt = 1; nt <= 2; nt++) {
+            pkv_cache *c = make_cache(k_types[ti], nt, 1);
+            const uint32_t lens[3] = {1 + (uint32_t)(rnd() * 0.5 + 0.5) * 10, 37, 250 + ti * 40};
+            for (int i = 0; i < 3; i++) {
+                memset(&s[i], 0, sizeof s[i]);
+                assert_int_equal(pkv_seq_create(c, NULL, 0, &s[i].id), PKV_OK);
+                /* appended in two steps: a block boundary crossed mid-way */
+                append_write(c, k_types[ti], &s[i], lens[i] / 2 + 1, 1000 * i);
+                if (lens[i] / 2 + 1 < lens[i]) append_write(c, k_types[ti], &s[i], lens[i] - lens[i] / 2 - 1, 1000 * i);
+            }
+            for (int variant = 0; variant < 3; variant++) {
+                pkv_attn_params p = pkv_attn_params_default();
+                p.n_q_heads = NQH;
+                float lse[64 * NQH];
+                if (variant >= 1) p.lse = lse;
+                if (variant == 2) p.softcap = 7.5f, p.window = 20, p.scale = 0.2f;
+                /* decode: one query per sequence at its last position */
+                const pkv_seq ids[3] = {s[0].id, s[1].id, s[2].id};
+                float *q = rand_q(3), *out = malloc(sizeof(float) * 3 * NQH * D);
+                assert_int_equal(pkv_attn_decode(c, 1, ids, 3, q, out, &p), PKV_OK);
+                for (int i = 0; i < 3; i++)
+                    check(&s[i], 1, q + i * NQH * D, out + i * NQH * D, p.lse ? lse + i * NQH : NULL, s[i].len - 1, 1, &p);
+                free(q), free(out);
+                /* prefill: a ragged batch; the last request extends from the middle */
+                pkv_attn_req reqs[3] = {{s[0].id, 0, s[0].len}, {s[1].id, 5, 20}, {s[2].id, s[2].len - 24, 24}};
+                const uint32_t nq = reqs[0].n_q + reqs[1].n_q + reqs[2].n_q;
+                q = rand_q(nq), out = malloc(sizeof(float) * nq * NQH * D);
+                assert_int_equal(pkv_attn_prefill(c, 0, reqs, 3, q, out, &p), PKV_OK);
+                size_t at = 0;
+                for (int i = 0; i < 3; i++) {
+                    check(&s[i], 0, q + at * NQH * D, out + at * NQH * D, p.lse ? lse + at * NQH : NULL, reqs[i].q_start,
+                          reqs[i].n_q, &p);
+                    at += reqs[i].n_q;
+                }
+                free(q), free(out);
+            }
+            pkv_cache_destroy(c);
+        }
+}
+
+/* A fork shares the parent's blocks; appending to either copies the shared tail block
+ * (copy-on-write), after which each reads its own K/V there and the shared prefix. */
+static void test_api_fork_cow(void **state) {
+    (void)state;
+    static host_seq par, child;
+    pkv_cache *c = make_cache(PKV_DTYPE_F16, 2, 0);
+    memset(&par, 0, sizeof par);
+    assert_int_equal(pkv_seq_create(c, NULL, 0, &par.id), PKV_OK);
+    append_write(c, PKV_DTYPE_F16, &par, 40, 0); /* blocks 0, 1 full; block 2 holds 8 */
+    child = par;
+    assert_int_equal(pkv_seq_fork(c, par.id, &child.id), PKV_OK);
+    append_write(c, PKV_DTYPE_F16, &child, 5, 500); /* CoW of block 2 for the child */
+    append_write(c, PKV_DTYPE_F16, &par, 3, 900);   /* the parent's block 2 is its own again */
+    int32_t tp[8], tc[8];
+    uint32_t np = 0, nc = 0;
+    assert_int_equal(pkv_seq_block_table(c, par.id, tp, 8, &np), PKV_OK);
+    assert_int_equal(pkv_seq_block_table(c, child.id, tc, 8, &nc), PKV_OK);
+    assert_int_equal(np, 3);
+    assert_int_equal(nc, 3);
+    assert_int_equal(tp[0], tc[0]); /* the full blocks are still shared */
+    assert_int_equal(tp[1], tc[1]);
+    assert_int_not_equal(tp[2], tc[2]); /* the tail was copied */
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = NQH;
+    float lse[2 * NQH];
+    p.lse = lse;
+    const pkv_seq ids[2] = {par.id, child.id};
+    float *q = rand_q(2), out[2 * NQH * D];
+    for (uint32_t l = 0; l < L; l++) {
+        assert_int_equal(pkv_attn_decode(c, l, ids, 2, q, out, &p), PKV_OK);
+        check(&par, l, q, out, lse, par.len - 1, 1, &p);
+        check(&child, l, q + NQH * D, out + NQH * D, lse + NQH, child.len - 1, 1, &p);
+    }
+    /* the child's prefill over its own tail: positions 38..44 */
+    pkv_attn_req r = {child.id, 38, 7};
+    float *q7 = rand_q(7), *o7 = malloc(sizeof(float) * 7 * NQH * D);
+    p.lse = NULL;
+    assert_int_equal(pkv_attn_prefill(c, 1, &r, 1, q7, o7, &p), PKV_OK);
+    check(&child, 1, q7, o7, NULL, 38, 7, &p);
+    free(q), free(q7), free(o7);
+    char msg[256];
+    assert_int_equal(pkv_cache_check(c, msg, sizeof msg), PKV_OK);
+    pkv_cache_destroy(c);
+}
+
+/* A new sequence attached to an indexed prefix (pkv_seq_match_prefix) reads the shared blocks
+ * written by the first one, plus its own positions. */
+static void test_api_shared_prefix(void **state) {
+    (void)state;
+    static host_seq a, b;
+    pkv_cache *c = make_cache(PKV_DTYPE_BF16, 2, 1);
+    memset(&a, 0, sizeof a);
+    assert_int_equal(pkv_seq_create(c, NULL, 0, &a.id), PKV_OK);
+    append_write(c, PKV_DTYPE_BF16, &a, 64, 7);
+    assert_int_equal(pkv_seq_commit(c, a.id, 64), PKV_OK);
+    /* b's prompt: the same 64 tokens, then 20 of its own */
+    int32_t prompt[84];
+    for (int i = 0; i < 84; i++) prompt[i] = 7 + i + (i >= 64 ? 5000 : 0);
+    b = a;
+    b.len = 0;
+    assert_int_equal(pkv_seq_create(c, NULL, 0, &b.id), PKV_OK);
+    uint32_t reused = 0;
+    assert_int_equal(pkv_seq_match_prefix(c, b.id, prompt, 84, &reused), PKV_OK);
+    assert_true(reused >= 48 && reused <= 64); /* at least the three full blocks before the last one */
+    b.len = reused;
+    /* b's own K/V from `reused` on (token ids continue the prompt) */
+    append_write(c, PKV_DTYPE_BF16, &b, 84 - reused, 0);
+    pkv_seq_info info;
+    assert_int_equal(pkv_seq_get_info(c, b.id, &info), PKV_OK);
+    assert_true(info.n_shared >= 3);
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = NQH;
+    pkv_attn_req r = {b.id, reused, 84 - reused};
+    float *q = rand_q(84 - reused), *out = malloc(sizeof(float) * (84 - reused) * NQH * D);
+    for (uint32_t l = 0; l < L; l++) {
+        assert_int_equal(pkv_attn_prefill(c, l, &r, 1, q, out, &p), PKV_OK);
+        check(&b, l, q, out, NULL, reused, 84 - reused, &p);
+    }
+    free(q), free(out);
+    pkv_cache_destroy(c);
+}
+
+static void test_api_bad_input(void **state) {
+    (void)state;
+    static host_seq s;
+    pkv_cache *c = make_cache(PKV_DTYPE_F16, 2, 0);
+    memset(&s, 0, sizeof s);
+    assert_int_equal(pkv_seq_create(c, NULL, 0, &s.id), PKV_OK);
+    append_write(c, PKV_DTYPE_F16, &s, 30, 0);
+    pkv_seq empty, gone;
+    assert_int_equal(pkv_seq_create(c, NULL, 0, &empty), PKV_OK);
+    assert_int_equal(pkv_seq_create(c, NULL, 0, &gone), PKV_OK);
+    assert_int_equal(pkv_seq_release(c, gone), PKV_OK);
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = NQH;
+    float q[4 * NQH * D], out[4 * NQH * D];
+    for (size_t i = 0; i < sizeof q / sizeof *q; i++) q[i] = 0.5f, out[i] = 42.0f;
+    pkv_seq two[2] = {s.id, gone};
+    assert_int_equal(pkv_attn_decode(c, 0, &gone, 1, q, out, &p), PKV_ENOENT);
+    assert_int_equal(pkv_attn_decode(c, 0, two, 2, q, out, &p), PKV_ENOENT); /* nothing computed for s */
+    pkv_seq forged = s.id + (1ull << 32);
+    assert_int_equal(pkv_attn_decode(c, 0, &forged, 1, q, out, &p), PKV_ENOENT);
+    assert_int_equal(pkv_attn_decode(c, L, &s.id, 1, q, out, &p), PKV_EINVAL); /* layer out of range */
+    assert_int_equal(pkv_attn_decode(c, 0, &empty, 1, q, out, &p), PKV_EINVAL); /* no position to decode */
+    p.n_q_heads = 3; /* not a multiple of 2 kv heads */
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
+    p.n_q_heads = NQH;
+    p.softcap = -1;
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
+    p.softcap = 0;
+    assert_int_equal(pkv_attn_decode(NULL, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
+    assert_int_equal(pkv_attn_decode(c, 0, NULL, 1, q, out, &p), PKV_EINVAL);
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, NULL, out, &p), PKV_EINVAL);
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, NULL, &p), PKV_EINVAL);
+    pkv_attn_req r = {s.id, 27, 4}; /* past the length (30) */
+    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_EINVAL);
+    r = (pkv_attn_req){gone, 0, 1};
+    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_ENOENT);
+    assert_int_equal(pkv_attn_prefill(c, 0, NULL, 1, q, out, &p), PKV_EINVAL);
+    for (size_t i = 0; i < sizeof out / sizeof *out; i++) assert_true(out[i] == 42.0f); /* nothing written */
+    /* the same calls done right work */
+    r = (pkv_attn_req){s.id, 26, 4};
+    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_OK);
+    check(&s, 0, q, out, NULL, 26, 4, &p);
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, NULL), PKV_OK); /* NULL params: n_q_heads = n_kv_heads */
+    const char *be = pkv_attn_backend(c);
+    assert_true(!strcmp(be, "ref") || !strcmp(be, "avx2") || !strcmp(be, "avx512") || !strcmp(be, "neon"));
+    pkv_cache_destroy(c);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_api_oracle),
+        cmocka_unit_test(test_api_fork_cow),
+        cmocka_unit_test(test_api_shared_prefix),
+        cmocka_unit_test(test_api_bad_input),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,133 @@
+/* test_thr_attn.c: the attention thread pool under ThreadSanitizer: many back-to-back calls on
+ * a multi-threaded context (key splits merged by the last finisher, prefill tiles handed out by
+ * work stealing), contexts created and destroyed repeatedly, and two contexts driven from two
+ * application threads at once. Each result must equal the single-threaded one bit for bit
+ * where the partition is the same, and within float rounding where key splits change it. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attn/attn.h"
+#include "quant/quant.h"
+
+enum { H = 2, D = 64, B = 16, NQH = 8, NB = 96, LEN = 1200 };
+
+static uint16_t g_k[NB][H][B][D], g_v[NB][H][B][D]; /* f16 pool */
+static int32_t g_table[NB];
+static float g_q[LEN][NQH][D];
+
+static void fill(void) {
+    uint64_t s = 5;
+    for (size_t i = 0; i < sizeof g_k / 2; i++) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        ((uint16_t *)g_k)[i] = pkv__f32_to_f16((float)((s >> 40) & 0xffff) / 32768.0f - 1.0f);
+        ((uint16_t *)g_v)[i] = pkv__f32_to_f16((float)((s >> 20) & 0xffff) / 32768.0f - 1.0f);
+    }
+    for (int i = 0; i < NB; i++) g_table[i] = (i * 37) % NB; /* 37 is prime to 96: a permutation */
+    for (size_t i = 0; i < sizeof g_q / 4; i++) ((float *)g_q)[i] = (float)((i * 2654435761u) % 1000) / 500.0f - 1.0f;
+}
+
+static pkv__kv_view view(void) {
+    pkv__kv_view kv = {.k = (const uint8_t *)g_k, .v = (const uint8_t *)g_v, .k_dtype = PKV_DTYPE_F16,
+                       .v_dtype = PKV_DTYPE_F16, .k_row_bytes = D * 2, .v_row_bytes = D * 2,
+                       .k_block_bytes = (size_t)H * B * D * 2, .v_block_bytes = (size_t)H * B * D * 2,
+                       .n_kv_heads = H, .head_dim = D, .block_tokens = B, .n_blocks = NB};
+    return kv;
+}
+
+static pkv__attn *make(uint32_t nt) {
+    pkv__attn_limits lim = {.max_items = 4, .max_blocks_per_seq = NB, .n_kv_heads = H, .head_dim = D, .block_tokens = B};
+    pkv__attn *at = NULL;
+    assert_int_equal(pkv__attn_create(NULL, nt, &lim, &at), PKV_OK);
+    return at;
+}
+
+/* decode of 1 long item (key splits with > 1 thread) + a prefill of 40 queries */
+static void run_once(pkv__attn *at, float *out_dec, float *out_pre, uint32_t len) {
+    pkv__kv_view kv = view();
+    pkv__attn_call call = {.n_q_heads = NQH, .scale = 0.125f};
+    pkv__attn_item dec = {.block_table = g_table, .q_pos0 = len - 1, .n_q = 1, .q = &g_q[0][0][0], .out = out_dec};
+    assert_int_equal(pkv__attn_run(at, &kv, &dec, 1, &call), PKV_OK);
+    pkv__attn_item pre[2] = {
+        {.block_table = g_table, .q_pos0 = len - 40, .n_q = 40, .q = &g_q[0][0][0], .out = out_pre},
+        {.block_table = g_table, .q_pos0 = 0, .n_q = 7, .q = &g_q[40][0][0], .out = out_pre + 40 * NQH * D},
+    };
+    assert_int_equal(pkv__attn_run(at, &kv, pre, 2, &call), PKV_OK);
+}
+
+static void near(const float *a, const float *b, size_t n) {
+    for (size_t i = 0; i < n; i++) assert_true(fabsf(a[i] - b[i]) <= 1e-5f);
+}
+
+static void test_thr_back_to_back(void **state) {
+    (void)state;
+    fill();
+    static float d1[NQH * D], p1[47 * NQH * D], dn[NQH * D], pn[47 * NQH * D];
+    pkv__attn *one = make(1), *many = make(3);
+    for (int it = 0; it < 60; it++) {
+        const uint32_t len = 41 + (uint32_t)(it * 97) % (LEN - 41);
+        run_once(one, d1, p1, len);
+        run_once(many, dn, pn, len);
+        near(d1, dn, NQH * D);
+        assert_memory_equal(p1, pn, sizeof p1); /* prefill units are not split: identical */
+    }
+    pkv__attn_destroy(one);
+    pkv__attn_destroy(many);
+}
+
+static void test_thr_create_destroy(void **state) {
+    (void)state;
+    static float d[NQH * D], p[47 * NQH * D];
+    for (uint32_t nt = 1; nt <= 4; nt++)
+        for (int rep = 0; rep < 5; rep++) {
+            pkv__attn *at = make(nt);
+            if (rep & 1) run_once(at, d, p, 300);
+            pkv__attn_destroy(at); /* also right after creation: workers may still be starting */
+        }
+}
+
+typedef struct app_thread {
+    pkv__attn *at;
+    float dec[NQH * D], pre[47 * NQH * D];
+    int ok;
+} app_thread;
+
+static void *app_main(void *arg) {
+    app_thread *t = arg;
+    for (int i = 0; i < 20; i++) run_once(t->at, t->dec, t->pre, 800);
+    t->ok = 1;
+    return NULL;
+}
+
+/* Two contexts (as two caches would have), each used by its own application thread. */
+static void test_thr_two_contexts(void **state) {
+    (void)state;
+    static app_thread t[2];
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++) {
+        t[i].at = make(2);
+        t[i].ok = 0;
+        assert_int_equal(pthread_create(&th[i], NULL, app_main, &t[i]), 0);
+    }
+    for (int i = 0; i < 2; i++) assert_int_equal(pthread_join(th[i], NULL), 0);
+    assert_true(t[0].ok && t[1].ok);
+    assert_memory_equal(t[0].dec, t[1].dec, sizeof t[0].dec);
+    assert_memory_equal(t[0].pre, t[1].pre, sizeof t[0].pre);
+    for (int i = 0; i < 2; i++) pkv__attn_destroy(t[i].at);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_thr_back_to_back),
+        cmocka_unit_test(test_thr_create_destroy),
+        cmocka_unit_test(test_thr_two_contexts),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
