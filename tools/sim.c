@@ -19,11 +19,11 @@ typedef struct sim_cli {
 
 static void defaults(sim_cli *c) {
     memset(c, 0, sizeof *c);
-    c->wo = (sim_workload_opts){.n_requests = 400, .rate = 20.0, .prompt_mean = 160, .prompt_sigma = 1.0,
+    c->wo = (sim_workload_opts){.n_requests = 100, .rate = 20.0, .prompt_mean = 160, .prompt_sigma = 1.0,
                                 .output_mean = 340, .output_sigma = 0.9, .max_len = 2048, .n_sys = 4,
                                 .sys_len = 256, .sys_frac = 0.5, .n_frac = 0.1, .n_samples = 4, .seed = 1};
     c->so = (sim_opts){.model = {.n_layers = 2, .n_kv_heads = 2, .n_q_heads = 8, .head_dim = 64, .dtype = PKV_DTYPE_F16},
-                       .block_tokens = 16, .n_blocks = 2048, .max_len = 2048, .step_tokens = 2048, .max_seqs = 256,
+                       .block_tokens = 16, .n_blocks = 768, .max_len = 2048, .step_tokens = 2048, .max_seqs = 256,
                        .watermark = 0.01, .headroom = 1.0, .n_threads = 0, .attn = 1};
     c->step_ms = 20.0;
     c->n_policies = SIM_N_POLICIES;
