@@ -476,7 +476,7 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
                 }
                 for (uint32_t k = 1; k < rq->n_samples; k++) {
                     pkv_seq child;
-                    t0 = tool_now_ns();
+                    uint64_t t0 = tool_now_ns();
                     rc = pkv_seq_fork(S.c, S.ent[ei].s, &child);
                     S.ns_pkv += tool_now_ns() - t0;
                     if (rc < 0) {
