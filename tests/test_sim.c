@@ -208,7 +208,7 @@ static void test_help_and_usage_errors(void **state) {
     char *out;
     assert_int_equal(run_cli(h, &out, NULL), 0);
     static const char *opts[] = {"--requests", "--rate", "--trace", "--blocks", "--block-tokens", "--no-attn", "--json",
-                                 "--plot", "--policies", "--seed", "--step-tokens", "--max-seqs", "[400]"};
+                                 "--plot", "--policies", "--seed", "--step-tokens", "--max-seqs", "requests [100]"};
     for (size_t i = 0; i < sizeof opts / sizeof opts[0]; i++)
         if (!strstr(out, opts[i])) fail_msg("--help does not mention %s", opts[i]);
     free(out);
