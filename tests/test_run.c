@@ -347,12 +347,55 @@ static void test_cli_usage_errors(void **state) {
     }
 }
 
+/* -z TOKENIZER prints text: each id's piece, the space after BOS dropped (llama2.c rules). */
+static void test_cli_tokenizer_text(void **state) {
+    (void)state;
+    const char *path = shared_model("stories260K.bin");
+    if (access(path, R_OK) != 0) {
+        skip();
+        return;
+    }
+    char tok_path[] = "/tmp/pkv-tok-XXXXXX";
+    int fd = mkstemp(tok_path);
+    assert_true(fd >= 0);
+    FILE *f = fdopen(fd, "wb");
+    int32_t maxlen = 8;
+    fwrite(&maxlen, 4, 1, f);
+    for (int i = 0; i < 512; i++) {
+        char piece[16];
+        int32_t len = (int32_t)snprintf(piece, sizeof piece, " w%d", i);
+        float score = 0;
+        fwrite(&score, 4, 1, f), fwrite(&len, 4, 1, f), fwrite(piece, 1, (size_t)len, f);
+    }
+    fclose(f);
+    char *a_ids[] = {"pkv", "run", (char *)path, "-t", "0", "-n", "12", NULL};
+    char *a_txt[] = {"pkv", "run", (char *)path, "-t", "0", "-n", "12", "-z", tok_path, NULL};
+    char *ids, *txt, *err;
+    assert_int_equal(run_cli(a_ids, &ids, NULL), 0);
+    int rc = run_cli(a_txt, &txt, &err);
+    if (rc != 0) fail_msg("pkv run -z exited %d: %s", rc, err);
+    char want[1024];
+    size_t n = 0;
+    int first = 1;
+    for (char *p = ids; *p && *p != '\n';) {
+        long id = strtol(p, &p, 10);
+        n += (size_t)snprintf(want + n, sizeof want - n, first ? "w%ld" : " w%ld", id);
+        first = 0;
+        while (*p == ' ') p++;
+    }
+    snprintf(want + n, sizeof want - n, "\n");
+    assert_string_equal(txt, want);
+    free(ids), free(txt), free(err);
+    unlink(tok_path);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_paged_generation_matches_contiguous_oracle),
         cmocka_unit_test(test_cli_greedy_matches_oracle),
         cmocka_unit_test(test_cli_sampling_is_seeded),
         cmocka_unit_test(test_cli_usage_errors),
+        cmocka_unit_test(test_cli_tokenizer_text),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
