@@ -168,6 +168,9 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
     }
 }
 
+/* children of one block compared for a token-granular hit */
+#define PARTIAL_SCAN 64
+
 static uint32_t common_prefix(const int32_t *a, const int32_t *b, uint32_t n) {
     uint32_t i = 0;
     while (i < n && a[i] == b[i]) i++;
@@ -239,7 +242,11 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
     /* token-granular: the child of the last matched block sharing the longest token prefix */
     if (k >= 1 && reused == k * B && reused < cap && k < c->max_bps) {
         uint32_t want = PKV_MIN(B, cap - reused), best = PKV_NONE, best_m = 0;
-        for (uint32_t ch = c->blk[prev].child; ch != PKV_NONE; ch = c->blk[ch].sib_next) {
+        /* children are linked newest first; a prefix shared by thousands of requests has
+           thousands of children, so only the most recent PARTIAL_SCAN are compared: the
+           token-granular extra is best effort, the full-block hits above are not */
+        uint32_t scanned = 0;
+        for (uint32_t ch = c->blk[prev].child; ch != PKV_NONE && scanned++ < PARTIAL_SCAN; ch = c->blk[ch].sib_next) {
             uint32_t lim = PKV_MIN(want, (uint32_t)c->blk[ch].n_commit);
             uint32_t m = common_prefix(c->tokens + (size_t)ch * B, tokens + reused, lim);
             if (m > best_m) {
