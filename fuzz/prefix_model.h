@@ -444,6 +444,32 @@ static inline int pm_op_match(pm_world *w, pm_src *src) {
         }
     }
     if (pm_verify(w) < 0) return -1;
+    if (rc == 0 && pm_byte(src) < 80 && pm_free_slot(w)) {
+        /* the same lookup again at once must find at least as much: the first match holds its
+           full blocks and registered its token-granular copy; only a missing block for the
+           copy may cost the partial part */
+        pkv_stats b2;
+        if (pkv_cache_get_stats(w->c, &b2) < 0) return pm_fail(w, "stats");
+        pm_seq *q2 = NULL;
+        r = pm_create(w, salt, &q2);
+        if (r) return r < 0 ? -1 : 0;
+        uint32_t reused2 = 0xdeadbeef;
+        rc = pkv_seq_match_prefix(w->c, q2->id, prompt, n, &reused2);
+        PM_TR(w, "   s%d = create(salt %d) + same match -> %s, reused %u\n", PM_SI(w, q2), salt, pkv_strerror(rc),
+              reused2);
+        PM_EXPECT(w, rc == 0, "second match: %s", pkv_strerror(rc));
+        if (b2.n_free + b2.n_cached >= 1)
+            PM_EXPECT(w, reused2 == reused, "same match right after reused %u, first %u", reused2, reused);
+        else
+            PM_EXPECT(w, reused2 <= reused && reused2 >= reused / w->B * w->B,
+                      "same match right after (no block free) reused %u, first %u", reused2, reused);
+        pm_push_tokens(q2, prompt, reused2);
+        q2->committed = reused2;
+        w->lookups++;
+        w->tokens_queried += n;
+        w->tokens_hit += reused2;
+        if (pm_verify(w) < 0) return -1;
+    }
     /* compute the rest of the prompt, as an engine would, and commit some of it */
     if (q->len < n) {
         r = pm_append(w, q, prompt + q->len, n - q->len);

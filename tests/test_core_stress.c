@@ -59,7 +59,7 @@ typedef struct {
 } world;
 
 enum { OP_CREATE, OP_APPEND, OP_WRITE, OP_COMMIT, OP_FORK, OP_TRUNCATE, OP_RELEASE, OP_GATHER, OP_PIN, OP_UNPIN,
-       OP_MATCH, OP_STALE, OP_COUNT };
+       OP_MATCH, OP_STALE, OP_FILL, OP_COUNT };
 
 static uint64_t mix(uint64_t h, uint64_t x) {
     h ^= x + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
@@ -297,17 +297,12 @@ static void dump_blocks(world *w, sh_seq *s, uint32_t p0, uint32_t n) {
     }
 }
 
-static void do_write(world *w, sh_seq *s) {
-    if (s->len == 0) return;
-    uint32_t l = tu_rng_below(&w->r, NL);
-    uint32_t p0 = tu_rng_below(&w->r, s->len);
-    if (tu_rng_chance(&w->r, 0.7) && s->committed < s->len) p0 = s->committed + tu_rng_below(&w->r, s->len - s->committed);
-    uint32_t n = 1 + tu_rng_below(&w->r, PKV_MIN_U(8, s->len - p0));
-    int ver = tu_rng_chance(&w->r, 0.85) ? 0 : 1 + (int)tu_rng_below(&w->r, 100);
+/* Writes layer l of positions [p0, p0 + n) (n <= 8) with version ver, plus a -1 padding row
+   when pad <= n (at that index), and checks the status against the model. */
+static void write_range(world *w, sh_seq *s, uint32_t l, uint32_t p0, uint32_t n, int ver, uint32_t pad) {
     int32_t slots[9];
     float k[9 * ROW], v[9 * ROW];
     TU_OK(pkv_seq_slots(w->c, s->id, p0, n, slots));
-    uint32_t pad = tu_rng_chance(&w->r, 0.2) ? tu_rng_below(&w->r, n + 1) : UINT32_MAX; /* a -1 row */
     int32_t call_slots[9];
     uint32_t m = 0, pos_of[9];
     int valid = 1, maybe = 0, seq_valid = 1;
@@ -361,6 +356,28 @@ static void do_write(world *w, sh_seq *s) {
     } else {
         fail_at(w, "write: unexpected status");
     }
+}
+
+static void do_write(world *w, sh_seq *s) {
+    if (s->len == 0) return;
+    uint32_t l = tu_rng_below(&w->r, NL);
+    uint32_t p0 = tu_rng_below(&w->r, s->len);
+    if (tu_rng_chance(&w->r, 0.7) && s->committed < s->len) p0 = s->committed + tu_rng_below(&w->r, s->len - s->committed);
+    uint32_t n = 1 + tu_rng_below(&w->r, PKV_MIN_U(8, s->len - p0));
+    int ver = tu_rng_chance(&w->r, 0.85) ? 0 : 1 + (int)tu_rng_below(&w->r, 100);
+    uint32_t pad = tu_rng_chance(&w->r, 0.2) ? tu_rng_below(&w->r, n + 1) : UINT32_MAX; /* a -1 row */
+    write_range(w, s, l, p0, n, ver, pad);
+}
+
+static void do_commit(world *w, sh_seq *s);
+
+/* What an engine does after a forward pass: canonical K/V of every uncommitted position, every
+   layer, then commit (drives the prefix index, matches and evictions). */
+static void do_fill(world *w, sh_seq *s) {
+    for (uint32_t l = 0; l < NL; l++)
+        for (uint32_t p = s->committed; p < s->len; p += 8)
+            write_range(w, s, l, p, PKV_MIN_U(8, s->len - p), 0, UINT32_MAX);
+    do_commit(w, s);
 }
 
 static void do_commit(world *w, sh_seq *s) {
@@ -503,7 +520,8 @@ static void step(world *w) {
     if (r < 6) op = OP_CREATE;
     else if (r < 30) op = OP_APPEND;
     else if (r < 55) op = OP_WRITE;
-    else if (r < 63) op = OP_COMMIT;
+    else if (r < 59) op = OP_COMMIT;
+    else if (r < 63) op = OP_FILL;
     else if (r < 69) op = OP_FORK;
     else if (r < 76) op = OP_TRUNCATE;
     else if (r < 82) op = OP_RELEASE;
@@ -545,6 +563,9 @@ static void step(world *w) {
         break;
     case OP_COMMIT:
         if ((i = pick(w, 1, 0)) >= 0) do_commit(w, &w->s[i]);
+        break;
+    case OP_FILL:
+        if ((i = pick(w, 1, 0)) >= 0) do_fill(w, &w->s[i]);
         break;
     case OP_FORK:
         if ((i = pick(w, 1, 0)) >= 0) do_fork(w, &w->s[i]);

@@ -201,6 +201,42 @@ static void test_prefix_b1_full_match(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* Two sequences compute the same prompt without matching: the index keeps one copy of each
+ * block (the later twin stays unindexed and goes FREE on release); a match finds the first. */
+static void test_prefix_twin_indexed_once(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(16, 32, 1, PKV_DTYPE_F16, 1);
+    int32_t p[49];
+    tp_tokens(p, 49, 19);
+    pkv_seq a = tp_seq(c, 0), b = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 48);
+    tp_commit(c, a, 48);
+    tp_compute(c, b, 0, p, 0, 48);
+    tp_commit(c, b, 48);
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_int_equal(st.n_indexed, 3);
+    int32_t ta[3], tb[3], tm[3];
+    tp_table(c, a, ta, 3);
+    tp_table(c, b, tb, 3);
+    for (int i = 0; i < 3; i++) assert_int_not_equal(tb[i], ta[i]); /* b computed its own */
+    assert_int_equal(pkv_seq_release(c, a), 0);
+    assert_int_equal(pkv_seq_release(c, b), 0);
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_int_equal(st.n_cached, 3);
+    assert_int_equal(st.n_free, 29);
+    tp_check(c);
+    pkv_seq d = tp_seq(c, 0);
+    uint32_t reused;
+    assert_int_equal(pkv_seq_match_prefix(c, d, p, 49, &reused), 0);
+    assert_int_equal(reused, 48);
+    assert_int_equal(tp_table(c, d, tm, 3), 3);
+    assert_memory_equal(tm, ta, sizeof ta);
+    tp_expect_kv(c, d, 0, p, 0, 48);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
 /* ---- namespaces --------------------------------------------------------------------------- */
 
 static void test_prefix_salt_isolation(void **state) {
@@ -610,6 +646,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_diverge_inside_block),
         cmocka_unit_test(test_prefix_full_match_then_cow),
         cmocka_unit_test(test_prefix_b1_full_match),
+        cmocka_unit_test(test_prefix_twin_indexed_once),
         cmocka_unit_test(test_prefix_salt_isolation),
         cmocka_unit_test(test_prefix_forced_hash_collision),
         cmocka_unit_test(test_prefix_uncommitted_not_matched),

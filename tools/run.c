@@ -306,8 +306,9 @@ int tool_run(int argc, char **argv) {
         for (uint32_t i = 0; i < batch; i++) {
             if (!live[i]) continue;
             int32_t t = model_sample(&smp[i], logits + (size_t)i * p->vocab_size, p->vocab_size, work);
-            gen[i][n_gen[i]++] = t;
-            /* llama2.c: BOS ends a sequence; the token that fills position `steps` is not fed */
+            /* llama2.c: BOS ends a sequence (and is not printed); the token that fills position
+             * `steps` is printed but not fed */
+            if (t != 1) gen[i][n_gen[i]++] = t;
             if (t == 1 || len[i] + 1 > steps) {
                 live[i] = 0;
                 n_live--;

@@ -1,10 +1,359 @@
-/* sim.c: placeholder until the subcommand lands; reports that it is not built yet. */
+/* sim.c: `pkv sim`: serving replay comparing paged + prefix caching, paged, and contiguous
+ * max-length reservation on the same pool; options, the report table, --json and --plot. */
+#include "sim.h"
 #include "tool.h"
 
-#include <stdio.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+typedef struct sim_cli {
+    sim_workload_opts wo;
+    sim_opts so;
+    const char *trace, *plot;
+    int json, policies[SIM_N_POLICIES], n_policies, no_progress;
+    double step_ms;
+} sim_cli;
+
+static void defaults(sim_cli *c) {
+    memset(c, 0, sizeof *c);
+    c->wo = (sim_workload_opts){.n_requests = 100, .rate = 20.0, .prompt_mean = 160, .prompt_sigma = 1.0,
+                                .output_mean = 340, .output_sigma = 0.9, .max_len = 2048, .n_sys = 4,
+                                .sys_len = 256, .sys_frac = 0.5, .n_frac = 0.1, .n_samples = 4, .seed = 1};
+    c->so = (sim_opts){.model = {.n_layers = 2, .n_kv_heads = 2, .n_q_heads = 8, .head_dim = 64, .dtype = PKV_DTYPE_F16},
+                       .block_tokens = 16, .n_blocks = 768, .max_len = 2048, .step_tokens = 2048, .max_seqs = 256,
+                       .watermark = 0.01, .headroom = 1.0, .n_threads = 0, .attn = 1};
+    c->step_ms = 20.0;
+    c->n_policies = SIM_N_POLICIES;
+    for (int i = 0; i < SIM_N_POLICIES; i++) c->policies[i] = i;
+}
+
+static void usage(FILE *f) {
+    sim_cli d;
+    defaults(&d);
+    fprintf(f,
+            "usage: pkv sim [options]\n"
+            "\n"
+            "Serving replay: the same requests and the same pool (number of blocks) under three KV\n"
+            "policies, side by side, on the real library (block allocation, prefix matching, forks,\n"
+            "K/V writes, commits, paged attention):\n"
+            "  paged_prefix  paged blocks + automatic prefix caching\n"
+            "  paged         paged blocks, prefix cache disabled\n"
+            "  contiguous    each request reserves max-len slots per sample up front, as engines\n"
+            "                without paging do (accounting on top of the same library: admission\n"
+            "                needs ceil(max_len/B) free blocks per sample; the work is paged underneath)\n"
+            "Continuous batching: each step runs one decode token per running sequence plus chunked\n"
+            "prefill within --step-tokens; waiting requests are admitted FIFO after a prefix match\n"
+            "while blocks allow; when an append finds no block (PKV_ENOSPC) the newest running request\n"
+            "is preempted by recompute (released, requeued first, restarted from its prompt).\n"
+            "\n"
+            "workload (built in, seeded; ShareGPT-like log-normal lengths):\n"
+            "  --requests N        requests [%u]\n"
+            "  --rate R            Poisson arrivals per second [%g]\n"
+            "  --step-ms MS        simulated duration of one step, maps arrival times to steps [%g]\n"
+            "  --prompt-mean N     mean prompt tokens (own part) [%g]   --prompt-sigma S  [%g]\n"
+            "  --output-mean N     mean output tokens [%g]              --output-sigma S  [%g]\n"
+            "  --max-len N         model max length: prompt + output cap [%u]\n"
+            "  --sys-prompts N     shared system prompts [%u]\n"
+            "  --sys-len N         tokens per system prompt [%u]\n"
+            "  --sys-frac F        fraction of requests starting with one [%g]\n"
+            "  --n-frac F          fraction of requests asking for several samples [%g]\n"
+            "  --samples N         samples for those (forked after the prompt) [%u]\n"
+            "  --seed N            seed of the workload and of the K/V data [%llu]\n"
+            "  --trace FILE        JSON lines instead of the built-in workload, one request a line:\n"
+            "                      {\"arrival\": SECONDS, \"prompt\": [IDS...], \"max_tokens\": N}  or\n"
+            "                      {\"arrival\": S, \"prompt_len\": N, \"prefix_group\": G, \"prefix_len\": P,\n"
+            "                       \"max_tokens\": N, \"n\": SAMPLES}   (prefix_len defaults to --sys-len)\n"
+            "                      A malformed line is reported as FILE:LINE and exits 2.\n"
+            "model and pool:\n"
+            "  --layers N [%u]  --kv-heads N [%u]  --q-heads N [%u]  --head-dim N [%u]  --dtype T [%s]\n"
+            "  --block-tokens B    tokens per block [%u]\n"
+            "  --blocks N          pool blocks, the same for every policy [%u]\n"
+            "scheduler:\n"
+            "  --step-tokens N     token budget per step (prefill chunks + decodes) [%u]\n"
+            "  --max-seqs N        running sequences at most [%u]\n"
+            "  --watermark F       fraction of the pool kept free when admitting [%g]\n"
+            "  --headroom F        blocks per running sequence also kept free when admitting, so\n"
+            "                      the running ones can grow without preempting the newcomer [%g]\n"
+            "  --threads N         attention threads, 0 = all cpus [%u]\n"
+            "  --policies LIST     comma-separated subset of paged_prefix,paged,contiguous [all]\n"
+            "  --no-attn           skip K/V writes and attention: memory-only replay (the pool then\n"
+            "                      holds a 1-layer head_dim-8 shape; block accounting is the same)\n"
+            "output:\n"
+            "  --json              one JSON object per policy per line on stdout, no table\n"
+            "  --plot FILE.png     blocks in use and running sequences over time (gnuplot)\n"
+            "  --no-progress       no progress bar (it is drawn only when stderr is a terminal)\n"
+            "  -h, --help          this help\n"
+            "\n"
+            "Times are in steps (TTFT) or seconds spent inside pkv calls (decode tok/s). Exit status:\n"
+            "0 ok, 1 usage error, 2 runtime error (library failure, unreadable or malformed trace,\n"
+            "a failing pkv_cache_check at the end of a policy, gnuplot failure).\n",
+            d.wo.n_requests, d.wo.rate, d.step_ms, d.wo.prompt_mean, d.wo.prompt_sigma, d.wo.output_mean,
+            d.wo.output_sigma, d.wo.max_len, d.wo.n_sys, d.wo.sys_len, d.wo.sys_frac, d.wo.n_frac, d.wo.n_samples,
+            (unsigned long long)d.wo.seed, d.so.model.n_layers, d.so.model.n_kv_heads, d.so.model.n_q_heads,
+            d.so.model.head_dim, pkv_dtype_name(d.so.model.dtype), d.so.block_tokens, d.so.n_blocks,
+            d.so.step_tokens, d.so.max_seqs, d.so.watermark, d.so.headroom, d.so.n_threads);
+}
+
+static int parse_u32(const char *s, uint32_t *out) {
+    char *e;
+    errno = 0;
+    unsigned long long v = strtoull(s, &e, 10);
+    if (!*s || *e || errno || v > UINT32_MAX || s[0] == '-') return -1;
+    *out = (uint32_t)v;
+    return 0;
+}
+
+static int parse_f64(const char *s, double *out) {
+    char *e;
+    errno = 0;
+    double v = strtod(s, &e);
+    if (!*s || *e || errno || v != v) return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_policies(sim_cli *c, const char *s) {
+    c->n_policies = 0;
+    int seen[SIM_N_POLICIES] = {0};
+    while (*s) {
+        size_t n = strcspn(s, ",");
+        int found = -1;
+        for (int i = 0; i < SIM_N_POLICIES; i++)
+            if (strlen(sim_policy_names[i]) == n && !strncmp(s, sim_policy_names[i], n)) found = i;
+        if (found < 0 || seen[found]) return -1;
+        seen[found] = 1;
+        c->policies[c->n_policies++] = found;
+        s += n;
+        if (*s == ',') s++;
+    }
+    return c->n_policies ? 0 : -1;
+}
+
+static int parse_args(sim_cli *c, int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage(stdout);
+            return 1;
+        }
+        if (!strcmp(a, "--json")) { c->json = 1; continue; }
+        if (!strcmp(a, "--no-attn")) { c->so.attn = 0; continue; }
+        if (!strcmp(a, "--no-progress")) { c->no_progress = 1; continue; }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "pkv sim: %s needs a value (see pkv sim --help)\n", a);
+            return -1;
+        }
+        const char *v = argv[++i];
+        int bad = 0;
+        double d;
+        if (!strcmp(a, "--requests")) bad = parse_u32(v, &c->wo.n_requests) || c->wo.n_requests == 0;
+        else if (!strcmp(a, "--rate")) bad = parse_f64(v, &c->wo.rate) || c->wo.rate <= 0;
+        else if (!strcmp(a, "--step-ms")) bad = parse_f64(v, &c->step_ms) || c->step_ms <= 0;
+        else if (!strcmp(a, "--prompt-mean")) bad = parse_f64(v, &c->wo.prompt_mean) || c->wo.prompt_mean < 1;
+        else if (!strcmp(a, "--prompt-sigma")) bad = parse_f64(v, &c->wo.prompt_sigma) || c->wo.prompt_sigma < 0;
+        else if (!strcmp(a, "--output-mean")) bad = parse_f64(v, &c->wo.output_mean) || c->wo.output_mean < 1;
+        else if (!strcmp(a, "--output-sigma")) bad = parse_f64(v, &c->wo.output_sigma) || c->wo.output_sigma < 0;
+        else if (!strcmp(a, "--max-len")) bad = parse_u32(v, &c->wo.max_len) || c->wo.max_len < 2;
+        else if (!strcmp(a, "--sys-prompts")) bad = parse_u32(v, &c->wo.n_sys);
+        else if (!strcmp(a, "--sys-len")) bad = parse_u32(v, &c->wo.sys_len);
+        else if (!strcmp(a, "--sys-frac")) bad = parse_f64(v, &c->wo.sys_frac) || c->wo.sys_frac < 0 || c->wo.sys_frac > 1;
+        else if (!strcmp(a, "--n-frac")) bad = parse_f64(v, &c->wo.n_frac) || c->wo.n_frac < 0 || c->wo.n_frac > 1;
+        else if (!strcmp(a, "--samples")) bad = parse_u32(v, &c->wo.n_samples) || c->wo.n_samples == 0;
+        else if (!strcmp(a, "--seed")) {
+            char *e;
+            errno = 0;
+            c->wo.seed = strtoull(v, &e, 10);
+            bad = !*v || *e || errno;
+        } else if (!strcmp(a, "--trace")) c->trace = v;
+        else if (!strcmp(a, "--layers")) bad = parse_u32(v, &c->so.model.n_layers) || !c->so.model.n_layers;
+        else if (!strcmp(a, "--kv-heads")) bad = parse_u32(v, &c->so.model.n_kv_heads) || !c->so.model.n_kv_heads;
+        else if (!strcmp(a, "--q-heads")) bad = parse_u32(v, &c->so.model.n_q_heads) || !c->so.model.n_q_heads;
+        else if (!strcmp(a, "--head-dim")) bad = parse_u32(v, &c->so.model.head_dim) || !c->so.model.head_dim;
+        else if (!strcmp(a, "--dtype")) bad = pkv_dtype_from_name(v, &c->so.model.dtype) < 0;
+        else if (!strcmp(a, "--block-tokens")) bad = parse_u32(v, &c->so.block_tokens) || !c->so.block_tokens;
+        else if (!strcmp(a, "--blocks")) bad = parse_u32(v, &c->so.n_blocks) || !c->so.n_blocks;
+        else if (!strcmp(a, "--step-tokens")) bad = parse_u32(v, &c->so.step_tokens) || !c->so.step_tokens;
+        else if (!strcmp(a, "--max-seqs")) bad = parse_u32(v, &c->so.max_seqs) || !c->so.max_seqs;
+        else if (!strcmp(a, "--watermark")) bad = parse_f64(v, &d) || d < 0 || d >= 1 || ((c->so.watermark = d), 0);
+        else if (!strcmp(a, "--headroom")) bad = parse_f64(v, &c->so.headroom) || c->so.headroom < 0;
+        else if (!strcmp(a, "--threads")) bad = parse_u32(v, &c->so.n_threads);
+        else if (!strcmp(a, "--policies")) bad = parse_policies(c, v);
+        else if (!strcmp(a, "--plot")) c->plot = v;
+        else {
+            fprintf(stderr, "pkv sim: unknown option '%s' (see pkv sim --help)\n", a);
+            return -1;
+        }
+        if (bad) {
+            fprintf(stderr, "pkv sim: bad value '%s' for %s\n", v, a);
+            return -1;
+        }
+    }
+    if (c->so.model.n_q_heads % c->so.model.n_kv_heads) {
+        fprintf(stderr, "pkv sim: --q-heads %u is not a multiple of --kv-heads %u\n", c->so.model.n_q_heads,
+                c->so.model.n_kv_heads);
+        return -1;
+    }
+    return 0;
+}
+
+static double rss_mib(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru)) return 0;
+    return (double)ru.ru_maxrss / 1024.0; /* Linux: KiB */
+}
+
+static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_requests) {
+    printf("{\"policy\":\"%s\",\"requests\":%u,\"completed\":%u,\"rejected\":%u,\"peak_seqs\":%u,\"mean_seqs\":%.2f,"
+           "\"peak_blocks\":%u,\"n_blocks\":%u,\"kv_utilization\":%.4f,\"waste\":%.4f,\"prefix_hit_rate\":%.4f,"
+           "\"prefix_hit_tokens\":%llu,\"prompt_tokens\":%llu,\"preemptions\":%u,\"steps\":%llu,"
+           "\"decode_tokens\":%llu,\"prefill_tokens\":%llu,\"cow_copies\":%llu,\"evictions\":%llu,"
+           "\"ttft_p50_steps\":%.1f,\"ttft_p90_steps\":%.1f,\"ttft_p99_steps\":%.1f,\"pkv_s\":%.4f,\"attn_s\":%.4f,"
+           "\"wall_s\":%.3f,\"decode_tok_s\":%.1f,\"attn\":%s,\"check\":\"%s\",\"peak_rss_mib\":%.1f,\"seed\":%llu}\n",
+           sim_policy_names[r->policy], n_requests, r->completed, r->rejected, r->peak_seqs, r->mean_seqs,
+           r->peak_blocks, c->so.n_blocks, r->kv_utilization, r->waste, r->prefix_hit_rate,
+           (unsigned long long)r->prefix_hit_tokens, (unsigned long long)r->prompt_tokens, r->preemptions,
+           (unsigned long long)r->steps, (unsigned long long)r->decode_tokens, (unsigned long long)r->prefill_tokens,
+           (unsigned long long)r->cow_copies, (unsigned long long)r->evictions, r->ttft_p50, r->ttft_p90, r->ttft_p99,
+           r->pkv_s, r->attn_s, r->wall_s, r->decode_tok_s, c->so.attn ? "true" : "false",
+           r->check_rc == 0 ? "ok" : "failed", rss_mib(), (unsigned long long)c->wo.seed);
+}
+
+static int plot(const sim_cli *c, const sim_result *res, int n) {
+    if (system("command -v gnuplot >/dev/null 2>&1") != 0) {
+        fprintf(stderr, "pkv sim: --plot needs gnuplot, which is not on PATH (Debian: apt install gnuplot-nox)\n");
+        return -1;
+    }
+    char dir[] = "/tmp/pkv-sim-XXXXXX";
+    if (!mkdtemp(dir)) {
+        fprintf(stderr, "pkv sim: --plot: cannot create a temporary directory: %s\n", strerror(errno));
+        return -1;
+    }
+    char path[SIM_N_POLICIES][64];
+    for (int i = 0; i < n; i++) {
+        snprintf(path[i], sizeof path[i], "%s/%s.dat", dir, sim_policy_names[res[i].policy]);
+        FILE *f = fopen(path[i], "w");
+        if (!f) return -1;
+        for (uint32_t k = 0; k < res[i].n_series; k++)
+            fprintf(f, "%llu %u %u\n", (unsigned long long)res[i].series[k].step, res[i].series[k].blocks,
+                    res[i].series[k].seqs);
+        fclose(f);
+    }
+    FILE *g = popen("gnuplot", "w");
+    if (!g) {
+        fprintf(stderr, "pkv sim: --plot: cannot start gnuplot\n");
+        return -1;
+    }
+    fprintf(g, "set terminal pngcairo size 1000,800 noenhanced\nset output '%s'\n", c->plot);
+    fprintf(g, "set multiplot layout 2,1 title 'pkv sim: %u blocks of %u tokens, seed %llu'\n", c->so.n_blocks,
+            c->so.block_tokens, (unsigned long long)c->wo.seed);
+    fprintf(g, "set grid\nset key outside right\nset xlabel 'step'\nset ylabel 'blocks in use (reserved)'\n");
+    fprintf(g, "set yrange [0:%u]\nplot ", c->so.n_blocks);
+    for (int i = 0; i < n; i++)
+        fprintf(g, "%s'%s' using 1:2 with lines lw 2 title '%s'", i ? ", " : "", path[i], sim_policy_names[res[i].policy]);
+    fprintf(g, "\nset ylabel 'running sequences'\nset yrange [0:*]\nplot ");
+    for (int i = 0; i < n; i++)
+        fprintf(g, "%s'%s' using 1:3 with lines lw 2 title '%s'", i ? ", " : "", path[i], sim_policy_names[res[i].policy]);
+    fprintf(g, "\nunset multiplot\n");
+    int st = pclose(g);
+    for (int i = 0; i < n; i++) remove(path[i]);
+    rmdir(dir);
+    if (st != 0) {
+        fprintf(stderr, "pkv sim: gnuplot failed writing '%s'\n", c->plot);
+        return -1;
+    }
+    fprintf(stderr, "pkv sim: wrote %s\n", c->plot);
+    return 0;
+}
 
 int tool_sim(int argc, char **argv) {
-    (void)argc;
-    fprintf(stderr, "pkv: '%s' is not implemented yet\n", argv[0]);
-    return TOOL_FAIL;
+    sim_cli c;
+    defaults(&c);
+    int pr = parse_args(&c, argc, argv);
+    if (pr) return pr > 0 ? TOOL_OK : TOOL_USAGE;
+    c.wo.step_s = c.step_ms / 1000.0;
+    c.so.max_len = c.wo.max_len;
+    c.so.seed = c.wo.seed;
+    c.so.progress = !c.no_progress && isatty(STDERR_FILENO);
+    c.so.want_series = c.plot != NULL;
+
+    sim_workload w;
+    if (c.trace ? sim_workload_read_trace(c.trace, &c.wo, &w) : sim_workload_generate(&c.wo, &w)) {
+        if (!c.trace) fprintf(stderr, "pkv sim: out of memory for the workload\n");
+        return TOOL_FAIL;
+    }
+    uint64_t prompt_sum = 0, out_sum = 0, multi = 0, grouped = 0;
+    for (uint32_t i = 0; i < w.n; i++) {
+        prompt_sum += w.reqs[i].prompt_len;
+        out_sum += w.reqs[i].output_len;
+        multi += w.reqs[i].n_samples > 1;
+        grouped += w.reqs[i].group >= 0;
+    }
+    const sim_model *md = &c.so.model;
+    double block_kib = (double)c.so.block_tokens * md->n_layers * 2.0 *
+                       (double)pkv_dtype_row_bytes(md->dtype, md->head_dim) * md->n_kv_heads / 1024.0;
+    if (!c.json) {
+        printf("pkv sim: %u requests (%s, seed %llu): prompt mean %.0f, output mean %.0f tokens, %llu with a shared "
+               "prefix, %llu with n > 1\n",
+               w.n, c.trace ? c.trace : "built-in", (unsigned long long)c.wo.seed, (double)prompt_sum / w.n,
+               (double)out_sum / w.n, (unsigned long long)grouped, (unsigned long long)multi);
+        printf("pkv sim: model %u layers x %u kv heads x %u (%u q heads), %s; pool %u blocks x %u tokens = %.1f MiB; "
+               "max_len %u, %u tokens/step, max %u seqs%s\n",
+               md->n_layers, md->n_kv_heads, md->head_dim, md->n_q_heads, pkv_dtype_name(md->dtype), c.so.n_blocks,
+               c.so.block_tokens, block_kib * c.so.n_blocks / 1024.0, c.so.max_len, c.so.step_tokens, c.so.max_seqs,
+               c.so.attn ? "" : "; --no-attn (no K/V writes, no attention)");
+        fflush(stdout);
+    }
+    sim_result res[SIM_N_POLICIES];
+    memset(res, 0, sizeof res);
+    int status = TOOL_OK;
+    int n_run = 0;
+    for (int i = 0; i < c.n_policies; i++) {
+        int rc = sim_run_policy(&c.so, &w, c.policies[i], &res[i]);
+        n_run = i + 1;
+        if (rc < 0) {
+            status = TOOL_FAIL;
+            break;
+        }
+        if (res[i].check_rc < 0) {
+            fprintf(stderr, "pkv sim: %s: pkv_cache_check failed: %s\n", sim_policy_names[c.policies[i]], res[i].check_msg);
+            status = TOOL_FAIL;
+        }
+    }
+    if (status == TOOL_OK || n_run == c.n_policies) {
+        if (c.json) {
+            for (int i = 0; i < n_run; i++) print_json(&res[i], &c, w.n);
+        } else {
+            printf("\n%-13s %6s %5s %6s %7s %6s %6s %7s %7s %6s %14s %9s %13s %7s\n", "policy", "done", "peak",
+                   "mean", "peak", "kv", "waste", "prefix", "preempt", "steps", "ttft p50/90/99", "decode", "pkv s",
+                   "wall s");
+            printf("%-13s %6s %5s %6s %7s %6s %6s %7s %7s %6s %14s %9s %13s %7s\n", "", "", "seqs", "seqs", "blocks",
+                   "util", "", "hit", "", "", "(steps)", "tok/s", "(attn s)", "");
+            for (int i = 0; i < n_run; i++) {
+                const sim_result *r = &res[i];
+                char ttft[32], pkvs[32];
+                snprintf(ttft, sizeof ttft, "%.0f/%.0f/%.0f", r->ttft_p50, r->ttft_p90, r->ttft_p99);
+                snprintf(pkvs, sizeof pkvs, "%.2f (%.2f)", r->pkv_s, r->attn_s);
+                printf("%-13s %6u %5u %6.1f %7u %5.1f%% %5.1f%% %6.1f%% %7u %6llu %14s %9.0f %13s %7.2f\n",
+                       sim_policy_names[r->policy], r->completed, r->peak_seqs, r->mean_seqs, r->peak_blocks,
+                       100.0 * r->kv_utilization, 100.0 * r->waste, 100.0 * r->prefix_hit_rate, r->preemptions,
+                       (unsigned long long)r->steps, ttft, r->decode_tok_s, pkvs, r->wall_s);
+            }
+            printf("\nkv util: slots holding live tokens / slots reserved (ACTIVE blocks; contiguous: reserved blocks),\n"
+                   "averaged over steps; waste: mean share of the pool reserved but empty; prefix hit: prompt tokens\n"
+                   "reused by pkv_seq_match_prefix; decode tok/s: decode tokens / seconds inside pkv calls.\n");
+            for (int i = 0; i < n_run; i++)
+                printf("%s: %u rejected (too large for the pool), %llu copy-on-write copies, %llu evictions, "
+                       "checker %s\n",
+                       sim_policy_names[res[i].policy], res[i].rejected, (unsigned long long)res[i].cow_copies,
+                       (unsigned long long)res[i].evictions, res[i].check_rc == 0 ? "ok" : "FAILED");
+            printf("peak RSS %.1f MiB\n", rss_mib());
+        }
+    }
+    if (c.plot && n_run > 0 && status == TOOL_OK && plot(&c, res, n_run)) status = TOOL_FAIL;
+    for (int i = 0; i < SIM_N_POLICIES; i++) free(res[i].series);
+    sim_workload_free(&w);
+    return status;
 }

@@ -27,12 +27,16 @@ void pkv__attn_prep_q8(const float *q, size_t q_stride, uint32_t n_rows, uint32_
             float x[32], amax = 0.0f;
             for (int j = 0; j < 32; j++) {
                 x[j] = src[32 * b + j] * scale;
-                amax = fmaxf(amax, fabsf(x[j]));
+                const float a = fabsf(x[j]);
+                amax = a > amax ? a : amax; /* plain compares: fmaxf is a libm call here */
             }
             const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
             dq[b] = d;
             for (int j = 0; j < 32; j++) {
-                float v = fminf(fmaxf(nearbyintf(x[j] * id), -127.0f), 127.0f);
+                /* |x * id| <= 127 (+ rounding): round half to even by the 1.5 * 2^23 trick,
+                   exact for |v| < 2^22, then clamp the rounding overshoot */
+                float v = (x[j] * id + 12582912.0f) - 12582912.0f;
+                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : (v == v ? v : 0.0f)); /* NaN query -> 0 */
                 qs[32 * b + j] = (int8_t)v;
                 qa[32 * b + j] = (uint8_t)(v < 0 ? -v : v);
             }

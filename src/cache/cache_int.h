@@ -86,6 +86,8 @@ void pkv__partial_unlink(pkv_cache *c, uint32_t b);
 /* After a commit (or match / append) of s: index its full committed blocks, register its
  * committed partial tail. */
 void pkv__index_after_commit(pkv_cache *c, pkv__seq *s);
+/* XXH3 of a block's B token ids with seed (the parent's hash, or the namespace for roots). */
+uint64_t pkv__hash_seeded(const pkv_cache *c, uint64_t seed, const int32_t *toks);
 uint64_t pkv__identity_hash(const pkv_cache *c, uint32_t parent, uint64_t ns_lo, uint64_t ns_hi, const int32_t *toks);
 uint64_t pkv__content_hash(const pkv_cache *c, uint32_t parent, const int32_t *toks);
 void pkv__salt_digest(const void *salt, size_t len, uint64_t *lo, uint64_t *hi);

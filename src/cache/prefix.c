@@ -22,11 +22,15 @@ void pkv__salt_digest(const void *salt, size_t len, uint64_t *lo, uint64_t *hi) 
     *hi = h.high64;
 }
 
+uint64_t pkv__hash_seeded(const pkv_cache *c, uint64_t seed, const int32_t *toks) {
+    if (c->const_hash) return 0x5151515151515151ull;
+    return XXH3_64bits_withSeed(toks, (size_t)c->B * sizeof(int32_t), seed);
+}
+
 uint64_t pkv__identity_hash(const pkv_cache *c, uint32_t parent, uint64_t ns_lo, uint64_t ns_hi,
                             const int32_t *toks) {
-    if (c->const_hash) return 0x5151515151515151ull;
     uint64_t seed = parent == PKV_NONE ? ns_lo ^ (ns_hi * 0x9E3779B97F4A7C15ull) : c->blk[parent].hash;
-    return XXH3_64bits_withSeed(toks, (size_t)c->B * sizeof(int32_t), seed);
+    return pkv__hash_seeded(c, seed, toks);
 }
 
 uint64_t pkv__content_hash(const pkv_cache *c, uint32_t parent, const int32_t *toks) {
@@ -164,6 +168,9 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
     }
 }
 
+/* children of one block compared for a token-granular hit */
+#define PARTIAL_SCAN 64
+
 static uint32_t common_prefix(const int32_t *a, const int32_t *b, uint32_t n) {
     uint32_t i = 0;
     while (i < n && a[i] == b[i]) i++;
@@ -181,30 +188,53 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
         goto out;
     }
     *n_reused = 0;
-    if (!c->cfg.enable_prefix_cache) goto out;
     c->pfx_lookups++;
     c->pfx_queried += n;
+    if (!c->cfg.enable_prefix_cache) goto out;
     if (n <= 1) goto out;
     const uint32_t B = c->B, cap = n - 1;
     /* blocks holding positions [0, cap): with B = 1 the block of the last prompt token holds no
        reusable position and must not be attached (it would lie past the length) */
     uint32_t prev = PKV_NONE, k = 0, full = PKV_MIN(PKV_MIN(n / B, (cap + B - 1) / B), c->max_bps);
-    while (k < full) {
-        const int32_t *t = tokens + (size_t)k * B;
-        uint64_t h = pkv__identity_hash(c, prev, s->ns_lo, s->ns_hi, t);
-        uint32_t b = lookup(c, h, prev, s->ns_lo, s->ns_hi, t);
-        if (b == PKV_NONE) {
-            /* why: the same namespace+prefix was indexed once (evicted), the same tokens exist
-               under another namespace, or never seen. Best effort: fingerprint tables. */
-            uint64_t ch = pkv__content_hash(c, prev, t);
-            if (!c->const_hash && c->fp_seen[h & c->fp_mask] == h) c->miss_evicted++;
-            else if (c->fp_content[ch & c->fp_mask] == ch) c->miss_ns++;
-            else c->miss_new++;
-            break;
+    /* The identity hash of block i is seeded by block i-1's hash, which on a hit is the hash
+       just computed: so a chunk of hashes is computed ahead, and the bucket heads, block records
+       and token ids of the next lookups are prefetched while this one is compared. Without it
+       a hit in a large index waits on three dependent cache misses per block. */
+    enum { AHEAD = 64, DIST = 4 };
+    uint64_t hs[AHEAD];
+    bool miss = false;
+    while (k < full && !miss) {
+        uint32_t m = PKV_MIN((uint32_t)AHEAD, full - k);
+        for (uint32_t j = 0; j < m; j++) {
+            hs[j] = j == 0 ? pkv__identity_hash(c, prev, s->ns_lo, s->ns_hi, tokens + (size_t)k * B)
+                           : pkv__hash_seeded(c, hs[j - 1], tokens + (size_t)(k + j) * B);
+            __builtin_prefetch(&c->buckets[hs[j] & c->bucket_mask]);
         }
-        pkv__pool_ref(&c->pool, b);
-        s->table[k++] = (int32_t)b;
-        prev = b;
+        for (uint32_t j = 0; j < m; j++) {
+            if (j + DIST < m) {
+                uint32_t ahead = c->buckets[hs[j + DIST] & c->bucket_mask];
+                if (ahead != PKV_NONE) {
+                    __builtin_prefetch(&c->blk[ahead]);
+                    __builtin_prefetch(c->tokens + (size_t)ahead * B);
+                }
+            }
+            const int32_t *t = tokens + (size_t)k * B;
+            uint64_t h = hs[j];
+            uint32_t b = lookup(c, h, prev, s->ns_lo, s->ns_hi, t);
+            if (b == PKV_NONE) {
+                /* why: the same namespace+prefix was indexed once (evicted), the same tokens
+                   exist under another namespace, or never seen. Best effort: fingerprints. */
+                uint64_t ch = pkv__content_hash(c, prev, t);
+                if (!c->const_hash && c->fp_seen[h & c->fp_mask] == h) c->miss_evicted++;
+                else if (c->fp_content[ch & c->fp_mask] == ch) c->miss_ns++;
+                else c->miss_new++;
+                miss = true;
+                break;
+            }
+            pkv__pool_ref(&c->pool, b);
+            s->table[k++] = (int32_t)b;
+            prev = b;
+        }
     }
     uint32_t reused = PKV_MIN(k * B, cap);
     s->n_blocks = k;
@@ -212,7 +242,11 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
     /* token-granular: the child of the last matched block sharing the longest token prefix */
     if (k >= 1 && reused == k * B && reused < cap && k < c->max_bps) {
         uint32_t want = PKV_MIN(B, cap - reused), best = PKV_NONE, best_m = 0;
-        for (uint32_t ch = c->blk[prev].child; ch != PKV_NONE; ch = c->blk[ch].sib_next) {
+        /* children are linked newest first; a prefix shared by thousands of requests has
+           thousands of children, so only the most recent PARTIAL_SCAN are compared: the
+           token-granular extra is best effort, the full-block hits above are not */
+        uint32_t scanned = 0;
+        for (uint32_t ch = c->blk[prev].child; ch != PKV_NONE && scanned++ < PARTIAL_SCAN; ch = c->blk[ch].sib_next) {
             uint32_t lim = PKV_MIN(want, (uint32_t)c->blk[ch].n_commit);
             uint32_t m = common_prefix(c->tokens + (size_t)ch * B, tokens + reused, lim);
             if (m > best_m) {

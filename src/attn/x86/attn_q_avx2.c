@@ -162,10 +162,11 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
         const __m256 skv = _mm256_loadu_ps(sk);
         for (uint32_t d0 = 0; d0 < D; d0 += PIECE) {
             const uint32_t dn = PKV_MIN(PIECE, D - d0), dn8 = (dn + 7) & ~7u;
-            const float *kf[8];
             for (uint32_t j = 0; j < 8; j++) {
-                kf[j] = tile[j < nk ? j : 0];
-                if (j >= nk) continue;
+                if (j >= nk) { /* padding keys: zeros (fixed tile offsets keep the fma loop lean) */
+                    memset(tile[j], 0, dn8 * sizeof(float));
+                    continue;
+                }
                 const uint8_t *e = k + (size_t)(t0 + j) * k_row_bytes + PKV_FP8_ROW_HEADER + d0;
                 uint32_t d = 0;
                 for (; d + 16 <= dn; d += 16) {
@@ -183,7 +184,7 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
                 for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
                 for (uint32_t d = 0; d < dn8; d += 8) {
                     const __m256 qv = _mm256_loadu_ps(qr + d);
-                    for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_load_ps(kf[j] + d), acc[j]);
+                    for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_load_ps(&tile[j][d]), acc[j]);
                 }
                 store_lanes(s + (size_t)r * s_stride + t0, _mm256_mul_ps(reduce8_ps(acc), skv), nk, d0 > 0);
             }
@@ -193,8 +194,8 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
 
 /* ---- V accumulation ----------------------------------------------------------------------------
  * Rows in groups of NR <= 4 with their accumulators in registers (2 x 8 values per row), keys
- * inner: each decoded V vector feeds NR fmas. w[t * 4 + rr] is row rr's weight for key t with
- * the key's (block) scale folded in. */
+ * inner: each decoded V vector feeds NR fmas. w[rr * VKEYS + t] is row rr's weight for key t
+ * with the key's (block) scale folded in. */
 #define DEF_VLOOP(NAME, DECODE)                                                                       \
     static ALWAYS_INLINE void NAME(const float *w, uint32_t nk, const uint8_t *v, size_t v_row_bytes,     \
                                    size_t off, float *acc, uint32_t D, uint32_t NR) {                   \
@@ -208,7 +209,7 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
             __m256 x0, x1;                                                                               \
             DECODE;                                                                                      \
             for (uint32_t rr = 0; rr < NR; rr++) {                                                       \
-                const __m256 wv = _mm256_broadcast_ss(w + t * 4 + rr);                                   \
+                const __m256 wv = _mm256_broadcast_ss(w + rr * VKEYS + t);                               \
                 a[rr][0] = _mm256_fmadd_ps(wv, x0, a[rr][0]);                                            \
                 a[rr][1] = _mm256_fmadd_ps(wv, x1, a[rr][1]);                                            \
             }                                                                                            \
@@ -255,22 +256,38 @@ static void accum_blocks(const float *p, uint32_t p_stride, uint32_t n_rows, con
                          uint32_t n_keys, uint32_t D, float *acc, bool q4) {
     const uint32_t nb = D / 32;
     const size_t bsz = q4 ? sizeof(pkv_block_q4_0) : sizeof(pkv_block_q8_0);
-    float w[VKEYS * 4] __attribute__((aligned(32)));
-    float dv[VKEYS];
+    float w[4 * VKEYS] __attribute__((aligned(32)));
+    float pr[4 * VKEYS] __attribute__((aligned(32))); /* this row group's p, zero past nk */
+    float dv[(PIECE / 32) * 4 * VKEYS] __attribute__((aligned(32))); /* [block][key] scales */
     for (uint32_t t0 = 0; t0 < n_keys; t0 += VKEYS) {
         const uint32_t nk = PKV_MIN(VKEYS, n_keys - t0);
         const uint8_t *v0 = v + (size_t)t0 * v_row_bytes;
+        for (uint32_t b0 = 0; b0 < nb; b0 += PIECE / 32 * 4) { /* dv holds 128 blocks: D <= 4096 */
+        const uint32_t nbp = PKV_MIN(PIECE / 32 * 4, nb - b0);
+        for (uint32_t b = 0; b < nbp; b++) {
+            uint16_t h[VKEYS] = {0};
+            for (uint32_t t = 0; t < nk; t++) memcpy(&h[t], v0 + t * v_row_bytes + (b0 + b) * bsz, 2);
+            _mm256_store_ps(dv + b * VKEYS, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+            _mm256_store_ps(dv + b * VKEYS + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
+        }
         for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
             const uint32_t nr = PKV_MIN(4u, n_rows - r0);
             float *ar = acc + (size_t)r0 * D;
-            for (uint32_t b = 0; b < nb; b++) {
-                for (uint32_t t = 0; t < nk; t++) {
-                    uint16_t h;
-                    memcpy(&h, v0 + t * v_row_bytes + b * bsz, 2);
-                    dv[t] = _cvtsh_ss(h);
+            for (uint32_t rr = 0; rr < nr; rr++) {
+                const float *pp = p + (size_t)(r0 + rr) * p_stride + t0;
+                if (nk == VKEYS) {
+                    _mm256_store_ps(pr + rr * VKEYS, _mm256_loadu_ps(pp));
+                    _mm256_store_ps(pr + rr * VKEYS + 8, _mm256_loadu_ps(pp + 8));
+                } else {
+                    for (uint32_t t = 0; t < VKEYS; t++) pr[rr * VKEYS + t] = t < nk ? pp[t] : 0.0f;
                 }
-                for (uint32_t t = 0; t < nk; t++)
-                    for (uint32_t rr = 0; rr < nr; rr++) w[t * 4 + rr] = p[(size_t)(r0 + rr) * p_stride + t0 + t] * dv[t];
+            }
+            for (uint32_t bb = 0; bb < nbp; bb++) {
+                const uint32_t b = b0 + bb;
+                for (uint32_t rr = 0; rr < nr; rr++)
+                    for (uint32_t t = 0; t < VKEYS; t += 8)
+                        _mm256_store_ps(w + rr * VKEYS + t, _mm256_mul_ps(_mm256_load_ps(pr + rr * VKEYS + t),
+                                                                          _mm256_load_ps(dv + bb * VKEYS + t)));
                 const size_t off = b * bsz + 2;
                 float *ab = ar + 32 * b;
                 if (q4) {
@@ -285,6 +302,7 @@ static void accum_blocks(const float *p, uint32_t p_stride, uint32_t n_rows, con
                     NR_SWITCH(CALL_Q8B)
                 }
             }
+        }
         }
     }
 }
@@ -313,7 +331,7 @@ static void accum_fp8(const float *p, uint32_t p_stride, uint32_t n_rows, const 
                 float sv;
                 memcpy(&sv, v0 + t * v_row_bytes, 4);
                 for (uint32_t rr = 0; rr < nr; rr++)
-                    w[t * 4 + rr] = p[(size_t)(r0 + rr) * p_stride + t0 + t] * sv * 256.0f;
+                    w[rr * VKEYS + t] = p[(size_t)(r0 + rr) * p_stride + t0 + t] * sv * 256.0f;
             }
             if (D % 8 == 0) { /* rows stay 32-byte aligned: the register loop */
                 for (uint32_t d = 0; d < d16; d += 16) {
@@ -327,7 +345,7 @@ static void accum_fp8(const float *p, uint32_t p_stride, uint32_t n_rows, const 
                         e4m3x16(v0 + t * v_row_bytes + PKV_FP8_ROW_HEADER + d, &x0, &x1);
                         for (uint32_t rr = 0; rr < nr; rr++) {
                             float *a = ar + rr * (size_t)D + d;
-                            const __m256 wv = _mm256_broadcast_ss(w + t * 4 + rr);
+                            const __m256 wv = _mm256_broadcast_ss(w + rr * VKEYS + t);
                             _mm256_storeu_ps(a, _mm256_fmadd_ps(wv, x0, _mm256_loadu_ps(a)));
                             _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(wv, x1, _mm256_loadu_ps(a + 8)));
                         }
@@ -336,7 +354,7 @@ static void accum_fp8(const float *p, uint32_t p_stride, uint32_t n_rows, const 
             for (uint32_t d = d16; d < D; d++) /* tail: w / 256 is exactly p * sv */
                 for (uint32_t t = 0; t < nk; t++) {
                     const float e = pkv__e4m3_to_f32(v0[t * v_row_bytes + PKV_FP8_ROW_HEADER + d]);
-                    for (uint32_t rr = 0; rr < nr; rr++) ar[rr * (size_t)D + d] += w[t * 4 + rr] * (1.0f / 256.0f) * e;
+                    for (uint32_t rr = 0; rr < nr; rr++) ar[rr * (size_t)D + d] += w[rr * VKEYS + t] * (1.0f / 256.0f) * e;
                 }
         }
     }

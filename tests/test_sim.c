@@ -1,0 +1,262 @@
+/* test_sim.c: `pkv sim` end to end: with a fixed seed the three policies complete the same
+ * requests, paging admits at least as many sequences as contiguous reservation, the checker
+ * passes, runs are deterministic, preemption works, and traces are read or rejected by line. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include "test_run_spawn.h"
+
+#include <math.h>
+
+/* small model and pool so the test is quick; max_len 512 => contiguous reserves 32 blocks */
+#define SMALL "--layers", "1", "--kv-heads", "1", "--q-heads", "2", "--head-dim", "32", "--dtype", "f32", \
+              "--max-len", "512", "--prompt-mean", "60", "--output-mean", "80", "--sys-len", "64",     \
+              "--no-progress", "--json"
+
+static double field(const char *line, const char *key) {
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *p = strstr(line, pat);
+    if (!p) fail_msg("no %s in %s", key, line);
+    p += strlen(pat);
+    if (*p == '"') return strncmp(p, "\"ok\"", 4) == 0 ? 1.0 : 0.0; /* only "check" is a string we read */
+    return strtod(p, NULL);
+}
+
+typedef struct runs {
+    char *out;
+    char *line[3]; /* paged_prefix, paged, contiguous */
+} runs;
+
+static void split(runs *r) {
+    static const char *names[3] = {"paged_prefix", "paged", "contiguous"};
+    memset(r->line, 0, sizeof r->line);
+    for (char *p = r->out; p && *p;) {
+        char *nl = strchr(p, '\n');
+        if (nl) *nl = 0;
+        for (int i = 0; i < 3; i++) {
+            char pat[64];
+            snprintf(pat, sizeof pat, "\"policy\":\"%s\"", names[i]);
+            if (strstr(p, pat)) r->line[i] = p;
+        }
+        p = nl ? nl + 1 : NULL;
+    }
+    for (int i = 0; i < 3; i++)
+        if (!r->line[i]) fail_msg("no JSON line for %s in:\n%s", names[i], r->out);
+}
+
+static void sim(char **argv, runs *r) {
+    char *err = NULL;
+    int rc = run_cli(argv, &r->out, &err);
+    if (rc != 0) fail_msg("pkv sim exited %d: %s", rc, err ? err : "");
+    free(err);
+    split(r);
+}
+
+static void test_policies_complete_same_requests(void **state) {
+    (void)state;
+    char *argv[] = {"pkv", "sim", SMALL, "--requests", "80", "--blocks", "400", "--seed", "5", NULL};
+    runs r;
+    sim(argv, &r);
+    double req = field(r.line[0], "requests");
+    assert_true(req == 80);
+    for (int i = 0; i < 3; i++) {
+        assert_true(field(r.line[i], "check") == 1.0);
+        assert_true(field(r.line[i], "completed") + field(r.line[i], "rejected") == req);
+        assert_true(field(r.line[i], "completed") == field(r.line[0], "completed"));
+        assert_true(field(r.line[i], "completed") > 0);
+        assert_true(field(r.line[i], "decode_tokens") > 0);
+        assert_true(field(r.line[i], "kv_utilization") > 0 && field(r.line[i], "kv_utilization") <= 1.0);
+    }
+    assert_true(field(r.line[1], "peak_seqs") >= field(r.line[2], "peak_seqs"));
+    assert_true(field(r.line[0], "peak_seqs") >= field(r.line[2], "peak_seqs"));
+    assert_true(field(r.line[1], "mean_seqs") > field(r.line[2], "mean_seqs"));
+    assert_true(field(r.line[1], "kv_utilization") > field(r.line[2], "kv_utilization"));
+    assert_true(field(r.line[0], "prefix_hit_rate") > 0.05); /* shared system prompts are reused */
+    assert_true(field(r.line[1], "prefix_hit_rate") == 0);
+    assert_true(field(r.line[2], "prefix_hit_rate") == 0);
+    assert_true(field(r.line[2], "preemptions") == 0); /* reservation never runs out */
+    assert_true(field(r.line[2], "peak_blocks") <= 400);
+    free(r.out);
+}
+
+/* Same seed => same schedule (every count); the kernels do not influence scheduling, so
+ * --no-attn replays the identical schedule. Another seed => another workload. */
+static void test_deterministic_and_attn_independent(void **state) {
+    (void)state;
+    char *a[] = {"pkv", "sim", SMALL, "--requests", "50", "--blocks", "300", "--seed", "9", NULL};
+    char *b[] = {"pkv", "sim", SMALL, "--requests", "50", "--blocks", "300", "--seed", "9", "--no-attn", NULL};
+    char *d[] = {"pkv", "sim", SMALL, "--requests", "50", "--blocks", "300", "--seed", "10", "--no-attn", NULL};
+    runs ra, rb, rd;
+    sim(a, &ra);
+    sim(b, &rb);
+    sim(d, &rd);
+    static const char *keys[] = {"completed", "peak_seqs", "mean_seqs", "peak_blocks", "kv_utilization",
+                                 "prefix_hit_tokens", "preemptions", "steps", "decode_tokens", "prefill_tokens",
+                                 "cow_copies", "ttft_p50_steps", "ttft_p99_steps"};
+    int differs = 0;
+    for (int i = 0; i < 3; i++) {
+        for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++) {
+            double x = field(ra.line[i], keys[k]), y = field(rb.line[i], keys[k]);
+            if (x != y) fail_msg("%s: %s %g with attention, %g without", keys[k], ra.line[i], x, y);
+            differs |= x != field(rd.line[i], keys[k]);
+        }
+    }
+    assert_true(differs);
+    free(ra.out), free(rb.out), free(rd.out);
+}
+
+/* A pool too small for the offered load: the paged policies preempt (recompute) and still
+ * complete everything with a clean checker. */
+static void test_preemption_under_pressure(void **state) {
+    (void)state;
+    char *argv[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
+                    "--seed", "3", NULL};
+    runs r;
+    sim(argv, &r);
+    assert_true(field(r.line[0], "preemptions") + field(r.line[1], "preemptions") > 0);
+    for (int i = 0; i < 3; i++) {
+        assert_true(field(r.line[i], "check") == 1.0);
+        assert_true(field(r.line[i], "completed") == field(r.line[0], "completed"));
+        assert_true(field(r.line[i], "completed") + field(r.line[i], "rejected") == 60);
+        assert_true(field(r.line[i], "peak_blocks") <= 150);
+    }
+    free(r.out);
+}
+
+static const char *write_file(const char *text) {
+    static char path[64];
+    snprintf(path, sizeof path, "/tmp/pkv-trace-XXXXXX");
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+    close(fd);
+    return path;
+}
+
+static void test_trace_replay(void **state) {
+    (void)state;
+    /* three explicit prompts sharing 40 tokens, two group-prefix requests, one n=2 */
+    char text[8192];
+    size_t n = 0;
+    for (int r = 0; r < 3; r++) {
+        n += (size_t)snprintf(text + n, sizeof text - n, "{\"arrival\": %d.5, \"prompt\": [1", r);
+        for (int i = 1; i < 48; i++) n += (size_t)snprintf(text + n, sizeof text - n, ", %d", i < 40 ? 100 + i : 1000 * (r + 1) + i);
+        n += (size_t)snprintf(text + n, sizeof text - n, "], \"max_tokens\": %d, \"note\": {\"x\": [1, \"y\"]}}\n", 10 + r);
+    }
+    n += (size_t)snprintf(text + n, sizeof text - n,
+                          "\n{\"arrival\": 0.1, \"prompt_len\": 90, \"prefix_group\": 7, \"prefix_len\": 64, \"max_tokens\": 5}\n"
+                          "  {\"prefix_group\": 7, \"prompt_len\": 70, \"arrival\": 3, \"max_tokens\": 20, \"n\": 2}\r\n");
+    const char *path = write_file(text);
+    char *argv[] = {"pkv", "sim", SMALL, "--blocks", "200", "--trace", (char *)path, NULL};
+    runs r;
+    sim(argv, &r);
+    for (int i = 0; i < 3; i++) {
+        assert_true(field(r.line[i], "requests") == 5);
+        assert_true(field(r.line[i], "completed") == 5);
+        assert_true(field(r.line[i], "check") == 1.0);
+        /* 10+11+12 + 5 + 2*20 tokens, the first of each sample from the prefill */
+        assert_true(field(r.line[i], "decode_tokens") == (10 + 11 + 12 + 5 + 40) - 6);
+    }
+    assert_true(field(r.line[0], "prefix_hit_tokens") >= 32); /* later prompts reuse the shared 40 */
+    free(r.out);
+    unlink(path);
+}
+
+static void test_malformed_trace_names_line(void **state) {
+    (void)state;
+    const char *good = "{\"arrival\": 0, \"prompt_len\": 10, \"max_tokens\": 4}\n";
+    struct { const char *bad; const char *want; } cases[] = {
+        {"{\"arrival\": 1, \"prompt_len\": 10}\n", "missing \"max_tokens\""},
+        {"{\"arrival\": 1, \"prompt_len\": 10, \"max_tokens\": 4\n", "expected ',' or '}'"},
+        {"{\"arrival\": 1, \"prompt\": [1, 2, x], \"max_tokens\": 4}\n", "expected a number"},
+        {"{\"arrival\": 1, \"prompt_len\": 2.5, \"max_tokens\": 4}\n", "prompt_len must be an integer"},
+        {"{\"arrival\": -1, \"prompt_len\": 2, \"max_tokens\": 4}\n", "arrival must be >= 0"},
+        {"[1, 2]\n", "expected a JSON object"},
+        {"{\"arrival\": 1, \"prompt\": 5, \"max_tokens\": 4}\n", "prompt must be an array"},
+        {"{\"arrival\": 1, \"prompt_len\": 10, \"max_tokens\": 4} x\n", "trailing characters"},
+        {"{\"arrival\": 1, \"prompt_len\": 9999, \"max_tokens\": 4}\n", "does not fit --max-len"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char text[512];
+        snprintf(text, sizeof text, "%s\n%s%s", good, cases[i].bad, good); /* the bad one is line 3 */
+        const char *path = write_file(text);
+        char *argv[] = {"pkv", "sim", SMALL, "--trace", (char *)path, NULL};
+        char *out, *err;
+        int rc = run_cli(argv, &out, &err);
+        char where[128];
+        snprintf(where, sizeof where, "%s:3: ", path);
+        if (rc != 2 || !strstr(err, where) || !strstr(err, cases[i].want))
+            fail_msg("case %zu: exit %d, stderr '%s' (want 2, '%s%s')", i, rc, err, where, cases[i].want);
+        assert_string_equal(out, "");
+        free(out), free(err);
+        unlink(path);
+    }
+    char *argv[] = {"pkv", "sim", "--trace", "/nonexistent/trace.jsonl", NULL};
+    char *err;
+    assert_int_equal(run_cli(argv, NULL, &err), 2);
+    assert_non_null(strstr(err, "cannot open trace"));
+    free(err);
+}
+
+static void test_help_and_usage_errors(void **state) {
+    (void)state;
+    char *h[] = {"pkv", "sim", "--help", NULL};
+    char *out;
+    assert_int_equal(run_cli(h, &out, NULL), 0);
+    static const char *opts[] = {"--requests", "--rate", "--trace", "--blocks", "--block-tokens", "--no-attn", "--json",
+                                 "--plot", "--policies", "--seed", "--step-tokens", "--max-seqs", "requests [100]"};
+    for (size_t i = 0; i < sizeof opts / sizeof opts[0]; i++)
+        if (!strstr(out, opts[i])) fail_msg("--help does not mention %s", opts[i]);
+    free(out);
+    char *bad[][5] = {{"pkv", "sim", "--policies", "paged,bogus", NULL},
+                      {"pkv", "sim", "--blocks", "0", NULL},
+                      {"pkv", "sim", "--frobnicate", NULL},
+                      {"pkv", "sim", "--requests", NULL},
+                      {"pkv", "sim", "--q-heads", "3", NULL}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char *err;
+        int rc = run_cli(bad[i], NULL, &err);
+        if (rc != 1) fail_msg("case %zu: exit %d (want 1): %s", i, rc, err);
+        free(err);
+    }
+}
+
+static void test_plot_writes_png(void **state) {
+    (void)state;
+    if (system("command -v gnuplot >/dev/null 2>&1") != 0) {
+        skip();
+        return;
+    }
+    char png[] = "/tmp/pkv-sim-plot-XXXXXX";
+    int fd = mkstemp(png);
+    close(fd);
+    char *argv[] = {"pkv", "sim", SMALL, "--requests", "20", "--blocks", "300", "--no-attn", "--plot", png, NULL};
+    char *out, *err;
+    int rc = run_cli(argv, &out, &err);
+    if (rc != 0) fail_msg("exit %d: %s", rc, err);
+    FILE *f = fopen(png, "rb");
+    assert_non_null(f);
+    unsigned char magic[8] = {0};
+    assert_int_equal(fread(magic, 1, 8, f), 8);
+    fclose(f);
+    assert_memory_equal(magic, "\x89PNG\r\n\x1a\n", 8);
+    free(out), free(err);
+    unlink(png);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_policies_complete_same_requests),
+        cmocka_unit_test(test_deterministic_and_attn_independent),
+        cmocka_unit_test(test_preemption_under_pressure),
+        cmocka_unit_test(test_trace_replay),
+        cmocka_unit_test(test_malformed_trace_names_line),
+        cmocka_unit_test(test_help_and_usage_errors),
+        cmocka_unit_test(test_plot_writes_png),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
