@@ -108,7 +108,9 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
 typedef void (*pkv__attn_prep_fn)(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim,
                                   float scale, void *qp);
 /* score: for r < n_rows, t < n_keys: s[r * s_stride + t] = <prepared row r, K row t>, K row t
- * at k + t * k_row_bytes (k_dtype elements, head_dim of them, scales inline). */
+ * at k + t * k_row_bytes (k_dtype elements, head_dim of them, scales inline). The driver may
+ * call it on any slice of a block's keys (1 <= n_keys <= block_tokens; it slices blocks into
+ * 3-key calls to interleave prefetches of the next block), with s pointing at the slice. */
 typedef void (*pkv__attn_score_fn)(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes,
                                    uint32_t n_keys, uint32_t head_dim, float *s, uint32_t s_stride);
 /* accum: for r < n_rows: acc[r * head_dim + d] += sum_{t < n_keys} p[r * p_stride + t] * V[t][d],
