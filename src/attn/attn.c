@@ -19,6 +19,11 @@
 #define MIN_SPLIT_BLOCKS 4u
 /* Key-split partial slots per thread. */
 #define SLOTS_PER_THREAD 16u
+/* Key splits aim at this many units per thread: enough that a thread the OS preempts holds
+ * back only a small share of the call. */
+#ifndef UNITS_PER_THREAD
+#define UNITS_PER_THREAD 4u
+#endif
 
 typedef struct plan_item {
     uint32_t unit0;      /* first unit of this item */
@@ -471,8 +476,8 @@ static uint32_t make_plan(pkv__attn *at) {
         work_total += base * item_blocks(at, &at->items[i]);
     }
     /* Split keys when there are too few units to keep every thread busy (few long
-     * sequences): aim at 4 units per thread, each split at least MIN_SPLIT_BLOCKS long. */
-    const uint64_t target = 4ull * at->n_threads;
+     * sequences): aim at UNITS_PER_THREAD units per thread, each split at least MIN_SPLIT_BLOCKS long. */
+    const uint64_t target = (uint64_t)UNITS_PER_THREAD * at->n_threads;
     uint32_t slots_left = at->n_slots;
     const bool split = at->n_threads > 1 && base_total < target && work_total > 0;
     uint32_t unit0 = 0, grp0 = 0;
