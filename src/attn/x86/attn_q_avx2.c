@@ -282,46 +282,46 @@ static void accum_blocks(const float *p, uint32_t p_stride, uint32_t n_rows, con
         const uint32_t nk = PKV_MIN(VKEYS, n_keys - t0);
         const uint8_t *v0 = v + (size_t)t0 * v_row_bytes;
         for (uint32_t b0 = 0; b0 < nb; b0 += PIECE / 32 * 4) { /* dv holds 128 blocks: D <= 4096 */
-        const uint32_t nbp = PKV_MIN(PIECE / 32 * 4, nb - b0);
-        for (uint32_t b = 0; b < nbp; b++) {
-            const uint8_t *sp = v0 + (b0 + b) * bsz;
-            _mm256_store_ps(dv + b * VKEYS, scales8_f16(sp, v_row_bytes, PKV_MIN(nk, 8u)));
-            _mm256_store_ps(dv + b * VKEYS + 8,
-                            nk > 8 ? scales8_f16(sp + 8 * v_row_bytes, v_row_bytes, nk - 8) : _mm256_setzero_ps());
-        }
-        for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
-            const uint32_t nr = PKV_MIN(4u, n_rows - r0);
-            float *ar = acc + (size_t)r0 * D;
-            for (uint32_t rr = 0; rr < nr; rr++) {
-                const float *pp = p + (size_t)(r0 + rr) * p_stride + t0;
-                if (nk == VKEYS) {
-                    _mm256_store_ps(pr + rr * VKEYS, _mm256_loadu_ps(pp));
-                    _mm256_store_ps(pr + rr * VKEYS + 8, _mm256_loadu_ps(pp + 8));
-                } else {
-                    for (uint32_t t = 0; t < VKEYS; t++) pr[rr * VKEYS + t] = t < nk ? pp[t] : 0.0f;
-                }
+            const uint32_t nbp = PKV_MIN(PIECE / 32 * 4, nb - b0);
+            for (uint32_t b = 0; b < nbp; b++) {
+                const uint8_t *sp = v0 + (b0 + b) * bsz;
+                _mm256_store_ps(dv + b * VKEYS, scales8_f16(sp, v_row_bytes, PKV_MIN(nk, 8u)));
+                _mm256_store_ps(dv + b * VKEYS + 8,
+                                nk > 8 ? scales8_f16(sp + 8 * v_row_bytes, v_row_bytes, nk - 8) : _mm256_setzero_ps());
             }
-            for (uint32_t bb = 0; bb < nbp; bb++) {
-                const uint32_t b = b0 + bb;
-                for (uint32_t rr = 0; rr < nr; rr++)
-                    for (uint32_t t = 0; t < VKEYS; t += 8)
-                        _mm256_store_ps(w + rr * VKEYS + t, _mm256_mul_ps(_mm256_load_ps(pr + rr * VKEYS + t),
-                                                                          _mm256_load_ps(dv + bb * VKEYS + t)));
-                const size_t off = b * bsz + 2;
-                float *ab = ar + 32 * b;
-                if (q4) {
+            for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
+                const uint32_t nr = PKV_MIN(4u, n_rows - r0);
+                float *ar = acc + (size_t)r0 * D;
+                for (uint32_t rr = 0; rr < nr; rr++) {
+                    const float *pp = p + (size_t)(r0 + rr) * p_stride + t0;
+                    if (nk == VKEYS) {
+                        _mm256_store_ps(pr + rr * VKEYS, _mm256_loadu_ps(pp));
+                        _mm256_store_ps(pr + rr * VKEYS + 8, _mm256_loadu_ps(pp + 8));
+                    } else {
+                        for (uint32_t t = 0; t < VKEYS; t++) pr[rr * VKEYS + t] = t < nk ? pp[t] : 0.0f;
+                    }
+                }
+                for (uint32_t bb = 0; bb < nbp; bb++) {
+                    const uint32_t b = b0 + bb;
+                    for (uint32_t rr = 0; rr < nr; rr++)
+                        for (uint32_t t = 0; t < VKEYS; t += 8)
+                            _mm256_store_ps(w + rr * VKEYS + t, _mm256_mul_ps(_mm256_load_ps(pr + rr * VKEYS + t),
+                                                                              _mm256_load_ps(dv + bb * VKEYS + t)));
+                    const size_t off = b * bsz + 2;
+                    float *ab = ar + 32 * b;
+                    if (q4) {
 #define CALL_LO(N) vloop_q4_lo(w, nk, v0, v_row_bytes, off, ab, D, N)
 #define CALL_HI(N) vloop_q4_hi(w, nk, v0, v_row_bytes, off, ab + 16, D, N)
-                    NR_SWITCH(CALL_LO)
-                    NR_SWITCH(CALL_HI)
-                } else {
+                        NR_SWITCH(CALL_LO)
+                        NR_SWITCH(CALL_HI)
+                    } else {
 #define CALL_Q8A(N) vloop_q8(w, nk, v0, v_row_bytes, off, ab, D, N)
 #define CALL_Q8B(N) vloop_q8(w, nk, v0, v_row_bytes, off + 16, ab + 16, D, N)
-                    NR_SWITCH(CALL_Q8A)
-                    NR_SWITCH(CALL_Q8B)
+                        NR_SWITCH(CALL_Q8A)
+                        NR_SWITCH(CALL_Q8B)
+                    }
                 }
             }
-        }
         }
     }
 }
