@@ -76,11 +76,31 @@ static void score_i8x8(const uint8_t *qp, size_t qrow, uint32_t D, uint32_t n_ro
     }
 }
 
-/* f16 scales at p + j * stride (j < nk; 0 beyond) -> 8 floats */
+static ALWAYS_INLINE int ld16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
+}
+
+/* f16 scales at p + j * stride (j < nk; 0 beyond) -> 8 floats. Built in a register: 16-bit
+ * stores read back as one 128-bit load would stall on store forwarding. */
 static ALWAYS_INLINE __m256 scales8_f16(const uint8_t *p, size_t stride, uint32_t nk) {
-    uint16_t h[8] = {0};
-    for (uint32_t j = 0; j < nk; j++) memcpy(&h[j], p + j * stride, 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+    __m128i h = _mm_setzero_si128();
+    if (nk == 8) {
+        h = _mm_insert_epi16(h, ld16(p), 0);
+        h = _mm_insert_epi16(h, ld16(p + stride), 1);
+        h = _mm_insert_epi16(h, ld16(p + 2 * stride), 2);
+        h = _mm_insert_epi16(h, ld16(p + 3 * stride), 3);
+        h = _mm_insert_epi16(h, ld16(p + 4 * stride), 4);
+        h = _mm_insert_epi16(h, ld16(p + 5 * stride), 5);
+        h = _mm_insert_epi16(h, ld16(p + 6 * stride), 6);
+        h = _mm_insert_epi16(h, ld16(p + 7 * stride), 7);
+    } else {
+        uint16_t t[8] = {0};
+        for (uint32_t j = 0; j < nk; j++) t[j] = (uint16_t)ld16(p + j * stride);
+        h = _mm_loadu_si128((const __m128i *)t);
+    }
+    return _mm256_cvtph_ps(h);
 }
 
 static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
@@ -155,11 +175,10 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
     for (uint32_t t0 = 0; t0 < n_keys; t0 += 8) {
         const uint32_t nk = PKV_MIN(8u, n_keys - t0);
         float sk[8] = {0};
-        for (uint32_t j = 0; j < nk; j++) {
-            memcpy(&sk[j], k + (size_t)(t0 + j) * k_row_bytes, 4);
-            sk[j] *= 256.0f; /* exact: undoes the 2^-8 of the decode */
-        }
-        const __m256 skv = _mm256_loadu_ps(sk);
+        for (uint32_t j = 0; j < nk; j++) memcpy(&sk[j], k + (size_t)(t0 + j) * k_row_bytes, 4);
+        /* built from scalars (not reloaded from the stores); x 256 is exact: undoes the decode's 2^-8 */
+        const __m256 skv = _mm256_mul_ps(_mm256_setr_ps(sk[0], sk[1], sk[2], sk[3], sk[4], sk[5], sk[6], sk[7]),
+                                         _mm256_set1_ps(256.0f));
         for (uint32_t d0 = 0; d0 < D; d0 += PIECE) {
             const uint32_t dn = PKV_MIN(PIECE, D - d0), dn8 = (dn + 7) & ~7u;
             for (uint32_t j = 0; j < 8; j++) {
@@ -263,46 +282,46 @@ static void accum_blocks(const float *p, uint32_t p_stride, uint32_t n_rows, con
         const uint32_t nk = PKV_MIN(VKEYS, n_keys - t0);
         const uint8_t *v0 = v + (size_t)t0 * v_row_bytes;
         for (uint32_t b0 = 0; b0 < nb; b0 += PIECE / 32 * 4) { /* dv holds 128 blocks: D <= 4096 */
-        const uint32_t nbp = PKV_MIN(PIECE / 32 * 4, nb - b0);
-        for (uint32_t b = 0; b < nbp; b++) {
-            uint16_t h[VKEYS] = {0};
-            for (uint32_t t = 0; t < nk; t++) memcpy(&h[t], v0 + t * v_row_bytes + (b0 + b) * bsz, 2);
-            _mm256_store_ps(dv + b * VKEYS, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
-            _mm256_store_ps(dv + b * VKEYS + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
-        }
-        for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
-            const uint32_t nr = PKV_MIN(4u, n_rows - r0);
-            float *ar = acc + (size_t)r0 * D;
-            for (uint32_t rr = 0; rr < nr; rr++) {
-                const float *pp = p + (size_t)(r0 + rr) * p_stride + t0;
-                if (nk == VKEYS) {
-                    _mm256_store_ps(pr + rr * VKEYS, _mm256_loadu_ps(pp));
-                    _mm256_store_ps(pr + rr * VKEYS + 8, _mm256_loadu_ps(pp + 8));
-                } else {
-                    for (uint32_t t = 0; t < VKEYS; t++) pr[rr * VKEYS + t] = t < nk ? pp[t] : 0.0f;
-                }
+            const uint32_t nbp = PKV_MIN(PIECE / 32 * 4, nb - b0);
+            for (uint32_t b = 0; b < nbp; b++) {
+                const uint8_t *sp = v0 + (b0 + b) * bsz;
+                _mm256_store_ps(dv + b * VKEYS, scales8_f16(sp, v_row_bytes, PKV_MIN(nk, 8u)));
+                _mm256_store_ps(dv + b * VKEYS + 8,
+                                nk > 8 ? scales8_f16(sp + 8 * v_row_bytes, v_row_bytes, nk - 8) : _mm256_setzero_ps());
             }
-            for (uint32_t bb = 0; bb < nbp; bb++) {
-                const uint32_t b = b0 + bb;
-                for (uint32_t rr = 0; rr < nr; rr++)
-                    for (uint32_t t = 0; t < VKEYS; t += 8)
-                        _mm256_store_ps(w + rr * VKEYS + t, _mm256_mul_ps(_mm256_load_ps(pr + rr * VKEYS + t),
-                                                                          _mm256_load_ps(dv + bb * VKEYS + t)));
-                const size_t off = b * bsz + 2;
-                float *ab = ar + 32 * b;
-                if (q4) {
+            for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
+                const uint32_t nr = PKV_MIN(4u, n_rows - r0);
+                float *ar = acc + (size_t)r0 * D;
+                for (uint32_t rr = 0; rr < nr; rr++) {
+                    const float *pp = p + (size_t)(r0 + rr) * p_stride + t0;
+                    if (nk == VKEYS) {
+                        _mm256_store_ps(pr + rr * VKEYS, _mm256_loadu_ps(pp));
+                        _mm256_store_ps(pr + rr * VKEYS + 8, _mm256_loadu_ps(pp + 8));
+                    } else {
+                        for (uint32_t t = 0; t < VKEYS; t++) pr[rr * VKEYS + t] = t < nk ? pp[t] : 0.0f;
+                    }
+                }
+                for (uint32_t bb = 0; bb < nbp; bb++) {
+                    const uint32_t b = b0 + bb;
+                    for (uint32_t rr = 0; rr < nr; rr++)
+                        for (uint32_t t = 0; t < VKEYS; t += 8)
+                            _mm256_store_ps(w + rr * VKEYS + t, _mm256_mul_ps(_mm256_load_ps(pr + rr * VKEYS + t),
+                                                                              _mm256_load_ps(dv + bb * VKEYS + t)));
+                    const size_t off = b * bsz + 2;
+                    float *ab = ar + 32 * b;
+                    if (q4) {
 #define CALL_LO(N) vloop_q4_lo(w, nk, v0, v_row_bytes, off, ab, D, N)
 #define CALL_HI(N) vloop_q4_hi(w, nk, v0, v_row_bytes, off, ab + 16, D, N)
-                    NR_SWITCH(CALL_LO)
-                    NR_SWITCH(CALL_HI)
-                } else {
+                        NR_SWITCH(CALL_LO)
+                        NR_SWITCH(CALL_HI)
+                    } else {
 #define CALL_Q8A(N) vloop_q8(w, nk, v0, v_row_bytes, off, ab, D, N)
 #define CALL_Q8B(N) vloop_q8(w, nk, v0, v_row_bytes, off + 16, ab + 16, D, N)
-                    NR_SWITCH(CALL_Q8A)
-                    NR_SWITCH(CALL_Q8B)
+                        NR_SWITCH(CALL_Q8A)
+                        NR_SWITCH(CALL_Q8B)
+                    }
                 }
             }
-        }
         }
     }
 }
