@@ -67,7 +67,7 @@ run_stage release build "-DCMAKE_BUILD_TYPE=Release" "" \
     "PKV_STRESS_OPS=${PKV_STRESS_OPS:-1000000}" "PKV_THR_ITERS=${PKV_THR_ITERS:-2000}"
 
 run_stage asan build-asan "-DCMAKE_BUILD_TYPE=Debug -DPKV_SANITIZE=address,undefined -DCMAKE_C_COMPILER=clang" "-L unit" \
-    "PKV_STRESS_OPS=${PKV_ASAN_STRESS_OPS:-200000}" \
+    "PKV_STRESS_OPS=${PKV_ASAN_STRESS_OPS:-200000}" "PKV_ATTN_TEST_MAX_LEN=${PKV_ASAN_ATTN_MAX_LEN:-1200}" \
     "ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1" \
     "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1"
 
