@@ -14,18 +14,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 t_start=$(date +%s)
 
 # ---- packages -------------------------------------------------------------------------------
-PKGS=(cmake ninja-build gcc clang libcmocka-dev libxxhash-dev gnuplot-nox libclang-rt-14-dev python3)
-missing=()
-for p in "${PKGS[@]}"; do
-    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
-if ((${#missing[@]})); then
-    echo "=== installing: ${missing[*]}"
-    SUDO=()
-    [ "$(id -u)" -ne 0 ] && SUDO=(sudo)
-    "${SUDO[@]}" apt-get update -q
-    DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y --no-install-recommends "${missing[@]}"
-fi
+# shellcheck source=scripts/deps.sh
+source scripts/deps.sh
 
 JOBS=${JOBS:-$(nproc)}
 LOG_DIR=$(mktemp -d)
