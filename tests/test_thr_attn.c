@@ -46,6 +46,7 @@ static pkv__attn *make(uint32_t nt) {
     pkv__attn_limits lim = {.max_items = 4, .max_blocks_per_seq = NB, .n_kv_heads = H, .head_dim = D, .block_tokens = B};
     pkv__attn *at = NULL;
     assert_int_equal(pkv__attn_create(NULL, nt, &lim, &at), PKV_OK);
+    pkv__attn_set_inline_work(at, 0); /* every call through the pool, however small */
     return at;
 }
 

@@ -21,6 +21,10 @@
 #define SLOTS_PER_THREAD 16u
 /* Key splits aim at this many units per thread: enough that a thread the OS preempts holds
  * back only a small share of the call. */
+/* Below about this many K/V elements (per plan) waking the workers costs more than they save:
+ * 64 blocks of 16 tokens x head_dim 128, a few microseconds of work. */
+#define INLINE_WORK_ELEMS (64u * 16u * 128u)
+
 #ifndef UNITS_PER_THREAD
 #define UNITS_PER_THREAD 4u
 #endif
@@ -40,6 +44,8 @@ typedef struct plan_item {
 } plan_item;
 
 struct pkv__attn {
+    uint64_t work_total;   /* of the current plan: sum over items of units x visible blocks */
+    uint64_t inline_elems; /* plans under this many K/V elements run on the caller alone */
     pkv_allocator a;
     size_t alloc_bytes;
     pkv__attn_kernels kt;
@@ -168,6 +174,7 @@ int pkv__attn_create_backend(const pkv_allocator *a, uint32_t n_threads, const p
     at->lim = *lim;
     at->lim.max_items = max_items;
     at->n_threads = n_threads;
+    at->inline_elems = INLINE_WORK_ELEMS;
     at->workers = (pkv__tpool_worker *)(mem + off_workers);
     at->plan = (plan_item *)(mem + off_plan);
     at->split_done = (_Atomic uint32_t *)(mem + off_done);
@@ -503,8 +510,12 @@ static uint32_t make_plan(pkv__attn *at) {
         pi->n_units = (uint32_t)(base * pi->n_ks);
         unit0 += pi->n_units;
     }
+    at->work_total = work_total;
     return unit0;
 }
+
+
+void pkv__attn_set_inline_work(pkv__attn *at, uint64_t elems) { at->inline_elems = elems; }
 
 /* ---- run ------------------------------------------------------------------------------------- */
 
@@ -544,7 +555,11 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     at->items = items;
     at->n_items = n_items;
     const uint32_t n_units = make_plan(at);
-    if (n_units) pkv__tpool_run(&at->pool, run_unit, at, n_units);
+    if (n_units && at->work_total * kv->block_tokens * kv->head_dim < at->inline_elems) {
+        for (uint32_t u = 0; u < n_units; u++) run_unit(at, u, 0); /* small call: the caller alone */
+    } else if (n_units) {
+        pkv__tpool_run(&at->pool, run_unit, at, n_units);
+    }
     at->kv = NULL;
     at->items = NULL;
     at->call = NULL;

@@ -54,6 +54,9 @@ int pkv__attn_create(const pkv_allocator *a, uint32_t n_threads, const pkv__attn
 int pkv__attn_create_backend(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim,
                              const char *backend, pkv__attn **out);
 void pkv__attn_destroy(pkv__attn *at);
+/* Calls whose plan covers fewer K/V elements than this run on the calling thread alone (waking
+ * workers costs more). Default 64 * 16 * 128; tests set 0 to drive the pool on every call. */
+void pkv__attn_set_inline_work(pkv__attn *at, uint64_t elems);
 const char *pkv__attn_backend_name(const pkv__attn *at);
 uint32_t pkv__attn_n_threads(const pkv__attn *at);
 
