@@ -180,6 +180,23 @@ static void cache_free_all(pkv_cache *c) {
     pkv__free(&a, c, sizeof *c);
 }
 
+/* Every sequence slot free (live ones go stale: their generation moves on), every block FREE in
+ * queue order 0..n-1, the index empty. Used by create and reset. */
+static void reset_state(pkv_cache *c) {
+    for (uint32_t i = 0; i < c->max_seqs; i++) {
+        pkv__seq *s = &c->seqs[i];
+        if (s->live) s->gen = s->gen + 1 ? s->gen + 1 : 1;
+        s->live = s->is_pin = 0;
+        s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = 0;
+        s->next_free = i + 1 < c->max_seqs ? i + 1 : PKV_NONE;
+    }
+    c->seq_free = 0;
+    c->n_live = c->n_pins = 0;
+    c->n_tokens_total = 0;
+    pkv__pool_init(&c->pool, c->blk, c->n_blocks);
+    pkv__index_reset(c);
+}
+
 PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     if (!cfg_in || !out) return PKV_EINVAL;
     int rc = validate_config(cfg_in);
@@ -254,14 +271,11 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     }
     c->meta_bytes = meta + c->attn_bytes;
 
-    pkv__pool_init(&c->pool, c->blk, c->n_blocks);
     for (uint32_t i = 0; i < c->max_seqs; i++) {
         c->seqs[i].gen = 1;
         c->seqs[i].table = c->tables + (size_t)i * c->max_bps;
-        c->seqs[i].next_free = i + 1 < c->max_seqs ? i + 1 : PKV_NONE;
     }
-    c->seq_free = 0;
-    pkv__index_reset(c);
+    reset_state(c);
     pkv__log(cfg.log, cfg.log_ctx, PKV_LOG_INFO,
              "pkv: cache of %u blocks x %u tokens, %u layers, %zu KV bytes, attention %s x%u", c->n_blocks, c->B,
              c->n_layers, kv_bytes, pkv__attn_backend_name(c->attn), pkv__attn_n_threads(c->attn));
@@ -279,24 +293,9 @@ PKV_API void pkv_cache_destroy(pkv_cache *c) {
 PKV_API int pkv_cache_reset(pkv_cache *c) {
     if (!c) return PKV_EINVAL;
     LOCK(c);
-    for (uint32_t i = 0; i < c->max_seqs; i++) {
-        pkv__seq *s = &c->seqs[i];
-        if (!s->live) continue;
-        s->live = 0;
-        s->gen = s->gen + 1 ? s->gen + 1 : 1;
-    }
-    c->n_live = c->n_pins = 0;
-    c->n_tokens_total = 0;
-    for (uint32_t i = 0; i < c->max_seqs; i++) {
-        pkv__seq *s = &c->seqs[i];
-        s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = 0;
-        s->next_free = i + 1 < c->max_seqs ? i + 1 : PKV_NONE;
-    }
-    c->seq_free = 0;
     uint32_t peak = c->pool.peak_active;
-    pkv__pool_init(&c->pool, c->blk, c->n_blocks);
+    reset_state(c);
     c->pool.peak_active = peak;
-    pkv__index_reset(c);
     UNLOCK(c);
     return PKV_OK;
 }
