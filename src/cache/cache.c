@@ -516,16 +516,9 @@ PKV_API int pkv_seq_fork(pkv_cache *c, pkv_seq parent, pkv_seq *child) {
         rc = PKV_ELIMIT;
         goto out;
     }
-    for (uint32_t i = 0; i < p->n_blocks; i++) {
-        s->table[i] = p->table[i];
-        pkv__pool_ref(&c->pool, (uint32_t)p->table[i]);
-    }
-    s->n_blocks = p->n_blocks;
+    pkv__seq_share(c, s, p, p->n_blocks);
     s->n_tokens = p->n_tokens;
     s->n_committed = p->n_committed;
-    s->idx_len = p->idx_len;
-    s->ns_lo = p->ns_lo;
-    s->ns_hi = p->ns_hi;
     c->n_tokens_total += s->n_tokens;
     *child = pkv__seq_id(c, s);
 out:
@@ -533,9 +526,19 @@ out:
     return rc;
 }
 
-/* Drops table[keep_blocks ..) deepest first (so the LRU queue holds leaves before parents). */
-static void drop_tail_blocks(pkv_cache *c, pkv__seq *s, uint32_t keep_blocks) {
+void pkv__seq_drop_blocks(pkv_cache *c, pkv__seq *s, uint32_t keep_blocks) {
     while (s->n_blocks > keep_blocks) pkv__drop_block(c, (uint32_t)s->table[--s->n_blocks]);
+}
+
+void pkv__seq_share(pkv_cache *c, pkv__seq *dst, const pkv__seq *src, uint32_t n_blocks) {
+    for (uint32_t i = 0; i < n_blocks; i++) {
+        dst->table[i] = src->table[i];
+        pkv__pool_ref(&c->pool, (uint32_t)src->table[i]);
+    }
+    dst->n_blocks = n_blocks;
+    dst->idx_len = PKV_MIN(src->idx_len, n_blocks);
+    dst->ns_lo = src->ns_lo;
+    dst->ns_hi = src->ns_hi;
 }
 
 PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq id, uint32_t n) {
@@ -545,7 +548,7 @@ PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq id, uint32_t n) {
     int rc = get_seq(c, id, &s);
     if (rc || n >= s->n_tokens) goto out;
     const uint32_t B = c->B;
-    drop_tail_blocks(c, s, (n + B - 1) / B);
+    pkv__seq_drop_blocks(c, s, (n + B - 1) / B);
     c->n_tokens_total -= s->n_tokens - n;
     s->n_tokens = n;
     if (s->n_committed > n) s->n_committed = n;
@@ -562,7 +565,7 @@ PKV_API int pkv_seq_release(pkv_cache *c, pkv_seq id) {
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
     if (!rc) {
-        drop_tail_blocks(c, s, 0);
+        pkv__seq_drop_blocks(c, s, 0);
         pkv__seq_free(c, s);
     }
     UNLOCK(c);

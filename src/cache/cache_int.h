@@ -70,6 +70,11 @@ pkv__seq *pkv__seq_get(pkv_cache *c, pkv_seq id); /* NULL if unknown or stale */
 pkv__seq *pkv__seq_new(pkv_cache *c);
 void pkv__seq_free(pkv_cache *c, pkv__seq *s);
 pkv_seq pkv__seq_id(const pkv_cache *c, const pkv__seq *s);
+/* Drops table[keep_blocks ..) deepest first (so the LRU queue holds leaves before parents). */
+void pkv__seq_drop_blocks(pkv_cache *c, pkv__seq *s, uint32_t keep_blocks);
+/* dst (empty) takes references to src's first n_blocks blocks, its indexed chain up to there
+ * and its namespace (fork and pins). Lengths are the caller's to set. */
+void pkv__seq_share(pkv_cache *c, pkv__seq *dst, const pkv__seq *src, uint32_t n_blocks);
 /* Takes one block: FREE first, then evicts the LRU head. PKV_NONE if none. */
 uint32_t pkv__take_block(pkv_cache *c);
 /* Drops one reference; a block reaching 0 becomes CACHED (indexed) or FREE. */

@@ -291,16 +291,8 @@ PKV_API int pkv_pin_create(pkv_cache *c, pkv_seq id, uint32_t n_pos, pkv_seq *pi
     uint32_t nb = PKV_MIN(n_pos, s->n_committed) / c->B;
     p->is_pin = 1;
     c->n_pins++;
-    for (uint32_t i = 0; i < nb; i++) {
-        p->table[i] = s->table[i];
-        pkv__pool_ref(&c->pool, (uint32_t)s->table[i]);
-    }
-    p->n_blocks = nb;
+    pkv__seq_share(c, p, s, nb);
     p->n_tokens = p->n_committed = nb * c->B;
-    p->n_reused = 0;
-    p->idx_len = PKV_MIN(s->idx_len, nb);
-    p->ns_lo = s->ns_lo;
-    p->ns_hi = s->ns_hi;
     *pin = pkv__seq_id(c, p);
 out:
     pthread_mutex_unlock(&c->mu);
@@ -313,7 +305,7 @@ PKV_API int pkv_pin_release(pkv_cache *c, pkv_seq pin) {
     pkv__seq *p = pkv__seq_get(c, pin);
     int rc = !p ? PKV_ENOENT : !p->is_pin ? PKV_EINVAL : PKV_OK;
     if (!rc) {
-        while (p->n_blocks > 0) pkv__drop_block(c, (uint32_t)p->table[--p->n_blocks]);
+        pkv__seq_drop_blocks(c, p, 0);
         pkv__seq_free(c, p);
     }
     pthread_mutex_unlock(&c->mu);
