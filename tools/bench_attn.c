@@ -18,7 +18,8 @@ enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT = 16 };
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: pkv bench attn [--json] [--quick]\n"
+            "usage: pkv bench attn [--json] [--quick] [--dtype LIST] [--ctx LIST] [--batch LIST]\n"
+            "                      [--threads LIST] [--prompt N]\n"
             "\n"
             "Paged attention, n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %d.\n"
             "Decode: contexts 512, 4096, 32768; batch 1 and 16; 1 and 2 threads; every KV dtype the\n"
@@ -34,6 +35,11 @@ static void usage(FILE *f) {
             "  --json      one JSON object per line\n"
             "  --quick     a short subset (contexts 512 and 4096, batch 1, f16, 256 MiB working set,\n"
             "              512-token prefill): a smoke run for CI\n"
+            "  --dtype LIST    only these KV dtypes (comma-separated names, e.g. f16,q8_0)\n"
+            "  --ctx LIST      only these decode contexts (e.g. 4096,32768)\n"
+            "  --batch LIST    only these decode batch sizes\n"
+            "  --threads LIST  only these thread counts (1, 2)\n"
+            "  --prompt N      prefill prompt tokens (0: no prefill)\n"
             "  -h, --help  this text\n"
             "Goals: decode f16 at contexts >= 4096 reaches >= 85%% of the read bandwidth at 2 threads;\n"
             "paged within 3%% of contiguous; prefill >= 40%% of the FMA peak.\n",
@@ -264,7 +270,38 @@ fail:
 /* ---- measurements --------------------------------------------------------------------------------- */
 typedef struct opts {
     int json, quick;
+    uint32_t ctx[8], batch[8], threads[3];
+    int n_ctx, n_batch, n_threads;
+    int dtype_on[PKV_DTYPE_COUNT], dtype_set;
+    long prompt; /* -1: the default */
 } opts;
+
+/* "a,b,c" -> values in [1, max]; 0 on success. */
+static int parse_u32_list(const char *s, uint32_t *out, int cap, uint32_t max, int *n) {
+    *n = 0;
+    while (*s) {
+        char *end;
+        unsigned long v = strtoul(s, &end, 10);
+        if (end == s || v == 0 || v > max || *n == cap || (*end && *end != ',')) return -1;
+        out[(*n)++] = (uint32_t)v;
+        s = *end ? end + 1 : end;
+    }
+    return *n ? 0 : -1;
+}
+
+static int parse_dtypes(const char *s, opts *o) {
+    char buf[256];
+    if (strlen(s) >= sizeof buf) return -1;
+    strcpy(buf, s);
+    o->dtype_set = 1;
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        int found = 0;
+        for (int d = 0; d < PKV_DTYPE_COUNT; d++)
+            if (!strcmp(t, pkv_dtype_name((pkv_dtype)d))) o->dtype_on[d] = 1, found = 1;
+        if (!found) return -1;
+    }
+    return 0;
+}
 
 static double g_bw[3];   /* initial read bandwidth, GB/s, by thread count */
 static double g_peak[3]; /* f32 FMA peak, GFLOP/s, by thread count */
@@ -401,16 +438,34 @@ static int dtype_ok(pkv_dtype dt) {
 }
 
 int tool_bench_attn(int argc, char **argv) {
-    opts o = {0, 0};
+    opts o;
+    memset(&o, 0, sizeof o);
+    o.prompt = -1;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--json")) o.json = 1;
-        else if (!strcmp(argv[i], "--quick")) o.quick = 1;
+        const char *arg = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
+        int bad = 0;
+        if (!strcmp(arg, "--json")) o.json = 1;
+        else if (!strcmp(arg, "--quick")) o.quick = 1;
+        else if (!strcmp(arg, "--dtype") && val) bad = parse_dtypes(val, &o), i++;
+        else if (!strcmp(arg, "--ctx") && val) bad = parse_u32_list(val, o.ctx, 8, 1u << 20, &o.n_ctx), i++;
+        else if (!strcmp(arg, "--batch") && val) bad = parse_u32_list(val, o.batch, 8, 256, &o.n_batch), i++;
+        else if (!strcmp(arg, "--threads") && val) bad = parse_u32_list(val, o.threads, 2, 2, &o.n_threads), i++;
+        else if (!strcmp(arg, "--prompt") && val) {
+            char *end;
+            o.prompt = strtol(val, &end, 10);
+            bad = *end || end == val || o.prompt < 0 || o.prompt > 65536;
+            i++;
+        }
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             usage(stdout);
             return TOOL_OK;
         } else {
-            fprintf(stderr, "pkv bench attn: unknown option '%s'\n", argv[i]);
+            fprintf(stderr, "pkv bench attn: unknown option or missing value '%s'\n", arg);
             usage(stderr);
+            return TOOL_USAGE;
+        }
+        if (bad) {
+            fprintf(stderr, "pkv bench attn: bad value for %s: '%s'\n", arg, val);
             return TOOL_USAGE;
         }
     }
@@ -456,26 +511,30 @@ int tool_bench_attn(int argc, char **argv) {
     fflush(stdout);
 
     static const uint32_t ctxs_full[] = {512, 4096, 32768}, ctxs_quick[] = {512, 4096};
-    static const uint32_t batches_full[] = {1, 16}, batches_quick[] = {1};
-    const uint32_t *ctxs = o.quick ? ctxs_quick : ctxs_full, *batches = o.quick ? batches_quick : batches_full;
-    const int n_ctx = o.quick ? 2 : 3, n_batch = o.quick ? 1 : 2;
+    static const uint32_t batches_full[] = {1, 16}, batches_quick[] = {1}, threads_all[] = {1, 2};
+    const uint32_t *ctxs = o.n_ctx ? o.ctx : o.quick ? ctxs_quick : ctxs_full;
+    const uint32_t *batches = o.n_batch ? o.batch : o.quick ? batches_quick : batches_full;
+    const uint32_t *threads = o.n_threads ? o.threads : threads_all;
+    const int n_ctx = o.n_ctx ? o.n_ctx : o.quick ? 2 : 3, n_batch = o.n_batch ? o.n_batch : o.quick ? 1 : 2;
+    const int n_thr = o.n_threads ? o.n_threads : 2;
+    const uint32_t prompt = o.prompt >= 0 ? (uint32_t)o.prompt : o.quick ? 512 : 2048;
     int rc = 0;
     for (int d = 0; d < PKV_DTYPE_COUNT && rc == 0; d++) {
         pkv_dtype dt = (pkv_dtype)d;
-        if (o.quick && dt != PKV_DTYPE_F16) continue;
+        if (o.dtype_set ? !o.dtype_on[d] : (o.quick && dt != PKV_DTYPE_F16)) continue;
         if (!dtype_ok(dt)) continue;
         for (int ci = 0; ci < n_ctx && rc == 0; ci++)
             for (int bi = 0; bi < n_batch && rc == 0; bi++)
-                for (uint32_t nt = 1; nt <= 2 && rc == 0; nt++) rc = bench_decode(&o, dt, ctxs[ci], batches[bi], nt, &rng);
+                for (int ti = 0; ti < n_thr && rc == 0; ti++) rc = bench_decode(&o, dt, ctxs[ci], batches[bi], threads[ti], &rng);
     }
-    if (!o.json)
+    if (!o.json && prompt)
         printf("%-7s %-6s %6s %5s %3s  %-6s %10s %8s %8s %7s\n", "kernel", "kv", "prompt", "batch", "thr", "layout",
                "median_us", "GFLOP/s", "peak", "of_peak");
-    for (int d = 0; d < PKV_DTYPE_COUNT && rc == 0; d++) {
+    for (int d = 0; d < PKV_DTYPE_COUNT && rc == 0 && prompt; d++) {
         pkv_dtype dt = (pkv_dtype)d;
-        if (o.quick && dt != PKV_DTYPE_F16) continue;
+        if (o.dtype_set ? !o.dtype_on[d] : (o.quick && dt != PKV_DTYPE_F16)) continue;
         if (!dtype_ok(dt)) continue;
-        for (uint32_t nt = 1; nt <= 2 && rc == 0; nt++) rc = bench_prefill(&o, dt, o.quick ? 512 : 2048, nt, &rng);
+        for (int ti = 0; ti < n_thr && rc == 0; ti++) rc = bench_prefill(&o, dt, prompt, threads[ti], &rng);
     }
     free(g_bw_buf);
     return rc == 0 ? TOOL_OK : TOOL_FAIL;

@@ -257,24 +257,12 @@ static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
     return (window && pos + 1 > window) ? pos + 1 - window : 0;
 }
 
-/* Software prefetch (prefetcht1) of the next block's rows of one head while this block's head
- * is computed, PKV_ATTN_PF_DIST blocks ahead. Each (block, head) is one 4 KiB run for f16 at
- * head_dim 128, B 16: the hardware prefetcher restarts at every such run, software does not. */
+/* Software prefetch of the next block's rows of one head while this block's head is computed
+ * (pkv__attn_pf), PKV_ATTN_PF_DIST blocks ahead. Each (block, head) is one 4 KiB run for f16
+ * at head_dim 128, B 16: the hardware prefetcher restarts at every such run, software does not. */
 #ifndef PKV_ATTN_PF_DIST
 #define PKV_ATTN_PF_DIST 1
 #endif
-static void prefetch_rows(const uint8_t *p, size_t bytes) {
-    for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
-}
-
-/* Keys per score slice when prefetches are interleaved: 3 (the AVX2 tile), ending on slices of
- * 2 rather than 1 (16 = 3 + 3 + 3 + 3 + 2 + 2). */
-static inline uint32_t slice_len(uint32_t rem) { return rem >= 3 && rem != 4 ? 3 : rem >= 2 ? 2 : 1; }
-static inline uint32_t n_slices(uint32_t n) {
-    uint32_t k = 0;
-    while (n) n -= slice_len(n), k++;
-    return k;
-}
 
 static void write_final(const pkv__attn *at, const unit *w, const float *m, const float *l, const float *acc) {
     const uint32_t D = at->kv->head_dim, nqh = at->call->n_q_heads, G = at->G;
@@ -385,26 +373,13 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
             const uint8_t *kr = kv->k + bid * kv->k_block_bytes + ((size_t)h * B + t0) * kv->k_row_bytes;
             const uint8_t *vr = kv->v + bid * kv->v_block_bytes + ((size_t)h * B + t0) * kv->v_row_bytes;
             const uint32_t r0 = j * rows_h;
+            pkv__attn_pf pf, *pfp = NULL;
             if (kn) {
-                /* The same head of the next block is prefetched in small shares between slices of
-                 * the score call: a burst of all its lines at once fills the core's miss buffers
-                 * and stalls it until memory answers (no overlap; measured 25-40% slower). */
-                const uint8_t *pk = kn + h * kblk, *pv = vn + h * vblk;
-                const uint32_t nsl = n_slices(n_keys);
-                const size_t kshare = (kblk / 64 + nsl - 1) / nsl * 64, vshare = (vblk / 64 + nsl - 1) / nsl * 64;
-                size_t ko = 0, vo = 0;
-                for (uint32_t t = 0; t < n_keys;) {
-                    const uint32_t n = slice_len(n_keys - t);
-                    prefetch_rows(pk + ko, PKV_MIN(kshare, kblk - ko));
-                    prefetch_rows(pv + vo, PKV_MIN(vshare, vblk - vo));
-                    ko = PKV_MIN(kblk, ko + kshare), vo = PKV_MIN(vblk, vo + vshare);
-                    score(qp + (size_t)r0 * qrow, rows_h, kr + (size_t)t * kv->k_row_bytes, kv->k_row_bytes, n, D, s + t,
-                          at->s_stride);
-                    t += n;
-                }
-            } else {
-                score(qp + (size_t)r0 * qrow, rows_h, kr, kv->k_row_bytes, n_keys, D, s, at->s_stride);
+                pf.p[0] = kn + h * kblk, pf.bytes[0] = kblk;
+                pf.p[1] = vn + h * vblk, pf.bytes[1] = vblk;
+                pfp = &pf;
             }
+            score(qp + (size_t)r0 * qrow, rows_h, kr, kv->k_row_bytes, n_keys, D, s, at->s_stride, pfp);
             if (mask)
                 for (uint32_t qi = 0; qi < w.nq; qi++) {
                     const uint32_t p = pos_first + qi, plo = key_lo(p, call->window);

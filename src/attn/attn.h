@@ -110,12 +110,31 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
  * writes row r of (scale * q) in the kernel's own format at qp + r * PKV__ATTN_QROW_BYTES. */
 typedef void (*pkv__attn_prep_fn)(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim,
                                   float scale, void *qp);
+/* Lines a kernel prefetches while it computes: the same kv head of the block that comes next
+ * (its K and V rows: two runs of bytes). A kernel calls pkv__attn_pf_part(pf, i, n) for
+ * i = 0 .. n-1 spread evenly over its work (n its own count of steps), so the next block's
+ * lines arrive in small shares between loads of this one: a burst of all of them at once
+ * fills the core's miss buffers and stalls it. pf may be NULL (nothing to prefetch). */
+typedef struct pkv__attn_pf {
+    const uint8_t *p[2];
+    size_t bytes[2];
+} pkv__attn_pf;
+
+static inline void pkv__attn_pf_part(const pkv__attn_pf *pf, uint32_t i, uint32_t n) {
+    if (!pf) return;
+    for (int j = 0; j < 2; j++) {
+        const size_t lines = (pf->bytes[j] + 63u) / 64u;
+        const size_t a = lines * i / n, b = lines * (i + 1) / n;
+        for (size_t x = a; x < b; x++) __builtin_prefetch(pf->p[j] + x * 64u, 0, 2);
+    }
+}
+
 /* score: for r < n_rows, t < n_keys: s[r * s_stride + t] = <prepared row r, K row t>, K row t
- * at k + t * k_row_bytes (k_dtype elements, head_dim of them, scales inline). The driver may
- * call it on any slice of a block's keys (1 <= n_keys <= block_tokens; it slices blocks into
- * 3-key calls to interleave prefetches of the next block), with s pointing at the slice. */
+ * at k + t * k_row_bytes (k_dtype elements, head_dim of them, scales inline); 1 <= n_keys <=
+ * block_tokens (one block's visible keys). Prefetches pf (above) along the way. */
 typedef void (*pkv__attn_score_fn)(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes,
-                                   uint32_t n_keys, uint32_t head_dim, float *s, uint32_t s_stride);
+                                   uint32_t n_keys, uint32_t head_dim, float *s, uint32_t s_stride,
+                                   const pkv__attn_pf *pf);
 /* accum: for r < n_rows: acc[r * head_dim + d] += sum_{t < n_keys} p[r * p_stride + t] * V[t][d],
  * V row t at v + t * v_row_bytes. acc is 64-byte aligned, head_dim floats per row. */
 typedef void (*pkv__attn_accum_fn)(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v,

@@ -45,10 +45,11 @@ void pkv__attn_prep_q8(const float *q, size_t q_stride, uint32_t n_rows, uint32_
 }
 
 static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
-                       uint32_t head_dim, float *s, uint32_t s_stride) {
+                       uint32_t head_dim, float *s, uint32_t s_stride, const pkv__attn_pf *pf) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
     const uint32_t nb = head_dim / 32;
     for (uint32_t t = 0; t < n_keys; t++) {
+        pkv__attn_pf_part(pf, t, n_keys);
         const uint8_t *kr = k + t * k_row_bytes;
         for (uint32_t r = 0; r < n_rows; r++) {
             const uint8_t *row = (const uint8_t *)qp + r * qrow;
@@ -68,10 +69,11 @@ static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t
 }
 
 static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
-                       uint32_t head_dim, float *s, uint32_t s_stride) {
+                       uint32_t head_dim, float *s, uint32_t s_stride, const pkv__attn_pf *pf) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
     const uint32_t nb = head_dim / 32;
     for (uint32_t t = 0; t < n_keys; t++) {
+        pkv__attn_pf_part(pf, t, n_keys);
         const uint8_t *kr = k + t * k_row_bytes;
         for (uint32_t r = 0; r < n_rows; r++) {
             const uint8_t *row = (const uint8_t *)qp + r * qrow;
@@ -104,9 +106,10 @@ void pkv__attn_prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32
 }
 
 static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
-                      uint32_t head_dim, float *s, uint32_t s_stride) {
+                      uint32_t head_dim, float *s, uint32_t s_stride, const pkv__attn_pf *pf) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
     for (uint32_t t = 0; t < n_keys; t++) {
+        pkv__attn_pf_part(pf, t, n_keys);
         const uint8_t *kr = k + t * k_row_bytes;
         float sk;
         memcpy(&sk, kr, 4);

@@ -45,6 +45,14 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
     }
 }
 
+/* Tiles of a block's keys: 3 at a time, ending on 2-key tiles rather than a 1-key one (4 chains
+ * would be latency-bound), e.g. 16 = 3 + 3 + 3 + 3 + 2 + 2. */
+static inline uint32_t key_tiles(uint32_t n) {
+    uint32_t k = 0;
+    while (n) n -= (n >= 3 && n != 4) ? 3 : n >= 2 ? 2 : 1, k++;
+    return k;
+}
+
 /* ---- score: s[r][t] = <q_r, k_t> ---------------------------------------------------------------
  * Tiles of 4 query rows x 3 keys: 12 independent accumulators (an FMA has 4 cycles of latency
  * and 2 issue per cycle, so 8 chains would leave no slack), per 8 elements 3 K loads (+ converts)
@@ -80,22 +88,39 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
             for (uint32_t r = 0; r < R; r++)                                                                    \
                 for (uint32_t t = 0; t < K; t++) s[r * ss + t] += q[r * qs + d] * sc_##T(k + t * krb, d);       \
     }                                                                                                           \
-    static inline __attribute__((always_inline)) void score_rows_##T(const float *q, size_t qs, const uint8_t *k, \
-                                                                     size_t krb, const uint32_t R, uint32_t n_keys, \
-                                                                     uint32_t D, float *s, uint32_t ss) {       \
-        /* 3-key tiles, but end on 2-key tiles rather than a 1-key one (4 chains, latency-bound) */         \
-        uint32_t t = 0;                                                                                         \
-        for (; n_keys - t >= 3 && n_keys - t != 4; t += 3) score_tile_##T(q, qs, k + t * krb, krb, R, 3, D, s + t, ss); \
-        for (; n_keys - t >= 2; t += 2) score_tile_##T(q, qs, k + t * krb, krb, R, 2, D, s + t, ss);            \
-        if (n_keys - t == 1) score_tile_##T(q, qs, k + t * krb, krb, R, 1, D, s + t, ss);                       \
-    }                                                                                                           \
     static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,        \
-                          uint32_t D, float *s, uint32_t ss) {                                                  \
+                          uint32_t D, float *s, uint32_t ss, const pkv__attn_pf *pf) {                          \
         const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
         const float *q = qp;                                                                                    \
-        uint32_t r = 0;                                                                                         \
-        for (; r + 4 <= n_rows; r += 4) score_rows_##T(q + r * qs, qs, k, krb, 4, n_keys, D, s + r * ss, ss);   \
-        for (; r < n_rows; r++) score_rows_##T(q + r * qs, qs, k, krb, 1, n_keys, D, s + r * ss, ss);           \
+        /* one share of the prefetch after each tile of 4 rows */                                              \
+        const uint32_t n_pf = PKV_MAX(1u, key_tiles(n_keys) * (n_rows / 4));                                    \
+        uint32_t i = 0, r = 0;                                                                                  \
+        for (; r + 4 <= n_rows; r += 4) {                                                                       \
+            const float *qr = q + r * qs;                                                                       \
+            float *sr = s + r * ss;                                                                             \
+            uint32_t t = 0;                                                                                     \
+            for (; n_keys - t >= 3 && n_keys - t != 4; t += 3) {                                                \
+                score_tile_##T(qr, qs, k + t * krb, krb, 4, 3, D, sr + t, ss);                                  \
+                pkv__attn_pf_part(pf, i++, n_pf);                                                               \
+            }                                                                                                   \
+            for (; n_keys - t >= 2; t += 2) {                                                                   \
+                score_tile_##T(qr, qs, k + t * krb, krb, 4, 2, D, sr + t, ss);                                  \
+                pkv__attn_pf_part(pf, i++, n_pf);                                                               \
+            }                                                                                                   \
+            if (n_keys - t == 1) {                                                                              \
+                score_tile_##T(qr, qs, k + t * krb, krb, 4, 1, D, sr + t, ss);                                  \
+                pkv__attn_pf_part(pf, i++, n_pf);                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (; r < n_rows; r++) {                                                                               \
+            const float *qr = q + r * qs;                                                                       \
+            float *sr = s + r * ss;                                                                             \
+            uint32_t t = 0;                                                                                     \
+            for (; n_keys - t >= 3 && n_keys - t != 4; t += 3) score_tile_##T(qr, qs, k + t * krb, krb, 1, 3, D, sr + t, ss); \
+            for (; n_keys - t >= 2; t += 2) score_tile_##T(qr, qs, k + t * krb, krb, 1, 2, D, sr + t, ss);      \
+            if (n_keys - t == 1) score_tile_##T(qr, qs, k + t * krb, krb, 1, 1, D, sr + t, ss);                 \
+        }                                                                                                       \
+        for (; i < n_pf; i++) pkv__attn_pf_part(pf, i, n_pf); /* fewer than 4 rows: all at the end */         \
     }
 
 /* ---- accum: acc[r][:] += sum_t p[r][t] * v_t ----------------------------------------------------
