@@ -1,8 +1,20 @@
 /* attn_q_avx2.c: AVX2 attention primitives for quantized K/V (q8_0, q4_0, fp8 e4m3), read
- * from the pool rows and dequantized in registers (at most an L1 tile of 8 keys for q4_0 /
- * fp8 K; no copy of the cache). Same arithmetic as attn_q_ref.c up to float summation order:
- * q8_0 / q4_0 q.K are exact int8 dot products per 32 values (maddubs + madd with the sign
- * trick), scaled by dq * dk per block. */
+ * from the pool rows and dequantized in registers (no copy of the cache, no decoded tile).
+ * Same arithmetic as attn_q_ref.c up to float summation order: q8_0 / q4_0 q.K are exact
+ * integer dot products per 32 values, scaled by dq * dk per block.
+ *
+ * Decode at 4 query rows per kv head is compute-bound for these formats (they read 2x-3.5x
+ * fewer bytes than f16), so every kernel is shaped by instructions per (key, kv head):
+ *   score (int8): tiles of 4 keys x the rows; per block each K vector is decoded once and
+ *     used by every row; the 4 keys' sums are reduced together (3 hadds) and kept as 8 float
+ *     lanes (4 keys x 2 half-blocks) per row, so the block scale costs one mul + one fma per
+ *     row and 4 keys. q4_0 skips the sign trick: its unsigned nibbles go straight into
+ *     maddubs and the -8 offset is one subtraction of 8 * sum(q) per block (from the prep).
+ *   score (fp8): one key at a time, decoded in registers (4 ops per 16 values) and fed to
+ *     the rows' FMAs with the query as the memory operand; the row scale after the sum.
+ *   accum: tiles of 4 rows x 16 values held in registers across the block's keys; per key
+ *     2 decoded vectors, 4 broadcast weights, 8 FMAs. The V scale is folded into the
+ *     weights once per (row, key, block); q4_0's -8 is one correction per tile. */
 #include "../attn.h"
 #include "../attn_q.h"
 #include "../../quant/quant.h"
@@ -12,69 +24,8 @@
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
-/* Dims per K tile pass: bounds the stack tiles to 8 keys x PIECE values. */
-#define PIECE 1024u
 /* Keys per V pass (the per-key weights live on the stack). */
 #define VKEYS 16u
-
-/* lane j of the result = sum of the 8 lanes of a[j] */
-static ALWAYS_INLINE __m256i reduce8_epi32(const __m256i a[8]) {
-    __m256i h01 = _mm256_hadd_epi32(a[0], a[1]), h23 = _mm256_hadd_epi32(a[2], a[3]);
-    __m256i h45 = _mm256_hadd_epi32(a[4], a[5]), h67 = _mm256_hadd_epi32(a[6], a[7]);
-    __m256i h0123 = _mm256_hadd_epi32(h01, h23), h4567 = _mm256_hadd_epi32(h45, h67);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
-                            _mm256_permute2x128_si256(h0123, h4567, 0x31));
-}
-
-static ALWAYS_INLINE __m256 reduce8_ps(const __m256 a[8]) {
-    __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-    __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-    __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
-}
-
-/* Writes (or adds) the first nk lanes of v to dst. */
-static ALWAYS_INLINE void store_lanes(float *dst, __m256 v, uint32_t nk, bool add) {
-    if (nk == 8) {
-        _mm256_storeu_ps(dst, add ? _mm256_add_ps(_mm256_loadu_ps(dst), v) : v);
-        return;
-    }
-    float tmp[8];
-    _mm256_storeu_ps(tmp, v);
-    for (uint32_t j = 0; j < nk; j++) dst[j] = add ? dst[j] + tmp[j] : tmp[j];
-}
-
-/* ---- integer q.K (q8_0, q4_0) ----------------------------------------------------------------
- * 8 keys at once: kq[j] points at key j's first block of 32 int8 codes, blocks kstride bytes
- * apart; dk[b * 8 + j] is its block-b scale (0 for padding keys). Query blocks b0 .. b0+nb-1.
- * Per row and block: 8 x (sign, maddubs, madd), one transposing reduction to a vector whose
- * lane j is key j's integer block dot, then one fma with dq[b] * dk[b][0..7]. */
-static void score_i8x8(const uint8_t *qp, size_t qrow, uint32_t D, uint32_t n_rows, uint32_t b0, uint32_t nb,
-                       const int8_t *const kq[8], size_t kstride, const float *dk, float *s, uint32_t s_stride,
-                       uint32_t nk, bool add) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (uint32_t r = 0; r < n_rows; r++) {
-        const uint8_t *row = qp + r * qrow;
-        const int8_t *qs = (const int8_t *)row + 32 * (size_t)b0;
-        const uint8_t *qa = row + D + 32 * (size_t)b0;
-        const float *dq = (const float *)(row + 2 * (size_t)D) + b0;
-        __m256 acc = _mm256_setzero_ps();
-        for (uint32_t b = 0; b < nb; b++) {
-            const __m256i qv = _mm256_loadu_si256((const __m256i *)(qs + 32 * b));
-            const __m256i av = _mm256_loadu_si256((const __m256i *)(qa + 32 * b));
-            __m256i p[8];
-            for (int j = 0; j < 8; j++) {
-                const __m256i kv = _mm256_loadu_si256((const __m256i *)(kq[j] + b * kstride));
-                /* |q| * (k * sign q) summed in pairs: |q|, |k| <= 127 so no int16 saturation */
-                p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv, qv)), ones);
-            }
-            const __m256 f = _mm256_cvtepi32_ps(reduce8_epi32(p));
-            const __m256 sc = _mm256_mul_ps(_mm256_broadcast_ss(dq + b), _mm256_loadu_ps(dk + 8 * b));
-            acc = _mm256_fmadd_ps(f, sc, acc);
-        }
-        store_lanes(s + (size_t)r * s_stride, acc, nk, add);
-    }
-}
 
 static ALWAYS_INLINE int ld16(const uint8_t *p) {
     uint16_t h;
@@ -82,12 +33,268 @@ static ALWAYS_INLINE int ld16(const uint8_t *p) {
     return h;
 }
 
-/* f16 scales at p + j * stride (j < nk; 0 beyond) -> 8 floats. Built in a register: 16-bit
- * stores read back as one 128-bit load would stall on store forwarding. */
+static ALWAYS_INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* lane i = sum of the 8 lanes of a_i */
+static ALWAYS_INLINE __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+/* Writes the first n (<= 4) lanes of v to dst. */
+static ALWAYS_INLINE void store4(float *dst, __m128 v, uint32_t n) {
+    if (n == 4) {
+        _mm_storeu_ps(dst, v);
+        return;
+    }
+    float t[4];
+    _mm_storeu_ps(t, v);
+    for (uint32_t j = 0; j < n; j++) dst[j] = t[j];
+}
+
+#define NR_SWITCH(nr, CALL)                                                                                  \
+    switch (nr) {                                                                                            \
+    case 4: CALL(4); break;                                                                                  \
+    case 3: CALL(3); break;                                                                                  \
+    case 2: CALL(2); break;                                                                                  \
+    default: CALL(1); break;                                                                                 \
+    }
+
+/* ---- prepared query for integer K (q8_0, q4_0) -----------------------------------------------
+ * Row layout (4 D bytes, within PKV__ATTN_QROW_BYTES(D)), per block b of 32 values:
+ *   int8 q[D] | uint8 |q|[D] | f32 dq8[b][8] | int32 qs8[b][8]
+ * q and dq as attn_q_ref.c's pkv__attn_prep_q8 (dq = amax / 127, q = rne(x / dq), bit for
+ * bit); dq8 repeats dq 8 times (a plain memory operand of the scale multiply); qs8 holds
+ * 8 * (sum of q over values 0..15) in lanes 0..3 and 8 * (sum over 16..31) in lanes 4..7:
+ * the q4_0 score's -8 offset for each half-block lane of its sums. */
+static void prep_i8(const float *q, size_t q_stride, uint32_t n_rows, uint32_t D, float scale, void *qp) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(D);
+    const uint32_t nb = D / 32;
+    const __m256 vs = _mm256_set1_ps(scale), sgn = _mm256_set1_ps(-0.0f);
+    const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (uint32_t r = 0; r < n_rows; r++) {
+        uint8_t *dst = (uint8_t *)qp + r * qrow;
+        const float *src = q + r * q_stride;
+        for (uint32_t b = 0; b < nb; b++) {
+            __m256 x[4], am = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                x[i] = _mm256_mul_ps(_mm256_loadu_ps(src + 32 * b + 8 * i), vs);
+                am = _mm256_max_ps(_mm256_andnot_ps(sgn, x[i]), am); /* NaN lanes keep am (the reference's compare) */
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(am), _mm256_extractf128_ps(am, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
+            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const __m256 vid = _mm256_set1_ps(id);
+            __m256i iv[4];
+            __m256 half[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int i = 0; i < 4; i++) {
+                __m256 v = _mm256_round_ps(_mm256_mul_ps(x[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                v = _mm256_and_ps(v, _mm256_cmp_ps(v, v, _CMP_ORD_Q)); /* NaN -> 0 */
+                v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+                half[i / 2] = _mm256_add_ps(half[i / 2], v); /* exact: integers below 2^12 */
+                iv[i] = _mm256_cvtps_epi32(v);
+            }
+            const __m256i w16 = _mm256_packs_epi32(iv[0], iv[1]), w16b = _mm256_packs_epi32(iv[2], iv[3]);
+            const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, w16b), order);
+            _mm256_storeu_si256((__m256i *)(dst + 32 * b), q8);
+            _mm256_storeu_si256((__m256i *)(dst + D + 32 * b), _mm256_abs_epi8(q8));
+            _mm256_storeu_ps((float *)(dst + 2 * (size_t)D + 32 * b), _mm256_set1_ps(d));
+            const int32_t s0 = (int32_t)hsum8(half[0]), s1 = (int32_t)hsum8(half[1]);
+            _mm256_storeu_si256((__m256i *)(dst + 3 * (size_t)D + 32 * b),
+                                _mm256_setr_epi32(8 * s0, 8 * s0, 8 * s0, 8 * s0, 8 * s1, 8 * s1, 8 * s1, 8 * s1));
+        }
+    }
+}
+
+/* For fp8 K: scale * query as f32, zero-padded to a multiple of 8 values. */
+static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t D, float scale, void *qp) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(D);
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (uint32_t r = 0; r < n_rows; r++) {
+        float *dst = (float *)((uint8_t *)qp + r * qrow);
+        const float *src = q + r * q_stride;
+        uint32_t d = 0;
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), vs));
+        for (; d < D; d++) dst[d] = src[d] * scale;
+        for (; d % 8; d++) dst[d] = 0.0f;
+    }
+}
+
+/* ---- integer q.K (q8_0, q4_0) -------------------------------------------------------------------
+ * One tile: NR rows x 4 keys (kr[j]: key j's row; padding keys repeat a real one and their
+ * lanes are not stored). Per block: the 4 keys' codes in registers, their scales as
+ * [dk0..dk3 | dk0..dk3]; per row 4 int8 dot products reduced to [k0..k3 | k0..k3] (sums over
+ * the two half-blocks), then acc += float(sums) * dk * dq. */
+
+/* 16 bytes of q4_0 nibbles -> 32 bytes 0..15 in value order (low nibbles, then high) */
+static ALWAYS_INLINE __m256i q4_codes(const uint8_t *p) {
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
+}
+
+static ALWAYS_INLINE void score_i8_tile(const uint8_t *qp, size_t qrow, uint32_t D, const uint32_t NR,
+                                        const uint8_t *const kr[4], const bool q4, float *s, uint32_t ss, uint32_t nk) {
+    const uint32_t nb = D / 32;
+    const size_t bsz = q4 ? sizeof(pkv_block_q4_0) : sizeof(pkv_block_q8_0);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (uint32_t r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (uint32_t b = 0; b < nb; b++) {
+        const size_t o = b * bsz;
+        __m256i kv[4];
+        for (int j = 0; j < 4; j++)
+            kv[j] = q4 ? q4_codes(kr[j] + o + 2) : _mm256_loadu_si256((const __m256i *)(kr[j] + o + 2));
+        __m128i h = _mm_cvtsi32_si128(ld16(kr[0] + o));
+        h = _mm_insert_epi16(h, ld16(kr[1] + o), 1);
+        h = _mm_insert_epi16(h, ld16(kr[2] + o), 2);
+        h = _mm_insert_epi16(h, ld16(kr[3] + o), 3);
+        const __m128 d4 = _mm_cvtph_ps(h);
+        const __m256 dk = _mm256_set_m128(d4, d4);
+        for (uint32_t r = 0; r < NR; r++) {
+            const uint8_t *row = qp + r * qrow;
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(row + 32 * b));
+            __m256i t;
+            if (q4) {
+                /* nibble n in 0..15 times q: pairs <= 3810, 8 products <= 15240 fit int16 */
+                const __m256i p0 = _mm256_maddubs_epi16(kv[0], qv), p1 = _mm256_maddubs_epi16(kv[1], qv);
+                const __m256i p2 = _mm256_maddubs_epi16(kv[2], qv), p3 = _mm256_maddubs_epi16(kv[3], qv);
+                t = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p0, p1), _mm256_hadd_epi16(p2, p3)), ones);
+                /* sum (n - 8) q = sum n q - 8 sum q, per half-block lane */
+                t = _mm256_sub_epi32(t, _mm256_loadu_si256((const __m256i *)(row + 3 * (size_t)D + 32 * b)));
+            } else {
+                /* |q| * (k * sign q) in pairs: |q|, |k| <= 127, no int16 saturation */
+                const __m256i av = _mm256_loadu_si256((const __m256i *)(row + D + 32 * b));
+                const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[0], qv)), ones);
+                const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[1], qv)), ones);
+                const __m256i p01 = _mm256_hadd_epi32(p0, p1);
+                const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[2], qv)), ones);
+                const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[3], qv)), ones);
+                t = _mm256_hadd_epi32(p01, _mm256_hadd_epi32(p2, p3));
+            }
+            const __m256 sc = _mm256_mul_ps(dk, _mm256_loadu_ps((const float *)(row + 2 * (size_t)D + 32 * b)));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, acc[r]);
+        }
+    }
+    for (uint32_t r = 0; r < NR; r++)
+        store4(s + (size_t)r * ss, _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1)), nk);
+}
+
+static ALWAYS_INLINE void score_i8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,
+                                   uint32_t D, float *s, uint32_t ss, const pkv__attn_pf *pf, const bool q4) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(D);
+    const uint32_t n_pf = ((n_keys + 3) / 4) * ((n_rows + 3) / 4);
+    uint32_t i = 0;
+    for (uint32_t t0 = 0; t0 < n_keys; t0 += 4) {
+        const uint32_t nk = PKV_MIN(4u, n_keys - t0);
+        const uint8_t *kr[4];
+        for (uint32_t j = 0; j < 4; j++) kr[j] = k + (size_t)(t0 + (j < nk ? j : nk - 1)) * krb;
+        for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
+            const uint32_t nr = PKV_MIN(4u, n_rows - r0);
+            const uint8_t *q = (const uint8_t *)qp + r0 * qrow;
+            float *sr = s + (size_t)r0 * ss + t0;
+#define CALL_I8(N) score_i8_tile(q, qrow, D, N, kr, q4, sr, ss, nk)
+            NR_SWITCH(nr, CALL_I8)
+            pkv__attn_pf_part(pf, i++, n_pf);
+        }
+    }
+}
+
+static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                       float *s, uint32_t ss, const pkv__attn_pf *pf) {
+    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, false);
+}
+
+static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                       float *s, uint32_t ss, const pkv__attn_pf *pf) {
+    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, true);
+}
+
+/* ---- fp8 e4m3 ---------------------------------------------------------------------------------
+ * 16 codes -> 16 f16 equal to e4m3(b) * 2^-8 exactly: the byte sign-extended to 16 bits and
+ * shifted left by 7 has the sign at bits 15 and 14 (14 cleared by the mask) and the magnitude
+ * at bits 13..7: an f16 with the e4m3 exponent rebiased by 8, subnormals included, which F16C
+ * widens exactly. The encoder never writes the NaN codes. */
+static ALWAYS_INLINE __m256i e4m3_f16x16(const uint8_t *p) {
+    const __m256i w = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    return _mm256_and_si256(w, _mm256_set1_epi16((short)0xbf80));
+}
+static ALWAYS_INLINE __m256 e4m3x8(const uint8_t *p) {
+    const __m128i w = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7);
+    return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xbf80)));
+}
+
+/* s[r * ss] = sk * <q_r, key>, NR rows, one key: 2 accumulators per row (8 chains). */
+static ALWAYS_INLINE void score_fp8_key(const float *q, size_t qs, const uint32_t NR, const uint8_t *kr, uint32_t D,
+                                        float *s, uint32_t ss) {
+    const uint8_t *e = kr + PKV_FP8_ROW_HEADER;
+    __m256 a[4][2];
+    for (uint32_t r = 0; r < NR; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    uint32_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        const __m256i w = e4m3_f16x16(e + d);
+        const __m256 k0 = _mm256_cvtph_ps(_mm256_castsi256_si128(w)), k1 = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
+        for (uint32_t r = 0; r < NR; r++) {
+            a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * qs + d), k0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * qs + d + 8), k1, a[r][1]);
+        }
+    }
+    if (d + 8 <= D) {
+        const __m256 k0 = e4m3x8(e + d);
+        for (uint32_t r = 0; r < NR; r++) a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * qs + d), k0, a[r][0]);
+        d += 8;
+    }
+    float sk;
+    memcpy(&sk, kr, 4);
+    sk *= 256.0f; /* exact: undoes the decode's 2^-8 */
+    float o[4];
+    if (NR == 4) {
+        _mm_storeu_ps(o, hsum4x8(_mm256_add_ps(a[0][0], a[0][1]), _mm256_add_ps(a[1][0], a[1][1]),
+                                 _mm256_add_ps(a[2][0], a[2][1]), _mm256_add_ps(a[3][0], a[3][1])));
+    } else {
+        for (uint32_t r = 0; r < NR; r++) o[r] = hsum8(_mm256_add_ps(a[r][0], a[r][1]));
+    }
+    for (; d < D; d++) { /* head_dim % 8 */
+        const float x = pkv__e4m3_to_f32(e[d]) * (1.0f / 256.0f);
+        for (uint32_t r = 0; r < NR; r++) o[r] += q[r * qs + d] * x;
+    }
+    for (uint32_t r = 0; r < NR; r++) s[r * ss] = o[r] * sk;
+}
+
+static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                      float *s, uint32_t ss, const pkv__attn_pf *pf) {
+    const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);
+    const uint32_t n_pf = n_keys * ((n_rows + 3) / 4);
+    uint32_t i = 0;
+    for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
+        const uint32_t nr = PKV_MIN(4u, n_rows - r0);
+        const float *q = (const float *)qp + r0 * qs;
+        for (uint32_t t = 0; t < n_keys; t++) {
+            float *st = s + (size_t)r0 * ss + t;
+#define CALL_F8S(N) score_fp8_key(q, qs, N, k + t * krb, D, st, ss)
+            NR_SWITCH(nr, CALL_F8S)
+            pkv__attn_pf_part(pf, i++, n_pf);
+        }
+    }
+}
+
+/* ---- V accumulation ----------------------------------------------------------------------------
+ * NR <= 4 rows x 16 values in 8 registers across the keys: per key 2 decoded vectors, NR
+ * broadcast weights, 2 NR fmas. w[rr * VKEYS + t] is row rr's weight for key t with the key's
+ * (block) scale folded in. */
+
+/* f16 scales at p + j * stride (j < nk; 0 beyond) -> 8 floats */
 static ALWAYS_INLINE __m256 scales8_f16(const uint8_t *p, size_t stride, uint32_t nk) {
     __m128i h = _mm_setzero_si128();
-    if (nk == 8) {
-        h = _mm_insert_epi16(h, ld16(p), 0);
+    if (nk >= 8) {
+        h = _mm_cvtsi32_si128(ld16(p));
         h = _mm_insert_epi16(h, ld16(p + stride), 1);
         h = _mm_insert_epi16(h, ld16(p + 2 * stride), 2);
         h = _mm_insert_epi16(h, ld16(p + 3 * stride), 3);
@@ -103,289 +310,179 @@ static ALWAYS_INLINE __m256 scales8_f16(const uint8_t *p, size_t stride, uint32_
     return _mm256_cvtph_ps(h);
 }
 
-static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
-                       uint32_t D, float *s, uint32_t s_stride, const pkv__attn_pf *pf) {
-    const size_t qrow = PKV__ATTN_QROW_BYTES(D);
-    const uint32_t nb = D / 32, pb = PIECE / 32;
-    float dk[PIECE / 32 * 8];
-    for (uint32_t t0 = 0; t0 < n_keys; t0 += 8) {
-        pkv__attn_pf_part(pf, t0 / 8, (n_keys + 7) / 8);
-        const uint32_t nk = PKV_MIN(8u, n_keys - t0);
-        const uint8_t *k0 = k + (size_t)t0 * k_row_bytes;
-        for (uint32_t b0 = 0; b0 < nb; b0 += pb) {
-            const uint32_t n = PKV_MIN(pb, nb - b0);
-            const int8_t *kq[8];
-            for (uint32_t j = 0; j < 8; j++) /* padding keys reread key 0 with scale 0 */
-                kq[j] = (const int8_t *)(k0 + (j < nk ? j : 0) * k_row_bytes + b0 * sizeof(pkv_block_q8_0) + 2);
-            for (uint32_t b = 0; b < n; b++)
-                _mm256_storeu_ps(dk + 8 * b, scales8_f16(k0 + (b0 + b) * sizeof(pkv_block_q8_0), k_row_bytes, nk));
-            score_i8x8(qp, qrow, D, n_rows, b0, n, kq, sizeof(pkv_block_q8_0), dk, s + t0, s_stride, nk, b0 > 0);
+/* One 16-value tile of a q8_0 / q4_0 block for NR rows. q8_0: values c0 .. c0 + 15 (codes at
+ * src + c0); q4_0: values c0 .. c0 + 7 (low nibbles of bytes c0 ..) and c0 + 16 .. c0 + 23
+ * (their high nibbles), c0 in {0, 8}; the nibbles' -8 is corr[rr] = 8 * sum_t w, subtracted
+ * once at the end. a0 / a1: the two 8-value column groups' accumulators in row 0. */
+static ALWAYS_INLINE void accum_i8_tile(const float *w, const float *corr, uint32_t nk, const uint8_t *src,
+                                        size_t vrb, float *a0, float *a1, uint32_t D, const uint32_t NR,
+                                        const bool q4) {
+    __m256 a[4][2];
+    for (uint32_t rr = 0; rr < NR; rr++) {
+        a[rr][0] = _mm256_loadu_ps(a0 + rr * (size_t)D);
+        a[rr][1] = _mm256_loadu_ps(a1 + rr * (size_t)D);
+    }
+#pragma GCC unroll 4
+    for (uint32_t t = 0; t < nk; t++) {
+        const uint8_t *c = src + t * vrb;
+        __m256 x0, x1;
+        if (q4) {
+            const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+            x0 = _mm256_cvtepi32_ps(_mm256_and_si256(z, _mm256_set1_epi32(15)));
+            x1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(z, 4));
+        } else {
+            x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+            x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8))));
+        }
+        for (uint32_t rr = 0; rr < NR; rr++) {
+            const __m256 wv = _mm256_broadcast_ss(w + rr * VKEYS + t);
+            a[rr][0] = _mm256_fmadd_ps(wv, x0, a[rr][0]);
+            a[rr][1] = _mm256_fmadd_ps(wv, x1, a[rr][1]);
         }
     }
-}
-
-/* 16 bytes of q4_0 nibbles -> 32 int8 in [-8, 7], in value order */
-static ALWAYS_INLINE __m256i q4_unpack(const uint8_t *qs) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(15);
-    const __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
-    return _mm256_sub_epi8(v, _mm256_set1_epi8(8));
-}
-
-static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
-                       uint32_t D, float *s, uint32_t s_stride, const pkv__attn_pf *pf) {
-    const size_t qrow = PKV__ATTN_QROW_BYTES(D);
-    const uint32_t nb = D / 32, pb = PIECE / 32;
-    float dk[PIECE / 32 * 8];
-    int8_t tile[8][PIECE] __attribute__((aligned(32))); /* 8 keys' codes, unpacked once for all rows */
-    for (uint32_t t0 = 0; t0 < n_keys; t0 += 8) {
-        pkv__attn_pf_part(pf, t0 / 8, (n_keys + 7) / 8);
-        const uint32_t nk = PKV_MIN(8u, n_keys - t0);
-        const uint8_t *k0 = k + (size_t)t0 * k_row_bytes;
-        for (uint32_t b0 = 0; b0 < nb; b0 += pb) {
-            const uint32_t n = PKV_MIN(pb, nb - b0);
-            const int8_t *kq[8];
-            for (uint32_t j = 0; j < 8; j++) {
-                kq[j] = tile[j < nk ? j : 0];
-                if (j >= nk) continue;
-                const uint8_t *kr = k0 + j * k_row_bytes + b0 * sizeof(pkv_block_q4_0);
-                for (uint32_t b = 0; b < n; b++)
-                    _mm256_store_si256((__m256i *)(tile[j] + 32 * b), q4_unpack(kr + b * sizeof(pkv_block_q4_0) + 2));
-            }
-            for (uint32_t b = 0; b < n; b++)
-                _mm256_storeu_ps(dk + 8 * b, scales8_f16(k0 + (b0 + b) * sizeof(pkv_block_q4_0), k_row_bytes, nk));
-            score_i8x8(qp, qrow, D, n_rows, b0, n, kq, 32, dk, s + t0, s_stride, nk, b0 > 0);
+    for (uint32_t rr = 0; rr < NR; rr++) {
+        if (q4) {
+            const __m256 cv = _mm256_broadcast_ss(corr + rr);
+            a[rr][0] = _mm256_sub_ps(a[rr][0], cv);
+            a[rr][1] = _mm256_sub_ps(a[rr][1], cv);
         }
+        _mm256_storeu_ps(a0 + rr * (size_t)D, a[rr][0]);
+        _mm256_storeu_ps(a1 + rr * (size_t)D, a[rr][1]);
     }
 }
 
-/* ---- fp8 e4m3 ---------------------------------------------------------------------------------
- * 16 codes -> 16 floats equal to e4m3(b) * 2^-8 exactly: with the byte in the high half of a
- * 16-bit lane, an arithmetic shift right by one puts the sign at bit 15 (and 14, cleared) and
- * the magnitude at bits 13..7: an f16 with the e4m3 exponent rebiased by 8, subnormals
- * included, which F16C widens exactly. The encoder never writes the NaN codes. */
-static ALWAYS_INLINE void e4m3x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
-    __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8);
-    w = _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16((short)0xbf80));
-    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(w));
-    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
-}
-
-static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
-                      uint32_t D, float *s, uint32_t s_stride, const pkv__attn_pf *pf) {
-    const size_t qrow = PKV__ATTN_QROW_BYTES(D);
-    float tile[8][PIECE] __attribute__((aligned(32))); /* 8 keys x PIECE values, times 2^-8 */
-    for (uint32_t t0 = 0; t0 < n_keys; t0 += 8) {
-        pkv__attn_pf_part(pf, t0 / 8, (n_keys + 7) / 8);
-        const uint32_t nk = PKV_MIN(8u, n_keys - t0);
-        float sk[8] = {0};
-        for (uint32_t j = 0; j < nk; j++) memcpy(&sk[j], k + (size_t)(t0 + j) * k_row_bytes, 4);
-        /* built from scalars (not reloaded from the stores); x 256 is exact: undoes the decode's 2^-8 */
-        const __m256 skv = _mm256_mul_ps(_mm256_setr_ps(sk[0], sk[1], sk[2], sk[3], sk[4], sk[5], sk[6], sk[7]),
-                                         _mm256_set1_ps(256.0f));
-        for (uint32_t d0 = 0; d0 < D; d0 += PIECE) {
-            const uint32_t dn = PKV_MIN(PIECE, D - d0), dn8 = (dn + 7) & ~7u;
-            for (uint32_t j = 0; j < 8; j++) {
-                if (j >= nk) { /* padding keys: zeros (fixed tile offsets keep the fma loop lean) */
-                    memset(tile[j], 0, dn8 * sizeof(float));
-                    continue;
-                }
-                const uint8_t *e = k + (size_t)(t0 + j) * k_row_bytes + PKV_FP8_ROW_HEADER + d0;
-                uint32_t d = 0;
-                for (; d + 16 <= dn; d += 16) {
-                    __m256 a, b;
-                    e4m3x16(e + d, &a, &b);
-                    _mm256_store_ps(tile[j] + d, a);
-                    _mm256_store_ps(tile[j] + d + 8, b);
-                }
-                for (; d < dn; d++) tile[j][d] = pkv__e4m3_to_f32(e[d]) * (1.0f / 256.0f);
-                for (; d < dn8; d++) tile[j][d] = 0.0f;
-            }
-            for (uint32_t r = 0; r < n_rows; r++) {
-                const float *qr = (const float *)((const uint8_t *)qp + r * qrow) + d0; /* zero-padded to 8 */
-                __m256 acc[8];
-                for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-                for (uint32_t d = 0; d < dn8; d += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qr + d);
-                    for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_load_ps(&tile[j][d]), acc[j]);
-                }
-                store_lanes(s + (size_t)r * s_stride + t0, _mm256_mul_ps(reduce8_ps(acc), skv), nk, d0 > 0);
-            }
-        }
-    }
-}
-
-/* ---- V accumulation ----------------------------------------------------------------------------
- * Rows in groups of NR <= 4 with their accumulators in registers (2 x 8 values per row), keys
- * inner: each decoded V vector feeds NR fmas. w[rr * VKEYS + t] is row rr's weight for key t
- * with the key's (block) scale folded in. */
-#define DEF_VLOOP(NAME, DECODE)                                                                       \
-    static ALWAYS_INLINE void NAME(const float *w, uint32_t nk, const uint8_t *v, size_t v_row_bytes,     \
-                                   size_t off, float *acc, uint32_t D, uint32_t NR) {                   \
-        __m256 a[4][2];                                                                                  \
-        for (uint32_t rr = 0; rr < NR; rr++) {                                                           \
-            a[rr][0] = _mm256_load_ps(acc + rr * (size_t)D);                                             \
-            a[rr][1] = _mm256_load_ps(acc + rr * (size_t)D + 8);                                         \
-        }                                                                                                \
-        for (uint32_t t = 0; t < nk; t++) {                                                              \
-            const uint8_t *src = v + t * v_row_bytes + off;                                              \
-            __m256 x0, x1;                                                                               \
-            DECODE;                                                                                      \
-            for (uint32_t rr = 0; rr < NR; rr++) {                                                       \
-                const __m256 wv = _mm256_broadcast_ss(w + rr * VKEYS + t);                               \
-                a[rr][0] = _mm256_fmadd_ps(wv, x0, a[rr][0]);                                            \
-                a[rr][1] = _mm256_fmadd_ps(wv, x1, a[rr][1]);                                            \
-            }                                                                                            \
-        }                                                                                                \
-        for (uint32_t rr = 0; rr < NR; rr++) {                                                           \
-            _mm256_store_ps(acc + rr * (size_t)D, a[rr][0]);                                             \
-            _mm256_store_ps(acc + rr * (size_t)D + 8, a[rr][1]);                                         \
-        }                                                                                                \
-    }
-
-/* q8_0: 16 codes at src */
-DEF_VLOOP(vloop_q8, {
-    x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
-    x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8))));
-})
-/* q4_0, low nibbles (values 0..15 of a block): src = the block's 16 code bytes */
-DEF_VLOOP(vloop_q4_lo, {
-    const __m128i c = _mm_sub_epi8(_mm_and_si128(_mm_loadu_si128((const __m128i *)src), _mm_set1_epi8(15)),
-                                   _mm_set1_epi8(8));
-    x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
-    x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
-})
-/* q4_0, high nibbles (values 16..31) */
-DEF_VLOOP(vloop_q4_hi, {
-    const __m128i c = _mm_sub_epi8(
-        _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)src), 4), _mm_set1_epi8(15)), _mm_set1_epi8(8));
-    x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
-    x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
-})
-/* fp8: 16 codes at src (values times 2^-8; the weights carry the 2^8) */
-DEF_VLOOP(vloop_fp8, { e4m3x16(src, &x0, &x1); })
-
-#define NR_SWITCH(CALL)                                                                                  \
-    switch (nr) {                                                                                        \
-    case 4: CALL(4); break;                                                                              \
-    case 3: CALL(3); break;                                                                              \
-    case 2: CALL(2); break;                                                                              \
-    default: CALL(1); break;                                                                             \
-    }
-
-/* acc is 64-byte aligned with D floats per row; D % 32 == 0 here, so every 16-value group is
- * 32-byte aligned. */
-static void accum_blocks(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
-                         uint32_t n_keys, uint32_t D, float *acc, bool q4) {
+/* NR rows, nk <= VKEYS keys of q8_0 / q4_0 V (D % 32 == 0). */
+static ALWAYS_INLINE void accum_i8_rows(const float *p, uint32_t ps, const uint32_t NR, const uint8_t *v, size_t vrb,
+                                        uint32_t nk, uint32_t D, float *acc, const bool q4) {
     const uint32_t nb = D / 32;
     const size_t bsz = q4 ? sizeof(pkv_block_q4_0) : sizeof(pkv_block_q8_0);
+    __m256 pr[4][2]; /* the rows' weights, zero past nk */
+    for (uint32_t rr = 0; rr < NR; rr++) {
+        const float *pp = p + (size_t)rr * ps;
+        if (nk == VKEYS) {
+            pr[rr][0] = _mm256_loadu_ps(pp), pr[rr][1] = _mm256_loadu_ps(pp + 8);
+        } else {
+            float t[VKEYS] = {0};
+            for (uint32_t j = 0; j < nk; j++) t[j] = pp[j];
+            pr[rr][0] = _mm256_loadu_ps(t), pr[rr][1] = _mm256_loadu_ps(t + 8);
+        }
+    }
     float w[4 * VKEYS] __attribute__((aligned(32)));
-    float pr[4 * VKEYS] __attribute__((aligned(32))); /* this row group's p, zero past nk */
-    float dv[(PIECE / 32) * 4 * VKEYS] __attribute__((aligned(32))); /* [block][key] scales */
-    for (uint32_t t0 = 0; t0 < n_keys; t0 += VKEYS) {
-        const uint32_t nk = PKV_MIN(VKEYS, n_keys - t0);
-        const uint8_t *v0 = v + (size_t)t0 * v_row_bytes;
-        for (uint32_t b0 = 0; b0 < nb; b0 += PIECE / 32 * 4) { /* dv holds 128 blocks: D <= 4096 */
-            const uint32_t nbp = PKV_MIN(PIECE / 32 * 4, nb - b0);
-            for (uint32_t b = 0; b < nbp; b++) {
-                const uint8_t *sp = v0 + (b0 + b) * bsz;
-                _mm256_store_ps(dv + b * VKEYS, scales8_f16(sp, v_row_bytes, PKV_MIN(nk, 8u)));
-                _mm256_store_ps(dv + b * VKEYS + 8,
-                                nk > 8 ? scales8_f16(sp + 8 * v_row_bytes, v_row_bytes, nk - 8) : _mm256_setzero_ps());
-            }
-            for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
-                const uint32_t nr = PKV_MIN(4u, n_rows - r0);
-                float *ar = acc + (size_t)r0 * D;
-                for (uint32_t rr = 0; rr < nr; rr++) {
-                    const float *pp = p + (size_t)(r0 + rr) * p_stride + t0;
-                    if (nk == VKEYS) {
-                        _mm256_store_ps(pr + rr * VKEYS, _mm256_loadu_ps(pp));
-                        _mm256_store_ps(pr + rr * VKEYS + 8, _mm256_loadu_ps(pp + 8));
-                    } else {
-                        for (uint32_t t = 0; t < VKEYS; t++) pr[rr * VKEYS + t] = t < nk ? pp[t] : 0.0f;
-                    }
-                }
-                for (uint32_t bb = 0; bb < nbp; bb++) {
-                    const uint32_t b = b0 + bb;
-                    for (uint32_t rr = 0; rr < nr; rr++)
-                        for (uint32_t t = 0; t < VKEYS; t += 8)
-                            _mm256_store_ps(w + rr * VKEYS + t, _mm256_mul_ps(_mm256_load_ps(pr + rr * VKEYS + t),
-                                                                              _mm256_load_ps(dv + bb * VKEYS + t)));
-                    const size_t off = b * bsz + 2;
-                    float *ab = ar + 32 * b;
-                    if (q4) {
-#define CALL_LO(N) vloop_q4_lo(w, nk, v0, v_row_bytes, off, ab, D, N)
-#define CALL_HI(N) vloop_q4_hi(w, nk, v0, v_row_bytes, off, ab + 16, D, N)
-                        NR_SWITCH(CALL_LO)
-                        NR_SWITCH(CALL_HI)
-                    } else {
-#define CALL_Q8A(N) vloop_q8(w, nk, v0, v_row_bytes, off, ab, D, N)
-#define CALL_Q8B(N) vloop_q8(w, nk, v0, v_row_bytes, off + 16, ab + 16, D, N)
-                        NR_SWITCH(CALL_Q8A)
-                        NR_SWITCH(CALL_Q8B)
-                    }
-                }
-            }
+    float corr[4];
+    for (uint32_t b = 0; b < nb; b++) {
+        const uint8_t *vb = v + b * bsz;
+        const __m256 d0 = scales8_f16(vb, vrb, PKV_MIN(nk, 8u));
+        const __m256 d1 = nk > 8 ? scales8_f16(vb + 8 * vrb, vrb, nk - 8) : _mm256_setzero_ps();
+        for (uint32_t rr = 0; rr < NR; rr++) {
+            const __m256 w0 = _mm256_mul_ps(pr[rr][0], d0), w1 = _mm256_mul_ps(pr[rr][1], d1);
+            _mm256_store_ps(w + rr * VKEYS, w0);
+            _mm256_store_ps(w + rr * VKEYS + 8, w1);
+            if (q4) corr[rr] = 8.0f * hsum8(_mm256_add_ps(w0, w1));
+        }
+        float *ab = acc + 32 * b;
+        if (q4) {
+            accum_i8_tile(w, corr, nk, vb + 2, vrb, ab, ab + 16, D, NR, true);
+            accum_i8_tile(w, corr, nk, vb + 2 + 8, vrb, ab + 8, ab + 24, D, NR, true);
+        } else {
+            accum_i8_tile(w, corr, nk, vb + 2, vrb, ab, ab + 8, D, NR, false);
+            accum_i8_tile(w, corr, nk, vb + 2 + 16, vrb, ab + 16, ab + 24, D, NR, false);
         }
     }
 }
 
-static void accum_q8_0(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
-                       uint32_t n_keys, uint32_t D, float *acc) {
-    accum_blocks(p, p_stride, n_rows, v, v_row_bytes, n_keys, D, acc, false);
-}
-
-static void accum_q4_0(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
-                       uint32_t n_keys, uint32_t D, float *acc) {
-    accum_blocks(p, p_stride, n_rows, v, v_row_bytes, n_keys, D, acc, true);
-}
-
-static void accum_fp8(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
-                      uint32_t n_keys, uint32_t D, float *acc) {
-    float w[VKEYS * 4] __attribute__((aligned(32)));
-    const uint32_t d16 = D & ~15u;
+static ALWAYS_INLINE void accum_i8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                                   uint32_t n_keys, uint32_t D, float *acc, const bool q4) {
     for (uint32_t t0 = 0; t0 < n_keys; t0 += VKEYS) {
         const uint32_t nk = PKV_MIN(VKEYS, n_keys - t0);
-        const uint8_t *v0 = v + (size_t)t0 * v_row_bytes;
         for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
             const uint32_t nr = PKV_MIN(4u, n_rows - r0);
+            const float *pp = p + (size_t)r0 * ps + t0;
+            const uint8_t *vv = v + (size_t)t0 * vrb;
             float *ar = acc + (size_t)r0 * D;
-            for (uint32_t t = 0; t < nk; t++) {
-                float sv;
-                memcpy(&sv, v0 + t * v_row_bytes, 4);
-                for (uint32_t rr = 0; rr < nr; rr++)
-                    w[rr * VKEYS + t] = p[(size_t)(r0 + rr) * p_stride + t0 + t] * sv * 256.0f;
-            }
-            if (D % 8 == 0) { /* rows stay 32-byte aligned: the register loop */
-                for (uint32_t d = 0; d < d16; d += 16) {
-#define CALL_F8(N) vloop_fp8(w, nk, v0, v_row_bytes, PKV_FP8_ROW_HEADER + d, ar + d, D, N)
-                    NR_SWITCH(CALL_F8)
-                }
-            } else {
-                for (uint32_t d = 0; d < d16; d += 16)
-                    for (uint32_t t = 0; t < nk; t++) {
-                        __m256 x0, x1;
-                        e4m3x16(v0 + t * v_row_bytes + PKV_FP8_ROW_HEADER + d, &x0, &x1);
-                        for (uint32_t rr = 0; rr < nr; rr++) {
-                            float *a = ar + rr * (size_t)D + d;
-                            const __m256 wv = _mm256_broadcast_ss(w + rr * VKEYS + t);
-                            _mm256_storeu_ps(a, _mm256_fmadd_ps(wv, x0, _mm256_loadu_ps(a)));
-                            _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(wv, x1, _mm256_loadu_ps(a + 8)));
-                        }
-                    }
-            }
-            for (uint32_t d = d16; d < D; d++) /* tail: w / 256 is exactly p * sv */
-                for (uint32_t t = 0; t < nk; t++) {
-                    const float e = pkv__e4m3_to_f32(v0[t * v_row_bytes + PKV_FP8_ROW_HEADER + d]);
-                    for (uint32_t rr = 0; rr < nr; rr++) ar[rr * (size_t)D + d] += w[rr * VKEYS + t] * (1.0f / 256.0f) * e;
-                }
+#define CALL_I8A(N) accum_i8_rows(pp, ps, N, vv, vrb, nk, D, ar, q4)
+            NR_SWITCH(nr, CALL_I8A)
+        }
+    }
+}
+
+static void accum_q8_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                       uint32_t D, float *acc) {
+    accum_i8(p, ps, n_rows, v, vrb, n_keys, D, acc, false);
+}
+
+static void accum_q4_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                       uint32_t D, float *acc) {
+    accum_i8(p, ps, n_rows, v, vrb, n_keys, D, acc, true);
+}
+
+/* fp8: NR rows x 16 values (codes at src), weights carry the row scale and the 2^8. */
+static ALWAYS_INLINE void accum_fp8_tile(const float *w, uint32_t nk, const uint8_t *src, size_t vrb, float *a0,
+                                         uint32_t D, const uint32_t NR, const bool half) {
+    __m256 a[4][2];
+    for (uint32_t rr = 0; rr < NR; rr++) {
+        a[rr][0] = _mm256_loadu_ps(a0 + rr * (size_t)D);
+        if (!half) a[rr][1] = _mm256_loadu_ps(a0 + rr * (size_t)D + 8);
+    }
+#pragma GCC unroll 4
+    for (uint32_t t = 0; t < nk; t++) {
+        __m256 x0, x1 = _mm256_setzero_ps();
+        if (half) {
+            x0 = e4m3x8(src + t * vrb);
+        } else {
+            const __m256i h = e4m3_f16x16(src + t * vrb);
+            x0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), x1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+        }
+        for (uint32_t rr = 0; rr < NR; rr++) {
+            const __m256 wv = _mm256_broadcast_ss(w + rr * VKEYS + t);
+            a[rr][0] = _mm256_fmadd_ps(wv, x0, a[rr][0]);
+            if (!half) a[rr][1] = _mm256_fmadd_ps(wv, x1, a[rr][1]);
+        }
+    }
+    for (uint32_t rr = 0; rr < NR; rr++) {
+        _mm256_storeu_ps(a0 + rr * (size_t)D, a[rr][0]);
+        if (!half) _mm256_storeu_ps(a0 + rr * (size_t)D + 8, a[rr][1]);
+    }
+}
+
+static ALWAYS_INLINE void accum_fp8_rows(const float *p, uint32_t ps, const uint32_t NR, const uint8_t *v, size_t vrb,
+                                         uint32_t nk, uint32_t D, float *acc) {
+    float w[4 * VKEYS] __attribute__((aligned(32)));
+    for (uint32_t t = 0; t < nk; t++) {
+        float sv;
+        memcpy(&sv, v + t * vrb, 4);
+        sv *= 256.0f; /* exact: undoes the decode's 2^-8 */
+        for (uint32_t rr = 0; rr < NR; rr++) w[rr * VKEYS + t] = p[(size_t)rr * ps + t] * sv;
+    }
+    const uint8_t *e = v + PKV_FP8_ROW_HEADER;
+    uint32_t d = 0;
+    for (; d + 16 <= D; d += 16) accum_fp8_tile(w, nk, e + d, vrb, acc + d, D, NR, false);
+    if (d + 8 <= D) accum_fp8_tile(w, nk, e + d, vrb, acc + d, D, NR, true), d += 8;
+    for (; d < D; d++) /* head_dim % 8: w / 256 is exactly p * sv */
+        for (uint32_t t = 0; t < nk; t++) {
+            const float x = pkv__e4m3_to_f32(e[t * vrb + d]) * (1.0f / 256.0f);
+            for (uint32_t rr = 0; rr < NR; rr++) acc[rr * (size_t)D + d] += w[rr * VKEYS + t] * x;
+        }
+}
+
+static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                      uint32_t D, float *acc) {
+    for (uint32_t t0 = 0; t0 < n_keys; t0 += VKEYS) {
+        const uint32_t nk = PKV_MIN(VKEYS, n_keys - t0);
+        for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
+            const uint32_t nr = PKV_MIN(4u, n_rows - r0);
+            const float *pp = p + (size_t)r0 * ps + t0;
+            const uint8_t *vv = v + (size_t)t0 * vrb;
+            float *ar = acc + (size_t)r0 * D;
+#define CALL_F8A(N) accum_fp8_rows(pp, ps, N, vv, vrb, nk, D, ar)
+            NR_SWITCH(nr, CALL_F8A)
         }
     }
 }
 
 void pkv__attn_fill_q_avx2(pkv__attn_kernels *kt) {
-    kt->prep_q[PKV_DTYPE_Q8_0] = pkv__attn_prep_q8;
-    kt->prep_q[PKV_DTYPE_Q4_0] = pkv__attn_prep_q8;
-    kt->prep_q[PKV_DTYPE_FP8_E4M3] = pkv__attn_prep_f32;
+    kt->prep_q[PKV_DTYPE_Q8_0] = prep_i8;
+    kt->prep_q[PKV_DTYPE_Q4_0] = prep_i8;
+    kt->prep_q[PKV_DTYPE_FP8_E4M3] = prep_f32;
     kt->score[PKV_DTYPE_Q8_0] = score_q8_0;
     kt->score[PKV_DTYPE_Q4_0] = score_q4_0;
     kt->score[PKV_DTYPE_FP8_E4M3] = score_fp8;
