@@ -183,8 +183,13 @@ static ALWAYS_INLINE void score_i8_tile(const uint8_t *qp, size_t qrow, uint32_t
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, acc[r]);
         }
     }
-    for (uint32_t r = 0; r < NR; r++)
-        store4(s + (size_t)r * ss, _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1)), nk);
+    __m128 o[4];
+    for (uint32_t r = 0; r < NR; r++) o[r] = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    if (nk == 4) {
+        for (uint32_t r = 0; r < NR; r++) _mm_storeu_ps(s + (size_t)r * ss, o[r]);
+    } else {
+        for (uint32_t r = 0; r < NR; r++) store4(s + (size_t)r * ss, o[r], nk);
+    }
 }
 
 static ALWAYS_INLINE void score_i8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,
@@ -231,57 +236,79 @@ static ALWAYS_INLINE __m256 e4m3x8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xbf80)));
 }
 
-/* s[r * ss] = sk * <q_r, key>, NR rows, one key: 2 accumulators per row (8 chains). */
-static ALWAYS_INLINE void score_fp8_key(const float *q, size_t qs, const uint32_t NR, const uint8_t *kr, uint32_t D,
+/* 16 dims of one key for NR rows: a[r][0] += q_r[d..d+8) * k[d..d+8), a[r][1] the next 8 */
+static ALWAYS_INLINE void fp8_dot16(const float *const q[4], const uint32_t NR, const uint8_t *e, uint32_t d,
+                                    __m256 a[4][2]) {
+    const __m256i w = e4m3_f16x16(e + d);
+    const __m256 k0 = _mm256_cvtph_ps(_mm256_castsi256_si128(w)), k1 = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
+    for (uint32_t r = 0; r < NR; r++) {
+        a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), k0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d + 8), k1, a[r][1]);
+    }
+}
+
+/* s[r * ss] = sk * <q_r, key>, NR rows, one key: 2 accumulators per row (8 chains), the
+ * query as the fma's memory operand (each query vector is used once per key). */
+static ALWAYS_INLINE void score_fp8_key(const float *const q[4], const uint32_t NR, const uint8_t *kr, uint32_t D,
                                         float *s, uint32_t ss) {
     const uint8_t *e = kr + PKV_FP8_ROW_HEADER;
     __m256 a[4][2];
     for (uint32_t r = 0; r < NR; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
     uint32_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-        const __m256i w = e4m3_f16x16(e + d);
-        const __m256 k0 = _mm256_cvtph_ps(_mm256_castsi256_si128(w)), k1 = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
-        for (uint32_t r = 0; r < NR; r++) {
-            a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * qs + d), k0, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * qs + d + 8), k1, a[r][1]);
-        }
+    for (; d + 32 <= D; d += 32) {
+        fp8_dot16(q, NR, e, d, a);
+        fp8_dot16(q, NR, e, d + 16, a);
     }
+    if (d + 16 <= D) fp8_dot16(q, NR, e, d, a), d += 16;
     if (d + 8 <= D) {
         const __m256 k0 = e4m3x8(e + d);
-        for (uint32_t r = 0; r < NR; r++) a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * qs + d), k0, a[r][0]);
+        for (uint32_t r = 0; r < NR; r++) a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), k0, a[r][0]);
         d += 8;
     }
     float sk;
     memcpy(&sk, kr, 4);
     sk *= 256.0f; /* exact: undoes the decode's 2^-8 */
-    float o[4];
-    if (NR == 4) {
-        _mm_storeu_ps(o, hsum4x8(_mm256_add_ps(a[0][0], a[0][1]), _mm256_add_ps(a[1][0], a[1][1]),
-                                 _mm256_add_ps(a[2][0], a[2][1]), _mm256_add_ps(a[3][0], a[3][1])));
-    } else {
-        for (uint32_t r = 0; r < NR; r++) o[r] = hsum8(_mm256_add_ps(a[r][0], a[r][1]));
+    if (NR == 4 && d == D) {
+        const __m128 o = _mm_mul_ps(hsum4x8(_mm256_add_ps(a[0][0], a[0][1]), _mm256_add_ps(a[1][0], a[1][1]),
+                                            _mm256_add_ps(a[2][0], a[2][1]), _mm256_add_ps(a[3][0], a[3][1])),
+                                    _mm_set1_ps(sk));
+        _mm_store_ss(s, o);
+        s[ss] = _mm_cvtss_f32(_mm_shuffle_ps(o, o, 1));
+        s[2 * ss] = _mm_cvtss_f32(_mm_movehl_ps(o, o));
+        s[3 * ss] = _mm_cvtss_f32(_mm_shuffle_ps(o, o, 3));
+        return;
     }
+    float o[4];
+    for (uint32_t r = 0; r < NR; r++) o[r] = hsum8(_mm256_add_ps(a[r][0], a[r][1]));
     for (; d < D; d++) { /* head_dim % 8 */
         const float x = pkv__e4m3_to_f32(e[d]) * (1.0f / 256.0f);
-        for (uint32_t r = 0; r < NR; r++) o[r] += q[r * qs + d] * x;
+        for (uint32_t r = 0; r < NR; r++) o[r] += q[r][d] * x;
     }
     for (uint32_t r = 0; r < NR; r++) s[r * ss] = o[r] * sk;
+}
+
+/* Keys in groups of 4 between prefetch shares. */
+static ALWAYS_INLINE void score_fp8_rows(const float *const q[4], const uint32_t NR, const uint8_t *k, size_t krb,
+                                         uint32_t n_keys, uint32_t D, float *s, uint32_t ss, const pkv__attn_pf *pf,
+                                         uint32_t *i, uint32_t n_pf) {
+    for (uint32_t t = 0; t < n_keys; t++) {
+        score_fp8_key(q, NR, k + t * krb, D, s + t, ss);
+        if (t % 4 == 3 || t + 1 == n_keys) pkv__attn_pf_part(pf, (*i)++, n_pf);
+    }
 }
 
 static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
                       float *s, uint32_t ss, const pkv__attn_pf *pf) {
     const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);
-    const uint32_t n_pf = n_keys * ((n_rows + 3) / 4);
+    const uint32_t n_pf = ((n_keys + 3) / 4) * ((n_rows + 3) / 4);
     uint32_t i = 0;
     for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
         const uint32_t nr = PKV_MIN(4u, n_rows - r0);
-        const float *q = (const float *)qp + r0 * qs;
-        for (uint32_t t = 0; t < n_keys; t++) {
-            float *st = s + (size_t)r0 * ss + t;
-#define CALL_F8S(N) score_fp8_key(q, qs, N, k + t * krb, D, st, ss)
-            NR_SWITCH(nr, CALL_F8S)
-            pkv__attn_pf_part(pf, i++, n_pf);
-        }
+        const float *q[4];
+        for (uint32_t r = 0; r < 4; r++) q[r] = (const float *)qp + (r0 + (r < nr ? r : 0)) * qs;
+        float *sr = s + (size_t)r0 * ss;
+#define CALL_F8S(N) score_fp8_rows(q, N, k, krb, n_keys, D, sr, ss, pf, &i, n_pf)
+        NR_SWITCH(nr, CALL_F8S)
     }
 }
 
@@ -356,15 +383,15 @@ static ALWAYS_INLINE void accum_i8_rows(const float *p, uint32_t ps, const uint3
                                         uint32_t nk, uint32_t D, float *acc, const bool q4) {
     const uint32_t nb = D / 32;
     const size_t bsz = q4 ? sizeof(pkv_block_q4_0) : sizeof(pkv_block_q8_0);
-    __m256 pr[4][2]; /* the rows' weights, zero past nk */
+    /* the rows' weights, zero past nk (on the stack: registers are short in the block loop) */
+    float pr[4 * VKEYS] __attribute__((aligned(32)));
     for (uint32_t rr = 0; rr < NR; rr++) {
         const float *pp = p + (size_t)rr * ps;
         if (nk == VKEYS) {
-            pr[rr][0] = _mm256_loadu_ps(pp), pr[rr][1] = _mm256_loadu_ps(pp + 8);
+            _mm256_store_ps(pr + rr * VKEYS, _mm256_loadu_ps(pp));
+            _mm256_store_ps(pr + rr * VKEYS + 8, _mm256_loadu_ps(pp + 8));
         } else {
-            float t[VKEYS] = {0};
-            for (uint32_t j = 0; j < nk; j++) t[j] = pp[j];
-            pr[rr][0] = _mm256_loadu_ps(t), pr[rr][1] = _mm256_loadu_ps(t + 8);
+            for (uint32_t j = 0; j < VKEYS; j++) pr[rr * VKEYS + j] = j < nk ? pp[j] : 0.0f;
         }
     }
     float w[4 * VKEYS] __attribute__((aligned(32)));
@@ -374,13 +401,14 @@ static ALWAYS_INLINE void accum_i8_rows(const float *p, uint32_t ps, const uint3
         const __m256 d0 = scales8_f16(vb, vrb, PKV_MIN(nk, 8u));
         const __m256 d1 = nk > 8 ? scales8_f16(vb + 8 * vrb, vrb, nk - 8) : _mm256_setzero_ps();
         for (uint32_t rr = 0; rr < NR; rr++) {
-            const __m256 w0 = _mm256_mul_ps(pr[rr][0], d0), w1 = _mm256_mul_ps(pr[rr][1], d1);
+            const __m256 w0 = _mm256_mul_ps(_mm256_load_ps(pr + rr * VKEYS), d0);
+            const __m256 w1 = _mm256_mul_ps(_mm256_load_ps(pr + rr * VKEYS + 8), d1);
             _mm256_store_ps(w + rr * VKEYS, w0);
             _mm256_store_ps(w + rr * VKEYS + 8, w1);
             if (q4) corr[rr] = 8.0f * hsum8(_mm256_add_ps(w0, w1));
         }
         float *ab = acc + 32 * b;
-        if (q4) {
+if (q4) {
             accum_i8_tile(w, corr, nk, vb + 2, vrb, ab, ab + 16, D, NR, true);
             accum_i8_tile(w, corr, nk, vb + 2 + 8, vrb, ab + 8, ab + 24, D, NR, true);
         } else {
