@@ -32,7 +32,8 @@ static void usage(FILE *f) {
             "call, K/V bytes read per second, the median over rounds of (bytes/s / read bandwidth),\n"
             "K+V bytes per token per layer (B/tok) and the median of per-round paged / contiguous.\n"
 "Prefill: one 2048-token prompt, causal, GFLOP/s (4 * n_q_heads * head_dim per\n"
-            "query-key pair) and the fraction of the f32 FMA peak measured in the same run.\n"
+            "query-key pair) and the fraction of the f32 FMA peak: 7 rounds of (a short FMA peak\n"
+            "sample, one prefill call), median of the per-round fractions.\n"
             "\n"
             "  --json      one JSON object per line\n"
             "  --quick     a short subset (contexts 512 and 4096, batch 1, f16, 256 MiB working set,\n"
@@ -131,12 +132,12 @@ static const double FMA_FLOPS_PER_ITER = 8 * 2;
 static int fma_available(void) { return 1; }
 #endif
 
-static double fma_peak(int n_threads) {
+/* Best of reps runs of iters FMA iterations per thread (25M: about 0.1 s). */
+static double fma_peak_n(int n_threads, int reps, uint64_t iters) {
     fma_job jobs[2];
     pthread_t th[2];
-    const uint64_t iters = 100000000ull / 4;
     double best = 0;
-    for (int rep = 0; rep < 3; rep++) {
+    for (int rep = 0; rep < reps; rep++) {
         uint64_t t0 = tool_now_ns();
         for (int i = 0; i < n_threads; i++) {
             jobs[i].iters = iters;
@@ -151,6 +152,7 @@ static double fma_peak(int n_threads) {
     }
     return best;
 }
+static double fma_peak(int n_threads) { return fma_peak_n(n_threads, 3, 100000000ull / 4); }
 
 /* ---- cache set-up ------------------------------------------------------------------------------- */
 typedef struct setup {
@@ -415,28 +417,31 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     pkv_attn_req req = {.seq = s.seqs[0], .q_start = 0, .n_q = n_tok};
     pkv_attn_params p = pkv_attn_params_default();
     p.n_q_heads = H_Q;
-    double t[5];
-    int reps = o->quick ? 3 : 5;
-    rc = 0;
-    for (int i = -1; i < reps && rc == 0; i++) {
+    /* rounds of (FMA peak sample, one prefill): the peak the machine gives now, next to the call */
+    double t[7], frac[7], peak[7];
+    const int reps = o->quick ? 3 : 7;
+    /* causal: query i sees i + 1 keys; q.k and p.v are one multiply-add each per element */
+    const double flop = 4.0 * H_Q * HEAD_DIM * ((double)n_tok * (n_tok + 1) / 2.0);
+    rc = tool_check(pkv_attn_prefill(s.c, 0, &req, 1, q, out, &p), "pkv_attn_prefill"); /* warm-up */
+    for (int i = 0; i < reps && rc == 0; i++) {
+        peak[i] = fma_available() ? fma_peak_n((int)nt, 1, 100000000ull / 16) : 0;
         uint64_t t0 = tool_now_ns();
         rc = tool_check(pkv_attn_prefill(s.c, 0, &req, 1, q, out, &p), "pkv_attn_prefill");
-        if (i >= 0) t[i] = (double)(tool_now_ns() - t0) * 1e-9;
+        t[i] = (double)(tool_now_ns() - t0) * 1e-9;
+        frac[i] = peak[i] > 0 ? flop / t[i] * 1e-9 / peak[i] : 0;
     }
     setup_free(&s);
     free(q), free(out);
     if (rc < 0) return -1;
-    const double med = tool_median(t, (size_t)reps);
-    /* causal: query i sees i + 1 keys; q.k and p.v are one multiply-add each per element */
-    const double pairs = (double)n_tok * (n_tok + 1) / 2.0;
-    const double gflops = 4.0 * H_Q * HEAD_DIM * pairs / med * 1e-9;
+    const double med = tool_median(t, (size_t)reps), gflops = flop / med * 1e-9;
+    const double peak_med = tool_median(peak, (size_t)reps), frac_med = tool_median(frac, (size_t)reps);
     if (o->json)
         printf("{\"bench\":\"attn\",\"kernel\":\"prefill\",\"kv_dtype\":\"%s\",\"ctx\":%u,\"batch\":1,\"threads\":%u,"
                "\"layout\":\"paged\",\"median_us\":%.1f,\"gflops\":%.2f,\"peak_gflops\":%.2f,\"frac_of_peak\":%.4f}\n",
-               pkv_dtype_name(dt), n_tok, nt, med * 1e6, gflops, g_peak[nt], gflops / g_peak[nt]);
+               pkv_dtype_name(dt), n_tok, nt, med * 1e6, gflops, peak_med, frac_med);
     else
         printf("%-7s %-8s %6u %5u %3u  %-6s %10.1f %8.2f %8.2f %6.1f%%\n", "prefill", pkv_dtype_name(dt), n_tok, 1, nt,
-               "paged", med * 1e6, gflops, g_peak[nt], 100.0 * gflops / g_peak[nt]);
+               "paged", med * 1e6, gflops, peak_med, 100.0 * frac_med);
     fflush(stdout);
     return 0;
 }
