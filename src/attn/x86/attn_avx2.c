@@ -89,27 +89,28 @@ static inline uint32_t key_tiles(uint32_t n) {
                 for (uint32_t t = 0; t < K; t++) s[r * ss + t] += q[r * qs + d] * sc_##T(k + t * krb, d);       \
     }                                                                                                           \
     static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,        \
-                          uint32_t D, float *s, uint32_t ss, const pkv__attn_pf *pf) {                          \
+                          uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {                          \
         const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
         const float *q = qp;                                                                                    \
         /* one share of the prefetch after each tile of 4 rows */                                              \
         const uint32_t n_pf = PKV_MAX(1u, key_tiles(n_keys) * (n_rows / 4));                                    \
         uint32_t i = 0, r = 0;                                                                                  \
+        pkv__attn_pf_start(pf, n_pf);                                                                           \
         for (; r + 4 <= n_rows; r += 4) {                                                                       \
             const float *qr = q + r * qs;                                                                       \
             float *sr = s + r * ss;                                                                             \
             uint32_t t = 0;                                                                                     \
             for (; n_keys - t >= 3 && n_keys - t != 4; t += 3) {                                                \
                 score_tile_##T(qr, qs, k + t * krb, krb, 4, 3, D, sr + t, ss);                                  \
-                pkv__attn_pf_part(pf, i++, n_pf);                                                               \
+                pkv__attn_pf_step(pf), i++;                                                                     \
             }                                                                                                   \
             for (; n_keys - t >= 2; t += 2) {                                                                   \
                 score_tile_##T(qr, qs, k + t * krb, krb, 4, 2, D, sr + t, ss);                                  \
-                pkv__attn_pf_part(pf, i++, n_pf);                                                               \
+                pkv__attn_pf_step(pf), i++;                                                                     \
             }                                                                                                   \
             if (n_keys - t == 1) {                                                                              \
                 score_tile_##T(qr, qs, k + t * krb, krb, 4, 1, D, sr + t, ss);                                  \
-                pkv__attn_pf_part(pf, i++, n_pf);                                                               \
+                pkv__attn_pf_step(pf), i++;                                                                     \
             }                                                                                                   \
         }                                                                                                       \
         for (; r < n_rows; r++) {                                                                               \
@@ -120,7 +121,7 @@ static inline uint32_t key_tiles(uint32_t n) {
             for (; n_keys - t >= 2; t += 2) score_tile_##T(qr, qs, k + t * krb, krb, 1, 2, D, sr + t, ss);      \
             if (n_keys - t == 1) score_tile_##T(qr, qs, k + t * krb, krb, 1, 1, D, sr + t, ss);                 \
         }                                                                                                       \
-        for (; i < n_pf; i++) pkv__attn_pf_part(pf, i, n_pf); /* fewer than 4 rows: all at the end */         \
+        for (; i < n_pf; i++) pkv__attn_pf_step(pf);        /* fewer than 4 rows: all at the end */         \
     }
 
 /* ---- accum: acc[r][:] += sum_t p[r][t] * v_t ----------------------------------------------------

@@ -104,12 +104,13 @@ static ALWAYS_INLINE __m256 scales8_f16(const uint8_t *p, size_t stride, uint32_
 }
 
 static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
-                       uint32_t D, float *s, uint32_t s_stride, const pkv__attn_pf *pf) {
+                       uint32_t D, float *s, uint32_t s_stride, pkv__attn_pf *pf) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     const uint32_t nb = D / 32, pb = PIECE / 32;
     float dk[PIECE / 32 * 8];
+    pkv__attn_pf_start(pf, (n_keys + 7) / 8);
     for (uint32_t t0 = 0; t0 < n_keys; t0 += 8) {
-        pkv__attn_pf_part(pf, t0 / 8, (n_keys + 7) / 8);
+        pkv__attn_pf_step(pf);
         const uint32_t nk = PKV_MIN(8u, n_keys - t0);
         const uint8_t *k0 = k + (size_t)t0 * k_row_bytes;
         for (uint32_t b0 = 0; b0 < nb; b0 += pb) {
@@ -132,13 +133,14 @@ static ALWAYS_INLINE __m256i q4_unpack(const uint8_t *qs) {
 }
 
 static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
-                       uint32_t D, float *s, uint32_t s_stride, const pkv__attn_pf *pf) {
+                       uint32_t D, float *s, uint32_t s_stride, pkv__attn_pf *pf) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     const uint32_t nb = D / 32, pb = PIECE / 32;
     float dk[PIECE / 32 * 8];
     int8_t tile[8][PIECE] __attribute__((aligned(32))); /* 8 keys' codes, unpacked once for all rows */
+    pkv__attn_pf_start(pf, (n_keys + 7) / 8);
     for (uint32_t t0 = 0; t0 < n_keys; t0 += 8) {
-        pkv__attn_pf_part(pf, t0 / 8, (n_keys + 7) / 8);
+        pkv__attn_pf_step(pf);
         const uint32_t nk = PKV_MIN(8u, n_keys - t0);
         const uint8_t *k0 = k + (size_t)t0 * k_row_bytes;
         for (uint32_t b0 = 0; b0 < nb; b0 += pb) {
@@ -171,11 +173,12 @@ static ALWAYS_INLINE void e4m3x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
 }
 
 static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
-                      uint32_t D, float *s, uint32_t s_stride, const pkv__attn_pf *pf) {
+                      uint32_t D, float *s, uint32_t s_stride, pkv__attn_pf *pf) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     float tile[8][PIECE] __attribute__((aligned(32))); /* 8 keys x PIECE values, times 2^-8 */
+    pkv__attn_pf_start(pf, (n_keys + 7) / 8);
     for (uint32_t t0 = 0; t0 < n_keys; t0 += 8) {
-        pkv__attn_pf_part(pf, t0 / 8, (n_keys + 7) / 8);
+        pkv__attn_pf_step(pf);
         const uint32_t nk = PKV_MIN(8u, n_keys - t0);
         float sk[8] = {0};
         for (uint32_t j = 0; j < nk; j++) memcpy(&sk[j], k + (size_t)(t0 + j) * k_row_bytes, 4);
