@@ -25,12 +25,15 @@ static void usage(FILE *f) {
             "Decode: contexts 512, 4096, 32768; batch 1 and 16; 1 and 2 threads; every KV dtype the\n"
             "cache accepts; each on a fragmented (paged: shuffled blocks) and a contiguous block table\n"
             "(identity: a sequence's blocks consecutive in the pool). Each call uses another layer so\n"
-            "the K/V working set (>= 1 GiB, at most 2 GiB of pool) exceeds the caches. Reports the\n"
-            "median time per call, K/V bytes read per second, the fraction of the streaming read\n"
-            "bandwidth measured in the same run (1 GiB buffer, same thread count, re-measured before\n"
-            "every configuration) and paged / contiguous time.\n"
-            "Prefill: one 2048-token prompt, causal, GFLOP/s (4 * n_q_heads * head_dim per\n"
-            "query-key pair) and the fraction of the f32 FMA peak measured in the same run.\n"
+            "the K/V working set (>= 1 GiB, at most 2 GiB of pool) exceeds the caches. A configuration\n"
+            "is measured in 7 rounds; each round samples the streaming read bandwidth (1 GiB buffer,\n"
+            "same thread count) and then times contiguous and paged back to back, so the other tenants\n"
+            "of a shared machine weigh on both sides of each ratio alike. Reports the median time per\n"
+            "call, K/V bytes read per second, the median over rounds of (bytes/s / read bandwidth),\n"
+            "K+V bytes per token per layer (B/tok) and the median of per-round paged / contiguous.\n"
+"Prefill: one 2048-token prompt, causal, GFLOP/s (4 * n_q_heads * head_dim per\n"
+            "query-key pair) and the fraction of the f32 FMA peak: 7 rounds of (a short FMA peak\n"
+            "sample, one prefill call), median of the per-round fractions.\n"
             "\n"
             "  --json      one JSON object per line\n"
             "  --quick     a short subset (contexts 512 and 4096, batch 1, f16, 256 MiB working set,\n"
@@ -129,12 +132,12 @@ static const double FMA_FLOPS_PER_ITER = 8 * 2;
 static int fma_available(void) { return 1; }
 #endif
 
-static double fma_peak(int n_threads) {
+/* Best of reps runs of iters FMA iterations per thread (25M: about 0.1 s). */
+static double fma_peak_n(int n_threads, int reps, uint64_t iters) {
     fma_job jobs[2];
     pthread_t th[2];
-    const uint64_t iters = 100000000ull / 4;
     double best = 0;
-    for (int rep = 0; rep < 3; rep++) {
+    for (int rep = 0; rep < reps; rep++) {
         uint64_t t0 = tool_now_ns();
         for (int i = 0; i < n_threads; i++) {
             jobs[i].iters = iters;
@@ -149,6 +152,7 @@ static double fma_peak(int n_threads) {
     }
     return best;
 }
+static double fma_peak(int n_threads) { return fma_peak_n(n_threads, 3, 100000000ull / 4); }
 
 /* ---- cache set-up ------------------------------------------------------------------------------- */
 typedef struct setup {
@@ -156,6 +160,7 @@ typedef struct setup {
     pkv_seq seqs[16];
     uint32_t batch, ctx, n_layers;
     double adjacent; /* fraction of logical neighbours that are physical neighbours */
+    uint32_t next_layer; /* decode calls cycle over the layers */
 } setup;
 
 static void setup_free(setup *s) {
@@ -306,20 +311,20 @@ static int parse_dtypes(const char *s, opts *o) {
 static double g_bw[3];   /* initial read bandwidth, GB/s, by thread count */
 static double g_peak[3]; /* f32 FMA peak, GFLOP/s, by thread count */
 
-/* Median seconds per decode call, cycling over the layers. */
-static int time_decode(setup *s, const float *q, float *out, double max_s, double *med) {
+/* Median seconds per decode call over about max_s seconds, cycling over the layers (at least
+ * min_calls calls). */
+static int time_decode(setup *s, const float *q, float *out, double max_s, uint32_t min_calls, double *med) {
     double t[400];
     int n = 0;
-    const uint32_t min_calls = s->n_layers > 15 ? s->n_layers : 15;
     pkv_attn_params p = pkv_attn_params_default();
     p.n_q_heads = H_Q;
-    for (int w = 0; w < 2; w++)
-        if (tool_check(pkv_attn_decode(s->c, (uint32_t)w % s->n_layers, s->seqs, s->batch, q, out, &p), "pkv_attn_decode") < 0)
-            return -1;
+    if (tool_check(pkv_attn_decode(s->c, s->next_layer++ % s->n_layers, s->seqs, s->batch, q, out, &p),
+                   "pkv_attn_decode") < 0) /* warm-up */
+        return -1;
     uint64_t start = tool_now_ns();
-    for (uint32_t i = 0; n < 400; i++) {
+    while (n < 400) {
         uint64_t t0 = tool_now_ns();
-        int rc = pkv_attn_decode(s->c, (i + 2) % s->n_layers, s->seqs, s->batch, q, out, &p);
+        int rc = pkv_attn_decode(s->c, s->next_layer++ % s->n_layers, s->seqs, s->batch, q, out, &p);
         uint64_t t1 = tool_now_ns();
         if (tool_check(rc, "pkv_attn_decode") < 0) return -1;
         t[n++] = (double)(t1 - t0) * 1e-9;
@@ -329,60 +334,73 @@ static int time_decode(setup *s, const float *q, float *out, double max_s, doubl
     return 0;
 }
 
+/* Other tenants of a shared machine change the available bandwidth from one second to the next,
+ * so a configuration is measured in rounds: each round samples the read bandwidth, then times
+ * the contiguous and the paged layout, back to back. Fractions and the paged / contiguous ratio
+ * are per round; the report gives their medians over the rounds. */
 static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint32_t nt, tool_rng *rng) {
     const size_t row = pkv_dtype_row_bytes(dt, HEAD_DIM) * 2; /* K + V */
     const double per_layer = (double)batch * ctx * H_KV * row;
     const double budget = o->quick ? 256.0 * 1024 * 1024 : 2.0 * GIB;
     if (per_layer > budget) {
         if (!o->json)
-            printf("%-7s %-6s %6u %5u %3u  skipped: one layer is %.1f GiB, over the %.1f GiB budget\n", "decode",
+            printf("%-7s %-8s %6u %5u %3u  skipped: one layer is %.1f GiB, over the %.1f GiB budget\n", "decode",
                    pkv_dtype_name(dt), ctx, batch, nt, per_layer / GIB, budget / GIB);
         return 0;
     }
     uint32_t n_layers = (uint32_t)(budget / per_layer);
     if (n_layers > 4096) n_layers = 4096;
+    const int rounds = o->quick ? 3 : 7;
+    const double round_s = o->quick ? 0.1 : 0.15;
+    const uint32_t min_calls = per_layer >= 64.0 * 1024 * 1024 ? 3 : 15;
     float *q = malloc(sizeof(float) * batch * H_Q * HEAD_DIM), *out = malloc(sizeof(float) * batch * H_Q * HEAD_DIM);
     for (size_t i = 0; i < (size_t)batch * H_Q * HEAD_DIM; i++) q[i] = (float)tool_rng_normal(rng);
-    double med[2] = {0, 0}, bw[2] = {0, 0}, adjf[2] = {0, 0};
-    /* contiguous first, so the paged line can carry the ratio */
-    for (int paged = 0; paged <= 1; paged++) {
-        setup s;
-        int rc = setup_make(&s, dt, ctx, batch, n_layers, nt, paged, rng);
+    setup su[2];
+    int rc = 0, made = 0;
+    for (; made < 2; made++) {
+        rc = setup_make(&su[made], dt, ctx, batch, n_layers, nt, made, rng);
         if (rc < 0) {
             fprintf(stderr, "pkv bench attn: set-up failed for %s ctx %u batch %u: %s\n", pkv_dtype_name(dt), ctx, batch,
                     pkv_strerror(rc));
-            free(q), free(out);
-            return -1;
+            break;
         }
-        bw[paged] = bw_now((int)nt);
-        rc = time_decode(&s, q, out, o->quick ? 0.3 : 0.5, &med[paged]);
-        adjf[paged] = s.adjacent;
-        setup_free(&s);
-        if (rc < 0) {
-            free(q), free(out);
-            return -1;
+    }
+    double t[2][7], frac[2][7], bw[7], ratio[7];
+    for (int r = 0; r < rounds && rc == 0; r++) {
+        bw[r] = bw_sample((int)nt);
+        for (int l = 0; l < 2 && rc == 0; l++) {
+            rc = time_decode(&su[l], q, out, round_s, min_calls, &t[l][r]);
+            frac[l][r] = per_layer / t[l][r] * 1e-9 / bw[r];
         }
-        const double gbps = per_layer / med[paged] * 1e-9;
+        ratio[r] = t[1][r] / t[0][r];
+    }
+    const double adjacent[2] = {su[0].adjacent, su[1].adjacent};
+    for (int l = 0; l < made; l++) setup_free(&su[l]); /* a failed setup_make freed its own */
+    free(q), free(out);
+    if (rc < 0) return -1;
+    const double bw_med = tool_median(bw, (size_t)rounds), ratio_med = tool_median(ratio, (size_t)rounds);
+    for (int paged = 0; paged <= 1; paged++) {
+        const double med = tool_median(t[paged], (size_t)rounds), fr = tool_median(frac[paged], (size_t)rounds);
+        const double gbps = per_layer / med * 1e-9;
         const char *layout = paged ? "paged" : "contig";
         if (o->json)
             printf("{\"bench\":\"attn\",\"kernel\":\"decode\",\"kv_dtype\":\"%s\",\"ctx\":%u,\"batch\":%u,\"threads\":%u,"
                    "\"layout\":\"%s\",\"median_us\":%.2f,\"gbps\":%.3f,\"read_bw_gbps\":%.3f,\"frac_of_bw\":%.4f,"
-                   "\"ws_mib\":%.0f,\"adjacent_blocks\":%.3f%s",
-                   pkv_dtype_name(dt), ctx, batch, nt, layout, med[paged] * 1e6, gbps, bw[paged], gbps / bw[paged],
-                   per_layer * n_layers / (1024.0 * 1024.0), adjf[paged], paged ? "" : "}\n");
+                   "\"ws_mib\":%.0f,\"bytes_per_token_layer\":%zu,\"rounds\":%d,\"adjacent_blocks\":%.3f",
+                   pkv_dtype_name(dt), ctx, batch, nt, layout, med * 1e6, gbps, bw_med, fr,
+                   per_layer * n_layers / (1024.0 * 1024.0), (size_t)H_KV * row, rounds, adjacent[paged]);
         else
-            printf("%-7s %-6s %6u %5u %3u  %-6s %10.1f %8.2f %8.2f %6.1f%% %7.0f", "decode", pkv_dtype_name(dt), ctx, batch,
-                   nt, layout, med[paged] * 1e6, gbps, bw[paged], 100.0 * gbps / bw[paged],
-                   per_layer * n_layers / (1024.0 * 1024.0));
+            printf("%-7s %-8s %6u %5u %3u  %-6s %10.1f %8.2f %8.2f %6.1f%% %7.0f %6zu", "decode", pkv_dtype_name(dt), ctx,
+                   batch, nt, layout, med * 1e6, gbps, bw_med, 100.0 * fr, per_layer * n_layers / (1024.0 * 1024.0),
+                   (size_t)H_KV * row);
         if (paged) {
-            if (o->json) printf(",\"paged_over_contig\":%.4f}\n", med[1] / med[0]);
-            else printf("   %.3f\n", med[1] / med[0]);
-        } else if (!o->json) {
-            printf("\n");
+            if (o->json) printf(",\"paged_over_contig\":%.4f}\n", ratio_med);
+            else printf("   %.3f\n", ratio_med);
+        } else {
+            printf(o->json ? "}\n" : "\n");
         }
-        fflush(stdout);
     }
-    free(q), free(out);
+    fflush(stdout);
     return 0;
 }
 
@@ -399,28 +417,31 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     pkv_attn_req req = {.seq = s.seqs[0], .q_start = 0, .n_q = n_tok};
     pkv_attn_params p = pkv_attn_params_default();
     p.n_q_heads = H_Q;
-    double t[5];
-    int reps = o->quick ? 3 : 5;
-    rc = 0;
-    for (int i = -1; i < reps && rc == 0; i++) {
+    /* rounds of (FMA peak sample, one prefill): the peak the machine gives now, next to the call */
+    double t[7], frac[7], peak[7];
+    const int reps = o->quick ? 3 : 7;
+    /* causal: query i sees i + 1 keys; q.k and p.v are one multiply-add each per element */
+    const double flop = 4.0 * H_Q * HEAD_DIM * ((double)n_tok * (n_tok + 1) / 2.0);
+    rc = tool_check(pkv_attn_prefill(s.c, 0, &req, 1, q, out, &p), "pkv_attn_prefill"); /* warm-up */
+    for (int i = 0; i < reps && rc == 0; i++) {
+        peak[i] = fma_available() ? fma_peak_n((int)nt, 1, 100000000ull / 16) : 0;
         uint64_t t0 = tool_now_ns();
         rc = tool_check(pkv_attn_prefill(s.c, 0, &req, 1, q, out, &p), "pkv_attn_prefill");
-        if (i >= 0) t[i] = (double)(tool_now_ns() - t0) * 1e-9;
+        t[i] = (double)(tool_now_ns() - t0) * 1e-9;
+        frac[i] = peak[i] > 0 ? flop / t[i] * 1e-9 / peak[i] : 0;
     }
     setup_free(&s);
     free(q), free(out);
     if (rc < 0) return -1;
-    const double med = tool_median(t, (size_t)reps);
-    /* causal: query i sees i + 1 keys; q.k and p.v are one multiply-add each per element */
-    const double pairs = (double)n_tok * (n_tok + 1) / 2.0;
-    const double gflops = 4.0 * H_Q * HEAD_DIM * pairs / med * 1e-9;
+    const double med = tool_median(t, (size_t)reps), gflops = flop / med * 1e-9;
+    const double peak_med = tool_median(peak, (size_t)reps), frac_med = tool_median(frac, (size_t)reps);
     if (o->json)
         printf("{\"bench\":\"attn\",\"kernel\":\"prefill\",\"kv_dtype\":\"%s\",\"ctx\":%u,\"batch\":1,\"threads\":%u,"
                "\"layout\":\"paged\",\"median_us\":%.1f,\"gflops\":%.2f,\"peak_gflops\":%.2f,\"frac_of_peak\":%.4f}\n",
-               pkv_dtype_name(dt), n_tok, nt, med * 1e6, gflops, g_peak[nt], gflops / g_peak[nt]);
+               pkv_dtype_name(dt), n_tok, nt, med * 1e6, gflops, peak_med, frac_med);
     else
-        printf("%-7s %-6s %6u %5u %3u  %-6s %10.1f %8.2f %8.2f %6.1f%%\n", "prefill", pkv_dtype_name(dt), n_tok, 1, nt,
-               "paged", med * 1e6, gflops, g_peak[nt], 100.0 * gflops / g_peak[nt]);
+        printf("%-7s %-8s %6u %5u %3u  %-6s %10.1f %8.2f %8.2f %6.1f%%\n", "prefill", pkv_dtype_name(dt), n_tok, 1, nt,
+               "paged", med * 1e6, gflops, peak_med, 100.0 * frac_med);
     fflush(stdout);
     return 0;
 }
@@ -505,8 +526,8 @@ int tool_bench_attn(int argc, char **argv) {
         printf("# streaming read: %.2f GB/s (1 thread), %.2f GB/s (2 threads); f32 FMA peak: %.1f / %.1f GFLOP/s\n",
                g_bw[1], g_bw[2], g_peak[1], g_peak[2]);
         printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %d\n", H_Q, H_KV, HEAD_DIM, BT);
-        printf("%-7s %-6s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s  %s\n", "kernel", "kv", "ctx", "batch", "thr", "layout",
-               "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "paged/contig");
+        printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s  %s\n", "kernel", "kv", "ctx", "batch", "thr",
+               "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "paged/contig");
     }
     fflush(stdout);
 
@@ -528,7 +549,7 @@ int tool_bench_attn(int argc, char **argv) {
                 for (int ti = 0; ti < n_thr && rc == 0; ti++) rc = bench_decode(&o, dt, ctxs[ci], batches[bi], threads[ti], &rng);
     }
     if (!o.json && prompt)
-        printf("%-7s %-6s %6s %5s %3s  %-6s %10s %8s %8s %7s\n", "kernel", "kv", "prompt", "batch", "thr", "layout",
+        printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s\n", "kernel", "kv", "prompt", "batch", "thr", "layout",
                "median_us", "GFLOP/s", "peak", "of_peak");
     for (int d = 0; d < PKV_DTYPE_COUNT && rc == 0 && prompt; d++) {
         pkv_dtype dt = (pkv_dtype)d;

@@ -375,8 +375,8 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
             const uint32_t r0 = j * rows_h;
             pkv__attn_pf pf, *pfp = NULL;
             if (kn) {
-                pf.p[0] = kn + h * kblk, pf.bytes[0] = kblk;
-                pf.p[1] = vn + h * vblk, pf.bytes[1] = vblk;
+                pf.p[0] = kn + h * kblk, pf.end[0] = pf.p[0] + kblk;
+                pf.p[1] = vn + h * vblk, pf.end[1] = pf.p[1] + vblk;
                 pfp = &pf;
             }
             score(qp + (size_t)r0 * qrow, rows_h, kr, kv->k_row_bytes, n_keys, D, s, at->s_stride, pfp);

@@ -111,21 +111,34 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
 typedef void (*pkv__attn_prep_fn)(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim,
                                   float scale, void *qp);
 /* Lines a kernel prefetches while it computes: the same kv head of the block that comes next
- * (its K and V rows: two runs of bytes). A kernel calls pkv__attn_pf_part(pf, i, n) for
- * i = 0 .. n-1 spread evenly over its work (n its own count of steps), so the next block's
- * lines arrive in small shares between loads of this one: a burst of all of them at once
- * fills the core's miss buffers and stalls it. pf may be NULL (nothing to prefetch). */
+ * (its K and V rows: two runs of bytes, p[j] up to end[j]). A kernel calls
+ * pkv__attn_pf_start(pf, n) once, then pkv__attn_pf_step(pf) n times spread evenly over its
+ * work (n its own count of steps), so the next block's lines arrive in small shares between
+ * loads of this one: a burst of all of them at once fills the core's miss buffers and stalls
+ * it. pf may be NULL (nothing to prefetch); the kernel owns it for the call. */
+#ifndef PKV__ATTN_PF_STRIDE
+#define PKV__ATTN_PF_STRIDE 64
+#endif
 typedef struct pkv__attn_pf {
-    const uint8_t *p[2];
-    size_t bytes[2];
+    const uint8_t *p[2], *end[2];
+    size_t step; /* bytes per step, a multiple of 64 */
 } pkv__attn_pf;
 
-static inline void pkv__attn_pf_part(const pkv__attn_pf *pf, uint32_t i, uint32_t n) {
+/* always_inline: as plain static inline functions, GCC 12 finds them free of side effects
+ * (prefetches do not count), deems the calls dead and drops every prefetch. */
+static inline __attribute__((always_inline)) void pkv__attn_pf_start(pkv__attn_pf *pf, uint32_t n) {
+    if (!pf) return;
+    const size_t a = (size_t)(pf->end[0] - pf->p[0]), b = (size_t)(pf->end[1] - pf->p[1]);
+    const size_t lines = ((a > b ? a : b) + 63u) / 64u;
+    pf->step = (lines + (n ? n : 1) - 1) / (n ? n : 1) * 64u;
+}
+
+static inline __attribute__((always_inline)) void pkv__attn_pf_step(pkv__attn_pf *pf) {
     if (!pf) return;
     for (int j = 0; j < 2; j++) {
-        const size_t lines = (pf->bytes[j] + 63u) / 64u;
-        const size_t a = lines * i / n, b = lines * (i + 1) / n;
-        for (size_t x = a; x < b; x++) __builtin_prefetch(pf->p[j] + x * 64u, 0, 2);
+        const uint8_t *e = pf->p[j] + pf->step < pf->end[j] ? pf->p[j] + pf->step : pf->end[j];
+        for (const uint8_t *x = pf->p[j]; x < e; x += PKV__ATTN_PF_STRIDE) __builtin_prefetch(x, 0, 2);
+        pf->p[j] = e;
     }
 }
 
@@ -134,7 +147,7 @@ static inline void pkv__attn_pf_part(const pkv__attn_pf *pf, uint32_t i, uint32_
  * block_tokens (one block's visible keys). Prefetches pf (above) along the way. */
 typedef void (*pkv__attn_score_fn)(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes,
                                    uint32_t n_keys, uint32_t head_dim, float *s, uint32_t s_stride,
-                                   const pkv__attn_pf *pf);
+                                   pkv__attn_pf *pf);
 /* accum: for r < n_rows: acc[r * head_dim + d] += sum_{t < n_keys} p[r * p_stride + t] * V[t][d],
  * V row t at v + t * v_row_bytes. acc is 64-byte aligned, head_dim floats per row. */
 typedef void (*pkv__attn_accum_fn)(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v,

@@ -45,11 +45,12 @@ void pkv__attn_prep_q8(const float *q, size_t q_stride, uint32_t n_rows, uint32_
 }
 
 static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
-                       uint32_t head_dim, float *s, uint32_t s_stride, const pkv__attn_pf *pf) {
+                       uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
     const uint32_t nb = head_dim / 32;
+    pkv__attn_pf_start(pf, n_keys);
     for (uint32_t t = 0; t < n_keys; t++) {
-        pkv__attn_pf_part(pf, t, n_keys);
+        pkv__attn_pf_step(pf);
         const uint8_t *kr = k + t * k_row_bytes;
         for (uint32_t r = 0; r < n_rows; r++) {
             const uint8_t *row = (const uint8_t *)qp + r * qrow;
@@ -69,11 +70,12 @@ static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t
 }
 
 static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
-                       uint32_t head_dim, float *s, uint32_t s_stride, const pkv__attn_pf *pf) {
+                       uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
     const uint32_t nb = head_dim / 32;
+    pkv__attn_pf_start(pf, n_keys);
     for (uint32_t t = 0; t < n_keys; t++) {
-        pkv__attn_pf_part(pf, t, n_keys);
+        pkv__attn_pf_step(pf);
         const uint8_t *kr = k + t * k_row_bytes;
         for (uint32_t r = 0; r < n_rows; r++) {
             const uint8_t *row = (const uint8_t *)qp + r * qrow;
@@ -106,10 +108,11 @@ void pkv__attn_prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32
 }
 
 static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
-                      uint32_t head_dim, float *s, uint32_t s_stride, const pkv__attn_pf *pf) {
+                      uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
+    pkv__attn_pf_start(pf, n_keys);
     for (uint32_t t = 0; t < n_keys; t++) {
-        pkv__attn_pf_part(pf, t, n_keys);
+        pkv__attn_pf_step(pf);
         const uint8_t *kr = k + t * k_row_bytes;
         float sk;
         memcpy(&sk, kr, 4);

@@ -18,10 +18,11 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
 /* One K row decoded to f32 at a time: the reference favours clarity over speed. */
 #define REF_SCORE(NAME, T, CVT)                                                                          \
     static void NAME(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys, \
-                     uint32_t head_dim, float *s, uint32_t s_stride, const pkv__attn_pf *pf) {           \
+                     uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf) {                 \
         const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);                                              \
+        pkv__attn_pf_start(pf, n_keys);                                                                  \
         for (uint32_t t = 0; t < n_keys; t++) {                                                          \
-            pkv__attn_pf_part(pf, t, n_keys);                                                            \
+            pkv__attn_pf_step(pf);                                                                       \
             const T *kr = (const T *)(k + t * k_row_bytes);                                              \
             for (uint32_t r = 0; r < n_rows; r++) {                                                      \
                 const float *qr = (const float *)((const uint8_t *)qp + r * qrow);                       \

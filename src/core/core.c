@@ -37,7 +37,7 @@ void pkv__assert_fail(const char *expr, const char *file, int line) {
 
 /* ---- allocation ---------------------------------------------------------------------------- */
 /* The default allocator maps big regions (the pool) with mmap: zeroed, committed lazily,
- * aligned to 2 MiB so transparent huge pages can back them. Small ones use aligned_alloc. */
+ * aligned to 2 MiB and advised (MADV_HUGEPAGE) so transparent huge pages back them. Small ones use aligned_alloc. */
 static void *default_alloc(size_t size, size_t align) {
     if (size >= PKV_HUGEPAGE) {
         size_t len = size + PKV_HUGEPAGE;
@@ -49,6 +49,13 @@ static void *default_alloc(size_t size, size_t align) {
         size_t keep = (size + pg - 1) & ~(pg - 1); /* the mapping is exactly [a, a + keep) */
         if (head) munmap(p, head);
         if (len - head > keep) munmap((uint8_t *)a + keep, len - head - keep);
+#ifdef MADV_HUGEPAGE
+        /* Where THP is in "madvise" mode (the Debian default) only advised ranges get huge pages.
+           Attention reads every (block, kv head) run of a sequence: scattered 4 KiB runs, each on
+           its own small page, cost a TLB walk apiece; 2 MiB pages cover a block's neighbours too.
+           Advice only: a kernel without THP refuses it and nothing changes. */
+        (void)madvise((void *)a, keep, MADV_HUGEPAGE);
+#endif
         return (void *)a;
     }
     if (align < sizeof(void *)) align = sizeof(void *);

@@ -72,17 +72,18 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
         default: break;                                                                                         \
         }                                                                                                       \
     }                                                                                                           \
-    static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,        \
-                          uint32_t D, float *s, uint32_t ss, const pkv__attn_pf *pf) {                          \
+    static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,       \
+                          uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {                                \
         const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
         const float *q = qp;                                                                                    \
-        const uint32_t n_pf = (n_rows + 3) / 4; /* a share of the prefetch per group of rows */                \
-        uint32_t r = 0, i = 0;                                                                                  \
+        const uint32_t n_pf = (n_rows + 3) / 4; /* a share of the prefetch per group of rows */                 \
+        uint32_t r = 0;                                                                                         \
+        pkv__attn_pf_start(pf, n_pf);                                                                           \
         for (; r + 4 <= n_rows; r += 4) {                                                                       \
-            pkv__attn_pf_part(pf, i++, n_pf);                                                                   \
+            pkv__attn_pf_step(pf);                                                                              \
             score_rows_##T(q + r * qs, qs, k, krb, 4, n_keys, D, s + r * ss, ss);                               \
         }                                                                                                       \
-        if (r < n_rows) pkv__attn_pf_part(pf, i, n_pf);                                                         \
+        if (r < n_rows) pkv__attn_pf_step(pf);                                                                  \
         for (; r < n_rows; r++) score_rows_##T(q + r * qs, qs, k, krb, 1, n_keys, D, s + r * ss, ss);           \
     }
 
@@ -120,11 +121,11 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
                 for (uint32_t e = d; e < D; e++) acc[(size_t)i * D + e] += w * sc_##T(v + t * vrb, e);          \
             }                                                                                                   \
     }                                                                                                           \
-    static void accum_##T(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,            \
+    static void accum_##T(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,           \
                           uint32_t n_keys, uint32_t D, float *acc) {                                            \
         uint32_t r = 0;                                                                                         \
         for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, D, acc + (size_t)r * D); \
-        for (; r < n_rows; r++) accum_rows_##T(p + r * ps, ps, 1, v, vrb, n_keys, D, acc + (size_t)r * D);     \
+        for (; r < n_rows; r++) accum_rows_##T(p + r * ps, ps, 1, v, vrb, n_keys, D, acc + (size_t)r * D);      \
     }
 
 DEF_SCORE(f32)

@@ -88,28 +88,29 @@ static inline uint32_t key_tiles(uint32_t n) {
             for (uint32_t r = 0; r < R; r++)                                                                    \
                 for (uint32_t t = 0; t < K; t++) s[r * ss + t] += q[r * qs + d] * sc_##T(k + t * krb, d);       \
     }                                                                                                           \
-    static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,        \
-                          uint32_t D, float *s, uint32_t ss, const pkv__attn_pf *pf) {                          \
+    static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,       \
+                          uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {                                \
         const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
         const float *q = qp;                                                                                    \
-        /* one share of the prefetch after each tile of 4 rows */                                              \
+        /* one share of the prefetch after each tile of 4 rows */                                               \
         const uint32_t n_pf = PKV_MAX(1u, key_tiles(n_keys) * (n_rows / 4));                                    \
         uint32_t i = 0, r = 0;                                                                                  \
+        pkv__attn_pf_start(pf, n_pf);                                                                           \
         for (; r + 4 <= n_rows; r += 4) {                                                                       \
             const float *qr = q + r * qs;                                                                       \
             float *sr = s + r * ss;                                                                             \
             uint32_t t = 0;                                                                                     \
             for (; n_keys - t >= 3 && n_keys - t != 4; t += 3) {                                                \
                 score_tile_##T(qr, qs, k + t * krb, krb, 4, 3, D, sr + t, ss);                                  \
-                pkv__attn_pf_part(pf, i++, n_pf);                                                               \
+                pkv__attn_pf_step(pf), i++;                                                                     \
             }                                                                                                   \
             for (; n_keys - t >= 2; t += 2) {                                                                   \
                 score_tile_##T(qr, qs, k + t * krb, krb, 4, 2, D, sr + t, ss);                                  \
-                pkv__attn_pf_part(pf, i++, n_pf);                                                               \
+                pkv__attn_pf_step(pf), i++;                                                                     \
             }                                                                                                   \
             if (n_keys - t == 1) {                                                                              \
                 score_tile_##T(qr, qs, k + t * krb, krb, 4, 1, D, sr + t, ss);                                  \
-                pkv__attn_pf_part(pf, i++, n_pf);                                                               \
+                pkv__attn_pf_step(pf), i++;                                                                     \
             }                                                                                                   \
         }                                                                                                       \
         for (; r < n_rows; r++) {                                                                               \
@@ -120,7 +121,7 @@ static inline uint32_t key_tiles(uint32_t n) {
             for (; n_keys - t >= 2; t += 2) score_tile_##T(qr, qs, k + t * krb, krb, 1, 2, D, sr + t, ss);      \
             if (n_keys - t == 1) score_tile_##T(qr, qs, k + t * krb, krb, 1, 1, D, sr + t, ss);                 \
         }                                                                                                       \
-        for (; i < n_pf; i++) pkv__attn_pf_part(pf, i, n_pf); /* fewer than 4 rows: all at the end */         \
+        for (; i < n_pf; i++) pkv__attn_pf_step(pf);        /* fewer than 4 rows: all at the end */             \
     }
 
 /* ---- accum: acc[r][:] += sum_t p[r][t] * v_t ----------------------------------------------------
@@ -133,7 +134,7 @@ static inline uint32_t key_tiles(uint32_t n) {
         __m256 a[4][3];                                                                                         \
         const size_t esz = sizeof(elem_##T);                                                                    \
         for (uint32_t r = 0; r < R; r++)                                                                        \
-            for (uint32_t c = 0; c < C; c++) a[r][c] = _mm256_loadu_ps(acc + r * D + 8 * c);                   \
+            for (uint32_t c = 0; c < C; c++) a[r][c] = _mm256_loadu_ps(acc + r * D + 8 * c);                    \
         for (uint32_t t = 0; t < n_keys; t++) {                                                                 \
             const uint8_t *vr = v + t * vrb;                                                                    \
             __m256 x[3];                                                                                        \
@@ -144,7 +145,7 @@ static inline uint32_t key_tiles(uint32_t n) {
             }                                                                                                   \
         }                                                                                                       \
         for (uint32_t r = 0; r < R; r++)                                                                        \
-            for (uint32_t c = 0; c < C; c++) _mm256_storeu_ps(acc + r * D + 8 * c, a[r][c]);                   \
+            for (uint32_t c = 0; c < C; c++) _mm256_storeu_ps(acc + r * D + 8 * c, a[r][c]);                    \
     }                                                                                                           \
     static inline __attribute__((always_inline)) void accum_rows_##T(const float *p, uint32_t ps, const uint32_t R, \
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
@@ -161,11 +162,11 @@ static inline uint32_t key_tiles(uint32_t n) {
                 for (uint32_t e = d; e < D; e++) acc[(size_t)i * D + e] += w * sc_##T(v + t * vrb, e);          \
             }                                                                                                   \
     }                                                                                                           \
-    static void accum_##T(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,            \
+    static void accum_##T(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,           \
                           uint32_t n_keys, uint32_t D, float *acc) {                                            \
         uint32_t r = 0;                                                                                         \
         for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, D, acc + (size_t)r * D); \
-        for (; r < n_rows; r++) accum_rows_##T(p + r * ps, ps, 1, v, vrb, n_keys, D, acc + (size_t)r * D);     \
+        for (; r < n_rows; r++) accum_rows_##T(p + r * ps, ps, 1, v, vrb, n_keys, D, acc + (size_t)r * D);      \
     }
 
 typedef float elem_f32;

@@ -60,17 +60,18 @@ typedef uint16_t elem_bf16;
         default: break;                                                                                         \
         }                                                                                                       \
     }                                                                                                           \
-    static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,        \
-                          uint32_t D, float *s, uint32_t ss, const pkv__attn_pf *pf) {                          \
+    static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,       \
+                          uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {                                \
         const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
         const float *q = qp;                                                                                    \
-        const uint32_t n_pf = (n_rows + 3) / 4; /* a share of the prefetch per group of rows */                \
-        uint32_t r = 0, i = 0;                                                                                  \
+        const uint32_t n_pf = (n_rows + 3) / 4; /* a share of the prefetch per group of rows */                 \
+        uint32_t r = 0;                                                                                         \
+        pkv__attn_pf_start(pf, n_pf);                                                                           \
         for (; r + 4 <= n_rows; r += 4) {                                                                       \
-            pkv__attn_pf_part(pf, i++, n_pf);                                                                   \
+            pkv__attn_pf_step(pf);                                                                              \
             score_rows_##T(q + r * qs, qs, k, krb, 4, n_keys, D, s + r * ss, ss);                               \
         }                                                                                                       \
-        if (r < n_rows) pkv__attn_pf_part(pf, i, n_pf);                                                         \
+        if (r < n_rows) pkv__attn_pf_step(pf);                                                                  \
         for (; r < n_rows; r++) score_rows_##T(q + r * qs, qs, k, krb, 1, n_keys, D, s + r * ss, ss);           \
     }
 
@@ -82,7 +83,7 @@ typedef uint16_t elem_bf16;
         __m512 a[4][3];                                                                                         \
         const size_t esz = sizeof(elem_##T);                                                                    \
         for (uint32_t r = 0; r < R; r++)                                                                        \
-            for (uint32_t c = 0; c < C; c++) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);                  \
+            for (uint32_t c = 0; c < C; c++) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);                   \
         for (uint32_t t = 0; t < n_keys; t++) {                                                                 \
             const uint8_t *vr = v + t * vrb;                                                                    \
             __m512 x[3];                                                                                        \
@@ -93,13 +94,13 @@ typedef uint16_t elem_bf16;
             }                                                                                                   \
         }                                                                                                       \
         for (uint32_t r = 0; r < R; r++)                                                                        \
-            for (uint32_t c = 0; c < C; c++) _mm512_storeu_ps(acc + r * D + 16 * c, a[r][c]);                  \
+            for (uint32_t c = 0; c < C; c++) _mm512_storeu_ps(acc + r * D + 16 * c, a[r][c]);                   \
     }                                                                                                           \
     static inline __attribute__((always_inline)) void accum_rows_##T(const float *p, uint32_t ps, const uint32_t R, \
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
                                                                      uint32_t D, float *acc) {                  \
         const size_t esz = sizeof(elem_##T);                                                                    \
-        uint32_t d = 0; /* 48-column tiles, ending on 32-column ones rather than a 16-column one */            \
+        uint32_t d = 0; /* 48-column tiles, ending on 32-column ones rather than a 16-column one */             \
         for (; D - d >= 48 && D - d != 64; d += 48) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D); \
         for (; D - d >= 32; d += 32) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D);         \
         if (D - d >= 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D), d += 16;            \
@@ -109,11 +110,11 @@ typedef uint16_t elem_bf16;
                 for (uint32_t e = d; e < D; e++) acc[(size_t)i * D + e] += w * sc_##T(v + t * vrb, e);          \
             }                                                                                                   \
     }                                                                                                           \
-    static void accum_##T(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,            \
+    static void accum_##T(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,           \
                           uint32_t n_keys, uint32_t D, float *acc) {                                            \
         uint32_t r = 0;                                                                                         \
         for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, D, acc + (size_t)r * D); \
-        for (; r < n_rows; r++) accum_rows_##T(p + r * ps, ps, 1, v, vrb, n_keys, D, acc + (size_t)r * D);     \
+        for (; r < n_rows; r++) accum_rows_##T(p + r * ps, ps, 1, v, vrb, n_keys, D, acc + (size_t)r * D);      \
     }
 
 DEF_SCORE(f32)

@@ -193,10 +193,9 @@ static ALWAYS_INLINE void score_i8_tile(const uint8_t *qp, size_t qrow, uint32_t
 }
 
 static ALWAYS_INLINE void score_i8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,
-                                   uint32_t D, float *s, uint32_t ss, const pkv__attn_pf *pf, const bool q4) {
+                                   uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf, const bool q4) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
-    const uint32_t n_pf = ((n_keys + 3) / 4) * ((n_rows + 3) / 4);
-    uint32_t i = 0;
+    pkv__attn_pf_start(pf, ((n_keys + 3) / 4) * ((n_rows + 3) / 4));
     for (uint32_t t0 = 0; t0 < n_keys; t0 += 4) {
         const uint32_t nk = PKV_MIN(4u, n_keys - t0);
         const uint8_t *kr[4];
@@ -207,18 +206,18 @@ static ALWAYS_INLINE void score_i8(const void *qp, uint32_t n_rows, const uint8_
             float *sr = s + (size_t)r0 * ss + t0;
 #define CALL_I8(N) score_i8_tile(q, qrow, D, N, kr, q4, sr, ss, nk)
             NR_SWITCH(nr, CALL_I8)
-            pkv__attn_pf_part(pf, i++, n_pf);
+            pkv__attn_pf_step(pf);
         }
     }
 }
 
 static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
-                       float *s, uint32_t ss, const pkv__attn_pf *pf) {
+                       float *s, uint32_t ss, pkv__attn_pf *pf) {
     score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, false);
 }
 
 static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
-                       float *s, uint32_t ss, const pkv__attn_pf *pf) {
+                       float *s, uint32_t ss, pkv__attn_pf *pf) {
     score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, true);
 }
 
@@ -289,25 +288,23 @@ static ALWAYS_INLINE void score_fp8_key(const float *const q[4], const uint32_t 
 
 /* Keys in groups of 4 between prefetch shares. */
 static ALWAYS_INLINE void score_fp8_rows(const float *const q[4], const uint32_t NR, const uint8_t *k, size_t krb,
-                                         uint32_t n_keys, uint32_t D, float *s, uint32_t ss, const pkv__attn_pf *pf,
-                                         uint32_t *i, uint32_t n_pf) {
+                                         uint32_t n_keys, uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {
     for (uint32_t t = 0; t < n_keys; t++) {
         score_fp8_key(q, NR, k + t * krb, D, s + t, ss);
-        if (t % 4 == 3 || t + 1 == n_keys) pkv__attn_pf_part(pf, (*i)++, n_pf);
+        if (t % 4 == 3 || t + 1 == n_keys) pkv__attn_pf_step(pf);
     }
 }
 
 static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
-                      float *s, uint32_t ss, const pkv__attn_pf *pf) {
+                      float *s, uint32_t ss, pkv__attn_pf *pf) {
     const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);
-    const uint32_t n_pf = ((n_keys + 3) / 4) * ((n_rows + 3) / 4);
-    uint32_t i = 0;
+    pkv__attn_pf_start(pf, ((n_keys + 3) / 4) * ((n_rows + 3) / 4));
     for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
         const uint32_t nr = PKV_MIN(4u, n_rows - r0);
         const float *q[4];
         for (uint32_t r = 0; r < 4; r++) q[r] = (const float *)qp + (r0 + (r < nr ? r : 0)) * qs;
         float *sr = s + (size_t)r0 * ss;
-#define CALL_F8S(N) score_fp8_rows(q, N, k, krb, n_keys, D, sr, ss, pf, &i, n_pf)
+#define CALL_F8S(N) score_fp8_rows(q, N, k, krb, n_keys, D, sr, ss, pf)
         NR_SWITCH(nr, CALL_F8S)
     }
 }

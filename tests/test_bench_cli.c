@@ -1,0 +1,119 @@
+/* test_bench_cli.c: `pkv bench attn` keeps its JSON contract (the fields the attention and
+ * quantized-KV issues name, one object per line, finite positive figures, bytes per token that
+ * match the library's row sizes) and rejects bad options with exit status 1. Timings are not
+ * checked: a benchmark is not a timed test. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include "pkv.h"
+#include "test_run_spawn.h"
+
+#include <math.h>
+
+/* The text of "key": in line (number or string), or NULL. */
+static const char *field(const char *line, const char *key) {
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *p = strstr(line, pat);
+    return p ? p + strlen(pat) : NULL;
+}
+
+static double num(const char *line, const char *key) {
+    const char *p = field(line, key);
+    if (!p) fail_msg("no \"%s\" in %s", key, line);
+    char *end;
+    double v = strtod(p, &end);
+    if (end == p) fail_msg("\"%s\" is not a number in %s", key, line);
+    return v;
+}
+
+static int str_is(const char *line, const char *key, const char *want) {
+    const char *p = field(line, key);
+    if (!p || *p != '"') fail_msg("\"%s\" is not a string in %s", key, line);
+    return strncmp(p + 1, want, strlen(want)) == 0 && p[1 + strlen(want)] == '"';
+}
+
+static void test_json_lines(void **state) {
+    (void)state;
+    char *argv[] = {"pkv",  "bench",    "attn", "--quick", "--json", "--dtype", "f16,q8_0,q4_0",
+                    "--ctx", "512", "--threads", "1", "--prompt", "64", NULL};
+    char *out, *err;
+    int rc = run_cli(argv, &out, &err);
+    if (rc != 0) fail_msg("exit %d: %s", rc, err);
+    int machine = 0, decode[3][2] = {{0}}, prefill[3] = {0};
+    static const char *dts[3] = {"f16", "q8_0", "q4_0"};
+    static const pkv_dtype dtv[3] = {PKV_DTYPE_F16, PKV_DTYPE_Q8_0, PKV_DTYPE_Q4_0};
+    for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        const size_t n = strlen(line);
+        if (n < 2 || line[0] != '{' || line[n - 1] != '}') fail_msg("not one JSON object: %s", line);
+        if (field(line, "kind")) {
+            assert_true(str_is(line, "kind", "machine"));
+            assert_true(num(line, "read_gbps_1t") > 0 && num(line, "fma_gflops_1t") > 0);
+            machine++;
+            continue;
+        }
+        int d = -1;
+        for (int i = 0; i < 3; i++)
+            if (str_is(line, "kv_dtype", dts[i])) d = i;
+        if (d < 0) fail_msg("unexpected dtype: %s", line);
+        assert_int_equal((int)num(line, "threads"), 1);
+        assert_int_equal((int)num(line, "batch"), 1);
+        const double us = num(line, "median_us");
+        assert_true(isfinite(us) && us > 0);
+        if (str_is(line, "kernel", "decode")) {
+            assert_int_equal((int)num(line, "ctx"), 512);
+            const int paged = str_is(line, "layout", "paged");
+            if (!paged && !str_is(line, "layout", "contig")) fail_msg("bad layout: %s", line);
+            decode[d][paged]++;
+            const double gbps = num(line, "gbps"), bw = num(line, "read_bw_gbps"), frac = num(line, "frac_of_bw");
+            assert_true(isfinite(gbps) && gbps > 0 && isfinite(bw) && bw > 0 && isfinite(frac) && frac > 0);
+            /* 8 kv heads x head_dim 128, K + V */
+            assert_int_equal((size_t)num(line, "bytes_per_token_layer"), 8 * 2 * pkv_dtype_row_bytes(dtv[d], 128));
+            if (paged) assert_true(num(line, "paged_over_contig") > 0);
+        } else if (str_is(line, "kernel", "prefill")) {
+            assert_int_equal((int)num(line, "ctx"), 64);
+            const double g = num(line, "gflops"), f = num(line, "frac_of_peak");
+            assert_true(isfinite(g) && g > 0 && isfinite(f) && f > 0);
+            prefill[d]++;
+        } else {
+            fail_msg("unknown kernel: %s", line);
+        }
+    }
+    assert_int_equal(machine, 1);
+    for (int d = 0; d < 3; d++) {
+        assert_int_equal(decode[d][0], 1);
+        assert_int_equal(decode[d][1], 1);
+        assert_int_equal(prefill[d], 1);
+    }
+    free(out), free(err);
+}
+
+static void test_usage_errors(void **state) {
+    (void)state;
+    char *bad[][5] = {{"pkv", "bench", "attn", "--dtype", "f17"}, {"pkv", "bench", "attn", "--ctx", "0"},
+                      {"pkv", "bench", "attn", "--threads", "3"}, {"pkv", "bench", "attn", "--batch", "1,x"},
+                      {"pkv", "bench", "attn", "--prompt", "-5"}, {"pkv", "bench", "attn", "--frobnicate", NULL}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char *argv[6] = {bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4], NULL};
+        char *out, *err;
+        int rc = run_cli(argv, &out, &err);
+        if (rc != 1) fail_msg("case %zu: exit %d (want 1): %s", i, rc, err);
+        assert_string_equal(out, ""); /* nothing measured */
+        free(out), free(err);
+    }
+    char *argv[] = {"pkv", "bench", "attn", "--ctx", NULL}; /* missing value */
+    char *err;
+    assert_int_equal(run_cli(argv, NULL, &err), 1);
+    free(err);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_json_lines),
+        cmocka_unit_test(test_usage_errors),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
