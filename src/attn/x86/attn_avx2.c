@@ -3,6 +3,7 @@
  * K/V vector for 4 query rows (a GQA group) and keep converts at one per 4 FMAs: f16 through
  * vcvtph2ps, bf16 through a zero-extend and a 16-bit shift. */
 #include "../attn.h"
+#include "avx2_reduce.h"
 
 #include <immintrin.h>
 #include <math.h>
@@ -18,19 +19,6 @@ static inline float sc_f16(const void *p, uint32_t i) { return _cvtsh_ss(((const
 static inline float sc_bf16(const void *p, uint32_t i) {
     union { uint32_t u; float f; } x = {(uint32_t)((const uint16_t *)p)[i] << 16};
     return x.f;
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* Sums of 4 vectors, lane i = sum of a_i. */
-static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
 }
 
 static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp) {
@@ -77,12 +65,12 @@ static inline uint32_t key_tiles(uint32_t n) {
         if (R == 4) {                                                                                           \
             for (uint32_t t = 0; t < K; t++) {                                                                  \
                 float o[4];                                                                                     \
-                _mm_storeu_ps(o, hsum4x8(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));                          \
+                _mm_storeu_ps(o, pkv__hsum4x8(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));                     \
                 for (uint32_t r = 0; r < 4; r++) s[r * ss + t] = o[r];                                          \
             }                                                                                                   \
         } else {                                                                                                \
             for (uint32_t r = 0; r < R; r++)                                                                    \
-                for (uint32_t t = 0; t < K; t++) s[r * ss + t] = hsum8(acc[r][t]);                              \
+                for (uint32_t t = 0; t < K; t++) s[r * ss + t] = pkv__hsum8(acc[r][t]);                         \
         }                                                                                                       \
         for (uint32_t d = D8; d < D; d++) /* head_dim not a multiple of 8 */                                    \
             for (uint32_t r = 0; r < R; r++)                                                                    \
@@ -257,7 +245,7 @@ static void softmax_avx2(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys
             l[r] *= f;
             m[r] = mnew;
         }
-        l[r] += hsum8(sum);
+        l[r] += pkv__hsum8(sum);
     }
 }
 

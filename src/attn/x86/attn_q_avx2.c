@@ -16,6 +16,7 @@
  *     2 decoded vectors, 4 broadcast weights, 8 FMAs. The V scale is folded into the
  *     weights once per (row, key, block); q4_0's -8 is one correction per tile. */
 #include "../attn.h"
+#include "avx2_reduce.h"
 #include "../attn_q.h"
 #include "../../quant/quant.h"
 
@@ -31,19 +32,6 @@ static ALWAYS_INLINE int ld16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return h;
-}
-
-static ALWAYS_INLINE float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* lane i = sum of the 8 lanes of a_i */
-static ALWAYS_INLINE __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
 }
 
 /* Writes the first n (<= 4) lanes of v to dst. */
@@ -107,7 +95,7 @@ static void prep_i8(const float *q, size_t q_stride, uint32_t n_rows, uint32_t D
             _mm256_storeu_si256((__m256i *)(dst + 32 * b), q8);
             _mm256_storeu_si256((__m256i *)(dst + D + 32 * b), _mm256_abs_epi8(q8));
             _mm256_storeu_ps((float *)(dst + 2 * (size_t)D + 32 * b), _mm256_set1_ps(d));
-            const int32_t s0 = (int32_t)hsum8(half[0]), s1 = (int32_t)hsum8(half[1]);
+            const int32_t s0 = (int32_t)pkv__hsum8(half[0]), s1 = (int32_t)pkv__hsum8(half[1]);
             _mm256_storeu_si256((__m256i *)(dst + 3 * (size_t)D + 32 * b),
                                 _mm256_setr_epi32(8 * s0, 8 * s0, 8 * s0, 8 * s0, 8 * s1, 8 * s1, 8 * s1, 8 * s1));
         }
@@ -268,7 +256,7 @@ static ALWAYS_INLINE void score_fp8_key(const float *const q[4], const uint32_t 
     memcpy(&sk, kr, 4);
     sk *= 256.0f; /* exact: undoes the decode's 2^-8 */
     if (NR == 4 && d == D) {
-        const __m128 o = _mm_mul_ps(hsum4x8(_mm256_add_ps(a[0][0], a[0][1]), _mm256_add_ps(a[1][0], a[1][1]),
+        const __m128 o = _mm_mul_ps(pkv__hsum4x8(_mm256_add_ps(a[0][0], a[0][1]), _mm256_add_ps(a[1][0], a[1][1]),
                                             _mm256_add_ps(a[2][0], a[2][1]), _mm256_add_ps(a[3][0], a[3][1])),
                                     _mm_set1_ps(sk));
         _mm_store_ss(s, o);
@@ -278,7 +266,7 @@ static ALWAYS_INLINE void score_fp8_key(const float *const q[4], const uint32_t 
         return;
     }
     float o[4];
-    for (uint32_t r = 0; r < NR; r++) o[r] = hsum8(_mm256_add_ps(a[r][0], a[r][1]));
+    for (uint32_t r = 0; r < NR; r++) o[r] = pkv__hsum8(_mm256_add_ps(a[r][0], a[r][1]));
     for (; d < D; d++) { /* head_dim % 8 */
         const float x = pkv__e4m3_to_f32(e[d]) * (1.0f / 256.0f);
         for (uint32_t r = 0; r < NR; r++) o[r] += q[r][d] * x;
@@ -402,7 +390,7 @@ static ALWAYS_INLINE void accum_i8_rows(const float *p, uint32_t ps, const uint3
             const __m256 w1 = _mm256_mul_ps(_mm256_load_ps(pr + rr * VKEYS + 8), d1);
             _mm256_store_ps(w + rr * VKEYS, w0);
             _mm256_store_ps(w + rr * VKEYS + 8, w1);
-            if (q4) corr[rr] = 8.0f * hsum8(_mm256_add_ps(w0, w1));
+            if (q4) corr[rr] = 8.0f * pkv__hsum8(_mm256_add_ps(w0, w1));
         }
         float *ab = acc + 32 * b;
 if (q4) {
