@@ -85,16 +85,11 @@ static double bw_sample(int n_threads) {
     return (double)(per * (size_t)n_threads * 8) / (double)(t1 - t0);
 }
 
-/* Rolling samples per thread count: a configuration is compared with the median of the last 3. */
-static double g_bw_hist[3][3];
-static int g_bw_n[3];
-static double bw_now(int n_threads) {
-    double s = bw_sample(n_threads);
-    g_bw_hist[n_threads][g_bw_n[n_threads]++ % 3] = s;
-    int n = g_bw_n[n_threads] < 3 ? g_bw_n[n_threads] : 3;
+/* The machine line's figure: the median of 3 samples. */
+static double bw_median3(int n_threads) {
     double v[3];
-    memcpy(v, g_bw_hist[n_threads], sizeof v);
-    return tool_median(v, (size_t)n);
+    for (int i = 0; i < 3; i++) v[i] = bw_sample(n_threads);
+    return tool_median(v, 3);
 }
 
 /* ---- machine: f32 FMA peak (256-bit FMAs on independent accumulators) --------------------------- */
@@ -500,7 +495,7 @@ int tool_bench_attn(int argc, char **argv) {
     }
     for (size_t i = 0; i < g_bw_words; i++) g_bw_buf[i] = i;
     for (int nt = 1; nt <= 2; nt++) {
-        for (int r = 0; r < 3; r++) g_bw[nt] = bw_now(nt);
+        g_bw[nt] = bw_median3(nt);
         g_peak[nt] = fma_available() ? fma_peak(nt) : 0;
     }
     /* the backend a cache picks */

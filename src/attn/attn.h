@@ -6,6 +6,8 @@
 
 #include "../core/core.h"
 
+#include <math.h>
+
 /* One layer of the pool (ARCHITECTURE section 3). Row of (block b, kv head h, offset t):
  * k + b * k_block_bytes + (h * block_tokens + t) * k_row_bytes. */
 typedef struct pkv__kv_view {
@@ -116,9 +118,6 @@ typedef void (*pkv__attn_prep_fn)(const float *q, size_t q_stride, uint32_t n_ro
  * work (n its own count of steps), so the next block's lines arrive in small shares between
  * loads of this one: a burst of all of them at once fills the core's miss buffers and stalls
  * it. pf may be NULL (nothing to prefetch); the kernel owns it for the call. */
-#ifndef PKV__ATTN_PF_STRIDE
-#define PKV__ATTN_PF_STRIDE 64
-#endif
 typedef struct pkv__attn_pf {
     const uint8_t *p[2], *end[2];
     size_t step; /* bytes per step, a multiple of 64 */
@@ -137,7 +136,7 @@ static inline __attribute__((always_inline)) void pkv__attn_pf_step(pkv__attn_pf
     if (!pf) return;
     for (int j = 0; j < 2; j++) {
         const uint8_t *e = pf->p[j] + pf->step < pf->end[j] ? pf->p[j] + pf->step : pf->end[j];
-        for (const uint8_t *x = pf->p[j]; x < e; x += PKV__ATTN_PF_STRIDE) __builtin_prefetch(x, 0, 2);
+        for (const uint8_t *x = pf->p[j]; x < e; x += 64) __builtin_prefetch(x, 0, 2);
         pf->p[j] = e;
     }
 }
@@ -160,6 +159,21 @@ typedef void (*pkv__attn_accum_fn)(const float *p, uint32_t p_stride, uint32_t n
  * A row whose m' is still -inf is left with p = 0 and m, l, acc unchanged. */
 typedef void (*pkv__attn_softmax_fn)(float *s, uint32_t s_stride, uint32_t n_rows, uint32_t n_keys, float softcap,
                                      float *m, float *l, float *acc, uint32_t head_dim);
+
+/* The end of one row's softmax step, common to every backend: with the block's max folded in
+ * (mnew >= *m) and sum = the row's new exp(s - mnew) total, rescale the row's acc, l and m
+ * when the max moved, then add sum. The multiply loop is left to the compiler's vectorizer
+ * (each backend file is compiled for its own ISA). */
+static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, uint32_t head_dim, float mnew,
+                                            float sum) {
+    if (mnew != *m) {
+        const float f = *m == -INFINITY ? 0.0f : expf(*m - mnew);
+        for (uint32_t d = 0; d < head_dim; d++) acc_row[d] *= f;
+        *l *= f;
+        *m = mnew;
+    }
+    *l += sum;
+}
 
 typedef struct pkv__attn_kernels {
     const char *name;

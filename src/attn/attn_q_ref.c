@@ -44,8 +44,32 @@ void pkv__attn_prep_q8(const float *q, size_t q_stride, uint32_t n_rows, uint32_
     }
 }
 
-static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
-                       uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf) {
+/* Integer dot product of one query block (32 int8) with K block b of row kr. */
+static int32_t dot_q8_0(const int8_t *q, const uint8_t *kr, uint32_t b, float *dk) {
+    pkv_block_q8_0 blk;
+    memcpy(&blk, kr + b * sizeof blk, sizeof blk);
+    int32_t isum = 0;
+    for (int j = 0; j < 32; j++) isum += (int32_t)q[j] * blk.qs[j];
+    *dk = pkv__f16_to_f32(blk.d);
+    return isum;
+}
+
+static int32_t dot_q4_0(const int8_t *q, const uint8_t *kr, uint32_t b, float *dk) {
+    pkv_block_q4_0 blk;
+    memcpy(&blk, kr + b * sizeof blk, sizeof blk);
+    int32_t isum = 0;
+    for (int j = 0; j < 16; j++) {
+        isum += (int32_t)q[j] * ((blk.qs[j] & 15) - 8);
+        isum += (int32_t)q[j + 16] * ((blk.qs[j] >> 4) - 8);
+    }
+    *dk = pkv__f16_to_f32(blk.d);
+    return isum;
+}
+
+/* q8_0 / q4_0 K: per 32-value block an exact integer dot, scaled by dq * dk. */
+static void score_int8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
+                       uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf,
+                       int32_t (*dot)(const int8_t *, const uint8_t *, uint32_t, float *)) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
     const uint32_t nb = head_dim / 32;
     pkv__attn_pf_start(pf, n_keys);
@@ -58,43 +82,23 @@ static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t
             const float *dq = (const float *)(row + 2 * (size_t)head_dim);
             float acc = 0.0f;
             for (uint32_t b = 0; b < nb; b++) {
-                pkv_block_q8_0 blk;
-                memcpy(&blk, kr + b * sizeof blk, sizeof blk);
-                int32_t isum = 0;
-                for (int j = 0; j < 32; j++) isum += (int32_t)qs[32 * b + j] * blk.qs[j];
-                acc += dq[b] * pkv__f16_to_f32(blk.d) * (float)isum;
+                float dk;
+                const int32_t isum = dot(qs + 32 * b, kr, b, &dk);
+                acc += dq[b] * dk * (float)isum;
             }
             s[r * s_stride + t] = acc;
         }
     }
 }
 
+static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
+                       uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf) {
+    score_int8(qp, n_rows, k, k_row_bytes, n_keys, head_dim, s, s_stride, pf, dot_q8_0);
+}
+
 static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
                        uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf) {
-    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
-    const uint32_t nb = head_dim / 32;
-    pkv__attn_pf_start(pf, n_keys);
-    for (uint32_t t = 0; t < n_keys; t++) {
-        pkv__attn_pf_step(pf);
-        const uint8_t *kr = k + t * k_row_bytes;
-        for (uint32_t r = 0; r < n_rows; r++) {
-            const uint8_t *row = (const uint8_t *)qp + r * qrow;
-            const int8_t *qs = (const int8_t *)row;
-            const float *dq = (const float *)(row + 2 * (size_t)head_dim);
-            float acc = 0.0f;
-            for (uint32_t b = 0; b < nb; b++) {
-                pkv_block_q4_0 blk;
-                memcpy(&blk, kr + b * sizeof blk, sizeof blk);
-                int32_t isum = 0;
-                for (int j = 0; j < 16; j++) {
-                    isum += (int32_t)qs[32 * b + j] * ((blk.qs[j] & 15) - 8);
-                    isum += (int32_t)qs[32 * b + j + 16] * ((blk.qs[j] >> 4) - 8);
-                }
-                acc += dq[b] * pkv__f16_to_f32(blk.d) * (float)isum;
-            }
-            s[r * s_stride + t] = acc;
-        }
-    }
+    score_int8(qp, n_rows, k, k_row_bytes, n_keys, head_dim, s, s_stride, pf, dot_q4_0);
 }
 
 /* ---- fp8 K: f32 query (the prep of the float dtypes), row scale applied after the sum ---- */

@@ -76,14 +76,7 @@ static void softmax_ref(float *s, uint32_t s_stride, uint32_t n_rows, uint32_t n
             sr[t] = expf(sr[t] - mx); /* expf(-inf) == 0 */
             sum += sr[t];
         }
-        if (mx != m[r]) {
-            const float f = expf(m[r] - mx); /* 0 when m[r] == -inf */
-            float *a = acc + (size_t)r * head_dim;
-            for (uint32_t d = 0; d < head_dim; d++) a[d] *= f;
-            l[r] *= f;
-            m[r] = mx;
-        }
-        l[r] += sum;
+        pkv__attn_softmax_commit(&m[r], &l[r], acc + (size_t)r * head_dim, head_dim, mx, sum);
     }
 }
 

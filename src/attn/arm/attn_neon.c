@@ -194,16 +194,7 @@ static void softmax_neon(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys
             vst1q_f32(sr + t, e);
             sum = vaddq_f32(sum, e);
         }
-        if (mnew != m[r]) {
-            const float f = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
-            float *a = acc + (size_t)r * D;
-            uint32_t d = 0;
-            for (; d + 4 <= D; d += 4) vst1q_f32(a + d, vmulq_n_f32(vld1q_f32(a + d), f));
-            for (; d < D; d++) a[d] *= f;
-            l[r] *= f;
-            m[r] = mnew;
-        }
-        l[r] += vaddvq_f32(sum);
+        pkv__attn_softmax_commit(&m[r], &l[r], acc + (size_t)r * D, D, mnew, vaddvq_f32(sum));
     }
 }
 

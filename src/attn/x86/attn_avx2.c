@@ -235,17 +235,7 @@ static void softmax_avx2(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys
             _mm256_storeu_ps(sr + t, e);
             sum = _mm256_add_ps(sum, e);
         }
-        if (mnew != m[r]) {
-            const float f = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
-            float *a = acc + (size_t)r * D;
-            const __m256 vf = _mm256_set1_ps(f);
-            uint32_t d = 0;
-            for (; d + 8 <= D; d += 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), vf));
-            for (; d < D; d++) a[d] *= f;
-            l[r] *= f;
-            m[r] = mnew;
-        }
-        l[r] += pkv__hsum8(sum);
+        pkv__attn_softmax_commit(&m[r], &l[r], acc + (size_t)r * D, D, mnew, pkv__hsum8(sum));
     }
 }
 

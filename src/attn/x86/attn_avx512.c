@@ -185,17 +185,7 @@ static void softmax_avx512(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_ke
             _mm512_storeu_ps(sr + t, e);
             sum = _mm512_add_ps(sum, e);
         }
-        if (mnew != m[r]) {
-            const float f = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
-            float *a = acc + (size_t)r * D;
-            const __m512 vf = _mm512_set1_ps(f);
-            uint32_t d = 0;
-            for (; d + 16 <= D; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), vf));
-            for (; d < D; d++) a[d] *= f;
-            l[r] *= f;
-            m[r] = mnew;
-        }
-        l[r] += _mm512_reduce_add_ps(sum);
+        pkv__attn_softmax_commit(&m[r], &l[r], acc + (size_t)r * D, D, mnew, _mm512_reduce_add_ps(sum));
     }
 }
 

@@ -403,31 +403,6 @@ if (q4) {
     }
 }
 
-static ALWAYS_INLINE void accum_i8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
-                                   uint32_t n_keys, uint32_t D, float *acc, const bool q4) {
-    for (uint32_t t0 = 0; t0 < n_keys; t0 += VKEYS) {
-        const uint32_t nk = PKV_MIN(VKEYS, n_keys - t0);
-        for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
-            const uint32_t nr = PKV_MIN(4u, n_rows - r0);
-            const float *pp = p + (size_t)r0 * ps + t0;
-            const uint8_t *vv = v + (size_t)t0 * vrb;
-            float *ar = acc + (size_t)r0 * D;
-#define CALL_I8A(N) accum_i8_rows(pp, ps, N, vv, vrb, nk, D, ar, q4)
-            NR_SWITCH(nr, CALL_I8A)
-        }
-    }
-}
-
-static void accum_q8_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                       uint32_t D, float *acc) {
-    accum_i8(p, ps, n_rows, v, vrb, n_keys, D, acc, false);
-}
-
-static void accum_q4_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                       uint32_t D, float *acc) {
-    accum_i8(p, ps, n_rows, v, vrb, n_keys, D, acc, true);
-}
-
 /* fp8: NR rows x 16 values (codes at src), weights carry the row scale and the 2^8. */
 static ALWAYS_INLINE void accum_fp8_tile(const float *w, uint32_t nk, const uint8_t *src, size_t vrb, float *a0,
                                          uint32_t D, const uint32_t NR, const bool half) {
@@ -477,8 +452,12 @@ static ALWAYS_INLINE void accum_fp8_rows(const float *p, uint32_t ps, const uint
         }
 }
 
-static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                      uint32_t D, float *acc) {
+/* The V side of every quantized dtype: keys in chunks of VKEYS, rows in groups of up to 4, each
+ * (chunk, group) done by the dtype's row-tile function with the group size as a constant. */
+enum v_kind { V_Q8_0, V_Q4_0, V_FP8 };
+
+static ALWAYS_INLINE void accum_tiles(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                                      uint32_t n_keys, uint32_t D, float *acc, const enum v_kind kind) {
     for (uint32_t t0 = 0; t0 < n_keys; t0 += VKEYS) {
         const uint32_t nk = PKV_MIN(VKEYS, n_keys - t0);
         for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
@@ -486,10 +465,28 @@ static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_
             const float *pp = p + (size_t)r0 * ps + t0;
             const uint8_t *vv = v + (size_t)t0 * vrb;
             float *ar = acc + (size_t)r0 * D;
-#define CALL_F8A(N) accum_fp8_rows(pp, ps, N, vv, vrb, nk, D, ar)
-            NR_SWITCH(nr, CALL_F8A)
+#define CALL_V(N)                                                                                             \
+    (kind == V_FP8 ? accum_fp8_rows(pp, ps, N, vv, vrb, nk, D, ar)                                            \
+                   : accum_i8_rows(pp, ps, N, vv, vrb, nk, D, ar, kind == V_Q4_0))
+            NR_SWITCH(nr, CALL_V)
+#undef CALL_V
         }
     }
+}
+
+static void accum_q8_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                       uint32_t D, float *acc) {
+    accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_Q8_0);
+}
+
+static void accum_q4_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                       uint32_t D, float *acc) {
+    accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_Q4_0);
+}
+
+static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                      uint32_t D, float *acc) {
+    accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_FP8);
 }
 
 void pkv__attn_fill_q_avx2(pkv__attn_kernels *kt) {
