@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # test.sh: the CI test run: installs missing Debian packages, then a Release build running every
 # ctest test, an ASan+UBSan Debug build running the "unit" tests, a TSan build running the
-# "thread" tests, and (when fuzz/fuzz_api.c exists) a bounded libFuzzer run. Exits non-zero if
+# "thread" tests, an arm64 cross build whose tests run under qemu (scripts/test-arm64.sh: the NEON
+# kernels), and (when fuzz/fuzz_api.c exists) a bounded libFuzzer run. Exits non-zero if
 # any stage fails; prints each stage's ctest summary at the end.
 #
 # Environment: PKV_STRESS_OPS (stress test operations in the Release stage, default 1000000, about
 # 5 s; the test itself defaults to 200000 when run alone), PKV_ASAN_STRESS_OPS (the ASan
 # stage, default 200000: about 10 s there), PKV_THR_ITERS (threaded test
 # iterations, default 2000; the TSan stage uses PKV_TSAN_THR_ITERS, default 1000),
-# PKV_FUZZ_SECONDS (default 60), PKV_FUZZ_RUNS (default 2000000), JOBS (default nproc).
+# PKV_FUZZ_SECONDS (default 60), PKV_FUZZ_RUNS (default 2000000), PKV_SKIP_ARM64 (1: skip the
+# arm64 stage), JOBS (default nproc).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 t_start=$(date +%s)
@@ -63,6 +65,21 @@ run_stage asan build-asan "-DCMAKE_BUILD_TYPE=Debug -DPKV_SANITIZE=address,undef
 
 run_stage tsan build-tsan "-DCMAKE_BUILD_TYPE=Debug -DPKV_SANITIZE=thread -DCMAKE_C_COMPILER=clang" "-L thread" \
     "PKV_THR_ITERS=${PKV_TSAN_THR_ITERS:-1000}" "TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1"
+
+# ---- arm64: the NEON kernels, cross-built and run under qemu-user (PKV_SKIP_ARM64=1 skips) ----
+if [ "${PKV_SKIP_ARM64:-0}" != 1 ]; then
+    t0=$(date +%s)
+    echo "=== [arm64] cross build + ctest under qemu-aarch64 (scripts/test-arm64.sh)"
+    if JOBS=$JOBS bash scripts/test-arm64.sh >"$LOG_DIR/arm64.log" 2>&1; then
+        summary+=("[arm64] $(grep -E 'tests passed' "$LOG_DIR/arm64.log" | tail -n 1) ($(($(date +%s) - t0)) s)")
+    else
+        tail -n 80 "$LOG_DIR/arm64.log"
+        failed+=("arm64")
+        summary+=("[arm64] FAILED (see above)")
+    fi
+else
+    summary+=("[arm64] skipped: PKV_SKIP_ARM64=1")
+fi
 
 # ---- fuzz hook: only when the fuzz target exists ---------------------------------------------
 if [ -f fuzz/fuzz_api.c ]; then

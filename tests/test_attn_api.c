@@ -101,7 +101,10 @@ static double vmax_of(const host_seq *s, uint32_t l) {
     double m = 1e-30;
     for (uint32_t t = 0; t < s->len; t++)
         for (uint32_t h = 0; h < H; h++)
-            for (uint32_t d = 0; d < D; d++) m = fmax(m, fabs(s->v[l][t][h][d]));
+            for (uint32_t d = 0; d < D; d++) {
+                const double a = fabs(s->v[l][t][h][d]);
+                if (a > m) m = a; /* not fmax: GCC 12 for aarch64 dies vectorizing that reduction */
+            }
     return m;
 }
 

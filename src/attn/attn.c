@@ -74,6 +74,7 @@ struct pkv__attn {
 
 /* ---- backend tables ------------------------------------------------------------------------- */
 
+#if defined(__x86_64__) || defined(__i386__)
 static bool have_avx2(uint32_t f) {
     const uint32_t need = PKV_CPU_AVX2 | PKV_CPU_FMA | PKV_CPU_F16C;
     return (f & need) == need;
@@ -82,6 +83,7 @@ static bool have_avx512(uint32_t f) {
     const uint32_t need = PKV_CPU_AVX512F | PKV_CPU_AVX512BW | PKV_CPU_AVX512VL | PKV_CPU_AVX512DQ;
     return (f & need) == need && have_avx2(f);
 }
+#endif
 
 /* Every table starts as the reference, then the SIMD fillers override what they implement:
  * a dtype with only a reference kernel still runs (slowly) on a SIMD backend. */

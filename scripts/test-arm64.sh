@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# test-arm64.sh: cross-builds the library and tests for 64-bit ARM and runs them under qemu-user,
+# so the NEON attention kernels are compared with the reference on every CI run (this machine
+# class is x86-64). Installs what it needs: the cross compiler, qemu-user and the arm64 builds of
+# libxxhash and cmocka (multiarch: adds the arm64 architecture to dpkg). Called by test.sh as
+# its "arm64" stage; runs alone too.
+#
+# Under emulation code runs 10-50x slower, so the stage runs the "unit" tests with
+# PKV_ATTN_TEST_BACKENDS=neon (the reference is tested natively), shorter oracle contexts
+# (PKV_ARM64_ATTN_MAX_LEN, default 200) and a shorter stress run. The tests that spawn the pkv
+# CLI (test_run*, test_sim, test_bench_cli) are left out: an arm64 binary cannot be exec'd
+# without binfmt_misc, and the CLI has no architecture-specific code of its own.
+# Environment: JOBS (default nproc), BUILD_DIR (default build-arm64).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+SUDO=()
+[ "$(id -u)" -ne 0 ] && SUDO=(sudo)
+need=()
+for p in gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user ninja-build cmake; do
+    dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+done
+for p in libxxhash-dev:arm64 libcmocka-dev:arm64; do
+    dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+done
+if ((${#need[@]})); then
+    echo "=== installing: ${need[*]}"
+    if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+        "${SUDO[@]}" dpkg --add-architecture arm64
+    fi
+    "${SUDO[@]}" apt-get update -q
+    DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y --no-install-recommends "${need[@]}"
+fi
+
+JOBS=${JOBS:-$(nproc)}
+BUILD_DIR=${BUILD_DIR:-build-arm64}
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DCMAKE_BUILD_TYPE=Release
+ninja -C "$BUILD_DIR" -j "$JOBS"
+cd "$BUILD_DIR"
+env PKV_ATTN_TEST_BACKENDS=neon PKV_ATTN_TEST_MAX_LEN="${PKV_ARM64_ATTN_MAX_LEN:-200}" PKV_STRESS_OPS=20000 \
+    ctest --output-on-failure -j "$JOBS" -L unit -E '^test_(run|run_checkpoint|sim|bench_cli)$' --timeout 900
