@@ -76,8 +76,10 @@ static inline uint32_t key_tiles(uint32_t n) {
             for (uint32_t r = 0; r < R; r++)                                                                    \
                 for (uint32_t t = 0; t < K; t++) s[r * ss + t] += q[r * qs + d] * sc_##T(k + t * krb, d);       \
     }                                                                                                           \
-    static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,       \
-                          uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {                                \
+    static inline __attribute__((always_inline)) void score_body_##T(const void *qp, uint32_t n_rows,           \
+                                                                     const uint8_t *k, size_t krb, uint32_t n_keys, \
+                                                                     uint32_t D, float *s, uint32_t ss,         \
+                                                                     pkv__attn_pf *pf) {                        \
         const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
         const float *q = qp;                                                                                    \
         /* one share of the prefetch after each tile of 4 rows */                                               \
@@ -110,6 +112,13 @@ static inline uint32_t key_tiles(uint32_t n) {
             if (n_keys - t == 1) score_tile_##T(qr, qs, k + t * krb, krb, 1, 1, D, sr + t, ss);                 \
         }                                                                                                       \
         for (; i < n_pf; i++) pkv__attn_pf_step(pf);        /* fewer than 4 rows: all at the end */             \
+    }                                                                                                           \
+    static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,       \
+                          uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {                                \
+        if (D == 128) /* the common head_dim, with constant trip counts */                                      \
+            score_body_##T(qp, n_rows, k, krb, n_keys, 128, s, ss, pf);                                         \
+        else                                                                                                    \
+            score_body_##T(qp, n_rows, k, krb, n_keys, D, s, ss, pf);                                           \
     }
 
 /* ---- accum: acc[r][:] += sum_t p[r][t] * v_t ----------------------------------------------------
@@ -153,6 +162,8 @@ static inline uint32_t key_tiles(uint32_t n) {
     static void accum_##T(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,           \
                           uint32_t n_keys, uint32_t D, float *acc) {                                            \
         uint32_t r = 0;                                                                                         \
+        if (D == 128) /* the common head_dim, with constant tile offsets */                                     \
+            for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, 128, acc + (size_t)r * 128); \
         for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, D, acc + (size_t)r * D); \
         for (; r < n_rows; r++) accum_rows_##T(p + r * ps, ps, 1, v, vrb, n_keys, D, acc + (size_t)r * D);      \
     }

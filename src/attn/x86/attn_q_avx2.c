@@ -201,12 +201,18 @@ static ALWAYS_INLINE void score_i8(const void *qp, uint32_t n_rows, const uint8_
 
 static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
                        float *s, uint32_t ss, pkv__attn_pf *pf) {
-    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, false);
+    if (D == 128) /* the common head_dim, with constant trip counts */
+        score_i8(qp, n_rows, k, krb, n_keys, 128, s, ss, pf, false);
+    else
+        score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, false);
 }
 
 static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
                        float *s, uint32_t ss, pkv__attn_pf *pf) {
-    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, true);
+    if (D == 128) /* the common head_dim, with constant trip counts */
+        score_i8(qp, n_rows, k, krb, n_keys, 128, s, ss, pf, true);
+    else
+        score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, true);
 }
 
 /* ---- fp8 e4m3 ---------------------------------------------------------------------------------
@@ -476,17 +482,26 @@ static ALWAYS_INLINE void accum_tiles(const float *p, uint32_t ps, uint32_t n_ro
 
 static void accum_q8_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
                        uint32_t D, float *acc) {
-    accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_Q8_0);
+    if (D == 128)
+        accum_tiles(p, ps, n_rows, v, vrb, n_keys, 128, acc, V_Q8_0);
+    else
+        accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_Q8_0);
 }
 
 static void accum_q4_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
                        uint32_t D, float *acc) {
-    accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_Q4_0);
+    if (D == 128)
+        accum_tiles(p, ps, n_rows, v, vrb, n_keys, 128, acc, V_Q4_0);
+    else
+        accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_Q4_0);
 }
 
 static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
                       uint32_t D, float *acc) {
-    accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_FP8);
+    if (D == 128)
+        accum_tiles(p, ps, n_rows, v, vrb, n_keys, 128, acc, V_FP8);
+    else
+        accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_FP8);
 }
 
 void pkv__attn_fill_q_avx2(pkv__attn_kernels *kt) {
