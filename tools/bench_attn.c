@@ -331,7 +331,7 @@ static int time_decode(setup *s, const float *q, float *out, double max_s, uint3
 
 /* Other tenants of a shared machine change the available bandwidth from one second to the next,
  * so a configuration is measured in rounds: each round samples the read bandwidth, then times
- * the contiguous and the paged layout, back to back. Fractions and the paged / contiguous ratio
+ * the contiguous and the paged layout back to back (alternating which goes first). Fractions and the paged / contiguous ratio
  * are per round; the report gives their medians over the rounds. */
 static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint32_t nt, tool_rng *rng) {
     const size_t row = pkv_dtype_row_bytes(dt, HEAD_DIM) * 2; /* K + V */
@@ -363,7 +363,8 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     double t[2][7], frac[2][7], bw[7], ratio[7];
     for (int r = 0; r < rounds && rc == 0; r++) {
         bw[r] = bw_sample((int)nt);
-        for (int l = 0; l < 2 && rc == 0; l++) {
+        for (int i = 0; i < 2 && rc == 0; i++) {
+            const int l = (r & 1) ? 1 - i : i; /* odd rounds time paged first: no order bias */
             rc = time_decode(&su[l], q, out, round_s, min_calls, &t[l][r]);
             frac[l][r] = per_layer / t[l][r] * 1e-9 / bw[r];
         }
