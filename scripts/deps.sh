@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # deps.sh: installs the Debian packages the build, tests and main job need, only those missing.
-# Sourced by scripts/main.sh and scripts/test.sh (runs apt-get as root, or through sudo).
-PKGS=(cmake ninja-build gcc clang libcmocka-dev libxxhash-dev gnuplot-nox libclang-rt-14-dev python3)
-missing=()
-for p in "${PKGS[@]}"; do
-    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
-if ((${#missing[@]})); then
+# Sourced by scripts/main.sh, scripts/test.sh and scripts/test-arm64.sh (runs apt-get as root,
+# or through sudo); pkv_install_missing installs any other list the same way.
+pkv_install_missing() {
+    local missing=() p
+    for p in "$@"; do
+        dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+    done
+    ((${#missing[@]})) || return 0
     echo "=== installing: ${missing[*]}"
-    SUDO=()
-    [ "$(id -u)" -ne 0 ] && SUDO=(sudo)
-    "${SUDO[@]}" apt-get update -q
-    DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y --no-install-recommends "${missing[@]}"
-fi
+    local sudo=()
+    [ "$(id -u)" -ne 0 ] && sudo=(sudo)
+    "${sudo[@]}" apt-get update -q
+    DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y --no-install-recommends "${missing[@]}"
+}
+
+pkv_install_missing cmake ninja-build gcc clang libcmocka-dev libxxhash-dev gnuplot-nox libclang-rt-14-dev python3

@@ -2,8 +2,8 @@
 # test-arm64.sh: cross-builds the library and tests for 64-bit ARM and runs them under qemu-user,
 # so the NEON attention kernels are compared with the reference on every CI run (this machine
 # class is x86-64). Installs what it needs: the cross compiler, qemu-user and the arm64 builds of
-# libxxhash and cmocka (multiarch: adds the arm64 architecture to dpkg). Called by test.sh as
-# its "arm64" stage; runs alone too.
+# libxxhash and cmocka (multiarch: adds the arm64 architecture to dpkg; scripts/deps.sh installs
+# the rest). Called by test.sh as its "arm64" stage; runs alone too.
 #
 # Under emulation code runs 10-50x slower, so the stage runs the "unit" tests with
 # PKV_ATTN_TEST_BACKENDS=neon (the reference is tested natively), shorter oracle contexts
@@ -14,23 +14,13 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-SUDO=()
-[ "$(id -u)" -ne 0 ] && SUDO=(sudo)
-need=()
-for p in gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user ninja-build cmake; do
-    dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
-done
-for p in libxxhash-dev:arm64 libcmocka-dev:arm64; do
-    dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
-done
-if ((${#need[@]})); then
-    echo "=== installing: ${need[*]}"
-    if ! dpkg --print-foreign-architectures | grep -qx arm64; then
-        "${SUDO[@]}" dpkg --add-architecture arm64
-    fi
-    "${SUDO[@]}" apt-get update -q
-    DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y --no-install-recommends "${need[@]}"
+# shellcheck source=scripts/deps.sh
+source scripts/deps.sh
+# the arm64 libraries come from dpkg multiarch: the architecture must be known before apt-get update
+if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+    if [ "$(id -u)" -ne 0 ]; then sudo dpkg --add-architecture arm64; else dpkg --add-architecture arm64; fi
 fi
+pkv_install_missing gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user libxxhash-dev:arm64 libcmocka-dev:arm64
 
 JOBS=${JOBS:-$(nproc)}
 BUILD_DIR=${BUILD_DIR:-build-arm64}

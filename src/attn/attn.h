@@ -175,6 +175,51 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
     *l += sum;
 }
 
+/* ---- drivers shared by the SIMD backends (ISA-free; each file instantiates them per dtype T) ----
+ * PKV__ATTN_DEF_SCORE_ROWS4(T) needs score_tile_##T(q, qs, k, krb, R, K, D, s, ss): R <= 4 rows x
+ * K <= 4 keys. It defines score_rows_##T (a row group over the block's keys, 4 at a time) and the
+ * table entry score_##T (row groups of 4, then single rows; one prefetch share per group).
+ * PKV__ATTN_DEF_ACCUM_ROWS(T) needs accum_rows_##T(p, ps, R, v, vrb, n_keys, D, acc) and defines
+ * the table entry accum_##T: row groups of 4, then single rows, with an instance for head_dim
+ * 128 (constant offsets). */
+#define PKV__ATTN_DEF_SCORE_ROWS4(T)                                                                           \
+    static inline __attribute__((always_inline)) void score_rows_##T(const float *q, size_t qs, const uint8_t *k, \
+                                                                     size_t krb, const uint32_t R, uint32_t n_keys, \
+                                                                     uint32_t D, float *s, uint32_t ss) {       \
+        uint32_t t = 0;                                                                                         \
+        for (; t + 4 <= n_keys; t += 4) score_tile_##T(q, qs, k + t * krb, krb, R, 4, D, s + t, ss);            \
+        switch (n_keys - t) {                                                                                   \
+        case 3: score_tile_##T(q, qs, k + t * krb, krb, R, 3, D, s + t, ss); break;                             \
+        case 2: score_tile_##T(q, qs, k + t * krb, krb, R, 2, D, s + t, ss); break;                             \
+        case 1: score_tile_##T(q, qs, k + t * krb, krb, R, 1, D, s + t, ss); break;                             \
+        default: break;                                                                                         \
+        }                                                                                                       \
+    }                                                                                                           \
+    static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,       \
+                          uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {                                \
+        const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
+        const float *q = qp;                                                                                    \
+        const uint32_t n_pf = (n_rows + 3) / 4; /* a share of the prefetch per group of rows */                 \
+        uint32_t r = 0;                                                                                         \
+        pkv__attn_pf_start(pf, n_pf);                                                                           \
+        for (; r + 4 <= n_rows; r += 4) {                                                                       \
+            pkv__attn_pf_step(pf);                                                                              \
+            score_rows_##T(q + r * qs, qs, k, krb, 4, n_keys, D, s + r * ss, ss);                               \
+        }                                                                                                       \
+        if (r < n_rows) pkv__attn_pf_step(pf);                                                                  \
+        for (; r < n_rows; r++) score_rows_##T(q + r * qs, qs, k, krb, 1, n_keys, D, s + r * ss, ss);           \
+    }
+
+#define PKV__ATTN_DEF_ACCUM_ROWS(T)                                                                            \
+    static void accum_##T(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,           \
+                          uint32_t n_keys, uint32_t D, float *acc) {                                            \
+        uint32_t r = 0;                                                                                         \
+        if (D == 128)                                                                                           \
+            for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, 128, acc + (size_t)r * 128); \
+        for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, D, acc + (size_t)r * D); \
+        for (; r < n_rows; r++) accum_rows_##T(p + r * ps, ps, 1, v, vrb, n_keys, D, acc + (size_t)r * D);      \
+    }
+
 typedef struct pkv__attn_kernels {
     const char *name;
     pkv__attn_prep_fn prep_q[PKV_DTYPE_COUNT];  /* by k_dtype */

@@ -59,32 +59,6 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
                 for (uint32_t d = D4; d < D; d++) o += q[r * qs + d] * sc_##T(k + t * krb, d);                  \
                 s[r * ss + t] = o;                                                                              \
             }                                                                                                   \
-    }                                                                                                           \
-    static inline __attribute__((always_inline)) void score_rows_##T(const float *q, size_t qs, const uint8_t *k, \
-                                                                     size_t krb, const uint32_t R, uint32_t n_keys, \
-                                                                     uint32_t D, float *s, uint32_t ss) {       \
-        uint32_t t = 0;                                                                                         \
-        for (; t + 4 <= n_keys; t += 4) score_tile_##T(q, qs, k + t * krb, krb, R, 4, D, s + t, ss);            \
-        switch (n_keys - t) {                                                                                   \
-        case 3: score_tile_##T(q, qs, k + t * krb, krb, R, 3, D, s + t, ss); break;                             \
-        case 2: score_tile_##T(q, qs, k + t * krb, krb, R, 2, D, s + t, ss); break;                             \
-        case 1: score_tile_##T(q, qs, k + t * krb, krb, R, 1, D, s + t, ss); break;                             \
-        default: break;                                                                                         \
-        }                                                                                                       \
-    }                                                                                                           \
-    static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,       \
-                          uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {                                \
-        const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
-        const float *q = qp;                                                                                    \
-        const uint32_t n_pf = (n_rows + 3) / 4; /* a share of the prefetch per group of rows */                 \
-        uint32_t r = 0;                                                                                         \
-        pkv__attn_pf_start(pf, n_pf);                                                                           \
-        for (; r + 4 <= n_rows; r += 4) {                                                                       \
-            pkv__attn_pf_step(pf);                                                                              \
-            score_rows_##T(q + r * qs, qs, k, krb, 4, n_keys, D, s + r * ss, ss);                               \
-        }                                                                                                       \
-        if (r < n_rows) pkv__attn_pf_step(pf);                                                                  \
-        for (; r < n_rows; r++) score_rows_##T(q + r * qs, qs, k, krb, 1, n_keys, D, s + r * ss, ss);           \
     }
 
 #define DEF_ACCUM(T)                                                                                            \
@@ -120,20 +94,20 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
                 const float w = p[i * ps + t];                                                                  \
                 for (uint32_t e = d; e < D; e++) acc[(size_t)i * D + e] += w * sc_##T(v + t * vrb, e);          \
             }                                                                                                   \
-    }                                                                                                           \
-    static void accum_##T(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,           \
-                          uint32_t n_keys, uint32_t D, float *acc) {                                            \
-        uint32_t r = 0;                                                                                         \
-        for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, D, acc + (size_t)r * D); \
-        for (; r < n_rows; r++) accum_rows_##T(p + r * ps, ps, 1, v, vrb, n_keys, D, acc + (size_t)r * D);      \
     }
 
 DEF_SCORE(f32)
 DEF_SCORE(f16)
 DEF_SCORE(bf16)
+PKV__ATTN_DEF_SCORE_ROWS4(f32)
+PKV__ATTN_DEF_SCORE_ROWS4(f16)
+PKV__ATTN_DEF_SCORE_ROWS4(bf16)
 DEF_ACCUM(f32)
 DEF_ACCUM(f16)
 DEF_ACCUM(bf16)
+PKV__ATTN_DEF_ACCUM_ROWS(f32)
+PKV__ATTN_DEF_ACCUM_ROWS(f16)
+PKV__ATTN_DEF_ACCUM_ROWS(bf16)
 
 /* e^x, same reduction and polynomial as the x86 paths; x < -87.3 (and -inf) gives 0. */
 static inline float32x4_t exp4(float32x4_t x) {

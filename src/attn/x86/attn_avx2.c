@@ -158,14 +158,6 @@ static inline uint32_t key_tiles(uint32_t n) {
                 const float w = p[i * ps + t];                                                                  \
                 for (uint32_t e = d; e < D; e++) acc[(size_t)i * D + e] += w * sc_##T(v + t * vrb, e);          \
             }                                                                                                   \
-    }                                                                                                           \
-    static void accum_##T(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,           \
-                          uint32_t n_keys, uint32_t D, float *acc) {                                            \
-        uint32_t r = 0;                                                                                         \
-        if (D == 128) /* the common head_dim, with constant tile offsets */                                     \
-            for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, 128, acc + (size_t)r * 128); \
-        for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, D, acc + (size_t)r * D); \
-        for (; r < n_rows; r++) accum_rows_##T(p + r * ps, ps, 1, v, vrb, n_keys, D, acc + (size_t)r * D);      \
     }
 
 typedef float elem_f32;
@@ -177,6 +169,9 @@ DEF_SCORE(bf16)
 DEF_ACCUM(f32)
 DEF_ACCUM(f16)
 DEF_ACCUM(bf16)
+PKV__ATTN_DEF_ACCUM_ROWS(f32)
+PKV__ATTN_DEF_ACCUM_ROWS(f16)
+PKV__ATTN_DEF_ACCUM_ROWS(bf16)
 
 /* ---- softmax ------------------------------------------------------------------------------------ */
 /* e^x for x <= 88.7: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 minimax polynomial (about

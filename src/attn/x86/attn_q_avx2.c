@@ -180,8 +180,8 @@ static ALWAYS_INLINE void score_i8_tile(const uint8_t *qp, size_t qrow, uint32_t
     }
 }
 
-static ALWAYS_INLINE void score_i8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,
-                                   uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf, const bool q4) {
+static ALWAYS_INLINE void score_i8_d(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,
+                                     uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf, const bool q4) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     pkv__attn_pf_start(pf, ((n_keys + 3) / 4) * ((n_rows + 3) / 4));
     for (uint32_t t0 = 0; t0 < n_keys; t0 += 4) {
@@ -199,20 +199,23 @@ static ALWAYS_INLINE void score_i8(const void *qp, uint32_t n_rows, const uint8_
     }
 }
 
+/* head_dim 128, the common case, gets its own instance with constant trip counts */
+static ALWAYS_INLINE void score_i8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,
+                                   uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf, const bool q4) {
+    if (D == 128)
+        score_i8_d(qp, n_rows, k, krb, n_keys, 128, s, ss, pf, q4);
+    else
+        score_i8_d(qp, n_rows, k, krb, n_keys, D, s, ss, pf, q4);
+}
+
 static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
                        float *s, uint32_t ss, pkv__attn_pf *pf) {
-    if (D == 128) /* the common head_dim, with constant trip counts */
-        score_i8(qp, n_rows, k, krb, n_keys, 128, s, ss, pf, false);
-    else
-        score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, false);
+    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, false);
 }
 
 static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
                        float *s, uint32_t ss, pkv__attn_pf *pf) {
-    if (D == 128) /* the common head_dim, with constant trip counts */
-        score_i8(qp, n_rows, k, krb, n_keys, 128, s, ss, pf, true);
-    else
-        score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, true);
+    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, true);
 }
 
 /* ---- fp8 e4m3 ---------------------------------------------------------------------------------
@@ -462,8 +465,8 @@ static ALWAYS_INLINE void accum_fp8_rows(const float *p, uint32_t ps, const uint
  * (chunk, group) done by the dtype's row-tile function with the group size as a constant. */
 enum v_kind { V_Q8_0, V_Q4_0, V_FP8 };
 
-static ALWAYS_INLINE void accum_tiles(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
-                                      uint32_t n_keys, uint32_t D, float *acc, const enum v_kind kind) {
+static ALWAYS_INLINE void accum_tiles_d(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                                        uint32_t n_keys, uint32_t D, float *acc, const enum v_kind kind) {
     for (uint32_t t0 = 0; t0 < n_keys; t0 += VKEYS) {
         const uint32_t nk = PKV_MIN(VKEYS, n_keys - t0);
         for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
@@ -480,28 +483,28 @@ static ALWAYS_INLINE void accum_tiles(const float *p, uint32_t ps, uint32_t n_ro
     }
 }
 
+/* head_dim 128, the common case, gets its own instance with constant trip counts */
+static ALWAYS_INLINE void accum_tiles(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                                      uint32_t n_keys, uint32_t D, float *acc, const enum v_kind kind) {
+    if (D == 128)
+        accum_tiles_d(p, ps, n_rows, v, vrb, n_keys, 128, acc, kind);
+    else
+        accum_tiles_d(p, ps, n_rows, v, vrb, n_keys, D, acc, kind);
+}
+
 static void accum_q8_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
                        uint32_t D, float *acc) {
-    if (D == 128)
-        accum_tiles(p, ps, n_rows, v, vrb, n_keys, 128, acc, V_Q8_0);
-    else
-        accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_Q8_0);
+    accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_Q8_0);
 }
 
 static void accum_q4_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
                        uint32_t D, float *acc) {
-    if (D == 128)
-        accum_tiles(p, ps, n_rows, v, vrb, n_keys, 128, acc, V_Q4_0);
-    else
-        accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_Q4_0);
+    accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_Q4_0);
 }
 
 static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
                       uint32_t D, float *acc) {
-    if (D == 128)
-        accum_tiles(p, ps, n_rows, v, vrb, n_keys, 128, acc, V_FP8);
-    else
-        accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_FP8);
+    accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_FP8);
 }
 
 void pkv__attn_fill_q_avx2(pkv__attn_kernels *kt) {
