@@ -106,6 +106,22 @@ static void ws(jparse *j) {
     while (*j->p == ' ' || *j->p == '\t' || *j->p == '\r' || *j->p == '\n') j->p++;
 }
 
+/* After a member or an element: ',' (returns 1: another follows) or close (returns 0: the object
+ * or array ends); anything else sets err and returns -1. */
+static int jnext(jparse *j, char close, const char *err) {
+    ws(j);
+    if (*j->p == ',') {
+        j->p++;
+        return 1;
+    }
+    if (*j->p == close) {
+        j->p++;
+        return 0;
+    }
+    j->err = err;
+    return -1;
+}
+
 static int jstring(jparse *j, char *out, size_t cap) {
     ws(j);
     if (*j->p != '"') {
@@ -176,17 +192,8 @@ static int jskip(jparse *j, int depth) {
                 j->p++;
             }
             if (jskip(j, depth + 1)) return -1;
-            ws(j);
-            if (*j->p == ',') {
-                j->p++;
-                continue;
-            }
-            if (*j->p == close) {
-                j->p++;
-                return 0;
-            }
-            j->err = ch == '{' ? "expected ',' or '}'" : "expected ',' or ']'";
-            return -1;
+            const int more = jnext(j, close, ch == '{' ? "expected ',' or '}'" : "expected ',' or ']'");
+            if (more <= 0) return more;
         }
     }
     if (!strncmp(j->p, "true", 4) || !strncmp(j->p, "null", 4)) {
@@ -288,33 +295,17 @@ static int parse_line(jparse *j, trace_line *t) {
                             t->ids = nid;
                         }
                         t->ids[t->n_ids++] = (int32_t)v;
-                        ws(j);
-                        if (*j->p == ',') {
-                            j->p++;
-                            continue;
-                        }
-                        if (*j->p == ']') {
-                            j->p++;
-                            break;
-                        }
-                        j->err = "expected ',' or ']' in prompt";
-                        return -1;
+                        const int more = jnext(j, ']', "expected ',' or ']' in prompt");
+                        if (more < 0) return -1;
+                        if (!more) break;
                     }
                 }
             } else if (jskip(j, 0)) {
                 return -1;
             }
-            ws(j);
-            if (*j->p == ',') {
-                j->p++;
-                continue;
-            }
-            if (*j->p == '}') {
-                j->p++;
-                break;
-            }
-            j->err = "expected ',' or '}'";
-            return -1;
+            const int more = jnext(j, '}', "expected ',' or '}'");
+            if (more < 0) return -1;
+            if (!more) break;
         }
     }
     ws(j);
