@@ -3,9 +3,11 @@
 # Sourced by scripts/main.sh, scripts/test.sh and scripts/test-arm64.sh (runs apt-get as root,
 # or through sudo); pkv_install_missing installs any other list the same way.
 pkv_install_missing() {
-    local missing=() p
+    local missing=() p arch
+    arch=$(dpkg --print-architecture)
     for p in "$@"; do
-        dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+        # with a foreign architecture also installed (test-arm64.sh), a bare name is ambiguous
+        dpkg -s "$p" >/dev/null 2>&1 || dpkg -s "$p:$arch" >/dev/null 2>&1 || missing+=("$p")
     done
     ((${#missing[@]})) || return 0
     echo "=== installing: ${missing[*]}"
