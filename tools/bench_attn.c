@@ -27,8 +27,9 @@ static void usage(FILE *f) {
             "(identity: a sequence's blocks consecutive in the pool). Each call uses another layer so\n"
             "the K/V working set (>= 1 GiB, at most 2 GiB of pool) exceeds the caches. A configuration\n"
             "is measured in 7 rounds; each round samples the streaming read bandwidth (1 GiB buffer,\n"
-            "same thread count) and then times contiguous and paged back to back, so the other tenants\n"
-            "of a shared machine weigh on both sides of each ratio alike. Reports the median time per\n"
+            "same thread count) and then times contiguous and paged with their calls interleaved\n"
+            "(contig, paged, paged, contig, ...), so the other tenants of a shared machine weigh on\n"
+            "both sides of each ratio alike. Reports the median time per\n"
             "call, K/V bytes read per second, the median over rounds of (bytes/s / read bandwidth),\n"
             "K+V bytes per token per layer (B/tok) and the median of per-round paged / contiguous.\n"
 "Prefill: one 2048-token prompt, causal, GFLOP/s (4 * n_q_heads * head_dim per\n"
@@ -306,33 +307,41 @@ static int parse_dtypes(const char *s, opts *o) {
 static double g_bw[3];   /* initial read bandwidth, GB/s, by thread count */
 static double g_peak[3]; /* f32 FMA peak, GFLOP/s, by thread count */
 
-/* Median seconds per decode call over about max_s seconds, cycling over the layers (at least
- * min_calls calls). */
-static int time_decode(setup *s, const float *q, float *out, double max_s, uint32_t min_calls, double *med) {
-    double t[400];
-    int n = 0;
+/* One round of decode timing for the two layouts (su[0] contiguous, su[1] paged): calls
+ * alternate between them in ABBA order (contig, paged, paged, contig, ...), each call on the
+ * layout's next layer, for about max_s seconds and at least min_calls calls per layout. med[l]:
+ * the median seconds per call of layout l. Interleaving call by call puts both layouts under the
+ * same conditions of a shared machine (its bandwidth and clock change within a second). */
+static int time_decode_pair(setup su[2], const float *q, float *out, double max_s, uint32_t min_calls, double med[2]) {
+    enum { MAX_CALLS = 200 };
+    double t[2][MAX_CALLS];
+    int n[2] = {0, 0};
     pkv_attn_params p = pkv_attn_params_default();
     p.n_q_heads = H_Q;
-    if (tool_check(pkv_attn_decode(s->c, s->next_layer++ % s->n_layers, s->seqs, s->batch, q, out, &p),
-                   "pkv_attn_decode") < 0) /* warm-up */
-        return -1;
-    uint64_t start = tool_now_ns();
-    while (n < 400) {
-        uint64_t t0 = tool_now_ns();
-        int rc = pkv_attn_decode(s->c, s->next_layer++ % s->n_layers, s->seqs, s->batch, q, out, &p);
-        uint64_t t1 = tool_now_ns();
+    for (int l = 0; l < 2; l++) /* warm-up */
+        if (tool_check(pkv_attn_decode(su[l].c, su[l].next_layer++ % su[l].n_layers, su[l].seqs, su[l].batch, q, out,
+                                       &p),
+                       "pkv_attn_decode") < 0)
+            return -1;
+    const uint64_t start = tool_now_ns();
+    for (uint32_t i = 0; n[0] < MAX_CALLS && n[1] < MAX_CALLS; i++) {
+        setup *s = &su[(i ^ (i >> 1)) & 1]; /* 0 1 1 0 0 1 1 0 ... */
+        const int l = s == &su[1];
+        const uint64_t t0 = tool_now_ns();
+        const int rc = pkv_attn_decode(s->c, s->next_layer++ % s->n_layers, s->seqs, s->batch, q, out, &p);
+        const uint64_t t1 = tool_now_ns();
         if (tool_check(rc, "pkv_attn_decode") < 0) return -1;
-        t[n++] = (double)(t1 - t0) * 1e-9;
-        if ((uint32_t)n >= min_calls && (double)(t1 - start) * 1e-9 > max_s) break;
+        t[l][n[l]++] = (double)(t1 - t0) * 1e-9;
+        if ((uint32_t)n[0] >= min_calls && n[0] == n[1] && (double)(t1 - start) * 1e-9 > max_s) break;
     }
-    *med = tool_median(t, (size_t)n);
+    for (int l = 0; l < 2; l++) med[l] = tool_median(t[l], (size_t)n[l]);
     return 0;
 }
 
 /* Other tenants of a shared machine change the available bandwidth from one second to the next,
  * so a configuration is measured in rounds: each round samples the read bandwidth, then times
- * the contiguous and the paged layout back to back (alternating which goes first). Fractions and the paged / contiguous ratio
- * are per round; the report gives their medians over the rounds. */
+ * the contiguous and the paged layout with their calls interleaved (time_decode_pair). Fractions
+ * and the paged / contiguous ratio are per round; the report gives their medians over the rounds. */
 static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint32_t nt, tool_rng *rng) {
     const size_t row = pkv_dtype_row_bytes(dt, HEAD_DIM) * 2; /* K + V */
     const double per_layer = (double)batch * ctx * H_KV * row;
@@ -363,11 +372,9 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     double t[2][7], frac[2][7], bw[7], ratio[7];
     for (int r = 0; r < rounds && rc == 0; r++) {
         bw[r] = bw_sample((int)nt);
-        for (int i = 0; i < 2 && rc == 0; i++) {
-            const int l = (r & 1) ? 1 - i : i; /* odd rounds time paged first: no order bias */
-            rc = time_decode(&su[l], q, out, round_s, min_calls, &t[l][r]);
-            frac[l][r] = per_layer / t[l][r] * 1e-9 / bw[r];
-        }
+        double med[2] = {0, 0};
+        rc = time_decode_pair(su, q, out, 2 * round_s, min_calls, med);
+        for (int l = 0; l < 2; l++) t[l][r] = med[l], frac[l][r] = per_layer / med[l] * 1e-9 / bw[r];
         ratio[r] = t[1][r] / t[0][r];
     }
     const double adjacent[2] = {su[0].adjacent, su[1].adjacent};
