@@ -1,0 +1,139 @@
+/* ab_decode.c: decode attention of two builds of libpkv in one process, calls interleaved round
+ * by round, for telling a change from the noise of a shared machine. scripts/ab-decode.sh builds
+ * it: build A's global symbols renamed with the prefix a_ (objcopy), build B's as they are.
+ *
+ * Each round times `calls` decode calls of A, then of B (odd rounds B first), each call on the
+ * next layer so the K/V working set can exceed the caches. Reports each side's median GB/s of
+ * K/V read and the median over rounds of time(B) / time(A), with its quartiles. */
+#define _POSIX_C_SOURCE 199309L
+#include "pkv.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+enum { AB_HQ = 32, AB_HKV = 8, AB_D = 128, AB_BT = 16, AB_MAX_BATCH = 64, AB_SCATTER = 1024 };
+enum { AB_MAX_ROUNDS = 101, AB_MAX_CALLS = 1000 };
+
+typedef struct ab_opts {
+    pkv_dtype dtype;
+    uint32_t ctx, batch, layers, threads, rounds, calls;
+    int paged;
+} ab_opts;
+
+typedef struct ab_side {
+    pkv_cache *c;
+    pkv_seq seqs[AB_MAX_BATCH];
+    uint32_t next;
+} ab_side;
+
+static double ab_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static int ab_cmp(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* sorts v */
+static double ab_median(double *v, uint32_t n) {
+    qsort(v, n, sizeof *v, ab_cmp);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static uint64_t ab_rand(uint64_t *s) { /* splitmix64 */
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static float ab_unit(uint64_t *s) { return (float)((double)(ab_rand(s) >> 11) * 0x1p-53 * 2.0 - 1.0); }
+
+/* Build A's public functions, as scripts/ab-decode.sh renames them. */
+pkv_config a_pkv_config_default(void);
+int a_pkv_cache_create(const pkv_config *cfg, pkv_cache **out);
+void a_pkv_cache_destroy(pkv_cache *c);
+int a_pkv_seq_create(pkv_cache *c, const void *salt, size_t salt_len, pkv_seq *out);
+int a_pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n, int32_t *slots_out);
+int a_pkv_seq_release(pkv_cache *c, pkv_seq s);
+int a_pkv_seq_slots(pkv_cache *c, pkv_seq s, uint32_t start, uint32_t n, int32_t *slots);
+int a_pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n, const void *k, const void *v,
+                   pkv_dtype in_dtype);
+pkv_attn_params a_pkv_attn_params_default(void);
+int a_pkv_attn_decode(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, uint32_t n_seqs, const float *q, float *out,
+                      const pkv_attn_params *p);
+
+#define AB(x) a_##x
+#include "ab_decode_body.h"
+#undef AB
+#define AB(x) x
+#include "ab_decode_body.h"
+#undef AB
+
+static int usage(void) {
+    fprintf(stderr, "usage: ab_decode DTYPE CTX BATCH LAYERS THREADS paged|contig ROUNDS CALLS\n"
+                    "  e.g. ab_decode f16 4096 16 2 2 paged 21 6  (BATCH <= %d, ROUNDS <= %d, CALLS <= %d)\n",
+            AB_MAX_BATCH, AB_MAX_ROUNDS, AB_MAX_CALLS);
+    return 2;
+}
+
+static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
+    char *end;
+    const unsigned long v = strtoul(s, &end, 10);
+    if (end == s || *end || v < lo || v > hi) return -1;
+    *out = (uint32_t)v;
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    ab_opts o = {0};
+    if (argc != 9) return usage();
+    int found = 0;
+    for (int d = 0; d < PKV_DTYPE_COUNT; d++)
+        if (!strcmp(argv[1], pkv_dtype_name((pkv_dtype)d))) o.dtype = (pkv_dtype)d, found = 1;
+    if (!found || parse_u32(argv[2], 1, 1u << 20, &o.ctx) || parse_u32(argv[3], 1, AB_MAX_BATCH, &o.batch) ||
+        parse_u32(argv[4], 1, 4096, &o.layers) || parse_u32(argv[5], 1, 256, &o.threads) ||
+        parse_u32(argv[7], 1, AB_MAX_ROUNDS, &o.rounds) || parse_u32(argv[8], 1, AB_MAX_CALLS, &o.calls))
+        return usage();
+    if (!strcmp(argv[6], "paged")) o.paged = 1;
+    else if (strcmp(argv[6], "contig")) return usage();
+
+    static ab_side a, b;
+    int rc = 0;
+    if (a_ab_setup(&a, &o, 1) < 0 || ab_setup(&b, &o, 1) < 0) {
+        fprintf(stderr, "ab_decode: set-up failed (out of memory, or a shape the builds refuse)\n");
+        rc = 1;
+    }
+    const size_t nq = (size_t)o.batch * AB_HQ * AB_D;
+    float *q = malloc(sizeof(float) * nq), *out = malloc(sizeof(float) * nq);
+    uint64_t seed = 2;
+    if (!q || !out) rc = 1;
+    for (size_t i = 0; i < nq && rc == 0; i++) q[i] = ab_unit(&seed);
+    double ta[AB_MAX_ROUNDS], tb[AB_MAX_ROUNDS], ratio[AB_MAX_ROUNDS];
+    if (rc == 0 && (a_ab_time(&a, &o, q, out) < 0 || ab_time(&b, &o, q, out) < 0)) rc = 1; /* warm-up */
+    for (uint32_t r = 0; r < o.rounds && rc == 0; r++) {
+        if (r & 1) tb[r] = ab_time(&b, &o, q, out), ta[r] = a_ab_time(&a, &o, q, out);
+        else ta[r] = a_ab_time(&a, &o, q, out), tb[r] = ab_time(&b, &o, q, out);
+        if (ta[r] < 0 || tb[r] < 0) rc = 1;
+        ratio[r] = tb[r] / ta[r];
+    }
+    if (rc == 0) {
+        const double bytes = (double)o.ctx * o.batch * AB_HKV * (double)pkv_dtype_row_bytes(o.dtype, AB_D) * 2.0;
+        const double ma = ab_median(ta, o.rounds), mb = ab_median(tb, o.rounds), mr = ab_median(ratio, o.rounds);
+        printf("%s ctx %u batch %u layers %u threads %u %s, %u rounds x %u calls: A %.2f GB/s, B %.2f GB/s; "
+               "time B/A median %.3f (quartiles %.3f %.3f)\n",
+               argv[1], o.ctx, o.batch, o.layers, o.threads, argv[6], o.rounds, o.calls, bytes / ma * 1e-9,
+               bytes / mb * 1e-9, mr, ratio[o.rounds / 4], ratio[(3 * o.rounds) / 4]);
+    } else if (a.c && b.c) {
+        fprintf(stderr, "ab_decode: a decode call failed\n");
+    }
+    if (a.c) a_ab_free(&a);
+    if (b.c) ab_free(&b);
+    free(q), free(out);
+    return rc;
+}

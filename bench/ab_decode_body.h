@@ -1,0 +1,65 @@
+/* ab_decode_body.h: the half of bench/ab_decode.c that is compiled once per library build; AB(x)
+ * names build A's or build B's copy of the public function x. Included twice, no include guard. */
+
+/* Creates the cache, fragments its free queue when paged (many short sequences take blocks in
+ * random interleaving and are released in random order), then appends `batch` sequences of ctx
+ * tokens and writes the same random K/V rows into every layer. 0 or -1. */
+static int AB(ab_setup)(ab_side *s, const ab_opts *o, uint64_t seed) {
+    const uint32_t per_seq = (o->ctx + AB_BT - 1) / AB_BT;
+    pkv_config c = AB(pkv_config_default)();
+    c.n_layers = o->layers, c.n_kv_heads = AB_HKV, c.head_dim = AB_D, c.block_tokens = AB_BT;
+    c.n_blocks = per_seq * o->batch, c.k_dtype = c.v_dtype = o->dtype, c.n_threads = o->threads;
+    c.enable_prefix_cache = 0, c.max_blocks_per_seq = per_seq > 64 ? per_seq : 64, c.max_seqs = AB_SCATTER + 64;
+    if (AB(pkv_cache_create)(&c, &s->c) < 0) return -1;
+    int32_t tok[AB_BT] = {0};
+    if (o->paged) {
+        static pkv_seq sc[AB_SCATTER];
+        const uint32_t m = c.n_blocks < AB_SCATTER ? c.n_blocks : AB_SCATTER;
+        for (uint32_t i = 0; i < m; i++)
+            if (AB(pkv_seq_create)(s->c, NULL, 0, &sc[i]) < 0) return -1;
+        for (uint32_t b = 0; b < c.n_blocks; b++)
+            for (;;) {
+                const int rc = AB(pkv_seq_append)(s->c, sc[ab_rand(&seed) % m], tok, AB_BT, NULL);
+                if (rc == PKV_ELIMIT) continue; /* that one is full: pick another */
+                if (rc < 0) return -1;
+                break;
+            }
+        for (uint32_t i = m; i > 1; i--) {
+            const uint32_t j = (uint32_t)(ab_rand(&seed) % i);
+            const pkv_seq t = sc[i - 1];
+            sc[i - 1] = sc[j], sc[j] = t;
+        }
+        for (uint32_t i = 0; i < m; i++)
+            if (AB(pkv_seq_release)(s->c, sc[i]) < 0) return -1;
+    }
+    const size_t n = (size_t)o->ctx * AB_HKV * AB_D;
+    int32_t *ids = calloc(o->ctx, sizeof *ids), *slots = malloc(sizeof(int32_t) * o->ctx);
+    float *k = malloc(sizeof(float) * n), *v = malloc(sizeof(float) * n);
+    int rc = ids && slots && k && v ? 0 : -1;
+    for (size_t i = 0; i < n && rc == 0; i++) k[i] = ab_unit(&seed), v[i] = ab_unit(&seed);
+    for (uint32_t b = 0; b < o->batch && rc == 0; b++) {
+        if (AB(pkv_seq_create)(s->c, NULL, 0, &s->seqs[b]) < 0 ||
+            AB(pkv_seq_append)(s->c, s->seqs[b], ids, o->ctx, NULL) < 0 ||
+            AB(pkv_seq_slots)(s->c, s->seqs[b], 0, o->ctx, slots) < 0)
+            rc = -1;
+        for (uint32_t l = 0; l < o->layers && rc == 0; l++)
+            if (AB(pkv_write_kv)(s->c, l, slots, o->ctx, k, v, PKV_DTYPE_F32) < 0) rc = -1;
+    }
+    free(ids), free(slots), free(k), free(v);
+    return rc;
+}
+
+/* Median seconds per decode call over `calls` calls, each on the side's next layer. */
+static double AB(ab_time)(ab_side *s, const ab_opts *o, const float *q, float *out) {
+    pkv_attn_params p = AB(pkv_attn_params_default)();
+    p.n_q_heads = AB_HQ;
+    double t[AB_MAX_CALLS];
+    for (uint32_t i = 0; i < o->calls; i++) {
+        const double t0 = ab_now();
+        if (AB(pkv_attn_decode)(s->c, s->next++ % o->layers, s->seqs, o->batch, q, out, &p) < 0) return -1.0;
+        t[i] = ab_now() - t0;
+    }
+    return ab_median(t, o->calls);
+}
+
+static void AB(ab_free)(ab_side *s) { AB(pkv_cache_destroy)(s->c); }

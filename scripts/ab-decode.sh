@@ -1,0 +1,43 @@
+#!/bin/bash
+# ab-decode.sh: compare decode attention of two revisions of libpkv in one process, with their
+# calls interleaved round by round (bench/ab_decode.c), so that the drift of a shared machine
+# weighs on both sides alike. Builds each revision's static library in a scratch worktree (a
+# Release build), renames revision A's global symbols with the prefix a_, links both into one
+# binary and runs it.
+#
+#   scripts/ab-decode.sh REV_A REV_B [DTYPE CTX BATCH LAYERS THREADS paged|contig ROUNDS CALLS]
+#   e.g. scripts/ab-decode.sh HEAD~1 HEAD f16 4096 16 2 2 paged 21 6
+# REV_B may be "work" for the working tree as it is (uncommitted changes included).
+# Default run: f16 4096 16 2 2 paged 21 6 (a 256 MiB layer, two layers per side).
+set -euo pipefail
+if [ $# -lt 2 ]; then sed -n 2,12p "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
+root=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
+a=$1 b=$2; shift 2
+args=("$@")
+[ ${#args[@]} -eq 0 ] && args=(f16 4096 16 2 2 paged 21 6)
+tmp=$(mktemp -d /tmp/pkv-ab.XXXXXX)
+cleanup() {
+    for w in "$tmp"/wt-*; do [ -d "$w" ] && git -C "$root" worktree remove --force "$w" >/dev/null 2>&1 || true; done
+    rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+# build_lib REV NAME: libpkv.a of REV at $tmp/NAME.a ("work": the working tree)
+build_lib() {
+    local src=$root
+    if [ "$1" != work ]; then
+        src=$tmp/wt-$2
+        git -C "$root" worktree add --detach -q "$src" "$1"
+    fi
+    cmake -S "$src" -B "$tmp/build-$2" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+    cmake --build "$tmp/build-$2" --target pkv_static >/dev/null
+    cp "$tmp/build-$2/libpkv.a" "$tmp/$2.a"
+}
+build_lib "$a" A
+build_lib "$b" B
+nm --defined-only -g "$tmp/A.a" | awk 'NF == 3 { print $3 " a_" $3 }' | sort -u >"$tmp/syms"
+objcopy --redefine-syms="$tmp/syms" "$tmp/A.a" "$tmp/A-renamed.a"
+cc -O2 -std=c11 -Wall -Wextra -I"$root/include" "$root/bench/ab_decode.c" "$tmp/B.a" "$tmp/A-renamed.a" \
+    -lxxhash -lpthread -lm -o "$tmp/ab_decode"
+echo "A = $a ($(git -C "$root" rev-parse --short "$a" 2>/dev/null || echo "$a")), B = $b"
+"$tmp/ab_decode" "${args[@]}"
