@@ -269,6 +269,8 @@ static const char *simd_backend(void) {
 #if defined(__x86_64__) || defined(__i386__)
     const uint32_t need = PKV_CPU_AVX2 | PKV_CPU_FMA | PKV_CPU_F16C;
     if ((pkv__cpu_features() & need) == need) return "avx2";
+#elif defined(__aarch64__)
+    return "neon";
 #endif
     return NULL;
 }

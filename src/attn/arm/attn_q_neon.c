@@ -1,0 +1,159 @@
+/* attn_q_neon.c: AArch64 NEON primitives of paged attention for q8_0 and q4_0 K/V, read
+ * straight from the pool rows (quant.h layouts, decoded in registers). Same arithmetic as the
+ * scalar reference (attn_q_ref.c): per 32-value block an exact integer dot product of the
+ * int8 query (pkv__attn_prep_q8) with the codes, then acc += dq * dk * isum. Baseline NEON
+ * only (no dot-product extension): 8x8-bit products widened to 16 bits and pairwise-added to
+ * 32. fp8 K/V keeps the scalar reference on ARM. Compiled only on ARM; test_quant_attn
+ * compares it with the reference there (under qemu-user in CI). */
+#include "../attn.h"
+#include "../attn_q.h"
+#include "../../quant/quant.h"
+
+#include <arm_neon.h>
+#include <string.h>
+
+/* The 32 codes of K/V block b of a row as int8 in value order: q8_0 as stored; q4_0 nibble
+ * n - 8, value j in the low nibble of byte j (j < 16), value j + 16 in its high nibble. */
+static inline __attribute__((always_inline)) void codes32(const uint8_t *blk, const bool q4, int8x16_t *c0,
+                                                          int8x16_t *c1) {
+    if (q4) {
+        const uint8x16_t x = vld1q_u8(blk + 2);
+        const int8x16_t eight = vdupq_n_s8(8);
+        *c0 = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(x, vdupq_n_u8(15))), eight);
+        *c1 = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(x, 4)), eight);
+    } else {
+        *c0 = vld1q_s8((const int8_t *)(blk + 2));
+        *c1 = vld1q_s8((const int8_t *)(blk + 18));
+    }
+}
+
+static inline float blk_scale(const uint8_t *blk) {
+    uint16_t d;
+    memcpy(&d, blk, 2);
+    return pkv__f16_to_f32(d);
+}
+
+/* sum_j q[j] * (c0 | c1)[j] over 32 values, exact: |q| <= 127 and |code| <= 128, so two
+ * products fit int16 (32512 at most) before the pairwise widening add. */
+static inline __attribute__((always_inline)) int32_t dot32(const int8_t *q, int8x16_t c0, int8x16_t c1) {
+    const int8x16_t q0 = vld1q_s8(q), q1 = vld1q_s8(q + 16);
+    int16x8_t p0 = vmull_s8(vget_low_s8(q0), vget_low_s8(c0));
+    p0 = vmlal_s8(p0, vget_high_s8(q0), vget_high_s8(c0));
+    int16x8_t p1 = vmull_s8(vget_low_s8(q1), vget_low_s8(c1));
+    p1 = vmlal_s8(p1, vget_high_s8(q1), vget_high_s8(c1));
+    return vaddvq_s32(vpadalq_s16(vpaddlq_s16(p0), p1));
+}
+
+/* ---- score: per key, each K block decoded once for a group of up to 4 query rows ---------- */
+static inline __attribute__((always_inline)) void score_i8(const void *qp, uint32_t n_rows, const uint8_t *k,
+                                                           size_t krb, uint32_t n_keys, uint32_t D, float *s,
+                                                           uint32_t ss, pkv__attn_pf *pf, const bool q4) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(D), bsz = q4 ? sizeof(pkv_block_q4_0) : sizeof(pkv_block_q8_0);
+    const uint32_t nb = D / 32;
+    pkv__attn_pf_start(pf, n_keys);
+    for (uint32_t t = 0; t < n_keys; t++) {
+        pkv__attn_pf_step(pf);
+        const uint8_t *kr = k + t * krb;
+        for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
+            const uint32_t nr = PKV_MIN(4u, n_rows - r0);
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (uint32_t b = 0; b < nb; b++) {
+                int8x16_t c0, c1;
+                codes32(kr + b * bsz, q4, &c0, &c1);
+                const float dk = blk_scale(kr + b * bsz);
+                for (uint32_t i = 0; i < nr; i++) {
+                    const uint8_t *row = (const uint8_t *)qp + (r0 + i) * qrow;
+                    const float *dq = (const float *)(row + 2 * (size_t)D);
+                    acc[i] += dq[b] * dk * (float)dot32((const int8_t *)row + 32 * b, c0, c1);
+                }
+            }
+            for (uint32_t i = 0; i < nr; i++) s[(r0 + i) * ss + t] = acc[i];
+        }
+    }
+}
+
+static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                       float *s, uint32_t ss, pkv__attn_pf *pf) {
+    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, false);
+}
+
+static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                       float *s, uint32_t ss, pkv__attn_pf *pf) {
+    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, true);
+}
+
+/* ---- accum: tiles of up to 4 rows x 16 values (16 accumulators) across the block's keys ----- */
+
+/* 16 int8 codes -> 4 x float32x4 */
+static inline __attribute__((always_inline)) void widen16(int8x16_t c, float32x4_t x[4]) {
+    const int16x8_t lo = vmovl_s8(vget_low_s8(c)), hi = vmovl_s8(vget_high_s8(c));
+    x[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
+    x[1] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo)));
+    x[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
+    x[3] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)));
+}
+
+/* acc[i][16 h .. 16 h + 15 of block b] += p[i][t] * dv(t, b) * code, h = half of the block */
+static inline __attribute__((always_inline)) void accum_tile(const float *p, uint32_t ps, const uint32_t NR,
+                                                             const uint8_t *v, size_t vrb, uint32_t n_keys,
+                                                             uint32_t D, uint32_t b, uint32_t h, float *acc,
+                                                             const bool q4) {
+    const size_t bsz = q4 ? sizeof(pkv_block_q4_0) : sizeof(pkv_block_q8_0);
+    float *a0 = acc + 32 * b + 16 * h;
+    float32x4_t a[4][4];
+    for (uint32_t i = 0; i < NR; i++)
+        for (uint32_t c = 0; c < 4; c++) a[i][c] = vld1q_f32(a0 + i * (size_t)D + 4 * c);
+    for (uint32_t t = 0; t < n_keys; t++) {
+        const uint8_t *blk = v + t * vrb + b * bsz;
+        int8x16_t c0, c1;
+        codes32(blk, q4, &c0, &c1);
+        float32x4_t x[4];
+        widen16(h ? c1 : c0, x);
+        const float dv = blk_scale(blk);
+        for (uint32_t i = 0; i < NR; i++) {
+            const float w = p[i * ps + t] * dv;
+            for (uint32_t c = 0; c < 4; c++) a[i][c] = vfmaq_n_f32(a[i][c], x[c], w);
+        }
+    }
+    for (uint32_t i = 0; i < NR; i++)
+        for (uint32_t c = 0; c < 4; c++) vst1q_f32(a0 + i * (size_t)D + 4 * c, a[i][c]);
+}
+
+static inline __attribute__((always_inline)) void accum_i8(const float *p, uint32_t ps, uint32_t n_rows,
+                                                           const uint8_t *v, size_t vrb, uint32_t n_keys, uint32_t D,
+                                                           float *acc, const bool q4) {
+    const uint32_t nb = D / 32;
+    for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
+        const uint32_t nr = PKV_MIN(4u, n_rows - r0);
+        const float *pr = p + (size_t)r0 * ps;
+        float *ar = acc + (size_t)r0 * D;
+        for (uint32_t b = 0; b < nb; b++)
+            for (uint32_t h = 0; h < 2; h++) {
+                switch (nr) { /* the row count as a constant: the tile stays in registers */
+                case 4: accum_tile(pr, ps, 4, v, vrb, n_keys, D, b, h, ar, q4); break;
+                case 3: accum_tile(pr, ps, 3, v, vrb, n_keys, D, b, h, ar, q4); break;
+                case 2: accum_tile(pr, ps, 2, v, vrb, n_keys, D, b, h, ar, q4); break;
+                default: accum_tile(pr, ps, 1, v, vrb, n_keys, D, b, h, ar, q4); break;
+                }
+            }
+    }
+}
+
+static void accum_q8_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                       uint32_t D, float *acc) {
+    accum_i8(p, ps, n_rows, v, vrb, n_keys, D, acc, false);
+}
+
+static void accum_q4_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                       uint32_t D, float *acc) {
+    accum_i8(p, ps, n_rows, v, vrb, n_keys, D, acc, true);
+}
+
+void pkv__attn_fill_q_neon(pkv__attn_kernels *kt) {
+    kt->prep_q[PKV_DTYPE_Q8_0] = pkv__attn_prep_q8;
+    kt->prep_q[PKV_DTYPE_Q4_0] = pkv__attn_prep_q8;
+    kt->score[PKV_DTYPE_Q8_0] = score_q8_0;
+    kt->score[PKV_DTYPE_Q4_0] = score_q4_0;
+    kt->accum[PKV_DTYPE_Q8_0] = accum_q8_0;
+    kt->accum[PKV_DTYPE_Q4_0] = accum_q4_0;
+}
