@@ -113,7 +113,7 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
 #elif defined(__aarch64__)
     if (!strcmp(want, "neon")) {
         pkv__attn_fill_neon(kt);
-        /* quantized-dtype fillers for NEON go here (fp8 keeps the reference) */
+        /* quantized-dtype fillers for NEON go here */
         pkv__attn_fill_q_neon(kt);
         return PKV_OK;
     }

@@ -3,8 +3,9 @@
  * scalar reference (attn_q_ref.c): per 32-value block an exact integer dot product of the
  * int8 query (pkv__attn_prep_q8) with the codes, then acc += dq * dk * isum. Baseline NEON
  * only (no dot-product extension): 8x8-bit products widened to 16 bits and pairwise-added to
- * 32. fp8 K/V keeps the scalar reference on ARM. Compiled only on ARM; test_quant_attn
- * compares it with the reference there (under qemu-user in CI). */
+ * 32. fp8 e4m3 K/V: codes widened to f16 bit patterns and converted (exact), f32 FMAs with the
+ * row scale applied once. Compiled only on ARM; test_quant_attn compares it with the reference
+ * there (under qemu-user in CI). */
 #include "../attn.h"
 #include "../attn_q.h"
 #include "../../quant/quant.h"
@@ -149,6 +150,120 @@ static void accum_q4_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8
     accum_i8(p, ps, n_rows, v, vrb, n_keys, D, acc, true);
 }
 
+/* ---- fp8 e4m3 ------------------------------------------------------------------------------ */
+
+/* 8 e4m3 codes -> f32 times 2^-8, exactly: each code's bits placed in an f16 (sign at bit 15,
+ * the 4 exponent bits at 10-13, the 3 mantissa bits at 7-9); the f16's exponent bias (15
+ * against e4m3's 7) scales every value, subnormals included, by 2^-8. The encoder never
+ * writes the NaN codes. */
+static inline __attribute__((always_inline)) void e4m3x8(const uint8_t *p, float32x4_t x[2]) {
+    const int16x8_t w = vandq_s16(vshlq_n_s16(vmovl_s8(vld1_s8((const int8_t *)p)), 7), vdupq_n_s16((int16_t)0xbf80));
+    const float16x8_t h = vreinterpretq_f16_s16(w);
+    x[0] = vcvt_f32_f16(vget_low_f16(h));
+    x[1] = vcvt_high_f32_f16(h);
+}
+
+/* s[i * ss] = sk * <q_i, key> for NR <= 4 rows (q: the prepared f32 rows), one key */
+static inline __attribute__((always_inline)) void score_fp8_key(const float *const q[4], const uint32_t NR,
+                                                                const uint8_t *kr, uint32_t D, float *s,
+                                                                uint32_t ss) {
+    const uint8_t *e = kr + PKV_FP8_ROW_HEADER;
+    float32x4_t a[4][2];
+    for (uint32_t i = 0; i < NR; i++) a[i][0] = a[i][1] = vdupq_n_f32(0.0f);
+    uint32_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+        float32x4_t x[2];
+        e4m3x8(e + d, x);
+        for (uint32_t i = 0; i < NR; i++) {
+            a[i][0] = vfmaq_f32(a[i][0], vld1q_f32(q[i] + d), x[0]);
+            a[i][1] = vfmaq_f32(a[i][1], vld1q_f32(q[i] + d + 4), x[1]);
+        }
+    }
+    float sk;
+    memcpy(&sk, kr, 4);
+    sk *= 256.0f; /* exact: undoes the decode's 2^-8 */
+    for (uint32_t i = 0; i < NR; i++) {
+        float o = vaddvq_f32(vaddq_f32(a[i][0], a[i][1]));
+        for (uint32_t j = d; j < D; j++) o += q[i][j] * (pkv__e4m3_to_f32(e[j]) * (1.0f / 256.0f)); /* D % 8 */
+        s[i * ss] = o * sk;
+    }
+}
+
+static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                      float *s, uint32_t ss, pkv__attn_pf *pf) {
+    const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);
+    pkv__attn_pf_start(pf, n_keys);
+    for (uint32_t t = 0; t < n_keys; t++) {
+        pkv__attn_pf_step(pf);
+        for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
+            const uint32_t nr = PKV_MIN(4u, n_rows - r0);
+            const float *q[4];
+            for (uint32_t i = 0; i < 4; i++) q[i] = (const float *)qp + (r0 + (i < nr ? i : 0)) * qs;
+            float *sr = s + (size_t)r0 * ss + t;
+            switch (nr) { /* the row count as a constant: the accumulators stay in registers */
+            case 4: score_fp8_key(q, 4, k + t * krb, D, sr, ss); break;
+            case 3: score_fp8_key(q, 3, k + t * krb, D, sr, ss); break;
+            case 2: score_fp8_key(q, 2, k + t * krb, D, sr, ss); break;
+            default: score_fp8_key(q, 1, k + t * krb, D, sr, ss); break;
+            }
+        }
+    }
+}
+
+/* acc[i][d0 .. d0 + 8 C) += p[i][t] * sv(t) * e4m3 over the keys, NR <= 4 rows, C <= 2 groups of 8 */
+static inline __attribute__((always_inline)) void accum_fp8_tile(const float *p, uint32_t ps, const uint32_t NR,
+                                                                 const uint8_t *v, size_t vrb, uint32_t n_keys,
+                                                                 uint32_t D, uint32_t d0, const uint32_t C,
+                                                                 float *acc) {
+    float32x4_t a[4][4];
+    for (uint32_t i = 0; i < NR; i++)
+        for (uint32_t c = 0; c < 2 * C; c++) a[i][c] = vld1q_f32(acc + i * (size_t)D + d0 + 4 * c);
+    for (uint32_t t = 0; t < n_keys; t++) {
+        const uint8_t *vr = v + t * vrb;
+        float sv;
+        memcpy(&sv, vr, 4);
+        sv *= 256.0f; /* exact: undoes the decode's 2^-8 */
+        float32x4_t x[4];
+        for (uint32_t c = 0; c < C; c++) e4m3x8(vr + PKV_FP8_ROW_HEADER + d0 + 8 * c, x + 2 * c);
+        for (uint32_t i = 0; i < NR; i++) {
+            const float w = p[i * ps + t] * sv;
+            for (uint32_t c = 0; c < 2 * C; c++) a[i][c] = vfmaq_n_f32(a[i][c], x[c], w);
+        }
+    }
+    for (uint32_t i = 0; i < NR; i++)
+        for (uint32_t c = 0; c < 2 * C; c++) vst1q_f32(acc + i * (size_t)D + d0 + 4 * c, a[i][c]);
+}
+
+static inline __attribute__((always_inline)) void accum_fp8_rows(const float *p, uint32_t ps, const uint32_t NR,
+                                                                 const uint8_t *v, size_t vrb, uint32_t n_keys,
+                                                                 uint32_t D, float *acc) {
+    uint32_t d = 0;
+    for (; d + 16 <= D; d += 16) accum_fp8_tile(p, ps, NR, v, vrb, n_keys, D, d, 2, acc);
+    if (d + 8 <= D) accum_fp8_tile(p, ps, NR, v, vrb, n_keys, D, d, 1, acc), d += 8;
+    for (; d < D; d++) /* head_dim % 8 */
+        for (uint32_t t = 0; t < n_keys; t++) {
+            float sv;
+            memcpy(&sv, v + t * vrb, 4);
+            const float x = pkv__e4m3_to_f32(v[t * vrb + PKV_FP8_ROW_HEADER + d]);
+            for (uint32_t i = 0; i < NR; i++) acc[i * (size_t)D + d] += p[i * ps + t] * sv * x;
+        }
+}
+
+static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                      uint32_t D, float *acc) {
+    for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
+        const uint32_t nr = PKV_MIN(4u, n_rows - r0);
+        const float *pr = p + (size_t)r0 * ps;
+        float *ar = acc + (size_t)r0 * D;
+        switch (nr) {
+        case 4: accum_fp8_rows(pr, ps, 4, v, vrb, n_keys, D, ar); break;
+        case 3: accum_fp8_rows(pr, ps, 3, v, vrb, n_keys, D, ar); break;
+        case 2: accum_fp8_rows(pr, ps, 2, v, vrb, n_keys, D, ar); break;
+        default: accum_fp8_rows(pr, ps, 1, v, vrb, n_keys, D, ar); break;
+        }
+    }
+}
+
 void pkv__attn_fill_q_neon(pkv__attn_kernels *kt) {
     kt->prep_q[PKV_DTYPE_Q8_0] = pkv__attn_prep_q8;
     kt->prep_q[PKV_DTYPE_Q4_0] = pkv__attn_prep_q8;
@@ -156,4 +271,7 @@ void pkv__attn_fill_q_neon(pkv__attn_kernels *kt) {
     kt->score[PKV_DTYPE_Q4_0] = score_q4_0;
     kt->accum[PKV_DTYPE_Q8_0] = accum_q8_0;
     kt->accum[PKV_DTYPE_Q4_0] = accum_q4_0;
+    kt->prep_q[PKV_DTYPE_FP8_E4M3] = pkv__attn_prep_f32;
+    kt->score[PKV_DTYPE_FP8_E4M3] = score_fp8;
+    kt->accum[PKV_DTYPE_FP8_E4M3] = accum_fp8;
 }
