@@ -25,6 +25,14 @@ trap 'rm -rf "$LOG_DIR"' EXIT
 failed=()
 summary=()
 
+# stage_failed NAME LOG LINES TEXT: prints the log's last LINES lines, marks the stage failed and
+# gives it TEXT as its summary line (NAME "x (build)" is summarised as [x])
+stage_failed() {
+    tail -n "$3" "$2"
+    failed+=("$1")
+    summary+=("[${1%% *}] $4")
+}
+
 # run_stage NAME BUILD_DIR "CMAKE ARGS" "CTEST ARGS" [ENV=VALUE ...]
 run_stage() {
     local name=$1 dir=$2 cmake_args=$3 ctest_args=$4
@@ -34,10 +42,8 @@ run_stage() {
     echo "=== [$name] configure + build in $dir"
     # shellcheck disable=SC2086
     if ! cmake -S . -B "$dir" -G Ninja $cmake_args >"$log" 2>&1 || ! ninja -C "$dir" -j "$JOBS" >>"$log" 2>&1; then
-        tail -n 60 "$log"
+        stage_failed "$name (build)" "$log" 60 "build failed"
         echo "=== [$name] BUILD FAILED"
-        failed+=("$name (build)")
-        summary+=("[$name] build failed")
         return 0
     fi
     echo "=== [$name] ctest $ctest_args"
@@ -73,9 +79,7 @@ if [ "${PKV_SKIP_ARM64:-0}" != 1 ]; then
     if JOBS=$JOBS bash scripts/test-arm64.sh >"$LOG_DIR/arm64.log" 2>&1; then
         summary+=("[arm64] $(grep -E 'tests passed' "$LOG_DIR/arm64.log" | tail -n 1) ($(($(date +%s) - t0)) s)")
     else
-        tail -n 80 "$LOG_DIR/arm64.log"
-        failed+=("arm64")
-        summary+=("[arm64] FAILED (see above)")
+        stage_failed arm64 "$LOG_DIR/arm64.log" 80 "FAILED (see above)"
     fi
 else
     summary+=("[arm64] skipped: PKV_SKIP_ARM64=1")
@@ -99,15 +103,11 @@ if [ -f fuzz/fuzz_api.c ]; then
             >"$LOG_DIR/fuzz.run" 2>&1; then
             summary+=("[fuzz] $(grep -E '^Done|stat::number_of_executed_units' "$LOG_DIR/fuzz.run" | tr '\n' ' ') ($(($(date +%s) - t0)) s)")
         else
-            tail -n 60 "$LOG_DIR/fuzz.run"
-            failed+=("fuzz")
-            summary+=("[fuzz] FAILED (crash or leak; see above)")
+            stage_failed fuzz "$LOG_DIR/fuzz.run" 60 "FAILED (crash or leak; see above)"
         fi
         rm -rf "$work"
     else
-        tail -n 60 "$log"
-        failed+=("fuzz (build)")
-        summary+=("[fuzz] build failed")
+        stage_failed "fuzz (build)" "$log" 60 "build failed"
     fi
 else
     summary+=("[fuzz] skipped: fuzz/fuzz_api.c does not exist yet")

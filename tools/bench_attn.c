@@ -312,25 +312,26 @@ static double g_peak[3]; /* f32 FMA peak, GFLOP/s, by thread count */
  * layout's next layer, for about max_s seconds and at least min_calls calls per layout. med[l]:
  * the median seconds per call of layout l. Interleaving call by call puts both layouts under the
  * same conditions of a shared machine (its bandwidth and clock change within a second). */
+/* One decode call of the setup's batch on its next layer; 0 or -1 (reported). */
+static int decode_next(setup *s, const float *q, float *out, const pkv_attn_params *p) {
+    return tool_check(pkv_attn_decode(s->c, s->next_layer++ % s->n_layers, s->seqs, s->batch, q, out, p),
+                      "pkv_attn_decode");
+}
+
 static int time_decode_pair(setup su[2], const float *q, float *out, double max_s, uint32_t min_calls, double med[2]) {
     enum { MAX_CALLS = 200 };
     double t[2][MAX_CALLS];
     int n[2] = {0, 0};
     pkv_attn_params p = pkv_attn_params_default();
     p.n_q_heads = H_Q;
-    for (int l = 0; l < 2; l++) /* warm-up */
-        if (tool_check(pkv_attn_decode(su[l].c, su[l].next_layer++ % su[l].n_layers, su[l].seqs, su[l].batch, q, out,
-                                       &p),
-                       "pkv_attn_decode") < 0)
-            return -1;
+    if (decode_next(&su[0], q, out, &p) < 0 || decode_next(&su[1], q, out, &p) < 0) return -1; /* warm-up */
     const uint64_t start = tool_now_ns();
     for (uint32_t i = 0; n[0] < MAX_CALLS && n[1] < MAX_CALLS; i++) {
-        setup *s = &su[(i ^ (i >> 1)) & 1]; /* 0 1 1 0 0 1 1 0 ... */
-        const int l = s == &su[1];
+        const int l = (i ^ (i >> 1)) & 1; /* 0 1 1 0 0 1 1 0 ... */
         const uint64_t t0 = tool_now_ns();
-        const int rc = pkv_attn_decode(s->c, s->next_layer++ % s->n_layers, s->seqs, s->batch, q, out, &p);
+        const int rc = decode_next(&su[l], q, out, &p);
         const uint64_t t1 = tool_now_ns();
-        if (tool_check(rc, "pkv_attn_decode") < 0) return -1;
+        if (rc < 0) return -1;
         t[l][n[l]++] = (double)(t1 - t0) * 1e-9;
         if ((uint32_t)n[0] >= min_calls && n[0] == n[1] && (double)(t1 - start) * 1e-9 > max_s) break;
     }

@@ -14,4 +14,14 @@ void pkv__attn_prep_q8(const float *q, size_t q_stride, uint32_t n_rows, uint32_
 /* For fp8 K: scale * query as f32, zero-padded to a multiple of 8 values (SIMD tiles). */
 void pkv__attn_prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp);
 
+/* Calls CALL(N) with the group's row count nr (1..4) as a constant N, so a SIMD tile of N rows
+ * keeps its accumulators in registers. */
+#define PKV__ATTN_NR_SWITCH(nr, CALL)                                                                        \
+    switch (nr) {                                                                                            \
+    case 4: CALL(4); break;                                                                                  \
+    case 3: CALL(3); break;                                                                                  \
+    case 2: CALL(2); break;                                                                                  \
+    default: CALL(1); break;                                                                                 \
+    }
+
 #endif

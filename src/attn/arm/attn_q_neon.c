@@ -13,19 +13,14 @@
 #include <arm_neon.h>
 #include <string.h>
 
-/* The 32 codes of K/V block b of a row as int8 in value order: q8_0 as stored; q4_0 nibble
- * n - 8, value j in the low nibble of byte j (j < 16), value j + 16 in its high nibble. */
-static inline __attribute__((always_inline)) void codes32(const uint8_t *blk, const bool q4, int8x16_t *c0,
-                                                          int8x16_t *c1) {
-    if (q4) {
-        const uint8x16_t x = vld1q_u8(blk + 2);
-        const int8x16_t eight = vdupq_n_s8(8);
-        *c0 = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(x, vdupq_n_u8(15))), eight);
-        *c1 = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(x, 4)), eight);
-    } else {
-        *c0 = vld1q_s8((const int8_t *)(blk + 2));
-        *c1 = vld1q_s8((const int8_t *)(blk + 18));
-    }
+/* Codes h * 16 .. h * 16 + 15 of a q8_0 / q4_0 block as int8 in value order: q8_0 as stored;
+ * q4_0 nibble n - 8, value j in the low nibble of byte j (j < 16), value j + 16 in its high
+ * nibble. */
+static inline __attribute__((always_inline)) int8x16_t codes16(const uint8_t *blk, const bool q4, const uint32_t h) {
+    if (!q4) return vld1q_s8((const int8_t *)(blk + 2 + 16 * h));
+    const uint8x16_t x = vld1q_u8(blk + 2);
+    const uint8x16_t n = h ? vshrq_n_u8(x, 4) : vandq_u8(x, vdupq_n_u8(15));
+    return vsubq_s8(vreinterpretq_s8_u8(n), vdupq_n_s8(8));
 }
 
 static inline float blk_scale(const uint8_t *blk) {
@@ -59,8 +54,7 @@ static inline __attribute__((always_inline)) void score_i8(const void *qp, uint3
             const uint32_t nr = PKV_MIN(4u, n_rows - r0);
             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             for (uint32_t b = 0; b < nb; b++) {
-                int8x16_t c0, c1;
-                codes32(kr + b * bsz, q4, &c0, &c1);
+                const int8x16_t c0 = codes16(kr + b * bsz, q4, 0), c1 = codes16(kr + b * bsz, q4, 1);
                 const float dk = blk_scale(kr + b * bsz);
                 for (uint32_t i = 0; i < nr; i++) {
                     const uint8_t *row = (const uint8_t *)qp + (r0 + i) * qrow;
@@ -97,7 +91,7 @@ static inline __attribute__((always_inline)) void widen16(int8x16_t c, float32x4
 /* acc[i][16 h .. 16 h + 15 of block b] += p[i][t] * dv(t, b) * code, h = half of the block */
 static inline __attribute__((always_inline)) void accum_tile(const float *p, uint32_t ps, const uint32_t NR,
                                                              const uint8_t *v, size_t vrb, uint32_t n_keys,
-                                                             uint32_t D, uint32_t b, uint32_t h, float *acc,
+                                                             uint32_t D, uint32_t b, const uint32_t h, float *acc,
                                                              const bool q4) {
     const size_t bsz = q4 ? sizeof(pkv_block_q4_0) : sizeof(pkv_block_q8_0);
     float *a0 = acc + 32 * b + 16 * h;
@@ -106,10 +100,8 @@ static inline __attribute__((always_inline)) void accum_tile(const float *p, uin
         for (uint32_t c = 0; c < 4; c++) a[i][c] = vld1q_f32(a0 + i * (size_t)D + 4 * c);
     for (uint32_t t = 0; t < n_keys; t++) {
         const uint8_t *blk = v + t * vrb + b * bsz;
-        int8x16_t c0, c1;
-        codes32(blk, q4, &c0, &c1);
         float32x4_t x[4];
-        widen16(h ? c1 : c0, x);
+        widen16(codes16(blk, q4, h), x); /* only the half this tile needs */
         const float dv = blk_scale(blk);
         for (uint32_t i = 0; i < NR; i++) {
             const float w = p[i * ps + t] * dv;
@@ -128,15 +120,11 @@ static inline __attribute__((always_inline)) void accum_i8(const float *p, uint3
         const uint32_t nr = PKV_MIN(4u, n_rows - r0);
         const float *pr = p + (size_t)r0 * ps;
         float *ar = acc + (size_t)r0 * D;
-        for (uint32_t b = 0; b < nb; b++)
-            for (uint32_t h = 0; h < 2; h++) {
-                switch (nr) { /* the row count as a constant: the tile stays in registers */
-                case 4: accum_tile(pr, ps, 4, v, vrb, n_keys, D, b, h, ar, q4); break;
-                case 3: accum_tile(pr, ps, 3, v, vrb, n_keys, D, b, h, ar, q4); break;
-                case 2: accum_tile(pr, ps, 2, v, vrb, n_keys, D, b, h, ar, q4); break;
-                default: accum_tile(pr, ps, 1, v, vrb, n_keys, D, b, h, ar, q4); break;
-                }
-            }
+        for (uint32_t b = 0; b < nb; b++) {
+#define CALL_V(N) (accum_tile(pr, ps, N, v, vrb, n_keys, D, b, 0, ar, q4), accum_tile(pr, ps, N, v, vrb, n_keys, D, b, 1, ar, q4))
+            PKV__ATTN_NR_SWITCH(nr, CALL_V)
+#undef CALL_V
+        }
     }
 }
 
@@ -200,12 +188,9 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
             const float *q[4];
             for (uint32_t i = 0; i < 4; i++) q[i] = (const float *)qp + (r0 + (i < nr ? i : 0)) * qs;
             float *sr = s + (size_t)r0 * ss + t;
-            switch (nr) { /* the row count as a constant: the accumulators stay in registers */
-            case 4: score_fp8_key(q, 4, k + t * krb, D, sr, ss); break;
-            case 3: score_fp8_key(q, 3, k + t * krb, D, sr, ss); break;
-            case 2: score_fp8_key(q, 2, k + t * krb, D, sr, ss); break;
-            default: score_fp8_key(q, 1, k + t * krb, D, sr, ss); break;
-            }
+#define CALL_F8S(N) score_fp8_key(q, N, k + t * krb, D, sr, ss)
+            PKV__ATTN_NR_SWITCH(nr, CALL_F8S)
+#undef CALL_F8S
         }
     }
 }
@@ -255,12 +240,9 @@ static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_
         const uint32_t nr = PKV_MIN(4u, n_rows - r0);
         const float *pr = p + (size_t)r0 * ps;
         float *ar = acc + (size_t)r0 * D;
-        switch (nr) {
-        case 4: accum_fp8_rows(pr, ps, 4, v, vrb, n_keys, D, ar); break;
-        case 3: accum_fp8_rows(pr, ps, 3, v, vrb, n_keys, D, ar); break;
-        case 2: accum_fp8_rows(pr, ps, 2, v, vrb, n_keys, D, ar); break;
-        default: accum_fp8_rows(pr, ps, 1, v, vrb, n_keys, D, ar); break;
-        }
+#define CALL_F8V(N) accum_fp8_rows(pr, ps, N, v, vrb, n_keys, D, ar)
+        PKV__ATTN_NR_SWITCH(nr, CALL_F8V)
+#undef CALL_F8V
     }
 }
 

@@ -45,14 +45,6 @@ static ALWAYS_INLINE void store4(float *dst, __m128 v, uint32_t n) {
     for (uint32_t j = 0; j < n; j++) dst[j] = t[j];
 }
 
-#define NR_SWITCH(nr, CALL)                                                                                  \
-    switch (nr) {                                                                                            \
-    case 4: CALL(4); break;                                                                                  \
-    case 3: CALL(3); break;                                                                                  \
-    case 2: CALL(2); break;                                                                                  \
-    default: CALL(1); break;                                                                                 \
-    }
-
 /* ---- prepared query for integer K (q8_0, q4_0) -----------------------------------------------
  * Row layout (4 D bytes, within PKV__ATTN_QROW_BYTES(D)), per block b of 32 values:
  *   int8 q[D] | uint8 |q|[D] | f32 dq8[b][8] | int32 qs8[b][8]
@@ -193,7 +185,7 @@ static ALWAYS_INLINE void score_i8_d(const void *qp, uint32_t n_rows, const uint
             const uint8_t *q = (const uint8_t *)qp + r0 * qrow;
             float *sr = s + (size_t)r0 * ss + t0;
 #define CALL_I8(N) score_i8_tile(q, qrow, D, N, kr, q4, sr, ss, nk)
-            NR_SWITCH(nr, CALL_I8)
+            PKV__ATTN_NR_SWITCH(nr, CALL_I8)
             pkv__attn_pf_step(pf);
         }
     }
@@ -302,7 +294,7 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
         for (uint32_t r = 0; r < 4; r++) q[r] = (const float *)qp + (r0 + (r < nr ? r : 0)) * qs;
         float *sr = s + (size_t)r0 * ss;
 #define CALL_F8S(N) score_fp8_rows(q, N, k, krb, n_keys, D, sr, ss, pf)
-        NR_SWITCH(nr, CALL_F8S)
+        PKV__ATTN_NR_SWITCH(nr, CALL_F8S)
     }
 }
 
@@ -477,7 +469,7 @@ static ALWAYS_INLINE void accum_tiles_d(const float *p, uint32_t ps, uint32_t n_
 #define CALL_V(N)                                                                                             \
     (kind == V_FP8 ? accum_fp8_rows(pp, ps, N, vv, vrb, nk, D, ar)                                            \
                    : accum_i8_rows(pp, ps, N, vv, vrb, nk, D, ar, kind == V_Q4_0))
-            NR_SWITCH(nr, CALL_V)
+            PKV__ATTN_NR_SWITCH(nr, CALL_V)
 #undef CALL_V
         }
     }
