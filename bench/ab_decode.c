@@ -1,17 +1,16 @@
 /* ab_decode.c: decode attention of two builds of libpkv in one process, calls interleaved round
  * by round, for telling a change from the noise of a shared machine. scripts/ab-decode.sh builds
- * it: build A's global symbols renamed with the prefix a_ (objcopy), build B's as they are.
+ * it: build A's global symbols renamed with the prefix a_ (objcopy), build B's as they are,
+ * with tools/tool_util.c for the clock, medians and RNG.
  *
  * Each round times `calls` decode calls of A, then of B (odd rounds B first), each call on the
  * next layer so the K/V working set can exceed the caches. Reports each side's median GB/s of
  * K/V read and the median over rounds of time(B) / time(A), with its quartiles. */
-#define _POSIX_C_SOURCE 199309L
-#include "pkv.h"
+#include "tool.h" /* tools/tool_util.c: clock, median, RNG */
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 enum { AB_HQ = 32, AB_HKV = 8, AB_D = 128, AB_BT = 16, AB_MAX_BATCH = 64, AB_SCATTER = 1024 };
 enum { AB_MAX_ROUNDS = 101, AB_MAX_CALLS = 1000 };
@@ -28,31 +27,9 @@ typedef struct ab_side {
     uint32_t next;
 } ab_side;
 
-static double ab_now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
+static double ab_now(void) { return (double)tool_now_ns() * 1e-9; }
 
-static int ab_cmp(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* sorts v */
-static double ab_median(double *v, uint32_t n) {
-    qsort(v, n, sizeof *v, ab_cmp);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-static uint64_t ab_rand(uint64_t *s) { /* splitmix64 */
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static float ab_unit(uint64_t *s) { return (float)((double)(ab_rand(s) >> 11) * 0x1p-53 * 2.0 - 1.0); }
+static float ab_unit(tool_rng *r) { return (float)(tool_rng_unit(r) * 2.0 - 1.0); }
 
 /* Build A's public functions, as scripts/ab-decode.sh renames them. */
 pkv_config a_pkv_config_default(void);
@@ -105,15 +82,18 @@ int main(int argc, char **argv) {
 
     static ab_side a, b;
     int rc = 0;
-    if (a_ab_setup(&a, &o, 1) < 0 || ab_setup(&b, &o, 1) < 0) {
+    tool_rng ra, rb; /* the same seed: both builds get the same pool and data */
+    tool_rng_seed(&ra, 1), tool_rng_seed(&rb, 1);
+    if (a_ab_setup(&a, &o, &ra) < 0 || ab_setup(&b, &o, &rb) < 0) {
         fprintf(stderr, "ab_decode: set-up failed (out of memory, or a shape the builds refuse)\n");
         rc = 1;
     }
     const size_t nq = (size_t)o.batch * AB_HQ * AB_D;
     float *q = malloc(sizeof(float) * nq), *out = malloc(sizeof(float) * nq);
-    uint64_t seed = 2;
+    tool_rng rq;
+    tool_rng_seed(&rq, 2);
     if (!q || !out) rc = 1;
-    for (size_t i = 0; i < nq && rc == 0; i++) q[i] = ab_unit(&seed);
+    for (size_t i = 0; i < nq && rc == 0; i++) q[i] = ab_unit(&rq);
     double ta[AB_MAX_ROUNDS], tb[AB_MAX_ROUNDS], ratio[AB_MAX_ROUNDS];
     if (rc == 0 && (a_ab_time(&a, &o, q, out) < 0 || ab_time(&b, &o, q, out) < 0)) rc = 1; /* warm-up */
     for (uint32_t r = 0; r < o.rounds && rc == 0; r++) {
@@ -124,7 +104,7 @@ int main(int argc, char **argv) {
     }
     if (rc == 0) {
         const double bytes = (double)o.ctx * o.batch * AB_HKV * (double)pkv_dtype_row_bytes(o.dtype, AB_D) * 2.0;
-        const double ma = ab_median(ta, o.rounds), mb = ab_median(tb, o.rounds), mr = ab_median(ratio, o.rounds);
+        const double ma = tool_median(ta, o.rounds), mb = tool_median(tb, o.rounds), mr = tool_median(ratio, o.rounds);
         printf("%s ctx %u batch %u layers %u threads %u %s, %u rounds x %u calls: A %.2f GB/s, B %.2f GB/s; "
                "time B/A median %.3f (quartiles %.3f %.3f)\n",
                argv[1], o.ctx, o.batch, o.layers, o.threads, argv[6], o.rounds, o.calls, bytes / ma * 1e-9,

@@ -4,7 +4,7 @@
 /* Creates the cache, fragments its free queue when paged (many short sequences take blocks in
  * random interleaving and are released in random order), then appends `batch` sequences of ctx
  * tokens and writes the same random K/V rows into every layer. 0 or -1. */
-static int AB(ab_setup)(ab_side *s, const ab_opts *o, uint64_t seed) {
+static int AB(ab_setup)(ab_side *s, const ab_opts *o, tool_rng *rng) {
     const uint32_t per_seq = (o->ctx + AB_BT - 1) / AB_BT;
     pkv_config c = AB(pkv_config_default)();
     c.n_layers = o->layers, c.n_kv_heads = AB_HKV, c.head_dim = AB_D, c.block_tokens = AB_BT;
@@ -19,13 +19,13 @@ static int AB(ab_setup)(ab_side *s, const ab_opts *o, uint64_t seed) {
             if (AB(pkv_seq_create)(s->c, NULL, 0, &sc[i]) < 0) return -1;
         for (uint32_t b = 0; b < c.n_blocks; b++)
             for (;;) {
-                const int rc = AB(pkv_seq_append)(s->c, sc[ab_rand(&seed) % m], tok, AB_BT, NULL);
+                const int rc = AB(pkv_seq_append)(s->c, sc[tool_rng_u64(rng) % m], tok, AB_BT, NULL);
                 if (rc == PKV_ELIMIT) continue; /* that one is full: pick another */
                 if (rc < 0) return -1;
                 break;
             }
         for (uint32_t i = m; i > 1; i--) {
-            const uint32_t j = (uint32_t)(ab_rand(&seed) % i);
+            const uint32_t j = (uint32_t)(tool_rng_u64(rng) % i);
             const pkv_seq t = sc[i - 1];
             sc[i - 1] = sc[j], sc[j] = t;
         }
@@ -36,7 +36,7 @@ static int AB(ab_setup)(ab_side *s, const ab_opts *o, uint64_t seed) {
     int32_t *ids = calloc(o->ctx, sizeof *ids), *slots = malloc(sizeof(int32_t) * o->ctx);
     float *k = malloc(sizeof(float) * n), *v = malloc(sizeof(float) * n);
     int rc = ids && slots && k && v ? 0 : -1;
-    for (size_t i = 0; i < n && rc == 0; i++) k[i] = ab_unit(&seed), v[i] = ab_unit(&seed);
+    for (size_t i = 0; i < n && rc == 0; i++) k[i] = ab_unit(rng), v[i] = ab_unit(rng);
     for (uint32_t b = 0; b < o->batch && rc == 0; b++) {
         if (AB(pkv_seq_create)(s->c, NULL, 0, &s->seqs[b]) < 0 ||
             AB(pkv_seq_append)(s->c, s->seqs[b], ids, o->ctx, NULL) < 0 ||
@@ -59,7 +59,7 @@ static double AB(ab_time)(ab_side *s, const ab_opts *o, const float *q, float *o
         if (AB(pkv_attn_decode)(s->c, s->next++ % o->layers, s->seqs, o->batch, q, out, &p) < 0) return -1.0;
         t[i] = ab_now() - t0;
     }
-    return ab_median(t, o->calls);
+    return tool_median(t, o->calls);
 }
 
 static void AB(ab_free)(ab_side *s) { AB(pkv_cache_destroy)(s->c); }
