@@ -531,6 +531,40 @@ static void test_threads_agree(void **state) {
     pool_free(&p);
 }
 
+/* The plan's size for the run-inline decision counts every kv head a unit reads: a decode unit
+ * covers all 8 kv heads of a sequence, so one sequence of 512 tokens is 8 x 32 (head, block)
+ * pairs, 4x the default threshold of 64, and goes to the pool; it counted 32 once (run alone). */
+static void test_inline_threshold_counts_heads(void **state) {
+    (void)state;
+    const uint32_t D = 128, B = 16;
+    const struct { uint32_t H, len, threads; } cases[] = {
+        {8, 512, 2},  /* 256 head-blocks */
+        {8, 128, 2},  /* 64: at the threshold, not under it */
+        {8, 112, 1},  /* 56 */
+        {1, 512, 1},  /* 32 */
+        {1, 1024, 2}, /* 64 */
+    };
+    g_rng = 29;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const uint32_t H = cases[c].H, len = cases[c].len, nqh = 4 * H;
+        tpool p;
+        pool_init(&p, H, D, B, 64, PKV_DTYPE_F16, PKV_DTYPE_F16);
+        tseq s;
+        seq_make(&p, &s, len, 1.0f);
+        float *q = rand_q((size_t)nqh * D), *out = malloc(sizeof(float) * nqh * D);
+        pkv__attn *at = make_attn("ref", 2, 1, 64, H, D, B); /* the decision is the driver's, not the backend's */
+        assert_int_equal(pkv__attn_last_threads(at), 0);
+        pkv__attn_item it = {.block_table = s.table, .q_pos0 = len - 1, .n_q = 1, .q = q, .out = out};
+        pkv__attn_call call = {.n_q_heads = nqh, .scale = 0.1f};
+        assert_int_equal(pkv__attn_run(at, &p.view, &it, 1, &call), PKV_OK);
+        assert_int_equal(pkv__attn_last_threads(at), cases[c].threads);
+        pkv__attn_destroy(at);
+        free(q), free(out);
+        seq_free(&s);
+        pool_free(&p);
+    }
+}
+
 /* ---- bad input --------------------------------------------------------------------------------- */
 static void test_bad_input(void **state) {
     (void)state;
@@ -675,6 +709,7 @@ int main(void) {
         PER_BACKEND(test_lse_merge_halves),
         PER_BACKEND(test_threads_agree),
         PER_BACKEND(test_quant_dtypes_supported_or_enotsup),
+        cmocka_unit_test(test_inline_threshold_counts_heads),
         cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_force_ref),
     };

@@ -44,7 +44,8 @@ typedef struct plan_item {
 } plan_item;
 
 struct pkv__attn {
-    uint64_t work_total;   /* of the current plan: sum over items of units x visible blocks */
+    uint64_t head_blocks;  /* of the current plan: (kv head, block) pairs its units read */
+    uint32_t last_threads; /* threads the last run used (1: the caller alone) */
     uint64_t inline_elems; /* plans under this many K/V elements run on the caller alone */
     pkv_allocator a;
     size_t alloc_bytes;
@@ -447,7 +448,7 @@ static uint32_t item_blocks(const pkv__attn *at, const pkv__attn_item *it) {
 }
 
 static uint32_t make_plan(pkv__attn *at) {
-    uint64_t base_total = 0, work_total = 0;
+    uint64_t base_total = 0, work_total = 0, head_blocks = 0;
     for (uint32_t i = 0; i < at->n_items; i++) {
         plan_item *pi = &at->plan[i];
         if (at->items[i].n_q == 0) { /* nothing to compute: no units */
@@ -459,6 +460,9 @@ static uint32_t make_plan(pkv__attn *at) {
         const uint64_t base = (uint64_t)pi->n_hgs * pi->n_qt;
         base_total += base;
         work_total += base * item_blocks(at, &at->items[i]);
+        /* a unit reads heads_per kv heads (fewer in the last group): H heads per query tile,
+         * each once per query-head sub-group */
+        head_blocks += (uint64_t)at->kv->n_kv_heads * pi->n_gsub * pi->n_qt * item_blocks(at, &at->items[i]);
     }
     /* Split keys when there are too few units to keep every thread busy (few long
      * sequences): aim at UNITS_PER_THREAD units per thread, each split at least MIN_SPLIT_BLOCKS long. */
@@ -488,12 +492,13 @@ static uint32_t make_plan(pkv__attn *at) {
         pi->n_units = (uint32_t)(base * pi->n_ks);
         unit0 += pi->n_units;
     }
-    at->work_total = work_total;
+    at->head_blocks = head_blocks;
     return unit0;
 }
 
 
 void pkv__attn_set_inline_work(pkv__attn *at, uint64_t elems) { at->inline_elems = elems; }
+uint32_t pkv__attn_last_threads(const pkv__attn *at) { return at->last_threads; }
 
 /* ---- run ------------------------------------------------------------------------------------- */
 
@@ -533,10 +538,12 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     at->items = items;
     at->n_items = n_items;
     const uint32_t n_units = make_plan(at);
-    if (n_units && at->work_total * kv->block_tokens * kv->head_dim < at->inline_elems) {
+    at->last_threads = 1;
+    if (n_units && at->head_blocks * kv->block_tokens * kv->head_dim < at->inline_elems) {
         for (uint32_t u = 0; u < n_units; u++) run_unit(at, u, 0); /* small call: the caller alone */
     } else if (n_units) {
         pkv__tpool_run(&at->pool, run_unit, at, n_units);
+        if (n_units > 1) at->last_threads = at->n_threads;
     }
     at->kv = NULL;
     at->items = NULL;

@@ -59,6 +59,9 @@ void pkv__attn_destroy(pkv__attn *at);
 /* Calls whose plan covers fewer K/V elements than this run on the calling thread alone (waking
  * workers costs more). Default 64 * 16 * 128; tests set 0 to drive the pool on every call. */
 void pkv__attn_set_inline_work(pkv__attn *at, uint64_t elems);
+/* Threads the last successful pkv__attn_run used: 1 when it ran on the caller alone (small
+ * plan, one unit or one thread), else the context's thread count; 0 before any run. */
+uint32_t pkv__attn_last_threads(const pkv__attn *at);
 const char *pkv__attn_backend_name(const pkv__attn *at);
 uint32_t pkv__attn_n_threads(const pkv__attn *at);
 
