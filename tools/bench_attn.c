@@ -32,6 +32,11 @@ static void usage(FILE *f) {
             "both sides of each ratio alike. Reports the median time per\n"
             "call, K/V bytes read per second, the median over rounds of (bytes/s / read bandwidth),\n"
             "K+V bytes per token per layer (B/tok) and the median of per-round paged / contiguous.\n"
+            "Each round also times the kernel on K/V already in the caches (one layer of at most\n"
+            "8 MiB, up to 2 of the sequences, called repeatedly): hotGB/s, and hot_bw, its median\n"
+            "fraction of the read bandwidth, are the rate the kernel's arithmetic allows here. Decode\n"
+            "from memory cannot be much faster: where hot_bw is near or under 100%%, decode is bound\n"
+            "by compute on this machine, not by memory.\n"
 "Prefill: one 2048-token prompt, causal, GFLOP/s (4 * n_q_heads * head_dim per\n"
             "query-key pair) and the fraction of the f32 FMA peak: 7 rounds of (a short FMA peak\n"
             "sample, one prefill call), median of the per-round fractions.\n"
@@ -339,6 +344,32 @@ static int time_decode_pair(setup su[2], const float *q, float *out, double max_
     return 0;
 }
 
+/* The same kernel with K/V already in the caches: one layer of HOT_BYTES, called over and over
+ * for about max_s seconds (after two warm-up calls) on the setup's first layer; the median
+ * seconds per call. Its bytes per second are what the kernel's arithmetic allows when memory is
+ * not in the way, so decode from memory can reach at most min(read bandwidth, this). */
+#define HOT_BYTES (8.0 * 1024 * 1024)
+static int time_decode_hot(setup *s, const float *q, float *out, double max_s, double *med) {
+    enum { MAX_CALLS = 400, MIN_CALLS = 10 };
+    double t[MAX_CALLS];
+    int n = 0;
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = H_Q;
+    for (int i = 0; i < 2; i++)
+        if (decode_next(s, q, out, &p) < 0) return -1;
+    const uint64_t start = tool_now_ns();
+    while (n < MAX_CALLS) {
+        const uint64_t t0 = tool_now_ns();
+        const int rc = decode_next(s, q, out, &p);
+        const uint64_t t1 = tool_now_ns();
+        if (rc < 0) return -1;
+        t[n++] = (double)(t1 - t0) * 1e-9;
+        if (n >= MIN_CALLS && (double)(t1 - start) * 1e-9 > max_s) break;
+    }
+    *med = tool_median(t, (size_t)n);
+    return 0;
+}
+
 /* Other tenants of a shared machine change the available bandwidth from one second to the next,
  * so a configuration is measured in rounds: each round samples the read bandwidth, then times
  * the contiguous and the paged layout with their calls interleaved (time_decode_pair). Fractions
@@ -360,29 +391,41 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     const uint32_t min_calls = per_layer >= 64.0 * 1024 * 1024 ? 3 : 15;
     float *q = malloc(sizeof(float) * batch * H_Q * HEAD_DIM), *out = malloc(sizeof(float) * batch * H_Q * HEAD_DIM);
     for (size_t i = 0; i < (size_t)batch * H_Q * HEAD_DIM; i++) q[i] = (float)tool_rng_normal(rng);
-    setup su[2];
+    /* su[2]: the in-cache run, paged, one layer of about HOT_BYTES: up to 2 of the batch's
+     * sequences, as many tokens as fit (at most ctx) */
+    const uint32_t hot_batch = batch < 2 ? batch : 2;
+    uint32_t hot_ctx = (uint32_t)(HOT_BYTES / ((double)hot_batch * H_KV * row)) / BT * BT;
+    if (hot_ctx > ctx) hot_ctx = ctx;
+    if (hot_ctx < BT) hot_ctx = BT;
+    const double hot_layer = (double)hot_batch * hot_ctx * H_KV * row;
+    setup su[3];
     int rc = 0, made = 0;
-    for (; made < 2; made++) {
-        rc = setup_make(&su[made], dt, ctx, batch, n_layers, nt, made, rng);
+    for (; made < 3; made++) {
+        rc = made < 2 ? setup_make(&su[made], dt, ctx, batch, n_layers, nt, made, rng)
+                      : setup_make(&su[made], dt, hot_ctx, hot_batch, 1, nt, 1, rng);
         if (rc < 0) {
             fprintf(stderr, "pkv bench attn: set-up failed for %s ctx %u batch %u: %s\n", pkv_dtype_name(dt), ctx, batch,
                     pkv_strerror(rc));
             break;
         }
     }
-    double t[2][7], frac[2][7], bw[7], ratio[7];
+    double t[2][7], frac[2][7], bw[7], ratio[7], hot[7], hot_frac[7];
     for (int r = 0; r < rounds && rc == 0; r++) {
         bw[r] = bw_sample((int)nt);
-        double med[2] = {0, 0};
+        double med[2] = {0, 0}, hot_med = 0;
         rc = time_decode_pair(su, q, out, 2 * round_s, min_calls, med);
+        if (rc == 0) rc = time_decode_hot(&su[2], q, out, round_s / 2, &hot_med);
+        if (rc < 0) break;
         for (int l = 0; l < 2; l++) t[l][r] = med[l], frac[l][r] = per_layer / med[l] * 1e-9 / bw[r];
         ratio[r] = t[1][r] / t[0][r];
+        hot[r] = hot_layer / hot_med * 1e-9, hot_frac[r] = hot[r] / bw[r];
     }
     const double adjacent[2] = {su[0].adjacent, su[1].adjacent};
     for (int l = 0; l < made; l++) setup_free(&su[l]); /* a failed setup_make freed its own */
     free(q), free(out);
     if (rc < 0) return -1;
     const double bw_med = tool_median(bw, (size_t)rounds), ratio_med = tool_median(ratio, (size_t)rounds);
+    const double hot_med = tool_median(hot, (size_t)rounds), hot_frac_med = tool_median(hot_frac, (size_t)rounds);
     for (int paged = 0; paged <= 1; paged++) {
         const double med = tool_median(t[paged], (size_t)rounds), fr = tool_median(frac[paged], (size_t)rounds);
         const double gbps = per_layer / med * 1e-9;
@@ -397,6 +440,8 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
             printf("%-7s %-8s %6u %5u %3u  %-6s %10.1f %8.2f %8.2f %6.1f%% %7.0f %6zu", "decode", pkv_dtype_name(dt), ctx,
                    batch, nt, layout, med * 1e6, gbps, bw_med, 100.0 * fr, per_layer * n_layers / (1024.0 * 1024.0),
                    (size_t)H_KV * row);
+        if (o->json) printf(",\"hot_gbps\":%.3f,\"hot_frac_of_bw\":%.4f", hot_med, hot_frac_med);
+        else printf(" %8.2f %6.1f%%", hot_med, 100.0 * hot_frac_med);
         if (paged) {
             if (o->json) printf(",\"paged_over_contig\":%.4f}\n", ratio_med);
             else printf("   %.3f\n", ratio_med);
@@ -530,8 +575,9 @@ int tool_bench_attn(int argc, char **argv) {
         printf("# streaming read: %.2f GB/s (1 thread), %.2f GB/s (2 threads); f32 FMA peak: %.1f / %.1f GFLOP/s\n",
                g_bw[1], g_bw[2], g_peak[1], g_peak[2]);
         printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %d\n", H_Q, H_KV, HEAD_DIM, BT);
-        printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s  %s\n", "kernel", "kv", "ctx", "batch", "thr",
-               "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "paged/contig");
+        printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s %8s %7s  %s\n", "kernel", "kv", "ctx", "batch",
+               "thr", "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "hotGB/s", "hot_bw",
+               "paged/contig");
     }
     fflush(stdout);
 
