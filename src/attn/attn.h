@@ -138,8 +138,11 @@ static inline __attribute__((always_inline)) void pkv__attn_pf_start(pkv__attn_p
 static inline __attribute__((always_inline)) void pkv__attn_pf_step(pkv__attn_pf *pf) {
     if (!pf) return;
     for (int j = 0; j < 2; j++) {
-        const uint8_t *e = pf->p[j] + pf->step < pf->end[j] ? pf->p[j] + pf->step : pf->end[j];
-        for (const uint8_t *x = pf->p[j]; x < e; x += 64) __builtin_prefetch(x, 0, 2);
+        const uint8_t *e = pf->p[j] + pf->step < pf->end[j] ? pf->p[j] + pf->step : pf->end[j], *x = pf->p[j];
+        for (; x + 3 * 64 < e; x += 4 * 64) /* 4 lines per turn: a third of the loop's instructions */
+            __builtin_prefetch(x, 0, 2), __builtin_prefetch(x + 64, 0, 2), __builtin_prefetch(x + 128, 0, 2),
+                __builtin_prefetch(x + 192, 0, 2);
+        for (; x < e; x += 64) __builtin_prefetch(x, 0, 2);
         pf->p[j] = e;
     }
 }
