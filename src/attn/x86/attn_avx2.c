@@ -33,6 +33,15 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
     }
 }
 
+/* Prefetch shares in the middle of each score tile as well as after it: for f32 rows only. At
+ * head_dim 128 and 16-token blocks a share per tile is about 11 lines of each run for f16 and
+ * bf16 but 22 for f32, and a burst that size stalls the core on its miss buffers: halving it
+ * made f32 decode from memory 10-14% faster (scripts/ab-decode.sh), while the split tile costs
+ * the 2-byte types a few percent in cache for nothing. */
+#define SPLIT_PF_f32 1
+#define SPLIT_PF_f16 0
+#define SPLIT_PF_bf16 0
+
 /* Tiles of a block's keys: 3 at a time, ending on 2-key tiles rather than a 1-key one (4 chains
  * would be latency-bound), e.g. 16 = 3 + 3 + 3 + 3 + 2 + 2. */
 static inline uint32_t key_tiles(uint32_t n) {
@@ -46,21 +55,32 @@ static inline uint32_t key_tiles(uint32_t n) {
  * and 2 issue per cycle, so 8 chains would leave no slack), per 8 elements 3 K loads (+ converts)
  * and 4 q loads for 12 FMAs. Row and key tails use narrower tiles of the same code. */
 #define DEF_SCORE(T)                                                                                            \
-    static inline __attribute__((always_inline)) void score_tile_##T(const float *q, size_t qs, const uint8_t *k, \
-                                                                     size_t krb, const uint32_t R, const uint32_t K, \
-                                                                     uint32_t D, float *s, uint32_t ss) {       \
-        __m256 acc[4][3];                                                                                       \
-        const size_t esz = sizeof(elem_##T);                                                                    \
-        const uint32_t D8 = D & ~7u;                                                                            \
-        for (uint32_t r = 0; r < R; r++)                                                                        \
-            for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm256_setzero_ps();                                   \
-        for (uint32_t d = 0; d < D8; d += 8) {                                                                  \
+    static inline __attribute__((always_inline)) void score_span_##T(__m256 acc[4][3], const float *q, size_t qs, \
+                                                                     const uint8_t *k, size_t krb, const uint32_t R, \
+                                                                     const uint32_t K, uint32_t d0, uint32_t d1) { \
+        for (uint32_t d = d0; d < d1; d += 8) {                                                                 \
             __m256 kk[3];                                                                                       \
-            for (uint32_t t = 0; t < K; t++) kk[t] = ld_##T(k + t * krb + d * esz);                             \
+            for (uint32_t t = 0; t < K; t++) kk[t] = ld_##T(k + t * krb + d * sizeof(elem_##T));                \
             for (uint32_t r = 0; r < R; r++) {                                                                  \
                 const __m256 x = _mm256_loadu_ps(q + r * qs + d);                                               \
                 for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm256_fmadd_ps(x, kk[t], acc[r][t]);              \
             }                                                                                                   \
+        }                                                                                                       \
+    }                                                                                                           \
+    static inline __attribute__((always_inline)) void score_tile_##T(const float *q, size_t qs, const uint8_t *k, \
+                                                                     size_t krb, const uint32_t R, const uint32_t K, \
+                                                                     uint32_t D, float *s, uint32_t ss,         \
+                                                                     const int split, pkv__attn_pf *pf) {       \
+        __m256 acc[4][3];                                                                                       \
+        const uint32_t D8 = D & ~7u;                                                                            \
+        for (uint32_t r = 0; r < R; r++)                                                                        \
+            for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm256_setzero_ps();                                   \
+        if (split) { /* the row in two halves, one prefetch share between them */                              \
+            score_span_##T(acc, q, qs, k, krb, R, K, 0, D8 / 16 * 8);                                           \
+            pkv__attn_pf_step(pf);                                                                              \
+            score_span_##T(acc, q, qs, k, krb, R, K, D8 / 16 * 8, D8);                                          \
+        } else {                                                                                                \
+            score_span_##T(acc, q, qs, k, krb, R, K, 0, D8);                                                    \
         }                                                                                                       \
         if (R == 4) {                                                                                           \
             for (uint32_t t = 0; t < K; t++) {                                                                  \
@@ -79,11 +99,11 @@ static inline uint32_t key_tiles(uint32_t n) {
     static inline __attribute__((always_inline)) void score_body_##T(const void *qp, uint32_t n_rows,           \
                                                                      const uint8_t *k, size_t krb, uint32_t n_keys, \
                                                                      uint32_t D, float *s, uint32_t ss,         \
-                                                                     pkv__attn_pf *pf) {                        \
+                                                                     const int split, pkv__attn_pf *pf) {       \
         const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
         const float *q = qp;                                                                                    \
-        /* one share of the prefetch after each tile of 4 rows */                                               \
-        const uint32_t n_pf = PKV_MAX(1u, key_tiles(n_keys) * (n_rows / 4));                                    \
+        /* one share of the prefetch after each tile of 4 rows (split: and one in its middle) */               \
+        const uint32_t n_pf = PKV_MAX(1u, (split ? 2 : 1) * key_tiles(n_keys) * (n_rows / 4));                  \
         uint32_t i = 0, r = 0;                                                                                  \
         pkv__attn_pf_start(pf, n_pf);                                                                           \
         for (; r + 4 <= n_rows; r += 4) {                                                                       \
@@ -91,34 +111,34 @@ static inline uint32_t key_tiles(uint32_t n) {
             float *sr = s + r * ss;                                                                             \
             uint32_t t = 0;                                                                                     \
             for (; n_keys - t >= 3 && n_keys - t != 4; t += 3) {                                                \
-                score_tile_##T(qr, qs, k + t * krb, krb, 4, 3, D, sr + t, ss);                                  \
-                pkv__attn_pf_step(pf), i++;                                                                     \
+                score_tile_##T(qr, qs, k + t * krb, krb, 4, 3, D, sr + t, ss, split, pf);                       \
+                pkv__attn_pf_step(pf), i += split ? 2 : 1;                                                                     \
             }                                                                                                   \
             for (; n_keys - t >= 2; t += 2) {                                                                   \
-                score_tile_##T(qr, qs, k + t * krb, krb, 4, 2, D, sr + t, ss);                                  \
-                pkv__attn_pf_step(pf), i++;                                                                     \
+                score_tile_##T(qr, qs, k + t * krb, krb, 4, 2, D, sr + t, ss, split, pf);                       \
+                pkv__attn_pf_step(pf), i += split ? 2 : 1;                                                                     \
             }                                                                                                   \
             if (n_keys - t == 1) {                                                                              \
-                score_tile_##T(qr, qs, k + t * krb, krb, 4, 1, D, sr + t, ss);                                  \
-                pkv__attn_pf_step(pf), i++;                                                                     \
+                score_tile_##T(qr, qs, k + t * krb, krb, 4, 1, D, sr + t, ss, split, pf);                       \
+                pkv__attn_pf_step(pf), i += split ? 2 : 1;                                                                     \
             }                                                                                                   \
         }                                                                                                       \
         for (; r < n_rows; r++) {                                                                               \
             const float *qr = q + r * qs;                                                                       \
             float *sr = s + r * ss;                                                                             \
             uint32_t t = 0;                                                                                     \
-            for (; n_keys - t >= 3 && n_keys - t != 4; t += 3) score_tile_##T(qr, qs, k + t * krb, krb, 1, 3, D, sr + t, ss); \
-            for (; n_keys - t >= 2; t += 2) score_tile_##T(qr, qs, k + t * krb, krb, 1, 2, D, sr + t, ss);      \
-            if (n_keys - t == 1) score_tile_##T(qr, qs, k + t * krb, krb, 1, 1, D, sr + t, ss);                 \
+            for (; n_keys - t >= 3 && n_keys - t != 4; t += 3) score_tile_##T(qr, qs, k + t * krb, krb, 1, 3, D, sr + t, ss, 0, NULL); \
+            for (; n_keys - t >= 2; t += 2) score_tile_##T(qr, qs, k + t * krb, krb, 1, 2, D, sr + t, ss, 0, NULL);      \
+            if (n_keys - t == 1) score_tile_##T(qr, qs, k + t * krb, krb, 1, 1, D, sr + t, ss, 0, NULL);                 \
         }                                                                                                       \
         for (; i < n_pf; i++) pkv__attn_pf_step(pf);        /* fewer than 4 rows: all at the end */             \
     }                                                                                                           \
     static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,       \
                           uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {                                \
         if (D == 128) /* the common head_dim, with constant trip counts */                                      \
-            score_body_##T(qp, n_rows, k, krb, n_keys, 128, s, ss, pf);                                         \
+            score_body_##T(qp, n_rows, k, krb, n_keys, 128, s, ss, SPLIT_PF_##T, pf);                           \
         else                                                                                                    \
-            score_body_##T(qp, n_rows, k, krb, n_keys, D, s, ss, pf);                                           \
+            score_body_##T(qp, n_rows, k, krb, n_keys, D, s, ss, SPLIT_PF_##T, pf);                             \
     }
 
 /* ---- accum: acc[r][:] += sum_t p[r][t] * v_t ----------------------------------------------------
