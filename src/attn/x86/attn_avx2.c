@@ -36,7 +36,7 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
 /* Prefetch shares in the middle of each score tile as well as after it: for f32 rows only. At
  * head_dim 128 and 16-token blocks a share per tile is about 11 lines of each run for f16 and
  * bf16 but 22 for f32, and a burst that size stalls the core on its miss buffers: halving it
- * made f32 decode from memory 10-14% faster (scripts/ab-decode.sh), while the split tile costs
+ * made f32 decode from memory 10-18% faster (scripts/ab-decode.sh), while the split tile costs
  * the 2-byte types a few percent in cache for nothing. */
 #define SPLIT_PF_f32 1
 #define SPLIT_PF_f16 0
@@ -112,15 +112,15 @@ static inline uint32_t key_tiles(uint32_t n) {
             uint32_t t = 0;                                                                                     \
             for (; n_keys - t >= 3 && n_keys - t != 4; t += 3) {                                                \
                 score_tile_##T(qr, qs, k + t * krb, krb, 4, 3, D, sr + t, ss, split, pf);                       \
-                pkv__attn_pf_step(pf), i += split ? 2 : 1;                                                                     \
+                pkv__attn_pf_step(pf), i += split ? 2 : 1;                                                      \
             }                                                                                                   \
             for (; n_keys - t >= 2; t += 2) {                                                                   \
                 score_tile_##T(qr, qs, k + t * krb, krb, 4, 2, D, sr + t, ss, split, pf);                       \
-                pkv__attn_pf_step(pf), i += split ? 2 : 1;                                                                     \
+                pkv__attn_pf_step(pf), i += split ? 2 : 1;                                                      \
             }                                                                                                   \
             if (n_keys - t == 1) {                                                                              \
                 score_tile_##T(qr, qs, k + t * krb, krb, 4, 1, D, sr + t, ss, split, pf);                       \
-                pkv__attn_pf_step(pf), i += split ? 2 : 1;                                                                     \
+                pkv__attn_pf_step(pf), i += split ? 2 : 1;                                                      \
             }                                                                                                   \
         }                                                                                                       \
         for (; r < n_rows; r++) {                                                                               \
