@@ -35,9 +35,10 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
 
 /* Prefetch shares in the middle of each score tile as well as after it: for f32 rows only. At
  * head_dim 128 and 16-token blocks a share per tile is about 11 lines of each run for f16 and
- * bf16 but 22 for f32, and a burst that size stalls the core on its miss buffers: halving it
- * made f32 decode from memory 10-18% faster (scripts/ab-decode.sh), while the split tile costs
- * the 2-byte types a few percent in cache for nothing. */
+ * bf16 but 22 for f32, and a burst that size (4 lines per turn of pkv__attn_pf_step) stalls
+ * the core on its miss buffers: halving it made f32 decode from memory 10-18% faster
+ * (scripts/ab-decode.sh), while the split tile costs the 2-byte types a few percent in cache
+ * and gains them little from memory (docs/design.md). */
 #define SPLIT_PF_f32 1
 #define SPLIT_PF_f16 0
 #define SPLIT_PF_bf16 0
