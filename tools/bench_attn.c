@@ -39,7 +39,8 @@ static void usage(FILE *f) {
             "by compute on this machine, not by memory.\n"
 "Prefill: one 2048-token prompt, causal, GFLOP/s (4 * n_q_heads * head_dim per\n"
             "query-key pair) and the fraction of the f32 FMA peak: 7 rounds of (a short FMA peak\n"
-            "sample, one prefill call), median of the per-round fractions.\n"
+            "sample, one prefill call, another sample), the fraction against the mean of the two\n"
+            "samples; median of the per-round fractions.\n"
             "\n"
             "  --json      one JSON object per line\n"
             "  --quick     a short subset (contexts 512 and 4096, batch 1, f16, 256 MiB working set,\n"
@@ -466,17 +467,20 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     pkv_attn_req req = {.seq = s.seqs[0], .q_start = 0, .n_q = n_tok};
     pkv_attn_params p = pkv_attn_params_default();
     p.n_q_heads = H_Q;
-    /* rounds of (FMA peak sample, one prefill): the peak the machine gives now, next to the call */
+    /* rounds of (FMA peak sample, one prefill, FMA peak sample): the peak the machine gives
+     * around the call, as the mean of the samples on either side of it */
     double t[7], frac[7], peak[7];
     const int reps = o->quick ? 3 : 7;
     /* causal: query i sees i + 1 keys; q.k and p.v are one multiply-add each per element */
     const double flop = 4.0 * H_Q * HEAD_DIM * ((double)n_tok * (n_tok + 1) / 2.0);
     rc = tool_check(pkv_attn_prefill(s.c, 0, &req, 1, q, out, &p), "pkv_attn_prefill"); /* warm-up */
     for (int i = 0; i < reps && rc == 0; i++) {
-        peak[i] = fma_available() ? fma_peak_n((int)nt, 1, 100000000ull / 16) : 0;
+        const double before = fma_available() ? fma_peak_n((int)nt, 1, 100000000ull / 16) : 0;
         uint64_t t0 = tool_now_ns();
         rc = tool_check(pkv_attn_prefill(s.c, 0, &req, 1, q, out, &p), "pkv_attn_prefill");
         t[i] = (double)(tool_now_ns() - t0) * 1e-9;
+        const double after = fma_available() ? fma_peak_n((int)nt, 1, 100000000ull / 16) : 0;
+        peak[i] = 0.5 * (before + after);
         frac[i] = peak[i] > 0 ? flop / t[i] * 1e-9 / peak[i] : 0;
     }
     setup_free(&s);
