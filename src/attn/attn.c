@@ -457,12 +457,12 @@ static uint32_t make_plan(pkv__attn *at) {
             continue;
         }
         plan_shape(at, &at->items[i], pi);
-        const uint64_t base = (uint64_t)pi->n_hgs * pi->n_qt;
+        const uint64_t base = (uint64_t)pi->n_hgs * pi->n_qt, nb = item_blocks(at, &at->items[i]);
         base_total += base;
-        work_total += base * item_blocks(at, &at->items[i]);
+        work_total += base * nb;
         /* a unit reads heads_per kv heads (fewer in the last group): H heads per query tile,
          * each once per query-head sub-group */
-        head_blocks += (uint64_t)at->kv->n_kv_heads * pi->n_gsub * pi->n_qt * item_blocks(at, &at->items[i]);
+        head_blocks += (uint64_t)at->kv->n_kv_heads * pi->n_gsub * pi->n_qt * nb;
     }
     /* Split keys when there are too few units to keep every thread busy (few long
      * sequences): aim at UNITS_PER_THREAD units per thread, each split at least MIN_SPLIT_BLOCKS long. */

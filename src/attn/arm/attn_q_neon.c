@@ -67,16 +67,6 @@ static inline __attribute__((always_inline)) void score_i8(const void *qp, uint3
     }
 }
 
-static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
-                       float *s, uint32_t ss, pkv__attn_pf *pf) {
-    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, false);
-}
-
-static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
-                       float *s, uint32_t ss, pkv__attn_pf *pf) {
-    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, true);
-}
-
 /* ---- accum: tiles of up to 4 rows x 16 values (16 accumulators) across the block's keys ----- */
 
 /* 16 int8 codes -> 4 x float32x4 */
@@ -128,15 +118,7 @@ static inline __attribute__((always_inline)) void accum_i8(const float *p, uint3
     }
 }
 
-static void accum_q8_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                       uint32_t D, float *acc) {
-    accum_i8(p, ps, n_rows, v, vrb, n_keys, D, acc, false);
-}
-
-static void accum_q4_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                       uint32_t D, float *acc) {
-    accum_i8(p, ps, n_rows, v, vrb, n_keys, D, acc, true);
-}
+PKV__ATTN_DEF_I8_ENTRIES(score_i8, accum_i8, false, true)
 
 /* ---- fp8 e4m3 ------------------------------------------------------------------------------ */
 

@@ -200,16 +200,6 @@ static ALWAYS_INLINE void score_i8(const void *qp, uint32_t n_rows, const uint8_
         score_i8_d(qp, n_rows, k, krb, n_keys, D, s, ss, pf, q4);
 }
 
-static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
-                       float *s, uint32_t ss, pkv__attn_pf *pf) {
-    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, false);
-}
-
-static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
-                       float *s, uint32_t ss, pkv__attn_pf *pf) {
-    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, true);
-}
-
 /* ---- fp8 e4m3 ---------------------------------------------------------------------------------
  * 16 codes -> 16 f16 equal to e4m3(b) * 2^-8 exactly: the byte sign-extended to 16 bits and
  * shifted left by 7 has the sign at bits 15 and 14 (14 cleared by the mask) and the magnitude
@@ -484,15 +474,7 @@ static ALWAYS_INLINE void accum_tiles(const float *p, uint32_t ps, uint32_t n_ro
         accum_tiles_d(p, ps, n_rows, v, vrb, n_keys, D, acc, kind);
 }
 
-static void accum_q8_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                       uint32_t D, float *acc) {
-    accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_Q8_0);
-}
-
-static void accum_q4_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                       uint32_t D, float *acc) {
-    accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_Q4_0);
-}
+PKV__ATTN_DEF_I8_ENTRIES(score_i8, accum_tiles, V_Q8_0, V_Q4_0)
 
 static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
                       uint32_t D, float *acc) {
