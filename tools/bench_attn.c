@@ -313,17 +313,17 @@ static int parse_dtypes(const char *s, opts *o) {
 static double g_bw[3];   /* initial read bandwidth, GB/s, by thread count */
 static double g_peak[3]; /* f32 FMA peak, GFLOP/s, by thread count */
 
-/* One round of decode timing for the two layouts (su[0] contiguous, su[1] paged): calls
- * alternate between them in ABBA order (contig, paged, paged, contig, ...), each call on the
- * layout's next layer, for about max_s seconds and at least min_calls calls per layout. med[l]:
- * the median seconds per call of layout l. Interleaving call by call puts both layouts under the
- * same conditions of a shared machine (its bandwidth and clock change within a second). */
 /* One decode call of the setup's batch on its next layer; 0 or -1 (reported). */
 static int decode_next(setup *s, const float *q, float *out, const pkv_attn_params *p) {
     return tool_check(pkv_attn_decode(s->c, s->next_layer++ % s->n_layers, s->seqs, s->batch, q, out, p),
                       "pkv_attn_decode");
 }
 
+/* One round of decode timing for the two layouts (su[0] contiguous, su[1] paged): calls
+ * alternate between them in ABBA order (contig, paged, paged, contig, ...), each call on the
+ * layout's next layer, for about max_s seconds and at least min_calls calls per layout. med[l]:
+ * the median seconds per call of layout l. Interleaving call by call puts both layouts under the
+ * same conditions of a shared machine (its bandwidth and clock change within a second). */
 static int time_decode_pair(setup su[2], const float *q, float *out, double max_s, uint32_t min_calls, double med[2]) {
     enum { MAX_CALLS = 200 };
     double t[2][MAX_CALLS];
@@ -454,6 +454,9 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     return 0;
 }
 
+/* A short sample of the f32 FMA peak at nt threads, GFLOP/s (0 where there is no FMA loop). */
+static double peak_sample(uint32_t nt) { return fma_available() ? fma_peak_n((int)nt, 1, 100000000ull / 16) : 0; }
+
 static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t nt, tool_rng *rng) {
     setup s;
     int rc = setup_make(&s, dt, n_tok, 1, 1, nt, 1, rng);
@@ -475,12 +478,11 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     const double flop = 4.0 * H_Q * HEAD_DIM * ((double)n_tok * (n_tok + 1) / 2.0);
     rc = tool_check(pkv_attn_prefill(s.c, 0, &req, 1, q, out, &p), "pkv_attn_prefill"); /* warm-up */
     for (int i = 0; i < reps && rc == 0; i++) {
-        const double before = fma_available() ? fma_peak_n((int)nt, 1, 100000000ull / 16) : 0;
+        const double before = peak_sample(nt);
         uint64_t t0 = tool_now_ns();
         rc = tool_check(pkv_attn_prefill(s.c, 0, &req, 1, q, out, &p), "pkv_attn_prefill");
         t[i] = (double)(tool_now_ns() - t0) * 1e-9;
-        const double after = fma_available() ? fma_peak_n((int)nt, 1, 100000000ull / 16) : 0;
-        peak[i] = 0.5 * (before + after);
+        peak[i] = 0.5 * (before + peak_sample(nt));
         frac[i] = peak[i] > 0 ? flop / t[i] * 1e-9 / peak[i] : 0;
     }
     setup_free(&s);

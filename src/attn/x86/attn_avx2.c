@@ -311,13 +311,12 @@ static void softmax_rows4(float *s, uint32_t ss, uint32_t n8, float *m, float *l
 static void softmax_avx2(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
                          float *acc, uint32_t D) {
     const uint32_t n8 = (n_keys + 7) & ~7u; /* rows of s are padded to a multiple of 16 */
+    const __m256 c = _mm256_set1_ps(softcap), m2ic = _mm256_set1_ps(softcap > 0.0f ? -2.0f / softcap : 0.0f);
     for (uint32_t r = 0; r < n_rows; r++) {
         float *sr = s + (size_t)r * ss;
         for (uint32_t t = n_keys; t < n8; t++) sr[t] = -INFINITY;
-        if (softcap > 0.0f) {
-            const __m256 c = _mm256_set1_ps(softcap), m2ic = _mm256_set1_ps(-2.0f / softcap);
+        if (softcap > 0.0f)
             for (uint32_t t = 0; t < n8; t += 8) _mm256_storeu_ps(sr + t, softcap8(_mm256_loadu_ps(sr + t), c, m2ic));
-        }
     }
     uint32_t r = 0;
     for (; r + 4 <= n_rows; r += 4)
