@@ -206,13 +206,23 @@ typedef struct backend_case {
     const char *name;
 } backend_case;
 
+/* A context with the named backend. "avx512-emu" is the AVX-512 kernels compiled for AVX2
+ * (src/attn/x86/avx512_emu.h) over the avx2 table, when CMake linked them in (SIMDe found). */
+static int create_named(const char *backend, uint32_t n_threads, const pkv__attn_limits *lim, pkv__attn **out) {
+#ifdef PKV_HAVE_AVX512_EMU
+    if (!strcmp(backend, "avx512-emu"))
+        return pkv__attn_create_extended(NULL, n_threads, lim, "avx2", pkv__attn_fill_avx512_emu, out);
+#endif
+    return pkv__attn_create_backend(NULL, n_threads, lim, backend, out);
+}
+
 /* Creates a context with the named backend, or skips the test when this CPU lacks it. */
 static pkv__attn *make_attn(const char *backend, uint32_t n_threads, uint32_t max_items, uint32_t max_blocks,
                             uint32_t H, uint32_t D, uint32_t B) {
     pkv__attn_limits lim = {.max_items = max_items, .max_blocks_per_seq = max_blocks, .n_kv_heads = H, .head_dim = D,
                             .block_tokens = B};
     pkv__attn *at = NULL;
-    int rc = pkv__attn_create_backend(NULL, n_threads, &lim, backend, &at);
+    int rc = create_named(backend, n_threads, &lim, &at);
     if (rc == PKV_ENOTSUP) return NULL;
     assert_int_equal(rc, PKV_OK);
     assert_string_equal(pkv__attn_backend_name(at), backend);
@@ -238,7 +248,7 @@ static void need_backend(const char *backend) {
     }
     pkv__attn_limits lim = {.max_items = 1, .max_blocks_per_seq = 1, .n_kv_heads = 1, .head_dim = 8, .block_tokens = 1};
     pkv__attn *at = NULL;
-    int rc = pkv__attn_create_backend(NULL, 1, &lim, backend, &at);
+    int rc = create_named(backend, 1, &lim, &at);
     if (rc == PKV_ENOTSUP && only && *only) fail_msg("backend %s was asked for by name but is not available", backend);
     if (rc == PKV_ENOTSUP) skip();
     assert_int_equal(rc, PKV_OK);
@@ -693,11 +703,13 @@ static void test_force_ref(void **state) {
     pkv__attn_destroy(at);
 }
 
-static backend_case g_ref = {"ref"}, g_avx2 = {"avx2"}, g_avx512 = {"avx512"}, g_neon = {"neon"};
+static backend_case g_ref = {"ref"}, g_avx2 = {"avx2"}, g_avx512 = {"avx512"}, g_avx512_emu = {"avx512-emu"},
+                    g_neon = {"neon"};
 
 #define PER_BACKEND(fn)                                                                                            \
     cmocka_unit_test_prestate(fn, &g_ref), cmocka_unit_test_prestate(fn, &g_avx2),                                 \
-        cmocka_unit_test_prestate(fn, &g_avx512), cmocka_unit_test_prestate(fn, &g_neon)
+        cmocka_unit_test_prestate(fn, &g_avx512), cmocka_unit_test_prestate(fn, &g_avx512_emu),                    \
+        cmocka_unit_test_prestate(fn, &g_neon)
 
 int main(void) {
     const struct CMUnitTest tests[] = {

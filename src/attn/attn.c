@@ -140,6 +140,11 @@ static size_t align64(size_t x) { return (x + 63u) & ~(size_t)63u; }
 
 int pkv__attn_create_backend(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim,
                              const char *backend, pkv__attn **out) {
+    return pkv__attn_create_extended(a, n_threads, lim, backend, NULL, out);
+}
+
+int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim,
+                              const char *backend, void (*extra)(struct pkv__attn_kernels *kt), pkv__attn **out) {
     if (!lim || !out) return PKV_EINVAL;
     if (lim->head_dim == 0 || lim->head_dim > 4096 || lim->block_tokens == 0 || lim->block_tokens > 4096 ||
         lim->n_kv_heads == 0)
@@ -147,6 +152,7 @@ int pkv__attn_create_backend(const pkv_allocator *a, uint32_t n_threads, const p
     pkv__attn_kernels kt;
     int rc = build_kernels(backend ? backend : auto_backend(), &kt);
     if (rc < 0) return rc;
+    if (extra) extra(&kt);
     if (n_threads == 0) n_threads = pkv__n_cpus();
     if (n_threads > 256) n_threads = 256;
 

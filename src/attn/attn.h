@@ -55,6 +55,12 @@ int pkv__attn_create(const pkv_allocator *a, uint32_t n_threads, const pkv__attn
  * it to compare every SIMD path with the reference. PKV_ENOTSUP if this CPU or build lacks it. */
 int pkv__attn_create_backend(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim,
                              const char *backend, pkv__attn **out);
+/* Tests only: the named backend's table, then extra(kt) over it (extra names the result in
+ * kt->name). test_attn runs the AVX-512 kernels on CPUs without AVX-512 this way: base "avx2",
+ * extra pkv__attn_fill_avx512_emu (x86/avx512_emu.h). */
+struct pkv__attn_kernels;
+int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim,
+                              const char *backend, void (*extra)(struct pkv__attn_kernels *kt), pkv__attn **out);
 void pkv__attn_destroy(pkv__attn *at);
 /* Calls whose plan covers fewer K/V elements than this run on the calling thread alone (waking
  * workers costs more). Default 64 * 16 * 128; tests set 0 to drive the pool on every call. */
@@ -238,6 +244,7 @@ typedef struct pkv__attn_kernels {
 void pkv__attn_fill_ref(pkv__attn_kernels *kt);     /* attn_ref.c: f32, f16, bf16 + softmax */
 void pkv__attn_fill_avx2(pkv__attn_kernels *kt);    /* x86/attn_avx2.c */
 void pkv__attn_fill_avx512(pkv__attn_kernels *kt);  /* x86/attn_avx512.c */
+void pkv__attn_fill_avx512_emu(pkv__attn_kernels *kt); /* the same, built for tests on AVX2 */
 void pkv__attn_fill_neon(pkv__attn_kernels *kt);    /* arm/attn_neon.c */
 void pkv__attn_fill_q_ref(pkv__attn_kernels *kt);   /* attn_q_ref.c: q8_0, q4_0, fp8_e4m3 */
 void pkv__attn_fill_q_avx2(pkv__attn_kernels *kt);  /* x86/attn_q_avx2.c: q8_0, q4_0, fp8_e4m3 */

@@ -1,11 +1,20 @@
 /* attn_avx512.c: AVX-512 (F, BW, VL, DQ) primitives of paged attention (f32, f16, bf16 K/V,
  * softmax): the AVX2 tiling at 16 lanes. The query preparation stays the AVX2 one (the table
- * is filled by pkv__attn_fill_avx2 first). Not run on the development machine (no AVX-512):
- * test_attn compares it with the reference wherever the CPU has it. */
+ * is filled by pkv__attn_fill_avx2 first). test_attn compares it with the reference wherever
+ * the CPU has it, and everywhere else as "avx512-emu": this file compiled with PKV_AVX512_EMU,
+ * its 512-bit intrinsics emulated on AVX2 (avx512_emu.h). */
 #include "../attn.h"
 
-#include <immintrin.h>
 #include <math.h>
+#ifdef PKV_AVX512_EMU /* tests only: the same kernels on AVX2, through avx512_emu.h */
+#include "avx512_emu.h"
+#define PKV__AVX512_FILL pkv__attn_fill_avx512_emu
+#define PKV__AVX512_NAME "avx512-emu"
+#else
+#include <immintrin.h>
+#define PKV__AVX512_FILL pkv__attn_fill_avx512
+#define PKV__AVX512_NAME "avx512"
+#endif
 
 static inline __m512 ld_f32(const void *p) { return _mm512_loadu_ps(p); }
 static inline __m512 ld_f16(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
@@ -163,8 +172,8 @@ static void softmax_avx512(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_ke
     }
 }
 
-void pkv__attn_fill_avx512(pkv__attn_kernels *kt) {
-    kt->name = "avx512";
+void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
+    kt->name = PKV__AVX512_NAME;
     kt->score[PKV_DTYPE_F32] = score_f32;
     kt->score[PKV_DTYPE_F16] = score_f16;
     kt->score[PKV_DTYPE_BF16] = score_bf16;

@@ -1,0 +1,62 @@
+/* avx512_emu.h: for tests only. Lets attn_avx512.c be compiled for a CPU without AVX-512, so
+ * its kernels (tiles, tails, masks, the softmax) run against the reference on any x86 machine
+ * with AVX2. SIMDe (Debian's libsimde-dev) gives the 512-bit types and most intrinsics, each as
+ * a pair of 256-bit AVX2 operations; the five the packaged SIMDe lacks are written below the
+ * same way. CMake compiles this variant (PKV_AVX512_EMU) into an object of test_attn only, as
+ * the backend "avx512-emu"; it never goes into libpkv. It checks the kernels' logic, not what
+ * the compiler makes of the real 512-bit instructions. */
+#ifndef PKV_AVX512_EMU_H
+#define PKV_AVX512_EMU_H
+
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+
+static inline simde__m512 pkv_emu_from2(__m256 lo, __m256 hi) {
+    simde__m512_private r;
+    r.m256[0] = lo;
+    r.m256[1] = hi;
+    return simde__m512_from_private(r);
+}
+static inline __m256 pkv_emu_half(simde__m512 a, int i) { return simde__m512_to_private(a).m256[i]; }
+
+static inline simde__m512 pkv_emu_mm512_cvtph_ps(__m256i h) {
+    return pkv_emu_from2(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+}
+static inline simde__m512i pkv_emu_mm512_cvtepu16_epi32(__m256i h) {
+    simde__m512i_private r;
+    r.m256i[0] = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(h));
+    r.m256i[1] = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1));
+    return simde__m512i_from_private(r);
+}
+static inline simde__m512i pkv_emu_mm512_cvtps_epi32(simde__m512 a) {
+    simde__m512i_private r;
+    r.m256i[0] = _mm256_cvtps_epi32(pkv_emu_half(a, 0));
+    r.m256i[1] = _mm256_cvtps_epi32(pkv_emu_half(a, 1));
+    return simde__m512i_from_private(r);
+}
+/* the reductions fold halves, as the compilers' own versions do */
+static inline float pkv_emu_mm512_reduce_add_ps(simde__m512 a) {
+    const __m256 y = _mm256_add_ps(pkv_emu_half(a, 0), pkv_emu_half(a, 1));
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+static inline float pkv_emu_mm512_reduce_max_ps(simde__m512 a) {
+    const __m256 y = _mm256_max_ps(pkv_emu_half(a, 0), pkv_emu_half(a, 1));
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+#undef _mm512_cvtph_ps
+#undef _mm512_cvtepu16_epi32
+#undef _mm512_cvtps_epi32
+#undef _mm512_reduce_add_ps
+#undef _mm512_reduce_max_ps
+#define _mm512_cvtph_ps pkv_emu_mm512_cvtph_ps
+#define _mm512_cvtepu16_epi32 pkv_emu_mm512_cvtepu16_epi32
+#define _mm512_cvtps_epi32 pkv_emu_mm512_cvtps_epi32
+#define _mm512_reduce_add_ps pkv_emu_mm512_reduce_add_ps
+#define _mm512_reduce_max_ps pkv_emu_mm512_reduce_max_ps
+
+#endif
