@@ -230,29 +230,6 @@ static inline __m256 softcap8(__m256 x, __m256 c, __m256 m2_inv_c) {
     return _mm256_blendv_ps(_mm256_mul_ps(c, t), x, _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
 }
 
-/* One row after soft-capping: the online-softmax step of attn.h for a row on its own. */
-static void softmax_row(float *sr, uint32_t n8, float *m, float *l, float *acc_row, uint32_t D) {
-    __m256 mx = _mm256_set1_ps(-INFINITY);
-    for (uint32_t t = 0; t < n8; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + t));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    float mnew = _mm_cvtss_f32(h);
-    if (mnew < *m) mnew = *m;
-    if (mnew == -INFINITY) {
-        for (uint32_t t = 0; t < n8; t++) sr[t] = 0.0f;
-        return;
-    }
-    const __m256 vm = _mm256_set1_ps(mnew);
-    __m256 sum = _mm256_setzero_ps();
-    for (uint32_t t = 0; t < n8; t += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + t), vm));
-        _mm256_storeu_ps(sr + t, e);
-        sum = _mm256_add_ps(sum, e);
-    }
-    pkv__attn_softmax_commit(m, l, acc_row, D, mnew, pkv__hsum8(sum));
-}
-
 /* lane i = the max of the 8 lanes of a_i */
 static inline __m128 hmax4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     /* lanes 0-3 of each 128-bit half: a0 a1 interleaved, then a2 a3 */
@@ -262,67 +239,28 @@ static inline __m128 hmax4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_max_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
 }
 
-/* Four rows at once: their max, exp and sum chains interleave instead of running one row after
- * the other (each is a long chain of dependent steps), and m, l are updated as one vector. */
-static void softmax_rows4(float *s, uint32_t ss, uint32_t n8, float *m, float *l, float *acc, uint32_t D) {
-    float *s0 = s, *s1 = s + ss, *s2 = s + 2 * (size_t)ss, *s3 = s + 3 * (size_t)ss;
-    __m256 x0 = _mm256_set1_ps(-INFINITY), x1 = x0, x2 = x0, x3 = x0;
-    for (uint32_t t = 0; t < n8; t += 8) {
-        x0 = _mm256_max_ps(x0, _mm256_loadu_ps(s0 + t));
-        x1 = _mm256_max_ps(x1, _mm256_loadu_ps(s1 + t));
-        x2 = _mm256_max_ps(x2, _mm256_loadu_ps(s2 + t));
-        x3 = _mm256_max_ps(x3, _mm256_loadu_ps(s3 + t));
-    }
-    const __m128 mold = _mm_loadu_ps(m);
-    const __m128 mnew = _mm_max_ps(mold, hmax4x8(x0, x1, x2, x3));
-    if (_mm_movemask_ps(_mm_cmpeq_ps(mnew, _mm_set1_ps(-INFINITY)))) { /* a row sees nothing yet */
-        for (uint32_t r = 0; r < 4; r++) softmax_row(s + (size_t)r * ss, n8, m + r, l + r, acc + (size_t)r * D, D);
-        return;
-    }
-    const __m256 v0 = _mm256_broadcastss_ps(mnew), v1 = _mm256_broadcastss_ps(_mm_shuffle_ps(mnew, mnew, 1));
-    const __m256 v2 = _mm256_broadcastss_ps(_mm_shuffle_ps(mnew, mnew, 2));
-    const __m256 v3 = _mm256_broadcastss_ps(_mm_shuffle_ps(mnew, mnew, 3));
-    __m256 u0 = _mm256_setzero_ps(), u1 = u0, u2 = u0, u3 = u0;
-    for (uint32_t t = 0; t < n8; t += 8) {
-        const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(s0 + t), v0));
-        const __m256 e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(s1 + t), v1));
-        const __m256 e2 = exp8(_mm256_sub_ps(_mm256_loadu_ps(s2 + t), v2));
-        const __m256 e3 = exp8(_mm256_sub_ps(_mm256_loadu_ps(s3 + t), v3));
-        _mm256_storeu_ps(s0 + t, e0), _mm256_storeu_ps(s1 + t, e1);
-        _mm256_storeu_ps(s2 + t, e2), _mm256_storeu_ps(s3 + t, e3);
-        u0 = _mm256_add_ps(u0, e0), u1 = _mm256_add_ps(u1, e1), u2 = _mm256_add_ps(u2, e2), u3 = _mm256_add_ps(u3, e3);
-    }
-    /* f = exp(m - m'): 1 where the max stayed, 0 where m was -inf */
-    const __m128 f = _mm256_castps256_ps128(exp8(_mm256_castps128_ps256(_mm_sub_ps(mold, mnew))));
-    _mm_storeu_ps(l, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(l), f), pkv__hsum4x8(u0, u1, u2, u3)));
-    _mm_storeu_ps(m, mnew);
-    int moved = _mm_movemask_ps(_mm_cmpneq_ps(mnew, mold));
-    if (moved) {
-        float fr[4];
-        _mm_storeu_ps(fr, f);
-        for (uint32_t r = 0; r < 4; r++)
-            if (moved >> r & 1) {
-                float *a = acc + (size_t)r * D;
-                for (uint32_t d = 0; d < D; d++) a[d] *= fr[r];
-            }
-    }
+/* the vector of softmax_x86.h: 8 lanes */
+typedef __m256 vf;
+#define VF_N 8
+#define vf_load _mm256_loadu_ps
+#define vf_store _mm256_storeu_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_zero _mm256_setzero_ps
+#define vf_max _mm256_max_ps
+#define vf_sub _mm256_sub_ps
+#define vf_add _mm256_add_ps
+#define vf_exp exp8
+#define vf_softcap softcap8
+#define vf_hmax4 hmax4x8
+#define vf_hsum4 pkv__hsum4x8
+#define vf_hsum pkv__hsum8
+static inline float vf_hmax(__m256 x) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 }
-
-static void softmax_avx2(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
-                         float *acc, uint32_t D) {
-    const uint32_t n8 = (n_keys + 7) & ~7u; /* rows of s are padded to a multiple of 16 */
-    const __m256 c = _mm256_set1_ps(softcap), m2ic = _mm256_set1_ps(softcap > 0.0f ? -2.0f / softcap : 0.0f);
-    for (uint32_t r = 0; r < n_rows; r++) {
-        float *sr = s + (size_t)r * ss;
-        for (uint32_t t = n_keys; t < n8; t++) sr[t] = -INFINITY;
-        if (softcap > 0.0f)
-            for (uint32_t t = 0; t < n8; t += 8) _mm256_storeu_ps(sr + t, softcap8(_mm256_loadu_ps(sr + t), c, m2ic));
-    }
-    uint32_t r = 0;
-    for (; r + 4 <= n_rows; r += 4)
-        softmax_rows4(s + (size_t)r * ss, ss, n8, m + r, l + r, acc + (size_t)r * D, D);
-    for (; r < n_rows; r++) softmax_row(s + (size_t)r * ss, n8, m + r, l + r, acc + (size_t)r * D, D);
-}
+static inline __m128 exp4(__m128 x) { return _mm256_castps256_ps128(exp8(_mm256_castps128_ps256(x))); }
+#include "softmax_x86.h"
 
 void pkv__attn_fill_avx2(pkv__attn_kernels *kt) {
     kt->name = "avx2";
@@ -335,5 +273,5 @@ void pkv__attn_fill_avx2(pkv__attn_kernels *kt) {
     kt->accum[PKV_DTYPE_F32] = accum_f32;
     kt->accum[PKV_DTYPE_F16] = accum_f16;
     kt->accum[PKV_DTYPE_BF16] = accum_bf16;
-    kt->softmax = softmax_avx2;
+    kt->softmax = softmax_vec;
 }

@@ -139,92 +139,33 @@ static inline __m512 softcap16(__m512 x, __m512 c, __m512 m2_inv_c) {
     return _mm512_mask_blend_ps(masked, _mm512_mul_ps(c, t), x);
 }
 
-/* One row after soft-capping: the online-softmax step of attn.h for a row on its own. */
-static void softmax_row(float *sr, uint32_t n16, float *m, float *l, float *acc_row, uint32_t D) {
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (uint32_t t = 0; t < n16; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + t));
-    float mnew = _mm512_reduce_max_ps(mx);
-    if (mnew < *m) mnew = *m;
-    if (mnew == -INFINITY) {
-        for (uint32_t t = 0; t < n16; t++) sr[t] = 0.0f;
-        return;
-    }
-    const __m512 vm = _mm512_set1_ps(mnew);
-    __m512 sum = _mm512_setzero_ps();
-    for (uint32_t t = 0; t < n16; t += 16) {
-        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + t), vm));
-        _mm512_storeu_ps(sr + t, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    pkv__attn_softmax_commit(m, l, acc_row, D, mnew, _mm512_reduce_add_ps(sum));
+/* the vector of softmax_x86.h: 16 lanes */
+typedef __m512 vf;
+#define VF_N 16
+#define vf_load _mm512_loadu_ps
+#define vf_store _mm512_storeu_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_zero _mm512_setzero_ps
+#define vf_max _mm512_max_ps
+#define vf_sub _mm512_sub_ps
+#define vf_add _mm512_add_ps
+#define vf_exp exp16
+#define vf_softcap softcap16
+#define vf_hmax _mm512_reduce_max_ps
+#define vf_hsum _mm512_reduce_add_ps
+static inline __m128 vf_hmax4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    return _mm_setr_ps(_mm512_reduce_max_ps(a0), _mm512_reduce_max_ps(a1), _mm512_reduce_max_ps(a2),
+                       _mm512_reduce_max_ps(a3));
 }
-
-/* Four rows at once, as in the AVX2 file: their max, exp and sum chains interleave instead of
- * running one row after the other, and m, l are updated as one vector. */
-static void softmax_rows4(float *s, uint32_t ss, uint32_t n16, float *m, float *l, float *acc, uint32_t D) {
-    float *s0 = s, *s1 = s + ss, *s2 = s + 2 * (size_t)ss, *s3 = s + 3 * (size_t)ss;
-    __m512 x0 = _mm512_set1_ps(-INFINITY), x1 = x0, x2 = x0, x3 = x0;
-    for (uint32_t t = 0; t < n16; t += 16) {
-        x0 = _mm512_max_ps(x0, _mm512_loadu_ps(s0 + t));
-        x1 = _mm512_max_ps(x1, _mm512_loadu_ps(s1 + t));
-        x2 = _mm512_max_ps(x2, _mm512_loadu_ps(s2 + t));
-        x3 = _mm512_max_ps(x3, _mm512_loadu_ps(s3 + t));
-    }
-    const __m128 mold = _mm_loadu_ps(m);
-    const __m128 mnew = _mm_max_ps(mold, _mm_setr_ps(_mm512_reduce_max_ps(x0), _mm512_reduce_max_ps(x1),
-                                                     _mm512_reduce_max_ps(x2), _mm512_reduce_max_ps(x3)));
-    if (_mm_movemask_ps(_mm_cmpeq_ps(mnew, _mm_set1_ps(-INFINITY)))) { /* a row sees nothing yet */
-        for (uint32_t r = 0; r < 4; r++) softmax_row(s + (size_t)r * ss, n16, m + r, l + r, acc + (size_t)r * D, D);
-        return;
-    }
-    float mv[4];
-    _mm_storeu_ps(mv, mnew);
-    const __m512 v0 = _mm512_set1_ps(mv[0]), v1 = _mm512_set1_ps(mv[1]), v2 = _mm512_set1_ps(mv[2]),
-                 v3 = _mm512_set1_ps(mv[3]);
-    __m512 u0 = _mm512_setzero_ps(), u1 = u0, u2 = u0, u3 = u0;
-    for (uint32_t t = 0; t < n16; t += 16) {
-        const __m512 e0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s0 + t), v0));
-        const __m512 e1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s1 + t), v1));
-        const __m512 e2 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s2 + t), v2));
-        const __m512 e3 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s3 + t), v3));
-        _mm512_storeu_ps(s0 + t, e0), _mm512_storeu_ps(s1 + t, e1);
-        _mm512_storeu_ps(s2 + t, e2), _mm512_storeu_ps(s3 + t, e3);
-        u0 = _mm512_add_ps(u0, e0), u1 = _mm512_add_ps(u1, e1), u2 = _mm512_add_ps(u2, e2), u3 = _mm512_add_ps(u3, e3);
-    }
-    /* f = exp(m - m'): 1 where the max stayed, 0 where m was -inf (lanes 4-15 are zeros: e^0) */
-    const __m128 f =
-        _mm512_castps512_ps128(exp16(_mm512_insertf32x4(_mm512_setzero_ps(), _mm_sub_ps(mold, mnew), 0)));
-    const __m128 sums = _mm_setr_ps(_mm512_reduce_add_ps(u0), _mm512_reduce_add_ps(u1), _mm512_reduce_add_ps(u2),
-                                    _mm512_reduce_add_ps(u3));
-    _mm_storeu_ps(l, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(l), f), sums));
-    _mm_storeu_ps(m, mnew);
-    int moved = _mm_movemask_ps(_mm_cmpneq_ps(mnew, mold));
-    if (moved) {
-        float fr[4];
-        _mm_storeu_ps(fr, f);
-        for (uint32_t r = 0; r < 4; r++)
-            if (moved >> r & 1) {
-                float *a = acc + (size_t)r * D;
-                for (uint32_t d = 0; d < D; d++) a[d] *= fr[r];
-            }
-    }
+static inline __m128 vf_hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    return _mm_setr_ps(_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
+                       _mm512_reduce_add_ps(a3));
 }
-
-static void softmax_avx512(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
-                           float *acc, uint32_t D) {
-    const uint32_t n16 = (n_keys + 15) & ~15u; /* rows of s are padded to a multiple of 16 */
-    const __m512 c = _mm512_set1_ps(softcap), m2ic = _mm512_set1_ps(softcap > 0.0f ? -2.0f / softcap : 0.0f);
-    for (uint32_t r = 0; r < n_rows; r++) {
-        float *sr = s + (size_t)r * ss;
-        for (uint32_t t = n_keys; t < n16; t++) sr[t] = -INFINITY;
-        if (softcap > 0.0f)
-            for (uint32_t t = 0; t < n16; t += 16) _mm512_storeu_ps(sr + t, softcap16(_mm512_loadu_ps(sr + t), c, m2ic));
-    }
-    uint32_t r = 0;
-    for (; r + 4 <= n_rows; r += 4)
-        softmax_rows4(s + (size_t)r * ss, ss, n16, m + r, l + r, acc + (size_t)r * D, D);
-    for (; r < n_rows; r++) softmax_row(s + (size_t)r * ss, n16, m + r, l + r, acc + (size_t)r * D, D);
+/* lanes 4-15 are zeros (e^0, unused) */
+static inline __m128 exp4(__m128 x) {
+    return _mm512_castps512_ps128(exp16(_mm512_insertf32x4(_mm512_setzero_ps(), x, 0)));
 }
+#include "softmax_x86.h"
 
 void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
     kt->name = PKV__AVX512_NAME;
@@ -234,5 +175,5 @@ void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
     kt->accum[PKV_DTYPE_F32] = accum_f32;
     kt->accum[PKV_DTYPE_F16] = accum_f16;
     kt->accum[PKV_DTYPE_BF16] = accum_bf16;
-    kt->softmax = softmax_avx512;
+    kt->softmax = softmax_vec;
 }

@@ -1,0 +1,92 @@
+/* softmax_x86.h: the online-softmax primitive of the x86 backends, written once over a vector
+ * of VF_N floats. A template by #include: the including file (attn_avx2.c, attn_avx512.c)
+ * first defines
+ *   vf                        the vector type; VF_N its lanes (8 or 16);
+ *   vf_load, vf_store, vf_set1, vf_zero, vf_max, vf_sub, vf_add;
+ *   vf_exp(x)                 e^x lane-wise (0 below -87.3, and for -inf);
+ *   vf_softcap(x, c, m2ic)    c * tanh(x / c), m2ic = -2 / c, -inf kept;
+ *   vf_hmax(x), vf_hsum(x)    the max / sum of one vector's lanes, as a float;
+ *   vf_hmax4, vf_hsum4        the same of four vectors, as the lanes of an __m128;
+ *   exp4(x)                   e^x of the 4 lanes of an __m128;
+ * then includes this file, which defines softmax_vec: the table's softmax entry (attn.h). */
+
+/* One row after soft-capping: the online-softmax step of attn.h for a row on its own. */
+static void softmax_row(float *sr, uint32_t n_pad, float *m, float *l, float *acc_row, uint32_t D) {
+    vf mx = vf_set1(-INFINITY);
+    for (uint32_t t = 0; t < n_pad; t += VF_N) mx = vf_max(mx, vf_load(sr + t));
+    float mnew = vf_hmax(mx);
+    if (mnew < *m) mnew = *m;
+    if (mnew == -INFINITY) {
+        for (uint32_t t = 0; t < n_pad; t++) sr[t] = 0.0f;
+        return;
+    }
+    const vf vm = vf_set1(mnew);
+    vf sum = vf_zero();
+    for (uint32_t t = 0; t < n_pad; t += VF_N) {
+        const vf e = vf_exp(vf_sub(vf_load(sr + t), vm));
+        vf_store(sr + t, e);
+        sum = vf_add(sum, e);
+    }
+    pkv__attn_softmax_commit(m, l, acc_row, D, mnew, vf_hsum(sum));
+}
+
+/* Four rows at once: their max, exp and sum chains interleave instead of running one row after
+ * the other (each is a long chain of dependent steps), and m, l are updated as one vector. */
+static void softmax_rows4(float *s, uint32_t ss, uint32_t n_pad, float *m, float *l, float *acc, uint32_t D) {
+    float *s0 = s, *s1 = s + ss, *s2 = s + 2 * (size_t)ss, *s3 = s + 3 * (size_t)ss;
+    vf x0 = vf_set1(-INFINITY), x1 = x0, x2 = x0, x3 = x0;
+    for (uint32_t t = 0; t < n_pad; t += VF_N) {
+        x0 = vf_max(x0, vf_load(s0 + t));
+        x1 = vf_max(x1, vf_load(s1 + t));
+        x2 = vf_max(x2, vf_load(s2 + t));
+        x3 = vf_max(x3, vf_load(s3 + t));
+    }
+    const __m128 mold = _mm_loadu_ps(m);
+    const __m128 mnew = _mm_max_ps(mold, vf_hmax4(x0, x1, x2, x3));
+    if (_mm_movemask_ps(_mm_cmpeq_ps(mnew, _mm_set1_ps(-INFINITY)))) { /* a row sees nothing yet */
+        for (uint32_t r = 0; r < 4; r++) softmax_row(s + (size_t)r * ss, n_pad, m + r, l + r, acc + (size_t)r * D, D);
+        return;
+    }
+    float mv[4];
+    _mm_storeu_ps(mv, mnew);
+    const vf v0 = vf_set1(mv[0]), v1 = vf_set1(mv[1]), v2 = vf_set1(mv[2]), v3 = vf_set1(mv[3]);
+    vf u0 = vf_zero(), u1 = u0, u2 = u0, u3 = u0;
+    for (uint32_t t = 0; t < n_pad; t += VF_N) {
+        const vf e0 = vf_exp(vf_sub(vf_load(s0 + t), v0));
+        const vf e1 = vf_exp(vf_sub(vf_load(s1 + t), v1));
+        const vf e2 = vf_exp(vf_sub(vf_load(s2 + t), v2));
+        const vf e3 = vf_exp(vf_sub(vf_load(s3 + t), v3));
+        vf_store(s0 + t, e0), vf_store(s1 + t, e1), vf_store(s2 + t, e2), vf_store(s3 + t, e3);
+        u0 = vf_add(u0, e0), u1 = vf_add(u1, e1), u2 = vf_add(u2, e2), u3 = vf_add(u3, e3);
+    }
+    /* f = exp(m - m'): 1 where the max stayed, 0 where m was -inf */
+    const __m128 f = exp4(_mm_sub_ps(mold, mnew));
+    _mm_storeu_ps(l, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(l), f), vf_hsum4(u0, u1, u2, u3)));
+    _mm_storeu_ps(m, mnew);
+    const int moved = _mm_movemask_ps(_mm_cmpneq_ps(mnew, mold));
+    if (moved) {
+        float fr[4];
+        _mm_storeu_ps(fr, f);
+        for (uint32_t r = 0; r < 4; r++)
+            if (moved >> r & 1) {
+                float *a = acc + (size_t)r * D;
+                for (uint32_t d = 0; d < D; d++) a[d] *= fr[r];
+            }
+    }
+}
+
+static void softmax_vec(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
+                        float *acc, uint32_t D) {
+    const uint32_t n_pad = (n_keys + VF_N - 1) & ~(uint32_t)(VF_N - 1); /* rows of s are padded to a multiple of 16 */
+    const vf c = vf_set1(softcap), m2ic = vf_set1(softcap > 0.0f ? -2.0f / softcap : 0.0f);
+    for (uint32_t r = 0; r < n_rows; r++) {
+        float *sr = s + (size_t)r * ss;
+        for (uint32_t t = n_keys; t < n_pad; t++) sr[t] = -INFINITY;
+        if (softcap > 0.0f)
+            for (uint32_t t = 0; t < n_pad; t += VF_N) vf_store(sr + t, vf_softcap(vf_load(sr + t), c, m2ic));
+    }
+    uint32_t r = 0;
+    for (; r + 4 <= n_rows; r += 4)
+        softmax_rows4(s + (size_t)r * ss, ss, n_pad, m + r, l + r, acc + (size_t)r * D, D);
+    for (; r < n_rows; r++) softmax_row(s + (size_t)r * ss, n_pad, m + r, l + r, acc + (size_t)r * D, D);
+}
