@@ -496,7 +496,7 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         int32_t prompt[PM_PROMPT_MAX];
         int salt = (int)(pm_byte(src) % PM_N_SALTS);
         uint32_t n = pm_prompt(w, src, prompt);
-        pm_seq *q;
+        pm_seq *q = NULL; /* set by pm_create when it returns 0 (GCC cannot tell) */
         r = pm_create(w, salt, &q);
         if (r) return r < 0 ? -1 : 0;
         PM_TR(w, "%llu: s%d = create(salt %d)\n", (unsigned long long)w->n_steps, PM_SI(w, q), salt);

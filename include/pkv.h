@@ -303,8 +303,8 @@ typedef struct pkv_attn_req {
 PKV_API PKV_NODISCARD int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs,
                                            const float *q, float *out, const pkv_attn_params *p);
 
-/* Which kernel family attention uses: "ref", "avx2", "avx512", "neon" (chosen once at
- * creation from CPU detection; PKV_FORCE_REF=1 in the environment forces "ref"). */
+/* Which kernel family attention uses: "ref", "avx2", "avx512", "neon", "neon-dotprod" (chosen
+ * once at creation from CPU detection; PKV_FORCE_REF=1 in the environment forces "ref"). */
 PKV_API const char *pkv_attn_backend(const pkv_cache *c);
 
 #ifdef __cplusplus

@@ -265,19 +265,28 @@ static double bound_dq(pkv_dtype kdt) {
     return kdt == PKV_DTYPE_Q8_0 || kdt == PKV_DTYPE_Q4_0 ? 1e-2 : 1e-9;
 }
 
-static const char *simd_backend(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    const uint32_t need = PKV_CPU_AVX2 | PKV_CPU_FMA | PKV_CPU_F16C;
-    if ((pkv__cpu_features() & need) == need) return "avx2";
-#elif defined(__aarch64__)
-    return "neon";
-#endif
-    return NULL;
+/* The SIMD backend a test compares with the reference: its state names it ("avx2" on x86;
+ * "neon" and "neon-dotprod" on ARM, one run each). Where the CPU lacks it: NULL (the reference
+ * alone is checked against the oracle), or, for an extra backend, the test is skipped. */
+typedef struct {
+    const char *name;
+    bool extra; /* skip where missing: its run would check the reference again and nothing else */
+} simd_case;
+static const char *simd_backend(void **state) {
+    const simd_case *sc = *state;
+    if (!sc->name) return NULL;
+    pkv__attn_limits lim = {.max_items = 1, .max_blocks_per_seq = 1, .n_kv_heads = 1, .head_dim = 32, .block_tokens = 1};
+    pkv__attn *at = NULL;
+    const int rc = pkv__attn_create_backend(NULL, 1, &lim, sc->name, &at);
+    if (rc == PKV_ENOTSUP && sc->extra) skip();
+    if (rc == PKV_ENOTSUP) return NULL;
+    assert_int_equal(rc, PKV_OK);
+    pkv__attn_destroy(at);
+    return sc->name;
 }
 
-static void check_pair(pkv_dtype kdt, pkv_dtype vdt, int n_cases) {
+static void check_pair(const char *be, pkv_dtype kdt, pkv_dtype vdt, int n_cases) {
     static const uint32_t Dq[] = {32, 64, 128, 256}, Df[] = {8, 40, 64, 100, 128, 200};
-    const char *be = simd_backend();
     double worst_u[N_REG] = {0}, worst_d = 0, worst_rel = 0;
     const bool measure = getenv("PKV_QA_MEASURE") != NULL; /* calibration: print, don't check */
     if (measure) n_cases *= atoi(getenv("PKV_QA_MEASURE")) > 0 ? atoi(getenv("PKV_QA_MEASURE")) : 1;
@@ -312,24 +321,23 @@ static void check_pair(pkv_dtype kdt, pkv_dtype vdt, int n_cases) {
                   worst_rel);
 }
 
-static void test_q8_0_kv(void **state) { (void)state; check_pair(PKV_DTYPE_Q8_0, PKV_DTYPE_Q8_0, 24); }
-static void test_q4_0_kv(void **state) { (void)state; check_pair(PKV_DTYPE_Q4_0, PKV_DTYPE_Q4_0, 24); }
-static void test_fp8_kv(void **state) { (void)state; check_pair(PKV_DTYPE_FP8_E4M3, PKV_DTYPE_FP8_E4M3, 24); }
+static void test_q8_0_kv(void **state) { check_pair(simd_backend(state), PKV_DTYPE_Q8_0, PKV_DTYPE_Q8_0, 24); }
+static void test_q4_0_kv(void **state) { check_pair(simd_backend(state), PKV_DTYPE_Q4_0, PKV_DTYPE_Q4_0, 24); }
+static void test_fp8_kv(void **state) { check_pair(simd_backend(state), PKV_DTYPE_FP8_E4M3, PKV_DTYPE_FP8_E4M3, 24); }
 static void test_mixed_kv(void **state) {
-    (void)state;
-    check_pair(PKV_DTYPE_Q8_0, PKV_DTYPE_F16, 8);
-    check_pair(PKV_DTYPE_F16, PKV_DTYPE_Q4_0, 8);
-    check_pair(PKV_DTYPE_Q4_0, PKV_DTYPE_Q8_0, 8);
-    check_pair(PKV_DTYPE_FP8_E4M3, PKV_DTYPE_Q8_0, 8);
-    check_pair(PKV_DTYPE_Q8_0, PKV_DTYPE_FP8_E4M3, 8);
-    check_pair(PKV_DTYPE_BF16, PKV_DTYPE_FP8_E4M3, 8);
+    const char *be = simd_backend(state);
+    check_pair(be, PKV_DTYPE_Q8_0, PKV_DTYPE_F16, 8);
+    check_pair(be, PKV_DTYPE_F16, PKV_DTYPE_Q4_0, 8);
+    check_pair(be, PKV_DTYPE_Q4_0, PKV_DTYPE_Q8_0, 8);
+    check_pair(be, PKV_DTYPE_FP8_E4M3, PKV_DTYPE_Q8_0, 8);
+    check_pair(be, PKV_DTYPE_Q8_0, PKV_DTYPE_FP8_E4M3, 8);
+    check_pair(be, PKV_DTYPE_BF16, PKV_DTYPE_FP8_E4M3, 8);
 }
 
 /* head_dim beyond one SIMD K tile pass (1024 values: the AVX2 score kernels then run in
  * pieces and add): the cache caps head_dim at 1024, the kernel interface does not. */
 static void test_wide_head_dim(void **state) {
-    (void)state;
-    const char *be = simd_backend();
+    const char *be = simd_backend(state);
     const struct {
         pkv_dtype dt;
         uint32_t D;
@@ -348,7 +356,7 @@ static void test_wide_head_dim(void **state) {
  * query that quantizes exactly: the quantized kernels must then agree with the double
  * reference to float precision, which pins the block / nibble / scale indexing. */
 static void test_exact_inputs(void **state) {
-    (void)state;
+    const char *be = simd_backend(state);
     const pkv_dtype dts[] = {PKV_DTYPE_Q8_0, PKV_DTYPE_Q4_0};
     for (int i = 0; i < 2; i++) {
         world w;
@@ -379,7 +387,7 @@ static void test_exact_inputs(void **state) {
         /* q * scale (1/8) must quantize exactly: integers in [-127, 127] with 127 in each block */
         for (size_t j = 0; j < (size_t)w.n_seqs * nqh * w.D; j++) q[j] = (j % 32 == 0) ? 127.0f / 16 : (float)((int)rng_below(255) - 127) / 16;
         uint32_t q_off[2] = {0, 1}, nq[2] = {1, 1};
-        const char *bes[2] = {"ref", simd_backend()};
+        const char *bes[2] = {"ref", be};
         for (int b = 0; b < 2 && bes[b]; b++) {
             assert_int_equal(run_world(&w, bes[b], 1, 0, 1, q, o, q_off, nq), 0);
             double ru[64];
@@ -397,14 +405,25 @@ static void test_exact_inputs(void **state) {
     }
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+static simd_case g_simd[] = {{"avx2", false}};
+#define PER_SIMD(fn) cmocka_unit_test_prestate(fn, &g_simd[0])
+#elif defined(__aarch64__)
+static simd_case g_simd[] = {{"neon", false}, {"neon-dotprod", true}};
+#define PER_SIMD(fn) cmocka_unit_test_prestate(fn, &g_simd[0]), cmocka_unit_test_prestate(fn, &g_simd[1])
+#else
+static simd_case g_simd[] = {{NULL, false}};
+#define PER_SIMD(fn) cmocka_unit_test_prestate(fn, &g_simd[0])
+#endif
+
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_exact_inputs),
-        cmocka_unit_test(test_wide_head_dim),
-        cmocka_unit_test(test_q8_0_kv),
-        cmocka_unit_test(test_q4_0_kv),
-        cmocka_unit_test(test_fp8_kv),
-        cmocka_unit_test(test_mixed_kv),
+        PER_SIMD(test_exact_inputs),
+        PER_SIMD(test_wide_head_dim),
+        PER_SIMD(test_q8_0_kv),
+        PER_SIMD(test_q4_0_kv),
+        PER_SIMD(test_fp8_kv),
+        PER_SIMD(test_mixed_kv),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -112,10 +112,13 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
         return PKV_OK;
     }
 #elif defined(__aarch64__)
-    if (!strcmp(want, "neon")) {
+    const bool dot = !strcmp(want, "neon-dotprod");
+    if (dot && !(pkv__cpu_features() & PKV_CPU_ASIMDDP)) return PKV_ENOTSUP;
+    if (dot || !strcmp(want, "neon")) {
         pkv__attn_fill_neon(kt);
         /* quantized-dtype fillers for NEON go here */
         pkv__attn_fill_q_neon(kt);
+        if (dot) pkv__attn_fill_q_dotprod(kt);
         return PKV_OK;
     }
 #endif
@@ -129,7 +132,7 @@ static const char *auto_backend(void) {
     if (have_avx512(f)) return "avx512";
     if (have_avx2(f)) return "avx2";
 #elif defined(__aarch64__)
-    return "neon";
+    return pkv__cpu_features() & PKV_CPU_ASIMDDP ? "neon-dotprod" : "neon";
 #endif
     return "ref";
 }

@@ -10,6 +10,10 @@
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#define PKV_HWCAP_ASIMDDP (1ul << 20) /* HWCAP_ASIMDDP of the arm64 kernel's uapi hwcap.h */
+#endif
 
 PKV_API const char *pkv_strerror(int rc) {
     switch (rc) {
@@ -138,6 +142,9 @@ static void detect_cpu(void) {
     }
 #elif defined(__aarch64__)
     f |= PKV_CPU_NEON;
+#if defined(__linux__)
+    if (getauxval(AT_HWCAP) & PKV_HWCAP_ASIMDDP) f |= PKV_CPU_ASIMDDP;
+#endif
 #endif
     g_cpu = f;
 }
