@@ -32,7 +32,41 @@ typedef float elem_f32;
 typedef uint16_t elem_f16;
 typedef uint16_t elem_bf16;
 
-/* ---- score: tiles of 4 rows x 4 keys (16 accumulators of 32), 16 elements per step ---------- */
+/* ---- horizontal sums as transpose-add trees ---------------------------------------------------
+ * hsum4x4(a): lane 4 i + j = the sum of a[i][j]'s 16 lanes (45 shuffles and adds for 16
+ * sums, against about 8 each for one _mm512_reduce_add_ps). Level 1 pairs vectors with
+ * unpacklo/hi (each 128-bit lane then holds partials of two vectors), level 2 pairs those with
+ * 64-bit unpacks (partials of four vectors per 128-bit lane, in order), levels 3 and 4 add the
+ * four 128-bit lanes across vectors with shuffle_f32x4. hsum4(a): the same for 4 vectors, the
+ * 4 sums as an __m128. */
+static inline __attribute__((always_inline)) __m512 hpair(__m512 x, __m512 y) { /* lane: x0+x2 y0+y2 x1+x3 y1+y3 */
+    return _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+}
+static inline __attribute__((always_inline)) __m512 hquad(__m512 x, __m512 y) { /* lane: 4 vectors' partials */
+    const __m512d a = _mm512_castps_pd(x), b = _mm512_castps_pd(y);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+static inline __attribute__((always_inline)) __m512 hlanes(__m512 x, __m512 y) { /* x01 x23 y01 y23 */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+static inline __attribute__((always_inline)) __m512 hsum4x4(const __m512 a[4][4]) {
+    const __m512 c0 = hquad(hpair(a[0][0], a[0][1]), hpair(a[0][2], a[0][3]));
+    const __m512 c1 = hquad(hpair(a[1][0], a[1][1]), hpair(a[1][2], a[1][3]));
+    const __m512 c2 = hquad(hpair(a[2][0], a[2][1]), hpair(a[2][2], a[2][3]));
+    const __m512 c3 = hquad(hpair(a[3][0], a[3][1]), hpair(a[3][2], a[3][3]));
+    return hlanes(hlanes(c0, c1), hlanes(c2, c3));
+}
+static inline __attribute__((always_inline)) __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 c = hquad(hpair(a0, a1), hpair(a2, a3));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(c), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* ---- score: tiles of 4 rows x 4 keys (16 accumulators of 32), 16 elements per step ----------
+ * A tile of 4 keys whose head_dim is a multiple of 16 (every head_dim the bench and the tests'
+ * shapes use but the odd ones) reduces its accumulators by the trees above and stores each row's
+ * 4 scores at once; other tiles reduce one accumulator at a time. */
 #define DEF_SCORE(T)                                                                                            \
     static inline __attribute__((always_inline)) void score_tile_##T(const float *q, size_t qs, const uint8_t *k, \
                                                                      size_t krb, const uint32_t R, const uint32_t K, \
@@ -49,6 +83,18 @@ typedef uint16_t elem_bf16;
                 const __m512 x = _mm512_loadu_ps(q + r * qs + d);                                               \
                 for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm512_fmadd_ps(x, kk[t], acc[r][t]);              \
             }                                                                                                   \
+        }                                                                                                       \
+        if (K == 4 && D16 == D) {                                                                               \
+            if (R == 4) {                                                                                       \
+                const __m512 h = hsum4x4((const __m512(*)[4])acc);                                                           \
+                _mm_storeu_ps(s, _mm512_castps512_ps128(h));                                                    \
+                _mm_storeu_ps(s + ss, _mm512_extractf32x4_ps(h, 1));                                            \
+                _mm_storeu_ps(s + 2 * ss, _mm512_extractf32x4_ps(h, 2));                                        \
+                _mm_storeu_ps(s + 3 * ss, _mm512_extractf32x4_ps(h, 3));                                        \
+            } else                                                                                              \
+                for (uint32_t r = 0; r < R; r++)                                                                \
+                    _mm_storeu_ps(s + r * ss, hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));               \
+            return;                                                                                             \
         }                                                                                                       \
         for (uint32_t r = 0; r < R; r++)                                                                        \
             for (uint32_t t = 0; t < K; t++) {                                                                  \

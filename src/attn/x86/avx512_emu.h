@@ -2,7 +2,7 @@
  * its kernels (tiles, tails, masks, the softmax) run against the reference on any x86 machine
  * with AVX2. SIMDe (Debian's libsimde-dev) gives the 512-bit types and most intrinsics, each as
  * a pair of 256-bit AVX2 operations; the five the packaged SIMDe lacks are written below the
- * same way. CMake compiles this variant (PKV_AVX512_EMU) into an object of test_attn only, as
+ * same way (and one, shuffle_f32x4, it has without its native alias). CMake compiles this variant (PKV_AVX512_EMU) into an object of test_attn only, as
  * the backend "avx512-emu"; it never goes into libpkv. It checks the kernels' logic, not what
  * the compiler makes of the real 512-bit instructions. */
 #ifndef PKV_AVX512_EMU_H
@@ -53,10 +53,12 @@ static inline float pkv_emu_mm512_reduce_max_ps(simde__m512 a) {
 #undef _mm512_cvtps_epi32
 #undef _mm512_reduce_add_ps
 #undef _mm512_reduce_max_ps
+#undef _mm512_shuffle_f32x4
 #define _mm512_cvtph_ps pkv_emu_mm512_cvtph_ps
 #define _mm512_cvtepu16_epi32 pkv_emu_mm512_cvtepu16_epi32
 #define _mm512_cvtps_epi32 pkv_emu_mm512_cvtps_epi32
 #define _mm512_reduce_add_ps pkv_emu_mm512_reduce_add_ps
 #define _mm512_reduce_max_ps pkv_emu_mm512_reduce_max_ps
+#define _mm512_shuffle_f32x4 simde_mm512_shuffle_f32x4
 
 #endif
