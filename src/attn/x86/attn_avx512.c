@@ -39,29 +39,29 @@ typedef uint16_t elem_bf16;
  * 64-bit unpacks (partials of four vectors per 128-bit lane, in order), levels 3 and 4 add the
  * four 128-bit lanes across vectors with shuffle_f32x4. hsum4(a): the same for 4 vectors, the
  * 4 sums as an __m128. */
-static inline __attribute__((always_inline)) __m512 hpair(__m512 x, __m512 y) { /* lane: x0+x2 y0+y2 x1+x3 y1+y3 */
-    return _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-}
-static inline __attribute__((always_inline)) __m512 hquad(__m512 x, __m512 y) { /* lane: 4 vectors' partials */
-    const __m512d a = _mm512_castps_pd(x), b = _mm512_castps_pd(y);
-    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-}
+#define HPAIR(op, x, y) op(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y)) /* lane: x0.x2 y0.y2 x1.x3 y1.y3 */
+#define HQUAD(op, x, y) /* lane: four vectors' partials, in order */                                        \
+    op(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))),                   \
+       _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))))
 static inline __attribute__((always_inline)) __m512 hlanes(__m512 x, __m512 y) { /* x01 x23 y01 y23 */
     return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 static inline __attribute__((always_inline)) __m512 hsum4x4(const __m512 a[4][4]) {
-    const __m512 c0 = hquad(hpair(a[0][0], a[0][1]), hpair(a[0][2], a[0][3]));
-    const __m512 c1 = hquad(hpair(a[1][0], a[1][1]), hpair(a[1][2], a[1][3]));
-    const __m512 c2 = hquad(hpair(a[2][0], a[2][1]), hpair(a[2][2], a[2][3]));
-    const __m512 c3 = hquad(hpair(a[3][0], a[3][1]), hpair(a[3][2], a[3][3]));
-    return hlanes(hlanes(c0, c1), hlanes(c2, c3));
+    __m512 c[4];
+    for (int i = 0; i < 4; i++)
+        c[i] = HQUAD(_mm512_add_ps, HPAIR(_mm512_add_ps, a[i][0], a[i][1]), HPAIR(_mm512_add_ps, a[i][2], a[i][3]));
+    return hlanes(hlanes(c[0], c[1]), hlanes(c[2], c[3]));
 }
-static inline __attribute__((always_inline)) __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    const __m512 c = hquad(hpair(a0, a1), hpair(a2, a3));
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(c), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
+/* hsum4 / hmax4: the 4 vectors' sums / maxima as the lanes of an __m128 */
+#define DEF_HTREE4(name, op512, op256, op128)                                                                   \
+    static inline __attribute__((always_inline)) __m128 name(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {       \
+        const __m512 c = HQUAD(op512, HPAIR(op512, a0, a1), HPAIR(op512, a2, a3));                              \
+        const __m256 h = op256(_mm512_castps512_ps256(c), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1))); \
+        return op128(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));                                   \
+    }
+DEF_HTREE4(hsum4, _mm512_add_ps, _mm256_add_ps, _mm_add_ps)
+DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
 
 /* ---- score: tiles of 4 rows x 4 keys (16 accumulators of 32), 16 elements per step ----------
  * A tile of 4 keys whose head_dim is a multiple of 16 (every head_dim the bench and the tests'
@@ -104,18 +104,18 @@ static inline __attribute__((always_inline)) __m128 hsum4(__m512 a0, __m512 a1, 
             }                                                                                                   \
     }
 
-/* ---- accum: tiles of 4 rows x 48 columns (12 accumulators) across the block's keys ----------- */
+/* ---- accum: tiles of 4 rows x 64 columns (16 of the 32 registers accumulate) across the block's keys */
 #define DEF_ACCUM(T)                                                                                            \
     static inline __attribute__((always_inline)) void accum_tile_##T(const float *p, uint32_t ps, const uint32_t R, \
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
                                                                      const uint32_t C, float *acc, uint32_t D) { \
-        __m512 a[4][3];                                                                                         \
+        __m512 a[4][4];                                                                                         \
         const size_t esz = sizeof(elem_##T);                                                                    \
         for (uint32_t r = 0; r < R; r++)                                                                        \
             for (uint32_t c = 0; c < C; c++) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);                   \
         for (uint32_t t = 0; t < n_keys; t++) {                                                                 \
             const uint8_t *vr = v + t * vrb;                                                                    \
-            __m512 x[3];                                                                                        \
+            __m512 x[4];                                                                                        \
             for (uint32_t c = 0; c < C; c++) x[c] = ld_##T(vr + 16 * c * esz);                                  \
             for (uint32_t r = 0; r < R; r++) {                                                                  \
                 const __m512 w = _mm512_set1_ps(p[r * ps + t]);                                                 \
@@ -129,10 +129,11 @@ static inline __attribute__((always_inline)) __m128 hsum4(__m512 a0, __m512 a1, 
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
                                                                      uint32_t D, float *acc) {                  \
         const size_t esz = sizeof(elem_##T);                                                                    \
-        uint32_t d = 0; /* 48-column tiles, ending on 32-column ones rather than a 16-column one */             \
-        for (; D - d >= 48 && D - d != 64; d += 48) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D); \
-        for (; D - d >= 32; d += 32) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D);         \
-        if (D - d >= 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D), d += 16;            \
+        uint32_t d = 0; /* 64-column tiles, then one of 48, 32 or 16 */                                     \
+        for (; D - d >= 64; d += 64) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 4, acc + d, D);         \
+        if (D - d >= 48) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D), d += 48;            \
+        else if (D - d >= 32) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D), d += 32;       \
+        else if (D - d >= 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D), d += 16;       \
         for (uint32_t i = 0; i < R; i++) /* head_dim not a multiple of 16 */                                    \
             for (uint32_t t = 0; t < n_keys; t++) {                                                             \
                 const float w = p[i * ps + t];                                                                  \
@@ -199,14 +200,8 @@ typedef __m512 vf;
 #define vf_softcap softcap16
 #define vf_hmax _mm512_reduce_max_ps
 #define vf_hsum _mm512_reduce_add_ps
-static inline __m128 vf_hmax4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    return _mm_setr_ps(_mm512_reduce_max_ps(a0), _mm512_reduce_max_ps(a1), _mm512_reduce_max_ps(a2),
-                       _mm512_reduce_max_ps(a3));
-}
-static inline __m128 vf_hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    return _mm_setr_ps(_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
-                       _mm512_reduce_add_ps(a3));
-}
+#define vf_hmax4 hmax4
+#define vf_hsum4 hsum4
 /* lanes 4-15 are zeros (e^0, unused) */
 static inline __m128 exp4(__m128 x) {
     return _mm512_castps512_ps128(exp16(_mm512_insertf32x4(_mm512_setzero_ps(), x, 0)));
