@@ -24,7 +24,9 @@ static void usage(FILE *f) {
             "Paged attention, n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %d.\n"
             "Decode: contexts 512, 4096, 32768; batch 1 and 16; 1 and 2 threads; every KV dtype the\n"
             "cache accepts; each on a fragmented (paged: shuffled blocks) and a contiguous block table\n"
-            "(identity: a sequence's blocks consecutive in the pool). Each call uses another layer so\n"
+            "(identity: a sequence's blocks consecutive in the pool), the two over the same memory (one\n"
+            "pool mapping shared by both caches: the ratio compares block orders, not where two\n"
+            "buffers were placed). Each call uses another layer so\n"
             "the K/V working set (>= 1 GiB, at most 2 GiB of pool) exceeds the caches. A configuration\n"
             "is measured in 7 rounds; each round samples the streaming read bandwidth (1 GiB buffer,\n"
             "same thread count) and then times contiguous and paged with their calls interleaved\n"
@@ -233,8 +235,9 @@ static int scatter_free_queue(setup *s, tool_rng *rng, uint32_t n_blocks) {
     return 0;
 }
 
+/* sp: NULL, or the pool mapping this cache shares with another (tool_shared_allocator) */
 static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint32_t n_layers, uint32_t n_threads,
-                      int paged, tool_rng *rng) {
+                      int paged, tool_shared_pool *sp, tool_rng *rng) {
     memset(s, 0, sizeof *s);
     s->batch = batch, s->ctx = ctx, s->n_layers = n_layers;
     const uint32_t per_seq = (ctx + BT - 1) / BT, n_blocks = per_seq * batch;
@@ -249,6 +252,7 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
     cfg.max_blocks_per_seq = per_seq > 64 ? per_seq : 64;
     cfg.n_threads = n_threads;
     cfg.enable_prefix_cache = 0;
+    if (sp) cfg.allocator = tool_shared_allocator(sp);
     int rc = pkv_cache_create(&cfg, &s->c);
     if (rc < 0) return rc;
     if (paged && scatter_free_queue(s, rng, n_blocks) < 0) goto fail;
@@ -399,11 +403,13 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     if (hot_ctx > ctx) hot_ctx = ctx;
     if (hot_ctx < BT) hot_ctx = BT;
     const double hot_layer = (double)hot_batch * hot_ctx * H_KV * row;
+    /* su[0] and su[1] share one pool mapping: the same pages, read in two block orders */
     setup su[3];
+    tool_shared_pool shared = {0};
     int rc = 0, made = 0;
     for (; made < 3; made++) {
-        rc = made < 2 ? setup_make(&su[made], dt, ctx, batch, n_layers, nt, made, rng)
-                      : setup_make(&su[made], dt, hot_ctx, hot_batch, 1, nt, 1, rng);
+        rc = made < 2 ? setup_make(&su[made], dt, ctx, batch, n_layers, nt, made, &shared, rng)
+                      : setup_make(&su[made], dt, hot_ctx, hot_batch, 1, nt, 1, NULL, rng);
         if (rc < 0) {
             fprintf(stderr, "pkv bench attn: set-up failed for %s ctx %u batch %u: %s\n", pkv_dtype_name(dt), ctx, batch,
                     pkv_strerror(rc));
@@ -459,7 +465,7 @@ static double peak_sample(uint32_t nt) { return fma_available() ? fma_peak_n((in
 
 static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t nt, tool_rng *rng) {
     setup s;
-    int rc = setup_make(&s, dt, n_tok, 1, 1, nt, 1, rng);
+    int rc = setup_make(&s, dt, n_tok, 1, 1, nt, 1, NULL, rng);
     if (rc < 0) {
         fprintf(stderr, "pkv bench attn: prefill set-up failed for %s: %s\n", pkv_dtype_name(dt), pkv_strerror(rc));
         return -1;

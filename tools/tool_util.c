@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <time.h>
 
 uint64_t tool_now_ns(void) {
@@ -85,4 +87,49 @@ const char *tool_cpu_name(void) {
     }
     fclose(f);
     return name;
+}
+
+/* ---- a pool mapping shared by two caches (tool.h) ------------------------------------------- */
+enum { SHARED_ALIGN = 2u << 20 };
+
+static size_t page_round(size_t n) {
+    const size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    return (n + pg - 1) & ~(pg - 1);
+}
+
+static void *shared_alloc(void *ctx, size_t size, size_t align) {
+    tool_shared_pool *sp = ctx;
+    if (size >= TOOL_SHARED_MIN && (!sp->base || size == sp->size)) {
+        if (!sp->base) {
+            const size_t len = size + SHARED_ALIGN, keep = page_round(size);
+            uint8_t *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (p == MAP_FAILED) return NULL;
+            uint8_t *a = (uint8_t *)(((uintptr_t)p + SHARED_ALIGN - 1) & ~(uintptr_t)(SHARED_ALIGN - 1));
+            const size_t head = (size_t)(a - p);
+            if (head) munmap(p, head);
+            if (len - head > keep) munmap(a + keep, len - head - keep); /* the mapping is [a, a + keep) */
+#ifdef MADV_HUGEPAGE
+            (void)madvise(a, size & ~(size_t)(SHARED_ALIGN - 1), MADV_HUGEPAGE);
+#endif
+            sp->base = a, sp->size = size, sp->refs = 0;
+        }
+        sp->refs++;
+        return sp->base;
+    }
+    if (align < sizeof(void *)) align = sizeof(void *);
+    const size_t rounded = (size + align - 1) & ~(align - 1);
+    return rounded < size ? NULL : aligned_alloc(align, rounded);
+}
+
+static void shared_free(void *ctx, void *ptr, size_t size) {
+    tool_shared_pool *sp = ctx;
+    if (ptr && ptr == sp->base) {
+        if (--sp->refs == 0) munmap(sp->base, page_round(size)), sp->base = NULL, sp->size = 0;
+        return;
+    }
+    free(ptr);
+}
+
+pkv_allocator tool_shared_allocator(tool_shared_pool *sp) {
+    return (pkv_allocator){.alloc = shared_alloc, .free = shared_free, .ctx = sp};
 }
