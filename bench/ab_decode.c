@@ -5,7 +5,8 @@
  *
  * Each round times `calls` decode calls of A, then of B (odd rounds B first), each call on the
  * next layer so the K/V working set can exceed the caches. Reports each side's median GB/s of
- * K/V read and the median over rounds of time(B) / time(A), with its quartiles. */
+ * K/V read and the median over rounds of time(B) / time(A), with its quartiles. Both builds' caches
+ * share one pool mapping (tool.h: tool_shared_allocator). */
 #include "tool.h" /* tools/tool_util.c: clock, median, RNG */
 
 #include <stdio.h>
@@ -44,6 +45,11 @@ int a_pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t 
 pkv_attn_params a_pkv_attn_params_default(void);
 int a_pkv_attn_decode(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, uint32_t n_seqs, const float *q, float *out,
                       const pkv_attn_params *p);
+
+/* One pool mapping for both builds (tool_shared_allocator): each side's calls read the same
+ * pages, so where the OS placed two buffers is not part of the comparison. Both sides write the
+ * same K/V (same seeds); a build whose pool has another size gets a buffer of its own. */
+static tool_shared_pool ab_pool;
 
 #define AB(x) a_##x
 #include "ab_decode_body.h"
