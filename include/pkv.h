@@ -100,7 +100,8 @@ typedef struct pkv_config {
     uint32_t head_dim;           /* 1..1024 (multiple of 32 for q8_0 / q4_0) */
     uint32_t block_tokens;       /* B, token slots per block, 1..1024; default 16 */
     uint32_t n_blocks;           /* pool size in blocks; 0 = derive from mem_budget_bytes */
-    uint64_t mem_budget_bytes;   /* K/V bytes for the pool when n_blocks == 0 */
+    uint64_t mem_budget_bytes;   /* K/V bytes for the pool when n_blocks == 0 (the K-V gap of
+                                    pkv_layout comes on top: under 2 MiB per layer) */
     pkv_dtype k_dtype;           /* pool element format of K (default f16) */
     pkv_dtype v_dtype;           /* pool element format of V (default f16) */
     uint32_t max_seqs;           /* live sequences (pins included) at once; default 256 */
@@ -137,6 +138,8 @@ PKV_API PKV_NODISCARD int pkv_cache_config(const pkv_cache *c, pkv_config *out);
 /* Where the pool lives, for engines that run their own kernels over it (vLLM layout):
  * K of layer l = k_base + l * layer_stride_bytes; block b, kv head h, offset t of K starts at
  * K + b * k_block_bytes + (h * block_tokens + t) * k_row_bytes; V likewise with v_*.
+ * v_base - k_base can exceed n_blocks * k_block_bytes: a pool whose K array is 2 MiB or more
+ * leaves a gap of under 2 MiB before V (so a block's K and V rows do not share memory banks).
  * The pointers stay valid until pkv_cache_destroy. */
 typedef struct pkv_layout {
     uint8_t *k_base, *v_base;

@@ -95,6 +95,61 @@ static void test_slots_block_table_5_10(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* ---- the gap between K and V in pools of 2 MiB and more (cache.c: v_skew) ----
+ * A layer's V array starts 68 KiB past a 2 MiB multiple from its K array (K and V rows of one
+ * block would otherwise share memory banks when n_blocks has a large power-of-two factor); the
+ * gap is under 2 MiB, layers stay disjoint, and rows written through pkv_write_kv are where the
+ * layout says and read back alike through pkv_seq_gather. */
+static void test_layout_kv_gap(void **state) {
+    (void)state;
+    /* k_block_bytes 16 * 1 * 64 * 2 = 2 KiB: 2048 blocks = 4 MiB of K (a 2 MiB multiple, the
+     * case the gap is for), 1500 blocks = 3 MiB (not), 100 blocks = 200 KiB (no gap) */
+    const uint32_t n_blocks[] = {2048, 1500, 100};
+    for (int ci = 0; ci < 3; ci++) {
+        pkv_config cfg = tu_config(n_blocks[ci], 16, 2, 1, 64, PKV_DTYPE_F16);
+        pkv_cache *c = tu_create(&cfg);
+        pkv_layout L;
+        TU_OK(pkv_cache_layout(c, &L));
+        const size_t k_bytes = (size_t)n_blocks[ci] * L.k_block_bytes, v_bytes = (size_t)n_blocks[ci] * L.v_block_bytes;
+        const size_t dist = (size_t)(L.v_base - L.k_base);
+        assert_true(dist >= k_bytes);
+        if (k_bytes >= (2u << 20)) {
+            assert_int_equal(dist % (2u << 20), 17u * 4096u);
+            assert_true(dist - k_bytes < (2u << 20));
+        } else {
+            assert_int_equal(dist, k_bytes);
+        }
+        assert_int_equal(L.layer_stride_bytes, dist + v_bytes);
+        assert_int_equal((uintptr_t)L.v_base % 64, 0);
+        pkv_stats st = tu_stats(c);
+        assert_int_equal(st.kv_bytes, 2 * L.layer_stride_bytes);
+        /* one sequence over every block; layer 1's rows at positions 0, 1 and the last two */
+        pkv_seq s = tu_seq(c);
+        const uint32_t n = n_blocks[ci] * 16, pos[4] = {0, 1, n - 2, n - 1};
+        tu_append(c, s, n, 0, NULL);
+        int32_t slots[4];
+        float k[4][64], v[4][64], kg[64], vg[64];
+        for (int i = 0; i < 4; i++) {
+            TU_OK(pkv_seq_slots(c, s, pos[i], 1, &slots[i]));
+            for (int d = 0; d < 64; d++) k[i][d] = (float)(i * 64 + d), v[i][d] = -(float)(i * 64 + d) - 0.5f;
+        }
+        TU_OK(pkv_write_kv(c, 1, slots, 4, k, v, PKV_DTYPE_F32));
+        for (int i = 0; i < 4; i++) {
+            const uint16_t *kr = (const uint16_t *)elem_addr(&L, 0, 1, (uint32_t)slots[i], 0);
+            const uint16_t *vr = (const uint16_t *)elem_addr(&L, 1, 1, (uint32_t)slots[i], 0);
+            TU_OK(pkv_seq_gather(c, s, 1, pos[i], 1, kg, vg));
+            for (int d = 0; d < 64; d++) {
+                assert_float_equal(tu_f16_to_f32(kr[d]), k[i][d], 0.0f);
+                assert_float_equal(tu_f16_to_f32(vr[d]), v[i][d], 0.0f);
+                assert_float_equal(kg[d], k[i][d], 0.0f);
+                assert_float_equal(vg[d], v[i][d], 0.0f);
+            }
+        }
+        TU_CHECK(c);
+        pkv_cache_destroy(c);
+    }
+}
+
 /* ---- layout fields ---- */
 static void test_layout_fields(void **state) {
     (void)state;
@@ -609,6 +664,7 @@ int main(void) {
         cmocka_unit_test(test_blocks_needed),
         cmocka_unit_test(test_slots_block_table_5_10),
         cmocka_unit_test(test_layout_fields),
+        cmocka_unit_test(test_layout_kv_gap),
         cmocka_unit_test(test_reshape_boostr12),
         cmocka_unit_test(test_reshape_boostr13),
         cmocka_unit_test(test_write_k_only_v_only),

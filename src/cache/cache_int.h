@@ -27,7 +27,8 @@ struct pkv_cache {
     pthread_mutex_t attn_mu; /* serializes attention calls (scratch + thread pool) */
     uint32_t B, n_blocks, max_seqs, max_bps, n_layers, n_kv, head_dim;
 
-    /* pool memory: layer l: K at kv + l * layer_stride, V at kv + l * layer_stride + k_layer */
+    /* pool memory: layer l: K at kv + l * layer_stride, V at kv + l * layer_stride + k_layer (the K
+     * array, then a gap of v_skew bytes: cache.c) */
     uint8_t *kv;
     size_t kv_bytes, layer_stride, k_layer, k_row, v_row, k_blk, v_blk;
 
