@@ -33,7 +33,7 @@ typedef uint16_t elem_f16;
 typedef uint16_t elem_bf16;
 
 /* ---- horizontal sums as transpose-add trees ---------------------------------------------------
- * hsum4x4(a): lane 4 i + j = the sum of a[i][j]'s 16 lanes (45 shuffles and adds for 16
+ * HSUM4X4(a): lane 4 i + j = the sum of a[i][j]'s 16 lanes (45 shuffles and adds for 16
  * sums, against about 8 each for one _mm512_reduce_add_ps). Level 1 pairs vectors with
  * unpacklo/hi (each 128-bit lane then holds partials of two vectors), level 2 pairs those with
  * 64-bit unpacks (partials of four vectors per 128-bit lane, in order), levels 3 and 4 add the
@@ -47,12 +47,10 @@ static inline __attribute__((always_inline)) __m512 hlanes(__m512 x, __m512 y) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
 }
-static inline __attribute__((always_inline)) __m512 hsum4x4(const __m512 a[4][4]) {
-    __m512 c[4];
-    for (int i = 0; i < 4; i++)
-        c[i] = HQUAD(_mm512_add_ps, HPAIR(_mm512_add_ps, a[i][0], a[i][1]), HPAIR(_mm512_add_ps, a[i][2], a[i][3]));
-    return hlanes(hlanes(c[0], c[1]), hlanes(c[2], c[3]));
-}
+/* a macro, not a function taking the array: given the array's address, GCC 12 stores all 16
+ * accumulators to the stack and loads them back (32 memory operations per tile) */
+#define HROW4(a, i) HQUAD(_mm512_add_ps, HPAIR(_mm512_add_ps, a[i][0], a[i][1]), HPAIR(_mm512_add_ps, a[i][2], a[i][3]))
+#define HSUM4X4(a) hlanes(hlanes(HROW4(a, 0), HROW4(a, 1)), hlanes(HROW4(a, 2), HROW4(a, 3)))
 /* hsum4 / hmax4: the 4 vectors' sums / maxima as the lanes of an __m128 */
 #define DEF_HTREE4(name, op512, op256, op128)                                                                   \
     static inline __attribute__((always_inline)) __m128 name(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {       \
@@ -86,7 +84,7 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
         }                                                                                                       \
         if (K == 4 && D16 == D) {                                                                               \
             if (R == 4) {                                                                                       \
-                const __m512 h = hsum4x4((const __m512(*)[4])acc);                                                           \
+                const __m512 h = HSUM4X4(acc);                                                           \
                 _mm_storeu_ps(s, _mm512_castps512_ps128(h));                                                    \
                 _mm_storeu_ps(s + ss, _mm512_extractf32x4_ps(h, 1));                                            \
                 _mm_storeu_ps(s + 2 * ss, _mm512_extractf32x4_ps(h, 2));                                        \
@@ -96,8 +94,8 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
                     _mm_storeu_ps(s + r * ss, hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));               \
             return;                                                                                             \
         }                                                                                                       \
-        for (uint32_t r = 0; r < R; r++)                                                                        \
-            for (uint32_t t = 0; t < K; t++) {                                                                  \
+        _Pragma("GCC unroll 4") for (uint32_t r = 0; r < R; r++) /* constant indices: acc stays in registers */ \
+            _Pragma("GCC unroll 4") for (uint32_t t = 0; t < K; t++) {                                      \
                 float o = _mm512_reduce_add_ps(acc[r][t]);                                                      \
                 for (uint32_t d = D16; d < D; d++) o += q[r * qs + d] * sc_##T(k + t * krb, d);                 \
                 s[r * ss + t] = o;                                                                              \
