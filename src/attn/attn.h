@@ -189,12 +189,15 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
 }
 
 /* ---- drivers shared by the SIMD backends (ISA-free; each file instantiates them per dtype T) ----
- * PKV__ATTN_DEF_SCORE_ROWS4(T) needs score_tile_##T(q, qs, k, krb, R, K, D, s, ss): R <= 4 rows x
- * K <= 4 keys. It defines score_rows_##T (a row group over the block's keys, 4 at a time) and the
- * table entry score_##T (row groups of 4, then single rows). The prefetch goes in one share
- * after each tile of the row groups, the first single row standing for the group of leftover
- * rows: a decode block of 16 keys for 4 rows gets 4 shares, not one burst (at head_dim 128, 16
- * lines of each of the K and V runs per share for f16, 32 for f32).
+ * PKV__ATTN_DEF_SCORE_ROWS4(T) needs score_tile_##T(q, qs, k, krb, R, K, D, s, ss, pf, sub): R <= 4
+ * rows x K <= 4 keys, and PKV__ATTN_PF_SUB_##T, the prefetch shares per tile (a constant). It
+ * defines score_rows_##T (a row group over the block's keys, 4 at a time) and the table entry
+ * score_##T (row groups of 4, then single rows). The prefetch goes in sub shares per tile of the
+ * row groups, the first single row standing for the group of leftover rows: the tile issues
+ * sub - 1 of them spread over its head_dim steps (a tile may ignore pf when sub is 1), the
+ * driver the last one after it. A decode block of 16 keys for 4 rows gets 4 x sub shares, not
+ * one burst (at head_dim 128 and sub 1, 16 lines of each of the K and V runs per share for f16,
+ * 32 for f32).
  * PKV__ATTN_DEF_ACCUM_ROWS(T) needs accum_rows_##T(p, ps, R, v, vrb, n_keys, D, acc) and defines
  * the table entry accum_##T: row groups of 4, then single rows, with an instance for head_dim
  * 128 (constant offsets). */
@@ -205,13 +208,13 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
                                                                      pkv__attn_pf *pf) {                        \
         uint32_t t = 0;                                                                                         \
         for (; t + 4 <= n_keys; t += 4) {                                                                       \
-            score_tile_##T(q, qs, k + t * krb, krb, R, 4, D, s + t, ss);                                        \
+            score_tile_##T(q, qs, k + t * krb, krb, R, 4, D, s + t, ss, pf, PKV__ATTN_PF_SUB_##T);              \
             pkv__attn_pf_step(pf);                                                                              \
         }                                                                                                       \
         switch (n_keys - t) {                                                                                   \
-        case 3: score_tile_##T(q, qs, k + t * krb, krb, R, 3, D, s + t, ss); break;                             \
-        case 2: score_tile_##T(q, qs, k + t * krb, krb, R, 2, D, s + t, ss); break;                             \
-        case 1: score_tile_##T(q, qs, k + t * krb, krb, R, 1, D, s + t, ss); break;                             \
+        case 3: score_tile_##T(q, qs, k + t * krb, krb, R, 3, D, s + t, ss, pf, PKV__ATTN_PF_SUB_##T); break; \
+        case 2: score_tile_##T(q, qs, k + t * krb, krb, R, 2, D, s + t, ss, pf, PKV__ATTN_PF_SUB_##T); break; \
+        case 1: score_tile_##T(q, qs, k + t * krb, krb, R, 1, D, s + t, ss, pf, PKV__ATTN_PF_SUB_##T); break; \
         default: return;                                                                                        \
         }                                                                                                       \
         pkv__attn_pf_step(pf);                                                                                  \
@@ -221,7 +224,7 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
         const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
         const float *q = qp;                                                                                    \
         uint32_t r = 0;                                                                                         \
-        pkv__attn_pf_start(pf, (n_keys + 3) / 4 * ((n_rows + 3) / 4)); /* a share per tile of a group */       \
+        pkv__attn_pf_start(pf, (n_keys + 3) / 4 * ((n_rows + 3) / 4) * PKV__ATTN_PF_SUB_##T); /* sub per tile */ \
         for (; r + 4 <= n_rows; r += 4) score_rows_##T(q + r * qs, qs, k, krb, 4, n_keys, D, s + r * ss, ss, pf); \
         for (uint32_t r0 = r; r < n_rows; r++)                                                                  \
             score_rows_##T(q + r * qs, qs, k, krb, 1, n_keys, D, s + r * ss, ss, r == r0 ? pf : NULL);          \

@@ -39,7 +39,9 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
 #define DEF_SCORE(T)                                                                                            \
     static inline __attribute__((always_inline)) void score_tile_##T(const float *q, size_t qs, const uint8_t *k, \
                                                                      size_t krb, const uint32_t R, const uint32_t K, \
-                                                                     uint32_t D, float *s, uint32_t ss) {       \
+                                                                     uint32_t D, float *s, uint32_t ss,         \
+                                                                     pkv__attn_pf *pf, const uint32_t sub) {    \
+        (void)pf, (void)sub; /* sub is 1: the driver issues the tile's one share */                            \
         float32x4_t acc[4][4];                                                                                  \
         const size_t esz = sizeof(elem_##T);                                                                    \
         const uint32_t D4 = D & ~3u;                                                                            \
@@ -99,6 +101,10 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
 DEF_SCORE(f32)
 DEF_SCORE(f16)
 DEF_SCORE(bf16)
+/* one prefetch share per score tile (attn.h) */
+#define PKV__ATTN_PF_SUB_f32 1
+#define PKV__ATTN_PF_SUB_f16 1
+#define PKV__ATTN_PF_SUB_bf16 1
 PKV__ATTN_DEF_SCORE_ROWS4(f32)
 PKV__ATTN_DEF_SCORE_ROWS4(f16)
 PKV__ATTN_DEF_SCORE_ROWS4(bf16)
