@@ -126,7 +126,8 @@ typedef uint64_t pkv_seq;
 #define PKV_SEQ_NONE ((pkv_seq)0)
 
 /* Creates a cache: allocates the whole pool, the metadata and the attention thread pool now;
- * nothing is allocated later. PKV_EINVAL for a bad config, PKV_ENOMEM, PKV_ENOTSUP. */
+ * nothing is allocated later. PKV_EINVAL for a bad config, PKV_ENOMEM, PKV_ENOTSUP (e.g. a
+ * PKV_ATTN_BACKEND this CPU or build lacks: see pkv_attn_backend). */
 PKV_API PKV_NODISCARD int pkv_cache_create(const pkv_config *cfg, pkv_cache **out);
 /* Frees everything; NULL is a no-op. Outstanding sequence ids become invalid. */
 PKV_API void pkv_cache_destroy(pkv_cache *c);
@@ -307,7 +308,9 @@ PKV_API PKV_NODISCARD int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const p
                                            const float *q, float *out, const pkv_attn_params *p);
 
 /* Which kernel family attention uses: "ref", "avx2", "avx512", "neon", "neon-dotprod" (chosen
- * once at creation from CPU detection; PKV_FORCE_REF=1 in the environment forces "ref"). */
+ * once at creation from CPU detection; PKV_FORCE_REF=1 in the environment forces "ref", and
+ * PKV_ATTN_BACKEND=name picks one by name: pkv_cache_create fails with PKV_ENOTSUP when this
+ * CPU or build lacks it). */
 PKV_API const char *pkv_attn_backend(const pkv_cache *c);
 
 #ifdef __cplusplus

@@ -306,12 +306,67 @@ static void test_api_bad_input(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* PKV_ATTN_BACKEND=name picks the backend by name (each one this CPU has decodes as the oracle
+ * says), a name this CPU or build lacks makes pkv_cache_create fail with PKV_ENOTSUP and change
+ * nothing (ASan checks that it leaks nothing), and PKV_FORCE_REF=1 wins over it. */
+static void test_api_backend_env(void **state) {
+    (void)state;
+    unsetenv("PKV_ATTN_BACKEND");
+    unsetenv("PKV_FORCE_REF");
+    pkv_cache *c = make_cache(PKV_DTYPE_F16, 2, 0);
+    char detected[32];
+    strncpy(detected, pkv_attn_backend(c), sizeof detected - 1);
+    detected[sizeof detected - 1] = 0;
+    pkv_cache_destroy(c);
+    static const char *const names[] = {"ref", "avx2", "avx512", "neon", "neon-dotprod"};
+    pkv_config cfg = pkv_config_default();
+    cfg.n_layers = L, cfg.n_kv_heads = H, cfg.head_dim = D, cfg.block_tokens = B, cfg.n_blocks = 128;
+    cfg.max_seqs = 16;
+    int n_ok = 0, saw_detected = 0;
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+        setenv("PKV_ATTN_BACKEND", names[i], 1);
+        c = NULL;
+        const int rc = pkv_cache_create(&cfg, &c);
+        if (rc == PKV_ENOTSUP) {
+            assert_null(c);
+            continue;
+        }
+        assert_int_equal(rc, PKV_OK);
+        assert_string_equal(pkv_attn_backend(c), names[i]);
+        n_ok++, saw_detected |= !strcmp(names[i], detected);
+        static host_seq s;
+        s.len = 0;
+        assert_int_equal(pkv_seq_create(c, NULL, 0, &s.id), PKV_OK);
+        append_write(c, cfg.k_dtype, &s, 100, 1);
+        pkv_attn_params p = pkv_attn_params_default();
+        p.n_q_heads = NQH;
+        float *q = rand_q(1), out[NQH * D];
+        assert_int_equal(pkv_attn_decode(c, 1, &s.id, 1, q, out, &p), PKV_OK);
+        check(&s, 1, q, out, NULL, 99, 1, &p);
+        free(q);
+        pkv_cache_destroy(c);
+    }
+    assert_true(n_ok >= 1 && saw_detected); /* "ref" and the detected backend at least */
+    setenv("PKV_ATTN_BACKEND", "no-such-backend", 1);
+    pkv_cache *const untouched = (pkv_cache *)&cfg;
+    c = untouched; /* a failed call changes nothing, *out included */
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_ENOTSUP);
+    assert_ptr_equal(c, untouched);
+    setenv("PKV_FORCE_REF", "1", 1); /* wins over the bad name */
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    assert_string_equal(pkv_attn_backend(c), "ref");
+    pkv_cache_destroy(c);
+    unsetenv("PKV_FORCE_REF");
+    unsetenv("PKV_ATTN_BACKEND");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_api_oracle),
         cmocka_unit_test(test_api_fork_cow),
         cmocka_unit_test(test_api_shared_prefix),
         cmocka_unit_test(test_api_bad_input),
+        cmocka_unit_test(test_api_backend_env),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

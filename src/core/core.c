@@ -159,6 +159,11 @@ bool pkv__force_ref(void) {
     return e && *e && strcmp(e, "0") != 0;
 }
 
+const char *pkv__env_backend(void) {
+    const char *e = getenv("PKV_ATTN_BACKEND");
+    return e && *e ? e : NULL;
+}
+
 uint32_t pkv__n_cpus(void) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 ? (uint32_t)n : 1u;

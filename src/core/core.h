@@ -54,6 +54,9 @@ enum {
 uint32_t pkv__cpu_features(void);
 /* True when PKV_FORCE_REF is set to a non-empty value other than "0". */
 bool pkv__force_ref(void);
+/* PKV_ATTN_BACKEND from the environment: a backend name to use instead of the detected one, or
+ * NULL when unset or empty. */
+const char *pkv__env_backend(void);
 /* Online cpus (>= 1). */
 uint32_t pkv__n_cpus(void);
 /* Monotonic nanoseconds. */
