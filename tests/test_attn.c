@@ -399,16 +399,17 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
     pool_free(&p);
 }
 
-static void run_oracle(const char *backend, const oracle_opts *o, uint64_t seed) {
+static void run_oracle_dims(const char *backend, const oracle_opts *o, uint64_t seed, const uint32_t *dims,
+                            size_t n_dims) {
     g_rng = seed;
     for (size_t ti = 0; ti < sizeof k_types / sizeof *k_types; ti++) {
         double worst = 0, worst_lse = 0;
-        for (size_t di = 0; di < 4; di++)
+        for (size_t di = 0; di < n_dims; di++)
             for (size_t hi = 0; hi < 4; hi++) {
                 const uint32_t nt = 1 + rng_below(3); /* 1..3 threads: 2 and 3 exercise key splits */
                 /* K and V of different types sometimes: the dispatch is per tensor */
                 pkv_dtype kdt = k_types[ti], vdt = rng_below(4) ? kdt : k_types[rng_below(3)];
-                oracle_case(backend, nt, k_dims[di], k_heads[hi][0], k_heads[hi][1], kdt, vdt, o, &worst, &worst_lse);
+                oracle_case(backend, nt, dims[di], k_heads[hi][0], k_heads[hi][1], kdt, vdt, o, &worst, &worst_lse);
             }
         print_message("  %s K=%s%s%s%s: max err %.3g of the tolerance, lse err %.3g\n", backend,
                       pkv_dtype_name(k_types[ti]), o->prefill ? " prefill" : " decode", o->softcap ? " softcap" : "",
@@ -416,6 +417,23 @@ static void run_oracle(const char *backend, const oracle_opts *o, uint64_t seed)
         assert_true(worst <= 1.0);
         assert_true(worst_lse <= TOL_LSE);
     }
+}
+
+static void run_oracle(const char *backend, const oracle_opts *o, uint64_t seed) {
+    run_oracle_dims(backend, o, seed, k_dims, sizeof k_dims / sizeof *k_dims);
+}
+
+/* Head dims off the kernels' main tiles: 40 (not a multiple of 16: the AVX-512 and NEON score
+ * and accum tails), 96 and 112 (AVX-512 accum ends on a 32- or 48-column tile after a 64-column
+ * one; AVX2 on its own tails), decode and prefill. */
+static void test_oracle_odd_dims(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    static const uint32_t dims[] = {40, 96, 112};
+    oracle_opts o = {0};
+    run_oracle_dims(bc->name, &o, 404, dims, 3);
+    o.prefill = 1;
+    run_oracle_dims(bc->name, &o, 405, dims, 3);
 }
 
 static void test_oracle_decode(void **state) {
@@ -721,6 +739,7 @@ int main(void) {
         PER_BACKEND(test_oracle_decode),
         PER_BACKEND(test_oracle_prefill),
         PER_BACKEND(test_oracle_softcap_window),
+        PER_BACKEND(test_oracle_odd_dims),
         PER_BACKEND(test_window_one_sees_itself),
         PER_BACKEND(test_lse_merge_halves),
         PER_BACKEND(test_threads_agree),
