@@ -219,8 +219,10 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
         }                                                                                                       \
         pkv__attn_pf_step(pf);                                                                                  \
     }                                                                                                           \
-    static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,       \
-                          uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {                                \
+    static inline __attribute__((always_inline)) void score_all_##T(const void *qp, uint32_t n_rows,            \
+                                                                    const uint8_t *k, size_t krb, uint32_t n_keys, \
+                                                                    uint32_t D, float *s, uint32_t ss,          \
+                                                                    pkv__attn_pf *pf) {                         \
         const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
         const float *q = qp;                                                                                    \
         uint32_t r = 0;                                                                                         \
@@ -228,6 +230,13 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
         for (; r + 4 <= n_rows; r += 4) score_rows_##T(q + r * qs, qs, k, krb, 4, n_keys, D, s + r * ss, ss, pf); \
         for (uint32_t r0 = r; r < n_rows; r++)                                                                  \
             score_rows_##T(q + r * qs, qs, k, krb, 1, n_keys, D, s + r * ss, ss, r == r0 ? pf : NULL);          \
+    }                                                                                                           \
+    static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,       \
+                          uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {                                \
+        if (D == 128) /* the common head_dim, with constant trip counts */                                      \
+            score_all_##T(qp, n_rows, k, krb, n_keys, 128, s, ss, pf);                                          \
+        else                                                                                                    \
+            score_all_##T(qp, n_rows, k, krb, n_keys, D, s, ss, pf);                                            \
     }
 
 #define PKV__ATTN_DEF_ACCUM_ROWS(T)                                                                            \
