@@ -1,6 +1,8 @@
 /* attn_avx512.c: AVX-512 (F, BW, VL, DQ) primitives of paged attention (f32, f16, bf16 K/V,
- * softmax): the AVX2 tiling at 16 lanes. The query preparation stays the AVX2 one (the table
- * is filled by pkv__attn_fill_avx2 first). test_attn compares it with the reference wherever
+ * softmax): score tiles of 4 rows x 4 keys reduced by transpose-add trees, the next block's
+ * prefetch in 4 shares per tile, accum tiles of 4 rows x 64 columns (docs/design.md has the
+ * measurements on Zen 4). The query preparation stays the AVX2 one (the table is filled by
+ * pkv__attn_fill_avx2 first). test_attn compares it with the reference wherever
  * the CPU has it, and everywhere else as "avx512-emu": this file compiled with PKV_AVX512_EMU,
  * its 512-bit intrinsics emulated on AVX2 (avx512_emu.h). */
 #include "../attn.h"
