@@ -5,8 +5,8 @@
  *
  * Each round times `calls` decode calls of A, then of B (odd rounds B first), each call on the
  * next layer so the K/V working set can exceed the caches. Reports each side's median GB/s of
- * K/V read and the median over rounds of time(B) / time(A), with its quartiles. Both builds' caches
- * share one pool mapping (tool.h: tool_shared_allocator). */
+ * K/V read and the median over rounds of time(B) / time(A), with its quartiles. Build A's cache
+ * reads build B's pool (tool.h: tool_loan_allocator). */
 #include "tool.h" /* tools/tool_util.c: clock, median, RNG */
 
 #include <stdio.h>
@@ -46,10 +46,10 @@ pkv_attn_params a_pkv_attn_params_default(void);
 int a_pkv_attn_decode(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, uint32_t n_seqs, const float *q, float *out,
                       const pkv_attn_params *p);
 
-/* One pool mapping for both builds (tool_shared_allocator): each side's calls read the same
+/* Build A's cache reads build B's pool (tool_loan_allocator): each side's calls read the same
  * pages, so where the OS placed two buffers is not part of the comparison. Both sides write the
  * same K/V (same seeds); a build whose pool has another size gets a buffer of its own. */
-static tool_shared_pool ab_pool;
+static tool_pool_loan ab_loan;
 
 #define AB(x) a_##x
 #include "ab_decode_body.h"
@@ -90,7 +90,8 @@ int main(int argc, char **argv) {
     int rc = 0;
     tool_rng ra, rb; /* the same seed: both builds get the same pool and data */
     tool_rng_seed(&ra, 1), tool_rng_seed(&rb, 1);
-    if (a_ab_setup(&a, &o, &ra) < 0 || ab_setup(&b, &o, &rb) < 0) {
+    /* B first: it lends its pool to A, and is destroyed after A */
+    if (ab_setup(&b, &o, &rb) < 0 || tool_pool_loan_from(b.c, &ab_loan) < 0 || a_ab_setup(&a, &o, &ra) < 0) {
         fprintf(stderr, "ab_decode: set-up failed (out of memory, or a shape the builds refuse)\n");
         rc = 1;
     }

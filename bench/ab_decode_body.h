@@ -10,7 +10,7 @@ static int AB(ab_setup)(ab_side *s, const ab_opts *o, tool_rng *rng) {
     c.n_layers = o->layers, c.n_kv_heads = AB_HKV, c.head_dim = AB_D, c.block_tokens = AB_BT;
     c.n_blocks = per_seq * o->batch, c.k_dtype = c.v_dtype = o->dtype, c.n_threads = o->threads;
     c.enable_prefix_cache = 0, c.max_blocks_per_seq = per_seq > 64 ? per_seq : 64, c.max_seqs = AB_SCATTER + 64;
-    c.allocator = tool_shared_allocator(&ab_pool); /* both builds' pools: the same pages */
+    if (ab_loan.base) c.allocator = tool_loan_allocator(&ab_loan); /* build A reads build B's pool */
     if (AB(pkv_cache_create)(&c, &s->c) < 0) return -1;
     int32_t tok[AB_BT] = {0};
     if (o->paged) {

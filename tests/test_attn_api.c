@@ -35,13 +35,18 @@ typedef struct host_seq {
     float k[L][MAXTOK][H][D], v[L][MAXTOK][H][D];
 } host_seq;
 
-static pkv_cache *make_cache(pkv_dtype dt, uint32_t n_threads, int prefix) {
+static pkv_config api_config(pkv_dtype dt, uint32_t n_threads, int prefix) {
     pkv_config cfg = pkv_config_default();
     cfg.n_layers = L, cfg.n_kv_heads = H, cfg.head_dim = D, cfg.block_tokens = B, cfg.n_blocks = 128;
     cfg.k_dtype = cfg.v_dtype = dt;
     cfg.n_threads = n_threads;
     cfg.enable_prefix_cache = prefix;
     cfg.max_seqs = 16;
+    return cfg;
+}
+
+static pkv_cache *make_cache(pkv_dtype dt, uint32_t n_threads, int prefix) {
+    const pkv_config cfg = api_config(dt, n_threads, prefix);
     pkv_cache *c = NULL;
     assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
     return c;
@@ -319,9 +324,7 @@ static void test_api_backend_env(void **state) {
     detected[sizeof detected - 1] = 0;
     pkv_cache_destroy(c);
     static const char *const names[] = {"ref", "avx2", "avx512", "neon", "neon-dotprod"};
-    pkv_config cfg = pkv_config_default();
-    cfg.n_layers = L, cfg.n_kv_heads = H, cfg.head_dim = D, cfg.block_tokens = B, cfg.n_blocks = 128;
-    cfg.max_seqs = 16;
+    pkv_config cfg = api_config(PKV_DTYPE_F16, 2, 0);
     int n_ok = 0, saw_detected = 0;
     for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
         setenv("PKV_ATTN_BACKEND", names[i], 1);

@@ -235,9 +235,9 @@ static int scatter_free_queue(setup *s, tool_rng *rng, uint32_t n_blocks) {
     return 0;
 }
 
-/* sp: NULL, or the pool mapping this cache shares with another (tool_shared_allocator) */
+/* loan: NULL, or another cache's pool for this one to read (tool_loan_allocator) */
 static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint32_t n_layers, uint32_t n_threads,
-                      int paged, tool_shared_pool *sp, tool_rng *rng) {
+                      int paged, tool_pool_loan *loan, tool_rng *rng) {
     memset(s, 0, sizeof *s);
     s->batch = batch, s->ctx = ctx, s->n_layers = n_layers;
     const uint32_t per_seq = (ctx + BT - 1) / BT, n_blocks = per_seq * batch;
@@ -252,7 +252,7 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
     cfg.max_blocks_per_seq = per_seq > 64 ? per_seq : 64;
     cfg.n_threads = n_threads;
     cfg.enable_prefix_cache = 0;
-    if (sp) cfg.allocator = tool_shared_allocator(sp);
+    if (loan) cfg.allocator = tool_loan_allocator(loan);
     int rc = pkv_cache_create(&cfg, &s->c);
     if (rc < 0) return rc;
     if (paged && scatter_free_queue(s, rng, n_blocks) < 0) goto fail;
@@ -403,13 +403,15 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     if (hot_ctx > ctx) hot_ctx = ctx;
     if (hot_ctx < BT) hot_ctx = BT;
     const double hot_layer = (double)hot_batch * hot_ctx * H_KV * row;
-    /* su[0] and su[1] share one pool mapping: the same pages, read in two block orders */
+    /* su[1] reads su[0]'s pool: the same pages, in two block orders */
     setup su[3];
-    tool_shared_pool shared = {0};
+    tool_pool_loan loan = {0};
     int rc = 0, made = 0;
     for (; made < 3; made++) {
-        rc = made < 2 ? setup_make(&su[made], dt, ctx, batch, n_layers, nt, made, &shared, rng)
-                      : setup_make(&su[made], dt, hot_ctx, hot_batch, 1, nt, 1, NULL, rng);
+        if (made == 1) rc = tool_check(tool_pool_loan_from(su[0].c, &loan), "pool loan");
+        if (rc == 0)
+            rc = made < 2 ? setup_make(&su[made], dt, ctx, batch, n_layers, nt, made, made ? &loan : NULL, rng)
+                          : setup_make(&su[made], dt, hot_ctx, hot_batch, 1, nt, 1, NULL, rng);
         if (rc < 0) {
             fprintf(stderr, "pkv bench attn: set-up failed for %s ctx %u batch %u: %s\n", pkv_dtype_name(dt), ctx, batch,
                     pkv_strerror(rc));
@@ -428,7 +430,7 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
         hot[r] = hot_layer / hot_med * 1e-9, hot_frac[r] = hot[r] / bw[r];
     }
     const double adjacent[2] = {su[0].adjacent, su[1].adjacent};
-    for (int l = 0; l < made; l++) setup_free(&su[l]); /* a failed setup_make freed its own */
+    for (int l = made - 1; l >= 0; l--) setup_free(&su[l]); /* the borrower first; a failed setup_make freed its own */
     free(q), free(out);
     if (rc < 0) return -1;
     const double bw_med = tool_median(bw, (size_t)rounds), ratio_med = tool_median(ratio, (size_t)rounds);

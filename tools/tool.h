@@ -29,22 +29,21 @@ void tool_rng_seed(tool_rng *r, uint64_t seed);
 uint64_t tool_rng_u64(tool_rng *r);
 double tool_rng_unit(tool_rng *r);   /* [0, 1) */
 double tool_rng_normal(tool_rng *r); /* standard normal */
-/* An allocator hook (pkv_config.allocator) for benchmarks that compare two caches: the first
- * allocation of at least TOOL_SHARED_MIN bytes (the K/V pool) is one 2 MiB-aligned mapping,
- * advised for huge pages, and every cache made with the same tool_shared_pool gets that same
- * mapping for its pool when it asks for the same size (other sizes and smaller allocations are
- * their own). So two caches whose pools hold the same bytes read the same physical pages: a
- * comparison of their block orders (or of two builds of the library) is not also a comparison
- * of where the OS and the hypervisor placed two buffers, which moved decode speed by up to 15%
- * between two buffers on the shared development machine. Only caches that never write K/V
- * while they are compared may share (decode reads only). Single-threaded set-up only. */
-enum { TOOL_SHARED_MIN = 64u << 20 };
-typedef struct tool_shared_pool {
-    void *base;  /* the mapping, NULL until the first pool allocation */
-    size_t size; /* its size as asked */
-    int refs;    /* caches holding it */
-} tool_shared_pool;
-pkv_allocator tool_shared_allocator(tool_shared_pool *sp);
+/* For benchmarks that compare two caches over the same memory: tool_pool_loan_from notes where
+ * a cache (the lender, made with the library's own allocator) keeps its K/V pool, and a cache
+ * made with tool_loan_allocator(loan) as its pkv_config.allocator gets that pool when it asks
+ * for exactly as many bytes (ordinary memory for everything else). So two caches of one shape
+ * read the same physical pages: a comparison of their block orders (or of two builds of the
+ * library) is not also a comparison of where the OS and the hypervisor placed two buffers,
+ * which moved decode speed by up to 15% between two buffers on the shared development
+ * machine. Destroy the borrower before the lender; only caches that never write K/V while they
+ * are compared may share (decode reads only). */
+typedef struct tool_pool_loan {
+    void *base;  /* the lender's pool */
+    size_t size; /* its bytes (pkv_stats.kv_bytes) */
+} tool_pool_loan;
+int tool_pool_loan_from(pkv_cache *lender, tool_pool_loan *loan); /* 0 or a pkv status */
+pkv_allocator tool_loan_allocator(tool_pool_loan *loan);
 
 /* git commit / compiler / cpu string for benchmark headers (static storage). */
 const char *tool_build_info(void);

@@ -5,8 +5,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <unistd.h>
 #include <time.h>
 
 uint64_t tool_now_ns(void) {
@@ -89,47 +87,31 @@ const char *tool_cpu_name(void) {
     return name;
 }
 
-/* ---- a pool mapping shared by two caches (tool.h) ------------------------------------------- */
-enum { SHARED_ALIGN = 2u << 20 };
-
-static size_t page_round(size_t n) {
-    const size_t pg = (size_t)sysconf(_SC_PAGESIZE);
-    return (n + pg - 1) & ~(pg - 1);
+/* ---- one pool lent to a second cache (tool.h) ----------------------------------------------- */
+int tool_pool_loan_from(pkv_cache *lender, tool_pool_loan *loan) {
+    pkv_layout L;
+    pkv_stats st;
+    int rc = pkv_cache_layout(lender, &L);
+    if (rc == 0) rc = pkv_cache_get_stats(lender, &st);
+    if (rc < 0) return rc;
+    loan->base = L.k_base, loan->size = (size_t)st.kv_bytes; /* the pool starts with layer 0's K */
+    return 0;
 }
 
-static void *shared_alloc(void *ctx, size_t size, size_t align) {
-    tool_shared_pool *sp = ctx;
-    if (size >= TOOL_SHARED_MIN && (!sp->base || size == sp->size)) {
-        if (!sp->base) {
-            const size_t len = size + SHARED_ALIGN, keep = page_round(size);
-            uint8_t *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-            if (p == MAP_FAILED) return NULL;
-            uint8_t *a = (uint8_t *)(((uintptr_t)p + SHARED_ALIGN - 1) & ~(uintptr_t)(SHARED_ALIGN - 1));
-            const size_t head = (size_t)(a - p);
-            if (head) munmap(p, head);
-            if (len - head > keep) munmap(a + keep, len - head - keep); /* the mapping is [a, a + keep) */
-#ifdef MADV_HUGEPAGE
-            (void)madvise(a, size & ~(size_t)(SHARED_ALIGN - 1), MADV_HUGEPAGE);
-#endif
-            sp->base = a, sp->size = size, sp->refs = 0;
-        }
-        sp->refs++;
-        return sp->base;
-    }
+static void *loan_alloc(void *ctx, size_t size, size_t align) {
+    const tool_pool_loan *loan = ctx;
+    if (loan->base && size == loan->size) return loan->base;
     if (align < sizeof(void *)) align = sizeof(void *);
     const size_t rounded = (size + align - 1) & ~(align - 1);
     return rounded < size ? NULL : aligned_alloc(align, rounded);
 }
 
-static void shared_free(void *ctx, void *ptr, size_t size) {
-    tool_shared_pool *sp = ctx;
-    if (ptr && ptr == sp->base) {
-        if (--sp->refs == 0) munmap(sp->base, page_round(size)), sp->base = NULL, sp->size = 0;
-        return;
-    }
-    free(ptr);
+static void loan_free(void *ctx, void *ptr, size_t size) {
+    const tool_pool_loan *loan = ctx;
+    (void)size;
+    if (ptr != loan->base) free(ptr); /* the lender frees its pool */
 }
 
-pkv_allocator tool_shared_allocator(tool_shared_pool *sp) {
-    return (pkv_allocator){.alloc = shared_alloc, .free = shared_free, .ctx = sp};
+pkv_allocator tool_loan_allocator(tool_pool_loan *loan) {
+    return (pkv_allocator){.alloc = loan_alloc, .free = loan_free, .ctx = loan};
 }

@@ -102,7 +102,7 @@ void pkv__drop_block(pkv_cache *c, uint32_t b) {
 void pkv__copy_block(pkv_cache *c, uint32_t dst, uint32_t src, uint32_t n) {
     if (n == 0) return;
     for (uint32_t l = 0; l < c->n_layers; l++) {
-        uint8_t *k = c->kv + l * c->layer_stride, *v = k + c->k_layer;
+        uint8_t *k = c->kv + l * c->layer_stride, *v = k + c->v_off;
         if (n == c->B) {
             memcpy(k + dst * c->k_blk, k + src * c->k_blk, c->k_blk);
             memcpy(v + dst * c->v_blk, v + src * c->v_blk, c->v_blk);
@@ -238,9 +238,9 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     if (!pkv__mul_ok(cfg.n_blocks, k_blk, &k_bytes) || !pkv__mul_ok(cfg.n_blocks, v_blk, &v_bytes))
         return PKV_EINVAL;
     const size_t v_off = k_bytes + v_skew(k_bytes);
-    if (v_off < k_bytes || v_off + v_bytes < v_off || !pkv__mul_ok(v_off + v_bytes, cfg.n_layers, &kv_bytes))
-        return PKV_EINVAL;
     layer_bytes = v_off + v_bytes;
+    if (v_off < k_bytes || layer_bytes < v_off || !pkv__mul_ok(layer_bytes, cfg.n_layers, &kv_bytes))
+        return PKV_EINVAL;
     if (cfg.n_threads == 0) cfg.n_threads = pkv__n_cpus();
 
     pkv_allocator a = cfg.allocator;
@@ -261,7 +261,7 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     c->v_row = v_row;
     c->k_blk = k_blk;
     c->v_blk = v_blk;
-    c->k_layer = v_off;
+    c->v_off = v_off;
     c->layer_stride = layer_bytes;
     c->bucket_mask = pow2_at_least(cfg.n_blocks) - 1;
     c->fp_mask = pow2_at_least(PKV_MIN((uint64_t)cfg.n_blocks * 2, 1u << 22)) - 1;
@@ -328,7 +328,7 @@ PKV_API int pkv_cache_layout(const pkv_cache *c, pkv_layout *out) {
     if (!c || !out) return PKV_EINVAL;
     memset(out, 0, sizeof *out);
     out->k_base = c->kv;
-    out->v_base = c->kv + c->k_layer;
+    out->v_base = c->kv + c->v_off;
     out->layer_stride_bytes = c->layer_stride;
     out->k_row_bytes = c->k_row;
     out->v_row_bytes = c->v_row;
@@ -471,7 +471,7 @@ PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uin
     UNLOCK(c);
     const uint32_t d = c->head_dim, nkv = c->n_kv;
     const size_t in_el = in_dtype == PKV_DTYPE_F32 ? 4 : 2, in_row = (size_t)d * in_el;
-    uint8_t *kl = c->kv + layer * c->layer_stride, *vl = kl + c->k_layer;
+    uint8_t *kl = c->kv + layer * c->layer_stride, *vl = kl + c->v_off;
     float tmp[1024];
     for (int pass = 0; pass < 2; pass++) {
         const uint8_t *src = pass ? v : k;
@@ -645,7 +645,7 @@ PKV_API int pkv_seq_gather(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t st
     if (!rc && (uint64_t)start + n > s->n_tokens) rc = PKV_EINVAL;
     if (!rc) {
         const uint32_t B = c->B, d = c->head_dim;
-        const uint8_t *kl = c->kv + layer * c->layer_stride, *vl = kl + c->k_layer;
+        const uint8_t *kl = c->kv + layer * c->layer_stride, *vl = kl + c->v_off;
         for (uint32_t j = 0; j < n; j++) {
             uint32_t p = start + j, b = (uint32_t)s->table[p / B], off = p % B;
             for (uint32_t h = 0; h < c->n_kv; h++) {
@@ -737,7 +737,7 @@ static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_param
 }
 
 static pkv__kv_view layer_view(const pkv_cache *c, uint32_t layer) {
-    pkv__kv_view v = {.k = c->kv + layer * c->layer_stride, .v = c->kv + layer * c->layer_stride + c->k_layer,
+    pkv__kv_view v = {.k = c->kv + layer * c->layer_stride, .v = c->kv + layer * c->layer_stride + c->v_off,
                       .k_dtype = c->cfg.k_dtype, .v_dtype = c->cfg.v_dtype, .k_row_bytes = c->k_row,
                       .v_row_bytes = c->v_row, .k_block_bytes = c->k_blk, .v_block_bytes = c->v_blk,
                       .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B,

@@ -27,10 +27,10 @@ struct pkv_cache {
     pthread_mutex_t attn_mu; /* serializes attention calls (scratch + thread pool) */
     uint32_t B, n_blocks, max_seqs, max_bps, n_layers, n_kv, head_dim;
 
-    /* pool memory: layer l: K at kv + l * layer_stride, V at kv + l * layer_stride + k_layer (the K
+    /* pool memory: layer l: K at kv + l * layer_stride, V at kv + l * layer_stride + v_off (the K
      * array, then a gap of v_skew bytes: cache.c) */
     uint8_t *kv;
-    size_t kv_bytes, layer_stride, k_layer, k_row, v_row, k_blk, v_blk;
+    size_t kv_bytes, layer_stride, v_off, k_row, v_row, k_blk, v_blk;
 
     pkv__pool pool;
     pkv__blk *blk;  /* [n_blocks] */
