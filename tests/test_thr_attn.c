@@ -1,7 +1,8 @@
 /* test_thr_attn.c: the attention thread pool under ThreadSanitizer: many back-to-back calls on
  * a multi-threaded context (key splits merged by the last finisher, prefill tiles handed out by
  * work stealing), contexts created and destroyed repeatedly, and two contexts driven from two
- * application threads at once. Each result must equal the single-threaded one bit for bit
+ * application threads at once; the pool itself: every task of every job runs exactly once, and
+ * none after its job has returned, with workers that doze off between jobs and wake late. Each result must equal the single-threaded one bit for bit
  * where the partition is the same, and within float rounding where key splits change it. */
 #include <stdarg.h>
 #include <stddef.h>
@@ -15,7 +16,11 @@
 #include <string.h>
 
 #include "attn/attn.h"
+#include "attn/attn_pool.h"
 #include "quant/quant.h"
+
+#include <stdatomic.h>
+#include <time.h>
 
 enum { H = 2, D = 64, B = 16, NQH = 8, NB = 96, LEN = 1200 };
 
@@ -124,11 +129,58 @@ static void test_thr_two_contexts(void **state) {
     for (int i = 0; i < 2; i++) pkv__attn_destroy(t[i].at);
 }
 
+/* ---- the pool on its own ---- */
+enum { POOL_JOBS = 3000, POOL_MAX_TASKS = 8 };
+typedef struct pool_job {
+    _Atomic int runs[POOL_MAX_TASKS];
+    _Atomic int closed;     /* set when pkv__tpool_run returned */
+    _Atomic int late;       /* a task ran after that */
+    _Atomic int bad_tid;
+    uint32_t n_threads;
+} pool_job;
+static pool_job g_jobs[POOL_JOBS];
+
+static void pool_task(void *ctx, uint32_t task, uint32_t tid) {
+    pool_job *j = ctx;
+    if (tid >= j->n_threads) atomic_store(&j->bad_tid, 1);
+    if (task % 3 == 1) { /* some tasks take a while: the others are shared out meanwhile */
+        struct timespec ts = {0, 20000};
+        nanosleep(&ts, NULL);
+    }
+    atomic_fetch_add(&j->runs[task], 1);
+    if (atomic_load(&j->closed)) atomic_store(&j->late, 1);
+}
+
+static void test_thr_pool_tasks_once(void **state) {
+    (void)state;
+    static pkv__tpool_worker workers[2];
+    pkv__tpool p;
+    assert_int_equal(pkv__tpool_init(&p, 3, workers), PKV_OK);
+    for (uint32_t i = 0; i < POOL_JOBS; i++) {
+        pool_job *j = &g_jobs[i];
+        const uint32_t n = 1 + (i * 7 + i / 5) % POOL_MAX_TASKS;
+        j->n_threads = 3;
+        if (i % 50 == 49) { /* past the workers' spin: they sleep, and the next job must wake them */
+            struct timespec ts = {0, 200000};
+            nanosleep(&ts, NULL);
+        }
+        pkv__tpool_run(&p, pool_task, j, n);
+        atomic_store(&j->closed, 1);
+        for (uint32_t t = 0; t < POOL_MAX_TASKS; t++) assert_int_equal(atomic_load(&j->runs[t]), t < n ? 1 : 0);
+    }
+    pkv__tpool_fini(&p);
+    for (uint32_t i = 0; i < POOL_JOBS; i++) { /* after fini no worker is left to run anything */
+        assert_int_equal(atomic_load(&g_jobs[i].late), 0);
+        assert_int_equal(atomic_load(&g_jobs[i].bad_tid), 0);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_thr_back_to_back),
         cmocka_unit_test(test_thr_create_destroy),
         cmocka_unit_test(test_thr_two_contexts),
+        cmocka_unit_test(test_thr_pool_tasks_once),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

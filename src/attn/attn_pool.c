@@ -1,5 +1,6 @@
 /* attn_pool.c: fixed pthread pool of the attention context: workers spin briefly for the next
- * job (decode calls come back-to-back), then sleep on a condition variable. */
+ * job (decode calls come back-to-back), then sleep on a condition variable. Tasks are claimed
+ * from one ticket (attn_pool.h); a job is over when its tasks are done. */
 #include "attn_pool.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -15,12 +16,28 @@
  * one decode step (layers), short enough not to steal a shared core for long. */
 #define SPIN_NS 50000u
 
-static void run_tasks(pkv__tpool *p, uint32_t tid) {
-    const uint32_t n = p->n_tasks;
+/* Claims the current job's next task: its index, or -1 when every task is taken. */
+static int64_t claim(pkv__tpool *p) {
+    uint64_t v = atomic_load_explicit(&p->ticket, memory_order_acquire);
     for (;;) {
-        uint32_t t = atomic_fetch_add_explicit(&p->next, 1, memory_order_relaxed);
-        if (t >= n) break;
-        p->fn(p->ctx, t, tid);
+        const uint32_t n = (uint32_t)(v >> 32), i = (uint32_t)v;
+        if (i >= n) return -1;
+        if (atomic_compare_exchange_weak_explicit(&p->ticket, &v, v + 1, memory_order_acq_rel, memory_order_acquire))
+            return i;
+    }
+}
+
+/* Runs tasks until none is left to claim. fn, ctx and n are the claimed job's: read after the
+ * claim, and that job cannot end (nor the next one be written) before this task is counted done. */
+static void run_tasks(pkv__tpool *p, uint32_t tid) {
+    for (int64_t t; (t = claim(p)) >= 0;) {
+        const uint32_t n = (uint32_t)(atomic_load_explicit(&p->ticket, memory_order_relaxed) >> 32);
+        p->fn(p->ctx, (uint32_t)t, tid);
+        if (atomic_fetch_add_explicit(&p->n_done, 1, memory_order_acq_rel) + 1 == n && tid != 0) {
+            pthread_mutex_lock(&p->mu); /* the job's last task: the caller may be asleep */
+            pthread_cond_signal(&p->cv_done);
+            pthread_mutex_unlock(&p->mu);
+        }
     }
 }
 
@@ -51,16 +68,9 @@ static void *worker_main(void *arg) {
     pkv__tpool *p = w->pool;
     uint64_t seen = 0;
     for (;;) {
-        uint64_t g = wait_gen(p, seen);
+        seen = wait_gen(p, seen);
         if (atomic_load_explicit(&p->stop, memory_order_acquire)) break;
-        seen = g;
-        run_tasks(p, w->tid);
-        /* The last worker to finish wakes the caller; the caller re-checks n_done under mu. */
-        if (atomic_fetch_add_explicit(&p->n_done, 1, memory_order_acq_rel) + 1 == p->n_threads - 1) {
-            pthread_mutex_lock(&p->mu);
-            pthread_cond_signal(&p->cv_done);
-            pthread_mutex_unlock(&p->mu);
-        }
+        run_tasks(p, w->tid); /* may find the job (or several) already over: nothing to do */
     }
     return NULL;
 }
@@ -69,12 +79,11 @@ int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *worker
     p->n_threads = n_threads;
     p->workers = workers;
     atomic_init(&p->gen, 0);
-    atomic_init(&p->next, 0);
+    atomic_init(&p->ticket, 0);
     atomic_init(&p->n_done, 0);
     atomic_init(&p->stop, 0);
     p->fn = NULL;
     p->ctx = NULL;
-    p->n_tasks = 0;
     if (pthread_mutex_init(&p->mu, NULL)) return PKV_ENOMEM;
     if (pthread_cond_init(&p->cv_work, NULL)) {
         pthread_mutex_destroy(&p->mu);
@@ -109,30 +118,30 @@ void pkv__tpool_fini(pkv__tpool *p) {
 }
 
 void pkv__tpool_run(pkv__tpool *p, pkv__task_fn fn, void *ctx, uint32_t n_tasks) {
-    const uint32_t n_workers = p->n_threads - 1;
-    if (n_workers == 0 || n_tasks <= 1) { /* nothing to share: skip the wake-up */
+    if (p->n_threads <= 1 || n_tasks <= 1) { /* nothing to share: skip the wake-up */
         for (uint32_t t = 0; t < n_tasks; t++) fn(ctx, t, 0);
         return;
     }
+    /* no task of the previous job is in flight: every one was counted done before it returned */
     p->fn = fn;
     p->ctx = ctx;
-    p->n_tasks = n_tasks;
-    atomic_store_explicit(&p->next, 0, memory_order_relaxed);
     atomic_store_explicit(&p->n_done, 0, memory_order_relaxed);
+    atomic_store_explicit(&p->ticket, (uint64_t)n_tasks << 32, memory_order_release);
     pthread_mutex_lock(&p->mu);
     atomic_fetch_add_explicit(&p->gen, 1, memory_order_release);
     pthread_cond_broadcast(&p->cv_work);
     pthread_mutex_unlock(&p->mu);
     run_tasks(p, 0);
+    /* the tasks other threads still run */
     uint64_t t0 = 0;
-    for (uint32_t i = 0; atomic_load_explicit(&p->n_done, memory_order_acquire) != n_workers; i++) {
+    for (uint32_t i = 0; atomic_load_explicit(&p->n_done, memory_order_acquire) != n_tasks; i++) {
         cpu_relax();
         if ((i & 63) == 63) {
             uint64_t now = pkv__now_ns();
             if (!t0) t0 = now;
             else if (now - t0 > SPIN_NS) {
                 pthread_mutex_lock(&p->mu);
-                while (atomic_load_explicit(&p->n_done, memory_order_acquire) != n_workers)
+                while (atomic_load_explicit(&p->n_done, memory_order_acquire) != n_tasks)
                     pthread_cond_wait(&p->cv_done, &p->mu);
                 pthread_mutex_unlock(&p->mu);
                 break;

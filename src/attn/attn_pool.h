@@ -1,6 +1,9 @@
 /* attn_pool.h: the attention context's fixed thread pool: n - 1 workers created once, woken
  * per job, plus the calling thread. Jobs are "run task(ctx, i, tid) for i in [0, n_tasks)"
- * with tasks handed out by an atomic counter (work stealing in index order). */
+ * with tasks handed out in index order from one atomic ticket. A job ends when its tasks are
+ * done, not when every worker has reported in: a worker that wakes late (a VM can take
+ * milliseconds to run an idle vCPU again) finds nothing left and goes back to sleep, and the
+ * caller, which takes tasks too, never waits for it. */
 #ifndef PKV_ATTN_POOL_H
 #define PKV_ATTN_POOL_H
 
@@ -22,23 +25,26 @@ typedef struct pkv__tpool {
     pkv__tpool_worker *workers;   /* [n_threads - 1], tids 1.. */
     pthread_mutex_t mu;
     pthread_cond_t cv_work;       /* workers sleep here for a new generation */
-    pthread_cond_t cv_done;       /* the caller sleeps here for the last worker */
-    _Atomic uint64_t gen;         /* job generation: bumped (release) after the job is published */
-    _Atomic uint32_t next;        /* next task index of the current job */
-    _Atomic uint32_t n_done;      /* workers finished with the current generation */
+    pthread_cond_t cv_done;       /* the caller sleeps here for the last task */
+    _Atomic uint64_t gen;         /* wake-ups: bumped (release) after a job is published */
+    /* The current job's (n_tasks << 32 | next task): a thread claims task i by moving it from
+     * (n, i) to (n, i + 1) with a compare-and-swap, so it can only take an unclaimed task of the
+     * job that is current (a stale value fails the swap). */
+    _Atomic uint64_t ticket;
+    _Atomic uint32_t n_done;      /* tasks of the current job finished */
     _Atomic int stop;
-    /* The current job: written by the caller before the release bump of gen, read by
-     * workers after they acquire gen; not touched again until every worker reported done. */
+    /* The current job: written by the caller before its release store of ticket, read by a
+     * thread after a successful claim; not touched again until every task is done. */
     pkv__task_fn fn;
     void *ctx;
-    uint32_t n_tasks;
 } pkv__tpool;
 
 /* Starts n_threads - 1 workers (workers[] storage is given by the caller: n_threads - 1
  * entries). Returns 0 or PKV_ENOMEM (threads could not be created; none left running). */
 int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *workers);
 void pkv__tpool_fini(pkv__tpool *p);
-/* Runs the job to completion on all threads; the caller takes part as tid 0. */
+/* Runs the job to completion; the caller takes part as tid 0, the workers that are awake
+ * share the tasks with it. Returns when every task is done. */
 void pkv__tpool_run(pkv__tpool *p, pkv__task_fn fn, void *ctx, uint32_t n_tasks);
 
 #endif
