@@ -130,7 +130,9 @@ typedef void (*pkv__attn_prep_fn)(const float *q, size_t q_stride, uint32_t n_ro
  * it. pf may be NULL (nothing to prefetch); the kernel owns it for the call. */
 typedef struct pkv__attn_pf {
     const uint8_t *p[2], *end[2];
-    size_t step; /* bytes per step, a multiple of 64 */
+    size_t step;   /* bytes per step, a multiple of 64 */
+    uint32_t left; /* steps left when the runs split evenly (even), else unused */
+    int even;      /* both runs are left * step bytes: a step is a fixed, unbounded burst */
 } pkv__attn_pf;
 
 /* always_inline: as plain static inline functions, GCC 12 finds them free of side effects
@@ -139,11 +141,29 @@ static inline __attribute__((always_inline)) void pkv__attn_pf_start(pkv__attn_p
     if (!pf) return;
     const size_t a = (size_t)(pf->end[0] - pf->p[0]), b = (size_t)(pf->end[1] - pf->p[1]);
     const size_t lines = ((a > b ? a : b) + 63u) / 64u;
-    pf->step = (lines + (n ? n : 1) - 1) / (n ? n : 1) * 64u;
+    n = n ? n : 1;
+    pf->step = (lines + n - 1) / n * 64u;
+    pf->left = n;
+    pf->even = a == b && a == pf->step * n;
 }
 
 static inline __attribute__((always_inline)) void pkv__attn_pf_step(pkv__attn_pf *pf) {
     if (!pf) return;
+    if (pf->even) { /* the common case (f16 or f32 rows, 16-key blocks): no bounds, 4 lines unrolled */
+        if (!pf->left) return;
+        pf->left--;
+        const uint8_t *x = pf->p[0], *y = pf->p[1];
+        if (pf->step == 256) {
+            __builtin_prefetch(x, 0, 2), __builtin_prefetch(x + 64, 0, 2), __builtin_prefetch(x + 128, 0, 2),
+                __builtin_prefetch(x + 192, 0, 2);
+            __builtin_prefetch(y, 0, 2), __builtin_prefetch(y + 64, 0, 2), __builtin_prefetch(y + 128, 0, 2),
+                __builtin_prefetch(y + 192, 0, 2);
+        } else {
+            for (size_t o = 0; o < pf->step; o += 64) __builtin_prefetch(x + o, 0, 2), __builtin_prefetch(y + o, 0, 2);
+        }
+        pf->p[0] = x + pf->step, pf->p[1] = y + pf->step;
+        return;
+    }
     for (int j = 0; j < 2; j++) {
         const uint8_t *e = pf->p[j] + pf->step < pf->end[j] ? pf->p[j] + pf->step : pf->end[j], *x = pf->p[j];
         for (; x + 3 * 64 < e; x += 4 * 64) /* 4 lines per turn: a third of the loop's instructions */
