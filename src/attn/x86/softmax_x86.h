@@ -59,20 +59,23 @@ static void softmax_rows4(float *s, uint32_t ss, uint32_t n_pad, float *m, float
         vf_store(s0 + t, e0), vf_store(s1 + t, e1), vf_store(s2 + t, e2), vf_store(s3 + t, e3);
         u0 = vf_add(u0, e0), u1 = vf_add(u1, e1), u2 = vf_add(u2, e2), u3 = vf_add(u3, e3);
     }
+    const __m128 sum = vf_hsum4(u0, u1, u2, u3);
+    const int moved = _mm_movemask_ps(_mm_cmpneq_ps(mnew, mold));
+    if (!moved) { /* most blocks past the first few: no max moved, nothing to rescale */
+        _mm_storeu_ps(l, _mm_add_ps(_mm_loadu_ps(l), sum));
+        return;
+    }
     /* f = exp(m - m'): 1 where the max stayed, 0 where m was -inf */
     const __m128 f = exp4(_mm_sub_ps(mold, mnew));
-    _mm_storeu_ps(l, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(l), f), vf_hsum4(u0, u1, u2, u3)));
+    _mm_storeu_ps(l, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(l), f), sum));
     _mm_storeu_ps(m, mnew);
-    const int moved = _mm_movemask_ps(_mm_cmpneq_ps(mnew, mold));
-    if (moved) {
-        float fr[4];
-        _mm_storeu_ps(fr, f);
-        for (uint32_t r = 0; r < 4; r++)
-            if (moved >> r & 1) {
-                float *a = acc + (size_t)r * D;
-                for (uint32_t d = 0; d < D; d++) a[d] *= fr[r];
-            }
-    }
+    float fr[4];
+    _mm_storeu_ps(fr, f);
+    for (uint32_t r = 0; r < 4; r++)
+        if (moved >> r & 1) {
+            float *a = acc + (size_t)r * D;
+            for (uint32_t d = 0; d < D; d++) a[d] *= fr[r];
+        }
 }
 
 static void softmax_vec(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
