@@ -129,7 +129,8 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
  * lacks, makes creation fail with PKV_ENOTSUP rather than run something else), then detection. */
 static const char *auto_backend(void) {
     if (pkv__force_ref()) return "ref";
-    if (pkv__env_backend()) return pkv__env_backend();
+    const char *named = pkv__env_backend();
+    if (named) return named;
 #if defined(__x86_64__) || defined(__i386__)
     const uint32_t f = pkv__cpu_features();
     if (have_avx512(f)) return "avx512";

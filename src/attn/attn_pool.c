@@ -16,22 +16,24 @@
  * one decode step (layers), short enough not to steal a shared core for long. */
 #define SPIN_NS 50000u
 
-/* Claims the current job's next task: its index, or -1 when every task is taken. */
-static int64_t claim(pkv__tpool *p) {
+/* Claims the current job's next task: its index, or -1 when every task is taken; *n is the
+ * claimed job's task count. */
+static int64_t claim(pkv__tpool *p, uint32_t *n) {
     uint64_t v = atomic_load_explicit(&p->ticket, memory_order_acquire);
     for (;;) {
-        const uint32_t n = (uint32_t)(v >> 32), i = (uint32_t)v;
-        if (i >= n) return -1;
+        const uint32_t i = (uint32_t)v;
+        *n = (uint32_t)(v >> 32);
+        if (i >= *n) return -1;
         if (atomic_compare_exchange_weak_explicit(&p->ticket, &v, v + 1, memory_order_acq_rel, memory_order_acquire))
             return i;
     }
 }
 
-/* Runs tasks until none is left to claim. fn, ctx and n are the claimed job's: read after the
+/* Runs tasks until none is left to claim. fn and ctx are the claimed job's: read after the
  * claim, and that job cannot end (nor the next one be written) before this task is counted done. */
 static void run_tasks(pkv__tpool *p, uint32_t tid) {
-    for (int64_t t; (t = claim(p)) >= 0;) {
-        const uint32_t n = (uint32_t)(atomic_load_explicit(&p->ticket, memory_order_relaxed) >> 32);
+    uint32_t n;
+    for (int64_t t; (t = claim(p, &n)) >= 0;) {
         p->fn(p->ctx, (uint32_t)t, tid);
         if (atomic_fetch_add_explicit(&p->n_done, 1, memory_order_acq_rel) + 1 == n && tid != 0) {
             pthread_mutex_lock(&p->mu); /* the job's last task: the caller may be asleep */
