@@ -2,7 +2,7 @@
  * its loads and by software prefetch, with the kernels' arithmetic left out (a fixed 8 FMAs of
  * 256 bits per 64-byte line, about what f32 decode does with 4 query heads per kv head).
  *
- *   cc -O2 -mavx2 -mfma -o /tmp/access_pattern bench/access_pattern.c && /tmp/access_pattern [ROUNDS]
+ *   ./build/access_pattern [ROUNDS]   (x86-64: CMake builds it with the tools, -mavx2 -mfma)
  *
  * The stream is one layer of the pool's layout (ARCHITECTURE section 3) with f32 rows at head_dim
  * 128: 8 kv heads, 16-token blocks, so each (block, head) is an 8 KiB run of K and one of V, read
@@ -16,14 +16,16 @@
  *   pf      none, or the next block's runs of the same head prefetched (T1) one line every
  *           second line of this run, as pkv__attn_pf spreads them.
  * Prints the median GB/s per variant and its ratio to contig/seq/none measured in the same run. */
-#define _GNU_SOURCE
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* madvise, MADV_HUGEPAGE */
+#endif
+#include "tool.h" /* tools/tool_util.c: clock, median, RNG */
+
 #include <immintrin.h>
-#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 
 #define HEADS 8u
 #define ROWS 16u
@@ -34,17 +36,6 @@
 #define HUGE (2u << 20)
 #define V_SKEW (17u * 4096u)
 #define MAX_ROUNDS 64
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 typedef struct variant {
     int paged, tile, pf;
@@ -60,7 +51,7 @@ static double run_variant(const variant *w) {
     const uint32_t *tab = w->paged ? g_rand_tab : g_seq_tab;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     const __m256 x = _mm256_set1_ps(0.999f);
-    const double t0 = now();
+    const uint64_t t0 = tool_now_ns();
     for (uint32_t b = 0; b < N_BLOCKS; b++)
         for (uint32_t h = 0; h < HEADS; h++)
             for (int kv = 0; kv < 2; kv++) {
@@ -78,7 +69,7 @@ static double run_variant(const variant *w) {
                     a2 = _mm256_fmadd_ps(a2, x, hi), a3 = _mm256_fmadd_ps(a3, x, lo);
                 }
             }
-    const double sec = now() - t0;
+    const double sec = (double)(tool_now_ns() - t0) * 1e-9;
     float o[8];
     _mm256_storeu_ps(o, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     g_sink += o[0];
@@ -102,11 +93,11 @@ int main(int argc, char **argv) {
     (void)madvise(g_k, total - HUGE, MADV_HUGEPAGE);
     memset(g_k, 0x3c, 2 * k_bytes + V_SKEW); /* floats near 0.01: no denormals, no overflow */
 
-    uint64_t rng = 0x9e3779b97f4a7c15ull;
+    tool_rng rng;
+    tool_rng_seed(&rng, 1);
     for (uint32_t i = 0; i < N_BLOCKS; i++) g_seq_tab[i] = g_rand_tab[i] = i;
     for (uint32_t i = N_BLOCKS - 1; i > 0; i--) {
-        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-        const uint32_t j = (uint32_t)(rng % (i + 1)), t = g_rand_tab[i];
+        const uint32_t j = (uint32_t)(tool_rng_u64(&rng) % (i + 1)), t = g_rand_tab[i];
         g_rand_tab[i] = g_rand_tab[j], g_rand_tab[j] = t;
     }
     for (uint32_t i = 0; i < LINES; i++) {
@@ -123,17 +114,14 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n; i++) (void)run_variant(&vs[i]); /* warm-up: pages, TLB */
     for (int r = 0; r < rounds; r++)
         for (int i = 0; i < n; i++) vs[i].gbps[r] = run_variant(&vs[i]);
-    double base[MAX_ROUNDS];
-    memcpy(base, vs[0].gbps, sizeof base);
+    const double *base = vs[0].gbps; /* read before the medians below sort copies */
     printf("# one thread, %d rounds; K and V 256 MiB each, 8 KiB runs (f32, head_dim 128, 16-token blocks)\n", rounds);
     printf("layout  order  pf     GB/s(median)  ratio to contig/seq/none (median of per-round ratios)\n");
     for (int i = 0; i < n; i++) {
         double g[MAX_ROUNDS], q[MAX_ROUNDS];
         for (int r = 0; r < rounds; r++) g[r] = vs[i].gbps[r], q[r] = vs[i].gbps[r] / base[r];
-        qsort(g, (size_t)rounds, sizeof g[0], cmp_double);
-        qsort(q, (size_t)rounds, sizeof q[0], cmp_double);
         printf("%-7s %-6s %-6s %12.2f  %6.3f\n", vs[i].paged ? "paged" : "contig", vs[i].tile ? "tile" : "seq",
-               vs[i].pf ? "next" : "none", g[rounds / 2], q[rounds / 2]);
+               vs[i].pf ? "next" : "none", tool_median(g, (size_t)rounds), tool_median(q, (size_t)rounds));
     }
     return 0;
 }

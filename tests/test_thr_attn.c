@@ -2,8 +2,9 @@
  * a multi-threaded context (key splits merged by the last finisher, prefill tiles handed out by
  * work stealing), contexts created and destroyed repeatedly, and two contexts driven from two
  * application threads at once; the pool itself: every task of every job runs exactly once, and
- * none after its job has returned, with workers that doze off between jobs and wake late. Each result must equal the single-threaded one bit for bit
- * where the partition is the same, and within float rounding where key splits change it. */
+ * none after its job has returned, with workers that doze off between jobs and wake late. Each
+ * result must equal the single-threaded one bit for bit where the partition is the same, and
+ * within float rounding where key splits change it. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
