@@ -109,6 +109,7 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
         pkv__attn_fill_q_avx2(kt);
         pkv__attn_fill_avx512(kt);
         /* quantized-dtype fillers for AVX-512 go here */
+        pkv__attn_fill_q_avx512(kt);
         return PKV_OK;
     }
 #elif defined(__aarch64__)

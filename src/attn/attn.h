@@ -285,6 +285,7 @@ void pkv__attn_fill_avx512_emu(pkv__attn_kernels *kt); /* the same, built for te
 void pkv__attn_fill_neon(pkv__attn_kernels *kt);    /* arm/attn_neon.c */
 void pkv__attn_fill_q_ref(pkv__attn_kernels *kt);   /* attn_q_ref.c: q8_0, q4_0, fp8_e4m3 */
 void pkv__attn_fill_q_avx2(pkv__attn_kernels *kt);  /* x86/attn_q_avx2.c: q8_0, q4_0, fp8_e4m3 */
+void pkv__attn_fill_q_avx512(pkv__attn_kernels *kt); /* x86/attn_q_avx512.c: fp8_e4m3 (over the AVX2 fill) */
 void pkv__attn_fill_q_neon(pkv__attn_kernels *kt);  /* arm/attn_q_neon.c: q8_0, q4_0, fp8_e4m3 */
 void pkv__attn_fill_q_dotprod(pkv__attn_kernels *kt); /* arm/attn_q_dotprod.c: q8_0, q4_0 score (SDOT) */
 

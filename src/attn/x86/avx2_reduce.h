@@ -1,5 +1,5 @@
-/* avx2_reduce.h: horizontal sums shared by the AVX2 attention files (include only from files
- * compiled with -mavx2, i.e. named *_avx2.c). */
+/* avx2_reduce.h: horizontal sums shared by the x86 attention files (include only from files
+ * compiled with -mavx2, i.e. named *_avx2.c or *_avx512.c). */
 #ifndef PKV_ATTN_AVX2_REDUCE_H
 #define PKV_ATTN_AVX2_REDUCE_H
 

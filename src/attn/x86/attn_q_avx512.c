@@ -1,0 +1,176 @@
+/* attn_q_avx512.c: AVX-512 (F, BW, VL, DQ) primitives for quantized K/V: the V accumulation of
+ * q8_0, q4_0 and fp8 e4m3, and the fp8 score. The query preparations and the integer (q8_0,
+ * q4_0) score stay the AVX2 ones (attn_q_avx2.c fills the table first; this file overwrites
+ * its entries). Same arithmetic as attn_q_ref.c up to float summation order.
+ *
+ * Quantized decode is compute-bound (the formats read 2x-3.5x fewer bytes than f16), and at
+ * 256 bits the V side cost more than the score (on Zen 4, in L1, per (key, kv head) at 4 query
+ * rows and head_dim 128: q8_0 accum 49 cycles, q4_0 56, fp8 54; fp8 score 64). Here:
+ *   accum (q8_0, q4_0): tiles of 4 rows x 2 blocks (64 values, 16 accumulators) across up to
+ *     16 keys; per key 4 decoded vectors (q8_0: sign-extend, convert; q4_0: zero-extend, mask
+ *     or shift, convert) and 16 fmas whose weight is a broadcast memory operand: the row's
+ *     p times the key's block scale, made once per (row, block) for 16 keys as one multiply.
+ *     q4_0's -8 is one subtraction per (row, block) at the end of the tile (8 * sum of the
+ *     weights), as in the AVX2 file.
+ *   accum (fp8): tiles of 4 rows x 64 values, weights p * row scale * 2^8 made per 16 keys.
+ *   score (fp8): one key at a time, 16 codes decoded per step (f16 trick of attn_q_avx2.c,
+ *     widened by one vcvtph2ps), the query as the fma's memory operand, 4 chains.
+ * Rows per group and head_dim 128 are constants where it counts (PKV__ATTN_NR_SWITCH). */
+#include "../attn.h"
+#include "../attn_q.h"
+#include "../../quant/quant.h"
+#include "avx2_reduce.h"
+
+#include <immintrin.h>
+#include <stdbool.h>
+#include <string.h>
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* Keys per V pass: the weights of a pass are one 16-lane vector per (row, block). */
+#define VKEYS 16u
+
+/* 16 e4m3 codes -> 16 floats equal to e4m3(b) * 2^-8 (attn_q_avx2.c, e4m3_f16x16: the byte
+ * sign-extended to 16 bits, shifted left by 7 and masked is that f16 exactly) */
+static ALWAYS_INLINE __m512 e4m3x16(const uint8_t *p) {
+    const __m256i w = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    return _mm512_cvtph_ps(_mm256_and_si256(w, _mm256_set1_epi16((short)0xbf80)));
+}
+
+/* the rows' p for nk keys, 0 past nk, 16 per row */
+static ALWAYS_INLINE void load_p(const float *p, uint32_t ps, const uint32_t NR, uint32_t nk, __m512 pr[4]) {
+    const __mmask16 m = (__mmask16)((1u << nk) - 1u);
+    for (uint32_t r = 0; r < NR; r++) pr[r] = _mm512_maskz_loadu_ps(m, p + (size_t)r * ps);
+}
+
+/* ---- fp8 V ----------------------------------------------------------------------------------------
+ * NR rows x C * 16 values (codes at e) across nk keys; w[r * VKEYS + t] carries p, the row
+ * scale and the 2^8 the decode takes off. */
+static ALWAYS_INLINE void accum_fp8_tile(const float *w, uint32_t nk, const uint8_t *e, size_t vrb, float *acc,
+                                         uint32_t D, const uint32_t NR, const uint32_t C) {
+    __m512 a[4][4];
+    for (uint32_t r = 0; r < NR; r++)
+        for (uint32_t c = 0; c < C; c++) a[r][c] = _mm512_loadu_ps(acc + r * (size_t)D + 16 * c);
+    for (uint32_t t = 0; t < nk; t++) {
+        __m512 x[4];
+        for (uint32_t c = 0; c < C; c++) x[c] = e4m3x16(e + t * vrb + 16 * c);
+        for (uint32_t r = 0; r < NR; r++)
+            for (uint32_t c = 0; c < C; c++) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * VKEYS + t]), x[c], a[r][c]);
+    }
+    for (uint32_t r = 0; r < NR; r++)
+        for (uint32_t c = 0; c < C; c++) _mm512_storeu_ps(acc + r * (size_t)D + 16 * c, a[r][c]);
+}
+
+static ALWAYS_INLINE void accum_fp8_rows(const float *p, uint32_t ps, const uint32_t NR, const uint8_t *v, size_t vrb,
+                                         uint32_t nk, uint32_t D, float *acc) {
+    float sv[VKEYS] = {0};
+    for (uint32_t t = 0; t < nk; t++) memcpy(&sv[t], v + t * vrb, 4);
+    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sv), _mm512_set1_ps(256.0f)); /* exact: undoes the 2^-8 */
+    __m512 pr[4];
+    load_p(p, ps, NR, nk, pr);
+    float w[4 * VKEYS] __attribute__((aligned(64)));
+    for (uint32_t r = 0; r < NR; r++) _mm512_store_ps(w + r * VKEYS, _mm512_mul_ps(pr[r], s));
+    const uint8_t *e = v + PKV_FP8_ROW_HEADER;
+    uint32_t d = 0;
+    for (; D - d >= 64; d += 64) accum_fp8_tile(w, nk, e + d, vrb, acc + d, D, NR, 4);
+    if (D - d >= 48) accum_fp8_tile(w, nk, e + d, vrb, acc + d, D, NR, 3), d += 48;
+    else if (D - d >= 32) accum_fp8_tile(w, nk, e + d, vrb, acc + d, D, NR, 2), d += 32;
+    else if (D - d >= 16) accum_fp8_tile(w, nk, e + d, vrb, acc + d, D, NR, 1), d += 16;
+    for (; d < D; d++) /* head_dim % 16: w / 256 is exactly p * sv */
+        for (uint32_t t = 0; t < nk; t++) {
+            const float x = pkv__e4m3_to_f32(e[t * vrb + d]) * (1.0f / 256.0f);
+            for (uint32_t r = 0; r < NR; r++) acc[r * (size_t)D + d] += w[r * VKEYS + t] * x;
+        }
+}
+
+/* Keys in chunks of VKEYS, rows in groups of up to 4 (the group size a constant). */
+
+static ALWAYS_INLINE void accum_tiles_d(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                                        uint32_t n_keys, uint32_t D, float *acc) {
+    for (uint32_t t0 = 0; t0 < n_keys; t0 += VKEYS) {
+        const uint32_t nk = PKV_MIN(VKEYS, n_keys - t0);
+        for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
+            const uint32_t nr = PKV_MIN(4u, n_rows - r0);
+            const float *pp = p + (size_t)r0 * ps + t0;
+            const uint8_t *vv = v + (size_t)t0 * vrb;
+            float *ar = acc + (size_t)r0 * D;
+#define CALL_V(N) accum_fp8_rows(pp, ps, N, vv, vrb, nk, D, ar)
+            PKV__ATTN_NR_SWITCH(nr, CALL_V)
+#undef CALL_V
+        }
+    }
+}
+
+/* head_dim 128, the common case, gets its own instance with constant trip counts */
+static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                      uint32_t D, float *acc) {
+    if (D == 128)
+        accum_tiles_d(p, ps, n_rows, v, vrb, n_keys, 128, acc);
+    else
+        accum_tiles_d(p, ps, n_rows, v, vrb, n_keys, D, acc);
+}
+
+/* ---- fp8 K -----------------------------------------------------------------------------------------
+ * s[r * ss] = sk * <q_r, key> for NR rows and one key; the prepared query is f32 (prep_f32 of
+ * attn_q_avx2.c), 4 chains of fmas with the query as the memory operand. */
+static ALWAYS_INLINE void score_fp8_key(const float *const q[4], const uint32_t NR, const uint8_t *kr, uint32_t D,
+                                        float *s, uint32_t ss) {
+    const uint8_t *e = kr + PKV_FP8_ROW_HEADER;
+    const uint32_t D16 = D & ~15u;
+    __m512 a[4];
+    for (uint32_t r = 0; r < NR; r++) a[r] = _mm512_setzero_ps();
+    for (uint32_t d = 0; d < D16; d += 16) {
+        const __m512 x = e4m3x16(e + d);
+        for (uint32_t r = 0; r < NR; r++) a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q[r] + d), x, a[r]);
+    }
+    float sk;
+    memcpy(&sk, kr, 4);
+    sk *= 256.0f; /* exact: undoes the decode's 2^-8 */
+    __m256 h[4];
+    for (uint32_t r = 0; r < NR; r++)
+        h[r] = _mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r]), 1)));
+    if (NR == 4 && D16 == D) {
+        const __m128 o = _mm_mul_ps(pkv__hsum4x8(h[0], h[1], h[2], h[3]), _mm_set1_ps(sk));
+        _mm_store_ss(s, o);
+        s[ss] = _mm_cvtss_f32(_mm_shuffle_ps(o, o, 1));
+        s[2 * ss] = _mm_cvtss_f32(_mm_movehl_ps(o, o));
+        s[3 * ss] = _mm_cvtss_f32(_mm_shuffle_ps(o, o, 3));
+        return;
+    }
+    for (uint32_t r = 0; r < NR; r++) {
+        float o = pkv__hsum8(h[r]);
+        for (uint32_t d = D16; d < D; d++) o += q[r][d] * (pkv__e4m3_to_f32(e[d]) * (1.0f / 256.0f));
+        s[r * ss] = o * sk;
+    }
+}
+
+static ALWAYS_INLINE void score_fp8_d(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,
+                                      uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {
+    const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);
+    pkv__attn_pf_start(pf, ((n_keys + 3) / 4) * ((n_rows + 3) / 4));
+    for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
+        const uint32_t nr = PKV_MIN(4u, n_rows - r0);
+        const float *q[4];
+        for (uint32_t r = 0; r < 4; r++) q[r] = (const float *)qp + (r0 + (r < nr ? r : 0)) * qs;
+        float *sr = s + (size_t)r0 * ss;
+        for (uint32_t t = 0; t < n_keys; t++) {
+#define CALL_F8S(N) score_fp8_key(q, N, k + t * krb, D, sr + t, ss)
+            PKV__ATTN_NR_SWITCH(nr, CALL_F8S)
+#undef CALL_F8S
+            if (t % 4 == 3 || t + 1 == n_keys) pkv__attn_pf_step(pf);
+        }
+    }
+}
+
+static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                      float *s, uint32_t ss, pkv__attn_pf *pf) {
+    if (D == 128)
+        score_fp8_d(qp, n_rows, k, krb, n_keys, 128, s, ss, pf);
+    else
+        score_fp8_d(qp, n_rows, k, krb, n_keys, D, s, ss, pf);
+}
+
+void pkv__attn_fill_q_avx512(pkv__attn_kernels *kt) {
+    kt->score[PKV_DTYPE_FP8_E4M3] = score_fp8;
+    kt->accum[PKV_DTYPE_FP8_E4M3] = accum_fp8;
+}
