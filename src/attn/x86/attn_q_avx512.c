@@ -1,20 +1,21 @@
-/* attn_q_avx512.c: AVX-512 (F, BW, VL, DQ) primitives for quantized K/V: the V accumulation of
- * q8_0, q4_0 and fp8 e4m3, and the fp8 score. The query preparations and the integer (q8_0,
- * q4_0) score stay the AVX2 ones (attn_q_avx2.c fills the table first; this file overwrites
- * its entries). Same arithmetic as attn_q_ref.c up to float summation order.
+/* attn_q_avx512.c: AVX-512 (F, BW, VL, DQ) primitives for fp8 e4m3 K/V: the score and the V
+ * accumulation. Everything else of the quantized dtypes (the query preparations, q8_0 and q4_0)
+ * stays the AVX2 code (attn_q_avx2.c fills the table first; this file overwrites the fp8
+ * score and accum entries). Same arithmetic as attn_q_ref.c up to float summation order.
  *
- * Quantized decode is compute-bound (the formats read 2x-3.5x fewer bytes than f16), and at
- * 256 bits the V side cost more than the score (on Zen 4, in L1, per (key, kv head) at 4 query
- * rows and head_dim 128: q8_0 accum 49 cycles, q4_0 56, fp8 54; fp8 score 64). Here:
- *   accum (q8_0, q4_0): tiles of 4 rows x 2 blocks (64 values, 16 accumulators) across up to
- *     16 keys; per key 4 decoded vectors (q8_0: sign-extend, convert; q4_0: zero-extend, mask
- *     or shift, convert) and 16 fmas whose weight is a broadcast memory operand: the row's
- *     p times the key's block scale, made once per (row, block) for 16 keys as one multiply.
- *     q4_0's -8 is one subtraction per (row, block) at the end of the tile (8 * sum of the
- *     weights), as in the AVX2 file.
- *   accum (fp8): tiles of 4 rows x 64 values, weights p * row scale * 2^8 made per 16 keys.
- *   score (fp8): one key at a time, 16 codes decoded per step (f16 trick of attn_q_avx2.c,
- *     widened by one vcvtph2ps), the query as the fma's memory operand, 4 chains.
+ * Quantized decode is compute-bound (the formats read 2x-3.5x fewer bytes than f16). Measured
+ * on Zen 4 in L1, cycles per (key, kv head) at 4 query rows and head_dim 128, AVX2 -> this file:
+ * fp8 score 62 -> 58, accum 53 -> 49. The fp8 decode is 4 ops per 16 values here against 4 per 8
+ * at 256 bits (vcvtph2ps widens 16 at once). Written and measured but not kept: q8_0 and q4_0 V
+ * at 512 bits (tiles of 4 rows x 2 blocks, weights with the block scales folded in as broadcast
+ * memory operands): q8_0 49 -> 55, q4_0 56 -> 63; Zen 4 runs a 512-bit fma as two 256-bit ones,
+ * so the wider vectors save only instructions, and the 512-bit sign / zero extensions cost more
+ * than they save.
+ *   accum: tiles of 4 rows x 64 values (16 accumulators) across up to 16 keys; per key 4
+ *     decoded vectors and 16 fmas whose weight (p * row scale * 2^8, made per 16 keys as one
+ *     multiply per row) is a broadcast memory operand.
+ *   score: one key at a time, the query as the fma's memory operand, 4 chains; the row scale
+ *     after the sum.
  * Rows per group and head_dim 128 are constants where it counts (PKV__ATTN_NR_SWITCH). */
 #include "../attn.h"
 #include "../attn_q.h"
@@ -27,7 +28,7 @@
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
-/* Keys per V pass: the weights of a pass are one 16-lane vector per (row, block). */
+/* Keys per V pass: the weights of a pass are one 16-lane vector per row. */
 #define VKEYS 16u
 
 /* 16 e4m3 codes -> 16 floats equal to e4m3(b) * 2^-8 (attn_q_avx2.c, e4m3_f16x16: the byte
