@@ -24,6 +24,35 @@ void pkv__attn_prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32
     default: CALL(1); break;                                                                                 \
     }
 
+/* The V side's walk of the x86 quantized files: keys in chunks of VK, rows in groups of up to 4;
+ * for each (chunk, group) runs ROWS(N) with the group's row count as a constant N, where nk,
+ * pp, vv and ar name the chunk's key count, the group's p, the chunk's first V row and the
+ * group's acc rows. */
+#define PKV__ATTN_ACCUM_CHUNKS(VK, p, ps, n_rows, v, vrb, n_keys, D, acc, ROWS)                           \
+    for (uint32_t t0_ = 0; t0_ < (n_keys); t0_ += (VK)) {                                                    \
+        const uint32_t nk = PKV_MIN((VK), (n_keys)-t0_);                                                     \
+        for (uint32_t r0_ = 0; r0_ < (n_rows); r0_ += 4) {                                                   \
+            const uint32_t nr_ = PKV_MIN(4u, (n_rows)-r0_);                                                  \
+            const float *pp = (p) + (size_t)r0_ * (ps) + t0_;                                                \
+            const uint8_t *vv = (v) + (size_t)t0_ * (vrb);                                                   \
+            float *ar = (acc) + (size_t)r0_ * (D);                                                           \
+            PKV__ATTN_NR_SWITCH(nr_, ROWS)                                                                   \
+        }                                                                                                    \
+    }
+
+/* The fp8 score's walk of the x86 files: rows in groups of up to 4; for each group runs ROWS(N)
+ * with the group's row count as a constant N, q[4] its prepared f32 rows (past the group's end,
+ * its first row again) and sr its first row of scores. */
+#define PKV__ATTN_SCORE_ROW_GROUPS(qp, n_rows, D, s, ss, ROWS)                                               \
+    for (uint32_t r0_ = 0; r0_ < (n_rows); r0_ += 4) {                                                       \
+        const uint32_t nr_ = PKV_MIN(4u, (n_rows)-r0_);                                                      \
+        const size_t qs_ = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                          \
+        const float *q[4];                                                                                   \
+        for (uint32_t r_ = 0; r_ < 4; r_++) q[r_] = (const float *)(qp) + (r0_ + (r_ < nr_ ? r_ : 0)) * qs_; \
+        float *sr = (s) + (size_t)r0_ * (ss);                                                                \
+        PKV__ATTN_NR_SWITCH(nr_, ROWS)                                                                       \
+    }
+
 /* The q8_0 / q4_0 score and accum table entries of a SIMD file whose kernels take the format as
  * a last, constant argument: SCORE(qp, n_rows, k, krb, n_keys, D, s, ss, pf, q4) with q4 false /
  * true, ACCUM(p, ps, n_rows, v, vrb, n_keys, D, acc, A8 or A4). */

@@ -276,16 +276,10 @@ static ALWAYS_INLINE void score_fp8_rows(const float *const q[4], const uint32_t
 
 static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
                       float *s, uint32_t ss, pkv__attn_pf *pf) {
-    const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);
     pkv__attn_pf_start(pf, ((n_keys + 3) / 4) * ((n_rows + 3) / 4));
-    for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
-        const uint32_t nr = PKV_MIN(4u, n_rows - r0);
-        const float *q[4];
-        for (uint32_t r = 0; r < 4; r++) q[r] = (const float *)qp + (r0 + (r < nr ? r : 0)) * qs;
-        float *sr = s + (size_t)r0 * ss;
 #define CALL_F8S(N) score_fp8_rows(q, N, k, krb, n_keys, D, sr, ss, pf)
-        PKV__ATTN_NR_SWITCH(nr, CALL_F8S)
-    }
+    PKV__ATTN_SCORE_ROW_GROUPS(qp, n_rows, D, s, ss, CALL_F8S)
+#undef CALL_F8S
 }
 
 /* ---- V accumulation ----------------------------------------------------------------------------
@@ -449,20 +443,11 @@ enum v_kind { V_Q8_0, V_Q4_0, V_FP8 };
 
 static ALWAYS_INLINE void accum_tiles_d(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
                                         uint32_t n_keys, uint32_t D, float *acc, const enum v_kind kind) {
-    for (uint32_t t0 = 0; t0 < n_keys; t0 += VKEYS) {
-        const uint32_t nk = PKV_MIN(VKEYS, n_keys - t0);
-        for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
-            const uint32_t nr = PKV_MIN(4u, n_rows - r0);
-            const float *pp = p + (size_t)r0 * ps + t0;
-            const uint8_t *vv = v + (size_t)t0 * vrb;
-            float *ar = acc + (size_t)r0 * D;
 #define CALL_V(N)                                                                                             \
     (kind == V_FP8 ? accum_fp8_rows(pp, ps, N, vv, vrb, nk, D, ar)                                            \
                    : accum_i8_rows(pp, ps, N, vv, vrb, nk, D, ar, kind == V_Q4_0))
-            PKV__ATTN_NR_SWITCH(nr, CALL_V)
+    PKV__ATTN_ACCUM_CHUNKS(VKEYS, p, ps, n_rows, v, vrb, n_keys, D, acc, CALL_V)
 #undef CALL_V
-        }
-    }
 }
 
 /* head_dim 128, the common case, gets its own instance with constant trip counts */

@@ -85,21 +85,11 @@ static ALWAYS_INLINE void accum_fp8_rows(const float *p, uint32_t ps, const uint
 }
 
 /* Keys in chunks of VKEYS, rows in groups of up to 4 (the group size a constant). */
-
 static ALWAYS_INLINE void accum_tiles_d(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
                                         uint32_t n_keys, uint32_t D, float *acc) {
-    for (uint32_t t0 = 0; t0 < n_keys; t0 += VKEYS) {
-        const uint32_t nk = PKV_MIN(VKEYS, n_keys - t0);
-        for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
-            const uint32_t nr = PKV_MIN(4u, n_rows - r0);
-            const float *pp = p + (size_t)r0 * ps + t0;
-            const uint8_t *vv = v + (size_t)t0 * vrb;
-            float *ar = acc + (size_t)r0 * D;
 #define CALL_V(N) accum_fp8_rows(pp, ps, N, vv, vrb, nk, D, ar)
-            PKV__ATTN_NR_SWITCH(nr, CALL_V)
+    PKV__ATTN_ACCUM_CHUNKS(VKEYS, p, ps, n_rows, v, vrb, n_keys, D, acc, CALL_V)
 #undef CALL_V
-        }
-    }
 }
 
 /* head_dim 128, the common case, gets its own instance with constant trip counts */
@@ -145,22 +135,21 @@ static ALWAYS_INLINE void score_fp8_key(const float *const q[4], const uint32_t 
     }
 }
 
+/* Keys in groups of 4 between prefetch shares. */
+static ALWAYS_INLINE void score_fp8_rows(const float *const q[4], const uint32_t NR, const uint8_t *k, size_t krb,
+                                         uint32_t n_keys, uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {
+    for (uint32_t t = 0; t < n_keys; t++) {
+        score_fp8_key(q, NR, k + t * krb, D, s + t, ss);
+        if (t % 4 == 3 || t + 1 == n_keys) pkv__attn_pf_step(pf);
+    }
+}
+
 static ALWAYS_INLINE void score_fp8_d(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,
                                       uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {
-    const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);
     pkv__attn_pf_start(pf, ((n_keys + 3) / 4) * ((n_rows + 3) / 4));
-    for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
-        const uint32_t nr = PKV_MIN(4u, n_rows - r0);
-        const float *q[4];
-        for (uint32_t r = 0; r < 4; r++) q[r] = (const float *)qp + (r0 + (r < nr ? r : 0)) * qs;
-        float *sr = s + (size_t)r0 * ss;
-        for (uint32_t t = 0; t < n_keys; t++) {
-#define CALL_F8S(N) score_fp8_key(q, N, k + t * krb, D, sr + t, ss)
-            PKV__ATTN_NR_SWITCH(nr, CALL_F8S)
+#define CALL_F8S(N) score_fp8_rows(q, N, k, krb, n_keys, D, sr, ss, pf)
+    PKV__ATTN_SCORE_ROW_GROUPS(qp, n_rows, D, s, ss, CALL_F8S)
 #undef CALL_F8S
-            if (t % 4 == 3 || t + 1 == n_keys) pkv__attn_pf_step(pf);
-        }
-    }
 }
 
 static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
