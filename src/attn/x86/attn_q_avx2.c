@@ -19,14 +19,13 @@
 #include "avx2_reduce.h"
 #include "../attn_q.h"
 #include "../../quant/quant.h"
+#include "fp8_x86.h"
 
 #include <immintrin.h>
 #include <stdbool.h>
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
-/* Keys per V pass (the per-key weights live on the stack). */
-#define VKEYS 16u
 
 static ALWAYS_INLINE int ld16(const uint8_t *p) {
     uint16_t h;
@@ -201,14 +200,7 @@ static ALWAYS_INLINE void score_i8(const void *qp, uint32_t n_rows, const uint8_
 }
 
 /* ---- fp8 e4m3 ---------------------------------------------------------------------------------
- * 16 codes -> 16 f16 equal to e4m3(b) * 2^-8 exactly: the byte sign-extended to 16 bits and
- * shifted left by 7 has the sign at bits 15 and 14 (14 cleared by the mask) and the magnitude
- * at bits 13..7: an f16 with the e4m3 exponent rebiased by 8, subnormals included, which F16C
- * widens exactly. The encoder never writes the NaN codes. */
-static ALWAYS_INLINE __m256i e4m3_f16x16(const uint8_t *p) {
-    const __m256i w = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
-    return _mm256_and_si256(w, _mm256_set1_epi16((short)0xbf80));
-}
+ * Codes decode to f16 (fp8_x86.h, pkv__e4m3_f16x16), widened by F16C. */
 static ALWAYS_INLINE __m256 e4m3x8(const uint8_t *p) {
     const __m128i w = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7);
     return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xbf80)));
@@ -217,7 +209,7 @@ static ALWAYS_INLINE __m256 e4m3x8(const uint8_t *p) {
 /* 16 dims of one key for NR rows: a[r][0] += q_r[d..d+8) * k[d..d+8), a[r][1] the next 8 */
 static ALWAYS_INLINE void fp8_dot16(const float *const q[4], const uint32_t NR, const uint8_t *e, uint32_t d,
                                     __m256 a[4][2]) {
-    const __m256i w = e4m3_f16x16(e + d);
+    const __m256i w = pkv__e4m3_f16x16(e + d);
     const __m256 k0 = _mm256_cvtph_ps(_mm256_castsi256_si128(w)), k1 = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
     for (uint32_t r = 0; r < NR; r++) {
         a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), k0, a[r][0]);
@@ -284,7 +276,7 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
 
 /* ---- V accumulation ----------------------------------------------------------------------------
  * NR <= 4 rows x 16 values in 8 registers across the keys: per key 2 decoded vectors, NR
- * broadcast weights, 2 NR fmas. w[rr * VKEYS + t] is row rr's weight for key t with the key's
+ * broadcast weights, 2 NR fmas. w[rr * PKV__VKEYS + t] is row rr's weight for key t with the key's
  * (block) scale folded in. */
 
 /* f16 scales at p + j * stride (j < nk; 0 beyond) -> 8 floats */
@@ -332,7 +324,7 @@ static ALWAYS_INLINE void accum_i8_tile(const float *w, const float *corr, uint3
             x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8))));
         }
         for (uint32_t rr = 0; rr < NR; rr++) {
-            const __m256 wv = _mm256_broadcast_ss(w + rr * VKEYS + t);
+            const __m256 wv = _mm256_broadcast_ss(w + rr * PKV__VKEYS + t);
             a[rr][0] = _mm256_fmadd_ps(wv, x0, a[rr][0]);
             a[rr][1] = _mm256_fmadd_ps(wv, x1, a[rr][1]);
         }
@@ -348,33 +340,33 @@ static ALWAYS_INLINE void accum_i8_tile(const float *w, const float *corr, uint3
     }
 }
 
-/* NR rows, nk <= VKEYS keys of q8_0 / q4_0 V (D % 32 == 0). */
+/* NR rows, nk <= PKV__VKEYS keys of q8_0 / q4_0 V (D % 32 == 0). */
 static ALWAYS_INLINE void accum_i8_rows(const float *p, uint32_t ps, const uint32_t NR, const uint8_t *v, size_t vrb,
                                         uint32_t nk, uint32_t D, float *acc, const bool q4) {
     const uint32_t nb = D / 32;
     const size_t bsz = q4 ? sizeof(pkv_block_q4_0) : sizeof(pkv_block_q8_0);
     /* the rows' weights, zero past nk (on the stack: registers are short in the block loop) */
-    float pr[4 * VKEYS] __attribute__((aligned(32)));
+    float pr[4 * PKV__VKEYS] __attribute__((aligned(32)));
     for (uint32_t rr = 0; rr < NR; rr++) {
         const float *pp = p + (size_t)rr * ps;
-        if (nk == VKEYS) {
-            _mm256_store_ps(pr + rr * VKEYS, _mm256_loadu_ps(pp));
-            _mm256_store_ps(pr + rr * VKEYS + 8, _mm256_loadu_ps(pp + 8));
+        if (nk == PKV__VKEYS) {
+            _mm256_store_ps(pr + rr * PKV__VKEYS, _mm256_loadu_ps(pp));
+            _mm256_store_ps(pr + rr * PKV__VKEYS + 8, _mm256_loadu_ps(pp + 8));
         } else {
-            for (uint32_t j = 0; j < VKEYS; j++) pr[rr * VKEYS + j] = j < nk ? pp[j] : 0.0f;
+            for (uint32_t j = 0; j < PKV__VKEYS; j++) pr[rr * PKV__VKEYS + j] = j < nk ? pp[j] : 0.0f;
         }
     }
-    float w[4 * VKEYS] __attribute__((aligned(32)));
+    float w[4 * PKV__VKEYS] __attribute__((aligned(32)));
     float corr[4];
     for (uint32_t b = 0; b < nb; b++) {
         const uint8_t *vb = v + b * bsz;
         const __m256 d0 = scales8_f16(vb, vrb, PKV_MIN(nk, 8u));
         const __m256 d1 = nk > 8 ? scales8_f16(vb + 8 * vrb, vrb, nk - 8) : _mm256_setzero_ps();
         for (uint32_t rr = 0; rr < NR; rr++) {
-            const __m256 w0 = _mm256_mul_ps(_mm256_load_ps(pr + rr * VKEYS), d0);
-            const __m256 w1 = _mm256_mul_ps(_mm256_load_ps(pr + rr * VKEYS + 8), d1);
-            _mm256_store_ps(w + rr * VKEYS, w0);
-            _mm256_store_ps(w + rr * VKEYS + 8, w1);
+            const __m256 w0 = _mm256_mul_ps(_mm256_load_ps(pr + rr * PKV__VKEYS), d0);
+            const __m256 w1 = _mm256_mul_ps(_mm256_load_ps(pr + rr * PKV__VKEYS + 8), d1);
+            _mm256_store_ps(w + rr * PKV__VKEYS, w0);
+            _mm256_store_ps(w + rr * PKV__VKEYS + 8, w1);
             if (q4) corr[rr] = 8.0f * pkv__hsum8(_mm256_add_ps(w0, w1));
         }
         float *ab = acc + 32 * b;
@@ -402,11 +394,11 @@ static ALWAYS_INLINE void accum_fp8_tile(const float *w, uint32_t nk, const uint
         if (half) {
             x0 = e4m3x8(src + t * vrb);
         } else {
-            const __m256i h = e4m3_f16x16(src + t * vrb);
+            const __m256i h = pkv__e4m3_f16x16(src + t * vrb);
             x0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), x1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
         }
         for (uint32_t rr = 0; rr < NR; rr++) {
-            const __m256 wv = _mm256_broadcast_ss(w + rr * VKEYS + t);
+            const __m256 wv = _mm256_broadcast_ss(w + rr * PKV__VKEYS + t);
             a[rr][0] = _mm256_fmadd_ps(wv, x0, a[rr][0]);
             if (!half) a[rr][1] = _mm256_fmadd_ps(wv, x1, a[rr][1]);
         }
@@ -419,25 +411,21 @@ static ALWAYS_INLINE void accum_fp8_tile(const float *w, uint32_t nk, const uint
 
 static ALWAYS_INLINE void accum_fp8_rows(const float *p, uint32_t ps, const uint32_t NR, const uint8_t *v, size_t vrb,
                                          uint32_t nk, uint32_t D, float *acc) {
-    float w[4 * VKEYS] __attribute__((aligned(32)));
+    float w[4 * PKV__VKEYS] __attribute__((aligned(32)));
     for (uint32_t t = 0; t < nk; t++) {
         float sv;
         memcpy(&sv, v + t * vrb, 4);
         sv *= 256.0f; /* exact: undoes the decode's 2^-8 */
-        for (uint32_t rr = 0; rr < NR; rr++) w[rr * VKEYS + t] = p[(size_t)rr * ps + t] * sv;
+        for (uint32_t rr = 0; rr < NR; rr++) w[rr * PKV__VKEYS + t] = p[(size_t)rr * ps + t] * sv;
     }
     const uint8_t *e = v + PKV_FP8_ROW_HEADER;
     uint32_t d = 0;
     for (; d + 16 <= D; d += 16) accum_fp8_tile(w, nk, e + d, vrb, acc + d, D, NR, false);
     if (d + 8 <= D) accum_fp8_tile(w, nk, e + d, vrb, acc + d, D, NR, true), d += 8;
-    for (; d < D; d++) /* head_dim % 8: w / 256 is exactly p * sv */
-        for (uint32_t t = 0; t < nk; t++) {
-            const float x = pkv__e4m3_to_f32(e[t * vrb + d]) * (1.0f / 256.0f);
-            for (uint32_t rr = 0; rr < NR; rr++) acc[rr * (size_t)D + d] += w[rr * VKEYS + t] * x;
-        }
+    pkv__fp8_accum_tail(w, nk, e, vrb, d, D, NR, acc); /* head_dim % 8 */
 }
 
-/* The V side of every quantized dtype: keys in chunks of VKEYS, rows in groups of up to 4, each
+/* The V side of every quantized dtype: keys in chunks of PKV__VKEYS, rows in groups of up to 4, each
  * (chunk, group) done by the dtype's row-tile function with the group size as a constant. */
 enum v_kind { V_Q8_0, V_Q4_0, V_FP8 };
 
@@ -446,7 +434,7 @@ static ALWAYS_INLINE void accum_tiles_d(const float *p, uint32_t ps, uint32_t n_
 #define CALL_V(N)                                                                                             \
     (kind == V_FP8 ? accum_fp8_rows(pp, ps, N, vv, vrb, nk, D, ar)                                            \
                    : accum_i8_rows(pp, ps, N, vv, vrb, nk, D, ar, kind == V_Q4_0))
-    PKV__ATTN_ACCUM_CHUNKS(VKEYS, p, ps, n_rows, v, vrb, n_keys, D, acc, CALL_V)
+    PKV__ATTN_ACCUM_CHUNKS(PKV__VKEYS, p, ps, n_rows, v, vrb, n_keys, D, acc, CALL_V)
 #undef CALL_V
 }
 

@@ -21,6 +21,7 @@
 #include "../attn_q.h"
 #include "../../quant/quant.h"
 #include "avx2_reduce.h"
+#include "fp8_x86.h"
 
 #include <immintrin.h>
 #include <stdbool.h>
@@ -28,15 +29,8 @@
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
-/* Keys per V pass: the weights of a pass are one 16-lane vector per row. */
-#define VKEYS 16u
-
-/* 16 e4m3 codes -> 16 floats equal to e4m3(b) * 2^-8 (attn_q_avx2.c, e4m3_f16x16: the byte
- * sign-extended to 16 bits, shifted left by 7 and masked is that f16 exactly) */
-static ALWAYS_INLINE __m512 e4m3x16(const uint8_t *p) {
-    const __m256i w = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
-    return _mm512_cvtph_ps(_mm256_and_si256(w, _mm256_set1_epi16((short)0xbf80)));
-}
+/* 16 e4m3 codes -> 16 floats equal to e4m3(b) * 2^-8 */
+static ALWAYS_INLINE __m512 e4m3x16(const uint8_t *p) { return _mm512_cvtph_ps(pkv__e4m3_f16x16(p)); }
 
 /* the rows' p for nk keys, 0 past nk, 16 per row */
 static ALWAYS_INLINE void load_p(const float *p, uint32_t ps, const uint32_t NR, uint32_t nk, __m512 pr[4]) {
@@ -45,7 +39,7 @@ static ALWAYS_INLINE void load_p(const float *p, uint32_t ps, const uint32_t NR,
 }
 
 /* ---- fp8 V ----------------------------------------------------------------------------------------
- * NR rows x C * 16 values (codes at e) across nk keys; w[r * VKEYS + t] carries p, the row
+ * NR rows x C * 16 values (codes at e) across nk keys; w[r * PKV__VKEYS + t] carries p, the row
  * scale and the 2^8 the decode takes off. */
 static ALWAYS_INLINE void accum_fp8_tile(const float *w, uint32_t nk, const uint8_t *e, size_t vrb, float *acc,
                                          uint32_t D, const uint32_t NR, const uint32_t C) {
@@ -56,7 +50,8 @@ static ALWAYS_INLINE void accum_fp8_tile(const float *w, uint32_t nk, const uint
         __m512 x[4];
         for (uint32_t c = 0; c < C; c++) x[c] = e4m3x16(e + t * vrb + 16 * c);
         for (uint32_t r = 0; r < NR; r++)
-            for (uint32_t c = 0; c < C; c++) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * VKEYS + t]), x[c], a[r][c]);
+            for (uint32_t c = 0; c < C; c++)
+                a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * PKV__VKEYS + t]), x[c], a[r][c]);
     }
     for (uint32_t r = 0; r < NR; r++)
         for (uint32_t c = 0; c < C; c++) _mm512_storeu_ps(acc + r * (size_t)D + 16 * c, a[r][c]);
@@ -64,31 +59,27 @@ static ALWAYS_INLINE void accum_fp8_tile(const float *w, uint32_t nk, const uint
 
 static ALWAYS_INLINE void accum_fp8_rows(const float *p, uint32_t ps, const uint32_t NR, const uint8_t *v, size_t vrb,
                                          uint32_t nk, uint32_t D, float *acc) {
-    float sv[VKEYS] = {0};
+    float sv[PKV__VKEYS] = {0};
     for (uint32_t t = 0; t < nk; t++) memcpy(&sv[t], v + t * vrb, 4);
     const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sv), _mm512_set1_ps(256.0f)); /* exact: undoes the 2^-8 */
     __m512 pr[4];
     load_p(p, ps, NR, nk, pr);
-    float w[4 * VKEYS] __attribute__((aligned(64)));
-    for (uint32_t r = 0; r < NR; r++) _mm512_store_ps(w + r * VKEYS, _mm512_mul_ps(pr[r], s));
+    float w[4 * PKV__VKEYS] __attribute__((aligned(64)));
+    for (uint32_t r = 0; r < NR; r++) _mm512_store_ps(w + r * PKV__VKEYS, _mm512_mul_ps(pr[r], s));
     const uint8_t *e = v + PKV_FP8_ROW_HEADER;
     uint32_t d = 0;
     for (; D - d >= 64; d += 64) accum_fp8_tile(w, nk, e + d, vrb, acc + d, D, NR, 4);
     if (D - d >= 48) accum_fp8_tile(w, nk, e + d, vrb, acc + d, D, NR, 3), d += 48;
     else if (D - d >= 32) accum_fp8_tile(w, nk, e + d, vrb, acc + d, D, NR, 2), d += 32;
     else if (D - d >= 16) accum_fp8_tile(w, nk, e + d, vrb, acc + d, D, NR, 1), d += 16;
-    for (; d < D; d++) /* head_dim % 16: w / 256 is exactly p * sv */
-        for (uint32_t t = 0; t < nk; t++) {
-            const float x = pkv__e4m3_to_f32(e[t * vrb + d]) * (1.0f / 256.0f);
-            for (uint32_t r = 0; r < NR; r++) acc[r * (size_t)D + d] += w[r * VKEYS + t] * x;
-        }
+    pkv__fp8_accum_tail(w, nk, e, vrb, d, D, NR, acc); /* head_dim % 16 */
 }
 
-/* Keys in chunks of VKEYS, rows in groups of up to 4 (the group size a constant). */
+/* Keys in chunks of PKV__VKEYS, rows in groups of up to 4 (the group size a constant). */
 static ALWAYS_INLINE void accum_tiles_d(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
                                         uint32_t n_keys, uint32_t D, float *acc) {
 #define CALL_V(N) accum_fp8_rows(pp, ps, N, vv, vrb, nk, D, ar)
-    PKV__ATTN_ACCUM_CHUNKS(VKEYS, p, ps, n_rows, v, vrb, n_keys, D, acc, CALL_V)
+    PKV__ATTN_ACCUM_CHUNKS(PKV__VKEYS, p, ps, n_rows, v, vrb, n_keys, D, acc, CALL_V)
 #undef CALL_V
 }
 
@@ -119,7 +110,8 @@ static ALWAYS_INLINE void score_fp8_key(const float *const q[4], const uint32_t 
     sk *= 256.0f; /* exact: undoes the decode's 2^-8 */
     __m256 h[4];
     for (uint32_t r = 0; r < NR; r++)
-        h[r] = _mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r]), 1)));
+        h[r] = _mm256_add_ps(_mm512_castps512_ps256(a[r]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r]), 1)));
     if (NR == 4 && D16 == D) {
         const __m128 o = _mm_mul_ps(pkv__hsum4x8(h[0], h[1], h[2], h[3]), _mm_set1_ps(sk));
         _mm_store_ss(s, o);
