@@ -307,7 +307,8 @@ typedef struct pkv_attn_req {
 PKV_API PKV_NODISCARD int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs,
                                            const float *q, float *out, const pkv_attn_params *p);
 
-/* Which kernel family attention uses: "ref", "avx2", "avx512", "neon", "neon-dotprod" (chosen
+/* Which kernel family attention uses: "ref", "avx2", "avx512", "avx512-vnni" (avx512 with
+ * the q8_0 / q4_0 score on VNNI), "neon", "neon-dotprod" (chosen
  * once at creation from CPU detection; PKV_FORCE_REF=1 in the environment forces "ref", and
  * PKV_ATTN_BACKEND=name picks one by name: pkv_cache_create fails with PKV_ENOTSUP when this
  * CPU or build lacks it). */

@@ -306,8 +306,8 @@ static void test_api_bad_input(void **state) {
     check(&s, 0, q, out, NULL, 26, 4, &p);
     assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, NULL), PKV_OK); /* NULL params: n_q_heads = n_kv_heads */
     const char *be = pkv_attn_backend(c);
-    assert_true(!strcmp(be, "ref") || !strcmp(be, "avx2") || !strcmp(be, "avx512") || !strcmp(be, "neon") ||
-                !strcmp(be, "neon-dotprod"));
+    assert_true(!strcmp(be, "ref") || !strcmp(be, "avx2") || !strcmp(be, "avx512") || !strcmp(be, "avx512-vnni") ||
+                !strcmp(be, "neon") || !strcmp(be, "neon-dotprod"));
     pkv_cache_destroy(c);
 }
 
@@ -323,7 +323,7 @@ static void test_api_backend_env(void **state) {
     strncpy(detected, pkv_attn_backend(c), sizeof detected - 1);
     detected[sizeof detected - 1] = 0;
     pkv_cache_destroy(c);
-    static const char *const names[] = {"ref", "avx2", "avx512", "neon", "neon-dotprod"};
+    static const char *const names[] = {"ref", "avx2", "avx512", "avx512-vnni", "neon", "neon-dotprod"};
     pkv_config cfg = api_config(PKV_DTYPE_F16, 2, 0);
     int n_ok = 0, saw_detected = 0;
     for (size_t i = 0; i < sizeof names / sizeof *names; i++) {

@@ -266,7 +266,7 @@ static double bound_dq(pkv_dtype kdt) {
 }
 
 /* The SIMD backend a test compares with the reference: its state names it ("avx2" and
- * "avx512" on x86, "neon" and "neon-dotprod" on ARM, one run each). Where the CPU lacks it: NULL (the reference
+ * "avx512", "avx512-vnni" on x86, "neon" and "neon-dotprod" on ARM, one run each). Where the CPU lacks it: NULL (the reference
  * alone is checked against the oracle), or, for an extra backend, the test is skipped. */
 typedef struct {
     const char *name;
@@ -406,9 +406,12 @@ static void test_exact_inputs(void **state) {
 }
 
 #if defined(__x86_64__) || defined(__i386__)
-/* avx512: the AVX-2 kernels with attn_q_avx512.c's over them (fp8); skipped without AVX-512 */
-static simd_case g_simd[] = {{"avx2", false}, {"avx512", true}};
-#define PER_SIMD(fn) cmocka_unit_test_prestate(fn, &g_simd[0]), cmocka_unit_test_prestate(fn, &g_simd[1])
+/* avx512: the AVX-2 kernels with attn_q_avx512.c's over them (fp8); skipped without AVX-512.
+ * avx512-vnni: that with attn_q_vnni.c's q8_0 / q4_0 score; skipped without AVX-512 VNNI. */
+static simd_case g_simd[] = {{"avx2", false}, {"avx512", true}, {"avx512-vnni", true}};
+#define PER_SIMD(fn)                                                                                               \
+    cmocka_unit_test_prestate(fn, &g_simd[0]), cmocka_unit_test_prestate(fn, &g_simd[1]),                          \
+        cmocka_unit_test_prestate(fn, &g_simd[2])
 #elif defined(__aarch64__)
 static simd_case g_simd[] = {{"neon", false}, {"neon-dotprod", true}};
 #define PER_SIMD(fn) cmocka_unit_test_prestate(fn, &g_simd[0]), cmocka_unit_test_prestate(fn, &g_simd[1])

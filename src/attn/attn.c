@@ -102,7 +102,9 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
         pkv__attn_fill_q_avx2(kt);
         return PKV_OK;
     }
-    if (!strcmp(want, "avx512")) {
+    const bool vnni = !strcmp(want, "avx512-vnni");
+    if (vnni && !(f & PKV_CPU_AVX512VNNI)) return PKV_ENOTSUP;
+    if (vnni || !strcmp(want, "avx512")) {
         if (!have_avx512(f)) return PKV_ENOTSUP;
         pkv__attn_fill_avx2(kt); /* anything the 512-bit file lacks runs at 256 bits */
         /* quantized-dtype fillers for AVX2 go here */
@@ -110,6 +112,7 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
         pkv__attn_fill_avx512(kt);
         /* quantized-dtype fillers for AVX-512 go here */
         pkv__attn_fill_q_avx512(kt);
+        if (vnni) pkv__attn_fill_q_vnni(kt);
         return PKV_OK;
     }
 #elif defined(__aarch64__)
@@ -134,7 +137,7 @@ static const char *auto_backend(void) {
     if (named) return named;
 #if defined(__x86_64__) || defined(__i386__)
     const uint32_t f = pkv__cpu_features();
-    if (have_avx512(f)) return "avx512";
+    if (have_avx512(f)) return f & PKV_CPU_AVX512VNNI ? "avx512-vnni" : "avx512";
     if (have_avx2(f)) return "avx2";
 #elif defined(__aarch64__)
     return pkv__cpu_features() & PKV_CPU_ASIMDDP ? "neon-dotprod" : "neon";

@@ -51,7 +51,7 @@ typedef struct pkv__attn pkv__attn; /* thread pool, scratch, chosen backend */
 /* n_threads: workers including the caller (0 = all cpus). Allocates through a. Picks the
  * backend once from pkv__cpu_features() (PKV_FORCE_REF=1 forces "ref"). */
 int pkv__attn_create(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim, pkv__attn **out);
-/* Same with a named backend ("ref", "avx2", "avx512", "neon", "neon-dotprod"; NULL =
+/* Same with a named backend ("ref", "avx2", "avx512", "avx512-vnni", "neon", "neon-dotprod"; NULL =
  * automatic): tests use it to compare every SIMD path with the reference. PKV_ENOTSUP if this
  * CPU or build lacks it. */
 int pkv__attn_create_backend(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim,
@@ -286,6 +286,7 @@ void pkv__attn_fill_neon(pkv__attn_kernels *kt);    /* arm/attn_neon.c */
 void pkv__attn_fill_q_ref(pkv__attn_kernels *kt);   /* attn_q_ref.c: q8_0, q4_0, fp8_e4m3 */
 void pkv__attn_fill_q_avx2(pkv__attn_kernels *kt);  /* x86/attn_q_avx2.c: q8_0, q4_0, fp8_e4m3 */
 void pkv__attn_fill_q_avx512(pkv__attn_kernels *kt); /* x86/attn_q_avx512.c: fp8_e4m3 (over the AVX2 fill) */
+void pkv__attn_fill_q_vnni(pkv__attn_kernels *kt);   /* x86/attn_q_vnni.c: q8_0, q4_0 prep and score (VNNI) */
 void pkv__attn_fill_q_neon(pkv__attn_kernels *kt);  /* arm/attn_q_neon.c: q8_0, q4_0, fp8_e4m3 */
 void pkv__attn_fill_q_dotprod(pkv__attn_kernels *kt); /* arm/attn_q_dotprod.c: q8_0, q4_0 score (SDOT) */
 

@@ -8,9 +8,14 @@
 
 /* For q8_0 / q4_0 K. Prepared row: int8 q[D] | uint8 |q|[D] | f32 dq[D / 32], where per 32
  * values dq = amax / 127 and q = rne(scale * query / dq) (D is a multiple of 32). The AVX2
- * backend pairs its score kernels with its own prep (same q and dq bit for bit, plus
- * vector-ready scales and q4_0's offset sums: x86/attn_q_avx2.c, prep_i8). */
+ * backends pair their score kernels with their own prep (same q and dq bit for bit, plus
+ * vector-ready scales and q4_0's offset sums: x86/attn_q_avx2.c, pkv__attn_prep_i8_avx2 below,
+ * which x86/attn_q_vnni.c extends). */
 void pkv__attn_prep_q8(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp);
+#if defined(__x86_64__) || defined(__i386__)
+void pkv__attn_prep_i8_avx2(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale,
+                            void *qp);
+#endif
 /* For fp8 K: scale * query as f32, zero-padded to a multiple of 8 values (SIMD tiles). */
 void pkv__attn_prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp);
 

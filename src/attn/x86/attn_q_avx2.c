@@ -20,29 +20,13 @@
 #include "../attn_q.h"
 #include "../../quant/quant.h"
 #include "fp8_x86.h"
+#include "i8_x86.h"
 
 #include <immintrin.h>
 #include <stdbool.h>
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
-
-static ALWAYS_INLINE int ld16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return h;
-}
-
-/* Writes the first n (<= 4) lanes of v to dst. */
-static ALWAYS_INLINE void store4(float *dst, __m128 v, uint32_t n) {
-    if (n == 4) {
-        _mm_storeu_ps(dst, v);
-        return;
-    }
-    float t[4];
-    _mm_storeu_ps(t, v);
-    for (uint32_t j = 0; j < n; j++) dst[j] = t[j];
-}
 
 /* ---- prepared query for integer K (q8_0, q4_0) -----------------------------------------------
  * Row layout (4 D bytes, within PKV__ATTN_QROW_BYTES(D)), per block b of 32 values:
@@ -51,7 +35,7 @@ static ALWAYS_INLINE void store4(float *dst, __m128 v, uint32_t n) {
  * bit); dq8 repeats dq 8 times (a plain memory operand of the scale multiply); qs8 holds
  * 8 * (sum of q over values 0..15) in lanes 0..3 and 8 * (sum over 16..31) in lanes 4..7:
  * the q4_0 score's -8 offset for each half-block lane of its sums. */
-static void prep_i8(const float *q, size_t q_stride, uint32_t n_rows, uint32_t D, float scale, void *qp) {
+void pkv__attn_prep_i8_avx2(const float *q, size_t q_stride, uint32_t n_rows, uint32_t D, float scale, void *qp) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     const uint32_t nb = D / 32;
     const __m256 vs = _mm256_set1_ps(scale), sgn = _mm256_set1_ps(-0.0f);
@@ -108,17 +92,7 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
 }
 
 /* ---- integer q.K (q8_0, q4_0) -------------------------------------------------------------------
- * One tile: NR rows x 4 keys (kr[j]: key j's row; padding keys repeat a real one and their
- * lanes are not stored). Per block: the 4 keys' codes in registers, their scales as
- * [dk0..dk3 | dk0..dk3]; per row 4 int8 dot products reduced to [k0..k3 | k0..k3] (sums over
- * the two half-blocks), then acc += float(sums) * dk * dq. */
-
-/* 16 bytes of q4_0 nibbles -> 32 bytes 0..15 in value order (low nibbles, then high) */
-static ALWAYS_INLINE __m256i q4_codes(const uint8_t *p) {
-    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
-}
-
+ * Tiles of 4 keys (i8_x86.h); the int8 products by maddubs / madd, q8_0 with the sign trick. */
 static ALWAYS_INLINE void score_i8_tile(const uint8_t *qp, size_t qrow, uint32_t D, const uint32_t NR,
                                         const uint8_t *const kr[4], const bool q4, float *s, uint32_t ss, uint32_t nk) {
     const uint32_t nb = D / 32;
@@ -130,13 +104,8 @@ static ALWAYS_INLINE void score_i8_tile(const uint8_t *qp, size_t qrow, uint32_t
         const size_t o = b * bsz;
         __m256i kv[4];
         for (int j = 0; j < 4; j++)
-            kv[j] = q4 ? q4_codes(kr[j] + o + 2) : _mm256_loadu_si256((const __m256i *)(kr[j] + o + 2));
-        __m128i h = _mm_cvtsi32_si128(ld16(kr[0] + o));
-        h = _mm_insert_epi16(h, ld16(kr[1] + o), 1);
-        h = _mm_insert_epi16(h, ld16(kr[2] + o), 2);
-        h = _mm_insert_epi16(h, ld16(kr[3] + o), 3);
-        const __m128 d4 = _mm_cvtph_ps(h);
-        const __m256 dk = _mm256_set_m128(d4, d4);
+            kv[j] = q4 ? pkv__q4_codes(kr[j] + o + 2) : _mm256_loadu_si256((const __m256i *)(kr[j] + o + 2));
+        const __m256 dk = pkv__dk4(kr, o);
         for (uint32_t r = 0; r < NR; r++) {
             const uint8_t *row = qp + r * qrow;
             const __m256i qv = _mm256_loadu_si256((const __m256i *)(row + 32 * b));
@@ -162,42 +131,12 @@ static ALWAYS_INLINE void score_i8_tile(const uint8_t *qp, size_t qrow, uint32_t
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, acc[r]);
         }
     }
-    __m128 o[4];
-    for (uint32_t r = 0; r < NR; r++) o[r] = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    if (nk == 4) {
-        for (uint32_t r = 0; r < NR; r++) _mm_storeu_ps(s + (size_t)r * ss, o[r]);
-    } else {
-        for (uint32_t r = 0; r < NR; r++) store4(s + (size_t)r * ss, o[r], nk);
-    }
+    pkv__i8_store_tile(acc, NR, s, ss, nk);
 }
 
-static ALWAYS_INLINE void score_i8_d(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,
-                                     uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf, const bool q4) {
-    const size_t qrow = PKV__ATTN_QROW_BYTES(D);
-    pkv__attn_pf_start(pf, ((n_keys + 3) / 4) * ((n_rows + 3) / 4));
-    for (uint32_t t0 = 0; t0 < n_keys; t0 += 4) {
-        const uint32_t nk = PKV_MIN(4u, n_keys - t0);
-        const uint8_t *kr[4];
-        for (uint32_t j = 0; j < 4; j++) kr[j] = k + (size_t)(t0 + (j < nk ? j : nk - 1)) * krb;
-        for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
-            const uint32_t nr = PKV_MIN(4u, n_rows - r0);
-            const uint8_t *q = (const uint8_t *)qp + r0 * qrow;
-            float *sr = s + (size_t)r0 * ss + t0;
 #define CALL_I8(N) score_i8_tile(q, qrow, D, N, kr, q4, sr, ss, nk)
-            PKV__ATTN_NR_SWITCH(nr, CALL_I8)
-            pkv__attn_pf_step(pf);
-        }
-    }
-}
-
-/* head_dim 128, the common case, gets its own instance with constant trip counts */
-static ALWAYS_INLINE void score_i8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,
-                                   uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf, const bool q4) {
-    if (D == 128)
-        score_i8_d(qp, n_rows, k, krb, n_keys, 128, s, ss, pf, q4);
-    else
-        score_i8_d(qp, n_rows, k, krb, n_keys, D, s, ss, pf, q4);
-}
+PKV__ATTN_DEF_I8_SCORE(CALL_I8)
+#undef CALL_I8
 
 /* ---- fp8 e4m3 ---------------------------------------------------------------------------------
  * Codes decode to f16 (fp8_x86.h, pkv__e4m3_f16x16), widened by F16C. */
@@ -283,17 +222,17 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
 static ALWAYS_INLINE __m256 scales8_f16(const uint8_t *p, size_t stride, uint32_t nk) {
     __m128i h = _mm_setzero_si128();
     if (nk >= 8) {
-        h = _mm_cvtsi32_si128(ld16(p));
-        h = _mm_insert_epi16(h, ld16(p + stride), 1);
-        h = _mm_insert_epi16(h, ld16(p + 2 * stride), 2);
-        h = _mm_insert_epi16(h, ld16(p + 3 * stride), 3);
-        h = _mm_insert_epi16(h, ld16(p + 4 * stride), 4);
-        h = _mm_insert_epi16(h, ld16(p + 5 * stride), 5);
-        h = _mm_insert_epi16(h, ld16(p + 6 * stride), 6);
-        h = _mm_insert_epi16(h, ld16(p + 7 * stride), 7);
+        h = _mm_cvtsi32_si128(pkv__ld16(p));
+        h = _mm_insert_epi16(h, pkv__ld16(p + stride), 1);
+        h = _mm_insert_epi16(h, pkv__ld16(p + 2 * stride), 2);
+        h = _mm_insert_epi16(h, pkv__ld16(p + 3 * stride), 3);
+        h = _mm_insert_epi16(h, pkv__ld16(p + 4 * stride), 4);
+        h = _mm_insert_epi16(h, pkv__ld16(p + 5 * stride), 5);
+        h = _mm_insert_epi16(h, pkv__ld16(p + 6 * stride), 6);
+        h = _mm_insert_epi16(h, pkv__ld16(p + 7 * stride), 7);
     } else {
         uint16_t t[8] = {0};
-        for (uint32_t j = 0; j < nk; j++) t[j] = (uint16_t)ld16(p + j * stride);
+        for (uint32_t j = 0; j < nk; j++) t[j] = (uint16_t)pkv__ld16(p + j * stride);
         h = _mm_loadu_si128((const __m128i *)t);
     }
     return _mm256_cvtph_ps(h);
@@ -455,8 +394,8 @@ static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_
 }
 
 void pkv__attn_fill_q_avx2(pkv__attn_kernels *kt) {
-    kt->prep_q[PKV_DTYPE_Q8_0] = prep_i8;
-    kt->prep_q[PKV_DTYPE_Q4_0] = prep_i8;
+    kt->prep_q[PKV_DTYPE_Q8_0] = pkv__attn_prep_i8_avx2;
+    kt->prep_q[PKV_DTYPE_Q4_0] = pkv__attn_prep_i8_avx2;
     kt->prep_q[PKV_DTYPE_FP8_E4M3] = prep_f32;
     kt->score[PKV_DTYPE_Q8_0] = score_q8_0;
     kt->score[PKV_DTYPE_Q4_0] = score_q4_0;
