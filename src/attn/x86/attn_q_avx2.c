@@ -122,10 +122,9 @@ static ALWAYS_INLINE void score_i8_tile(const uint8_t *qp, size_t qrow, uint32_t
                 const __m256i av = _mm256_loadu_si256((const __m256i *)(row + D + 32 * b));
                 const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[0], qv)), ones);
                 const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[1], qv)), ones);
-                const __m256i p01 = _mm256_hadd_epi32(p0, p1);
                 const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[2], qv)), ones);
                 const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[3], qv)), ones);
-                t = _mm256_hadd_epi32(p01, _mm256_hadd_epi32(p2, p3));
+                t = pkv__sum4x4_epi32(p0, p1, p2, p3);
             }
             const __m256 sc = _mm256_mul_ps(dk, _mm256_loadu_ps((const float *)(row + 2 * (size_t)D + 32 * b)));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, acc[r]);

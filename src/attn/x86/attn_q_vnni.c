@@ -50,7 +50,7 @@ static void prep_q4_0(const float *q, size_t q_stride, uint32_t n_rows, uint32_t
 }
 
 /* ---- score: NR rows x 4 keys ------------------------------------------------------------------
- * Per block and row: 4 vpdpbusd from the start value, 3 hadds to [k0..k3 | k0..k3], one convert,
+ * Per block and row: 4 vpdpbusd from the start value, a reduction to [k0..k3 | k0..k3], one convert,
  * one scale multiply, one fma. Bounds: 4 products of at most 255 * 127 per lane, 129540, plus a
  * start value of at most 128 * 16 * 127 in magnitude. */
 static ALWAYS_INLINE void score_vnni_tile(const uint8_t *qp, size_t qrow, uint32_t D, const uint32_t NR,
@@ -74,7 +74,7 @@ static ALWAYS_INLINE void score_vnni_tile(const uint8_t *qp, size_t qrow, uint32
             const __m256i c = _mm256_loadu_si256((const __m256i *)(row + D + 32 * b));
             const __m256i t0 = _mm256_dpbusd_epi32(c, kv[0], qv), t1 = _mm256_dpbusd_epi32(c, kv[1], qv);
             const __m256i t2 = _mm256_dpbusd_epi32(c, kv[2], qv), t3 = _mm256_dpbusd_epi32(c, kv[3], qv);
-            const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(t0, t1), _mm256_hadd_epi32(t2, t3));
+            const __m256i t = pkv__sum4x4_epi32(t0, t1, t2, t3);
             const __m256 sc = _mm256_mul_ps(dk, _mm256_loadu_ps((const float *)(row + 2 * (size_t)D + 32 * b)));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, acc[r]);
         }

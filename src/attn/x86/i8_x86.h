@@ -50,6 +50,14 @@ static inline __attribute__((always_inline)) __m256 pkv__dk4(const uint8_t *cons
     return _mm256_set_m128(d4, d4);
 }
 
+/* [sum t0 | sum t1 | sum t2 | sum t3] within each 128-bit half: lane j of each half is the sum of
+ * tj's 4 lanes there. Unpacks and adds (9 ops); 3% faster than 3 hadds on Zen 4. */
+static inline __attribute__((always_inline)) __m256i pkv__sum4x4_epi32(__m256i t0, __m256i t1, __m256i t2, __m256i t3) {
+    const __m256i a = _mm256_add_epi32(_mm256_unpacklo_epi32(t0, t1), _mm256_unpackhi_epi32(t0, t1));
+    const __m256i b = _mm256_add_epi32(_mm256_unpacklo_epi32(t2, t3), _mm256_unpackhi_epi32(t2, t3));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
+}
+
 /* Sums the two half-block lanes of each row's tile accumulator and stores the nk (<= 4) keys. */
 static inline __attribute__((always_inline)) void pkv__i8_store_tile(const __m256 acc[4], const uint32_t NR, float *s,
                                                                      uint32_t ss, uint32_t nk) {
