@@ -1,5 +1,6 @@
 /* attn_q_avx512.c: AVX-512 (F, BW, VL, DQ) primitives for fp8 e4m3 K/V: the score and the V
- * accumulation. Everything else of the quantized dtypes (the query preparations, q8_0 and q4_0)
+ * accumulation. Everything else of the quantized dtypes (the query preparations, q8_0 and q4_0;
+ * their score has a VNNI version in attn_q_vnni.c)
  * stays the AVX2 code (attn_q_avx2.c fills the table first; this file overwrites the fp8
  * score and accum entries). Same arithmetic as attn_q_ref.c up to float summation order.
  *
