@@ -97,6 +97,7 @@ static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t
 }
 
 void pkv__attn_fill_q_vnni(pkv__attn_kernels *kt) {
+    kt->name = "avx512-vnni";
     kt->prep_q[PKV_DTYPE_Q8_0] = prep_q8_0;
     kt->prep_q[PKV_DTYPE_Q4_0] = prep_q4_0;
     kt->score[PKV_DTYPE_Q8_0] = score_q8_0;
