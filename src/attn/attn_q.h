@@ -58,10 +58,9 @@ void pkv__attn_prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32
         PKV__ATTN_NR_SWITCH(nr_, ROWS)                                                                       \
     }
 
-/* The q8_0 / q4_0 score and accum table entries of a SIMD file whose kernels take the format as
- * a last, constant argument: SCORE(qp, n_rows, k, krb, n_keys, D, s, ss, pf, q4) with q4 false /
- * true, ACCUM(p, ps, n_rows, v, vrb, n_keys, D, acc, A8 or A4). */
-#define PKV__ATTN_DEF_I8_ENTRIES(SCORE, ACCUM, A8, A4)                                                       \
+/* The q8_0 / q4_0 score table entries of a SIMD file whose score kernel takes the format as a
+ * last, constant argument: SCORE(qp, n_rows, k, krb, n_keys, D, s, ss, pf, q4), q4 false / true. */
+#define PKV__ATTN_DEF_I8_SCORES(SCORE)                                                                       \
     static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,    \
                            uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {                             \
         SCORE(qp, n_rows, k, krb, n_keys, D, s, ss, pf, false);                                              \
@@ -69,7 +68,11 @@ void pkv__attn_prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32
     static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,    \
                            uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {                             \
         SCORE(qp, n_rows, k, krb, n_keys, D, s, ss, pf, true);                                               \
-    }                                                                                                        \
+    }
+
+/* Those and the accum entries, ACCUM(p, ps, n_rows, v, vrb, n_keys, D, acc, A8 or A4). */
+#define PKV__ATTN_DEF_I8_ENTRIES(SCORE, ACCUM, A8, A4)                                                       \
+    PKV__ATTN_DEF_I8_SCORES(SCORE)                                                                           \
     static void accum_q8_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,        \
                            uint32_t n_keys, uint32_t D, float *acc) {                                        \
         ACCUM(p, ps, n_rows, v, vrb, n_keys, D, acc, A8);                                                    \

@@ -17,14 +17,7 @@ static inline __attribute__((always_inline)) int32_t dot32(const int8_t *q, int8
 
 #include "q_neon_score.h"
 
-static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
-                       float *s, uint32_t ss, pkv__attn_pf *pf) {
-    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, false);
-}
-static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
-                       float *s, uint32_t ss, pkv__attn_pf *pf) {
-    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, true);
-}
+PKV__ATTN_DEF_I8_SCORES(score_i8)
 
 void pkv__attn_fill_q_dotprod(pkv__attn_kernels *kt) {
     kt->name = "neon-dotprod";

@@ -93,44 +93,37 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
 
 /* ---- integer q.K (q8_0, q4_0) -------------------------------------------------------------------
  * Tiles of 4 keys (i8_x86.h); the int8 products by maddubs / madd, q8_0 with the sign trick. */
+static ALWAYS_INLINE __m256i i8_codes(const uint8_t *p, const bool q4) {
+    return q4 ? pkv__q4_codes(p) : _mm256_loadu_si256((const __m256i *)p);
+}
+
+static ALWAYS_INLINE __m256i i8_sums(const __m256i kv[4], const uint8_t *row, uint32_t b, uint32_t D, const bool q4) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i qv = _mm256_loadu_si256((const __m256i *)(row + 32 * b));
+    if (q4) {
+        /* nibble n in 0..15 times q: pairs <= 3810, 8 products <= 15240 fit int16 */
+        const __m256i p0 = _mm256_maddubs_epi16(kv[0], qv), p1 = _mm256_maddubs_epi16(kv[1], qv);
+        const __m256i p2 = _mm256_maddubs_epi16(kv[2], qv), p3 = _mm256_maddubs_epi16(kv[3], qv);
+        const __m256i t = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p0, p1), _mm256_hadd_epi16(p2, p3)), ones);
+        /* sum (n - 8) q = sum n q - 8 sum q, per half-block lane */
+        return _mm256_sub_epi32(t, _mm256_loadu_si256((const __m256i *)(row + 3 * (size_t)D + 32 * b)));
+    }
+    /* |q| * (k * sign q) in pairs: |q|, |k| <= 127, no int16 saturation */
+    const __m256i av = _mm256_loadu_si256((const __m256i *)(row + D + 32 * b));
+    const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[0], qv)), ones);
+    const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[1], qv)), ones);
+    const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[2], qv)), ones);
+    const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[3], qv)), ones);
+    return pkv__sum4x4_epi32(p0, p1, p2, p3);
+}
+
 static ALWAYS_INLINE void score_i8_tile(const uint8_t *qp, size_t qrow, uint32_t D, const uint32_t NR,
                                         const uint8_t *const kr[4], const bool q4, float *s, uint32_t ss, uint32_t nk) {
-    const uint32_t nb = D / 32;
-    const size_t bsz = q4 ? sizeof(pkv_block_q4_0) : sizeof(pkv_block_q8_0);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4];
-    for (uint32_t r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
-    for (uint32_t b = 0; b < nb; b++) {
-        const size_t o = b * bsz;
-        __m256i kv[4];
-        for (int j = 0; j < 4; j++)
-            kv[j] = q4 ? pkv__q4_codes(kr[j] + o + 2) : _mm256_loadu_si256((const __m256i *)(kr[j] + o + 2));
-        const __m256 dk = pkv__dk4(kr, o);
-        for (uint32_t r = 0; r < NR; r++) {
-            const uint8_t *row = qp + r * qrow;
-            const __m256i qv = _mm256_loadu_si256((const __m256i *)(row + 32 * b));
-            __m256i t;
-            if (q4) {
-                /* nibble n in 0..15 times q: pairs <= 3810, 8 products <= 15240 fit int16 */
-                const __m256i p0 = _mm256_maddubs_epi16(kv[0], qv), p1 = _mm256_maddubs_epi16(kv[1], qv);
-                const __m256i p2 = _mm256_maddubs_epi16(kv[2], qv), p3 = _mm256_maddubs_epi16(kv[3], qv);
-                t = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p0, p1), _mm256_hadd_epi16(p2, p3)), ones);
-                /* sum (n - 8) q = sum n q - 8 sum q, per half-block lane */
-                t = _mm256_sub_epi32(t, _mm256_loadu_si256((const __m256i *)(row + 3 * (size_t)D + 32 * b)));
-            } else {
-                /* |q| * (k * sign q) in pairs: |q|, |k| <= 127, no int16 saturation */
-                const __m256i av = _mm256_loadu_si256((const __m256i *)(row + D + 32 * b));
-                const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[0], qv)), ones);
-                const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[1], qv)), ones);
-                const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[2], qv)), ones);
-                const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(kv[3], qv)), ones);
-                t = pkv__sum4x4_epi32(p0, p1, p2, p3);
-            }
-            const __m256 sc = _mm256_mul_ps(dk, _mm256_loadu_ps((const float *)(row + 2 * (size_t)D + 32 * b)));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, acc[r]);
-        }
-    }
-    pkv__i8_store_tile(acc, NR, s, ss, nk);
+#define CODES(p) i8_codes(p, q4)
+#define SUMS(kv, row, b) i8_sums(kv, row, b, D, q4)
+    PKV__I8_TILE_BODY(CODES, SUMS);
+#undef CODES
+#undef SUMS
 }
 
 #define CALL_I8(N) score_i8_tile(q, qrow, D, N, kr, q4, sr, ss, nk)

@@ -53,48 +53,32 @@ static void prep_q4_0(const float *q, size_t q_stride, uint32_t n_rows, uint32_t
  * Per block and row: 4 vpdpbusd from the start value, a reduction to [k0..k3 | k0..k3], one convert,
  * one scale multiply, one fma. Bounds: 4 products of at most 255 * 127 per lane, 129540, plus a
  * start value of at most 128 * 16 * 127 in magnitude. */
+static ALWAYS_INLINE __m256i vnni_codes(const uint8_t *p, const bool q4) {
+    return q4 ? pkv__q4_codes(p) : _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p), _mm256_set1_epi8((char)0x80));
+}
+
+static ALWAYS_INLINE __m256i vnni_sums(const __m256i kv[4], const uint8_t *row, uint32_t b, uint32_t D) {
+    const __m256i qv = _mm256_loadu_si256((const __m256i *)(row + 32 * b));
+    const __m256i c = _mm256_loadu_si256((const __m256i *)(row + D + 32 * b));
+    return pkv__sum4x4_epi32(_mm256_dpbusd_epi32(c, kv[0], qv), _mm256_dpbusd_epi32(c, kv[1], qv),
+                             _mm256_dpbusd_epi32(c, kv[2], qv), _mm256_dpbusd_epi32(c, kv[3], qv));
+}
+
 static ALWAYS_INLINE void score_vnni_tile(const uint8_t *qp, size_t qrow, uint32_t D, const uint32_t NR,
                                           const uint8_t *const kr[4], const bool q4, float *s, uint32_t ss,
                                           uint32_t nk) {
-    const uint32_t nb = D / 32;
-    const size_t bsz = q4 ? sizeof(pkv_block_q4_0) : sizeof(pkv_block_q8_0);
-    const __m256i bias = _mm256_set1_epi8((char)0x80);
-    __m256 acc[4];
-    for (uint32_t r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
-    for (uint32_t b = 0; b < nb; b++) {
-        const size_t o = b * bsz;
-        __m256i kv[4];
-        for (int j = 0; j < 4; j++)
-            kv[j] = q4 ? pkv__q4_codes(kr[j] + o + 2)
-                       : _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(kr[j] + o + 2)), bias);
-        const __m256 dk = pkv__dk4(kr, o);
-        for (uint32_t r = 0; r < NR; r++) {
-            const uint8_t *row = qp + r * qrow;
-            const __m256i qv = _mm256_loadu_si256((const __m256i *)(row + 32 * b));
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(row + D + 32 * b));
-            const __m256i t0 = _mm256_dpbusd_epi32(c, kv[0], qv), t1 = _mm256_dpbusd_epi32(c, kv[1], qv);
-            const __m256i t2 = _mm256_dpbusd_epi32(c, kv[2], qv), t3 = _mm256_dpbusd_epi32(c, kv[3], qv);
-            const __m256i t = pkv__sum4x4_epi32(t0, t1, t2, t3);
-            const __m256 sc = _mm256_mul_ps(dk, _mm256_loadu_ps((const float *)(row + 2 * (size_t)D + 32 * b)));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, acc[r]);
-        }
-    }
-    pkv__i8_store_tile(acc, NR, s, ss, nk);
+#define CODES(p) vnni_codes(p, q4)
+#define SUMS(kv, row, b) vnni_sums(kv, row, b, D)
+    PKV__I8_TILE_BODY(CODES, SUMS);
+#undef CODES
+#undef SUMS
 }
 
 #define CALL_VNNI(N) score_vnni_tile(q, qrow, D, N, kr, q4, sr, ss, nk)
 PKV__ATTN_DEF_I8_SCORE(CALL_VNNI)
 #undef CALL_VNNI
 
-static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
-                       float *s, uint32_t ss, pkv__attn_pf *pf) {
-    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, false);
-}
-
-static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
-                       float *s, uint32_t ss, pkv__attn_pf *pf) {
-    score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, true);
-}
+PKV__ATTN_DEF_I8_SCORES(score_i8)
 
 void pkv__attn_fill_q_vnni(pkv__attn_kernels *kt) {
     kt->name = "avx512-vnni";

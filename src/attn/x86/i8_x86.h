@@ -70,6 +70,29 @@ static inline __attribute__((always_inline)) void pkv__i8_store_tile(const __m25
     }
 }
 
+/* The body of a tile function of NR rows x 4 keys (its parameters: qp, qrow, D, NR, kr, q4, s, ss,
+ * nk). Per block: the 4 keys' codes kv[j] = CODES(p) (p: key j's codes after the block scale) and
+ * their scales; per row: t = SUMS(kv, row, b), the 4 keys' int32 sums [k0..k3 | k0..k3] over the
+ * block's half-blocks, added as float(t) * dk * dq. */
+#define PKV__I8_TILE_BODY(CODES, SUMS)                                                                       \
+    const uint32_t nb = D / 32;                                                                              \
+    const size_t bsz = q4 ? sizeof(pkv_block_q4_0) : sizeof(pkv_block_q8_0);                                \
+    __m256 acc[4];                                                                                           \
+    for (uint32_t r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();                                          \
+    for (uint32_t b = 0; b < nb; b++) {                                                                      \
+        const size_t o = b * bsz;                                                                            \
+        __m256i kv[4];                                                                                       \
+        for (int j = 0; j < 4; j++) kv[j] = CODES(kr[j] + o + 2);                                            \
+        const __m256 dk = pkv__dk4(kr, o);                                                                   \
+        for (uint32_t r = 0; r < NR; r++) {                                                                  \
+            const uint8_t *row = qp + r * qrow;                                                              \
+            const __m256i t = SUMS(kv, row, b);                                                              \
+            const __m256 sc = _mm256_mul_ps(dk, _mm256_loadu_ps((const float *)(row + 2 * (size_t)D + 32 * b))); \
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, acc[r]);                                     \
+        }                                                                                                    \
+    }                                                                                                        \
+    pkv__i8_store_tile(acc, NR, s, ss, nk)
+
 /* Defines score_i8(qp, n_rows, k, krb, n_keys, D, s, ss, pf, q4), the score walk of a q8_0 /
  * q4_0 (q4 true) block over a tile: 4-key tiles, rows in groups of up to 4, one prefetch share
  * per tile, head_dim 128 an instance of its own (constant trip counts). CALL(N) runs the tile of
