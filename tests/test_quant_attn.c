@@ -39,6 +39,20 @@ static float rng_normal(void) {
     return sqrtf(-2.0f * logf(u)) * cosf(6.2831853f * w);
 }
 
+/* A context with the named backend. "avx512-vnni-emu": every AVX-512 file's kernels compiled for
+ * AVX2 (src/attn/x86/avx512_emu.h) over the avx2 table, when CMake linked them in (SIMDe found),
+ * so that their logic is checked on CPUs without AVX-512 or VNNI too. */
+#ifdef PKV_HAVE_AVX512_EMU
+void pkv__attn_fill_q_emu(pkv__attn_kernels *kt);
+#endif
+static int create_backend(uint32_t n_threads, const pkv__attn_limits *lim, const char *be, pkv__attn **out) {
+#ifdef PKV_HAVE_AVX512_EMU
+    if (!strcmp(be, "avx512-vnni-emu"))
+        return pkv__attn_create_extended(NULL, n_threads, lim, "avx2", pkv__attn_fill_q_emu, out);
+#endif
+    return pkv__attn_create_backend(NULL, n_threads, lim, be, out);
+}
+
 /* ---- a one-layer pool with n_seqs sequences on shuffled (fragmented) blocks ---- */
 typedef struct {
     uint32_t H, G, D, B, n_seqs, n_blocks;
@@ -158,7 +172,7 @@ static int run_world(const world *w, const char *be, uint32_t n_threads, int pre
     pkv__attn_limits lim = {.max_items = w->n_seqs, .max_blocks_per_seq = w->max_blocks, .n_kv_heads = w->H,
                             .head_dim = w->D, .block_tokens = w->B};
     pkv__attn *at = NULL;
-    int rc = pkv__attn_create_backend(NULL, n_threads, &lim, be, &at);
+    int rc = create_backend(n_threads, &lim, be, &at);
     if (rc < 0) return rc;
     pkv__attn_item *items = calloc(w->n_seqs, sizeof *items);
     const uint32_t nqh = w->H * w->G;
@@ -276,7 +290,7 @@ static double bound_dq(pkv_dtype kdt) {
 }
 
 /* The SIMD backend a test compares with the reference: its state names it ("avx2" and
- * "avx512", "avx512-vnni" on x86, "neon" and "neon-dotprod" on ARM, one run each). Where the CPU lacks it: NULL (the reference
+ * "avx512", "avx512-vnni", "avx512-vnni-emu" on x86, "neon" and "neon-dotprod" on ARM, one run each). Where the CPU lacks it: NULL (the reference
  * alone is checked against the oracle), or, for an extra backend, the test is skipped. */
 typedef struct {
     const char *name;
@@ -287,7 +301,7 @@ static const char *simd_backend(void **state) {
     if (!sc->name) return NULL;
     pkv__attn_limits lim = {.max_items = 1, .max_blocks_per_seq = 1, .n_kv_heads = 1, .head_dim = 32, .block_tokens = 1};
     pkv__attn *at = NULL;
-    const int rc = pkv__attn_create_backend(NULL, 1, &lim, sc->name, &at);
+    const int rc = create_backend(1, &lim, sc->name, &at);
     if (rc == PKV_ENOTSUP && sc->extra) skip();
     if (rc == PKV_ENOTSUP) return NULL;
     assert_int_equal(rc, PKV_OK);
@@ -427,11 +441,12 @@ static void test_exact_inputs(void **state) {
 
 #if defined(__x86_64__) || defined(__i386__)
 /* avx512: the AVX-2 kernels with attn_q_avx512.c's over them (fp8); skipped without AVX-512.
- * avx512-vnni: that with attn_q_vnni.c's q8_0 / q4_0 score; skipped without AVX-512 VNNI. */
-static simd_case g_simd[] = {{"avx2", false}, {"avx512", true}, {"avx512-vnni", true}};
+ * avx512-vnni: that with attn_q_vnni.c's q8_0 / q4_0 score; skipped without AVX-512 VNNI.
+ * avx512-vnni-emu: the same kernels built for AVX2 (skipped where CMake did not link them). */
+static simd_case g_simd[] = {{"avx2", false}, {"avx512", true}, {"avx512-vnni", true}, {"avx512-vnni-emu", true}};
 #define PER_SIMD(fn)                                                                                               \
     cmocka_unit_test_prestate(fn, &g_simd[0]), cmocka_unit_test_prestate(fn, &g_simd[1]),                          \
-        cmocka_unit_test_prestate(fn, &g_simd[2])
+        cmocka_unit_test_prestate(fn, &g_simd[2]), cmocka_unit_test_prestate(fn, &g_simd[3])
 #elif defined(__aarch64__)
 static simd_case g_simd[] = {{"neon", false}, {"neon-dotprod", true}};
 #define PER_SIMD(fn) cmocka_unit_test_prestate(fn, &g_simd[0]), cmocka_unit_test_prestate(fn, &g_simd[1])

@@ -21,10 +21,16 @@
 #include "../attn.h"
 #include "../attn_q.h"
 #include "../../quant/quant.h"
+#ifdef PKV_AVX512_EMU /* tests only: the same kernels on AVX2, 512-bit intrinsics emulated */
+#include "avx512_emu.h"
+#define PKV__Q512_FILL pkv__attn_fill_q_avx512_emu
+#else
+#include <immintrin.h>
+#define PKV__Q512_FILL pkv__attn_fill_q_avx512
+#endif
 #include "avx2_reduce.h"
 #include "fp8_x86.h"
 
-#include <immintrin.h>
 #include <stdbool.h>
 #include <string.h>
 
@@ -153,7 +159,7 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
         score_fp8_d(qp, n_rows, k, krb, n_keys, D, s, ss, pf);
 }
 
-void pkv__attn_fill_q_avx512(pkv__attn_kernels *kt) {
+void PKV__Q512_FILL(pkv__attn_kernels *kt) {
     kt->score[PKV_DTYPE_FP8_E4M3] = score_fp8;
     kt->accum[PKV_DTYPE_FP8_E4M3] = accum_fp8;
 }

@@ -14,9 +14,17 @@
 #include "../attn.h"
 #include "../attn_q.h"
 #include "../../quant/quant.h"
+#ifdef PKV_AVX512_EMU /* tests only: the same kernels on AVX2, vpdpbusd emulated (avx512_emu.h) */
+#include "avx512_emu.h"
+#define PKV__VNNI_FILL pkv__attn_fill_q_vnni_emu
+#define PKV__VNNI_NAME "avx512-vnni-emu"
+#else
+#include <immintrin.h>
+#define PKV__VNNI_FILL pkv__attn_fill_q_vnni
+#define PKV__VNNI_NAME "avx512-vnni"
+#endif
 #include "i8_x86.h"
 
-#include <immintrin.h>
 #include <stdbool.h>
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
@@ -80,8 +88,8 @@ PKV__ATTN_DEF_I8_SCORE(CALL_VNNI)
 
 PKV__ATTN_DEF_I8_SCORES(score_i8)
 
-void pkv__attn_fill_q_vnni(pkv__attn_kernels *kt) {
-    kt->name = "avx512-vnni";
+void PKV__VNNI_FILL(pkv__attn_kernels *kt) {
+    kt->name = PKV__VNNI_NAME;
     kt->prep_q[PKV_DTYPE_Q8_0] = prep_q8_0;
     kt->prep_q[PKV_DTYPE_Q4_0] = prep_q4_0;
     kt->score[PKV_DTYPE_Q8_0] = score_q8_0;

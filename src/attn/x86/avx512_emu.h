@@ -1,7 +1,7 @@
 /* avx512_emu.h: for tests only. Lets attn_avx512.c be compiled for a CPU without AVX-512, so
  * its kernels (tiles, tails, masks, the softmax) run against the reference on any x86 machine
  * with AVX2. SIMDe (Debian's libsimde-dev) gives the 512-bit types and most intrinsics, each as
- * a pair of 256-bit AVX2 operations; the five the packaged SIMDe lacks are written below the
+ * a pair of 256-bit AVX2 operations; the six the packaged SIMDe lacks are written below the
  * same way, and one it has without its native alias (shuffle_f32x4) is aliased by hand. CMake
  * compiles this variant (PKV_AVX512_EMU) into an object of test_attn only, as the backend
  * "avx512-emu"; it never goes into libpkv. It checks the kernels' logic, not what
@@ -35,6 +35,13 @@ static inline simde__m512i pkv_emu_mm512_cvtps_epi32(simde__m512 a) {
     r.m256i[1] = _mm256_cvtps_epi32(pkv_emu_half(a, 1));
     return simde__m512i_from_private(r);
 }
+/* masked-off lanes are 0 and not read (maskload does not fault on them) */
+static inline simde__m512 pkv_emu_mm512_maskz_loadu_ps(simde__mmask16 k, const void *p) {
+    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i lo = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(k & 0xff), bits), bits);
+    const __m256i hi = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(k >> 8), bits), bits);
+    return pkv_emu_from2(_mm256_maskload_ps((const float *)p, lo), _mm256_maskload_ps((const float *)p + 8, hi));
+}
 /* the reductions fold halves, as the compilers' own versions do */
 static inline float pkv_emu_mm512_reduce_add_ps(simde__m512 a) {
     const __m256 y = _mm256_add_ps(pkv_emu_half(a, 0), pkv_emu_half(a, 1));
@@ -50,12 +57,14 @@ static inline float pkv_emu_mm512_reduce_max_ps(simde__m512 a) {
 }
 
 #undef _mm512_cvtph_ps
+#undef _mm512_maskz_loadu_ps
 #undef _mm512_cvtepu16_epi32
 #undef _mm512_cvtps_epi32
 #undef _mm512_reduce_add_ps
 #undef _mm512_reduce_max_ps
 #undef _mm512_shuffle_f32x4
 #define _mm512_cvtph_ps pkv_emu_mm512_cvtph_ps
+#define _mm512_maskz_loadu_ps pkv_emu_mm512_maskz_loadu_ps
 #define _mm512_cvtepu16_epi32 pkv_emu_mm512_cvtepu16_epi32
 #define _mm512_cvtps_epi32 pkv_emu_mm512_cvtps_epi32
 #define _mm512_reduce_add_ps pkv_emu_mm512_reduce_add_ps
