@@ -76,10 +76,7 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
         __m512 acc[4][4];                                                                                       \
         const size_t esz = sizeof(elem_##T);                                                                    \
         const uint32_t D16 = D & ~15u;                                                                          \
-        if (SCORE_Y_##T && R == 4 && K == 4 && D % 8 == 0) {                                                   \
-            score_tile4y_##T(q, qs, k, krb, D, s, ss, pf, sub);                                                 \
-            return;                                                                                             \
-        }                                                                                                       \
+        if (R == 4 && K == 4 && D % 8 == 0 && SCORE_TILE4Y_##T(q, qs, k, krb, D, s, ss, pf, sub)) return;      \
         for (uint32_t r = 0; r < R; r++)                                                                        \
             for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm512_setzero_ps();                                   \
         for (uint32_t part = 0; part < sub; part++) { /* sub spans, a prefetch share between them */           \
@@ -178,53 +175,45 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
         _mm_storeu_ps(s + 3 * ss, _mm256_extractf128_ps(x23_, 1));                                              \
     } while (0)
 
-/* ---- score, 256-bit: a tile of 4 rows x 4 keys in 16 ymm accumulators, 8 elements per step ----
+/* ---- f32 score, 256-bit: a tile of 4 rows x 4 keys in 16 ymm accumulators, 8 elements per step ----
  * Zen 4 runs a 512-bit op as two 256-bit halves, so the same FMAs at 256 bits cost the same, while
  * the reduction tree (42 ymm ops against 45 zmm ones) costs half. With the 32 registers of
- * AVX-512 the 16 accumulators fit. Used where it measured faster (SCORE_Y_T): f32, in cache
- * 0.964 and 1/1.014, from memory (4096 x 16, 2 threads, paged) 0.987 and 1/1.012, 32768 x 1 on
- * one thread 0.943 (ab-decode). f16 was 4% faster in cache but 4.5-6.5% slower from memory
- * (its 16-byte K loads; a 32-byte load split in two was slower in cache); bf16 1.4% slower in
- * cache (8-lane widenings). */
-static inline __m256 ld8_f32(const void *p) { return _mm256_loadu_ps(p); }
-static inline __m256 ld8_f16(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-static inline __m256 ld8_bf16(const void *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-#define DEF_SCORE_Y(T)                                                                                          \
-    static inline __attribute__((always_inline)) void score_tile4y_##T(const float *q, size_t qs, const uint8_t *k, \
-                                                                       size_t krb, uint32_t D, float *s, uint32_t ss, \
-                                                                       pkv__attn_pf *pf, const uint32_t sub) {  \
-        __m256 a[4][4];                                                                                         \
-        const size_t esz = sizeof(elem_##T);                                                                    \
-        for (uint32_t r = 0; r < 4; r++)                                                                        \
-            for (uint32_t t = 0; t < 4; t++) a[r][t] = _mm256_setzero_ps();                                     \
-        for (uint32_t part = 0; part < sub; part++) {                                                           \
-            const uint32_t d1 = D / 8 * (part + 1) / sub * 8;                                                   \
-            for (uint32_t d = D / 8 * part / sub * 8; d < d1; d += 8) {                                         \
-                __m256 kk[4];                                                                                   \
-                for (uint32_t t = 0; t < 4; t++) kk[t] = ld8_##T(k + t * krb + d * esz);                        \
-                for (uint32_t r = 0; r < 4; r++) {                                                              \
-                    const __m256 x = _mm256_loadu_ps(q + r * qs + d);                                           \
-                    for (uint32_t t = 0; t < 4; t++) a[r][t] = _mm256_fmadd_ps(x, kk[t], a[r][t]);              \
-                }                                                                                               \
-            }                                                                                                   \
-            if (part + 1 < sub) pkv__attn_pf_step(pf);                                                          \
-        }                                                                                                       \
-        YSUM4X4_STORE(a, s, ss);                                                                                \
+ * AVX-512 the 16 accumulators fit. Measured (ab-decode): f32 in cache 0.964 and 1/1.014, from
+ * memory (4096 x 16, 2 threads, paged) 0.987 and 1/1.012, 32768 x 1 on one thread 0.943. The same
+ * tile for f16 was 4% faster in cache but 4.5-6.5% slower from memory (its 16-byte K loads; a
+ * 32-byte load split in two was slower in cache), for bf16 1.4% slower in cache (8-lane
+ * widenings): DEF_SCORE takes it through SCORE_TILE4Y_T, which is 0 (not taken) for those two. */
+static inline __attribute__((always_inline)) void score_tile4y_f32(const float *q, size_t qs, const uint8_t *k,
+                                                                  size_t krb, uint32_t D, float *s, uint32_t ss,
+                                                                  pkv__attn_pf *pf, const uint32_t sub) {
+    __m256 a[4][4];
+    for (uint32_t r = 0; r < 4; r++)
+        for (uint32_t t = 0; t < 4; t++) a[r][t] = _mm256_setzero_ps();
+    for (uint32_t part = 0; part < sub; part++) { /* sub spans, a prefetch share between them */
+        const uint32_t d1 = D / 8 * (part + 1) / sub * 8;
+        for (uint32_t d = D / 8 * part / sub * 8; d < d1; d += 8) {
+            __m256 kk[4];
+            for (uint32_t t = 0; t < 4; t++) kk[t] = _mm256_loadu_ps((const float *)(k + t * krb) + d);
+            for (uint32_t r = 0; r < 4; r++) {
+                const __m256 x = _mm256_loadu_ps(q + r * qs + d);
+                for (uint32_t t = 0; t < 4; t++) a[r][t] = _mm256_fmadd_ps(x, kk[t], a[r][t]);
+            }
+        }
+        if (part + 1 < sub) pkv__attn_pf_step(pf);
     }
-#define SCORE_Y_f32 1
-#define SCORE_Y_f16 0
-#define SCORE_Y_bf16 0
-/* The 512-bit tiles' reduction: their 16 accumulators folded to 256 bits, then YSUM4X4_STORE, for
- * f16: ab-decode in cache 0.983 and 1/1.011, from memory (4096 x 16, 2 threads, paged) 0.982 and
- * 1/1.015. bf16 measured 1% slower in cache both ways (1.010, 1/0.990) and keeps HSUM4X4. */
+    YSUM4X4_STORE(a, s, ss);
+}
+/* runs the 4 x 4 tile at 256 bits and gives 1, or gives 0 (the 512-bit tile runs) */
+#define SCORE_TILE4Y_f32(...) (score_tile4y_f32(__VA_ARGS__), 1)
+#define SCORE_TILE4Y_f16(...) 0
+#define SCORE_TILE4Y_bf16(...) 0
+/* The 512-bit 4 x 4 tiles' reduction: their 16 accumulators folded to 256 bits, then
+ * YSUM4X4_STORE, for f16: ab-decode in cache 0.983 and 1/1.011, from memory (4096 x 16, 2
+ * threads, paged) 0.982 and 1/1.015. bf16 measured 1% slower in cache both ways (1.010, 1/0.990)
+ * and keeps HSUM4X4. (f32's 4 x 4 tiles are the 256-bit ones above.) */
 #define YFOLD_f32 1
 #define YFOLD_f16 1
 #define YFOLD_bf16 0
-DEF_SCORE_Y(f32)
-DEF_SCORE_Y(f16)
-DEF_SCORE_Y(bf16)
 
 DEF_SCORE(f32)
 DEF_SCORE(f16)

@@ -127,7 +127,7 @@ static ALWAYS_INLINE void score_i8_tile(const uint8_t *qp, size_t qrow, uint32_t
 }
 
 #define CALL_I8(N) score_i8_tile(q, qrow, D, N, kr, q4, sr, ss, nk)
-PKV__ATTN_DEF_I8_SCORE(CALL_I8)
+PKV__ATTN_DEF_I8_SCORE_WALK(CALL_I8)
 #undef CALL_I8
 
 /* ---- fp8 e4m3 ---------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ static ALWAYS_INLINE void score_vnni_tile(const uint8_t *qp, size_t qrow, uint32
 }
 
 #define CALL_VNNI(N) score_vnni_tile(q, qrow, D, N, kr, q4, sr, ss, nk)
-PKV__ATTN_DEF_I8_SCORE(CALL_VNNI)
+PKV__ATTN_DEF_I8_SCORE_WALK(CALL_VNNI)
 #undef CALL_VNNI
 
 PKV__ATTN_DEF_I8_SCORES(score_i8)

@@ -3,9 +3,9 @@
  * with AVX2. SIMDe (Debian's libsimde-dev) gives the 512-bit types and most intrinsics, each as
  * a pair of 256-bit AVX2 operations; the six the packaged SIMDe lacks are written below the
  * same way, and one it has without its native alias (shuffle_f32x4) is aliased by hand. CMake
- * compiles this variant (PKV_AVX512_EMU) into an object of test_attn only, as the backend
- * "avx512-emu"; it never goes into libpkv. It checks the kernels' logic, not what
- * the compiler makes of the real 512-bit instructions. */
+ * compiles this variant (PKV_AVX512_EMU) into objects of test_attn and test_quant_attn only, as
+ * the backends "avx512-emu" and "avx512-vnni-emu"; it never goes into libpkv. It checks the
+ * kernels' logic, not what the compiler makes of the real 512-bit instructions. */
 #ifndef PKV_AVX512_EMU_H
 #define PKV_AVX512_EMU_H
 

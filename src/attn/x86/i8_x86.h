@@ -97,7 +97,7 @@ static inline __attribute__((always_inline)) void pkv__i8_store_tile(const __m25
  * q4_0 (q4 true) block over a tile: 4-key tiles, rows in groups of up to 4, one prefetch share
  * per tile, head_dim 128 an instance of its own (constant trip counts). CALL(N) runs the tile of
  * N rows (a constant) with q, qrow, D, kr, q4, sr, ss and nk in scope. */
-#define PKV__ATTN_DEF_I8_SCORE(CALL)                                                                         \
+#define PKV__ATTN_DEF_I8_SCORE_WALK(CALL)                                                                         \
     static inline __attribute__((always_inline)) void score_i8_d(const void *qp, uint32_t n_rows,            \
                                                                  const uint8_t *k, size_t krb,               \
                                                                  uint32_t n_keys, uint32_t D, float *s,      \
