@@ -376,6 +376,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
+    const bool accum_pf = kt->accum_pf[kv->v_dtype];
     const size_t kblk = (size_t)B * kv->k_row_bytes, vblk = (size_t)B * kv->v_row_bytes;
     for (uint32_t b = b0; b < b1; b++) {
         const size_t bid = (size_t)it->block_table[b];
@@ -394,13 +395,20 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
             const uint8_t *kr = kv->k + bid * kv->k_block_bytes + ((size_t)h * B + t0) * kv->k_row_bytes;
             const uint8_t *vr = kv->v + bid * kv->v_block_bytes + ((size_t)h * B + t0) * kv->v_row_bytes;
             const uint32_t r0 = j * rows_h;
-            pkv__attn_pf pf, *pfp = NULL;
+            pkv__attn_pf pk, pv, *pkp = NULL, *pvp = NULL; /* the next block's K and V runs of head h */
             if (kn) {
-                pf.p[0] = kn + h * kblk, pf.end[0] = pf.p[0] + kblk;
-                pf.p[1] = vn + h * vblk, pf.end[1] = pf.p[1] + vblk;
-                pfp = &pf;
+                pk.p[0] = kn + h * kblk, pk.end[0] = pk.p[0] + kblk;
+                pv.p[0] = vn + h * vblk, pv.end[0] = pv.p[0] + vblk;
+                if (accum_pf) { /* score takes the K run, accum the V run; run 1 empty */
+                    pk.p[1] = pk.end[1] = pk.p[0];
+                    pv.p[1] = pv.end[1] = pv.p[0];
+                    pvp = &pv;
+                } else { /* score takes both */
+                    pk.p[1] = pv.p[0], pk.end[1] = pv.end[0];
+                }
+                pkp = &pk;
             }
-            score(qp + (size_t)r0 * qrow, rows_h, kr, kv->k_row_bytes, n_keys, D, s, at->s_stride, pfp);
+            score(qp + (size_t)r0 * qrow, rows_h, kr, kv->k_row_bytes, n_keys, D, s, at->s_stride, pkp);
             if (mask)
                 for (uint32_t qi = 0; qi < w.nq; qi++) {
                     const uint32_t p = pos_first + qi, plo = key_lo(p, call->window);
@@ -413,7 +421,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
                     }
                 }
             kt->softmax(s, at->s_stride, rows_h, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
-            accum(s, at->s_stride, rows_h, vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D);
+            accum(s, at->s_stride, rows_h, vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, pvp);
         }
     }
 

@@ -123,16 +123,19 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
 typedef void (*pkv__attn_prep_fn)(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim,
                                   float scale, void *qp);
 /* Lines a kernel prefetches while it computes: the same kv head of the block that comes next
- * (its K and V rows: two runs of bytes, p[j] up to end[j]). A kernel calls
- * pkv__attn_pf_start(pf, n) once, then pkv__attn_pf_step(pf) n times spread evenly over its
- * work (n its own count of steps), so the next block's lines arrive in small shares between
- * loads of this one: a burst of all of them at once fills the core's miss buffers and stalls
- * it. pf may be NULL (nothing to prefetch); the kernel owns it for the call. */
+ * (its K and V rows: one or two runs of bytes, p[j] up to end[j]; run 1 may be empty). A
+ * kernel calls pkv__attn_pf_start(pf, n) once, then pkv__attn_pf_step(pf) up to n times spread
+ * evenly over its work (n its own count of steps), then pkv__attn_pf_finish(pf), so the next
+ * block's lines arrive in small shares between loads of this one: a burst of all of them at
+ * once fills the core's miss buffers and stalls it. The driver gives score the K run and accum
+ * the V run where the backend's accum takes it (accum_pf in the table), else score both runs.
+ * pf may be NULL (nothing to prefetch); the kernel owns it for the call. */
 typedef struct pkv__attn_pf {
     const uint8_t *p[2], *end[2];
     size_t step;   /* bytes per step, a multiple of 64 */
     uint32_t left; /* steps left when the runs split evenly (even), else unused */
-    int even;      /* both runs are left * step bytes: a step is a fixed, unbounded burst */
+    int even;      /* run 0 (and run 1 unless empty) is left * step bytes: a step is a fixed, unbounded burst */
+    int two;       /* run 1 is not empty */
 } pkv__attn_pf;
 
 /* always_inline: as plain static inline functions, GCC 12 finds them free of side effects
@@ -144,24 +147,31 @@ static inline __attribute__((always_inline)) void pkv__attn_pf_start(pkv__attn_p
     n = n ? n : 1;
     pf->step = (lines + n - 1) / n * 64u;
     pf->left = n;
-    pf->even = a == b && a == pf->step * n;
+    pf->two = b != 0;
+    pf->even = (a == b || b == 0) && a == pf->step * n;
 }
 
 static inline __attribute__((always_inline)) void pkv__attn_pf_step(pkv__attn_pf *pf) {
     if (!pf) return;
-    if (pf->even) { /* the common case (f16 or f32 rows, 16-key blocks): no bounds, 4 lines unrolled */
+    if (pf->even) { /* the common case (f16 or f32 rows, 16-key blocks): no bounds, 2 or 4 lines unrolled */
         if (!pf->left) return;
         pf->left--;
         const uint8_t *x = pf->p[0], *y = pf->p[1];
         if (pf->step == 256) {
             __builtin_prefetch(x, 0, 2), __builtin_prefetch(x + 64, 0, 2), __builtin_prefetch(x + 128, 0, 2),
                 __builtin_prefetch(x + 192, 0, 2);
-            __builtin_prefetch(y, 0, 2), __builtin_prefetch(y + 64, 0, 2), __builtin_prefetch(y + 128, 0, 2),
-                __builtin_prefetch(y + 192, 0, 2);
+            if (pf->two)
+                __builtin_prefetch(y, 0, 2), __builtin_prefetch(y + 64, 0, 2), __builtin_prefetch(y + 128, 0, 2),
+                    __builtin_prefetch(y + 192, 0, 2);
+        } else if (pf->step == 128) {
+            __builtin_prefetch(x, 0, 2), __builtin_prefetch(x + 64, 0, 2);
+            if (pf->two) __builtin_prefetch(y, 0, 2), __builtin_prefetch(y + 64, 0, 2);
         } else {
-            for (size_t o = 0; o < pf->step; o += 64) __builtin_prefetch(x + o, 0, 2), __builtin_prefetch(y + o, 0, 2);
+            for (size_t o = 0; o < pf->step; o += 64) __builtin_prefetch(x + o, 0, 2);
+            if (pf->two)
+                for (size_t o = 0; o < pf->step; o += 64) __builtin_prefetch(y + o, 0, 2);
         }
-        pf->p[0] = x + pf->step, pf->p[1] = y + pf->step;
+        pf->p[0] = x + pf->step, pf->p[1] = y + (pf->two ? pf->step : 0);
         return;
     }
     for (int j = 0; j < 2; j++) {
@@ -174,6 +184,41 @@ static inline __attribute__((always_inline)) void pkv__attn_pf_step(pkv__attn_pf
     }
 }
 
+/* For a kernel's inner loop of n steps over a one-run pf (run 1 empty): takes the loop's steps out
+ * of pf at once, so that the loop keeps no state: returns the first line, sets *step (bytes per
+ * step) and *n_ok (how many of the n steps are left in the run), and the loop's turn i < *n_ok
+ * calls pkv__attn_pf_burst(x + i * *step, *step). A two-run pf gives *n_ok = 0: the loop calls
+ * pkv__attn_pf_step(pf) instead, or leaves it to pkv__attn_pf_finish. */
+static inline __attribute__((always_inline)) const uint8_t *pkv__attn_pf_take(pkv__attn_pf *pf, uint32_t n,
+                                                                               size_t *step, uint32_t *n_ok) {
+    *step = 0, *n_ok = 0;
+    if (!pf || pf->two || pf->p[0] >= pf->end[0]) return NULL;
+    const uint8_t *x = pf->p[0];
+    const size_t left = (size_t)(pf->end[0] - x), k = (left + pf->step - 1) / pf->step;
+    *step = pf->step;
+    *n_ok = k < n ? (uint32_t)k : n;
+    pf->p[0] = *n_ok == n ? x + (size_t)n * pf->step : pf->end[0], pf->p[1] = pf->p[0];
+    pf->left = pf->left > n ? pf->left - n : 0;
+    return x;
+}
+
+static inline __attribute__((always_inline)) void pkv__attn_pf_burst(const uint8_t *x, size_t step) {
+    __builtin_prefetch(x, 0, 2);
+    if (step > 64) __builtin_prefetch(x + 64, 0, 2);
+    if (step > 128)
+        for (size_t o = 128; o < step; o += 64) __builtin_prefetch(x + o, 0, 2);
+}
+
+/* Whatever steps were not taken (a kernel whose work had fewer steps than it counted) at once. */
+static inline __attribute__((always_inline)) void pkv__attn_pf_finish(pkv__attn_pf *pf) {
+    if (!pf) return;
+    for (int j = 0; j < 2; j++) {
+        for (const uint8_t *x = pf->p[j]; x < pf->end[j]; x += 64) __builtin_prefetch(x, 0, 2);
+        pf->p[j] = pf->end[j];
+    }
+    pf->left = 0;
+}
+
 /* score: for r < n_rows, t < n_keys: s[r * s_stride + t] = <prepared row r, K row t>, K row t
  * at k + t * k_row_bytes (k_dtype elements, head_dim of them, scales inline); 1 <= n_keys <=
  * block_tokens (one block's visible keys). Prefetches pf (above) along the way. */
@@ -181,9 +226,11 @@ typedef void (*pkv__attn_score_fn)(const void *qp, uint32_t n_rows, const uint8_
                                    uint32_t n_keys, uint32_t head_dim, float *s, uint32_t s_stride,
                                    pkv__attn_pf *pf);
 /* accum: for r < n_rows: acc[r * head_dim + d] += sum_{t < n_keys} p[r * p_stride + t] * V[t][d],
- * V row t at v + t * v_row_bytes. acc is 64-byte aligned, head_dim floats per row. */
+ * V row t at v + t * v_row_bytes. acc is 64-byte aligned, head_dim floats per row. Prefetches pf
+ * (above) along the way where the table's accum_pf[v_dtype] says so; else it is given NULL. */
 typedef void (*pkv__attn_accum_fn)(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v,
-                                   size_t v_row_bytes, uint32_t n_keys, uint32_t head_dim, float *acc);
+                                   size_t v_row_bytes, uint32_t n_keys, uint32_t head_dim, float *acc,
+                                   pkv__attn_pf *pf);
 /* softmax: one online-softmax step over a block of scores s[r * s_stride + t] (t < n_keys;
  * masked entries are -inf). If softcap > 0 first s = softcap * tanh(s / softcap) for every s that is
  * not -inf (masked keys stay -inf). Then per row:
@@ -218,9 +265,11 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
  * driver the last one after it. A decode block of 16 keys for 4 rows gets 4 x sub shares, not
  * one burst (at head_dim 128 and sub 1, 16 lines of each of the K and V runs per share for f16,
  * 32 for f32).
- * PKV__ATTN_DEF_ACCUM_ROWS(T) needs accum_rows_##T(p, ps, R, v, vrb, n_keys, D, acc) and defines
- * the table entry accum_##T: row groups of 4, then single rows, with an instance for head_dim
- * 128 (constant offsets). */
+ * PKV__ATTN_DEF_ACCUM_ROWS(T) needs accum_rows_##T(p, ps, R, v, vrb, n_keys, D, acc, pf), which
+ * takes one step of pf per key in each of its PKV__ATTN_ACCUM_TILES(D) column tiles (a backend
+ * whose accum does not prefetch defines that as 0 and ignores pf), and defines the table entry
+ * accum_##T: row groups of 4, then single rows, with an instance for head_dim 128 (constant
+ * offsets). */
 #define PKV__ATTN_DEF_SCORE_ROWS4(T)                                                                           \
     static inline __attribute__((always_inline)) void score_rows_##T(const float *q, size_t qs, const uint8_t *k, \
                                                                      size_t krb, const uint32_t R, uint32_t n_keys, \
@@ -261,12 +310,15 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
 
 #define PKV__ATTN_DEF_ACCUM_ROWS(T)                                                                            \
     static void accum_##T(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,           \
-                          uint32_t n_keys, uint32_t D, float *acc) {                                            \
+                          uint32_t n_keys, uint32_t D, float *acc, pkv__attn_pf *pf) {                          \
         uint32_t r = 0;                                                                                         \
+        pkv__attn_pf_start(pf, (n_rows / 4 + n_rows % 4) * n_keys * PKV__ATTN_ACCUM_TILES(D));                \
         if (D == 128)                                                                                           \
-            for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, 128, acc + (size_t)r * 128); \
-        for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, D, acc + (size_t)r * D); \
-        for (; r < n_rows; r++) accum_rows_##T(p + r * ps, ps, 1, v, vrb, n_keys, D, acc + (size_t)r * D);      \
+            for (; r + 4 <= n_rows; r += 4)                                                                     \
+                accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, 128, acc + (size_t)r * 128, pf);              \
+        for (; r + 4 <= n_rows; r += 4) accum_rows_##T(p + r * ps, ps, 4, v, vrb, n_keys, D, acc + (size_t)r * D, pf); \
+        for (; r < n_rows; r++) accum_rows_##T(p + r * ps, ps, 1, v, vrb, n_keys, D, acc + (size_t)r * D, pf);  \
+        pkv__attn_pf_finish(pf);                                                                                \
     }
 
 typedef struct pkv__attn_kernels {
@@ -275,6 +327,7 @@ typedef struct pkv__attn_kernels {
     pkv__attn_score_fn score[PKV_DTYPE_COUNT];  /* by k_dtype */
     pkv__attn_accum_fn accum[PKV_DTYPE_COUNT];  /* by v_dtype */
     pkv__attn_softmax_fn softmax;
+    bool accum_pf[PKV_DTYPE_COUNT]; /* by v_dtype: accum prefetches the next V run (pf), not score */
 } pkv__attn_kernels;
 
 /* ---- fillers: each sets the entries its file implements (one per backend x dtype family) -- */

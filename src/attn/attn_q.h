@@ -74,11 +74,13 @@ void pkv__attn_prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32
 #define PKV__ATTN_DEF_I8_ENTRIES(SCORE, ACCUM, A8, A4)                                                       \
     PKV__ATTN_DEF_I8_SCORES(SCORE)                                                                           \
     static void accum_q8_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,        \
-                           uint32_t n_keys, uint32_t D, float *acc) {                                        \
+                           uint32_t n_keys, uint32_t D, float *acc, pkv__attn_pf *pf) {                     \
+        (void)pf; /* accum_pf off: the driver gives score both runs */                                       \
         ACCUM(p, ps, n_rows, v, vrb, n_keys, D, acc, A8);                                                    \
     }                                                                                                        \
     static void accum_q4_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,        \
-                           uint32_t n_keys, uint32_t D, float *acc) {                                        \
+                           uint32_t n_keys, uint32_t D, float *acc, pkv__attn_pf *pf) {                     \
+        (void)pf; /* accum_pf off: the driver gives score both runs */                                       \
         ACCUM(p, ps, n_rows, v, vrb, n_keys, D, acc, A4);                                                    \
     }
 

@@ -132,7 +132,9 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
 
 /* ---- V accumulation: acc[r] += p[r][t] * scale(t, block) * code ---- */
 static void accum_q8_0(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
-                       uint32_t n_keys, uint32_t head_dim, float *acc) {
+                       uint32_t n_keys, uint32_t head_dim, float *acc,
+                      pkv__attn_pf *pf) {
+    (void)pf; /* accum_pf off: the driver gives score both runs */
     const uint32_t nb = head_dim / 32;
     for (uint32_t t = 0; t < n_keys; t++) {
         const uint8_t *vr = v + t * v_row_bytes;
@@ -150,7 +152,9 @@ static void accum_q8_0(const float *p, uint32_t p_stride, uint32_t n_rows, const
 }
 
 static void accum_q4_0(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
-                       uint32_t n_keys, uint32_t head_dim, float *acc) {
+                       uint32_t n_keys, uint32_t head_dim, float *acc,
+                      pkv__attn_pf *pf) {
+    (void)pf; /* accum_pf off: the driver gives score both runs */
     const uint32_t nb = head_dim / 32;
     for (uint32_t t = 0; t < n_keys; t++) {
         const uint8_t *vr = v + t * v_row_bytes;
@@ -171,7 +175,9 @@ static void accum_q4_0(const float *p, uint32_t p_stride, uint32_t n_rows, const
 }
 
 static void accum_fp8(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
-                      uint32_t n_keys, uint32_t head_dim, float *acc) {
+                      uint32_t n_keys, uint32_t head_dim, float *acc,
+                      pkv__attn_pf *pf) {
+    (void)pf; /* accum_pf off: the driver gives score both runs */
     for (uint32_t t = 0; t < n_keys; t++) {
         const uint8_t *vr = v + t * v_row_bytes;
         float sv;
@@ -195,4 +201,5 @@ void pkv__attn_fill_q_ref(pkv__attn_kernels *kt) {
     kt->accum[PKV_DTYPE_Q8_0] = accum_q8_0;
     kt->accum[PKV_DTYPE_Q4_0] = accum_q4_0;
     kt->accum[PKV_DTYPE_FP8_E4M3] = accum_fp8;
+    kt->accum_pf[PKV_DTYPE_Q8_0] = kt->accum_pf[PKV_DTYPE_Q4_0] = kt->accum_pf[PKV_DTYPE_FP8_E4M3] = false;
 }

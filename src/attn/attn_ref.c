@@ -35,8 +35,10 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
 
 #define REF_ACCUM(NAME, T, CVT)                                                                          \
     static void NAME(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes, \
-                     uint32_t n_keys, uint32_t head_dim, float *acc) {                                   \
+                     uint32_t n_keys, uint32_t head_dim, float *acc, pkv__attn_pf *pf) {                 \
+        pkv__attn_pf_start(pf, n_keys);                                                                  \
         for (uint32_t t = 0; t < n_keys; t++) {                                                          \
+            pkv__attn_pf_step(pf);                                                                       \
             const T *vr = (const T *)(v + t * v_row_bytes);                                              \
             for (uint32_t r = 0; r < n_rows; r++) {                                                      \
                 const float w = p[r * p_stride + t];                                                     \
@@ -91,5 +93,6 @@ void pkv__attn_fill_ref(pkv__attn_kernels *kt) {
     kt->accum[PKV_DTYPE_F32] = accum_f32;
     kt->accum[PKV_DTYPE_F16] = accum_f16;
     kt->accum[PKV_DTYPE_BF16] = accum_bf16;
+    kt->accum_pf[PKV_DTYPE_F32] = kt->accum_pf[PKV_DTYPE_F16] = kt->accum_pf[PKV_DTYPE_BF16] = true;
     kt->softmax = softmax_ref;
 }

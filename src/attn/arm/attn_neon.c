@@ -66,9 +66,11 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
 #define DEF_ACCUM(T)                                                                                            \
     static inline __attribute__((always_inline)) void accum_tile_##T(const float *p, uint32_t ps, const uint32_t R, \
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
-                                                                     const uint32_t C, float *acc, uint32_t D) { \
+                                                                     const uint32_t C, float *acc, uint32_t D,  \
+                                                                     pkv__attn_pf *pf) {                        \
         float32x4_t a[4][4];                                                                                    \
         const size_t esz = sizeof(elem_##T);                                                                    \
+        (void)pf; /* accum_pf is off on NEON: the driver gives score both runs */                              \
         for (uint32_t r = 0; r < R; r++)                                                                        \
             for (uint32_t c = 0; c < C; c++) a[r][c] = vld1q_f32(acc + r * D + 4 * c);                          \
         for (uint32_t t = 0; t < n_keys; t++) {                                                                 \
@@ -85,12 +87,12 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
     }                                                                                                           \
     static inline __attribute__((always_inline)) void accum_rows_##T(const float *p, uint32_t ps, const uint32_t R, \
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
-                                                                     uint32_t D, float *acc) {                  \
+                                                                     uint32_t D, float *acc, pkv__attn_pf *pf) { \
         const size_t esz = sizeof(elem_##T);                                                                    \
         uint32_t d = 0;                                                                                         \
-        for (; d + 16 <= D; d += 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 4, acc + d, D);         \
-        if (D - d >= 8) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D), d += 8;              \
-        if (D - d >= 4) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D), d += 4;              \
+        for (; d + 16 <= D; d += 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 4, acc + d, D, pf);         \
+        if (D - d >= 8) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D, pf), d += 8;              \
+        if (D - d >= 4) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D, pf), d += 4;              \
         for (uint32_t i = 0; i < R; i++) /* head_dim not a multiple of 4 */                                     \
             for (uint32_t t = 0; t < n_keys; t++) {                                                             \
                 const float w = p[i * ps + t];                                                                  \
@@ -111,6 +113,7 @@ PKV__ATTN_DEF_SCORE_ROWS4(bf16)
 DEF_ACCUM(f32)
 DEF_ACCUM(f16)
 DEF_ACCUM(bf16)
+#define PKV__ATTN_ACCUM_TILES(D) 0 /* accum does not prefetch (accum_pf off) */
 PKV__ATTN_DEF_ACCUM_ROWS(f32)
 PKV__ATTN_DEF_ACCUM_ROWS(f16)
 PKV__ATTN_DEF_ACCUM_ROWS(bf16)
@@ -189,5 +192,6 @@ void pkv__attn_fill_neon(pkv__attn_kernels *kt) {
     kt->accum[PKV_DTYPE_F32] = accum_f32;
     kt->accum[PKV_DTYPE_F16] = accum_f16;
     kt->accum[PKV_DTYPE_BF16] = accum_bf16;
+    kt->accum_pf[PKV_DTYPE_F32] = kt->accum_pf[PKV_DTYPE_F16] = kt->accum_pf[PKV_DTYPE_BF16] = false;
     kt->softmax = softmax_neon;
 }

@@ -176,7 +176,9 @@ static inline __attribute__((always_inline)) void accum_fp8_rows(const float *p,
 }
 
 static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                      uint32_t D, float *acc) {
+                      uint32_t D, float *acc,
+                      pkv__attn_pf *pf) {
+    (void)pf; /* accum_pf off: the driver gives score both runs */
     for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
         const uint32_t nr = PKV_MIN(4u, n_rows - r0);
         const float *pr = p + (size_t)r0 * ps;
@@ -197,4 +199,5 @@ void pkv__attn_fill_q_neon(pkv__attn_kernels *kt) {
     kt->prep_q[PKV_DTYPE_FP8_E4M3] = pkv__attn_prep_f32;
     kt->score[PKV_DTYPE_FP8_E4M3] = score_fp8;
     kt->accum[PKV_DTYPE_FP8_E4M3] = accum_fp8;
+    kt->accum_pf[PKV_DTYPE_Q8_0] = kt->accum_pf[PKV_DTYPE_Q4_0] = kt->accum_pf[PKV_DTYPE_FP8_E4M3] = false;
 }

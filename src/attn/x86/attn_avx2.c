@@ -148,14 +148,19 @@ static inline uint32_t key_tiles(uint32_t n) {
 #define DEF_ACCUM(T)                                                                                            \
     static inline __attribute__((always_inline)) void accum_tile_##T(const float *p, uint32_t ps, const uint32_t R, \
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
-                                                                     const uint32_t C, float *acc, uint32_t D) { \
+                                                                     const uint32_t C, float *acc, uint32_t D,  \
+                                                                     pkv__attn_pf *pf) {                        \
         __m256 a[4][3];                                                                                         \
         const size_t esz = sizeof(elem_##T);                                                                    \
         for (uint32_t r = 0; r < R; r++)                                                                        \
             for (uint32_t c = 0; c < C; c++) a[r][c] = _mm256_loadu_ps(acc + r * D + 8 * c);                    \
+        size_t pfs;                                                                                             \
+        uint32_t pfn;                                                                                           \
+        const uint8_t *pfx = pkv__attn_pf_take(pf, n_keys, &pfs, &pfn); /* a share per key */                   \
         for (uint32_t t = 0; t < n_keys; t++) {                                                                 \
             const uint8_t *vr = v + t * vrb;                                                                    \
             __m256 x[3];                                                                                        \
+            if (t < pfn) pkv__attn_pf_burst(pfx + t * pfs, pfs);                                                \
             for (uint32_t c = 0; c < C; c++) x[c] = ld_##T(vr + 8 * c * esz);                                   \
             for (uint32_t r = 0; r < R; r++) {                                                                  \
                 const __m256 w = _mm256_broadcast_ss(p + r * ps + t);                                           \
@@ -167,13 +172,13 @@ static inline uint32_t key_tiles(uint32_t n) {
     }                                                                                                           \
     static inline __attribute__((always_inline)) void accum_rows_##T(const float *p, uint32_t ps, const uint32_t R, \
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
-                                                                     uint32_t D, float *acc) {                  \
+                                                                     uint32_t D, float *acc, pkv__attn_pf *pf) { \
         const size_t esz = sizeof(elem_##T);                                                                    \
         /* 24-column tiles, ending on 16-column ones rather than an 8-column one (e.g. 128 = 4 x 24 + 2 x 16) */ \
         uint32_t d = 0;                                                                                         \
-        for (; D - d >= 24 && D - d != 32; d += 24) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D); \
-        for (; D - d >= 16; d += 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D);         \
-        if (D - d >= 8) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D), d += 8;              \
+        for (; D - d >= 24 && D - d != 32; d += 24) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D, pf); \
+        for (; D - d >= 16; d += 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D, pf);         \
+        if (D - d >= 8) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D, pf), d += 8;              \
         for (uint32_t i = 0; i < R; i++) /* head_dim not a multiple of 8 */                                     \
             for (uint32_t t = 0; t < n_keys; t++) {                                                             \
                 const float w = p[i * ps + t];                                                                  \
@@ -190,6 +195,14 @@ DEF_SCORE(bf16)
 DEF_ACCUM(f32)
 DEF_ACCUM(f16)
 DEF_ACCUM(bf16)
+/* accum_rows' column tiles (one pf step per key in each) */
+static inline uint32_t accum_tiles(uint32_t D) {
+    uint32_t n = 0, d = 0;
+    for (; D - d >= 24 && D - d != 32; d += 24) n++;
+    for (; D - d >= 16; d += 16) n++;
+    return n + (D - d >= 8);
+}
+#define PKV__ATTN_ACCUM_TILES(D) accum_tiles(D)
 PKV__ATTN_DEF_ACCUM_ROWS(f32)
 PKV__ATTN_DEF_ACCUM_ROWS(f16)
 PKV__ATTN_DEF_ACCUM_ROWS(bf16)
@@ -273,5 +286,6 @@ void pkv__attn_fill_avx2(pkv__attn_kernels *kt) {
     kt->accum[PKV_DTYPE_F32] = accum_f32;
     kt->accum[PKV_DTYPE_F16] = accum_f16;
     kt->accum[PKV_DTYPE_BF16] = accum_bf16;
+    kt->accum_pf[PKV_DTYPE_F32] = kt->accum_pf[PKV_DTYPE_F16] = kt->accum_pf[PKV_DTYPE_BF16] = true;
     kt->softmax = softmax_vec;
 }

@@ -125,14 +125,19 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
 #define DEF_ACCUM(T)                                                                                            \
     static inline __attribute__((always_inline)) void accum_tile_##T(const float *p, uint32_t ps, const uint32_t R, \
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
-                                                                     const uint32_t C, float *acc, uint32_t D) { \
+                                                                     const uint32_t C, float *acc, uint32_t D,  \
+                                                                     pkv__attn_pf *pf) {                        \
         __m512 a[4][4];                                                                                         \
         const size_t esz = sizeof(elem_##T);                                                                    \
         for (uint32_t r = 0; r < R; r++)                                                                        \
             for (uint32_t c = 0; c < C; c++) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);                   \
+        size_t pfs;                                                                                             \
+        uint32_t pfn;                                                                                           \
+        const uint8_t *pfx = pkv__attn_pf_take(pf, n_keys, &pfs, &pfn); /* a share per key */                   \
         for (uint32_t t = 0; t < n_keys; t++) {                                                                 \
             const uint8_t *vr = v + t * vrb;                                                                    \
             __m512 x[4];                                                                                        \
+            if (t < pfn) pkv__attn_pf_burst(pfx + t * pfs, pfs);                                                \
             for (uint32_t c = 0; c < C; c++) x[c] = ld_##T(vr + 16 * c * esz);                                  \
             for (uint32_t r = 0; r < R; r++) {                                                                  \
                 const __m512 w = _mm512_set1_ps(p[r * ps + t]);                                                 \
@@ -144,13 +149,13 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
     }                                                                                                           \
     static inline __attribute__((always_inline)) void accum_rows_##T(const float *p, uint32_t ps, const uint32_t R, \
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
-                                                                     uint32_t D, float *acc) {                  \
+                                                                     uint32_t D, float *acc, pkv__attn_pf *pf) { \
         const size_t esz = sizeof(elem_##T);                                                                    \
-        uint32_t d = 0; /* 64-column tiles, then one of 48, 32 or 16 */                                         \
-        for (; D - d >= 64; d += 64) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 4, acc + d, D);         \
-        if (D - d >= 48) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D), d += 48;            \
-        else if (D - d >= 32) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D), d += 32;       \
-        else if (D - d >= 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D), d += 16;       \
+        uint32_t d = 0; /* 64-column tiles, then one of 48, 32 or 16 (PKV__ATTN_ACCUM_TILES) */                 \
+        for (; D - d >= 64; d += 64) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 4, acc + d, D, pf);     \
+        if (D - d >= 48) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D, pf), d += 48;        \
+        else if (D - d >= 32) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D, pf), d += 32;   \
+        else if (D - d >= 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D, pf), d += 16;   \
         for (uint32_t i = 0; i < R; i++) /* head_dim not a multiple of 16 */                                    \
             for (uint32_t t = 0; t < n_keys; t++) {                                                             \
                 const float w = p[i * ps + t];                                                                  \
@@ -232,6 +237,7 @@ PKV__ATTN_DEF_SCORE_ROWS4(bf16)
 DEF_ACCUM(f32)
 DEF_ACCUM(f16)
 DEF_ACCUM(bf16)
+#define PKV__ATTN_ACCUM_TILES(D) ((D) / 64 + ((D) % 64 >= 16)) /* accum_rows' column tiles */
 PKV__ATTN_DEF_ACCUM_ROWS(f32)
 PKV__ATTN_DEF_ACCUM_ROWS(f16)
 PKV__ATTN_DEF_ACCUM_ROWS(bf16)
@@ -299,4 +305,5 @@ void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
     kt->accum[PKV_DTYPE_F16] = accum_f16;
     kt->accum[PKV_DTYPE_BF16] = accum_bf16;
     kt->softmax = softmax_vec;
+    kt->accum_pf[PKV_DTYPE_F32] = kt->accum_pf[PKV_DTYPE_F16] = kt->accum_pf[PKV_DTYPE_BF16] = true;
 }
