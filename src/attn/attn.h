@@ -264,7 +264,9 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
  * sub - 1 of them spread over its head_dim steps (a tile may ignore pf when sub is 1), the
  * driver the last one after it. A decode block of 16 keys for 4 rows gets 4 x sub shares, not
  * one burst (at head_dim 128 and sub 1, 16 lines of each of the K and V runs per share for f16,
- * 32 for f32).
+ * 32 for f32). It also needs PKV__ATTN_SCORE_RUN(T, q, qs, k, krb, R, n_keys, D, s, ss, pf): a
+ * backend's own walk over the row group's first keys, giving how many it scored (0: none; the
+ * tiles do the rest), taking the prefetch steps the tiles would have taken for them.
  * PKV__ATTN_DEF_ACCUM_ROWS(T) needs accum_rows_##T(p, ps, R, v, vrb, n_keys, D, acc, pf), which
  * takes one step of pf per key in each of its PKV__ATTN_ACCUM_TILES(D) column tiles (a backend
  * whose accum does not prefetch defines that as 0 and ignores pf), and defines the table entry
@@ -275,7 +277,7 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
                                                                      size_t krb, const uint32_t R, uint32_t n_keys, \
                                                                      uint32_t D, float *s, uint32_t ss,         \
                                                                      pkv__attn_pf *pf) {                        \
-        uint32_t t = 0;                                                                                         \
+        uint32_t t = PKV__ATTN_SCORE_RUN(T, q, qs, k, krb, R, n_keys, D, s, ss, pf);                            \
         for (; t + 4 <= n_keys; t += 4) {                                                                       \
             score_tile_##T(q, qs, k + t * krb, krb, R, 4, D, s + t, ss, pf, PKV__ATTN_PF_SUB_##T);              \
             pkv__attn_pf_step(pf);                                                                              \

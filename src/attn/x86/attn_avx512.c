@@ -231,6 +231,73 @@ DEF_SCORE(bf16)
 #define PKV__ATTN_PF_SUB_f32 4
 #define PKV__ATTN_PF_SUB_f16 4
 #define PKV__ATTN_PF_SUB_bf16 4
+/* ---- score of a 4-row group, software-pipelined: tile i's reduction after tile i + 1's first step
+ * The plain tile ends on its reduction tree, which waits for the tile's last FMAs and holds up
+ * the next tile's behind it. Here a tile's 16 accumulators are folded to 8 by the tree's first
+ * level (pairs) right after its last step, and the rest of the tree runs after the next tile's
+ * first step (a multiply, which starts its 16 accumulators), when those 8 are ready. The
+ * driver's prefetch steps are taken as in score_tile (sub per tile, the last after the tile).
+ * f16 (ab-decode, stop 19, with the V prefetch in accum): in cache 0.981 and 1/1.037, from
+ * memory (4096 x 16, 2 threads) paged 0.974 and 1/1.015, contig 0.981 and 1/0.994, 32768 x 1
+ * 0.971 and 1/1.018. Before the V prefetch moved to accum the same tile was 12-18% slower
+ * from memory (docs/design.md). */
+#define RUN4_STEP(T, d, FIRST)                                                                                  \
+    do {                                                                                                        \
+        __m512 kk_[4];                                                                                          \
+        for (uint32_t j_ = 0; j_ < 4; j_++) kk_[j_] = ld_##T(kt + j_ * krb + sizeof(elem_##T) * (size_t)(d));   \
+        for (uint32_t r_ = 0; r_ < 4; r_++) {                                                                   \
+            const __m512 x_ = _mm512_loadu_ps(q + r_ * qs + (d));                                               \
+            for (uint32_t j_ = 0; j_ < 4; j_++)                                                                 \
+                acc[r_][j_] = (FIRST) ? _mm512_mul_ps(x_, kk_[j_]) : _mm512_fmadd_ps(x_, kk_[j_], acc[r_][j_]); \
+        }                                                                                                       \
+    } while (0)
+/* the tree's levels 2 to 4 over the 8 pair sums h[2 r], h[2 r + 1] of rows r, each row's 4 scores stored */
+#define RUN4_FINISH(h, st)                                                                                      \
+    do {                                                                                                        \
+        const __m512 s_ = hlanes(hlanes(HQUAD(_mm512_add_ps, h[0], h[1]), HQUAD(_mm512_add_ps, h[2], h[3])),   \
+                                 hlanes(HQUAD(_mm512_add_ps, h[4], h[5]), HQUAD(_mm512_add_ps, h[6], h[7])));   \
+        _mm_storeu_ps(st, _mm512_castps512_ps128(s_));                                                          \
+        _mm_storeu_ps(st + ss, _mm512_extractf32x4_ps(s_, 1));                                                  \
+        _mm_storeu_ps(st + 2 * ss, _mm512_extractf32x4_ps(s_, 2));                                              \
+        _mm_storeu_ps(st + 3 * ss, _mm512_extractf32x4_ps(s_, 3));                                              \
+    } while (0)
+/* Scores keys [0, t) of a 4-row group, t the largest multiple of 4 <= n_keys, and gives t (0, and
+ * nothing done, where the shape is not one it takes: the driver's tiles do it). */
+#define DEF_SCORE_RUN4(T)                                                                                       \
+    static inline __attribute__((always_inline)) uint32_t score_run4_##T(const float *q, size_t qs,             \
+                                                                         const uint8_t *k, size_t krb,          \
+                                                                         const uint32_t R, uint32_t n_keys,     \
+                                                                         uint32_t D, float *s, uint32_t ss,     \
+                                                                         pkv__attn_pf *pf) {                    \
+        if (R != 4 || D % 16 != 0 || n_keys < 8) return 0;                                                      \
+        const uint32_t sub = PKV__ATTN_PF_SUB_##T, D16 = D / 16;                                                \
+        __m512 h[8] = {_mm512_setzero_ps()}; /* the previous tile's pair sums (zeroed for the compiler's sake) */ \
+        uint32_t t = 0;                                                                                         \
+        for (; t + 4 <= n_keys; t += 4) {                                                                       \
+            const uint8_t *kt = k + (size_t)t * krb;                                                            \
+            __m512 acc[4][4];                                                                                   \
+            RUN4_STEP(T, 0, 1);                                                                                 \
+            if (t) RUN4_FINISH(h, s + t - 4);                                                                   \
+            for (uint32_t part = 0; part < sub; part++) { /* sub spans, a prefetch step after each */          \
+                const uint32_t d1 = D16 * (part + 1) / sub * 16;                                                \
+                for (uint32_t d = part ? D16 * part / sub * 16 : 16; d < d1; d += 16) RUN4_STEP(T, d, 0);      \
+                pkv__attn_pf_step(pf);                                                                          \
+            }                                                                                                   \
+            for (uint32_t r = 0; r < 4; r++) {                                                                  \
+                h[2 * r] = HPAIR(_mm512_add_ps, acc[r][0], acc[r][1]);                                          \
+                h[2 * r + 1] = HPAIR(_mm512_add_ps, acc[r][2], acc[r][3]);                                      \
+            }                                                                                                   \
+        }                                                                                                       \
+        RUN4_FINISH(h, s + t - 4);                                                                              \
+        return t;                                                                                               \
+    }
+DEF_SCORE_RUN4(f16)
+/* the driver's hook (attn.h): f16 takes the pipelined run; f32 keeps its 256-bit tiles and bf16
+ * its plain ones */
+#define PKV__ATTN_SCORE_RUN(T, ...) score_run4_##T(__VA_ARGS__)
+#define score_run4_f32(...) 0u
+#define score_run4_bf16(...) 0u
+
 PKV__ATTN_DEF_SCORE_ROWS4(f32)
 PKV__ATTN_DEF_SCORE_ROWS4(f16)
 PKV__ATTN_DEF_SCORE_ROWS4(bf16)
