@@ -425,15 +425,17 @@ static void run_oracle(const char *backend, const oracle_opts *o, uint64_t seed)
 
 /* Head dims off the kernels' main tiles: 40 (not a multiple of 16: the AVX-512 and NEON score
  * and accum tails), 96 and 112 (AVX-512 accum ends on a 32- or 48-column tile after a 64-column
- * one; AVX2 on its own tails), decode and prefill. */
+ * one; AVX2 on its own tails), 32 and 48 (fewer 16-element steps than the AVX-512 score's
+ * prefetch spans per tile), decode and prefill. */
 static void test_oracle_odd_dims(void **state) {
     const backend_case *bc = *state;
     need_backend(bc->name);
-    static const uint32_t dims[] = {40, 96, 112};
+    static const uint32_t dims[] = {32, 40, 48, 96, 112};
+    const size_t n = sizeof dims / sizeof *dims;
     oracle_opts o = {0};
-    run_oracle_dims(bc->name, &o, 404, dims, 3);
+    run_oracle_dims(bc->name, &o, 404, dims, n);
     o.prefill = 1;
-    run_oracle_dims(bc->name, &o, 405, dims, 3);
+    run_oracle_dims(bc->name, &o, 405, dims, n);
 }
 
 static void test_oracle_decode(void **state) {
