@@ -1,7 +1,8 @@
 /* attn_avx512.c: AVX-512 (F, BW, VL, DQ) primitives of paged attention (f32, f16, bf16 K/V,
- * softmax): score tiles of 4 rows x 4 keys reduced by transpose-add trees, the next block's
- * prefetch in 4 shares per tile, accum tiles of 4 rows x 64 columns (docs/design.md has the
- * measurements on Zen 4). The query preparation stays the AVX2 one (the table is filled by
+ * softmax): score tiles of 4 rows x 4 keys reduced by transpose-add trees (for f16 and bf16
+ * row groups software-pipelined), the next block's K run prefetched in 4 shares per score tile
+ * and its V run in one share per key of each accum tile, accum tiles of 4 rows x 64 columns
+ * (docs/design.md has the measurements on Zen 4). The query preparation stays the AVX2 one (the table is filled by
  * pkv__attn_fill_avx2 first). test_attn compares it with the reference wherever
  * the CPU has it, and everywhere else as "avx512-emu": this file compiled with PKV_AVX512_EMU,
  * its 512-bit intrinsics emulated on AVX2 (avx512_emu.h). */
@@ -224,7 +225,8 @@ DEF_SCORE(f32)
 DEF_SCORE(f16)
 DEF_SCORE(bf16)
 /* Prefetch shares per score tile (attn.h): 4, one after each quarter of head_dim, so the next
- * block's lines go out 4 to 8 at a time rather than 16 to 32 after the tile. On Zen 4 from memory
+ * block's lines go out 4 to 8 at a time rather than 16 to 32 after the tile (measured when score
+ * prefetched both runs; since the V run went to accum, 2 shares measured the same). On Zen 4 from memory
  * (ab-decode, 2 threads, 4096 x 16): f32 0.914, f16 0.918 (contig), f16 paged 1/1.060 (the
  * other order), bf16 0.953; 2 shares: f32 0.917, f16 0.993; 8 shares: f32 0.911, f16 0.955 but
  * 19% slower in cache (4: 1.005). */
