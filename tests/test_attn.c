@@ -423,6 +423,59 @@ static void run_oracle(const char *backend, const oracle_opts *o, uint64_t seed)
     run_oracle_dims(backend, o, seed, k_dims, sizeof k_dims / sizeof *k_dims);
 }
 
+/* Scores that climb by more than the softmax's lazy-rescale threshold (8) from one block to the
+ * next, then fall, then spike once late: the running max keeps moving after the first block, so
+ * the kernels leave their lazy path (exp against the old max) for the exact one (new max, acc
+ * rescaled) at blocks other than the first. K = c(pos) * u + noise with every query head = u,
+ * so the logit is about 8 c(pos). Decode (4-row groups) and a 40-query extend, f32 and f16. */
+static void test_oracle_moving_max(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    const uint32_t H = 2, D = 64, B = 16, len = 400, nqh = 8;
+    static const pkv_dtype dts[] = {PKV_DTYPE_F32, PKV_DTYPE_F16};
+    for (size_t di = 0; di < 2; di++)
+        for (int prefill = 0; prefill < 2; prefill++) {
+            g_rng = 77 + di * 2 + (uint64_t)prefill;
+            pkv__attn *at = make_attn(bc->name, 2, 1, (len + B - 1) / B, H, D, B);
+            if (!at) skip();
+            tpool p;
+            pool_init(&p, H, D, B, (len + B - 1) / B + 2, dts[di], dts[di]);
+            tseq s;
+            seq_make(&p, &s, len, 1.0f);
+            float *u = rand_q(D), *k = malloc(sizeof(float) * H * D), *v = malloc(sizeof(float) * H * D);
+            for (uint32_t pos = 0; pos < len; pos++) {
+                const double logit = pos < 160   ? 0.7 * pos                  /* +11.2 per block */
+                                     : pos < 300 ? 112.0 - 0.5 * (pos - 160) /* falling */
+                                     : pos == 350 ? 130.0                    /* a late spike */
+                                                  : 2.0 * rng_normal();
+                const float c = (float)(logit / 8.0); /* q.u * scale = 64 / 8 */
+                for (uint32_t i = 0; i < H * D; i++) k[i] = c * u[i % D] + 0.1f * rng_normal(), v[i] = rng_normal();
+                seq_put(&p, &s, pos, k, v);
+            }
+            const uint32_t n_q = prefill ? 40 : 1;
+            float *q = malloc(sizeof(float) * n_q * nqh * D), lse[40 * 8];
+            for (uint32_t i = 0; i < n_q * nqh; i++) memcpy(q + (size_t)i * D, u, sizeof(float) * D);
+            pkv__attn_item it = {.block_table = s.table, .q_pos0 = len - n_q, .n_q = n_q, .q = q,
+                                 .out = malloc(sizeof(float) * n_q * nqh * D), .lse = lse};
+            pkv__attn_call call = {.n_q_heads = nqh, .scale = 0.125f};
+            assert_int_equal(pkv__attn_run(at, &p.view, &it, 1, &call), PKV_OK);
+            double lse_err = 0;
+            const double e = check_item(&p, &s, nqh, &it, &call, &lse_err) / tol_for(dts[di], dts[di]);
+            print_message("  %s %s %s: err %.3g of the tolerance, lse err %.3g\n", bc->name,
+                          pkv_dtype_name(dts[di]), prefill ? "extend" : "decode", e, lse_err);
+            assert_true(e <= 1.0);
+            assert_true(lse_err <= TOL_LSE);
+            pkv__attn_destroy(at);
+            free(it.out);
+            free(q);
+            free(u);
+            free(k);
+            free(v);
+            seq_free(&s);
+            pool_free(&p);
+        }
+}
+
 /* Head dims off the kernels' main tiles: 40 (not a multiple of 16: the AVX-512 and NEON score
  * and accum tails), 96 and 112 (AVX-512 accum ends on a 32- or 48-column tile after a 64-column
  * one; AVX2 on its own tails), 32 and 48 (fewer 16-element steps than the AVX-512 score's
@@ -742,6 +795,7 @@ int main(void) {
         PER_BACKEND(test_oracle_prefill),
         PER_BACKEND(test_oracle_softcap_window),
         PER_BACKEND(test_oracle_odd_dims),
+        PER_BACKEND(test_oracle_moving_max),
         PER_BACKEND(test_window_one_sees_itself),
         PER_BACKEND(test_lse_merge_halves),
         PER_BACKEND(test_threads_agree),

@@ -234,7 +234,8 @@ typedef void (*pkv__attn_accum_fn)(const float *p, uint32_t p_stride, uint32_t n
 /* softmax: one online-softmax step over a block of scores s[r * s_stride + t] (t < n_keys;
  * masked entries are -inf). If softcap > 0 first s = softcap * tanh(s / softcap) for every s that is
  * not -inf (masked keys stay -inf). Then per row:
- * m' = max(m[r], max_t s); acc row *= exp(m[r] - m') (skipped when m' == m[r]);
+ * m' = max(m[r], max_t s), or m[r] itself where it is finite and max_t s <= m[r] + 8 (a lazy
+ * rescale: p <= e^8; x86); acc row *= exp(m[r] - m') (skipped when m' == m[r]);
  * s[t] = exp(s[t] - m') (0 for -inf); l[r] = l[r] * exp(m[r] - m') + sum_t s[t]; m[r] = m'.
  * A row whose m' is still -inf is left with p = 0 and m, l, acc unchanged. */
 typedef void (*pkv__attn_softmax_fn)(float *s, uint32_t s_stride, uint32_t n_rows, uint32_t n_keys, float softcap,

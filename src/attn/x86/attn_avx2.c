@@ -273,6 +273,10 @@ static inline float vf_hmax(__m256 x) {
     return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 }
 static inline __m128 exp4(__m128 x) { return _mm256_castps256_ps128(exp8(_mm256_castps128_ps256(x))); }
+#define LAZY_T 8.0f
+static inline int vf_all_le(__m256 x, __m256 t) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(x, t, _CMP_GT_OQ)) == 0;
+}
 #include "softmax_x86.h"
 
 void pkv__attn_fill_avx2(pkv__attn_kernels *kt) {

@@ -359,6 +359,8 @@ typedef __m512 vf;
 #define vf_hsum _mm512_reduce_add_ps
 #define vf_hmax4 hmax4
 #define vf_hsum4 hsum4
+#define LAZY_T 8.0f
+static inline int vf_all_le(__m512 x, __m512 t) { return _mm512_cmp_ps_mask(x, t, _CMP_GT_OQ) == 0; }
 /* lanes 4-15 are zeros (e^0, unused) */
 static inline __m128 exp4(__m128 x) {
     return _mm512_castps512_ps128(exp16(_mm512_insertf32x4(_mm512_setzero_ps(), x, 0)));

@@ -8,6 +8,8 @@
  *   vf_hmax(x), vf_hsum(x)    the max / sum of one vector's lanes, as a float;
  *   vf_hmax4, vf_hsum4        the same of four vectors, as the lanes of an __m128;
  *   exp4(x)                   e^x of the 4 lanes of an __m128;
+ *   vf_all_le(x, t)           every lane of x <= the lane of t (a nan lane passes);
+ *   LAZY_T                    how far above a row's max a block's scores may be and the max stay;
  * then includes this file, which defines softmax_vec: the table's softmax entry (attn.h). */
 
 /* One row after soft-capping: the online-softmax step of attn.h for a row on its own. */
@@ -34,6 +36,39 @@ static void softmax_row(float *sr, uint32_t n_pad, float *m, float *l, float *ac
  * the other (each is a long chain of dependent steps), and m, l are updated as one vector. */
 static void softmax_rows4(float *s, uint32_t ss, uint32_t n_pad, float *m, float *l, float *acc, uint32_t D) {
     float *s0 = s, *s1 = s + ss, *s2 = s + 2 * (size_t)ss, *s3 = s + 3 * (size_t)ss;
+    /* Lazy rescale: where every row has a max already and no score of this block is more than
+     * LAZY_T above its row's, the max stays: p = exp(s - m) <= e^LAZY_T, and no horizontal max,
+     * no broadcast of a new max, no rescale of acc (the result differs only by rounding; the
+     * log-sum-exp m + log l is the same). In cache 2.5-6% faster f16 decode (ab-decode, stop 19). */
+    {
+        const __m128 mo = _mm_loadu_ps(m);
+        if (!_mm_movemask_ps(_mm_cmpeq_ps(mo, _mm_set1_ps(-INFINITY)))) {
+            float mv[4];
+            _mm_storeu_ps(mv, mo);
+            const vf v0 = vf_set1(mv[0]), v1 = vf_set1(mv[1]), v2 = vf_set1(mv[2]), v3 = vf_set1(mv[3]);
+            const vf T = vf_set1(LAZY_T);
+            vf y0 = vf_set1(-INFINITY), y1 = y0, y2 = y0, y3 = y0;
+            for (uint32_t t = 0; t < n_pad; t += VF_N) {
+                y0 = vf_max(y0, vf_sub(vf_load(s0 + t), v0));
+                y1 = vf_max(y1, vf_sub(vf_load(s1 + t), v1));
+                y2 = vf_max(y2, vf_sub(vf_load(s2 + t), v2));
+                y3 = vf_max(y3, vf_sub(vf_load(s3 + t), v3));
+            }
+            if (vf_all_le(vf_max(vf_max(y0, y1), vf_max(y2, y3)), T)) {
+                vf u0 = vf_zero(), u1 = u0, u2 = u0, u3 = u0;
+                for (uint32_t t = 0; t < n_pad; t += VF_N) {
+                    const vf e0 = vf_exp(vf_sub(vf_load(s0 + t), v0));
+                    const vf e1 = vf_exp(vf_sub(vf_load(s1 + t), v1));
+                    const vf e2 = vf_exp(vf_sub(vf_load(s2 + t), v2));
+                    const vf e3 = vf_exp(vf_sub(vf_load(s3 + t), v3));
+                    vf_store(s0 + t, e0), vf_store(s1 + t, e1), vf_store(s2 + t, e2), vf_store(s3 + t, e3);
+                    u0 = vf_add(u0, e0), u1 = vf_add(u1, e1), u2 = vf_add(u2, e2), u3 = vf_add(u3, e3);
+                }
+                _mm_storeu_ps(l, _mm_add_ps(_mm_loadu_ps(l), vf_hsum4(u0, u1, u2, u3)));
+                return;
+            }
+        }
+    }
     vf x0 = vf_set1(-INFINITY), x1 = x0, x2 = x0, x3 = x0;
     for (uint32_t t = 0; t < n_pad; t += VF_N) {
         x0 = vf_max(x0, vf_load(s0 + t));
