@@ -32,6 +32,21 @@ static void softmax_row(float *sr, uint32_t n_pad, float *m, float *l, float *ac
     pkv__attn_softmax_commit(m, l, acc_row, D, mnew, vf_hsum(sum));
 }
 
+/* p = exp(s - v_r) in place over the n_pad scores of 4 rows (interleaved), and the 4 rows' sums. */
+static inline __m128 exp_rows4(float *s0, float *s1, float *s2, float *s3, uint32_t n_pad, vf v0, vf v1, vf v2,
+                               vf v3) {
+    vf u0 = vf_zero(), u1 = u0, u2 = u0, u3 = u0;
+    for (uint32_t t = 0; t < n_pad; t += VF_N) {
+        const vf e0 = vf_exp(vf_sub(vf_load(s0 + t), v0));
+        const vf e1 = vf_exp(vf_sub(vf_load(s1 + t), v1));
+        const vf e2 = vf_exp(vf_sub(vf_load(s2 + t), v2));
+        const vf e3 = vf_exp(vf_sub(vf_load(s3 + t), v3));
+        vf_store(s0 + t, e0), vf_store(s1 + t, e1), vf_store(s2 + t, e2), vf_store(s3 + t, e3);
+        u0 = vf_add(u0, e0), u1 = vf_add(u1, e1), u2 = vf_add(u2, e2), u3 = vf_add(u3, e3);
+    }
+    return vf_hsum4(u0, u1, u2, u3);
+}
+
 /* Four rows at once: their max, exp and sum chains interleave instead of running one row after
  * the other (each is a long chain of dependent steps), and m, l are updated as one vector. */
 static void softmax_rows4(float *s, uint32_t ss, uint32_t n_pad, float *m, float *l, float *acc, uint32_t D) {
@@ -55,16 +70,8 @@ static void softmax_rows4(float *s, uint32_t ss, uint32_t n_pad, float *m, float
                 y3 = vf_max(y3, vf_sub(vf_load(s3 + t), v3));
             }
             if (vf_all_le(vf_max(vf_max(y0, y1), vf_max(y2, y3)), T)) {
-                vf u0 = vf_zero(), u1 = u0, u2 = u0, u3 = u0;
-                for (uint32_t t = 0; t < n_pad; t += VF_N) {
-                    const vf e0 = vf_exp(vf_sub(vf_load(s0 + t), v0));
-                    const vf e1 = vf_exp(vf_sub(vf_load(s1 + t), v1));
-                    const vf e2 = vf_exp(vf_sub(vf_load(s2 + t), v2));
-                    const vf e3 = vf_exp(vf_sub(vf_load(s3 + t), v3));
-                    vf_store(s0 + t, e0), vf_store(s1 + t, e1), vf_store(s2 + t, e2), vf_store(s3 + t, e3);
-                    u0 = vf_add(u0, e0), u1 = vf_add(u1, e1), u2 = vf_add(u2, e2), u3 = vf_add(u3, e3);
-                }
-                _mm_storeu_ps(l, _mm_add_ps(_mm_loadu_ps(l), vf_hsum4(u0, u1, u2, u3)));
+                const __m128 sum = exp_rows4(s0, s1, s2, s3, n_pad, v0, v1, v2, v3);
+                _mm_storeu_ps(l, _mm_add_ps(_mm_loadu_ps(l), sum));
                 return;
             }
         }
@@ -85,16 +92,7 @@ static void softmax_rows4(float *s, uint32_t ss, uint32_t n_pad, float *m, float
     float mv[4];
     _mm_storeu_ps(mv, mnew);
     const vf v0 = vf_set1(mv[0]), v1 = vf_set1(mv[1]), v2 = vf_set1(mv[2]), v3 = vf_set1(mv[3]);
-    vf u0 = vf_zero(), u1 = u0, u2 = u0, u3 = u0;
-    for (uint32_t t = 0; t < n_pad; t += VF_N) {
-        const vf e0 = vf_exp(vf_sub(vf_load(s0 + t), v0));
-        const vf e1 = vf_exp(vf_sub(vf_load(s1 + t), v1));
-        const vf e2 = vf_exp(vf_sub(vf_load(s2 + t), v2));
-        const vf e3 = vf_exp(vf_sub(vf_load(s3 + t), v3));
-        vf_store(s0 + t, e0), vf_store(s1 + t, e1), vf_store(s2 + t, e2), vf_store(s3 + t, e3);
-        u0 = vf_add(u0, e0), u1 = vf_add(u1, e1), u2 = vf_add(u2, e2), u3 = vf_add(u3, e3);
-    }
-    const __m128 sum = vf_hsum4(u0, u1, u2, u3);
+    const __m128 sum = exp_rows4(s0, s1, s2, s3, n_pad, v0, v1, v2, v3);
     const int moved = _mm_movemask_ps(_mm_cmpneq_ps(mnew, mold));
     if (!moved) { /* most blocks past the first few: no max moved, nothing to rescale */
         _mm_storeu_ps(l, _mm_add_ps(_mm_loadu_ps(l), sum));
