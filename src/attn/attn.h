@@ -101,7 +101,8 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
  *   1. Write src/attn/x86/attn_q8_avx2.c (the _avx2 suffix gives it -mavx2 -mfma -mf16c)
  *      with static prep / score / accum functions following the contracts below, and one
  *      exported filler:  void pkv__attn_fill_q8_avx2(pkv__attn_kernels *kt)  that sets
- *      kt->prep_q[PKV_DTYPE_Q8_0], kt->score[...], kt->accum[...].
+ *      kt->prep_q[PKV_DTYPE_Q8_0], kt->score[...], kt->accum[...] and kt->accum_pf[...]
+ *      (true if its accum prefetches the V run it is given, else false).
  *   2. Declare the filler in the "fillers" list below and call it from the backend's
  *      table builder in attn.c (function build_kernels: one line per filler, under the
  *      same #if as the backend). The scalar reference fills live in attn_ref.c (fill the
