@@ -395,18 +395,14 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
             const uint8_t *kr = kv->k + bid * kv->k_block_bytes + ((size_t)h * B + t0) * kv->k_row_bytes;
             const uint8_t *vr = kv->v + bid * kv->v_block_bytes + ((size_t)h * B + t0) * kv->v_row_bytes;
             const uint32_t r0 = j * rows_h;
-            pkv__attn_pf pk, pv, *pkp = NULL, *pvp = NULL; /* the next block's K and V runs of head h */
+            /* the next block's K and V runs of head h: score takes the K run and accum the V run
+             * (run 1 empty), or score both where accum does not prefetch */
+            pkv__attn_pf pk, pv, *pkp = NULL, *pvp = NULL;
             if (kn) {
-                pk.p[0] = kn + h * kblk, pk.end[0] = pk.p[0] + kblk;
-                pv.p[0] = vn + h * vblk, pv.end[0] = pv.p[0] + vblk;
-                if (accum_pf) { /* score takes the K run, accum the V run; run 1 empty */
-                    pk.p[1] = pk.end[1] = pk.p[0];
-                    pv.p[1] = pv.end[1] = pv.p[0];
-                    pvp = &pv;
-                } else { /* score takes both */
-                    pk.p[1] = pv.p[0], pk.end[1] = pv.end[0];
-                }
-                pkp = &pk;
+                const uint8_t *kx = kn + h * kblk, *vx = vn + h * vblk;
+                pk = (pkv__attn_pf){.p = {kx, accum_pf ? kx : vx}, .end = {kx + kblk, accum_pf ? kx : vx + vblk}};
+                pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}};
+                pkp = &pk, pvp = accum_pf ? &pv : NULL;
             }
             score(qp + (size_t)r0 * qrow, rows_h, kr, kv->k_row_bytes, n_keys, D, s, at->s_stride, pkp);
             if (mask)

@@ -154,7 +154,7 @@ static inline __attribute__((always_inline)) void pkv__attn_pf_start(pkv__attn_p
 
 static inline __attribute__((always_inline)) void pkv__attn_pf_step(pkv__attn_pf *pf) {
     if (!pf) return;
-    if (pf->even) { /* the common case (f16 or f32 rows, 16-key blocks): no bounds, 2 or 4 lines unrolled */
+    if (pf->even) { /* the common case (f16 or f32 rows, 16-key blocks): no bounds, 4 lines unrolled */
         if (!pf->left) return;
         pf->left--;
         const uint8_t *x = pf->p[0], *y = pf->p[1];
@@ -164,9 +164,6 @@ static inline __attribute__((always_inline)) void pkv__attn_pf_step(pkv__attn_pf
             if (pf->two)
                 __builtin_prefetch(y, 0, 2), __builtin_prefetch(y + 64, 0, 2), __builtin_prefetch(y + 128, 0, 2),
                     __builtin_prefetch(y + 192, 0, 2);
-        } else if (pf->step == 128) {
-            __builtin_prefetch(x, 0, 2), __builtin_prefetch(x + 64, 0, 2);
-            if (pf->two) __builtin_prefetch(y, 0, 2), __builtin_prefetch(y + 64, 0, 2);
         } else {
             for (size_t o = 0; o < pf->step; o += 64) __builtin_prefetch(x + o, 0, 2);
             if (pf->two)
@@ -188,8 +185,8 @@ static inline __attribute__((always_inline)) void pkv__attn_pf_step(pkv__attn_pf
 /* For a kernel's inner loop of n steps over a one-run pf (run 1 empty): takes the loop's steps out
  * of pf at once, so that the loop keeps no state: returns the first line, sets *step (bytes per
  * step) and *n_ok (how many of the n steps are left in the run), and the loop's turn i < *n_ok
- * calls pkv__attn_pf_burst(x + i * *step, *step). A two-run pf gives *n_ok = 0: the loop calls
- * pkv__attn_pf_step(pf) instead, or leaves it to pkv__attn_pf_finish. */
+ * calls pkv__attn_pf_burst(x + i * *step, *step). A two-run pf gives *n_ok = 0 and is left to
+ * pkv__attn_pf_finish. */
 static inline __attribute__((always_inline)) const uint8_t *pkv__attn_pf_take(pkv__attn_pf *pf, uint32_t n,
                                                                                size_t *step, uint32_t *n_ok) {
     *step = 0, *n_ok = 0;

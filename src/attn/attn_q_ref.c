@@ -132,8 +132,7 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
 
 /* ---- V accumulation: acc[r] += p[r][t] * scale(t, block) * code ---- */
 static void accum_q8_0(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
-                       uint32_t n_keys, uint32_t head_dim, float *acc,
-                      pkv__attn_pf *pf) {
+                       uint32_t n_keys, uint32_t head_dim, float *acc, pkv__attn_pf *pf) {
     (void)pf; /* accum_pf off: the driver gives score both runs */
     const uint32_t nb = head_dim / 32;
     for (uint32_t t = 0; t < n_keys; t++) {
@@ -152,8 +151,7 @@ static void accum_q8_0(const float *p, uint32_t p_stride, uint32_t n_rows, const
 }
 
 static void accum_q4_0(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
-                       uint32_t n_keys, uint32_t head_dim, float *acc,
-                      pkv__attn_pf *pf) {
+                       uint32_t n_keys, uint32_t head_dim, float *acc, pkv__attn_pf *pf) {
     (void)pf; /* accum_pf off: the driver gives score both runs */
     const uint32_t nb = head_dim / 32;
     for (uint32_t t = 0; t < n_keys; t++) {
@@ -175,8 +173,7 @@ static void accum_q4_0(const float *p, uint32_t p_stride, uint32_t n_rows, const
 }
 
 static void accum_fp8(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
-                      uint32_t n_keys, uint32_t head_dim, float *acc,
-                      pkv__attn_pf *pf) {
+                      uint32_t n_keys, uint32_t head_dim, float *acc, pkv__attn_pf *pf) {
     (void)pf; /* accum_pf off: the driver gives score both runs */
     for (uint32_t t = 0; t < n_keys; t++) {
         const uint8_t *vr = v + t * v_row_bytes;

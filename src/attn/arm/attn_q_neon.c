@@ -176,8 +176,7 @@ static inline __attribute__((always_inline)) void accum_fp8_rows(const float *p,
 }
 
 static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                      uint32_t D, float *acc,
-                      pkv__attn_pf *pf) {
+                      uint32_t D, float *acc, pkv__attn_pf *pf) {
     (void)pf; /* accum_pf off: the driver gives score both runs */
     for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
         const uint32_t nr = PKV_MIN(4u, n_rows - r0);

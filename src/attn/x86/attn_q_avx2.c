@@ -381,8 +381,7 @@ static ALWAYS_INLINE void accum_tiles(const float *p, uint32_t ps, uint32_t n_ro
 PKV__ATTN_DEF_I8_ENTRIES(score_i8, accum_tiles, V_Q8_0, V_Q4_0)
 
 static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                      uint32_t D, float *acc,
-                      pkv__attn_pf *pf) {
+                      uint32_t D, float *acc, pkv__attn_pf *pf) {
     (void)pf; /* accum_pf off: the driver gives score both runs */
     accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_FP8);
 }

@@ -92,8 +92,7 @@ static ALWAYS_INLINE void accum_tiles_d(const float *p, uint32_t ps, uint32_t n_
 
 /* head_dim 128, the common case, gets its own instance with constant trip counts */
 static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                      uint32_t D, float *acc,
-                      pkv__attn_pf *pf) {
+                      uint32_t D, float *acc, pkv__attn_pf *pf) {
     (void)pf; /* accum_pf off: the driver gives score both runs */
     if (D == 128)
         accum_tiles_d(p, ps, n_rows, v, vrb, n_keys, 128, acc);
