@@ -74,7 +74,10 @@ static void test_json_lines(void **state) {
             assert_int_equal((size_t)num(line, "bytes_per_token_layer"), 8 * 2 * pkv_dtype_row_bytes(dtv[d], 128));
             const double hot = num(line, "hot_gbps"), hot_frac = num(line, "hot_frac_of_bw");
             assert_true(isfinite(hot) && hot > 0 && isfinite(hot_frac) && hot_frac > 0);
-            if (paged) assert_true(num(line, "paged_over_contig") > 0);
+            if (paged) {
+                const double pc = num(line, "paged_over_contig"), rpc = num(line, "read_paged_over_contig");
+                assert_true(isfinite(pc) && pc > 0 && isfinite(rpc) && rpc > 0);
+            }
         } else if (str_is(line, "kernel", "prefill")) {
             assert_int_equal((int)num(line, "ctx"), 64);
             const double g = num(line, "gflops"), f = num(line, "frac_of_peak");

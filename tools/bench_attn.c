@@ -40,7 +40,9 @@ static void usage(FILE *f) {
             "8 MiB, up to 2 of the sequences, called repeatedly): hotGB/s, and hot_bw, its median\n"
             "fraction of the read bandwidth, are the rate the kernel's arithmetic allows here. Decode\n"
             "from memory cannot be much faster: where hot_bw is near or under 100%%, decode is bound\n"
-            "by compute on this machine, not by memory.\n"
+            "by compute on this machine, not by memory. read_p/c: a plain read of the same K/V runs in\n"
+            "the kernel's order and with its software prefetch, no arithmetic, paged over contiguous\n"
+            "(median of per-round ratios): what the memory system itself charges for the paged order.\n"
 "Prefill: one 2048-token prompt, causal, GFLOP/s (4 * n_q_heads * head_dim per\n"
             "query-key pair) and the fraction of the f32 FMA peak: 7 rounds of (a short FMA peak\n"
             "sample, one prefill call, another sample), the fraction against the mean of the two\n"
@@ -229,10 +231,14 @@ typedef struct setup {
     uint32_t batch, ctx, n_layers;
     double adjacent; /* fraction of logical neighbours that are physical neighbours */
     uint32_t next_layer; /* decode calls cycle over the layers */
+    int32_t *tables;     /* [batch][per_seq]: the block tables, for the plain read (gather_read) */
+    uint32_t per_seq, next_read_layer;
+    pkv_layout L;
 } setup;
 
 static void setup_free(setup *s) {
     pkv_cache_destroy(s->c);
+    free(s->tables);
     memset(s, 0, sizeof *s);
 }
 
@@ -321,21 +327,27 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
     if (rc < 0) return rc;
     if (paged && scatter_free_queue(s, rng, n_blocks) < 0) goto fail;
     int32_t *tok = calloc(ctx, sizeof *tok);
-    int32_t *table = malloc(sizeof(int32_t) * per_seq);
+    s->per_seq = per_seq;
+    s->tables = malloc(sizeof(int32_t) * per_seq * batch);
+    if (!tok || !s->tables) {
+        free(tok);
+        goto fail;
+    }
     uint64_t adj = 0, pairs = 0;
     for (uint32_t i = 0; i < batch; i++) {
+        int32_t *table = s->tables + (size_t)i * per_seq;
         uint32_t n_tab = 0;
         if (tool_check(pkv_seq_create(s->c, NULL, 0, &s->seqs[i]), "pkv_seq_create") < 0 ||
             tool_check(pkv_seq_append(s->c, s->seqs[i], tok, ctx, NULL), "pkv_seq_append") < 0 ||
             tool_check(pkv_seq_block_table(s->c, s->seqs[i], table, per_seq, &n_tab), "pkv_seq_block_table") < 0) {
-            free(tok), free(table);
+            free(tok);
             goto fail;
         }
         for (uint32_t b = 1; b < n_tab; b++) adj += table[b] == table[b - 1] + 1, pairs++;
     }
     s->adjacent = pairs ? (double)adj / (double)pairs : 1.0;
-    free(tok), free(table);
-    if (fill_pool(s, rng) < 0) goto fail;
+    free(tok);
+    if (fill_pool(s, rng) < 0 || tool_check(pkv_cache_layout(s->c, &s->L), "pkv_cache_layout") < 0) goto fail;
     return 0;
 fail:
     setup_free(s);
@@ -385,6 +397,88 @@ static double g_peak[3]; /* f32 FMA peak, GFLOP/s, by thread count */
 static int decode_next(setup *s, const float *q, float *out, const pkv_attn_params *p) {
     return tool_check(pkv_attn_decode(s->c, s->next_layer++ % s->n_layers, s->seqs, s->batch, q, out, p),
                       "pkv_attn_decode");
+}
+
+/* ---- the memory's own paged / contiguous: a plain read of the same runs in the same order --------
+ * Reads one layer's K and V of the setup's sequences the way the decode kernel walks them (for
+ * each block of a table, for each kv head: its K run, then its V run), summing 64-bit words as
+ * the bandwidth sample does, with the kernel's software prefetch: the same head of the next
+ * block, one line per line read, and one line per 4 KiB of the block after next where the table
+ * jumps. Timed on the contiguous and the paged tables over the same pages, its ratio is what the
+ * memory system itself charges for the paged order, with no attention arithmetic: the floor
+ * under the kernel's paged / contiguous on this machine. */
+typedef struct gather_job {
+    const setup *s;
+    uint32_t layer, seq0, seq_step; /* this thread's sequences: seq0, seq0 + seq_step, ... */
+    uint32_t part, n_parts;         /* and of each, this part of its blocks */
+    uint64_t sum;
+} gather_job;
+
+static uint64_t sum_run(const uint8_t *p, const uint8_t *pf, size_t n) {
+    uint64_t a = 0, b = 0, c = 0, d = 0;
+    for (size_t o = 0; o < n; o += 64) {
+        const uint64_t *w = (const uint64_t *)(const void *)(p + o);
+        if (pf) __builtin_prefetch(pf + o, 0, 2);
+        a += w[0] + w[4], b += w[1] + w[5], c += w[2] + w[6], d += w[3] + w[7];
+    }
+    return a + b + c + d;
+}
+
+static void *gather_read(void *arg) {
+    gather_job *j = arg;
+    const setup *s = j->s;
+    const pkv_layout *L = &s->L;
+    const size_t kh = L->k_block_bytes / L->n_kv_heads, vh = L->v_block_bytes / L->n_kv_heads;
+    const uint8_t *K = L->k_base + (size_t)j->layer * L->layer_stride_bytes;
+    const uint8_t *V = L->v_base + (size_t)j->layer * L->layer_stride_bytes;
+    uint64_t sum = 0;
+    for (uint32_t i = j->seq0; i < s->batch; i += j->seq_step) {
+        const int32_t *t = s->tables + (size_t)i * s->per_seq;
+        const uint32_t b0 = s->per_seq * j->part / j->n_parts, b1 = s->per_seq * (j->part + 1) / j->n_parts;
+        for (uint32_t b = b0; b < b1; b++) {
+            const uint8_t *k = K + (size_t)t[b] * L->k_block_bytes, *v = V + (size_t)t[b] * L->v_block_bytes;
+            const uint8_t *kn = NULL, *vn = NULL;
+            if (b + 1 < b1)
+                kn = K + (size_t)t[b + 1] * L->k_block_bytes, vn = V + (size_t)t[b + 1] * L->v_block_bytes;
+            if (b + 2 < b1 && t[b + 2] != t[b + 1] + 1)
+                for (size_t o = 0; o < L->k_block_bytes; o += 4096)
+                    __builtin_prefetch(K + (size_t)t[b + 2] * L->k_block_bytes + o, 0, 2),
+                        __builtin_prefetch(V + (size_t)t[b + 2] * L->v_block_bytes + o, 0, 2);
+            for (uint32_t h = 0; h < L->n_kv_heads; h++)
+                sum += sum_run(k + h * kh, kn ? kn + h * kh : NULL, kh) + sum_run(v + h * vh, vn ? vn + h * vh : NULL, vh);
+        }
+    }
+    j->sum = sum;
+    return NULL;
+}
+
+/* One plain read of the setup's next layer on nt pinned threads, seconds. The sequences are dealt
+ * round-robin; with fewer sequences than threads, each thread reads a part of every sequence's
+ * blocks (the kernel's key split). */
+static double gather_sample(setup *s, uint32_t nt) {
+    gather_job jobs[2];
+    const uint32_t layer = s->next_read_layer++ % s->n_layers;
+    const int split = s->batch < nt;
+    for (uint32_t i = 0; i < nt; i++)
+        jobs[i] = split ? (gather_job){s, layer, 0, 1, i, nt, 0} : (gather_job){s, layer, i, nt, 0, 1, 0};
+    const double sec = run_pinned((int)nt, gather_read, jobs, sizeof jobs[0]);
+    for (uint32_t i = 0; i < nt; i++) g_sink += jobs[i].sum;
+    return sec;
+}
+
+/* A round of plain reads, contiguous and paged in ABBA order, at least min_calls each and about
+ * max_s seconds; the ratio of the medians, paged / contiguous. */
+static double gather_ratio(setup su[2], uint32_t nt, double max_s, uint32_t min_calls) {
+    enum { MAX_CALLS = 200 };
+    double t[2][MAX_CALLS];
+    int n[2] = {0, 0};
+    const uint64_t start = tool_now_ns();
+    for (uint32_t i = 0; n[0] < MAX_CALLS && n[1] < MAX_CALLS; i++) {
+        const int l = (i ^ (i >> 1)) & 1;
+        t[l][n[l]++] = gather_sample(&su[l], nt);
+        if ((uint32_t)n[0] >= min_calls && n[0] == n[1] && (double)(tool_now_ns() - start) * 1e-9 > max_s) break;
+    }
+    return tool_median(t[1], (size_t)n[1]) / tool_median(t[0], (size_t)n[0]);
 }
 
 /* One round of decode timing for the two layouts (su[0] contiguous, su[1] paged): calls
@@ -482,13 +576,14 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
             break;
         }
     }
-    double t[2][7], frac[2][7], bw[7], ratio[7], hot[7], hot_frac[7];
+    double t[2][7], frac[2][7], bw[7], ratio[7], hot[7], hot_frac[7], mem_ratio[7];
     for (int r = 0; r < rounds && rc == 0; r++) {
         bw[r] = bw_sample((int)nt);
         double med[2] = {0, 0}, hot_med = 0;
         rc = time_decode_pair(su, q, out, 2 * round_s, min_calls, med);
         if (rc == 0) rc = time_decode_hot(&su[2], q, out, round_s / 2, &hot_med);
         if (rc < 0) break;
+        mem_ratio[r] = gather_ratio(su, nt, round_s, min_calls);
         for (int l = 0; l < 2; l++) t[l][r] = med[l], frac[l][r] = per_layer / med[l] * 1e-9 / bw[r];
         ratio[r] = t[1][r] / t[0][r];
         hot[r] = hot_layer / hot_med * 1e-9, hot_frac[r] = hot[r] / bw[r];
@@ -499,6 +594,7 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     if (rc < 0) return -1;
     const double bw_med = tool_median(bw, (size_t)rounds), ratio_med = tool_median(ratio, (size_t)rounds);
     const double hot_med = tool_median(hot, (size_t)rounds), hot_frac_med = tool_median(hot_frac, (size_t)rounds);
+    const double mem_ratio_med = tool_median(mem_ratio, (size_t)rounds);
     for (int paged = 0; paged <= 1; paged++) {
         const double med = tool_median(t[paged], (size_t)rounds), fr = tool_median(frac[paged], (size_t)rounds);
         const double gbps = per_layer / med * 1e-9;
@@ -516,8 +612,8 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
         if (o->json) printf(",\"hot_gbps\":%.3f,\"hot_frac_of_bw\":%.4f", hot_med, hot_frac_med);
         else printf(" %8.2f %6.1f%%", hot_med, 100.0 * hot_frac_med);
         if (paged) {
-            if (o->json) printf(",\"paged_over_contig\":%.4f}\n", ratio_med);
-            else printf("   %.3f\n", ratio_med);
+            if (o->json) printf(",\"paged_over_contig\":%.4f,\"read_paged_over_contig\":%.4f}\n", ratio_med, mem_ratio_med);
+            else printf("   %11.3f %8.3f\n", ratio_med, mem_ratio_med);
         } else {
             printf(o->json ? "}\n" : "\n");
         }
@@ -653,9 +749,9 @@ int tool_bench_attn(int argc, char **argv) {
         printf("# streaming read: %.2f GB/s (1 thread), %.2f GB/s (2 threads); f32 FMA peak: %.1f / %.1f GFLOP/s\n",
                g_bw[1], g_bw[2], g_peak[1], g_peak[2]);
         printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %d\n", H_Q, H_KV, HEAD_DIM, BT);
-        printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s %8s %7s  %s\n", "kernel", "kv", "ctx", "batch",
-               "thr", "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "hotGB/s", "hot_bw",
-               "paged/contig");
+        printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s %8s %7s  %s  %s\n", "kernel", "kv", "ctx",
+               "batch", "thr", "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "hotGB/s", "hot_bw",
+               "paged/contig", "read_p/c");
     }
     fflush(stdout);
 
