@@ -445,7 +445,8 @@ static void *gather_read(void *arg) {
                     __builtin_prefetch(K + (size_t)t[b + 2] * L->k_block_bytes + o, 0, 2),
                         __builtin_prefetch(V + (size_t)t[b + 2] * L->v_block_bytes + o, 0, 2);
             for (uint32_t h = 0; h < L->n_kv_heads; h++)
-                sum += sum_run(k + h * kh, kn ? kn + h * kh : NULL, kh) + sum_run(v + h * vh, vn ? vn + h * vh : NULL, vh);
+                sum += sum_run(k + h * kh, kn ? kn + h * kh : NULL, kh) +
+                       sum_run(v + h * vh, vn ? vn + h * vh : NULL, vh);
         }
     }
     j->sum = sum;
@@ -612,7 +613,8 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
         if (o->json) printf(",\"hot_gbps\":%.3f,\"hot_frac_of_bw\":%.4f", hot_med, hot_frac_med);
         else printf(" %8.2f %6.1f%%", hot_med, 100.0 * hot_frac_med);
         if (paged) {
-            if (o->json) printf(",\"paged_over_contig\":%.4f,\"read_paged_over_contig\":%.4f}\n", ratio_med, mem_ratio_med);
+            if (o->json)
+                printf(",\"paged_over_contig\":%.4f,\"read_paged_over_contig\":%.4f}\n", ratio_med, mem_ratio_med);
             else printf("   %11.3f %8.3f\n", ratio_med, mem_ratio_med);
         } else {
             printf(o->json ? "}\n" : "\n");
