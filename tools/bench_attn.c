@@ -403,10 +403,9 @@ static int decode_next(setup *s, const float *q, float *out, const pkv_attn_para
  * Reads one layer's K and V of the setup's sequences the way the decode kernel walks them (for
  * each block of a table, for each kv head: its K run, then its V run), summing 64-bit words as
  * the bandwidth sample does, with the kernel's software prefetch: the same head of the next
- * block, one line per line read, and one line per 4 KiB of the block after next where the table
- * jumps. Timed on the contiguous and the paged tables over the same pages, its ratio is what the
- * memory system itself charges for the paged order, with no attention arithmetic: the floor
- * under the kernel's paged / contiguous on this machine. */
+ * block, one line per line read. Timed on the contiguous and the paged tables over the same
+ * pages, its ratio is what the memory system itself charges for the paged order when nothing
+ * else is done: the kernel's own paged / contiguous can be set against it. */
 typedef struct gather_job {
     const setup *s;
     uint32_t layer, seq0, seq_step; /* this thread's sequences: seq0, seq0 + seq_step, ... */
@@ -440,10 +439,6 @@ static void *gather_read(void *arg) {
             const uint8_t *kn = NULL, *vn = NULL;
             if (b + 1 < b1)
                 kn = K + (size_t)t[b + 1] * L->k_block_bytes, vn = V + (size_t)t[b + 1] * L->v_block_bytes;
-            if (b + 2 < b1 && t[b + 2] != t[b + 1] + 1)
-                for (size_t o = 0; o < L->k_block_bytes; o += 4096)
-                    __builtin_prefetch(K + (size_t)t[b + 2] * L->k_block_bytes + o, 0, 2),
-                        __builtin_prefetch(V + (size_t)t[b + 2] * L->v_block_bytes + o, 0, 2);
             for (uint32_t h = 0; h < L->n_kv_heads; h++)
                 sum += sum_run(k + h * kh, kn ? kn + h * kh : NULL, kh) +
                        sum_run(v + h * vh, vn ? vn + h * vh : NULL, vh);

@@ -285,21 +285,6 @@ static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
 #define PKV_ATTN_PF_DIST 1
 #endif
 
-/* Where the table jumps (the block after next is not the next one's neighbour in the pool), one
- * line of each 4 KiB of the unit's heads of that block is prefetched a block earlier still: its
- * page translations and first lines are on their way before the shares of the next block reach
- * it. Neighbours are left to the hardware prefetcher. ab-decode f16 4096 x 16 from memory, paged:
- * 1 thread 0.974 and 1/1.021, 2 threads 0.985 and 1/1.024; contiguous 0.987 and 1/1.001. */
-static void touch_ahead(const pkv__kv_view *kv, const int32_t *table, uint32_t b, uint32_t b1, uint32_t h0,
-                        uint32_t n_h) {
-    if (b + PKV_ATTN_PF_DIST + 1 >= b1 || table[b + PKV_ATTN_PF_DIST + 1] == table[b + PKV_ATTN_PF_DIST] + 1) return;
-    const size_t id = (size_t)table[b + PKV_ATTN_PF_DIST + 1];
-    const size_t kh = (size_t)kv->block_tokens * kv->k_row_bytes, vh = (size_t)kv->block_tokens * kv->v_row_bytes;
-    const uint8_t *k = kv->k + id * kv->k_block_bytes + h0 * kh, *v = kv->v + id * kv->v_block_bytes + h0 * vh;
-    for (size_t o = 0; o < n_h * kh; o += 4096) __builtin_prefetch(k + o, 0, 2);
-    for (size_t o = 0; o < n_h * vh; o += 4096) __builtin_prefetch(v + o, 0, 2);
-}
-
 static void write_final(const pkv__attn *at, const unit *w, const float *m, const float *l, const float *acc) {
     const uint32_t D = at->kv->head_dim, nqh = at->call->n_q_heads, G = at->G;
     const uint32_t rows_h = w->nq * w->gs;
@@ -405,7 +390,6 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
             kn = kv->k + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->k_block_bytes;
             vn = kv->v + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->v_block_bytes;
         }
-        if (PKV_ATTN_PF_DIST) touch_ahead(kv, it->block_table, b, b1, w.kvh0, w.n_kvh);
         for (uint32_t j = 0; j < w.n_kvh; j++) {
             const uint32_t h = w.kvh0 + j;
             const uint8_t *kr = kv->k + bid * kv->k_block_bytes + ((size_t)h * B + t0) * kv->k_row_bytes;
