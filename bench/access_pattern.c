@@ -16,16 +16,12 @@
  *   pf      none, or the next block's runs of the same head prefetched (T1) one line every
  *           second line of this run, as pkv__attn_pf spreads them.
  * Prints the median GB/s per variant and its ratio to contig/seq/none measured in the same run. */
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE /* madvise, MADV_HUGEPAGE */
-#endif
 #include "tool.h" /* tools/tool_util.c: clock, median, RNG */
 
 #include <immintrin.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #define HEADS 8u
 #define ROWS 16u
@@ -33,7 +29,6 @@
 #define LINES (ROWS * LPR)
 #define RUN (LINES * 64u)
 #define N_BLOCKS 4096u
-#define HUGE (2u << 20)
 #define V_SKEW (17u * 4096u)
 #define MAX_ROUNDS 64
 
@@ -82,15 +77,13 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s [ROUNDS (1..%d)]\n", argv[0], MAX_ROUNDS);
         return 2;
     }
-    const size_t k_bytes = (size_t)N_BLOCKS * HEADS * RUN, total = 2 * k_bytes + V_SKEW + 2 * HUGE;
-    uint8_t *m = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) {
+    const size_t k_bytes = (size_t)N_BLOCKS * HEADS * RUN;
+    g_k = tool_map_huge(2 * k_bytes + V_SKEW);
+    if (!g_k) {
         perror("mmap");
         return 1;
     }
-    g_k = (uint8_t *)(((uintptr_t)m + HUGE - 1) & ~(uintptr_t)(HUGE - 1));
     g_v = g_k + k_bytes + V_SKEW;
-    (void)madvise(g_k, total - HUGE, MADV_HUGEPAGE);
     memset(g_k, 0x3c, 2 * k_bytes + V_SKEW); /* floats near 0.01: no denormals, no overflow */
 
     tool_rng rng;

@@ -22,23 +22,18 @@
  * median over many runs per offset. A line read from memory takes the time of "random"; one the
  * hardware fetched on its own takes less. Lines past the end of a run belong, in a paged table,
  * to a block some other sequence owns. */
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE /* madvise, MADV_HUGEPAGE */
-#endif
 #include "tool.h" /* tools/tool_util.c: clock, median, RNG */
 
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <x86intrin.h>
 
 #define HEADS 8u
 #define RUN 4096u /* one (block, head): 16 rows of 128 f16 */
 #define BLOCK (HEADS * RUN)
 #define N_BLOCKS 16384u /* 512 MiB of K, 512 MiB of V */
-#define HUGE (2u << 20)
 #define V_SKEW (17u * 4096u)
 #define MAX_ROUNDS 64
 #define N_ORDERS 5
@@ -48,16 +43,6 @@ static uint32_t g_tab[N_ORDERS][N_BLOCKS];
 static const char *const g_names[N_ORDERS] = {"contig", "runs8", "runs2", "win64", "paged"};
 static volatile uint64_t g_sink;
 
-static uint64_t sum_run(const uint8_t *p, const uint8_t *pf) {
-    uint64_t a = 0, b = 0, c = 0, d = 0;
-    for (uint32_t o = 0; o < RUN; o += 64) {
-        const uint64_t *w = (const uint64_t *)(const void *)(p + o);
-        if (pf) __builtin_prefetch(pf + o, 0, 2);
-        a += w[0] + w[4], b += w[1] + w[5], c += w[2] + w[6], d += w[3] + w[7];
-    }
-    return a + b + c + d;
-}
-
 static double read_table(const uint32_t *tab) {
     uint64_t sum = 0;
     const uint64_t t0 = tool_now_ns();
@@ -65,8 +50,8 @@ static double read_table(const uint32_t *tab) {
         const size_t id = tab[b], nx = b + 1 < N_BLOCKS ? tab[b + 1] : 0;
         for (uint32_t h = 0; h < HEADS; h++) {
             const int pf = b + 1 < N_BLOCKS;
-            sum += sum_run(g_k + id * BLOCK + h * RUN, pf ? g_k + nx * BLOCK + h * RUN : NULL);
-            sum += sum_run(g_v + id * BLOCK + h * RUN, pf ? g_v + nx * BLOCK + h * RUN : NULL);
+            sum += tool_sum_run(g_k + id * BLOCK + h * RUN, pf ? g_k + nx * BLOCK + h * RUN : NULL, RUN);
+            sum += tool_sum_run(g_v + id * BLOCK + h * RUN, pf ? g_v + nx * BLOCK + h * RUN : NULL, RUN);
         }
     }
     const double sec = (double)(tool_now_ns() - t0) * 1e-9;
@@ -103,8 +88,8 @@ static void probe(tool_rng *rng) {
     for (int t = 0; t < TRIALS; t++)
         for (int k = 0; k <= N_OFF; k++) {
             const uint8_t *run = g_k + (1 + tool_rng_u64(rng) % (N_BLOCKS - 4)) * (size_t)BLOCK;
-            g_sink += sum_run(run, NULL);
-            for (uint32_t i = 0; i < 16; i++) g_sink += sum_run(g_v + (size_t)i * RUN, NULL); /* a pause, in L1/L2 */
+            g_sink += tool_sum_run(run, NULL, BLOCK);
+            for (uint32_t i = 0; i < 16; i++) g_sink += tool_sum_run(g_v + (size_t)i * RUN, NULL, RUN); /* a pause, in L1/L2 */
             const uint8_t *x = k == N_OFF ? g_v + (16 + tool_rng_u64(rng) % (N_BLOCKS * HEADS - 32)) * (size_t)RUN + 2048
                                : offs[k] < 0 ? run + offs[k]
                                              : run + BLOCK + offs[k];
@@ -132,15 +117,13 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s [ROUNDS (1..%d)]\n", argv[0], MAX_ROUNDS);
         return 2;
     }
-    const size_t k_bytes = (size_t)N_BLOCKS * BLOCK, total = 2 * k_bytes + V_SKEW + 2 * HUGE;
-    uint8_t *m = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) {
+    const size_t k_bytes = (size_t)N_BLOCKS * BLOCK;
+    g_k = tool_map_huge(2 * k_bytes + V_SKEW);
+    if (!g_k) {
         perror("mmap");
         return 1;
     }
-    g_k = (uint8_t *)(((uintptr_t)m + HUGE - 1) & ~(uintptr_t)(HUGE - 1));
     g_v = g_k + k_bytes + V_SKEW;
-    (void)madvise(g_k, total - HUGE, MADV_HUGEPAGE);
     memset(g_k, 1, 2 * k_bytes + V_SKEW);
 
     tool_rng rng;

@@ -413,16 +413,6 @@ typedef struct gather_job {
     uint64_t sum;
 } gather_job;
 
-static uint64_t sum_run(const uint8_t *p, const uint8_t *pf, size_t n) {
-    uint64_t a = 0, b = 0, c = 0, d = 0;
-    for (size_t o = 0; o < n; o += 64) {
-        const uint64_t *w = (const uint64_t *)(const void *)(p + o);
-        if (pf) __builtin_prefetch(pf + o, 0, 2);
-        a += w[0] + w[4], b += w[1] + w[5], c += w[2] + w[6], d += w[3] + w[7];
-    }
-    return a + b + c + d;
-}
-
 static void *gather_read(void *arg) {
     gather_job *j = arg;
     const setup *s = j->s;
@@ -440,8 +430,8 @@ static void *gather_read(void *arg) {
             if (b + 1 < b1)
                 kn = K + (size_t)t[b + 1] * L->k_block_bytes, vn = V + (size_t)t[b + 1] * L->v_block_bytes;
             for (uint32_t h = 0; h < L->n_kv_heads; h++)
-                sum += sum_run(k + h * kh, kn ? kn + h * kh : NULL, kh) +
-                       sum_run(v + h * vh, vn ? vn + h * vh : NULL, vh);
+                sum += tool_sum_run(k + h * kh, kn ? kn + h * kh : NULL, kh) +
+                       tool_sum_run(v + h * vh, vn ? vn + h * vh : NULL, vh);
         }
     }
     j->sum = sum;

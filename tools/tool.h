@@ -21,6 +21,13 @@ int tool_run(int argc, char **argv);          /* tools/run.c */
 uint64_t tool_now_ns(void);
 double tool_median(double *v, size_t n); /* sorts v in place */
 double tool_percentile(double *v, size_t n, double pct); /* sorts v in place, pct in [0,100] */
+/* bytes (never freed) at a 2 MiB boundary, advised onto transparent huge pages where Linux has
+ * them; NULL when out of memory. */
+void *tool_map_huge(size_t bytes);
+/* The sum of the 64-bit words of p[0, n), n a multiple of 64, 64-byte aligned; with pf, each line
+ * read prefetches (T1) the line at the same offset of pf: a plain read as the decode kernels
+ * stream a run while prefetching the next block's. */
+uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, size_t n);
 /* Fails with a message naming the call when rc < 0; returns rc. */
 int tool_check(int rc, const char *what);
 /* xorshift-style deterministic RNG. */
