@@ -98,11 +98,16 @@ static void test_json_lines(void **state) {
 
 static void test_usage_errors(void **state) {
     (void)state;
-    char *bad[][5] = {{"pkv", "bench", "attn", "--dtype", "f17"}, {"pkv", "bench", "attn", "--ctx", "0"},
+    char *bad[][7] = {{"pkv", "bench", "attn", "--dtype", "f17"}, {"pkv", "bench", "attn", "--ctx", "0"},
                       {"pkv", "bench", "attn", "--threads", "3"}, {"pkv", "bench", "attn", "--batch", "1,x"},
-                      {"pkv", "bench", "attn", "--prompt", "-5"}, {"pkv", "bench", "attn", "--frobnicate", NULL}};
+                      {"pkv", "bench", "attn", "--prompt", "-5"}, {"pkv", "bench", "attn", "--frobnicate", NULL},
+                      {"pkv", "bench", "attn", "--block-tokens", "0"},
+                      {"pkv", "bench", "attn", "--block-tokens", "1025"},
+                      /* a block longer than a context, or than the prompt */
+                      {"pkv", "bench", "attn", "--block-tokens", "1024", "--ctx", "512"},
+                      {"pkv", "bench", "attn", "--block-tokens", "64", "--prompt", "32"}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        char *argv[6] = {bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4], NULL};
+        char *argv[8] = {bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4], bad[i][5], bad[i][6], NULL};
         char *out, *err;
         int rc = run_cli(argv, &out, &err);
         if (rc != 1) fail_msg("case %zu: exit %d (want 1): %s", i, rc, err);

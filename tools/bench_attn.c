@@ -15,15 +15,16 @@
 #include <immintrin.h>
 #endif
 
-enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT = 16 };
+enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_MAX = 1024 };
+static uint32_t g_bt = 16; /* block_tokens: --block-tokens */
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
 static void usage(FILE *f) {
     fprintf(f,
             "usage: pkv bench attn [--json] [--quick] [--dtype LIST] [--ctx LIST] [--batch LIST]\n"
-            "                      [--threads LIST] [--prompt N]\n"
+            "                      [--threads LIST] [--prompt N] [--block-tokens N]\n"
             "\n"
-            "Paged attention, n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %d.\n"
+            "Paged attention, n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u.\n"
             "Decode: contexts 512, 4096, 32768; batch 1 and 16; 1 and 2 threads; every KV dtype the\n"
             "cache accepts; each on a fragmented (paged: shuffled blocks) and a contiguous block table\n"
             "(identity: a sequence's blocks consecutive in the pool), the two over the same memory (one\n"
@@ -56,10 +57,12 @@ static void usage(FILE *f) {
             "  --batch LIST    only these decode batch sizes\n"
             "  --threads LIST  only these thread counts (1, 2)\n"
             "  --prompt N      prefill prompt tokens (0: no prefill)\n"
+            "  --block-tokens N  token slots per block, 1..1024, at most the smallest context [16]:\n"
+            "              larger blocks make longer runs, so fewer jumps in a paged table\n"
             "  -h, --help  this text\n"
             "Goals: decode f16 at contexts >= 4096 reaches >= 85%% of the read bandwidth at 2 threads;\n"
             "paged within 3%% of contiguous; prefill >= 40%% of the FMA peak.\n",
-            H_Q, H_KV, HEAD_DIM, BT);
+            H_Q, H_KV, HEAD_DIM, g_bt);
 }
 
 /* ---- machine: streaming read bandwidth ---------------------------------------------------------- */
@@ -249,8 +252,8 @@ static void setup_free(setup *s) {
 static int fill_pool(setup *s, tool_rng *rng) {
     pkv_layout L;
     if (tool_check(pkv_cache_layout(s->c, &L), "pkv_cache_layout") < 0) return -1;
-    const uint32_t per_seq = s->ctx / BT;
-    const uint32_t n_pat = 64 < per_seq ? 64 : per_seq, n_tok = n_pat * BT;
+    const uint32_t per_seq = s->ctx / g_bt;
+    const uint32_t n_pat = 64 < per_seq ? 64 : per_seq, n_tok = n_pat * g_bt;
     int32_t *slots = malloc(sizeof(int32_t) * n_tok);
     float *k = malloc(sizeof(float) * n_tok * H_KV * HEAD_DIM), *v = malloc(sizeof(float) * n_tok * H_KV * HEAD_DIM);
     uint8_t *pat_k = malloc(L.k_block_bytes * n_pat), *pat_v = malloc(L.v_block_bytes * n_pat);
@@ -261,7 +264,7 @@ static int fill_pool(setup *s, tool_rng *rng) {
     if (tool_check(pkv_seq_slots(s->c, s->seqs[0], 0, n_tok, slots), "pkv_seq_slots") < 0) goto out;
     if (tool_check(pkv_write_kv(s->c, 0, slots, n_tok, k, v, PKV_DTYPE_F32), "pkv_write_kv") < 0) goto out;
     for (uint32_t b = 0; b < n_pat; b++) {
-        uint32_t id = (uint32_t)slots[b * BT] / BT;
+        uint32_t id = (uint32_t)slots[b * g_bt] / g_bt;
         memcpy(pat_k + b * L.k_block_bytes, L.k_base + (size_t)id * L.k_block_bytes, L.k_block_bytes);
         memcpy(pat_v + b * L.v_block_bytes, L.v_base + (size_t)id * L.v_block_bytes, L.v_block_bytes);
     }
@@ -283,13 +286,13 @@ out:
 static int scatter_free_queue(setup *s, tool_rng *rng, uint32_t n_blocks) {
     enum { M = 1024 };
     pkv_seq sc[M];
-    int32_t tok[BT] = {0};
+    static const int32_t tok[BT_MAX] = {0};
     const uint32_t m = n_blocks < M ? n_blocks : M;
     for (uint32_t i = 0; i < m; i++)
         if (tool_check(pkv_seq_create(s->c, NULL, 0, &sc[i]), "pkv_seq_create") < 0) return -1;
     for (uint32_t b = 0; b < n_blocks; b++)
         for (;;) {
-            int rc = pkv_seq_append(s->c, sc[tool_rng_u64(rng) % m], tok, BT, NULL);
+            int rc = pkv_seq_append(s->c, sc[tool_rng_u64(rng) % m], tok, g_bt, NULL);
             if (rc == PKV_ELIMIT) continue; /* that one is full: pick another */
             if (tool_check(rc, "pkv_seq_append") < 0) return -1;
             break;
@@ -310,12 +313,12 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
                       int paged, tool_pool_loan *loan, tool_rng *rng) {
     memset(s, 0, sizeof *s);
     s->batch = batch, s->ctx = ctx, s->n_layers = n_layers;
-    const uint32_t per_seq = (ctx + BT - 1) / BT, n_blocks = per_seq * batch;
+    const uint32_t per_seq = (ctx + g_bt - 1) / g_bt, n_blocks = per_seq * batch;
     pkv_config cfg = pkv_config_default();
     cfg.n_layers = n_layers;
     cfg.n_kv_heads = H_KV;
     cfg.head_dim = HEAD_DIM;
-    cfg.block_tokens = BT;
+    cfg.block_tokens = g_bt;
     cfg.n_blocks = n_blocks;
     cfg.k_dtype = cfg.v_dtype = dt;
     cfg.max_seqs = 1024 + 32;
@@ -543,9 +546,9 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     /* su[2]: the in-cache run, paged, one layer of about HOT_BYTES: up to 2 of the batch's
      * sequences, as many tokens as fit (at most ctx) */
     const uint32_t hot_batch = batch < 2 ? batch : 2;
-    uint32_t hot_ctx = (uint32_t)(HOT_BYTES / ((double)hot_batch * H_KV * row)) / BT * BT;
+    uint32_t hot_ctx = (uint32_t)(HOT_BYTES / ((double)hot_batch * H_KV * row)) / g_bt * g_bt;
     if (hot_ctx > ctx) hot_ctx = ctx;
-    if (hot_ctx < BT) hot_ctx = BT;
+    if (hot_ctx < g_bt) hot_ctx = g_bt;
     const double hot_layer = (double)hot_batch * hot_ctx * H_KV * row;
     /* su[1] reads su[0]'s pool: the same pages, in two block orders */
     setup su[3];
@@ -659,7 +662,7 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
 /* Every dtype the cache accepts for this shape, in enum order. */
 static int dtype_ok(pkv_dtype dt) {
     pkv_config cfg = pkv_config_default();
-    cfg.n_layers = 1, cfg.n_kv_heads = H_KV, cfg.head_dim = HEAD_DIM, cfg.block_tokens = BT, cfg.n_blocks = 4;
+    cfg.n_layers = 1, cfg.n_kv_heads = H_KV, cfg.head_dim = HEAD_DIM, cfg.block_tokens = g_bt, cfg.n_blocks = 4;
     cfg.k_dtype = cfg.v_dtype = dt;
     cfg.n_threads = 1;
     pkv_cache *c = NULL;
@@ -687,6 +690,13 @@ int tool_bench_attn(int argc, char **argv) {
             bad = *end || end == val || o.prompt < 0 || o.prompt > 65536;
             i++;
         }
+        else if (!strcmp(arg, "--block-tokens") && val) {
+            uint32_t bt[1];
+            int n = 0;
+            bad = parse_u32_list(val, bt, 1, BT_MAX, &n);
+            if (!bad) g_bt = bt[0];
+            i++;
+        }
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             usage(stdout);
             return TOOL_OK;
@@ -699,6 +709,20 @@ int tool_bench_attn(int argc, char **argv) {
             fprintf(stderr, "pkv bench attn: bad value for %s: '%s'\n", arg, val);
             return TOOL_USAGE;
         }
+    }
+    static const uint32_t ctxs_full[] = {512, 4096, 32768}, ctxs_quick[] = {512, 4096};
+    static const uint32_t batches_full[] = {1, 16}, batches_quick[] = {1}, threads_all[] = {1, 2};
+    const uint32_t *ctxs = o.n_ctx ? o.ctx : o.quick ? ctxs_quick : ctxs_full;
+    const uint32_t *batches = o.n_batch ? o.batch : o.quick ? batches_quick : batches_full;
+    const uint32_t *threads = o.n_threads ? o.threads : threads_all;
+    const int n_ctx = o.n_ctx ? o.n_ctx : o.quick ? 2 : 3, n_batch = o.n_batch ? o.n_batch : o.quick ? 1 : 2;
+    const int n_thr = o.n_threads ? o.n_threads : 2;
+    const uint32_t prompt = o.prompt >= 0 ? (uint32_t)o.prompt : o.quick ? 512 : 2048;
+    int short_ctx = prompt && prompt < g_bt;
+    for (int ci = 0; ci < n_ctx; ci++) short_ctx |= ctxs[ci] < g_bt;
+    if (short_ctx) {
+        fprintf(stderr, "pkv bench attn: --block-tokens %u is longer than a context or the prompt\n", g_bt);
+        return TOOL_USAGE;
     }
     tool_rng rng;
     tool_rng_seed(&rng, 42);
@@ -735,21 +759,13 @@ int tool_bench_attn(int argc, char **argv) {
         printf("# %s, %s, attention backend %s\n", tool_cpu_name(), tool_build_info(), backend);
         printf("# streaming read: %.2f GB/s (1 thread), %.2f GB/s (2 threads); f32 FMA peak: %.1f / %.1f GFLOP/s\n",
                g_bw[1], g_bw[2], g_peak[1], g_peak[2]);
-        printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %d\n", H_Q, H_KV, HEAD_DIM, BT);
+        printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u\n", H_Q, H_KV, HEAD_DIM, g_bt);
         printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s %8s %7s  %s  %s\n", "kernel", "kv", "ctx",
                "batch", "thr", "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "hotGB/s", "hot_bw",
                "paged/contig", "read_p/c");
     }
     fflush(stdout);
 
-    static const uint32_t ctxs_full[] = {512, 4096, 32768}, ctxs_quick[] = {512, 4096};
-    static const uint32_t batches_full[] = {1, 16}, batches_quick[] = {1}, threads_all[] = {1, 2};
-    const uint32_t *ctxs = o.n_ctx ? o.ctx : o.quick ? ctxs_quick : ctxs_full;
-    const uint32_t *batches = o.n_batch ? o.batch : o.quick ? batches_quick : batches_full;
-    const uint32_t *threads = o.n_threads ? o.threads : threads_all;
-    const int n_ctx = o.n_ctx ? o.n_ctx : o.quick ? 2 : 3, n_batch = o.n_batch ? o.n_batch : o.quick ? 1 : 2;
-    const int n_thr = o.n_threads ? o.n_threads : 2;
-    const uint32_t prompt = o.prompt >= 0 ? (uint32_t)o.prompt : o.quick ? 512 : 2048;
     int rc = 0;
     for (int d = 0; d < PKV_DTYPE_COUNT && rc == 0; d++) {
         pkv_dtype dt = (pkv_dtype)d;
