@@ -57,8 +57,8 @@ static void usage(FILE *f) {
             "  --batch LIST    only these decode batch sizes\n"
             "  --threads LIST  only these thread counts (1, 2)\n"
             "  --prompt N      prefill prompt tokens (0: no prefill)\n"
-            "  --block-tokens N  token slots per block, 1..1024, at most the smallest context [16]:\n"
-            "              larger blocks make longer runs, so fewer jumps in a paged table\n"
+            "  --block-tokens N  token slots per block, 1..1024, at most the smallest context and the\n"
+            "              prompt [16]; larger blocks make longer runs, so fewer jumps in a paged table\n"
             "  -h, --help  this text\n"
             "Goals: decode f16 at contexts >= 4096 reaches >= 85%% of the read bandwidth at 2 threads;\n"
             "paged within 3%% of contiguous; prefill >= 40%% of the FMA peak.\n",
