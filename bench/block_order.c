@@ -47,12 +47,11 @@ static double read_table(const uint32_t *tab) {
     uint64_t sum = 0;
     const uint64_t t0 = tool_now_ns();
     for (uint32_t b = 0; b < N_BLOCKS; b++) {
-        const size_t id = tab[b], nx = b + 1 < N_BLOCKS ? tab[b + 1] : 0;
-        for (uint32_t h = 0; h < HEADS; h++) {
-            const int pf = b + 1 < N_BLOCKS;
-            sum += tool_sum_run(g_k + id * BLOCK + h * RUN, pf ? g_k + nx * BLOCK + h * RUN : NULL, RUN);
-            sum += tool_sum_run(g_v + id * BLOCK + h * RUN, pf ? g_v + nx * BLOCK + h * RUN : NULL, RUN);
-        }
+        const uint8_t *k = g_k + (size_t)tab[b] * BLOCK, *v = g_v + (size_t)tab[b] * BLOCK;
+        const int last = b + 1 == N_BLOCKS; /* nothing to prefetch */
+        const uint8_t *kn = last ? NULL : g_k + (size_t)tab[b + 1] * BLOCK;
+        const uint8_t *vn = last ? NULL : g_v + (size_t)tab[b + 1] * BLOCK;
+        sum += tool_sum_block(k, v, kn, vn, HEADS, RUN, RUN);
     }
     const double sec = (double)(tool_now_ns() - t0) * 1e-9;
     g_sink += sum;

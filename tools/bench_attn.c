@@ -15,8 +15,8 @@
 #include <immintrin.h>
 #endif
 
-enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_MAX = 1024 };
-static uint32_t g_bt = 16; /* block_tokens: --block-tokens */
+enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_DEFAULT = 16, BT_MAX = 1024 };
+static uint32_t g_bt = BT_DEFAULT; /* block_tokens: opts.block_tokens, set by tool_bench_attn */
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
 static void usage(FILE *f) {
@@ -250,8 +250,7 @@ static void setup_free(setup *s) {
  * copied over the whole pool through pkv_cache_layout. The values are irrelevant to the
  * timing as long as they are finite and not all alike (the softmax max changes now and then). */
 static int fill_pool(setup *s, tool_rng *rng) {
-    pkv_layout L;
-    if (tool_check(pkv_cache_layout(s->c, &L), "pkv_cache_layout") < 0) return -1;
+    const pkv_layout L = s->L;
     const uint32_t per_seq = s->ctx / g_bt;
     const uint32_t n_pat = 64 < per_seq ? 64 : per_seq, n_tok = n_pat * g_bt;
     int32_t *slots = malloc(sizeof(int32_t) * n_tok);
@@ -350,7 +349,7 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
     }
     s->adjacent = pairs ? (double)adj / (double)pairs : 1.0;
     free(tok);
-    if (fill_pool(s, rng) < 0 || tool_check(pkv_cache_layout(s->c, &s->L), "pkv_cache_layout") < 0) goto fail;
+    if (tool_check(pkv_cache_layout(s->c, &s->L), "pkv_cache_layout") < 0 || fill_pool(s, rng) < 0) goto fail;
     return 0;
 fail:
     setup_free(s);
@@ -364,6 +363,7 @@ typedef struct opts {
     int n_ctx, n_batch, n_threads;
     int dtype_on[PKV_DTYPE_COUNT], dtype_set;
     long prompt; /* -1: the default */
+    uint32_t block_tokens;
 } opts;
 
 /* "a,b,c" -> values in [1, max]; 0 on success. */
@@ -423,18 +423,16 @@ static void *gather_read(void *arg) {
     const size_t kh = L->k_block_bytes / L->n_kv_heads, vh = L->v_block_bytes / L->n_kv_heads;
     const uint8_t *K = L->k_base + (size_t)j->layer * L->layer_stride_bytes;
     const uint8_t *V = L->v_base + (size_t)j->layer * L->layer_stride_bytes;
+    const uint32_t b0 = s->per_seq * j->part / j->n_parts, b1 = s->per_seq * (j->part + 1) / j->n_parts;
     uint64_t sum = 0;
     for (uint32_t i = j->seq0; i < s->batch; i += j->seq_step) {
         const int32_t *t = s->tables + (size_t)i * s->per_seq;
-        const uint32_t b0 = s->per_seq * j->part / j->n_parts, b1 = s->per_seq * (j->part + 1) / j->n_parts;
         for (uint32_t b = b0; b < b1; b++) {
             const uint8_t *k = K + (size_t)t[b] * L->k_block_bytes, *v = V + (size_t)t[b] * L->v_block_bytes;
             const uint8_t *kn = NULL, *vn = NULL;
             if (b + 1 < b1)
                 kn = K + (size_t)t[b + 1] * L->k_block_bytes, vn = V + (size_t)t[b + 1] * L->v_block_bytes;
-            for (uint32_t h = 0; h < L->n_kv_heads; h++)
-                sum += tool_sum_run(k + h * kh, kn ? kn + h * kh : NULL, kh) +
-                       tool_sum_run(v + h * vh, vn ? vn + h * vh : NULL, vh);
+            sum += tool_sum_block(k, v, kn, vn, L->n_kv_heads, kh, vh);
         }
     }
     j->sum = sum;
@@ -455,45 +453,62 @@ static double gather_sample(setup *s, uint32_t nt) {
     return sec;
 }
 
-/* A round of plain reads, contiguous and paged in ABBA order, at least min_calls each and about
- * max_s seconds; the ratio of the medians, paged / contiguous. */
-static double gather_ratio(setup su[2], uint32_t nt, double max_s, uint32_t min_calls) {
-    enum { MAX_CALLS = 200 };
-    double t[2][MAX_CALLS];
-    int n[2] = {0, 0};
-    const uint64_t start = tool_now_ns();
-    for (uint32_t i = 0; n[0] < MAX_CALLS && n[1] < MAX_CALLS; i++) {
-        const int l = (i ^ (i >> 1)) & 1;
-        t[l][n[l]++] = gather_sample(&su[l], nt);
-        if ((uint32_t)n[0] >= min_calls && n[0] == n[1] && (double)(tool_now_ns() - start) * 1e-9 > max_s) break;
-    }
-    return tool_median(t[1], (size_t)n[1]) / tool_median(t[0], (size_t)n[0]);
-}
+/* One timed call on a setup: seconds, or < 0 when it failed (reported). */
+typedef double (*timed_call)(setup *s, void *ctx);
 
-/* One round of decode timing for the two layouts (su[0] contiguous, su[1] paged): calls
- * alternate between them in ABBA order (contig, paged, paged, contig, ...), each call on the
- * layout's next layer, for about max_s seconds and at least min_calls calls per layout. med[l]:
- * the median seconds per call of layout l. Interleaving call by call puts both layouts under the
- * same conditions of a shared machine (its bandwidth and clock change within a second). */
-static int time_decode_pair(setup su[2], const float *q, float *out, double max_s, uint32_t min_calls, double med[2]) {
+/* One round of timing for the two layouts (su[0] contiguous, su[1] paged): calls alternate
+ * between them in ABBA order (contig, paged, paged, contig, ...), for about max_s seconds and
+ * at least min_calls calls per layout. med[l]: the median seconds per call of layout l; 0, or -1
+ * when a call failed. Interleaving call by call puts both layouts under the same conditions of a
+ * shared machine (its bandwidth and clock change within a second). */
+static int time_abba(setup su[2], timed_call call, void *ctx, double max_s, uint32_t min_calls, double med[2]) {
     enum { MAX_CALLS = 200 };
     double t[2][MAX_CALLS];
     int n[2] = {0, 0};
-    pkv_attn_params p = pkv_attn_params_default();
-    p.n_q_heads = H_Q;
-    if (decode_next(&su[0], q, out, &p) < 0 || decode_next(&su[1], q, out, &p) < 0) return -1; /* warm-up */
     const uint64_t start = tool_now_ns();
     for (uint32_t i = 0; n[0] < MAX_CALLS && n[1] < MAX_CALLS; i++) {
         const int l = (i ^ (i >> 1)) & 1; /* 0 1 1 0 0 1 1 0 ... */
-        const uint64_t t0 = tool_now_ns();
-        const int rc = decode_next(&su[l], q, out, &p);
-        const uint64_t t1 = tool_now_ns();
-        if (rc < 0) return -1;
-        t[l][n[l]++] = (double)(t1 - t0) * 1e-9;
-        if ((uint32_t)n[0] >= min_calls && n[0] == n[1] && (double)(t1 - start) * 1e-9 > max_s) break;
+        const double sec = call(&su[l], ctx);
+        if (sec < 0) return -1;
+        t[l][n[l]++] = sec;
+        if ((uint32_t)n[0] >= min_calls && n[0] == n[1] && (double)(tool_now_ns() - start) * 1e-9 > max_s) break;
     }
     for (int l = 0; l < 2; l++) med[l] = tool_median(t[l], (size_t)n[l]);
     return 0;
+}
+
+typedef struct decode_args {
+    const float *q;
+    float *out;
+    pkv_attn_params p;
+} decode_args;
+
+/* timed_call: one decode call on the setup's next layer */
+static double timed_decode(setup *s, void *ctx) {
+    decode_args *a = ctx;
+    const uint64_t t0 = tool_now_ns();
+    const int rc = decode_next(s, a->q, a->out, &a->p);
+    const uint64_t t1 = tool_now_ns();
+    return rc < 0 ? -1.0 : (double)(t1 - t0) * 1e-9;
+}
+
+/* timed_call: one plain read of the setup's next layer; ctx: the thread count (uint32_t) */
+static double timed_gather(setup *s, void *ctx) { return gather_sample(s, *(const uint32_t *)ctx); }
+
+/* One round of decode timing for the two layouts (time_abba), each call on the layout's next
+ * layer, after one warm-up call each. */
+static int time_decode_pair(setup su[2], const float *q, float *out, double max_s, uint32_t min_calls, double med[2]) {
+    decode_args a = {q, out, pkv_attn_params_default()};
+    a.p.n_q_heads = H_Q;
+    if (decode_next(&su[0], q, out, &a.p) < 0 || decode_next(&su[1], q, out, &a.p) < 0) return -1; /* warm-up */
+    return time_abba(su, timed_decode, &a, max_s, min_calls, med);
+}
+
+/* A round of plain reads (time_abba): the ratio of the medians, paged / contiguous. */
+static double gather_ratio(setup su[2], uint32_t nt, double max_s, uint32_t min_calls) {
+    double med[2];
+    (void)time_abba(su, timed_gather, &nt, max_s, min_calls, med); /* a plain read cannot fail */
+    return med[1] / med[0];
 }
 
 /* The same kernel with K/V already in the caches: one layer of HOT_BYTES, called over and over
@@ -675,6 +690,7 @@ int tool_bench_attn(int argc, char **argv) {
     opts o;
     memset(&o, 0, sizeof o);
     o.prompt = -1;
+    o.block_tokens = BT_DEFAULT;
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
         int bad = 0;
@@ -691,10 +707,8 @@ int tool_bench_attn(int argc, char **argv) {
             i++;
         }
         else if (!strcmp(arg, "--block-tokens") && val) {
-            uint32_t bt[1];
             int n = 0;
-            bad = parse_u32_list(val, bt, 1, BT_MAX, &n);
-            if (!bad) g_bt = bt[0];
+            bad = parse_u32_list(val, &o.block_tokens, 1, BT_MAX, &n);
             i++;
         }
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
@@ -710,6 +724,7 @@ int tool_bench_attn(int argc, char **argv) {
             return TOOL_USAGE;
         }
     }
+    g_bt = o.block_tokens;
     static const uint32_t ctxs_full[] = {512, 4096, 32768}, ctxs_quick[] = {512, 4096};
     static const uint32_t batches_full[] = {1, 16}, batches_quick[] = {1}, threads_all[] = {1, 2};
     const uint32_t *ctxs = o.n_ctx ? o.ctx : o.quick ? ctxs_quick : ctxs_full;

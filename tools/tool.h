@@ -28,6 +28,11 @@ void *tool_map_huge(size_t bytes);
  * read prefetches (T1) the line at the same offset of pf: a plain read as the decode kernels
  * stream a run while prefetching the next block's. */
 uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, size_t n);
+/* One block read as the decode kernels walk it: for each of n_heads heads, its K run (k_run
+ * bytes at k + h * k_run), then its V run (likewise), each with tool_sum_run prefetching the same
+ * head's run of the next block (kn, vn; NULL: none). */
+uint64_t tool_sum_block(const uint8_t *k, const uint8_t *v, const uint8_t *kn, const uint8_t *vn, uint32_t n_heads,
+                        size_t k_run, size_t v_run);
 /* Fails with a message naming the call when rc < 0; returns rc. */
 int tool_check(int rc, const char *what);
 /* xorshift-style deterministic RNG. */

@@ -146,3 +146,12 @@ uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, size_t n) {
     }
     return a + b + c + d;
 }
+
+uint64_t tool_sum_block(const uint8_t *k, const uint8_t *v, const uint8_t *kn, const uint8_t *vn, uint32_t n_heads,
+                        size_t k_run, size_t v_run) {
+    uint64_t sum = 0;
+    for (uint32_t h = 0; h < n_heads; h++)
+        sum += tool_sum_run(k + h * k_run, kn ? kn + h * k_run : NULL, k_run) +
+               tool_sum_run(v + h * v_run, vn ? vn + h * v_run : NULL, v_run);
+    return sum;
+}
