@@ -618,6 +618,184 @@ static void test_threads_agree(void **state) {
     pool_free(&p);
 }
 
+/* ---- pool order (the sweep) ------------------------------------------------------------------- */
+
+/* A sequence of len tokens whose first share blocks are parent's (table entries and K/V: a fork
+ * or a reused prefix), the rest fresh blocks of random tokens. share * B <= len, parent->len. */
+static void seq_fork(tpool *p, const tseq *parent, tseq *s, uint32_t share, uint32_t len, float kmul) {
+    const uint32_t B = p->B, nb = (len + B - 1) / B, n_shared = share * B;
+    assert_true(n_shared <= len && n_shared <= parent->len);
+    memset(s, 0, sizeof *s);
+    s->len = len;
+    s->table = malloc(sizeof(int32_t) * (nb + 1));
+    for (uint32_t i = 0; i < nb; i++) s->table[i] = i < share ? parent->table[i] : p->free_ids[p->next_free++];
+    assert_true(p->next_free <= p->n_blocks);
+    const size_t per_tok = (size_t)p->H * p->D;
+    s->kf = malloc(sizeof(float) * (len * per_tok + 1));
+    s->vf = malloc(sizeof(float) * (len * per_tok + 1));
+    memcpy(s->kf, parent->kf, sizeof(float) * n_shared * per_tok);
+    memcpy(s->vf, parent->vf, sizeof(float) * n_shared * per_tok);
+    for (size_t i = 0; i < n_shared * per_tok; i++) s->vmax = fmaxf(s->vmax, fabsf(s->vf[i]));
+    float *k = malloc(sizeof(float) * per_tok), *v = malloc(sizeof(float) * per_tok);
+    for (uint32_t pos = n_shared; pos < len; pos++) {
+        for (size_t i = 0; i < per_tok; i++) k[i] = rng_normal() * kmul, v[i] = rng_normal();
+        seq_put(p, s, pos, k, v);
+    }
+    free(k);
+    free(v);
+}
+
+/* Decode in pool order (forced) against the reference and against table order: batches of 1
+ * to 16 sequences, a third of them forked from an earlier one (shared prefix blocks, which the
+ * sweep reads once for all their holders), in pools up to 3x larger than the batch (free blocks
+ * between the batch's), with soft-cap, window and log-sum-exp sometimes, on 1 to 3 threads. */
+static void test_oracle_pool_order(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    g_rng = 606;
+    static const uint32_t shapes[][3] = {{128, 32, 8}, {64, 8, 1}, {80, 8, 8}, {256, 8, 2}}; /* D, q heads, kv heads */
+    static const uint32_t btoks[] = {1, 3, 16, 16, 32};
+    double worst = 0, worst_lse = 0, worst_table = 0;
+    for (uint32_t c = 0; c < 24; c++) {
+        const uint32_t D = shapes[c % 4][0], nqh = shapes[c % 4][1], H = shapes[c % 4][2];
+        const uint32_t B = btoks[rng_below(5)], n = 1 + rng_below(16), nt = 1 + rng_below(3);
+        const pkv_dtype dt = k_types[c % 3];
+        uint32_t lens[16], share[16], parent[16], total = 0, max_blocks = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            lens[i] = 1 + rng_below(c < 12 ? 600 : 2500);
+            share[i] = 0, parent[i] = i;
+            if (i && rng_below(3) == 0) { /* fork an earlier sequence that is not a fork itself */
+                const uint32_t j = rng_below(i);
+                if (parent[j] == j) parent[i] = j, share[i] = rng_below(PKV_MIN(lens[i], lens[j]) / B + 1);
+            }
+            const uint32_t nb = (lens[i] + B - 1) / B;
+            total += nb - share[i], max_blocks = PKV_MAX(max_blocks, nb);
+        }
+        tpool p;
+        pool_init(&p, H, D, B, total * (1 + rng_below(3)) + 3, dt, dt);
+        tseq seqs[16];
+        for (uint32_t i = 0; i < n; i++)
+            if (parent[i] == i) seq_make(&p, &seqs[i], lens[i], 1.5f);
+            else seq_fork(&p, &seqs[parent[i]], &seqs[i], share[i], lens[i], 1.5f);
+        pkv__attn *at = make_attn(bc->name, nt, n, max_blocks, H, D, B);
+        if (!at) skip();
+        pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
+        if (rng_below(3) == 0) call.softcap = (float)(1.0 + 30.0 * rng_unit());
+        if (rng_below(3) == 0) call.window = 1 + rng_below(600);
+        pkv__attn_item items[16];
+        float *table_out[16];
+        for (uint32_t i = 0; i < n; i++) {
+            items[i] = (pkv__attn_item){.block_table = seqs[i].table, .q_pos0 = lens[i] - 1, .n_q = 1,
+                                        .q = rand_q((size_t)nqh * D), .out = malloc(sizeof(float) * nqh * D),
+                                        .lse = rng_below(2) ? malloc(sizeof(float) * nqh) : NULL};
+            table_out[i] = malloc(sizeof(float) * nqh * D);
+        }
+        pkv__attn_set_order(at, PKV__ATTN_ORDER_TABLE);
+        assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
+        assert_false(pkv__attn_last_swept(at));
+        for (uint32_t i = 0; i < n; i++) memcpy(table_out[i], items[i].out, sizeof(float) * nqh * D);
+        pkv__attn_set_order(at, PKV__ATTN_ORDER_POOL);
+        assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
+        assert_true(pkv__attn_last_swept(at));
+        for (uint32_t i = 0; i < n; i++) {
+            const double e = check_item(&p, &seqs[i], nqh, &items[i], &call, &worst_lse) / tol_for(dt, dt);
+            if (!(e <= worst)) worst = e;
+            if (e > 1.0)
+                print_message("  fail: %s D=%u q/kv=%u/%u B=%u n=%u len=%u share=%u thr=%u: err %.3g\n", bc->name, D,
+                              nqh, H, B, n, lens[i], share[i], nt, e);
+            for (uint32_t x = 0; x < nqh * D; x++) {
+                const double d = fabs((double)items[i].out[x] - table_out[i][x]) / fmax(seqs[i].vmax, 1e-30);
+                if (!(d <= worst_table)) worst_table = isnan(d) ? INFINITY : d;
+            }
+        }
+        for (uint32_t i = 0; i < n; i++) {
+            free((void *)items[i].q), free(items[i].out), free(items[i].lse), free(table_out[i]);
+            seq_free(&seqs[i]);
+        }
+        pkv__attn_destroy(at);
+        pool_free(&p);
+    }
+    print_message("  %s pool order: max err %.3g of the tolerance, lse err %.3g, against table order %.3g\n", bc->name,
+                  worst, worst_lse, worst_table);
+    assert_true(worst <= 1.0);
+    assert_true(worst_lse <= TOL_LSE);
+    assert_true(worst_table <= 2 * TOL_F32); /* two results, each within the tolerance of the reference */
+}
+
+/* Runs one decode call of n sequences of len tokens (shuffled blocks unless in_order) and
+ * returns whether it was swept; the outputs are checked against the reference either way. */
+static bool swept_case(pkv__attn *at, uint32_t n, uint32_t len, uint32_t nqh, uint32_t H, uint32_t n_q, int in_order,
+                       int window) {
+    const uint32_t D = 64, B = 16, nb = (len + B - 1) / B;
+    tpool p;
+    pool_init(&p, H, D, B, n * nb, PKV_DTYPE_F32, PKV_DTYPE_F32);
+    if (in_order)
+        for (uint32_t i = 0; i < n * nb; i++) p.free_ids[i] = (int32_t)i;
+    tseq seqs[17];
+    pkv__attn_item items[17];
+    pkv__attn_call call = {.n_q_heads = nqh, .scale = 0.125f, .window = window ? 40u : 0u};
+    for (uint32_t i = 0; i < n; i++) {
+        seq_make(&p, &seqs[i], len, 1.0f);
+        items[i] = (pkv__attn_item){.block_table = seqs[i].table, .q_pos0 = len - n_q, .n_q = n_q,
+                                    .q = rand_q((size_t)n_q * nqh * D), .out = malloc(sizeof(float) * n_q * nqh * D)};
+    }
+    assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
+    const bool swept = pkv__attn_last_swept(at);
+    for (uint32_t i = 0; i < n; i++) {
+        double lse_err = 0;
+        assert_true(check_item(&p, &seqs[i], nqh, &items[i], &call, &lse_err) <= TOL_F32);
+        free((void *)items[i].q), free(items[i].out);
+        seq_free(&seqs[i]);
+    }
+    pool_free(&p);
+    return swept;
+}
+
+/* When the sweep takes a call: forced pool order takes every decode call it can hold, and falls
+ * back to table order (with the same answers) for prefill items, more than 16 sequences, more
+ * than 64 query rows per sequence and contexts of more than 16 threads; AUTO sweeps calls above
+ * the inline threshold whose tables jump, not contiguous tables or small calls;
+ * PKV_ATTN_ORDER sets the order at creation and an unknown value fails it. */
+static void test_pool_order_choice(void **state) {
+    (void)state;
+    g_rng = 607;
+    pkv__attn *at = make_attn("ref", 2, 17, 64, 4, 64, 16);
+    pkv__attn_set_order(at, PKV__ATTN_ORDER_POOL);
+    assert_true(swept_case(at, 3, 100, 16, 4, 1, 0, 0));
+    assert_true(swept_case(at, 16, 40, 16, 4, 1, 1, 1)); /* in order, windowed: forced all the same */
+    assert_false(swept_case(at, 17, 40, 16, 4, 1, 0, 0));
+    assert_false(swept_case(at, 2, 100, 16, 4, 2, 0, 0)); /* two queries: an extend */
+    assert_false(swept_case(at, 2, 100, 68, 4, 1, 0, 0)); /* 68 rows */
+    pkv__attn_set_order(at, PKV__ATTN_ORDER_AUTO);
+    pkv__attn_set_inline_work(at, 0);
+    assert_true(swept_case(at, 4, 1000, 16, 4, 1, 0, 0));
+    assert_false(swept_case(at, 4, 1000, 16, 4, 1, 1, 0)); /* runs of 63 blocks */
+    pkv__attn_set_inline_work(at, 1u << 30);
+    assert_false(swept_case(at, 4, 1000, 16, 4, 1, 0, 0)); /* a small call, on the caller */
+    pkv__attn_destroy(at);
+
+    at = make_attn("ref", 17, 2, 64, 4, 64, 16);
+    pkv__attn_set_order(at, PKV__ATTN_ORDER_POOL);
+    assert_false(swept_case(at, 2, 100, 16, 4, 1, 0, 0));
+    pkv__attn_destroy(at);
+
+    pkv__attn_limits lim = {.max_items = 4, .max_blocks_per_seq = 64, .n_kv_heads = 4, .head_dim = 64, .block_tokens = 16};
+    setenv("PKV_ATTN_ORDER", "pool", 1);
+    assert_int_equal(pkv__attn_create_backend(NULL, 2, &lim, "ref", &at), PKV_OK);
+    assert_true(swept_case(at, 2, 40, 16, 4, 1, 1, 0)); /* forced: small and in order */
+    pkv__attn_destroy(at);
+    setenv("PKV_ATTN_ORDER", "table", 1);
+    assert_int_equal(pkv__attn_create_backend(NULL, 2, &lim, "ref", &at), PKV_OK);
+    pkv__attn_set_inline_work(at, 0);
+    assert_false(swept_case(at, 2, 1000, 16, 4, 1, 0, 0));
+    pkv__attn_destroy(at);
+    setenv("PKV_ATTN_ORDER", "sideways", 1);
+    at = NULL;
+    assert_int_equal(pkv__attn_create_backend(NULL, 2, &lim, "ref", &at), PKV_EINVAL);
+    assert_null(at);
+    unsetenv("PKV_ATTN_ORDER");
+}
+
 /* The plan's size for the run-inline decision counts every kv head a unit reads: a decode unit
  * covers all 8 kv heads of a sequence, so one sequence of 512 tokens is 8 x 32 (head, block)
  * pairs, 4x the default threshold of 64, and goes to the pool; it counted 32 once (run alone). */
@@ -799,8 +977,10 @@ int main(void) {
         PER_BACKEND(test_window_one_sees_itself),
         PER_BACKEND(test_lse_merge_halves),
         PER_BACKEND(test_threads_agree),
+        PER_BACKEND(test_oracle_pool_order),
         PER_BACKEND(test_quant_dtypes_supported_or_enotsup),
         cmocka_unit_test(test_inline_threshold_counts_heads),
+        cmocka_unit_test(test_pool_order_choice),
         cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_force_ref),
     };

@@ -1,6 +1,6 @@
 /* test_thr_attn.c: the attention thread pool under ThreadSanitizer: many back-to-back calls on
- * a multi-threaded context (key splits merged by the last finisher, prefill tiles handed out by
- * work stealing), contexts created and destroyed repeatedly, and two contexts driven from two
+ * a multi-threaded context (key splits merged by the last finisher, decode batches read in pool
+ * order and merged in a second job, prefill tiles handed out by work stealing), contexts created and destroyed repeatedly, and two contexts driven from two
  * application threads at once; the pool itself: every task of every job runs exactly once, and
  * none after its job has returned, with workers that doze off between jobs and wake late. Each
  * result must equal the single-threaded one bit for bit where the partition is the same, and
@@ -56,12 +56,25 @@ static pkv__attn *make(uint32_t nt) {
     return at;
 }
 
-/* decode of 1 long item (key splits with > 1 thread) + a prefill of 40 queries */
+static void near(const float *a, const float *b, size_t n) {
+    for (size_t i = 0; i < n; i++) assert_true(fabsf(a[i] - b[i]) <= 1e-5f);
+}
+
+/* decode of 1 long item (key splits with > 1 thread), then of it and another (pool order), + a
+ * prefill of 40 queries; out_dec holds 3 outputs */
 static void run_once(pkv__attn *at, float *out_dec, float *out_pre, uint32_t len) {
     pkv__kv_view kv = view();
     pkv__attn_call call = {.n_q_heads = NQH, .scale = 0.125f};
-    pkv__attn_item dec = {.block_table = g_table, .q_pos0 = len - 1, .n_q = 1, .q = &g_q[0][0][0], .out = out_dec};
-    assert_int_equal(pkv__attn_run(at, &kv, &dec, 1, &call), PKV_OK);
+    pkv__attn_item dec[3] = {
+        {.block_table = g_table, .q_pos0 = len - 1, .n_q = 1, .q = &g_q[0][0][0], .out = out_dec},
+        {.block_table = g_table, .q_pos0 = len - 1, .n_q = 1, .q = &g_q[0][0][0], .out = out_dec + NQH * D},
+        {.block_table = g_table, .q_pos0 = len / 2, .n_q = 1, .q = &g_q[1][0][0], .out = out_dec + 2 * NQH * D},
+    };
+    assert_int_equal(pkv__attn_run(at, &kv, dec, 1, &call), PKV_OK);
+    /* two sequences: read in pool order (the table jumps), their blocks shared, one merge each */
+    assert_int_equal(pkv__attn_run(at, &kv, dec + 1, 2, &call), PKV_OK);
+    assert_true(pkv__attn_last_swept(at));
+    near(out_dec, out_dec + NQH * D, NQH * D);
     pkv__attn_item pre[2] = {
         {.block_table = g_table, .q_pos0 = len - 40, .n_q = 40, .q = &g_q[0][0][0], .out = out_pre},
         {.block_table = g_table, .q_pos0 = 0, .n_q = 7, .q = &g_q[40][0][0], .out = out_pre + 40 * NQH * D},
@@ -69,20 +82,17 @@ static void run_once(pkv__attn *at, float *out_dec, float *out_pre, uint32_t len
     assert_int_equal(pkv__attn_run(at, &kv, pre, 2, &call), PKV_OK);
 }
 
-static void near(const float *a, const float *b, size_t n) {
-    for (size_t i = 0; i < n; i++) assert_true(fabsf(a[i] - b[i]) <= 1e-5f);
-}
 
 static void test_thr_back_to_back(void **state) {
     (void)state;
     fill();
-    static float d1[NQH * D], p1[47 * NQH * D], dn[NQH * D], pn[47 * NQH * D];
+    static float d1[3 * NQH * D], p1[47 * NQH * D], dn[3 * NQH * D], pn[47 * NQH * D];
     pkv__attn *one = make(1), *many = make(3);
     for (int it = 0; it < 60; it++) {
         const uint32_t len = 41 + (uint32_t)(it * 97) % (LEN - 41);
         run_once(one, d1, p1, len);
         run_once(many, dn, pn, len);
-        near(d1, dn, NQH * D);
+        near(d1, dn, 3 * NQH * D);
         assert_memory_equal(p1, pn, sizeof p1); /* prefill units are not split: identical */
     }
     pkv__attn_destroy(one);
@@ -91,7 +101,7 @@ static void test_thr_back_to_back(void **state) {
 
 static void test_thr_create_destroy(void **state) {
     (void)state;
-    static float d[NQH * D], p[47 * NQH * D];
+    static float d[3 * NQH * D], p[47 * NQH * D];
     for (uint32_t nt = 1; nt <= 4; nt++)
         for (int rep = 0; rep < 5; rep++) {
             pkv__attn *at = make(nt);
@@ -102,7 +112,7 @@ static void test_thr_create_destroy(void **state) {
 
 typedef struct app_thread {
     pkv__attn *at;
-    float dec[NQH * D], pre[47 * NQH * D];
+    float dec[3 * NQH * D], pre[47 * NQH * D];
     int ok;
 } app_thread;
 

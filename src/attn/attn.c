@@ -8,6 +8,7 @@
 
 #include <math.h>
 #include <string.h>
+#include <stdlib.h>
 
 /* Rows (query position x query head pairs) one work unit holds; its scratch is
  * ROWS_MAX x (prepared q + acc) + a block of scores. 64 covers every kv head of a decode with
@@ -27,6 +28,25 @@
 
 #ifndef UNITS_PER_THREAD
 #define UNITS_PER_THREAD 4u
+#endif
+
+/* Pool-order decode (the "sweep", below): at most this many items per call (their running
+ * state, 16 KiB a sequence at 32 query heads x head_dim 128, stays in each core's L2), in
+ * SWEEP_CHUNKS_PER_THREAD chunks per thread, for contexts of at most SWEEP_MAX_THREADS threads
+ * (its state slots are items x chunks). An entry key packs (block id << 32 | item << 27 | block
+ * index), so a sequence's blocks up to 2^27. */
+#define SWEEP_ITEMS 16u
+#define SWEEP_CHUNKS_PER_THREAD 2u
+#define SWEEP_MAX_THREADS 16u
+#define SWEEP_B_BITS 27u
+#define SWEEP_ENTRIES_MAX (1u << 20)
+#define SWEEP_ENTRIES_UNBOUNDED 65536u
+/* AUTO reads in table order when the tables' runs of neighbouring blocks average this many:
+ * there the sweep's state traffic and merges cost more (about 1% on contiguous tables) than the
+ * few jumps it would save. */
+#define SWEEP_TABLE_RUN 32u
+#ifndef SWEEP_PF_HINT
+#define SWEEP_PF_HINT 2
 #endif
 
 typedef struct plan_item {
@@ -65,6 +85,17 @@ struct pkv__attn {
     uint32_t n_slots;
     _Atomic uint32_t *split_done; /* [n_slots]: finished splits per (group, tile) */
     plan_item *plan;              /* [max_items] */
+    /* pool-order decode: sweep_cap entries (0: never), their keys sorted through sweep_tmp,
+     * prepared queries [SWEEP_ITEMS][ROWS_MAX][QROW], state slots [SWEEP_ITEMS][chunks max]
+     * (slot_floats each) and, for the call being run, its entry count and chunks */
+    int order;
+    bool last_swept;
+    uint32_t sweep_cap, sweep_chunks_max;
+    uint64_t *sweep_keys, *sweep_tmp;
+    const uint64_t *sweep_sorted;
+    uint8_t *sweep_q;
+    float *sweep_slots;
+    uint32_t sweep_n, sweep_chunks;
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
     const pkv__attn_item *items;
@@ -145,6 +176,15 @@ static const char *auto_backend(void) {
     return "ref";
 }
 
+/* PKV_ATTN_ORDER: unset or empty = auto, "auto", "table", "pool"; anything else is -1. */
+static int env_order(void) {
+    const char *e = getenv("PKV_ATTN_ORDER");
+    if (!e || !*e || !strcmp(e, "auto")) return PKV__ATTN_ORDER_AUTO;
+    if (!strcmp(e, "table")) return PKV__ATTN_ORDER_TABLE;
+    if (!strcmp(e, "pool")) return PKV__ATTN_ORDER_POOL;
+    return -1;
+}
+
 /* ---- create / destroy ------------------------------------------------------------------------ */
 
 static size_t align64(size_t x) { return (x + 63u) & ~(size_t)63u; }
@@ -164,6 +204,8 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     int rc = build_kernels(backend ? backend : auto_backend(), &kt);
     if (rc < 0) return rc;
     if (extra) extra(&kt);
+    const int order = env_order();
+    if (order < 0) return PKV_EINVAL;
     if (n_threads == 0) n_threads = pkv__n_cpus();
     if (n_threads > 256) n_threads = 256;
 
@@ -176,14 +218,25 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     const uint32_t n_slots = n_threads > 1 ? SLOTS_PER_THREAD * n_threads : 0;
     const size_t slot_floats = (size_t)ROWS_MAX * (D + 2);
     const uint32_t max_items = lim->max_items ? lim->max_items : 1;
+    /* the sweep's entries: every block of SWEEP_ITEMS sequences, within bounds */
+    uint64_t sweep_cap = lim->max_blocks_per_seq ? (uint64_t)PKV_MIN(max_items, SWEEP_ITEMS) * lim->max_blocks_per_seq
+                                                 : SWEEP_ENTRIES_UNBOUNDED;
+    sweep_cap = PKV_MIN(sweep_cap, SWEEP_ENTRIES_MAX);
+    if (n_threads > SWEEP_MAX_THREADS) sweep_cap = 0;
+    const uint32_t sweep_chunks_max = sweep_cap ? SWEEP_CHUNKS_PER_THREAD * n_threads : 0;
+    const size_t sweep_slots = sweep_cap ? (size_t)SWEEP_ITEMS * sweep_chunks_max : 0;
 
-    /* one allocation: context | workers | plan | split counters | partials | scratch */
+    /* one allocation: context | workers | plan | split counters | partials | scratch | sweep
+     * keys (two arrays) | sweep queries | sweep slots */
     size_t off_workers = align64(sizeof(pkv__attn));
     size_t off_plan = off_workers + align64(sizeof(pkv__tpool_worker) * n_threads);
     size_t off_done = off_plan + align64(sizeof(plan_item) * (size_t)max_items);
     size_t off_part = off_done + align64(sizeof(_Atomic uint32_t) * (n_slots + 1));
     size_t off_scr = off_part + align64(slot_floats * sizeof(float) * n_slots);
-    size_t total = off_scr + thread_bytes * n_threads;
+    size_t off_keys = off_scr + thread_bytes * n_threads;
+    size_t off_sq = off_keys + 2 * align64(sizeof(uint64_t) * sweep_cap);
+    size_t off_sslot = off_sq + (sweep_cap ? (size_t)SWEEP_ITEMS * ROWS_MAX * PKV__ATTN_QROW_BYTES(D) : 0);
+    size_t total = off_sslot + slot_floats * sizeof(float) * sweep_slots;
 
     uint8_t *mem = pkv__alloc(a, total, 64);
     if (!mem) return PKV_ENOMEM;
@@ -206,6 +259,13 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->scratch = mem + off_scr;
     at->thread_bytes = thread_bytes;
     at->s_stride = s_stride;
+    at->order = order;
+    at->sweep_cap = (uint32_t)sweep_cap;
+    at->sweep_chunks_max = sweep_chunks_max;
+    at->sweep_keys = (uint64_t *)(mem + off_keys);
+    at->sweep_tmp = at->sweep_keys + align64(sizeof(uint64_t) * sweep_cap) / sizeof(uint64_t);
+    at->sweep_q = mem + off_sq;
+    at->sweep_slots = (float *)(mem + off_sslot);
     rc = pkv__tpool_init(&at->pool, n_threads, at->workers);
     if (rc < 0) {
         pkv__free(&at->a, mem, total);
@@ -305,19 +365,27 @@ static void write_final(const pkv__attn *at, const unit *w, const float *m, cons
             }
 }
 
-/* Merges the n_ks partials of a (group, tile) into the first slot's m, l, acc. Each slot holds
- * softmax state relative to its own max: rescale to the common max and add. */
+/* Merges the n_ks partials of a (group, tile), or of a sequence's sweep chunks, into the first
+ * slot's m, l, acc. Each slot holds softmax state relative to its own max: rescale to the common
+ * max and add. A row whose l is 0 in a slot saw no key there and is skipped. */
 static void merge_splits(const pkv__attn *at, float *slot0, uint32_t n_ks, uint32_t rows) {
     const uint32_t D = at->kv->head_dim;
     float *m0 = slot0, *l0 = slot0 + ROWS_MAX, *a0 = slot0 + 2 * ROWS_MAX;
     for (uint32_t r = 0; r < rows; r++) {
         float mx = -INFINITY;
-        for (uint32_t s = 0; s < n_ks; s++) mx = PKV_MAX(mx, slot0[s * at->slot_floats + r]);
-        if (mx == -INFINITY) continue; /* nothing visible at all: l stays 0 */
+        for (uint32_t s = 0; s < n_ks; s++)
+            if (slot0[s * at->slot_floats + ROWS_MAX + r] > 0.0f) mx = PKV_MAX(mx, slot0[s * at->slot_floats + r]);
+        if (mx == -INFINITY) { /* nothing visible at all */
+            l0[r] = 0.0f;
+            continue;
+        }
         float *ar = a0 + (size_t)r * D;
-        const float f0 = expf(m0[r] - mx);
+        /* a slot with l = 0 saw nothing (its acc may be stale): it weighs 0 */
+        const float f0 = l0[r] > 0.0f ? expf(m0[r] - mx) : 0.0f;
         float lsum = l0[r] * f0;
-        for (uint32_t d = 0; d < D; d++) ar[d] *= f0;
+        if (f0 == 0.0f) memset(ar, 0, sizeof(float) * D);
+        else
+            for (uint32_t d = 0; d < D; d++) ar[d] *= f0;
         for (uint32_t s = 1; s < n_ks; s++) {
             const float *sl = slot0 + s * at->slot_floats;
             if (sl[ROWS_MAX + r] == 0.0f) continue;
@@ -518,7 +586,153 @@ static uint32_t make_plan(pkv__attn *at) {
 }
 
 
+/* ---- pool-order decode (the sweep) ------------------------------------------------------------
+ *
+ * Every (sequence, block) pair of a decode call is an entry; sorted by block id, the entries
+ * are cut into chunks of consecutive blocks and a chunk keeps one online-softmax state per
+ * sequence (a slot: m, l, acc of its H x G rows). The last chunk to finish merges each
+ * sequence's slots by log-sum-exp and writes the output. Where the batch's blocks fill a region
+ * of the pool a chunk reads it front to back, as a contiguous cache would be read; a block held
+ * by several sequences comes in from memory once, for all of them in a row. */
+
+/* Sorts the keys by their block id (bits 32 and up, below n_blocks), keeping equal ids in the
+ * order given: LSD radix, 11 bits a pass. Returns the sorted array, a or tmp. */
+static const uint64_t *sort_by_block(uint64_t *a, uint64_t *tmp, uint32_t n, uint32_t n_blocks) {
+    uint32_t bits = 0;
+    while (bits < 32 && (uint64_t)(n_blocks - 1) >> bits) bits++;
+    for (uint32_t sh = 32; sh < 32 + bits; sh += 11) {
+        uint32_t at[2048] = {0};
+        for (uint32_t x = 0; x < n; x++) at[(a[x] >> sh) & 2047u]++;
+        for (uint32_t d = 0, sum = 0; d < 2048; d++) {
+            const uint32_t c = at[d];
+            at[d] = sum, sum += c;
+        }
+        for (uint32_t x = 0; x < n; x++) tmp[at[(a[x] >> sh) & 2047u]++] = a[x];
+        uint64_t *t = a;
+        a = tmp, tmp = t;
+    }
+    return a;
+}
+
+/* Makes the call's sorted entries, prepared queries and chunk count; false (nothing else done)
+ * when the sweep does not take the call. */
+static bool sweep_prepare(pkv__attn *at) {
+    const pkv__kv_view *kv = at->kv;
+    const uint32_t H = kv->n_kv_heads, G = at->G, B = kv->block_tokens, D = kv->head_dim;
+    if (!at->sweep_cap || at->n_items > SWEEP_ITEMS || (uint64_t)H * G > ROWS_MAX) return false;
+    uint64_t n = 0, runs = 0;
+    for (uint32_t i = 0; i < at->n_items; i++) {
+        const pkv__attn_item *it = &at->items[i];
+        if (it->n_q > 1) return false;
+        if (it->n_q == 0) continue;
+        if (it->q_pos0 / B >= (1u << SWEEP_B_BITS)) return false;
+        const uint32_t b0 = key_lo(it->q_pos0, at->call->window) / B, b1 = it->q_pos0 / B;
+        n += b1 - b0 + 1;
+        runs++;
+        for (uint32_t b = b0; b < b1; b++) runs += it->block_table[b + 1] != it->block_table[b] + 1;
+    }
+    if (n == 0 || n > at->sweep_cap) return false;
+    /* tables of long runs of neighbouring blocks already read as a contiguous cache does */
+    if (at->order == PKV__ATTN_ORDER_AUTO && n >= SWEEP_TABLE_RUN * runs) return false;
+    uint64_t *keys = at->sweep_keys;
+    uint32_t x = 0;
+    for (uint32_t i = 0; i < at->n_items; i++) {
+        const pkv__attn_item *it = &at->items[i];
+        if (it->n_q == 0) continue;
+        for (uint32_t b = key_lo(it->q_pos0, at->call->window) / B; b <= it->q_pos0 / B; b++)
+            keys[x++] = (uint64_t)(uint32_t)it->block_table[b] << 32 | (uint64_t)i << SWEEP_B_BITS | b;
+        const size_t qrow = PKV__ATTN_QROW_BYTES(D);
+        for (uint32_t h = 0; h < H; h++)
+            at->kt.prep_q[kv->k_dtype](it->q + (size_t)h * G * D, D, G, D, at->call->scale,
+                                       at->sweep_q + ((size_t)i * H + h) * G * qrow);
+    }
+    at->sweep_sorted = sort_by_block(keys, at->sweep_tmp, x, kv->n_blocks);
+    at->sweep_n = x;
+    at->sweep_chunks = PKV_MAX(1u, PKV_MIN(at->sweep_chunks_max, x / MIN_SPLIT_BLOCKS));
+    return true;
+}
+
+static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
+    pkv__attn *at = ctx;
+    const pkv__kv_view *kv = at->kv;
+    const pkv__attn_call *call = at->call;
+    const pkv__attn_kernels *kt = &at->kt;
+    const uint32_t D = kv->head_dim, B = kv->block_tokens, G = at->G, H = kv->n_kv_heads, rows = H * G;
+    const size_t qrow = PKV__ATTN_QROW_BYTES(D), kblk = (size_t)B * kv->k_row_bytes, vblk = (size_t)B * kv->v_row_bytes;
+    float *s = (float *)(at->scratch + (size_t)tid * at->thread_bytes + align64((size_t)ROWS_MAX * qrow) +
+                         align64((size_t)ROWS_MAX * D * sizeof(float)) + 2 * align64(ROWS_MAX * sizeof(float)));
+    const pkv__attn_score_fn score = kt->score[kv->k_dtype];
+    const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
+    const bool accum_pf = kt->accum_pf[kv->v_dtype];
+    const uint64_t *e = at->sweep_sorted;
+    const uint32_t x0 = (uint32_t)((uint64_t)at->sweep_n * c / at->sweep_chunks);
+    const uint32_t x1 = (uint32_t)((uint64_t)at->sweep_n * (c + 1) / at->sweep_chunks);
+    float *slots = at->sweep_slots + (size_t)c * at->slot_floats;
+    const size_t item_stride = (size_t)at->sweep_chunks_max * at->slot_floats;
+    uint32_t used = 0; /* items whose slot this chunk has started */
+    for (uint32_t x = x0; x < x1; x++) {
+        const size_t bid = (size_t)(e[x] >> 32);
+        const uint32_t i = (uint32_t)(e[x] >> SWEEP_B_BITS) & 31u, b = (uint32_t)e[x] & ((1u << SWEEP_B_BITS) - 1u);
+        float *m = slots + i * item_stride, *l = m + ROWS_MAX, *acc = m + 2 * ROWS_MAX;
+        if (!(used >> i & 1u)) {
+            used |= 1u << i;
+            for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
+            memset(acc, 0, (size_t)rows * D * sizeof(float));
+        }
+        const uint32_t pos = at->items[i].q_pos0, k_lo = key_lo(pos, call->window), kb = b * B;
+        const uint32_t t0 = k_lo > kb ? k_lo - kb : 0, n_keys = PKV_MIN(B, pos - kb + 1) - t0;
+        const uint8_t *qp = at->sweep_q + (size_t)i * rows * qrow, *kn = NULL, *vn = NULL;
+        const uint8_t *qn = NULL, *an = NULL;
+        if (PKV_ATTN_PF_DIST && x + 1 < x1) {
+            kn = kv->k + (size_t)(e[x + 1] >> 32) * kv->k_block_bytes;
+            vn = kv->v + (size_t)(e[x + 1] >> 32) * kv->v_block_bytes;
+            const uint32_t in = (uint32_t)(e[x + 1] >> SWEEP_B_BITS) & 31u;
+            if (in != i) {
+                qn = at->sweep_q + (size_t)in * rows * qrow;
+                an = (const uint8_t *)(slots + in * item_stride + 2 * ROWS_MAX);
+            }
+        }
+        for (uint32_t h = 0; h < H; h++) {
+            if (qn) { /* the next sequence's state for this head: it left L2 while other blocks streamed by */
+                const uint8_t *qx = qn + (size_t)h * G * qrow, *ax = an + (size_t)h * G * D * sizeof(float);
+                for (size_t o = 0; o < (size_t)G * qrow; o += 64) __builtin_prefetch(qx + o, 0, SWEEP_PF_HINT);
+                for (size_t o = 0; o < (size_t)G * D * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, SWEEP_PF_HINT);
+            }
+            const uint8_t *kr = kv->k + bid * kv->k_block_bytes + ((size_t)h * B + t0) * kv->k_row_bytes;
+            const uint8_t *vr = kv->v + bid * kv->v_block_bytes + ((size_t)h * B + t0) * kv->v_row_bytes;
+            const uint32_t r0 = h * G;
+            pkv__attn_pf pk, pv, *pkp = NULL, *pvp = NULL;
+            if (kn) { /* as in run_unit */
+                const uint8_t *kx = kn + h * kblk, *vx = vn + h * vblk;
+                pk = (pkv__attn_pf){.p = {kx, accum_pf ? kx : vx}, .end = {kx + kblk, accum_pf ? kx : vx + vblk}};
+                pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}};
+                pkp = &pk, pvp = accum_pf ? &pv : NULL;
+            }
+            score(qp + (size_t)r0 * qrow, G, kr, kv->k_row_bytes, n_keys, D, s, at->s_stride, pkp);
+            kt->softmax(s, at->s_stride, G, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
+            accum(s, at->s_stride, G, vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, pvp);
+        }
+    }
+    for (uint32_t i = 0; i < at->n_items; i++) /* a slot not started weighs 0 in the merge */
+        if (!(used >> i & 1u))
+            for (uint32_t r = 0; r < rows; r++) slots[i * item_stride + ROWS_MAX + r] = 0.0f;
+}
+
+/* Item i of a swept call: merges its chunks' slots and writes its output. */
+static void run_merge(void *ctx, uint32_t i, uint32_t tid) {
+    (void)tid;
+    pkv__attn *at = ctx;
+    if (at->items[i].n_q == 0) return;
+    const uint32_t H = at->kv->n_kv_heads, G = at->G;
+    float *slot0 = at->sweep_slots + (size_t)i * at->sweep_chunks_max * at->slot_floats;
+    merge_splits(at, slot0, at->sweep_chunks, H * G);
+    const unit w = {.item = &at->items[i], .kvh0 = 0, .n_kvh = H, .g0 = 0, .gs = G, .qa = 0, .nq = 1};
+    write_final(at, &w, slot0, slot0 + ROWS_MAX, slot0 + 2 * ROWS_MAX);
+}
+
 void pkv__attn_set_inline_work(pkv__attn *at, uint64_t elems) { at->inline_elems = elems; }
+void pkv__attn_set_order(pkv__attn *at, int order) { at->order = order; }
+bool pkv__attn_last_swept(const pkv__attn *at) { return at->last_swept; }
 uint32_t pkv__attn_last_threads(const pkv__attn *at) { return at->last_threads; }
 
 /* ---- run ------------------------------------------------------------------------------------- */
@@ -559,8 +773,18 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     at->items = items;
     at->n_items = n_items;
     const uint32_t n_units = make_plan(at);
+    const bool small = at->head_blocks * kv->block_tokens * kv->head_dim < at->inline_elems;
     at->last_threads = 1;
-    if (n_units && at->head_blocks * kv->block_tokens * kv->head_dim < at->inline_elems) {
+    at->last_swept = n_units && at->order != PKV__ATTN_ORDER_TABLE &&
+                     (at->order == PKV__ATTN_ORDER_POOL || !small) && sweep_prepare(at);
+    if (at->last_swept && small) {
+        for (uint32_t c = 0; c < at->sweep_chunks; c++) run_chunk(at, c, 0);
+        for (uint32_t i = 0; i < n_items; i++) run_merge(at, i, 0);
+    } else if (at->last_swept) { /* the merges in a second job: the workers are still spinning */
+        pkv__tpool_run(&at->pool, run_chunk, at, at->sweep_chunks);
+        pkv__tpool_run(&at->pool, run_merge, at, n_items);
+        if (at->sweep_chunks > 1) at->last_threads = at->n_threads;
+    } else if (n_units && small) {
         for (uint32_t u = 0; u < n_units; u++) run_unit(at, u, 0); /* small call: the caller alone */
     } else if (n_units) {
         pkv__tpool_run(&at->pool, run_unit, at, n_units);
