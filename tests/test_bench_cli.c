@@ -39,7 +39,7 @@ static int str_is(const char *line, const char *key, const char *want) {
 static void test_json_lines(void **state) {
     (void)state;
     char *argv[] = {"pkv",  "bench",    "attn", "--quick", "--json", "--dtype", "f16,q8_0,q4_0",
-                    "--ctx", "512", "--threads", "1", "--prompt", "64", NULL};
+                    "--ctx", "512", "--threads", "1", "--prompt", "64", "--occupancy", "50", NULL};
     char *out, *err;
     int rc = run_cli(argv, &out, &err);
     if (rc != 0) fail_msg("exit %d: %s", rc, err);
@@ -65,6 +65,7 @@ static void test_json_lines(void **state) {
         assert_true(isfinite(us) && us > 0);
         if (str_is(line, "kernel", "decode")) {
             assert_int_equal((int)num(line, "ctx"), 512);
+            assert_true(num(line, "occupancy") == 0.5);
             const int paged = str_is(line, "layout", "paged");
             if (!paged && !str_is(line, "layout", "contig")) fail_msg("bad layout: %s", line);
             decode[d][paged]++;
@@ -103,6 +104,8 @@ static void test_usage_errors(void **state) {
                       {"pkv", "bench", "attn", "--prompt", "-5"}, {"pkv", "bench", "attn", "--frobnicate", NULL},
                       {"pkv", "bench", "attn", "--block-tokens", "0"},
                       {"pkv", "bench", "attn", "--block-tokens", "1025"},
+                      {"pkv", "bench", "attn", "--occupancy", "9"},
+                      {"pkv", "bench", "attn", "--occupancy", "101"},
                       /* a block longer than a context, or than the prompt */
                       {"pkv", "bench", "attn", "--block-tokens", "1024", "--ctx", "512"},
                       {"pkv", "bench", "attn", "--block-tokens", "64", "--prompt", "32"}};

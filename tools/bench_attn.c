@@ -17,12 +17,13 @@
 
 enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_DEFAULT = 16, BT_MAX = 1024 };
 static uint32_t g_bt = BT_DEFAULT; /* block_tokens: opts.block_tokens, set by tool_bench_attn */
+static uint32_t g_occ = 100;       /* decode pools: percent of the blocks the batch holds (opts.occupancy) */
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
 static void usage(FILE *f) {
     fprintf(f,
             "usage: pkv bench attn [--json] [--quick] [--dtype LIST] [--ctx LIST] [--batch LIST]\n"
-            "                      [--threads LIST] [--prompt N] [--block-tokens N]\n"
+            "                      [--threads LIST] [--prompt N] [--block-tokens N] [--occupancy PCT]\n"
             "\n"
             "Paged attention, n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u.\n"
             "Decode: contexts 512, 4096, 32768; batch 1 and 16; 1 and 2 threads; every KV dtype the\n"
@@ -59,6 +60,10 @@ static void usage(FILE *f) {
             "  --prompt N      prefill prompt tokens (0: no prefill)\n"
             "  --block-tokens N  token slots per block, 1..1024, at most the smallest context and the\n"
             "              prompt [16]; larger blocks make longer runs, so fewer jumps in a paged table\n"
+            "  --occupancy PCT  the decode batch holds PCT%% of its pool's blocks, 10..100 [100]: the\n"
+            "              rest were freed by other sequences; the paged batch holds a random subset of\n"
+            "              the pool (so free blocks lie between its blocks), the contiguous one the first\n"
+            "              blocks. The layers shrink to keep the pool within the budget\n"
             "  -h, --help  this text\n"
             "Goals: decode f16 at contexts >= 4096 reaches >= 85%% of the read bandwidth at 2 threads;\n"
             "paged within 3%% of contiguous; prefill >= 40%% of the FMA peak.\n",
@@ -307,12 +312,14 @@ static int scatter_free_queue(setup *s, tool_rng *rng, uint32_t n_blocks) {
     return 0;
 }
 
-/* loan: NULL, or another cache's pool for this one to read (tool_loan_allocator) */
+/* loan: NULL, or another cache's pool for this one to read (tool_loan_allocator); occ: the
+ * percent of the pool's blocks the batch holds */
 static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint32_t n_layers, uint32_t n_threads,
-                      int paged, tool_pool_loan *loan, tool_rng *rng) {
+                      int paged, tool_pool_loan *loan, tool_rng *rng, uint32_t occ) {
     memset(s, 0, sizeof *s);
     s->batch = batch, s->ctx = ctx, s->n_layers = n_layers;
-    const uint32_t per_seq = (ctx + g_bt - 1) / g_bt, n_blocks = per_seq * batch;
+    const uint32_t per_seq = (ctx + g_bt - 1) / g_bt;
+    const uint32_t n_blocks = (uint32_t)(((uint64_t)per_seq * batch * 100 + occ - 1) / occ);
     pkv_config cfg = pkv_config_default();
     cfg.n_layers = n_layers;
     cfg.n_kv_heads = H_KV;
@@ -322,6 +329,7 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
     cfg.k_dtype = cfg.v_dtype = dt;
     cfg.max_seqs = 1024 + 32;
     cfg.max_blocks_per_seq = per_seq > 64 ? per_seq : 64;
+    if (cfg.max_blocks_per_seq < n_blocks / 512 + 1) cfg.max_blocks_per_seq = n_blocks / 512 + 1; /* scatter_free_queue */
     cfg.n_threads = n_threads;
     cfg.enable_prefix_cache = 0;
     if (loan) cfg.allocator = tool_loan_allocator(loan);
@@ -364,6 +372,7 @@ typedef struct opts {
     int dtype_on[PKV_DTYPE_COUNT], dtype_set;
     long prompt; /* -1: the default */
     uint32_t block_tokens;
+    uint32_t occupancy;
 } opts;
 
 /* "a,b,c" -> values in [1, max]; 0 on success. */
@@ -551,7 +560,8 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
                    pkv_dtype_name(dt), ctx, batch, nt, per_layer / GIB, budget / GIB);
         return 0;
     }
-    uint32_t n_layers = (uint32_t)(budget / per_layer);
+    uint32_t n_layers = (uint32_t)(budget / (per_layer * 100.0 / g_occ)); /* the pool, free blocks included */
+    if (n_layers < 1) n_layers = 1;
     if (n_layers > 4096) n_layers = 4096;
     const int rounds = o->quick ? 3 : 7;
     const double round_s = o->quick ? 0.1 : 0.15;
@@ -572,8 +582,8 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     for (; made < 3; made++) {
         if (made == 1) rc = tool_check(tool_pool_loan_from(su[0].c, &loan), "pool loan");
         if (rc == 0)
-            rc = made < 2 ? setup_make(&su[made], dt, ctx, batch, n_layers, nt, made, made ? &loan : NULL, rng)
-                          : setup_make(&su[made], dt, hot_ctx, hot_batch, 1, nt, 1, NULL, rng);
+            rc = made < 2 ? setup_make(&su[made], dt, ctx, batch, n_layers, nt, made, made ? &loan : NULL, rng, g_occ)
+                          : setup_make(&su[made], dt, hot_ctx, hot_batch, 1, nt, 1, NULL, rng, 100);
         if (rc < 0) {
             fprintf(stderr, "pkv bench attn: set-up failed for %s ctx %u batch %u: %s\n", pkv_dtype_name(dt), ctx, batch,
                     pkv_strerror(rc));
@@ -606,9 +616,11 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
         if (o->json)
             printf("{\"bench\":\"attn\",\"kernel\":\"decode\",\"kv_dtype\":\"%s\",\"ctx\":%u,\"batch\":%u,\"threads\":%u,"
                    "\"layout\":\"%s\",\"median_us\":%.2f,\"gbps\":%.3f,\"read_bw_gbps\":%.3f,\"frac_of_bw\":%.4f,"
-                   "\"ws_mib\":%.0f,\"bytes_per_token_layer\":%zu,\"rounds\":%d,\"adjacent_blocks\":%.3f",
+                   "\"ws_mib\":%.0f,\"bytes_per_token_layer\":%zu,\"rounds\":%d,\"adjacent_blocks\":%.3f,"
+                   "\"occupancy\":%.2f",
                    pkv_dtype_name(dt), ctx, batch, nt, layout, med * 1e6, gbps, bw_med, fr,
-                   per_layer * n_layers / (1024.0 * 1024.0), (size_t)H_KV * row, rounds, adjacent[paged]);
+                   per_layer * n_layers / (1024.0 * 1024.0), (size_t)H_KV * row, rounds, adjacent[paged],
+                   g_occ / 100.0);
         else
             printf("%-7s %-8s %6u %5u %3u  %-6s %10.1f %8.2f %8.2f %6.1f%% %7.0f %6zu", "decode", pkv_dtype_name(dt), ctx,
                    batch, nt, layout, med * 1e6, gbps, bw_med, 100.0 * fr, per_layer * n_layers / (1024.0 * 1024.0),
@@ -632,7 +644,7 @@ static double peak_sample(uint32_t nt) { return fma_available() ? fma_peak_n((in
 
 static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t nt, tool_rng *rng) {
     setup s;
-    int rc = setup_make(&s, dt, n_tok, 1, 1, nt, 1, NULL, rng);
+    int rc = setup_make(&s, dt, n_tok, 1, 1, nt, 1, NULL, rng, 100);
     if (rc < 0) {
         fprintf(stderr, "pkv bench attn: prefill set-up failed for %s: %s\n", pkv_dtype_name(dt), pkv_strerror(rc));
         return -1;
@@ -691,6 +703,7 @@ int tool_bench_attn(int argc, char **argv) {
     memset(&o, 0, sizeof o);
     o.prompt = -1;
     o.block_tokens = BT_DEFAULT;
+    o.occupancy = 100;
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
         int bad = 0;
@@ -711,6 +724,11 @@ int tool_bench_attn(int argc, char **argv) {
             bad = parse_u32_list(val, &o.block_tokens, 1, BT_MAX, &n);
             i++;
         }
+        else if (!strcmp(arg, "--occupancy") && val) {
+            int n = 0;
+            bad = parse_u32_list(val, &o.occupancy, 1, 100, &n) || o.occupancy < 10;
+            i++;
+        }
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             usage(stdout);
             return TOOL_OK;
@@ -725,6 +743,7 @@ int tool_bench_attn(int argc, char **argv) {
         }
     }
     g_bt = o.block_tokens;
+    g_occ = o.occupancy;
     static const uint32_t ctxs_full[] = {512, 4096, 32768}, ctxs_quick[] = {512, 4096};
     static const uint32_t batches_full[] = {1, 16}, batches_quick[] = {1}, threads_all[] = {1, 2};
     const uint32_t *ctxs = o.n_ctx ? o.ctx : o.quick ? ctxs_quick : ctxs_full;
@@ -774,7 +793,10 @@ int tool_bench_attn(int argc, char **argv) {
         printf("# %s, %s, attention backend %s\n", tool_cpu_name(), tool_build_info(), backend);
         printf("# streaming read: %.2f GB/s (1 thread), %.2f GB/s (2 threads); f32 FMA peak: %.1f / %.1f GFLOP/s\n",
                g_bw[1], g_bw[2], g_peak[1], g_peak[2]);
-        printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u\n", H_Q, H_KV, HEAD_DIM, g_bt);
+        const char *order = getenv("PKV_ATTN_ORDER");
+        printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u, decode pools %u%% held by the batch, "
+               "PKV_ATTN_ORDER=%s\n",
+               H_Q, H_KV, HEAD_DIM, g_bt, g_occ, order && *order ? order : "(auto)");
         printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s %8s %7s  %s  %s\n", "kernel", "kv", "ctx",
                "batch", "thr", "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "hotGB/s", "hot_bw",
                "paged/contig", "read_p/c");
