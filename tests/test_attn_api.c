@@ -363,6 +363,45 @@ static void test_api_backend_env(void **state) {
     unsetenv("PKV_ATTN_BACKEND");
 }
 
+/* PKV_ATTN_ORDER=table|pool|auto: a parent and its fork (two full blocks shared) decode as the
+ * oracle says in each order (pool: the shared blocks read once for both); an unknown order makes
+ * pkv_cache_create fail with PKV_EINVAL and change nothing. */
+static void test_api_order_env(void **state) {
+    (void)state;
+    static const char *const orders[] = {"table", "pool", "auto"};
+    pkv_config cfg = api_config(PKV_DTYPE_F16, 2, 0);
+    for (size_t i = 0; i < 3; i++) {
+        setenv("PKV_ATTN_ORDER", orders[i], 1);
+        pkv_cache *c = NULL;
+        assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+        static host_seq par, child;
+        memset(&par, 0, sizeof par);
+        assert_int_equal(pkv_seq_create(c, NULL, 0, &par.id), PKV_OK);
+        append_write(c, PKV_DTYPE_F16, &par, 40, 0);
+        child = par;
+        assert_int_equal(pkv_seq_fork(c, par.id, &child.id), PKV_OK);
+        append_write(c, PKV_DTYPE_F16, &child, 30, 500);
+        const pkv_seq ids[2] = {par.id, child.id};
+        pkv_attn_params p = pkv_attn_params_default();
+        p.n_q_heads = NQH;
+        float *q = rand_q(2), out[2 * NQH * D], lse[2 * NQH];
+        p.lse = lse;
+        for (uint32_t l = 0; l < L; l++) {
+            assert_int_equal(pkv_attn_decode(c, l, ids, 2, q, out, &p), PKV_OK);
+            check(&par, l, q, out, lse, par.len - 1, 1, &p);
+            check(&child, l, q + NQH * D, out + NQH * D, lse + NQH, child.len - 1, 1, &p);
+        }
+        free(q);
+        pkv_cache_destroy(c);
+    }
+    setenv("PKV_ATTN_ORDER", "backwards", 1);
+    pkv_cache *const untouched = (pkv_cache *)&cfg;
+    pkv_cache *c = untouched;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_EINVAL);
+    assert_ptr_equal(c, untouched);
+    unsetenv("PKV_ATTN_ORDER");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_api_oracle),
@@ -370,6 +409,7 @@ int main(void) {
         cmocka_unit_test(test_api_shared_prefix),
         cmocka_unit_test(test_api_bad_input),
         cmocka_unit_test(test_api_backend_env),
+        cmocka_unit_test(test_api_order_env),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
