@@ -779,7 +779,8 @@ static void test_pool_order_choice(void **state) {
     assert_false(swept_case(at, 2, 100, 16, 4, 1, 0, 0));
     pkv__attn_destroy(at);
 
-    pkv__attn_limits lim = {.max_items = 4, .max_blocks_per_seq = 64, .n_kv_heads = 4, .head_dim = 64, .block_tokens = 16};
+    pkv__attn_limits lim = {.max_items = 4, .max_blocks_per_seq = 64, .n_kv_heads = 4, .head_dim = 64,
+                            .block_tokens = 16};
     setenv("PKV_ATTN_ORDER", "pool", 1);
     assert_int_equal(pkv__attn_create_backend(NULL, 2, &lim, "ref", &at), PKV_OK);
     assert_true(swept_case(at, 2, 40, 16, 4, 1, 1, 0)); /* forced: small and in order */

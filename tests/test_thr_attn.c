@@ -1,10 +1,11 @@
 /* test_thr_attn.c: the attention thread pool under ThreadSanitizer: many back-to-back calls on
  * a multi-threaded context (key splits merged by the last finisher, decode batches read in pool
- * order and merged in a second job, prefill tiles handed out by work stealing), contexts created and destroyed repeatedly, and two contexts driven from two
- * application threads at once; the pool itself: every task of every job runs exactly once, and
- * none after its job has returned, with workers that doze off between jobs and wake late. Each
- * result must equal the single-threaded one bit for bit where the partition is the same, and
- * within float rounding where key splits change it. */
+ * order and merged in a second job, prefill tiles handed out by work stealing), contexts created
+ * and destroyed repeatedly, and two contexts driven from two application threads at once; the
+ * pool itself: every task of every job runs exactly once, and none after its job has returned,
+ * with workers that doze off between jobs and wake late. Each result must equal the
+ * single-threaded one bit for bit where the partition is the same, and within float rounding
+ * where key splits change it. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>

@@ -329,7 +329,8 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
     cfg.k_dtype = cfg.v_dtype = dt;
     cfg.max_seqs = 1024 + 32;
     cfg.max_blocks_per_seq = per_seq > 64 ? per_seq : 64;
-    if (cfg.max_blocks_per_seq < n_blocks / 512 + 1) cfg.max_blocks_per_seq = n_blocks / 512 + 1; /* scatter_free_queue */
+    if (cfg.max_blocks_per_seq < n_blocks / 512 + 1) /* room for scatter_free_queue's sequences */
+        cfg.max_blocks_per_seq = n_blocks / 512 + 1;
     cfg.n_threads = n_threads;
     cfg.enable_prefix_cache = 0;
     if (loan) cfg.allocator = tool_loan_allocator(loan);

@@ -45,9 +45,6 @@
  * there the sweep's state traffic and merges cost more (about 1% on contiguous tables) than the
  * few jumps it would save. */
 #define SWEEP_TABLE_RUN 32u
-#ifndef SWEEP_PF_HINT
-#define SWEEP_PF_HINT 2
-#endif
 
 typedef struct plan_item {
     uint32_t unit0;      /* first unit of this item */
@@ -86,8 +83,9 @@ struct pkv__attn {
     _Atomic uint32_t *split_done; /* [n_slots]: finished splits per (group, tile) */
     plan_item *plan;              /* [max_items] */
     /* pool-order decode: sweep_cap entries (0: never), their keys sorted through sweep_tmp,
-     * prepared queries [SWEEP_ITEMS][ROWS_MAX][QROW], state slots [SWEEP_ITEMS][chunks max]
-     * (slot_floats each) and, for the call being run, its entry count and chunks */
+     * prepared queries (room for SWEEP_ITEMS x ROWS_MAX rows of QROW bytes; a call packs them
+     * [item][H x G]), state slots [SWEEP_ITEMS][chunks max] (slot_floats each) and, for the
+     * call being run, its entry count and chunks */
     int order;
     bool last_swept;
     uint32_t sweep_cap, sweep_chunks_max;
@@ -590,8 +588,8 @@ static uint32_t make_plan(pkv__attn *at) {
  *
  * Every (sequence, block) pair of a decode call is an entry; sorted by block id, the entries
  * are cut into chunks of consecutive blocks and a chunk keeps one online-softmax state per
- * sequence (a slot: m, l, acc of its H x G rows). The last chunk to finish merges each
- * sequence's slots by log-sum-exp and writes the output. Where the batch's blocks fill a region
+ * sequence (a slot: m, l, acc of its H x G rows). A second job merges each sequence's slots
+ * by log-sum-exp and writes its output. Where the batch's blocks fill a region
  * of the pool a chunk reads it front to back, as a contiguous cache would be read; a block held
  * by several sequences comes in from memory once, for all of them in a row. */
 
@@ -693,10 +691,10 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
             }
         }
         for (uint32_t h = 0; h < H; h++) {
-            if (qn) { /* the next sequence's state for this head: it left L2 while other blocks streamed by */
+            if (qn) { /* the next sequence's state for this head, into L2: it left while other blocks streamed by */
                 const uint8_t *qx = qn + (size_t)h * G * qrow, *ax = an + (size_t)h * G * D * sizeof(float);
-                for (size_t o = 0; o < (size_t)G * qrow; o += 64) __builtin_prefetch(qx + o, 0, SWEEP_PF_HINT);
-                for (size_t o = 0; o < (size_t)G * D * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, SWEEP_PF_HINT);
+                for (size_t o = 0; o < (size_t)G * qrow; o += 64) __builtin_prefetch(qx + o, 0, 2);
+                for (size_t o = 0; o < (size_t)G * D * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
             }
             const uint8_t *kr = kv->k + bid * kv->k_block_bytes + ((size_t)h * B + t0) * kv->k_row_bytes;
             const uint8_t *vr = kv->v + bid * kv->v_block_bytes + ((size_t)h * B + t0) * kv->v_row_bytes;
