@@ -17,7 +17,6 @@
 
 enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_DEFAULT = 16, BT_MAX = 1024 };
 static uint32_t g_bt = BT_DEFAULT; /* block_tokens: opts.block_tokens, set by tool_bench_attn */
-static uint32_t g_occ = 100;       /* decode pools: percent of the blocks the batch holds (opts.occupancy) */
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
 static void usage(FILE *f) {
@@ -77,11 +76,10 @@ typedef struct bw_job {
     uint64_t sum;
 } bw_job;
 
+/* The same loop as the plain read of read_p/c (tool_sum_run), over the job's whole lines. */
 static void *bw_read(void *arg) {
     bw_job *j = arg;
-    uint64_t a = 0, b = 0, c = 0, d = 0;
-    for (size_t i = 0; i + 4 <= j->n; i += 4) a += j->p[i], b += j->p[i + 1], c += j->p[i + 2], d += j->p[i + 3];
-    j->sum = a + b + c + d;
+    j->sum = tool_sum_run((const uint8_t *)j->p, NULL, j->n / 8 * 64);
     return NULL;
 }
 
@@ -561,7 +559,7 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
                    pkv_dtype_name(dt), ctx, batch, nt, per_layer / GIB, budget / GIB);
         return 0;
     }
-    uint32_t n_layers = (uint32_t)(budget / (per_layer * 100.0 / g_occ)); /* the pool, free blocks included */
+    uint32_t n_layers = (uint32_t)(budget / (per_layer * 100.0 / o->occupancy)); /* the pool, free blocks included */
     if (n_layers < 1) n_layers = 1;
     if (n_layers > 4096) n_layers = 4096;
     const int rounds = o->quick ? 3 : 7;
@@ -583,7 +581,8 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     for (; made < 3; made++) {
         if (made == 1) rc = tool_check(tool_pool_loan_from(su[0].c, &loan), "pool loan");
         if (rc == 0)
-            rc = made < 2 ? setup_make(&su[made], dt, ctx, batch, n_layers, nt, made, made ? &loan : NULL, rng, g_occ)
+            rc = made < 2 ? setup_make(&su[made], dt, ctx, batch, n_layers, nt, made, made ? &loan : NULL, rng,
+                                          o->occupancy)
                           : setup_make(&su[made], dt, hot_ctx, hot_batch, 1, nt, 1, NULL, rng, 100);
         if (rc < 0) {
             fprintf(stderr, "pkv bench attn: set-up failed for %s ctx %u batch %u: %s\n", pkv_dtype_name(dt), ctx, batch,
@@ -621,7 +620,7 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
                    "\"occupancy\":%.2f",
                    pkv_dtype_name(dt), ctx, batch, nt, layout, med * 1e6, gbps, bw_med, fr,
                    per_layer * n_layers / (1024.0 * 1024.0), (size_t)H_KV * row, rounds, adjacent[paged],
-                   g_occ / 100.0);
+                   o->occupancy / 100.0);
         else
             printf("%-7s %-8s %6u %5u %3u  %-6s %10.1f %8.2f %8.2f %6.1f%% %7.0f %6zu", "decode", pkv_dtype_name(dt), ctx,
                    batch, nt, layout, med * 1e6, gbps, bw_med, 100.0 * fr, per_layer * n_layers / (1024.0 * 1024.0),
@@ -744,7 +743,6 @@ int tool_bench_attn(int argc, char **argv) {
         }
     }
     g_bt = o.block_tokens;
-    g_occ = o.occupancy;
     static const uint32_t ctxs_full[] = {512, 4096, 32768}, ctxs_quick[] = {512, 4096};
     static const uint32_t batches_full[] = {1, 16}, batches_quick[] = {1}, threads_all[] = {1, 2};
     const uint32_t *ctxs = o.n_ctx ? o.ctx : o.quick ? ctxs_quick : ctxs_full;
@@ -762,7 +760,7 @@ int tool_bench_attn(int argc, char **argv) {
     tool_rng rng;
     tool_rng_seed(&rng, 42);
     g_bw_words = (o.quick ? (256u << 20) : (1u << 30)) / 8;
-    g_bw_buf = malloc(g_bw_words * 8);
+    g_bw_buf = aligned_alloc(64, g_bw_words * 8); /* whole lines, as tool_sum_run reads them */
     if (!g_bw_buf) {
         fprintf(stderr, "pkv bench attn: cannot allocate the bandwidth buffer\n");
         return TOOL_FAIL;
@@ -797,7 +795,7 @@ int tool_bench_attn(int argc, char **argv) {
         const char *order = getenv("PKV_ATTN_ORDER");
         printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u, decode pools %u%% held by the batch, "
                "PKV_ATTN_ORDER=%s\n",
-               H_Q, H_KV, HEAD_DIM, g_bt, g_occ, order && *order ? order : "(auto)");
+               H_Q, H_KV, HEAD_DIM, g_bt, o.occupancy, order && *order ? order : "(auto)");
         printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s %8s %7s  %s  %s\n", "kernel", "kv", "ctx",
                "batch", "thr", "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "hotGB/s", "hot_bw",
                "paged/contig", "read_p/c");

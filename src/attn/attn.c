@@ -397,6 +397,54 @@ static void merge_splits(const pkv__attn *at, float *slot0, uint32_t n_ks, uint3
     }
 }
 
+/* Thread tid's scratch (thread_bytes): prepared q [ROWS_MAX][QROW], acc [ROWS_MAX][head_dim],
+ * m, l [ROWS_MAX], scores [ROWS_MAX][s_stride]. */
+typedef struct scratch {
+    uint8_t *qp;
+    float *acc, *m, *l, *s;
+} scratch;
+
+static scratch thread_scratch(const pkv__attn *at, uint32_t tid) {
+    const uint32_t D = at->kv->head_dim;
+    uint8_t *p = at->scratch + (size_t)tid * at->thread_bytes;
+    scratch sc;
+    sc.qp = p;
+    p += align64((size_t)ROWS_MAX * PKV__ATTN_QROW_BYTES(D));
+    sc.acc = (float *)p;
+    p += align64((size_t)ROWS_MAX * D * sizeof(float));
+    sc.m = (float *)p;
+    p += align64(ROWS_MAX * sizeof(float));
+    sc.l = (float *)p;
+    p += align64(ROWS_MAX * sizeof(float));
+    sc.s = (float *)p;
+    return sc;
+}
+
+/* What score and accum read for kv head h of block bid from key t0 (kr, vr), and what they
+ * prefetch meanwhile: the same head's K and V runs of the next block (kn, vn: that block's K and
+ * V; NULL: none). score takes the K run and accum the V run (run 1 empty), or score both where
+ * the backend's accum does not prefetch. pkp and pvp point into the struct: fill it in place. */
+typedef struct head_io {
+    const uint8_t *kr, *vr;
+    pkv__attn_pf pk, pv, *pkp, *pvp;
+} head_io;
+
+static inline void head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uint32_t t0, const uint8_t *kn,
+                                const uint8_t *vn, head_io *io) {
+    const pkv__kv_view *kv = at->kv;
+    const uint32_t B = kv->block_tokens;
+    io->kr = kv->k + bid * kv->k_block_bytes + ((size_t)h * B + t0) * kv->k_row_bytes;
+    io->vr = kv->v + bid * kv->v_block_bytes + ((size_t)h * B + t0) * kv->v_row_bytes;
+    io->pkp = io->pvp = NULL;
+    if (!kn) return;
+    const bool accum_pf = at->kt.accum_pf[kv->v_dtype];
+    const size_t kblk = (size_t)B * kv->k_row_bytes, vblk = (size_t)B * kv->v_row_bytes;
+    const uint8_t *kx = kn + h * kblk, *vx = vn + h * vblk;
+    io->pk = (pkv__attn_pf){.p = {kx, accum_pf ? kx : vx}, .end = {kx + kblk, accum_pf ? kx : vx + vblk}};
+    io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}};
+    io->pkp = &io->pk, io->pvp = accum_pf ? &io->pv : NULL;
+}
+
 static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     pkv__attn *at = ctx;
     const pkv__kv_view *kv = at->kv;
@@ -409,16 +457,9 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     const plan_item *pi = w.pi;
     const pkv__attn_item *it = w.item;
 
-    uint8_t *scr = at->scratch + (size_t)tid * at->thread_bytes;
-    uint8_t *qp = scr;
-    scr += align64((size_t)ROWS_MAX * qrow);
-    float *acc = (float *)scr;
-    scr += align64((size_t)ROWS_MAX * D * sizeof(float));
-    float *m = (float *)scr;
-    scr += align64(ROWS_MAX * sizeof(float));
-    float *l = (float *)scr;
-    scr += align64(ROWS_MAX * sizeof(float));
-    float *s = (float *)scr;
+    const scratch sc = thread_scratch(at, tid);
+    uint8_t *qp = sc.qp;
+    float *acc = sc.acc, *m = sc.m, *l = sc.l, *s = sc.s;
 
     const uint32_t rows_h = w.nq * w.gs, rows = w.n_kvh * rows_h;
     pkv_assert(rows <= ROWS_MAX);
@@ -442,8 +483,6 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
-    const bool accum_pf = kt->accum_pf[kv->v_dtype];
-    const size_t kblk = (size_t)B * kv->k_row_bytes, vblk = (size_t)B * kv->v_row_bytes;
     for (uint32_t b = b0; b < b1; b++) {
         const size_t bid = (size_t)it->block_table[b];
         const uint32_t kb = b * B; /* position of the block's first key */
@@ -457,20 +496,10 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
             vn = kv->v + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->v_block_bytes;
         }
         for (uint32_t j = 0; j < w.n_kvh; j++) {
-            const uint32_t h = w.kvh0 + j;
-            const uint8_t *kr = kv->k + bid * kv->k_block_bytes + ((size_t)h * B + t0) * kv->k_row_bytes;
-            const uint8_t *vr = kv->v + bid * kv->v_block_bytes + ((size_t)h * B + t0) * kv->v_row_bytes;
             const uint32_t r0 = j * rows_h;
-            /* the next block's K and V runs of head h: score takes the K run and accum the V run
-             * (run 1 empty), or score both where accum does not prefetch */
-            pkv__attn_pf pk, pv, *pkp = NULL, *pvp = NULL;
-            if (kn) {
-                const uint8_t *kx = kn + h * kblk, *vx = vn + h * vblk;
-                pk = (pkv__attn_pf){.p = {kx, accum_pf ? kx : vx}, .end = {kx + kblk, accum_pf ? kx : vx + vblk}};
-                pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}};
-                pkp = &pk, pvp = accum_pf ? &pv : NULL;
-            }
-            score(qp + (size_t)r0 * qrow, rows_h, kr, kv->k_row_bytes, n_keys, D, s, at->s_stride, pkp);
+            head_io io;
+            head_io_fill(at, bid, w.kvh0 + j, t0, kn, vn, &io);
+            score(qp + (size_t)r0 * qrow, rows_h, io.kr, kv->k_row_bytes, n_keys, D, s, at->s_stride, io.pkp);
             if (mask)
                 for (uint32_t qi = 0; qi < w.nq; qi++) {
                     const uint32_t p = pos_first + qi, plo = key_lo(p, call->window);
@@ -483,7 +512,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
                     }
                 }
             kt->softmax(s, at->s_stride, rows_h, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
-            accum(s, at->s_stride, rows_h, vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, pvp);
+            accum(s, at->s_stride, rows_h, io.vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, io.pvp);
         }
     }
 
@@ -618,36 +647,40 @@ static bool sweep_prepare(pkv__attn *at) {
     const pkv__kv_view *kv = at->kv;
     const uint32_t H = kv->n_kv_heads, G = at->G, B = kv->block_tokens, D = kv->head_dim;
     if (!at->sweep_cap || at->n_items > SWEEP_ITEMS || (uint64_t)H * G > ROWS_MAX) return false;
-    uint64_t n = 0, runs = 0;
+    /* the entries, item by item (a call that overflows sweep_cap leaves them unused), and the
+     * tables' runs of neighbouring blocks */
+    uint64_t *keys = at->sweep_keys;
+    uint32_t x = 0, runs = 0;
     for (uint32_t i = 0; i < at->n_items; i++) {
         const pkv__attn_item *it = &at->items[i];
         if (it->n_q > 1) return false;
         if (it->n_q == 0) continue;
         if (it->q_pos0 / B >= (1u << SWEEP_B_BITS)) return false;
         const uint32_t b0 = key_lo(it->q_pos0, at->call->window) / B, b1 = it->q_pos0 / B;
-        n += b1 - b0 + 1;
+        if (b1 - b0 + 1 > at->sweep_cap - x) return false;
         runs++;
-        for (uint32_t b = b0; b < b1; b++) runs += it->block_table[b + 1] != it->block_table[b] + 1;
-    }
-    if (n == 0 || n > at->sweep_cap) return false;
-    /* tables of long runs of neighbouring blocks already read as a contiguous cache does */
-    if (at->order == PKV__ATTN_ORDER_AUTO && n >= SWEEP_TABLE_RUN * runs) return false;
-    uint64_t *keys = at->sweep_keys;
-    uint32_t x = 0;
-    for (uint32_t i = 0; i < at->n_items; i++) {
-        const pkv__attn_item *it = &at->items[i];
-        if (it->n_q == 0) continue;
-        for (uint32_t b = key_lo(it->q_pos0, at->call->window) / B; b <= it->q_pos0 / B; b++)
+        for (uint32_t b = b0; b <= b1; b++) {
             keys[x++] = (uint64_t)(uint32_t)it->block_table[b] << 32 | (uint64_t)i << SWEEP_B_BITS | b;
-        const size_t qrow = PKV__ATTN_QROW_BYTES(D);
-        for (uint32_t h = 0; h < H; h++)
-            at->kt.prep_q[kv->k_dtype](it->q + (size_t)h * G * D, D, G, D, at->call->scale,
-                                       at->sweep_q + ((size_t)i * H + h) * G * qrow);
+            runs += b < b1 && it->block_table[b + 1] != it->block_table[b] + 1;
+        }
     }
+    if (x == 0) return false;
+    /* tables of long runs of neighbouring blocks already read as a contiguous cache does */
+    if (at->order == PKV__ATTN_ORDER_AUTO && x >= (uint64_t)SWEEP_TABLE_RUN * runs) return false;
+    /* an item's query rows [H][G] are consecutive: one prep for all of them */
+    for (uint32_t i = 0; i < at->n_items; i++)
+        if (at->items[i].n_q)
+            at->kt.prep_q[kv->k_dtype](at->items[i].q, D, H * G, D, at->call->scale,
+                                       at->sweep_q + (size_t)i * H * G * PKV__ATTN_QROW_BYTES(D));
     at->sweep_sorted = sort_by_block(keys, at->sweep_tmp, x, kv->n_blocks);
     at->sweep_n = x;
     at->sweep_chunks = PKV_MAX(1u, PKV_MIN(at->sweep_chunks_max, x / MIN_SPLIT_BLOCKS));
     return true;
+}
+
+/* Chunk c's state slot for item i: an item's slots are consecutive, as merge_splits reads them. */
+static float *sweep_slot(const pkv__attn *at, uint32_t i, uint32_t c) {
+    return at->sweep_slots + ((size_t)i * at->sweep_chunks_max + c) * at->slot_floats;
 }
 
 static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
@@ -656,22 +689,18 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
     const pkv__attn_call *call = at->call;
     const pkv__attn_kernels *kt = &at->kt;
     const uint32_t D = kv->head_dim, B = kv->block_tokens, G = at->G, H = kv->n_kv_heads, rows = H * G;
-    const size_t qrow = PKV__ATTN_QROW_BYTES(D), kblk = (size_t)B * kv->k_row_bytes, vblk = (size_t)B * kv->v_row_bytes;
-    float *s = (float *)(at->scratch + (size_t)tid * at->thread_bytes + align64((size_t)ROWS_MAX * qrow) +
-                         align64((size_t)ROWS_MAX * D * sizeof(float)) + 2 * align64(ROWS_MAX * sizeof(float)));
+    const size_t qrow = PKV__ATTN_QROW_BYTES(D);
+    float *s = thread_scratch(at, tid).s; /* the chunk's states live in its slots */
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
-    const bool accum_pf = kt->accum_pf[kv->v_dtype];
     const uint64_t *e = at->sweep_sorted;
     const uint32_t x0 = (uint32_t)((uint64_t)at->sweep_n * c / at->sweep_chunks);
     const uint32_t x1 = (uint32_t)((uint64_t)at->sweep_n * (c + 1) / at->sweep_chunks);
-    float *slots = at->sweep_slots + (size_t)c * at->slot_floats;
-    const size_t item_stride = (size_t)at->sweep_chunks_max * at->slot_floats;
     uint32_t used = 0; /* items whose slot this chunk has started */
     for (uint32_t x = x0; x < x1; x++) {
         const size_t bid = (size_t)(e[x] >> 32);
         const uint32_t i = (uint32_t)(e[x] >> SWEEP_B_BITS) & 31u, b = (uint32_t)e[x] & ((1u << SWEEP_B_BITS) - 1u);
-        float *m = slots + i * item_stride, *l = m + ROWS_MAX, *acc = m + 2 * ROWS_MAX;
+        float *m = sweep_slot(at, i, c), *l = m + ROWS_MAX, *acc = m + 2 * ROWS_MAX;
         if (!(used >> i & 1u)) {
             used |= 1u << i;
             for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
@@ -681,13 +710,15 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
         const uint32_t t0 = k_lo > kb ? k_lo - kb : 0, n_keys = PKV_MIN(B, pos - kb + 1) - t0;
         const uint8_t *qp = at->sweep_q + (size_t)i * rows * qrow, *kn = NULL, *vn = NULL;
         const uint8_t *qn = NULL, *an = NULL;
-        if (PKV_ATTN_PF_DIST && x + 1 < x1) {
-            kn = kv->k + (size_t)(e[x + 1] >> 32) * kv->k_block_bytes;
-            vn = kv->v + (size_t)(e[x + 1] >> 32) * kv->v_block_bytes;
+        if (PKV_ATTN_PF_DIST && x + PKV_ATTN_PF_DIST < x1) {
+            kn = kv->k + (size_t)(e[x + PKV_ATTN_PF_DIST] >> 32) * kv->k_block_bytes;
+            vn = kv->v + (size_t)(e[x + PKV_ATTN_PF_DIST] >> 32) * kv->v_block_bytes;
+        }
+        if (x + 1 < x1) {
             const uint32_t in = (uint32_t)(e[x + 1] >> SWEEP_B_BITS) & 31u;
             if (in != i) {
                 qn = at->sweep_q + (size_t)in * rows * qrow;
-                an = (const uint8_t *)(slots + in * item_stride + 2 * ROWS_MAX);
+                an = (const uint8_t *)(sweep_slot(at, in, c) + 2 * ROWS_MAX);
             }
         }
         for (uint32_t h = 0; h < H; h++) {
@@ -696,24 +727,17 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
                 for (size_t o = 0; o < (size_t)G * qrow; o += 64) __builtin_prefetch(qx + o, 0, 2);
                 for (size_t o = 0; o < (size_t)G * D * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
             }
-            const uint8_t *kr = kv->k + bid * kv->k_block_bytes + ((size_t)h * B + t0) * kv->k_row_bytes;
-            const uint8_t *vr = kv->v + bid * kv->v_block_bytes + ((size_t)h * B + t0) * kv->v_row_bytes;
             const uint32_t r0 = h * G;
-            pkv__attn_pf pk, pv, *pkp = NULL, *pvp = NULL;
-            if (kn) { /* as in run_unit */
-                const uint8_t *kx = kn + h * kblk, *vx = vn + h * vblk;
-                pk = (pkv__attn_pf){.p = {kx, accum_pf ? kx : vx}, .end = {kx + kblk, accum_pf ? kx : vx + vblk}};
-                pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}};
-                pkp = &pk, pvp = accum_pf ? &pv : NULL;
-            }
-            score(qp + (size_t)r0 * qrow, G, kr, kv->k_row_bytes, n_keys, D, s, at->s_stride, pkp);
+            head_io io;
+            head_io_fill(at, bid, h, t0, kn, vn, &io);
+            score(qp + (size_t)r0 * qrow, G, io.kr, kv->k_row_bytes, n_keys, D, s, at->s_stride, io.pkp);
             kt->softmax(s, at->s_stride, G, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
-            accum(s, at->s_stride, G, vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, pvp);
+            accum(s, at->s_stride, G, io.vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, io.pvp);
         }
     }
     for (uint32_t i = 0; i < at->n_items; i++) /* a slot not started weighs 0 in the merge */
         if (!(used >> i & 1u))
-            for (uint32_t r = 0; r < rows; r++) slots[i * item_stride + ROWS_MAX + r] = 0.0f;
+            for (uint32_t r = 0; r < rows; r++) sweep_slot(at, i, c)[ROWS_MAX + r] = 0.0f;
 }
 
 /* Item i of a swept call: merges its chunks' slots and writes its output. */
@@ -722,7 +746,7 @@ static void run_merge(void *ctx, uint32_t i, uint32_t tid) {
     pkv__attn *at = ctx;
     if (at->items[i].n_q == 0) return;
     const uint32_t H = at->kv->n_kv_heads, G = at->G;
-    float *slot0 = at->sweep_slots + (size_t)i * at->sweep_chunks_max * at->slot_floats;
+    float *slot0 = sweep_slot(at, i, 0);
     merge_splits(at, slot0, at->sweep_chunks, H * G);
     const unit w = {.item = &at->items[i], .kvh0 = 0, .n_kvh = H, .g0 = 0, .gs = G, .qa = 0, .nq = 1};
     write_final(at, &w, slot0, slot0 + ROWS_MAX, slot0 + 2 * ROWS_MAX);
