@@ -104,6 +104,7 @@ static void test_usage_errors(void **state) {
                       {"pkv", "bench", "attn", "--prompt", "-5"}, {"pkv", "bench", "attn", "--frobnicate", NULL},
                       {"pkv", "bench", "attn", "--block-tokens", "0"},
                       {"pkv", "bench", "attn", "--block-tokens", "1025"},
+                      {"pkv", "bench", "attn", "--batch", "257"},
                       {"pkv", "bench", "attn", "--occupancy", "9"},
                       {"pkv", "bench", "attn", "--occupancy", "101"},
                       /* a block longer than a context, or than the prompt */
@@ -123,10 +124,34 @@ static void test_usage_errors(void **state) {
     free(err);
 }
 
+/* A batch over 16 sequences, which AUTO reads in table order: both layouts measured, at the
+ * batch asked for. */
+static void test_large_batch(void **state) {
+    (void)state;
+    char *argv[] = {"pkv", "bench", "attn", "--quick", "--json", "--dtype", "f16", "--ctx", "512", "--batch", "40",
+                    "--threads", "1", "--prompt", "0", NULL};
+    char *out, *err;
+    int rc = run_cli(argv, &out, &err);
+    if (rc != 0) fail_msg("exit %d: %s", rc, err);
+    int layouts[2] = {0};
+    for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        if (field(line, "kind")) continue;
+        assert_true(str_is(line, "kernel", "decode"));
+        assert_int_equal((int)num(line, "batch"), 40);
+        const double gbps = num(line, "gbps");
+        assert_true(isfinite(gbps) && gbps > 0);
+        layouts[str_is(line, "layout", "paged")]++;
+    }
+    assert_int_equal(layouts[0], 1);
+    assert_int_equal(layouts[1], 1);
+    free(out), free(err);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_json_lines),
         cmocka_unit_test(test_usage_errors),
+        cmocka_unit_test(test_large_batch),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

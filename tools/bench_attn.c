@@ -15,7 +15,7 @@
 #include <immintrin.h>
 #endif
 
-enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_DEFAULT = 16, BT_MAX = 1024 };
+enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_DEFAULT = 16, BT_MAX = 1024, BATCH_MAX = 256 };
 static uint32_t g_bt = BT_DEFAULT; /* block_tokens: opts.block_tokens, set by tool_bench_attn */
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
@@ -233,7 +233,7 @@ static double fma_peak(int n_threads) { return fma_peak_n(n_threads, 3, 10000000
 /* ---- cache set-up ------------------------------------------------------------------------------- */
 typedef struct setup {
     pkv_cache *c;
-    pkv_seq seqs[16];
+    pkv_seq seqs[BATCH_MAX];
     uint32_t batch, ctx, n_layers;
     double adjacent; /* fraction of logical neighbours that are physical neighbours */
     uint32_t next_layer; /* decode calls cycle over the layers */
@@ -711,7 +711,7 @@ int tool_bench_attn(int argc, char **argv) {
         else if (!strcmp(arg, "--quick")) o.quick = 1;
         else if (!strcmp(arg, "--dtype") && val) bad = parse_dtypes(val, &o), i++;
         else if (!strcmp(arg, "--ctx") && val) bad = parse_u32_list(val, o.ctx, 8, 1u << 20, &o.n_ctx), i++;
-        else if (!strcmp(arg, "--batch") && val) bad = parse_u32_list(val, o.batch, 8, 256, &o.n_batch), i++;
+        else if (!strcmp(arg, "--batch") && val) bad = parse_u32_list(val, o.batch, 8, BATCH_MAX, &o.n_batch), i++;
         else if (!strcmp(arg, "--threads") && val) bad = parse_u32_list(val, o.threads, 2, 2, &o.n_threads), i++;
         else if (!strcmp(arg, "--prompt") && val) {
             char *end;
