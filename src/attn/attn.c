@@ -30,12 +30,13 @@
 #define UNITS_PER_THREAD 4u
 #endif
 
-/* Pool-order decode (the "sweep", below): at most this many items per call (their running
- * state, 16 KiB a sequence at 32 query heads x head_dim 128, stays in each core's L2), in
- * SWEEP_CHUNKS_PER_THREAD chunks per thread, for contexts of at most SWEEP_MAX_THREADS threads
- * (its state slots are items x chunks). An entry key packs (block id << 32 | item << 27 | block
- * index), so a sequence's blocks up to 2^27. */
-#define SWEEP_ITEMS 16u
+/* Pool-order decode (the "sweep", below): at most this many items per sweep, a call of more
+ * is swept in groups (their running state, 32 KiB of queries and acc a sequence at 32 query
+ * heads x head_dim 128, 1 MiB for the group: about a core's L2), in SWEEP_CHUNKS_PER_THREAD
+ * chunks per thread, for contexts of at most SWEEP_MAX_THREADS threads (its state slots are
+ * items x chunks). An entry key packs (block id << 32 | item << 27 | block index), so a
+ * sequence's blocks up to 2^27. */
+#define SWEEP_ITEMS 32u
 #define SWEEP_CHUNKS_PER_THREAD 2u
 #define SWEEP_MAX_THREADS 16u
 #define SWEEP_B_BITS 27u
@@ -83,9 +84,9 @@ struct pkv__attn {
     _Atomic uint32_t *split_done; /* [n_slots]: finished splits per (group, tile) */
     plan_item *plan;              /* [max_items] */
     /* pool-order decode: sweep_cap entries (0: never), their keys sorted through sweep_tmp,
-     * prepared queries (room for SWEEP_ITEMS x ROWS_MAX rows of QROW bytes; a call packs them
-     * [item][H x G]), state slots [SWEEP_ITEMS][chunks max] (slot_floats each) and, for the
-     * call being run, its entry count and chunks */
+     * prepared queries (room for sweep_items x ROWS_MAX rows of QROW bytes; a group packs them
+     * [item][H x G]), state slots [sweep_items][chunks max] (slot_floats each) and, for the
+     * group being swept (items [sweep_i0, sweep_i0 + sweep_ni)), its entry count and chunks */
     int order;
     bool last_swept;
     uint32_t sweep_cap, sweep_chunks_max;
@@ -93,7 +94,7 @@ struct pkv__attn {
     const uint64_t *sweep_sorted;
     uint8_t *sweep_q;
     float *sweep_slots;
-    uint32_t sweep_n, sweep_chunks;
+    uint32_t sweep_n, sweep_chunks, sweep_i0, sweep_ni;
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
     const pkv__attn_item *items;
@@ -216,13 +217,14 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     const uint32_t n_slots = n_threads > 1 ? SLOTS_PER_THREAD * n_threads : 0;
     const size_t slot_floats = (size_t)ROWS_MAX * (D + 2);
     const uint32_t max_items = lim->max_items ? lim->max_items : 1;
-    /* the sweep's entries: every block of SWEEP_ITEMS sequences, within bounds */
-    uint64_t sweep_cap = lim->max_blocks_per_seq ? (uint64_t)PKV_MIN(max_items, SWEEP_ITEMS) * lim->max_blocks_per_seq
+    /* the sweep's entries: every block of a group of sequences, within bounds */
+    const uint32_t sweep_items = PKV_MIN(max_items, SWEEP_ITEMS);
+    uint64_t sweep_cap = lim->max_blocks_per_seq ? (uint64_t)sweep_items * lim->max_blocks_per_seq
                                                  : SWEEP_ENTRIES_UNBOUNDED;
     sweep_cap = PKV_MIN(sweep_cap, SWEEP_ENTRIES_MAX);
     if (n_threads > SWEEP_MAX_THREADS) sweep_cap = 0;
     const uint32_t sweep_chunks_max = sweep_cap ? SWEEP_CHUNKS_PER_THREAD * n_threads : 0;
-    const size_t sweep_slots = sweep_cap ? (size_t)SWEEP_ITEMS * sweep_chunks_max : 0;
+    const size_t sweep_slots = sweep_cap ? (size_t)sweep_items * sweep_chunks_max : 0;
 
     /* one allocation: context | workers | plan | split counters | partials | scratch | sweep
      * keys (two arrays) | sweep queries | sweep slots */
@@ -233,7 +235,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     size_t off_scr = off_part + align64(slot_floats * sizeof(float) * n_slots);
     size_t off_keys = off_scr + thread_bytes * n_threads;
     size_t off_sq = off_keys + 2 * align64(sizeof(uint64_t) * sweep_cap);
-    size_t off_sslot = off_sq + (sweep_cap ? (size_t)SWEEP_ITEMS * ROWS_MAX * PKV__ATTN_QROW_BYTES(D) : 0);
+    size_t off_sslot = off_sq + (sweep_cap ? (size_t)sweep_items * ROWS_MAX * PKV__ATTN_QROW_BYTES(D) : 0);
     size_t total = off_sslot + slot_floats * sizeof(float) * sweep_slots;
 
     uint8_t *mem = pkv__alloc(a, total, 64);
@@ -641,37 +643,70 @@ static const uint64_t *sort_by_block(uint64_t *a, uint64_t *tmp, uint32_t n, uin
     return a;
 }
 
-/* Makes the call's sorted entries, prepared queries and chunk count; false (nothing else done)
- * when the sweep does not take the call. */
-static bool sweep_prepare(pkv__attn *at) {
-    const pkv__kv_view *kv = at->kv;
-    const uint32_t H = kv->n_kv_heads, G = at->G, B = kv->block_tokens, D = kv->head_dim;
-    if (!at->sweep_cap || at->n_items > SWEEP_ITEMS || (uint64_t)H * G > ROWS_MAX) return false;
-    /* the entries, item by item (a call that overflows sweep_cap leaves them unused), and the
-     * tables' runs of neighbouring blocks */
-    uint64_t *keys = at->sweep_keys;
-    uint32_t x = 0, runs = 0;
-    for (uint32_t i = 0; i < at->n_items; i++) {
-        const pkv__attn_item *it = &at->items[i];
-        if (it->n_q > 1) return false;
-        if (it->n_q == 0) continue;
-        if (it->q_pos0 / B >= (1u << SWEEP_B_BITS)) return false;
-        const uint32_t b0 = key_lo(it->q_pos0, at->call->window) / B, b1 = it->q_pos0 / B;
-        if (b1 - b0 + 1 > at->sweep_cap - x) return false;
-        runs++;
-        for (uint32_t b = b0; b <= b1; b++) {
-            keys[x++] = (uint64_t)(uint32_t)it->block_table[b] << 32 | (uint64_t)i << SWEEP_B_BITS | b;
-            runs += b < b1 && it->block_table[b + 1] != it->block_table[b] + 1;
+/* The call's sweep groups: SWEEP_ITEMS items at most, sizes within one of each other. */
+static uint32_t sweep_groups(const pkv__attn *at) { return (at->n_items + SWEEP_ITEMS - 1) / SWEEP_ITEMS; }
+
+static void sweep_group(const pkv__attn *at, uint32_t g, uint32_t *i0, uint32_t *i1) {
+    const uint32_t ng = sweep_groups(at);
+    *i0 = (uint32_t)((uint64_t)at->n_items * g / ng);
+    *i1 = (uint32_t)((uint64_t)at->n_items * (g + 1) / ng);
+}
+
+/* The blocks an item's one query sees: [*b0, *b1] of its table. */
+static void sweep_blocks(const pkv__attn *at, const pkv__attn_item *it, uint32_t *b0, uint32_t *b1) {
+    const uint32_t B = at->kv->block_tokens;
+    *b0 = key_lo(it->q_pos0, at->call->window) / B, *b1 = it->q_pos0 / B;
+}
+
+/* Whether the sweep takes the call: decode (one query an item), at most ROWS_MAX rows an item,
+ * each group's entries within sweep_cap and, under AUTO, tables whose runs of neighbouring
+ * blocks average under SWEEP_TABLE_RUN. One pass over the tables; changes nothing. */
+static bool sweep_takes(const pkv__attn *at) {
+    const uint32_t H = at->kv->n_kv_heads, B = at->kv->block_tokens;
+    if (!at->sweep_cap || (uint64_t)H * at->G > ROWS_MAX) return false;
+    uint64_t x = 0, runs = 0;
+    for (uint32_t g = 0, ng = sweep_groups(at); g < ng; g++) {
+        uint32_t i0, i1;
+        uint64_t xg = 0;
+        sweep_group(at, g, &i0, &i1);
+        for (uint32_t i = i0; i < i1; i++) {
+            const pkv__attn_item *it = &at->items[i];
+            if (it->n_q > 1) return false;
+            if (it->n_q == 0) continue;
+            if (it->q_pos0 / B >= (1u << SWEEP_B_BITS)) return false;
+            uint32_t b0, b1;
+            sweep_blocks(at, it, &b0, &b1);
+            xg += b1 - b0 + 1;
+            runs++;
+            for (uint32_t b = b0; b < b1; b++) runs += it->block_table[b + 1] != it->block_table[b] + 1;
         }
+        if (xg > at->sweep_cap) return false;
+        x += xg;
+    }
+    /* tables of long runs of neighbouring blocks already read as a contiguous cache does */
+    return x && (at->order != PKV__ATTN_ORDER_AUTO || x < (uint64_t)SWEEP_TABLE_RUN * runs);
+}
+
+/* Makes the sorted entries, prepared queries and chunk count of the group of items [i0, i1)
+ * (sweep_takes said the call fits); false when none of them has a query. */
+static bool sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1) {
+    const pkv__kv_view *kv = at->kv;
+    const uint32_t H = kv->n_kv_heads, G = at->G, D = kv->head_dim;
+    uint64_t *keys = at->sweep_keys;
+    uint32_t x = 0;
+    for (uint32_t i = i0; i < i1; i++) {
+        const pkv__attn_item *it = &at->items[i];
+        if (it->n_q == 0) continue;
+        uint32_t b0, b1;
+        sweep_blocks(at, it, &b0, &b1);
+        for (uint32_t b = b0; b <= b1; b++)
+            keys[x++] = (uint64_t)(uint32_t)it->block_table[b] << 32 | (uint64_t)(i - i0) << SWEEP_B_BITS | b;
+        /* an item's query rows [H][G] are consecutive: one prep for all of them */
+        at->kt.prep_q[kv->k_dtype](it->q, D, H * G, D, at->call->scale,
+                                   at->sweep_q + (size_t)(i - i0) * H * G * PKV__ATTN_QROW_BYTES(D));
     }
     if (x == 0) return false;
-    /* tables of long runs of neighbouring blocks already read as a contiguous cache does */
-    if (at->order == PKV__ATTN_ORDER_AUTO && x >= (uint64_t)SWEEP_TABLE_RUN * runs) return false;
-    /* an item's query rows [H][G] are consecutive: one prep for all of them */
-    for (uint32_t i = 0; i < at->n_items; i++)
-        if (at->items[i].n_q)
-            at->kt.prep_q[kv->k_dtype](at->items[i].q, D, H * G, D, at->call->scale,
-                                       at->sweep_q + (size_t)i * H * G * PKV__ATTN_QROW_BYTES(D));
+    at->sweep_i0 = i0, at->sweep_ni = i1 - i0;
     at->sweep_sorted = sort_by_block(keys, at->sweep_tmp, x, kv->n_blocks);
     at->sweep_n = x;
     at->sweep_chunks = PKV_MAX(1u, PKV_MIN(at->sweep_chunks_max, x / MIN_SPLIT_BLOCKS));
@@ -696,6 +731,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
     const uint64_t *e = at->sweep_sorted;
     const uint32_t x0 = (uint32_t)((uint64_t)at->sweep_n * c / at->sweep_chunks);
     const uint32_t x1 = (uint32_t)((uint64_t)at->sweep_n * (c + 1) / at->sweep_chunks);
+    const uint32_t n_items = at->sweep_ni;
     uint32_t used = 0; /* items whose slot this chunk has started */
     for (uint32_t x = x0; x < x1; x++) {
         const size_t bid = (size_t)(e[x] >> 32);
@@ -706,7 +742,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
             for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
             memset(acc, 0, (size_t)rows * D * sizeof(float));
         }
-        const uint32_t pos = at->items[i].q_pos0, k_lo = key_lo(pos, call->window), kb = b * B;
+        const uint32_t pos = at->items[at->sweep_i0 + i].q_pos0, k_lo = key_lo(pos, call->window), kb = b * B;
         const uint32_t t0 = k_lo > kb ? k_lo - kb : 0, n_keys = PKV_MIN(B, pos - kb + 1) - t0;
         const uint8_t *qp = at->sweep_q + (size_t)i * rows * qrow, *kn = NULL, *vn = NULL;
         const uint8_t *qn = NULL, *an = NULL;
@@ -735,21 +771,40 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
             accum(s, at->s_stride, G, io.vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, io.pvp);
         }
     }
-    for (uint32_t i = 0; i < at->n_items; i++) /* a slot not started weighs 0 in the merge */
+    for (uint32_t i = 0; i < n_items; i++) /* a slot not started weighs 0 in the merge */
         if (!(used >> i & 1u))
             for (uint32_t r = 0; r < rows; r++) sweep_slot(at, i, c)[ROWS_MAX + r] = 0.0f;
 }
 
-/* Item i of a swept call: merges its chunks' slots and writes its output. */
+/* Item i of the group being swept: merges its chunks' slots and writes its output. */
 static void run_merge(void *ctx, uint32_t i, uint32_t tid) {
     (void)tid;
     pkv__attn *at = ctx;
-    if (at->items[i].n_q == 0) return;
+    const pkv__attn_item *it = &at->items[at->sweep_i0 + i];
+    if (it->n_q == 0) return;
     const uint32_t H = at->kv->n_kv_heads, G = at->G;
     float *slot0 = sweep_slot(at, i, 0);
     merge_splits(at, slot0, at->sweep_chunks, H * G);
-    const unit w = {.item = &at->items[i], .kvh0 = 0, .n_kvh = H, .g0 = 0, .gs = G, .qa = 0, .nq = 1};
+    const unit w = {.item = it, .kvh0 = 0, .n_kvh = H, .g0 = 0, .gs = G, .qa = 0, .nq = 1};
     write_final(at, &w, slot0, slot0 + ROWS_MAX, slot0 + 2 * ROWS_MAX);
+}
+
+/* Sweeps the call (sweep_takes said yes), group by group; a small call on the caller alone. */
+static void sweep_run(pkv__attn *at, bool small) {
+    for (uint32_t g = 0, ng = sweep_groups(at); g < ng; g++) {
+        uint32_t i0, i1;
+        sweep_group(at, g, &i0, &i1);
+        if (!sweep_prepare(at, i0, i1)) continue;
+        if (small) {
+            for (uint32_t c = 0; c < at->sweep_chunks; c++) run_chunk(at, c, 0);
+            for (uint32_t i = 0; i < at->sweep_ni; i++) run_merge(at, i, 0);
+            continue;
+        }
+        /* the merges in a second job: the workers are still spinning */
+        pkv__tpool_run(&at->pool, run_chunk, at, at->sweep_chunks);
+        pkv__tpool_run(&at->pool, run_merge, at, at->sweep_ni);
+        if (at->sweep_chunks > 1) at->last_threads = at->n_threads;
+    }
 }
 
 void pkv__attn_set_inline_work(pkv__attn *at, uint64_t elems) { at->inline_elems = elems; }
@@ -798,15 +853,9 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     const bool small = at->head_blocks * kv->block_tokens * kv->head_dim < at->inline_elems;
     at->last_threads = 1;
     at->last_swept = n_units && at->order != PKV__ATTN_ORDER_TABLE &&
-                     (at->order == PKV__ATTN_ORDER_POOL || !small) && sweep_prepare(at);
-    if (at->last_swept && small) {
-        for (uint32_t c = 0; c < at->sweep_chunks; c++) run_chunk(at, c, 0);
-        for (uint32_t i = 0; i < n_items; i++) run_merge(at, i, 0);
-    } else if (at->last_swept) { /* the merges in a second job: the workers are still spinning */
-        pkv__tpool_run(&at->pool, run_chunk, at, at->sweep_chunks);
-        pkv__tpool_run(&at->pool, run_merge, at, n_items);
-        if (at->sweep_chunks > 1) at->last_threads = at->n_threads;
-    } else if (n_units && small) {
+                     (at->order == PKV__ATTN_ORDER_POOL || !small) && sweep_takes(at);
+    if (at->last_swept) sweep_run(at, small);
+    else if (n_units && small) {
         for (uint32_t u = 0; u < n_units; u++) run_unit(at, u, 0); /* small call: the caller alone */
     } else if (n_units) {
         pkv__tpool_run(&at->pool, run_unit, at, n_units);
