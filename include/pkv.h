@@ -289,9 +289,9 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
 
 /* Decode: one query per sequence, at its last position (length - 1), seeing [0, length).
  * q, out: [n_seqs][n_q_heads][head_dim] f32. K/V of every visible position must have been
- * written for this layer. A batch of up to 16 sequences whose block tables jump is read in
- * pool order: every block of the batch once, in ascending block id, whichever sequences hold
- * it, with one running softmax per sequence merged at the end. The result then differs from a
+ * written for this layer. A batch whose block tables jump is read in pool order: every block
+ * of the batch once, in ascending block id, whichever sequences hold it, with one running
+ * softmax per sequence merged at the end (in groups of at most 32 sequences). The result then differs from a
  * read in table order by float rounding only. PKV_ATTN_ORDER=table (or pool, or auto, the
  * default) in the environment at pkv_cache_create fixes the order; another value makes
  * pkv_cache_create fail with PKV_EINVAL. */

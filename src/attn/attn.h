@@ -72,10 +72,10 @@ void pkv__attn_set_inline_work(pkv__attn *at, uint64_t elems);
  * and chunk, merged by log-sum-exp at the end (the "sweep" in attn.c): where the batch's
  * blocks fill a region of the pool the reads are sequential however the tables are shuffled,
  * and a block that several sequences share is read from memory once. A call the sweep does
- * not take (prefill items, more than 16 sequences, more query rows per sequence than a unit
- * holds, a context of more than 16 threads) runs in table order. AUTO (the default): POOL for
- * calls that go to the thread pool (above the inline threshold) whose tables jump (runs of
- * neighbouring blocks under 32 on average), TABLE for the rest. The results differ from
+ * not take (prefill items, more query rows per sequence than a unit holds, a context of more
+ * than 16 threads) runs in table order; more than 32 sequences are swept in groups. AUTO (the
+ * default): POOL for calls that go to the thread pool (above the inline threshold) whose tables
+ * jump (runs of neighbouring blocks under 32 on average), TABLE for the rest. The results differ from
  * TABLE's by rounding only (the softmax is summed in another order). The context starts with
  * the order PKV_ATTN_ORDER names in the environment ("auto", "table", "pool"; unset or empty:
  * auto); creation fails with PKV_EINVAL on any other value. */
