@@ -223,7 +223,8 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
                                                  : SWEEP_ENTRIES_UNBOUNDED;
     sweep_cap = PKV_MIN(sweep_cap, SWEEP_ENTRIES_MAX);
     if (n_threads > SWEEP_MAX_THREADS) sweep_cap = 0;
-    const uint32_t sweep_chunks_max = sweep_cap ? SWEEP_CHUNKS_PER_THREAD * n_threads : 0;
+    /* one thread: one chunk (more would only add slots to write and merge) */
+    const uint32_t sweep_chunks_max = sweep_cap ? (n_threads > 1 ? SWEEP_CHUNKS_PER_THREAD * n_threads : 1) : 0;
     const size_t sweep_slots = sweep_cap ? (size_t)sweep_items * sweep_chunks_max : 0;
 
     /* one allocation: context | workers | plan | split counters | partials | scratch | sweep
@@ -688,8 +689,9 @@ static bool sweep_takes(const pkv__attn *at) {
 }
 
 /* Makes the sorted entries, prepared queries and chunk count of the group of items [i0, i1)
- * (sweep_takes said the call fits); false when none of them has a query. */
-static bool sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1) {
+ * (sweep_takes said the call fits; one chunk when the caller runs it alone); false when none
+ * of them has a query. */
+static bool sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1, bool alone) {
     const pkv__kv_view *kv = at->kv;
     const uint32_t H = kv->n_kv_heads, G = at->G, D = kv->head_dim;
     uint64_t *keys = at->sweep_keys;
@@ -709,7 +711,7 @@ static bool sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1) {
     at->sweep_i0 = i0, at->sweep_ni = i1 - i0;
     at->sweep_sorted = sort_by_block(keys, at->sweep_tmp, x, kv->n_blocks);
     at->sweep_n = x;
-    at->sweep_chunks = PKV_MAX(1u, PKV_MIN(at->sweep_chunks_max, x / MIN_SPLIT_BLOCKS));
+    at->sweep_chunks = alone ? 1u : PKV_MAX(1u, PKV_MIN(at->sweep_chunks_max, x / MIN_SPLIT_BLOCKS));
     return true;
 }
 
@@ -794,9 +796,9 @@ static void sweep_run(pkv__attn *at, bool small) {
     for (uint32_t g = 0, ng = sweep_groups(at); g < ng; g++) {
         uint32_t i0, i1;
         sweep_group(at, g, &i0, &i1);
-        if (!sweep_prepare(at, i0, i1)) continue;
+        if (!sweep_prepare(at, i0, i1, small)) continue;
         if (small) {
-            for (uint32_t c = 0; c < at->sweep_chunks; c++) run_chunk(at, c, 0);
+            run_chunk(at, 0, 0);
             for (uint32_t i = 0; i < at->sweep_ni; i++) run_merge(at, i, 0);
             continue;
         }
