@@ -46,6 +46,8 @@
  * there the sweep's state traffic and merges cost more (about 1% on contiguous tables) than the
  * few jumps it would save. */
 #define SWEEP_TABLE_RUN 32u
+_Static_assert(SWEEP_ITEMS <= 32 && ((uint64_t)SWEEP_ITEMS << SWEEP_B_BITS) <= (1ull << 32),
+               "an entry's item fits the key's bits and a chunk's 32-bit mask of started items");
 
 typedef struct plan_item {
     uint32_t unit0;      /* first unit of this item */
@@ -644,6 +646,14 @@ static const uint64_t *sort_by_block(uint64_t *a, uint64_t *tmp, uint32_t n, uin
     return a;
 }
 
+/* An entry key's fields: block id, item (within its group), index in the item's table. */
+static uint64_t sweep_key(int32_t bid, uint32_t i, uint32_t b) {
+    return (uint64_t)(uint32_t)bid << 32 | (uint64_t)i << SWEEP_B_BITS | b;
+}
+static size_t key_bid(uint64_t e) { return (size_t)(e >> 32); }
+static uint32_t key_item(uint64_t e) { return (uint32_t)(e >> SWEEP_B_BITS) & (SWEEP_ITEMS - 1u); }
+static uint32_t key_b(uint64_t e) { return (uint32_t)e & ((1u << SWEEP_B_BITS) - 1u); }
+
 /* The call's sweep groups: SWEEP_ITEMS items at most, sizes within one of each other. */
 static uint32_t sweep_groups(const pkv__attn *at) { return (at->n_items + SWEEP_ITEMS - 1) / SWEEP_ITEMS; }
 
@@ -661,11 +671,12 @@ static void sweep_blocks(const pkv__attn *at, const pkv__attn_item *it, uint32_t
 
 /* Whether the sweep takes the call: decode (one query an item), at most ROWS_MAX rows an item,
  * each group's entries within sweep_cap and, under AUTO, tables whose runs of neighbouring
- * blocks average under SWEEP_TABLE_RUN. One pass over the tables; changes nothing. */
-static bool sweep_takes(const pkv__attn *at) {
+ * blocks (runs: counted by pkv__attn_run as it checks the tables) average under
+ * SWEEP_TABLE_RUN. Changes nothing. */
+static bool sweep_takes(const pkv__attn *at, uint64_t runs) {
     const uint32_t H = at->kv->n_kv_heads, B = at->kv->block_tokens;
     if (!at->sweep_cap || (uint64_t)H * at->G > ROWS_MAX) return false;
-    uint64_t x = 0, runs = 0;
+    uint64_t x = 0;
     for (uint32_t g = 0, ng = sweep_groups(at); g < ng; g++) {
         uint32_t i0, i1;
         uint64_t xg = 0;
@@ -678,8 +689,6 @@ static bool sweep_takes(const pkv__attn *at) {
             uint32_t b0, b1;
             sweep_blocks(at, it, &b0, &b1);
             xg += b1 - b0 + 1;
-            runs++;
-            for (uint32_t b = b0; b < b1; b++) runs += it->block_table[b + 1] != it->block_table[b] + 1;
         }
         if (xg > at->sweep_cap) return false;
         x += xg;
@@ -702,7 +711,7 @@ static bool sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1, bool alone) {
         uint32_t b0, b1;
         sweep_blocks(at, it, &b0, &b1);
         for (uint32_t b = b0; b <= b1; b++)
-            keys[x++] = (uint64_t)(uint32_t)it->block_table[b] << 32 | (uint64_t)(i - i0) << SWEEP_B_BITS | b;
+            keys[x++] = sweep_key(it->block_table[b], i - i0, b);
         /* an item's query rows [H][G] are consecutive: one prep for all of them */
         at->kt.prep_q[kv->k_dtype](it->q, D, H * G, D, at->call->scale,
                                    at->sweep_q + (size_t)(i - i0) * H * G * PKV__ATTN_QROW_BYTES(D));
@@ -736,8 +745,8 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
     const uint32_t n_items = at->sweep_ni;
     uint32_t used = 0; /* items whose slot this chunk has started */
     for (uint32_t x = x0; x < x1; x++) {
-        const size_t bid = (size_t)(e[x] >> 32);
-        const uint32_t i = (uint32_t)(e[x] >> SWEEP_B_BITS) & 31u, b = (uint32_t)e[x] & ((1u << SWEEP_B_BITS) - 1u);
+        const size_t bid = key_bid(e[x]);
+        const uint32_t i = key_item(e[x]), b = key_b(e[x]);
         float *m = sweep_slot(at, i, c), *l = m + ROWS_MAX, *acc = m + 2 * ROWS_MAX;
         if (!(used >> i & 1u)) {
             used |= 1u << i;
@@ -749,11 +758,11 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
         const uint8_t *qp = at->sweep_q + (size_t)i * rows * qrow, *kn = NULL, *vn = NULL;
         const uint8_t *qn = NULL, *an = NULL;
         if (PKV_ATTN_PF_DIST && x + PKV_ATTN_PF_DIST < x1) {
-            kn = kv->k + (size_t)(e[x + PKV_ATTN_PF_DIST] >> 32) * kv->k_block_bytes;
-            vn = kv->v + (size_t)(e[x + PKV_ATTN_PF_DIST] >> 32) * kv->v_block_bytes;
+            kn = kv->k + key_bid(e[x + PKV_ATTN_PF_DIST]) * kv->k_block_bytes;
+            vn = kv->v + key_bid(e[x + PKV_ATTN_PF_DIST]) * kv->v_block_bytes;
         }
         if (x + 1 < x1) {
-            const uint32_t in = (uint32_t)(e[x + 1] >> SWEEP_B_BITS) & 31u;
+            const uint32_t in = key_item(e[x + 1]);
             if (in != i) {
                 qn = at->sweep_q + (size_t)in * rows * qrow;
                 an = (const uint8_t *)(sweep_slot(at, in, c) + 2 * ROWS_MAX);
@@ -832,6 +841,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     if (!isfinite(call->scale) || call->scale == 0.0f || !(call->softcap >= 0.0f) || isinf(call->softcap))
         return PKV_EINVAL;
     if (!at->kt.prep_q[kv->k_dtype] || !at->kt.score[kv->k_dtype] || !at->kt.accum[kv->v_dtype]) return PKV_ENOTSUP;
+    uint64_t runs = 0; /* runs of neighbouring blocks in the visible tables (the sweep's AUTO rule) */
     for (uint32_t i = 0; i < n_items; i++) {
         const pkv__attn_item *it = &items[i];
         if (it->n_q == 0) continue;
@@ -842,8 +852,10 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         if (end > UINT32_MAX) return PKV_EINVAL;
         /* only the blocks a query can see are read; each must name a block of the pool */
         const uint32_t lo = key_lo(it->q_pos0, call->window) / kv->block_tokens;
-        for (uint64_t b = lo; b < nbt; b++)
+        for (uint64_t b = lo; b < nbt; b++) {
             if (it->block_table[b] < 0 || (uint32_t)it->block_table[b] >= kv->n_blocks) return PKV_EINVAL;
+            runs += b == lo || it->block_table[b] != it->block_table[b - 1] + 1;
+        }
     }
 
     at->kv = kv;
@@ -855,7 +867,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     const bool small = at->head_blocks * kv->block_tokens * kv->head_dim < at->inline_elems;
     at->last_threads = 1;
     at->last_swept = n_units && at->order != PKV__ATTN_ORDER_TABLE &&
-                     (at->order == PKV__ATTN_ORDER_POOL || !small) && sweep_takes(at);
+                     (at->order == PKV__ATTN_ORDER_POOL || !small) && sweep_takes(at, runs);
     if (at->last_swept) sweep_run(at, small);
     else if (n_units && small) {
         for (uint32_t u = 0; u < n_units; u++) run_unit(at, u, 0); /* small call: the caller alone */

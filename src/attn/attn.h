@@ -75,8 +75,8 @@ void pkv__attn_set_inline_work(pkv__attn *at, uint64_t elems);
  * not take (prefill items, more query rows per sequence than a unit holds, a context of more
  * than 16 threads) runs in table order; more than 32 sequences are swept in groups. AUTO (the
  * default): POOL for calls that go to the thread pool (above the inline threshold) whose tables
- * jump (runs of neighbouring blocks under 32 on average), TABLE for the rest. The results differ from
- * TABLE's by rounding only (the softmax is summed in another order). The context starts with
+ * jump (runs of neighbouring blocks under 32 on average), TABLE for the rest. The results
+ * differ from TABLE's by rounding only (the softmax is summed in another order). The context starts with
  * the order PKV_ATTN_ORDER names in the environment ("auto", "table", "pool"; unset or empty:
  * auto); creation fails with PKV_EINVAL on any other value. */
 enum { PKV__ATTN_ORDER_AUTO = 0, PKV__ATTN_ORDER_TABLE = 1, PKV__ATTN_ORDER_POOL = 2 };
