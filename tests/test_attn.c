@@ -363,7 +363,8 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         skip();
     }
     pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
-    if (o->softcap) call.softcap = (float)(1.0 + 30.0 * rng_unit());
+    /* caps near the logits, and (one case in four) far above them, where tanh(x / cap) is tiny */
+    if (o->softcap) call.softcap = rng_below(4) ? (float)(1.0 + 30.0 * rng_unit()) : (float)pow(10.0, 2.0 + 28.0 * rng_unit());
     if (o->window) call.window = 1 + rng_below(600);
     pkv__attn_item items[4];
     for (uint32_t i = 0; i < n_seqs; i++) {
@@ -548,6 +549,41 @@ static void test_window_one_sees_itself(void **state) {
     seq_free(&s);
     pool_free(&p);
     pkv__attn_destroy(at);
+}
+
+/* Two keys with logits +1 and -1 and values +1 and -1: out = tanh(s), lse = log(e^s + e^-s) for
+ * the capped logit s = cap * tanh(1 / cap), for caps whose 1 / cap lies on both sides of the
+ * SIMD soft-cap's switch to a series at 1/4 and far above the logits (at 1e8 the form
+ * (1 - e) / (1 + e) rounded every logit to 0). */
+static void test_softcap_wide(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    const uint32_t D = 16;
+    tpool p;
+    pool_init(&p, 1, D, 16, 1, PKV_DTYPE_F32, PKV_DTYPE_F32);
+    float *k = (float *)p.view.k, *v = (float *)p.view.v;
+    memset(k, 0, 2 * D * sizeof(float));
+    memset(v, 0, 2 * D * sizeof(float));
+    k[0] = 4.0f, k[D] = -4.0f, v[0] = 1.0f, v[D] = -1.0f;
+    pkv__attn *at = make_attn(bc->name, 1, 1, 1, 1, D, 16);
+    if (!at) skip();
+    const int32_t table[1] = {0};
+    float q[16] = {0.25f}, out[16], lse;
+    static const double caps[] = {0.0, 0.5, 2.0, 4.0, 5.0, 40.0, 1e3, 1e6, 1e8, 1e30};
+    for (size_t ci = 0; ci < sizeof caps / sizeof *caps; ci++) {
+        pkv__attn_item it = {.block_table = table, .q_pos0 = 1, .n_q = 1, .q = q, .out = out, .lse = &lse};
+        pkv__attn_call call = {.n_q_heads = 1, .scale = 1.0f, .softcap = (float)caps[ci]};
+        assert_int_equal(pkv__attn_run(at, &p.view, &it, 1, &call), PKV_OK);
+        const double c = caps[ci], sl = c > 0 ? c * tanh(1.0 / c) : 1.0;
+        if (fabs(out[0] - tanh(sl)) > 1e-6 || fabs(lse - log(exp(sl) + exp(-sl))) > 1e-6)
+            print_message("  %s cap %g: out %.9g (want %.9g), lse %.9g (want %.9g)\n", bc->name, c, out[0],
+                          tanh(sl), lse, log(exp(sl) + exp(-sl)));
+        assert_float_equal(out[0], tanh(sl), 1e-6);
+        assert_float_equal(lse, log(exp(sl) + exp(-sl)), 1e-6);
+        for (uint32_t d = 1; d < D; d++) assert_float_equal(out[d], 0.0f, 0.0f);
+    }
+    pkv__attn_destroy(at);
+    pool_free(&p);
 }
 
 /* ---- LSE merge: attention over two halves, merged by their LSEs, equals the whole ------------ */
@@ -871,6 +907,8 @@ static void test_bad_input(void **state) {
     call.scale = 0.125f;
     call.softcap = -1.0f;
     assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    call.softcap = 1e-39f; /* subnormal: 1 / cap is not finite */
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
     call.softcap = 0.0f;
     kv.k_dtype = (pkv_dtype)99;
     assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
@@ -983,6 +1021,7 @@ int main(void) {
         PER_BACKEND(test_oracle_decode),
         PER_BACKEND(test_oracle_prefill),
         PER_BACKEND(test_oracle_softcap_window),
+        PER_BACKEND(test_softcap_wide),
         PER_BACKEND(test_oracle_odd_dims),
         PER_BACKEND(test_oracle_moving_max),
         PER_BACKEND(test_window_one_sees_itself),

@@ -139,10 +139,18 @@ static inline float32x4_t exp4(float32x4_t x) {
     return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(y), keep));
 }
 
+/* c * tanh(x / c): as softcap8 in x86/attn_avx2.c (the odd series below y = |x| / c = 1/4) */
 static inline float32x4_t softcap4(float32x4_t x, float c, float m2_inv_c) {
-    const float32x4_t e = exp4(vmulq_n_f32(vabsq_f32(x), m2_inv_c));
+    const float32x4_t u = vmulq_n_f32(vabsq_f32(x), m2_inv_c); /* -2y */
+    const float32x4_t e = exp4(u);
     const float32x4_t one = vdupq_n_f32(1.0f);
+    const float32x4_t y = vmulq_n_f32(u, -0.5f), y2 = vmulq_f32(y, y);
+    float32x4_t p = vfmaq_f32(vdupq_n_f32(-17.0f / 315.0f), y2, vdupq_n_f32(62.0f / 2835.0f));
+    p = vfmaq_f32(vdupq_n_f32(2.0f / 15.0f), p, y2);
+    p = vfmaq_f32(vdupq_n_f32(-1.0f / 3.0f), p, y2);
+    p = vfmaq_f32(y, vmulq_f32(p, y2), y);
     float32x4_t t = vdivq_f32(vsubq_f32(one, e), vaddq_f32(one, e));
+    t = vbslq_f32(vcltq_f32(y, vdupq_n_f32(0.25f)), p, t);
     const uint32x4_t sign = vdupq_n_u32(0x80000000u);
     t = vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(t), vandq_u32(vreinterpretq_u32_f32(x), sign)));
     const uint32x4_t masked = vceqq_f32(x, vdupq_n_f32(-INFINITY)); /* masked keys stay masked */

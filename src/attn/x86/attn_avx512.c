@@ -331,11 +331,19 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
 }
 
+/* c * tanh(x / c): as softcap8 in attn_avx2.c (the odd series below y = |x| / c = 1/4) */
 static inline __m512 softcap16(__m512 x, __m512 c, __m512 m2_inv_c) {
     const __m512 ax = _mm512_abs_ps(x);
-    const __m512 e = exp16(_mm512_mul_ps(ax, m2_inv_c));
+    const __m512 u = _mm512_mul_ps(ax, m2_inv_c); /* -2y */
+    const __m512 e = exp16(u);
     const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 y = _mm512_mul_ps(u, _mm512_set1_ps(-0.5f)), y2 = _mm512_mul_ps(y, y);
+    __m512 p = _mm512_fmadd_ps(y2, _mm512_set1_ps(62.0f / 2835.0f), _mm512_set1_ps(-17.0f / 315.0f));
+    p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(2.0f / 15.0f));
+    p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-1.0f / 3.0f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, y2), y, y);
     __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(y, _mm512_set1_ps(0.25f), _CMP_LT_OQ), t, p);
     /* sign of x back on; masked keys (-inf) stay masked */
     t = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t),
                                             _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
