@@ -106,9 +106,11 @@ typedef struct pkv_config {
     pkv_dtype v_dtype;           /* pool element format of V (default f16) */
     uint32_t max_seqs;           /* live sequences (pins included) at once; default 256 */
     uint32_t max_blocks_per_seq; /* block-table capacity; 0 = min(n_blocks, 4096) */
-    uint32_t n_threads;          /* attention worker threads incl. the caller; 0 = all online cpus */
+    uint32_t n_threads;          /* attention worker threads incl. the caller, at most 256;
+                                    0 = all online cpus (at most 256) */
     int enable_prefix_cache;     /* 1 (default): full committed blocks are indexed and reused */
-    int huge_pages;              /* 1 (default): madvise(MADV_HUGEPAGE) the pool where possible */
+    int huge_pages;              /* 1 (default): madvise(MADV_HUGEPAGE) the pool where possible;
+                                    0: a pool the default allocator made gets MADV_NOHUGEPAGE */
     pkv_allocator allocator;     /* alloc == NULL: default allocator */
     pkv_log_fn log;              /* NULL: silent */
     void *log_ctx;
@@ -121,7 +123,9 @@ PKV_API pkv_config pkv_config_default(void);
 typedef struct pkv_cache pkv_cache;
 
 /* Sequence handle: (generation << 32) | index. 0 is never a valid id. A released id is
- * stale forever (its slot's generation moves on): using it returns PKV_ENOENT. */
+ * stale forever (its slot's generation moves on): using it returns PKV_ENOENT. A slot whose
+ * 2^32 - 1 generations are used up is retired, not wrapped: it no longer counts in max_seqs
+ * (billions of create / release cycles of one slot). */
 typedef uint64_t pkv_seq;
 #define PKV_SEQ_NONE ((pkv_seq)0)
 
@@ -141,6 +145,8 @@ PKV_API PKV_NODISCARD int pkv_cache_config(const pkv_cache *c, pkv_config *out);
  * K + b * k_block_bytes + (h * block_tokens + t) * k_row_bytes; V likewise with v_*.
  * v_base - k_base can exceed n_blocks * k_block_bytes: a pool whose K array is 2 MiB or more
  * leaves a gap of under 2 MiB before V (so a block's K and V rows do not share memory banks).
+ * Every layer's K and V arrays start 64-byte aligned (the K array, and the layer, padded to 64
+ * bytes where their rows do not fill whole cache lines).
  * The pointers stay valid until pkv_cache_destroy. */
 typedef struct pkv_layout {
     uint8_t *k_base, *v_base;
@@ -253,7 +259,9 @@ typedef struct pkv_stats {
     uint32_t n_blocks, n_free, n_cached, n_active;
     uint32_t n_seqs, n_pins;
     uint64_t n_tokens;            /* positions over all live sequences (shared ones counted per sequence) */
-    uint64_t n_slots_used;        /* distinct slots holding a live token (shared blocks counted once) */
+    uint64_t n_slots_used;        /* distinct slots holding a live token (shared blocks counted once;
+                                     positions one holder truncated away in a block it shared stay
+                                     counted after the others leave, until it appends or truncates) */
     uint64_t kv_bytes;            /* pool bytes, all layers, K and V */
     uint64_t kv_bytes_per_block;  /* all layers, K and V */
     uint64_t meta_bytes;          /* metadata the cache allocated besides the pool */
@@ -278,9 +286,10 @@ PKV_API PKV_NODISCARD int pkv_cache_check(pkv_cache *c, char *msg, size_t msg_ca
 
 /* ---- attention ------------------------------------------------------------------------------- */
 typedef struct pkv_attn_params {
-    uint32_t n_q_heads;  /* multiple of n_kv_heads (GQA/MQA); 0 = n_kv_heads */
-    float scale;         /* 0 = 1/sqrt(head_dim) */
-    float softcap;       /* logit soft-cap: s = softcap * tanh(s / softcap); 0 = off */
+    uint32_t n_q_heads;  /* multiple of n_kv_heads (GQA/MQA), at most 1024 x n_kv_heads; 0 = n_kv_heads */
+    float scale;         /* 0 = 1/sqrt(head_dim); else positive and finite */
+    float softcap;       /* logit soft-cap: s = softcap * tanh(s / softcap); 0 = off; else finite
+                            and at least FLT_MIN (a subnormal cap is PKV_EINVAL) */
     uint32_t window;     /* sliding window: query at p sees (p - window, p]; 0 = off */
     float *lse;          /* optional out: natural-log sum-exp of the scaled (capped) logits,
                             [n_queries][n_q_heads]; NULL = not wanted */

@@ -7,6 +7,7 @@
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -289,7 +290,12 @@ static void test_api_bad_input(void **state) {
     p.n_q_heads = NQH;
     p.softcap = -1;
     assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
+    p.softcap = 1e-39f; /* subnormal (pkv.h) */
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
     p.softcap = 0;
+    p.scale = -0.5f;
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
+    p.scale = 0;
     assert_int_equal(pkv_attn_decode(NULL, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
     assert_int_equal(pkv_attn_decode(c, 0, NULL, 1, q, out, &p), PKV_EINVAL);
     assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, NULL, out, &p), PKV_EINVAL);
@@ -300,7 +306,10 @@ static void test_api_bad_input(void **state) {
     assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_ENOENT);
     assert_int_equal(pkv_attn_prefill(c, 0, NULL, 1, q, out, &p), PKV_EINVAL);
     for (size_t i = 0; i < sizeof out / sizeof *out; i++) assert_true(out[i] == 42.0f); /* nothing written */
-    /* the same calls done right work */
+    /* the same calls done right work; the smallest cap taken (FLT_MIN) too */
+    p.softcap = FLT_MIN;
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_OK);
+    p.softcap = 0;
     r = (pkv_attn_req){s.id, 26, 4};
     assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_OK);
     check(&s, 0, q, out, NULL, 26, 4, &p);

@@ -105,6 +105,12 @@ static void test_usage_errors(void **state) {
                       {"pkv", "bench", "attn", "--block-tokens", "0"},
                       {"pkv", "bench", "attn", "--block-tokens", "1025"},
                       {"pkv", "bench", "attn", "--batch", "257"},
+                      /* empty or malformed lists: nothing to run is an error, not an empty run */
+                      {"pkv", "bench", "attn", "--dtype", ""},
+                      {"pkv", "bench", "attn", "--dtype", ","},
+                      {"pkv", "bench", "attn", "--batch", "4,"},
+                      {"pkv", "bench", "attn", "--batch", "+4"},
+                      {"pkv", "bench", "attn", "--ctx", " 512"},
                       {"pkv", "bench", "attn", "--occupancy", "9"},
                       {"pkv", "bench", "attn", "--occupancy", "101"},
                       /* a block longer than a context, or than the prompt */

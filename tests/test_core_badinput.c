@@ -392,6 +392,7 @@ typedef struct {
     X(k_dtype_99, PKV_EINVAL, c->k_dtype = (pkv_dtype)99)                                           \
     X(q8_head_dim_40, PKV_EINVAL, (c->k_dtype = PKV_DTYPE_Q8_0, c->head_dim = 40))                  \
     X(q4_head_dim_16, PKV_EINVAL, (c->v_dtype = PKV_DTYPE_Q4_0, c->head_dim = 16))                  \
+    X(n_threads_257, PKV_EINVAL, c->n_threads = 257)                                                \
     X(alloc_without_free, PKV_EINVAL, c->allocator.free = NULL)
 
 CFG_ROWS(CFG)
@@ -431,11 +432,33 @@ static void test_bad_config(void **state) {
     }
 }
 
+/* Output arrays may be NULL where their capacity is 0: with nothing to copy (an empty
+ * sequence) the calls succeed and touch nothing (they passed NULL to memcpy: UB, which the
+ * sanitizer build traps). */
+static void test_empty_outputs_null(void **state) {
+    (void)state;
+    pkv_config cfg = tu_config(8, 4, 1, 1, 32, PKV_DTYPE_F32);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s = tu_seq(c);
+    uint32_t n = 99;
+    TU_OK(pkv_seq_block_table(c, s, NULL, 0, &n));
+    assert_int_equal(n, 0);
+    int32_t indptr[2] = {-1, -1}, lpl[1] = {-1};
+    n = 99;
+    TU_OK(pkv_export_csr(c, &s, 1, indptr, NULL, 0, lpl, &n));
+    assert_int_equal(n, 0);
+    assert_int_equal(indptr[0], 0);
+    assert_int_equal(indptr[1], 0);
+    assert_int_equal(lpl[0], 0);
+    pkv_cache_destroy(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_bad_inputs, setup, teardown),
         cmocka_unit_test(test_bad_inputs_no_status),
         cmocka_unit_test(test_bad_config),
+        cmocka_unit_test(test_empty_outputs_null),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

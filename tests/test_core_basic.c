@@ -610,6 +610,60 @@ static void test_stats_scripted(void **state) {
 }
 
 /* ---- configuration round trip and defaults ---- */
+/* Rows that do not fill whole cache lines (odd head_dim): every layer's K and V arrays still
+ * start 64-byte aligned (ARCHITECTURE 3), so the kernels' typed loads of a later layer are
+ * aligned (this test runs under UBSan, which traps on a misaligned float load), and attention
+ * and gather on the last layer read back what was written. */
+static void test_layout_odd_rows_aligned(void **state) {
+    (void)state;
+    static const pkv_dtype pairs[][2] = {{PKV_DTYPE_F32, PKV_DTYPE_F16},  {PKV_DTYPE_F16, PKV_DTYPE_F32},
+                                         {PKV_DTYPE_BF16, PKV_DTYPE_F16}, {PKV_DTYPE_F16, PKV_DTYPE_BF16},
+                                         {PKV_DTYPE_F32, PKV_DTYPE_FP8_E4M3}};
+    static const uint32_t dims[] = {3, 5};
+    for (size_t pi = 0; pi < sizeof pairs / sizeof *pairs; pi++)
+        for (size_t di = 0; di < 2; di++) {
+            const uint32_t D = dims[di], NL = 3;
+            pkv_config cfg = tu_config(5, 1, NL, 1, D, PKV_DTYPE_F32);
+            cfg.k_dtype = pairs[pi][0], cfg.v_dtype = pairs[pi][1];
+            pkv_cache *c = tu_create(&cfg);
+            pkv_layout L;
+            TU_OK(pkv_cache_layout(c, &L));
+            assert_int_equal(L.layer_stride_bytes % 64, 0);
+            for (uint32_t l = 0; l < NL; l++) {
+                assert_int_equal((uintptr_t)(L.k_base + l * L.layer_stride_bytes) % 64, 0);
+                assert_int_equal((uintptr_t)(L.v_base + l * L.layer_stride_bytes) % 64, 0);
+                /* the arrays do not overlap: K, then V, then the next layer's K */
+                assert_true(L.v_base - L.k_base >= (ptrdiff_t)(L.n_blocks * L.k_block_bytes));
+                assert_true(L.layer_stride_bytes >= (size_t)(L.v_base - L.k_base) + L.n_blocks * L.v_block_bytes);
+            }
+            /* 3 tokens on the last layer; values exact in every format here (fp8: one scale a row,
+             * its largest value 2 maps to 448 exactly) */
+            pkv_seq s = tu_seq(c);
+            int32_t slots[3];
+            tu_append(c, s, 3, 0, slots);
+            float k[3][5], v[3][5], q[5], out[5], gk[15], gv[15];
+            for (uint32_t t = 0; t < 3; t++)
+                for (uint32_t d = 0; d < D; d++) k[t][d] = 0.25f * (float)(t + d), v[t][d] = d == 0 ? 2.0f : -0.5f * (float)t;
+            for (uint32_t d = 0; d < D; d++) q[d] = 1.0f;
+            float kk[15], vv[15];
+            for (uint32_t t = 0; t < 3; t++)
+                for (uint32_t d = 0; d < D; d++) kk[t * D + d] = k[t][d], vv[t * D + d] = v[t][d];
+            TU_OK(pkv_write_kv(c, NL - 1, slots, 3, kk, vv, PKV_DTYPE_F32));
+            pkv_attn_params p = pkv_attn_params_default();
+            p.window = 1; /* the last position alone: out is its V */
+            TU_OK(pkv_attn_decode(c, NL - 1, &s, 1, q, out, &p));
+            for (uint32_t d = 0; d < D; d++) assert_float_equal(out[d], v[2][d], 1e-6f);
+            TU_OK(pkv_seq_gather(c, s, NL - 1, 0, 3, gk, gv));
+            for (uint32_t t = 0; t < 3; t++)
+                for (uint32_t d = 0; d < D; d++) {
+                    assert_float_equal(gk[t * D + d], k[t][d], 1e-6f);
+                    assert_float_equal(gv[t * D + d], v[t][d], 1e-6f);
+                }
+            TU_CHECK(c);
+            pkv_cache_destroy(c);
+        }
+}
+
 static void test_config_roundtrip(void **state) {
     (void)state;
     pkv_config d = pkv_config_default();
@@ -632,6 +686,17 @@ static void test_config_roundtrip(void **state) {
     assert_int_equal(e.max_blocks_per_seq, 20); /* 0 resolves to min(n_blocks, 65536) */
     assert_int_equal(e.n_threads, 1);
     pkv_cache_destroy(c);
+    cfg.n_threads = 256; /* the most a cache takes (pkv.h), reported as asked */
+    c = tu_create(&cfg);
+    TU_OK(pkv_cache_config(c, &e));
+    assert_int_equal(e.n_threads, 256);
+    pkv_cache_destroy(c);
+    cfg.n_threads = 0; /* all online cpus */
+    c = tu_create(&cfg);
+    TU_OK(pkv_cache_config(c, &e));
+    assert_true(e.n_threads >= 1 && e.n_threads <= 256);
+    pkv_cache_destroy(c);
+    cfg.n_threads = 1;
     /* n_blocks from the budget: 1 layer, 1 head, D 16, B 8, f32: 2 * 8 * 16 * 4 = 1024 B/block */
     cfg.n_blocks = 0;
     cfg.n_layers = 1;
@@ -665,6 +730,7 @@ int main(void) {
         cmocka_unit_test(test_slots_block_table_5_10),
         cmocka_unit_test(test_layout_fields),
         cmocka_unit_test(test_layout_kv_gap),
+        cmocka_unit_test(test_layout_odd_rows_aligned),
         cmocka_unit_test(test_reshape_boostr12),
         cmocka_unit_test(test_reshape_boostr13),
         cmocka_unit_test(test_write_k_only_v_only),

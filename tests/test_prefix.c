@@ -11,6 +11,8 @@
 #include "../fuzz/prefix_model.h" /* pm_val / pm_next / pm_root: K/V as a function of the prefix */
 #include "test_prefix_util.h"
 
+#include <sys/mman.h>
+
 /* Test-only switch of src/cache: every identity hash becomes the same value. */
 void pkv__cache_test_const_hash(pkv_cache *c, int on);
 
@@ -436,6 +438,55 @@ static void test_prefix_truncate_keeps_reused_blocks(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* pkv_seq_get_info's n_reused counts the attached tokens the sequence still holds: a truncate
+ * lowers it, and a later match that attaches nothing leaves 0 (it was left at 48). */
+static void test_prefix_reused_count_follows_truncate(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(16, 64, 2, PKV_DTYPE_F16, 1);
+    int32_t p[64];
+    tp_tokens(p, 64, 61);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, p, 0, 64);
+    tp_commit(c, a, 64);
+    pkv_seq b = tp_seq(c, 0);
+    uint32_t reused;
+    pkv_seq_info in;
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 49, &reused), 0);
+    assert_int_equal(reused, 48);
+    assert_int_equal(pkv_seq_truncate(c, b, 20), 0);
+    assert_int_equal(pkv_seq_get_info(c, b, &in), 0);
+    assert_int_equal(in.n_reused, 20);
+    assert_int_equal(pkv_seq_truncate(c, b, 0), 0);
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 1, &reused), 0); /* one token: nothing to attach */
+    assert_int_equal(reused, 0);
+    assert_int_equal(pkv_seq_get_info(c, b, &in), 0);
+    assert_int_equal(in.n_tokens, 0);
+    assert_int_equal(in.n_reused, 0);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* A prompt of nearly 2^32 tokens (zeros, mapped read-only and never touched past its first
+ * blocks): the count of its reusable blocks was computed in 32 bits and wrapped to 0, so a match
+ * attached nothing although the prefix was indexed. */
+static void test_prefix_huge_prompt(void **state) {
+    (void)state;
+    const size_t n = UINT32_MAX;
+    int32_t *tok = mmap(NULL, n * sizeof(int32_t), PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (tok == MAP_FAILED) skip();
+    pkv_cache *c = tp_cache(16, 64, 2, PKV_DTYPE_F16, 1);
+    pkv_seq a = tp_seq(c, 0);
+    tp_compute(c, a, 0, tok, 0, 32);
+    tp_commit(c, a, 32);
+    pkv_seq b = tp_seq(c, 0);
+    uint32_t reused = 0;
+    assert_int_equal(pkv_seq_match_prefix(c, b, tok, (uint32_t)n, &reused), 0);
+    assert_int_equal(reused, 32);
+    tp_check(c);
+    pkv_cache_destroy(c);
+    munmap(tok, n * sizeof(int32_t));
+}
+
 /* Slots of indexed (committed) blocks, of cached blocks, of a block that stays indexed after a
  * truncate: PKV_EINVAL and nothing written, even for the good slots of the same call. */
 static void test_prefix_write_into_indexed_rejected(void **state) {
@@ -651,6 +702,8 @@ int main(void) {
         cmocka_unit_test(test_prefix_forced_hash_collision),
         cmocka_unit_test(test_prefix_uncommitted_not_matched),
         cmocka_unit_test(test_prefix_truncate_keeps_reused_blocks),
+        cmocka_unit_test(test_prefix_reused_count_follows_truncate),
+        cmocka_unit_test(test_prefix_huge_prompt),
         cmocka_unit_test(test_prefix_write_into_indexed_rejected),
         cmocka_unit_test(test_prefix_match_nonempty_einval),
         cmocka_unit_test(test_prefix_disabled_no_reuse),

@@ -380,8 +380,10 @@ static int parse_u32_list(const char *s, uint32_t *out, int cap, uint32_t max, i
     while (*s) {
         char *end;
         unsigned long v = strtoul(s, &end, 10);
-        if (end == s || v == 0 || v > max || *n == cap || (*end && *end != ',')) return -1;
+        /* digits only: no sign, no blanks, no empty item ("4,", ",4", "4,,8") */
+        if (*s < '0' || *s > '9' || end == s || v == 0 || v > max || *n == cap || (*end && *end != ',')) return -1;
         out[(*n)++] = (uint32_t)v;
+        if (*end == ',' && !end[1]) return -1;
         s = *end ? end + 1 : end;
     }
     return *n ? 0 : -1;
@@ -392,13 +394,14 @@ static int parse_dtypes(const char *s, opts *o) {
     if (strlen(s) >= sizeof buf) return -1;
     strcpy(buf, s);
     o->dtype_set = 1;
-    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+    int n = 0;
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save), n++) {
         int found = 0;
         for (int d = 0; d < PKV_DTYPE_COUNT; d++)
             if (!strcmp(t, pkv_dtype_name((pkv_dtype)d))) o->dtype_on[d] = 1, found = 1;
         if (!found) return -1;
     }
-    return 0;
+    return n ? 0 : -1; /* "" or "," names none */
 }
 
 static double g_bw[3];   /* initial read bandwidth, GB/s, by thread count */
@@ -566,6 +569,11 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     const double round_s = o->quick ? 0.1 : 0.15;
     const uint32_t min_calls = per_layer >= 64.0 * 1024 * 1024 ? 3 : 15;
     float *q = malloc(sizeof(float) * batch * H_Q * HEAD_DIM), *out = malloc(sizeof(float) * batch * H_Q * HEAD_DIM);
+    if (!q || !out) {
+        fprintf(stderr, "pkv bench attn: out of memory for the queries\n");
+        free(q), free(out);
+        return -1;
+    }
     for (size_t i = 0; i < (size_t)batch * H_Q * HEAD_DIM; i++) q[i] = (float)tool_rng_normal(rng);
     /* su[2]: the in-cache run, paged, one layer of about HOT_BYTES: up to 2 of the batch's
      * sequences, as many tokens as fit (at most ctx) */
@@ -651,6 +659,12 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     }
     const size_t n = (size_t)n_tok * H_Q * HEAD_DIM;
     float *q = malloc(sizeof(float) * n), *out = malloc(sizeof(float) * n);
+    if (!q || !out) {
+        fprintf(stderr, "pkv bench attn: out of memory for the queries\n");
+        free(q), free(out);
+        setup_free(&s);
+        return -1;
+    }
     for (size_t i = 0; i < n; i++) q[i] = (float)tool_rng_normal(rng);
     pkv_attn_req req = {.seq = s.seqs[0], .q_start = 0, .n_q = n_tok};
     pkv_attn_params p = pkv_attn_params_default();

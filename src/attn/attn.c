@@ -6,6 +6,7 @@
 #include "attn_pool.h"
 #include "../quant/quant.h"
 
+#include <float.h>
 #include <math.h>
 #include <string.h>
 #include <stdlib.h>
@@ -208,7 +209,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     const int order = env_order();
     if (order < 0) return PKV_EINVAL;
     if (n_threads == 0) n_threads = pkv__n_cpus();
-    if (n_threads > 256) n_threads = 256;
+    if (n_threads > PKV_MAX_THREADS) n_threads = PKV_MAX_THREADS;
 
     const uint32_t D = lim->head_dim;
     const uint32_t s_stride = (lim->block_tokens + 15u) & ~15u;
@@ -838,7 +839,8 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         kv->v_block_bytes < (size_t)kv->n_kv_heads * kv->block_tokens * kv->v_row_bytes)
         return PKV_EINVAL;
     if (call->n_q_heads == 0 || call->n_q_heads % kv->n_kv_heads) return PKV_EINVAL;
-    if (!isfinite(call->scale) || call->scale == 0.0f || !(call->softcap >= 0.0f) || isinf(call->softcap))
+    if (!isfinite(call->scale) || call->scale == 0.0f || !(call->softcap >= 0.0f) || isinf(call->softcap) ||
+        (call->softcap > 0.0f && call->softcap < FLT_MIN))
         return PKV_EINVAL;
     if (!at->kt.prep_q[kv->k_dtype] || !at->kt.score[kv->k_dtype] || !at->kt.accum[kv->v_dtype]) return PKV_ENOTSUP;
     uint64_t runs = 0; /* runs of neighbouring blocks in the visible tables (the sweep's AUTO rule) */

@@ -2,6 +2,7 @@
  * writes, commit, fork, truncate, release, gather, block-table exports, attention entry points. */
 #include "cache_int.h"
 
+#include <float.h>
 #include <math.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -66,11 +67,17 @@ void pkv__seq_free(pkv_cache *c, pkv__seq *s) {
     else c->n_pins--;
     s->live = 0;
     s->is_pin = 0;
-    s->gen = s->gen + 1 ? s->gen + 1 : 1; /* a released id is stale forever (0 skipped) */
     s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = 0;
+    c->n_live--;
+    /* a released id is stale forever: a slot whose generations are used up (2^32 - 1 ids) is
+       retired (generation 0, off the free list) rather than wrapped */
+    s->gen = s->gen + 1;
+    if (s->gen == 0) {
+        c->n_retired++;
+        return;
+    }
     s->next_free = c->seq_free;
     c->seq_free = (uint32_t)(s - c->seqs);
-    c->n_live--;
 }
 
 /* ---- blocks ----------------------------------------------------------------------------------- */
@@ -142,7 +149,7 @@ static int validate_config(const pkv_config *cfg) {
     if (!pkv__row_bytes(cfg->k_dtype, cfg->head_dim) || !pkv__row_bytes(cfg->v_dtype, cfg->head_dim)) return PKV_EINVAL;
     if (!pkv__dtype_pool_supported(cfg->k_dtype) || !pkv__dtype_pool_supported(cfg->v_dtype)) return PKV_ENOTSUP;
     if (cfg->max_seqs < 1 || cfg->max_seqs > (1u << 24)) return PKV_EINVAL;
-    if (cfg->n_threads > 1024) return PKV_EINVAL;
+    if (cfg->n_threads > PKV_MAX_THREADS) return PKV_EINVAL;
     if (cfg->enable_prefix_cache != 0 && cfg->enable_prefix_cache != 1) return PKV_EINVAL;
     if (cfg->huge_pages != 0 && cfg->huge_pages != 1) return PKV_EINVAL;
     if (cfg->allocator.alloc && !cfg->allocator.free) return PKV_EINVAL;
@@ -183,14 +190,22 @@ static void cache_free_all(pkv_cache *c) {
 /* Every sequence slot free (live ones go stale: their generation moves on), every block FREE in
  * queue order 0..n-1, the index empty. Used by create and reset. */
 static void reset_state(pkv_cache *c) {
+    uint32_t *link = &c->seq_free;
+    c->n_retired = 0;
     for (uint32_t i = 0; i < c->max_seqs; i++) {
         pkv__seq *s = &c->seqs[i];
-        if (s->live) s->gen = s->gen + 1 ? s->gen + 1 : 1;
+        if (s->live) s->gen = s->gen + 1; /* 0 when used up: retired, as in pkv__seq_free */
         s->live = s->is_pin = 0;
         s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = 0;
-        s->next_free = i + 1 < c->max_seqs ? i + 1 : PKV_NONE;
+        s->next_free = PKV_NONE;
+        if (s->gen == 0) {
+            c->n_retired++;
+            continue;
+        }
+        *link = i;
+        link = &s->next_free;
     }
-    c->seq_free = 0;
+    *link = PKV_NONE;
     c->n_live = c->n_pins = 0;
     c->n_tokens_total = 0;
     pkv__pool_init(&c->pool, c->blk, c->n_blocks);
@@ -237,11 +252,13 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     size_t k_bytes, v_bytes, layer_bytes, kv_bytes;
     if (!pkv__mul_ok(cfg.n_blocks, k_blk, &k_bytes) || !pkv__mul_ok(cfg.n_blocks, v_blk, &v_bytes))
         return PKV_EINVAL;
-    const size_t v_off = k_bytes + v_skew(k_bytes);
-    layer_bytes = v_off + v_bytes;
-    if (v_off < k_bytes || layer_bytes < v_off || !pkv__mul_ok(layer_bytes, cfg.n_layers, &kv_bytes))
+    /* every layer's K and V arrays start on a cache line (ARCHITECTURE 3), whatever the row size */
+    const size_t k_pad = pkv__align_up(k_bytes, PKV_CACHELINE), v_off = k_pad + v_skew(k_pad);
+    layer_bytes = pkv__align_up(v_off + v_bytes, PKV_CACHELINE);
+    if (k_pad < k_bytes || v_off < k_pad || layer_bytes < v_off + v_bytes || v_off + v_bytes < v_off ||
+        !pkv__mul_ok(layer_bytes, cfg.n_layers, &kv_bytes))
         return PKV_EINVAL;
-    if (cfg.n_threads == 0) cfg.n_threads = pkv__n_cpus();
+    if (cfg.n_threads == 0) cfg.n_threads = PKV_MIN(pkv__n_cpus(), PKV_MAX_THREADS);
 
     pkv_allocator a = cfg.allocator;
     pkv_cache *c = pkv__calloc(&a, sizeof *c, PKV_CACHELINE);
@@ -278,6 +295,12 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     if (!c->kv) goto oom;
     if (cfg.huge_pages && kv_bytes >= PKV_HUGEPAGE && ((uintptr_t)c->kv & (PKV_HUGEPAGE - 1)) == 0)
         (void)madvise(c->kv, kv_bytes & ~(size_t)(PKV_HUGEPAGE - 1), MADV_HUGEPAGE);
+#ifdef MADV_NOHUGEPAGE
+    /* the default allocator advises every mapping it makes for huge pages: take that back when
+       the caller asked for none (a caller's own allocator's memory is left as it is) */
+    if (!cfg.huge_pages && !cfg.allocator.alloc && kv_bytes >= PKV_HUGEPAGE)
+        (void)madvise(c->kv, kv_bytes, MADV_NOHUGEPAGE);
+#endif
     pkv__attn_limits lim = {.max_items = c->max_seqs, .max_blocks_per_seq = c->max_bps,
                             .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B};
     c->attn_alloc = (pkv_allocator){.alloc = attn_shim_alloc, .free = attn_shim_free, .ctx = c};
@@ -570,6 +593,7 @@ PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq id, uint32_t n) {
     c->n_tokens_total -= s->n_tokens - n;
     s->n_tokens = n;
     if (s->n_committed > n) s->n_committed = n;
+    if (s->n_reused > n) s->n_reused = n; /* of the tokens it still holds */
     if (s->idx_len > n / B) s->idx_len = n / B;
     claim_tail(c, s);
 out:
@@ -629,7 +653,7 @@ PKV_API int pkv_seq_block_table(pkv_cache *c, pkv_seq id, int32_t *out, uint32_t
     int rc = get_seq(c, id, &s);
     if (!rc && cap < s->n_blocks) rc = PKV_EINVAL;
     if (!rc) {
-        memcpy(out, s->table, s->n_blocks * sizeof(int32_t));
+        if (s->n_blocks) memcpy(out, s->table, s->n_blocks * sizeof(int32_t)); /* out may be NULL when cap is 0 */
         *n_out = s->n_blocks;
     }
     UNLOCK(c);
@@ -701,7 +725,7 @@ PKV_API int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, i
         indptr[0] = 0;
         for (uint32_t i = 0; i < n_seqs; i++) {
             const pkv__seq *s = pkv__seq_get(c, seqs[i]);
-            memcpy(indices + at, s->table, s->n_blocks * sizeof(int32_t));
+            if (s->n_blocks) memcpy(indices + at, s->table, s->n_blocks * sizeof(int32_t)); /* indices: NULL if cap 0 */
             at += s->n_blocks;
             indptr[i + 1] = (int32_t)at;
             last_page_len[i] = s->n_tokens ? (int32_t)(s->n_tokens - (s->n_blocks - 1) * c->B) : 0;
@@ -728,7 +752,9 @@ static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_param
     if (!p) p = &d;
     uint32_t nq = p->n_q_heads ? p->n_q_heads : c->n_kv;
     if (nq % c->n_kv || nq > c->n_kv * 1024u) return PKV_EINVAL;
-    if (!(p->scale >= 0.0f) || isinf(p->scale) || !(p->softcap >= 0.0f) || isinf(p->softcap)) return PKV_EINVAL;
+    if (!(p->scale >= 0.0f) || isinf(p->scale) || !(p->softcap >= 0.0f) || isinf(p->softcap) ||
+        (p->softcap > 0.0f && p->softcap < FLT_MIN))
+        return PKV_EINVAL;
     call->n_q_heads = nq;
     call->scale = p->scale > 0.0f ? p->scale : 1.0f / sqrtf((float)c->head_dim);
     call->softcap = p->softcap;

@@ -123,10 +123,14 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
     uint32_t n_free_slots = 0;
     for (uint32_t i = c->seq_free; i != PKV_NONE; i = c->seqs[i].next_free) {
         REQUIRE(i < c->max_seqs && !c->seqs[i].live, "sequence free list: slot %u is live or out of range", i);
+        REQUIRE(c->seqs[i].gen != 0, "sequence free list: slot %u is retired", i);
         REQUIRE(++n_free_slots <= c->max_seqs - live, "sequence free list: too long (cycle?)");
     }
-    REQUIRE(n_free_slots == c->max_seqs - live, "sequence free list: %u slots, expected %u", n_free_slots,
-            c->max_seqs - live);
+    uint32_t retired = 0;
+    for (uint32_t i = 0; i < c->max_seqs; i++) retired += !c->seqs[i].live && c->seqs[i].gen == 0;
+    REQUIRE(retired == c->n_retired, "retired sequence slots: %u, counter %u", retired, c->n_retired);
+    REQUIRE(n_free_slots == c->max_seqs - live - retired, "sequence free list: %u slots, expected %u", n_free_slots,
+            c->max_seqs - live - retired);
     return PKV_OK;
 }
 

@@ -188,6 +188,7 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
         goto out;
     }
     *n_reused = 0;
+    s->n_reused = 0; /* an empty sequence: a match that attaches nothing leaves it at 0 */
     c->pfx_lookups++;
     c->pfx_queried += n;
     if (!c->cfg.enable_prefix_cache) goto out;
@@ -195,7 +196,7 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
     const uint32_t B = c->B, cap = n - 1;
     /* blocks holding positions [0, cap): with B = 1 the block of the last prompt token holds no
        reusable position and must not be attached (it would lie past the length) */
-    uint32_t prev = PKV_NONE, k = 0, full = PKV_MIN(PKV_MIN(n / B, (cap + B - 1) / B), c->max_bps);
+    uint32_t prev = PKV_NONE, k = 0, full = (uint32_t)PKV_MIN(PKV_MIN(n / B, ((uint64_t)cap + B - 1) / B), c->max_bps);
     /* The identity hash of block i is seeded by block i-1's hash, which on a hit is the hash
        just computed: so a chunk of hashes is computed ahead, and the bucket heads, block records
        and token ids of the next lookups are prefetched while this one is compared. Without it

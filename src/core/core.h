@@ -17,6 +17,10 @@
 #define PKV_MAX(a, b) ((a) > (b) ? (a) : (b))
 #define PKV_CACHELINE 64
 #define PKV_HUGEPAGE (2u << 20)
+#define PKV_MAX_THREADS 256u /* attention threads of a cache, the caller included */
+
+/* x rounded up to a multiple of a (a power of two); less than x when that wraps */
+static inline size_t pkv__align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }
 
 /* A broken internal invariant (never a user error): abort with the place. User errors are
  * statuses; this fires only on library bugs. */
