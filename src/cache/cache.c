@@ -793,12 +793,17 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
     }
     UNLOCK(c);
     size_t q_at = 0;
-    for (uint32_t i0 = 0; i0 < n && !rc; i0 += c->max_seqs) {
-        uint32_t m = PKV_MIN(n - i0, c->max_seqs), k = 0;
+    for (uint64_t i0 = 0; i0 < n && !rc; i0 += c->max_seqs) { /* 64-bit: no wrap near n = 2^32 */
+        uint32_t m = (uint32_t)PKV_MIN(n - i0, c->max_seqs), k = 0;
         LOCK(c);
         for (uint32_t j = 0; j < m; j++) {
-            uint32_t i = i0 + j;
+            uint32_t i = (uint32_t)i0 + j;
             pkv__seq *s = pkv__seq_get(c, reqs ? reqs[i].seq : seqs[i]);
+            if (!s) { /* released by another thread since the check: a misuse (design.md), not a crash */
+                rc = PKV_ENOENT;
+                k = 0;
+                break;
+            }
             uint32_t q0 = reqs ? reqs[i].q_start : s->n_tokens - 1, nq = reqs ? reqs[i].n_q : 1;
             if (nq == 0) continue;
             c->items[k++] = (pkv__attn_item){.block_table = s->table, .q_pos0 = q0, .n_q = nq,
