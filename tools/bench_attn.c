@@ -381,7 +381,7 @@ static int parse_u32_list(const char *s, uint32_t *out, int cap, uint32_t max, i
         char *end;
         unsigned long v = strtoul(s, &end, 10);
         /* digits only: no sign, no blanks, no empty item ("4,", ",4", "4,,8") */
-        if (*s < '0' || *s > '9' || end == s || v == 0 || v > max || *n == cap || (*end && *end != ',')) return -1;
+        if (*s < '0' || *s > '9' || v == 0 || v > max || *n == cap || (*end && *end != ',')) return -1;
         out[(*n)++] = (uint32_t)v;
         if (*end == ',' && !end[1]) return -1;
         s = *end ? end + 1 : end;

@@ -6,7 +6,6 @@
 #include "attn_pool.h"
 #include "../quant/quant.h"
 
-#include <float.h>
 #include <math.h>
 #include <string.h>
 #include <stdlib.h>
@@ -189,7 +188,7 @@ static int env_order(void) {
 
 /* ---- create / destroy ------------------------------------------------------------------------ */
 
-static size_t align64(size_t x) { return (x + 63u) & ~(size_t)63u; }
+static size_t align64(size_t x) { return pkv__align_up(x, 64); }
 
 int pkv__attn_create_backend(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim,
                              const char *backend, pkv__attn **out) {
@@ -839,8 +838,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         kv->v_block_bytes < (size_t)kv->n_kv_heads * kv->block_tokens * kv->v_row_bytes)
         return PKV_EINVAL;
     if (call->n_q_heads == 0 || call->n_q_heads % kv->n_kv_heads) return PKV_EINVAL;
-    if (!isfinite(call->scale) || call->scale == 0.0f || !(call->softcap >= 0.0f) || isinf(call->softcap) ||
-        (call->softcap > 0.0f && call->softcap < FLT_MIN))
+    if (!isfinite(call->scale) || call->scale == 0.0f || !pkv__attn_softcap_ok(call->softcap))
         return PKV_EINVAL;
     if (!at->kt.prep_q[kv->k_dtype] || !at->kt.score[kv->k_dtype] || !at->kt.accum[kv->v_dtype]) return PKV_ENOTSUP;
     uint64_t runs = 0; /* runs of neighbouring blocks in the visible tables (the sweep's AUTO rule) */

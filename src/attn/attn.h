@@ -6,6 +6,7 @@
 
 #include "../core/core.h"
 
+#include <float.h>
 #include <math.h>
 
 /* One layer of the pool (ARCHITECTURE section 3). Row of (block b, kv head h, offset t):
@@ -38,6 +39,12 @@ typedef struct pkv__attn_call {
     float softcap;      /* 0 = off */
     uint32_t window;    /* 0 = off */
 } pkv__attn_call;
+
+/* A soft-cap the kernels take: 0 (off), or finite and normal (a subnormal cap's 1 / cap is not
+ * finite). pkv.h's attention parameters and pkv__attn_run both check it. */
+static inline bool pkv__attn_softcap_ok(float softcap) {
+    return softcap == 0.0f || (softcap >= FLT_MIN && !isinf(softcap));
+}
 
 /* Sizes the attention context may rely on (scratch is allocated once, at create). */
 typedef struct pkv__attn_limits {

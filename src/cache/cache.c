@@ -2,7 +2,6 @@
  * writes, commit, fork, truncate, release, gather, block-table exports, attention entry points. */
 #include "cache_int.h"
 
-#include <float.h>
 #include <math.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -72,10 +71,7 @@ void pkv__seq_free(pkv_cache *c, pkv__seq *s) {
     /* a released id is stale forever: a slot whose generations are used up (2^32 - 1 ids) is
        retired (generation 0, off the free list) rather than wrapped */
     s->gen = s->gen + 1;
-    if (s->gen == 0) {
-        c->n_retired++;
-        return;
-    }
+    if (s->gen == 0) return;
     s->next_free = c->seq_free;
     c->seq_free = (uint32_t)(s - c->seqs);
 }
@@ -191,17 +187,13 @@ static void cache_free_all(pkv_cache *c) {
  * queue order 0..n-1, the index empty. Used by create and reset. */
 static void reset_state(pkv_cache *c) {
     uint32_t *link = &c->seq_free;
-    c->n_retired = 0;
     for (uint32_t i = 0; i < c->max_seqs; i++) {
         pkv__seq *s = &c->seqs[i];
         if (s->live) s->gen = s->gen + 1; /* 0 when used up: retired, as in pkv__seq_free */
         s->live = s->is_pin = 0;
         s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = 0;
         s->next_free = PKV_NONE;
-        if (s->gen == 0) {
-            c->n_retired++;
-            continue;
-        }
+        if (s->gen == 0) continue;
         *link = i;
         link = &s->next_free;
     }
@@ -254,10 +246,10 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
         return PKV_EINVAL;
     /* every layer's K and V arrays start on a cache line (ARCHITECTURE 3), whatever the row size */
     const size_t k_pad = pkv__align_up(k_bytes, PKV_CACHELINE), v_off = k_pad + v_skew(k_pad);
-    layer_bytes = pkv__align_up(v_off + v_bytes, PKV_CACHELINE);
-    if (k_pad < k_bytes || v_off < k_pad || layer_bytes < v_off + v_bytes || v_off + v_bytes < v_off ||
-        !pkv__mul_ok(layer_bytes, cfg.n_layers, &kv_bytes))
-        return PKV_EINVAL;
+    size_t v_end;
+    if (k_pad < k_bytes || v_off < k_pad || !pkv__add_ok(v_off, v_bytes, &v_end)) return PKV_EINVAL;
+    layer_bytes = pkv__align_up(v_end, PKV_CACHELINE);
+    if (layer_bytes < v_end || !pkv__mul_ok(layer_bytes, cfg.n_layers, &kv_bytes)) return PKV_EINVAL;
     if (cfg.n_threads == 0) cfg.n_threads = PKV_MIN(pkv__n_cpus(), PKV_MAX_THREADS);
 
     pkv_allocator a = cfg.allocator;
@@ -752,9 +744,7 @@ static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_param
     if (!p) p = &d;
     uint32_t nq = p->n_q_heads ? p->n_q_heads : c->n_kv;
     if (nq % c->n_kv || nq > c->n_kv * 1024u) return PKV_EINVAL;
-    if (!(p->scale >= 0.0f) || isinf(p->scale) || !(p->softcap >= 0.0f) || isinf(p->softcap) ||
-        (p->softcap > 0.0f && p->softcap < FLT_MIN))
-        return PKV_EINVAL;
+    if (!(p->scale >= 0.0f) || isinf(p->scale) || !pkv__attn_softcap_ok(p->softcap)) return PKV_EINVAL;
     call->n_q_heads = nq;
     call->scale = p->scale > 0.0f ? p->scale : 1.0f / sqrtf((float)c->head_dim);
     call->softcap = p->softcap;

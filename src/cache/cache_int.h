@@ -39,7 +39,6 @@ struct pkv_cache {
     pkv__seq *seqs;  /* [max_seqs] */
     int32_t *tables; /* [max_seqs][max_bps] */
     uint32_t seq_free, n_live, n_pins;
-    uint32_t n_retired; /* slots whose 2^32 - 1 generations are used up: off the free list for good */
     uint64_t n_tokens_total; /* sum of n_tokens over live sequences (pins excluded) */
 
     /* prefix index */

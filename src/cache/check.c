@@ -126,9 +126,8 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
         REQUIRE(c->seqs[i].gen != 0, "sequence free list: slot %u is retired", i);
         REQUIRE(++n_free_slots <= c->max_seqs - live, "sequence free list: too long (cycle?)");
     }
-    uint32_t retired = 0;
+    uint32_t retired = 0; /* slots whose generations are used up (pkv__seq_free) */
     for (uint32_t i = 0; i < c->max_seqs; i++) retired += !c->seqs[i].live && c->seqs[i].gen == 0;
-    REQUIRE(retired == c->n_retired, "retired sequence slots: %u, counter %u", retired, c->n_retired);
     REQUIRE(n_free_slots == c->max_seqs - live - retired, "sequence free list: %u slots, expected %u", n_free_slots,
             c->max_seqs - live - retired);
     return PKV_OK;

@@ -139,7 +139,7 @@ static inline float32x4_t exp4(float32x4_t x) {
     return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(y), keep));
 }
 
-/* c * tanh(x / c): as softcap8 in x86/attn_avx2.c (the odd series below y = |x| / c = 1/4) */
+/* c * tanh(x / c): as vf_softcap in x86/softmax_x86.h (the odd series below y = |x| / c = 1/4) */
 static inline float32x4_t softcap4(float32x4_t x, float c, float m2_inv_c) {
     const float32x4_t u = vmulq_n_f32(vabsq_f32(x), m2_inv_c); /* -2y */
     const float32x4_t e = exp4(u);

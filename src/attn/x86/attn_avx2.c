@@ -230,28 +230,6 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(zero_mask, y);
 }
 
-/* c * tanh(x / c) = c * sign(x) * tanh(y), y = |x| / c: for y >= 1/4, (1 - e) / (1 + e) with
- * e = exp(-2y) (1 - e loses at most 2 bits there); below, where 1 - e would cancel (at a cap of
- * 1e8 every logit's y rounds e to 1), the odd series y - y^3/3 + 2y^5/15 - 17y^7/315 +
- * 62y^9/2835, whose first omitted term is under 2e-8 of tanh(y). */
-static inline __m256 softcap8(__m256 x, __m256 c, __m256 m2_inv_c) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256 ax = _mm256_andnot_ps(sign, x);
-    const __m256 u = _mm256_mul_ps(ax, m2_inv_c); /* -2y */
-    const __m256 e = exp8(u);
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 y = _mm256_mul_ps(u, _mm256_set1_ps(-0.5f)), y2 = _mm256_mul_ps(y, y);
-    __m256 p = _mm256_fmadd_ps(y2, _mm256_set1_ps(62.0f / 2835.0f), _mm256_set1_ps(-17.0f / 315.0f));
-    p = _mm256_fmadd_ps(p, y2, _mm256_set1_ps(2.0f / 15.0f));
-    p = _mm256_fmadd_ps(p, y2, _mm256_set1_ps(-1.0f / 3.0f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, y2), y, y);
-    __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
-    t = _mm256_blendv_ps(t, p, _mm256_cmp_ps(y, _mm256_set1_ps(0.25f), _CMP_LT_OQ));
-    t = _mm256_or_ps(t, _mm256_and_ps(sign, x));
-    /* masked keys (-inf) stay masked */
-    return _mm256_blendv_ps(_mm256_mul_ps(c, t), x, _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
-}
-
 /* lane i = the max of the 8 lanes of a_i */
 static inline __m128 hmax4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     /* lanes 0-3 of each 128-bit half: a0 a1 interleaved, then a2 a3 */
@@ -272,7 +250,13 @@ typedef __m256 vf;
 #define vf_sub _mm256_sub_ps
 #define vf_add _mm256_add_ps
 #define vf_exp exp8
-#define vf_softcap softcap8
+#define vf_mul _mm256_mul_ps
+#define vf_div _mm256_div_ps
+#define vf_fmadd _mm256_fmadd_ps
+#define vf_abs(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)
+#define vf_copysign(t, x) _mm256_or_ps(t, _mm256_and_ps(_mm256_set1_ps(-0.0f), x)) /* t >= 0 */
+#define vf_if_lt(a, b, x, y) _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ))
+#define vf_if_eq(a, b, x, y) _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_EQ_OQ))
 #define vf_hmax4 hmax4x8
 #define vf_hsum4 pkv__hsum4x8
 #define vf_hsum pkv__hsum8

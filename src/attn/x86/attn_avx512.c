@@ -331,26 +331,6 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
 }
 
-/* c * tanh(x / c): as softcap8 in attn_avx2.c (the odd series below y = |x| / c = 1/4) */
-static inline __m512 softcap16(__m512 x, __m512 c, __m512 m2_inv_c) {
-    const __m512 ax = _mm512_abs_ps(x);
-    const __m512 u = _mm512_mul_ps(ax, m2_inv_c); /* -2y */
-    const __m512 e = exp16(u);
-    const __m512 one = _mm512_set1_ps(1.0f);
-    const __m512 y = _mm512_mul_ps(u, _mm512_set1_ps(-0.5f)), y2 = _mm512_mul_ps(y, y);
-    __m512 p = _mm512_fmadd_ps(y2, _mm512_set1_ps(62.0f / 2835.0f), _mm512_set1_ps(-17.0f / 315.0f));
-    p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(2.0f / 15.0f));
-    p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-1.0f / 3.0f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, y2), y, y);
-    __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-    t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(y, _mm512_set1_ps(0.25f), _CMP_LT_OQ), t, p);
-    /* sign of x back on; masked keys (-inf) stay masked */
-    t = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t),
-                                            _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
-    const __mmask16 masked = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
-    return _mm512_mask_blend_ps(masked, _mm512_mul_ps(c, t), x);
-}
-
 /* the vector of softmax_x86.h: 16 lanes */
 typedef __m512 vf;
 #define VF_N 16
@@ -362,7 +342,15 @@ typedef __m512 vf;
 #define vf_sub _mm512_sub_ps
 #define vf_add _mm512_add_ps
 #define vf_exp exp16
-#define vf_softcap softcap16
+#define vf_mul _mm512_mul_ps
+#define vf_div _mm512_div_ps
+#define vf_fmadd _mm512_fmadd_ps
+#define vf_abs _mm512_abs_ps
+#define vf_copysign(t, x) /* t >= 0 */                                                                           \
+    _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t),                                                  \
+                                        _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))))
+#define vf_if_lt(a, b, x, y) _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x)
+#define vf_if_eq(a, b, x, y) _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ), y, x)
 #define vf_hmax _mm512_reduce_max_ps
 #define vf_hsum _mm512_reduce_add_ps
 #define vf_hmax4 hmax4

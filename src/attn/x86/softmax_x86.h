@@ -2,15 +2,35 @@
  * of VF_N floats. A template by #include: the including file (attn_avx2.c, attn_avx512.c)
  * first defines
  *   vf                        the vector type; VF_N its lanes (8 or 16);
- *   vf_load, vf_store, vf_set1, vf_zero, vf_max, vf_sub, vf_add;
+ *   vf_load, vf_store, vf_set1, vf_zero, vf_max, vf_sub, vf_add, vf_mul, vf_div, vf_fmadd, vf_abs;
+ *   vf_copysign(t, x)         t (>= 0) with the sign of x;
+ *   vf_if_lt(a, b, x, y), vf_if_eq(a, b, x, y)   lane-wise a < b (a == b) ? x : y;
  *   vf_exp(x)                 e^x lane-wise (0 below -87.3, and for -inf);
- *   vf_softcap(x, c, m2ic)    c * tanh(x / c), m2ic = -2 / c, -inf kept;
  *   vf_hmax(x), vf_hsum(x)    the max / sum of one vector's lanes, as a float;
  *   vf_hmax4, vf_hsum4        the same of four vectors, as the lanes of an __m128;
  *   exp4(x)                   e^x of the 4 lanes of an __m128;
  *   vf_all_le(x, t)           every lane of x <= the lane of t (a nan lane passes);
  *   LAZY_T                    how far above a row's max a block's scores may be and the max stay;
- * then includes this file, which defines softmax_vec: the table's softmax entry (attn.h). */
+ * then includes this file, which defines vf_softcap and softmax_vec: the table's softmax entry
+ * (attn.h). */
+
+/* c * tanh(x / c), m2ic = -2 / c, -inf kept: c * sign(x) * tanh(y), y = |x| / c. For y >= 1/4,
+ * (1 - e) / (1 + e) with e = exp(-2y) (1 - e loses at most 2 bits there); below, where 1 - e
+ * would cancel (at a cap of 1e8 every logit's y rounds e to 1), the odd series y - y^3/3 +
+ * 2y^5/15 - 17y^7/315 + 62y^9/2835, whose first omitted term is under 2e-8 of tanh(y). (The
+ * NEON softcap4 in arm/attn_neon.c is the same.) */
+static inline vf vf_softcap(vf x, vf c, vf m2ic) {
+    const vf u = vf_mul(vf_abs(x), m2ic); /* -2y */
+    const vf e = vf_exp(u), one = vf_set1(1.0f);
+    const vf y = vf_mul(u, vf_set1(-0.5f)), y2 = vf_mul(y, y);
+    vf p = vf_fmadd(y2, vf_set1(62.0f / 2835.0f), vf_set1(-17.0f / 315.0f));
+    p = vf_fmadd(p, y2, vf_set1(2.0f / 15.0f));
+    p = vf_fmadd(p, y2, vf_set1(-1.0f / 3.0f));
+    p = vf_fmadd(vf_mul(p, y2), y, y);
+    vf t = vf_if_lt(y, vf_set1(0.25f), p, vf_div(vf_sub(one, e), vf_add(one, e)));
+    t = vf_copysign(t, x);
+    return vf_if_eq(x, vf_set1(-INFINITY), x, vf_mul(c, t)); /* masked keys (-inf) stay masked */
+}
 
 /* One row after soft-capping: the online-softmax step of attn.h for a row on its own. */
 static void softmax_row(float *sr, uint32_t n_pad, float *m, float *l, float *acc_row, uint32_t D) {
