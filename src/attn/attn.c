@@ -769,15 +769,18 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
             }
         }
         for (uint32_t h = 0; h < H; h++) {
-            if (qn) { /* the next sequence's state for this head, into L2: it left while other blocks streamed by */
-                const uint8_t *qx = qn + (size_t)h * G * qrow, *ax = an + (size_t)h * G * D * sizeof(float);
+            if (qn) { /* the next sequence's queries for this head, into L2: they left while other blocks streamed by */
+                const uint8_t *qx = qn + (size_t)h * G * qrow;
                 for (size_t o = 0; o < (size_t)G * qrow; o += 64) __builtin_prefetch(qx + o, 0, 2);
-                for (size_t o = 0; o < (size_t)G * D * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
             }
             const uint32_t r0 = h * G;
             head_io io;
             head_io_fill(at, bid, h, t0, kn, vn, &io);
             score(qp + (size_t)r0 * qrow, G, io.kr, kv->k_row_bytes, n_keys, D, s, at->s_stride, io.pkp);
+            if (qn) { /* and its acc, between score and accum: two smaller bursts than one */
+                const uint8_t *ax = an + (size_t)h * G * D * sizeof(float);
+                for (size_t o = 0; o < (size_t)G * D * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
+            }
             kt->softmax(s, at->s_stride, G, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
             accum(s, at->s_stride, G, io.vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, io.pvp);
         }
