@@ -317,7 +317,9 @@ typedef struct pkv_attn_req {
 } pkv_attn_req;
 
 /* Ragged batch of prefill requests in one call. q, out: the requests' queries concatenated,
- * [sum n_q][n_q_heads][head_dim] f32. */
+ * [sum n_q][n_q_heads][head_dim] f32. Requests of one query (decodes batched beside chunked
+ * prefills) are read as pkv_attn_decode reads its batch (in pool order when their tables jump),
+ * the others in table order, in the same call. */
 PKV_API PKV_NODISCARD int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs,
                                            const float *q, float *out, const pkv_attn_params *p);
 

@@ -686,7 +686,8 @@ static void seq_fork(tpool *p, const tseq *parent, tseq *s, uint32_t share, uint
  * one (shared prefix blocks, which the sweep reads once for all their holders), in pools up to
  * 3x larger than the batch (free blocks between the batch's), with soft-cap, window and
  * log-sum-exp sometimes, on 1 to 3 threads; in some calls every fourth item has no query (its
- * output untouched). */
+ * output untouched), and in others every third is an extend of 2 to 40 queries (a chunked prefill
+ * beside the decodes: it runs in table order in the same call). */
 static void test_oracle_pool_order(void **state) {
     const backend_case *bc = *state;
     need_backend(bc->name);
@@ -698,6 +699,7 @@ static void test_oracle_pool_order(void **state) {
         const uint32_t D = shapes[c % 4][0], nqh = shapes[c % 4][1], H = shapes[c % 4][2];
         const uint32_t B = btoks[rng_below(5)], nt = 1 + rng_below(3);
         const uint32_t n = c % 6 == 5 ? 33 + rng_below(8) : 1 + rng_below(16), idle = c % 4 == 2 ? 4 : 0;
+        const uint32_t ext = c % 4 == 1 ? 3 : 0; /* every ext-th item from the third an extend */
         const pkv_dtype dt = k_types[c % 3];
         uint32_t lens[40], share[40], parent[40], total = 0, max_blocks = 0;
         for (uint32_t i = 0; i < n; i++) {
@@ -724,17 +726,23 @@ static void test_oracle_pool_order(void **state) {
         pkv__attn_item items[40];
         float *table_out[40];
         for (uint32_t i = 0; i < n; i++) {
-            const uint32_t n_q = idle && i % idle == 1 ? 0 : 1;
-            items[i] = (pkv__attn_item){.block_table = seqs[i].table, .q_pos0 = lens[i] - 1, .n_q = n_q,
-                                        .q = rand_q((size_t)nqh * D), .out = malloc(sizeof(float) * nqh * D),
-                                        .lse = rng_below(2) ? malloc(sizeof(float) * nqh) : NULL};
-            table_out[i] = malloc(sizeof(float) * nqh * D);
-            for (uint32_t x = 0; x < nqh * D; x++) items[i].out[x] = NAN;
+            uint32_t n_q = idle && i % idle == 1 ? 0 : 1;
+            if (ext && i % ext == 2) {
+                const uint32_t want = 2 + rng_below(39); /* PKV_MIN evaluates its arguments twice */
+                n_q = PKV_MIN(lens[i], want);
+            }
+            const size_t nout = (size_t)PKV_MAX(n_q, 1u) * nqh * D;
+            items[i] = (pkv__attn_item){.block_table = seqs[i].table, .q_pos0 = lens[i] - PKV_MAX(n_q, 1u),
+                                        .n_q = n_q, .q = rand_q(nout), .out = malloc(sizeof(float) * nout),
+                                        .lse = rng_below(2) ? malloc(sizeof(float) * nout / D) : NULL};
+            table_out[i] = malloc(sizeof(float) * nout);
+            for (size_t x = 0; x < nout; x++) items[i].out[x] = NAN;
         }
         pkv__attn_set_order(at, PKV__ATTN_ORDER_TABLE);
         assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
         assert_false(pkv__attn_last_swept(at));
-        for (uint32_t i = 0; i < n; i++) memcpy(table_out[i], items[i].out, sizeof(float) * nqh * D);
+        for (uint32_t i = 0; i < n; i++)
+            memcpy(table_out[i], items[i].out, sizeof(float) * PKV_MAX(items[i].n_q, 1u) * nqh * D);
         pkv__attn_set_order(at, PKV__ATTN_ORDER_POOL);
         assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
         assert_true(pkv__attn_last_swept(at));
@@ -748,7 +756,7 @@ static void test_oracle_pool_order(void **state) {
             if (e > 1.0)
                 print_message("  fail: %s D=%u q/kv=%u/%u B=%u n=%u len=%u share=%u thr=%u: err %.3g\n", bc->name, D,
                               nqh, H, B, n, lens[i], share[i], nt, e);
-            for (uint32_t x = 0; x < nqh * D; x++) {
+            for (size_t x = 0; x < (size_t)items[i].n_q * nqh * D; x++) {
                 const double d = fabs((double)items[i].out[x] - table_out[i][x]) / fmax(seqs[i].vmax, 1e-30);
                 if (!(d <= worst_table)) worst_table = isnan(d) ? INFINITY : d;
             }
@@ -767,10 +775,11 @@ static void test_oracle_pool_order(void **state) {
     assert_true(worst_table <= 2 * TOL_F32); /* two results, each within the tolerance of the reference */
 }
 
-/* Runs one decode call of n sequences of len tokens (shuffled blocks unless in_order) and
- * returns whether it was swept; the outputs are checked against the reference either way. */
-static bool swept_case(pkv__attn *at, uint32_t n, uint32_t len, uint32_t nqh, uint32_t H, uint32_t n_q, int in_order,
-                       int window) {
+/* Runs one call of n sequences of len tokens (shuffled blocks unless in_order), each with n_q
+ * queries at its end (odd items ext_q instead, where ext_q is not 0), and returns whether it was
+ * swept; the outputs are checked against the reference either way. */
+static bool swept_case_ext(pkv__attn *at, uint32_t n, uint32_t len, uint32_t nqh, uint32_t H, uint32_t n_q,
+                           uint32_t ext_q, int in_order, int window) {
     const uint32_t D = 64, B = 16, nb = (len + B - 1) / B;
     tpool p;
     pool_init(&p, H, D, B, n * nb, PKV_DTYPE_F32, PKV_DTYPE_F32);
@@ -780,9 +789,10 @@ static bool swept_case(pkv__attn *at, uint32_t n, uint32_t len, uint32_t nqh, ui
     pkv__attn_item items[66];
     pkv__attn_call call = {.n_q_heads = nqh, .scale = 0.125f, .window = window ? 40u : 0u};
     for (uint32_t i = 0; i < n; i++) {
+        const uint32_t nq = ext_q && i % 2 ? ext_q : n_q;
         seq_make(&p, &seqs[i], len, 1.0f);
-        items[i] = (pkv__attn_item){.block_table = seqs[i].table, .q_pos0 = len - n_q, .n_q = n_q,
-                                    .q = rand_q((size_t)n_q * nqh * D), .out = malloc(sizeof(float) * n_q * nqh * D)};
+        items[i] = (pkv__attn_item){.block_table = seqs[i].table, .q_pos0 = len - nq, .n_q = nq,
+                                    .q = rand_q((size_t)nq * nqh * D), .out = malloc(sizeof(float) * nq * nqh * D)};
     }
     assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
     const bool swept = pkv__attn_last_swept(at);
@@ -796,11 +806,18 @@ static bool swept_case(pkv__attn *at, uint32_t n, uint32_t len, uint32_t nqh, ui
     return swept;
 }
 
+/* The same, every item with n_q queries. */
+static bool swept_case(pkv__attn *at, uint32_t n, uint32_t len, uint32_t nqh, uint32_t H, uint32_t n_q, int in_order,
+                       int window) {
+    return swept_case_ext(at, n, len, nqh, H, n_q, 0, in_order, window);
+}
+
 /* When the sweep takes a call: forced pool order takes every decode call it can hold (more than
- * 32 sequences in groups), and falls back to table order (with the same answers) for prefill
- * items, more than 64 query rows per sequence and contexts of more than 16 threads; AUTO sweeps
- * calls above the inline threshold whose tables jump, not contiguous tables or small calls;
- * PKV_ATTN_ORDER sets the order at creation and an unknown value fails it. */
+ * 32 sequences in groups) and the items of one query of a call that also has extends (those run
+ * in table order), and falls back to table order (with the same answers) for calls of extends
+ * only, more than 64 query rows per sequence and contexts of more than 16 threads; AUTO sweeps
+ * calls above the inline threshold whose one-query items' tables jump, not contiguous tables or
+ * small calls; PKV_ATTN_ORDER sets the order at creation and an unknown value fails it. */
 static void test_pool_order_choice(void **state) {
     (void)state;
     g_rng = 607;
@@ -811,11 +828,15 @@ static void test_pool_order_choice(void **state) {
     assert_true(swept_case(at, 32, 40, 16, 4, 1, 0, 0));
     assert_true(swept_case(at, 66, 40, 16, 4, 1, 0, 0)); /* three groups of 22 */
     assert_false(swept_case(at, 2, 100, 16, 4, 2, 0, 0)); /* two queries: an extend */
+    assert_true(swept_case_ext(at, 5, 100, 16, 4, 1, 7, 0, 0)); /* decodes beside extends of 7 */
+    assert_true(swept_case_ext(at, 40, 40, 16, 4, 1, 3, 0, 1)); /* 20 decodes, one group */
     assert_false(swept_case(at, 2, 100, 68, 4, 1, 0, 0)); /* 68 rows */
     pkv__attn_set_order(at, PKV__ATTN_ORDER_AUTO);
     pkv__attn_set_inline_work(at, 0);
     assert_true(swept_case(at, 4, 1000, 16, 4, 1, 0, 0));
     assert_false(swept_case(at, 4, 1000, 16, 4, 1, 1, 0)); /* runs of 63 blocks */
+    assert_true(swept_case_ext(at, 4, 1000, 16, 4, 1, 100, 0, 0));
+    assert_false(swept_case_ext(at, 4, 1000, 16, 4, 1, 100, 1, 0)); /* the decodes' runs count */
     pkv__attn_set_inline_work(at, 1u << 30);
     assert_false(swept_case(at, 4, 1000, 16, 4, 1, 0, 0)); /* a small call, on the caller */
     pkv__attn_destroy(at);

@@ -87,8 +87,10 @@ struct pkv__attn {
     plan_item *plan;              /* [max_items] */
     /* pool-order decode: sweep_cap entries (0: never), their keys sorted through sweep_tmp,
      * prepared queries (room for sweep_items x ROWS_MAX rows of QROW bytes; a group packs them
-     * [item][H x G]), state slots [sweep_items][chunks max] (slot_floats each) and, for the
-     * group being swept (items [sweep_i0, sweep_i0 + sweep_ni)), its entry count and chunks */
+     * [item][H x G]), state slots [sweep_items][chunks max] (slot_floats each), the call's
+     * swept items (sweep_idx [max_items]: the items of one query, sweep_total of them, in batch
+     * order) and, for the group being swept (sweep_idx[sweep_i0 .. sweep_i0 + sweep_ni)), its
+     * entry count and chunks */
     int order;
     bool last_swept;
     uint32_t sweep_cap, sweep_chunks_max;
@@ -96,7 +98,9 @@ struct pkv__attn {
     const uint64_t *sweep_sorted;
     uint8_t *sweep_q;
     float *sweep_slots;
-    uint32_t sweep_n, sweep_chunks, sweep_i0, sweep_ni;
+    uint32_t *sweep_idx;
+    uint32_t sweep_total, sweep_n, sweep_chunks, sweep_i0, sweep_ni;
+    bool plan_rest; /* make_plan leaves out the items of one query (the sweep takes them) */
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
     const pkv__attn_item *items;
@@ -229,11 +233,12 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     const uint32_t sweep_chunks_max = sweep_cap ? (n_threads > 1 ? SWEEP_CHUNKS_PER_THREAD * n_threads : 1) : 0;
     const size_t sweep_slots = sweep_cap ? (size_t)sweep_items * sweep_chunks_max : 0;
 
-    /* one allocation: context | workers | plan | split counters | partials | scratch | sweep
-     * keys (two arrays) | sweep queries | sweep slots */
+    /* one allocation: context | workers | plan | sweep item list | split counters | partials |
+     * scratch | sweep keys (two arrays) | sweep queries | sweep slots */
     size_t off_workers = align64(sizeof(pkv__attn));
     size_t off_plan = off_workers + align64(sizeof(pkv__tpool_worker) * n_threads);
-    size_t off_done = off_plan + align64(sizeof(plan_item) * (size_t)max_items);
+    size_t off_idx = off_plan + align64(sizeof(plan_item) * (size_t)max_items);
+    size_t off_done = off_idx + (sweep_cap ? align64(sizeof(uint32_t) * (size_t)max_items) : 0);
     size_t off_part = off_done + align64(sizeof(_Atomic uint32_t) * (n_slots + 1));
     size_t off_scr = off_part + align64(slot_floats * sizeof(float) * n_slots);
     size_t off_keys = off_scr + thread_bytes * n_threads;
@@ -269,6 +274,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->sweep_tmp = at->sweep_keys + align64(sizeof(uint64_t) * sweep_cap) / sizeof(uint64_t);
     at->sweep_q = mem + off_sq;
     at->sweep_slots = (float *)(mem + off_sslot);
+    at->sweep_idx = (uint32_t *)(mem + off_idx);
     rc = pkv__tpool_init(&at->pool, n_threads, at->workers);
     if (rc < 0) {
         pkv__free(&at->a, mem, total);
@@ -572,7 +578,7 @@ static uint32_t make_plan(pkv__attn *at) {
     uint64_t base_total = 0, work_total = 0, head_blocks = 0;
     for (uint32_t i = 0; i < at->n_items; i++) {
         plan_item *pi = &at->plan[i];
-        if (at->items[i].n_q == 0) { /* nothing to compute: no units */
+        if (at->items[i].n_q == 0 || (at->plan_rest && at->items[i].n_q == 1)) { /* no units */
             memset(pi, 0, sizeof *pi);
             pi->n_ks = 1;
             continue;
@@ -654,13 +660,28 @@ static size_t key_bid(uint64_t e) { return (size_t)(e >> 32); }
 static uint32_t key_item(uint64_t e) { return (uint32_t)(e >> SWEEP_B_BITS) & (SWEEP_ITEMS - 1u); }
 static uint32_t key_b(uint64_t e) { return (uint32_t)e & ((1u << SWEEP_B_BITS) - 1u); }
 
-/* The call's sweep groups: SWEEP_ITEMS items at most, sizes within one of each other. */
-static uint32_t sweep_groups(const pkv__attn *at) { return (at->n_items + SWEEP_ITEMS - 1) / SWEEP_ITEMS; }
+/* Lists the call's items of one query (decode, or an extend of one token) in sweep_idx: the
+ * items the sweep would take. */
+static void sweep_collect(pkv__attn *at) {
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < at->n_items; i++)
+        if (at->items[i].n_q == 1) at->sweep_idx[n++] = i;
+    at->sweep_total = n;
+}
+
+/* Item i (0-based) of the group being swept. */
+static const pkv__attn_item *sweep_item(const pkv__attn *at, uint32_t i) {
+    return &at->items[at->sweep_idx[at->sweep_i0 + i]];
+}
+
+/* The call's sweep groups: SWEEP_ITEMS of the listed items at most, sizes within one of each
+ * other; group g is sweep_idx[*i0 .. *i1). */
+static uint32_t sweep_groups(const pkv__attn *at) { return (at->sweep_total + SWEEP_ITEMS - 1) / SWEEP_ITEMS; }
 
 static void sweep_group(const pkv__attn *at, uint32_t g, uint32_t *i0, uint32_t *i1) {
     const uint32_t ng = sweep_groups(at);
-    *i0 = (uint32_t)((uint64_t)at->n_items * g / ng);
-    *i1 = (uint32_t)((uint64_t)at->n_items * (g + 1) / ng);
+    *i0 = (uint32_t)((uint64_t)at->sweep_total * g / ng);
+    *i1 = (uint32_t)((uint64_t)at->sweep_total * (g + 1) / ng);
 }
 
 /* The blocks an item's one query sees: [*b0, *b1] of its table. */
@@ -669,9 +690,10 @@ static void sweep_blocks(const pkv__attn *at, const pkv__attn_item *it, uint32_t
     *b0 = key_lo(it->q_pos0, at->call->window) / B, *b1 = it->q_pos0 / B;
 }
 
-/* Whether the sweep takes the call: decode (one query an item), at most ROWS_MAX rows an item,
- * each group's entries within sweep_cap and, under AUTO, tables whose runs of neighbouring
- * blocks (runs: counted by pkv__attn_run as it checks the tables) average under
+/* Whether the sweep takes the call's items of one query (sweep_collect listed them; items of
+ * more queries run in table order beside them): at most ROWS_MAX rows an item, each group's
+ * entries within sweep_cap and, under AUTO, tables whose runs of neighbouring blocks (runs:
+ * counted over those items by pkv__attn_run as it checks the tables) average under
  * SWEEP_TABLE_RUN. Changes nothing. */
 static bool sweep_takes(const pkv__attn *at, uint64_t runs) {
     const uint32_t H = at->kv->n_kv_heads, B = at->kv->block_tokens;
@@ -682,9 +704,7 @@ static bool sweep_takes(const pkv__attn *at, uint64_t runs) {
         uint64_t xg = 0;
         sweep_group(at, g, &i0, &i1);
         for (uint32_t i = i0; i < i1; i++) {
-            const pkv__attn_item *it = &at->items[i];
-            if (it->n_q > 1) return false;
-            if (it->n_q == 0) continue;
+            const pkv__attn_item *it = &at->items[at->sweep_idx[i]];
             if (it->q_pos0 / B >= (1u << SWEEP_B_BITS)) return false;
             uint32_t b0, b1;
             sweep_blocks(at, it, &b0, &b1);
@@ -697,17 +717,15 @@ static bool sweep_takes(const pkv__attn *at, uint64_t runs) {
     return x && (at->order != PKV__ATTN_ORDER_AUTO || x < (uint64_t)SWEEP_TABLE_RUN * runs);
 }
 
-/* Makes the sorted entries, prepared queries and chunk count of the group of items [i0, i1)
- * (sweep_takes said the call fits; one chunk when the caller runs it alone); false when none
- * of them has a query. */
-static bool sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1, bool alone) {
+/* Makes the sorted entries, prepared queries and chunk count of the group sweep_idx[i0 .. i1)
+ * (sweep_takes said the call fits; one chunk when the caller runs it alone). */
+static void sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1, bool alone) {
     const pkv__kv_view *kv = at->kv;
     const uint32_t H = kv->n_kv_heads, G = at->G, D = kv->head_dim;
     uint64_t *keys = at->sweep_keys;
     uint32_t x = 0;
     for (uint32_t i = i0; i < i1; i++) {
-        const pkv__attn_item *it = &at->items[i];
-        if (it->n_q == 0) continue;
+        const pkv__attn_item *it = &at->items[at->sweep_idx[i]];
         uint32_t b0, b1;
         sweep_blocks(at, it, &b0, &b1);
         for (uint32_t b = b0; b <= b1; b++)
@@ -716,12 +734,10 @@ static bool sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1, bool alone) {
         at->kt.prep_q[kv->k_dtype](it->q, D, H * G, D, at->call->scale,
                                    at->sweep_q + (size_t)(i - i0) * H * G * PKV__ATTN_QROW_BYTES(D));
     }
-    if (x == 0) return false;
     at->sweep_i0 = i0, at->sweep_ni = i1 - i0;
     at->sweep_sorted = sort_by_block(keys, at->sweep_tmp, x, kv->n_blocks);
     at->sweep_n = x;
     at->sweep_chunks = alone ? 1u : PKV_MAX(1u, PKV_MIN(at->sweep_chunks_max, x / MIN_SPLIT_BLOCKS));
-    return true;
 }
 
 /* Chunk c's state slot for item i: an item's slots are consecutive, as merge_splits reads them. */
@@ -753,7 +769,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
             for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
             memset(acc, 0, (size_t)rows * D * sizeof(float));
         }
-        const uint32_t pos = at->items[at->sweep_i0 + i].q_pos0, k_lo = key_lo(pos, call->window), kb = b * B;
+        const uint32_t pos = sweep_item(at, i)->q_pos0, k_lo = key_lo(pos, call->window), kb = b * B;
         const uint32_t t0 = k_lo > kb ? k_lo - kb : 0, n_keys = PKV_MIN(B, pos - kb + 1) - t0;
         const uint8_t *qp = at->sweep_q + (size_t)i * rows * qrow, *kn = NULL, *vn = NULL;
         const uint8_t *qn = NULL, *an = NULL;
@@ -794,8 +810,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
 static void run_merge(void *ctx, uint32_t i, uint32_t tid) {
     (void)tid;
     pkv__attn *at = ctx;
-    const pkv__attn_item *it = &at->items[at->sweep_i0 + i];
-    if (it->n_q == 0) return;
+    const pkv__attn_item *it = sweep_item(at, i);
     const uint32_t H = at->kv->n_kv_heads, G = at->G;
     float *slot0 = sweep_slot(at, i, 0);
     merge_splits(at, slot0, at->sweep_chunks, H * G);
@@ -808,7 +823,7 @@ static void sweep_run(pkv__attn *at, bool small) {
     for (uint32_t g = 0, ng = sweep_groups(at); g < ng; g++) {
         uint32_t i0, i1;
         sweep_group(at, g, &i0, &i1);
-        if (!sweep_prepare(at, i0, i1, small)) continue;
+        sweep_prepare(at, i0, i1, small);
         if (small) {
             run_chunk(at, 0, 0);
             for (uint32_t i = 0; i < at->sweep_ni; i++) run_merge(at, i, 0);
@@ -844,7 +859,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     if (!isfinite(call->scale) || call->scale == 0.0f || !pkv__attn_softcap_ok(call->softcap))
         return PKV_EINVAL;
     if (!at->kt.prep_q[kv->k_dtype] || !at->kt.score[kv->k_dtype] || !at->kt.accum[kv->v_dtype]) return PKV_ENOTSUP;
-    uint64_t runs = 0; /* runs of neighbouring blocks in the visible tables (the sweep's AUTO rule) */
+    uint64_t runs = 0; /* runs of neighbouring blocks in one-query items' visible tables (AUTO's rule) */
     for (uint32_t i = 0; i < n_items; i++) {
         const pkv__attn_item *it = &items[i];
         if (it->n_q == 0) continue;
@@ -857,7 +872,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         const uint32_t lo = key_lo(it->q_pos0, call->window) / kv->block_tokens;
         for (uint64_t b = lo; b < nbt; b++) {
             if (it->block_table[b] < 0 || (uint32_t)it->block_table[b] >= kv->n_blocks) return PKV_EINVAL;
-            runs += b == lo || it->block_table[b] != it->block_table[b - 1] + 1;
+            runs += it->n_q == 1 && (b == lo || it->block_table[b] != it->block_table[b - 1] + 1);
         }
     }
 
@@ -866,13 +881,23 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     at->G = call->n_q_heads / kv->n_kv_heads;
     at->items = items;
     at->n_items = n_items;
-    const uint32_t n_units = make_plan(at);
+    at->plan_rest = false;
+    uint32_t n_units = make_plan(at);
     const bool small = at->head_blocks * kv->block_tokens * kv->head_dim < at->inline_elems;
     at->last_threads = 1;
-    at->last_swept = n_units && at->order != PKV__ATTN_ORDER_TABLE &&
-                     (at->order == PKV__ATTN_ORDER_POOL || !small) && sweep_takes(at, runs);
-    if (at->last_swept) sweep_run(at, small);
-    else if (n_units && small) {
+    at->last_swept = false;
+    if (n_units && at->sweep_cap && at->order != PKV__ATTN_ORDER_TABLE &&
+        (at->order == PKV__ATTN_ORDER_POOL || !small)) {
+        sweep_collect(at);
+        at->last_swept = sweep_takes(at, runs);
+    }
+    if (at->last_swept) { /* the items of one query in pool order, then the others' units */
+        sweep_run(at, small);
+        at->plan_rest = true;
+        n_units = at->sweep_total < n_items ? make_plan(at) : 0;
+        at->plan_rest = false;
+    }
+    if (n_units && small) {
         for (uint32_t u = 0; u < n_units; u++) run_unit(at, u, 0); /* small call: the caller alone */
     } else if (n_units) {
         pkv__tpool_run(&at->pool, run_unit, at, n_units);
