@@ -699,7 +699,7 @@ static void test_oracle_pool_order(void **state) {
         const uint32_t D = shapes[c % 4][0], nqh = shapes[c % 4][1], H = shapes[c % 4][2];
         const uint32_t B = btoks[rng_below(5)], nt = 1 + rng_below(3);
         const uint32_t n = c % 6 == 5 ? 33 + rng_below(8) : 1 + rng_below(16), idle = c % 4 == 2 ? 4 : 0;
-        const uint32_t ext = c % 4 == 1 ? 3 : 0; /* every ext-th item from the third an extend */
+        const uint32_t ext = c % 3 == 1 ? 3 : 0; /* every ext-th item from the third an extend */
         const pkv_dtype dt = k_types[c % 3];
         uint32_t lens[40], share[40], parent[40], total = 0, max_blocks = 0;
         for (uint32_t i = 0; i < n; i++) {
@@ -741,8 +741,12 @@ static void test_oracle_pool_order(void **state) {
         pkv__attn_set_order(at, PKV__ATTN_ORDER_TABLE);
         assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
         assert_false(pkv__attn_last_swept(at));
-        for (uint32_t i = 0; i < n; i++)
-            memcpy(table_out[i], items[i].out, sizeof(float) * PKV_MAX(items[i].n_q, 1u) * nqh * D);
+        for (uint32_t i = 0; i < n; i++) { /* keep table order's answers; the pool run writes anew */
+            const size_t nout = (size_t)PKV_MAX(items[i].n_q, 1u) * nqh * D;
+            memcpy(table_out[i], items[i].out, sizeof(float) * nout);
+            for (size_t x = 0; x < nout; x++) items[i].out[x] = NAN;
+            for (size_t x = 0; items[i].lse && x < nout / D; x++) items[i].lse[x] = NAN;
+        }
         pkv__attn_set_order(at, PKV__ATTN_ORDER_POOL);
         assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
         assert_true(pkv__attn_last_swept(at));
@@ -793,6 +797,7 @@ static bool swept_case_ext(pkv__attn *at, uint32_t n, uint32_t len, uint32_t nqh
         seq_make(&p, &seqs[i], len, 1.0f);
         items[i] = (pkv__attn_item){.block_table = seqs[i].table, .q_pos0 = len - nq, .n_q = nq,
                                     .q = rand_q((size_t)nq * nqh * D), .out = malloc(sizeof(float) * nq * nqh * D)};
+        for (size_t x = 0; x < (size_t)nq * nqh * D; x++) items[i].out[x] = NAN; /* every output written */
     }
     assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
     const bool swept = pkv__attn_last_swept(at);
@@ -830,6 +835,7 @@ static void test_pool_order_choice(void **state) {
     assert_false(swept_case(at, 2, 100, 16, 4, 2, 0, 0)); /* two queries: an extend */
     assert_true(swept_case_ext(at, 5, 100, 16, 4, 1, 7, 0, 0)); /* decodes beside extends of 7 */
     assert_true(swept_case_ext(at, 40, 40, 16, 4, 1, 3, 0, 1)); /* 20 decodes, one group */
+    assert_true(swept_case_ext(at, 66, 40, 16, 4, 1, 3, 0, 0)); /* 33 decodes, two groups */
     assert_false(swept_case(at, 2, 100, 68, 4, 1, 0, 0)); /* 68 rows */
     pkv__attn_set_order(at, PKV__ATTN_ORDER_AUTO);
     pkv__attn_set_inline_work(at, 0);
@@ -837,6 +843,10 @@ static void test_pool_order_choice(void **state) {
     assert_false(swept_case(at, 4, 1000, 16, 4, 1, 1, 0)); /* runs of 63 blocks */
     assert_true(swept_case_ext(at, 4, 1000, 16, 4, 1, 100, 0, 0));
     assert_false(swept_case_ext(at, 4, 1000, 16, 4, 1, 100, 1, 0)); /* the decodes' runs count */
+    pkv__attn_set_inline_work(at, 64u * 16u * 128u); /* the default */
+    /* one decode of 7 blocks (28 Ki elements, under the threshold) beside an extend of 100
+     * queries: the call goes to the pool, but the decode is too small to sweep there */
+    assert_false(swept_case_ext(at, 2, 100, 16, 4, 1, 100, 0, 0));
     pkv__attn_set_inline_work(at, 1u << 30);
     assert_false(swept_case(at, 4, 1000, 16, 4, 1, 0, 0)); /* a small call, on the caller */
     pkv__attn_destroy(at);

@@ -62,7 +62,8 @@ static void near(const float *a, const float *b, size_t n) {
 }
 
 /* decode of 1 long item (key splits with > 1 thread), then of it and another (pool order), + a
- * prefill of 40 queries; out_dec holds 3 outputs */
+ * prefill of 40 queries, + the first decode and the 40 queries in one call; out_dec holds 3
+ * outputs */
 static void run_once(pkv__attn *at, float *out_dec, float *out_pre, uint32_t len) {
     pkv__kv_view kv = view();
     pkv__attn_call call = {.n_q_heads = NQH, .scale = 0.125f};
@@ -81,6 +82,18 @@ static void run_once(pkv__attn *at, float *out_dec, float *out_pre, uint32_t len
         {.block_table = g_table, .q_pos0 = 0, .n_q = 7, .q = &g_q[40][0][0], .out = out_pre + 40 * NQH * D},
     };
     assert_int_equal(pkv__attn_run(at, &kv, pre, 2, &call), PKV_OK);
+    /* a decode beside an extend in one call: the decode swept, then the extend's units */
+    float *mix = malloc(sizeof(float) * 41 * NQH * D);
+    assert_non_null(mix);
+    pkv__attn_item mixed[2] = {
+        {.block_table = g_table, .q_pos0 = len - 1, .n_q = 1, .q = &g_q[0][0][0], .out = mix},
+        {.block_table = g_table, .q_pos0 = len - 40, .n_q = 40, .q = &g_q[0][0][0], .out = mix + NQH * D},
+    };
+    assert_int_equal(pkv__attn_run(at, &kv, mixed, 2, &call), PKV_OK);
+    assert_true(pkv__attn_last_swept(at));
+    near(mix, out_dec, NQH * D);
+    near(mix + NQH * D, out_pre, 40 * NQH * D);
+    free(mix);
 }
 
 

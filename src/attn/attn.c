@@ -694,8 +694,9 @@ static void sweep_blocks(const pkv__attn *at, const pkv__attn_item *it, uint32_t
  * more queries run in table order beside them): at most ROWS_MAX rows an item, each group's
  * entries within sweep_cap and, under AUTO, tables whose runs of neighbouring blocks (runs:
  * counted over those items by pkv__attn_run as it checks the tables) average under
- * SWEEP_TABLE_RUN. Changes nothing. */
-static bool sweep_takes(const pkv__attn *at, uint64_t runs) {
+ * SWEEP_TABLE_RUN. Sets *entries to their (item, block) pairs when it gets that far; changes
+ * nothing else. */
+static bool sweep_takes(const pkv__attn *at, uint64_t runs, uint64_t *entries) {
     const uint32_t H = at->kv->n_kv_heads, B = at->kv->block_tokens;
     if (!at->sweep_cap || (uint64_t)H * at->G > ROWS_MAX) return false;
     uint64_t x = 0;
@@ -714,6 +715,7 @@ static bool sweep_takes(const pkv__attn *at, uint64_t runs) {
         x += xg;
     }
     /* tables of long runs of neighbouring blocks already read as a contiguous cache does */
+    *entries = x;
     return x && (at->order != PKV__ATTN_ORDER_AUTO || x < (uint64_t)SWEEP_TABLE_RUN * runs);
 }
 
@@ -883,19 +885,24 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     at->n_items = n_items;
     at->plan_rest = false;
     uint32_t n_units = make_plan(at);
-    const bool small = at->head_blocks * kv->block_tokens * kv->head_dim < at->inline_elems;
+    const uint64_t elems_per_head_block = (uint64_t)kv->block_tokens * kv->head_dim;
+    bool small = at->head_blocks * elems_per_head_block < at->inline_elems;
     at->last_threads = 1;
     at->last_swept = false;
-    if (n_units && at->sweep_cap && at->order != PKV__ATTN_ORDER_TABLE &&
-        (at->order == PKV__ATTN_ORDER_POOL || !small)) {
+    if (n_units && at->sweep_cap && at->order != PKV__ATTN_ORDER_TABLE) {
+        /* the one-query items' share of the work decides whether they go to the pool */
+        uint64_t x = 0;
         sweep_collect(at);
-        at->last_swept = sweep_takes(at, runs);
-    }
-    if (at->last_swept) { /* the items of one query in pool order, then the others' units */
-        sweep_run(at, small);
-        at->plan_rest = true;
-        n_units = at->sweep_total < n_items ? make_plan(at) : 0;
-        at->plan_rest = false;
+        const bool takes = sweep_takes(at, runs, &x);
+        const bool small_sweep = x * kv->n_kv_heads * elems_per_head_block < at->inline_elems;
+        if (takes && (at->order == PKV__ATTN_ORDER_POOL || !small_sweep)) {
+            at->last_swept = true;
+            sweep_run(at, small_sweep); /* then the items of more queries, if any, as units */
+            at->plan_rest = true;
+            n_units = at->sweep_total < n_items ? make_plan(at) : 0;
+            at->plan_rest = false;
+            small = at->head_blocks * elems_per_head_block < at->inline_elems;
+        }
     }
     if (n_units && small) {
         for (uint32_t u = 0; u < n_units; u++) run_unit(at, u, 0); /* small call: the caller alone */

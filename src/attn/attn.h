@@ -73,22 +73,24 @@ void pkv__attn_destroy(pkv__attn *at);
 /* Calls whose plan covers fewer K/V elements than this run on the calling thread alone (waking
  * workers costs more). Default 64 * 16 * 128; tests set 0 to drive the pool on every call. */
 void pkv__attn_set_inline_work(pkv__attn *at, uint64_t elems);
-/* The order in which a decode call reads its blocks. TABLE: each sequence's blocks in table
- * order (split into key ranges when there are few sequences). POOL: every block of the batch in
- * ascending block id, whichever sequence holds it, with a running softmax state per sequence
- * and chunk, merged by log-sum-exp at the end (the "sweep" in attn.c): where the batch's
- * blocks fill a region of the pool the reads are sequential however the tables are shuffled,
- * and a block that several sequences share is read from memory once. A call the sweep does
- * not take (prefill items, more query rows per sequence than a unit holds, a context of more
- * than 16 threads) runs in table order; more than 32 sequences are swept in groups. AUTO (the
- * default): POOL for calls that go to the thread pool (above the inline threshold) whose tables
- * jump (runs of neighbouring blocks under 32 on average), TABLE for the rest. The results
+/* The order in which the one-query items of a call (decodes) read their blocks. TABLE: each
+ * sequence's blocks in table order (split into key ranges when there are few sequences). POOL:
+ * every block of those items in ascending block id, whichever sequence holds it, with a running
+ * softmax state per sequence and chunk, merged by log-sum-exp at the end (the "sweep" in
+ * attn.c): where the batch's blocks fill a region of the pool the reads are sequential however
+ * the tables are shuffled, and a block that several sequences share is read from memory once.
+ * Items of more queries (extends) always run in table order, after the sweep in the same call.
+ * A call the sweep does not take (no one-query item, more query rows per sequence than a unit
+ * holds, a context of more than 16 threads) runs in table order; more than 32 sequences are
+ * swept in groups. AUTO (the default): POOL where the one-query items' part of the call goes to
+ * the thread pool (above the inline threshold) and their tables jump (runs of neighbouring
+ * blocks under 32 on average), TABLE for the rest. The results
  * differ from TABLE's by rounding only (the softmax is summed in another order). The context starts with
  * the order PKV_ATTN_ORDER names in the environment ("auto", "table", "pool"; unset or empty:
  * auto); creation fails with PKV_EINVAL on any other value. */
 enum { PKV__ATTN_ORDER_AUTO = 0, PKV__ATTN_ORDER_TABLE = 1, PKV__ATTN_ORDER_POOL = 2 };
 void pkv__attn_set_order(pkv__attn *at, int order);
-/* Whether the last successful pkv__attn_run read its blocks in pool order. */
+/* Whether the last successful pkv__attn_run read its one-query items' blocks in pool order. */
 bool pkv__attn_last_swept(const pkv__attn *at);
 /* Threads the last successful pkv__attn_run used: 1 when it ran on the caller alone (small
  * plan, one unit or one thread), else the context's thread count; 0 before any run. */
