@@ -4,7 +4,9 @@
  * with tools/tool_util.c for the clock, medians and RNG.
  *
  * Each round times `calls` decode calls of A, then of B (odd rounds B first), each call on the
- * next layer so the K/V working set can exceed the caches. Reports each side's median GB/s of
+ * next layer so the K/V working set can exceed the caches. With EXT (optional), each call is a
+ * pkv_attn_prefill of the batch's decodes plus an extend of EXT queries at the end of one more
+ * sequence of CTX tokens (a chunked prefill batched beside the decodes, as servers batch). Reports each side's median GB/s of
  * K/V read and the median over rounds of time(B) / time(A), with its quartiles. Build A's cache
  * reads build B's pool (tool.h: tool_loan_allocator). */
 #include "tool.h" /* tools/tool_util.c: clock, median, RNG */
@@ -18,13 +20,13 @@ enum { AB_MAX_ROUNDS = 101, AB_MAX_CALLS = 1000 };
 
 typedef struct ab_opts {
     pkv_dtype dtype;
-    uint32_t ctx, batch, layers, threads, rounds, calls;
+    uint32_t ctx, batch, layers, threads, rounds, calls, ext;
     int paged;
 } ab_opts;
 
 typedef struct ab_side {
     pkv_cache *c;
-    pkv_seq seqs[AB_MAX_BATCH];
+    pkv_seq seqs[AB_MAX_BATCH + 1]; /* + the extend's sequence */
     uint32_t next;
 } ab_side;
 
@@ -43,6 +45,8 @@ int a_pkv_seq_slots(pkv_cache *c, pkv_seq s, uint32_t start, uint32_t n, int32_t
 int a_pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n, const void *k, const void *v,
                    pkv_dtype in_dtype);
 pkv_attn_params a_pkv_attn_params_default(void);
+int a_pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs, const float *q,
+                       float *out, const pkv_attn_params *p);
 int a_pkv_attn_decode(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, uint32_t n_seqs, const float *q, float *out,
                       const pkv_attn_params *p);
 
@@ -59,8 +63,9 @@ static tool_pool_loan ab_loan;
 #undef AB
 
 static int usage(void) {
-    fprintf(stderr, "usage: ab_decode DTYPE CTX BATCH LAYERS THREADS paged|contig ROUNDS CALLS\n"
-                    "  e.g. ab_decode f16 4096 16 2 2 paged 21 6  (BATCH <= %d, ROUNDS <= %d, CALLS <= %d)\n",
+    fprintf(stderr, "usage: ab_decode DTYPE CTX BATCH LAYERS THREADS paged|contig ROUNDS CALLS [EXT]\n"
+                    "  e.g. ab_decode f16 4096 16 2 2 paged 21 6  (BATCH <= %d, ROUNDS <= %d, CALLS <= %d;\n"
+                    "  EXT <= CTX: each call also extends one more sequence by EXT queries)\n",
             AB_MAX_BATCH, AB_MAX_ROUNDS, AB_MAX_CALLS);
     return 2;
 }
@@ -75,13 +80,14 @@ static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
 
 int main(int argc, char **argv) {
     ab_opts o = {0};
-    if (argc != 9) return usage();
+    if (argc != 9 && argc != 10) return usage();
     int found = 0;
     for (int d = 0; d < PKV_DTYPE_COUNT; d++)
         if (!strcmp(argv[1], pkv_dtype_name((pkv_dtype)d))) o.dtype = (pkv_dtype)d, found = 1;
     if (!found || parse_u32(argv[2], 1, 1u << 20, &o.ctx) || parse_u32(argv[3], 1, AB_MAX_BATCH, &o.batch) ||
         parse_u32(argv[4], 1, 4096, &o.layers) || parse_u32(argv[5], 1, 256, &o.threads) ||
-        parse_u32(argv[7], 1, AB_MAX_ROUNDS, &o.rounds) || parse_u32(argv[8], 1, AB_MAX_CALLS, &o.calls))
+        parse_u32(argv[7], 1, AB_MAX_ROUNDS, &o.rounds) || parse_u32(argv[8], 1, AB_MAX_CALLS, &o.calls) ||
+        (argc == 10 && parse_u32(argv[9], 0, o.ctx, &o.ext)))
         return usage();
     if (!strcmp(argv[6], "paged")) o.paged = 1;
     else if (strcmp(argv[6], "contig")) return usage();
@@ -95,7 +101,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "ab_decode: set-up failed (out of memory, or a shape the builds refuse)\n");
         rc = 1;
     }
-    const size_t nq = (size_t)o.batch * AB_HQ * AB_D;
+    const size_t nq = (size_t)(o.batch + o.ext) * AB_HQ * AB_D;
     float *q = malloc(sizeof(float) * nq), *out = malloc(sizeof(float) * nq);
     tool_rng rq;
     tool_rng_seed(&rq, 2);
@@ -110,11 +116,14 @@ int main(int argc, char **argv) {
         ratio[r] = tb[r] / ta[r];
     }
     if (rc == 0) {
-        const double bytes = (double)o.ctx * o.batch * AB_HKV * (double)pkv_dtype_row_bytes(o.dtype, AB_D) * 2.0;
+        const double bytes = (double)o.ctx * (o.batch + (o.ext > 0)) * AB_HKV *
+                             (double)pkv_dtype_row_bytes(o.dtype, AB_D) * 2.0;
         const double ma = tool_median(ta, o.rounds), mb = tool_median(tb, o.rounds), mr = tool_median(ratio, o.rounds);
-        printf("%s ctx %u batch %u layers %u threads %u %s, %u rounds x %u calls: A %.2f GB/s, B %.2f GB/s; "
+        char ext[48] = "";
+        if (o.ext) snprintf(ext, sizeof ext, " + an extend of %u", o.ext);
+        printf("%s ctx %u batch %u%s layers %u threads %u %s, %u rounds x %u calls: A %.2f GB/s, B %.2f GB/s; "
                "time B/A median %.3f (quartiles %.3f %.3f)\n",
-               argv[1], o.ctx, o.batch, o.layers, o.threads, argv[6], o.rounds, o.calls, bytes / ma * 1e-9,
+               argv[1], o.ctx, o.batch, ext, o.layers, o.threads, argv[6], o.rounds, o.calls, bytes / ma * 1e-9,
                bytes / mb * 1e-9, mr, ratio[o.rounds / 4], ratio[(3 * o.rounds) / 4]);
     } else if (a.c && b.c) {
         fprintf(stderr, "ab_decode: a decode call failed\n");

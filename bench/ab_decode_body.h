@@ -3,12 +3,13 @@
 
 /* Creates the cache, fragments its free queue when paged (many short sequences take blocks in
  * random interleaving and are released in random order), then appends `batch` sequences of ctx
- * tokens and writes the same random K/V rows into every layer. 0 or -1. */
+ * tokens (one more with an extend) and writes the same random K/V rows into every layer. 0 or
+ * -1. */
 static int AB(ab_setup)(ab_side *s, const ab_opts *o, tool_rng *rng) {
-    const uint32_t per_seq = (o->ctx + AB_BT - 1) / AB_BT;
+    const uint32_t per_seq = (o->ctx + AB_BT - 1) / AB_BT, n_seqs = o->batch + (o->ext > 0);
     pkv_config c = AB(pkv_config_default)();
     c.n_layers = o->layers, c.n_kv_heads = AB_HKV, c.head_dim = AB_D, c.block_tokens = AB_BT;
-    c.n_blocks = per_seq * o->batch, c.k_dtype = c.v_dtype = o->dtype, c.n_threads = o->threads;
+    c.n_blocks = per_seq * n_seqs, c.k_dtype = c.v_dtype = o->dtype, c.n_threads = o->threads;
     c.enable_prefix_cache = 0, c.max_blocks_per_seq = per_seq > 64 ? per_seq : 64, c.max_seqs = AB_SCATTER + 64;
     if (ab_loan.base) c.allocator = tool_loan_allocator(&ab_loan); /* build A reads build B's pool */
     if (AB(pkv_cache_create)(&c, &s->c) < 0) return -1;
@@ -38,7 +39,7 @@ static int AB(ab_setup)(ab_side *s, const ab_opts *o, tool_rng *rng) {
     float *k = malloc(sizeof(float) * n), *v = malloc(sizeof(float) * n);
     int rc = ids && slots && k && v ? 0 : -1;
     for (size_t i = 0; i < n && rc == 0; i++) k[i] = ab_unit(rng), v[i] = ab_unit(rng);
-    for (uint32_t b = 0; b < o->batch && rc == 0; b++) {
+    for (uint32_t b = 0; b < n_seqs && rc == 0; b++) {
         if (AB(pkv_seq_create)(s->c, NULL, 0, &s->seqs[b]) < 0 ||
             AB(pkv_seq_append)(s->c, s->seqs[b], ids, o->ctx, NULL) < 0 ||
             AB(pkv_seq_slots)(s->c, s->seqs[b], 0, o->ctx, slots) < 0)
@@ -50,14 +51,21 @@ static int AB(ab_setup)(ab_side *s, const ab_opts *o, tool_rng *rng) {
     return rc;
 }
 
-/* Median seconds per decode call over `calls` calls, each on the side's next layer. */
+/* Median seconds per call over `calls` calls, each on the side's next layer: a decode of the
+ * batch, or with an extend a prefill call of the batch's decodes and the extend. */
 static double AB(ab_time)(ab_side *s, const ab_opts *o, const float *q, float *out) {
     pkv_attn_params p = AB(pkv_attn_params_default)();
     p.n_q_heads = AB_HQ;
     double t[AB_MAX_CALLS];
+    pkv_attn_req reqs[AB_MAX_BATCH + 1];
+    for (uint32_t i = 0; i < o->batch; i++) reqs[i] = (pkv_attn_req){s->seqs[i], o->ctx - 1, 1};
+    reqs[o->batch] = (pkv_attn_req){s->seqs[o->batch], o->ctx - o->ext, o->ext};
     for (uint32_t i = 0; i < o->calls; i++) {
+        const uint32_t layer = s->next++ % o->layers;
         const double t0 = ab_now();
-        if (AB(pkv_attn_decode)(s->c, s->next++ % o->layers, s->seqs, o->batch, q, out, &p) < 0) return -1.0;
+        const int rc = o->ext ? AB(pkv_attn_prefill)(s->c, layer, reqs, o->batch + 1, q, out, &p)
+                              : AB(pkv_attn_decode)(s->c, layer, s->seqs, o->batch, q, out, &p);
+        if (rc < 0) return -1.0;
         t[i] = ab_now() - t0;
     }
     return tool_median(t, o->calls);

@@ -5,12 +5,14 @@
 # Release build), renames revision A's global symbols with the prefix a_, links both into one
 # binary and runs it.
 #
-#   scripts/ab-decode.sh REV_A REV_B [DTYPE CTX BATCH LAYERS THREADS paged|contig ROUNDS CALLS]
+#   scripts/ab-decode.sh REV_A REV_B [DTYPE CTX BATCH LAYERS THREADS paged|contig ROUNDS CALLS [EXT]]
 #   e.g. scripts/ab-decode.sh HEAD~1 HEAD f16 4096 16 2 2 paged 21 6
+# EXT: each call also extends one more sequence of CTX tokens by EXT queries, in one
+# pkv_attn_prefill call with the decodes (a chunked prefill batched beside them).
 # REV_B may be "work" for the working tree as it is (uncommitted changes included).
 # Default run: f16 4096 16 2 2 paged 21 6 (a 256 MiB layer, two layers per side).
 set -euo pipefail
-if [ $# -lt 2 ]; then sed -n 2,12p "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
+if [ $# -lt 2 ]; then sed -n 2,14p "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
 root=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 a=$1 b=$2; shift 2
 args=("$@")
