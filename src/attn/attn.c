@@ -100,7 +100,6 @@ struct pkv__attn {
     float *sweep_slots;
     uint32_t *sweep_idx;
     uint32_t sweep_total, sweep_n, sweep_chunks, sweep_i0, sweep_ni;
-    bool plan_rest; /* make_plan leaves out the items of one query (the sweep takes them) */
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
     const pkv__attn_item *items;
@@ -574,11 +573,13 @@ static uint32_t item_blocks(const pkv__attn *at, const pkv__attn_item *it) {
     return last / B - PKV_MIN(lo, last / B) + 1;
 }
 
-static uint32_t make_plan(pkv__attn *at) {
+/* Plans the call's units (without its items of one query when the sweep took them); returns
+ * their count. */
+static uint32_t make_plan(pkv__attn *at, bool skip_swept) {
     uint64_t base_total = 0, work_total = 0, head_blocks = 0;
     for (uint32_t i = 0; i < at->n_items; i++) {
         plan_item *pi = &at->plan[i];
-        if (at->items[i].n_q == 0 || (at->plan_rest && at->items[i].n_q == 1)) { /* no units */
+        if (at->items[i].n_q == 0 || (skip_swept && at->items[i].n_q == 1)) { /* no units */
             memset(pi, 0, sizeof *pi);
             pi->n_ks = 1;
             continue;
@@ -883,13 +884,10 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     at->G = call->n_q_heads / kv->n_kv_heads;
     at->items = items;
     at->n_items = n_items;
-    at->plan_rest = false;
-    uint32_t n_units = make_plan(at);
     const uint64_t elems_per_head_block = (uint64_t)kv->block_tokens * kv->head_dim;
-    bool small = at->head_blocks * elems_per_head_block < at->inline_elems;
     at->last_threads = 1;
     at->last_swept = false;
-    if (n_units && at->sweep_cap && at->order != PKV__ATTN_ORDER_TABLE) {
+    if (at->sweep_cap && at->order != PKV__ATTN_ORDER_TABLE) {
         /* the one-query items' share of the work decides whether they go to the pool */
         uint64_t x = 0;
         sweep_collect(at);
@@ -897,13 +895,12 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         const bool small_sweep = x * kv->n_kv_heads * elems_per_head_block < at->inline_elems;
         if (takes && (at->order == PKV__ATTN_ORDER_POOL || !small_sweep)) {
             at->last_swept = true;
-            sweep_run(at, small_sweep); /* then the items of more queries, if any, as units */
-            at->plan_rest = true;
-            n_units = at->sweep_total < n_items ? make_plan(at) : 0;
-            at->plan_rest = false;
-            small = at->head_blocks * elems_per_head_block < at->inline_elems;
+            sweep_run(at, small_sweep);
         }
     }
+    /* the items the sweep did not take, as units */
+    const uint32_t n_units = make_plan(at, at->last_swept);
+    const bool small = at->head_blocks * elems_per_head_block < at->inline_elems;
     if (n_units && small) {
         for (uint32_t u = 0; u < n_units; u++) run_unit(at, u, 0); /* small call: the caller alone */
     } else if (n_units) {

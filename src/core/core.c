@@ -48,9 +48,9 @@ static void *default_alloc(size_t size, size_t align) {
         if (len < size) return NULL;
         uint8_t *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) return NULL;
-        uintptr_t a = ((uintptr_t)p + PKV_HUGEPAGE - 1) & ~(uintptr_t)(PKV_HUGEPAGE - 1);
+        uintptr_t a = pkv__align_up((uintptr_t)p, PKV_HUGEPAGE);
         size_t head = a - (uintptr_t)p, pg = (size_t)sysconf(_SC_PAGESIZE);
-        size_t keep = (size + pg - 1) & ~(pg - 1); /* the mapping is exactly [a, a + keep) */
+        size_t keep = pkv__align_up(size, pg); /* the mapping is exactly [a, a + keep) */
         if (head) munmap(p, head);
         if (len - head > keep) munmap((uint8_t *)a + keep, len - head - keep);
 #ifdef MADV_HUGEPAGE
@@ -63,7 +63,7 @@ static void *default_alloc(size_t size, size_t align) {
         return (void *)a;
     }
     if (align < sizeof(void *)) align = sizeof(void *);
-    size_t rounded = (size + align - 1) & ~(align - 1);
+    size_t rounded = pkv__align_up(size, align);
     if (rounded < size) return NULL;
     return aligned_alloc(align, rounded ? rounded : align);
 }
@@ -74,7 +74,7 @@ static void default_free(void *p, size_t size) {
         /* default_alloc trimmed the mapping to exactly [p, p + size rounded up to a page):
            unmapping more would unmap whatever the kernel placed after it. */
         size_t pg = (size_t)sysconf(_SC_PAGESIZE);
-        munmap(p, (size + pg - 1) & ~(pg - 1));
+        munmap(p, pkv__align_up(size, pg));
         return;
     }
     free(p);
