@@ -66,6 +66,7 @@ static void test_json_lines(void **state) {
         if (str_is(line, "kernel", "decode")) {
             assert_int_equal((int)num(line, "ctx"), 512);
             assert_true(num(line, "occupancy") == 0.5);
+            assert_int_equal((int)num(line, "rounds"), 3); /* --quick's default */
             const int paged = str_is(line, "layout", "paged");
             if (!paged && !str_is(line, "layout", "contig")) fail_msg("bad layout: %s", line);
             decode[d][paged]++;
@@ -78,6 +79,8 @@ static void test_json_lines(void **state) {
             if (paged) {
                 const double pc = num(line, "paged_over_contig"), rpc = num(line, "read_paged_over_contig");
                 assert_true(isfinite(pc) && pc > 0 && isfinite(rpc) && rpc > 0);
+                /* the median of the per-round ratios lies between their quartiles */
+                assert_true(num(line, "paged_over_contig_q1") <= pc && pc <= num(line, "paged_over_contig_q3"));
             }
         } else if (str_is(line, "kernel", "prefill")) {
             assert_int_equal((int)num(line, "ctx"), 64);
@@ -113,6 +116,8 @@ static void test_usage_errors(void **state) {
                       {"pkv", "bench", "attn", "--ctx", " 512"},
                       {"pkv", "bench", "attn", "--occupancy", "9"},
                       {"pkv", "bench", "attn", "--occupancy", "101"},
+                      {"pkv", "bench", "attn", "--rounds", "2"},
+                      {"pkv", "bench", "attn", "--rounds", "100"},
                       /* a block longer than a context, or than the prompt */
                       {"pkv", "bench", "attn", "--block-tokens", "1024", "--ctx", "512"},
                       {"pkv", "bench", "attn", "--block-tokens", "64", "--prompt", "32"}};
@@ -131,11 +136,11 @@ static void test_usage_errors(void **state) {
 }
 
 /* A batch over 16 sequences, which AUTO reads in table order: both layouts measured, at the
- * batch asked for. */
+ * batch asked for, in the rounds asked for. */
 static void test_large_batch(void **state) {
     (void)state;
     char *argv[] = {"pkv", "bench", "attn", "--quick", "--json", "--dtype", "f16", "--ctx", "512", "--batch", "40",
-                    "--threads", "1", "--prompt", "0", NULL};
+                    "--threads", "1", "--prompt", "0", "--rounds", "4", NULL};
     char *out, *err;
     int rc = run_cli(argv, &out, &err);
     if (rc != 0) fail_msg("exit %d: %s", rc, err);
@@ -144,6 +149,7 @@ static void test_large_batch(void **state) {
         if (field(line, "kind")) continue;
         assert_true(str_is(line, "kernel", "decode"));
         assert_int_equal((int)num(line, "batch"), 40);
+        assert_int_equal((int)num(line, "rounds"), 4);
         const double gbps = num(line, "gbps");
         assert_true(isfinite(gbps) && gbps > 0);
         layouts[str_is(line, "layout", "paged")]++;

@@ -18,11 +18,13 @@
 enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_DEFAULT = 16, BT_MAX = 1024, BATCH_MAX = 256 };
 static uint32_t g_bt = BT_DEFAULT; /* block_tokens: opts.block_tokens, set by tool_bench_attn */
 #define GIB (1024.0 * 1024.0 * 1024.0)
+#define ROUNDS_MAX 99 /* --rounds */
 
 static void usage(FILE *f) {
     fprintf(f,
             "usage: pkv bench attn [--json] [--quick] [--dtype LIST] [--ctx LIST] [--batch LIST]\n"
             "                      [--threads LIST] [--prompt N] [--block-tokens N] [--occupancy PCT]\n"
+            "                      [--rounds N]\n"
             "\n"
             "Paged attention, n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u.\n"
             "Decode: contexts 512, 4096, 32768; batch 1 and 16; 1 and 2 threads; every KV dtype the\n"
@@ -31,12 +33,13 @@ static void usage(FILE *f) {
             "pool mapping shared by both caches: the ratio compares block orders, not where two\n"
             "buffers were placed). Each call uses another layer so\n"
             "the K/V working set (>= 1 GiB, at most 2 GiB of pool) exceeds the caches. A configuration\n"
-            "is measured in 7 rounds; each round samples the streaming read bandwidth (1 GiB buffer,\n"
+            "is measured in 7 rounds (--rounds); each round samples the streaming read bandwidth (1 GiB buffer,\n"
             "same thread count) and then times contiguous and paged with their calls interleaved\n"
             "(contig, paged, paged, contig, ...), so the other tenants of a shared machine weigh on\n"
             "both sides of each ratio alike. Reports the median time per\n"
             "call, K/V bytes read per second, the median over rounds of (bytes/s / read bandwidth),\n"
-            "K+V bytes per token per layer (B/tok) and the median of per-round paged / contiguous.\n"
+            "K+V bytes per token per layer (B/tok) and the median of per-round paged / contiguous,\n"
+            "with the quartiles of those per-round ratios (p/c q1-q3: how far the median can be trusted).\n"
             "Each round also times the kernel on K/V already in the caches (one layer of at most\n"
             "8 MiB, up to 2 of the sequences, called repeatedly): hotGB/s, and hot_bw, its median\n"
             "fraction of the read bandwidth, are the rate the kernel's arithmetic allows here. Decode\n"
@@ -59,6 +62,8 @@ static void usage(FILE *f) {
             "  --prompt N      prefill prompt tokens (0: no prefill)\n"
             "  --block-tokens N  token slots per block, 1..1024, at most the smallest context and the\n"
             "              prompt [16]; larger blocks make longer runs, so fewer jumps in a paged table\n"
+            "  --rounds N  rounds per configuration, 3..%d [7; 3 with --quick]: more rounds pin the\n"
+            "              medians and the paged / contiguous ratio closer\n"
             "  --occupancy PCT  the decode batch holds PCT%% of its pool's blocks, 10..100 [100]: the\n"
             "              rest were freed by other sequences; the paged batch holds a random subset of\n"
             "              the pool (so free blocks lie between its blocks), the contiguous one the first\n"
@@ -66,7 +71,7 @@ static void usage(FILE *f) {
             "  -h, --help  this text\n"
             "Goals: decode f16 at contexts >= 4096 reaches >= 85%% of the read bandwidth at 2 threads;\n"
             "paged within 3%% of contiguous; prefill >= 40%% of the FMA peak.\n",
-            H_Q, H_KV, HEAD_DIM, g_bt);
+            H_Q, H_KV, HEAD_DIM, g_bt, ROUNDS_MAX);
 }
 
 /* ---- machine: streaming read bandwidth ---------------------------------------------------------- */
@@ -372,7 +377,10 @@ typedef struct opts {
     long prompt; /* -1: the default */
     uint32_t block_tokens;
     uint32_t occupancy;
+    uint32_t rounds; /* 0: the default (7; 3 with --quick) */
 } opts;
+
+static int opts_rounds(const opts *o) { return o->rounds ? (int)o->rounds : o->quick ? 3 : 7; }
 
 /* "a,b,c" -> values in [1, max]; 0 on success. */
 static int parse_u32_list(const char *s, uint32_t *out, int cap, uint32_t max, int *n) {
@@ -565,7 +573,7 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     uint32_t n_layers = (uint32_t)(budget / (per_layer * 100.0 / o->occupancy)); /* the pool, free blocks included */
     if (n_layers < 1) n_layers = 1;
     if (n_layers > 4096) n_layers = 4096;
-    const int rounds = o->quick ? 3 : 7;
+    const int rounds = opts_rounds(o);
     const double round_s = o->quick ? 0.1 : 0.15;
     const uint32_t min_calls = per_layer >= 64.0 * 1024 * 1024 ? 3 : 15;
     float *q = malloc(sizeof(float) * batch * H_Q * HEAD_DIM), *out = malloc(sizeof(float) * batch * H_Q * HEAD_DIM);
@@ -598,7 +606,8 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
             break;
         }
     }
-    double t[2][7], frac[2][7], bw[7], ratio[7], hot[7], hot_frac[7], mem_ratio[7];
+    double t[2][ROUNDS_MAX], frac[2][ROUNDS_MAX], bw[ROUNDS_MAX], ratio[ROUNDS_MAX], hot[ROUNDS_MAX],
+        hot_frac[ROUNDS_MAX], mem_ratio[ROUNDS_MAX];
     for (int r = 0; r < rounds && rc == 0; r++) {
         bw[r] = bw_sample((int)nt);
         double med[2] = {0, 0}, hot_med = 0;
@@ -615,6 +624,9 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     free(q), free(out);
     if (rc < 0) return -1;
     const double bw_med = tool_median(bw, (size_t)rounds), ratio_med = tool_median(ratio, (size_t)rounds);
+    /* the spread of the per-round ratios: their quartiles (ratio[] is sorted by now) */
+    const double ratio_q1 = tool_percentile(ratio, (size_t)rounds, 25.0);
+    const double ratio_q3 = tool_percentile(ratio, (size_t)rounds, 75.0);
     const double hot_med = tool_median(hot, (size_t)rounds), hot_frac_med = tool_median(hot_frac, (size_t)rounds);
     const double mem_ratio_med = tool_median(mem_ratio, (size_t)rounds);
     for (int paged = 0; paged <= 1; paged++) {
@@ -637,8 +649,10 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
         else printf(" %8.2f %6.1f%%", hot_med, 100.0 * hot_frac_med);
         if (paged) {
             if (o->json)
-                printf(",\"paged_over_contig\":%.4f,\"read_paged_over_contig\":%.4f}\n", ratio_med, mem_ratio_med);
-            else printf("   %11.3f %8.3f\n", ratio_med, mem_ratio_med);
+                printf(",\"paged_over_contig\":%.4f,\"paged_over_contig_q1\":%.4f,\"paged_over_contig_q3\":%.4f,"
+                       "\"read_paged_over_contig\":%.4f}\n",
+                       ratio_med, ratio_q1, ratio_q3, mem_ratio_med);
+            else printf("   %11.3f  %5.3f-%5.3f %8.3f\n", ratio_med, ratio_q1, ratio_q3, mem_ratio_med);
         } else {
             printf(o->json ? "}\n" : "\n");
         }
@@ -671,8 +685,8 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     p.n_q_heads = H_Q;
     /* rounds of (FMA peak sample, one prefill, FMA peak sample): the peak the machine gives
      * around the call, as the mean of the samples on either side of it */
-    double t[7], frac[7], peak[7];
-    const int reps = o->quick ? 3 : 7;
+    double t[ROUNDS_MAX], frac[ROUNDS_MAX], peak[ROUNDS_MAX];
+    const int reps = opts_rounds(o);
     /* causal: query i sees i + 1 keys; q.k and p.v are one multiply-add each per element */
     const double flop = 4.0 * H_Q * HEAD_DIM * ((double)n_tok * (n_tok + 1) / 2.0);
     rc = tool_check(pkv_attn_prefill(s.c, 0, &req, 1, q, out, &p), "pkv_attn_prefill"); /* warm-up */
@@ -736,6 +750,11 @@ int tool_bench_attn(int argc, char **argv) {
         else if (!strcmp(arg, "--block-tokens") && val) {
             int n = 0;
             bad = parse_u32_list(val, &o.block_tokens, 1, BT_MAX, &n);
+            i++;
+        }
+        else if (!strcmp(arg, "--rounds") && val) {
+            int n = 0;
+            bad = parse_u32_list(val, &o.rounds, 1, ROUNDS_MAX, &n) || o.rounds < 3;
             i++;
         }
         else if (!strcmp(arg, "--occupancy") && val) {
@@ -810,9 +829,9 @@ int tool_bench_attn(int argc, char **argv) {
         printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u, decode pools %u%% held by the batch, "
                "PKV_ATTN_ORDER=%s\n",
                H_Q, H_KV, HEAD_DIM, g_bt, o.occupancy, order && *order ? order : "(auto)");
-        printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s %8s %7s  %s  %s\n", "kernel", "kv", "ctx",
+        printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s %8s %7s  %s  %-11s %8s\n", "kernel", "kv", "ctx",
                "batch", "thr", "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "hotGB/s", "hot_bw",
-               "paged/contig", "read_p/c");
+               "paged/contig", "p/c q1-q3", "read_p/c");
     }
     fflush(stdout);
 
