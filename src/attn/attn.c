@@ -20,14 +20,17 @@
 #define MIN_SPLIT_BLOCKS 4u
 /* Key-split partial slots per thread. */
 #define SLOTS_PER_THREAD 16u
-/* Key splits aim at this many units per thread: enough that a thread the OS preempts holds
- * back only a small share of the call. */
 /* Below about this many K/V elements (per plan) waking the workers costs more than they save:
  * 64 blocks of 16 tokens x head_dim 128, a few microseconds of work. */
 #define INLINE_WORK_ELEMS (64u * 16u * 128u)
 
+/* Key splits aim at this many units per thread, as the sweep's SWEEP_CHUNKS_PER_THREAD: two,
+ * so a thread the OS preempts holds back at most a quarter of a 2-thread call. Each split pays
+ * a cold first block, its partial's publication and a share of the merge in the call's last
+ * unit; at 4 per thread that cost 3-18% on contiguous tables of one to four sequences at 2
+ * threads (docs/design.md, stop 25). */
 #ifndef UNITS_PER_THREAD
-#define UNITS_PER_THREAD 4u
+#define UNITS_PER_THREAD 2u
 #endif
 
 /* Pool-order decode (the "sweep", below): at most this many items per sweep, a call of more
