@@ -25,10 +25,9 @@
 #define INLINE_WORK_ELEMS (64u * 16u * 128u)
 
 /* Key splits aim at this many units per thread, as the sweep's SWEEP_CHUNKS_PER_THREAD: two,
- * so a thread the OS preempts holds back at most a quarter of a 2-thread call. Each split pays
- * a cold first block, its partial's publication and a share of the merge in the call's last
- * unit; at 4 per thread that cost 3-18% on contiguous tables of one to four sequences at 2
- * threads (docs/design.md, stop 25). */
+ * so a thread the OS preempts holds back at most a quarter of a 2-thread call. Smaller splits
+ * cost more than they balance: at 4 per thread, decode of one to four sequences from
+ * contiguous tables at 2 threads took 1-15% longer (docs/design.md, stop 25). */
 #ifndef UNITS_PER_THREAD
 #define UNITS_PER_THREAD 2u
 #endif
