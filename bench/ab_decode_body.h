@@ -57,9 +57,11 @@ static double AB(ab_time)(ab_side *s, const ab_opts *o, const float *q, float *o
     pkv_attn_params p = AB(pkv_attn_params_default)();
     p.n_q_heads = AB_HQ;
     double t[AB_MAX_CALLS];
-    pkv_attn_req reqs[AB_MAX_BATCH + 1];
-    for (uint32_t i = 0; i < o->batch; i++) reqs[i] = (pkv_attn_req){s->seqs[i], o->ctx - 1, 1};
-    reqs[o->batch] = (pkv_attn_req){s->seqs[o->batch], o->ctx - o->ext, o->ext};
+    pkv_attn_req reqs[AB_MAX_BATCH + 1]; /* with an extend: the decodes, then the extend */
+    if (o->ext) {
+        for (uint32_t i = 0; i < o->batch; i++) reqs[i] = (pkv_attn_req){s->seqs[i], o->ctx - 1, 1};
+        reqs[o->batch] = (pkv_attn_req){s->seqs[o->batch], o->ctx - o->ext, o->ext};
+    }
     for (uint32_t i = 0; i < o->calls; i++) {
         const uint32_t layer = s->next++ % o->layers;
         const double t0 = ab_now();

@@ -624,7 +624,7 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     free(q), free(out);
     if (rc < 0) return -1;
     const double bw_med = tool_median(bw, (size_t)rounds), ratio_med = tool_median(ratio, (size_t)rounds);
-    /* the spread of the per-round ratios: their quartiles (ratio[] is sorted by now) */
+    /* the spread of the per-round ratios: their quartiles */
     const double ratio_q1 = tool_percentile(ratio, (size_t)rounds, 25.0);
     const double ratio_q3 = tool_percentile(ratio, (size_t)rounds, 75.0);
     const double hot_med = tool_median(hot, (size_t)rounds), hot_frac_med = tool_median(hot_frac, (size_t)rounds);

@@ -761,7 +761,7 @@ static void sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1, bool alone) {
     at->sweep_n = x;
     /* a chunk a thread, up to SWEEP_CHUNKS_PER_THREAD where each still reads
      * SWEEP_CHUNK_ITEM_BLOCKS blocks of each sequence on average */
-    const uint32_t by_items = x / (PKV_MAX(1u, i1 - i0) * SWEEP_CHUNK_ITEM_BLOCKS);
+    const uint32_t by_items = x / (at->sweep_ni * SWEEP_CHUNK_ITEM_BLOCKS); /* a group is never empty */
     const uint32_t want = PKV_MIN(at->sweep_chunks_max, PKV_MAX(at->n_threads, by_items));
     at->sweep_chunks = alone ? 1u : PKV_MAX(1u, PKV_MIN(want, x / MIN_SPLIT_BLOCKS));
 }
