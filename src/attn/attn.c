@@ -499,6 +499,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
+    const bool pipe = w.n_kvh > 1 && 2 * rows_h <= ROWS_MAX;
     for (uint32_t b = b0; b < b1; b++) {
         const size_t bid = (size_t)it->block_table[b];
         const uint32_t kb = b * B; /* position of the block's first key */
@@ -511,24 +512,38 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
             kn = kv->k + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->k_block_bytes;
             vn = kv->v + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->v_block_bytes;
         }
+        /* heads pipelined as in run_chunk: score j, accum j - 1, softmax j */
+        head_io prev;
         for (uint32_t j = 0; j < w.n_kvh; j++) {
             const uint32_t r0 = j * rows_h;
+            float *sj = pipe ? s + (size_t)(j & 1u) * rows_h * at->s_stride : s;
             head_io io;
             head_io_fill(at, bid, w.kvh0 + j, t0, kn, vn, &io);
-            score(qp + (size_t)r0 * qrow, rows_h, io.kr, kv->k_row_bytes, n_keys, D, s, at->s_stride, io.pkp);
+            score(qp + (size_t)r0 * qrow, rows_h, io.kr, kv->k_row_bytes, n_keys, D, sj, at->s_stride, io.pkp);
             if (mask)
                 for (uint32_t qi = 0; qi < w.nq; qi++) {
                     const uint32_t p = pos_first + qi, plo = key_lo(p, call->window);
                     for (uint32_t g = 0; g < w.gs; g++) {
-                        float *sr = s + (size_t)(qi * w.gs + g) * at->s_stride;
+                        float *sr = sj + (size_t)(qi * w.gs + g) * at->s_stride;
                         for (uint32_t t = 0; t < n_keys; t++) {
                             const uint32_t kp = kb + t0 + t;
                             if (kp > p || kp < plo) sr[t] = -INFINITY;
                         }
                     }
                 }
-            kt->softmax(s, at->s_stride, rows_h, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
-            accum(s, at->s_stride, rows_h, io.vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, io.pvp);
+            if (pipe && j > 0) {
+                prev.pvp = prev.pvp ? &prev.pv : NULL;
+                accum(s + (size_t)((j - 1) & 1u) * rows_h * at->s_stride, at->s_stride, rows_h, prev.vr,
+                      kv->v_row_bytes, n_keys, D, acc + (size_t)(r0 - rows_h) * D, prev.pvp);
+            }
+            kt->softmax(sj, at->s_stride, rows_h, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
+            if (!pipe) accum(sj, at->s_stride, rows_h, io.vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, io.pvp);
+            else prev = io;
+        }
+        if (pipe) {
+            prev.pvp = prev.pvp ? &prev.pv : NULL;
+            accum(s + (size_t)((w.n_kvh - 1) & 1u) * rows_h * at->s_stride, at->s_stride, rows_h, prev.vr,
+                  kv->v_row_bytes, n_keys, D, acc + (size_t)(w.n_kvh - 1) * rows_h * D, prev.pvp);
         }
     }
 
@@ -810,21 +825,38 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
                 an = (const uint8_t *)(sweep_slot(at, in, c) + 2 * ROWS_MAX);
             }
         }
+        /* heads pipelined: score h, accum h - 1, softmax h, so that softmax's chain of dependent
+         * steps has head h + 1's score, not its own accum, behind it */
+        const bool pipe = 2 * G <= ROWS_MAX;
+        head_io prev;
         for (uint32_t h = 0; h < H; h++) {
             if (qn) { /* the next sequence's queries for this head, into L2: they left while other blocks streamed by */
                 const uint8_t *qx = qn + (size_t)h * G * qrow;
                 for (size_t o = 0; o < (size_t)G * qrow; o += 64) __builtin_prefetch(qx + o, 0, 2);
             }
             const uint32_t r0 = h * G;
+            float *sh = pipe ? s + (size_t)(h & 1u) * G * at->s_stride : s;
             head_io io;
             head_io_fill(at, bid, h, t0, kn, vn, &io);
-            score(qp + (size_t)r0 * qrow, G, io.kr, kv->k_row_bytes, n_keys, D, s, at->s_stride, io.pkp);
+            score(qp + (size_t)r0 * qrow, G, io.kr, kv->k_row_bytes, n_keys, D, sh, at->s_stride, io.pkp);
             if (qn) { /* and its acc, between score and accum: two smaller bursts than one */
                 const uint8_t *ax = an + (size_t)h * G * D * sizeof(float);
                 for (size_t o = 0; o < (size_t)G * D * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
             }
-            kt->softmax(s, at->s_stride, G, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
-            accum(s, at->s_stride, G, io.vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, io.pvp);
+            if (pipe && h > 0) {
+                const uint32_t rp = r0 - G;
+                prev.pvp = prev.pvp ? &prev.pv : NULL;
+                accum(s + (size_t)((h - 1) & 1u) * G * at->s_stride, at->s_stride, G, prev.vr, kv->v_row_bytes, n_keys,
+                      D, acc + (size_t)rp * D, prev.pvp);
+            }
+            kt->softmax(sh, at->s_stride, G, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
+            if (!pipe) accum(sh, at->s_stride, G, io.vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, io.pvp);
+            else prev = io;
+        }
+        if (pipe) {
+            prev.pvp = prev.pvp ? &prev.pv : NULL;
+            accum(s + (size_t)((H - 1) & 1u) * G * at->s_stride, at->s_stride, G, prev.vr, kv->v_row_bytes, n_keys, D,
+                  acc + (size_t)(H - 1) * G * D, prev.pvp);
         }
     }
     for (uint32_t i = 0; i < n_items; i++) /* a slot not started weighs 0 in the merge */
