@@ -499,7 +499,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
-    const bool pipe = w.n_kvh > 1 && 2 * rows_h <= ROWS_MAX;
+    const bool pipe = w.n_kvh > 1; /* then 2 * rows_h <= rows <= ROWS_MAX: two heads' scores fit */
     for (uint32_t b = b0; b < b1; b++) {
         const size_t bid = (size_t)it->block_table[b];
         const uint32_t kb = b * B; /* position of the block's first key */
@@ -827,7 +827,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
         }
         /* heads pipelined: score h, accum h - 1, softmax h, so that softmax's chain of dependent
          * steps has head h + 1's score, not its own accum, behind it */
-        const bool pipe = 2 * G <= ROWS_MAX;
+        const bool pipe = H > 1; /* then 2 * G <= rows <= ROWS_MAX (sweep_takes): two heads' scores fit */
         head_io prev;
         for (uint32_t h = 0; h < H; h++) {
             if (qn) { /* the next sequence's queries for this head, into L2: they left while other blocks streamed by */
