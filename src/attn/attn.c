@@ -461,6 +461,19 @@ static inline void head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uin
     io->pkp = &io->pk, io->pvp = accum_pf ? &io->pv : NULL;
 }
 
+/* Pipelined heads (run_unit, run_chunk): a block's kv heads run as score j, accum j - 1,
+ * softmax j, so that softmax's chain of dependent steps (max, exp, sum) has the next head's
+ * score behind it rather than its own accum, and the score's reduction tail the previous
+ * head's accum. Head j's scores take half j % 2 of the scratch's rows and its head_io is
+ * io[j % 2] (filled in place: its prefetch pointers point into it). This is head j's accum:
+ * rows_h rows a head, its acc rows at acc + j * rows_h. */
+static inline void accum_head(const pkv__attn *at, pkv__attn_accum_fn accum, const float *s, uint32_t rows_h,
+                              uint32_t j, uint32_t n_keys, const head_io *io, float *acc) {
+    const pkv__kv_view *kv = at->kv;
+    accum(s + (size_t)(j & 1u) * rows_h * at->s_stride, at->s_stride, rows_h, io[j & 1u].vr, kv->v_row_bytes, n_keys,
+          kv->head_dim, acc + (size_t)j * rows_h * kv->head_dim, io[j & 1u].pvp);
+}
+
 static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     pkv__attn *at = ctx;
     const pkv__kv_view *kv = at->kv;
@@ -512,14 +525,14 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
             kn = kv->k + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->k_block_bytes;
             vn = kv->v + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->v_block_bytes;
         }
-        /* heads pipelined as in run_chunk: score j, accum j - 1, softmax j */
-        head_io prev;
+        /* heads pipelined (accum_head) where there are two */
+        head_io io2[2];
         for (uint32_t j = 0; j < w.n_kvh; j++) {
             const uint32_t r0 = j * rows_h;
             float *sj = pipe ? s + (size_t)(j & 1u) * rows_h * at->s_stride : s;
-            head_io io;
-            head_io_fill(at, bid, w.kvh0 + j, t0, kn, vn, &io);
-            score(qp + (size_t)r0 * qrow, rows_h, io.kr, kv->k_row_bytes, n_keys, D, sj, at->s_stride, io.pkp);
+            head_io *io = &io2[j & 1u];
+            head_io_fill(at, bid, w.kvh0 + j, t0, kn, vn, io);
+            score(qp + (size_t)r0 * qrow, rows_h, io->kr, kv->k_row_bytes, n_keys, D, sj, at->s_stride, io->pkp);
             if (mask)
                 for (uint32_t qi = 0; qi < w.nq; qi++) {
                     const uint32_t p = pos_first + qi, plo = key_lo(p, call->window);
@@ -531,20 +544,11 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
                         }
                     }
                 }
-            if (pipe && j > 0) {
-                prev.pvp = prev.pvp ? &prev.pv : NULL;
-                accum(s + (size_t)((j - 1) & 1u) * rows_h * at->s_stride, at->s_stride, rows_h, prev.vr,
-                      kv->v_row_bytes, n_keys, D, acc + (size_t)(r0 - rows_h) * D, prev.pvp);
-            }
+            if (pipe && j > 0) accum_head(at, accum, s, rows_h, j - 1, n_keys, io2, acc);
             kt->softmax(sj, at->s_stride, rows_h, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
-            if (!pipe) accum(sj, at->s_stride, rows_h, io.vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, io.pvp);
-            else prev = io;
+            if (!pipe) accum(sj, at->s_stride, rows_h, io->vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, io->pvp);
         }
-        if (pipe) {
-            prev.pvp = prev.pvp ? &prev.pv : NULL;
-            accum(s + (size_t)((w.n_kvh - 1) & 1u) * rows_h * at->s_stride, at->s_stride, rows_h, prev.vr,
-                  kv->v_row_bytes, n_keys, D, acc + (size_t)(w.n_kvh - 1) * rows_h * D, prev.pvp);
-        }
+        if (pipe) accum_head(at, accum, s, rows_h, w.n_kvh - 1, n_keys, io2, acc);
     }
 
     if (pi->n_ks == 1) {
@@ -825,10 +829,9 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
                 an = (const uint8_t *)(sweep_slot(at, in, c) + 2 * ROWS_MAX);
             }
         }
-        /* heads pipelined: score h, accum h - 1, softmax h, so that softmax's chain of dependent
-         * steps has head h + 1's score, not its own accum, behind it */
+        /* heads pipelined (accum_head) where there are two */
         const bool pipe = H > 1; /* then 2 * G <= rows <= ROWS_MAX (sweep_takes): two heads' scores fit */
-        head_io prev;
+        head_io io2[2];
         for (uint32_t h = 0; h < H; h++) {
             if (qn) { /* the next sequence's queries for this head, into L2: they left while other blocks streamed by */
                 const uint8_t *qx = qn + (size_t)h * G * qrow;
@@ -836,28 +839,18 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
             }
             const uint32_t r0 = h * G;
             float *sh = pipe ? s + (size_t)(h & 1u) * G * at->s_stride : s;
-            head_io io;
-            head_io_fill(at, bid, h, t0, kn, vn, &io);
-            score(qp + (size_t)r0 * qrow, G, io.kr, kv->k_row_bytes, n_keys, D, sh, at->s_stride, io.pkp);
+            head_io *io = &io2[h & 1u];
+            head_io_fill(at, bid, h, t0, kn, vn, io);
+            score(qp + (size_t)r0 * qrow, G, io->kr, kv->k_row_bytes, n_keys, D, sh, at->s_stride, io->pkp);
             if (qn) { /* and its acc, between score and accum: two smaller bursts than one */
                 const uint8_t *ax = an + (size_t)h * G * D * sizeof(float);
                 for (size_t o = 0; o < (size_t)G * D * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
             }
-            if (pipe && h > 0) {
-                const uint32_t rp = r0 - G;
-                prev.pvp = prev.pvp ? &prev.pv : NULL;
-                accum(s + (size_t)((h - 1) & 1u) * G * at->s_stride, at->s_stride, G, prev.vr, kv->v_row_bytes, n_keys,
-                      D, acc + (size_t)rp * D, prev.pvp);
-            }
+            if (pipe && h > 0) accum_head(at, accum, s, G, h - 1, n_keys, io2, acc);
             kt->softmax(sh, at->s_stride, G, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
-            if (!pipe) accum(sh, at->s_stride, G, io.vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, io.pvp);
-            else prev = io;
+            if (!pipe) accum(sh, at->s_stride, G, io->vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, io->pvp);
         }
-        if (pipe) {
-            prev.pvp = prev.pvp ? &prev.pv : NULL;
-            accum(s + (size_t)((H - 1) & 1u) * G * at->s_stride, at->s_stride, G, prev.vr, kv->v_row_bytes, n_keys, D,
-                  acc + (size_t)(H - 1) * G * D, prev.pvp);
-        }
+        if (pipe) accum_head(at, accum, s, G, H - 1, n_keys, io2, acc);
     }
     for (uint32_t i = 0; i < n_items; i++) /* a slot not started weighs 0 in the merge */
         if (!(used >> i & 1u))
