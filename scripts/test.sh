@@ -2,8 +2,9 @@
 # test.sh: the CI test run: installs missing Debian packages, then a Release build running every
 # ctest test, an ASan+UBSan Debug build running the "unit" tests, a TSan build running the
 # "thread" tests (both sanitizer builds at -O1, as the sanitizers' documentation advises: at -O0
-# the ASan stage's test_attn took about 3x as long), an arm64 cross build whose tests run under qemu (scripts/test-arm64.sh: the NEON
-# kernels), and (when fuzz/fuzz_api.c exists) a bounded libFuzzer run. Exits non-zero if
+# the ASan stage's test_attn took about 3x as long), an arm64 cross build whose tests run under
+# qemu (scripts/test-arm64.sh: the NEON kernels), and (when fuzz/fuzz_api.c exists) a bounded
+# libFuzzer run. Exits non-zero if
 # any stage fails; prints each stage's ctest summary at the end.
 #
 # Environment: PKV_STRESS_OPS (stress test operations in the Release stage, default 1000000, about

@@ -462,16 +462,22 @@ static inline void head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uin
 }
 
 /* Pipelined heads (run_unit, run_chunk): a block's kv heads run as score j, accum j - 1,
- * softmax j, so that softmax's chain of dependent steps (max, exp, sum) has the next head's
- * score behind it rather than its own accum, and the score's reduction tail the previous
- * head's accum. Head j's scores take half j % 2 of the scratch's rows and its head_io is
- * io[j % 2] (filled in place: its prefetch pointers point into it). This is head j's accum:
- * rows_h rows a head, its acc rows at acc + j * rows_h. */
-static inline void accum_head(const pkv__attn *at, pkv__attn_accum_fn accum, const float *s, uint32_t rows_h,
-                              uint32_t j, uint32_t n_keys, const head_io *io, float *acc) {
+ * softmax j (the last head's accum after the loop), so that softmax's chain of dependent steps
+ * (max, exp, sum) has the next head's score behind it rather than its own accum, and the
+ * score's reduction tail the previous head's accum. With one head that is the plain order.
+ * Head j's scores take half j % 2 of the scratch's rows (rows_h rows a head: two heads fit,
+ * 2 * rows_h <= ROWS_MAX, wherever there are two) and its head_io is io[j % 2] (filled in
+ * place: its prefetch pointers point into it). */
+static inline float *score_half(const pkv__attn *at, float *s, uint32_t rows_h, uint32_t j) {
+    return s + (size_t)(j & 1u) * rows_h * at->s_stride;
+}
+
+/* Head j's accum: its scores' half, its V run, its acc rows at acc + j * rows_h. */
+static inline void accum_head(const pkv__attn *at, pkv__attn_accum_fn accum, float *s, uint32_t rows_h, uint32_t j,
+                              uint32_t n_keys, const head_io *io, float *acc) {
     const pkv__kv_view *kv = at->kv;
-    accum(s + (size_t)(j & 1u) * rows_h * at->s_stride, at->s_stride, rows_h, io[j & 1u].vr, kv->v_row_bytes, n_keys,
-          kv->head_dim, acc + (size_t)j * rows_h * kv->head_dim, io[j & 1u].pvp);
+    accum(score_half(at, s, rows_h, j), at->s_stride, rows_h, io[j & 1u].vr, kv->v_row_bytes, n_keys, kv->head_dim,
+          acc + (size_t)j * rows_h * kv->head_dim, io[j & 1u].pvp);
 }
 
 static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
@@ -512,7 +518,6 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
-    const bool pipe = w.n_kvh > 1; /* then 2 * rows_h <= rows <= ROWS_MAX: two heads' scores fit */
     for (uint32_t b = b0; b < b1; b++) {
         const size_t bid = (size_t)it->block_table[b];
         const uint32_t kb = b * B; /* position of the block's first key */
@@ -525,11 +530,10 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
             kn = kv->k + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->k_block_bytes;
             vn = kv->v + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->v_block_bytes;
         }
-        /* heads pipelined (accum_head) where there are two */
-        head_io io2[2];
+        head_io io2[2]; /* heads pipelined (score_half) */
         for (uint32_t j = 0; j < w.n_kvh; j++) {
             const uint32_t r0 = j * rows_h;
-            float *sj = pipe ? s + (size_t)(j & 1u) * rows_h * at->s_stride : s;
+            float *sj = score_half(at, s, rows_h, j);
             head_io *io = &io2[j & 1u];
             head_io_fill(at, bid, w.kvh0 + j, t0, kn, vn, io);
             score(qp + (size_t)r0 * qrow, rows_h, io->kr, kv->k_row_bytes, n_keys, D, sj, at->s_stride, io->pkp);
@@ -544,11 +548,10 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
                         }
                     }
                 }
-            if (pipe && j > 0) accum_head(at, accum, s, rows_h, j - 1, n_keys, io2, acc);
+            if (j > 0) accum_head(at, accum, s, rows_h, j - 1, n_keys, io2, acc);
             kt->softmax(sj, at->s_stride, rows_h, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
-            if (!pipe) accum(sj, at->s_stride, rows_h, io->vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, io->pvp);
         }
-        if (pipe) accum_head(at, accum, s, rows_h, w.n_kvh - 1, n_keys, io2, acc);
+        accum_head(at, accum, s, rows_h, w.n_kvh - 1, n_keys, io2, acc);
     }
 
     if (pi->n_ks == 1) {
@@ -829,16 +832,14 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
                 an = (const uint8_t *)(sweep_slot(at, in, c) + 2 * ROWS_MAX);
             }
         }
-        /* heads pipelined (accum_head) where there are two */
-        const bool pipe = H > 1; /* then 2 * G <= rows <= ROWS_MAX (sweep_takes): two heads' scores fit */
-        head_io io2[2];
+        head_io io2[2]; /* heads pipelined (score_half) */
         for (uint32_t h = 0; h < H; h++) {
             if (qn) { /* the next sequence's queries for this head, into L2: they left while other blocks streamed by */
                 const uint8_t *qx = qn + (size_t)h * G * qrow;
                 for (size_t o = 0; o < (size_t)G * qrow; o += 64) __builtin_prefetch(qx + o, 0, 2);
             }
             const uint32_t r0 = h * G;
-            float *sh = pipe ? s + (size_t)(h & 1u) * G * at->s_stride : s;
+            float *sh = score_half(at, s, G, h);
             head_io *io = &io2[h & 1u];
             head_io_fill(at, bid, h, t0, kn, vn, io);
             score(qp + (size_t)r0 * qrow, G, io->kr, kv->k_row_bytes, n_keys, D, sh, at->s_stride, io->pkp);
@@ -846,11 +847,10 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
                 const uint8_t *ax = an + (size_t)h * G * D * sizeof(float);
                 for (size_t o = 0; o < (size_t)G * D * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
             }
-            if (pipe && h > 0) accum_head(at, accum, s, G, h - 1, n_keys, io2, acc);
+            if (h > 0) accum_head(at, accum, s, G, h - 1, n_keys, io2, acc);
             kt->softmax(sh, at->s_stride, G, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
-            if (!pipe) accum(sh, at->s_stride, G, io->vr, kv->v_row_bytes, n_keys, D, acc + (size_t)r0 * D, io->pvp);
         }
-        if (pipe) accum_head(at, accum, s, G, H - 1, n_keys, io2, acc);
+        accum_head(at, accum, s, G, H - 1, n_keys, io2, acc);
     }
     for (uint32_t i = 0; i < n_items; i++) /* a slot not started weighs 0 in the merge */
         if (!(used >> i & 1u))
