@@ -45,8 +45,9 @@ static void usage(FILE *f) {
             "fraction of the read bandwidth, are the rate the kernel's arithmetic allows here. Decode\n"
             "from memory cannot be much faster: where hot_bw is near or under 100%%, decode is bound\n"
             "by compute on this machine, not by memory. read_p/c: a plain read of the same K/V runs in\n"
-            "the kernel's order and with its software prefetch, no arithmetic, paged over contiguous\n"
-            "(median of per-round ratios): what the memory system itself charges for the paged order.\n"
+            "the kernel's order (pool order where decode sweeps the batch, table order otherwise) and\n"
+            "with its software prefetch, no arithmetic, paged over contiguous (median of per-round\n"
+            "ratios): what the memory system itself charges for the paged order.\n"
 "Prefill: one 2048-token prompt, causal, GFLOP/s (4 * n_q_heads * head_dim per\n"
             "query-key pair) and the fraction of the f32 FMA peak: 7 rounds of (a short FMA peak\n"
             "sample, one prefill call, another sample), the fraction against the mean of the two\n"
@@ -243,6 +244,7 @@ typedef struct setup {
     double adjacent; /* fraction of logical neighbours that are physical neighbours */
     uint32_t next_layer; /* decode calls cycle over the layers */
     int32_t *tables;     /* [batch][per_seq]: the block tables, for the plain read (gather_read) */
+    int32_t *swept;      /* the batch's blocks in ascending id, where decode reads in pool order; or NULL */
     uint32_t per_seq, next_read_layer;
     pkv_layout L;
 } setup;
@@ -250,6 +252,7 @@ typedef struct setup {
 static void setup_free(setup *s) {
     pkv_cache_destroy(s->c);
     free(s->tables);
+    free(s->swept);
     memset(s, 0, sizeof *s);
 }
 
@@ -315,6 +318,37 @@ static int scatter_free_queue(setup *s, tool_rng *rng, uint32_t n_blocks) {
     return 0;
 }
 
+/* Whether pkv_attn_decode reads the setup's batch in pool order (pkv.h): PKV_ATTN_ORDER=pool
+ * always, =table never, and by default (auto) where its tables jump: the library's rule is
+ * fewer blocks than 32 (SWEEP_TABLE_RUN in src/attn/attn.c) times the runs of neighbouring
+ * blocks. The bench's batches are within the library's other limits of the sweep. */
+static int decode_sweeps(const setup *s) {
+    const char *order = getenv("PKV_ATTN_ORDER");
+    if (order && !strcmp(order, "table")) return 0;
+    if (order && !strcmp(order, "pool")) return 1;
+    uint64_t runs = 0;
+    for (uint32_t i = 0; i < s->batch; i++) {
+        const int32_t *t = s->tables + (size_t)i * s->per_seq;
+        for (uint32_t b = 0; b < s->per_seq; b++) runs += b == 0 || t[b] != t[b - 1] + 1;
+    }
+    return (uint64_t)s->per_seq * s->batch < 32u * runs;
+}
+
+static int cmp_i32(const void *a, const void *b) {
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* s->swept: every (sequence, block) entry's block id, ascending, as the sweep reads them. */
+static int sweep_order(setup *s) {
+    const size_t n = (size_t)s->per_seq * s->batch;
+    s->swept = malloc(sizeof(int32_t) * n);
+    if (!s->swept) return -1;
+    memcpy(s->swept, s->tables, sizeof(int32_t) * n);
+    qsort(s->swept, n, sizeof(int32_t), cmp_i32);
+    return 0;
+}
+
 /* loan: NULL, or another cache's pool for this one to read (tool_loan_allocator); occ: the
  * percent of the pool's blocks the batch holds */
 static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint32_t n_layers, uint32_t n_threads,
@@ -361,6 +395,7 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
     }
     s->adjacent = pairs ? (double)adj / (double)pairs : 1.0;
     free(tok);
+    if (decode_sweeps(s) && sweep_order(s) < 0) goto fail;
     if (tool_check(pkv_cache_layout(s->c, &s->L), "pkv_cache_layout") < 0 || fill_pool(s, rng) < 0) goto fail;
     return 0;
 fail:
@@ -423,7 +458,8 @@ static int decode_next(setup *s, const float *q, float *out, const pkv_attn_para
 
 /* ---- the memory's own paged / contiguous: a plain read of the same runs in the same order --------
  * Reads one layer's K and V of the setup's sequences the way the decode kernel walks them (for
- * each block of a table, for each kv head: its K run, then its V run), summing 64-bit words as
+ * each block of a table, or of the sorted entries where decode sweeps the batch (setup.swept),
+ * for each kv head: its K run, then its V run), summing 64-bit words as
  * the bandwidth sample does, with the kernel's software prefetch: the same head of the next
  * block, one line per line read. Timed on the contiguous and the paged tables over the same
  * pages, its ratio is what the memory system itself charges for the paged order when nothing
@@ -444,6 +480,19 @@ static void *gather_read(void *arg) {
     const uint8_t *V = L->v_base + (size_t)j->layer * L->layer_stride_bytes;
     const uint32_t b0 = s->per_seq * j->part / j->n_parts, b1 = s->per_seq * (j->part + 1) / j->n_parts;
     uint64_t sum = 0;
+    if (s->swept) { /* pool order: this thread's share of the sorted entries */
+        const uint64_t n = (uint64_t)s->per_seq * s->batch;
+        const size_t x0 = (size_t)(n * j->part / j->n_parts), x1 = (size_t)(n * (j->part + 1) / j->n_parts);
+        for (size_t x = x0; x < x1; x++) {
+            const int32_t b = s->swept[x], bn = x + 1 < x1 ? s->swept[x + 1] : -1;
+            const uint8_t *kn = bn < 0 ? NULL : K + (size_t)bn * L->k_block_bytes;
+            const uint8_t *vn = bn < 0 ? NULL : V + (size_t)bn * L->v_block_bytes;
+            sum += tool_sum_block(K + (size_t)b * L->k_block_bytes, V + (size_t)b * L->v_block_bytes, kn, vn,
+                                  L->n_kv_heads, kh, vh);
+        }
+        j->sum = sum;
+        return NULL;
+    }
     for (uint32_t i = j->seq0; i < s->batch; i += j->seq_step) {
         const int32_t *t = s->tables + (size_t)i * s->per_seq;
         for (uint32_t b = b0; b < b1; b++) {
@@ -464,7 +513,7 @@ static void *gather_read(void *arg) {
 static double gather_sample(setup *s, uint32_t nt) {
     gather_job jobs[2];
     const uint32_t layer = s->next_read_layer++ % s->n_layers;
-    const int split = s->batch < nt;
+    const int split = s->batch < nt || s->swept; /* swept: each thread a part of the sorted entries */
     for (uint32_t i = 0; i < nt; i++)
         jobs[i] = split ? (gather_job){s, layer, 0, 1, i, nt, 0} : (gather_job){s, layer, i, nt, 0, 1, 0};
     const double sec = run_pinned((int)nt, gather_read, jobs, sizeof jobs[0]);
