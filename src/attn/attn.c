@@ -376,6 +376,7 @@ static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
 static void write_final(const pkv__attn *at, const unit *w, const float *m, const float *l, const float *acc) {
     const uint32_t D = at->kv->head_dim, nqh = at->call->n_q_heads, G = at->G;
     const uint32_t rows_h = w->nq * w->gs;
+    const bool eo = at->kt.acc_eo[at->kv->v_dtype]; /* acc in even-odd order (attn.h) */
     for (uint32_t j = 0; j < w->n_kvh; j++)
         for (uint32_t qi = 0; qi < w->nq; qi++)
             for (uint32_t g = 0; g < w->gs; g++) {
@@ -383,7 +384,10 @@ static void write_final(const pkv__attn *at, const unit *w, const float *m, cons
                 const size_t o = (size_t)(w->qa + qi) * nqh + (size_t)(w->kvh0 + j) * G + w->g0 + g;
                 float *dst = w->item->out + o * D;
                 const float *src = acc + (size_t)r * D;
-                if (l[r] > 0.0f) {
+                if (l[r] > 0.0f && eo) {
+                    const float inv = 1.0f / l[r];
+                    for (uint32_t d = 0; d < D; d++) dst[pkv__attn_eo_index(d, D)] = src[d] * inv;
+                } else if (l[r] > 0.0f) {
                     const float inv = 1.0f / l[r];
                     for (uint32_t d = 0; d < D; d++) dst[d] = src[d] * inv;
                 } else {

@@ -250,7 +250,7 @@ typedef void (*pkv__attn_score_fn)(const void *qp, uint32_t n_rows, const uint8_
                                    uint32_t n_keys, uint32_t head_dim, float *s, uint32_t s_stride,
                                    pkv__attn_pf *pf);
 /* accum: for r < n_rows: acc[r * head_dim + d] += sum_{t < n_keys} p[r * p_stride + t] * V[t][d],
- * V row t at v + t * v_row_bytes. acc is 64-byte aligned, head_dim floats per row. Prefetches pf
+ * V row t at v + t * v_row_bytes (d in even-odd order where the table's acc_eo[v_dtype] says so). acc is 64-byte aligned, head_dim floats per row. Prefetches pf
  * (above) along the way where the table's accum_pf[v_dtype] says so; else it is given NULL. */
 typedef void (*pkv__attn_accum_fn)(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v,
                                    size_t v_row_bytes, uint32_t n_keys, uint32_t head_dim, float *acc,
@@ -355,7 +355,21 @@ typedef struct pkv__attn_kernels {
     pkv__attn_accum_fn accum[PKV_DTYPE_COUNT];  /* by v_dtype */
     pkv__attn_softmax_fn softmax;
     bool accum_pf[PKV_DTYPE_COUNT]; /* by v_dtype: accum prefetches the next V run (pf), not score */
+    bool acc_eo[PKV_DTYPE_COUNT];   /* by v_dtype: accum keeps acc in even-odd order (below) */
 } pkv__attn_kernels;
+
+/* Even-odd order (the AVX-512 bf16 kernels): each full group of 32 of a row's head_dim values,
+ * [32 g, 32 g + 32) with 32 g + 32 <= head_dim, holds the group's 16 even-indexed values, then its
+ * 16 odd ones; the values past the last full group stay in place. One 64-byte load of 32 bf16
+ * then widens to two f32 vectors by a shift and a mask, with no shuffle. Where the backend keeps
+ * acc in that order (acc_eo), its prep_q writes the bf16 queries in it too, softmax and the
+ * merges work on acc lane by lane as ever, and the driver restores the order as it writes the
+ * output (pkv__attn_eo_index). */
+static inline uint32_t pkv__attn_eo_index(uint32_t d, uint32_t head_dim) {
+    if (d >= (head_dim & ~31u)) return d;
+    const uint32_t p = d & 31u;
+    return (d & ~31u) + (p < 16 ? 2 * p : 2 * (p - 16) + 1); /* the column stored at d */
+}
 
 /* ---- fillers: each sets the entries its file implements (one per backend x dtype family) -- */
 void pkv__attn_fill_ref(pkv__attn_kernels *kt);     /* attn_ref.c: f32, f16, bf16 + softmax */

@@ -2,8 +2,10 @@
  * softmax): score tiles of 4 rows x 4 keys reduced by transpose-add trees (for f16 and bf16
  * row groups software-pipelined), the next block's K run prefetched in 4 shares per score tile
  * and its V run in one share per key of each accum tile, accum tiles of 4 rows x 64 columns
- * (docs/design.md has the measurements on Zen 4). The query preparation stays the AVX2 one (the table is filled by
- * pkv__attn_fill_avx2 first). test_attn compares it with the reference wherever
+ * (docs/design.md has the measurements on Zen 4). bf16 K and V are read in even-odd order
+ * (attn.h: a 64-byte load widened by a shift and a mask), so bf16 queries are prepared in it
+ * here and acc kept in it; the other query preparations stay the AVX2 ones (the table is
+ * filled by pkv__attn_fill_avx2 first). test_attn compares it with the reference wherever
  * the CPU has it, and everywhere else as "avx512-emu": this file compiled with PKV_AVX512_EMU,
  * its 512-bit intrinsics emulated on AVX2 (avx512_emu.h). */
 #include "../attn.h"
@@ -30,6 +32,38 @@ static inline float sc_bf16(const void *p, uint32_t i) {
     union { uint32_t u; float f; } x = {(uint32_t)((const uint16_t *)p)[i] << 16};
     return x.f;
 }
+
+/* K for score step d (16 values from d) of a row: LDK_T(row, d, D32), D32 = head_dim & ~31. bf16
+ * rows are read in even-odd order (attn.h): a step in a full group of 32 loads the group's 64
+ * bytes and takes its even values (the low halves of the 32-bit lanes, shifted up) or its odd
+ * ones (the high halves, the low ones masked off). The second step loads the same line again
+ * from L1. */
+static inline __m512 ldk_bf16(const uint8_t *row, uint32_t d, uint32_t D32) {
+    if (d >= D32) return ld_bf16(row + 2 * (size_t)d);
+    const __m512i z = _mm512_loadu_si512((const void *)(row + 2 * (size_t)(d & ~31u)));
+    return _mm512_castsi512_ps((d & 16) ? _mm512_and_si512(z, _mm512_set1_epi32((int)0xffff0000u))
+                                        : _mm512_slli_epi32(z, 16));
+}
+#define LDK_f32(row, d, D32) ld_f32((row) + 4 * (size_t)(d))
+#define LDK_f16(row, d, D32) ld_f16((row) + 2 * (size_t)(d))
+#define LDK_bf16(row, d, D32) ldk_bf16(row, d, D32)
+/* V for an accum tile of C 16-column vectors x[0 .. C) from row vr: LDV_T(x, vr, C). A tile
+ * starts at a multiple of 64 columns (accum_rows), so for bf16 its pairs of vectors (0, 1) and
+ * (2, 3) are full groups of 32 in even-odd order and a last odd vector is past the last group. */
+#define LDV_f32(x, vr, C)                                                                                       \
+    for (uint32_t c_ = 0; c_ < (C); c_++) x[c_] = ld_f32((vr) + 64 * c_)
+#define LDV_f16(x, vr, C)                                                                                       \
+    for (uint32_t c_ = 0; c_ < (C); c_++) x[c_] = ld_f16((vr) + 32 * c_)
+#define LDV_bf16(x, vr, C)                                                                                      \
+    do {                                                                                                        \
+        uint32_t c_ = 0;                                                                                        \
+        for (; c_ + 2 <= (C); c_ += 2) {                                                                        \
+            const __m512i z_ = _mm512_loadu_si512((const void *)((vr) + 32 * c_));                              \
+            x[c_] = _mm512_castsi512_ps(_mm512_slli_epi32(z_, 16));                                             \
+            x[c_ + 1] = _mm512_castsi512_ps(_mm512_and_si512(z_, _mm512_set1_epi32((int)0xffff0000u)));         \
+        }                                                                                                       \
+        if (c_ < (C)) x[c_] = ld_bf16((vr) + 32 * c_);                                                          \
+    } while (0)
 
 typedef float elem_f32;
 typedef uint16_t elem_f16;
@@ -75,8 +109,8 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
                                                                      uint32_t D, float *s, uint32_t ss,         \
                                                                      pkv__attn_pf *pf, const uint32_t sub) {    \
         __m512 acc[4][4];                                                                                       \
-        const size_t esz = sizeof(elem_##T);                                                                    \
-        const uint32_t D16 = D & ~15u;                                                                          \
+        const uint32_t D16 = D & ~15u, D32 = D & ~31u;                                                          \
+        (void)D32;                                                                                              \
         if (R == 4 && K == 4 && D % 8 == 0 && SCORE_TILE4Y_##T(q, qs, k, krb, D, s, ss, pf, sub)) return;      \
         for (uint32_t r = 0; r < R; r++)                                                                        \
             for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm512_setzero_ps();                                   \
@@ -84,7 +118,7 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
             const uint32_t d1 = D16 / 16 * (part + 1) / sub * 16;                                               \
             for (uint32_t d = D16 / 16 * part / sub * 16; d < d1; d += 16) {                                    \
                 __m512 kk[4];                                                                                   \
-                for (uint32_t t = 0; t < K; t++) kk[t] = ld_##T(k + t * krb + d * esz);                         \
+                for (uint32_t t = 0; t < K; t++) kk[t] = LDK_##T(k + t * krb, d, D32);                          \
                 for (uint32_t r = 0; r < R; r++) {                                                              \
                     const __m512 x = _mm512_loadu_ps(q + r * qs + d);                                           \
                     for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm512_fmadd_ps(x, kk[t], acc[r][t]);          \
@@ -129,7 +163,6 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
                                                                      const uint32_t C, float *acc, uint32_t D,  \
                                                                      pkv__attn_pf *pf) {                        \
         __m512 a[4][4];                                                                                         \
-        const size_t esz = sizeof(elem_##T);                                                                    \
         for (uint32_t r = 0; r < R; r++)                                                                        \
             for (uint32_t c = 0; c < C; c++) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);                   \
         size_t pfs;                                                                                             \
@@ -139,7 +172,7 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
             const uint8_t *vr = v + t * vrb;                                                                    \
             __m512 x[4];                                                                                        \
             if (t < pfn) pkv__attn_pf_burst(pfx + t * pfs, pfs);                                                \
-            for (uint32_t c = 0; c < C; c++) x[c] = ld_##T(vr + 16 * c * esz);                                  \
+            LDV_##T(x, vr, C);                                                                                  \
             for (uint32_t r = 0; r < R; r++) {                                                                  \
                 const __m512 w = _mm512_set1_ps(p[r * ps + t]);                                                 \
                 for (uint32_t c = 0; c < C; c++) a[r][c] = _mm512_fmadd_ps(w, x[c], a[r][c]);                   \
@@ -246,7 +279,7 @@ DEF_SCORE(bf16)
 #define RUN4_STEP(T, d, FIRST)                                                                                  \
     do {                                                                                                        \
         __m512 kk_[4];                                                                                          \
-        for (uint32_t j_ = 0; j_ < 4; j_++) kk_[j_] = ld_##T(kt + j_ * krb + sizeof(elem_##T) * (size_t)(d));   \
+        for (uint32_t j_ = 0; j_ < 4; j_++) kk_[j_] = LDK_##T(kt + j_ * krb, d, D32);                          \
         for (uint32_t r_ = 0; r_ < 4; r_++) {                                                                   \
             const __m512 x_ = _mm512_loadu_ps(q + r_ * qs + (d));                                               \
             for (uint32_t j_ = 0; j_ < 4; j_++)                                                                 \
@@ -272,7 +305,8 @@ DEF_SCORE(bf16)
                                                                          uint32_t D, float *s, uint32_t ss,     \
                                                                          pkv__attn_pf *pf) {                    \
         if (R != 4 || D % 16 != 0 || n_keys < 8) return 0;                                                      \
-        const uint32_t sub = PKV__ATTN_PF_SUB_##T, D16 = D / 16;                                                \
+        const uint32_t sub = PKV__ATTN_PF_SUB_##T, D16 = D / 16, D32 = D & ~31u;                                \
+        (void)D32;                                                                                              \
         __m512 h[8] = {_mm512_setzero_ps()}; /* the previous tile's pair sums (zeroed for the compiler's sake) */ \
         uint32_t t = 0;                                                                                         \
         for (; t + 4 <= n_keys; t += 4) {                                                                       \
@@ -363,6 +397,16 @@ static inline __m128 exp4(__m128 x) {
 }
 #include "softmax_x86.h"
 
+/* bf16 queries, scaled, in even-odd order (attn.h), for ldk_bf16 */
+static void prep_bf16_eo(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
+    for (uint32_t r = 0; r < n_rows; r++) {
+        float *dst = (float *)((uint8_t *)qp + r * qrow);
+        const float *src = q + r * q_stride;
+        for (uint32_t d = 0; d < head_dim; d++) dst[d] = src[pkv__attn_eo_index(d, head_dim)] * scale;
+    }
+}
+
 void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
     kt->name = PKV__AVX512_NAME;
     kt->score[PKV_DTYPE_F32] = score_f32;
@@ -373,4 +417,6 @@ void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
     kt->accum[PKV_DTYPE_BF16] = accum_bf16;
     kt->softmax = softmax_vec;
     kt->accum_pf[PKV_DTYPE_F32] = kt->accum_pf[PKV_DTYPE_F16] = kt->accum_pf[PKV_DTYPE_BF16] = true;
+    kt->prep_q[PKV_DTYPE_BF16] = prep_bf16_eo; /* bf16 K and V in even-odd order */
+    kt->acc_eo[PKV_DTYPE_BF16] = true;
 }
