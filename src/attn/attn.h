@@ -250,8 +250,9 @@ typedef void (*pkv__attn_score_fn)(const void *qp, uint32_t n_rows, const uint8_
                                    uint32_t n_keys, uint32_t head_dim, float *s, uint32_t s_stride,
                                    pkv__attn_pf *pf);
 /* accum: for r < n_rows: acc[r * head_dim + d] += sum_{t < n_keys} p[r * p_stride + t] * V[t][d],
- * V row t at v + t * v_row_bytes (d in even-odd order where the table's acc_eo[v_dtype] says so). acc is 64-byte aligned, head_dim floats per row. Prefetches pf
- * (above) along the way where the table's accum_pf[v_dtype] says so; else it is given NULL. */
+ * V row t at v + t * v_row_bytes (d in even-odd order where the table's acc_eo[v_dtype] says
+ * so). acc is 64-byte aligned, head_dim floats per row. Prefetches pf (above) along the way
+ * where the table's accum_pf[v_dtype] says so; else it is given NULL. */
 typedef void (*pkv__attn_accum_fn)(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v,
                                    size_t v_row_bytes, uint32_t n_keys, uint32_t head_dim, float *acc,
                                    pkv__attn_pf *pf);
