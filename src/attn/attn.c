@@ -858,14 +858,18 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
         }
         head_io io2[2]; /* heads pipelined (score_half) */
         for (uint32_t h = 0; h < H; h++) {
-            if (qn) { /* the next sequence's queries for this head, into L2: they left while other blocks streamed by */
-                const uint8_t *qx = qn + (size_t)h * G * qrow;
-                for (size_t o = 0; o < (size_t)G * qrow; o += 64) __builtin_prefetch(qx + o, 0, 2);
-            }
             const uint32_t r0 = h * G;
             float *sh = score_half(at, s, G, h);
             head_io *io = &io2[h & 1u];
             head_io_fill(at, bid, h, t0, kn, vn, io);
+            if (qn) { /* the next sequence's queries for this head, into L2: they left while other blocks streamed by */
+                const uint8_t *qx = qn + (size_t)h * G * qrow;
+                if (io->pkp && io->pvp) { /* score's second run is free: the lines go out spread over its steps */
+                    io->pk.p[1] = qx, io->pk.end[1] = qx + (size_t)G * qrow;
+                } else {
+                    for (size_t o = 0; o < (size_t)G * qrow; o += 64) __builtin_prefetch(qx + o, 0, 2);
+                }
+            }
             score(qp + (size_t)r0 * qrow, G, io->kr, kv->k_row_bytes, n_keys, D, sh, at->s_stride, io->pkp);
             if (qn) { /* and its acc, between score and accum: two smaller bursts than one */
                 const uint8_t *ax = an + (size_t)h * G * D * sizeof(float);
