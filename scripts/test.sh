@@ -4,8 +4,7 @@
 # "thread" tests (both sanitizer builds at -O1, as the sanitizers' documentation advises: at -O0
 # the ASan stage's test_attn took about 3x as long), an arm64 cross build whose tests run under
 # qemu (scripts/test-arm64.sh: the NEON kernels), and (when fuzz/fuzz_api.c exists) a bounded
-# libFuzzer run. Exits non-zero if
-# any stage fails; prints each stage's ctest summary at the end.
+# libFuzzer run. Exits non-zero if any stage fails; prints each stage's ctest summary at the end.
 #
 # Environment: PKV_STRESS_OPS (stress test operations in the Release stage, default 1000000, about
 # 5 s; the test itself defaults to 200000 when run alone), PKV_ASAN_STRESS_OPS (the ASan

@@ -471,38 +471,35 @@ typedef struct gather_job {
     uint64_t sum;
 } gather_job;
 
+/* Reads the blocks ids[0 .. n) of one layer in that order, each with the next one prefetched. */
+static uint64_t read_blocks(const pkv_layout *L, const uint8_t *K, const uint8_t *V, const int32_t *ids, size_t n) {
+    const size_t kh = L->k_block_bytes / L->n_kv_heads, vh = L->v_block_bytes / L->n_kv_heads;
+    uint64_t sum = 0;
+    for (size_t x = 0; x < n; x++) {
+        const uint8_t *kn = NULL, *vn = NULL;
+        if (x + 1 < n) kn = K + (size_t)ids[x + 1] * L->k_block_bytes, vn = V + (size_t)ids[x + 1] * L->v_block_bytes;
+        sum += tool_sum_block(K + (size_t)ids[x] * L->k_block_bytes, V + (size_t)ids[x] * L->v_block_bytes, kn, vn,
+                              L->n_kv_heads, kh, vh);
+    }
+    return sum;
+}
+
 static void *gather_read(void *arg) {
     gather_job *j = arg;
     const setup *s = j->s;
     const pkv_layout *L = &s->L;
-    const size_t kh = L->k_block_bytes / L->n_kv_heads, vh = L->v_block_bytes / L->n_kv_heads;
     const uint8_t *K = L->k_base + (size_t)j->layer * L->layer_stride_bytes;
     const uint8_t *V = L->v_base + (size_t)j->layer * L->layer_stride_bytes;
-    const uint32_t b0 = s->per_seq * j->part / j->n_parts, b1 = s->per_seq * (j->part + 1) / j->n_parts;
-    uint64_t sum = 0;
     if (s->swept) { /* pool order: this thread's share of the sorted entries */
         const uint64_t n = (uint64_t)s->per_seq * s->batch;
         const size_t x0 = (size_t)(n * j->part / j->n_parts), x1 = (size_t)(n * (j->part + 1) / j->n_parts);
-        for (size_t x = x0; x < x1; x++) {
-            const int32_t b = s->swept[x], bn = x + 1 < x1 ? s->swept[x + 1] : -1;
-            const uint8_t *kn = bn < 0 ? NULL : K + (size_t)bn * L->k_block_bytes;
-            const uint8_t *vn = bn < 0 ? NULL : V + (size_t)bn * L->v_block_bytes;
-            sum += tool_sum_block(K + (size_t)b * L->k_block_bytes, V + (size_t)b * L->v_block_bytes, kn, vn,
-                                  L->n_kv_heads, kh, vh);
-        }
-        j->sum = sum;
+        j->sum = read_blocks(L, K, V, s->swept + x0, x1 - x0);
         return NULL;
     }
-    for (uint32_t i = j->seq0; i < s->batch; i += j->seq_step) {
-        const int32_t *t = s->tables + (size_t)i * s->per_seq;
-        for (uint32_t b = b0; b < b1; b++) {
-            const uint8_t *k = K + (size_t)t[b] * L->k_block_bytes, *v = V + (size_t)t[b] * L->v_block_bytes;
-            const uint8_t *kn = NULL, *vn = NULL;
-            if (b + 1 < b1)
-                kn = K + (size_t)t[b + 1] * L->k_block_bytes, vn = V + (size_t)t[b + 1] * L->v_block_bytes;
-            sum += tool_sum_block(k, v, kn, vn, L->n_kv_heads, kh, vh);
-        }
-    }
+    const uint32_t b0 = s->per_seq * j->part / j->n_parts, b1 = s->per_seq * (j->part + 1) / j->n_parts;
+    uint64_t sum = 0;
+    for (uint32_t i = j->seq0; i < s->batch; i += j->seq_step)
+        sum += read_blocks(L, K, V, s->tables + (size_t)i * s->per_seq + b0, b1 - b0);
     j->sum = sum;
     return NULL;
 }

@@ -384,12 +384,12 @@ static void write_final(const pkv__attn *at, const unit *w, const float *m, cons
                 const size_t o = (size_t)(w->qa + qi) * nqh + (size_t)(w->kvh0 + j) * G + w->g0 + g;
                 float *dst = w->item->out + o * D;
                 const float *src = acc + (size_t)r * D;
-                if (l[r] > 0.0f && eo) {
+                if (l[r] > 0.0f) {
                     const float inv = 1.0f / l[r];
-                    for (uint32_t d = 0; d < D; d++) dst[pkv__attn_eo_index(d, D)] = src[d] * inv;
-                } else if (l[r] > 0.0f) {
-                    const float inv = 1.0f / l[r];
-                    for (uint32_t d = 0; d < D; d++) dst[d] = src[d] * inv;
+                    if (eo)
+                        for (uint32_t d = 0; d < D; d++) dst[pkv__attn_eo_index(d, D)] = src[d] * inv;
+                    else
+                        for (uint32_t d = 0; d < D; d++) dst[d] = src[d] * inv;
                 } else {
                     for (uint32_t d = 0; d < D; d++) dst[d] = 0.0f;
                 }
@@ -463,20 +463,26 @@ typedef struct head_io {
     pkv__attn_pf pk, pv, *pkp, *pvp;
 } head_io;
 
-static inline void head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uint32_t t0, const uint8_t *kn,
-                                const uint8_t *vn, head_io *io) {
+/* xr, xn: NULL, or xn more bytes at xr for score to prefetch as well (run_chunk: the next
+ * sequence's queries), spread over its steps as the second run of its pf where that run is
+ * free; else the caller is told (false) and prefetches them itself. */
+static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uint32_t t0, const uint8_t *kn,
+                                const uint8_t *vn, const uint8_t *xr, size_t xn, head_io *io) {
     const pkv__kv_view *kv = at->kv;
     const uint32_t B = kv->block_tokens;
     io->kr = kv->k + bid * kv->k_block_bytes + ((size_t)h * B + t0) * kv->k_row_bytes;
     io->vr = kv->v + bid * kv->v_block_bytes + ((size_t)h * B + t0) * kv->v_row_bytes;
     io->pkp = io->pvp = NULL;
-    if (!kn) return;
+    if (!kn) return !xr;
     const bool accum_pf = at->kt.accum_pf[kv->v_dtype];
     const size_t kblk = (size_t)B * kv->k_row_bytes, vblk = (size_t)B * kv->v_row_bytes;
     const uint8_t *kx = kn + h * kblk, *vx = vn + h * vblk;
-    io->pk = (pkv__attn_pf){.p = {kx, accum_pf ? kx : vx}, .end = {kx + kblk, accum_pf ? kx : vx + vblk}};
+    /* score's second run: the V run where accum does not prefetch it, else xr (or empty) */
+    const uint8_t *r1 = accum_pf ? (xr ? xr : kx) : vx, *e1 = accum_pf ? (xr ? xr + xn : kx) : vx + vblk;
+    io->pk = (pkv__attn_pf){.p = {kx, r1}, .end = {kx + kblk, e1}};
     io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}};
     io->pkp = &io->pk, io->pvp = accum_pf ? &io->pv : NULL;
+    return !xr || accum_pf;
 }
 
 /* Pipelined heads (run_unit, run_chunk): a block's kv heads run as score j, accum j - 1,
@@ -553,7 +559,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
             const uint32_t r0 = j * rows_h;
             float *sj = score_half(at, s, rows_h, j);
             head_io *io = &io2[j & 1u];
-            head_io_fill(at, bid, w.kvh0 + j, t0, kn, vn, io);
+            (void)head_io_fill(at, bid, w.kvh0 + j, t0, kn, vn, NULL, 0, io);
             score(qp + (size_t)r0 * qrow, rows_h, io->kr, kv->k_row_bytes, n_keys, D, sj, at->s_stride, io->pkp);
             if (mask)
                 for (uint32_t qi = 0; qi < w.nq; qi++) {
@@ -861,17 +867,13 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
             const uint32_t r0 = h * G;
             float *sh = score_half(at, s, G, h);
             head_io *io = &io2[h & 1u];
-            head_io_fill(at, bid, h, t0, kn, vn, io);
-            if (qn) { /* the next sequence's queries for this head, into L2: they left while other blocks streamed by */
-                const uint8_t *qx = qn + (size_t)h * G * qrow;
-                if (io->pkp && io->pvp) { /* score's second run is free: the lines go out spread over its steps */
-                    io->pk.p[1] = qx, io->pk.end[1] = qx + (size_t)G * qrow;
-                } else {
-                    for (size_t o = 0; o < (size_t)G * qrow; o += 64) __builtin_prefetch(qx + o, 0, 2);
-                }
-            }
+            /* the next sequence's queries for this head, into L2: they left while other blocks
+             * streamed by; with score's prefetch where it has room, else at once */
+            const uint8_t *qx = qn ? qn + (size_t)h * G * qrow : NULL;
+            if (!head_io_fill(at, bid, h, t0, kn, vn, qx, (size_t)G * qrow, io))
+                for (size_t o = 0; o < (size_t)G * qrow; o += 64) __builtin_prefetch(qx + o, 0, 2);
             score(qp + (size_t)r0 * qrow, G, io->kr, kv->k_row_bytes, n_keys, D, sh, at->s_stride, io->pkp);
-            if (qn) { /* and its acc, between score and accum: two smaller bursts than one */
+            if (qn) { /* and its acc, between score and accum */
                 const uint8_t *ax = an + (size_t)h * G * D * sizeof(float);
                 for (size_t o = 0; o < (size_t)G * D * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
             }

@@ -38,11 +38,14 @@ static inline float sc_bf16(const void *p, uint32_t i) {
  * bytes and takes its even values (the low halves of the 32-bit lanes, shifted up) or its odd
  * ones (the high halves, the low ones masked off). The second step loads the same line again
  * from L1. */
+static inline __m512 bf16_even(__m512i z) { return _mm512_castsi512_ps(_mm512_slli_epi32(z, 16)); }
+static inline __m512 bf16_odd(__m512i z) {
+    return _mm512_castsi512_ps(_mm512_and_si512(z, _mm512_set1_epi32((int)0xffff0000u)));
+}
 static inline __m512 ldk_bf16(const uint8_t *row, uint32_t d, uint32_t D32) {
     if (d >= D32) return ld_bf16(row + 2 * (size_t)d);
     const __m512i z = _mm512_loadu_si512((const void *)(row + 2 * (size_t)(d & ~31u)));
-    return _mm512_castsi512_ps((d & 16) ? _mm512_and_si512(z, _mm512_set1_epi32((int)0xffff0000u))
-                                        : _mm512_slli_epi32(z, 16));
+    return (d & 16) ? bf16_odd(z) : bf16_even(z);
 }
 #define LDK_f32(row, d, D32) ld_f32((row) + 4 * (size_t)(d))
 #define LDK_f16(row, d, D32) ld_f16((row) + 2 * (size_t)(d))
@@ -50,17 +53,16 @@ static inline __m512 ldk_bf16(const uint8_t *row, uint32_t d, uint32_t D32) {
 /* V for an accum tile of C 16-column vectors x[0 .. C) from row vr: LDV_T(x, vr, C). A tile
  * starts at a multiple of 64 columns (accum_rows), so for bf16 its pairs of vectors (0, 1) and
  * (2, 3) are full groups of 32 in even-odd order and a last odd vector is past the last group. */
-#define LDV_f32(x, vr, C)                                                                                       \
-    for (uint32_t c_ = 0; c_ < (C); c_++) x[c_] = ld_f32((vr) + 64 * c_)
-#define LDV_f16(x, vr, C)                                                                                       \
-    for (uint32_t c_ = 0; c_ < (C); c_++) x[c_] = ld_f16((vr) + 32 * c_)
+#define LDV_PLAIN(T, x, vr, C)                                                                                  \
+    for (uint32_t c_ = 0; c_ < (C); c_++) x[c_] = ld_##T((vr) + 16 * sizeof(elem_##T) * c_)
+#define LDV_f32(x, vr, C) LDV_PLAIN(f32, x, vr, C)
+#define LDV_f16(x, vr, C) LDV_PLAIN(f16, x, vr, C)
 #define LDV_bf16(x, vr, C)                                                                                      \
     do {                                                                                                        \
         uint32_t c_ = 0;                                                                                        \
         for (; c_ + 2 <= (C); c_ += 2) {                                                                        \
             const __m512i z_ = _mm512_loadu_si512((const void *)((vr) + 32 * c_));                              \
-            x[c_] = _mm512_castsi512_ps(_mm512_slli_epi32(z_, 16));                                             \
-            x[c_ + 1] = _mm512_castsi512_ps(_mm512_and_si512(z_, _mm512_set1_epi32((int)0xffff0000u)));         \
+            x[c_] = bf16_even(z_), x[c_ + 1] = bf16_odd(z_);                                                    \
         }                                                                                                       \
         if (c_ < (C)) x[c_] = ld_bf16((vr) + 32 * c_);                                                          \
     } while (0)
