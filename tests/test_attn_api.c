@@ -372,8 +372,17 @@ static void test_api_backend_env(void **state) {
     unsetenv("PKV_ATTN_BACKEND");
 }
 
+/* The stats' attention counters: requests read in pool order and in table order. */
+static void expect_attn_reqs(pkv_cache *c, uint64_t pool, uint64_t table) {
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
+    assert_int_equal(st.attn_reqs_pool, pool);
+    assert_int_equal(st.attn_reqs_table, table);
+}
+
 /* PKV_ATTN_ORDER=table|pool|auto: a parent and its fork (two full blocks shared) decode as the
- * oracle says in each order (pool: the shared blocks read once for both); an unknown order makes
+ * oracle says in each order (pool: the shared blocks read once for both), and the stats count
+ * the requests each order read (failed calls none); an unknown order makes
  * pkv_cache_create fail with PKV_EINVAL and change nothing. */
 static void test_api_order_env(void **state) {
     (void)state;
@@ -400,6 +409,23 @@ static void test_api_order_env(void **state) {
             check(&par, l, q, out, lse, par.len - 1, 1, &p);
             check(&child, l, q + NQH * D, out + NQH * D, lse + NQH, child.len - 1, 1, &p);
         }
+        /* the stats count the requests by order: pool order only where forced (auto leaves a
+         * call this small in table order, on the caller) */
+        const uint64_t pooled = !strcmp(orders[i], "pool");
+        expect_attn_reqs(c, 2 * L * pooled, 2 * L * !pooled);
+        /* a decode beside an extend: only the decode is read in pool order */
+        const pkv_attn_req reqs[2] = {{par.id, par.len - 1, 1}, {child.id, child.len - 5, 5}};
+        float *q6 = rand_q(6), out6[6 * NQH * D];
+        p.lse = NULL;
+        assert_int_equal(pkv_attn_prefill(c, 0, reqs, 2, q6, out6, &p), PKV_OK);
+        check(&par, 0, q6, out6, NULL, par.len - 1, 1, &p);
+        check(&child, 0, q6 + NQH * D, out6 + NQH * D, NULL, child.len - 5, 5, &p);
+        expect_attn_reqs(c, (2 * L + 1) * pooled, 2 * L * !pooled + 1 + !pooled);
+        /* a failed call counts nothing */
+        assert_int_equal(pkv_attn_decode(c, L, ids, 2, q, out, &p), PKV_EINVAL);
+        assert_int_equal(pkv_attn_prefill(c, 0, reqs, 2, NULL, out6, &p), PKV_EINVAL);
+        expect_attn_reqs(c, (2 * L + 1) * pooled, 2 * L * !pooled + 1 + !pooled);
+        free(q6);
         free(q);
         pkv_cache_destroy(c);
     }

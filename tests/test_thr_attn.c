@@ -14,6 +14,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -147,8 +148,25 @@ static void test_thr_two_contexts(void **state) {
         t[i].ok = 0;
         assert_int_equal(pthread_create(&th[i], NULL, app_main, &t[i]), 0);
     }
+    /* the item counts may be read while runs are in flight (as pkv_cache_get_stats does): they
+     * only grow */
+    uint64_t last[2][2] = {{0}};
+    for (int rep = 0; rep < 2000; rep++) {
+        const int i = rep & 1;
+        uint64_t pool, table;
+        pkv__attn_item_counts(t[i].at, &pool, &table);
+        assert_true(pool >= last[i][0] && table >= last[i][1]);
+        last[i][0] = pool, last[i][1] = table;
+        sched_yield();
+    }
     for (int i = 0; i < 2; i++) assert_int_equal(pthread_join(th[i], NULL), 0);
     assert_true(t[0].ok && t[1].ok);
+    for (int i = 0; i < 2; i++) { /* run_once reads 7 items, at least 3 of them in pool order */
+        uint64_t pool, table;
+        pkv__attn_item_counts(t[i].at, &pool, &table);
+        assert_int_equal(pool + table, 20 * 7);
+        assert_true(pool >= 20 * 3);
+    }
     assert_memory_equal(t[0].dec, t[1].dec, sizeof t[0].dec);
     assert_memory_equal(t[0].pre, t[1].pre, sizeof t[0].pre);
     for (int i = 0; i < 2; i++) pkv__attn_destroy(t[i].at);

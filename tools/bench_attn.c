@@ -318,20 +318,22 @@ static int scatter_free_queue(setup *s, tool_rng *rng, uint32_t n_blocks) {
     return 0;
 }
 
-/* Whether pkv_attn_decode reads the setup's batch in pool order (pkv.h): PKV_ATTN_ORDER=pool
- * always, =table never, and by default (auto) where its tables jump: the library's rule is
- * fewer blocks than 32 (SWEEP_TABLE_RUN in src/attn/attn.c) times the runs of neighbouring
- * blocks. The bench's batches are within the library's other limits of the sweep. */
+/* Whether pkv_attn_decode reads the setup's batch in pool order (pkv.h: PKV_ATTN_ORDER, and by
+ * default where the tables jump): one decode of layer 0, and the library's own count of the
+ * requests it read in pool order (pkv_stats.attn_reqs_pool). 1 yes, 0 no, -1 failed. */
 static int decode_sweeps(const setup *s) {
-    const char *order = getenv("PKV_ATTN_ORDER");
-    if (order && !strcmp(order, "table")) return 0;
-    if (order && !strcmp(order, "pool")) return 1;
-    uint64_t runs = 0;
-    for (uint32_t i = 0; i < s->batch; i++) {
-        const int32_t *t = s->tables + (size_t)i * s->per_seq;
-        for (uint32_t b = 0; b < s->per_seq; b++) runs += b == 0 || t[b] != t[b - 1] + 1;
-    }
-    return (uint64_t)s->per_seq * s->batch < 32u * runs;
+    const size_t n = (size_t)s->batch * H_Q * HEAD_DIM;
+    float *q = calloc(n, sizeof *q), *out = malloc(n * sizeof *out);
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = H_Q;
+    pkv_stats a, b;
+    int rc = q && out ? 0 : -1;
+    if (!rc) rc = tool_check(pkv_cache_get_stats(s->c, &a), "pkv_cache_get_stats");
+    if (!rc) rc = tool_check(pkv_attn_decode(s->c, 0, s->seqs, s->batch, q, out, &p), "pkv_attn_decode");
+    if (!rc) rc = tool_check(pkv_cache_get_stats(s->c, &b), "pkv_cache_get_stats");
+    free(q);
+    free(out);
+    return rc < 0 ? -1 : b.attn_reqs_pool - a.attn_reqs_pool == s->batch;
 }
 
 static int cmp_i32(const void *a, const void *b) {
@@ -395,8 +397,9 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
     }
     s->adjacent = pairs ? (double)adj / (double)pairs : 1.0;
     free(tok);
-    if (decode_sweeps(s) && sweep_order(s) < 0) goto fail;
     if (tool_check(pkv_cache_layout(s->c, &s->L), "pkv_cache_layout") < 0 || fill_pool(s, rng) < 0) goto fail;
+    const int sweeps = decode_sweeps(s);
+    if (sweeps < 0 || (sweeps && sweep_order(s) < 0)) goto fail;
     return 0;
 fail:
     setup_free(s);

@@ -73,6 +73,7 @@ typedef struct plan_item {
 struct pkv__attn {
     uint64_t head_blocks;  /* of the current plan: (kv head, block) pairs its units read */
     uint32_t last_threads; /* threads the last run used (1: the caller alone) */
+    _Atomic uint64_t items_pool, items_table; /* pkv__attn_item_counts */
     uint64_t inline_elems; /* plans under this many K/V elements run on the caller alone */
     pkv_allocator a;
     size_t alloc_bytes;
@@ -268,6 +269,8 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     if (!mem) return PKV_ENOMEM;
     pkv__attn *at = (pkv__attn *)mem;
     memset(at, 0, sizeof *at);
+    atomic_init(&at->items_pool, 0);
+    atomic_init(&at->items_table, 0);
     if (a) at->a = *a;
     at->alloc_bytes = total;
     at->kt = kt;
@@ -921,6 +924,10 @@ void pkv__attn_set_inline_work(pkv__attn *at, uint64_t elems) { at->inline_elems
 void pkv__attn_set_order(pkv__attn *at, int order) { at->order = order; }
 bool pkv__attn_last_swept(const pkv__attn *at) { return at->last_swept; }
 uint32_t pkv__attn_last_threads(const pkv__attn *at) { return at->last_threads; }
+void pkv__attn_item_counts(const pkv__attn *at, uint64_t *pool, uint64_t *table) {
+    *pool = atomic_load_explicit(&at->items_pool, memory_order_relaxed);
+    *table = atomic_load_explicit(&at->items_table, memory_order_relaxed);
+}
 
 /* ---- run ------------------------------------------------------------------------------------- */
 
@@ -941,9 +948,11 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         return PKV_EINVAL;
     if (!at->kt.prep_q[kv->k_dtype] || !at->kt.score[kv->k_dtype] || !at->kt.accum[kv->v_dtype]) return PKV_ENOTSUP;
     uint64_t runs = 0; /* runs of neighbouring blocks in one-query items' visible tables (AUTO's rule) */
+    uint32_t n_live = 0; /* items of at least one query */
     for (uint32_t i = 0; i < n_items; i++) {
         const pkv__attn_item *it = &items[i];
         if (it->n_q == 0) continue;
+        n_live++;
         if (!it->q || !it->out || !it->block_table) return PKV_EINVAL;
         const uint64_t end = (uint64_t)it->q_pos0 + it->n_q;
         const uint64_t nbt = (end + kv->block_tokens - 1) / kv->block_tokens;
@@ -985,6 +994,9 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         pkv__tpool_run(&at->pool, run_unit, at, n_units);
         if (n_units > 1) at->last_threads = at->n_threads;
     }
+    const uint32_t n_pool = at->last_swept ? at->sweep_total : 0;
+    atomic_fetch_add_explicit(&at->items_pool, n_pool, memory_order_relaxed);
+    atomic_fetch_add_explicit(&at->items_table, n_live - n_pool, memory_order_relaxed);
     at->kv = NULL;
     at->items = NULL;
     at->call = NULL;

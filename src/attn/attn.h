@@ -95,6 +95,10 @@ bool pkv__attn_last_swept(const pkv__attn *at);
 /* Threads the last successful pkv__attn_run used: 1 when it ran on the caller alone (small
  * plan, one unit or one thread), else the context's thread count; 0 before any run. */
 uint32_t pkv__attn_last_threads(const pkv__attn *at);
+/* Items (of at least one query) that successful runs have read, by order, since creation:
+ * *pool in pool order (swept), *table in table order. Safe to call while a run is in flight
+ * (relaxed atomics: a run's items show once it has returned). */
+void pkv__attn_item_counts(const pkv__attn *at, uint64_t *pool, uint64_t *table);
 const char *pkv__attn_backend_name(const pkv__attn *at);
 uint32_t pkv__attn_n_threads(const pkv__attn *at);
 

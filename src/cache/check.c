@@ -31,6 +31,7 @@ PKV_API int pkv_cache_get_stats(pkv_cache *c, pkv_stats *out) {
     out->prefix_miss_namespace = c->miss_ns;
     out->n_indexed = c->n_indexed;
     out->evictions = c->evictions;
+    if (c->attn) pkv__attn_item_counts(c->attn, &out->attn_reqs_pool, &out->attn_reqs_table);
     pthread_mutex_unlock(&c->mu);
     return PKV_OK;
 }
