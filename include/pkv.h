@@ -276,9 +276,10 @@ typedef struct pkv_stats {
     uint64_t prefix_miss_namespace; /* ... at a block indexed only under another namespace */
     uint64_t n_indexed;           /* blocks in the prefix index (ACTIVE or CACHED) */
     uint64_t evictions;           /* CACHED blocks evicted to satisfy allocations */
-    /* attention requests (decode sequences, prefill requests of n_q > 0) that successful
-     * pkv_attn_decode / pkv_attn_prefill calls read, by block order (see pkv_attn_decode):
-     * in pool order (the batch's blocks once each, ascending) and in table order */
+    /* attention requests (decode sequences, prefill requests of n_q > 0) that
+     * pkv_attn_decode / pkv_attn_prefill read, by block order (see pkv_attn_decode): in pool
+     * order (the batch's blocks once each, ascending) and in table order; a call its checks
+     * reject counts nothing */
     uint64_t attn_reqs_pool;
     uint64_t attn_reqs_table;
 } pkv_stats;
