@@ -32,6 +32,12 @@
 #ifndef UNITS_PER_THREAD
 #define UNITS_PER_THREAD 2u
 #endif
+/* ... but an item is split into more units than threads only where each still reads this many
+ * blocks, as the sweep's SWEEP_CHUNK_ITEM_BLOCKS: every split starts and merges a partial state
+ * and is a unit to hand out. f16 decode of one sequence from contiguous tables at 2 threads
+ * (ab-decode, stop 28): 512 tokens (4 splits of 8 blocks before, 2 of 16 now) 0.859 and
+ * 1/1.249, 1024 tokens 0.937 and 1/1.127; 2048 (4 splits of 32 blocks) unchanged. */
+#define KS_ITEM_BLOCKS 32u
 
 /* Pool-order decode (the "sweep", below): at most this many items per sweep, a call of more
  * is swept in groups (their running state, 32 KiB of queries and acc a sequence at 32 query
@@ -648,7 +654,8 @@ static uint32_t make_plan(pkv__attn *at, bool skip_swept) {
         head_blocks += (uint64_t)at->kv->n_kv_heads * pi->n_gsub * pi->n_qt * nb;
     }
     /* Split keys when there are too few units to keep every thread busy (few long
-     * sequences): aim at UNITS_PER_THREAD units per thread, each split at least MIN_SPLIT_BLOCKS long. */
+     * sequences): aim at UNITS_PER_THREAD units per thread, each split at least MIN_SPLIT_BLOCKS
+     * long, and more splits of an item than threads only where each reads KS_ITEM_BLOCKS. */
     const uint64_t target = (uint64_t)UNITS_PER_THREAD * at->n_threads;
     uint32_t slots_left = at->n_slots;
     const bool split = at->n_threads > 1 && base_total < target && work_total > 0;
@@ -661,6 +668,7 @@ static uint32_t make_plan(pkv__attn *at, bool skip_swept) {
             uint64_t want = (target * base * nb + work_total - 1) / work_total; /* this item's share */
             want = (want + base - 1) / base;
             want = PKV_MIN(want, nb / MIN_SPLIT_BLOCKS);
+            want = PKV_MIN(want, PKV_MAX((uint64_t)at->n_threads, nb / KS_ITEM_BLOCKS));
             want = PKV_MIN(want, slots_left / base);
             if (want > 1) {
                 pi->n_ks = (uint32_t)want;
