@@ -357,11 +357,11 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
                       int paged, tool_pool_loan *loan, tool_rng *rng, uint32_t occ) {
     memset(s, 0, sizeof *s);
     s->batch = batch, s->ctx = ctx, s->n_layers = n_layers;
-    /* The paged set-up reads the contiguous one's pool, and their calls alternate: starting
-     * both at layer 0 would give each call the layer the other had just read, in L3 where a
-     * layer fits there (2 MiB at f16 512 x 1: read_p/c measured 1.9). Half the layers apart,
-     * every call reads a layer neither has read for n_layers / 2 calls. */
-    if (paged) s->next_layer = s->next_read_layer = n_layers / 2;
+    /* A set-up on a loan reads the lender's pool (paged on contiguous), and their calls
+     * alternate: starting both at layer 0 would give each call the layer the other had just
+     * read, in L3 where a layer fits there (2 MiB at f16 512 x 1: read_p/c measured 1.9). Half
+     * the layers apart, every call reads a layer neither has read for n_layers / 2 calls. */
+    if (loan) s->next_layer = s->next_read_layer = n_layers / 2;
     const uint32_t per_seq = (ctx + g_bt - 1) / g_bt;
     const uint32_t n_blocks = (uint32_t)(((uint64_t)per_seq * batch * 100 + occ - 1) / occ);
     pkv_config cfg = pkv_config_default();

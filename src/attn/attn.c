@@ -32,12 +32,20 @@
 #ifndef UNITS_PER_THREAD
 #define UNITS_PER_THREAD 2u
 #endif
-/* ... but an item is split into more units than threads only where each still reads this many
- * blocks, as the sweep's SWEEP_CHUNK_ITEM_BLOCKS: every split starts and merges a partial state
- * and is a unit to hand out. f16 decode of one sequence from contiguous tables at 2 threads
- * (ab-decode, stop 28): 512 tokens (4 splits of 8 blocks before, 2 of 16 now) 0.859 and
- * 1/1.249, 1024 tokens 0.937 and 1/1.127; 2048 (4 splits of 32 blocks) unchanged. */
-#define KS_ITEM_BLOCKS 32u
+/* ... but work is cut into more parts than threads (key splits of an item; the sweep's chunks,
+ * SWEEP_CHUNKS_PER_THREAD) only where each part still reads this many blocks of each item it
+ * holds: every part starts a partial state per item and the merge reads them all. At 2 parts a
+ * thread the sweep cost 9% at 512 tokens x 1 and 1-3% at 512 x 16 (stop 25); key splits, f16
+ * decode of one sequence from contiguous tables at 2 threads (ab-decode, stop 28): 512 tokens
+ * (4 splits of 8 blocks before, 2 of 16 now) 0.859 and 1/1.249, 1024 tokens 0.937 and 1/1.127;
+ * 2048 (4 splits of 32 blocks) unchanged. */
+#define PART_ITEM_BLOCKS 32u
+
+/* The most parts work of item_blocks blocks per item may be cut into: one a thread at least,
+ * more only as PART_ITEM_BLOCKS allows. */
+static uint64_t parts_cap(uint32_t n_threads, uint64_t item_blocks) {
+    return PKV_MAX((uint64_t)n_threads, item_blocks / PART_ITEM_BLOCKS);
+}
 
 /* Pool-order decode (the "sweep", below): at most this many items per sweep, a call of more
  * is swept in groups (their running state, 32 KiB of queries and acc a sequence at 32 query
@@ -46,11 +54,7 @@
  * items x chunks). An entry key packs (block id << 32 | item << 27 | block index), so a
  * sequence's blocks up to 2^27. */
 #define SWEEP_ITEMS 32u
-#define SWEEP_CHUNKS_PER_THREAD 2u
-/* ... but only as many chunks (at least one a thread) as read this many blocks of each
- * sequence on average: every chunk starts a state slot per sequence and the merge reads them
- * all, which at 2 chunks a thread cost 9% at 512 tokens x 1 and 1-3% at 512 x 16 (stop 25). */
-#define SWEEP_CHUNK_ITEM_BLOCKS 32u
+#define SWEEP_CHUNKS_PER_THREAD 2u /* where parts_cap allows */
 #define SWEEP_MAX_THREADS 16u
 #define SWEEP_B_BITS 27u
 #define SWEEP_ENTRIES_MAX (1u << 20)
@@ -655,7 +659,7 @@ static uint32_t make_plan(pkv__attn *at, bool skip_swept) {
     }
     /* Split keys when there are too few units to keep every thread busy (few long
      * sequences): aim at UNITS_PER_THREAD units per thread, each split at least MIN_SPLIT_BLOCKS
-     * long, and more splits of an item than threads only where each reads KS_ITEM_BLOCKS. */
+     * long and within parts_cap. */
     const uint64_t target = (uint64_t)UNITS_PER_THREAD * at->n_threads;
     uint32_t slots_left = at->n_slots;
     const bool split = at->n_threads > 1 && base_total < target && work_total > 0;
@@ -668,7 +672,7 @@ static uint32_t make_plan(pkv__attn *at, bool skip_swept) {
             uint64_t want = (target * base * nb + work_total - 1) / work_total; /* this item's share */
             want = (want + base - 1) / base;
             want = PKV_MIN(want, nb / MIN_SPLIT_BLOCKS);
-            want = PKV_MIN(want, PKV_MAX((uint64_t)at->n_threads, nb / KS_ITEM_BLOCKS));
+            want = PKV_MIN(want, parts_cap(at->n_threads, nb));
             want = PKV_MIN(want, slots_left / base);
             if (want > 1) {
                 pi->n_ks = (uint32_t)want;
@@ -816,10 +820,9 @@ static void sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1, bool alone) {
     at->sweep_i0 = i0, at->sweep_ni = i1 - i0;
     at->sweep_sorted = sort_by_block(keys, at->sweep_tmp, x, kv->n_blocks);
     at->sweep_n = x;
-    /* a chunk a thread, up to SWEEP_CHUNKS_PER_THREAD where each still reads
-     * SWEEP_CHUNK_ITEM_BLOCKS blocks of each sequence on average */
-    const uint32_t by_items = x / (at->sweep_ni * SWEEP_CHUNK_ITEM_BLOCKS); /* a group is never empty */
-    const uint32_t want = PKV_MIN(at->sweep_chunks_max, PKV_MAX(at->n_threads, by_items));
+    /* a chunk a thread, up to SWEEP_CHUNKS_PER_THREAD within parts_cap of the sequences'
+     * average blocks (a group is never empty) */
+    const uint32_t want = (uint32_t)PKV_MIN(at->sweep_chunks_max, parts_cap(at->n_threads, x / at->sweep_ni));
     at->sweep_chunks = alone ? 1u : PKV_MAX(1u, PKV_MIN(want, x / MIN_SPLIT_BLOCKS));
 }
 
