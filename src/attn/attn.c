@@ -400,7 +400,7 @@ static void write_final(const pkv__attn *at, const unit *w, const float *m, cons
                 if (l[r] > 0.0f) {
                     const float inv = 1.0f / l[r];
                     if (eo)
-                        for (uint32_t d = 0; d < D; d++) dst[pkv__attn_eo_index(d, D)] = src[d] * inv;
+                        pkv__attn_unshuffle_eo(dst, src, D, inv);
                     else
                         for (uint32_t d = 0; d < D; d++) dst[d] = src[d] * inv;
                 } else {

@@ -399,16 +399,6 @@ static inline __m128 exp4(__m128 x) {
 }
 #include "softmax_x86.h"
 
-/* bf16 queries, scaled, in even-odd order (attn.h), for ldk_bf16 */
-static void prep_bf16_eo(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp) {
-    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
-    for (uint32_t r = 0; r < n_rows; r++) {
-        float *dst = (float *)((uint8_t *)qp + r * qrow);
-        const float *src = q + r * q_stride;
-        for (uint32_t d = 0; d < head_dim; d++) dst[d] = src[pkv__attn_eo_index(d, head_dim)] * scale;
-    }
-}
-
 void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
     kt->name = PKV__AVX512_NAME;
     kt->score[PKV_DTYPE_F32] = score_f32;
@@ -419,6 +409,6 @@ void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
     kt->accum[PKV_DTYPE_BF16] = accum_bf16;
     kt->softmax = softmax_vec;
     kt->accum_pf[PKV_DTYPE_F32] = kt->accum_pf[PKV_DTYPE_F16] = kt->accum_pf[PKV_DTYPE_BF16] = true;
-    kt->prep_q[PKV_DTYPE_BF16] = prep_bf16_eo; /* bf16 K and V in even-odd order */
+    kt->prep_q[PKV_DTYPE_BF16] = pkv__attn_prep_eo; /* bf16 K and V in even-odd order */
     kt->acc_eo[PKV_DTYPE_BF16] = true;
 }
