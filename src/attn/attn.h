@@ -367,32 +367,13 @@ typedef struct pkv__attn_kernels {
  * [32 g, 32 g + 32) with 32 g + 32 <= head_dim, holds the group's 16 even-indexed values, then its
  * 16 odd ones; the values past the last full group stay in place. One 64-byte load of 32 bf16
  * then widens to two f32 vectors by a shift and a mask, with no shuffle. Where the backend keeps
- * acc in that order (acc_eo), its prep_q writes the bf16 queries in it too (pkv__attn_prep_eo),
- * softmax and the merges work on acc lane by lane as ever, and the driver restores the order as
- * it writes the output (pkv__attn_unshuffle_eo). */
-/* Row r of (scale * q) in even-odd order at qp + r * PKV__ATTN_QROW_BYTES: the prep_q of the
- * backends that read bf16 in that order. A group at a time: with an index computed per value
- * (and its branch) here and in pkv__attn_unshuffle_eo, a bf16 decode of 512-1024 tokens in cache
- * took 5% longer (scripts/ab-decode.sh, stop 29). */
-static inline void pkv__attn_prep_eo(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale,
-                                     void *qp) {
-    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
-    const uint32_t D32 = head_dim & ~31u;
-    for (uint32_t r = 0; r < n_rows; r++) {
-        float *dst = (float *)((uint8_t *)qp + r * qrow);
-        const float *src = q + r * q_stride;
-        uint32_t d = 0;
-        for (; d < D32; d += 32)
-            for (uint32_t i = 0; i < 16; i++) {
-                dst[d + i] = src[d + 2 * i] * scale;
-                dst[d + 16 + i] = src[d + 2 * i + 1] * scale;
-            }
-        for (; d < head_dim; d++) dst[d] = src[d] * scale;
-    }
-}
+ * acc in that order (acc_eo), its prep_q writes the bf16 queries in it too, softmax and the
+ * merges work on acc lane by lane as ever, and the driver restores the order as it writes the
+ * output (pkv__attn_unshuffle_eo). */
 
-/* dst[d] = scale * (the value of column d) for a row src in even-odd order: the inverse of
- * pkv__attn_prep_eo's order, a group at a time. */
+/* dst[d] = scale * (the value of column d) for a row src in even-odd order, a group at a time:
+ * with an index computed per value (and its branch) here and in the queries' copy, a bf16
+ * decode of 512-1024 tokens in cache took 5% longer (scripts/ab-decode.sh, stop 29). */
 static inline void pkv__attn_unshuffle_eo(float *dst, const float *src, uint32_t head_dim, float scale) {
     const uint32_t D32 = head_dim & ~31u;
     uint32_t d = 0;

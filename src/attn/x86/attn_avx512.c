@@ -399,6 +399,28 @@ static inline __m128 exp4(__m128 x) {
 }
 #include "softmax_x86.h"
 
+/* bf16 queries, scaled, in even-odd order (attn.h): each full group of 32 by two two-source
+ * permutes. The sweep prepares every sequence's queries before its chunks start, on one thread,
+ * so this copy is on the call's critical path. */
+static void prep_bf16_eo(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
+    const uint32_t D32 = head_dim & ~31u;
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (uint32_t r = 0; r < n_rows; r++) {
+        float *dst = (float *)((uint8_t *)qp + r * qrow);
+        const float *src = q + r * q_stride;
+        uint32_t d = 0;
+        for (; d < D32; d += 32) {
+            const __m512 a = _mm512_loadu_ps(src + d), b = _mm512_loadu_ps(src + d + 16);
+            _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_permutex2var_ps(a, ie, b), vs));
+            _mm512_storeu_ps(dst + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(a, io, b), vs));
+        }
+        for (; d < head_dim; d++) dst[d] = src[d] * scale;
+    }
+}
+
 void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
     kt->name = PKV__AVX512_NAME;
     kt->score[PKV_DTYPE_F32] = score_f32;
@@ -409,6 +431,6 @@ void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
     kt->accum[PKV_DTYPE_BF16] = accum_bf16;
     kt->softmax = softmax_vec;
     kt->accum_pf[PKV_DTYPE_F32] = kt->accum_pf[PKV_DTYPE_F16] = kt->accum_pf[PKV_DTYPE_BF16] = true;
-    kt->prep_q[PKV_DTYPE_BF16] = pkv__attn_prep_eo; /* bf16 K and V in even-odd order */
+    kt->prep_q[PKV_DTYPE_BF16] = prep_bf16_eo; /* bf16 K and V in even-odd order */
     kt->acc_eo[PKV_DTYPE_BF16] = true;
 }
