@@ -117,7 +117,7 @@ struct pkv__attn {
     uint8_t *sweep_q;
     float *sweep_slots;
     uint32_t *sweep_idx;
-    uint32_t sweep_total, sweep_n, sweep_chunks, sweep_i0, sweep_ni, sweep_prep_tasks;
+    uint32_t sweep_total, sweep_n, sweep_chunks, sweep_i0, sweep_ni;
     size_t l2_bytes; /* a core's L2 cache (sysconf), or L2_GUESS_BYTES: see run_chunk's state prefetch */
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
@@ -822,7 +822,10 @@ static void sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1, bool alone) {
     at->sweep_chunks = alone ? 1u : PKV_MAX(1u, PKV_MIN(want, x / MIN_SPLIT_BLOCKS));
 }
 
-/* Task k of sweep_prep_tasks: the prepared queries of the group's items [k ni / n, (k + 1) ni / n).
+/* The tasks of run_prep: one a thread, at most one an item. */
+static uint32_t prep_tasks(const pkv__attn *at) { return PKV_MIN(at->sweep_ni, at->n_threads); }
+
+/* Task k of n = prep_tasks: the prepared queries of the group's items [k ni / n, (k + 1) ni / n).
  * Every chunk reads every item's queries, so they are made in a job of their own before the
  * chunks: made by one thread in sweep_prepare, they held the other threads back (f16 512 x 16,
  * 2 threads, paged: 3% of the call, stop 29). */
@@ -830,8 +833,9 @@ static void run_prep(void *ctx, uint32_t k, uint32_t tid) {
     (void)tid;
     pkv__attn *at = ctx;
     const pkv__kv_view *kv = at->kv;
-    const uint32_t H = kv->n_kv_heads, G = at->G, D = kv->head_dim, n = at->sweep_prep_tasks;
-    const uint32_t i0 = (uint32_t)((uint64_t)at->sweep_ni * k / n), i1 = (uint32_t)((uint64_t)at->sweep_ni * (k + 1) / n);
+    const uint32_t H = kv->n_kv_heads, G = at->G, D = kv->head_dim, n = prep_tasks(at);
+    const uint32_t i0 = (uint32_t)((uint64_t)at->sweep_ni * k / n);
+    const uint32_t i1 = (uint32_t)((uint64_t)at->sweep_ni * (k + 1) / n);
     for (uint32_t i = i0; i < i1; i++) /* an item's query rows [H][G] are consecutive: one prep */
         at->kt.prep_q[kv->k_dtype](sweep_item(at, i)->q, D, H * G, D, at->call->scale,
                                    at->sweep_q + (size_t)i * H * G * PKV__ATTN_QROW_BYTES(D));
@@ -930,15 +934,14 @@ static void sweep_run(pkv__attn *at, bool small) {
         uint32_t i0, i1;
         sweep_group(at, g, &i0, &i1);
         sweep_prepare(at, i0, i1, small);
-        at->sweep_prep_tasks = small ? 1 : PKV_MIN(at->sweep_ni, at->n_threads);
         if (small) {
-            run_prep(at, 0, 0);
+            for (uint32_t k = 0; k < prep_tasks(at); k++) run_prep(at, k, 0);
             run_chunk(at, 0, 0);
             for (uint32_t i = 0; i < at->sweep_ni; i++) run_merge(at, i, 0);
             continue;
         }
         /* the chunks and the merges in jobs of their own: the workers are still spinning */
-        pkv__tpool_run(&at->pool, run_prep, at, at->sweep_prep_tasks);
+        pkv__tpool_run(&at->pool, run_prep, at, prep_tasks(at));
         pkv__tpool_run(&at->pool, run_chunk, at, at->sweep_chunks);
         pkv__tpool_run(&at->pool, run_merge, at, at->sweep_ni);
         if (at->sweep_chunks > 1) at->last_threads = at->n_threads;
