@@ -93,6 +93,28 @@ enum { PKV_LOG_ERROR = 0, PKV_LOG_WARN = 1, PKV_LOG_INFO = 2, PKV_LOG_DEBUG = 3 
 /* Log hook: the library never prints; it reports through this (NULL = silent). */
 typedef void (*pkv_log_fn)(void *ctx, int level, const char *msg);
 
+/* Executor hook: attention run on the caller's threads (an engine's own pool, an OpenMP team)
+ * instead of threads the cache creates. An attention call splits its work into jobs; for each
+ * job the library calls parallel_for(ctx, fn, job, n) once, from the thread that made the
+ * attention call, and parallel_for must:
+ * - call fn(job, i, worker) once for every i in [0, n), on any threads, the calling one
+ *   included, in any order;
+ * - give calls that run at the same time different worker indexes in [0, n_workers) (the index
+ *   names the scratch memory the call uses; calls one after the other may share one);
+ * - return only after every call it made has returned.
+ * A serial loop on the calling thread (worker 0) meets this. fn never blocks on other calls
+ * and never calls the executor again. Results do not depend on which thread or worker runs
+ * which call: they are the same, bit for bit, as with n_workers threads of the cache's own.
+ * An attention call whose executor breaks the contract in a way the library sees (a worker
+ * index out of range or in use by a running call, calls left out) returns PKV_EINVAL, its
+ * output unspecified. Small calls run on the calling thread without the executor. */
+typedef void (*pkv_task_fn)(void *job, uint32_t i, uint32_t worker);
+typedef struct pkv_executor {
+    void (*parallel_for)(void *ctx, pkv_task_fn fn, void *job, uint32_t n); /* NULL: own threads */
+    void *ctx;
+    uint32_t n_workers; /* 1..256 with parallel_for; 0 without */
+} pkv_executor;
+
 /* ---- configuration --------------------------------------------------------------------------- */
 typedef struct pkv_config {
     uint32_t n_layers;           /* >= 1 */
@@ -107,13 +129,16 @@ typedef struct pkv_config {
     uint32_t max_seqs;           /* live sequences (pins included) at once; default 256 */
     uint32_t max_blocks_per_seq; /* block-table capacity; 0 = min(n_blocks, 4096) */
     uint32_t n_threads;          /* attention worker threads incl. the caller, at most 256;
-                                    0 = all online cpus (at most 256) */
+                                    0 = all online cpus (at most 256), or the executor's */
     int enable_prefix_cache;     /* 1 (default): full committed blocks are indexed and reused */
     int huge_pages;              /* 1 (default): madvise(MADV_HUGEPAGE) the pool where possible;
                                     0: a pool the default allocator made gets MADV_NOHUGEPAGE */
     pkv_allocator allocator;     /* alloc == NULL: default allocator */
     pkv_log_fn log;              /* NULL: silent */
     void *log_ctx;
+    pkv_executor executor;       /* parallel_for NULL (default): the cache starts n_threads - 1
+                                    threads of its own; else it starts none and runs attention
+                                    on the executor's n_workers (n_threads 0 or n_workers) */
 } pkv_config;
 
 /* Defaults: 1 layer, 8 kv heads, head_dim 128, B = 16, 1024 blocks, f16/f16, 256 sequences,

@@ -437,6 +437,139 @@ static void test_api_order_env(void **state) {
     unsetenv("PKV_ATTN_ORDER");
 }
 
+/* ---- a caller's executor (pkv_config.executor) ----
+ * A serial one: its calls run one after the other on the calling thread, in reverse order,
+ * with worker indexes taken in turn; the modes break the contract in ways the library sees. */
+enum { EXEC_GOOD, EXEC_NONE, EXEC_BAD_INDEX };
+typedef struct api_exec {
+    int mode;
+    uint32_t n_workers;
+    uint64_t jobs, calls;
+} api_exec;
+
+static void api_parallel_for(void *ctx, pkv_task_fn fn, void *job, uint32_t n) {
+    api_exec *x = ctx;
+    x->jobs++;
+    if (x->mode == EXEC_NONE) return;
+    for (uint32_t k = 0; k < n; k++) {
+        fn(job, n - 1 - k, x->mode == EXEC_BAD_INDEX ? x->n_workers : k % x->n_workers);
+        x->calls++;
+    }
+}
+
+/* Four sequences of 300 tokens appended 50 at a time in turn (tables that jump: decode sweeps
+ * them), the same K/V in every cache built with the same seed. */
+enum { EX_SEQS = 4, EX_LEN = 300, EX_Q = 40 };
+static void build_exec_batch(pkv_cache *c, host_seq *hs, pkv_seq *ids) {
+    g_rng = 4242;
+    for (int i = 0; i < EX_SEQS; i++) {
+        memset(&hs[i], 0, sizeof hs[i]);
+        assert_int_equal(pkv_seq_create(c, NULL, 0, &hs[i].id), PKV_OK);
+        ids[i] = hs[i].id;
+    }
+    for (int r = 0; r < EX_LEN / 50; r++)
+        for (int i = 0; i < EX_SEQS; i++) append_write(c, PKV_DTYPE_F16, &hs[i], 50, 1000 * i);
+}
+
+/* decode of the batch and a prefill of EX_Q queries a sequence; returns the first status that
+ * is not PKV_OK */
+static int exec_calls(pkv_cache *c, const pkv_seq *ids, const float *q, float *dec, float *pre) {
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = NQH;
+    int rc = pkv_attn_decode(c, 1, ids, EX_SEQS, q, dec, &p);
+    if (rc) return rc;
+    pkv_attn_req reqs[EX_SEQS];
+    for (int i = 0; i < EX_SEQS; i++) reqs[i] = (pkv_attn_req){ids[i], EX_LEN - EX_Q - (uint32_t)i, EX_Q};
+    return pkv_attn_prefill(c, 0, reqs, EX_SEQS, q, pre, &p);
+}
+
+/* Attention on a caller's executor: the config rules, the same results bit for bit as on the
+ * cache's own threads (2 and 1 workers), and a status, not a crash, from an executor that runs
+ * nothing or gives a worker index out of range; the cache works again once it behaves. */
+static void test_api_executor(void **state) {
+    (void)state;
+    static host_seq hs[EX_SEQS];
+    static float dec0[EX_SEQS * NQH * D], pre0[EX_SEQS * EX_Q * NQH * D];
+    static float dec[EX_SEQS * NQH * D], pre[EX_SEQS * EX_Q * NQH * D];
+    api_exec x = {.mode = EXEC_GOOD, .n_workers = 2};
+    const pkv_executor good = {.parallel_for = api_parallel_for, .ctx = &x, .n_workers = 2};
+    pkv_cache *c = NULL;
+
+    /* config: n_workers 1..256 with parallel_for, 0 without; n_threads 0 or n_workers */
+    pkv_config cfg = api_config(PKV_DTYPE_F16, 0, 0);
+    cfg.executor = good;
+    cfg.executor.n_workers = 0;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_EINVAL);
+    cfg.executor.n_workers = 257;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_EINVAL);
+    cfg.executor = good, cfg.n_threads = 3;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_EINVAL);
+    cfg.executor = (pkv_executor){.n_workers = 2}, cfg.n_threads = 0;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_EINVAL);
+    assert_null(c);
+    cfg.executor = good, cfg.n_threads = 2;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    pkv_config eff;
+    assert_int_equal(pkv_cache_config(c, &eff), PKV_OK);
+    assert_int_equal(eff.n_threads, 2);
+    assert_ptr_equal(eff.executor.ctx, &x);
+
+    pkv_cache *own = make_cache(PKV_DTYPE_F16, 2, 0);
+    pkv_seq ids[EX_SEQS], own_ids[EX_SEQS];
+    build_exec_batch(own, hs, own_ids);
+    build_exec_batch(c, hs, ids);
+    float *q = rand_q(EX_SEQS * EX_Q);
+    assert_int_equal(exec_calls(own, own_ids, q, dec0, pre0), PKV_OK);
+    pkv_attn_params p0 = pkv_attn_params_default();
+    p0.n_q_heads = NQH;
+    for (int i = 0; i < EX_SEQS; i++) /* the reference cache itself against the oracle */
+        check(&hs[i], 1, q + (size_t)i * NQH * D, dec0 + (size_t)i * NQH * D, NULL, EX_LEN - 1, 1, &p0);
+    assert_int_equal(exec_calls(c, ids, q, dec, pre), PKV_OK);
+    assert_true(x.jobs >= 2 && x.calls >= x.jobs); /* the decode's and the prefill's work went to it */
+    assert_memory_equal(dec, dec0, sizeof dec);
+    assert_memory_equal(pre, pre0, sizeof pre);
+    pkv_stats st0, st1;
+    assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
+    assert_int_equal(st0.attn_reqs_pool, EX_SEQS); /* the decode batch was swept */
+
+    /* executors that break the contract: PKV_EINVAL, nothing counted */
+    for (int mode = EXEC_NONE; mode <= EXEC_BAD_INDEX; mode++) {
+        x.mode = mode;
+        pkv_attn_params p = pkv_attn_params_default();
+        p.n_q_heads = NQH;
+        assert_int_equal(pkv_attn_decode(c, 1, ids, EX_SEQS, q, dec, &p), PKV_EINVAL);
+        assert_int_equal(exec_calls(c, ids, q, dec, pre), PKV_EINVAL);
+    }
+    assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
+    assert_int_equal(st1.attn_reqs_pool, st0.attn_reqs_pool);
+    assert_int_equal(st1.attn_reqs_table, st0.attn_reqs_table);
+    x.mode = EXEC_GOOD;
+    memset(dec, 0, sizeof dec), memset(pre, 0, sizeof pre);
+    assert_int_equal(exec_calls(c, ids, q, dec, pre), PKV_OK);
+    assert_memory_equal(dec, dec0, sizeof dec);
+    assert_memory_equal(pre, pre0, sizeof pre);
+    pkv_cache_destroy(c);
+    pkv_cache_destroy(own);
+
+    /* one worker: every call on the calling thread, the executor never called */
+    api_exec x1 = {.mode = EXEC_GOOD, .n_workers = 1};
+    cfg = api_config(PKV_DTYPE_F16, 0, 0);
+    cfg.executor = (pkv_executor){.parallel_for = api_parallel_for, .ctx = &x1, .n_workers = 1};
+    c = NULL;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    own = make_cache(PKV_DTYPE_F16, 1, 0);
+    build_exec_batch(own, hs, own_ids);
+    build_exec_batch(c, hs, ids);
+    assert_int_equal(exec_calls(own, own_ids, q, dec0, pre0), PKV_OK);
+    assert_int_equal(exec_calls(c, ids, q, dec, pre), PKV_OK);
+    assert_int_equal(x1.jobs, 0);
+    assert_memory_equal(dec, dec0, sizeof dec);
+    assert_memory_equal(pre, pre0, sizeof pre);
+    pkv_cache_destroy(c);
+    pkv_cache_destroy(own);
+    free(q);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_api_oracle),
@@ -445,6 +578,7 @@ int main(void) {
         cmocka_unit_test(test_api_bad_input),
         cmocka_unit_test(test_api_backend_env),
         cmocka_unit_test(test_api_order_env),
+        cmocka_unit_test(test_api_executor),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

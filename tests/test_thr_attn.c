@@ -3,7 +3,8 @@
  * order and merged in a second job, prefill tiles handed out by work stealing), contexts created
  * and destroyed repeatedly, and two contexts driven from two application threads at once; the
  * pool itself: every task of every job runs exactly once, and none after its job has returned,
- * with workers that doze off between jobs and wake late. Each result must equal the
+ * with workers that doze off between jobs and wake late; the same on a caller's executor (an
+ * engine's own pthreads). Each result must equal the
  * single-threaded one bit for bit where the partition is the same, and within float rounding
  * where key splits change it. */
 #include <stdarg.h>
@@ -196,9 +197,9 @@ static void pool_task(void *ctx, uint32_t task, uint32_t tid) {
 
 static void test_thr_pool_tasks_once(void **state) {
     (void)state;
-    static pkv__tpool_worker workers[2];
+    static pkv__tpool_worker workers[3];
     pkv__tpool p;
-    assert_int_equal(pkv__tpool_init(&p, 3, workers), PKV_OK);
+    assert_int_equal(pkv__tpool_init(&p, 3, workers, NULL), PKV_OK);
     for (uint32_t i = 0; i < POOL_JOBS; i++) {
         pool_job *j = &g_jobs[i];
         const uint32_t n = 1 + (i * 7 + i / 5) % POOL_MAX_TASKS;
@@ -218,12 +219,156 @@ static void test_thr_pool_tasks_once(void **state) {
     }
 }
 
+/* ---- a caller's executor (pkv_executor): an engine's own pool of pthreads ----
+ * Its threads are the worker indexes; the calling thread hands the calls out and waits. */
+enum { EXEC_MAX = 4 };
+typedef struct test_exec {
+    pthread_mutex_t mu;
+    pthread_cond_t cv_work, cv_done;
+    pthread_t th[EXEC_MAX];
+    uint32_t n, started;
+    uint64_t gen;
+    int stop;
+    pkv_task_fn fn; /* the current parallel_for: calls [next, n_calls) not yet handed out */
+    void *job;
+    uint32_t n_calls, next, done;
+    uint64_t n_jobs; /* parallel_for calls so far */
+} test_exec;
+
+typedef struct exec_arg {
+    test_exec *x;
+    uint32_t w;
+} exec_arg;
+static exec_arg g_exec_args[EXEC_MAX];
+
+static void *exec_thread(void *arg) {
+    const exec_arg *a = arg;
+    test_exec *x = a->x;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&x->mu);
+    for (;;) {
+        while (x->gen == seen && !x->stop) pthread_cond_wait(&x->cv_work, &x->mu);
+        if (x->stop) break;
+        seen = x->gen;
+        while (x->next < x->n_calls) {
+            const uint32_t i = x->next++;
+            pkv_task_fn fn = x->fn;
+            void *job = x->job;
+            pthread_mutex_unlock(&x->mu);
+            fn(job, i, a->w);
+            pthread_mutex_lock(&x->mu);
+            if (++x->done == x->n_calls) pthread_cond_signal(&x->cv_done);
+        }
+    }
+    pthread_mutex_unlock(&x->mu);
+    return NULL;
+}
+
+static void exec_parallel_for(void *ctx, pkv_task_fn fn, void *job, uint32_t n) {
+    test_exec *x = ctx;
+    pthread_mutex_lock(&x->mu);
+    x->fn = fn, x->job = job, x->n_calls = n, x->next = 0, x->done = 0;
+    x->gen++;
+    x->n_jobs++;
+    pthread_cond_broadcast(&x->cv_work);
+    while (x->done < n) pthread_cond_wait(&x->cv_done, &x->mu);
+    pthread_mutex_unlock(&x->mu);
+}
+
+static void exec_start(test_exec *x, uint32_t n) {
+    memset(x, 0, sizeof *x);
+    x->n = n;
+    assert_int_equal(pthread_mutex_init(&x->mu, NULL), 0);
+    assert_int_equal(pthread_cond_init(&x->cv_work, NULL), 0);
+    assert_int_equal(pthread_cond_init(&x->cv_done, NULL), 0);
+    for (uint32_t i = 0; i < n; i++) {
+        g_exec_args[i] = (exec_arg){.x = x, .w = i};
+        assert_int_equal(pthread_create(&x->th[i], NULL, exec_thread, &g_exec_args[i]), 0);
+    }
+}
+
+static void exec_stop(test_exec *x) {
+    pthread_mutex_lock(&x->mu);
+    x->stop = 1;
+    pthread_cond_broadcast(&x->cv_work);
+    pthread_mutex_unlock(&x->mu);
+    for (uint32_t i = 0; i < x->n; i++) assert_int_equal(pthread_join(x->th[i], NULL), 0);
+    pthread_cond_destroy(&x->cv_done);
+    pthread_cond_destroy(&x->cv_work);
+    pthread_mutex_destroy(&x->mu);
+}
+
+static pkv_executor executor_of(test_exec *x) {
+    return (pkv_executor){.parallel_for = exec_parallel_for, .ctx = x, .n_workers = x->n};
+}
+
+/* The pool on an executor: every task of every job once, with a worker index in range, none
+ * after its job returned; no threads of the pool's own. */
+static void test_thr_pool_executor(void **state) {
+    (void)state;
+    static test_exec x;
+    static pkv__tpool_worker workers[3];
+    exec_start(&x, 3);
+    const pkv_executor e = executor_of(&x);
+    pkv__tpool p;
+    assert_int_equal(pkv__tpool_init(&p, 0, workers, &e), PKV_OK);
+    assert_int_equal(p.n_threads, 3);
+    memset(g_jobs, 0, sizeof g_jobs);
+    uint64_t multi = 0;
+    for (uint32_t i = 0; i < POOL_JOBS / 3; i++) {
+        pool_job *j = &g_jobs[i];
+        const uint32_t n = 1 + (i * 7 + i / 5) % POOL_MAX_TASKS;
+        j->n_threads = 3;
+        assert_int_equal(pkv__tpool_run(&p, pool_task, j, n), PKV_OK);
+        atomic_store(&j->closed, 1);
+        multi += n > 1;
+        for (uint32_t t = 0; t < POOL_MAX_TASKS; t++) assert_int_equal(atomic_load(&j->runs[t]), t < n ? 1 : 0);
+    }
+    pkv__tpool_fini(&p);
+    assert_int_equal(x.n_jobs, multi); /* a job of one task runs on the caller */
+    exec_stop(&x);
+    for (uint32_t i = 0; i < POOL_JOBS / 3; i++) {
+        assert_int_equal(atomic_load(&g_jobs[i].late), 0);
+        assert_int_equal(atomic_load(&g_jobs[i].bad_tid), 0);
+    }
+}
+
+/* Attention on an executor of 3 threads: the same results, bit for bit, as on a context with
+ * 3 threads of its own (the plan depends on the thread count only), call after call. */
+static void test_thr_attn_executor(void **state) {
+    (void)state;
+    fill();
+    static test_exec x;
+    static float d3[3 * NQH * D], p3[47 * NQH * D], dx[3 * NQH * D], px[47 * NQH * D];
+    exec_start(&x, 3);
+    pkv__attn_limits lim = {.max_items = 4, .max_blocks_per_seq = NB, .n_kv_heads = H, .head_dim = D,
+                            .block_tokens = B, .exec = executor_of(&x)};
+    pkv__attn *ex = NULL, *own = make(3);
+    assert_int_equal(pkv__attn_create(NULL, 0, &lim, &ex), PKV_OK);
+    assert_int_equal(pkv__attn_n_threads(ex), 3);
+    pkv__attn_set_inline_work(ex, 0);
+    for (int it = 0; it < 40; it++) {
+        const uint32_t len = 41 + (uint32_t)(it * 131) % (LEN - 41);
+        run_once(own, d3, p3, len);
+        const uint64_t jobs0 = x.n_jobs;
+        run_once(ex, dx, px, len);
+        assert_true(x.n_jobs > jobs0);
+        assert_memory_equal(d3, dx, sizeof d3);
+        assert_memory_equal(p3, px, sizeof p3);
+    }
+    pkv__attn_destroy(ex);
+    pkv__attn_destroy(own);
+    exec_stop(&x);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_thr_back_to_back),
         cmocka_unit_test(test_thr_create_destroy),
         cmocka_unit_test(test_thr_two_contexts),
         cmocka_unit_test(test_thr_pool_tasks_once),
+        cmocka_unit_test(test_thr_pool_executor),
+        cmocka_unit_test(test_thr_attn_executor),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

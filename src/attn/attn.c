@@ -240,6 +240,10 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     if (extra) extra(&kt);
     const int order = env_order();
     if (order < 0) return PKV_EINVAL;
+    if (lim->exec.parallel_for) {
+        if (lim->exec.n_workers == 0 || lim->exec.n_workers > PKV_MAX_THREADS) return PKV_EINVAL;
+        n_threads = lim->exec.n_workers;
+    }
     if (n_threads == 0) n_threads = pkv__n_cpus();
     if (n_threads > PKV_MAX_THREADS) n_threads = PKV_MAX_THREADS;
 
@@ -307,7 +311,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->sweep_slots = (float *)(mem + off_sslot);
     at->sweep_idx = (uint32_t *)(mem + off_idx);
     at->l2_bytes = l2_size();
-    rc = pkv__tpool_init(&at->pool, n_threads, at->workers);
+    rc = pkv__tpool_init(&at->pool, n_threads, at->workers, &lim->exec);
     if (rc < 0) {
         pkv__free(&at->a, mem, total);
         return rc;
@@ -928,8 +932,9 @@ static void run_merge(void *ctx, uint32_t i, uint32_t tid) {
     write_final(at, &w, slot0, slot0 + ROWS_MAX, slot0 + 2 * ROWS_MAX);
 }
 
-/* Sweeps the call (sweep_takes said yes), group by group; a small call on the caller alone. */
-static void sweep_run(pkv__attn *at, bool small) {
+/* Sweeps the call (sweep_takes said yes), group by group; a small call on the caller alone.
+ * Returns 0, or PKV_EINVAL where a caller's executor broke its contract. */
+static int sweep_run(pkv__attn *at, bool small) {
     for (uint32_t g = 0, ng = sweep_groups(at); g < ng; g++) {
         uint32_t i0, i1;
         sweep_group(at, g, &i0, &i1);
@@ -941,11 +946,13 @@ static void sweep_run(pkv__attn *at, bool small) {
             continue;
         }
         /* the chunks and the merges in jobs of their own: the workers are still spinning */
-        pkv__tpool_run(&at->pool, run_prep, at, prep_tasks(at));
-        pkv__tpool_run(&at->pool, run_chunk, at, at->sweep_chunks);
-        pkv__tpool_run(&at->pool, run_merge, at, at->sweep_ni);
+        int rc = pkv__tpool_run(&at->pool, run_prep, at, prep_tasks(at));
+        if (!rc) rc = pkv__tpool_run(&at->pool, run_chunk, at, at->sweep_chunks);
+        if (!rc) rc = pkv__tpool_run(&at->pool, run_merge, at, at->sweep_ni);
+        if (rc) return rc;
         if (at->sweep_chunks > 1) at->last_threads = at->n_threads;
     }
+    return PKV_OK;
 }
 
 void pkv__attn_set_inline_work(pkv__attn *at, uint64_t elems) { at->inline_elems = elems; }
@@ -1000,8 +1007,11 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     at->items = items;
     at->n_items = n_items;
     const uint64_t elems_per_head_block = (uint64_t)kv->block_tokens * kv->head_dim;
+    const uint32_t prev_threads = at->last_threads; /* kept by a failed run */
+    const bool prev_swept = at->last_swept;
     at->last_threads = 1;
     at->last_swept = false;
+    int rc = PKV_OK;
     if (at->sweep_cap && at->order != PKV__ATTN_ORDER_TABLE) {
         /* the one-query items' share of the work decides whether they go to the pool */
         uint64_t x = 0;
@@ -1010,23 +1020,28 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         const bool small_sweep = x * kv->n_kv_heads * elems_per_head_block < at->inline_elems;
         if (takes && (at->order == PKV__ATTN_ORDER_POOL || !small_sweep)) {
             at->last_swept = true;
-            sweep_run(at, small_sweep);
+            rc = sweep_run(at, small_sweep);
         }
     }
     /* the items the sweep did not take, as units */
-    const uint32_t n_units = make_plan(at, at->last_swept);
+    const uint32_t n_units = rc ? 0 : make_plan(at, at->last_swept);
     const bool small = at->head_blocks * elems_per_head_block < at->inline_elems;
     if (n_units && small) {
         for (uint32_t u = 0; u < n_units; u++) run_unit(at, u, 0); /* small call: the caller alone */
     } else if (n_units) {
-        pkv__tpool_run(&at->pool, run_unit, at, n_units);
+        rc = pkv__tpool_run(&at->pool, run_unit, at, n_units);
         if (n_units > 1) at->last_threads = at->n_threads;
+    }
+    at->kv = NULL;
+    at->items = NULL;
+    at->call = NULL;
+    if (rc) { /* a caller's executor left tasks out: outputs unspecified, nothing counted */
+        at->last_swept = prev_swept;
+        at->last_threads = prev_threads;
+        return rc;
     }
     const uint32_t n_pool = at->last_swept ? at->sweep_total : 0;
     atomic_fetch_add_explicit(&at->items_pool, n_pool, memory_order_relaxed);
     atomic_fetch_add_explicit(&at->items_table, n_live - n_pool, memory_order_relaxed);
-    at->kv = NULL;
-    at->items = NULL;
-    at->call = NULL;
     return PKV_OK;
 }

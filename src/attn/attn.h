@@ -46,11 +46,13 @@ static inline bool pkv__attn_softcap_ok(float softcap) {
     return softcap == 0.0f || (softcap >= FLT_MIN && !isinf(softcap));
 }
 
-/* Sizes the attention context may rely on (scratch is allocated once, at create). */
+/* Sizes the attention context may rely on (scratch is allocated once, at create), and where
+ * its jobs run. */
 typedef struct pkv__attn_limits {
     uint32_t max_items;          /* items per pkv__attn_run call */
     uint32_t max_blocks_per_seq;
     uint32_t n_kv_heads, head_dim, block_tokens;
+    pkv_executor exec; /* parallel_for set: the caller's executor (n_threads = its n_workers) */
 } pkv__attn_limits;
 
 typedef struct pkv__attn pkv__attn; /* thread pool, scratch, chosen backend */

@@ -43,6 +43,24 @@ static void run_tasks(pkv__tpool *p, uint32_t tid) {
     }
 }
 
+/* One call of a caller's executor: takes the job's tasks, as worker w, until none is left (the
+ * executor's own index i is not used: the ticket hands the tasks out). */
+static void exec_call(void *job, uint32_t i, uint32_t w) {
+    (void)i;
+    pkv__tpool *p = job;
+    /* acquire: the scratch of w is ours after whichever call used it last */
+    if (w >= p->n_threads || atomic_exchange_explicit(&p->workers[w].busy, 1, memory_order_acq_rel)) {
+        atomic_store_explicit(&p->exec_bad, 1, memory_order_relaxed);
+        return;
+    }
+    uint32_t n;
+    for (int64_t t; (t = claim(p, &n)) >= 0;) {
+        p->fn(p->ctx, (uint32_t)t, w);
+        atomic_fetch_add_explicit(&p->n_done, 1, memory_order_release);
+    }
+    atomic_store_explicit(&p->workers[w].busy, 0, memory_order_release);
+}
+
 /* Waits until gen differs from seen; returns the new value (or seen when stopping). */
 static uint64_t wait_gen(pkv__tpool *p, uint64_t seen) {
     uint64_t t0 = 0;
@@ -77,13 +95,17 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
-int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *workers) {
+int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *workers, const pkv_executor *exec) {
+    p->exec = exec && exec->parallel_for ? *exec : (pkv_executor){0};
+    if (p->exec.parallel_for) n_threads = p->exec.n_workers;
     p->n_threads = n_threads;
     p->workers = workers;
     atomic_init(&p->gen, 0);
     atomic_init(&p->ticket, 0);
     atomic_init(&p->n_done, 0);
     atomic_init(&p->stop, 0);
+    atomic_init(&p->exec_bad, 0);
+    for (uint32_t i = 0; i < n_threads; i++) atomic_init(&workers[i].busy, 0);
     p->fn = NULL;
     p->ctx = NULL;
     if (pthread_mutex_init(&p->mu, NULL)) return PKV_ENOMEM;
@@ -96,7 +118,7 @@ int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *worker
         pthread_mutex_destroy(&p->mu);
         return PKV_ENOMEM;
     }
-    for (uint32_t i = 0; i + 1 < n_threads; i++) {
+    for (uint32_t i = 0; !p->exec.parallel_for && i + 1 < n_threads; i++) {
         workers[i].pool = p;
         workers[i].tid = i + 1;
         if (pthread_create(&workers[i].thread, NULL, worker_main, &workers[i])) {
@@ -113,22 +135,35 @@ void pkv__tpool_fini(pkv__tpool *p) {
     atomic_store_explicit(&p->stop, 1, memory_order_release);
     pthread_cond_broadcast(&p->cv_work);
     pthread_mutex_unlock(&p->mu);
-    for (uint32_t i = 0; i + 1 < p->n_threads; i++) pthread_join(p->workers[i].thread, NULL);
+    for (uint32_t i = 0; !p->exec.parallel_for && i + 1 < p->n_threads; i++) pthread_join(p->workers[i].thread, NULL);
     pthread_cond_destroy(&p->cv_done);
     pthread_cond_destroy(&p->cv_work);
     pthread_mutex_destroy(&p->mu);
 }
 
-void pkv__tpool_run(pkv__tpool *p, pkv__task_fn fn, void *ctx, uint32_t n_tasks) {
+/* A job on the caller's executor (pkv__tpool_run). */
+static int run_exec(pkv__tpool *p, uint32_t n_tasks) {
+    atomic_store_explicit(&p->exec_bad, 0, memory_order_relaxed);
+    p->exec.parallel_for(p->exec.ctx, exec_call, p, PKV_MIN(n_tasks, p->n_threads));
+    /* every call has returned (the contract): a task is done, or it was never claimed */
+    if (atomic_load_explicit(&p->n_done, memory_order_acquire) == n_tasks &&
+        !atomic_load_explicit(&p->exec_bad, memory_order_relaxed))
+        return PKV_OK;
+    atomic_store_explicit(&p->ticket, 0, memory_order_release); /* a late call finds nothing */
+    return PKV_EINVAL;
+}
+
+int pkv__tpool_run(pkv__tpool *p, pkv__task_fn fn, void *ctx, uint32_t n_tasks) {
     if (p->n_threads <= 1 || n_tasks <= 1) { /* nothing to share: skip the wake-up */
         for (uint32_t t = 0; t < n_tasks; t++) fn(ctx, t, 0);
-        return;
+        return PKV_OK;
     }
     /* no task of the previous job is in flight: every one was counted done before it returned */
     p->fn = fn;
     p->ctx = ctx;
     atomic_store_explicit(&p->n_done, 0, memory_order_relaxed);
     atomic_store_explicit(&p->ticket, (uint64_t)n_tasks << 32, memory_order_release);
+    if (p->exec.parallel_for) return run_exec(p, n_tasks);
     pthread_mutex_lock(&p->mu);
     atomic_fetch_add_explicit(&p->gen, 1, memory_order_release);
     pthread_cond_broadcast(&p->cv_work);
@@ -150,4 +185,5 @@ void pkv__tpool_run(pkv__tpool *p, pkv__task_fn fn, void *ctx, uint32_t n_tasks)
             }
         }
     }
+    return PKV_OK;
 }

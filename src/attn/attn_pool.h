@@ -3,7 +3,10 @@
  * with tasks handed out in index order from one atomic ticket. A job ends when its tasks are
  * done, not when every worker has reported in: a worker that wakes late (a VM can take
  * milliseconds to run an idle vCPU again) finds nothing left and goes back to sleep, and the
- * caller, which takes tasks too, never waits for it. */
+ * caller, which takes tasks too, never waits for it.
+ * With a caller's executor (pkv_executor) the pool starts no threads: a job is one
+ * parallel_for of min(n_tasks, n_threads) calls, each taking tasks from the same ticket until
+ * none is left, as the worker of the index the executor gave it (tid). */
 #ifndef PKV_ATTN_POOL_H
 #define PKV_ATTN_POOL_H
 
@@ -18,6 +21,7 @@ typedef struct pkv__tpool_worker {
     struct pkv__tpool *pool;
     pthread_t thread;
     uint32_t tid;
+    _Atomic uint32_t busy; /* executor: 1 while a call runs as this worker index */
 } pkv__tpool_worker;
 
 typedef struct pkv__tpool {
@@ -37,14 +41,20 @@ typedef struct pkv__tpool {
      * thread after a successful claim; not touched again until every task is done. */
     pkv__task_fn fn;
     void *ctx;
+    pkv_executor exec;          /* exec.parallel_for: the caller's executor; no workers then */
+    _Atomic uint32_t exec_bad;  /* the executor broke its contract in the current job */
 } pkv__tpool;
 
-/* Starts n_threads - 1 workers (workers[] storage is given by the caller: n_threads - 1
- * entries). Returns 0 or PKV_ENOMEM (threads could not be created; none left running). */
-int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *workers);
+/* Starts n_threads - 1 workers, or none when exec (may be NULL) has a parallel_for: its jobs
+ * then run on it and n_threads is its n_workers. workers[] storage is given by the caller,
+ * n_threads entries. Returns 0 or PKV_ENOMEM (threads could not be created; none left
+ * running). */
+int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *workers, const pkv_executor *exec);
 void pkv__tpool_fini(pkv__tpool *p);
 /* Runs the job to completion; the caller takes part as tid 0, the workers that are awake
- * share the tasks with it. Returns when every task is done. */
-void pkv__tpool_run(pkv__tpool *p, pkv__task_fn fn, void *ctx, uint32_t n_tasks);
+ * share the tasks with it. Returns 0 when every task is done, or PKV_EINVAL when a caller's
+ * executor broke its contract (a worker index out of range or in use by a running call, or
+ * returning with tasks left): some tasks have then not run. */
+int pkv__tpool_run(pkv__tpool *p, pkv__task_fn fn, void *ctx, uint32_t n_tasks);
 
 #endif

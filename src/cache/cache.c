@@ -149,6 +149,11 @@ static int validate_config(const pkv_config *cfg) {
     if (cfg->enable_prefix_cache != 0 && cfg->enable_prefix_cache != 1) return PKV_EINVAL;
     if (cfg->huge_pages != 0 && cfg->huge_pages != 1) return PKV_EINVAL;
     if (cfg->allocator.alloc && !cfg->allocator.free) return PKV_EINVAL;
+    const pkv_executor *x = &cfg->executor;
+    if (x->parallel_for ? (x->n_workers < 1 || x->n_workers > PKV_MAX_THREADS ||
+                           (cfg->n_threads && cfg->n_threads != x->n_workers))
+                        : x->n_workers != 0)
+        return PKV_EINVAL;
     return PKV_OK;
 }
 
@@ -250,6 +255,7 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     if (k_pad < k_bytes || v_off < k_pad || !pkv__add_ok(v_off, v_bytes, &v_end)) return PKV_EINVAL;
     layer_bytes = pkv__align_up(v_end, PKV_CACHELINE);
     if (layer_bytes < v_end || !pkv__mul_ok(layer_bytes, cfg.n_layers, &kv_bytes)) return PKV_EINVAL;
+    if (cfg.executor.parallel_for) cfg.n_threads = cfg.executor.n_workers;
     if (cfg.n_threads == 0) cfg.n_threads = PKV_MIN(pkv__n_cpus(), PKV_MAX_THREADS);
 
     pkv_allocator a = cfg.allocator;
@@ -294,7 +300,8 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
         (void)madvise(c->kv, kv_bytes, MADV_NOHUGEPAGE);
 #endif
     pkv__attn_limits lim = {.max_items = c->max_seqs, .max_blocks_per_seq = c->max_bps,
-                            .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B};
+                            .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B,
+                            .exec = cfg.executor};
     c->attn_alloc = (pkv_allocator){.alloc = attn_shim_alloc, .free = attn_shim_free, .ctx = c};
     rc = pkv__attn_create(&c->attn_alloc, cfg.n_threads, &lim, &c->attn);
     if (rc) {
