@@ -50,7 +50,8 @@ static pkv_cache *make(int exec, uint32_t n_threads, uint32_t nseq, uint32_t len
     if (tool_check(pkv_cache_create(&cfg, &c), "pkv_cache_create")) exit(1);
     static int32_t tok[16], slots[16];
     static float k[16][KVH][HD], v[16][KVH][HD];
-    for (int i = 0; i < 16 * KVH * HD; i++) (&k[0][0][0])[i] = (float)(i % 7) / 7, (&v[0][0][0])[i] = (float)(i % 5) / 5;
+    for (int i = 0; i < 16 * KVH * HD; i++)
+        (&k[0][0][0])[i] = (float)(i % 7) / 7, (&v[0][0][0])[i] = (float)(i % 5) / 5;
     for (uint32_t i = 0; i < nseq; i++)
         if (tool_check(pkv_seq_create(c, NULL, 0, &s[i]), "pkv_seq_create")) exit(1);
     for (uint32_t t = 0; t < len; t += 16)
@@ -97,9 +98,10 @@ int main(int argc, char **argv) {
             const uint32_t nseq = cfgs[ci][0], len = cfgs[ci][1], nl = cfgs[ci][2];
             pkv_seq s0[16], s1[16];
             pkv_cache *own = make(0, nt, nseq, len, nl, s0), *ex = make(1, nt, nseq, len, nl, s1);
-            float *q = calloc((size_t)nseq * QH * HD, sizeof(float)), *o = calloc((size_t)nseq * QH * HD, sizeof(float));
+            const size_t n_q = (size_t)nseq * QH * HD;
+            float *q = calloc(n_q, sizeof(float)), *o = calloc(n_q, sizeof(float));
             if (!q || !o) return 1;
-            for (size_t i = 0; i < (size_t)nseq * QH * HD; i++) q[i] = (float)(i % 3) / 3;
+            for (size_t i = 0; i < n_q; i++) q[i] = (float)(i % 3) / 3;
             double ua[MAX_ROUNDS], ub[MAX_ROUNDS], r[MAX_ROUNDS];
             for (int k = 0; k < rounds; k++) {
                 if (k & 1) {
