@@ -311,7 +311,7 @@ static void test_thr_pool_executor(void **state) {
     exec_start(&x, 3);
     const pkv_executor e = executor_of(&x);
     pkv__tpool p;
-    assert_int_equal(pkv__tpool_init(&p, 0, workers, &e), PKV_OK);
+    assert_int_equal(pkv__tpool_init(&p, e.n_workers, workers, &e), PKV_OK);
     assert_int_equal(p.n_threads, 3);
     memset(g_jobs, 0, sizeof g_jobs);
     uint64_t multi = 0;

@@ -933,8 +933,9 @@ static void run_merge(void *ctx, uint32_t i, uint32_t tid) {
 }
 
 /* Sweeps the call (sweep_takes said yes), group by group; a small call on the caller alone.
- * Returns 0, or PKV_EINVAL where a caller's executor broke its contract. */
-static int sweep_run(pkv__attn *at, bool small) {
+ * Raises *threads to the context's where a group ran in several chunks. Returns 0, or
+ * PKV_EINVAL where a caller's executor broke its contract. */
+static int sweep_run(pkv__attn *at, bool small, uint32_t *threads) {
     for (uint32_t g = 0, ng = sweep_groups(at); g < ng; g++) {
         uint32_t i0, i1;
         sweep_group(at, g, &i0, &i1);
@@ -950,7 +951,7 @@ static int sweep_run(pkv__attn *at, bool small) {
         if (!rc) rc = pkv__tpool_run(&at->pool, run_chunk, at, at->sweep_chunks);
         if (!rc) rc = pkv__tpool_run(&at->pool, run_merge, at, at->sweep_ni);
         if (rc) return rc;
-        if (at->sweep_chunks > 1) at->last_threads = at->n_threads;
+        if (at->sweep_chunks > 1) *threads = at->n_threads;
     }
     return PKV_OK;
 }
@@ -1007,10 +1008,8 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     at->items = items;
     at->n_items = n_items;
     const uint64_t elems_per_head_block = (uint64_t)kv->block_tokens * kv->head_dim;
-    const uint32_t prev_threads = at->last_threads; /* kept by a failed run */
-    const bool prev_swept = at->last_swept;
-    at->last_threads = 1;
-    at->last_swept = false;
+    uint32_t threads = 1; /* last_threads and last_swept, set once the run has succeeded */
+    bool swept = false;
     int rc = PKV_OK;
     if (at->sweep_cap && at->order != PKV__ATTN_ORDER_TABLE) {
         /* the one-query items' share of the work decides whether they go to the pool */
@@ -1019,28 +1018,26 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         const bool takes = sweep_takes(at, runs, &x);
         const bool small_sweep = x * kv->n_kv_heads * elems_per_head_block < at->inline_elems;
         if (takes && (at->order == PKV__ATTN_ORDER_POOL || !small_sweep)) {
-            at->last_swept = true;
-            rc = sweep_run(at, small_sweep);
+            swept = true;
+            rc = sweep_run(at, small_sweep, &threads);
         }
     }
     /* the items the sweep did not take, as units */
-    const uint32_t n_units = rc ? 0 : make_plan(at, at->last_swept);
+    const uint32_t n_units = rc ? 0 : make_plan(at, swept);
     const bool small = at->head_blocks * elems_per_head_block < at->inline_elems;
     if (n_units && small) {
         for (uint32_t u = 0; u < n_units; u++) run_unit(at, u, 0); /* small call: the caller alone */
     } else if (n_units) {
         rc = pkv__tpool_run(&at->pool, run_unit, at, n_units);
-        if (n_units > 1) at->last_threads = at->n_threads;
+        if (n_units > 1) threads = at->n_threads;
     }
     at->kv = NULL;
     at->items = NULL;
     at->call = NULL;
-    if (rc) { /* a caller's executor left tasks out: outputs unspecified, nothing counted */
-        at->last_swept = prev_swept;
-        at->last_threads = prev_threads;
-        return rc;
-    }
-    const uint32_t n_pool = at->last_swept ? at->sweep_total : 0;
+    if (rc) return rc; /* a caller's executor left tasks out: outputs unspecified, nothing counted */
+    at->last_threads = threads;
+    at->last_swept = swept;
+    const uint32_t n_pool = swept ? at->sweep_total : 0;
     atomic_fetch_add_explicit(&at->items_pool, n_pool, memory_order_relaxed);
     atomic_fetch_add_explicit(&at->items_table, n_live - n_pool, memory_order_relaxed);
     return PKV_OK;

@@ -97,7 +97,6 @@ static void *worker_main(void *arg) {
 
 int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *workers, const pkv_executor *exec) {
     p->exec = exec && exec->parallel_for ? *exec : (pkv_executor){0};
-    if (p->exec.parallel_for) n_threads = p->exec.n_workers;
     p->n_threads = n_threads;
     p->workers = workers;
     atomic_init(&p->gen, 0);

@@ -46,8 +46,8 @@ typedef struct pkv__tpool {
 } pkv__tpool;
 
 /* Starts n_threads - 1 workers, or none when exec (may be NULL) has a parallel_for: its jobs
- * then run on it and n_threads is its n_workers. workers[] storage is given by the caller,
- * n_threads entries. Returns 0 or PKV_ENOMEM (threads could not be created; none left
+ * then run on it, and n_threads must be its n_workers. workers[] storage is given by the
+ * caller, n_threads entries. Returns 0 or PKV_ENOMEM (threads could not be created; none left
  * running). */
 int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *workers, const pkv_executor *exec);
 void pkv__tpool_fini(pkv__tpool *p);
