@@ -9,6 +9,7 @@
 #include <math.h>
 #include <string.h>
 #include <stdlib.h>
+#include <sched.h>
 #include <unistd.h>
 
 /* Rows (query position x query head pairs) one work unit holds; its scratch is
@@ -63,6 +64,7 @@ static uint64_t parts_cap(uint32_t n_threads, uint64_t item_blocks) {
  * there the sweep's state traffic and merges cost more (about 1% on contiguous tables) than the
  * few jumps it would save. */
 #define SWEEP_TABLE_RUN 32u
+enum { SWEEP_Q_NONE, SWEEP_Q_BUSY, SWEEP_Q_READY }; /* an item's queries in a sweep (run_chunk) */
 _Static_assert(SWEEP_ITEMS <= 32 && ((uint64_t)SWEEP_ITEMS << SWEEP_B_BITS) <= (1ull << 32),
                "an entry's item fits the key's bits and a chunk's 32-bit mask of started items");
 
@@ -118,6 +120,9 @@ struct pkv__attn {
     float *sweep_slots;
     uint32_t *sweep_idx;
     uint32_t sweep_total, sweep_n, sweep_chunks, sweep_i0, sweep_ni;
+    /* the group's items within its one job (run_chunk): queries not made, being made or ready
+     * (SWEEP_Q_*), and chunks still to finish (the last one merges the item) */
+    _Atomic uint32_t sweep_qstate[SWEEP_ITEMS], sweep_left[SWEEP_ITEMS];
     size_t l2_bytes; /* a core's L2 cache (sysconf), or L2_GUESS_BYTES: see run_chunk's state prefetch */
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
@@ -285,6 +290,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     memset(at, 0, sizeof *at);
     atomic_init(&at->items_pool, 0);
     atomic_init(&at->items_table, 0);
+    for (uint32_t i = 0; i < SWEEP_ITEMS; i++) atomic_init(&at->sweep_qstate[i], 0), atomic_init(&at->sweep_left[i], 0);
     if (a) at->a = *a;
     at->alloc_bytes = total;
     at->kt = kt;
@@ -417,35 +423,55 @@ static void write_final(const pkv__attn *at, const unit *w, const float *m, cons
 /* Merges the n_ks partials of a (group, tile), or of a sequence's sweep chunks, into the first
  * slot's m, l, acc. Each slot holds softmax state relative to its own max: rescale to the common
  * max and add. A row whose l is 0 in a slot saw no key there and is skipped. */
-static void merge_splits(const pkv__attn *at, float *slot0, uint32_t n_ks, uint32_t rows) {
-    const uint32_t D = at->kv->head_dim;
-    float *m0 = slot0, *l0 = slot0 + ROWS_MAX, *a0 = slot0 + 2 * ROWS_MAX;
-    for (uint32_t r = 0; r < rows; r++) {
-        float mx = -INFINITY;
-        for (uint32_t s = 0; s < n_ks; s++)
-            if (slot0[s * at->slot_floats + ROWS_MAX + r] > 0.0f) mx = PKV_MAX(mx, slot0[s * at->slot_floats + r]);
-        if (mx == -INFINITY) { /* nothing visible at all */
-            l0[r] = 0.0f;
-            continue;
-        }
-        float *ar = a0 + (size_t)r * D;
-        /* a slot with l = 0 saw nothing (its acc may be stale): it weighs 0 */
-        const float f0 = l0[r] > 0.0f ? expf(m0[r] - mx) : 0.0f;
-        float lsum = l0[r] * f0;
-        if (f0 == 0.0f) memset(ar, 0, sizeof(float) * D);
-        else
-            for (uint32_t d = 0; d < D; d++) ar[d] *= f0;
-        for (uint32_t s = 1; s < n_ks; s++) {
-            const float *sl = slot0 + s * at->slot_floats;
-            if (sl[ROWS_MAX + r] == 0.0f) continue;
-            const float f = expf(sl[r] - mx);
-            const float *as = sl + 2 * ROWS_MAX + (size_t)r * D;
-            lsum += sl[ROWS_MAX + r] * f;
-            for (uint32_t d = 0; d < D; d++) ar[d] += as[d] * f;
-        }
-        m0[r] = mx;
-        l0[r] = lsum;
-    }
+/* Merges n_ks partial states of w's rows (slots of slot_floats from slot0: m [ROWS_MAX],
+ * l [ROWS_MAX], acc [ROWS_MAX][head_dim], in w's row order) by log-sum-exp and writes the
+ * result as write_final does, in one pass over the slots: each output row is the slots' acc
+ * rows weighted exp(m_s - m) / l. A slot with l = 0 saw nothing (its acc may be stale): it
+ * weighs 0. Acc in even-odd order is combined in slot 0's row and unshuffled from there.
+ * (As a merge into slot 0 followed by write_final, with the swept items merged by the last
+ * chunk, the merges took 5% of f16 decode of 512 x 2 at 2 threads.) */
+static void merge_write(const pkv__attn *at, const unit *w, float *slot0, uint32_t n_ks) { /* slots overwritten */
+    const uint32_t D = at->kv->head_dim, nqh = at->call->n_q_heads, G = at->G;
+    const uint32_t rows_h = w->nq * w->gs;
+    const size_t sf = at->slot_floats;
+    const bool eo = at->kt.acc_eo[at->kv->v_dtype];
+    for (uint32_t j = 0; j < w->n_kvh; j++)
+        for (uint32_t qi = 0; qi < w->nq; qi++)
+            for (uint32_t g = 0; g < w->gs; g++) {
+                const uint32_t r = j * rows_h + qi * w->gs + g;
+                const size_t o = (size_t)(w->qa + qi) * nqh + (size_t)(w->kvh0 + j) * G + w->g0 + g;
+                float *dst = w->item->out + o * D;
+                float mx = -INFINITY, lsum = 0.0f;
+                for (uint32_t k = 0; k < n_ks; k++)
+                    if (slot0[k * sf + ROWS_MAX + r] > 0.0f) mx = PKV_MAX(mx, slot0[k * sf + r]);
+                if (mx != -INFINITY) /* each slot's m becomes its weight exp(m_s - m) */
+                    for (uint32_t k = 0; k < n_ks; k++) {
+                        const float lk = slot0[k * sf + ROWS_MAX + r];
+                        if (!(lk > 0.0f)) continue;
+                        slot0[k * sf + r] = expf(slot0[k * sf + r] - mx);
+                        lsum += lk * slot0[k * sf + r];
+                    }
+                if (w->item->lse) w->item->lse[o] = lsum > 0.0f ? mx + logf(lsum) : -INFINITY;
+                if (!(lsum > 0.0f)) { /* nothing visible at all */
+                    for (uint32_t d = 0; d < D; d++) dst[d] = 0.0f;
+                    continue;
+                }
+                const float inv = 1.0f / lsum;
+                float *sum = eo ? slot0 + 2 * ROWS_MAX + (size_t)r * D : dst;
+                bool first = true;
+                for (uint32_t k = 0; k < n_ks; k++) {
+                    const float *sk = slot0 + k * sf;
+                    if (!(sk[ROWS_MAX + r] > 0.0f)) continue;
+                    const float f = eo ? sk[r] : sk[r] * inv;
+                    const float *ak = sk + 2 * ROWS_MAX + (size_t)r * D;
+                    if (first)
+                        for (uint32_t d = 0; d < D; d++) sum[d] = ak[d] * f;
+                    else
+                        for (uint32_t d = 0; d < D; d++) sum[d] += ak[d] * f;
+                    first = false;
+                }
+                if (eo) pkv__attn_unshuffle_eo(dst, sum, D, inv);
+            }
 }
 
 /* Thread tid's scratch (thread_bytes): prepared q [ROWS_MAX][QROW], acc [ROWS_MAX][head_dim],
@@ -607,8 +633,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     memcpy(slot + 2 * ROWS_MAX, acc, (size_t)rows * D * sizeof(float));
     if (atomic_fetch_add_explicit(&at->split_done[pi->grp0 + w.grp], 1, memory_order_acq_rel) + 1 != pi->n_ks)
         return;
-    merge_splits(at, slot0, pi->n_ks, rows);
-    write_final(at, &w, slot0, slot0 + ROWS_MAX, slot0 + 2 * ROWS_MAX);
+    merge_write(at, &w, slot0, pi->n_ks);
 }
 
 /* ---- planning -------------------------------------------------------------------------------- */
@@ -805,7 +830,8 @@ static bool sweep_takes(const pkv__attn *at, uint64_t runs, uint64_t *entries) {
 }
 
 /* Makes the sorted entries and chunk count of the group sweep_idx[i0 .. i1) (sweep_takes said the
- * call fits; one chunk when the caller runs it alone). run_prep prepares its queries. */
+ * call fits; one chunk when the caller runs it alone) and resets its items' progress: the chunks
+ * prepare the queries and merge the items (run_chunk). */
 static void sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1, bool alone) {
     const pkv__kv_view *kv = at->kv;
     uint64_t *keys = at->sweep_keys;
@@ -824,30 +850,70 @@ static void sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1, bool alone) {
      * average blocks (a group is never empty) */
     const uint32_t want = (uint32_t)PKV_MIN(at->sweep_chunks_max, parts_cap(at->n_threads, x / at->sweep_ni));
     at->sweep_chunks = alone ? 1u : PKV_MAX(1u, PKV_MIN(want, x / MIN_SPLIT_BLOCKS));
+    /* relaxed: the job's start publishes them (the pool's ticket, or the executor's call) */
+    for (uint32_t i = 0; i < at->sweep_ni; i++) {
+        atomic_store_explicit(&at->sweep_qstate[i], SWEEP_Q_NONE, memory_order_relaxed);
+        atomic_store_explicit(&at->sweep_left[i], at->sweep_chunks, memory_order_relaxed);
+    }
 }
 
-/* The tasks of run_prep: one a thread, at most one an item. */
-static uint32_t prep_tasks(const pkv__attn *at) { return PKV_MIN(at->sweep_ni, at->n_threads); }
-
-/* Task k of n = prep_tasks: the prepared queries of the group's items [k ni / n, (k + 1) ni / n).
- * Every chunk reads every item's queries, so they are made in a job of their own before the
- * chunks: made by one thread in sweep_prepare, they held the other threads back (f16 512 x 16,
- * 2 threads, paged: 3% of the call, stop 29). */
-static void run_prep(void *ctx, uint32_t k, uint32_t tid) {
-    (void)tid;
-    pkv__attn *at = ctx;
+/* Item i's prepared queries: its rows [H][G] are consecutive, one prep. */
+static void prep_item(pkv__attn *at, uint32_t i) {
     const pkv__kv_view *kv = at->kv;
-    const uint32_t H = kv->n_kv_heads, G = at->G, D = kv->head_dim, n = prep_tasks(at);
-    const uint32_t i0 = (uint32_t)((uint64_t)at->sweep_ni * k / n);
-    const uint32_t i1 = (uint32_t)((uint64_t)at->sweep_ni * (k + 1) / n);
-    for (uint32_t i = i0; i < i1; i++) /* an item's query rows [H][G] are consecutive: one prep */
-        at->kt.prep_q[kv->k_dtype](sweep_item(at, i)->q, D, H * G, D, at->call->scale,
-                                   at->sweep_q + (size_t)i * H * G * PKV__ATTN_QROW_BYTES(D));
+    const uint32_t rows = kv->n_kv_heads * at->G, D = kv->head_dim;
+    at->kt.prep_q[kv->k_dtype](sweep_item(at, i)->q, D, rows, D, at->call->scale,
+                               at->sweep_q + (size_t)i * rows * PKV__ATTN_QROW_BYTES(D));
 }
 
-/* Chunk c's state slot for item i: an item's slots are consecutive, as merge_splits reads them. */
+/* Chunk c's share of the group's queries. Every chunk reads every item's queries, so the chunk
+ * that starts first cannot make them as it meets them: another chunk would read rows still
+ * being written. Each chunk instead claims every item not yet claimed, from an offset of its
+ * own (chunks that start together make about a share each), and makes them before it sweeps.
+ * (Made by one thread before the chunks started, they held the others back: f16 512 x 16,
+ * 2 threads, paged, 3% of the call, stop 29; then in a job of their own, one wake-up more.) */
+static void sweep_claim_queries(pkv__attn *at, uint32_t c) {
+    const uint32_t ni = at->sweep_ni, first = (uint32_t)((uint64_t)ni * c / at->sweep_chunks);
+    for (uint32_t k = 0; k < ni; k++) {
+        const uint32_t i = first + k < ni ? first + k : first + k - ni;
+        uint32_t none = SWEEP_Q_NONE;
+        if (atomic_load_explicit(&at->sweep_qstate[i], memory_order_relaxed) != SWEEP_Q_NONE ||
+            !atomic_compare_exchange_strong_explicit(&at->sweep_qstate[i], &none, SWEEP_Q_BUSY,
+                                                     memory_order_relaxed, memory_order_relaxed))
+            continue;
+        prep_item(at, i);
+        atomic_store_explicit(&at->sweep_qstate[i], SWEEP_Q_READY, memory_order_release);
+    }
+}
+
+/* Waits until item i's queries are ready. After sweep_claim_queries every item is claimed, and
+ * one not ready is being made by a task that is running and waits on nothing: this ends under
+ * any executor (a serial one never gets here). The yield is for a preempted maker. */
+static void sweep_wait_queries(const pkv__attn *at, uint32_t i) {
+    for (uint32_t n = 0; atomic_load_explicit(&at->sweep_qstate[i], memory_order_acquire) != SWEEP_Q_READY; n++) {
+        pkv__cpu_relax();
+        if ((n & 1023u) == 1023u) sched_yield();
+    }
+}
+
+/* Chunk c's state slot for item i: an item's slots are consecutive, as merge_write reads them. */
 static float *sweep_slot(const pkv__attn *at, uint32_t i, uint32_t c) {
     return at->sweep_slots + ((size_t)i * at->sweep_chunks_max + c) * at->slot_floats;
+}
+
+/* Item i of the group being swept: merges its chunks' slots and writes its output. */
+static void merge_item(const pkv__attn *at, uint32_t i) {
+    const pkv__attn_item *it = sweep_item(at, i);
+    const uint32_t H = at->kv->n_kv_heads, G = at->G;
+    float *slot0 = sweep_slot(at, i, 0);
+    const unit w = {.item = it, .kvh0 = 0, .n_kvh = H, .g0 = 0, .gs = G, .qa = 0, .nq = 1};
+    merge_write(at, &w, slot0, at->sweep_chunks);
+}
+
+/* A chunk is done with item i: the item's last chunk to be done merges it (acq_rel: it sees
+ * every other chunk's slot). */
+static void finish_item(pkv__attn *at, uint32_t i) {
+    if (atomic_fetch_sub_explicit(&at->sweep_left[i], 1, memory_order_acq_rel) == 1)
+        merge_item(at, i);
 }
 
 static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
@@ -865,6 +931,21 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
     const uint32_t x1 = (uint32_t)((uint64_t)at->sweep_n * (c + 1) / at->sweep_chunks);
     const uint32_t n_items = at->sweep_ni;
     uint32_t used = 0; /* items whose slot this chunk has started */
+    sweep_claim_queries(at, c);
+    /* Each item's last entry in the chunk: after it the chunk is done with the item (finish_item),
+     * so the item's last chunk merges it there, between its own entries, rather than all of
+     * them at its end. An item with no entry here is done at once: its slot weighs 0. */
+    uint32_t last[SWEEP_ITEMS], seen = 0;
+    const uint32_t all = n_items == 32 ? ~0u : (1u << n_items) - 1u;
+    for (uint32_t x = x1; x-- > x0 && seen != all;) {
+        const uint32_t i = key_item(e[x]);
+        if (!(seen >> i & 1u)) seen |= 1u << i, last[i] = x;
+    }
+    for (uint32_t i = 0; i < n_items; i++)
+        if (!(seen >> i & 1u)) {
+            for (uint32_t r = 0; r < rows; r++) sweep_slot(at, i, c)[ROWS_MAX + r] = 0.0f;
+            finish_item(at, i);
+        }
     /* The next sequence's state is prefetched into L2 where the states may have left it: where
      * the bytes a core reads between two uses of one state (an entry's K/V runs and state, one
      * entry of each other sequence) exceed its L2. Where they fit, the prefetches only cost
@@ -877,6 +958,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
         float *m = sweep_slot(at, i, c), *l = m + ROWS_MAX, *acc = m + 2 * ROWS_MAX;
         if (!(used >> i & 1u)) {
             used |= 1u << i;
+            sweep_wait_queries(at, i);
             for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
             memset(acc, 0, (size_t)rows * D * sizeof(float));
         }
@@ -914,22 +996,8 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
             kt->softmax(sh, at->s_stride, G, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
         }
         accum_head(at, accum, s, G, H - 1, n_keys, io2, acc);
+        if (x == last[i]) finish_item(at, i);
     }
-    for (uint32_t i = 0; i < n_items; i++) /* a slot not started weighs 0 in the merge */
-        if (!(used >> i & 1u))
-            for (uint32_t r = 0; r < rows; r++) sweep_slot(at, i, c)[ROWS_MAX + r] = 0.0f;
-}
-
-/* Item i of the group being swept: merges its chunks' slots and writes its output. */
-static void run_merge(void *ctx, uint32_t i, uint32_t tid) {
-    (void)tid;
-    pkv__attn *at = ctx;
-    const pkv__attn_item *it = sweep_item(at, i);
-    const uint32_t H = at->kv->n_kv_heads, G = at->G;
-    float *slot0 = sweep_slot(at, i, 0);
-    merge_splits(at, slot0, at->sweep_chunks, H * G);
-    const unit w = {.item = it, .kvh0 = 0, .n_kvh = H, .g0 = 0, .gs = G, .qa = 0, .nq = 1};
-    write_final(at, &w, slot0, slot0 + ROWS_MAX, slot0 + 2 * ROWS_MAX);
 }
 
 /* Sweeps the call (sweep_takes said yes), group by group; a small call on the caller alone.
@@ -941,15 +1009,11 @@ static int sweep_run(pkv__attn *at, bool small, uint32_t *threads) {
         sweep_group(at, g, &i0, &i1);
         sweep_prepare(at, i0, i1, small);
         if (small) {
-            for (uint32_t k = 0; k < prep_tasks(at); k++) run_prep(at, k, 0);
             run_chunk(at, 0, 0);
-            for (uint32_t i = 0; i < at->sweep_ni; i++) run_merge(at, i, 0);
             continue;
         }
-        /* the chunks and the merges in jobs of their own: the workers are still spinning */
-        int rc = pkv__tpool_run(&at->pool, run_prep, at, prep_tasks(at));
-        if (!rc) rc = pkv__tpool_run(&at->pool, run_chunk, at, at->sweep_chunks);
-        if (!rc) rc = pkv__tpool_run(&at->pool, run_merge, at, at->sweep_ni);
+        /* one job a group: its chunks make the queries and merge the items themselves */
+        const int rc = pkv__tpool_run(&at->pool, run_chunk, at, at->sweep_chunks);
         if (rc) return rc;
         if (at->sweep_chunks > 1) *threads = at->n_threads;
     }

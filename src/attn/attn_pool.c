@@ -3,15 +3,6 @@
  * from one ticket (attn_pool.h); a job is over when its tasks are done. */
 #include "attn_pool.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define cpu_relax() _mm_pause()
-#elif defined(__aarch64__)
-#define cpu_relax() __asm__ volatile("yield" ::: "memory")
-#else
-#define cpu_relax() ((void)0)
-#endif
-
 /* How long an idle thread spins before sleeping: long enough to bridge consecutive calls of
  * one decode step (layers), short enough not to steal a shared core for long. */
 #define SPIN_NS 50000u
@@ -67,7 +58,7 @@ static uint64_t wait_gen(pkv__tpool *p, uint64_t seen) {
     for (uint32_t i = 0;; i++) {
         uint64_t g = atomic_load_explicit(&p->gen, memory_order_acquire);
         if (g != seen || atomic_load_explicit(&p->stop, memory_order_acquire)) return g;
-        cpu_relax();
+        pkv__cpu_relax();
         if ((i & 63) == 63) {
             uint64_t now = pkv__now_ns();
             if (!t0) t0 = now;
@@ -171,7 +162,7 @@ int pkv__tpool_run(pkv__tpool *p, pkv__task_fn fn, void *ctx, uint32_t n_tasks) 
     /* the tasks other threads still run */
     uint64_t t0 = 0;
     for (uint32_t i = 0; atomic_load_explicit(&p->n_done, memory_order_acquire) != n_tasks; i++) {
-        cpu_relax();
+        pkv__cpu_relax();
         if ((i & 63) == 63) {
             uint64_t now = pkv__now_ns();
             if (!t0) t0 = now;

@@ -15,6 +15,15 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define pkv__cpu_relax() _mm_pause()
+#elif defined(__aarch64__)
+#define pkv__cpu_relax() __asm__ volatile("yield" ::: "memory")
+#else
+#define pkv__cpu_relax() ((void)0)
+#endif
+
 typedef void (*pkv__task_fn)(void *ctx, uint32_t task, uint32_t tid);
 
 typedef struct pkv__tpool_worker {

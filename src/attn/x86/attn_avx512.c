@@ -400,8 +400,8 @@ static inline __m128 exp4(__m128 x) {
 #include "softmax_x86.h"
 
 /* bf16 queries, scaled, in even-odd order (attn.h): each full group of 32 by two two-source
- * permutes. A sweep prepares every sequence's queries before its chunks start (run_prep), so
- * this copy is on the call's critical path. */
+ * permutes. A sweep's chunks prepare every sequence's queries before they start reading
+ * (sweep_claim_queries in attn.c), so this copy is on the call's critical path. */
 static void prep_bf16_eo(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
     const uint32_t D32 = head_dim & ~31u;
