@@ -396,7 +396,18 @@ static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
 #define PKV_ATTN_PF_DIST 1
 #endif
 
-static void write_final(const pkv__attn *at, const unit *w, const float *m, const float *l, const float *acc) {
+/* Merges n_ks partial softmax states of w's rows by log-sum-exp and writes w's outputs (and
+ * log-sum-exps) in one pass. State k is m0 [ROWS_MAX], l0 [ROWS_MAX], acc0 [ROWS_MAX][head_dim]
+ * (in w's row order) at k * stride floats further (slots of a key split or of a sweep's chunks;
+ * n_ks 1 and stride 0 for a unit's own state). Each output row is the states' acc rows weighted
+ * exp(m_k - m) / l, with m their max and l the weighted sum of their l_k. A state with l = 0
+ * saw nothing (its acc may be stale): it weighs 0, and a row no state saw is written as zeros
+ * (log-sum-exp -inf). Acc in even-odd order is combined in state 0's row and unshuffled from
+ * there. The states' m become their weights. (As a merge into slot 0 followed by a separate
+ * write of the output, with the swept items merged by the last chunk, the merges took 5% of
+ * f16 decode of 512 x 2 at 2 threads, stop 31.) */
+static void merge_write(const pkv__attn *at, const unit *w, float *m0, const float *l0, float *acc0, size_t stride,
+                        uint32_t n_ks) {
     const uint32_t D = at->kv->head_dim, nqh = at->call->n_q_heads, G = at->G;
     const uint32_t rows_h = w->nq * w->gs;
     const bool eo = at->kt.acc_eo[at->kv->v_dtype]; /* acc in even-odd order (attn.h) */
@@ -406,50 +417,15 @@ static void write_final(const pkv__attn *at, const unit *w, const float *m, cons
                 const uint32_t r = j * rows_h + qi * w->gs + g;
                 const size_t o = (size_t)(w->qa + qi) * nqh + (size_t)(w->kvh0 + j) * G + w->g0 + g;
                 float *dst = w->item->out + o * D;
-                const float *src = acc + (size_t)r * D;
-                if (l[r] > 0.0f) {
-                    const float inv = 1.0f / l[r];
-                    if (eo)
-                        pkv__attn_unshuffle_eo(dst, src, D, inv);
-                    else
-                        for (uint32_t d = 0; d < D; d++) dst[d] = src[d] * inv;
-                } else {
-                    for (uint32_t d = 0; d < D; d++) dst[d] = 0.0f;
-                }
-                if (w->item->lse) w->item->lse[o] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
-            }
-}
-
-/* Merges the n_ks partials of a (group, tile), or of a sequence's sweep chunks, into the first
- * slot's m, l, acc. Each slot holds softmax state relative to its own max: rescale to the common
- * max and add. A row whose l is 0 in a slot saw no key there and is skipped. */
-/* Merges n_ks partial states of w's rows (slots of slot_floats from slot0: m [ROWS_MAX],
- * l [ROWS_MAX], acc [ROWS_MAX][head_dim], in w's row order) by log-sum-exp and writes the
- * result as write_final does, in one pass over the slots: each output row is the slots' acc
- * rows weighted exp(m_s - m) / l. A slot with l = 0 saw nothing (its acc may be stale): it
- * weighs 0. Acc in even-odd order is combined in slot 0's row and unshuffled from there.
- * (As a merge into slot 0 followed by write_final, with the swept items merged by the last
- * chunk, the merges took 5% of f16 decode of 512 x 2 at 2 threads.) */
-static void merge_write(const pkv__attn *at, const unit *w, float *slot0, uint32_t n_ks) { /* slots overwritten */
-    const uint32_t D = at->kv->head_dim, nqh = at->call->n_q_heads, G = at->G;
-    const uint32_t rows_h = w->nq * w->gs;
-    const size_t sf = at->slot_floats;
-    const bool eo = at->kt.acc_eo[at->kv->v_dtype];
-    for (uint32_t j = 0; j < w->n_kvh; j++)
-        for (uint32_t qi = 0; qi < w->nq; qi++)
-            for (uint32_t g = 0; g < w->gs; g++) {
-                const uint32_t r = j * rows_h + qi * w->gs + g;
-                const size_t o = (size_t)(w->qa + qi) * nqh + (size_t)(w->kvh0 + j) * G + w->g0 + g;
-                float *dst = w->item->out + o * D;
                 float mx = -INFINITY, lsum = 0.0f;
                 for (uint32_t k = 0; k < n_ks; k++)
-                    if (slot0[k * sf + ROWS_MAX + r] > 0.0f) mx = PKV_MAX(mx, slot0[k * sf + r]);
-                if (mx != -INFINITY) /* each slot's m becomes its weight exp(m_s - m) */
+                    if (l0[k * stride + r] > 0.0f) mx = PKV_MAX(mx, m0[k * stride + r]);
+                if (mx != -INFINITY)
                     for (uint32_t k = 0; k < n_ks; k++) {
-                        const float lk = slot0[k * sf + ROWS_MAX + r];
+                        const float lk = l0[k * stride + r];
                         if (!(lk > 0.0f)) continue;
-                        slot0[k * sf + r] = expf(slot0[k * sf + r] - mx);
-                        lsum += lk * slot0[k * sf + r];
+                        m0[k * stride + r] = expf(m0[k * stride + r] - mx);
+                        lsum += lk * m0[k * stride + r];
                     }
                 if (w->item->lse) w->item->lse[o] = lsum > 0.0f ? mx + logf(lsum) : -INFINITY;
                 if (!(lsum > 0.0f)) { /* nothing visible at all */
@@ -457,13 +433,12 @@ static void merge_write(const pkv__attn *at, const unit *w, float *slot0, uint32
                     continue;
                 }
                 const float inv = 1.0f / lsum;
-                float *sum = eo ? slot0 + 2 * ROWS_MAX + (size_t)r * D : dst;
+                float *sum = eo ? acc0 + (size_t)r * D : dst;
                 bool first = true;
                 for (uint32_t k = 0; k < n_ks; k++) {
-                    const float *sk = slot0 + k * sf;
-                    if (!(sk[ROWS_MAX + r] > 0.0f)) continue;
-                    const float f = eo ? sk[r] : sk[r] * inv;
-                    const float *ak = sk + 2 * ROWS_MAX + (size_t)r * D;
+                    if (!(l0[k * stride + r] > 0.0f)) continue;
+                    const float f = eo ? m0[k * stride + r] : m0[k * stride + r] * inv;
+                    const float *ak = acc0 + k * stride + (size_t)r * D;
                     if (first)
                         for (uint32_t d = 0; d < D; d++) sum[d] = ak[d] * f;
                     else
@@ -622,7 +597,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     }
 
     if (pi->n_ks == 1) {
-        write_final(at, &w, m, l, acc);
+        merge_write(at, &w, m, l, acc, 0, 1);
         return;
     }
     /* key split: publish the partial; the last split of this (group, tile) merges and writes */
@@ -633,7 +608,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     memcpy(slot + 2 * ROWS_MAX, acc, (size_t)rows * D * sizeof(float));
     if (atomic_fetch_add_explicit(&at->split_done[pi->grp0 + w.grp], 1, memory_order_acq_rel) + 1 != pi->n_ks)
         return;
-    merge_write(at, &w, slot0, pi->n_ks);
+    merge_write(at, &w, slot0, slot0 + ROWS_MAX, slot0 + 2 * ROWS_MAX, at->slot_floats, pi->n_ks);
 }
 
 /* ---- planning -------------------------------------------------------------------------------- */
@@ -906,7 +881,7 @@ static void merge_item(const pkv__attn *at, uint32_t i) {
     const uint32_t H = at->kv->n_kv_heads, G = at->G;
     float *slot0 = sweep_slot(at, i, 0);
     const unit w = {.item = it, .kvh0 = 0, .n_kvh = H, .g0 = 0, .gs = G, .qa = 0, .nq = 1};
-    merge_write(at, &w, slot0, at->sweep_chunks);
+    merge_write(at, &w, slot0, slot0 + ROWS_MAX, slot0 + 2 * ROWS_MAX, at->slot_floats, at->sweep_chunks);
 }
 
 /* A chunk is done with item i: the item's last chunk to be done merges it (acq_rel: it sees
