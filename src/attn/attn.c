@@ -424,7 +424,7 @@ static void merge_write(const pkv__attn *at, const unit *w, float *m0, const flo
                     for (uint32_t k = 0; k < n_ks; k++) {
                         const float lk = l0[k * stride + r];
                         if (!(lk > 0.0f)) continue;
-                        m0[k * stride + r] = expf(m0[k * stride + r] - mx);
+                        m0[k * stride + r] = n_ks == 1 ? 1.0f : expf(m0[k * stride + r] - mx); /* exp(0) */
                         lsum += lk * m0[k * stride + r];
                     }
                 if (w->item->lse) w->item->lse[o] = lsum > 0.0f ? mx + logf(lsum) : -INFINITY;
