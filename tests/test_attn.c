@@ -703,7 +703,7 @@ static void test_oracle_pool_order(void **state) {
         const pkv_dtype dt = k_types[c % 3];
         uint32_t lens[40], share[40], parent[40], total = 0, max_blocks = 0;
         for (uint32_t i = 0; i < n; i++) {
-            lens[i] = 1 + rng_below(c < 12 || n > 16 ? 600 : 2500);
+            lens[i] = 1 + rng_below(PKV_MIN(c < 12 || n > 16 ? 600u : 2500u, max_len()));
             share[i] = 0, parent[i] = i;
             if (i && rng_below(3) == 0) { /* fork an earlier sequence that is not a fork itself */
                 const uint32_t j = rng_below(i);
