@@ -121,8 +121,8 @@ struct pkv__attn {
     uint32_t *sweep_idx;
     uint32_t sweep_total, sweep_n, sweep_chunks, sweep_i0, sweep_ni;
     /* the group's items within its one job (run_chunk): queries not made, being made or ready
-     * (SWEEP_Q_*), and chunks still to finish (the last one merges the item) */
-    _Atomic uint32_t sweep_qstate[SWEEP_ITEMS], sweep_left[SWEEP_ITEMS];
+     * (SWEEP_Q_*), and chunks done with the item (part_done: the last one merges it) */
+    _Atomic uint32_t sweep_qstate[SWEEP_ITEMS], sweep_done[SWEEP_ITEMS];
     size_t l2_bytes; /* a core's L2 cache (sysconf), or L2_GUESS_BYTES: see run_chunk's state prefetch */
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
@@ -290,7 +290,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     memset(at, 0, sizeof *at);
     atomic_init(&at->items_pool, 0);
     atomic_init(&at->items_table, 0);
-    for (uint32_t i = 0; i < SWEEP_ITEMS; i++) atomic_init(&at->sweep_qstate[i], 0), atomic_init(&at->sweep_left[i], 0);
+    for (uint32_t i = 0; i < SWEEP_ITEMS; i++) atomic_init(&at->sweep_qstate[i], 0), atomic_init(&at->sweep_done[i], 0);
     if (a) at->a = *a;
     at->alloc_bytes = total;
     at->kt = kt;
@@ -424,7 +424,8 @@ static void merge_write(const pkv__attn *at, const unit *w, float *m0, const flo
                     for (uint32_t k = 0; k < n_ks; k++) {
                         const float lk = l0[k * stride + r];
                         if (!(lk > 0.0f)) continue;
-                        m0[k * stride + r] = n_ks == 1 ? 1.0f : expf(m0[k * stride + r] - mx); /* exp(0) */
+                        const float mk = m0[k * stride + r];
+                        m0[k * stride + r] = mk == mx ? 1.0f : expf(mk - mx); /* exp(0) exactly */
                         lsum += lk * m0[k * stride + r];
                     }
                 if (w->item->lse) w->item->lse[o] = lsum > 0.0f ? mx + logf(lsum) : -INFINITY;
@@ -522,6 +523,12 @@ static inline void accum_head(const pkv__attn *at, pkv__attn_accum_fn accum, flo
           acc + (size_t)j * rows_h * kv->head_dim, io[j & 1u].pvp);
 }
 
+/* Counts one of n parts (key splits, a sweep's chunks) done, on a counter reset to 0 before the
+ * job: true for the last, which then merges them (acq_rel: it sees every other part's slot). */
+static bool part_done(_Atomic uint32_t *done, uint32_t n) {
+    return atomic_fetch_add_explicit(done, 1, memory_order_acq_rel) + 1 == n;
+}
+
 static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     pkv__attn *at = ctx;
     const pkv__kv_view *kv = at->kv;
@@ -606,8 +613,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     memcpy(slot, m, rows * sizeof(float));
     memcpy(slot + ROWS_MAX, l, rows * sizeof(float));
     memcpy(slot + 2 * ROWS_MAX, acc, (size_t)rows * D * sizeof(float));
-    if (atomic_fetch_add_explicit(&at->split_done[pi->grp0 + w.grp], 1, memory_order_acq_rel) + 1 != pi->n_ks)
-        return;
+    if (!part_done(&at->split_done[pi->grp0 + w.grp], pi->n_ks)) return;
     merge_write(at, &w, slot0, slot0 + ROWS_MAX, slot0 + 2 * ROWS_MAX, at->slot_floats, pi->n_ks);
 }
 
@@ -828,7 +834,7 @@ static void sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1, bool alone) {
     /* relaxed: the job's start publishes them (the pool's ticket, or the executor's call) */
     for (uint32_t i = 0; i < at->sweep_ni; i++) {
         atomic_store_explicit(&at->sweep_qstate[i], SWEEP_Q_NONE, memory_order_relaxed);
-        atomic_store_explicit(&at->sweep_left[i], at->sweep_chunks, memory_order_relaxed);
+        atomic_store_explicit(&at->sweep_done[i], 0, memory_order_relaxed);
     }
 }
 
@@ -884,11 +890,9 @@ static void merge_item(const pkv__attn *at, uint32_t i) {
     merge_write(at, &w, slot0, slot0 + ROWS_MAX, slot0 + 2 * ROWS_MAX, at->slot_floats, at->sweep_chunks);
 }
 
-/* A chunk is done with item i: the item's last chunk to be done merges it (acq_rel: it sees
- * every other chunk's slot). */
+/* A chunk is done with item i: the item's last chunk to be done merges it. */
 static void finish_item(pkv__attn *at, uint32_t i) {
-    if (atomic_fetch_sub_explicit(&at->sweep_left[i], 1, memory_order_acq_rel) == 1)
-        merge_item(at, i);
+    if (part_done(&at->sweep_done[i], at->sweep_chunks)) merge_item(at, i);
 }
 
 static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
@@ -982,11 +986,7 @@ static int sweep_run(pkv__attn *at, bool small, uint32_t *threads) {
     for (uint32_t g = 0, ng = sweep_groups(at); g < ng; g++) {
         uint32_t i0, i1;
         sweep_group(at, g, &i0, &i1);
-        sweep_prepare(at, i0, i1, small);
-        if (small) {
-            run_chunk(at, 0, 0);
-            continue;
-        }
+        sweep_prepare(at, i0, i1, small); /* small: one chunk, which the pool runs on the caller */
         /* one job a group: its chunks make the queries and merge the items themselves */
         const int rc = pkv__tpool_run(&at->pool, run_chunk, at, at->sweep_chunks);
         if (rc) return rc;
