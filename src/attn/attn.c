@@ -26,17 +26,16 @@
  * 64 blocks of 16 tokens x head_dim 128, a few microseconds of work. */
 #define INLINE_WORK_ELEMS (64u * 16u * 128u)
 
-/* Key splits aim at this many units per thread, as the sweep's SWEEP_CHUNKS_PER_THREAD: two,
- * so a thread the OS preempts holds back at most a quarter of a 2-thread call. Smaller splits
+/* Key splits aim at this many units per thread: two, so a thread the OS preempts holds back at
+ * most a quarter of a 2-thread call (the sweep takes one chunk a thread: below). Smaller splits
  * cost more than they balance: at 4 per thread, decode of one to four sequences from
  * contiguous tables at 2 threads took 1-15% longer (docs/design.md, stop 25). */
 #ifndef UNITS_PER_THREAD
 #define UNITS_PER_THREAD 2u
 #endif
-/* ... but work is cut into more parts than threads (key splits of an item; the sweep's chunks,
- * SWEEP_CHUNKS_PER_THREAD) only where each part still reads this many blocks of each item it
- * holds: every part starts a partial state per item and the merge reads them all. At 2 parts a
- * thread the sweep cost 9% at 512 tokens x 1 and 1-3% at 512 x 16 (stop 25); key splits, f16
+/* ... but key splits cut an item into more parts than threads only where each part still reads
+ * this many blocks of it: every part starts a partial state and the merge reads them all. At 2
+ * parts a thread the sweep cost 9% at 512 tokens x 1 and 1-3% at 512 x 16 (stop 25); key splits, f16
  * decode of one sequence from contiguous tables at 2 threads (ab-decode, stop 28): 512 tokens
  * (4 splits of 8 blocks before, 2 of 16 now) 0.859 and 1/1.249, 1024 tokens 0.937 and 1/1.127;
  * 2048 (4 splits of 32 blocks) unchanged. */
@@ -48,14 +47,15 @@ static uint64_t parts_cap(uint32_t n_threads, uint64_t item_blocks) {
     return PKV_MAX((uint64_t)n_threads, item_blocks / PART_ITEM_BLOCKS);
 }
 
-/* Pool-order decode (the "sweep", below): at most this many items per sweep, a call of more
- * is swept in groups (their running state, 32 KiB of queries and acc a sequence at 32 query
- * heads x head_dim 128, 1 MiB for the group: about a core's L2), in SWEEP_CHUNKS_PER_THREAD
- * chunks per thread, for contexts of at most SWEEP_MAX_THREADS threads (its state slots are
- * items x chunks). An entry key packs (block id << 32 | item << 27 | block index), so a
- * sequence's blocks up to 2^27. */
+/* Pool-order decode (the "sweep", below): a call's one-query items are swept in groups of at
+ * most SWEEP_CHUNK_ITEMS a thread and SWEEP_ITEMS in all, one chunk a thread, for contexts of
+ * at most SWEEP_MAX_THREADS threads (its state slots are items x chunks). A chunk keeps the
+ * running state of the items of its set (32 KiB of queries and acc a sequence at 32 query
+ * heads x head_dim 128): past about 8 of them, states left the 2 MiB L2 of the machine of stop
+ * 32 between two visits, at 2% to 8% of the call (docs/design.md). An entry key packs (block id
+ * << 32 | item << 27 | block index), so a sequence's blocks up to 2^27. */
 #define SWEEP_ITEMS 32u
-#define SWEEP_CHUNKS_PER_THREAD 2u /* where parts_cap allows */
+#define SWEEP_CHUNK_ITEMS 8u
 #define SWEEP_MAX_THREADS 16u
 #define SWEEP_B_BITS 27u
 #define SWEEP_ENTRIES_MAX (1u << 20)
@@ -113,13 +113,18 @@ struct pkv__attn {
      * entry count and chunks */
     int order;
     bool last_swept;
-    uint32_t sweep_cap, sweep_chunks_max;
+    uint32_t sweep_cap, sweep_chunks_max, sweep_group_max;
     uint64_t *sweep_keys, *sweep_tmp;
     const uint64_t *sweep_sorted;
     uint8_t *sweep_q;
     float *sweep_slots;
     uint32_t *sweep_idx;
     uint32_t sweep_total, sweep_n, sweep_chunks, sweep_i0, sweep_ni;
+    /* the group's sets (sweep_prepare): set k's entries are sweep_sorted[sweep_set[k] ..
+     * sweep_set[k + 1]), its items [sweep_set_i0[k], sweep_set_i1[k]); chunk c sweeps range
+     * c / sweep_n_sets of set c % sweep_n_sets */
+    uint32_t sweep_n_sets, sweep_set[SWEEP_MAX_THREADS + 1], sweep_set_i0[SWEEP_MAX_THREADS],
+        sweep_set_i1[SWEEP_MAX_THREADS];
     /* the group's items within its one job (run_chunk): queries not made, being made or ready
      * (SWEEP_Q_*), and chunks done with the item (part_done: the last one merges it) */
     _Atomic uint32_t sweep_qstate[SWEEP_ITEMS], sweep_done[SWEEP_ITEMS];
@@ -262,13 +267,12 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     const size_t slot_floats = (size_t)ROWS_MAX * (D + 2);
     const uint32_t max_items = lim->max_items ? lim->max_items : 1;
     /* the sweep's entries: every block of a group of sequences, within bounds */
-    const uint32_t sweep_items = PKV_MIN(max_items, SWEEP_ITEMS);
+    const uint32_t sweep_items = PKV_MIN(max_items, PKV_MIN(SWEEP_ITEMS, SWEEP_CHUNK_ITEMS * n_threads));
     uint64_t sweep_cap = lim->max_blocks_per_seq ? (uint64_t)sweep_items * lim->max_blocks_per_seq
                                                  : SWEEP_ENTRIES_UNBOUNDED;
     sweep_cap = PKV_MIN(sweep_cap, SWEEP_ENTRIES_MAX);
     if (n_threads > SWEEP_MAX_THREADS) sweep_cap = 0;
-    /* one thread: one chunk (more would only add slots to write and merge) */
-    const uint32_t sweep_chunks_max = sweep_cap ? (n_threads > 1 ? SWEEP_CHUNKS_PER_THREAD * n_threads : 1) : 0;
+    const uint32_t sweep_chunks_max = sweep_cap ? n_threads : 0; /* one a thread */
     const size_t sweep_slots = sweep_cap ? (size_t)sweep_items * sweep_chunks_max : 0;
 
     /* one allocation: context | workers | plan | sweep item list | split counters | partials |
@@ -311,6 +315,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->order = order;
     at->sweep_cap = (uint32_t)sweep_cap;
     at->sweep_chunks_max = sweep_chunks_max;
+    at->sweep_group_max = sweep_items;
     at->sweep_keys = (uint64_t *)(mem + off_keys);
     at->sweep_tmp = at->sweep_keys + align64(sizeof(uint64_t) * sweep_cap) / sizeof(uint64_t);
     at->sweep_q = mem + off_sq;
@@ -704,12 +709,15 @@ static uint32_t make_plan(pkv__attn *at, bool skip_swept) {
 
 /* ---- pool-order decode (the sweep) ------------------------------------------------------------
  *
- * Every (sequence, block) pair of a decode call is an entry; sorted by block id, the entries
- * are cut into chunks of consecutive blocks and a chunk keeps one online-softmax state per
- * sequence (a slot: m, l, acc of its H x G rows). A second job merges each sequence's slots
- * by log-sum-exp and writes its output. Where the batch's blocks fill a region
- * of the pool a chunk reads it front to back, as a contiguous cache would be read; a block held
- * by several sequences comes in from memory once, for all of them in a row. */
+ * Every (sequence, block) pair of a decode call is an entry. A group's entries are cut into
+ * sets, one a chunk: in (sequence, block index) order, into equal parts (a sequence may fall in
+ * two). Each set is sorted by block id, and its chunk keeps one online-softmax state per
+ * sequence (a slot: m, l, acc of its H x G rows); the last chunk done with a sequence merges
+ * its slots by log-sum-exp and writes its output. Where the batch's blocks fill a region of the
+ * pool the chunks read it front to back together, each its set's blocks, as a contiguous cache
+ * would be read, while a chunk keeps at most about SWEEP_CHUNK_ITEMS states; a block held by
+ * several sequences of a set comes in from memory once, for all of them in a row. A lone
+ * sequence is one set, cut into chunks by block ranges. */
 
 /* Sorts the keys by their block id (bits 32 and up, below n_blocks), keeping equal ids in the
  * order given: LSD radix, 11 bits a pass. Returns the sorted array, a or tmp. A short list (a
@@ -765,9 +773,11 @@ static const pkv__attn_item *sweep_item(const pkv__attn *at, uint32_t i) {
     return &at->items[at->sweep_idx[at->sweep_i0 + i]];
 }
 
-/* The call's sweep groups: SWEEP_ITEMS of the listed items at most, sizes within one of each
- * other; group g is sweep_idx[*i0 .. *i1). */
-static uint32_t sweep_groups(const pkv__attn *at) { return (at->sweep_total + SWEEP_ITEMS - 1) / SWEEP_ITEMS; }
+/* The call's sweep groups: sweep_group_max of the listed items at most, sizes within one of
+ * each other; group g is sweep_idx[*i0 .. *i1). */
+static uint32_t sweep_groups(const pkv__attn *at) {
+    return (at->sweep_total + at->sweep_group_max - 1) / at->sweep_group_max;
+}
 
 static void sweep_group(const pkv__attn *at, uint32_t g, uint32_t *i0, uint32_t *i1) {
     const uint32_t ng = sweep_groups(at);
@@ -825,12 +835,24 @@ static void sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1, bool alone) {
             keys[x++] = sweep_key(it->block_table[b], i - i0, b);
     }
     at->sweep_i0 = i0, at->sweep_ni = i1 - i0;
-    at->sweep_sorted = sort_by_block(keys, at->sweep_tmp, x, kv->n_blocks);
     at->sweep_n = x;
-    /* a chunk a thread, up to SWEEP_CHUNKS_PER_THREAD within parts_cap of the sequences'
-     * average blocks (a group is never empty) */
-    const uint32_t want = (uint32_t)PKV_MIN(at->sweep_chunks_max, parts_cap(at->n_threads, x / at->sweep_ni));
-    at->sweep_chunks = alone ? 1u : PKV_MAX(1u, PKV_MIN(want, x / MIN_SPLIT_BLOCKS));
+    /* a chunk a thread (a group is never empty); the items in as many sets as there are
+     * chunks, or one set of a lone item cut into chunks by block ranges */
+    const uint32_t chunks = alone ? 1u : PKV_MAX(1u, PKV_MIN(at->sweep_chunks_max, x / MIN_SPLIT_BLOCKS));
+    const uint32_t ns = PKV_MIN(chunks, at->sweep_ni);
+    at->sweep_chunks = chunks / ns * ns;
+    at->sweep_n_sets = ns;
+    /* the keys are in (item, block index) order: set k is the k-th of ns cuts of equal entries
+     * (an item may straddle two), each sorted by block id, back into keys where the sort left
+     * it in sweep_tmp */
+    for (uint32_t k = 0; k <= ns; k++) at->sweep_set[k] = (uint32_t)((uint64_t)x * k / ns);
+    for (uint32_t k = 0; k < ns; k++) {
+        const uint32_t a = at->sweep_set[k], n = at->sweep_set[k + 1] - a;
+        at->sweep_set_i0[k] = key_item(keys[a]), at->sweep_set_i1[k] = key_item(keys[a + n - 1]) + 1;
+        const uint64_t *sorted = sort_by_block(keys + a, at->sweep_tmp, n, kv->n_blocks);
+        if (sorted != keys + a) memcpy(keys + a, sorted, (size_t)n * sizeof(uint64_t));
+    }
+    at->sweep_sorted = keys;
     /* relaxed: the job's start publishes them (the pool's ticket, or the executor's call) */
     for (uint32_t i = 0; i < at->sweep_ni; i++) {
         atomic_store_explicit(&at->sweep_qstate[i], SWEEP_Q_NONE, memory_order_relaxed);
@@ -846,16 +868,19 @@ static void prep_item(pkv__attn *at, uint32_t i) {
                                at->sweep_q + (size_t)i * rows * PKV__ATTN_QROW_BYTES(D));
 }
 
-/* Chunk c's share of the group's queries. Every chunk reads every item's queries, so the chunk
- * that starts first cannot make them as it meets them: another chunk would read rows still
- * being written. Each chunk instead claims every item not yet claimed, from an offset of its
- * own (chunks that start together make about a share each), and makes them before it sweeps.
+/* Chunk c's share of its set's queries. The chunks of a set (a lone item's, or the two that
+ * share a straddling item) read the same items' queries, so the chunk that starts first cannot
+ * make them as it meets them: another chunk would read rows still being written. Each chunk
+ * instead claims every item of its set not yet claimed, from an offset of its own (chunks that
+ * start together make about a share each), and makes them before it sweeps.
  * (Made by one thread before the chunks started, they held the others back: f16 512 x 16,
  * 2 threads, paged, 3% of the call, stop 29; then in a job of their own, one wake-up more.) */
 static void sweep_claim_queries(pkv__attn *at, uint32_t c) {
-    const uint32_t ni = at->sweep_ni, first = (uint32_t)((uint64_t)ni * c / at->sweep_chunks);
+    const uint32_t ns = at->sweep_n_sets, set = c % ns, i0 = at->sweep_set_i0[set];
+    const uint32_t ni = at->sweep_set_i1[set] - i0, nc = at->sweep_chunks / ns;
+    const uint32_t first = (uint32_t)((uint64_t)ni * (c / ns) / nc);
     for (uint32_t k = 0; k < ni; k++) {
-        const uint32_t i = first + k < ni ? first + k : first + k - ni;
+        const uint32_t i = i0 + (first + k < ni ? first + k : first + k - ni);
         uint32_t none = SWEEP_Q_NONE;
         if (atomic_load_explicit(&at->sweep_qstate[i], memory_order_relaxed) != SWEEP_Q_NONE ||
             !atomic_compare_exchange_strong_explicit(&at->sweep_qstate[i], &none, SWEEP_Q_BUSY,
@@ -866,9 +891,10 @@ static void sweep_claim_queries(pkv__attn *at, uint32_t c) {
     }
 }
 
-/* Waits until item i's queries are ready. After sweep_claim_queries every item is claimed, and
- * one not ready is being made by a task that is running and waits on nothing: this ends under
- * any executor (a serial one never gets here). The yield is for a preempted maker. */
+/* Waits until item i's queries are ready. After sweep_claim_queries every item of the chunk's
+ * set is claimed, and one not ready is being made by a task that is running and waits on
+ * nothing: this ends under any executor (a serial one never gets here). The yield is for a
+ * preempted maker. */
 static void sweep_wait_queries(const pkv__attn *at, uint32_t i) {
     for (uint32_t n = 0; atomic_load_explicit(&at->sweep_qstate[i], memory_order_acquire) != SWEEP_Q_READY; n++) {
         pkv__cpu_relax();
@@ -906,8 +932,9 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
     const uint64_t *e = at->sweep_sorted;
-    const uint32_t x0 = (uint32_t)((uint64_t)at->sweep_n * c / at->sweep_chunks);
-    const uint32_t x1 = (uint32_t)((uint64_t)at->sweep_n * (c + 1) / at->sweep_chunks);
+    const uint32_t ns = at->sweep_n_sets, set = c % ns, rg = c / ns, nr = at->sweep_chunks / ns;
+    const uint32_t sa = at->sweep_set[set], sn = at->sweep_set[set + 1] - sa;
+    const uint32_t x0 = sa + (uint32_t)((uint64_t)sn * rg / nr), x1 = sa + (uint32_t)((uint64_t)sn * (rg + 1) / nr);
     const uint32_t n_items = at->sweep_ni;
     uint32_t used = 0; /* items whose slot this chunk has started */
     sweep_claim_queries(at, c);
@@ -930,7 +957,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
      * entry of each other sequence) exceed its L2. Where they fit, the prefetches only cost
      * (in cache, f16 at batch 2, 4 and 8: 2.7-2.9% of the call). */
     const size_t entry_bytes = (size_t)H * B * (kv->k_row_bytes + kv->v_row_bytes) + (size_t)rows * (qrow + D * 4);
-    const bool state_pf = (uint64_t)n_items * entry_bytes > at->l2_bytes;
+    const bool state_pf = (uint64_t)(at->sweep_set_i1[set] - at->sweep_set_i0[set]) * entry_bytes > at->l2_bytes;
     for (uint32_t x = x0; x < x1; x++) {
         const size_t bid = key_bid(e[x]);
         const uint32_t i = key_item(e[x]), b = key_b(e[x]);
