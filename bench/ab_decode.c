@@ -21,7 +21,7 @@ enum { AB_MAX_ROUNDS = 101, AB_MAX_CALLS = 1000 };
 typedef struct ab_opts {
     pkv_dtype dtype;
     uint32_t ctx, batch, layers, threads, rounds, calls, ext;
-    int paged;
+    int paged, shared; /* shared: paged, and sequences 1 .. batch - 1 forks of sequence 0 */
 } ab_opts;
 
 typedef struct ab_side {
@@ -41,6 +41,7 @@ void a_pkv_cache_destroy(pkv_cache *c);
 int a_pkv_seq_create(pkv_cache *c, const void *salt, size_t salt_len, pkv_seq *out);
 int a_pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n, int32_t *slots_out);
 int a_pkv_seq_release(pkv_cache *c, pkv_seq s);
+int a_pkv_seq_fork(pkv_cache *c, pkv_seq parent, pkv_seq *child);
 int a_pkv_seq_slots(pkv_cache *c, pkv_seq s, uint32_t start, uint32_t n, int32_t *slots);
 int a_pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n, const void *k, const void *v,
                    pkv_dtype in_dtype);
@@ -63,7 +64,7 @@ static tool_pool_loan ab_loan;
 #undef AB
 
 static int usage(void) {
-    fprintf(stderr, "usage: ab_decode DTYPE CTX BATCH LAYERS THREADS paged|contig ROUNDS CALLS [EXT]\n"
+    fprintf(stderr, "usage: ab_decode DTYPE CTX BATCH LAYERS THREADS paged|contig|shared ROUNDS CALLS [EXT]\n"
                     "  e.g. ab_decode f16 4096 16 2 2 paged 21 6  (BATCH <= %d, ROUNDS <= %d, CALLS <= %d;\n"
                     "  EXT <= CTX: each call also extends one more sequence by EXT queries)\n",
             AB_MAX_BATCH, AB_MAX_ROUNDS, AB_MAX_CALLS);
@@ -90,6 +91,7 @@ int main(int argc, char **argv) {
         (argc == 10 && parse_u32(argv[9], 0, o.ctx, &o.ext)))
         return usage();
     if (!strcmp(argv[6], "paged")) o.paged = 1;
+    else if (!strcmp(argv[6], "shared")) o.paged = o.shared = 1;
     else if (strcmp(argv[6], "contig")) return usage();
 
     static ab_side a, b;

@@ -40,6 +40,10 @@ static int AB(ab_setup)(ab_side *s, const ab_opts *o, tool_rng *rng) {
     int rc = ids && slots && k && v ? 0 : -1;
     for (size_t i = 0; i < n && rc == 0; i++) k[i] = ab_unit(rng), v[i] = ab_unit(rng);
     for (uint32_t b = 0; b < n_seqs && rc == 0; b++) {
+        if (o->shared && b > 0 && b < o->batch) { /* a fork of sequence 0: every block shared */
+            if (AB(pkv_seq_fork)(s->c, s->seqs[0], &s->seqs[b]) < 0) rc = -1;
+            continue;
+        }
         if (AB(pkv_seq_create)(s->c, NULL, 0, &s->seqs[b]) < 0 ||
             AB(pkv_seq_append)(s->c, s->seqs[b], ids, o->ctx, NULL) < 0 ||
             AB(pkv_seq_slots)(s->c, s->seqs[b], 0, o->ctx, slots) < 0)
