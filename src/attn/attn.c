@@ -48,14 +48,18 @@ static uint64_t parts_cap(uint32_t n_threads, uint64_t item_blocks) {
 }
 
 /* Pool-order decode (the "sweep", below): a call's one-query items are swept in groups of at
- * most SWEEP_CHUNK_ITEMS a thread and SWEEP_ITEMS in all, one chunk a thread, for contexts of
- * at most SWEEP_MAX_THREADS threads (its state slots are items x chunks). A chunk keeps the
- * running state of the items of its set (32 KiB of queries and acc a sequence at 32 query
- * heads x head_dim 128): past about 8 of them, states left the 2 MiB L2 of the machine of stop
- * 32 between two visits, at 2% to 8% of the call (docs/design.md). An entry key packs (block id
- * << 32 | item << 27 | block index), so a sequence's blocks up to 2^27. */
+ * most SWEEP_ITEMS, one chunk a thread, for contexts of at most SWEEP_MAX_THREADS threads (its
+ * state slots are items x chunks). A chunk keeps the running state of the items of its set (32
+ * KiB of queries and acc a sequence at 32 query heads x head_dim 128), and between two visits to
+ * one it reads an entry (K/V runs and state) of each other: a group holds as many items a
+ * thread as make SWEEP_STATE_L2_EIGHTHS eighths of the core's L2 in such bytes, at least
+ * SWEEP_CHUNK_ITEMS_MIN. On the 2 MiB L2 of stop 32's machine that is 8 sequences for f16 and
+ * bf16 (96 KiB an entry), 4 for f32: past that the states left L2 between visits, at 2% to 8%
+ * of the call (docs/design.md). An entry key packs (block id << 32 | item << 27 | block index),
+ * so a sequence's blocks up to 2^27. */
 #define SWEEP_ITEMS 32u
-#define SWEEP_CHUNK_ITEMS 8u
+#define SWEEP_STATE_L2_EIGHTHS 3u
+#define SWEEP_CHUNK_ITEMS_MIN 4u
 #define SWEEP_MAX_THREADS 16u
 #define SWEEP_B_BITS 27u
 #define SWEEP_ENTRIES_MAX (1u << 20)
@@ -113,7 +117,7 @@ struct pkv__attn {
      * entry count and chunks */
     int order;
     bool last_swept;
-    uint32_t sweep_cap, sweep_chunks_max, sweep_group_max;
+    uint32_t sweep_cap, sweep_chunks_max, sweep_items_cap, sweep_group_max;
     uint64_t *sweep_keys, *sweep_tmp;
     const uint64_t *sweep_sorted;
     uint8_t *sweep_q;
@@ -267,7 +271,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     const size_t slot_floats = (size_t)ROWS_MAX * (D + 2);
     const uint32_t max_items = lim->max_items ? lim->max_items : 1;
     /* the sweep's entries: every block of a group of sequences, within bounds */
-    const uint32_t sweep_items = PKV_MIN(max_items, PKV_MIN(SWEEP_ITEMS, SWEEP_CHUNK_ITEMS * n_threads));
+    const uint32_t sweep_items = PKV_MIN(max_items, SWEEP_ITEMS);
     uint64_t sweep_cap = lim->max_blocks_per_seq ? (uint64_t)sweep_items * lim->max_blocks_per_seq
                                                  : SWEEP_ENTRIES_UNBOUNDED;
     sweep_cap = PKV_MIN(sweep_cap, SWEEP_ENTRIES_MAX);
@@ -315,7 +319,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->order = order;
     at->sweep_cap = (uint32_t)sweep_cap;
     at->sweep_chunks_max = sweep_chunks_max;
-    at->sweep_group_max = sweep_items;
+    at->sweep_items_cap = sweep_items;
     at->sweep_keys = (uint64_t *)(mem + off_keys);
     at->sweep_tmp = at->sweep_keys + align64(sizeof(uint64_t) * sweep_cap) / sizeof(uint64_t);
     at->sweep_q = mem + off_sq;
@@ -759,13 +763,24 @@ static size_t key_bid(uint64_t e) { return (size_t)(e >> 32); }
 static uint32_t key_item(uint64_t e) { return (uint32_t)(e >> SWEEP_B_BITS) & (SWEEP_ITEMS - 1u); }
 static uint32_t key_b(uint64_t e) { return (uint32_t)e & ((1u << SWEEP_B_BITS) - 1u); }
 
+/* The bytes a chunk reads for one entry: its K/V runs and its item's state (queries and acc). */
+static size_t sweep_entry_bytes(const pkv__attn *at) {
+    const pkv__kv_view *kv = at->kv;
+    const uint32_t D = kv->head_dim, rows = kv->n_kv_heads * at->G;
+    return (size_t)kv->n_kv_heads * kv->block_tokens * (kv->k_row_bytes + kv->v_row_bytes) +
+           (size_t)rows * (PKV__ATTN_QROW_BYTES(D) + D * sizeof(float));
+}
+
 /* Lists the call's items of one query (decode, or an extend of one token) in sweep_idx: the
- * items the sweep would take. */
+ * items the sweep would take; sets the group size (SWEEP_STATE_L2_EIGHTHS). */
 static void sweep_collect(pkv__attn *at) {
     uint32_t n = 0;
     for (uint32_t i = 0; i < at->n_items; i++)
         if (at->items[i].n_q == 1) at->sweep_idx[n++] = i;
     at->sweep_total = n;
+    const size_t per_chunk = at->l2_bytes / 8 * SWEEP_STATE_L2_EIGHTHS / sweep_entry_bytes(at);
+    const uint64_t group = (uint64_t)PKV_MAX(per_chunk, SWEEP_CHUNK_ITEMS_MIN) * at->n_threads;
+    at->sweep_group_max = (uint32_t)PKV_MIN(group, (uint64_t)at->sweep_items_cap);
 }
 
 /* Item i (0-based) of the group being swept. */
@@ -956,7 +971,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
      * the bytes a core reads between two uses of one state (an entry's K/V runs and state, one
      * entry of each other sequence) exceed its L2. Where they fit, the prefetches only cost
      * (in cache, f16 at batch 2, 4 and 8: 2.7-2.9% of the call). */
-    const size_t entry_bytes = (size_t)H * B * (kv->k_row_bytes + kv->v_row_bytes) + (size_t)rows * (qrow + D * 4);
+    const size_t entry_bytes = sweep_entry_bytes(at);
     const bool state_pf = (uint64_t)(at->sweep_set_i1[set] - at->sweep_set_i0[set]) * entry_bytes > at->l2_bytes;
     for (uint32_t x = x0; x < x1; x++) {
         const size_t bid = key_bid(e[x]);
