@@ -682,7 +682,9 @@ static void seq_fork(tpool *p, const tseq *parent, tseq *s, uint32_t share, uint
 }
 
 /* Decode in pool order (forced) against the reference and against table order: batches of 1
- * to 16 sequences, and of 33 to 40 (swept in two groups), a third of them forked from an earlier
+ * to 16 sequences, and of 33 to 40 (swept in two groups or more; in every other call the groups
+ * are made the smallest, 4 sequences a thread, so that several groups, each cut into a set a
+ * thread with sequences across two sets, are swept), a third of them forked from an earlier
  * one (shared prefix blocks, which the sweep reads once for all their holders), in pools up to
  * 3x larger than the batch (free blocks between the batch's), with soft-cap, window and
  * log-sum-exp sometimes, on 1 to 3 threads; in some calls every fourth item has no query (its
@@ -748,6 +750,7 @@ static void test_oracle_pool_order(void **state) {
             for (size_t x = 0; items[i].lse && x < nout / D; x++) items[i].lse[x] = NAN;
         }
         pkv__attn_set_order(at, PKV__ATTN_ORDER_POOL);
+        if (c % 2) pkv__attn_set_l2_bytes(at, 0); /* groups of 4 sequences a thread */
         assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
         assert_true(pkv__attn_last_swept(at));
         for (uint32_t i = 0; i < n; i++) {

@@ -1039,6 +1039,7 @@ static int sweep_run(pkv__attn *at, bool small, uint32_t *threads) {
 
 void pkv__attn_set_inline_work(pkv__attn *at, uint64_t elems) { at->inline_elems = elems; }
 void pkv__attn_set_order(pkv__attn *at, int order) { at->order = order; }
+void pkv__attn_set_l2_bytes(pkv__attn *at, size_t bytes) { at->l2_bytes = bytes; }
 bool pkv__attn_last_swept(const pkv__attn *at) { return at->last_swept; }
 uint32_t pkv__attn_last_threads(const pkv__attn *at) { return at->last_threads; }
 void pkv__attn_item_counts(const pkv__attn *at, uint64_t *pool, uint64_t *table) {
