@@ -180,6 +180,7 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
         pkv__attn_fill_avx512(kt);
         /* quantized-dtype fillers for AVX-512 go here */
         pkv__attn_fill_q_avx512(kt);
+        if (!(f & PKV_CPU_AVX512_HALVES)) pkv__attn_fill_q_avx512_wide(kt); /* not on Zen 4 */
         if (vnni) pkv__attn_fill_q_vnni(kt);
         return PKV_OK;
     }

@@ -400,6 +400,8 @@ void pkv__attn_fill_neon(pkv__attn_kernels *kt);    /* arm/attn_neon.c */
 void pkv__attn_fill_q_ref(pkv__attn_kernels *kt);   /* attn_q_ref.c: q8_0, q4_0, fp8_e4m3 */
 void pkv__attn_fill_q_avx2(pkv__attn_kernels *kt);  /* x86/attn_q_avx2.c: q8_0, q4_0, fp8_e4m3 */
 void pkv__attn_fill_q_avx512(pkv__attn_kernels *kt); /* x86/attn_q_avx512.c: fp8_e4m3 (over the AVX2 fill) */
+/* x86/attn_q_avx512.c: q8_0, q4_0 accum at 512 bits, for cores with full-width 512-bit units */
+void pkv__attn_fill_q_avx512_wide(pkv__attn_kernels *kt);
 void pkv__attn_fill_q_vnni(pkv__attn_kernels *kt);   /* x86/attn_q_vnni.c: q8_0, q4_0 prep and score (VNNI) */
 void pkv__attn_fill_q_neon(pkv__attn_kernels *kt);  /* arm/attn_q_neon.c: q8_0, q4_0, fp8_e4m3 */
 void pkv__attn_fill_q_dotprod(pkv__attn_kernels *kt); /* arm/attn_q_dotprod.c: q8_0, q4_0 score (SDOT) */

@@ -54,6 +54,7 @@ enum {
     PKV_CPU_AVXVNNI = 1u << 10,
     PKV_CPU_NEON = 1u << 11,
     PKV_CPU_ASIMDDP = 1u << 12, /* Armv8.2 int8 dot product (SDOT); read from AT_HWCAP on Linux */
+    PKV_CPU_AVX512_HALVES = 1u << 13, /* 512-bit ops run as two 256-bit halves: AMD family 19h (Zen 4) */
 };
 uint32_t pkv__cpu_features(void);
 /* True when PKV_FORCE_REF is set to a non-empty value other than "0". */

@@ -7,11 +7,13 @@
  * Quantized decode is compute-bound (the formats read 2x-3.5x fewer bytes than f16). Measured
  * on Zen 4 in L1, cycles per (key, kv head) at 4 query rows and head_dim 128, AVX2 -> this file:
  * fp8 score 62 -> 58, accum 53 -> 49. The fp8 decode is 4 ops per 16 values here against 4 per 8
- * at 256 bits (vcvtph2ps widens 16 at once). Written and measured but not kept: q8_0 and q4_0 V
- * at 512 bits (tiles of 4 rows x 2 blocks, weights with the block scales folded in as broadcast
- * memory operands): q8_0 49 -> 55, q4_0 56 -> 63; Zen 4 runs a 512-bit fma as two 256-bit ones,
- * so the wider vectors save only instructions, and the 512-bit sign / zero extensions cost more
- * than they save.
+ * at 256 bits (vcvtph2ps widens 16 at once). q8_0 and q4_0 V at 512 bits measured slower on
+ * Zen 4 (tiles of 4 rows x 2 blocks: q8_0 49 -> 55, q4_0 56 -> 63): it runs a 512-bit fma as two
+ * 256-bit ones, so the wider vectors save only instructions, and the 512-bit sign / zero
+ * extensions cost more than they save. On cores with full-width 512-bit units (the Intel
+ * machine of stop 32) the 512-bit q8_0 / q4_0 accum below (pkv__attn_fill_q_avx512_wide, one
+ * block per tile) raised the in-cache decode rate 8-10%; build_kernels takes it on every
+ * AVX-512 CPU but AMD family 19h (PKV_CPU_AVX512_HALVES).
  *   accum: tiles of 4 rows x 64 values (16 accumulators) across up to 16 keys; per key 4
  *     decoded vectors and 16 fmas whose weight (p * row scale * 2^8, made per 16 keys as one
  *     multiply per row) is a broadcast memory operand.
@@ -99,6 +101,97 @@ static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_
     else
         accum_tiles_d(p, ps, n_rows, v, vrb, n_keys, D, acc);
 }
+
+#ifndef PKV_AVX512_EMU
+/* ---- q8_0 / q4_0 V at 512 bits (pkv__attn_fill_q_avx512_wide) ------------------------------------
+ * NR rows x one 32-value block across nk keys (codes at c, key t at c + t * vrb), 8 accumulators;
+ * w[r * PKV__VKEYS + t] is p times the key's block scale. q4_0: values 0..15 are the low nibbles,
+ * 16..31 the high ones; their -8 is corr[r] = 8 * sum_t w, taken off once at the end. */
+static ALWAYS_INLINE void accum_i8_block(const float *w, const float *corr, uint32_t nk, const uint8_t *c, size_t vrb,
+                                         float *acc, uint32_t D, const uint32_t NR, const bool q4) {
+    __m512 a[4][2];
+    for (uint32_t r = 0; r < NR; r++)
+        for (uint32_t h = 0; h < 2; h++) a[r][h] = _mm512_loadu_ps(acc + r * (size_t)D + 16 * h);
+    for (uint32_t t = 0; t < nk; t++) {
+        const uint8_t *ct = c + t * vrb;
+        __m512 x0, x1;
+        if (q4) {
+            const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)ct));
+            x0 = _mm512_cvtepi32_ps(_mm512_and_si512(z, _mm512_set1_epi32(15)));
+            x1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(z, 4));
+        } else {
+            x0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)ct)));
+            x1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ct + 16))));
+        }
+        for (uint32_t r = 0; r < NR; r++) {
+            const __m512 wv = _mm512_set1_ps(w[r * PKV__VKEYS + t]);
+            a[r][0] = _mm512_fmadd_ps(wv, x0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(wv, x1, a[r][1]);
+        }
+    }
+    for (uint32_t r = 0; r < NR; r++)
+        for (uint32_t h = 0; h < 2; h++) {
+            __m512 o = a[r][h];
+            if (q4) o = _mm512_sub_ps(o, _mm512_set1_ps(corr[r]));
+            _mm512_storeu_ps(acc + r * (size_t)D + 16 * h, o);
+        }
+}
+
+/* NR rows, nk <= PKV__VKEYS keys of q8_0 / q4_0 V (D % 32 == 0): per block, the keys' scales
+ * folded into the rows' weights, then the block's tile. */
+static ALWAYS_INLINE void accum_i8_rows(const float *p, uint32_t ps, const uint32_t NR, const uint8_t *v, size_t vrb,
+                                        uint32_t nk, uint32_t D, float *acc, const bool q4) {
+    const size_t bsz = q4 ? sizeof(pkv_block_q4_0) : sizeof(pkv_block_q8_0);
+    __m512 pr[4];
+    load_p(p, ps, NR, nk, pr);
+    float w[4 * PKV__VKEYS] __attribute__((aligned(64)));
+    float corr[4];
+    for (uint32_t b = 0; b < D / 32; b++) {
+        const uint8_t *vb = v + b * bsz;
+        uint16_t h[PKV__VKEYS] = {0};
+        for (uint32_t t = 0; t < nk; t++) memcpy(&h[t], vb + t * vrb, 2);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+        for (uint32_t r = 0; r < NR; r++) {
+            const __m512 wr = _mm512_mul_ps(pr[r], d);
+            _mm512_store_ps(w + r * PKV__VKEYS, wr);
+            if (q4) corr[r] = 8.0f * _mm512_reduce_add_ps(wr);
+        }
+        accum_i8_block(w, corr, nk, vb + 2, vrb, acc + 32 * b, D, NR, q4);
+    }
+}
+
+static ALWAYS_INLINE void accum_i8_d(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                                     uint32_t n_keys, uint32_t D, float *acc, const bool q4) {
+#define CALL_V(N) accum_i8_rows(pp, ps, N, vv, vrb, nk, D, ar, q4)
+    PKV__ATTN_ACCUM_CHUNKS(PKV__VKEYS, p, ps, n_rows, v, vrb, n_keys, D, acc, CALL_V)
+#undef CALL_V
+}
+
+/* head_dim 128, the common case, gets its own instance with constant trip counts */
+static void accum_q8_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                       uint32_t D, float *acc, pkv__attn_pf *pf) {
+    (void)pf; /* accum_pf off: the driver gives score both runs */
+    if (D == 128)
+        accum_i8_d(p, ps, n_rows, v, vrb, n_keys, 128, acc, false);
+    else
+        accum_i8_d(p, ps, n_rows, v, vrb, n_keys, D, acc, false);
+}
+
+static void accum_q4_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                       uint32_t D, float *acc, pkv__attn_pf *pf) {
+    (void)pf;
+    if (D == 128)
+        accum_i8_d(p, ps, n_rows, v, vrb, n_keys, 128, acc, true);
+    else
+        accum_i8_d(p, ps, n_rows, v, vrb, n_keys, D, acc, true);
+}
+
+void pkv__attn_fill_q_avx512_wide(pkv__attn_kernels *kt) {
+    kt->accum[PKV_DTYPE_Q8_0] = accum_q8_0;
+    kt->accum[PKV_DTYPE_Q4_0] = accum_q4_0;
+    kt->accum_pf[PKV_DTYPE_Q8_0] = kt->accum_pf[PKV_DTYPE_Q4_0] = false;
+}
+#endif
 
 /* ---- fp8 K -----------------------------------------------------------------------------------------
  * s[r * ss] = sk * <q_r, key> for NR rows and one key; the prepared query is f32 (prep_f32 of
