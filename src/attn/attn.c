@@ -884,17 +884,17 @@ static void prep_item(pkv__attn *at, uint32_t i) {
                                at->sweep_q + (size_t)i * rows * PKV__ATTN_QROW_BYTES(D));
 }
 
-/* Chunk c's share of its set's queries. The chunks of a set (a lone item's, or the two that
- * share a straddling item) read the same items' queries, so the chunk that starts first cannot
- * make them as it meets them: another chunk would read rows still being written. Each chunk
- * instead claims every item of its set not yet claimed, from an offset of its own (chunks that
- * start together make about a share each), and makes them before it sweeps.
+/* The share of its set's queries of the chunk that sweeps range rg of the set's nr. The chunks
+ * of a set (a lone item's, or the two that share a straddling item) read the same items'
+ * queries, so the chunk that starts first cannot make them as it meets them: another chunk
+ * would read rows still being written. Each chunk instead claims every item of its set not yet
+ * claimed, from an offset of its own (chunks that start together make about a share each), and
+ * makes them before it sweeps.
  * (Made by one thread before the chunks started, they held the others back: f16 512 x 16,
  * 2 threads, paged, 3% of the call, stop 29; then in a job of their own, one wake-up more.) */
-static void sweep_claim_queries(pkv__attn *at, uint32_t c) {
-    const uint32_t ns = at->sweep_n_sets, set = c % ns, i0 = at->sweep_set_i0[set];
-    const uint32_t ni = at->sweep_set_i1[set] - i0, nc = at->sweep_chunks / ns;
-    const uint32_t first = (uint32_t)((uint64_t)ni * (c / ns) / nc);
+static void sweep_claim_queries(pkv__attn *at, uint32_t set, uint32_t rg, uint32_t nr) {
+    const uint32_t i0 = at->sweep_set_i0[set], ni = at->sweep_set_i1[set] - i0;
+    const uint32_t first = (uint32_t)((uint64_t)ni * rg / nr);
     for (uint32_t k = 0; k < ni; k++) {
         const uint32_t i = i0 + (first + k < ni ? first + k : first + k - ni);
         uint32_t none = SWEEP_Q_NONE;
@@ -953,7 +953,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
     const uint32_t x0 = sa + (uint32_t)((uint64_t)sn * rg / nr), x1 = sa + (uint32_t)((uint64_t)sn * (rg + 1) / nr);
     const uint32_t n_items = at->sweep_ni;
     uint32_t used = 0; /* items whose slot this chunk has started */
-    sweep_claim_queries(at, c);
+    sweep_claim_queries(at, set, rg, nr);
     /* Each item's last entry in the chunk: after it the chunk is done with the item (finish_item),
      * so the item's last chunk merges it there, between its own entries, rather than all of
      * them at its end. An item with no entry here is done at once: its slot weighs 0. */

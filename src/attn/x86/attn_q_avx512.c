@@ -84,24 +84,6 @@ static ALWAYS_INLINE void accum_fp8_rows(const float *p, uint32_t ps, const uint
     pkv__fp8_accum_tail(w, nk, e, vrb, d, D, NR, acc); /* head_dim % 16 */
 }
 
-/* Keys in chunks of PKV__VKEYS, rows in groups of up to 4 (the group size a constant). */
-static ALWAYS_INLINE void accum_tiles_d(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
-                                        uint32_t n_keys, uint32_t D, float *acc) {
-#define CALL_V(N) accum_fp8_rows(pp, ps, N, vv, vrb, nk, D, ar)
-    PKV__ATTN_ACCUM_CHUNKS(PKV__VKEYS, p, ps, n_rows, v, vrb, n_keys, D, acc, CALL_V)
-#undef CALL_V
-}
-
-/* head_dim 128, the common case, gets its own instance with constant trip counts */
-static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                      uint32_t D, float *acc, pkv__attn_pf *pf) {
-    (void)pf; /* accum_pf off: the driver gives score both runs */
-    if (D == 128)
-        accum_tiles_d(p, ps, n_rows, v, vrb, n_keys, 128, acc);
-    else
-        accum_tiles_d(p, ps, n_rows, v, vrb, n_keys, D, acc);
-}
-
 #ifndef PKV_AVX512_EMU
 /* ---- q8_0 / q4_0 V at 512 bits (pkv__attn_fill_q_avx512_wide) ------------------------------------
  * NR rows x one 32-value block across nk keys (codes at c, key t at c + t * vrb), 8 accumulators;
@@ -160,30 +142,51 @@ static ALWAYS_INLINE void accum_i8_rows(const float *p, uint32_t ps, const uint3
     }
 }
 
-static ALWAYS_INLINE void accum_i8_d(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
-                                     uint32_t n_keys, uint32_t D, float *acc, const bool q4) {
-#define CALL_V(N) accum_i8_rows(pp, ps, N, vv, vrb, nk, D, ar, q4)
+#define ACCUM_I8_ROWS(...) accum_i8_rows(__VA_ARGS__)
+#else
+#define ACCUM_I8_ROWS(...) ((void)0) /* the emulated build registers no q8_0 / q4_0 accum */
+#endif
+
+/* The V side of each dtype here: keys in chunks of PKV__VKEYS, rows in groups of up to 4, each
+ * (chunk, group) done by the dtype's row-tile function with the group size a constant; head_dim
+ * 128, the common case, an instance of its own with constant trip counts. accum_pf is off for
+ * all of them: the driver gives score both runs. */
+enum v_kind { V_FP8, V_Q8_0, V_Q4_0 };
+
+static ALWAYS_INLINE void accum_tiles_d(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                                        uint32_t n_keys, uint32_t D, float *acc, const enum v_kind kind) {
+#define CALL_V(N)                                                                                             \
+    (kind == V_FP8 ? accum_fp8_rows(pp, ps, N, vv, vrb, nk, D, ar)                                            \
+                   : ACCUM_I8_ROWS(pp, ps, N, vv, vrb, nk, D, ar, kind == V_Q4_0))
     PKV__ATTN_ACCUM_CHUNKS(PKV__VKEYS, p, ps, n_rows, v, vrb, n_keys, D, acc, CALL_V)
 #undef CALL_V
 }
 
-/* head_dim 128, the common case, gets its own instance with constant trip counts */
+static ALWAYS_INLINE void accum_tiles(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                                      uint32_t n_keys, uint32_t D, float *acc, const enum v_kind kind) {
+    if (D == 128)
+        accum_tiles_d(p, ps, n_rows, v, vrb, n_keys, 128, acc, kind);
+    else
+        accum_tiles_d(p, ps, n_rows, v, vrb, n_keys, D, acc, kind);
+}
+
+static void accum_fp8(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                      uint32_t D, float *acc, pkv__attn_pf *pf) {
+    (void)pf;
+    accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_FP8);
+}
+
+#ifndef PKV_AVX512_EMU
 static void accum_q8_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
                        uint32_t D, float *acc, pkv__attn_pf *pf) {
-    (void)pf; /* accum_pf off: the driver gives score both runs */
-    if (D == 128)
-        accum_i8_d(p, ps, n_rows, v, vrb, n_keys, 128, acc, false);
-    else
-        accum_i8_d(p, ps, n_rows, v, vrb, n_keys, D, acc, false);
+    (void)pf;
+    accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_Q8_0);
 }
 
 static void accum_q4_0(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
                        uint32_t D, float *acc, pkv__attn_pf *pf) {
     (void)pf;
-    if (D == 128)
-        accum_i8_d(p, ps, n_rows, v, vrb, n_keys, 128, acc, true);
-    else
-        accum_i8_d(p, ps, n_rows, v, vrb, n_keys, D, acc, true);
+    accum_tiles(p, ps, n_rows, v, vrb, n_keys, D, acc, V_Q4_0);
 }
 
 void pkv__attn_fill_q_avx512_wide(pkv__attn_kernels *kt) {
