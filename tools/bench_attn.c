@@ -15,7 +15,7 @@
 #include <immintrin.h>
 #endif
 
-enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_DEFAULT = 16, BT_MAX = 1024, BATCH_MAX = 256 };
+enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_DEFAULT = 16, BT_MAX = 1024, BATCH_MAX = 256, SETS_MAX = 2 };
 static uint32_t g_bt = BT_DEFAULT; /* block_tokens: opts.block_tokens, set by tool_bench_attn */
 #define GIB (1024.0 * 1024.0 * 1024.0)
 #define ROUNDS_MAX 99 /* --rounds */
@@ -244,7 +244,11 @@ typedef struct setup {
     double adjacent; /* fraction of logical neighbours that are physical neighbours */
     uint32_t next_layer; /* decode calls cycle over the layers */
     int32_t *tables;     /* [batch][per_seq]: the block tables, for the plain read (gather_read) */
-    int32_t *swept;      /* the batch's blocks in ascending id, where decode reads in pool order; or NULL */
+    /* where decode reads in pool order (else NULL): the batch's block ids as the sweep reads
+     * them (sweep_order), group after group, and in each group set after set; group g's set k is
+     * swept[sw_cut[g][k] .. sw_cut[g][k + 1]), its sw_ns[g] sets read by sw_chunks[g] threads */
+    int32_t *swept;
+    uint32_t sw_groups, (*sw_cut)[SETS_MAX + 1], *sw_ns, *sw_chunks, n_threads;
     uint32_t per_seq, next_read_layer;
     pkv_layout L;
 } setup;
@@ -253,6 +257,9 @@ static void setup_free(setup *s) {
     pkv_cache_destroy(s->c);
     free(s->tables);
     free(s->swept);
+    free(s->sw_cut);
+    free(s->sw_ns);
+    free(s->sw_chunks);
     memset(s, 0, sizeof *s);
 }
 
@@ -341,13 +348,49 @@ static int cmp_i32(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* s->swept: every (sequence, block) entry's block id, ascending, as the sweep reads them. */
-static int sweep_order(setup *s) {
+/* The sweep's shape, as src/attn/attn.c makes it (sweep_collect, sweep_prepare), for the plain
+ * read to follow; a model of the library's rule, kept beside it by hand. A thread keeps the
+ * states of as many sequences as make 3/8 of its core's L2 in the bytes it reads per entry (a
+ * block's K and V, and a sequence's queries and acc), at least 4; a group has that many a
+ * thread, at most 32, and groups are swept one after the other, of sizes within one of each
+ * other. A group's entries, in (sequence, block index) order, are cut into one set a thread
+ * (one set where the group is one sequence, its blocks then cut into ranges, a range a
+ * thread), and each set is read in ascending block id. */
+enum { SW_ITEMS_MAX = 32, SW_ITEMS_MIN = 4, SW_L2_EIGHTHS = 3, SW_MIN_SPLIT = 4 };
+
+static size_t l2_bytes(void) {
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    const long n = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (n > 0) return (size_t)n;
+#endif
+    return (size_t)512 * 1024; /* the library's guess where the C library does not know */
+}
+
+static int sweep_order(setup *s, uint32_t nt) {
     const size_t n = (size_t)s->per_seq * s->batch;
+    const size_t qrow = ((size_t)HEAD_DIM * 4 + 63) / 64 * 64;
+    const size_t entry = s->L.k_block_bytes + s->L.v_block_bytes + (size_t)H_Q * (qrow + HEAD_DIM * sizeof(float));
+    size_t per = l2_bytes() / 8 * SW_L2_EIGHTHS / entry;
+    per = per < SW_ITEMS_MIN ? SW_ITEMS_MIN : per;
+    const uint32_t group_max = (uint32_t)(per * nt < SW_ITEMS_MAX ? per * nt : SW_ITEMS_MAX);
+    const uint32_t ng = (s->batch + group_max - 1) / group_max;
+    s->n_threads = nt, s->sw_groups = ng;
     s->swept = malloc(sizeof(int32_t) * n);
-    if (!s->swept) return -1;
-    memcpy(s->swept, s->tables, sizeof(int32_t) * n);
-    qsort(s->swept, n, sizeof(int32_t), cmp_i32);
+    s->sw_cut = malloc(sizeof *s->sw_cut * ng);
+    s->sw_ns = malloc(sizeof(uint32_t) * ng), s->sw_chunks = malloc(sizeof(uint32_t) * ng);
+    if (!s->swept || !s->sw_cut || !s->sw_ns || !s->sw_chunks) return -1;
+    memcpy(s->swept, s->tables, sizeof(int32_t) * n); /* (sequence, block index) order */
+    for (uint32_t g = 0; g < ng; g++) {
+        const uint32_t i0 = (uint32_t)((uint64_t)s->batch * g / ng), i1 = (uint32_t)((uint64_t)s->batch * (g + 1) / ng);
+        const uint32_t x = (i1 - i0) * s->per_seq, base = i0 * s->per_seq;
+        uint32_t chunks = x / SW_MIN_SPLIT < nt ? x / SW_MIN_SPLIT : nt;
+        chunks = chunks ? chunks : 1;
+        const uint32_t ns = chunks < i1 - i0 ? chunks : i1 - i0;
+        s->sw_ns[g] = ns, s->sw_chunks[g] = chunks / ns * ns;
+        for (uint32_t k = 0; k <= ns; k++) s->sw_cut[g][k] = base + (uint32_t)((uint64_t)x * k / ns);
+        for (uint32_t k = 0; k < ns; k++)
+            qsort(s->swept + s->sw_cut[g][k], s->sw_cut[g][k + 1] - s->sw_cut[g][k], sizeof(int32_t), cmp_i32);
+    }
     return 0;
 }
 
@@ -404,7 +447,7 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
     free(tok);
     if (tool_check(pkv_cache_layout(s->c, &s->L), "pkv_cache_layout") < 0 || fill_pool(s, rng) < 0) goto fail;
     const int sweeps = decode_sweeps(s);
-    if (sweeps < 0 || (sweeps && sweep_order(s) < 0)) goto fail;
+    if (sweeps < 0 || (sweeps && sweep_order(s, n_threads) < 0)) goto fail;
     return 0;
 fail:
     setup_free(s);
@@ -476,6 +519,8 @@ typedef struct gather_job {
     const setup *s;
     uint32_t layer, seq0, seq_step; /* this thread's sequences: seq0, seq0 + seq_step, ... */
     uint32_t part, n_parts;         /* and of each, this part of its blocks */
+    _Atomic uint32_t *groups_done;  /* swept: the threads' count of groups read (the library's
+                                     * threads end a group's job together) */
     uint64_t sum;
 } gather_job;
 
@@ -498,10 +543,21 @@ static void *gather_read(void *arg) {
     const pkv_layout *L = &s->L;
     const uint8_t *K = L->k_base + (size_t)j->layer * L->layer_stride_bytes;
     const uint8_t *V = L->v_base + (size_t)j->layer * L->layer_stride_bytes;
-    if (s->swept) { /* pool order: this thread's share of the sorted entries */
-        const uint64_t n = (uint64_t)s->per_seq * s->batch;
-        const size_t x0 = (size_t)(n * j->part / j->n_parts), x1 = (size_t)(n * (j->part + 1) / j->n_parts);
-        j->sum = read_blocks(L, K, V, s->swept + x0, x1 - x0);
+    if (s->swept) { /* pool order: group after group, thread (chunk) c reads range c / ns of set c % ns */
+        uint64_t sum = 0;
+        const uint32_t c = j->part, nt = j->n_parts;
+        for (uint32_t g = 0; g < s->sw_groups; g++) {
+            const uint32_t ns = s->sw_ns[g], nr = s->sw_chunks[g] / ns;
+            if (c < s->sw_chunks[g]) {
+                const uint32_t set = c % ns, rg = c / ns;
+                const uint32_t a = s->sw_cut[g][set], sn = s->sw_cut[g][set + 1] - a;
+                const uint32_t x0 = a + (uint32_t)((uint64_t)sn * rg / nr), x1 = a + (uint32_t)((uint64_t)sn * (rg + 1) / nr);
+                sum += read_blocks(L, K, V, s->swept + x0, x1 - x0);
+            }
+            atomic_fetch_add(j->groups_done, 1);
+            while (atomic_load(j->groups_done) < (g + 1) * nt) sched_yield();
+        }
+        j->sum = sum;
         return NULL;
     }
     const uint32_t b0 = s->per_seq * j->part / j->n_parts, b1 = s->per_seq * (j->part + 1) / j->n_parts;
@@ -518,9 +574,11 @@ static void *gather_read(void *arg) {
 static double gather_sample(setup *s, uint32_t nt) {
     gather_job jobs[2];
     const uint32_t layer = s->next_read_layer++ % s->n_layers;
-    const int split = s->batch < nt || s->swept; /* swept: each thread a part of the sorted entries */
+    const int split = s->batch < nt || s->swept; /* swept: thread i is the sweep's chunk i */
+    _Atomic uint32_t groups_done = 0;
     for (uint32_t i = 0; i < nt; i++)
-        jobs[i] = split ? (gather_job){s, layer, 0, 1, i, nt, 0} : (gather_job){s, layer, i, nt, 0, 1, 0};
+        jobs[i] = split ? (gather_job){s, layer, 0, 1, i, nt, &groups_done, 0}
+                        : (gather_job){s, layer, i, nt, 0, 1, &groups_done, 0};
     const double sec = run_pinned((int)nt, gather_read, jobs, sizeof jobs[0]);
     for (uint32_t i = 0; i < nt; i++) g_sink += jobs[i].sum;
     return sec;
