@@ -135,12 +135,13 @@ static void test_usage_errors(void **state) {
     free(err);
 }
 
-/* A batch over 16 sequences, which AUTO reads in table order: both layouts measured, at the
- * batch asked for, in the rounds asked for. */
+/* A batch of 40 sequences, more than one sweep group holds (32): both layouts measured at 1
+ * and 2 threads, at the batch asked for, in the rounds asked for, and the plain read of the
+ * paged layout (read_p/c) made group after group, each thread its own set. */
 static void test_large_batch(void **state) {
     (void)state;
     char *argv[] = {"pkv", "bench", "attn", "--quick", "--json", "--dtype", "f16", "--ctx", "512", "--batch", "40",
-                    "--threads", "1", "--prompt", "0", "--rounds", "4", NULL};
+                    "--threads", "1,2", "--prompt", "0", "--rounds", "4", NULL};
     char *out, *err;
     int rc = run_cli(argv, &out, &err);
     if (rc != 0) fail_msg("exit %d: %s", rc, err);
@@ -152,10 +153,15 @@ static void test_large_batch(void **state) {
         assert_int_equal((int)num(line, "rounds"), 4);
         const double gbps = num(line, "gbps");
         assert_true(isfinite(gbps) && gbps > 0);
-        layouts[str_is(line, "layout", "paged")]++;
+        const int paged = str_is(line, "layout", "paged");
+        if (paged) {
+            const double rpc = num(line, "read_paged_over_contig");
+            assert_true(isfinite(rpc) && rpc > 0);
+        }
+        layouts[paged]++;
     }
-    assert_int_equal(layouts[0], 1);
-    assert_int_equal(layouts[1], 1);
+    assert_int_equal(layouts[0], 2);
+    assert_int_equal(layouts[1], 2);
     free(out), free(err);
 }
 
