@@ -238,6 +238,12 @@ static double fma_peak_n(int n_threads, int reps, uint64_t iters) {
 static double fma_peak(int n_threads) { return fma_peak_n(n_threads, 3, 100000000ull / 4); }
 
 /* ---- cache set-up ------------------------------------------------------------------------------- */
+/* One group of the sweep's order (sweep_order): its set k is swept[cut[k] .. cut[k + 1]), its
+ * ns sets read by chunks threads (a range of a set each). */
+typedef struct sweep_group {
+    uint32_t ns, chunks, cut[SETS_MAX + 1];
+} sweep_group;
+
 typedef struct setup {
     pkv_cache *c;
     pkv_seq seqs[BATCH_MAX];
@@ -246,10 +252,10 @@ typedef struct setup {
     uint32_t next_layer; /* decode calls cycle over the layers */
     int32_t *tables;     /* [batch][per_seq]: the block tables, for the plain read (gather_read) */
     /* where decode reads in pool order (else NULL): the batch's block ids as the sweep reads
-     * them (sweep_order), group after group, and in each group set after set; group g's set k is
-     * swept[sw_cut[g][k] .. sw_cut[g][k + 1]), its sw_ns[g] sets read by sw_chunks[g] threads */
+     * them (sweep_order), group after group, and in each group set after set */
     int32_t *swept;
-    uint32_t sw_groups, (*sw_cut)[SETS_MAX + 1], *sw_ns, *sw_chunks, n_threads;
+    sweep_group *sw;
+    uint32_t sw_groups;
     uint32_t per_seq, next_read_layer;
     pkv_layout L;
 } setup;
@@ -258,9 +264,7 @@ static void setup_free(setup *s) {
     pkv_cache_destroy(s->c);
     free(s->tables);
     free(s->swept);
-    free(s->sw_cut);
-    free(s->sw_ns);
-    free(s->sw_chunks);
+    free(s->sw);
     memset(s, 0, sizeof *s);
 }
 
@@ -375,22 +379,22 @@ static int sweep_order(setup *s, uint32_t nt) {
     per = per < SW_ITEMS_MIN ? SW_ITEMS_MIN : per;
     const uint32_t group_max = (uint32_t)(per * nt < SW_ITEMS_MAX ? per * nt : SW_ITEMS_MAX);
     const uint32_t ng = (s->batch + group_max - 1) / group_max;
-    s->n_threads = nt, s->sw_groups = ng;
+    s->sw_groups = ng;
     s->swept = malloc(sizeof(int32_t) * n);
-    s->sw_cut = malloc(sizeof *s->sw_cut * ng);
-    s->sw_ns = malloc(sizeof(uint32_t) * ng), s->sw_chunks = malloc(sizeof(uint32_t) * ng);
-    if (!s->swept || !s->sw_cut || !s->sw_ns || !s->sw_chunks) return -1;
+    s->sw = malloc(sizeof *s->sw * ng);
+    if (!s->swept || !s->sw) return -1;
     memcpy(s->swept, s->tables, sizeof(int32_t) * n); /* (sequence, block index) order */
     for (uint32_t g = 0; g < ng; g++) {
         const uint32_t i0 = (uint32_t)((uint64_t)s->batch * g / ng), i1 = (uint32_t)((uint64_t)s->batch * (g + 1) / ng);
         const uint32_t x = (i1 - i0) * s->per_seq, base = i0 * s->per_seq;
         uint32_t chunks = x / SW_MIN_SPLIT < nt ? x / SW_MIN_SPLIT : nt;
         chunks = chunks ? chunks : 1;
-        const uint32_t ns = chunks < i1 - i0 ? chunks : i1 - i0;
-        s->sw_ns[g] = ns, s->sw_chunks[g] = chunks / ns * ns;
-        for (uint32_t k = 0; k <= ns; k++) s->sw_cut[g][k] = base + (uint32_t)((uint64_t)x * k / ns);
-        for (uint32_t k = 0; k < ns; k++)
-            qsort(s->swept + s->sw_cut[g][k], s->sw_cut[g][k + 1] - s->sw_cut[g][k], sizeof(int32_t), cmp_i32);
+        sweep_group *gr = &s->sw[g];
+        gr->ns = chunks < i1 - i0 ? chunks : i1 - i0;
+        gr->chunks = chunks / gr->ns * gr->ns;
+        for (uint32_t k = 0; k <= gr->ns; k++) gr->cut[k] = base + (uint32_t)((uint64_t)x * k / gr->ns);
+        for (uint32_t k = 0; k < gr->ns; k++)
+            qsort(s->swept + gr->cut[k], gr->cut[k + 1] - gr->cut[k], sizeof(int32_t), cmp_i32);
     }
     return 0;
 }
@@ -548,10 +552,11 @@ static void *gather_read(void *arg) {
         uint64_t sum = 0;
         const uint32_t c = j->part, nt = j->n_parts;
         for (uint32_t g = 0; g < s->sw_groups; g++) {
-            const uint32_t ns = s->sw_ns[g], nr = s->sw_chunks[g] / ns;
-            if (c < s->sw_chunks[g]) {
+            const sweep_group *gr = &s->sw[g];
+            const uint32_t ns = gr->ns, nr = gr->chunks / ns;
+            if (c < gr->chunks) {
                 const uint32_t set = c % ns, rg = c / ns;
-                const uint32_t a = s->sw_cut[g][set], sn = s->sw_cut[g][set + 1] - a;
+                const uint32_t a = gr->cut[set], sn = gr->cut[set + 1] - a;
                 const uint32_t x0 = a + (uint32_t)((uint64_t)sn * rg / nr), x1 = a + (uint32_t)((uint64_t)sn * (rg + 1) / nr);
                 sum += read_blocks(L, K, V, s->swept + x0, x1 - x0);
             }
