@@ -355,13 +355,14 @@ static int cmp_i32(const void *a, const void *b) {
 
 /* The sweep's shape, as src/attn/attn.c makes it (sweep_collect, sweep_prepare), for the plain
  * read to follow; a model of the library's rule, kept beside it by hand. A thread keeps the
- * states of as many sequences as make 3/8 of its core's L2 in the bytes it reads per entry (a
- * block's K and V, and a sequence's queries and acc), at least 4; a group has that many a
- * thread, at most 32, and groups are swept one after the other, of sizes within one of each
- * other. A group's entries, in (sequence, block index) order, are cut into one set a thread
+ * states of as many sequences as make 3/4 of its core's L2, at most 768 KiB, in the bytes it
+ * reads per entry (a block's K and V, and a sequence's queries and acc), at least 4; a group
+ * has that many a thread, at most 32, and groups are swept one after the other, of sizes
+ * within one of each other. A group's entries, in (sequence, block index) order, are cut into one set a thread
  * (one set where the group is one sequence, its blocks then cut into ranges, a range a
  * thread), and each set is read in ascending block id. */
-enum { SW_ITEMS_MAX = 32, SW_ITEMS_MIN = 4, SW_L2_EIGHTHS = 3, SW_MIN_SPLIT = 4 };
+enum { SW_ITEMS_MAX = 32, SW_ITEMS_MIN = 4, SW_L2_EIGHTHS = 6, SW_MIN_SPLIT = 4 };
+#define SW_BYTES_MAX ((size_t)768 * 1024)
 
 static size_t l2_bytes(void) {
 #ifdef _SC_LEVEL2_CACHE_SIZE
@@ -375,7 +376,8 @@ static int sweep_order(setup *s, uint32_t nt) {
     const size_t n = (size_t)s->per_seq * s->batch;
     const size_t qrow = ((size_t)HEAD_DIM * 4 + 63) / 64 * 64;
     const size_t entry = s->L.k_block_bytes + s->L.v_block_bytes + (size_t)H_Q * (qrow + HEAD_DIM * sizeof(float));
-    size_t per = l2_bytes() / 8 * SW_L2_EIGHTHS / entry;
+    const size_t budget = l2_bytes() / 8 * SW_L2_EIGHTHS;
+    size_t per = (budget < SW_BYTES_MAX ? budget : SW_BYTES_MAX) / entry;
     per = per < SW_ITEMS_MIN ? SW_ITEMS_MIN : per;
     const uint32_t group_max = (uint32_t)(per * nt < SW_ITEMS_MAX ? per * nt : SW_ITEMS_MAX);
     const uint32_t ng = (s->batch + group_max - 1) / group_max;

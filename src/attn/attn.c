@@ -52,13 +52,17 @@ static uint64_t parts_cap(uint32_t n_threads, uint64_t item_blocks) {
  * state slots are items x chunks). A chunk keeps the running state of the items of its set (32
  * KiB of queries and acc a sequence at 32 query heads x head_dim 128), and between two visits to
  * one it reads an entry (K/V runs and state) of each other: a group holds as many items a
- * thread as make SWEEP_STATE_L2_EIGHTHS eighths of the core's L2 in such bytes, at least
- * SWEEP_CHUNK_ITEMS_MIN. On the 2 MiB L2 of stop 32's machine that is 8 sequences for f16 and
- * bf16 (96 KiB an entry), 4 for f32: past that the states left L2 between visits, at 2% to 8%
- * of the call (docs/design.md). An entry key packs (block id << 32 | item << 27 | block index),
- * so a sequence's blocks up to 2^27. */
+ * thread as make SWEEP_STATE_L2_EIGHTHS eighths of the core's L2 in such bytes, and at most
+ * SWEEP_STATE_BYTES_MAX, at least SWEEP_CHUNK_ITEMS_MIN. That is 8 sequences for f16 and bf16
+ * (96 KiB an entry), 4 for f32 (160 KiB), both on the 2 MiB L2 of stop 32's Intel machine and
+ * on Zen 4's 1 MiB. Fewer make sparser reads of the pool, more states that leave L2 between
+ * visits: on Intel more than 8 cost 2% to 7% of the call; on Zen 4, where the states cost
+ * 0.5% of the call at 4 and 4% at 8, 8 beat 4 by 2-6% at 2 threads and 1.5-2% at 1 thread, and
+ * 16 lost 1% against 8 (docs/design.md, stops 32 and 34). An entry key packs (block id << 32
+ * | item << 27 | block index), so a sequence's blocks up to 2^27. */
 #define SWEEP_ITEMS 32u
-#define SWEEP_STATE_L2_EIGHTHS 3u
+#define SWEEP_STATE_L2_EIGHTHS 6u
+#define SWEEP_STATE_BYTES_MAX ((size_t)768 * 1024) /* 3/8 of a 2 MiB L2 */
 #define SWEEP_CHUNK_ITEMS_MIN 4u
 #define SWEEP_MAX_THREADS 16u
 #define SWEEP_B_BITS 27u
@@ -773,13 +777,14 @@ static size_t sweep_entry_bytes(const pkv__attn *at) {
 }
 
 /* Lists the call's items of one query (decode, or an extend of one token) in sweep_idx: the
- * items the sweep would take; sets the group size (SWEEP_STATE_L2_EIGHTHS). */
+ * items the sweep would take; sets the group size (SWEEP_STATE_L2_EIGHTHS, SWEEP_STATE_BYTES_MAX). */
 static void sweep_collect(pkv__attn *at) {
     uint32_t n = 0;
     for (uint32_t i = 0; i < at->n_items; i++)
         if (at->items[i].n_q == 1) at->sweep_idx[n++] = i;
     at->sweep_total = n;
-    const size_t per_chunk = at->l2_bytes / 8 * SWEEP_STATE_L2_EIGHTHS / sweep_entry_bytes(at);
+    const size_t budget = PKV_MIN(at->l2_bytes / 8 * SWEEP_STATE_L2_EIGHTHS, SWEEP_STATE_BYTES_MAX);
+    const size_t per_chunk = budget / sweep_entry_bytes(at);
     const uint64_t group = (uint64_t)PKV_MAX(per_chunk, SWEEP_CHUNK_ITEMS_MIN) * at->n_threads;
     at->sweep_group_max = (uint32_t)PKV_MIN(group, (uint64_t)at->sweep_items_cap);
 }
