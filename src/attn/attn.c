@@ -57,9 +57,10 @@ static uint64_t parts_cap(uint32_t n_threads, uint64_t item_blocks) {
  * (96 KiB an entry), 4 for f32 (160 KiB), both on the 2 MiB L2 of stop 32's Intel machine and
  * on Zen 4's 1 MiB. Fewer make sparser reads of the pool, more states that leave L2 between
  * visits: on Intel more than 8 cost 2% to 7% of the call; on Zen 4, where the states cost
- * 0.5% of the call at 4 and 4% at 8, 8 beat 4 by 2-6% at 2 threads and 1.5-2% at 1 thread, and
- * 16 lost 1% against 8 (docs/design.md, stops 32 and 34). An entry key packs (block id << 32
- * | item << 27 | block index), so a sequence's blocks up to 2^27. */
+ * 0.5% of the call at 4 and 4% at 8, 8 beat 4 by up to 2.4% at 1 thread and, while the memory
+ * was quiet, 2.4-6.1% at 2, and 16 lost 1% against 8 (docs/design.md, stops 32 and 34). An
+ * entry key packs (block id << 32 | item << 27 | block index), so a sequence's blocks up to
+ * 2^27. */
 #define SWEEP_ITEMS 32u
 #define SWEEP_STATE_L2_EIGHTHS 6u
 #define SWEEP_STATE_BYTES_MAX ((size_t)768 * 1024) /* 3/8 of a 2 MiB L2 */
