@@ -750,7 +750,7 @@ static void test_oracle_pool_order(void **state) {
             for (size_t x = 0; items[i].lse && x < nout / D; x++) items[i].lse[x] = NAN;
         }
         pkv__attn_set_order(at, PKV__ATTN_ORDER_POOL);
-        if (c % 2) pkv__attn_set_l2_bytes(at, 0); /* groups of 4 sequences a thread */
+        if (c % 2) pkv__attn_set_sweep_sizing(at, 0, 4); /* groups of 4 sequences a thread */
         assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
         assert_true(pkv__attn_last_swept(at));
         for (uint32_t i = 0; i < n; i++) {

@@ -356,12 +356,13 @@ static int cmp_i32(const void *a, const void *b) {
 /* The sweep's shape, as src/attn/attn.c makes it (sweep_collect, sweep_prepare), for the plain
  * read to follow; a model of the library's rule, kept beside it by hand. A thread keeps the
  * states of as many sequences as make 3/4 of its core's L2, at most 768 KiB, in the bytes it
- * reads per entry (a block's K and V, and a sequence's queries and acc), at least 4; a group
- * has that many a thread, at most 32, and groups are swept one after the other, of sizes
- * within one of each other. A group's entries, in (sequence, block index) order, are cut into one set a thread
- * (one set where the group is one sequence, its blocks then cut into ranges, a range a
- * thread), and each set is read in ascending block id. */
-enum { SW_ITEMS_MAX = 32, SW_ITEMS_MIN = 4, SW_L2_EIGHTHS = 6, SW_MIN_SPLIT = 4 };
+ * reads per entry (a block's K and V, and a sequence's queries and acc), at least 4 (8 on AMD
+ * family 19h, whose L3 catches what L2 evicts); a group has that many a thread, at most 32, and
+ * groups are swept one after the other, of sizes within one of each other. A group's entries,
+ * in (sequence, block index) order, are cut into one set a thread (one set where the group is
+ * one sequence, its blocks then cut into ranges, a range a thread), and each set is read in
+ * ascending block id. */
+enum { SW_ITEMS_MAX = 32, SW_ITEMS_MIN = 4, SW_ITEMS_MIN_VICTIM = 8, SW_L2_EIGHTHS = 6, SW_MIN_SPLIT = 4 };
 #define SW_BYTES_MAX ((size_t)768 * 1024)
 
 static size_t l2_bytes(void) {
@@ -372,13 +373,27 @@ static size_t l2_bytes(void) {
     return (size_t)512 * 1024; /* the library's guess where the C library does not know */
 }
 
+/* The library's PKV_CPU_VICTIM_L3: an AMD CPU of family 19h (CPUID leaf 1, base plus extended family). */
+static int victim_l3(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    uint32_t a = 1, b, c = 0, d;
+    __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "+c"(c), "=d"(d));
+    const uint32_t base = (a >> 8) & 0xfu, family = base == 0xfu ? base + ((a >> 20) & 0xffu) : base;
+    return __builtin_cpu_is("amd") && family == 0x19u;
+#else
+    return 0;
+#endif
+}
+
 static int sweep_order(setup *s, uint32_t nt) {
     const size_t n = (size_t)s->per_seq * s->batch;
     const size_t qrow = ((size_t)HEAD_DIM * 4 + 63) / 64 * 64;
     const size_t entry = s->L.k_block_bytes + s->L.v_block_bytes + (size_t)H_Q * (qrow + HEAD_DIM * sizeof(float));
     const size_t budget = l2_bytes() / 8 * SW_L2_EIGHTHS;
     size_t per = (budget < SW_BYTES_MAX ? budget : SW_BYTES_MAX) / entry;
-    per = per < SW_ITEMS_MIN ? SW_ITEMS_MIN : per;
+    const size_t per_min = victim_l3() ? SW_ITEMS_MIN_VICTIM : SW_ITEMS_MIN;
+    per = per < per_min ? per_min : per;
     const uint32_t group_max = (uint32_t)(per * nt < SW_ITEMS_MAX ? per * nt : SW_ITEMS_MAX);
     const uint32_t ng = (s->batch + group_max - 1) / group_max;
     s->sw_groups = ng;

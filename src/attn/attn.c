@@ -53,18 +53,22 @@ static uint64_t parts_cap(uint32_t n_threads, uint64_t item_blocks) {
  * KiB of queries and acc a sequence at 32 query heads x head_dim 128), and between two visits to
  * one it reads an entry (K/V runs and state) of each other: a group holds as many items a
  * thread as make SWEEP_STATE_L2_EIGHTHS eighths of the core's L2 in such bytes, and at most
- * SWEEP_STATE_BYTES_MAX, at least SWEEP_CHUNK_ITEMS_MIN. That is 8 sequences for f16 and bf16
- * (96 KiB an entry), 4 for f32 (160 KiB), both on the 2 MiB L2 of stop 32's Intel machine and
- * on Zen 4's 1 MiB. Fewer make sparser reads of the pool, more states that leave L2 between
- * visits: on Intel more than 8 cost 2% to 7% of the call; on Zen 4, where the states cost
- * 0.5% of the call at 4 and 4% at 8, 8 beat 4 by up to 2.4% at 1 thread and, while the memory
- * was quiet, 2.4-6.1% at 2, and 16 lost 1% against 8 (docs/design.md, stops 32 and 34). An
+ * SWEEP_STATE_BYTES_MAX, at least SWEEP_CHUNK_ITEMS_MIN (SWEEP_CHUNK_ITEMS_MIN_VICTIM where a
+ * victim L3 backs the L2, PKV_CPU_VICTIM_L3). With 16-token blocks that is 8 sequences for f16
+ * and bf16 (96 KiB an entry), and 4 for f32 (160 KiB) or 8 with a victim L3, both on the 2 MiB
+ * L2 of stop 32's Intel machine and on Zen 4's 1 MiB. Fewer make sparser reads of the pool,
+ * more states that leave L2 between visits. On Intel more than 8 cost 2% to 7% of the call,
+ * and at f32 or with 64-token blocks 4 beat 8 by 0.4-2.7%. On Zen 4 a state that leaves L2
+ * is found in L3: at f16 the states cost 0.5% of the call at 4 and 4% at 8, and 8 beat 4 by
+ * up to 2.4% at 1 thread and 2.4-6.1% at 2 (quiet memory); at f32 and with 32- and 64-token
+ * blocks 8 beat 4 by 0.5-3.6% in 15 of 16 paired runs (docs/design.md, stops 32 and 34). An
  * entry key packs (block id << 32 | item << 27 | block index), so a sequence's blocks up to
  * 2^27. */
 #define SWEEP_ITEMS 32u
 #define SWEEP_STATE_L2_EIGHTHS 6u
 #define SWEEP_STATE_BYTES_MAX ((size_t)768 * 1024) /* 3/8 of a 2 MiB L2 */
 #define SWEEP_CHUNK_ITEMS_MIN 4u
+#define SWEEP_CHUNK_ITEMS_MIN_VICTIM 8u
 #define SWEEP_MAX_THREADS 16u
 #define SWEEP_B_BITS 27u
 #define SWEEP_ENTRIES_MAX (1u << 20)
@@ -138,6 +142,7 @@ struct pkv__attn {
      * (SWEEP_Q_*), and chunks done with the item (part_done: the last one merges it) */
     _Atomic uint32_t sweep_qstate[SWEEP_ITEMS], sweep_done[SWEEP_ITEMS];
     size_t l2_bytes; /* a core's L2 cache (sysconf), or L2_GUESS_BYTES: see run_chunk's state prefetch */
+    uint32_t sweep_items_min; /* sequences a thread a sweep group holds at least (SWEEP_CHUNK_ITEMS_MIN) */
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
     const pkv__attn_item *items;
@@ -332,6 +337,8 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->sweep_slots = (float *)(mem + off_sslot);
     at->sweep_idx = (uint32_t *)(mem + off_idx);
     at->l2_bytes = l2_size();
+    at->sweep_items_min = pkv__cpu_features() & PKV_CPU_VICTIM_L3 ? SWEEP_CHUNK_ITEMS_MIN_VICTIM
+                                                                  : SWEEP_CHUNK_ITEMS_MIN;
     rc = pkv__tpool_init(&at->pool, n_threads, at->workers, &lim->exec);
     if (rc < 0) {
         pkv__free(&at->a, mem, total);
@@ -778,7 +785,7 @@ static size_t sweep_entry_bytes(const pkv__attn *at) {
 }
 
 /* Lists the call's items of one query (decode, or an extend of one token) in sweep_idx: the
- * items the sweep would take; sets the group size (SWEEP_STATE_L2_EIGHTHS, SWEEP_STATE_BYTES_MAX). */
+ * items the sweep would take; sets the group size (SWEEP_STATE_L2_EIGHTHS and the rest, above). */
 static void sweep_collect(pkv__attn *at) {
     uint32_t n = 0;
     for (uint32_t i = 0; i < at->n_items; i++)
@@ -786,7 +793,7 @@ static void sweep_collect(pkv__attn *at) {
     at->sweep_total = n;
     const size_t budget = PKV_MIN(at->l2_bytes / 8 * SWEEP_STATE_L2_EIGHTHS, SWEEP_STATE_BYTES_MAX);
     const size_t per_chunk = budget / sweep_entry_bytes(at);
-    const uint64_t group = (uint64_t)PKV_MAX(per_chunk, SWEEP_CHUNK_ITEMS_MIN) * at->n_threads;
+    const uint64_t group = (uint64_t)PKV_MAX(per_chunk, at->sweep_items_min) * at->n_threads;
     at->sweep_group_max = (uint32_t)PKV_MIN(group, (uint64_t)at->sweep_items_cap);
 }
 
@@ -1046,7 +1053,10 @@ static int sweep_run(pkv__attn *at, bool small, uint32_t *threads) {
 
 void pkv__attn_set_inline_work(pkv__attn *at, uint64_t elems) { at->inline_elems = elems; }
 void pkv__attn_set_order(pkv__attn *at, int order) { at->order = order; }
-void pkv__attn_set_l2_bytes(pkv__attn *at, size_t bytes) { at->l2_bytes = bytes; }
+void pkv__attn_set_sweep_sizing(pkv__attn *at, size_t l2_bytes, uint32_t items_min) {
+    at->l2_bytes = l2_bytes;
+    at->sweep_items_min = PKV_MAX(items_min, 1u);
+}
 bool pkv__attn_last_swept(const pkv__attn *at) { return at->last_swept; }
 uint32_t pkv__attn_last_threads(const pkv__attn *at) { return at->last_threads; }
 void pkv__attn_item_counts(const pkv__attn *at, uint64_t *pool, uint64_t *table) {

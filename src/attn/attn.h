@@ -87,15 +87,16 @@ void pkv__attn_set_inline_work(pkv__attn *at, uint64_t elems);
  * swept in groups. AUTO (the default): POOL where the one-query items' part of the call goes to
  * the thread pool (above the inline threshold) and their tables jump (runs of neighbouring
  * blocks under 32 on average), TABLE for the rest. A sweep's groups are smaller where the
- * sequences' states would not stay in a core's L2 (pkv__attn_set_l2_bytes). The results
+ * sequences' states would not stay in a core's L2 (pkv__attn_set_sweep_sizing). The results
  * differ from TABLE's by rounding only (the softmax is summed in another order). The context starts with
  * the order PKV_ATTN_ORDER names in the environment ("auto", "table", "pool"; unset or empty:
  * auto); creation fails with PKV_EINVAL on any other value. */
 enum { PKV__ATTN_ORDER_AUTO = 0, PKV__ATTN_ORDER_TABLE = 1, PKV__ATTN_ORDER_POOL = 2 };
 void pkv__attn_set_order(pkv__attn *at, int order);
-/* The core L2 size the sweep sizes its groups by (attn.c: SWEEP_STATE_L2_EIGHTHS); from sysconf
- * at creation. Tests set 0 to make groups of the fewest sequences (4 a thread). */
-void pkv__attn_set_l2_bytes(pkv__attn *at, size_t bytes);
+/* What the sweep sizes its groups by (attn.c: SWEEP_STATE_L2_EIGHTHS and the rest): the core's L2
+ * size (sysconf at creation) and the fewest sequences a thread (4, or 8 on a CPU with a victim
+ * L3). Tests set 0 and 4 to make groups of 4 sequences a thread on any machine. */
+void pkv__attn_set_sweep_sizing(pkv__attn *at, size_t l2_bytes, uint32_t items_min);
 /* Whether the last successful pkv__attn_run read its one-query items' blocks in pool order. */
 bool pkv__attn_last_swept(const pkv__attn *at);
 /* Threads the last successful pkv__attn_run used: 1 when it ran on the caller alone (small

@@ -55,6 +55,9 @@ enum {
     PKV_CPU_NEON = 1u << 11,
     PKV_CPU_ASIMDDP = 1u << 12, /* Armv8.2 int8 dot product (SDOT); read from AT_HWCAP on Linux */
     PKV_CPU_AVX512_HALVES = 1u << 13, /* 512-bit ops run as two 256-bit halves: AMD family 19h (Zen 4) */
+    /* each core's L2 backed by its core complex's large L3, which takes the lines L2 evicts (a victim
+     * cache): AMD family 19h (Zen 3 and 4; measured on Zen 4) */
+    PKV_CPU_VICTIM_L3 = 1u << 14,
 };
 uint32_t pkv__cpu_features(void);
 /* True when PKV_FORCE_REF is set to a non-empty value other than "0". */
