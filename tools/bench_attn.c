@@ -373,14 +373,11 @@ static size_t l2_bytes(void) {
     return (size_t)512 * 1024; /* the library's guess where the C library does not know */
 }
 
-/* The library's PKV_CPU_VICTIM_L3: an AMD CPU of family 19h (CPUID leaf 1, base plus extended family). */
+/* The library's PKV_CPU_VICTIM_L3: an AMD CPU of family 19h. */
 static int victim_l3(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    uint32_t a = 1, b, c = 0, d;
-    __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "+c"(c), "=d"(d));
-    const uint32_t base = (a >> 8) & 0xfu, family = base == 0xfu ? base + ((a >> 20) & 0xffu) : base;
-    return __builtin_cpu_is("amd") && family == 0x19u;
+    return __builtin_cpu_is("amdfam19h") != 0;
 #else
     return 0;
 #endif

@@ -139,9 +139,8 @@ static void detect_cpu(void) {
         uint32_t a = 1, b, c, d;
         __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(0));
         if (c & (1u << 29)) f |= PKV_CPU_F16C;
-        const uint32_t base = (a >> 8) & 0xfu, family = base == 0xfu ? base + ((a >> 20) & 0xffu) : base;
-        if (__builtin_cpu_is("amd") && family == 0x19u) f |= PKV_CPU_AVX512_HALVES | PKV_CPU_VICTIM_L3;
     }
+    if (__builtin_cpu_is("amdfam19h")) f |= PKV_CPU_AVX512_HALVES | PKV_CPU_VICTIM_L3;
 #elif defined(__aarch64__)
     f |= PKV_CPU_NEON;
 #if defined(__linux__)
