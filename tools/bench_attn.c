@@ -187,52 +187,84 @@ static double bw_median3(int n_threads) {
     return tool_median(v, 3);
 }
 
-/* ---- machine: f32 FMA peak (256-bit FMAs on independent accumulators) --------------------------- */
+/* ---- machine: f32 FMA peak (FMAs on independent accumulators, at each vector width) -----------
+ * The peak is the faster of 256- and 512-bit FMAs, the widest the attention backends use. They
+ * differ by CPU: Zen 5 runs 512-bit FMAs at full width, twice the 256-bit rate (prefill measured
+ * 104-128% of a 256-bit-only peak there, stop 35); Zen 4 runs them as two halves (the same rate);
+ * an Intel core with one 512-bit FMA unit gives both the same or 512-bit slower. 12 chains cover
+ * 2 pipes of 4-cycle (or 5-cycle) FMAs. */
 typedef struct fma_job {
     uint64_t iters;
     float out;
 } fma_job;
 
+#define FMA_CHAINS 12
 #if defined(__x86_64__) || defined(__i386__)
 __attribute__((target("avx2,fma"))) static void *fma_loop(void *arg) {
     fma_job *j = arg;
-    __m256 a[10], x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);
-    for (int i = 0; i < 10; i++) a[i] = _mm256_set1_ps((float)i);
+    __m256 a[FMA_CHAINS], x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);
+    for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm256_set1_ps((float)i);
     for (uint64_t it = 0; it < j->iters; it++)
-        for (int i = 0; i < 10; i++) a[i] = _mm256_fmadd_ps(a[i], x, y);
+        for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm256_fmadd_ps(a[i], x, y);
     __m256 s = a[0];
-    for (int i = 1; i < 10; i++) s = _mm256_add_ps(s, a[i]);
+    for (int i = 1; i < FMA_CHAINS; i++) s = _mm256_add_ps(s, a[i]);
     float o[8];
     _mm256_storeu_ps(o, s);
     j->out = o[0];
     return NULL;
 }
-static const double FMA_FLOPS_PER_ITER = 10 * 8 * 2;
-static int fma_available(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
-#else
-static void *fma_loop(void *arg) { /* portable: 8 independent scalar chains (the compiler may vectorize) */
+__attribute__((target("avx512f"))) static void *fma_loop512(void *arg) {
     fma_job *j = arg;
-    float a[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    __m512 a[FMA_CHAINS], x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-7f);
+    for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm512_set1_ps((float)i);
     for (uint64_t it = 0; it < j->iters; it++)
-        for (int i = 0; i < 8; i++) a[i] = fmaf(a[i], 0.999999f, 1e-7f);
-    j->out = a[0] + a[7];
+        for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm512_fmadd_ps(a[i], x, y);
+    __m512 s = a[0];
+    for (int i = 1; i < FMA_CHAINS; i++) s = _mm512_add_ps(s, a[i]);
+    j->out = _mm512_reduce_add_ps(s);
     return NULL;
 }
-static const double FMA_FLOPS_PER_ITER = 8 * 2;
+static int fma_available(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+/* The loops to time and their f32 lanes: 256-bit, and 512-bit where the CPU has AVX-512F. */
+static int fma_loops(void *(**fn)(void *), int *lanes) {
+    fn[0] = fma_loop, lanes[0] = 8;
+    if (!__builtin_cpu_supports("avx512f")) return 1;
+    fn[1] = fma_loop512, lanes[1] = 16;
+    return 2;
+}
+#else
+static void *fma_loop(void *arg) { /* portable: independent scalar chains (the compiler may vectorize) */
+    fma_job *j = arg;
+    float a[FMA_CHAINS];
+    for (int i = 0; i < FMA_CHAINS; i++) a[i] = (float)i;
+    for (uint64_t it = 0; it < j->iters; it++)
+        for (int i = 0; i < FMA_CHAINS; i++) a[i] = fmaf(a[i], 0.999999f, 1e-7f);
+    j->out = a[0] + a[FMA_CHAINS - 1];
+    return NULL;
+}
 static int fma_available(void) { return 1; }
+static int fma_loops(void *(**fn)(void *), int *lanes) {
+    fn[0] = fma_loop, lanes[0] = 1;
+    return 1;
+}
 #endif
 
-/* Best of reps runs of iters FMA iterations per thread (25M: about 0.1 s). */
+/* Best of reps runs of iters iterations per thread of each loop, GFLOP/s (100M / 4: about 0.1 s
+ * a run at 256 bits). */
 static double fma_peak_n(int n_threads, int reps, uint64_t iters) {
     fma_job jobs[2];
+    void *(*fn[2])(void *);
+    int lanes[2];
+    const int n_loops = fma_loops(fn, lanes);
     double best = 0;
-    for (int rep = 0; rep < reps; rep++) {
-        for (int i = 0; i < n_threads; i++) jobs[i].iters = iters;
-        const double sec = run_pinned(n_threads, fma_loop, jobs, sizeof jobs[0]);
-        g_sink += (uint64_t)jobs[0].out;
-        double g = FMA_FLOPS_PER_ITER * (double)iters * n_threads * 1e-9 / sec;
-        if (g > best) best = g;
-    }
+    for (int rep = 0; rep < reps; rep++)
+        for (int k = 0; k < n_loops; k++) {
+            for (int i = 0; i < n_threads; i++) jobs[i].iters = iters;
+            const double sec = run_pinned(n_threads, fn[k], jobs, sizeof jobs[0]);
+            g_sink += (uint64_t)jobs[0].out;
+            const double g = (double)FMA_CHAINS * lanes[k] * 2 * (double)iters * n_threads * 1e-9 / sec;
+            if (g > best) best = g;
+        }
     return best;
 }
 static double fma_peak(int n_threads) { return fma_peak_n(n_threads, 3, 100000000ull / 4); }
