@@ -12,6 +12,7 @@
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -86,7 +87,7 @@ typedef struct bw_job {
 /* The same loop as the plain read of read_p/c (tool_sum_run), over the job's whole lines. */
 static void *bw_read(void *arg) {
     bw_job *j = arg;
-    j->sum = tool_sum_run((const uint8_t *)j->p, NULL, j->n / 8 * 64);
+    j->sum = tool_sum_run((const uint8_t *)j->p, NULL, j->n / 8 * 64, 0);
     return NULL;
 }
 
@@ -415,6 +416,22 @@ static int victim_l3(void) {
 #endif
 }
 
+/* The library's PKV_CPU_PREFETCH_L1, for the plain read's prefetch: an AMD CPU of family 1Ah (from
+ * CPUID leaf 1, as src/core/core.c reads it: GCC 12 has no "amdfam1ah"). */
+static int prefetch_l1(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    __builtin_cpu_init();
+    if (!__builtin_cpu_is("amd") || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    unsigned family = (a >> 8) & 0xFu;
+    if (family == 0xFu) family += (a >> 20) & 0xFFu;
+    return family == 0x1Au;
+#else
+    return 0;
+#endif
+}
+static int g_pf_l1; /* prefetch_l1(), read once in main before any plain read */
+
 static int sweep_order(setup *s, uint32_t nt) {
     const size_t n = (size_t)s->per_seq * s->batch;
     const size_t qrow = ((size_t)HEAD_DIM * 4 + 63) / 64 * 64;
@@ -583,7 +600,7 @@ static uint64_t read_blocks(const pkv_layout *L, const uint8_t *K, const uint8_t
         const uint8_t *kn = NULL, *vn = NULL;
         if (x + 1 < n) kn = K + (size_t)ids[x + 1] * L->k_block_bytes, vn = V + (size_t)ids[x + 1] * L->v_block_bytes;
         sum += tool_sum_block(K + (size_t)ids[x] * L->k_block_bytes, V + (size_t)ids[x] * L->v_block_bytes, kn, vn,
-                              L->n_kv_heads, kh, vh);
+                              L->n_kv_heads, kh, vh, g_pf_l1);
     }
     return sum;
 }
@@ -963,6 +980,7 @@ int tool_bench_attn(int argc, char **argv) {
         return TOOL_FAIL;
     }
     for (size_t i = 0; i < g_bw_words; i++) g_bw_buf[i] = i;
+    g_pf_l1 = prefetch_l1();
     for (int nt = 1; nt <= 2; nt++) {
         g_bw[nt] = bw_median3(nt);
         g_peak[nt] = fma_available() ? fma_peak(nt) : 0;

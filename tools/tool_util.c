@@ -137,21 +137,24 @@ void *tool_map_huge(size_t bytes) {
 #endif
 }
 
-uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, size_t n) {
+uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, size_t n, int l1) {
     uint64_t a = 0, b = 0, c = 0, d = 0;
     for (size_t o = 0; o < n; o += 64) {
         const uint64_t *w = (const uint64_t *)(const void *)(p + o);
-        if (pf) __builtin_prefetch(pf + o, 0, 2);
+        if (pf && l1)
+            __builtin_prefetch(pf + o, 0, 3);
+        else if (pf)
+            __builtin_prefetch(pf + o, 0, 2);
         a += w[0] + w[4], b += w[1] + w[5], c += w[2] + w[6], d += w[3] + w[7];
     }
     return a + b + c + d;
 }
 
 uint64_t tool_sum_block(const uint8_t *k, const uint8_t *v, const uint8_t *kn, const uint8_t *vn, uint32_t n_heads,
-                        size_t k_run, size_t v_run) {
+                        size_t k_run, size_t v_run, int l1) {
     uint64_t sum = 0;
     for (uint32_t h = 0; h < n_heads; h++)
-        sum += tool_sum_run(k + h * k_run, kn ? kn + h * k_run : NULL, k_run) +
-               tool_sum_run(v + h * v_run, vn ? vn + h * v_run : NULL, v_run);
+        sum += tool_sum_run(k + h * k_run, kn ? kn + h * k_run : NULL, k_run, l1) +
+               tool_sum_run(v + h * v_run, vn ? vn + h * v_run : NULL, v_run, l1);
     return sum;
 }

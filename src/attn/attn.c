@@ -143,6 +143,7 @@ struct pkv__attn {
     _Atomic uint32_t sweep_qstate[SWEEP_ITEMS], sweep_done[SWEEP_ITEMS];
     size_t l2_bytes; /* a core's L2 cache (sysconf), or L2_GUESS_BYTES: see run_chunk's state prefetch */
     uint32_t sweep_items_min; /* sequences a thread a sweep group holds at least (SWEEP_CHUNK_ITEMS_MIN) */
+    int pf_l1; /* the next block's prefetch into L1 (PKV_CPU_PREFETCH_L1), else into L2: head_io_fill */
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
     const pkv__attn_item *items;
@@ -339,6 +340,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->l2_bytes = l2_size();
     at->sweep_items_min = pkv__cpu_features() & PKV_CPU_VICTIM_L3 ? SWEEP_CHUNK_ITEMS_MIN_VICTIM
                                                                   : SWEEP_CHUNK_ITEMS_MIN;
+    at->pf_l1 = (pkv__cpu_features() & PKV_CPU_PREFETCH_L1) != 0;
     rc = pkv__tpool_init(&at->pool, n_threads, at->workers, &lim->exec);
     if (rc < 0) {
         pkv__free(&at->a, mem, total);
@@ -413,7 +415,11 @@ static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
 
 /* Software prefetch of the next block's rows of one head while this block's head is computed
  * (pkv__attn_pf), PKV_ATTN_PF_DIST blocks ahead. Each (block, head) is one 4 KiB run for f16
- * at head_dim 128, B 16: the hardware prefetcher restarts at every such run, software does not. */
+ * at head_dim 128, B 16: the hardware prefetcher restarts at every such run, software does not.
+ * Into L2 (T1), or into L1 (T0) where PKV_CPU_PREFETCH_L1 says (pf_l1). T0 made decode 1.43x as
+ * slow on Zen 4 (f32) and 1.19x on Intel (stop 32). On Zen 5 it made it 8-12% faster at 1 thread
+ * and 1% at 2, and q8_0 1.78x as fast at 1 thread; there, no software prefetch at all made decode
+ * 2-2.7x as slow, and 2 blocks ahead instead of 1 gained nothing (stop 35). */
 #ifndef PKV_ATTN_PF_DIST
 #define PKV_ATTN_PF_DIST 1
 #endif
@@ -520,8 +526,8 @@ static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uin
     const uint8_t *kx = kn + h * kblk, *vx = vn + h * vblk;
     /* score's second run: the V run where accum does not prefetch it, else xr (or empty) */
     const uint8_t *r1 = accum_pf ? (xr ? xr : kx) : vx, *e1 = accum_pf ? (xr ? xr + xn : kx) : vx + vblk;
-    io->pk = (pkv__attn_pf){.p = {kx, r1}, .end = {kx + kblk, e1}};
-    io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}};
+    io->pk = (pkv__attn_pf){.p = {kx, r1}, .end = {kx + kblk, e1}, .l1 = at->pf_l1};
+    io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}, .l1 = at->pf_l1};
     io->pkp = &io->pk, io->pvp = accum_pf ? &io->pv : NULL;
     return !xr || accum_pf;
 }

@@ -174,7 +174,17 @@ typedef struct pkv__attn_pf {
     uint32_t left; /* steps left when the runs split evenly (even), else unused */
     int even;      /* run 0 (and run 1 unless empty) is left * step bytes: a step is a fixed, unbounded burst */
     int two;       /* run 1 is not empty */
+    int l1;        /* set by the driver: prefetch into L1 (T0) rather than L2 (T1): pkv__attn's pf_l1 */
 } pkv__attn_pf;
+
+/* n bytes of lines from x (n a multiple of 64; a constant where the caller's is), into L1 where l1
+ * is set, else into L2. */
+static inline __attribute__((always_inline)) void pkv__attn_pf_lines(const uint8_t *x, size_t n, int l1) {
+    if (l1)
+        for (size_t o = 0; o < n; o += 64) __builtin_prefetch(x + o, 0, 3);
+    else
+        for (size_t o = 0; o < n; o += 64) __builtin_prefetch(x + o, 0, 2);
+}
 
 /* always_inline: as plain static inline functions, GCC 12 finds them free of side effects
  * (prefetches do not count), deems the calls dead and drops every prefetch. */
@@ -196,15 +206,11 @@ static inline __attribute__((always_inline)) void pkv__attn_pf_step(pkv__attn_pf
         pf->left--;
         const uint8_t *x = pf->p[0], *y = pf->p[1];
         if (pf->step == 256) {
-            __builtin_prefetch(x, 0, 2), __builtin_prefetch(x + 64, 0, 2), __builtin_prefetch(x + 128, 0, 2),
-                __builtin_prefetch(x + 192, 0, 2);
-            if (pf->two)
-                __builtin_prefetch(y, 0, 2), __builtin_prefetch(y + 64, 0, 2), __builtin_prefetch(y + 128, 0, 2),
-                    __builtin_prefetch(y + 192, 0, 2);
+            pkv__attn_pf_lines(x, 256, pf->l1);
+            if (pf->two) pkv__attn_pf_lines(y, 256, pf->l1);
         } else {
-            for (size_t o = 0; o < pf->step; o += 64) __builtin_prefetch(x + o, 0, 2);
-            if (pf->two)
-                for (size_t o = 0; o < pf->step; o += 64) __builtin_prefetch(y + o, 0, 2);
+            pkv__attn_pf_lines(x, pf->step, pf->l1);
+            if (pf->two) pkv__attn_pf_lines(y, pf->step, pf->l1);
         }
         pf->p[0] = x + pf->step, pf->p[1] = y + (pf->two ? pf->step : 0);
         return;
@@ -212,22 +218,23 @@ static inline __attribute__((always_inline)) void pkv__attn_pf_step(pkv__attn_pf
     for (int j = 0; j < 2; j++) {
         const uint8_t *e = pf->p[j] + pf->step < pf->end[j] ? pf->p[j] + pf->step : pf->end[j], *x = pf->p[j];
         for (; x + 3 * 64 < e; x += 4 * 64) /* 4 lines per turn: a third of the loop's instructions */
-            __builtin_prefetch(x, 0, 2), __builtin_prefetch(x + 64, 0, 2), __builtin_prefetch(x + 128, 0, 2),
-                __builtin_prefetch(x + 192, 0, 2);
-        for (; x < e; x += 64) __builtin_prefetch(x, 0, 2);
+            pkv__attn_pf_lines(x, 256, pf->l1);
+        for (; x < e; x += 64) pkv__attn_pf_lines(x, 64, pf->l1);
         pf->p[j] = e;
     }
 }
 
 /* For a kernel's inner loop of n steps over a one-run pf (run 1 empty): takes the loop's steps out
  * of pf at once, so that the loop keeps no state: returns the first line, sets *step (bytes per
- * step) and *n_ok (how many of the n steps are left in the run), and the loop's turn i < *n_ok
- * calls pkv__attn_pf_burst(x + i * *step, *step). A two-run pf gives *n_ok = 0 and is left to
- * pkv__attn_pf_finish. */
+ * step), *n_ok (how many of the n steps are left in the run) and *l1 (pf's l1), and the loop's
+ * turn i < *n_ok calls pkv__attn_pf_burst(x + i * *step, *step, *l1). A two-run pf gives *n_ok =
+ * 0 and is left to pkv__attn_pf_finish. */
 static inline __attribute__((always_inline)) const uint8_t *pkv__attn_pf_take(pkv__attn_pf *pf, uint32_t n,
-                                                                               size_t *step, uint32_t *n_ok) {
-    *step = 0, *n_ok = 0;
+                                                                               size_t *step, uint32_t *n_ok,
+                                                                               int *l1) {
+    *step = 0, *n_ok = 0, *l1 = 0;
     if (!pf || pf->two || pf->p[0] >= pf->end[0]) return NULL;
+    *l1 = pf->l1;
     const uint8_t *x = pf->p[0];
     const size_t left = (size_t)(pf->end[0] - x), k = (left + pf->step - 1) / pf->step;
     *step = pf->step;
@@ -237,18 +244,17 @@ static inline __attribute__((always_inline)) const uint8_t *pkv__attn_pf_take(pk
     return x;
 }
 
-static inline __attribute__((always_inline)) void pkv__attn_pf_burst(const uint8_t *x, size_t step) {
-    __builtin_prefetch(x, 0, 2);
-    if (step > 64) __builtin_prefetch(x + 64, 0, 2);
-    if (step > 128)
-        for (size_t o = 128; o < step; o += 64) __builtin_prefetch(x + o, 0, 2);
+static inline __attribute__((always_inline)) void pkv__attn_pf_burst(const uint8_t *x, size_t step, int l1) {
+    pkv__attn_pf_lines(x, 64, l1);
+    if (step > 64) pkv__attn_pf_lines(x + 64, 64, l1);
+    if (step > 128) pkv__attn_pf_lines(x + 128, step - 128, l1);
 }
 
 /* Whatever steps were not taken (a kernel whose work had fewer steps than it counted) at once. */
 static inline __attribute__((always_inline)) void pkv__attn_pf_finish(pkv__attn_pf *pf) {
     if (!pf) return;
     for (int j = 0; j < 2; j++) {
-        for (const uint8_t *x = pf->p[j]; x < pf->end[j]; x += 64) __builtin_prefetch(x, 0, 2);
+        for (const uint8_t *x = pf->p[j]; x < pf->end[j]; x += 64) pkv__attn_pf_lines(x, 64, pf->l1);
         pf->p[j] = pf->end[j];
     }
     pf->left = 0;

@@ -134,13 +134,19 @@ static void detect_cpu(void) {
     if (__builtin_cpu_supports("avx512fp16")) f |= PKV_CPU_AVX512FP16;
     if (__builtin_cpu_supports("avxvnni")) f |= PKV_CPU_AVXVNNI;
 #endif
-    /* F16C: CPUID.1:ECX bit 29 */
+    /* F16C: CPUID.1:ECX bit 29. The family from EAX: base (bits 8-11), plus the extended family
+     * (bits 20-27) where base is 0xF. AMD family 1Ah is read from it: GCC 12 and clang 14 do not
+     * know __builtin_cpu_is("amdfam1ah"). */
+    uint32_t family;
     {
         uint32_t a = 1, b, c, d;
         __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(0));
         if (c & (1u << 29)) f |= PKV_CPU_F16C;
+        family = (a >> 8) & 0xFu;
+        if (family == 0xFu) family += (a >> 20) & 0xFFu;
     }
     if (__builtin_cpu_is("amdfam19h")) f |= PKV_CPU_AVX512_HALVES | PKV_CPU_VICTIM_L3;
+    if (__builtin_cpu_is("amd") && family == 0x1Au) f |= PKV_CPU_PREFETCH_L1;
 #elif defined(__aarch64__)
     f |= PKV_CPU_NEON;
 #if defined(__linux__)
