@@ -362,6 +362,9 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         pool_free(&p);
         skip();
     }
+    static unsigned n_case; /* the prefetch paths in turn, whatever this CPU would pick */
+    pkv__attn_set_prefetch(at, n_case & 1u, n_case >> 1 & 1u);
+    n_case++;
     pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
     /* caps near the logits, and (one case in four) far above them, where tanh(x / cap) is tiny */
     if (o->softcap) call.softcap = rng_below(4) ? (float)(1.0 + 30.0 * rng_unit()) : (float)pow(10.0, 2.0 + 28.0 * rng_unit());
@@ -768,6 +771,14 @@ static void test_oracle_pool_order(void **state) {
                 if (!(d <= worst_table)) worst_table = isnan(d) ? INFINITY : d;
             }
         }
+        /* The other prefetch paths (into L1 or L2; a decode head's score in finer shares or not)
+         * give the same bits: the shares split score's head_dim loop, not its order. */
+        for (uint32_t i = 0; i < n; i++)
+            memcpy(table_out[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
+        pkv__attn_set_prefetch(at, c % 2 == 0, c % 4 < 2);
+        assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
+        for (uint32_t i = 0; i < n; i++)
+            assert_memory_equal(table_out[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
         for (uint32_t i = 0; i < n; i++) {
             free((void *)items[i].q), free(items[i].out), free(items[i].lse), free(table_out[i]);
             seq_free(&seqs[i]);

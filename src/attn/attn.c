@@ -143,7 +143,8 @@ struct pkv__attn {
     _Atomic uint32_t sweep_qstate[SWEEP_ITEMS], sweep_done[SWEEP_ITEMS];
     size_t l2_bytes; /* a core's L2 cache (sysconf), or L2_GUESS_BYTES: see run_chunk's state prefetch */
     uint32_t sweep_items_min; /* sequences a thread a sweep group holds at least (SWEEP_CHUNK_ITEMS_MIN) */
-    int pf_l1; /* the next block's prefetch into L1 (PKV_CPU_PREFETCH_L1), else into L2: head_io_fill */
+    int pf_l1;   /* the next block's prefetch into L1 (PKV_CPU_PREFETCH_L1), else into L2: head_io_fill */
+    int pf_fine; /* and a decode head's score in finer shares (the same flag; attn.h, PKV__ATTN_PF_SUB_FINE) */
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
     const pkv__attn_item *items;
@@ -340,7 +341,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->l2_bytes = l2_size();
     at->sweep_items_min = pkv__cpu_features() & PKV_CPU_VICTIM_L3 ? SWEEP_CHUNK_ITEMS_MIN_VICTIM
                                                                   : SWEEP_CHUNK_ITEMS_MIN;
-    at->pf_l1 = (pkv__cpu_features() & PKV_CPU_PREFETCH_L1) != 0;
+    at->pf_l1 = at->pf_fine = (pkv__cpu_features() & PKV_CPU_PREFETCH_L1) != 0;
     rc = pkv__tpool_init(&at->pool, n_threads, at->workers, &lim->exec);
     if (rc < 0) {
         pkv__free(&at->a, mem, total);
@@ -419,7 +420,8 @@ static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
  * Into L2 (T1), or into L1 (T0) where PKV_CPU_PREFETCH_L1 says (pf_l1). T0 made decode 1.43x as
  * slow on Zen 4 (f32) and 1.19x on Intel (stop 32). On Zen 5 it made it 8-12% faster at 1 thread
  * and 1% at 2, and q8_0 1.78x as fast at 1 thread; there, no software prefetch at all made decode
- * 2-2.7x as slow, and 2 blocks ahead instead of 1 gained nothing (stop 35). */
+ * 2-2.7x as slow, and 2 blocks ahead instead of 1 gained nothing (stop 35). Zen 5 also takes
+ * finer shares in a decode head's score (pf_fine: attn.h, PKV__ATTN_DEF_SCORE_ROWS4). */
 #ifndef PKV_ATTN_PF_DIST
 #define PKV_ATTN_PF_DIST 1
 #endif
@@ -526,7 +528,7 @@ static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uin
     const uint8_t *kx = kn + h * kblk, *vx = vn + h * vblk;
     /* score's second run: the V run where accum does not prefetch it, else xr (or empty) */
     const uint8_t *r1 = accum_pf ? (xr ? xr : kx) : vx, *e1 = accum_pf ? (xr ? xr + xn : kx) : vx + vblk;
-    io->pk = (pkv__attn_pf){.p = {kx, r1}, .end = {kx + kblk, e1}, .l1 = at->pf_l1};
+    io->pk = (pkv__attn_pf){.p = {kx, r1}, .end = {kx + kblk, e1}, .l1 = at->pf_l1, .fine = at->pf_fine};
     io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}, .l1 = at->pf_l1};
     io->pkp = &io->pk, io->pvp = accum_pf ? &io->pv : NULL;
     return !xr || accum_pf;
@@ -1062,6 +1064,10 @@ void pkv__attn_set_order(pkv__attn *at, int order) { at->order = order; }
 void pkv__attn_set_sweep_sizing(pkv__attn *at, size_t l2_bytes, uint32_t items_min) {
     at->l2_bytes = l2_bytes;
     at->sweep_items_min = PKV_MAX(items_min, 1u);
+}
+void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine) {
+    at->pf_l1 = l1;
+    at->pf_fine = fine;
 }
 bool pkv__attn_last_swept(const pkv__attn *at) { return at->last_swept; }
 uint32_t pkv__attn_last_threads(const pkv__attn *at) { return at->last_threads; }

@@ -97,6 +97,10 @@ void pkv__attn_set_order(pkv__attn *at, int order);
  * size (sysconf at creation) and the fewest sequences a thread (4, or 8 on a CPU with a victim
  * L3). Tests set 0 and 4 to make groups of 4 sequences a thread on any machine. */
 void pkv__attn_set_sweep_sizing(pkv__attn *at, size_t l2_bytes, uint32_t items_min);
+/* How the kernels prefetch the next block (attn.c: pf_l1, pf_fine; set at creation from
+ * PKV_CPU_PREFETCH_L1): into L1 rather than L2 (l1), and in a decode head's score in finer shares
+ * (fine). Neither changes a result; tests set both ways so every machine runs both paths. */
+void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine);
 /* Whether the last successful pkv__attn_run read its one-query items' blocks in pool order. */
 bool pkv__attn_last_swept(const pkv__attn *at);
 /* Threads the last successful pkv__attn_run used: 1 when it ran on the caller alone (small
@@ -175,6 +179,7 @@ typedef struct pkv__attn_pf {
     int even;      /* run 0 (and run 1 unless empty) is left * step bytes: a step is a fixed, unbounded burst */
     int two;       /* run 1 is not empty */
     int l1;        /* set by the driver: prefetch into L1 (T0) rather than L2 (T1): pkv__attn's pf_l1 */
+    int fine;      /* set by the driver: a decode-sized score takes finer shares (PKV__ATTN_DEF_SCORE_ROWS4) */
 } pkv__attn_pf;
 
 /* n bytes of lines from x (n a multiple of 64; a constant where the caller's is), into L1 where l1
@@ -300,16 +305,20 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
 
 /* ---- drivers shared by the SIMD backends (ISA-free; each file instantiates them per dtype T) ----
  * PKV__ATTN_DEF_SCORE_ROWS4(T) needs score_tile_##T(q, qs, k, krb, R, K, D, s, ss, pf, sub): R <= 4
- * rows x K <= 4 keys, and PKV__ATTN_PF_SUB_##T, the prefetch shares per tile (a constant). It
- * defines score_rows_##T (a row group over the block's keys, 4 at a time) and the table entry
- * score_##T (row groups of 4, then single rows). The prefetch goes in sub shares per tile of the
- * row groups, the first single row standing for the group of leftover rows: the tile issues
- * sub - 1 of them spread over its head_dim steps (a tile may ignore pf when sub is 1), the
- * driver the last one after it. A decode block of 16 keys for 4 rows gets 4 x sub shares, not
- * one burst (at head_dim 128 and sub 1, 16 lines of each of the K and V runs per share for f16,
- * 32 for f32). It also needs PKV__ATTN_SCORE_RUN(T, q, qs, k, krb, R, n_keys, D, s, ss, pf): a
- * backend's own walk over the row group's first keys, giving how many it scored (0: none; the
- * tiles do the rest), taking the prefetch steps the tiles would have taken for them.
+ * rows x K <= 4 keys, and PKV__ATTN_PF_SUB_##T and PKV__ATTN_PF_SUB_FINE_##T, the prefetch
+ * shares per tile (constants). It defines score_rows_##T (a row group over the block's keys, 4
+ * at a time) and the table entry score_##T (row groups of 4, then single rows). The prefetch goes
+ * in sub shares per tile of the row groups, the first single row standing for the group of
+ * leftover rows: the tile issues sub - 1 of them spread over its head_dim steps (a tile may
+ * ignore pf when sub is 1), the driver the last one after it. A decode block of 16 keys for 4
+ * rows gets 4 x sub shares, not one burst (at head_dim 128 and sub 1, 16 lines of each of the K
+ * and V runs per share for f16, 32 for f32). sub is PKV__ATTN_PF_SUB_##T, or the FINE one where
+ * pf->fine is set, the score has at most 4 rows (a decode head's, at up to 4 query heads a kv
+ * head) and head_dim is 128: on Zen 5 finer shares paid from memory at 2 threads, and cost in
+ * cache and in prefill's many rows (src/attn/attn.c, pf_fine). It also needs
+ * PKV__ATTN_SCORE_RUN(T, q, qs, k, krb, R, n_keys, D, s, ss, pf, sub): a backend's own walk over
+ * the row group's first keys, giving how many it scored (0: none; the tiles do the rest),
+ * taking the prefetch steps the tiles would have taken for them.
  * PKV__ATTN_DEF_ACCUM_ROWS(T) needs accum_rows_##T(p, ps, R, v, vrb, n_keys, D, acc, pf), which
  * takes one step of pf per key in each of its PKV__ATTN_ACCUM_TILES(D) column tiles (a backend
  * whose accum does not prefetch defines that as 0 and ignores pf), and defines the table entry
@@ -319,16 +328,16 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
     static inline __attribute__((always_inline)) void score_rows_##T(const float *q, size_t qs, const uint8_t *k, \
                                                                      size_t krb, const uint32_t R, uint32_t n_keys, \
                                                                      uint32_t D, float *s, uint32_t ss,         \
-                                                                     pkv__attn_pf *pf) {                        \
-        uint32_t t = PKV__ATTN_SCORE_RUN(T, q, qs, k, krb, R, n_keys, D, s, ss, pf);                            \
+                                                                     pkv__attn_pf *pf, const uint32_t sub) {    \
+        uint32_t t = PKV__ATTN_SCORE_RUN(T, q, qs, k, krb, R, n_keys, D, s, ss, pf, sub);                       \
         for (; t + 4 <= n_keys; t += 4) {                                                                       \
-            score_tile_##T(q, qs, k + t * krb, krb, R, 4, D, s + t, ss, pf, PKV__ATTN_PF_SUB_##T);              \
+            score_tile_##T(q, qs, k + t * krb, krb, R, 4, D, s + t, ss, pf, sub);                               \
             pkv__attn_pf_step(pf);                                                                              \
         }                                                                                                       \
         switch (n_keys - t) {                                                                                   \
-        case 3: score_tile_##T(q, qs, k + t * krb, krb, R, 3, D, s + t, ss, pf, PKV__ATTN_PF_SUB_##T); break; \
-        case 2: score_tile_##T(q, qs, k + t * krb, krb, R, 2, D, s + t, ss, pf, PKV__ATTN_PF_SUB_##T); break; \
-        case 1: score_tile_##T(q, qs, k + t * krb, krb, R, 1, D, s + t, ss, pf, PKV__ATTN_PF_SUB_##T); break; \
+        case 3: score_tile_##T(q, qs, k + t * krb, krb, R, 3, D, s + t, ss, pf, sub); break;                    \
+        case 2: score_tile_##T(q, qs, k + t * krb, krb, R, 2, D, s + t, ss, pf, sub); break;                    \
+        case 1: score_tile_##T(q, qs, k + t * krb, krb, R, 1, D, s + t, ss, pf, sub); break;                    \
         default: return;                                                                                        \
         }                                                                                                       \
         pkv__attn_pf_step(pf);                                                                                  \
@@ -336,21 +345,25 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
     static inline __attribute__((always_inline)) void score_all_##T(const void *qp, uint32_t n_rows,            \
                                                                     const uint8_t *k, size_t krb, uint32_t n_keys, \
                                                                     uint32_t D, float *s, uint32_t ss,          \
-                                                                    pkv__attn_pf *pf) {                         \
+                                                                    pkv__attn_pf *pf, const uint32_t sub) {     \
         const size_t qs = PKV__ATTN_QROW_BYTES(D) / sizeof(float);                                              \
         const float *q = qp;                                                                                    \
         uint32_t r = 0;                                                                                         \
-        pkv__attn_pf_start(pf, (n_keys + 3) / 4 * ((n_rows + 3) / 4) * PKV__ATTN_PF_SUB_##T); /* sub per tile */ \
-        for (; r + 4 <= n_rows; r += 4) score_rows_##T(q + r * qs, qs, k, krb, 4, n_keys, D, s + r * ss, ss, pf); \
+        pkv__attn_pf_start(pf, (n_keys + 3) / 4 * ((n_rows + 3) / 4) * sub); /* sub per tile */                 \
+        for (; r + 4 <= n_rows; r += 4)                                                                         \
+            score_rows_##T(q + r * qs, qs, k, krb, 4, n_keys, D, s + r * ss, ss, pf, sub);                      \
         for (uint32_t r0 = r; r < n_rows; r++)                                                                  \
-            score_rows_##T(q + r * qs, qs, k, krb, 1, n_keys, D, s + r * ss, ss, r == r0 ? pf : NULL);          \
+            score_rows_##T(q + r * qs, qs, k, krb, 1, n_keys, D, s + r * ss, ss, r == r0 ? pf : NULL, sub);     \
     }                                                                                                           \
     static void score_##T(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,       \
                           uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {                                \
-        if (D == 128) /* the common head_dim, with constant trip counts */                                      \
-            score_all_##T(qp, n_rows, k, krb, n_keys, 128, s, ss, pf);                                          \
+        const int fine = PKV__ATTN_PF_SUB_FINE_##T != PKV__ATTN_PF_SUB_##T && pf && pf->fine && n_rows <= 4;  \
+        if (D == 128 && fine) /* a decode head's rows: finer shares where pf asks for them */                 \
+            score_all_##T(qp, n_rows, k, krb, n_keys, 128, s, ss, pf, PKV__ATTN_PF_SUB_FINE_##T);               \
+        else if (D == 128) /* the common head_dim, with constant trip counts */                                 \
+            score_all_##T(qp, n_rows, k, krb, n_keys, 128, s, ss, pf, PKV__ATTN_PF_SUB_##T);                    \
         else                                                                                                    \
-            score_all_##T(qp, n_rows, k, krb, n_keys, D, s, ss, pf);                                            \
+            score_all_##T(qp, n_rows, k, krb, n_keys, D, s, ss, pf, PKV__ATTN_PF_SUB_##T);                      \
     }
 
 #define PKV__ATTN_DEF_ACCUM_ROWS(T)                                                                            \

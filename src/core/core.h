@@ -58,9 +58,10 @@ enum {
     /* each core's L2 backed by its core complex's large L3, which takes the lines L2 evicts (a victim
      * cache): AMD family 19h (Zen 3 and 4; measured on Zen 4) */
     PKV_CPU_VICTIM_L3 = 1u << 14,
-    /* decode's software prefetch of the next block pays more into L1 (T0) than into L2 (T1): AMD
-     * family 1Ah (Zen 5; measured there, stop 35). Elsewhere T1: T0 made decode 1.43x as slow on
-     * Zen 4 (f32) and 1.19x on Intel. */
+    /* decode's software prefetch of the next block pays more into L1 (T0) than into L2 (T1), and
+     * in a decode head's score in 8 shares a tile rather than 4: AMD family 1Ah (Zen 5; measured
+     * there, stop 35). Elsewhere T1 and 4: T0 made decode 1.43x as slow on Zen 4 (f32) and 1.19x
+     * on Intel, and 4 shares beat 2 by 8% on Zen 4. */
     PKV_CPU_PREFETCH_L1 = 1u << 15,
 };
 uint32_t pkv__cpu_features(void);

@@ -107,6 +107,9 @@ DEF_SCORE(bf16)
 #define PKV__ATTN_PF_SUB_f32 1
 #define PKV__ATTN_PF_SUB_f16 1
 #define PKV__ATTN_PF_SUB_bf16 1
+#define PKV__ATTN_PF_SUB_FINE_f32 1 /* the same: no finer shares on NEON */
+#define PKV__ATTN_PF_SUB_FINE_f16 1
+#define PKV__ATTN_PF_SUB_FINE_bf16 1
 #define PKV__ATTN_SCORE_RUN(T, ...) 0u /* no walk of its own: the tiles score every key */
 PKV__ATTN_DEF_SCORE_ROWS4(f32)
 PKV__ATTN_DEF_SCORE_ROWS4(f16)

@@ -269,6 +269,12 @@ DEF_SCORE(bf16)
 #define PKV__ATTN_PF_SUB_f32 4
 #define PKV__ATTN_PF_SUB_f16 4
 #define PKV__ATTN_PF_SUB_bf16 4
+/* Where pf->fine asks (Zen 5, attn.c's pf_fine), a decode head's score takes 8: ab-decode from
+ * memory at 2 threads 0.945-0.975 (f16, bf16), f32 0.959; at 1 thread 0.986 and 1.017; but in
+ * cache (f16 512 x 1) 1.08-1.11, and prefill's many rows 18-20% slower, so not there. */
+#define PKV__ATTN_PF_SUB_FINE_f32 8
+#define PKV__ATTN_PF_SUB_FINE_f16 8
+#define PKV__ATTN_PF_SUB_FINE_bf16 8
 /* ---- score of a 4-row group, software-pipelined: tile i's reduction after tile i + 1's first step
  * The plain tile ends on its reduction tree, which waits for the tile's last FMAs and holds up
  * the next tile's behind it. Here a tile's 16 accumulators are folded to 8 by the tree's first
@@ -306,9 +312,9 @@ DEF_SCORE(bf16)
                                                                          const uint8_t *k, size_t krb,          \
                                                                          const uint32_t R, uint32_t n_keys,     \
                                                                          uint32_t D, float *s, uint32_t ss,     \
-                                                                         pkv__attn_pf *pf) {                    \
+                                                                         pkv__attn_pf *pf, const uint32_t sub) { \
         if (R != 4 || D % 16 != 0 || n_keys < 8) return 0;                                                      \
-        const uint32_t sub = PKV__ATTN_PF_SUB_##T, D16 = D / 16, D32 = D & ~31u;                                \
+        const uint32_t D16 = D / 16, D32 = D & ~31u;                                                            \
         (void)D32;                                                                                              \
         __m512 h[8] = {_mm512_setzero_ps()}; /* the previous tile's pair sums (zeroed for the compiler's sake) */ \
         uint32_t t = 0;                                                                                         \
