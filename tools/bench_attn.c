@@ -201,30 +201,21 @@ typedef struct fma_job {
 
 #define FMA_CHAINS 12
 #if defined(__x86_64__) || defined(__i386__)
-__attribute__((target("avx2,fma"))) static void *fma_loop(void *arg) {
-    fma_job *j = arg;
-    __m256 a[FMA_CHAINS], x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);
-    for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm256_set1_ps((float)i);
-    for (uint64_t it = 0; it < j->iters; it++)
-        for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm256_fmadd_ps(a[i], x, y);
-    __m256 s = a[0];
-    for (int i = 1; i < FMA_CHAINS; i++) s = _mm256_add_ps(s, a[i]);
-    float o[8];
-    _mm256_storeu_ps(o, s);
-    j->out = o[0];
-    return NULL;
-}
-__attribute__((target("avx512f"))) static void *fma_loop512(void *arg) {
-    fma_job *j = arg;
-    __m512 a[FMA_CHAINS], x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-7f);
-    for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm512_set1_ps((float)i);
-    for (uint64_t it = 0; it < j->iters; it++)
-        for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm512_fmadd_ps(a[i], x, y);
-    __m512 s = a[0];
-    for (int i = 1; i < FMA_CHAINS; i++) s = _mm512_add_ps(s, a[i]);
-    j->out = _mm512_reduce_add_ps(s);
-    return NULL;
-}
+/* The loop at one vector width: FMA_CHAINS accumulators of type V, each a chain of FMAs */
+#define DEF_FMA_LOOP(NAME, ISA, V, SET1, FMADD, ADD, LANE0)                                                    \
+    __attribute__((target(ISA))) static void *NAME(void *arg) {                                                 \
+        fma_job *j = arg;                                                                                       \
+        V a[FMA_CHAINS], x = SET1(0.999999f), y = SET1(1e-7f);                                                  \
+        for (int i = 0; i < FMA_CHAINS; i++) a[i] = SET1((float)i);                                             \
+        for (uint64_t it = 0; it < j->iters; it++)                                                              \
+            for (int i = 0; i < FMA_CHAINS; i++) a[i] = FMADD(a[i], x, y);                                      \
+        V s = a[0];                                                                                             \
+        for (int i = 1; i < FMA_CHAINS; i++) s = ADD(s, a[i]);                                                  \
+        j->out = LANE0(s);                                                                                      \
+        return NULL;                                                                                            \
+    }
+DEF_FMA_LOOP(fma_loop, "avx2,fma", __m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_add_ps, _mm256_cvtss_f32)
+DEF_FMA_LOOP(fma_loop512, "avx512f", __m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_add_ps, _mm512_cvtss_f32)
 static int fma_available(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 /* The loops to time and their f32 lanes: 256-bit, and 512-bit where the CPU has AVX-512F. */
 static int fma_loops(void *(**fn)(void *), int *lanes) {
