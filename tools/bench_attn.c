@@ -397,31 +397,22 @@ static size_t l2_bytes(void) {
     return (size_t)512 * 1024; /* the library's guess where the C library does not know */
 }
 
-/* The library's PKV_CPU_VICTIM_L3: an AMD CPU of family 19h. */
-static int victim_l3(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amdfam19h") != 0;
-#else
-    return 0;
-#endif
-}
-
-/* The library's PKV_CPU_PREFETCH_L1, for the plain read's prefetch: an AMD CPU of family 1Ah (from
- * CPUID leaf 1, as src/core/core.c reads it: GCC 12 has no "amdfam1ah"). */
-static int prefetch_l1(void) {
+/* The CPU's family where it is an AMD one, else 0: read from CPUID leaf 1 as src/core/core.c
+ * reads it for the library's AMD flags (GCC 12 has no "amdfam1ah"). */
+static unsigned amd_family(void) {
 #if defined(__x86_64__) || defined(__i386__)
     unsigned a, b, c, d;
     __builtin_cpu_init();
     if (!__builtin_cpu_is("amd") || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
-    unsigned family = (a >> 8) & 0xFu;
-    if (family == 0xFu) family += (a >> 20) & 0xFFu;
-    return family == 0x1Au;
+    const unsigned family = (a >> 8) & 0xFu;
+    return family == 0xFu ? family + ((a >> 20) & 0xFFu) : family;
 #else
     return 0;
 #endif
 }
-static int g_pf_l1; /* prefetch_l1(), read once in main before any plain read */
+/* The library's PKV_CPU_VICTIM_L3 (AMD family 19h) and PKV_CPU_PREFETCH_L1 (family 1Ah), read
+ * once in main before any sweep model or plain read. */
+static int g_victim_l3, g_pf_l1;
 
 static int sweep_order(setup *s, uint32_t nt) {
     const size_t n = (size_t)s->per_seq * s->batch;
@@ -429,7 +420,7 @@ static int sweep_order(setup *s, uint32_t nt) {
     const size_t entry = s->L.k_block_bytes + s->L.v_block_bytes + (size_t)H_Q * (qrow + HEAD_DIM * sizeof(float));
     const size_t budget = l2_bytes() / 8 * SW_L2_EIGHTHS;
     size_t per = (budget < SW_BYTES_MAX ? budget : SW_BYTES_MAX) / entry;
-    const size_t per_min = victim_l3() ? SW_ITEMS_MIN_VICTIM : SW_ITEMS_MIN;
+    const size_t per_min = g_victim_l3 ? SW_ITEMS_MIN_VICTIM : SW_ITEMS_MIN;
     per = per < per_min ? per_min : per;
     const uint32_t group_max = (uint32_t)(per * nt < SW_ITEMS_MAX ? per * nt : SW_ITEMS_MAX);
     const uint32_t ng = (s->batch + group_max - 1) / group_max;
@@ -971,7 +962,8 @@ int tool_bench_attn(int argc, char **argv) {
         return TOOL_FAIL;
     }
     for (size_t i = 0; i < g_bw_words; i++) g_bw_buf[i] = i;
-    g_pf_l1 = prefetch_l1();
+    const unsigned family = amd_family();
+    g_victim_l3 = family == 0x19u, g_pf_l1 = family == 0x1Au;
     for (int nt = 1; nt <= 2; nt++) {
         g_bw[nt] = bw_median3(nt);
         g_peak[nt] = fma_available() ? fma_peak(nt) : 0;

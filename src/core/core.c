@@ -135,8 +135,8 @@ static void detect_cpu(void) {
     if (__builtin_cpu_supports("avxvnni")) f |= PKV_CPU_AVXVNNI;
 #endif
     /* F16C: CPUID.1:ECX bit 29. The family from EAX: base (bits 8-11), plus the extended family
-     * (bits 20-27) where base is 0xF. AMD family 1Ah is read from it: GCC 12 and clang 14 do not
-     * know __builtin_cpu_is("amdfam1ah"). */
+     * (bits 20-27) where base is 0xF; read here for both AMD families the kernels tune for, as
+     * GCC 12 and clang 14 know __builtin_cpu_is("amdfam19h") but not "amdfam1ah". */
     uint32_t family;
     {
         uint32_t a = 1, b, c, d;
@@ -145,8 +145,10 @@ static void detect_cpu(void) {
         family = (a >> 8) & 0xFu;
         if (family == 0xFu) family += (a >> 20) & 0xFFu;
     }
-    if (__builtin_cpu_is("amdfam19h")) f |= PKV_CPU_AVX512_HALVES | PKV_CPU_VICTIM_L3;
-    if (__builtin_cpu_is("amd") && family == 0x1Au) f |= PKV_CPU_PREFETCH_L1;
+    if (__builtin_cpu_is("amd")) {
+        if (family == 0x19u) f |= PKV_CPU_AVX512_HALVES | PKV_CPU_VICTIM_L3; /* Zen 3 and 4 */
+        if (family == 0x1Au) f |= PKV_CPU_PREFETCH_L1;                      /* Zen 5 */
+    }
 #elif defined(__aarch64__)
     f |= PKV_CPU_NEON;
 #if defined(__linux__)
