@@ -362,8 +362,9 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         pool_free(&p);
         skip();
     }
-    static unsigned n_case; /* the prefetch paths in turn, whatever this CPU would pick */
+    static unsigned n_case; /* the prefetch paths in turn, whatever this CPU would pick, and the */
     pkv__attn_set_prefetch(at, n_case & 1u, n_case >> 1 & 1u);
+    pkv__attn_set_tpath(at, !(n_case >> 2 & 1u)); /* transposed path and the row path (attn.h) */
     n_case++;
     pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
     /* caps near the logits, and (one case in four) far above them, where tanh(x / cap) is tiny */
@@ -1079,5 +1080,7 @@ int main(void) {
         cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_force_ref),
     };
+    const char *filter = getenv("PKV_TEST_FILTER"); /* e.g. "test_oracle_prefill*": one test while working */
+    if (filter && *filter) cmocka_set_test_filter(filter);
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

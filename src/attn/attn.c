@@ -20,6 +20,11 @@
 #define ROWS_PER_HEAD 32u
 /* A key split covers at least this many blocks: below it, the merge costs more than it saves. */
 #define MIN_SPLIT_BLOCKS 4u
+/* The transposed path (attn.h: score_t) takes heads of at least PKV__ATTN_T_MIN_ROWS rows, so a
+ * unit holds at most ROWS_MAX / 16 of them, each padded to a multiple of 16 rows: the columns of
+ * qt a thread needs at most, and the lanes of one head's transposed scores. */
+#define T_QT_ROWS (ROWS_MAX + 15u * (ROWS_MAX / PKV__ATTN_T_MIN_ROWS))
+#define T_ROWS_PAD ((ROWS_MAX + 15u) & ~15u)
 /* Key-split partial slots per thread. */
 #define SLOTS_PER_THREAD 16u
 /* Below about this many K/V elements (per plan) waking the workers costs more than they save:
@@ -108,7 +113,9 @@ struct pkv__attn {
     pkv__tpool pool;
     pkv__tpool_worker *workers;
     /* per-thread scratch, thread_bytes each: prepared q [ROWS_MAX][QROW], acc [ROWS_MAX][head_dim],
-     * m, l [ROWS_MAX], scores [ROWS_MAX][s_stride] */
+     * m, l [ROWS_MAX], scores [ROWS_MAX][s_stride]; where the backend has the transposed
+     * primitives (attn.h: score_t) also qt [T_QT_ROWS][head_dim], scores [s_stride][T_ROWS_PAD],
+     * kbuf and vbuf [s_stride][head_dim] */
     uint8_t *scratch;
     size_t thread_bytes;
     uint32_t s_stride;
@@ -145,6 +152,7 @@ struct pkv__attn {
     uint32_t sweep_items_min; /* sequences a thread a sweep group holds at least (SWEEP_CHUNK_ITEMS_MIN) */
     int pf_l1;   /* the next block's prefetch into L1 (PKV_CPU_PREFETCH_L1), else into L2: head_io_fill */
     int pf_fine; /* and a decode head's score in finer shares (the same flag; attn.h, PKV__ATTN_PF_SUB_FINE) */
+    bool tpath;  /* units of many rows take the transposed primitives where the backend has them */
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
     const pkv__attn_item *items;
@@ -239,6 +247,12 @@ static int env_order(void) {
 
 static size_t align64(size_t x) { return pkv__align_up(x, 64); }
 
+/* The transposed path's part of a thread's scratch (thread_scratch): qt, scores, kbuf, vbuf. */
+static size_t t_scratch_bytes(uint32_t D, uint32_t s_stride) {
+    return align64((size_t)T_QT_ROWS * D * sizeof(float)) + align64((size_t)s_stride * T_ROWS_PAD * sizeof(float)) +
+           2 * align64((size_t)s_stride * D * sizeof(float));
+}
+
 /* A core's L2 in bytes where the C library tells it (glibc: from CPUID on x86, 0 where it does
  * not know, as on many ARM systems), else L2_GUESS_BYTES. */
 #define L2_GUESS_BYTES ((size_t)512 * 1024)
@@ -279,7 +293,8 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     const size_t thread_bytes = align64((size_t)ROWS_MAX * PKV__ATTN_QROW_BYTES(D)) +
                                 align64((size_t)ROWS_MAX * D * sizeof(float)) +
                                 2 * align64(ROWS_MAX * sizeof(float)) +
-                                align64((size_t)ROWS_MAX * s_stride * sizeof(float));
+                                align64((size_t)ROWS_MAX * s_stride * sizeof(float)) +
+                                (kt.softmax_t ? t_scratch_bytes(D, s_stride) : 0);
     const uint32_t n_slots = n_threads > 1 ? SLOTS_PER_THREAD * n_threads : 0;
     const size_t slot_floats = (size_t)ROWS_MAX * (D + 2);
     const uint32_t max_items = lim->max_items ? lim->max_items : 1;
@@ -342,6 +357,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->sweep_items_min = pkv__cpu_features() & PKV_CPU_VICTIM_L3 ? SWEEP_CHUNK_ITEMS_MIN_VICTIM
                                                                   : SWEEP_CHUNK_ITEMS_MIN;
     at->pf_l1 = at->pf_fine = (pkv__cpu_features() & PKV_CPU_PREFETCH_L1) != 0;
+    at->tpath = true;
     rc = pkv__tpool_init(&at->pool, n_threads, at->workers, &lim->exec);
     if (rc < 0) {
         pkv__free(&at->a, mem, total);
@@ -485,6 +501,7 @@ static void merge_write(const pkv__attn *at, const unit *w, float *m0, const flo
 typedef struct scratch {
     uint8_t *qp;
     float *acc, *m, *l, *s;
+    float *qt, *st, *kbuf, *vbuf; /* the transposed path's (NULL where the backend has none) */
 } scratch;
 
 static scratch thread_scratch(const pkv__attn *at, uint32_t tid) {
@@ -500,6 +517,17 @@ static scratch thread_scratch(const pkv__attn *at, uint32_t tid) {
     sc.l = (float *)p;
     p += align64(ROWS_MAX * sizeof(float));
     sc.s = (float *)p;
+    p += align64((size_t)ROWS_MAX * at->s_stride * sizeof(float));
+    sc.qt = sc.st = sc.kbuf = sc.vbuf = NULL;
+    if (at->kt.softmax_t) {
+        sc.qt = (float *)p;
+        p += align64((size_t)T_QT_ROWS * D * sizeof(float));
+        sc.st = (float *)p;
+        p += align64((size_t)at->s_stride * T_ROWS_PAD * sizeof(float));
+        sc.kbuf = (float *)p;
+        p += align64((size_t)at->s_stride * D * sizeof(float));
+        sc.vbuf = (float *)p;
+    }
     return sc;
 }
 
@@ -559,6 +587,67 @@ static bool part_done(_Atomic uint32_t *done, uint32_t n) {
     return atomic_fetch_add_explicit(done, 1, memory_order_acq_rel) + 1 == n;
 }
 
+/* The masks of one block's scores for a unit's queries: -inf where key kp is past query p or
+ * before its window. s[qi * gs + g][t] lies at s + (qi * gs + g) * rs + t * ts (the row path's
+ * layout: rs = s_stride, ts = 1; the transposed path's: rs = 1, ts = rp). */
+static void mask_block(const pkv__attn *at, const unit *w, uint32_t pos_first, uint32_t kp0, uint32_t n_keys,
+                       float *s, size_t rs, size_t ts) {
+    for (uint32_t qi = 0; qi < w->nq; qi++) {
+        const uint32_t p = pos_first + qi, plo = key_lo(p, at->call->window);
+        for (uint32_t g = 0; g < w->gs; g++) {
+            float *sr = s + (size_t)(qi * w->gs + g) * rs;
+            for (uint32_t t = 0; t < n_keys; t++)
+                if (kp0 + t > p || kp0 + t < plo) sr[t * ts] = -INFINITY;
+        }
+    }
+}
+
+/* run_unit's blocks [b0, b1) through the transposed primitives (attn.h: score_t): each head's
+ * prepared rows transposed into qt once (pad rows 0), then for each block and head score_t, the
+ * masks, softmax_t and accum_t. The row path's flow otherwise (run_unit below). */
+static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc, uint32_t b0, uint32_t b1,
+                          uint32_t k_lo, uint32_t k_hi, uint32_t pos_first, uint32_t lo_last) {
+    const pkv__kv_view *kv = at->kv;
+    const pkv__attn_kernels *kt = &at->kt;
+    const pkv__attn_item *it = w->item;
+    const uint32_t D = kv->head_dim, B = kv->block_tokens;
+    const uint32_t rows_h = w->nq * w->gs, rp = (rows_h + 15u) & ~15u;
+    const size_t qrow = PKV__ATTN_QROW_BYTES(D);
+    pkv_assert(w->n_kvh * rp <= T_QT_ROWS && rp <= T_ROWS_PAD);
+    for (uint32_t j = 0; j < w->n_kvh; j++) {
+        float *qt = sc->qt + (size_t)j * rp * D;
+        for (uint32_t r = 0; r < rp; r++) {
+            const float *q = (const float *)(sc->qp + (size_t)(j * rows_h + r) * qrow);
+            for (uint32_t d = 0; d < D; d++) qt[(size_t)d * rp + r] = r < rows_h ? q[d] : 0.0f;
+        }
+    }
+    const pkv__attn_score_t_fn score = kt->score_t[kv->k_dtype];
+    const pkv__attn_accum_t_fn accum = kt->accum_t[kv->v_dtype];
+    for (uint32_t b = b0; b < b1; b++) {
+        const size_t bid = (size_t)it->block_table[b];
+        const uint32_t kb = b * B;
+        const uint32_t t0 = k_lo > kb ? k_lo - kb : 0;
+        const uint32_t t1 = PKV_MIN(B, k_hi - kb + 1);
+        const uint32_t n_keys = t1 - t0;
+        const bool mask = (kb + t1 - 1 > pos_first) || (lo_last > kb + t0);
+        const uint8_t *kn = NULL, *vn = NULL;
+        if (PKV_ATTN_PF_DIST && b + PKV_ATTN_PF_DIST < b1) {
+            kn = kv->k + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->k_block_bytes;
+            vn = kv->v + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->v_block_bytes;
+        }
+        for (uint32_t j = 0; j < w->n_kvh; j++) {
+            const uint32_t r0 = j * rows_h;
+            head_io io;
+            (void)head_io_fill(at, bid, w->kvh0 + j, t0, kn, vn, NULL, 0, &io);
+            score(sc->qt + (size_t)j * rp * D, rp, io.kr, kv->k_row_bytes, n_keys, D, sc->st, sc->kbuf, io.pkp);
+            if (mask) mask_block(at, w, pos_first, kb + t0, n_keys, sc->st, 1, rp);
+            kt->softmax_t(sc->st, rp, rows_h, n_keys, at->call->softcap, sc->m + r0, sc->l + r0,
+                          sc->acc + (size_t)r0 * D, D);
+            accum(sc->st, rp, rows_h, io.vr, kv->v_row_bytes, n_keys, D, sc->acc + (size_t)r0 * D, sc->vbuf, io.pvp);
+        }
+    }
+}
+
 static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     pkv__attn *at = ctx;
     const pkv__kv_view *kv = at->kv;
@@ -597,7 +686,9 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
-    for (uint32_t b = b0; b < b1; b++) {
+    const bool tpath = at->tpath && rows_h >= PKV__ATTN_T_MIN_ROWS && kt->score_t[kv->k_dtype] && kt->accum_t[kv->v_dtype];
+    if (tpath) unit_blocks_t(at, &w, &sc, b0, b1, k_lo, k_hi, pos_first, lo_last);
+    for (uint32_t b = tpath ? b1 : b0; b < b1; b++) {
         const size_t bid = (size_t)it->block_table[b];
         const uint32_t kb = b * B; /* position of the block's first key */
         const uint32_t t0 = k_lo > kb ? k_lo - kb : 0;
@@ -616,17 +707,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
             head_io *io = &io2[j & 1u];
             (void)head_io_fill(at, bid, w.kvh0 + j, t0, kn, vn, NULL, 0, io);
             score(qp + (size_t)r0 * qrow, rows_h, io->kr, kv->k_row_bytes, n_keys, D, sj, at->s_stride, io->pkp);
-            if (mask)
-                for (uint32_t qi = 0; qi < w.nq; qi++) {
-                    const uint32_t p = pos_first + qi, plo = key_lo(p, call->window);
-                    for (uint32_t g = 0; g < w.gs; g++) {
-                        float *sr = sj + (size_t)(qi * w.gs + g) * at->s_stride;
-                        for (uint32_t t = 0; t < n_keys; t++) {
-                            const uint32_t kp = kb + t0 + t;
-                            if (kp > p || kp < plo) sr[t] = -INFINITY;
-                        }
-                    }
-                }
+            if (mask) mask_block(at, &w, pos_first, kb + t0, n_keys, sj, at->s_stride, 1);
             if (j > 0) accum_head(at, accum, s, rows_h, j - 1, n_keys, io2, acc);
             kt->softmax(sj, at->s_stride, rows_h, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
         }
@@ -1065,6 +1146,7 @@ void pkv__attn_set_sweep_sizing(pkv__attn *at, size_t l2_bytes, uint32_t items_m
     at->l2_bytes = l2_bytes;
     at->sweep_items_min = PKV_MAX(items_min, 1u);
 }
+void pkv__attn_set_tpath(pkv__attn *at, bool on) { at->tpath = on; }
 void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine) {
     at->pf_l1 = l1;
     at->pf_fine = fine;

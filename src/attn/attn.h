@@ -101,6 +101,9 @@ void pkv__attn_set_sweep_sizing(pkv__attn *at, size_t l2_bytes, uint32_t items_m
  * PKV_CPU_PREFETCH_L1): into L1 rather than L2 (l1), and in a decode head's score in finer shares
  * (fine). Neither changes a result; tests set both ways so every machine runs both paths. */
 void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine);
+/* Whether units of many query rows take the backend's transposed primitives where it has them
+ * (attn.h: score_t; on by default). Results differ by rounding only; tests run both ways. */
+void pkv__attn_set_tpath(pkv__attn *at, bool on);
 /* Whether the last successful pkv__attn_run read its one-query items' blocks in pool order. */
 bool pkv__attn_last_swept(const pkv__attn *at);
 /* Threads the last successful pkv__attn_run used: 1 when it ran on the caller alone (small
@@ -379,6 +382,29 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
         pkv__attn_pf_finish(pf);                                                                                \
     }
 
+/* ---- the transposed ("prefill") primitives: optional, for units of many query rows ----------
+ * A work unit of at least PKV__ATTN_T_MIN_ROWS rows a kv head (prefill tiles; decode where a kv
+ * head has that many query heads) may run its blocks through these instead of score, softmax and
+ * accum: the scores of a block are kept as s[t * rp + r] (a key's row of rp lanes, rp = the rows
+ * rounded up to 16), so that score is a plain outer product of a K row by the queries, transposed
+ * once a unit (qt[d * rp + r], pad rows 0), with no horizontal sums, and softmax works on 16 rows
+ * at a time down the keys. K and V of a 16-bit dtype are widened to f32 once a block (kbuf, vbuf:
+ * n_keys rows of head_dim floats, in the order the backend's prep_q and acc use), not once per
+ * row group. A backend fills all three (and the float prep_q) or none.
+ * score_t: for t < n_keys, r < rp: s[t * rp + r] = <qt column r, K row t>, K row t at
+ * k + t * k_row_bytes; prefetches pf (the next block's K run) along the way. */
+#define PKV__ATTN_T_MIN_ROWS 16u
+typedef void (*pkv__attn_score_t_fn)(const float *qt, uint32_t rp, const uint8_t *k, size_t k_row_bytes,
+                                     uint32_t n_keys, uint32_t head_dim, float *s, float *kbuf, pkv__attn_pf *pf);
+/* softmax_t: softmax's step (above) for rows r < n_rows of s[t * rp + r]; m, l, acc by row as there. */
+typedef void (*pkv__attn_softmax_t_fn)(float *s, uint32_t rp, uint32_t n_rows, uint32_t n_keys, float softcap,
+                                       float *m, float *l, float *acc, uint32_t head_dim);
+/* accum_t: for r < n_rows: acc[r * head_dim + d] += sum_{t < n_keys} p[t * rp + r] * V[t][d] (acc's
+ * order as accum's); prefetches pf (the next block's V run). */
+typedef void (*pkv__attn_accum_t_fn)(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v,
+                                     size_t v_row_bytes, uint32_t n_keys, uint32_t head_dim, float *acc, float *vbuf,
+                                     pkv__attn_pf *pf);
+
 typedef struct pkv__attn_kernels {
     const char *name;
     pkv__attn_prep_fn prep_q[PKV_DTYPE_COUNT];  /* by k_dtype */
@@ -387,6 +413,9 @@ typedef struct pkv__attn_kernels {
     pkv__attn_softmax_fn softmax;
     bool accum_pf[PKV_DTYPE_COUNT]; /* by v_dtype: accum prefetches the next V run (pf), not score */
     bool acc_eo[PKV_DTYPE_COUNT];   /* by v_dtype: accum keeps acc in even-odd order (below) */
+    pkv__attn_score_t_fn score_t[PKV_DTYPE_COUNT]; /* by k_dtype; NULL: the row path (above) */
+    pkv__attn_accum_t_fn accum_t[PKV_DTYPE_COUNT]; /* by v_dtype */
+    pkv__attn_softmax_t_fn softmax_t;
 } pkv__attn_kernels;
 
 /* Even-odd order (the AVX-512 bf16 kernels): each full group of 32 of a row's head_dim values,

@@ -160,8 +160,9 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
 
 /* ---- accum: tiles of 4 rows x 64 columns (16 of the 32 registers accumulate) across the block's keys */
 #define DEF_ACCUM(T)                                                                                            \
-    static inline __attribute__((always_inline)) void accum_tile_##T(const float *p, uint32_t ps, const uint32_t R, \
-                                                                     const uint8_t *v, size_t vrb, uint32_t n_keys, \
+    static inline __attribute__((always_inline)) void accum_tile_##T(const float *p, uint32_t ps, const size_t pts, \
+                                                                     const uint32_t R, const uint8_t *v, size_t vrb, \
+                                                                     uint32_t n_keys,                           \
                                                                      const uint32_t C, float *acc, uint32_t D,  \
                                                                      pkv__attn_pf *pf) {                        \
         __m512 a[4][4];                                                                                         \
@@ -177,27 +178,34 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
             if (t < pfn) pkv__attn_pf_burst(pfx + t * pfs, pfs, pfl);                                           \
             LDV_##T(x, vr, C);                                                                                  \
             for (uint32_t r = 0; r < R; r++) {                                                                  \
-                const __m512 w = _mm512_set1_ps(p[r * ps + t]);                                                 \
+                const __m512 w = _mm512_set1_ps(p[r * ps + t * pts]);                                           \
                 for (uint32_t c = 0; c < C; c++) a[r][c] = _mm512_fmadd_ps(w, x[c], a[r][c]);                   \
             }                                                                                                   \
         }                                                                                                       \
         for (uint32_t r = 0; r < R; r++)                                                                        \
             for (uint32_t c = 0; c < C; c++) _mm512_storeu_ps(acc + r * D + 16 * c, a[r][c]);                   \
     }                                                                                                           \
+    /* weights p[r * ps + t * pts]: pts 1 (accum), or the transposed path's rp (accum_t) */                  \
+    static inline __attribute__((always_inline)) void accum_rows_pts_##T(const float *p, uint32_t ps, const size_t pts, \
+                                                                         const uint32_t R, const uint8_t *v,    \
+                                                                         size_t vrb, uint32_t n_keys, uint32_t D, \
+                                                                         float *acc, pkv__attn_pf *pf) {        \
+        const size_t esz = sizeof(elem_##T);                                                                    \
+        uint32_t d = 0; /* 64-column tiles, then one of 48, 32 or 16 (PKV__ATTN_ACCUM_TILES) */                 \
+        for (; D - d >= 64; d += 64) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 4, acc + d, D, pf); \
+        if (D - d >= 48) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 3, acc + d, D, pf), d += 48;   \
+        else if (D - d >= 32) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 2, acc + d, D, pf), d += 32; \
+        else if (D - d >= 16) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 1, acc + d, D, pf), d += 16; \
+        for (uint32_t i = 0; i < R; i++) /* head_dim not a multiple of 16 */                                    \
+            for (uint32_t t = 0; t < n_keys; t++) {                                                             \
+                const float w = p[i * ps + t * pts];                                                            \
+                for (uint32_t e = d; e < D; e++) acc[(size_t)i * D + e] += w * sc_##T(v + t * vrb, e);          \
+            }                                                                                                   \
+    }                                                                                                           \
     static inline __attribute__((always_inline)) void accum_rows_##T(const float *p, uint32_t ps, const uint32_t R, \
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
                                                                      uint32_t D, float *acc, pkv__attn_pf *pf) { \
-        const size_t esz = sizeof(elem_##T);                                                                    \
-        uint32_t d = 0; /* 64-column tiles, then one of 48, 32 or 16 (PKV__ATTN_ACCUM_TILES) */                 \
-        for (; D - d >= 64; d += 64) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 4, acc + d, D, pf);     \
-        if (D - d >= 48) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D, pf), d += 48;        \
-        else if (D - d >= 32) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D, pf), d += 32;   \
-        else if (D - d >= 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D, pf), d += 16;   \
-        for (uint32_t i = 0; i < R; i++) /* head_dim not a multiple of 16 */                                    \
-            for (uint32_t t = 0; t < n_keys; t++) {                                                             \
-                const float w = p[i * ps + t];                                                                  \
-                for (uint32_t e = d; e < D; e++) acc[(size_t)i * D + e] += w * sc_##T(v + t * vrb, e);          \
-            }                                                                                                   \
+        accum_rows_pts_##T(p, ps, 1, R, v, vrb, n_keys, D, acc, pf);                                            \
     }
 
 /* The 4 rows' 4 sums of 16 ymm accumulators a[r][t] (a macro over the array, as HSUM4X4) stored
@@ -406,6 +414,179 @@ static inline __m128 exp4(__m128 x) {
 }
 #include "softmax_x86.h"
 
+/* ---- the transposed primitives (attn.h: score_t, softmax_t, accum_t) ---------------------------
+ * For units of many rows (prefill). The row path's 4 x 4 score tiles end on a tree of 45
+ * shuffles and adds for 128 FMAs (at head_dim 128), and its f16 tiles widen each K vector once
+ * per 4 rows; on a core with two 512-bit FMA pipes the shuffles take one of them. Here a block's
+ * 16-bit K and V rows are widened to f32 once (kbuf, vbuf), score is an outer product (a K value
+ * broadcast against 16 rows of qt, 8 keys x 2 vectors of rows in 16 accumulators, no sums
+ * across lanes), softmax works on 16 rows a vector down the keys, and accum is the row path's
+ * tile over the widened rows with the weights read down a key's row of scores. */
+
+/* n rows of K or V (row stride rb) widened to f32 rows of D floats at dst, each value where the
+ * row path's loaders put it (bf16: even-odd groups), a prefetch step of pf after each row. */
+#define DEF_WIDEN(T)                                                                                            \
+    static inline __attribute__((always_inline)) void widen_rows_##T(const uint8_t *src, size_t rb, uint32_t n, \
+                                                                     uint32_t D, float *dst, pkv__attn_pf *pf) { \
+        const uint32_t D16 = D & ~15u, D32 = D & ~31u;                                                          \
+        (void)D32;                                                                                              \
+        pkv__attn_pf_start(pf, n);                                                                              \
+        for (uint32_t t = 0; t < n; t++) {                                                                      \
+            const uint8_t *row = src + t * rb;                                                                  \
+            float *o = dst + (size_t)t * D;                                                                     \
+            uint32_t d = 0;                                                                                     \
+            for (; d < D16; d += 16) _mm512_storeu_ps(o + d, LDK_##T(row, d, D32));                             \
+            for (; d < D; d++) o[d] = sc_##T(row, d);                                                           \
+            pkv__attn_pf_step(pf);                                                                              \
+        }                                                                                                       \
+        pkv__attn_pf_finish(pf);                                                                                \
+    }
+DEF_WIDEN(f16)
+DEF_WIDEN(bf16)
+
+/* Keys t < NK (<= 8) of f32 rows k (stride ks floats) against NV (1 or 2) vectors of 16 rows of
+ * qt (columns from qt): s[t * rp + r] for those rows. NK x NV accumulators, each FMA a K value
+ * broadcast from memory against a vector of queries. */
+static inline __attribute__((always_inline)) void score_t_tile(const float *qt, uint32_t rp, const float *k, size_t ks,
+                                                              const uint32_t NK, const uint32_t NV, uint32_t D,
+                                                              float *s) {
+    __m512 a[8][2];
+    _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++)
+        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = _mm512_setzero_ps();
+    for (uint32_t d = 0; d < D; d++) {
+        const float *qd = qt + (size_t)d * rp;
+        __m512 x[2];
+        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) x[v] = _mm512_loadu_ps(qd + 16 * v);
+        _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++) {
+            const __m512 kb = _mm512_set1_ps(k[t * ks + d]);
+            _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = _mm512_fmadd_ps(kb, x[v], a[t][v]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++)
+        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) _mm512_storeu_ps(s + t * rp + 16 * v, a[t][v]);
+}
+
+/* Every key of the block against NV vectors of rows: tiles of 8 keys, then one of the rest. */
+static inline __attribute__((always_inline)) void score_t_keys(const float *qt, uint32_t rp, const float *k, size_t ks,
+                                                              uint32_t n_keys, uint32_t D, float *s,
+                                                              const uint32_t NV, pkv__attn_pf *pf) {
+    uint32_t t = 0;
+    for (; t + 8 <= n_keys; t += 8) {
+        score_t_tile(qt, rp, k + t * ks, ks, 8, NV, D, s + t * rp);
+        pkv__attn_pf_step(pf);
+    }
+    const float *kt = k + t * ks;
+    float *st = s + t * rp;
+    switch (n_keys - t) {
+    case 7: score_t_tile(qt, rp, kt, ks, 7, NV, D, st); break;
+    case 6: score_t_tile(qt, rp, kt, ks, 6, NV, D, st); break;
+    case 5: score_t_tile(qt, rp, kt, ks, 5, NV, D, st); break;
+    case 4: score_t_tile(qt, rp, kt, ks, 4, NV, D, st); break;
+    case 3: score_t_tile(qt, rp, kt, ks, 3, NV, D, st); break;
+    case 2: score_t_tile(qt, rp, kt, ks, 2, NV, D, st); break;
+    case 1: score_t_tile(qt, rp, kt, ks, 1, NV, D, st); break;
+    default: return;
+    }
+    pkv__attn_pf_step(pf);
+}
+
+/* f32 K rows (stride ks floats) against all rp rows of qt, 32 rows (two vectors) at a time. */
+static void score_t_rows(const float *qt, uint32_t rp, const float *k, size_t ks, uint32_t n_keys, uint32_t D, float *s,
+                         pkv__attn_pf *pf) {
+    pkv__attn_pf_start(pf, (n_keys + 7) / 8 * ((rp + 31) / 32));
+    uint32_t v = 0;
+    for (; v + 32 <= rp; v += 32) score_t_keys(qt + v, rp, k, ks, n_keys, D, s + v, 2, pf);
+    if (v < rp) score_t_keys(qt + v, rp, k, ks, n_keys, D, s + v, 1, pf);
+    pkv__attn_pf_finish(pf);
+}
+
+static void score_t_f32(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                        float *s, float *kbuf, pkv__attn_pf *pf) {
+    (void)kbuf;
+    score_t_rows(qt, rp, (const float *)(const void *)k, krb / sizeof(float), n_keys, D, s, pf);
+}
+#define DEF_SCORE_T16(T)                                                                                        \
+    static void score_t_##T(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D, \
+                            float *s, float *kbuf, pkv__attn_pf *pf) {                                          \
+        widen_rows_##T(k, krb, n_keys, D, kbuf, pf);                                                            \
+        score_t_rows(qt, rp, kbuf, D, n_keys, D, s, NULL);                                                      \
+    }
+DEF_SCORE_T16(f16)
+DEF_SCORE_T16(bf16)
+
+/* softmax's step (attn.h) on 16 rows a vector, each lane a row, down the keys s[t * rp + r]. The
+ * lazy rescale is taken lane by lane: a row keeps its max where it is finite and no score of the
+ * block is more than LAZY_T above it. A row that has seen no key yet (max still -inf) takes 0 as
+ * its reference, so its p and its factor are 0 and its l, acc stay 0. */
+static void softmax_t(float *s, uint32_t rp, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
+                      float *acc, uint32_t D) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    const __m512 cap = _mm512_set1_ps(softcap), m2ic = _mm512_set1_ps(softcap > 0.0f ? -2.0f / softcap : 0.0f);
+    for (uint32_t r0 = 0; r0 < n_rows; r0 += 16) {
+        const uint32_t nr = PKV_MIN(16u, n_rows - r0);
+        float *col = s + r0;
+        if (softcap > 0.0f)
+            for (uint32_t t = 0; t < n_keys; t++)
+                _mm512_storeu_ps(col + (size_t)t * rp, vf_softcap(_mm512_loadu_ps(col + (size_t)t * rp), cap, m2ic));
+        float mb[16], lb[16], fb[16];
+        for (uint32_t i = 0; i < 16; i++) mb[i] = i < nr ? m[r0 + i] : -INFINITY, lb[i] = i < nr ? l[r0 + i] : 0.0f;
+        const __m512 mo = _mm512_loadu_ps(mb);
+        __m512 mx = ninf;
+        for (uint32_t t = 0; t < n_keys; t++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(col + (size_t)t * rp));
+        const __mmask16 keep = _mm512_cmp_ps_mask(mo, ninf, _CMP_NEQ_OQ) &
+                               _mm512_cmp_ps_mask(_mm512_sub_ps(mx, mo), _mm512_set1_ps(LAZY_T), _CMP_LE_OQ);
+        const __m512 mn = _mm512_mask_blend_ps(keep, _mm512_max_ps(mo, mx), mo);
+        const __m512 ref = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), mn, zero);
+        __m512 sum = zero;
+        for (uint32_t t = 0; t < n_keys; t++) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(col + (size_t)t * rp), ref));
+            _mm512_storeu_ps(col + (size_t)t * rp, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 f = exp16(_mm512_sub_ps(mo, ref)); /* 1 where the max stayed, 0 where it was -inf */
+        _mm512_storeu_ps(lb, _mm512_fmadd_ps(_mm512_loadu_ps(lb), f, sum));
+        _mm512_storeu_ps(mb, mn);
+        _mm512_storeu_ps(fb, f);
+        const uint32_t moved = (uint32_t)_mm512_cmp_ps_mask(f, one, _CMP_NEQ_UQ) & ((1u << nr) - 1u);
+        for (uint32_t i = 0; i < nr; i++) {
+            m[r0 + i] = mb[i], l[r0 + i] = lb[i];
+            if (!(moved >> i & 1u)) continue;
+            float *a = acc + (size_t)(r0 + i) * D;
+            const __m512 fv = _mm512_set1_ps(fb[i]);
+            uint32_t d = 0;
+            for (; d + 16 <= D; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), fv));
+            for (; d < D; d++) a[d] *= fb[i];
+        }
+    }
+}
+
+/* The row path's accum tiles over f32 V rows (stride vrb bytes), the weights of row r and key t
+ * at p[t * rp + r]. */
+static void accum_t_rows(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                         uint32_t D, float *acc, pkv__attn_pf *pf) {
+    uint32_t r = 0;
+    pkv__attn_pf_start(pf, (n_rows / 4 + n_rows % 4) * n_keys * PKV__ATTN_ACCUM_TILES(D));
+    if (D == 128)
+        for (; r + 4 <= n_rows; r += 4) accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, 128, acc + (size_t)r * 128, pf);
+    for (; r + 4 <= n_rows; r += 4) accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, D, acc + (size_t)r * D, pf);
+    for (; r < n_rows; r++) accum_rows_pts_f32(p + r, 1, rp, 1, v, vrb, n_keys, D, acc + (size_t)r * D, pf);
+    pkv__attn_pf_finish(pf);
+}
+
+static void accum_t_f32(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                        uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    (void)vbuf;
+    accum_t_rows(p, rp, n_rows, v, vrb, n_keys, D, acc, pf);
+}
+#define DEF_ACCUM_T16(T)                                                                                        \
+    static void accum_t_##T(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,         \
+                            uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {           \
+        widen_rows_##T(v, vrb, n_keys, D, vbuf, pf);                                                            \
+        accum_t_rows(p, rp, n_rows, (const uint8_t *)vbuf, (size_t)D * sizeof(float), n_keys, D, acc, NULL);    \
+    }
+DEF_ACCUM_T16(f16)
+DEF_ACCUM_T16(bf16)
+
 /* bf16 queries, scaled, in even-odd order (attn.h): each full group of 32 by two two-source
  * permutes. A sweep's chunks prepare every sequence's queries before they start reading
  * (sweep_claim_queries in attn.c), so this copy is on the call's critical path. */
@@ -440,4 +621,11 @@ void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
     kt->accum_pf[PKV_DTYPE_F32] = kt->accum_pf[PKV_DTYPE_F16] = kt->accum_pf[PKV_DTYPE_BF16] = true;
     kt->prep_q[PKV_DTYPE_BF16] = prep_bf16_eo; /* bf16 K and V in even-odd order */
     kt->acc_eo[PKV_DTYPE_BF16] = true;
+    kt->score_t[PKV_DTYPE_F32] = score_t_f32;
+    kt->score_t[PKV_DTYPE_F16] = score_t_f16;
+    kt->score_t[PKV_DTYPE_BF16] = score_t_bf16;
+    kt->accum_t[PKV_DTYPE_F32] = accum_t_f32;
+    kt->accum_t[PKV_DTYPE_F16] = accum_t_f16;
+    kt->accum_t[PKV_DTYPE_BF16] = accum_t_bf16;
+    kt->softmax_t = softmax_t;
 }
