@@ -514,43 +514,92 @@ static void score_t_f32(const float *qt, uint32_t rp, const uint8_t *k, size_t k
 DEF_SCORE_T16(f16)
 DEF_SCORE_T16(bf16)
 
+/* e^x as exp16 (the same polynomial), with 2^n applied by one scalef, which also gives the zero
+ * for x < -87.3, -inf and nan through the mask: 14 operations against exp16's 19 (its results
+ * may differ from exp16's in the last bit). */
+static inline __m512 exp16_scalef(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_scalef_ps(keep, y, n);
+}
+
 /* softmax's step (attn.h) on 16 rows a vector, each lane a row, down the keys s[t * rp + r]. The
  * lazy rescale is taken lane by lane: a row keeps its max where it is finite and no score of the
  * block is more than LAZY_T above it. A row that has seen no key yet (max still -inf) takes 0 as
- * its reference, so its p and its factor are 0 and its l, acc stay 0. */
+ * its reference, so its p and its factor are 0 and its l, acc stay 0. The max and the sum run as
+ * two chains each (even and odd keys). */
 static void softmax_t(float *s, uint32_t rp, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
                       float *acc, uint32_t D) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
     const __m512 cap = _mm512_set1_ps(softcap), m2ic = _mm512_set1_ps(softcap > 0.0f ? -2.0f / softcap : 0.0f);
     for (uint32_t r0 = 0; r0 < n_rows; r0 += 16) {
         const uint32_t nr = PKV_MIN(16u, n_rows - r0);
+        const __mmask16 valid = (__mmask16)((1u << nr) - 1u);
         float *col = s + r0;
         if (softcap > 0.0f)
             for (uint32_t t = 0; t < n_keys; t++)
                 _mm512_storeu_ps(col + (size_t)t * rp, vf_softcap(_mm512_loadu_ps(col + (size_t)t * rp), cap, m2ic));
-        float mb[16], lb[16], fb[16];
-        for (uint32_t i = 0; i < 16; i++) mb[i] = i < nr ? m[r0 + i] : -INFINITY, lb[i] = i < nr ? l[r0 + i] : 0.0f;
-        const __m512 mo = _mm512_loadu_ps(mb);
-        __m512 mx = ninf;
-        for (uint32_t t = 0; t < n_keys; t++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(col + (size_t)t * rp));
+        __m512 mo, lo;
+        if (nr == 16) {
+            mo = _mm512_loadu_ps(m + r0), lo = _mm512_loadu_ps(l + r0);
+        } else { /* the rows past n_rows are another head's: not read, not written */
+            float mb[16], lb[16];
+            for (uint32_t i = 0; i < 16; i++) mb[i] = i < nr ? m[r0 + i] : -INFINITY, lb[i] = i < nr ? l[r0 + i] : 0.0f;
+            mo = _mm512_loadu_ps(mb), lo = _mm512_loadu_ps(lb);
+        }
+        __m512 mx0 = ninf, mx1 = ninf;
+        uint32_t t = 0;
+        for (; t + 2 <= n_keys; t += 2) {
+            mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(col + (size_t)t * rp));
+            mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(col + (size_t)(t + 1) * rp));
+        }
+        if (t < n_keys) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(col + (size_t)t * rp));
+        const __m512 mx = _mm512_max_ps(mx0, mx1);
         const __mmask16 keep = _mm512_cmp_ps_mask(mo, ninf, _CMP_NEQ_OQ) &
                                _mm512_cmp_ps_mask(_mm512_sub_ps(mx, mo), _mm512_set1_ps(LAZY_T), _CMP_LE_OQ);
         const __m512 mn = _mm512_mask_blend_ps(keep, _mm512_max_ps(mo, mx), mo);
         const __m512 ref = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), mn, zero);
-        __m512 sum = zero;
-        for (uint32_t t = 0; t < n_keys; t++) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(col + (size_t)t * rp), ref));
-            _mm512_storeu_ps(col + (size_t)t * rp, e);
-            sum = _mm512_add_ps(sum, e);
+        __m512 sum0 = zero, sum1 = zero;
+        for (t = 0; t + 2 <= n_keys; t += 2) {
+            float *c0 = col + (size_t)t * rp, *c1 = c0 + rp;
+            const __m512 e0 = exp16_scalef(_mm512_sub_ps(_mm512_loadu_ps(c0), ref));
+            const __m512 e1 = exp16_scalef(_mm512_sub_ps(_mm512_loadu_ps(c1), ref));
+            _mm512_storeu_ps(c0, e0), _mm512_storeu_ps(c1, e1);
+            sum0 = _mm512_add_ps(sum0, e0), sum1 = _mm512_add_ps(sum1, e1);
         }
-        const __m512 f = exp16(_mm512_sub_ps(mo, ref)); /* 1 where the max stayed, 0 where it was -inf */
-        _mm512_storeu_ps(lb, _mm512_fmadd_ps(_mm512_loadu_ps(lb), f, sum));
-        _mm512_storeu_ps(mb, mn);
+        if (t < n_keys) {
+            float *c0 = col + (size_t)t * rp;
+            const __m512 e0 = exp16_scalef(_mm512_sub_ps(_mm512_loadu_ps(c0), ref));
+            _mm512_storeu_ps(c0, e0);
+            sum0 = _mm512_add_ps(sum0, e0);
+        }
+        const __m512 f = exp16_scalef(_mm512_sub_ps(mo, ref)); /* 1 where the max stayed, 0 where it was -inf */
+        const __m512 ln = _mm512_fmadd_ps(lo, f, _mm512_add_ps(sum0, sum1));
+        if (nr == 16) {
+            _mm512_storeu_ps(m + r0, mn), _mm512_storeu_ps(l + r0, ln);
+        } else {
+            float mb[16], lb[16];
+            _mm512_storeu_ps(mb, mn), _mm512_storeu_ps(lb, ln);
+            for (uint32_t i = 0; i < nr; i++) m[r0 + i] = mb[i], l[r0 + i] = lb[i];
+        }
+        uint32_t moved = (uint32_t)(_mm512_cmp_ps_mask(f, one, _CMP_NEQ_UQ) & valid);
+        if (!moved) continue;
+        float fb[16];
         _mm512_storeu_ps(fb, f);
-        const uint32_t moved = (uint32_t)_mm512_cmp_ps_mask(f, one, _CMP_NEQ_UQ) & ((1u << nr) - 1u);
-        for (uint32_t i = 0; i < nr; i++) {
-            m[r0 + i] = mb[i], l[r0 + i] = lb[i];
-            if (!(moved >> i & 1u)) continue;
+        for (; moved; moved &= moved - 1u) {
+            const uint32_t i = (uint32_t)__builtin_ctz(moved);
             float *a = acc + (size_t)(r0 + i) * D;
             const __m512 fv = _mm512_set1_ps(fb[i]);
             uint32_t d = 0;
