@@ -115,7 +115,7 @@ struct pkv__attn {
     /* per-thread scratch, thread_bytes each: prepared q [ROWS_MAX][QROW], acc [ROWS_MAX][head_dim],
      * m, l [ROWS_MAX], scores [ROWS_MAX][s_stride]; where the backend has the transposed
      * primitives (attn.h: score_t) also qt [T_QT_ROWS][head_dim], scores [s_stride][T_ROWS_PAD],
-     * kbuf and vbuf [s_stride][head_dim] */
+     * kbuf and vbuf [PKV__ATTN_T_KEYS][head_dim] */
     uint8_t *scratch;
     size_t thread_bytes;
     uint32_t s_stride;
@@ -250,7 +250,7 @@ static size_t align64(size_t x) { return pkv__align_up(x, 64); }
 /* The transposed path's part of a thread's scratch (thread_scratch): qt, scores, kbuf, vbuf. */
 static size_t t_scratch_bytes(uint32_t D, uint32_t s_stride) {
     return align64((size_t)T_QT_ROWS * D * sizeof(float)) + align64((size_t)s_stride * T_ROWS_PAD * sizeof(float)) +
-           2 * align64((size_t)s_stride * D * sizeof(float));
+           2 * align64((size_t)PKV__ATTN_T_KEYS * D * sizeof(float));
 }
 
 /* A core's L2 in bytes where the C library tells it (glibc: from CPUID on x86, 0 where it does
@@ -525,7 +525,7 @@ static scratch thread_scratch(const pkv__attn *at, uint32_t tid) {
         sc.st = (float *)p;
         p += align64((size_t)at->s_stride * T_ROWS_PAD * sizeof(float));
         sc.kbuf = (float *)p;
-        p += align64((size_t)at->s_stride * D * sizeof(float));
+        p += align64((size_t)PKV__ATTN_T_KEYS * D * sizeof(float));
         sc.vbuf = (float *)p;
     }
     return sc;

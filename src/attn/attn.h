@@ -389,11 +389,13 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
  * rounded up to 16), so that score is a plain outer product of a K row by the queries, transposed
  * once a unit (qt[d * rp + r], pad rows 0), with no horizontal sums, and softmax works on 16 rows
  * at a time down the keys. K and V of a 16-bit dtype are widened to f32 once a block (kbuf, vbuf:
- * n_keys rows of head_dim floats, in the order the backend's prep_q and acc use), not once per
- * row group. A backend fills all three (and the float prep_q) or none.
+ * PKV__ATTN_T_KEYS rows of head_dim floats at a time, in the order the backend's prep_q and acc
+ * use), not once per row group. A backend fills all three (and the float prep_q) or none.
  * score_t: for t < n_keys, r < rp: s[t * rp + r] = <qt column r, K row t>, K row t at
  * k + t * k_row_bytes; prefetches pf (the next block's K run) along the way. */
 #define PKV__ATTN_T_MIN_ROWS 16u
+/* kbuf and vbuf hold this many rows: a block of more keys is widened and used in parts. */
+#define PKV__ATTN_T_KEYS 16u
 typedef void (*pkv__attn_score_t_fn)(const float *qt, uint32_t rp, const uint8_t *k, size_t k_row_bytes,
                                      uint32_t n_keys, uint32_t head_dim, float *s, float *kbuf, pkv__attn_pf *pf);
 /* softmax_t: softmax's step (above) for rows r < n_rows of s[t * rp + r]; m, l, acc by row as there. */

@@ -146,10 +146,10 @@ static inline uint32_t key_tiles(uint32_t n) {
  * Tiles of 4 rows x 24 columns held in 12 registers across all keys of the block: per key 3 V
  * loads (+ converts), 4 broadcasts, 12 FMAs. Column tails use 16- and 8-wide tiles. */
 #define DEF_ACCUM(T)                                                                                            \
-    static inline __attribute__((always_inline)) void accum_tile_##T(const float *p, uint32_t ps, const uint32_t R, \
-                                                                     const uint8_t *v, size_t vrb, uint32_t n_keys, \
-                                                                     const uint32_t C, float *acc, uint32_t D,  \
-                                                                     pkv__attn_pf *pf) {                        \
+    static inline __attribute__((always_inline)) void accum_tile_##T(const float *p, uint32_t ps, const size_t pts, \
+                                                                     const uint32_t R, const uint8_t *v, size_t vrb, \
+                                                                     uint32_t n_keys, const uint32_t C, float *acc, \
+                                                                     uint32_t D, pkv__attn_pf *pf) {            \
         __m256 a[4][3];                                                                                         \
         const size_t esz = sizeof(elem_##T);                                                                    \
         for (uint32_t r = 0; r < R; r++)                                                                        \
@@ -164,27 +164,35 @@ static inline uint32_t key_tiles(uint32_t n) {
             if (t < pfn) pkv__attn_pf_burst(pfx + t * pfs, pfs, pfl);                                           \
             for (uint32_t c = 0; c < C; c++) x[c] = ld_##T(vr + 8 * c * esz);                                   \
             for (uint32_t r = 0; r < R; r++) {                                                                  \
-                const __m256 w = _mm256_broadcast_ss(p + r * ps + t);                                           \
+                const __m256 w = _mm256_broadcast_ss(p + r * ps + t * pts);                                     \
                 for (uint32_t c = 0; c < C; c++) a[r][c] = _mm256_fmadd_ps(w, x[c], a[r][c]);                   \
             }                                                                                                   \
         }                                                                                                       \
         for (uint32_t r = 0; r < R; r++)                                                                        \
             for (uint32_t c = 0; c < C; c++) _mm256_storeu_ps(acc + r * D + 8 * c, a[r][c]);                    \
     }                                                                                                           \
-    static inline __attribute__((always_inline)) void accum_rows_##T(const float *p, uint32_t ps, const uint32_t R, \
-                                                                     const uint8_t *v, size_t vrb, uint32_t n_keys, \
-                                                                     uint32_t D, float *acc, pkv__attn_pf *pf) { \
+    /* weights p[r * ps + t * pts]: pts 1 (accum), or the transposed path's rp (accum_t) */                  \
+    static inline __attribute__((always_inline)) void accum_rows_pts_##T(const float *p, uint32_t ps, const size_t pts, \
+                                                                         const uint32_t R, const uint8_t *v,    \
+                                                                         size_t vrb, uint32_t n_keys, uint32_t D, \
+                                                                         float *acc, pkv__attn_pf *pf) {        \
         const size_t esz = sizeof(elem_##T);                                                                    \
         /* 24-column tiles, ending on 16-column ones rather than an 8-column one (e.g. 128 = 4 x 24 + 2 x 16) */ \
         uint32_t d = 0;                                                                                         \
-        for (; D - d >= 24 && D - d != 32; d += 24) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 3, acc + d, D, pf); \
-        for (; D - d >= 16; d += 16) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 2, acc + d, D, pf);         \
-        if (D - d >= 8) accum_tile_##T(p, ps, R, v + d * esz, vrb, n_keys, 1, acc + d, D, pf), d += 8;              \
+        for (; D - d >= 24 && D - d != 32; d += 24)                                                             \
+            accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 3, acc + d, D, pf);                         \
+        for (; D - d >= 16; d += 16) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 2, acc + d, D, pf); \
+        if (D - d >= 8) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 1, acc + d, D, pf), d += 8;     \
         for (uint32_t i = 0; i < R; i++) /* head_dim not a multiple of 8 */                                     \
             for (uint32_t t = 0; t < n_keys; t++) {                                                             \
-                const float w = p[i * ps + t];                                                                  \
+                const float w = p[i * ps + t * pts];                                                            \
                 for (uint32_t e = d; e < D; e++) acc[(size_t)i * D + e] += w * sc_##T(v + t * vrb, e);          \
             }                                                                                                   \
+    }                                                                                                           \
+    static inline __attribute__((always_inline)) void accum_rows_##T(const float *p, uint32_t ps, const uint32_t R, \
+                                                                     const uint8_t *v, size_t vrb, uint32_t n_keys, \
+                                                                     uint32_t D, float *acc, pkv__attn_pf *pf) { \
+        accum_rows_pts_##T(p, ps, 1, R, v, vrb, n_keys, D, acc, pf);                                            \
     }
 
 typedef float elem_f32;
@@ -273,6 +281,182 @@ static inline int vf_all_le(__m256 x, __m256 t) {
 }
 #include "softmax_x86.h"
 
+/* ---- the transposed primitives (attn.h: score_t, softmax_t, accum_t) ---------------------------
+ * As in attn_avx512.c, at 8 lanes: score tiles of 6 keys x 2 vectors of 8 rows (12 accumulators,
+ * 2 qt loads and 6 broadcasts per 12 FMAs, 15 of the 16 registers), softmax down the keys 8 rows
+ * a vector, accum the row path's tiles over f32 rows. 16-bit K and V are widened once a block. */
+#define DEF_WIDEN(T)                                                                                            \
+    static inline __attribute__((always_inline)) void widen_rows_##T(const uint8_t *src, size_t rb, uint32_t n, \
+                                                                     uint32_t D, float *dst, pkv__attn_pf *pf) { \
+        const uint32_t D8 = D & ~7u;                                                                            \
+        for (uint32_t t = 0; t < n; t++) {                                                                      \
+            const uint8_t *row = src + t * rb;                                                                  \
+            float *o = dst + (size_t)t * D;                                                                     \
+            uint32_t d = 0;                                                                                     \
+            for (; d < D8; d += 8) _mm256_storeu_ps(o + d, ld_##T(row + d * sizeof(elem_##T)));                 \
+            for (; d < D; d++) o[d] = sc_##T(row, d);                                                           \
+            pkv__attn_pf_step(pf);                                                                              \
+        }                                                                                                       \
+    }
+DEF_WIDEN(f16)
+DEF_WIDEN(bf16)
+
+/* Keys t < NK (<= 6) of f32 rows k (stride ks floats) against NV (1 or 2) vectors of 8 rows of qt. */
+static inline __attribute__((always_inline)) void score_t_tile(const float *qt, uint32_t rp, const float *k, size_t ks,
+                                                              const uint32_t NK, const uint32_t NV, uint32_t D,
+                                                              float *s) {
+    __m256 a[6][2];
+    _Pragma("GCC unroll 6") for (uint32_t t = 0; t < NK; t++)
+        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = _mm256_setzero_ps();
+    for (uint32_t d = 0; d < D; d++) {
+        const float *qd = qt + (size_t)d * rp;
+        __m256 x[2];
+        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) x[v] = _mm256_loadu_ps(qd + 8 * v);
+        _Pragma("GCC unroll 6") for (uint32_t t = 0; t < NK; t++) {
+            const __m256 kb = _mm256_broadcast_ss(k + t * ks + d);
+            _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = _mm256_fmadd_ps(kb, x[v], a[t][v]);
+        }
+    }
+    _Pragma("GCC unroll 6") for (uint32_t t = 0; t < NK; t++)
+        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) _mm256_storeu_ps(s + t * rp + 8 * v, a[t][v]);
+}
+
+static inline __attribute__((always_inline)) void score_t_keys(const float *qt, uint32_t rp, const float *k, size_t ks,
+                                                              uint32_t n_keys, uint32_t D, float *s,
+                                                              const uint32_t NV, pkv__attn_pf *pf) {
+    uint32_t t = 0;
+    for (; t + 6 <= n_keys; t += 6) {
+        score_t_tile(qt, rp, k + t * ks, ks, 6, NV, D, s + t * rp);
+        pkv__attn_pf_step(pf);
+    }
+    const float *kt = k + t * ks;
+    float *st = s + t * rp;
+    switch (n_keys - t) {
+    case 5: score_t_tile(qt, rp, kt, ks, 5, NV, D, st); break;
+    case 4: score_t_tile(qt, rp, kt, ks, 4, NV, D, st); break;
+    case 3: score_t_tile(qt, rp, kt, ks, 3, NV, D, st); break;
+    case 2: score_t_tile(qt, rp, kt, ks, 2, NV, D, st); break;
+    case 1: score_t_tile(qt, rp, kt, ks, 1, NV, D, st); break;
+    default: return;
+    }
+    pkv__attn_pf_step(pf);
+}
+
+/* f32 K rows against all rp rows of qt (rp a multiple of 16), 16 rows at a time. */
+static void score_t_rows(const float *qt, uint32_t rp, const float *k, size_t ks, uint32_t n_keys, uint32_t D, float *s,
+                         pkv__attn_pf *pf) {
+    pkv__attn_pf_start(pf, (n_keys + 5) / 6 * (rp / 16));
+    for (uint32_t v = 0; v < rp; v += 16) score_t_keys(qt + v, rp, k, ks, n_keys, D, s + v, 2, pf);
+    pkv__attn_pf_finish(pf);
+}
+
+static void score_t_f32(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                        float *s, float *kbuf, pkv__attn_pf *pf) {
+    (void)kbuf;
+    score_t_rows(qt, rp, (const float *)(const void *)k, krb / sizeof(float), n_keys, D, s, pf);
+}
+#define DEF_SCORE_T16(T)                                                                                        \
+    static void score_t_##T(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D, \
+                            float *s, float *kbuf, pkv__attn_pf *pf) {                                          \
+        pkv__attn_pf_start(pf, n_keys);                                                                         \
+        for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* kbuf holds PKV__ATTN_T_KEYS rows */        \
+            const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                          \
+            widen_rows_##T(k + t * krb, krb, nk, D, kbuf, pf);                                                  \
+            score_t_rows(qt, rp, kbuf, D, nk, D, s + (size_t)t * rp, NULL);                                     \
+        }                                                                                                       \
+        pkv__attn_pf_finish(pf);                                                                                \
+    }
+DEF_SCORE_T16(f16)
+DEF_SCORE_T16(bf16)
+
+/* softmax_t of attn_avx512.c at 8 lanes (the same rules; exp8 for exp). */
+static void softmax_t(float *s, uint32_t rp, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
+                      float *acc, uint32_t D) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    const __m256 cap = _mm256_set1_ps(softcap), m2ic = _mm256_set1_ps(softcap > 0.0f ? -2.0f / softcap : 0.0f);
+    for (uint32_t r0 = 0; r0 < n_rows; r0 += 8) {
+        const uint32_t nr = PKV_MIN(8u, n_rows - r0);
+        float *col = s + r0;
+        if (softcap > 0.0f)
+            for (uint32_t t = 0; t < n_keys; t++)
+                _mm256_storeu_ps(col + (size_t)t * rp, vf_softcap(_mm256_loadu_ps(col + (size_t)t * rp), cap, m2ic));
+        float mb[8], lb[8], fb[8];
+        for (uint32_t i = 0; i < 8; i++) mb[i] = i < nr ? m[r0 + i] : -INFINITY, lb[i] = i < nr ? l[r0 + i] : 0.0f;
+        const __m256 mo = _mm256_loadu_ps(mb);
+        __m256 mx0 = ninf, mx1 = ninf;
+        uint32_t t = 0;
+        for (; t + 2 <= n_keys; t += 2) {
+            mx0 = _mm256_max_ps(mx0, _mm256_loadu_ps(col + (size_t)t * rp));
+            mx1 = _mm256_max_ps(mx1, _mm256_loadu_ps(col + (size_t)(t + 1) * rp));
+        }
+        if (t < n_keys) mx0 = _mm256_max_ps(mx0, _mm256_loadu_ps(col + (size_t)t * rp));
+        const __m256 mx = _mm256_max_ps(mx0, mx1);
+        const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(mo, ninf, _CMP_NEQ_OQ),
+                                          _mm256_cmp_ps(_mm256_sub_ps(mx, mo), _mm256_set1_ps(LAZY_T), _CMP_LE_OQ));
+        const __m256 mn = _mm256_blendv_ps(_mm256_max_ps(mo, mx), mo, keep);
+        const __m256 ref = _mm256_blendv_ps(mn, zero, _mm256_cmp_ps(mn, ninf, _CMP_EQ_OQ));
+        __m256 sum0 = zero, sum1 = zero;
+        for (t = 0; t + 2 <= n_keys; t += 2) {
+            float *c0 = col + (size_t)t * rp, *c1 = c0 + rp;
+            const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(c0), ref));
+            const __m256 e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(c1), ref));
+            _mm256_storeu_ps(c0, e0), _mm256_storeu_ps(c1, e1);
+            sum0 = _mm256_add_ps(sum0, e0), sum1 = _mm256_add_ps(sum1, e1);
+        }
+        if (t < n_keys) {
+            float *c0 = col + (size_t)t * rp;
+            const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(c0), ref));
+            _mm256_storeu_ps(c0, e0);
+            sum0 = _mm256_add_ps(sum0, e0);
+        }
+        const __m256 f = exp8(_mm256_sub_ps(mo, ref)); /* 1 where the max stayed, 0 where it was -inf */
+        _mm256_storeu_ps(lb, _mm256_fmadd_ps(_mm256_loadu_ps(lb), f, _mm256_add_ps(sum0, sum1)));
+        _mm256_storeu_ps(mb, mn);
+        _mm256_storeu_ps(fb, f);
+        uint32_t moved = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(f, one, _CMP_NEQ_UQ)) & ((1u << nr) - 1u);
+        for (uint32_t i = 0; i < nr; i++) m[r0 + i] = mb[i], l[r0 + i] = lb[i];
+        for (; moved; moved &= moved - 1u) {
+            const uint32_t i = (uint32_t)__builtin_ctz(moved);
+            float *a = acc + (size_t)(r0 + i) * D;
+            const __m256 fv = _mm256_set1_ps(fb[i]);
+            uint32_t d = 0;
+            for (; d + 8 <= D; d += 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), fv));
+            for (; d < D; d++) a[d] *= fb[i];
+        }
+    }
+}
+
+static void accum_t_rows(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                         uint32_t D, float *acc, pkv__attn_pf *pf) {
+    uint32_t r = 0;
+    pkv__attn_pf_start(pf, (n_rows / 4 + n_rows % 4) * n_keys * accum_tiles(D));
+    if (D == 128)
+        for (; r + 4 <= n_rows; r += 4) accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, 128, acc + (size_t)r * 128, pf);
+    for (; r + 4 <= n_rows; r += 4) accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, D, acc + (size_t)r * D, pf);
+    for (; r < n_rows; r++) accum_rows_pts_f32(p + r, 1, rp, 1, v, vrb, n_keys, D, acc + (size_t)r * D, pf);
+    pkv__attn_pf_finish(pf);
+}
+
+static void accum_t_f32(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                        uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    (void)vbuf;
+    accum_t_rows(p, rp, n_rows, v, vrb, n_keys, D, acc, pf);
+}
+#define DEF_ACCUM_T16(T)                                                                                        \
+    static void accum_t_##T(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,         \
+                            uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {           \
+        pkv__attn_pf_start(pf, n_keys);                                                                         \
+        for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* vbuf holds PKV__ATTN_T_KEYS rows */        \
+            const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                          \
+            widen_rows_##T(v + t * vrb, vrb, nk, D, vbuf, pf);                                                  \
+            accum_t_rows(p + (size_t)t * rp, rp, n_rows, (const uint8_t *)vbuf, (size_t)D * sizeof(float), nk, D, \
+                         acc, NULL);                                                                            \
+        }                                                                                                       \
+        pkv__attn_pf_finish(pf);                                                                                \
+    }
+DEF_ACCUM_T16(f16)
+DEF_ACCUM_T16(bf16)
+
 void pkv__attn_fill_avx2(pkv__attn_kernels *kt) {
     kt->name = "avx2";
     kt->prep_q[PKV_DTYPE_F32] = prep_f32;
@@ -286,4 +470,11 @@ void pkv__attn_fill_avx2(pkv__attn_kernels *kt) {
     kt->accum[PKV_DTYPE_BF16] = accum_bf16;
     kt->accum_pf[PKV_DTYPE_F32] = kt->accum_pf[PKV_DTYPE_F16] = kt->accum_pf[PKV_DTYPE_BF16] = true;
     kt->softmax = softmax_vec;
+    kt->score_t[PKV_DTYPE_F32] = score_t_f32;
+    kt->score_t[PKV_DTYPE_F16] = score_t_f16;
+    kt->score_t[PKV_DTYPE_BF16] = score_t_bf16;
+    kt->accum_t[PKV_DTYPE_F32] = accum_t_f32;
+    kt->accum_t[PKV_DTYPE_F16] = accum_t_f16;
+    kt->accum_t[PKV_DTYPE_BF16] = accum_t_bf16;
+    kt->softmax_t = softmax_t;
 }

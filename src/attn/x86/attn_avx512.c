@@ -430,7 +430,6 @@ static inline __m128 exp4(__m128 x) {
                                                                      uint32_t D, float *dst, pkv__attn_pf *pf) { \
         const uint32_t D16 = D & ~15u, D32 = D & ~31u;                                                          \
         (void)D32;                                                                                              \
-        pkv__attn_pf_start(pf, n);                                                                              \
         for (uint32_t t = 0; t < n; t++) {                                                                      \
             const uint8_t *row = src + t * rb;                                                                  \
             float *o = dst + (size_t)t * D;                                                                     \
@@ -439,7 +438,6 @@ static inline __m128 exp4(__m128 x) {
             for (; d < D; d++) o[d] = sc_##T(row, d);                                                           \
             pkv__attn_pf_step(pf);                                                                              \
         }                                                                                                       \
-        pkv__attn_pf_finish(pf);                                                                                \
     }
 DEF_WIDEN(f16)
 DEF_WIDEN(bf16)
@@ -508,8 +506,13 @@ static void score_t_f32(const float *qt, uint32_t rp, const uint8_t *k, size_t k
 #define DEF_SCORE_T16(T)                                                                                        \
     static void score_t_##T(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D, \
                             float *s, float *kbuf, pkv__attn_pf *pf) {                                          \
-        widen_rows_##T(k, krb, n_keys, D, kbuf, pf);                                                            \
-        score_t_rows(qt, rp, kbuf, D, n_keys, D, s, NULL);                                                      \
+        pkv__attn_pf_start(pf, n_keys);                                                                         \
+        for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* kbuf holds PKV__ATTN_T_KEYS rows */        \
+            const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                          \
+            widen_rows_##T(k + t * krb, krb, nk, D, kbuf, pf);                                                  \
+            score_t_rows(qt, rp, kbuf, D, nk, D, s + (size_t)t * rp, NULL);                                     \
+        }                                                                                                       \
+        pkv__attn_pf_finish(pf);                                                                                \
     }
 DEF_SCORE_T16(f16)
 DEF_SCORE_T16(bf16)
@@ -630,8 +633,14 @@ static void accum_t_f32(const float *p, uint32_t rp, uint32_t n_rows, const uint
 #define DEF_ACCUM_T16(T)                                                                                        \
     static void accum_t_##T(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,         \
                             uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {           \
-        widen_rows_##T(v, vrb, n_keys, D, vbuf, pf);                                                            \
-        accum_t_rows(p, rp, n_rows, (const uint8_t *)vbuf, (size_t)D * sizeof(float), n_keys, D, acc, NULL);    \
+        pkv__attn_pf_start(pf, n_keys);                                                                         \
+        for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* vbuf holds PKV__ATTN_T_KEYS rows */        \
+            const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                          \
+            widen_rows_##T(v + t * vrb, vrb, nk, D, vbuf, pf);                                                  \
+            accum_t_rows(p + (size_t)t * rp, rp, n_rows, (const uint8_t *)vbuf, (size_t)D * sizeof(float), nk, D, \
+                         acc, NULL);                                                                            \
+        }                                                                                                       \
+        pkv__attn_pf_finish(pf);                                                                                \
     }
 DEF_ACCUM_T16(f16)
 DEF_ACCUM_T16(bf16)
