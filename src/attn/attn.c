@@ -587,6 +587,34 @@ static bool part_done(_Atomic uint32_t *done, uint32_t n) {
     return atomic_fetch_add_explicit(done, 1, memory_order_acq_rel) + 1 == n;
 }
 
+/* Block b of a unit's walk over [.., b1) of its item: its id, the position of its first key, the
+ * keys the unit sees in it [t0, t0 + n_keys) (of [k_lo, k_hi]), whether any of them needs a mask
+ * (causal past the first query pos_first, or before the last query's window start lo_last),
+ * and the next block's K and V to prefetch (NULL: none). */
+typedef struct unit_block {
+    size_t bid;
+    uint32_t kb, t0, n_keys;
+    bool mask;
+    const uint8_t *kn, *vn;
+} unit_block;
+
+static inline unit_block unit_block_at(const pkv__attn *at, const pkv__attn_item *it, uint32_t b, uint32_t b1,
+                                       uint32_t k_lo, uint32_t k_hi, uint32_t pos_first, uint32_t lo_last) {
+    const pkv__kv_view *kv = at->kv;
+    const uint32_t B = kv->block_tokens;
+    unit_block ub = {.bid = (size_t)it->block_table[b], .kb = b * B};
+    ub.t0 = k_lo > ub.kb ? k_lo - ub.kb : 0;
+    const uint32_t t1 = PKV_MIN(B, k_hi - ub.kb + 1);
+    ub.n_keys = t1 - ub.t0;
+    ub.mask = (ub.kb + t1 - 1 > pos_first) || (lo_last > ub.kb + ub.t0);
+    ub.kn = ub.vn = NULL;
+    if (PKV_ATTN_PF_DIST && b + PKV_ATTN_PF_DIST < b1) {
+        ub.kn = kv->k + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->k_block_bytes;
+        ub.vn = kv->v + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->v_block_bytes;
+    }
+    return ub;
+}
+
 /* The masks of one block's scores for a unit's queries: -inf where key kp is past query p or
  * before its window. s[qi * gs + g][t] lies at s + (qi * gs + g) * rs + t * ts (the row path's
  * layout: rs = s_stride, ts = 1; the transposed path's: rs = 1, ts = rp). */
@@ -610,7 +638,7 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
     const pkv__kv_view *kv = at->kv;
     const pkv__attn_kernels *kt = &at->kt;
     const pkv__attn_item *it = w->item;
-    const uint32_t D = kv->head_dim, B = kv->block_tokens;
+    const uint32_t D = kv->head_dim;
     const uint32_t rows_h = w->nq * w->gs, rp = (rows_h + 15u) & ~15u;
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     pkv_assert(w->n_kvh * rp <= T_QT_ROWS && rp <= T_ROWS_PAD);
@@ -624,23 +652,14 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
     const pkv__attn_score_t_fn score = kt->score_t[kv->k_dtype];
     const pkv__attn_accum_t_fn accum = kt->accum_t[kv->v_dtype];
     for (uint32_t b = b0; b < b1; b++) {
-        const size_t bid = (size_t)it->block_table[b];
-        const uint32_t kb = b * B;
-        const uint32_t t0 = k_lo > kb ? k_lo - kb : 0;
-        const uint32_t t1 = PKV_MIN(B, k_hi - kb + 1);
-        const uint32_t n_keys = t1 - t0;
-        const bool mask = (kb + t1 - 1 > pos_first) || (lo_last > kb + t0);
-        const uint8_t *kn = NULL, *vn = NULL;
-        if (PKV_ATTN_PF_DIST && b + PKV_ATTN_PF_DIST < b1) {
-            kn = kv->k + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->k_block_bytes;
-            vn = kv->v + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->v_block_bytes;
-        }
+        const unit_block ub = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);
+        const uint32_t n_keys = ub.n_keys;
         for (uint32_t j = 0; j < w->n_kvh; j++) {
             const uint32_t r0 = j * rows_h;
             head_io io;
-            (void)head_io_fill(at, bid, w->kvh0 + j, t0, kn, vn, NULL, 0, &io);
+            (void)head_io_fill(at, ub.bid, w->kvh0 + j, ub.t0, ub.kn, ub.vn, NULL, 0, &io);
             score(sc->qt + (size_t)j * rp * D, rp, io.kr, kv->k_row_bytes, n_keys, D, sc->st, sc->kbuf, io.pkp);
-            if (mask) mask_block(at, w, pos_first, kb + t0, n_keys, sc->st, 1, rp);
+            if (ub.mask) mask_block(at, w, pos_first, ub.kb + ub.t0, n_keys, sc->st, 1, rp);
             kt->softmax_t(sc->st, rp, rows_h, n_keys, at->call->softcap, sc->m + r0, sc->l + r0,
                           sc->acc + (size_t)r0 * D, D);
             accum(sc->st, rp, rows_h, io.vr, kv->v_row_bytes, n_keys, D, sc->acc + (size_t)r0 * D, sc->vbuf, io.pvp);
@@ -689,25 +708,16 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     const bool tpath = at->tpath && rows_h >= PKV__ATTN_T_MIN_ROWS && kt->score_t[kv->k_dtype] && kt->accum_t[kv->v_dtype];
     if (tpath) unit_blocks_t(at, &w, &sc, b0, b1, k_lo, k_hi, pos_first, lo_last);
     for (uint32_t b = tpath ? b1 : b0; b < b1; b++) {
-        const size_t bid = (size_t)it->block_table[b];
-        const uint32_t kb = b * B; /* position of the block's first key */
-        const uint32_t t0 = k_lo > kb ? k_lo - kb : 0;
-        const uint32_t t1 = PKV_MIN(B, k_hi - kb + 1);
-        const uint32_t n_keys = t1 - t0;
-        const bool mask = (kb + t1 - 1 > pos_first) || (lo_last > kb + t0);
-        const uint8_t *kn = NULL, *vn = NULL;
-        if (PKV_ATTN_PF_DIST && b + PKV_ATTN_PF_DIST < b1) {
-            kn = kv->k + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->k_block_bytes;
-            vn = kv->v + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->v_block_bytes;
-        }
+        const unit_block ub = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);
+        const uint32_t n_keys = ub.n_keys;
         head_io io2[2]; /* heads pipelined (score_half) */
         for (uint32_t j = 0; j < w.n_kvh; j++) {
             const uint32_t r0 = j * rows_h;
             float *sj = score_half(at, s, rows_h, j);
             head_io *io = &io2[j & 1u];
-            (void)head_io_fill(at, bid, w.kvh0 + j, t0, kn, vn, NULL, 0, io);
+            (void)head_io_fill(at, ub.bid, w.kvh0 + j, ub.t0, ub.kn, ub.vn, NULL, 0, io);
             score(qp + (size_t)r0 * qrow, rows_h, io->kr, kv->k_row_bytes, n_keys, D, sj, at->s_stride, io->pkp);
-            if (mask) mask_block(at, &w, pos_first, kb + t0, n_keys, sj, at->s_stride, 1);
+            if (ub.mask) mask_block(at, &w, pos_first, ub.kb + ub.t0, n_keys, sj, at->s_stride, 1);
             if (j > 0) accum_head(at, accum, s, rows_h, j - 1, n_keys, io2, acc);
             kt->softmax(sj, at->s_stride, rows_h, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
         }

@@ -363,9 +363,11 @@ PKV__ATTN_DEF_ACCUM_ROWS(f16)
 PKV__ATTN_DEF_ACCUM_ROWS(bf16)
 
 /* ---- softmax (same polynomial as the AVX2 path) ------------------------------------------------ */
-static inline __m512 exp16(__m512 x) {
+/* e^x = 2^n * y: returns y (a polynomial in x - n ln 2) and sets n and keep (the lanes not below
+ * -87.3, not -inf, not nan: the others give 0) */
+static inline __attribute__((always_inline)) __m512 exp16_poly(__m512 x, __m512 *n_out, __mmask16 *keep) {
     const __m512 lo = _mm512_set1_ps(-87.3f);
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ); /* x < -87.3, -inf, nan -> 0 */
+    *keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
     x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), lo);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -377,7 +379,13 @@ static inline __m512 exp16(__m512 x) {
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    *n_out = n;
+    return _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+}
+static inline __m512 exp16(__m512 x) {
+    __m512 n;
+    __mmask16 keep;
+    const __m512 y = exp16_poly(x, &n, &keep);
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
 }
@@ -414,236 +422,21 @@ static inline __m128 exp4(__m128 x) {
 }
 #include "softmax_x86.h"
 
-/* ---- the transposed primitives (attn.h: score_t, softmax_t, accum_t) ---------------------------
- * For units of many rows (prefill). The row path's 4 x 4 score tiles end on a tree of 45
- * shuffles and adds for 128 FMAs (at head_dim 128), and its f16 tiles widen each K vector once
- * per 4 rows; on a core with two 512-bit FMA pipes the shuffles take one of them. Here a block's
- * 16-bit K and V rows are widened to f32 once (kbuf, vbuf), score is an outer product (a K value
- * broadcast against 16 rows of qt, 8 keys x 2 vectors of rows in 16 accumulators, no sums
- * across lanes), softmax works on 16 rows a vector down the keys, and accum is the row path's
- * tile over the widened rows with the weights read down a key's row of scores. */
-
-/* n rows of K or V (row stride rb) widened to f32 rows of D floats at dst, each value where the
- * row path's loaders put it (bf16: even-odd groups), a prefetch step of pf after each row. */
-#define DEF_WIDEN(T)                                                                                            \
-    static inline __attribute__((always_inline)) void widen_rows_##T(const uint8_t *src, size_t rb, uint32_t n, \
-                                                                     uint32_t D, float *dst, pkv__attn_pf *pf) { \
-        const uint32_t D16 = D & ~15u, D32 = D & ~31u;                                                          \
-        (void)D32;                                                                                              \
-        for (uint32_t t = 0; t < n; t++) {                                                                      \
-            const uint8_t *row = src + t * rb;                                                                  \
-            float *o = dst + (size_t)t * D;                                                                     \
-            uint32_t d = 0;                                                                                     \
-            for (; d < D16; d += 16) _mm512_storeu_ps(o + d, LDK_##T(row, d, D32));                             \
-            for (; d < D; d++) o[d] = sc_##T(row, d);                                                           \
-            pkv__attn_pf_step(pf);                                                                              \
-        }                                                                                                       \
-    }
-DEF_WIDEN(f16)
-DEF_WIDEN(bf16)
-
-/* Keys t < NK (<= 8) of f32 rows k (stride ks floats) against NV (1 or 2) vectors of 16 rows of
- * qt (columns from qt): s[t * rp + r] for those rows. NK x NV accumulators, each FMA a K value
- * broadcast from memory against a vector of queries. */
-static inline __attribute__((always_inline)) void score_t_tile(const float *qt, uint32_t rp, const float *k, size_t ks,
-                                                              const uint32_t NK, const uint32_t NV, uint32_t D,
-                                                              float *s) {
-    __m512 a[8][2];
-    _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++)
-        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = _mm512_setzero_ps();
-    for (uint32_t d = 0; d < D; d++) {
-        const float *qd = qt + (size_t)d * rp;
-        __m512 x[2];
-        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) x[v] = _mm512_loadu_ps(qd + 16 * v);
-        _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++) {
-            const __m512 kb = _mm512_set1_ps(k[t * ks + d]);
-            _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = _mm512_fmadd_ps(kb, x[v], a[t][v]);
-        }
-    }
-    _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++)
-        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) _mm512_storeu_ps(s + t * rp + 16 * v, a[t][v]);
-}
-
-/* Every key of the block against NV vectors of rows: tiles of 8 keys, then one of the rest. */
-static inline __attribute__((always_inline)) void score_t_keys(const float *qt, uint32_t rp, const float *k, size_t ks,
-                                                              uint32_t n_keys, uint32_t D, float *s,
-                                                              const uint32_t NV, pkv__attn_pf *pf) {
-    uint32_t t = 0;
-    for (; t + 8 <= n_keys; t += 8) {
-        score_t_tile(qt, rp, k + t * ks, ks, 8, NV, D, s + t * rp);
-        pkv__attn_pf_step(pf);
-    }
-    const float *kt = k + t * ks;
-    float *st = s + t * rp;
-    switch (n_keys - t) {
-    case 7: score_t_tile(qt, rp, kt, ks, 7, NV, D, st); break;
-    case 6: score_t_tile(qt, rp, kt, ks, 6, NV, D, st); break;
-    case 5: score_t_tile(qt, rp, kt, ks, 5, NV, D, st); break;
-    case 4: score_t_tile(qt, rp, kt, ks, 4, NV, D, st); break;
-    case 3: score_t_tile(qt, rp, kt, ks, 3, NV, D, st); break;
-    case 2: score_t_tile(qt, rp, kt, ks, 2, NV, D, st); break;
-    case 1: score_t_tile(qt, rp, kt, ks, 1, NV, D, st); break;
-    default: return;
-    }
-    pkv__attn_pf_step(pf);
-}
-
-/* f32 K rows (stride ks floats) against all rp rows of qt, 32 rows (two vectors) at a time. */
-static void score_t_rows(const float *qt, uint32_t rp, const float *k, size_t ks, uint32_t n_keys, uint32_t D, float *s,
-                         pkv__attn_pf *pf) {
-    pkv__attn_pf_start(pf, (n_keys + 7) / 8 * ((rp + 31) / 32));
-    uint32_t v = 0;
-    for (; v + 32 <= rp; v += 32) score_t_keys(qt + v, rp, k, ks, n_keys, D, s + v, 2, pf);
-    if (v < rp) score_t_keys(qt + v, rp, k, ks, n_keys, D, s + v, 1, pf);
-    pkv__attn_pf_finish(pf);
-}
-
-static void score_t_f32(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
-                        float *s, float *kbuf, pkv__attn_pf *pf) {
-    (void)kbuf;
-    score_t_rows(qt, rp, (const float *)(const void *)k, krb / sizeof(float), n_keys, D, s, pf);
-}
-#define DEF_SCORE_T16(T)                                                                                        \
-    static void score_t_##T(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D, \
-                            float *s, float *kbuf, pkv__attn_pf *pf) {                                          \
-        pkv__attn_pf_start(pf, n_keys);                                                                         \
-        for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* kbuf holds PKV__ATTN_T_KEYS rows */        \
-            const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                          \
-            widen_rows_##T(k + t * krb, krb, nk, D, kbuf, pf);                                                  \
-            score_t_rows(qt, rp, kbuf, D, nk, D, s + (size_t)t * rp, NULL);                                     \
-        }                                                                                                       \
-        pkv__attn_pf_finish(pf);                                                                                \
-    }
-DEF_SCORE_T16(f16)
-DEF_SCORE_T16(bf16)
-
+/* ---- the transposed primitives (tpath_x86.h) ------------------------------------------------- */
 /* e^x as exp16 (the same polynomial), with 2^n applied by one scalef, which also gives the zero
  * for x < -87.3, -inf and nan through the mask: 14 operations against exp16's 19 (its results
  * may differ from exp16's in the last bit). */
 static inline __m512 exp16_scalef(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.3f);
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), lo);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 n;
+    __mmask16 keep;
+    const __m512 y = exp16_poly(x, &n, &keep);
     return _mm512_maskz_scalef_ps(keep, y, n);
 }
-
-/* softmax's step (attn.h) on 16 rows a vector, each lane a row, down the keys s[t * rp + r]. The
- * lazy rescale is taken lane by lane: a row keeps its max where it is finite and no score of the
- * block is more than LAZY_T above it. A row that has seen no key yet (max still -inf) takes 0 as
- * its reference, so its p and its factor are 0 and its l, acc stay 0. The max and the sum run as
- * two chains each (even and odd keys). */
-static void softmax_t(float *s, uint32_t rp, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
-                      float *acc, uint32_t D) {
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
-    const __m512 cap = _mm512_set1_ps(softcap), m2ic = _mm512_set1_ps(softcap > 0.0f ? -2.0f / softcap : 0.0f);
-    for (uint32_t r0 = 0; r0 < n_rows; r0 += 16) {
-        const uint32_t nr = PKV_MIN(16u, n_rows - r0);
-        const __mmask16 valid = (__mmask16)((1u << nr) - 1u);
-        float *col = s + r0;
-        if (softcap > 0.0f)
-            for (uint32_t t = 0; t < n_keys; t++)
-                _mm512_storeu_ps(col + (size_t)t * rp, vf_softcap(_mm512_loadu_ps(col + (size_t)t * rp), cap, m2ic));
-        __m512 mo, lo;
-        if (nr == 16) {
-            mo = _mm512_loadu_ps(m + r0), lo = _mm512_loadu_ps(l + r0);
-        } else { /* the rows past n_rows are another head's: not read, not written */
-            float mb[16], lb[16];
-            for (uint32_t i = 0; i < 16; i++) mb[i] = i < nr ? m[r0 + i] : -INFINITY, lb[i] = i < nr ? l[r0 + i] : 0.0f;
-            mo = _mm512_loadu_ps(mb), lo = _mm512_loadu_ps(lb);
-        }
-        __m512 mx0 = ninf, mx1 = ninf;
-        uint32_t t = 0;
-        for (; t + 2 <= n_keys; t += 2) {
-            mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(col + (size_t)t * rp));
-            mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(col + (size_t)(t + 1) * rp));
-        }
-        if (t < n_keys) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(col + (size_t)t * rp));
-        const __m512 mx = _mm512_max_ps(mx0, mx1);
-        const __mmask16 keep = _mm512_cmp_ps_mask(mo, ninf, _CMP_NEQ_OQ) &
-                               _mm512_cmp_ps_mask(_mm512_sub_ps(mx, mo), _mm512_set1_ps(LAZY_T), _CMP_LE_OQ);
-        const __m512 mn = _mm512_mask_blend_ps(keep, _mm512_max_ps(mo, mx), mo);
-        const __m512 ref = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), mn, zero);
-        __m512 sum0 = zero, sum1 = zero;
-        for (t = 0; t + 2 <= n_keys; t += 2) {
-            float *c0 = col + (size_t)t * rp, *c1 = c0 + rp;
-            const __m512 e0 = exp16_scalef(_mm512_sub_ps(_mm512_loadu_ps(c0), ref));
-            const __m512 e1 = exp16_scalef(_mm512_sub_ps(_mm512_loadu_ps(c1), ref));
-            _mm512_storeu_ps(c0, e0), _mm512_storeu_ps(c1, e1);
-            sum0 = _mm512_add_ps(sum0, e0), sum1 = _mm512_add_ps(sum1, e1);
-        }
-        if (t < n_keys) {
-            float *c0 = col + (size_t)t * rp;
-            const __m512 e0 = exp16_scalef(_mm512_sub_ps(_mm512_loadu_ps(c0), ref));
-            _mm512_storeu_ps(c0, e0);
-            sum0 = _mm512_add_ps(sum0, e0);
-        }
-        const __m512 f = exp16_scalef(_mm512_sub_ps(mo, ref)); /* 1 where the max stayed, 0 where it was -inf */
-        const __m512 ln = _mm512_fmadd_ps(lo, f, _mm512_add_ps(sum0, sum1));
-        if (nr == 16) {
-            _mm512_storeu_ps(m + r0, mn), _mm512_storeu_ps(l + r0, ln);
-        } else {
-            float mb[16], lb[16];
-            _mm512_storeu_ps(mb, mn), _mm512_storeu_ps(lb, ln);
-            for (uint32_t i = 0; i < nr; i++) m[r0 + i] = mb[i], l[r0 + i] = lb[i];
-        }
-        uint32_t moved = (uint32_t)(_mm512_cmp_ps_mask(f, one, _CMP_NEQ_UQ) & valid);
-        if (!moved) continue;
-        float fb[16];
-        _mm512_storeu_ps(fb, f);
-        for (; moved; moved &= moved - 1u) {
-            const uint32_t i = (uint32_t)__builtin_ctz(moved);
-            float *a = acc + (size_t)(r0 + i) * D;
-            const __m512 fv = _mm512_set1_ps(fb[i]);
-            uint32_t d = 0;
-            for (; d + 16 <= D; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), fv));
-            for (; d < D; d++) a[d] *= fb[i];
-        }
-    }
-}
-
-/* The row path's accum tiles over f32 V rows (stride vrb bytes), the weights of row r and key t
- * at p[t * rp + r]. */
-static void accum_t_rows(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                         uint32_t D, float *acc, pkv__attn_pf *pf) {
-    uint32_t r = 0;
-    pkv__attn_pf_start(pf, (n_rows / 4 + n_rows % 4) * n_keys * PKV__ATTN_ACCUM_TILES(D));
-    if (D == 128)
-        for (; r + 4 <= n_rows; r += 4) accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, 128, acc + (size_t)r * 128, pf);
-    for (; r + 4 <= n_rows; r += 4) accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, D, acc + (size_t)r * D, pf);
-    for (; r < n_rows; r++) accum_rows_pts_f32(p + r, 1, rp, 1, v, vrb, n_keys, D, acc + (size_t)r * D, pf);
-    pkv__attn_pf_finish(pf);
-}
-
-static void accum_t_f32(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                        uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
-    (void)vbuf;
-    accum_t_rows(p, rp, n_rows, v, vrb, n_keys, D, acc, pf);
-}
-#define DEF_ACCUM_T16(T)                                                                                        \
-    static void accum_t_##T(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,         \
-                            uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {           \
-        pkv__attn_pf_start(pf, n_keys);                                                                         \
-        for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* vbuf holds PKV__ATTN_T_KEYS rows */        \
-            const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                          \
-            widen_rows_##T(v + t * vrb, vrb, nk, D, vbuf, pf);                                                  \
-            accum_t_rows(p + (size_t)t * rp, rp, n_rows, (const uint8_t *)vbuf, (size_t)D * sizeof(float), nk, D, \
-                         acc, NULL);                                                                            \
-        }                                                                                                       \
-        pkv__attn_pf_finish(pf);                                                                                \
-    }
-DEF_ACCUM_T16(f16)
-DEF_ACCUM_T16(bf16)
+#define vf_exp_t exp16_scalef
+#define vf_ne_bits(a, b) ((uint32_t)_mm512_cmp_ps_mask(a, b, _CMP_NEQ_UQ))
+#define TP_NK 8 /* 16 accumulators, 2 qt vectors, a broadcast: of 32 registers */
+#define TP_WIDEN_LD(T, row, d, D) LDK_##T(row, d, (D) & ~31u) /* bf16: even-odd groups, as prep_q and acc */
+#include "tpath_x86.h"
 
 /* bf16 queries, scaled, in even-odd order (attn.h): each full group of 32 by two two-source
  * permutes. A sweep's chunks prepare every sequence's queries before they start reading
@@ -679,11 +472,5 @@ void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
     kt->accum_pf[PKV_DTYPE_F32] = kt->accum_pf[PKV_DTYPE_F16] = kt->accum_pf[PKV_DTYPE_BF16] = true;
     kt->prep_q[PKV_DTYPE_BF16] = prep_bf16_eo; /* bf16 K and V in even-odd order */
     kt->acc_eo[PKV_DTYPE_BF16] = true;
-    kt->score_t[PKV_DTYPE_F32] = score_t_f32;
-    kt->score_t[PKV_DTYPE_F16] = score_t_f16;
-    kt->score_t[PKV_DTYPE_BF16] = score_t_bf16;
-    kt->accum_t[PKV_DTYPE_F32] = accum_t_f32;
-    kt->accum_t[PKV_DTYPE_F16] = accum_t_f16;
-    kt->accum_t[PKV_DTYPE_BF16] = accum_t_bf16;
-    kt->softmax_t = softmax_t;
+    tpath_fill(kt);
 }

@@ -1,0 +1,230 @@
+/* tpath_x86.h: the transposed primitives of the x86 backends (attn.h: score_t, softmax_t,
+ * accum_t), written once over a vector of VF_N floats, as softmax_x86.h is. For units of many
+ * rows (prefill). The row path's score tiles end on trees of shuffles and adds (45 for 128 FMAs
+ * in AVX-512's 4 x 4 tile at head_dim 128), which take one of the two FMA pipes of an Intel
+ * core, and widen each 16-bit K vector for 4 rows only. Here a block's 16-bit K and V rows are
+ * widened to f32 once (kbuf, vbuf: PKV__ATTN_T_KEYS rows at a time), score is an outer product
+ * (a K value broadcast against VF_N rows of qt, tiles of TP_NK keys x 2 vectors of rows, no sums
+ * across lanes), softmax works on VF_N rows a vector down the keys, and accum is the row path's
+ * tile over the widened rows with the weights read down a key's row of scores.
+ *
+ * A template by #include, after softmax_x86.h (its vf_* and vf_softcap). The including file
+ * first defines:
+ *   vf_exp_t(x)               e^x for the softmax (0 below -87.3, for -inf and nan);
+ *   vf_ne_bits(a, b)          the lanes where a != b (or either is nan), as bits of an unsigned;
+ *   TP_NK                     keys a score tile (at most 8): 2 * TP_NK accumulators and 2 qt
+ *                             vectors, with a broadcast, fit the registers;
+ *   TP_WIDEN_LD(T, row, d, D) the VF_N values of a K or V row of dtype T from column d, in
+ *                             the order prep_q and acc use (d a multiple of VF_N under D);
+ *   accum_rows_pts_f32(p, ps, pts, R, v, vrb, n_keys, D, acc, pf)  the row path's accum over f32
+ *                             rows with the weights at p[r * ps + t * pts], and
+ *                             PKV__ATTN_ACCUM_TILES(D), its prefetch steps per key;
+ *   sc_T(row, i), elem_T      a scalar of a row, and the element type, for f16 and bf16;
+ * and gets static functions, and tpath_fill(kt), which sets the table's entries. */
+
+/* n rows of K or V (row stride rb) widened to f32 rows of D floats at dst, a prefetch step of pf
+ * after each row (the caller starts and finishes pf). */
+#define TP_DEF_WIDEN(T)                                                                                         \
+    static inline __attribute__((always_inline)) void widen_rows_##T(const uint8_t *src, size_t rb, uint32_t n, \
+                                                                     uint32_t D, float *dst, pkv__attn_pf *pf) { \
+        const uint32_t DV = D & ~(uint32_t)(VF_N - 1);                                                          \
+        for (uint32_t t = 0; t < n; t++) {                                                                      \
+            const uint8_t *row = src + t * rb;                                                                  \
+            float *o = dst + (size_t)t * D;                                                                     \
+            uint32_t d = 0;                                                                                     \
+            for (; d < DV; d += VF_N) vf_store(o + d, TP_WIDEN_LD(T, row, d, D));                              \
+            for (; d < D; d++) o[d] = sc_##T(row, d);                                                           \
+            pkv__attn_pf_step(pf);                                                                              \
+        }                                                                                                       \
+    }
+TP_DEF_WIDEN(f16)
+TP_DEF_WIDEN(bf16)
+
+/* Keys t < NK (<= TP_NK) of f32 rows k (stride ks floats) against NV (1 or 2) vectors of VF_N
+ * rows of qt (columns from qt): s[t * rp + r] for those rows. */
+static inline __attribute__((always_inline)) void score_t_tile(const float *qt, uint32_t rp, const float *k, size_t ks,
+                                                              const uint32_t NK, const uint32_t NV, uint32_t D,
+                                                              float *s) {
+    vf a[8][2];
+    _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++)
+        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = vf_zero();
+    for (uint32_t d = 0; d < D; d++) {
+        const float *qd = qt + (size_t)d * rp;
+        vf x[2];
+        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) x[v] = vf_load(qd + VF_N * v);
+        _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++) {
+            const vf kb = vf_set1(k[t * ks + d]);
+            _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = vf_fmadd(kb, x[v], a[t][v]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++)
+        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) vf_store(s + t * rp + VF_N * v, a[t][v]);
+}
+
+/* Every key of the block against NV vectors of rows: tiles of TP_NK keys, then one of the rest. */
+static inline __attribute__((always_inline)) void score_t_keys(const float *qt, uint32_t rp, const float *k, size_t ks,
+                                                              uint32_t n_keys, uint32_t D, float *s,
+                                                              const uint32_t NV, pkv__attn_pf *pf) {
+    uint32_t t = 0;
+    for (; t + TP_NK <= n_keys; t += TP_NK) {
+        score_t_tile(qt, rp, k + t * ks, ks, TP_NK, NV, D, s + t * rp);
+        pkv__attn_pf_step(pf);
+    }
+    const float *kt = k + t * ks;
+    float *st = s + t * rp;
+    switch (n_keys - t) { /* below TP_NK */
+    case 7: score_t_tile(qt, rp, kt, ks, 7, NV, D, st); break;
+    case 6: score_t_tile(qt, rp, kt, ks, 6, NV, D, st); break;
+    case 5: score_t_tile(qt, rp, kt, ks, 5, NV, D, st); break;
+    case 4: score_t_tile(qt, rp, kt, ks, 4, NV, D, st); break;
+    case 3: score_t_tile(qt, rp, kt, ks, 3, NV, D, st); break;
+    case 2: score_t_tile(qt, rp, kt, ks, 2, NV, D, st); break;
+    case 1: score_t_tile(qt, rp, kt, ks, 1, NV, D, st); break;
+    default: return;
+    }
+    pkv__attn_pf_step(pf);
+}
+
+/* f32 K rows (stride ks floats) against all rp rows of qt (a multiple of 16), 2 vectors of rows
+ * at a time, then one. */
+static void score_t_rows(const float *qt, uint32_t rp, const float *k, size_t ks, uint32_t n_keys, uint32_t D, float *s,
+                         pkv__attn_pf *pf) {
+    pkv__attn_pf_start(pf, (n_keys + TP_NK - 1) / TP_NK * ((rp + 2 * VF_N - 1) / (2 * VF_N)));
+    uint32_t v = 0;
+    for (; v + 2 * VF_N <= rp; v += 2 * VF_N) score_t_keys(qt + v, rp, k, ks, n_keys, D, s + v, 2, pf);
+    if (v < rp) score_t_keys(qt + v, rp, k, ks, n_keys, D, s + v, 1, pf);
+    pkv__attn_pf_finish(pf);
+}
+
+static void score_t_f32(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                        float *s, float *kbuf, pkv__attn_pf *pf) {
+    (void)kbuf;
+    score_t_rows(qt, rp, (const float *)(const void *)k, krb / sizeof(float), n_keys, D, s, pf);
+}
+#define TP_DEF_SCORE_T16(T)                                                                                     \
+    static void score_t_##T(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D, \
+                            float *s, float *kbuf, pkv__attn_pf *pf) {                                          \
+        pkv__attn_pf_start(pf, n_keys);                                                                         \
+        for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* kbuf holds PKV__ATTN_T_KEYS rows */        \
+            const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                          \
+            widen_rows_##T(k + t * krb, krb, nk, D, kbuf, pf);                                                  \
+            score_t_rows(qt, rp, kbuf, D, nk, D, s + (size_t)t * rp, NULL);                                     \
+        }                                                                                                       \
+        pkv__attn_pf_finish(pf);                                                                                \
+    }
+TP_DEF_SCORE_T16(f16)
+TP_DEF_SCORE_T16(bf16)
+
+/* softmax's step (attn.h) on VF_N rows a vector, each lane a row, down the keys s[t * rp + r].
+ * The lazy rescale is taken lane by lane: a row keeps its max where it is finite and no score of
+ * the block is more than LAZY_T above it. A row that has seen no key yet (max still -inf) takes
+ * 0 as its reference, so its p and its factor are 0 and its l, acc stay 0. The max and the sum
+ * run as two chains each (even and odd keys). */
+static void softmax_t(float *s, uint32_t rp, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
+                      float *acc, uint32_t D) {
+    const vf ninf = vf_set1(-INFINITY), zero = vf_zero(), one = vf_set1(1.0f), lazy = vf_set1(LAZY_T);
+    const vf cap = vf_set1(softcap), m2ic = vf_set1(softcap > 0.0f ? -2.0f / softcap : 0.0f);
+    for (uint32_t r0 = 0; r0 < n_rows; r0 += VF_N) {
+        const uint32_t nr = PKV_MIN((uint32_t)VF_N, n_rows - r0);
+        float *col = s + r0;
+        if (softcap > 0.0f)
+            for (uint32_t t = 0; t < n_keys; t++)
+                vf_store(col + (size_t)t * rp, vf_softcap(vf_load(col + (size_t)t * rp), cap, m2ic));
+        float mb[VF_N], lb[VF_N], fb[VF_N];
+        vf mo, lo;
+        if (nr == VF_N) {
+            mo = vf_load(m + r0), lo = vf_load(l + r0);
+        } else { /* the rows past n_rows are another head's: not read, not written */
+            for (uint32_t i = 0; i < VF_N; i++) mb[i] = i < nr ? m[r0 + i] : -INFINITY, lb[i] = i < nr ? l[r0 + i] : 0.0f;
+            mo = vf_load(mb), lo = vf_load(lb);
+        }
+        vf mx0 = ninf, mx1 = ninf;
+        uint32_t t = 0;
+        for (; t + 2 <= n_keys; t += 2) {
+            mx0 = vf_max(mx0, vf_load(col + (size_t)t * rp));
+            mx1 = vf_max(mx1, vf_load(col + (size_t)(t + 1) * rp));
+        }
+        if (t < n_keys) mx0 = vf_max(mx0, vf_load(col + (size_t)t * rp));
+        const vf mx = vf_max(mx0, mx1);
+        /* the new max where a score is more than LAZY_T above the old one (always where the old
+         * one is -inf and a key is seen), else the old one */
+        const vf mn = vf_if_lt(lazy, vf_sub(mx, mo), vf_max(mo, mx), mo);
+        const vf ref = vf_if_eq(mn, ninf, zero, mn);
+        vf sum0 = zero, sum1 = zero;
+        for (t = 0; t + 2 <= n_keys; t += 2) {
+            float *c0 = col + (size_t)t * rp, *c1 = c0 + rp;
+            const vf e0 = vf_exp_t(vf_sub(vf_load(c0), ref));
+            const vf e1 = vf_exp_t(vf_sub(vf_load(c1), ref));
+            vf_store(c0, e0), vf_store(c1, e1);
+            sum0 = vf_add(sum0, e0), sum1 = vf_add(sum1, e1);
+        }
+        if (t < n_keys) {
+            float *c0 = col + (size_t)t * rp;
+            const vf e0 = vf_exp_t(vf_sub(vf_load(c0), ref));
+            vf_store(c0, e0);
+            sum0 = vf_add(sum0, e0);
+        }
+        const vf f = vf_exp_t(vf_sub(mo, ref)); /* 1 where the max stayed, 0 where it was -inf */
+        const vf ln = vf_fmadd(lo, f, vf_add(sum0, sum1));
+        if (nr == VF_N) {
+            vf_store(m + r0, mn), vf_store(l + r0, ln);
+        } else {
+            vf_store(mb, mn), vf_store(lb, ln);
+            for (uint32_t i = 0; i < nr; i++) m[r0 + i] = mb[i], l[r0 + i] = lb[i];
+        }
+        uint32_t moved = vf_ne_bits(f, one) & ((1u << nr) - 1u);
+        if (!moved) continue;
+        vf_store(fb, f);
+        for (; moved; moved &= moved - 1u) {
+            const uint32_t i = (uint32_t)__builtin_ctz(moved);
+            float *a = acc + (size_t)(r0 + i) * D;
+            const vf fv = vf_set1(fb[i]);
+            uint32_t d = 0;
+            for (; d + VF_N <= D; d += VF_N) vf_store(a + d, vf_mul(vf_load(a + d), fv));
+            for (; d < D; d++) a[d] *= fb[i];
+        }
+    }
+}
+
+/* The row path's accum tiles over f32 V rows (stride vrb bytes), the weights of row r and key t
+ * at p[t * rp + r]. */
+static void accum_t_rows(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                         uint32_t D, float *acc, pkv__attn_pf *pf) {
+    uint32_t r = 0;
+    pkv__attn_pf_start(pf, (n_rows / 4 + n_rows % 4) * n_keys * PKV__ATTN_ACCUM_TILES(D));
+    if (D == 128)
+        for (; r + 4 <= n_rows; r += 4) accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, 128, acc + (size_t)r * 128, pf);
+    for (; r + 4 <= n_rows; r += 4) accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, D, acc + (size_t)r * D, pf);
+    for (; r < n_rows; r++) accum_rows_pts_f32(p + r, 1, rp, 1, v, vrb, n_keys, D, acc + (size_t)r * D, pf);
+    pkv__attn_pf_finish(pf);
+}
+
+static void accum_t_f32(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                        uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    (void)vbuf;
+    accum_t_rows(p, rp, n_rows, v, vrb, n_keys, D, acc, pf);
+}
+#define TP_DEF_ACCUM_T16(T)                                                                                     \
+    static void accum_t_##T(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,         \
+                            uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {           \
+        pkv__attn_pf_start(pf, n_keys);                                                                         \
+        for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* vbuf holds PKV__ATTN_T_KEYS rows */        \
+            const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                          \
+            widen_rows_##T(v + t * vrb, vrb, nk, D, vbuf, pf);                                                  \
+            accum_t_rows(p + (size_t)t * rp, rp, n_rows, (const uint8_t *)vbuf, (size_t)D * sizeof(float), nk, D, \
+                         acc, NULL);                                                                            \
+        }                                                                                                       \
+        pkv__attn_pf_finish(pf);                                                                                \
+    }
+TP_DEF_ACCUM_T16(f16)
+TP_DEF_ACCUM_T16(bf16)
+
+static void tpath_fill(pkv__attn_kernels *kt) {
+    kt->score_t[PKV_DTYPE_F32] = score_t_f32;
+    kt->score_t[PKV_DTYPE_F16] = score_t_f16;
+    kt->score_t[PKV_DTYPE_BF16] = score_t_bf16;
+    kt->accum_t[PKV_DTYPE_F32] = accum_t_f32;
+    kt->accum_t[PKV_DTYPE_F16] = accum_t_f16;
+    kt->accum_t[PKV_DTYPE_BF16] = accum_t_bf16;
+    kt->softmax_t = softmax_t;
+}
