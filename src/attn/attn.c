@@ -705,7 +705,8 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
-    const bool tpath = at->tpath && rows_h >= PKV__ATTN_T_MIN_ROWS && kt->score_t[kv->k_dtype] && kt->accum_t[kv->v_dtype];
+    const bool tpath =
+        at->tpath && rows_h >= PKV__ATTN_T_MIN_ROWS && kt->score_t[kv->k_dtype] && kt->accum_t[kv->v_dtype];
     if (tpath) unit_blocks_t(at, &w, &sc, b0, b1, k_lo, k_hi, pos_first, lo_last);
     for (uint32_t b = tpath ? b1 : b0; b < b1; b++) {
         const unit_block ub = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);

@@ -186,7 +186,8 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
             for (uint32_t c = 0; c < C; c++) _mm512_storeu_ps(acc + r * D + 16 * c, a[r][c]);                   \
     }                                                                                                           \
     /* weights p[r * ps + t * pts]: pts 1 (accum), or the transposed path's rp (accum_t) */                  \
-    static inline __attribute__((always_inline)) void accum_rows_pts_##T(const float *p, uint32_t ps, const size_t pts, \
+    static inline __attribute__((always_inline)) void accum_rows_pts_##T(const float *p, uint32_t ps,          \
+                                                                         const size_t pts,                      \
                                                                          const uint32_t R, const uint8_t *v,    \
                                                                          size_t vrb, uint32_t n_keys, uint32_t D, \
                                                                          float *acc, pkv__attn_pf *pf) {        \

@@ -135,7 +135,8 @@ static void softmax_t(float *s, uint32_t rp, uint32_t n_rows, uint32_t n_keys, f
         if (nr == VF_N) {
             mo = vf_load(m + r0), lo = vf_load(l + r0);
         } else { /* the rows past n_rows are another head's: not read, not written */
-            for (uint32_t i = 0; i < VF_N; i++) mb[i] = i < nr ? m[r0 + i] : -INFINITY, lb[i] = i < nr ? l[r0 + i] : 0.0f;
+            for (uint32_t i = 0; i < VF_N; i++)
+                mb[i] = i < nr ? m[r0 + i] : -INFINITY, lb[i] = i < nr ? l[r0 + i] : 0.0f;
             mo = vf_load(mb), lo = vf_load(lb);
         }
         vf mx0 = ninf, mx1 = ninf;
@@ -193,7 +194,8 @@ static void accum_t_rows(const float *p, uint32_t rp, uint32_t n_rows, const uin
     uint32_t r = 0;
     pkv__attn_pf_start(pf, (n_rows / 4 + n_rows % 4) * n_keys * PKV__ATTN_ACCUM_TILES(D));
     if (D == 128)
-        for (; r + 4 <= n_rows; r += 4) accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, 128, acc + (size_t)r * 128, pf);
+        for (; r + 4 <= n_rows; r += 4)
+            accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, 128, acc + (size_t)r * 128, pf);
     for (; r + 4 <= n_rows; r += 4) accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, D, acc + (size_t)r * D, pf);
     for (; r < n_rows; r++) accum_rows_pts_f32(p + r, 1, rp, 1, v, vrb, n_keys, D, acc + (size_t)r * D, pf);
     pkv__attn_pf_finish(pf);
