@@ -644,10 +644,12 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
     pkv_assert(w->n_kvh * rp <= T_QT_ROWS && rp <= T_ROWS_PAD);
     for (uint32_t j = 0; j < w->n_kvh; j++) {
         float *qt = sc->qt + (size_t)j * rp * D;
-        for (uint32_t r = 0; r < rp; r++) {
+        for (uint32_t r = 0; r < rows_h; r++) {
             const float *q = (const float *)(sc->qp + (size_t)(j * rows_h + r) * qrow);
-            for (uint32_t d = 0; d < D; d++) qt[(size_t)d * rp + r] = r < rows_h ? q[d] : 0.0f;
+            for (uint32_t d = 0; d < D; d++) qt[(size_t)d * rp + r] = q[d];
         }
+        for (uint32_t d = 0; d < D; d++) /* the pad rows */
+            for (uint32_t r = rows_h; r < rp; r++) qt[(size_t)d * rp + r] = 0.0f;
     }
     const pkv__attn_score_t_fn score = kt->score_t[kv->k_dtype];
     const pkv__attn_accum_t_fn accum = kt->accum_t[kv->v_dtype];
@@ -707,22 +709,25 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
     const bool tpath =
         at->tpath && rows_h >= PKV__ATTN_T_MIN_ROWS && kt->score_t[kv->k_dtype] && kt->accum_t[kv->v_dtype];
-    if (tpath) unit_blocks_t(at, &w, &sc, b0, b1, k_lo, k_hi, pos_first, lo_last);
-    for (uint32_t b = tpath ? b1 : b0; b < b1; b++) {
-        const unit_block ub = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);
-        const uint32_t n_keys = ub.n_keys;
-        head_io io2[2]; /* heads pipelined (score_half) */
-        for (uint32_t j = 0; j < w.n_kvh; j++) {
-            const uint32_t r0 = j * rows_h;
-            float *sj = score_half(at, s, rows_h, j);
-            head_io *io = &io2[j & 1u];
-            (void)head_io_fill(at, ub.bid, w.kvh0 + j, ub.t0, ub.kn, ub.vn, NULL, 0, io);
-            score(qp + (size_t)r0 * qrow, rows_h, io->kr, kv->k_row_bytes, n_keys, D, sj, at->s_stride, io->pkp);
-            if (ub.mask) mask_block(at, &w, pos_first, ub.kb + ub.t0, n_keys, sj, at->s_stride, 1);
-            if (j > 0) accum_head(at, accum, s, rows_h, j - 1, n_keys, io2, acc);
-            kt->softmax(sj, at->s_stride, rows_h, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
+    if (tpath) {
+        unit_blocks_t(at, &w, &sc, b0, b1, k_lo, k_hi, pos_first, lo_last);
+    } else {
+        for (uint32_t b = b0; b < b1; b++) {
+            const unit_block ub = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);
+            const uint32_t n_keys = ub.n_keys;
+            head_io io2[2]; /* heads pipelined (score_half) */
+            for (uint32_t j = 0; j < w.n_kvh; j++) {
+                const uint32_t r0 = j * rows_h;
+                float *sj = score_half(at, s, rows_h, j);
+                head_io *io = &io2[j & 1u];
+                (void)head_io_fill(at, ub.bid, w.kvh0 + j, ub.t0, ub.kn, ub.vn, NULL, 0, io);
+                score(qp + (size_t)r0 * qrow, rows_h, io->kr, kv->k_row_bytes, n_keys, D, sj, at->s_stride, io->pkp);
+                if (ub.mask) mask_block(at, &w, pos_first, ub.kb + ub.t0, n_keys, sj, at->s_stride, 1);
+                if (j > 0) accum_head(at, accum, s, rows_h, j - 1, n_keys, io2, acc);
+                kt->softmax(sj, at->s_stride, rows_h, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
+            }
+            accum_head(at, accum, s, rows_h, w.n_kvh - 1, n_keys, io2, acc);
         }
-        accum_head(at, accum, s, rows_h, w.n_kvh - 1, n_keys, io2, acc);
     }
 
     if (pi->n_ks == 1) {
