@@ -755,6 +755,7 @@ static void test_oracle_pool_order(void **state) {
         }
         pkv__attn_set_order(at, PKV__ATTN_ORDER_POOL);
         if (c % 2) pkv__attn_set_sweep_sizing(at, 0, 4); /* groups of 4 sequences a thread */
+        pkv__attn_set_sweep_wide(at, c / 2 % 2); /* or groups of 32, one set cut into ranges */
         assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
         assert_true(pkv__attn_last_swept(at));
         for (uint32_t i = 0; i < n; i++) {
@@ -797,9 +798,9 @@ static void test_oracle_pool_order(void **state) {
 /* Runs one call of n sequences of len tokens (shuffled blocks unless in_order), each with n_q
  * queries at its end (odd items ext_q instead, where ext_q is not 0), and returns whether it was
  * swept; the outputs are checked against the reference either way. */
-static bool swept_case_ext(pkv__attn *at, uint32_t n, uint32_t len, uint32_t nqh, uint32_t H, uint32_t n_q,
-                           uint32_t ext_q, int in_order, int window) {
-    const uint32_t D = 64, B = 16, nb = (len + B - 1) / B;
+static bool swept_case_bt(pkv__attn *at, uint32_t B, uint32_t n, uint32_t len, uint32_t nqh, uint32_t H, uint32_t n_q,
+                          uint32_t ext_q, int in_order, int window) {
+    const uint32_t D = 64, nb = (len + B - 1) / B;
     tpool p;
     pool_init(&p, H, D, B, n * nb, PKV_DTYPE_F32, PKV_DTYPE_F32);
     if (in_order)
@@ -826,6 +827,12 @@ static bool swept_case_ext(pkv__attn *at, uint32_t n, uint32_t len, uint32_t nqh
     return swept;
 }
 
+/* The same with 16-token blocks. */
+static bool swept_case_ext(pkv__attn *at, uint32_t n, uint32_t len, uint32_t nqh, uint32_t H, uint32_t n_q,
+                           uint32_t ext_q, int in_order, int window) {
+    return swept_case_bt(at, 16, n, len, nqh, H, n_q, ext_q, in_order, window);
+}
+
 /* The same, every item with n_q queries. */
 static bool swept_case(pkv__attn *at, uint32_t n, uint32_t len, uint32_t nqh, uint32_t H, uint32_t n_q, int in_order,
                        int window) {
@@ -843,15 +850,19 @@ static void test_pool_order_choice(void **state) {
     g_rng = 607;
     pkv__attn *at = make_attn("ref", 2, 66, 64, 4, 64, 16);
     pkv__attn_set_order(at, PKV__ATTN_ORDER_POOL);
-    assert_true(swept_case(at, 3, 100, 16, 4, 1, 0, 0));
-    assert_true(swept_case(at, 16, 40, 16, 4, 1, 1, 1)); /* in order, windowed: forced all the same */
-    assert_true(swept_case(at, 32, 40, 16, 4, 1, 0, 0));
-    assert_true(swept_case(at, 66, 40, 16, 4, 1, 0, 0)); /* three groups of 22 */
-    assert_false(swept_case(at, 2, 100, 16, 4, 2, 0, 0)); /* two queries: an extend */
-    assert_true(swept_case_ext(at, 5, 100, 16, 4, 1, 7, 0, 0)); /* decodes beside extends of 7 */
-    assert_true(swept_case_ext(at, 40, 40, 16, 4, 1, 3, 0, 1)); /* 20 decodes, one group */
-    assert_true(swept_case_ext(at, 66, 40, 16, 4, 1, 3, 0, 0)); /* 33 decodes, two groups */
-    assert_false(swept_case(at, 2, 100, 68, 4, 1, 0, 0)); /* 68 rows */
+    for (int wide = 0; wide < 2; wide++) { /* sets of sequences, one a thread, or one set in ranges */
+        pkv__attn_set_sweep_wide(at, wide);
+        assert_true(swept_case(at, 3, 100, 16, 4, 1, 0, 0));
+        assert_true(swept_case(at, 16, 40, 16, 4, 1, 1, 1)); /* in order, windowed: forced all the same */
+        assert_true(swept_case(at, 32, 40, 16, 4, 1, 0, 0));
+        assert_true(swept_case(at, 66, 40, 16, 4, 1, 0, 0)); /* three groups of 22 */
+        assert_false(swept_case(at, 2, 100, 16, 4, 2, 0, 0)); /* two queries: an extend */
+        assert_true(swept_case_ext(at, 5, 100, 16, 4, 1, 7, 0, 0)); /* decodes beside extends of 7 */
+        assert_true(swept_case_ext(at, 40, 40, 16, 4, 1, 3, 0, 1)); /* 20 decodes, one group */
+        assert_true(swept_case_ext(at, 66, 40, 16, 4, 1, 3, 0, 0)); /* 33 decodes, two groups */
+        assert_false(swept_case(at, 2, 100, 68, 4, 1, 0, 0)); /* 68 rows */
+    }
+    pkv__attn_set_sweep_wide(at, false);
     pkv__attn_set_order(at, PKV__ATTN_ORDER_AUTO);
     pkv__attn_set_inline_work(at, 0);
     assert_true(swept_case(at, 4, 1000, 16, 4, 1, 0, 0));
@@ -869,6 +880,16 @@ static void test_pool_order_choice(void **state) {
     at = make_attn("ref", 17, 2, 64, 4, 64, 16);
     pkv__attn_set_order(at, PKV__ATTN_ORDER_POOL);
     assert_false(swept_case(at, 2, 100, 16, 4, 1, 0, 0));
+    pkv__attn_destroy(at);
+
+    /* Wide groups stay within the sweep's entries: with no bound on a table (room for 65536
+     * entries), 32 decodes of 2500 one-token blocks are 80000 entries, more than one group holds;
+     * the wide rule makes two groups of 16 (26 would fit) instead of one the sweep cannot take. */
+    at = make_attn("ref", 2, 32, 0, 1, 64, 1);
+    pkv__attn_set_order(at, PKV__ATTN_ORDER_POOL);
+    pkv__attn_set_sweep_sizing(at, 0, 4); /* the narrow rule alone: groups of 8 */
+    pkv__attn_set_sweep_wide(at, true);
+    assert_true(swept_case_bt(at, 1, 32, 2500, 1, 1, 1, 0, 0, 0));
     pkv__attn_destroy(at);
 
     pkv__attn_limits lim = {.max_items = 4, .max_blocks_per_seq = 64, .n_kv_heads = 4, .head_dim = 64,

@@ -176,7 +176,7 @@ static double run_pinned(int n, void *(*fn)(void *), void *args, size_t arg_size
     return (double)(end - atomic_load(&start)) * 1e-9;
 }
 
-static int g_victim_l3, g_pf_l1; /* the library's CPU choices this bench follows (main) */
+static int g_victim_l3, g_pf_l1, g_wide; /* the library's CPU choices this bench follows (main) */
 
 /* One streaming pass over the buffer split between n_threads threads, each line's software
  * prefetch pf_ahead bytes on (0: none); GB/s. */
@@ -406,7 +406,8 @@ static int cmp_i32(const void *a, const void *b) {
  * groups are swept one after the other, of sizes within one of each other. A group's entries,
  * in (sequence, block index) order, are cut into one set a thread (one set where the group is
  * one sequence, its blocks then cut into ranges, a range a thread), and each set is read in
- * ascending block id. */
+ * ascending block id. On AMD family 1Ah (PKV_CPU_WIDE_SWEEP) a group has 32 sequences, as one
+ * set cut into ranges. */
 enum { SW_ITEMS_MAX = 32, SW_ITEMS_MIN = 4, SW_ITEMS_MIN_VICTIM = 8, SW_L2_EIGHTHS = 6, SW_MIN_SPLIT = 4 };
 #define SW_BYTES_MAX ((size_t)768 * 1024)
 
@@ -431,8 +432,8 @@ static unsigned amd_family(void) {
     return 0;
 #endif
 }
-/* The library's PKV_CPU_VICTIM_L3 (AMD family 19h) and PKV_CPU_PREFETCH_L1 (family 1Ah), read
- * once in main before any sweep model or plain read. */
+/* The library's PKV_CPU_VICTIM_L3 (AMD family 19h), PKV_CPU_PREFETCH_L1 and PKV_CPU_WIDE_SWEEP
+ * (family 1Ah), read once in main before any sweep model or plain read. */
 
 static int sweep_order(setup *s, uint32_t nt) {
     const size_t n = (size_t)s->per_seq * s->batch;
@@ -442,7 +443,9 @@ static int sweep_order(setup *s, uint32_t nt) {
     size_t per = (budget < SW_BYTES_MAX ? budget : SW_BYTES_MAX) / entry;
     const size_t per_min = g_victim_l3 ? SW_ITEMS_MIN_VICTIM : SW_ITEMS_MIN;
     per = per < per_min ? per_min : per;
-    const uint32_t group_max = (uint32_t)(per * nt < SW_ITEMS_MAX ? per * nt : SW_ITEMS_MAX);
+    /* wide (PKV_CPU_WIDE_SWEEP): groups as large as the sweep holds, one set cut into ranges (the
+     * entries' bound never binds here: a table has room for 64 blocks or more, 32 tables' worth) */
+    const uint32_t group_max = g_wide ? SW_ITEMS_MAX : (uint32_t)(per * nt < SW_ITEMS_MAX ? per * nt : SW_ITEMS_MAX);
     const uint32_t ng = (s->batch + group_max - 1) / group_max;
     s->sw_groups = ng;
     s->swept = malloc(sizeof(int32_t) * n);
@@ -455,7 +458,7 @@ static int sweep_order(setup *s, uint32_t nt) {
         uint32_t chunks = x / SW_MIN_SPLIT < nt ? x / SW_MIN_SPLIT : nt;
         chunks = chunks ? chunks : 1;
         sweep_group *gr = &s->sw[g];
-        gr->ns = chunks < i1 - i0 ? chunks : i1 - i0;
+        gr->ns = g_wide ? 1 : chunks < i1 - i0 ? chunks : i1 - i0;
         gr->chunks = chunks / gr->ns * gr->ns;
         for (uint32_t k = 0; k <= gr->ns; k++) gr->cut[k] = base + (uint32_t)((uint64_t)x * k / gr->ns);
         for (uint32_t k = 0; k < gr->ns; k++)
@@ -983,7 +986,7 @@ int tool_bench_attn(int argc, char **argv) {
     }
     for (size_t i = 0; i < g_bw_words; i++) g_bw_buf[i] = i;
     const unsigned family = amd_family();
-    g_victim_l3 = family == 0x19u, g_pf_l1 = family == 0x1Au;
+    g_victim_l3 = family == 0x19u, g_pf_l1 = g_wide = family == 0x1Au;
     for (int nt = 1; nt <= 2; nt++) {
         g_bw[nt] = bw_median3(nt);
         g_peak[nt] = fma_available() ? fma_peak(nt) : 0;

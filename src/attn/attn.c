@@ -68,7 +68,14 @@ static uint64_t parts_cap(uint32_t n_threads, uint64_t item_blocks) {
  * up to 2.4% at 1 thread and 2.4-6.1% at 2 (quiet memory); at f32 and with 32- and 64-token
  * blocks 8 beat 4 by 0.5-3.6% in 15 of 16 paired runs (docs/design.md, stops 32 and 34). An
  * entry key packs (block id << 32 | item << 27 | block index), so a sequence's blocks up to
- * 2^27. */
+ * 2^27.
+ * Where PKV_CPU_WIDE_SWEEP says the gaps cost more than the states (Zen 5), a group holds as
+ * many items as the sweep does (SWEEP_ITEMS, fewer where their entries would pass sweep_cap),
+ * as one set cut into block ranges, a range a chunk: each thread reads a region of the pool with
+ * no gaps and keeps every item's state, and no state is prefetched. There, against sets of 8 at
+ * f16 4096 tokens (stop 38, ab-decode): 0.962 at batch 16 and 1 thread, 0.974 at 2 threads;
+ * 0.910 and 0.915 at batch 32. The state prefetch alone, on a set of 16 at 1 thread, made the
+ * call 1.10-1.18x as slow there. */
 #define SWEEP_ITEMS 32u
 #define SWEEP_STATE_L2_EIGHTHS 6u
 #define SWEEP_STATE_BYTES_MAX ((size_t)768 * 1024) /* 3/8 of a 2 MiB L2 */
@@ -150,6 +157,7 @@ struct pkv__attn {
     _Atomic uint32_t sweep_qstate[SWEEP_ITEMS], sweep_done[SWEEP_ITEMS];
     size_t l2_bytes; /* a core's L2 cache (sysconf), or L2_GUESS_BYTES: see run_chunk's state prefetch */
     uint32_t sweep_items_min; /* sequences a thread a sweep group holds at least (SWEEP_CHUNK_ITEMS_MIN) */
+    bool sweep_wide; /* groups as large as the sweep holds, one set cut into ranges (PKV_CPU_WIDE_SWEEP) */
     int pf_l1;   /* the next block's prefetch into L1 (PKV_CPU_PREFETCH_L1), else into L2: head_io_fill */
     int pf_fine; /* and a decode head's score in finer shares (the same flag; attn.h, PKV__ATTN_PF_SUB_FINE) */
     bool tpath;  /* units of many rows take the transposed primitives where the backend has them */
@@ -357,6 +365,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->sweep_items_min = pkv__cpu_features() & PKV_CPU_VICTIM_L3 ? SWEEP_CHUNK_ITEMS_MIN_VICTIM
                                                                   : SWEEP_CHUNK_ITEMS_MIN;
     at->pf_l1 = at->pf_fine = (pkv__cpu_features() & PKV_CPU_PREFETCH_L1) != 0;
+    at->sweep_wide = (pkv__cpu_features() & PKV_CPU_WIDE_SWEEP) != 0;
     at->tpath = true;
     rc = pkv__tpool_init(&at->pool, n_threads, at->workers, &lim->exec);
     if (rc < 0) {
@@ -839,7 +848,8 @@ static uint32_t make_plan(pkv__attn *at, bool skip_swept) {
  * pool the chunks read it front to back together, each its set's blocks, as a contiguous cache
  * would be read, while a chunk keeps at most about SWEEP_CHUNK_ITEMS states; a block held by
  * several sequences of a set comes in from memory once, for all of them in a row. A lone
- * sequence is one set, cut into chunks by block ranges. */
+ * sequence is one set, cut into chunks by block ranges, and so is every group where sweep_wide
+ * is set (above). */
 
 /* Sorts the keys by their block id (bits 32 and up, below n_blocks), keeping equal ids in the
  * order given: LSD radix, 11 bits a pass. Returns the sorted array, a or tmp. A short list (a
@@ -889,6 +899,12 @@ static size_t sweep_entry_bytes(const pkv__attn *at) {
            (size_t)rows * (PKV__ATTN_QROW_BYTES(D) + D * sizeof(float));
 }
 
+/* The blocks an item's one query sees: [*b0, *b1] of its table. */
+static void sweep_blocks(const pkv__attn *at, const pkv__attn_item *it, uint32_t *b0, uint32_t *b1) {
+    const uint32_t B = at->kv->block_tokens;
+    *b0 = key_lo(it->q_pos0, at->call->window) / B, *b1 = it->q_pos0 / B;
+}
+
 /* Lists the call's items of one query (decode, or an extend of one token) in sweep_idx: the
  * items the sweep would take; sets the group size (SWEEP_STATE_L2_EIGHTHS and the rest, above). */
 static void sweep_collect(pkv__attn *at) {
@@ -898,7 +914,17 @@ static void sweep_collect(pkv__attn *at) {
     at->sweep_total = n;
     const size_t budget = PKV_MIN(at->l2_bytes / 8 * SWEEP_STATE_L2_EIGHTHS, SWEEP_STATE_BYTES_MAX);
     const size_t per_chunk = budget / sweep_entry_bytes(at);
-    const uint64_t group = (uint64_t)PKV_MAX(per_chunk, at->sweep_items_min) * at->n_threads;
+    uint64_t group = (uint64_t)PKV_MAX(per_chunk, at->sweep_items_min) * at->n_threads;
+    if (at->sweep_wide && n) {
+        /* as many as the sweep holds, in groups whose entries stay within sweep_cap */
+        uint32_t most = 1; /* entries of the longest item */
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t b0, b1;
+            sweep_blocks(at, &at->items[at->sweep_idx[i]], &b0, &b1);
+            most = PKV_MAX(most, b1 - b0 + 1);
+        }
+        group = PKV_MAX(group, at->sweep_cap / most);
+    }
     at->sweep_group_max = (uint32_t)PKV_MIN(group, (uint64_t)at->sweep_items_cap);
 }
 
@@ -917,12 +943,6 @@ static void sweep_group(const pkv__attn *at, uint32_t g, uint32_t *i0, uint32_t 
     const uint32_t ng = sweep_groups(at);
     *i0 = (uint32_t)((uint64_t)at->sweep_total * g / ng);
     *i1 = (uint32_t)((uint64_t)at->sweep_total * (g + 1) / ng);
-}
-
-/* The blocks an item's one query sees: [*b0, *b1] of its table. */
-static void sweep_blocks(const pkv__attn *at, const pkv__attn_item *it, uint32_t *b0, uint32_t *b1) {
-    const uint32_t B = at->kv->block_tokens;
-    *b0 = key_lo(it->q_pos0, at->call->window) / B, *b1 = it->q_pos0 / B;
 }
 
 /* Whether the sweep takes the call's items of one query (sweep_collect listed them; items of
@@ -973,7 +993,7 @@ static void sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1, bool alone) {
     /* a chunk a thread (a group is never empty); the items in as many sets as there are
      * chunks, or one set of a lone item cut into chunks by block ranges */
     const uint32_t chunks = alone ? 1u : PKV_MAX(1u, PKV_MIN(at->sweep_chunks_max, x / MIN_SPLIT_BLOCKS));
-    const uint32_t ns = PKV_MIN(chunks, at->sweep_ni);
+    const uint32_t ns = at->sweep_wide ? 1u : PKV_MIN(chunks, at->sweep_ni);
     at->sweep_chunks = chunks / ns * ns;
     at->sweep_n_sets = ns;
     /* the keys are in (item, block index) order: set k is the k-th of ns cuts of equal entries
@@ -1091,7 +1111,8 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
      * entry of each other sequence) exceed its L2. Where they fit, the prefetches only cost
      * (in cache, f16 at batch 2, 4 and 8: 2.7-2.9% of the call). */
     const size_t entry_bytes = sweep_entry_bytes(at);
-    const bool state_pf = (uint64_t)(at->sweep_set_i1[set] - at->sweep_set_i0[set]) * entry_bytes > at->l2_bytes;
+    const bool state_pf =
+        !at->sweep_wide && (uint64_t)(at->sweep_set_i1[set] - at->sweep_set_i0[set]) * entry_bytes > at->l2_bytes;
     for (uint32_t x = x0; x < x1; x++) {
         const size_t bid = key_bid(e[x]);
         const uint32_t i = key_item(e[x]), b = key_b(e[x]);
@@ -1162,6 +1183,7 @@ void pkv__attn_set_sweep_sizing(pkv__attn *at, size_t l2_bytes, uint32_t items_m
     at->l2_bytes = l2_bytes;
     at->sweep_items_min = PKV_MAX(items_min, 1u);
 }
+void pkv__attn_set_sweep_wide(pkv__attn *at, bool on) { at->sweep_wide = on; }
 void pkv__attn_set_tpath(pkv__attn *at, bool on) { at->tpath = on; }
 void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine) {
     at->pf_l1 = l1;

@@ -97,6 +97,11 @@ void pkv__attn_set_order(pkv__attn *at, int order);
  * size (sysconf at creation) and the fewest sequences a thread (4, or 8 on a CPU with a victim
  * L3). Tests set 0 and 4 to make groups of 4 sequences a thread on any machine. */
 void pkv__attn_set_sweep_sizing(pkv__attn *at, size_t l2_bytes, uint32_t items_min);
+/* Whether the sweep's groups are as large as it holds (32 sequences, fewer where their entries
+ * would not fit), each swept as one set cut into ranges of the pool, a range a thread, with no
+ * state prefetch (attn.c: sweep_wide; set at creation from PKV_CPU_WIDE_SWEEP). Results differ by
+ * rounding only (other merges by log-sum-exp); tests run both ways. */
+void pkv__attn_set_sweep_wide(pkv__attn *at, bool on);
 /* How the kernels prefetch the next block (attn.c: pf_l1, pf_fine; set at creation from
  * PKV_CPU_PREFETCH_L1): into L1 rather than L2 (l1), and in a decode head's score in finer shares
  * (fine). Neither changes a result; tests set both ways so every machine runs both paths. */

@@ -63,6 +63,11 @@ enum {
      * there, stop 35). Elsewhere T1 and 4: T0 made decode 1.43x as slow on Zen 4 (f32) and 1.19x
      * on Intel, and 4 shares beat 2 by 8% on Zen 4. */
     PKV_CPU_PREFETCH_L1 = 1u << 15,
+    /* a decode sweep pays more for gaps between the blocks a core reads than for the sequences'
+     * states it keeps: a group takes as many sequences as a sweep holds, its threads sweep one
+     * set cut into ranges of the pool, and no state is prefetched: AMD family 1Ah (Zen 5;
+     * measured there, stop 38: f16 4096 x 16 paged 1.10x -> 1.06x contiguous at 1 thread). */
+    PKV_CPU_WIDE_SWEEP = 1u << 16,
 };
 uint32_t pkv__cpu_features(void);
 /* True when PKV_FORCE_REF is set to a non-empty value other than "0". */
