@@ -334,7 +334,11 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * softmax per sequence merged at the end (in groups of at most 32 sequences). The result then differs from a
  * read in table order by float rounding only. PKV_ATTN_ORDER=table (or pool, or auto, the
  * default) in the environment at pkv_cache_create fixes the order; another value makes
- * pkv_cache_create fail with PKV_EINVAL. */
+ * pkv_cache_create fail with PKV_EINVAL. How the pool-order read shares a batch among threads
+ * is chosen per CPU: each thread a set of the sequences, or (AMD Zen 5) each thread a range of
+ * the pool for all of them. PKV_ATTN_SWEEP=narrow or wide (or auto, the default) at
+ * pkv_cache_create fixes that, to compare the two on a machine; another value makes
+ * pkv_cache_create fail with PKV_EINVAL. The results differ by float rounding only. */
 PKV_API PKV_NODISCARD int pkv_attn_decode(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, uint32_t n_seqs,
                                           const float *q, float *out, const pkv_attn_params *p);
 

@@ -844,7 +844,8 @@ static bool swept_case(pkv__attn *at, uint32_t n, uint32_t len, uint32_t nqh, ui
  * in table order), and falls back to table order (with the same answers) for calls of extends
  * only, more than 64 query rows per sequence and contexts of more than 16 threads; AUTO sweeps
  * calls above the inline threshold whose one-query items' tables jump, not contiguous tables or
- * small calls; PKV_ATTN_ORDER sets the order at creation and an unknown value fails it. */
+ * small calls; PKV_ATTN_ORDER sets the order at creation and an unknown value fails it, and so
+ * does PKV_ATTN_SWEEP the sweep's rule. */
 static void test_pool_order_choice(void **state) {
     (void)state;
     g_rng = 607;
@@ -908,6 +909,21 @@ static void test_pool_order_choice(void **state) {
     assert_int_equal(pkv__attn_create_backend(NULL, 2, &lim, "ref", &at), PKV_EINVAL);
     assert_null(at);
     unsetenv("PKV_ATTN_ORDER");
+    /* PKV_ATTN_SWEEP overrides the CPU's sweep rule at creation; an unknown value fails it */
+    static const struct { const char *value; int wide; } sweeps[] = {{"wide", 1}, {"narrow", 0}};
+    for (int i = 0; i < 2; i++) {
+        setenv("PKV_ATTN_SWEEP", sweeps[i].value, 1);
+        assert_int_equal(pkv__attn_create_backend(NULL, 2, &lim, "ref", &at), PKV_OK);
+        assert_int_equal(pkv__attn_sweep_wide(at), sweeps[i].wide);
+        pkv__attn_set_order(at, PKV__ATTN_ORDER_POOL);
+        assert_true(swept_case(at, 3, 100, 16, 4, 1, 0, 0));
+        pkv__attn_destroy(at);
+    }
+    setenv("PKV_ATTN_SWEEP", "diagonal", 1);
+    at = NULL;
+    assert_int_equal(pkv__attn_create_backend(NULL, 2, &lim, "ref", &at), PKV_EINVAL);
+    assert_null(at);
+    unsetenv("PKV_ATTN_SWEEP");
 }
 
 /* The plan's size for the run-inline decision counts every kv head a unit reads: a decode unit

@@ -135,19 +135,19 @@ static void test_usage_errors(void **state) {
     free(err);
 }
 
-/* A batch of 40 sequences, more than one sweep group holds (32): both layouts measured at 1
- * and 2 threads, at the batch asked for, in the rounds asked for, and the plain read of the
- * paged layout (read_p/c) made group after group, each thread its own set. */
-static void test_large_batch(void **state) {
-    (void)state;
+static void large_batch_once(int wide) {
     char *argv[] = {"pkv", "bench", "attn", "--quick", "--json", "--dtype", "f16", "--ctx", "512", "--batch", "40",
                     "--threads", "1,2", "--prompt", "0", "--rounds", "4", NULL};
     char *out, *err;
     int rc = run_cli(argv, &out, &err);
     if (rc != 0) fail_msg("exit %d: %s", rc, err);
-    int layouts[2] = {0};
+    int layouts[2] = {0}, machine = 0;
     for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
-        if (field(line, "kind")) continue;
+        if (field(line, "kind")) {
+            assert_true(str_is(line, "sweep", wide ? "wide" : "narrow"));
+            machine++;
+            continue;
+        }
         assert_true(str_is(line, "kernel", "decode"));
         assert_int_equal((int)num(line, "batch"), 40);
         assert_int_equal((int)num(line, "rounds"), 4);
@@ -160,9 +160,41 @@ static void test_large_batch(void **state) {
         }
         layouts[paged]++;
     }
+    assert_int_equal(machine, 1);
     assert_int_equal(layouts[0], 2);
     assert_int_equal(layouts[1], 2);
     free(out), free(err);
+}
+
+/* A batch of 40 sequences, more than one sweep group holds (32): both layouts measured at 1
+ * and 2 threads, at the batch asked for, in the rounds asked for, and the plain read of the
+ * paged layout (read_p/c) made group after group, each thread its own set, or (the wide rule)
+ * its range of one set; the machine line names the rule the environment asked for. */
+static void test_large_batch(void **state) {
+    (void)state;
+    for (int wide = 0; wide < 2; wide++) {
+        setenv("PKV_ATTN_SWEEP", wide ? "wide" : "narrow", 1);
+        large_batch_once(wide);
+    }
+    unsetenv("PKV_ATTN_SWEEP");
+}
+
+/* A value of PKV_ATTN_SWEEP (or PKV_ATTN_ORDER) that the library refuses ends the run before
+ * any measurement, with a message and exit status 2. */
+static void test_refused_environment(void **state) {
+    (void)state;
+    static const char *vars[] = {"PKV_ATTN_SWEEP", "PKV_ATTN_ORDER"};
+    for (int i = 0; i < 2; i++) {
+        setenv(vars[i], "sideways", 1);
+        char *argv[] = {"pkv", "bench", "attn", "--quick", NULL};
+        char *out, *err;
+        const int rc = run_cli(argv, &out, &err);
+        unsetenv(vars[i]);
+        if (rc != 2) fail_msg("%s: exit %d (want 2): %s", vars[i], rc, err);
+        assert_string_equal(out, "");
+        assert_non_null(strstr(err, "refuses"));
+        free(out), free(err);
+    }
 }
 
 int main(void) {
@@ -170,6 +202,7 @@ int main(void) {
         cmocka_unit_test(test_json_lines),
         cmocka_unit_test(test_usage_errors),
         cmocka_unit_test(test_large_batch),
+        cmocka_unit_test(test_refused_environment),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

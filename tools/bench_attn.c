@@ -987,36 +987,46 @@ int tool_bench_attn(int argc, char **argv) {
     for (size_t i = 0; i < g_bw_words; i++) g_bw_buf[i] = i;
     const unsigned family = amd_family();
     g_victim_l3 = family == 0x19u, g_pf_l1 = g_wide = family == 0x1Au;
-    for (int nt = 1; nt <= 2; nt++) {
-        g_bw[nt] = bw_median3(nt);
-        g_peak[nt] = fma_available() ? fma_peak(nt) : 0;
-    }
-    /* the backend a cache picks */
-    const char *backend = "?";
+    const char *sweep_env = getenv("PKV_ATTN_SWEEP"); /* the library's override (pkv.h) */
+    if (sweep_env && !strcmp(sweep_env, "wide")) g_wide = 1;
+    if (sweep_env && !strcmp(sweep_env, "narrow")) g_wide = 0;
+    /* the backend a cache picks; a cache the library refuses here (the environment's
+     * PKV_ATTN_BACKEND, PKV_ATTN_ORDER or PKV_ATTN_SWEEP) ends the run before any measurement */
+    static char backend[32];
     {
         pkv_config cfg = pkv_config_default();
         cfg.n_blocks = 4;
         cfg.n_threads = 1;
         pkv_cache *c = NULL;
-        if (pkv_cache_create(&cfg, &c) == 0) {
-            static char name[32];
-            snprintf(name, sizeof name, "%s", pkv_attn_backend(c));
-            backend = name;
-            pkv_cache_destroy(c);
+        const int crc = pkv_cache_create(&cfg, &c);
+        if (crc < 0) {
+            fprintf(stderr, "pkv bench attn: the library refuses a cache here: %s (see PKV_ATTN_BACKEND, "
+                    "PKV_ATTN_ORDER and PKV_ATTN_SWEEP in pkv.h)\n", pkv_strerror(crc));
+            free(g_bw_buf);
+            return TOOL_FAIL;
         }
+        snprintf(backend, sizeof backend, "%s", pkv_attn_backend(c));
+        pkv_cache_destroy(c);
+    }
+    for (int nt = 1; nt <= 2; nt++) {
+        g_bw[nt] = bw_median3(nt);
+        g_peak[nt] = fma_available() ? fma_peak(nt) : 0;
     }
     if (o.json)
         printf("{\"bench\":\"attn\",\"kind\":\"machine\",\"cpu\":\"%s\",\"build\":\"%s\",\"backend\":\"%s\","
-               "\"read_gbps_1t\":%.3f,\"read_gbps_2t\":%.3f,\"fma_gflops_1t\":%.2f,\"fma_gflops_2t\":%.2f}\n",
-               tool_cpu_name(), tool_build_info(), backend, g_bw[1], g_bw[2], g_peak[1], g_peak[2]);
+               "\"read_gbps_1t\":%.3f,\"read_gbps_2t\":%.3f,\"fma_gflops_1t\":%.2f,\"fma_gflops_2t\":%.2f,"
+               "\"sweep\":\"%s\"}\n",
+               tool_cpu_name(), tool_build_info(), backend, g_bw[1], g_bw[2], g_peak[1], g_peak[2],
+               g_wide ? "wide" : "narrow");
     else {
         printf("# %s, %s, attention backend %s\n", tool_cpu_name(), tool_build_info(), backend);
         printf("# streaming read: %.2f GB/s (1 thread), %.2f GB/s (2 threads); f32 FMA peak: %.1f / %.1f GFLOP/s\n",
                g_bw[1], g_bw[2], g_peak[1], g_peak[2]);
-        const char *order = getenv("PKV_ATTN_ORDER");
+        const char *order = getenv("PKV_ATTN_ORDER"), *sweep = getenv("PKV_ATTN_SWEEP");
         printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u, decode pools %u%% held by the batch, "
-               "PKV_ATTN_ORDER=%s\n",
-               H_Q, H_KV, HEAD_DIM, g_bt, o.occupancy, order && *order ? order : "(auto)");
+               "PKV_ATTN_ORDER=%s, PKV_ATTN_SWEEP=%s (%s here)\n",
+               H_Q, H_KV, HEAD_DIM, g_bt, o.occupancy, order && *order ? order : "(auto)",
+               sweep && *sweep ? sweep : "(auto)", g_wide ? "wide" : "narrow");
         printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s %8s %7s  %s  %-11s %8s\n", "kernel", "kv", "ctx",
                "batch", "thr", "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "hotGB/s", "hot_bw",
                "paged/contig", "p/c q1-q3", "read_p/c");

@@ -251,6 +251,16 @@ static int env_order(void) {
     return -1;
 }
 
+/* PKV_ATTN_SWEEP: unset, empty or "auto" = the CPU's rule (PKV_CPU_WIDE_SWEEP), "wide" = 1,
+ * "narrow" = 0; anything else is -1. */
+static int env_sweep_wide(void) {
+    const char *e = getenv("PKV_ATTN_SWEEP");
+    if (!e || !*e || !strcmp(e, "auto")) return (pkv__cpu_features() & PKV_CPU_WIDE_SWEEP) != 0;
+    if (!strcmp(e, "wide")) return 1;
+    if (!strcmp(e, "narrow")) return 0;
+    return -1;
+}
+
 /* ---- create / destroy ------------------------------------------------------------------------ */
 
 static size_t align64(size_t x) { return pkv__align_up(x, 64); }
@@ -287,8 +297,8 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     int rc = build_kernels(backend ? backend : auto_backend(), &kt);
     if (rc < 0) return rc;
     if (extra) extra(&kt);
-    const int order = env_order();
-    if (order < 0) return PKV_EINVAL;
+    const int order = env_order(), wide = env_sweep_wide();
+    if (order < 0 || wide < 0) return PKV_EINVAL;
     if (lim->exec.parallel_for) {
         if (lim->exec.n_workers == 0 || lim->exec.n_workers > PKV_MAX_THREADS) return PKV_EINVAL;
         n_threads = lim->exec.n_workers;
@@ -365,7 +375,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->sweep_items_min = pkv__cpu_features() & PKV_CPU_VICTIM_L3 ? SWEEP_CHUNK_ITEMS_MIN_VICTIM
                                                                   : SWEEP_CHUNK_ITEMS_MIN;
     at->pf_l1 = at->pf_fine = (pkv__cpu_features() & PKV_CPU_PREFETCH_L1) != 0;
-    at->sweep_wide = (pkv__cpu_features() & PKV_CPU_WIDE_SWEEP) != 0;
+    at->sweep_wide = wide;
     at->tpath = true;
     rc = pkv__tpool_init(&at->pool, n_threads, at->workers, &lim->exec);
     if (rc < 0) {
@@ -1184,6 +1194,7 @@ void pkv__attn_set_sweep_sizing(pkv__attn *at, size_t l2_bytes, uint32_t items_m
     at->sweep_items_min = PKV_MAX(items_min, 1u);
 }
 void pkv__attn_set_sweep_wide(pkv__attn *at, bool on) { at->sweep_wide = on; }
+bool pkv__attn_sweep_wide(const pkv__attn *at) { return at->sweep_wide; }
 void pkv__attn_set_tpath(pkv__attn *at, bool on) { at->tpath = on; }
 void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine) {
     at->pf_l1 = l1;

@@ -102,6 +102,9 @@ void pkv__attn_set_sweep_sizing(pkv__attn *at, size_t l2_bytes, uint32_t items_m
  * state prefetch (attn.c: sweep_wide; set at creation from PKV_CPU_WIDE_SWEEP). Results differ by
  * rounding only (other merges by log-sum-exp); tests run both ways. */
 void pkv__attn_set_sweep_wide(pkv__attn *at, bool on);
+/* Whether the sweep is wide: the CPU's rule, or PKV_ATTN_SWEEP in the environment at creation
+ * ("wide", "narrow", "auto"; unset or empty: auto; another value fails creation, PKV_EINVAL). */
+bool pkv__attn_sweep_wide(const pkv__attn *at);
 /* How the kernels prefetch the next block (attn.c: pf_l1, pf_fine; set at creation from
  * PKV_CPU_PREFETCH_L1): into L1 rather than L2 (l1), and in a decode head's score in finer shares
  * (fine). Neither changes a result; tests set both ways so every machine runs both paths. */
