@@ -839,6 +839,15 @@ static bool swept_case(pkv__attn *at, uint32_t n, uint32_t len, uint32_t nqh, ui
     return swept_case_ext(at, n, len, nqh, H, n_q, 0, in_order, window);
 }
 
+/* Creation with var=value in the environment fails with PKV_EINVAL and leaves *out NULL. */
+static void assert_env_refused(const pkv__attn_limits *lim, const char *var, const char *value) {
+    setenv(var, value, 1);
+    pkv__attn *at = NULL;
+    assert_int_equal(pkv__attn_create_backend(NULL, 2, lim, "ref", &at), PKV_EINVAL);
+    assert_null(at);
+    unsetenv(var);
+}
+
 /* When the sweep takes a call: forced pool order takes every decode call it can hold (more than
  * 32 sequences in groups) and the items of one query of a call that also has extends (those run
  * in table order), and falls back to table order (with the same answers) for calls of extends
@@ -904,11 +913,7 @@ static void test_pool_order_choice(void **state) {
     pkv__attn_set_inline_work(at, 0);
     assert_false(swept_case(at, 2, 1000, 16, 4, 1, 0, 0));
     pkv__attn_destroy(at);
-    setenv("PKV_ATTN_ORDER", "sideways", 1);
-    at = NULL;
-    assert_int_equal(pkv__attn_create_backend(NULL, 2, &lim, "ref", &at), PKV_EINVAL);
-    assert_null(at);
-    unsetenv("PKV_ATTN_ORDER");
+    assert_env_refused(&lim, "PKV_ATTN_ORDER", "sideways");
     /* PKV_ATTN_SWEEP overrides the CPU's sweep rule at creation; an unknown value fails it */
     static const struct { const char *value; int wide; } sweeps[] = {{"wide", 1}, {"narrow", 0}};
     for (int i = 0; i < 2; i++) {
@@ -919,11 +924,8 @@ static void test_pool_order_choice(void **state) {
         assert_true(swept_case(at, 3, 100, 16, 4, 1, 0, 0));
         pkv__attn_destroy(at);
     }
-    setenv("PKV_ATTN_SWEEP", "diagonal", 1);
-    at = NULL;
-    assert_int_equal(pkv__attn_create_backend(NULL, 2, &lim, "ref", &at), PKV_EINVAL);
-    assert_null(at);
     unsetenv("PKV_ATTN_SWEEP");
+    assert_env_refused(&lim, "PKV_ATTN_SWEEP", "diagonal");
 }
 
 /* The plan's size for the run-inline decision counts every kv head a unit reads: a decode unit
