@@ -1022,11 +1022,11 @@ int tool_bench_attn(int argc, char **argv) {
         printf("# %s, %s, attention backend %s\n", tool_cpu_name(), tool_build_info(), backend);
         printf("# streaming read: %.2f GB/s (1 thread), %.2f GB/s (2 threads); f32 FMA peak: %.1f / %.1f GFLOP/s\n",
                g_bw[1], g_bw[2], g_peak[1], g_peak[2]);
-        const char *order = getenv("PKV_ATTN_ORDER"), *sweep = getenv("PKV_ATTN_SWEEP");
+        const char *order = getenv("PKV_ATTN_ORDER");
         printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u, decode pools %u%% held by the batch, "
                "PKV_ATTN_ORDER=%s, PKV_ATTN_SWEEP=%s (%s here)\n",
                H_Q, H_KV, HEAD_DIM, g_bt, o.occupancy, order && *order ? order : "(auto)",
-               sweep && *sweep ? sweep : "(auto)", g_wide ? "wide" : "narrow");
+               sweep_env && *sweep_env ? sweep_env : "(auto)", g_wide ? "wide" : "narrow");
         printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s %8s %7s  %s  %-11s %8s\n", "kernel", "kv", "ctx",
                "batch", "thr", "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "hotGB/s", "hot_bw",
                "paged/contig", "p/c q1-q3", "read_p/c");

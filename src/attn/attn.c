@@ -909,15 +909,10 @@ static size_t sweep_entry_bytes(const pkv__attn *at) {
            (size_t)rows * (PKV__ATTN_QROW_BYTES(D) + D * sizeof(float));
 }
 
-/* The blocks an item's one query sees: [*b0, *b1] of its table. */
-static void sweep_blocks(const pkv__attn *at, const pkv__attn_item *it, uint32_t *b0, uint32_t *b1) {
-    const uint32_t B = at->kv->block_tokens;
-    *b0 = key_lo(it->q_pos0, at->call->window) / B, *b1 = it->q_pos0 / B;
-}
-
 /* Lists the call's items of one query (decode, or an extend of one token) in sweep_idx: the
- * items the sweep would take; sets the group size (SWEEP_STATE_L2_EIGHTHS and the rest, above). */
-static void sweep_collect(pkv__attn *at) {
+ * items the sweep would take; sets the group size (SWEEP_STATE_L2_EIGHTHS and the rest, above).
+ * most: the entries (visible blocks) of the longest of those items, which bound a wide group. */
+static void sweep_collect(pkv__attn *at, uint32_t most) {
     uint32_t n = 0;
     for (uint32_t i = 0; i < at->n_items; i++)
         if (at->items[i].n_q == 1) at->sweep_idx[n++] = i;
@@ -925,16 +920,8 @@ static void sweep_collect(pkv__attn *at) {
     const size_t budget = PKV_MIN(at->l2_bytes / 8 * SWEEP_STATE_L2_EIGHTHS, SWEEP_STATE_BYTES_MAX);
     const size_t per_chunk = budget / sweep_entry_bytes(at);
     uint64_t group = (uint64_t)PKV_MAX(per_chunk, at->sweep_items_min) * at->n_threads;
-    if (at->sweep_wide && n) {
-        /* as many as the sweep holds, in groups whose entries stay within sweep_cap */
-        uint32_t most = 1; /* entries of the longest item */
-        for (uint32_t i = 0; i < n; i++) {
-            uint32_t b0, b1;
-            sweep_blocks(at, &at->items[at->sweep_idx[i]], &b0, &b1);
-            most = PKV_MAX(most, b1 - b0 + 1);
-        }
+    if (at->sweep_wide && most) /* as many as the sweep holds, in groups within sweep_cap */
         group = PKV_MAX(group, at->sweep_cap / most);
-    }
     at->sweep_group_max = (uint32_t)PKV_MIN(group, (uint64_t)at->sweep_items_cap);
 }
 
@@ -953,6 +940,12 @@ static void sweep_group(const pkv__attn *at, uint32_t g, uint32_t *i0, uint32_t 
     const uint32_t ng = sweep_groups(at);
     *i0 = (uint32_t)((uint64_t)at->sweep_total * g / ng);
     *i1 = (uint32_t)((uint64_t)at->sweep_total * (g + 1) / ng);
+}
+
+/* The blocks an item's one query sees: [*b0, *b1] of its table. */
+static void sweep_blocks(const pkv__attn *at, const pkv__attn_item *it, uint32_t *b0, uint32_t *b1) {
+    const uint32_t B = at->kv->block_tokens;
+    *b0 = key_lo(it->q_pos0, at->call->window) / B, *b1 = it->q_pos0 / B;
 }
 
 /* Whether the sweep takes the call's items of one query (sweep_collect listed them; items of
@@ -1226,6 +1219,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         return PKV_EINVAL;
     if (!at->kt.prep_q[kv->k_dtype] || !at->kt.score[kv->k_dtype] || !at->kt.accum[kv->v_dtype]) return PKV_ENOTSUP;
     uint64_t runs = 0; /* runs of neighbouring blocks in one-query items' visible tables (AUTO's rule) */
+    uint32_t most = 0; /* visible blocks of the longest one-query item (sweep_collect) */
     uint32_t n_live = 0; /* items of at least one query */
     for (uint32_t i = 0; i < n_items; i++) {
         const pkv__attn_item *it = &items[i];
@@ -1238,6 +1232,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         if (end > UINT32_MAX) return PKV_EINVAL;
         /* only the blocks a query can see are read; each must name a block of the pool */
         const uint32_t lo = key_lo(it->q_pos0, call->window) / kv->block_tokens;
+        if (it->n_q == 1) most = PKV_MAX(most, (uint32_t)(nbt - lo));
         for (uint64_t b = lo; b < nbt; b++) {
             if (it->block_table[b] < 0 || (uint32_t)it->block_table[b] >= kv->n_blocks) return PKV_EINVAL;
             runs += it->n_q == 1 && (b == lo || it->block_table[b] != it->block_table[b - 1] + 1);
@@ -1256,7 +1251,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     if (at->sweep_cap && at->order != PKV__ATTN_ORDER_TABLE) {
         /* the one-query items' share of the work decides whether they go to the pool */
         uint64_t x = 0;
-        sweep_collect(at);
+        sweep_collect(at, most);
         const bool takes = sweep_takes(at, runs, &x);
         const bool small_sweep = x * kv->n_kv_heads * elems_per_head_block < at->inline_elems;
         if (takes && (at->order == PKV__ATTN_ORDER_POOL || !small_sweep)) {
