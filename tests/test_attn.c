@@ -363,7 +363,7 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         skip();
     }
     static unsigned n_case; /* the prefetch paths in turn, whatever this CPU would pick, and the */
-    pkv__attn_set_prefetch(at, n_case & 1u, n_case >> 1 & 1u);
+    pkv__attn_set_prefetch(at, n_case & 1u, n_case >> 1 & 1u, n_case >> 3 & 1u);
     pkv__attn_set_tpath(at, !(n_case >> 2 & 1u)); /* transposed path and the row path (attn.h) */
     n_case++;
     pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
@@ -773,11 +773,12 @@ static void test_oracle_pool_order(void **state) {
                 if (!(d <= worst_table)) worst_table = isnan(d) ? INFINITY : d;
             }
         }
-        /* The other prefetch paths (into L1 or L2; a decode head's score in finer shares or not)
-         * give the same bits: the shares split score's head_dim loop, not its order. */
+        /* The other prefetch paths (into L1 or L2, the row path's at one level or two; a decode
+         * head's score in finer shares or not) give the same bits: the shares split score's
+         * head_dim loop, not its order. */
         for (uint32_t i = 0; i < n; i++)
             memcpy(table_out[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
-        pkv__attn_set_prefetch(at, c % 2 == 0, c % 4 < 2);
+        pkv__attn_set_prefetch(at, c % 2 == 0, c % 4 < 2, c % 8 < 4);
         assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
         for (uint32_t i = 0; i < n; i++)
             assert_memory_equal(table_out[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);

@@ -160,6 +160,7 @@ struct pkv__attn {
     bool sweep_wide; /* groups as large as the sweep holds, one set cut into ranges (PKV_CPU_WIDE_SWEEP) */
     int pf_l1;   /* the next block's prefetch into L1 (PKV_CPU_PREFETCH_L1), else into L2: head_io_fill */
     int pf_fine; /* and a decode head's score in finer shares (the same flag; attn.h, PKV__ATTN_PF_SUB_FINE) */
+    int pf_two;  /* and the row path's at two levels where pf_l1 is set (the same flag; PKV__ATTN_PF_TWO) */
     bool tpath;  /* units of many rows take the transposed primitives where the backend has them */
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
@@ -374,7 +375,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->l2_bytes = l2_size();
     at->sweep_items_min = pkv__cpu_features() & PKV_CPU_VICTIM_L3 ? SWEEP_CHUNK_ITEMS_MIN_VICTIM
                                                                   : SWEEP_CHUNK_ITEMS_MIN;
-    at->pf_l1 = at->pf_fine = (pkv__cpu_features() & PKV_CPU_PREFETCH_L1) != 0;
+    at->pf_l1 = at->pf_fine = at->pf_two = (pkv__cpu_features() & PKV_CPU_PREFETCH_L1) != 0;
     at->sweep_wide = wide;
     at->tpath = true;
     rc = pkv__tpool_init(&at->pool, n_threads, at->workers, &lim->exec);
@@ -559,11 +560,16 @@ typedef struct head_io {
     pkv__attn_pf pk, pv, *pkp, *pvp;
 } head_io;
 
-/* xr, xn: NULL, or xn more bytes at xr for score to prefetch as well (run_chunk: the next
+/* Head h of block bid, with the next block's K and V at kn, vn (NULL: nothing to prefetch). The
+ * caller walks heads [h0, h1) of each block: where the context prefetches at two levels (pf_two,
+ * with pf_l1; the row path only: two is false for the transposed one), the next head's runs,
+ * this block's h + 1 or the next block's h0, go into L1 beside the next block's into L2.
+ * xr, xn: NULL, or xn more bytes at xr for score to prefetch as well (run_chunk: the next
  * sequence's queries), spread over its steps as the second run of its pf where that run is
  * free; else the caller is told (false) and prefetches them itself. */
-static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uint32_t t0, const uint8_t *kn,
-                                const uint8_t *vn, const uint8_t *xr, size_t xn, head_io *io) {
+static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uint32_t h0, uint32_t h1, bool two,
+                                uint32_t t0, const uint8_t *kn, const uint8_t *vn, const uint8_t *xr, size_t xn,
+                                head_io *io) {
     const pkv__kv_view *kv = at->kv;
     const uint32_t B = kv->block_tokens;
     io->kr = kv->k + bid * kv->k_block_bytes + ((size_t)h * B + t0) * kv->k_row_bytes;
@@ -577,6 +583,13 @@ static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uin
     const uint8_t *r1 = accum_pf ? (xr ? xr : kx) : vx, *e1 = accum_pf ? (xr ? xr + xn : kx) : vx + vblk;
     io->pk = (pkv__attn_pf){.p = {kx, r1}, .end = {kx + kblk, e1}, .l1 = at->pf_l1, .fine = at->pf_fine};
     io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}, .l1 = at->pf_l1};
+    if (two && at->pf_two && at->pf_l1) { /* the next head's runs, near the next block's */
+        const bool here = h + 1 < h1;
+        const uint8_t *kh = (here ? kv->k + bid * kv->k_block_bytes : kn) + (size_t)(here ? h + 1 : h0) * kblk;
+        const uint8_t *vh = (here ? kv->v + bid * kv->v_block_bytes : vn) + (size_t)(here ? h + 1 : h0) * vblk;
+        io->pk.l1 = io->pv.l1 = PKV__ATTN_PF_TWO;
+        io->pk.near = kh - kx, io->pv.near = vh - vx;
+    }
     io->pkp = &io->pk, io->pvp = accum_pf ? &io->pv : NULL;
     return !xr || accum_pf;
 }
@@ -678,7 +691,8 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
         for (uint32_t j = 0; j < w->n_kvh; j++) {
             const uint32_t r0 = j * rows_h;
             head_io io;
-            (void)head_io_fill(at, ub.bid, w->kvh0 + j, ub.t0, ub.kn, ub.vn, NULL, 0, &io);
+            (void)head_io_fill(at, ub.bid, w->kvh0 + j, w->kvh0, w->kvh0 + w->n_kvh, false, ub.t0, ub.kn, ub.vn,
+                               NULL, 0, &io);
             score(sc->qt + (size_t)j * rp * D, rp, io.kr, kv->k_row_bytes, n_keys, D, sc->st, sc->kbuf, io.pkp);
             if (ub.mask) mask_block(at, w, pos_first, ub.kb + ub.t0, n_keys, sc->st, 1, rp);
             kt->softmax_t(sc->st, rp, rows_h, n_keys, at->call->softcap, sc->m + r0, sc->l + r0,
@@ -739,7 +753,8 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
                 const uint32_t r0 = j * rows_h;
                 float *sj = score_half(at, s, rows_h, j);
                 head_io *io = &io2[j & 1u];
-                (void)head_io_fill(at, ub.bid, w.kvh0 + j, ub.t0, ub.kn, ub.vn, NULL, 0, io);
+                (void)head_io_fill(at, ub.bid, w.kvh0 + j, w.kvh0, w.kvh0 + w.n_kvh, true, ub.t0, ub.kn, ub.vn,
+                                   NULL, 0, io);
                 score(qp + (size_t)r0 * qrow, rows_h, io->kr, kv->k_row_bytes, n_keys, D, sj, at->s_stride, io->pkp);
                 if (ub.mask) mask_block(at, &w, pos_first, ub.kb + ub.t0, n_keys, sj, at->s_stride, 1);
                 if (j > 0) accum_head(at, accum, s, rows_h, j - 1, n_keys, io2, acc);
@@ -1149,7 +1164,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
             /* the next sequence's queries for this head, into L2: they left while other blocks
              * streamed by; with score's prefetch where it has room, else at once */
             const uint8_t *qx = qn ? qn + (size_t)h * G * qrow : NULL;
-            if (!head_io_fill(at, bid, h, t0, kn, vn, qx, (size_t)G * qrow, io))
+            if (!head_io_fill(at, bid, h, 0, H, true, t0, kn, vn, qx, (size_t)G * qrow, io))
                 for (size_t o = 0; o < (size_t)G * qrow; o += 64) __builtin_prefetch(qx + o, 0, 2);
             score(qp + (size_t)r0 * qrow, G, io->kr, kv->k_row_bytes, n_keys, D, sh, at->s_stride, io->pkp);
             if (qn) { /* and its acc, between score and accum */
@@ -1189,9 +1204,10 @@ void pkv__attn_set_sweep_sizing(pkv__attn *at, size_t l2_bytes, uint32_t items_m
 void pkv__attn_set_sweep_wide(pkv__attn *at, bool on) { at->sweep_wide = on; }
 bool pkv__attn_sweep_wide(const pkv__attn *at) { return at->sweep_wide; }
 void pkv__attn_set_tpath(pkv__attn *at, bool on) { at->tpath = on; }
-void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine) {
+void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine, bool two) {
     at->pf_l1 = l1;
     at->pf_fine = fine;
+    at->pf_two = two;
 }
 bool pkv__attn_last_swept(const pkv__attn *at) { return at->last_swept; }
 uint32_t pkv__attn_last_threads(const pkv__attn *at) { return at->last_threads; }

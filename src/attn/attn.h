@@ -8,6 +8,7 @@
 
 #include <float.h>
 #include <math.h>
+#include <stddef.h>
 
 /* One layer of the pool (ARCHITECTURE section 3). Row of (block b, kv head h, offset t):
  * k + b * k_block_bytes + (h * block_tokens + t) * k_row_bytes. */
@@ -105,10 +106,11 @@ void pkv__attn_set_sweep_wide(pkv__attn *at, bool on);
 /* Whether the sweep is wide: the CPU's rule, or PKV_ATTN_SWEEP in the environment at creation
  * ("wide", "narrow", "auto"; unset or empty: auto; another value fails creation, PKV_EINVAL). */
 bool pkv__attn_sweep_wide(const pkv__attn *at);
-/* How the kernels prefetch the next block (attn.c: pf_l1, pf_fine; set at creation from
- * PKV_CPU_PREFETCH_L1): into L1 rather than L2 (l1), and in a decode head's score in finer shares
- * (fine). Neither changes a result; tests set both ways so every machine runs both paths. */
-void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine);
+/* How the kernels prefetch the next block (attn.c: pf_l1, pf_fine, pf_two; set at creation from
+ * PKV_CPU_PREFETCH_L1): into L1 rather than L2 (l1), in a decode head's score in finer shares
+ * (fine), and, where l1 is set, the row path's at two levels (two: PKV__ATTN_PF_TWO). None
+ * changes a result; tests set them every way so every machine runs every path. */
+void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine, bool two);
 /* Whether units of many query rows take the backend's transposed primitives where it has them
  * (attn.h: score_t; on by default). Results differ by rounding only; tests run both ways. */
 void pkv__attn_set_tpath(pkv__attn *at, bool on);
@@ -189,14 +191,25 @@ typedef struct pkv__attn_pf {
     uint32_t left; /* steps left when the runs split evenly (even), else unused */
     int even;      /* run 0 (and run 1 unless empty) is left * step bytes: a step is a fixed, unbounded burst */
     int two;       /* run 1 is not empty */
-    int l1;        /* set by the driver: prefetch into L1 (T0) rather than L2 (T1): pkv__attn's pf_l1 */
+    int l1;        /* set by the driver: where the lines go (PKV__ATTN_PF_L2, _L1, _TWO): pkv__attn's pf_l1, pf_two */
     int fine;      /* set by the driver: a decode-sized score takes finer shares (PKV__ATTN_DEF_SCORE_ROWS4) */
+    ptrdiff_t near; /* PKV__ATTN_PF_TWO: a line of run 0 at x goes into L2, and the line at x + near into L1 */
 } pkv__attn_pf;
 
-/* n bytes of lines from x (n a multiple of 64; a constant where the caller's is), into L1 where l1
- * is set, else into L2. */
-static inline __attribute__((always_inline)) void pkv__attn_pf_lines(const uint8_t *x, size_t n, int l1) {
-    if (l1)
+/* pkv__attn_pf's levels. TWO: run 0 is the next block's run of the head (into L2, T1) and, near
+ * bytes from each of its lines, the line of the run of the next head this unit computes (this
+ * block's, or the next block's first) goes into L1 (T0): the memory's latency is hidden a block
+ * ahead, and the lines are in L1 when their head starts, not evicted again by the block's other
+ * heads in between (attn.c: pf_two). A two-level pf's run 1 goes into L1. */
+enum { PKV__ATTN_PF_L2 = 0, PKV__ATTN_PF_L1 = 1, PKV__ATTN_PF_TWO = 2 };
+
+/* n bytes of lines from x (n a multiple of 64; a constant where the caller's is): into L2 (T1),
+ * into L1 (T0), or (PKV__ATTN_PF_TWO, near not 0) each into L2 and the line near bytes on into L1. */
+static inline __attribute__((always_inline)) void pkv__attn_pf_lines(const uint8_t *x, size_t n, int l1,
+                                                                      ptrdiff_t near) {
+    if (l1 == PKV__ATTN_PF_TWO && near)
+        for (size_t o = 0; o < n; o += 64) __builtin_prefetch(x + o, 0, 2), __builtin_prefetch(x + o + near, 0, 3);
+    else if (l1)
         for (size_t o = 0; o < n; o += 64) __builtin_prefetch(x + o, 0, 3);
     else
         for (size_t o = 0; o < n; o += 64) __builtin_prefetch(x + o, 0, 2);
@@ -222,35 +235,36 @@ static inline __attribute__((always_inline)) void pkv__attn_pf_step(pkv__attn_pf
         pf->left--;
         const uint8_t *x = pf->p[0], *y = pf->p[1];
         if (pf->step == 256) {
-            pkv__attn_pf_lines(x, 256, pf->l1);
-            if (pf->two) pkv__attn_pf_lines(y, 256, pf->l1);
+            pkv__attn_pf_lines(x, 256, pf->l1, pf->near);
+            if (pf->two) pkv__attn_pf_lines(y, 256, pf->l1, 0);
         } else {
-            pkv__attn_pf_lines(x, pf->step, pf->l1);
-            if (pf->two) pkv__attn_pf_lines(y, pf->step, pf->l1);
+            pkv__attn_pf_lines(x, pf->step, pf->l1, pf->near);
+            if (pf->two) pkv__attn_pf_lines(y, pf->step, pf->l1, 0);
         }
         pf->p[0] = x + pf->step, pf->p[1] = y + (pf->two ? pf->step : 0);
         return;
     }
     for (int j = 0; j < 2; j++) {
         const uint8_t *e = pf->p[j] + pf->step < pf->end[j] ? pf->p[j] + pf->step : pf->end[j], *x = pf->p[j];
+        const ptrdiff_t near = j ? 0 : pf->near;
         for (; x + 3 * 64 < e; x += 4 * 64) /* 4 lines per turn: a third of the loop's instructions */
-            pkv__attn_pf_lines(x, 256, pf->l1);
-        for (; x < e; x += 64) pkv__attn_pf_lines(x, 64, pf->l1);
+            pkv__attn_pf_lines(x, 256, pf->l1, near);
+        for (; x < e; x += 64) pkv__attn_pf_lines(x, 64, pf->l1, near);
         pf->p[j] = e;
     }
 }
 
 /* For a kernel's inner loop of n steps over a one-run pf (run 1 empty): takes the loop's steps out
  * of pf at once, so that the loop keeps no state: returns the first line, sets *step (bytes per
- * step), *n_ok (how many of the n steps are left in the run) and *l1 (pf's l1), and the loop's
- * turn i < *n_ok calls pkv__attn_pf_burst(x + i * *step, *step, *l1). A two-run pf gives *n_ok =
- * 0 and is left to pkv__attn_pf_finish. */
+ * step), *n_ok (how many of the n steps are left in the run), *l1 and *near (pf's), and the
+ * loop's turn i < *n_ok calls pkv__attn_pf_burst(x + i * *step, *step, *l1, *near). A two-run pf
+ * gives *n_ok = 0 and is left to pkv__attn_pf_finish. */
 static inline __attribute__((always_inline)) const uint8_t *pkv__attn_pf_take(pkv__attn_pf *pf, uint32_t n,
                                                                                size_t *step, uint32_t *n_ok,
-                                                                               int *l1) {
-    *step = 0, *n_ok = 0, *l1 = 0;
+                                                                               int *l1, ptrdiff_t *near) {
+    *step = 0, *n_ok = 0, *l1 = 0, *near = 0;
     if (!pf || pf->two || pf->p[0] >= pf->end[0]) return NULL;
-    *l1 = pf->l1;
+    *l1 = pf->l1, *near = pf->near;
     const uint8_t *x = pf->p[0];
     const size_t left = (size_t)(pf->end[0] - x), k = (left + pf->step - 1) / pf->step;
     *step = pf->step;
@@ -260,17 +274,18 @@ static inline __attribute__((always_inline)) const uint8_t *pkv__attn_pf_take(pk
     return x;
 }
 
-static inline __attribute__((always_inline)) void pkv__attn_pf_burst(const uint8_t *x, size_t step, int l1) {
-    pkv__attn_pf_lines(x, 64, l1);
-    if (step > 64) pkv__attn_pf_lines(x + 64, 64, l1);
-    if (step > 128) pkv__attn_pf_lines(x + 128, step - 128, l1);
+static inline __attribute__((always_inline)) void pkv__attn_pf_burst(const uint8_t *x, size_t step, int l1,
+                                                                      ptrdiff_t near) {
+    pkv__attn_pf_lines(x, 64, l1, near);
+    if (step > 64) pkv__attn_pf_lines(x + 64, 64, l1, near);
+    if (step > 128) pkv__attn_pf_lines(x + 128, step - 128, l1, near);
 }
 
 /* Whatever steps were not taken (a kernel whose work had fewer steps than it counted) at once. */
 static inline __attribute__((always_inline)) void pkv__attn_pf_finish(pkv__attn_pf *pf) {
     if (!pf) return;
     for (int j = 0; j < 2; j++) {
-        for (const uint8_t *x = pf->p[j]; x < pf->end[j]; x += 64) pkv__attn_pf_lines(x, 64, pf->l1);
+        for (const uint8_t *x = pf->p[j]; x < pf->end[j]; x += 64) pkv__attn_pf_lines(x, 64, pf->l1, j ? 0 : pf->near);
         pf->p[j] = pf->end[j];
     }
     pf->left = 0;

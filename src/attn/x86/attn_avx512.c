@@ -171,11 +171,12 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
         size_t pfs;                                                                                             \
         uint32_t pfn;                                                                                           \
         int pfl;                                                                                                \
-        const uint8_t *pfx = pkv__attn_pf_take(pf, n_keys, &pfs, &pfn, &pfl); /* a share per key */            \
+        ptrdiff_t pfd;                                                                                          \
+        const uint8_t *pfx = pkv__attn_pf_take(pf, n_keys, &pfs, &pfn, &pfl, &pfd); /* a share per key */            \
         for (uint32_t t = 0; t < n_keys; t++) {                                                                 \
             const uint8_t *vr = v + t * vrb;                                                                    \
             __m512 x[4];                                                                                        \
-            if (t < pfn) pkv__attn_pf_burst(pfx + t * pfs, pfs, pfl);                                           \
+            if (t < pfn) pkv__attn_pf_burst(pfx + t * pfs, pfs, pfl, pfd);                                           \
             LDV_##T(x, vr, C);                                                                                  \
             for (uint32_t r = 0; r < R; r++) {                                                                  \
                 const __m512 w = _mm512_set1_ps(p[r * ps + t * pts]);                                           \
