@@ -457,7 +457,13 @@ static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
  * slow on Zen 4 (f32) and 1.19x on Intel (stop 32). On Zen 5 it made it 8-12% faster at 1 thread
  * and 1% at 2, and q8_0 1.78x as fast at 1 thread; there, no software prefetch at all made decode
  * 2-2.7x as slow, and 2 blocks ahead instead of 1 gained nothing (stop 35). Zen 5 also takes
- * finer shares in a decode head's score (pf_fine: attn.h, PKV__ATTN_DEF_SCORE_ROWS4). */
+ * finer shares in a decode head's score (pf_fine: attn.h, PKV__ATTN_DEF_SCORE_ROWS4), and the row
+ * path prefetches at two levels there (pf_two: attn.h, PKV__ATTN_PF_TWO): a block ahead is 64
+ * KiB of K/V at f16 (8 heads), more than the L1, so a line the T0 prefetch brought in is gone
+ * again when its head starts; with the next block into L2 and the next head (8 KiB on) into L1,
+ * f16 4096 x 16 paged took 0.977 of the time at 2 threads and 0.960 at 1, f32 0.939 at 1
+ * (scripts/ab-decode.sh both ways round), and 1.05 on K/V in cache (stop 39). The transposed
+ * path (prefill, compute-bound, its K/V often just written) keeps one level: 2% slower with two. */
 #ifndef PKV_ATTN_PF_DIST
 #define PKV_ATTN_PF_DIST 1
 #endif
