@@ -87,8 +87,8 @@ static void probe(tool_rng *rng) {
     for (int t = 0; t < TRIALS; t++)
         for (int k = 0; k <= N_OFF; k++) {
             const uint8_t *run = g_k + (1 + tool_rng_u64(rng) % (N_BLOCKS - 4)) * (size_t)BLOCK;
-            g_sink += tool_sum_run(run, NULL, BLOCK, 0);
-            for (uint32_t i = 0; i < 16; i++) g_sink += tool_sum_run(g_v + (size_t)i * RUN, NULL, RUN, 0); /* a pause, in L1/L2 */
+            g_sink += tool_sum_run(run, NULL, NULL, BLOCK, 0);
+            for (uint32_t i = 0; i < 16; i++) g_sink += tool_sum_run(g_v + (size_t)i * RUN, NULL, NULL, RUN, 0); /* a pause, in L1/L2 */
             const uint8_t *x = k == N_OFF ? g_v + (16 + tool_rng_u64(rng) % (N_BLOCKS * HEADS - 32)) * (size_t)RUN + 2048
                                : offs[k] < 0 ? run + offs[k]
                                              : run + BLOCK + offs[k];

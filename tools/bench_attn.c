@@ -92,7 +92,7 @@ typedef struct bw_job {
 static void *bw_read(void *arg) {
     bw_job *j = arg;
     const uint8_t *p = (const uint8_t *)j->p;
-    j->sum = tool_sum_run(p, j->pf_ahead ? p + j->pf_ahead : NULL, j->n / 8 * 64, j->l1);
+    j->sum = tool_sum_run(p, j->pf_ahead ? p + j->pf_ahead : NULL, NULL, j->n / 8 * 64, j->l1);
     return NULL;
 }
 
@@ -176,7 +176,9 @@ static double run_pinned(int n, void *(*fn)(void *), void *args, size_t arg_size
     return (double)(end - atomic_load(&start)) * 1e-9;
 }
 
-static int g_victim_l3, g_pf_l1, g_wide; /* the library's CPU choices this bench follows (main) */
+/* the library's CPU choices this bench follows (main); g_pf_l1 also means the decode kernels'
+ * two-level prefetch (src/attn/attn.h, PKV__ATTN_PF_TWO), which the plain read of read_p/c copies */
+static int g_victim_l3, g_pf_l1, g_wide;
 
 /* One streaming pass over the buffer split between n_threads threads, each line's software
  * prefetch pf_ahead bytes on (0: none); GB/s. */
@@ -597,7 +599,8 @@ typedef struct gather_job {
     uint64_t sum;
 } gather_job;
 
-/* Reads the blocks ids[0 .. n) of one layer in that order, each with the next one prefetched. */
+/* Reads the blocks ids[0 .. n) of one layer in that order, each with the next one prefetched (as
+ * the decode kernels do: into L2, or where g_pf_l1 says at two levels, the next head into L1). */
 static uint64_t read_blocks(const pkv_layout *L, const uint8_t *K, const uint8_t *V, const int32_t *ids, size_t n) {
     const size_t kh = L->k_block_bytes / L->n_kv_heads, vh = L->v_block_bytes / L->n_kv_heads;
     uint64_t sum = 0;
@@ -605,7 +608,7 @@ static uint64_t read_blocks(const pkv_layout *L, const uint8_t *K, const uint8_t
         const uint8_t *kn = NULL, *vn = NULL;
         if (x + 1 < n) kn = K + (size_t)ids[x + 1] * L->k_block_bytes, vn = V + (size_t)ids[x + 1] * L->v_block_bytes;
         sum += tool_sum_block(K + (size_t)ids[x] * L->k_block_bytes, V + (size_t)ids[x] * L->v_block_bytes, kn, vn,
-                              L->n_kv_heads, kh, vh, g_pf_l1);
+                              L->n_kv_heads, kh, vh, g_pf_l1 ? 2 : 0);
     }
     return sum;
 }

@@ -25,12 +25,15 @@ double tool_percentile(double *v, size_t n, double pct); /* sorts v in place, pc
  * them; NULL when out of memory. */
 void *tool_map_huge(size_t bytes);
 /* The sum of the 64-bit words of p[0, n), n a multiple of 64, 64-byte aligned; with pf, each line
- * read prefetches the line at the same offset of pf, into L1 (T0) where l1 is set, else into L2
- * (T1): a plain read as the decode kernels stream a run while prefetching the next block's. */
-uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, size_t n, int l1);
+ * read prefetches the line at the same offset of pf: into L2 (T1) where l1 is 0, into L1 (T0)
+ * where it is 1, and where it is 2 into L2 and the line at that offset of near (not NULL) into
+ * L1: a plain read as the decode kernels stream a run while prefetching the next block's (and,
+ * at two levels, the next head's: src/attn/attn.h, PKV__ATTN_PF_TWO). */
+uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, const uint8_t *near, size_t n, int l1);
 /* One block read as the decode kernels walk it: for each of n_heads heads, its K run (k_run
  * bytes at k + h * k_run), then its V run (likewise), each with tool_sum_run prefetching the same
- * head's run of the next block (kn, vn; NULL: none) at the level l1 chooses. */
+ * head's run of the next block (kn, vn; NULL: none) at the level l1 chooses (2: and the next
+ * head's runs, this block's or the next block's first, into L1). */
 uint64_t tool_sum_block(const uint8_t *k, const uint8_t *v, const uint8_t *kn, const uint8_t *vn, uint32_t n_heads,
                         size_t k_run, size_t v_run, int l1);
 /* Fails with a message naming the call when rc < 0; returns rc. */

@@ -137,11 +137,13 @@ void *tool_map_huge(size_t bytes) {
 #endif
 }
 
-uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, size_t n, int l1) {
+uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, const uint8_t *near, size_t n, int l1) {
     uint64_t a = 0, b = 0, c = 0, d = 0;
     for (size_t o = 0; o < n; o += 64) {
         const uint64_t *w = (const uint64_t *)(const void *)(p + o);
-        if (pf && l1)
+        if (pf && l1 == 2 && near)
+            __builtin_prefetch(pf + o, 0, 2), __builtin_prefetch(near + o, 0, 3);
+        else if (pf && l1)
             __builtin_prefetch(pf + o, 0, 3);
         else if (pf)
             __builtin_prefetch(pf + o, 0, 2);
@@ -153,8 +155,12 @@ uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, size_t n, int l1) {
 uint64_t tool_sum_block(const uint8_t *k, const uint8_t *v, const uint8_t *kn, const uint8_t *vn, uint32_t n_heads,
                         size_t k_run, size_t v_run, int l1) {
     uint64_t sum = 0;
-    for (uint32_t h = 0; h < n_heads; h++)
-        sum += tool_sum_run(k + h * k_run, kn ? kn + h * k_run : NULL, k_run, l1) +
-               tool_sum_run(v + h * v_run, vn ? vn + h * v_run : NULL, v_run, l1);
+    for (uint32_t h = 0; h < n_heads; h++) {
+        const bool here = h + 1 < n_heads; /* the next head's runs: this block's, or the next block's first */
+        const uint8_t *kh = l1 == 2 && kn ? (here ? k + (h + 1) * k_run : kn) : NULL;
+        const uint8_t *vh = l1 == 2 && vn ? (here ? v + (h + 1) * v_run : vn) : NULL;
+        sum += tool_sum_run(k + h * k_run, kn ? kn + h * k_run : NULL, kh, k_run, l1) +
+               tool_sum_run(v + h * v_run, vn ? vn + h * v_run : NULL, vh, v_run, l1);
+    }
     return sum;
 }
