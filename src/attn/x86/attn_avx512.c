@@ -281,10 +281,13 @@ DEF_SCORE(bf16)
 #define PKV__ATTN_PF_SUB_bf16 4
 /* Where pf->fine asks (Zen 5, attn.c's pf_fine), a decode head's score takes 8: ab-decode from
  * memory at 2 threads 0.945-0.975 (f16, bf16), f32 0.959; at 1 thread 0.986 and 1.017; but in
- * cache (f16 512 x 1) 1.08-1.11, and prefill's many rows 18-20% slower, so not there. */
+ * cache (f16 512 x 1) 1.08-1.11, and prefill's many rows 18-20% slower, so not there. Since the
+ * two-level prefetch (attn.h, PKV__ATTN_PF_TWO; stop 39) f16 and bf16 take 4 there as well
+ * (8 against 4 then: in cache 1/0.928 and 1/0.910, from memory at 1 thread 1/0.973, at 2
+ * threads 0.98-1.03 either way), and f32 keeps 8 (4 measured 1.089 at 1 thread, 1.024 at 2). */
 #define PKV__ATTN_PF_SUB_FINE_f32 8
-#define PKV__ATTN_PF_SUB_FINE_f16 8
-#define PKV__ATTN_PF_SUB_FINE_bf16 8
+#define PKV__ATTN_PF_SUB_FINE_f16 4
+#define PKV__ATTN_PF_SUB_FINE_bf16 4
 /* ---- score of a 4-row group, software-pipelined: tile i's reduction after tile i + 1's first step
  * The plain tile ends on its reduction tree, which waits for the tile's last FMAs and holds up
  * the next tile's behind it. Here a tile's 16 accumulators are folded to 8 by the tree's first
