@@ -177,7 +177,7 @@ static double run_pinned(int n, void *(*fn)(void *), void *args, size_t arg_size
 }
 
 /* the library's CPU choices this bench follows (main); g_pf_l1 also means the decode kernels'
- * two-level prefetch (src/attn/attn.h, PKV__ATTN_PF_TWO), which the plain read of read_p/c copies */
+ * two-level prefetch (src/attn/attn.h, pkv__attn_pf.near), which the plain read of read_p/c copies */
 static int g_victim_l3, g_pf_l1, g_wide;
 
 /* One streaming pass over the buffer split between n_threads threads, each line's software

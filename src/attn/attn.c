@@ -160,7 +160,7 @@ struct pkv__attn {
     bool sweep_wide; /* groups as large as the sweep holds, one set cut into ranges (PKV_CPU_WIDE_SWEEP) */
     int pf_l1;   /* the next block's prefetch into L1 (PKV_CPU_PREFETCH_L1), else into L2: head_io_fill */
     int pf_fine; /* and a decode head's score in finer shares (the same flag; attn.h, PKV__ATTN_PF_SUB_FINE) */
-    int pf_two;  /* and the row path's at two levels where pf_l1 is set (the same flag; PKV__ATTN_PF_TWO) */
+    int pf_two;  /* and the row path's at two levels where pf_l1 is set (the same flag; pkv__attn_pf.near) */
     bool tpath;  /* units of many rows take the transposed primitives where the backend has them */
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
@@ -458,7 +458,7 @@ static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
  * and 1% at 2, and q8_0 1.78x as fast at 1 thread; there, no software prefetch at all made decode
  * 2-2.7x as slow, and 2 blocks ahead instead of 1 gained nothing (stop 35). Zen 5 also takes
  * finer shares in a decode head's score (pf_fine: attn.h, PKV__ATTN_DEF_SCORE_ROWS4), and the row
- * path prefetches at two levels there (pf_two: attn.h, PKV__ATTN_PF_TWO): a block ahead is 64
+ * path prefetches at two levels there (pf_two: attn.h, pkv__attn_pf.near): a block ahead is 64
  * KiB of K/V at f16 (8 heads), more than the L1, so a line the T0 prefetch brought in is gone
  * again when its head starts; with the next block into L2 and the next head (8 KiB on) into L1,
  * f16 4096 x 16 paged took 0.977 of the time at 2 threads and 0.960 at 1, f32 0.939 at 1
@@ -593,7 +593,6 @@ static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uin
         const bool here = h + 1 < h1;
         const uint8_t *kh = (here ? kv->k + bid * kv->k_block_bytes : kn) + (size_t)(here ? h + 1 : h0) * kblk;
         const uint8_t *vh = (here ? kv->v + bid * kv->v_block_bytes : vn) + (size_t)(here ? h + 1 : h0) * vblk;
-        io->pk.l1 = io->pv.l1 = PKV__ATTN_PF_TWO;
         io->pk.near = kh - kx, io->pv.near = vh - vx;
     }
     io->pkp = &io->pk, io->pvp = accum_pf ? &io->pv : NULL;

@@ -108,7 +108,7 @@ void pkv__attn_set_sweep_wide(pkv__attn *at, bool on);
 bool pkv__attn_sweep_wide(const pkv__attn *at);
 /* How the kernels prefetch the next block (attn.c: pf_l1, pf_fine, pf_two; set at creation from
  * PKV_CPU_PREFETCH_L1): into L1 rather than L2 (l1), in a decode head's score in finer shares
- * (fine), and, where l1 is set, the row path's at two levels (two: PKV__ATTN_PF_TWO). None
+ * (fine), and, where l1 is set, the row path's at two levels (two: pkv__attn_pf.near). None
  * changes a result; tests set them every way so every machine runs every path. */
 void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine, bool two);
 /* Whether units of many query rows take the backend's transposed primitives where it has them
@@ -191,23 +191,22 @@ typedef struct pkv__attn_pf {
     uint32_t left; /* steps left when the runs split evenly (even), else unused */
     int even;      /* run 0 (and run 1 unless empty) is left * step bytes: a step is a fixed, unbounded burst */
     int two;       /* run 1 is not empty */
-    int l1;        /* set by the driver: where the lines go (PKV__ATTN_PF_L2, _L1, _TWO): pkv__attn's pf_l1, pf_two */
+    int l1;        /* set by the driver: prefetch into L1 (T0) rather than L2 (T1): pkv__attn's pf_l1 */
     int fine;      /* set by the driver: a decode-sized score takes finer shares (PKV__ATTN_DEF_SCORE_ROWS4) */
-    ptrdiff_t near; /* PKV__ATTN_PF_TWO: a line of run 0 at x goes into L2, and the line at x + near into L1 */
+    /* set by the driver, 0 or not: the prefetch at two levels (pkv__attn's pf_two). Each line of run
+     * 0 (the next block's run of the head) goes into L2 (T1), and the line near bytes on, of the
+     * run of the next head the unit computes (this block's, or the next block's first), into L1
+     * (T0): the memory's latency is hidden a block ahead, and the lines are in L1 when their head
+     * starts, not evicted again by the block's other heads in between. Run 1 goes by l1. */
+    ptrdiff_t near;
 } pkv__attn_pf;
 
-/* pkv__attn_pf's levels. TWO: run 0 is the next block's run of the head (into L2, T1) and, near
- * bytes from each of its lines, the line of the run of the next head this unit computes (this
- * block's, or the next block's first) goes into L1 (T0): the memory's latency is hidden a block
- * ahead, and the lines are in L1 when their head starts, not evicted again by the block's other
- * heads in between (attn.c: pf_two). A two-level pf's run 1 goes into L1. */
-enum { PKV__ATTN_PF_L2 = 0, PKV__ATTN_PF_L1 = 1, PKV__ATTN_PF_TWO = 2 };
-
-/* n bytes of lines from x (n a multiple of 64; a constant where the caller's is): into L2 (T1),
- * into L1 (T0), or (PKV__ATTN_PF_TWO, near not 0) each into L2 and the line near bytes on into L1. */
+/* n bytes of lines from x (n a multiple of 64; a constant where the caller's is): where near is
+ * not 0 each into L2 and the line near bytes on into L1 (pkv__attn_pf.near), else into L1 where
+ * l1 is set, else into L2. */
 static inline __attribute__((always_inline)) void pkv__attn_pf_lines(const uint8_t *x, size_t n, int l1,
                                                                       ptrdiff_t near) {
-    if (l1 == PKV__ATTN_PF_TWO && near)
+    if (near)
         for (size_t o = 0; o < n; o += 64) __builtin_prefetch(x + o, 0, 2), __builtin_prefetch(x + o + near, 0, 3);
     else if (l1)
         for (size_t o = 0; o < n; o += 64) __builtin_prefetch(x + o, 0, 3);

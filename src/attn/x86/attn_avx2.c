@@ -158,11 +158,11 @@ static inline uint32_t key_tiles(uint32_t n) {
         uint32_t pfn;                                                                                           \
         int pfl;                                                                                                \
         ptrdiff_t pfd;                                                                                          \
-        const uint8_t *pfx = pkv__attn_pf_take(pf, n_keys, &pfs, &pfn, &pfl, &pfd); /* a share per key */            \
+        const uint8_t *pfx = pkv__attn_pf_take(pf, n_keys, &pfs, &pfn, &pfl, &pfd); /* a share per key */       \
         for (uint32_t t = 0; t < n_keys; t++) {                                                                 \
             const uint8_t *vr = v + t * vrb;                                                                    \
             __m256 x[3];                                                                                        \
-            if (t < pfn) pkv__attn_pf_burst(pfx + t * pfs, pfs, pfl, pfd);                                           \
+            if (t < pfn) pkv__attn_pf_burst(pfx + t * pfs, pfs, pfl, pfd);                                      \
             for (uint32_t c = 0; c < C; c++) x[c] = ld_##T(vr + 8 * c * esz);                                   \
             for (uint32_t r = 0; r < R; r++) {                                                                  \
                 const __m256 w = _mm256_broadcast_ss(p + r * ps + t * pts);                                     \

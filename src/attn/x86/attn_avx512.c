@@ -172,11 +172,11 @@ DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
         uint32_t pfn;                                                                                           \
         int pfl;                                                                                                \
         ptrdiff_t pfd;                                                                                          \
-        const uint8_t *pfx = pkv__attn_pf_take(pf, n_keys, &pfs, &pfn, &pfl, &pfd); /* a share per key */            \
+        const uint8_t *pfx = pkv__attn_pf_take(pf, n_keys, &pfs, &pfn, &pfl, &pfd); /* a share per key */       \
         for (uint32_t t = 0; t < n_keys; t++) {                                                                 \
             const uint8_t *vr = v + t * vrb;                                                                    \
             __m512 x[4];                                                                                        \
-            if (t < pfn) pkv__attn_pf_burst(pfx + t * pfs, pfs, pfl, pfd);                                           \
+            if (t < pfn) pkv__attn_pf_burst(pfx + t * pfs, pfs, pfl, pfd);                                      \
             LDV_##T(x, vr, C);                                                                                  \
             for (uint32_t r = 0; r < R; r++) {                                                                  \
                 const __m512 w = _mm512_set1_ps(p[r * ps + t * pts]);                                           \
@@ -282,7 +282,7 @@ DEF_SCORE(bf16)
 /* Where pf->fine asks (Zen 5, attn.c's pf_fine), a decode head's score takes 8: ab-decode from
  * memory at 2 threads 0.945-0.975 (f16, bf16), f32 0.959; at 1 thread 0.986 and 1.017; but in
  * cache (f16 512 x 1) 1.08-1.11, and prefill's many rows 18-20% slower, so not there. Since the
- * two-level prefetch (attn.h, PKV__ATTN_PF_TWO; stop 39) f16 and bf16 take 4 there as well
+ * two-level prefetch (attn.h, pkv__attn_pf.near; stop 39) f16 and bf16 take 4 there as well
  * (8 against 4 then: in cache 1/0.928 and 1/0.910, from memory at 1 thread 1/0.973, at 2
  * threads 0.98-1.03 either way), and f32 keeps 8 (4 measured 1.089 at 1 thread, 1.024 at 2). */
 #define PKV__ATTN_PF_SUB_FINE_f32 8
