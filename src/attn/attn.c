@@ -557,6 +557,17 @@ static scratch thread_scratch(const pkv__attn *at, uint32_t tid) {
     return sc;
 }
 
+/* How many heads ahead the row path prefetches where it leads by bytes (head_io_fill): about
+ * PKV_ATTN_PF_LEAD bytes of K and V runs (run the bytes of one head's, a block's rows of K and V),
+ * at least one head, at most n (the walk's heads: the same head of the next block). */
+#ifndef PKV_ATTN_PF_LEAD
+#define PKV_ATTN_PF_LEAD ((size_t)16 * 1024)
+#endif
+static inline uint32_t pf_ahead(size_t run, uint32_t n) {
+    const size_t a = (PKV_ATTN_PF_LEAD + run - 1) / run;
+    return a < 1 ? 1u : a > n ? n : (uint32_t)a;
+}
+
 /* What score and accum read for kv head h of block bid from key t0 (kr, vr), and what they
  * prefetch meanwhile: the same head's K and V runs of the next block (kn, vn: that block's K and
  * V; NULL: none). score takes the K run and accum the V run (run 1 empty), or score both where
@@ -566,10 +577,12 @@ typedef struct head_io {
     pkv__attn_pf pk, pv, *pkp, *pvp;
 } head_io;
 
-/* Head h of block bid, with the next block's K and V at kn, vn (NULL: nothing to prefetch). The
- * caller walks heads [h0, h1) of each block: where the context prefetches at two levels (pf_two,
- * with pf_l1; the row path only: two is false for the transposed one), the next head's runs,
- * this block's h + 1 or the next block's h0, go into L1 beside the next block's into L2.
+/* Head h of block bid, with the next block's K and V at kn, vn (NULL: nothing to prefetch past
+ * this block). The caller walks heads [h0, h1) of each block. By default the prefetch is the same
+ * head of the next block. Where the context leads by bytes (pf_two, with pf_l1; the row path only:
+ * two is false for the transposed one), it is the run `ahead` heads on in that walk instead
+ * (pf_ahead), into L2 where that is more than one head on, with the next head's runs into L1 as
+ * well (pkv__attn_pf.near); one head on, it is that head's runs into L1 alone.
  * xr, xn: NULL, or xn more bytes at xr for score to prefetch as well (run_chunk: the next
  * sequence's queries), spread over its steps as the second run of its pf where that run is
  * free; else the caller is told (false) and prefetches them itself. */
@@ -578,22 +591,30 @@ static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uin
                                 head_io *io) {
     const pkv__kv_view *kv = at->kv;
     const uint32_t B = kv->block_tokens;
-    io->kr = kv->k + bid * kv->k_block_bytes + ((size_t)h * B + t0) * kv->k_row_bytes;
-    io->vr = kv->v + bid * kv->v_block_bytes + ((size_t)h * B + t0) * kv->v_row_bytes;
+    const uint8_t *kb = kv->k + bid * kv->k_block_bytes, *vb = kv->v + bid * kv->v_block_bytes;
+    io->kr = kb + ((size_t)h * B + t0) * kv->k_row_bytes;
+    io->vr = vb + ((size_t)h * B + t0) * kv->v_row_bytes;
     io->pkp = io->pvp = NULL;
-    if (!kn) return !xr;
-    const bool accum_pf = at->kt.accum_pf[kv->v_dtype];
     const size_t kblk = (size_t)B * kv->k_row_bytes, vblk = (size_t)B * kv->v_row_bytes;
-    const uint8_t *kx = kn + h * kblk, *vx = vn + h * vblk;
+    const bool lead = two && at->pf_two && at->pf_l1;
+    const uint32_t n = h1 - h0, ahead = lead ? pf_ahead(kblk + vblk, n) : n;
+    /* the far run: head h + ahead of the walk, in this block or the next */
+    const uint32_t hf = h - h0 + ahead;
+    if (hf >= n && !kn) return !xr;
+    const uint8_t *kx = (hf < n ? kb : kn) + (size_t)(h0 + hf % n) * kblk;
+    const uint8_t *vx = (hf < n ? vb : vn) + (size_t)(h0 + hf % n) * vblk;
+    const bool accum_pf = at->kt.accum_pf[kv->v_dtype];
     /* score's second run: the V run where accum does not prefetch it, else xr (or empty) */
     const uint8_t *r1 = accum_pf ? (xr ? xr : kx) : vx, *e1 = accum_pf ? (xr ? xr + xn : kx) : vx + vblk;
     io->pk = (pkv__attn_pf){.p = {kx, r1}, .end = {kx + kblk, e1}, .l1 = at->pf_l1, .fine = at->pf_fine};
     io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}, .l1 = at->pf_l1};
-    if (two && at->pf_two && at->pf_l1) { /* the next head's runs, near the next block's */
+    if (lead && ahead > 1) { /* the far run into L2, the next head's into L1: this block's h + 1, or the next's h0 */
         const bool here = h + 1 < h1;
-        const uint8_t *kh = (here ? kv->k + bid * kv->k_block_bytes : kn) + (size_t)(here ? h + 1 : h0) * kblk;
-        const uint8_t *vh = (here ? kv->v + bid * kv->v_block_bytes : vn) + (size_t)(here ? h + 1 : h0) * vblk;
-        io->pk.near = kh - kx, io->pv.near = vh - vx;
+        if (here || kn) {
+            const uint8_t *kh = (here ? kb : kn) + (size_t)(here ? h + 1 : h0) * kblk;
+            const uint8_t *vh = (here ? vb : vn) + (size_t)(here ? h + 1 : h0) * vblk;
+            io->pk.near = kh - kx, io->pv.near = vh - vx;
+        }
     }
     io->pkp = &io->pk, io->pvp = accum_pf ? &io->pv : NULL;
     return !xr || accum_pf;
