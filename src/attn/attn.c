@@ -160,7 +160,7 @@ struct pkv__attn {
     bool sweep_wide; /* groups as large as the sweep holds, one set cut into ranges (PKV_CPU_WIDE_SWEEP) */
     int pf_l1;   /* the next block's prefetch into L1 (PKV_CPU_PREFETCH_L1), else into L2: head_io_fill */
     int pf_fine; /* and a decode head's score in finer shares (the same flag; attn.h, PKV__ATTN_PF_SUB_FINE) */
-    int pf_two;  /* and the row path's at two levels where pf_l1 is set (the same flag; pkv__attn_pf.near) */
+    int pf_two;  /* and the row path's led by bytes, at two levels, where pf_l1 is set (the same flag; head_io_fill) */
     bool tpath;  /* units of many rows take the transposed primitives where the backend has them */
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
@@ -462,8 +462,15 @@ static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
  * KiB of K/V at f16 (8 heads), more than the L1, so a line the T0 prefetch brought in is gone
  * again when its head starts; with the next block into L2 and the next head (8 KiB on) into L1,
  * f16 4096 x 16 paged took 0.977 of the time at 2 threads and 0.960 at 1, f32 0.939 at 1
- * (scripts/ab-decode.sh both ways round), and 1.05 on K/V in cache (stop 39). The transposed
- * path (prefill, compute-bound, its K/V often just written) keeps one level: 2% slower with two. */
+ * (scripts/ab-decode.sh both ways round), and 1.05 on K/V in cache (stop 39). Since stop 40 the
+ * row path there leads by about 16 KiB of K/V (pf_ahead: 2 heads at f16 and bf16, 1 at f32, at
+ * head_dim 128 and B 16) rather than a block (64-128 KiB): a block ahead kept more lines in
+ * flight than the core serves, and a lead in bytes was the best at both widths (f16: 2 heads
+ * 0.960, 3 0.983, 4 0.993, 1 1.067; f32: 1 head 0.866, 2 0.952; 1 thread, 4096 x 16). Against
+ * the block lead, both ways round: f16 paged 0.963 at 1 thread and 0.990 at 2, f32 0.907 at 1
+ * and 0.997 at 2, bf16 0.969 at 1 and 0.996 at 2, f16 in cache 1.01. The transposed path
+ * (prefill, compute-bound, its K/V often just written) keeps one level, a block ahead: 2% slower
+ * with two (stop 39). */
 #ifndef PKV_ATTN_PF_DIST
 #define PKV_ATTN_PF_DIST 1
 #endif

@@ -108,8 +108,9 @@ void pkv__attn_set_sweep_wide(pkv__attn *at, bool on);
 bool pkv__attn_sweep_wide(const pkv__attn *at);
 /* How the kernels prefetch the next block (attn.c: pf_l1, pf_fine, pf_two; set at creation from
  * PKV_CPU_PREFETCH_L1): into L1 rather than L2 (l1), in a decode head's score in finer shares
- * (fine), and, where l1 is set, the row path's at two levels (two: pkv__attn_pf.near). None
- * changes a result; tests set them every way so every machine runs every path. */
+ * (fine), and, where l1 is set, the row path's about 16 KiB of K/V ahead rather than a block,
+ * at two levels where that is more than one head (two: attn.c, head_io_fill; pkv__attn_pf.near).
+ * None changes a result; tests set them every way so every machine runs every path. */
 void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine, bool two);
 /* Whether units of many query rows take the backend's transposed primitives where it has them
  * (attn.h: score_t; on by default). Results differ by rounding only; tests run both ways. */
@@ -194,10 +195,11 @@ typedef struct pkv__attn_pf {
     int l1;        /* set by the driver: prefetch into L1 (T0) rather than L2 (T1): pkv__attn's pf_l1 */
     int fine;      /* set by the driver: a decode-sized score takes finer shares (PKV__ATTN_DEF_SCORE_ROWS4) */
     /* set by the driver, 0 or not: the prefetch at two levels (pkv__attn's pf_two). Each line of run
-     * 0 (the next block's run of the head) goes into L2 (T1), and the line near bytes on, of the
-     * run of the next head the unit computes (this block's, or the next block's first), into L1
-     * (T0): the memory's latency is hidden a block ahead, and the lines are in L1 when their head
-     * starts, not evicted again by the block's other heads in between. Run 1 goes by l1. */
+     * 0 (the run the driver leads to, some heads on: attn.c, head_io_fill) goes into L2 (T1), and
+     * the line near bytes on, of the run of the next head the unit computes (this block's, or the
+     * next block's first), into L1 (T0): the memory's latency is hidden by the lead, and the lines
+     * are in L1 when their head starts, not evicted again by other heads in between. Run 1 goes
+     * by l1. */
     ptrdiff_t near;
 } pkv__attn_pf;
 
