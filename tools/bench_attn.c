@@ -177,7 +177,8 @@ static double run_pinned(int n, void *(*fn)(void *), void *args, size_t arg_size
 }
 
 /* the library's CPU choices this bench follows (main); g_pf_l1 also means the decode kernels'
- * two-level prefetch (src/attn/attn.h, pkv__attn_pf.near), which the plain read of read_p/c copies */
+ * prefetch led by bytes, at two levels (src/attn/attn.c, head_io_fill), which the plain read of
+ * read_p/c copies (tool_sum_block) */
 static int g_victim_l3, g_pf_l1, g_wide;
 
 /* One streaming pass over the buffer split between n_threads threads, each line's software
@@ -599,8 +600,8 @@ typedef struct gather_job {
     uint64_t sum;
 } gather_job;
 
-/* Reads the blocks ids[0 .. n) of one layer in that order, each with the next one prefetched (as
- * the decode kernels do: into L2, or where g_pf_l1 says at two levels, the next head into L1). */
+/* Reads the blocks ids[0 .. n) of one layer in that order, prefetching as the decode kernels do
+ * (tool_sum_block): the next block into L2, or where g_pf_l1 says the library's lead in bytes. */
 static uint64_t read_blocks(const pkv_layout *L, const uint8_t *K, const uint8_t *V, const int32_t *ids, size_t n) {
     const size_t kh = L->k_block_bytes / L->n_kv_heads, vh = L->v_block_bytes / L->n_kv_heads;
     uint64_t sum = 0;

@@ -26,13 +26,17 @@ double tool_percentile(double *v, size_t n, double pct); /* sorts v in place, pc
 void *tool_map_huge(size_t bytes);
 /* The sum of the 64-bit words of p[0, n), n a multiple of 64, 64-byte aligned; with pf, each line
  * read prefetches the line at the same offset of pf: where near is not NULL into L2 (T1) and the
- * line at that offset of near into L1 (T0), else into L1 where l1 is set, else into L2: a plain read as the decode kernels stream a run while prefetching the next block's (and,
- * at two levels, the next head's: src/attn/attn.h, pkv__attn_pf.near). */
+ * line at that offset of near into L1 (T0), else into L1 where l1 is set, else into L2: a plain read as the decode kernels stream a run while prefetching the run they lead to
+ * (and, at two levels, the next head's: src/attn/attn.h, pkv__attn_pf.near). */
 uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, const uint8_t *near, size_t n, int l1);
 /* One block read as the decode kernels walk it: for each of n_heads heads, its K run (k_run
  * bytes at k + h * k_run), then its V run (likewise), each with tool_sum_run prefetching the same
- * head's run of the next block (kn, vn; NULL: none) at the level l1 chooses (2: and the next
- * head's runs, this block's or the next block's first, into L1). */
+ * head's run of the next block (kn, vn; NULL: none) at the level l1 chooses. l1 == 2 is the
+ * library's rule on Zen 5 (src/attn/attn.c, head_io_fill and pf_ahead, copied here by hand): the
+ * run about TOOL_PF_LEAD bytes of K and V runs on (whole heads, this block's or the next's; at
+ * least 1, at most n_heads), into L2 with the next head's runs into L1 where that is more than
+ * one head on, else into L1. */
+#define TOOL_PF_LEAD ((size_t)16 * 1024)
 uint64_t tool_sum_block(const uint8_t *k, const uint8_t *v, const uint8_t *kn, const uint8_t *vn, uint32_t n_heads,
                         size_t k_run, size_t v_run, int l1);
 /* Fails with a message naming the call when rc < 0; returns rc. */
