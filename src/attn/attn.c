@@ -576,9 +576,10 @@ static inline uint32_t pf_ahead(size_t run, uint32_t n) {
 }
 
 /* What score and accum read for kv head h of block bid from key t0 (kr, vr), and what they
- * prefetch meanwhile: the same head's K and V runs of the next block (kn, vn: that block's K and
- * V; NULL: none). score takes the K run and accum the V run (run 1 empty), or score both where
- * the backend's accum does not prefetch. pkp and pvp point into the struct: fill it in place. */
+ * prefetch meanwhile: the K and V runs head_io_fill picks (by default the same head's of the
+ * next block; pkp, pvp NULL: none). score takes the K run and accum the V run (run 1 empty), or
+ * score both where the backend's accum does not prefetch. pkp and pvp point into the struct:
+ * fill it in place. */
 typedef struct head_io {
     const uint8_t *kr, *vr;
     pkv__attn_pf pk, pv, *pkp, *pvp;
