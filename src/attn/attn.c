@@ -566,13 +566,19 @@ static scratch thread_scratch(const pkv__attn *at, uint32_t tid) {
 
 /* How many heads ahead the row path prefetches where it leads by bytes (head_io_fill): about
  * PKV_ATTN_PF_LEAD bytes of K and V runs (run the bytes of one head's, a block's rows of K and V),
- * at least one head, at most n (the walk's heads: the same head of the next block). */
+ * at least one head, or two where K is not f32 (wide: f32), at most n (the walk's heads: the same
+ * head of the next block). One head ahead, the run goes into L1 alone: best for f32 (16 KiB runs
+ * at 16-token blocks: 0.866 of the block lead's time, two heads 0.952; 32 KiB runs at 32-token
+ * blocks: 0.920, two heads 0.964), not for f16 at 32-token blocks (16 KiB runs: one head 1.046,
+ * 1.064 and 1.135 of the block lead's time, two heads 0.999, 1.001 and 1.031; two against one
+ * directly 0.973 over three noisy runs; 1 thread, 4096 x 16 contiguous, stop 40). */
 #ifndef PKV_ATTN_PF_LEAD
 #define PKV_ATTN_PF_LEAD ((size_t)16 * 1024)
 #endif
-static inline uint32_t pf_ahead(size_t run, uint32_t n) {
-    const size_t a = (PKV_ATTN_PF_LEAD + run - 1) / run;
-    return a < 1 ? 1u : a > n ? n : (uint32_t)a;
+static inline uint32_t pf_ahead(size_t run, uint32_t n, bool wide) {
+    size_t a = (PKV_ATTN_PF_LEAD + run - 1) / run;
+    if (a < (wide ? 1u : 2u)) a = wide ? 1u : 2u;
+    return a > n ? n : (uint32_t)a;
 }
 
 /* What score and accum read for kv head h of block bid from key t0 (kr, vr), and what they
@@ -605,7 +611,7 @@ static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uin
     io->pkp = io->pvp = NULL;
     const size_t kblk = (size_t)B * kv->k_row_bytes, vblk = (size_t)B * kv->v_row_bytes;
     const bool lead = two && at->pf_two && at->pf_l1;
-    const uint32_t n = h1 - h0, ahead = lead ? pf_ahead(kblk + vblk, n) : n;
+    const uint32_t n = h1 - h0, ahead = lead ? pf_ahead(kblk + vblk, n, kv->k_dtype == PKV_DTYPE_F32) : n;
     /* the far run: head h + ahead of the walk, in this block or the next */
     const uint32_t hf = h - h0 + ahead;
     if (hf >= n && !kn) return !xr;
