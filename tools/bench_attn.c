@@ -609,7 +609,7 @@ static uint64_t read_blocks(const pkv_layout *L, const uint8_t *K, const uint8_t
         const uint8_t *kn = NULL, *vn = NULL;
         if (x + 1 < n) kn = K + (size_t)ids[x + 1] * L->k_block_bytes, vn = V + (size_t)ids[x + 1] * L->v_block_bytes;
         sum += tool_sum_block(K + (size_t)ids[x] * L->k_block_bytes, V + (size_t)ids[x] * L->v_block_bytes, kn, vn,
-                              L->n_kv_heads, kh, vh, g_pf_l1 ? 2 : 0);
+                              L->n_kv_heads, kh, vh, g_pf_l1 ? 2 : 0, L->k_dtype == PKV_DTYPE_F32 ? 1 : 2);
     }
     return sum;
 }
