@@ -26,8 +26,9 @@ double tool_percentile(double *v, size_t n, double pct); /* sorts v in place, pc
 void *tool_map_huge(size_t bytes);
 /* The sum of the 64-bit words of p[0, n), n a multiple of 64, 64-byte aligned; with pf, each line
  * read prefetches the line at the same offset of pf: where near is not NULL into L2 (T1) and the
- * line at that offset of near into L1 (T0), else into L1 where l1 is set, else into L2: a plain read as the decode kernels stream a run while prefetching the run they lead to
- * (and, at two levels, the next head's: src/attn/attn.h, pkv__attn_pf.near). */
+ * line at that offset of near into L1 (T0), else into L1 where l1 is set, else into L2: a plain
+ * read as the decode kernels stream a run while prefetching the run they lead to (and, at two
+ * levels, the next head's: src/attn/attn.h, pkv__attn_pf.near). */
 uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, const uint8_t *near, size_t n, int l1);
 /* One block read as the decode kernels walk it: for each of n_heads heads, its K run (k_run
  * bytes at k + h * k_run), then its V run (likewise), each with tool_sum_run prefetching the same

@@ -154,10 +154,9 @@ uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, const uint8_t *near, 
 
 uint64_t tool_sum_block(const uint8_t *k, const uint8_t *v, const uint8_t *kn, const uint8_t *vn, uint32_t n_heads,
                         size_t k_run, size_t v_run, int l1, uint32_t min_ahead) {
-    const size_t run = k_run + v_run;
-    size_t lead = (TOOL_PF_LEAD + run - 1) / run; /* heads */
-    if (lead < min_ahead) lead = min_ahead;
-    const uint32_t ahead = l1 != 2 || lead >= n_heads ? n_heads : lead < 1 ? 1u : (uint32_t)lead;
+    const size_t run = k_run + v_run, bytes = (TOOL_PF_LEAD + run - 1) / run; /* heads */
+    const size_t lead = bytes < min_ahead ? min_ahead : bytes;
+    const uint32_t ahead = l1 != 2 || lead >= n_heads ? n_heads : (uint32_t)lead;
     uint64_t sum = 0;
     for (uint32_t h = 0; h < n_heads; h++) {
         const uint32_t hf = h + ahead; /* the run led to: this block's head hf, or the next block's */

@@ -161,6 +161,7 @@ struct pkv__attn {
     int pf_l1;   /* the next block's prefetch into L1 (PKV_CPU_PREFETCH_L1), else into L2: head_io_fill */
     int pf_fine; /* and a decode head's score in finer shares (the same flag; attn.h, PKV__ATTN_PF_SUB_FINE) */
     int pf_two;  /* and the row path's led by bytes, at two levels, where pf_l1 is set (the same flag; head_io_fill) */
+    uint32_t pf_lead; /* the call's lead in heads where pf_two and pf_l1 are set (pf_ahead), else 0 */
     bool tpath;  /* units of many rows take the transposed primitives where the backend has them */
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
@@ -564,10 +565,10 @@ static scratch thread_scratch(const pkv__attn *at, uint32_t tid) {
     return sc;
 }
 
-/* How many heads ahead the row path prefetches where it leads by bytes (head_io_fill): about
- * PKV_ATTN_PF_LEAD bytes of K and V runs (run the bytes of one head's, a block's rows of K and V),
- * at least one head, or two where K is not f32 (wide: f32), at most n (the walk's heads: the same
- * head of the next block). One head ahead, the run goes into L1 alone: best for f32 (16 KiB runs
+/* How many heads ahead the row path prefetches where it leads by bytes (head_io_fill caps it at
+ * the walk's heads: the same head of the next block): about PKV_ATTN_PF_LEAD bytes of K and V
+ * runs (run the bytes of one head's, a block's rows of K and V), at least one head, or two where
+ * K is not f32 (wide: f32). One head ahead, the run goes into L1 alone: best for f32 (16 KiB runs
  * at 16-token blocks: 0.866 of the block lead's time, two heads 0.952; 32 KiB runs at 32-token
  * blocks: 0.920, two heads 0.964), not for f16 at 32-token blocks (16 KiB runs: one head 1.046,
  * 1.064 and 1.135 of the block lead's time, two heads 0.999, 1.001 and 1.031; two against one
@@ -575,10 +576,9 @@ static scratch thread_scratch(const pkv__attn *at, uint32_t tid) {
 #ifndef PKV_ATTN_PF_LEAD
 #define PKV_ATTN_PF_LEAD ((size_t)16 * 1024)
 #endif
-static inline uint32_t pf_ahead(size_t run, uint32_t n, bool wide) {
-    size_t a = (PKV_ATTN_PF_LEAD + run - 1) / run;
-    if (a < (wide ? 1u : 2u)) a = wide ? 1u : 2u;
-    return a > n ? n : (uint32_t)a;
+static uint32_t pf_ahead(size_t run, bool wide) {
+    const size_t a = (PKV_ATTN_PF_LEAD + run - 1) / run, least = wide ? 1 : 2;
+    return (uint32_t)PKV_MIN(PKV_MAX(a, least), (size_t)UINT32_MAX);
 }
 
 /* What score and accum read for kv head h of block bid from key t0 (kr, vr), and what they
@@ -593,10 +593,11 @@ typedef struct head_io {
 
 /* Head h of block bid, with the next block's K and V at kn, vn (NULL: nothing to prefetch past
  * this block). The caller walks heads [h0, h1) of each block. By default the prefetch is the same
- * head of the next block. Where the context leads by bytes (pf_two, with pf_l1; the row path only:
- * two is false for the transposed one), it is the run `ahead` heads on in that walk instead
- * (pf_ahead), into L2 where that is more than one head on, with the next head's runs into L1 as
- * well (pkv__attn_pf.near); one head on, it is that head's runs into L1 alone.
+ * head of the next block. Where the call leads by bytes (pf_lead, set in pkv__attn_run where
+ * pf_two and pf_l1 are; the row path only: two is false for the transposed one), it is the run
+ * `ahead` heads on in that walk instead, into L2 where that is more than one head on, with the
+ * next head's runs into L1 as well (pkv__attn_pf.near); one head on, it is that head's runs into
+ * L1 alone.
  * xr, xn: NULL, or xn more bytes at xr for score to prefetch as well (run_chunk: the next
  * sequence's queries), spread over its steps as the second run of its pf where that run is
  * free; else the caller is told (false) and prefetches them itself. */
@@ -610,13 +611,13 @@ static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uin
     io->vr = vb + ((size_t)h * B + t0) * kv->v_row_bytes;
     io->pkp = io->pvp = NULL;
     const size_t kblk = (size_t)B * kv->k_row_bytes, vblk = (size_t)B * kv->v_row_bytes;
-    const bool lead = two && at->pf_two && at->pf_l1;
-    const uint32_t n = h1 - h0, ahead = lead ? pf_ahead(kblk + vblk, n, kv->k_dtype == PKV_DTYPE_F32) : n;
+    const bool lead = two && at->pf_lead;
+    const uint32_t n = h1 - h0, ahead = lead ? PKV_MIN(at->pf_lead, n) : n;
     /* the far run: head h + ahead of the walk, in this block or the next */
     const uint32_t hf = h - h0 + ahead;
     if (hf >= n && !kn) return !xr;
-    const uint8_t *kx = (hf < n ? kb : kn) + (size_t)(h0 + hf % n) * kblk;
-    const uint8_t *vx = (hf < n ? vb : vn) + (size_t)(h0 + hf % n) * vblk;
+    const size_t hx = h0 + (hf < n ? hf : hf - n); /* hf < 2 n */
+    const uint8_t *kx = (hf < n ? kb : kn) + hx * kblk, *vx = (hf < n ? vb : vn) + hx * vblk;
     const bool accum_pf = at->kt.accum_pf[kv->v_dtype];
     /* score's second run: the V run where accum does not prefetch it, else xr (or empty) */
     const uint8_t *r1 = accum_pf ? (xr ? xr : kx) : vx, *e1 = accum_pf ? (xr ? xr + xn : kx) : vx + vblk;
@@ -1298,6 +1299,9 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     at->kv = kv;
     at->call = call;
     at->G = call->n_q_heads / kv->n_kv_heads;
+    at->pf_lead = at->pf_two && at->pf_l1 ? pf_ahead((size_t)kv->block_tokens * (kv->k_row_bytes + kv->v_row_bytes),
+                                                     kv->k_dtype == PKV_DTYPE_F32)
+                                          : 0;
     at->items = items;
     at->n_items = n_items;
     const uint64_t elems_per_head_block = (uint64_t)kv->block_tokens * kv->head_dim;
