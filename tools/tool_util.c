@@ -154,19 +154,19 @@ uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, const uint8_t *near, 
 
 uint64_t tool_sum_block(const uint8_t *k, const uint8_t *v, const uint8_t *kn, const uint8_t *vn, uint32_t n_heads,
                         size_t k_run, size_t v_run, int l1, uint32_t min_ahead) {
-    const size_t run = k_run + v_run, bytes = (TOOL_PF_LEAD + run - 1) / run; /* heads */
-    const size_t lead = bytes < min_ahead ? min_ahead : bytes;
+    const size_t run = k_run + v_run, heads = (TOOL_PF_LEAD + run - 1) / run; /* the lead in heads */
+    const size_t lead = heads < min_ahead ? min_ahead : heads;
     const uint32_t ahead = l1 != 2 || lead >= n_heads ? n_heads : (uint32_t)lead;
     uint64_t sum = 0;
     for (uint32_t h = 0; h < n_heads; h++) {
         const uint32_t hf = h + ahead; /* the run led to: this block's head hf, or the next block's */
         const uint8_t *kf = hf < n_heads ? k + hf * k_run : kn ? kn + (hf - n_heads) * k_run : NULL;
         const uint8_t *vf = hf < n_heads ? v + hf * v_run : vn ? vn + (hf - n_heads) * v_run : NULL;
-        const bool here = h + 1 < n_heads; /* the next head's runs: this block's, or the next block's first */
-        const uint8_t *kh = l1 == 2 && ahead > 1 && (here || kn) ? (here ? k + (h + 1) * k_run : kn) : NULL;
-        const uint8_t *vh = l1 == 2 && ahead > 1 && (here || vn) ? (here ? v + (h + 1) * v_run : vn) : NULL;
-        sum += tool_sum_run(k + h * k_run, kf, kf ? kh : NULL, k_run, l1) +
-               tool_sum_run(v + h * v_run, vf, vf ? vh : NULL, v_run, l1);
+        /* at two levels, the next head's runs into L1: this block's h + 1, or the next block's first */
+        const bool here = h + 1 < n_heads, two = kf && l1 == 2 && ahead > 1 && (here || kn);
+        const uint8_t *kh = two ? (here ? k + (h + 1) * k_run : kn) : NULL;
+        const uint8_t *vh = two ? (here ? v + (h + 1) * v_run : vn) : NULL;
+        sum += tool_sum_run(k + h * k_run, kf, kh, k_run, l1) + tool_sum_run(v + h * v_run, vf, vh, v_run, l1);
     }
     return sum;
 }

@@ -466,12 +466,11 @@ static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
  * (scripts/ab-decode.sh both ways round), and 1.05 on K/V in cache (stop 39). Since stop 40 the
  * row path there leads by about 16 KiB of K/V (pf_ahead: 2 heads at f16 and bf16, 1 at f32, at
  * head_dim 128 and B 16) rather than a block (64-128 KiB): a block ahead kept more lines in
- * flight than the core serves, and a lead in bytes was the best at both widths (f16: 2 heads
- * 0.960, 3 0.983, 4 0.993, 1 1.067; f32: 1 head 0.866, 2 0.952; 1 thread, 4096 x 16). Against
- * the block lead, both ways round: f16 paged 0.963 at 1 thread and 0.990 at 2, f32 0.907 at 1
- * and 0.997 at 2, bf16 0.969 at 1 and 0.996 at 2, f16 in cache 1.01. The transposed path
- * (prefill, compute-bound, its K/V often just written) keeps one level, a block ahead: 2% slower
- * with two (stop 39). */
+ * flight than the core serves, and a lead in bytes was the best at both widths (the leads
+ * measured: pf_ahead). Against the block lead, both ways round: f16 paged 0.963 at 1 thread and
+ * 0.990 at 2, f32 0.907 at 1 and 0.997 at 2, bf16 0.969 at 1 and 0.996 at 2, f16 in cache
+ * 1.01. The transposed path (prefill, compute-bound, its K/V often just written) keeps one
+ * level, a block ahead: 2% slower with two (stop 39). */
 #ifndef PKV_ATTN_PF_DIST
 #define PKV_ATTN_PF_DIST 1
 #endif
@@ -568,11 +567,13 @@ static scratch thread_scratch(const pkv__attn *at, uint32_t tid) {
 /* How many heads ahead the row path prefetches where it leads by bytes (head_io_fill caps it at
  * the walk's heads: the same head of the next block): about PKV_ATTN_PF_LEAD bytes of K and V
  * runs (run the bytes of one head's, a block's rows of K and V), at least one head, or two where
- * K is not f32 (wide: f32). One head ahead, the run goes into L1 alone: best for f32 (16 KiB runs
- * at 16-token blocks: 0.866 of the block lead's time, two heads 0.952; 32 KiB runs at 32-token
- * blocks: 0.920, two heads 0.964), not for f16 at 32-token blocks (16 KiB runs: one head 1.046,
- * 1.064 and 1.135 of the block lead's time, two heads 0.999, 1.001 and 1.031; two against one
- * directly 0.973 over three noisy runs; 1 thread, 4096 x 16 contiguous, stop 40). */
+ * K is not f32 (wide: f32). f16 at 16-token blocks (8 KiB runs), time against the block lead: 2
+ * heads 0.960, 3 0.983, 4 0.993, 1 1.067 (paged). One head ahead, the run goes into L1 alone:
+ * best for f32 (16 KiB runs at 16-token blocks: 0.866 of the block lead's time, two heads 0.952;
+ * 32 KiB runs at 32-token blocks: 0.920, two heads 0.964), not for f16 at 32-token blocks (16 KiB
+ * runs: one head 1.046, 1.064 and 1.135 of the block lead's time, two heads 0.999, 1.001 and
+ * 1.031; two against one directly 0.973 over three noisy runs; 1 thread, 4096 x 16, contiguous
+ * but where paged is said, stop 40). */
 #ifndef PKV_ATTN_PF_LEAD
 #define PKV_ATTN_PF_LEAD ((size_t)16 * 1024)
 #endif
