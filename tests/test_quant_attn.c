@@ -310,7 +310,7 @@ static const char *simd_backend(void **state) {
 }
 
 static void check_pair(const char *be, pkv_dtype kdt, pkv_dtype vdt, int n_cases) {
-    static const uint32_t Dq[] = {32, 64, 128, 256}, Df[] = {8, 40, 64, 100, 128, 200};
+    static const uint32_t Dq[] = {32, 64, 96, 128, 256}, Df[] = {8, 40, 64, 100, 128, 200};
     double worst_u[N_REG] = {0}, sum_u[N_REG] = {0}, worst_d = 0, worst_rel = 0;
     int n_u[N_REG] = {0};
     rng_seed(be ? be : "ref", kdt, vdt);
@@ -319,7 +319,7 @@ static void check_pair(const char *be, pkv_dtype kdt, pkv_dtype vdt, int n_cases
     const bool any_d = (kdt == PKV_DTYPE_FP8_E4M3 || kdt <= PKV_DTYPE_BF16) &&
                        (vdt == PKV_DTYPE_FP8_E4M3 || vdt <= PKV_DTYPE_BF16);
     for (int c = 0; c < n_cases; c++) {
-        uint32_t D = any_d ? Df[rng_below(6)] : Dq[rng_below(4)];
+        uint32_t D = any_d ? Df[rng_below(6)] : Dq[rng_below(5)];
         errs er, eb;
         const int prefill = c % 2, reg = (c / 2) % N_REG;
         const double bu = fmax(bound_unq(kdt, reg), bound_unq(vdt, reg)), bd = bound_dq(kdt);
