@@ -34,10 +34,14 @@ uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, const uint8_t *near, 
  * bytes at k + h * k_run), then its V run (likewise), each with tool_sum_run prefetching the same
  * head's run of the next block (kn, vn; NULL: none) at the level l1 chooses. l1 == 2 is the
  * library's rule on Zen 5 (src/attn/attn.c, head_io_fill and pf_ahead, copied here by hand): the
- * run about TOOL_PF_LEAD bytes of K and V runs on (whole heads, this block's or the next's; at
- * least min_ahead: the library's 1 for f32 K, else 2; at most n_heads), into L2 with the next
- * head's runs into L1 where that is more than one head on, else into L1. */
-#define TOOL_PF_LEAD ((size_t)16 * 1024)
+ * run about PKV_ATTN_PF_LEAD bytes of K and V runs on (whole heads, this block's or the next's;
+ * at least min_ahead: the library's 1 for f32 K, else 2; at most n_heads), into L2 with the next
+ * head's runs into L1 where that is more than one head on, else into L1. The same macro name and
+ * default as attn.c's, so one -DPKV_ATTN_PF_LEAD=N (stop 41 built the library that way) moves
+ * the kernels' lead and this read's together. */
+#ifndef PKV_ATTN_PF_LEAD
+#define PKV_ATTN_PF_LEAD ((size_t)16 * 1024)
+#endif
 uint64_t tool_sum_block(const uint8_t *k, const uint8_t *v, const uint8_t *kn, const uint8_t *vn, uint32_t n_heads,
                         size_t k_run, size_t v_run, int l1, uint32_t min_ahead);
 /* Fails with a message naming the call when rc < 0; returns rc. */

@@ -154,7 +154,7 @@ uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, const uint8_t *near, 
 
 uint64_t tool_sum_block(const uint8_t *k, const uint8_t *v, const uint8_t *kn, const uint8_t *vn, uint32_t n_heads,
                         size_t k_run, size_t v_run, int l1, uint32_t min_ahead) {
-    const size_t run = k_run + v_run, heads = (TOOL_PF_LEAD + run - 1) / run; /* the lead in heads */
+    const size_t run = k_run + v_run, heads = (PKV_ATTN_PF_LEAD + run - 1) / run; /* the lead in heads */
     const size_t lead = heads < min_ahead ? min_ahead : heads;
     const uint32_t ahead = l1 != 2 || lead >= n_heads ? n_heads : (uint32_t)lead;
     uint64_t sum = 0;
