@@ -6,7 +6,11 @@
  * Each round times `calls` decode calls of A, then of B (odd rounds B first), each call on the
  * next layer so the K/V working set can exceed the caches. With EXT (optional), each call is a
  * pkv_attn_prefill of the batch's decodes plus an extend of EXT queries at the end of one more
- * sequence of CTX tokens (a chunked prefill batched beside the decodes, as servers batch). Reports each side's median GB/s of
+ * sequence of CTX tokens (a chunked prefill batched beside the decodes, as servers batch). Layout
+ * pc: build A reads contiguous tables and build B fragmented ones (paged), so with one revision on
+ * both sides (scripts/ab-decode.sh HEAD HEAD ... pc) time B/A is paged / contiguous of that
+ * build, interleaved as the other layouts are; with a small CTX x BATCH x LAYERS that fits the L3
+ * it is the ratio the kernels' arithmetic and the caches set, without the memory's noise. Reports each side's median GB/s of
  * K/V read and the median over rounds of time(B) / time(A), with its quartiles. Build A's cache
  * reads build B's pool (tool.h: tool_loan_allocator). */
 #include "tool.h" /* tools/tool_util.c: clock, median, RNG */
@@ -22,6 +26,7 @@ typedef struct ab_opts {
     pkv_dtype dtype;
     uint32_t ctx, batch, layers, threads, rounds, calls, ext;
     int paged, shared; /* shared: paged, and sequences 1 .. batch - 1 forks of sequence 0 */
+    int pc;            /* build A contiguous, build B paged (ab_side_opts) */
 } ab_opts;
 
 typedef struct ab_side {
@@ -64,7 +69,7 @@ static tool_pool_loan ab_loan;
 #undef AB
 
 static int usage(void) {
-    fprintf(stderr, "usage: ab_decode DTYPE CTX BATCH LAYERS THREADS paged|contig|shared ROUNDS CALLS [EXT]\n"
+    fprintf(stderr, "usage: ab_decode DTYPE CTX BATCH LAYERS THREADS paged|contig|shared|pc ROUNDS CALLS [EXT]\n"
                     "  e.g. ab_decode f16 4096 16 2 2 paged 21 6  (BATCH <= %d, ROUNDS <= %d, CALLS <= %d;\n"
                     "  EXT <= CTX: each call also extends one more sequence by EXT queries)\n",
             AB_MAX_BATCH, AB_MAX_ROUNDS, AB_MAX_CALLS);
@@ -92,14 +97,17 @@ int main(int argc, char **argv) {
         return usage();
     if (!strcmp(argv[6], "paged")) o.paged = 1;
     else if (!strcmp(argv[6], "shared")) o.paged = o.shared = 1;
+    else if (!strcmp(argv[6], "pc")) o.paged = o.pc = 1;
     else if (strcmp(argv[6], "contig")) return usage();
 
+    ab_opts oa = o; /* build A's: contiguous under pc */
+    if (o.pc) oa.paged = 0;
     static ab_side a, b;
     int rc = 0;
     tool_rng ra, rb; /* the same seed: both builds get the same pool and data */
     tool_rng_seed(&ra, 1), tool_rng_seed(&rb, 1);
     /* B first: it lends its pool to A, and is destroyed after A */
-    if (ab_setup(&b, &o, &rb) < 0 || tool_pool_loan_from(b.c, &ab_loan) < 0 || a_ab_setup(&a, &o, &ra) < 0) {
+    if (ab_setup(&b, &o, &rb) < 0 || tool_pool_loan_from(b.c, &ab_loan) < 0 || a_ab_setup(&a, &oa, &ra) < 0) {
         fprintf(stderr, "ab_decode: set-up failed (out of memory, or a shape the builds refuse)\n");
         rc = 1;
     }
@@ -110,10 +118,10 @@ int main(int argc, char **argv) {
     if (!q || !out) rc = 1;
     for (size_t i = 0; i < nq && rc == 0; i++) q[i] = ab_unit(&rq);
     double ta[AB_MAX_ROUNDS], tb[AB_MAX_ROUNDS], ratio[AB_MAX_ROUNDS];
-    if (rc == 0 && (a_ab_time(&a, &o, q, out) < 0 || ab_time(&b, &o, q, out) < 0)) rc = 1; /* warm-up */
+    if (rc == 0 && (a_ab_time(&a, &oa, q, out) < 0 || ab_time(&b, &o, q, out) < 0)) rc = 1; /* warm-up */
     for (uint32_t r = 0; r < o.rounds && rc == 0; r++) {
-        if (r & 1) tb[r] = ab_time(&b, &o, q, out), ta[r] = a_ab_time(&a, &o, q, out);
-        else ta[r] = a_ab_time(&a, &o, q, out), tb[r] = ab_time(&b, &o, q, out);
+        if (r & 1) tb[r] = ab_time(&b, &o, q, out), ta[r] = a_ab_time(&a, &oa, q, out);
+        else ta[r] = a_ab_time(&a, &oa, q, out), tb[r] = ab_time(&b, &o, q, out);
         if (ta[r] < 0 || tb[r] < 0) rc = 1;
         ratio[r] = tb[r] / ta[r];
     }

@@ -5,8 +5,9 @@
 # Release build), renames revision A's global symbols with the prefix a_, links both into one
 # binary and runs it.
 #
-#   scripts/ab-decode.sh REV_A REV_B [DTYPE CTX BATCH LAYERS THREADS paged|contig|shared ROUNDS CALLS [EXT]]
+#   scripts/ab-decode.sh REV_A REV_B [DTYPE CTX BATCH LAYERS THREADS paged|contig|shared|pc ROUNDS CALLS [EXT]]
 #   e.g. scripts/ab-decode.sh HEAD~1 HEAD f16 4096 16 2 2 paged 21 6
+# pc: A contiguous, B paged; HEAD HEAD f16 256 16 1 1 pc 21 100 is paged / contiguous in the L3.
 # EXT: each call also extends one more sequence of CTX tokens by EXT queries, in one
 # pkv_attn_prefill call with the decodes (a chunked prefill batched beside them).
 # REV_B may be "work" for the working tree as it is (uncommitted changes included).
