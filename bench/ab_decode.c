@@ -6,13 +6,14 @@
  * Each round times `calls` decode calls of A, then of B (odd rounds B first), each call on the
  * next layer so the K/V working set can exceed the caches. With EXT (optional), each call is a
  * pkv_attn_prefill of the batch's decodes plus an extend of EXT queries at the end of one more
- * sequence of CTX tokens (a chunked prefill batched beside the decodes, as servers batch). Layout
- * pc: build A reads contiguous tables and build B fragmented ones (paged), so with one revision on
- * both sides (scripts/ab-decode.sh HEAD HEAD ... pc) time B/A is paged / contiguous of that
- * build, interleaved as the other layouts are; with a small CTX x BATCH x LAYERS that fits the L3
- * it is the ratio the kernels' arithmetic and the caches set, without the memory's noise. Reports each side's median GB/s of
- * K/V read and the median over rounds of time(B) / time(A), with its quartiles. Build A's cache
- * reads build B's pool (tool.h: tool_loan_allocator). */
+ * sequence of CTX tokens (a chunked prefill batched beside the decodes, as servers batch).
+ * Layout pc: build A reads contiguous tables and build B fragmented ones (paged), so with one
+ * revision on both sides (scripts/ab-decode.sh HEAD HEAD ... pc) time B/A is paged / contiguous
+ * of that build, interleaved as the other layouts are; with a small CTX x BATCH x LAYERS that
+ * fits the L3 it is the ratio the kernels' arithmetic and the caches set, without the memory's
+ * noise. Reports each side's median GB/s of K/V read and the median over rounds of time(B) /
+ * time(A), with its quartiles. Build A's cache reads build B's pool (tool.h:
+ * tool_loan_allocator). */
 #include "tool.h" /* tools/tool_util.c: clock, median, RNG */
 
 #include <stdio.h>
@@ -26,7 +27,7 @@ typedef struct ab_opts {
     pkv_dtype dtype;
     uint32_t ctx, batch, layers, threads, rounds, calls, ext;
     int paged, shared; /* shared: paged, and sequences 1 .. batch - 1 forks of sequence 0 */
-    int pc;            /* build A contiguous, build B paged (ab_side_opts) */
+    int pc;            /* build A contiguous, build B paged (main's oa: A's options) */
 } ab_opts;
 
 typedef struct ab_side {
@@ -104,7 +105,9 @@ int main(int argc, char **argv) {
     if (o.pc) oa.paged = 0;
     static ab_side a, b;
     int rc = 0;
-    tool_rng ra, rb; /* the same seed: both builds get the same pool and data */
+    /* the same seed: both builds get the same pool and data (under pc, B's scattering draws
+     * first, and A's contiguous writes land last in the shared pool: both read A's bytes) */
+    tool_rng ra, rb;
     tool_rng_seed(&ra, 1), tool_rng_seed(&rb, 1);
     /* B first: it lends its pool to A, and is destroyed after A */
     if (ab_setup(&b, &o, &rb) < 0 || tool_pool_loan_from(b.c, &ab_loan) < 0 || a_ab_setup(&a, &oa, &ra) < 0) {
