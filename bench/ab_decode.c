@@ -27,7 +27,6 @@ typedef struct ab_opts {
     pkv_dtype dtype;
     uint32_t ctx, batch, layers, threads, rounds, calls, ext;
     int paged, shared; /* shared: paged, and sequences 1 .. batch - 1 forks of sequence 0 */
-    int pc;            /* build A contiguous, build B paged (main's oa: A's options) */
 } ab_opts;
 
 typedef struct ab_side {
@@ -87,6 +86,7 @@ static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
 
 int main(int argc, char **argv) {
     ab_opts o = {0};
+    int pc = 0; /* build A contiguous, build B paged */
     if (argc != 9 && argc != 10) return usage();
     int found = 0;
     for (int d = 0; d < PKV_DTYPE_COUNT; d++)
@@ -98,11 +98,11 @@ int main(int argc, char **argv) {
         return usage();
     if (!strcmp(argv[6], "paged")) o.paged = 1;
     else if (!strcmp(argv[6], "shared")) o.paged = o.shared = 1;
-    else if (!strcmp(argv[6], "pc")) o.paged = o.pc = 1;
+    else if (!strcmp(argv[6], "pc")) o.paged = pc = 1;
     else if (strcmp(argv[6], "contig")) return usage();
 
     ab_opts oa = o; /* build A's: contiguous under pc */
-    if (o.pc) oa.paged = 0;
+    if (pc) oa.paged = 0;
     static ab_side a, b;
     int rc = 0;
     /* the same seed: both builds get the same pool and data (under pc, B's scattering draws
