@@ -30,6 +30,13 @@
 /* Below about this many K/V elements (per plan) waking the workers costs more than they save:
  * 64 blocks of 16 tokens x head_dim 128, a few microseconds of work. */
 #define INLINE_WORK_ELEMS (64u * 16u * 128u)
+/* The two passes (pass_window): a window's scores take at most PASS_BYTES of a thread's scratch
+ * (or one block's of ROWS_MAX rows where that is more), and a window holds at most
+ * PASS_BLOCKS_MAX blocks. f16 4096 x 16 at 1 thread (ab-decode, stop 44): windows of 32 blocks
+ * (64 KiB of scores at 32 rows) against 16: 1.036 paged, 1.009 contiguous; 64 against 32: 0.997
+ * and 0.990. */
+#define PASS_BYTES ((size_t)64 * 1024)
+#define PASS_BLOCKS_MAX 64u
 
 /* Key splits aim at this many units per thread: two, so a thread the OS preempts holds back at
  * most a quarter of a 2-thread call (the sweep takes one chunk a thread: below). Smaller splits
@@ -120,7 +127,8 @@ struct pkv__attn {
     pkv__tpool pool;
     pkv__tpool_worker *workers;
     /* per-thread scratch, thread_bytes each: prepared q [ROWS_MAX][QROW], acc [ROWS_MAX][head_dim],
-     * m, l [ROWS_MAX], scores [ROWS_MAX][s_stride]; where the backend has the transposed
+     * m, l [ROWS_MAX], scores [ROWS_MAX][s_stride], the two passes' score window (pass_bytes); where
+     * the backend has the transposed
      * primitives (attn.h: score_t) also qt [T_QT_ROWS][head_dim], scores [s_stride][T_ROWS_PAD],
      * kbuf and vbuf [PKV__ATTN_T_KEYS][head_dim] */
     uint8_t *scratch;
@@ -163,6 +171,10 @@ struct pkv__attn {
     int pf_two;  /* and the row path's led by bytes, at two levels, where pf_l1 is set (the same flag; head_io_fill) */
     uint32_t pf_lead; /* the call's lead in heads where pf_two and pf_l1 are set (pf_ahead), else 0 */
     bool tpath;  /* units of many rows take the transposed primitives where the backend has them */
+    bool two_pass;        /* the row path in two passes, K then V (PKV_CPU_TWO_PASS; pass_window) */
+    uint32_t pass_blocks; /* the most blocks a window of the two passes holds */
+    uint32_t pass_ahead;  /* the call's lead in runs along the two passes' walk (pass_pf) */
+    size_t pass_bytes;    /* a thread's score window (PASS_BYTES at least) */
     /* the call being run (read-only for the workers during a job) */
     const pkv__kv_view *kv;
     const pkv__attn_item *items;
@@ -263,6 +275,16 @@ static int env_sweep_wide(void) {
     return -1;
 }
 
+/* PKV_ATTN_PASSES: unset, empty or "auto" = the CPU's rule (PKV_CPU_TWO_PASS), "two" = 1, "one" =
+ * 0; anything else is -1. */
+static int env_passes(void) {
+    const char *e = getenv("PKV_ATTN_PASSES");
+    if (!e || !*e || !strcmp(e, "auto")) return (pkv__cpu_features() & PKV_CPU_TWO_PASS) != 0;
+    if (!strcmp(e, "two")) return 1;
+    if (!strcmp(e, "one")) return 0;
+    return -1;
+}
+
 /* ---- create / destroy ------------------------------------------------------------------------ */
 
 static size_t align64(size_t x) { return pkv__align_up(x, 64); }
@@ -299,8 +321,8 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     int rc = build_kernels(backend ? backend : auto_backend(), &kt);
     if (rc < 0) return rc;
     if (extra) extra(&kt);
-    const int order = env_order(), wide = env_sweep_wide();
-    if (order < 0 || wide < 0) return PKV_EINVAL;
+    const int order = env_order(), wide = env_sweep_wide(), passes = env_passes();
+    if (order < 0 || wide < 0 || passes < 0) return PKV_EINVAL;
     if (lim->exec.parallel_for) {
         if (lim->exec.n_workers == 0 || lim->exec.n_workers > PKV_MAX_THREADS) return PKV_EINVAL;
         n_threads = lim->exec.n_workers;
@@ -310,10 +332,11 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
 
     const uint32_t D = lim->head_dim;
     const uint32_t s_stride = (lim->block_tokens + 15u) & ~15u;
+    const size_t pass_bytes = PKV_MAX(PASS_BYTES, align64((size_t)ROWS_MAX * s_stride * sizeof(float)));
     const size_t thread_bytes = align64((size_t)ROWS_MAX * PKV__ATTN_QROW_BYTES(D)) +
                                 align64((size_t)ROWS_MAX * D * sizeof(float)) +
                                 2 * align64(ROWS_MAX * sizeof(float)) +
-                                align64((size_t)ROWS_MAX * s_stride * sizeof(float)) +
+                                align64((size_t)ROWS_MAX * s_stride * sizeof(float)) + pass_bytes +
                                 (kt.softmax_t ? t_scratch_bytes(D, s_stride) : 0);
     const uint32_t n_slots = n_threads > 1 ? SLOTS_PER_THREAD * n_threads : 0;
     const size_t slot_floats = (size_t)ROWS_MAX * (D + 2);
@@ -379,6 +402,9 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->pf_l1 = at->pf_fine = at->pf_two = (pkv__cpu_features() & PKV_CPU_PREFETCH_L1) != 0;
     at->sweep_wide = wide;
     at->tpath = true;
+    at->two_pass = passes;
+    at->pass_blocks = PASS_BLOCKS_MAX;
+    at->pass_bytes = pass_bytes;
     rc = pkv__tpool_init(&at->pool, n_threads, at->workers, &lim->exec);
     if (rc < 0) {
         pkv__free(&at->a, mem, total);
@@ -534,6 +560,7 @@ static void merge_write(const pkv__attn *at, const unit *w, float *m0, const flo
 typedef struct scratch {
     uint8_t *qp;
     float *acc, *m, *l, *s;
+    float *sw; /* the two passes' score window (pass_bytes) */
     float *qt, *st, *kbuf, *vbuf; /* the transposed path's (NULL where the backend has none) */
 } scratch;
 
@@ -551,6 +578,8 @@ static scratch thread_scratch(const pkv__attn *at, uint32_t tid) {
     p += align64(ROWS_MAX * sizeof(float));
     sc.s = (float *)p;
     p += align64((size_t)ROWS_MAX * at->s_stride * sizeof(float));
+    sc.sw = (float *)p;
+    p += at->pass_bytes;
     sc.qt = sc.st = sc.kbuf = sc.vbuf = NULL;
     if (at->kt.softmax_t) {
         sc.qt = (float *)p;
@@ -704,6 +733,120 @@ static void mask_block(const pkv__attn *at, const unit *w, uint32_t pos_first, u
     }
 }
 
+/* ---- the two passes --------------------------------------------------------------------------
+ * Where two_pass is set (PKV_CPU_TWO_PASS, PKV_ATTN_PASSES), the row path walks its blocks in
+ * windows: first the window's K runs, every block's heads' scores into the thread's score window
+ * (the K pass), then the same blocks' V runs, each head's softmax step and accum (the V pass),
+ * rather than each block's K and V runs head by head. The memory serves one stream at a time, and
+ * a pass touches half of the states: the queries in the K pass, acc, m and l in the V pass. Each
+ * head's softmax and accum steps run in the same order as in one pass, on the same scores: the
+ * results are the same bits. The prefetch leads by about PKV_ATTN_PF_LEAD bytes along the walk's
+ * runs (a window's K runs, then its V runs, then the next window's K runs), at least two runs:
+ * the run led to into L2, and where pf_l1 says the next run into L1 as well (pkv__attn_pf.near).
+ * Backends whose accum does not prefetch its V run (accum_pf: the quantized V kernels) keep one
+ * pass. On Zen 5 (stop 44, ab-decode against one pass, 4096 x 16, 2 layers): f16 paged 0.914 at
+ * 1 and 2 threads, contiguous 0.937 and 0.902; f32 and bf16 faster by 6-15% in the bench. */
+typedef struct pass_walk {
+    const uint64_t *e;    /* the sweep's sorted entries: block x of the walk is key_bid(e[x]); or NULL, */
+    const int32_t *table; /* and block x is table[x] (a unit's walk) */
+    uint32_t h0, nh;      /* kv heads [h0, h0 + nh) of each block */
+    uint32_t x1, W;       /* the walk ends before block x1; windows of W blocks */
+} pass_walk;
+
+/* One block of a window: its keys [t0, t0 + n_keys), whether they need the unit's masks (kp0 the
+ * position of key t0), the prepared queries of its first head's rows and the state its rows
+ * update (rows_h rows a head, heads one after the other). */
+typedef struct pass_blk {
+    size_t bid;
+    uint32_t t0, n_keys, kp0;
+    bool mask;
+    const uint8_t *qp;
+    float *m, *l, *acc;
+} pass_blk;
+
+static bool pass_on(const pkv__attn *at) { return at->two_pass && at->kt.accum_pf[at->kv->v_dtype]; }
+
+/* The most blocks a window of units of rows rows holds: as many blocks' scores as pass_bytes takes. */
+static uint32_t pass_window_blocks(const pkv__attn *at, uint32_t rows) {
+    const size_t n = at->pass_bytes / ((size_t)rows * at->s_stride * sizeof(float));
+    return (uint32_t)PKV_MAX(PKV_MIN(n, (size_t)at->pass_blocks), (size_t)1);
+}
+
+static inline size_t pass_bid(const pass_walk *pw, uint32_t x) {
+    return pw->e ? (size_t)(pw->e[x] >> 32) : (size_t)pw->table[x]; /* pw->e: key_bid */
+}
+
+/* Run idx of the walk from the window that starts at block xw0, its bytes in *n; NULL past the walk. */
+static const uint8_t *pass_run(const pkv__attn *at, const pass_walk *pw, uint32_t xw0, size_t idx, size_t *n) {
+    const pkv__kv_view *kv = at->kv;
+    const size_t krun = (size_t)kv->block_tokens * kv->k_row_bytes, vrun = (size_t)kv->block_tokens * kv->v_row_bytes;
+    for (;;) {
+        const uint32_t nw = PKV_MIN(pw->W, pw->x1 - xw0);
+        const size_t runs = (size_t)nw * pw->nh;
+        if (idx < runs) {
+            *n = krun;
+            return kv->k + pass_bid(pw, xw0 + (uint32_t)(idx / pw->nh)) * kv->k_block_bytes + (pw->h0 + idx % pw->nh) * krun;
+        }
+        if (idx < 2 * runs) {
+            idx -= runs;
+            *n = vrun;
+            return kv->v + pass_bid(pw, xw0 + (uint32_t)(idx / pw->nh)) * kv->v_block_bytes + (pw->h0 + idx % pw->nh) * vrun;
+        }
+        idx -= 2 * runs;
+        xw0 += nw;
+        if (xw0 >= pw->x1) return NULL;
+    }
+}
+
+/* The prefetch while run idx of the walk is read (pass_ahead runs on), in *pf; NULL: none left. */
+static pkv__attn_pf *pass_pf(const pkv__attn *at, const pass_walk *pw, uint32_t xw0, size_t idx, pkv__attn_pf *pf) {
+    size_t n, nn;
+    const uint8_t *far = pass_run(at, pw, xw0, idx + at->pass_ahead, &n);
+    if (!far) return NULL;
+    *pf = (pkv__attn_pf){.p = {far, far}, .end = {far + n, far}, .fine = at->pf_fine};
+    if (at->pf_l1) {
+        const uint8_t *next = pass_run(at, pw, xw0, idx + 1, &nn);
+        if (next && nn == n) pf->near = next - far;
+    }
+    return pf;
+}
+
+/* One window of the two passes: blocks bl[0 .. nw) of the walk from block xw0, rows_h rows a
+ * head; the scores go to sw. w and pos_first: the unit whose masks a block may need (NULL in the
+ * sweep, whose blocks need none). */
+static void pass_window(const pkv__attn *at, const pass_walk *pw, uint32_t xw0, const pass_blk *bl, uint32_t nw,
+                        uint32_t rows_h, float *sw, const unit *w, uint32_t pos_first) {
+    const pkv__kv_view *kv = at->kv;
+    const pkv__attn_kernels *kt = &at->kt;
+    const uint32_t D = kv->head_dim, B = kv->block_tokens, nh = pw->nh;
+    const size_t qrow = PKV__ATTN_QROW_BYTES(D), ss = at->s_stride, rows = (size_t)nh * rows_h;
+    const size_t krun = (size_t)B * kv->k_row_bytes, vrun = (size_t)B * kv->v_row_bytes;
+    const pkv__attn_score_fn score = kt->score[kv->k_dtype];
+    const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
+    pkv__attn_pf pf;
+    for (uint32_t j = 0; j < nw; j++) { /* the K pass */
+        const pass_blk *b = &bl[j];
+        const uint8_t *k = kv->k + b->bid * kv->k_block_bytes + ((size_t)pw->h0 * B + b->t0) * kv->k_row_bytes;
+        for (uint32_t h = 0; h < nh; h++) {
+            float *s = sw + (j * rows + (size_t)h * rows_h) * ss;
+            score(b->qp + (size_t)h * rows_h * qrow, rows_h, k + h * krun, kv->k_row_bytes, b->n_keys, D, s,
+                  (uint32_t)ss, pass_pf(at, pw, xw0, (size_t)j * nh + h, &pf));
+            if (b->mask) mask_block(at, w, pos_first, b->kp0, b->n_keys, s, ss, 1);
+        }
+    }
+    for (uint32_t j = 0; j < nw; j++) { /* the V pass */
+        const pass_blk *b = &bl[j];
+        const uint8_t *v = kv->v + b->bid * kv->v_block_bytes + ((size_t)pw->h0 * B + b->t0) * kv->v_row_bytes;
+        for (uint32_t h = 0; h < nh; h++) {
+            const size_t r0 = (size_t)h * rows_h;
+            float *s = sw + (j * rows + r0) * ss;
+            kt->softmax(s, (uint32_t)ss, rows_h, b->n_keys, at->call->softcap, b->m + r0, b->l + r0, b->acc + r0 * D, D);
+            accum(s, (uint32_t)ss, rows_h, v + h * vrun, kv->v_row_bytes, b->n_keys, D, b->acc + r0 * D,
+                  pass_pf(at, pw, xw0, (size_t)(nw + j) * nh + h, &pf));
+        }
+    }
+}
+
 /* run_unit's blocks [b0, b1) through the transposed primitives (attn.h: score_t): each head's
  * prepared rows transposed into qt once (pad rows 0), then for each block and head score_t, the
  * masks, softmax_t and accum_t. The row path's flow otherwise (run_unit below). */
@@ -786,6 +929,19 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
         at->tpath && rows_h >= PKV__ATTN_T_MIN_ROWS && kt->score_t[kv->k_dtype] && kt->accum_t[kv->v_dtype];
     if (tpath) {
         unit_blocks_t(at, &w, &sc, b0, b1, k_lo, k_hi, pos_first, lo_last);
+    } else if (pass_on(at)) {
+        const pass_walk pw = {.table = it->block_table, .h0 = w.kvh0, .nh = w.n_kvh, .x1 = b1,
+                              .W = pass_window_blocks(at, rows)};
+        pass_blk pb[PASS_BLOCKS_MAX];
+        for (uint32_t xw0 = b0; xw0 < b1; xw0 += pw.W) {
+            const uint32_t nw = PKV_MIN(pw.W, b1 - xw0);
+            for (uint32_t j = 0; j < nw; j++) {
+                const unit_block ub = unit_block_at(at, it, xw0 + j, b1, k_lo, k_hi, pos_first, lo_last);
+                pb[j] = (pass_blk){.bid = ub.bid, .t0 = ub.t0, .n_keys = ub.n_keys, .kp0 = ub.kb + ub.t0,
+                                   .mask = ub.mask, .qp = qp, .m = m, .l = l, .acc = acc};
+            }
+            pass_window(at, &pw, xw0, pb, nw, rows_h, sc.sw, &w, pos_first);
+        }
     } else {
         for (uint32_t b = b0; b < b1; b++) {
             const unit_block ub = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);
@@ -1142,7 +1298,8 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
     const pkv__attn_kernels *kt = &at->kt;
     const uint32_t D = kv->head_dim, B = kv->block_tokens, G = at->G, H = kv->n_kv_heads, rows = H * G;
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
-    float *s = thread_scratch(at, tid).s; /* the chunk's states live in its slots */
+    const scratch sc = thread_scratch(at, tid);
+    float *s = sc.s; /* the chunk's states live in its slots */
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
     const uint64_t *e = at->sweep_sorted;
@@ -1166,6 +1323,32 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
             for (uint32_t r = 0; r < rows; r++) sweep_slot(at, i, c)[ROWS_MAX + r] = 0.0f;
             finish_item(at, i);
         }
+    if (pass_on(at)) { /* in windows, each in two passes (pass_window); no state prefetch */
+        const pass_walk pw = {.e = e, .h0 = 0, .nh = H, .x1 = x1, .W = pass_window_blocks(at, rows)};
+        pass_blk bl[PASS_BLOCKS_MAX];
+        for (uint32_t xw0 = x0; xw0 < x1; xw0 += pw.W) {
+            const uint32_t nw = PKV_MIN(pw.W, x1 - xw0);
+            for (uint32_t j = 0; j < nw; j++) {
+                const uint32_t i = key_item(e[xw0 + j]), b = key_b(e[xw0 + j]);
+                float *m = sweep_slot(at, i, c);
+                if (!(used >> i & 1u)) {
+                    used |= 1u << i;
+                    sweep_wait_queries(at, i);
+                    for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, m[ROWS_MAX + r] = 0.0f;
+                    memset(m + 2 * ROWS_MAX, 0, (size_t)rows * D * sizeof(float));
+                }
+                const uint32_t pos = sweep_item(at, i)->q_pos0, k_lo = key_lo(pos, call->window), kb = b * B;
+                const uint32_t t0 = k_lo > kb ? k_lo - kb : 0;
+                bl[j] = (pass_blk){.bid = key_bid(e[xw0 + j]), .t0 = t0, .n_keys = PKV_MIN(B, pos - kb + 1) - t0,
+                                   .qp = at->sweep_q + (size_t)i * rows * qrow, .m = m, .l = m + ROWS_MAX,
+                                   .acc = m + 2 * ROWS_MAX};
+            }
+            pass_window(at, &pw, xw0, bl, nw, G, sc.sw, NULL, 0);
+            for (uint32_t j = 0; j < nw; j++)
+                if (xw0 + j == last[key_item(e[xw0 + j])]) finish_item(at, key_item(e[xw0 + j]));
+        }
+        return;
+    }
     /* The next sequence's state is prefetched into L2 where the states may have left it: where
      * the bytes a core reads between two uses of one state (an entry's K/V runs and state, one
      * entry of each other sequence) exceed its L2. Where they fit, the prefetches only cost
@@ -1246,6 +1429,11 @@ void pkv__attn_set_sweep_sizing(pkv__attn *at, size_t l2_bytes, uint32_t items_m
 void pkv__attn_set_sweep_wide(pkv__attn *at, bool on) { at->sweep_wide = on; }
 bool pkv__attn_sweep_wide(const pkv__attn *at) { return at->sweep_wide; }
 void pkv__attn_set_tpath(pkv__attn *at, bool on) { at->tpath = on; }
+void pkv__attn_set_passes(pkv__attn *at, bool two, uint32_t window_blocks) {
+    at->two_pass = two;
+    at->pass_blocks = window_blocks ? PKV_MIN(window_blocks, PASS_BLOCKS_MAX) : PASS_BLOCKS_MAX;
+}
+bool pkv__attn_two_pass(const pkv__attn *at) { return at->two_pass; }
 void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine, bool two) {
     at->pf_l1 = l1;
     at->pf_fine = fine;
@@ -1303,6 +1491,10 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     at->pf_lead = at->pf_two && at->pf_l1 ? pf_ahead((size_t)kv->block_tokens * (kv->k_row_bytes + kv->v_row_bytes),
                                                      kv->k_dtype == PKV_DTYPE_F32)
                                           : 0;
+    {   /* the two passes' lead: about PKV_ATTN_PF_LEAD bytes of runs, at least two */
+        const size_t run2 = (size_t)kv->block_tokens * (kv->k_row_bytes + kv->v_row_bytes);
+        at->pass_ahead = (uint32_t)PKV_MIN(PKV_MAX((2 * PKV_ATTN_PF_LEAD + run2 - 1) / run2, (size_t)2), (size_t)64);
+    }
     at->items = items;
     at->n_items = n_items;
     const uint64_t elems_per_head_block = (uint64_t)kv->block_tokens * kv->head_dim;

@@ -115,6 +115,14 @@ void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine, bool two);
 /* Whether units of many query rows take the backend's transposed primitives where it has them
  * (attn.h: score_t; on by default). Results differ by rounding only; tests run both ways. */
 void pkv__attn_set_tpath(pkv__attn *at, bool on);
+/* Whether the row path reads its blocks in windows of two passes, the window's K and then its V
+ * (attn.c: pass_window), rather than each block's K and V together; window_blocks caps a window
+ * (0: PASS_BLOCKS_MAX, 64). Set at creation from PKV_CPU_TWO_PASS (Zen 5) or PKV_ATTN_PASSES in
+ * the environment ("two", "one", "auto"; unset or empty: auto; another value fails creation,
+ * PKV_EINVAL). Backends whose accum does not prefetch (the quantized V kernels) keep one pass.
+ * The results are the same bits either way; tests run both, with windows of 1 to 3 blocks. */
+void pkv__attn_set_passes(pkv__attn *at, bool two, uint32_t window_blocks);
+bool pkv__attn_two_pass(const pkv__attn *at);
 /* Whether the last successful pkv__attn_run read its one-query items' blocks in pool order. */
 bool pkv__attn_last_swept(const pkv__attn *at);
 /* Threads the last successful pkv__attn_run used: 1 when it ran on the caller alone (small

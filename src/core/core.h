@@ -68,6 +68,11 @@ enum {
      * set cut into ranges of the pool, and no state is prefetched: AMD family 1Ah (Zen 5;
      * measured there, stop 38: f16 4096 x 16 paged 1.10x -> 1.06x contiguous at 1 thread). */
     PKV_CPU_WIDE_SWEEP = 1u << 16,
+    /* decode reads a window of blocks' K and then their V (src/attn/attn.c, the two passes),
+     * not each block's K and V together: AMD family 1Ah (Zen 5; measured there, stop 44: f16
+     * 4096 x 16 0.90-0.94 of the time, f32 0.86-0.91, contiguous and paged alike). Unmeasured
+     * elsewhere; one pass (PKV_ATTN_PASSES=two turns it on anywhere). */
+    PKV_CPU_TWO_PASS = 1u << 17,
 };
 uint32_t pkv__cpu_features(void);
 /* True when PKV_FORCE_REF is set to a non-empty value other than "0". */
