@@ -385,6 +385,27 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
                                     .lse = rng_below(2) ? malloc(sizeof(float) * n_q * nqh) : NULL};
     }
     assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
+    /* The row path in two passes (a window's K, then its V: attn.c, pass_window) or in one gives
+     * the same bits; windows of 1 to 3 blocks put their edges everywhere, 0 the default size. */
+    {
+        const bool two = pkv__attn_two_pass(at);
+        float *first[4], *first_lse[4];
+        for (uint32_t i = 0; i < n_seqs; i++) {
+            const size_t n = (size_t)items[i].n_q * nqh;
+            first[i] = malloc(sizeof(float) * n * D), first_lse[i] = malloc(sizeof(float) * n);
+            memcpy(first[i], items[i].out, sizeof(float) * n * D);
+            if (items[i].lse) memcpy(first_lse[i], items[i].lse, sizeof(float) * n);
+        }
+        pkv__attn_set_passes(at, !two, rng_below(4));
+        assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
+        for (uint32_t i = 0; i < n_seqs; i++) {
+            const size_t n = (size_t)items[i].n_q * nqh;
+            assert_memory_equal(first[i], items[i].out, sizeof(float) * n * D);
+            if (items[i].lse) assert_memory_equal(first_lse[i], items[i].lse, sizeof(float) * n);
+            free(first[i]), free(first_lse[i]);
+        }
+        pkv__attn_set_passes(at, two, 0);
+    }
     for (uint32_t i = 0; i < n_seqs; i++) {
         /* errors in units of the tolerance of this (K, V) pair */
         double e = check_item(&p, &seqs[i], nqh, &items[i], &call, worst_lse) / tol_for(kdt, vdt);
@@ -782,6 +803,12 @@ static void test_oracle_pool_order(void **state) {
         assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
         for (uint32_t i = 0; i < n; i++)
             assert_memory_equal(table_out[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
+        /* and so does the other pass mode (windows of 1 to 3 blocks, or the default) */
+        pkv__attn_set_passes(at, !pkv__attn_two_pass(at), c % 4);
+        assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
+        assert_true(pkv__attn_last_swept(at));
+        for (uint32_t i = 0; i < n; i++)
+            assert_memory_equal(table_out[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
         for (uint32_t i = 0; i < n; i++) {
             free((void *)items[i].q), free(items[i].out), free(items[i].lse), free(table_out[i]);
             seq_free(&seqs[i]);
@@ -855,7 +882,7 @@ static void assert_env_refused(const pkv__attn_limits *lim, const char *var, con
  * only, more than 64 query rows per sequence and contexts of more than 16 threads; AUTO sweeps
  * calls above the inline threshold whose one-query items' tables jump, not contiguous tables or
  * small calls; PKV_ATTN_ORDER sets the order at creation and an unknown value fails it, and so
- * does PKV_ATTN_SWEEP the sweep's rule. */
+ * do PKV_ATTN_SWEEP the sweep's rule and PKV_ATTN_PASSES the row path's passes. */
 static void test_pool_order_choice(void **state) {
     (void)state;
     g_rng = 607;
@@ -927,6 +954,16 @@ static void test_pool_order_choice(void **state) {
     }
     unsetenv("PKV_ATTN_SWEEP");
     assert_env_refused(&lim, "PKV_ATTN_SWEEP", "diagonal");
+    /* PKV_ATTN_PASSES overrides the CPU's rule for the row path's passes; an unknown value fails */
+    static const struct { const char *value; int two; } passes[] = {{"two", 1}, {"one", 0}};
+    for (int i = 0; i < 2; i++) {
+        setenv("PKV_ATTN_PASSES", passes[i].value, 1);
+        assert_int_equal(pkv__attn_create_backend(NULL, 2, &lim, "ref", &at), PKV_OK);
+        assert_int_equal(pkv__attn_two_pass(at), passes[i].two);
+        pkv__attn_destroy(at);
+    }
+    unsetenv("PKV_ATTN_PASSES");
+    assert_env_refused(&lim, "PKV_ATTN_PASSES", "three");
 }
 
 /* The plan's size for the run-inline decision counts every kv head a unit reads: a decode unit

@@ -145,6 +145,7 @@ static void large_batch_once(int wide) {
     for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
         if (field(line, "kind")) {
             assert_true(str_is(line, "sweep", wide ? "wide" : "narrow"));
+            assert_true(str_is(line, "passes", wide ? "two" : "one"));
             machine++;
             continue;
         }
@@ -169,22 +170,25 @@ static void large_batch_once(int wide) {
 /* A batch of 40 sequences, more than one sweep group holds (32): both layouts measured at 1
  * and 2 threads, at the batch asked for, in the rounds asked for, and the plain read of the
  * paged layout (read_p/c) made group after group, each thread its own set, or (the wide rule)
- * its range of one set; the machine line names the rule the environment asked for. */
+ * its range of one set, in one pass or (with the wide rule here) two; the machine line names
+ * the rules the environment asked for. */
 static void test_large_batch(void **state) {
     (void)state;
     for (int wide = 0; wide < 2; wide++) {
         setenv("PKV_ATTN_SWEEP", wide ? "wide" : "narrow", 1);
+        setenv("PKV_ATTN_PASSES", wide ? "two" : "one", 1);
         large_batch_once(wide);
     }
     unsetenv("PKV_ATTN_SWEEP");
+    unsetenv("PKV_ATTN_PASSES");
 }
 
-/* A value of PKV_ATTN_SWEEP (or PKV_ATTN_ORDER) that the library refuses ends the run before
- * any measurement, with a message and exit status 2. */
+/* A value of PKV_ATTN_SWEEP (or PKV_ATTN_ORDER, PKV_ATTN_PASSES) that the library refuses ends
+ * the run before any measurement, with a message and exit status 2. */
 static void test_refused_environment(void **state) {
     (void)state;
-    static const char *vars[] = {"PKV_ATTN_SWEEP", "PKV_ATTN_ORDER"};
-    for (int i = 0; i < 2; i++) {
+    static const char *vars[] = {"PKV_ATTN_SWEEP", "PKV_ATTN_ORDER", "PKV_ATTN_PASSES"};
+    for (int i = 0; i < 3; i++) {
         setenv(vars[i], "sideways", 1);
         char *argv[] = {"pkv", "bench", "attn", "--quick", NULL};
         char *out, *err;

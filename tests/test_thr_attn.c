@@ -107,6 +107,7 @@ static void test_thr_back_to_back(void **state) {
     for (int it = 0; it < 60; it++) {
         const uint32_t len = 41 + (uint32_t)(it * 97) % (LEN - 41);
         pkv__attn_set_sweep_wide(many, it & 1); /* a set a thread, or one set in ranges of the pool */
+        pkv__attn_set_passes(many, it & 2, (uint32_t)it % 3); /* in one pass or two (attn.c: pass_window) */
         run_once(one, d1, p1, len);
         run_once(many, dn, pn, len);
         near(d1, dn, 3 * NQH * D);

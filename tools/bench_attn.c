@@ -178,8 +178,9 @@ static double run_pinned(int n, void *(*fn)(void *), void *args, size_t arg_size
 
 /* the library's CPU choices this bench follows (main); g_pf_l1 also means the decode kernels'
  * prefetch led by bytes, at two levels (src/attn/attn.c, head_io_fill), which the plain read of
- * read_p/c copies (tool_sum_block) */
-static int g_victim_l3, g_pf_l1, g_wide;
+ * read_p/c copies (tool_sum_block); g_two the row path in two passes (attn.c, pass_window),
+ * which it copies too (read_two) */
+static int g_victim_l3, g_pf_l1, g_wide, g_two;
 
 /* One streaming pass over the buffer split between n_threads threads, each line's software
  * prefetch pf_ahead bytes on (0: none); GB/s. */
@@ -600,9 +601,47 @@ typedef struct gather_job {
     uint64_t sum;
 } gather_job;
 
+/* The two passes' walk over blocks ids[0 .. n) (src/attn/attn.c, pass_run, copied by hand): in
+ * windows of w blocks, each window's K runs head by head, then its V runs; run r from the window
+ * at x0, NULL past the end. */
+static const uint8_t *two_run(const pkv_layout *L, const uint8_t *K, const uint8_t *V, const int32_t *ids, size_t n,
+                              size_t w, size_t x0, size_t r) {
+    const size_t H = L->n_kv_heads, kh = L->k_block_bytes / H, vh = L->v_block_bytes / H;
+    for (;;) {
+        const size_t nw = n - x0 < w ? n - x0 : w, runs = nw * H;
+        if (r < runs) return K + (size_t)ids[x0 + r / H] * L->k_block_bytes + r % H * kh;
+        if (r < 2 * runs) return V + (size_t)ids[x0 + (r - runs) / H] * L->v_block_bytes + (r - runs) % H * vh;
+        r -= 2 * runs, x0 += nw;
+        if (x0 >= n) return NULL;
+    }
+}
+
+/* Blocks ids[0 .. n) read as the library's two passes read them (g_two; attn.c, pass_window and
+ * pass_pf): windows of as many blocks as 64 KiB of one decode's scores (H_Q rows a block) take,
+ * at most 64; the prefetch leads by about 2 x PKV_ATTN_PF_LEAD bytes of K and V runs (at least 2
+ * runs) into L2, with the next run into L1 where g_pf_l1 says. */
+static uint64_t read_two(const pkv_layout *L, const uint8_t *K, const uint8_t *V, const int32_t *ids, size_t n) {
+    const size_t H = L->n_kv_heads, kh = L->k_block_bytes / H, vh = L->v_block_bytes / H;
+    const size_t per = (size_t)H_Q * ((g_bt + 15u) & ~15u) * sizeof(float), w0 = (size_t)64 * 1024 / per;
+    const size_t w = w0 < 1 ? 1 : w0 > 64 ? 64 : w0, ahead0 = (2 * PKV_ATTN_PF_LEAD + kh + vh - 1) / (kh + vh);
+    const size_t ahead = ahead0 < 2 ? 2 : ahead0;
+    uint64_t sum = 0;
+    for (size_t x0 = 0; x0 < n; x0 += w) {
+        const size_t nw = n - x0 < w ? n - x0 : w;
+        for (size_t r = 0; r < 2 * nw * H; r++) {
+            const uint8_t *far = two_run(L, K, V, ids, n, w, x0, r + ahead);
+            const uint8_t *next = g_pf_l1 && far ? two_run(L, K, V, ids, n, w, x0, r + 1) : NULL;
+            sum += tool_sum_run(two_run(L, K, V, ids, n, w, x0, r), far, next, r < nw * H ? kh : vh, 0);
+        }
+    }
+    return sum;
+}
+
 /* Reads the blocks ids[0 .. n) of one layer in that order, prefetching as the decode kernels do
- * (tool_sum_block): the next block into L2, or where g_pf_l1 says the library's lead in bytes. */
+ * (tool_sum_block): the next block into L2, or where g_pf_l1 says the library's lead in bytes;
+ * in two passes where g_two says (read_two). */
 static uint64_t read_blocks(const pkv_layout *L, const uint8_t *K, const uint8_t *V, const int32_t *ids, size_t n) {
+    if (g_two) return read_two(L, K, V, ids, n);
     const size_t kh = L->k_block_bytes / L->n_kv_heads, vh = L->v_block_bytes / L->n_kv_heads;
     uint64_t sum = 0;
     for (size_t x = 0; x < n; x++) {
@@ -990,12 +1029,16 @@ int tool_bench_attn(int argc, char **argv) {
     }
     for (size_t i = 0; i < g_bw_words; i++) g_bw_buf[i] = i;
     const unsigned family = amd_family();
-    g_victim_l3 = family == 0x19u, g_pf_l1 = g_wide = family == 0x1Au;
-    const char *sweep_env = getenv("PKV_ATTN_SWEEP"); /* the library's override (pkv.h) */
+    g_victim_l3 = family == 0x19u, g_pf_l1 = g_wide = g_two = family == 0x1Au;
+    const char *sweep_env = getenv("PKV_ATTN_SWEEP"); /* the library's overrides (pkv.h) */
     if (sweep_env && !strcmp(sweep_env, "wide")) g_wide = 1;
     if (sweep_env && !strcmp(sweep_env, "narrow")) g_wide = 0;
+    const char *passes_env = getenv("PKV_ATTN_PASSES");
+    if (passes_env && !strcmp(passes_env, "two")) g_two = 1;
+    if (passes_env && !strcmp(passes_env, "one")) g_two = 0;
     /* the backend a cache picks; a cache the library refuses here (the environment's
-     * PKV_ATTN_BACKEND, PKV_ATTN_ORDER or PKV_ATTN_SWEEP) ends the run before any measurement */
+     * PKV_ATTN_BACKEND, PKV_ATTN_ORDER, PKV_ATTN_SWEEP or PKV_ATTN_PASSES) ends the run before any
+     * measurement */
     static char backend[32];
     {
         pkv_config cfg = pkv_config_default();
@@ -1005,7 +1048,7 @@ int tool_bench_attn(int argc, char **argv) {
         const int crc = pkv_cache_create(&cfg, &c);
         if (crc < 0) {
             fprintf(stderr, "pkv bench attn: the library refuses a cache here: %s (see PKV_ATTN_BACKEND, "
-                    "PKV_ATTN_ORDER and PKV_ATTN_SWEEP in pkv.h)\n", pkv_strerror(crc));
+                    "PKV_ATTN_ORDER, PKV_ATTN_SWEEP and PKV_ATTN_PASSES in pkv.h)\n", pkv_strerror(crc));
             free(g_bw_buf);
             return TOOL_FAIL;
         }
@@ -1019,18 +1062,19 @@ int tool_bench_attn(int argc, char **argv) {
     if (o.json)
         printf("{\"bench\":\"attn\",\"kind\":\"machine\",\"cpu\":\"%s\",\"build\":\"%s\",\"backend\":\"%s\","
                "\"read_gbps_1t\":%.3f,\"read_gbps_2t\":%.3f,\"fma_gflops_1t\":%.2f,\"fma_gflops_2t\":%.2f,"
-               "\"sweep\":\"%s\"}\n",
+               "\"sweep\":\"%s\",\"passes\":\"%s\"}\n",
                tool_cpu_name(), tool_build_info(), backend, g_bw[1], g_bw[2], g_peak[1], g_peak[2],
-               g_wide ? "wide" : "narrow");
+               g_wide ? "wide" : "narrow", g_two ? "two" : "one");
     else {
         printf("# %s, %s, attention backend %s\n", tool_cpu_name(), tool_build_info(), backend);
         printf("# streaming read: %.2f GB/s (1 thread), %.2f GB/s (2 threads); f32 FMA peak: %.1f / %.1f GFLOP/s\n",
                g_bw[1], g_bw[2], g_peak[1], g_peak[2]);
         const char *order = getenv("PKV_ATTN_ORDER");
         printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u, decode pools %u%% held by the batch, "
-               "PKV_ATTN_ORDER=%s, PKV_ATTN_SWEEP=%s (%s here)\n",
+               "PKV_ATTN_ORDER=%s, PKV_ATTN_SWEEP=%s (%s here), PKV_ATTN_PASSES=%s (%s here)\n",
                H_Q, H_KV, HEAD_DIM, g_bt, o.occupancy, order && *order ? order : "(auto)",
-               sweep_env && *sweep_env ? sweep_env : "(auto)", g_wide ? "wide" : "narrow");
+               sweep_env && *sweep_env ? sweep_env : "(auto)", g_wide ? "wide" : "narrow",
+               passes_env && *passes_env ? passes_env : "(auto)", g_two ? "two" : "one");
         printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s %8s %7s  %s  %-11s %8s\n", "kernel", "kv", "ctx",
                "batch", "thr", "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "hotGB/s", "hot_bw",
                "paged/contig", "p/c q1-q3", "read_p/c");
