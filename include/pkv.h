@@ -338,7 +338,11 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * is chosen per CPU: each thread a set of the sequences, or (AMD Zen 5) each thread a range of
  * the pool for all of them. PKV_ATTN_SWEEP=narrow or wide (or auto, the default) at
  * pkv_cache_create fixes that, to compare the two on a machine; another value makes
- * pkv_cache_create fail with PKV_EINVAL. The results differ by float rounding only. */
+ * pkv_cache_create fail with PKV_EINVAL. The results differ by float rounding only. On AMD Zen
+ * 5 a sequence's (or a sweep's) blocks are read in windows of two passes, the window's K and then
+ * its V, rather than each block's K and V together (f16, f32 and bf16 V); PKV_ATTN_PASSES=two or
+ * one (or auto, the default) at pkv_cache_create fixes that, with the same rule for other
+ * values. The results are the same bits either way. */
 PKV_API PKV_NODISCARD int pkv_attn_decode(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, uint32_t n_seqs,
                                           const float *q, float *out, const pkv_attn_params *p);
 
