@@ -265,23 +265,13 @@ static int env_order(void) {
     return -1;
 }
 
-/* PKV_ATTN_SWEEP: unset, empty or "auto" = the CPU's rule (PKV_CPU_WIDE_SWEEP), "wide" = 1,
- * "narrow" = 0; anything else is -1. */
-static int env_sweep_wide(void) {
-    const char *e = getenv("PKV_ATTN_SWEEP");
-    if (!e || !*e || !strcmp(e, "auto")) return (pkv__cpu_features() & PKV_CPU_WIDE_SWEEP) != 0;
-    if (!strcmp(e, "wide")) return 1;
-    if (!strcmp(e, "narrow")) return 0;
-    return -1;
-}
-
-/* PKV_ATTN_PASSES: unset, empty or "auto" = the CPU's rule (PKV_CPU_TWO_PASS), "two" = 1, "one" =
- * 0; anything else is -1. */
-static int env_passes(void) {
-    const char *e = getenv("PKV_ATTN_PASSES");
-    if (!e || !*e || !strcmp(e, "auto")) return (pkv__cpu_features() & PKV_CPU_TWO_PASS) != 0;
-    if (!strcmp(e, "two")) return 1;
-    if (!strcmp(e, "one")) return 0;
+/* An override of a CPU rule from the environment: var unset, empty or "auto" = the rule
+ * (pkv__cpu_features() has flag), on = 1, off = 0; anything else is -1. */
+static int env_rule(const char *var, uint32_t flag, const char *on, const char *off) {
+    const char *e = getenv(var);
+    if (!e || !*e || !strcmp(e, "auto")) return (pkv__cpu_features() & flag) != 0;
+    if (!strcmp(e, on)) return 1;
+    if (!strcmp(e, off)) return 0;
     return -1;
 }
 
@@ -321,7 +311,8 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     int rc = build_kernels(backend ? backend : auto_backend(), &kt);
     if (rc < 0) return rc;
     if (extra) extra(&kt);
-    const int order = env_order(), wide = env_sweep_wide(), passes = env_passes();
+    const int order = env_order(), wide = env_rule("PKV_ATTN_SWEEP", PKV_CPU_WIDE_SWEEP, "wide", "narrow");
+    const int passes = env_rule("PKV_ATTN_PASSES", PKV_CPU_TWO_PASS, "two", "one");
     if (order < 0 || wide < 0 || passes < 0) return PKV_EINVAL;
     if (lim->exec.parallel_for) {
         if (lim->exec.n_workers == 0 || lim->exec.n_workers > PKV_MAX_THREADS) return PKV_EINVAL;
