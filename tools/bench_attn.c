@@ -618,8 +618,8 @@ static const uint8_t *two_run(const pkv_layout *L, const uint8_t *K, const uint8
 
 /* Blocks ids[0 .. n) read as the library's two passes read them (g_two; attn.c, pass_window and
  * pass_pf): windows of as many blocks as 64 KiB of one decode's scores (H_Q rows a block) take,
- * at most 64; the prefetch leads by about 2 x PKV_ATTN_PF_LEAD bytes of K and V runs (at least 2
- * runs) into L2, with the next run into L1 where g_pf_l1 says. */
+ * at most 64; the prefetch leads by about PKV_ATTN_PF_LEAD bytes of the walk (2 x that over a K
+ * and a V run's bytes, at least 2 runs) into L2, with the next run into L1 where g_pf_l1 says. */
 static uint64_t read_two(const pkv_layout *L, const uint8_t *K, const uint8_t *V, const int32_t *ids, size_t n) {
     const size_t H = L->n_kv_heads, kh = L->k_block_bytes / H, vh = L->v_block_bytes / H;
     const size_t per = (size_t)H_Q * ((g_bt + 15u) & ~15u) * sizeof(float), w0 = (size_t)64 * 1024 / per;
