@@ -724,6 +724,14 @@ static void mask_block(const pkv__attn *at, const unit *w, uint32_t pos_first, u
     }
 }
 
+/* An entry key's fields: block id, item (within its group), index in the item's table. */
+static uint64_t sweep_key(int32_t bid, uint32_t i, uint32_t b) {
+    return (uint64_t)(uint32_t)bid << 32 | (uint64_t)i << SWEEP_B_BITS | b;
+}
+static size_t key_bid(uint64_t e) { return (size_t)(e >> 32); }
+static uint32_t key_item(uint64_t e) { return (uint32_t)(e >> SWEEP_B_BITS) & (SWEEP_ITEMS - 1u); }
+static uint32_t key_b(uint64_t e) { return (uint32_t)e & ((1u << SWEEP_B_BITS) - 1u); }
+
 /* ---- the two passes --------------------------------------------------------------------------
  * Where two_pass is set (PKV_CPU_TWO_PASS, PKV_ATTN_PASSES), the row path walks its blocks in
  * windows: first the window's K runs, every block's heads' scores into the thread's score window
@@ -764,7 +772,7 @@ static uint32_t pass_window_blocks(const pkv__attn *at, uint32_t rows) {
 }
 
 static inline size_t pass_bid(const pass_walk *pw, uint32_t x) {
-    return pw->e ? (size_t)(pw->e[x] >> 32) : (size_t)pw->table[x]; /* pw->e: key_bid */
+    return pw->e ? key_bid(pw->e[x]) : (size_t)pw->table[x];
 }
 
 /* Run idx of the walk from the window that starts at block xw0, its bytes in *n; NULL past the walk. */
@@ -774,14 +782,11 @@ static const uint8_t *pass_run(const pkv__attn *at, const pass_walk *pw, uint32_
     for (;;) {
         const uint32_t nw = PKV_MIN(pw->W, pw->x1 - xw0);
         const size_t runs = (size_t)nw * pw->nh;
-        if (idx < runs) {
-            *n = krun;
-            return kv->k + pass_bid(pw, xw0 + (uint32_t)(idx / pw->nh)) * kv->k_block_bytes + (pw->h0 + idx % pw->nh) * krun;
-        }
         if (idx < 2 * runs) {
-            idx -= runs;
-            *n = vrun;
-            return kv->v + pass_bid(pw, xw0 + (uint32_t)(idx / pw->nh)) * kv->v_block_bytes + (pw->h0 + idx % pw->nh) * vrun;
+            const bool v = idx >= runs; /* the window's V runs follow its K runs */
+            const size_t i = v ? idx - runs : idx, bid = pass_bid(pw, xw0 + (uint32_t)(i / pw->nh));
+            *n = v ? vrun : krun;
+            return (v ? kv->v + bid * kv->v_block_bytes : kv->k + bid * kv->k_block_bytes) + (pw->h0 + i % pw->nh) * *n;
         }
         idx -= 2 * runs;
         xw0 += nw;
@@ -1097,13 +1102,6 @@ static const uint64_t *sort_by_block(uint64_t *a, uint64_t *tmp, uint32_t n, uin
     return a;
 }
 
-/* An entry key's fields: block id, item (within its group), index in the item's table. */
-static uint64_t sweep_key(int32_t bid, uint32_t i, uint32_t b) {
-    return (uint64_t)(uint32_t)bid << 32 | (uint64_t)i << SWEEP_B_BITS | b;
-}
-static size_t key_bid(uint64_t e) { return (size_t)(e >> 32); }
-static uint32_t key_item(uint64_t e) { return (uint32_t)(e >> SWEEP_B_BITS) & (SWEEP_ITEMS - 1u); }
-static uint32_t key_b(uint64_t e) { return (uint32_t)e & ((1u << SWEEP_B_BITS) - 1u); }
 
 /* The bytes a chunk reads for one entry: its K/V runs and its item's state (queries and acc). */
 static size_t sweep_entry_bytes(const pkv__attn *at) {
@@ -1282,12 +1280,31 @@ static void finish_item(pkv__attn *at, uint32_t i) {
     if (part_done(&at->sweep_done[i], at->sweep_chunks)) merge_item(at, i);
 }
 
+/* Entry ek of chunk c's walk: its block, the keys its item sees there, the item's queries and the
+ * chunk's state for it, started (after the item's queries are ready) at the chunk's first entry
+ * of the item (*used: the items started). */
+static pass_blk sweep_entry(const pkv__attn *at, uint32_t c, uint64_t ek, uint32_t *used) {
+    const uint32_t i = key_item(ek), B = at->kv->block_tokens, D = at->kv->head_dim, rows = at->kv->n_kv_heads * at->G;
+    float *m = sweep_slot(at, i, c);
+    if (!(*used >> i & 1u)) {
+        *used |= 1u << i;
+        sweep_wait_queries(at, i);
+        for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, m[ROWS_MAX + r] = 0.0f;
+        memset(m + 2 * ROWS_MAX, 0, (size_t)rows * D * sizeof(float));
+    }
+    const uint32_t pos = sweep_item(at, i)->q_pos0, k_lo = key_lo(pos, at->call->window), kb = key_b(ek) * B;
+    const uint32_t t0 = k_lo > kb ? k_lo - kb : 0;
+    return (pass_blk){.bid = key_bid(ek), .t0 = t0, .n_keys = PKV_MIN(B, pos - kb + 1) - t0,
+                      .qp = at->sweep_q + (size_t)i * rows * PKV__ATTN_QROW_BYTES(D), .m = m, .l = m + ROWS_MAX,
+                      .acc = m + 2 * ROWS_MAX};
+}
+
 static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
     pkv__attn *at = ctx;
     const pkv__kv_view *kv = at->kv;
     const pkv__attn_call *call = at->call;
     const pkv__attn_kernels *kt = &at->kt;
-    const uint32_t D = kv->head_dim, B = kv->block_tokens, G = at->G, H = kv->n_kv_heads, rows = H * G;
+    const uint32_t D = kv->head_dim, G = at->G, H = kv->n_kv_heads, rows = H * G;
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     const scratch sc = thread_scratch(at, tid);
     float *s = sc.s; /* the chunk's states live in its slots */
@@ -1319,21 +1336,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
         pass_blk bl[PASS_BLOCKS_MAX];
         for (uint32_t xw0 = x0; xw0 < x1; xw0 += pw.W) {
             const uint32_t nw = PKV_MIN(pw.W, x1 - xw0);
-            for (uint32_t j = 0; j < nw; j++) {
-                const uint32_t i = key_item(e[xw0 + j]), b = key_b(e[xw0 + j]);
-                float *m = sweep_slot(at, i, c);
-                if (!(used >> i & 1u)) {
-                    used |= 1u << i;
-                    sweep_wait_queries(at, i);
-                    for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, m[ROWS_MAX + r] = 0.0f;
-                    memset(m + 2 * ROWS_MAX, 0, (size_t)rows * D * sizeof(float));
-                }
-                const uint32_t pos = sweep_item(at, i)->q_pos0, k_lo = key_lo(pos, call->window), kb = b * B;
-                const uint32_t t0 = k_lo > kb ? k_lo - kb : 0;
-                bl[j] = (pass_blk){.bid = key_bid(e[xw0 + j]), .t0 = t0, .n_keys = PKV_MIN(B, pos - kb + 1) - t0,
-                                   .qp = at->sweep_q + (size_t)i * rows * qrow, .m = m, .l = m + ROWS_MAX,
-                                   .acc = m + 2 * ROWS_MAX};
-            }
+            for (uint32_t j = 0; j < nw; j++) bl[j] = sweep_entry(at, c, e[xw0 + j], &used);
             pass_window(at, &pw, xw0, bl, nw, G, sc.sw, NULL, 0);
             for (uint32_t j = 0; j < nw; j++)
                 if (xw0 + j == last[key_item(e[xw0 + j])]) finish_item(at, key_item(e[xw0 + j]));
@@ -1348,18 +1351,11 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
     const bool state_pf =
         !at->sweep_wide && (uint64_t)(at->sweep_set_i1[set] - at->sweep_set_i0[set]) * entry_bytes > at->l2_bytes;
     for (uint32_t x = x0; x < x1; x++) {
-        const size_t bid = key_bid(e[x]);
-        const uint32_t i = key_item(e[x]), b = key_b(e[x]);
-        float *m = sweep_slot(at, i, c), *l = m + ROWS_MAX, *acc = m + 2 * ROWS_MAX;
-        if (!(used >> i & 1u)) {
-            used |= 1u << i;
-            sweep_wait_queries(at, i);
-            for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
-            memset(acc, 0, (size_t)rows * D * sizeof(float));
-        }
-        const uint32_t pos = sweep_item(at, i)->q_pos0, k_lo = key_lo(pos, call->window), kb = b * B;
-        const uint32_t t0 = k_lo > kb ? k_lo - kb : 0, n_keys = PKV_MIN(B, pos - kb + 1) - t0;
-        const uint8_t *qp = at->sweep_q + (size_t)i * rows * qrow, *kn = NULL, *vn = NULL;
+        const pass_blk eb = sweep_entry(at, c, e[x], &used);
+        const size_t bid = eb.bid;
+        const uint32_t i = key_item(e[x]), t0 = eb.t0, n_keys = eb.n_keys;
+        float *m = eb.m, *l = eb.l, *acc = eb.acc;
+        const uint8_t *qp = eb.qp, *kn = NULL, *vn = NULL;
         const uint8_t *qn = NULL, *an = NULL;
         if (PKV_ATTN_PF_DIST && x + PKV_ATTN_PF_DIST < x1) {
             kn = kv->k + key_bid(e[x + PKV_ATTN_PF_DIST]) * kv->k_block_bytes;
