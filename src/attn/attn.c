@@ -616,9 +616,9 @@ typedef struct head_io {
  * this block). The caller walks heads [h0, h1) of each block. By default the prefetch is the same
  * head of the next block. Where the call leads by bytes (pf_lead, set in pkv__attn_run where
  * pf_two and pf_l1 are; the row path only: two is false for the transposed one), it is the run
- * `ahead` heads on in that walk instead, into L2 where that is more than one head on, with the
- * next head's runs into L1 as well (pkv__attn_pf.near); one head on, it is that head's runs into
- * L1 alone.
+ * `ahead` heads on in that walk instead, with the NTA hint where that is more than one head on
+ * (attn.h, pkv__attn_pf.near), with the next head's runs into L1 as well; one head on, it is that
+ * head's runs into L1 alone.
  * xr, xn: NULL, or xn more bytes at xr for score to prefetch as well (run_chunk: the next
  * sequence's queries), spread over its steps as the second run of its pf where that run is
  * free; else the caller is told (false) and prefetches them itself. */
@@ -644,7 +644,7 @@ static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uin
     const uint8_t *r1 = accum_pf ? (xr ? xr : kx) : vx, *e1 = accum_pf ? (xr ? xr + xn : kx) : vx + vblk;
     io->pk = (pkv__attn_pf){.p = {kx, r1}, .end = {kx + kblk, e1}, .l1 = at->pf_l1, .fine = at->pf_fine};
     io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}, .l1 = at->pf_l1};
-    if (lead && ahead > 1) { /* the far run into L2, the next head's into L1: this block's h + 1, or the next's h0 */
+    if (lead && ahead > 1) { /* the far run (NTA), the next head's into L1: this block's h + 1, or the next's h0 */
         const bool here = h + 1 < h1;
         if (here || kn) {
             const uint8_t *kh = (here ? kb : kn) + (size_t)(here ? h + 1 : h0) * kblk;
@@ -741,7 +741,8 @@ static uint32_t key_b(uint64_t e) { return (uint32_t)e & ((1u << SWEEP_B_BITS) -
  * head's softmax and accum steps run in the same order as in one pass, on the same scores: the
  * results are the same bits. The prefetch leads by about PKV_ATTN_PF_LEAD bytes along the walk's
  * runs (a window's K runs, then its V runs, then the next window's K runs), at least two runs:
- * the run led to into L2, and where pf_l1 says the next run into L1 as well (pkv__attn_pf.near).
+ * the run led to into L2, and where pf_l1 says the next run into L1 as well (pkv__attn_pf.near;
+ * there the run led to takes the NTA hint instead, since stop 45).
  * Backends whose accum does not prefetch its V run (accum_pf: the quantized V kernels) keep one
  * pass. On Zen 5 (stop 44, ab-decode against one pass, 4096 x 16, 2 layers): f16 paged 0.914 at
  * 1 and 2 threads, contiguous 0.937 and 0.902; f32 and bf16 faster by 6-15% in the bench. */

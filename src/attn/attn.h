@@ -203,21 +203,27 @@ typedef struct pkv__attn_pf {
     int l1;        /* set by the driver: prefetch into L1 (T0) rather than L2 (T1): pkv__attn's pf_l1 */
     int fine;      /* set by the driver: a decode-sized score takes finer shares (PKV__ATTN_DEF_SCORE_ROWS4) */
     /* set by the driver, 0 or not: the prefetch at two levels (pkv__attn's pf_two). Each line of run
-     * 0 (the run the driver leads to, some heads on: attn.c, head_io_fill) goes into L2 (T1), and
-     * the line near bytes on, of the run of the next head the unit computes (this block's, or the
-     * next block's first), into L1 (T0): the memory's latency is hidden by the lead, and the lines
-     * are in L1 when their head starts, not evicted again by other heads in between. Run 1 goes
-     * by l1. */
+     * 0 (the run the driver leads to, some heads on: attn.c, head_io_fill) is fetched with the
+     * non-temporal hint (NTA), and the line near bytes on, of the run of the next head the unit
+     * computes (this block's, or the next block's first), into L1 (T0): the memory's latency is
+     * hidden by the lead, and the lines are in L1 when their head starts, not evicted again by
+     * other heads in between. Run 1 goes by l1. NTA rather than T1 for the lead (Zen 5, the one
+     * machine that sets pf_two; ab-decode, time NTA / T1): f16 4096 x 16 paged 0.974 at 1 thread
+     * and 0.979 at 2, contiguous 0.972 and 0.969, f32 paged 0.873 at 1 thread, contiguous 0.952
+     * at 2, bf16 paged 0.968 at 2, f16 32768 x 1 at 2 threads 0.947, q8_0 1.000, and with the
+     * K/V in the L3 (256 x 16) 0.996. Each K/V line is read once, so a hint that it need not be
+     * kept costs nothing; the near line's T0 as NTA measured 0.999 and 0.981 (f16 paged and
+     * contiguous at 1 thread): no better. */
     ptrdiff_t near;
 } pkv__attn_pf;
 
 /* n bytes of lines from x (n a multiple of 64; a constant where the caller's is): where near is
- * not 0 each into L2 and the line near bytes on into L1 (pkv__attn_pf.near), else into L1 where
- * l1 is set, else into L2. */
+ * not 0 each with the NTA hint and the line near bytes on into L1 (pkv__attn_pf.near), else into
+ * L1 where l1 is set, else into L2. */
 static inline __attribute__((always_inline)) void pkv__attn_pf_lines(const uint8_t *x, size_t n, int l1,
                                                                       ptrdiff_t near) {
     if (near)
-        for (size_t o = 0; o < n; o += 64) __builtin_prefetch(x + o, 0, 2), __builtin_prefetch(x + o + near, 0, 3);
+        for (size_t o = 0; o < n; o += 64) __builtin_prefetch(x + o, 0, 0), __builtin_prefetch(x + o + near, 0, 3);
     else if (l1)
         for (size_t o = 0; o < n; o += 64) __builtin_prefetch(x + o, 0, 3);
     else
