@@ -35,8 +35,9 @@ static void usage(FILE *f) {
             "buffers were placed). Each call uses another layer so\n"
             "the K/V working set (>= 1 GiB, at most 2 GiB of pool) exceeds the caches. A configuration\n"
             "is measured in 7 rounds (--rounds); each round samples the streaming read bandwidth (1 GiB buffer,\n"
-            "same thread count; the faster of a pass with the hardware's prefetch alone and one that also\n"
-            "prefetches 4 KiB ahead, as the kernels do) and then times contiguous and paged with their calls\n"
+            "same thread count; the fastest of a pass with the hardware's prefetch alone, one that also\n"
+            "prefetches 4 KiB ahead, as the kernels do, and where the library prefetches at two levels\n"
+            "(Zen 5) one that does so too) and then times contiguous and paged with their calls\n"
             "interleaved "
             "(contig, paged, paged, contig, ...), so the other tenants of a shared machine weigh on\n"
             "both sides of each ratio alike. Reports the median time per\n"
@@ -85,6 +86,8 @@ typedef struct bw_job {
     const uint64_t *p;
     size_t n;
     size_t pf_ahead; /* 0: no software prefetch; else each line prefetches the one this many bytes on */
+    size_t near;     /* 0, or (with pf_ahead) the library's two levels: pf_ahead with the NTA hint and
+                      * the line near bytes on into L1 (tool_sum_run) */
     int l1;          /* into L1, not L2 (as the library on this CPU: g_pf_l1) */
     uint64_t sum;
 } bw_job;
@@ -93,7 +96,8 @@ typedef struct bw_job {
 static void *bw_read(void *arg) {
     bw_job *j = arg;
     const uint8_t *p = (const uint8_t *)j->p;
-    j->sum = tool_sum_run(p, j->pf_ahead ? p + j->pf_ahead : NULL, NULL, j->n / 8 * 64, j->l1);
+    j->sum = tool_sum_run(p, j->pf_ahead ? p + j->pf_ahead : NULL, j->pf_ahead && j->near ? p + j->near : NULL,
+                          j->n / 8 * 64, j->l1);
     return NULL;
 }
 
@@ -184,11 +188,12 @@ static double run_pinned(int n, void *(*fn)(void *), void *args, size_t arg_size
 static int g_victim_l3, g_pf_l1, g_wide, g_two;
 
 /* One streaming pass over the buffer split between n_threads threads, each line's software
- * prefetch pf_ahead bytes on (0: none); GB/s. */
-static double bw_pass(int n_threads, size_t pf_ahead) {
+ * prefetch pf_ahead bytes on (0: none), at two levels where near is not 0 (bw_job); GB/s. */
+static double bw_pass(int n_threads, size_t pf_ahead, size_t near) {
     bw_job jobs[2];
     size_t per = g_bw_words / (size_t)n_threads;
-    for (int i = 0; i < n_threads; i++) jobs[i] = (bw_job){g_bw_buf + per * (size_t)i, per, pf_ahead, g_pf_l1, 0};
+    for (int i = 0; i < n_threads; i++)
+        jobs[i] = (bw_job){g_bw_buf + per * (size_t)i, per, pf_ahead, near, g_pf_l1, 0};
     const double sec = run_pinned(n_threads, bw_read, jobs, sizeof jobs[0]);
     for (int i = 0; i < n_threads; i++) g_sink += jobs[i].sum;
     return (double)(per * (size_t)n_threads * 8) * 1e-9 / sec;
@@ -198,13 +203,18 @@ static double bw_pass(int n_threads, size_t pf_ahead) {
  * next block's run of a kv head while it reads this one's). */
 #define BW_PF_AHEAD 4096u
 
-/* The read bandwidth: the faster of a pass that leaves the prefetching to the hardware and one
- * that also prefetches BW_PF_AHEAD bytes ahead, as the kernels do. On some machines the second
- * is much the faster (Intel, stop 36: 1.3-1.5x at 1 thread), and decode, which prefetches, read
- * up to 133% of a plain pass's rate: a ceiling the kernel beats is no ceiling. */
+/* The read bandwidth: the fastest of a pass that leaves the prefetching to the hardware, one
+ * that also prefetches BW_PF_AHEAD bytes ahead, as the kernels do, and where the library
+ * prefetches at two levels (g_pf_l1: Zen 5) one that does so too, PKV_ATTN_PF_LEAD bytes ahead
+ * with the NTA hint and BW_PF_AHEAD into L1. On some machines the second is much the faster
+ * (Intel, stop 36: 1.3-1.5x at 1 thread), and decode, which prefetches, read up to 133% of a
+ * plain pass's rate: a ceiling the kernel beats is no ceiling. On Zen 5 the NTA lead made decode
+ * read up to 114% of the other two (stop 45). */
 static double bw_sample(int n_threads) {
-    const double plain = bw_pass(n_threads, 0), ahead = bw_pass(n_threads, BW_PF_AHEAD);
-    return plain > ahead ? plain : ahead;
+    const double plain = bw_pass(n_threads, 0, 0), ahead = bw_pass(n_threads, BW_PF_AHEAD, 0);
+    const double two = g_pf_l1 ? bw_pass(n_threads, PKV_ATTN_PF_LEAD, BW_PF_AHEAD) : 0.0;
+    const double best = plain > ahead ? plain : ahead;
+    return best > two ? best : two;
 }
 
 /* The machine line's figure: the median of 3 samples. */
@@ -620,7 +630,8 @@ static const uint8_t *two_run(const pkv_layout *L, const uint8_t *K, const uint8
 /* Blocks ids[0 .. n) read as the library's two passes read them (g_two; attn.c, pass_window and
  * pass_pf): windows of as many blocks as 64 KiB of one decode's scores (H_Q rows a block) take,
  * at most 64; the prefetch leads by about PKV_ATTN_PF_LEAD bytes of the walk (2 x that over a K
- * and a V run's bytes, at least 2 runs) into L2, with the next run into L1 where g_pf_l1 says. */
+ * and a V run's bytes, at least 2 runs) into L2, or where g_pf_l1 says with the NTA hint and the
+ * next run into L1 (tool_sum_run). */
 static uint64_t read_two(const pkv_layout *L, const uint8_t *K, const uint8_t *V, const int32_t *ids, size_t n) {
     const size_t H = L->n_kv_heads, kh = L->k_block_bytes / H, vh = L->v_block_bytes / H;
     const size_t per = (size_t)H_Q * ((g_bt + 15u) & ~15u) * sizeof(float), w0 = (size_t)64 * 1024 / per;
@@ -755,7 +766,7 @@ static int time_decode_pair(setup su[2], const float *q, float *out, double max_
 
 /* A round of plain reads (time_abba): the ratio of the medians, paged / contiguous. */
 static double gather_ratio(setup su[2], uint32_t nt, double max_s, uint32_t min_calls) {
-    double med[2];
+    double med[2] = {1.0, 1.0};
     (void)time_abba(su, timed_gather, &nt, max_s, min_calls, med); /* a plain read cannot fail */
     return med[1] / med[0];
 }

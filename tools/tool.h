@@ -25,8 +25,8 @@ double tool_percentile(double *v, size_t n, double pct); /* sorts v in place, pc
  * them; NULL when out of memory. */
 void *tool_map_huge(size_t bytes);
 /* The sum of the 64-bit words of p[0, n), n a multiple of 64, 64-byte aligned; with pf, each line
- * read prefetches the line at the same offset of pf: where near is not NULL into L2 (T1) and the
- * line at that offset of near into L1 (T0), else into L1 where l1 is set, else into L2: a plain
+ * read prefetches the line at the same offset of pf: where near is not NULL with the NTA hint and
+ * the line at that offset of near into L1 (T0), else into L1 where l1 is set, else into L2: a plain
  * read as the decode kernels stream a run while prefetching the run they lead to (and, at two
  * levels, the next head's: src/attn/attn.h, pkv__attn_pf.near). */
 uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, const uint8_t *near, size_t n, int l1);
@@ -35,8 +35,8 @@ uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, const uint8_t *near, 
  * head's run of the next block (kn, vn; NULL: none) at the level l1 chooses. l1 == 2 is the
  * library's rule on Zen 5 (src/attn/attn.c, head_io_fill and pf_ahead, copied here by hand): the
  * run about PKV_ATTN_PF_LEAD bytes of K and V runs on (whole heads, this block's or the next's;
- * at least min_ahead: the library's 1 for f32 K, else 2; at most n_heads), into L2 with the next
- * head's runs into L1 where that is more than one head on, else into L1. The same macro name and
+ * at least min_ahead: the library's 1 for f32 K, else 2; at most n_heads), with the NTA hint and
+ * the next head's runs into L1 where that is more than one head on, else into L1. The same macro name and
  * default as attn.c's, so one -DPKV_ATTN_PF_LEAD=N (stop 41 built the library that way) moves
  * the kernels' lead and this read's together. */
 #ifndef PKV_ATTN_PF_LEAD

@@ -141,8 +141,8 @@ uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, const uint8_t *near, 
     uint64_t a = 0, b = 0, c = 0, d = 0;
     for (size_t o = 0; o < n; o += 64) {
         const uint64_t *w = (const uint64_t *)(const void *)(p + o);
-        if (pf && near)
-            __builtin_prefetch(pf + o, 0, 2), __builtin_prefetch(near + o, 0, 3);
+        if (pf && near) /* the library's two levels: the lead with the NTA hint, the next run into L1 */
+            __builtin_prefetch(pf + o, 0, 0), __builtin_prefetch(near + o, 0, 3);
         else if (pf && l1)
             __builtin_prefetch(pf + o, 0, 3);
         else if (pf)
