@@ -133,6 +133,14 @@ static void softmax_rows4(float *s, uint32_t ss, uint32_t n_pad, float *m, float
 
 static void softmax_vec(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
                         float *acc, uint32_t D) {
+    /* A decode head's block (4 query heads a kv head, 16-token blocks, no soft-cap) straight to
+     * softmax_rows4 with its trip counts constant, past the loops over rows for padding and
+     * soft-cap: ab-decode f16 256 x 16 (in cache, 1 thread) paged 0.980 and contiguous 0.981 of
+     * the time, 4096 x 16 paged from memory 0.975, f32 256 x 16 0.986 (stop 45). */
+    if (n_rows == 4 && n_keys == 16 && !(softcap > 0.0f)) {
+        softmax_rows4(s, ss, 16, m, l, acc, D);
+        return;
+    }
     const uint32_t n_pad = (n_keys + VF_N - 1) & ~(uint32_t)(VF_N - 1); /* rows of s are padded to a multiple of 16 */
     const vf c = vf_set1(softcap), m2ic = vf_set1(softcap > 0.0f ? -2.0f / softcap : 0.0f);
     for (uint32_t r = 0; r < n_rows; r++) {
