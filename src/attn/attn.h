@@ -211,9 +211,11 @@ typedef struct pkv__attn_pf {
      * machine that sets pf_two; ab-decode, time NTA / T1): f16 4096 x 16 paged 0.974 at 1 thread
      * and 0.979 at 2, contiguous 0.972 and 0.969, f32 paged 0.873 at 1 thread, contiguous 0.952
      * at 2, bf16 paged 0.968 at 2, f16 32768 x 1 at 2 threads 0.947, q8_0 1.000, and with the
-     * K/V in the L3 (256 x 16) 0.996. Each K/V line is read once, so a hint that it need not be
-     * kept costs nothing; the near line's T0 as NTA measured 0.999 and 0.981 (f16 paged and
-     * contiguous at 1 thread): no better. */
+     * K/V in the L3 (256 x 16) 0.996. A decode reads each K/V line once (a block shared by
+     * several sequences once a sequence where it is not swept: shared prefixes 0.993 at 1 thread
+     * and 1.004 at 2), so a hint that it need not be kept costs nothing measurable; the near
+     * line's T0 as NTA measured 0.999 and 0.981 (f16 paged and contiguous at 1 thread): no
+     * better. */
     ptrdiff_t near;
 } pkv__attn_pf;
 
