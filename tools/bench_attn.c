@@ -187,6 +187,16 @@ static double run_pinned(int n, void *(*fn)(void *), void *args, size_t arg_size
  * which it copies too (read_two) */
 static int g_victim_l3, g_pf_l1, g_wide, g_two;
 
+/* The value of var in the environment (NULL: unset), which sets *flag where it is on (1) or off
+ * (0), as the library reads its overrides; other values leave *flag alone (the library refuses
+ * them, and the bench ends before measuring: main). */
+static const char *env_override(const char *var, const char *on, const char *off, int *flag) {
+    const char *e = getenv(var);
+    if (e && !strcmp(e, on)) *flag = 1;
+    if (e && !strcmp(e, off)) *flag = 0;
+    return e;
+}
+
 /* One streaming pass over the buffer split between n_threads threads, each line's software
  * prefetch pf_ahead bytes on (0: none), at two levels where near is not 0 (bw_job); GB/s. */
 static double bw_pass(int n_threads, size_t pf_ahead, size_t near) {
@@ -1042,12 +1052,9 @@ int tool_bench_attn(int argc, char **argv) {
     for (size_t i = 0; i < g_bw_words; i++) g_bw_buf[i] = i;
     const unsigned family = amd_family();
     g_victim_l3 = family == 0x19u, g_pf_l1 = g_wide = g_two = family == 0x1Au;
-    const char *sweep_env = getenv("PKV_ATTN_SWEEP"); /* the library's overrides (pkv.h) */
-    if (sweep_env && !strcmp(sweep_env, "wide")) g_wide = 1;
-    if (sweep_env && !strcmp(sweep_env, "narrow")) g_wide = 0;
-    const char *passes_env = getenv("PKV_ATTN_PASSES");
-    if (passes_env && !strcmp(passes_env, "two")) g_two = 1;
-    if (passes_env && !strcmp(passes_env, "one")) g_two = 0;
+    /* the library's overrides (pkv.h) */
+    const char *sweep_env = env_override("PKV_ATTN_SWEEP", "wide", "narrow", &g_wide);
+    const char *passes_env = env_override("PKV_ATTN_PASSES", "two", "one", &g_two);
     /* the backend a cache picks; a cache the library refuses here (the environment's
      * PKV_ATTN_BACKEND, PKV_ATTN_ORDER, PKV_ATTN_SWEEP or PKV_ATTN_PASSES) ends the run before any
      * measurement */

@@ -597,10 +597,11 @@ static scratch thread_scratch(const pkv__attn *at, uint32_t tid) {
 #ifndef PKV_ATTN_PF_LEAD
 #define PKV_ATTN_PF_LEAD ((size_t)16 * 1024)
 #endif
-static uint32_t pf_ahead(size_t run, bool wide) {
-    const size_t a = (PKV_ATTN_PF_LEAD + run - 1) / run, least = wide ? 1 : 2;
-    return (uint32_t)PKV_MIN(PKV_MAX(a, least), (size_t)UINT32_MAX);
+/* How many runs of run bytes make lead bytes, rounded up: at least least, at most most. */
+static uint32_t lead_runs(size_t lead, size_t run, size_t least, size_t most) {
+    return (uint32_t)PKV_MIN(PKV_MAX((lead + run - 1) / run, least), most);
 }
+static uint32_t pf_ahead(size_t run, bool wide) { return lead_runs(PKV_ATTN_PF_LEAD, run, wide ? 1 : 2, UINT32_MAX); }
 
 /* What score and accum read for kv head h of block bid from key t0 (kr, vr), and what they
  * prefetch meanwhile: the K and V runs head_io_fill picks (by default the same head's of the
@@ -741,8 +742,8 @@ static uint32_t key_b(uint64_t e) { return (uint32_t)e & ((1u << SWEEP_B_BITS) -
  * head's softmax and accum steps run in the same order as in one pass, on the same scores: the
  * results are the same bits. The prefetch leads by about PKV_ATTN_PF_LEAD bytes along the walk's
  * runs (a window's K runs, then its V runs, then the next window's K runs), at least two runs:
- * the run led to into L2, and where pf_l1 says the next run into L1 as well (pkv__attn_pf.near;
- * there the run led to takes the NTA hint instead, since stop 45).
+ * the run led to into L2, or where pf_l1 says with the NTA hint and the next run into L1 as well
+ * (pkv__attn_pf.near).
  * Backends whose accum does not prefetch its V run (accum_pf: the quantized V kernels) keep one
  * pass. On Zen 5 (stop 44, ab-decode against one pass, 4096 x 16, 2 layers): f16 paged 0.914 at
  * 1 and 2 threads, contiguous 0.937 and 0.902; f32 and bf16 faster by 6-15% in the bench. */
@@ -1476,13 +1477,11 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     at->kv = kv;
     at->call = call;
     at->G = call->n_q_heads / kv->n_kv_heads;
-    at->pf_lead = at->pf_two && at->pf_l1 ? pf_ahead((size_t)kv->block_tokens * (kv->k_row_bytes + kv->v_row_bytes),
-                                                     kv->k_dtype == PKV_DTYPE_F32)
-                                          : 0;
-    {   /* the two passes' lead: about PKV_ATTN_PF_LEAD bytes of runs, at least two */
-        const size_t run2 = (size_t)kv->block_tokens * (kv->k_row_bytes + kv->v_row_bytes);
-        at->pass_ahead = (uint32_t)PKV_MIN(PKV_MAX((2 * PKV_ATTN_PF_LEAD + run2 - 1) / run2, (size_t)2), (size_t)64);
-    }
+    /* the bytes of a head's K and V runs of a block: the one-pass lead counts heads of them; the
+     * two passes' lead counts single runs, about PKV_ATTN_PF_LEAD bytes of them, 2 to 64 */
+    const size_t run2 = (size_t)kv->block_tokens * (kv->k_row_bytes + kv->v_row_bytes);
+    at->pf_lead = at->pf_two && at->pf_l1 ? pf_ahead(run2, kv->k_dtype == PKV_DTYPE_F32) : 0;
+    at->pass_ahead = lead_runs(2 * PKV_ATTN_PF_LEAD, run2, 2, 64);
     at->items = items;
     at->n_items = n_items;
     const uint64_t elems_per_head_block = (uint64_t)kv->block_tokens * kv->head_dim;
