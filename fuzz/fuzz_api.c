@@ -1,10 +1,13 @@
 /* fuzz_api.c: libFuzzer target: decodes the input into pagedkv API calls (create with salts,
- * append + write, commit, match, fork, truncate, release, pin, unpin, bad calls) against a
- * small cache and the shadow model of prefix_model.h; checks the cache after every call.
+ * append + write, commit, match, fork, truncate, release, pin, unpin, attention decode and
+ * prefill, bad calls) against a small cache and the shadow model of prefix_model.h; checks the
+ * cache after every call and each attention result against the model's reference.
  *
  * Input: byte 0 picks block size, dtypes and layers, byte 1 the pool size, byte 2 whether the
- * prefix cache is on; the rest is the call script (pm_step). Any disagreement with the model
- * or a failing pkv_cache_check aborts (a finding); no input may crash the library. */
+ * prefix cache is on (0xff: off) and, bit 2, whether attention reads in pool order
+ * (PKV_ATTN_ORDER=pool, else auto); the rest is the call script (pm_step). Any disagreement
+ * with the model or a failing pkv_cache_check aborts (a finding); no input may crash the
+ * library. */
 #include "prefix_model.h"
 
 #include <stdio.h>
@@ -19,6 +22,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     pm_src src = {.p = data + 3, .n = size - 3};
     pkv_config cfg = pm_config(data[0], data[1], data[2] == 0xff);
     pm_world *w = &g_world;
+    if (setenv("PKV_ATTN_ORDER", data[2] & 4 ? "pool" : "auto", 1) != 0) abort();
     if (pm_init(w, &cfg, 0x5eed + (data[2] & 3)) < 0) {
         fprintf(stderr, "fuzz_api: %s\n", w->err);
         abort();

@@ -9,13 +9,17 @@
  * value mismatch. Values are k/8 with |k| <= 128: exact in f32, f16 and bf16.
  *
  * After every call the interpreter runs pkv_cache_check, gathers every layer of every live
- * sequence and compares with the model, and compares the stats it can predict. Public API only.
+ * sequence and compares with the model, and compares the stats it can predict. Its attention
+ * step (pm_op_attn) runs decode or ragged prefill over some live sequences and compares each
+ * output and log-sum-exp with a double-precision reference over the model's K/V, or makes a
+ * call with one bad input and checks its status and that nothing was written. Public API only.
  * Header-only (static functions) so both users compile it without build-system changes. */
 #ifndef PKV_PREFIX_MODEL_H
 #define PKV_PREFIX_MODEL_H
 
 #include "pkv.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -30,6 +34,8 @@
 #define PM_PROMPT_MAX 72
 #define PM_N_SALTS 4
 #define PM_N_STALE 8
+#define PM_ATTN_MAX_Q 256           /* queries of one attention call */
+#define PM_ATTN_MAX_HQ (2 * PM_MAX_H) /* query heads: 1 or 2 a kv head */
 
 /* The oracle's arithmetic and comparison loops are not fuzzing targets: keep libFuzzer's
    comparison tracing out of them (it cost most of the run time), the library stays instrumented. */
@@ -67,12 +73,15 @@ typedef struct pm_world {
     uint64_t lookups, tokens_hit, tokens_queried;
     /* coverage, so a test can insist the workload did exercise reuse */
     uint64_t n_steps, n_matches, n_full_block_hits, n_partial_hits, n_enospc, n_forks, n_pins, n_truncs;
+    uint64_t n_attn, n_attn_queries, n_attn_bad; /* attention calls checked, their queries, bad calls */
     char err[600];
     int trace; /* print every call to stderr (PM_TRACE=1 in the tests, -trace in the fuzzer) */
     /* scratch */
     float kbuf[PM_MAX_TOK * PM_MAX_H * PM_MAX_D], vbuf[PM_MAX_TOK * PM_MAX_H * PM_MAX_D];
     float kexp[PM_MAX_TOK * PM_MAX_H * PM_MAX_D], vexp[PM_MAX_TOK * PM_MAX_H * PM_MAX_D];
     int32_t slots[PM_MAX_TOK], table[PM_MAX_TOK];
+    float aq[PM_ATTN_MAX_Q * PM_ATTN_MAX_HQ * PM_MAX_D], aout[PM_ATTN_MAX_Q * PM_ATTN_MAX_HQ * PM_MAX_D];
+    float alse[PM_ATTN_MAX_Q * PM_ATTN_MAX_HQ];
 } pm_world;
 
 static const char *const pm_salts[PM_N_SALTS] = {"", "tenant-a", "tenant-b", "tenant-a\0x"};
@@ -396,8 +405,134 @@ enum {
     PM_OP_NEGATIVE,
     PM_OP_REWRITE,
     PM_OP_MATCH2,
+    PM_OP_ATTN,
     PM_OP_COUNT
 };
+
+/* The attention oracle: query row qv (Hq heads x D) at position pos of q, layer l, in double
+ * from the model's K/V (exact in every pool dtype the model uses), into ref (Hq x D) and lse. */
+PM_NOCOV static inline void pm_attn_ref(const pm_world *w, const pm_seq *q, uint32_t l, uint32_t pos, uint32_t Hq,
+                                        const pkv_attn_params *ap, const float *qv, double *ref, double *lse) {
+    const uint32_t H = w->cfg.n_kv_heads, D = w->cfg.head_dim, G = Hq / H;
+    const double scale = ap->scale > 0.0f ? ap->scale : 1.0 / sqrt((double)D);
+    const uint32_t lo = ap->window && pos + 1 > ap->window ? pos + 1 - ap->window : 0;
+    static double sc[PM_MAX_TOK];
+    for (uint32_t h = 0; h < Hq; h++) {
+        double mx = -INFINITY, sum = 0.0;
+        for (uint32_t j = lo; j <= pos; j++) {
+            double x = 0.0;
+            for (uint32_t d = 0; d < D; d++) x += (double)qv[h * D + d] * pm_val(q->h[j], l, 0, h / G, d);
+            x *= scale;
+            if (ap->softcap > 0.0f) x = ap->softcap * tanh(x / ap->softcap);
+            sc[j] = x;
+            if (x > mx) mx = x;
+        }
+        for (uint32_t d = 0; d < D; d++) ref[h * D + d] = 0.0;
+        for (uint32_t j = lo; j <= pos; j++) {
+            const double e = exp(sc[j] - mx);
+            sum += e;
+            for (uint32_t d = 0; d < D; d++) ref[h * D + d] += e * pm_val(q->h[j], l, 1, h / G, d);
+        }
+        for (uint32_t d = 0; d < D; d++) ref[h * D + d] /= sum;
+        lse[h] = mx + log(sum);
+    }
+}
+
+/* Attention over the live sequences: a decode or a ragged prefill batch of some of them, with
+ * random parameters, compared with pm_attn_ref; or a call with one bad input, which must fail
+ * with its status and leave out and lse as they were. */
+static inline int pm_op_attn(pm_world *w, pm_src *src) {
+    const uint32_t H = w->cfg.n_kv_heads, D = w->cfg.head_dim;
+    pm_seq *pick[PM_MAX_SEQS];
+    uint32_t n = 0, want = 1 + pm_byte(src) % 8, k0 = pm_byte(src);
+    for (int j = 0; j < PM_MAX_SEQS && n < want; j++) {
+        pm_seq *q = &w->s[(k0 + (uint32_t)j) % PM_MAX_SEQS];
+        if (q->live && !q->is_pin && q->len) pick[n++] = q;
+    }
+    if (!n) return 0;
+    const uint32_t G = 1 + pm_byte(src) % 2, Hq = H * G, layer = pm_byte(src) % w->cfg.n_layers;
+    const uint32_t b = pm_byte(src);
+    pkv_attn_params ap = pkv_attn_params_default();
+    ap.n_q_heads = G == 1 && (b & 1) ? 0 : Hq;
+    ap.scale = b & 2 ? 0.0f : 0.125f * (float)(1 + b % 8);
+    ap.softcap = b % 3 == 0 ? 4.0f + (float)(pm_byte(src) % 16) : 0.0f;
+    ap.window = b % 5 == 0 ? 1 + pm_byte(src) % 20 : 0;
+    ap.lse = b & 4 ? w->alse : NULL;
+    const int prefill = pm_byte(src) & 1;
+    pkv_seq seqs[PM_MAX_SEQS];
+    pkv_attn_req reqs[PM_MAX_SEQS];
+    uint32_t nq = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        seqs[i] = pick[i]->id;
+        uint32_t len = pick[i]->len, q0 = len - 1, m = 1;
+        if (prefill) {
+            q0 = pm_below(src, len);
+            m = 1 + pm_below(src, len - q0);
+            if (pm_byte(src) < 40) q0 = len - 1, m = 1; /* a decode beside the extends */
+            else if (pm_byte(src) < 20) m = 0;          /* an empty request */
+            if (m > PM_ATTN_MAX_Q - nq) m = PM_ATTN_MAX_Q - nq;
+        }
+        reqs[i] = (pkv_attn_req){.seq = pick[i]->id, .q_start = q0, .n_q = m};
+        nq += m;
+    }
+    for (size_t i = 0; i < (size_t)nq * Hq * D; i++) w->aq[i] = (float)((int)pm_byte(src) - 128) / 64.0f;
+    /* out and lse start as a pattern a bad call must leave */
+    memset(w->aout, 0x5a, sizeof w->aout);
+    memset(w->alse, 0x5a, sizeof w->alse);
+    const uint32_t bad = pm_byte(src) < 48 ? 1 + pm_byte(src) % 6 : 0;
+    int want_rc = 0;
+    uint32_t l = layer;
+    const float *qp = w->aq;
+    if (bad == 1) l = w->cfg.n_layers, want_rc = PKV_EINVAL;
+    if (bad == 2) ap.n_q_heads = Hq + 1, want_rc = PKV_EINVAL; /* not a multiple of H (2) */
+    if (bad == 3) qp = NULL, want_rc = PKV_EINVAL;
+    if (bad == 4) ap.softcap = -1.0f, want_rc = PKV_EINVAL;
+    if (bad == 5 && w->n_stale) {
+        pkv_seq id = w->stale[pm_below(src, w->n_stale < PM_N_STALE ? w->n_stale : PM_N_STALE)];
+        seqs[n - 1] = reqs[n - 1].seq = id;
+        want_rc = PKV_ENOENT;
+    }
+    if (bad == 6 && prefill) reqs[n - 1].n_q = pick[n - 1]->len - reqs[n - 1].q_start + 1, want_rc = PKV_EINVAL;
+    int rc = prefill ? pkv_attn_prefill(w->c, l, reqs, n, qp, w->aout, &ap)
+                     : pkv_attn_decode(w->c, l, seqs, n, qp, w->aout, &ap);
+    PM_TR(w, "   attn %s of %u seqs (%u queries, Hq %u, layer %u, scale %g cap %g window %u lse %d, bad %u) -> %s\n",
+          prefill ? "prefill" : "decode", n, nq, Hq, l, (double)ap.scale, (double)ap.softcap, ap.window,
+          ap.lse != NULL, bad, pkv_strerror(rc));
+    if (want_rc) {
+        PM_EXPECT(w, rc == want_rc, "attn with bad input %u: %s, want %s", bad, pkv_strerror(rc), pkv_strerror(want_rc));
+        for (size_t i = 0; i < sizeof w->aout; i++)
+            PM_EXPECT(w, ((const uint8_t *)w->aout)[i] == 0x5a, "attn with bad input %u wrote out", bad);
+        for (size_t i = 0; i < sizeof w->alse; i++)
+            PM_EXPECT(w, ((const uint8_t *)w->alse)[i] == 0x5a, "attn with bad input %u wrote lse", bad);
+        w->n_attn_bad++;
+        return 0;
+    }
+    PM_EXPECT(w, rc == 0, "attn %s of %u seqs: %s", prefill ? "prefill" : "decode", n, pkv_strerror(rc));
+    /* f32 arithmetic over at most PM_MAX_TOK keys of values up to 16 */
+    const double tol = 5e-4;
+    double ref[PM_ATTN_MAX_HQ * PM_MAX_D], lse[PM_ATTN_MAX_HQ];
+    size_t row = 0;
+    for (uint32_t i = 0; i < n; i++)
+        for (uint32_t t = 0; t < reqs[i].n_q; t++, row++) {
+            const uint32_t pos = reqs[i].q_start + t;
+            pm_attn_ref(w, pick[i], layer, pos, Hq, &ap, w->aq + row * Hq * D, ref, lse);
+            for (uint32_t e = 0; e < Hq * D; e++) {
+                const float o = w->aout[row * Hq * D + e];
+                PM_EXPECT(w, fabs((double)o - ref[e]) <= tol,
+                          "attn %s seq %d pos %u (len %u) head %u dim %u: %.7g, reference %.7g",
+                          prefill ? "prefill" : "decode", PM_SI(w, pick[i]), pos, pick[i]->len, e / D, e % D,
+                          (double)o, ref[e]);
+            }
+            if (ap.lse)
+                for (uint32_t h = 0; h < Hq; h++)
+                    PM_EXPECT(w, fabs((double)w->alse[row * Hq + h] - lse[h]) <= 1e-4 * (1.0 + fabs(lse[h])),
+                              "attn lse seq %d pos %u head %u: %.7g, reference %.7g", PM_SI(w, pick[i]), pos, h,
+                              (double)w->alse[row * Hq + h], lse[h]);
+        }
+    w->n_attn++;
+    w->n_attn_queries += nq;
+    return 0;
+}
 
 static inline int pm_op_match(pm_world *w, pm_src *src) {
     int32_t prompt[PM_PROMPT_MAX];
@@ -668,6 +803,9 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         }
         break;
     }
+    case PM_OP_ATTN:
+        if (pm_op_attn(w, src) < 0) return -1;
+        break;
     case PM_OP_REWRITE: {
         /* rewrite one position with the value it already holds: allowed only for an uncommitted
            position of a block nobody else holds; either way the data must stay the same */

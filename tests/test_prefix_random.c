@@ -13,6 +13,7 @@
 
 typedef struct totals {
     uint64_t matches, full_hits, partial_hits, evictions, cow, enospc, forks, pins, truncs, tokens_hit;
+    uint64_t attn, attn_queries, attn_bad, attn_pool;
 } totals;
 
 static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, int steps, totals *t) {
@@ -39,6 +40,10 @@ static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, i
     t->pins += w->n_pins;
     t->truncs += w->n_truncs;
     t->tokens_hit += st.prefix_tokens_hit;
+    t->attn += w->n_attn;
+    t->attn_queries += w->n_attn_queries;
+    t->attn_bad += w->n_attn_bad;
+    t->attn_pool += st.attn_reqs_pool;
     pm_fini(w);
     free(w);
 }
@@ -48,15 +53,19 @@ static void test_prefix_random_b4(void **state) {
     (void)state;
     totals t = {0};
     for (uint64_t seed = 1; seed <= 6; seed++) run_world(0x00, (uint32_t)(seed * 7), 0, seed, 1500, &t);
-    print_message("B=4: matches %llu full-block hits %llu partial hits %llu evictions %llu cow %llu enospc %llu\n",
+    print_message("B=4: matches %llu full-block hits %llu partial hits %llu evictions %llu cow %llu enospc %llu "
+                  "attention calls %llu (%llu queries) bad %llu\n",
                   (unsigned long long)t.matches, (unsigned long long)t.full_hits, (unsigned long long)t.partial_hits,
-                  (unsigned long long)t.evictions, (unsigned long long)t.cow, (unsigned long long)t.enospc);
+                  (unsigned long long)t.evictions, (unsigned long long)t.cow, (unsigned long long)t.enospc,
+                  (unsigned long long)t.attn, (unsigned long long)t.attn_queries, (unsigned long long)t.attn_bad);
     /* the workload must really exercise what it checks, or it proves nothing */
     assert_true(t.full_hits > 0);
     assert_true(t.partial_hits > 0);
     assert_true(t.evictions > 0);
     assert_true(t.cow > 0);
     assert_true(t.forks > 0 && t.pins > 0 && t.truncs > 0);
+    /* attention over those sequences, against the model's K/V, and its bad calls */
+    assert_true(t.attn > 0 && t.attn_queries > t.attn && t.attn_bad > 0);
 }
 
 /* Other block sizes (1, 3, 16), dtypes (f32, bf16, mixed K/V) and two layers. */
@@ -82,11 +91,28 @@ static void test_prefix_random_disabled(void **state) {
     assert_int_equal(t.tokens_hit, 0);
 }
 
+/* The same workloads with attention read in pool order (the sweep), whatever the call's size:
+ * after forks, CoW, truncates and prefix reuse, the blocks of a batch are shared and scattered. */
+static void test_prefix_random_attn_pool(void **state) {
+    (void)state;
+    totals t = {0};
+    assert_int_equal(setenv("PKV_ATTN_ORDER", "pool", 1), 0);
+    for (uint64_t seed = 1; seed <= 3; seed++) run_world(0x00, (uint32_t)(seed * 7), 0, 200 + seed, 1500, &t);
+    static const uint32_t b0s[] = {0x01, 0x03, 0x88, 0x16};
+    for (size_t i = 0; i < sizeof b0s / sizeof b0s[0]; i++) run_world(b0s[i], (uint32_t)(13 + i), 0, 300 + i, 1000, &t);
+    assert_int_equal(unsetenv("PKV_ATTN_ORDER"), 0);
+    print_message("pool order: %llu attention calls checked (%llu queries, %llu read in pool order), %llu bad calls\n",
+                  (unsigned long long)t.attn, (unsigned long long)t.attn_queries, (unsigned long long)t.attn_pool,
+                  (unsigned long long)t.attn_bad);
+    assert_true(t.attn > 0 && t.attn_pool > 0 && t.attn_bad > 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prefix_random_b4),
         cmocka_unit_test(test_prefix_random_shapes),
         cmocka_unit_test(test_prefix_random_disabled),
+        cmocka_unit_test(test_prefix_random_attn_pool),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
