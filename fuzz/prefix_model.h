@@ -35,6 +35,7 @@
 #define PM_N_SALTS 4
 #define PM_N_STALE 8
 #define PM_ATTN_MAX_Q 256           /* queries of one attention call */
+#define PM_ATTN_MAX_SEQS 20         /* its requests (more than max_seqs, PM_MAX_SEQS) */
 #define PM_ATTN_MAX_HQ (2 * PM_MAX_H) /* query heads: 1 or 2 a kv head */
 
 /* The oracle's arithmetic and comparison loops are not fuzzing targets: keep libFuzzer's
@@ -443,13 +444,15 @@ PM_NOCOV static inline void pm_attn_ref(const pm_world *w, const pm_seq *q, uint
  * with its status and leave out and lse as they were. */
 static inline int pm_op_attn(pm_world *w, pm_src *src) {
     const uint32_t H = w->cfg.n_kv_heads, D = w->cfg.head_dim;
-    pm_seq *pick[PM_MAX_SEQS];
+    pm_seq *pick[PM_ATTN_MAX_SEQS];
     uint32_t n = 0, want = 1 + pm_byte(src) % 8, k0 = pm_byte(src);
     for (int j = 0; j < PM_MAX_SEQS && n < want; j++) {
         pm_seq *q = &w->s[(k0 + (uint32_t)j) % PM_MAX_SEQS];
         if (q->live && !q->is_pin && q->len) pick[n++] = q;
     }
     if (!n) return 0;
+    if (pm_byte(src) < 32) /* repeats, past max_seqs: a batch the cache runs in groups */
+        for (uint32_t m = n; n < PM_ATTN_MAX_SEQS; n++) pick[n] = pick[pm_below(src, m)];
     const uint32_t G = 1 + pm_byte(src) % 2, Hq = H * G, layer = pm_byte(src) % w->cfg.n_layers;
     const uint32_t b = pm_byte(src);
     pkv_attn_params ap = pkv_attn_params_default();
@@ -459,8 +462,8 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     ap.window = b % 5 == 0 ? 1 + pm_byte(src) % 20 : 0;
     ap.lse = b & 4 ? w->alse : NULL;
     const int prefill = pm_byte(src) & 1;
-    pkv_seq seqs[PM_MAX_SEQS];
-    pkv_attn_req reqs[PM_MAX_SEQS];
+    pkv_seq seqs[PM_ATTN_MAX_SEQS];
+    pkv_attn_req reqs[PM_ATTN_MAX_SEQS];
     uint32_t nq = 0;
     for (uint32_t i = 0; i < n; i++) {
         seqs[i] = pick[i]->id;
