@@ -511,6 +511,10 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         return 0;
     }
     PM_EXPECT(w, rc == 0, "attn %s of %u seqs: %s", prefill ? "prefill" : "decode", n, pkv_strerror(rc));
+    for (size_t i = (size_t)nq * Hq * D * sizeof(float); i < sizeof w->aout; i++) /* nothing past the last row, */
+        PM_EXPECT(w, ((const uint8_t *)w->aout)[i] == 0x5a, "attn wrote out past its %u queries", nq);
+    for (size_t i = ap.lse ? (size_t)nq * Hq * sizeof(float) : 0; i < sizeof w->alse; i++)
+        PM_EXPECT(w, ((const uint8_t *)w->alse)[i] == 0x5a, "attn wrote lse past its %u queries (or unasked)", nq);
     /* f32 arithmetic over at most PM_MAX_TOK keys of values up to 16 */
     const double tol = 5e-4;
     double ref[PM_ATTN_MAX_HQ * PM_MAX_D], lse[PM_ATTN_MAX_HQ];
