@@ -2,10 +2,10 @@
 """make_corpus.py: writes the seed corpus of fuzz_api (fuzz/corpus/seed-NN), deterministic.
 
 Input format (fuzz/fuzz_api.c): byte 0 = config (block size 4/1/3/16 in bits 0-1, dtypes,
-layers in bit 7), byte 1 = pool size, byte 2 = prompt set (0xff: prefix cache off; bit 2: attention in pool order), then the
-call script read by pm_step (op byte, then its operand bytes). Each seed covers one config with
-a script biased towards one theme (matches, eviction pressure, forks/truncates, pins,
-attention over them)."""
+layers in bit 7), byte 1 = pool size, byte 2 = prompt set (0xff: prefix cache off; bit 2:
+attention in pool order), then the call script read by pm_step (op byte, then its operand
+bytes). Each seed covers one config with a script biased towards one theme (matches, eviction
+pressure, forks/truncates, pins, attention over them)."""
 import os
 import random
 
@@ -31,10 +31,11 @@ def main():
     for theme, ops in THEMES.items():
         for k in range(4):
             cfg = configs[(n + k) % len(configs)]
+            pool = rng.randrange(256)
             b2 = 0xFF if (theme == "mixed" and k == 3) else rng.randrange(4)
             if theme == "attn" and k % 2:
                 b2 |= 4  # attention in pool order
-            data = bytearray([cfg, rng.randrange(256), b2])
+            data = bytearray([cfg, pool, b2])
             for _ in range(rng.randrange(40, 90)):
                 data.append(rng.choice(ops))
                 data.extend(rng.randrange(256) for _ in range(6))  # operands: any bytes decode

@@ -34,8 +34,8 @@
 #define PM_PROMPT_MAX 72
 #define PM_N_SALTS 4
 #define PM_N_STALE 8
-#define PM_ATTN_MAX_Q 256           /* queries of one attention call */
-#define PM_ATTN_MAX_SEQS 20         /* its requests (more than max_seqs, PM_MAX_SEQS) */
+#define PM_ATTN_MAX_Q 256             /* queries of one attention call */
+#define PM_ATTN_MAX_SEQS 20           /* its requests (more than max_seqs, PM_MAX_SEQS) */
 #define PM_ATTN_MAX_HQ (2 * PM_MAX_H) /* query heads: 1 or 2 a kv head */
 
 /* The oracle's arithmetic and comparison loops are not fuzzing targets: keep libFuzzer's
@@ -237,6 +237,20 @@ PM_NOCOV static inline void pm_push_tokens(pm_seq *q, const int32_t *tok, uint32
 static inline void pm_add_stale(pm_world *w, pkv_seq id) {
     w->stale[w->n_stale % PM_N_STALE] = id;
     w->n_stale++;
+}
+
+/* One of the remembered released ids (n_stale > 0), chosen by the source. */
+static inline pkv_seq pm_stale_id(pm_world *w, pm_src *src) {
+    return w->stale[pm_below(src, w->n_stale < PM_N_STALE ? w->n_stale : PM_N_STALE)];
+}
+
+/* Whether bytes [from, n) of p all still hold PM_UNTOUCHED (the pattern pm_op_attn fills its
+ * outputs with). */
+#define PM_UNTOUCHED 0x5a
+PM_NOCOV static inline int pm_untouched(const void *p, size_t from, size_t n) {
+    for (size_t i = from; i < n; i++)
+        if (((const uint8_t *)p)[i] != PM_UNTOUCHED) return 0;
+    return 1;
 }
 
 /* Writes the model's K/V of positions [start, start + n) of q at `slots`, every layer. */
@@ -479,9 +493,9 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         nq += m;
     }
     for (size_t i = 0; i < (size_t)nq * Hq * D; i++) w->aq[i] = (float)((int)pm_byte(src) - 128) / 64.0f;
-    /* out and lse start as a pattern a bad call must leave */
-    memset(w->aout, 0x5a, sizeof w->aout);
-    memset(w->alse, 0x5a, sizeof w->alse);
+    /* out and lse start as a pattern a bad call must leave, and a good one past its queries */
+    memset(w->aout, PM_UNTOUCHED, sizeof w->aout);
+    memset(w->alse, PM_UNTOUCHED, sizeof w->alse);
     const uint32_t bad = pm_byte(src) < 48 ? 1 + pm_byte(src) % 6 : 0;
     int want_rc = 0;
     uint32_t l = layer;
@@ -491,8 +505,7 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     if (bad == 3) qp = NULL, want_rc = PKV_EINVAL;
     if (bad == 4) ap.softcap = -1.0f, want_rc = PKV_EINVAL;
     if (bad == 5 && w->n_stale) {
-        pkv_seq id = w->stale[pm_below(src, w->n_stale < PM_N_STALE ? w->n_stale : PM_N_STALE)];
-        seqs[n - 1] = reqs[n - 1].seq = id;
+        seqs[n - 1] = reqs[n - 1].seq = pm_stale_id(w, src);
         want_rc = PKV_ENOENT;
     }
     if (bad == 6 && prefill) reqs[n - 1].n_q = pick[n - 1]->len - reqs[n - 1].q_start + 1, want_rc = PKV_EINVAL;
@@ -503,18 +516,16 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
           ap.lse != NULL, bad, pkv_strerror(rc));
     if (want_rc) {
         PM_EXPECT(w, rc == want_rc, "attn with bad input %u: %s, want %s", bad, pkv_strerror(rc), pkv_strerror(want_rc));
-        for (size_t i = 0; i < sizeof w->aout; i++)
-            PM_EXPECT(w, ((const uint8_t *)w->aout)[i] == 0x5a, "attn with bad input %u wrote out", bad);
-        for (size_t i = 0; i < sizeof w->alse; i++)
-            PM_EXPECT(w, ((const uint8_t *)w->alse)[i] == 0x5a, "attn with bad input %u wrote lse", bad);
+        PM_EXPECT(w, pm_untouched(w->aout, 0, sizeof w->aout), "attn with bad input %u wrote out", bad);
+        PM_EXPECT(w, pm_untouched(w->alse, 0, sizeof w->alse), "attn with bad input %u wrote lse", bad);
         w->n_attn_bad++;
         return 0;
     }
     PM_EXPECT(w, rc == 0, "attn %s of %u seqs: %s", prefill ? "prefill" : "decode", n, pkv_strerror(rc));
-    for (size_t i = (size_t)nq * Hq * D * sizeof(float); i < sizeof w->aout; i++) /* nothing past the last row, */
-        PM_EXPECT(w, ((const uint8_t *)w->aout)[i] == 0x5a, "attn wrote out past its %u queries", nq);
-    for (size_t i = ap.lse ? (size_t)nq * Hq * sizeof(float) : 0; i < sizeof w->alse; i++)
-        PM_EXPECT(w, ((const uint8_t *)w->alse)[i] == 0x5a, "attn wrote lse past its %u queries (or unasked)", nq);
+    PM_EXPECT(w, pm_untouched(w->aout, (size_t)nq * Hq * D * sizeof(float), sizeof w->aout),
+              "attn wrote out past its %u queries", nq);
+    PM_EXPECT(w, pm_untouched(w->alse, ap.lse ? (size_t)nq * Hq * sizeof(float) : 0, sizeof w->alse),
+              "attn wrote lse past its %u queries (or unasked)", nq);
     /* f32 arithmetic over at most PM_MAX_TOK keys of values up to 16 */
     const double tol = 5e-4;
     double ref[PM_ATTN_MAX_HQ * PM_MAX_D], lse[PM_ATTN_MAX_HQ];
@@ -777,7 +788,7 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         uint32_t kind = pm_byte(src) % 5;
         pm_seq *q = pm_pick(w, src, 0);
         if (kind == 0 && w->n_stale) { /* stale ids */
-            pkv_seq id = w->stale[pm_below(src, w->n_stale < PM_N_STALE ? w->n_stale : PM_N_STALE)];
+            pkv_seq id = pm_stale_id(w, src);
             pkv_seq_info info;
             rc = pkv_seq_get_info(w->c, id, &info);
             PM_EXPECT(w, rc == PKV_ENOENT, "get_info on a stale id: %s", pkv_strerror(rc));

@@ -330,7 +330,8 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
 /* Decode: one query per sequence, at its last position (length - 1), seeing [0, length).
  * q, out: [n_seqs][n_q_heads][head_dim] f32. K/V of every visible position must have been
  * written for this layer. A sequence may appear more than once (each entry its own query and
- * output), and n_seqs may pass max_seqs (the batch then runs in groups of max_seqs). A batch whose block tables jump is read in pool order: every block
+ * output), and n_seqs may pass max_seqs (the batch then runs in groups of max_seqs). A batch
+ * whose block tables jump is read in pool order: every block
  * of the batch once, in ascending block id, whichever sequences hold it, with one running
  * softmax per sequence merged at the end (in groups of at most 32 sequences). The result then differs from a
  * read in table order by float rounding only. PKV_ATTN_ORDER=table (or pool, or auto, the
