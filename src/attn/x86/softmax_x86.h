@@ -131,14 +131,24 @@ static void softmax_rows4(float *s, uint32_t ss, uint32_t n_pad, float *m, float
         }
 }
 
+/* Rows [0, n_rows) of s, padded to n_pad: four at a time, then one at a time. */
+static inline __attribute__((always_inline)) void softmax_rows(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_pad,
+                                                               float *m, float *l, float *acc, uint32_t D) {
+    uint32_t r = 0;
+    for (; r + 4 <= n_rows; r += 4)
+        softmax_rows4(s + (size_t)r * ss, ss, n_pad, m + r, l + r, acc + (size_t)r * D, D);
+    for (; r < n_rows; r++) softmax_row(s + (size_t)r * ss, n_pad, m + r, l + r, acc + (size_t)r * D, D);
+}
+
 static void softmax_vec(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys, float softcap, float *m, float *l,
                         float *acc, uint32_t D) {
-    /* A decode head's block (4 query heads a kv head, 16-token blocks, no soft-cap) straight to
-     * softmax_rows4 with its trip counts constant, past the loops over rows for padding and
-     * soft-cap: ab-decode f16 256 x 16 (in cache, 1 thread) paged 0.980 and contiguous 0.981 of
-     * the time, 4096 x 16 paged from memory 0.975, f32 256 x 16 0.986 (stop 45). */
-    if (n_rows == 4 && n_keys == 16 && !(softcap > 0.0f)) {
-        softmax_rows4(s, ss, 16, m, l, acc, D);
+    /* A full 16-token block with no soft-cap (every decode head's block at the default block
+     * size) needs no padding and no soft-cap pass: its rows go straight to the row kernels with
+     * n_pad a constant. For 4 rows (4 query heads a kv head) against the general path: ab-decode
+     * f16 256 x 16 (in cache, 1 thread) paged 0.980 and contiguous 0.981 of the time, 4096 x 16
+     * paged from memory 0.975, f32 256 x 16 0.986 (stop 45). */
+    if (n_keys == 16 && !(softcap > 0.0f)) {
+        softmax_rows(s, ss, n_rows, 16, m, l, acc, D);
         return;
     }
     const uint32_t n_pad = (n_keys + VF_N - 1) & ~(uint32_t)(VF_N - 1); /* rows of s are padded to a multiple of 16 */
@@ -149,8 +159,5 @@ static void softmax_vec(float *s, uint32_t ss, uint32_t n_rows, uint32_t n_keys,
         if (softcap > 0.0f)
             for (uint32_t t = 0; t < n_pad; t += VF_N) vf_store(sr + t, vf_softcap(vf_load(sr + t), c, m2ic));
     }
-    uint32_t r = 0;
-    for (; r + 4 <= n_rows; r += 4)
-        softmax_rows4(s + (size_t)r * ss, ss, n_pad, m + r, l + r, acc + (size_t)r * D, D);
-    for (; r < n_rows; r++) softmax_row(s + (size_t)r * ss, n_pad, m + r, l + r, acc + (size_t)r * D, D);
+    softmax_rows(s, ss, n_rows, n_pad, m, l, acc, D);
 }
