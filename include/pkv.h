@@ -364,6 +364,21 @@ typedef struct pkv_attn_req {
 PKV_API PKV_NODISCARD int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs,
                                            const float *q, float *out, const pkv_attn_params *p);
 
+/* Merges two partial attention results of the same queries over disjoint key sets into the
+ * result over their union (cascade attention: a shared prefix attended once, each sequence's
+ * suffix apart; split attention across devices or caches). out_a, out_b, out:
+ * [n_rows][head_dim] f32; lse_a, lse_b, lse: [n_rows], natural-log sum-exp of each part's
+ * scaled (capped) logits, as pkv_attn_params.lse returns them (n_rows = queries x q heads).
+ * Per row, with m = max(lse_a, lse_b): out = (e^(lse_a - m) out_a + e^(lse_b - m) out_b) /
+ * (e^(lse_a - m) + e^(lse_b - m)), lse = m + log of that sum (lse NULL: not wanted). A part over
+ * no keys has lse -inf and weighs nothing (its out values are not read); both -inf give out 0
+ * and lse -inf. out may be out_a or out_b and lse may be lse_a or lse_b (in place); any other
+ * overlap, a NULL array (lse aside), head_dim 0 or an lse that is NaN or +inf is PKV_EINVAL,
+ * and nothing is written. n_rows 0 does nothing. Needs no cache: the parts may come from
+ * anywhere (another engine's kernel included), as long as both used the same scale. */
+PKV_API PKV_NODISCARD int pkv_attn_merge(uint32_t n_rows, uint32_t head_dim, const float *out_a, const float *lse_a,
+                                         const float *out_b, const float *lse_b, float *out, float *lse);
+
 /* Which kernel family attention uses: "ref", "avx2", "avx512", "avx512-vnni" (avx512 with
  * the q8_0 / q4_0 score on VNNI), "neon", "neon-dotprod" (chosen
  * once at creation from CPU detection; PKV_FORCE_REF=1 in the environment forces "ref", and

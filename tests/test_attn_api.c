@@ -320,6 +320,149 @@ static void test_api_bad_input(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* Appends n tokens to dst holding src's K/V of positions [from, from + n) in every layer (the
+ * values are already pool-rounded, so the pool holds them unchanged). */
+static void append_copy(pkv_cache *c, host_seq *dst, const host_seq *src, uint32_t from, uint32_t n) {
+    int32_t tok[MAXTOK], slots[MAXTOK];
+    assert_true(dst->len + n <= MAXTOK && from + n <= src->len);
+    for (uint32_t i = 0; i < n; i++) tok[i] = 70000 + (int32_t)(dst->len + i);
+    assert_int_equal(pkv_seq_append(c, dst->id, tok, n, slots), PKV_OK);
+    for (uint32_t l = 0; l < L; l++) {
+        memcpy(dst->k[l][dst->len], src->k[l][from], sizeof(float) * n * H * D);
+        memcpy(dst->v[l][dst->len], src->v[l][from], sizeof(float) * n * H * D);
+        assert_int_equal(pkv_write_kv(c, l, slots, n, src->k[l][from], src->v[l][from], PKV_DTYPE_F32), PKV_OK);
+    }
+    dst->len += n;
+}
+
+/* Cascade attention through the public API: two forks of a shared prefix, each query attended
+ * over the prefix (one sequence, named twice in the batch) and over its own suffix (a sequence
+ * holding only the suffix's K/V), the parts merged by pkv_attn_merge, equal the decode over the
+ * whole sequences and the double reference; in place gives the same bits. */
+static void test_api_merge_cascade(void **state) {
+    (void)state;
+    static host_seq pre, a, b, sa, sb;
+    for (size_t ti = 0; ti < 2; ti++) {
+        const pkv_dtype dt = k_types[ti];
+        pkv_cache *c = make_cache(dt, 2, 0);
+        memset(&pre, 0, sizeof pre);
+        assert_int_equal(pkv_seq_create(c, NULL, 0, &pre.id), PKV_OK);
+        append_write(c, dt, &pre, 40, 0); /* the prefix ends inside block 2: the forks copy it */
+        a = pre, b = pre;
+        assert_int_equal(pkv_seq_fork(c, pre.id, &a.id), PKV_OK);
+        assert_int_equal(pkv_seq_fork(c, pre.id, &b.id), PKV_OK);
+        append_write(c, dt, &a, 29, 100);
+        append_write(c, dt, &b, 17, 200);
+        memset(&sa, 0, sizeof sa), memset(&sb, 0, sizeof sb);
+        assert_int_equal(pkv_seq_create(c, NULL, 0, &sa.id), PKV_OK);
+        assert_int_equal(pkv_seq_create(c, NULL, 0, &sb.id), PKV_OK);
+        append_copy(c, &sa, &a, 40, 29);
+        append_copy(c, &sb, &b, 40, 17);
+        for (int variant = 0; variant < 2; variant++) {
+            pkv_attn_params p = pkv_attn_params_default();
+            p.n_q_heads = NQH;
+            if (variant) p.softcap = 5.0f, p.scale = 0.3f; /* both act per logit: the parts still merge */
+            enum { N = 2 * NQH * D };
+            float *q = rand_q(2), o[4][N], l[4][2 * NQH], om[N], lm[2 * NQH];
+            const pkv_seq parts[3][2] = {{pre.id, pre.id}, {sa.id, sb.id}, {a.id, b.id}};
+            for (int i = 0; i < 3; i++) {
+                p.lse = l[i];
+                assert_int_equal(pkv_attn_decode(c, 1, parts[i], 2, q, o[i], &p), PKV_OK);
+            }
+            assert_int_equal(pkv_attn_merge(2 * NQH, D, o[0], l[0], o[1], l[1], om, lm), PKV_OK);
+            p.lse = NULL;
+            check(&a, 1, q, om, NULL, a.len - 1, 1, &p);
+            check(&b, 1, q + NQH * D, om + NQH * D, NULL, b.len - 1, 1, &p);
+            for (uint32_t j = 0; j < 2 * NQH; j++) assert_true(fabsf(lm[j] - l[2][j]) <= 1e-5f * fmaxf(1.0f, fabsf(l[2][j])));
+            const double vm = fmax(vmax_of(&a, 1), vmax_of(&b, 1));
+            for (uint32_t j = 0; j < N; j++) assert_true(fabs(om[j] - o[2][j]) <= TOL * vm);
+            /* in place, into either part, and with no lse wanted: the same bits */
+            memcpy(o[3], o[0], sizeof o[3]), memcpy(l[3], l[0], sizeof l[3]);
+            assert_int_equal(pkv_attn_merge(2 * NQH, D, o[3], l[3], o[1], l[1], o[3], l[3]), PKV_OK);
+            assert_memory_equal(o[3], om, sizeof om);
+            assert_memory_equal(l[3], lm, sizeof lm);
+            memcpy(o[3], o[1], sizeof o[3]);
+            assert_int_equal(pkv_attn_merge(2 * NQH, D, o[0], l[0], o[3], l[1], o[3], NULL), PKV_OK);
+            assert_memory_equal(o[3], om, sizeof om);
+            free(q);
+        }
+        pkv_cache_destroy(c);
+    }
+}
+
+/* pkv_attn_merge on values worked out by hand, parts over no keys, and bad input (nothing
+ * written on any error). */
+static void test_api_merge_values(void **state) {
+    (void)state;
+    enum { R = 6, DM = 3 };
+    const float nan = NAN;
+    /* row 0: weights 1 and 3 (lse 0 and log 3); row 1: equal weights; row 2: b over no keys, its
+     * values NaN and not read; row 3: a over no keys; row 4: both; row 5: b 300 e-folds below a,
+     * so its weight rounds to 0 in float */
+    const float oa[R][DM] = {{1, 2, -4}, {1, 2, 3}, {5, 6, 7}, {nan, nan, nan}, {nan, 1, 2}, {-1, 0.5f, 8}};
+    const float ob[R][DM] = {{3, 4, 8}, {3, -2, 5}, {nan, nan, nan}, {9, 8, 7}, {3, nan, 4}, {100, 100, 100}};
+    const float la[R] = {0, 1.5f, 2, -INFINITY, -INFINITY, 10}, lb[R] = {logf(3), 1.5f, -INFINITY, -7, -INFINITY, -290};
+    float out[R][DM], lse[R];
+    assert_int_equal(pkv_attn_merge(R, DM, &oa[0][0], la, &ob[0][0], lb, &out[0][0], lse), PKV_OK);
+    const float want0[DM] = {2.5f, 3.5f, 5.0f}, want1[DM] = {2, 0, 4};
+    for (int d = 0; d < DM; d++) {
+        assert_float_equal(out[0][d], want0[d], 1e-6);
+        assert_float_equal(out[1][d], want1[d], 1e-6);
+        assert_true(out[2][d] == oa[2][d] && out[3][d] == ob[3][d] && out[4][d] == 0.0f && out[5][d] == oa[5][d]);
+    }
+    assert_float_equal(lse[0], logf(4), 1e-6);
+    assert_float_equal(lse[1], 1.5f + logf(2), 1e-6);
+    assert_true(lse[2] == 2.0f && lse[3] == -7.0f && lse[4] == -INFINITY && lse[5] == 10.0f);
+
+    /* bad input: a status, and out / lse untouched */
+    float o2[R][DM], l2[R];
+    for (int r = 0; r < R; r++) {
+        l2[r] = 42.0f;
+        for (int d = 0; d < DM; d++) o2[r][d] = 42.0f;
+    }
+    const float *a0 = &oa[0][0], *b0 = &ob[0][0];
+    float *w = &o2[0][0];
+    float la_bad[R], lb_bad[R];
+    memcpy(la_bad, la, sizeof la), memcpy(lb_bad, lb, sizeof lb);
+    la_bad[R - 1] = nan; /* the last row: found before the first is written */
+    assert_int_equal(pkv_attn_merge(R, DM, a0, la_bad, b0, lb, w, l2), PKV_EINVAL);
+    lb_bad[R - 1] = INFINITY;
+    assert_int_equal(pkv_attn_merge(R, DM, a0, la, b0, lb_bad, w, l2), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(R, 0, a0, la, b0, lb, w, l2), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(R, DM, NULL, la, b0, lb, w, l2), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(R, DM, a0, NULL, b0, lb, w, l2), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(R, DM, a0, la, NULL, lb, w, l2), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(R, DM, a0, la, b0, NULL, w, l2), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(R, DM, a0, la, b0, lb, NULL, l2), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(UINT32_MAX, UINT32_MAX, a0, la, b0, lb, w, l2), PKV_EINVAL); /* bytes overflow */
+    /* overlaps other than exact aliasing, each alone: out one float into a part, out on a part's
+     * lse, lse inside out, a part's out or off by one from a part's lse */
+    static float big[2 * R * DM], lbig[R * DM + 2 * R];
+    for (int i = 0; i < 2 * R * DM; i++) big[i] = 1.0f;
+    for (int i = 0; i < R * DM + 2 * R; i++) lbig[i] = 0.0f;
+    assert_int_equal(pkv_attn_merge(R, DM, big, la, b0, lb, big + 1, NULL), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(R, DM, a0, la, big, lb, big + 1, NULL), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(R, DM, a0, lbig, b0, lb, lbig, NULL), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(R, DM, a0, la, b0, lbig, lbig, NULL), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(R, DM, a0, la, b0, lb, w, w + 2), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(R, DM, big, la, b0, lb, w, big + 5), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(R, DM, a0, la, big, lb, w, big + 5), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(R, DM, a0, lbig, b0, lb, w, lbig + 1), PKV_EINVAL);
+    assert_int_equal(pkv_attn_merge(R, DM, a0, la, b0, lbig, w, lbig + 1), PKV_EINVAL);
+    for (int r = 0; r < R; r++) {
+        assert_true(l2[r] == 42.0f);
+        for (int d = 0; d < DM; d++) assert_true(o2[r][d] == 42.0f);
+    }
+    for (int i = 0; i < 2 * R * DM; i++) assert_true(big[i] == 1.0f);
+    for (int i = 0; i < R * DM + 2 * R; i++) assert_true(lbig[i] == 0.0f);
+    /* nothing to merge: no rows, any pointers */
+    assert_int_equal(pkv_attn_merge(0, DM, NULL, NULL, NULL, NULL, NULL, NULL), PKV_OK);
+    /* a part merged with itself: its own values, lse + log 2 */
+    assert_int_equal(pkv_attn_merge(1, DM, a0, la, a0, la, w, l2), PKV_OK);
+    for (int d = 0; d < DM; d++) assert_true(o2[0][d] == oa[0][d]);
+    assert_float_equal(l2[0], logf(2), 1e-7);
+}
+
 /* PKV_ATTN_BACKEND=name picks the backend by name (each one this CPU has decodes as the oracle
  * says), a name this CPU or build lacks makes pkv_cache_create fail with PKV_ENOTSUP and change
  * nothing (ASan checks that it leaks nothing), and PKV_FORCE_REF=1 wins over it. */
@@ -576,6 +719,8 @@ int main(void) {
         cmocka_unit_test(test_api_fork_cow),
         cmocka_unit_test(test_api_shared_prefix),
         cmocka_unit_test(test_api_bad_input),
+        cmocka_unit_test(test_api_merge_cascade),
+        cmocka_unit_test(test_api_merge_values),
         cmocka_unit_test(test_api_backend_env),
         cmocka_unit_test(test_api_order_env),
         cmocka_unit_test(test_api_executor),
