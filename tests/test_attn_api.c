@@ -306,6 +306,26 @@ static void test_api_bad_input(void **state) {
     assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_ENOENT);
     assert_int_equal(pkv_attn_prefill(c, 0, NULL, 1, q, out, &p), PKV_EINVAL);
     for (size_t i = 0; i < sizeof out / sizeof *out; i++) assert_true(out[i] == 42.0f); /* nothing written */
+    /* overlaps other than out == q: out a float past q, lse inside q or out (nothing written) */
+    static float qo[3 * NQH * D], lse[NQH];
+    for (size_t i = 0; i < sizeof qo / sizeof *qo; i++) qo[i] = 0.5f;
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, qo, qo + 1, &p), PKV_EINVAL);
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, qo + 1, qo, &p), PKV_EINVAL);
+    r = (pkv_attn_req){s.id, 26, 2}; /* two queries: out the second one's rows */
+    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, qo, qo + NQH * D, &p), PKV_EINVAL);
+    p.lse = qo + NQH * D - 1;
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, qo, out, &p), PKV_EINVAL);
+    p.lse = out + 3;
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
+    for (size_t i = 0; i < sizeof qo / sizeof *qo; i++) assert_true(qo[i] == 0.5f);
+    for (size_t i = 0; i < sizeof out / sizeof *out; i++) assert_true(out[i] == 42.0f);
+    /* next to each other is no overlap: q, then out, then lse */
+    p.lse = lse;
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, qo, qo + NQH * D, &p), PKV_OK);
+    p.lse = qo + 2 * NQH * D;
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, qo, qo + NQH * D, &p), PKV_OK);
+    for (uint32_t h = 0; h < NQH; h++) assert_true(qo[2 * NQH * D + h] == lse[h]);
+    p.lse = NULL;
     /* the same calls done right work; the smallest cap taken (FLT_MIN) too */
     p.softcap = FLT_MIN;
     assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_OK);
@@ -388,6 +408,54 @@ static void test_api_merge_cascade(void **state) {
         }
         pkv_cache_destroy(c);
     }
+}
+
+/* out may be q (in place): every query's output overwrites only its own query, read before.
+ * Decode (a repeated sequence, a batch past max_seqs run in groups) and ragged prefill, table and
+ * pool order, 1 and 2 threads, with LSE: the same bits as into a buffer of their own. */
+static void test_api_in_place(void **state) {
+    (void)state;
+    static host_seq s[4];
+    static const char *orders[] = {"table", "pool"};
+    for (int oi = 0; oi < 2; oi++)
+        for (uint32_t nt = 1; nt <= 2; nt++) {
+            setenv("PKV_ATTN_ORDER", orders[oi], 1);
+            pkv_cache *c = make_cache(PKV_DTYPE_F16, nt, 0);
+            unsetenv("PKV_ATTN_ORDER");
+            const uint32_t lens[4] = {1, 70, 333, 150};
+            for (int i = 0; i < 4; i++) {
+                memset(&s[i], 0, sizeof s[i]);
+                assert_int_equal(pkv_seq_create(c, NULL, 0, &s[i].id), PKV_OK);
+                append_write(c, PKV_DTYPE_F16, &s[i], lens[i], 1000 * i);
+            }
+            enum { NB = 20 }; /* > max_seqs (16): two groups */
+            pkv_seq ids[NB];
+            for (int i = 0; i < NB; i++) ids[i] = s[(i * 3) % 4].id;
+            pkv_attn_req reqs[4] = {{s[0].id, 0, 1}, {s[1].id, 20, 50}, {s[2].id, 332, 1}, {s[3].id, 100, 37}};
+            const uint32_t nq[2] = {NB, 1 + 50 + 1 + 37};
+            for (int pf = 0; pf < 2; pf++) {
+                const size_t n = (size_t)nq[pf] * NQH * D;
+                float *q = rand_q(nq[pf]), *out = malloc(sizeof(float) * n), *buf = malloc(sizeof(float) * n);
+                float lse[NB * NQH + 89 * NQH], lse2[NB * NQH + 89 * NQH];
+                pkv_attn_params p = pkv_attn_params_default();
+                p.n_q_heads = NQH;
+                p.lse = lse;
+                memcpy(buf, q, sizeof(float) * n);
+                if (pf) {
+                    assert_int_equal(pkv_attn_prefill(c, 1, reqs, 4, q, out, &p), PKV_OK);
+                    p.lse = lse2;
+                    assert_int_equal(pkv_attn_prefill(c, 1, reqs, 4, buf, buf, &p), PKV_OK);
+                } else {
+                    assert_int_equal(pkv_attn_decode(c, 1, ids, NB, q, out, &p), PKV_OK);
+                    p.lse = lse2;
+                    assert_int_equal(pkv_attn_decode(c, 1, ids, NB, buf, buf, &p), PKV_OK);
+                }
+                assert_memory_equal(buf, out, sizeof(float) * n);
+                assert_memory_equal(lse2, lse, sizeof(float) * nq[pf] * NQH);
+                free(q), free(out), free(buf);
+            }
+            pkv_cache_destroy(c);
+        }
 }
 
 /* pkv_attn_merge on values worked out by hand, parts over no keys, and bad input (nothing
@@ -721,6 +789,7 @@ int main(void) {
         cmocka_unit_test(test_api_bad_input),
         cmocka_unit_test(test_api_merge_cascade),
         cmocka_unit_test(test_api_merge_values),
+        cmocka_unit_test(test_api_in_place),
         cmocka_unit_test(test_api_backend_env),
         cmocka_unit_test(test_api_order_env),
         cmocka_unit_test(test_api_executor),

@@ -8,14 +8,8 @@
 #include <math.h>
 #include <stdint.h>
 
-/* Whether the byte ranges [a, a + na) and [b, b + nb) share a byte. */
-static bool overlap(const void *a, size_t na, const void *b, size_t nb) {
-    const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
-    return x < y ? y - x < na : x - y < nb;
-}
-
 /* The same for two arrays of one shape, where exact aliasing (in place) is allowed. */
-static bool overlap_unequal(const void *a, const void *b, size_t n) { return a != b && overlap(a, n, b, n); }
+static bool overlap_unequal(const void *a, const void *b, size_t n) { return a != b && pkv__overlap(a, n, b, n); }
 
 /* A part's weight must be a real log-sum-exp: finite, or -inf for a part over no keys. */
 static bool lse_ok(float v) { return !isnan(v) && v != INFINITY; }
@@ -29,11 +23,11 @@ PKV_API int pkv_attn_merge(uint32_t n_rows, uint32_t head_dim, const float *out_
     if (!pkv__mul_ok(n_rows, head_dim, &n_vals) || !pkv__mul_ok(n_vals, sizeof(float), &vbytes)) return PKV_EINVAL;
     /* out may be out_a or out_b, and lse lse_a or lse_b (in place); no other overlap */
     if (overlap_unequal(out, out_a, vbytes) || overlap_unequal(out, out_b, vbytes) ||
-        overlap(out, vbytes, lse_a, lbytes) || overlap(out, vbytes, lse_b, lbytes))
+        pkv__overlap(out, vbytes, lse_a, lbytes) || pkv__overlap(out, vbytes, lse_b, lbytes))
         return PKV_EINVAL;
     if (lse && (overlap_unequal(lse, lse_a, lbytes) || overlap_unequal(lse, lse_b, lbytes) ||
-                overlap(lse, lbytes, out, vbytes) || overlap(lse, lbytes, out_a, vbytes) ||
-                overlap(lse, lbytes, out_b, vbytes)))
+                pkv__overlap(lse, lbytes, out, vbytes) || pkv__overlap(lse, lbytes, out_a, vbytes) ||
+                pkv__overlap(lse, lbytes, out_b, vbytes)))
         return PKV_EINVAL;
     for (uint32_t r = 0; r < n_rows; r++) /* checked first: a call that fails writes nothing */
         if (!lse_ok(lse_a[r]) || !lse_ok(lse_b[r])) return PKV_EINVAL;

@@ -768,6 +768,18 @@ static pkv__kv_view layer_view(const pkv_cache *c, uint32_t layer) {
     return v;
 }
 
+/* out may be q (in place: each query's rows are read before its output is written, and no other
+ * query's are written over them); any other overlap of q, out and lse is PKV_EINVAL. */
+static int check_overlap(const float *q, const float *out, const float *lse, uint64_t n_rows, size_t qrow,
+                         uint32_t n_q_heads) {
+    size_t nq, nl;
+    if (n_rows > SIZE_MAX / sizeof(float) || !pkv__mul_ok((size_t)n_rows * sizeof(float), qrow, &nq)) return PKV_EINVAL;
+    nl = (size_t)n_rows * sizeof(float) * n_q_heads; /* <= nq: n_q_heads <= qrow */
+    if (q != out && pkv__overlap(q, nq, out, nq)) return PKV_EINVAL;
+    if (lse && (pkv__overlap(lse, nl, q, nq) || pkv__overlap(lse, nl, out, nq))) return PKV_EINVAL;
+    return PKV_OK;
+}
+
 /* Shared body of decode and prefill: reqs == NULL means decode (one query at length - 1). */
 static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const pkv_attn_req *reqs, uint32_t n,
                        const float *q, float *out, const pkv_attn_params *p) {
@@ -781,14 +793,17 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
 
     pthread_mutex_lock(&c->attn_mu);
     /* validate everything first: no kernel runs on a bad request */
+    uint64_t n_rows = 0; /* queries in all */
     LOCK(c);
     for (uint32_t i = 0; i < n && !rc; i++) {
         pkv__seq *s;
         rc = get_seq(c, reqs ? reqs[i].seq : seqs[i], &s);
         if (rc) break;
         if (reqs ? ((uint64_t)reqs[i].q_start + reqs[i].n_q > s->n_tokens) : s->n_tokens == 0) rc = PKV_EINVAL;
+        n_rows += reqs ? reqs[i].n_q : 1;
     }
     UNLOCK(c);
+    if (!rc) rc = check_overlap(q, out, lse, n_rows, qrow, call.n_q_heads);
     size_t q_at = 0;
     for (uint64_t i0 = 0; i0 < n && !rc; i0 += c->max_seqs) { /* 64-bit: no wrap near n = 2^32 */
         uint32_t m = (uint32_t)PKV_MIN(n - i0, c->max_seqs), k = 0;

@@ -35,6 +35,12 @@ void pkv__free(const pkv_allocator *a, void *p, size_t size);
 /* Checked size arithmetic: false on overflow. */
 static inline bool pkv__mul_ok(size_t a, size_t b, size_t *out) { return !__builtin_mul_overflow(a, b, out); }
 static inline bool pkv__add_ok(size_t a, size_t b, size_t *out) { return !__builtin_add_overflow(a, b, out); }
+/* Whether the byte ranges [a, a + na) and [b, b + nb) share a byte (the caller's arrays: an
+ * aliasing check, by address). */
+static inline bool pkv__overlap(const void *a, size_t na, const void *b, size_t nb) {
+    const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return x < y ? y - x < na : x - y < nb;
+}
 
 /* Logging through the hook; a no-op when log == NULL. printf-style. */
 void pkv__log(pkv_log_fn log, void *ctx, int level, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
