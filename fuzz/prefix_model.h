@@ -74,7 +74,8 @@ typedef struct pm_world {
     uint64_t lookups, tokens_hit, tokens_queried;
     /* coverage, so a test can insist the workload did exercise reuse */
     uint64_t n_steps, n_matches, n_full_block_hits, n_partial_hits, n_enospc, n_forks, n_pins, n_truncs;
-    uint64_t n_attn, n_attn_queries, n_attn_bad; /* attention calls checked, their queries, bad calls */
+    /* attention calls checked, their queries, bad calls, calls with out == q */
+    uint64_t n_attn, n_attn_queries, n_attn_bad, n_attn_in_place;
     char err[600];
     int trace; /* print every call to stderr (PM_TRACE=1 in the tests, -trace in the fuzzer) */
     /* scratch */
@@ -502,18 +503,28 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     const float *qp = w->aq;
     if (bad == 1) l = w->cfg.n_layers, want_rc = PKV_EINVAL;
     if (bad == 2) ap.n_q_heads = Hq + 1, want_rc = PKV_EINVAL; /* not a multiple of H (2) */
-    if (bad == 3) qp = NULL, want_rc = PKV_EINVAL;
+    if (bad == 3) { /* no q, or lse over q's second float (overlaps other than out == q fail) */
+        if ((b & 8) && nq) ap.lse = w->aq + 1;
+        else qp = NULL;
+        want_rc = PKV_EINVAL;
+    }
     if (bad == 4) ap.softcap = -1.0f, want_rc = PKV_EINVAL;
     if (bad == 5 && w->n_stale) {
         seqs[n - 1] = reqs[n - 1].seq = pm_stale_id(w, src);
         want_rc = PKV_ENOENT;
     }
     if (bad == 6 && prefill) reqs[n - 1].n_q = pick[n - 1]->len - reqs[n - 1].q_start + 1, want_rc = PKV_EINVAL;
+    if (!bad && b >= 192) { /* in place: out is q, the queries copied there first */
+        memcpy(w->aout, w->aq, (size_t)nq * Hq * D * sizeof(float));
+        qp = w->aout;
+    }
     int rc = prefill ? pkv_attn_prefill(w->c, l, reqs, n, qp, w->aout, &ap)
                      : pkv_attn_decode(w->c, l, seqs, n, qp, w->aout, &ap);
-    PM_TR(w, "   attn %s of %u seqs (%u queries, Hq %u, layer %u, scale %g cap %g window %u lse %d, bad %u) -> %s\n",
+    PM_TR(w,
+          "   attn %s of %u seqs (%u queries, Hq %u, layer %u, scale %g cap %g window %u lse %d, in place %d, bad %u)"
+          " -> %s\n",
           prefill ? "prefill" : "decode", n, nq, Hq, l, (double)ap.scale, (double)ap.softcap, ap.window,
-          ap.lse != NULL, bad, pkv_strerror(rc));
+          ap.lse != NULL, qp == w->aout, bad, pkv_strerror(rc));
     if (want_rc) {
         PM_EXPECT(w, rc == want_rc, "attn with bad input %u: %s, want %s", bad, pkv_strerror(rc), pkv_strerror(want_rc));
         PM_EXPECT(w, pm_untouched(w->aout, 0, sizeof w->aout), "attn with bad input %u wrote out", bad);
@@ -549,6 +560,7 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         }
     w->n_attn++;
     w->n_attn_queries += nq;
+    w->n_attn_in_place += qp == w->aout;
     return 0;
 }
 

@@ -13,7 +13,7 @@
 
 typedef struct totals {
     uint64_t matches, full_hits, partial_hits, evictions, cow, enospc, forks, pins, truncs, tokens_hit;
-    uint64_t attn, attn_queries, attn_bad, attn_pool;
+    uint64_t attn, attn_queries, attn_bad, attn_pool, attn_in_place;
 } totals;
 
 static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, int steps, totals *t) {
@@ -43,6 +43,7 @@ static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, i
     t->attn += w->n_attn;
     t->attn_queries += w->n_attn_queries;
     t->attn_bad += w->n_attn_bad;
+    t->attn_in_place += w->n_attn_in_place;
     t->attn_pool += st.attn_reqs_pool;
     pm_fini(w);
     free(w);
@@ -65,7 +66,7 @@ static void test_prefix_random_b4(void **state) {
     assert_true(t.cow > 0);
     assert_true(t.forks > 0 && t.pins > 0 && t.truncs > 0);
     /* attention over those sequences, against the model's K/V, and its bad calls */
-    assert_true(t.attn > 0 && t.attn_queries > t.attn && t.attn_bad > 0);
+    assert_true(t.attn > 0 && t.attn_queries > t.attn && t.attn_bad > 0 && t.attn_in_place > 0);
 }
 
 /* Other block sizes (1, 3, 16), dtypes (f32, bf16, mixed K/V) and two layers. */
