@@ -330,11 +330,11 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
 /* Decode: one query per sequence, at its last position (length - 1), seeing [0, length).
  * q, out: [n_seqs][n_q_heads][head_dim] f32. out may be q (in place); any other overlap of q,
  * out and p->lse is PKV_EINVAL. K/V of every visible position must have been written for this
- * layer. A sequence may appear more than once (each entry its own query and
- * output), and n_seqs may pass max_seqs (the batch then runs in groups of max_seqs). A batch
- * whose block tables jump is read in pool order: every block
- * of the batch once, in ascending block id, whichever sequences hold it, with one running
- * softmax per sequence merged at the end (in groups of at most 32 sequences). The result then differs from a
+ * layer. A sequence may appear more than once (each entry its own query and output), and
+ * n_seqs may pass max_seqs (the batch then runs in groups of max_seqs). A batch whose block
+ * tables jump is read in pool order: every block of the batch once, in ascending block id,
+ * whichever sequences hold it, with one running softmax per sequence merged at the end (in
+ * groups of at most 32 sequences). The result then differs from a
  * read in table order by float rounding only. PKV_ATTN_ORDER=table (or pool, or auto, the
  * default) in the environment at pkv_cache_create fixes the order; another value makes
  * pkv_cache_create fail with PKV_EINVAL. How the pool-order read shares a batch among threads
@@ -359,9 +359,9 @@ typedef struct pkv_attn_req {
 } pkv_attn_req;
 
 /* Ragged batch of prefill requests in one call. q, out: the requests' queries concatenated,
- * [sum n_q][n_q_heads][head_dim] f32 (out may be q, as in pkv_attn_decode). Requests of one query (decodes batched beside chunked
- * prefills) are read as pkv_attn_decode reads its batch (in pool order when their tables jump),
- * the others in table order, in the same call. */
+ * [sum n_q][n_q_heads][head_dim] f32 (out may be q, as in pkv_attn_decode). Requests of one
+ * query (decodes batched beside chunked prefills) are read as pkv_attn_decode reads its batch
+ * (in pool order when their tables jump), the others in table order, in the same call. */
 PKV_API PKV_NODISCARD int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs,
                                            const float *q, float *out, const pkv_attn_params *p);
 

@@ -8,7 +8,7 @@
 #include <math.h>
 #include <stdint.h>
 
-/* The same for two arrays of one shape, where exact aliasing (in place) is allowed. */
+/* Whether two arrays of n bytes share a byte without being the same array (in place is allowed). */
 static bool overlap_unequal(const void *a, const void *b, size_t n) { return a != b && pkv__overlap(a, n, b, n); }
 
 /* A part's weight must be a real log-sum-exp: finite, or -inf for a part over no keys. */
