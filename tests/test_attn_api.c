@@ -53,28 +53,40 @@ static pkv_cache *make_cache(pkv_dtype dt, uint32_t n_threads, int prefix) {
     return c;
 }
 
-/* Appends n tokens to s and writes random K/V for them in every layer (the tokens' ids are
- * tok0 + i, so two sequences built from the same tok0 share a prefix). */
-static void append_write(pkv_cache *c, pkv_dtype dt, host_seq *s, uint32_t n, int32_t tok0) {
+/* Appends n tokens to s (ids tok0 + position) and writes k[l], v[l] ([n][H][D] f32) at them in
+ * each layer l, keeping in s what the pool holds: the values rounded to the pool dtype dt. */
+static void append_kv(pkv_cache *c, pkv_dtype dt, host_seq *s, uint32_t n, int32_t tok0, const float *const k[L],
+                      const float *const v[L]) {
     int32_t tok[MAXTOK], slots[MAXTOK];
     assert_true(s->len + n <= MAXTOK);
     for (uint32_t i = 0; i < n; i++) tok[i] = tok0 + (int32_t)(s->len + i);
     assert_int_equal(pkv_seq_append(c, s->id, tok, n, slots), PKV_OK);
-    static float kin[MAXTOK][H][D], vin[MAXTOK][H][D];
     for (uint32_t l = 0; l < L; l++) {
-        for (uint32_t i = 0; i < n; i++)
-            for (uint32_t h = 0; h < H; h++) {
-                for (uint32_t d = 0; d < D; d++) kin[i][h][d] = rnd() * 2.0f, vin[i][h][d] = rnd();
-                /* what the pool will hold: the value rounded to the pool dtype */
-                uint8_t row[D * 4];
-                pkv__row_encode(dt, kin[i][h], D, row);
-                pkv__row_decode(dt, row, D, s->k[l][s->len + i][h]);
-                pkv__row_encode(dt, vin[i][h], D, row);
-                pkv__row_decode(dt, row, D, s->v[l][s->len + i][h]);
-            }
-        assert_int_equal(pkv_write_kv(c, l, slots, n, kin, vin, PKV_DTYPE_F32), PKV_OK);
+        for (uint32_t r = 0; r < n * H; r++) {
+            uint8_t row[D * 4];
+            pkv__row_encode(dt, k[l] + (size_t)r * D, D, row);
+            pkv__row_decode(dt, row, D, &s->k[l][s->len][0][0] + (size_t)r * D);
+            pkv__row_encode(dt, v[l] + (size_t)r * D, D, row);
+            pkv__row_decode(dt, row, D, &s->v[l][s->len][0][0] + (size_t)r * D);
+        }
+        assert_int_equal(pkv_write_kv(c, l, slots, n, k[l], v[l], PKV_DTYPE_F32), PKV_OK);
     }
     s->len += n;
+}
+
+/* Appends n tokens to s and writes random K/V for them in every layer (the tokens' ids are
+ * tok0 + i, so two sequences built from the same tok0 share a prefix). */
+static void append_write(pkv_cache *c, pkv_dtype dt, host_seq *s, uint32_t n, int32_t tok0) {
+    static float kin[L][MAXTOK][H][D], vin[L][MAXTOK][H][D];
+    const float *k[L], *v[L];
+    assert_true(n <= MAXTOK);
+    for (uint32_t l = 0; l < L; l++) {
+        for (uint32_t i = 0; i < n; i++)
+            for (uint32_t h = 0; h < H; h++)
+                for (uint32_t d = 0; d < D; d++) kin[l][i][h][d] = rnd() * 2.0f, vin[l][i][h][d] = rnd();
+        k[l] = &kin[l][0][0][0], v[l] = &vin[l][0][0][0];
+    }
+    append_kv(c, dt, s, n, tok0, k, v);
 }
 
 /* Reference for one query row set (NQH heads) at position pos of s. */
@@ -341,18 +353,12 @@ static void test_api_bad_input(void **state) {
 }
 
 /* Appends n tokens to dst holding src's K/V of positions [from, from + n) in every layer (the
- * values are already pool-rounded, so the pool holds them unchanged). */
-static void append_copy(pkv_cache *c, host_seq *dst, const host_seq *src, uint32_t from, uint32_t n) {
-    int32_t tok[MAXTOK], slots[MAXTOK];
-    assert_true(dst->len + n <= MAXTOK && from + n <= src->len);
-    for (uint32_t i = 0; i < n; i++) tok[i] = 70000 + (int32_t)(dst->len + i);
-    assert_int_equal(pkv_seq_append(c, dst->id, tok, n, slots), PKV_OK);
-    for (uint32_t l = 0; l < L; l++) {
-        memcpy(dst->k[l][dst->len], src->k[l][from], sizeof(float) * n * H * D);
-        memcpy(dst->v[l][dst->len], src->v[l][from], sizeof(float) * n * H * D);
-        assert_int_equal(pkv_write_kv(c, l, slots, n, src->k[l][from], src->v[l][from], PKV_DTYPE_F32), PKV_OK);
-    }
-    dst->len += n;
+ * values are already rounded to dt, so the pool holds them unchanged). */
+static void append_copy(pkv_cache *c, pkv_dtype dt, host_seq *dst, const host_seq *src, uint32_t from, uint32_t n) {
+    assert_true(from + n <= src->len);
+    const float *k[L], *v[L];
+    for (uint32_t l = 0; l < L; l++) k[l] = &src->k[l][from][0][0], v[l] = &src->v[l][from][0][0];
+    append_kv(c, dt, dst, n, 70000, k, v);
 }
 
 /* Cascade attention through the public API: two forks of a shared prefix, each query attended
@@ -376,8 +382,8 @@ static void test_api_merge_cascade(void **state) {
         memset(&sa, 0, sizeof sa), memset(&sb, 0, sizeof sb);
         assert_int_equal(pkv_seq_create(c, NULL, 0, &sa.id), PKV_OK);
         assert_int_equal(pkv_seq_create(c, NULL, 0, &sb.id), PKV_OK);
-        append_copy(c, &sa, &a, 40, 29);
-        append_copy(c, &sb, &b, 40, 17);
+        append_copy(c, dt, &sa, &a, 40, 29);
+        append_copy(c, dt, &sb, &b, 40, 17);
         for (int variant = 0; variant < 2; variant++) {
             pkv_attn_params p = pkv_attn_params_default();
             p.n_q_heads = NQH;
@@ -393,7 +399,8 @@ static void test_api_merge_cascade(void **state) {
             p.lse = NULL;
             check(&a, 1, q, om, NULL, a.len - 1, 1, &p);
             check(&b, 1, q + NQH * D, om + NQH * D, NULL, b.len - 1, 1, &p);
-            for (uint32_t j = 0; j < 2 * NQH; j++) assert_true(fabsf(lm[j] - l[2][j]) <= 1e-5f * fmaxf(1.0f, fabsf(l[2][j])));
+            for (uint32_t j = 0; j < 2 * NQH; j++)
+                assert_true(fabsf(lm[j] - l[2][j]) <= 1e-5f * fmaxf(1.0f, fabsf(l[2][j])));
             const double vm = fmax(vmax_of(&a, 1), vmax_of(&b, 1));
             for (uint32_t j = 0; j < N; j++) assert_true(fabs(om[j] - o[2][j]) <= TOL * vm);
             /* in place, into either part, and with no lse wanted: the same bits */

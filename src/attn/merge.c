@@ -8,9 +8,6 @@
 #include <math.h>
 #include <stdint.h>
 
-/* Whether two arrays of n bytes share a byte without being the same array (in place is allowed). */
-static bool overlap_unequal(const void *a, const void *b, size_t n) { return a != b && pkv__overlap(a, n, b, n); }
-
 /* A part's weight must be a real log-sum-exp: finite, or -inf for a part over no keys. */
 static bool lse_ok(float v) { return !isnan(v) && v != INFINITY; }
 
@@ -22,10 +19,10 @@ PKV_API int pkv_attn_merge(uint32_t n_rows, uint32_t head_dim, const float *out_
     size_t n_vals, vbytes, lbytes = (size_t)n_rows * sizeof(float);
     if (!pkv__mul_ok(n_rows, head_dim, &n_vals) || !pkv__mul_ok(n_vals, sizeof(float), &vbytes)) return PKV_EINVAL;
     /* out may be out_a or out_b, and lse lse_a or lse_b (in place); no other overlap */
-    if (overlap_unequal(out, out_a, vbytes) || overlap_unequal(out, out_b, vbytes) ||
+    if (pkv__overlap_unequal(out, out_a, vbytes) || pkv__overlap_unequal(out, out_b, vbytes) ||
         pkv__overlap(out, vbytes, lse_a, lbytes) || pkv__overlap(out, vbytes, lse_b, lbytes))
         return PKV_EINVAL;
-    if (lse && (overlap_unequal(lse, lse_a, lbytes) || overlap_unequal(lse, lse_b, lbytes) ||
+    if (lse && (pkv__overlap_unequal(lse, lse_a, lbytes) || pkv__overlap_unequal(lse, lse_b, lbytes) ||
                 pkv__overlap(lse, lbytes, out, vbytes) || pkv__overlap(lse, lbytes, out_a, vbytes) ||
                 pkv__overlap(lse, lbytes, out_b, vbytes)))
         return PKV_EINVAL;

@@ -775,7 +775,7 @@ static int check_overlap(const float *q, const float *out, const float *lse, uin
     size_t nq, nl;
     if (n_rows > SIZE_MAX / sizeof(float) || !pkv__mul_ok((size_t)n_rows * sizeof(float), qrow, &nq)) return PKV_EINVAL;
     nl = (size_t)n_rows * sizeof(float) * n_q_heads; /* <= nq: n_q_heads <= qrow */
-    if (q != out && pkv__overlap(q, nq, out, nq)) return PKV_EINVAL;
+    if (pkv__overlap_unequal(q, out, nq)) return PKV_EINVAL;
     if (lse && (pkv__overlap(lse, nl, q, nq) || pkv__overlap(lse, nl, out, nq))) return PKV_EINVAL;
     return PKV_OK;
 }

@@ -41,6 +41,10 @@ static inline bool pkv__overlap(const void *a, size_t na, const void *b, size_t 
     const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
     return x < y ? y - x < na : x - y < nb;
 }
+/* Whether two arrays of n bytes share a byte without being the same array (in place allowed). */
+static inline bool pkv__overlap_unequal(const void *a, const void *b, size_t n) {
+    return a != b && pkv__overlap(a, n, b, n);
+}
 
 /* Logging through the hook; a no-op when log == NULL. printf-style. */
 void pkv__log(pkv_log_fn log, void *ctx, int level, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
