@@ -527,17 +527,19 @@ static void test_oracle_odd_dims(void **state) {
 }
 
 /* Shapes at and past the edges of the kernels' tiles and of the driver's row budget, each in
- * decode and prefill, f32 / f16 / bf16 K (V sometimes another type): head_dim 1, 3, 7 and 17
+ * decode and prefill, f32 / f16 / bf16 K (V sometimes another type): head_dim 1, 3, 5, 7 and 17
  * (no whole vector: every column in the tails), 1000 and 1024 (the largest accepted); GQA groups
- * of 3, 33 and 64 query heads a kv head (64 rows: a whole decode unit, ROWS_MAX; 66: past it,
- * and a prefill's query tiles cut inside one kv head's rows); blocks of 1, 5, 7 and 1024 tokens
- * (a context inside one block). */
+ * of 3, 33 and 64 query heads a kv head (64 rows: a whole unit, ROWS_MAX; 66 and 128 a sequence:
+ * its kv heads in units of their own), and of 100 and 130 (past ROWS_MAX: one kv head's query
+ * heads cut into sub-groups, n_gsub in attn.c); blocks of 1, 3, 5, 7 and 1024 tokens (a context
+ * inside one block). */
 static void test_oracle_extreme_shapes(void **state) {
     const backend_case *bc = *state;
     need_backend(bc->name);
     static const struct { uint32_t D, nqh, H, B, cap; } shapes[] = {
         {1, 4, 2, 3, 700},   {3, 3, 1, 1, 700},     {7, 64, 1, 5, 700},  {17, 33, 1, 16, 700},
         {200, 66, 2, 7, 300}, {64, 128, 2, 16, 300}, {1000, 2, 2, 1024, 400}, {1024, 8, 4, 16, 300},
+        {5, 100, 1, 16, 300}, {33, 260, 2, 3, 200},
     };
     g_rng = 406;
     for (int prefill = 0; prefill < 2; prefill++)
