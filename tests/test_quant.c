@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "quant/quant.h"
+#include "support_util.h"
 
 /* ---- helpers --------------------------------------------------------------------------------- */
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -437,6 +438,59 @@ static void test_avx2_equals_ref(void **state) {
 #endif
 }
 
+/* ---- f16 and bf16, every bit pattern ---------------------------------------------------------
+ * The pool's f16 / bf16 rows (pkv__row_encode / pkv__row_decode, what pkv_write_kv and
+ * pkv_seq_gather use, and the reference kernels' scalar reads) against the test's own
+ * conversions (support_util.c: ldexp and nearbyint, written apart from the library): every one
+ * of the 65536 codes decodes to the same f32 bits (NaN to a NaN of the same sign) and encodes
+ * back to itself; and f32 values at every code, at the midpoint to the next code (a tie: to
+ * even), and one f32 step either side of it encode as round-to-nearest-even says. That covers
+ * subnormals, the smallest normal, the largest finite (65504 / 3.39e38) and overflow to inf. */
+static void check_16bit_format(pkv_dtype dt) {
+    float (*dec)(uint16_t) = dt == PKV_DTYPE_F16 ? tu_f16_to_f32 : tu_bf16_to_f32;
+    uint16_t (*enc)(float) = dt == PKV_DTYPE_F16 ? tu_f32_to_f16 : tu_f32_to_bf16;
+    const uint16_t inf = dt == PKV_DTYPE_F16 ? 0x7c00 : 0x7f80;
+    static uint16_t codes[65536], back[65536];
+    static float vals[65536];
+    for (uint32_t i = 0; i < 65536; i++) codes[i] = (uint16_t)i;
+    pkv__row_decode(dt, codes, 65536, vals);
+    for (uint32_t i = 0; i < 65536; i++) {
+        const float want = dec((uint16_t)i);
+        if (isnan(want)) {
+            if (!isnan(vals[i]) || signbit(vals[i]) != signbit(want))
+                fail_msg("%s 0x%04x: decodes to %g, want a NaN of its sign", pkv_dtype_name(dt), i, (double)vals[i]);
+        } else if (fbits(vals[i]) != fbits(want)) {
+            fail_msg("%s 0x%04x: decodes to %a, want %a", pkv_dtype_name(dt), i, (double)vals[i], (double)want);
+        }
+    }
+    pkv__row_encode(dt, vals, 65536, back);
+    for (uint32_t i = 0; i < 65536; i++) {
+        const bool nan = (i & 0x7fff) > inf;
+        if (nan ? (back[i] & 0x7fff) <= inf || (back[i] & 0x8000) != (i & 0x8000) : back[i] != i)
+            fail_msg("%s 0x%04x: encodes back as 0x%04x", pkv_dtype_name(dt), i, back[i]);
+    }
+    /* f32 inputs: each finite code, the midpoint to the next one up in magnitude (or to where
+       the next would be, past the largest finite), and one f32 step either side of that */
+    for (uint32_t i = 0; i < inf; i++)
+        for (int sgn = 0; sgn < 2; sgn++) {
+            const double lo = dec((uint16_t)i), hi = i + 1 < inf ? dec((uint16_t)(i + 1)) : 2.0 * lo - dec((uint16_t)(i - 1));
+            const float mid = (float)((lo + hi) / 2); /* exact: the formats have fewer bits than f32 */
+            float x[4] = {(float)lo, mid, nextafterf(mid, 0.0f), nextafterf(mid, INFINITY)};
+            uint16_t got[4];
+            for (int j = 0; j < 4; j++) x[j] = sgn ? -x[j] : x[j];
+            pkv__row_encode(dt, x, 4, got);
+            for (int j = 0; j < 4; j++)
+                if (got[j] != enc(x[j]))
+                    fail_msg("%s: %a encodes as 0x%04x, want 0x%04x", pkv_dtype_name(dt), (double)x[j], got[j], enc(x[j]));
+        }
+}
+
+static void test_f16_bf16_every_code(void **state) {
+    (void)state;
+    check_16bit_format(PKV_DTYPE_F16);
+    check_16bit_format(PKV_DTYPE_BF16);
+}
+
 /* The dispatched entry points (whatever backend was chosen) produce the reference bytes. */
 static void enc_q8(const float *x, uint32_t d, void *o) { pkv__row_encode(PKV_DTYPE_Q8_0, x, d, o); }
 static void dec_q8(const void *s, uint32_t d, float *y) { pkv__row_decode(PKV_DTYPE_Q8_0, s, d, y); }
@@ -470,6 +524,7 @@ int main(void) {
         cmocka_unit_test(test_saturation_and_nonfinite),
         cmocka_unit_test(test_avx2_equals_ref),
         cmocka_unit_test(test_dispatch_equals_ref),
+        cmocka_unit_test(test_f16_bf16_every_code),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
