@@ -10,6 +10,7 @@
 #include "support_util.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -724,6 +725,55 @@ static void test_config_roundtrip(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* The log hook (pkv.h: the library never prints, it reports through the hook): one INFO line at
+ * creation that names the pool's shape and the attention backend, nothing from the calls after
+ * it (errors are statuses), and a NULL hook stays silent. */
+typedef struct log_rec {
+    int n, level;
+    char msg[512];
+} log_rec;
+
+static void record_log(void *ctx, int level, const char *msg) {
+    log_rec *r = ctx;
+    r->n++;
+    r->level = level;
+    snprintf(r->msg, sizeof r->msg, "%s", msg);
+}
+
+static void test_log_hook(void **state) {
+    (void)state;
+    log_rec rec = {0};
+    pkv_config cfg = tu_config(20, 8, 2, 1, 16, PKV_DTYPE_F32);
+    cfg.log = record_log;
+    cfg.log_ctx = &rec;
+    pkv_cache *c = tu_create(&cfg);
+    assert_int_equal(rec.n, 1);
+    assert_int_equal(rec.level, PKV_LOG_INFO);
+    const char *head = "pkv: cache of 20 blocks x 8 tokens, 2 layers, ";
+    assert_memory_equal(rec.msg, head, strlen(head));
+    char tail[64];
+    snprintf(tail, sizeof tail, ", attention %s x1", pkv_attn_backend(c));
+    const size_t n = strlen(rec.msg), m = strlen(tail);
+    assert_true(n > m);
+    assert_string_equal(rec.msg + n - m, tail);
+    pkv_seq s = tu_seq(c);
+    int32_t slots[8];
+    tu_append(c, s, 8, 0, slots);
+    assert_int_equal(pkv_seq_append(c, s, NULL, 3, NULL), PKV_EINVAL);
+    assert_int_equal(pkv_seq_truncate(c, s + 1, 0), PKV_ENOENT);
+    float kv[8 * 16] = {0}, q[16] = {0}, out[16];
+    TU_OK(pkv_write_kv(c, 0, slots, 8, kv, kv, PKV_DTYPE_F32));
+    TU_OK(pkv_attn_decode(c, 0, &s, 1, q, out, NULL));
+    TU_OK(pkv_seq_release(c, s));
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+    assert_int_equal(rec.n, 1);
+    cfg.log = NULL; /* silent, whatever log_ctx holds */
+    c = tu_create(&cfg);
+    pkv_cache_destroy(c);
+    assert_int_equal(rec.n, 1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_blocks_needed),
@@ -738,6 +788,7 @@ int main(void) {
         cmocka_unit_test(test_exports),
         cmocka_unit_test(test_stats_scripted),
         cmocka_unit_test(test_config_roundtrip),
+        cmocka_unit_test(test_log_hook),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
