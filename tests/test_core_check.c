@@ -1,0 +1,195 @@
+/* test_core_check.c: the invariant checker finds what it says it checks. Every stress, fuzz and
+ * model test takes pkv_cache_check's PKV_OK as proof that the state is sound, so each of its
+ * checks is shown to fire here: a sound state with every kind of block (FREE, CACHED, ACTIVE
+ * shared by a fork and a pin, indexed chains, a partial tail) is built through the API, one
+ * field of the metadata is broken through the internal headers, and the checker must answer
+ * PKV_ECORRUPT with a message that names the broken invariant. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include "support_util.h"
+#include "cache/cache_int.h"
+
+#include <stdio.h>
+#include <string.h>
+
+enum { B = 4 };
+
+/* The state: a committed 10-token sequence a (blocks 0-1 indexed, its tail a partial), a fork f
+ * of it, a pin of its first 8 tokens, a sequence b that reused a's prefix and went on, and a
+ * sequence whose committed blocks were released (CACHED, in the LRU queue). */
+typedef struct world {
+    pkv_cache *c;
+    pkv_seq a, f, pin, b;
+    int32_t ta[4], tb[8];
+    uint32_t na, nb;
+} world;
+
+static void world_make(world *w) {
+    memset(w, 0, sizeof *w);
+    pkv_config cfg = tu_config(32, B, 1, 1, 4, PKV_DTYPE_F32);
+    cfg.enable_prefix_cache = 1;
+    cfg.max_seqs = 8;
+    w->c = tu_create(&cfg);
+    int32_t p[24];
+    tu_tokens(p, 24, 100);
+    w->a = tu_seq(w->c);
+    TU_OK(pkv_seq_append(w->c, w->a, p, 10, NULL));
+    TU_OK(pkv_seq_commit(w->c, w->a, 10));
+    TU_OK(pkv_seq_fork(w->c, w->a, &w->f));
+    TU_OK(pkv_pin_create(w->c, w->a, 8, &w->pin));
+    w->b = tu_seq(w->c);
+    uint32_t reused = 0;
+    TU_OK(pkv_seq_match_prefix(w->c, w->b, p, 11, &reused)); /* 8 in whole blocks, 2 from a's tail */
+    assert_int_equal(reused, 10);
+    TU_OK(pkv_seq_append(w->c, w->b, p + 10, 4, NULL));
+    pkv_seq gone = tu_seq(w->c);
+    int32_t g[8];
+    tu_tokens(g, 8, 500);
+    TU_OK(pkv_seq_append(w->c, gone, g, 8, NULL));
+    TU_OK(pkv_seq_commit(w->c, gone, 8));
+    TU_OK(pkv_seq_release(w->c, gone));
+    w->na = tu_table(w->c, w->a, w->ta, 4);
+    w->nb = tu_table(w->c, w->b, w->tb, 8);
+    assert_int_equal(w->na, 3);
+    TU_CHECK(w->c);
+    /* the kinds of block the cases below break */
+    const pkv_cache *c = w->c;
+    assert_true(c->pool.n_free > 0 && c->pool.n_cached == 2);
+    assert_true(c->blk[w->ta[0]].flags & PKV_BLKF_INDEXED);
+    assert_true(c->blk[w->ta[0]].ref >= 3); /* a, f, the pin, b */
+    assert_true(c->blk[w->ta[2]].flags & PKV_BLKF_PARTIAL);
+}
+
+typedef void (*breaker)(world *w);
+
+/* Builds the world, breaks it, and expects PKV_ECORRUPT with `want` in the message; the cache
+ * is then destroyed as it is (destroy walks no metadata). */
+static void expect_corrupt(breaker brk, const char *want) {
+    world w;
+    world_make(&w);
+    brk(&w);
+    char msg[256];
+    const int rc = pkv_cache_check(w.c, msg, sizeof msg);
+    if (rc != PKV_ECORRUPT || !strstr(msg, want))
+        fail_msg("checker: rc %d, message \"%s\"; want PKV_ECORRUPT and \"%s\"", rc, msg, want);
+    /* no message buffer: the status alone; a short one: truncated, still terminated */
+    assert_int_equal(pkv_cache_check(w.c, NULL, 0), PKV_ECORRUPT);
+    char small[8];
+    memset(small, 'x', sizeof small);
+    assert_int_equal(pkv_cache_check(w.c, small, sizeof small), PKV_ECORRUPT);
+    assert_int_equal(small[sizeof small - 1], '\0');
+    assert_memory_equal(small, msg, sizeof small - 1);
+    pkv_cache_destroy(w.c);
+}
+
+/* ---- the breakers: one invariant each ---- */
+static void free_back_link(world *w) {
+    pkv__blk *k = &w->c->blk[w->c->pool.free_head];
+    assert_int_not_equal(k->qnext, PKV_NONE);
+    w->c->blk[k->qnext].qprev = PKV_NONE;
+}
+static void free_count(world *w) { w->c->pool.n_free++; }
+static void free_state(world *w) { w->c->blk[w->c->pool.free_tail].state = PKV_BLK_ACTIVE; }
+static void lru_state(world *w) { w->c->blk[w->c->pool.lru_head].state = PKV_BLK_FREE; }
+static void lru_count(world *w) { w->c->pool.n_cached--; }
+static void lru_order(world *w) {
+    /* the queue holds the released sequence's child before its parent: swap them */
+    pkv__pool *p = &w->c->pool;
+    const uint32_t x = p->lru_head, y = w->c->blk[x].qnext;
+    assert_int_equal(w->c->blk[x].parent, y);
+    w->c->blk[y].qprev = PKV_NONE, w->c->blk[y].qnext = x;
+    w->c->blk[x].qprev = y, w->c->blk[x].qnext = PKV_NONE;
+    p->lru_head = y, p->lru_tail = x;
+}
+static void refcount(world *w) { w->c->blk[w->ta[0]].ref++; }
+static void seq_blocks(world *w) { pkv__seq_get(w->c, w->b)->n_tokens += B; }
+static void seq_committed(world *w) { pkv__seq_get(w->c, w->b)->n_committed = 15; }
+static void seq_table_free_block(world *w) { pkv__seq_get(w->c, w->b)->table[w->nb - 1] = (int32_t)w->c->pool.free_head; }
+static void seq_table_range(world *w) { pkv__seq_get(w->c, w->b)->table[0] = (int32_t)w->c->n_blocks; }
+static void seq_fill(world *w) { w->c->blk[w->tb[w->nb - 1]].n_fill = 1; }
+static void seq_chain_parent(world *w) { w->c->blk[w->ta[1]].parent = PKV_NONE; }
+static void seq_live_count(world *w) { w->c->n_live++; }
+static void token_total(world *w) { w->c->n_tokens_total--; }
+static void identity(world *w) { w->c->tokens[(size_t)w->ta[1] * B + 2]++; }
+static void bucket(world *w) {
+    pkv_cache *c = w->c;
+    const uint32_t b = (uint32_t)w->ta[0];
+    uint32_t *x = &c->buckets[c->blk[b].hash & c->bucket_mask];
+    while (*x != b) x = &c->blk[*x].hnext;
+    *x = c->blk[b].hnext; /* unlinked from its chain */
+}
+static void both_flags(world *w) { w->c->blk[w->ta[0]].flags |= PKV_BLKF_PARTIAL; }
+static void commit_over_fill(world *w) { w->c->blk[w->ta[2]].n_commit = B; }
+static void free_flags(world *w) { w->c->blk[w->c->pool.free_head].flags = PKV_BLKF_PARTIAL; }
+static void indexed_not_full(world *w) { w->c->blk[w->c->pool.lru_head].n_commit = B - 1; }
+static void slots_used(world *w) { w->c->pool.slots_used++; }
+static void indexed_count(world *w) { w->c->n_indexed++; }
+static void peak(world *w) { w->c->pool.peak_active = w->c->pool.n_active - 1; }
+static void children_count(world *w) { w->c->blk[w->ta[0]].n_children++; }
+static void child_of_unindexed(world *w) { w->c->blk[w->c->pool.free_head].child = (uint32_t)w->ta[1]; }
+static void partial_parent(world *w) {
+    /* out of its parent's child list (so that list stays sound), under a FREE block instead */
+    pkv_cache *c = w->c;
+    const uint32_t t = (uint32_t)w->ta[2];
+    pkv__blk *k = &c->blk[t];
+    if (k->sib_prev != PKV_NONE) c->blk[k->sib_prev].sib_next = k->sib_next;
+    else c->blk[k->parent].child = k->sib_next;
+    if (k->sib_next != PKV_NONE) c->blk[k->sib_next].sib_prev = k->sib_prev;
+    k->sib_prev = k->sib_next = PKV_NONE;
+    k->parent = c->pool.free_head;
+}
+
+static void test_checker_fires(void **state) {
+    (void)state;
+    static const struct {
+        breaker brk;
+        const char *want;
+    } cases[] = {
+        {free_back_link, "free queue: block"},
+        {free_count, "free queue:"},
+        {free_state, "is not FREE"},
+        {lru_state, "LRU queue: block"},
+        {lru_count, "LRU queue:"},
+        {lru_order, "leaves must go first"},
+        {refcount, "refcount"},
+        {seq_blocks, "blocks for"},
+        {seq_committed, "committed 15 > length 14"},
+        {seq_table_free_block, "is not ACTIVE"},
+        {seq_table_range, "out of range"},
+        {seq_fill, "holds 1 tokens"},
+        {seq_chain_parent, "has parent"},
+        {seq_live_count, "sequence count"},
+        {token_total, "token count"},
+        {identity, "identity changed"},
+        {bucket, "not in its hash bucket"},
+        {both_flags, "both indexed and partial"},
+        {commit_over_fill, "inconsistent"},
+        {free_flags, "FREE but"},
+        {indexed_not_full, "not full and committed"},
+        {slots_used, "slots used"},
+        {indexed_count, "index:"},
+        {peak, "peak_active"},
+        {children_count, "indexed children"},
+        {child_of_unindexed, "not indexed but has children"},
+        {partial_parent, "partial under a parent"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) expect_corrupt(cases[i].brk, cases[i].want);
+    /* and the world itself is sound, before and after a round of use */
+    world w;
+    world_make(&w);
+    TU_OK(pkv_seq_release(w.c, w.f));
+    TU_OK(pkv_pin_release(w.c, w.pin));
+    TU_CHECK(w.c);
+    pkv_cache_destroy(w.c);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_checker_fires),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
