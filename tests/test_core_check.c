@@ -61,7 +61,7 @@ static void world_make(world *w) {
     const pkv_cache *c = w->c;
     assert_true(c->pool.n_free > 0 && c->pool.n_cached == 2);
     assert_true(c->blk[w->ta[0]].flags & PKV_BLKF_INDEXED);
-    assert_true(c->blk[w->ta[0]].ref >= 3); /* a, f, the pin, b */
+    assert_int_equal(c->blk[w->ta[0]].ref, 4); /* a, f, the pin, b */
     assert_true(c->blk[w->ta[2]].flags & PKV_BLKF_PARTIAL);
 }
 
