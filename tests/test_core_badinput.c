@@ -97,6 +97,18 @@ static int teardown(void **state) {
 }
 
 /* A row: name, expected status, the call (f is the fixture). */
+/* A decode of the live sequence with n_q_heads query heads, on buffers of their size (so no
+ * overlap of q and out can be what refuses it). */
+static int decode_q_heads(fx *f, uint32_t n_q_heads) {
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = n_q_heads;
+    float *q = calloc((size_t)n_q_heads * HD, sizeof(float)), *out = calloc((size_t)n_q_heads * HD, sizeof(float));
+    const int rc = q && out ? pkv_attn_decode(f->c, 0, &f->live, 1, q, out, &p) : PKV_ENOMEM;
+    free(q);
+    free(out);
+    return rc;
+}
+
 #define ROWS(X)                                                                                                       \
     /* dtype helpers */                                                                                               \
     X(dtype_from_name_null_name, PKV_EINVAL, ({ pkv_dtype d; pkv_dtype_from_name(NULL, &d); }))                       \
@@ -265,6 +277,7 @@ static int teardown(void **state) {
     X(decode_empty_seq, PKV_EINVAL, pkv_attn_decode(f->c, 0, &f->empty, 1, f->kv, f->out, NULL))                      \
     X(decode_bad_q_heads, PKV_EINVAL, ({ pkv_attn_params p = pkv_attn_params_default(); p.n_q_heads = NH + 1;         \
                                          pkv_attn_decode(f->c, 0, &f->live, 1, f->kv, f->out, &p); }))              \
+    X(decode_q_heads_past_1024x, PKV_EINVAL, decode_q_heads(f, NH * 1025)) /* buffers big enough for them */         \
     X(decode_negative_scale, PKV_EINVAL, ({ pkv_attn_params p = pkv_attn_params_default(); p.scale = -1.0f;           \
                                             pkv_attn_decode(f->c, 0, &f->live, 1, f->kv, f->out, &p); }))           \
     X(prefill_null_cache, PKV_EINVAL, ({ pkv_attn_req r = {f->live, 0, 1};                                            \
@@ -393,6 +406,11 @@ typedef struct {
     X(q8_head_dim_40, PKV_EINVAL, (c->k_dtype = PKV_DTYPE_Q8_0, c->head_dim = 40))                  \
     X(q4_head_dim_16, PKV_EINVAL, (c->v_dtype = PKV_DTYPE_Q4_0, c->head_dim = 16))                  \
     X(n_threads_257, PKV_EINVAL, c->n_threads = 257)                                                \
+    X(n_layers_4097, PKV_EINVAL, c->n_layers = 4097)                                                \
+    X(n_kv_heads_4097, PKV_EINVAL, c->n_kv_heads = 4097)                                            \
+    X(prefix_cache_2, PKV_EINVAL, c->enable_prefix_cache = 2)                                       \
+    X(huge_pages_neg, PKV_EINVAL, c->huge_pages = -1)                                               \
+    X(table_slots_overflow, PKV_EINVAL, (c->block_tokens = 1024, c->max_blocks_per_seq = 1u << 21)) \
     X(alloc_without_free, PKV_EINVAL, c->allocator.free = NULL)
 
 CFG_ROWS(CFG)
