@@ -439,11 +439,12 @@ static void test_api_in_place(void **state) {
             pkv_seq ids[NB];
             for (int i = 0; i < NB; i++) ids[i] = s[(i * 3) % 4].id;
             pkv_attn_req reqs[4] = {{s[0].id, 0, 1}, {s[1].id, 20, 50}, {s[2].id, 332, 1}, {s[3].id, 100, 37}};
-            const uint32_t nq[2] = {NB, 1 + 50 + 1 + 37};
+            enum { NQ_PF = 1 + 50 + 1 + 37 }; /* the prefill's queries, more than NB */
+            const uint32_t nq[2] = {NB, NQ_PF};
             for (int pf = 0; pf < 2; pf++) {
                 const size_t n = (size_t)nq[pf] * NQH * D;
                 float *q = rand_q(nq[pf]), *out = malloc(sizeof(float) * n), *buf = malloc(sizeof(float) * n);
-                float lse[NB * NQH + 89 * NQH], lse2[NB * NQH + 89 * NQH];
+                float lse[NQ_PF * NQH], lse2[NQ_PF * NQH];
                 pkv_attn_params p = pkv_attn_params_default();
                 p.n_q_heads = NQH;
                 p.lse = lse;

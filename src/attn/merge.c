@@ -16,8 +16,9 @@ PKV_API int pkv_attn_merge(uint32_t n_rows, uint32_t head_dim, const float *out_
     if (head_dim == 0) return PKV_EINVAL;
     if (n_rows == 0) return PKV_OK;
     if (!out_a || !lse_a || !out_b || !lse_b || !out) return PKV_EINVAL;
-    size_t n_vals, vbytes, lbytes = (size_t)n_rows * sizeof(float);
-    if (!pkv__mul_ok(n_rows, head_dim, &n_vals) || !pkv__mul_ok(n_vals, sizeof(float), &vbytes)) return PKV_EINVAL;
+    size_t vbytes;
+    const size_t lbytes = (size_t)n_rows * sizeof(float);
+    if (!pkv__f32_rows_bytes(n_rows, head_dim, &vbytes)) return PKV_EINVAL;
     /* out may be out_a or out_b, and lse lse_a or lse_b (in place); no other overlap */
     if (pkv__overlap_unequal(out, out_a, vbytes) || pkv__overlap_unequal(out, out_b, vbytes) ||
         pkv__overlap(out, vbytes, lse_a, lbytes) || pkv__overlap(out, vbytes, lse_b, lbytes))

@@ -772,9 +772,9 @@ static pkv__kv_view layer_view(const pkv_cache *c, uint32_t layer) {
  * query's are written over them); any other overlap of q, out and lse is PKV_EINVAL. */
 static int check_overlap(const float *q, const float *out, const float *lse, uint64_t n_rows, size_t qrow,
                          uint32_t n_q_heads) {
-    size_t nq, nl;
-    if (n_rows > SIZE_MAX / sizeof(float) || !pkv__mul_ok((size_t)n_rows * sizeof(float), qrow, &nq)) return PKV_EINVAL;
-    nl = (size_t)n_rows * sizeof(float) * n_q_heads; /* <= nq: n_q_heads <= qrow */
+    size_t nq;
+    if (!pkv__f32_rows_bytes(n_rows, qrow, &nq)) return PKV_EINVAL;
+    const size_t nl = (size_t)n_rows * sizeof(float) * n_q_heads; /* <= nq: n_q_heads <= qrow */
     if (pkv__overlap_unequal(q, out, nq)) return PKV_EINVAL;
     if (lse && (pkv__overlap(lse, nl, q, nq) || pkv__overlap(lse, nl, out, nq))) return PKV_EINVAL;
     return PKV_OK;

@@ -35,6 +35,11 @@ void pkv__free(const pkv_allocator *a, void *p, size_t size);
 /* Checked size arithmetic: false on overflow. */
 static inline bool pkv__mul_ok(size_t a, size_t b, size_t *out) { return !__builtin_mul_overflow(a, b, out); }
 static inline bool pkv__add_ok(size_t a, size_t b, size_t *out) { return !__builtin_add_overflow(a, b, out); }
+/* Bytes of n rows of `width` floats each (the caller's arrays): false on overflow. */
+static inline bool pkv__f32_rows_bytes(uint64_t n, size_t width, size_t *out) {
+    size_t elems;
+    return (uint64_t)(size_t)n == n && pkv__mul_ok((size_t)n, width, &elems) && pkv__mul_ok(elems, sizeof(float), out);
+}
 /* Whether the byte ranges [a, a + na) and [b, b + nb) share a byte (the caller's arrays: an
  * aliasing check, by address). */
 static inline bool pkv__overlap(const void *a, size_t na, const void *b, size_t nb) {
