@@ -201,12 +201,154 @@ static void test_refused_environment(void **state) {
     }
 }
 
+/* `pkv bench ops --json` (the core issue's contract): a header line, then one object per
+ * operation and pool with op, pool_blocks and median_ns (p10 <= median <= p90, the samples asked
+ * for, the 1M pool's ratio to the 1K pool's median), then the metadata fraction of the four
+ * shapes, consistent with its own bytes and goal flag. */
+static void test_ops_json(void **state) {
+    (void)state;
+    static const char *ops[6] = {"append_1", "append_16", "fork_1000_blocks", "truncate", "release", "write_kv_1"};
+    char *argv[] = {"pkv", "bench", "ops", "--quick", "--json", "--samples", "5", NULL};
+    char *out, *err;
+    const int rc = run_cli(argv, &out, &err);
+    if (rc != 0) fail_msg("exit %d: %s", rc, err);
+    int header = 0, seen[6][2] = {{0}}, meta[2][2] = {{0}};
+    double med_1k[6] = {0};
+    for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        const size_t n = strlen(line);
+        if (n < 2 || line[0] != '{' || line[n - 1] != '}') fail_msg("not one JSON object: %s", line);
+        assert_true(str_is(line, "bench", "ops"));
+        if (field(line, "build")) {
+            assert_int_equal((int)num(line, "samples"), 5);
+            assert_int_equal((int)num(line, "block_tokens"), 16);
+            header++;
+            continue;
+        }
+        if (field(line, "metric")) {
+            assert_true(str_is(line, "metric", "meta_fraction"));
+            const int layers = (int)num(line, "n_layers"), blocks = (int)num(line, "n_blocks");
+            assert_true(layers == 1 || layers == 32);
+            assert_true(blocks == 1000 || blocks == 4096);
+            meta[layers == 32][blocks == 4096]++;
+            const double mb = num(line, "meta_bytes"), kb = num(line, "kv_bytes"), f = num(line, "fraction");
+            /* K and V of 16 tokens x 8 kv heads x 128 f16 a block and layer, plus at most the V
+               array's skew and the padding a layer */
+            const double kv_min = (double)layers * blocks * 2 * 16 * 8 * 128 * 2;
+            assert_true(mb > 0 && kb >= kv_min && kb <= kv_min + layers * (2.0 * 1024 * 1024 + 128));
+            assert_true(fabs(f - mb / kb) <= 5e-7 + 1e-6 * f);
+            const char *g = field(line, "goal_met"); /* a JSON bool */
+            assert_non_null(g);
+            assert_true(f <= 0.01 ? !strncmp(g, "true", 4) : !strncmp(g, "false", 5));
+            continue;
+        }
+        int op = -1;
+        for (int i = 0; i < 6; i++)
+            if (str_is(line, "op", ops[i])) op = i;
+        if (op < 0) fail_msg("unexpected op: %s", line);
+        const int blocks = (int)num(line, "pool_blocks");
+        assert_true(blocks == 1000 || blocks == 1000000);
+        const int big = blocks == 1000000;
+        seen[op][big]++;
+        assert_int_equal((int)num(line, "samples"), 5);
+        const double med = num(line, "median_ns"), p10 = num(line, "p10_ns"), p90 = num(line, "p90_ns");
+        assert_true(isfinite(med) && med > 0 && p10 <= med && med <= p90);
+        const double ratio = num(line, "ratio_vs_1k");
+        if (!big) {
+            assert_true(ratio == 1.0);
+            med_1k[op] = med;
+        } else {
+            /* the 1K line comes first; both medians printed to 0.01 ns, the ratio to 0.001 */
+            assert_true(med_1k[op] > 0);
+            assert_true(fabs(ratio - med / med_1k[op]) <= 5e-4 + 0.01 * ratio / med_1k[op] + 1e-3 * ratio);
+        }
+    }
+    assert_int_equal(header, 1);
+    for (int i = 0; i < 6; i++) {
+        assert_int_equal(seen[i][0], 1);
+        assert_int_equal(seen[i][1], 1);
+    }
+    for (int l = 0; l < 2; l++)
+        for (int b = 0; b < 2; b++) assert_int_equal(meta[l][b], 1);
+    free(out), free(err);
+}
+
+/* `pkv bench prefix --json` (the prefix-caching issue's contract): a header, then one object
+ * per (op, prompt, index size): hit_hot, hit and miss at 256 and 8192 tokens over indexes of
+ * 10,000 and (quick) 100,000 blocks, ns per token consistent with the median, the ratio 1 at the
+ * smallest index. */
+static void test_prefix_json(void **state) {
+    (void)state;
+    static const char *ops[3] = {"hit_hot", "hit", "miss"};
+    char *argv[] = {"pkv", "bench", "prefix", "--quick", "--json", "--reps", "3", NULL};
+    char *out, *err;
+    const int rc = run_cli(argv, &out, &err);
+    if (rc != 0) fail_msg("exit %d: %s", rc, err);
+    int header = 0, seen[3][2][2] = {{{0}}};
+    for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        const size_t n = strlen(line);
+        if (n < 2 || line[0] != '{' || line[n - 1] != '}') fail_msg("not one JSON object: %s", line);
+        assert_true(str_is(line, "bench", "prefix"));
+        if (field(line, "build")) {
+            assert_int_equal((int)num(line, "block_tokens"), 16);
+            assert_non_null(strstr(line, "\"quick\":true"));
+            header++;
+            continue;
+        }
+        int op = -1;
+        for (int i = 0; i < 3; i++)
+            if (str_is(line, "op", ops[i])) op = i;
+        if (op < 0) fail_msg("unexpected op: %s", line);
+        const int prompt = (int)num(line, "prompt_tokens"), index = (int)num(line, "index_blocks");
+        assert_true(prompt == 256 || prompt == 8192);
+        assert_true(index == 10000 || index == 100000);
+        seen[op][prompt == 8192][index == 100000]++;
+        assert_int_equal((int)num(line, "reps"), 3);
+        const double med = num(line, "median_ns"), per = num(line, "ns_per_token");
+        assert_true(isfinite(per) && per > 0);
+        assert_true(fabs(per - med / prompt) <= 0.5 / prompt + 5e-4); /* median printed to 1 ns */
+        assert_true(num(line, "p10_ns_per_token") <= per + 5e-4 && per <= num(line, "p90_ns_per_token") + 5e-4);
+        const double ratio = num(line, "ratio_vs_smallest_index");
+        assert_true(isfinite(ratio) && ratio > 0);
+        if (index == 10000) assert_true(ratio == 1.0);
+    }
+    assert_int_equal(header, 1);
+    for (int o = 0; o < 3; o++)
+        for (int p = 0; p < 2; p++)
+            for (int x = 0; x < 2; x++) assert_int_equal(seen[o][p][x], 1);
+    free(out), free(err);
+}
+
+/* ops and prefix refuse what they cannot run with exit status 1 and print nothing on stdout:
+ * counts out of range, not digits only, or missing, and unknown options. */
+static void test_ops_prefix_usage_errors(void **state) {
+    (void)state;
+    char *bad[][5] = {{"pkv", "bench", "ops", "--samples", "2"},       {"pkv", "bench", "ops", "--samples", "100001"},
+                      {"pkv", "bench", "ops", "--samples", "5x"},      {"pkv", "bench", "ops", "--samples", "+5"},
+                      {"pkv", "bench", "ops", "--samples", " 5"},      {"pkv", "bench", "ops", "--samples", NULL},
+                      {"pkv", "bench", "ops", "--frobnicate", NULL},   {"pkv", "bench", "prefix", "--reps", "0"},
+                      {"pkv", "bench", "prefix", "--reps", "1000001"}, {"pkv", "bench", "prefix", "--reps", "-3"},
+                      {"pkv", "bench", "prefix", "--reps", "3.5"},     {"pkv", "bench", "prefix", "--reps", NULL},
+                      {"pkv", "bench", "prefix", "--frobnicate", NULL}, {"pkv", "bench", "sideways", NULL, NULL}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char *argv[6] = {bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4], NULL};
+        char *out, *err;
+        const int rc = run_cli(argv, &out, &err);
+        if (rc != 1) fail_msg("case %zu: exit %d (want 1): %s", i, rc, err);
+        assert_string_equal(out, "");
+        assert_true(strlen(err) > 0);
+        free(out), free(err);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_json_lines),
         cmocka_unit_test(test_usage_errors),
         cmocka_unit_test(test_large_batch),
         cmocka_unit_test(test_refused_environment),
+        cmocka_unit_test(test_ops_json),
+        cmocka_unit_test(test_prefix_json),
+        cmocka_unit_test(test_ops_prefix_usage_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -226,12 +226,14 @@ int tool_bench_ops(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json")) json = 1;
         else if (!strcmp(argv[i], "--quick")) quick = 1;
-        else if (!strcmp(argv[i], "--samples") && i + 1 < argc) {
-            n = atoi(argv[++i]);
-            if (n < 3 || n > 100000) {
-                fprintf(stderr, "pkv bench ops: --samples wants 3..100000\n");
+        else if (!strcmp(argv[i], "--samples")) {
+            const char *val = i + 1 < argc ? argv[++i] : "";
+            uint32_t v;
+            if (tool_parse_u32(val, &v) || v < 3 || v > 100000) {
+                fprintf(stderr, "pkv bench ops: --samples wants 3..100000, got '%s'\n", val);
                 return TOOL_USAGE;
             }
+            n = (int)v;
         } else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             usage(stdout);
             return TOOL_OK;

@@ -168,14 +168,14 @@ int tool_bench_prefix(int argc, char **argv) {
         else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             usage(stdout);
             return TOOL_OK;
-        } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
-            char *end;
-            long v = strtol(argv[++i], &end, 10);
-            if (*end || v < 1 || v > 1000000) {
-                fprintf(stderr, "pkv bench prefix: --reps wants 1..1000000, got '%s'\n", argv[i]);
+        } else if (!strcmp(argv[i], "--reps")) {
+            const char *val = i + 1 < argc ? argv[++i] : "";
+            uint32_t v;
+            if (tool_parse_u32(val, &v) || v < 1 || v > 1000000) {
+                fprintf(stderr, "pkv bench prefix: --reps wants 1..1000000, got '%s'\n", val);
                 return TOOL_USAGE;
             }
-            reps_arg = (uint32_t)v;
+            reps_arg = v;
         } else {
             fprintf(stderr, "pkv bench prefix: unknown option '%s'\n\n", argv[i]);
             usage(stderr);

@@ -86,15 +86,6 @@ static int parse_prompts(prompt_list *pl, const char *arg) {
     return 0;
 }
 
-static int parse_u32(const char *s, uint32_t *out) {
-    char *e;
-    errno = 0;
-    unsigned long v = strtoul(s, &e, 10);
-    if (!*s || *e || errno || v > UINT32_MAX || s[0] == '-') return -1;
-    *out = (uint32_t)v;
-    return 0;
-}
-
 static int parse_f32(const char *s, float *out) {
     char *e;
     errno = 0;
@@ -147,17 +138,17 @@ int tool_run(int argc, char **argv) {
             seed = strtoull(val, &e, 10);
             bad = !*val || *e || errno;
             have_seed = 1;
-        } else if (!strcmp(a, "-n")) bad = parse_u32(val, &steps);
+        } else if (!strcmp(a, "-n")) bad = tool_parse_u32(val, &steps);
         else if (!strcmp(a, "-z")) tok_path = val;
         else if (!strcmp(a, "--prompt-ids")) {
             if (parse_prompts(&pl, val)) {
                 status = TOOL_USAGE;
                 goto out;
             }
-        } else if (!strcmp(a, "--batch")) bad = parse_u32(val, &batch) || batch == 0;
-        else if (!strcmp(a, "--block-tokens")) bad = parse_u32(val, &block_tokens) || block_tokens == 0;
-        else if (!strcmp(a, "--blocks")) bad = parse_u32(val, &n_blocks);
-        else if (!strcmp(a, "--threads")) bad = parse_u32(val, &n_threads);
+        } else if (!strcmp(a, "--batch")) bad = tool_parse_u32(val, &batch) || batch == 0;
+        else if (!strcmp(a, "--block-tokens")) bad = tool_parse_u32(val, &block_tokens) || block_tokens == 0;
+        else if (!strcmp(a, "--blocks")) bad = tool_parse_u32(val, &n_blocks);
+        else if (!strcmp(a, "--threads")) bad = tool_parse_u32(val, &n_threads);
         else {
             fprintf(stderr, "pkv run: unknown option '%s' (see pkv run --help)\n", a);
             status = TOOL_USAGE;

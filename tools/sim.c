@@ -97,15 +97,6 @@ static void usage(FILE *f) {
             d.so.step_tokens, d.so.max_seqs, d.so.watermark, d.so.headroom, d.so.n_threads);
 }
 
-static int parse_u32(const char *s, uint32_t *out) {
-    char *e;
-    errno = 0;
-    unsigned long long v = strtoull(s, &e, 10);
-    if (!*s || *e || errno || v > UINT32_MAX || s[0] == '-') return -1;
-    *out = (uint32_t)v;
-    return 0;
-}
-
 static int parse_f64(const char *s, double *out) {
     char *e;
     errno = 0;
@@ -149,37 +140,37 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         const char *v = argv[++i];
         int bad = 0;
         double d;
-        if (!strcmp(a, "--requests")) bad = parse_u32(v, &c->wo.n_requests) || c->wo.n_requests == 0;
+        if (!strcmp(a, "--requests")) bad = tool_parse_u32(v, &c->wo.n_requests) || c->wo.n_requests == 0;
         else if (!strcmp(a, "--rate")) bad = parse_f64(v, &c->wo.rate) || c->wo.rate <= 0;
         else if (!strcmp(a, "--step-ms")) bad = parse_f64(v, &c->step_ms) || c->step_ms <= 0;
         else if (!strcmp(a, "--prompt-mean")) bad = parse_f64(v, &c->wo.prompt_mean) || c->wo.prompt_mean < 1;
         else if (!strcmp(a, "--prompt-sigma")) bad = parse_f64(v, &c->wo.prompt_sigma) || c->wo.prompt_sigma < 0;
         else if (!strcmp(a, "--output-mean")) bad = parse_f64(v, &c->wo.output_mean) || c->wo.output_mean < 1;
         else if (!strcmp(a, "--output-sigma")) bad = parse_f64(v, &c->wo.output_sigma) || c->wo.output_sigma < 0;
-        else if (!strcmp(a, "--max-len")) bad = parse_u32(v, &c->wo.max_len) || c->wo.max_len < 2;
-        else if (!strcmp(a, "--sys-prompts")) bad = parse_u32(v, &c->wo.n_sys);
-        else if (!strcmp(a, "--sys-len")) bad = parse_u32(v, &c->wo.sys_len);
+        else if (!strcmp(a, "--max-len")) bad = tool_parse_u32(v, &c->wo.max_len) || c->wo.max_len < 2;
+        else if (!strcmp(a, "--sys-prompts")) bad = tool_parse_u32(v, &c->wo.n_sys);
+        else if (!strcmp(a, "--sys-len")) bad = tool_parse_u32(v, &c->wo.sys_len);
         else if (!strcmp(a, "--sys-frac")) bad = parse_f64(v, &c->wo.sys_frac) || c->wo.sys_frac < 0 || c->wo.sys_frac > 1;
         else if (!strcmp(a, "--n-frac")) bad = parse_f64(v, &c->wo.n_frac) || c->wo.n_frac < 0 || c->wo.n_frac > 1;
-        else if (!strcmp(a, "--samples")) bad = parse_u32(v, &c->wo.n_samples) || c->wo.n_samples == 0;
+        else if (!strcmp(a, "--samples")) bad = tool_parse_u32(v, &c->wo.n_samples) || c->wo.n_samples == 0;
         else if (!strcmp(a, "--seed")) {
             char *e;
             errno = 0;
             c->wo.seed = strtoull(v, &e, 10);
             bad = !*v || *e || errno;
         } else if (!strcmp(a, "--trace")) c->trace = v;
-        else if (!strcmp(a, "--layers")) bad = parse_u32(v, &c->so.model.n_layers) || !c->so.model.n_layers;
-        else if (!strcmp(a, "--kv-heads")) bad = parse_u32(v, &c->so.model.n_kv_heads) || !c->so.model.n_kv_heads;
-        else if (!strcmp(a, "--q-heads")) bad = parse_u32(v, &c->so.model.n_q_heads) || !c->so.model.n_q_heads;
-        else if (!strcmp(a, "--head-dim")) bad = parse_u32(v, &c->so.model.head_dim) || !c->so.model.head_dim;
+        else if (!strcmp(a, "--layers")) bad = tool_parse_u32(v, &c->so.model.n_layers) || !c->so.model.n_layers;
+        else if (!strcmp(a, "--kv-heads")) bad = tool_parse_u32(v, &c->so.model.n_kv_heads) || !c->so.model.n_kv_heads;
+        else if (!strcmp(a, "--q-heads")) bad = tool_parse_u32(v, &c->so.model.n_q_heads) || !c->so.model.n_q_heads;
+        else if (!strcmp(a, "--head-dim")) bad = tool_parse_u32(v, &c->so.model.head_dim) || !c->so.model.head_dim;
         else if (!strcmp(a, "--dtype")) bad = pkv_dtype_from_name(v, &c->so.model.dtype) < 0;
-        else if (!strcmp(a, "--block-tokens")) bad = parse_u32(v, &c->so.block_tokens) || !c->so.block_tokens;
-        else if (!strcmp(a, "--blocks")) bad = parse_u32(v, &c->so.n_blocks) || !c->so.n_blocks;
-        else if (!strcmp(a, "--step-tokens")) bad = parse_u32(v, &c->so.step_tokens) || !c->so.step_tokens;
-        else if (!strcmp(a, "--max-seqs")) bad = parse_u32(v, &c->so.max_seqs) || !c->so.max_seqs;
+        else if (!strcmp(a, "--block-tokens")) bad = tool_parse_u32(v, &c->so.block_tokens) || !c->so.block_tokens;
+        else if (!strcmp(a, "--blocks")) bad = tool_parse_u32(v, &c->so.n_blocks) || !c->so.n_blocks;
+        else if (!strcmp(a, "--step-tokens")) bad = tool_parse_u32(v, &c->so.step_tokens) || !c->so.step_tokens;
+        else if (!strcmp(a, "--max-seqs")) bad = tool_parse_u32(v, &c->so.max_seqs) || !c->so.max_seqs;
         else if (!strcmp(a, "--watermark")) bad = parse_f64(v, &d) || d < 0 || d >= 1 || ((c->so.watermark = d), 0);
         else if (!strcmp(a, "--headroom")) bad = parse_f64(v, &c->so.headroom) || c->so.headroom < 0;
-        else if (!strcmp(a, "--threads")) bad = parse_u32(v, &c->so.n_threads);
+        else if (!strcmp(a, "--threads")) bad = tool_parse_u32(v, &c->so.n_threads);
         else if (!strcmp(a, "--policies")) bad = parse_policies(c, v);
         else if (!strcmp(a, "--plot")) c->plot = v;
         else {

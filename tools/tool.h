@@ -44,6 +44,9 @@ uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, const uint8_t *near, 
 #endif
 uint64_t tool_sum_block(const uint8_t *k, const uint8_t *v, const uint8_t *kn, const uint8_t *vn, uint32_t n_heads,
                         size_t k_run, size_t v_run, int l1, uint32_t min_ahead);
+/* A decimal in [0, UINT32_MAX] written as digits only (no sign, blank or other character): 0 and
+ * *out set, else -1 and *out untouched. The options of every subcommand parse their counts with it. */
+int tool_parse_u32(const char *s, uint32_t *out);
 /* Fails with a message naming the call when rc < 0; returns rc. */
 int tool_check(int rc, const char *what);
 /* xorshift-style deterministic RNG. */
