@@ -497,7 +497,7 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     /* out and lse start as a pattern a bad call must leave, and a good one past its queries */
     memset(w->aout, PM_UNTOUCHED, sizeof w->aout);
     memset(w->alse, PM_UNTOUCHED, sizeof w->alse);
-    const uint32_t bad = pm_byte(src) < 48 ? 1 + pm_byte(src) % 6 : 0;
+    const uint32_t bad = pm_byte(src) < 48 ? 1 + pm_byte(src) % 7 : 0;
     int want_rc = 0;
     uint32_t l = layer;
     const float *qp = w->aq;
@@ -514,6 +514,11 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         want_rc = PKV_ENOENT;
     }
     if (bad == 6 && prefill) reqs[n - 1].n_q = pick[n - 1]->len - reqs[n - 1].q_start + 1, want_rc = PKV_EINVAL;
+    if (bad == 7 && nq) { /* a query element that is not finite: NaN, +inf or -inf */
+        static const float nonfinite[3] = {NAN, INFINITY, -INFINITY};
+        w->aq[pm_below(src, nq * Hq * D)] = nonfinite[pm_byte(src) % 3];
+        want_rc = PKV_EINVAL;
+    }
     if (!bad && b >= 192) { /* in place: out is q, the queries copied there first */
         memcpy(w->aout, w->aq, (size_t)nq * Hq * D * sizeof(float));
         qp = w->aout;

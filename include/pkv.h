@@ -204,7 +204,10 @@ PKV_API PKV_NODISCARD int pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t 
  * committed, else PKV_EINVAL and nothing is written. Committed K/V is immutable: a position
  * that any holder of its block has committed stays read-only until that block is freed (a
  * sequence that later owns the block alone may rewrite only past its own committed count
- * after a truncate or append, which trim the block's counts to it). k or v may
+ * after a truncate or append, which trim the block's counts to it). Every value written must
+ * be finite and must not round to infinity in the pool's dtype (f16: |x| >= 65520; bf16: past
+ * its largest finite value by half an ulp or more; the quantized dtypes saturate), else
+ * PKV_EINVAL and nothing is written; rows at slot -1 are not read. k or v may
  * be NULL to write only the other. So write a sequence's K/V before forking it: a block shared
  * by a fork is read-only until copy-on-write gives the writer its own copy. */
 PKV_API PKV_NODISCARD int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n,
@@ -329,8 +332,10 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
 
 /* Decode: one query per sequence, at its last position (length - 1), seeing [0, length).
  * q, out: [n_seqs][n_q_heads][head_dim] f32. out may be q (in place); any other overlap of q,
- * out and p->lse is PKV_EINVAL. K/V of every visible position must have been written for this
- * layer. A sequence may appear more than once (each entry its own query and output), and
+ * out and p->lse is PKV_EINVAL, and so is a q element that is not finite (NaN or infinity).
+ * K/V of every visible position must have been written for this layer (pkv_write_kv keeps
+ * them finite; values put in the pool around it that are not finite make the rows that see
+ * them unspecified, and different between backends). A sequence may appear more than once (each entry its own query and output), and
  * n_seqs may pass max_seqs (the batch then runs in groups of max_seqs). A batch whose block
  * tables jump is read in pool order: every block of the batch once, in ascending block id,
  * whichever sequences hold it, with one running softmax per sequence merged at the end (in

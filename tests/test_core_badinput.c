@@ -11,6 +11,7 @@
 
 #include "support_util.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -109,6 +110,33 @@ static int decode_q_heads(fx *f, uint32_t n_q_heads) {
     return rc;
 }
 
+/* fx's K/V rows (one token: NH x HD floats) with element at set to x, written at slots (n of
+ * them, live's own uncommitted positions 8 and 9, or padding), K or V. */
+static int write_with(fx *f, uint32_t n, const int32_t *slots, int v_side, uint32_t at, float x) {
+    float b[2 * NH * HD];
+    memcpy(b, f->kv, sizeof b);
+    b[at] = x;
+    return pkv_write_kv(f->c, 0, slots, n, v_side ? f->kv : b, v_side ? b : f->kv, PKV_DTYPE_F32);
+}
+
+/* A one-token write of 16-bit input (f16 or bf16 codes) with code at element 5. */
+static int write16_with(fx *f, pkv_dtype in, uint16_t code) {
+    uint16_t b[NH * HD];
+    for (int i = 0; i < NH * HD; i++) b[i] = in == PKV_DTYPE_F16 ? 0x3c00 : 0x3f80; /* 1.0 */
+    b[5] = code;
+    return pkv_write_kv(f->c, 0, &f->live_slot, 1, b, b, in);
+}
+
+/* A decode (or, with two queries, a prefill of live's positions 8 and 9) whose query element at
+ * is x. */
+static int attn_q_with(fx *f, int prefill, uint32_t at, float x) {
+    float q[2 * NH * HD];
+    for (int i = 0; i < 2 * NH * HD; i++) q[i] = 0.125f * (float)(i % 5);
+    q[at] = x;
+    const pkv_attn_req r = {f->live, 8, 2};
+    return prefill ? pkv_attn_prefill(f->c, 0, &r, 1, q, f->out, NULL) : pkv_attn_decode(f->c, 0, &f->live, 1, q, f->out, NULL);
+}
+
 #define ROWS(X)                                                                                                       \
     /* dtype helpers */                                                                                               \
     X(dtype_from_name_null_name, PKV_EINVAL, ({ pkv_dtype d; pkv_dtype_from_name(NULL, &d); }))                       \
@@ -166,6 +194,16 @@ static int decode_q_heads(fx *f, uint32_t n_q_heads) {
                                               pkv_write_kv(f->c, 1, s, 3, f->kv, f->kv, PKV_DTYPE_F32); }))          \
     X(write_pinned_block, PKV_EINVAL, ({ int32_t s; pkv_seq_slots(f->c, f->live, 3, 1, &s) ? -100 :                  \
                                          pkv_write_kv(f->c, 0, &s, 1, f->kv, NULL, PKV_DTYPE_F32); }))               \
+    /* values that are not finite: refused before a byte is written (padding rows are not read) */                   \
+    X(write_nan_k, PKV_EINVAL, write_with(f, 1, &f->live_slot, 0, 3, NAN))                                             \
+    X(write_inf_v, PKV_EINVAL, write_with(f, 1, &f->live_slot, 1, NH * HD - 1, INFINITY))                             \
+    X(write_neg_inf_k, PKV_EINVAL, write_with(f, 1, &f->live_slot, 0, 0, -INFINITY))                                  \
+    X(write_nan_second_row, PKV_EINVAL, ({ int32_t s[2] = {-1, -1}; pkv_seq_slots(f->c, f->live, 8, 2, s) ? -100 :    \
+                                           write_with(f, 2, s, 1, NH * HD + 7, -NAN); }))                            \
+    X(write_f16_nan_code, PKV_EINVAL, write16_with(f, PKV_DTYPE_F16, 0x7e00))                                         \
+    X(write_f16_inf_code, PKV_EINVAL, write16_with(f, PKV_DTYPE_F16, 0xfc00))                                         \
+    X(write_bf16_nan_code, PKV_EINVAL, write16_with(f, PKV_DTYPE_BF16, 0x7fc1))                                       \
+    X(write_bf16_inf_code, PKV_EINVAL, write16_with(f, PKV_DTYPE_BF16, 0x7f80))                                       \
     /* commit */                                                                                                      \
     X(commit_null_cache, PKV_EINVAL, pkv_seq_commit(NULL, f->live, 9))                                                \
     X(commit_stale, PKV_ENOENT, pkv_seq_commit(f->c, f->stale, 0))                                                    \
@@ -292,7 +330,12 @@ static int decode_q_heads(fx *f, uint32_t n_q_heads) {
     X(prefill_stale, PKV_ENOENT, ({ pkv_attn_req r = {f->stale, 0, 0};                                                \
                                     pkv_attn_prefill(f->c, 0, &r, 1, f->kv, f->out, NULL); }))                      \
     X(prefill_null_q, PKV_EINVAL, ({ pkv_attn_req r = {f->live, 0, 1};                                                \
-                                     pkv_attn_prefill(f->c, 0, &r, 1, NULL, f->out, NULL); }))
+                                     pkv_attn_prefill(f->c, 0, &r, 1, NULL, f->out, NULL); }))                      \
+    /* queries that are not finite */                                                                                 \
+    X(decode_nan_q, PKV_EINVAL, attn_q_with(f, 0, 5, NAN))                                                             \
+    X(decode_inf_q, PKV_EINVAL, attn_q_with(f, 0, NH * HD - 1, INFINITY))                                             \
+    X(prefill_nan_second_query, PKV_EINVAL, attn_q_with(f, 1, NH * HD + 2, NAN))                                      \
+    X(prefill_neg_inf_q, PKV_EINVAL, attn_q_with(f, 1, 0, -INFINITY))
 
 #define DEF_ROW(name, want, expr) \
     static int row_##name(fx *f) { (void)f; return (expr); }
@@ -314,7 +357,7 @@ typedef struct {
     pkv_seq_info info[4];
     int32_t tab[4][NB];
     uint32_t ntab[4];
-    float k[NL][16 * NH * HD];
+    float k[NL][16 * NH * HD], v[NL][16 * NH * HD];
 } obs;
 
 static void observe(fx *f, obs *o) {
@@ -324,7 +367,7 @@ static void observe(fx *f, obs *o) {
         o->info[i] = tu_info(f->c, all_ids(f, i));
         o->ntab[i] = tu_table(f->c, all_ids(f, i), o->tab[i], NB);
     }
-    for (uint32_t l = 0; l < NL; l++) TU_OK(pkv_seq_gather(f->c, f->live, l, 0, 10, o->k[l], NULL));
+    for (uint32_t l = 0; l < NL; l++) TU_OK(pkv_seq_gather(f->c, f->live, l, 0, 10, o->k[l], o->v[l]));
 }
 
 static void test_bad_inputs(void **state) {

@@ -422,6 +422,49 @@ static void check_variant(const char *name, pkv_dtype dt, enc_fn enc_ref, dec_fn
     }
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+/* The f16 / bf16 row encodes and the magnitude scans of the write path: AVX2 against the
+ * reference, bit for bit, over f32 bit patterns 2^32 / 65521 apart (every exponent, NaNs with
+ * their payloads and both signs among them) in rows of every length up to 40 at every offset
+ * (vector bodies and scalar tails), and scans with the largest element at each place. */
+static void check_16bit_avx2(void) {
+    enum { N = 65536 };
+    static float x[N];
+    static uint16_t a[N], b[N];
+    for (uint32_t i = 0; i < N; i++) {
+        const uint32_t w = i * 65521u + (i >> 3);
+        memcpy(&x[i], &w, 4);
+    }
+    for (int bf = 0; bf < 2; bf++) {
+        void (*ref)(const float *, uint32_t, void *) = bf ? pkv__bf16_encode_ref : pkv__f16_encode_ref;
+        void (*vec)(const float *, uint32_t, void *) = bf ? pkv__bf16_encode_avx2 : pkv__f16_encode_avx2;
+        ref(x, N, a), vec(x, N, b);
+        for (uint32_t i = 0; i < N; i++)
+            if (a[i] != b[i]) fail_msg("%s: 0x%08x: avx2 0x%04x, ref 0x%04x", bf ? "bf16" : "f16", fbits(x[i]), b[i], a[i]);
+        for (uint32_t d = 1; d <= 40; d++)
+            for (uint32_t at = 0; at + d <= 200; at += 7) {
+                memset(b, 0xa5, 2 * (size_t)(d + 1));
+                vec(x + at, d, b);
+                for (uint32_t j = 0; j < d; j++) assert_int_equal(b[j], a[at + j]);
+                assert_int_equal(b[d], 0xa5a5); /* nothing past the row */
+            }
+    }
+    static uint32_t w32[300];
+    static uint16_t w16[300];
+    for (uint32_t n = 0; n <= 300; n += 1 + n / 16)
+        for (uint32_t top = 0; top < (n ? n : 1); top += 1 + top / 8) {
+            for (uint32_t i = 0; i < n; i++) {
+                w32[i] = (i * 2654435761u) & 0x3fffffffu; /* below the planted maximum, either sign */
+                w16[i] = (uint16_t)((i * 40503u) & 0x3fff);
+            }
+            if (n) w32[top] = 0xff800001u, w16[top] = 0xfc01; /* a negative NaN: magnitude beats all */
+            assert_int_equal(pkv__max_abs32_avx2(w32, n), pkv__max_abs32_ref(w32, n));
+            assert_int_equal(pkv__max_abs16_avx2(w16, n), pkv__max_abs16_ref(w16, n));
+            if (n) assert_int_equal(pkv__max_abs32_ref(w32, n), 0x7f800001u);
+        }
+}
+#endif
+
 static void test_avx2_equals_ref(void **state) {
     (void)state;
 #if defined(__x86_64__) || defined(__i386__)
@@ -433,6 +476,7 @@ static void test_avx2_equals_ref(void **state) {
     check_variant("avx2", PKV_DTYPE_Q8_0, pkv__q8_0_encode_ref, pkv__q8_0_decode_ref, pkv__q8_0_encode_avx2, pkv__q8_0_decode_avx2);
     check_variant("avx2", PKV_DTYPE_Q4_0, pkv__q4_0_encode_ref, pkv__q4_0_decode_ref, pkv__q4_0_encode_avx2, pkv__q4_0_decode_avx2);
     check_variant("avx2", PKV_DTYPE_FP8_E4M3, pkv__fp8_encode_ref, pkv__fp8_decode_ref, pkv__fp8_encode_avx2, pkv__fp8_decode_avx2);
+    check_16bit_avx2();
 #else
     skip();
 #endif
@@ -470,19 +514,24 @@ static void check_16bit_format(pkv_dtype dt) {
             fail_msg("%s 0x%04x: encodes back as 0x%04x", pkv_dtype_name(dt), i, back[i]);
     }
     /* f32 inputs: each finite code, the midpoint to the next one up in magnitude (or to where
-       the next would be, past the largest finite), and one f32 step either side of that */
+       the next would be, past the largest finite), and one f32 step either side of that; in one
+       row, so the vector path (not only its scalar tail) encodes them */
+    const uint32_t n = 8u * inf;
+    float *x = malloc(sizeof(float) * n);
+    uint16_t *got = malloc(sizeof(uint16_t) * n);
+    assert_non_null(x), assert_non_null(got);
     for (uint32_t i = 0; i < inf; i++)
-        for (int sgn = 0; sgn < 2; sgn++) {
+        for (uint32_t sgn = 0; sgn < 2; sgn++) {
             const double lo = dec((uint16_t)i), hi = i + 1 < inf ? dec((uint16_t)(i + 1)) : 2.0 * lo - dec((uint16_t)(i - 1));
             const float mid = (float)((lo + hi) / 2); /* exact: the formats have fewer bits than f32 */
-            float x[4] = {(float)lo, mid, nextafterf(mid, 0.0f), nextafterf(mid, INFINITY)};
-            uint16_t got[4];
-            for (int j = 0; j < 4; j++) x[j] = sgn ? -x[j] : x[j];
-            pkv__row_encode(dt, x, 4, got);
-            for (int j = 0; j < 4; j++)
-                if (got[j] != enc(x[j]))
-                    fail_msg("%s: %a encodes as 0x%04x, want 0x%04x", pkv_dtype_name(dt), (double)x[j], got[j], enc(x[j]));
+            const float v[4] = {(float)lo, mid, nextafterf(mid, 0.0f), nextafterf(mid, INFINITY)};
+            for (uint32_t j = 0; j < 4; j++) x[8 * i + 4 * sgn + j] = sgn ? -v[j] : v[j];
         }
+    pkv__row_encode(dt, x, n, got);
+    for (uint32_t i = 0; i < n; i++)
+        if (got[i] != enc(x[i]))
+            fail_msg("%s: %a encodes as 0x%04x, want 0x%04x", pkv_dtype_name(dt), (double)x[i], got[i], enc(x[i]));
+    free(x), free(got);
 }
 
 static void test_f16_bf16_every_code(void **state) {

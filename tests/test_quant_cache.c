@@ -383,12 +383,99 @@ static void test_attention_public(void **state) {
     }
 }
 
+/* What pkv_write_kv takes into each pool dtype: finite values only, and none that would round
+ * to infinity in an f16 or bf16 pool; the largest that fit are stored as the format's largest
+ * finite values, the quantized formats saturate everything finite, a refused write leaves the
+ * position as it was, and padding rows (slot -1) are never read, NaN or not. */
+typedef struct {
+    pkv_dtype in;
+    uint32_t bits; /* the value at element 0 (f32 bits, or a 16-bit code) */
+    int ok_mask;   /* bit d: accepted into a pool of dtype d */
+} range_case;
+
+static void test_write_range(void **state) {
+    (void)state;
+    enum { D = 32 };
+    const int all = (1 << PKV_DTYPE_COUNT) - 1, no_f16 = all & ~(1 << PKV_DTYPE_F16);
+    const int no_16 = no_f16 & ~(1 << PKV_DTYPE_BF16);
+    const range_case cases[] = {
+        {PKV_DTYPE_F32, 0x477fefffu, all},    /* 65519.996: rounds to 65504 */
+        {PKV_DTYPE_F32, 0x477ff000u, no_f16}, /* 65520: the f16 midpoint to infinity, rounds up */
+        {PKV_DTYPE_F32, 0xc77ff000u, no_f16},
+        {PKV_DTYPE_F32, 0x7f7f7fffu, no_f16}, /* just under bf16's midpoint to infinity */
+        {PKV_DTYPE_F32, 0x7f7f8000u, no_16},  /* bf16's midpoint: ties to infinity (0x7f7f is odd) */
+        {PKV_DTYPE_F32, 0xff7fffffu, no_16},  /* -FLT_MAX */
+        {PKV_DTYPE_F32, 0x7f800000u, 0},      /* +inf */
+        {PKV_DTYPE_F32, 0xff800000u, 0},      /* -inf */
+        {PKV_DTYPE_F32, 0x7fc00000u, 0},      /* NaN */
+        {PKV_DTYPE_F32, 0xffa00001u, 0},      /* a negative signalling NaN */
+        {PKV_DTYPE_F16, 0x7bffu, all},        /* 65504 */
+        {PKV_DTYPE_F16, 0x7c00u, 0},
+        {PKV_DTYPE_F16, 0xfe01u, 0},
+        {PKV_DTYPE_BF16, 0x477fu, all},       /* 65280 */
+        {PKV_DTYPE_BF16, 0x4780u, no_f16},    /* 65536 */
+        {PKV_DTYPE_BF16, 0x7f7fu, no_f16},
+        {PKV_DTYPE_BF16, 0xff80u, 0},
+        {PKV_DTYPE_BF16, 0x7fc0u, 0},
+    };
+    for (int pd = 0; pd < PKV_DTYPE_COUNT; pd++) {
+        pkv_config cfg = tu_config(8, 4, 1, 2, D, (pkv_dtype)pd);
+        pkv_cache *c = tu_create(&cfg);
+        pkv_seq s = tu_seq(c);
+        int32_t slot[2];
+        tu_append(c, s, 2, 0, slot);
+        float one[2 * D], back_k[2 * D], back_v[2 * D], was_k[2 * D], was_v[2 * D];
+        for (int i = 0; i < 2 * D; i++) one[i] = 0.25f * (float)(i % 7) - 0.5f;
+        TU_OK(pkv_write_kv(c, 0, slot, 1, one, one, PKV_DTYPE_F32));
+        for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+            const range_case *rc = &cases[ci];
+            uint8_t in[2 * D * 4];
+            const size_t el = rc->in == PKV_DTYPE_F32 ? 4 : 2;
+            for (int i = 0; i < 2 * D; i++) {
+                const uint32_t w = el == 4 ? 0x3f800000u : rc->in == PKV_DTYPE_F16 ? 0x3c00u : 0x3f80u; /* 1.0 */
+                memcpy(in + i * el, &w, el);
+            }
+            memcpy(in + D * el, &rc->bits, el); /* kv head 1, element 0 (little-endian) */
+            TU_OK(pkv_seq_gather(c, s, 0, 0, 1, was_k, was_v));
+            const int want_ok = rc->ok_mask >> pd & 1;
+            for (int side = 0; side < 2; side++) {
+                const int got = pkv_write_kv(c, 0, slot, 1, side ? NULL : in, side ? in : NULL, rc->in);
+                if (got != (want_ok ? PKV_OK : PKV_EINVAL))
+                    fail_msg("pool %s, %s input 0x%x (%s): status %d", pkv_dtype_name((pkv_dtype)pd),
+                             pkv_dtype_name(rc->in), rc->bits, side ? "V" : "K", got);
+                TU_OK(pkv_seq_gather(c, s, 0, 0, 1, back_k, back_v));
+                const float *back = side ? back_v : back_k, *was = side ? was_v : was_k;
+                for (int i = 0; i < 2 * D; i++) {
+                    if (!want_ok) {
+                        assert_memory_equal(&back[i], &was[i], 4); /* refused: nothing written */
+                    } else if (!isfinite(back[i])) {
+                        fail_msg("pool %s: 0x%x stored as %g", pkv_dtype_name((pkv_dtype)pd), rc->bits, (double)back[i]);
+                    }
+                }
+            }
+            if (want_ok && pd == PKV_DTYPE_F16 && rc->in == PKV_DTYPE_F32 && rc->bits == 0x477fefffu)
+                assert_true(back_k[D] == 65504.0f);
+            if (want_ok && pd == PKV_DTYPE_BF16 && rc->bits == 0x7f7f7fffu) assert_true(back_k[D] == 0x1.fep127f);
+            /* the other side is untouched by a K-only (V-only) write: put the old row back */
+            TU_OK(pkv_write_kv(c, 0, slot, 1, one, one, PKV_DTYPE_F32));
+        }
+        /* padding rows are not read: a NaN there does not refuse the write */
+        float rows[2][2 * D];
+        for (int i = 0; i < 2 * D; i++) rows[0][i] = NAN, rows[1][i] = one[i];
+        const int32_t pad[2] = {-1, slot[1]};
+        TU_OK(pkv_write_kv(c, 0, pad, 2, rows, rows, PKV_DTYPE_F32));
+        TU_CHECK(c);
+        pkv_cache_destroy(c);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_create_and_row_bytes),
         cmocka_unit_test(test_write_gather_every_input),
         cmocka_unit_test(test_fork_cow_keeps_bytes),
         cmocka_unit_test(test_attention_public),
+        cmocka_unit_test(test_write_range),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

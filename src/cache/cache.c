@@ -493,6 +493,16 @@ PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uin
     UNLOCK(c);
     const uint32_t d = c->head_dim, nkv = c->n_kv;
     const size_t in_el = in_dtype == PKV_DTYPE_F32 ? 4 : 2, in_row = (size_t)d * in_el;
+    /* Every value written must be finite and must not round to infinity in the pool's dtype
+     * (padding rows, slot -1, are not read): checked before a byte is written, so the pool only
+     * ever holds finite K/V through this call and attention over it is defined. */
+    for (uint32_t i = 0; i < n; i++) {
+        if (slots[i] < 0) continue;
+        const size_t at = (size_t)i * nkv * in_row, n_el = (size_t)nkv * d;
+        if ((k && !pkv__input_fits(in_dtype, (const uint8_t *)k + at, n_el, c->cfg.k_dtype)) ||
+            (v && !pkv__input_fits(in_dtype, (const uint8_t *)v + at, n_el, c->cfg.v_dtype)))
+            return PKV_EINVAL;
+    }
     uint8_t *kl = c->kv + layer * c->layer_stride, *vl = kl + c->v_off;
     float tmp[1024];
     for (int pass = 0; pass < 2; pass++) {
@@ -804,6 +814,9 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
     }
     UNLOCK(c);
     if (!rc) rc = check_overlap(q, out, lse, n_rows, qrow, call.n_q_heads);
+    /* a query that is not finite would give each backend and order its own garbage (a NaN or
+       infinite logit is dropped by one max and kept by another): refused instead */
+    if (!rc && !pkv__input_fits(PKV_DTYPE_F32, q, (size_t)n_rows * qrow, PKV_DTYPE_F32)) rc = PKV_EINVAL;
     size_t q_at = 0;
     for (uint64_t i0 = 0; i0 < n && !rc; i0 += c->max_seqs) { /* 64-bit: no wrap near n = 2^32 */
         uint32_t m = (uint32_t)PKV_MIN(n - i0, c->max_seqs), k = 0;

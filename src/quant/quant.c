@@ -57,19 +57,28 @@ void pkv__to_f32(pkv_dtype in, const void *src, size_t n, float *dst) {
     }
 }
 
+bool pkv__input_fits(pkv_dtype in, const void *src, size_t n, pkv_dtype pool) {
+    switch (in) {
+    case PKV_DTYPE_F32: {
+        /* the first magnitude that is not finite, or that rounds (to nearest even) to infinity */
+        const uint32_t lim = pool == PKV_DTYPE_F16 ? 0x477ff000u /* 65520 */
+                             : pool == PKV_DTYPE_BF16 ? 0x7f7f8000u
+                                                      : 0x7f800000u;
+        return pkv__max_abs_bits(in, src, n) < lim;
+    }
+    case PKV_DTYPE_F16: return pkv__max_abs_bits(in, src, n) < 0x7c00u; /* every finite f16 fits every pool */
+    case PKV_DTYPE_BF16:
+        return pkv__max_abs_bits(in, src, n) < (pool == PKV_DTYPE_F16 ? 0x4780u /* 65536 */ : 0x7f80u);
+    default: pkv_assert(!"input dtype must be f32, f16 or bf16");
+    }
+    return false;
+}
+
 void pkv__row_encode(pkv_dtype dt, const float *x, uint32_t d, void *dst) {
     switch (dt) {
     case PKV_DTYPE_F32: memcpy(dst, x, (size_t)d * 4); break;
-    case PKV_DTYPE_F16: {
-        uint16_t *o = dst;
-        for (uint32_t i = 0; i < d; i++) o[i] = pkv__f32_to_f16(x[i]);
-        break;
-    }
-    case PKV_DTYPE_BF16: {
-        uint16_t *o = dst;
-        for (uint32_t i = 0; i < d; i++) o[i] = pkv__f32_to_bf16(x[i]);
-        break;
-    }
+    case PKV_DTYPE_F16:
+    case PKV_DTYPE_BF16: pkv__row16_encode(dt, x, d, dst); break;
     default: pkv__qrow_encode(dt, x, d, dst); break;
     }
 }

@@ -79,6 +79,23 @@ void pkv__q4_0_decode_avx2(const void *src, uint32_t d, float *y);
 void pkv__fp8_encode_avx2(const float *x, uint32_t d, void *dst);
 void pkv__fp8_decode_avx2(const void *src, uint32_t d, float *y);
 #endif
+/* f32 -> f16 / bf16 rows (round to nearest even, as pkv__f32_to_f16 / pkv__f32_to_bf16: the
+ * AVX2 variants give the same bits for every input, NaN included), and the largest magnitude
+ * among n f32 (as bits & 0x7fffffff) or 16-bit (bits & 0x7fff) elements, for the write path. */
+void pkv__f16_encode_ref(const float *x, uint32_t d, void *dst);
+void pkv__bf16_encode_ref(const float *x, uint32_t d, void *dst);
+uint32_t pkv__max_abs32_ref(const void *x, size_t n);
+uint32_t pkv__max_abs16_ref(const void *x, size_t n);
+#if defined(__x86_64__) || defined(__i386__)
+void pkv__f16_encode_avx2(const float *x, uint32_t d, void *dst);
+void pkv__bf16_encode_avx2(const float *x, uint32_t d, void *dst);
+uint32_t pkv__max_abs32_avx2(const void *x, size_t n);
+uint32_t pkv__max_abs16_avx2(const void *x, size_t n);
+#endif
+/* The chosen set's: f16 or bf16 row encode, and the largest magnitude bits of n elements of in
+ * (f32: 32-bit, f16 / bf16: 16-bit). */
+void pkv__row16_encode(pkv_dtype dt, const float *x, uint32_t d, void *dst);
+uint32_t pkv__max_abs_bits(pkv_dtype in, const void *src, size_t n);
 /* Name of the row-kernel set chosen at first use ("ref" or "avx2"). */
 const char *pkv__qrow_backend(void);
 
@@ -92,6 +109,11 @@ static inline float pkv__e4m3_to_f32(uint8_t b);
 
 /* Convert n input elements (f32, f16 or bf16) to f32. */
 void pkv__to_f32(pkv_dtype in, const void *src, size_t n, float *dst);
+/* Whether n input elements of in (f32, f16 or bf16) are all finite and none of them would round
+ * to infinity when stored as pool (f16: |x| >= 65520; bf16: |x| at or past half an ulp above its
+ * largest finite value). f32 holds every finite value and the quantized formats saturate. One
+ * pass of integer max over the elements' magnitude bits (vectorised by the compiler). */
+bool pkv__input_fits(pkv_dtype in, const void *src, size_t n, pkv_dtype pool);
 
 /* ---- scalar conversions (exact IEEE semantics, round to nearest even) ---- */
 static inline uint32_t pkv__f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }

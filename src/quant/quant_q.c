@@ -110,21 +110,55 @@ void pkv__fp8_decode_ref(const void *src, uint32_t d, float *y) {
     for (uint32_t j = 0; j < d; j++) y[j] = s * pkv__e4m3_to_f32(p[j]);
 }
 
+/* ---- 16-bit rows and magnitude scans ------------------------------------------------------------ */
+void pkv__f16_encode_ref(const float *x, uint32_t d, void *dst) {
+    uint16_t *o = dst;
+    for (uint32_t i = 0; i < d; i++) o[i] = pkv__f32_to_f16(x[i]);
+}
+
+void pkv__bf16_encode_ref(const float *x, uint32_t d, void *dst) {
+    uint16_t *o = dst;
+    for (uint32_t i = 0; i < d; i++) o[i] = pkv__f32_to_bf16(x[i]);
+}
+
+uint32_t pkv__max_abs32_ref(const void *x, size_t n) {
+    const uint32_t *w = x;
+    uint32_t m = 0;
+    for (size_t i = 0; i < n; i++) m = PKV_MAX(m, w[i] & 0x7fffffffu);
+    return m;
+}
+
+uint32_t pkv__max_abs16_ref(const void *x, size_t n) {
+    const uint16_t *w = x;
+    uint32_t m = 0;
+    for (size_t i = 0; i < n; i++) m = PKV_MAX(m, w[i] & 0x7fffu);
+    return m;
+}
+
 /* ---- dispatch (chosen once; PKV_FORCE_REF=1 keeps the reference) ----------------------------- */
 typedef void (*enc_fn)(const float *, uint32_t, void *);
 typedef void (*dec_fn)(const void *, uint32_t, float *);
+typedef uint32_t (*scan_fn)(const void *, size_t);
 typedef struct {
     enc_fn enc[3];
     dec_fn dec[3];
+    enc_fn enc16[2]; /* f16, bf16 */
+    scan_fn max_abs32, max_abs16;
     const char *name;
 } qrow_impl;
 
 static const qrow_impl k_ref = {{pkv__q8_0_encode_ref, pkv__q4_0_encode_ref, pkv__fp8_encode_ref},
                                 {pkv__q8_0_decode_ref, pkv__q4_0_decode_ref, pkv__fp8_decode_ref},
+                                {pkv__f16_encode_ref, pkv__bf16_encode_ref},
+                                pkv__max_abs32_ref,
+                                pkv__max_abs16_ref,
                                 "ref"};
 #if defined(__x86_64__) || defined(__i386__)
 static const qrow_impl k_avx2 = {{pkv__q8_0_encode_avx2, pkv__q4_0_encode_avx2, pkv__fp8_encode_avx2},
                                  {pkv__q8_0_decode_avx2, pkv__q4_0_decode_avx2, pkv__fp8_decode_avx2},
+                                 {pkv__f16_encode_avx2, pkv__bf16_encode_avx2},
+                                 pkv__max_abs32_avx2,
+                                 pkv__max_abs16_avx2,
                                  "avx2"};
 #endif
 
@@ -157,4 +191,13 @@ void pkv__qrow_decode(pkv_dtype dt, const void *src, uint32_t d, float *y) {
     unsigned k = (unsigned)dt - PKV_DTYPE_Q8_0;
     pkv_assert(k < 3);
     impl()->dec[k](src, d, y);
+}
+
+void pkv__row16_encode(pkv_dtype dt, const float *x, uint32_t d, void *dst) {
+    pkv_assert(dt == PKV_DTYPE_F16 || dt == PKV_DTYPE_BF16);
+    impl()->enc16[dt == PKV_DTYPE_BF16](x, d, dst);
+}
+
+uint32_t pkv__max_abs_bits(pkv_dtype in, const void *src, size_t n) {
+    return in == PKV_DTYPE_F32 ? impl()->max_abs32(src, n) : impl()->max_abs16(src, n);
 }

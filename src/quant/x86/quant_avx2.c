@@ -1,6 +1,7 @@
 /* quant_avx2.c: AVX2 + F16C row encode / decode for q8_0, q4_0 and fp8 e4m3, bit for bit
  * the scalar reference of quant_q.c (same scale rules from quant.h, same round-half-even,
- * same NaN-as-zero and saturation). Used by K/V writes (encode) and gather (decode). */
+ * same NaN-as-zero and saturation), f16 and bf16 row encode, and the magnitude scans that
+ * K/V writes check their input with. Used by K/V writes (encode) and gather (decode). */
 #include "../quant.h"
 
 #include <float.h>
@@ -199,4 +200,71 @@ void pkv__fp8_decode_avx2(const void *src, uint32_t d, float *y) {
         _mm256_storeu_ps(y + j, _mm256_mul_ps(f, vs));
     }
     for (; j < d; j++) y[j] = s * pkv__e4m3_to_f32(p[j]);
+}
+
+/* ---- 16-bit rows and magnitude scans ------------------------------------------------------------ */
+/* F16C's conversion with round-to-nearest-even is IEEE's: subnormals, overflow to inf, NaN kept
+ * quiet with the payload's top bits, as pkv__f32_to_f16. */
+void pkv__f16_encode_avx2(const float *x, uint32_t d, void *dst) {
+    uint16_t *o = dst;
+    uint32_t j = 0;
+    for (; j + 8 <= d; j += 8)
+        _mm_storeu_si128((__m128i *)(o + j),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; j < d; j++) o[j] = pkv__f32_to_f16(x[j]);
+}
+
+/* pkv__f32_to_bf16 on 8 lanes, as 32-bit lanes holding the 16-bit results. */
+static inline __m256i bf16_lanes(__m256i w) {
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(w, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(w, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000)); /* magnitudes < 2^31: signed compare */
+    const __m256i q = _mm256_or_si256(_mm256_srli_epi32(w, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(r, q, nan);
+}
+
+void pkv__bf16_encode_avx2(const float *x, uint32_t d, void *dst) {
+    uint16_t *o = dst;
+    uint32_t j = 0;
+    for (; j + 16 <= d; j += 16) {
+        const __m256i a = bf16_lanes(_mm256_loadu_si256((const __m256i *)(x + j)));
+        const __m256i b = bf16_lanes(_mm256_loadu_si256((const __m256i *)(x + j + 8)));
+        /* packus works within 128-bit halves: a0-3 b0-3 a4-7 b4-7, put back in order */
+        _mm256_storeu_si256((__m256i *)(o + j), _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8));
+    }
+    for (; j < d; j++) o[j] = pkv__f32_to_bf16(x[j]);
+}
+
+uint32_t pkv__max_abs32_avx2(const void *x, size_t n) {
+    const uint32_t *w = x;
+    const __m256i mask = _mm256_set1_epi32(0x7fffffff);
+    __m256i m0 = _mm256_setzero_si256(), m1 = m0;
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + i)), mask));
+        m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + i + 8)), mask));
+    }
+    __m128i h = _mm_max_epu32(_mm256_castsi256_si128(m0), _mm256_extracti128_si256(m0, 1));
+    h = _mm_max_epu32(h, _mm_max_epu32(_mm256_castsi256_si128(m1), _mm256_extracti128_si256(m1, 1)));
+    h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xb1));
+    uint32_t m = (uint32_t)_mm_cvtsi128_si32(h);
+    for (; i < n; i++) m = PKV_MAX(m, w[i] & 0x7fffffffu);
+    return m;
+}
+
+uint32_t pkv__max_abs16_avx2(const void *x, size_t n) {
+    const uint16_t *w = x;
+    const __m256i mask = _mm256_set1_epi16(0x7fff);
+    __m256i m0 = _mm256_setzero_si256();
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        m0 = _mm256_max_epu16(m0, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + i)), mask));
+    __m128i h = _mm_max_epu16(_mm256_castsi256_si128(m0), _mm256_extracti128_si256(m0, 1));
+    /* the largest of 8 unsigned 16-bit lanes: minpos of their complements */
+    h = _mm_minpos_epu16(_mm_xor_si128(h, _mm_set1_epi16(-1)));
+    uint32_t m = (uint32_t)(0xffffu & ~(uint32_t)_mm_extract_epi16(h, 0));
+    for (; i < n; i++) m = PKV_MAX(m, w[i] & 0x7fffu);
+    return m;
 }
