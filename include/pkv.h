@@ -334,8 +334,9 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * q, out: [n_seqs][n_q_heads][head_dim] f32. out may be q (in place); any other overlap of q,
  * out and p->lse is PKV_EINVAL, and so is a q element that is not finite (NaN or infinity).
  * K/V of every visible position must have been written for this layer (pkv_write_kv keeps
- * them finite; values put in the pool around it that are not finite make the rows that see
- * them unspecified, and different between backends). A sequence may appear more than once (each entry its own query and output), and
+ * them finite; values put in the pool around it that are not finite, or scaled logits past
+ * f32's range (|q.k| * scale over 3.4e38), make the rows that see them unspecified, and
+ * different between backends). A sequence may appear more than once (each entry its own query and output), and
  * n_seqs may pass max_seqs (the batch then runs in groups of max_seqs). A batch whose block
  * tables jump is read in pool order: every block of the batch once, in ascending block id,
  * whichever sequences hold it, with one running softmax per sequence merged at the end (in
