@@ -423,10 +423,11 @@ static void check_variant(const char *name, pkv_dtype dt, enc_fn enc_ref, dec_fn
 }
 
 #if defined(__x86_64__) || defined(__i386__)
-/* The f16 / bf16 row encodes and the magnitude scans of the write path: AVX2 against the
- * reference, bit for bit, over f32 bit patterns 2^32 / 65521 apart (every exponent, NaNs with
- * their payloads and both signs among them) in rows of every length up to 40 at every offset
- * (vector bodies and scalar tails), and scans with the largest element at each place. */
+/* The f16 / bf16 row encodes and decodes and the magnitude scans of the write path: AVX2
+ * against the reference, bit for bit: encodes over f32 bit patterns 2^32 / 65521 apart (every
+ * exponent, NaNs with their payloads and both signs among them), decodes over every code, in
+ * rows of every length up to 40 (20) at many offsets (vector bodies and scalar tails), and
+ * scans with the largest element at each place. */
 static void check_16bit_avx2(void) {
     enum { N = 65536 };
     static float x[N];
@@ -447,6 +448,25 @@ static void check_16bit_avx2(void) {
                 vec(x + at, d, b);
                 for (uint32_t j = 0; j < d; j++) assert_int_equal(b[j], a[at + j]);
                 assert_int_equal(b[d], 0xa5a5); /* nothing past the row */
+            }
+    }
+    /* decode: every code, bit for bit (signalling NaNs keep their payload), and short rows */
+    static uint16_t codes[N];
+    static float fa[N], fb[N];
+    for (uint32_t i = 0; i < N; i++) codes[i] = (uint16_t)i;
+    for (int bf = 0; bf < 2; bf++) {
+        void (*ref)(const void *, uint32_t, float *) = bf ? pkv__bf16_decode_ref : pkv__f16_decode_ref;
+        void (*vec)(const void *, uint32_t, float *) = bf ? pkv__bf16_decode_avx2 : pkv__f16_decode_avx2;
+        ref(codes, N, fa), vec(codes, N, fb);
+        for (uint32_t i = 0; i < N; i++)
+            if (fbits(fa[i]) != fbits(fb[i]))
+                fail_msg("%s 0x%04x: avx2 0x%08x, ref 0x%08x", bf ? "bf16" : "f16", i, fbits(fb[i]), fbits(fa[i]));
+        for (uint32_t d = 1; d <= 20; d++)
+            for (uint32_t at = 0x7bf0; at + d <= 0x7c20; at += 5) { /* the largest finite, inf, NaNs */
+                fb[d] = 1.5f;
+                vec(codes + at, d, fb);
+                for (uint32_t j = 0; j < d; j++) assert_int_equal(fbits(fb[j]), fbits(fa[at + j]));
+                assert_true(fb[d] == 1.5f);
             }
     }
     static uint32_t w32[300];

@@ -43,16 +43,11 @@ PKV_API int pkv_dtype_from_name(const char *name, pkv_dtype *out) {
 void pkv__to_f32(pkv_dtype in, const void *src, size_t n, float *dst) {
     switch (in) {
     case PKV_DTYPE_F32: memcpy(dst, src, n * 4); break;
-    case PKV_DTYPE_F16: {
-        const uint16_t *s = src;
-        for (size_t i = 0; i < n; i++) dst[i] = pkv__f16_to_f32(s[i]);
+    case PKV_DTYPE_F16:
+    case PKV_DTYPE_BF16:
+        for (size_t i = 0; i < n; i += UINT32_MAX) /* rows: uint32_t lengths */
+            pkv__row16_decode(in, (const uint16_t *)src + i, (uint32_t)PKV_MIN(n - i, UINT32_MAX), dst + i);
         break;
-    }
-    case PKV_DTYPE_BF16: {
-        const uint16_t *s = src;
-        for (size_t i = 0; i < n; i++) dst[i] = pkv__bf16_to_f32(s[i]);
-        break;
-    }
     default: pkv_assert(!"input dtype must be f32, f16 or bf16");
     }
 }

@@ -79,22 +79,28 @@ void pkv__q4_0_decode_avx2(const void *src, uint32_t d, float *y);
 void pkv__fp8_encode_avx2(const float *x, uint32_t d, void *dst);
 void pkv__fp8_decode_avx2(const void *src, uint32_t d, float *y);
 #endif
-/* f32 -> f16 / bf16 rows (round to nearest even, as pkv__f32_to_f16 / pkv__f32_to_bf16: the
- * AVX2 variants give the same bits for every input, NaN included), and the largest magnitude
- * among n f32 (as bits & 0x7fffffff) or 16-bit (bits & 0x7fff) elements, for the write path. */
+/* f32 <-> f16 / bf16 rows (encode: round to nearest even, as pkv__f32_to_f16 /
+ * pkv__f32_to_bf16; decode: exact, as pkv__f16_to_f32 / pkv__bf16_to_f32; the AVX2 variants
+ * give the same bits for every input, NaN payloads included), and the largest magnitude among
+ * n f32 (as bits & 0x7fffffff) or 16-bit (bits & 0x7fff) elements, for the write path. */
 void pkv__f16_encode_ref(const float *x, uint32_t d, void *dst);
 void pkv__bf16_encode_ref(const float *x, uint32_t d, void *dst);
+void pkv__f16_decode_ref(const void *src, uint32_t d, float *y);
+void pkv__bf16_decode_ref(const void *src, uint32_t d, float *y);
 uint32_t pkv__max_abs32_ref(const void *x, size_t n);
 uint32_t pkv__max_abs16_ref(const void *x, size_t n);
 #if defined(__x86_64__) || defined(__i386__)
 void pkv__f16_encode_avx2(const float *x, uint32_t d, void *dst);
 void pkv__bf16_encode_avx2(const float *x, uint32_t d, void *dst);
+void pkv__f16_decode_avx2(const void *src, uint32_t d, float *y);
+void pkv__bf16_decode_avx2(const void *src, uint32_t d, float *y);
 uint32_t pkv__max_abs32_avx2(const void *x, size_t n);
 uint32_t pkv__max_abs16_avx2(const void *x, size_t n);
 #endif
 /* The chosen set's: f16 or bf16 row encode, and the largest magnitude bits of n elements of in
  * (f32: 32-bit, f16 / bf16: 16-bit). */
 void pkv__row16_encode(pkv_dtype dt, const float *x, uint32_t d, void *dst);
+void pkv__row16_decode(pkv_dtype dt, const void *src, uint32_t d, float *y);
 uint32_t pkv__max_abs_bits(pkv_dtype in, const void *src, size_t n);
 /* Name of the row-kernel set chosen at first use ("ref" or "avx2"). */
 const char *pkv__qrow_backend(void);

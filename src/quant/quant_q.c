@@ -121,6 +121,16 @@ void pkv__bf16_encode_ref(const float *x, uint32_t d, void *dst) {
     for (uint32_t i = 0; i < d; i++) o[i] = pkv__f32_to_bf16(x[i]);
 }
 
+void pkv__f16_decode_ref(const void *src, uint32_t d, float *y) {
+    const uint16_t *s = src;
+    for (uint32_t i = 0; i < d; i++) y[i] = pkv__f16_to_f32(s[i]);
+}
+
+void pkv__bf16_decode_ref(const void *src, uint32_t d, float *y) {
+    const uint16_t *s = src;
+    for (uint32_t i = 0; i < d; i++) y[i] = pkv__bf16_to_f32(s[i]);
+}
+
 uint32_t pkv__max_abs32_ref(const void *x, size_t n) {
     const uint32_t *w = x;
     uint32_t m = 0;
@@ -143,6 +153,7 @@ typedef struct {
     enc_fn enc[3];
     dec_fn dec[3];
     enc_fn enc16[2]; /* f16, bf16 */
+    dec_fn dec16[2];
     scan_fn max_abs32, max_abs16;
     const char *name;
 } qrow_impl;
@@ -150,6 +161,7 @@ typedef struct {
 static const qrow_impl k_ref = {{pkv__q8_0_encode_ref, pkv__q4_0_encode_ref, pkv__fp8_encode_ref},
                                 {pkv__q8_0_decode_ref, pkv__q4_0_decode_ref, pkv__fp8_decode_ref},
                                 {pkv__f16_encode_ref, pkv__bf16_encode_ref},
+                                {pkv__f16_decode_ref, pkv__bf16_decode_ref},
                                 pkv__max_abs32_ref,
                                 pkv__max_abs16_ref,
                                 "ref"};
@@ -157,6 +169,7 @@ static const qrow_impl k_ref = {{pkv__q8_0_encode_ref, pkv__q4_0_encode_ref, pkv
 static const qrow_impl k_avx2 = {{pkv__q8_0_encode_avx2, pkv__q4_0_encode_avx2, pkv__fp8_encode_avx2},
                                  {pkv__q8_0_decode_avx2, pkv__q4_0_decode_avx2, pkv__fp8_decode_avx2},
                                  {pkv__f16_encode_avx2, pkv__bf16_encode_avx2},
+                                 {pkv__f16_decode_avx2, pkv__bf16_decode_avx2},
                                  pkv__max_abs32_avx2,
                                  pkv__max_abs16_avx2,
                                  "avx2"};
@@ -196,6 +209,11 @@ void pkv__qrow_decode(pkv_dtype dt, const void *src, uint32_t d, float *y) {
 void pkv__row16_encode(pkv_dtype dt, const float *x, uint32_t d, void *dst) {
     pkv_assert(dt == PKV_DTYPE_F16 || dt == PKV_DTYPE_BF16);
     impl()->enc16[dt == PKV_DTYPE_BF16](x, d, dst);
+}
+
+void pkv__row16_decode(pkv_dtype dt, const void *src, uint32_t d, float *y) {
+    pkv_assert(dt == PKV_DTYPE_F16 || dt == PKV_DTYPE_BF16);
+    impl()->dec16[dt == PKV_DTYPE_BF16](src, d, y);
 }
 
 uint32_t pkv__max_abs_bits(pkv_dtype in, const void *src, size_t n) {

@@ -236,6 +236,35 @@ void pkv__bf16_encode_avx2(const float *x, uint32_t d, void *dst) {
     for (; j < d; j++) o[j] = pkv__f32_to_bf16(x[j]);
 }
 
+/* F16C's widening is exact, but it quiets a signalling NaN (sets the mantissa's top bit), where
+ * pkv__f16_to_f32 keeps the payload as it is: NaN lanes are rebuilt from their bits. */
+void pkv__f16_decode_avx2(const void *src, uint32_t d, float *y) {
+    const uint16_t *s = src;
+    uint32_t j = 0;
+    for (; j + 8 <= d; j += 8) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(s + j));
+        const __m256i w = _mm256_cvtepu16_epi32(h);
+        const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi32(0x7fff));
+        const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7c00));
+        const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x8000)), 16),
+                                             _mm256_or_si256(_mm256_set1_epi32(0x7f800000),
+                                                             _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x3ff)), 13)));
+        const __m256 f = _mm256_cvtph_ps(h);
+        _mm256_storeu_ps(y + j, _mm256_blendv_ps(f, _mm256_castsi256_ps(bits), _mm256_castsi256_ps(nan)));
+    }
+    for (; j < d; j++) y[j] = pkv__f16_to_f32(s[j]);
+}
+
+void pkv__bf16_decode_avx2(const void *src, uint32_t d, float *y) {
+    const uint16_t *s = src;
+    uint32_t j = 0;
+    for (; j + 8 <= d; j += 8) {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + j)));
+        _mm256_storeu_si256((__m256i *)(y + j), _mm256_slli_epi32(w, 16));
+    }
+    for (; j < d; j++) y[j] = pkv__bf16_to_f32(s[j]);
+}
+
 uint32_t pkv__max_abs32_avx2(const void *x, size_t n) {
     const uint32_t *w = x;
     const __m256i mask = _mm256_set1_epi32(0x7fffffff);
