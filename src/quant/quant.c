@@ -1,4 +1,5 @@
-/* quant.c: row encode/decode for every pool dtype (scalar reference) and input conversion. */
+/* quant.c: row encode/decode for every pool dtype (dispatching to quant_q.c's chosen set),
+ * input conversion, and the check that input fits the pool (finite, not rounding to infinity). */
 #include "quant.h"
 
 #include <math.h>

@@ -1,6 +1,8 @@
-/* quant_q.c: the quantized row formats (q8_0, q4_0, fp8 e4m3): scalar reference encode /
- * decode, which defines the bytes every SIMD variant must reproduce, and the once-only
- * dispatch behind pkv__qrow_encode / pkv__qrow_decode. Layouts and rules: quant.h. */
+/* quant_q.c: the quantized row formats (q8_0, q4_0, fp8 e4m3) and the 16-bit ones (f16, bf16):
+ * scalar reference encode / decode, which defines the bytes every SIMD variant must reproduce,
+ * the magnitude scans of the write path, and the once-only dispatch behind pkv__qrow_encode /
+ * pkv__qrow_decode, pkv__row16_encode / pkv__row16_decode and pkv__max_abs_bits. Layouts and
+ * rules: quant.h. */
 #include "quant.h"
 
 #include <float.h>
