@@ -75,7 +75,7 @@ typedef enum pkv_dtype {
 PKV_API size_t pkv_dtype_row_bytes(pkv_dtype dtype, uint32_t head_dim);
 /* "f32", "f16", "bf16", "q8_0", "q4_0", "fp8_e4m3"; NULL for an unknown value. */
 PKV_API const char *pkv_dtype_name(pkv_dtype dtype);
-/* Parses the names above; PKV_EINVAL if unknown. */
+/* Parses the names above, and "fp8" for fp8_e4m3; PKV_EINVAL if unknown. */
 PKV_API PKV_NODISCARD int pkv_dtype_from_name(const char *name, pkv_dtype *out);
 
 /* ---- hooks --------------------------------------------------------------------------------- */

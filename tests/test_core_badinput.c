@@ -417,6 +417,9 @@ static void test_bad_inputs_no_status(void **state) {
         TU_OK(pkv_dtype_from_name(pkv_dtype_name((pkv_dtype)d), &back));
         assert_int_equal(back, d);
     }
+    pkv_dtype alias = PKV_DTYPE_F32;
+    TU_OK(pkv_dtype_from_name("fp8", &alias)); /* the short name (pkv sim --dtype fp8) */
+    assert_int_equal(alias, PKV_DTYPE_FP8_E4M3);
     pkv_cache_destroy(NULL); /* a no-op */
     assert_non_null(pkv_attn_backend(NULL));
     assert_string_equal(pkv_version(), PKV_VERSION_STRING);
