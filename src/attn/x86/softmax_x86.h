@@ -113,11 +113,9 @@ static void softmax_rows4(float *s, uint32_t ss, uint32_t n_pad, float *m, float
     _mm_storeu_ps(mv, mnew);
     const vf v0 = vf_set1(mv[0]), v1 = vf_set1(mv[1]), v2 = vf_set1(mv[2]), v3 = vf_set1(mv[3]);
     const __m128 sum = exp_rows4(s0, s1, s2, s3, n_pad, v0, v1, v2, v3);
+    /* Some row's max moved here: a block where none moves (every score <= its row's max, every
+       row past its first key) took the lazy path above. */
     const int moved = _mm_movemask_ps(_mm_cmpneq_ps(mnew, mold));
-    if (!moved) { /* most blocks past the first few: no max moved, nothing to rescale */
-        _mm_storeu_ps(l, _mm_add_ps(_mm_loadu_ps(l), sum));
-        return;
-    }
     /* f = exp(m - m'): 1 where the max stayed, 0 where m was -inf */
     const __m128 f = exp4(_mm_sub_ps(mold, mnew));
     _mm_storeu_ps(l, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(l), f), sum));
