@@ -519,6 +519,8 @@ PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uin
                 uint8_t *dst = base + b * blk + ((size_t)h * B + off) * row;
                 if (dt == in_dtype) {
                     memcpy(dst, s, in_row);
+                } else if (in_dtype == PKV_DTYPE_F32 && ((uintptr_t)s & 3) == 0) {
+                    pkv__row_encode(dt, (const float *)s, d, dst); /* no copy of f32 rows first */
                 } else {
                     pkv__to_f32(in_dtype, s, d, tmp);
                     pkv__row_encode(dt, tmp, d, dst);

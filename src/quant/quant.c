@@ -41,14 +41,11 @@ PKV_API int pkv_dtype_from_name(const char *name, pkv_dtype *out) {
     return PKV_EINVAL;
 }
 
-void pkv__to_f32(pkv_dtype in, const void *src, size_t n, float *dst) {
+void pkv__to_f32(pkv_dtype in, const void *src, uint32_t n, float *dst) {
     switch (in) {
-    case PKV_DTYPE_F32: memcpy(dst, src, n * 4); break;
+    case PKV_DTYPE_F32: memcpy(dst, src, (size_t)n * 4); break;
     case PKV_DTYPE_F16:
-    case PKV_DTYPE_BF16:
-        for (size_t i = 0; i < n; i += UINT32_MAX) /* rows: uint32_t lengths */
-            pkv__row16_decode(in, (const uint16_t *)src + i, (uint32_t)PKV_MIN(n - i, UINT32_MAX), dst + i);
-        break;
+    case PKV_DTYPE_BF16: pkv__row16_decode(in, src, n, dst); break;
     default: pkv_assert(!"input dtype must be f32, f16 or bf16");
     }
 }
@@ -83,7 +80,7 @@ void pkv__row_decode(pkv_dtype dt, const void *src, uint32_t d, float *y) {
     switch (dt) {
     case PKV_DTYPE_F32: memcpy(y, src, (size_t)d * 4); break;
     case PKV_DTYPE_F16:
-    case PKV_DTYPE_BF16: pkv__to_f32(dt, src, d, y); break;
+    case PKV_DTYPE_BF16: pkv__row16_decode(dt, src, d, y); break;
     default: pkv__qrow_decode(dt, src, d, y); break;
     }
 }

@@ -113,8 +113,8 @@ static inline uint16_t pkv__f16_sat(float v);
 static inline uint8_t pkv__f32_to_e4m3(float v);
 static inline float pkv__e4m3_to_f32(uint8_t b);
 
-/* Convert n input elements (f32, f16 or bf16) to f32. */
-void pkv__to_f32(pkv_dtype in, const void *src, size_t n, float *dst);
+/* Convert n input elements (f32, f16 or bf16: a row or a few) to f32. */
+void pkv__to_f32(pkv_dtype in, const void *src, uint32_t n, float *dst);
 /* Whether n input elements of in (f32, f16 or bf16) are all finite and none of them would round
  * to infinity when stored as pool (f16: |x| >= 65520; bf16: |x| at or past half an ulp above its
  * largest finite value). f32 holds every finite value and the quantized formats saturate. One
