@@ -17,4 +17,4 @@ pkv_install_missing() {
     DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y --no-install-recommends "${missing[@]}"
 }
 
-pkv_install_missing cmake ninja-build gcc clang libcmocka-dev libxxhash-dev libsimde-dev gnuplot-nox libclang-rt-14-dev python3
+pkv_install_missing cmake ninja-build gcc clang libcmocka-dev libxxhash-dev libsimde-dev gnuplot-nox libclang-rt-14-dev python3 python3-numpy

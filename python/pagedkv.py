@@ -1,0 +1,605 @@
+"""pagedkv: Python bindings of libpkv (ctypes + numpy).
+
+A paged KV cache and paged attention for inference engines written in Python. This module is
+a thin layer over the C library: every call is one libpkv call (the GIL is released while it
+runs), the arrays are numpy arrays, and a libpkv status other than PKV_OK raises PkvError with
+that status. The binding checks every buffer's dtype and size before handing it to the library
+(the C API trusts its callers on sizes), so a wrong shape is a PkvError (EINVAL), never a read
+past an array.
+
+    import numpy as np, pagedkv
+    with pagedkv.Cache(n_layers=1, n_kv_heads=2, head_dim=64, n_blocks=64) as c:
+        s = c.seq_create()
+        slots = c.append(s, np.arange(100, 120))
+        c.write_kv(0, slots, k, v)            # k, v: [20][2][64] float32 or float16
+        c.commit(s, 20)
+        out = c.decode(0, [s], q)              # q: [1][8][64] float32 (8 query heads, GQA)
+
+Sequence handles are Python ints (the C pkv_seq). The library is found through the
+environment variable PKV_LIBRARY (a path to libpkv.so), else next to this file or in ../build,
+else by ctypes.util.find_library("pkv"). help(pagedkv.Cache) lists the whole API.
+"""
+
+import ctypes
+import ctypes.util
+import os
+from collections import namedtuple
+
+import numpy as np
+
+__all__ = [
+    "Cache", "PkvError", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES",
+    "OK", "EINVAL", "ENOMEM", "ENOSPC", "ENOENT", "ELIMIT", "ECORRUPT", "EIO", "ENOTSUP", "EBUSY",
+]
+
+# ---- status codes (pkv.h: values never change once released) -----------------------------
+OK, EINVAL, ENOMEM, ENOSPC, ENOENT, ELIMIT, ECORRUPT, EIO, ENOTSUP, EBUSY = 0, -1, -2, -3, -4, -5, -6, -7, -8, -9
+_CODE_NAMES = {OK: "OK", EINVAL: "EINVAL", ENOMEM: "ENOMEM", ENOSPC: "ENOSPC", ENOENT: "ENOENT",
+               ELIMIT: "ELIMIT", ECORRUPT: "ECORRUPT", EIO: "EIO", ENOTSUP: "ENOTSUP", EBUSY: "EBUSY"}
+
+# pool element formats, by name (pkv_dtype values)
+DTYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "fp8_e4m3": 5}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class PkvError(Exception):
+    """A libpkv call returned a status other than PKV_OK (or the binding refused its arguments
+    with EINVAL before calling). `code` is the status (pagedkv.EINVAL, ...), `name` its name."""
+
+    def __init__(self, code, what):
+        self.code = code
+        self.name = _CODE_NAMES.get(code, str(code))
+        super().__init__("%s: %s (%s)" % (what, strerror(code) if _lib else self.name, self.name))
+
+
+# ---- the library ------------------------------------------------------------------------------
+def _find_library():
+    env = os.environ.get("PKV_LIBRARY")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    for cand in (os.path.join(here, "libpkv.so"), os.path.join(here, "..", "build", "libpkv.so")):
+        if os.path.exists(cand):
+            return cand
+    found = ctypes.util.find_library("pkv")
+    if found:
+        return found
+    raise OSError("pagedkv: libpkv not found: set PKV_LIBRARY to the path of libpkv.so")
+
+
+_lib = None
+_u32, _u64, _i32, _f32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32, ctypes.c_float
+_vp, _cp, _int, _sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_size_t
+_P = ctypes.POINTER
+
+
+class _Allocator(ctypes.Structure):
+    _fields_ = [("alloc", _vp), ("free", _vp), ("ctx", _vp)]
+
+
+class _Executor(ctypes.Structure):
+    _fields_ = [("parallel_for", _vp), ("ctx", _vp), ("n_workers", _u32)]
+
+
+_LOG_FN = ctypes.CFUNCTYPE(None, _vp, _int, _cp)
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [("n_layers", _u32), ("n_kv_heads", _u32), ("head_dim", _u32), ("block_tokens", _u32),
+                ("n_blocks", _u32), ("mem_budget_bytes", _u64), ("k_dtype", _int), ("v_dtype", _int),
+                ("max_seqs", _u32), ("max_blocks_per_seq", _u32), ("n_threads", _u32),
+                ("enable_prefix_cache", _int), ("huge_pages", _int), ("allocator", _Allocator),
+                ("log", _LOG_FN), ("log_ctx", _vp), ("executor", _Executor)]
+
+
+class _Layout(ctypes.Structure):
+    _fields_ = [("k_base", _vp), ("v_base", _vp), ("layer_stride_bytes", _sz), ("k_row_bytes", _sz),
+                ("v_row_bytes", _sz), ("k_block_bytes", _sz), ("v_block_bytes", _sz), ("n_blocks", _u32),
+                ("block_tokens", _u32), ("n_kv_heads", _u32), ("head_dim", _u32), ("n_layers", _u32),
+                ("k_dtype", _int), ("v_dtype", _int)]
+
+
+class _SeqInfo(ctypes.Structure):
+    _fields_ = [("n_tokens", _u32), ("n_committed", _u32), ("n_blocks", _u32), ("n_shared", _u32),
+                ("n_reused", _u32)]
+
+
+class _Stats(ctypes.Structure):
+    _fields_ = [("n_blocks", _u32), ("n_free", _u32), ("n_cached", _u32), ("n_active", _u32),
+                ("n_seqs", _u32), ("n_pins", _u32), ("n_tokens", _u64), ("n_slots_used", _u64),
+                ("kv_bytes", _u64), ("kv_bytes_per_block", _u64), ("meta_bytes", _u64), ("frag_slots", _u64),
+                ("cow_copies", _u64), ("peak_active", _u32), ("prefix_lookups", _u64),
+                ("prefix_tokens_queried", _u64), ("prefix_tokens_hit", _u64), ("prefix_miss_new", _u64),
+                ("prefix_miss_evicted", _u64), ("prefix_miss_namespace", _u64), ("n_indexed", _u64),
+                ("evictions", _u64), ("attn_reqs_pool", _u64), ("attn_reqs_table", _u64)]
+
+
+class _AttnParams(ctypes.Structure):
+    _fields_ = [("n_q_heads", _u32), ("scale", _f32), ("softcap", _f32), ("window", _u32), ("lse", _vp)]
+
+
+class _AttnReq(ctypes.Structure):
+    _fields_ = [("seq", _u64), ("q_start", _u32), ("n_q", _u32)]
+
+
+def _load():
+    global _lib
+    lib = ctypes.CDLL(_find_library())
+    sigs = {
+        "pkv_strerror": (_cp, [_int]),
+        "pkv_version": (_cp, []),
+        "pkv_dtype_row_bytes": (_sz, [_int, _u32]),
+        "pkv_config_default": (_Config, []),
+        "pkv_cache_create": (_int, [_P(_Config), _P(_vp)]),
+        "pkv_cache_destroy": (None, [_vp]),
+        "pkv_cache_reset": (_int, [_vp]),
+        "pkv_cache_config": (_int, [_vp, _P(_Config)]),
+        "pkv_cache_layout": (_int, [_vp, _P(_Layout)]),
+        "pkv_seq_create": (_int, [_vp, _vp, _sz, _P(_u64)]),
+        "pkv_seq_append": (_int, [_vp, _u64, _vp, _u32, _vp]),
+        "pkv_write_kv": (_int, [_vp, _u32, _vp, _u32, _vp, _vp, _int]),
+        "pkv_seq_commit": (_int, [_vp, _u64, _u32]),
+        "pkv_seq_fork": (_int, [_vp, _u64, _P(_u64)]),
+        "pkv_seq_truncate": (_int, [_vp, _u64, _u32]),
+        "pkv_seq_release": (_int, [_vp, _u64]),
+        "pkv_seq_get_info": (_int, [_vp, _u64, _P(_SeqInfo)]),
+        "pkv_seq_slots": (_int, [_vp, _u64, _u32, _u32, _vp]),
+        "pkv_seq_block_table": (_int, [_vp, _u64, _vp, _u32, _P(_u32)]),
+        "pkv_seq_gather": (_int, [_vp, _u64, _u32, _u32, _u32, _vp, _vp]),
+        "pkv_export_dense": (_int, [_vp, _vp, _u32, _u32, _vp, _vp]),
+        "pkv_export_csr": (_int, [_vp, _vp, _u32, _vp, _vp, _u32, _vp, _P(_u32)]),
+        "pkv_seq_match_prefix": (_int, [_vp, _u64, _vp, _u32, _P(_u32)]),
+        "pkv_pin_create": (_int, [_vp, _u64, _u32, _P(_u64)]),
+        "pkv_pin_release": (_int, [_vp, _u64]),
+        "pkv_cache_get_stats": (_int, [_vp, _P(_Stats)]),
+        "pkv_cache_check": (_int, [_vp, ctypes.c_char_p, _sz]),
+        "pkv_attn_params_default": (_AttnParams, []),
+        "pkv_attn_decode": (_int, [_vp, _u32, _vp, _u32, _vp, _vp, _P(_AttnParams)]),
+        "pkv_attn_prefill": (_int, [_vp, _u32, _vp, _u32, _vp, _vp, _P(_AttnParams)]),
+        "pkv_attn_merge": (_int, [_u32, _u32, _vp, _vp, _vp, _vp, _vp, _vp]),
+        "pkv_attn_backend": (_cp, [_vp]),
+    }
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    _lib = lib
+
+
+_load()
+
+
+def _check(rc, what):
+    if rc != OK:
+        raise PkvError(rc, what)
+
+
+def _invalid(what):
+    return PkvError(EINVAL, what)
+
+
+def version():
+    """The version string of the libpkv actually loaded ("MAJOR.MINOR.PATCH")."""
+    return _lib.pkv_version().decode()
+
+
+def strerror(code):
+    """libpkv's description of a status code."""
+    return _lib.pkv_strerror(int(code)).decode()
+
+
+def _dtype_code(d, what):
+    if isinstance(d, str):
+        if d == "fp8":
+            d = "fp8_e4m3"
+        if d not in DTYPES:
+            raise _invalid("%s: unknown dtype %r (one of %s)" % (what, d, ", ".join(DTYPES)))
+        return DTYPES[d]
+    raise _invalid("%s: a dtype is named by a string (one of %s)" % (what, ", ".join(DTYPES)))
+
+
+def dtype_row_bytes(dtype, head_dim):
+    """Bytes one token row of head_dim elements takes in the pool (0 if the dtype cannot hold it)."""
+    return int(_lib.pkv_dtype_row_bytes(_dtype_code(dtype, "dtype_row_bytes"), _u32_of(head_dim, "head_dim")))
+
+
+def _u32_of(x, what):
+    try:
+        v = int(x)
+    except (TypeError, ValueError):
+        raise _invalid("%s must be an integer" % what) from None
+    if v != x or not 0 <= v <= 0xFFFFFFFF:
+        raise _invalid("%s out of range: %r" % (what, x))
+    return v
+
+
+def _seq_of(s, what="sequence"):
+    try:
+        v = int(s)
+    except (TypeError, ValueError):
+        raise _invalid("%s id must be an integer" % what) from None
+    if v != s or not 0 <= v < 1 << 64:
+        raise _invalid("%s id out of range: %r" % (what, s))
+    return v
+
+
+def _f32_array(x, what, size=None):
+    """x as a C-contiguous float32 array (floating input converted), of `size` elements if given."""
+    a = np.asarray(x)
+    if a.dtype.kind != "f":
+        raise _invalid("%s: a floating array is needed, got %s" % (what, a.dtype))
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if size is not None and a.size != size:
+        raise _invalid("%s: %d elements, %d needed" % (what, a.size, size))
+    return a
+
+
+def _i32_array(x, what):
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu" and not (a.size == 0 and a.dtype.kind == "f"):
+        raise _invalid("%s: an integer array is needed, got %s" % (what, a.dtype))
+    if a.size and (a.min() < -(1 << 31) or a.max() >= 1 << 31):
+        raise _invalid("%s: values out of int32 range" % what)
+    return np.ascontiguousarray(a.reshape(-1), dtype=np.int32)
+
+
+def _ptr(a):
+    return None if a is None else a.ctypes.data_as(_vp)
+
+
+SeqInfo = namedtuple("SeqInfo", [f for f, _ in _SeqInfo._fields_])
+Layout = namedtuple("Layout", [f for f, _ in _Layout._fields_])
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+    """Merges two partial attention results of the same queries over disjoint key sets
+    (pkv_attn_merge): out_a, out_b [..., head_dim], lse_a, lse_b the matching [...] natural-log
+    sum-exps. Returns (out, lse) over the union, out shaped as out_a."""
+    oa = _f32_array(out_a, "merge: out_a")
+    if oa.ndim < 1 or oa.shape[-1] == 0:
+        raise _invalid("merge: out_a needs a last axis of head_dim > 0")
+    D = oa.shape[-1]
+    rows = oa.size // D
+    ob = _f32_array(out_b, "merge: out_b", oa.size)
+    la = _f32_array(lse_a, "merge: lse_a", rows)
+    lb = _f32_array(lse_b, "merge: lse_b", rows)
+    out = np.empty_like(oa)
+    lse = np.empty(rows, dtype=np.float32)
+    _check(_lib.pkv_attn_merge(_u32_of(rows, "rows"), D, _ptr(oa), _ptr(la), _ptr(ob), _ptr(lb), _ptr(out),
+                               _ptr(lse)), "pkv_attn_merge")
+    return out, lse.reshape(oa.shape[:-1])
+
+
+class Cache:
+    """A paged KV cache (pkv_cache): the pool, sequences, prefix index and attention.
+
+    Keyword arguments are pkv_config's fields; those left out keep pkv_config_default()'s
+    values: n_layers, n_kv_heads, head_dim, block_tokens, n_blocks, mem_budget_bytes,
+    k_dtype and v_dtype (names: "f32", "f16", "bf16", "q8_0", "q4_0", "fp8_e4m3"), max_seqs,
+    max_blocks_per_seq, n_threads, enable_prefix_cache, huge_pages, and log (a callable
+    log(level, message), called on the thread that makes the libpkv call). The pool and every
+    buffer attention needs are allocated here; close() (or the with-statement) frees them.
+    """
+
+    _INT_FIELDS = ("n_layers", "n_kv_heads", "head_dim", "block_tokens", "n_blocks", "max_seqs",
+                   "max_blocks_per_seq", "n_threads")
+
+    def __init__(self, **kw):
+        self._c = None
+        cfg = _lib.pkv_config_default()
+        for k in list(kw):
+            v = kw.pop(k)
+            if k in self._INT_FIELDS:
+                setattr(cfg, k, _u32_of(v, k))
+            elif k == "mem_budget_bytes":
+                if int(v) != v or not 0 <= int(v) < 1 << 64:
+                    raise _invalid("mem_budget_bytes out of range: %r" % (v,))
+                cfg.mem_budget_bytes = int(v)
+            elif k in ("k_dtype", "v_dtype"):
+                setattr(cfg, k, _dtype_code(v, k))
+            elif k in ("enable_prefix_cache", "huge_pages"):
+                setattr(cfg, k, 1 if v else 0)
+            elif k == "log":
+                if v is not None and not callable(v):
+                    raise _invalid("log must be callable")
+                self._log_cb = _LOG_FN(lambda ctx, level, msg, f=v: f(level, msg.decode(errors="replace"))) \
+                    if v is not None else None
+                cfg.log = self._log_cb if v is not None else _LOG_FN()
+            else:
+                raise TypeError("Cache() got an unexpected keyword argument %r" % k)
+        h = _vp()
+        _check(_lib.pkv_cache_create(ctypes.byref(cfg), ctypes.byref(h)), "pkv_cache_create")
+        self._c = h
+        eff = _Config()
+        _check(_lib.pkv_cache_config(self._c, ctypes.byref(eff)), "pkv_cache_config")
+        self._H, self._D, self._L = eff.n_kv_heads, eff.head_dim, eff.n_layers
+        self._max_blocks = eff.max_blocks_per_seq
+
+    # -- lifetime --
+    def close(self):
+        """Frees the cache (pkv_cache_destroy). Later calls raise PkvError (EINVAL)."""
+        if self._c:
+            _lib.pkv_cache_destroy(self._c)
+            self._c = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def _h(self):
+        if not self._c:
+            raise _invalid("the cache is closed")
+        return self._c
+
+    # -- configuration --
+    @property
+    def config(self):
+        """The effective configuration (n_blocks, max_blocks_per_seq, n_threads resolved) as a dict."""
+        c = _Config()
+        _check(_lib.pkv_cache_config(self._h(), ctypes.byref(c)), "pkv_cache_config")
+        d = {k: getattr(c, k) for k in self._INT_FIELDS + ("mem_budget_bytes",)}
+        d.update(k_dtype=_DTYPE_NAMES[c.k_dtype], v_dtype=_DTYPE_NAMES[c.v_dtype],
+                 enable_prefix_cache=bool(c.enable_prefix_cache), huge_pages=bool(c.huge_pages))
+        return d
+
+    @property
+    def backend(self):
+        """The attention kernel family in use ("ref", "avx2", "avx512", "avx512-vnni", "neon", ...)."""
+        return _lib.pkv_attn_backend(self._h()).decode()
+
+    def layout(self):
+        """Where the pool lives (pkv_cache_layout), for engines with kernels of their own:
+        k_base and v_base are addresses (ints), valid until close()."""
+        lo = _Layout()
+        _check(_lib.pkv_cache_layout(self._h(), ctypes.byref(lo)), "pkv_cache_layout")
+        vals = [getattr(lo, f) for f, _ in _Layout._fields_]
+        vals[0], vals[1] = vals[0] or 0, vals[1] or 0
+        d = Layout(*vals)
+        return d._replace(k_dtype=_DTYPE_NAMES[d.k_dtype], v_dtype=_DTYPE_NAMES[d.v_dtype])
+
+    def reset(self):
+        """Releases every sequence and pin and empties the prefix index."""
+        _check(_lib.pkv_cache_reset(self._h()), "pkv_cache_reset")
+
+    # -- sequences --
+    def seq_create(self, salt=b""):
+        """A new empty sequence; salt (bytes, at most 256) names its prefix-index namespace."""
+        if isinstance(salt, str):
+            salt = salt.encode()
+        salt = bytes(salt)
+        out = _u64()
+        _check(_lib.pkv_seq_create(self._h(), salt if salt else None, len(salt), ctypes.byref(out)),
+               "pkv_seq_create")
+        return out.value
+
+    def append(self, seq, tokens):
+        """Appends positions with these token ids; returns their slots (int32 array)."""
+        t = _i32_array(tokens, "append: tokens")
+        slots = np.empty(t.size, dtype=np.int32)
+        _check(_lib.pkv_seq_append(self._h(), _seq_of(seq), _ptr(t), t.size, _ptr(slots)), "pkv_seq_append")
+        return slots
+
+    def _kv_in(self, x, n, what, dtype):
+        if x is None:
+            return None, None
+        a = np.asarray(x)
+        want = n * self._H * self._D
+        if dtype == "bf16":
+            if a.dtype != np.uint16:
+                raise _invalid("%s: bf16 input is a uint16 array of bf16 bit patterns" % what)
+            code = DTYPES["bf16"]
+            a = np.ascontiguousarray(a)
+        elif dtype is not None and dtype not in ("f32", "f16"):
+            raise _invalid("%s: input dtype is f32, f16 or bf16, not %r" % (what, dtype))
+        elif a.dtype == np.float16 and dtype != "f32":
+            code, a = DTYPES["f16"], np.ascontiguousarray(a)
+        elif a.dtype.kind == "f" and dtype != "f16":
+            code, a = DTYPES["f32"], np.ascontiguousarray(a, dtype=np.float32)
+        else:
+            raise _invalid("%s: a float32 or float16 array is needed (or uint16 with dtype='bf16'), got %s"
+                           % (what, a.dtype))
+        if a.size != want:
+            raise _invalid("%s: %d elements, %d needed ([%d][%d][%d])" % (what, a.size, want, n, self._H, self._D))
+        return a, code
+
+    def write_kv(self, layer, slots, k=None, v=None, dtype=None):
+        """Writes K and/or V of one layer at these slots (pkv_write_kv): k, v [n][n_kv_heads][head_dim]
+        float32 or float16 (other floating types are converted to float32), or uint16 bf16 bit
+        patterns with dtype="bf16". Slot -1 skips a row. All-or-nothing."""
+        s = _i32_array(slots, "write_kv: slots")
+        ka, kc = self._kv_in(k, s.size, "write_kv: k", dtype)
+        va, vc = self._kv_in(v, s.size, "write_kv: v", dtype)
+        if ka is None and va is None:
+            raise _invalid("write_kv: neither k nor v given")
+        if ka is not None and va is not None and kc != vc:
+            raise _invalid("write_kv: k and v must have the same dtype")
+        _check(_lib.pkv_write_kv(self._h(), _u32_of(layer, "layer"), _ptr(s), s.size, _ptr(ka), _ptr(va),
+                                 kc if ka is not None else vc), "pkv_write_kv")
+
+    def commit(self, seq, n_pos):
+        """Positions [0, n_pos) now hold K/V for every layer; full blocks enter the prefix index."""
+        _check(_lib.pkv_seq_commit(self._h(), _seq_of(seq), _u32_of(n_pos, "n_pos")), "pkv_seq_commit")
+
+    def fork(self, seq):
+        """A new sequence sharing every block of seq (no data copied); returns its id."""
+        out = _u64()
+        _check(_lib.pkv_seq_fork(self._h(), _seq_of(seq), ctypes.byref(out)), "pkv_seq_fork")
+        return out.value
+
+    def truncate(self, seq, n):
+        """Keeps positions [0, n)."""
+        _check(_lib.pkv_seq_truncate(self._h(), _seq_of(seq), _u32_of(n, "n")), "pkv_seq_truncate")
+
+    def release(self, seq):
+        """Drops the sequence; its id becomes stale (ENOENT)."""
+        _check(_lib.pkv_seq_release(self._h(), _seq_of(seq)), "pkv_seq_release")
+
+    def seq_info(self, seq):
+        """SeqInfo(n_tokens, n_committed, n_blocks, n_shared, n_reused)."""
+        i = _SeqInfo()
+        _check(_lib.pkv_seq_get_info(self._h(), _seq_of(seq), ctypes.byref(i)), "pkv_seq_get_info")
+        return SeqInfo(*(getattr(i, f) for f, _ in _SeqInfo._fields_))
+
+    def _range(self, seq, start, n):
+        start = _u32_of(start, "start")
+        if n is None:
+            n = max(self.seq_info(seq).n_tokens - start, 0)
+        return start, _u32_of(n, "n")
+
+    def slots(self, seq, start=0, n=None):
+        """Slots of positions [start, start + n) (default: to the end): vLLM's slot_mapping."""
+        start, n = self._range(seq, start, n)
+        out = np.empty(n, dtype=np.int32)
+        _check(_lib.pkv_seq_slots(self._h(), _seq_of(seq), start, n, _ptr(out)), "pkv_seq_slots")
+        return out
+
+    def block_table(self, seq):
+        """The sequence's block ids (int32 array)."""
+        n = self.seq_info(seq).n_blocks
+        out = np.empty(n, dtype=np.int32)
+        got = _u32()
+        _check(_lib.pkv_seq_block_table(self._h(), _seq_of(seq), _ptr(out), n, ctypes.byref(got)),
+               "pkv_seq_block_table")
+        return out[:got.value]
+
+    def gather(self, seq, layer, start=0, n=None):
+        """K and V of positions [start, start + n) of one layer as float32 [n][n_kv_heads][head_dim]
+        arrays (dequantized)."""
+        start, n = self._range(seq, start, n)
+        k = np.empty((n, self._H, self._D), dtype=np.float32)
+        v = np.empty_like(k)
+        _check(_lib.pkv_seq_gather(self._h(), _seq_of(seq), _u32_of(layer, "layer"), start, n, _ptr(k), _ptr(v)),
+               "pkv_seq_gather")
+        return k, v
+
+    def _seqs(self, seqs, what):
+        a = np.ascontiguousarray([_seq_of(s) for s in seqs], dtype=np.uint64)
+        if a.size == 0:
+            raise _invalid("%s: no sequences" % what)
+        return a
+
+    def export_dense(self, seqs, max_blocks=None):
+        """vLLM's dense block tables: (block_tables [n_seqs][max_blocks] int32, unused -1;
+        seq_lens [n_seqs] int32). max_blocks defaults to the cache's max_blocks_per_seq."""
+        a = self._seqs(seqs, "export_dense")
+        mb = self._max_blocks if max_blocks is None else _u32_of(max_blocks, "max_blocks")
+        tables = np.empty((a.size, mb), dtype=np.int32)
+        lens = np.empty(a.size, dtype=np.int32)
+        _check(_lib.pkv_export_dense(self._h(), _ptr(a), a.size, mb, _ptr(tables), _ptr(lens)), "pkv_export_dense")
+        return tables, lens
+
+    def export_csr(self, seqs):
+        """FlashInfer's paged layout: (indptr [n_seqs + 1], indices, last_page_len [n_seqs]), int32."""
+        a = self._seqs(seqs, "export_csr")
+        indptr = np.empty(a.size + 1, dtype=np.int32)
+        last = np.empty(a.size, dtype=np.int32)
+        need = _u32()
+        cap = sum(self.seq_info(s).n_blocks for s in a.tolist())
+        for _ in range(4):  # another thread may grow a table between the sizing and the export
+            indices = np.empty(max(cap, 1), dtype=np.int32)
+            rc = _lib.pkv_export_csr(self._h(), _ptr(a), a.size, _ptr(indptr), _ptr(indices), cap, _ptr(last),
+                                     ctypes.byref(need))
+            if rc != EINVAL or need.value <= cap:
+                break
+            cap = need.value
+        _check(rc, "pkv_export_csr")
+        return indptr, indices[:int(indptr[-1])], last
+
+    # -- prefix cache --
+    def match_prefix(self, seq, tokens):
+        """For an empty sequence and its prompt: attaches the longest indexed prefix; returns the
+        number of tokens reused (never the whole prompt)."""
+        t = _i32_array(tokens, "match_prefix: tokens")
+        out = _u32()
+        _check(_lib.pkv_seq_match_prefix(self._h(), _seq_of(seq), _ptr(t), t.size, ctypes.byref(out)),
+               "pkv_seq_match_prefix")
+        return out.value
+
+    def pin(self, seq, n_pos):
+        """Pins the committed full blocks of positions [0, n_pos) of seq; returns the pin's handle."""
+        out = _u64()
+        _check(_lib.pkv_pin_create(self._h(), _seq_of(seq), _u32_of(n_pos, "n_pos"), ctypes.byref(out)),
+               "pkv_pin_create")
+        return out.value
+
+    def pin_release(self, pin):
+        _check(_lib.pkv_pin_release(self._h(), _seq_of(pin, "pin")), "pkv_pin_release")
+
+    # -- statistics and checker --
+    def stats(self):
+        """pkv_cache_get_stats as a dict."""
+        s = _Stats()
+        _check(_lib.pkv_cache_get_stats(self._h(), ctypes.byref(s)), "pkv_cache_get_stats")
+        return {f: getattr(s, f) for f, _ in _Stats._fields_}
+
+    def check(self):
+        """Verifies every invariant; raises PkvError (ECORRUPT, with the checker's message) if one is broken."""
+        buf = ctypes.create_string_buffer(512)
+        rc = _lib.pkv_cache_check(self._h(), buf, len(buf))
+        if rc != OK:
+            raise PkvError(rc, "pkv_cache_check: " + buf.value.decode(errors="replace"))
+
+    # -- attention --
+    def _params(self, n_q_heads, scale, softcap, window, lse):
+        p = _lib.pkv_attn_params_default()
+        p.n_q_heads = _u32_of(n_q_heads, "n_q_heads")
+        p.scale, p.softcap = float(scale), float(softcap)
+        p.window = _u32_of(window, "window")
+        p.lse = _ptr(lse)
+        return p
+
+    def _q(self, q, n_queries, n_q_heads, what):
+        a = _f32_array(q, what)
+        if n_q_heads is None:
+            if a.ndim != 3:
+                raise _invalid("%s: q is [n][n_q_heads][head_dim]; give n_q_heads for a flat q" % what)
+            n_q_heads = a.shape[1]
+        n_q_heads = _u32_of(n_q_heads, "n_q_heads")
+        if n_q_heads == 0:
+            raise _invalid("%s: n_q_heads is 0" % what)
+        if a.size != n_queries * n_q_heads * self._D:
+            raise _invalid("%s: q has %d elements, %d needed ([%d][%d][%d])"
+                           % (what, a.size, n_queries * n_q_heads * self._D, n_queries, n_q_heads, self._D))
+        return a, n_q_heads
+
+    def decode(self, layer, seqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False):
+        """Decode attention (pkv_attn_decode): one query per sequence at its last position.
+        q: [n_seqs][n_q_heads][head_dim] (float32; n_q_heads from its shape unless given).
+        Returns out shaped [n_seqs][n_q_heads][head_dim], and lse [n_seqs][n_q_heads] with
+        return_lse. scale 0 means 1/sqrt(head_dim); softcap and window 0 mean off."""
+        a = self._seqs(seqs, "decode")
+        qa, hq = self._q(q, a.size, n_q_heads, "decode")
+        out = np.empty((a.size, hq, self._D), dtype=np.float32)
+        lse = np.empty((a.size, hq), dtype=np.float32) if return_lse else None
+        p = self._params(hq, scale, softcap, window, lse)
+        _check(_lib.pkv_attn_decode(self._h(), _u32_of(layer, "layer"), _ptr(a), a.size, _ptr(qa), _ptr(out),
+                                    ctypes.byref(p)), "pkv_attn_decode")
+        return (out, lse) if return_lse else out
+
+    def prefill(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False):
+        """Prefill / extend attention over a ragged batch (pkv_attn_prefill), causal.
+        reqs: (seq, q_start, n_q) triples; q: the requests' queries concatenated,
+        [sum n_q][n_q_heads][head_dim]. Returns out (and lse) like decode, one row per query."""
+        rs = list(reqs)
+        if not rs:
+            raise _invalid("prefill: no requests")
+        arr = (_AttnReq * len(rs))()
+        total = 0
+        for i, r in enumerate(rs):
+            try:
+                seq, q_start, n_q = r
+            except (TypeError, ValueError):
+                raise _invalid("prefill: a request is a (seq, q_start, n_q) triple") from None
+            arr[i].seq, arr[i].q_start, arr[i].n_q = _seq_of(seq), _u32_of(q_start, "q_start"), _u32_of(n_q, "n_q")
+            total += arr[i].n_q
+        qa, hq = self._q(q, total, n_q_heads, "prefill")
+        out = np.empty((total, hq, self._D), dtype=np.float32)
+        lse = np.empty((total, hq), dtype=np.float32) if return_lse else None
+        p = self._params(hq, scale, softcap, window, lse)
+        _check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa), _ptr(out),
+                                     ctypes.byref(p)), "pkv_attn_prefill")
+        return (out, lse) if return_lse else out

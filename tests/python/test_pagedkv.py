@@ -1,0 +1,379 @@
+"""test_pagedkv.py: the Python bindings (python/pagedkv.py) against libpkv and a float64 numpy
+reference: the config round trip (which catches a ctypes struct out of step with pkv.h),
+decode and ragged prefill against contiguous attention computed here, soft-cap, window, the
+LSE merge, prefix reuse, fork and copy-on-write, the block-table exports, bf16 and f16 input,
+statuses as exceptions, and the binding's own size checks. Run by ctest (test_python) with
+PKV_LIBRARY naming the built libpkv.so and PYTHONPATH the python/ folder."""
+
+import ctypes
+import os
+import re
+import subprocess
+import unittest
+
+import numpy as np
+
+import pagedkv as pkv
+
+SRC = os.environ.get("PKV_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def ref_attn(q, K, V, scale, softcap=0.0, window=0):
+    """One query's attention over K, V [T][H][D] (float64), seeing positions [T - window, T)
+    when window > 0. q [Hq][D]; GQA: query head h reads kv head h // (Hq // H).
+    Returns out [Hq][D] and the natural-log sum-exp [Hq] of the scaled (capped) logits."""
+    T, H, _ = K.shape
+    Hq = q.shape[0]
+    lo = max(0, T - window) if window else 0
+    out = np.empty(q.shape)
+    lse = np.empty(Hq)
+    for h in range(Hq):
+        kh = h // (Hq // H)
+        s = K[lo:, kh, :].astype(np.float64) @ q[h].astype(np.float64) * scale
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        m = s.max()
+        w = np.exp(s - m)
+        out[h] = w @ V[lo:, kh, :].astype(np.float64) / w.sum()
+        lse[h] = m + np.log(w.sum())
+    return out, lse
+
+
+def bf16_bits(x):
+    """float32 -> bf16 bit patterns (round to nearest even), as uint16."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_value(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class Base(unittest.TestCase):
+    def setUp(self):
+        self.rng = np.random.default_rng(1234)
+
+    def fill(self, c, s, n, layers=1):
+        """Appends n random tokens to s, writes random f32 K/V for every layer, commits; returns tokens."""
+        H, D = c.config["n_kv_heads"], c.config["head_dim"]
+        toks = self.rng.integers(0, 500, n)
+        slots = c.append(s, toks)
+        for layer in range(layers):
+            k = self.rng.standard_normal((n, H, D)).astype(np.float32)
+            v = self.rng.standard_normal((n, H, D)).astype(np.float32)
+            c.write_kv(layer, slots, k, v)
+        c.commit(s, c.seq_info(s).n_tokens)
+        return toks
+
+    def assertClose(self, got, want, rel, what):
+        scale = max(1.0, float(np.abs(want).max()))
+        err = float(np.abs(got.astype(np.float64) - want).max())
+        self.assertLessEqual(err, rel * scale, "%s: max abs error %.3g over %.3g" % (what, err, rel * scale))
+
+
+class TestLibrary(Base):
+    def test_version_matches_header(self):
+        with open(os.path.join(SRC, "include", "pkv.h")) as f:
+            hdr = f.read()
+        want = re.search(r'#define PKV_VERSION_STRING "([^"]+)"', hdr).group(1)
+        self.assertEqual(pkv.version(), want)
+
+    def test_strerror_and_row_bytes(self):
+        self.assertIn("sequence", pkv.strerror(pkv.ENOENT))
+        self.assertEqual(pkv.dtype_row_bytes("f16", 128), 256)
+        self.assertEqual(pkv.dtype_row_bytes("q8_0", 128), 4 * 34)
+        self.assertEqual(pkv.dtype_row_bytes("q4_0", 48), 0)  # head_dim not a multiple of 32
+        with self.assertRaises(pkv.PkvError):
+            pkv.dtype_row_bytes("f64", 128)
+
+    def test_config_defaults(self):
+        with pkv.Cache(n_threads=1) as c:
+            cfg = c.config
+        self.assertEqual((cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"], cfg["block_tokens"]), (1, 8, 128, 16))
+        self.assertEqual((cfg["n_blocks"], cfg["max_seqs"], cfg["max_blocks_per_seq"]), (1024, 256, 1024))
+        self.assertEqual((cfg["k_dtype"], cfg["v_dtype"], cfg["enable_prefix_cache"]), ("f16", "f16", True))
+
+    def test_config_round_trip(self):
+        # every field after the two dtypes sits where pkv.h puts it, or these come back wrong
+        with pkv.Cache(n_layers=3, n_kv_heads=2, head_dim=64, block_tokens=8, n_blocks=40, k_dtype="bf16",
+                       v_dtype="q8_0", max_seqs=7, max_blocks_per_seq=9, n_threads=2, enable_prefix_cache=False,
+                       huge_pages=False) as c:
+            cfg = c.config
+            lo = c.layout()
+            st = c.stats()
+        self.assertEqual(cfg, dict(n_layers=3, n_kv_heads=2, head_dim=64, block_tokens=8, n_blocks=40, max_seqs=7,
+                                   max_blocks_per_seq=9, n_threads=2, mem_budget_bytes=0, k_dtype="bf16",
+                                   v_dtype="q8_0", enable_prefix_cache=False, huge_pages=False))
+        self.assertEqual((lo.n_blocks, lo.block_tokens, lo.n_kv_heads, lo.head_dim, lo.n_layers), (40, 8, 2, 64, 3))
+        self.assertEqual((lo.k_dtype, lo.v_dtype, lo.k_row_bytes, lo.v_row_bytes), ("bf16", "q8_0", 128, 68))
+        self.assertEqual(lo.k_block_bytes, 2 * 8 * 128)
+        self.assertNotEqual(lo.k_base, 0)
+        self.assertEqual(st["n_blocks"], 40)
+        self.assertEqual(st["n_free"], 40)
+        self.assertEqual(st["kv_bytes_per_block"], 3 * 2 * 8 * (128 + 68))
+        self.assertEqual(st["attn_reqs_pool"] + st["attn_reqs_table"], 0)
+
+    def test_struct_layouts_match_c(self):
+        # the ctypes mirrors against sizeof / offsetof of pkv.h's structs, printed by abi_layout.c
+        exe = os.environ.get("PKV_ABI_LAYOUT")
+        self.assertTrue(exe, "PKV_ABI_LAYOUT (the abi_layout program) is not set")
+        lines = subprocess.run([exe], check=True, capture_output=True, text=True).stdout.split("\n")
+        c = dict(line.rsplit(" ", 1) for line in lines if line)
+        mirrors = {"pkv_config": pkv._Config, "pkv_allocator": pkv._Allocator, "pkv_executor": pkv._Executor,
+                   "pkv_layout": pkv._Layout, "pkv_seq_info": pkv._SeqInfo, "pkv_stats": pkv._Stats,
+                   "pkv_attn_params": pkv._AttnParams, "pkv_attn_req": pkv._AttnReq}
+        for name, cls in mirrors.items():
+            self.assertEqual(ctypes.sizeof(cls), int(c[name]), "sizeof(%s)" % name)
+            fields = [f for f, _ in cls._fields_]
+            self.assertEqual(fields, [k.split(".", 1)[1] for k in c if k.startswith(name + ".")], name)
+            for f in fields:
+                self.assertEqual(getattr(cls, f).offset, int(c[name + "." + f]), "%s.%s" % (name, f))
+
+    def test_log_hook(self):
+        got = []
+        with pkv.Cache(n_blocks=8, n_threads=1, log=lambda level, msg: got.append((level, msg))):
+            pass
+        self.assertTrue(got, "no log message at create")
+        self.assertTrue(all(isinstance(m, str) and m for _, m in got))
+
+
+class TestAttention(Base):
+    def test_decode_and_prefill_match_reference(self):
+        for dt in ("f32", "f16", "bf16"):
+            with self.subTest(dtype=dt), pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=64, k_dtype=dt, v_dtype=dt,
+                                                   n_threads=2) as c:
+                Hq, D = 8, 64
+                lens = [1, 15, 16, 17, 100, 257]
+                seqs = [c.seq_create() for _ in lens]
+                # appended in turns, so the block tables interleave
+                for rnd in range(0, max(lens), 16):
+                    for s, n in zip(seqs, lens):
+                        if rnd < n:
+                            self.fill(c, s, min(16, n - rnd))
+                q = self.rng.standard_normal((len(seqs), Hq, D)).astype(np.float32)
+                out, lse = c.decode(0, seqs, q, return_lse=True)
+                self.assertEqual(out.shape, (len(seqs), Hq, D))
+                for i, s in enumerate(seqs):
+                    K, V = c.gather(s, 0)  # the pool's own values: the kernels' error alone
+                    want, wlse = ref_attn(q[i], K, V, 1 / np.sqrt(D))
+                    self.assertClose(out[i], want, 1e-5, "%s decode, %d tokens" % (dt, lens[i]))
+                    self.assertClose(lse[i], wlse, 1e-5, "%s decode lse" % dt)
+                # a ragged prefill: the last 20 positions of one sequence, 3 of another, 1 of a third
+                reqs = [(seqs[5], 237, 20), (seqs[4], 97, 3), (seqs[2], 15, 1)]
+                qp = self.rng.standard_normal((24, Hq, D)).astype(np.float32)
+                outp = c.prefill(0, reqs, qp)
+                row = 0
+                for s, start, n in reqs:
+                    K, V = c.gather(s, 0)
+                    for j in range(n):
+                        p = start + j
+                        want, _ = ref_attn(qp[row], K[:p + 1], V[:p + 1], 1 / np.sqrt(D))
+                        self.assertClose(outp[row], want, 1e-5, "%s prefill, position %d" % (dt, p))
+                        row += 1
+
+    def test_f32_pool_stores_input_exactly(self):
+        with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=8, k_dtype="f32", v_dtype="f32", n_threads=1) as c:
+            s = c.seq_create()
+            slots = c.append(s, range(20))
+            k = self.rng.standard_normal((20, 2, 32)).astype(np.float32)
+            v = self.rng.standard_normal((20, 2, 32))  # float64: converted to float32 by the binding
+            c.write_kv(0, slots, k, v)
+            K, V = c.gather(s, 0)
+            np.testing.assert_array_equal(K, k)
+            np.testing.assert_array_equal(V, v.astype(np.float32))
+
+    def test_16bit_inputs(self):
+        with pkv.Cache(n_kv_heads=1, head_dim=32, n_blocks=8, k_dtype="bf16", v_dtype="f16", n_threads=1) as c:
+            s = c.seq_create()
+            slots = c.append(s, range(5))
+            x = self.rng.standard_normal((5, 1, 32)).astype(np.float32)
+            bits = bf16_bits(x)
+            c.write_kv(0, slots, k=bits, dtype="bf16")
+            c.write_kv(0, slots, v=x.astype(np.float16))
+            K, V = c.gather(s, 0)
+            np.testing.assert_array_equal(K, bf16_value(bits))
+            np.testing.assert_array_equal(V, x.astype(np.float16).astype(np.float32))
+            with self.assertRaises(pkv.PkvError) as e:
+                c.write_kv(0, slots, k=bits)  # uint16 without dtype="bf16"
+            self.assertEqual(e.exception.code, pkv.EINVAL)
+
+    def test_softcap_window_merge(self):
+        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=2) as c:
+            s = c.seq_create()
+            self.fill(c, s, 40)
+            K, V = c.gather(s, 0)
+            q = 3 * self.rng.standard_normal((1, 4, 64)).astype(np.float32)
+            for cap, win in ((5.0, 0), (0.0, 7), (5.0, 7)):
+                out, lse = c.decode(0, [s], q, softcap=cap, window=win, scale=0.2, return_lse=True)
+                want, wlse = ref_attn(q[0], K, V, 0.2, cap, win)
+                self.assertClose(out[0], want, 1e-5, "softcap %g window %d" % (cap, win))
+                self.assertClose(lse[0], wlse, 1e-5, "lse, softcap %g window %d" % (cap, win))
+            # keys [0, 20) through a truncated fork, [20, 40) through a window of 20: merged, the whole
+            f = c.fork(s)
+            c.truncate(f, 20)
+            qa = self.rng.standard_normal((1, 4, 64)).astype(np.float32)
+            out_a, lse_a = c.decode(0, [f], qa, return_lse=True)
+            out_b, lse_b = c.decode(0, [s], qa, window=20, return_lse=True)
+            whole, wlse = c.decode(0, [s], qa, return_lse=True)
+            merged, mlse = pkv.merge(out_a, lse_a, out_b, lse_b)
+            self.assertEqual(merged.shape, whole.shape)
+            self.assertClose(merged, whole.astype(np.float64), 1e-5, "merged halves")
+            self.assertClose(mlse, wlse.astype(np.float64), 1e-5, "merged lse")
+            # the truncated fork reads only [0, 20)
+            want, _ = ref_attn(qa[0], K[:20], V[:20], 1 / 8)
+            self.assertClose(out_a[0], want, 1e-5, "fork truncated to 20")
+
+
+class TestCache(Base):
+    def test_prefix_fork_cow_exports(self):
+        with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=1) as c:
+            a = c.seq_create(b"tenant-1")
+            toks = self.fill(c, a, 40)
+            b = c.seq_create(b"tenant-1")
+            reused = c.match_prefix(b, toks)
+            self.assertGreaterEqual(reused, 32)
+            self.assertLess(reused, 40)
+            Ka, Va = c.gather(a, 0, 0, reused)
+            Kb, Vb = c.gather(b, 0, 0, reused)
+            np.testing.assert_array_equal(Ka, Kb)
+            np.testing.assert_array_equal(Va, Vb)
+            other = c.seq_create(b"tenant-2")  # another namespace reuses nothing
+            self.assertEqual(c.match_prefix(other, toks), 0)
+            c.release(other)
+            st = c.stats()
+            self.assertEqual(c.seq_info(b).n_reused, reused)
+            self.assertEqual((st["prefix_lookups"], st["prefix_tokens_queried"], st["prefix_tokens_hit"]),
+                             (2, 80, reused))
+            self.assertEqual((st["prefix_miss_namespace"], st["n_indexed"]), (1, 2))
+
+            child = c.fork(a)
+            self.assertEqual(c.seq_info(child).n_shared, 3)
+            cow = c.stats()["cow_copies"]
+            slots = c.append(child, [7])  # the shared tail block is copied first
+            self.assertEqual(c.stats()["cow_copies"], cow + 1)
+            k = self.rng.standard_normal((1, 2, 32)).astype(np.float32)
+            c.write_kv(0, slots, k, k)
+            ta, tc = c.block_table(a), c.block_table(child)
+            np.testing.assert_array_equal(ta[:2], tc[:2])
+            self.assertNotEqual(ta[2], tc[2])
+            Kc, Vc = c.gather(child, 0)
+            np.testing.assert_array_equal(Kc[40], k[0])
+            np.testing.assert_array_equal(Kc[:40], c.gather(a, 0)[0])
+            q = self.rng.standard_normal((1, 4, 32)).astype(np.float32)
+            want, _ = ref_attn(q[0], Kc, Vc, 1 / np.sqrt(32))
+            self.assertClose(c.decode(0, [child], q)[0], want, 1e-5, "decode of the fork after CoW")
+            self.assertEqual(c.stats()["attn_reqs_pool"] + c.stats()["attn_reqs_table"], 1)
+
+            seqs = [a, b, child]
+            tables, lens = c.export_dense(seqs, 8)
+            indptr, indices, last = c.export_csr(seqs)
+            self.assertEqual(list(lens), [c.seq_info(s).n_tokens for s in seqs])
+            for i, s in enumerate(seqs):
+                t = c.block_table(s)
+                np.testing.assert_array_equal(tables[i, :len(t)], t)
+                self.assertTrue((tables[i, len(t):] == -1).all())
+                np.testing.assert_array_equal(indices[indptr[i]:indptr[i + 1]], t)
+                self.assertEqual(last[i], lens[i] - (len(t) - 1) * 16)
+                np.testing.assert_array_equal(c.slots(s), t[np.arange(lens[i]) // 16] * 16 + np.arange(lens[i]) % 16)
+            # a table that grows between export_csr's sizing and its call: it sizes again
+            real_info = c.seq_info
+            c.seq_info = lambda s: real_info(s)._replace(n_blocks=0)
+            try:
+                again = c.export_csr(seqs)
+            finally:
+                del c.seq_info
+            for x, y in zip(again, (indptr, indices, last)):
+                np.testing.assert_array_equal(x, y)
+            pin = c.pin(a, 32)
+            for s in seqs:
+                c.release(s)
+            st = c.stats()
+            self.assertEqual((st["n_seqs"], st["n_pins"]), (0, 1))
+            self.assertEqual(st["n_active"], 2)  # the pin's two full blocks
+            c.check()
+            c.pin_release(pin)
+            c.reset()
+            self.assertEqual(c.stats()["n_free"], 32)
+            c.check()
+
+    def test_statuses_raise(self):
+        with pkv.Cache(n_kv_heads=1, head_dim=32, n_blocks=4, max_seqs=2, max_blocks_per_seq=8,
+                       n_threads=1) as c:
+            s = c.seq_create()
+            c.append(s, range(3))
+            c.release(s)
+            for call in (lambda: c.seq_info(s), lambda: c.append(s, [1]), lambda: c.release(s)):
+                with self.assertRaises(pkv.PkvError) as e:
+                    call()
+                self.assertEqual(e.exception.code, pkv.ENOENT)
+                self.assertEqual(e.exception.name, "ENOENT")
+            x, y = c.seq_create(), c.seq_create()
+            with self.assertRaises(pkv.PkvError) as e:
+                c.seq_create()
+            self.assertEqual(e.exception.code, pkv.ELIMIT)
+            with self.assertRaises(pkv.PkvError) as e:
+                c.append(x, range(5 * 16))  # more than the pool: nothing appended
+            self.assertEqual(e.exception.code, pkv.ENOSPC)
+            self.assertEqual(c.seq_info(x).n_tokens, 0)
+            slots = c.append(y, range(4))
+            c.write_kv(0, slots, np.ones((4, 1, 32), np.float32), np.ones((4, 1, 32), np.float32))
+            q = np.ones((1, 1, 32), np.float32)
+            q[0, 0, 5] = np.nan
+            with self.assertRaises(pkv.PkvError) as e:  # a query that is not finite: the library refuses it
+                c.decode(0, [y], q)
+            self.assertEqual(e.exception.code, pkv.EINVAL)
+            with self.assertRaises(pkv.PkvError) as e:  # layer out of range
+                c.decode(0 + 1, [y], np.ones((1, 1, 32), np.float32))
+            self.assertEqual(e.exception.code, pkv.EINVAL)
+            bad = np.ones((4, 1, 32), np.float32)
+            bad[2, 0, 0] = np.inf
+            with self.assertRaises(pkv.PkvError):
+                c.write_kv(0, slots, bad, bad)
+            np.testing.assert_array_equal(c.gather(y, 0)[0], 1.0)  # nothing written
+            c.check()
+        with self.assertRaises(pkv.PkvError) as e:
+            c.seq_create()  # closed
+        self.assertEqual(e.exception.code, pkv.EINVAL)
+        with self.assertRaises(pkv.PkvError) as e:
+            pkv.Cache(head_dim=0)
+        self.assertEqual(e.exception.code, pkv.EINVAL)
+        with self.assertRaises(TypeError):
+            pkv.Cache(n_layer=2)
+
+    def test_binding_checks_sizes(self):
+        # sizes the C API cannot see are checked here: each call is refused before libpkv runs
+        with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=8, n_threads=1) as c:
+            s = c.seq_create()
+            slots = c.append(s, range(4))
+            bad = [
+                lambda: c.write_kv(0, slots, np.ones((3, 2, 32), np.float32), np.ones((4, 2, 32), np.float32)),
+                lambda: c.write_kv(0, slots, np.ones((4, 2, 32), np.int32)),
+                lambda: c.write_kv(0, slots),
+                lambda: c.write_kv(0, slots, np.ones((4, 2, 32), np.float32), np.ones((4, 2, 32), np.float16)),
+                lambda: c.decode(0, [s], np.ones((1, 4, 31), np.float32)),
+                lambda: c.decode(0, [s, s], np.ones((1, 4, 32), np.float32)),
+                lambda: c.decode(0, [s], np.ones(128, np.float32)),  # flat q without n_q_heads
+                lambda: c.decode(0, [], np.ones((0, 4, 32), np.float32)),
+                lambda: c.prefill(0, [(s, 0, 3)], np.ones((2, 4, 32), np.float32)),
+                lambda: c.prefill(0, [(s, 0)], np.ones((2, 4, 32), np.float32)),
+                lambda: c.append(s, [1.5]),
+                lambda: c.append(s, [1 << 40]),
+                lambda: c.truncate(s, -1),
+                lambda: c.commit(s, 2.5),
+                lambda: c.seq_info(-3),
+                lambda: pkv.merge(np.ones((2, 8)), np.ones(3), np.ones((2, 8)), np.ones(2)),
+            ]
+            for i, call in enumerate(bad):
+                with self.subTest(case=i), self.assertRaises(pkv.PkvError) as e:
+                    call()
+                self.assertEqual(e.exception.code, pkv.EINVAL)
+            self.assertEqual(c.seq_info(s).n_tokens, 4)
+            # a flat q with n_q_heads given is fine
+            c.write_kv(0, slots, np.ones((4, 2, 32), np.float32), np.ones((4, 2, 32), np.float32))
+            out = c.decode(0, [s], np.ones(128, np.float32), n_q_heads=4)
+            self.assertEqual(out.shape, (1, 4, 32))
+            np.testing.assert_allclose(out, 1.0, rtol=0, atol=1e-6)
+
+
+if __name__ == "__main__":
+    unittest.main()
