@@ -129,6 +129,13 @@ class TestLibrary(Base):
             for f in fields:
                 self.assertEqual(getattr(cls, f).offset, int(c[name + "." + f]), "%s.%s" % (name, f))
 
+    def test_readme_example(self):
+        with open(os.path.join(SRC, "README.md")) as f:
+            readme = f.read()
+        part = readme.split("## From Python", 1)[1]
+        code = part.split("```python\n", 1)[1].split("```", 1)[0]
+        exec(compile(code, "README.md (From Python)", "exec"), {})
+
     def test_log_hook(self):
         got = []
         with pkv.Cache(n_blocks=8, n_threads=1, log=lambda level, msg: got.append((level, msg))):
