@@ -278,6 +278,8 @@ class Cache:
     max_blocks_per_seq, n_threads, enable_prefix_cache, huge_pages, and log (a callable
     log(level, message), called on the thread that makes the libpkv call). The pool and every
     buffer attention needs are allocated here; close() (or the with-statement) frees them.
+    Several Python threads may use one cache at once (libpkv runs without the GIL), under the
+    library's rule: no two threads use the same sequence at once, and close() comes last.
     """
 
     _INT_FIELDS = ("n_layers", "n_kv_heads", "head_dim", "block_tokens", "n_blocks", "max_seqs",
@@ -317,7 +319,7 @@ class Cache:
     # -- lifetime --
     def close(self):
         """Frees the cache (pkv_cache_destroy). Later calls raise PkvError (EINVAL)."""
-        if self._c:
+        if self._c and _lib is not None:  # (None at interpreter exit)
             _lib.pkv_cache_destroy(self._c)
             self._c = None
 
@@ -566,24 +568,39 @@ class Cache:
                            % (what, a.size, n_queries * n_q_heads * self._D, n_queries, n_q_heads, self._D))
         return a, n_q_heads
 
-    def decode(self, layer, seqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False):
+    def _out(self, out, shape, what):
+        """A caller's output array (float32, C-contiguous, of shape's size), or a new one."""
+        if out is None:
+            return np.empty(shape, dtype=np.float32)
+        if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous \
+                or not out.flags.writeable or out.size != int(np.prod(shape)):
+            raise _invalid("%s: a writeable C-contiguous float32 array of %d elements is needed"
+                           % (what, int(np.prod(shape))))
+        return out
+
+    def decode(self, layer, seqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
+               out=None, lse_out=None):
         """Decode attention (pkv_attn_decode): one query per sequence at its last position.
         q: [n_seqs][n_q_heads][head_dim] (float32; n_q_heads from its shape unless given).
         Returns out shaped [n_seqs][n_q_heads][head_dim], and lse [n_seqs][n_q_heads] with
-        return_lse. scale 0 means 1/sqrt(head_dim); softcap and window 0 mean off."""
+        return_lse. scale 0 means 1/sqrt(head_dim); softcap and window 0 mean off. out (and
+        lse_out) may be given, float32 C-contiguous arrays of those sizes, to be written in
+        place of new ones (out may be q itself when q is such an array)."""
         a = self._seqs(seqs, "decode")
         qa, hq = self._q(q, a.size, n_q_heads, "decode")
-        out = np.empty((a.size, hq, self._D), dtype=np.float32)
-        lse = np.empty((a.size, hq), dtype=np.float32) if return_lse else None
+        out = self._out(out, (a.size, hq, self._D), "decode: out")
+        lse = self._out(lse_out, (a.size, hq), "decode: lse_out") if return_lse else None
         p = self._params(hq, scale, softcap, window, lse)
         _check(_lib.pkv_attn_decode(self._h(), _u32_of(layer, "layer"), _ptr(a), a.size, _ptr(qa), _ptr(out),
                                     ctypes.byref(p)), "pkv_attn_decode")
         return (out, lse) if return_lse else out
 
-    def prefill(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False):
+    def prefill(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
+                out=None, lse_out=None):
         """Prefill / extend attention over a ragged batch (pkv_attn_prefill), causal.
         reqs: (seq, q_start, n_q) triples; q: the requests' queries concatenated,
-        [sum n_q][n_q_heads][head_dim]. Returns out (and lse) like decode, one row per query."""
+        [sum n_q][n_q_heads][head_dim]. Returns out (and lse) like decode, one row per query;
+        out and lse_out as in decode."""
         rs = list(reqs)
         if not rs:
             raise _invalid("prefill: no requests")
@@ -597,8 +614,8 @@ class Cache:
             arr[i].seq, arr[i].q_start, arr[i].n_q = _seq_of(seq), _u32_of(q_start, "q_start"), _u32_of(n_q, "n_q")
             total += arr[i].n_q
         qa, hq = self._q(q, total, n_q_heads, "prefill")
-        out = np.empty((total, hq, self._D), dtype=np.float32)
-        lse = np.empty((total, hq), dtype=np.float32) if return_lse else None
+        out = self._out(out, (total, hq, self._D), "prefill: out")
+        lse = self._out(lse_out, (total, hq), "prefill: lse_out") if return_lse else None
         p = self._params(hq, scale, softcap, window, lse)
         _check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa), _ptr(out),
                                      ctypes.byref(p)), "pkv_attn_prefill")

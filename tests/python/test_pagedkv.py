@@ -226,9 +226,63 @@ class TestAttention(Base):
             self.assertEqual(merged.shape, whole.shape)
             self.assertClose(merged, whole.astype(np.float64), 1e-5, "merged halves")
             self.assertClose(mlse, wlse.astype(np.float64), 1e-5, "merged lse")
+            # caller's arrays: out written in place of a new one, q itself as out
+            buf, lbuf = np.empty((1, 4, 64), np.float32), np.empty(4, np.float32)
+            r = c.decode(0, [s], qa, return_lse=True, out=buf, lse_out=lbuf)
+            self.assertIs(r[0], buf)
+            np.testing.assert_array_equal(buf, whole)
+            np.testing.assert_array_equal(lbuf, wlse[0])
+            qq = qa.copy()
+            self.assertIs(c.decode(0, [s], qq, out=qq), qq)
+            np.testing.assert_array_equal(qq, whole)
+            for bad in (np.empty((1, 4, 64), np.float64), np.empty((1, 4, 63), np.float32),
+                        np.empty((4, 1, 64), np.float32)[:, :, :32]):
+                with self.assertRaises(pkv.PkvError):
+                    c.decode(0, [s], qa, out=bad)
             # the truncated fork reads only [0, 20)
             want, _ = ref_attn(qa[0], K[:20], V[:20], 1 / 8)
             self.assertClose(out_a[0], want, 1e-5, "fork truncated to 20")
+
+
+class TestThreads(Base):
+    def test_threads_share_a_cache(self):
+        # four Python threads, each growing and decoding its own sequences of one cache; every
+        # decode equals the reference over the sequence's gathered K/V
+        import threading
+        with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=256, k_dtype="f32", v_dtype="f32", n_threads=2) as c:
+            errors = []
+
+            def work(seed):
+                try:
+                    rng = np.random.default_rng(seed)
+                    seqs = [c.seq_create() for _ in range(3)]
+                    for step in range(30):
+                        for s in seqs:
+                            n = int(rng.integers(1, 6))
+                            slots = c.append(s, rng.integers(0, 500, n))
+                            kv = rng.standard_normal((2, n, 2, 32), dtype=np.float32)
+                            c.write_kv(0, slots, kv[0], kv[1])
+                            c.commit(s, c.seq_info(s).n_tokens)
+                        q = rng.standard_normal((3, 4, 32), dtype=np.float32)
+                        out = c.decode(0, seqs, q)
+                        for i, s in enumerate(seqs):
+                            K, V = c.gather(s, 0)
+                            want, _ = ref_attn(q[i], K, V, 1 / np.sqrt(32))
+                            if np.abs(out[i] - want).max() > 1e-5 * max(1.0, np.abs(want).max()):
+                                errors.append("thread %d step %d: decode differs" % (seed, step))
+                    for s in seqs:
+                        c.release(s)
+                except Exception as e:  # reported below, on the test's thread
+                    errors.append("thread %d: %r" % (seed, e))
+
+            ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            self.assertEqual(errors, [])
+            c.check()
+            self.assertEqual(c.stats()["n_seqs"], 0)
 
 
 class TestCache(Base):
