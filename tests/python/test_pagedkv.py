@@ -285,6 +285,37 @@ class TestThreads(Base):
             self.assertEqual(c.stats()["n_seqs"], 0)
 
 
+class TestModel(Base):
+    def test_python_engine_matches_pkv_run(self):
+        # examples/python/generate.py (numpy model, pagedkv cache and attention) against `pkv run`
+        # (the C model over the same library), greedy, on the real stories260K checkpoint: the
+        # same token ids, prompts sharing 17 tokens included (the second reuses them)
+        import importlib.util
+        model = os.path.join(os.environ.get("PKV_SHARED_DIR", os.path.join(SRC, "..", "shared")), "models",
+                             "stories260K.bin")
+        exe = os.environ.get("PKV_BIN")
+        if not exe:
+            self.skipTest("PKV_BIN (the pkv CLI) not set: built without PKV_BUILD_TOOLS")
+        spec = importlib.util.spec_from_file_location("generate", os.path.join(SRC, "examples", "python",
+                                                                               "generate.py"))
+        gen = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gen)
+        m = gen.Llama2c(model)
+        shared = list(range(1, 18))
+        for prompts, steps, hit in (([[1]], 48, 0), ([[1, 403, 407], [1, 403, 500]], 40, 0),
+                                    ([shared + [210], shared + [300], [1, 7]], 40, 17)):
+            ids = ";".join(",".join(map(str, p)) for p in prompts)
+            run = subprocess.run([exe, "run", model, "-t", "0", "-n", str(steps), "--prompt-ids", ids,
+                                  "--threads", "1"], check=True, capture_output=True, text=True).stdout
+            want = [[int(t) for t in line.split()] for line in run.strip("\n").split("\n")]
+            got, st = gen.generate(m, prompts, steps)
+            self.assertEqual(got, want, "prompts %s" % ids)
+            self.assertEqual(st["prefix_tokens_hit"], hit)
+            self.assertTrue(all(len(g) > 0 for g in got))
+        with self.assertRaises(ValueError):
+            gen.generate(m, [list(range(1, 10))], 5)
+
+
 class TestCache(Base):
     def test_prefix_fork_cow_exports(self):
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=1) as c:
