@@ -117,7 +117,9 @@ class TestLibrary(Base):
         # the ctypes mirrors against sizeof / offsetof of pkv.h's structs, printed by abi_layout.c
         exe = os.environ.get("PKV_ABI_LAYOUT")
         self.assertTrue(exe, "PKV_ABI_LAYOUT (the abi_layout program) is not set")
-        lines = subprocess.run([exe], check=True, capture_output=True, text=True).stdout.split("\n")
+        env = dict(os.environ)
+        env.pop("LD_PRELOAD", None)
+        lines = subprocess.run([exe], check=True, capture_output=True, text=True, env=env).stdout.split("\n")
         c = dict(line.rsplit(" ", 1) for line in lines if line)
         mirrors = {"pkv_config": pkv._Config, "pkv_allocator": pkv._Allocator, "pkv_executor": pkv._Executor,
                    "pkv_layout": pkv._Layout, "pkv_seq_info": pkv._SeqInfo, "pkv_stats": pkv._Stats,
@@ -305,8 +307,10 @@ class TestModel(Base):
         for prompts, steps, hit in (([[1]], 48, 0), ([[1, 403, 407], [1, 403, 500]], 40, 0),
                                     ([shared + [210], shared + [300], [1, 7]], 40, 17)):
             ids = ";".join(",".join(map(str, p)) for p in prompts)
+            env = dict(os.environ)
+            env.pop("LD_PRELOAD", None)  # (an ASan build preloads its runtime into python, not into pkv)
             run = subprocess.run([exe, "run", model, "-t", "0", "-n", str(steps), "--prompt-ids", ids,
-                                  "--threads", "1"], check=True, capture_output=True, text=True).stdout
+                                  "--threads", "1"], check=True, capture_output=True, text=True, env=env).stdout
             want = [[int(t) for t in line.split()] for line in run.strip("\n").split("\n")]
             got, st = gen.generate(m, prompts, steps)
             self.assertEqual(got, want, "prompts %s" % ids)
