@@ -23,6 +23,7 @@ else by ctypes.util.find_library("pkv"). help(pagedkv.Cache) lists the whole API
 import ctypes
 import ctypes.util
 import os
+import weakref
 from collections import namedtuple
 
 import numpy as np
@@ -287,6 +288,7 @@ class Cache:
 
     def __init__(self, **kw):
         self._c = None
+        self._views = weakref.WeakValueDictionary()  # id -> a view's buffer, while alive
         cfg = _lib.pkv_config_default()
         for k in list(kw):
             v = kw.pop(k)
@@ -318,7 +320,14 @@ class Cache:
 
     # -- lifetime --
     def close(self):
-        """Frees the cache (pkv_cache_destroy). Later calls raise PkvError (EINVAL)."""
+        """Frees the cache (pkv_cache_destroy). Later calls raise PkvError (EINVAL). While a
+        view of the pool (kv_view) is alive, raises PkvError (EBUSY) and frees nothing: the
+        cache is then freed when the last view and reference are gone."""
+        if self._c and len(self._views):
+            raise PkvError(EBUSY, "close: %d views of the pool are still alive" % len(self._views))
+        self._destroy()
+
+    def _destroy(self):
         if self._c and _lib is not None:  # (None at interpreter exit)
             _lib.pkv_cache_destroy(self._c)
             self._c = None
@@ -330,7 +339,7 @@ class Cache:
         self.close()
 
     def __del__(self):
-        self.close()
+        self._destroy()  # no view is alive here: each holds a reference to the cache
 
     def _h(self):
         if not self._c:
@@ -362,6 +371,33 @@ class Cache:
         vals[0], vals[1] = vals[0] or 0, vals[1] or 0
         d = Layout(*vals)
         return d._replace(k_dtype=_DTYPE_NAMES[d.k_dtype], v_dtype=_DTYPE_NAMES[d.v_dtype])
+
+    def kv_view(self, layer, writeable=False):
+        """Zero-copy numpy views (K, V) of one layer's arrays in the pool, for engines with
+        kernels of their own: [n_blocks][n_kv_heads][block_tokens][head_dim] of float32 or
+        float16 (uint16 bit patterns for bf16), or [n_blocks][n_kv_heads][block_tokens][row
+        bytes] uint8 for the quantized dtypes (scales inline, pagedkv.dtype_row_bytes). Read-only
+        unless writeable=True; what is written through a view bypasses pkv_write_kv's checks
+        (pkv.h: such rows are the caller's business). A view keeps the cache alive, and close()
+        refuses (EBUSY) while one is."""
+        lo = _Layout()
+        _check(_lib.pkv_cache_layout(self._h(), ctypes.byref(lo)), "pkv_cache_layout")
+        layer = _u32_of(layer, "layer")
+        if layer >= lo.n_layers:
+            raise _invalid("kv_view: layer %d of %d" % (layer, lo.n_layers))
+        views = []
+        for base, dt, row, blk in ((lo.k_base, lo.k_dtype, lo.k_row_bytes, lo.k_block_bytes),
+                                   (lo.v_base, lo.v_dtype, lo.v_row_bytes, lo.v_block_bytes)):
+            buf = (ctypes.c_uint8 * (lo.n_blocks * blk)).from_address(base + layer * lo.layer_stride_bytes)
+            buf._cache = self  # the cache outlives every view
+            self._views[id(buf)] = buf
+            a = np.frombuffer(buf, dtype=np.uint8)
+            shape = (lo.n_blocks, lo.n_kv_heads, lo.block_tokens)
+            elem = {DTYPES["f32"]: np.float32, DTYPES["f16"]: np.float16, DTYPES["bf16"]: np.uint16}.get(dt)
+            a = a.view(elem).reshape(shape + (lo.head_dim,)) if elem else a.reshape(shape + (row,))
+            a.flags.writeable = bool(writeable)
+            views.append(a)
+        return tuple(views)
 
     def reset(self):
         """Releases every sequence and pin and empties the prefix index."""

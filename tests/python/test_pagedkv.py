@@ -392,6 +392,56 @@ class TestCache(Base):
             self.assertEqual(c.stats()["n_free"], 32)
             c.check()
 
+    def test_kv_view(self):
+        for dt in ("f32", "f16", "bf16", "q8_0"):
+            with self.subTest(dtype=dt):
+                c = pkv.Cache(n_layers=2, n_kv_heads=2, head_dim=32, block_tokens=4, n_blocks=6, k_dtype=dt,
+                              v_dtype="f32", n_threads=1)
+                s = c.seq_create()
+                slots = c.append(s, range(7))
+                k = self.rng.standard_normal((7, 2, 32)).astype(np.float32)
+                c.write_kv(1, slots, k, 2 * k)
+                K, V = c.kv_view(1)
+                have = None
+                table = c.block_table(s)
+                gk, gv = c.gather(s, 1)
+                rows = lambda a: np.stack([a[table[p // 4], :, p % 4] for p in range(7)])  # noqa: E731
+                if dt == "q8_0":
+                    self.assertEqual(K.shape, (6, 2, 4, pkv.dtype_row_bytes("q8_0", 32)))
+                    self.assertEqual(K.dtype, np.uint8)
+                else:
+                    self.assertEqual(K.shape, (6, 2, 4, 32))
+                    have = rows(K)
+                    if dt == "bf16":
+                        have = (have.astype(np.uint32) << 16).view(np.float32)
+                    np.testing.assert_array_equal(have.astype(np.float32), gk)
+                np.testing.assert_array_equal(rows(V), gv)
+                with self.assertRaises(ValueError):  # read-only by default
+                    V[0, 0, 0, 0] = 1.0
+                with self.assertRaises(pkv.PkvError) as e:
+                    c.close()
+                self.assertEqual(e.exception.code, pkv.EBUSY)
+                c.seq_info(s)  # still open
+                Kw, W = c.kv_view(1, writeable=True)
+                W[table[0], 1, 2, :] = 5.0  # position 2, kv head 1
+                self.assertTrue((c.gather(s, 1, 2, 1)[1][0, 1] == 5.0).all())
+                del K, V, Kw, W, have
+                c.close()
+                with self.assertRaises(pkv.PkvError):
+                    c.kv_view(0)
+        # a view outlives the last reference to its cache, and keeps the pool alive
+        import gc
+        c = pkv.Cache(n_kv_heads=1, head_dim=32, n_blocks=4, k_dtype="f32", v_dtype="f32", n_threads=1)
+        s = c.seq_create()
+        c.write_kv(0, c.append(s, [1]), np.full((1, 1, 32), 3.0, np.float32), np.zeros((1, 1, 32), np.float32))
+        b = c.block_table(s)[0]
+        K, _ = c.kv_view(0)
+        del c, _
+        gc.collect()
+        np.testing.assert_array_equal(K[b, 0, 0], 3.0)
+        del K
+        gc.collect()
+
     def test_statuses_raise(self):
         with pkv.Cache(n_kv_heads=1, head_dim=32, n_blocks=4, max_seqs=2, max_blocks_per_seq=8,
                        n_threads=1) as c:
