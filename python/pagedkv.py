@@ -515,7 +515,14 @@ class Cache:
         return k, v
 
     def _seqs(self, seqs, what):
-        a = np.ascontiguousarray([_seq_of(s) for s in seqs], dtype=np.uint64)
+        """Sequence ids as a C-contiguous uint64 array (an integer array is checked as a whole)."""
+        a = np.asarray(seqs)
+        if a.dtype.kind in "iu" and a.ndim == 1:
+            if a.size and a.dtype.kind == "i" and a.min() < 0:
+                raise _invalid("%s: a negative sequence id" % what)
+            a = np.ascontiguousarray(a, dtype=np.uint64)
+        else:
+            a = np.ascontiguousarray([_seq_of(s) for s in seqs], dtype=np.uint64)
         if a.size == 0:
             raise _invalid("%s: no sequences" % what)
         return a

@@ -500,6 +500,8 @@ class TestCache(Base):
                 lambda: c.decode(0, [s, s], np.ones((1, 4, 32), np.float32)),
                 lambda: c.decode(0, [s], np.ones(128, np.float32)),  # flat q without n_q_heads
                 lambda: c.decode(0, [], np.ones((0, 4, 32), np.float32)),
+                lambda: c.decode(0, np.array([-1]), np.ones((1, 4, 32), np.float32)),
+                lambda: c.decode(0, [s, -1], np.ones((2, 4, 32), np.float32)),
                 lambda: c.prefill(0, [(s, 0, 3)], np.ones((2, 4, 32), np.float32)),
                 lambda: c.prefill(0, [(s, 0)], np.ones((2, 4, 32), np.float32)),
                 lambda: c.append(s, [1.5]),
