@@ -38,9 +38,9 @@ OK, EINVAL, ENOMEM, ENOSPC, ENOENT, ELIMIT, ECORRUPT, EIO, ENOTSUP, EBUSY = 0, -
 _CODE_NAMES = {OK: "OK", EINVAL: "EINVAL", ENOMEM: "ENOMEM", ENOSPC: "ENOSPC", ENOENT: "ENOENT",
                ELIMIT: "ELIMIT", ECORRUPT: "ECORRUPT", EIO: "EIO", ENOTSUP: "ENOTSUP", EBUSY: "EBUSY"}
 
-# pool element formats, by name (pkv_dtype values)
-DTYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "fp8_e4m3": 5}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# pool element formats by name (pkv_dtype values), as libpkv names them: filled by _load()
+DTYPES = {}
+_DTYPE_NAMES = {}
 
 
 class PkvError(Exception):
@@ -130,6 +130,8 @@ def _load():
         "pkv_strerror": (_cp, [_int]),
         "pkv_version": (_cp, []),
         "pkv_dtype_row_bytes": (_sz, [_int, _u32]),
+        "pkv_dtype_name": (_cp, [_int]),
+        "pkv_dtype_from_name": (_int, [_cp, _P(_int)]),
         "pkv_config_default": (_Config, []),
         "pkv_cache_create": (_int, [_P(_Config), _P(_vp)]),
         "pkv_cache_destroy": (None, [_vp]),
@@ -163,6 +165,11 @@ def _load():
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
+    code = 0
+    while lib.pkv_dtype_name(code):  # NULL past the last one
+        DTYPES[lib.pkv_dtype_name(code).decode()] = code
+        code += 1
+    _DTYPE_NAMES.update({v: k for k, v in DTYPES.items()})
     _lib = lib
 
 
@@ -189,13 +196,11 @@ def strerror(code):
 
 
 def _dtype_code(d, what):
-    if isinstance(d, str):
-        if d == "fp8":
-            d = "fp8_e4m3"
-        if d not in DTYPES:
-            raise _invalid("%s: unknown dtype %r (one of %s)" % (what, d, ", ".join(DTYPES)))
-        return DTYPES[d]
-    raise _invalid("%s: a dtype is named by a string (one of %s)" % (what, ", ".join(DTYPES)))
+    """A dtype name (pkv_dtype_from_name's: those of DTYPES, and "fp8") -> its pkv_dtype value."""
+    out = _int()
+    if not isinstance(d, str) or "\0" in d or _lib.pkv_dtype_from_name(d.encode(), ctypes.byref(out)) != OK:
+        raise _invalid("%s: unknown dtype %r (one of %s)" % (what, d, ", ".join(DTYPES)))
+    return out.value
 
 
 def dtype_row_bytes(dtype, head_dim):

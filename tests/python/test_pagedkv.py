@@ -85,6 +85,12 @@ class TestLibrary(Base):
         self.assertEqual(pkv.dtype_row_bytes("q4_0", 48), 0)  # head_dim not a multiple of 32
         with self.assertRaises(pkv.PkvError):
             pkv.dtype_row_bytes("f64", 128)
+        self.assertEqual(pkv.DTYPES, {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "fp8_e4m3": 5})
+        self.assertEqual(pkv.dtype_row_bytes("fp8", 64), 4 + 64)  # libpkv's alias
+        for bad in ("f16\0", "F16", "", None, 1):
+            with self.assertRaises(pkv.PkvError) as e:
+                pkv.Cache(k_dtype=bad)
+            self.assertEqual(e.exception.code, pkv.EINVAL)
 
     def test_config_defaults(self):
         with pkv.Cache(n_threads=1) as c:
