@@ -340,7 +340,9 @@ class Cache:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and len(self._views):
+            return  # an exception is on its way: do not replace it by EBUSY; freed with the views
         self.close()
 
     def __del__(self):

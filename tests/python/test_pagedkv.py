@@ -435,6 +435,12 @@ class TestCache(Base):
                 c.close()
                 with self.assertRaises(pkv.PkvError):
                     c.kv_view(0)
+        # an exception leaving a with-block while a view is alive is not replaced by EBUSY
+        with self.assertRaises(KeyError):
+            with pkv.Cache(n_kv_heads=1, head_dim=32, n_blocks=4, n_threads=1) as c:
+                K, _ = c.kv_view(0)
+                raise KeyError("the caller's own")
+        del K, _, c
         # a view outlives the last reference to its cache, and keeps the pool alive
         import gc
         c = pkv.Cache(n_kv_heads=1, head_dim=32, n_blocks=4, k_dtype="f32", v_dtype="f32", n_threads=1)
