@@ -16,8 +16,9 @@ past an array.
         out = c.decode(0, [s], q)              # q: [1][8][64] float32 (8 query heads, GQA)
 
 Sequence handles are Python ints (the C pkv_seq). The library is found through the
-environment variable PKV_LIBRARY (a path to libpkv.so), else next to this file or in ../build,
-else by ctypes.util.find_library("pkv"). help(pagedkv.Cache) lists the whole API.
+environment variable PKV_LIBRARY (a path to libpkv.so), else next to this file, two levels up
+(cmake --install puts this file in <libdir>/pkv/python) or in ../build, else by
+ctypes.util.find_library("pkv"). help(pagedkv.Cache) lists the whole API.
 """
 
 import ctypes
@@ -59,7 +60,10 @@ def _find_library():
     if env:
         return env
     here = os.path.dirname(os.path.abspath(__file__))
-    for cand in (os.path.join(here, "libpkv.so"), os.path.join(here, "..", "build", "libpkv.so")):
+    # beside this file; two levels up (where cmake --install puts it: <libdir>/pkv/python); a
+    # checkout's build/
+    for cand in (os.path.join(here, "libpkv.so"), os.path.join(here, "..", "..", "libpkv.so.0"),
+                 os.path.join(here, "..", "build", "libpkv.so")):
         if os.path.exists(cand):
             return cand
     found = ctypes.util.find_library("pkv")

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# install_check.sh BUILD_DIR SOURCE_DIR CC [PYTHON]: what the README promises of an installed
+# pagedkv. Installs BUILD_DIR into a scratch prefix, then builds and runs the README example
+# (examples/readme_example.c) against that prefix through pkg-config and through CMake's
+# find_package(pkv), and, with PYTHON (one that imports numpy), imports the installed Python
+# module from <prefix>/<libdir>/pkv/python and checks it loaded the installed library. Exits
+# non-zero, saying which step failed, if any does.
+set -euo pipefail
+build=$1 src=$2 cc=$3 py=${4:-}
+tmp=$(mktemp -d /tmp/pkv-install.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+fail() { echo "install_check: $*" >&2; exit 1; }
+
+cmake --install "$build" --prefix "$tmp/prefix" >/dev/null || fail "cmake --install failed"
+pc=$(find "$tmp/prefix" -name pkv.pc | head -n 1)
+[ -n "$pc" ] || fail "no pkv.pc installed"
+libdir=$(dirname "$(dirname "$pc")")
+
+# pkg-config
+flags=$(PKG_CONFIG_PATH=$(dirname "$pc") pkg-config --cflags --libs pkv) || fail "pkg-config pkv failed"
+# shellcheck disable=SC2086
+"$cc" -std=c11 -Wall -Werror -o "$tmp/example_pc" "$src/examples/readme_example.c" $flags ||
+    fail "the README example does not build through pkg-config ($flags)"
+LD_LIBRARY_PATH=$libdir "$tmp/example_pc" || fail "the README example built through pkg-config failed"
+LD_LIBRARY_PATH=$libdir ldd "$tmp/example_pc" | grep -q "$libdir/libpkv.so" || fail "the pkg-config build did not load the installed libpkv"
+
+# find_package(pkv)
+mkdir -p "$tmp/consumer"
+cat >"$tmp/consumer/CMakeLists.txt" <<CMAKE
+cmake_minimum_required(VERSION 3.16)
+project(consumer C)
+find_package(pkv 0.1 REQUIRED)
+add_executable(example $src/examples/readme_example.c)
+target_link_libraries(example PRIVATE pkv::pkv)
+CMAKE
+cmake -S "$tmp/consumer" -B "$tmp/consumer/build" -DCMAKE_PREFIX_PATH="$tmp/prefix" -DCMAKE_C_COMPILER="$cc" \
+    >"$tmp/consumer.log" 2>&1 || { cat "$tmp/consumer.log"; fail "find_package(pkv) failed"; }
+cmake --build "$tmp/consumer/build" >>"$tmp/consumer.log" 2>&1 || { cat "$tmp/consumer.log"; fail "the find_package build failed"; }
+"$tmp/consumer/build/example" || fail "the README example built through find_package failed"
+
+# the Python module, from where it was installed, with the library beside it
+if [ -n "$py" ]; then
+    [ -f "$libdir/pkv/python/pagedkv.py" ] || fail "pagedkv.py not installed in $libdir/pkv/python"
+    (cd "$tmp" && env -u PKV_LIBRARY PYTHONPATH="$libdir/pkv/python" "$py" - "$libdir" <<'PY'
+import os, sys
+import numpy as np
+import pagedkv
+libdir = os.path.realpath(sys.argv[1])
+loaded = os.path.realpath(pagedkv._lib._name)
+assert loaded.startswith(libdir + os.sep), "loaded %s, not the installed library in %s" % (loaded, libdir)
+with pagedkv.Cache(n_kv_heads=1, head_dim=32, n_blocks=4, n_threads=1) as c:
+    s = c.seq_create()
+    slots = c.append(s, [1, 2, 3])
+    c.write_kv(0, slots, np.ones((3, 1, 32), np.float32), np.full((3, 1, 32), 2.0, np.float32))
+    out = c.decode(0, [s], np.ones((1, 1, 32), np.float32))
+    assert np.allclose(out, 2.0), out
+print("install_check: python module ok (%s)" % loaded)
+PY
+    ) || fail "the installed Python module failed"
+fi
+echo "install_check: ok ($tmp/prefix)"
