@@ -433,27 +433,25 @@ class Cache:
         return slots
 
     def _kv_in(self, x, n, what, dtype):
+        """x as the C-contiguous input array of pkv_write_kv and its pkv_dtype: dtype None infers
+        f16 from float16 and f32 from other floating arrays (converted); "f32" takes any floating
+        array (converted), "f16" a float16 one, "bf16" a uint16 one of bf16 bit patterns."""
         if x is None:
             return None, None
         a = np.asarray(x)
-        want = n * self._H * self._D
-        if dtype == "bf16":
-            if a.dtype != np.uint16:
-                raise _invalid("%s: bf16 input is a uint16 array of bf16 bit patterns" % what)
-            code = DTYPES["bf16"]
-            a = np.ascontiguousarray(a)
-        elif dtype is not None and dtype not in ("f32", "f16"):
+        kind = dtype if dtype is not None else ("f16" if a.dtype == np.float16 else "f32")
+        need = {"f32": "a floating", "f16": "a float16", "bf16": "a uint16 (bf16 bit patterns)"}.get(kind)
+        if need is None:
             raise _invalid("%s: input dtype is f32, f16 or bf16, not %r" % (what, dtype))
-        elif a.dtype == np.float16 and dtype != "f32":
-            code, a = DTYPES["f16"], np.ascontiguousarray(a)
-        elif a.dtype.kind == "f" and dtype != "f16":
-            code, a = DTYPES["f32"], np.ascontiguousarray(a, dtype=np.float32)
-        else:
-            raise _invalid("%s: a float32 or float16 array is needed (or uint16 with dtype='bf16'), got %s"
-                           % (what, a.dtype))
+        ok = {"f32": a.dtype.kind == "f", "f16": a.dtype == np.float16, "bf16": a.dtype == np.uint16}[kind]
+        if not ok:
+            raise _invalid("%s: %s array is needed%s, got %s" % (
+                what, need, "" if dtype else " (or give dtype='bf16' for uint16 bf16 bit patterns)", a.dtype))
+        a = np.ascontiguousarray(a, dtype=np.float32 if kind == "f32" else a.dtype)
+        want = n * self._H * self._D
         if a.size != want:
             raise _invalid("%s: %d elements, %d needed ([%d][%d][%d])" % (what, a.size, want, n, self._H, self._D))
-        return a, code
+        return a, DTYPES[kind]
 
     def write_kv(self, layer, slots, k=None, v=None, dtype=None):
         """Writes K and/or V of one layer at these slots (pkv_write_kv): k, v [n][n_kv_heads][head_dim]

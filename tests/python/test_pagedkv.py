@@ -192,7 +192,7 @@ class TestAttention(Base):
             slots = c.append(s, range(20))
             k = self.rng.standard_normal((20, 2, 32)).astype(np.float32)
             v = self.rng.standard_normal((20, 2, 32))  # float64: converted to float32 by the binding
-            c.write_kv(0, slots, k, v)
+            c.write_kv(0, slots, k, v, dtype="f32")
             K, V = c.gather(s, 0)
             np.testing.assert_array_equal(K, k)
             np.testing.assert_array_equal(V, v.astype(np.float32))
@@ -205,6 +205,7 @@ class TestAttention(Base):
             bits = bf16_bits(x)
             c.write_kv(0, slots, k=bits, dtype="bf16")
             c.write_kv(0, slots, v=x.astype(np.float16))
+            c.write_kv(0, slots, v=x.astype(np.float16), dtype="f16")  # the same, named
             K, V = c.gather(s, 0)
             np.testing.assert_array_equal(K, bf16_value(bits))
             np.testing.assert_array_equal(V, x.astype(np.float16).astype(np.float32))
@@ -507,6 +508,10 @@ class TestCache(Base):
                 lambda: c.write_kv(0, slots, np.ones((3, 2, 32), np.float32), np.ones((4, 2, 32), np.float32)),
                 lambda: c.write_kv(0, slots, np.ones((4, 2, 32), np.int32)),
                 lambda: c.write_kv(0, slots),
+                lambda: c.write_kv(0, slots, np.ones((4, 2, 32), np.float32), dtype="f16"),
+                lambda: c.write_kv(0, slots, np.ones((4, 2, 32), np.float16), dtype="bf16"),
+                lambda: c.write_kv(0, slots, np.ones((4, 2, 32), np.float32), dtype="q8_0"),
+                lambda: c.write_kv(0, slots, np.ones((4, 2, 32), np.int16), dtype="f32"),
                 lambda: c.write_kv(0, slots, np.ones((4, 2, 32), np.float32), np.ones((4, 2, 32), np.float16)),
                 lambda: c.decode(0, [s], np.ones((1, 4, 31), np.float32)),
                 lambda: c.decode(0, [s, s], np.ones((1, 4, 32), np.float32)),
