@@ -1,0 +1,725 @@
+//! pagedkv: safe Rust bindings of libpkv, a paged KV cache and paged attention for LLM inference.
+//!
+//! Every method is one libpkv call. A status other than `PKV_OK` is an [`Error`] carrying it;
+//! every slice's length is checked against the call before libpkv sees it (the C API cannot see
+//! lengths), so a wrong shape is an `EINVAL` error, never a read or write past a slice.
+//!
+//! Borrowing follows libpkv's threading rule (pkv.h, docs/design.md "Threads"): calls that
+//! change sequences or write K/V take `&mut self`; calls that only read (attention, gather,
+//! block tables, stats, the checker) take `&self` and may run on several threads at once
+//! (`Cache` is `Send` and `Sync`; attention calls are serialized inside the library). So no
+//! block table or K/V row can change under a running read.
+//!
+//! ```no_run
+//! use pagedkv::{AttnParams, Cache, Config, KvData};
+//! let mut c = Cache::new(&Config { n_kv_heads: 2, head_dim: 64, n_blocks: 64, ..Config::default() })?;
+//! let s = c.seq_create(b"")?;
+//! let slots = c.append(s, &(100..120).collect::<Vec<i32>>())?;
+//! let kv = vec![0.5f32; 20 * 2 * 64];
+//! c.write_kv(0, &slots, Some(KvData::F32(&kv)), Some(KvData::F32(&kv)))?;
+//! c.commit(s, 20)?;
+//! let q = vec![1.0f32; 8 * 64]; // 8 query heads over 2 kv heads (GQA)
+//! let mut out = vec![0.0f32; 8 * 64];
+//! c.decode(0, &[s], &q, &mut out, &AttnParams { n_q_heads: 8, ..AttnParams::default() }, None)?;
+//! # Ok::<(), pagedkv::Error>(())
+//! ```
+
+pub mod ffi;
+
+use std::ffi::{CStr, CString};
+use std::fmt;
+use std::os::raw::{c_char, c_int, c_void};
+use std::ptr::{self, NonNull};
+
+/// Status codes (pkv.h; values never change once released).
+pub const OK: i32 = 0;
+pub const EINVAL: i32 = -1;
+pub const ENOMEM: i32 = -2;
+pub const ENOSPC: i32 = -3;
+pub const ENOENT: i32 = -4;
+pub const ELIMIT: i32 = -5;
+pub const ECORRUPT: i32 = -6;
+pub const EIO: i32 = -7;
+pub const ENOTSUP: i32 = -8;
+pub const EBUSY: i32 = -9;
+
+/// A libpkv status other than `PKV_OK` (or `EINVAL` from the binding's own checks), with what
+/// was being done.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Error {
+    code: i32,
+    context: String,
+}
+
+impl Error {
+    fn new(code: i32, context: impl Into<String>) -> Error {
+        Error {
+            code,
+            context: context.into(),
+        }
+    }
+
+    /// The status code (`pagedkv::EINVAL`, ...).
+    pub fn code(&self) -> i32 {
+        self.code
+    }
+
+    /// The status's name: "EINVAL", "ENOENT", ...
+    pub fn name(&self) -> &'static str {
+        match self.code {
+            EINVAL => "EINVAL",
+            ENOMEM => "ENOMEM",
+            ENOSPC => "ENOSPC",
+            ENOENT => "ENOENT",
+            ELIMIT => "ELIMIT",
+            ECORRUPT => "ECORRUPT",
+            EIO => "EIO",
+            ENOTSUP => "ENOTSUP",
+            EBUSY => "EBUSY",
+            _ => "unknown status",
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {} ({})", self.context, strerror(self.code), self.name())
+    }
+}
+
+impl std::error::Error for Error {}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+fn check(rc: c_int, what: &str) -> Result<()> {
+    if rc == OK {
+        Ok(())
+    } else {
+        Err(Error::new(rc, what))
+    }
+}
+
+fn invalid(what: String) -> Error {
+    Error::new(EINVAL, what)
+}
+
+fn len_u32(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n).map_err(|_| invalid(format!("{}: {} is past u32", what, n)))
+}
+
+fn want_len(have: usize, want: usize, what: &str) -> Result<()> {
+    if have == want {
+        Ok(())
+    } else {
+        Err(invalid(format!("{}: {} elements, {} needed", what, have, want)))
+    }
+}
+
+fn cstr(p: *const c_char) -> &'static str {
+    if p.is_null() {
+        return "";
+    }
+    // libpkv's strings are static and ASCII
+    unsafe { CStr::from_ptr(p) }.to_str().unwrap_or("")
+}
+
+/// libpkv's description of a status code.
+pub fn strerror(code: i32) -> &'static str {
+    cstr(unsafe { ffi::pkv_strerror(code) })
+}
+
+/// The version of the libpkv actually linked ("MAJOR.MINOR.PATCH").
+pub fn version() -> &'static str {
+    cstr(unsafe { ffi::pkv_version() })
+}
+
+/// Pool element formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    F32,
+    F16,
+    Bf16,
+    Q8_0,
+    Q4_0,
+    Fp8E4m3,
+}
+
+impl Dtype {
+    const ALL: [Dtype; 6] = [
+        Dtype::F32,
+        Dtype::F16,
+        Dtype::Bf16,
+        Dtype::Q8_0,
+        Dtype::Q4_0,
+        Dtype::Fp8E4m3,
+    ];
+
+    fn raw(self) -> c_int {
+        self as c_int
+    }
+
+    fn from_raw(v: c_int) -> Dtype {
+        Dtype::ALL[v as usize]
+    }
+
+    /// libpkv's name: "f32", "f16", "bf16", "q8_0", "q4_0", "fp8_e4m3".
+    pub fn name(self) -> &'static str {
+        cstr(unsafe { ffi::pkv_dtype_name(self.raw()) })
+    }
+
+    /// Parses libpkv's names (and "fp8" for fp8_e4m3).
+    pub fn from_name(name: &str) -> Result<Dtype> {
+        let c = CString::new(name).map_err(|_| invalid(format!("dtype name {:?}", name)))?;
+        let mut v: c_int = 0;
+        check(
+            unsafe { ffi::pkv_dtype_from_name(c.as_ptr(), &mut v) },
+            "pkv_dtype_from_name",
+        )?;
+        Ok(Dtype::from_raw(v))
+    }
+
+    /// Bytes one token row of head_dim elements takes in the pool (0 if it cannot hold one).
+    pub fn row_bytes(self, head_dim: u32) -> usize {
+        unsafe { ffi::pkv_dtype_row_bytes(self.raw(), head_dim) }
+    }
+}
+
+/// The cache's configuration (pkv_config without the hooks). `Config::default()` is
+/// pkv_config_default(): 1 layer, 8 kv heads, head_dim 128, 16-token blocks, 1024 blocks,
+/// f16 K and V, 256 sequences, prefix cache and huge pages on, every CPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    pub n_layers: u32,
+    pub n_kv_heads: u32,
+    pub head_dim: u32,
+    pub block_tokens: u32,
+    pub n_blocks: u32,
+    pub mem_budget_bytes: u64,
+    pub k_dtype: Dtype,
+    pub v_dtype: Dtype,
+    pub max_seqs: u32,
+    pub max_blocks_per_seq: u32,
+    pub n_threads: u32,
+    pub prefix_cache: bool,
+    pub huge_pages: bool,
+}
+
+impl Config {
+    fn from_raw(c: &ffi::pkv_config) -> Config {
+        Config {
+            n_layers: c.n_layers,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            block_tokens: c.block_tokens,
+            n_blocks: c.n_blocks,
+            mem_budget_bytes: c.mem_budget_bytes,
+            k_dtype: Dtype::from_raw(c.k_dtype),
+            v_dtype: Dtype::from_raw(c.v_dtype),
+            max_seqs: c.max_seqs,
+            max_blocks_per_seq: c.max_blocks_per_seq,
+            n_threads: c.n_threads,
+            prefix_cache: c.enable_prefix_cache != 0,
+            huge_pages: c.huge_pages != 0,
+        }
+    }
+
+    fn to_raw(&self) -> ffi::pkv_config {
+        let mut c = unsafe { ffi::pkv_config_default() };
+        c.n_layers = self.n_layers;
+        c.n_kv_heads = self.n_kv_heads;
+        c.head_dim = self.head_dim;
+        c.block_tokens = self.block_tokens;
+        c.n_blocks = self.n_blocks;
+        c.mem_budget_bytes = self.mem_budget_bytes;
+        c.k_dtype = self.k_dtype.raw();
+        c.v_dtype = self.v_dtype.raw();
+        c.max_seqs = self.max_seqs;
+        c.max_blocks_per_seq = self.max_blocks_per_seq;
+        c.n_threads = self.n_threads;
+        c.enable_prefix_cache = self.prefix_cache as c_int;
+        c.huge_pages = self.huge_pages as c_int;
+        c
+    }
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config::from_raw(&unsafe { ffi::pkv_config_default() })
+    }
+}
+
+/// A sequence (or pin) handle: libpkv's generation-counted id. A released one is stale forever
+/// (ENOENT).
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Seq(pub u64);
+
+/// One prefill / extend request: queries for positions [q_start, q_start + n_q) of seq.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnReq {
+    pub seq: Seq,
+    pub q_start: u32,
+    pub n_q: u32,
+}
+
+/// Attention parameters (pkv_attn_params without the lse pointer, which the calls take).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnParams {
+    /// Query heads, a multiple of n_kv_heads; 0 = n_kv_heads.
+    pub n_q_heads: u32,
+    /// 0 = 1/sqrt(head_dim).
+    pub scale: f32,
+    /// Logit soft-cap; 0 = off.
+    pub softcap: f32,
+    /// Sliding window; 0 = off.
+    pub window: u32,
+}
+
+impl Default for AttnParams {
+    fn default() -> AttnParams {
+        AttnParams {
+            n_q_heads: 0,
+            scale: 0.0,
+            softcap: 0.0,
+            window: 0,
+        }
+    }
+}
+
+/// K or V rows to write: [n][n_kv_heads][head_dim] elements.
+#[derive(Clone, Copy, Debug)]
+pub enum KvData<'a> {
+    F32(&'a [f32]),
+    /// IEEE binary16 bit patterns.
+    F16(&'a [u16]),
+    /// bfloat16 bit patterns.
+    Bf16(&'a [u16]),
+}
+
+impl KvData<'_> {
+    fn parts(&self) -> (usize, *const c_void, Dtype) {
+        match *self {
+            KvData::F32(x) => (x.len(), x.as_ptr() as *const c_void, Dtype::F32),
+            KvData::F16(x) => (x.len(), x.as_ptr() as *const c_void, Dtype::F16),
+            KvData::Bf16(x) => (x.len(), x.as_ptr() as *const c_void, Dtype::Bf16),
+        }
+    }
+}
+
+pub type SeqInfo = ffi::pkv_seq_info;
+pub type Stats = ffi::pkv_stats;
+
+/// Merges two partial attention results of the same rows over disjoint key sets by their
+/// log-sum-exps (pkv_attn_merge): out_a, out_b, out [n_rows][head_dim]; lse_a, lse_b, lse
+/// [n_rows].
+pub fn merge(
+    head_dim: u32,
+    out_a: &[f32],
+    lse_a: &[f32],
+    out_b: &[f32],
+    lse_b: &[f32],
+    out: &mut [f32],
+    lse: Option<&mut [f32]>,
+) -> Result<()> {
+    if head_dim == 0 {
+        return Err(invalid("merge: head_dim 0".into()));
+    }
+    let rows = lse_a.len();
+    want_len(out_a.len(), rows * head_dim as usize, "merge: out_a")?;
+    want_len(out_b.len(), rows * head_dim as usize, "merge: out_b")?;
+    want_len(lse_b.len(), rows, "merge: lse_b")?;
+    want_len(out.len(), rows * head_dim as usize, "merge: out")?;
+    let lp = match lse {
+        Some(l) => {
+            want_len(l.len(), rows, "merge: lse")?;
+            l.as_mut_ptr()
+        }
+        None => ptr::null_mut(),
+    };
+    let r = unsafe {
+        ffi::pkv_attn_merge(
+            len_u32(rows, "merge: rows")?,
+            head_dim,
+            out_a.as_ptr(),
+            lse_a.as_ptr(),
+            out_b.as_ptr(),
+            lse_b.as_ptr(),
+            out.as_mut_ptr(),
+            lp,
+        )
+    };
+    check(r, "pkv_attn_merge")
+}
+
+/// A paged KV cache (pkv_cache): the pool, sequences, prefix index and attention. Freed on drop.
+pub struct Cache {
+    raw: NonNull<ffi::pkv_cache>,
+    cfg: Config,
+}
+
+// libpkv serializes metadata calls and attention calls inside; the &self / &mut self split
+// (above) keeps K/V writes and sequence changes away from running reads.
+unsafe impl Send for Cache {}
+unsafe impl Sync for Cache {}
+
+impl Drop for Cache {
+    fn drop(&mut self) {
+        unsafe { ffi::pkv_cache_destroy(self.raw.as_ptr()) }
+    }
+}
+
+impl Cache {
+    /// Creates a cache: the whole pool and every buffer attention needs are allocated here.
+    pub fn new(cfg: &Config) -> Result<Cache> {
+        let raw_cfg = cfg.to_raw();
+        let mut p: *mut ffi::pkv_cache = ptr::null_mut();
+        check(unsafe { ffi::pkv_cache_create(&raw_cfg, &mut p) }, "pkv_cache_create")?;
+        let raw = NonNull::new(p).ok_or_else(|| Error::new(ENOMEM, "pkv_cache_create"))?;
+        let mut eff = raw_cfg;
+        let rc = unsafe { ffi::pkv_cache_config(raw.as_ptr(), &mut eff) };
+        let c = Cache {
+            raw,
+            cfg: Config::from_raw(&eff),
+        };
+        check(rc, "pkv_cache_config")?;
+        Ok(c)
+    }
+
+    fn p(&self) -> *mut ffi::pkv_cache {
+        self.raw.as_ptr()
+    }
+
+    /// The effective configuration (n_blocks, max_blocks_per_seq, n_threads resolved).
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The attention kernel family in use ("ref", "avx2", "avx512", "avx512-vnni", "neon", ...).
+    pub fn backend(&self) -> &'static str {
+        cstr(unsafe { ffi::pkv_attn_backend(self.p()) })
+    }
+
+    /// Where the pool lives (pkv_cache_layout), for kernels of the caller's own.
+    pub fn layout(&self) -> Result<ffi::pkv_layout> {
+        let mut lo = std::mem::MaybeUninit::<ffi::pkv_layout>::zeroed();
+        check(
+            unsafe { ffi::pkv_cache_layout(self.p(), lo.as_mut_ptr()) },
+            "pkv_cache_layout",
+        )?;
+        Ok(unsafe { lo.assume_init() })
+    }
+
+    /// Releases every sequence and pin and empties the prefix index.
+    pub fn reset(&mut self) -> Result<()> {
+        check(unsafe { ffi::pkv_cache_reset(self.p()) }, "pkv_cache_reset")
+    }
+
+    fn kv_elems(&self, n: usize) -> usize {
+        n * self.cfg.n_kv_heads as usize * self.cfg.head_dim as usize
+    }
+
+    // ---- sequences ----
+
+    /// A new empty sequence; salt (at most 256 bytes) names its prefix-index namespace.
+    pub fn seq_create(&mut self, salt: &[u8]) -> Result<Seq> {
+        let mut s = 0u64;
+        let sp = if salt.is_empty() {
+            ptr::null()
+        } else {
+            salt.as_ptr() as *const c_void
+        };
+        check(
+            unsafe { ffi::pkv_seq_create(self.p(), sp, salt.len(), &mut s) },
+            "pkv_seq_create",
+        )?;
+        Ok(Seq(s))
+    }
+
+    /// Appends positions with these token ids; returns their slots.
+    pub fn append(&mut self, s: Seq, tokens: &[i32]) -> Result<Vec<i32>> {
+        let mut slots = vec![0i32; tokens.len()];
+        let n = len_u32(tokens.len(), "append: tokens")?;
+        check(
+            unsafe { ffi::pkv_seq_append(self.p(), s.0, tokens.as_ptr(), n, slots.as_mut_ptr()) },
+            "pkv_seq_append",
+        )?;
+        Ok(slots)
+    }
+
+    /// Writes K and/or V of one layer at these slots (slot -1 skips a row): each
+    /// [slots.len()][n_kv_heads][head_dim]; both of one type. All-or-nothing.
+    pub fn write_kv(&mut self, layer: u32, slots: &[i32], k: Option<KvData<'_>>, v: Option<KvData<'_>>) -> Result<()> {
+        let want = self.kv_elems(slots.len());
+        let mut dtype = None;
+        let mut ptrs = [ptr::null(); 2];
+        for (i, (x, what)) in [(k, "write_kv: k"), (v, "write_kv: v")].iter().enumerate() {
+            if let Some(d) = x {
+                let (len, p, t) = d.parts();
+                want_len(len, want, what)?;
+                if dtype.map_or(false, |t0| t0 != t) {
+                    return Err(invalid("write_kv: k and v of different types".into()));
+                }
+                dtype = Some(t);
+                ptrs[i] = p;
+            }
+        }
+        let t = dtype.ok_or_else(|| invalid("write_kv: neither k nor v given".into()))?;
+        let n = len_u32(slots.len(), "write_kv: slots")?;
+        let rc = unsafe { ffi::pkv_write_kv(self.p(), layer, slots.as_ptr(), n, ptrs[0], ptrs[1], t.raw()) };
+        check(rc, "pkv_write_kv")
+    }
+
+    /// Positions [0, n_pos) now hold K/V for every layer.
+    pub fn commit(&mut self, s: Seq, n_pos: u32) -> Result<()> {
+        check(unsafe { ffi::pkv_seq_commit(self.p(), s.0, n_pos) }, "pkv_seq_commit")
+    }
+
+    /// A new sequence sharing every block of s (no data copied).
+    pub fn fork(&mut self, s: Seq) -> Result<Seq> {
+        let mut c = 0u64;
+        check(unsafe { ffi::pkv_seq_fork(self.p(), s.0, &mut c) }, "pkv_seq_fork")?;
+        Ok(Seq(c))
+    }
+
+    /// Keeps positions [0, n).
+    pub fn truncate(&mut self, s: Seq, n: u32) -> Result<()> {
+        check(unsafe { ffi::pkv_seq_truncate(self.p(), s.0, n) }, "pkv_seq_truncate")
+    }
+
+    /// Drops the sequence; its id becomes stale.
+    pub fn release(&mut self, s: Seq) -> Result<()> {
+        check(unsafe { ffi::pkv_seq_release(self.p(), s.0) }, "pkv_seq_release")
+    }
+
+    pub fn seq_info(&self, s: Seq) -> Result<SeqInfo> {
+        let mut i = SeqInfo::default();
+        check(
+            unsafe { ffi::pkv_seq_get_info(self.p(), s.0, &mut i) },
+            "pkv_seq_get_info",
+        )?;
+        Ok(i)
+    }
+
+    /// Slots of positions [start, start + n): vLLM's slot_mapping.
+    pub fn slots(&self, s: Seq, start: u32, n: u32) -> Result<Vec<i32>> {
+        let mut out = vec![0i32; n as usize];
+        check(
+            unsafe { ffi::pkv_seq_slots(self.p(), s.0, start, n, out.as_mut_ptr()) },
+            "pkv_seq_slots",
+        )?;
+        Ok(out)
+    }
+
+    /// The sequence's block ids.
+    pub fn block_table(&self, s: Seq) -> Result<Vec<i32>> {
+        let n = self.seq_info(s)?.n_blocks;
+        let mut out = vec![0i32; n as usize];
+        let mut got = 0u32;
+        check(
+            unsafe { ffi::pkv_seq_block_table(self.p(), s.0, out.as_mut_ptr(), n, &mut got) },
+            "pkv_seq_block_table",
+        )?;
+        out.truncate(got as usize);
+        Ok(out)
+    }
+
+    /// K and V of positions [start, start + n) of one layer, f32 [n][n_kv_heads][head_dim]
+    /// (dequantized).
+    pub fn gather(&self, s: Seq, layer: u32, start: u32, n: u32) -> Result<(Vec<f32>, Vec<f32>)> {
+        let len = self.kv_elems(n as usize);
+        let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
+        let rc = unsafe { ffi::pkv_seq_gather(self.p(), s.0, layer, start, n, k.as_mut_ptr(), v.as_mut_ptr()) };
+        check(rc, "pkv_seq_gather")?;
+        Ok((k, v))
+    }
+
+    fn seq_ptr(seqs: &[Seq]) -> *const u64 {
+        seqs.as_ptr() as *const u64 // Seq is repr(transparent) over u64
+    }
+
+    /// vLLM's dense block tables: ([n_seqs][max_blocks], unused -1; seq_lens).
+    pub fn export_dense(&self, seqs: &[Seq], max_blocks: u32) -> Result<(Vec<i32>, Vec<i32>)> {
+        let n = len_u32(seqs.len(), "export_dense: seqs")?;
+        let mut tables = vec![0i32; seqs.len() * max_blocks as usize];
+        let mut lens = vec![0i32; seqs.len()];
+        let rc = unsafe {
+            ffi::pkv_export_dense(
+                self.p(),
+                Self::seq_ptr(seqs),
+                n,
+                max_blocks,
+                tables.as_mut_ptr(),
+                lens.as_mut_ptr(),
+            )
+        };
+        check(rc, "pkv_export_dense")?;
+        Ok((tables, lens))
+    }
+
+    /// FlashInfer's paged layout: (indptr [n_seqs + 1], indices, last_page_len [n_seqs]).
+    pub fn export_csr(&self, seqs: &[Seq]) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>)> {
+        let n = len_u32(seqs.len(), "export_csr: seqs")?;
+        let mut indptr = vec![0i32; seqs.len() + 1];
+        let mut last = vec![0i32; seqs.len()];
+        let mut need = 0u32;
+        // sizing call: no room, so PKV_EINVAL and the count (or PKV_OK when every table is empty)
+        let rc = unsafe {
+            ffi::pkv_export_csr(
+                self.p(),
+                Self::seq_ptr(seqs),
+                n,
+                indptr.as_mut_ptr(),
+                ptr::null_mut(),
+                0,
+                last.as_mut_ptr(),
+                &mut need,
+            )
+        };
+        if rc != OK && rc != EINVAL {
+            return Err(Error::new(rc, "pkv_export_csr"));
+        }
+        let mut indices = vec![0i32; need as usize];
+        let rc = unsafe {
+            ffi::pkv_export_csr(
+                self.p(),
+                Self::seq_ptr(seqs),
+                n,
+                indptr.as_mut_ptr(),
+                indices.as_mut_ptr(),
+                need,
+                last.as_mut_ptr(),
+                &mut need,
+            )
+        };
+        check(rc, "pkv_export_csr")?;
+        Ok((indptr, indices, last))
+    }
+
+    // ---- prefix cache ----
+
+    /// For an empty sequence and its prompt: attaches the longest indexed prefix; returns the
+    /// tokens reused (never the whole prompt).
+    pub fn match_prefix(&mut self, s: Seq, tokens: &[i32]) -> Result<u32> {
+        let mut r = 0u32;
+        let n = len_u32(tokens.len(), "match_prefix: tokens")?;
+        check(
+            unsafe { ffi::pkv_seq_match_prefix(self.p(), s.0, tokens.as_ptr(), n, &mut r) },
+            "pkv_seq_match_prefix",
+        )?;
+        Ok(r)
+    }
+
+    /// Pins the committed full blocks of positions [0, n_pos) of s; returns the pin.
+    pub fn pin(&mut self, s: Seq, n_pos: u32) -> Result<Seq> {
+        let mut p = 0u64;
+        check(
+            unsafe { ffi::pkv_pin_create(self.p(), s.0, n_pos, &mut p) },
+            "pkv_pin_create",
+        )?;
+        Ok(Seq(p))
+    }
+
+    pub fn pin_release(&mut self, pin: Seq) -> Result<()> {
+        check(unsafe { ffi::pkv_pin_release(self.p(), pin.0) }, "pkv_pin_release")
+    }
+
+    // ---- statistics and checker ----
+
+    pub fn stats(&self) -> Result<Stats> {
+        let mut st = Stats::default();
+        check(
+            unsafe { ffi::pkv_cache_get_stats(self.p(), &mut st) },
+            "pkv_cache_get_stats",
+        )?;
+        Ok(st)
+    }
+
+    /// Verifies every invariant; the error (ECORRUPT) names the first one broken.
+    pub fn check(&self) -> Result<()> {
+        let mut msg = [0 as c_char; 512];
+        let rc = unsafe { ffi::pkv_cache_check(self.p(), msg.as_mut_ptr(), msg.len()) };
+        if rc == OK {
+            return Ok(());
+        }
+        let text = unsafe { CStr::from_ptr(msg.as_ptr()) }.to_string_lossy().into_owned();
+        Err(Error::new(rc, format!("pkv_cache_check: {}", text)))
+    }
+
+    // ---- attention ----
+
+    fn attn_raw(
+        &self,
+        p: &AttnParams,
+        rows: usize,
+        lse: Option<&mut [f32]>,
+        what: &str,
+    ) -> Result<(ffi::pkv_attn_params, usize)> {
+        let hq = if p.n_q_heads == 0 {
+            self.cfg.n_kv_heads
+        } else {
+            p.n_q_heads
+        } as usize;
+        let mut raw = unsafe { ffi::pkv_attn_params_default() };
+        raw.n_q_heads = p.n_q_heads;
+        raw.scale = p.scale;
+        raw.softcap = p.softcap;
+        raw.window = p.window;
+        if let Some(l) = lse {
+            want_len(l.len(), rows * hq, &format!("{}: lse", what))?;
+            raw.lse = l.as_mut_ptr();
+        }
+        Ok((raw, rows * hq * self.cfg.head_dim as usize))
+    }
+
+    /// Decode (pkv_attn_decode): one query per sequence at its last position. q and out:
+    /// [seqs.len()][n_q_heads][head_dim]; lse, if given, [seqs.len()][n_q_heads].
+    pub fn decode(
+        &self,
+        layer: u32,
+        seqs: &[Seq],
+        q: &[f32],
+        out: &mut [f32],
+        p: &AttnParams,
+        lse: Option<&mut [f32]>,
+    ) -> Result<()> {
+        let (raw, n) = self.attn_raw(p, seqs.len(), lse, "decode")?;
+        want_len(q.len(), n, "decode: q")?;
+        want_len(out.len(), n, "decode: out")?;
+        let ns = len_u32(seqs.len(), "decode: seqs")?;
+        let rc = unsafe {
+            ffi::pkv_attn_decode(
+                self.p(),
+                layer,
+                Self::seq_ptr(seqs),
+                ns,
+                q.as_ptr(),
+                out.as_mut_ptr(),
+                &raw,
+            )
+        };
+        check(rc, "pkv_attn_decode")
+    }
+
+    /// Prefill / extend over a ragged batch (pkv_attn_prefill), causal. q and out: the requests'
+    /// queries concatenated, [sum n_q][n_q_heads][head_dim]; lse, if given, [sum n_q][n_q_heads].
+    pub fn prefill(
+        &self,
+        layer: u32,
+        reqs: &[AttnReq],
+        q: &[f32],
+        out: &mut [f32],
+        p: &AttnParams,
+        lse: Option<&mut [f32]>,
+    ) -> Result<()> {
+        let total: usize = reqs.iter().map(|r| r.n_q as usize).sum();
+        let (raw, n) = self.attn_raw(p, total, lse, "prefill")?;
+        want_len(q.len(), n, "prefill: q")?;
+        want_len(out.len(), n, "prefill: out")?;
+        let nr = len_u32(reqs.len(), "prefill: reqs")?;
+        // AttnReq is laid out as pkv_attn_req (tests/api.rs checks the offsets)
+        let rp = reqs.as_ptr() as *const ffi::pkv_attn_req;
+        let rc = unsafe { ffi::pkv_attn_prefill(self.p(), layer, rp, nr, q.as_ptr(), out.as_mut_ptr(), &raw) };
+        check(rc, "pkv_attn_prefill")
+    }
+}

@@ -1,0 +1,641 @@
+//! The Rust bindings against libpkv and a float64 reference computed here: the struct layouts
+//! against the C compiler's (PKV_ABI_LAYOUT: tests/python/abi_layout.c built), decode and ragged
+//! prefill against contiguous attention, soft-cap, window and the LSE merge, prefix reuse, fork
+//! and copy-on-write, the exports, statuses as errors, the binding's own length checks, and
+//! decodes from several threads at once. Run by ctest (test_rust) with PKV_LIB_DIR set.
+
+use pagedkv::*;
+use std::collections::HashMap;
+use std::mem::MaybeUninit;
+use std::ptr::addr_of;
+
+/// A small deterministic generator (xorshift64*), normal-ish values in [-2, 2).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let x = self.0.wrapping_mul(0x2545F4914F6CDD1D) >> 40;
+        (x as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
+
+/// One query's attention over K, V [T][H][D] seeing positions [T - window, T) (window 0: all).
+/// q [Hq][D]; query head h reads kv head h / (Hq / H). Returns out [Hq][D] and lse [Hq].
+#[allow(clippy::too_many_arguments)]
+fn reference(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    hq: usize,
+    h: usize,
+    d: usize,
+    scale: f64,
+    cap: f64,
+    window: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let t = k.len() / (h * d);
+    let lo = if window > 0 && t > window { t - window } else { 0 };
+    let mut out = vec![0f64; hq * d];
+    let mut lse = vec![0f64; hq];
+    for qh in 0..hq {
+        let kh = qh / (hq / h);
+        let mut s: Vec<f64> = (lo..t)
+            .map(|p| {
+                (0..d)
+                    .map(|i| q[qh * d + i] as f64 * k[(p * h + kh) * d + i] as f64)
+                    .sum::<f64>()
+                    * scale
+            })
+            .collect();
+        if cap > 0.0 {
+            s.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
+        }
+        let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+        let sum: f64 = w.iter().sum();
+        for (j, p) in (lo..t).enumerate() {
+            for i in 0..d {
+                out[qh * d + i] += w[j] * v[(p * h + kh) * d + i] as f64 / sum;
+            }
+        }
+        lse[qh] = m + sum.ln();
+    }
+    (out, lse)
+}
+
+fn assert_close(got: &[f32], want: &[f64], rel: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{}: lengths", what);
+    let scale = want.iter().fold(1f64, |a, x| a.max(x.abs()));
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0f64, |a, (g, w)| a.max((*g as f64 - w).abs()));
+    assert!(
+        err <= rel * scale,
+        "{}: max abs error {:e} over {:e}",
+        what,
+        err,
+        rel * scale
+    );
+}
+
+fn cfg(h: u32, d: u32, n_blocks: u32, dt: Dtype) -> Config {
+    Config {
+        n_kv_heads: h,
+        head_dim: d,
+        n_blocks,
+        k_dtype: dt,
+        v_dtype: dt,
+        n_threads: 2,
+        ..Config::default()
+    }
+}
+
+/// Appends n tokens to s, writes random f32 K/V for layer 0, commits.
+fn fill(c: &mut Cache, s: Seq, n: usize, rng: &mut Rng) {
+    let toks: Vec<i32> = (0..n).map(|i| ((i * 7 + 100) % 500) as i32).collect();
+    let slots = c.append(s, &toks).unwrap();
+    let len = n * (c.config().n_kv_heads * c.config().head_dim) as usize;
+    let (k, v) = (rng.vec(len), rng.vec(len));
+    c.write_kv(0, &slots, Some(KvData::F32(&k)), Some(KvData::F32(&v)))
+        .unwrap();
+    let t = c.seq_info(s).unwrap().n_tokens;
+    c.commit(s, t).unwrap();
+}
+
+/// Checks sizeof($t) and each field's offset against the C values in $c (name -> value), and
+/// that C has no field of $name the list leaves out.
+macro_rules! offsets {
+    ($c:expr, $name:expr, $t:ty, [$($f:ident),*]) => {{
+        let c: &HashMap<String, usize> = $c;
+        let get = |k: &str| *c.get(k).unwrap_or_else(|| panic!("{} not printed by abi_layout", k));
+        let u = MaybeUninit::<$t>::uninit();
+        let base = u.as_ptr() as usize;
+        assert_eq!(std::mem::size_of::<$t>(), get($name), "sizeof({})", $name);
+        let mut n = 0;
+        $(
+            let at = unsafe { addr_of!((*u.as_ptr()).$f) } as usize - base;
+            assert_eq!(at, get(concat!($name, ".", stringify!($f))), "{}.{}", $name, stringify!($f));
+            n += 1;
+        )*
+        let in_c = c.keys().filter(|k| k.starts_with(concat!($name, "."))).count();
+        assert_eq!(n, in_c, "{}: fields in Rust against fields in C", $name);
+    }};
+}
+
+#[test]
+fn struct_layouts_match_c() {
+    let exe = std::env::var("PKV_ABI_LAYOUT").expect("PKV_ABI_LAYOUT (the abi_layout program) is not set");
+    let text = String::from_utf8(std::process::Command::new(exe).output().unwrap().stdout).unwrap();
+    let m: HashMap<String, usize> = text
+        .lines()
+        .map(|l| {
+            let (k, v) = l.rsplit_once(' ').unwrap();
+            (k.to_string(), v.parse().unwrap())
+        })
+        .collect();
+    let m = &m;
+    offsets!(
+        m,
+        "pkv_config",
+        ffi::pkv_config,
+        [
+            n_layers,
+            n_kv_heads,
+            head_dim,
+            block_tokens,
+            n_blocks,
+            mem_budget_bytes,
+            k_dtype,
+            v_dtype,
+            max_seqs,
+            max_blocks_per_seq,
+            n_threads,
+            enable_prefix_cache,
+            huge_pages,
+            allocator,
+            log,
+            log_ctx,
+            executor
+        ]
+    );
+    offsets!(m, "pkv_allocator", ffi::pkv_allocator, [alloc, free, ctx]);
+    offsets!(m, "pkv_executor", ffi::pkv_executor, [parallel_for, ctx, n_workers]);
+    offsets!(
+        m,
+        "pkv_layout",
+        ffi::pkv_layout,
+        [
+            k_base,
+            v_base,
+            layer_stride_bytes,
+            k_row_bytes,
+            v_row_bytes,
+            k_block_bytes,
+            v_block_bytes,
+            n_blocks,
+            block_tokens,
+            n_kv_heads,
+            head_dim,
+            n_layers,
+            k_dtype,
+            v_dtype
+        ]
+    );
+    offsets!(
+        m,
+        "pkv_seq_info",
+        ffi::pkv_seq_info,
+        [n_tokens, n_committed, n_blocks, n_shared, n_reused]
+    );
+    offsets!(
+        m,
+        "pkv_stats",
+        ffi::pkv_stats,
+        [
+            n_blocks,
+            n_free,
+            n_cached,
+            n_active,
+            n_seqs,
+            n_pins,
+            n_tokens,
+            n_slots_used,
+            kv_bytes,
+            kv_bytes_per_block,
+            meta_bytes,
+            frag_slots,
+            cow_copies,
+            peak_active,
+            prefix_lookups,
+            prefix_tokens_queried,
+            prefix_tokens_hit,
+            prefix_miss_new,
+            prefix_miss_evicted,
+            prefix_miss_namespace,
+            n_indexed,
+            evictions,
+            attn_reqs_pool,
+            attn_reqs_table
+        ]
+    );
+    offsets!(
+        m,
+        "pkv_attn_params",
+        ffi::pkv_attn_params,
+        [n_q_heads, scale, softcap, window, lse]
+    );
+    offsets!(m, "pkv_attn_req", ffi::pkv_attn_req, [seq, q_start, n_q]);
+    offsets!(m, "pkv_attn_req", AttnReq, [seq, q_start, n_q]); // the safe type handed over as one
+}
+
+#[test]
+fn library_basics() {
+    let hdr = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../include/pkv.h")).unwrap();
+    let line = hdr
+        .lines()
+        .find(|l| l.starts_with("#define PKV_VERSION_STRING"))
+        .unwrap();
+    assert_eq!(format!("\"{}\"", version()), line.split_whitespace().nth(2).unwrap());
+    let d = Config::default();
+    assert_eq!(
+        (d.n_layers, d.n_kv_heads, d.head_dim, d.block_tokens, d.n_blocks),
+        (1, 8, 128, 16, 1024)
+    );
+    assert_eq!(
+        (d.k_dtype, d.v_dtype, d.max_seqs, d.prefix_cache),
+        (Dtype::F16, Dtype::F16, 256, true)
+    );
+    assert_eq!(Dtype::from_name("fp8").unwrap(), Dtype::Fp8E4m3);
+    assert_eq!(Dtype::Q8_0.name(), "q8_0");
+    assert_eq!(Dtype::from_name("f64").unwrap_err().code(), EINVAL);
+    assert_eq!(Dtype::from_name("f16\0").unwrap_err().code(), EINVAL);
+    assert_eq!(Dtype::Q8_0.row_bytes(128), 4 * 34);
+    let want = Config {
+        n_layers: 3,
+        n_kv_heads: 2,
+        head_dim: 64,
+        block_tokens: 8,
+        n_blocks: 40,
+        k_dtype: Dtype::Bf16,
+        v_dtype: Dtype::Q8_0,
+        max_seqs: 7,
+        max_blocks_per_seq: 9,
+        n_threads: 2,
+        prefix_cache: false,
+        huge_pages: false,
+        mem_budget_bytes: 0,
+    };
+    let c = Cache::new(&want).unwrap();
+    assert_eq!(c.config(), &want);
+    let lo = c.layout().unwrap();
+    assert_eq!(
+        (lo.n_blocks, lo.n_kv_heads, lo.k_row_bytes, lo.v_row_bytes),
+        (40, 2, 128, 68)
+    );
+    assert!(!c.backend().is_empty());
+    let e = Cache::new(&Config {
+        head_dim: 0,
+        ..Config::default()
+    })
+    .err()
+    .unwrap();
+    assert_eq!((e.code(), e.name()), (EINVAL, "EINVAL"));
+    assert!(e.to_string().starts_with("pkv_cache_create: "), "{}", e);
+}
+
+#[test]
+fn decode_and_prefill_match_reference() {
+    let mut rng = Rng(0x9e3779b97f4a7c15);
+    for dt in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
+        let (h, d, hq) = (2usize, 64usize, 8usize);
+        let mut c = Cache::new(&cfg(h as u32, d as u32, 64, dt)).unwrap();
+        let lens = [1usize, 15, 16, 17, 100, 257];
+        let seqs: Vec<Seq> = lens.iter().map(|_| c.seq_create(b"").unwrap()).collect();
+        for start in (0..257).step_by(16) {
+            for (s, &n) in seqs.iter().zip(&lens) {
+                if start < n {
+                    fill(&mut c, *s, (n - start).min(16), &mut rng);
+                }
+            }
+        }
+        let q = rng.vec(seqs.len() * hq * d);
+        let mut out = vec![0f32; q.len()];
+        let mut lse = vec![0f32; seqs.len() * hq];
+        let p = AttnParams {
+            n_q_heads: hq as u32,
+            ..AttnParams::default()
+        };
+        c.decode(0, &seqs, &q, &mut out, &p, Some(&mut lse)).unwrap();
+        for (i, (&s, &n)) in seqs.iter().zip(&lens).enumerate() {
+            let (k, v) = c.gather(s, 0, 0, n as u32).unwrap();
+            let (w, wl) = reference(
+                &q[i * hq * d..][..hq * d],
+                &k,
+                &v,
+                hq,
+                h,
+                d,
+                1.0 / (d as f64).sqrt(),
+                0.0,
+                0,
+            );
+            assert_close(
+                &out[i * hq * d..][..hq * d],
+                &w,
+                1e-5,
+                &format!("{:?} decode, {} tokens", dt, n),
+            );
+            assert_close(&lse[i * hq..][..hq], &wl, 1e-5, "decode lse");
+        }
+        let reqs = [
+            AttnReq {
+                seq: seqs[5],
+                q_start: 237,
+                n_q: 20,
+            },
+            AttnReq {
+                seq: seqs[4],
+                q_start: 97,
+                n_q: 3,
+            },
+            AttnReq {
+                seq: seqs[2],
+                q_start: 15,
+                n_q: 1,
+            },
+        ];
+        let qp = rng.vec(24 * hq * d);
+        let mut op = vec![0f32; qp.len()];
+        c.prefill(0, &reqs, &qp, &mut op, &p, None).unwrap();
+        let mut row = 0;
+        for r in &reqs {
+            for j in 0..r.n_q {
+                let pos = r.q_start + j;
+                let (k, v) = c.gather(r.seq, 0, 0, pos + 1).unwrap();
+                let (w, _) = reference(
+                    &qp[row * hq * d..][..hq * d],
+                    &k,
+                    &v,
+                    hq,
+                    h,
+                    d,
+                    1.0 / (d as f64).sqrt(),
+                    0.0,
+                    0,
+                );
+                assert_close(
+                    &op[row * hq * d..][..hq * d],
+                    &w,
+                    1e-5,
+                    &format!("{:?} prefill, position {}", dt, pos),
+                );
+                row += 1;
+            }
+        }
+    }
+}
+
+#[test]
+fn softcap_window_merge() {
+    let mut rng = Rng(7);
+    let (h, d, hq) = (2usize, 64usize, 4usize);
+    let mut c = Cache::new(&cfg(h as u32, d as u32, 32, Dtype::F32)).unwrap();
+    let s = c.seq_create(b"").unwrap();
+    fill(&mut c, s, 40, &mut rng);
+    let (k, v) = c.gather(s, 0, 0, 40).unwrap();
+    let q: Vec<f32> = rng.vec(hq * d).iter().map(|x| 3.0 * x).collect();
+    for (cap, win) in [(5.0f32, 0u32), (0.0, 7), (5.0, 7)] {
+        let p = AttnParams {
+            n_q_heads: hq as u32,
+            scale: 0.2,
+            softcap: cap,
+            window: win,
+        };
+        let (mut out, mut lse) = (vec![0f32; hq * d], vec![0f32; hq]);
+        c.decode(0, &[s], &q, &mut out, &p, Some(&mut lse)).unwrap();
+        let (w, wl) = reference(&q, &k, &v, hq, h, d, 0.2, cap as f64, win as usize);
+        assert_close(&out, &w, 1e-5, &format!("softcap {} window {}", cap, win));
+        assert_close(&lse, &wl, 1e-5, "lse");
+    }
+    // keys [0, 20) through a truncated fork, [20, 40) through a window of 20: merged, the whole
+    let f = c.fork(s).unwrap();
+    c.truncate(f, 20).unwrap();
+    let p = AttnParams {
+        n_q_heads: hq as u32,
+        ..AttnParams::default()
+    };
+    let (mut oa, mut la, mut ob, mut lb, mut ow, mut lw) = (
+        vec![0f32; hq * d],
+        vec![0f32; hq],
+        vec![0f32; hq * d],
+        vec![0f32; hq],
+        vec![0f32; hq * d],
+        vec![0f32; hq],
+    );
+    c.decode(0, &[f], &q, &mut oa, &p, Some(&mut la)).unwrap();
+    c.decode(0, &[s], &q, &mut ob, &AttnParams { window: 20, ..p }, Some(&mut lb))
+        .unwrap();
+    c.decode(0, &[s], &q, &mut ow, &p, Some(&mut lw)).unwrap();
+    let (mut om, mut lm) = (vec![0f32; hq * d], vec![0f32; hq]);
+    merge(d as u32, &oa, &la, &ob, &lb, &mut om, Some(&mut lm)).unwrap();
+    assert_close(
+        &om,
+        &ow.iter().map(|x| *x as f64).collect::<Vec<_>>(),
+        1e-5,
+        "merged halves",
+    );
+    assert_close(
+        &lm,
+        &lw.iter().map(|x| *x as f64).collect::<Vec<_>>(),
+        1e-5,
+        "merged lse",
+    );
+    let (w, _) = reference(&q, &k[..20 * h * d], &v[..20 * h * d], hq, h, d, 1.0 / 8.0, 0.0, 0);
+    assert_close(&oa, &w, 1e-5, "the fork truncated to 20");
+}
+
+#[test]
+fn prefix_fork_cow_exports() {
+    let mut rng = Rng(11);
+    let mut c = Cache::new(&Config {
+        n_threads: 1,
+        ..cfg(2, 32, 32, Dtype::F32)
+    })
+    .unwrap();
+    let a = c.seq_create(b"tenant-1").unwrap();
+    fill(&mut c, a, 40, &mut rng);
+    let toks: Vec<i32> = (0..40i32).map(|i| (i * 7 + 100) % 500).collect();
+    let b = c.seq_create(b"tenant-1").unwrap();
+    let reused = c.match_prefix(b, &toks).unwrap();
+    assert!((32..40).contains(&reused), "reused {}", reused);
+    assert_eq!(c.gather(a, 0, 0, reused).unwrap(), c.gather(b, 0, 0, reused).unwrap());
+    let other = c.seq_create(b"tenant-2").unwrap();
+    assert_eq!(c.match_prefix(other, &toks).unwrap(), 0);
+    c.release(other).unwrap();
+    // (the miss reasons are best effort, from direct-mapped fingerprint tables: these tokens'
+    // two blocks do not share a slot there; tokens i * 7 would, and the namespace miss then
+    // counts as never seen)
+    let st = c.stats().unwrap();
+    assert_eq!(
+        (
+            st.prefix_lookups,
+            st.prefix_tokens_hit,
+            st.prefix_miss_namespace,
+            st.n_indexed
+        ),
+        (2, reused as u64, 1, 2)
+    );
+
+    let child = c.fork(a).unwrap();
+    assert_eq!(c.seq_info(child).unwrap().n_shared, 3);
+    let slots = c.append(child, &[7]).unwrap(); // the shared tail block is copied first
+    assert_eq!(c.stats().unwrap().cow_copies, st.cow_copies + 1);
+    let k = rng.vec(2 * 32);
+    c.write_kv(0, &slots, Some(KvData::F32(&k)), Some(KvData::F32(&k)))
+        .unwrap();
+    let (ta, tc) = (c.block_table(a).unwrap(), c.block_table(child).unwrap());
+    assert_eq!(ta[..2], tc[..2]);
+    assert_ne!(ta[2], tc[2]);
+    let (kc, vc) = c.gather(child, 0, 0, 41).unwrap();
+    assert_eq!(&kc[40 * 64..], &k[..]);
+    assert_eq!(&kc[..40 * 64], &c.gather(a, 0, 0, 40).unwrap().0[..]);
+    let q = rng.vec(4 * 32);
+    let mut out = vec![0f32; 4 * 32];
+    c.decode(
+        0,
+        &[child],
+        &q,
+        &mut out,
+        &AttnParams {
+            n_q_heads: 4,
+            ..AttnParams::default()
+        },
+        None,
+    )
+    .unwrap();
+    let (w, _) = reference(&q, &kc, &vc, 4, 2, 32, 1.0 / (32f64).sqrt(), 0.0, 0);
+    assert_close(&out, &w, 1e-5, "decode of the fork after CoW");
+
+    let seqs = [a, b, child];
+    let (tables, lens) = c.export_dense(&seqs, 8).unwrap();
+    let (indptr, indices, last) = c.export_csr(&seqs).unwrap();
+    for (i, &s) in seqs.iter().enumerate() {
+        let t = c.block_table(s).unwrap();
+        let n = c.seq_info(s).unwrap().n_tokens as i32;
+        assert_eq!(lens[i], n);
+        assert_eq!(&tables[i * 8..][..t.len()], &t[..]);
+        assert!(tables[i * 8 + t.len()..(i + 1) * 8].iter().all(|&x| x == -1));
+        assert_eq!(&indices[indptr[i] as usize..indptr[i + 1] as usize], &t[..]);
+        assert_eq!(last[i], n - (t.len() as i32 - 1) * 16);
+        let sl = c.slots(s, 0, n as u32).unwrap();
+        for p in 0..n as usize {
+            assert_eq!(sl[p], t[p / 16] * 16 + (p % 16) as i32);
+        }
+    }
+    let pin = c.pin(a, 32).unwrap();
+    for s in seqs {
+        c.release(s).unwrap();
+    }
+    let st = c.stats().unwrap();
+    assert_eq!((st.n_seqs, st.n_pins, st.n_active), (0, 1, 2));
+    c.check().unwrap();
+    c.pin_release(pin).unwrap();
+    c.reset().unwrap();
+    assert_eq!(c.stats().unwrap().n_free, 32);
+    c.check().unwrap();
+}
+
+#[test]
+fn statuses_and_length_checks() {
+    let mut c = Cache::new(&Config {
+        n_threads: 1,
+        max_seqs: 2,
+        max_blocks_per_seq: 8,
+        ..cfg(1, 32, 4, Dtype::F16)
+    })
+    .unwrap();
+    let s = c.seq_create(b"").unwrap();
+    c.append(s, &[1, 2, 3]).unwrap();
+    c.release(s).unwrap();
+    assert_eq!(c.seq_info(s).unwrap_err().code(), ENOENT);
+    assert_eq!(c.append(s, &[1]).unwrap_err().code(), ENOENT);
+    let (x, y) = (c.seq_create(b"").unwrap(), c.seq_create(b"").unwrap());
+    assert_eq!(c.seq_create(b"").unwrap_err().code(), ELIMIT);
+    assert_eq!(c.append(x, &[0; 80]).unwrap_err().code(), ENOSPC);
+    assert_eq!(c.seq_info(x).unwrap().n_tokens, 0);
+    let slots = c.append(y, &[1, 2, 3, 4]).unwrap();
+    let ones = vec![1f32; 4 * 32];
+    c.write_kv(0, &slots, Some(KvData::F32(&ones)), Some(KvData::F32(&ones)))
+        .unwrap();
+    let p = AttnParams::default();
+    let mut q = vec![1f32; 32];
+    let mut out = vec![0f32; 32];
+    q[5] = f32::NAN;
+    assert_eq!(c.decode(0, &[y], &q, &mut out, &p, None).unwrap_err().code(), EINVAL); // the library's check
+    q[5] = 1.0;
+    assert_eq!(c.decode(1, &[y], &q, &mut out, &p, None).unwrap_err().code(), EINVAL); // layer out of range
+    let mut bad = ones.clone();
+    bad[40] = f32::INFINITY;
+    assert_eq!(
+        c.write_kv(0, &slots, Some(KvData::F32(&bad)), None).unwrap_err().code(),
+        EINVAL
+    );
+    assert!(c.gather(y, 0, 0, 4).unwrap().0.iter().all(|&x| x == 1.0)); // nothing written
+                                                                        // refused by the binding before libpkv sees the slices
+    let short = vec![1f32; 31];
+    let mut lse = vec![0f32; 2];
+    let h16 = vec![0u16; 4 * 32];
+    let refused: Vec<Result<()>> = vec![
+        c.decode(0, &[y], &short, &mut out, &p, None),
+        c.decode(0, &[y], &q, &mut out[..31], &p, None),
+        c.decode(0, &[y, y], &q, &mut out, &p, None),
+        c.decode(0, &[y], &q, &mut out, &p, Some(&mut lse)),
+        c.prefill(
+            0,
+            &[AttnReq {
+                seq: y,
+                q_start: 0,
+                n_q: 2,
+            }],
+            &q,
+            &mut out,
+            &p,
+            None,
+        ),
+        merge(32, &q, &[0.0], &short, &[0.0], &mut out, None),
+        merge(0, &q, &[0.0], &q, &[0.0], &mut out, None),
+    ];
+    for (i, r) in refused.into_iter().enumerate() {
+        assert_eq!(r.unwrap_err().code(), EINVAL, "case {}", i);
+    }
+    let refused_mut = [
+        c.write_kv(0, &slots, Some(KvData::F32(&short)), None),
+        c.write_kv(0, &slots, Some(KvData::F32(&ones)), Some(KvData::F16(&h16))),
+        c.write_kv(0, &slots, None, None),
+        c.write_kv(0, &slots[..3], Some(KvData::Bf16(&h16)), None),
+    ];
+    for (i, r) in refused_mut.iter().enumerate() {
+        assert_eq!(r.as_ref().unwrap_err().code(), EINVAL, "write case {}", i);
+    }
+    c.check().unwrap();
+}
+
+#[test]
+fn decodes_from_several_threads() {
+    let mut rng = Rng(99);
+    let mut c = Cache::new(&cfg(2, 32, 256, Dtype::F32)).unwrap();
+    let seqs: Vec<Seq> = (0..8).map(|_| c.seq_create(b"").unwrap()).collect();
+    for (i, &s) in seqs.iter().enumerate() {
+        fill(&mut c, s, 10 + 37 * i, &mut rng);
+    }
+    let p = AttnParams {
+        n_q_heads: 4,
+        ..AttnParams::default()
+    };
+    let qs: Vec<Vec<f32>> = (0..4).map(|_| rng.vec(8 * 4 * 32)).collect();
+    let c = &c; // shared: decode takes &self
+    let seqs = &seqs;
+    std::thread::scope(|sc| {
+        for q in &qs {
+            sc.spawn(move || {
+                for _ in 0..20 {
+                    let mut out = vec![0f32; q.len()];
+                    c.decode(0, seqs, q, &mut out, &p, None).unwrap();
+                    for (i, &s) in seqs.iter().enumerate() {
+                        let n = c.seq_info(s).unwrap().n_tokens;
+                        let (k, v) = c.gather(s, 0, 0, n).unwrap();
+                        let (w, _) = reference(&q[i * 128..][..128], &k, &v, 4, 2, 32, 1.0 / (32f64).sqrt(), 0.0, 0);
+                        assert_close(&out[i * 128..][..128], &w, 1e-5, "a thread's decode");
+                    }
+                }
+            });
+        }
+    });
+    c.check().unwrap();
+}
