@@ -690,6 +690,44 @@ static void test_prefix_miss_reasons(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* A full index: 1024 single-block prompts cached under tenant-a, then each looked up under
+ * tenant-b. Every miss is a namespace miss; the reasons are best effort (fingerprint tables of
+ * 2 x n_blocks slots): with one slot a fingerprint, 811 of these 1024 counted as such and the
+ * rest as never seen; with two slots a fingerprint (stop 51), 986. */
+static void test_prefix_miss_reasons_full_index(void **state) {
+    (void)state;
+    enum { N = 1024 };
+    pkv_cache *c = tp_cache(4, N, 1, PKV_DTYPE_F16, 1);
+    int32_t p[5];
+    for (uint32_t i = 0; i < N; i++) {
+        tp_tokens(p, 4, 1000 + i);
+        pkv_seq s = tp_seq(c, 1);
+        tp_compute(c, s, 1, p, 0, 4);
+        tp_commit(c, s, 4);
+        assert_int_equal(pkv_seq_release(c, s), 0);
+    }
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_int_equal(st.n_indexed, N);
+    assert_int_equal(st.n_cached, N);
+    for (uint32_t i = 0; i < N; i++) {
+        tp_tokens(p, 4, 1000 + i);
+        p[4] = 7;
+        pkv_seq s = tp_seq(c, 2);
+        uint32_t reused = 1;
+        assert_int_equal(pkv_seq_match_prefix(c, s, p, 5, &reused), 0);
+        assert_int_equal(reused, 0);
+        assert_int_equal(pkv_seq_release(c, s), 0);
+    }
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_int_equal(st.prefix_miss_new + st.prefix_miss_namespace, N);
+    assert_int_equal(st.prefix_miss_evicted, 0);
+    if (st.prefix_miss_namespace < N * 93 / 100)
+        fail_msg("%llu of %d namespace misses counted as such", (unsigned long long)st.prefix_miss_namespace, N);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prefix_same_prompt_full_blocks_only),
@@ -708,6 +746,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_match_nonempty_einval),
         cmocka_unit_test(test_prefix_disabled_no_reuse),
         cmocka_unit_test(test_prefix_miss_reasons),
+        cmocka_unit_test(test_prefix_miss_reasons_full_index),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
