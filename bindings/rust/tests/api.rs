@@ -84,6 +84,14 @@ fn assert_close(got: &[f32], want: &[f64], rel: f64, what: &str) {
     );
 }
 
+/// Asserts got (one query's [hq][d] output) against the reference over K, V with the default
+/// scale, no soft-cap and no window.
+#[allow(clippy::too_many_arguments)]
+fn expect_attn(got: &[f32], q: &[f32], k: &[f32], v: &[f32], hq: usize, h: usize, d: usize, what: &str) {
+    let (w, _) = reference(q, k, v, hq, h, d, 1.0 / (d as f64).sqrt(), 0.0, 0);
+    assert_close(got, &w, 1e-5, what);
+}
+
 fn cfg(h: u32, d: u32, n_blocks: u32, dt: Dtype) -> Config {
     Config {
         n_kv_heads: h,
@@ -358,22 +366,16 @@ fn decode_and_prefill_match_reference() {
             for j in 0..r.n_q {
                 let pos = r.q_start + j;
                 let (k, v) = c.gather(r.seq, 0, 0, pos + 1).unwrap();
-                let (w, _) = reference(
+                let what = format!("{:?} prefill, position {}", dt, pos);
+                expect_attn(
+                    &op[row * hq * d..][..hq * d],
                     &qp[row * hq * d..][..hq * d],
                     &k,
                     &v,
                     hq,
                     h,
                     d,
-                    1.0 / (d as f64).sqrt(),
-                    0.0,
-                    0,
-                );
-                assert_close(
-                    &op[row * hq * d..][..hq * d],
-                    &w,
-                    1e-5,
-                    &format!("{:?} prefill, position {}", dt, pos),
+                    &what,
                 );
                 row += 1;
             }
@@ -499,8 +501,7 @@ fn prefix_fork_cow_exports() {
         None,
     )
     .unwrap();
-    let (w, _) = reference(&q, &kc, &vc, 4, 2, 32, 1.0 / (32f64).sqrt(), 0.0, 0);
-    assert_close(&out, &w, 1e-5, "decode of the fork after CoW");
+    expect_attn(&out, &q, &kc, &vc, 4, 2, 32, "decode of the fork after CoW");
 
     let seqs = [a, b, child];
     let (tables, lens) = c.export_dense(&seqs, 8).unwrap();
@@ -630,8 +631,16 @@ fn decodes_from_several_threads() {
                     for (i, &s) in seqs.iter().enumerate() {
                         let n = c.seq_info(s).unwrap().n_tokens;
                         let (k, v) = c.gather(s, 0, 0, n).unwrap();
-                        let (w, _) = reference(&q[i * 128..][..128], &k, &v, 4, 2, 32, 1.0 / (32f64).sqrt(), 0.0, 0);
-                        assert_close(&out[i * 128..][..128], &w, 1e-5, "a thread's decode");
+                        expect_attn(
+                            &out[i * 128..][..128],
+                            &q[i * 128..][..128],
+                            &k,
+                            &v,
+                            4,
+                            2,
+                            32,
+                            "a thread's decode",
+                        );
                     }
                 }
             });
