@@ -460,9 +460,7 @@ fn prefix_fork_cow_exports() {
     let other = c.seq_create(b"tenant-2").unwrap();
     assert_eq!(c.match_prefix(other, &toks).unwrap(), 0);
     c.release(other).unwrap();
-    // (the miss reasons are best effort, from direct-mapped fingerprint tables: these tokens'
-    // two blocks do not share a slot there; tokens i * 7 would, and the namespace miss then
-    // counts as never seen)
+    // (the miss reasons are best effort, from fingerprint tables: design.md, Prefix caching)
     let st = c.stats().unwrap();
     assert_eq!(
         (
