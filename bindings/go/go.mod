@@ -1,0 +1,3 @@
+module pagedkv
+
+go 1.19

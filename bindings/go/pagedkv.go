@@ -1,0 +1,712 @@
+// Package pagedkv binds libpkv, a paged KV cache and paged attention for LLM inference, through
+// cgo.
+//
+// Every method is one libpkv call. A status other than PKV_OK is an *Error carrying it; every
+// slice's length is checked against the call before libpkv sees it (the C API cannot see
+// lengths), so a wrong shape is an EINVAL error, never a read or write past a slice.
+//
+// A Cache may be used from many goroutines: methods that change sequences or write K/V hold
+// its write lock, reads (attention, gather, block tables, stats, the checker) its read lock, so
+// no block table or K/V row changes under a running read (libpkv's threading rule, pkv.h).
+//
+// Build: cgo needs pkv.h (found through ../../include) and libpkv.so, e.g.
+//
+//	CGO_LDFLAGS="-L/path/to/build -Wl,-rpath,/path/to/build" go test
+package pagedkv
+
+/*
+#cgo CFLAGS: -I${SRCDIR}/../../include
+#cgo LDFLAGS: -lpkv
+#include <pkv.h>
+#include <stddef.h>
+#include <stdlib.h>
+
+static size_t pkvgo_attn_req_size(void) { return sizeof(pkv_attn_req); }
+static size_t pkvgo_attn_req_off(int f) {
+	return f == 0 ? offsetof(pkv_attn_req, seq) : f == 1 ? offsetof(pkv_attn_req, q_start) : offsetof(pkv_attn_req, n_q);
+}
+*/
+import "C"
+
+import (
+	"fmt"
+	"math"
+	"sync"
+	"unsafe"
+)
+
+// Status codes (pkv.h; values never change once released).
+const (
+	OK       = 0
+	EINVAL   = -1
+	ENOMEM   = -2
+	ENOSPC   = -3
+	ENOENT   = -4
+	ELIMIT   = -5
+	ECORRUPT = -6
+	EIO      = -7
+	ENOTSUP  = -8
+	EBUSY    = -9
+)
+
+var codeNames = map[int]string{EINVAL: "EINVAL", ENOMEM: "ENOMEM", ENOSPC: "ENOSPC", ENOENT: "ENOENT",
+	ELIMIT: "ELIMIT", ECORRUPT: "ECORRUPT", EIO: "EIO", ENOTSUP: "ENOTSUP", EBUSY: "EBUSY"}
+
+// Error is a libpkv status other than PKV_OK (or EINVAL from the binding's own checks).
+type Error struct {
+	Code int    // the status: EINVAL, ENOENT, ...
+	Op   string // what was being done
+}
+
+func (e *Error) Error() string {
+	return fmt.Sprintf("%s: %s (%s)", e.Op, Strerror(e.Code), codeNames[e.Code])
+}
+
+func check(rc C.int, op string) error {
+	if rc == 0 {
+		return nil
+	}
+	return &Error{Code: int(rc), Op: op}
+}
+
+func invalid(format string, a ...interface{}) error {
+	return &Error{Code: EINVAL, Op: fmt.Sprintf(format, a...)}
+}
+
+func wantLen(have, want int, what string) error {
+	if have != want {
+		return invalid("%s: %d elements, %d needed", what, have, want)
+	}
+	return nil
+}
+
+func u32(n int, what string) (C.uint32_t, error) {
+	if n < 0 || n > math.MaxUint32 {
+		return 0, invalid("%s: %d out of range", what, n)
+	}
+	return C.uint32_t(n), nil
+}
+
+// Strerror is libpkv's description of a status code.
+func Strerror(code int) string { return C.GoString(C.pkv_strerror(C.int(code))) }
+
+// Version is the version of the libpkv actually linked ("MAJOR.MINOR.PATCH").
+func Version() string { return C.GoString(C.pkv_version()) }
+
+// Dtype is a pool element format.
+type Dtype int
+
+const (
+	F32 Dtype = iota
+	F16
+	BF16
+	Q8_0
+	Q4_0
+	FP8E4M3
+)
+
+// Name is libpkv's name of the format ("f32", "f16", "bf16", "q8_0", "q4_0", "fp8_e4m3").
+func (d Dtype) Name() string { return C.GoString(C.pkv_dtype_name(C.pkv_dtype(d))) }
+
+// RowBytes is the bytes one token row of headDim elements takes in the pool (0: it cannot).
+func (d Dtype) RowBytes(headDim uint32) int {
+	return int(C.pkv_dtype_row_bytes(C.pkv_dtype(d), C.uint32_t(headDim)))
+}
+
+// DtypeFromName parses libpkv's names (and "fp8").
+func DtypeFromName(name string) (Dtype, error) {
+	cs := C.CString(name)
+	defer C.free(unsafe.Pointer(cs))
+	var d C.pkv_dtype
+	if err := check(C.pkv_dtype_from_name(cs, &d), "pkv_dtype_from_name"); err != nil {
+		return 0, err
+	}
+	return Dtype(d), nil
+}
+
+// Config is pkv_config without the hooks. DefaultConfig is pkv_config_default().
+type Config struct {
+	NLayers, NKVHeads, HeadDim, BlockTokens, NBlocks uint32
+	MemBudgetBytes                                   uint64
+	KDtype, VDtype                                   Dtype
+	MaxSeqs, MaxBlocksPerSeq, NThreads               uint32
+	PrefixCache, HugePages                           bool
+}
+
+func configFromC(c *C.pkv_config) Config {
+	return Config{uint32(c.n_layers), uint32(c.n_kv_heads), uint32(c.head_dim), uint32(c.block_tokens),
+		uint32(c.n_blocks), uint64(c.mem_budget_bytes), Dtype(c.k_dtype), Dtype(c.v_dtype), uint32(c.max_seqs),
+		uint32(c.max_blocks_per_seq), uint32(c.n_threads), c.enable_prefix_cache != 0, c.huge_pages != 0}
+}
+
+// DefaultConfig: 1 layer, 8 kv heads, head_dim 128, 16-token blocks, 1024 blocks, f16 K and V,
+// 256 sequences, prefix cache and huge pages on, every CPU.
+func DefaultConfig() Config {
+	c := C.pkv_config_default()
+	return configFromC(&c)
+}
+
+func b2i(b bool) C.int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// Seq is a sequence (or pin) handle: libpkv's generation-counted id.
+type Seq uint64
+
+// AttnReq is one prefill / extend request: queries for positions [QStart, QStart+NQ) of Seq.
+// Its layout is pkv_attn_req's (TestLayout checks it).
+type AttnReq struct {
+	Seq    Seq
+	QStart uint32
+	NQ     uint32
+}
+
+// AttnParams: NQHeads 0 means n_kv_heads, Scale 0 means 1/sqrt(head_dim), Softcap and Window
+// 0 mean off.
+type AttnParams struct {
+	NQHeads uint32
+	Scale   float32
+	Softcap float32
+	Window  uint32
+}
+
+// SeqInfo is pkv_seq_info.
+type SeqInfo struct {
+	NTokens, NCommitted, NBlocks, NShared, NReused uint32
+}
+
+// Stats is pkv_stats.
+type Stats struct {
+	NBlocks, NFree, NCached, NActive, NSeqs, NPins                                 uint32
+	NTokens, NSlotsUsed, KVBytes, KVBytesPerBlock, MetaBytes, FragSlots, CowCopies uint64
+	PeakActive                                                                     uint32
+	PrefixLookups, PrefixTokensQueried, PrefixTokensHit                            uint64
+	PrefixMissNew, PrefixMissEvicted, PrefixMissNamespace, NIndexed, Evictions     uint64
+	AttnReqsPool, AttnReqsTable                                                    uint64
+}
+
+// Cache is a paged KV cache (pkv_cache). Close frees it.
+type Cache struct {
+	mu  sync.RWMutex
+	c   *C.pkv_cache
+	cfg Config
+}
+
+// NewCache creates a cache: the whole pool and every buffer attention needs are allocated here.
+func NewCache(cfg Config) (*Cache, error) {
+	raw := C.pkv_config_default()
+	raw.n_layers, raw.n_kv_heads, raw.head_dim = C.uint32_t(cfg.NLayers), C.uint32_t(cfg.NKVHeads), C.uint32_t(cfg.HeadDim)
+	raw.block_tokens, raw.n_blocks = C.uint32_t(cfg.BlockTokens), C.uint32_t(cfg.NBlocks)
+	raw.mem_budget_bytes = C.uint64_t(cfg.MemBudgetBytes)
+	raw.k_dtype, raw.v_dtype = C.pkv_dtype(cfg.KDtype), C.pkv_dtype(cfg.VDtype)
+	raw.max_seqs, raw.max_blocks_per_seq = C.uint32_t(cfg.MaxSeqs), C.uint32_t(cfg.MaxBlocksPerSeq)
+	raw.n_threads = C.uint32_t(cfg.NThreads)
+	raw.enable_prefix_cache, raw.huge_pages = b2i(cfg.PrefixCache), b2i(cfg.HugePages)
+	var p *C.pkv_cache
+	if err := check(C.pkv_cache_create(&raw, &p), "pkv_cache_create"); err != nil {
+		return nil, err
+	}
+	var eff C.pkv_config
+	if err := check(C.pkv_cache_config(p, &eff), "pkv_cache_config"); err != nil {
+		C.pkv_cache_destroy(p)
+		return nil, err
+	}
+	return &Cache{c: p, cfg: configFromC(&eff)}, nil
+}
+
+// Close frees the cache; later calls return EINVAL. Closing twice is a no-op.
+func (c *Cache) Close() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.c != nil {
+		C.pkv_cache_destroy(c.c)
+		c.c = nil
+	}
+}
+
+func (c *Cache) rlock() (*C.pkv_cache, func(), error) {
+	c.mu.RLock()
+	if c.c == nil {
+		c.mu.RUnlock()
+		return nil, nil, invalid("the cache is closed")
+	}
+	return c.c, c.mu.RUnlock, nil
+}
+
+func (c *Cache) wlock() (*C.pkv_cache, func(), error) {
+	c.mu.Lock()
+	if c.c == nil {
+		c.mu.Unlock()
+		return nil, nil, invalid("the cache is closed")
+	}
+	return c.c, c.mu.Unlock, nil
+}
+
+// Config is the effective configuration (n_blocks, max_blocks_per_seq, n_threads resolved).
+func (c *Cache) Config() Config { return c.cfg }
+
+// Backend is the attention kernel family in use ("ref", "avx2", "avx512", "avx512-vnni", ...).
+func (c *Cache) Backend() string {
+	p, unlock, err := c.rlock()
+	if err != nil {
+		return ""
+	}
+	defer unlock()
+	return C.GoString(C.pkv_attn_backend(p))
+}
+
+func (c *Cache) kvElems(n int) int { return n * int(c.cfg.NKVHeads) * int(c.cfg.HeadDim) }
+
+func i32p(s []int32) *C.int32_t {
+	if len(s) == 0 {
+		return nil
+	}
+	return (*C.int32_t)(unsafe.Pointer(&s[0]))
+}
+
+func f32p(s []float32) *C.float {
+	if len(s) == 0 {
+		return nil
+	}
+	return (*C.float)(unsafe.Pointer(&s[0]))
+}
+
+func seqp(s []Seq) *C.pkv_seq {
+	if len(s) == 0 {
+		return nil
+	}
+	return (*C.pkv_seq)(unsafe.Pointer(&s[0]))
+}
+
+// Reset releases every sequence and pin and empties the prefix index.
+func (c *Cache) Reset() error {
+	p, unlock, err := c.wlock()
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return check(C.pkv_cache_reset(p), "pkv_cache_reset")
+}
+
+// SeqCreate makes an empty sequence; salt (at most 256 bytes) names its prefix-index namespace.
+func (c *Cache) SeqCreate(salt []byte) (Seq, error) {
+	p, unlock, err := c.wlock()
+	if err != nil {
+		return 0, err
+	}
+	defer unlock()
+	var s C.pkv_seq
+	var sp unsafe.Pointer
+	if len(salt) > 0 {
+		sp = C.CBytes(salt)
+		defer C.free(sp)
+	}
+	if err := check(C.pkv_seq_create(p, sp, C.size_t(len(salt)), &s), "pkv_seq_create"); err != nil {
+		return 0, err
+	}
+	return Seq(s), nil
+}
+
+// Append adds positions with these token ids; returns their slots.
+func (c *Cache) Append(s Seq, tokens []int32) ([]int32, error) {
+	n, err := u32(len(tokens), "Append: tokens")
+	if err != nil {
+		return nil, err
+	}
+	p, unlock, err := c.wlock()
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	slots := make([]int32, len(tokens))
+	if err := check(C.pkv_seq_append(p, C.pkv_seq(s), i32p(tokens), n, i32p(slots)), "pkv_seq_append"); err != nil {
+		return nil, err
+	}
+	return slots, nil
+}
+
+func (c *Cache) writeKV(layer uint32, slots []int32, k, v unsafe.Pointer, kn, vn int, dt Dtype, kOK, vOK bool) error {
+	want := c.kvElems(len(slots))
+	if !kOK && !vOK {
+		return invalid("WriteKV: neither k nor v given")
+	}
+	if kOK {
+		if err := wantLen(kn, want, "WriteKV: k"); err != nil {
+			return err
+		}
+	}
+	if vOK {
+		if err := wantLen(vn, want, "WriteKV: v"); err != nil {
+			return err
+		}
+	}
+	n, err := u32(len(slots), "WriteKV: slots")
+	if err != nil {
+		return err
+	}
+	p, unlock, err := c.wlock()
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return check(C.pkv_write_kv(p, C.uint32_t(layer), i32p(slots), n, k, v, C.pkv_dtype(dt)), "pkv_write_kv")
+}
+
+// WriteKV writes f32 K and/or V (nil: not written) of one layer at these slots (-1 skips a
+// row): each [len(slots)][n_kv_heads][head_dim]. All-or-nothing.
+func (c *Cache) WriteKV(layer uint32, slots []int32, k, v []float32) error {
+	return c.writeKV(layer, slots, unsafe.Pointer(f32p(k)), unsafe.Pointer(f32p(v)), len(k), len(v), F32,
+		k != nil, v != nil)
+}
+
+// WriteKV16 is WriteKV for f16 or bf16 bit patterns (dt F16 or BF16).
+func (c *Cache) WriteKV16(layer uint32, slots []int32, k, v []uint16, dt Dtype) error {
+	if dt != F16 && dt != BF16 {
+		return invalid("WriteKV16: dtype %s, not f16 or bf16", dt.Name())
+	}
+	var kp, vp unsafe.Pointer
+	if len(k) > 0 {
+		kp = unsafe.Pointer(&k[0])
+	}
+	if len(v) > 0 {
+		vp = unsafe.Pointer(&v[0])
+	}
+	return c.writeKV(layer, slots, kp, vp, len(k), len(v), dt, k != nil, v != nil)
+}
+
+func (c *Cache) seqOp(op string, f func(p *C.pkv_cache) C.int) error {
+	p, unlock, err := c.wlock()
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return check(f(p), op)
+}
+
+// Commit: positions [0, nPos) now hold K/V for every layer.
+func (c *Cache) Commit(s Seq, nPos uint32) error {
+	return c.seqOp("pkv_seq_commit", func(p *C.pkv_cache) C.int { return C.pkv_seq_commit(p, C.pkv_seq(s), C.uint32_t(nPos)) })
+}
+
+// Truncate keeps positions [0, n).
+func (c *Cache) Truncate(s Seq, n uint32) error {
+	return c.seqOp("pkv_seq_truncate", func(p *C.pkv_cache) C.int { return C.pkv_seq_truncate(p, C.pkv_seq(s), C.uint32_t(n)) })
+}
+
+// Release drops the sequence; its id becomes stale (ENOENT).
+func (c *Cache) Release(s Seq) error {
+	return c.seqOp("pkv_seq_release", func(p *C.pkv_cache) C.int { return C.pkv_seq_release(p, C.pkv_seq(s)) })
+}
+
+// PinRelease drops a pin.
+func (c *Cache) PinRelease(pin Seq) error {
+	return c.seqOp("pkv_pin_release", func(p *C.pkv_cache) C.int { return C.pkv_pin_release(p, C.pkv_seq(pin)) })
+}
+
+// Fork makes a sequence sharing every block of s (no data copied).
+func (c *Cache) Fork(s Seq) (Seq, error) {
+	var out C.pkv_seq
+	err := c.seqOp("pkv_seq_fork", func(p *C.pkv_cache) C.int { return C.pkv_seq_fork(p, C.pkv_seq(s), &out) })
+	return Seq(out), err
+}
+
+// Pin holds the committed full blocks of positions [0, nPos) of s; returns the pin.
+func (c *Cache) Pin(s Seq, nPos uint32) (Seq, error) {
+	var out C.pkv_seq
+	err := c.seqOp("pkv_pin_create", func(p *C.pkv_cache) C.int {
+		return C.pkv_pin_create(p, C.pkv_seq(s), C.uint32_t(nPos), &out)
+	})
+	return Seq(out), err
+}
+
+// MatchPrefix attaches the longest indexed prefix of tokens to the empty sequence s; returns
+// the tokens reused (never all of them).
+func (c *Cache) MatchPrefix(s Seq, tokens []int32) (uint32, error) {
+	n, err := u32(len(tokens), "MatchPrefix: tokens")
+	if err != nil {
+		return 0, err
+	}
+	var r C.uint32_t
+	err = c.seqOp("pkv_seq_match_prefix", func(p *C.pkv_cache) C.int {
+		return C.pkv_seq_match_prefix(p, C.pkv_seq(s), i32p(tokens), n, &r)
+	})
+	return uint32(r), err
+}
+
+// SeqInfo describes a sequence.
+func (c *Cache) SeqInfo(s Seq) (SeqInfo, error) {
+	p, unlock, err := c.rlock()
+	if err != nil {
+		return SeqInfo{}, err
+	}
+	defer unlock()
+	var i C.pkv_seq_info
+	if err := check(C.pkv_seq_get_info(p, C.pkv_seq(s), &i), "pkv_seq_get_info"); err != nil {
+		return SeqInfo{}, err
+	}
+	return SeqInfo{uint32(i.n_tokens), uint32(i.n_committed), uint32(i.n_blocks), uint32(i.n_shared), uint32(i.n_reused)}, nil
+}
+
+// Slots of positions [start, start+n): vLLM's slot_mapping.
+func (c *Cache) Slots(s Seq, start, n uint32) ([]int32, error) {
+	p, unlock, err := c.rlock()
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	out := make([]int32, n)
+	if err := check(C.pkv_seq_slots(p, C.pkv_seq(s), C.uint32_t(start), C.uint32_t(n), i32p(out)), "pkv_seq_slots"); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// BlockTable is the sequence's block ids.
+func (c *Cache) BlockTable(s Seq) ([]int32, error) {
+	p, unlock, err := c.rlock()
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	var i C.pkv_seq_info
+	if err := check(C.pkv_seq_get_info(p, C.pkv_seq(s), &i), "pkv_seq_get_info"); err != nil {
+		return nil, err
+	}
+	out := make([]int32, i.n_blocks)
+	var got C.uint32_t
+	if err := check(C.pkv_seq_block_table(p, C.pkv_seq(s), i32p(out), i.n_blocks, &got), "pkv_seq_block_table"); err != nil {
+		return nil, err
+	}
+	return out[:got], nil
+}
+
+// Gather returns K and V of positions [start, start+n) of one layer, f32
+// [n][n_kv_heads][head_dim] (dequantized).
+func (c *Cache) Gather(s Seq, layer, start, n uint32) ([]float32, []float32, error) {
+	p, unlock, err := c.rlock()
+	if err != nil {
+		return nil, nil, err
+	}
+	defer unlock()
+	k, v := make([]float32, c.kvElems(int(n))), make([]float32, c.kvElems(int(n)))
+	rc := C.pkv_seq_gather(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), C.uint32_t(n), f32p(k), f32p(v))
+	if err := check(rc, "pkv_seq_gather"); err != nil {
+		return nil, nil, err
+	}
+	return k, v, nil
+}
+
+// ExportDense is vLLM's dense block tables: [len(seqs)][maxBlocks] (unused -1), and seq_lens.
+func (c *Cache) ExportDense(seqs []Seq, maxBlocks uint32) ([]int32, []int32, error) {
+	n, err := u32(len(seqs), "ExportDense: seqs")
+	if err != nil {
+		return nil, nil, err
+	}
+	p, unlock, err := c.rlock()
+	if err != nil {
+		return nil, nil, err
+	}
+	defer unlock()
+	tables, lens := make([]int32, len(seqs)*int(maxBlocks)), make([]int32, len(seqs))
+	rc := C.pkv_export_dense(p, seqp(seqs), n, C.uint32_t(maxBlocks), i32p(tables), i32p(lens))
+	if err := check(rc, "pkv_export_dense"); err != nil {
+		return nil, nil, err
+	}
+	return tables, lens, nil
+}
+
+// ExportCSR is FlashInfer's paged layout: indptr [len(seqs)+1], indices, last_page_len.
+func (c *Cache) ExportCSR(seqs []Seq) ([]int32, []int32, []int32, error) {
+	n, err := u32(len(seqs), "ExportCSR: seqs")
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	p, unlock, err := c.rlock()
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	defer unlock() // the read lock keeps the tables as they are between the two calls
+	indptr, last := make([]int32, len(seqs)+1), make([]int32, len(seqs))
+	var need C.uint32_t
+	rc := C.pkv_export_csr(p, seqp(seqs), n, i32p(indptr), nil, 0, i32p(last), &need)
+	if rc != 0 && rc != EINVAL {
+		return nil, nil, nil, check(rc, "pkv_export_csr")
+	}
+	indices := make([]int32, need)
+	rc = C.pkv_export_csr(p, seqp(seqs), n, i32p(indptr), i32p(indices), need, i32p(last), &need)
+	if err := check(rc, "pkv_export_csr"); err != nil {
+		return nil, nil, nil, err
+	}
+	return indptr, indices, last, nil
+}
+
+// Stats is pkv_cache_get_stats.
+func (c *Cache) Stats() (Stats, error) {
+	p, unlock, err := c.rlock()
+	if err != nil {
+		return Stats{}, err
+	}
+	defer unlock()
+	var s C.pkv_stats
+	if err := check(C.pkv_cache_get_stats(p, &s), "pkv_cache_get_stats"); err != nil {
+		return Stats{}, err
+	}
+	return Stats{uint32(s.n_blocks), uint32(s.n_free), uint32(s.n_cached), uint32(s.n_active), uint32(s.n_seqs),
+		uint32(s.n_pins), uint64(s.n_tokens), uint64(s.n_slots_used), uint64(s.kv_bytes),
+		uint64(s.kv_bytes_per_block), uint64(s.meta_bytes), uint64(s.frag_slots), uint64(s.cow_copies),
+		uint32(s.peak_active), uint64(s.prefix_lookups), uint64(s.prefix_tokens_queried),
+		uint64(s.prefix_tokens_hit), uint64(s.prefix_miss_new), uint64(s.prefix_miss_evicted),
+		uint64(s.prefix_miss_namespace), uint64(s.n_indexed), uint64(s.evictions), uint64(s.attn_reqs_pool),
+		uint64(s.attn_reqs_table)}, nil
+}
+
+// Check verifies every invariant; the error (ECORRUPT) names the first one broken.
+func (c *Cache) Check() error {
+	p, unlock, err := c.rlock()
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	var msg [512]C.char
+	if rc := C.pkv_cache_check(p, &msg[0], C.size_t(len(msg))); rc != 0 {
+		return &Error{Code: int(rc), Op: "pkv_cache_check: " + C.GoString(&msg[0])}
+	}
+	return nil
+}
+
+// attnParams makes the call's pkv_attn_params and the element count of q and out. cgo forbids
+// a Go pointer inside memory passed to C, so a wanted lse is written to C memory; done(ok)
+// copies it into lse when ok (the libpkv call succeeded) and frees it.
+func (c *Cache) attnParams(ap AttnParams, rows int, lse []float32, what string) (C.pkv_attn_params, int, func(bool), error) {
+	hq := int(ap.NQHeads)
+	if hq == 0 {
+		hq = int(c.cfg.NKVHeads)
+	}
+	raw := C.pkv_attn_params_default()
+	raw.n_q_heads, raw.scale, raw.softcap, raw.window = C.uint32_t(ap.NQHeads), C.float(ap.Scale), C.float(ap.Softcap), C.uint32_t(ap.Window)
+	done := func(bool) {}
+	if lse != nil {
+		if err := wantLen(len(lse), rows*hq, what+": lse"); err != nil {
+			return raw, 0, done, err
+		}
+		if len(lse) > 0 {
+			buf := (*C.float)(C.malloc(C.size_t(len(lse)) * C.sizeof_float))
+			if buf == nil {
+				return raw, 0, done, &Error{Code: ENOMEM, Op: what + ": lse"}
+			}
+			raw.lse = buf
+			done = func(ok bool) {
+				if ok {
+					copy(lse, unsafe.Slice((*float32)(unsafe.Pointer(buf)), len(lse)))
+				}
+				C.free(unsafe.Pointer(buf))
+			}
+		}
+	}
+	return raw, rows * hq * int(c.cfg.HeadDim), done, nil
+}
+
+// Decode is pkv_attn_decode: one query per sequence at its last position. q and out:
+// [len(seqs)][n_q_heads][head_dim]; lse, if not nil, [len(seqs)][n_q_heads].
+func (c *Cache) Decode(layer uint32, seqs []Seq, q, out []float32, ap AttnParams, lse []float32) error {
+	raw, n, done, err := c.attnParams(ap, len(seqs), lse, "Decode")
+	if err != nil {
+		return err
+	}
+	rc := C.int(EINVAL)
+	defer func() { done(rc == 0) }()
+	if err := wantLen(len(q), n, "Decode: q"); err != nil {
+		return err
+	}
+	if err := wantLen(len(out), n, "Decode: out"); err != nil {
+		return err
+	}
+	ns, err := u32(len(seqs), "Decode: seqs")
+	if err != nil {
+		return err
+	}
+	p, unlock, err := c.rlock()
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	rc = C.pkv_attn_decode(p, C.uint32_t(layer), seqp(seqs), ns, f32p(q), f32p(out), &raw)
+	return check(rc, "pkv_attn_decode")
+}
+
+// Prefill is pkv_attn_prefill over a ragged batch, causal. q and out: the requests' queries
+// concatenated, [sum NQ][n_q_heads][head_dim]; lse, if not nil, [sum NQ][n_q_heads].
+func (c *Cache) Prefill(layer uint32, reqs []AttnReq, q, out []float32, ap AttnParams, lse []float32) error {
+	total := 0
+	for _, r := range reqs {
+		total += int(r.NQ)
+	}
+	raw, n, done, err := c.attnParams(ap, total, lse, "Prefill")
+	if err != nil {
+		return err
+	}
+	rc := C.int(EINVAL)
+	defer func() { done(rc == 0) }()
+	if err := wantLen(len(q), n, "Prefill: q"); err != nil {
+		return err
+	}
+	if err := wantLen(len(out), n, "Prefill: out"); err != nil {
+		return err
+	}
+	nr, err := u32(len(reqs), "Prefill: reqs")
+	if err != nil {
+		return err
+	}
+	var rp *C.pkv_attn_req
+	if len(reqs) > 0 {
+		rp = (*C.pkv_attn_req)(unsafe.Pointer(&reqs[0])) // same layout (TestLayout)
+	}
+	p, unlock, err := c.rlock()
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	rc = C.pkv_attn_prefill(p, C.uint32_t(layer), rp, nr, f32p(q), f32p(out), &raw)
+	return check(rc, "pkv_attn_prefill")
+}
+
+// Merge is pkv_attn_merge: two partial results of the same rows over disjoint key sets, merged
+// by their log-sum-exps. outA, outB, out: [rows][headDim]; lseA, lseB, lse (may be nil): [rows].
+func Merge(headDim uint32, outA, lseA, outB, lseB, out, lse []float32) error {
+	if headDim == 0 {
+		return invalid("Merge: head_dim 0")
+	}
+	rows := len(lseA)
+	for _, x := range []struct {
+		s    []float32
+		n    int
+		what string
+	}{{outA, rows * int(headDim), "Merge: outA"}, {outB, rows * int(headDim), "Merge: outB"}, {lseB, rows, "Merge: lseB"},
+		{out, rows * int(headDim), "Merge: out"}} {
+		if err := wantLen(len(x.s), x.n, x.what); err != nil {
+			return err
+		}
+	}
+	if lse != nil {
+		if err := wantLen(len(lse), rows, "Merge: lse"); err != nil {
+			return err
+		}
+	}
+	nr, err := u32(rows, "Merge: rows")
+	if err != nil {
+		return err
+	}
+	return check(C.pkv_attn_merge(nr, C.uint32_t(headDim), f32p(outA), f32p(lseA), f32p(outB), f32p(lseB), f32p(out),
+		f32p(lse)), "pkv_attn_merge")
+}
+
+// attnReqLayout reports C's sizeof(pkv_attn_req) and its fields' offsets, for TestLayout.
+func attnReqLayout() (size uintptr, offs [3]uintptr) {
+	for i := range offs {
+		offs[i] = uintptr(C.pkvgo_attn_req_off(C.int(i)))
+	}
+	return uintptr(C.pkvgo_attn_req_size()), offs
+}

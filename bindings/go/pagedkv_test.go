@@ -1,0 +1,537 @@
+// The Go bindings against libpkv and a float64 reference computed here: decode and ragged
+// prefill against contiguous attention, soft-cap, window and the LSE merge, prefix reuse, fork
+// and copy-on-write, the exports, statuses as errors, the binding's own length checks, and
+// goroutines sharing a cache. Run by ctest (test_go) with CGO_LDFLAGS naming the build.
+package pagedkv
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"unsafe"
+)
+
+type rng uint64
+
+func (r *rng) next() float32 { // xorshift64*, values in [-2, 2)
+	*r ^= *r >> 12
+	*r ^= *r << 25
+	*r ^= *r >> 27
+	x := (uint64(*r) * 0x2545F4914F6CDD1D) >> 40
+	return float32(x)/float32(1<<24)*4 - 2
+}
+
+func (r *rng) vec(n int) []float32 {
+	v := make([]float32, n)
+	for i := range v {
+		v[i] = r.next()
+	}
+	return v
+}
+
+// reference: one query's attention over K, V [T][h][d] seeing positions [T-window, T) (0: all);
+// q [hq][d], query head i reads kv head i / (hq / h). Returns out [hq][d] and lse [hq].
+func reference(q, k, v []float32, hq, h, d int, scale, capv float64, window int) ([]float64, []float64) {
+	t := len(k) / (h * d)
+	lo := 0
+	if window > 0 && t > window {
+		lo = t - window
+	}
+	out, lse := make([]float64, hq*d), make([]float64, hq)
+	for qh := 0; qh < hq; qh++ {
+		kh := qh / (hq / h)
+		s := make([]float64, t-lo)
+		m := math.Inf(-1)
+		for p := lo; p < t; p++ {
+			x := 0.0
+			for i := 0; i < d; i++ {
+				x += float64(q[qh*d+i]) * float64(k[(p*h+kh)*d+i])
+			}
+			x *= scale
+			if capv > 0 {
+				x = capv * math.Tanh(x/capv)
+			}
+			s[p-lo] = x
+			m = math.Max(m, x)
+		}
+		sum := 0.0
+		for j := range s {
+			s[j] = math.Exp(s[j] - m)
+			sum += s[j]
+		}
+		for p := lo; p < t; p++ {
+			for i := 0; i < d; i++ {
+				out[qh*d+i] += s[p-lo] * float64(v[(p*h+kh)*d+i]) / sum
+			}
+		}
+		lse[qh] = m + math.Log(sum)
+	}
+	return out, lse
+}
+
+func assertClose(t *testing.T, got []float32, want []float64, rel float64, what string) {
+	t.Helper()
+	if len(got) != len(want) {
+		t.Fatalf("%s: %d values, %d wanted", what, len(got), len(want))
+	}
+	scale, maxErr := 1.0, 0.0
+	for i := range want {
+		scale = math.Max(scale, math.Abs(want[i]))
+		maxErr = math.Max(maxErr, math.Abs(float64(got[i])-want[i]))
+	}
+	if maxErr > rel*scale {
+		t.Fatalf("%s: max abs error %g over %g", what, maxErr, rel*scale)
+	}
+}
+
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func code(err error) int {
+	var e *Error
+	if errors.As(err, &e) {
+		return e.Code
+	}
+	return 0
+}
+
+func newCache(t *testing.T, h, d, nBlocks uint32, dt Dtype) *Cache {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.NKVHeads, cfg.HeadDim, cfg.NBlocks, cfg.KDtype, cfg.VDtype, cfg.NThreads = h, d, nBlocks, dt, dt, 2
+	c, err := NewCache(cfg)
+	must(t, err)
+	t.Cleanup(c.Close)
+	return c
+}
+
+// fill appends n tokens to s, writes random f32 K/V for layer 0 and commits.
+func fill(t *testing.T, c *Cache, s Seq, n int, r *rng) {
+	t.Helper()
+	toks := make([]int32, n)
+	for i := range toks {
+		toks[i] = int32((i*7 + 100) % 500)
+	}
+	slots, err := c.Append(s, toks)
+	must(t, err)
+	cfg := c.Config()
+	l := n * int(cfg.NKVHeads*cfg.HeadDim)
+	must(t, c.WriteKV(0, slots, r.vec(l), r.vec(l)))
+	info, err := c.SeqInfo(s)
+	must(t, err)
+	must(t, c.Commit(s, info.NTokens))
+}
+
+func TestLayout(t *testing.T) {
+	size, offs := attnReqLayout()
+	var r AttnReq
+	goOffs := [3]uintptr{unsafe.Offsetof(r.Seq), unsafe.Offsetof(r.QStart), unsafe.Offsetof(r.NQ)}
+	if unsafe.Sizeof(r) != size || goOffs != offs {
+		t.Fatalf("AttnReq: size %d offsets %v, pkv_attn_req: size %d offsets %v", unsafe.Sizeof(r), goOffs, size, offs)
+	}
+	if unsafe.Sizeof(Seq(0)) != 8 {
+		t.Fatal("Seq is not 64-bit")
+	}
+}
+
+func TestBasics(t *testing.T) {
+	hdr, err := os.ReadFile("../../include/pkv.h")
+	must(t, err)
+	if !strings.Contains(string(hdr), fmt.Sprintf("#define PKV_VERSION_STRING \"%s\"", Version())) {
+		t.Fatalf("version %q is not pkv.h's", Version())
+	}
+	d := DefaultConfig()
+	if d.NLayers != 1 || d.NKVHeads != 8 || d.HeadDim != 128 || d.BlockTokens != 16 || d.NBlocks != 1024 ||
+		d.KDtype != F16 || d.MaxSeqs != 256 || !d.PrefixCache {
+		t.Fatalf("defaults %+v", d)
+	}
+	if dt, err := DtypeFromName("fp8"); err != nil || dt != FP8E4M3 {
+		t.Fatal("fp8 alias", dt, err)
+	}
+	if _, err := DtypeFromName("f64"); code(err) != EINVAL {
+		t.Fatal("f64:", err)
+	}
+	if Q8_0.Name() != "q8_0" || Q8_0.RowBytes(128) != 4*34 {
+		t.Fatal("q8_0 name or row bytes")
+	}
+	want := Config{NLayers: 3, NKVHeads: 2, HeadDim: 64, BlockTokens: 8, NBlocks: 40, KDtype: BF16, VDtype: Q8_0,
+		MaxSeqs: 7, MaxBlocksPerSeq: 9, NThreads: 2}
+	c, err := NewCache(want)
+	must(t, err)
+	defer c.Close()
+	if c.Config() != want {
+		t.Fatalf("config %+v, want %+v", c.Config(), want)
+	}
+	if c.Backend() == "" {
+		t.Fatal("no backend")
+	}
+	bad := DefaultConfig()
+	bad.HeadDim = 0
+	if _, err := NewCache(bad); code(err) != EINVAL || !strings.HasPrefix(err.Error(), "pkv_cache_create: ") {
+		t.Fatal("head_dim 0:", err)
+	}
+	c.Close()
+	if _, err := c.SeqCreate(nil); code(err) != EINVAL {
+		t.Fatal("closed:", err)
+	}
+	c.Close() // twice: a no-op
+}
+
+func TestDecodeAndPrefill(t *testing.T) {
+	r := rng(0x9e3779b97f4a7c15)
+	const h, d, hq = 2, 64, 8
+	for _, dt := range []Dtype{F32, F16, BF16} {
+		c := newCache(t, h, d, 64, dt)
+		lens := []int{1, 15, 16, 17, 100, 257}
+		seqs := make([]Seq, len(lens))
+		for i := range seqs {
+			s, err := c.SeqCreate(nil)
+			must(t, err)
+			seqs[i] = s
+		}
+		for start := 0; start < 257; start += 16 { // in turns: the tables interleave
+			for i, n := range lens {
+				if start < n {
+					fill(t, c, seqs[i], min(16, n-start), &r)
+				}
+			}
+		}
+		q := r.vec(len(seqs) * hq * d)
+		out, lse := make([]float32, len(q)), make([]float32, len(seqs)*hq)
+		p := AttnParams{NQHeads: hq}
+		must(t, c.Decode(0, seqs, q, out, p, lse))
+		for i, s := range seqs {
+			k, v, err := c.Gather(s, 0, 0, uint32(lens[i]))
+			must(t, err)
+			w, wl := reference(q[i*hq*d:(i+1)*hq*d], k, v, hq, h, d, 1/math.Sqrt(d), 0, 0)
+			assertClose(t, out[i*hq*d:(i+1)*hq*d], w, 1e-5, fmt.Sprintf("%s decode, %d tokens", dt.Name(), lens[i]))
+			assertClose(t, lse[i*hq:(i+1)*hq], wl, 1e-5, "decode lse")
+		}
+		reqs := []AttnReq{{seqs[5], 237, 20}, {seqs[4], 97, 3}, {seqs[2], 15, 1}}
+		qp := r.vec(24 * hq * d)
+		op := make([]float32, len(qp))
+		must(t, c.Prefill(0, reqs, qp, op, p, nil))
+		row := 0
+		for _, rq := range reqs {
+			for j := uint32(0); j < rq.NQ; j++ {
+				pos := rq.QStart + j
+				k, v, err := c.Gather(rq.Seq, 0, 0, pos+1)
+				must(t, err)
+				w, _ := reference(qp[row*hq*d:(row+1)*hq*d], k, v, hq, h, d, 1/math.Sqrt(d), 0, 0)
+				assertClose(t, op[row*hq*d:(row+1)*hq*d], w, 1e-5, fmt.Sprintf("%s prefill, position %d", dt.Name(), pos))
+				row++
+			}
+		}
+	}
+}
+
+func min(a, b int) int {
+	if a < b {
+		return a
+	}
+	return b
+}
+
+func TestSoftcapWindowMerge(t *testing.T) {
+	r := rng(7)
+	const h, d, hq = 2, 64, 4
+	c := newCache(t, h, d, 32, F32)
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	fill(t, c, s, 40, &r)
+	k, v, err := c.Gather(s, 0, 0, 40)
+	must(t, err)
+	q := r.vec(hq * d)
+	for i := range q {
+		q[i] *= 3
+	}
+	for _, cw := range []struct {
+		capv float32
+		win  uint32
+	}{{5, 0}, {0, 7}, {5, 7}} {
+		out, lse := make([]float32, hq*d), make([]float32, hq)
+		must(t, c.Decode(0, []Seq{s}, q, out, AttnParams{NQHeads: hq, Scale: 0.2, Softcap: cw.capv, Window: cw.win}, lse))
+		w, wl := reference(q, k, v, hq, h, d, 0.2, float64(cw.capv), int(cw.win))
+		assertClose(t, out, w, 1e-5, fmt.Sprintf("softcap %g window %d", cw.capv, cw.win))
+		assertClose(t, lse, wl, 1e-5, "lse")
+	}
+	// keys [0, 20) through a truncated fork, [20, 40) through a window of 20: merged, the whole
+	f, err := c.Fork(s)
+	must(t, err)
+	must(t, c.Truncate(f, 20))
+	p := AttnParams{NQHeads: hq}
+	oa, la, ob, lb, ow, lw := make([]float32, hq*d), make([]float32, hq), make([]float32, hq*d), make([]float32, hq),
+		make([]float32, hq*d), make([]float32, hq)
+	must(t, c.Decode(0, []Seq{f}, q, oa, p, la))
+	must(t, c.Decode(0, []Seq{s}, q, ob, AttnParams{NQHeads: hq, Window: 20}, lb))
+	must(t, c.Decode(0, []Seq{s}, q, ow, p, lw))
+	om, lm := make([]float32, hq*d), make([]float32, hq)
+	must(t, Merge(d, oa, la, ob, lb, om, lm))
+	toF64 := func(x []float32) []float64 {
+		y := make([]float64, len(x))
+		for i := range x {
+			y[i] = float64(x[i])
+		}
+		return y
+	}
+	assertClose(t, om, toF64(ow), 1e-5, "merged halves")
+	assertClose(t, lm, toF64(lw), 1e-5, "merged lse")
+	w, _ := reference(q, k[:20*h*d], v[:20*h*d], hq, h, d, 1.0/8, 0, 0)
+	assertClose(t, oa, w, 1e-5, "the fork truncated to 20")
+}
+
+func TestPrefixForkExports(t *testing.T) {
+	r := rng(11)
+	c := newCache(t, 2, 32, 32, F32)
+	a, err := c.SeqCreate([]byte("tenant-1"))
+	must(t, err)
+	fill(t, c, a, 40, &r)
+	toks := make([]int32, 40)
+	for i := range toks {
+		toks[i] = int32((i*7 + 100) % 500)
+	}
+	b, err := c.SeqCreate([]byte("tenant-1"))
+	must(t, err)
+	reused, err := c.MatchPrefix(b, toks)
+	must(t, err)
+	if reused < 32 || reused >= 40 {
+		t.Fatal("reused", reused)
+	}
+	ka, _, err := c.Gather(a, 0, 0, reused)
+	must(t, err)
+	kb, _, err := c.Gather(b, 0, 0, reused)
+	must(t, err)
+	if fmt.Sprint(ka) != fmt.Sprint(kb) {
+		t.Fatal("the reused K differs")
+	}
+	other, err := c.SeqCreate([]byte("tenant-2"))
+	must(t, err)
+	if n, err := c.MatchPrefix(other, toks); err != nil || n != 0 {
+		t.Fatal("another namespace reused", n, err)
+	}
+	must(t, c.Release(other))
+	st, err := c.Stats()
+	must(t, err)
+	if st.PrefixLookups != 2 || st.PrefixTokensHit != uint64(reused) || st.PrefixMissNamespace != 1 || st.NIndexed != 2 {
+		t.Fatalf("stats %+v", st)
+	}
+	child, err := c.Fork(a)
+	must(t, err)
+	slots, err := c.Append(child, []int32{7}) // the shared tail block is copied first
+	must(t, err)
+	st2, err := c.Stats()
+	must(t, err)
+	if st2.CowCopies != st.CowCopies+1 {
+		t.Fatal("no copy-on-write")
+	}
+	k := r.vec(2 * 32)
+	must(t, c.WriteKV(0, slots, k, k))
+	kc, vc, err := c.Gather(child, 0, 0, 41)
+	must(t, err)
+	q := r.vec(4 * 32)
+	out := make([]float32, 4*32)
+	must(t, c.Decode(0, []Seq{child}, q, out, AttnParams{NQHeads: 4}, nil))
+	w, _ := reference(q, kc, vc, 4, 2, 32, 1/math.Sqrt(32), 0, 0)
+	assertClose(t, out, w, 1e-5, "decode of the fork after CoW")
+
+	seqs := []Seq{a, b, child}
+	tables, lens, err := c.ExportDense(seqs, 8)
+	must(t, err)
+	indptr, indices, last, err := c.ExportCSR(seqs)
+	must(t, err)
+	for i, s := range seqs {
+		tb, err := c.BlockTable(s)
+		must(t, err)
+		info, err := c.SeqInfo(s)
+		must(t, err)
+		n := int32(info.NTokens)
+		if lens[i] != n || last[i] != n-int32(len(tb)-1)*16 {
+			t.Fatal("lengths", i)
+		}
+		for j := 0; j < 8; j++ {
+			want := int32(-1)
+			if j < len(tb) {
+				want = tb[j]
+			}
+			if tables[i*8+j] != want {
+				t.Fatal("dense table", i, j)
+			}
+		}
+		if fmt.Sprint(indices[indptr[i]:indptr[i+1]]) != fmt.Sprint(tb) {
+			t.Fatal("csr table", i)
+		}
+		sl, err := c.Slots(s, 0, uint32(n))
+		must(t, err)
+		for p := 0; p < int(n); p++ {
+			if sl[p] != tb[p/16]*16+int32(p%16) {
+				t.Fatal("slot", i, p)
+			}
+		}
+	}
+	pin, err := c.Pin(a, 32)
+	must(t, err)
+	for _, s := range seqs {
+		must(t, c.Release(s))
+	}
+	st, err = c.Stats()
+	must(t, err)
+	if st.NSeqs != 0 || st.NPins != 1 || st.NActive != 2 {
+		t.Fatalf("after release %+v", st)
+	}
+	must(t, c.Check())
+	must(t, c.PinRelease(pin))
+	must(t, c.Reset())
+	st, err = c.Stats()
+	must(t, err)
+	if st.NFree != 32 {
+		t.Fatal("reset left blocks")
+	}
+	must(t, c.Check())
+}
+
+func TestStatusesAndLengthChecks(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.NKVHeads, cfg.HeadDim, cfg.NBlocks, cfg.MaxSeqs, cfg.MaxBlocksPerSeq, cfg.NThreads = 1, 32, 4, 2, 8, 1
+	c, err := NewCache(cfg)
+	must(t, err)
+	defer c.Close()
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	_, err = c.Append(s, []int32{1, 2, 3})
+	must(t, err)
+	must(t, c.Release(s))
+	if _, err := c.SeqInfo(s); code(err) != ENOENT {
+		t.Fatal("stale:", err)
+	}
+	x, err := c.SeqCreate(nil)
+	must(t, err)
+	y, err := c.SeqCreate(nil)
+	must(t, err)
+	if _, err := c.SeqCreate(nil); code(err) != ELIMIT {
+		t.Fatal("max_seqs:", err)
+	}
+	if _, err := c.Append(x, make([]int32, 80)); code(err) != ENOSPC {
+		t.Fatal("pool:", err)
+	}
+	slots, err := c.Append(y, []int32{1, 2, 3, 4})
+	must(t, err)
+	ones := make([]float32, 4*32)
+	for i := range ones {
+		ones[i] = 1
+	}
+	must(t, c.WriteKV(0, slots, ones, ones))
+	q, out, p := make([]float32, 32), make([]float32, 32), AttnParams{}
+	q[5] = float32(math.NaN())
+	if err := c.Decode(0, []Seq{y}, q, out, p, nil); code(err) != EINVAL {
+		t.Fatal("NaN query:", err)
+	}
+	q[5] = 1
+	lse := []float32{42}
+	if err := c.Decode(1, []Seq{y}, q, out, p, lse); code(err) != EINVAL || lse[0] != 42 {
+		t.Fatal("layer out of range:", err, lse) // and a failed call leaves lse as it was
+	}
+	short := make([]float32, 31)
+	h16 := make([]uint16, 4*32)
+	for i, err := range []error{
+		c.Decode(0, []Seq{y}, short, out, p, nil),
+		c.Decode(0, []Seq{y}, q, out[:31], p, nil),
+		c.Decode(0, []Seq{y, y}, q, out, p, nil),
+		c.Decode(0, []Seq{y}, q, out, p, make([]float32, 2)),
+		c.Prefill(0, []AttnReq{{y, 0, 2}}, q, out, p, nil),
+		Merge(32, q, []float32{0}, short, []float32{0}, out, nil),
+		Merge(0, q, []float32{0}, q, []float32{0}, out, nil),
+		c.WriteKV(0, slots, short, nil),
+		c.WriteKV(0, slots, nil, nil),
+		c.WriteKV16(0, slots[:3], h16, nil, BF16),
+		c.WriteKV16(0, slots, h16, nil, Q8_0),
+	} {
+		if code(err) != EINVAL {
+			t.Fatalf("case %d: %v", i, err)
+		}
+	}
+	k, _, err := c.Gather(y, 0, 0, 4)
+	must(t, err)
+	for _, x := range k {
+		if x != 1 {
+			t.Fatal("a refused write changed K")
+		}
+	}
+	must(t, c.Check())
+}
+
+func TestGoroutines(t *testing.T) {
+	// four goroutines, each growing and decoding sequences of its own in one cache
+	c := newCache(t, 2, 32, 256, F32)
+	var wg sync.WaitGroup
+	errs := make(chan error, 4)
+	for g := 0; g < 4; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			r := rng(1000 + g)
+			seqs := make([]Seq, 3)
+			for i := range seqs {
+				s, err := c.SeqCreate(nil)
+				if err != nil {
+					errs <- err
+					return
+				}
+				seqs[i] = s
+			}
+			for step := 0; step < 20; step++ {
+				for _, s := range seqs {
+					slots, err := c.Append(s, []int32{int32(step), 1, 2})
+					if err == nil {
+						err = c.WriteKV(0, slots, r.vec(3*64), r.vec(3*64))
+					}
+					if err == nil {
+						err = c.Commit(s, uint32(3*(step+1)))
+					}
+					if err != nil {
+						errs <- err
+						return
+					}
+				}
+				q := r.vec(3 * 4 * 32)
+				out := make([]float32, len(q))
+				if err := c.Decode(0, seqs, q, out, AttnParams{NQHeads: 4}, nil); err != nil {
+					errs <- err
+					return
+				}
+				for i, s := range seqs {
+					k, v, err := c.Gather(s, 0, 0, uint32(3*(step+1)))
+					if err != nil {
+						errs <- err
+						return
+					}
+					w, _ := reference(q[i*128:(i+1)*128], k, v, 4, 2, 32, 1/math.Sqrt(32), 0, 0)
+					for j := range w {
+						if math.Abs(float64(out[i*128+j])-w[j]) > 1e-5*math.Max(1, math.Abs(w[j]))*4 {
+							errs <- fmt.Errorf("goroutine %d step %d: decode differs", g, step)
+							return
+						}
+					}
+				}
+			}
+			for _, s := range seqs {
+				if err := c.Release(s); err != nil {
+					errs <- err
+				}
+			}
+		}(g)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	must(t, c.Check())
+}
