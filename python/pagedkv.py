@@ -391,8 +391,7 @@ class Cache:
         unless writeable=True; what is written through a view bypasses pkv_write_kv's checks
         (pkv.h: such rows are the caller's business). A view keeps the cache alive, and close()
         refuses (EBUSY) while one is."""
-        lo = _Layout()
-        _check(_lib.pkv_cache_layout(self._h(), ctypes.byref(lo)), "pkv_cache_layout")
+        lo = self.layout()
         layer = _u32_of(layer, "layer")
         if layer >= lo.n_layers:
             raise _invalid("kv_view: layer %d of %d" % (layer, lo.n_layers))
@@ -404,7 +403,7 @@ class Cache:
             self._views[id(buf)] = buf
             a = np.frombuffer(buf, dtype=np.uint8)
             shape = (lo.n_blocks, lo.n_kv_heads, lo.block_tokens)
-            elem = {DTYPES["f32"]: np.float32, DTYPES["f16"]: np.float16, DTYPES["bf16"]: np.uint16}.get(dt)
+            elem = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}.get(dt)
             a = a.view(elem).reshape(shape + (lo.head_dim,)) if elem else a.reshape(shape + (row,))
             a.flags.writeable = bool(writeable)
             views.append(a)
@@ -552,8 +551,8 @@ class Cache:
         indptr = np.empty(a.size + 1, dtype=np.int32)
         last = np.empty(a.size, dtype=np.int32)
         need = _u32()
-        cap = sum(self.seq_info(s).n_blocks for s in a.tolist())
-        for _ in range(4):  # another thread may grow a table between the sizing and the export
+        cap = 0  # the first call sizes (EINVAL and the count); again if a table grew meanwhile
+        for _ in range(4):
             indices = np.empty(max(cap, 1), dtype=np.int32)
             rc = _lib.pkv_export_csr(self._h(), _ptr(a), a.size, _ptr(indptr), _ptr(indices), cap, _ptr(last),
                                      ctypes.byref(need))

@@ -22,7 +22,10 @@ flags=$(PKG_CONFIG_PATH=$(dirname "$pc") pkg-config --cflags --libs pkv) || fail
 "$cc" -std=c11 -Wall -Werror -o "$tmp/example_pc" "$src/examples/readme_example.c" $flags ||
     fail "the README example does not build through pkg-config ($flags)"
 LD_LIBRARY_PATH=$libdir "$tmp/example_pc" || fail "the README example built through pkg-config failed"
-LD_LIBRARY_PATH=$libdir ldd "$tmp/example_pc" | grep -q "$libdir/libpkv.so" || fail "the pkg-config build did not load the installed libpkv"
+# (ldd's output captured first: grep -q stops reading at its match, and under pipefail the
+# SIGPIPE that ldd may then get would fail the check at random)
+deps=$(LD_LIBRARY_PATH=$libdir ldd "$tmp/example_pc" 2>&1) || fail "ldd failed: $deps"
+grep -q "$libdir/libpkv.so" <<<"$deps" || fail "the pkg-config build did not load the installed libpkv: $deps"
 
 # find_package(pkv)
 mkdir -p "$tmp/consumer"

@@ -31,6 +31,7 @@ import "C"
 import (
 	"fmt"
 	"math"
+	"strings"
 	"sync"
 	"unsafe"
 )
@@ -227,23 +228,21 @@ func (c *Cache) Close() {
 	}
 }
 
-func (c *Cache) rlock() (*C.pkv_cache, func(), error) {
-	c.mu.RLock()
+// lock takes the write lock (write) or the read lock; it fails, holding nothing, on a closed cache.
+func (c *Cache) lock(write bool) (*C.pkv_cache, func(), error) {
+	lock, unlock := c.mu.RLock, c.mu.RUnlock
+	if write {
+		lock, unlock = c.mu.Lock, c.mu.Unlock
+	}
+	lock()
 	if c.c == nil {
-		c.mu.RUnlock()
+		unlock()
 		return nil, nil, invalid("the cache is closed")
 	}
-	return c.c, c.mu.RUnlock, nil
+	return c.c, unlock, nil
 }
 
-func (c *Cache) wlock() (*C.pkv_cache, func(), error) {
-	c.mu.Lock()
-	if c.c == nil {
-		c.mu.Unlock()
-		return nil, nil, invalid("the cache is closed")
-	}
-	return c.c, c.mu.Unlock, nil
-}
+func (c *Cache) rlock() (*C.pkv_cache, func(), error) { return c.lock(false) }
 
 // Config is the effective configuration (n_blocks, max_blocks_per_seq, n_threads resolved).
 func (c *Cache) Config() Config { return c.cfg }
@@ -283,31 +282,19 @@ func seqp(s []Seq) *C.pkv_seq {
 
 // Reset releases every sequence and pin and empties the prefix index.
 func (c *Cache) Reset() error {
-	p, unlock, err := c.wlock()
-	if err != nil {
-		return err
-	}
-	defer unlock()
-	return check(C.pkv_cache_reset(p), "pkv_cache_reset")
+	return c.seqOp("pkv_cache_reset", func(p *C.pkv_cache) C.int { return C.pkv_cache_reset(p) })
 }
 
 // SeqCreate makes an empty sequence; salt (at most 256 bytes) names its prefix-index namespace.
 func (c *Cache) SeqCreate(salt []byte) (Seq, error) {
-	p, unlock, err := c.wlock()
-	if err != nil {
-		return 0, err
-	}
-	defer unlock()
-	var s C.pkv_seq
 	var sp unsafe.Pointer
 	if len(salt) > 0 {
 		sp = C.CBytes(salt)
 		defer C.free(sp)
 	}
-	if err := check(C.pkv_seq_create(p, sp, C.size_t(len(salt)), &s), "pkv_seq_create"); err != nil {
-		return 0, err
-	}
-	return Seq(s), nil
+	var s C.pkv_seq
+	err := c.seqOp("pkv_seq_create", func(p *C.pkv_cache) C.int { return C.pkv_seq_create(p, sp, C.size_t(len(salt)), &s) })
+	return Seq(s), err
 }
 
 // Append adds positions with these token ids; returns their slots.
@@ -316,13 +303,11 @@ func (c *Cache) Append(s Seq, tokens []int32) ([]int32, error) {
 	if err != nil {
 		return nil, err
 	}
-	p, unlock, err := c.wlock()
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
 	slots := make([]int32, len(tokens))
-	if err := check(C.pkv_seq_append(p, C.pkv_seq(s), i32p(tokens), n, i32p(slots)), "pkv_seq_append"); err != nil {
+	err = c.seqOp("pkv_seq_append", func(p *C.pkv_cache) C.int {
+		return C.pkv_seq_append(p, C.pkv_seq(s), i32p(tokens), n, i32p(slots))
+	})
+	if err != nil {
 		return nil, err
 	}
 	return slots, nil
@@ -347,12 +332,9 @@ func (c *Cache) writeKV(layer uint32, slots []int32, k, v unsafe.Pointer, kn, vn
 	if err != nil {
 		return err
 	}
-	p, unlock, err := c.wlock()
-	if err != nil {
-		return err
-	}
-	defer unlock()
-	return check(C.pkv_write_kv(p, C.uint32_t(layer), i32p(slots), n, k, v, C.pkv_dtype(dt)), "pkv_write_kv")
+	return c.seqOp("pkv_write_kv", func(p *C.pkv_cache) C.int {
+		return C.pkv_write_kv(p, C.uint32_t(layer), i32p(slots), n, k, v, C.pkv_dtype(dt))
+	})
 }
 
 // WriteKV writes f32 K and/or V (nil: not written) of one layer at these slots (-1 skips a
@@ -377,14 +359,20 @@ func (c *Cache) WriteKV16(layer uint32, slots []int32, k, v []uint16, dt Dtype) 
 	return c.writeKV(layer, slots, kp, vp, len(k), len(v), dt, k != nil, v != nil)
 }
 
-func (c *Cache) seqOp(op string, f func(p *C.pkv_cache) C.int) error {
-	p, unlock, err := c.wlock()
+// op runs f under the write lock (write: a call that changes sequences or K/V) or the read lock
+// (a call that only reads), and returns f's status as an error named name. seqOp and readOp are
+// the two.
+func (c *Cache) op(write bool, name string, f func(p *C.pkv_cache) C.int) error {
+	p, unlock, err := c.lock(write)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	return check(f(p), op)
+	return check(f(p), name)
 }
+
+func (c *Cache) seqOp(name string, f func(p *C.pkv_cache) C.int) error  { return c.op(true, name, f) }
+func (c *Cache) readOp(name string, f func(p *C.pkv_cache) C.int) error { return c.op(false, name, f) }
 
 // Commit: positions [0, nPos) now hold K/V for every layer.
 func (c *Cache) Commit(s Seq, nPos uint32) error {
@@ -438,13 +426,8 @@ func (c *Cache) MatchPrefix(s Seq, tokens []int32) (uint32, error) {
 
 // SeqInfo describes a sequence.
 func (c *Cache) SeqInfo(s Seq) (SeqInfo, error) {
-	p, unlock, err := c.rlock()
-	if err != nil {
-		return SeqInfo{}, err
-	}
-	defer unlock()
 	var i C.pkv_seq_info
-	if err := check(C.pkv_seq_get_info(p, C.pkv_seq(s), &i), "pkv_seq_get_info"); err != nil {
+	if err := c.readOp("pkv_seq_get_info", func(p *C.pkv_cache) C.int { return C.pkv_seq_get_info(p, C.pkv_seq(s), &i) }); err != nil {
 		return SeqInfo{}, err
 	}
 	return SeqInfo{uint32(i.n_tokens), uint32(i.n_committed), uint32(i.n_blocks), uint32(i.n_shared), uint32(i.n_reused)}, nil
@@ -452,13 +435,11 @@ func (c *Cache) SeqInfo(s Seq) (SeqInfo, error) {
 
 // Slots of positions [start, start+n): vLLM's slot_mapping.
 func (c *Cache) Slots(s Seq, start, n uint32) ([]int32, error) {
-	p, unlock, err := c.rlock()
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
 	out := make([]int32, n)
-	if err := check(C.pkv_seq_slots(p, C.pkv_seq(s), C.uint32_t(start), C.uint32_t(n), i32p(out)), "pkv_seq_slots"); err != nil {
+	err := c.readOp("pkv_seq_slots", func(p *C.pkv_cache) C.int {
+		return C.pkv_seq_slots(p, C.pkv_seq(s), C.uint32_t(start), C.uint32_t(n), i32p(out))
+	})
+	if err != nil {
 		return nil, err
 	}
 	return out, nil
@@ -486,14 +467,11 @@ func (c *Cache) BlockTable(s Seq) ([]int32, error) {
 // Gather returns K and V of positions [start, start+n) of one layer, f32
 // [n][n_kv_heads][head_dim] (dequantized).
 func (c *Cache) Gather(s Seq, layer, start, n uint32) ([]float32, []float32, error) {
-	p, unlock, err := c.rlock()
-	if err != nil {
-		return nil, nil, err
-	}
-	defer unlock()
 	k, v := make([]float32, c.kvElems(int(n))), make([]float32, c.kvElems(int(n)))
-	rc := C.pkv_seq_gather(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), C.uint32_t(n), f32p(k), f32p(v))
-	if err := check(rc, "pkv_seq_gather"); err != nil {
+	err := c.readOp("pkv_seq_gather", func(p *C.pkv_cache) C.int {
+		return C.pkv_seq_gather(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), C.uint32_t(n), f32p(k), f32p(v))
+	})
+	if err != nil {
 		return nil, nil, err
 	}
 	return k, v, nil
@@ -505,14 +483,11 @@ func (c *Cache) ExportDense(seqs []Seq, maxBlocks uint32) ([]int32, []int32, err
 	if err != nil {
 		return nil, nil, err
 	}
-	p, unlock, err := c.rlock()
-	if err != nil {
-		return nil, nil, err
-	}
-	defer unlock()
 	tables, lens := make([]int32, len(seqs)*int(maxBlocks)), make([]int32, len(seqs))
-	rc := C.pkv_export_dense(p, seqp(seqs), n, C.uint32_t(maxBlocks), i32p(tables), i32p(lens))
-	if err := check(rc, "pkv_export_dense"); err != nil {
+	err = c.readOp("pkv_export_dense", func(p *C.pkv_cache) C.int {
+		return C.pkv_export_dense(p, seqp(seqs), n, C.uint32_t(maxBlocks), i32p(tables), i32p(lens))
+	})
+	if err != nil {
 		return nil, nil, err
 	}
 	return tables, lens, nil
@@ -545,13 +520,8 @@ func (c *Cache) ExportCSR(seqs []Seq) ([]int32, []int32, []int32, error) {
 
 // Stats is pkv_cache_get_stats.
 func (c *Cache) Stats() (Stats, error) {
-	p, unlock, err := c.rlock()
-	if err != nil {
-		return Stats{}, err
-	}
-	defer unlock()
 	var s C.pkv_stats
-	if err := check(C.pkv_cache_get_stats(p, &s), "pkv_cache_get_stats"); err != nil {
+	if err := c.readOp("pkv_cache_get_stats", func(p *C.pkv_cache) C.int { return C.pkv_cache_get_stats(p, &s) }); err != nil {
 		return Stats{}, err
 	}
 	return Stats{uint32(s.n_blocks), uint32(s.n_free), uint32(s.n_cached), uint32(s.n_active), uint32(s.n_seqs),
@@ -577,64 +547,61 @@ func (c *Cache) Check() error {
 	return nil
 }
 
-// attnParams makes the call's pkv_attn_params and the element count of q and out. cgo forbids
-// a Go pointer inside memory passed to C, so a wanted lse is written to C memory; done(ok)
-// copies it into lse when ok (the libpkv call succeeded) and frees it.
-func (c *Cache) attnParams(ap AttnParams, rows int, lse []float32, what string) (C.pkv_attn_params, int, func(bool), error) {
+// attnCall runs one attention call of `items` sequences or requests and `rows` queries: the
+// params, q's and out's lengths checked, then call under the read lock. cgo forbids a Go pointer
+// inside the params struct handed to C, so a wanted lse is written to C memory and copied into
+// lse once the call succeeded.
+func (c *Cache) attnCall(what string, items, rows int, q, out []float32, ap AttnParams, lse []float32,
+	call func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int) error {
 	hq := int(ap.NQHeads)
 	if hq == 0 {
 		hq = int(c.cfg.NKVHeads)
 	}
+	n := rows * hq * int(c.cfg.HeadDim)
+	if err := wantLen(len(q), n, what+": q"); err != nil {
+		return err
+	}
+	if err := wantLen(len(out), n, what+": out"); err != nil {
+		return err
+	}
+	ni, err := u32(items, what+": items")
+	if err != nil {
+		return err
+	}
 	raw := C.pkv_attn_params_default()
 	raw.n_q_heads, raw.scale, raw.softcap, raw.window = C.uint32_t(ap.NQHeads), C.float(ap.Scale), C.float(ap.Softcap), C.uint32_t(ap.Window)
-	done := func(bool) {}
 	if lse != nil {
 		if err := wantLen(len(lse), rows*hq, what+": lse"); err != nil {
-			return raw, 0, done, err
+			return err
 		}
 		if len(lse) > 0 {
 			buf := (*C.float)(C.malloc(C.size_t(len(lse)) * C.sizeof_float))
 			if buf == nil {
-				return raw, 0, done, &Error{Code: ENOMEM, Op: what + ": lse"}
+				return &Error{Code: ENOMEM, Op: what + ": lse"}
 			}
+			defer C.free(unsafe.Pointer(buf))
 			raw.lse = buf
-			done = func(ok bool) {
-				if ok {
-					copy(lse, unsafe.Slice((*float32)(unsafe.Pointer(buf)), len(lse)))
-				}
-				C.free(unsafe.Pointer(buf))
-			}
 		}
-	}
-	return raw, rows * hq * int(c.cfg.HeadDim), done, nil
-}
-
-// Decode is pkv_attn_decode: one query per sequence at its last position. q and out:
-// [len(seqs)][n_q_heads][head_dim]; lse, if not nil, [len(seqs)][n_q_heads].
-func (c *Cache) Decode(layer uint32, seqs []Seq, q, out []float32, ap AttnParams, lse []float32) error {
-	raw, n, done, err := c.attnParams(ap, len(seqs), lse, "Decode")
-	if err != nil {
-		return err
-	}
-	rc := C.int(EINVAL)
-	defer func() { done(rc == 0) }()
-	if err := wantLen(len(q), n, "Decode: q"); err != nil {
-		return err
-	}
-	if err := wantLen(len(out), n, "Decode: out"); err != nil {
-		return err
-	}
-	ns, err := u32(len(seqs), "Decode: seqs")
-	if err != nil {
-		return err
 	}
 	p, unlock, err := c.rlock()
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	rc = C.pkv_attn_decode(p, C.uint32_t(layer), seqp(seqs), ns, f32p(q), f32p(out), &raw)
-	return check(rc, "pkv_attn_decode")
+	rc := call(p, ni, &raw)
+	if rc == 0 && raw.lse != nil {
+		copy(lse, unsafe.Slice((*float32)(unsafe.Pointer(raw.lse)), len(lse)))
+	}
+	return check(rc, "pkv_attn_"+strings.ToLower(what))
+}
+
+// Decode is pkv_attn_decode: one query per sequence at its last position. q and out:
+// [len(seqs)][n_q_heads][head_dim]; lse, if not nil, [len(seqs)][n_q_heads].
+func (c *Cache) Decode(layer uint32, seqs []Seq, q, out []float32, ap AttnParams, lse []float32) error {
+	return c.attnCall("Decode", len(seqs), len(seqs), q, out, ap, lse,
+		func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int {
+			return C.pkv_attn_decode(p, C.uint32_t(layer), seqp(seqs), n, f32p(q), f32p(out), raw)
+		})
 }
 
 // Prefill is pkv_attn_prefill over a ragged batch, causal. q and out: the requests' queries
@@ -644,33 +611,14 @@ func (c *Cache) Prefill(layer uint32, reqs []AttnReq, q, out []float32, ap AttnP
 	for _, r := range reqs {
 		total += int(r.NQ)
 	}
-	raw, n, done, err := c.attnParams(ap, total, lse, "Prefill")
-	if err != nil {
-		return err
-	}
-	rc := C.int(EINVAL)
-	defer func() { done(rc == 0) }()
-	if err := wantLen(len(q), n, "Prefill: q"); err != nil {
-		return err
-	}
-	if err := wantLen(len(out), n, "Prefill: out"); err != nil {
-		return err
-	}
-	nr, err := u32(len(reqs), "Prefill: reqs")
-	if err != nil {
-		return err
-	}
 	var rp *C.pkv_attn_req
 	if len(reqs) > 0 {
 		rp = (*C.pkv_attn_req)(unsafe.Pointer(&reqs[0])) // same layout (TestLayout)
 	}
-	p, unlock, err := c.rlock()
-	if err != nil {
-		return err
-	}
-	defer unlock()
-	rc = C.pkv_attn_prefill(p, C.uint32_t(layer), rp, nr, f32p(q), f32p(out), &raw)
-	return check(rc, "pkv_attn_prefill")
+	return c.attnCall("Prefill", len(reqs), total, q, out, ap, lse,
+		func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int {
+			return C.pkv_attn_prefill(p, C.uint32_t(layer), rp, n, f32p(q), f32p(out), raw)
+		})
 }
 
 // Merge is pkv_attn_merge: two partial results of the same rows over disjoint key sets, merged

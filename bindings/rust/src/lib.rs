@@ -648,18 +648,29 @@ impl Cache {
 
     // ---- attention ----
 
-    fn attn_raw(
+    /// One attention call of `items` sequences or requests and `rows` queries: the params built,
+    /// q's, out's and lse's lengths checked, then `call(cache, items, q, out, params)`.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_call(
         &self,
-        p: &AttnParams,
-        rows: usize,
-        lse: Option<&mut [f32]>,
         what: &str,
-    ) -> Result<(ffi::pkv_attn_params, usize)> {
+        items: usize,
+        rows: usize,
+        q: &[f32],
+        out: &mut [f32],
+        p: &AttnParams,
+        lse: Option<&mut [f32]>,
+        call: impl FnOnce(*mut ffi::pkv_cache, u32, *const f32, *mut f32, &ffi::pkv_attn_params) -> c_int,
+    ) -> Result<()> {
         let hq = if p.n_q_heads == 0 {
             self.cfg.n_kv_heads
         } else {
             p.n_q_heads
         } as usize;
+        let n = rows * hq * self.cfg.head_dim as usize;
+        want_len(q.len(), n, &format!("{}: q", what))?;
+        want_len(out.len(), n, &format!("{}: out", what))?;
+        let ni = len_u32(items, what)?;
         let mut raw = unsafe { ffi::pkv_attn_params_default() };
         raw.n_q_heads = p.n_q_heads;
         raw.scale = p.scale;
@@ -669,7 +680,10 @@ impl Cache {
             want_len(l.len(), rows * hq, &format!("{}: lse", what))?;
             raw.lse = l.as_mut_ptr();
         }
-        Ok((raw, rows * hq * self.cfg.head_dim as usize))
+        check(
+            call(self.p(), ni, q.as_ptr(), out.as_mut_ptr(), &raw),
+            &format!("pkv_attn_{}", what),
+        )
     }
 
     /// Decode (pkv_attn_decode): one query per sequence at its last position. q and out:
@@ -683,22 +697,16 @@ impl Cache {
         p: &AttnParams,
         lse: Option<&mut [f32]>,
     ) -> Result<()> {
-        let (raw, n) = self.attn_raw(p, seqs.len(), lse, "decode")?;
-        want_len(q.len(), n, "decode: q")?;
-        want_len(out.len(), n, "decode: out")?;
-        let ns = len_u32(seqs.len(), "decode: seqs")?;
-        let rc = unsafe {
-            ffi::pkv_attn_decode(
-                self.p(),
-                layer,
-                Self::seq_ptr(seqs),
-                ns,
-                q.as_ptr(),
-                out.as_mut_ptr(),
-                &raw,
-            )
-        };
-        check(rc, "pkv_attn_decode")
+        self.attn_call(
+            "decode",
+            seqs.len(),
+            seqs.len(),
+            q,
+            out,
+            p,
+            lse,
+            |c, n, qp, op, raw| unsafe { ffi::pkv_attn_decode(c, layer, Self::seq_ptr(seqs), n, qp, op, raw) },
+        )
     }
 
     /// Prefill / extend over a ragged batch (pkv_attn_prefill), causal. q and out: the requests'
@@ -713,13 +721,17 @@ impl Cache {
         lse: Option<&mut [f32]>,
     ) -> Result<()> {
         let total: usize = reqs.iter().map(|r| r.n_q as usize).sum();
-        let (raw, n) = self.attn_raw(p, total, lse, "prefill")?;
-        want_len(q.len(), n, "prefill: q")?;
-        want_len(out.len(), n, "prefill: out")?;
-        let nr = len_u32(reqs.len(), "prefill: reqs")?;
         // AttnReq is laid out as pkv_attn_req (tests/api.rs checks the offsets)
         let rp = reqs.as_ptr() as *const ffi::pkv_attn_req;
-        let rc = unsafe { ffi::pkv_attn_prefill(self.p(), layer, rp, nr, q.as_ptr(), out.as_mut_ptr(), &raw) };
-        check(rc, "pkv_attn_prefill")
+        self.attn_call(
+            "prefill",
+            reqs.len(),
+            total,
+            q,
+            out,
+            p,
+            lse,
+            |c, n, qp, op, raw| unsafe { ffi::pkv_attn_prefill(c, layer, rp, n, qp, op, raw) },
+        )
     }
 }

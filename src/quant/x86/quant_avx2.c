@@ -211,7 +211,7 @@ void pkv__f16_encode_avx2(const float *x, uint32_t d, void *dst) {
     for (; j + 8 <= d; j += 8)
         _mm_storeu_si128((__m128i *)(o + j),
                          _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    for (; j < d; j++) o[j] = pkv__f32_to_f16(x[j]);
+    pkv__f16_encode_ref(x + j, d - j, o + j);
 }
 
 /* pkv__f32_to_bf16 on 8 lanes, as 32-bit lanes holding the 16-bit results. */
@@ -233,7 +233,7 @@ void pkv__bf16_encode_avx2(const float *x, uint32_t d, void *dst) {
         /* packus works within 128-bit halves: a0-3 b0-3 a4-7 b4-7, put back in order */
         _mm256_storeu_si256((__m256i *)(o + j), _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8));
     }
-    for (; j < d; j++) o[j] = pkv__f32_to_bf16(x[j]);
+    pkv__bf16_encode_ref(x + j, d - j, o + j);
 }
 
 /* F16C's widening is exact, but it quiets a signalling NaN (sets the mantissa's top bit), where
@@ -252,7 +252,7 @@ void pkv__f16_decode_avx2(const void *src, uint32_t d, float *y) {
         const __m256 f = _mm256_cvtph_ps(h);
         _mm256_storeu_ps(y + j, _mm256_blendv_ps(f, _mm256_castsi256_ps(bits), _mm256_castsi256_ps(nan)));
     }
-    for (; j < d; j++) y[j] = pkv__f16_to_f32(s[j]);
+    pkv__f16_decode_ref(s + j, d - j, y + j);
 }
 
 void pkv__bf16_decode_avx2(const void *src, uint32_t d, float *y) {
@@ -262,7 +262,7 @@ void pkv__bf16_decode_avx2(const void *src, uint32_t d, float *y) {
         const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + j)));
         _mm256_storeu_si256((__m256i *)(y + j), _mm256_slli_epi32(w, 16));
     }
-    for (; j < d; j++) y[j] = pkv__bf16_to_f32(s[j]);
+    pkv__bf16_decode_ref(s + j, d - j, y + j);
 }
 
 uint32_t pkv__max_abs32_avx2(const void *x, size_t n) {
@@ -278,9 +278,8 @@ uint32_t pkv__max_abs32_avx2(const void *x, size_t n) {
     h = _mm_max_epu32(h, _mm_max_epu32(_mm256_castsi256_si128(m1), _mm256_extracti128_si256(m1, 1)));
     h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4e));
     h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xb1));
-    uint32_t m = (uint32_t)_mm_cvtsi128_si32(h);
-    for (; i < n; i++) m = PKV_MAX(m, w[i] & 0x7fffffffu);
-    return m;
+    const uint32_t m = (uint32_t)_mm_cvtsi128_si32(h), tail = pkv__max_abs32_ref(w + i, n - i);
+    return PKV_MAX(m, tail);
 }
 
 uint32_t pkv__max_abs16_avx2(const void *x, size_t n) {
@@ -293,7 +292,6 @@ uint32_t pkv__max_abs16_avx2(const void *x, size_t n) {
     __m128i h = _mm_max_epu16(_mm256_castsi256_si128(m0), _mm256_extracti128_si256(m0, 1));
     /* the largest of 8 unsigned 16-bit lanes: minpos of their complements */
     h = _mm_minpos_epu16(_mm_xor_si128(h, _mm_set1_epi16(-1)));
-    uint32_t m = (uint32_t)(0xffffu & ~(uint32_t)_mm_extract_epi16(h, 0));
-    for (; i < n; i++) m = PKV_MAX(m, w[i] & 0x7fffu);
-    return m;
+    const uint32_t m = 0xffffu & ~(uint32_t)_mm_extract_epi16(h, 0), tail = pkv__max_abs16_ref(w + i, n - i);
+    return PKV_MAX(m, tail);
 }
