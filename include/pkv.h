@@ -351,7 +351,10 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * 5 a sequence's (or a sweep's) blocks are read in windows of two passes, the window's K and then
  * its V, rather than each block's K and V together (f16, f32 and bf16 V); PKV_ATTN_PASSES=two or
  * one (or auto, the default) at pkv_cache_create fixes that, with the same rule for other
- * values. The results are the same bits either way. */
+ * values. The results are the same bits either way. Elsewhere the kernels prefetch the next
+ * block's K/V while they compute a block, or, on Intel, the next kv head's (a shorter lead:
+ * measured faster there); PKV_ATTN_LEAD=head or block (or auto, the default) at
+ * pkv_cache_create fixes that, with the same rule for other values, and the same bits. */
 PKV_API PKV_NODISCARD int pkv_attn_decode(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, uint32_t n_seqs,
                                           const float *q, float *out, const pkv_attn_params *p);
 

@@ -372,7 +372,7 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         skip();
     }
     static unsigned n_case; /* the prefetch paths in turn, whatever this CPU would pick, and the */
-    pkv__attn_set_prefetch(at, n_case & 1u, n_case >> 1 & 1u, n_case >> 3 & 1u);
+    pkv__attn_set_prefetch(at, n_case & 1u, n_case >> 1 & 1u, n_case >> 3 & 1u, n_case >> 4 & 1u);
     pkv__attn_set_tpath(at, !(n_case >> 2 & 1u)); /* transposed path and the row path (attn.h) */
     n_case++;
     pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
@@ -836,12 +836,12 @@ static void test_oracle_pool_order(void **state) {
                 if (!(d <= worst_table)) worst_table = isnan(d) ? INFINITY : d;
             }
         }
-        /* The other prefetch paths (into L1 or L2, the row path's at one level or two; a decode
-         * head's score in finer shares or not) give the same bits: the shares split score's
-         * head_dim loop, not its order. */
+        /* The other prefetch paths (into L1 or L2, the row path's at one level or two, a block
+         * or a head ahead; a decode head's score in finer shares or not) give the same bits: the
+         * shares split score's head_dim loop, not its order. */
         for (uint32_t i = 0; i < n; i++)
             memcpy(table_out[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
-        pkv__attn_set_prefetch(at, c % 2 == 0, c % 4 < 2, c % 8 < 4);
+        pkv__attn_set_prefetch(at, c % 2 == 0, c % 4 < 2, c % 8 < 4, c % 16 < 8);
         assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
         for (uint32_t i = 0; i < n; i++)
             assert_memory_equal(table_out[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
@@ -924,7 +924,8 @@ static void assert_env_refused(const pkv__attn_limits *lim, const char *var, con
  * only, more than 64 query rows per sequence and contexts of more than 16 threads; AUTO sweeps
  * calls above the inline threshold whose one-query items' tables jump, not contiguous tables or
  * small calls; PKV_ATTN_ORDER sets the order at creation and an unknown value fails it, and so
- * do PKV_ATTN_SWEEP the sweep's rule and PKV_ATTN_PASSES the row path's passes. */
+ * do PKV_ATTN_SWEEP the sweep's rule, PKV_ATTN_PASSES the row path's passes and PKV_ATTN_LEAD its
+ * prefetch lead. */
 static void test_pool_order_choice(void **state) {
     (void)state;
     g_rng = 607;
@@ -1006,6 +1007,16 @@ static void test_pool_order_choice(void **state) {
     }
     unsetenv("PKV_ATTN_PASSES");
     assert_env_refused(&lim, "PKV_ATTN_PASSES", "three");
+    /* PKV_ATTN_LEAD overrides the CPU's rule for the row path's prefetch lead; an unknown value fails */
+    static const struct { const char *value; int head; } leads[] = {{"head", 1}, {"block", 0}};
+    for (int i = 0; i < 2; i++) {
+        setenv("PKV_ATTN_LEAD", leads[i].value, 1);
+        assert_int_equal(pkv__attn_create_backend(NULL, 2, &lim, "ref", &at), PKV_OK);
+        assert_int_equal(pkv__attn_lead_head(at), leads[i].head);
+        pkv__attn_destroy(at);
+    }
+    unsetenv("PKV_ATTN_LEAD");
+    assert_env_refused(&lim, "PKV_ATTN_LEAD", "sideways");
 }
 
 /* The plan's size for the run-inline decision counts every kv head a unit reads: a decode unit

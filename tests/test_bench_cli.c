@@ -172,6 +172,8 @@ static void large_batch_once(int wide) {
         if (field(line, "kind")) {
             assert_true(str_is(line, "sweep", wide ? "wide" : "narrow"));
             assert_true(str_is(line, "passes", wide ? "two" : "one"));
+            /* the lead asked for, or Zen 5's lead in bytes, which PKV_ATTN_LEAD does not move */
+            assert_true(str_is(line, "lead", wide ? "head" : "block") || str_is(line, "lead", "bytes"));
             machine++;
             continue;
         }
@@ -203,18 +205,20 @@ static void test_large_batch(void **state) {
     for (int wide = 0; wide < 2; wide++) {
         setenv("PKV_ATTN_SWEEP", wide ? "wide" : "narrow", 1);
         setenv("PKV_ATTN_PASSES", wide ? "two" : "one", 1);
+        setenv("PKV_ATTN_LEAD", wide ? "head" : "block", 1);
         large_batch_once(wide);
     }
     unsetenv("PKV_ATTN_SWEEP");
     unsetenv("PKV_ATTN_PASSES");
+    unsetenv("PKV_ATTN_LEAD");
 }
 
-/* A value of PKV_ATTN_SWEEP (or PKV_ATTN_ORDER, PKV_ATTN_PASSES) that the library refuses ends
- * the run before any measurement, with a message and exit status 2. */
+/* A value of PKV_ATTN_SWEEP (or PKV_ATTN_ORDER, PKV_ATTN_PASSES, PKV_ATTN_LEAD) that the library
+ * refuses ends the run before any measurement, with a message and exit status 2. */
 static void test_refused_environment(void **state) {
     (void)state;
-    static const char *vars[] = {"PKV_ATTN_SWEEP", "PKV_ATTN_ORDER", "PKV_ATTN_PASSES"};
-    for (int i = 0; i < 3; i++) {
+    static const char *vars[] = {"PKV_ATTN_SWEEP", "PKV_ATTN_ORDER", "PKV_ATTN_PASSES", "PKV_ATTN_LEAD"};
+    for (int i = 0; i < 4; i++) {
         setenv(vars[i], "sideways", 1);
         char *argv[] = {"pkv", "bench", "attn", "--quick", NULL};
         char *out, *err;

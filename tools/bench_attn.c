@@ -183,9 +183,10 @@ static double run_pinned(int n, void *(*fn)(void *), void *args, size_t arg_size
 
 /* the library's CPU choices this bench follows (main); g_pf_l1 also means the decode kernels'
  * prefetch led by bytes, at two levels (src/attn/attn.c, head_io_fill), which the plain read of
- * read_p/c copies (tool_sum_block); g_two the row path in two passes (attn.c, pass_window),
- * which it copies too (read_two) */
-static int g_victim_l3, g_pf_l1, g_wide, g_two;
+ * read_p/c copies (tool_sum_block); g_head their lead of one head into L2 (PKV_CPU_LEAD_HEAD:
+ * Intel), copied likewise; g_two the row path in two passes (attn.c, pass_window), which it
+ * copies too (read_two) */
+static int g_victim_l3, g_pf_l1, g_head, g_wide, g_two;
 
 /* The value of var in the environment (NULL: unset), which sets *flag where it is on (1) or off
  * (0), as the library reads its overrides; other values leave *flag alone (the library refuses
@@ -457,6 +458,15 @@ static unsigned amd_family(void) {
     return 0;
 #endif
 }
+/* Whether the CPU is an Intel one: the library's PKV_CPU_LEAD_HEAD (src/core/core.c). */
+static int intel_cpu(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+#else
+    return 0;
+#endif
+}
 /* The library's PKV_CPU_VICTIM_L3 (AMD family 19h), PKV_CPU_PREFETCH_L1 and PKV_CPU_WIDE_SWEEP
  * (family 1Ah), read once in main before any sweep model or plain read. */
 
@@ -660,8 +670,8 @@ static uint64_t read_two(const pkv_layout *L, const uint8_t *K, const uint8_t *V
 }
 
 /* Reads the blocks ids[0 .. n) of one layer in that order, prefetching as the decode kernels do
- * (tool_sum_block): the next block into L2, or where g_pf_l1 says the library's lead in bytes;
- * in two passes where g_two says (read_two). */
+ * (tool_sum_block): the next block into L2, or where g_pf_l1 says the library's lead in bytes,
+ * or where g_head says the next head into L2; in two passes where g_two says (read_two). */
 static uint64_t read_blocks(const pkv_layout *L, const uint8_t *K, const uint8_t *V, const int32_t *ids, size_t n) {
     if (g_two) return read_two(L, K, V, ids, n);
     const size_t kh = L->k_block_bytes / L->n_kv_heads, vh = L->v_block_bytes / L->n_kv_heads;
@@ -670,7 +680,7 @@ static uint64_t read_blocks(const pkv_layout *L, const uint8_t *K, const uint8_t
         const uint8_t *kn = NULL, *vn = NULL;
         if (x + 1 < n) kn = K + (size_t)ids[x + 1] * L->k_block_bytes, vn = V + (size_t)ids[x + 1] * L->v_block_bytes;
         sum += tool_sum_block(K + (size_t)ids[x] * L->k_block_bytes, V + (size_t)ids[x] * L->v_block_bytes, kn, vn,
-                              L->n_kv_heads, kh, vh, g_pf_l1 ? 2 : 0, L->k_dtype == PKV_DTYPE_F32 ? 1 : 2);
+                              L->n_kv_heads, kh, vh, g_pf_l1 ? 2 : g_head ? 3 : 0, L->k_dtype == PKV_DTYPE_F32 ? 1 : 2);
     }
     return sum;
 }
@@ -1052,12 +1062,14 @@ int tool_bench_attn(int argc, char **argv) {
     for (size_t i = 0; i < g_bw_words; i++) g_bw_buf[i] = i;
     const unsigned family = amd_family();
     g_victim_l3 = family == 0x19u, g_pf_l1 = g_wide = g_two = family == 0x1Au;
+    g_head = intel_cpu();
     /* the library's overrides (pkv.h) */
     const char *sweep_env = env_override("PKV_ATTN_SWEEP", "wide", "narrow", &g_wide);
     const char *passes_env = env_override("PKV_ATTN_PASSES", "two", "one", &g_two);
+    const char *lead_env = env_override("PKV_ATTN_LEAD", "head", "block", &g_head);
     /* the backend a cache picks; a cache the library refuses here (the environment's
-     * PKV_ATTN_BACKEND, PKV_ATTN_ORDER, PKV_ATTN_SWEEP or PKV_ATTN_PASSES) ends the run before any
-     * measurement */
+     * PKV_ATTN_BACKEND, PKV_ATTN_ORDER, PKV_ATTN_SWEEP, PKV_ATTN_PASSES or PKV_ATTN_LEAD) ends the
+     * run before any measurement */
     static char backend[32];
     {
         pkv_config cfg = pkv_config_default();
@@ -1067,7 +1079,8 @@ int tool_bench_attn(int argc, char **argv) {
         const int crc = pkv_cache_create(&cfg, &c);
         if (crc < 0) {
             fprintf(stderr, "pkv bench attn: the library refuses a cache here: %s (see PKV_ATTN_BACKEND, "
-                    "PKV_ATTN_ORDER, PKV_ATTN_SWEEP and PKV_ATTN_PASSES in pkv.h)\n", pkv_strerror(crc));
+                    "PKV_ATTN_ORDER, PKV_ATTN_SWEEP, PKV_ATTN_PASSES and PKV_ATTN_LEAD in pkv.h)\n",
+                    pkv_strerror(crc));
             free(g_bw_buf);
             return TOOL_FAIL;
         }
@@ -1081,19 +1094,21 @@ int tool_bench_attn(int argc, char **argv) {
     if (o.json)
         printf("{\"bench\":\"attn\",\"kind\":\"machine\",\"cpu\":\"%s\",\"build\":\"%s\",\"backend\":\"%s\","
                "\"read_gbps_1t\":%.3f,\"read_gbps_2t\":%.3f,\"fma_gflops_1t\":%.2f,\"fma_gflops_2t\":%.2f,"
-               "\"sweep\":\"%s\",\"passes\":\"%s\"}\n",
+               "\"sweep\":\"%s\",\"passes\":\"%s\",\"lead\":\"%s\"}\n",
                tool_cpu_name(), tool_build_info(), backend, g_bw[1], g_bw[2], g_peak[1], g_peak[2],
-               g_wide ? "wide" : "narrow", g_two ? "two" : "one");
+               g_wide ? "wide" : "narrow", g_two ? "two" : "one", g_pf_l1 ? "bytes" : g_head ? "head" : "block");
     else {
         printf("# %s, %s, attention backend %s\n", tool_cpu_name(), tool_build_info(), backend);
         printf("# streaming read: %.2f GB/s (1 thread), %.2f GB/s (2 threads); f32 FMA peak: %.1f / %.1f GFLOP/s\n",
                g_bw[1], g_bw[2], g_peak[1], g_peak[2]);
         const char *order = getenv("PKV_ATTN_ORDER");
         printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u, decode pools %u%% held by the batch, "
-               "PKV_ATTN_ORDER=%s, PKV_ATTN_SWEEP=%s (%s here), PKV_ATTN_PASSES=%s (%s here)\n",
+               "PKV_ATTN_ORDER=%s, PKV_ATTN_SWEEP=%s (%s here), PKV_ATTN_PASSES=%s (%s here), PKV_ATTN_LEAD=%s (%s "
+               "here)\n",
                H_Q, H_KV, HEAD_DIM, g_bt, o.occupancy, order && *order ? order : "(auto)",
                sweep_env && *sweep_env ? sweep_env : "(auto)", g_wide ? "wide" : "narrow",
-               passes_env && *passes_env ? passes_env : "(auto)", g_two ? "two" : "one");
+               passes_env && *passes_env ? passes_env : "(auto)", g_two ? "two" : "one",
+               lead_env && *lead_env ? lead_env : "(auto)", g_pf_l1 ? "bytes" : g_head ? "head" : "block");
         printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s %8s %7s  %s  %-11s %8s\n", "kernel", "kv", "ctx",
                "batch", "thr", "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "hotGB/s", "hot_bw",
                "paged/contig", "p/c q1-q3", "read_p/c");

@@ -38,7 +38,9 @@ uint64_t tool_sum_run(const uint8_t *p, const uint8_t *pf, const uint8_t *near, 
  * at least min_ahead: the library's 1 for f32 K, else 2; at most n_heads), with the NTA hint and
  * the next head's runs into L1 where that is more than one head on, else into L1. The same macro name and
  * default as attn.c's, so one -DPKV_ATTN_PF_LEAD=N (stop 41 built the library that way) moves
- * the kernels' lead and this read's together. */
+ * the kernels' lead and this read's together. l1 == 3 is the library's rule on Intel
+ * (PKV_CPU_LEAD_HEAD): the next head's runs of the walk (this block's or the next's first) into
+ * L2. */
 #ifndef PKV_ATTN_PF_LEAD
 #define PKV_ATTN_PF_LEAD ((size_t)16 * 1024)
 #endif

@@ -168,7 +168,8 @@ uint64_t tool_sum_block(const uint8_t *k, const uint8_t *v, const uint8_t *kn, c
                         size_t k_run, size_t v_run, int l1, uint32_t min_ahead) {
     const size_t run = k_run + v_run, heads = (PKV_ATTN_PF_LEAD + run - 1) / run; /* the lead in heads */
     const size_t lead = heads < min_ahead ? min_ahead : heads;
-    const uint32_t ahead = l1 != 2 || lead >= n_heads ? n_heads : (uint32_t)lead;
+    const uint32_t ahead = l1 == 3 ? 1 : l1 != 2 || lead >= n_heads ? n_heads : (uint32_t)lead;
+    if (l1 == 3) l1 = 0; /* one head on, into L2 */
     uint64_t sum = 0;
     for (uint32_t h = 0; h < n_heads; h++) {
         const uint32_t hf = h + ahead; /* the run led to: this block's head hf, or the next block's */

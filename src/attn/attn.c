@@ -169,7 +169,8 @@ struct pkv__attn {
     int pf_l1;   /* the next block's prefetch into L1 (PKV_CPU_PREFETCH_L1), else into L2: head_io_fill */
     int pf_fine; /* and a decode head's score in finer shares (the same flag; attn.h, PKV__ATTN_PF_SUB_FINE) */
     int pf_two;  /* and the row path's led by bytes, at two levels, where pf_l1 is set (the same flag; head_io_fill) */
-    uint32_t pf_lead; /* the call's lead in heads where pf_two and pf_l1 are set (pf_ahead), else 0 */
+    int pf_head; /* the row path's prefetch leads by one head into L2 (PKV_CPU_LEAD_HEAD), where pf_two is not set */
+    uint32_t pf_lead; /* the call's lead in heads: pf_ahead where pf_two and pf_l1 are set, 1 where pf_head is, else 0 */
     bool tpath;  /* units of many rows take the transposed primitives where the backend has them */
     bool two_pass;        /* the row path in two passes, K then V (PKV_CPU_TWO_PASS; pass_window) */
     uint32_t pass_blocks; /* the most blocks a window of the two passes holds */
@@ -313,7 +314,8 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     if (extra) extra(&kt);
     const int order = env_order(), wide = env_rule("PKV_ATTN_SWEEP", PKV_CPU_WIDE_SWEEP, "wide", "narrow");
     const int passes = env_rule("PKV_ATTN_PASSES", PKV_CPU_TWO_PASS, "two", "one");
-    if (order < 0 || wide < 0 || passes < 0) return PKV_EINVAL;
+    const int lead_head = env_rule("PKV_ATTN_LEAD", PKV_CPU_LEAD_HEAD, "head", "block");
+    if (order < 0 || wide < 0 || passes < 0 || lead_head < 0) return PKV_EINVAL;
     if (lim->exec.parallel_for) {
         if (lim->exec.n_workers == 0 || lim->exec.n_workers > PKV_MAX_THREADS) return PKV_EINVAL;
         n_threads = lim->exec.n_workers;
@@ -391,6 +393,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->sweep_items_min = pkv__cpu_features() & PKV_CPU_VICTIM_L3 ? SWEEP_CHUNK_ITEMS_MIN_VICTIM
                                                                   : SWEEP_CHUNK_ITEMS_MIN;
     at->pf_l1 = at->pf_fine = at->pf_two = (pkv__cpu_features() & PKV_CPU_PREFETCH_L1) != 0;
+    at->pf_head = lead_head;
     at->sweep_wide = wide;
     at->tpath = true;
     at->two_pass = passes;
@@ -645,7 +648,7 @@ static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uin
     const uint8_t *r1 = accum_pf ? (xr ? xr : kx) : vx, *e1 = accum_pf ? (xr ? xr + xn : kx) : vx + vblk;
     io->pk = (pkv__attn_pf){.p = {kx, r1}, .end = {kx + kblk, e1}, .l1 = at->pf_l1, .fine = at->pf_fine};
     io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}, .l1 = at->pf_l1};
-    if (lead && ahead > 1) { /* the far run (NTA), the next head's into L1: this block's h + 1, or the next's h0 */
+    if (lead && ahead > 1 && at->pf_l1) { /* the far run (NTA), the next head's into L1: this block's h + 1, or the next's h0 */
         const bool here = h + 1 < h1;
         if (here || kn) {
             const uint8_t *kh = (here ? kb : kn) + (size_t)(here ? h + 1 : h0) * kblk;
@@ -1423,11 +1426,13 @@ void pkv__attn_set_passes(pkv__attn *at, bool two, uint32_t window_blocks) {
     at->pass_blocks = window_blocks ? PKV_MIN(window_blocks, PASS_BLOCKS_MAX) : PASS_BLOCKS_MAX;
 }
 bool pkv__attn_two_pass(const pkv__attn *at) { return at->two_pass; }
-void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine, bool two) {
+void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine, bool two, bool head) {
     at->pf_l1 = l1;
     at->pf_fine = fine;
     at->pf_two = two;
+    at->pf_head = head;
 }
+bool pkv__attn_lead_head(const pkv__attn *at) { return at->pf_head != 0; }
 bool pkv__attn_last_swept(const pkv__attn *at) { return at->last_swept; }
 uint32_t pkv__attn_last_threads(const pkv__attn *at) { return at->last_threads; }
 void pkv__attn_item_counts(const pkv__attn *at, uint64_t *pool, uint64_t *table) {
@@ -1480,7 +1485,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     /* the bytes of a head's K and V runs of a block: the one-pass lead counts heads of them; the
      * two passes' lead counts single runs, about PKV_ATTN_PF_LEAD bytes of them, 2 to 64 */
     const size_t run2 = (size_t)kv->block_tokens * (kv->k_row_bytes + kv->v_row_bytes);
-    at->pf_lead = at->pf_two && at->pf_l1 ? pf_ahead(run2, kv->k_dtype == PKV_DTYPE_F32) : 0;
+    at->pf_lead = at->pf_two && at->pf_l1 ? pf_ahead(run2, kv->k_dtype == PKV_DTYPE_F32) : at->pf_head ? 1 : 0;
     at->pass_ahead = lead_runs(2 * PKV_ATTN_PF_LEAD, run2, 2, 64);
     at->items = items;
     at->n_items = n_items;

@@ -109,9 +109,13 @@ bool pkv__attn_sweep_wide(const pkv__attn *at);
 /* How the kernels prefetch the next block (attn.c: pf_l1, pf_fine, pf_two; set at creation from
  * PKV_CPU_PREFETCH_L1): into L1 rather than L2 (l1), in a decode head's score in finer shares
  * (fine), and, where l1 is set, the row path's about 16 KiB of K/V ahead rather than a block,
- * at two levels where that is more than one head (two: attn.c, head_io_fill; pkv__attn_pf.near).
- * None changes a result; tests set them every way so every machine runs every path. */
-void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine, bool two);
+ * at two levels where that is more than one head (two: attn.c, head_io_fill; pkv__attn_pf.near),
+ * and, where two is not set, the row path's one head ahead into L2 rather than a block (head;
+ * from PKV_CPU_LEAD_HEAD or PKV_ATTN_LEAD). None changes a result; tests set them every way so
+ * every machine runs every path. */
+void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine, bool two, bool head);
+/* Whether the row path's prefetch leads by one head where two is not set (head above). */
+bool pkv__attn_lead_head(const pkv__attn *at);
 /* Whether units of many query rows take the backend's transposed primitives where it has them
  * (attn.h: score_t; on by default). Results differ by rounding only; tests run both ways. */
 void pkv__attn_set_tpath(pkv__attn *at, bool on);

@@ -88,6 +88,14 @@ enum {
      * 4096 x 16 0.90-0.94 of the time, f32 0.86-0.91, contiguous and paged alike). Unmeasured
      * elsewhere; one pass (PKV_ATTN_PASSES=two turns it on anywhere). */
     PKV_CPU_TWO_PASS = 1u << 17,
+    /* decode's software prefetch (one pass, the row path) leads by one kv head, the next (block,
+     * head) of the walk, into L2, not by a block (the same head of the next block): Intel
+     * (measured on a Xeon under KVM, family 6 model 167 as reported, stop 52: f16 contiguous and
+     * batch-1 paged 0.83-0.85 of the time at 1 and 2 threads, batch-16 paged 0.93-0.95, f32 and
+     * the quantized types 0.99-1.00; a lead of 2 heads gained nothing). Unmeasured on AMD but
+     * Zen 5, which leads by bytes at two levels (PKV_CPU_PREFETCH_L1). PKV_ATTN_LEAD=head|block
+     * overrides it. */
+    PKV_CPU_LEAD_HEAD = 1u << 18,
 };
 uint32_t pkv__cpu_features(void);
 /* True when PKV_FORCE_REF is set to a non-empty value other than "0". */
