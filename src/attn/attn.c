@@ -490,7 +490,11 @@ static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
  * measured: pf_ahead). Against the block lead, both ways round: f16 paged 0.963 at 1 thread and
  * 0.990 at 2, f32 0.907 at 1 and 0.997 at 2, bf16 0.969 at 1 and 0.996 at 2, f16 in cache
  * 1.01. The transposed path (prefill, compute-bound, its K/V often just written) keeps one
- * level, a block ahead: 2% slower with two (stop 39). */
+ * level, a block ahead: 2% slower with two (stop 39). On Intel (PKV_CPU_LEAD_HEAD, stop 52) the
+ * row path leads by one head into L2 (pf_head): f16 4096 x 16 contiguous 0.84 of the block
+ * lead's time at 2 threads, 32768 x 1 0.85 (contiguous) and 0.83-0.85 (paged, 1 and 2 threads),
+ * 4096 x 16 paged 0.93-0.94, bf16 0.87 and 0.95, f32 and the quantized types 0.99-1.00; two
+ * and four heads ahead measured the same as the block lead (ab-decode). */
 #ifndef PKV_ATTN_PF_DIST
 #define PKV_ATTN_PF_DIST 1
 #endif
