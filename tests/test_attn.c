@@ -918,6 +918,20 @@ static void assert_env_refused(const pkv__attn_limits *lim, const char *var, con
     unsetenv(var);
 }
 
+/* var = on, then off, at creation: get reads it back as true, then false; another value fails. */
+static void assert_env_rule(const pkv__attn_limits *lim, const char *var, const char *on, const char *off,
+                            bool (*get)(const pkv__attn *)) {
+    for (int v = 1; v >= 0; v--) {
+        setenv(var, v ? on : off, 1);
+        pkv__attn *at = NULL;
+        assert_int_equal(pkv__attn_create_backend(NULL, 2, lim, "ref", &at), PKV_OK);
+        assert_int_equal(get(at), v);
+        pkv__attn_destroy(at);
+    }
+    unsetenv(var);
+    assert_env_refused(lim, var, "sideways");
+}
+
 /* When the sweep takes a call: forced pool order takes every decode call it can hold (more than
  * 32 sequences in groups) and the items of one query of a call that also has extends (those run
  * in table order), and falls back to table order (with the same answers) for calls of extends
@@ -997,26 +1011,10 @@ static void test_pool_order_choice(void **state) {
     }
     unsetenv("PKV_ATTN_SWEEP");
     assert_env_refused(&lim, "PKV_ATTN_SWEEP", "diagonal");
-    /* PKV_ATTN_PASSES overrides the CPU's rule for the row path's passes; an unknown value fails */
-    static const struct { const char *value; int two; } passes[] = {{"two", 1}, {"one", 0}};
-    for (int i = 0; i < 2; i++) {
-        setenv("PKV_ATTN_PASSES", passes[i].value, 1);
-        assert_int_equal(pkv__attn_create_backend(NULL, 2, &lim, "ref", &at), PKV_OK);
-        assert_int_equal(pkv__attn_two_pass(at), passes[i].two);
-        pkv__attn_destroy(at);
-    }
-    unsetenv("PKV_ATTN_PASSES");
-    assert_env_refused(&lim, "PKV_ATTN_PASSES", "three");
-    /* PKV_ATTN_LEAD overrides the CPU's rule for the row path's prefetch lead; an unknown value fails */
-    static const struct { const char *value; int head; } leads[] = {{"head", 1}, {"block", 0}};
-    for (int i = 0; i < 2; i++) {
-        setenv("PKV_ATTN_LEAD", leads[i].value, 1);
-        assert_int_equal(pkv__attn_create_backend(NULL, 2, &lim, "ref", &at), PKV_OK);
-        assert_int_equal(pkv__attn_lead_head(at), leads[i].head);
-        pkv__attn_destroy(at);
-    }
-    unsetenv("PKV_ATTN_LEAD");
-    assert_env_refused(&lim, "PKV_ATTN_LEAD", "sideways");
+    /* PKV_ATTN_PASSES overrides the CPU's rule for the row path's passes, PKV_ATTN_LEAD its
+     * prefetch lead; an unknown value fails */
+    assert_env_rule(&lim, "PKV_ATTN_PASSES", "two", "one", pkv__attn_two_pass);
+    assert_env_rule(&lim, "PKV_ATTN_LEAD", "head", "block", pkv__attn_lead_head);
 }
 
 /* The plan's size for the run-inline decision counts every kv head a unit reads: a decode unit
