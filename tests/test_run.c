@@ -338,7 +338,9 @@ static void test_cli_usage_errors(void **state) {
         {"pkv", "run", (char *)path, "--bogus", NULL},
         {"pkv", "run", (char *)path, "--prompt-ids", "1,99999", NULL},
     };
+    const int have_model = access(path, R_OK) == 0;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        if (i == 5 && !have_model) continue; /* an id past the vocab needs the model's vocab size */
         char *err = NULL;
         int rc = run_cli(cases[i], NULL, &err);
         if (rc != 1) fail_msg("case %zu: exit %d (want 1): %s", i, rc, err ? err : "");
