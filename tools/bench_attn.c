@@ -1067,6 +1067,7 @@ int tool_bench_attn(int argc, char **argv) {
     const char *sweep_env = env_override("PKV_ATTN_SWEEP", "wide", "narrow", &g_wide);
     const char *passes_env = env_override("PKV_ATTN_PASSES", "two", "one", &g_two);
     const char *lead_env = env_override("PKV_ATTN_LEAD", "head", "block", &g_head);
+    const char *lead = g_pf_l1 ? "bytes" : g_head ? "head" : "block"; /* Zen 5's lead in bytes wins */
     /* the backend a cache picks; a cache the library refuses here (the environment's
      * PKV_ATTN_BACKEND, PKV_ATTN_ORDER, PKV_ATTN_SWEEP, PKV_ATTN_PASSES or PKV_ATTN_LEAD) ends the
      * run before any measurement */
@@ -1096,7 +1097,7 @@ int tool_bench_attn(int argc, char **argv) {
                "\"read_gbps_1t\":%.3f,\"read_gbps_2t\":%.3f,\"fma_gflops_1t\":%.2f,\"fma_gflops_2t\":%.2f,"
                "\"sweep\":\"%s\",\"passes\":\"%s\",\"lead\":\"%s\"}\n",
                tool_cpu_name(), tool_build_info(), backend, g_bw[1], g_bw[2], g_peak[1], g_peak[2],
-               g_wide ? "wide" : "narrow", g_two ? "two" : "one", g_pf_l1 ? "bytes" : g_head ? "head" : "block");
+               g_wide ? "wide" : "narrow", g_two ? "two" : "one", lead);
     else {
         printf("# %s, %s, attention backend %s\n", tool_cpu_name(), tool_build_info(), backend);
         printf("# streaming read: %.2f GB/s (1 thread), %.2f GB/s (2 threads); f32 FMA peak: %.1f / %.1f GFLOP/s\n",
@@ -1108,7 +1109,7 @@ int tool_bench_attn(int argc, char **argv) {
                H_Q, H_KV, HEAD_DIM, g_bt, o.occupancy, order && *order ? order : "(auto)",
                sweep_env && *sweep_env ? sweep_env : "(auto)", g_wide ? "wide" : "narrow",
                passes_env && *passes_env ? passes_env : "(auto)", g_two ? "two" : "one",
-               lead_env && *lead_env ? lead_env : "(auto)", g_pf_l1 ? "bytes" : g_head ? "head" : "block");
+               lead_env && *lead_env ? lead_env : "(auto)", lead);
         printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s %8s %7s  %s  %-11s %8s\n", "kernel", "kv", "ctx",
                "batch", "thr", "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "hotGB/s", "hot_bw",
                "paged/contig", "p/c q1-q3", "read_p/c");

@@ -652,7 +652,7 @@ static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uin
     const uint8_t *r1 = accum_pf ? (xr ? xr : kx) : vx, *e1 = accum_pf ? (xr ? xr + xn : kx) : vx + vblk;
     io->pk = (pkv__attn_pf){.p = {kx, r1}, .end = {kx + kblk, e1}, .l1 = at->pf_l1, .fine = at->pf_fine};
     io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}, .l1 = at->pf_l1};
-    if (lead && ahead > 1 && at->pf_l1) { /* the far run (NTA), the next head's into L1: this block's h + 1, or the next's h0 */
+    if (lead && ahead > 1) { /* the far run (NTA), the next head's into L1: this block's h + 1, or the next's h0 */
         const bool here = h + 1 < h1;
         if (here || kn) {
             const uint8_t *kh = (here ? kb : kn) + (size_t)(here ? h + 1 : h0) * kblk;
