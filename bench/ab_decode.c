@@ -20,12 +20,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { AB_HQ = 32, AB_HKV = 8, AB_D = 128, AB_BT = 16, AB_MAX_BATCH = 64, AB_SCATTER = 1024 };
+enum { AB_HQ = 32, AB_HKV = 8, AB_D = 128, AB_BT = 16, AB_BT_MAX = 1024, AB_MAX_BATCH = 64, AB_SCATTER = 1024 };
 enum { AB_MAX_ROUNDS = 101, AB_MAX_CALLS = 1000 };
 
 typedef struct ab_opts {
     pkv_dtype dtype;
     uint32_t ctx, batch, layers, threads, rounds, calls, ext;
+    uint32_t bt; /* block_tokens: AB_BT, or AB_BLOCK_TOKENS from the environment */
     int paged, shared; /* shared: paged, and sequences 1 .. batch - 1 forks of sequence 0 */
 } ab_opts;
 
@@ -71,8 +72,9 @@ static tool_pool_loan ab_loan;
 static int usage(void) {
     fprintf(stderr, "usage: ab_decode DTYPE CTX BATCH LAYERS THREADS paged|contig|shared|pc ROUNDS CALLS [EXT]\n"
                     "  e.g. ab_decode f16 4096 16 2 2 paged 21 6  (BATCH <= %d, ROUNDS <= %d, CALLS <= %d;\n"
-                    "  EXT <= CTX: each call also extends one more sequence by EXT queries)\n",
-            AB_MAX_BATCH, AB_MAX_ROUNDS, AB_MAX_CALLS);
+                    "  EXT <= CTX: each call also extends one more sequence by EXT queries;\n"
+                    "  AB_BLOCK_TOKENS=N in the environment: N-token blocks, 1..%d, default %d)\n",
+            AB_MAX_BATCH, AB_MAX_ROUNDS, AB_MAX_CALLS, AB_BT_MAX, AB_BT);
     return 2;
 }
 
@@ -96,6 +98,9 @@ int main(int argc, char **argv) {
         parse_u32(argv[7], 1, AB_MAX_ROUNDS, &o.rounds) || parse_u32(argv[8], 1, AB_MAX_CALLS, &o.calls) ||
         (argc == 10 && parse_u32(argv[9], 0, o.ctx, &o.ext)))
         return usage();
+    o.bt = AB_BT;
+    const char *bt = getenv("AB_BLOCK_TOKENS");
+    if (bt && *bt && parse_u32(bt, 1, AB_BT_MAX, &o.bt)) return usage();
     if (!strcmp(argv[6], "paged")) o.paged = 1;
     else if (!strcmp(argv[6], "shared")) o.paged = o.shared = 1;
     else if (!strcmp(argv[6], "pc")) o.paged = pc = 1;
@@ -134,9 +139,9 @@ int main(int argc, char **argv) {
         const double ma = tool_median(ta, o.rounds), mb = tool_median(tb, o.rounds), mr = tool_median(ratio, o.rounds);
         char ext[48] = "";
         if (o.ext) snprintf(ext, sizeof ext, " + an extend of %u", o.ext);
-        printf("%s ctx %u batch %u%s layers %u threads %u %s, %u rounds x %u calls: A %.2f GB/s, B %.2f GB/s; "
-               "time B/A median %.3f (quartiles %.3f %.3f)\n",
-               argv[1], o.ctx, o.batch, ext, o.layers, o.threads, argv[6], o.rounds, o.calls, bytes / ma * 1e-9,
+        printf("%s ctx %u batch %u%s block %u layers %u threads %u %s, %u rounds x %u calls: A %.2f GB/s, "
+               "B %.2f GB/s; time B/A median %.3f (quartiles %.3f %.3f)\n",
+               argv[1], o.ctx, o.batch, ext, o.bt, o.layers, o.threads, argv[6], o.rounds, o.calls, bytes / ma * 1e-9,
                bytes / mb * 1e-9, mr, ratio[o.rounds / 4], ratio[(3 * o.rounds) / 4]);
     } else if (a.c && b.c) {
         fprintf(stderr, "ab_decode: a decode call failed\n");

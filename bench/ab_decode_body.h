@@ -6,14 +6,14 @@
  * tokens (one more with an extend) and writes the same random K/V rows into every layer. 0 or
  * -1. */
 static int AB(ab_setup)(ab_side *s, const ab_opts *o, tool_rng *rng) {
-    const uint32_t per_seq = (o->ctx + AB_BT - 1) / AB_BT, n_seqs = o->batch + (o->ext > 0);
+    const uint32_t per_seq = (o->ctx + o->bt - 1) / o->bt, n_seqs = o->batch + (o->ext > 0);
     pkv_config c = AB(pkv_config_default)();
-    c.n_layers = o->layers, c.n_kv_heads = AB_HKV, c.head_dim = AB_D, c.block_tokens = AB_BT;
+    c.n_layers = o->layers, c.n_kv_heads = AB_HKV, c.head_dim = AB_D, c.block_tokens = o->bt;
     c.n_blocks = per_seq * n_seqs, c.k_dtype = c.v_dtype = o->dtype, c.n_threads = o->threads;
     c.enable_prefix_cache = 0, c.max_blocks_per_seq = per_seq > 64 ? per_seq : 64, c.max_seqs = AB_SCATTER + 64;
     if (ab_loan.base) c.allocator = tool_loan_allocator(&ab_loan); /* build A reads build B's pool */
     if (AB(pkv_cache_create)(&c, &s->c) < 0) return -1;
-    int32_t tok[AB_BT] = {0};
+    static const int32_t tok[AB_BT_MAX] = {0};
     if (o->paged) {
         static pkv_seq sc[AB_SCATTER];
         const uint32_t m = c.n_blocks < AB_SCATTER ? c.n_blocks : AB_SCATTER;
@@ -21,7 +21,7 @@ static int AB(ab_setup)(ab_side *s, const ab_opts *o, tool_rng *rng) {
             if (AB(pkv_seq_create)(s->c, NULL, 0, &sc[i]) < 0) return -1;
         for (uint32_t b = 0; b < c.n_blocks; b++)
             for (;;) {
-                const int rc = AB(pkv_seq_append)(s->c, sc[tool_rng_u64(rng) % m], tok, AB_BT, NULL);
+                const int rc = AB(pkv_seq_append)(s->c, sc[tool_rng_u64(rng) % m], tok, o->bt, NULL);
                 if (rc == PKV_ELIMIT) continue; /* that one is full: pick another */
                 if (rc < 0) return -1;
                 break;

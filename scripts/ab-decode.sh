@@ -11,9 +11,10 @@
 # EXT: each call also extends one more sequence of CTX tokens by EXT queries, in one
 # pkv_attn_prefill call with the decodes (a chunked prefill batched beside them).
 # REV_B may be "work" for the working tree as it is (uncommitted changes included).
+# AB_BLOCK_TOKENS=N in the environment: N-token blocks (default 16).
 # Default run: f16 4096 16 2 2 paged 21 6 (a 256 MiB layer, two layers per side).
 set -euo pipefail
-if [ $# -lt 2 ]; then sed -n 2,14p "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
+if [ $# -lt 2 ]; then sed -n 2,15p "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
 root=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 a=$1 b=$2; shift 2
 args=("$@")
