@@ -374,6 +374,9 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
     static unsigned n_case; /* the prefetch paths in turn, whatever this CPU would pick, and the */
     pkv__attn_set_prefetch(at, n_case & 1u, n_case >> 1 & 1u, n_case >> 3 & 1u, n_case >> 4 & 1u);
     pkv__attn_set_tpath(at, !(n_case >> 2 & 1u)); /* transposed path and the row path (attn.h) */
+    /* the row path's runs whole, or in pieces of 64 B to 4 KiB of K (4 keys at least: pieces that
+     * do not divide the visible keys, start past key 0 and end in a mask) */
+    pkv__attn_set_pieces(at, n_case >> 5 & 1u ? 0 : 64u << rng_below(7));
     n_case++;
     pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
     /* caps near the logits, and (one case in four) far above them, where tanh(x / cap) is tiny */
@@ -398,6 +401,11 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
      * the same bits; windows of 1 to 3 blocks put their edges everywhere, 0 the default size. */
     {
         const bool two = pkv__attn_two_pass(at);
+        const uint32_t pieces = pkv__attn_piece_bytes(at);
+        /* two passes take runs whole: compare them with one pass that does too (pieces take more
+         * online-softmax steps, so their bits differ) */
+        pkv__attn_set_pieces(at, 0);
+        if (pieces && !two) assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
         float *first[4], *first_lse[4];
         for (uint32_t i = 0; i < n_seqs; i++) {
             const size_t n = (size_t)items[i].n_q * nqh;
@@ -414,6 +422,9 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
             free(first[i]), free(first_lse[i]);
         }
         pkv__attn_set_passes(at, two, 0);
+        /* and the oracle below checks the pieces' results where the call took them */
+        pkv__attn_set_pieces(at, pieces);
+        if (pieces && !two) assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
     }
     for (uint32_t i = 0; i < n_seqs; i++) {
         /* errors in units of the tolerance of this (K, V) pair */
@@ -819,6 +830,7 @@ static void test_oracle_pool_order(void **state) {
         pkv__attn_set_order(at, PKV__ATTN_ORDER_POOL);
         if (c % 2) pkv__attn_set_sweep_sizing(at, 0, 4); /* groups of 4 sequences a thread */
         pkv__attn_set_sweep_wide(at, c / 2 % 2); /* or groups of 32, one set cut into ranges */
+        pkv__attn_set_pieces(at, c % 3 ? 64u << c % 7 : 0); /* runs whole or in pieces of 64 B to 4 KiB */
         assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
         assert_true(pkv__attn_last_swept(at));
         for (uint32_t i = 0; i < n; i++) {
@@ -845,7 +857,15 @@ static void test_oracle_pool_order(void **state) {
         assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
         for (uint32_t i = 0; i < n; i++)
             assert_memory_equal(table_out[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
-        /* and so does the other pass mode (windows of 1 to 3 blocks, or the default) */
+        /* and so does the other pass mode (windows of 1 to 3 blocks, or the default), against one
+         * pass with runs whole (pieces round otherwise) */
+        if (pkv__attn_piece_bytes(at) && !pkv__attn_two_pass(at)) {
+            pkv__attn_set_pieces(at, 0);
+            assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
+            for (uint32_t i = 0; i < n; i++)
+                memcpy(table_out[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
+        }
+        pkv__attn_set_pieces(at, 0);
         pkv__attn_set_passes(at, !pkv__attn_two_pass(at), c % 4);
         assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
         assert_true(pkv__attn_last_swept(at));
@@ -919,6 +939,9 @@ static void assert_env_refused(const pkv__attn_limits *lim, const char *var, con
 }
 
 /* var = on, then off, at creation: get reads it back as true, then false; another value fails. */
+/* Whether the row path takes runs in pieces (PKV_ATTN_PIECES), for assert_env_rule. */
+static bool pieces_on(const pkv__attn *at) { return pkv__attn_piece_bytes(at) != 0; }
+
 static void assert_env_rule(const pkv__attn_limits *lim, const char *var, const char *on, const char *off,
                             bool (*get)(const pkv__attn *)) {
     for (int v = 1; v >= 0; v--) {
@@ -938,8 +961,8 @@ static void assert_env_rule(const pkv__attn_limits *lim, const char *var, const 
  * only, more than 64 query rows per sequence and contexts of more than 16 threads; AUTO sweeps
  * calls above the inline threshold whose one-query items' tables jump, not contiguous tables or
  * small calls; PKV_ATTN_ORDER sets the order at creation and an unknown value fails it, and so
- * do PKV_ATTN_SWEEP the sweep's rule, PKV_ATTN_PASSES the row path's passes and PKV_ATTN_LEAD its
- * prefetch lead. */
+ * do PKV_ATTN_SWEEP the sweep's rule, PKV_ATTN_PASSES the row path's passes, PKV_ATTN_LEAD its
+ * prefetch lead and PKV_ATTN_PIECES its pieces. */
 static void test_pool_order_choice(void **state) {
     (void)state;
     g_rng = 607;
@@ -1012,9 +1035,10 @@ static void test_pool_order_choice(void **state) {
     unsetenv("PKV_ATTN_SWEEP");
     assert_env_refused(&lim, "PKV_ATTN_SWEEP", "diagonal");
     /* PKV_ATTN_PASSES overrides the CPU's rule for the row path's passes, PKV_ATTN_LEAD its
-     * prefetch lead; an unknown value fails */
+     * prefetch lead, PKV_ATTN_PIECES its pieces; an unknown value fails */
     assert_env_rule(&lim, "PKV_ATTN_PASSES", "two", "one", pkv__attn_two_pass);
     assert_env_rule(&lim, "PKV_ATTN_LEAD", "head", "block", pkv__attn_lead_head);
+    assert_env_rule(&lim, "PKV_ATTN_PIECES", "on", "off", pieces_on);
 }
 
 /* The plan's size for the run-inline decision counts every kv head a unit reads: a decode unit

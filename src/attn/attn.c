@@ -27,6 +27,9 @@
 #define T_ROWS_PAD ((ROWS_MAX + 15u) & ~15u)
 /* Key-split partial slots per thread. */
 #define SLOTS_PER_THREAD 16u
+/* The row path's pieces where PKV_CPU_PIECES says (piece_call, block_pieces): a (block, head) run
+ * of 16-bit K longer than this is taken this many bytes of K at a time. */
+#define PKV_ATTN_PIECE_BYTES 4096u
 /* Below about this many K/V elements (per plan) waking the workers costs more than they save:
  * 64 blocks of 16 tokens x head_dim 128, a few microseconds of work. */
 #define INLINE_WORK_ELEMS (64u * 16u * 128u)
@@ -171,6 +174,8 @@ struct pkv__attn {
     int pf_two;  /* and the row path's led by bytes, at two levels, where pf_l1 is set (the same flag; head_io_fill) */
     int pf_head; /* the row path's prefetch leads by one head into L2 (PKV_CPU_LEAD_HEAD), where pf_two is not set */
     uint32_t pf_lead; /* the call's lead in heads: pf_ahead where pf_two and pf_l1 are set, 1 where pf_head is, else 0 */
+    uint32_t piece_bytes; /* the row path's pieces of a head's run, in bytes of K (PKV_CPU_PIECES); 0: whole runs */
+    uint32_t piece_keys;  /* the call's: keys a piece (piece_call), 0 where runs are taken whole */
     bool tpath;  /* units of many rows take the transposed primitives where the backend has them */
     bool two_pass;        /* the row path in two passes, K then V (PKV_CPU_TWO_PASS; pass_window) */
     uint32_t pass_blocks; /* the most blocks a window of the two passes holds */
@@ -315,7 +320,8 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     const int order = env_order(), wide = env_rule("PKV_ATTN_SWEEP", PKV_CPU_WIDE_SWEEP, "wide", "narrow");
     const int passes = env_rule("PKV_ATTN_PASSES", PKV_CPU_TWO_PASS, "two", "one");
     const int lead_head = env_rule("PKV_ATTN_LEAD", PKV_CPU_LEAD_HEAD, "head", "block");
-    if (order < 0 || wide < 0 || passes < 0 || lead_head < 0) return PKV_EINVAL;
+    const int pieces = env_rule("PKV_ATTN_PIECES", PKV_CPU_PIECES, "on", "off");
+    if (order < 0 || wide < 0 || passes < 0 || lead_head < 0 || pieces < 0) return PKV_EINVAL;
     if (lim->exec.parallel_for) {
         if (lim->exec.n_workers == 0 || lim->exec.n_workers > PKV_MAX_THREADS) return PKV_EINVAL;
         n_threads = lim->exec.n_workers;
@@ -394,6 +400,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
                                                                   : SWEEP_CHUNK_ITEMS_MIN;
     at->pf_l1 = at->pf_fine = at->pf_two = (pkv__cpu_features() & PKV_CPU_PREFETCH_L1) != 0;
     at->pf_head = lead_head;
+    at->piece_bytes = pieces ? PKV_ATTN_PIECE_BYTES : 0;
     at->sweep_wide = wide;
     at->tpath = true;
     at->two_pass = passes;
@@ -683,6 +690,104 @@ static inline void accum_head(const pkv__attn *at, pkv__attn_accum_fn accum, flo
           acc + (size_t)j * rows_h * kv->head_dim, io[j & 1u].pvp);
 }
 
+/* ---- pieces: a head's run a piece at a time (PKV_CPU_PIECES) ----------------------------------
+ * Where piece_keys is set, the one-pass row path takes heads [h0, h1) of a block in pieces of
+ * piece_keys keys, the visible keys [t0, t0 + n_keys) of head h0 first, piece after piece, then
+ * head h0 + 1's: score, softmax and accum a piece, pipelined as whole heads are (score j, accum
+ * j - 1, softmax j), and each piece prefetches the next piece of the walk (the next of this run,
+ * else the next head's first, else the next block's head h0 from key 0) into L2, or L1 where pf_l1
+ * is set. Each piece is one more online-softmax step, so the results differ from whole runs by
+ * float rounding only. On the Intel Xeon of stop 53 the K and V streams of a decode read fastest
+ * with 4 KiB of each between switches and a lead of one such piece: 16-token f16 blocks have
+ * exactly that (4 KiB runs at head_dim 128), and longer runs read 13-15% slower whole. */
+
+/* The keys a piece holds for this call: piece_bytes of K, a multiple of 4 keys, at least 4; 0
+ * (whole runs) where pieces are off, the K or V dtype is not 16-bit, the V accum does not
+ * prefetch, or a run fits one piece. The prefetch flags (pf_l1 and the rest) do not change it, so
+ * they do not change a result. */
+static uint32_t piece_call(const pkv__attn *at, const pkv__kv_view *kv) {
+    const bool k16 = kv->k_dtype == PKV_DTYPE_F16 || kv->k_dtype == PKV_DTYPE_BF16;
+    const bool v16 = kv->v_dtype == PKV_DTYPE_F16 || kv->v_dtype == PKV_DTYPE_BF16;
+    if (!at->piece_bytes || !k16 || !v16 || !at->kt.accum_pf[kv->v_dtype]) return 0;
+    const uint32_t pk = PKV_MAX((uint32_t)(at->piece_bytes / kv->k_row_bytes) & ~3u, 4u);
+    return pk < kv->block_tokens ? pk : 0;
+}
+
+/* Piece (h, o) of a block: keys [o, o + n) of head h's run from key t0 (o relative to t0); what
+ * it prefetches: the next piece of the walk (pieces above), nothing past the unit's last block
+ * (kn NULL). */
+static inline void piece_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uint32_t h1, uint32_t h0, uint32_t t0,
+                                 uint32_t o, uint32_t n, uint32_t n_keys, const uint8_t *kn, const uint8_t *vn,
+                                 head_io *io) {
+    const pkv__kv_view *kv = at->kv;
+    const uint32_t B = kv->block_tokens, pk = at->piece_keys;
+    const size_t krb = kv->k_row_bytes, vrb = kv->v_row_bytes;
+    const uint8_t *kb = kv->k + bid * kv->k_block_bytes, *vb = kv->v + bid * kv->v_block_bytes;
+    io->kr = kb + ((size_t)h * B + t0 + o) * krb;
+    io->vr = vb + ((size_t)h * B + t0 + o) * vrb;
+    const uint8_t *kx, *vx;
+    uint32_t nx;
+    if (o + n < n_keys) /* the rest of this run */
+        kx = io->kr + n * krb, vx = io->vr + n * vrb, nx = PKV_MIN(pk, n_keys - o - n);
+    else if (h + 1 < h1) /* the next head's first piece */
+        kx = kb + ((size_t)(h + 1) * B + t0) * krb, vx = vb + ((size_t)(h + 1) * B + t0) * vrb, nx = PKV_MIN(pk, n_keys);
+    else if (kn) /* the next block's head h0 */
+        kx = kn + (size_t)h0 * B * krb, vx = vn + (size_t)h0 * B * vrb, nx = pk;
+    else {
+        io->pkp = io->pvp = NULL;
+        return;
+    }
+    io->pk = (pkv__attn_pf){.p = {kx, kx}, .end = {kx + nx * krb, kx}, .l1 = at->pf_l1, .fine = at->pf_fine};
+    io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + nx * vrb, vx}, .l1 = at->pf_l1};
+    io->pkp = &io->pk, io->pvp = &io->pv;
+}
+
+static void mask_block(const pkv__attn *at, const unit *w, uint32_t pos_first, uint32_t kp0, uint32_t n_keys,
+                       float *s, size_t rs, size_t ts);
+
+/* Where block_pieces masks a piece's scores (run_unit: causal or window keys); NULL: none. */
+typedef struct piece_mask {
+    const unit *w;
+    uint32_t pos_first, kp0; /* the first query's position; the position of key t0 */
+} piece_mask;
+
+/* Heads [h0, h1) of block bid, keys [t0, t0 + n_keys), in pieces (above); qp, m, l, acc: the rows
+ * of head h0 first, rows_h a head (2 * rows_h <= ROWS_MAX); s: the scratch of two pieces' scores. xq: where set, the next
+ * sequence's queries of a head, xn bytes a head (run_chunk), prefetched into L2 at each head's
+ * first piece. */
+static void block_pieces(const pkv__attn *at, size_t bid, uint32_t h0, uint32_t h1, uint32_t t0, uint32_t n_keys,
+                         const uint8_t *kn, const uint8_t *vn, const uint8_t *qp, uint32_t rows_h, float *s,
+                         float *m, float *l, float *acc, const piece_mask *pm, const uint8_t *xq, size_t xn) {
+    const pkv__kv_view *kv = at->kv;
+    const pkv__attn_kernels *kt = &at->kt;
+    const pkv__attn_score_fn score = kt->score[kv->k_dtype];
+    const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
+    const uint32_t D = kv->head_dim, pk = at->piece_keys, np = (n_keys + pk - 1) / pk, n = (h1 - h0) * np;
+    const size_t qrow = PKV__ATTN_QROW_BYTES(D);
+    head_io io2[2];
+    uint32_t len[2]; /* piece j's keys, by j % 2 */
+    for (uint32_t j = 0; j < n; j++) {
+        const uint32_t hj = j / np, o = j % np * pk, nj = PKV_MIN(pk, n_keys - o), r0 = hj * rows_h;
+        float *sj = score_half(at, s, rows_h, j);
+        head_io *io = &io2[j & 1u];
+        piece_io_fill(at, bid, h0 + hj, h1, h0, t0, o, nj, n_keys, kn, vn, io);
+        if (xq && o == 0)
+            for (size_t b = 0; b < xn; b += 64) __builtin_prefetch(xq + hj * xn + b, 0, 2);
+        score(qp + (size_t)r0 * qrow, rows_h, io->kr, kv->k_row_bytes, nj, D, sj, at->s_stride, io->pkp);
+        if (pm) mask_block(at, pm->w, pm->pos_first, pm->kp0 + o, nj, sj, at->s_stride, 1);
+        if (j > 0) {
+            const uint32_t i = j - 1;
+            accum(score_half(at, s, rows_h, i), at->s_stride, rows_h, io2[i & 1u].vr, kv->v_row_bytes, len[i & 1u], D,
+                  acc + (size_t)(i / np) * rows_h * D, io2[i & 1u].pvp);
+        }
+        len[j & 1u] = nj;
+        kt->softmax(sj, at->s_stride, rows_h, nj, at->call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
+    }
+    const uint32_t i = n - 1;
+    accum(score_half(at, s, rows_h, i), at->s_stride, rows_h, io2[i & 1u].vr, kv->v_row_bytes, len[i & 1u], D,
+          acc + (size_t)(i / np) * rows_h * D, io2[i & 1u].pvp);
+}
+
 /* Counts one of n parts (key splits, a sweep's chunks) done, on a counter reset to 0 before the
  * job: true for the last, which then merges them (acq_rel: it sees every other part's slot). */
 static bool part_done(_Atomic uint32_t *done, uint32_t n) {
@@ -951,6 +1056,12 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
         for (uint32_t b = b0; b < b1; b++) {
             const unit_block ub = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);
             const uint32_t n_keys = ub.n_keys;
+            if (at->piece_keys && n_keys > at->piece_keys && 2 * rows_h <= ROWS_MAX) {
+                const piece_mask pm = {.w = &w, .pos_first = pos_first, .kp0 = ub.kb + ub.t0};
+                block_pieces(at, ub.bid, w.kvh0, w.kvh0 + w.n_kvh, ub.t0, n_keys, ub.kn, ub.vn, qp, rows_h, s, m, l,
+                             acc, ub.mask ? &pm : NULL, NULL, 0);
+                continue;
+            }
             head_io io2[2]; /* heads pipelined (score_half) */
             for (uint32_t j = 0; j < w.n_kvh; j++) {
                 const uint32_t r0 = j * rows_h;
@@ -1377,6 +1488,15 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
                 an = (const uint8_t *)(sweep_slot(at, in, c) + 2 * ROWS_MAX);
             }
         }
+        if (at->piece_keys && n_keys > at->piece_keys && 2 * G <= ROWS_MAX) {
+            block_pieces(at, bid, 0, H, t0, n_keys, kn, vn, qp, G, s, m, l, acc, NULL, qn, (size_t)G * qrow);
+            if (qn) { /* and its acc */
+                const uint8_t *ax = an;
+                for (size_t o = 0; o < (size_t)rows * D * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
+            }
+            if (x == last[i]) finish_item(at, i);
+            continue;
+        }
         head_io io2[2]; /* heads pipelined (score_half) */
         for (uint32_t h = 0; h < H; h++) {
             const uint32_t r0 = h * G;
@@ -1437,6 +1557,8 @@ void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine, bool two, bool he
     at->pf_head = head;
 }
 bool pkv__attn_lead_head(const pkv__attn *at) { return at->pf_head != 0; }
+void pkv__attn_set_pieces(pkv__attn *at, uint32_t bytes) { at->piece_bytes = bytes; }
+uint32_t pkv__attn_piece_bytes(const pkv__attn *at) { return at->piece_bytes; }
 bool pkv__attn_last_swept(const pkv__attn *at) { return at->last_swept; }
 uint32_t pkv__attn_last_threads(const pkv__attn *at) { return at->last_threads; }
 void pkv__attn_item_counts(const pkv__attn *at, uint64_t *pool, uint64_t *table) {
@@ -1490,6 +1612,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
      * two passes' lead counts single runs, about PKV_ATTN_PF_LEAD bytes of them, 2 to 64 */
     const size_t run2 = (size_t)kv->block_tokens * (kv->k_row_bytes + kv->v_row_bytes);
     at->pf_lead = at->pf_two && at->pf_l1 ? pf_ahead(run2, kv->k_dtype == PKV_DTYPE_F32) : at->pf_head ? 1 : 0;
+    at->piece_keys = piece_call(at, kv);
     at->pass_ahead = lead_runs(2 * PKV_ATTN_PF_LEAD, run2, 2, 64);
     at->items = items;
     at->n_items = n_items;

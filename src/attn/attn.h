@@ -116,6 +116,13 @@ bool pkv__attn_sweep_wide(const pkv__attn *at);
 void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine, bool two, bool head);
 /* Whether the row path's prefetch leads by one head where two is not set (head above). */
 bool pkv__attn_lead_head(const pkv__attn *at);
+/* The one-pass row path's pieces (attn.c, piece_call and block_pieces): with 16-bit K and V, a
+ * (block, head) run of more than bytes of K is taken bytes of K at a time, each piece prefetching
+ * the next; 0 takes runs whole. Set at creation from PKV_CPU_PIECES (PKV_ATTN_PIECE_BYTES, 4 KiB)
+ * or PKV_ATTN_PIECES in the environment ("on", "off", "auto"; unset or empty: auto; another value
+ * fails creation, PKV_EINVAL). Results differ by float rounding only; tests run both ways. */
+void pkv__attn_set_pieces(pkv__attn *at, uint32_t bytes);
+uint32_t pkv__attn_piece_bytes(const pkv__attn *at);
 /* Whether units of many query rows take the backend's transposed primitives where it has them
  * (attn.h: score_t; on by default). Results differ by rounding only; tests run both ways. */
 void pkv__attn_set_tpath(pkv__attn *at, bool on);

@@ -149,7 +149,7 @@ static void detect_cpu(void) {
         if (family == 0x19u) f |= PKV_CPU_AVX512_HALVES | PKV_CPU_VICTIM_L3; /* Zen 3 and 4 */
         if (family == 0x1Au) f |= PKV_CPU_PREFETCH_L1 | PKV_CPU_WIDE_SWEEP | PKV_CPU_TWO_PASS; /* Zen 5 */
     }
-    if (__builtin_cpu_is("intel")) f |= PKV_CPU_LEAD_HEAD;
+    if (__builtin_cpu_is("intel")) f |= PKV_CPU_LEAD_HEAD | PKV_CPU_PIECES;
 #elif defined(__aarch64__)
     f |= PKV_CPU_NEON;
 #if defined(__linux__)

@@ -96,6 +96,13 @@ enum {
      * Zen 5, which leads by bytes at two levels (PKV_CPU_PREFETCH_L1). PKV_ATTN_LEAD=head|block
      * overrides it. */
     PKV_CPU_LEAD_HEAD = 1u << 18,
+    /* with 16-bit K and V (f16, bf16), the one-pass row path takes each (block, head) run longer
+     * than 4 KiB of K in pieces of 4 KiB (score, softmax, accum a piece; the prefetch leads by
+     * a piece): Intel (the Xeon of PKV_CPU_LEAD_HEAD, stop 53: f16 4096 x 16 paged at 32-token
+     * blocks 0.92-0.93 of the time, 64-token 0.86, contiguous 0.82-0.83; 16-token blocks, whose
+     * runs are 4 KiB, unchanged; 2 KiB pieces lost 5-7% there; f32 gained nothing, whole runs
+     * kept). Unmeasured on AMD. PKV_ATTN_PIECES=on|off overrides it. */
+    PKV_CPU_PIECES = 1u << 19,
 };
 uint32_t pkv__cpu_features(void);
 /* True when PKV_FORCE_REF is set to a non-empty value other than "0". */
