@@ -174,6 +174,7 @@ static void large_batch_once(int wide) {
             assert_true(str_is(line, "passes", wide ? "two" : "one"));
             /* the lead asked for, or Zen 5's lead in bytes, which PKV_ATTN_LEAD does not move */
             assert_true(str_is(line, "lead", wide ? "head" : "block") || str_is(line, "lead", "bytes"));
+            assert_true(str_is(line, "pieces", wide ? "on" : "off"));
             machine++;
             continue;
         }
@@ -206,19 +207,22 @@ static void test_large_batch(void **state) {
         setenv("PKV_ATTN_SWEEP", wide ? "wide" : "narrow", 1);
         setenv("PKV_ATTN_PASSES", wide ? "two" : "one", 1);
         setenv("PKV_ATTN_LEAD", wide ? "head" : "block", 1);
+        setenv("PKV_ATTN_PIECES", wide ? "on" : "off", 1);
         large_batch_once(wide);
     }
     unsetenv("PKV_ATTN_SWEEP");
     unsetenv("PKV_ATTN_PASSES");
     unsetenv("PKV_ATTN_LEAD");
+    unsetenv("PKV_ATTN_PIECES");
 }
 
-/* A value of PKV_ATTN_SWEEP (or PKV_ATTN_ORDER, PKV_ATTN_PASSES, PKV_ATTN_LEAD) that the library
- * refuses ends the run before any measurement, with a message and exit status 2. */
+/* A value of PKV_ATTN_SWEEP (or PKV_ATTN_ORDER, PKV_ATTN_PASSES, PKV_ATTN_LEAD, PKV_ATTN_PIECES)
+ * that the library refuses ends the run before any measurement, with a message and exit status 2. */
 static void test_refused_environment(void **state) {
     (void)state;
-    static const char *vars[] = {"PKV_ATTN_SWEEP", "PKV_ATTN_ORDER", "PKV_ATTN_PASSES", "PKV_ATTN_LEAD"};
-    for (int i = 0; i < 4; i++) {
+    static const char *vars[] = {"PKV_ATTN_SWEEP", "PKV_ATTN_ORDER", "PKV_ATTN_PASSES", "PKV_ATTN_LEAD",
+                                 "PKV_ATTN_PIECES"};
+    for (int i = 0; i < 5; i++) {
         setenv(vars[i], "sideways", 1);
         char *argv[] = {"pkv", "bench", "attn", "--quick", NULL};
         char *out, *err;

@@ -53,7 +53,8 @@ static void usage(FILE *f) {
             "sequences, each thread its own sequences' blocks in ascending id; else table order; where\n"
             "decode reads in two passes, a window's K runs and then its V runs) and\n"
             "with its software prefetch, no arithmetic, paged over contiguous (median of per-round\n"
-            "ratios): what the memory system itself charges for the paged order.\n"
+            "ratios): what the memory system itself charges for the paged order (whole runs: where\n"
+            "the kernels take longer runs in pieces, PKV_ATTN_PIECES, the plain read does not).\n"
 "Prefill: one 2048-token prompt, causal, GFLOP/s (4 * n_q_heads * head_dim per\n"
             "query-key pair) and the fraction of the f32 FMA peak: 7 rounds of (a short FMA peak\n"
             "sample, one prefill call, another sample), the fraction against the mean of the two\n"
@@ -1067,9 +1068,11 @@ int tool_bench_attn(int argc, char **argv) {
     const char *sweep_env = env_override("PKV_ATTN_SWEEP", "wide", "narrow", &g_wide);
     const char *passes_env = env_override("PKV_ATTN_PASSES", "two", "one", &g_two);
     const char *lead_env = env_override("PKV_ATTN_LEAD", "head", "block", &g_head);
+    int pieces = intel_cpu(); /* the library's PKV_CPU_PIECES (src/core/core.c) */
+    const char *pieces_env = env_override("PKV_ATTN_PIECES", "on", "off", &pieces);
     const char *lead = g_pf_l1 ? "bytes" : g_head ? "head" : "block"; /* Zen 5's lead in bytes wins */
     /* the backend a cache picks; a cache the library refuses here (the environment's
-     * PKV_ATTN_BACKEND, PKV_ATTN_ORDER, PKV_ATTN_SWEEP, PKV_ATTN_PASSES or PKV_ATTN_LEAD) ends the
+     * PKV_ATTN_BACKEND, PKV_ATTN_ORDER, PKV_ATTN_SWEEP, PKV_ATTN_PASSES, PKV_ATTN_LEAD or PKV_ATTN_PIECES) ends the
      * run before any measurement */
     static char backend[32];
     {
@@ -1080,7 +1083,7 @@ int tool_bench_attn(int argc, char **argv) {
         const int crc = pkv_cache_create(&cfg, &c);
         if (crc < 0) {
             fprintf(stderr, "pkv bench attn: the library refuses a cache here: %s (see PKV_ATTN_BACKEND, "
-                    "PKV_ATTN_ORDER, PKV_ATTN_SWEEP, PKV_ATTN_PASSES and PKV_ATTN_LEAD in pkv.h)\n",
+                    "PKV_ATTN_ORDER, PKV_ATTN_SWEEP, PKV_ATTN_PASSES, PKV_ATTN_LEAD and PKV_ATTN_PIECES in pkv.h)\n",
                     pkv_strerror(crc));
             free(g_bw_buf);
             return TOOL_FAIL;
@@ -1095,9 +1098,9 @@ int tool_bench_attn(int argc, char **argv) {
     if (o.json)
         printf("{\"bench\":\"attn\",\"kind\":\"machine\",\"cpu\":\"%s\",\"build\":\"%s\",\"backend\":\"%s\","
                "\"read_gbps_1t\":%.3f,\"read_gbps_2t\":%.3f,\"fma_gflops_1t\":%.2f,\"fma_gflops_2t\":%.2f,"
-               "\"sweep\":\"%s\",\"passes\":\"%s\",\"lead\":\"%s\"}\n",
+               "\"sweep\":\"%s\",\"passes\":\"%s\",\"lead\":\"%s\",\"pieces\":\"%s\"}\n",
                tool_cpu_name(), tool_build_info(), backend, g_bw[1], g_bw[2], g_peak[1], g_peak[2],
-               g_wide ? "wide" : "narrow", g_two ? "two" : "one", lead);
+               g_wide ? "wide" : "narrow", g_two ? "two" : "one", lead, pieces ? "on" : "off");
     else {
         printf("# %s, %s, attention backend %s\n", tool_cpu_name(), tool_build_info(), backend);
         printf("# streaming read: %.2f GB/s (1 thread), %.2f GB/s (2 threads); f32 FMA peak: %.1f / %.1f GFLOP/s\n",
@@ -1105,11 +1108,12 @@ int tool_bench_attn(int argc, char **argv) {
         const char *order = getenv("PKV_ATTN_ORDER");
         printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u, decode pools %u%% held by the batch, "
                "PKV_ATTN_ORDER=%s, PKV_ATTN_SWEEP=%s (%s here), PKV_ATTN_PASSES=%s (%s here), PKV_ATTN_LEAD=%s (%s "
-               "here)\n",
+               "here), PKV_ATTN_PIECES=%s (%s here)\n",
                H_Q, H_KV, HEAD_DIM, g_bt, o.occupancy, order && *order ? order : "(auto)",
                sweep_env && *sweep_env ? sweep_env : "(auto)", g_wide ? "wide" : "narrow",
                passes_env && *passes_env ? passes_env : "(auto)", g_two ? "two" : "one",
-               lead_env && *lead_env ? lead_env : "(auto)", lead);
+               lead_env && *lead_env ? lead_env : "(auto)", lead, pieces_env && *pieces_env ? pieces_env : "(auto)",
+               pieces ? "on" : "off");
         printf("%-7s %-8s %6s %5s %3s  %-6s %10s %8s %8s %7s %7s %6s %8s %7s  %s  %-11s %8s\n", "kernel", "kv", "ctx",
                "batch", "thr", "layout", "median_us", "GB/s", "readBW", "of_bw", "ws_MiB", "B/tok", "hotGB/s", "hot_bw",
                "paged/contig", "p/c q1-q3", "read_p/c");
