@@ -859,13 +859,13 @@ static void test_oracle_pool_order(void **state) {
             assert_memory_equal(table_out[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
         /* and so does the other pass mode (windows of 1 to 3 blocks, or the default), against one
          * pass with runs whole (pieces round otherwise) */
-        if (pkv__attn_piece_bytes(at) && !pkv__attn_two_pass(at)) {
-            pkv__attn_set_pieces(at, 0);
+        const bool pieced = pkv__attn_piece_bytes(at) && !pkv__attn_two_pass(at);
+        pkv__attn_set_pieces(at, 0);
+        if (pieced) {
             assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
             for (uint32_t i = 0; i < n; i++)
                 memcpy(table_out[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
         }
-        pkv__attn_set_pieces(at, 0);
         pkv__attn_set_passes(at, !pkv__attn_two_pass(at), c % 4);
         assert_int_equal(pkv__attn_run(at, &p.view, items, n, &call), PKV_OK);
         assert_true(pkv__attn_last_swept(at));
@@ -938,10 +938,10 @@ static void assert_env_refused(const pkv__attn_limits *lim, const char *var, con
     unsetenv(var);
 }
 
-/* var = on, then off, at creation: get reads it back as true, then false; another value fails. */
 /* Whether the row path takes runs in pieces (PKV_ATTN_PIECES), for assert_env_rule. */
 static bool pieces_on(const pkv__attn *at) { return pkv__attn_piece_bytes(at) != 0; }
 
+/* var = on, then off, at creation: get reads it back as true, then false; another value fails. */
 static void assert_env_rule(const pkv__attn_limits *lim, const char *var, const char *on, const char *off,
                             bool (*get)(const pkv__attn *)) {
     for (int v = 1; v >= 0; v--) {

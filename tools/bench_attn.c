@@ -1063,12 +1063,13 @@ int tool_bench_attn(int argc, char **argv) {
     for (size_t i = 0; i < g_bw_words; i++) g_bw_buf[i] = i;
     const unsigned family = amd_family();
     g_victim_l3 = family == 0x19u, g_pf_l1 = g_wide = g_two = family == 0x1Au;
-    g_head = intel_cpu();
+    const int intel = intel_cpu();
+    g_head = intel;
     /* the library's overrides (pkv.h) */
     const char *sweep_env = env_override("PKV_ATTN_SWEEP", "wide", "narrow", &g_wide);
     const char *passes_env = env_override("PKV_ATTN_PASSES", "two", "one", &g_two);
     const char *lead_env = env_override("PKV_ATTN_LEAD", "head", "block", &g_head);
-    int pieces = intel_cpu(); /* the library's PKV_CPU_PIECES (src/core/core.c) */
+    int pieces = intel; /* the library's PKV_CPU_PIECES (src/core/core.c) */
     const char *pieces_env = env_override("PKV_ATTN_PIECES", "on", "off", &pieces);
     const char *lead = g_pf_l1 ? "bytes" : g_head ? "head" : "block"; /* Zen 5's lead in bytes wins */
     /* the backend a cache picks; a cache the library refuses here (the environment's

@@ -742,6 +742,12 @@ static inline void piece_io_fill(const pkv__attn *at, size_t bid, uint32_t h, ui
     io->pkp = &io->pk, io->pvp = &io->pv;
 }
 
+/* Whether a block of n_keys visible keys goes in pieces: the call takes pieces, there is more than
+ * one, and two pieces' scores of rows_h rows fit the scratch (score_half). */
+static inline bool piece_take(const pkv__attn *at, uint32_t n_keys, uint32_t rows_h) {
+    return at->piece_keys && n_keys > at->piece_keys && 2 * rows_h <= ROWS_MAX;
+}
+
 static void mask_block(const pkv__attn *at, const unit *w, uint32_t pos_first, uint32_t kp0, uint32_t n_keys,
                        float *s, size_t rs, size_t ts);
 
@@ -751,10 +757,19 @@ typedef struct piece_mask {
     uint32_t pos_first, kp0; /* the first query's position; the position of key t0 */
 } piece_mask;
 
+/* Piece i's accum (accum_head's for pieces): its scores' half, its V run, len[i % 2] keys, the acc
+ * rows of its head (np pieces a head). */
+static inline void accum_piece(const pkv__attn *at, pkv__attn_accum_fn accum, float *s, uint32_t rows_h, uint32_t i,
+                               uint32_t np, const uint32_t *len, const head_io *io, float *acc) {
+    const pkv__kv_view *kv = at->kv;
+    accum(score_half(at, s, rows_h, i), at->s_stride, rows_h, io[i & 1u].vr, kv->v_row_bytes, len[i & 1u],
+          kv->head_dim, acc + (size_t)(i / np) * rows_h * kv->head_dim, io[i & 1u].pvp);
+}
+
 /* Heads [h0, h1) of block bid, keys [t0, t0 + n_keys), in pieces (above); qp, m, l, acc: the rows
- * of head h0 first, rows_h a head (2 * rows_h <= ROWS_MAX); s: the scratch of two pieces' scores. xq: where set, the next
- * sequence's queries of a head, xn bytes a head (run_chunk), prefetched into L2 at each head's
- * first piece. */
+ * of head h0 first, rows_h a head (piece_take); s: the scratch of two pieces' scores. xq: where
+ * set, the next sequence's queries of a head, xn bytes a head (run_chunk), prefetched into L2 at
+ * each head's first piece. */
 static void block_pieces(const pkv__attn *at, size_t bid, uint32_t h0, uint32_t h1, uint32_t t0, uint32_t n_keys,
                          const uint8_t *kn, const uint8_t *vn, const uint8_t *qp, uint32_t rows_h, float *s,
                          float *m, float *l, float *acc, const piece_mask *pm, const uint8_t *xq, size_t xn) {
@@ -775,17 +790,11 @@ static void block_pieces(const pkv__attn *at, size_t bid, uint32_t h0, uint32_t 
             for (size_t b = 0; b < xn; b += 64) __builtin_prefetch(xq + hj * xn + b, 0, 2);
         score(qp + (size_t)r0 * qrow, rows_h, io->kr, kv->k_row_bytes, nj, D, sj, at->s_stride, io->pkp);
         if (pm) mask_block(at, pm->w, pm->pos_first, pm->kp0 + o, nj, sj, at->s_stride, 1);
-        if (j > 0) {
-            const uint32_t i = j - 1;
-            accum(score_half(at, s, rows_h, i), at->s_stride, rows_h, io2[i & 1u].vr, kv->v_row_bytes, len[i & 1u], D,
-                  acc + (size_t)(i / np) * rows_h * D, io2[i & 1u].pvp);
-        }
+        if (j > 0) accum_piece(at, accum, s, rows_h, j - 1, np, len, io2, acc);
         len[j & 1u] = nj;
         kt->softmax(sj, at->s_stride, rows_h, nj, at->call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
     }
-    const uint32_t i = n - 1;
-    accum(score_half(at, s, rows_h, i), at->s_stride, rows_h, io2[i & 1u].vr, kv->v_row_bytes, len[i & 1u], D,
-          acc + (size_t)(i / np) * rows_h * D, io2[i & 1u].pvp);
+    accum_piece(at, accum, s, rows_h, n - 1, np, len, io2, acc);
 }
 
 /* Counts one of n parts (key splits, a sweep's chunks) done, on a counter reset to 0 before the
@@ -1056,7 +1065,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
         for (uint32_t b = b0; b < b1; b++) {
             const unit_block ub = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);
             const uint32_t n_keys = ub.n_keys;
-            if (at->piece_keys && n_keys > at->piece_keys && 2 * rows_h <= ROWS_MAX) {
+            if (piece_take(at, n_keys, rows_h)) {
                 const piece_mask pm = {.w = &w, .pos_first = pos_first, .kp0 = ub.kb + ub.t0};
                 block_pieces(at, ub.bid, w.kvh0, w.kvh0 + w.n_kvh, ub.t0, n_keys, ub.kn, ub.vn, qp, rows_h, s, m, l,
                              acc, ub.mask ? &pm : NULL, NULL, 0);
@@ -1488,12 +1497,10 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
                 an = (const uint8_t *)(sweep_slot(at, in, c) + 2 * ROWS_MAX);
             }
         }
-        if (at->piece_keys && n_keys > at->piece_keys && 2 * G <= ROWS_MAX) {
+        if (piece_take(at, n_keys, G)) {
             block_pieces(at, bid, 0, H, t0, n_keys, kn, vn, qp, G, s, m, l, acc, NULL, qn, (size_t)G * qrow);
-            if (qn) { /* and its acc */
-                const uint8_t *ax = an;
-                for (size_t o = 0; o < (size_t)rows * D * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
-            }
+            if (qn) /* and its acc */
+                for (size_t o = 0; o < (size_t)rows * D * sizeof(float); o += 64) __builtin_prefetch(an + o, 1, 2);
             if (x == last[i]) finish_item(at, i);
             continue;
         }
