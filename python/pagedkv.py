@@ -247,6 +247,8 @@ def _i32_array(x, what):
     a = np.asarray(x)
     if a.dtype.kind not in "iu" and not (a.size == 0 and a.dtype.kind == "f"):
         raise _invalid("%s: an integer array is needed, got %s" % (what, a.dtype))
+    if a.size > 0xFFFFFFFF:  # a C count is uint32: more would be cut short, not refused
+        raise _invalid("%s: %d values, more than one call takes (2^32 - 1)" % (what, a.size))
     if a.size and (a.min() < -(1 << 31) or a.max() >= 1 << 31):
         raise _invalid("%s: values out of int32 range" % what)
     return np.ascontiguousarray(a.reshape(-1), dtype=np.int32)
@@ -490,15 +492,19 @@ class Cache:
         _check(_lib.pkv_seq_get_info(self._h(), _seq_of(seq), ctypes.byref(i)), "pkv_seq_get_info")
         return SeqInfo(*(getattr(i, f) for f, _ in _SeqInfo._fields_))
 
-    def _range(self, seq, start, n):
-        start = _u32_of(start, "start")
-        if n is None:
-            n = max(self.seq_info(seq).n_tokens - start, 0)
-        return start, _u32_of(n, "n")
+    def _range(self, seq, start, n, what):
+        """start, n checked against the sequence's length before an output of n rows is made (so a
+        huge n is EINVAL, as the C call would say, not an allocation of that size)."""
+        start = _u32_of(start, "%s: start" % what)
+        length = self.seq_info(seq).n_tokens
+        n = max(length - start, 0) if n is None else _u32_of(n, "%s: n" % what)
+        if start + n > length:
+            raise _invalid("%s: positions [%d, %d) past the sequence's %d" % (what, start, start + n, length))
+        return start, n
 
     def slots(self, seq, start=0, n=None):
         """Slots of positions [start, start + n) (default: to the end): vLLM's slot_mapping."""
-        start, n = self._range(seq, start, n)
+        start, n = self._range(seq, start, n, "slots")
         out = np.empty(n, dtype=np.int32)
         _check(_lib.pkv_seq_slots(self._h(), _seq_of(seq), start, n, _ptr(out)), "pkv_seq_slots")
         return out
@@ -515,7 +521,7 @@ class Cache:
     def gather(self, seq, layer, start=0, n=None):
         """K and V of positions [start, start + n) of one layer as float32 [n][n_kv_heads][head_dim]
         arrays (dequantized)."""
-        start, n = self._range(seq, start, n)
+        start, n = self._range(seq, start, n, "gather")
         k = np.empty((n, self._H, self._D), dtype=np.float32)
         v = np.empty_like(k)
         _check(_lib.pkv_seq_gather(self._h(), _seq_of(seq), _u32_of(layer, "layer"), start, n, _ptr(k), _ptr(v)),
@@ -533,6 +539,7 @@ class Cache:
             a = np.ascontiguousarray([_seq_of(s) for s in seqs], dtype=np.uint64)
         if a.size == 0:
             raise _invalid("%s: no sequences" % what)
+        _u32_of(a.size, "%s: sequence count" % what)
         return a
 
     def export_dense(self, seqs, max_blocks=None):
@@ -655,6 +662,7 @@ class Cache:
         rs = list(reqs)
         if not rs:
             raise _invalid("prefill: no requests")
+        _u32_of(len(rs), "prefill: request count")
         arr = (_AttnReq * len(rs))()
         total = 0
         for i, r in enumerate(rs):

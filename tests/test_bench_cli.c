@@ -159,6 +159,22 @@ static void test_usage_errors(void **state) {
     char *err;
     assert_int_equal(run_cli(argv, NULL, &err), 1);
     free(err);
+    char *none[] = {"pkv", "bench", NULL}; /* no benchmark named: a usage error that shows the usage */
+    char *out;
+    assert_int_equal(run_cli(none, &out, &err), 1);
+    assert_non_null(strstr(err, "usage: pkv bench"));
+    free(out), free(err);
+    /* `pkv --help` says each command takes --help: bench's own, and each benchmark's, on stdout */
+    char *help[][4] = {{"pkv", "bench", "--help", NULL}, {"pkv", "bench", "-h", NULL},
+                       {"pkv", "bench", "attn", "--help"}, {"pkv", "bench", "ops", "--help"},
+                       {"pkv", "bench", "prefix", "--help"}};
+    for (size_t i = 0; i < sizeof help / sizeof help[0]; i++) {
+        char *hv[5] = {help[i][0], help[i][1], help[i][2], help[i][3], NULL};
+        int rc = run_cli(hv, &out, &err);
+        if (rc != 0) fail_msg("help case %zu: exit %d: %s", i, rc, err);
+        assert_non_null(strstr(out, "usage: pkv bench"));
+        free(out), free(err);
+    }
 }
 
 static void large_batch_once(int wide) {

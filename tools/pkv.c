@@ -40,11 +40,16 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "sim")) return tool_sim(argc - 1, argv + 1);
     if (!strcmp(cmd, "run")) return tool_run(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) {
+        static const char bench_usage[] = "usage: pkv bench ops|attn|prefix [options]  (`pkv bench attn --help`, ...)\n";
         if (argc < 3) {
-            fprintf(stderr, "pkv bench: which benchmark? ops, attn or prefix\n");
+            fprintf(stderr, "pkv bench: which benchmark? ops, attn or prefix\n%s", bench_usage);
             return TOOL_USAGE;
         }
         const char *what = argv[2];
+        if (!strcmp(what, "-h") || !strcmp(what, "--help")) {
+            fputs(bench_usage, stdout);
+            return TOOL_OK;
+        }
         if (!strcmp(what, "ops")) return tool_bench_ops(argc - 2, argv + 2);
         if (!strcmp(what, "attn")) return tool_bench_attn(argc - 2, argv + 2);
         if (!strcmp(what, "prefix")) return tool_bench_prefix(argc - 2, argv + 2);

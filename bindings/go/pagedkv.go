@@ -433,13 +433,32 @@ func (c *Cache) SeqInfo(s Seq) (SeqInfo, error) {
 	return SeqInfo{uint32(i.n_tokens), uint32(i.n_committed), uint32(i.n_blocks), uint32(i.n_shared), uint32(i.n_reused)}, nil
 }
 
+// inSeq is EINVAL unless positions [start, start+n) are in the sequence (the C call's own
+// check), made under the caller's read lock before an output of n rows is allocated: a huge n
+// is an error, not an allocation of that size.
+func inSeq(p *C.pkv_cache, s Seq, start, n uint32, op string) error {
+	var i C.pkv_seq_info
+	if err := check(C.pkv_seq_get_info(p, C.pkv_seq(s), &i), "pkv_seq_get_info"); err != nil {
+		return err
+	}
+	if uint64(start)+uint64(n) > uint64(i.n_tokens) {
+		return invalid("%s: positions [%d, %d) past the sequence's %d", op, start, uint64(start)+uint64(n), uint32(i.n_tokens))
+	}
+	return nil
+}
+
 // Slots of positions [start, start+n): vLLM's slot_mapping.
 func (c *Cache) Slots(s Seq, start, n uint32) ([]int32, error) {
-	out := make([]int32, n)
-	err := c.readOp("pkv_seq_slots", func(p *C.pkv_cache) C.int {
-		return C.pkv_seq_slots(p, C.pkv_seq(s), C.uint32_t(start), C.uint32_t(n), i32p(out))
-	})
+	p, unlock, err := c.rlock()
 	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if err := inSeq(p, s, start, n, "pkv_seq_slots"); err != nil {
+		return nil, err
+	}
+	out := make([]int32, n)
+	if err := check(C.pkv_seq_slots(p, C.pkv_seq(s), C.uint32_t(start), C.uint32_t(n), i32p(out)), "pkv_seq_slots"); err != nil {
 		return nil, err
 	}
 	return out, nil
@@ -467,11 +486,17 @@ func (c *Cache) BlockTable(s Seq) ([]int32, error) {
 // Gather returns K and V of positions [start, start+n) of one layer, f32
 // [n][n_kv_heads][head_dim] (dequantized).
 func (c *Cache) Gather(s Seq, layer, start, n uint32) ([]float32, []float32, error) {
-	k, v := make([]float32, c.kvElems(int(n))), make([]float32, c.kvElems(int(n)))
-	err := c.readOp("pkv_seq_gather", func(p *C.pkv_cache) C.int {
-		return C.pkv_seq_gather(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), C.uint32_t(n), f32p(k), f32p(v))
-	})
+	p, unlock, err := c.rlock()
 	if err != nil {
+		return nil, nil, err
+	}
+	defer unlock()
+	if err := inSeq(p, s, start, n, "pkv_seq_gather"); err != nil {
+		return nil, nil, err
+	}
+	k, v := make([]float32, c.kvElems(int(n))), make([]float32, c.kvElems(int(n)))
+	rc := C.pkv_seq_gather(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), C.uint32_t(n), f32p(k), f32p(v))
+	if err := check(rc, "pkv_seq_gather"); err != nil {
 		return nil, nil, err
 	}
 	return k, v, nil

@@ -464,6 +464,27 @@ func TestStatusesAndLengthChecks(t *testing.T) {
 			t.Fatal("a refused write changed K")
 		}
 	}
+	// ranges past the sequence: refused before an output of n rows is allocated
+	for _, r := range [][2]uint32{{0, math.MaxUint32}, {math.MaxUint32, 1}, {3, 2}, {5, 0}} {
+		if _, _, err := c.Gather(y, 0, r[0], r[1]); code(err) != EINVAL {
+			t.Fatal("gather", r, err)
+		}
+		if _, err := c.Slots(y, r[0], r[1]); code(err) != EINVAL {
+			t.Fatal("slots", r, err)
+		}
+	}
+	if _, _, err := c.Gather(x, 0, 0, math.MaxUint32); code(err) != EINVAL {
+		t.Fatal("gather of an empty sequence:", err)
+	}
+	if _, _, err := c.Gather(s, 0, 0, 1); code(err) != ENOENT {
+		t.Fatal("gather of a released sequence:", err)
+	}
+	if k, _, err := c.Gather(y, 0, 4, 0); err != nil || len(k) != 0 {
+		t.Fatal("empty gather at the end:", len(k), err)
+	}
+	if got, err := c.Slots(y, 1, 3); err != nil || len(got) != 3 || got[0] != slots[1] || got[2] != slots[3] {
+		t.Fatal("slots 1..4:", got, err)
+	}
 	must(t, c.Check())
 }
 

@@ -529,6 +529,15 @@ class TestCache(Base):
                 lambda: c.truncate(s, -1),
                 lambda: c.commit(s, 2.5),
                 lambda: c.seq_info(-3),
+                # counts past uint32 (a C count would cut them short) and ranges past the
+                # sequence (refused before an output of that many rows is allocated)
+                lambda: c.append(s, np.broadcast_to(np.int32(1), (2**32 + 5,))),
+                lambda: c.match_prefix(c.seq_create(), np.broadcast_to(np.int32(1), (2**32,))),
+                lambda: c.gather(s, 0, 0, 0xFFFFFFFF),
+                lambda: c.gather(s, 0, 3, 2),
+                lambda: c.gather(s, 0, 5),
+                lambda: c.slots(s, 0, 0xFFFFFFFF),
+                lambda: c.slots(s, 4, 1),
                 lambda: pkv.merge(np.ones((2, 8)), np.ones(3), np.ones((2, 8)), np.ones(2)),
             ]
             for i, call in enumerate(bad):
@@ -536,6 +545,8 @@ class TestCache(Base):
                     call()
                 self.assertEqual(e.exception.code, pkv.EINVAL)
             self.assertEqual(c.seq_info(s).n_tokens, 4)
+            self.assertEqual(c.gather(s, 0, 4)[0].shape, (0, 2, 32))  # empty, at the end
+            self.assertEqual(c.slots(s, 1, 3).tolist(), slots[1:].tolist())
             # a flat q with n_q_heads given is fine
             c.write_kv(0, slots, np.ones((4, 2, 32), np.float32), np.ones((4, 2, 32), np.float32))
             out = c.decode(0, [s], np.ones(128, np.float32), n_q_heads=4)

@@ -501,8 +501,26 @@ impl Cache {
         Ok(i)
     }
 
+    /// EINVAL unless positions [start, start + n) are in the sequence (the C call's own check),
+    /// made before an output of n rows is allocated: a huge n is an error, not an allocation of
+    /// that size. The length cannot change before the call that follows: appends take `&mut self`.
+    fn in_seq(&self, s: Seq, start: u32, n: u32, what: &str) -> Result<()> {
+        let len = self.seq_info(s)?.n_tokens;
+        if u64::from(start) + u64::from(n) > u64::from(len) {
+            return Err(invalid(format!(
+                "{}: positions [{}, {}) past the sequence's {}",
+                what,
+                start,
+                u64::from(start) + u64::from(n),
+                len
+            )));
+        }
+        Ok(())
+    }
+
     /// Slots of positions [start, start + n): vLLM's slot_mapping.
     pub fn slots(&self, s: Seq, start: u32, n: u32) -> Result<Vec<i32>> {
+        self.in_seq(s, start, n, "pkv_seq_slots")?;
         let mut out = vec![0i32; n as usize];
         check(
             unsafe { ffi::pkv_seq_slots(self.p(), s.0, start, n, out.as_mut_ptr()) },
@@ -527,6 +545,7 @@ impl Cache {
     /// K and V of positions [start, start + n) of one layer, f32 [n][n_kv_heads][head_dim]
     /// (dequantized).
     pub fn gather(&self, s: Seq, layer: u32, start: u32, n: u32) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.in_seq(s, start, n, "pkv_seq_gather")?;
         let len = self.kv_elems(n as usize);
         let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
         let rc = unsafe { ffi::pkv_seq_gather(self.p(), s.0, layer, start, n, k.as_mut_ptr(), v.as_mut_ptr()) };

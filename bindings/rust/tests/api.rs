@@ -138,8 +138,17 @@ macro_rules! offsets {
 
 #[test]
 fn struct_layouts_match_c() {
-    let exe = std::env::var("PKV_ABI_LAYOUT").expect("PKV_ABI_LAYOUT (the abi_layout program) is not set");
-    let text = String::from_utf8(std::process::Command::new(exe).output().unwrap().stdout).unwrap();
+    // PKV_ABI_LAYOUT, else the checkout's build/abi_layout (where build.rs finds libpkv.so)
+    let exe = std::env::var("PKV_ABI_LAYOUT")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../../build/abi_layout").to_string());
+    let run = std::process::Command::new(&exe).output();
+    let run = run.unwrap_or_else(|e| {
+        panic!(
+            "{}: {} (build it: ninja -C build abi_layout, or set PKV_ABI_LAYOUT)",
+            exe, e
+        )
+    });
+    let text = String::from_utf8(run.stdout).unwrap();
     let m: HashMap<String, usize> = text
         .lines()
         .map(|l| {
@@ -602,6 +611,27 @@ fn statuses_and_length_checks() {
     for (i, r) in refused_mut.iter().enumerate() {
         assert_eq!(r.as_ref().unwrap_err().code(), EINVAL, "write case {}", i);
     }
+    // ranges past the sequence: refused before an output of n rows is allocated
+    for (start, n) in [(0, u32::MAX), (u32::MAX, 1), (3, 2), (5, 0)] {
+        assert_eq!(
+            c.gather(y, 0, start, n).unwrap_err().code(),
+            EINVAL,
+            "gather {} {}",
+            start,
+            n
+        );
+        assert_eq!(
+            c.slots(y, start, n).unwrap_err().code(),
+            EINVAL,
+            "slots {} {}",
+            start,
+            n
+        );
+    }
+    assert_eq!(c.gather(x, 0, 0, u32::MAX).unwrap_err().code(), EINVAL); // an empty sequence
+    assert_eq!(c.gather(s, 0, 0, 1).unwrap_err().code(), ENOENT); // a released one
+    assert_eq!(c.gather(y, 0, 4, 0).unwrap().0.len(), 0);
+    assert_eq!(c.slots(y, 1, 3).unwrap(), slots[1..].to_vec());
     c.check().unwrap();
 }
 
