@@ -118,7 +118,9 @@ static void test_create_and_row_bytes(void **state) {
 }
 
 /* ---- writes and gather ---- */
-static void write_gather_case(pkv_dtype kdt, pkv_dtype vdt, pkv_dtype in, uint32_t D) {
+/* shift: the input's byte offset from an aligned address (pkv_write_kv takes k and v at any
+ * address: const void *). */
+static void write_gather_case_at(pkv_dtype kdt, pkv_dtype vdt, pkv_dtype in, uint32_t D, size_t shift) {
     const uint32_t H = 2, NT = 37, LAYER = 1;
     pkv_config cfg = tu_config(8, 16, 2, H, D, kdt);
     cfg.v_dtype = vdt;
@@ -140,8 +142,11 @@ static void write_gather_case(pkv_dtype kdt, pkv_dtype vdt, pkv_dtype in, uint32
     }
     if (in == PKV_DTYPE_F32) memcpy(ck, xk, E * 4), memcpy(cv, xv, E * 4);
     else pkv__to_f32(in, hk, E, ck), pkv__to_f32(in, hv, E, cv);
-    const void *src_k = in == PKV_DTYPE_F32 ? (const void *)xk : (const void *)hk;
-    const void *src_v = in == PKV_DTYPE_F32 ? (const void *)xv : (const void *)hv;
+    const size_t in_bytes = E * (in == PKV_DTYPE_F32 ? 4 : 2);
+    uint8_t *buf_k = malloc(in_bytes + 8), *buf_v = malloc(in_bytes + 8);
+    memcpy(buf_k + shift, in == PKV_DTYPE_F32 ? (const void *)xk : (const void *)hk, in_bytes);
+    memcpy(buf_v + shift, in == PKV_DTYPE_F32 ? (const void *)xv : (const void *)hv, in_bytes);
+    const void *src_k = buf_k + shift, *src_v = buf_v + shift;
     /* token 5 is padding (slot -1): its rows keep whatever bytes they had */
     int32_t wslots[37];
     memcpy(wslots, slots, sizeof wslots);
@@ -183,7 +188,12 @@ static void write_gather_case(pkv_dtype kdt, pkv_dtype vdt, pkv_dtype in, uint32
         }
     TU_CHECK(c);
     free(xk), free(xv), free(ck), free(cv), free(hk), free(hv), free(gk), free(gv), free(dec), free(want);
+    free(buf_k), free(buf_v);
     pkv_cache_destroy(c);
+}
+
+static void write_gather_case(pkv_dtype kdt, pkv_dtype vdt, pkv_dtype in, uint32_t D) {
+    write_gather_case_at(kdt, vdt, in, D, 0);
 }
 
 static void test_write_gather_every_input(void **state) {
@@ -196,6 +206,15 @@ static void test_write_gather_every_input(void **state) {
         }
     write_gather_case(PKV_DTYPE_FP8_E4M3, PKV_DTYPE_F16, PKV_DTYPE_F32, 72); /* fp8, head_dim % 32 != 0 */
     write_gather_case(PKV_DTYPE_BF16, PKV_DTYPE_Q4_0, PKV_DTYPE_F16, 96);
+    /* input at odd addresses: the same bytes stored (the sanitizer stage's UBSan checks that no
+     * read of it assumes its type's alignment), head_dim 35 so vector bodies leave tails */
+    const pkv_dtype pools[4] = {PKV_DTYPE_F32, PKV_DTYPE_F16, PKV_DTYPE_BF16, PKV_DTYPE_Q8_0};
+    for (size_t shift = 1; shift < 4; shift++)
+        for (int i = 0; i < 3; i++)
+            for (int p = 0; p < 3; p++) {
+                write_gather_case_at(pools[p], pools[(p + 1) % 3], ins[i], 35, shift);
+                write_gather_case_at(pools[p], pools[3], ins[i], 64, shift);
+            }
 }
 
 /* ---- fork + append: copy-on-write copies the quantized bytes ---- */

@@ -123,27 +123,37 @@ void pkv__bf16_encode_ref(const float *x, uint32_t d, void *dst) {
     for (uint32_t i = 0; i < d; i++) o[i] = pkv__f32_to_bf16(x[i]);
 }
 
+/* Element i of 16- or 32-bit input at any alignment: pkv_write_kv takes the caller's k and v as
+ * bytes (const void *), so they may sit at any address. */
+static inline uint16_t ld16(const void *p, size_t i) {
+    uint16_t v;
+    memcpy(&v, (const uint8_t *)p + 2 * i, 2);
+    return v;
+}
+
+static inline uint32_t ld32(const void *p, size_t i) {
+    uint32_t v;
+    memcpy(&v, (const uint8_t *)p + 4 * i, 4);
+    return v;
+}
+
 void pkv__f16_decode_ref(const void *src, uint32_t d, float *y) {
-    const uint16_t *s = src;
-    for (uint32_t i = 0; i < d; i++) y[i] = pkv__f16_to_f32(s[i]);
+    for (uint32_t i = 0; i < d; i++) y[i] = pkv__f16_to_f32(ld16(src, i));
 }
 
 void pkv__bf16_decode_ref(const void *src, uint32_t d, float *y) {
-    const uint16_t *s = src;
-    for (uint32_t i = 0; i < d; i++) y[i] = pkv__bf16_to_f32(s[i]);
+    for (uint32_t i = 0; i < d; i++) y[i] = pkv__bf16_to_f32(ld16(src, i));
 }
 
 uint32_t pkv__max_abs32_ref(const void *x, size_t n) {
-    const uint32_t *w = x;
     uint32_t m = 0;
-    for (size_t i = 0; i < n; i++) m = PKV_MAX(m, w[i] & 0x7fffffffu);
+    for (size_t i = 0; i < n; i++) m = PKV_MAX(m, ld32(x, i) & 0x7fffffffu);
     return m;
 }
 
 uint32_t pkv__max_abs16_ref(const void *x, size_t n) {
-    const uint16_t *w = x;
     uint32_t m = 0;
-    for (size_t i = 0; i < n; i++) m = PKV_MAX(m, w[i] & 0x7fffu);
+    for (size_t i = 0; i < n; i++) m = PKV_MAX(m, ld16(x, i) & 0x7fffu);
     return m;
 }
 

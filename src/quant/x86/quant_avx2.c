@@ -239,10 +239,10 @@ void pkv__bf16_encode_avx2(const float *x, uint32_t d, void *dst) {
 /* F16C's widening is exact, but it quiets a signalling NaN (sets the mantissa's top bit), where
  * pkv__f16_to_f32 keeps the payload as it is: NaN lanes are rebuilt from their bits. */
 void pkv__f16_decode_avx2(const void *src, uint32_t d, float *y) {
-    const uint16_t *s = src;
+    const uint8_t *s = src; /* any alignment (pkv__f16_decode_ref) */
     uint32_t j = 0;
     for (; j + 8 <= d; j += 8) {
-        const __m128i h = _mm_loadu_si128((const __m128i *)(s + j));
+        const __m128i h = _mm_loadu_si128((const __m128i *)(s + 2 * j));
         const __m256i w = _mm256_cvtepu16_epi32(h);
         const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi32(0x7fff));
         const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7c00));
@@ -252,46 +252,46 @@ void pkv__f16_decode_avx2(const void *src, uint32_t d, float *y) {
         const __m256 f = _mm256_cvtph_ps(h);
         _mm256_storeu_ps(y + j, _mm256_blendv_ps(f, _mm256_castsi256_ps(bits), _mm256_castsi256_ps(nan)));
     }
-    pkv__f16_decode_ref(s + j, d - j, y + j);
+    pkv__f16_decode_ref(s + 2 * j, d - j, y + j);
 }
 
 void pkv__bf16_decode_avx2(const void *src, uint32_t d, float *y) {
-    const uint16_t *s = src;
+    const uint8_t *s = src;
     uint32_t j = 0;
     for (; j + 8 <= d; j += 8) {
-        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + j)));
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + 2 * j)));
         _mm256_storeu_si256((__m256i *)(y + j), _mm256_slli_epi32(w, 16));
     }
-    pkv__bf16_decode_ref(s + j, d - j, y + j);
+    pkv__bf16_decode_ref(s + 2 * j, d - j, y + j);
 }
 
 uint32_t pkv__max_abs32_avx2(const void *x, size_t n) {
-    const uint32_t *w = x;
+    const uint8_t *w = x; /* any alignment (pkv__max_abs32_ref) */
     const __m256i mask = _mm256_set1_epi32(0x7fffffff);
     __m256i m0 = _mm256_setzero_si256(), m1 = m0;
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + i)), mask));
-        m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + i + 8)), mask));
+        m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + 4 * i)), mask));
+        m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + 4 * i + 32)), mask));
     }
     __m128i h = _mm_max_epu32(_mm256_castsi256_si128(m0), _mm256_extracti128_si256(m0, 1));
     h = _mm_max_epu32(h, _mm_max_epu32(_mm256_castsi256_si128(m1), _mm256_extracti128_si256(m1, 1)));
     h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4e));
     h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xb1));
-    const uint32_t m = (uint32_t)_mm_cvtsi128_si32(h), tail = pkv__max_abs32_ref(w + i, n - i);
+    const uint32_t m = (uint32_t)_mm_cvtsi128_si32(h), tail = pkv__max_abs32_ref(w + 4 * i, n - i);
     return PKV_MAX(m, tail);
 }
 
 uint32_t pkv__max_abs16_avx2(const void *x, size_t n) {
-    const uint16_t *w = x;
+    const uint8_t *w = x;
     const __m256i mask = _mm256_set1_epi16(0x7fff);
     __m256i m0 = _mm256_setzero_si256();
     size_t i = 0;
     for (; i + 16 <= n; i += 16)
-        m0 = _mm256_max_epu16(m0, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + i)), mask));
+        m0 = _mm256_max_epu16(m0, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + 2 * i)), mask));
     __m128i h = _mm_max_epu16(_mm256_castsi256_si128(m0), _mm256_extracti128_si256(m0, 1));
     /* the largest of 8 unsigned 16-bit lanes: minpos of their complements */
     h = _mm_minpos_epu16(_mm_xor_si128(h, _mm_set1_epi16(-1)));
-    const uint32_t m = 0xffffu & ~(uint32_t)_mm_extract_epi16(h, 0), tail = pkv__max_abs16_ref(w + i, n - i);
+    const uint32_t m = 0xffffu & ~(uint32_t)_mm_extract_epi16(h, 0), tail = pkv__max_abs16_ref(w + 2 * i, n - i);
     return PKV_MAX(m, tail);
 }
