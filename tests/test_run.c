@@ -337,6 +337,11 @@ static void test_cli_usage_errors(void **state) {
         {"pkv", "run", (char *)path, "--prompt-ids", "1;2;3", "--batch", "2", NULL},
         {"pkv", "run", (char *)path, "--bogus", NULL},
         {"pkv", "run", (char *)path, "--prompt-ids", "1,99999", NULL},
+        /* NaN passes every range check, so the parse refuses it; strtoull takes "-1" */
+        {"pkv", "run", (char *)path, "-t", "nan", NULL},
+        {"pkv", "run", (char *)path, "-p", "nan", NULL},
+        {"pkv", "run", (char *)path, "-t", "inf", NULL},
+        {"pkv", "run", (char *)path, "-s", "-1", NULL},
     };
     const int have_model = access(path, R_OK) == 0;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

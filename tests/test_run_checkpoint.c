@@ -175,6 +175,47 @@ static void test_missing_file(void **state) {
     assert_non_null(strstr(e, "cannot open"));
     free(e);
     assert_int_equal(model_load("/tmp", &m, err, sizeof err), -1); /* a directory */
+    /* a FIFO is refused at once, not waited on (as a model, and as -z's tokenizer) */
+    char fifo[] = "/tmp/pkv-fifo-XXXXXX";
+    assert_non_null(mkdtemp(fifo));
+    char path[64];
+    snprintf(path, sizeof path, "%s/f", fifo);
+    assert_int_equal(mkfifo(path, 0600), 0);
+    assert_int_equal(model_load(path, &m, err, sizeof err), -1);
+    assert_non_null(strstr(err, "not a regular file"));
+    model_tokenizer t;
+    assert_int_equal(model_tokenizer_load(path, 16, &t, err, sizeof err), -1);
+    assert_non_null(strstr(err, "not a regular file"));
+    unlink(path);
+    rmdir(fifo);
+}
+
+/* A sequence longer than the library's default table capacity (4096 blocks): pkv run sizes
+ * max_blocks_per_seq for its own pool (it failed at block 4097 before). seq_len 4200 at
+ * 1-token blocks, a 4100-token prompt. */
+static void test_long_sequence(void **state) {
+    (void)state;
+    enum { SEQ = 4200, PROMPT = 4100 };
+    int32_t h[7] = {8, 12, 1, 2, 1, 16, SEQ};
+    model_config p = {8, 12, 1, 2, 1, 16, SEQ, 0, 0, 0};
+    assert_int_equal(check_header(&p, NULL, 0), 0);
+    const size_t n = (size_t)weight_floats(&p), bytes = 28 + n * 4;
+    uint8_t *b = malloc(bytes);
+    assert_non_null(b);
+    memcpy(b, h, 28);
+    float *w = (float *)(b + 28);
+    for (size_t i = 0; i < n; i++) w[i] = (float)((int)(i % 17) - 8) * 0.03125f;
+    const char *path = write_tmp(b, bytes);
+    char *ids = malloc(PROMPT * 3 + 1), *o = ids;
+    for (int i = 0; i < PROMPT; i++) o += sprintf(o, "%s%d", i ? "," : "", 2 + i % 13);
+    char *argv[] = {"pkv", "run", (char *)path, "-t", "0", "-n", "4110", "--block-tokens", "1", "--prompt-ids", ids, NULL};
+    char *out, *e;
+    const int rc = run_cli(argv, &out, &e);
+    if (rc != 0) fail_msg("pkv run over %d tokens at 1-token blocks exited %d: %s", PROMPT, rc, e);
+    assert_non_null(strstr(e, "prefill 4100 prompt tokens"));
+    assert_non_null(strstr(e, "checker ok"));
+    free(out), free(e), free(ids), free(b);
+    unlink(path);
 }
 
 /* tokenizer.bin: a valid one decodes pieces (BOS strips the leading space, <0xXX> is a byte);
@@ -213,7 +254,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_valid_small_model_runs), cmocka_unit_test(test_truncated_files),
         cmocka_unit_test(test_bad_header_values),      cmocka_unit_test(test_non_finite_weights),
-        cmocka_unit_test(test_missing_file),           cmocka_unit_test(test_tokenizer),
+        cmocka_unit_test(test_missing_file),
+        cmocka_unit_test(test_long_sequence),           cmocka_unit_test(test_tokenizer),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

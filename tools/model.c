@@ -3,6 +3,7 @@
 #include "model.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -10,6 +11,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Limits well inside what the arithmetic below and pkv accept; a header value past them is
  * "oversized" and rejected before any size is computed from it. */
@@ -114,20 +116,37 @@ void model_free(model *m) {
     memset(m, 0, sizeof *m);
 }
 
-int model_load(const char *path, model *m, char *err, size_t cap) {
-    memset(m, 0, sizeof *m);
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        set_err(err, cap, "cannot open '%s': %s", path, strerror(errno));
-        return -1;
+/* path opened for reading if it is a regular file (*bytes its size), else NULL with err set.
+ * Opened without blocking, so that a FIFO (or a device that blocks on open) is refused rather
+ * than waited on; the descriptor blocks again before the reads. */
+static FILE *open_regular(const char *path, const char *what, uint64_t *bytes, char *err, size_t cap) {
+    const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+        set_err(err, cap, "cannot open %s'%s': %s", what, path, strerror(errno));
+        return NULL;
     }
     struct stat st;
-    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
-        set_err(err, cap, "'%s' is not a regular file", path);
-        fclose(f);
-        return -1;
+    const int flags = fcntl(fd, F_GETFL);
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+        set_err(err, cap, "%s'%s' is not a regular file", what, path);
+        close(fd);
+        return NULL;
     }
-    uint64_t file_bytes = (uint64_t)st.st_size;
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        set_err(err, cap, "cannot open %s'%s': %s", what, path, strerror(errno));
+        close(fd);
+        return NULL;
+    }
+    *bytes = (uint64_t)st.st_size;
+    return f;
+}
+
+int model_load(const char *path, model *m, char *err, size_t cap) {
+    memset(m, 0, sizeof *m);
+    uint64_t file_bytes;
+    FILE *f = open_regular(path, "", &file_bytes, err, cap);
+    if (!f) return -1;
     int32_t h[7];
     if (file_bytes < sizeof h || fread(h, sizeof h, 1, f) != 1) {
         set_err(err, cap, "truncated header: '%s' has %llu bytes, the header alone needs 28", path,
@@ -460,11 +479,9 @@ void model_tokenizer_free(model_tokenizer *t) {
 
 int model_tokenizer_load(const char *path, int32_t vocab_size, model_tokenizer *t, char *err, size_t cap) {
     memset(t, 0, sizeof *t);
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        set_err(err, cap, "cannot open tokenizer '%s': %s", path, strerror(errno));
-        return -1;
-    }
+    uint64_t file_bytes;
+    FILE *f = open_regular(path, "tokenizer ", &file_bytes, err, cap);
+    if (!f) return -1;
     t->vocab_size = vocab_size;
     t->pieces = calloc((size_t)vocab_size, sizeof *t->pieces);
     t->scores = calloc((size_t)vocab_size, sizeof *t->scores);

@@ -4,6 +4,7 @@
 #include "tool.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,7 +91,7 @@ static int parse_f32(const char *s, float *out) {
     char *e;
     errno = 0;
     double v = strtod(s, &e);
-    if (!*s || *e || errno) return -1;
+    if (!*s || *e || errno || !isfinite(v)) return -1; /* NaN would pass every range check after */
     *out = (float)v;
     return 0;
 }
@@ -136,7 +137,7 @@ int tool_run(int argc, char **argv) {
             char *e;
             errno = 0;
             seed = strtoull(val, &e, 10);
-            bad = !*val || *e || errno;
+            bad = !*val || *e || errno || val[strspn(val, " \t")] == '-'; /* strtoull takes "-1" */
             have_seed = 1;
         } else if (!strcmp(a, "-n")) bad = tool_parse_u32(val, &steps);
         else if (!strcmp(a, "-z")) tok_path = val;
@@ -216,6 +217,7 @@ int tool_run(int argc, char **argv) {
     if (n_blocks == 0) n_blocks = (uint32_t)(per_seq * batch + 1);
     pkv_config cfg = model_pkv_config(&m, block_tokens, n_blocks);
     cfg.max_seqs = batch + 1;
+    cfg.max_blocks_per_seq = (uint32_t)(per_seq < n_blocks ? per_seq : n_blocks); /* the default caps it at 4096 */
     cfg.n_threads = n_threads;
     cfg.enable_prefix_cache = prefix_cache;
     pkv_cache *c = NULL;
