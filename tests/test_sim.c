@@ -179,6 +179,8 @@ static void test_malformed_trace_names_line(void **state) {
         {"{\"arrival\": 1, \"prompt\": 5, \"max_tokens\": 4}\n", "prompt must be an array"},
         {"{\"arrival\": 1, \"prompt_len\": 10, \"max_tokens\": 4} x\n", "trailing characters"},
         {"{\"arrival\": 1, \"prompt_len\": 9999, \"max_tokens\": 4}\n", "does not fit --max-len"},
+        /* a step count a double cannot hold exactly (the cast was undefined past 2^64) */
+        {"{\"arrival\": 4e17, \"prompt_len\": 10, \"max_tokens\": 4}\n", "past 2^53 steps"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char text[512];
@@ -216,13 +218,31 @@ static void test_help_and_usage_errors(void **state) {
                       {"pkv", "sim", "--blocks", "0", NULL},
                       {"pkv", "sim", "--frobnicate", NULL},
                       {"pkv", "sim", "--requests", NULL},
-                      {"pkv", "sim", "--q-heads", "3", NULL}};
+                      {"pkv", "sim", "--q-heads", "3", NULL},
+                      /* non-finite or out-of-range values, which went on as NaN, 0 or a wrapped count */
+                      {"pkv", "sim", "--headroom", "inf", NULL},
+                      {"pkv", "sim", "--headroom", "1e300", NULL},
+                      {"pkv", "sim", "--prompt-sigma", "inf", NULL},
+                      {"pkv", "sim", "--rate", "nan", NULL},
+                      {"pkv", "sim", "--max-len", "4294967295", NULL},
+                      {"pkv", "sim", "--step-ms", "1e-300", NULL},
+                      /* the name goes into gnuplot's script between single quotes */
+                      {"pkv", "sim", "--plot", "/tmp/x.png'; system 'true", NULL},
+                      {"pkv", "sim", "--plot", "/tmp/x\n.png", NULL},
+                      {"pkv", "sim", "--plot", "", NULL}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char *err;
         int rc = run_cli(bad[i], NULL, &err);
         if (rc != 1) fail_msg("case %zu: exit %d (want 1): %s", i, rc, err);
         free(err);
     }
+    /* a system prompt near 2^32 tokens is clamped to max-len - 1 (its sum with the own part wrapped) */
+    char *big[] = {"pkv", "sim", "--sys-len", "4294967295", "--sys-frac", "1", "--requests", "10", "--no-attn",
+                   "--no-progress", "--max-len", "2048", NULL};
+    char *err;
+    assert_int_equal(run_cli(big, &out, &err), 0);
+    if (!strstr(out, "prompt mean 2047,")) fail_msg("prompts not clamped to max-len: %s", out);
+    free(out), free(err);
 }
 
 static void test_plot_writes_png(void **state) {

@@ -4,6 +4,7 @@
 #include "tool.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -55,7 +56,7 @@ static void usage(FILE *f) {
             "  --step-ms MS        simulated duration of one step, maps arrival times to steps [%g]\n"
             "  --prompt-mean N     mean prompt tokens (own part) [%g]   --prompt-sigma S  [%g]\n"
             "  --output-mean N     mean output tokens [%g]              --output-sigma S  [%g]\n"
-            "  --max-len N         model max length: prompt + output cap [%u]\n"
+            "  --max-len N         model max length: prompt + output cap, 2 to 2^31 - 1 [%u]\n"
             "  --sys-prompts N     shared system prompts [%u]\n"
             "  --sys-len N         tokens per system prompt [%u]\n"
             "  --sys-frac F        fraction of requests starting with one [%g]\n"
@@ -76,14 +77,16 @@ static void usage(FILE *f) {
             "  --max-seqs N        running sequences at most [%u]\n"
             "  --watermark F       fraction of the pool kept free when admitting [%g]\n"
             "  --headroom F        blocks per running sequence also kept free when admitting, so\n"
-            "                      the running ones can grow without preempting the newcomer [%g]\n"
+            "                      the running ones can grow without preempting the newcomer,\n"
+            "                      at most 1e6 [%g]\n"
             "  --threads N         attention threads, 0 = all cpus [%u]\n"
             "  --policies LIST     comma-separated subset of paged_prefix,paged,contiguous [all]\n"
             "  --no-attn           skip K/V writes and attention: memory-only replay (the pool then\n"
             "                      holds a 1-layer head_dim-8 shape; block accounting is the same)\n"
             "output:\n"
             "  --json              one JSON object per policy per line on stdout, no table\n"
-            "  --plot FILE.png     blocks in use and running sequences over time (gnuplot)\n"
+            "  --plot FILE.png     blocks in use and running sequences over time (gnuplot; a name\n"
+            "                      without quotes or control characters)\n"
             "  --no-progress       no progress bar (it is drawn only when stderr is a terminal)\n"
             "  -h, --help          this help\n"
             "\n"
@@ -101,7 +104,7 @@ static int parse_f64(const char *s, double *out) {
     char *e;
     errno = 0;
     double v = strtod(s, &e);
-    if (!*s || *e || errno || v != v) return -1;
+    if (!*s || *e || errno || !isfinite(v)) return -1; /* NaN and infinity pass range checks */
     *out = v;
     return 0;
 }
@@ -147,7 +150,7 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         else if (!strcmp(a, "--prompt-sigma")) bad = parse_f64(v, &c->wo.prompt_sigma) || c->wo.prompt_sigma < 0;
         else if (!strcmp(a, "--output-mean")) bad = parse_f64(v, &c->wo.output_mean) || c->wo.output_mean < 1;
         else if (!strcmp(a, "--output-sigma")) bad = parse_f64(v, &c->wo.output_sigma) || c->wo.output_sigma < 0;
-        else if (!strcmp(a, "--max-len")) bad = tool_parse_u32(v, &c->wo.max_len) || c->wo.max_len < 2;
+        else if (!strcmp(a, "--max-len")) bad = tool_parse_u32(v, &c->wo.max_len) || c->wo.max_len < 2 || c->wo.max_len > INT32_MAX;
         else if (!strcmp(a, "--sys-prompts")) bad = tool_parse_u32(v, &c->wo.n_sys);
         else if (!strcmp(a, "--sys-len")) bad = tool_parse_u32(v, &c->wo.sys_len);
         else if (!strcmp(a, "--sys-frac")) bad = parse_f64(v, &c->wo.sys_frac) || c->wo.sys_frac < 0 || c->wo.sys_frac > 1;
@@ -169,10 +172,15 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         else if (!strcmp(a, "--step-tokens")) bad = tool_parse_u32(v, &c->so.step_tokens) || !c->so.step_tokens;
         else if (!strcmp(a, "--max-seqs")) bad = tool_parse_u32(v, &c->so.max_seqs) || !c->so.max_seqs;
         else if (!strcmp(a, "--watermark")) bad = parse_f64(v, &d) || d < 0 || d >= 1 || ((c->so.watermark = d), 0);
-        else if (!strcmp(a, "--headroom")) bad = parse_f64(v, &c->so.headroom) || c->so.headroom < 0;
+        else if (!strcmp(a, "--headroom")) bad = parse_f64(v, &c->so.headroom) || c->so.headroom < 0 || c->so.headroom > 1e6;
         else if (!strcmp(a, "--threads")) bad = tool_parse_u32(v, &c->so.n_threads);
         else if (!strcmp(a, "--policies")) bad = parse_policies(c, v);
-        else if (!strcmp(a, "--plot")) c->plot = v;
+        else if (!strcmp(a, "--plot")) {
+            /* the name goes into gnuplot's script in single quotes: no quote or control byte */
+            c->plot = v;
+            for (const unsigned char *q = (const unsigned char *)v; *q; q++) bad |= *q == '\'' || *q < 0x20 || *q == 0x7f;
+            bad |= !*v;
+        }
         else {
             fprintf(stderr, "pkv sim: unknown option '%s' (see pkv sim --help)\n", a);
             return -1;
@@ -271,9 +279,18 @@ int tool_sim(int argc, char **argv) {
     c.so.want_series = c.plot != NULL;
 
     sim_workload w;
-    if (c.trace ? sim_workload_read_trace(c.trace, &c.wo, &w) : sim_workload_generate(&c.wo, &w)) {
-        if (!c.trace) fprintf(stderr, "pkv sim: out of memory for the workload\n");
-        return TOOL_FAIL;
+    if (c.trace) {
+        if (sim_workload_read_trace(c.trace, &c.wo, &w)) return TOOL_FAIL;
+    } else {
+        const int rc = sim_workload_generate(&c.wo, &w);
+        if (rc == SIM_WORKLOAD_FAR) {
+            fprintf(stderr, "pkv sim: --rate %g and --step-ms %g put arrivals past 2^53 steps\n", c.wo.rate, c.step_ms);
+            return TOOL_USAGE;
+        }
+        if (rc) {
+            fprintf(stderr, "pkv sim: out of memory for the workload\n");
+            return TOOL_FAIL;
+        }
     }
     uint64_t prompt_sum = 0, out_sum = 0, multi = 0, grouped = 0;
     for (uint32_t i = 0; i < w.n; i++) {

@@ -43,6 +43,8 @@ typedef struct sim_workload {
     int32_t *token_store; /* explicit prompts of a trace, one allocation */
 } sim_workload;
 
+/* Returns 0, -1 (out of memory) or SIM_WORKLOAD_FAR (an arrival past 2^53 steps). */
+#define SIM_WORKLOAD_FAR (-2)
 int sim_workload_generate(const sim_workload_opts *o, sim_workload *w);
 /* Reads a JSON-lines trace; on malformed input prints "pkv sim: FILE:LINE: what" and returns -1. */
 int sim_workload_read_trace(const char *path, const sim_workload_opts *o, sim_workload *w);

@@ -43,13 +43,18 @@ static uint32_t lognormal(tool_rng *rng, double mean, double sigma) {
     return (uint32_t)llround(v);
 }
 
-static void finish_request(sim_request *r, const sim_workload_opts *o) {
-    r->arrival_step = (uint64_t)(r->arrival_s / o->step_s);
+/* Clamps a request's lengths to max_len; SIM_WORKLOAD_FAR where its arrival is past 2^53 steps
+ * (no exact step count, nor a replay that gets there). */
+static int finish_request(sim_request *r, const sim_workload_opts *o) {
+    const double step = r->arrival_s / o->step_s;
+    if (!(step < 0x1p53)) return SIM_WORKLOAD_FAR;
+    r->arrival_step = (uint64_t)step;
     if (r->prompt_len > o->max_len - 1) r->prompt_len = o->max_len - 1;
     if (r->group_len > r->prompt_len) r->group_len = r->prompt_len;
     if (r->output_len < 1) r->output_len = 1;
     if (r->output_len > o->max_len - r->prompt_len) r->output_len = o->max_len - r->prompt_len;
     if (r->n_samples < 1) r->n_samples = 1;
+    return 0;
 }
 
 int sim_workload_generate(const sim_workload_opts *o, sim_workload *w) {
@@ -73,9 +78,14 @@ int sim_workload_generate(const sim_workload_opts *o, sim_workload *w) {
             r->group = (int32_t)g;
             r->group_len = o->sys_len;
         }
-        r->prompt_len = r->group_len + own;
+        const uint64_t len = (uint64_t)r->group_len + own; /* finish_request clamps it to max_len */
+        r->prompt_len = len > UINT32_MAX ? UINT32_MAX : (uint32_t)len;
         r->n_samples = (o->n_samples > 1 && u_n < o->n_frac) ? o->n_samples : 1;
-        finish_request(r, o);
+        if (finish_request(r, o)) {
+            free(w->reqs);
+            memset(w, 0, sizeof *w);
+            return SIM_WORKLOAD_FAR;
+        }
     }
     w->n = o->n_requests;
     return 0;
@@ -401,7 +411,11 @@ int sim_workload_read_trace(const char *path, const sim_workload_opts *o, sim_wo
             store_off[w->n] = store_n;
             store_n += t.n_ids;
         }
-        finish_request(r, o);
+        if (finish_request(r, o)) {
+            fprintf(stderr, "pkv sim: %s:%u: arrival %g s is past 2^53 steps of %g s\n", path, lineno, t.arrival,
+                    o->step_s);
+            goto done;
+        }
         w->n++;
     }
     if (ferror(f)) {
