@@ -346,7 +346,7 @@ int tool_run(int argc, char **argv) {
             for (uint32_t j = 0; j < n_gen[i]; j++) printf(j ? " %d" : "%d", gen[i][j]);
             printf("\n");
         } else {
-            char buf[512];
+            static char buf[65536 + 1]; /* a piece is at most max_token_length (<= 65536) bytes */
             if (batch > 1) printf("--- sequence %u ---\n", i);
             const int32_t *pr = pl.ids[i % pl.n];
             uint32_t plen = pl.len[i % pl.n];
