@@ -250,12 +250,50 @@ static void test_tokenizer(void **state) {
     unlink(path);
 }
 
+/* pkv run -z prints a piece whole, up to max_token_length (it cut them at 511 bytes): a
+ * tokenizer for the small model (vocab 16) whose token 5 is 3000 bytes of 'x'. */
+static void test_tokenizer_long_piece(void **state) {
+    (void)state;
+    enum { LONG = 3000 };
+    uint8_t *b;
+    size_t n = small_model(&b, 16);
+    char model_path[64];
+    snprintf(model_path, sizeof model_path, "%s", write_tmp(b, n));
+    free(b);
+    uint8_t *tb = malloc(4 + 16 * 8 + LONG + 16 * 2);
+    size_t tn = 0;
+    int32_t maxlen = LONG;
+    memcpy(tb + tn, &maxlen, 4), tn += 4;
+    for (int i = 0; i < 16; i++) {
+        const float score = 0;
+        const int32_t len = i == 5 ? LONG : 1;
+        memcpy(tb + tn, &score, 4), tn += 4;
+        memcpy(tb + tn, &len, 4), tn += 4;
+        if (i == 5) memset(tb + tn, 'x', LONG);
+        else tb[tn] = (uint8_t)('a' + i);
+        tn += (size_t)len;
+    }
+    char tok_path[64];
+    snprintf(tok_path, sizeof tok_path, "%s", write_tmp(tb, tn));
+    free(tb);
+    char *argv[] = {"pkv", "run", model_path, "-z", tok_path, "--prompt-ids", "1,5", "-n", "3", "-t", "0", NULL};
+    char *out, *e;
+    const int rc = run_cli(argv, &out, &e);
+    if (rc != 0) fail_msg("pkv run -z exited %d: %s", rc, e);
+    char *want = malloc(LONG + 1);
+    memset(want, 'x', LONG), want[LONG] = 0;
+    if (!strstr(out, want)) fail_msg("the 3000-byte piece was not printed whole (%zu bytes out)", strlen(out));
+    free(want), free(out), free(e);
+    unlink(model_path), unlink(tok_path);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_valid_small_model_runs), cmocka_unit_test(test_truncated_files),
         cmocka_unit_test(test_bad_header_values),      cmocka_unit_test(test_non_finite_weights),
         cmocka_unit_test(test_missing_file),
         cmocka_unit_test(test_long_sequence),           cmocka_unit_test(test_tokenizer),
+        cmocka_unit_test(test_tokenizer_long_piece),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
