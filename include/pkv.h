@@ -160,7 +160,9 @@ typedef uint64_t pkv_seq;
 PKV_API PKV_NODISCARD int pkv_cache_create(const pkv_config *cfg, pkv_cache **out);
 /* Frees everything; NULL is a no-op. Outstanding sequence ids become invalid. */
 PKV_API void pkv_cache_destroy(pkv_cache *c);
-/* Releases every sequence and pin and empties the prefix index: all blocks FREE. */
+/* Releases every sequence and pin and empties the prefix index: all blocks FREE. The statistics'
+ * counters and peak_active go on (a later miss at a block indexed before is counted in
+ * prefix_miss_evicted). */
 PKV_API PKV_NODISCARD int pkv_cache_reset(pkv_cache *c);
 /* The effective configuration (n_blocks, max_blocks_per_seq and n_threads resolved). */
 PKV_API PKV_NODISCARD int pkv_cache_config(const pkv_cache *c, pkv_config *out);
@@ -300,7 +302,8 @@ typedef struct pkv_stats {
     uint64_t prefix_tokens_queried;
     uint64_t prefix_tokens_hit;
     uint64_t prefix_miss_new;     /* lookups that stopped at a block never indexed */
-    uint64_t prefix_miss_evicted; /* ... at a block that was indexed but has been evicted */
+    uint64_t prefix_miss_evicted; /* ... at a block that was indexed but has been evicted (or
+                                     dropped by pkv_cache_reset, which evictions does not count) */
     uint64_t prefix_miss_namespace; /* ... at a block indexed only under another namespace */
     uint64_t n_indexed;           /* blocks in the prefix index (ACTIVE or CACHED) */
     uint64_t evictions;           /* CACHED blocks evicted to satisfy allocations */
