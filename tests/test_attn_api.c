@@ -659,17 +659,19 @@ static void test_api_order_env(void **state) {
 /* ---- a caller's executor (pkv_config.executor) ----
  * A serial one: its calls run one after the other on the calling thread, in reverse order,
  * with worker indexes taken in turn; the modes break the contract in ways the library sees. */
-enum { EXEC_GOOD, EXEC_NONE, EXEC_BAD_INDEX };
+enum { EXEC_GOOD, EXEC_NONE, EXEC_BAD_INDEX, EXEC_BUDGET };
 typedef struct api_exec {
     int mode;
     uint32_t n_workers;
     uint64_t jobs, calls;
+    uint64_t budget; /* EXEC_BUDGET: runs this many parallel_for calls, then nothing */
 } api_exec;
 
 static void api_parallel_for(void *ctx, pkv_task_fn fn, void *job, uint32_t n) {
     api_exec *x = ctx;
     x->jobs++;
-    if (x->mode == EXEC_NONE) return;
+    if (x->mode == EXEC_NONE || (x->mode == EXEC_BUDGET && x->budget == 0)) return;
+    if (x->mode == EXEC_BUDGET) x->budget--;
     for (uint32_t k = 0; k < n; k++) {
         fn(job, n - 1 - k, x->mode == EXEC_BAD_INDEX ? x->n_workers : k % x->n_workers);
         x->calls++;
@@ -762,6 +764,32 @@ static void test_api_executor(void **state) {
     assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
     assert_int_equal(st1.attn_reqs_pool, st0.attn_reqs_pool);
     assert_int_equal(st1.attn_reqs_table, st0.attn_reqs_table);
+    /* a batch past max_seqs (16) runs in groups: an executor that fails only the second group's
+     * work still leaves the call counted as nothing (the first group's items were counted) */
+    {
+        enum { BIG = 20 };
+        pkv_seq big[BIG];
+        for (int i = 0; i < BIG; i++) big[i] = ids[i % EX_SEQS];
+        static float bq[BIG * NQH * D], bout[BIG * NQH * D];
+        for (size_t i = 0; i < sizeof bq / sizeof bq[0]; i++) bq[i] = q[i % (EX_SEQS * NQH * D)];
+        pkv_attn_params p = pkv_attn_params_default();
+        p.n_q_heads = NQH;
+        x.mode = EXEC_GOOD;
+        const uint64_t j0 = x.jobs;
+        assert_int_equal(pkv_attn_decode(c, 1, big, 16, bq, bout, &p), PKV_OK); /* one group's calls */
+        x.mode = EXEC_BUDGET, x.budget = x.jobs - j0;
+        assert_true(x.budget > 0);
+        assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
+        assert_int_equal(pkv_attn_decode(c, 1, big, BIG, bq, bout, &p), PKV_EINVAL);
+        assert_int_equal(x.budget, 0); /* the first group ran */
+        assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
+        assert_int_equal(st1.attn_reqs_pool, st0.attn_reqs_pool);
+        assert_int_equal(st1.attn_reqs_table, st0.attn_reqs_table);
+        x.mode = EXEC_GOOD;
+        assert_int_equal(pkv_attn_decode(c, 1, big, BIG, bq, bout, &p), PKV_OK);
+        assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
+        assert_int_equal(st1.attn_reqs_pool + st1.attn_reqs_table, st0.attn_reqs_pool + st0.attn_reqs_table + BIG);
+    }
     x.mode = EXEC_GOOD;
     memset(dec, 0, sizeof dec), memset(pre, 0, sizeof pre);
     assert_int_equal(exec_calls(c, ids, q, dec, pre), PKV_OK);

@@ -121,6 +121,8 @@ struct pkv__attn {
     uint64_t head_blocks;  /* of the current plan: (kv head, block) pairs its units read */
     uint32_t last_threads; /* threads the last run used (1: the caller alone) */
     _Atomic uint64_t items_pool, items_table; /* pkv__attn_item_counts */
+    bool hold;                                /* pkv__attn_hold_counts: runs add to held instead */
+    uint64_t held[2];                         /* held items: pool, table */
     uint64_t inline_elems; /* plans under this many K/V elements run on the caller alone */
     pkv_allocator a;
     size_t alloc_bytes;
@@ -1654,7 +1656,25 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     at->last_threads = threads;
     at->last_swept = swept;
     const uint32_t n_pool = swept ? at->sweep_total : 0;
+    if (at->hold) {
+        at->held[0] += n_pool, at->held[1] += n_live - n_pool;
+        return PKV_OK;
+    }
     atomic_fetch_add_explicit(&at->items_pool, n_pool, memory_order_relaxed);
     atomic_fetch_add_explicit(&at->items_table, n_live - n_pool, memory_order_relaxed);
     return PKV_OK;
+}
+
+void pkv__attn_hold_counts(pkv__attn *at) {
+    at->hold = true;
+    at->held[0] = at->held[1] = 0;
+}
+
+void pkv__attn_release_counts(pkv__attn *at, bool keep) {
+    if (keep) {
+        atomic_fetch_add_explicit(&at->items_pool, at->held[0], memory_order_relaxed);
+        atomic_fetch_add_explicit(&at->items_table, at->held[1], memory_order_relaxed);
+    }
+    at->hold = false;
+    at->held[0] = at->held[1] = 0;
 }

@@ -143,6 +143,11 @@ uint32_t pkv__attn_last_threads(const pkv__attn *at);
  * *pool in pool order (swept), *table in table order. Safe to call while a run is in flight
  * (relaxed atomics: a run's items show once it has returned). */
 void pkv__attn_item_counts(const pkv__attn *at, uint64_t *pool, uint64_t *table);
+/* A call of several runs (a batch past max_seqs, in groups) counts all of them or none: between
+ * hold and release the runs' items are held back, then added where keep (every run succeeded)
+ * or dropped. Serialized with the runs. */
+void pkv__attn_hold_counts(pkv__attn *at);
+void pkv__attn_release_counts(pkv__attn *at, bool keep);
 const char *pkv__attn_backend_name(const pkv__attn *at);
 uint32_t pkv__attn_n_threads(const pkv__attn *at);
 

@@ -820,6 +820,7 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
        infinite logit is dropped by one max and kept by another): refused instead */
     if (!rc && !pkv__input_fits(PKV_DTYPE_F32, q, (size_t)n_rows * qrow, PKV_DTYPE_F32)) rc = PKV_EINVAL;
     size_t q_at = 0;
+    pkv__attn_hold_counts(c->attn); /* the statistics count a call whose every group ran, or nothing */
     for (uint64_t i0 = 0; i0 < n && !rc; i0 += c->max_seqs) { /* 64-bit: no wrap near n = 2^32 */
         uint32_t m = (uint32_t)PKV_MIN(n - i0, c->max_seqs), k = 0;
         LOCK(c);
@@ -841,6 +842,7 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         UNLOCK(c);
         if (k) rc = pkv__attn_run(c->attn, &view, c->items, k, &call);
     }
+    pkv__attn_release_counts(c->attn, rc == 0);
     pthread_mutex_unlock(&c->attn_mu);
     return rc;
 }
