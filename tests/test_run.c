@@ -342,6 +342,9 @@ static void test_cli_usage_errors(void **state) {
         {"pkv", "run", (char *)path, "-p", "nan", NULL},
         {"pkv", "run", (char *)path, "-t", "inf", NULL},
         {"pkv", "run", (char *)path, "-s", "-1", NULL},
+        /* past the library's limits: a usage error that names the option, not a failed create */
+        {"pkv", "run", (char *)path, "--threads", "257", NULL},
+        {"pkv", "run", (char *)path, "--block-tokens", "1025", NULL},
     };
     const int have_model = access(path, R_OK) == 0;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

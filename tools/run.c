@@ -31,9 +31,9 @@ static void usage(FILE *f) {
             "  --batch N          sequences decoded together [number of prompts]; with N > prompts,\n"
             "                     sequence i >= prompts is forked from prompt i %% prompts after its\n"
             "                     prefill and samples with its own seed\n"
-            "  --block-tokens B   cache block size in tokens [16]\n"
+            "  --block-tokens B   cache block size in tokens, 1 to 1024 [16]\n"
             "  --blocks N         pool size in blocks [enough for every sequence at full length]\n"
-            "  --threads N        attention threads; 0 = all cpus [0]\n"
+            "  --threads N        attention threads, at most 256; 0 = all cpus [0]\n"
             "  --no-prefix-cache  disable prefix caching (prompts sharing a prefix recompute it)\n"
             "  -h, --help         this help\n"
             "\n"
@@ -147,9 +147,10 @@ int tool_run(int argc, char **argv) {
                 goto out;
             }
         } else if (!strcmp(a, "--batch")) bad = tool_parse_u32(val, &batch) || batch == 0;
-        else if (!strcmp(a, "--block-tokens")) bad = tool_parse_u32(val, &block_tokens) || block_tokens == 0;
+        else if (!strcmp(a, "--block-tokens"))
+            bad = tool_parse_u32(val, &block_tokens) || block_tokens == 0 || block_tokens > 1024; /* pkv.h */
         else if (!strcmp(a, "--blocks")) bad = tool_parse_u32(val, &n_blocks);
-        else if (!strcmp(a, "--threads")) bad = tool_parse_u32(val, &n_threads);
+        else if (!strcmp(a, "--threads")) bad = tool_parse_u32(val, &n_threads) || n_threads > 256; /* pkv.h */
         else {
             fprintf(stderr, "pkv run: unknown option '%s' (see pkv run --help)\n", a);
             status = TOOL_USAGE;
