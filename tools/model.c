@@ -116,7 +116,8 @@ void model_free(model *m) {
     memset(m, 0, sizeof *m);
 }
 
-/* path opened for reading if it is a regular file (*bytes its size), else NULL with err set.
+/* path opened for reading if it is a regular file (*bytes its size, where bytes is not NULL),
+ * else NULL with err set.
  * Opened without blocking, so that a FIFO (or a device that blocks on open) is refused rather
  * than waited on; the descriptor blocks again before the reads. */
 static FILE *open_regular(const char *path, const char *what, uint64_t *bytes, char *err, size_t cap) {
@@ -138,7 +139,7 @@ static FILE *open_regular(const char *path, const char *what, uint64_t *bytes, c
         close(fd);
         return NULL;
     }
-    *bytes = (uint64_t)st.st_size;
+    if (bytes) *bytes = (uint64_t)st.st_size;
     return f;
 }
 
@@ -479,8 +480,7 @@ void model_tokenizer_free(model_tokenizer *t) {
 
 int model_tokenizer_load(const char *path, int32_t vocab_size, model_tokenizer *t, char *err, size_t cap) {
     memset(t, 0, sizeof *t);
-    uint64_t file_bytes;
-    FILE *f = open_regular(path, "tokenizer ", &file_bytes, err, cap);
+    FILE *f = open_regular(path, "tokenizer ", NULL, err, cap);
     if (!f) return -1;
     t->vocab_size = vocab_size;
     t->pieces = calloc((size_t)vocab_size, sizeof *t->pieces);

@@ -4,7 +4,6 @@
 #include "tool.h"
 
 #include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -88,10 +87,8 @@ static int parse_prompts(prompt_list *pl, const char *arg) {
 }
 
 static int parse_f32(const char *s, float *out) {
-    char *e;
-    errno = 0;
-    double v = strtod(s, &e);
-    if (!*s || *e || errno || !isfinite(v)) return -1; /* NaN would pass every range check after */
+    double v;
+    if (tool_parse_f64(s, &v)) return -1;
     *out = (float)v;
     return 0;
 }

@@ -4,7 +4,6 @@
 #include "tool.h"
 
 #include <errno.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -100,15 +99,6 @@ static void usage(FILE *f) {
             d.so.step_tokens, d.so.max_seqs, d.so.watermark, d.so.headroom, d.so.n_threads);
 }
 
-static int parse_f64(const char *s, double *out) {
-    char *e;
-    errno = 0;
-    double v = strtod(s, &e);
-    if (!*s || *e || errno || !isfinite(v)) return -1; /* NaN and infinity pass range checks */
-    *out = v;
-    return 0;
-}
-
 static int parse_policies(sim_cli *c, const char *s) {
     c->n_policies = 0;
     int seen[SIM_N_POLICIES] = {0};
@@ -144,17 +134,17 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         int bad = 0;
         double d;
         if (!strcmp(a, "--requests")) bad = tool_parse_u32(v, &c->wo.n_requests) || c->wo.n_requests == 0;
-        else if (!strcmp(a, "--rate")) bad = parse_f64(v, &c->wo.rate) || c->wo.rate <= 0;
-        else if (!strcmp(a, "--step-ms")) bad = parse_f64(v, &c->step_ms) || c->step_ms <= 0;
-        else if (!strcmp(a, "--prompt-mean")) bad = parse_f64(v, &c->wo.prompt_mean) || c->wo.prompt_mean < 1;
-        else if (!strcmp(a, "--prompt-sigma")) bad = parse_f64(v, &c->wo.prompt_sigma) || c->wo.prompt_sigma < 0;
-        else if (!strcmp(a, "--output-mean")) bad = parse_f64(v, &c->wo.output_mean) || c->wo.output_mean < 1;
-        else if (!strcmp(a, "--output-sigma")) bad = parse_f64(v, &c->wo.output_sigma) || c->wo.output_sigma < 0;
+        else if (!strcmp(a, "--rate")) bad = tool_parse_f64(v, &c->wo.rate) || c->wo.rate <= 0;
+        else if (!strcmp(a, "--step-ms")) bad = tool_parse_f64(v, &c->step_ms) || c->step_ms <= 0;
+        else if (!strcmp(a, "--prompt-mean")) bad = tool_parse_f64(v, &c->wo.prompt_mean) || c->wo.prompt_mean < 1;
+        else if (!strcmp(a, "--prompt-sigma")) bad = tool_parse_f64(v, &c->wo.prompt_sigma) || c->wo.prompt_sigma < 0;
+        else if (!strcmp(a, "--output-mean")) bad = tool_parse_f64(v, &c->wo.output_mean) || c->wo.output_mean < 1;
+        else if (!strcmp(a, "--output-sigma")) bad = tool_parse_f64(v, &c->wo.output_sigma) || c->wo.output_sigma < 0;
         else if (!strcmp(a, "--max-len")) bad = tool_parse_u32(v, &c->wo.max_len) || c->wo.max_len < 2 || c->wo.max_len > INT32_MAX;
         else if (!strcmp(a, "--sys-prompts")) bad = tool_parse_u32(v, &c->wo.n_sys);
         else if (!strcmp(a, "--sys-len")) bad = tool_parse_u32(v, &c->wo.sys_len);
-        else if (!strcmp(a, "--sys-frac")) bad = parse_f64(v, &c->wo.sys_frac) || c->wo.sys_frac < 0 || c->wo.sys_frac > 1;
-        else if (!strcmp(a, "--n-frac")) bad = parse_f64(v, &c->wo.n_frac) || c->wo.n_frac < 0 || c->wo.n_frac > 1;
+        else if (!strcmp(a, "--sys-frac")) bad = tool_parse_f64(v, &c->wo.sys_frac) || c->wo.sys_frac < 0 || c->wo.sys_frac > 1;
+        else if (!strcmp(a, "--n-frac")) bad = tool_parse_f64(v, &c->wo.n_frac) || c->wo.n_frac < 0 || c->wo.n_frac > 1;
         else if (!strcmp(a, "--samples")) bad = tool_parse_u32(v, &c->wo.n_samples) || c->wo.n_samples == 0;
         else if (!strcmp(a, "--seed")) {
             char *e;
@@ -171,8 +161,8 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         else if (!strcmp(a, "--blocks")) bad = tool_parse_u32(v, &c->so.n_blocks) || !c->so.n_blocks;
         else if (!strcmp(a, "--step-tokens")) bad = tool_parse_u32(v, &c->so.step_tokens) || !c->so.step_tokens;
         else if (!strcmp(a, "--max-seqs")) bad = tool_parse_u32(v, &c->so.max_seqs) || !c->so.max_seqs;
-        else if (!strcmp(a, "--watermark")) bad = parse_f64(v, &d) || d < 0 || d >= 1 || ((c->so.watermark = d), 0);
-        else if (!strcmp(a, "--headroom")) bad = parse_f64(v, &c->so.headroom) || c->so.headroom < 0 || c->so.headroom > 1e6;
+        else if (!strcmp(a, "--watermark")) bad = tool_parse_f64(v, &d) || d < 0 || d >= 1 || ((c->so.watermark = d), 0);
+        else if (!strcmp(a, "--headroom")) bad = tool_parse_f64(v, &c->so.headroom) || c->so.headroom < 0 || c->so.headroom > 1e6;
         else if (!strcmp(a, "--threads")) bad = tool_parse_u32(v, &c->so.n_threads);
         else if (!strcmp(a, "--policies")) bad = parse_policies(c, v);
         else if (!strcmp(a, "--plot")) {

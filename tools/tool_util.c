@@ -4,6 +4,7 @@
 #endif
 #include "tool.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,6 +46,16 @@ int tool_parse_u32(const char *s, uint32_t *out) {
         if (v > UINT32_MAX) return -1;
     }
     *out = (uint32_t)v;
+    return 0;
+}
+
+int tool_parse_f64(const char *s, double *out) {
+    if (!s || !*s) return -1;
+    char *e;
+    errno = 0;
+    const double v = strtod(s, &e);
+    if (*e || errno || !isfinite(v)) return -1;
+    *out = v;
     return 0;
 }
 
