@@ -226,6 +226,9 @@ static void test_help_and_usage_errors(void **state) {
                       {"pkv", "sim", "--rate", "nan", NULL},
                       {"pkv", "sim", "--max-len", "4294967295", NULL},
                       {"pkv", "sim", "--step-ms", "1e-300", NULL},
+                      /* strtoull took "-1" as 2^64 - 1 */
+                      {"pkv", "sim", "--seed", "-1", NULL},
+                      {"pkv", "sim", "--seed", "18446744073709551616", NULL},
                       /* the name goes into gnuplot's script between single quotes */
                       {"pkv", "sim", "--plot", "/tmp/x.png'; system 'true", NULL},
                       {"pkv", "sim", "--plot", "/tmp/x\n.png", NULL},

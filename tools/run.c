@@ -131,10 +131,7 @@ int tool_run(int argc, char **argv) {
         if (!strcmp(a, "-t")) bad = parse_f32(val, &temp) || temp < 0;
         else if (!strcmp(a, "-p")) bad = parse_f32(val, &topp) || topp < 0 || topp > 1;
         else if (!strcmp(a, "-s")) {
-            char *e;
-            errno = 0;
-            seed = strtoull(val, &e, 10);
-            bad = !*val || *e || errno || val[strspn(val, " \t")] == '-'; /* strtoull takes "-1" */
+            bad = tool_parse_u64(val, &seed);
             have_seed = 1;
         } else if (!strcmp(a, "-n")) bad = tool_parse_u32(val, &steps);
         else if (!strcmp(a, "-z")) tok_path = val;

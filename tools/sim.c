@@ -146,12 +146,8 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         else if (!strcmp(a, "--sys-frac")) bad = tool_parse_f64(v, &c->wo.sys_frac) || c->wo.sys_frac < 0 || c->wo.sys_frac > 1;
         else if (!strcmp(a, "--n-frac")) bad = tool_parse_f64(v, &c->wo.n_frac) || c->wo.n_frac < 0 || c->wo.n_frac > 1;
         else if (!strcmp(a, "--samples")) bad = tool_parse_u32(v, &c->wo.n_samples) || c->wo.n_samples == 0;
-        else if (!strcmp(a, "--seed")) {
-            char *e;
-            errno = 0;
-            c->wo.seed = strtoull(v, &e, 10);
-            bad = !*v || *e || errno;
-        } else if (!strcmp(a, "--trace")) c->trace = v;
+        else if (!strcmp(a, "--seed")) bad = tool_parse_u64(v, &c->wo.seed);
+        else if (!strcmp(a, "--trace")) c->trace = v;
         else if (!strcmp(a, "--layers")) bad = tool_parse_u32(v, &c->so.model.n_layers) || !c->so.model.n_layers;
         else if (!strcmp(a, "--kv-heads")) bad = tool_parse_u32(v, &c->so.model.n_kv_heads) || !c->so.model.n_kv_heads;
         else if (!strcmp(a, "--q-heads")) bad = tool_parse_u32(v, &c->so.model.n_q_heads) || !c->so.model.n_q_heads;

@@ -49,6 +49,8 @@ uint64_t tool_sum_block(const uint8_t *k, const uint8_t *v, const uint8_t *kn, c
 /* A decimal in [0, UINT32_MAX] written as digits only (no sign, blank or other character): 0 and
  * *out set, else -1 and *out untouched. The options of every subcommand parse their counts with it. */
 int tool_parse_u32(const char *s, uint32_t *out);
+/* The same in [0, UINT64_MAX] (seeds). */
+int tool_parse_u64(const char *s, uint64_t *out);
 /* A finite number (strtod's syntax, the whole string): 0 and *out set, else -1 and *out
  * untouched. NaN and infinity are refused, since they would pass every range check after. */
 int tool_parse_f64(const char *s, double *out);

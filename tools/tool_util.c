@@ -37,14 +37,22 @@ double tool_percentile(double *v, size_t n, double pct) {
 
 double tool_median(double *v, size_t n) { return tool_percentile(v, n, 50.0); }
 
-int tool_parse_u32(const char *s, uint32_t *out) {
+int tool_parse_u64(const char *s, uint64_t *out) {
     if (!s || *s < '0' || *s > '9') return -1;
     uint64_t v = 0;
     for (; *s; s++) {
         if (*s < '0' || *s > '9') return -1;
-        v = v * 10 + (uint64_t)(*s - '0');
-        if (v > UINT32_MAX) return -1;
+        const uint64_t d = (uint64_t)(*s - '0');
+        if (v > (UINT64_MAX - d) / 10) return -1;
+        v = v * 10 + d;
     }
+    *out = v;
+    return 0;
+}
+
+int tool_parse_u32(const char *s, uint32_t *out) {
+    uint64_t v;
+    if (tool_parse_u64(s, &v) || v > UINT32_MAX) return -1;
     *out = (uint32_t)v;
     return 0;
 }
