@@ -347,10 +347,11 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * read in table order by float rounding only. PKV_ATTN_ORDER=table (or pool, or auto, the
  * default) in the environment at pkv_cache_create fixes the order; another value makes
  * pkv_cache_create fail with PKV_EINVAL. pool reads in pool order wherever the pool-order read
- * can take the batch, and in table order where it cannot: a group whose (sequence, block) pairs
- * pass what the attention context holds (32 x max_blocks_per_seq, at most 2^20), more than 16
- * threads, or n_q_heads over 64. How the pool-order read shares a batch among threads
- * is chosen per CPU: each thread a set of the sequences, or (AMD Zen 5) each thread a range of
+ * can take the batch, and in table order where it cannot: more than 16 threads, n_q_heads over
+ * 64, or a run of max_seqs in which one group of 32 sequences holds more (sequence, block) pairs
+ * than the attention context does (32 x max_blocks_per_seq, at most 2^20): that whole run of
+ * max_seqs is then read in table order, its other groups of 32 too. How the pool-order read
+ * shares a batch among threads is chosen per CPU: each thread a set of the sequences, or (AMD Zen 5) each thread a range of
  * the pool for all of them. PKV_ATTN_SWEEP=narrow or wide (or auto, the default) at
  * pkv_cache_create fixes that, to compare the two on a machine; another value makes
  * pkv_cache_create fail with PKV_EINVAL. The results differ by float rounding only. On AMD Zen
