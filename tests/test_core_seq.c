@@ -212,6 +212,33 @@ static void test_cow_enospc(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* ---- CoW of an indexed tail that only this sequence holds: the old tail turns CACHED once copied,
+ * so it counts towards the blocks an append can have (pkv.h: PKV_ENOSPC only if the blocks
+ * cannot be had; appending 2 then 1 tokens succeeded where appending 3 at once failed) ---- */
+static void test_cow_sole_indexed_tail_counts(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(3);
+    cfg.enable_prefix_cache = 1;
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s = tu_seq(c);
+    int32_t slots[8];
+    tu_append(c, s, 8, 0, slots); /* blocks [0,1] */
+    TU_WRITE_PAT(c, s, 0, 8, 9);
+    TU_OK(pkv_seq_commit(c, s, 8)); /* both indexed */
+    TU_OK(pkv_seq_truncate(c, s, 6)); /* tail: block 1, indexed, ref 1 */
+    pkv_stats st = tu_stats(c);
+    assert_int_equal(st.n_free, 1);
+    int32_t toks[3] = {60, 61, 62};
+    TU_OK(pkv_seq_append(c, s, toks, 3, slots)); /* copy into the free block, then evict the old tail */
+    st = tu_stats(c);
+    assert_int_equal(st.cow_copies, 1);
+    assert_int_equal(st.evictions, 1);
+    assert_int_equal(tu_info(c, s).n_tokens, 9);
+    TU_SAME_PAT(c, s, 0, 6, 9);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
 /* ---- exhaustion: N blocks filled exactly, one more fails cleanly, all N reusable (FIFO) ---- */
 static void test_exhaustion_and_reuse(void **state) {
     (void)state;
@@ -486,6 +513,7 @@ int main(void) {
         cmocka_unit_test(test_cow_enospc),
         cmocka_unit_test(test_exhaustion_and_reuse),
         cmocka_unit_test(test_limits),
+        cmocka_unit_test(test_cow_sole_indexed_tail_counts),
         cmocka_unit_test(test_truncate_frees),
         cmocka_unit_test(test_truncate_then_append_rewrites),
         cmocka_unit_test(test_truncate_shared),

@@ -441,7 +441,11 @@ PKV_API int pkv_seq_append(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint
     }
     bool cow = tail_needs_cow(c, s);
     uint64_t n_new = nb_needed - s->n_blocks + (cow ? 1 : 0);
-    if (n_new > (uint64_t)c->pool.n_free + c->pool.n_cached) {
+    uint64_t avail = (uint64_t)c->pool.n_free + c->pool.n_cached;
+    /* a copied tail that s alone held (so it is indexed) turns CACHED once copied, and the
+       blocks after the copy may evict it: it counts, though not for the copy itself */
+    if (cow && avail && c->blk[s->table[s->n_blocks - 1]].ref == 1) avail++;
+    if (n_new > avail) {
         rc = PKV_ENOSPC;
         goto out;
     }
