@@ -146,6 +146,21 @@ static void partial_parent(world *w) {
 
 static void free_cycle(world *w) { w->c->blk[w->c->pool.free_tail].qnext = w->c->pool.free_head; }
 static void lru_range(world *w) { w->c->blk[w->c->pool.lru_head].qnext = w->c->n_blocks + 5; }
+/* a block that is not indexed left in a hash chain (as an eviction that skipped bucket_remove
+   would leave it), and a chain link out of range: the walks of lookup and the checker follow them */
+static void chain_stale_entry(world *w) {
+    pkv_cache *c = w->c;
+    const uint32_t f = c->pool.free_head, b = (uint32_t)w->ta[0];
+    uint32_t *x = &c->buckets[c->blk[b].hash & c->bucket_mask];
+    c->blk[f].hash = c->blk[b].hash;
+    c->blk[f].hnext = *x;
+    *x = f;
+}
+static void chain_link_range(world *w) {
+    pkv_cache *c = w->c;
+    const uint32_t b = (uint32_t)w->ta[0];
+    c->blk[b].hnext = c->n_blocks + 1000000u;
+}
 static void seq_gen0(world *w) { pkv__seq_get(w->c, w->b)->gen = 0; }
 static void seq_idx_len(world *w) { pkv__seq_get(w->c, w->a)->idx_len = 3; }
 static void chain_not_indexed(world *w) { w->c->blk[w->ta[1]].flags &= (uint8_t)~PKV_BLKF_INDEXED; }
@@ -192,6 +207,8 @@ static void test_checker_fires(void **state) {
         {free_cycle, "longer than n_free"},
         {lru_range, "LRU queue: block id"},
         {seq_gen0, "generation 0"},
+        {chain_stale_entry, "is not indexed"},
+        {chain_link_range, "out of range"},
         {seq_idx_len, "indexed chain of 3 blocks past committed 10"},
         {chain_not_indexed, "chain block 1 (block"},
         {slot_list_live, "is live or out of range"},

@@ -134,6 +134,22 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
     return PKV_OK;
 }
 
+/* The prefix index's hash chains: every entry a block in range, INDEXED, in the bucket its hash
+ * names, and no chain cycling (so the walks of check_blocks and of lookup stay in bounds and
+ * only ever meet index entries). O(buckets + n_blocks): buckets <= 2 n_blocks + 16. */
+static int check_index_chains(pkv_cache *c, report *r) {
+    uint64_t n = 0;
+    for (uint32_t i = 0; i <= c->bucket_mask; i++)
+        for (uint32_t b = c->buckets[i]; b != PKV_NONE; b = c->blk[b].hnext) {
+            REQUIRE(b < c->n_blocks, "index bucket %u: block id %u out of range", i, b);
+            REQUIRE(c->blk[b].flags & PKV_BLKF_INDEXED, "index bucket %u: block %u is not indexed", i, b);
+            REQUIRE((c->blk[b].hash & c->bucket_mask) == i, "index bucket %u: block %u belongs in bucket %llu", i, b,
+                    (unsigned long long)(c->blk[b].hash & c->bucket_mask));
+            REQUIRE(++n <= c->n_blocks, "index buckets: more entries than blocks (cycle?)");
+        }
+    return PKV_OK;
+}
+
 static int check_blocks(pkv_cache *c, report *r) {
     uint32_t n_free = 0, n_cached = 0, n_active = 0;
     uint64_t slots = 0, n_indexed = 0;
@@ -221,6 +237,7 @@ PKV_API int pkv_cache_check(pkv_cache *c, char *msg, size_t msg_cap) {
     uint64_t n_tokens = 0;
     int rc = check_queues(c, r);
     if (!rc) rc = check_sequences(c, r, &n_tokens);
+    if (!rc) rc = check_index_chains(c, r);
     if (!rc) rc = check_blocks(c, r);
     if (!rc && n_tokens != c->n_tokens_total)
         rc = fail(r, "token count: %llu over sequences, counter %llu", (unsigned long long)n_tokens,
