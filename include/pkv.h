@@ -403,7 +403,8 @@ PKV_API PKV_NODISCARD int pkv_attn_merge(uint32_t n_rows, uint32_t head_dim, con
 
 /* Which kernel family attention uses: "ref", "avx2", "avx512", "avx512-vnni" (avx512 with
  * the q8_0 / q4_0 score on VNNI), "neon", "neon-dotprod" (chosen
- * once at creation from CPU detection; PKV_FORCE_REF=1 in the environment forces "ref", and
+ * once at creation from CPU detection; PKV_FORCE_REF=1 in the environment forces "ref" (so does
+ * any value but an empty one or "0", "false" and "off" included), and
  * PKV_ATTN_BACKEND=name picks one by name: pkv_cache_create fails with PKV_ENOTSUP when this
  * CPU or build lacks it). */
 PKV_API const char *pkv_attn_backend(const pkv_cache *c);
