@@ -517,12 +517,68 @@ static void test_empty_outputs_null(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* ---- an id whose index is exactly max_seqs (one past the last slot) ----
+ * Every allocation of this cache is followed by bytes of 0x01 that the library never writes:
+ * read as a sequence slot they look live (live = 1, generation 0x01010101, a pin). An index
+ * check off by one would take the slot past the end of the array for a live one; the id must
+ * be unknown, whatever lies after the array. */
+enum { PAD_SLACK = 4096 };
+static void *pad_alloc(void *ctx, size_t size, size_t align) {
+    (void)ctx;
+    void *p = NULL;
+    if (align < sizeof(void *)) align = sizeof(void *);
+    if (posix_memalign(&p, align, size + PAD_SLACK)) return NULL;
+    memset((char *)p + size, 0x01, PAD_SLACK);
+    return p;
+}
+static void pad_free(void *ctx, void *p, size_t size) {
+    (void)ctx;
+    (void)size;
+    free(p);
+}
+
+static void test_id_index_max_seqs(void **state) {
+    (void)state;
+    enum { MS = 4 };
+    pkv_config cfg = tu_config(NB, BT, NL, NH, HD, PKV_DTYPE_F32);
+    cfg.max_seqs = MS;
+    cfg.allocator = (pkv_allocator){.alloc = pad_alloc, .free = pad_free, .ctx = NULL};
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s[MS];
+    for (int i = 0; i < MS; i++) s[i] = tu_seq(c); /* every slot live: indexes 0 .. MS - 1 */
+    tu_append(c, s[0], 5, 0, NULL);
+    pkv_stats before = tu_stats(c);
+    const pkv_seq past[] = {((pkv_seq)0x01010101u << 32) | MS, (s[0] & ~0xffffffffull) | MS,
+                            ((pkv_seq)0x01010101u << 32) | (MS + 1)};
+    for (size_t i = 0; i < sizeof past / sizeof past[0]; i++) {
+        pkv_seq_info in;
+        int32_t slot, tab[4];
+        uint32_t n_tab = 0, reused = 0;
+        pkv_seq id = past[i], pin = 0, child = 0;
+        TU_RC(pkv_seq_get_info(c, id, &in), PKV_ENOENT);
+        TU_RC(pkv_seq_release(c, id), PKV_ENOENT);
+        TU_RC(pkv_pin_release(c, id), PKV_ENOENT);
+        TU_RC(pkv_seq_slots(c, id, 0, 0, &slot), PKV_ENOENT);
+        TU_RC(pkv_seq_block_table(c, id, tab, 4, &n_tab), PKV_ENOENT);
+        TU_RC(pkv_seq_truncate(c, id, 0), PKV_ENOENT);
+        TU_RC(pkv_seq_commit(c, id, 0), PKV_ENOENT);
+        TU_RC(pkv_seq_fork(c, id, &child), PKV_ENOENT);
+        TU_RC(pkv_pin_create(c, id, 0, &pin), PKV_ENOENT);
+        TU_RC(pkv_seq_match_prefix(c, id, NULL, 0, &reused), PKV_ENOENT);
+    }
+    pkv_stats after = tu_stats(c);
+    TU_STATS_EQ(&before, &after);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_bad_inputs, setup, teardown),
         cmocka_unit_test(test_bad_inputs_no_status),
         cmocka_unit_test(test_bad_config),
         cmocka_unit_test(test_empty_outputs_null),
+        cmocka_unit_test(test_id_index_max_seqs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

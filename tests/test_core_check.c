@@ -170,6 +170,18 @@ static void slot_list_live(world *w) {
 }
 static void slot_list_short(world *w) { w->c->seq_free = PKV_NONE; }
 static void state_counts(world *w) { w->c->pool.n_active++; }
+/* a queue's tail pointer naming another block of the queue: every link and count is sound, but
+   the next push would hang a block after the wrong one */
+static void free_tail(world *w) {
+    pkv__pool *p = &w->c->pool;
+    assert_int_not_equal(p->free_head, p->free_tail);
+    p->free_tail = p->free_head;
+}
+static void lru_tail(world *w) {
+    pkv__pool *p = &w->c->pool;
+    assert_int_not_equal(p->lru_head, p->lru_tail);
+    p->lru_tail = p->lru_head;
+}
 
 static void test_checker_fires(void **state) {
     (void)state;
@@ -214,6 +226,8 @@ static void test_checker_fires(void **state) {
         {slot_list_live, "is live or out of range"},
         {slot_list_short, "sequence free list: 0 slots"},
         {state_counts, "block states:"},
+        {free_tail, "blocks linked, n_free="},
+        {lru_tail, "blocks linked, n_cached="},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) expect_corrupt(cases[i].brk, cases[i].want);
     /* and the world itself is sound, before and after a round of use */

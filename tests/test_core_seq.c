@@ -506,6 +506,39 @@ static void test_release_and_reset(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* ---- reset empties the cache but the statistics' counters and peak_active go on (pkv.h) ---- */
+static void test_reset_keeps_counters(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(16);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq a = tu_seq(c), b;
+    tu_append(c, a, 10, 0, NULL); /* 3 blocks */
+    TU_OK(pkv_seq_fork(c, a, &b));
+    tu_append(c, b, 1, 10, NULL); /* CoW of the shared tail: 4 ACTIVE */
+    pkv_seq d = tu_seq(c);
+    tu_append(c, d, 8, 50, NULL); /* 6 ACTIVE */
+    TU_OK(pkv_seq_release(c, d));
+    pkv_stats before = tu_stats(c);
+    assert_int_equal(before.peak_active, 6);
+    assert_int_equal(before.n_active, 4);
+    assert_int_equal(before.cow_copies, 1);
+    TU_OK(pkv_cache_reset(c));
+    pkv_stats after = tu_stats(c);
+    assert_int_equal(after.n_active, 0);
+    assert_int_equal(after.n_free, 16);
+    assert_int_equal(after.peak_active, 6); /* not 0: the high-water mark survives a reset */
+    assert_int_equal(after.cow_copies, 1);
+    TU_CHECK(c);
+    /* and it keeps counting from there: below the old peak nothing moves, above it it rises */
+    pkv_seq e = tu_seq(c);
+    tu_append(c, e, 4 * 5, 0, NULL);
+    assert_int_equal(tu_stats(c).peak_active, 6);
+    tu_append(c, e, 4 * 2, 20, NULL);
+    assert_int_equal(tu_stats(c).peak_active, 7);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fork_cow_isolation),
@@ -519,6 +552,7 @@ int main(void) {
         cmocka_unit_test(test_truncate_shared),
         cmocka_unit_test(test_truncate_shared_then_sole_owner_writes),
         cmocka_unit_test(test_release_and_reset),
+        cmocka_unit_test(test_reset_keeps_counters),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
