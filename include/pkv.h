@@ -121,9 +121,11 @@ typedef struct pkv_config {
     uint32_t n_kv_heads;         /* >= 1 */
     uint32_t head_dim;           /* 1..1024 (multiple of 32 for q8_0 / q4_0) */
     uint32_t block_tokens;       /* B, token slots per block, 1..1024; default 16 */
-    uint32_t n_blocks;           /* pool size in blocks; 0 = derive from mem_budget_bytes */
+    uint32_t n_blocks;           /* pool size in blocks, n_blocks x block_tokens under 2^31 (slots
+                                    are int32); 0 = derive from mem_budget_bytes */
     uint64_t mem_budget_bytes;   /* K/V bytes for the pool when n_blocks == 0 (the K-V gap of
-                                    pkv_layout comes on top: under 2 MiB per layer) */
+                                    pkv_layout comes on top: under 2 MiB per layer); a budget
+                                    past 2^31 - 1 slots gives the pool of that many slots */
     pkv_dtype k_dtype;           /* pool element format of K (default f16) */
     pkv_dtype v_dtype;           /* pool element format of V (default f16) */
     uint32_t max_seqs;           /* live sequences (pins included) at once; default 256 */

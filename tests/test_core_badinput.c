@@ -465,6 +465,29 @@ CFG_ROWS(CFG)
 static const cfg_row g_cfg_rows[] = {CFG_ROWS(CFG_TABLE)};
 #undef CFG_TABLE
 
+/* An allocator that refuses any request over 64 MiB, keeping the first such size. */
+typedef struct {
+    size_t refused;
+    long n_live;
+} big_hook;
+static void *big_alloc(void *ctx, size_t size, size_t align) {
+    big_hook *h = ctx;
+    void *p = NULL;
+    if (size > ((size_t)64 << 20)) {
+        if (!h->refused) h->refused = size;
+        return NULL;
+    }
+    if (posix_memalign(&p, align < sizeof(void *) ? sizeof(void *) : align, size ? size : 1)) return NULL;
+    h->n_live++;
+    return p;
+}
+static void big_free(void *ctx, void *p, size_t size) {
+    (void)size;
+    if (!p) return;
+    ((big_hook *)ctx)->n_live--;
+    free(p);
+}
+
 static void test_bad_config(void **state) {
     (void)state;
     for (size_t i = 0; i < sizeof g_cfg_rows / sizeof g_cfg_rows[0]; i++) {
@@ -481,6 +504,20 @@ static void test_bad_config(void **state) {
         assert_null(c);
         assert_int_equal(as.n_live, 0);
         assert_int_equal(as.n_bad_free, 0);
+    }
+    /* a budget past what int32 slots can name gives the largest pool they can (1024-token blocks:
+       2^21 - 1 of them), not PKV_EINVAL: the hook refuses the first request over 64 MiB, the
+       per-block metadata, whose size is then a multiple of that count */
+    {
+        big_hook h = {0};
+        pkv_config cfg = tu_config(0, 1024, 1, 1, 1, PKV_DTYPE_F16);
+        cfg.mem_budget_bytes = UINT64_MAX / 2;
+        cfg.allocator = (pkv_allocator){.alloc = big_alloc, .free = big_free, .ctx = &h};
+        pkv_cache *c = NULL;
+        assert_int_equal(pkv_cache_create(&cfg, &c), PKV_ENOMEM);
+        assert_null(c);
+        assert_true(h.refused > 0 && h.refused % ((1u << 21) - 1) == 0 && h.refused / ((1u << 21) - 1) <= 256);
+        assert_int_equal(h.n_live, 0);
     }
     /* the edges that are valid */
     const uint32_t hd[] = {1, 1024}, bt[] = {1, 1024};

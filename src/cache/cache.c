@@ -240,7 +240,8 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
         if (cfg.mem_budget_bytes == 0) return PKV_EINVAL;
         uint64_t nb = cfg.mem_budget_bytes / per_block;
         if (nb == 0) return PKV_EINVAL;
-        cfg.n_blocks = nb > UINT32_MAX ? UINT32_MAX : (uint32_t)nb;
+        const uint64_t nb_max = ((1ull << 31) - 1) / cfg.block_tokens; /* the slots int32 can name */
+        cfg.n_blocks = (uint32_t)PKV_MIN(nb, nb_max);
     }
     if ((uint64_t)cfg.n_blocks * cfg.block_tokens >= (1ull << 31)) return PKV_EINVAL; /* int32 slots */
     if (cfg.max_blocks_per_seq == 0) cfg.max_blocks_per_seq = PKV_MIN(cfg.n_blocks, 4096u);
