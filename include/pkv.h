@@ -353,10 +353,10 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * 64, or a run of max_seqs in which one group of 32 sequences holds more (sequence, block) pairs
  * than the attention context does (32 x max_blocks_per_seq, at most 2^20): that whole run of
  * max_seqs is then read in table order, its other groups of 32 too. How the pool-order read
- * shares a batch among threads is chosen per CPU: each thread a set of the sequences, or (AMD Zen 5) each thread a range of
- * the pool for all of them. PKV_ATTN_SWEEP=narrow or wide (or auto, the default) at
- * pkv_cache_create fixes that, to compare the two on a machine; another value makes
- * pkv_cache_create fail with PKV_EINVAL. The results differ by float rounding only. On AMD Zen
+ * shares a batch among threads is chosen per CPU: each thread a set of the sequences, or (AMD
+ * Zen 5) each thread a range of the pool for all of them. PKV_ATTN_SWEEP=narrow or wide (or
+ * auto, the default) at pkv_cache_create fixes that, to compare the two on a machine; another
+ * value makes pkv_cache_create fail with PKV_EINVAL. The results differ by float rounding only. On AMD Zen
  * 5 a sequence's (or a sweep's) blocks are read in windows of two passes, the window's K and then
  * its V, rather than each block's K and V together (f16, f32 and bf16 V); PKV_ATTN_PASSES=two or
  * one (or auto, the default) at pkv_cache_create fixes that, with the same rule for other

@@ -57,12 +57,15 @@ static void *tu_hook_alloc(void *ctx, size_t size, size_t align) {
     long idx = st->n_calls++;
     void *p = NULL;
     if (align < sizeof(void *) || (align & (align - 1))) st->n_bad_align++;
-    if (idx == st->fail_at) {
+    const int refuse = st->refuse_over && size > st->refuse_over;
+    if (refuse && !st->first_refused) st->first_refused = size;
+    if (idx == st->fail_at || refuse) {
         st->n_failed++;
     } else {
         size_t al = align < sizeof(void *) ? sizeof(void *) : align;
-        size_t rounded = (size + al - 1) / al * al;
+        size_t rounded = (size + st->pad + al - 1) / al * al;
         p = aligned_alloc(al, rounded ? rounded : al);
+        if (p) memset((char *)p + size, 0x01, st->pad);
         if (p) {
             int slot = -1;
             for (int i = 0; i < TU_MAX_LIVE; i++)

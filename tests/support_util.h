@@ -33,6 +33,10 @@ typedef struct tu_alloc_state {
     size_t peak_bytes;
     long n_bad_free;     /* frees of unknown pointers or with the wrong size */
     long n_bad_align;    /* requests with an alignment that is not a power of two >= sizeof(void*) */
+    /* options, set after tu_alloc_reset */
+    size_t refuse_over;   /* requests over this many bytes are answered with NULL (0: none) */
+    size_t first_refused; /* the size of the first request refuse_over refused */
+    size_t pad;           /* bytes of 0x01 after each allocation, which the library never owns */
 } tu_alloc_state;
 void tu_alloc_reset(tu_alloc_state *st, long fail_at);
 pkv_allocator tu_allocator(tu_alloc_state *st);

@@ -465,29 +465,6 @@ CFG_ROWS(CFG)
 static const cfg_row g_cfg_rows[] = {CFG_ROWS(CFG_TABLE)};
 #undef CFG_TABLE
 
-/* An allocator that refuses any request over 64 MiB, keeping the first such size. */
-typedef struct {
-    size_t refused;
-    long n_live;
-} big_hook;
-static void *big_alloc(void *ctx, size_t size, size_t align) {
-    big_hook *h = ctx;
-    void *p = NULL;
-    if (size > ((size_t)64 << 20)) {
-        if (!h->refused) h->refused = size;
-        return NULL;
-    }
-    if (posix_memalign(&p, align < sizeof(void *) ? sizeof(void *) : align, size ? size : 1)) return NULL;
-    h->n_live++;
-    return p;
-}
-static void big_free(void *ctx, void *p, size_t size) {
-    (void)size;
-    if (!p) return;
-    ((big_hook *)ctx)->n_live--;
-    free(p);
-}
-
 static void test_bad_config(void **state) {
     (void)state;
     for (size_t i = 0; i < sizeof g_cfg_rows / sizeof g_cfg_rows[0]; i++) {
@@ -509,15 +486,18 @@ static void test_bad_config(void **state) {
        2^21 - 1 of them), not PKV_EINVAL: the hook refuses the first request over 64 MiB, the
        per-block metadata, whose size is then a multiple of that count */
     {
-        big_hook h = {0};
+        tu_alloc_state as;
+        tu_alloc_reset(&as, -1);
+        as.refuse_over = (size_t)64 << 20;
         pkv_config cfg = tu_config(0, 1024, 1, 1, 1, PKV_DTYPE_F16);
         cfg.mem_budget_bytes = UINT64_MAX / 2;
-        cfg.allocator = (pkv_allocator){.alloc = big_alloc, .free = big_free, .ctx = &h};
+        cfg.allocator = tu_allocator(&as);
         pkv_cache *c = NULL;
         assert_int_equal(pkv_cache_create(&cfg, &c), PKV_ENOMEM);
         assert_null(c);
-        assert_true(h.refused > 0 && h.refused % ((1u << 21) - 1) == 0 && h.refused / ((1u << 21) - 1) <= 256);
-        assert_int_equal(h.n_live, 0);
+        const size_t r = as.first_refused;
+        assert_true(r > 0 && r % ((1u << 21) - 1) == 0 && r / ((1u << 21) - 1) <= 256);
+        assert_int_equal(as.n_live, 0);
     }
     /* the edges that are valid */
     const uint32_t hd[] = {1, 1024}, bt[] = {1, 1024};
@@ -559,27 +539,15 @@ static void test_empty_outputs_null(void **state) {
  * read as a sequence slot they look live (live = 1, generation 0x01010101, a pin). An index
  * check off by one would take the slot past the end of the array for a live one; the id must
  * be unknown, whatever lies after the array. */
-enum { PAD_SLACK = 4096 };
-static void *pad_alloc(void *ctx, size_t size, size_t align) {
-    (void)ctx;
-    void *p = NULL;
-    if (align < sizeof(void *)) align = sizeof(void *);
-    if (posix_memalign(&p, align, size + PAD_SLACK)) return NULL;
-    memset((char *)p + size, 0x01, PAD_SLACK);
-    return p;
-}
-static void pad_free(void *ctx, void *p, size_t size) {
-    (void)ctx;
-    (void)size;
-    free(p);
-}
-
 static void test_id_index_max_seqs(void **state) {
     (void)state;
     enum { MS = 4 };
     pkv_config cfg = tu_config(NB, BT, NL, NH, HD, PKV_DTYPE_F32);
     cfg.max_seqs = MS;
-    cfg.allocator = (pkv_allocator){.alloc = pad_alloc, .free = pad_free, .ctx = NULL};
+    tu_alloc_state as;
+    tu_alloc_reset(&as, -1);
+    as.pad = 4096;
+    cfg.allocator = tu_allocator(&as);
     pkv_cache *c = tu_create(&cfg);
     pkv_seq s[MS];
     for (int i = 0; i < MS; i++) s[i] = tu_seq(c); /* every slot live: indexes 0 .. MS - 1 */
