@@ -230,6 +230,26 @@ PKV_API PKV_NODISCARD int pkv_seq_fork(pkv_cache *c, pkv_seq parent, pkv_seq *ch
  * The committed count becomes min(committed, n). Shared blocks are only dereferenced. */
 PKV_API PKV_NODISCARD int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
 
+/* Compaction: moves blocks of s into FREE blocks so that its block table holds longer runs of
+ * consecutive ids. Decode reads a batch's blocks in ascending id (docs/design.md, "Attention"),
+ * and each block of another sequence than the last brings that sequence's queries and
+ * accumulators back into the core's L1, so a batch of fragmented tables decodes 3-12% slower than
+ * one of contiguous tables; a sequence that will be decoded for many steps can be compacted
+ * once, at the price of a copy of the blocks moved (every layer's K and V).
+ * The rule, one pass over the table: each run of consecutive ids after the first block moves
+ * as a whole to the ids just after the block before it, where every one of those is FREE and
+ * s alone holds every block of the run (refcount 1: no fork or pin shares it) and none is in the
+ * prefix index (indexed or registered for partial matching). The run then extends the one
+ * before it, and the later runs are tried against the new position. A move copies K/V of every
+ * layer and the token ids, keeps the committed count, and frees the old blocks (to the back of
+ * the free queue). Nothing is evicted, no shared or indexed block moves, the counts other than
+ * the ids do not change, and a run is never broken up (a move never loses a neighbour). So a
+ * table's number of runs never grows. *n_moved (may be NULL) gets the blocks moved; 0 is
+ * success too. The slots, block tables and exports of s taken before are stale for the moved
+ * blocks: take them again. Not while an attention call reads s (as for every call that
+ * changes a sequence). PKV_ENOENT for an unknown id, PKV_EINVAL for a pin. */
+PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t *n_moved);
+
 /* Drops the sequence: each block's refcount falls by one; a block reaching 0 becomes CACHED
  * if indexed, else FREE. The id becomes stale. */
 PKV_API PKV_NODISCARD int pkv_seq_release(pkv_cache *c, pkv_seq s);

@@ -239,6 +239,168 @@ static void test_cow_sole_indexed_tail_counts(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* ---- compaction (pkv_seq_compact) ---- */
+/* The layout of the realizar seed's defragment case (SEEDS.md 4.6, item 30): three sequences
+ * on blocks 0, 1, 2, the middle one released, the first extended onto 3 and 4. The seed moved
+ * 3 to 1 and left 4, which trades one neighbour for another at the price of a copy; here a run
+ * moves whole or not at all, so nothing moves until 2 is free as well. */
+static void test_compact_seed_layout(void **state) {
+    (void)state;
+    pkv_config cfg = tu_config(10, 16, 2, 2, 8, PKV_DTYPE_F32);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s[3], x[1];
+    for (int i = 0; i < 3; i++) {
+        s[i] = tu_seq(c);
+        tu_append(c, s[i], 16, 100 * i, NULL); /* blocks 0, 1, 2 */
+    }
+    TU_WRITE_PAT(c, s[0], 0, 16, 1);
+    TU_OK(pkv_seq_release(c, s[1])); /* free queue 3..9, 1 */
+    tu_append(c, s[0], 32, 16, NULL);
+    TU_WRITE_PAT(c, s[0], 16, 32, 1);
+    int32_t tab[10];
+    assert_int_equal(tu_table(c, s[0], tab, 10), 3);
+    const int32_t frag[3] = {0, 3, 4};
+    assert_memory_equal(tab, frag, sizeof frag);
+    snap before;
+    take(c, s, 1, &before);
+    uint32_t moved = 99;
+    TU_OK(pkv_seq_compact(c, s[0], &moved)); /* 1 is FREE, 2 is not: the run 3, 4 stays */
+    assert_int_equal(moved, 0);
+    assert_same(c, s, &before);
+    TU_OK(pkv_seq_release(c, s[2])); /* free queue 5..9, 1, 2 */
+    take(c, s, 1, &before);
+    TU_OK(pkv_seq_compact(c, s[0], &moved));
+    assert_int_equal(moved, 2);
+    assert_int_equal(tu_table(c, s[0], tab, 10), 3);
+    const int32_t dense[3] = {0, 1, 2};
+    assert_memory_equal(tab, dense, sizeof dense);
+    TU_SAME_PAT(c, s[0], 0, 48, 1);
+    pkv_stats st = tu_stats(c);
+    TU_STATS_EQ(&before.st, &st);
+    TU_CHECK(c);
+    /* the old blocks went to the back of the free queue, the targets left it: 5..9, 3, 4 */
+    x[0] = tu_seq(c);
+    tu_append(c, x[0], 16 * 7, 7, NULL);
+    assert_int_equal(tu_table(c, x[0], tab, 10), 7);
+    const int32_t fifo[7] = {5, 6, 7, 8, 9, 3, 4};
+    assert_memory_equal(tab, fifo, sizeof fifo);
+    TU_OK(pkv_seq_compact(c, x[0], NULL)); /* 3, 4 follow 9 only by id + 1 = 10: out of range */
+    assert_int_equal(tu_table(c, x[0], tab, 10), 7);
+    assert_memory_equal(tab, fifo, sizeof fifo);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* A run moves into room freed by the move before it; a moved block keeps its fill and commit
+ * counts (committed positions stay read-only, the rest writable) and appends continue in it. */
+static void test_compact_chain_partial_tail(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(12);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s[2] = {tu_seq(c), tu_seq(c)};
+    tu_append(c, s[0], 4, 0, NULL);  /* 0 */
+    tu_append(c, s[1], 4, 50, NULL); /* 1 */
+    tu_append(c, s[0], 4, 4, NULL);  /* 2 */
+    tu_append(c, s[1], 4, 54, NULL); /* 3 */
+    tu_append(c, s[0], 2, 8, NULL);  /* 4, 2 of its 4 slots */
+    TU_WRITE_PAT(c, s[0], 0, 8, 5);
+    TU_OK(pkv_seq_commit(c, s[0], 6)); /* block 2 holds 2 committed positions */
+    TU_OK(pkv_seq_release(c, s[1]));   /* free queue 5..11, 3, 1 */
+    pkv_stats st0 = tu_stats(c);
+    uint32_t moved = 0;
+    TU_OK(pkv_seq_compact(c, s[0], &moved)); /* 2 -> 1, then 4 -> 2 (freed by the first move) */
+    assert_int_equal(moved, 2);
+    int32_t tab[12];
+    assert_int_equal(tu_table(c, s[0], tab, 12), 3);
+    const int32_t dense[3] = {0, 1, 2};
+    assert_memory_equal(tab, dense, sizeof dense);
+    pkv_stats st1 = tu_stats(c);
+    TU_STATS_EQ(&st0, &st1); /* peak_active included: never two copies in use at once */
+    pkv_seq_info in = tu_info(c, s[0]);
+    assert_int_equal(in.n_tokens, 10);
+    assert_int_equal(in.n_committed, 6);
+    TU_SAME_PAT(c, s[0], 0, 8, 5);
+    TU_CHECK(c);
+    int32_t slot;
+    float k[16] = {0}, v[16] = {0};
+    TU_OK(pkv_seq_slots(c, s[0], 5, 1, &slot));
+    assert_int_equal(slot, 1 * 4 + 1);
+    TU_RC(pkv_write_kv(c, 0, &slot, 1, k, v, PKV_DTYPE_F32), PKV_EINVAL); /* committed */
+    TU_WRITE_PAT(c, s[0], 8, 2, 5); /* the moved tail's own positions */
+    TU_SAME_PAT(c, s[0], 0, 10, 5);
+    int32_t slots[3];
+    tu_append(c, s[0], 3, 10, slots); /* 10, 11 in the moved tail, 12 in the queue's head */
+    assert_int_equal(slots[0], 2 * 4 + 2);
+    assert_int_equal(slots[1], 2 * 4 + 3);
+    assert_int_equal(slots[2], 5 * 4 + 0);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* Shared blocks (a fork, a pin) and blocks in the prefix index never move (seed item 31: a fork
+ * then a compaction of the parent moves nothing); bad ids change nothing. */
+static void test_compact_shared_indexed_bad(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(12);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s[2] = {tu_seq(c), tu_seq(c)};
+    tu_append(c, s[0], 4, 0, NULL);  /* 0 */
+    tu_append(c, s[1], 4, 50, NULL); /* 1 */
+    tu_append(c, s[0], 4, 4, NULL);  /* 2 */
+    TU_WRITE_PAT(c, s[0], 0, 8, 6);
+    TU_OK(pkv_seq_commit(c, s[0], 8));
+    TU_OK(pkv_seq_release(c, s[1]));
+    pkv_seq ch, pin;
+    TU_OK(pkv_seq_fork(c, s[0], &ch));
+    snap before;
+    take(c, s, 1, &before);
+    uint32_t moved = 7;
+    TU_OK(pkv_seq_compact(c, s[0], &moved));
+    assert_int_equal(moved, 0);
+    TU_OK(pkv_seq_compact(c, ch, &moved));
+    assert_int_equal(moved, 0);
+    assert_same(c, s, &before);
+    TU_OK(pkv_seq_release(c, ch));
+    TU_OK(pkv_pin_create(c, s[0], 8, &pin));
+    take(c, s, 1, &before);
+    TU_OK(pkv_seq_compact(c, s[0], &moved));
+    assert_int_equal(moved, 0);
+    TU_RC(pkv_seq_compact(c, pin, &moved), PKV_EINVAL);
+    TU_RC(pkv_seq_compact(NULL, s[0], &moved), PKV_EINVAL);
+    TU_RC(pkv_seq_compact(c, ch, &moved), PKV_ENOENT);
+    assert_int_equal(moved, 0);
+    assert_same(c, s, &before);
+    TU_OK(pkv_pin_release(c, pin));
+    TU_OK(pkv_seq_compact(c, s[0], &moved));
+    assert_int_equal(moved, 1);
+    TU_SAME_PAT(c, s[0], 0, 8, 6);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+
+    /* prefix cache on: the committed full blocks are indexed and stay; the unindexed tail moves */
+    cfg.enable_prefix_cache = 1;
+    c = tu_create(&cfg);
+    pkv_seq a = tu_seq(c), b = tu_seq(c), d = tu_seq(c);
+    tu_append(c, a, 4, 0, NULL);  /* 0 */
+    tu_append(c, b, 4, 50, NULL); /* 1 */
+    tu_append(c, a, 4, 4, NULL);  /* 2 */
+    tu_append(c, d, 4, 70, NULL); /* 3 */
+    tu_append(c, a, 2, 8, NULL);  /* 4 */
+    TU_WRITE_PAT(c, a, 0, 10, 7);
+    TU_OK(pkv_seq_commit(c, a, 8)); /* 0 and 2 enter the index */
+    TU_OK(pkv_seq_release(c, b));   /* 1 FREE (never committed) */
+    TU_OK(pkv_seq_release(c, d));   /* 3 FREE */
+    TU_OK(pkv_seq_compact(c, a, &moved));
+    assert_int_equal(moved, 1);
+    int32_t tab[4];
+    assert_int_equal(tu_table(c, a, tab, 4), 3);
+    const int32_t want[3] = {0, 2, 3};
+    assert_memory_equal(tab, want, sizeof want);
+    TU_SAME_PAT(c, a, 0, 10, 7);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
 /* ---- exhaustion: N blocks filled exactly, one more fails cleanly, all N reusable (FIFO) ---- */
 static void test_exhaustion_and_reuse(void **state) {
     (void)state;
@@ -553,6 +715,9 @@ int main(void) {
         cmocka_unit_test(test_truncate_shared_then_sole_owner_writes),
         cmocka_unit_test(test_release_and_reset),
         cmocka_unit_test(test_reset_keeps_counters),
+        cmocka_unit_test(test_compact_seed_layout),
+        cmocka_unit_test(test_compact_chain_partial_tail),
+        cmocka_unit_test(test_compact_shared_indexed_bad),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

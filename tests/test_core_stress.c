@@ -1,5 +1,5 @@
 /* test_core_stress.c: seeded random operations (create, append, write K/V, commit, fork,
- * truncate, release, gather, pins, prefix matches) on a small pool, with pkv_cache_check after
+ * truncate, release, gather, pins, prefix matches, compaction) on a small pool, with pkv_cache_check after
  * EVERY step and a shadow model of every sequence (token ids, K/V per position per layer,
  * block refcounts) that the library's answers must match exactly. PKV_STRESS_OPS sets the
  * number of operations (default 200000, split between a prefix-cache-off and -on run);
@@ -59,7 +59,7 @@ typedef struct {
 } world;
 
 enum { OP_CREATE, OP_APPEND, OP_WRITE, OP_COMMIT, OP_FORK, OP_TRUNCATE, OP_RELEASE, OP_GATHER, OP_PIN, OP_UNPIN,
-       OP_MATCH, OP_STALE, OP_FILL, OP_COUNT };
+       OP_MATCH, OP_STALE, OP_FILL, OP_COMPACT, OP_COUNT };
 
 static uint64_t mix(uint64_t h, uint64_t x) {
     h ^= x + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
@@ -517,6 +517,55 @@ static void do_match(world *w) {
     w->n_fail[OP_MATCH] += reused == 0;
 }
 
+static uint32_t n_runs(const int32_t *t, uint32_t n) {
+    uint32_t r = n > 0;
+    for (uint32_t j = 1; j < n; j++) r += t[j] != t[j - 1] + 1;
+    return r;
+}
+
+/* pkv_seq_compact against pkv.h's rule, worked out here from the blocks' states before the
+ * call (read through the internals: which blocks are FREE, held once, or named by the index),
+ * then the data of every layer and the counts. */
+static void do_compact(world *w, sh_seq *s) {
+    const pkv_cache *c = w->c;
+    int32_t want[NBLK];
+    uint8_t free_[NBLK], mov[NBLK];
+    for (int b = 0; b < NBLK; b++) {
+        free_[b] = c->blk[b].state == PKV_BLK_FREE;
+        mov[b] = c->blk[b].state == PKV_BLK_ACTIVE && c->blk[b].ref == 1 && c->blk[b].flags == 0;
+    }
+    memcpy(want, s->tab, s->nb * sizeof *want);
+    uint32_t n_want = 0;
+    for (uint32_t i = 1; i < s->nb;) {
+        uint32_t len = 1;
+        while (i + len < s->nb && want[i + len] == want[i + len - 1] + 1) len++;
+        int to = want[i - 1] + 1, ok = want[i] != to && to + (int)len <= NBLK;
+        for (uint32_t j = 0; ok && j < len; j++) ok = mov[want[i + j]] && free_[to + (int)j];
+        for (uint32_t j = 0; ok && j < len; j++) {
+            free_[want[i + j]] = 1, mov[want[i + j]] = 0;
+            free_[to + (int)j] = 0, mov[to + (int)j] = 1;
+            w->bc[to + (int)j] = w->bc[want[i + j]];
+            w->bc[want[i + j]] = 0;
+            want[i + j] = to + (int)j;
+            n_want++;
+        }
+        i += len;
+    }
+    const uint32_t runs0 = n_runs(s->tab, s->nb);
+    const pkv_stats st0 = tu_stats(w->c);
+    uint32_t moved = UINT32_MAX;
+    if (pkv_seq_compact(w->c, s->id, &moved)) fail_at(w, "compact failed");
+    TRACE("compact seq%d: %u moved", (int)(s - w->s), moved);
+    sync_seq(w, s);
+    if (moved != n_want || memcmp(want, s->tab, s->nb * sizeof *want)) fail_at(w, "compact: not the rule's table");
+    if (n_runs(s->tab, s->nb) > runs0) fail_at(w, "compact: more runs");
+    const pkv_stats st1 = tu_stats(w->c);
+    TU_STATS_EQ(&st0, &st1);
+    for (uint32_t l = 0; l < NL && s->len; l++) verify_range(w, s, l, 0, s->len);
+    w->n_ok[OP_COMPACT] += moved > 0;
+    w->n_fail[OP_COMPACT] += moved == 0;
+}
+
 static void step(world *w) {
     uint32_t r = tu_rng_below(&w->r, 100);
     int op;
@@ -531,7 +580,8 @@ static void step(world *w) {
     else if (r < 88) op = OP_GATHER;
     else if (r < 91) op = OP_PIN;
     else if (r < 94) op = OP_UNPIN;
-    else if (r < 99) op = OP_MATCH;
+    else if (r < 97) op = OP_MATCH;
+    else if (r < 99) op = OP_COMPACT;
     else op = OP_STALE;
     recount(w);
     int i;
@@ -611,6 +661,9 @@ static void step(world *w) {
     case OP_MATCH:
         do_match(w);
         break;
+    case OP_COMPACT:
+        if ((i = pick(w, 1, 0)) >= 0) do_compact(w, &w->s[i]);
+        break;
     case OP_STALE:
         if (w->n_dead) {
             pkv_seq id = w->dead[tu_rng_below(&w->r, PKV_MIN_U(w->n_dead, 8))];
@@ -654,7 +707,7 @@ static void run(int prefix, uint64_t n_ops, uint64_t seed) {
     verify_all(w);
     pkv_stats st = tu_stats(w->c);
     print_message("prefix %s, seed %llu: %llu ops; ok/fail: append %llu/%llu write %llu/%llu commit %llu fork %llu "
-                  "truncate %llu release %llu gather %llu pin %llu match hit/miss %llu/%llu; cow %llu evictions %llu "
+                  "truncate %llu release %llu gather %llu pin %llu match hit/miss %llu/%llu compact moved/not %llu/%llu; cow %llu evictions %llu "
                   "peak %u\n",
                   prefix ? "on" : "off", (unsigned long long)seed, (unsigned long long)n_ops,
                   (unsigned long long)w->n_ok[OP_APPEND], (unsigned long long)w->n_fail[OP_APPEND],
@@ -663,12 +716,14 @@ static void run(int prefix, uint64_t n_ops, uint64_t seed) {
                   (unsigned long long)w->n_ok[OP_TRUNCATE], (unsigned long long)w->n_ok[OP_RELEASE],
                   (unsigned long long)w->n_ok[OP_GATHER], (unsigned long long)w->n_ok[OP_PIN],
                   (unsigned long long)w->n_ok[OP_MATCH], (unsigned long long)w->n_fail[OP_MATCH],
+                  (unsigned long long)w->n_ok[OP_COMPACT], (unsigned long long)w->n_fail[OP_COMPACT],
                   (unsigned long long)st.cow_copies, (unsigned long long)st.evictions, st.peak_active);
     /* the run must have exercised the paths it exists for */
     assert_true(w->n_fail[OP_APPEND] > 0 || n_ops < 20000); /* exhaustion */
     assert_true(st.cow_copies > 0 || n_ops < 20000);
     if (prefix) assert_true(st.evictions > 0 || n_ops < 20000);
     if (prefix) assert_true(w->n_ok[OP_MATCH] > 0 || n_ops < 20000);
+    assert_true(w->n_ok[OP_COMPACT] > 0 || n_ops < 20000);
     pkv_cache_destroy(w->c);
     uint64_t n_dev = w->n_dev;
     char first[200];

@@ -617,6 +617,52 @@ out:
     return rc;
 }
 
+/* Moves block table[i] of s, which s alone holds and no index names, into FREE block dst: K/V of
+ * every layer and the token ids first (dst is nobody's), then the counts. The source is freed
+ * before dst leaves the free queue, so the counts (peak_active too) never see both in use. */
+static void move_block(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t dst) {
+    const uint32_t src = (uint32_t)s->table[i];
+    const uint32_t n_fill = c->blk[src].n_fill, n_commit = c->blk[src].n_commit;
+    pkv__copy_block(c, dst, src, n_fill);
+    pkv__drop_block(c, src);
+    pkv__pool_free_remove(&c->pool, dst);
+    pkv__pool_activate(&c->pool, dst);
+    pkv__pool_set_fill(&c->pool, dst, n_fill);
+    c->blk[dst].n_commit = (uint16_t)n_commit;
+    s->table[i] = (int32_t)dst;
+}
+
+/* Whether block b may move: s alone holds it (no fork, no pin) and the prefix index does not
+ * name it (neither a full indexed block nor a registered partial one). */
+static bool movable(const pkv_cache *c, uint32_t b) {
+    return c->blk[b].ref == 1 && c->blk[b].flags == 0;
+}
+
+PKV_API int pkv_seq_compact(pkv_cache *c, pkv_seq id, uint32_t *n_moved) {
+    if (!c) return PKV_EINVAL;
+    LOCK(c);
+    pkv__seq *s;
+    uint32_t moved = 0;
+    int rc = get_seq(c, id, &s);
+    for (uint32_t i = 1; !rc && i < s->n_blocks;) {
+        /* the run of consecutive ids that starts at i */
+        uint32_t len = 1;
+        while (i + len < s->n_blocks && s->table[i + len] == s->table[i + len - 1] + 1) len++;
+        const uint32_t first = (uint32_t)s->table[i], to = (uint32_t)s->table[i - 1] + 1;
+        bool ok = first != to && (uint64_t)to + len <= c->n_blocks;
+        for (uint32_t j = 0; ok && j < len; j++)
+            ok = movable(c, first + j) && c->blk[to + j].state == PKV_BLK_FREE;
+        if (ok) {
+            for (uint32_t j = 0; j < len; j++) move_block(c, s, i + j, to + j);
+            moved += len;
+        }
+        i += len;
+    }
+    if (!rc && n_moved) *n_moved = moved;
+    UNLOCK(c);
+    return rc;
+}
+
 PKV_API int pkv_seq_release(pkv_cache *c, pkv_seq id) {
     if (!c) return PKV_EINVAL;
     LOCK(c);

@@ -41,15 +41,19 @@ void pkv__pool_free_push(pkv__pool *p, uint32_t b) {
 
 uint32_t pkv__pool_free_pop(pkv__pool *p) {
     uint32_t b = p->free_head;
-    if (b == PKV_NONE) return PKV_NONE;
+    if (b != PKV_NONE) pkv__pool_free_remove(p, b);
+    return b;
+}
+
+void pkv__pool_free_remove(pkv__pool *p, uint32_t b) {
     pkv__blk *k = &p->blk[b];
     pkv_assert(k->state == PKV_BLK_FREE);
-    p->free_head = k->qnext;
-    if (p->free_head != PKV_NONE) p->blk[p->free_head].qprev = PKV_NONE;
-    else p->free_tail = PKV_NONE;
+    if (k->qprev != PKV_NONE) p->blk[k->qprev].qnext = k->qnext;
+    else p->free_head = k->qnext;
+    if (k->qnext != PKV_NONE) p->blk[k->qnext].qprev = k->qprev;
+    else p->free_tail = k->qprev;
     k->qprev = k->qnext = PKV_NONE;
     p->n_free--;
-    return b;
 }
 
 void pkv__pool_lru_push(pkv__pool *p, uint32_t b) {

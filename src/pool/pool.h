@@ -48,6 +48,7 @@ void pkv__pool_init(pkv__pool *p, pkv__blk *blk, uint32_t n_blocks);
 /* Queue primitives. */
 void pkv__pool_free_push(pkv__pool *p, uint32_t b);  /* b becomes FREE at the back */
 uint32_t pkv__pool_free_pop(pkv__pool *p);           /* front of the free queue or PKV_NONE */
+void pkv__pool_free_remove(pkv__pool *p, uint32_t b); /* unlinks a FREE block from anywhere in the queue */
 void pkv__pool_lru_push(pkv__pool *p, uint32_t b);   /* b becomes CACHED at the tail */
 void pkv__pool_lru_remove(pkv__pool *p, uint32_t b); /* unlinks a CACHED block */
 
