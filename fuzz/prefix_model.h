@@ -74,6 +74,7 @@ typedef struct pm_world {
     uint64_t lookups, tokens_hit, tokens_queried;
     /* coverage, so a test can insist the workload did exercise reuse */
     uint64_t n_steps, n_matches, n_full_block_hits, n_partial_hits, n_enospc, n_forks, n_pins, n_truncs;
+    uint64_t n_compact_moved; /* blocks pkv_seq_compact moved */
     /* attention calls checked, their queries, bad calls, calls with out == q */
     uint64_t n_attn, n_attn_queries, n_attn_bad, n_attn_in_place;
     char err[600];
@@ -422,6 +423,7 @@ enum {
     PM_OP_REWRITE,
     PM_OP_MATCH2,
     PM_OP_ATTN,
+    PM_OP_COMPACT,
     PM_OP_COUNT
 };
 
@@ -747,6 +749,21 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         if (n < q->len) q->len = n;
         if (q->committed > q->len) q->committed = q->len;
         w->n_truncs++;
+        break;
+    }
+    case PM_OP_COMPACT: { /* moves blocks, changes no count and no K/V (pm_verify reads them) */
+        pm_seq *q = pm_pick(w, src, 0);
+        if (!q) break;
+        pkv_stats before, after;
+        uint32_t moved = 0;
+        if (pkv_cache_get_stats(w->c, &before) < 0) return pm_fail(w, "stats");
+        rc = pkv_seq_compact(w->c, q->id, &moved);
+        PM_TR(w, "%llu: s%d compact -> %s, %u moved\n", (unsigned long long)w->n_steps, PM_SI(w, q),
+              pkv_strerror(rc), moved);
+        PM_EXPECT(w, rc == 0, "compact: %s", pkv_strerror(rc));
+        if (pkv_cache_get_stats(w->c, &after) < 0) return pm_fail(w, "stats");
+        PM_EXPECT(w, memcmp(&before, &after, sizeof before) == 0, "compact changed the statistics (%u moved)", moved);
+        w->n_compact_moved += moved;
         break;
     }
     case PM_OP_RELEASE: {

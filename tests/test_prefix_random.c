@@ -12,7 +12,7 @@
 #include <stdlib.h>
 
 typedef struct totals {
-    uint64_t matches, full_hits, partial_hits, evictions, cow, enospc, forks, pins, truncs, tokens_hit;
+    uint64_t matches, full_hits, partial_hits, evictions, cow, enospc, forks, pins, truncs, tokens_hit, compact_moved;
     uint64_t attn, attn_queries, attn_bad, attn_pool, attn_in_place;
 } totals;
 
@@ -39,6 +39,7 @@ static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, i
     t->forks += w->n_forks;
     t->pins += w->n_pins;
     t->truncs += w->n_truncs;
+    t->compact_moved += w->n_compact_moved;
     t->tokens_hit += st.prefix_tokens_hit;
     t->attn += w->n_attn;
     t->attn_queries += w->n_attn_queries;
@@ -64,7 +65,7 @@ static void test_prefix_random_b4(void **state) {
     assert_true(t.partial_hits > 0);
     assert_true(t.evictions > 0);
     assert_true(t.cow > 0);
-    assert_true(t.forks > 0 && t.pins > 0 && t.truncs > 0);
+    assert_true(t.forks > 0 && t.pins > 0 && t.truncs > 0 && t.compact_moved > 0);
     /* attention over those sequences, against the model's K/V, and its bad calls */
     assert_true(t.attn > 0 && t.attn_queries > t.attn && t.attn_bad > 0 && t.attn_in_place > 0);
 }
