@@ -237,7 +237,8 @@ PKV_API PKV_NODISCARD int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
  * one of contiguous tables; a sequence that will be decoded for many steps can be compacted
  * once, at the price of a copy of the blocks moved (every layer's K and V).
  * The rule, one pass over the table: each run of consecutive ids after the first block moves
- * as a whole to the ids just after the block before it, where every one of those is FREE and
+ * as a whole to the ids just after the block before it, where every one of those is FREE (or
+ * one of the run's own, for a shift by less than its length) and
  * s alone holds every block of the run (refcount 1: no fork or pin shares it) and none is in the
  * prefix index (indexed or registered for partial matching). The run then extends the one
  * before it, and the later runs are tried against the new position. A move copies K/V of every

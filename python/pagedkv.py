@@ -148,6 +148,7 @@ def _load():
         "pkv_seq_commit": (_int, [_vp, _u64, _u32]),
         "pkv_seq_fork": (_int, [_vp, _u64, _P(_u64)]),
         "pkv_seq_truncate": (_int, [_vp, _u64, _u32]),
+    "pkv_seq_compact": (_int, [_vp, _u64, ctypes.POINTER(_u32)]),
         "pkv_seq_release": (_int, [_vp, _u64]),
         "pkv_seq_get_info": (_int, [_vp, _u64, _P(_SeqInfo)]),
         "pkv_seq_slots": (_int, [_vp, _u64, _u32, _u32, _vp]),
@@ -481,6 +482,15 @@ class Cache:
     def truncate(self, seq, n):
         """Keeps positions [0, n)."""
         _check(_lib.pkv_seq_truncate(self._h(), _seq_of(seq), _u32_of(n, "n")), "pkv_seq_truncate")
+
+    def compact(self, seq):
+        """Moves runs of seq's blocks that it alone holds (not shared, not in the prefix index) to the
+        FREE ids just after the block before them, so its block table holds longer runs of
+        consecutive ids (pkv.h, pkv_seq_compact); returns the number of blocks moved. Slots and
+        block tables taken before are stale for the moved blocks."""
+        out = _u32()
+        _check(_lib.pkv_seq_compact(self._h(), _seq_of(seq), ctypes.byref(out)), "pkv_seq_compact")
+        return out.value
 
     def release(self, seq):
         """Drops the sequence; its id becomes stale (ENOENT)."""

@@ -337,6 +337,35 @@ static void test_compact_chain_partial_tail(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* A run shifted down by less than its length: 2, 3 after 0 with 1 FREE becomes 1, 2 (its own
+ * block 2 is a target, freed by the move before); 3 then goes to the back of the free queue. */
+static void test_compact_short_shift(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(6);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s[2] = {tu_seq(c), tu_seq(c)};
+    tu_append(c, s[0], 4, 0, NULL);  /* 0 */
+    tu_append(c, s[1], 4, 50, NULL); /* 1 */
+    tu_append(c, s[0], 7, 4, NULL);  /* 2, 3 */
+    TU_WRITE_PAT(c, s[0], 0, 11, 8);
+    TU_OK(pkv_seq_release(c, s[1])); /* free queue 4, 5, 1 */
+    uint32_t moved = 0;
+    TU_OK(pkv_seq_compact(c, s[0], &moved));
+    assert_int_equal(moved, 2);
+    int32_t tab[6];
+    assert_int_equal(tu_table(c, s[0], tab, 6), 3);
+    const int32_t dense[3] = {0, 1, 2};
+    assert_memory_equal(tab, dense, sizeof dense);
+    TU_SAME_PAT(c, s[0], 0, 11, 8);
+    TU_CHECK(c);
+    s[1] = tu_seq(c);
+    tu_append(c, s[1], 12, 9, NULL);
+    assert_int_equal(tu_table(c, s[1], tab, 6), 3);
+    const int32_t fifo[3] = {4, 5, 3};
+    assert_memory_equal(tab, fifo, sizeof fifo);
+    pkv_cache_destroy(c);
+}
+
 /* Shared blocks (a fork, a pin) and blocks in the prefix index never move (seed item 31: a fork
  * then a compaction of the parent moves nothing); bad ids change nothing. */
 static void test_compact_shared_indexed_bad(void **state) {
@@ -717,6 +746,7 @@ int main(void) {
         cmocka_unit_test(test_reset_keeps_counters),
         cmocka_unit_test(test_compact_seed_layout),
         cmocka_unit_test(test_compact_chain_partial_tail),
+        cmocka_unit_test(test_compact_short_shift),
         cmocka_unit_test(test_compact_shared_indexed_bad),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

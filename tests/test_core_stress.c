@@ -540,14 +540,21 @@ static void do_compact(world *w, sh_seq *s) {
         uint32_t len = 1;
         while (i + len < s->nb && want[i + len] == want[i + len - 1] + 1) len++;
         int to = want[i - 1] + 1, ok = want[i] != to && to + (int)len <= NBLK;
-        for (uint32_t j = 0; ok && j < len; j++) ok = mov[want[i + j]] && free_[to + (int)j];
-        for (uint32_t j = 0; ok && j < len; j++) {
-            free_[want[i + j]] = 1, mov[want[i + j]] = 0;
-            free_[to + (int)j] = 0, mov[to + (int)j] = 1;
-            w->bc[to + (int)j] = w->bc[want[i + j]];
-            w->bc[want[i + j]] = 0;
-            want[i + j] = to + (int)j;
-            n_want++;
+        const int first = want[i];
+        for (uint32_t j = 0; ok && j < len; j++) { /* FREE, or the run's own (a short shift) */
+            const int t = to + (int)j;
+            ok = mov[first + (int)j] && (free_[t] || (t >= first && t < first + (int)len));
+        }
+        if (ok) {
+            int bc[NBLK];
+            for (uint32_t j = 0; j < len; j++) bc[j] = w->bc[first + (int)j];
+            for (uint32_t j = 0; j < len; j++) free_[first + (int)j] = 1, mov[first + (int)j] = 0, w->bc[first + (int)j] = 0;
+            for (uint32_t j = 0; j < len; j++) {
+                free_[to + (int)j] = 0, mov[to + (int)j] = 1;
+                w->bc[to + (int)j] = bc[j];
+                want[i + j] = to + (int)j;
+            }
+            n_want += len;
         }
         i += len;
     }

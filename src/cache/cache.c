@@ -650,8 +650,11 @@ PKV_API int pkv_seq_compact(pkv_cache *c, pkv_seq id, uint32_t *n_moved) {
         while (i + len < s->n_blocks && s->table[i + len] == s->table[i + len - 1] + 1) len++;
         const uint32_t first = (uint32_t)s->table[i], to = (uint32_t)s->table[i - 1] + 1;
         bool ok = first != to && (uint64_t)to + len <= c->n_blocks;
+        /* each target FREE, or one of the run's own blocks: a shift down by less than its
+           length (up is impossible: block to - 1 would be in the run), moved first to last, so
+           every target is free when its turn comes */
         for (uint32_t j = 0; ok && j < len; j++)
-            ok = movable(c, first + j) && c->blk[to + j].state == PKV_BLK_FREE;
+            ok = movable(c, first + j) && (c->blk[to + j].state == PKV_BLK_FREE || (to < first && to + j >= first));
         if (ok) {
             for (uint32_t j = 0; j < len; j++) move_block(c, s, i + j, to + j);
             moved += len;

@@ -402,6 +402,34 @@ class TestCache(Base):
             self.assertEqual(c.stats()["n_free"], 32)
             c.check()
 
+    def test_compact(self):
+        # prefix cache off: committed blocks stay movable; a and b interleave, then b leaves
+        with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=8, k_dtype="f16", v_dtype="f16", n_threads=1,
+                       enable_prefix_cache=False) as c:
+            a, b = c.seq_create(), c.seq_create()
+            self.fill(c, a, 16)
+            self.fill(c, b, 16)
+            self.fill(c, a, 20)  # blocks 2 and 3 (4 of 16 slots)
+            np.testing.assert_array_equal(c.block_table(a), [0, 2, 3])
+            K0, V0 = c.gather(a, 0)
+            q = self.rng.standard_normal((1, 4, 32)).astype(np.float32)
+            out0 = c.decode(0, [a], q)
+            self.assertEqual(c.compact(a), 0)  # 1 is b's
+            c.release(b)
+            st = c.stats()
+            self.assertEqual(c.compact(a), 2)  # the run 2, 3 moves to 1, 2
+            np.testing.assert_array_equal(c.block_table(a), [0, 1, 2])
+            self.assertEqual(c.stats(), st)
+            K1, V1 = c.gather(a, 0)
+            np.testing.assert_array_equal(K0, K1)
+            np.testing.assert_array_equal(V0, V1)
+            np.testing.assert_array_equal(c.decode(0, [a], q), out0)
+            self.assertEqual(c.compact(a), 0)
+            c.check()
+            with self.assertRaises(pkv.PkvError) as e:
+                c.compact(b)  # released: stale
+            self.assertEqual(e.exception.code, pkv.ENOENT)
+
     def test_kv_view(self):
         for dt in ("f32", "f16", "bf16", "q8_0"):
             with self.subTest(dtype=dt):
