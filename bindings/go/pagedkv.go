@@ -384,6 +384,16 @@ func (c *Cache) Truncate(s Seq, n uint32) error {
 	return c.seqOp("pkv_seq_truncate", func(p *C.pkv_cache) C.int { return C.pkv_seq_truncate(p, C.pkv_seq(s), C.uint32_t(n)) })
 }
 
+// Compact moves runs of the sequence's blocks that it alone holds (not shared, not in the
+// prefix index) to the FREE ids just after the block before them, so its block table holds
+// longer runs of consecutive ids (pkv.h, pkv_seq_compact); returns the number of blocks moved.
+// Slots and block tables taken before are stale for the moved blocks.
+func (c *Cache) Compact(s Seq) (uint32, error) {
+	var moved C.uint32_t
+	err := c.seqOp("pkv_seq_compact", func(p *C.pkv_cache) C.int { return C.pkv_seq_compact(p, C.pkv_seq(s), &moved) })
+	return uint32(moved), err
+}
+
 // Release drops the sequence; its id becomes stale (ENOENT).
 func (c *Cache) Release(s Seq) error {
 	return c.seqOp("pkv_seq_release", func(p *C.pkv_cache) C.int { return C.pkv_seq_release(p, C.pkv_seq(s)) })

@@ -288,6 +288,63 @@ func TestSoftcapWindowMerge(t *testing.T) {
 	assertClose(t, oa, w, 1e-5, "the fork truncated to 20")
 }
 
+func TestCompact(t *testing.T) {
+	r := rng(5)
+	cfg := DefaultConfig()
+	cfg.NKVHeads, cfg.HeadDim, cfg.NBlocks, cfg.KDtype, cfg.VDtype, cfg.NThreads = 2, 32, 8, F16, F16, 1
+	cfg.PrefixCache = false
+	c, err := NewCache(cfg)
+	must(t, err)
+	t.Cleanup(c.Close)
+	a, err := c.SeqCreate(nil)
+	must(t, err)
+	b, err := c.SeqCreate(nil)
+	must(t, err)
+	fill(t, c, a, 16, &r)
+	fill(t, c, b, 16, &r)
+	fill(t, c, a, 20, &r) // blocks 2 and 3
+	table := func() string {
+		tab, err := c.BlockTable(a)
+		must(t, err)
+		return fmt.Sprint(tab)
+	}
+	if got := table(); got != "[0 2 3]" {
+		t.Fatalf("table %s", got)
+	}
+	k0, v0, err := c.Gather(a, 0, 0, 36)
+	must(t, err)
+	q := r.vec(4 * 32)
+	out0, out1 := make([]float32, len(q)), make([]float32, len(q))
+	must(t, c.Decode(0, []Seq{a}, q, out0, AttnParams{NQHeads: 4}, nil))
+	if n, err := c.Compact(a); err != nil || n != 0 { // block 1 is b's
+		t.Fatalf("compact with 1 held: %d, %v", n, err)
+	}
+	must(t, c.Release(b))
+	st, err := c.Stats()
+	must(t, err)
+	if n, err := c.Compact(a); err != nil || n != 2 { // the run 2, 3 shifts to 1, 2
+		t.Fatalf("compact: %d, %v", n, err)
+	}
+	if got := table(); got != "[0 1 2]" {
+		t.Fatalf("table after compact %s", got)
+	}
+	st2, err := c.Stats()
+	must(t, err)
+	if st != st2 {
+		t.Fatalf("stats changed: %+v -> %+v", st, st2)
+	}
+	k1, v1, err := c.Gather(a, 0, 0, 36)
+	must(t, err)
+	must(t, c.Decode(0, []Seq{a}, q, out1, AttnParams{NQHeads: 4}, nil))
+	if fmt.Sprint(k0, v0, out0) != fmt.Sprint(k1, v1, out1) {
+		t.Fatal("K/V or decode changed by compact")
+	}
+	must(t, c.Check())
+	if _, err := c.Compact(b); code(err) != ENOENT {
+		t.Fatalf("compact of a released sequence: %v", err)
+	}
+}
+
 func TestPrefixForkExports(t *testing.T) {
 	r := rng(11)
 	c := newCache(t, 2, 32, 32, F32)

@@ -487,6 +487,16 @@ impl Cache {
         check(unsafe { ffi::pkv_seq_truncate(self.p(), s.0, n) }, "pkv_seq_truncate")
     }
 
+    /// Moves runs of the sequence's blocks that it alone holds (not shared, not in the prefix
+    /// index) to the FREE ids just after the block before them, so its block table holds longer
+    /// runs of consecutive ids (pkv.h, pkv_seq_compact). Returns the number of blocks moved.
+    /// Slots and block tables taken before are stale for the moved blocks.
+    pub fn compact(&mut self, s: Seq) -> Result<u32> {
+        let mut moved = 0u32;
+        check(unsafe { ffi::pkv_seq_compact(self.p(), s.0, &mut moved) }, "pkv_seq_compact")?;
+        Ok(moved)
+    }
+
     /// Drops the sequence; its id becomes stale.
     pub fn release(&mut self, s: Seq) -> Result<()> {
         check(unsafe { ffi::pkv_seq_release(self.p(), s.0) }, "pkv_seq_release")

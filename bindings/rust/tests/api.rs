@@ -540,6 +540,42 @@ fn prefix_fork_cow_exports() {
 }
 
 #[test]
+fn compact_moves_runs_and_keeps_data() {
+    let mut rng = Rng(5);
+    let mut c = Cache::new(&Config {
+        n_threads: 1,
+        prefix_cache: false,
+        ..cfg(2, 32, 8, Dtype::F16)
+    })
+    .unwrap();
+    let (a, b) = (c.seq_create(b"").unwrap(), c.seq_create(b"").unwrap());
+    fill(&mut c, a, 16, &mut rng);
+    fill(&mut c, b, 16, &mut rng);
+    fill(&mut c, a, 20, &mut rng); // blocks 2 and 3
+    assert_eq!(c.block_table(a).unwrap(), vec![0, 2, 3]);
+    let before = c.gather(a, 0, 0, 36).unwrap();
+    let q = rng.vec(4 * 32);
+    let p = AttnParams {
+        n_q_heads: 4,
+        ..AttnParams::default()
+    };
+    let (mut out0, mut out1) = (vec![0f32; 4 * 32], vec![0f32; 4 * 32]);
+    c.decode(0, &[a], &q, &mut out0, &p, None).unwrap();
+    assert_eq!(c.compact(a).unwrap(), 0); // block 1 is b's
+    c.release(b).unwrap();
+    let st = c.stats().unwrap();
+    assert_eq!(c.compact(a).unwrap(), 2); // the run 2, 3 shifts to 1, 2
+    assert_eq!(c.block_table(a).unwrap(), vec![0, 1, 2]);
+    let st2 = c.stats().unwrap();
+    assert_eq!((st.n_free, st.n_active, st.n_slots_used), (st2.n_free, st2.n_active, st2.n_slots_used));
+    assert_eq!(c.gather(a, 0, 0, 36).unwrap(), before);
+    c.decode(0, &[a], &q, &mut out1, &p, None).unwrap();
+    assert_eq!(out0, out1);
+    c.check().unwrap();
+    assert_eq!(c.compact(b).unwrap_err().code(), ENOENT);
+}
+
+#[test]
 fn statuses_and_length_checks() {
     let mut c = Cache::new(&Config {
         n_threads: 1,
