@@ -18,6 +18,7 @@
 
 enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_DEFAULT = 16, BT_MAX = 1024, BATCH_MAX = 256, SETS_MAX = 2 };
 static uint32_t g_bt = BT_DEFAULT; /* block_tokens: opts.block_tokens, set by tool_bench_attn */
+static int g_compact;              /* --compact: the paged batch is compacted before it is timed */
 #define GIB (1024.0 * 1024.0 * 1024.0)
 #define ROUNDS_MAX 99 /* --rounds */
 
@@ -25,7 +26,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: pkv bench attn [--json] [--quick] [--dtype LIST] [--ctx LIST] [--batch LIST]\n"
             "                      [--threads LIST] [--prompt N] [--block-tokens N] [--occupancy PCT]\n"
-            "                      [--rounds N]\n"
+            "                      [--compact] [--rounds N]\n"
             "\n"
             "Paged attention, n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u.\n"
             "Decode: contexts 512, 4096, 32768; batch 1 and 16; 1 and 2 threads; every KV dtype the\n"
@@ -76,6 +77,9 @@ static void usage(FILE *f) {
             "              rest were freed by other sequences; the paged batch holds a random subset of\n"
             "              the pool (so free blocks lie between its blocks), the contiguous one the first\n"
             "              blocks. The layers shrink to keep the pool within the budget\n"
+            "  --compact   compact the paged batch (pkv_seq_compact on each sequence, in passes until\n"
+            "              none moves) before timing it; reports the blocks moved and the time taken.\n"
+            "              Only FREE blocks are targets, so at 100%% occupancy nothing moves\n"
             "  -h, --help  this text\n"
             "Goals: decode f16 at contexts >= 4096 reaches >= 85%% of the read bandwidth at 2 threads;\n"
             "paged within 3%% of contiguous; prefill >= 40%% of the FMA peak.\n",
@@ -321,6 +325,9 @@ typedef struct setup {
     pkv_seq seqs[BATCH_MAX];
     uint32_t batch, ctx, n_layers;
     double adjacent; /* fraction of logical neighbours that are physical neighbours */
+    uint64_t moved;  /* --compact: blocks pkv_seq_compact moved, in passes until none moved */
+    uint32_t passes;
+    double compact_s;
     uint32_t next_layer; /* decode calls cycle over the layers */
     int32_t *tables;     /* [batch][per_seq]: the block tables, for the plain read (gather_read) */
     /* where decode reads in pool order (else NULL): the batch's block ids as the sweep reads
@@ -540,20 +547,35 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
         free(tok);
         goto fail;
     }
+    for (uint32_t i = 0; i < batch; i++)
+        if (tool_check(pkv_seq_create(s->c, NULL, 0, &s->seqs[i]), "pkv_seq_create") < 0 ||
+            tool_check(pkv_seq_append(s->c, s->seqs[i], tok, ctx, NULL), "pkv_seq_append") < 0) {
+            free(tok);
+            goto fail;
+        }
+    free(tok);
+    if (paged && g_compact) { /* as an engine would: passes over the batch until none moves */
+        const uint64_t t0 = tool_now_ns();
+        for (uint32_t moved = 1; moved && s->passes < 16; s->passes++) {
+            moved = 0;
+            for (uint32_t i = 0; i < batch; i++) {
+                uint32_t m = 0;
+                if (tool_check(pkv_seq_compact(s->c, s->seqs[i], &m), "pkv_seq_compact") < 0) goto fail;
+                moved += m;
+            }
+            s->moved += moved;
+        }
+        s->compact_s = (double)(tool_now_ns() - t0) * 1e-9;
+    }
     uint64_t adj = 0, pairs = 0;
     for (uint32_t i = 0; i < batch; i++) {
         int32_t *table = s->tables + (size_t)i * per_seq;
         uint32_t n_tab = 0;
-        if (tool_check(pkv_seq_create(s->c, NULL, 0, &s->seqs[i]), "pkv_seq_create") < 0 ||
-            tool_check(pkv_seq_append(s->c, s->seqs[i], tok, ctx, NULL), "pkv_seq_append") < 0 ||
-            tool_check(pkv_seq_block_table(s->c, s->seqs[i], table, per_seq, &n_tab), "pkv_seq_block_table") < 0) {
-            free(tok);
+        if (tool_check(pkv_seq_block_table(s->c, s->seqs[i], table, per_seq, &n_tab), "pkv_seq_block_table") < 0)
             goto fail;
-        }
         for (uint32_t b = 1; b < n_tab; b++) adj += table[b] == table[b - 1] + 1, pairs++;
     }
     s->adjacent = pairs ? (double)adj / (double)pairs : 1.0;
-    free(tok);
     if (tool_check(pkv_cache_layout(s->c, &s->L), "pkv_cache_layout") < 0 || fill_pool(s, rng) < 0) goto fail;
     const int sweeps = decode_sweeps(s);
     if (sweeps < 0 || (sweeps && sweep_order(s, n_threads) < 0)) goto fail;
@@ -882,6 +904,9 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
         hot[r] = hot_layer / hot_med * 1e-9, hot_frac[r] = hot[r] / bw[r];
     }
     const double adjacent[2] = {su[0].adjacent, su[1].adjacent};
+    const uint64_t moved = su[1].moved;
+    const uint32_t passes = su[1].passes;
+    const double compact_ms = su[1].compact_s * 1e3;
     for (int l = made - 1; l >= 0; l--) setup_free(&su[l]); /* the borrower first; a failed setup_make freed its own */
     free(q), free(out);
     if (rc < 0) return -1;
@@ -910,11 +935,19 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
         if (o->json) printf(",\"hot_gbps\":%.3f,\"hot_frac_of_bw\":%.4f", hot_med, hot_frac_med);
         else printf(" %8.2f %6.1f%%", hot_med, 100.0 * hot_frac_med);
         if (paged) {
-            if (o->json)
+            if (o->json) {
                 printf(",\"paged_over_contig\":%.4f,\"paged_over_contig_q1\":%.4f,\"paged_over_contig_q3\":%.4f,"
-                       "\"read_paged_over_contig\":%.4f}\n",
+                       "\"read_paged_over_contig\":%.4f",
                        ratio_med, ratio_q1, ratio_q3, mem_ratio_med);
-            else printf("   %11.3f  %5.3f-%5.3f %8.3f\n", ratio_med, ratio_q1, ratio_q3, mem_ratio_med);
+                if (g_compact) printf(",\"compacted_blocks\":%llu,\"compact_passes\":%u,\"compact_ms\":%.3f",
+                                      (unsigned long long)moved, passes, compact_ms);
+                printf("}\n");
+            } else {
+                printf("   %11.3f  %5.3f-%5.3f %8.3f\n", ratio_med, ratio_q1, ratio_q3, mem_ratio_med);
+                if (g_compact)
+                    printf("#   paged after --compact: %llu blocks moved in %u passes, %.1f ms; adjacent blocks %.3f\n",
+                           (unsigned long long)moved, passes, compact_ms, adjacent[1]);
+            }
         } else {
             printf(o->json ? "}\n" : "\n");
         }
@@ -999,6 +1032,7 @@ int tool_bench_attn(int argc, char **argv) {
         int bad = 0;
         if (!strcmp(arg, "--json")) o.json = 1;
         else if (!strcmp(arg, "--quick")) o.quick = 1;
+        else if (!strcmp(arg, "--compact")) g_compact = 1;
         else if (!strcmp(arg, "--dtype") && val) bad = parse_dtypes(val, &o), i++;
         else if (!strcmp(arg, "--ctx") && val) bad = parse_u32_list(val, o.ctx, 8, 1u << 20, &o.n_ctx), i++;
         else if (!strcmp(arg, "--batch") && val) bad = parse_u32_list(val, o.batch, 8, BATCH_MAX, &o.n_batch), i++;
