@@ -233,21 +233,23 @@ PKV_API PKV_NODISCARD int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
 /* Compaction: moves blocks of s into FREE blocks so that its block table holds longer runs of
  * consecutive ids. Decode reads a batch's blocks in ascending id (docs/design.md, "Attention"),
  * and each block of another sequence than the last brings that sequence's queries and
- * accumulators back into the core's L1, so a batch of fragmented tables decodes 3-12% slower than
- * one of contiguous tables; a sequence that will be decoded for many steps can be compacted
- * once, at the price of a copy of the blocks moved (every layer's K and V).
- * The rule, one pass over the table: each run of consecutive ids after the first block moves
- * as a whole to the ids just after the block before it, where every one of those is FREE (or
- * one of the run's own, for a shift by less than its length) and
- * s alone holds every block of the run (refcount 1: no fork or pin shares it) and none is in the
- * prefix index (indexed or registered for partial matching). The run then extends the one
- * before it, and the later runs are tried against the new position. A move copies K/V of every
- * layer and the token ids, keeps the committed count, and frees the old blocks (to the back of
- * the free queue). Nothing is evicted, no shared or indexed block moves, the counts other than
- * the ids do not change, and a run is never broken up (a move never loses a neighbour). So a
- * table's number of runs never grows. *n_moved (may be NULL) gets the blocks moved; 0 is
- * success too. The slots, block tables and exports of s taken before are stale for the moved
- * blocks: take them again. Not while an attention call reads s (as for every call that
+ * accumulators back into the core's L1, so a batch of 16 fragmented tables decodes up to about
+ * 12% slower than contiguous ones (README, "Status and limits"). A sequence that will be decoded
+ * for many steps can be compacted once, at the price of a copy of the blocks moved (every
+ * layer's K and V).
+ * The rule, one pass over the table: at each gap between two runs of consecutive ids, the run
+ * after it moves to the ids just after the run before it, or the run before it to the ids just
+ * before the run after it, whichever is shorter (the first on a tie) of those that fit; the two
+ * then count as one run for the next gap. A run fits where s alone holds every block of it
+ * (refcount 1: no fork or pin shares it), none is in the prefix index (indexed, or registered
+ * for partial matching), and every target id is FREE or one of the run's own (a shift by less
+ * than its length). A move copies K/V of every layer and the token ids, keeps the fill and
+ * committed counts, and frees the old blocks to the back of the free queue. Nothing is
+ * evicted, shared and indexed blocks never move, no count in pkv_stats changes, and runs move
+ * whole: the table's number of runs never grows. A later call, or one for another sequence,
+ * may move more, into blocks this one freed. *n_moved (may be NULL) gets the blocks moved; 0
+ * is success too. The slots, block tables and exports of s taken before are stale for the
+ * moved blocks: take them again. Not while an attention call reads s (as for every call that
  * changes a sequence). PKV_ENOENT for an unknown id, PKV_EINVAL for a pin. */
 PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t *n_moved);
 

@@ -484,10 +484,11 @@ class Cache:
         _check(_lib.pkv_seq_truncate(self._h(), _seq_of(seq), _u32_of(n, "n")), "pkv_seq_truncate")
 
     def compact(self, seq):
-        """Moves runs of seq's blocks that it alone holds (not shared, not in the prefix index) to the
-        FREE ids just after the block before them, so its block table holds longer runs of
-        consecutive ids (pkv.h, pkv_seq_compact); returns the number of blocks moved. Slots and
-        block tables taken before are stale for the moved blocks."""
+        """Moves runs of seq's blocks that it alone holds (not shared, not in the prefix index)
+        into FREE blocks so that its block table holds longer runs of consecutive ids: at each
+        gap, the shorter of the two runs beside it that fits moves to meet the other (pkv.h,
+        pkv_seq_compact). Returns the number of blocks moved. Slots and block tables taken before
+        are stale for the moved blocks."""
         out = _u32()
         _check(_lib.pkv_seq_compact(self._h(), _seq_of(seq), ctypes.byref(out)), "pkv_seq_compact")
         return out.value

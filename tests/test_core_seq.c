@@ -243,7 +243,8 @@ static void test_cow_sole_indexed_tail_counts(void **state) {
 /* The layout of the realizar seed's defragment case (SEEDS.md 4.6, item 30): three sequences
  * on blocks 0, 1, 2, the middle one released, the first extended onto 3 and 4. The seed moved
  * 3 to 1 and left 4, which trades one neighbour for another at the price of a copy; here a run
- * moves whole or not at all, so nothing moves until 2 is free as well. */
+ * moves whole or not at all, so nothing moves while 2 is held. Once 2 is free too, the cheaper
+ * side of the gap moves: block 0 to 2 (one copy) rather than 3, 4 to 1, 2 (two). */
 static void test_compact_seed_layout(void **state) {
     (void)state;
     pkv_config cfg = tu_config(10, 16, 2, 2, 8, PKV_DTYPE_F32);
@@ -264,27 +265,30 @@ static void test_compact_seed_layout(void **state) {
     snap before;
     take(c, s, 1, &before);
     uint32_t moved = 99;
-    TU_OK(pkv_seq_compact(c, s[0], &moved)); /* 1 is FREE, 2 is not: the run 3, 4 stays */
+    TU_OK(pkv_seq_compact(c, s[0], &moved)); /* 1 is FREE, 2 is not: neither side fits */
     assert_int_equal(moved, 0);
     assert_same(c, s, &before);
     TU_OK(pkv_seq_release(c, s[2])); /* free queue 5..9, 1, 2 */
     take(c, s, 1, &before);
     TU_OK(pkv_seq_compact(c, s[0], &moved));
-    assert_int_equal(moved, 2);
+    assert_int_equal(moved, 1);
     assert_int_equal(tu_table(c, s[0], tab, 10), 3);
-    const int32_t dense[3] = {0, 1, 2};
+    const int32_t dense[3] = {2, 3, 4};
     assert_memory_equal(tab, dense, sizeof dense);
     TU_SAME_PAT(c, s[0], 0, 48, 1);
     pkv_stats st = tu_stats(c);
     TU_STATS_EQ(&before.st, &st);
     TU_CHECK(c);
-    /* the old blocks went to the back of the free queue, the targets left it: 5..9, 3, 4 */
+    /* the old block went to the back of the free queue, the target left it: 5..9, 1, 0 */
     x[0] = tu_seq(c);
     tu_append(c, x[0], 16 * 7, 7, NULL);
     assert_int_equal(tu_table(c, x[0], tab, 10), 7);
-    const int32_t fifo[7] = {5, 6, 7, 8, 9, 3, 4};
+    const int32_t fifo[7] = {5, 6, 7, 8, 9, 1, 0};
     assert_memory_equal(tab, fifo, sizeof fifo);
-    TU_OK(pkv_seq_compact(c, x[0], NULL)); /* 3, 4 follow 9 only by id + 1 = 10: out of range */
+    /* 1 cannot follow 9 (10 is past the pool) nor 5..9 precede 1; 0 cannot follow 1 (2 is held)
+       nor 1 precede 0 */
+    TU_OK(pkv_seq_compact(c, x[0], &moved));
+    assert_int_equal(moved, 0);
     assert_int_equal(tu_table(c, x[0], tab, 10), 7);
     assert_memory_equal(tab, fifo, sizeof fifo);
     TU_CHECK(c);
@@ -337,32 +341,53 @@ static void test_compact_chain_partial_tail(void **state) {
     pkv_cache_destroy(c);
 }
 
-/* A run shifted down by less than its length: 2, 3 after 0 with 1 FREE becomes 1, 2 (its own
- * block 2 is a target, freed by the move before); 3 then goes to the back of the free queue. */
+/* Shifts by less than a run's length, whose targets include the run's own blocks: down (the
+ * run after the gap, when the one before cannot move: indexed) and up (the run before the gap,
+ * when it is the shorter one). */
 static void test_compact_short_shift(void **state) {
     (void)state;
     pkv_config cfg = cfg_small(6);
+    cfg.enable_prefix_cache = 1;
     pkv_cache *c = tu_create(&cfg);
     pkv_seq s[2] = {tu_seq(c), tu_seq(c)};
     tu_append(c, s[0], 4, 0, NULL);  /* 0 */
     tu_append(c, s[1], 4, 50, NULL); /* 1 */
     tu_append(c, s[0], 7, 4, NULL);  /* 2, 3 */
     TU_WRITE_PAT(c, s[0], 0, 11, 8);
-    TU_OK(pkv_seq_release(c, s[1])); /* free queue 4, 5, 1 */
+    TU_OK(pkv_seq_commit(c, s[0], 4)); /* block 0 enters the index: it stays */
+    TU_OK(pkv_seq_release(c, s[1]));   /* 1 never committed: FREE; the queue 4, 5, 1 */
     uint32_t moved = 0;
     TU_OK(pkv_seq_compact(c, s[0], &moved));
     assert_int_equal(moved, 2);
     int32_t tab[6];
     assert_int_equal(tu_table(c, s[0], tab, 6), 3);
-    const int32_t dense[3] = {0, 1, 2};
-    assert_memory_equal(tab, dense, sizeof dense);
+    const int32_t down[3] = {0, 1, 2};
+    assert_memory_equal(tab, down, sizeof down);
     TU_SAME_PAT(c, s[0], 0, 11, 8);
     TU_CHECK(c);
     s[1] = tu_seq(c);
-    tu_append(c, s[1], 12, 9, NULL);
+    tu_append(c, s[1], 12, 90, NULL);
     assert_int_equal(tu_table(c, s[1], tab, 6), 3);
-    const int32_t fifo[3] = {4, 5, 3};
+    const int32_t fifo[3] = {4, 5, 3}; /* 2 went first and was taken again by the second move */
     assert_memory_equal(tab, fifo, sizeof fifo);
+    pkv_cache_destroy(c);
+
+    cfg = cfg_small(8);
+    c = tu_create(&cfg);
+    pkv_seq t[3] = {tu_seq(c), tu_seq(c), tu_seq(c)};
+    tu_append(c, t[1], 8, 50, NULL);  /* 0, 1 */
+    tu_append(c, t[0], 8, 0, NULL);   /* 2, 3 */
+    tu_append(c, t[2], 4, 70, NULL);  /* 4 */
+    tu_append(c, t[0], 10, 8, NULL);  /* 5, 6, 7 */
+    TU_WRITE_PAT(c, t[0], 0, 18, 9);
+    TU_OK(pkv_seq_release(c, t[2]));
+    TU_OK(pkv_seq_compact(c, t[0], &moved)); /* 2, 3 up to 3, 4 (two copies, not three) */
+    assert_int_equal(moved, 2);
+    assert_int_equal(tu_table(c, t[0], tab, 6), 5);
+    const int32_t up[5] = {3, 4, 5, 6, 7};
+    assert_memory_equal(tab, up, sizeof up);
+    TU_SAME_PAT(c, t[0], 0, 18, 9);
+    TU_CHECK(c);
     pkv_cache_destroy(c);
 }
 

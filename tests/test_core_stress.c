@@ -517,6 +517,38 @@ static void do_match(world *w) {
     w->n_fail[OP_MATCH] += reused == 0;
 }
 
+/* The compaction rule of pkv.h, on a copy of the table and the blocks' states. */
+typedef struct {
+    int32_t *t;
+    uint32_t nb;
+    uint8_t free_[NBLK], mov[NBLK];
+    int *bc;
+} cmodel;
+
+static uint32_t cm_run(const cmodel *m, uint32_t i) {
+    uint32_t len = 1;
+    while (i + len < m->nb && m->t[i + len] == m->t[i + len - 1] + 1) len++;
+    return len;
+}
+
+static int cm_fits(const cmodel *m, int from, uint32_t len, int to) {
+    if (to < 0 || to == from || to + (int)len > NBLK) return 0;
+    for (int j = 0; j < (int)len; j++)
+        if (!m->mov[from + j] || (!m->free_[to + j] && (to + j < from || to + j >= from + (int)len))) return 0;
+    return 1;
+}
+
+static void cm_move(cmodel *m, uint32_t i, uint32_t len, int to) {
+    const int from = m->t[i];
+    int bc[NBLK];
+    for (int j = 0; j < (int)len; j++) bc[j] = m->bc[from + j];
+    for (int j = 0; j < (int)len; j++) m->free_[from + j] = 1, m->mov[from + j] = 0, m->bc[from + j] = 0;
+    for (int j = 0; j < (int)len; j++) {
+        m->free_[to + j] = 0, m->mov[to + j] = 1, m->bc[to + j] = bc[j];
+        m->t[i + (uint32_t)j] = to + j;
+    }
+}
+
 static uint32_t n_runs(const int32_t *t, uint32_t n) {
     uint32_t r = n > 0;
     for (uint32_t j = 1; j < n; j++) r += t[j] != t[j - 1] + 1;
@@ -529,33 +561,24 @@ static uint32_t n_runs(const int32_t *t, uint32_t n) {
 static void do_compact(world *w, sh_seq *s) {
     const pkv_cache *c = w->c;
     int32_t want[NBLK];
-    uint8_t free_[NBLK], mov[NBLK];
+    cmodel m = {.t = want, .nb = s->nb, .bc = w->bc};
     for (int b = 0; b < NBLK; b++) {
-        free_[b] = c->blk[b].state == PKV_BLK_FREE;
-        mov[b] = c->blk[b].state == PKV_BLK_ACTIVE && c->blk[b].ref == 1 && c->blk[b].flags == 0;
+        m.free_[b] = c->blk[b].state == PKV_BLK_FREE;
+        m.mov[b] = c->blk[b].state == PKV_BLK_ACTIVE && c->blk[b].ref == 1 && c->blk[b].flags == 0;
     }
     memcpy(want, s->tab, s->nb * sizeof *want);
     uint32_t n_want = 0;
-    for (uint32_t i = 1; i < s->nb;) {
-        uint32_t len = 1;
-        while (i + len < s->nb && want[i + len] == want[i + len - 1] + 1) len++;
-        int to = want[i - 1] + 1, ok = want[i] != to && to + (int)len <= NBLK;
-        const int first = want[i];
-        for (uint32_t j = 0; ok && j < len; j++) { /* FREE, or the run's own (a short shift) */
-            const int t = to + (int)j;
-            ok = mov[first + (int)j] && (free_[t] || (t >= first && t < first + (int)len));
+    for (uint32_t p0 = 0, i = s->nb ? cm_run(&m, 0) : 0; i < s->nb;) {
+        const uint32_t len = cm_run(&m, i), plen = i - p0;
+        if (want[i] == want[i - 1] + 1) {
+            i += len;
+            continue;
         }
-        if (ok) {
-            int bc[NBLK];
-            for (uint32_t j = 0; j < len; j++) bc[j] = w->bc[first + (int)j];
-            for (uint32_t j = 0; j < len; j++) free_[first + (int)j] = 1, mov[first + (int)j] = 0, w->bc[first + (int)j] = 0;
-            for (uint32_t j = 0; j < len; j++) {
-                free_[to + (int)j] = 0, mov[to + (int)j] = 1;
-                w->bc[to + (int)j] = bc[j];
-                want[i + j] = to + (int)j;
-            }
-            n_want += len;
-        }
+        const int a = cm_fits(&m, want[i], len, want[i - 1] + 1);
+        const int b = cm_fits(&m, want[p0], plen, want[i] - (int)plen);
+        if (a && (!b || len <= plen)) cm_move(&m, i, len, want[i - 1] + 1), n_want += len;
+        else if (b) cm_move(&m, p0, plen, want[i] - (int)plen), n_want += plen;
+        else p0 = i;
         i += len;
     }
     const uint32_t runs0 = n_runs(s->tab, s->nb);

@@ -385,8 +385,9 @@ func (c *Cache) Truncate(s Seq, n uint32) error {
 }
 
 // Compact moves runs of the sequence's blocks that it alone holds (not shared, not in the
-// prefix index) to the FREE ids just after the block before them, so its block table holds
-// longer runs of consecutive ids (pkv.h, pkv_seq_compact); returns the number of blocks moved.
+// prefix index) into FREE blocks so that its block table holds longer runs of consecutive ids:
+// at each gap, the shorter of the two runs beside it that fits moves to meet the other (pkv.h,
+// pkv_seq_compact); returns the number of blocks moved.
 // Slots and block tables taken before are stale for the moved blocks.
 func (c *Cache) Compact(s Seq) (uint32, error) {
 	var moved C.uint32_t

@@ -638,27 +638,54 @@ static bool movable(const pkv_cache *c, uint32_t b) {
     return c->blk[b].ref == 1 && c->blk[b].flags == 0;
 }
 
+/* Length of the run of consecutive ids of s's table that starts at index i. */
+static uint32_t run_at(const pkv__seq *s, uint32_t i) {
+    uint32_t len = 1;
+    while (i + len < s->n_blocks && s->table[i + len] == s->table[i + len - 1] + 1) len++;
+    return len;
+}
+
+/* Whether the len blocks from id `from` may move to ids [to, to + len): each movable, each
+ * target FREE or one of the run's own (a shift by less than the run's length). */
+static bool run_fits(const pkv_cache *c, uint32_t from, uint32_t len, int64_t to) {
+    if (to < 0 || to == from || to + len > c->n_blocks) return false;
+    for (uint32_t j = 0; j < len; j++) {
+        const uint64_t t = (uint64_t)to + j;
+        if (!movable(c, from + j) || (c->blk[t].state != PKV_BLK_FREE && (t < from || t >= from + len))) return false;
+    }
+    return true;
+}
+
+/* Moves table[i .. i + len) to ids [to, to + len), from the end it moves towards, so that each
+ * target is free when its turn comes. */
+static void move_run(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t len, uint32_t to) {
+    const bool down = to < (uint32_t)s->table[i];
+    for (uint32_t j = 0; j < len; j++) {
+        const uint32_t k = down ? j : len - 1 - j;
+        move_block(c, s, i + k, to + k);
+    }
+}
+
 PKV_API int pkv_seq_compact(pkv_cache *c, pkv_seq id, uint32_t *n_moved) {
     if (!c) return PKV_EINVAL;
     LOCK(c);
     pkv__seq *s;
     uint32_t moved = 0;
     int rc = get_seq(c, id, &s);
-    for (uint32_t i = 1; !rc && i < s->n_blocks;) {
-        /* the run of consecutive ids that starts at i */
-        uint32_t len = 1;
-        while (i + len < s->n_blocks && s->table[i + len] == s->table[i + len - 1] + 1) len++;
-        const uint32_t first = (uint32_t)s->table[i], to = (uint32_t)s->table[i - 1] + 1;
-        bool ok = first != to && (uint64_t)to + len <= c->n_blocks;
-        /* each target FREE, or one of the run's own blocks: a shift down by less than its
-           length (up is impossible: block to - 1 would be in the run), moved first to last, so
-           every target is free when its turn comes */
-        for (uint32_t j = 0; ok && j < len; j++)
-            ok = movable(c, first + j) && (c->blk[to + j].state == PKV_BLK_FREE || (to < first && to + j >= first));
-        if (ok) {
-            for (uint32_t j = 0; j < len; j++) move_block(c, s, i + j, to + j);
-            moved += len;
+    /* table[p0 .. i) is a run; at each gap, the cheaper of the two runs beside it that fits
+       moves to meet the other, and they go on as one */
+    for (uint32_t p0 = 0, i = rc || s->n_blocks == 0 ? UINT32_MAX : run_at(s, 0); !rc && i < s->n_blocks;) {
+        const uint32_t len = run_at(s, i), plen = i - p0;
+        if (s->table[i] == s->table[i - 1] + 1) { /* met by the move before */
+            i += len;
+            continue;
         }
+        const uint32_t next = (uint32_t)s->table[i], prev = (uint32_t)s->table[p0];
+        const bool a = run_fits(c, next, len, (int64_t)s->table[i - 1] + 1);
+        const bool b = run_fits(c, prev, plen, (int64_t)next - plen);
+        if (a && (!b || len <= plen)) move_run(c, s, i, len, (uint32_t)s->table[i - 1] + 1), moved += len;
+        else if (b) move_run(c, s, p0, plen, next - plen), moved += plen;
+        else p0 = i;
         i += len;
     }
     if (!rc && n_moved) *n_moved = moved;

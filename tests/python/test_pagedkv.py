@@ -417,8 +417,8 @@ class TestCache(Base):
             self.assertEqual(c.compact(a), 0)  # 1 is b's
             c.release(b)
             st = c.stats()
-            self.assertEqual(c.compact(a), 2)  # the run 2, 3 moves to 1, 2
-            np.testing.assert_array_equal(c.block_table(a), [0, 1, 2])
+            self.assertEqual(c.compact(a), 1)  # 0 moves to 1 (one copy; 2, 3 to 1, 2 would be two)
+            np.testing.assert_array_equal(c.block_table(a), [1, 2, 3])
             self.assertEqual(c.stats(), st)
             K1, V1 = c.gather(a, 0)
             np.testing.assert_array_equal(K0, K1)

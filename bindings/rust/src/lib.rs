@@ -488,8 +488,9 @@ impl Cache {
     }
 
     /// Moves runs of the sequence's blocks that it alone holds (not shared, not in the prefix
-    /// index) to the FREE ids just after the block before them, so its block table holds longer
-    /// runs of consecutive ids (pkv.h, pkv_seq_compact). Returns the number of blocks moved.
+    /// index) into FREE blocks so that its block table holds longer runs of consecutive ids: at
+    /// each gap, the shorter of the two runs beside it that fits moves to meet the other (pkv.h,
+    /// pkv_seq_compact). Returns the number of blocks moved.
     /// Slots and block tables taken before are stale for the moved blocks.
     pub fn compact(&mut self, s: Seq) -> Result<u32> {
         let mut moved = 0u32;
