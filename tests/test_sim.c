@@ -109,6 +109,33 @@ static void test_deterministic_and_attn_independent(void **state) {
     free(ra.out), free(rb.out), free(rd.out);
 }
 
+/* --compact changes where blocks lie, never the schedule: every count is the same, the checker
+ * passes (with attention over the moved blocks), blocks move under the paged policy and its
+ * decode batches switch sequences less often in block id order. */
+static void test_compact_keeps_schedule(void **state) {
+    (void)state;
+    char *a[] = {"pkv", "sim", SMALL, "--requests", "50", "--blocks", "300", "--seed", "9", NULL};
+    char *b[] = {"pkv", "sim", SMALL, "--requests", "50", "--blocks", "300", "--seed", "9", "--compact", NULL};
+    runs ra, rb;
+    sim(a, &ra);
+    sim(b, &rb);
+    static const char *keys[] = {"completed", "peak_seqs", "mean_seqs", "peak_blocks", "kv_utilization",
+                                 "prefix_hit_tokens", "preemptions", "steps", "decode_tokens", "prefill_tokens",
+                                 "cow_copies", "evictions", "ttft_p50_steps", "ttft_p99_steps"};
+    for (int i = 0; i < 3; i++) {
+        assert_true(field(rb.line[i], "check") == 1.0);
+        assert_true(field(ra.line[i], "compacted_blocks") == 0);
+        for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++)
+            if (field(ra.line[i], keys[k]) != field(rb.line[i], keys[k]))
+                fail_msg("%s: %g without --compact, %g with", keys[k], field(ra.line[i], keys[k]),
+                         field(rb.line[i], keys[k]));
+    }
+    assert_true(field(rb.line[1], "compacted_blocks") > 0);
+    assert_true(field(ra.line[1], "decode_switch") > 0.3);
+    assert_true(field(rb.line[1], "decode_switch") < 0.5 * field(ra.line[1], "decode_switch"));
+    free(ra.out), free(rb.out);
+}
+
 /* A pool too small for the offered load: the paged policies preempt (recompute) and still
  * complete everything with a clean checker. */
 static void test_preemption_under_pressure(void **state) {
@@ -275,6 +302,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_policies_complete_same_requests),
         cmocka_unit_test(test_deterministic_and_attn_independent),
+        cmocka_unit_test(test_compact_keeps_schedule),
         cmocka_unit_test(test_preemption_under_pressure),
         cmocka_unit_test(test_trace_replay),
         cmocka_unit_test(test_malformed_trace_names_line),

@@ -82,6 +82,10 @@ static void usage(FILE *f) {
             "  --policies LIST     comma-separated subset of paged_prefix,paged,contiguous [all]\n"
             "  --no-attn           skip K/V writes and attention: memory-only replay (the pool then\n"
             "                      holds a 1-layer head_dim-8 shape; block accounting is the same)\n"
+            "  --compact           before each step, pkv_seq_compact on every decoding sequence (its\n"
+            "                      copies count in pkv s); reported: blocks moved, and how often a\n"
+            "                      decode batch's neighbouring blocks in id order belong to different\n"
+            "                      sequences (what pool-order decode pays for; always reported)\n"
             "output:\n"
             "  --json              one JSON object per policy per line on stdout, no table\n"
             "  --plot FILE.png     blocks in use and running sequences over time (gnuplot; a name\n"
@@ -125,6 +129,7 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         }
         if (!strcmp(a, "--json")) { c->json = 1; continue; }
         if (!strcmp(a, "--no-attn")) { c->so.attn = 0; continue; }
+        if (!strcmp(a, "--compact")) { c->so.compact = 1; continue; }
         if (!strcmp(a, "--no-progress")) { c->no_progress = 1; continue; }
         if (i + 1 >= argc) {
             fprintf(stderr, "pkv sim: %s needs a value (see pkv sim --help)\n", a);
@@ -190,20 +195,26 @@ static double rss_mib(void) {
     return (double)ru.ru_maxrss / 1024.0; /* Linux: KiB */
 }
 
+static double decode_switch(const sim_result *r) {
+    return r->dec_pairs ? (double)r->dec_switches / (double)r->dec_pairs : 0.0;
+}
+
 static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_requests) {
     printf("{\"policy\":\"%s\",\"requests\":%u,\"completed\":%u,\"rejected\":%u,\"peak_seqs\":%u,\"mean_seqs\":%.2f,"
            "\"peak_blocks\":%u,\"n_blocks\":%u,\"kv_utilization\":%.4f,\"waste\":%.4f,\"prefix_hit_rate\":%.4f,"
            "\"prefix_hit_tokens\":%llu,\"prompt_tokens\":%llu,\"preemptions\":%u,\"steps\":%llu,"
            "\"decode_tokens\":%llu,\"prefill_tokens\":%llu,\"cow_copies\":%llu,\"evictions\":%llu,"
            "\"ttft_p50_steps\":%.1f,\"ttft_p90_steps\":%.1f,\"ttft_p99_steps\":%.1f,\"pkv_s\":%.4f,\"attn_s\":%.4f,"
-           "\"wall_s\":%.3f,\"decode_tok_s\":%.1f,\"attn\":%s,\"check\":\"%s\",\"peak_rss_mib\":%.1f,\"seed\":%llu}\n",
+           "\"wall_s\":%.3f,\"decode_tok_s\":%.1f,\"attn\":%s,\"check\":\"%s\",\"peak_rss_mib\":%.1f,\"seed\":%llu,"
+           "\"decode_switch\":%.4f,\"compact\":%s,\"compacted_blocks\":%llu,\"compact_s\":%.4f}\n",
            sim_policy_names[r->policy], n_requests, r->completed, r->rejected, r->peak_seqs, r->mean_seqs,
            r->peak_blocks, c->so.n_blocks, r->kv_utilization, r->waste, r->prefix_hit_rate,
            (unsigned long long)r->prefix_hit_tokens, (unsigned long long)r->prompt_tokens, r->preemptions,
            (unsigned long long)r->steps, (unsigned long long)r->decode_tokens, (unsigned long long)r->prefill_tokens,
            (unsigned long long)r->cow_copies, (unsigned long long)r->evictions, r->ttft_p50, r->ttft_p90, r->ttft_p99,
            r->pkv_s, r->attn_s, r->wall_s, r->decode_tok_s, c->so.attn ? "true" : "false",
-           r->check_rc == 0 ? "ok" : "failed", rss_mib(), (unsigned long long)c->wo.seed);
+           r->check_rc == 0 ? "ok" : "failed", rss_mib(), (unsigned long long)c->wo.seed, decode_switch(r),
+           c->so.compact ? "true" : "false", (unsigned long long)r->compact_moved, r->compact_s);
 }
 
 static int plot(const sim_cli *c, const sim_result *res, int n) {
@@ -343,6 +354,15 @@ int tool_sim(int argc, char **argv) {
                        "checker %s\n",
                        sim_policy_names[res[i].policy], res[i].rejected, (unsigned long long)res[i].cow_copies,
                        (unsigned long long)res[i].evictions, res[i].check_rc == 0 ? "ok" : "FAILED");
+            for (int i = 0; i < n_run; i++) {
+                printf("%s: decode batches in block id order: %.1f%% of neighbouring blocks belong to different "
+                       "sequences",
+                       sim_policy_names[res[i].policy], 100.0 * decode_switch(&res[i]));
+                if (c.so.compact)
+                    printf("; --compact moved %llu blocks in %.3f s", (unsigned long long)res[i].compact_moved,
+                           res[i].compact_s);
+                printf("\n");
+            }
             printf("peak RSS %.1f MiB\n", rss_mib());
         }
     }

@@ -73,6 +73,7 @@ typedef struct sim_opts {
     double headroom;        /* blocks per running sequence kept free at admission */
     uint32_t n_threads;
     int attn;               /* 0: --no-attn (no K/V writes, no kernels) */
+    int compact;            /* --compact: pkv_seq_compact on each decoding sequence every step */
     uint64_t seed;
     int progress;           /* draw a progress bar on stderr */
     int want_series;        /* keep (step, blocks, seqs) samples for --plot */
@@ -97,6 +98,11 @@ typedef struct sim_result {
     double ttft_p50, ttft_p90, ttft_p99; /* steps */
     double pkv_s, attn_s, wall_s;
     double decode_tok_s;    /* generated tokens / seconds inside pkv calls */
+    /* decode batches read in block id order: of neighbouring blocks, how many pairs and how
+       many of them belong to different sequences (a block shared by several counts as its own) */
+    uint64_t dec_pairs, dec_switches;
+    uint64_t compact_moved; /* --compact: blocks moved */
+    double compact_s;       /* --compact: seconds inside pkv_seq_compact (counted in pkv_s too) */
     int check_rc;           /* pkv_cache_check at the end */
     char check_msg[256];
     sim_point *series;

@@ -54,12 +54,14 @@ typedef struct sim {
     uint64_t reserved_total; /* contiguous */
     uint64_t admit_counter;
     uint64_t now;
-    uint64_t ns_pkv, ns_attn;
+    uint64_t ns_pkv, ns_attn, ns_compact;
     sim_result *res;
     /* step buffers */
     item *items;
     int32_t *tok, *slots;
     pkv_seq *dec_seqs;
+    int32_t *owner, *tab;   /* [n_blocks]: a decode batch's block owners; [max_blocks_per_seq] */
+    uint32_t max_bps;
     pkv_attn_req *preq;
     float *kbuf, *vbuf, *qbuf, *obuf;
     uint32_t kv_row, q_row;  /* floats per token */
@@ -292,6 +294,33 @@ static int cmp_d(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* The decode batch's blocks in id order, as pool-order decode reads them: how many neighbours
+ * belong to different sequences (res->dec_pairs, dec_switches). 0, or -1 on a library failure. */
+static int decode_order(sim *S, uint32_t n_dec) {
+    const uint32_t nb = S->o->n_blocks;
+    memset(S->owner, 0, (size_t)nb * sizeof *S->owner);
+    for (uint32_t d = 0; d < n_dec; d++) {
+        uint32_t n = 0;
+        int rc = pkv_seq_block_table(S->c, S->dec_seqs[d], S->tab, S->max_bps, &n);
+        if (rc < 0) return fail(S, rc, "pkv_seq_block_table");
+        for (uint32_t j = 0; j < n; j++) {
+            int32_t *o = &S->owner[S->tab[j]];
+            *o = *o == 0 ? (int32_t)d + 1 : -1; /* -1: shared */
+        }
+    }
+    int32_t prev = 0;
+    for (uint32_t b = 0; b < nb; b++) {
+        const int32_t o = S->owner[b];
+        if (!o) continue;
+        if (prev) {
+            S->res->dec_pairs++;
+            S->res->dec_switches += o != prev || o < 0;
+        }
+        prev = o;
+    }
+    return 0;
+}
+
 int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_result *res) {
     memset(res, 0, sizeof *res);
     res->policy = policy;
@@ -311,6 +340,7 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
     cfg.n_blocks = o->n_blocks;
     cfg.max_seqs = o->max_seqs + 1;
     cfg.max_blocks_per_seq = ceil_div(o->max_len, B) + 2;
+    S.max_bps = cfg.max_blocks_per_seq;
     cfg.n_threads = o->n_threads;
     cfg.enable_prefix_cache = policy == SIM_PAGED_PREFIX;
     int rc = pkv_cache_create(&cfg, &S.c);
@@ -331,8 +361,10 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
     S.slots = malloc((size_t)o->step_tokens * sizeof *S.slots);
     S.dec_seqs = malloc((o->max_seqs + 1) * sizeof *S.dec_seqs);
     S.preq = malloc((o->max_seqs + 1) * sizeof *S.preq);
+    S.owner = malloc((size_t)o->n_blocks * sizeof *S.owner);
+    S.tab = malloc((size_t)S.max_bps * sizeof *S.tab);
     double *ttft = malloc((n ? n : 1) * sizeof *ttft);
-    int ok = S.rs && S.run_reqs && S.wq && S.items && S.tok && S.slots && S.dec_seqs && S.preq && ttft;
+    int ok = S.rs && S.run_reqs && S.wq && S.items && S.tok && S.slots && S.dec_seqs && S.preq && S.owner && S.tab && ttft;
     if (o->attn && ok) {
         tool_rng rng;
         tool_rng_seed(&rng, o->seed ^ 0x5EEDull);
@@ -395,6 +427,24 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
             off += k;
             budget -= k;
         }
+        /* --compact: each decoding sequence compacted before its slots are taken (a move makes
+         * slots taken before stale) */
+        if (o->compact) {
+            uint64_t t0 = tool_now_ns();
+            for (uint32_t i = 0; i < n_items; i++) {
+                entry *e = &S.ent[S.items[i].e];
+                uint32_t m = 0;
+                if (e->prefill) continue;
+                if ((rc = pkv_seq_compact(S.c, e->s, &m)) < 0) {
+                    fail(&S, rc, "pkv_seq_compact");
+                    goto done;
+                }
+                res->compact_moved += m;
+            }
+            uint64_t dt = tool_now_ns() - t0;
+            S.ns_pkv += dt;
+            S.ns_compact += dt;
+        }
         /* the running sequences get their slots first; only a step that preempted nobody admits
          * (vLLM's rule: admitting right after a preemption would only thrash) */
         uint32_t preempted_before = res->preemptions;
@@ -415,6 +465,7 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
             if (it->n == 1) S.dec_seqs[n_dec++] = e->s;
             else S.preq[n_pre++] = (pkv_attn_req){.seq = e->s, .q_start = e->len, .n_q = it->n};
         }
+        if (n_dec > 1 && decode_order(&S, n_dec) < 0) goto done;
         if (o->attn && T) {
             uint64_t ta = tool_now_ns();
             for (uint32_t l = 0; l < md->n_layers; l++) {
@@ -543,6 +594,7 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
     res->prefix_hit_rate = res->prompt_tokens ? (double)res->prefix_hit_tokens / (double)res->prompt_tokens : 0;
     res->pkv_s = (double)S.ns_pkv * 1e-9;
     res->attn_s = (double)S.ns_attn * 1e-9;
+    res->compact_s = (double)S.ns_compact * 1e-9;
     res->decode_tok_s = res->pkv_s > 0 ? (double)res->decode_tokens / res->pkv_s : 0;
     qsort(ttft, n_ttft, sizeof *ttft, cmp_d);
     res->ttft_p50 = tool_percentile(ttft, n_ttft, 50);
@@ -563,6 +615,6 @@ done:
     if (rc < 0) progress(&S, t_start, 1);
     pkv_cache_destroy(S.c);
     free(S.rs), free(S.ent), free(S.run_reqs), free(S.wq), free(S.items), free(S.tok), free(S.slots);
-    free(S.dec_seqs), free(S.preq), free(S.kbuf), free(S.vbuf), free(S.qbuf), free(S.obuf), free(ttft);
+    free(S.dec_seqs), free(S.preq), free(S.owner), free(S.tab), free(S.kbuf), free(S.vbuf), free(S.qbuf), free(S.obuf), free(ttft);
     return rc;
 }
