@@ -241,12 +241,12 @@ PKV_API PKV_NODISCARD int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
  * after it moves to the ids just after the run before it, or the run before it to the ids just
  * before the run after it, whichever is shorter (the first on a tie) of those that fit; the two
  * then count as one run for the next gap. A run fits where s alone holds every block of it
- * (refcount 1: no fork or pin shares it), none is in the prefix index (indexed, or registered
- * for partial matching), and every target id is FREE or one of the run's own (a shift by less
- * than its length). A move copies K/V of every layer and the token ids, keeps the fill and
- * committed counts, and frees the old blocks to the back of the free queue. Nothing is
- * evicted, shared and indexed blocks never move, no count in pkv_stats changes, and runs move
- * whole: the table's number of runs never grows. A later call, or one for another sequence,
+ * (refcount 1: no fork or pin shares it) and every target id is FREE or one of the run's own
+ * (a shift by less than its length). A move copies K/V of every layer and the token ids, keeps
+ * the fill and committed counts and the block's place in the prefix index (a later match finds
+ * the new id), and frees the old block to the back of the free queue. Nothing is evicted (so in
+ * a pool full of CACHED blocks nothing moves), shared blocks never move, no count in pkv_stats
+ * changes, and runs move whole: the table's number of runs never grows. A later call, or one for another sequence,
  * may move more, into blocks this one freed. *n_moved (may be NULL) gets the blocks moved; 0
  * is success too. The slots, block tables and exports of s taken before are stale for the
  * moved blocks: take them again. Not while an attention call reads s (as for every call that

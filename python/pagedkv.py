@@ -484,8 +484,8 @@ class Cache:
         _check(_lib.pkv_seq_truncate(self._h(), _seq_of(seq), _u32_of(n, "n")), "pkv_seq_truncate")
 
     def compact(self, seq):
-        """Moves runs of seq's blocks that it alone holds (not shared, not in the prefix index)
-        into FREE blocks so that its block table holds longer runs of consecutive ids: at each
+        """Moves runs of seq's blocks that it alone holds (no fork or pin shares them) into FREE
+        blocks so that its block table holds longer runs of consecutive ids: at each
         gap, the shorter of the two runs beside it that fits moves to meet the other (pkv.h,
         pkv_seq_compact). Returns the number of blocks moved. Slots and block tables taken before
         are stale for the moved blocks."""

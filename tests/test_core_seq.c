@@ -342,7 +342,7 @@ static void test_compact_chain_partial_tail(void **state) {
 }
 
 /* Shifts by less than a run's length, whose targets include the run's own blocks: down (the
- * run after the gap, when the one before cannot move: indexed) and up (the run before the gap,
+ * run after the gap, when the one before cannot move: pinned) and up (the run before the gap,
  * when it is the shorter one). */
 static void test_compact_short_shift(void **state) {
     (void)state;
@@ -354,8 +354,10 @@ static void test_compact_short_shift(void **state) {
     tu_append(c, s[1], 4, 50, NULL); /* 1 */
     tu_append(c, s[0], 7, 4, NULL);  /* 2, 3 */
     TU_WRITE_PAT(c, s[0], 0, 11, 8);
-    TU_OK(pkv_seq_commit(c, s[0], 4)); /* block 0 enters the index: it stays */
-    TU_OK(pkv_seq_release(c, s[1]));   /* 1 never committed: FREE; the queue 4, 5, 1 */
+    TU_OK(pkv_seq_commit(c, s[0], 4));
+    pkv_seq pin;
+    TU_OK(pkv_pin_create(c, s[0], 4, &pin)); /* block 0 is shared with the pin: it stays */
+    TU_OK(pkv_seq_release(c, s[1]));         /* 1 never committed: FREE; the queue 4, 5, 1 */
     uint32_t moved = 0;
     TU_OK(pkv_seq_compact(c, s[0], &moved));
     assert_int_equal(moved, 2);
@@ -431,7 +433,8 @@ static void test_compact_shared_indexed_bad(void **state) {
     TU_CHECK(c);
     pkv_cache_destroy(c);
 
-    /* prefix cache on: the committed full blocks are indexed and stay; the unindexed tail moves */
+    /* prefix cache on: indexed blocks move with their index entries (the chain's links, the
+       registered partial tail's parent), so a later match finds the new ids */
     cfg.enable_prefix_cache = 1;
     c = tu_create(&cfg);
     pkv_seq a = tu_seq(c), b = tu_seq(c), d = tu_seq(c);
@@ -441,16 +444,31 @@ static void test_compact_shared_indexed_bad(void **state) {
     tu_append(c, d, 4, 70, NULL); /* 3 */
     tu_append(c, a, 2, 8, NULL);  /* 4 */
     TU_WRITE_PAT(c, a, 0, 10, 7);
-    TU_OK(pkv_seq_commit(c, a, 8)); /* 0 and 2 enter the index */
-    TU_OK(pkv_seq_release(c, b));   /* 1 FREE (never committed) */
-    TU_OK(pkv_seq_release(c, d));   /* 3 FREE */
-    TU_OK(pkv_seq_compact(c, a, &moved));
-    assert_int_equal(moved, 1);
+    TU_OK(pkv_seq_commit(c, a, 10)); /* 0 and 2 enter the index, 4 is registered as a partial */
+    TU_OK(pkv_seq_release(c, b));    /* 1 FREE (never committed) */
+    TU_OK(pkv_seq_release(c, d));    /* 3 FREE */
+    pkv_stats st0 = tu_stats(c);
+    TU_OK(pkv_seq_compact(c, a, &moved)); /* 2 -> 1, then 4 -> 2 */
+    assert_int_equal(moved, 2);
     int32_t tab[4];
     assert_int_equal(tu_table(c, a, tab, 4), 3);
-    const int32_t want[3] = {0, 2, 3};
+    const int32_t want[3] = {0, 1, 2};
     assert_memory_equal(tab, want, sizeof want);
+    pkv_stats st1 = tu_stats(c);
+    TU_STATS_EQ(&st0, &st1);
     TU_SAME_PAT(c, a, 0, 10, 7);
+    TU_CHECK(c);
+    int32_t prompt[11];
+    tu_tokens(prompt, 11, 0);
+    pkv_seq m = tu_seq(c);
+    uint32_t reused = 0;
+    TU_OK(pkv_seq_match_prefix(c, m, prompt, 11, &reused));
+    assert_int_equal(reused, 10); /* two full blocks and the partial's two tokens */
+    assert_int_equal(tu_table(c, m, tab, 4), 3);
+    assert_int_equal(tab[0], 0);
+    assert_int_equal(tab[1], 1);
+    TU_SAME_PAT(c, m, 0, 10, 7);
+    TU_OK(pkv_seq_release(c, a)); /* 0 and 1 stay held by m; a's partial tail 2 is freed */
     TU_CHECK(c);
     pkv_cache_destroy(c);
 }

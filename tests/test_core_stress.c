@@ -556,7 +556,7 @@ static uint32_t n_runs(const int32_t *t, uint32_t n) {
 }
 
 /* pkv_seq_compact against pkv.h's rule, worked out here from the blocks' states before the
- * call (read through the internals: which blocks are FREE, held once, or named by the index),
+ * call (read through the internals: which blocks are FREE or held once),
  * then the data of every layer and the counts. */
 static void do_compact(world *w, sh_seq *s) {
     const pkv_cache *c = w->c;
@@ -564,7 +564,7 @@ static void do_compact(world *w, sh_seq *s) {
     cmodel m = {.t = want, .nb = s->nb, .bc = w->bc};
     for (int b = 0; b < NBLK; b++) {
         m.free_[b] = c->blk[b].state == PKV_BLK_FREE;
-        m.mov[b] = c->blk[b].state == PKV_BLK_ACTIVE && c->blk[b].ref == 1 && c->blk[b].flags == 0;
+        m.mov[b] = c->blk[b].state == PKV_BLK_ACTIVE && c->blk[b].ref == 1;
     }
     memcpy(want, s->tab, s->nb * sizeof *want);
     uint32_t n_want = 0;

@@ -384,8 +384,8 @@ func (c *Cache) Truncate(s Seq, n uint32) error {
 	return c.seqOp("pkv_seq_truncate", func(p *C.pkv_cache) C.int { return C.pkv_seq_truncate(p, C.pkv_seq(s), C.uint32_t(n)) })
 }
 
-// Compact moves runs of the sequence's blocks that it alone holds (not shared, not in the
-// prefix index) into FREE blocks so that its block table holds longer runs of consecutive ids:
+// Compact moves runs of the sequence's blocks that it alone holds (no fork or pin shares them)
+// into FREE blocks so that its block table holds longer runs of consecutive ids:
 // at each gap, the shorter of the two runs beside it that fits moves to meet the other (pkv.h,
 // pkv_seq_compact); returns the number of blocks moved.
 // Slots and block tables taken before are stale for the moved blocks.

@@ -617,26 +617,34 @@ out:
     return rc;
 }
 
-/* Moves block table[i] of s, which s alone holds and no index names, into FREE block dst: K/V of
- * every layer and the token ids first (dst is nobody's), then the counts. The source is freed
- * before dst leaves the free queue, so the counts (peak_active too) never see both in use. */
+/* Moves block table[i] of s, which s alone holds, into FREE block dst: K/V of every layer and
+ * the token ids first (dst is nobody's), then its place in the prefix index, then the counts.
+ * The source is freed before dst leaves the free queue, so the counts (peak_active too) never
+ * see both in use. */
 static void move_block(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t dst) {
     const uint32_t src = (uint32_t)s->table[i];
     const uint32_t n_fill = c->blk[src].n_fill, n_commit = c->blk[src].n_commit;
     pkv__copy_block(c, dst, src, n_fill);
+    pkv__blk index = c->blk[src]; /* its index fields, for dst once it is ACTIVE */
+    if (index.flags) pkv__index_repoint(c, src, dst);
     pkv__drop_block(c, src);
     pkv__pool_free_remove(&c->pool, dst);
     pkv__pool_activate(&c->pool, dst);
     pkv__pool_set_fill(&c->pool, dst, n_fill);
-    c->blk[dst].n_commit = (uint16_t)n_commit;
+    pkv__blk *d = &c->blk[dst];
+    d->n_commit = (uint16_t)n_commit;
+    if (index.flags) {
+        d->flags = index.flags;
+        d->hash = index.hash, d->chash = index.chash, d->ns_lo = index.ns_lo, d->ns_hi = index.ns_hi;
+        d->parent = index.parent, d->hnext = index.hnext, d->child = index.child;
+        d->sib_prev = index.sib_prev, d->sib_next = index.sib_next, d->n_children = index.n_children;
+    }
     s->table[i] = (int32_t)dst;
 }
 
-/* Whether block b may move: s alone holds it (no fork, no pin) and the prefix index does not
- * name it (neither a full indexed block nor a registered partial one). */
-static bool movable(const pkv_cache *c, uint32_t b) {
-    return c->blk[b].ref == 1 && c->blk[b].flags == 0;
-}
+/* Whether block b may move: s alone holds it (no fork, no pin shares it). An indexed block
+ * moves with its index entry. */
+static bool movable(const pkv_cache *c, uint32_t b) { return c->blk[b].ref == 1; }
 
 /* Length of the run of consecutive ids of s's table that starts at index i. */
 static uint32_t run_at(const pkv__seq *s, uint32_t i) {

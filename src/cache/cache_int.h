@@ -89,6 +89,10 @@ void pkv__index_reset(pkv_cache *c);
 void pkv__index_evict(pkv_cache *c, uint32_t b);
 /* Unlinks a PARTIAL block from its parent. */
 void pkv__partial_unlink(pkv_cache *c, uint32_t b);
+/* Compaction's move of an indexed or partial block: every index link to src (its place in the
+ * hash chain and its parent's child list, its children's parent) now names dst, and src keeps
+ * no index fields; the caller gives dst src's. No hash depends on a block id. */
+void pkv__index_repoint(pkv_cache *c, uint32_t src, uint32_t dst);
 /* After a commit (or match / append) of s: index its full committed blocks, register its
  * committed partial tail. */
 void pkv__index_after_commit(pkv_cache *c, pkv__seq *s);

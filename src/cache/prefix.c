@@ -111,6 +111,26 @@ void pkv__index_evict(pkv_cache *c, uint32_t b) {
     c->n_indexed--;
 }
 
+void pkv__index_repoint(pkv_cache *c, uint32_t src, uint32_t dst) {
+    pkv__blk *k = &c->blk[src];
+    if (k->flags & PKV_BLKF_INDEXED) { /* its place in the hash chain */
+        uint32_t *at = &c->buckets[k->hash & c->bucket_mask];
+        while (*at != src) {
+            pkv_assert(*at != PKV_NONE);
+            at = &c->blk[*at].hnext;
+        }
+        *at = dst;
+    }
+    if (k->sib_prev != PKV_NONE) c->blk[k->sib_prev].sib_next = dst;
+    else if (k->parent != PKV_NONE) c->blk[k->parent].child = dst;
+    if (k->sib_next != PKV_NONE) c->blk[k->sib_next].sib_prev = dst;
+    for (uint32_t ch = k->child; ch != PKV_NONE; ch = c->blk[ch].sib_next) c->blk[ch].parent = dst;
+    k->flags = 0;
+    k->parent = k->hnext = k->child = k->sib_prev = k->sib_next = PKV_NONE;
+    k->n_children = 0;
+    k->ns_lo = k->ns_hi = 0;
+}
+
 /* The fingerprint tables behind the miss reasons (best effort): a value x may sit in two slots,
  * x & mask and (x >> 32) & mask. A put takes the first that holds x or is empty, else the second,
  * whose old value moves to its own other slot if that is empty and is lost otherwise. With one

@@ -487,8 +487,8 @@ impl Cache {
         check(unsafe { ffi::pkv_seq_truncate(self.p(), s.0, n) }, "pkv_seq_truncate")
     }
 
-    /// Moves runs of the sequence's blocks that it alone holds (not shared, not in the prefix
-    /// index) into FREE blocks so that its block table holds longer runs of consecutive ids: at
+    /// Moves runs of the sequence's blocks that it alone holds (no fork or pin shares them) into
+    /// FREE blocks so that its block table holds longer runs of consecutive ids: at
     /// each gap, the shorter of the two runs beside it that fits moves to meet the other (pkv.h,
     /// pkv_seq_compact). Returns the number of blocks moved.
     /// Slots and block tables taken before are stale for the moved blocks.
