@@ -751,17 +751,26 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         w->n_truncs++;
         break;
     }
-    case PM_OP_COMPACT: { /* moves blocks, changes no count and no K/V (pm_verify reads them) */
+    case PM_OP_COMPACT: { /* moves blocks, changes no K/V (pm_verify reads them) and no count but
+                             those of the blocks PKV_COMPACT_EVICT evicts; an unknown flag nothing */
         pm_seq *q = pm_pick(w, src, 0);
         if (!q) break;
+        const uint32_t f = pm_byte(src) % 5, flags = f < 2 ? 0 : f < 4 ? PKV_COMPACT_EVICT : 2u << (f & 7);
         pkv_stats before, after;
         uint32_t moved = 0;
         if (pkv_cache_get_stats(w->c, &before) < 0) return pm_fail(w, "stats");
-        rc = pkv_seq_compact(w->c, q->id, &moved);
-        PM_TR(w, "%llu: s%d compact -> %s, %u moved\n", (unsigned long long)w->n_steps, PM_SI(w, q),
+        rc = pkv_seq_compact(w->c, q->id, flags, &moved);
+        PM_TR(w, "%llu: s%d compact(%u) -> %s, %u moved\n", (unsigned long long)w->n_steps, PM_SI(w, q), flags,
               pkv_strerror(rc), moved);
-        PM_EXPECT(w, rc == 0, "compact: %s", pkv_strerror(rc));
+        PM_EXPECT(w, rc == (flags > 1 ? PKV_EINVAL : 0), "compact(%u): %s", flags, pkv_strerror(rc));
         if (pkv_cache_get_stats(w->c, &after) < 0) return pm_fail(w, "stats");
+        const uint64_t ev = after.evictions - before.evictions;
+        PM_EXPECT(w, flags == PKV_COMPACT_EVICT || ev == 0, "compact(%u) evicted %llu", flags, (unsigned long long)ev);
+        PM_EXPECT(w, before.n_cached - after.n_cached == ev && after.n_free - before.n_free == ev &&
+                         before.n_indexed - after.n_indexed == ev,
+                  "compact's evictions (%llu) against the counts", (unsigned long long)ev);
+        before.evictions = after.evictions, before.n_cached = after.n_cached, before.n_free = after.n_free;
+        before.n_indexed = after.n_indexed;
         PM_EXPECT(w, memcmp(&before, &after, sizeof before) == 0, "compact changed the statistics (%u moved)", moved);
         w->n_compact_moved += moved;
         break;

@@ -241,17 +241,21 @@ PKV_API PKV_NODISCARD int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
  * after it moves to the ids just after the run before it, or the run before it to the ids just
  * before the run after it, whichever is shorter (the first on a tie) of those that fit; the two
  * then count as one run for the next gap. A run fits where s alone holds every block of it
- * (refcount 1: no fork or pin shares it) and every target id is FREE or one of the run's own
- * (a shift by less than its length). A move copies K/V of every layer and the token ids, keeps
- * the fill and committed counts and the block's place in the prefix index (a later match finds
- * the new id), and frees the old block to the back of the free queue. Nothing is evicted (so in
- * a pool full of CACHED blocks nothing moves), shared blocks never move, no count in pkv_stats
- * changes, and runs move whole: the table's number of runs never grows. A later call, or one for another sequence,
+ * (refcount 1: no fork or pin shares it) and every target id is FREE, one of the run's own (a
+ * shift by less than its length) or, with PKV_COMPACT_EVICT in flags, a CACHED block that
+ * eviction could take (a leaf of the prefix index). A move copies K/V of every layer and the
+ * token ids, keeps the fill and committed counts and the block's place in the prefix index (a
+ * later match finds the new id), and frees the old block to the back of the free queue.
+ * Without PKV_COMPACT_EVICT nothing is evicted (so in a pool full of CACHED blocks nothing
+ * moves) and no count in pkv_stats changes; with it, each CACHED target is evicted as an append
+ * would (pkv_stats.evictions counts it; n_cached falls and n_free rises by one each). Shared
+ * blocks never move, and runs move whole: the table's number of runs never grows. A later call, or one for another sequence,
  * may move more, into blocks this one freed. *n_moved (may be NULL) gets the blocks moved; 0
  * is success too. The slots, block tables and exports of s taken before are stale for the
  * moved blocks: take them again. Not while an attention call reads s (as for every call that
- * changes a sequence). PKV_ENOENT for an unknown id, PKV_EINVAL for a pin. */
-PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t *n_moved);
+ * changes a sequence). PKV_ENOENT for an unknown id, PKV_EINVAL for a pin or an unknown flag. */
+enum { PKV_COMPACT_EVICT = 1u };
+PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t flags, uint32_t *n_moved);
 
 /* Drops the sequence: each block's refcount falls by one; a block reaching 0 becomes CACHED
  * if indexed, else FREE. The id becomes stale. */

@@ -148,7 +148,7 @@ def _load():
         "pkv_seq_commit": (_int, [_vp, _u64, _u32]),
         "pkv_seq_fork": (_int, [_vp, _u64, _P(_u64)]),
         "pkv_seq_truncate": (_int, [_vp, _u64, _u32]),
-    "pkv_seq_compact": (_int, [_vp, _u64, ctypes.POINTER(_u32)]),
+    "pkv_seq_compact": (_int, [_vp, _u64, _u32, ctypes.POINTER(_u32)]),
         "pkv_seq_release": (_int, [_vp, _u64]),
         "pkv_seq_get_info": (_int, [_vp, _u64, _P(_SeqInfo)]),
         "pkv_seq_slots": (_int, [_vp, _u64, _u32, _u32, _vp]),
@@ -483,14 +483,15 @@ class Cache:
         """Keeps positions [0, n)."""
         _check(_lib.pkv_seq_truncate(self._h(), _seq_of(seq), _u32_of(n, "n")), "pkv_seq_truncate")
 
-    def compact(self, seq):
+    def compact(self, seq, evict=False):
         """Moves runs of seq's blocks that it alone holds (no fork or pin shares them) into FREE
-        blocks so that its block table holds longer runs of consecutive ids: at each
-        gap, the shorter of the two runs beside it that fits moves to meet the other (pkv.h,
-        pkv_seq_compact). Returns the number of blocks moved. Slots and block tables taken before
-        are stale for the moved blocks."""
+        blocks (with evict=True also CACHED leaf blocks, evicted as an append would) so that its
+        block table holds longer runs of consecutive ids: at each gap, the shorter of the two runs
+        beside it that fits moves to meet the other (pkv.h, pkv_seq_compact). Returns the number
+        of blocks moved. Slots and block tables taken before are stale for the moved blocks."""
         out = _u32()
-        _check(_lib.pkv_seq_compact(self._h(), _seq_of(seq), ctypes.byref(out)), "pkv_seq_compact")
+        _check(_lib.pkv_seq_compact(self._h(), _seq_of(seq), 1 if evict else 0, ctypes.byref(out)),
+               "pkv_seq_compact")
         return out.value
 
     def release(self, seq):

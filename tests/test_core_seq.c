@@ -265,12 +265,12 @@ static void test_compact_seed_layout(void **state) {
     snap before;
     take(c, s, 1, &before);
     uint32_t moved = 99;
-    TU_OK(pkv_seq_compact(c, s[0], &moved)); /* 1 is FREE, 2 is not: neither side fits */
+    TU_OK(pkv_seq_compact(c, s[0], 0, &moved)); /* 1 is FREE, 2 is not: neither side fits */
     assert_int_equal(moved, 0);
     assert_same(c, s, &before);
     TU_OK(pkv_seq_release(c, s[2])); /* free queue 5..9, 1, 2 */
     take(c, s, 1, &before);
-    TU_OK(pkv_seq_compact(c, s[0], &moved));
+    TU_OK(pkv_seq_compact(c, s[0], 0, &moved));
     assert_int_equal(moved, 1);
     assert_int_equal(tu_table(c, s[0], tab, 10), 3);
     const int32_t dense[3] = {2, 3, 4};
@@ -287,7 +287,7 @@ static void test_compact_seed_layout(void **state) {
     assert_memory_equal(tab, fifo, sizeof fifo);
     /* 1 cannot follow 9 (10 is past the pool) nor 5..9 precede 1; 0 cannot follow 1 (2 is held)
        nor 1 precede 0 */
-    TU_OK(pkv_seq_compact(c, x[0], &moved));
+    TU_OK(pkv_seq_compact(c, x[0], 0, &moved));
     assert_int_equal(moved, 0);
     assert_int_equal(tu_table(c, x[0], tab, 10), 7);
     assert_memory_equal(tab, fifo, sizeof fifo);
@@ -312,7 +312,7 @@ static void test_compact_chain_partial_tail(void **state) {
     TU_OK(pkv_seq_release(c, s[1]));   /* free queue 5..11, 3, 1 */
     pkv_stats st0 = tu_stats(c);
     uint32_t moved = 0;
-    TU_OK(pkv_seq_compact(c, s[0], &moved)); /* 2 -> 1, then 4 -> 2 (freed by the first move) */
+    TU_OK(pkv_seq_compact(c, s[0], 0, &moved)); /* 2 -> 1, then 4 -> 2 (freed by the first move) */
     assert_int_equal(moved, 2);
     int32_t tab[12];
     assert_int_equal(tu_table(c, s[0], tab, 12), 3);
@@ -359,7 +359,7 @@ static void test_compact_short_shift(void **state) {
     TU_OK(pkv_pin_create(c, s[0], 4, &pin)); /* block 0 is shared with the pin: it stays */
     TU_OK(pkv_seq_release(c, s[1]));         /* 1 never committed: FREE; the queue 4, 5, 1 */
     uint32_t moved = 0;
-    TU_OK(pkv_seq_compact(c, s[0], &moved));
+    TU_OK(pkv_seq_compact(c, s[0], 0, &moved));
     assert_int_equal(moved, 2);
     int32_t tab[6];
     assert_int_equal(tu_table(c, s[0], tab, 6), 3);
@@ -383,7 +383,7 @@ static void test_compact_short_shift(void **state) {
     tu_append(c, t[0], 10, 8, NULL);  /* 5, 6, 7 */
     TU_WRITE_PAT(c, t[0], 0, 18, 9);
     TU_OK(pkv_seq_release(c, t[2]));
-    TU_OK(pkv_seq_compact(c, t[0], &moved)); /* 2, 3 up to 3, 4 (two copies, not three) */
+    TU_OK(pkv_seq_compact(c, t[0], 0, &moved)); /* 2, 3 up to 3, 4 (two copies, not three) */
     assert_int_equal(moved, 2);
     assert_int_equal(tu_table(c, t[0], tab, 6), 5);
     const int32_t up[5] = {3, 4, 5, 6, 7};
@@ -411,23 +411,23 @@ static void test_compact_shared_indexed_bad(void **state) {
     snap before;
     take(c, s, 1, &before);
     uint32_t moved = 7;
-    TU_OK(pkv_seq_compact(c, s[0], &moved));
+    TU_OK(pkv_seq_compact(c, s[0], 0, &moved));
     assert_int_equal(moved, 0);
-    TU_OK(pkv_seq_compact(c, ch, &moved));
+    TU_OK(pkv_seq_compact(c, ch, 0, &moved));
     assert_int_equal(moved, 0);
     assert_same(c, s, &before);
     TU_OK(pkv_seq_release(c, ch));
     TU_OK(pkv_pin_create(c, s[0], 8, &pin));
     take(c, s, 1, &before);
-    TU_OK(pkv_seq_compact(c, s[0], &moved));
+    TU_OK(pkv_seq_compact(c, s[0], 0, &moved));
     assert_int_equal(moved, 0);
-    TU_RC(pkv_seq_compact(c, pin, &moved), PKV_EINVAL);
-    TU_RC(pkv_seq_compact(NULL, s[0], &moved), PKV_EINVAL);
-    TU_RC(pkv_seq_compact(c, ch, &moved), PKV_ENOENT);
+    TU_RC(pkv_seq_compact(c, pin, 0, &moved), PKV_EINVAL);
+    TU_RC(pkv_seq_compact(NULL, s[0], 0, &moved), PKV_EINVAL);
+    TU_RC(pkv_seq_compact(c, ch, 0, &moved), PKV_ENOENT);
     assert_int_equal(moved, 0);
     assert_same(c, s, &before);
     TU_OK(pkv_pin_release(c, pin));
-    TU_OK(pkv_seq_compact(c, s[0], &moved));
+    TU_OK(pkv_seq_compact(c, s[0], 0, &moved));
     assert_int_equal(moved, 1);
     TU_SAME_PAT(c, s[0], 0, 8, 6);
     TU_CHECK(c);
@@ -448,7 +448,7 @@ static void test_compact_shared_indexed_bad(void **state) {
     TU_OK(pkv_seq_release(c, b));    /* 1 FREE (never committed) */
     TU_OK(pkv_seq_release(c, d));    /* 3 FREE */
     pkv_stats st0 = tu_stats(c);
-    TU_OK(pkv_seq_compact(c, a, &moved)); /* 2 -> 1, then 4 -> 2 */
+    TU_OK(pkv_seq_compact(c, a, 0, &moved)); /* 2 -> 1, then 4 -> 2 */
     assert_int_equal(moved, 2);
     int32_t tab[4];
     assert_int_equal(tu_table(c, a, tab, 4), 3);
@@ -470,6 +470,61 @@ static void test_compact_shared_indexed_bad(void **state) {
     TU_SAME_PAT(c, m, 0, 10, 7);
     TU_OK(pkv_seq_release(c, a)); /* 0 and 1 stay held by m; a's partial tail 2 is freed */
     TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* PKV_COMPACT_EVICT: a CACHED leaf of the index may be a target (evicted, counted), a CACHED
+ * block with children may not; without the flag CACHED blocks are never targets; unknown flags
+ * are refused. */
+static void test_compact_evict(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(8);
+    cfg.enable_prefix_cache = 1;
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq a = tu_seq(c), b = tu_seq(c);
+    tu_append(c, a, 4, 0, NULL);  /* 0 */
+    tu_append(c, b, 4, 50, NULL); /* 1 */
+    tu_append(c, a, 4, 4, NULL);  /* 2 */
+    tu_append(c, b, 4, 54, NULL); /* 3 */
+    TU_WRITE_PAT(c, a, 0, 8, 3);
+    TU_WRITE_PAT(c, b, 0, 8, 4);
+    TU_OK(pkv_seq_commit(c, b, 8)); /* 1 and its child 3 enter the index */
+    TU_OK(pkv_seq_release(c, b));   /* both CACHED, 3 first in LRU order */
+    snap before;
+    take(c, &a, 1, &before);
+    uint32_t moved = 9;
+    TU_OK(pkv_seq_compact(c, a, PKV_COMPACT_EVICT, &moved)); /* 1 has a child: not a target */
+    assert_int_equal(moved, 0);
+    TU_RC(pkv_seq_compact(c, a, 2, &moved), PKV_EINVAL);
+    TU_RC(pkv_seq_compact(c, a, 0x80000000u, &moved), PKV_EINVAL);
+    assert_same(c, &a, &before);
+    pkv_seq x = tu_seq(c);
+    tu_append(c, x, 20, 90, NULL); /* 4..7, then evicts the LRU head 3: 1 is now a leaf */
+    pkv_stats st0 = tu_stats(c);
+    assert_int_equal(st0.n_cached, 1);
+    assert_int_equal(st0.n_free, 0);
+    TU_OK(pkv_seq_compact(c, a, 0, &moved));
+    assert_int_equal(moved, 0);
+    TU_OK(pkv_seq_compact(c, a, PKV_COMPACT_EVICT, &moved)); /* 2 -> 1 */
+    assert_int_equal(moved, 1);
+    int32_t tab[4];
+    assert_int_equal(tu_table(c, a, tab, 4), 2);
+    assert_int_equal(tab[0], 0);
+    assert_int_equal(tab[1], 1);
+    pkv_stats st1 = tu_stats(c);
+    assert_int_equal(st1.evictions, st0.evictions + 1);
+    assert_int_equal(st1.n_cached, 0);
+    assert_int_equal(st1.n_free, 1);
+    assert_int_equal(st1.n_active, st0.n_active);
+    assert_int_equal(st1.n_indexed, st0.n_indexed - 1);
+    TU_SAME_PAT(c, a, 0, 8, 3);
+    TU_CHECK(c);
+    int32_t prompt[9];
+    tu_tokens(prompt, 9, 50);
+    pkv_seq m = tu_seq(c);
+    uint32_t reused = 7;
+    TU_OK(pkv_seq_match_prefix(c, m, prompt, 9, &reused));
+    assert_int_equal(reused, 0); /* b's blocks are gone */
     pkv_cache_destroy(c);
 }
 
@@ -791,6 +846,7 @@ int main(void) {
         cmocka_unit_test(test_compact_chain_partial_tail),
         cmocka_unit_test(test_compact_short_shift),
         cmocka_unit_test(test_compact_shared_indexed_bad),
+        cmocka_unit_test(test_compact_evict),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

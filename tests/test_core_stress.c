@@ -56,6 +56,7 @@ typedef struct {
     uint32_t n_dead;
     uint64_t step;
     uint64_t n_ok[16], n_fail[16];
+    uint64_t n_compact_evicted;
 } world;
 
 enum { OP_CREATE, OP_APPEND, OP_WRITE, OP_COMMIT, OP_FORK, OP_TRUNCATE, OP_RELEASE, OP_GATHER, OP_PIN, OP_UNPIN,
@@ -517,11 +518,14 @@ static void do_match(world *w) {
     w->n_fail[OP_MATCH] += reused == 0;
 }
 
-/* The compaction rule of pkv.h, on a copy of the table and the blocks' states. */
+/* The compaction rule of pkv.h, on a copy of the table and the blocks' states: FREE, held once
+ * (movable), CACHED; each indexed or partial block's parent and number of children, so that a
+ * CACHED leaf (what PKV_COMPACT_EVICT may take) is known as evictions and moves change them. */
 typedef struct {
     int32_t *t;
-    uint32_t nb;
-    uint8_t free_[NBLK], mov[NBLK];
+    uint32_t nb, flags, evicted;
+    uint8_t free_[NBLK], mov[NBLK], cached[NBLK];
+    int par[NBLK], kids[NBLK];
     int *bc;
 } cmodel;
 
@@ -533,19 +537,36 @@ static uint32_t cm_run(const cmodel *m, uint32_t i) {
 
 static int cm_fits(const cmodel *m, int from, uint32_t len, int to) {
     if (to < 0 || to == from || to + (int)len > NBLK) return 0;
-    for (int j = 0; j < (int)len; j++)
-        if (!m->mov[from + j] || (!m->free_[to + j] && (to + j < from || to + j >= from + (int)len))) return 0;
+    for (int j = 0; j < (int)len; j++) {
+        const int t = to + j;
+        const int leaf = m->cached[t] && m->kids[t] == 0 && (m->flags & PKV_COMPACT_EVICT);
+        if (!m->mov[from + j] || (!m->free_[t] && (t < from || t >= from + (int)len) && !leaf)) return 0;
+    }
     return 1;
 }
 
-static void cm_move(cmodel *m, uint32_t i, uint32_t len, int to) {
+static void cm_move_block(cmodel *m, uint32_t i, int to) {
     const int from = m->t[i];
-    int bc[NBLK];
-    for (int j = 0; j < (int)len; j++) bc[j] = m->bc[from + j];
-    for (int j = 0; j < (int)len; j++) m->free_[from + j] = 1, m->mov[from + j] = 0, m->bc[from + j] = 0;
-    for (int j = 0; j < (int)len; j++) {
-        m->free_[to + j] = 0, m->mov[to + j] = 1, m->bc[to + j] = bc[j];
-        m->t[i + (uint32_t)j] = to + j;
+    if (m->cached[to]) { /* evicted */
+        m->cached[to] = 0;
+        if (m->par[to] >= 0) m->kids[m->par[to]]--;
+        m->evicted++;
+    }
+    m->par[to] = m->par[from], m->kids[to] = m->kids[from];
+    for (int b = 0; b < NBLK; b++)
+        if (m->par[b] == from) m->par[b] = to;
+    m->par[from] = -1, m->kids[from] = 0;
+    m->free_[from] = 1, m->mov[from] = 0;
+    m->free_[to] = 0, m->mov[to] = 1;
+    m->bc[to] = m->bc[from], m->bc[from] = 0;
+    m->t[i] = to;
+}
+
+static void cm_move(cmodel *m, uint32_t i, uint32_t len, int to) {
+    const int down = to < m->t[i];
+    for (uint32_t j = 0; j < len; j++) {
+        const uint32_t k = down ? j : len - 1 - j;
+        cm_move_block(m, i + k, to + (int)k);
     }
 }
 
@@ -556,15 +577,20 @@ static uint32_t n_runs(const int32_t *t, uint32_t n) {
 }
 
 /* pkv_seq_compact against pkv.h's rule, worked out here from the blocks' states before the
- * call (read through the internals: which blocks are FREE or held once),
- * then the data of every layer and the counts. */
+ * call (read through the internals), then the table, the counts and the data of every layer.
+ * With the prefix cache on, half the calls may evict. */
 static void do_compact(world *w, sh_seq *s) {
     const pkv_cache *c = w->c;
     int32_t want[NBLK];
     cmodel m = {.t = want, .nb = s->nb, .bc = w->bc};
+    m.flags = w->prefix && tu_rng_chance(&w->r, 0.5) ? PKV_COMPACT_EVICT : 0;
+    for (int b = 0; b < NBLK; b++) m.par[b] = -1, m.kids[b] = 0;
     for (int b = 0; b < NBLK; b++) {
-        m.free_[b] = c->blk[b].state == PKV_BLK_FREE;
-        m.mov[b] = c->blk[b].state == PKV_BLK_ACTIVE && c->blk[b].ref == 1;
+        const pkv__blk *k = &c->blk[b];
+        m.free_[b] = k->state == PKV_BLK_FREE;
+        m.cached[b] = k->state == PKV_BLK_CACHED;
+        m.mov[b] = k->state == PKV_BLK_ACTIVE && k->ref == 1;
+        if (k->flags && k->parent != PKV_NONE) m.par[b] = (int)k->parent, m.kids[k->parent]++;
     }
     memcpy(want, s->tab, s->nb * sizeof *want);
     uint32_t n_want = 0;
@@ -582,18 +608,20 @@ static void do_compact(world *w, sh_seq *s) {
         i += len;
     }
     const uint32_t runs0 = n_runs(s->tab, s->nb);
-    const pkv_stats st0 = tu_stats(w->c);
+    pkv_stats st0 = tu_stats(w->c);
     uint32_t moved = UINT32_MAX;
-    if (pkv_seq_compact(w->c, s->id, &moved)) fail_at(w, "compact failed");
-    TRACE("compact seq%d: %u moved", (int)(s - w->s), moved);
+    if (pkv_seq_compact(w->c, s->id, m.flags, &moved)) fail_at(w, "compact failed");
+    TRACE("compact seq%d flags %u: %u moved, %u evicted", (int)(s - w->s), m.flags, moved, m.evicted);
     sync_seq(w, s);
     if (moved != n_want || memcmp(want, s->tab, s->nb * sizeof *want)) fail_at(w, "compact: not the rule's table");
     if (n_runs(s->tab, s->nb) > runs0) fail_at(w, "compact: more runs");
     const pkv_stats st1 = tu_stats(w->c);
+    st0.evictions += m.evicted, st0.n_cached -= m.evicted, st0.n_free += m.evicted, st0.n_indexed -= m.evicted;
     TU_STATS_EQ(&st0, &st1);
     for (uint32_t l = 0; l < NL && s->len; l++) verify_range(w, s, l, 0, s->len);
     w->n_ok[OP_COMPACT] += moved > 0;
     w->n_fail[OP_COMPACT] += moved == 0;
+    w->n_compact_evicted += m.evicted;
 }
 
 static void step(world *w) {
@@ -754,6 +782,7 @@ static void run(int prefix, uint64_t n_ops, uint64_t seed) {
     if (prefix) assert_true(st.evictions > 0 || n_ops < 20000);
     if (prefix) assert_true(w->n_ok[OP_MATCH] > 0 || n_ops < 20000);
     assert_true(w->n_ok[OP_COMPACT] > 0 || n_ops < 20000);
+    if (prefix) assert_true(w->n_compact_evicted > 0 || n_ops < 20000);
     pkv_cache_destroy(w->c);
     uint64_t n_dev = w->n_dev;
     char first[200];

@@ -560,7 +560,7 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
             moved = 0;
             for (uint32_t i = 0; i < batch; i++) {
                 uint32_t m = 0;
-                if (tool_check(pkv_seq_compact(s->c, s->seqs[i], &m), "pkv_seq_compact") < 0) goto fail;
+                if (tool_check(pkv_seq_compact(s->c, s->seqs[i], 0, &m), "pkv_seq_compact") < 0) goto fail;
                 moved += m;
             }
             s->moved += moved;

@@ -86,6 +86,8 @@ static void usage(FILE *f) {
             "                      copies count in pkv s); reported: blocks moved, and how often a\n"
             "                      decode batch's neighbouring blocks in id order belong to different\n"
             "                      sequences (what pool-order decode pays for; always reported)\n"
+            "  --compact-evict     the same with PKV_COMPACT_EVICT: CACHED leaf blocks may be targets\n"
+            "                      (evicted; counted in evictions)\n"
             "output:\n"
             "  --json              one JSON object per policy per line on stdout, no table\n"
             "  --plot FILE.png     blocks in use and running sequences over time (gnuplot; a name\n"
@@ -130,6 +132,7 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         if (!strcmp(a, "--json")) { c->json = 1; continue; }
         if (!strcmp(a, "--no-attn")) { c->so.attn = 0; continue; }
         if (!strcmp(a, "--compact")) { c->so.compact = 1; continue; }
+        if (!strcmp(a, "--compact-evict")) { c->so.compact = 2; continue; }
         if (!strcmp(a, "--no-progress")) { c->no_progress = 1; continue; }
         if (i + 1 >= argc) {
             fprintf(stderr, "pkv sim: %s needs a value (see pkv sim --help)\n", a);
@@ -214,7 +217,7 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            (unsigned long long)r->cow_copies, (unsigned long long)r->evictions, r->ttft_p50, r->ttft_p90, r->ttft_p99,
            r->pkv_s, r->attn_s, r->wall_s, r->decode_tok_s, c->so.attn ? "true" : "false",
            r->check_rc == 0 ? "ok" : "failed", rss_mib(), (unsigned long long)c->wo.seed, decode_switch(r),
-           c->so.compact ? "true" : "false", (unsigned long long)r->compact_moved, r->compact_s);
+           c->so.compact == 2 ? "\"evict\"" : c->so.compact ? "true" : "false", (unsigned long long)r->compact_moved, r->compact_s);
 }
 
 static int plot(const sim_cli *c, const sim_result *res, int n) {
@@ -359,8 +362,8 @@ int tool_sim(int argc, char **argv) {
                        "sequences",
                        sim_policy_names[res[i].policy], 100.0 * decode_switch(&res[i]));
                 if (c.so.compact)
-                    printf("; --compact moved %llu blocks in %.3f s", (unsigned long long)res[i].compact_moved,
-                           res[i].compact_s);
+                    printf("; %s moved %llu blocks in %.3f s", c.so.compact == 2 ? "--compact-evict" : "--compact",
+                           (unsigned long long)res[i].compact_moved, res[i].compact_s);
                 printf("\n");
             }
             printf("peak RSS %.1f MiB\n", rss_mib());

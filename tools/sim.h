@@ -73,7 +73,8 @@ typedef struct sim_opts {
     double headroom;        /* blocks per running sequence kept free at admission */
     uint32_t n_threads;
     int attn;               /* 0: --no-attn (no K/V writes, no kernels) */
-    int compact;            /* --compact: pkv_seq_compact on each decoding sequence every step */
+    int compact;            /* --compact (1) / --compact-evict (2): pkv_seq_compact on each decoding
+                               sequence every step, with PKV_COMPACT_EVICT for 2 */
     uint64_t seed;
     int progress;           /* draw a progress bar on stderr */
     int want_series;        /* keep (step, blocks, seqs) samples for --plot */

@@ -435,7 +435,7 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
                 entry *e = &S.ent[S.items[i].e];
                 uint32_t m = 0;
                 if (e->prefill) continue;
-                if ((rc = pkv_seq_compact(S.c, e->s, &m)) < 0) {
+                if ((rc = pkv_seq_compact(S.c, e->s, o->compact > 1 ? PKV_COMPACT_EVICT : 0, &m)) < 0) {
                     fail(&S, rc, "pkv_seq_compact");
                     goto done;
                 }

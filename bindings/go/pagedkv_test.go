@@ -316,13 +316,13 @@ func TestCompact(t *testing.T) {
 	q := r.vec(4 * 32)
 	out0, out1 := make([]float32, len(q)), make([]float32, len(q))
 	must(t, c.Decode(0, []Seq{a}, q, out0, AttnParams{NQHeads: 4}, nil))
-	if n, err := c.Compact(a); err != nil || n != 0 { // block 1 is b's
+	if n, err := c.Compact(a, false); err != nil || n != 0 { // block 1 is b's
 		t.Fatalf("compact with 1 held: %d, %v", n, err)
 	}
 	must(t, c.Release(b))
 	st, err := c.Stats()
 	must(t, err)
-	if n, err := c.Compact(a); err != nil || n != 1 { // 0 moves to 1: one copy, where 2, 3 to 1, 2 is two
+	if n, err := c.Compact(a, false); err != nil || n != 1 { // 0 moves to 1: one copy, where 2, 3 to 1, 2 is two
 		t.Fatalf("compact: %d, %v", n, err)
 	}
 	if got := table(); got != "[1 2 3]" {
@@ -340,7 +340,7 @@ func TestCompact(t *testing.T) {
 		t.Fatal("K/V or decode changed by compact")
 	}
 	must(t, c.Check())
-	if _, err := c.Compact(b); code(err) != ENOENT {
+	if _, err := c.Compact(b, true); code(err) != ENOENT {
 		t.Fatalf("compact of a released sequence: %v", err)
 	}
 }

@@ -617,18 +617,25 @@ out:
     return rc;
 }
 
-/* Moves block table[i] of s, which s alone holds, into FREE block dst: K/V of every layer and
- * the token ids first (dst is nobody's), then its place in the prefix index, then the counts.
- * The source is freed before dst leaves the free queue, so the counts (peak_active too) never
- * see both in use. */
+/* Moves block table[i] of s, which s alone holds, into block dst, FREE or a CACHED leaf (which
+ * is evicted first, as an append would): K/V of every layer and the token ids (dst is nobody's
+ * then), its place in the prefix index, then the counts. The source is freed before dst is
+ * made ACTIVE, so the counts (peak_active too) never see both in use. */
 static void move_block(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t dst) {
     const uint32_t src = (uint32_t)s->table[i];
+    if (c->blk[dst].state == PKV_BLK_CACHED) { /* PKV_COMPACT_EVICT: a leaf, out of the index first */
+        pkv__pool_lru_remove(&c->pool, dst);
+        pkv__index_evict(c, dst);
+        c->evictions++;
+        c->blk[dst].state = PKV_BLK_FREE;
+    } else {
+        pkv__pool_free_remove(&c->pool, dst);
+    }
     const uint32_t n_fill = c->blk[src].n_fill, n_commit = c->blk[src].n_commit;
     pkv__copy_block(c, dst, src, n_fill);
     pkv__blk index = c->blk[src]; /* its index fields, for dst once it is ACTIVE */
     if (index.flags) pkv__index_repoint(c, src, dst);
     pkv__drop_block(c, src);
-    pkv__pool_free_remove(&c->pool, dst);
     pkv__pool_activate(&c->pool, dst);
     pkv__pool_set_fill(&c->pool, dst, n_fill);
     pkv__blk *d = &c->blk[dst];
@@ -654,12 +661,17 @@ static uint32_t run_at(const pkv__seq *s, uint32_t i) {
 }
 
 /* Whether the len blocks from id `from` may move to ids [to, to + len): each movable, each
- * target FREE or one of the run's own (a shift by less than the run's length). */
-static bool run_fits(const pkv_cache *c, uint32_t from, uint32_t len, int64_t to) {
+ * target FREE, one of the run's own (a shift by less than the run's length), or with
+ * PKV_COMPACT_EVICT a CACHED leaf of the index (what eviction may take). */
+static bool run_fits(const pkv_cache *c, uint32_t flags, uint32_t from, uint32_t len, int64_t to) {
     if (to < 0 || to == from || to + len > c->n_blocks) return false;
     for (uint32_t j = 0; j < len; j++) {
         const uint64_t t = (uint64_t)to + j;
-        if (!movable(c, from + j) || (c->blk[t].state != PKV_BLK_FREE && (t < from || t >= from + len))) return false;
+        const pkv__blk *k = &c->blk[t];
+        const bool leaf = k->state == PKV_BLK_CACHED && k->child == PKV_NONE && k->n_children == 0;
+        if (!movable(c, from + j) ||
+            (k->state != PKV_BLK_FREE && (t < from || t >= from + len) && !((flags & PKV_COMPACT_EVICT) && leaf)))
+            return false;
     }
     return true;
 }
@@ -674,8 +686,8 @@ static void move_run(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t len, uint32
     }
 }
 
-PKV_API int pkv_seq_compact(pkv_cache *c, pkv_seq id, uint32_t *n_moved) {
-    if (!c) return PKV_EINVAL;
+PKV_API int pkv_seq_compact(pkv_cache *c, pkv_seq id, uint32_t flags, uint32_t *n_moved) {
+    if (!c || (flags & ~(uint32_t)PKV_COMPACT_EVICT)) return PKV_EINVAL;
     LOCK(c);
     pkv__seq *s;
     uint32_t moved = 0;
@@ -689,8 +701,8 @@ PKV_API int pkv_seq_compact(pkv_cache *c, pkv_seq id, uint32_t *n_moved) {
             continue;
         }
         const uint32_t next = (uint32_t)s->table[i], prev = (uint32_t)s->table[p0];
-        const bool a = run_fits(c, next, len, (int64_t)s->table[i - 1] + 1);
-        const bool b = run_fits(c, prev, plen, (int64_t)next - plen);
+        const bool a = run_fits(c, flags, next, len, (int64_t)s->table[i - 1] + 1);
+        const bool b = run_fits(c, flags, prev, plen, (int64_t)next - plen);
         if (a && (!b || len <= plen)) move_run(c, s, i, len, (uint32_t)s->table[i - 1] + 1), moved += len;
         else if (b) move_run(c, s, p0, plen, next - plen), moved += plen;
         else p0 = i;

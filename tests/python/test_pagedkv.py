@@ -427,7 +427,7 @@ class TestCache(Base):
             self.assertEqual(c.compact(a), 0)
             c.check()
             with self.assertRaises(pkv.PkvError) as e:
-                c.compact(b)  # released: stale
+                c.compact(b, evict=True)  # released: stale
             self.assertEqual(e.exception.code, pkv.ENOENT)
 
     def test_kv_view(self):

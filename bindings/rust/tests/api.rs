@@ -561,10 +561,10 @@ fn compact_moves_runs_and_keeps_data() {
     };
     let (mut out0, mut out1) = (vec![0f32; 4 * 32], vec![0f32; 4 * 32]);
     c.decode(0, &[a], &q, &mut out0, &p, None).unwrap();
-    assert_eq!(c.compact(a).unwrap(), 0); // block 1 is b's
+    assert_eq!(c.compact(a, false).unwrap(), 0); // block 1 is b's
     c.release(b).unwrap();
     let st = c.stats().unwrap();
-    assert_eq!(c.compact(a).unwrap(), 1); // 0 moves to 1: one copy, where 2, 3 to 1, 2 is two
+    assert_eq!(c.compact(a, false).unwrap(), 1); // 0 moves to 1: one copy, where 2, 3 to 1, 2 is two
     assert_eq!(c.block_table(a).unwrap(), vec![1, 2, 3]);
     let st2 = c.stats().unwrap();
     assert_eq!((st.n_free, st.n_active, st.n_slots_used), (st2.n_free, st2.n_active, st2.n_slots_used));
@@ -572,7 +572,7 @@ fn compact_moves_runs_and_keeps_data() {
     c.decode(0, &[a], &q, &mut out1, &p, None).unwrap();
     assert_eq!(out0, out1);
     c.check().unwrap();
-    assert_eq!(c.compact(b).unwrap_err().code(), ENOENT);
+    assert_eq!(c.compact(b, true).unwrap_err().code(), ENOENT);
 }
 
 #[test]
