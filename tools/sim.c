@@ -209,7 +209,7 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            "\"decode_tokens\":%llu,\"prefill_tokens\":%llu,\"cow_copies\":%llu,\"evictions\":%llu,"
            "\"ttft_p50_steps\":%.1f,\"ttft_p90_steps\":%.1f,\"ttft_p99_steps\":%.1f,\"pkv_s\":%.4f,\"attn_s\":%.4f,"
            "\"wall_s\":%.3f,\"decode_tok_s\":%.1f,\"attn\":%s,\"check\":\"%s\",\"peak_rss_mib\":%.1f,\"seed\":%llu,"
-           "\"decode_switch\":%.4f,\"compact\":%s,\"compacted_blocks\":%llu,\"compact_s\":%.4f}\n",
+           "\"decode_switch\":%.4f,\"compact\":\"%s\",\"compacted_blocks\":%llu,\"compact_s\":%.4f}\n",
            sim_policy_names[r->policy], n_requests, r->completed, r->rejected, r->peak_seqs, r->mean_seqs,
            r->peak_blocks, c->so.n_blocks, r->kv_utilization, r->waste, r->prefix_hit_rate,
            (unsigned long long)r->prefix_hit_tokens, (unsigned long long)r->prompt_tokens, r->preemptions,
@@ -217,7 +217,7 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            (unsigned long long)r->cow_copies, (unsigned long long)r->evictions, r->ttft_p50, r->ttft_p90, r->ttft_p99,
            r->pkv_s, r->attn_s, r->wall_s, r->decode_tok_s, c->so.attn ? "true" : "false",
            r->check_rc == 0 ? "ok" : "failed", rss_mib(), (unsigned long long)c->wo.seed, decode_switch(r),
-           c->so.compact == 2 ? "\"evict\"" : c->so.compact ? "true" : "false", (unsigned long long)r->compact_moved, r->compact_s);
+           c->so.compact == 2 ? "evict" : c->so.compact ? "on" : "off", (unsigned long long)r->compact_moved, r->compact_s);
 }
 
 static int plot(const sim_cli *c, const sim_result *res, int n) {
