@@ -279,6 +279,44 @@ static void test_fork_cow_keeps_bytes(void **state) {
     }
 }
 
+/* Compaction copies quantized rows (inline scales included) as bytes: a sequence interleaved
+ * with another, whose blocks move once the other leaves, gathers the same bits in every layer,
+ * a partly filled tail too, for every quantized K and V dtype. */
+static void test_compact_keeps_bytes(void **state) {
+    (void)state;
+    enum { H = 2, D = 64, NL = 2, N = 40, E = N * H * D };
+    for (int a = 0; a < 3; a++) {
+        pkv_config cfg = tu_config(8, 16, NL, H, D, k_qdts[a]);
+        cfg.v_dtype = k_qdts[(a + 1) % 3];
+        pkv_cache *c = tu_create(&cfg);
+        pkv_seq s = tu_seq(c), o = tu_seq(c);
+        int32_t slots[N];
+        tu_append(c, s, 16, 0, slots);            /* 0 */
+        tu_append(c, o, 16, 100, NULL);           /* 1 */
+        tu_append(c, s, N - 16, 16, slots + 16);  /* 2, 3 (8 of 16 slots) */
+        float *k = malloc(E * 4), *v = malloc(E * 4), *before = malloc(2 * NL * E * 4), *after = malloc(2 * E * 4);
+        for (uint32_t l = 0; l < NL; l++) {
+            for (uint32_t i = 0; i < E; i++) k[i] = rnd_normal(), v[i] = rnd_normal() * 3;
+            assert_int_equal(pkv_write_kv(c, l, slots, N, k, v, PKV_DTYPE_F32), 0);
+            assert_int_equal(pkv_seq_gather(c, s, l, 0, N, before + 2 * l * E, before + (2 * l + 1) * E), 0);
+        }
+        TU_OK(pkv_seq_release(c, o));
+        uint32_t moved = 0;
+        TU_OK(pkv_seq_compact(c, s, 0, &moved)); /* 0 moves to 1: one copy, where 2, 3 to 1, 2 is two */
+        assert_int_equal(moved, 1);
+        int32_t tab[3];
+        assert_int_equal(tu_table(c, s, tab, 3), 3);
+        assert_int_equal(tab[0], 1);
+        for (uint32_t l = 0; l < NL; l++) {
+            assert_int_equal(pkv_seq_gather(c, s, l, 0, N, after, after + E), 0);
+            assert_memory_equal(after, before + 2 * l * E, 2 * E * 4);
+        }
+        TU_CHECK(c);
+        free(k), free(v), free(before), free(after);
+        pkv_cache_destroy(c);
+    }
+}
+
 /* ---- attention through the public API ---- */
 /* Double-precision causal attention of one query over K/V [pos][H][D] (unquantized f32). */
 static void oracle(const float *K, const float *V, uint32_t H, uint32_t G, uint32_t D, uint32_t n_vis, uint32_t qh,
@@ -493,6 +531,7 @@ int main(void) {
         cmocka_unit_test(test_create_and_row_bytes),
         cmocka_unit_test(test_write_gather_every_input),
         cmocka_unit_test(test_fork_cow_keeps_bytes),
+        cmocka_unit_test(test_compact_keeps_bytes),
         cmocka_unit_test(test_attention_public),
         cmocka_unit_test(test_write_range),
     };
