@@ -240,6 +240,21 @@ static void test_cow_sole_indexed_tail_counts(void **state) {
 }
 
 /* ---- compaction (pkv_seq_compact) ---- */
+/* Appends to the sequences in the order of plan, "i:n" pairs (n tokens to s[i]), which is how
+ * their block ids interleave. Sequence i's tokens are 100 i + position. */
+static void lay_out(pkv_cache *c, const pkv_seq *s, const char *plan) {
+    uint32_t len[8] = {0};
+    for (const char *p = plan; *p;) {
+        char *end;
+        const unsigned long i = strtoul(p, &end, 10);
+        assert_true(*end == ':' && i < 8);
+        const unsigned long n = strtoul(end + 1, &end, 10);
+        tu_append(c, s[i], (uint32_t)n, (int32_t)(100 * i + len[i]), NULL);
+        len[i] += (uint32_t)n;
+        for (p = end; *p == ' ';) p++;
+    }
+}
+
 /* The layout of the realizar seed's defragment case (SEEDS.md 4.6, item 30): three sequences
  * on blocks 0, 1, 2, the middle one released, the first extended onto 3 and 4. The seed moved
  * 3 to 1 and left 4, which trades one neighbour for another at the price of a copy; here a run
@@ -249,14 +264,11 @@ static void test_compact_seed_layout(void **state) {
     (void)state;
     pkv_config cfg = tu_config(10, 16, 2, 2, 8, PKV_DTYPE_F32);
     pkv_cache *c = tu_create(&cfg);
-    pkv_seq s[3], x[1];
-    for (int i = 0; i < 3; i++) {
-        s[i] = tu_seq(c);
-        tu_append(c, s[i], 16, 100 * i, NULL); /* blocks 0, 1, 2 */
-    }
+    pkv_seq s[3] = {tu_seq(c), tu_seq(c), tu_seq(c)}, x[1];
+    lay_out(c, s, "0:16 1:16 2:16"); /* blocks 0, 1, 2 */
     TU_WRITE_PAT(c, s[0], 0, 16, 1);
     TU_OK(pkv_seq_release(c, s[1])); /* free queue 3..9, 1 */
-    tu_append(c, s[0], 32, 16, NULL);
+    lay_out(c, s, "0:32");
     TU_WRITE_PAT(c, s[0], 16, 32, 1);
     int32_t tab[10];
     assert_int_equal(tu_table(c, s[0], tab, 10), 3);
@@ -302,11 +314,7 @@ static void test_compact_chain_partial_tail(void **state) {
     pkv_config cfg = cfg_small(12);
     pkv_cache *c = tu_create(&cfg);
     pkv_seq s[2] = {tu_seq(c), tu_seq(c)};
-    tu_append(c, s[0], 4, 0, NULL);  /* 0 */
-    tu_append(c, s[1], 4, 50, NULL); /* 1 */
-    tu_append(c, s[0], 4, 4, NULL);  /* 2 */
-    tu_append(c, s[1], 4, 54, NULL); /* 3 */
-    tu_append(c, s[0], 2, 8, NULL);  /* 4, 2 of its 4 slots */
+    lay_out(c, s, "0:4 1:4 0:4 1:4 0:2"); /* s0 0, 2, 4 (2 of its 4 slots), s1 1, 3 */
     TU_WRITE_PAT(c, s[0], 0, 8, 5);
     TU_OK(pkv_seq_commit(c, s[0], 6)); /* block 2 holds 2 committed positions */
     TU_OK(pkv_seq_release(c, s[1]));   /* free queue 5..11, 3, 1 */
@@ -350,9 +358,7 @@ static void test_compact_short_shift(void **state) {
     cfg.enable_prefix_cache = 1;
     pkv_cache *c = tu_create(&cfg);
     pkv_seq s[2] = {tu_seq(c), tu_seq(c)};
-    tu_append(c, s[0], 4, 0, NULL);  /* 0 */
-    tu_append(c, s[1], 4, 50, NULL); /* 1 */
-    tu_append(c, s[0], 7, 4, NULL);  /* 2, 3 */
+    lay_out(c, s, "0:4 1:4 0:7"); /* s0 0, 2, 3, s1 1 */
     TU_WRITE_PAT(c, s[0], 0, 11, 8);
     TU_OK(pkv_seq_commit(c, s[0], 4));
     pkv_seq pin;
@@ -377,10 +383,7 @@ static void test_compact_short_shift(void **state) {
     cfg = cfg_small(8);
     c = tu_create(&cfg);
     pkv_seq t[3] = {tu_seq(c), tu_seq(c), tu_seq(c)};
-    tu_append(c, t[1], 8, 50, NULL);  /* 0, 1 */
-    tu_append(c, t[0], 8, 0, NULL);   /* 2, 3 */
-    tu_append(c, t[2], 4, 70, NULL);  /* 4 */
-    tu_append(c, t[0], 10, 8, NULL);  /* 5, 6, 7 */
+    lay_out(c, t, "1:8 0:8 2:4 0:10"); /* t0 2, 3, 5, 6, 7, t1 0, 1, t2 4 */
     TU_WRITE_PAT(c, t[0], 0, 18, 9);
     TU_OK(pkv_seq_release(c, t[2]));
     TU_OK(pkv_seq_compact(c, t[0], 0, &moved)); /* 2, 3 up to 3, 4 (two copies, not three) */
@@ -393,16 +396,14 @@ static void test_compact_short_shift(void **state) {
     pkv_cache_destroy(c);
 }
 
-/* Shared blocks (a fork, a pin) and blocks in the prefix index never move (seed item 31: a fork
- * then a compaction of the parent moves nothing); bad ids change nothing. */
+/* Shared blocks (a fork's, a pin's) never move (seed item 31: a fork then a compaction of the
+ * parent moves nothing); indexed blocks move with their index entries; bad ids change nothing. */
 static void test_compact_shared_indexed_bad(void **state) {
     (void)state;
     pkv_config cfg = cfg_small(12);
     pkv_cache *c = tu_create(&cfg);
     pkv_seq s[2] = {tu_seq(c), tu_seq(c)};
-    tu_append(c, s[0], 4, 0, NULL);  /* 0 */
-    tu_append(c, s[1], 4, 50, NULL); /* 1 */
-    tu_append(c, s[0], 4, 4, NULL);  /* 2 */
+    lay_out(c, s, "0:4 1:4 0:4"); /* s0 0, 2, s1 1 */
     TU_WRITE_PAT(c, s[0], 0, 8, 6);
     TU_OK(pkv_seq_commit(c, s[0], 8));
     TU_OK(pkv_seq_release(c, s[1]));
@@ -437,12 +438,8 @@ static void test_compact_shared_indexed_bad(void **state) {
        registered partial tail's parent), so a later match finds the new ids */
     cfg.enable_prefix_cache = 1;
     c = tu_create(&cfg);
-    pkv_seq a = tu_seq(c), b = tu_seq(c), d = tu_seq(c);
-    tu_append(c, a, 4, 0, NULL);  /* 0 */
-    tu_append(c, b, 4, 50, NULL); /* 1 */
-    tu_append(c, a, 4, 4, NULL);  /* 2 */
-    tu_append(c, d, 4, 70, NULL); /* 3 */
-    tu_append(c, a, 2, 8, NULL);  /* 4 */
+    pkv_seq q[3] = {tu_seq(c), tu_seq(c), tu_seq(c)}, a = q[0], b = q[1], d = q[2];
+    lay_out(c, q, "0:4 1:4 0:4 2:4 0:2"); /* a 0, 2, 4, b 1, d 3 */
     TU_WRITE_PAT(c, a, 0, 10, 7);
     TU_OK(pkv_seq_commit(c, a, 10)); /* 0 and 2 enter the index, 4 is registered as a partial */
     TU_OK(pkv_seq_release(c, b));    /* 1 FREE (never committed) */
@@ -481,11 +478,8 @@ static void test_compact_evict(void **state) {
     pkv_config cfg = cfg_small(8);
     cfg.enable_prefix_cache = 1;
     pkv_cache *c = tu_create(&cfg);
-    pkv_seq a = tu_seq(c), b = tu_seq(c);
-    tu_append(c, a, 4, 0, NULL);  /* 0 */
-    tu_append(c, b, 4, 50, NULL); /* 1 */
-    tu_append(c, a, 4, 4, NULL);  /* 2 */
-    tu_append(c, b, 4, 54, NULL); /* 3 */
+    pkv_seq q[2] = {tu_seq(c), tu_seq(c)}, a = q[0], b = q[1];
+    lay_out(c, q, "0:4 1:4 0:4 1:4"); /* a 0, 2, b 1, 3 */
     TU_WRITE_PAT(c, a, 0, 8, 3);
     TU_WRITE_PAT(c, b, 0, 8, 4);
     TU_OK(pkv_seq_commit(c, b, 8)); /* 1 and its child 3 enter the index */
@@ -520,7 +514,7 @@ static void test_compact_evict(void **state) {
     TU_SAME_PAT(c, a, 0, 8, 3);
     TU_CHECK(c);
     int32_t prompt[9];
-    tu_tokens(prompt, 9, 50);
+    tu_tokens(prompt, 9, 100);
     pkv_seq m = tu_seq(c);
     uint32_t reused = 7;
     TU_OK(pkv_seq_match_prefix(c, m, prompt, 9, &reused));
