@@ -230,13 +230,13 @@ PKV_API PKV_NODISCARD int pkv_seq_fork(pkv_cache *c, pkv_seq parent, pkv_seq *ch
  * The committed count becomes min(committed, n). Shared blocks are only dereferenced. */
 PKV_API PKV_NODISCARD int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
 
-/* Compaction: moves blocks of s into FREE blocks so that its block table holds longer runs of
- * consecutive ids. Decode reads a batch's blocks in ascending id (docs/design.md, "Attention"),
- * and each block of another sequence than the last brings that sequence's queries and
- * accumulators back into the core's L1, so a batch of 16 fragmented tables decodes up to about
- * 12% slower than contiguous ones (README, "Status and limits"). A sequence that will be decoded
- * for many steps can be compacted once, at the price of a copy of the blocks moved (every
- * layer's K and V).
+/* Compaction: moves blocks of s into free room (FREE blocks; with PKV_COMPACT_EVICT also CACHED
+ * ones eviction could take) so that its block table holds longer runs of consecutive ids.
+ * Decode reads a batch's blocks in ascending id (docs/design.md, "Attention"), and each block of
+ * another sequence than the last brings that sequence's queries and accumulators back into the
+ * core's L1: at batch 16 fragmented tables decoded 5-18% slower than contiguous ones (README,
+ * "Status and limits"). A sequence that will be decoded for many steps can be compacted once,
+ * at the price of a copy of the blocks moved (every layer's K and V).
  * The rule, one pass over the table: at each gap between two runs of consecutive ids, the run
  * after it moves to the ids just after the run before it, or the run before it to the ids just
  * before the run after it, whichever is shorter (the first on a tie) of those that fit; the two
@@ -248,12 +248,13 @@ PKV_API PKV_NODISCARD int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
  * later match finds the new id), and frees the old block to the back of the free queue.
  * Without PKV_COMPACT_EVICT nothing is evicted (so in a pool full of CACHED blocks nothing
  * moves) and no count in pkv_stats changes; with it, each CACHED target is evicted as an append
- * would (pkv_stats.evictions counts it; n_cached falls and n_free rises by one each). Shared
- * blocks never move, and runs move whole: the table's number of runs never grows. A later call, or one for another sequence,
- * may move more, into blocks this one freed. *n_moved (may be NULL) gets the blocks moved; 0
- * is success too. The slots, block tables and exports of s taken before are stale for the
- * moved blocks: take them again. Not while an attention call reads s (as for every call that
- * changes a sequence). PKV_ENOENT for an unknown id, PKV_EINVAL for a pin or an unknown flag. */
+ * would (pkv_stats.evictions counts it; n_cached and n_indexed fall and n_free rises by one
+ * each). Shared blocks never move, and runs move whole: the table's number of runs never
+ * grows. A later call, or one for another sequence, may move more, into blocks this one freed.
+ * *n_moved (may be NULL) gets the blocks moved; 0 is success too. The slots, block tables and
+ * exports of s taken before are stale for the moved blocks: take them again. Not while an
+ * attention call reads s (as for every call that changes a sequence). PKV_ENOENT for an unknown
+ * id, PKV_EINVAL for a pin or an unknown flag; a failed call changes nothing. */
 enum { PKV_COMPACT_EVICT = 1u };
 PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t flags, uint32_t *n_moved);
 
