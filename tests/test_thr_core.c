@@ -1,5 +1,5 @@
 /* test_thr_core.c: several pthreads hammer one cache (create, append, write K/V, commit, fork,
- * CoW, truncate, gather, prefix match, release) on their own sequences plus forks of shared
+ * CoW, truncate, gather, prefix match, compaction, release) on their own sequences plus forks of shared
  * parents that are only read; every thread verifies its data; at the end the checker passes
  * and the shared parents are intact. Runs under ThreadSanitizer in CI (label "thread"). */
 #include <stdarg.h>
@@ -25,7 +25,7 @@ typedef struct {
     uint32_t iters;
     long errors;
     long enospc;
-    long ok_iters, match_hits;
+    long ok_iters, match_hits, moved;
     char first_error[200];
 } targ;
 
@@ -83,6 +83,17 @@ static void *worker(void *p) {
             TFAIL(a, "thread %d: fork of shared parent %d has wrong K/V", a->tid, k);
         if (tu_cmp_pattern(c, g, PARENT_LEN, 3, tag + 3) != 0)
             TFAIL(a, "thread %d: K/V appended to a shared parent's fork wrong", a->tid);
+        /* compaction of this thread's sequences while the others work (the shared parents'
+           blocks never move): their K/V stays */
+        uint32_t moved = 0;
+        TCALL(a, pkv_seq_compact(c, g, tu_rng_chance(&r, 0.5) ? PKV_COMPACT_EVICT : 0, &moved));
+        a->moved += moved;
+        TCALL(a, pkv_seq_compact(c, f, 0, &moved));
+        a->moved += moved;
+        if (tu_cmp_pattern(c, g, 0, PARENT_LEN, 9000 + (uint32_t)k) != 0 ||
+            tu_cmp_pattern(c, g, PARENT_LEN, 3, tag + 3) != 0 || tu_cmp_pattern(c, f, 0, n, tag) != 0 ||
+            tu_cmp_pattern(c, f, keep, 2, tag + 2) != 0)
+            TFAIL(a, "thread %d: K/V changed by compaction", a->tid);
         /* a prefix match against the shared parents' committed blocks */
         TCALL(a, pkv_seq_create(c, NULL, 0, &m));
         uint32_t reused = 0;
@@ -134,7 +145,7 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
         args[t].iters = iters;
         assert_int_equal(pthread_create(&th[t], NULL, worker, &args[t]), 0);
     }
-    long errors = 0, ok = 0, enospc = 0, hits = 0;
+    long errors = 0, ok = 0, enospc = 0, hits = 0, moved = 0;
     for (int t = 0; t < NTHR; t++) {
         assert_int_equal(pthread_join(th[t], NULL), 0);
         if (args[t].errors) print_error("%s\n", args[t].first_error);
@@ -142,13 +153,16 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
         ok += args[t].ok_iters;
         enospc += args[t].enospc;
         hits += args[t].match_hits;
+        moved += args[t].moved;
     }
-    print_message("prefix %s: %d threads x %u iterations: %ld complete, %ld out of blocks, %ld prefix hits\n",
-                  prefix ? "on" : "off", NTHR, iters, ok, enospc, hits);
+    print_message("prefix %s: %d threads x %u iterations: %ld complete, %ld out of blocks, %ld prefix hits, %ld "
+                  "blocks compacted\n",
+                  prefix ? "on" : "off", NTHR, iters, ok, enospc, hits, moved);
     assert_int_equal(errors, 0);
     if (roomy) assert_true(ok > (long)(NTHR * iters) / 2);
     else assert_true(ok > 0); /* how many hit PKV_ENOSPC depends on the interleaving */
     if (prefix) assert_true(hits > 0);
+    if (roomy) assert_true(moved > 0);
     TU_CHECK(c);
     pkv_stats st = tu_stats(c);
     assert_int_equal(st.n_seqs, NPARENT);
