@@ -755,10 +755,24 @@ static inline int pm_step(pm_world *w, pm_src *src) {
                              those of the blocks PKV_COMPACT_EVICT evicts; an unknown flag nothing */
         pm_seq *q = pm_pick(w, src, 0);
         if (!q) break;
-        const uint32_t f = pm_byte(src) % 5, flags = f < 2 ? 0 : f < 4 ? PKV_COMPACT_EVICT : 2u << (f & 7);
+        const uint32_t f = pm_byte(src) % 6, flags = f < 2 ? 0 : f < 4 ? PKV_COMPACT_EVICT : 2u << (f & 7);
         pkv_stats before, after;
         uint32_t moved = 0;
         if (pkv_cache_get_stats(w->c, &before) < 0) return pm_fail(w, "stats");
+        if (f == 5) { /* the whole batch of live sequences at once: no count changes */
+            pkv_seq ids[PM_MAX_SEQS];
+            uint32_t n = 0;
+            for (int i = 0; i < PM_MAX_SEQS; i++)
+                if (w->s[i].live && !w->s[i].is_pin) ids[n++] = w->s[i].id;
+            rc = pkv_batch_compact(w->c, ids, n, &moved);
+            PM_TR(w, "%llu: batch compact of %u -> %s, %u copies\n", (unsigned long long)w->n_steps, n,
+                  pkv_strerror(rc), moved);
+            PM_EXPECT(w, rc == 0, "batch compact: %s", pkv_strerror(rc));
+            if (pkv_cache_get_stats(w->c, &after) < 0) return pm_fail(w, "stats");
+            PM_EXPECT(w, memcmp(&before, &after, sizeof before) == 0, "batch compact changed the statistics");
+            w->n_compact_moved += moved;
+            break;
+        }
         rc = pkv_seq_compact(w->c, q->id, flags, &moved);
         PM_TR(w, "%llu: s%d compact(%u) -> %s, %u moved\n", (unsigned long long)w->n_steps, PM_SI(w, q), flags,
               pkv_strerror(rc), moved);

@@ -258,6 +258,22 @@ PKV_API PKV_NODISCARD int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
 enum { PKV_COMPACT_EVICT = 1u };
 PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t flags, uint32_t *n_moved);
 
+/* Compaction of a batch (a decode batch, say) at once: lays the blocks of seqs[0 .. n) that each
+ * holds alone (refcount 1) out in the order given, each sequence's in table order, over the
+ * lowest ids that are FREE or hold such a block, so that each sequence's table becomes one run
+ * of consecutive ids wherever no shared block or other sequence's block lies in between. It
+ * needs no free room: where a target holds another block of the batch, the two are exchanged
+ * (their K/V, token ids and counts), and where either is in the prefix index, the other goes
+ * round through a FREE block (pkv_seq_compact's move, index place included); with no FREE
+ * block at all such a block stays where it is. *n_moved (may be NULL) gets the blocks copied
+ * (2 for an exchange). Nothing is evicted and no count in pkv_stats changes. Slots, tables and
+ * exports of the batch taken before are stale. Not while an attention call reads any of them.
+ * PKV_ENOENT for an unknown id, PKV_EINVAL for a pin, NULL seqs with n > 0 or a sequence named
+ * twice (seen where it holds a block alone; a repeat holding none is harmless); a failed call
+ * changes nothing. Costs one pass over the pool's block states and up to
+ * two copies of every block of the batch. */
+PKV_API PKV_NODISCARD int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uint32_t *n_moved);
+
 /* Drops the sequence: each block's refcount falls by one; a block reaching 0 becomes CACHED
  * if indexed, else FREE. The id becomes stale. */
 PKV_API PKV_NODISCARD int pkv_seq_release(pkv_cache *c, pkv_seq s);

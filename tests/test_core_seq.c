@@ -522,6 +522,108 @@ static void test_compact_evict(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* pkv_batch_compact in a full pool: interleaved sequences are exchanged into one run each, in
+ * the order given, with their K/V and counts; shared blocks stay; indexed blocks go round
+ * through a FREE block where there is one and stay where there is none; bad calls change
+ * nothing. */
+static void test_batch_compact(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(8);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s[2] = {tu_seq(c), tu_seq(c)};
+    lay_out(c, s, "0:4 1:4 0:4 1:4 0:4 1:4 0:4 1:3"); /* s0 0 2 4 6, s1 1 3 5 7 (3 of 4 slots) */
+    TU_WRITE_PAT(c, s[0], 0, 16, 1);
+    TU_WRITE_PAT(c, s[1], 0, 15, 2);
+    TU_OK(pkv_seq_commit(c, s[0], 10));
+    snap before;
+    take(c, s, 2, &before);
+    const pkv_seq twice[3] = {s[0], s[1], s[0]}, stale = s[0] + ((uint64_t)7 << 32);
+    uint32_t moved = 99;
+    TU_RC(pkv_batch_compact(c, twice, 3, &moved), PKV_EINVAL);
+    TU_RC(pkv_batch_compact(c, NULL, 1, &moved), PKV_EINVAL);
+    TU_RC(pkv_batch_compact(NULL, s, 2, &moved), PKV_EINVAL);
+    const pkv_seq bad[2] = {s[1], stale};
+    TU_RC(pkv_batch_compact(c, bad, 2, &moved), PKV_ENOENT);
+    assert_int_equal(moved, 99);
+    assert_same(c, s, &before);
+    TU_OK(pkv_batch_compact(c, s, 0, NULL));
+    TU_OK(pkv_batch_compact(c, s, 2, &moved));
+    assert_int_equal(moved, 8); /* four exchanges */
+    int32_t tab[8];
+    assert_int_equal(tu_table(c, s[0], tab, 8), 4);
+    const int32_t first[4] = {0, 1, 2, 3}, second[4] = {4, 5, 6, 7};
+    assert_memory_equal(tab, first, sizeof first);
+    assert_int_equal(tu_table(c, s[1], tab, 8), 4);
+    assert_memory_equal(tab, second, sizeof second);
+    pkv_stats st = tu_stats(c);
+    TU_STATS_EQ(&before.st, &st);
+    TU_SAME_PAT(c, s[0], 0, 16, 1);
+    TU_SAME_PAT(c, s[1], 0, 15, 2);
+    TU_CHECK(c);
+    int32_t slot, slots[2];
+    float k[16] = {0};
+    TU_OK(pkv_seq_slots(c, s[0], 9, 1, &slot));
+    TU_RC(pkv_write_kv(c, 0, &slot, 1, k, k, PKV_DTYPE_F32), PKV_EINVAL); /* its commit count came along */
+    TU_RC(pkv_seq_append(c, s[1], (const int32_t[]){1, 2}, 2, slots), PKV_ENOSPC);
+    int32_t one = 5;
+    TU_OK(pkv_seq_append(c, s[1], &one, 1, &slot)); /* the fill count came along: slot 3 of block 7 */
+    assert_int_equal(slot, 7 * 4 + 3);
+    const pkv_seq rev[2] = {s[1], s[0]};
+    TU_OK(pkv_batch_compact(c, rev, 2, &moved)); /* the other order */
+    assert_int_equal(tu_table(c, s[1], tab, 8), 4);
+    assert_memory_equal(tab, first, sizeof first);
+    TU_SAME_PAT(c, s[0], 0, 16, 1);
+    TU_SAME_PAT(c, s[1], 0, 15, 2);
+    TU_CHECK(c);
+    pkv_seq f;
+    TU_OK(pkv_seq_fork(c, s[1], &f)); /* every block of s1 is shared now: none moves */
+    TU_OK(pkv_batch_compact(c, s, 2, &moved));
+    assert_int_equal(tu_table(c, s[1], tab, 8), 4);
+    assert_memory_equal(tab, first, sizeof first);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+
+    /* prefix cache on, committed blocks indexed: with no FREE block they stay; with one, they go
+       round through it and a match finds them at their new ids */
+    cfg = cfg_small(9);
+    cfg.enable_prefix_cache = 1;
+    c = tu_create(&cfg);
+    pkv_seq q[3] = {tu_seq(c), tu_seq(c), tu_seq(c)};
+    lay_out(c, q, "0:4 1:4 0:4 1:4 0:4 1:4 0:4 1:4 2:4"); /* q0 0 2 4 6, q1 1 3 5 7, q2 8 */
+    TU_WRITE_PAT(c, q[0], 0, 16, 3);
+    TU_WRITE_PAT(c, q[1], 0, 16, 4);
+    TU_OK(pkv_seq_commit(c, q[0], 16));
+    TU_OK(pkv_seq_commit(c, q[1], 16));
+    take(c, q, 2, &before);
+    TU_OK(pkv_batch_compact(c, q, 2, &moved));
+    assert_int_equal(moved, 0);
+    assert_same(c, q, &before);
+    TU_OK(pkv_seq_release(c, q[2])); /* block 8 FREE */
+    take(c, q, 2, &before);
+    TU_OK(pkv_batch_compact(c, q, 2, &moved));
+    assert_true(moved > 0);
+    assert_int_equal(tu_table(c, q[0], tab, 8), 4);
+    assert_memory_equal(tab, first, sizeof first);
+    assert_int_equal(tu_table(c, q[1], tab, 8), 4);
+    assert_int_equal(tab[0] + 3, tab[3]); /* one run */
+    assert_int_equal(tab[1] + 1, tab[2]);
+    assert_int_equal(tab[0] + 1, tab[1]);
+    st = tu_stats(c);
+    TU_STATS_EQ(&before.st, &st);
+    TU_SAME_PAT(c, q[0], 0, 16, 3);
+    TU_SAME_PAT(c, q[1], 0, 16, 4);
+    TU_CHECK(c);
+    int32_t prompt[13];
+    tu_tokens(prompt, 13, 100);
+    pkv_seq m = tu_seq(c);
+    uint32_t reused = 0;
+    TU_OK(pkv_seq_match_prefix(c, m, prompt, 13, &reused));
+    assert_int_equal(reused, 12);
+    TU_SAME_PAT(c, m, 0, 12, 4);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
 /* ---- exhaustion: N blocks filled exactly, one more fails cleanly, all N reusable (FIFO) ---- */
 static void test_exhaustion_and_reuse(void **state) {
     (void)state;
@@ -841,6 +943,7 @@ int main(void) {
         cmocka_unit_test(test_compact_short_shift),
         cmocka_unit_test(test_compact_shared_indexed_bad),
         cmocka_unit_test(test_compact_evict),
+        cmocka_unit_test(test_batch_compact),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -56,7 +56,7 @@ typedef struct {
     uint32_t n_dead;
     uint64_t step;
     uint64_t n_ok[16], n_fail[16];
-    uint64_t n_compact_evicted;
+    uint64_t n_compact_evicted, n_batch_moved;
 } world;
 
 enum { OP_CREATE, OP_APPEND, OP_WRITE, OP_COMMIT, OP_FORK, OP_TRUNCATE, OP_RELEASE, OP_GATHER, OP_PIN, OP_UNPIN,
@@ -624,6 +624,34 @@ static void do_compact(world *w, sh_seq *s) {
     w->n_compact_evicted += m.evicted;
 }
 
+/* pkv_batch_compact over a few live sequences: every count stays, every listed sequence keeps
+ * its K/V in every layer, and the model's per-block commit counts follow their blocks. */
+static void do_batch_compact(world *w) {
+    int idx[MAXS], n = 0;
+    for (int i = 0; i < MAXS; i++)
+        if (w->s[i].live && !w->s[i].is_pin && tu_rng_chance(&w->r, 0.5)) idx[n++] = i;
+    pkv_seq ids[MAXS];
+    static int saved[MAXS][NBLK];
+    for (int j = 0; j < n; j++) {
+        ids[j] = w->s[idx[j]].id;
+        for (uint32_t p = 0; p < w->s[idx[j]].nb; p++) saved[j][p] = w->bc[w->s[idx[j]].tab[p]];
+    }
+    const pkv_stats st0 = tu_stats(w->c);
+    uint32_t moved = 0;
+    if (pkv_batch_compact(w->c, ids, (uint32_t)n, &moved)) fail_at(w, "batch compact failed");
+    TRACE("batch compact of %d sequences: %u copies", n, moved);
+    const pkv_stats st1 = tu_stats(w->c);
+    TU_STATS_EQ(&st0, &st1);
+    for (int j = 0; j < n; j++) {
+        sh_seq *s = &w->s[idx[j]];
+        sync_seq(w, s);
+        for (uint32_t p = 0; p < s->nb; p++) w->bc[s->tab[p]] = saved[j][p];
+        for (uint32_t l = 0; l < NL && s->len; l++) verify_range(w, s, l, 0, s->len);
+    }
+    w->n_ok[OP_COMPACT] += moved > 0;
+    w->n_batch_moved += moved;
+}
+
 static void step(world *w) {
     uint32_t r = tu_rng_below(&w->r, 100);
     int op;
@@ -720,7 +748,8 @@ static void step(world *w) {
         do_match(w);
         break;
     case OP_COMPACT:
-        if ((i = pick(w, 1, 0)) >= 0) do_compact(w, &w->s[i]);
+        if (tu_rng_chance(&w->r, 0.25)) do_batch_compact(w);
+        else if ((i = pick(w, 1, 0)) >= 0) do_compact(w, &w->s[i]);
         break;
     case OP_STALE:
         if (w->n_dead) {
@@ -783,6 +812,7 @@ static void run(int prefix, uint64_t n_ops, uint64_t seed) {
     if (prefix) assert_true(w->n_ok[OP_MATCH] > 0 || n_ops < 20000);
     assert_true(w->n_ok[OP_COMPACT] > 0 || n_ops < 20000);
     if (prefix) assert_true(w->n_compact_evicted > 0 || n_ops < 20000);
+    assert_true(w->n_batch_moved > 0 || n_ops < 20000);
     pkv_cache_destroy(w->c);
     uint64_t n_dev = w->n_dev;
     char first[200];

@@ -713,6 +713,95 @@ PKV_API int pkv_seq_compact(pkv_cache *c, pkv_seq id, uint32_t flags, uint32_t *
     return rc;
 }
 
+/* Exchanges the contents of blocks x and y, both ACTIVE, held once and unindexed: K/V of every
+ * layer through a small buffer, the token ids and the fill and commit counts. No count moves. */
+static void swap_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
+    uint8_t tmp[4096];
+    for (uint32_t l = 0; l < c->n_layers; l++) {
+        uint8_t *k = c->kv + l * c->layer_stride, *v = k + c->v_off;
+        uint8_t *runs[2][2] = {{k + x * c->k_blk, k + y * c->k_blk}, {v + x * c->v_blk, v + y * c->v_blk}};
+        const size_t bytes[2] = {c->k_blk, c->v_blk};
+        for (int kv = 0; kv < 2; kv++)
+            for (size_t o = 0; o < bytes[kv]; o += sizeof tmp) {
+                const size_t n = PKV_MIN(sizeof tmp, bytes[kv] - o);
+                memcpy(tmp, runs[kv][0] + o, n);
+                memcpy(runs[kv][0] + o, runs[kv][1] + o, n);
+                memcpy(runs[kv][1] + o, tmp, n);
+            }
+    }
+    int32_t *tx = c->tokens + (size_t)x * c->B, *ty = c->tokens + (size_t)y * c->B;
+    for (uint32_t j = 0; j < c->B; j++) {
+        const int32_t t = tx[j];
+        tx[j] = ty[j], ty[j] = t;
+    }
+    pkv__blk *a = &c->blk[x], *b = &c->blk[y];
+    const uint16_t fill = a->n_fill, commit = a->n_commit;
+    a->n_fill = b->n_fill, a->n_commit = b->n_commit;
+    b->n_fill = fill, b->n_commit = commit;
+}
+
+PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uint32_t *n_moved) {
+    if (!c || (n && !seqs)) return PKV_EINVAL;
+    LOCK(c);
+    /* owner of each block the batch holds alone: its sequence's slot (chk_pos) and table index
+       (chk_ref), PKV_NONE elsewhere; the checker's scratch, under the same lock */
+    uint32_t *own_seq = c->chk_pos, *own_at = c->chk_ref, moved = 0;
+    for (uint32_t b = 0; b < c->n_blocks; b++) own_at[b] = own_seq[b] = PKV_NONE;
+    int rc = PKV_OK;
+    for (uint32_t i = 0; i < n && !rc; i++) {
+        pkv__seq *s;
+        rc = get_seq(c, seqs[i], &s);
+        for (uint32_t p = 0; !rc && p < s->n_blocks; p++) {
+            const uint32_t b = (uint32_t)s->table[p];
+            if (!movable(c, b)) continue;
+            if (own_at[b] != PKV_NONE) rc = PKV_EINVAL; /* held once, so named twice: a repeated id */
+            own_seq[b] = (uint32_t)(s - c->seqs), own_at[b] = p;
+        }
+    }
+    /* the layout: entry k of the batch (its held-once blocks in the order given, each table in
+       order) goes to the k-th lowest id that is FREE or held once by the batch */
+    uint32_t t = 0;
+    for (uint32_t i = 0; i < n && !rc; i++) {
+        pkv__seq *s = pkv__seq_get(c, seqs[i]);
+        for (uint32_t p = 0; p < s->n_blocks; p++) {
+            const uint32_t x = (uint32_t)s->table[p];
+            if (own_at[x] != p || own_seq[x] != (uint32_t)(s - c->seqs)) continue; /* shared: stays */
+            while (t < c->n_blocks && c->blk[t].state != PKV_BLK_FREE && own_at[t] == PKV_NONE) t++;
+            if (t == c->n_blocks) break; /* after blocks that stayed: no id left for the rest */
+            if (x != t) {
+                if (c->blk[t].state == PKV_BLK_FREE) {
+                    move_block(c, s, p, t);
+                    moved++;
+                } else if (!c->blk[x].flags && !c->blk[t].flags) { /* another entry's: exchanged */
+                    pkv__seq *o = &c->seqs[own_seq[t]];
+                    const uint32_t op = own_at[t];
+                    swap_blocks(c, x, t);
+                    o->table[op] = (int32_t)x, own_seq[x] = own_seq[t], own_at[x] = op;
+                    moved += 2;
+                } else if (c->pool.free_head != PKV_NONE) { /* indexed: through a FREE block */
+                    const uint32_t f = c->pool.free_head;
+                    pkv__seq *o = &c->seqs[own_seq[t]];
+                    const uint32_t op = own_at[t];
+                    move_block(c, o, op, f);
+                    own_seq[f] = own_seq[t], own_at[f] = op;
+                    move_block(c, s, p, t);
+                    moved += 2;
+                } else {
+                    t++; /* no room to go round: this block stays where it is */
+                    continue;
+                }
+                s->table[p] = (int32_t)t;
+                own_at[x] = c->blk[x].state == PKV_BLK_FREE ? PKV_NONE : own_at[x];
+            }
+            own_at[t] = PKV_NONE; /* placed: never a later target */
+            t++;
+        }
+    }
+    if (!rc && n_moved) *n_moved = moved;
+    UNLOCK(c);
+    return rc;
+}
+
 PKV_API int pkv_seq_release(pkv_cache *c, pkv_seq id) {
     if (!c) return PKV_EINVAL;
     LOCK(c);
