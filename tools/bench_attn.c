@@ -18,7 +18,8 @@
 
 enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_DEFAULT = 16, BT_MAX = 1024, BATCH_MAX = 256, SETS_MAX = 2 };
 static uint32_t g_bt = BT_DEFAULT; /* block_tokens: opts.block_tokens, set by tool_bench_attn */
-static int g_compact;              /* --compact: the paged batch is compacted before it is timed */
+static int g_compact;              /* --compact (1) / --batch-compact (2): the paged batch is
+                                      compacted before it is timed */
 #define GIB (1024.0 * 1024.0 * 1024.0)
 #define ROUNDS_MAX 99 /* --rounds */
 
@@ -26,7 +27,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: pkv bench attn [--json] [--quick] [--dtype LIST] [--ctx LIST] [--batch LIST]\n"
             "                      [--threads LIST] [--prompt N] [--block-tokens N] [--occupancy PCT]\n"
-            "                      [--compact] [--rounds N]\n"
+            "                      [--compact | --batch-compact] [--rounds N]\n"
             "\n"
             "Paged attention, n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u.\n"
             "Decode: contexts 512, 4096, 32768; batch 1 and 16; 1 and 2 threads; every KV dtype the\n"
@@ -80,6 +81,8 @@ static void usage(FILE *f) {
             "  --compact   compact the paged batch (pkv_seq_compact on each sequence, in passes until\n"
             "              none moves) before timing it; reports the blocks moved and the time taken.\n"
             "              Only FREE blocks are targets, so at 100%% occupancy nothing moves\n"
+            "  --batch-compact  the same with one pkv_batch_compact over the batch, which exchanges\n"
+            "              blocks where no room is free (reports block copies)\n"
             "  -h, --help  this text\n"
             "Goals: decode f16 at contexts >= 4096 reaches >= 85%% of the read bandwidth at 2 threads;\n"
             "paged within 3%% of contiguous; prefill >= 40%% of the FMA peak.\n",
@@ -554,7 +557,14 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
             goto fail;
         }
     free(tok);
-    if (paged && g_compact) { /* as an engine would: passes over the batch until none moves */
+    if (paged && g_compact == 2) { /* one pkv_batch_compact over the batch */
+        const uint64_t t0 = tool_now_ns();
+        uint32_t m = 0;
+        if (tool_check(pkv_batch_compact(s->c, s->seqs, batch, &m), "pkv_batch_compact") < 0) goto fail;
+        s->moved = m, s->passes = 1;
+        s->compact_s = (double)(tool_now_ns() - t0) * 1e-9;
+    }
+    if (paged && g_compact == 1) { /* as an engine would: passes over the batch until none moves */
         const uint64_t t0 = tool_now_ns();
         for (uint32_t moved = 1; moved && s->passes < 16; s->passes++) {
             moved = 0;
@@ -945,8 +955,11 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
             } else {
                 printf("   %11.3f  %5.3f-%5.3f %8.3f\n", ratio_med, ratio_q1, ratio_q3, mem_ratio_med);
                 if (g_compact)
-                    printf("#   paged after --compact: %llu blocks moved in %u passes, %.1f ms; adjacent blocks %.3f\n",
-                           (unsigned long long)moved, passes, compact_ms, adjacent[1]);
+                {
+                    if (g_compact == 2) printf("#   paged after --batch-compact: %llu block copies", (unsigned long long)moved);
+                    else printf("#   paged after --compact: %llu blocks moved in %u passes", (unsigned long long)moved, passes);
+                    printf(", %.1f ms; adjacent blocks %.3f\n", compact_ms, adjacent[1]);
+                }
             }
         } else {
             printf(o->json ? "}\n" : "\n");
@@ -1033,6 +1046,7 @@ int tool_bench_attn(int argc, char **argv) {
         if (!strcmp(arg, "--json")) o.json = 1;
         else if (!strcmp(arg, "--quick")) o.quick = 1;
         else if (!strcmp(arg, "--compact")) g_compact = 1;
+        else if (!strcmp(arg, "--batch-compact")) g_compact = 2;
         else if (!strcmp(arg, "--dtype") && val) bad = parse_dtypes(val, &o), i++;
         else if (!strcmp(arg, "--ctx") && val) bad = parse_u32_list(val, o.ctx, 8, 1u << 20, &o.n_ctx), i++;
         else if (!strcmp(arg, "--batch") && val) bad = parse_u32_list(val, o.batch, 8, BATCH_MAX, &o.n_batch), i++;
