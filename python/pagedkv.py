@@ -149,6 +149,7 @@ def _load():
         "pkv_seq_fork": (_int, [_vp, _u64, _P(_u64)]),
         "pkv_seq_truncate": (_int, [_vp, _u64, _u32]),
     "pkv_seq_compact": (_int, [_vp, _u64, _u32, ctypes.POINTER(_u32)]),
+    "pkv_batch_compact": (_int, [_vp, _vp, _u32, ctypes.POINTER(_u32)]),
         "pkv_seq_release": (_int, [_vp, _u64]),
         "pkv_seq_get_info": (_int, [_vp, _u64, _P(_SeqInfo)]),
         "pkv_seq_slots": (_int, [_vp, _u64, _u32, _u32, _vp]),
@@ -492,6 +493,16 @@ class Cache:
         out = _u32()
         _check(_lib.pkv_seq_compact(self._h(), _seq_of(seq), 1 if evict else 0, ctypes.byref(out)),
                "pkv_seq_compact")
+        return out.value
+
+    def batch_compact(self, seqs):
+        """Lays the blocks each of seqs holds alone out as one run a sequence, in the order given,
+        over the FREE ids and the ids the batch holds, exchanging blocks where no room is free
+        (pkv.h, pkv_batch_compact). Returns the number of block copies. Slots and block tables
+        of the batch taken before are stale."""
+        a = self._seqs(seqs, "batch_compact")
+        out = _u32()
+        _check(_lib.pkv_batch_compact(self._h(), _ptr(a), a.size, ctypes.byref(out)), "pkv_batch_compact")
         return out.value
 
     def release(self, seq):

@@ -343,6 +343,37 @@ func TestCompact(t *testing.T) {
 	if _, err := c.Compact(b, true); code(err) != ENOENT {
 		t.Fatalf("compact of a released sequence: %v", err)
 	}
+	// a full pool: the batch's blocks are exchanged into one run a sequence
+	d, err := c.SeqCreate(nil)
+	must(t, err)
+	fill(t, c, d, 80, &r)
+	tabOf := func(s Seq) string {
+		tab, err := c.BlockTable(s)
+		must(t, err)
+		return fmt.Sprint(tab)
+	}
+	if got := tabOf(d); got != "[4 5 6 7 0]" {
+		t.Fatalf("table of d %s", got)
+	}
+	kd, vd, err := c.Gather(d, 0, 0, 80)
+	must(t, err)
+	if n, err := c.BatchCompact([]Seq{d, a}); err != nil || n != 8 { // four exchanges
+		t.Fatalf("batch compact: %d, %v", n, err)
+	}
+	if tabOf(d) != "[0 1 2 3 4]" || tabOf(a) != "[5 6 7]" {
+		t.Fatalf("tables after batch compact: %s %s", tabOf(d), tabOf(a))
+	}
+	kd1, vd1, err := c.Gather(d, 0, 0, 80)
+	must(t, err)
+	k2, v2, err := c.Gather(a, 0, 0, 36)
+	must(t, err)
+	if fmt.Sprint(kd, vd, k0, v0) != fmt.Sprint(kd1, vd1, k2, v2) {
+		t.Fatal("K/V changed by batch compact")
+	}
+	must(t, c.Check())
+	if _, err := c.BatchCompact([]Seq{a, a}); code(err) != EINVAL {
+		t.Fatalf("a sequence named twice: %v", err)
+	}
 }
 
 func TestPrefixForkExports(t *testing.T) {

@@ -429,6 +429,23 @@ class TestCache(Base):
             with self.assertRaises(pkv.PkvError) as e:
                 c.compact(b, evict=True)  # released: stale
             self.assertEqual(e.exception.code, pkv.ENOENT)
+            # a full pool: the batch's blocks are exchanged into one run a sequence
+            d = c.seq_create()
+            self.fill(c, d, 16 * 5)  # the free queue's order
+            np.testing.assert_array_equal(c.block_table(d), [4, 5, 6, 7, 0])
+            Kd, Vd = c.gather(d, 0)
+            self.assertEqual(c.stats()["n_free"], 0)
+            self.assertEqual(c.batch_compact([d, a]), 8)  # four exchanges
+            np.testing.assert_array_equal(c.block_table(d), [0, 1, 2, 3, 4])
+            np.testing.assert_array_equal(c.block_table(a), [5, 6, 7])
+            for s, (K, V) in ((a, (K0, V0)), (d, (Kd, Vd))):
+                K1, V1 = c.gather(s, 0)
+                np.testing.assert_array_equal(K1, K)
+                np.testing.assert_array_equal(V1, V)
+            c.check()
+            with self.assertRaises(pkv.PkvError) as e:
+                c.batch_compact([a, a])
+            self.assertEqual(e.exception.code, pkv.EINVAL)
 
     def test_kv_view(self):
         for dt in ("f32", "f16", "bf16", "q8_0"):

@@ -501,6 +501,20 @@ impl Cache {
         Ok(moved)
     }
 
+    /// Lays the blocks each of `seqs` holds alone out as one run a sequence, in the order given,
+    /// over the FREE ids and the ids the batch holds, exchanging blocks where no room is free
+    /// (pkv.h, pkv_batch_compact). Returns the number of block copies. Slots and block tables of
+    /// the batch taken before are stale.
+    pub fn batch_compact(&mut self, seqs: &[Seq]) -> Result<u32> {
+        let n = len_u32(seqs.len(), "batch_compact: seqs")?;
+        let mut moved = 0u32;
+        check(
+            unsafe { ffi::pkv_batch_compact(self.p(), Self::seq_ptr(seqs), n, &mut moved) },
+            "pkv_batch_compact",
+        )?;
+        Ok(moved)
+    }
+
     /// Drops the sequence; its id becomes stale.
     pub fn release(&mut self, s: Seq) -> Result<()> {
         check(unsafe { ffi::pkv_seq_release(self.p(), s.0) }, "pkv_seq_release")
