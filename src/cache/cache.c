@@ -793,8 +793,7 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
                 s->table[p] = (int32_t)t;
                 own_at[x] = c->blk[x].state == PKV_BLK_FREE ? PKV_NONE : own_at[x];
             }
-            own_at[t] = PKV_NONE; /* placed: never a later target */
-            t++;
+            t++; /* placed: the cursor never comes back */
         }
     }
     if (!rc && n_moved) *n_moved = moved;
