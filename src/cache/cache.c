@@ -77,15 +77,20 @@ void pkv__seq_free(pkv_cache *c, pkv__seq *s) {
 }
 
 /* ---- blocks ----------------------------------------------------------------------------------- */
+/* Takes a CACHED leaf out of the LRU queue and the index, counted: FREE, in no queue. */
+static void evict(pkv_cache *c, uint32_t b) {
+    pkv__pool_lru_remove(&c->pool, b);
+    pkv__index_evict(c, b);
+    c->evictions++;
+    c->blk[b].state = PKV_BLK_FREE;
+}
+
 uint32_t pkv__take_block(pkv_cache *c) {
     uint32_t b = pkv__pool_free_pop(&c->pool);
     if (b == PKV_NONE) {
         b = c->pool.lru_head;
         if (b == PKV_NONE) return PKV_NONE;
-        pkv__pool_lru_remove(&c->pool, b);
-        pkv__index_evict(c, b);
-        c->evictions++;
-        c->blk[b].state = PKV_BLK_FREE;
+        evict(c, b);
     }
     pkv__pool_activate(&c->pool, b);
     return b;
@@ -623,14 +628,8 @@ out:
  * made ACTIVE, so the counts (peak_active too) never see both in use. */
 static void move_block(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t dst) {
     const uint32_t src = (uint32_t)s->table[i];
-    if (c->blk[dst].state == PKV_BLK_CACHED) { /* PKV_COMPACT_EVICT: a leaf, out of the index first */
-        pkv__pool_lru_remove(&c->pool, dst);
-        pkv__index_evict(c, dst);
-        c->evictions++;
-        c->blk[dst].state = PKV_BLK_FREE;
-    } else {
-        pkv__pool_free_remove(&c->pool, dst);
-    }
+    if (c->blk[dst].state == PKV_BLK_CACHED) evict(c, dst); /* PKV_COMPACT_EVICT: a leaf */
+    else pkv__pool_free_remove(&c->pool, dst);
     const uint32_t n_fill = c->blk[src].n_fill, n_commit = c->blk[src].n_commit;
     pkv__copy_block(c, dst, src, n_fill);
     pkv__blk index = c->blk[src]; /* its index fields, for dst once it is ACTIVE */
