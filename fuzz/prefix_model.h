@@ -764,7 +764,7 @@ static inline int pm_step(pm_world *w, pm_src *src) {
             uint32_t n = 0;
             for (int i = 0; i < PM_MAX_SEQS; i++)
                 if (w->s[i].live && !w->s[i].is_pin) ids[n++] = w->s[i].id;
-            rc = pkv_batch_compact(w->c, ids, n, &moved);
+            rc = pkv_batch_compact(w->c, ids, n, pm_byte(src) % 3, &moved);
             PM_TR(w, "%llu: batch compact of %u -> %s, %u copies\n", (unsigned long long)w->n_steps, n,
                   pkv_strerror(rc), moved);
             PM_EXPECT(w, rc == 0, "batch compact: %s", pkv_strerror(rc));

@@ -261,7 +261,11 @@ PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t flag
 /* Compaction of a batch (a decode batch, say) at once: lays the blocks of seqs[0 .. n) that each
  * holds alone (refcount 1) out in the order given, each sequence's in table order, over the
  * lowest ids that are FREE or hold such a block, so that each sequence's table becomes one run
- * of consecutive ids wherever no shared block or other sequence's block lies in between. It
+ * of consecutive ids wherever no shared block or other sequence's block lies in between. After
+ * each sequence but the last, `slack` of those ids are left (FREE at the end) where the pool's
+ * FREE blocks allow that many for every sequence (else as many as they allow, n_free / n): room
+ * for the sequence to grow into, for a pkv_seq_compact after an append to move its new block
+ * there (0: packed tight, and decode's new blocks then land away from every run). It
  * needs no free room: where a target holds another block of the batch, the two are exchanged
  * (their K/V, token ids and counts), and where either is in the prefix index, the other goes
  * round through a FREE block (pkv_seq_compact's move, index place included); with no FREE
@@ -272,7 +276,8 @@ PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t flag
  * twice (seen where it holds a block alone; a repeat holding none is harmless); a failed call
  * changes nothing. Costs one pass over the pool's block states and up to
  * two copies of every block of the batch. */
-PKV_API PKV_NODISCARD int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uint32_t *n_moved);
+PKV_API PKV_NODISCARD int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uint32_t slack,
+                                            uint32_t *n_moved);
 
 /* Drops the sequence: each block's refcount falls by one; a block reaching 0 becomes CACHED
  * if indexed, else FREE. The id becomes stale. */

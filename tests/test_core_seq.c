@@ -539,15 +539,15 @@ static void test_batch_compact(void **state) {
     take(c, s, 2, &before);
     const pkv_seq twice[3] = {s[0], s[1], s[0]}, stale = s[0] + ((uint64_t)7 << 32);
     uint32_t moved = 99;
-    TU_RC(pkv_batch_compact(c, twice, 3, &moved), PKV_EINVAL);
-    TU_RC(pkv_batch_compact(c, NULL, 1, &moved), PKV_EINVAL);
-    TU_RC(pkv_batch_compact(NULL, s, 2, &moved), PKV_EINVAL);
+    TU_RC(pkv_batch_compact(c, twice, 3, 0, &moved), PKV_EINVAL);
+    TU_RC(pkv_batch_compact(c, NULL, 1, 0, &moved), PKV_EINVAL);
+    TU_RC(pkv_batch_compact(NULL, s, 2, 0, &moved), PKV_EINVAL);
     const pkv_seq bad[2] = {s[1], stale};
-    TU_RC(pkv_batch_compact(c, bad, 2, &moved), PKV_ENOENT);
+    TU_RC(pkv_batch_compact(c, bad, 2, 0, &moved), PKV_ENOENT);
     assert_int_equal(moved, 99);
     assert_same(c, s, &before);
-    TU_OK(pkv_batch_compact(c, s, 0, NULL));
-    TU_OK(pkv_batch_compact(c, s, 2, &moved));
+    TU_OK(pkv_batch_compact(c, s, 0, 0, NULL));
+    TU_OK(pkv_batch_compact(c, s, 2, 3, &moved)); /* no FREE block: no slack */
     assert_int_equal(moved, 8); /* four exchanges */
     int32_t tab[8];
     assert_int_equal(tu_table(c, s[0], tab, 8), 4);
@@ -569,7 +569,7 @@ static void test_batch_compact(void **state) {
     TU_OK(pkv_seq_append(c, s[1], &one, 1, &slot)); /* the fill count came along: slot 3 of block 7 */
     assert_int_equal(slot, 7 * 4 + 3);
     const pkv_seq rev[2] = {s[1], s[0]};
-    TU_OK(pkv_batch_compact(c, rev, 2, &moved)); /* the other order */
+    TU_OK(pkv_batch_compact(c, rev, 2, 0, &moved)); /* the other order */
     assert_int_equal(tu_table(c, s[1], tab, 8), 4);
     assert_memory_equal(tab, first, sizeof first);
     TU_SAME_PAT(c, s[0], 0, 16, 1);
@@ -577,7 +577,7 @@ static void test_batch_compact(void **state) {
     TU_CHECK(c);
     pkv_seq f;
     TU_OK(pkv_seq_fork(c, s[1], &f)); /* every block of s1 is shared now: none moves */
-    TU_OK(pkv_batch_compact(c, s, 2, &moved));
+    TU_OK(pkv_batch_compact(c, s, 2, 0, &moved));
     assert_int_equal(tu_table(c, s[1], tab, 8), 4);
     assert_memory_equal(tab, first, sizeof first);
     TU_CHECK(c);
@@ -595,12 +595,12 @@ static void test_batch_compact(void **state) {
     TU_OK(pkv_seq_commit(c, q[0], 16));
     TU_OK(pkv_seq_commit(c, q[1], 16));
     take(c, q, 2, &before);
-    TU_OK(pkv_batch_compact(c, q, 2, &moved));
+    TU_OK(pkv_batch_compact(c, q, 2, 0, &moved));
     assert_int_equal(moved, 0);
     assert_same(c, q, &before);
     TU_OK(pkv_seq_release(c, q[2])); /* block 8 FREE */
     take(c, q, 2, &before);
-    TU_OK(pkv_batch_compact(c, q, 2, &moved));
+    TU_OK(pkv_batch_compact(c, q, 2, 0, &moved));
     assert_true(moved > 0);
     assert_int_equal(tu_table(c, q[0], tab, 8), 4);
     assert_memory_equal(tab, first, sizeof first);
@@ -620,6 +620,45 @@ static void test_batch_compact(void **state) {
     TU_OK(pkv_seq_match_prefix(c, m, prompt, 13, &reused));
     assert_int_equal(reused, 12);
     TU_SAME_PAT(c, m, 0, 12, 4);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* pkv_batch_compact's slack: FREE ids left after each sequence's run (as many as the FREE
+ * blocks allow for every sequence), which pkv_seq_compact then moves an appended block into. */
+static void test_batch_compact_slack(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(10);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s[2] = {tu_seq(c), tu_seq(c)};
+    lay_out(c, s, "0:4 1:4 0:4 1:4 0:4 1:4 0:4 1:4"); /* s0 0 2 4 6, s1 1 3 5 7; 8, 9 FREE */
+    TU_WRITE_PAT(c, s[0], 0, 16, 1);
+    TU_WRITE_PAT(c, s[1], 0, 16, 2);
+    pkv_stats st0 = tu_stats(c);
+    uint32_t moved = 0;
+    TU_OK(pkv_batch_compact(c, s, 2, 5, &moved)); /* 5 asked, 2 FREE for 2 sequences: 1 each */
+    assert_int_equal(moved, 11); /* five exchanges and one move into a FREE block */
+    int32_t tab[8];
+    assert_int_equal(tu_table(c, s[0], tab, 8), 4);
+    const int32_t first[4] = {0, 1, 2, 3}, second[4] = {5, 6, 7, 8};
+    assert_memory_equal(tab, first, sizeof first);
+    assert_int_equal(tu_table(c, s[1], tab, 8), 4);
+    assert_memory_equal(tab, second, sizeof second);
+    pkv_stats st1 = tu_stats(c);
+    TU_STATS_EQ(&st0, &st1);
+    TU_SAME_PAT(c, s[0], 0, 16, 1);
+    TU_SAME_PAT(c, s[1], 0, 16, 2);
+    TU_CHECK(c);
+    /* each sequence grows by a block: wherever the free queue puts it, compaction brings it next
+       to its run */
+    for (int i = 0; i < 2; i++) {
+        tu_append(c, s[i], 4, 100 * i + 16, NULL);
+        TU_WRITE_PAT(c, s[i], 16, 4, (uint32_t)i + 1);
+        TU_OK(pkv_seq_compact(c, s[i], 0, &moved));
+        assert_int_equal(tu_table(c, s[i], tab, 8), 5);
+        for (int j = 1; j < 5; j++) assert_int_equal(tab[j], tab[j - 1] + 1);
+        TU_SAME_PAT(c, s[i], 0, 20, (uint32_t)i + 1);
+    }
     TU_CHECK(c);
     pkv_cache_destroy(c);
 }
@@ -944,6 +983,7 @@ int main(void) {
         cmocka_unit_test(test_compact_shared_indexed_bad),
         cmocka_unit_test(test_compact_evict),
         cmocka_unit_test(test_batch_compact),
+        cmocka_unit_test(test_batch_compact_slack),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -560,7 +560,7 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
     if (paged && g_compact == 2) { /* one pkv_batch_compact over the batch */
         const uint64_t t0 = tool_now_ns();
         uint32_t m = 0;
-        if (tool_check(pkv_batch_compact(s->c, s->seqs, batch, &m), "pkv_batch_compact") < 0) goto fail;
+        if (tool_check(pkv_batch_compact(s->c, s->seqs, batch, 0, &m), "pkv_batch_compact") < 0) goto fail;
         s->moved = m, s->passes = 1;
         s->compact_s = (double)(tool_now_ns() - t0) * 1e-9;
     }

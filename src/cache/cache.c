@@ -739,7 +739,7 @@ static void swap_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
     b->n_fill = fill, b->n_commit = commit;
 }
 
-PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uint32_t *n_moved) {
+PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uint32_t slack, uint32_t *n_moved) {
     if (!c || (n && !seqs)) return PKV_EINVAL;
     LOCK(c);
     /* owner of each block the batch holds alone: its sequence's slot (chk_pos) and table index
@@ -758,15 +758,22 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
         }
     }
     /* the layout: entry k of the batch (its held-once blocks in the order given, each table in
-       order) goes to the k-th lowest id that is FREE or held once by the batch */
+       order) goes to the k-th lowest id that is FREE or held once by the batch, with `per` such
+       ids left after each sequence (FREE once every entry is placed), as many as the FREE
+       blocks allow for all */
+    const uint32_t per = n ? PKV_MIN(slack, c->pool.n_free / n) : 0;
     uint32_t t = 0;
     for (uint32_t i = 0; i < n && !rc; i++) {
+        for (uint32_t k = 0; i > 0 && k < per && t < c->n_blocks; k++) {
+            while (t < c->n_blocks && c->blk[t].state != PKV_BLK_FREE && own_at[t] == PKV_NONE) t++;
+            t += t < c->n_blocks;
+        }
         pkv__seq *s = pkv__seq_get(c, seqs[i]);
         for (uint32_t p = 0; p < s->n_blocks; p++) {
             const uint32_t x = (uint32_t)s->table[p];
             if (own_at[x] != p || own_seq[x] != (uint32_t)(s - c->seqs)) continue; /* shared: stays */
             while (t < c->n_blocks && c->blk[t].state != PKV_BLK_FREE && own_at[t] == PKV_NONE) t++;
-            if (t == c->n_blocks) break; /* after blocks that stayed: no id left for the rest */
+            if (t >= c->n_blocks) break; /* after blocks that stayed: no id left for the rest */
             if (x != t) {
                 if (c->blk[t].state == PKV_BLK_FREE) {
                     move_block(c, s, p, t);

@@ -154,7 +154,13 @@ extern "C" {
     pub fn pkv_seq_fork(c: *mut pkv_cache, parent: pkv_seq, child: *mut pkv_seq) -> c_int;
     pub fn pkv_seq_truncate(c: *mut pkv_cache, s: pkv_seq, n: u32) -> c_int;
     pub fn pkv_seq_compact(c: *mut pkv_cache, s: pkv_seq, flags: u32, n_moved: *mut u32) -> c_int;
-    pub fn pkv_batch_compact(c: *mut pkv_cache, seqs: *const pkv_seq, n: u32, n_moved: *mut u32) -> c_int;
+    pub fn pkv_batch_compact(
+        c: *mut pkv_cache,
+        seqs: *const pkv_seq,
+        n: u32,
+        slack: u32,
+        n_moved: *mut u32,
+    ) -> c_int;
     pub fn pkv_seq_release(c: *mut pkv_cache, s: pkv_seq) -> c_int;
     pub fn pkv_seq_get_info(c: *mut pkv_cache, s: pkv_seq, out: *mut pkv_seq_info) -> c_int;
     pub fn pkv_seq_slots(c: *mut pkv_cache, s: pkv_seq, start: u32, n: u32, slots: *mut i32) -> c_int;
