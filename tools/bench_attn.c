@@ -557,16 +557,14 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
             goto fail;
         }
     free(tok);
-    if (paged && g_compact == 2) { /* one pkv_batch_compact over the batch */
+    if (paged && g_compact) {
         const uint64_t t0 = tool_now_ns();
-        uint32_t m = 0;
-        if (tool_check(pkv_batch_compact(s->c, s->seqs, batch, 0, &m), "pkv_batch_compact") < 0) goto fail;
-        s->moved = m, s->passes = 1;
-        s->compact_s = (double)(tool_now_ns() - t0) * 1e-9;
-    }
-    if (paged && g_compact == 1) { /* as an engine would: passes over the batch until none moves */
-        const uint64_t t0 = tool_now_ns();
-        for (uint32_t moved = 1; moved && s->passes < 16; s->passes++) {
+        if (g_compact == 2) { /* one pkv_batch_compact over the batch */
+            uint32_t m = 0;
+            if (tool_check(pkv_batch_compact(s->c, s->seqs, batch, 0, &m), "pkv_batch_compact") < 0) goto fail;
+            s->moved = m, s->passes = 1;
+        }
+        for (uint32_t moved = g_compact == 1; moved && s->passes < 16; s->passes++) { /* passes until none moves */
             moved = 0;
             for (uint32_t i = 0; i < batch; i++) {
                 uint32_t m = 0;

@@ -630,20 +630,19 @@ static void move_block(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t dst) {
     const uint32_t src = (uint32_t)s->table[i];
     if (c->blk[dst].state == PKV_BLK_CACHED) evict(c, dst); /* PKV_COMPACT_EVICT: a leaf */
     else pkv__pool_free_remove(&c->pool, dst);
-    const uint32_t n_fill = c->blk[src].n_fill, n_commit = c->blk[src].n_commit;
-    pkv__copy_block(c, dst, src, n_fill);
-    pkv__blk index = c->blk[src]; /* its index fields, for dst once it is ACTIVE */
-    if (index.flags) pkv__index_repoint(c, src, dst);
+    const pkv__blk was = c->blk[src]; /* its counts and index fields, for dst once it is ACTIVE */
+    pkv__copy_block(c, dst, src, was.n_fill);
+    if (was.flags) pkv__index_repoint(c, src, dst);
     pkv__drop_block(c, src);
     pkv__pool_activate(&c->pool, dst);
-    pkv__pool_set_fill(&c->pool, dst, n_fill);
+    pkv__pool_set_fill(&c->pool, dst, was.n_fill);
     pkv__blk *d = &c->blk[dst];
-    d->n_commit = (uint16_t)n_commit;
-    if (index.flags) {
-        d->flags = index.flags;
-        d->hash = index.hash, d->chash = index.chash, d->ns_lo = index.ns_lo, d->ns_hi = index.ns_hi;
-        d->parent = index.parent, d->hnext = index.hnext, d->child = index.child;
-        d->sib_prev = index.sib_prev, d->sib_next = index.sib_next, d->n_children = index.n_children;
+    d->n_commit = was.n_commit;
+    if (was.flags) {
+        d->flags = was.flags;
+        d->hash = was.hash, d->chash = was.chash, d->ns_lo = was.ns_lo, d->ns_hi = was.ns_hi;
+        d->parent = was.parent, d->hnext = was.hnext, d->child = was.child;
+        d->sib_prev = was.sib_prev, d->sib_next = was.sib_next, d->n_children = was.n_children;
     }
     s->table[i] = (int32_t)dst;
 }
@@ -693,16 +692,17 @@ PKV_API int pkv_seq_compact(pkv_cache *c, pkv_seq id, uint32_t flags, uint32_t *
     int rc = get_seq(c, id, &s);
     /* table[p0 .. i) is a run; at each gap, the cheaper of the two runs beside it that fits
        moves to meet the other, and they go on as one */
-    for (uint32_t p0 = 0, i = rc || s->n_blocks == 0 ? UINT32_MAX : run_at(s, 0); !rc && i < s->n_blocks;) {
+    for (uint32_t p0 = 0, i = rc ? UINT32_MAX : run_at(s, 0); !rc && i < s->n_blocks;) {
         const uint32_t len = run_at(s, i), plen = i - p0;
-        if (s->table[i] == s->table[i - 1] + 1) { /* met by the move before */
+        const uint32_t next = (uint32_t)s->table[i], prev = (uint32_t)s->table[p0];
+        const uint32_t after = (uint32_t)s->table[i - 1] + 1; /* the id that would join the runs */
+        if (next == after) { /* met by the move before */
             i += len;
             continue;
         }
-        const uint32_t next = (uint32_t)s->table[i], prev = (uint32_t)s->table[p0];
-        const bool a = run_fits(c, flags, next, len, (int64_t)s->table[i - 1] + 1);
+        const bool a = run_fits(c, flags, next, len, after);
         const bool b = run_fits(c, flags, prev, plen, (int64_t)next - plen);
-        if (a && (!b || len <= plen)) move_run(c, s, i, len, (uint32_t)s->table[i - 1] + 1), moved += len;
+        if (a && (!b || len <= plen)) move_run(c, s, i, len, after), moved += len;
         else if (b) move_run(c, s, p0, plen, next - plen), moved += plen;
         else p0 = i;
         i += len;
@@ -783,6 +783,7 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
                     const uint32_t op = own_at[t];
                     swap_blocks(c, x, t);
                     o->table[op] = (int32_t)x, own_seq[x] = own_seq[t], own_at[x] = op;
+                    s->table[p] = (int32_t)t;
                     moved += 2;
                 } else if (c->pool.free_head != PKV_NONE) { /* indexed: through a FREE block */
                     const uint32_t f = c->pool.free_head;
@@ -796,8 +797,6 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
                     t++; /* no room to go round: this block stays where it is */
                     continue;
                 }
-                s->table[p] = (int32_t)t;
-                own_at[x] = c->blk[x].state == PKV_BLK_FREE ? PKV_NONE : own_at[x];
             }
             t++; /* placed: the cursor never comes back */
         }
