@@ -57,7 +57,7 @@ int main(void) {
         for (int i = 0; i < N_SEQ && !rc; i++) rc = feed(c, s[i], len, CHUNK);
     const double before = rc ? 0 : adjacency(c, s);
     if (!rc) rc = pkv_attn_decode(c, 0, s, N_SEQ, &q[0][0][0], &out[0][0][0][0], &p);
-    if (!rc) rc = pkv_batch_compact(c, s, N_SEQ, STEPS / 4, &moved); /* room for STEPS tokens */
+    if (!rc) rc = pkv_batch_compact(c, s, N_SEQ, STEPS / 4, 0, &moved); /* room for STEPS tokens */
     if (!rc) rc = pkv_attn_decode(c, 0, s, N_SEQ, &q[0][0][0], &out[1][0][0][0], &p);
     if (!rc && memcmp(out[0], out[1], sizeof out[0])) rc = PKV_ECORRUPT; /* the same bits */
     const double after = rc ? 0 : adjacency(c, s);

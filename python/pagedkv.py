@@ -149,7 +149,7 @@ def _load():
         "pkv_seq_fork": (_int, [_vp, _u64, _P(_u64)]),
         "pkv_seq_truncate": (_int, [_vp, _u64, _u32]),
     "pkv_seq_compact": (_int, [_vp, _u64, _u32, ctypes.POINTER(_u32)]),
-    "pkv_batch_compact": (_int, [_vp, _vp, _u32, _u32, ctypes.POINTER(_u32)]),
+    "pkv_batch_compact": (_int, [_vp, _vp, _u32, _u32, _u32, ctypes.POINTER(_u32)]),
         "pkv_seq_release": (_int, [_vp, _u64]),
         "pkv_seq_get_info": (_int, [_vp, _u64, _P(_SeqInfo)]),
         "pkv_seq_slots": (_int, [_vp, _u64, _u32, _u32, _vp]),
@@ -495,15 +495,17 @@ class Cache:
                "pkv_seq_compact")
         return out.value
 
-    def batch_compact(self, seqs, slack=0):
-        """Lays the blocks each of seqs holds alone out as one run a sequence, in the order given,
-        over the FREE ids and the ids the batch holds, exchanging blocks where no room is free
-        (pkv.h, pkv_batch_compact), leaving slack FREE ids after each sequence where the FREE
-        blocks allow. Returns the number of block copies. Slots and block tables of the batch
-        taken before are stale."""
+    def batch_compact(self, seqs, slack=0, repack=False):
+        """Lays the blocks each of seqs holds alone out as one group a sequence in id order, over
+        the FREE ids and the ids the batch holds, exchanging blocks where no room is free; a
+        sequence laid out already stays (with repack=True every one is laid out again, from the
+        lowest ids), the others move in the order given (pkv.h, pkv_batch_compact), leaving
+        slack FREE ids after each where the FREE blocks allow. Returns the number of block
+        copies. Slots and block tables of the batch taken before are stale."""
         a = self._seqs(seqs, "batch_compact")
         out = _u32()
-        _check(_lib.pkv_batch_compact(self._h(), _ptr(a), a.size, _u32_of(slack, "slack"), ctypes.byref(out)), "pkv_batch_compact")
+        _check(_lib.pkv_batch_compact(self._h(), _ptr(a), a.size, _u32_of(slack, "slack"), 1 if repack else 0,
+                                      ctypes.byref(out)), "pkv_batch_compact")
         return out.value
 
     def release(self, seq):

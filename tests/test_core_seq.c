@@ -539,15 +539,15 @@ static void test_batch_compact(void **state) {
     take(c, s, 2, &before);
     const pkv_seq twice[3] = {s[0], s[1], s[0]}, stale = s[0] + ((uint64_t)7 << 32);
     uint32_t moved = 99;
-    TU_RC(pkv_batch_compact(c, twice, 3, 0, &moved), PKV_EINVAL);
-    TU_RC(pkv_batch_compact(c, NULL, 1, 0, &moved), PKV_EINVAL);
-    TU_RC(pkv_batch_compact(NULL, s, 2, 0, &moved), PKV_EINVAL);
+    TU_RC(pkv_batch_compact(c, twice, 3, 0, 0, &moved), PKV_EINVAL);
+    TU_RC(pkv_batch_compact(c, NULL, 1, 0, 0, &moved), PKV_EINVAL);
+    TU_RC(pkv_batch_compact(NULL, s, 2, 0, 0, &moved), PKV_EINVAL);
     const pkv_seq bad[2] = {s[1], stale};
-    TU_RC(pkv_batch_compact(c, bad, 2, 0, &moved), PKV_ENOENT);
+    TU_RC(pkv_batch_compact(c, bad, 2, 0, 0, &moved), PKV_ENOENT);
     assert_int_equal(moved, 99);
     assert_same(c, s, &before);
-    TU_OK(pkv_batch_compact(c, s, 0, 0, NULL));
-    TU_OK(pkv_batch_compact(c, s, 2, 3, &moved)); /* no FREE block: no slack */
+    TU_OK(pkv_batch_compact(c, s, 0, 0, 0, NULL));
+    TU_OK(pkv_batch_compact(c, s, 2, 3, 0, &moved)); /* no FREE block: no slack */
     assert_int_equal(moved, 8); /* four exchanges */
     int32_t tab[8];
     assert_int_equal(tu_table(c, s[0], tab, 8), 4);
@@ -569,17 +569,19 @@ static void test_batch_compact(void **state) {
     TU_OK(pkv_seq_append(c, s[1], &one, 1, &slot)); /* the fill count came along: slot 3 of block 7 */
     assert_int_equal(slot, 7 * 4 + 3);
     const pkv_seq rev[2] = {s[1], s[0]};
-    TU_OK(pkv_batch_compact(c, rev, 2, 0, &moved)); /* the other order */
+    TU_OK(pkv_batch_compact(c, rev, 2, 0, 0, &moved)); /* laid out already, in either order: kept */
+    assert_int_equal(moved, 0);
     assert_int_equal(tu_table(c, s[1], tab, 8), 4);
-    assert_memory_equal(tab, first, sizeof first);
+    assert_memory_equal(tab, second, sizeof second);
     TU_SAME_PAT(c, s[0], 0, 16, 1);
     TU_SAME_PAT(c, s[1], 0, 15, 2);
     TU_CHECK(c);
     pkv_seq f;
     TU_OK(pkv_seq_fork(c, s[1], &f)); /* every block of s1 is shared now: none moves */
-    TU_OK(pkv_batch_compact(c, s, 2, 0, &moved));
+    TU_OK(pkv_batch_compact(c, s, 2, 0, 0, &moved));
+    assert_int_equal(moved, 0);
     assert_int_equal(tu_table(c, s[1], tab, 8), 4);
-    assert_memory_equal(tab, first, sizeof first);
+    assert_memory_equal(tab, second, sizeof second);
     TU_CHECK(c);
     pkv_cache_destroy(c);
 
@@ -595,12 +597,12 @@ static void test_batch_compact(void **state) {
     TU_OK(pkv_seq_commit(c, q[0], 16));
     TU_OK(pkv_seq_commit(c, q[1], 16));
     take(c, q, 2, &before);
-    TU_OK(pkv_batch_compact(c, q, 2, 0, &moved));
+    TU_OK(pkv_batch_compact(c, q, 2, 0, 0, &moved));
     assert_int_equal(moved, 0);
     assert_same(c, q, &before);
     TU_OK(pkv_seq_release(c, q[2])); /* block 8 FREE */
     take(c, q, 2, &before);
-    TU_OK(pkv_batch_compact(c, q, 2, 0, &moved));
+    TU_OK(pkv_batch_compact(c, q, 2, 0, 0, &moved));
     assert_true(moved > 0);
     assert_int_equal(tu_table(c, q[0], tab, 8), 4);
     assert_memory_equal(tab, first, sizeof first);
@@ -636,7 +638,7 @@ static void test_batch_compact_slack(void **state) {
     TU_WRITE_PAT(c, s[1], 0, 16, 2);
     pkv_stats st0 = tu_stats(c);
     uint32_t moved = 0;
-    TU_OK(pkv_batch_compact(c, s, 2, 5, &moved)); /* 5 asked, 2 FREE for 2 sequences: 1 each */
+    TU_OK(pkv_batch_compact(c, s, 2, 5, 0, &moved)); /* 5 asked, 2 FREE for 2 sequences: 1 each */
     assert_int_equal(moved, 11); /* five exchanges and one move into a FREE block */
     int32_t tab[8];
     assert_int_equal(tu_table(c, s[0], tab, 8), 4);
@@ -659,6 +661,76 @@ static void test_batch_compact_slack(void **state) {
         for (int j = 1; j < 5; j++) assert_int_equal(tab[j], tab[j - 1] + 1);
         TU_SAME_PAT(c, s[i], 0, 20, (uint32_t)i + 1);
     }
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* Asserts s's table is exactly the n ids given. */
+static void table_is(pkv_cache *c, pkv_seq s, const int32_t *want, uint32_t n) {
+    int32_t tab[16];
+    assert_int_equal(tu_table(c, s, tab, 16), n);
+    assert_memory_equal(tab, want, n * sizeof *want);
+}
+
+/* pkv_batch_compact leaves what is laid out where it is: a sequence whose blocks already form
+ * one group in id order stays; one that grew a block away from its run takes the run's own
+ * stretch (one copy), not the lowest ids; one that fits no stretch between the kept ones is laid
+ * across them only where that at least halves its groups, so a second call moves nothing;
+ * PKV_BATCH_REPACK lays everything out again. */
+static void test_batch_compact_stable(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(16);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s[4] = {tu_seq(c), tu_seq(c), tu_seq(c), tu_seq(c)};
+    lay_out(c, s, "1:20 0:12 2:4 3:16 0:4"); /* s1 0-4, s0 5-7 and 13, s2 8, s3 9-12 */
+    TU_OK(pkv_seq_release(c, s[2]));         /* 8 FREE */
+    TU_WRITE_PAT(c, s[0], 0, 16, 1);
+    TU_WRITE_PAT(c, s[1], 0, 20, 2);
+    TU_WRITE_PAT(c, s[3], 0, 16, 4);
+    const pkv_stats st0 = tu_stats(c);
+    uint32_t moved = 0;
+    TU_OK(pkv_batch_compact(c, s, 2, 0, 0, &moved)); /* without s3, nothing lies between s0's blocks */
+    assert_int_equal(moved, 0);
+    const pkv_seq batch[3] = {s[0], s[1], s[3]};
+    TU_OK(pkv_batch_compact(c, batch, 3, 0, 0, &moved));
+    assert_int_equal(moved, 1); /* 13 to 8 */
+    table_is(c, s[0], (const int32_t[]){5, 6, 7, 8}, 4);
+    table_is(c, s[1], (const int32_t[]){0, 1, 2, 3, 4}, 5);
+    table_is(c, s[3], (const int32_t[]){9, 10, 11, 12}, 4);
+    const pkv_stats st1 = tu_stats(c);
+    TU_STATS_EQ(&st0, &st1);
+    TU_SAME_PAT(c, s[0], 0, 16, 1);
+    TU_SAME_PAT(c, s[1], 0, 20, 2);
+    TU_SAME_PAT(c, s[3], 0, 16, 4);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+
+    /* full pool: s2 on 2 and s3 on 6 stay; s0 (0 3 5 8, four groups) fits no stretch of 4, and
+       across s2 it makes two groups, so it goes to 0 1 3 4; s1 (three groups) would make two
+       across s3, not half, so it stays where the exchanges left it; a second call moves nothing,
+       and PKV_BATCH_REPACK lays every one out again, one run each */
+    cfg = cfg_small(9);
+    c = tu_create(&cfg);
+    for (int i = 0; i < 4; i++) s[i] = tu_seq(c);
+    lay_out(c, s, "0:4 1:4 2:4 0:4 1:4 0:4 3:4 1:4 0:4");
+    for (uint32_t i = 0; i < 4; i++) TU_WRITE_PAT(c, s[i], 0, i < 2 ? 16 - 4 * i : 4, i + 1);
+    TU_OK(pkv_batch_compact(c, s, 4, 2, 0, &moved)); /* no FREE block: no slack */
+    assert_int_equal(moved, 6);                     /* three exchanges */
+    table_is(c, s[0], (const int32_t[]){0, 1, 3, 4}, 4);
+    table_is(c, s[1], (const int32_t[]){5, 8, 7}, 3);
+    table_is(c, s[2], (const int32_t[]){2}, 1);
+    table_is(c, s[3], (const int32_t[]){6}, 1);
+    for (uint32_t i = 0; i < 4; i++) TU_SAME_PAT(c, s[i], 0, i < 2 ? 16 - 4 * i : 4, i + 1);
+    TU_CHECK(c);
+    TU_OK(pkv_batch_compact(c, s, 4, 0, 0, &moved));
+    assert_int_equal(moved, 0);
+    TU_RC(pkv_batch_compact(c, s, 4, 0, 2, &moved), PKV_EINVAL); /* an unknown flag */
+    TU_OK(pkv_batch_compact(c, s, 4, 0, PKV_BATCH_REPACK, &moved));
+    table_is(c, s[0], (const int32_t[]){0, 1, 2, 3}, 4);
+    table_is(c, s[1], (const int32_t[]){4, 5, 6}, 3);
+    table_is(c, s[2], (const int32_t[]){7}, 1);
+    table_is(c, s[3], (const int32_t[]){8}, 1);
+    for (uint32_t i = 0; i < 4; i++) TU_SAME_PAT(c, s[i], 0, i < 2 ? 16 - 4 * i : 4, i + 1);
     TU_CHECK(c);
     pkv_cache_destroy(c);
 }
@@ -984,6 +1056,7 @@ int main(void) {
         cmocka_unit_test(test_compact_evict),
         cmocka_unit_test(test_batch_compact),
         cmocka_unit_test(test_batch_compact_slack),
+        cmocka_unit_test(test_batch_compact_stable),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -638,7 +638,7 @@ static void do_batch_compact(world *w) {
     }
     const pkv_stats st0 = tu_stats(w->c);
     uint32_t moved = 0;
-    if (pkv_batch_compact(w->c, ids, (uint32_t)n, tu_rng_below(&w->r, 3), &moved)) fail_at(w, "batch compact failed");
+    if (pkv_batch_compact(w->c, ids, (uint32_t)n, tu_rng_below(&w->r, 3), tu_rng_below(&w->r, 2), &moved)) fail_at(w, "batch compact failed");
     TRACE("batch compact of %d sequences: %u copies", n, moved);
     const pkv_stats st1 = tu_stats(w->c);
     TU_STATS_EQ(&st0, &st1);

@@ -23,6 +23,7 @@ static double field(const char *line, const char *key) {
     if (!p) fail_msg("no %s in %s", key, line);
     p += strlen(pat);
     if (*p == '"') return strncmp(p, "\"ok\"", 4) == 0 ? 1.0 : 0.0; /* only "check" is a string we read */
+    if (!strncmp(p, "true", 4) || !strncmp(p, "false", 5)) return *p == 't';
     return strtod(p, NULL);
 }
 
@@ -109,9 +110,9 @@ static void test_deterministic_and_attn_independent(void **state) {
     free(ra.out), free(rb.out), free(rd.out);
 }
 
-/* --compact changes where blocks lie, never the schedule: every count is the same, the checker
- * passes (with attention over the moved blocks), blocks move under the paged policy and its
- * decode batches switch sequences less often in block id order. */
+/* --compact and --batch-compact change where blocks lie, never the schedule: every count is the
+ * same, the checker passes (with attention over the moved blocks), blocks move under the paged
+ * policy and its decode batches switch sequences less often in block id order. */
 static void test_compact_keeps_schedule(void **state) {
     (void)state;
     char *a[] = {"pkv", "sim", SMALL, "--requests", "50", "--blocks", "300", "--seed", "9", NULL};
@@ -133,7 +134,32 @@ static void test_compact_keeps_schedule(void **state) {
     assert_true(field(rb.line[1], "compacted_blocks") > 0);
     assert_true(field(ra.line[1], "decode_switch") > 0.3);
     assert_true(field(rb.line[1], "decode_switch") < 0.5 * field(ra.line[1], "decode_switch"));
-    free(ra.out), free(rb.out);
+    /* --batch-compact every 4 steps, as laid out (leaving what is in place) and with --repack
+       (everything laid out again): the same schedule, fewer switches under both paged
+       policies, and repacking copies more for the same */
+    char *c[] = {"pkv", "sim", SMALL, "--requests", "50", "--blocks", "300", "--seed", "9", "--batch-compact", "4",
+                 "--slack", "1", NULL};
+    char *d[] = {"pkv", "sim", SMALL, "--requests", "50", "--blocks", "300", "--seed", "9", "--batch-compact", "4",
+                 "--slack", "1", "--repack", NULL};
+    runs rc, rd;
+    sim(c, &rc);
+    sim(d, &rd);
+    for (int i = 0; i < 3; i++) {
+        assert_true(field(rc.line[i], "check") == 1.0 && field(rd.line[i], "check") == 1.0);
+        assert_true(field(rc.line[i], "batch_compact") == 4 && field(rc.line[i], "slack") == 1);
+        assert_true(field(rc.line[i], "repack") == 0 && field(rd.line[i], "repack") == 1);
+        for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++)
+            if (field(ra.line[i], keys[k]) != field(rc.line[i], keys[k]) ||
+                field(ra.line[i], keys[k]) != field(rd.line[i], keys[k]))
+                fail_msg("%s: %g without --batch-compact, %g with, %g with --repack", keys[k],
+                         field(ra.line[i], keys[k]), field(rc.line[i], keys[k]), field(rd.line[i], keys[k]));
+    }
+    for (int i = 0; i < 2; i++) {
+        assert_true(field(rc.line[i], "decode_switch") < 0.7 * field(ra.line[i], "decode_switch"));
+        assert_true(field(rd.line[i], "decode_switch") < 0.7 * field(ra.line[i], "decode_switch"));
+        assert_true(field(rd.line[i], "compacted_blocks") > field(rc.line[i], "compacted_blocks"));
+    }
+    free(ra.out), free(rb.out), free(rc.out), free(rd.out);
 }
 
 /* A pool too small for the offered load: the paged policies preempt (recompute) and still

@@ -561,7 +561,7 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
         const uint64_t t0 = tool_now_ns();
         if (g_compact == 2) { /* one pkv_batch_compact over the batch */
             uint32_t m = 0;
-            if (tool_check(pkv_batch_compact(s->c, s->seqs, batch, 0, &m), "pkv_batch_compact") < 0) goto fail;
+            if (tool_check(pkv_batch_compact(s->c, s->seqs, batch, 0, 0, &m), "pkv_batch_compact") < 0) goto fail;
             s->moved = m, s->passes = 1;
         }
         for (uint32_t moved = g_compact == 1; moved && s->passes < 16; s->passes++) { /* passes until none moves */

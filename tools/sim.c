@@ -88,6 +88,10 @@ static void usage(FILE *f) {
             "                      sequences (what pool-order decode pays for; always reported)\n"
             "  --compact-evict     the same with PKV_COMPACT_EVICT: CACHED leaf blocks may be targets\n"
             "                      (evicted; counted in evictions)\n"
+            "  --batch-compact N   every N steps, before the slots are taken, pkv_batch_compact of the\n"
+            "                      decoding sequences, oldest first (after --compact's moves) [0: never]\n"
+            "  --slack K           ids left free after each sequence by --batch-compact [0]\n"
+            "  --repack            --batch-compact with PKV_BATCH_REPACK: every sequence laid out again\n"
             "output:\n"
             "  --json              one JSON object per policy per line on stdout, no table\n"
             "  --plot FILE.png     blocks in use and running sequences over time (gnuplot; a name\n"
@@ -133,6 +137,7 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         if (!strcmp(a, "--no-attn")) { c->so.attn = 0; continue; }
         if (!strcmp(a, "--compact")) { c->so.compact = 1; continue; }
         if (!strcmp(a, "--compact-evict")) { c->so.compact = 2; continue; }
+        if (!strcmp(a, "--repack")) { c->so.repack = 1; continue; }
         if (!strcmp(a, "--no-progress")) { c->no_progress = 1; continue; }
         if (i + 1 >= argc) {
             fprintf(stderr, "pkv sim: %s needs a value (see pkv sim --help)\n", a);
@@ -141,7 +146,9 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         const char *v = argv[++i];
         int bad = 0;
         double d;
-        if (!strcmp(a, "--requests")) bad = tool_parse_u32(v, &c->wo.n_requests) || c->wo.n_requests == 0;
+        if (!strcmp(a, "--batch-compact")) bad = tool_parse_u32(v, &c->so.batch_compact);
+        else if (!strcmp(a, "--slack")) bad = tool_parse_u32(v, &c->so.slack);
+        else if (!strcmp(a, "--requests")) bad = tool_parse_u32(v, &c->wo.n_requests) || c->wo.n_requests == 0;
         else if (!strcmp(a, "--rate")) bad = tool_parse_f64(v, &c->wo.rate) || c->wo.rate <= 0;
         else if (!strcmp(a, "--step-ms")) bad = tool_parse_f64(v, &c->step_ms) || c->step_ms <= 0;
         else if (!strcmp(a, "--prompt-mean")) bad = tool_parse_f64(v, &c->wo.prompt_mean) || c->wo.prompt_mean < 1;
@@ -209,7 +216,8 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            "\"decode_tokens\":%llu,\"prefill_tokens\":%llu,\"cow_copies\":%llu,\"evictions\":%llu,"
            "\"ttft_p50_steps\":%.1f,\"ttft_p90_steps\":%.1f,\"ttft_p99_steps\":%.1f,\"pkv_s\":%.4f,\"attn_s\":%.4f,"
            "\"wall_s\":%.3f,\"decode_tok_s\":%.1f,\"attn\":%s,\"check\":\"%s\",\"peak_rss_mib\":%.1f,\"seed\":%llu,"
-           "\"decode_switch\":%.4f,\"compact\":\"%s\",\"compacted_blocks\":%llu,\"compact_s\":%.4f}\n",
+           "\"decode_switch\":%.4f,\"compact\":\"%s\",\"batch_compact\":%u,\"slack\":%u,\"repack\":%s,"
+           "\"compacted_blocks\":%llu,\"compact_s\":%.4f}\n",
            sim_policy_names[r->policy], n_requests, r->completed, r->rejected, r->peak_seqs, r->mean_seqs,
            r->peak_blocks, c->so.n_blocks, r->kv_utilization, r->waste, r->prefix_hit_rate,
            (unsigned long long)r->prefix_hit_tokens, (unsigned long long)r->prompt_tokens, r->preemptions,
@@ -217,7 +225,8 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            (unsigned long long)r->cow_copies, (unsigned long long)r->evictions, r->ttft_p50, r->ttft_p90, r->ttft_p99,
            r->pkv_s, r->attn_s, r->wall_s, r->decode_tok_s, c->so.attn ? "true" : "false",
            r->check_rc == 0 ? "ok" : "failed", rss_mib(), (unsigned long long)c->wo.seed, decode_switch(r),
-           c->so.compact == 2 ? "evict" : c->so.compact ? "on" : "off", (unsigned long long)r->compact_moved, r->compact_s);
+           c->so.compact == 2 ? "evict" : c->so.compact ? "on" : "off", c->so.batch_compact, c->so.slack,
+           c->so.repack ? "true" : "false", (unsigned long long)r->compact_moved, r->compact_s);
 }
 
 static int plot(const sim_cli *c, const sim_result *res, int n) {
@@ -361,8 +370,11 @@ int tool_sim(int argc, char **argv) {
                 printf("%s: decode batches in block id order: %.1f%% of neighbouring blocks belong to different "
                        "sequences",
                        sim_policy_names[res[i].policy], 100.0 * decode_switch(&res[i]));
-                if (c.so.compact)
-                    printf("; %s moved %llu blocks in %.3f s", c.so.compact == 2 ? "--compact-evict" : "--compact",
+                if (c.so.compact || c.so.batch_compact)
+                    printf("; %s%s%s copied %llu blocks in %.3f s",
+                           c.so.compact == 2 ? "--compact-evict" : c.so.compact ? "--compact" : "",
+                           c.so.compact && c.so.batch_compact ? " and " : "",
+                           c.so.batch_compact ? (c.so.repack ? "--batch-compact --repack" : "--batch-compact") : "",
                            (unsigned long long)res[i].compact_moved, res[i].compact_s);
                 printf("\n");
             }

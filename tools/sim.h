@@ -75,6 +75,10 @@ typedef struct sim_opts {
     int attn;               /* 0: --no-attn (no K/V writes, no kernels) */
     int compact;            /* --compact (1) / --compact-evict (2): pkv_seq_compact on each decoding
                                sequence every step, with PKV_COMPACT_EVICT for 2 */
+    uint32_t batch_compact; /* --batch-compact N: pkv_batch_compact of the decoding sequences every
+                               N steps (0: never), with `slack` ids after each */
+    uint32_t slack;         /* --slack K */
+    int repack;             /* --repack: with PKV_BATCH_REPACK */
     uint64_t seed;
     int progress;           /* draw a progress bar on stderr */
     int want_series;        /* keep (step, blocks, seqs) samples for --plot */

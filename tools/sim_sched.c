@@ -445,6 +445,23 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
             S.ns_pkv += dt;
             S.ns_compact += dt;
         }
+        /* --batch-compact: the decoding sequences repacked, oldest first */
+        if (o->batch_compact && S.now % o->batch_compact == 0) {
+            uint64_t t0 = tool_now_ns();
+            uint32_t nb = 0, m = 0;
+            for (uint32_t i = 0; i < n_items; i++) {
+                entry *e = &S.ent[S.items[i].e];
+                if (!e->prefill) S.dec_seqs[nb++] = e->s;
+            }
+            if ((rc = pkv_batch_compact(S.c, S.dec_seqs, nb, o->slack, o->repack ? PKV_BATCH_REPACK : 0, &m)) < 0) {
+                fail(&S, rc, "pkv_batch_compact");
+                goto done;
+            }
+            res->compact_moved += m;
+            uint64_t dt = tool_now_ns() - t0;
+            S.ns_pkv += dt;
+            S.ns_compact += dt;
+        }
         /* the running sequences get their slots first; only a step that preempted nobody admits
          * (vLLM's rule: admitting right after a preemption would only thrash) */
         uint32_t preempted_before = res->preemptions;

@@ -399,18 +399,25 @@ func (c *Cache) Compact(s Seq, evict bool) (uint32, error) {
 	return uint32(moved), err
 }
 
-// BatchCompact lays the blocks each of seqs holds alone out as one run a sequence, in the order
-// given, over the FREE ids and the ids the batch holds, exchanging blocks where no room is free
-// (pkv.h, pkv_batch_compact), leaving slack FREE ids after each sequence where the FREE blocks
-// allow; returns the number of block copies. Slots and block tables of the batch taken before
-// are stale.
-func (c *Cache) BatchCompact(seqs []Seq, slack uint32) (uint32, error) {
+// BatchCompact lays the blocks each of seqs holds alone out as one group a sequence in id order,
+// over the FREE ids and the ids the batch holds, exchanging blocks where no room is free; a
+// sequence laid out already stays (with repack every one is laid out again, from the lowest ids),
+// the others move in the order given (pkv.h, pkv_batch_compact), leaving slack FREE ids after
+// each where the FREE blocks allow; returns the number of block copies. Slots and block tables
+// of the batch taken before are stale.
+func (c *Cache) BatchCompact(seqs []Seq, slack uint32, repack bool) (uint32, error) {
 	n, err := u32(len(seqs), "BatchCompact: seqs")
 	if err != nil {
 		return 0, err
 	}
 	var moved C.uint32_t
-	err = c.seqOp("pkv_batch_compact", func(p *C.pkv_cache) C.int { return C.pkv_batch_compact(p, seqp(seqs), n, C.uint32_t(slack), &moved) })
+	flags := C.uint32_t(0)
+	if repack {
+		flags = C.PKV_BATCH_REPACK
+	}
+	err = c.seqOp("pkv_batch_compact", func(p *C.pkv_cache) C.int {
+		return C.pkv_batch_compact(p, seqp(seqs), n, C.uint32_t(slack), flags, &moved)
+	})
 	return uint32(moved), err
 }
 

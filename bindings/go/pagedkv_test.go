@@ -357,7 +357,10 @@ func TestCompact(t *testing.T) {
 	}
 	kd, vd, err := c.Gather(d, 0, 0, 80)
 	must(t, err)
-	if n, err := c.BatchCompact([]Seq{d, a}, 0); err != nil || n != 8 { // four exchanges
+	if n, err := c.BatchCompact([]Seq{d, a}, 0, false); err != nil || n != 0 || tabOf(d) != "[4 5 6 7 0]" {
+		t.Fatalf("batch compact with a laid out: %d, %v, %s", n, err, tabOf(d)) // no stretch of 5 beside a
+	}
+	if n, err := c.BatchCompact([]Seq{d, a}, 0, true); err != nil || n != 8 { // four exchanges
 		t.Fatalf("batch compact: %d, %v", n, err)
 	}
 	if tabOf(d) != "[0 1 2 3 4]" || tabOf(a) != "[5 6 7]" {
@@ -371,7 +374,7 @@ func TestCompact(t *testing.T) {
 		t.Fatal("K/V changed by batch compact")
 	}
 	must(t, c.Check())
-	if _, err := c.BatchCompact([]Seq{a, a}, 0); code(err) != EINVAL {
+	if _, err := c.BatchCompact([]Seq{a, a}, 0, false); code(err) != EINVAL {
 		t.Fatalf("a sequence named twice: %v", err)
 	}
 }

@@ -739,13 +739,163 @@ static void swap_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
     b->n_fill = fill, b->n_commit = commit;
 }
 
-PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uint32_t slack, uint32_t *n_moved) {
-    if (!c || (n && !seqs)) return PKV_EINVAL;
+/* pkv_batch_compact. The owner map (the checker's scratch, under the lock) holds, for each id,
+ * in own_seq: the slot of the sequence whose entry (block it alone holds) lies there, with the
+ * entry's table index in own_at; or one of the marks below; or PKV_NONE. */
+#define OWN_KEPT (PKV_NONE - 1)   /* a kept sequence's entry or a FREE id inside its span */
+#define OWN_PLACED (PKV_NONE - 2) /* an entry placed by this call, or a FREE id kept as slack */
+/* In own_at beside a table index: the id is a placed sequence's slack, held by an entry not
+ * placed yet (it moves out when its turn comes). */
+#define OWN_SLACK 0x80000000u
+/* pkv__seq.mark during the call, past the count of groups it starts as */
+#define MARK_KEPT UINT32_MAX
+#define MARK_DONE (UINT32_MAX - 1)
+
+typedef struct bc_map {
+    uint32_t *seq, *at;
+} bc_map;
+
+static bool bc_entry(const bc_map *w, uint32_t t) { return w->seq[t] < OWN_PLACED; }
+
+/* Whether id t is closed to the layout: kept, placed, or a placed sequence's slack. */
+static bool bc_closed(const bc_map *w, uint32_t t) {
+    return w->seq[t] == OWN_KEPT || w->seq[t] == OWN_PLACED || (bc_entry(w, t) && (w->at[t] & OWN_SLACK));
+}
+
+/* Whether the layout may use id t: FREE, or the entry of a sequence not placed yet. */
+static bool bc_open(const pkv_cache *c, const bc_map *w, uint32_t t) {
+    return !bc_closed(w, t) && (c->blk[t].state == PKV_BLK_FREE || bc_entry(w, t));
+}
+
+/* Whether x is entry p of the sequence in slot. */
+static bool bc_is(const bc_map *w, uint32_t x, uint32_t slot, uint32_t p) {
+    return w->seq[x] == slot && (w->at[x] & ~OWN_SLACK) == p;
+}
+
+/* The first of m ids from u on that the layout may use, with no closed id among them (others,
+ * such as CACHED blocks, lie between), or PKV_NONE. `at_u`: only the stretch from u itself. */
+static uint32_t bc_stretch(const pkv_cache *c, const bc_map *w, uint32_t u, uint32_t m, bool at_u) {
+    for (uint32_t start = PKV_NONE, room = 0; u < c->n_blocks; u++) {
+        if (bc_closed(w, u)) {
+            if (at_u) return PKV_NONE;
+            room = 0;
+        } else if (bc_open(c, w, u)) {
+            if (room++ == 0) start = u;
+            if (room == m) return start;
+        }
+    }
+    return PKV_NONE;
+}
+
+/* How many closed spans a layout of m entries from id t crosses. */
+static uint32_t bc_crossed(const pkv_cache *c, const bc_map *w, uint32_t t, uint32_t m) {
+    uint32_t crossed = 0;
+    for (bool closed = false; m && t < c->n_blocks; t++) {
+        if (bc_closed(w, t)) closed = true;
+        else if (bc_open(c, w, t)) crossed += closed, closed = false, m--;
+    }
+    return crossed;
+}
+
+/* How many of s's entries already lie where a layout from id t puts them. */
+static uint32_t bc_in_place(const pkv_cache *c, const bc_map *w, const pkv__seq *s, uint32_t slot, uint32_t t) {
+    uint32_t hits = 0;
+    for (uint32_t p = 0; p < s->n_blocks && t < c->n_blocks; p++) {
+        const uint32_t x = (uint32_t)s->table[p];
+        if (!bc_is(w, x, slot, p)) continue;
+        while (t < c->n_blocks && !bc_open(c, w, t)) t++;
+        hits += x == t++;
+    }
+    return hits;
+}
+
+/* A FREE block the layout may use, for an indexed entry to go round through (the front of the
+ * free queue unless that is closed), or PKV_NONE. */
+static uint32_t bc_stopover(const pkv_cache *c, const bc_map *w) {
+    for (uint32_t f = c->pool.free_head; f != PKV_NONE; f = c->blk[f].qnext)
+        if (!bc_closed(w, f)) return f;
+    return PKV_NONE;
+}
+
+/* Places the entries of s in table order from id t on, over the ids the layout may use, then
+ * closes `per` ids after them as slack. Returns the blocks copied. */
+static uint32_t bc_place(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t slot, uint32_t t, uint32_t per) {
+    uint32_t moved = 0;
+    for (uint32_t p = 0; p < s->n_blocks; p++) {
+        const uint32_t x = (uint32_t)s->table[p];
+        if (!bc_is(w, x, slot, p)) continue; /* shared: stays */
+        while (t < c->n_blocks && !bc_open(c, w, t)) t++;
+        if (t >= c->n_blocks) break;
+        uint32_t f;
+        if (x != t) {
+            if (c->blk[t].state == PKV_BLK_FREE) {
+                move_block(c, s, p, t);
+                moved++;
+            } else if (!c->blk[x].flags && !c->blk[t].flags) { /* another entry's: exchanged */
+                pkv__seq *o = &c->seqs[w->seq[t]];
+                const uint32_t op = w->at[t];
+                swap_blocks(c, x, t);
+                o->table[op] = (int32_t)x, w->seq[x] = w->seq[t], w->at[x] = op | (w->at[x] & OWN_SLACK);
+                s->table[p] = (int32_t)t;
+                moved += 2;
+            } else if ((f = bc_stopover(c, w)) != PKV_NONE) { /* indexed: through a FREE block */
+                pkv__seq *o = &c->seqs[w->seq[t]];
+                const uint32_t op = w->at[t];
+                move_block(c, o, op, f);
+                w->seq[f] = w->seq[t], w->at[f] = op;
+                move_block(c, s, p, t);
+                moved += 2;
+            } else {
+                t++; /* no room to go round: this block stays where it is */
+                continue;
+            }
+        }
+        w->seq[t] = OWN_PLACED, w->at[t] = PKV_NONE;
+        t++;
+    }
+    for (uint32_t k = 0; k < per && t < c->n_blocks; t++) /* its slack */
+        if (bc_open(c, w, t)) {
+            if (c->blk[t].state == PKV_BLK_FREE) w->seq[t] = OWN_PLACED, w->at[t] = PKV_NONE;
+            else w->at[t] |= OWN_SLACK;
+            k++;
+        }
+    return moved;
+}
+
+/* Lays out one sequence that moves: the stretch from its first entry or the lowest one, whichever
+ * holds more of it in place already (with PKV_BATCH_REPACK the lowest); else across the closed
+ * spans from the lowest open id where that halves its groups; else it stays. */
+static uint32_t bc_seq(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t per, bool repack, uint32_t *lo, uint32_t *none) {
+    const uint32_t slot = (uint32_t)(s - c->seqs), groups = s->mark;
+    uint32_t m = 0, home = PKV_NONE;
+    for (uint32_t p = 0; p < s->n_blocks; p++)
+        if (bc_is(w, (uint32_t)s->table[p], slot, p) && !m++) home = (uint32_t)s->table[p];
+    s->mark = MARK_DONE;
+    if (!m) return 0;
+    while (*lo < c->n_blocks && !bc_open(c, w, *lo)) (*lo)++;
+    const uint32_t want = m + per;
+    uint32_t t = repack ? PKV_NONE : bc_stretch(c, w, home, want, true);
+    const uint32_t low = want < *none ? bc_stretch(c, w, *lo, want, false) : PKV_NONE;
+    if (low == PKV_NONE) *none = PKV_MIN(*none, want); /* none fits later in this call either */
+    if (t == PKV_NONE || (low != PKV_NONE && low != t && bc_in_place(c, w, s, slot, low) >= bc_in_place(c, w, s, slot, t)))
+        t = low;
+    if (t == PKV_NONE && (repack || 2 * (bc_crossed(c, w, *lo, m) + 1) <= groups)) t = *lo; /* across */
+    if (t == PKV_NONE) { /* it stays, and the others go round it */
+        for (uint32_t p = 0; p < s->n_blocks; p++)
+            if (bc_is(w, (uint32_t)s->table[p], slot, p)) w->seq[s->table[p]] = OWN_PLACED, w->at[s->table[p]] = PKV_NONE;
+        return 0;
+    }
+    return bc_place(c, w, s, slot, t, per);
+}
+
+PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uint32_t slack, uint32_t flags,
+                              uint32_t *n_moved) {
+    if (!c || (n && !seqs) || (flags & ~(uint32_t)PKV_BATCH_REPACK)) return PKV_EINVAL;
+    const bool repack = flags & PKV_BATCH_REPACK;
     LOCK(c);
-    /* owner of each block the batch holds alone: its sequence's slot (chk_pos) and table index
-       (chk_ref), PKV_NONE elsewhere; the checker's scratch, under the same lock */
-    uint32_t *own_seq = c->chk_pos, *own_at = c->chk_ref, moved = 0;
-    for (uint32_t b = 0; b < c->n_blocks; b++) own_at[b] = own_seq[b] = PKV_NONE;
+    bc_map w = {c->chk_pos, c->chk_ref};
+    uint32_t moved = 0;
+    for (uint32_t b = 0; b < c->n_blocks; b++) w.at[b] = w.seq[b] = PKV_NONE;
     int rc = PKV_OK;
     for (uint32_t i = 0; i < n && !rc; i++) {
         pkv__seq *s;
@@ -753,53 +903,38 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
         for (uint32_t p = 0; !rc && p < s->n_blocks; p++) {
             const uint32_t b = (uint32_t)s->table[p];
             if (!movable(c, b)) continue;
-            if (own_at[b] != PKV_NONE) rc = PKV_EINVAL; /* held once, so named twice: a repeated id */
-            own_seq[b] = (uint32_t)(s - c->seqs), own_at[b] = p;
+            if (w.at[b] != PKV_NONE) rc = PKV_EINVAL; /* held once, so named twice: a repeated id */
+            w.seq[b] = (uint32_t)(s - c->seqs), w.at[b] = p;
         }
     }
-    /* the layout: entry k of the batch (its held-once blocks in the order given, each table in
-       order) goes to the k-th lowest id that is FREE or held once by the batch, with `per` such
-       ids left after each sequence (FREE once every entry is placed), as many as the FREE
-       blocks allow for all */
-    const uint32_t per = n ? PKV_MIN(slack, c->pool.n_free / n) : 0;
-    uint32_t t = 0;
+    /* mark: each sequence's groups of entries in id order (no other entry between) */
+    for (uint32_t i = 0; i < n && !rc; i++) pkv__seq_get(c, seqs[i])->mark = 0;
+    for (uint32_t b = 0, last = PKV_NONE; b < c->n_blocks && !rc; b++)
+        if (w.seq[b] != PKV_NONE && w.seq[b] != last) c->seqs[last = w.seq[b]].mark++;
+    /* a sequence laid out already (one group, ascending in table order) is kept: its entries
+       and the FREE ids between them are closed to the others */
     for (uint32_t i = 0; i < n && !rc; i++) {
-        for (uint32_t k = 0; i > 0 && k < per && t < c->n_blocks; k++) {
-            while (t < c->n_blocks && c->blk[t].state != PKV_BLK_FREE && own_at[t] == PKV_NONE) t++;
-            t += t < c->n_blocks;
-        }
         pkv__seq *s = pkv__seq_get(c, seqs[i]);
-        for (uint32_t p = 0; p < s->n_blocks; p++) {
+        const uint32_t slot = (uint32_t)(s - c->seqs);
+        uint32_t first = PKV_NONE, prev = PKV_NONE;
+        bool up = s->mark == 1 && !repack;
+        for (uint32_t p = 0; up && p < s->n_blocks; p++) {
             const uint32_t x = (uint32_t)s->table[p];
-            if (own_at[x] != p || own_seq[x] != (uint32_t)(s - c->seqs)) continue; /* shared: stays */
-            while (t < c->n_blocks && c->blk[t].state != PKV_BLK_FREE && own_at[t] == PKV_NONE) t++;
-            if (t >= c->n_blocks) break; /* after blocks that stayed: no id left for the rest */
-            if (x != t) {
-                if (c->blk[t].state == PKV_BLK_FREE) {
-                    move_block(c, s, p, t);
-                    moved++;
-                } else if (!c->blk[x].flags && !c->blk[t].flags) { /* another entry's: exchanged */
-                    pkv__seq *o = &c->seqs[own_seq[t]];
-                    const uint32_t op = own_at[t];
-                    swap_blocks(c, x, t);
-                    o->table[op] = (int32_t)x, own_seq[x] = own_seq[t], own_at[x] = op;
-                    s->table[p] = (int32_t)t;
-                    moved += 2;
-                } else if (c->pool.free_head != PKV_NONE) { /* indexed: through a FREE block */
-                    const uint32_t f = c->pool.free_head;
-                    pkv__seq *o = &c->seqs[own_seq[t]];
-                    const uint32_t op = own_at[t];
-                    move_block(c, o, op, f);
-                    own_seq[f] = own_seq[t], own_at[f] = op;
-                    move_block(c, s, p, t);
-                    moved += 2;
-                } else {
-                    t++; /* no room to go round: this block stays where it is */
-                    continue;
-                }
-            }
-            t++; /* placed: the cursor never comes back */
+            if (!bc_is(&w, x, slot, p)) continue;
+            up = prev == PKV_NONE || x > prev;
+            if (first == PKV_NONE) first = x;
+            prev = x;
         }
+        if (!up || first == PKV_NONE) continue;
+        for (uint32_t b = first; b <= prev; b++)
+            if (w.seq[b] == slot || c->blk[b].state == PKV_BLK_FREE) w.seq[b] = OWN_KEPT, w.at[b] = PKV_NONE;
+        s->mark = MARK_KEPT;
+    }
+    /* the others, in the order given */
+    const uint32_t per = n ? PKV_MIN(slack, c->pool.n_free / n) : 0;
+    for (uint32_t i = 0, lo = 0, none = UINT32_MAX; i < n && !rc; i++) {
+        pkv__seq *s = pkv__seq_get(c, seqs[i]);
+        if (s->mark != MARK_KEPT) moved += bc_seq(c, &w, s, per, repack, &lo, &none);
     }
     if (!rc && n_moved) *n_moved = moved;
     UNLOCK(c);

@@ -435,7 +435,9 @@ class TestCache(Base):
             np.testing.assert_array_equal(c.block_table(d), [4, 5, 6, 7, 0])
             Kd, Vd = c.gather(d, 0)
             self.assertEqual(c.stats()["n_free"], 0)
-            self.assertEqual(c.batch_compact([d, a]), 8)  # four exchanges
+            self.assertEqual(c.batch_compact([d, a]), 0)  # a is laid out; no stretch of 5 beside it
+            np.testing.assert_array_equal(c.block_table(d), [4, 5, 6, 7, 0])
+            self.assertEqual(c.batch_compact([d, a], repack=True), 8)  # four exchanges
             np.testing.assert_array_equal(c.block_table(d), [0, 1, 2, 3, 4])
             np.testing.assert_array_equal(c.block_table(a), [5, 6, 7])
             for s, (K, V) in ((a, (K0, V0)), (d, (Kd, Vd))):

@@ -159,6 +159,7 @@ extern "C" {
         seqs: *const pkv_seq,
         n: u32,
         slack: u32,
+        flags: u32,
         n_moved: *mut u32,
     ) -> c_int;
     pub fn pkv_seq_release(c: *mut pkv_cache, s: pkv_seq) -> c_int;

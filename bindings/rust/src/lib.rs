@@ -501,16 +501,17 @@ impl Cache {
         Ok(moved)
     }
 
-    /// Lays the blocks each of `seqs` holds alone out as one run a sequence, in the order given,
-    /// over the FREE ids and the ids the batch holds, exchanging blocks where no room is free
-    /// (pkv.h, pkv_batch_compact), leaving `slack` FREE ids after each sequence where the FREE
-    /// blocks allow. Returns the number of block copies. Slots and block tables of the batch
-    /// taken before are stale.
-    pub fn batch_compact(&mut self, seqs: &[Seq], slack: u32) -> Result<u32> {
+    /// Lays the blocks each of `seqs` holds alone out as one group a sequence in id order, over
+    /// the FREE ids and the ids the batch holds, exchanging blocks where no room is free; a
+    /// sequence laid out already stays (with `repack` every one is laid out again, from the
+    /// lowest ids), the others move in the order given (pkv.h, pkv_batch_compact), leaving
+    /// `slack` FREE ids after each where the FREE blocks allow. Returns the number of block
+    /// copies. Slots and block tables of the batch taken before are stale.
+    pub fn batch_compact(&mut self, seqs: &[Seq], slack: u32, repack: bool) -> Result<u32> {
         let n = len_u32(seqs.len(), "batch_compact: seqs")?;
         let mut moved = 0u32;
         check(
-            unsafe { ffi::pkv_batch_compact(self.p(), Self::seq_ptr(seqs), n, slack, &mut moved) },
+            unsafe { ffi::pkv_batch_compact(self.p(), Self::seq_ptr(seqs), n, slack, repack as u32, &mut moved) },
             "pkv_batch_compact",
         )?;
         Ok(moved)
