@@ -270,9 +270,10 @@ PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t flag
  * are kept free for the blocks decode will add (where the pool's FREE blocks allow that many
  * for every sequence, else n_free / n each; a pkv_seq_compact after an append moves the new
  * block there). A sequence that no stretch fits is laid across the groups in its way, from the
- * lowest usable id, where that at least halves its number of groups, and otherwise stays; so a
- * call over a batch that has not changed moves nothing, and one after decode has added a few
- * blocks moves few. With PKV_BATCH_REPACK in flags, every sequence is laid out again, in the
+ * lowest usable id, where that at least halves its number of groups, and otherwise stays. So
+ * a later call leaves every sequence an earlier one laid out where it is until it changes (one
+ * it could not lay out may move again), and after decode has added a few blocks it moves few.
+ * With PKV_BATCH_REPACK in flags, every sequence is laid out again, in the
  * order given, each from the lowest usable id: one run each wherever no shared block or block
  * of another sequence lies in between, at the price of moving what was in place. It needs no
  * free room: where a target holds another entry of the batch, the two are exchanged (their K/V,

@@ -735,6 +735,87 @@ static void test_batch_compact_stable(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* pkv_batch_compact's choices, one scenario each: the stretch from a sequence's first entry when
+ * it holds more of it in place than the lowest one (and the lowest on a tie); a kept sequence's
+ * FREE ids closed to the others; a placed sequence's slack closed to the ones after it, and
+ * counted in the stretch it needs. */
+static void test_batch_compact_choices(void **state) {
+    (void)state;
+    uint32_t moved = 0;
+    pkv_seq s[8];
+    /* home: s0 on 2 3 4 and 7, s1 on 6 (laid out), 0 1 5 FREE: the stretch 2-5 holds three of
+       s0's four in place, the lowest (0-3) none: one copy, 7 to 5 */
+    pkv_config cfg = cfg_small(12);
+    pkv_cache *c = tu_create(&cfg);
+    for (int i = 0; i < 6; i++) s[i] = tu_seq(c);
+    lay_out(c, s, "4:8 0:12 5:4 1:4 0:4");
+    TU_OK(pkv_seq_release(c, s[4]));
+    TU_OK(pkv_seq_release(c, s[5]));
+    TU_WRITE_PAT(c, s[0], 0, 16, 1);
+    TU_OK(pkv_batch_compact(c, s, 2, 0, 0, &moved));
+    assert_int_equal(moved, 1);
+    table_is(c, s[0], (const int32_t[]){2, 3, 4, 5}, 4);
+    table_is(c, s[1], (const int32_t[]){6}, 1);
+    TU_SAME_PAT(c, s[0], 0, 16, 1);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+
+    /* a tie: s0 on 3 then 1 (one group, not ascending), 0 2 4 FREE: from 3 (3 4) and from the
+       lowest (0 1) each hold one entry in place; the lowest wins: 3 to 0 */
+    cfg = cfg_small(5);
+    c = tu_create(&cfg);
+    for (int i = 0; i < 8; i++) s[i] = tu_seq(c);
+    lay_out(c, s, "4:4 5:4 6:4 7:4 1:4"); /* 0-4 */
+    TU_OK(pkv_seq_release(c, s[7]));      /* 3, then 1, to the free queue */
+    TU_OK(pkv_seq_release(c, s[5]));
+    lay_out(c, s, "0:8");
+    table_is(c, s[0], (const int32_t[]){3, 1}, 2);
+    for (int i = 4; i < 7; i += 2) TU_OK(pkv_seq_release(c, s[i]));
+    TU_OK(pkv_seq_release(c, s[1]));
+    TU_WRITE_PAT(c, s[0], 0, 8, 2);
+    TU_OK(pkv_batch_compact(c, s, 1, 0, 0, &moved));
+    assert_int_equal(moved, 1);
+    table_is(c, s[0], (const int32_t[]){0, 1}, 2);
+    TU_SAME_PAT(c, s[0], 0, 8, 2);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+
+    /* a kept sequence's FREE ids: s1 on 0 and 3 with 1 2 FREE between, s2 on 4 and 6 around s3
+       on 5, the rest held outside the batch: s2 fits no stretch but 1 2, which are s1's, and
+       across s3 it would stay two groups: nothing moves */
+    cfg = cfg_small(12);
+    c = tu_create(&cfg);
+    for (int i = 0; i < 6; i++) s[i] = tu_seq(c);
+    lay_out(c, s, "1:4 4:8 1:4 2:4 3:4 2:4 5:20");
+    TU_OK(pkv_seq_release(c, s[4]));
+    TU_OK(pkv_batch_compact(c, s, 4, 0, 0, &moved));
+    assert_int_equal(moved, 0);
+    table_is(c, s[1], (const int32_t[]){0, 3}, 2);
+    table_is(c, s[2], (const int32_t[]){4, 6}, 2);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+
+    /* slack: s0 on 0 and 3, s1 on 1 and 4, s3 on 5, 2 and 6-11 FREE, slack 1: s0 takes 0 1 (3
+       and 1 exchanged) and keeps 2 free; s1 needs a stretch of 3 (two and its slack), so not 2-4
+       (2 is s0's slack) nor 3-4: 6 7 8, with 8 kept free */
+    c = tu_create(&cfg);
+    for (int i = 0; i < 6; i++) s[i] = tu_seq(c);
+    lay_out(c, s, "0:4 1:4 4:4 0:4 1:4 3:4");
+    TU_OK(pkv_seq_release(c, s[4]));
+    TU_WRITE_PAT(c, s[0], 0, 8, 3);
+    TU_WRITE_PAT(c, s[1], 0, 8, 4);
+    const pkv_seq batch[3] = {s[0], s[1], s[3]};
+    TU_OK(pkv_batch_compact(c, batch, 3, 1, 0, &moved));
+    assert_int_equal(moved, 4); /* an exchange, two moves */
+    table_is(c, s[0], (const int32_t[]){0, 1}, 2);
+    table_is(c, s[1], (const int32_t[]){6, 7}, 2);
+    table_is(c, s[3], (const int32_t[]){5}, 1);
+    TU_SAME_PAT(c, s[0], 0, 8, 3);
+    TU_SAME_PAT(c, s[1], 0, 8, 4);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
 /* ---- exhaustion: N blocks filled exactly, one more fails cleanly, all N reusable (FIFO) ---- */
 static void test_exhaustion_and_reuse(void **state) {
     (void)state;
@@ -1057,6 +1138,7 @@ int main(void) {
         cmocka_unit_test(test_batch_compact),
         cmocka_unit_test(test_batch_compact_slack),
         cmocka_unit_test(test_batch_compact_stable),
+        cmocka_unit_test(test_batch_compact_choices),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -624,22 +624,50 @@ static void do_compact(world *w, sh_seq *s) {
     w->n_compact_evicted += m.evicted;
 }
 
+/* Whether sequence idx[j] of a batch is laid out as pkv_batch_compact leaves it in place: the
+ * blocks it alone holds ascend in table order and none that another of the batch alone holds lies
+ * between them (w->ref current). */
+static int laid_out(const world *w, const int *idx, int n, int j) {
+    const sh_seq *s = &w->s[idx[j]];
+    int32_t lo = -1, hi = -1;
+    for (uint32_t p = 0; p < s->nb; p++) {
+        const int32_t b = s->tab[p];
+        if (w->ref[b] != 1) continue;
+        if (hi >= 0 && b <= hi) return 0;
+        if (lo < 0) lo = b;
+        hi = b;
+    }
+    for (int k = 0; k < n && lo >= 0; k++)
+        for (uint32_t p = 0; k != j && p < w->s[idx[k]].nb; p++) {
+            const int32_t b = w->s[idx[k]].tab[p];
+            if (w->ref[b] == 1 && lo < b && b < hi) return 0;
+        }
+    return 1;
+}
+
 /* pkv_batch_compact over a few live sequences: every count stays, every listed sequence keeps
- * its K/V in every layer, and the model's per-block commit counts follow their blocks. */
+ * its K/V in every layer, and the model's per-block commit counts follow their blocks. Without
+ * PKV_BATCH_REPACK the sequences laid out already keep their tables. */
 static void do_batch_compact(world *w) {
     int idx[MAXS], n = 0;
     for (int i = 0; i < MAXS; i++)
         if (w->s[i].live && !w->s[i].is_pin && tu_rng_chance(&w->r, 0.5)) idx[n++] = i;
     pkv_seq ids[MAXS];
     static int saved[MAXS][NBLK];
+    static int32_t kept[MAXS][NBLK];
+    int keep[MAXS];
+    recount(w);
     for (int j = 0; j < n; j++) {
         ids[j] = w->s[idx[j]].id;
         for (uint32_t p = 0; p < w->s[idx[j]].nb; p++) saved[j][p] = w->bc[w->s[idx[j]].tab[p]];
+        keep[j] = laid_out(w, idx, n, j);
+        memcpy(kept[j], w->s[idx[j]].tab, sizeof kept[j]);
     }
     const pkv_stats st0 = tu_stats(w->c);
+    const uint32_t slack = tu_rng_below(&w->r, 3), flags = tu_rng_below(&w->r, 2);
     uint32_t moved = 0;
-    if (pkv_batch_compact(w->c, ids, (uint32_t)n, tu_rng_below(&w->r, 3), tu_rng_below(&w->r, 2), &moved)) fail_at(w, "batch compact failed");
-    TRACE("batch compact of %d sequences: %u copies", n, moved);
+    if (pkv_batch_compact(w->c, ids, (uint32_t)n, slack, flags, &moved)) fail_at(w, "batch compact failed");
+    TRACE("batch compact(%u) of %d sequences, slack %u: %u copies", flags, n, slack, moved);
     const pkv_stats st1 = tu_stats(w->c);
     TU_STATS_EQ(&st0, &st1);
     for (int j = 0; j < n; j++) {
@@ -647,6 +675,8 @@ static void do_batch_compact(world *w) {
         sync_seq(w, s);
         for (uint32_t p = 0; p < s->nb; p++) w->bc[s->tab[p]] = saved[j][p];
         for (uint32_t l = 0; l < NL && s->len; l++) verify_range(w, s, l, 0, s->len);
+        if (!flags && keep[j] && memcmp(kept[j], s->tab, s->nb * sizeof *s->tab))
+            fail_at(w, "batch compact moved a sequence laid out already");
     }
     w->n_ok[OP_COMPACT] += moved > 0;
     w->n_batch_moved += moved;
