@@ -795,21 +795,92 @@ static void test_batch_compact_choices(void **state) {
     TU_CHECK(c);
     pkv_cache_destroy(c);
 
-    /* slack: s0 on 0 and 3, s1 on 1 and 4, s3 on 5, 2 and 6-11 FREE, slack 1: s0 takes 0 1 (3
-       and 1 exchanged) and keeps 2 free; s1 needs a stretch of 3 (two and its slack), so not 2-4
-       (2 is s0's slack) nor 3-4: 6 7 8, with 8 kept free */
+    /* scattered (no run holds more than half): s0 on 4 5 and 9 10 around s1 on 8, 0-3 and 6 7
+       FREE: the clean stretch from its first entry (4-7) holds two in place, the lowest (0-3)
+       none: two copies */
+    cfg = cfg_small(12);
+    c = tu_create(&cfg);
+    for (int i = 0; i < 7; i++) s[i] = tu_seq(c);
+    lay_out(c, s, "4:16 0:8 5:8 1:4 0:8 6:4");
+    TU_OK(pkv_seq_release(c, s[4]));
+    TU_OK(pkv_seq_release(c, s[5]));
+    TU_WRITE_PAT(c, s[0], 0, 16, 5);
+    TU_OK(pkv_batch_compact(c, s, 2, 0, 0, &moved));
+    assert_int_equal(moved, 2);
+    table_is(c, s[0], (const int32_t[]){4, 5, 6, 7}, 4);
+    TU_SAME_PAT(c, s[0], 0, 16, 5);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+
+    /* not scattered: s0 on 0 1 2 and 6, s1 on 4 (laid out), 3 5 7-9 FREE, slack 1: no clean
+       stretch of 5 from 0; s0 does not move whole to the lowest one (5-9), it takes 0-3 without
+       its slack: one copy */
+    cfg = cfg_small(10);
     c = tu_create(&cfg);
     for (int i = 0; i < 6; i++) s[i] = tu_seq(c);
-    lay_out(c, s, "0:4 1:4 4:4 0:4 1:4 3:4");
+    lay_out(c, s, "0:12 4:4 1:4 5:4 0:4");
+    TU_OK(pkv_seq_release(c, s[4]));
+    TU_OK(pkv_seq_release(c, s[5]));
+    TU_WRITE_PAT(c, s[0], 0, 16, 6);
+    TU_OK(pkv_batch_compact(c, s, 2, 1, 0, &moved));
+    assert_int_equal(moved, 1);
+    table_is(c, s[0], (const int32_t[]){0, 1, 2, 3}, 4);
+    table_is(c, s[1], (const int32_t[]){4}, 1);
+    TU_SAME_PAT(c, s[0], 0, 16, 6);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+
+    /* a later sequence makes room: s0 on 0 1 2 and 7, s2 on 3 and 8 (scattered), s1 on 4, 5 6 9
+       FREE: s0 first finds 3 taken; s2 moves to the clean stretch 5 6; then s0 takes 0-3 */
+    c = tu_create(&cfg);
+    for (int i = 0; i < 6; i++) s[i] = tu_seq(c);
+    lay_out(c, s, "0:12 2:4 1:4 4:8 0:4 2:4 5:4");
+    TU_OK(pkv_seq_release(c, s[4]));
+    TU_OK(pkv_seq_release(c, s[5]));
+    TU_WRITE_PAT(c, s[0], 0, 16, 7);
+    TU_WRITE_PAT(c, s[2], 0, 8, 8);
+    TU_OK(pkv_batch_compact(c, s, 3, 0, 0, &moved));
+    assert_int_equal(moved, 3);
+    table_is(c, s[0], (const int32_t[]){0, 1, 2, 3}, 4);
+    table_is(c, s[2], (const int32_t[]){5, 6}, 2);
+    TU_SAME_PAT(c, s[0], 0, 16, 7);
+    TU_SAME_PAT(c, s[2], 0, 8, 8);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+
+    /* a stretch has room for the slack: s0 on 3 and 5, s1 on 2 and s3 on 4 (laid out), 0 1 and
+       6-8 FREE, slack 1: not 0 1 (no room after them) but 5 6 7 (3 and 5 exchanged, then 3 to 6) */
+    cfg = cfg_small(12);
+    c = tu_create(&cfg);
+    for (int i = 0; i < 7; i++) s[i] = tu_seq(c);
+    lay_out(c, s, "4:8 1:4 0:4 3:4 0:4 5:12 6:12");
+    TU_OK(pkv_seq_release(c, s[4]));
+    TU_OK(pkv_seq_release(c, s[5]));
+    TU_WRITE_PAT(c, s[0], 0, 8, 9);
+    const pkv_seq trio[3] = {s[0], s[1], s[3]};
+    TU_OK(pkv_batch_compact(c, trio, 3, 1, 0, &moved));
+    assert_int_equal(moved, 3);
+    table_is(c, s[0], (const int32_t[]){5, 6}, 2);
+    TU_SAME_PAT(c, s[0], 0, 8, 9);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+
+    /* slack: s0 on 0 and 3, s1 on 1 and 4, s3 on 2 (laid out), 5-9 FREE, slack 1: s0 takes the
+       clean stretch 5 6 7 (two and its slack); s1 finds no clean stretch of 3, as 7 is s0's
+       slack, nor one over the others, so it is laid across s3 from 0 (its groups halve) */
+    cfg = cfg_small(10);
+    c = tu_create(&cfg);
+    for (int i = 0; i < 6; i++) s[i] = tu_seq(c);
+    lay_out(c, s, "0:4 1:4 3:4 0:4 1:4 4:20");
     TU_OK(pkv_seq_release(c, s[4]));
     TU_WRITE_PAT(c, s[0], 0, 8, 3);
     TU_WRITE_PAT(c, s[1], 0, 8, 4);
     const pkv_seq batch[3] = {s[0], s[1], s[3]};
     TU_OK(pkv_batch_compact(c, batch, 3, 1, 0, &moved));
-    assert_int_equal(moved, 4); /* an exchange, two moves */
-    table_is(c, s[0], (const int32_t[]){0, 1}, 2);
-    table_is(c, s[1], (const int32_t[]){6, 7}, 2);
-    table_is(c, s[3], (const int32_t[]){5}, 1);
+    assert_int_equal(moved, 4);
+    table_is(c, s[0], (const int32_t[]){5, 6}, 2);
+    table_is(c, s[1], (const int32_t[]){0, 1}, 2);
+    table_is(c, s[3], (const int32_t[]){2}, 1);
     TU_SAME_PAT(c, s[0], 0, 8, 3);
     TU_SAME_PAT(c, s[1], 0, 8, 4);
     TU_CHECK(c);

@@ -773,10 +773,12 @@ static bool bc_is(const bc_map *w, uint32_t x, uint32_t slot, uint32_t p) {
 }
 
 /* The first of m ids from u on that the layout may use, with no closed id among them (others,
- * such as CACHED blocks, lie between), or PKV_NONE. `at_u`: only the stretch from u itself. */
-static uint32_t bc_stretch(const pkv_cache *c, const bc_map *w, uint32_t u, uint32_t m, bool at_u) {
+ * such as CACHED blocks, lie between), or PKV_NONE. `at_u`: only the stretch from u itself.
+ * `only` (a slot, or PKV_NONE): ids that hold another sequence's entry count as closed (a clean
+ * stretch: FREE ids and that sequence's own entries). */
+static uint32_t bc_stretch(const pkv_cache *c, const bc_map *w, uint32_t u, uint32_t m, bool at_u, uint32_t only) {
     for (uint32_t start = PKV_NONE, room = 0; u < c->n_blocks; u++) {
-        if (bc_closed(w, u)) {
+        if (bc_closed(w, u) || (only != PKV_NONE && bc_entry(w, u) && w->seq[u] != only)) {
             if (at_u) return PKV_NONE;
             room = 0;
         } else if (bc_open(c, w, u)) {
@@ -827,9 +829,12 @@ static uint32_t bc_place(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t slot, ui
         while (t < c->n_blocks && !bc_open(c, w, t)) t++;
         if (t >= c->n_blocks) break;
         uint32_t f;
+        /* what x is once its entry has moved out: FREE, and closed if it is a placed one's slack */
+        const uint32_t x_seq = w->at[x] & OWN_SLACK ? OWN_PLACED : PKV_NONE;
         if (x != t) {
             if (c->blk[t].state == PKV_BLK_FREE) {
                 move_block(c, s, p, t);
+                w->seq[x] = x_seq, w->at[x] = PKV_NONE;
                 moved++;
             } else if (!c->blk[x].flags && !c->blk[t].flags) { /* another entry's: exchanged */
                 pkv__seq *o = &c->seqs[w->seq[t]];
@@ -844,6 +849,7 @@ static uint32_t bc_place(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t slot, ui
                 move_block(c, o, op, f);
                 w->seq[f] = w->seq[t], w->at[f] = op;
                 move_block(c, s, p, t);
+                w->seq[x] = x_seq, w->at[x] = PKV_NONE;
                 moved += 2;
             } else {
                 t++; /* no room to go round: this block stays where it is */
@@ -862,27 +868,75 @@ static uint32_t bc_place(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t slot, ui
     return moved;
 }
 
-/* Lays out one sequence that moves: the stretch from its first entry or the lowest one, whichever
- * holds more of it in place already (with PKV_BATCH_REPACK the lowest); else across the closed
- * spans from the lowest open id where that halves its groups; else it stays. */
-static uint32_t bc_seq(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t per, bool repack, uint32_t *lo, uint32_t *none) {
-    const uint32_t slot = (uint32_t)(s - c->seqs), groups = s->mark;
-    uint32_t m = 0, home = PKV_NONE;
+/* Closes s's entries where they lie: it stays, and the others go round it. */
+static void bc_stay(bc_map *w, pkv__seq *s, uint32_t slot) {
     for (uint32_t p = 0; p < s->n_blocks; p++)
-        if (bc_is(w, (uint32_t)s->table[p], slot, p) && !m++) home = (uint32_t)s->table[p];
-    s->mark = MARK_DONE;
-    if (!m) return 0;
-    while (*lo < c->n_blocks && !bc_open(c, w, *lo)) (*lo)++;
-    const uint32_t want = m + per;
-    uint32_t t = repack ? PKV_NONE : bc_stretch(c, w, home, want, true);
-    const uint32_t low = want < *none ? bc_stretch(c, w, *lo, want, false) : PKV_NONE;
-    if (low == PKV_NONE) *none = PKV_MIN(*none, want); /* none fits later in this call either */
+        if (bc_is(w, (uint32_t)s->table[p], slot, p)) w->seq[s->table[p]] = OWN_PLACED, w->at[s->table[p]] = PKV_NONE;
+}
+
+/* The cursor of a pass over the batch: the lowest id that may be open, and the fewest open ids
+ * a stretch was not found for. */
+typedef struct bc_pass {
+    uint32_t lo, none;
+} bc_pass;
+
+/* Of the stretch from s's first entry and the lowest one (both of want ids, clean where `only`
+ * names s), the one that holds more of its entries in place, the lowest on a tie; or PKV_NONE. */
+static uint32_t bc_pick(const pkv_cache *c, const bc_map *w, const pkv__seq *s, uint32_t slot, uint32_t home,
+                        uint32_t want, bool from_home, bool lowest, uint32_t only, bc_pass *ps) {
+    while (ps->lo < c->n_blocks && !bc_open(c, w, ps->lo)) ps->lo++;
+    const uint32_t t = from_home ? bc_stretch(c, w, home, want, true, only) : PKV_NONE;
+    /* over the open ids (only == PKV_NONE) they only close as the pass goes on: a length not
+       found is not found later either; a clean stretch depends on whose entries it may hold */
+    const uint32_t low = lowest && (only != PKV_NONE || want < ps->none) ? bc_stretch(c, w, ps->lo, want, false, only)
+                                                                         : PKV_NONE;
+    if (lowest && only == PKV_NONE && low == PKV_NONE) ps->none = PKV_MIN(ps->none, want);
     if (t == PKV_NONE || (low != PKV_NONE && low != t && bc_in_place(c, w, s, slot, low) >= bc_in_place(c, w, s, slot, t)))
-        t = low;
-    if (t == PKV_NONE && (repack || 2 * (bc_crossed(c, w, *lo, m) + 1) <= groups)) t = *lo; /* across */
-    if (t == PKV_NONE) { /* it stays, and the others go round it */
-        for (uint32_t p = 0; p < s->n_blocks; p++)
-            if (bc_is(w, (uint32_t)s->table[p], slot, p)) w->seq[s->table[p]] = OWN_PLACED, w->at[s->table[p]] = PKV_NONE;
+        return low;
+    return t;
+}
+
+/* Lays out one sequence that moves, in one of three passes (PKV_BATCH_REPACK: the last alone).
+ * The first two take a clean stretch (FREE ids and its own entries, so nobody else is moved):
+ * the one from its first entry, or for a scattered sequence (no run of consecutive ids holds
+ * more than half its entries) the better of that and the lowest; each with its slack, else
+ * without. A sequence that is not scattered and finds none in the second pass (after the first
+ * has moved others away) stays. The last (the scattered ones left, or with PKV_BATCH_REPACK
+ * every one) takes a stretch over the entries of those not laid out yet, which are exchanged
+ * away: the better of the one from its first entry and the lowest (with PKV_BATCH_REPACK the
+ * lowest), else across the closed spans from the lowest open id where that halves its groups
+ * (always with PKV_BATCH_REPACK), else it stays. Returns the blocks copied. */
+static uint32_t bc_seq(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t per, bool repack, int pass, bc_pass *ps) {
+    const uint32_t slot = (uint32_t)(s - c->seqs), groups = s->mark;
+    uint32_t m = 0, home = PKV_NONE, run = 0, longest = 0;
+    for (uint32_t p = 0, prev = PKV_NONE; p < s->n_blocks; p++) {
+        const uint32_t x = (uint32_t)s->table[p];
+        if (!bc_is(w, x, slot, p)) continue;
+        if (!m++) home = x;
+        run = prev != PKV_NONE && x == prev + 1 ? run + 1 : 1;
+        longest = PKV_MAX(longest, run);
+        prev = x;
+    }
+    const bool scattered = 2 * longest <= m;
+    if (!m) {
+        s->mark = MARK_DONE;
+        return 0;
+    }
+    uint32_t t;
+    if (pass < 2) {
+        t = bc_pick(c, w, s, slot, home, m + per, true, scattered, slot, ps);
+        if (t == PKV_NONE && per && pass == 1) { /* where it lies, without its slack */
+            t = bc_pick(c, w, s, slot, home, m, true, false, slot, ps);
+            per = 0;
+        }
+        if (t == PKV_NONE && (pass == 0 || scattered)) return 0; /* to a later pass */
+    } else {
+        t = bc_pick(c, w, s, slot, home, m + per, !repack, true, PKV_NONE, ps);
+        if (t == PKV_NONE && (repack || 2 * (bc_crossed(c, w, ps->lo, m) + 1) <= groups)) t = ps->lo; /* across */
+    }
+    s->mark = MARK_DONE;
+    if (t == PKV_NONE) {
+        bc_stay(w, s, slot);
         return 0;
     }
     return bc_place(c, w, s, slot, t, per);
@@ -930,11 +984,14 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
             if (w.seq[b] == slot || c->blk[b].state == PKV_BLK_FREE) w.seq[b] = OWN_KEPT, w.at[b] = PKV_NONE;
         s->mark = MARK_KEPT;
     }
-    /* the others, in the order given */
+    /* the others, in the order given: into clean stretches (twice), then over each other */
     const uint32_t per = n ? PKV_MIN(slack, c->pool.n_free / n) : 0;
-    for (uint32_t i = 0, lo = 0, none = UINT32_MAX; i < n && !rc; i++) {
-        pkv__seq *s = pkv__seq_get(c, seqs[i]);
-        if (s->mark != MARK_KEPT) moved += bc_seq(c, &w, s, per, repack, &lo, &none);
+    for (int pass = repack ? 2 : 0; pass < 3 && !rc; pass++) {
+        bc_pass ps = {0, UINT32_MAX};
+        for (uint32_t i = 0; i < n; i++) {
+            pkv__seq *s = pkv__seq_get(c, seqs[i]);
+            if (s->mark < MARK_DONE) moved += bc_seq(c, &w, s, per, repack, pass, &ps);
+        }
     }
     if (!rc && n_moved) *n_moved = moved;
     UNLOCK(c);
