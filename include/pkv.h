@@ -261,32 +261,40 @@ PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t flag
 /* Compaction of a batch (a decode batch, say) at once: lays the blocks of seqs[0 .. n) that each
  * holds alone (refcount 1, its "entries") out so that, in block id order, each sequence's
  * entries form one group, in table order, with no other entry of the batch between them (FREE
- * ids, shared blocks and blocks of sequences outside the batch may lie between). A sequence
- * whose entries form such a group already is left where it is. Each other one, in the order
- * given, takes a stretch of ids that are FREE or hold an entry of a sequence not yet laid out,
- * as many as its entries plus `slack`, with no id of a sequence left or laid out among them:
- * the stretch that starts at its first entry, or the lowest one, whichever holds more of its
- * entries in place already. Its entries go there in table order, and the `slack` ids after them
- * are kept free for the blocks decode will add (where the pool's FREE blocks allow that many
- * for every sequence, else n_free / n each; a pkv_seq_compact after an append moves the new
- * block there). A sequence that no stretch fits is laid across the groups in its way, from the
- * lowest usable id, where that at least halves its number of groups, and otherwise stays. So
- * a later call leaves every sequence an earlier one laid out where it is until it changes (one
- * it could not lay out may move again), and after decode has added a few blocks it moves few.
- * With PKV_BATCH_REPACK in flags, every sequence is laid out again, in the
- * order given, each from the lowest usable id: one run each wherever no shared block or block
- * of another sequence lies in between, at the price of moving what was in place. It needs no
- * free room: where a target holds another entry of the batch, the two are exchanged (their K/V,
- * token ids and counts), and where either is in the prefix index, the other goes round through a
- * FREE block (pkv_seq_compact's move, index place included); with no FREE block at all such a
- * block stays where it is. *n_moved (may be NULL) gets the blocks copied (2 for an exchange).
- * Nothing is evicted and no count in pkv_stats changes. Slots, tables and exports of the batch
- * taken before are stale. Not while an attention call reads any of them. PKV_ENOENT for an
- * unknown id, PKV_EINVAL for a pin, an unknown flag, NULL seqs with n > 0 or a sequence named
- * twice (seen where it holds a block alone; a repeat holding none is harmless); a failed call
- * changes nothing. Costs a pass over the pool's block states, a search for a stretch per
- * sequence that moves (at most one more pass each), and up to two copies of every block of the
- * batch. */
+ * ids, shared blocks and blocks of sequences outside the batch may lie between): pool-order
+ * decode then switches sequences once per group. It leaves what is laid out where it is and
+ * copies as little as it can:
+ * - A sequence whose entries form such a group already stays.
+ * - Each other one, in the order given, first looks for a clean stretch: consecutive ids (others
+ *   such as CACHED blocks may lie between) that are FREE or its own entries, as many as its
+ *   entries plus `slack`; the stretch that starts at its first entry, or, for a scattered
+ *   sequence (no run of consecutive ids holds more than half its entries), also the lowest one,
+ *   whichever holds more of its entries in place already (the lowest on a tie). Its entries go
+ *   there in table order, and the `slack` ids after them are kept free for the blocks decode
+ *   will add (where the pool's FREE blocks allow that many for every sequence, else n_free / n
+ *   each; a pkv_seq_compact after an append moves the new block there). Nobody else moves.
+ * - Those that found none look again once the others have moved; a sequence that is not
+ *   scattered (a run that grew a block elsewhere, say) then takes the stretch from its first
+ *   entry without the slack where that fits, and otherwise stays: it is not worth moving others.
+ * - Scattered ones left take a stretch over the entries of sequences not yet laid out, which
+ *   are exchanged away (the better of the one from their first entry and the lowest), else are
+ *   laid across the groups in their way from the lowest usable id where that at least halves
+ *   their number of groups, and otherwise stay.
+ * So a later call leaves every sequence an earlier one laid out where it is until it changes,
+ * and after decode has added a few blocks or the batch has changed it moves few. With
+ * PKV_BATCH_REPACK in flags every sequence is laid out again, in the order given, each from the
+ * lowest usable id: one run each wherever no shared block or block of another sequence lies
+ * between, at the price of moving what was in place. It needs no free room: where a target
+ * holds another entry of the batch, the two are exchanged (their K/V, token ids and counts), and
+ * where either is in the prefix index, the other goes round through a FREE block
+ * (pkv_seq_compact's move, index place included); with no FREE block at all such a block stays
+ * where it is. *n_moved (may be NULL) gets the blocks copied (2 for an exchange). Nothing is
+ * evicted and no count in pkv_stats changes. Slots, tables and exports of the batch taken before
+ * are stale. Not while an attention call reads any of them. PKV_ENOENT for an unknown id,
+ * PKV_EINVAL for a pin, an unknown flag, NULL seqs with n > 0 or a sequence named twice (seen
+ * where it holds a block alone; a repeat holding none is harmless); a failed call changes
+ * nothing. Costs a pass over the pool's block states, a few searches for a stretch per sequence
+ * that moves (each at most one more pass), and up to two copies of every block of the batch. */
 enum { PKV_BATCH_REPACK = 1u };
 PKV_API PKV_NODISCARD int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uint32_t slack,
                                             uint32_t flags, uint32_t *n_moved);
