@@ -428,36 +428,28 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
             budget -= k;
         }
         /* --compact: each decoding sequence compacted before its slots are taken (a move makes
-         * slots taken before stale) */
-        if (o->compact) {
+         * slots taken before stale); --batch-compact: then the decoding sequences repacked,
+         * oldest first */
+        const int repack_now = o->batch_compact && S.now % o->batch_compact == 0;
+        if (o->compact || repack_now) {
             uint64_t t0 = tool_now_ns();
+            uint32_t nb = 0, m = 0;
             for (uint32_t i = 0; i < n_items; i++) {
                 entry *e = &S.ent[S.items[i].e];
-                uint32_t m = 0;
                 if (e->prefill) continue;
-                if ((rc = pkv_seq_compact(S.c, e->s, o->compact > 1 ? PKV_COMPACT_EVICT : 0, &m)) < 0) {
+                S.dec_seqs[nb++] = e->s;
+                if (o->compact && (rc = pkv_seq_compact(S.c, e->s, o->compact > 1 ? PKV_COMPACT_EVICT : 0, &m)) < 0) {
                     fail(&S, rc, "pkv_seq_compact");
                     goto done;
                 }
                 res->compact_moved += m;
             }
-            uint64_t dt = tool_now_ns() - t0;
-            S.ns_pkv += dt;
-            S.ns_compact += dt;
-        }
-        /* --batch-compact: the decoding sequences repacked, oldest first */
-        if (o->batch_compact && S.now % o->batch_compact == 0) {
-            uint64_t t0 = tool_now_ns();
-            uint32_t nb = 0, m = 0;
-            for (uint32_t i = 0; i < n_items; i++) {
-                entry *e = &S.ent[S.items[i].e];
-                if (!e->prefill) S.dec_seqs[nb++] = e->s;
-            }
-            if ((rc = pkv_batch_compact(S.c, S.dec_seqs, nb, o->slack, o->repack ? PKV_BATCH_REPACK : 0, &m)) < 0) {
+            if (repack_now &&
+                (rc = pkv_batch_compact(S.c, S.dec_seqs, nb, o->slack, o->repack ? PKV_BATCH_REPACK : 0, &m)) < 0) {
                 fail(&S, rc, "pkv_batch_compact");
                 goto done;
             }
-            res->compact_moved += m;
+            res->compact_moved += repack_now ? m : 0;
             uint64_t dt = tool_now_ns() - t0;
             S.ns_pkv += dt;
             S.ns_compact += dt;
