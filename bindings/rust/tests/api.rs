@@ -567,7 +567,10 @@ fn compact_moves_runs_and_keeps_data() {
     assert_eq!(c.compact(a, false).unwrap(), 1); // 0 moves to 1: one copy, where 2, 3 to 1, 2 is two
     assert_eq!(c.block_table(a).unwrap(), vec![1, 2, 3]);
     let st2 = c.stats().unwrap();
-    assert_eq!((st.n_free, st.n_active, st.n_slots_used), (st2.n_free, st2.n_active, st2.n_slots_used));
+    assert_eq!(
+        (st.n_free, st.n_active, st.n_slots_used),
+        (st2.n_free, st2.n_active, st2.n_slots_used)
+    );
     assert_eq!(c.gather(a, 0, 0, 36).unwrap(), before);
     c.decode(0, &[a], &q, &mut out1, &p, None).unwrap();
     assert_eq!(out0, out1);
