@@ -438,18 +438,20 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
                 entry *e = &S.ent[S.items[i].e];
                 if (e->prefill) continue;
                 S.dec_seqs[nb++] = e->s;
-                if (o->compact && (rc = pkv_seq_compact(S.c, e->s, o->compact > 1 ? PKV_COMPACT_EVICT : 0, &m)) < 0) {
+                if (!o->compact) continue;
+                if ((rc = pkv_seq_compact(S.c, e->s, o->compact > 1 ? PKV_COMPACT_EVICT : 0, &m)) < 0) {
                     fail(&S, rc, "pkv_seq_compact");
                     goto done;
                 }
                 res->compact_moved += m;
             }
-            if (repack_now &&
-                (rc = pkv_batch_compact(S.c, S.dec_seqs, nb, o->slack, o->repack ? PKV_BATCH_REPACK : 0, &m)) < 0) {
-                fail(&S, rc, "pkv_batch_compact");
-                goto done;
+            if (repack_now) {
+                if ((rc = pkv_batch_compact(S.c, S.dec_seqs, nb, o->slack, o->repack ? PKV_BATCH_REPACK : 0, &m)) < 0) {
+                    fail(&S, rc, "pkv_batch_compact");
+                    goto done;
+                }
+                res->compact_moved += m;
             }
-            res->compact_moved += repack_now ? m : 0;
             uint64_t dt = tool_now_ns() - t0;
             S.ns_pkv += dt;
             S.ns_compact += dt;

@@ -742,24 +742,24 @@ static void swap_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
 /* pkv_batch_compact. The owner map (the checker's scratch, under the lock) holds, for each id,
  * in own_seq: the slot of the sequence whose entry (block it alone holds) lies there, with the
  * entry's table index in own_at; or one of the marks below; or PKV_NONE. */
-#define OWN_KEPT (PKV_NONE - 1)   /* a kept sequence's entry or a FREE id inside its span */
-#define OWN_PLACED (PKV_NONE - 2) /* an entry placed by this call, or a FREE id kept as slack */
+/* closed to the layout: a kept or placed sequence's entry, a FREE id inside a kept sequence's
+   span, or a FREE id kept as slack */
+#define OWN_CLOSED (PKV_NONE - 1)
 /* In own_at beside a table index: the id is a placed sequence's slack, held by an entry not
  * placed yet (it moves out when its turn comes). */
 #define OWN_SLACK 0x80000000u
-/* pkv__seq.mark during the call, past the count of groups it starts as */
-#define MARK_KEPT UINT32_MAX
-#define MARK_DONE (UINT32_MAX - 1)
+/* pkv__seq.mark once a sequence is kept or laid out (before: its count of groups) */
+#define MARK_DONE UINT32_MAX
 
 typedef struct bc_map {
     uint32_t *seq, *at;
 } bc_map;
 
-static bool bc_entry(const bc_map *w, uint32_t t) { return w->seq[t] < OWN_PLACED; }
+static bool bc_entry(const bc_map *w, uint32_t t) { return w->seq[t] < OWN_CLOSED; }
 
 /* Whether id t is closed to the layout: kept, placed, or a placed sequence's slack. */
 static bool bc_closed(const bc_map *w, uint32_t t) {
-    return w->seq[t] == OWN_KEPT || w->seq[t] == OWN_PLACED || (bc_entry(w, t) && (w->at[t] & OWN_SLACK));
+    return w->seq[t] == OWN_CLOSED || (bc_entry(w, t) && (w->at[t] & OWN_SLACK));
 }
 
 /* Whether the layout may use id t: FREE, or the entry of a sequence not placed yet. */
@@ -830,22 +830,21 @@ static uint32_t bc_place(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t slot, ui
         if (t >= c->n_blocks) break;
         uint32_t f;
         /* what x is once its entry has moved out: FREE, and closed if it is a placed one's slack */
-        const uint32_t x_seq = w->at[x] & OWN_SLACK ? OWN_PLACED : PKV_NONE;
+        const uint32_t x_seq = w->at[x] & OWN_SLACK ? OWN_CLOSED : PKV_NONE;
+        const bool free_t = c->blk[t].state == PKV_BLK_FREE;
+        pkv__seq *o = free_t ? NULL : &c->seqs[w->seq[t]]; /* t holds entry op of o */
+        const uint32_t op = free_t ? PKV_NONE : w->at[t];
         if (x != t) {
-            if (c->blk[t].state == PKV_BLK_FREE) {
+            if (free_t) {
                 move_block(c, s, p, t);
                 w->seq[x] = x_seq, w->at[x] = PKV_NONE;
                 moved++;
-            } else if (!c->blk[x].flags && !c->blk[t].flags) { /* another entry's: exchanged */
-                pkv__seq *o = &c->seqs[w->seq[t]];
-                const uint32_t op = w->at[t];
+            } else if (!c->blk[x].flags && !c->blk[t].flags) { /* exchanged */
                 swap_blocks(c, x, t);
                 o->table[op] = (int32_t)x, w->seq[x] = w->seq[t], w->at[x] = op | (w->at[x] & OWN_SLACK);
                 s->table[p] = (int32_t)t;
                 moved += 2;
             } else if ((f = bc_stopover(c, w)) != PKV_NONE) { /* indexed: through a FREE block */
-                pkv__seq *o = &c->seqs[w->seq[t]];
-                const uint32_t op = w->at[t];
                 move_block(c, o, op, f);
                 w->seq[f] = w->seq[t], w->at[f] = op;
                 move_block(c, s, p, t);
@@ -856,12 +855,12 @@ static uint32_t bc_place(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t slot, ui
                 continue;
             }
         }
-        w->seq[t] = OWN_PLACED, w->at[t] = PKV_NONE;
+        w->seq[t] = OWN_CLOSED, w->at[t] = PKV_NONE; /* placed */
         t++;
     }
     for (uint32_t k = 0; k < per && t < c->n_blocks; t++) /* its slack */
         if (bc_open(c, w, t)) {
-            if (c->blk[t].state == PKV_BLK_FREE) w->seq[t] = OWN_PLACED, w->at[t] = PKV_NONE;
+            if (c->blk[t].state == PKV_BLK_FREE) w->seq[t] = OWN_CLOSED, w->at[t] = PKV_NONE;
             else w->at[t] |= OWN_SLACK;
             k++;
         }
@@ -871,7 +870,7 @@ static uint32_t bc_place(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t slot, ui
 /* Closes s's entries where they lie: it stays, and the others go round it. */
 static void bc_stay(bc_map *w, pkv__seq *s, uint32_t slot) {
     for (uint32_t p = 0; p < s->n_blocks; p++)
-        if (bc_is(w, (uint32_t)s->table[p], slot, p)) w->seq[s->table[p]] = OWN_PLACED, w->at[s->table[p]] = PKV_NONE;
+        if (bc_is(w, (uint32_t)s->table[p], slot, p)) w->seq[s->table[p]] = OWN_CLOSED, w->at[s->table[p]] = PKV_NONE;
 }
 
 /* The cursor of a pass over the batch: the lowest id that may be open, and the fewest open ids
@@ -981,8 +980,8 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
         }
         if (!up || first == PKV_NONE) continue;
         for (uint32_t b = first; b <= prev; b++)
-            if (w.seq[b] == slot || c->blk[b].state == PKV_BLK_FREE) w.seq[b] = OWN_KEPT, w.at[b] = PKV_NONE;
-        s->mark = MARK_KEPT;
+            if (w.seq[b] == slot || c->blk[b].state == PKV_BLK_FREE) w.seq[b] = OWN_CLOSED, w.at[b] = PKV_NONE;
+        s->mark = MARK_DONE;
     }
     /* the others, in the order given: into clean stretches (twice), then over each other */
     const uint32_t per = n ? PKV_MIN(slack, c->pool.n_free / n) : 0;
@@ -990,7 +989,7 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
         bc_pass ps = {0, UINT32_MAX};
         for (uint32_t i = 0; i < n; i++) {
             pkv__seq *s = pkv__seq_get(c, seqs[i]);
-            if (s->mark < MARK_DONE) moved += bc_seq(c, &w, s, per, repack, pass, &ps);
+            if (s->mark != MARK_DONE) moved += bc_seq(c, &w, s, per, repack, pass, &ps);
         }
     }
     if (!rc && n_moved) *n_moved = moved;
