@@ -764,11 +764,11 @@ static inline int pm_step(pm_world *w, pm_src *src) {
             uint32_t n = 0;
             for (int i = 0; i < PM_MAX_SEQS; i++)
                 if (w->s[i].live && !w->s[i].is_pin) ids[n++] = w->s[i].id;
-            const uint32_t slack = pm_byte(src) % 3, bflags = pm_byte(src) % 3; /* 2: an unknown flag */
+            const uint32_t slack = pm_byte(src) % 3, bflags = pm_byte(src) % 5; /* 4: an unknown flag */
             rc = pkv_batch_compact(w->c, ids, n, slack, bflags, &moved);
             PM_TR(w, "%llu: batch compact(%u) of %u -> %s, %u copies\n", (unsigned long long)w->n_steps, bflags, n,
                   pkv_strerror(rc), moved);
-            PM_EXPECT(w, rc == (bflags > 1 ? PKV_EINVAL : 0), "batch compact(%u): %s", bflags, pkv_strerror(rc));
+            PM_EXPECT(w, rc == (bflags > 3 ? PKV_EINVAL : 0), "batch compact(%u): %s", bflags, pkv_strerror(rc));
             if (pkv_cache_get_stats(w->c, &after) < 0) return pm_fail(w, "stats");
             PM_EXPECT(w, memcmp(&before, &after, sizeof before) == 0, "batch compact changed the statistics");
             w->n_compact_moved += moved;

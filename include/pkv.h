@@ -295,7 +295,7 @@ PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t flag
  * where it holds a block alone; a repeat holding none is harmless); a failed call changes
  * nothing. Costs a pass over the pool's block states, a few searches for a stretch per sequence
  * that moves (each at most one more pass), and up to two copies of every block of the batch. */
-enum { PKV_BATCH_REPACK = 1u };
+enum { PKV_BATCH_REPACK = 1u, PKV_BATCH_CACHED = 2u };
 PKV_API PKV_NODISCARD int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uint32_t slack,
                                             uint32_t flags, uint32_t *n_moved);
 

@@ -585,8 +585,8 @@ static void test_batch_compact(void **state) {
     TU_CHECK(c);
     pkv_cache_destroy(c);
 
-    /* prefix cache on, committed blocks indexed: with no FREE block they stay; with one, they go
-       round through it and a match finds them at their new ids */
+    /* prefix cache on, committed blocks indexed: exchanged as the others are, with no FREE block
+       at all, their places in the index going with them, so a match finds them at their new ids */
     cfg = cfg_small(9);
     cfg.enable_prefix_cache = 1;
     c = tu_create(&cfg);
@@ -597,19 +597,12 @@ static void test_batch_compact(void **state) {
     TU_OK(pkv_seq_commit(c, q[0], 16));
     TU_OK(pkv_seq_commit(c, q[1], 16));
     take(c, q, 2, &before);
-    TU_OK(pkv_batch_compact(c, q, 2, 0, 0, &moved));
-    assert_int_equal(moved, 0);
-    assert_same(c, q, &before);
-    TU_OK(pkv_seq_release(c, q[2])); /* block 8 FREE */
-    take(c, q, 2, &before);
-    TU_OK(pkv_batch_compact(c, q, 2, 0, 0, &moved));
-    assert_true(moved > 0);
+    TU_OK(pkv_batch_compact(c, q, 2, 0, 0, &moved)); /* block 8 is q2's: nothing FREE */
+    assert_int_equal(moved, 8); /* q0 into 0-3 (three exchanges), then q1's 4 6 5 7 put in order */
     assert_int_equal(tu_table(c, q[0], tab, 8), 4);
     assert_memory_equal(tab, first, sizeof first);
     assert_int_equal(tu_table(c, q[1], tab, 8), 4);
-    assert_int_equal(tab[0] + 3, tab[3]); /* one run */
-    assert_int_equal(tab[1] + 1, tab[2]);
-    assert_int_equal(tab[0] + 1, tab[1]);
+    assert_memory_equal(tab, second, sizeof second);
     st = tu_stats(c);
     TU_STATS_EQ(&before.st, &st);
     TU_SAME_PAT(c, q[0], 0, 16, 3);
@@ -623,6 +616,8 @@ static void test_batch_compact(void **state) {
     assert_int_equal(reused, 12);
     TU_SAME_PAT(c, m, 0, 12, 4);
     TU_CHECK(c);
+    TU_OK(pkv_batch_compact(c, q, 2, 0, 0, &moved)); /* laid out: kept */
+    assert_int_equal(moved, 0);
     pkv_cache_destroy(c);
 }
 
@@ -724,7 +719,8 @@ static void test_batch_compact_stable(void **state) {
     TU_CHECK(c);
     TU_OK(pkv_batch_compact(c, s, 4, 0, 0, &moved));
     assert_int_equal(moved, 0);
-    TU_RC(pkv_batch_compact(c, s, 4, 0, 2, &moved), PKV_EINVAL); /* an unknown flag */
+    TU_RC(pkv_batch_compact(c, s, 4, 0, 4, &moved), PKV_EINVAL); /* an unknown flag */
+    TU_RC(pkv_batch_compact(c, s, 4, 0, 0x80000000u | PKV_BATCH_REPACK, &moved), PKV_EINVAL);
     TU_OK(pkv_batch_compact(c, s, 4, 0, PKV_BATCH_REPACK, &moved));
     table_is(c, s[0], (const int32_t[]){0, 1, 2, 3}, 4);
     table_is(c, s[1], (const int32_t[]){4, 5, 6}, 3);
@@ -883,6 +879,74 @@ static void test_batch_compact_choices(void **state) {
     table_is(c, s[3], (const int32_t[]){2}, 1);
     TU_SAME_PAT(c, s[0], 0, 8, 3);
     TU_SAME_PAT(c, s[1], 0, 8, 4);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* PKV_BATCH_CACHED: CACHED blocks of the prefix index are targets too, exchanged with the entry
+ * that takes their id, so their K/V and their places in the index and in the LRU order go with
+ * them; without the flag they are in the way. */
+static void test_batch_compact_cached(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(8);
+    cfg.enable_prefix_cache = 1;
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq q[4] = {tu_seq(c), tu_seq(c), tu_seq(c), tu_seq(c)};
+    lay_out(c, q, "0:8 1:4 2:8 0:4 1:4 3:4"); /* q0 0 1 5, q1 2 6, q2 3 4, q3 7 */
+    TU_WRITE_PAT(c, q[0], 0, 12, 1);
+    TU_WRITE_PAT(c, q[1], 0, 8, 2);
+    TU_WRITE_PAT(c, q[2], 0, 8, 3);
+    TU_OK(pkv_seq_commit(c, q[0], 12)); /* q0's blocks indexed too */
+    TU_OK(pkv_seq_commit(c, q[2], 8));
+    TU_OK(pkv_seq_release(c, q[2])); /* 3 and its child 4 CACHED, 4 first in LRU order */
+    snap before;
+    take(c, q, 2, &before);
+    uint32_t moved = 9;
+    TU_OK(pkv_batch_compact(c, q, 2, 0, 0, &moved));
+    assert_int_equal(moved, 0); /* q1 finds no stretch, and across q0 it would not gain */
+    assert_same(c, q, &before);
+    TU_OK(pkv_batch_compact(c, q, 2, 0, PKV_BATCH_CACHED, &moved));
+    assert_int_equal(moved, 2); /* q1's 6 exchanged with the CACHED 3; q0 finds no room and stays */
+    table_is(c, q[0], (const int32_t[]){0, 1, 5}, 3);
+    table_is(c, q[1], (const int32_t[]){2, 3}, 2);
+    pkv_stats st = tu_stats(c);
+    TU_STATS_EQ(&before.st, &st);
+    TU_SAME_PAT(c, q[0], 0, 12, 1);
+    TU_SAME_PAT(c, q[1], 0, 8, 2);
+    TU_CHECK(c);
+    TU_OK(pkv_batch_compact(c, q, 2, 0, PKV_BATCH_CACHED, &moved));
+    assert_int_equal(moved, 0);
+    pkv_seq x = tu_seq(c);
+    tu_append(c, x, 4, 900, NULL); /* no FREE block: evicts the LRU head, q2's second block at 4 */
+    table_is(c, x, (const int32_t[]){4}, 1);
+    int32_t prompt[9];
+    tu_tokens(prompt, 9, 200);
+    pkv_seq m = tu_seq(c);
+    uint32_t reused = 0;
+    TU_OK(pkv_seq_match_prefix(c, m, prompt, 9, &reused));
+    assert_int_equal(reused, 4); /* q2's first block, found at 6 */
+    table_is(c, m, (const int32_t[]){6}, 1);
+    TU_SAME_PAT(c, m, 0, 4, 3);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+
+    /* CACHED ids inside a kept sequence's span are closed to the others like FREE ones: q0 (0, 3)
+       is kept with 1 and 2 between; scattered q1 (4, 6) and q2 (5, 7) exchange with each other */
+    cfg = cfg_small(10);
+    cfg.enable_prefix_cache = 1;
+    c = tu_create(&cfg);
+    pkv_seq p[5] = {tu_seq(c), tu_seq(c), tu_seq(c), tu_seq(c), tu_seq(c)};
+    lay_out(c, p, "0:4 3:8 0:4 1:4 2:4 1:4 2:4 4:8"); /* p0 0 3, p3 1 2, p1 4 6, p2 5 7, p4 8 9 */
+    TU_WRITE_PAT(c, p[3], 0, 8, 6);
+    TU_OK(pkv_seq_commit(c, p[3], 8));
+    TU_OK(pkv_seq_release(c, p[3]));
+    for (uint32_t i = 0; i < 3; i++) TU_WRITE_PAT(c, p[i], 0, 8, i + 1);
+    TU_OK(pkv_batch_compact(c, p, 3, 0, PKV_BATCH_CACHED, &moved));
+    assert_int_equal(moved, 2);
+    table_is(c, p[0], (const int32_t[]){0, 3}, 2);
+    table_is(c, p[1], (const int32_t[]){4, 5}, 2);
+    table_is(c, p[2], (const int32_t[]){6, 7}, 2);
+    for (uint32_t i = 0; i < 3; i++) TU_SAME_PAT(c, p[i], 0, 8, i + 1);
     TU_CHECK(c);
     pkv_cache_destroy(c);
 }
@@ -1210,6 +1274,7 @@ int main(void) {
         cmocka_unit_test(test_batch_compact_slack),
         cmocka_unit_test(test_batch_compact_stable),
         cmocka_unit_test(test_batch_compact_choices),
+        cmocka_unit_test(test_batch_compact_cached),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

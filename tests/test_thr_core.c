@@ -91,7 +91,7 @@ static void *worker(void *p) {
         TCALL(a, pkv_seq_compact(c, f, 0, &moved));
         a->moved += moved;
         const pkv_seq mine[2] = {f, g};
-        TCALL(a, pkv_batch_compact(c, mine, 2, 1, it % 2 ? PKV_BATCH_REPACK : 0, &moved));
+        TCALL(a, pkv_batch_compact(c, mine, 2, 1, (uint32_t)it % 4u /* REPACK, CACHED */, &moved));
         a->moved += moved;
         if (tu_cmp_pattern(c, g, 0, PARENT_LEN, 9000 + (uint32_t)k) != 0 ||
             tu_cmp_pattern(c, g, PARENT_LEN, 3, tag + 3) != 0 || tu_cmp_pattern(c, f, 0, n, tag) != 0 ||

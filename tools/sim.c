@@ -92,6 +92,8 @@ static void usage(FILE *f) {
             "                      decoding sequences, oldest first (after --compact's moves) [0: never]\n"
             "  --slack K           ids left free after each sequence by --batch-compact [0]\n"
             "  --repack            --batch-compact with PKV_BATCH_REPACK: every sequence laid out again\n"
+            "  --batch-cached      --batch-compact with PKV_BATCH_CACHED: CACHED blocks are targets too\n"
+            "                      (exchanged, so they stay in the prefix index)\n"
             "output:\n"
             "  --json              one JSON object per policy per line on stdout, no table\n"
             "  --plot FILE.png     blocks in use and running sequences over time (gnuplot; a name\n"
@@ -138,6 +140,7 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         if (!strcmp(a, "--compact")) { c->so.compact = 1; continue; }
         if (!strcmp(a, "--compact-evict")) { c->so.compact = 2; continue; }
         if (!strcmp(a, "--repack")) { c->so.repack = 1; continue; }
+        if (!strcmp(a, "--batch-cached")) { c->so.batch_cached = 1; continue; }
         if (!strcmp(a, "--no-progress")) { c->no_progress = 1; continue; }
         if (i + 1 >= argc) {
             fprintf(stderr, "pkv sim: %s needs a value (see pkv sim --help)\n", a);
@@ -216,7 +219,7 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            "\"decode_tokens\":%llu,\"prefill_tokens\":%llu,\"cow_copies\":%llu,\"evictions\":%llu,"
            "\"ttft_p50_steps\":%.1f,\"ttft_p90_steps\":%.1f,\"ttft_p99_steps\":%.1f,\"pkv_s\":%.4f,\"attn_s\":%.4f,"
            "\"wall_s\":%.3f,\"decode_tok_s\":%.1f,\"attn\":%s,\"check\":\"%s\",\"peak_rss_mib\":%.1f,\"seed\":%llu,"
-           "\"decode_switch\":%.4f,\"compact\":\"%s\",\"batch_compact\":%u,\"slack\":%u,\"repack\":%s,"
+           "\"decode_switch\":%.4f,\"compact\":\"%s\",\"batch_compact\":%u,\"slack\":%u,\"repack\":%s,\"batch_cached\":%s,"
            "\"compacted_blocks\":%llu,\"compact_s\":%.4f}\n",
            sim_policy_names[r->policy], n_requests, r->completed, r->rejected, r->peak_seqs, r->mean_seqs,
            r->peak_blocks, c->so.n_blocks, r->kv_utilization, r->waste, r->prefix_hit_rate,
@@ -226,7 +229,7 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            r->pkv_s, r->attn_s, r->wall_s, r->decode_tok_s, c->so.attn ? "true" : "false",
            r->check_rc == 0 ? "ok" : "failed", rss_mib(), (unsigned long long)c->wo.seed, decode_switch(r),
            c->so.compact == 2 ? "evict" : c->so.compact ? "on" : "off", c->so.batch_compact, c->so.slack,
-           c->so.repack ? "true" : "false", (unsigned long long)r->compact_moved, r->compact_s);
+           c->so.repack ? "true" : "false", c->so.batch_cached ? "true" : "false", (unsigned long long)r->compact_moved, r->compact_s);
 }
 
 static int plot(const sim_cli *c, const sim_result *res, int n) {
@@ -371,10 +374,11 @@ int tool_sim(int argc, char **argv) {
                        "sequences",
                        sim_policy_names[res[i].policy], 100.0 * decode_switch(&res[i]));
                 if (c.so.compact || c.so.batch_compact)
-                    printf("; %s%s%s copied %llu blocks in %.3f s",
+                    printf("; %s%s%s%s copied %llu blocks in %.3f s",
                            c.so.compact == 2 ? "--compact-evict" : c.so.compact ? "--compact" : "",
                            c.so.compact && c.so.batch_compact ? " and " : "",
                            c.so.batch_compact ? (c.so.repack ? "--batch-compact --repack" : "--batch-compact") : "",
+                           c.so.batch_compact && c.so.batch_cached ? " --batch-cached" : "",
                            (unsigned long long)res[i].compact_moved, res[i].compact_s);
                 printf("\n");
             }

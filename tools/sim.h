@@ -79,6 +79,7 @@ typedef struct sim_opts {
                                N steps (0: never), with `slack` ids after each */
     uint32_t slack;         /* --slack K */
     int repack;             /* --repack: with PKV_BATCH_REPACK */
+    int batch_cached;       /* --batch-cached: with PKV_BATCH_CACHED */
     uint64_t seed;
     int progress;           /* draw a progress bar on stderr */
     int want_series;        /* keep (step, blocks, seqs) samples for --plot */

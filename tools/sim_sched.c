@@ -446,7 +446,7 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
                 res->compact_moved += m;
             }
             if (repack_now) {
-                if ((rc = pkv_batch_compact(S.c, S.dec_seqs, nb, o->slack, o->repack ? PKV_BATCH_REPACK : 0, &m)) < 0) {
+                if ((rc = pkv_batch_compact(S.c, S.dec_seqs, nb, o->slack, (o->repack ? PKV_BATCH_REPACK : 0u) | (o->batch_cached ? PKV_BATCH_CACHED : 0u), &m)) < 0) {
                     fail(&S, rc, "pkv_batch_compact");
                     goto done;
                 }

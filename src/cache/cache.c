@@ -712,9 +712,9 @@ PKV_API int pkv_seq_compact(pkv_cache *c, pkv_seq id, uint32_t flags, uint32_t *
     return rc;
 }
 
-/* Exchanges the contents of blocks x and y, both ACTIVE, held once and unindexed: K/V of every
- * layer through a small buffer, the token ids and the fill and commit counts. No count moves. */
-static void swap_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
+/* Exchanges the contents of blocks x and y: K/V of every layer through a small buffer, and the
+ * token ids. */
+static void swap_content(pkv_cache *c, uint32_t x, uint32_t y) {
     uint8_t tmp[4096];
     for (uint32_t l = 0; l < c->n_layers; l++) {
         uint8_t *k = c->kv + l * c->layer_stride, *v = k + c->v_off;
@@ -733,10 +733,60 @@ static void swap_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
         const int32_t t = tx[j];
         tx[j] = ty[j], ty[j] = t;
     }
-    pkv__blk *a = &c->blk[x], *b = &c->blk[y];
-    const uint16_t fill = a->n_fill, commit = a->n_commit;
-    a->n_fill = b->n_fill, a->n_commit = b->n_commit;
-    b->n_fill = fill, b->n_commit = commit;
+}
+
+/* x and y exchanged: the id rename of exchange_blocks. */
+static uint32_t renamed(uint32_t v, uint32_t x, uint32_t y) { return v == x ? y : v == y ? x : v; }
+
+/* Adds b to the list of blocks whose links exchange_blocks renames (once each: a rename twice
+ * would undo itself). */
+static void add_linked(uint32_t *list, uint32_t *n, uint32_t b) {
+    if (b == PKV_NONE) return;
+    for (uint32_t i = 0; i < *n; i++)
+        if (list[i] == b) return;
+    list[(*n)++] = b;
+}
+
+/* Exchanges blocks x and y whole (x != y, each CACHED or ACTIVE): contents, records (state,
+ * refcount, counts, index fields, queue links) and every link that names either, so that each
+ * one's content and identity live at the other's id afterwards: its place in the LRU queue, in
+ * its hash chain and in the index tree (parent, siblings, children) go with it. The block tables
+ * that name an ACTIVE one are the caller's to rename. No count changes. */
+static void exchange_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
+    /* the blocks whose links may name x or y, children aside: the two, their queue and tree
+       neighbours and their hash chains' predecessors */
+    uint32_t linked[16], n = 0, heads[2] = {PKV_NONE, PKV_NONE};
+    const uint32_t xy[2] = {x, y};
+    for (int i = 0; i < 2; i++) {
+        const pkv__blk *k = &c->blk[xy[i]];
+        pkv_assert(k->state != PKV_BLK_FREE); /* the free queue's ends are not renamed */
+        add_linked(linked, &n, xy[i]);
+        add_linked(linked, &n, k->qprev), add_linked(linked, &n, k->qnext);
+        add_linked(linked, &n, k->parent), add_linked(linked, &n, k->sib_prev), add_linked(linked, &n, k->sib_next);
+        if (k->flags & PKV_BLKF_INDEXED) {
+            heads[i] = (uint32_t)(k->hash & c->bucket_mask);
+            for (uint32_t b = c->buckets[heads[i]]; b != xy[i]; b = c->blk[b].hnext) {
+                pkv_assert(b != PKV_NONE);
+                if (c->blk[b].hnext == xy[i]) add_linked(linked, &n, b);
+            }
+        }
+    }
+    const pkv__blk bx = c->blk[x];
+    c->blk[x] = c->blk[y], c->blk[y] = bx;
+    for (uint32_t i = 0; i < n; i++) {
+        pkv__blk *k = &c->blk[renamed(linked[i], x, y)];
+        k->qprev = renamed(k->qprev, x, y), k->qnext = renamed(k->qnext, x, y);
+        k->parent = renamed(k->parent, x, y), k->hnext = renamed(k->hnext, x, y);
+        k->child = renamed(k->child, x, y);
+        k->sib_prev = renamed(k->sib_prev, x, y), k->sib_next = renamed(k->sib_next, x, y);
+    }
+    for (int i = 0; i < 2; i++) /* the children name their parent */
+        for (uint32_t ch = c->blk[xy[i]].child; ch != PKV_NONE; ch = c->blk[ch].sib_next) c->blk[ch].parent = xy[i];
+    pkv__pool *p = &c->pool;
+    p->lru_head = renamed(p->lru_head, x, y), p->lru_tail = renamed(p->lru_tail, x, y);
+    if (heads[0] != PKV_NONE) c->buckets[heads[0]] = renamed(c->buckets[heads[0]], x, y);
+    if (heads[1] != PKV_NONE && heads[1] != heads[0]) c->buckets[heads[1]] = renamed(c->buckets[heads[1]], x, y);
+    swap_content(c, x, y);
 }
 
 /* pkv_batch_compact. The owner map (the checker's scratch, under the lock) holds, for each id,
@@ -753,6 +803,7 @@ static void swap_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
 
 typedef struct bc_map {
     uint32_t *seq, *at;
+    bool cached; /* PKV_BATCH_CACHED: CACHED blocks are open too */
 } bc_map;
 
 static bool bc_entry(const bc_map *w, uint32_t t) { return w->seq[t] < OWN_CLOSED; }
@@ -762,9 +813,15 @@ static bool bc_closed(const bc_map *w, uint32_t t) {
     return w->seq[t] == OWN_CLOSED || (bc_entry(w, t) && (w->at[t] & OWN_SLACK));
 }
 
-/* Whether the layout may use id t: FREE, or the entry of a sequence not placed yet. */
+/* Whether t is FREE, or CACHED where those are open. */
+static bool bc_room(const pkv_cache *c, const bc_map *w, uint32_t t) {
+    return c->blk[t].state == PKV_BLK_FREE || (w->cached && c->blk[t].state == PKV_BLK_CACHED);
+}
+
+/* Whether the layout may use id t: FREE (or CACHED, where open), or the entry of a sequence not
+ * placed yet. */
 static bool bc_open(const pkv_cache *c, const bc_map *w, uint32_t t) {
-    return !bc_closed(w, t) && (c->blk[t].state == PKV_BLK_FREE || bc_entry(w, t));
+    return !bc_closed(w, t) && (bc_room(c, w, t) || bc_entry(w, t));
 }
 
 /* Whether x is entry p of the sequence in slot. */
@@ -811,14 +868,6 @@ static uint32_t bc_in_place(const pkv_cache *c, const bc_map *w, const pkv__seq 
     return hits;
 }
 
-/* A FREE block the layout may use, for an indexed entry to go round through (the front of the
- * free queue unless that is closed), or PKV_NONE. */
-static uint32_t bc_stopover(const pkv_cache *c, const bc_map *w) {
-    for (uint32_t f = c->pool.free_head; f != PKV_NONE; f = c->blk[f].qnext)
-        if (!bc_closed(w, f)) return f;
-    return PKV_NONE;
-}
-
 /* Places the entries of s in table order from id t on, over the ids the layout may use, then
  * closes `per` ids after them as slack. Returns the blocks copied. */
 static uint32_t bc_place(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t slot, uint32_t t, uint32_t per) {
@@ -828,39 +877,32 @@ static uint32_t bc_place(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t slot, ui
         if (!bc_is(w, x, slot, p)) continue; /* shared: stays */
         while (t < c->n_blocks && !bc_open(c, w, t)) t++;
         if (t >= c->n_blocks) break;
-        uint32_t f;
-        /* what x is once its entry has moved out: FREE, and closed if it is a placed one's slack */
+        /* what x is once its entry has moved out (FREE or the CACHED block from t): closed if it
+           is a placed one's slack */
         const uint32_t x_seq = w->at[x] & OWN_SLACK ? OWN_CLOSED : PKV_NONE;
-        const bool free_t = c->blk[t].state == PKV_BLK_FREE;
-        pkv__seq *o = free_t ? NULL : &c->seqs[w->seq[t]]; /* t holds entry op of o */
-        const uint32_t op = free_t ? PKV_NONE : w->at[t];
-        if (x != t) {
-            if (free_t) {
-                move_block(c, s, p, t);
-                w->seq[x] = x_seq, w->at[x] = PKV_NONE;
-                moved++;
-            } else if (!c->blk[x].flags && !c->blk[t].flags) { /* exchanged */
-                swap_blocks(c, x, t);
-                o->table[op] = (int32_t)x, w->seq[x] = w->seq[t], w->at[x] = op | (w->at[x] & OWN_SLACK);
-                s->table[p] = (int32_t)t;
-                moved += 2;
-            } else if ((f = bc_stopover(c, w)) != PKV_NONE) { /* indexed: through a FREE block */
-                move_block(c, o, op, f);
-                w->seq[f] = w->seq[t], w->at[f] = op;
-                move_block(c, s, p, t);
-                w->seq[x] = x_seq, w->at[x] = PKV_NONE;
-                moved += 2;
+        if (x != t && c->blk[t].state == PKV_BLK_FREE) {
+            move_block(c, s, p, t);
+            w->seq[x] = x_seq, w->at[x] = PKV_NONE;
+            moved++;
+        } else if (x != t) { /* exchanged with an entry not placed yet, or a CACHED block */
+            const bool entry = bc_entry(w, t);
+            exchange_blocks(c, x, t);
+            if (entry) {
+                const uint32_t op = w->at[t] & ~OWN_SLACK; /* t held entry op of another */
+                c->seqs[w->seq[t]].table[op] = (int32_t)x;
+                w->seq[x] = w->seq[t], w->at[x] = op | (w->at[x] & OWN_SLACK);
             } else {
-                t++; /* no room to go round: this block stays where it is */
-                continue;
+                w->seq[x] = x_seq, w->at[x] = PKV_NONE;
             }
+            s->table[p] = (int32_t)t;
+            moved += 2;
         }
         w->seq[t] = OWN_CLOSED, w->at[t] = PKV_NONE; /* placed */
         t++;
     }
     for (uint32_t k = 0; k < per && t < c->n_blocks; t++) /* its slack */
         if (bc_open(c, w, t)) {
-            if (c->blk[t].state == PKV_BLK_FREE) w->seq[t] = OWN_CLOSED, w->at[t] = PKV_NONE;
+            if (bc_room(c, w, t)) w->seq[t] = OWN_CLOSED, w->at[t] = PKV_NONE;
             else w->at[t] |= OWN_SLACK;
             k++;
         }
@@ -943,10 +985,10 @@ static uint32_t bc_seq(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t per, bool 
 
 PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uint32_t slack, uint32_t flags,
                               uint32_t *n_moved) {
-    if (!c || (n && !seqs) || (flags & ~(uint32_t)PKV_BATCH_REPACK)) return PKV_EINVAL;
+    if (!c || (n && !seqs) || (flags & ~(uint32_t)(PKV_BATCH_REPACK | PKV_BATCH_CACHED))) return PKV_EINVAL;
     const bool repack = flags & PKV_BATCH_REPACK;
     LOCK(c);
-    bc_map w = {c->chk_pos, c->chk_ref};
+    bc_map w = {c->chk_pos, c->chk_ref, (flags & PKV_BATCH_CACHED) != 0};
     uint32_t moved = 0;
     for (uint32_t b = 0; b < c->n_blocks; b++) w.at[b] = w.seq[b] = PKV_NONE;
     int rc = PKV_OK;
@@ -980,7 +1022,7 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
         }
         if (!up || first == PKV_NONE) continue;
         for (uint32_t b = first; b <= prev; b++)
-            if (w.seq[b] == slot || c->blk[b].state == PKV_BLK_FREE) w.seq[b] = OWN_CLOSED, w.at[b] = PKV_NONE;
+            if (w.seq[b] == slot || bc_room(c, &w, b)) w.seq[b] = OWN_CLOSED, w.at[b] = PKV_NONE;
         s->mark = MARK_DONE;
     }
     /* the others, in the order given: into clean stretches (twice), then over each other */
