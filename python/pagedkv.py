@@ -495,16 +495,18 @@ class Cache:
                "pkv_seq_compact")
         return out.value
 
-    def batch_compact(self, seqs, slack=0, repack=False):
+    def batch_compact(self, seqs, slack=0, repack=False, cached=False):
         """Lays the blocks each of seqs holds alone out as one group a sequence in id order, over
         the FREE ids and the ids the batch holds, exchanging blocks where no room is free; a
         sequence laid out already stays (with repack=True every one is laid out again, from the
         lowest ids), the others move in the order given (pkv.h, pkv_batch_compact), leaving
-        slack FREE ids after each where the FREE blocks allow. Returns the number of block
-        copies. Slots and block tables of the batch taken before are stale."""
+        slack FREE ids after each where the FREE blocks allow. With cached=True the CACHED blocks
+        of the prefix index are room too (exchanged: they stay findable). Returns the number of
+        block copies. Slots and block tables of the batch taken before are stale."""
         a = self._seqs(seqs, "batch_compact")
         out = _u32()
-        _check(_lib.pkv_batch_compact(self._h(), _ptr(a), a.size, _u32_of(slack, "slack"), 1 if repack else 0,
+        _check(_lib.pkv_batch_compact(self._h(), _ptr(a), a.size, _u32_of(slack, "slack"),
+                                      (1 if repack else 0) | (2 if cached else 0),
                                       ctypes.byref(out)), "pkv_batch_compact")
         return out.value
 

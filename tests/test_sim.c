@@ -159,7 +159,24 @@ static void test_compact_keeps_schedule(void **state) {
         assert_true(field(rd.line[i], "decode_switch") < 0.7 * field(ra.line[i], "decode_switch"));
         assert_true(field(rd.line[i], "compacted_blocks") > field(rc.line[i], "compacted_blocks"));
     }
-    free(ra.out), free(rb.out), free(rc.out), free(rd.out);
+    /* --batch-cached: CACHED blocks move too, and stay in the index: the same schedule (prefix
+       hits and evictions included); without the prefix cache (paged) there are none to move */
+    char *e[] = {"pkv", "sim", SMALL, "--requests", "50", "--blocks", "300", "--seed", "9", "--batch-compact", "4",
+                 "--slack", "1", "--batch-cached", NULL};
+    runs re;
+    sim(e, &re);
+    for (int i = 0; i < 3; i++) {
+        assert_true(field(re.line[i], "check") == 1.0 && field(re.line[i], "batch_cached") == 1);
+        assert_true(field(rc.line[i], "batch_cached") == 0);
+        for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++)
+            if (field(ra.line[i], keys[k]) != field(re.line[i], keys[k]))
+                fail_msg("%s: %g without --batch-compact, %g with --batch-cached", keys[k], field(ra.line[i], keys[k]),
+                         field(re.line[i], keys[k]));
+    }
+    assert_true(field(re.line[1], "compacted_blocks") == field(rc.line[1], "compacted_blocks"));
+    assert_true(field(re.line[1], "decode_switch") == field(rc.line[1], "decode_switch"));
+    assert_true(field(re.line[0], "decode_switch") < 0.7 * field(ra.line[0], "decode_switch"));
+    free(ra.out), free(rb.out), free(rc.out), free(rd.out), free(re.out);
 }
 
 /* A pool too small for the offered load: the paged policies preempt (recompute) and still

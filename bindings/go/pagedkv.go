@@ -403,9 +403,10 @@ func (c *Cache) Compact(s Seq, evict bool) (uint32, error) {
 // over the FREE ids and the ids the batch holds, exchanging blocks where no room is free; a
 // sequence laid out already stays (with repack every one is laid out again, from the lowest ids),
 // the others move in the order given (pkv.h, pkv_batch_compact), leaving slack FREE ids after
-// each where the FREE blocks allow; returns the number of block copies. Slots and block tables
-// of the batch taken before are stale.
-func (c *Cache) BatchCompact(seqs []Seq, slack uint32, repack bool) (uint32, error) {
+// each where the FREE blocks allow; with cached the CACHED blocks of the prefix index are room
+// too (exchanged: they stay findable). Returns the number of block copies. Slots and block
+// tables of the batch taken before are stale.
+func (c *Cache) BatchCompact(seqs []Seq, slack uint32, repack, cached bool) (uint32, error) {
 	n, err := u32(len(seqs), "BatchCompact: seqs")
 	if err != nil {
 		return 0, err
@@ -413,7 +414,10 @@ func (c *Cache) BatchCompact(seqs []Seq, slack uint32, repack bool) (uint32, err
 	var moved C.uint32_t
 	flags := C.uint32_t(0)
 	if repack {
-		flags = C.PKV_BATCH_REPACK
+		flags |= C.PKV_BATCH_REPACK
+	}
+	if cached {
+		flags |= C.PKV_BATCH_CACHED
 	}
 	err = c.seqOp("pkv_batch_compact", func(p *C.pkv_cache) C.int {
 		return C.pkv_batch_compact(p, seqp(seqs), n, C.uint32_t(slack), flags, &moved)

@@ -357,14 +357,17 @@ func TestCompact(t *testing.T) {
 	}
 	kd, vd, err := c.Gather(d, 0, 0, 80)
 	must(t, err)
-	if n, err := c.BatchCompact([]Seq{d, a}, 0, false); err != nil || n != 0 || tabOf(d) != "[4 5 6 7 0]" {
+	if n, err := c.BatchCompact([]Seq{d, a}, 0, false, false); err != nil || n != 0 || tabOf(d) != "[4 5 6 7 0]" {
 		t.Fatalf("batch compact with a laid out: %d, %v, %s", n, err, tabOf(d)) // no stretch of 5 beside a
 	}
-	if n, err := c.BatchCompact([]Seq{d, a}, 0, true); err != nil || n != 8 { // four exchanges
+	if n, err := c.BatchCompact([]Seq{d, a}, 0, true, false); err != nil || n != 8 { // four exchanges
 		t.Fatalf("batch compact: %d, %v", n, err)
 	}
 	if tabOf(d) != "[0 1 2 3 4]" || tabOf(a) != "[5 6 7]" {
 		t.Fatalf("tables after batch compact: %s %s", tabOf(d), tabOf(a))
+	}
+	if n, err := c.BatchCompact([]Seq{d, a}, 0, false, true); err != nil || n != 0 { // laid out: kept
+		t.Fatalf("batch compact with cached: %d, %v", n, err)
 	}
 	kd1, vd1, err := c.Gather(d, 0, 0, 80)
 	must(t, err)
@@ -374,7 +377,7 @@ func TestCompact(t *testing.T) {
 		t.Fatal("K/V changed by batch compact")
 	}
 	must(t, c.Check())
-	if _, err := c.BatchCompact([]Seq{a, a}, 0, false); code(err) != EINVAL {
+	if _, err := c.BatchCompact([]Seq{a, a}, 0, false, false); code(err) != EINVAL {
 		t.Fatalf("a sequence named twice: %v", err)
 	}
 }

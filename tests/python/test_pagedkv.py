@@ -440,6 +440,7 @@ class TestCache(Base):
             self.assertEqual(c.batch_compact([d, a], repack=True), 8)  # four exchanges
             np.testing.assert_array_equal(c.block_table(d), [0, 1, 2, 3, 4])
             np.testing.assert_array_equal(c.block_table(a), [5, 6, 7])
+            self.assertEqual(c.batch_compact([d, a], cached=True), 0)  # laid out: kept
             for s, (K, V) in ((a, (K0, V0)), (d, (Kd, Vd))):
                 K1, V1 = c.gather(s, 0)
                 np.testing.assert_array_equal(K1, K)

@@ -505,13 +505,14 @@ impl Cache {
     /// the FREE ids and the ids the batch holds, exchanging blocks where no room is free; a
     /// sequence laid out already stays (with `repack` every one is laid out again, from the
     /// lowest ids), the others move in the order given (pkv.h, pkv_batch_compact), leaving
-    /// `slack` FREE ids after each where the FREE blocks allow. Returns the number of block
-    /// copies. Slots and block tables of the batch taken before are stale.
-    pub fn batch_compact(&mut self, seqs: &[Seq], slack: u32, repack: bool) -> Result<u32> {
+    /// `slack` FREE ids after each where the FREE blocks allow. With `cached` the CACHED blocks
+    /// of the prefix index are room too (exchanged: they stay findable). Returns the number of
+    /// block copies. Slots and block tables of the batch taken before are stale.
+    pub fn batch_compact(&mut self, seqs: &[Seq], slack: u32, repack: bool, cached: bool) -> Result<u32> {
         let n = len_u32(seqs.len(), "batch_compact: seqs")?;
         let mut moved = 0u32;
         check(
-            unsafe { ffi::pkv_batch_compact(self.p(), Self::seq_ptr(seqs), n, slack, repack as u32, &mut moved) },
+            unsafe { ffi::pkv_batch_compact(self.p(), Self::seq_ptr(seqs), n, slack, repack as u32 | (cached as u32) << 1, &mut moved) },
             "pkv_batch_compact",
         )?;
         Ok(moved)

@@ -581,15 +581,16 @@ fn compact_moves_runs_and_keeps_data() {
     fill(&mut c, d, 80, &mut rng);
     assert_eq!(c.block_table(d).unwrap(), vec![4, 5, 6, 7, 0]);
     let (da, aa) = (c.gather(d, 0, 0, 80).unwrap(), c.gather(a, 0, 0, 36).unwrap());
-    assert_eq!(c.batch_compact(&[d, a], 0, false).unwrap(), 0); // a is laid out; no stretch of 5 beside it
+    assert_eq!(c.batch_compact(&[d, a], 0, false, false).unwrap(), 0); // a is laid out; no stretch of 5 beside it
     assert_eq!(c.block_table(d).unwrap(), vec![4, 5, 6, 7, 0]);
-    assert_eq!(c.batch_compact(&[d, a], 0, true).unwrap(), 8); // four exchanges
+    assert_eq!(c.batch_compact(&[d, a], 0, true, false).unwrap(), 8); // four exchanges
     assert_eq!(c.block_table(d).unwrap(), vec![0, 1, 2, 3, 4]);
     assert_eq!(c.block_table(a).unwrap(), vec![5, 6, 7]);
+    assert_eq!(c.batch_compact(&[d, a], 0, false, true).unwrap(), 0); // laid out: kept
     assert_eq!(c.gather(d, 0, 0, 80).unwrap(), da);
     assert_eq!(c.gather(a, 0, 0, 36).unwrap(), aa);
     c.check().unwrap();
-    assert_eq!(c.batch_compact(&[a, a], 0, true).unwrap_err().code(), EINVAL);
+    assert_eq!(c.batch_compact(&[a, a], 0, true, false).unwrap_err().code(), EINVAL);
 }
 
 #[test]
