@@ -285,10 +285,13 @@ PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t flag
  * PKV_BATCH_REPACK in flags every sequence is laid out again, in the order given, each from the
  * lowest usable id: one run each wherever no shared block or block of another sequence lies
  * between, at the price of moving what was in place. It needs no free room: where a target
- * holds another entry of the batch, the two are exchanged (their K/V, token ids and counts), and
- * where either is in the prefix index, the other goes round through a FREE block
- * (pkv_seq_compact's move, index place included); with no FREE block at all such a block stays
- * where it is. *n_moved (may be NULL) gets the blocks copied (2 for an exchange). Nothing is
+ * holds another entry of the batch, the two are exchanged whole (K/V, token ids, counts, and
+ * each one's place in the prefix index, so a later match finds it at its new id). CACHED blocks
+ * are in the way (they lie between, as above) unless PKV_BATCH_CACHED is in flags: then they
+ * are room like FREE ids, and a CACHED block at a target is exchanged with the entry that
+ * moves there, keeping its K/V, its place in the index and in the LRU order (in a pool full of
+ * CACHED blocks, as a prefix-caching server's is, that is where the clean stretches are).
+ * *n_moved (may be NULL) gets the blocks copied (2 for an exchange). Nothing is
  * evicted and no count in pkv_stats changes. Slots, tables and exports of the batch taken before
  * are stale. Not while an attention call reads any of them. PKV_ENOENT for an unknown id,
  * PKV_EINVAL for a pin, an unknown flag, NULL seqs with n > 0 or a sequence named twice (seen
