@@ -264,7 +264,9 @@ PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t flag
  * ids, shared blocks and blocks of sequences outside the batch may lie between): pool-order
  * decode then switches sequences once per group. It leaves what is laid out where it is and
  * copies as little as it can:
- * - A sequence whose entries form such a group already stays.
+ * - A sequence whose entries form such a group already stays, and keeps its slack (below): the
+ *   FREE ids after its last entry, up to the next entry of the batch, as many as a sequence
+ *   that moves gets, are closed to the others.
  * - Each other one, in the order given, first looks for a clean stretch: consecutive ids (others
  *   such as CACHED blocks may lie between) that are FREE or its own entries, as many as its
  *   entries plus `slack`; the stretch that starts at its first entry, or, for a scattered

@@ -883,6 +883,32 @@ static void test_batch_compact_choices(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* A kept sequence keeps its slack: the FREE ids after its last entry (as many as a placed one
+ * gets) are closed to the others, so that a later call does not give away what an earlier one
+ * left for its appends. */
+static void test_batch_compact_kept_slack(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(10);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s[4] = {tu_seq(c), tu_seq(c), tu_seq(c), tu_seq(c)};
+    lay_out(c, s, "0:8 3:8 1:4 2:4 1:4 2:4 3:8"); /* s0 0 1, s3 2 3 8 9, s1 4 6, s2 5 7 */
+    TU_OK(pkv_seq_release(c, s[3]));                  /* 2, 3, 8, 9 FREE */
+    for (uint32_t i = 0; i < 3; i++) TU_WRITE_PAT(c, s[i], 0, 8, i + 1);
+    uint32_t moved = 0;
+    TU_OK(pkv_batch_compact(c, s, 3, 1, 0, &moved)); /* slack 1 each (4 FREE for 3) */
+    /* s0 is kept and 2 is its slack; s1 finds no clean stretch at first, s2 takes 7 8 (9 its
+       slack), then s1 takes 4 5 */
+    assert_int_equal(moved, 4);
+    table_is(c, s[0], (const int32_t[]){0, 1}, 2);
+    table_is(c, s[1], (const int32_t[]){4, 5}, 2);
+    table_is(c, s[2], (const int32_t[]){7, 8}, 2);
+    for (uint32_t i = 0; i < 3; i++) TU_SAME_PAT(c, s[i], 0, 8, i + 1);
+    TU_CHECK(c);
+    TU_OK(pkv_batch_compact(c, s, 3, 1, 0, &moved)); /* all laid out, each with its slack */
+    assert_int_equal(moved, 0);
+    pkv_cache_destroy(c);
+}
+
 /* PKV_BATCH_CACHED: CACHED blocks of the prefix index are targets too, exchanged with the entry
  * that takes their id, so their K/V and their places in the index and in the LRU order go with
  * them; without the flag they are in the way. */
@@ -1274,6 +1300,7 @@ int main(void) {
         cmocka_unit_test(test_batch_compact_slack),
         cmocka_unit_test(test_batch_compact_stable),
         cmocka_unit_test(test_batch_compact_choices),
+        cmocka_unit_test(test_batch_compact_kept_slack),
         cmocka_unit_test(test_batch_compact_cached),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1006,8 +1006,9 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
     for (uint32_t i = 0; i < n && !rc; i++) pkv__seq_get(c, seqs[i])->mark = 0;
     for (uint32_t b = 0, last = PKV_NONE; b < c->n_blocks && !rc; b++)
         if (w.seq[b] != PKV_NONE && w.seq[b] != last) c->seqs[last = w.seq[b]].mark++;
-    /* a sequence laid out already (one group, ascending in table order) is kept: its entries
-       and the FREE ids between them are closed to the others */
+    /* a sequence laid out already (one group, ascending in table order) is kept: its entries,
+       the FREE ids between them and its slack are closed to the others */
+    const uint32_t per = n ? PKV_MIN(slack, c->pool.n_free / n) : 0;
     for (uint32_t i = 0; i < n && !rc; i++) {
         pkv__seq *s = pkv__seq_get(c, seqs[i]);
         const uint32_t slot = (uint32_t)(s - c->seqs);
@@ -1023,10 +1024,13 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
         if (!up || first == PKV_NONE) continue;
         for (uint32_t b = first; b <= prev; b++)
             if (w.seq[b] == slot || bc_room(c, &w, b)) w.seq[b] = OWN_CLOSED, w.at[b] = PKV_NONE;
+        /* and its slack, as a placed one's (so a later call does not give it away): the room
+           after its last entry, up to the next entry */
+        for (uint32_t b = prev + 1, k = 0; k < per && b < c->n_blocks && !bc_entry(&w, b) && !bc_closed(&w, b); b++)
+            if (bc_room(c, &w, b)) w.seq[b] = OWN_CLOSED, w.at[b] = PKV_NONE, k++;
         s->mark = MARK_DONE;
     }
     /* the others, in the order given: into clean stretches (twice), then over each other */
-    const uint32_t per = n ? PKV_MIN(slack, c->pool.n_free / n) : 0;
     for (int pass = repack ? 2 : 0; pass < 3 && !rc; pass++) {
         bc_pass ps = {0, UINT32_MAX};
         for (uint32_t i = 0; i < n; i++) {
