@@ -752,14 +752,17 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         break;
     }
     case PM_OP_COMPACT: { /* moves blocks, changes no K/V (pm_verify reads them) and no count but
-                             those of the blocks PKV_COMPACT_EVICT evicts; an unknown flag nothing */
+                             those of the blocks PKV_COMPACT_EVICT evicts (PKV_COMPACT_CACHED
+                             exchanges CACHED blocks instead); an unknown flag nothing */
         pm_seq *q = pm_pick(w, src, 0);
         if (!q) break;
-        const uint32_t f = pm_byte(src) % 6, flags = f < 2 ? 0 : f < 4 ? PKV_COMPACT_EVICT : 2u << (f & 7);
+        static const uint32_t pick[7] = {0, 0, PKV_COMPACT_EVICT, PKV_COMPACT_EVICT, PKV_COMPACT_CACHED,
+                                         PKV_COMPACT_CACHED | PKV_COMPACT_EVICT, 4u};
+        const uint32_t f = pm_byte(src) % 8, flags = f < 7 ? pick[f] : 0; /* 7: the batch */
         pkv_stats before, after;
         uint32_t moved = 0;
         if (pkv_cache_get_stats(w->c, &before) < 0) return pm_fail(w, "stats");
-        if (f == 5) { /* the whole batch of live sequences at once: no count changes */
+        if (f == 7) { /* the whole batch of live sequences at once: no count changes */
             pkv_seq ids[PM_MAX_SEQS];
             uint32_t n = 0;
             for (int i = 0; i < PM_MAX_SEQS; i++)
@@ -777,7 +780,7 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         rc = pkv_seq_compact(w->c, q->id, flags, &moved);
         PM_TR(w, "%llu: s%d compact(%u) -> %s, %u moved\n", (unsigned long long)w->n_steps, PM_SI(w, q), flags,
               pkv_strerror(rc), moved);
-        PM_EXPECT(w, rc == (flags > 1 ? PKV_EINVAL : 0), "compact(%u): %s", flags, pkv_strerror(rc));
+        PM_EXPECT(w, rc == (flags > 3 ? PKV_EINVAL : 0), "compact(%u): %s", flags, pkv_strerror(rc));
         if (pkv_cache_get_stats(w->c, &after) < 0) return pm_fail(w, "stats");
         const uint64_t ev = after.evictions - before.evictions;
         PM_EXPECT(w, flags == PKV_COMPACT_EVICT || ev == 0, "compact(%u) evicted %llu", flags, (unsigned long long)ev);

@@ -242,20 +242,24 @@ PKV_API PKV_NODISCARD int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
  * before the run after it, whichever is shorter (the first on a tie) of those that fit; the two
  * then count as one run for the next gap. A run fits where s alone holds every block of it
  * (refcount 1: no fork or pin shares it) and every target id is FREE, one of the run's own (a
- * shift by less than its length) or, with PKV_COMPACT_EVICT in flags, a CACHED block that
- * eviction could take (a leaf of the prefix index). A move copies K/V of every layer and the
- * token ids, keeps the fill and committed counts and the block's place in the prefix index (a
- * later match finds the new id), and frees the old block to the back of the free queue.
- * Without PKV_COMPACT_EVICT nothing is evicted (so in a pool full of CACHED blocks nothing
- * moves) and no count in pkv_stats changes; with it, each CACHED target is evicted as an append
- * would (pkv_stats.evictions counts it; n_cached and n_indexed fall and n_free rises by one
- * each). Shared blocks never move, and runs move whole: the table's number of runs never
- * grows. A later call, or one for another sequence, may move more, into blocks this one freed.
- * *n_moved (may be NULL) gets the blocks moved; 0 is success too. The slots, block tables and
+ * shift by less than its length), with PKV_COMPACT_CACHED in flags any CACHED block, or with
+ * PKV_COMPACT_EVICT a CACHED block that eviction could take (a leaf of the prefix index). A move
+ * copies K/V of every layer and the token ids, keeps the fill and committed counts and the
+ * block's place in the prefix index (a later match finds the new id), and frees the old block
+ * to the back of the free queue. With PKV_COMPACT_CACHED a CACHED target is exchanged instead:
+ * it moves to the old id whole, keeping its K/V, its place in the index and in the LRU order,
+ * so no prefix is lost (two copies; with both flags CACHED targets are exchanged, none
+ * evicted). Without PKV_COMPACT_EVICT nothing is evicted (so in a pool full of CACHED blocks
+ * nothing moves unless PKV_COMPACT_CACHED is given) and no count in pkv_stats changes; with it
+ * alone, each CACHED target is evicted as an append would (pkv_stats.evictions counts it;
+ * n_cached and n_indexed fall and n_free rises by one each). Shared blocks never move, and runs
+ * move whole: the table's number of runs never grows. A later call, or one for another
+ * sequence, may move more, into blocks this one freed. *n_moved (may be NULL) gets the blocks
+ * copied: one a move, two an exchange; 0 is success too. The slots, block tables and
  * exports of s taken before are stale for the moved blocks: take them again. Not while an
  * attention call reads s (as for every call that changes a sequence). PKV_ENOENT for an unknown
  * id, PKV_EINVAL for a pin or an unknown flag; a failed call changes nothing. */
-enum { PKV_COMPACT_EVICT = 1u };
+enum { PKV_COMPACT_EVICT = 1u, PKV_COMPACT_CACHED = 2u };
 PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t flags, uint32_t *n_moved);
 
 /* Compaction of a batch (a decode batch, say) at once: lays the blocks of seqs[0 .. n) that each

@@ -470,6 +470,13 @@ static void test_compact_shared_indexed_bad(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* Asserts s's table is exactly the n ids given. */
+static void table_is(pkv_cache *c, pkv_seq s, const int32_t *want, uint32_t n) {
+    int32_t tab[16];
+    assert_int_equal(tu_table(c, s, tab, 16), n);
+    assert_memory_equal(tab, want, n * sizeof *want);
+}
+
 /* PKV_COMPACT_EVICT: a CACHED leaf of the index may be a target (evicted, counted), a CACHED
  * block with children may not; without the flag CACHED blocks are never targets; unknown flags
  * are refused. */
@@ -489,7 +496,7 @@ static void test_compact_evict(void **state) {
     uint32_t moved = 9;
     TU_OK(pkv_seq_compact(c, a, PKV_COMPACT_EVICT, &moved)); /* 1 has a child: not a target */
     assert_int_equal(moved, 0);
-    TU_RC(pkv_seq_compact(c, a, 2, &moved), PKV_EINVAL);
+    TU_RC(pkv_seq_compact(c, a, 4, &moved), PKV_EINVAL);
     TU_RC(pkv_seq_compact(c, a, 0x80000000u, &moved), PKV_EINVAL);
     assert_same(c, &a, &before);
     pkv_seq x = tu_seq(c);
@@ -520,6 +527,49 @@ static void test_compact_evict(void **state) {
     TU_OK(pkv_seq_match_prefix(c, m, prompt, 9, &reused));
     assert_int_equal(reused, 0); /* b's blocks are gone */
     pkv_cache_destroy(c);
+}
+
+/* PKV_COMPACT_CACHED: any CACHED block may be a target, a parent included, and is exchanged, not
+ * evicted: it keeps its K/V, its place in the index and in the LRU order; with both flags the
+ * exchange wins. */
+static void test_compact_cached(void **state) {
+    (void)state;
+    for (uint32_t flags = PKV_COMPACT_CACHED; flags <= (PKV_COMPACT_CACHED | PKV_COMPACT_EVICT); flags++) {
+        pkv_config cfg = cfg_small(5);
+        cfg.enable_prefix_cache = 1;
+        pkv_cache *c = tu_create(&cfg);
+        pkv_seq q[2] = {tu_seq(c), tu_seq(c)}, a = q[0], b = q[1];
+        lay_out(c, q, "0:4 1:4 0:4 1:4 0:4"); /* a 0, 2, 4, b 1, 3 */
+        TU_WRITE_PAT(c, a, 0, 12, 3);
+        TU_WRITE_PAT(c, b, 0, 8, 4);
+        TU_OK(pkv_seq_commit(c, b, 8)); /* 1 and its child 3 enter the index */
+        TU_OK(pkv_seq_release(c, b));   /* both CACHED, 3 first in LRU order */
+        const pkv_stats st0 = tu_stats(c);
+        uint32_t moved = 0;
+        TU_OK(pkv_seq_compact(c, a, flags, &moved));
+        /* 2 moves to 1 (b's first block to 2), then 4 to 2 (it goes on to 4): one run 0 1 2 */
+        assert_int_equal(moved, 4);
+        table_is(c, a, (const int32_t[]){0, 1, 2}, 3);
+        const pkv_stats st1 = tu_stats(c);
+        TU_STATS_EQ(&st0, &st1);
+        TU_SAME_PAT(c, a, 0, 12, 3);
+        TU_CHECK(c);
+        TU_OK(pkv_seq_compact(c, a, flags, &moved));
+        assert_int_equal(moved, 0);
+        pkv_seq x = tu_seq(c);
+        tu_append(c, x, 4, 900, NULL); /* no FREE block: evicts the LRU head, b's second block at 3 */
+        table_is(c, x, (const int32_t[]){3}, 1);
+        int32_t prompt[9];
+        tu_tokens(prompt, 9, 100);
+        pkv_seq m = tu_seq(c);
+        uint32_t reused = 0;
+        TU_OK(pkv_seq_match_prefix(c, m, prompt, 9, &reused));
+        assert_int_equal(reused, 4); /* b's first block, found at 4 */
+        table_is(c, m, (const int32_t[]){4}, 1);
+        TU_SAME_PAT(c, m, 0, 4, 4);
+        TU_CHECK(c);
+        pkv_cache_destroy(c);
+    }
 }
 
 /* pkv_batch_compact in a full pool: interleaved sequences are exchanged into one run each, in
@@ -660,12 +710,6 @@ static void test_batch_compact_slack(void **state) {
     pkv_cache_destroy(c);
 }
 
-/* Asserts s's table is exactly the n ids given. */
-static void table_is(pkv_cache *c, pkv_seq s, const int32_t *want, uint32_t n) {
-    int32_t tab[16];
-    assert_int_equal(tu_table(c, s, tab, 16), n);
-    assert_memory_equal(tab, want, n * sizeof *want);
-}
 
 /* pkv_batch_compact leaves what is laid out where it is: a sequence whose blocks already form
  * one group in id order stays; one that grew a block away from its run takes the run's own
@@ -1300,6 +1344,7 @@ int main(void) {
         cmocka_unit_test(test_batch_compact_slack),
         cmocka_unit_test(test_batch_compact_stable),
         cmocka_unit_test(test_batch_compact_choices),
+        cmocka_unit_test(test_compact_cached),
         cmocka_unit_test(test_batch_compact_kept_slack),
         cmocka_unit_test(test_batch_compact_cached),
     };

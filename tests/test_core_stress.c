@@ -540,13 +540,26 @@ static int cm_fits(const cmodel *m, int from, uint32_t len, int to) {
     for (int j = 0; j < (int)len; j++) {
         const int t = to + j;
         const int leaf = m->cached[t] && m->kids[t] == 0 && (m->flags & PKV_COMPACT_EVICT);
-        if (!m->mov[from + j] || (!m->free_[t] && (t < from || t >= from + (int)len) && !leaf)) return 0;
+        const int any = m->cached[t] && (m->flags & PKV_COMPACT_CACHED);
+        if (!m->mov[from + j] || (!m->free_[t] && (t < from || t >= from + (int)len) && !leaf && !any)) return 0;
     }
     return 1;
 }
 
-static void cm_move_block(cmodel *m, uint32_t i, int to) {
+/* Moves table entry i to id `to`; returns the copies (2 where a CACHED block is exchanged). */
+static uint32_t cm_move_block(cmodel *m, uint32_t i, int to) {
     const int from = m->t[i];
+    if (m->cached[to] && (m->flags & PKV_COMPACT_CACHED)) { /* exchanged: ids renamed */
+        const int p = m->par[from], k = m->kids[from];
+        m->par[from] = m->par[to], m->kids[from] = m->kids[to];
+        m->par[to] = p, m->kids[to] = k;
+        for (int b = 0; b < NBLK; b++) m->par[b] = m->par[b] == from ? to : m->par[b] == to ? from : m->par[b];
+        m->cached[from] = 1, m->mov[from] = 0;
+        m->cached[to] = 0, m->mov[to] = 1;
+        m->bc[to] = m->bc[from], m->bc[from] = 0;
+        m->t[i] = to;
+        return 2;
+    }
     if (m->cached[to]) { /* evicted */
         m->cached[to] = 0;
         if (m->par[to] >= 0) m->kids[m->par[to]]--;
@@ -560,14 +573,17 @@ static void cm_move_block(cmodel *m, uint32_t i, int to) {
     m->free_[to] = 0, m->mov[to] = 1;
     m->bc[to] = m->bc[from], m->bc[from] = 0;
     m->t[i] = to;
+    return 1;
 }
 
-static void cm_move(cmodel *m, uint32_t i, uint32_t len, int to) {
+static uint32_t cm_move(cmodel *m, uint32_t i, uint32_t len, int to) {
     const int down = to < m->t[i];
+    uint32_t copies = 0;
     for (uint32_t j = 0; j < len; j++) {
         const uint32_t k = down ? j : len - 1 - j;
-        cm_move_block(m, i + k, to + (int)k);
+        copies += cm_move_block(m, i + k, to + (int)k);
     }
+    return copies;
 }
 
 static uint32_t n_runs(const int32_t *t, uint32_t n) {
@@ -583,7 +599,7 @@ static void do_compact(world *w, sh_seq *s) {
     const pkv_cache *c = w->c;
     int32_t want[NBLK];
     cmodel m = {.t = want, .nb = s->nb, .bc = w->bc};
-    m.flags = w->prefix && tu_rng_chance(&w->r, 0.5) ? PKV_COMPACT_EVICT : 0;
+    m.flags = w->prefix ? tu_rng_below(&w->r, 4) : 0; /* EVICT, CACHED, both */
     for (int b = 0; b < NBLK; b++) m.par[b] = -1, m.kids[b] = 0;
     for (int b = 0; b < NBLK; b++) {
         const pkv__blk *k = &c->blk[b];
@@ -602,8 +618,8 @@ static void do_compact(world *w, sh_seq *s) {
         }
         const int a = cm_fits(&m, want[i], len, want[i - 1] + 1);
         const int b = cm_fits(&m, want[p0], plen, want[i] - (int)plen);
-        if (a && (!b || len <= plen)) cm_move(&m, i, len, want[i - 1] + 1), n_want += len;
-        else if (b) cm_move(&m, p0, plen, want[i] - (int)plen), n_want += plen;
+        if (a && (!b || len <= plen)) n_want += cm_move(&m, i, len, want[i - 1] + 1);
+        else if (b) n_want += cm_move(&m, p0, plen, want[i] - (int)plen);
         else p0 = i;
         i += len;
     }

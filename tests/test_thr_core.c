@@ -86,7 +86,7 @@ static void *worker(void *p) {
         /* compaction of this thread's sequences while the others work (the shared parents'
            blocks never move): their K/V stays */
         uint32_t moved = 0;
-        TCALL(a, pkv_seq_compact(c, g, tu_rng_chance(&r, 0.5) ? PKV_COMPACT_EVICT : 0, &moved));
+        TCALL(a, pkv_seq_compact(c, g, tu_rng_below(&r, 4) /* EVICT, CACHED */, &moved));
         a->moved += moved;
         TCALL(a, pkv_seq_compact(c, f, 0, &moved));
         a->moved += moved;

@@ -88,6 +88,8 @@ static void usage(FILE *f) {
             "                      sequences (what pool-order decode pays for; always reported)\n"
             "  --compact-evict     the same with PKV_COMPACT_EVICT: CACHED leaf blocks may be targets\n"
             "                      (evicted; counted in evictions)\n"
+            "  --compact-cached    the same with PKV_COMPACT_CACHED: CACHED blocks may be targets\n"
+            "                      (exchanged, so they stay in the prefix index)\n"
             "  --batch-compact N   every N steps, before the slots are taken, pkv_batch_compact of the\n"
             "                      decoding sequences, oldest first (after --compact's moves) [0: never]\n"
             "  --slack K           ids left free after each sequence by --batch-compact [0]\n"
@@ -139,6 +141,7 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         if (!strcmp(a, "--no-attn")) { c->so.attn = 0; continue; }
         if (!strcmp(a, "--compact")) { c->so.compact = 1; continue; }
         if (!strcmp(a, "--compact-evict")) { c->so.compact = 2; continue; }
+        if (!strcmp(a, "--compact-cached")) { c->so.compact = 3; continue; }
         if (!strcmp(a, "--repack")) { c->so.repack = 1; continue; }
         if (!strcmp(a, "--batch-cached")) { c->so.batch_cached = 1; continue; }
         if (!strcmp(a, "--no-progress")) { c->no_progress = 1; continue; }
@@ -228,7 +231,7 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            (unsigned long long)r->cow_copies, (unsigned long long)r->evictions, r->ttft_p50, r->ttft_p90, r->ttft_p99,
            r->pkv_s, r->attn_s, r->wall_s, r->decode_tok_s, c->so.attn ? "true" : "false",
            r->check_rc == 0 ? "ok" : "failed", rss_mib(), (unsigned long long)c->wo.seed, decode_switch(r),
-           c->so.compact == 2 ? "evict" : c->so.compact ? "on" : "off", c->so.batch_compact, c->so.slack,
+           c->so.compact == 3 ? "cached" : c->so.compact == 2 ? "evict" : c->so.compact ? "on" : "off", c->so.batch_compact, c->so.slack,
            c->so.repack ? "true" : "false", c->so.batch_cached ? "true" : "false", (unsigned long long)r->compact_moved, r->compact_s);
 }
 
@@ -375,7 +378,10 @@ int tool_sim(int argc, char **argv) {
                        sim_policy_names[res[i].policy], 100.0 * decode_switch(&res[i]));
                 if (c.so.compact || c.so.batch_compact)
                     printf("; %s%s%s%s copied %llu blocks in %.3f s",
-                           c.so.compact == 2 ? "--compact-evict" : c.so.compact ? "--compact" : "",
+                           c.so.compact == 3   ? "--compact-cached"
+                           : c.so.compact == 2 ? "--compact-evict"
+                           : c.so.compact      ? "--compact"
+                                               : "",
                            c.so.compact && c.so.batch_compact ? " and " : "",
                            c.so.batch_compact ? (c.so.repack ? "--batch-compact --repack" : "--batch-compact") : "",
                            c.so.batch_compact && c.so.batch_cached ? " --batch-cached" : "",

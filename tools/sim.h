@@ -73,8 +73,9 @@ typedef struct sim_opts {
     double headroom;        /* blocks per running sequence kept free at admission */
     uint32_t n_threads;
     int attn;               /* 0: --no-attn (no K/V writes, no kernels) */
-    int compact;            /* --compact (1) / --compact-evict (2): pkv_seq_compact on each decoding
-                               sequence every step, with PKV_COMPACT_EVICT for 2 */
+    int compact;            /* --compact (1) / --compact-evict (2) / --compact-cached (3):
+                               pkv_seq_compact on each decoding sequence every step, with
+                               PKV_COMPACT_EVICT for 2, PKV_COMPACT_CACHED for 3 */
     uint32_t batch_compact; /* --batch-compact N: pkv_batch_compact of the decoding sequences every
                                N steps (0: never), with `slack` ids after each */
     uint32_t slack;         /* --slack K */

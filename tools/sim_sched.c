@@ -439,7 +439,11 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
                 if (e->prefill) continue;
                 S.dec_seqs[nb++] = e->s;
                 if (!o->compact) continue;
-                if ((rc = pkv_seq_compact(S.c, e->s, o->compact > 1 ? PKV_COMPACT_EVICT : 0, &m)) < 0) {
+                if ((rc = pkv_seq_compact(S.c, e->s,
+                                                   o->compact == 3   ? PKV_COMPACT_CACHED
+                                                   : o->compact == 2 ? PKV_COMPACT_EVICT
+                                                                     : 0u,
+                                                   &m)) < 0) {
                     fail(&S, rc, "pkv_seq_compact");
                     goto done;
                 }

@@ -622,96 +622,6 @@ out:
     return rc;
 }
 
-/* Moves block table[i] of s, which s alone holds, into block dst, FREE or a CACHED leaf (which
- * is evicted first, as an append would): K/V of every layer and the token ids (dst is nobody's
- * then), its place in the prefix index, then the counts. The source is freed before dst is
- * made ACTIVE, so the counts (peak_active too) never see both in use. */
-static void move_block(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t dst) {
-    const uint32_t src = (uint32_t)s->table[i];
-    if (c->blk[dst].state == PKV_BLK_CACHED) evict(c, dst); /* PKV_COMPACT_EVICT: a leaf */
-    else pkv__pool_free_remove(&c->pool, dst);
-    const pkv__blk was = c->blk[src]; /* its counts and index fields, for dst once it is ACTIVE */
-    pkv__copy_block(c, dst, src, was.n_fill);
-    if (was.flags) pkv__index_repoint(c, src, dst);
-    pkv__drop_block(c, src);
-    pkv__pool_activate(&c->pool, dst);
-    pkv__pool_set_fill(&c->pool, dst, was.n_fill);
-    pkv__blk *d = &c->blk[dst];
-    d->n_commit = was.n_commit;
-    if (was.flags) {
-        d->flags = was.flags;
-        d->hash = was.hash, d->chash = was.chash, d->ns_lo = was.ns_lo, d->ns_hi = was.ns_hi;
-        d->parent = was.parent, d->hnext = was.hnext, d->child = was.child;
-        d->sib_prev = was.sib_prev, d->sib_next = was.sib_next, d->n_children = was.n_children;
-    }
-    s->table[i] = (int32_t)dst;
-}
-
-/* Whether block b may move: s alone holds it (no fork, no pin shares it). An indexed block
- * moves with its index entry. */
-static bool movable(const pkv_cache *c, uint32_t b) { return c->blk[b].ref == 1; }
-
-/* Length of the run of consecutive ids of s's table that starts at index i. */
-static uint32_t run_at(const pkv__seq *s, uint32_t i) {
-    uint32_t len = 1;
-    while (i + len < s->n_blocks && s->table[i + len] == s->table[i + len - 1] + 1) len++;
-    return len;
-}
-
-/* Whether the len blocks from id `from` may move to ids [to, to + len): each movable, each
- * target FREE, one of the run's own (a shift by less than the run's length), or with
- * PKV_COMPACT_EVICT a CACHED leaf of the index (what eviction may take). */
-static bool run_fits(const pkv_cache *c, uint32_t flags, uint32_t from, uint32_t len, int64_t to) {
-    if (to < 0 || to == from || to + len > c->n_blocks) return false;
-    for (uint32_t j = 0; j < len; j++) {
-        const uint64_t t = (uint64_t)to + j;
-        const pkv__blk *k = &c->blk[t];
-        const bool leaf = k->state == PKV_BLK_CACHED && k->child == PKV_NONE && k->n_children == 0;
-        if (!movable(c, from + j) ||
-            (k->state != PKV_BLK_FREE && (t < from || t >= from + len) && !((flags & PKV_COMPACT_EVICT) && leaf)))
-            return false;
-    }
-    return true;
-}
-
-/* Moves table[i .. i + len) to ids [to, to + len), from the end it moves towards, so that each
- * target is free when its turn comes. */
-static void move_run(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t len, uint32_t to) {
-    const bool down = to < (uint32_t)s->table[i];
-    for (uint32_t j = 0; j < len; j++) {
-        const uint32_t k = down ? j : len - 1 - j;
-        move_block(c, s, i + k, to + k);
-    }
-}
-
-PKV_API int pkv_seq_compact(pkv_cache *c, pkv_seq id, uint32_t flags, uint32_t *n_moved) {
-    if (!c || (flags & ~(uint32_t)PKV_COMPACT_EVICT)) return PKV_EINVAL;
-    LOCK(c);
-    pkv__seq *s;
-    uint32_t moved = 0;
-    int rc = get_seq(c, id, &s);
-    /* table[p0 .. i) is a run; at each gap, the cheaper of the two runs beside it that fits
-       moves to meet the other, and they go on as one */
-    for (uint32_t p0 = 0, i = rc ? UINT32_MAX : run_at(s, 0); !rc && i < s->n_blocks;) {
-        const uint32_t len = run_at(s, i), plen = i - p0;
-        const uint32_t next = (uint32_t)s->table[i], prev = (uint32_t)s->table[p0];
-        const uint32_t after = (uint32_t)s->table[i - 1] + 1; /* the id that would join the runs */
-        if (next == after) { /* met by the move before */
-            i += len;
-            continue;
-        }
-        const bool a = run_fits(c, flags, next, len, after);
-        const bool b = run_fits(c, flags, prev, plen, (int64_t)next - plen);
-        if (a && (!b || len <= plen)) move_run(c, s, i, len, after), moved += len;
-        else if (b) move_run(c, s, p0, plen, next - plen), moved += plen;
-        else p0 = i;
-        i += len;
-    }
-    if (!rc && n_moved) *n_moved = moved;
-    UNLOCK(c);
-    return rc;
-}
-
 /* Exchanges the contents of blocks x and y: K/V of every layer through a small buffer, and the
  * token ids. */
 static void swap_content(pkv_cache *c, uint32_t x, uint32_t y) {
@@ -787,6 +697,108 @@ static void exchange_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
     if (heads[0] != PKV_NONE) c->buckets[heads[0]] = renamed(c->buckets[heads[0]], x, y);
     if (heads[1] != PKV_NONE && heads[1] != heads[0]) c->buckets[heads[1]] = renamed(c->buckets[heads[1]], x, y);
     swap_content(c, x, y);
+}
+
+/* Moves block table[i] of s, which s alone holds, into block dst, FREE or a CACHED leaf (which
+ * is evicted first, as an append would): K/V of every layer and the token ids (dst is nobody's
+ * then), its place in the prefix index, then the counts. The source is freed before dst is
+ * made ACTIVE, so the counts (peak_active too) never see both in use. */
+static void move_block(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t dst) {
+    const uint32_t src = (uint32_t)s->table[i];
+    if (c->blk[dst].state == PKV_BLK_CACHED) evict(c, dst); /* PKV_COMPACT_EVICT: a leaf */
+    else pkv__pool_free_remove(&c->pool, dst);
+    const pkv__blk was = c->blk[src]; /* its counts and index fields, for dst once it is ACTIVE */
+    pkv__copy_block(c, dst, src, was.n_fill);
+    if (was.flags) pkv__index_repoint(c, src, dst);
+    pkv__drop_block(c, src);
+    pkv__pool_activate(&c->pool, dst);
+    pkv__pool_set_fill(&c->pool, dst, was.n_fill);
+    pkv__blk *d = &c->blk[dst];
+    d->n_commit = was.n_commit;
+    if (was.flags) {
+        d->flags = was.flags;
+        d->hash = was.hash, d->chash = was.chash, d->ns_lo = was.ns_lo, d->ns_hi = was.ns_hi;
+        d->parent = was.parent, d->hnext = was.hnext, d->child = was.child;
+        d->sib_prev = was.sib_prev, d->sib_next = was.sib_next, d->n_children = was.n_children;
+    }
+    s->table[i] = (int32_t)dst;
+}
+
+/* Whether block b may move: s alone holds it (no fork, no pin shares it). An indexed block
+ * moves with its index entry. */
+static bool movable(const pkv_cache *c, uint32_t b) { return c->blk[b].ref == 1; }
+
+/* Length of the run of consecutive ids of s's table that starts at index i. */
+static uint32_t run_at(const pkv__seq *s, uint32_t i) {
+    uint32_t len = 1;
+    while (i + len < s->n_blocks && s->table[i + len] == s->table[i + len - 1] + 1) len++;
+    return len;
+}
+
+/* Whether the len blocks from id `from` may move to ids [to, to + len): each movable, each
+ * target FREE, one of the run's own (a shift by less than the run's length), with
+ * PKV_COMPACT_CACHED any CACHED block (exchanged), or with PKV_COMPACT_EVICT a CACHED leaf of the
+ * index (what eviction may take). */
+static bool run_fits(const pkv_cache *c, uint32_t flags, uint32_t from, uint32_t len, int64_t to) {
+    if (to < 0 || to == from || to + len > c->n_blocks) return false;
+    for (uint32_t j = 0; j < len; j++) {
+        const uint64_t t = (uint64_t)to + j;
+        const pkv__blk *k = &c->blk[t];
+        const bool cached = k->state == PKV_BLK_CACHED;
+        const bool leaf = cached && k->child == PKV_NONE && k->n_children == 0;
+        const bool room = k->state == PKV_BLK_FREE || (cached && (flags & PKV_COMPACT_CACHED)) ||
+                          (leaf && (flags & PKV_COMPACT_EVICT));
+        if (!movable(c, from + j) || (!room && (t < from || t >= from + len))) return false;
+    }
+    return true;
+}
+
+/* Moves table[i .. i + len) to ids [to, to + len), from the end it moves towards, so that each
+ * target is free (or, with PKV_COMPACT_CACHED, CACHED: exchanged) when its turn comes. Returns
+ * the blocks copied. */
+static uint32_t move_run(pkv_cache *c, pkv__seq *s, uint32_t flags, uint32_t i, uint32_t len, uint32_t to) {
+    const bool down = to < (uint32_t)s->table[i];
+    uint32_t copies = 0;
+    for (uint32_t j = 0; j < len; j++) {
+        const uint32_t k = down ? j : len - 1 - j;
+        if ((flags & PKV_COMPACT_CACHED) && c->blk[to + k].state == PKV_BLK_CACHED) {
+            exchange_blocks(c, (uint32_t)s->table[i + k], to + k);
+            s->table[i + k] = (int32_t)(to + k);
+            copies += 2;
+        } else {
+            move_block(c, s, i + k, to + k);
+            copies++;
+        }
+    }
+    return copies;
+}
+
+PKV_API int pkv_seq_compact(pkv_cache *c, pkv_seq id, uint32_t flags, uint32_t *n_moved) {
+    if (!c || (flags & ~(uint32_t)(PKV_COMPACT_EVICT | PKV_COMPACT_CACHED))) return PKV_EINVAL;
+    LOCK(c);
+    pkv__seq *s;
+    uint32_t moved = 0;
+    int rc = get_seq(c, id, &s);
+    /* table[p0 .. i) is a run; at each gap, the cheaper of the two runs beside it that fits
+       moves to meet the other, and they go on as one */
+    for (uint32_t p0 = 0, i = rc ? UINT32_MAX : run_at(s, 0); !rc && i < s->n_blocks;) {
+        const uint32_t len = run_at(s, i), plen = i - p0;
+        const uint32_t next = (uint32_t)s->table[i], prev = (uint32_t)s->table[p0];
+        const uint32_t after = (uint32_t)s->table[i - 1] + 1; /* the id that would join the runs */
+        if (next == after) { /* met by the move before */
+            i += len;
+            continue;
+        }
+        const bool a = run_fits(c, flags, next, len, after);
+        const bool b = run_fits(c, flags, prev, plen, (int64_t)next - plen);
+        if (a && (!b || len <= plen)) moved += move_run(c, s, flags, i, len, after);
+        else if (b) moved += move_run(c, s, flags, p0, plen, next - plen);
+        else p0 = i;
+        i += len;
+    }
+    if (!rc && n_moved) *n_moved = moved;
+    UNLOCK(c);
+    return rc;
 }
 
 /* pkv_batch_compact. The owner map (the checker's scratch, under the lock) holds, for each id,
