@@ -484,15 +484,17 @@ class Cache:
         """Keeps positions [0, n)."""
         _check(_lib.pkv_seq_truncate(self._h(), _seq_of(seq), _u32_of(n, "n")), "pkv_seq_truncate")
 
-    def compact(self, seq, evict=False):
+    def compact(self, seq, evict=False, cached=False):
         """Moves runs of seq's blocks that it alone holds (no fork or pin shares them) into FREE
-        blocks (with evict=True also CACHED leaf blocks, evicted as an append would) so that its
-        block table holds longer runs of consecutive ids: at each gap, the shorter of the two runs
+        blocks (with evict=True also CACHED leaf blocks, evicted as an append would; with
+        cached=True any CACHED block, exchanged so that it stays findable) so that its block
+        table holds longer runs of consecutive ids: at each gap, the shorter of the two runs
         beside it that fits moves to meet the other (pkv.h, pkv_seq_compact). Returns the number
-        of blocks moved. Slots and block tables taken before are stale for the moved blocks."""
+        of block copies (two an exchange). Slots and block tables taken before are stale for the
+        moved blocks."""
         out = _u32()
-        _check(_lib.pkv_seq_compact(self._h(), _seq_of(seq), 1 if evict else 0, ctypes.byref(out)),
-               "pkv_seq_compact")
+        _check(_lib.pkv_seq_compact(self._h(), _seq_of(seq), (1 if evict else 0) | (2 if cached else 0),
+                                    ctypes.byref(out)), "pkv_seq_compact")
         return out.value
 
     def batch_compact(self, seqs, slack=0, repack=False, cached=False):

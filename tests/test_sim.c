@@ -176,7 +176,22 @@ static void test_compact_keeps_schedule(void **state) {
     assert_true(field(re.line[1], "compacted_blocks") == field(rc.line[1], "compacted_blocks"));
     assert_true(field(re.line[1], "decode_switch") == field(rc.line[1], "decode_switch"));
     assert_true(field(re.line[0], "decode_switch") < 0.7 * field(ra.line[0], "decode_switch"));
-    free(ra.out), free(rb.out), free(rc.out), free(rd.out), free(re.out);
+    /* --compact-cached: pkv_seq_compact exchanges with CACHED blocks (none evicted): the same
+       schedule, the paged run as with --compact, and the prefix run's switches below its */
+    char *f[] = {"pkv", "sim", SMALL, "--requests", "50", "--blocks", "300", "--seed", "9", "--compact-cached", NULL};
+    runs rf;
+    sim(f, &rf);
+    for (int i = 0; i < 3; i++) {
+        assert_true(field(rf.line[i], "check") == 1.0);
+        for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++)
+            if (field(ra.line[i], keys[k]) != field(rf.line[i], keys[k]))
+                fail_msg("%s: %g without --compact-cached, %g with", keys[k], field(ra.line[i], keys[k]),
+                         field(rf.line[i], keys[k]));
+    }
+    assert_true(field(rf.line[1], "compacted_blocks") == field(rb.line[1], "compacted_blocks"));
+    assert_true(field(rf.line[1], "decode_switch") == field(rb.line[1], "decode_switch"));
+    assert_true(field(rf.line[0], "decode_switch") < field(rb.line[0], "decode_switch"));
+    free(ra.out), free(rb.out), free(rc.out), free(rd.out), free(re.out), free(rf.out);
 }
 
 /* A pool too small for the offered load: the paged policies preempt (recompute) and still

@@ -385,15 +385,19 @@ func (c *Cache) Truncate(s Seq, n uint32) error {
 }
 
 // Compact moves runs of the sequence's blocks that it alone holds (no fork or pin shares them)
-// into FREE blocks (with evict, also CACHED leaf blocks, evicted as an append would) so that its
-// block table holds longer runs of consecutive ids: at each gap, the shorter of the two runs
-// beside it that fits moves to meet the other (pkv.h, pkv_seq_compact); returns the number of
-// blocks moved. Slots and block tables taken before are stale for the moved blocks.
-func (c *Cache) Compact(s Seq, evict bool) (uint32, error) {
+// into FREE blocks (with evict, also CACHED leaf blocks, evicted as an append would; with
+// cached, any CACHED block, exchanged so that it stays findable) so that its block table holds
+// longer runs of consecutive ids: at each gap, the shorter of the two runs beside it that fits
+// moves to meet the other (pkv.h, pkv_seq_compact); returns the number of block copies (two an
+// exchange). Slots and block tables taken before are stale for the moved blocks.
+func (c *Cache) Compact(s Seq, evict, cached bool) (uint32, error) {
 	var moved C.uint32_t
 	flags := C.uint32_t(0)
 	if evict {
-		flags = C.PKV_COMPACT_EVICT
+		flags |= C.PKV_COMPACT_EVICT
+	}
+	if cached {
+		flags |= C.PKV_COMPACT_CACHED
 	}
 	err := c.seqOp("pkv_seq_compact", func(p *C.pkv_cache) C.int { return C.pkv_seq_compact(p, C.pkv_seq(s), flags, &moved) })
 	return uint32(moved), err

@@ -288,6 +288,49 @@ func TestSoftcapWindowMerge(t *testing.T) {
 	assertClose(t, oa, w, 1e-5, "the fork truncated to 20")
 }
 
+func TestCompactCached(t *testing.T) {
+	r := rng(6)
+	cfg := DefaultConfig()
+	cfg.NKVHeads, cfg.HeadDim, cfg.NBlocks, cfg.KDtype, cfg.VDtype, cfg.NThreads = 2, 32, 8, F16, F16, 1
+	c, err := NewCache(cfg)
+	must(t, err)
+	t.Cleanup(c.Close)
+	a, err := c.SeqCreate(nil)
+	must(t, err)
+	b, err := c.SeqCreate([]byte("b")) // another salt: its block is not a duplicate of a's first
+	must(t, err)
+	fill(t, c, a, 16, &r)
+	fill(t, c, b, 16, &r)
+	fill(t, c, a, 20, &r) // blocks 2 and 3
+	k0, v0, err := c.Gather(a, 0, 0, 36)
+	must(t, err)
+	must(t, c.Release(b))
+	st, err := c.Stats()
+	must(t, err)
+	if st.NCached != 1 {
+		t.Fatalf("n_cached %d", st.NCached)
+	}
+	if n, err := c.Compact(a, false, false); err != nil || n != 0 { // 1 is CACHED
+		t.Fatalf("compact without cached: %d, %v", n, err)
+	}
+	if n, err := c.Compact(a, false, true); err != nil || n != 2 { // 0 and 1 exchanged: two copies
+		t.Fatalf("compact with cached: %d, %v", n, err)
+	}
+	tab, err := c.BlockTable(a)
+	must(t, err)
+	st2, err := c.Stats()
+	must(t, err)
+	if fmt.Sprint(tab) != "[1 2 3]" || st2.NCached != 1 || st2.NFree != st.NFree || st2.Evictions != st.Evictions {
+		t.Fatalf("after compact with cached: table %v, stats %+v", tab, st2)
+	}
+	k1, v1, err := c.Gather(a, 0, 0, 36)
+	must(t, err)
+	if fmt.Sprint(k0, v0) != fmt.Sprint(k1, v1) {
+		t.Fatal("K/V changed by compact")
+	}
+	must(t, c.Check())
+}
+
 func TestCompact(t *testing.T) {
 	r := rng(5)
 	cfg := DefaultConfig()
@@ -316,13 +359,13 @@ func TestCompact(t *testing.T) {
 	q := r.vec(4 * 32)
 	out0, out1 := make([]float32, len(q)), make([]float32, len(q))
 	must(t, c.Decode(0, []Seq{a}, q, out0, AttnParams{NQHeads: 4}, nil))
-	if n, err := c.Compact(a, false); err != nil || n != 0 { // block 1 is b's
+	if n, err := c.Compact(a, false, false); err != nil || n != 0 { // block 1 is b's
 		t.Fatalf("compact with 1 held: %d, %v", n, err)
 	}
 	must(t, c.Release(b))
 	st, err := c.Stats()
 	must(t, err)
-	if n, err := c.Compact(a, false); err != nil || n != 1 { // 0 moves to 1: one copy, where 2, 3 to 1, 2 is two
+	if n, err := c.Compact(a, false, false); err != nil || n != 1 { // 0 moves to 1: one copy, where 2, 3 to 1, 2 is two
 		t.Fatalf("compact: %d, %v", n, err)
 	}
 	if got := table(); got != "[1 2 3]" {
@@ -340,7 +383,7 @@ func TestCompact(t *testing.T) {
 		t.Fatal("K/V or decode changed by compact")
 	}
 	must(t, c.Check())
-	if _, err := c.Compact(b, true); code(err) != ENOENT {
+	if _, err := c.Compact(b, true, false); code(err) != ENOENT {
 		t.Fatalf("compact of a released sequence: %v", err)
 	}
 	// a full pool: the batch's blocks are exchanged into one run a sequence

@@ -402,6 +402,35 @@ class TestCache(Base):
             self.assertEqual(c.stats()["n_free"], 32)
             c.check()
 
+    def test_compact_cached(self):
+        # prefix cache on: b's committed block is CACHED once b leaves; with cached=True a's block
+        # is exchanged with it, and it stays findable at its new id with its K/V
+        with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=8, k_dtype="f16", v_dtype="f16", n_threads=1) as c:
+            a, b = c.seq_create(), c.seq_create()
+            self.fill(c, a, 16)
+            tb = self.fill(c, b, 16)
+            self.fill(c, a, 20)
+            np.testing.assert_array_equal(c.block_table(a), [0, 2, 3])
+            Ka, Va = c.gather(a, 0)
+            Kb, Vb = c.gather(b, 0)
+            c.release(b)
+            st = c.stats()
+            self.assertEqual(st["n_cached"], 1)
+            self.assertEqual(c.compact(a), 0)  # 1 is CACHED
+            self.assertEqual(c.compact(a, cached=True), 2)  # 0 and 1 exchanged: two copies
+            np.testing.assert_array_equal(c.block_table(a), [1, 2, 3])
+            self.assertEqual(c.stats(), st)
+            K1, V1 = c.gather(a, 0)
+            np.testing.assert_array_equal(K1, Ka)
+            np.testing.assert_array_equal(V1, Va)
+            m = c.seq_create()
+            self.assertEqual(c.match_prefix(m, list(tb) + [1]), 16)
+            np.testing.assert_array_equal(c.block_table(m), [0])
+            K2, V2 = c.gather(m, 0)
+            np.testing.assert_array_equal(K2, Kb)
+            np.testing.assert_array_equal(V2, Vb)
+            c.check()
+
     def test_compact(self):
         # prefix cache off: committed blocks stay movable; a and b interleave, then b leaves
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=8, k_dtype="f16", v_dtype="f16", n_threads=1,

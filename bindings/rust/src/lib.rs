@@ -488,14 +488,16 @@ impl Cache {
     }
 
     /// Moves runs of the sequence's blocks that it alone holds (no fork or pin shares them) into
-    /// FREE blocks (with `evict`, also CACHED leaf blocks, evicted as an append would) so that its
-    /// block table holds longer runs of consecutive ids: at each gap, the shorter of the two runs
-    /// beside it that fits moves to meet the other (pkv.h, pkv_seq_compact). Returns the number
-    /// of blocks moved. Slots and block tables taken before are stale for the moved blocks.
-    pub fn compact(&mut self, s: Seq, evict: bool) -> Result<u32> {
+    /// FREE blocks (with `evict`, also CACHED leaf blocks, evicted as an append would; with
+    /// `cached`, any CACHED block, exchanged so that it stays findable) so that its block table
+    /// holds longer runs of consecutive ids: at each gap, the shorter of the two runs beside it
+    /// that fits moves to meet the other (pkv.h, pkv_seq_compact). Returns the number of block
+    /// copies (two an exchange). Slots and block tables taken before are stale for the moved
+    /// blocks.
+    pub fn compact(&mut self, s: Seq, evict: bool, cached: bool) -> Result<u32> {
         let mut moved = 0u32;
         check(
-            unsafe { ffi::pkv_seq_compact(self.p(), s.0, evict as u32, &mut moved) },
+            unsafe { ffi::pkv_seq_compact(self.p(), s.0, evict as u32 | (cached as u32) << 1, &mut moved) },
             "pkv_seq_compact",
         )?;
         Ok(moved)

@@ -540,6 +540,36 @@ fn prefix_fork_cow_exports() {
 }
 
 #[test]
+fn compact_exchanges_cached_blocks() {
+    let mut rng = Rng(6);
+    let mut c = Cache::new(&Config {
+        n_threads: 1,
+        ..cfg(2, 32, 8, Dtype::F16)
+    })
+    .unwrap();
+    // b under another salt: its block is not a duplicate of a's first, so it stays CACHED
+    let (a, b) = (c.seq_create(b"").unwrap(), c.seq_create(b"b").unwrap());
+    fill(&mut c, a, 16, &mut rng);
+    fill(&mut c, b, 16, &mut rng);
+    fill(&mut c, a, 20, &mut rng); // blocks 2 and 3
+    assert_eq!(c.block_table(a).unwrap(), vec![0, 2, 3]);
+    let before = c.gather(a, 0, 0, 36).unwrap();
+    c.release(b).unwrap();
+    let st = c.stats().unwrap();
+    assert_eq!(st.n_cached, 1);
+    assert_eq!(c.compact(a, false, false).unwrap(), 0); // 1 is CACHED
+    assert_eq!(c.compact(a, false, true).unwrap(), 2); // 0 and 1 exchanged: two copies
+    assert_eq!(c.block_table(a).unwrap(), vec![1, 2, 3]);
+    let st2 = c.stats().unwrap();
+    assert_eq!(
+        (st.n_cached, st.n_free, st.n_indexed, st.evictions),
+        (st2.n_cached, st2.n_free, st2.n_indexed, st2.evictions)
+    );
+    assert_eq!(c.gather(a, 0, 0, 36).unwrap(), before);
+    c.check().unwrap();
+}
+
+#[test]
 fn compact_moves_runs_and_keeps_data() {
     let mut rng = Rng(5);
     let mut c = Cache::new(&Config {
@@ -561,10 +591,10 @@ fn compact_moves_runs_and_keeps_data() {
     };
     let (mut out0, mut out1) = (vec![0f32; 4 * 32], vec![0f32; 4 * 32]);
     c.decode(0, &[a], &q, &mut out0, &p, None).unwrap();
-    assert_eq!(c.compact(a, false).unwrap(), 0); // block 1 is b's
+    assert_eq!(c.compact(a, false, false).unwrap(), 0); // block 1 is b's
     c.release(b).unwrap();
     let st = c.stats().unwrap();
-    assert_eq!(c.compact(a, false).unwrap(), 1); // 0 moves to 1: one copy, where 2, 3 to 1, 2 is two
+    assert_eq!(c.compact(a, false, false).unwrap(), 1); // 0 moves to 1: one copy, where 2, 3 to 1, 2 is two
     assert_eq!(c.block_table(a).unwrap(), vec![1, 2, 3]);
     let st2 = c.stats().unwrap();
     assert_eq!(
@@ -575,7 +605,7 @@ fn compact_moves_runs_and_keeps_data() {
     c.decode(0, &[a], &q, &mut out1, &p, None).unwrap();
     assert_eq!(out0, out1);
     c.check().unwrap();
-    assert_eq!(c.compact(b, true).unwrap_err().code(), ENOENT);
+    assert_eq!(c.compact(b, true, false).unwrap_err().code(), ENOENT);
     // a full pool: the batch's blocks are exchanged into one run a sequence
     let d = c.seq_create(b"").unwrap();
     fill(&mut c, d, 80, &mut rng);
