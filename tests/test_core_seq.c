@@ -529,6 +529,26 @@ static void test_compact_evict(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* In a pool with no FREE block, of a prefix of two blocks (tokens from `first`, K/V written with
+ * `tag`) that was released: a new sequence's append evicts the LRU head, which must be the
+ * prefix's second block, at id `evicted`; a match of the prompt then reuses the first block, at
+ * id `found`, with its K/V. So the two kept their LRU order and index places wherever they
+ * went. */
+static void evict_then_match(pkv_cache *c, int32_t evicted, int32_t first, int32_t found, uint32_t tag) {
+    pkv_seq x = tu_seq(c);
+    tu_append(c, x, 4, 900, NULL);
+    table_is(c, x, &evicted, 1);
+    int32_t prompt[9];
+    tu_tokens(prompt, 9, first);
+    pkv_seq m = tu_seq(c);
+    uint32_t reused = 0;
+    TU_OK(pkv_seq_match_prefix(c, m, prompt, 9, &reused));
+    assert_int_equal(reused, 4);
+    table_is(c, m, &found, 1);
+    TU_SAME_PAT(c, m, 0, 4, tag);
+    TU_CHECK(c);
+}
+
 /* PKV_COMPACT_CACHED: any CACHED block may be a target, a parent included, and is exchanged, not
  * evicted: it keeps its K/V, its place in the index and in the LRU order; with both flags the
  * exchange wins. */
@@ -556,18 +576,7 @@ static void test_compact_cached(void **state) {
         TU_CHECK(c);
         TU_OK(pkv_seq_compact(c, a, flags, &moved));
         assert_int_equal(moved, 0);
-        pkv_seq x = tu_seq(c);
-        tu_append(c, x, 4, 900, NULL); /* no FREE block: evicts the LRU head, b's second block at 3 */
-        table_is(c, x, (const int32_t[]){3}, 1);
-        int32_t prompt[9];
-        tu_tokens(prompt, 9, 100);
-        pkv_seq m = tu_seq(c);
-        uint32_t reused = 0;
-        TU_OK(pkv_seq_match_prefix(c, m, prompt, 9, &reused));
-        assert_int_equal(reused, 4); /* b's first block, found at 4 */
-        table_is(c, m, (const int32_t[]){4}, 1);
-        TU_SAME_PAT(c, m, 0, 4, 4);
-        TU_CHECK(c);
+        evict_then_match(c, 3, 100, 4, 4); /* b's second block evicted at 3, its first found at 4 */
         pkv_cache_destroy(c);
     }
 }
@@ -986,18 +995,7 @@ static void test_batch_compact_cached(void **state) {
     TU_CHECK(c);
     TU_OK(pkv_batch_compact(c, q, 2, 0, PKV_BATCH_CACHED, &moved));
     assert_int_equal(moved, 0);
-    pkv_seq x = tu_seq(c);
-    tu_append(c, x, 4, 900, NULL); /* no FREE block: evicts the LRU head, q2's second block at 4 */
-    table_is(c, x, (const int32_t[]){4}, 1);
-    int32_t prompt[9];
-    tu_tokens(prompt, 9, 200);
-    pkv_seq m = tu_seq(c);
-    uint32_t reused = 0;
-    TU_OK(pkv_seq_match_prefix(c, m, prompt, 9, &reused));
-    assert_int_equal(reused, 4); /* q2's first block, found at 6 */
-    table_is(c, m, (const int32_t[]){6}, 1);
-    TU_SAME_PAT(c, m, 0, 4, 3);
-    TU_CHECK(c);
+    evict_then_match(c, 4, 200, 6, 3); /* q2's second block evicted at 4, its first found at 6 */
     pkv_cache_destroy(c);
 
     /* CACHED ids inside a kept sequence's span are closed to the others like FREE ones: q0 (0, 3)
