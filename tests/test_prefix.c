@@ -291,6 +291,66 @@ static void test_prefix_salt_isolation(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* Blocks exchanged by compaction (exchange_blocks) where every indexed block shares one hash
+ * chain: a batch's indexed entries and the CACHED blocks of two released prompts interleaved,
+ * laid out with PKV_BATCH_CACHED, then the same pool again through pkv_seq_compact with
+ * PKV_COMPACT_CACHED. The chain's links, bucket head and tree stay sound (the checker), the
+ * sequences keep their K/V, and the released prompts are still found whole, with theirs. */
+static void test_prefix_exchange_one_chain(void **state) {
+    (void)state;
+    for (int batch = 1; batch >= 0; batch--) {
+        pkv_cache *c = tp_cache(4, 12, 2, PKV_DTYPE_F32, 1);
+        pkv__cache_test_const_hash(c, 1);
+        int32_t ta[12], tb[12], t1[9], t2[9];
+        tp_tokens(ta, 12, 41), tp_tokens(tb, 12, 42), tp_tokens(t1, 9, 43), tp_tokens(t2, 9, 44);
+        pkv_seq a = tp_seq(c, 1), b = tp_seq(c, 1), r1 = tp_seq(c, 1), r2 = tp_seq(c, 1);
+        /* ids in turn: a 0, r1 1, b 2, r1 3, a 4, r2 5, b 6, r2 7, a 8, b 9; 10, 11 FREE */
+        tp_compute(c, a, 1, ta, 0, 4), tp_compute(c, r1, 1, t1, 0, 4), tp_compute(c, b, 1, tb, 0, 4);
+        tp_compute(c, r1, 1, t1, 4, 4), tp_compute(c, a, 1, ta, 4, 4), tp_compute(c, r2, 1, t2, 0, 4);
+        tp_compute(c, b, 1, tb, 4, 4), tp_compute(c, r2, 1, t2, 4, 4), tp_compute(c, a, 1, ta, 8, 4);
+        tp_compute(c, b, 1, tb, 8, 4);
+        tp_commit(c, a, 12), tp_commit(c, b, 12), tp_commit(c, r1, 8), tp_commit(c, r2, 8);
+        assert_int_equal(pkv_seq_release(c, r1), 0);
+        assert_int_equal(pkv_seq_release(c, r2), 0);
+        pkv_stats st0, st1;
+        assert_int_equal(pkv_cache_get_stats(c, &st0), 0);
+        assert_int_equal(st0.n_cached, 4);
+        assert_int_equal(st0.n_indexed, 10);
+        uint32_t moved = 0;
+        if (batch) {
+            const pkv_seq ab[2] = {a, b};
+            assert_int_equal(pkv_batch_compact(c, ab, 2, 0, PKV_BATCH_CACHED, &moved), 0);
+        } else {
+            uint32_t m = 0;
+            assert_int_equal(pkv_seq_compact(c, a, PKV_COMPACT_CACHED, &m), 0);
+            moved += m;
+            assert_int_equal(pkv_seq_compact(c, b, PKV_COMPACT_CACHED, &m), 0);
+            moved += m;
+        }
+        /* the batch lays a out as one run; pkv_seq_compact moves a's 4 to 1 (a's 8 cannot follow:
+           2 is b's), then b's 6 to 3 and 9 to 4, all into CACHED ids */
+        int32_t tab[3];
+        assert_int_equal(tp_table(c, batch ? a : b, tab, 3), 3);
+        assert_true(tab[1] == tab[0] + 1 && tab[2] == tab[1] + 1);
+        assert_int_equal(moved, batch ? 10 : 6);
+        assert_int_equal(pkv_cache_get_stats(c, &st1), 0);
+        assert_int_equal(memcmp(&st0, &st1, sizeof st0), 0); /* nothing evicted, no count moved */
+        tp_check(c);
+        tp_expect_kv(c, a, 1, ta, 0, 12);
+        tp_expect_kv(c, b, 1, tb, 0, 12);
+        const int32_t *prompts[2] = {t1, t2};
+        for (int i = 0; i < 2; i++) {
+            pkv_seq m = tp_seq(c, 1);
+            uint32_t reused = 0;
+            assert_int_equal(pkv_seq_match_prefix(c, m, prompts[i], 9, &reused), 0);
+            assert_int_equal(reused, 8);
+            tp_expect_kv(c, m, 1, prompts[i], 0, 8);
+        }
+        tp_check(c);
+        pkv_cache_destroy(c);
+    }
+}
+
 /* Every identity hash made equal: lookups must still compare namespace, parent and tokens. */
 static void test_prefix_forced_hash_collision(void **state) {
     (void)state;
@@ -738,6 +798,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_twin_indexed_once),
         cmocka_unit_test(test_prefix_salt_isolation),
         cmocka_unit_test(test_prefix_forced_hash_collision),
+        cmocka_unit_test(test_prefix_exchange_one_chain),
         cmocka_unit_test(test_prefix_uncommitted_not_matched),
         cmocka_unit_test(test_prefix_truncate_keeps_reused_blocks),
         cmocka_unit_test(test_prefix_reused_count_follows_truncate),
