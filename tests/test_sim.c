@@ -191,6 +191,14 @@ static void test_compact_keeps_schedule(void **state) {
     assert_true(field(rf.line[1], "compacted_blocks") == field(rb.line[1], "compacted_blocks"));
     assert_true(field(rf.line[1], "decode_switch") == field(rb.line[1], "decode_switch"));
     assert_true(field(rf.line[0], "decode_switch") < field(rb.line[0], "decode_switch"));
+    /* the pairs with a shared block are switches whatever the layout: part of them, never more */
+    runs *all[] = {&ra, &rb, &rc, &rd, &re, &rf};
+    for (size_t r = 0; r < sizeof all / sizeof all[0]; r++)
+        for (int i = 0; i < 3; i++) {
+            const double sw = field(all[r]->line[i], "decode_switch"), sh = field(all[r]->line[i], "decode_shared");
+            if (!(sh >= 0 && sh <= sw)) fail_msg("decode_shared %g against decode_switch %g", sh, sw);
+        }
+    assert_true(field(ra.line[0], "decode_shared") > 0); /* the system prompts */
     free(ra.out), free(rb.out), free(rc.out), free(rd.out), free(re.out), free(rf.out);
 }
 

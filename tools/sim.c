@@ -85,7 +85,9 @@ static void usage(FILE *f) {
             "  --compact           before each step, pkv_seq_compact on every decoding sequence (its\n"
             "                      copies count in pkv s); reported: blocks moved, and how often a\n"
             "                      decode batch's neighbouring blocks in id order belong to different\n"
-            "                      sequences (what pool-order decode pays for; always reported)\n"
+            "                      sequences (what pool-order decode pays for; always reported), and\n"
+            "                      how many of those pairs hold a block several of the batch share\n"
+            "                      (decode_shared: no layout can part them)\n"
             "  --compact-evict     the same with PKV_COMPACT_EVICT: CACHED leaf blocks may be targets\n"
             "                      (evicted; counted in evictions)\n"
             "  --compact-cached    the same with PKV_COMPACT_CACHED: CACHED blocks may be targets\n"
@@ -215,6 +217,10 @@ static double decode_switch(const sim_result *r) {
     return r->dec_pairs ? (double)r->dec_switches / (double)r->dec_pairs : 0.0;
 }
 
+static double decode_shared(const sim_result *r) {
+    return r->dec_pairs ? (double)r->dec_shared / (double)r->dec_pairs : 0.0;
+}
+
 static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_requests) {
     printf("{\"policy\":\"%s\",\"requests\":%u,\"completed\":%u,\"rejected\":%u,\"peak_seqs\":%u,\"mean_seqs\":%.2f,"
            "\"peak_blocks\":%u,\"n_blocks\":%u,\"kv_utilization\":%.4f,\"waste\":%.4f,\"prefix_hit_rate\":%.4f,"
@@ -222,7 +228,7 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            "\"decode_tokens\":%llu,\"prefill_tokens\":%llu,\"cow_copies\":%llu,\"evictions\":%llu,"
            "\"ttft_p50_steps\":%.1f,\"ttft_p90_steps\":%.1f,\"ttft_p99_steps\":%.1f,\"pkv_s\":%.4f,\"attn_s\":%.4f,"
            "\"wall_s\":%.3f,\"decode_tok_s\":%.1f,\"attn\":%s,\"check\":\"%s\",\"peak_rss_mib\":%.1f,\"seed\":%llu,"
-           "\"decode_switch\":%.4f,\"compact\":\"%s\",\"batch_compact\":%u,\"slack\":%u,\"repack\":%s,\"batch_cached\":%s,"
+           "\"decode_switch\":%.4f,\"decode_shared\":%.4f,\"compact\":\"%s\",\"batch_compact\":%u,\"slack\":%u,\"repack\":%s,\"batch_cached\":%s,"
            "\"compacted_blocks\":%llu,\"compact_s\":%.4f}\n",
            sim_policy_names[r->policy], n_requests, r->completed, r->rejected, r->peak_seqs, r->mean_seqs,
            r->peak_blocks, c->so.n_blocks, r->kv_utilization, r->waste, r->prefix_hit_rate,
@@ -230,7 +236,7 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            (unsigned long long)r->steps, (unsigned long long)r->decode_tokens, (unsigned long long)r->prefill_tokens,
            (unsigned long long)r->cow_copies, (unsigned long long)r->evictions, r->ttft_p50, r->ttft_p90, r->ttft_p99,
            r->pkv_s, r->attn_s, r->wall_s, r->decode_tok_s, c->so.attn ? "true" : "false",
-           r->check_rc == 0 ? "ok" : "failed", rss_mib(), (unsigned long long)c->wo.seed, decode_switch(r),
+           r->check_rc == 0 ? "ok" : "failed", rss_mib(), (unsigned long long)c->wo.seed, decode_switch(r), decode_shared(r),
            c->so.compact == 3 ? "cached" : c->so.compact == 2 ? "evict" : c->so.compact ? "on" : "off", c->so.batch_compact, c->so.slack,
            c->so.repack ? "true" : "false", c->so.batch_cached ? "true" : "false", (unsigned long long)r->compact_moved, r->compact_s);
 }
@@ -374,8 +380,8 @@ int tool_sim(int argc, char **argv) {
                        (unsigned long long)res[i].evictions, res[i].check_rc == 0 ? "ok" : "FAILED");
             for (int i = 0; i < n_run; i++) {
                 printf("%s: decode batches in block id order: %.1f%% of neighbouring blocks belong to different "
-                       "sequences",
-                       sim_policy_names[res[i].policy], 100.0 * decode_switch(&res[i]));
+                       "sequences (%.1f%% with a block several share)",
+                       sim_policy_names[res[i].policy], 100.0 * decode_switch(&res[i]), 100.0 * decode_shared(&res[i]));
                 if (c.so.compact || c.so.batch_compact)
                     printf("; %s%s%s%s copied %llu blocks in %.3f s",
                            c.so.compact == 3   ? "--compact-cached"

@@ -106,8 +106,10 @@ typedef struct sim_result {
     double pkv_s, attn_s, wall_s;
     double decode_tok_s;    /* generated tokens / seconds inside pkv calls */
     /* decode batches read in block id order: of neighbouring blocks, how many pairs and how
-       many of them belong to different sequences (a block shared by several counts as its own) */
+       many of them belong to different sequences (a block shared by several counts as its own,
+       and as a switch on both sides) */
     uint64_t dec_pairs, dec_switches;
+    uint64_t dec_shared; /* of the switches, pairs with a block several of the batch hold */
     uint64_t compact_moved; /* --compact: blocks moved */
     double compact_s;       /* --compact: seconds inside pkv_seq_compact (counted in pkv_s too) */
     int check_rc;           /* pkv_cache_check at the end */

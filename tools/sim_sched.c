@@ -295,7 +295,9 @@ static int cmp_d(const void *a, const void *b) {
 }
 
 /* The decode batch's blocks in id order, as pool-order decode reads them: how many neighbours
- * belong to different sequences (res->dec_pairs, dec_switches). 0, or -1 on a library failure. */
+ * belong to different sequences (res->dec_pairs, dec_switches), and how many of those pairs
+ * hold a block several of the batch share, which no layout makes one sequence's
+ * (dec_shared). 0, or -1 on a library failure. */
 static int decode_order(sim *S, uint32_t n_dec) {
     const uint32_t nb = S->o->n_blocks;
     memset(S->owner, 0, (size_t)nb * sizeof *S->owner);
@@ -315,6 +317,7 @@ static int decode_order(sim *S, uint32_t n_dec) {
         if (prev) {
             S->res->dec_pairs++;
             S->res->dec_switches += o != prev || o < 0;
+            S->res->dec_shared += o < 0 || prev < 0;
         }
         prev = o;
     }
