@@ -1017,6 +1017,27 @@ static void test_batch_compact_cached(void **state) {
     for (uint32_t i = 0; i < 3; i++) TU_SAME_PAT(c, p[i], 0, 8, i + 1);
     TU_CHECK(c);
     pkv_cache_destroy(c);
+
+    /* a CACHED id after a placed run is its slack like a FREE one, closed to the others: q0
+       takes 2 3 (the CACHED 3 exchanged to 0) with the CACHED 4 as its slack, so q1 takes 5 6,
+       not 4 5 */
+    cfg = cfg_small(8);
+    cfg.enable_prefix_cache = 1;
+    c = tu_create(&cfg);
+    pkv_seq r[4] = {tu_seq(c), tu_seq(c), tu_seq(c), tu_seq(c)};
+    lay_out(c, r, "0:4 1:4 0:4 2:8 3:4 1:4 3:4"); /* r0 0 2, r1 1 6, r2 3 4, r3 5 7 */
+    TU_WRITE_PAT(c, r[2], 0, 8, 6);
+    TU_OK(pkv_seq_commit(c, r[2], 8));
+    TU_OK(pkv_seq_release(c, r[2])); /* 3, 4 CACHED */
+    TU_OK(pkv_seq_release(c, r[3])); /* 5, 7 FREE: one id of slack each */
+    for (uint32_t i = 0; i < 2; i++) TU_WRITE_PAT(c, r[i], 0, 8, i + 1);
+    TU_OK(pkv_batch_compact(c, r, 2, 1, PKV_BATCH_CACHED, &moved));
+    assert_int_equal(moved, 5); /* r0: two exchanges; r1: 1 to 5 */
+    table_is(c, r[0], (const int32_t[]){2, 3}, 2);
+    table_is(c, r[1], (const int32_t[]){5, 6}, 2);
+    for (uint32_t i = 0; i < 2; i++) TU_SAME_PAT(c, r[i], 0, 8, i + 1);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
 }
 
 /* ---- exhaustion: N blocks filled exactly, one more fails cleanly, all N reusable (FIFO) ---- */
