@@ -30,6 +30,10 @@ static void defaults(sim_cli *c) {
     for (int i = 0; i < SIM_N_POLICIES; i++) c->policies[i] = i;
 }
 
+/* --compact's modes (sim_opts.compact): the option, and its name in the JSON */
+static const char *const compact_opt[] = {"", "--compact", "--compact-evict", "--compact-cached"};
+static const char *const compact_json[] = {"off", "on", "evict", "cached"};
+
 static void usage(FILE *f) {
     sim_cli d;
     defaults(&d);
@@ -141,9 +145,9 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         }
         if (!strcmp(a, "--json")) { c->json = 1; continue; }
         if (!strcmp(a, "--no-attn")) { c->so.attn = 0; continue; }
-        if (!strcmp(a, "--compact")) { c->so.compact = 1; continue; }
-        if (!strcmp(a, "--compact-evict")) { c->so.compact = 2; continue; }
-        if (!strcmp(a, "--compact-cached")) { c->so.compact = 3; continue; }
+        int mode = 3;
+        while (mode > 0 && strcmp(a, compact_opt[mode])) mode--;
+        if (mode) { c->so.compact = mode; continue; }
         if (!strcmp(a, "--repack")) { c->so.repack = 1; continue; }
         if (!strcmp(a, "--batch-cached")) { c->so.batch_cached = 1; continue; }
         if (!strcmp(a, "--no-progress")) { c->no_progress = 1; continue; }
@@ -237,7 +241,7 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            (unsigned long long)r->cow_copies, (unsigned long long)r->evictions, r->ttft_p50, r->ttft_p90, r->ttft_p99,
            r->pkv_s, r->attn_s, r->wall_s, r->decode_tok_s, c->so.attn ? "true" : "false",
            r->check_rc == 0 ? "ok" : "failed", rss_mib(), (unsigned long long)c->wo.seed, decode_switch(r), decode_shared(r),
-           c->so.compact == 3 ? "cached" : c->so.compact == 2 ? "evict" : c->so.compact ? "on" : "off", c->so.batch_compact, c->so.slack,
+           compact_json[c->so.compact], c->so.batch_compact, c->so.slack,
            c->so.repack ? "true" : "false", c->so.batch_cached ? "true" : "false", (unsigned long long)r->compact_moved, r->compact_s);
 }
 
@@ -384,10 +388,7 @@ int tool_sim(int argc, char **argv) {
                        sim_policy_names[res[i].policy], 100.0 * decode_switch(&res[i]), 100.0 * decode_shared(&res[i]));
                 if (c.so.compact || c.so.batch_compact)
                     printf("; %s%s%s%s copied %llu blocks in %.3f s",
-                           c.so.compact == 3   ? "--compact-cached"
-                           : c.so.compact == 2 ? "--compact-evict"
-                           : c.so.compact      ? "--compact"
-                                               : "",
+                           compact_opt[c.so.compact],
                            c.so.compact && c.so.batch_compact ? " and " : "",
                            c.so.batch_compact ? (c.so.repack ? "--batch-compact --repack" : "--batch-compact") : "",
                            c.so.batch_compact && c.so.batch_cached ? " --batch-cached" : "",

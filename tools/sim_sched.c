@@ -442,11 +442,8 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
                 if (e->prefill) continue;
                 S.dec_seqs[nb++] = e->s;
                 if (!o->compact) continue;
-                if ((rc = pkv_seq_compact(S.c, e->s,
-                                                   o->compact == 3   ? PKV_COMPACT_CACHED
-                                                   : o->compact == 2 ? PKV_COMPACT_EVICT
-                                                                     : 0u,
-                                                   &m)) < 0) {
+                static const uint32_t flags[] = {0, 0, PKV_COMPACT_EVICT, PKV_COMPACT_CACHED}; /* by mode */
+                if ((rc = pkv_seq_compact(S.c, e->s, flags[o->compact], &m)) < 0) {
                     fail(&S, rc, "pkv_seq_compact");
                     goto done;
                 }

@@ -699,6 +699,13 @@ static void exchange_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
     swap_content(c, x, y);
 }
 
+/* table[i] of s, which s alone holds, takes id t by exchange with what t holds (a CACHED block,
+ * or another's entry, whose table is the caller's to mend). */
+static void exchange_entry(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t t) {
+    exchange_blocks(c, (uint32_t)s->table[i], t);
+    s->table[i] = (int32_t)t;
+}
+
 /* Moves block table[i] of s, which s alone holds, into block dst, FREE or a CACHED leaf (which
  * is evicted first, as an append would): K/V of every layer and the token ids (dst is nobody's
  * then), its place in the prefix index, then the counts. The source is freed before dst is
@@ -762,8 +769,7 @@ static uint32_t move_run(pkv_cache *c, pkv__seq *s, uint32_t flags, uint32_t i, 
     for (uint32_t j = 0; j < len; j++) {
         const uint32_t k = down ? j : len - 1 - j;
         if ((flags & PKV_COMPACT_CACHED) && c->blk[to + k].state == PKV_BLK_CACHED) {
-            exchange_blocks(c, (uint32_t)s->table[i + k], to + k);
-            s->table[i + k] = (int32_t)(to + k);
+            exchange_entry(c, s, i + k, to + k);
             copies += 2;
         } else {
             move_block(c, s, i + k, to + k);
@@ -898,7 +904,7 @@ static uint32_t bc_place(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t slot, ui
             moved++;
         } else if (x != t) { /* exchanged with an entry not placed yet, or a CACHED block */
             const bool entry = bc_entry(w, t);
-            exchange_blocks(c, x, t);
+            exchange_entry(c, s, p, t);
             if (entry) {
                 const uint32_t op = w->at[t] & ~OWN_SLACK; /* t held entry op of another */
                 c->seqs[w->seq[t]].table[op] = (int32_t)x;
@@ -906,7 +912,6 @@ static uint32_t bc_place(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t slot, ui
             } else {
                 w->seq[x] = x_seq, w->at[x] = PKV_NONE;
             }
-            s->table[p] = (int32_t)t;
             moved += 2;
         }
         w->seq[t] = OWN_CLOSED, w->at[t] = PKV_NONE; /* placed */
