@@ -410,7 +410,18 @@ typedef struct pkv_attn_params {
     uint32_t window;     /* sliding window: query at p sees (p - window, p]; 0 = off */
     float *lse;          /* optional out: natural-log sum-exp of the scaled (capped) logits,
                             [n_queries][n_q_heads]; NULL = not wanted */
+    uint32_t flags;      /* PKV_ATTN_* below, or 0; another bit is PKV_EINVAL */
 } pkv_attn_params;
+/* pkv_attn_params.flags. PKV_ATTN_BF16_DOT: with bf16 K on a backend that has bf16 dot products
+ * (pkv_attn_flags_used; x86 with AVX512_BF16: Intel Cooper Lake, Sapphire Rapids and later, AMD
+ * Zen 4 and later), each query row times scale is rounded to bf16 (nearest, ties to even) and
+ * q.k is computed by vdpbf16ps: 32 exact products an instruction, summed in f32, subnormal bf16
+ * values taken as 0. Twice the products an instruction of the f32 path, so a decode bound by
+ * arithmetic runs faster; the scores move by up to 2^-9 (relative) of sum |q_d k_d| x scale,
+ * what a model computing its queries in bf16 gets anyway. The softmax and p.V are computed as
+ * without the flag. Elsewhere (other K dtypes, other backends, PKV_FORCE_REF, query tiles of
+ * prefill that take the transposed kernels) the flag changes nothing. */
+enum { PKV_ATTN_BF16_DOT = 1u };
 PKV_API pkv_attn_params pkv_attn_params_default(void);
 
 /* Decode: one query per sequence, at its last position (length - 1), seeing [0, length).
@@ -488,6 +499,11 @@ PKV_API PKV_NODISCARD int pkv_attn_merge(uint32_t n_rows, uint32_t head_dim, con
  * PKV_ATTN_BACKEND=name picks one by name: pkv_cache_create fails with PKV_ENOTSUP when this
  * CPU or build lacks it). */
 PKV_API const char *pkv_attn_backend(const pkv_cache *c);
+
+/* Of the PKV_ATTN_* flags, those that change how this cache's attention computes (a call may
+ * pass any of them; the others change nothing here): PKV_ATTN_BF16_DOT where K is bf16 and the
+ * backend has bf16 dot products. 0 for NULL. */
+PKV_API uint32_t pkv_attn_flags_used(const pkv_cache *c);
 
 #ifdef __cplusplus
 }

@@ -20,6 +20,7 @@ enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_DEFAULT = 16, BT_MAX = 1024, BATCH
 static uint32_t g_bt = BT_DEFAULT; /* block_tokens: opts.block_tokens, set by tool_bench_attn */
 static int g_compact;              /* --compact (1) / --batch-compact (2): the paged batch is
                                       compacted before it is timed */
+static uint32_t g_attn_flags;      /* --bf16-dot: pkv_attn_params.flags of every call */
 #define GIB (1024.0 * 1024.0 * 1024.0)
 #define ROUNDS_MAX 99 /* --rounds */
 
@@ -27,7 +28,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: pkv bench attn [--json] [--quick] [--dtype LIST] [--ctx LIST] [--batch LIST]\n"
             "                      [--threads LIST] [--prompt N] [--block-tokens N] [--occupancy PCT]\n"
-            "                      [--compact | --batch-compact] [--rounds N]\n"
+            "                      [--compact | --batch-compact] [--rounds N] [--bf16-dot]\n"
             "\n"
             "Paged attention, n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u.\n"
             "Decode: contexts 512, 4096, 32768; batch 1 and 16; 1 and 2 threads; every KV dtype the\n"
@@ -83,6 +84,9 @@ static void usage(FILE *f) {
             "              Only FREE blocks are targets, so at 100%% occupancy nothing moves\n"
             "  --batch-compact  the same with one pkv_batch_compact over the batch, which exchanges\n"
             "              blocks where no room is free (reports block copies)\n"
+            "  --bf16-dot  every call with PKV_ATTN_BF16_DOT: bf16 K scored by bf16 dot products where\n"
+            "              the CPU has them (queries rounded to bf16; pkv.h); the header says whether it\n"
+            "              took effect, the JSON lines carry attn_flags\n"
             "  -h, --help  this text\n"
             "Goals: decode f16 at contexts >= 4096 reaches >= 85%% of the read bandwidth at 2 threads;\n"
             "paged within 3%% of contiguous; prefill >= 40%% of the FMA peak.\n",
@@ -412,14 +416,21 @@ static int scatter_free_queue(setup *s, tool_rng *rng, uint32_t n_blocks) {
     return 0;
 }
 
+/* The parameters of every attention call: 32 query heads, --bf16-dot's flag. */
+static pkv_attn_params bench_params(void) {
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = H_Q;
+    p.flags = g_attn_flags;
+    return p;
+}
+
 /* Whether pkv_attn_decode reads the setup's batch in pool order (pkv.h: PKV_ATTN_ORDER, and by
  * default where the tables jump): one decode of layer 0, and the library's own count of the
  * requests it read in pool order (pkv_stats.attn_reqs_pool). 1 yes, 0 no, -1 failed. */
 static int decode_sweeps(const setup *s) {
     const size_t n = (size_t)s->batch * H_Q * HEAD_DIM;
     float *q = calloc(n, sizeof *q), *out = malloc(n * sizeof *out);
-    pkv_attn_params p = pkv_attn_params_default();
-    p.n_q_heads = H_Q;
+    pkv_attn_params p = bench_params();
     pkv_stats a, b;
     int rc = q && out ? 0 : -1;
     if (!rc) rc = tool_check(pkv_cache_get_stats(s->c, &a), "pkv_cache_get_stats");
@@ -809,8 +820,7 @@ static double timed_gather(setup *s, void *ctx) { return gather_sample(s, *(cons
 /* One round of decode timing for the two layouts (time_abba), each call on the layout's next
  * layer, after one warm-up call each. */
 static int time_decode_pair(setup su[2], const float *q, float *out, double max_s, uint32_t min_calls, double med[2]) {
-    decode_args a = {q, out, pkv_attn_params_default()};
-    a.p.n_q_heads = H_Q;
+    decode_args a = {q, out, bench_params()};
     if (decode_next(&su[0], q, out, &a.p) < 0 || decode_next(&su[1], q, out, &a.p) < 0) return -1; /* warm-up */
     return time_abba(su, timed_decode, &a, max_s, min_calls, med);
 }
@@ -831,8 +841,7 @@ static int time_decode_hot(setup *s, const float *q, float *out, double max_s, d
     enum { MAX_CALLS = 400, MIN_CALLS = 10 };
     double t[MAX_CALLS];
     int n = 0;
-    pkv_attn_params p = pkv_attn_params_default();
-    p.n_q_heads = H_Q;
+    pkv_attn_params p = bench_params();
     for (int i = 0; i < 2; i++)
         if (decode_next(s, q, out, &p) < 0) return -1;
     const uint64_t start = tool_now_ns();
@@ -932,10 +941,10 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
             printf("{\"bench\":\"attn\",\"kernel\":\"decode\",\"kv_dtype\":\"%s\",\"ctx\":%u,\"batch\":%u,\"threads\":%u,"
                    "\"layout\":\"%s\",\"median_us\":%.2f,\"gbps\":%.3f,\"read_bw_gbps\":%.3f,\"frac_of_bw\":%.4f,"
                    "\"ws_mib\":%.0f,\"bytes_per_token_layer\":%zu,\"rounds\":%d,\"adjacent_blocks\":%.3f,"
-                   "\"occupancy\":%.2f",
+                   "\"occupancy\":%.2f,\"attn_flags\":%u",
                    pkv_dtype_name(dt), ctx, batch, nt, layout, med * 1e6, gbps, bw_med, fr,
                    per_layer * n_layers / (1024.0 * 1024.0), (size_t)H_KV * row, rounds, adjacent[paged],
-                   o->occupancy / 100.0);
+                   o->occupancy / 100.0, g_attn_flags);
         else
             printf("%-7s %-8s %6u %5u %3u  %-6s %10.1f %8.2f %8.2f %6.1f%% %7.0f %6zu", "decode", pkv_dtype_name(dt), ctx,
                    batch, nt, layout, med * 1e6, gbps, bw_med, 100.0 * fr, per_layer * n_layers / (1024.0 * 1024.0),
@@ -987,8 +996,7 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     }
     for (size_t i = 0; i < n; i++) q[i] = (float)tool_rng_normal(rng);
     pkv_attn_req req = {.seq = s.seqs[0], .q_start = 0, .n_q = n_tok};
-    pkv_attn_params p = pkv_attn_params_default();
-    p.n_q_heads = H_Q;
+    pkv_attn_params p = bench_params();
     /* rounds of (FMA peak sample, one prefill, FMA peak sample): the peak the machine gives
      * around the call, as the mean of the samples on either side of it */
     double t[ROUNDS_MAX], frac[ROUNDS_MAX], peak[ROUNDS_MAX];
@@ -1045,6 +1053,7 @@ int tool_bench_attn(int argc, char **argv) {
         else if (!strcmp(arg, "--quick")) o.quick = 1;
         else if (!strcmp(arg, "--compact")) g_compact = 1;
         else if (!strcmp(arg, "--batch-compact")) g_compact = 2;
+        else if (!strcmp(arg, "--bf16-dot")) g_attn_flags = PKV_ATTN_BF16_DOT;
         else if (!strcmp(arg, "--dtype") && val) bad = parse_dtypes(val, &o), i++;
         else if (!strcmp(arg, "--ctx") && val) bad = parse_u32_list(val, o.ctx, 8, 1u << 20, &o.n_ctx), i++;
         else if (!strcmp(arg, "--batch") && val) bad = parse_u32_list(val, o.batch, 8, BATCH_MAX, &o.n_batch), i++;
@@ -1122,6 +1131,7 @@ int tool_bench_attn(int argc, char **argv) {
      * PKV_ATTN_BACKEND, PKV_ATTN_ORDER, PKV_ATTN_SWEEP, PKV_ATTN_PASSES, PKV_ATTN_LEAD or PKV_ATTN_PIECES) ends the
      * run before any measurement */
     static char backend[32];
+    bool bf16_dot = false;
     {
         pkv_config cfg = pkv_config_default();
         cfg.n_blocks = 4;
@@ -1137,6 +1147,11 @@ int tool_bench_attn(int argc, char **argv) {
         }
         snprintf(backend, sizeof backend, "%s", pkv_attn_backend(c));
         pkv_cache_destroy(c);
+        cfg.k_dtype = cfg.v_dtype = PKV_DTYPE_BF16; /* whether --bf16-dot changes anything here */
+        if (pkv_cache_create(&cfg, &c) == PKV_OK) {
+            bf16_dot = (pkv_attn_flags_used(c) & PKV_ATTN_BF16_DOT) != 0;
+            pkv_cache_destroy(c);
+        }
     }
     for (int nt = 1; nt <= 2; nt++) {
         g_bw[nt] = bw_median3(nt);
@@ -1145,11 +1160,15 @@ int tool_bench_attn(int argc, char **argv) {
     if (o.json)
         printf("{\"bench\":\"attn\",\"kind\":\"machine\",\"cpu\":\"%s\",\"build\":\"%s\",\"backend\":\"%s\","
                "\"read_gbps_1t\":%.3f,\"read_gbps_2t\":%.3f,\"fma_gflops_1t\":%.2f,\"fma_gflops_2t\":%.2f,"
-               "\"sweep\":\"%s\",\"passes\":\"%s\",\"lead\":\"%s\",\"pieces\":\"%s\"}\n",
+               "\"sweep\":\"%s\",\"passes\":\"%s\",\"lead\":\"%s\",\"pieces\":\"%s\",\"bf16_dot\":%s}\n",
                tool_cpu_name(), tool_build_info(), backend, g_bw[1], g_bw[2], g_peak[1], g_peak[2],
-               g_wide ? "wide" : "narrow", g_two ? "two" : "one", lead, pieces ? "on" : "off");
+               g_wide ? "wide" : "narrow", g_two ? "two" : "one", lead, pieces ? "on" : "off",
+               bf16_dot ? "true" : "false");
     else {
         printf("# %s, %s, attention backend %s\n", tool_cpu_name(), tool_build_info(), backend);
+        if (g_attn_flags & PKV_ATTN_BF16_DOT)
+            printf("# --bf16-dot: %s\n", bf16_dot ? "bf16 K scored by bf16 dot products (queries rounded to bf16)"
+                                                  : "no bf16 dot products here: the calls compute as without it");
         printf("# streaming read: %.2f GB/s (1 thread), %.2f GB/s (2 threads); f32 FMA peak: %.1f / %.1f GFLOP/s\n",
                g_bw[1], g_bw[2], g_peak[1], g_peak[2]);
         const char *order = getenv("PKV_ATTN_ORDER");

@@ -126,7 +126,10 @@ struct pkv__attn {
     uint64_t inline_elems; /* plans under this many K/V elements run on the caller alone */
     pkv_allocator a;
     size_t alloc_bytes;
-    pkv__attn_kernels kt;
+    /* the backend's table, and the same with the prep_lp and score_lp entries in place of
+     * prep_q and score (PKV_ATTN_BF16_DOT); kt, one of the two, is the current call's */
+    pkv__attn_kernels kt_tab[2];
+    const pkv__attn_kernels *kt;
     pkv__attn_limits lim;
     uint32_t n_threads;
     pkv__tpool pool;
@@ -373,7 +376,13 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     for (uint32_t i = 0; i < SWEEP_ITEMS; i++) atomic_init(&at->sweep_qstate[i], 0), atomic_init(&at->sweep_done[i], 0);
     if (a) at->a = *a;
     at->alloc_bytes = total;
-    at->kt = kt;
+    at->kt_tab[0] = at->kt_tab[1] = kt;
+    for (int d = 0; d < PKV_DTYPE_COUNT; d++)
+    {
+        if (kt.prep_lp[d] && kt.score_lp[d]) at->kt_tab[1].prep_q[d] = kt.prep_lp[d], at->kt_tab[1].score[d] = kt.score_lp[d];
+        if (kt.accum_lp[d]) at->kt_tab[1].accum[d] = kt.accum_lp[d];
+    }
+    at->kt = &at->kt_tab[0];
     at->lim = *lim;
     at->lim.max_items = max_items;
     at->n_threads = n_threads;
@@ -428,7 +437,15 @@ void pkv__attn_destroy(pkv__attn *at) {
     pkv__free(&a, at, at->alloc_bytes);
 }
 
-const char *pkv__attn_backend_name(const pkv__attn *at) { return at ? at->kt.name : "none"; }
+bool pkv__attn_lp(const pkv__attn *at, pkv_dtype k_dtype) {
+    return at && (unsigned)k_dtype < PKV_DTYPE_COUNT && at->kt_tab[1].score[k_dtype] != at->kt_tab[0].score[k_dtype];
+}
+
+bool pkv__attn_lp_v(const pkv__attn *at, pkv_dtype v_dtype) {
+    return at && (unsigned)v_dtype < PKV_DTYPE_COUNT && at->kt_tab[1].accum[v_dtype] != at->kt_tab[0].accum[v_dtype];
+}
+
+const char *pkv__attn_backend_name(const pkv__attn *at) { return at ? at->kt->name : "none"; }
 uint32_t pkv__attn_n_threads(const pkv__attn *at) { return at ? at->n_threads : 0; }
 
 /* ---- one work unit --------------------------------------------------------------------------- */
@@ -522,7 +539,7 @@ static void merge_write(const pkv__attn *at, const unit *w, float *m0, const flo
                         uint32_t n_ks) {
     const uint32_t D = at->kv->head_dim, nqh = at->call->n_q_heads, G = at->G;
     const uint32_t rows_h = w->nq * w->gs;
-    const bool eo = at->kt.acc_eo[at->kv->v_dtype]; /* acc in even-odd order (attn.h) */
+    const bool eo = at->kt->acc_eo[at->kv->v_dtype]; /* acc in even-odd order (attn.h) */
     for (uint32_t j = 0; j < w->n_kvh; j++)
         for (uint32_t qi = 0; qi < w->nq; qi++)
             for (uint32_t g = 0; g < w->gs; g++) {
@@ -588,7 +605,7 @@ static scratch thread_scratch(const pkv__attn *at, uint32_t tid) {
     sc.sw = (float *)p;
     p += at->pass_bytes;
     sc.qt = sc.st = sc.kbuf = sc.vbuf = NULL;
-    if (at->kt.softmax_t) {
+    if (at->kt->softmax_t) {
         sc.qt = (float *)p;
         p += align64((size_t)T_QT_ROWS * D * sizeof(float));
         sc.st = (float *)p;
@@ -656,7 +673,7 @@ static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uin
     if (hf >= n && !kn) return !xr;
     const size_t hx = h0 + (hf < n ? hf : hf - n); /* hf < 2 n */
     const uint8_t *kx = (hf < n ? kb : kn) + hx * kblk, *vx = (hf < n ? vb : vn) + hx * vblk;
-    const bool accum_pf = at->kt.accum_pf[kv->v_dtype];
+    const bool accum_pf = at->kt->accum_pf[kv->v_dtype];
     /* score's second run: the V run where accum does not prefetch it, else xr (or empty) */
     const uint8_t *r1 = accum_pf ? (xr ? xr : kx) : vx, *e1 = accum_pf ? (xr ? xr + xn : kx) : vx + vblk;
     io->pk = (pkv__attn_pf){.p = {kx, r1}, .end = {kx + kblk, e1}, .l1 = at->pf_l1, .fine = at->pf_fine};
@@ -710,7 +727,7 @@ static inline void accum_head(const pkv__attn *at, pkv__attn_accum_fn accum, flo
 static uint32_t piece_call(const pkv__attn *at, const pkv__kv_view *kv) {
     const bool k16 = kv->k_dtype == PKV_DTYPE_F16 || kv->k_dtype == PKV_DTYPE_BF16;
     const bool v16 = kv->v_dtype == PKV_DTYPE_F16 || kv->v_dtype == PKV_DTYPE_BF16;
-    if (!at->piece_bytes || !k16 || !v16 || !at->kt.accum_pf[kv->v_dtype]) return 0;
+    if (!at->piece_bytes || !k16 || !v16 || !at->kt->accum_pf[kv->v_dtype]) return 0;
     const uint32_t pk = PKV_MAX((uint32_t)(at->piece_bytes / kv->k_row_bytes) & ~3u, 4u);
     return pk < kv->block_tokens ? pk : 0;
 }
@@ -776,7 +793,7 @@ static void block_pieces(const pkv__attn *at, size_t bid, uint32_t h0, uint32_t 
                          const uint8_t *kn, const uint8_t *vn, const uint8_t *qp, uint32_t rows_h, float *s,
                          float *m, float *l, float *acc, const piece_mask *pm, const uint8_t *xq, size_t xn) {
     const pkv__kv_view *kv = at->kv;
-    const pkv__attn_kernels *kt = &at->kt;
+    const pkv__attn_kernels *kt = at->kt;
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
     const uint32_t D = kv->head_dim, pk = at->piece_keys, np = (n_keys + pk - 1) / pk, n = (h1 - h0) * np;
@@ -888,7 +905,7 @@ typedef struct pass_blk {
     float *m, *l, *acc;
 } pass_blk;
 
-static bool pass_on(const pkv__attn *at) { return at->two_pass && at->kt.accum_pf[at->kv->v_dtype]; }
+static bool pass_on(const pkv__attn *at) { return at->two_pass && at->kt->accum_pf[at->kv->v_dtype]; }
 
 /* The most blocks a window of units of rows rows holds: as many blocks' scores as pass_bytes takes. */
 static uint32_t pass_window_blocks(const pkv__attn *at, uint32_t rows) {
@@ -938,7 +955,7 @@ static pkv__attn_pf *pass_pf(const pkv__attn *at, const pass_walk *pw, uint32_t 
 static void pass_window(const pkv__attn *at, const pass_walk *pw, uint32_t xw0, const pass_blk *bl, uint32_t nw,
                         uint32_t rows_h, float *sw, const unit *w, uint32_t pos_first) {
     const pkv__kv_view *kv = at->kv;
-    const pkv__attn_kernels *kt = &at->kt;
+    const pkv__attn_kernels *kt = at->kt;
     const uint32_t D = kv->head_dim, B = kv->block_tokens, nh = pw->nh;
     const size_t qrow = PKV__ATTN_QROW_BYTES(D), ss = at->s_stride, rows = (size_t)nh * rows_h;
     const size_t krun = (size_t)B * kv->k_row_bytes, vrun = (size_t)B * kv->v_row_bytes;
@@ -974,7 +991,7 @@ static void pass_window(const pkv__attn *at, const pass_walk *pw, uint32_t xw0, 
 static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc, uint32_t b0, uint32_t b1,
                           uint32_t k_lo, uint32_t k_hi, uint32_t pos_first, uint32_t lo_last) {
     const pkv__kv_view *kv = at->kv;
-    const pkv__attn_kernels *kt = &at->kt;
+    const pkv__attn_kernels *kt = at->kt;
     const pkv__attn_item *it = w->item;
     const uint32_t D = kv->head_dim;
     const uint32_t rows_h = w->nq * w->gs, rp = (rows_h + 15u) & ~15u;
@@ -1012,7 +1029,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     pkv__attn *at = ctx;
     const pkv__kv_view *kv = at->kv;
     const pkv__attn_call *call = at->call;
-    const pkv__attn_kernels *kt = &at->kt;
+    const pkv__attn_kernels *kt = at->kt;
     const uint32_t D = kv->head_dim, B = kv->block_tokens, G = at->G, nqh = call->n_q_heads;
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     unit w;
@@ -1026,10 +1043,14 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     const uint32_t rows_h = w.nq * w.gs, rows = w.n_kvh * rows_h;
     pkv_assert(rows <= ROWS_MAX);
+    const bool tpath =
+        at->tpath && rows_h >= PKV__ATTN_T_MIN_ROWS && kt->score_t[kv->k_dtype] && kt->accum_t[kv->v_dtype];
+    /* the transposed path takes the backend's own prepared queries, whatever the call's flags */
+    const pkv__attn_prep_fn prep = tpath ? at->kt_tab[0].prep_q[kv->k_dtype] : kt->prep_q[kv->k_dtype];
     for (uint32_t j = 0; j < w.n_kvh; j++)
         for (uint32_t qi = 0; qi < w.nq; qi++) {
             const float *q = it->q + ((size_t)(w.qa + qi) * nqh + (size_t)(w.kvh0 + j) * G + w.g0) * D;
-            kt->prep_q[kv->k_dtype](q, D, w.gs, D, call->scale, qp + (size_t)(j * rows_h + qi * w.gs) * qrow);
+            prep(q, D, w.gs, D, call->scale, qp + (size_t)(j * rows_h + qi * w.gs) * qrow);
         }
     for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
     memset(acc, 0, (size_t)rows * D * sizeof(float));
@@ -1046,8 +1067,6 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
-    const bool tpath =
-        at->tpath && rows_h >= PKV__ATTN_T_MIN_ROWS && kt->score_t[kv->k_dtype] && kt->accum_t[kv->v_dtype];
     if (tpath) {
         unit_blocks_t(at, &w, &sc, b0, b1, k_lo, k_hi, pos_first, lo_last);
     } else if (pass_on(at)) {
@@ -1354,7 +1373,7 @@ static void sweep_prepare(pkv__attn *at, uint32_t i0, uint32_t i1, bool alone) {
 static void prep_item(pkv__attn *at, uint32_t i) {
     const pkv__kv_view *kv = at->kv;
     const uint32_t rows = kv->n_kv_heads * at->G, D = kv->head_dim;
-    at->kt.prep_q[kv->k_dtype](sweep_item(at, i)->q, D, rows, D, at->call->scale,
+    at->kt->prep_q[kv->k_dtype](sweep_item(at, i)->q, D, rows, D, at->call->scale,
                                at->sweep_q + (size_t)i * rows * PKV__ATTN_QROW_BYTES(D));
 }
 
@@ -1434,7 +1453,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
     pkv__attn *at = ctx;
     const pkv__kv_view *kv = at->kv;
     const pkv__attn_call *call = at->call;
-    const pkv__attn_kernels *kt = &at->kt;
+    const pkv__attn_kernels *kt = at->kt;
     const uint32_t D = kv->head_dim, G = at->G, H = kv->n_kv_heads, rows = H * G;
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     const scratch sc = thread_scratch(at, tid);
@@ -1592,7 +1611,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     if (call->n_q_heads == 0 || call->n_q_heads % kv->n_kv_heads) return PKV_EINVAL;
     if (!isfinite(call->scale) || call->scale == 0.0f || !pkv__attn_softcap_ok(call->softcap))
         return PKV_EINVAL;
-    if (!at->kt.prep_q[kv->k_dtype] || !at->kt.score[kv->k_dtype] || !at->kt.accum[kv->v_dtype]) return PKV_ENOTSUP;
+    if (!at->kt->prep_q[kv->k_dtype] || !at->kt->score[kv->k_dtype] || !at->kt->accum[kv->v_dtype]) return PKV_ENOTSUP;
     uint64_t runs = 0; /* runs of neighbouring blocks in one-query items' visible tables (AUTO's rule) */
     uint32_t most = 0; /* visible blocks of the longest one-query item (sweep_collect) */
     uint32_t n_live = 0; /* items of at least one query */
@@ -1616,6 +1635,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
 
     at->kv = kv;
     at->call = call;
+    at->kt = &at->kt_tab[call->flags & PKV_ATTN_BF16_DOT ? 1 : 0];
     at->G = call->n_q_heads / kv->n_kv_heads;
     /* the bytes of a head's K and V runs of a block: the one-pass lead counts heads of them; the
      * two passes' lead counts single runs, about PKV_ATTN_PF_LEAD bytes of them, 2 to 64 */
@@ -1652,6 +1672,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     at->kv = NULL;
     at->items = NULL;
     at->call = NULL;
+    at->kt = &at->kt_tab[0];
     if (rc) return rc; /* a caller's executor left tasks out: outputs unspecified, nothing counted */
     at->last_threads = threads;
     at->last_swept = swept;

@@ -39,6 +39,7 @@ typedef struct pkv__attn_call {
     float scale;        /* resolved (never 0) */
     float softcap;      /* 0 = off */
     uint32_t window;    /* 0 = off */
+    uint32_t flags;     /* pkv_attn_params.flags (PKV_ATTN_BF16_DOT), checked by the caller */
 } pkv__attn_call;
 
 /* A soft-cap the kernels take: 0 (off), or finite and normal (a subnormal cap's 1 / cap is not
@@ -149,6 +150,10 @@ void pkv__attn_item_counts(const pkv__attn *at, uint64_t *pool, uint64_t *table)
 void pkv__attn_hold_counts(pkv__attn *at);
 void pkv__attn_release_counts(pkv__attn *at, bool keep);
 const char *pkv__attn_backend_name(const pkv__attn *at);
+/* Whether calls with PKV_ATTN_BF16_DOT take other kernels than those without for this K dtype. */
+bool pkv__attn_lp(const pkv__attn *at, pkv_dtype k_dtype);
+/* The same for accum and this V dtype. */
+bool pkv__attn_lp_v(const pkv__attn *at, pkv_dtype v_dtype);
 uint32_t pkv__attn_n_threads(const pkv__attn *at);
 
 /* Runs attention for n_items items (n_items <= max_items). Not reentrant on one context: the
@@ -474,6 +479,11 @@ typedef struct pkv__attn_kernels {
     pkv__attn_score_t_fn score_t[PKV_DTYPE_COUNT]; /* by k_dtype; NULL: the row path (above) */
     pkv__attn_accum_t_fn accum_t[PKV_DTYPE_COUNT]; /* by v_dtype */
     pkv__attn_softmax_t_fn softmax_t;
+    /* by k_dtype: a prep_q and score at the K dtype's own precision, faster, for calls with
+     * PKV_ATTN_BF16_DOT (pkv.h); NULL: such calls take prep_q and score */
+    pkv__attn_prep_fn prep_lp[PKV_DTYPE_COUNT];
+    pkv__attn_score_fn score_lp[PKV_DTYPE_COUNT];
+    pkv__attn_accum_fn accum_lp[PKV_DTYPE_COUNT]; /* by v_dtype, the same for accum: acc in accum's order */
 } pkv__attn_kernels;
 
 /* Even-odd order (the AVX-512 bf16 kernels): each full group of 32 of a row's head_dim values,

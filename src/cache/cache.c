@@ -1205,6 +1205,11 @@ PKV_API const char *pkv_attn_backend(const pkv_cache *c) {
     return c ? pkv__attn_backend_name(c->attn) : "none";
 }
 
+PKV_API uint32_t pkv_attn_flags_used(const pkv_cache *c) {
+    return c && (pkv__attn_lp(c->attn, c->cfg.k_dtype) || pkv__attn_lp_v(c->attn, c->cfg.v_dtype)) ? PKV_ATTN_BF16_DOT
+                                                                                                   : 0;
+}
+
 static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_params *p, pkv__attn_call *call) {
     if (layer >= c->n_layers) return PKV_EINVAL;
     pkv_attn_params d = pkv_attn_params_default();
@@ -1212,10 +1217,12 @@ static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_param
     uint32_t nq = p->n_q_heads ? p->n_q_heads : c->n_kv;
     if (nq % c->n_kv || nq > c->n_kv * 1024u) return PKV_EINVAL;
     if (!(p->scale >= 0.0f) || isinf(p->scale) || !pkv__attn_softcap_ok(p->softcap)) return PKV_EINVAL;
+    if (p->flags & ~(uint32_t)PKV_ATTN_BF16_DOT) return PKV_EINVAL;
     call->n_q_heads = nq;
     call->scale = p->scale > 0.0f ? p->scale : 1.0f / sqrtf((float)c->head_dim);
     call->softcap = p->softcap;
     call->window = p->window;
+    call->flags = p->flags;
     return PKV_OK;
 }
 

@@ -11,6 +11,7 @@
 #include "../attn.h"
 
 #include <math.h>
+#include <string.h>
 #ifdef PKV_AVX512_EMU /* tests only: the same kernels on AVX2, through avx512_emu.h */
 #include "avx512_emu.h"
 #define PKV__AVX512_FILL pkv__attn_fill_avx512_emu
@@ -465,6 +466,208 @@ static void prep_bf16_eo(const float *q, size_t q_stride, uint32_t n_rows, uint3
     }
 }
 
+/* ---- bf16 K by bf16 dot products (PKV_ATTN_BF16_DOT; AVX512_BF16) ------------------------------
+ * Where a call allows it, bf16 K is scored by vdpbf16ps: each prepared query row holds its values
+ * (times scale) rounded to bf16, in K's own order, so one instruction multiplies 32 pairs of a
+ * query row and a K row exactly and adds them into 16 f32 lanes (two products a lane), against 16
+ * products for an f32 fma after the K row's widening. The 4 x 4 tiles, their reduction trees and
+ * the prefetch shares are those of the f32-query kernels above; a step covers 32 values of
+ * head_dim instead of 16. The real instruction treats subnormal bf16 inputs as 0 and rounds
+ * each lane's sum to nearest even (the emulated build, "avx512-emu", sums the same products in
+ * another order). */
+#ifdef PKV_AVX512_EMU
+#define BF16DP
+#else
+#define BF16DP __attribute__((target("avx512bf16")))
+#endif
+static inline __m512bh as_bh(__m512i x) {
+    __m512bh r;
+    memcpy(&r, &x, sizeof r);
+    return r;
+}
+/* A query row rounded to bf16 (nearest, ties to even), zeros up to a multiple of 32 values. Not
+ * on a hot path (once per unit, or per sequence of a sweep), so scalar, the same bits in every
+ * build; q and scale are finite, so a product that overflows rounds to infinity. */
+static uint16_t bf16_rne(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static void prep_bf16dp(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
+    const uint32_t D32 = (head_dim + 31) & ~31u;
+    for (uint32_t r = 0; r < n_rows; r++) {
+        uint16_t *dst = (uint16_t *)((uint8_t *)qp + r * qrow);
+        const float *src = q + r * q_stride;
+        for (uint32_t d = 0; d < head_dim; d++) dst[d] = bf16_rne(src[d] * scale);
+        for (uint32_t d = head_dim; d < D32; d++) dst[d] = 0;
+    }
+}
+/* The 32 bf16 values of group g of a K row: full groups loaded whole; the last one's values
+ * past head_dim are 0 and not read. */
+static inline __attribute__((always_inline)) __m512i ldk_dp(const uint8_t *row, uint32_t g, uint32_t D) {
+    if (32 * g + 32 <= D) return _mm512_loadu_si512((const void *)(row + 64 * (size_t)g));
+    uint16_t t[32] = {0};
+    memcpy(t, row + 64 * (size_t)g, 2 * (size_t)(D - 32 * g));
+    return _mm512_loadu_si512((const void *)t);
+}
+static inline __attribute__((always_inline)) BF16DP void score_tile_dp(const uint8_t *q, size_t qrow,
+                                                                       const uint8_t *k, size_t krb, const uint32_t R,
+                                                                       const uint32_t K, uint32_t D, float *s,
+                                                                       uint32_t ss, pkv__attn_pf *pf,
+                                                                       const uint32_t sub) {
+    __m512 acc[4][4];
+    const uint32_t G = (D + 31) / 32;
+    for (uint32_t r = 0; r < R; r++)
+        for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm512_setzero_ps();
+    for (uint32_t part = 0; part < sub; part++) { /* sub spans, a prefetch share between them */
+        const uint32_t g1 = G * (part + 1) / sub;
+        for (uint32_t g = G * part / sub; g < g1; g++) {
+            __m512i kk[4];
+            for (uint32_t t = 0; t < K; t++) kk[t] = ldk_dp(k + t * krb, g, D);
+            for (uint32_t r = 0; r < R; r++) {
+                const __m512bh x = as_bh(_mm512_loadu_si512((const void *)(q + r * qrow + 64 * (size_t)g)));
+                for (uint32_t t = 0; t < K; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], x, as_bh(kk[t]));
+            }
+        }
+        if (part + 1 < sub) pkv__attn_pf_step(pf);
+    }
+    if (R == 4 && K == 4) {
+        __m256 y[4][4];
+        _Pragma("GCC unroll 4") for (uint32_t r = 0; r < 4; r++)
+            _Pragma("GCC unroll 4") for (uint32_t t = 0; t < 4; t++)
+                y[r][t] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][t]),
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][t]), 1)));
+        YSUM4X4_STORE(y, s, ss);
+        return;
+    }
+    _Pragma("GCC unroll 4") for (uint32_t r = 0; r < R; r++)
+        _Pragma("GCC unroll 4") for (uint32_t t = 0; t < K; t++) s[r * ss + t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+static inline __attribute__((always_inline)) BF16DP void score_dp_all(const void *qp, uint32_t n_rows,
+                                                                      const uint8_t *k, size_t krb, uint32_t n_keys,
+                                                                      uint32_t D, float *s, uint32_t ss,
+                                                                      pkv__attn_pf *pf) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(D);
+    const uint32_t sub = PKV__ATTN_PF_SUB_bf16;
+    const uint8_t *q = qp;
+    pkv__attn_pf_start(pf, (n_keys + 3) / 4 * ((n_rows + 3) / 4) * sub); /* sub per tile */
+    for (uint32_t r = 0; r < n_rows; r += 4) {
+        const uint32_t R = PKV_MIN(4u, n_rows - r);
+        const uint8_t *qr = q + r * qrow;
+        float *sr = s + (size_t)r * ss;
+        uint32_t t = 0;
+        if (R == 4)
+            for (; t + 4 <= n_keys; t += 4) {
+                score_tile_dp(qr, qrow, k + t * krb, krb, 4, 4, D, sr + t, ss, pf, sub);
+                pkv__attn_pf_step(pf);
+            }
+        for (; t < n_keys; t += 4) {
+            score_tile_dp(qr, qrow, k + t * krb, krb, R, PKV_MIN(4u, n_keys - t), D, sr + t, ss, pf, sub);
+            pkv__attn_pf_step(pf);
+        }
+    }
+}
+static BF16DP void score_bf16dp(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,
+                                uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {
+    if (D == 128) /* the common head_dim, with constant trip counts */
+        score_dp_all(qp, n_rows, k, krb, n_keys, 128, s, ss, pf);
+    else
+        score_dp_all(qp, n_rows, k, krb, n_keys, D, s, ss, pf);
+}
+
+/* p.V by bf16 dot products (PKV_ATTN_BF16_DOT, bf16 V): each row's weights rounded to bf16 in
+ * pairs of keys, and each pair of V rows interleaved into pairs of the same column, so that one
+ * vdpbf16ps adds two keys' products into 16 columns of acc. The columns of a full group of 32
+ * come out in even-odd order, as the f32-weight kernel keeps acc (attn.h): the even columns from
+ * the low halves of both rows' 32-bit lanes, the odd ones from the high halves (a shift and a
+ * blend each). Tiles of 4 rows x 64 columns (16 accumulators) as there; a key's prefetch share
+ * per column tile as there; the columns past the last full group (head_dim not a multiple of 32)
+ * with the f32 weights. */
+static inline __attribute__((always_inline)) BF16DP __m256i bf16_pairs(__m512 x) { /* 16 floats -> 8 pairs */
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+static inline __attribute__((always_inline)) BF16DP void accum_tile_dp(const uint32_t (*pb)[16], const uint32_t R,
+                                                                       const uint8_t *v, size_t vrb, uint32_t n_keys,
+                                                                       const uint32_t NG, float *acc, uint32_t D,
+                                                                       pkv__attn_pf *pf) {
+    __m512 a[4][4];
+    for (uint32_t r = 0; r < R; r++)
+        for (uint32_t c = 0; c < 2 * NG; c++) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
+    size_t pfs;
+    uint32_t pfn;
+    int pfl;
+    ptrdiff_t pfd;
+    const uint8_t *pfx = pkv__attn_pf_take(pf, n_keys, &pfs, &pfn, &pfl, &pfd); /* a share per key */
+    const __mmask32 hi = 0xAAAAAAAAu;
+    for (uint32_t j = 0; 2 * j < n_keys; j++) {
+        const uint8_t *va = v + 2 * j * vrb;
+        const bool two = 2 * j + 1 < n_keys;
+        if (2 * j < pfn) pkv__attn_pf_burst(pfx + 2 * j * pfs, pfs, pfl, pfd);
+        if (two && 2 * j + 1 < pfn) pkv__attn_pf_burst(pfx + (2 * j + 1) * pfs, pfs, pfl, pfd);
+        __m512i x[4];
+        _Pragma("GCC unroll 2") for (uint32_t g = 0; g < NG; g++) {
+            const __m512i A = _mm512_loadu_si512((const void *)(va + 64 * g));
+            const __m512i B = two ? _mm512_loadu_si512((const void *)(va + vrb + 64 * g)) : _mm512_setzero_si512();
+            x[2 * g] = _mm512_mask_blend_epi16(hi, A, _mm512_slli_epi32(B, 16));     /* even columns */
+            x[2 * g + 1] = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(A, 16), B); /* odd columns */
+        }
+        _Pragma("GCC unroll 4") for (uint32_t r = 0; r < R; r++) {
+            const __m512bh w = as_bh(_mm512_set1_epi32((int)pb[r][j]));
+            _Pragma("GCC unroll 4") for (uint32_t c = 0; c < 2 * NG; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], w, as_bh(x[c]));
+        }
+    }
+    for (uint32_t r = 0; r < R; r++)
+        for (uint32_t c = 0; c < 2 * NG; c++) _mm512_storeu_ps(acc + r * D + 16 * c, a[r][c]);
+}
+static inline __attribute__((always_inline)) BF16DP void accum_dp_all(const float *p, uint32_t ps, uint32_t n_rows,
+                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys,
+                                                                      uint32_t D, float *acc, pkv__attn_pf *pf) {
+    const uint32_t NG = D / 32, tiles = NG / 2 + NG % 2;
+    pkv__attn_pf_start(pf, (n_rows + 3) / 4 * n_keys * (tiles ? tiles : 1));
+    for (uint32_t r0 = 0; r0 < n_rows; r0 += 4) {
+        const uint32_t R = PKV_MIN(4u, n_rows - r0);
+        float *ar = acc + (size_t)r0 * D;
+        for (uint32_t k0 = 0; k0 < n_keys; k0 += 32) { /* keys 32 at a time: 16 pairs of weights a row */
+            const uint32_t nk = PKV_MIN(32u, n_keys - k0);
+            const __mmask16 m0 = nk >= 16 ? 0xffffu : (__mmask16)((1u << nk) - 1u);
+            const __mmask16 m1 = nk >= 32 ? 0xffffu : nk > 16 ? (__mmask16)((1u << (nk - 16)) - 1u) : 0;
+            uint32_t pb[4][16];
+            for (uint32_t r = 0; r < R; r++) {
+                const float *pr = p + (size_t)(r0 + r) * ps + k0;
+                _mm256_storeu_si256((__m256i *)pb[r], bf16_pairs(_mm512_maskz_loadu_ps(m0, pr)));
+                _mm256_storeu_si256((__m256i *)(pb[r] + 8),
+                                    m1 ? bf16_pairs(_mm512_maskz_loadu_ps(m1, pr + 16)) : _mm256_setzero_si256());
+            }
+            const uint8_t *vk = v + k0 * vrb;
+            uint32_t g = 0;
+            if (R == 4) { /* constant row counts, so that the tile's loops unroll */
+                for (; g + 2 <= NG; g += 2) accum_tile_dp(pb, 4, vk + 64 * g, vrb, nk, 2, ar + 32 * g, D, pf);
+                if (g < NG) accum_tile_dp(pb, 4, vk + 64 * g, vrb, nk, 1, ar + 32 * g, D, pf);
+            } else {
+                for (; g + 2 <= NG; g += 2) accum_tile_dp(pb, R, vk + 64 * g, vrb, nk, 2, ar + 32 * g, D, pf);
+                if (g < NG) accum_tile_dp(pb, R, vk + 64 * g, vrb, nk, 1, ar + 32 * g, D, pf);
+            }
+            for (uint32_t r = 0; r < R; r++) /* the columns past the last full group */
+                for (uint32_t t = 0; t < nk; t++) {
+                    const float w = p[(size_t)(r0 + r) * ps + k0 + t];
+                    for (uint32_t d = 32 * NG; d < D; d++) ar[(size_t)r * D + d] += w * sc_bf16(vk + t * vrb, d);
+                }
+        }
+    }
+    pkv__attn_pf_finish(pf);
+}
+static BF16DP void accum_bf16dp(const float *p, uint32_t ps, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                                uint32_t n_keys, uint32_t D, float *acc, pkv__attn_pf *pf) {
+    if (D == 128) /* the common head_dim, with constant trip counts */
+        accum_dp_all(p, ps, n_rows, v, vrb, n_keys, 128, acc, pf);
+    else
+        accum_dp_all(p, ps, n_rows, v, vrb, n_keys, D, acc, pf);
+}
+
 void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
     kt->name = PKV__AVX512_NAME;
     kt->score[PKV_DTYPE_F32] = score_f32;
@@ -477,5 +680,13 @@ void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
     kt->accum_pf[PKV_DTYPE_F32] = kt->accum_pf[PKV_DTYPE_F16] = kt->accum_pf[PKV_DTYPE_BF16] = true;
     kt->prep_q[PKV_DTYPE_BF16] = prep_bf16_eo; /* bf16 K and V in even-odd order */
     kt->acc_eo[PKV_DTYPE_BF16] = true;
+#ifndef PKV_AVX512_EMU
+    if (pkv__cpu_features() & PKV_CPU_AVX512BF16)
+#endif
+    {
+        kt->prep_lp[PKV_DTYPE_BF16] = prep_bf16dp;
+        kt->score_lp[PKV_DTYPE_BF16] = score_bf16dp;
+        kt->accum_lp[PKV_DTYPE_BF16] = accum_bf16dp;
+    }
     tpath_fill(kt);
 }

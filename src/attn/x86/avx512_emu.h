@@ -1,7 +1,7 @@
 /* avx512_emu.h: for tests only. Lets attn_avx512.c be compiled for a CPU without AVX-512, so
  * its kernels (tiles, tails, masks, the softmax) run against the reference on any x86 machine
  * with AVX2. SIMDe (Debian's libsimde-dev) gives the 512-bit types and most intrinsics, each as
- * a pair of 256-bit AVX2 operations; the six the packaged SIMDe lacks are written below the
+ * a pair of 256-bit AVX2 operations; the seven the packaged SIMDe lacks are written below the
  * same way, and one it has without its native alias (shuffle_f32x4) is aliased by hand. CMake
  * compiles this variant (PKV_AVX512_EMU) into objects of test_attn and test_quant_attn only, as
  * the backends "avx512-emu" and "avx512-vnni-emu"; it never goes into libpkv. It checks the
@@ -56,6 +56,15 @@ static inline float pkv_emu_mm512_reduce_max_ps(simde__m512 a) {
     return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
 
+/* truncating 32 -> 16 bits (vpmovdw): the low halves, masked first so that packus is exact */
+static inline __m256i pkv_emu_mm512_cvtepi32_epi16(simde__m512i a) {
+    const simde__m512i_private p = simde__m512i_to_private(a);
+    const __m256i m = _mm256_set1_epi32(0xffff);
+    const __m256i x = _mm256_packus_epi32(_mm256_and_si256(p.m256i[0], m), _mm256_and_si256(p.m256i[1], m));
+    return _mm256_permute4x64_epi64(x, 0xD8);
+}
+#undef _mm512_cvtepi32_epi16
+#define _mm512_cvtepi32_epi16 pkv_emu_mm512_cvtepi32_epi16
 #undef _mm512_cvtph_ps
 #undef _mm512_maskz_loadu_ps
 #undef _mm512_cvtepu16_epi32
