@@ -412,15 +412,18 @@ typedef struct pkv_attn_params {
                             [n_queries][n_q_heads]; NULL = not wanted */
     uint32_t flags;      /* PKV_ATTN_* below, or 0; another bit is PKV_EINVAL */
 } pkv_attn_params;
-/* pkv_attn_params.flags. PKV_ATTN_BF16_DOT: with bf16 K on a backend that has bf16 dot products
- * (pkv_attn_flags_used; x86 with AVX512_BF16: Intel Cooper Lake, Sapphire Rapids and later, AMD
- * Zen 4 and later), each query row times scale is rounded to bf16 (nearest, ties to even) and
- * q.k is computed by vdpbf16ps: 32 exact products an instruction, summed in f32, subnormal bf16
- * values taken as 0. Twice the products an instruction of the f32 path, so a decode bound by
- * arithmetic runs faster; the scores move by up to 2^-9 (relative) of sum |q_d k_d| x scale,
- * what a model computing its queries in bf16 gets anyway. The softmax and p.V are computed as
- * without the flag. Elsewhere (other K dtypes, other backends, PKV_FORCE_REF, query tiles of
- * prefill that take the transposed kernels) the flag changes nothing. */
+/* pkv_attn_params.flags. PKV_ATTN_BF16_DOT: allows bf16 arithmetic where the backend has bf16
+ * dot products (pkv_attn_flags_used; x86 with AVX512_BF16: Intel Cooper Lake, Sapphire Rapids
+ * and later, AMD Zen 4 and later). vdpbf16ps multiplies 32 pairs of bf16 values exactly and adds
+ * them into 16 f32 lanes: twice the products an instruction of the f32 path, so a decode bound
+ * by arithmetic runs faster (subnormal bf16 values count as 0).
+ * - bf16 K: each query row times scale is rounded to bf16 (nearest, ties to even), so a score
+ *   moves by up to 2^-8 of sum |q_d k_d| x scale: what a model computing its queries in bf16
+ *   gets anyway.
+ * - bf16 V: each softmax weight is rounded to bf16 for p.V (their sum, and so the log-sum-exp,
+ *   is not), so an output moves by up to 2^-8 of the largest |V| it averages.
+ * Elsewhere (other dtypes, other backends, PKV_FORCE_REF, and prefill tiles of 16 query rows a
+ * kv head or more, which take the transposed kernels) the flag changes nothing. */
 enum { PKV_ATTN_BF16_DOT = 1u };
 PKV_API pkv_attn_params pkv_attn_params_default(void);
 
@@ -501,8 +504,8 @@ PKV_API PKV_NODISCARD int pkv_attn_merge(uint32_t n_rows, uint32_t head_dim, con
 PKV_API const char *pkv_attn_backend(const pkv_cache *c);
 
 /* Of the PKV_ATTN_* flags, those that change how this cache's attention computes (a call may
- * pass any of them; the others change nothing here): PKV_ATTN_BF16_DOT where K is bf16 and the
- * backend has bf16 dot products. 0 for NULL. */
+ * pass any of them; the others change nothing here): PKV_ATTN_BF16_DOT where K or V is bf16 and
+ * the backend has bf16 dot products. 0 for NULL. */
 PKV_API uint32_t pkv_attn_flags_used(const pkv_cache *c);
 
 #ifdef __cplusplus

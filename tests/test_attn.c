@@ -1205,6 +1205,124 @@ static void test_force_ref(void **state) {
     pkv__attn_destroy(at);
 }
 
+/* ---- PKV_ATTN_BF16_DOT ------------------------------------------------------------------------
+ * Where the backend scores bf16 K by bf16 dot products (pkv__attn_lp), each query row times scale
+ * is rounded to bf16, nearest even: the reference then takes those rounded queries (and scale 1),
+ * so the score side is checked as tightly as ever. Where it takes p.V of bf16 V by dot products
+ * (pkv__attn_lp_v), each weight p = exp(s - m) is rounded to bf16 too (8 significant bits: relative
+ * error <= 2^-8) while the sum l is not: |out - ref| <= 2^-8 sum p |V| / sum p <= 2^-8 max |V|, so
+ * TOL_BF16_DOT = 2^-7 of max |V| (twice the bound; measured: 0.28 of it). The lse is unchanged by that rounding:
+ * TOL_LSE. Elsewhere the flag changes nothing: the same bits as without it. Decode (the sweep
+ * too: several fragmented sequences) and extends of fewer than 16 rows a kv head (the row path;
+ * the transposed path ignores the flag, and is checked against the plain reference). */
+#define TOL_BF16_DOT (1.0 / 128.0)
+static float bf16_round(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static void test_bf16_dot(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    g_rng = 0xbf16;
+    static const uint32_t dims[] = {64, 80, 128, 256, 40};
+    /* K and V: bf16 both, bf16 K with f16 or f32 V, bf16 V with f16 or f32 K */
+    static const pkv_dtype kv[][2] = {{PKV_DTYPE_BF16, PKV_DTYPE_BF16}, {PKV_DTYPE_BF16, PKV_DTYPE_F16},
+                                      {PKV_DTYPE_BF16, PKV_DTYPE_F32},  {PKV_DTYPE_F16, PKV_DTYPE_BF16},
+                                      {PKV_DTYPE_F32, PKV_DTYPE_BF16}};
+    double worst = 0, worst_lse = 0;
+    uint32_t n_lp = 0, n_cases = 0;
+    for (size_t di = 0; di < sizeof dims / sizeof *dims; di++)
+        for (size_t hi = 0; hi < 4; hi++)
+            for (size_t ti = 0; ti < sizeof kv / sizeof *kv; ti++) {
+                const uint32_t D = dims[di], nqh = k_heads[hi][0], H = k_heads[hi][1], G = nqh / H;
+                const uint32_t B = rng_below(3) ? 16 : 1 + rng_below(33), nt = 1 + rng_below(2);
+                const uint32_t n_seqs = 1 + rng_below(4);
+                uint32_t lens[4], total = 0, most = 0;
+                for (uint32_t i = 0; i < n_seqs; i++) {
+                    lens[i] = 1 + rng_below(rng_below(2) ? 40 : 600);
+                    const uint32_t nb = (lens[i] + B - 1) / B;
+                    total += nb, most = nb > most ? nb : most;
+                }
+                tpool p;
+                pool_init(&p, H, D, B, total + 3, kv[ti][0], kv[ti][1]);
+                tseq seqs[4];
+                const float kmul = (float)(0.5 + 3.5 * rng_unit());
+                for (uint32_t i = 0; i < n_seqs; i++) seq_make(&p, &seqs[i], lens[i], kmul);
+                pkv__attn *at = make_attn(bc->name, nt, n_seqs, most, H, D, B);
+                if (!at) {
+                    for (uint32_t i = 0; i < n_seqs; i++) seq_free(&seqs[i]);
+                    pool_free(&p);
+                    skip();
+                }
+                const bool lp_k = pkv__attn_lp(at, kv[ti][0]), lp_v = pkv__attn_lp_v(at, kv[ti][1]);
+                n_lp += lp_k || lp_v, n_cases++;
+                pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D)),
+                                       .flags = PKV_ATTN_BF16_DOT};
+                pkv__attn_item items[4];
+                float *plain[4];
+                for (uint32_t i = 0; i < n_seqs; i++) {
+                    uint32_t n_q = 1, pos0 = lens[i] - 1;
+                    if (rng_below(3) == 0) { /* an extend of fewer than 16 rows a kv head */
+                        const uint32_t most_q = (15 / G) < lens[i] ? 15 / G : lens[i];
+                        n_q = most_q ? 1 + rng_below(most_q) : 1;
+                        pos0 = rng_below(lens[i] - n_q + 1);
+                    }
+                    const size_t n = (size_t)n_q * nqh;
+                    items[i] = (pkv__attn_item){.block_table = seqs[i].table, .q_pos0 = pos0, .n_q = n_q,
+                                                .q = rand_q(n * D), .out = malloc(sizeof(float) * n * D),
+                                                .lse = malloc(sizeof(float) * n)};
+                    plain[i] = malloc(sizeof(float) * n * D);
+                }
+                /* without the flag first, to compare bits */
+                call.flags = 0;
+                assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
+                for (uint32_t i = 0; i < n_seqs; i++)
+                    memcpy(plain[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
+                call.flags = PKV_ATTN_BF16_DOT;
+                assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
+                bool differs = false;
+                for (uint32_t i = 0; i < n_seqs; i++) {
+                    const size_t n = (size_t)items[i].n_q * nqh;
+                    differs |= memcmp(plain[i], items[i].out, sizeof(float) * n * D) != 0;
+                    /* the reference's queries: rounded to bf16 after the scale where the kernel does */
+                    float *qr = malloc(sizeof(float) * n * D);
+                    for (size_t x = 0; x < n * D; x++) qr[x] = lp_k ? bf16_round(items[i].q[x] * call.scale) : items[i].q[x];
+                    pkv__attn_item ri = items[i];
+                    ri.q = qr;
+                    pkv__attn_call rc = call;
+                    if (lp_k) rc.scale = 1.0f;
+                    const double tol = (lp_v ? TOL_BF16_DOT : 0) + tol_for(kv[ti][0], kv[ti][1]) * dim_factor(D);
+                    const double e = check_item(&p, &seqs[i], nqh, &ri, &rc, &worst_lse) / tol;
+                    if (e > 1.0)
+                        print_message("  fail: %s D=%u q/kv=%u/%u B=%u K=%s V=%s len=%u q_pos0=%u n_q=%u thr=%u: err %.3g\n",
+                                      bc->name, D, nqh, H, B, pkv_dtype_name(kv[ti][0]), pkv_dtype_name(kv[ti][1]),
+                                      lens[i], items[i].q_pos0, items[i].n_q, nt, e);
+                    worst = fmax(worst, e);
+                    free(qr);
+                }
+                /* the flag changes the results exactly where a kernel of its own ran (and some query sees
+                   two keys: over one key the output is its V whatever the score) */
+                bool two_keys = false;
+                for (uint32_t i = 0; i < n_seqs; i++) two_keys |= items[i].q_pos0 + items[i].n_q >= 2;
+                if (!(lp_k || lp_v)) assert_false(differs);
+                else if (two_keys) assert_true(differs);
+                for (uint32_t i = 0; i < n_seqs; i++) {
+                    free((void *)items[i].q), free(items[i].out), free(items[i].lse), free(plain[i]);
+                    seq_free(&seqs[i]);
+                }
+                pkv__attn_destroy(at);
+                pool_free(&p);
+            }
+    print_message("  %s: %u of %u cases took bf16 dot products; max err %.3g of the tolerance, lse err %.3g\n",
+                  bc->name, n_lp, n_cases, worst, worst_lse);
+    assert_true(worst <= 1.0);
+    assert_true(worst_lse <= TOL_LSE);
+}
+
 static backend_case g_ref = {"ref"}, g_avx2 = {"avx2"}, g_avx512 = {"avx512"}, g_avx512_emu = {"avx512-emu"},
                     g_neon = {"neon"};
 
@@ -1228,6 +1346,7 @@ int main(void) {
         PER_BACKEND(test_threads_agree),
         PER_BACKEND(test_oracle_pool_order),
         PER_BACKEND(test_quant_dtypes_supported_or_enotsup),
+        PER_BACKEND(test_bf16_dot),
         cmocka_unit_test(test_inline_threshold_counts_heads),
         cmocka_unit_test(test_pool_order_choice),
         cmocka_unit_test(test_bad_input),

@@ -127,16 +127,21 @@ static double vmax_of(const host_seq *s, uint32_t l) {
 }
 
 /* Checks n queries (positions pos0..) of s in out/lse against the reference. */
-static void check(const host_seq *s, uint32_t l, const float *q, const float *out, const float *lse, uint32_t pos0,
-                  uint32_t n, const pkv_attn_params *p) {
+static void check_tol(const host_seq *s, uint32_t l, const float *q, const float *out, const float *lse,
+                      uint32_t pos0, uint32_t n, const pkv_attn_params *p, double tol) {
     double ro[NQH * D], rl[NQH];
     const double vm = vmax_of(s, l);
     for (uint32_t i = 0; i < n; i++) {
         ref_one(s, l, q + (size_t)i * NQH * D, pos0 + i, p, ro, rl);
-        for (uint32_t j = 0; j < NQH * D; j++) assert_true(fabs(out[(size_t)i * NQH * D + j] - ro[j]) <= TOL * vm);
+        for (uint32_t j = 0; j < NQH * D; j++) assert_true(fabs(out[(size_t)i * NQH * D + j] - ro[j]) <= tol * vm);
         if (lse)
             for (uint32_t h = 0; h < NQH; h++) assert_true(fabs(lse[i * NQH + h] - rl[h]) <= 1e-5 * fmax(1.0, fabs(rl[h])));
     }
+}
+
+static void check(const host_seq *s, uint32_t l, const float *q, const float *out, const float *lse, uint32_t pos0,
+                  uint32_t n, const pkv_attn_params *p) {
+    check_tol(s, l, q, out, lse, pos0, n, p, TOL);
 }
 
 static float *rand_q(uint32_t n) {
@@ -308,6 +313,9 @@ static void test_api_bad_input(void **state) {
     p.scale = -0.5f;
     assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
     p.scale = 0;
+    p.flags = 2u; /* a flag pkv.h does not define */
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
+    p.flags = 0;
     assert_int_equal(pkv_attn_decode(NULL, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
     assert_int_equal(pkv_attn_decode(c, 0, NULL, 1, q, out, &p), PKV_EINVAL);
     assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, NULL, out, &p), PKV_EINVAL);
@@ -349,6 +357,67 @@ static void test_api_bad_input(void **state) {
     const char *be = pkv_attn_backend(c);
     assert_true(!strcmp(be, "ref") || !strcmp(be, "avx2") || !strcmp(be, "avx512") || !strcmp(be, "avx512-vnni") ||
                 !strcmp(be, "neon") || !strcmp(be, "neon-dotprod"));
+    /* PKV_ATTN_BF16_DOT: accepted on any cache; with f16 K/V it changes nothing (the same bits) */
+    assert_int_equal(pkv_attn_flags_used(c), 0u);
+    assert_int_equal(pkv_attn_flags_used(NULL), 0u);
+    float plain[NQH * D];
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, plain, &p), PKV_OK);
+    p.flags = PKV_ATTN_BF16_DOT;
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_OK);
+    assert_memory_equal(plain, out, sizeof plain);
+    pkv_cache_destroy(c);
+}
+
+/* PKV_ATTN_BF16_DOT through the API: a bf16 cache says whether its backend takes the flag
+ * (pkv_attn_flags_used: AVX-512 with AVX512_BF16, not the reference), and the results with it
+ * stay within the bound pkv.h states: scores from queries rounded to bf16, outputs within 2^-8
+ * of max |V| of those (test_attn.c checks the kernels on every shape; here the cache's own
+ * dispatch, decode and prefill, and the backend the environment picks). */
+static void test_api_bf16_dot(void **state) {
+    (void)state;
+    static host_seq s;
+    pkv_cache *c = make_cache(PKV_DTYPE_BF16, 2, 0);
+    memset(&s, 0, sizeof s);
+    assert_int_equal(pkv_seq_create(c, NULL, 0, &s.id), PKV_OK);
+    append_write(c, PKV_DTYPE_BF16, &s, 200, 0);
+    const char *be = pkv_attn_backend(c);
+    const bool avx512 = !strncmp(be, "avx512", 6);
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && (defined(__x86_64__) || defined(__i386__))
+    if (avx512) assert_int_equal(pkv_attn_flags_used(c), __builtin_cpu_supports("avx512bf16") ? PKV_ATTN_BF16_DOT : 0u);
+#endif
+    if (!avx512) assert_int_equal(pkv_attn_flags_used(c), 0u);
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = NQH;
+    static float q[4 * NQH * D], plain[4 * NQH * D], out[4 * NQH * D], qr[4 * NQH * D];
+    for (size_t i = 0; i < sizeof q / sizeof *q; i++) q[i] = 2.0f * rnd();
+    pkv_attn_req r = {s.id, 197, 3}; /* 3 queries x 4 query heads a kv head: the row path (not 16 rows) */
+    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, plain, &p), PKV_OK);
+    p.flags = PKV_ATTN_BF16_DOT;
+    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_OK);
+    const bool used = pkv_attn_flags_used(c) != 0;
+    assert_true((memcmp(plain, out, sizeof out) != 0) == used);
+    /* the reference over the rounded queries (scale 1 / sqrt(D) first), within 2^-7 of max |V| */
+    pkv_attn_params pr = p;
+    pr.scale = 1.0f;
+    const float scale = 1.0f / sqrtf((float)D);
+    for (size_t i = 0; i < sizeof q / sizeof *q; i++) {
+        float x = q[i] * scale;
+        uint32_t u;
+        memcpy(&u, &x, sizeof u);
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        memcpy(&x, &u, sizeof x);
+        qr[i] = used ? x : q[i];
+    }
+    if (!used) pr.scale = 0;
+    check_tol(&s, 0, qr, out, NULL, 197, 3, &pr, used ? 1.0 / 128.0 : TOL);
+    /* a decode too, and prefill tiles of 16 rows a kv head (the transposed kernels): as without */
+    assert_int_equal(pkv_attn_decode(c, 1, &s.id, 1, q, out, &p), PKV_OK);
+    check_tol(&s, 1, qr, out, NULL, 199, 1, &pr, used ? 1.0 / 128.0 : TOL);
+    r = (pkv_attn_req){s.id, 196, 4};
+    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_OK);
+    p.flags = 0;
+    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, plain, &p), PKV_OK);
+    assert_memory_equal(plain, out, sizeof out);
     pkv_cache_destroy(c);
 }
 
@@ -823,6 +892,7 @@ int main(void) {
         cmocka_unit_test(test_api_fork_cow),
         cmocka_unit_test(test_api_shared_prefix),
         cmocka_unit_test(test_api_bad_input),
+        cmocka_unit_test(test_api_bf16_dot),
         cmocka_unit_test(test_api_merge_cascade),
         cmocka_unit_test(test_api_merge_values),
         cmocka_unit_test(test_api_in_place),
