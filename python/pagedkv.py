@@ -32,10 +32,13 @@ import numpy as np
 __all__ = [
     "Cache", "PkvError", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES",
     "OK", "EINVAL", "ENOMEM", "ENOSPC", "ENOENT", "ELIMIT", "ECORRUPT", "EIO", "ENOTSUP", "EBUSY",
+    "ATTN_BF16_DOT",
 ]
 
 # ---- status codes (pkv.h: values never change once released) -----------------------------
 OK, EINVAL, ENOMEM, ENOSPC, ENOENT, ELIMIT, ECORRUPT, EIO, ENOTSUP, EBUSY = 0, -1, -2, -3, -4, -5, -6, -7, -8, -9
+# pkv_attn_params.flags (pkv.h): what decode's and prefill's bf16_dot=True passes
+ATTN_BF16_DOT = 1
 _CODE_NAMES = {OK: "OK", EINVAL: "EINVAL", ENOMEM: "ENOMEM", ENOSPC: "ENOSPC", ENOENT: "ENOENT",
                ELIMIT: "ELIMIT", ECORRUPT: "ECORRUPT", EIO: "EIO", ENOTSUP: "ENOTSUP", EBUSY: "EBUSY"}
 
@@ -120,7 +123,8 @@ class _Stats(ctypes.Structure):
 
 
 class _AttnParams(ctypes.Structure):
-    _fields_ = [("n_q_heads", _u32), ("scale", _f32), ("softcap", _f32), ("window", _u32), ("lse", _vp)]
+    _fields_ = [("n_q_heads", _u32), ("scale", _f32), ("softcap", _f32), ("window", _u32), ("lse", _vp),
+                ("flags", _u32)]
 
 
 class _AttnReq(ctypes.Structure):
@@ -167,6 +171,7 @@ def _load():
         "pkv_attn_prefill": (_int, [_vp, _u32, _vp, _u32, _vp, _vp, _P(_AttnParams)]),
         "pkv_attn_merge": (_int, [_u32, _u32, _vp, _vp, _vp, _vp, _vp, _vp]),
         "pkv_attn_backend": (_cp, [_vp]),
+        "pkv_attn_flags_used": (_u32, [_vp]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -376,6 +381,12 @@ class Cache:
     def backend(self):
         """The attention kernel family in use ("ref", "avx2", "avx512", "avx512-vnni", "neon", ...)."""
         return _lib.pkv_attn_backend(self._h()).decode()
+
+    @property
+    def bf16_dot_used(self):
+        """Whether bf16_dot=True changes this cache's attention (pkv_attn_flags_used): bf16 K or V
+        and a backend with bf16 dot products."""
+        return bool(_lib.pkv_attn_flags_used(self._h()) & ATTN_BF16_DOT)
 
     def layout(self):
         """Where the pool lives (pkv_cache_layout), for engines with kernels of their own:
@@ -634,12 +645,13 @@ class Cache:
             raise PkvError(rc, "pkv_cache_check: " + buf.value.decode(errors="replace"))
 
     # -- attention --
-    def _params(self, n_q_heads, scale, softcap, window, lse):
+    def _params(self, n_q_heads, scale, softcap, window, lse, bf16_dot):
         p = _lib.pkv_attn_params_default()
         p.n_q_heads = _u32_of(n_q_heads, "n_q_heads")
         p.scale, p.softcap = float(scale), float(softcap)
         p.window = _u32_of(window, "window")
         p.lse = _ptr(lse)
+        p.flags = ATTN_BF16_DOT if bf16_dot else 0
         return p
 
     def _q(self, q, n_queries, n_q_heads, what):
@@ -667,28 +679,30 @@ class Cache:
         return out
 
     def decode(self, layer, seqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
-               out=None, lse_out=None):
+               out=None, lse_out=None, bf16_dot=False):
         """Decode attention (pkv_attn_decode): one query per sequence at its last position.
         q: [n_seqs][n_q_heads][head_dim] (float32; n_q_heads from its shape unless given).
         Returns out shaped [n_seqs][n_q_heads][head_dim], and lse [n_seqs][n_q_heads] with
         return_lse. scale 0 means 1/sqrt(head_dim); softcap and window 0 mean off. out (and
         lse_out) may be given, float32 C-contiguous arrays of those sizes, to be written in
-        place of new ones (out may be q itself when q is such an array)."""
+        place of new ones (out may be q itself when q is such an array). bf16_dot: allow bf16
+        arithmetic with bf16 K/V (PKV_ATTN_BF16_DOT: queries and softmax weights rounded to bf16
+        where the CPU has bf16 dot products; bf16_dot_used says whether it does here)."""
         a = self._seqs(seqs, "decode")
         qa, hq = self._q(q, a.size, n_q_heads, "decode")
         out = self._out(out, (a.size, hq, self._D), "decode: out")
         lse = self._out(lse_out, (a.size, hq), "decode: lse_out") if return_lse else None
-        p = self._params(hq, scale, softcap, window, lse)
+        p = self._params(hq, scale, softcap, window, lse, bf16_dot)
         _check(_lib.pkv_attn_decode(self._h(), _u32_of(layer, "layer"), _ptr(a), a.size, _ptr(qa), _ptr(out),
                                     ctypes.byref(p)), "pkv_attn_decode")
         return (out, lse) if return_lse else out
 
     def prefill(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
-                out=None, lse_out=None):
+                out=None, lse_out=None, bf16_dot=False):
         """Prefill / extend attention over a ragged batch (pkv_attn_prefill), causal.
         reqs: (seq, q_start, n_q) triples; q: the requests' queries concatenated,
         [sum n_q][n_q_heads][head_dim]. Returns out (and lse) like decode, one row per query;
-        out and lse_out as in decode."""
+        out, lse_out and bf16_dot as in decode."""
         rs = list(reqs)
         if not rs:
             raise _invalid("prefill: no requests")
@@ -705,7 +719,7 @@ class Cache:
         qa, hq = self._q(q, total, n_q_heads, "prefill")
         out = self._out(out, (total, hq, self._D), "prefill: out")
         lse = self._out(lse_out, (total, hq), "prefill: lse_out") if return_lse else None
-        p = self._params(hq, scale, softcap, window, lse)
+        p = self._params(hq, scale, softcap, window, lse, bf16_dot)
         _check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa), _ptr(out),
                                      ctypes.byref(p)), "pkv_attn_prefill")
         return (out, lse) if return_lse else out

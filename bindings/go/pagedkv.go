@@ -166,12 +166,14 @@ type AttnReq struct {
 }
 
 // AttnParams: NQHeads 0 means n_kv_heads, Scale 0 means 1/sqrt(head_dim), Softcap and Window
-// 0 mean off.
+// 0 mean off. BF16Dot is PKV_ATTN_BF16_DOT: with bf16 K/V, queries and softmax weights rounded
+// to bf16 and multiplied by bf16 dot products where the CPU has them (Cache.BF16DotUsed).
 type AttnParams struct {
 	NQHeads uint32
 	Scale   float32
 	Softcap float32
 	Window  uint32
+	BF16Dot bool
 }
 
 // SeqInfo is pkv_seq_info.
@@ -255,6 +257,17 @@ func (c *Cache) Backend() string {
 	}
 	defer unlock()
 	return C.GoString(C.pkv_attn_backend(p))
+}
+
+// BF16DotUsed says whether AttnParams.BF16Dot changes this cache's attention
+// (pkv_attn_flags_used): bf16 K or V and a backend with bf16 dot products.
+func (c *Cache) BF16DotUsed() bool {
+	p, unlock, err := c.rlock()
+	if err != nil {
+		return false
+	}
+	defer unlock()
+	return C.pkv_attn_flags_used(p)&C.PKV_ATTN_BF16_DOT != 0
 }
 
 func (c *Cache) kvElems(n int) int { return n * int(c.cfg.NKVHeads) * int(c.cfg.HeadDim) }
@@ -640,6 +653,9 @@ func (c *Cache) attnCall(what string, items, rows int, q, out []float32, ap Attn
 	}
 	raw := C.pkv_attn_params_default()
 	raw.n_q_heads, raw.scale, raw.softcap, raw.window = C.uint32_t(ap.NQHeads), C.float(ap.Scale), C.float(ap.Softcap), C.uint32_t(ap.Window)
+	if ap.BF16Dot {
+		raw.flags = C.PKV_ATTN_BF16_DOT
+	}
 	if lse != nil {
 		if err := wantLen(len(lse), rows*hq, what+": lse"); err != nil {
 			return err

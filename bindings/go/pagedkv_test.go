@@ -185,6 +185,71 @@ func TestBasics(t *testing.T) {
 	c.Close() // twice: a no-op
 }
 
+// BF16Dot: where the cache takes it (BF16DotUsed), the output is the reference's over the queries
+// times scale rounded to bf16, within 2^-7 of max |V| (pkv.h: 2^-8); elsewhere the same bits.
+func TestBF16Dot(t *testing.T) {
+	r := rng(0xbf16)
+	const h, d, hq = 2, 64, 8
+	c := newCache(t, h, d, 64, BF16)
+	defer c.Close()
+	seqs := make([]Seq, 3)
+	for i := range seqs {
+		s, err := c.SeqCreate(nil)
+		must(t, err)
+		seqs[i] = s
+	}
+	for k := 0; k < 12; k++ {
+		for _, s := range seqs {
+			fill(t, c, s, 16, &r)
+		}
+	}
+	q := r.vec(len(seqs) * hq * d)
+	plain, out := make([]float32, len(q)), make([]float32, len(q))
+	must(t, c.Decode(0, seqs, q, plain, AttnParams{NQHeads: hq}, nil))
+	must(t, c.Decode(0, seqs, q, out, AttnParams{NQHeads: hq, BF16Dot: true}, nil))
+	used := c.BF16DotUsed()
+	differs := false
+	for i := range out {
+		differs = differs || out[i] != plain[i]
+	}
+	if differs != used {
+		t.Fatalf("results differ %v, BF16DotUsed %v", differs, used)
+	}
+	scale := float32(1 / math.Sqrt(d))
+	qr := make([]float32, len(q))
+	for i, x := range q {
+		qr[i] = x * scale
+		if used {
+			u := math.Float32bits(qr[i])
+			qr[i] = math.Float32frombits((u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000)
+		}
+	}
+	for i, s := range seqs {
+		k, v, err := c.Gather(s, 0, 0, 192)
+		must(t, err)
+		w, _ := reference(qr[i*hq*d:(i+1)*hq*d], k, v, hq, h, d, 1, 0, 0)
+		vmax, e := 0.0, 0.0
+		for _, x := range v {
+			vmax = math.Max(vmax, math.Abs(float64(x)))
+		}
+		for j, g := range out[i*hq*d : (i+1)*hq*d] {
+			e = math.Max(e, math.Abs(float64(g)-w[j]))
+		}
+		tol := 1e-5 * math.Max(vmax, 1)
+		if used {
+			tol = vmax / 128
+		}
+		if e > tol {
+			t.Fatalf("BF16Dot decode %d: error %g over %g", i, e, tol)
+		}
+	}
+	c16 := newCache(t, h, d, 8, F16)
+	defer c16.Close()
+	if c16.BF16DotUsed() {
+		t.Fatal("an f16 cache takes BF16Dot")
+	}
+}
+
 func TestDecodeAndPrefill(t *testing.T) {
 	r := rng(0x9e3779b97f4a7c15)
 	const h, d, hq = 2, 64, 8

@@ -41,7 +41,7 @@ int main(void) {
     FIELD(pkv_stats, attn_reqs_table);
     SIZE(pkv_attn_params);
     FIELD(pkv_attn_params, n_q_heads), FIELD(pkv_attn_params, scale), FIELD(pkv_attn_params, softcap);
-    FIELD(pkv_attn_params, window), FIELD(pkv_attn_params, lse);
+    FIELD(pkv_attn_params, window), FIELD(pkv_attn_params, lse), FIELD(pkv_attn_params, flags);
     SIZE(pkv_attn_req);
     FIELD(pkv_attn_req, seq), FIELD(pkv_attn_req, q_start), FIELD(pkv_attn_req, n_q);
     return 0;

@@ -186,6 +186,33 @@ class TestAttention(Base):
                         self.assertClose(outp[row], want, 1e-5, "%s prefill, position %d" % (dt, p))
                         row += 1
 
+    def test_bf16_dot(self):
+        # bf16_dot=True: where the cache says it takes it, the queries (times scale) are rounded to
+        # bf16 and the outputs lie within 2^-8 of max |V| of the reference over those queries
+        # (pkv.h; test_attn.c has the bound); elsewhere the same bits as without it
+        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=64, k_dtype="bf16", v_dtype="bf16", n_threads=2) as c:
+            Hq, D = 8, 64
+            seqs = [c.seq_create() for _ in range(3)]
+            for rnd in range(0, 200, 16):
+                for s in seqs:
+                    self.fill(c, s, 16)
+            q = self.rng.standard_normal((3, Hq, D)).astype(np.float32)
+            plain = c.decode(0, seqs, q)
+            out = c.decode(0, seqs, q, bf16_dot=True)
+            used = c.bf16_dot_used
+            self.assertEqual(not np.array_equal(plain, out), used)
+            qr = bf16_value(bf16_bits(q / np.sqrt(D))) if used else q / np.sqrt(D)
+            for i, s in enumerate(seqs):
+                K, V = c.gather(s, 0)
+                want, _ = ref_attn(qr[i], K, V, 1.0)
+                if used:  # twice the bound, in units of max |V|
+                    err = float(np.abs(out[i].astype(np.float64) - want).max())
+                    self.assertLessEqual(err, 2.0 ** -7 * float(np.abs(V).max()), "bf16_dot decode %d" % i)
+                else:
+                    self.assertClose(out[i], want, 1e-5, "bf16_dot decode %d" % i)
+        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=8, n_threads=1) as c:  # f16: nothing to take
+            self.assertFalse(c.bf16_dot_used)
+
     def test_f32_pool_stores_input_exactly(self):
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=8, k_dtype="f32", v_dtype="f32", n_threads=1) as c:
             s = c.seq_create()

@@ -117,7 +117,11 @@ pub struct pkv_attn_params {
     pub softcap: f32,
     pub window: u32,
     pub lse: *mut f32,
+    pub flags: u32,
 }
+
+/// pkv_attn_params.flags: bf16 arithmetic allowed with bf16 K/V (pkv.h).
+pub const PKV_ATTN_BF16_DOT: u32 = 1;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -229,4 +233,5 @@ extern "C" {
         lse: *mut f32,
     ) -> c_int;
     pub fn pkv_attn_backend(c: *const pkv_cache) -> *const c_char;
+    pub fn pkv_attn_flags_used(c: *const pkv_cache) -> u32;
 }

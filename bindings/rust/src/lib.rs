@@ -274,6 +274,9 @@ pub struct AttnParams {
     pub softcap: f32,
     /// Sliding window; 0 = off.
     pub window: u32,
+    /// PKV_ATTN_BF16_DOT: with bf16 K/V, queries and softmax weights rounded to bf16 and
+    /// multiplied by bf16 dot products where the CPU has them (`Cache::bf16_dot_used`).
+    pub bf16_dot: bool,
 }
 
 impl Default for AttnParams {
@@ -283,6 +286,7 @@ impl Default for AttnParams {
             scale: 0.0,
             softcap: 0.0,
             window: 0,
+            bf16_dot: false,
         }
     }
 }
@@ -398,6 +402,13 @@ impl Cache {
     /// The attention kernel family in use ("ref", "avx2", "avx512", "avx512-vnni", "neon", ...).
     pub fn backend(&self) -> &'static str {
         cstr(unsafe { ffi::pkv_attn_backend(self.p()) })
+    }
+
+    /// Whether `AttnParams::bf16_dot` changes this cache's attention (pkv_attn_flags_used): bf16
+    /// K or V and a backend with bf16 dot products.
+    pub fn bf16_dot_used(&self) -> bool {
+        let used = unsafe { ffi::pkv_attn_flags_used(self.p()) };
+        used & ffi::PKV_ATTN_BF16_DOT != 0
     }
 
     /// Where the pool lives (pkv_cache_layout), for kernels of the caller's own.
@@ -728,6 +739,7 @@ impl Cache {
         raw.scale = p.scale;
         raw.softcap = p.softcap;
         raw.window = p.window;
+        raw.flags = if p.bf16_dot { ffi::PKV_ATTN_BF16_DOT } else { 0 };
         if let Some(l) = lse {
             want_len(l.len(), rows * hq, &format!("{}: lse", what))?;
             raw.lse = l.as_mut_ptr();

@@ -245,7 +245,7 @@ fn struct_layouts_match_c() {
         m,
         "pkv_attn_params",
         ffi::pkv_attn_params,
-        [n_q_heads, scale, softcap, window, lse]
+        [n_q_heads, scale, softcap, window, lse, flags]
     );
     offsets!(m, "pkv_attn_req", ffi::pkv_attn_req, [seq, q_start, n_q]);
     offsets!(m, "pkv_attn_req", AttnReq, [seq, q_start, n_q]); // the safe type handed over as one
@@ -392,6 +392,53 @@ fn decode_and_prefill_match_reference() {
     }
 }
 
+/// bf16_dot: where the cache takes it (bf16_dot_used), the output is the reference's over the
+/// queries times scale rounded to bf16, within 2^-7 of max |V| (pkv.h: 2^-8); elsewhere the
+/// same bits as without it.
+#[test]
+fn bf16_dot_rounds_as_documented() {
+    let mut rng = Rng(0xbf16);
+    let (h, d, hq) = (2usize, 64usize, 8usize);
+    let mut c = Cache::new(&cfg(h as u32, d as u32, 64, Dtype::Bf16)).unwrap();
+    let seqs: Vec<Seq> = (0..3).map(|_| c.seq_create(b"").unwrap()).collect();
+    for _ in 0..12 {
+        for s in &seqs {
+            fill(&mut c, *s, 16, &mut rng);
+        }
+    }
+    let q = rng.vec(seqs.len() * hq * d);
+    let (mut plain, mut out) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+    let p = AttnParams {
+        n_q_heads: hq as u32,
+        ..AttnParams::default()
+    };
+    c.decode(0, &seqs, &q, &mut plain, &p, None).unwrap();
+    c.decode(0, &seqs, &q, &mut out, &AttnParams { bf16_dot: true, ..p }, None)
+        .unwrap();
+    let used = c.bf16_dot_used();
+    assert_eq!(plain != out, used);
+    let scale = 1.0 / (d as f32).sqrt();
+    let round = |x: f32| {
+        let u = x.to_bits();
+        f32::from_bits(u.wrapping_add(0x7fff + ((u >> 16) & 1)) & 0xffff_0000)
+    };
+    let qr: Vec<f32> = q.iter().map(|&x| if used { round(x * scale) } else { x * scale }).collect();
+    for (i, &s) in seqs.iter().enumerate() {
+        let n = c.seq_info(s).unwrap().n_tokens;
+        let (k, v) = c.gather(s, 0, 0, n).unwrap();
+        let (w, _) = reference(&qr[i * hq * d..][..hq * d], &k, &v, hq, h, d, 1.0, 0.0, 0);
+        let vmax = v.iter().fold(0f64, |a, x| a.max(x.abs() as f64));
+        let err = out[i * hq * d..][..hq * d]
+            .iter()
+            .zip(&w)
+            .fold(0f64, |a, (g, w)| a.max((*g as f64 - w).abs()));
+        let tol = if used { vmax / 128.0 } else { 1e-5 * vmax.max(1.0) };
+        assert!(err <= tol, "bf16_dot decode {}: error {:e} over {:e}", i, err, tol);
+    }
+    let c16 = Cache::new(&cfg(h as u32, d as u32, 8, Dtype::F16)).unwrap();
+    assert!(!c16.bf16_dot_used());
+}
+
 #[test]
 fn softcap_window_merge() {
     let mut rng = Rng(7);
@@ -407,6 +454,7 @@ fn softcap_window_merge() {
             scale: 0.2,
             softcap: cap,
             window: win,
+            bf16_dot: false,
         };
         let (mut out, mut lse) = (vec![0f32; hq * d], vec![0f32; hq]);
         c.decode(0, &[s], &q, &mut out, &p, Some(&mut lse)).unwrap();
