@@ -429,18 +429,32 @@ enum {
 
 /* The attention oracle: query row qv (Hq heads x D) at position pos of q, layer l, in double
  * from the model's K/V (exact in every pool dtype the model uses), into ref (Hq x D) and lse. */
+PM_NOCOV static inline float pm_bf16(float x) { /* to bf16, nearest even (pkv.h: PKV_ATTN_BF16_DOT) */
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+/* With bf16q, the queries times scale rounded to bf16 (the f32 product, as the kernels round). */
 PM_NOCOV static inline void pm_attn_ref(const pm_world *w, const pm_seq *q, uint32_t l, uint32_t pos, uint32_t Hq,
-                                        const pkv_attn_params *ap, const float *qv, double *ref, double *lse) {
+                                        const pkv_attn_params *ap, const float *qv, int bf16q, double *ref,
+                                        double *lse) {
     const uint32_t H = w->cfg.n_kv_heads, D = w->cfg.head_dim, G = Hq / H;
     const double scale = ap->scale > 0.0f ? ap->scale : 1.0 / sqrt((double)D);
+    const float fscale = ap->scale > 0.0f ? ap->scale : 1.0f / sqrtf((float)D); /* as pkv_attn_* resolve it */
     const uint32_t lo = ap->window && pos + 1 > ap->window ? pos + 1 - ap->window : 0;
     static double sc[PM_MAX_TOK];
     for (uint32_t h = 0; h < Hq; h++) {
         double mx = -INFINITY, sum = 0.0;
         for (uint32_t j = lo; j <= pos; j++) {
             double x = 0.0;
-            for (uint32_t d = 0; d < D; d++) x += (double)qv[h * D + d] * pm_val(q->h[j], l, 0, h / G, d);
-            x *= scale;
+            if (bf16q)
+                for (uint32_t d = 0; d < D; d++) x += (double)pm_bf16(qv[h * D + d] * fscale) * pm_val(q->h[j], l, 0, h / G, d);
+            else {
+                for (uint32_t d = 0; d < D; d++) x += (double)qv[h * D + d] * pm_val(q->h[j], l, 0, h / G, d);
+                x *= scale;
+            }
             if (ap->softcap > 0.0f) x = ap->softcap * tanh(x / ap->softcap);
             sc[j] = x;
             if (x > mx) mx = x;
@@ -479,6 +493,10 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     ap.window = b % 5 == 0 ? 1 + pm_byte(src) % 20 : 0;
     ap.lse = b & 4 ? w->alse : NULL;
     const int prefill = pm_byte(src) & 1;
+    /* bf16 arithmetic allowed, in decodes (prefill tiles of 16 rows a kv head would ignore it) */
+    if (!prefill && (b & 16)) ap.flags = PKV_ATTN_BF16_DOT;
+    const int used = ap.flags && pkv_attn_flags_used(w->c);
+    const int bf16q = used && w->cfg.k_dtype == PKV_DTYPE_BF16, bf16p = used && w->cfg.v_dtype == PKV_DTYPE_BF16;
     pkv_seq seqs[PM_ATTN_MAX_SEQS];
     pkv_attn_req reqs[PM_ATTN_MAX_SEQS];
     uint32_t nq = 0;
@@ -499,7 +517,7 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     /* out and lse start as a pattern a bad call must leave, and a good one past its queries */
     memset(w->aout, PM_UNTOUCHED, sizeof w->aout);
     memset(w->alse, PM_UNTOUCHED, sizeof w->alse);
-    const uint32_t bad = pm_byte(src) < 48 ? 1 + pm_byte(src) % 7 : 0;
+    const uint32_t bad = pm_byte(src) < 48 ? 1 + pm_byte(src) % 8 : 0;
     int want_rc = 0;
     uint32_t l = layer;
     const float *qp = w->aq;
@@ -521,6 +539,7 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         w->aq[pm_below(src, nq * Hq * D)] = nonfinite[pm_byte(src) % 3];
         want_rc = PKV_EINVAL;
     }
+    if (bad == 8) ap.flags = 2u, want_rc = PKV_EINVAL; /* a flag pkv.h does not define */
     if (!bad && b >= 192) { /* in place: out is q, the queries copied there first */
         memcpy(w->aout, w->aq, (size_t)nq * Hq * D * sizeof(float));
         qp = w->aout;
@@ -528,10 +547,10 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     int rc = prefill ? pkv_attn_prefill(w->c, l, reqs, n, qp, w->aout, &ap)
                      : pkv_attn_decode(w->c, l, seqs, n, qp, w->aout, &ap);
     PM_TR(w,
-          "   attn %s of %u seqs (%u queries, Hq %u, layer %u, scale %g cap %g window %u lse %d, in place %d, bad %u)"
-          " -> %s\n",
+          "   attn %s of %u seqs (%u queries, Hq %u, layer %u, scale %g cap %g window %u lse %d, in place %d, flags %u"
+          " (used %d), bad %u) -> %s\n",
           prefill ? "prefill" : "decode", n, nq, Hq, l, (double)ap.scale, (double)ap.softcap, ap.window,
-          ap.lse != NULL, qp == w->aout, bad, pkv_strerror(rc));
+          ap.lse != NULL, qp == w->aout, ap.flags, used, bad, pkv_strerror(rc));
     if (want_rc) {
         PM_EXPECT(w, rc == want_rc, "attn with bad input %u: %s, want %s", bad, pkv_strerror(rc), pkv_strerror(want_rc));
         PM_EXPECT(w, pm_untouched(w->aout, 0, sizeof w->aout), "attn with bad input %u wrote out", bad);
@@ -544,14 +563,15 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
               "attn wrote out past its %u queries", nq);
     PM_EXPECT(w, pm_untouched(w->alse, ap.lse ? (size_t)nq * Hq * sizeof(float) : 0, sizeof w->alse),
               "attn wrote lse past its %u queries (or unasked)", nq);
-    /* f32 arithmetic over at most PM_MAX_TOK keys of values up to 16 */
-    const double tol = 5e-4;
+    /* f32 arithmetic over at most PM_MAX_TOK keys of values up to 16; weights rounded to bf16 (bf16
+       V under PKV_ATTN_BF16_DOT) move an output by up to 2^-8 of max |V| <= 16: twice that */
+    const double tol = 5e-4 + (bf16p ? 16.0 / 128.0 : 0.0);
     double ref[PM_ATTN_MAX_HQ * PM_MAX_D], lse[PM_ATTN_MAX_HQ];
     size_t row = 0;
     for (uint32_t i = 0; i < n; i++)
         for (uint32_t t = 0; t < reqs[i].n_q; t++, row++) {
             const uint32_t pos = reqs[i].q_start + t;
-            pm_attn_ref(w, pick[i], layer, pos, Hq, &ap, w->aq + row * Hq * D, ref, lse);
+            pm_attn_ref(w, pick[i], layer, pos, Hq, &ap, w->aq + row * Hq * D, bf16q, ref, lse);
             for (uint32_t e = 0; e < Hq * D; e++) {
                 const float o = w->aout[row * Hq * D + e];
                 PM_EXPECT(w, fabs((double)o - ref[e]) <= tol,
