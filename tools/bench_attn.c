@@ -86,7 +86,8 @@ static void usage(FILE *f) {
             "              blocks where no room is free (reports block copies)\n"
             "  --bf16-dot  every call with PKV_ATTN_BF16_DOT: bf16 K scored by bf16 dot products where\n"
             "              the CPU has them (queries rounded to bf16; pkv.h); the header says whether it\n"
-            "              took effect, the JSON lines carry attn_flags\n"
+            "              took effect, the JSON lines carry attn_flags; each round also times the\n"
+            "              contiguous layout with the flag and without, calls interleaved (their ratio)\n"
             "  -h, --help  this text\n"
             "Goals: decode f16 at contexts >= 4096 reaches >= 85%% of the read bandwidth at 2 threads;\n"
             "paged within 3%% of contiguous; prefill >= 40%% of the FMA peak.\n",
@@ -825,6 +826,28 @@ static int time_decode_pair(setup su[2], const float *q, float *out, double max_
     return time_abba(su, timed_decode, &a, max_s, min_calls, med);
 }
 
+/* --bf16-dot's baseline: the contiguous layout's calls with the flag and without, interleaved
+ * as time_abba interleaves the layouts (on the same setup: each call its next layer); med[0]
+ * with the flag, med[1] without. */
+static int time_flag_pair(setup *s, const float *q, float *out, double max_s, uint32_t min_calls, double med[2]) {
+    enum { MAX_CALLS = 200 };
+    decode_args a[2] = {{q, out, bench_params()}, {q, out, bench_params()}};
+    a[1].p.flags = 0;
+    double t[2][MAX_CALLS];
+    int n[2] = {0, 0};
+    if (timed_decode(s, &a[0]) < 0 || timed_decode(s, &a[1]) < 0) return -1; /* warm-up */
+    const uint64_t start = tool_now_ns();
+    for (uint32_t i = 0; n[0] < MAX_CALLS && n[1] < MAX_CALLS; i++) {
+        const int l = (i ^ (i >> 1)) & 1;
+        const double sec = timed_decode(s, &a[l]);
+        if (sec < 0) return -1;
+        t[l][n[l]++] = sec;
+        if ((uint32_t)n[0] >= min_calls && n[0] == n[1] && (double)(tool_now_ns() - start) * 1e-9 > max_s) break;
+    }
+    for (int l = 0; l < 2; l++) med[l] = tool_median(t[l], (size_t)n[l]);
+    return 0;
+}
+
 /* A round of plain reads (time_abba): the ratio of the medians, paged / contiguous. */
 static double gather_ratio(setup su[2], uint32_t nt, double max_s, uint32_t min_calls) {
     double med[2] = {1.0, 1.0};
@@ -908,7 +931,7 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
         }
     }
     double t[2][ROUNDS_MAX], frac[2][ROUNDS_MAX], bw[ROUNDS_MAX], ratio[ROUNDS_MAX], hot[ROUNDS_MAX],
-        hot_frac[ROUNDS_MAX], mem_ratio[ROUNDS_MAX];
+        hot_frac[ROUNDS_MAX], mem_ratio[ROUNDS_MAX], flag_ratio[ROUNDS_MAX];
     for (int r = 0; r < rounds && rc == 0; r++) {
         bw[r] = bw_sample((int)nt);
         double med[2] = {0, 0}, hot_med = 0;
@@ -916,6 +939,13 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
         if (rc == 0) rc = time_decode_hot(&su[2], q, out, round_s / 2, &hot_med);
         if (rc < 0) break;
         mem_ratio[r] = gather_ratio(su, nt, round_s, min_calls);
+        flag_ratio[r] = 1.0;
+        if (g_attn_flags) {
+            double fm[2] = {1.0, 1.0};
+            rc = time_flag_pair(&su[0], q, out, round_s, min_calls, fm);
+            if (rc < 0) break;
+            flag_ratio[r] = fm[0] / fm[1];
+        }
         for (int l = 0; l < 2; l++) t[l][r] = med[l], frac[l][r] = per_layer / med[l] * 1e-9 / bw[r];
         ratio[r] = t[1][r] / t[0][r];
         hot[r] = hot_layer / hot_med * 1e-9, hot_frac[r] = hot[r] / bw[r];
@@ -933,6 +963,9 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     const double ratio_q3 = tool_percentile(ratio, (size_t)rounds, 75.0);
     const double hot_med = tool_median(hot, (size_t)rounds), hot_frac_med = tool_median(hot_frac, (size_t)rounds);
     const double mem_ratio_med = tool_median(mem_ratio, (size_t)rounds);
+    const double flag_med = tool_median(flag_ratio, (size_t)rounds);
+    const double flag_q1 = tool_percentile(flag_ratio, (size_t)rounds, 25.0);
+    const double flag_q3 = tool_percentile(flag_ratio, (size_t)rounds, 75.0);
     for (int paged = 0; paged <= 1; paged++) {
         const double med = tool_median(t[paged], (size_t)rounds), fr = tool_median(frac[paged], (size_t)rounds);
         const double gbps = per_layer / med * 1e-9;
@@ -958,9 +991,16 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
                        ratio_med, ratio_q1, ratio_q3, mem_ratio_med);
                 if (g_compact) printf(",\"compacted_blocks\":%llu,\"compact_passes\":%u,\"compact_ms\":%.3f",
                                       (unsigned long long)moved, passes, compact_ms);
+                if (g_attn_flags)
+                    printf(",\"contig_flags_over_plain\":%.4f,\"contig_flags_over_plain_q1\":%.4f,"
+                           "\"contig_flags_over_plain_q3\":%.4f",
+                           flag_med, flag_q1, flag_q3);
                 printf("}\n");
             } else {
                 printf("   %11.3f  %5.3f-%5.3f %8.3f\n", ratio_med, ratio_q1, ratio_q3, mem_ratio_med);
+                if (g_attn_flags)
+                    printf("#   contiguous, --bf16-dot's flag / without it (calls interleaved): %.3f (q1-q3 %.3f-%.3f)\n",
+                           flag_med, flag_q1, flag_q3);
                 if (g_compact)
                 {
                     if (g_compact == 2) printf("#   paged after --batch-compact: %llu block copies", (unsigned long long)moved);

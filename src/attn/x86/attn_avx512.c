@@ -485,22 +485,31 @@ static inline __m512bh as_bh(__m512i x) {
     memcpy(&r, &x, sizeof r);
     return r;
 }
-/* A query row rounded to bf16 (nearest, ties to even), zeros up to a multiple of 32 values. Not
- * on a hot path (once per unit, or per sequence of a sweep), so scalar, the same bits in every
- * build; q and scale are finite, so a product that overflows rounds to infinity. */
-static uint16_t bf16_rne(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+/* 16 floats rounded to bf16 (nearest, ties to even): the high halves of u + 0x7fff + (bit 16 of u),
+ * as 16 words (NaN does not occur: the queries are finite, the weights in [0, e^8]). */
+static inline __attribute__((always_inline)) __m256i bf16_round16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
+/* Query rows times scale rounded to bf16, in K's own order, zeros past head_dim up to a multiple
+ * of 32 values (a row's room is QROW bytes, head_dim floats: enough). The product is taken in
+ * f32 and then rounded; q and scale are finite, so a product that overflows rounds to infinity. */
 static void prep_bf16dp(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
     const uint32_t D32 = (head_dim + 31) & ~31u;
+    const __m512 vs = _mm512_set1_ps(scale);
     for (uint32_t r = 0; r < n_rows; r++) {
-        uint16_t *dst = (uint16_t *)((uint8_t *)qp + r * qrow);
+        uint8_t *dst = (uint8_t *)qp + r * qrow;
         const float *src = q + r * q_stride;
-        for (uint32_t d = 0; d < head_dim; d++) dst[d] = bf16_rne(src[d] * scale);
-        for (uint32_t d = head_dim; d < D32; d++) dst[d] = 0;
+        uint32_t d = 0;
+        for (; d < head_dim; d += 16) {
+            const uint32_t n = head_dim - d < 16 ? head_dim - d : 16;
+            const __m512 x = _mm512_maskz_loadu_ps((__mmask16)(n == 16 ? 0xffffu : (1u << n) - 1u), src + d);
+            _mm256_storeu_si256((__m256i *)(dst + 2 * (size_t)d), bf16_round16(_mm512_mul_ps(x, vs)));
+        }
+        for (; d < D32; d += 16) _mm256_storeu_si256((__m256i *)(dst + 2 * (size_t)d), _mm256_setzero_si256());
     }
 }
 /* The 32 bf16 values of group g of a K row: full groups loaded whole; the last one's values
@@ -584,12 +593,6 @@ static BF16DP void score_bf16dp(const void *qp, uint32_t n_rows, const uint8_t *
  * blend each). Tiles of 4 rows x 64 columns (16 accumulators) as there; a key's prefetch share
  * per column tile as there; the columns past the last full group (head_dim not a multiple of 32)
  * with the f32 weights. */
-static inline __attribute__((always_inline)) BF16DP __m256i bf16_pairs(__m512 x) { /* 16 floats -> 8 pairs */
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
 static inline __attribute__((always_inline)) BF16DP void accum_tile_dp(const uint32_t (*pb)[16], const uint32_t R,
                                                                        const uint8_t *v, size_t vrb, uint32_t n_keys,
                                                                        const uint32_t NG, float *acc, uint32_t D,
@@ -607,7 +610,6 @@ static inline __attribute__((always_inline)) BF16DP void accum_tile_dp(const uin
         const uint8_t *va = v + 2 * j * vrb;
         const bool two = 2 * j + 1 < n_keys;
         if (2 * j < pfn) pkv__attn_pf_burst(pfx + 2 * j * pfs, pfs, pfl, pfd);
-        if (two && 2 * j + 1 < pfn) pkv__attn_pf_burst(pfx + (2 * j + 1) * pfs, pfs, pfl, pfd);
         __m512i x[4];
         _Pragma("GCC unroll 2") for (uint32_t g = 0; g < NG; g++) {
             const __m512i A = _mm512_loadu_si512((const void *)(va + 64 * g));
@@ -618,6 +620,8 @@ static inline __attribute__((always_inline)) BF16DP void accum_tile_dp(const uin
         _Pragma("GCC unroll 4") for (uint32_t r = 0; r < R; r++) {
             const __m512bh w = as_bh(_mm512_set1_epi32((int)pb[r][j]));
             _Pragma("GCC unroll 4") for (uint32_t c = 0; c < 2 * NG; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], w, as_bh(x[c]));
+            if (r == R / 2 && two && 2 * j + 1 < pfn) /* the pair's second share, halfway through its work */
+                pkv__attn_pf_burst(pfx + (2 * j + 1) * pfs, pfs, pfl, pfd);
         }
     }
     for (uint32_t r = 0; r < R; r++)
@@ -638,9 +642,9 @@ static inline __attribute__((always_inline)) BF16DP void accum_dp_all(const floa
             uint32_t pb[4][16];
             for (uint32_t r = 0; r < R; r++) {
                 const float *pr = p + (size_t)(r0 + r) * ps + k0;
-                _mm256_storeu_si256((__m256i *)pb[r], bf16_pairs(_mm512_maskz_loadu_ps(m0, pr)));
+                _mm256_storeu_si256((__m256i *)pb[r], bf16_round16(_mm512_maskz_loadu_ps(m0, pr)));
                 _mm256_storeu_si256((__m256i *)(pb[r] + 8),
-                                    m1 ? bf16_pairs(_mm512_maskz_loadu_ps(m1, pr + 16)) : _mm256_setzero_si256());
+                                    m1 ? bf16_round16(_mm512_maskz_loadu_ps(m1, pr + 16)) : _mm256_setzero_si256());
             }
             const uint8_t *vk = v + k0 * vrb;
             uint32_t g = 0;
