@@ -493,8 +493,8 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     ap.window = b % 5 == 0 ? 1 + pm_byte(src) % 20 : 0;
     ap.lse = b & 4 ? w->alse : NULL;
     const int prefill = pm_byte(src) & 1;
-    /* bf16 arithmetic allowed, in decodes (prefill tiles of 16 rows a kv head would ignore it) */
-    if (!prefill && (b & 16)) ap.flags = PKV_ATTN_BF16_DOT;
+    /* bf16 arithmetic allowed (decode, and prefill in both the row and the transposed kernels) */
+    if (b & 16) ap.flags = PKV_ATTN_BF16_DOT;
     const int used = ap.flags && pkv_attn_flags_used(w->c);
     const int bf16q = used && w->cfg.k_dtype == PKV_DTYPE_BF16, bf16p = used && w->cfg.v_dtype == PKV_DTYPE_BF16;
     pkv_seq seqs[PM_ATTN_MAX_SEQS];

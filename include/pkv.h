@@ -422,8 +422,8 @@ typedef struct pkv_attn_params {
  *   gets anyway.
  * - bf16 V: each softmax weight is rounded to bf16 for p.V (their sum, and so the log-sum-exp,
  *   is not), so an output moves by up to 2^-8 of the largest |V| it averages.
- * Elsewhere (other dtypes, other backends, PKV_FORCE_REF, and prefill tiles of 16 query rows a
- * kv head or more, which take the transposed kernels) the flag changes nothing. */
+ * Decode and prefill alike. Elsewhere (other dtypes, other backends, PKV_FORCE_REF) the flag
+ * changes nothing. */
 enum { PKV_ATTN_BF16_DOT = 1u };
 PKV_API pkv_attn_params pkv_attn_params_default(void);
 

@@ -1213,8 +1213,8 @@ static void test_force_ref(void **state) {
  * error <= 2^-8) while the sum l is not: |out - ref| <= 2^-8 sum p |V| / sum p <= 2^-8 max |V|, so
  * TOL_BF16_DOT = 2^-7 of max |V| (twice the bound; measured: 0.28 of it). The lse is unchanged by that rounding:
  * TOL_LSE. Elsewhere the flag changes nothing: the same bits as without it. Decode (the sweep
- * too: several fragmented sequences) and extends of fewer than 16 rows a kv head (the row path;
- * the transposed path ignores the flag, and is checked against the plain reference). */
+ * too: several fragmented sequences) and extends of fewer than 16 rows a kv head (the row path)
+ * or more (the transposed primitives, on units of 16 rows and up). */
 #define TOL_BF16_DOT (1.0 / 128.0)
 static float bf16_round(float x) {
     uint32_t u;
@@ -1259,6 +1259,8 @@ static void test_bf16_dot(void **state) {
                     skip();
                 }
                 const bool lp_k = pkv__attn_lp(at, kv[ti][0]), lp_v = pkv__attn_lp_v(at, kv[ti][1]);
+                /* the transposed primitives follow the row path's: the same rounding in every unit */
+                assert_true(pkv__attn_lp_t(at, kv[ti][0], kv[ti][1]) == (lp_k || lp_v));
                 n_lp += lp_k || lp_v, n_cases++;
                 pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D)),
                                        .flags = PKV_ATTN_BF16_DOT};
@@ -1266,8 +1268,9 @@ static void test_bf16_dot(void **state) {
                 float *plain[4];
                 for (uint32_t i = 0; i < n_seqs; i++) {
                     uint32_t n_q = 1, pos0 = lens[i] - 1;
-                    if (rng_below(3) == 0) { /* an extend of fewer than 16 rows a kv head */
-                        const uint32_t most_q = (15 / G) < lens[i] ? 15 / G : lens[i];
+                    if (rng_below(3) == 0) { /* an extend: under 16 rows a kv head (the row path) or more */
+                        const uint32_t cap = rng_below(2) ? 15 / G : 48;
+                        const uint32_t most_q = cap < lens[i] ? cap : lens[i];
                         n_q = most_q ? 1 + rng_below(most_q) : 1;
                         pos0 = rng_below(lens[i] - n_q + 1);
                     }

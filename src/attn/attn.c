@@ -379,8 +379,13 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->kt_tab[0] = at->kt_tab[1] = kt;
     for (int d = 0; d < PKV_DTYPE_COUNT; d++)
     {
-        if (kt.prep_lp[d] && kt.score_lp[d]) at->kt_tab[1].prep_q[d] = kt.prep_lp[d], at->kt_tab[1].score[d] = kt.score_lp[d];
-        if (kt.accum_lp[d]) at->kt_tab[1].accum[d] = kt.accum_lp[d];
+        pkv__attn_kernels *lp = &at->kt_tab[1];
+        if (kt.prep_lp[d] && kt.score_lp[d]) {
+            lp->prep_q[d] = kt.prep_lp[d], lp->score[d] = kt.score_lp[d];
+            if (kt.score_t_lp[d] && lp->score_t[d]) lp->score_t[d] = kt.score_t_lp[d], lp->qt_pairs[d] = true;
+        }
+        if (kt.accum_lp[d]) lp->accum[d] = kt.accum_lp[d];
+        if (kt.accum_t_lp[d] && lp->accum_t[d]) lp->accum_t[d] = kt.accum_t_lp[d];
     }
     at->kt = &at->kt_tab[0];
     at->lim = *lim;
@@ -443,6 +448,12 @@ bool pkv__attn_lp(const pkv__attn *at, pkv_dtype k_dtype) {
 
 bool pkv__attn_lp_v(const pkv__attn *at, pkv_dtype v_dtype) {
     return at && (unsigned)v_dtype < PKV_DTYPE_COUNT && at->kt_tab[1].accum[v_dtype] != at->kt_tab[0].accum[v_dtype];
+}
+
+bool pkv__attn_lp_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {
+    return at && (unsigned)k_dtype < PKV_DTYPE_COUNT && (unsigned)v_dtype < PKV_DTYPE_COUNT &&
+           (at->kt_tab[1].score_t[k_dtype] != at->kt_tab[0].score_t[k_dtype] ||
+            at->kt_tab[1].accum_t[v_dtype] != at->kt_tab[0].accum_t[v_dtype]);
 }
 
 const char *pkv__attn_backend_name(const pkv__attn *at) { return at ? at->kt->name : "none"; }
@@ -997,8 +1008,20 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
     const uint32_t rows_h = w->nq * w->gs, rp = (rows_h + 15u) & ~15u;
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     pkv_assert(w->n_kvh * rp <= T_QT_ROWS && rp <= T_ROWS_PAD);
+    const bool pairs = kt->qt_pairs[kv->k_dtype];
     for (uint32_t j = 0; j < w->n_kvh; j++) {
         float *qt = sc->qt + (size_t)j * rp * D;
+        if (pairs) { /* (D + 1) / 2 pairs of 16-bit values, in the room of D floats */
+            uint32_t *qp = (uint32_t *)(void *)qt;
+            const uint32_t P = (D + 1) / 2;
+            for (uint32_t r = 0; r < rows_h; r++) {
+                const uint8_t *q = sc->qp + (size_t)(j * rows_h + r) * qrow;
+                for (uint32_t i = 0; i < P; i++) memcpy(qp + (size_t)i * rp + r, q + 4 * (size_t)i, 4);
+            }
+            for (uint32_t i = 0; i < P; i++)
+                for (uint32_t r = rows_h; r < rp; r++) qp[(size_t)i * rp + r] = 0;
+            continue;
+        }
         for (uint32_t r = 0; r < rows_h; r++) {
             const float *q = (const float *)(sc->qp + (size_t)(j * rows_h + r) * qrow);
             for (uint32_t d = 0; d < D; d++) qt[(size_t)d * rp + r] = q[d];
@@ -1045,8 +1068,10 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     pkv_assert(rows <= ROWS_MAX);
     const bool tpath =
         at->tpath && rows_h >= PKV__ATTN_T_MIN_ROWS && kt->score_t[kv->k_dtype] && kt->accum_t[kv->v_dtype];
-    /* the transposed path takes the backend's own prepared queries, whatever the call's flags */
-    const pkv__attn_prep_fn prep = tpath ? at->kt_tab[0].prep_q[kv->k_dtype] : kt->prep_q[kv->k_dtype];
+    /* the transposed path takes the f32 prepared queries of the backend's own table, unless this
+       table's score_t takes pairs of its prep_q's (qt_pairs) */
+    const pkv__attn_prep_fn prep =
+        tpath && !kt->qt_pairs[kv->k_dtype] ? at->kt_tab[0].prep_q[kv->k_dtype] : kt->prep_q[kv->k_dtype];
     for (uint32_t j = 0; j < w.n_kvh; j++)
         for (uint32_t qi = 0; qi < w.nq; qi++) {
             const float *q = it->q + ((size_t)(w.qa + qi) * nqh + (size_t)(w.kvh0 + j) * G + w.g0) * D;

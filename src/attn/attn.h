@@ -154,6 +154,8 @@ const char *pkv__attn_backend_name(const pkv__attn *at);
 bool pkv__attn_lp(const pkv__attn *at, pkv_dtype k_dtype);
 /* The same for accum and this V dtype. */
 bool pkv__attn_lp_v(const pkv__attn *at, pkv_dtype v_dtype);
+/* The same for the transposed primitives (prefill tiles of 16 rows a kv head or more). */
+bool pkv__attn_lp_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype);
 uint32_t pkv__attn_n_threads(const pkv__attn *at);
 
 /* Runs attention for n_items items (n_items <= max_items). Not reentrant on one context: the
@@ -484,6 +486,14 @@ typedef struct pkv__attn_kernels {
     pkv__attn_prep_fn prep_lp[PKV_DTYPE_COUNT];
     pkv__attn_score_fn score_lp[PKV_DTYPE_COUNT];
     pkv__attn_accum_fn accum_lp[PKV_DTYPE_COUNT]; /* by v_dtype, the same for accum: acc in accum's order */
+    /* the same for the transposed primitives; score_t_lp takes qt as pairs of prep_lp's values
+     * (qt_pairs below) */
+    pkv__attn_score_t_fn score_t_lp[PKV_DTYPE_COUNT];
+    pkv__attn_accum_t_fn accum_t_lp[PKV_DTYPE_COUNT];
+    /* by k_dtype: score_t takes qt as 32-bit pairs of the prepared rows (prep_q's own 16-bit
+     * values): lane r of pair i at qt + i * rp holds row r's values 2 i and 2 i + 1, pairs
+     * i < (head_dim + 1) / 2; else qt is f32 [head_dim][rp] */
+    bool qt_pairs[PKV_DTYPE_COUNT];
 } pkv__attn_kernels;
 
 /* Even-odd order (the AVX-512 bf16 kernels): each full group of 32 of a row's head_dim values,

@@ -593,7 +593,9 @@ static BF16DP void score_bf16dp(const void *qp, uint32_t n_rows, const uint8_t *
  * blend each). Tiles of 4 rows x 64 columns (16 accumulators) as there; a key's prefetch share
  * per column tile as there; the columns past the last full group (head_dim not a multiple of 32)
  * with the f32 weights. */
-static inline __attribute__((always_inline)) BF16DP void accum_tile_dp(const uint32_t (*pb)[16], const uint32_t R,
+/* pb[r * rs + j * js]: row r's weights of keys 2 j and 2 j + 1 as a bf16 pair */
+static inline __attribute__((always_inline)) BF16DP void accum_tile_dp(const uint32_t *pb, size_t rs, size_t js,
+                                                                       const uint32_t R,
                                                                        const uint8_t *v, size_t vrb, uint32_t n_keys,
                                                                        const uint32_t NG, float *acc, uint32_t D,
                                                                        pkv__attn_pf *pf) {
@@ -618,7 +620,7 @@ static inline __attribute__((always_inline)) BF16DP void accum_tile_dp(const uin
             x[2 * g + 1] = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(A, 16), B); /* odd columns */
         }
         _Pragma("GCC unroll 4") for (uint32_t r = 0; r < R; r++) {
-            const __m512bh w = as_bh(_mm512_set1_epi32((int)pb[r][j]));
+            const __m512bh w = as_bh(_mm512_set1_epi32((int)pb[r * rs + j * js]));
             _Pragma("GCC unroll 4") for (uint32_t c = 0; c < 2 * NG; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], w, as_bh(x[c]));
             if (r == R / 2 && two && 2 * j + 1 < pfn) /* the pair's second share, halfway through its work */
                 pkv__attn_pf_burst(pfx + (2 * j + 1) * pfs, pfs, pfl, pfd);
@@ -649,11 +651,11 @@ static inline __attribute__((always_inline)) BF16DP void accum_dp_all(const floa
             const uint8_t *vk = v + k0 * vrb;
             uint32_t g = 0;
             if (R == 4) { /* constant row counts, so that the tile's loops unroll */
-                for (; g + 2 <= NG; g += 2) accum_tile_dp(pb, 4, vk + 64 * g, vrb, nk, 2, ar + 32 * g, D, pf);
-                if (g < NG) accum_tile_dp(pb, 4, vk + 64 * g, vrb, nk, 1, ar + 32 * g, D, pf);
+                for (; g + 2 <= NG; g += 2) accum_tile_dp(pb[0], 16, 1, 4, vk + 64 * g, vrb, nk, 2, ar + 32 * g, D, pf);
+                if (g < NG) accum_tile_dp(pb[0], 16, 1, 4, vk + 64 * g, vrb, nk, 1, ar + 32 * g, D, pf);
             } else {
-                for (; g + 2 <= NG; g += 2) accum_tile_dp(pb, R, vk + 64 * g, vrb, nk, 2, ar + 32 * g, D, pf);
-                if (g < NG) accum_tile_dp(pb, R, vk + 64 * g, vrb, nk, 1, ar + 32 * g, D, pf);
+                for (; g + 2 <= NG; g += 2) accum_tile_dp(pb[0], 16, 1, R, vk + 64 * g, vrb, nk, 2, ar + 32 * g, D, pf);
+                if (g < NG) accum_tile_dp(pb[0], 16, 1, R, vk + 64 * g, vrb, nk, 1, ar + 32 * g, D, pf);
             }
             for (uint32_t r = 0; r < R; r++) /* the columns past the last full group */
                 for (uint32_t t = 0; t < nk; t++) {
@@ -670,6 +672,100 @@ static BF16DP void accum_bf16dp(const float *p, uint32_t ps, uint32_t n_rows, co
         accum_dp_all(p, ps, n_rows, v, vrb, n_keys, 128, acc, pf);
     else
         accum_dp_all(p, ps, n_rows, v, vrb, n_keys, D, acc, pf);
+}
+
+/* The transposed path (attn.h: score_t, accum_t) by bf16 dot products, for units of 16 query
+ * rows a kv head or more (prefill) in calls with PKV_ATTN_BF16_DOT. score_t takes its queries
+ * as bf16 pairs (the table's qt_pairs: lane r of pair i holds row r's values 2 i and 2 i + 1,
+ * rounded to bf16 by prep_bf16dp), so that a K pair broadcast against 16 rows is one vdpbf16ps:
+ * half the instructions of the f32 outer product, and no widening of K. accum_t rounds a pair of
+ * keys' weights for 16 rows at a time (the scores lie a key's row of rp lanes) and runs the row
+ * path's tiles above. */
+static inline __attribute__((always_inline)) BF16DP void score_t_tile_dp(const uint32_t *qp, uint32_t rp,
+                                                                         const uint8_t *k, size_t krb,
+                                                                         const uint32_t NK, const uint32_t NV,
+                                                                         uint32_t D, float *s) {
+    __m512 a[8][2];
+    _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++)
+        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = _mm512_setzero_ps();
+    const uint32_t P = D / 2; /* whole pairs of K; an odd head_dim's last value alone below */
+    for (uint32_t i = 0; i < (D + 1) / 2; i++) {
+        const uint32_t *qi = qp + (size_t)i * rp;
+        __m512bh x[2];
+        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) x[v] = as_bh(_mm512_loadu_si512((const void *)(qi + 16 * v)));
+        _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++) {
+            uint32_t kw = 0;
+            memcpy(&kw, k + t * krb + 4 * (size_t)i, i < P ? 4 : 2);
+            const __m512bh kb = as_bh(_mm512_set1_epi32((int)kw));
+            _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = _mm512_dpbf16_ps(a[t][v], kb, x[v]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++)
+        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) _mm512_storeu_ps(s + t * rp + 16 * v, a[t][v]);
+}
+static inline __attribute__((always_inline)) BF16DP void score_t_keys_dp(const uint32_t *qp, uint32_t rp,
+                                                                         const uint8_t *k, size_t krb,
+                                                                         uint32_t n_keys, uint32_t D, float *s,
+                                                                         const uint32_t NV, pkv__attn_pf *pf) {
+    uint32_t t = 0;
+    for (; t + 8 <= n_keys; t += 8) {
+        score_t_tile_dp(qp, rp, k + t * krb, krb, 8, NV, D, s + t * rp);
+        pkv__attn_pf_step(pf);
+    }
+    if (t < n_keys) {
+        for (; t < n_keys; t++) score_t_tile_dp(qp, rp, k + t * krb, krb, 1, NV, D, s + t * rp);
+        pkv__attn_pf_step(pf);
+    }
+}
+static BF16DP void score_t_bf16dp(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys,
+                                  uint32_t D, float *s, float *kbuf, pkv__attn_pf *pf) {
+    (void)kbuf;
+    const uint32_t *qp = (const uint32_t *)(const void *)qt;
+    pkv__attn_pf_start(pf, (n_keys + 7) / 8 * ((rp + 31) / 32));
+    uint32_t v = 0;
+    for (; v + 32 <= rp; v += 32) score_t_keys_dp(qp + v, rp, k, krb, n_keys, D, s + v, 2, pf);
+    if (v < rp) score_t_keys_dp(qp + v, rp, k, krb, n_keys, D, s + v, 1, pf);
+    pkv__attn_pf_finish(pf);
+}
+
+static BF16DP void accum_t_bf16dp(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                                  uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    (void)vbuf;
+    const uint32_t NG = D / 32, tiles = NG / 2 + NG % 2;
+    pkv__attn_pf_start(pf, (n_rows + 3) / 4 * n_keys * (tiles ? tiles : 1));
+    uint32_t pb[16 * 16]; /* [pair j][row]: 32 keys of 16 rows */
+    for (uint32_t r16 = 0; r16 < n_rows; r16 += 16) {
+        for (uint32_t k0 = 0; k0 < n_keys; k0 += 32) {
+            const uint32_t nk = PKV_MIN(32u, n_keys - k0);
+            for (uint32_t j = 0; 2 * j < nk; j++) { /* keys k0 + 2 j and + 1 of rows r16 .. r16 + 15 */
+                const float *p0 = p + (size_t)(k0 + 2 * j) * rp + r16;
+                const __m512i lo = _mm512_cvtepu16_epi32(bf16_round16(_mm512_loadu_ps(p0)));
+                const __m512i hi = 2 * j + 1 < nk ? _mm512_cvtepu16_epi32(bf16_round16(_mm512_loadu_ps(p0 + rp)))
+                                                  : _mm512_setzero_si512();
+                _mm512_storeu_si512((void *)(pb + 16 * j), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+            const uint8_t *vk = v + k0 * vrb;
+            for (uint32_t r0 = r16; r0 < n_rows && r0 < r16 + 16; r0 += 4) {
+                const uint32_t R = PKV_MIN(4u, n_rows - r0);
+                const uint32_t *pr = pb + (r0 - r16);
+                float *ar = acc + (size_t)r0 * D;
+                uint32_t g = 0;
+                if (R == 4) {
+                    for (; g + 2 <= NG; g += 2) accum_tile_dp(pr, 1, 16, 4, vk + 64 * g, vrb, nk, 2, ar + 32 * g, D, pf);
+                    if (g < NG) accum_tile_dp(pr, 1, 16, 4, vk + 64 * g, vrb, nk, 1, ar + 32 * g, D, pf);
+                } else {
+                    for (; g + 2 <= NG; g += 2) accum_tile_dp(pr, 1, 16, R, vk + 64 * g, vrb, nk, 2, ar + 32 * g, D, pf);
+                    if (g < NG) accum_tile_dp(pr, 1, 16, R, vk + 64 * g, vrb, nk, 1, ar + 32 * g, D, pf);
+                }
+                for (uint32_t r = 0; r < R; r++) /* the columns past the last full group */
+                    for (uint32_t t = 0; t < nk; t++) {
+                        const float w = p[(size_t)(k0 + t) * rp + r0 + r];
+                        for (uint32_t d = 32 * NG; d < D; d++) ar[(size_t)r * D + d] += w * sc_bf16(vk + t * vrb, d);
+                    }
+            }
+        }
+    }
+    pkv__attn_pf_finish(pf);
 }
 
 void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
@@ -691,6 +787,8 @@ void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
         kt->prep_lp[PKV_DTYPE_BF16] = prep_bf16dp;
         kt->score_lp[PKV_DTYPE_BF16] = score_bf16dp;
         kt->accum_lp[PKV_DTYPE_BF16] = accum_bf16dp;
+        kt->score_t_lp[PKV_DTYPE_BF16] = score_t_bf16dp;
+        kt->accum_t_lp[PKV_DTYPE_BF16] = accum_t_bf16dp;
     }
     tpath_fill(kt);
 }
