@@ -688,14 +688,22 @@ static inline __attribute__((always_inline)) BF16DP void score_t_tile_dp(const u
     __m512 a[8][2];
     _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++)
         _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = _mm512_setzero_ps();
-    const uint32_t P = D / 2; /* whole pairs of K; an odd head_dim's last value alone below */
-    for (uint32_t i = 0; i < (D + 1) / 2; i++) {
+    const uint32_t P = (D + 1) / 2; /* pairs; an odd head_dim's last K value is read alone */
+    for (uint32_t i = 0; i < P; i++) {
         const uint32_t *qi = qp + (size_t)i * rp;
+        const bool half = 2 * i + 1 == D;
         __m512bh x[2];
         _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) x[v] = as_bh(_mm512_loadu_si512((const void *)(qi + 16 * v)));
         _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++) {
-            uint32_t kw = 0;
-            memcpy(&kw, k + t * krb + 4 * (size_t)i, i < P ? 4 : 2);
+            const uint8_t *kp = k + t * krb + 4 * (size_t)i;
+            uint32_t kw;
+            if (half) {
+                uint16_t h;
+                memcpy(&h, kp, sizeof h);
+                kw = h;
+            } else {
+                memcpy(&kw, kp, sizeof kw);
+            }
             const __m512bh kb = as_bh(_mm512_set1_epi32((int)kw));
             _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = _mm512_dpbf16_ps(a[t][v], kb, x[v]);
         }
