@@ -736,34 +736,73 @@ static BF16DP void score_t_bf16dp(const float *qt, uint32_t rp, const uint8_t *k
     pkv__attn_pf_finish(pf);
 }
 
+/* accum_t's tile: the row path's (accum_tile_dp) over V pairs already interleaved, x[c] of pair j
+ * at vx + j * vxs (bytes) + 64 c. */
+static inline __attribute__((always_inline)) BF16DP void accum_t_tile_dp(const uint32_t *pb, const uint32_t R,
+                                                                         const uint8_t *vx, size_t vxs,
+                                                                         uint32_t n_pairs, const uint32_t NG,
+                                                                         float *acc, uint32_t D) {
+    __m512 a[4][4];
+    for (uint32_t r = 0; r < R; r++)
+        for (uint32_t c = 0; c < 2 * NG; c++) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
+    for (uint32_t j = 0; j < n_pairs; j++) {
+        __m512bh x[4];
+        _Pragma("GCC unroll 4") for (uint32_t c = 0; c < 2 * NG; c++)
+            x[c] = as_bh(_mm512_loadu_si512((const void *)(vx + j * vxs + 64 * c)));
+        _Pragma("GCC unroll 4") for (uint32_t r = 0; r < R; r++) {
+            const __m512bh w = as_bh(_mm512_set1_epi32((int)pb[r + 16 * j]));
+            _Pragma("GCC unroll 4") for (uint32_t c = 0; c < 2 * NG; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], w, x[c]);
+        }
+    }
+    for (uint32_t r = 0; r < R; r++)
+        for (uint32_t c = 0; c < 2 * NG; c++) _mm512_storeu_ps(acc + r * D + 16 * c, a[r][c]);
+}
+/* 32 keys at a time: their V rows interleaved into pairs once (vbuf: 16 pairs of head_dim 32-bit
+ * lanes, the room of PKV__ATTN_T_KEYS f32 rows), a prefetch step a key; then for each 16 rows
+ * their weights rounded in pairs, and tiles of 4 rows x 64 columns over the pairs. */
 static BF16DP void accum_t_bf16dp(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
                                   uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
-    (void)vbuf;
-    const uint32_t NG = D / 32, tiles = NG / 2 + NG % 2;
-    pkv__attn_pf_start(pf, (n_rows + 3) / 4 * n_keys * (tiles ? tiles : 1));
+    const uint32_t NG = D / 32;
+    const size_t vxs = (size_t)NG * 128; /* bytes of one pair's interleaved groups */
+    uint8_t *vx = (uint8_t *)vbuf;
+    const __mmask32 hi = 0xAAAAAAAAu;
+    pkv__attn_pf_start(pf, n_keys);
     uint32_t pb[16 * 16]; /* [pair j][row]: 32 keys of 16 rows */
-    for (uint32_t r16 = 0; r16 < n_rows; r16 += 16) {
-        for (uint32_t k0 = 0; k0 < n_keys; k0 += 32) {
-            const uint32_t nk = PKV_MIN(32u, n_keys - k0);
-            for (uint32_t j = 0; 2 * j < nk; j++) { /* keys k0 + 2 j and + 1 of rows r16 .. r16 + 15 */
+    for (uint32_t k0 = 0; k0 < n_keys; k0 += 32) {
+        const uint32_t nk = PKV_MIN(32u, n_keys - k0), np = (nk + 1) / 2;
+        const uint8_t *vk = v + k0 * vrb;
+        for (uint32_t j = 0; j < np; j++) {
+            const uint8_t *va = vk + 2 * j * vrb;
+            const bool two = 2 * j + 1 < nk;
+            for (uint32_t g = 0; g < NG; g++) {
+                const __m512i A = _mm512_loadu_si512((const void *)(va + 64 * g));
+                const __m512i B = two ? _mm512_loadu_si512((const void *)(va + vrb + 64 * g)) : _mm512_setzero_si512();
+                _mm512_storeu_si512((void *)(vx + j * vxs + 128 * g), _mm512_mask_blend_epi16(hi, A, _mm512_slli_epi32(B, 16)));
+                _mm512_storeu_si512((void *)(vx + j * vxs + 128 * g + 64),
+                                    _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(A, 16), B));
+            }
+            pkv__attn_pf_step(pf);
+            if (two) pkv__attn_pf_step(pf);
+        }
+        for (uint32_t r16 = 0; r16 < n_rows; r16 += 16) {
+            for (uint32_t j = 0; j < np; j++) { /* keys k0 + 2 j and + 1 of rows r16 .. r16 + 15 */
                 const float *p0 = p + (size_t)(k0 + 2 * j) * rp + r16;
                 const __m512i lo = _mm512_cvtepu16_epi32(bf16_round16(_mm512_loadu_ps(p0)));
-                const __m512i hi = 2 * j + 1 < nk ? _mm512_cvtepu16_epi32(bf16_round16(_mm512_loadu_ps(p0 + rp)))
-                                                  : _mm512_setzero_si512();
-                _mm512_storeu_si512((void *)(pb + 16 * j), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                const __m512i h = 2 * j + 1 < nk ? _mm512_cvtepu16_epi32(bf16_round16(_mm512_loadu_ps(p0 + rp)))
+                                                 : _mm512_setzero_si512();
+                _mm512_storeu_si512((void *)(pb + 16 * j), _mm512_or_si512(lo, _mm512_slli_epi32(h, 16)));
             }
-            const uint8_t *vk = v + k0 * vrb;
             for (uint32_t r0 = r16; r0 < n_rows && r0 < r16 + 16; r0 += 4) {
                 const uint32_t R = PKV_MIN(4u, n_rows - r0);
                 const uint32_t *pr = pb + (r0 - r16);
                 float *ar = acc + (size_t)r0 * D;
                 uint32_t g = 0;
                 if (R == 4) {
-                    for (; g + 2 <= NG; g += 2) accum_tile_dp(pr, 1, 16, 4, vk + 64 * g, vrb, nk, 2, ar + 32 * g, D, pf);
-                    if (g < NG) accum_tile_dp(pr, 1, 16, 4, vk + 64 * g, vrb, nk, 1, ar + 32 * g, D, pf);
+                    for (; g + 2 <= NG; g += 2) accum_t_tile_dp(pr, 4, vx + 128 * g, vxs, np, 2, ar + 32 * g, D);
+                    if (g < NG) accum_t_tile_dp(pr, 4, vx + 128 * g, vxs, np, 1, ar + 32 * g, D);
                 } else {
-                    for (; g + 2 <= NG; g += 2) accum_tile_dp(pr, 1, 16, R, vk + 64 * g, vrb, nk, 2, ar + 32 * g, D, pf);
-                    if (g < NG) accum_tile_dp(pr, 1, 16, R, vk + 64 * g, vrb, nk, 1, ar + 32 * g, D, pf);
+                    for (; g + 2 <= NG; g += 2) accum_t_tile_dp(pr, R, vx + 128 * g, vxs, np, 2, ar + 32 * g, D);
+                    if (g < NG) accum_t_tile_dp(pr, R, vx + 128 * g, vxs, np, 1, ar + 32 * g, D);
                 }
                 for (uint32_t r = 0; r < R; r++) /* the columns past the last full group */
                     for (uint32_t t = 0; t < nk; t++) {
