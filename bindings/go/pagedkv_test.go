@@ -490,6 +490,69 @@ func TestCompact(t *testing.T) {
 	}
 }
 
+// BatchCompact's cached flag: a and d interleave (blocks 0 2 and 1 3), b's two committed blocks
+// are CACHED (4 5), 6 7 FREE. Without it a takes the FREE 6 7 and d closes up to 1 2 (3 moves);
+// with it a takes the CACHED 4 5 by exchange and d exchanges 3 with the CACHED block now at 2 (6
+// copies), b's prefix then lying at 0 3, still matched, with its K/V.
+func TestBatchCompactCached(t *testing.T) {
+	for _, cached := range []bool{false, true} {
+		r := rng(12)
+		c := newCache(t, 2, 32, 8, F16)
+		a, err := c.SeqCreate([]byte("a"))
+		must(t, err)
+		d, err := c.SeqCreate([]byte("d"))
+		must(t, err)
+		b, err := c.SeqCreate([]byte("b"))
+		must(t, err)
+		for _, s := range []Seq{a, d, a, d} {
+			fill(t, c, s, 16, &r)
+		}
+		fill(t, c, b, 32, &r)
+		kb, vb, err := c.Gather(b, 0, 0, 32)
+		must(t, err)
+		ka, va, err := c.Gather(a, 0, 0, 32)
+		must(t, err)
+		must(t, c.Release(b))
+		st, err := c.Stats()
+		must(t, err)
+		n, err := c.BatchCompact([]Seq{a, d}, 0, false, cached)
+		must(t, err)
+		st2, err := c.Stats()
+		must(t, err)
+		if st != st2 {
+			t.Fatalf("cached %v: stats %+v -> %+v", cached, st, st2)
+		}
+		tabOf := func(s Seq) string {
+			tab, err := c.BlockTable(s)
+			must(t, err)
+			return fmt.Sprint(tab)
+		}
+		want := map[bool][3]string{false: {"[6 7]", "[1 2]", "[4 5]"}, true: {"[4 5]", "[1 2]", "[0 3]"}}[cached]
+		wantN := map[bool]uint32{false: 3, true: 6}[cached]
+		m, err := c.SeqCreate([]byte("b"))
+		must(t, err)
+		toks := make([]int32, 33)
+		for i := 0; i < 32; i++ {
+			toks[i] = int32((i*7 + 100) % 500)
+		}
+		toks[32] = 1
+		hit, err := c.MatchPrefix(m, toks)
+		must(t, err)
+		if n != wantN || tabOf(a) != want[0] || tabOf(d) != want[1] || hit != 32 || tabOf(m) != want[2] {
+			t.Fatalf("cached %v: %d copies, a %s, d %s, prefix %d at %s", cached, n, tabOf(a), tabOf(d), hit, tabOf(m))
+		}
+		ka1, va1, err := c.Gather(a, 0, 0, 32)
+		must(t, err)
+		kb1, vb1, err := c.Gather(m, 0, 0, 32)
+		must(t, err)
+		if fmt.Sprint(ka, va, kb, vb) != fmt.Sprint(ka1, va1, kb1, vb1) {
+			t.Fatalf("cached %v: K/V changed", cached)
+		}
+		must(t, c.Check())
+		c.Close()
+	}
+}
+
 func TestPrefixForkExports(t *testing.T) {
 	r := rng(11)
 	c := newCache(t, 2, 32, 32, F32)

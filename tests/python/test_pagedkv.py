@@ -458,6 +458,45 @@ class TestCache(Base):
             np.testing.assert_array_equal(V2, Vb)
             c.check()
 
+    def test_batch_compact_cached(self):
+        # a and d interleave (0 2 and 1 3), b's two committed blocks are CACHED (4 5), 6 7 FREE.
+        # cached=False: a (scattered) takes the lowest clean stretch, the FREE 6 7 (two moves), and
+        # d its own from 1 (3 moves to the FREE 2): the CACHED blocks stay. cached=True: the lowest
+        # clean stretch is the CACHED 4 5, exchanged with a's 0 2, and d's 3 is exchanged with the
+        # CACHED block now at 2: six copies, and b's prefix (still CACHED, still matched with its
+        # K/V) lies at 0 3. Every K/V kept, nothing evicted.
+        want = {False: (3, [6, 7], [1, 2], [4, 5]), True: (6, [4, 5], [1, 2], [0, 3])}
+        for cached in (False, True):
+            with self.subTest(cached=cached), pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=8, k_dtype="f16",
+                                                        v_dtype="f16", n_threads=1) as c:
+                a, d, b = c.seq_create(), c.seq_create(), c.seq_create()
+                for s in (a, d, a, d):
+                    self.fill(c, s, 16)
+                tb = list(self.fill(c, b, 32))
+                np.testing.assert_array_equal(c.block_table(a), [0, 2])
+                np.testing.assert_array_equal(c.block_table(d), [1, 3])
+                np.testing.assert_array_equal(c.block_table(b), [4, 5])
+                kv = {s: c.gather(s, 0) for s in (a, d, b)}
+                c.release(b)
+                st = c.stats()
+                self.assertEqual(st["n_cached"], 2)
+                n_moved, ta, td, tp = want[cached]
+                self.assertEqual(c.batch_compact([a, d], cached=cached), n_moved)
+                self.assertEqual(c.stats(), st)  # nothing evicted, no count moved
+                np.testing.assert_array_equal(c.block_table(a), ta)
+                np.testing.assert_array_equal(c.block_table(d), td)
+                for s in (a, d):
+                    K, V = c.gather(s, 0)
+                    np.testing.assert_array_equal(K, kv[s][0])
+                    np.testing.assert_array_equal(V, kv[s][1])
+                m = c.seq_create()
+                self.assertEqual(c.match_prefix(m, tb + [1]), 32)
+                np.testing.assert_array_equal(c.block_table(m), tp)
+                K, V = c.gather(m, 0)
+                np.testing.assert_array_equal(K, kv[b][0])
+                np.testing.assert_array_equal(V, kv[b][1])
+                c.check()
+
     def test_compact(self):
         # prefix cache off: committed blocks stay movable; a and b interleave, then b leaves
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=8, k_dtype="f16", v_dtype="f16", n_threads=1,

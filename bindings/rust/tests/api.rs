@@ -422,7 +422,10 @@ fn bf16_dot_rounds_as_documented() {
         let u = x.to_bits();
         f32::from_bits(u.wrapping_add(0x7fff + ((u >> 16) & 1)) & 0xffff_0000)
     };
-    let qr: Vec<f32> = q.iter().map(|&x| if used { round(x * scale) } else { x * scale }).collect();
+    let qr: Vec<f32> = q
+        .iter()
+        .map(|&x| if used { round(x * scale) } else { x * scale })
+        .collect();
     for (i, &s) in seqs.iter().enumerate() {
         let n = c.seq_info(s).unwrap().n_tokens;
         let (k, v) = c.gather(s, 0, 0, n).unwrap();
@@ -615,6 +618,53 @@ fn compact_exchanges_cached_blocks() {
     );
     assert_eq!(c.gather(a, 0, 0, 36).unwrap(), before);
     c.check().unwrap();
+}
+
+/// batch_compact's cached flag: a and d interleave (blocks 0 2 and 1 3), b's two committed blocks
+/// are CACHED (4 5), 6 7 FREE. Without it a takes the FREE 6 7 and d closes up to 1 2 (3 moves);
+/// with it a takes the CACHED 4 5 by exchange and d exchanges 3 with the CACHED block now at 2
+/// (6 copies), b's prefix then lying at 0 3, still matched, with its K/V.
+#[test]
+fn batch_compact_exchanges_cached_blocks() {
+    for (cached, n_want, ta, td, tp) in [
+        (false, 3u32, vec![6, 7], vec![1, 2], vec![4, 5]),
+        (true, 6, vec![4, 5], vec![1, 2], vec![0, 3]),
+    ] {
+        let mut rng = Rng(12);
+        let mut c = Cache::new(&Config {
+            n_threads: 1,
+            ..cfg(2, 32, 8, Dtype::F16)
+        })
+        .unwrap();
+        let a = c.seq_create(b"a").unwrap();
+        let d = c.seq_create(b"d").unwrap();
+        let b = c.seq_create(b"b").unwrap();
+        for s in [a, d, a, d] {
+            fill(&mut c, s, 16, &mut rng);
+        }
+        fill(&mut c, b, 32, &mut rng);
+        let (kva, kvb) = (c.gather(a, 0, 0, 32).unwrap(), c.gather(b, 0, 0, 32).unwrap());
+        c.release(b).unwrap();
+        let st = c.stats().unwrap();
+        assert_eq!(
+            c.batch_compact(&[a, d], 0, false, cached).unwrap(),
+            n_want,
+            "cached {}",
+            cached
+        );
+        assert_eq!(c.block_table(a).unwrap(), ta, "cached {}", cached);
+        assert_eq!(c.block_table(d).unwrap(), td, "cached {}", cached);
+        let st2 = c.stats().unwrap();
+        assert_eq!((st.n_cached, st.evictions), (st2.n_cached, st2.evictions));
+        let m = c.seq_create(b"b").unwrap();
+        let mut toks: Vec<i32> = (0..32).map(|i| ((i * 7 + 100) % 500) as i32).collect();
+        toks.push(1);
+        assert_eq!(c.match_prefix(m, &toks).unwrap(), 32);
+        assert_eq!(c.block_table(m).unwrap(), tp, "cached {}", cached);
+        assert_eq!(c.gather(a, 0, 0, 32).unwrap(), kva);
+        assert_eq!(c.gather(m, 0, 0, 32).unwrap(), kvb);
+        c.check().unwrap();
+    }
 }
 
 #[test]
