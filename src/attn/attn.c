@@ -126,8 +126,8 @@ struct pkv__attn {
     uint64_t inline_elems; /* plans under this many K/V elements run on the caller alone */
     pkv_allocator a;
     size_t alloc_bytes;
-    /* the backend's table, and the same with the prep_lp and score_lp entries in place of
-     * prep_q and score (PKV_ATTN_BF16_DOT); kt, one of the two, is the current call's */
+    /* the backend's table, and the same with its *_lp entries in place (PKV_ATTN_BF16_DOT:
+     * lp_table); kt, one of the two, is the current call's */
     pkv__attn_kernels kt_tab[2];
     const pkv__attn_kernels *kt;
     pkv__attn_limits lim;
@@ -312,6 +312,21 @@ int pkv__attn_create_backend(const pkv_allocator *a, uint32_t n_threads, const p
     return pkv__attn_create_extended(a, n_threads, lim, backend, NULL, out);
 }
 
+/* The table of calls with PKV_ATTN_BF16_DOT: kt with its *_lp entries in place of the plain ones
+ * where it has them (a score_t_lp only where prep_lp and score_lp are taken too: it reads pairs
+ * of prep_lp's values, qt_pairs). */
+static void lp_table(const pkv__attn_kernels *kt, pkv__attn_kernels *lp) {
+    *lp = *kt;
+    for (int d = 0; d < PKV_DTYPE_COUNT; d++) {
+        if (kt->prep_lp[d] && kt->score_lp[d]) {
+            lp->prep_q[d] = kt->prep_lp[d], lp->score[d] = kt->score_lp[d];
+            if (kt->score_t_lp[d] && kt->score_t[d]) lp->score_t[d] = kt->score_t_lp[d], lp->qt_pairs[d] = true;
+        }
+        if (kt->accum_lp[d]) lp->accum[d] = kt->accum_lp[d];
+        if (kt->accum_t_lp[d] && kt->accum_t[d]) lp->accum_t[d] = kt->accum_t_lp[d];
+    }
+}
+
 int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim,
                               const char *backend, void (*extra)(struct pkv__attn_kernels *kt), pkv__attn **out) {
     if (!lim || !out) return PKV_EINVAL;
@@ -376,17 +391,8 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     for (uint32_t i = 0; i < SWEEP_ITEMS; i++) atomic_init(&at->sweep_qstate[i], 0), atomic_init(&at->sweep_done[i], 0);
     if (a) at->a = *a;
     at->alloc_bytes = total;
-    at->kt_tab[0] = at->kt_tab[1] = kt;
-    for (int d = 0; d < PKV_DTYPE_COUNT; d++)
-    {
-        pkv__attn_kernels *lp = &at->kt_tab[1];
-        if (kt.prep_lp[d] && kt.score_lp[d]) {
-            lp->prep_q[d] = kt.prep_lp[d], lp->score[d] = kt.score_lp[d];
-            if (kt.score_t_lp[d] && lp->score_t[d]) lp->score_t[d] = kt.score_t_lp[d], lp->qt_pairs[d] = true;
-        }
-        if (kt.accum_lp[d]) lp->accum[d] = kt.accum_lp[d];
-        if (kt.accum_t_lp[d] && lp->accum_t[d]) lp->accum_t[d] = kt.accum_t_lp[d];
-    }
+    at->kt_tab[0] = kt;
+    lp_table(&kt, &at->kt_tab[1]);
     at->kt = &at->kt_tab[0];
     at->lim = *lim;
     at->lim.max_items = max_items;
