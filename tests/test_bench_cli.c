@@ -212,6 +212,49 @@ static void large_batch_once(int wide) {
     free(out), free(err);
 }
 
+/* --bf16-dot: every decode line carries attn_flags 1, the paged one the contiguous flag / plain
+ * ratio between its quartiles; the machine line says whether the flag takes effect here, as the
+ * library does for a bf16 cache (pkv_attn_flags_used); without the option attn_flags is 0 and no
+ * ratio is printed. */
+static void test_bf16_dot_json(void **state) {
+    (void)state;
+    pkv_config cfg = pkv_config_default();
+    cfg.n_blocks = 4, cfg.n_threads = 1, cfg.k_dtype = cfg.v_dtype = PKV_DTYPE_BF16;
+    pkv_cache *c = NULL;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    const int used = (pkv_attn_flags_used(c) & PKV_ATTN_BF16_DOT) != 0;
+    pkv_cache_destroy(c);
+    for (int flag = 0; flag < 2; flag++) {
+        char *argv[] = {"pkv", "bench", "attn", "--quick", "--json", "--dtype", "bf16", "--ctx", "512", "--threads",
+                        "1", "--prompt", "0", flag ? "--bf16-dot" : NULL, NULL};
+        char *out, *err;
+        int rc = run_cli(argv, &out, &err);
+        if (rc != 0) fail_msg("exit %d: %s", rc, err);
+        int lines = 0;
+        for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+            one_object(line);
+            if (field(line, "kind")) {
+                assert_true(str_is(line, "kind", "machine"));
+                assert_string_equal(field(line, "bf16_dot"), used ? "true}" : "false}");
+                continue;
+            }
+            assert_true(str_is(line, "kernel", "decode"));
+            assert_int_equal((int)num(line, "attn_flags"), flag ? PKV_ATTN_BF16_DOT : 0);
+            const int paged = str_is(line, "layout", "paged");
+            if (paged && flag) {
+                const double r = num(line, "contig_flags_over_plain");
+                assert_true(isfinite(r) && r > 0);
+                assert_true(num(line, "contig_flags_over_plain_q1") <= r && r <= num(line, "contig_flags_over_plain_q3"));
+            } else {
+                assert_null(field(line, "contig_flags_over_plain"));
+            }
+            lines++;
+        }
+        assert_int_equal(lines, 2);
+        free(out), free(err);
+    }
+}
+
 /* A batch of 40 sequences, more than one sweep group holds (32): both layouts measured at 1
  * and 2 threads, at the batch asked for, in the rounds asked for, and the plain read of the
  * paged layout (read_p/c) made group after group, each thread its own set, or (the wide rule)
@@ -365,6 +408,7 @@ int main(void) {
         cmocka_unit_test(test_json_lines),
         cmocka_unit_test(test_usage_errors),
         cmocka_unit_test(test_large_batch),
+        cmocka_unit_test(test_bf16_dot_json),
         cmocka_unit_test(test_refused_environment),
         cmocka_unit_test(test_ops_json),
         cmocka_unit_test(test_prefix_json),
