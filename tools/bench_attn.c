@@ -779,25 +779,33 @@ static double gather_sample(setup *s, uint32_t nt) {
 /* One timed call on a setup: seconds, or < 0 when it failed (reported). */
 typedef double (*timed_call)(setup *s, void *ctx);
 
-/* One round of timing for the two layouts (su[0] contiguous, su[1] paged): calls alternate
- * between them in ABBA order (contig, paged, paged, contig, ...), for about max_s seconds and
- * at least min_calls calls per layout. med[l]: the median seconds per call of layout l; 0, or -1
- * when a call failed. Interleaving call by call puts both layouts under the same conditions of a
- * shared machine (its bandwidth and clock change within a second). */
-static int time_abba(setup su[2], timed_call call, void *ctx, double max_s, uint32_t min_calls, double med[2]) {
+/* Two sides timed against each other, side l a call on s[l] with ctx[l]: calls alternate in
+ * ABBA order (0, 1, 1, 0, ...), for about max_s seconds and at least min_calls calls a side.
+ * med[l]: the median seconds per call of side l; 0, or -1 when a call failed. Interleaving call
+ * by call puts both sides under the same conditions of a shared machine (its bandwidth and clock
+ * change within a second). */
+static int time_sides(setup *const s[2], timed_call call, void *const ctx[2], double max_s, uint32_t min_calls,
+                      double med[2]) {
     enum { MAX_CALLS = 200 };
     double t[2][MAX_CALLS];
     int n[2] = {0, 0};
     const uint64_t start = tool_now_ns();
     for (uint32_t i = 0; n[0] < MAX_CALLS && n[1] < MAX_CALLS; i++) {
-        const int l = (i ^ (i >> 1)) & 1; /* 0 1 1 0 0 1 1 0 ... */
-        const double sec = call(&su[l], ctx);
+        const int l = (i ^ (i >> 1)) & 1;
+        const double sec = call(s[l], ctx[l]);
         if (sec < 0) return -1;
         t[l][n[l]++] = sec;
         if ((uint32_t)n[0] >= min_calls && n[0] == n[1] && (double)(tool_now_ns() - start) * 1e-9 > max_s) break;
     }
     for (int l = 0; l < 2; l++) med[l] = tool_median(t[l], (size_t)n[l]);
     return 0;
+}
+
+/* One round of timing for the two layouts (su[0] contiguous, su[1] paged), the same ctx. */
+static int time_abba(setup su[2], timed_call call, void *ctx, double max_s, uint32_t min_calls, double med[2]) {
+    setup *const s[2] = {&su[0], &su[1]};
+    void *const c[2] = {ctx, ctx};
+    return time_sides(s, call, c, max_s, min_calls, med);
 }
 
 typedef struct decode_args {
@@ -826,26 +834,15 @@ static int time_decode_pair(setup su[2], const float *q, float *out, double max_
     return time_abba(su, timed_decode, &a, max_s, min_calls, med);
 }
 
-/* --bf16-dot's baseline: the contiguous layout's calls with the flag and without, interleaved
- * as time_abba interleaves the layouts (on the same setup: each call its next layer); med[0]
- * with the flag, med[1] without. */
+/* --bf16-dot's baseline: the contiguous layout's calls with the flag and without (time_sides, one
+ * setup: each call its next layer); med[0] with the flag, med[1] without. */
 static int time_flag_pair(setup *s, const float *q, float *out, double max_s, uint32_t min_calls, double med[2]) {
-    enum { MAX_CALLS = 200 };
     decode_args a[2] = {{q, out, bench_params()}, {q, out, bench_params()}};
     a[1].p.flags = 0;
-    double t[2][MAX_CALLS];
-    int n[2] = {0, 0};
     if (timed_decode(s, &a[0]) < 0 || timed_decode(s, &a[1]) < 0) return -1; /* warm-up */
-    const uint64_t start = tool_now_ns();
-    for (uint32_t i = 0; n[0] < MAX_CALLS && n[1] < MAX_CALLS; i++) {
-        const int l = (i ^ (i >> 1)) & 1;
-        const double sec = timed_decode(s, &a[l]);
-        if (sec < 0) return -1;
-        t[l][n[l]++] = sec;
-        if ((uint32_t)n[0] >= min_calls && n[0] == n[1] && (double)(tool_now_ns() - start) * 1e-9 > max_s) break;
-    }
-    for (int l = 0; l < 2; l++) med[l] = tool_median(t[l], (size_t)n[l]);
-    return 0;
+    setup *const ss[2] = {s, s};
+    void *const c[2] = {&a[0], &a[1]};
+    return time_sides(ss, timed_decode, c, max_s, min_calls, med);
 }
 
 /* A round of plain reads (time_abba): the ratio of the medians, paged / contiguous. */

@@ -126,8 +126,8 @@ struct pkv__attn {
     uint64_t inline_elems; /* plans under this many K/V elements run on the caller alone */
     pkv_allocator a;
     size_t alloc_bytes;
-    /* the backend's table, and the same with its *_lp entries in place (PKV_ATTN_BF16_DOT:
-     * lp_table); kt, one of the two, is the current call's */
+    /* the backend's table, and a copy of it with its lp_fill applied (PKV_ATTN_BF16_DOT); kt, one
+     * of the two, is the current call's */
     pkv__attn_kernels kt_tab[2];
     const pkv__attn_kernels *kt;
     pkv__attn_limits lim;
@@ -312,21 +312,6 @@ int pkv__attn_create_backend(const pkv_allocator *a, uint32_t n_threads, const p
     return pkv__attn_create_extended(a, n_threads, lim, backend, NULL, out);
 }
 
-/* The table of calls with PKV_ATTN_BF16_DOT: kt with its *_lp entries in place of the plain ones
- * where it has them (a score_t_lp only where prep_lp and score_lp are taken too: it reads pairs
- * of prep_lp's values, qt_pairs). */
-static void lp_table(const pkv__attn_kernels *kt, pkv__attn_kernels *lp) {
-    *lp = *kt;
-    for (int d = 0; d < PKV_DTYPE_COUNT; d++) {
-        if (kt->prep_lp[d] && kt->score_lp[d]) {
-            lp->prep_q[d] = kt->prep_lp[d], lp->score[d] = kt->score_lp[d];
-            if (kt->score_t_lp[d] && kt->score_t[d]) lp->score_t[d] = kt->score_t_lp[d], lp->qt_pairs[d] = true;
-        }
-        if (kt->accum_lp[d]) lp->accum[d] = kt->accum_lp[d];
-        if (kt->accum_t_lp[d] && kt->accum_t[d]) lp->accum_t[d] = kt->accum_t_lp[d];
-    }
-}
-
 int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim,
                               const char *backend, void (*extra)(struct pkv__attn_kernels *kt), pkv__attn **out) {
     if (!lim || !out) return PKV_EINVAL;
@@ -391,8 +376,8 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     for (uint32_t i = 0; i < SWEEP_ITEMS; i++) atomic_init(&at->sweep_qstate[i], 0), atomic_init(&at->sweep_done[i], 0);
     if (a) at->a = *a;
     at->alloc_bytes = total;
-    at->kt_tab[0] = kt;
-    lp_table(&kt, &at->kt_tab[1]);
+    at->kt_tab[0] = at->kt_tab[1] = kt;
+    if (kt.lp_fill) kt.lp_fill(&at->kt_tab[1]);
     at->kt = &at->kt_tab[0];
     at->lim = *lim;
     at->lim.max_items = max_items;
@@ -1072,16 +1057,10 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     const uint32_t rows_h = w.nq * w.gs, rows = w.n_kvh * rows_h;
     pkv_assert(rows <= ROWS_MAX);
-    const bool tpath =
-        at->tpath && rows_h >= PKV__ATTN_T_MIN_ROWS && kt->score_t[kv->k_dtype] && kt->accum_t[kv->v_dtype];
-    /* the transposed path takes the f32 prepared queries of the backend's own table, unless this
-       table's score_t takes pairs of its prep_q's (qt_pairs) */
-    const pkv__attn_prep_fn prep =
-        tpath && !kt->qt_pairs[kv->k_dtype] ? at->kt_tab[0].prep_q[kv->k_dtype] : kt->prep_q[kv->k_dtype];
     for (uint32_t j = 0; j < w.n_kvh; j++)
         for (uint32_t qi = 0; qi < w.nq; qi++) {
             const float *q = it->q + ((size_t)(w.qa + qi) * nqh + (size_t)(w.kvh0 + j) * G + w.g0) * D;
-            prep(q, D, w.gs, D, call->scale, qp + (size_t)(j * rows_h + qi * w.gs) * qrow);
+            kt->prep_q[kv->k_dtype](q, D, w.gs, D, call->scale, qp + (size_t)(j * rows_h + qi * w.gs) * qrow);
         }
     for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
     memset(acc, 0, (size_t)rows * D * sizeof(float));
@@ -1098,6 +1077,8 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
+    const bool tpath =
+        at->tpath && rows_h >= PKV__ATTN_T_MIN_ROWS && kt->score_t[kv->k_dtype] && kt->accum_t[kv->v_dtype];
     if (tpath) {
         unit_blocks_t(at, &w, &sc, b0, b1, k_lo, k_hi, pos_first, lo_last);
     } else if (pass_on(at)) {

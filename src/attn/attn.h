@@ -481,15 +481,11 @@ typedef struct pkv__attn_kernels {
     pkv__attn_score_t_fn score_t[PKV_DTYPE_COUNT]; /* by k_dtype; NULL: the row path (above) */
     pkv__attn_accum_t_fn accum_t[PKV_DTYPE_COUNT]; /* by v_dtype */
     pkv__attn_softmax_t_fn softmax_t;
-    /* by k_dtype: a prep_q and score at the K dtype's own precision, faster, for calls with
-     * PKV_ATTN_BF16_DOT (pkv.h); NULL: such calls take prep_q and score */
-    pkv__attn_prep_fn prep_lp[PKV_DTYPE_COUNT];
-    pkv__attn_score_fn score_lp[PKV_DTYPE_COUNT];
-    pkv__attn_accum_fn accum_lp[PKV_DTYPE_COUNT]; /* by v_dtype, the same for accum: acc in accum's order */
-    /* the same for the transposed primitives; score_t_lp takes qt as pairs of prep_lp's values
-     * (qt_pairs below) */
-    pkv__attn_score_t_fn score_t_lp[PKV_DTYPE_COUNT];
-    pkv__attn_accum_t_fn accum_t_lp[PKV_DTYPE_COUNT];
+    /* the table of calls with PKV_ATTN_BF16_DOT (pkv.h): applied to a copy of this one, it puts
+     * in place the kernels that compute at the K and V dtypes' own precision, faster (acc in
+     * accum's order as ever; for a K dtype whose prep_q it replaces, score and score_t to match,
+     * with qt_pairs as the new score_t reads); NULL: such calls take this table */
+    void (*lp_fill)(struct pkv__attn_kernels *kt);
     /* by k_dtype: score_t takes qt as 32-bit pairs of the prepared rows (prep_q's own 16-bit
      * values): lane r of pair i at qt + i * rp holds row r's values 2 i and 2 i + 1, pairs
      * i < (head_dim + 1) / 2; else qt is f32 [head_dim][rp] */

@@ -595,6 +595,23 @@ static BF16DP void score_bf16dp(const void *qp, uint32_t n_rows, const uint8_t *
  * blend each). Tiles of 4 rows x 64 columns (16 accumulators) as there; a key's prefetch share
  * per column tile as there; the columns past the last full group (head_dim not a multiple of 32)
  * with the f32 weights. */
+/* A 32-column group of two V rows (keys 2 j and 2 j + 1) as pairs of one column: the even columns
+ * from the low halves of both rows' 32-bit lanes, the odd ones from the high halves. */
+static inline __attribute__((always_inline)) void v_pairs(__m512i A, __m512i B, __m512i *even, __m512i *odd) {
+    const __mmask32 hi = 0xAAAAAAAAu;
+    *even = _mm512_mask_blend_epi16(hi, A, _mm512_slli_epi32(B, 16));
+    *odd = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(A, 16), B);
+}
+/* The columns [d0, D) past the last full group, in natural order, with the f32 weights
+ * p[r * rs + t * ts] of rows r < R and keys t < nk. */
+static inline void accum_tail_cols(const float *p, size_t rs, size_t ts, uint32_t R, const uint8_t *vk, size_t vrb,
+                                   uint32_t nk, uint32_t d0, uint32_t D, float *ar) {
+    for (uint32_t r = 0; r < R && d0 < D; r++)
+        for (uint32_t t = 0; t < nk; t++) {
+            const float w = p[r * rs + t * ts];
+            for (uint32_t d = d0; d < D; d++) ar[(size_t)r * D + d] += w * sc_bf16(vk + t * vrb, d);
+        }
+}
 /* pb[r * rs + j * js]: row r's weights of keys 2 j and 2 j + 1 as a bf16 pair */
 static inline __attribute__((always_inline)) BF16DP void accum_tile_dp(const uint32_t *pb, size_t rs, size_t js,
                                                                        const uint32_t R,
@@ -609,23 +626,19 @@ static inline __attribute__((always_inline)) BF16DP void accum_tile_dp(const uin
     int pfl;
     ptrdiff_t pfd;
     const uint8_t *pfx = pkv__attn_pf_take(pf, n_keys, &pfs, &pfn, &pfl, &pfd); /* a share per key */
-    const __mmask32 hi = 0xAAAAAAAAu;
     for (uint32_t j = 0; 2 * j < n_keys; j++) {
         const uint8_t *va = v + 2 * j * vrb;
         const bool two = 2 * j + 1 < n_keys;
         if (2 * j < pfn) pkv__attn_pf_burst(pfx + 2 * j * pfs, pfs, pfl, pfd);
+        if (two && 2 * j + 1 < pfn) pkv__attn_pf_burst(pfx + (2 * j + 1) * pfs, pfs, pfl, pfd);
         __m512i x[4];
         _Pragma("GCC unroll 2") for (uint32_t g = 0; g < NG; g++) {
-            const __m512i A = _mm512_loadu_si512((const void *)(va + 64 * g));
             const __m512i B = two ? _mm512_loadu_si512((const void *)(va + vrb + 64 * g)) : _mm512_setzero_si512();
-            x[2 * g] = _mm512_mask_blend_epi16(hi, A, _mm512_slli_epi32(B, 16));     /* even columns */
-            x[2 * g + 1] = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(A, 16), B); /* odd columns */
+            v_pairs(_mm512_loadu_si512((const void *)(va + 64 * g)), B, &x[2 * g], &x[2 * g + 1]);
         }
         _Pragma("GCC unroll 4") for (uint32_t r = 0; r < R; r++) {
             const __m512bh w = as_bh(_mm512_set1_epi32((int)pb[r * rs + j * js]));
             _Pragma("GCC unroll 4") for (uint32_t c = 0; c < 2 * NG; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], w, as_bh(x[c]));
-            if (r == R / 2 && two && 2 * j + 1 < pfn) /* the pair's second share, halfway through its work */
-                pkv__attn_pf_burst(pfx + (2 * j + 1) * pfs, pfs, pfl, pfd);
         }
     }
     for (uint32_t r = 0; r < R; r++)
@@ -659,11 +672,7 @@ static inline __attribute__((always_inline)) BF16DP void accum_dp_all(const floa
                 for (; g + 2 <= NG; g += 2) accum_tile_dp(pb[0], 16, 1, R, vk + 64 * g, vrb, nk, 2, ar + 32 * g, D, pf);
                 if (g < NG) accum_tile_dp(pb[0], 16, 1, R, vk + 64 * g, vrb, nk, 1, ar + 32 * g, D, pf);
             }
-            for (uint32_t r = 0; r < R; r++) /* the columns past the last full group */
-                for (uint32_t t = 0; t < nk; t++) {
-                    const float w = p[(size_t)(r0 + r) * ps + k0 + t];
-                    for (uint32_t d = 32 * NG; d < D; d++) ar[(size_t)r * D + d] += w * sc_bf16(vk + t * vrb, d);
-                }
+            accum_tail_cols(p + (size_t)r0 * ps + k0, ps, 1, R, vk, vrb, nk, 32 * NG, D, ar);
         }
     }
     pkv__attn_pf_finish(pf);
@@ -767,7 +776,6 @@ static BF16DP void accum_t_bf16dp(const float *p, uint32_t rp, uint32_t n_rows, 
     const uint32_t NG = D / 32;
     const size_t vxs = (size_t)NG * 128; /* bytes of one pair's interleaved groups */
     uint8_t *vx = (uint8_t *)vbuf;
-    const __mmask32 hi = 0xAAAAAAAAu;
     pkv__attn_pf_start(pf, n_keys);
     uint32_t pb[16 * 16]; /* [pair j][row]: 32 keys of 16 rows */
     for (uint32_t k0 = 0; k0 < n_keys; k0 += 32) {
@@ -777,11 +785,11 @@ static BF16DP void accum_t_bf16dp(const float *p, uint32_t rp, uint32_t n_rows, 
             const uint8_t *va = vk + 2 * j * vrb;
             const bool two = 2 * j + 1 < nk;
             for (uint32_t g = 0; g < NG; g++) {
-                const __m512i A = _mm512_loadu_si512((const void *)(va + 64 * g));
                 const __m512i B = two ? _mm512_loadu_si512((const void *)(va + vrb + 64 * g)) : _mm512_setzero_si512();
-                _mm512_storeu_si512((void *)(vx + j * vxs + 128 * g), _mm512_mask_blend_epi16(hi, A, _mm512_slli_epi32(B, 16)));
-                _mm512_storeu_si512((void *)(vx + j * vxs + 128 * g + 64),
-                                    _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(A, 16), B));
+                __m512i e, o;
+                v_pairs(_mm512_loadu_si512((const void *)(va + 64 * g)), B, &e, &o);
+                _mm512_storeu_si512((void *)(vx + j * vxs + 128 * g), e);
+                _mm512_storeu_si512((void *)(vx + j * vxs + 128 * g + 64), o);
             }
             pkv__attn_pf_step(pf);
             if (two) pkv__attn_pf_step(pf);
@@ -806,15 +814,22 @@ static BF16DP void accum_t_bf16dp(const float *p, uint32_t rp, uint32_t n_rows, 
                     for (; g + 2 <= NG; g += 2) accum_t_tile_dp(pr, R, vx + 128 * g, vxs, np, 2, ar + 32 * g, D);
                     if (g < NG) accum_t_tile_dp(pr, R, vx + 128 * g, vxs, np, 1, ar + 32 * g, D);
                 }
-                for (uint32_t r = 0; r < R; r++) /* the columns past the last full group */
-                    for (uint32_t t = 0; t < nk; t++) {
-                        const float w = p[(size_t)(k0 + t) * rp + r0 + r];
-                        for (uint32_t d = 32 * NG; d < D; d++) ar[(size_t)r * D + d] += w * sc_bf16(vk + t * vrb, d);
-                    }
+                accum_tail_cols(p + (size_t)k0 * rp + r0, 1, rp, R, vk, vrb, nk, 32 * NG, D, ar);
             }
         }
     }
     pkv__attn_pf_finish(pf);
+}
+
+/* The table of calls with PKV_ATTN_BF16_DOT (attn.h: lp_fill): bf16 K and V by dot products,
+ * the row path and the transposed one, queries prepared as bf16 pairs for both. */
+static void lp_fill_bf16dp(pkv__attn_kernels *kt) {
+    kt->prep_q[PKV_DTYPE_BF16] = prep_bf16dp;
+    kt->score[PKV_DTYPE_BF16] = score_bf16dp;
+    kt->accum[PKV_DTYPE_BF16] = accum_bf16dp;
+    kt->score_t[PKV_DTYPE_BF16] = score_t_bf16dp;
+    kt->accum_t[PKV_DTYPE_BF16] = accum_t_bf16dp;
+    kt->qt_pairs[PKV_DTYPE_BF16] = true;
 }
 
 void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
@@ -832,12 +847,6 @@ void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
 #ifndef PKV_AVX512_EMU
     if (pkv__cpu_features() & PKV_CPU_AVX512BF16)
 #endif
-    {
-        kt->prep_lp[PKV_DTYPE_BF16] = prep_bf16dp;
-        kt->score_lp[PKV_DTYPE_BF16] = score_bf16dp;
-        kt->accum_lp[PKV_DTYPE_BF16] = accum_bf16dp;
-        kt->score_t_lp[PKV_DTYPE_BF16] = score_t_bf16dp;
-        kt->accum_t_lp[PKV_DTYPE_BF16] = accum_t_bf16dp;
-    }
+        kt->lp_fill = lp_fill_bf16dp;
     tpath_fill(kt);
 }
