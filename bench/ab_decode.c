@@ -27,6 +27,7 @@ typedef struct ab_opts {
     pkv_dtype dtype;
     uint32_t ctx, batch, layers, threads, rounds, calls, ext;
     uint32_t bt; /* block_tokens: AB_BT, or AB_BLOCK_TOKENS from the environment */
+    uint32_t flags; /* pkv_attn_params.flags: AB_FLAGS_A / AB_FLAGS_B from the environment */
     int paged, shared; /* shared: paged, and sequences 1 .. batch - 1 forks of sequence 0 */
 } ab_opts;
 
@@ -73,7 +74,8 @@ static int usage(void) {
     fprintf(stderr, "usage: ab_decode DTYPE CTX BATCH LAYERS THREADS paged|contig|shared|pc ROUNDS CALLS [EXT]\n"
                     "  e.g. ab_decode f16 4096 16 2 2 paged 21 6  (BATCH <= %d, ROUNDS <= %d, CALLS <= %d;\n"
                     "  EXT <= CTX: each call also extends one more sequence by EXT queries;\n"
-                    "  AB_BLOCK_TOKENS=N in the environment: N-token blocks, 1..%d, default %d)\n",
+                    "  AB_BLOCK_TOKENS=N in the environment: N-token blocks, 1..%d, default %d;\n"
+                    "  AB_FLAGS_A=F, AB_FLAGS_B=F: pkv_attn_params.flags of each side, default 0)\n",
             AB_MAX_BATCH, AB_MAX_ROUNDS, AB_MAX_CALLS, AB_BT_MAX, AB_BT);
     return 2;
 }
@@ -101,6 +103,10 @@ int main(int argc, char **argv) {
     o.bt = AB_BT;
     const char *bt = getenv("AB_BLOCK_TOKENS");
     if (bt && *bt && parse_u32(bt, 1, AB_BT_MAX, &o.bt)) return usage();
+    uint32_t fa = 0;
+    const char *fla = getenv("AB_FLAGS_A"), *flb = getenv("AB_FLAGS_B");
+    if ((fla && *fla && parse_u32(fla, 0, 255, &fa)) || (flb && *flb && parse_u32(flb, 0, 255, &o.flags)))
+        return usage();
     if (!strcmp(argv[6], "paged")) o.paged = 1;
     else if (!strcmp(argv[6], "shared")) o.paged = o.shared = 1;
     else if (!strcmp(argv[6], "pc")) o.paged = pc = 1;
@@ -108,6 +114,7 @@ int main(int argc, char **argv) {
 
     ab_opts oa = o; /* build A's: contiguous under pc */
     if (pc) oa.paged = 0;
+    oa.flags = fa;
     static ab_side a, b;
     int rc = 0;
     /* the same seed: both builds get the same pool and data (under pc, B's scattering draws
@@ -139,9 +146,11 @@ int main(int argc, char **argv) {
         const double ma = tool_median(ta, o.rounds), mb = tool_median(tb, o.rounds), mr = tool_median(ratio, o.rounds);
         char ext[48] = "";
         if (o.ext) snprintf(ext, sizeof ext, " + an extend of %u", o.ext);
-        printf("%s ctx %u batch %u%s block %u layers %u threads %u %s, %u rounds x %u calls: A %.2f GB/s, "
+        char fl[48] = "";
+        if (oa.flags || o.flags) snprintf(fl, sizeof fl, " flags A %u B %u", oa.flags, o.flags);
+        printf("%s ctx %u batch %u%s block %u layers %u threads %u %s%s, %u rounds x %u calls: A %.2f GB/s, "
                "B %.2f GB/s; time B/A median %.3f (quartiles %.3f %.3f)\n",
-               argv[1], o.ctx, o.batch, ext, o.bt, o.layers, o.threads, argv[6], o.rounds, o.calls, bytes / ma * 1e-9,
+               argv[1], o.ctx, o.batch, ext, o.bt, o.layers, o.threads, argv[6], fl, o.rounds, o.calls, bytes / ma * 1e-9,
                bytes / mb * 1e-9, mr, ratio[o.rounds / 4], ratio[(3 * o.rounds) / 4]);
     } else if (a.c && b.c) {
         fprintf(stderr, "ab_decode: a decode call failed\n");

@@ -60,6 +60,7 @@ static int AB(ab_setup)(ab_side *s, const ab_opts *o, tool_rng *rng) {
 static double AB(ab_time)(ab_side *s, const ab_opts *o, const float *q, float *out) {
     pkv_attn_params p = AB(pkv_attn_params_default)();
     p.n_q_heads = AB_HQ;
+    p.flags = o->flags;
     double t[AB_MAX_CALLS];
     pkv_attn_req reqs[AB_MAX_BATCH + 1]; /* with an extend: the decodes, then the extend */
     if (o->ext) {
