@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <setjmp.h>
 #include <cmocka.h>
+#include "tu_assert.h"
 
 #include "support_util.h"
 
@@ -140,10 +141,10 @@ static void test_layout_kv_gap(void **state) {
             const uint16_t *vr = (const uint16_t *)elem_addr(&L, 1, 1, (uint32_t)slots[i], 0);
             TU_OK(pkv_seq_gather(c, s, 1, pos[i], 1, kg, vg));
             for (int d = 0; d < 64; d++) {
-                assert_float_equal(tu_f16_to_f32(kr[d]), k[i][d], 0.0f);
-                assert_float_equal(tu_f16_to_f32(vr[d]), v[i][d], 0.0f);
-                assert_float_equal(kg[d], k[i][d], 0.0f);
-                assert_float_equal(vg[d], v[i][d], 0.0f);
+                TU_NEAR(tu_f16_to_f32(kr[d]), k[i][d], 0.0f);
+                TU_NEAR(tu_f16_to_f32(vr[d]), v[i][d], 0.0f);
+                TU_NEAR(kg[d], k[i][d], 0.0f);
+                TU_NEAR(vg[d], v[i][d], 0.0f);
             }
         }
         TU_CHECK(c);
@@ -653,12 +654,12 @@ static void test_layout_odd_rows_aligned(void **state) {
             pkv_attn_params p = pkv_attn_params_default();
             p.window = 1; /* the last position alone: out is its V */
             TU_OK(pkv_attn_decode(c, NL - 1, &s, 1, q, out, &p));
-            for (uint32_t d = 0; d < D; d++) assert_float_equal(out[d], v[2][d], 1e-6f);
+            for (uint32_t d = 0; d < D; d++) TU_NEAR(out[d], v[2][d], 1e-6f);
             TU_OK(pkv_seq_gather(c, s, NL - 1, 0, 3, gk, gv));
             for (uint32_t t = 0; t < 3; t++)
                 for (uint32_t d = 0; d < D; d++) {
-                    assert_float_equal(gk[t * D + d], k[t][d], 1e-6f);
-                    assert_float_equal(gv[t * D + d], v[t][d], 1e-6f);
+                    TU_NEAR(gk[t * D + d], k[t][d], 1e-6f);
+                    TU_NEAR(gv[t * D + d], v[t][d], 1e-6f);
                 }
             TU_CHECK(c);
             pkv_cache_destroy(c);

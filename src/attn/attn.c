@@ -245,6 +245,7 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
         /* quantized-dtype fillers for NEON go here */
         pkv__attn_fill_q_neon(kt);
         if (dot) pkv__attn_fill_q_dotprod(kt);
+        if (pkv__cpu_features() & PKV_CPU_ARM_BF16) kt->lp_fill = pkv__attn_lp_fill_neon_bf16;
         return PKV_OK;
     }
 #endif
@@ -445,6 +446,11 @@ bool pkv__attn_lp_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {
     return at && (unsigned)k_dtype < PKV_DTYPE_COUNT && (unsigned)v_dtype < PKV_DTYPE_COUNT &&
            (at->kt_tab[1].score_t[k_dtype] != at->kt_tab[0].score_t[k_dtype] ||
             at->kt_tab[1].accum_t[v_dtype] != at->kt_tab[0].accum_t[v_dtype]);
+}
+
+bool pkv__attn_has_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {
+    return at && (unsigned)k_dtype < PKV_DTYPE_COUNT && (unsigned)v_dtype < PKV_DTYPE_COUNT &&
+           at->kt_tab[0].score_t[k_dtype] && at->kt_tab[0].accum_t[v_dtype];
 }
 
 const char *pkv__attn_backend_name(const pkv__attn *at) { return at ? at->kt->name : "none"; }

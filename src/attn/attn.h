@@ -156,6 +156,9 @@ bool pkv__attn_lp(const pkv__attn *at, pkv_dtype k_dtype);
 bool pkv__attn_lp_v(const pkv__attn *at, pkv_dtype v_dtype);
 /* The same for the transposed primitives (prefill tiles of 16 rows a kv head or more). */
 bool pkv__attn_lp_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype);
+/* Whether the backend has transposed primitives for this pair (without them, such tiles take
+ * the row path: NEON). */
+bool pkv__attn_has_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype);
 uint32_t pkv__attn_n_threads(const pkv__attn *at);
 
 /* Runs attention for n_items items (n_items <= max_items). Not reentrant on one context: the
@@ -528,5 +531,7 @@ void pkv__attn_fill_q_avx512_wide(pkv__attn_kernels *kt);
 void pkv__attn_fill_q_vnni(pkv__attn_kernels *kt);   /* x86/attn_q_vnni.c: q8_0, q4_0 prep and score (VNNI) */
 void pkv__attn_fill_q_neon(pkv__attn_kernels *kt);  /* arm/attn_q_neon.c: q8_0, q4_0, fp8_e4m3 */
 void pkv__attn_fill_q_dotprod(pkv__attn_kernels *kt); /* arm/attn_q_dotprod.c: q8_0, q4_0 score (SDOT) */
+/* arm/attn_bf16dot.c: the lp_fill of NEON where the CPU has bf16 (BFDOT): bf16 prep_q, score, accum */
+void pkv__attn_lp_fill_neon_bf16(pkv__attn_kernels *kt);
 
 #endif

@@ -13,6 +13,7 @@
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
 #define PKV_HWCAP_ASIMDDP (1ul << 20) /* HWCAP_ASIMDDP of the arm64 kernel's uapi hwcap.h */
+#define PKV_HWCAP2_BF16 (1ul << 14)  /* HWCAP2_BF16, the same header's AT_HWCAP2 bit */
 #endif
 
 PKV_API const char *pkv_strerror(int rc) {
@@ -154,6 +155,7 @@ static void detect_cpu(void) {
     f |= PKV_CPU_NEON;
 #if defined(__linux__)
     if (getauxval(AT_HWCAP) & PKV_HWCAP_ASIMDDP) f |= PKV_CPU_ASIMDDP;
+    if (getauxval(AT_HWCAP2) & PKV_HWCAP2_BF16) f |= PKV_CPU_ARM_BF16;
 #endif
 #endif
     g_cpu = f;

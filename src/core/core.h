@@ -103,6 +103,7 @@ enum {
      * runs are 4 KiB, unchanged; 2 KiB pieces lost 5-7% there; f32 gained nothing, whole runs
      * kept). Unmeasured on AMD. PKV_ATTN_PIECES=on|off overrides it. */
     PKV_CPU_PIECES = 1u << 19,
+    PKV_CPU_ARM_BF16 = 1u << 20, /* Armv8.6 bf16 (BFDOT, BFCVT); read from AT_HWCAP2 on Linux */
 };
 uint32_t pkv__cpu_features(void);
 /* True when PKV_FORCE_REF is set to a non-empty value other than "0". */
