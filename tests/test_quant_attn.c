@@ -237,7 +237,7 @@ static void run_case(pkv_dtype kdt, pkv_dtype vdt, uint32_t D, int prefill, floa
                         num_b += (b - a) * (b - a);
                         num_bu += (b - ru[d]) * (b - ru[d]);
                         num_bd += (b - rd[d]) * (b - rd[d]);
-                        if (fabs(b - a) > maxdiff) maxdiff = fabs(b - a);
+                        if (!(fabs(b - a) <= maxdiff)) maxdiff = isnan(b - a) ? INFINITY : fabs(b - a); /* NaN: inf */
                     }
                 }
             }
@@ -329,15 +329,15 @@ static void check_pair(const char *be, pkv_dtype kdt, pkv_dtype vdt, int n_cases
         sum_u[reg] += er.nmse_unq, n_u[reg]++;
         if (be) worst_rel = fmax(worst_rel, eb.max_rel);
         if (measure) continue;
-        if (er.nmse_unq > 5.0 * bu)
+        if (!(er.nmse_unq <= 5.0 * bu)) /* written so that NaN fails */
             fail_msg("%s/%s ref, %s: NMSE %.3g > 5 x %.3g (D %u)", pkv_dtype_name(kdt), pkv_dtype_name(vdt),
                      reg_name[reg], er.nmse_unq, bu, D);
-        if (er.nmse_dq > bd)
+        if (!(er.nmse_dq <= bd))
             fail_msg("%s/%s ref vs dequantized: NMSE %.3g > %.3g", pkv_dtype_name(kdt), pkv_dtype_name(vdt), er.nmse_dq, bd);
         if (be) {
-            if (eb.nmse_unq > 5.0 * bu) fail_msg("%s: NMSE %.3g > 5 x %.3g", be, eb.nmse_unq, bu);
+            if (!(eb.nmse_unq <= 5.0 * bu)) fail_msg("%s: NMSE %.3g > 5 x %.3g", be, eb.nmse_unq, bu);
             /* summation order only: float rounding relative to the output's rms */
-            if (eb.max_rel > 2e-4)
+            if (!(eb.max_rel <= 2e-4))
                 fail_msg("%s/%s %s vs ref: max |diff| / rms = %.3g (D %u)", pkv_dtype_name(kdt), pkv_dtype_name(vdt), be,
                          eb.max_rel, D);
         }
@@ -349,7 +349,7 @@ static void check_pair(const char *be, pkv_dtype kdt, pkv_dtype vdt, int n_cases
                   be ? be : "-", worst_rel);
     for (int r = 0; r < N_REG && !measure; r++) {
         const double bu = fmax(bound_unq(kdt, r), bound_unq(vdt, r)), mean = sum_u[r] / PKV_MAX(n_u[r], 1);
-        if (mean > bu)
+        if (!(mean <= bu))
             fail_msg("%s/%s ref, %s: mean NMSE %.3g > %.3g", pkv_dtype_name(kdt), pkv_dtype_name(vdt), reg_name[r],
                      mean, bu);
     }
@@ -380,8 +380,8 @@ static void test_wide_head_dim(void **state) {
         errs er, eb;
         run_case(cs[i].dt, cs[i].dt, cs[i].D, 1, 1.0f, 0.0f, be, &er, &eb, 2);
         const double bu = bound_unq(cs[i].dt, REG_PLAIN);
-        if (er.nmse_unq > bu) fail_msg("%s D %u: NMSE %.3g > %.3g", pkv_dtype_name(cs[i].dt), cs[i].D, er.nmse_unq, bu);
-        if (be && eb.max_rel > 2e-4)
+        if (!(er.nmse_unq <= bu)) fail_msg("%s D %u: NMSE %.3g > %.3g", pkv_dtype_name(cs[i].dt), cs[i].D, er.nmse_unq, bu);
+        if (be && !(eb.max_rel <= 2e-4))
             fail_msg("%s D %u: %s vs ref %.3g", pkv_dtype_name(cs[i].dt), cs[i].D, be, eb.max_rel);
     }
 }
@@ -430,7 +430,7 @@ static void test_exact_inputs(void **state) {
                     size_t off = ((size_t)s * nqh + qh) * w.D;
                     ref_attn(&w, w.kf, w.vf, s, w.len[s] - 1, qh, q + off, 1.0f / 8, ru);
                     for (uint32_t d = 0; d < w.D; d++)
-                        if (fabs(o[off + d] - ru[d]) > 1e-5 * (1 + fabs(ru[d])))
+                        if (!(fabs(o[off + d] - ru[d]) <= 1e-5 * (1 + fabs(ru[d]))))
                             fail_msg("%s %s: out %g vs %g", bes[b], pkv_dtype_name(dts[i]), (double)o[off + d], ru[d]);
                 }
         }

@@ -83,7 +83,7 @@ func assertClose(t *testing.T, got []float32, want []float64, rel float64, what 
 		scale = math.Max(scale, math.Abs(want[i]))
 		maxErr = math.Max(maxErr, math.Abs(float64(got[i])-want[i]))
 	}
-	if maxErr > rel*scale {
+	if !(maxErr <= rel*scale) { // so that NaN (which math.Max carries) fails
 		t.Fatalf("%s: max abs error %g over %g", what, maxErr, rel*scale)
 	}
 }
@@ -239,7 +239,7 @@ func TestBF16Dot(t *testing.T) {
 		if used {
 			tol = vmax / 128
 		}
-		if e > tol {
+		if !(e <= tol) { // NaN fails
 			t.Fatalf("BF16Dot decode %d: error %g over %g", i, e, tol)
 		}
 	}
@@ -800,7 +800,7 @@ func TestGoroutines(t *testing.T) {
 					}
 					w, _ := reference(q[i*128:(i+1)*128], k, v, 4, 2, 32, 1/math.Sqrt(32), 0, 0)
 					for j := range w {
-						if math.Abs(float64(out[i*128+j])-w[j]) > 1e-5*math.Max(1, math.Abs(w[j]))*4 {
+						if !(math.Abs(float64(out[i*128+j])-w[j]) <= 1e-5*math.Max(1, math.Abs(w[j]))*4) { // NaN fails
 							errs <- fmt.Errorf("goroutine %d step %d: decode differs", g, step)
 							return
 						}

@@ -68,13 +68,18 @@ fn reference(
     (out, lse)
 }
 
+/// The largest |g - w|; NaN where any is NaN (f64::max would drop it and pass).
+fn max_err<'a>(pairs: impl Iterator<Item = (&'a f32, &'a f64)>) -> f64 {
+    pairs.fold(0f64, |a, (g, w)| {
+        let e = (*g as f64 - w).abs();
+        if a.is_nan() || e.is_nan() { f64::NAN } else { a.max(e) }
+    })
+}
+
 fn assert_close(got: &[f32], want: &[f64], rel: f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{}: lengths", what);
     let scale = want.iter().fold(1f64, |a, x| a.max(x.abs()));
-    let err = got
-        .iter()
-        .zip(want)
-        .fold(0f64, |a, (g, w)| a.max((*g as f64 - w).abs()));
+    let err = max_err(got.iter().zip(want));
     assert!(
         err <= rel * scale,
         "{}: max abs error {:e} over {:e}",
@@ -431,10 +436,7 @@ fn bf16_dot_rounds_as_documented() {
         let (k, v) = c.gather(s, 0, 0, n).unwrap();
         let (w, _) = reference(&qr[i * hq * d..][..hq * d], &k, &v, hq, h, d, 1.0, 0.0, 0);
         let vmax = v.iter().fold(0f64, |a, x| a.max(x.abs() as f64));
-        let err = out[i * hq * d..][..hq * d]
-            .iter()
-            .zip(&w)
-            .fold(0f64, |a, (g, w)| a.max((*g as f64 - w).abs()));
+        let err = max_err(out[i * hq * d..][..hq * d].iter().zip(&w));
         let tol = if used { vmax / 128.0 } else { 1e-5 * vmax.max(1.0) };
         assert!(err <= tol, "bf16_dot decode {}: error {:e} over {:e}", i, err, tol);
     }
