@@ -414,9 +414,10 @@ typedef struct pkv_attn_params {
 } pkv_attn_params;
 /* pkv_attn_params.flags. PKV_ATTN_BF16_DOT: allows bf16 arithmetic where the backend has bf16
  * dot products (pkv_attn_flags_used; x86 with AVX512_BF16: Intel Cooper Lake, Sapphire Rapids
- * and later, AMD Zen 4 and later). vdpbf16ps multiplies 32 pairs of bf16 values exactly and adds
- * them into 16 f32 lanes: twice the products an instruction of the f32 path, so a decode bound
- * by arithmetic runs faster (subnormal bf16 values count as 0).
+ * and later, AMD Zen 4 and later; ARM with FEAT_BF16: Neoverse V1, V2 and N2, Graviton 3 and 4,
+ * Apple M2 and later, on Linux). vdpbf16ps multiplies 32 pairs of bf16 values exactly and adds
+ * them into 16 f32 lanes (BFDOT: 8 pairs into 4): twice the products an instruction of the f32
+ * path, so a decode bound by arithmetic runs faster (subnormal bf16 values count as 0).
  * - bf16 K: each query row times scale is rounded to bf16 (nearest, ties to even), so a score
  *   moves by up to 2^-8 of sum |q_d k_d| x scale: what a model computing its queries in bf16
  *   gets anyway.
