@@ -16,6 +16,10 @@
 #include "pkv.h"
 #include "quant/quant.h"
 
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
+
 /* Same tolerance as test_attn.c: max |out - ref| / max |V|, reference on the pool-rounded K/V. */
 #define TOL 1e-5
 
@@ -370,7 +374,7 @@ static void test_api_bad_input(void **state) {
 }
 
 /* PKV_ATTN_BF16_DOT through the API: a bf16 cache says whether its backend takes the flag
- * (pkv_attn_flags_used: AVX-512 with AVX512_BF16, not the reference), and the results with it
+ * (pkv_attn_flags_used: AVX-512 with AVX512_BF16, NEON with FEAT_BF16, not the reference), and the results with it
  * stay within the bound pkv.h states: scores from queries rounded to bf16, outputs within 2^-8
  * of max |V| of those (test_attn.c checks the kernels on every shape; here the cache's own
  * dispatch, decode and prefill, and the backend the environment picks). */
@@ -382,11 +386,15 @@ static void test_api_bf16_dot(void **state) {
     assert_int_equal(pkv_seq_create(c, NULL, 0, &s.id), PKV_OK);
     append_write(c, PKV_DTYPE_BF16, &s, 200, 0);
     const char *be = pkv_attn_backend(c);
-    const bool avx512 = !strncmp(be, "avx512", 6);
+    const bool avx512 = !strncmp(be, "avx512", 6), neon = !strncmp(be, "neon", 4);
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && (defined(__x86_64__) || defined(__i386__))
     if (avx512) assert_int_equal(pkv_attn_flags_used(c), __builtin_cpu_supports("avx512bf16") ? PKV_ATTN_BF16_DOT : 0u);
 #endif
-    if (!avx512) assert_int_equal(pkv_attn_flags_used(c), 0u);
+#if defined(__aarch64__) && defined(__linux__)
+    if (neon) /* HWCAP2_BF16 */
+        assert_int_equal(pkv_attn_flags_used(c), getauxval(AT_HWCAP2) & (1ul << 14) ? PKV_ATTN_BF16_DOT : 0u);
+#endif
+    if (!avx512 && !neon) assert_int_equal(pkv_attn_flags_used(c), 0u);
     pkv_attn_params p = pkv_attn_params_default();
     p.n_q_heads = NQH;
     static float q[4 * NQH * D], plain[4 * NQH * D], out[4 * NQH * D], qr[4 * NQH * D];
