@@ -115,6 +115,16 @@ else
     summary+=("[fuzz] skipped: fuzz/fuzz_api.c does not exist yet")
 fi
 
+# The model tests (test_run, test_run_checkpoint, the Python suite's model test) skip, and so
+# pass, where the model file is missing (a checkout without the shared folder): said here, so
+# that such a run does not pass them unseen.
+model=../shared/models/stories260K.bin # where CMake looks (PKV_SHARED_DIR there)
+if [ -f "$model" ]; then
+    summary+=("[model] $model found: the model tests ran")
+else
+    summary+=("[model] $model NOT FOUND: the model tests were skipped")
+fi
+
 # ---- summary ----------------------------------------------------------------------------------
 echo
 echo "=== summary ($(($(date +%s) - t_start)) s in all)"
