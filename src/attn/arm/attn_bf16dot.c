@@ -13,6 +13,7 @@
  * scripts/test-arm64.sh (its CPU has the extension), where test_attn's test_bf16_dot compares it
  * with the reference. Its speed is unmeasured (no ARM machine here). */
 #include "../attn.h"
+#include "../../quant/quant.h"
 
 #include <arm_neon.h>
 #include <string.h>
@@ -133,6 +134,15 @@ static inline __attribute__((always_inline)) void accum_tile_bd(const uint32_t *
         for (uint32_t c = 0; c < 2 * C; c++) vst1q_f32(acc + r * D + 4 * c, a[r][c]);
 }
 
+/* The columns [0, D8) in tiles of 16, then one of 8 */
+static inline __attribute__((always_inline)) void accum_groups_bd(const uint32_t *pb, const uint32_t R,
+                                                                  const uint8_t *vk, size_t vrb, uint32_t nk,
+                                                                  uint32_t D8, float *ar, uint32_t D) {
+    uint32_t d = 0;
+    for (; d + 16 <= D8; d += 16) accum_tile_bd(pb, R, vk + 2 * d, vrb, nk, 2, ar + d, D);
+    if (d < D8) accum_tile_bd(pb, R, vk + 2 * d, vrb, nk, 1, ar + d, D);
+}
+
 static inline __attribute__((always_inline)) void accum_bd_all(const float *p, uint32_t ps, uint32_t n_rows,
                                                                const uint8_t *v, size_t vrb, uint32_t n_keys,
                                                                uint32_t D, float *acc) {
@@ -150,22 +160,15 @@ static inline __attribute__((always_inline)) void accum_bd_all(const float *p, u
                 vst1q_u32(pb + r * 8 + 4, vreinterpretq_u32_u16(round8(vld1q_f32(w + 8), vld1q_f32(w + 12))));
             }
             const uint8_t *vk = v + k0 * vrb;
-            uint32_t d = 0;
-            if (R == 4) { /* constant row counts, so that the tile's loops unroll */
-                for (; d + 16 <= D8; d += 16) accum_tile_bd(pb, 4, vk + 2 * d, vrb, nk, 2, ar + d, D);
-                if (d < D8) accum_tile_bd(pb, 4, vk + 2 * d, vrb, nk, 1, ar + d, D), d += 8;
-            } else {
-                for (; d + 16 <= D8; d += 16) accum_tile_bd(pb, R, vk + 2 * d, vrb, nk, 2, ar + d, D);
-                if (d < D8) accum_tile_bd(pb, R, vk + 2 * d, vrb, nk, 1, ar + d, D), d += 8;
-            }
-            for (uint32_t r = 0; r < R && d < D; r++) /* the columns past the last group of 8: f32 weights */
+            if (R == 4) /* a constant row count, so that the tile's loops unroll */
+                accum_groups_bd(pb, 4, vk, vrb, nk, D8, ar, D);
+            else
+                accum_groups_bd(pb, R, vk, vrb, nk, D8, ar, D);
+            for (uint32_t r = 0; r < R && D8 < D; r++) /* the columns past the last group of 8: f32 weights */
                 for (uint32_t t = 0; t < nk; t++) {
                     const float wt = p[(size_t)(r0 + r) * ps + k0 + t];
                     const uint16_t *vr = (const uint16_t *)(vk + t * vrb);
-                    for (uint32_t e = d; e < D; e++) {
-                        union { uint32_t u; float f; } x = {(uint32_t)vr[e] << 16};
-                        ar[(size_t)r * D + e] += wt * x.f;
-                    }
+                    for (uint32_t e = D8; e < D; e++) ar[(size_t)r * D + e] += wt * pkv__bf16_to_f32(vr[e]);
                 }
         }
     }
