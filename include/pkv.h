@@ -201,6 +201,14 @@ PKV_API PKV_NODISCARD int pkv_seq_create(pkv_cache *c, const void *salt, size_t 
 PKV_API PKV_NODISCARD int pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
                                          int32_t *slots_out);
 
+/* The largest magnitude pkv_write_kv takes into the pool, and the largest |q_d| x scale the
+ * attention calls take: 2^56 (7.2e16), far past any model's activations. With it every sum the
+ * kernels form stays inside f32 (a score is at most head_dim x 2^112 <= 2^124, an unnormalized
+ * output at most 2^12 x 2^56 per visible key), so a call that is accepted returns finite
+ * results: a product past f32's range would otherwise make each backend return its own
+ * garbage (zeros and a log-sum-exp of -inf from one, NaN from another). */
+#define PKV_VALUE_MAX 72057594037927936.0
+
 /* Writes K and V of one layer for n tokens at the given slots (vLLM reshape_and_cache).
  * k, v: [n][n_kv_heads][head_dim] elements of in_dtype (f32, f16 or bf16), converted to the
  * pool dtype. slot -1 is skipped (padding). Every slot is checked first: it must lie in a
@@ -209,9 +217,9 @@ PKV_API PKV_NODISCARD int pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t 
  * that any holder of its block has committed stays read-only until that block is freed (a
  * sequence that later owns the block alone may rewrite only past its own committed count
  * after a truncate or append, which trim the block's counts to it). Every value written must
- * be finite and must not round to infinity in the pool's dtype (f16: |x| >= 65520; bf16: past
- * its largest finite value by half an ulp or more; the quantized dtypes saturate), else
- * PKV_EINVAL and nothing is written; rows at slot -1 are not read. k or v may
+ * be finite, at most PKV_VALUE_MAX in magnitude, and must not round to infinity in the pool's
+ * dtype (f16: |x| >= 65520; the quantized dtypes saturate), else PKV_EINVAL and nothing is
+ * written; rows at slot -1 are not read. k or v may
  * be NULL to write only the other. So write a sequence's K/V before forking it: a block shared
  * by a fork is read-only until copy-on-write gives the writer its own copy. */
 PKV_API PKV_NODISCARD int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n,
@@ -430,11 +438,10 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
 
 /* Decode: one query per sequence, at its last position (length - 1), seeing [0, length).
  * q, out: [n_seqs][n_q_heads][head_dim] f32. out may be q (in place); any other overlap of q,
- * out and p->lse is PKV_EINVAL, and so is a q element that is not finite (NaN or infinity).
- * K/V of every visible position must have been written for this layer (pkv_write_kv keeps
- * them finite; values put in the pool around it that are not finite, or scaled logits past
- * f32's range (|q.k| * scale over 3.4e38), make the rows that see them unspecified, and
- * different between backends). A sequence may appear more than once (each entry its own query and output), and
+ * out and p->lse is PKV_EINVAL, and so is a q element that is not finite or whose magnitude
+ * times the scale is over PKV_VALUE_MAX. K/V of every visible position must have been written
+ * for this layer (pkv_write_kv keeps them within PKV_VALUE_MAX; values put in the pool around
+ * it past that make the rows that see them unspecified, and different between backends). A sequence may appear more than once (each entry its own query and output), and
  * n_seqs may pass max_seqs (the batch then runs in groups of max_seqs). A batch whose block
  * tables jump is read in pool order: every block of the batch once, in ascending block id,
  * whichever sequences hold it, with one running softmax per sequence merged at the end (in

@@ -670,6 +670,69 @@ static void test_api_backend_env(void **state) {
     unsetenv("PKV_ATTN_BACKEND");
 }
 
+/* Values at PKV_VALUE_MAX, the most pkv_write_kv takes (and |q| x scale the calls take): on
+ * every backend, f32 and bf16 pools, with and without the bf16 flag, a call over them returns
+ * the exact finite answer. Scores: q x scale = +-2^56 against K = +-2^56 gives +-2^118 (one key
+ * at +2^118 takes all the weight: out is its V, 2^56, and lse 2^118). Sums: K = 0 (every
+ * weight 1) and V = 2^56 at every one of 40 keys: out 2^56 and lse ln 40, the acc at 40 x 2^56. */
+static void test_api_value_max(void **state) {
+    (void)state;
+    enum { N = 40, HOT = 7 };
+    static const char *const names[] = {"ref", "avx2", "avx512", "avx512-vnni", "neon", "neon-dotprod"};
+    static const pkv_dtype dts[] = {PKV_DTYPE_F32, PKV_DTYPE_BF16};
+    const float big = 0x1p56f;
+    assert_true((double)big == PKV_VALUE_MAX);
+    int ran = 0;
+    for (size_t bi = 0; bi < sizeof names / sizeof *names; bi++)
+        for (size_t di = 0; di < 2; di++) {
+            setenv("PKV_ATTN_BACKEND", names[bi], 1);
+            pkv_config cfg = api_config(dts[di], 2, 0);
+            pkv_cache *c = NULL;
+            const int rc = pkv_cache_create(&cfg, &c);
+            if (rc == PKV_ENOTSUP) continue;
+            assert_int_equal(rc, PKV_OK);
+            for (int sums = 0; sums < 2; sums++) {
+                pkv_seq sq;
+                int32_t slots[N];
+                int32_t tok[N] = {0};
+                assert_int_equal(pkv_seq_create(c, NULL, 0, &sq), PKV_OK);
+                assert_int_equal(pkv_seq_append(c, sq, tok, N, slots), PKV_OK);
+                static float k[N][H][D], v[N][H][D];
+                for (int t = 0; t < N; t++)
+                    for (int h = 0; h < H; h++)
+                        for (int d = 0; d < D; d++) {
+                            const float sgn = d % 2 ? -1.0f : 1.0f;
+                            k[t][h][d] = sums ? 0.0f : t == HOT ? sgn * big : -sgn * big;
+                            v[t][h][d] = sums || t == HOT ? big : 1.0f;
+                        }
+                for (uint32_t l = 0; l < L; l++)
+                    assert_int_equal(pkv_write_kv(c, l, slots, N, k, v, PKV_DTYPE_F32), PKV_OK);
+                float q[NQH * D], out[NQH * D], lse[NQH];
+                for (int i = 0; i < NQH * D; i++) q[i] = (i % D) % 2 ? -0x1p59f : 0x1p59f; /* x scale 2^-3: 2^56 */
+                for (uint32_t flags = 0; flags < 2; flags++) {
+                    pkv_attn_params p = pkv_attn_params_default();
+                    p.n_q_heads = NQH, p.scale = 0.125f, p.lse = lse, p.flags = flags;
+                    assert_int_equal(pkv_attn_decode(c, 1, &sq, 1, q, out, &p), PKV_OK);
+                    for (int i = 0; i < NQH * D; i++)
+                        if (!(fabs((double)out[i] - big) <= 1e-6 * big))
+                            fail_msg("%s, %s pool, %s, flags %u: out[%d] = %g, want 2^56", names[bi],
+                                     pkv_dtype_name(dts[di]), sums ? "sums" : "scores", flags, i, (double)out[i]);
+                    const double want_lse = sums ? log((double)N) : 0x1p118;
+                    for (int i = 0; i < NQH; i++)
+                        if (!(fabs((double)lse[i] - want_lse) <= 1e-6 * want_lse))
+                            fail_msg("%s, %s pool, %s, flags %u: lse[%d] = %g, want %g", names[bi],
+                                     pkv_dtype_name(dts[di]), sums ? "sums" : "scores", flags, i, (double)lse[i],
+                                     want_lse);
+                    ran++;
+                }
+                assert_int_equal(pkv_seq_release(c, sq), PKV_OK);
+            }
+            pkv_cache_destroy(c);
+        }
+    unsetenv("PKV_ATTN_BACKEND");
+    assert_true(ran >= 8); /* ref and the detected backend at least */
+}
+
 /* The stats' attention counters: requests read in pool order and in table order. */
 static void expect_attn_reqs(pkv_cache *c, uint64_t pool, uint64_t table) {
     pkv_stats st;
@@ -907,6 +970,7 @@ int main(void) {
         cmocka_unit_test(test_api_merge_values),
         cmocka_unit_test(test_api_in_place),
         cmocka_unit_test(test_api_backend_env),
+        cmocka_unit_test(test_api_value_max),
         cmocka_unit_test(test_api_order_env),
         cmocka_unit_test(test_api_executor),
     };

@@ -11,6 +11,7 @@
 
 #include "support_util.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -137,6 +138,15 @@ static int attn_q_with(fx *f, int prefill, uint32_t at, float x) {
     return prefill ? pkv_attn_prefill(f->c, 0, &r, 1, q, f->out, NULL) : pkv_attn_decode(f->c, 0, &f->live, 1, q, f->out, NULL);
 }
 
+/* A decode of live whose query elements are all x, at the given scale. */
+static int attn_q_scaled(fx *f, float x, float scale) {
+    float q[NH * HD];
+    for (int i = 0; i < NH * HD; i++) q[i] = i % 2 ? x : -x;
+    pkv_attn_params p = pkv_attn_params_default();
+    p.scale = scale;
+    return pkv_attn_decode(f->c, 0, &f->live, 1, q, f->out, &p);
+}
+
 #define ROWS(X)                                                                                                       \
     /* dtype helpers */                                                                                               \
     X(dtype_from_name_null_name, PKV_EINVAL, ({ pkv_dtype d; pkv_dtype_from_name(NULL, &d); }))                       \
@@ -198,6 +208,9 @@ static int attn_q_with(fx *f, int prefill, uint32_t at, float x) {
     X(write_nan_k, PKV_EINVAL, write_with(f, 1, &f->live_slot, 0, 3, NAN))                                             \
     X(write_inf_v, PKV_EINVAL, write_with(f, 1, &f->live_slot, 1, NH * HD - 1, INFINITY))                             \
     X(write_neg_inf_k, PKV_EINVAL, write_with(f, 1, &f->live_slot, 0, 0, -INFINITY))                                  \
+    /* finite, but past PKV_VALUE_MAX (2^56), where attention's sums could overflow */                                \
+    X(write_past_value_max_k, PKV_EINVAL, write_with(f, 1, &f->live_slot, 0, 3, 0x1.000002p56f))                      \
+    X(write_neg_flt_max_v, PKV_EINVAL, write_with(f, 1, &f->live_slot, 1, 2, -FLT_MAX))                               \
     X(write_nan_second_row, PKV_EINVAL, ({ int32_t s[2] = {-1, -1}; pkv_seq_slots(f->c, f->live, 8, 2, s) ? -100 :    \
                                            write_with(f, 2, s, 1, NH * HD + 7, -NAN); }))                            \
     X(write_f16_nan_code, PKV_EINVAL, write16_with(f, PKV_DTYPE_F16, 0x7e00))                                         \
@@ -335,7 +348,11 @@ static int attn_q_with(fx *f, int prefill, uint32_t at, float x) {
     X(decode_nan_q, PKV_EINVAL, attn_q_with(f, 0, 5, NAN))                                                             \
     X(decode_inf_q, PKV_EINVAL, attn_q_with(f, 0, NH * HD - 1, INFINITY))                                             \
     X(prefill_nan_second_query, PKV_EINVAL, attn_q_with(f, 1, NH * HD + 2, NAN))                                      \
-    X(prefill_neg_inf_q, PKV_EINVAL, attn_q_with(f, 1, 0, -INFINITY))
+    X(prefill_neg_inf_q, PKV_EINVAL, attn_q_with(f, 1, 0, -INFINITY))                                                 \
+    /* queries whose magnitude times the scale passes PKV_VALUE_MAX (q.k could overflow) */                           \
+    X(decode_q_scaled_past_value_max, PKV_EINVAL, attn_q_scaled(f, 0x1.000002p58f, 0.25f))                            \
+    X(decode_q_1e38_scale_4, PKV_EINVAL, attn_q_scaled(f, 1e38f, 4.0f))                                               \
+    X(prefill_q_3e38_default_scale, PKV_EINVAL, attn_q_with(f, 1, 3, 3e38f))
 
 #define DEF_ROW(name, want, expr) \
     static int row_##name(fx *f) { (void)f; return (expr); }

@@ -362,7 +362,7 @@ static void run_conversion(pkv_dtype pool, pkv_dtype in, uint64_t seed) {
     static const float exact_f16[] = {0.0f, 1.0f, -1.0f, 0.5f, 1.5f, -2.25f, 1024.0f, 1.0009765625f, 65504.0f,
                                       -0.0009765625f, 3.140625f, 6.103515625e-05f};
     static const float exact_bf16[] = {0.0f, 1.0f, -1.0f, 0.5f, 1.5f, -2.25f, 1024.0f, 1.0078125f,
-                                       3.3895313892515355e38f, -0.0009765625f, 3.140625f, 1.1754943508222875e-38f};
+                                       72057594037927936.0f /* PKV_VALUE_MAX */, -0.0009765625f, 3.140625f, 1.1754943508222875e-38f};
     const float *exact = pool == PKV_DTYPE_BF16 || in == PKV_DTYPE_BF16 ? exact_bf16 : exact_f16;
     tu_rng r;
     tu_rng_seed(&r, seed);

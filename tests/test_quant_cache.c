@@ -441,8 +441,8 @@ static void test_attention_public(void **state) {
     }
 }
 
-/* What pkv_write_kv takes into each pool dtype: finite values only, and none that would round
- * to infinity in an f16 or bf16 pool; the largest that fit are stored as the format's largest
+/* What pkv_write_kv takes into each pool dtype: values up to PKV_VALUE_MAX only (finite), and
+ * none that would round to infinity in an f16 pool; the largest that fit are stored as the format's largest
  * finite values, the quantized formats saturate everything finite, a refused write leaves the
  * position as it was, and padding rows (slot -1) are never read, NaN or not. */
 typedef struct {
@@ -455,14 +455,15 @@ static void test_write_range(void **state) {
     (void)state;
     enum { D = 32 };
     const int all = (1 << PKV_DTYPE_COUNT) - 1, no_f16 = all & ~(1 << PKV_DTYPE_F16);
-    const int no_16 = no_f16 & ~(1 << PKV_DTYPE_BF16);
     const range_case cases[] = {
         {PKV_DTYPE_F32, 0x477fefffu, all},    /* 65519.996: rounds to 65504 */
         {PKV_DTYPE_F32, 0x477ff000u, no_f16}, /* 65520: the f16 midpoint to infinity, rounds up */
         {PKV_DTYPE_F32, 0xc77ff000u, no_f16},
-        {PKV_DTYPE_F32, 0x7f7f7fffu, no_f16}, /* just under bf16's midpoint to infinity */
-        {PKV_DTYPE_F32, 0x7f7f8000u, no_16},  /* bf16's midpoint: ties to infinity (0x7f7f is odd) */
-        {PKV_DTYPE_F32, 0xff7fffffu, no_16},  /* -FLT_MAX */
+        {PKV_DTYPE_F32, 0x5b800000u, no_f16}, /* PKV_VALUE_MAX, 2^56 */
+        {PKV_DTYPE_F32, 0xdb800000u, no_f16}, /* -2^56 */
+        {PKV_DTYPE_F32, 0x5b800001u, 0},      /* one ulp past it */
+        {PKV_DTYPE_F32, 0x7f7f7fffu, 0},      /* finite, but past PKV_VALUE_MAX */
+        {PKV_DTYPE_F32, 0xff7fffffu, 0},      /* -FLT_MAX */
         {PKV_DTYPE_F32, 0x7f800000u, 0},      /* +inf */
         {PKV_DTYPE_F32, 0xff800000u, 0},      /* -inf */
         {PKV_DTYPE_F32, 0x7fc00000u, 0},      /* NaN */
@@ -472,7 +473,9 @@ static void test_write_range(void **state) {
         {PKV_DTYPE_F16, 0xfe01u, 0},
         {PKV_DTYPE_BF16, 0x477fu, all},       /* 65280 */
         {PKV_DTYPE_BF16, 0x4780u, no_f16},    /* 65536 */
-        {PKV_DTYPE_BF16, 0x7f7fu, no_f16},
+        {PKV_DTYPE_BF16, 0x5b80u, no_f16},    /* 2^56 */
+        {PKV_DTYPE_BF16, 0x5b81u, 0},
+        {PKV_DTYPE_BF16, 0x7f7fu, 0},
         {PKV_DTYPE_BF16, 0xff80u, 0},
         {PKV_DTYPE_BF16, 0x7fc0u, 0},
     };
@@ -513,7 +516,8 @@ static void test_write_range(void **state) {
             }
             if (want_ok && pd == PKV_DTYPE_F16 && rc->in == PKV_DTYPE_F32 && rc->bits == 0x477fefffu)
                 assert_true(back_k[D] == 65504.0f);
-            if (want_ok && pd == PKV_DTYPE_BF16 && rc->bits == 0x7f7f7fffu) assert_true(back_k[D] == 0x1.fep127f);
+            if (want_ok && (pd == PKV_DTYPE_BF16 || pd == PKV_DTYPE_F32) && rc->bits == 0x5b800000u)
+                assert_true(back_k[D] == 0x1p56f);
             /* the other side is untouched by a K-only (V-only) write: put the old row back */
             TU_OK(pkv_write_kv(c, 0, slot, 1, one, one, PKV_DTYPE_F32));
         }

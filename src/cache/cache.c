@@ -1271,9 +1271,16 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
     }
     UNLOCK(c);
     if (!rc) rc = check_overlap(q, out, lse, n_rows, qrow, call.n_q_heads);
-    /* a query that is not finite would give each backend and order its own garbage (a NaN or
-       infinite logit is dropped by one max and kept by another): refused instead */
-    if (!rc && !pkv__input_fits(PKV_DTYPE_F32, q, (size_t)n_rows * qrow, PKV_DTYPE_F32)) rc = PKV_EINVAL;
+    /* a query that is not finite, or so large that q.k overflows (or q x scale, which the kernels
+       form first), would give each backend and order its own garbage (a NaN or infinite logit is
+       dropped by one max and kept by another): refused instead. With |K| <= PKV_VALUE_MAX too, a
+       score is at most head_dim x 2^112 (pkv.h). */
+    if (!rc) {
+        const uint32_t bits = pkv__max_abs_bits(PKV_DTYPE_F32, q, (size_t)n_rows * qrow);
+        float qmax;
+        memcpy(&qmax, &bits, sizeof qmax);
+        if (!((double)qmax * call.scale <= PKV_VALUE_MAX)) rc = PKV_EINVAL; /* NaN bits: not <= */
+    }
     size_t q_at = 0;
     pkv__attn_hold_counts(c->attn); /* the statistics count a call whose every group ran, or nothing */
     for (uint64_t i0 = 0; i0 < n && !rc; i0 += c->max_seqs) { /* 64-bit: no wrap near n = 2^32 */

@@ -115,11 +115,10 @@ static inline float pkv__e4m3_to_f32(uint8_t b);
 
 /* Convert n input elements (f32, f16 or bf16: a row or a few) to f32. */
 void pkv__to_f32(pkv_dtype in, const void *src, uint32_t n, float *dst);
-/* Whether n input elements of in (f32, f16 or bf16) are all finite and none of them would round
- * to infinity when stored as pool (f16: |x| >= 65520; bf16: |x| at or past half an ulp above its
- * largest finite value). f32 holds every finite value and the quantized formats saturate. One
- * pass of integer max over the elements' magnitude bits (pkv__max_abs_bits: AVX2 where the CPU
- * has it). */
+/* Whether n input elements of in (f32, f16 or bf16) are all within PKV_VALUE_MAX (2^56: finite,
+ * and small enough that attention's sums cannot overflow, pkv.h) and none of them would round to
+ * infinity when stored as pool (f16: |x| >= 65520). One pass of integer max over the elements'
+ * magnitude bits (pkv__max_abs_bits: AVX2 where the CPU has it). */
 bool pkv__input_fits(pkv_dtype in, const void *src, size_t n, pkv_dtype pool);
 
 /* ---- scalar conversions (exact IEEE semantics, round to nearest even) ---- */
