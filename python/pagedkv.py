@@ -222,7 +222,7 @@ def dtype_row_bytes(dtype, head_dim):
 def _u32_of(x, what):
     try:
         v = int(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
         raise _invalid("%s must be an integer" % what) from None
     if v != x or not 0 <= v <= 0xFFFFFFFF:
         raise _invalid("%s out of range: %r" % (what, x))
@@ -232,7 +232,7 @@ def _u32_of(x, what):
 def _seq_of(s, what="sequence"):
     try:
         v = int(s)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise _invalid("%s id must be an integer" % what) from None
     if v != s or not 0 <= v < 1 << 64:
         raise _invalid("%s id out of range: %r" % (what, s))
@@ -244,7 +244,7 @@ def _f32_array(x, what, size=None):
     a = np.asarray(x)
     if a.dtype.kind != "f":
         raise _invalid("%s: a floating array is needed, got %s" % (what, a.dtype))
-    a = np.ascontiguousarray(a, dtype=np.float32)
+    a = np.require(a, dtype=np.float32, requirements="CA")
     if size is not None and a.size != size:
         raise _invalid("%s: %d elements, %d needed" % (what, a.size, size))
     return a
@@ -258,7 +258,7 @@ def _i32_array(x, what):
         raise _invalid("%s: %d values, more than one call takes (2^32 - 1)" % (what, a.size))
     if a.size and (a.min() < -(1 << 31) or a.max() >= 1 << 31):
         raise _invalid("%s: values out of int32 range" % what)
-    return np.ascontiguousarray(a.reshape(-1), dtype=np.int32)
+    return np.require(a.reshape(-1), dtype=np.int32, requirements="CA")
 
 
 def _ptr(a):
@@ -313,9 +313,13 @@ class Cache:
             if k in self._INT_FIELDS:
                 setattr(cfg, k, _u32_of(v, k))
             elif k == "mem_budget_bytes":
-                if int(v) != v or not 0 <= int(v) < 1 << 64:
+                try:
+                    b = int(v)
+                except (TypeError, ValueError, OverflowError):
+                    raise _invalid("mem_budget_bytes must be an integer") from None
+                if b != v or not 0 <= b < 1 << 64:
                     raise _invalid("mem_budget_bytes out of range: %r" % (v,))
-                cfg.mem_budget_bytes = int(v)
+                cfg.mem_budget_bytes = b
             elif k in ("k_dtype", "v_dtype"):
                 setattr(cfg, k, _dtype_code(v, k))
             elif k in ("enable_prefix_cache", "huge_pages"):
@@ -433,6 +437,10 @@ class Cache:
         """A new empty sequence; salt (bytes, at most 256) names its prefix-index namespace."""
         if isinstance(salt, str):
             salt = salt.encode()
+        elif not isinstance(salt, (bytes, bytearray, memoryview)):
+            # bytes(3) would be three zero bytes: a tenant id passed as an int must not
+            # silently land in another namespace
+            raise _invalid("salt must be bytes or str, got %s" % type(salt).__name__)
         salt = bytes(salt)
         out = _u64()
         _check(_lib.pkv_seq_create(self._h(), salt if salt else None, len(salt), ctypes.byref(out)),
@@ -461,7 +469,7 @@ class Cache:
         if not ok:
             raise _invalid("%s: %s array is needed%s, got %s" % (
                 what, need, "" if dtype else " (or give dtype='bf16' for uint16 bf16 bit patterns)", a.dtype))
-        a = np.ascontiguousarray(a, dtype=np.float32 if kind == "f32" else a.dtype)
+        a = np.require(a, dtype=np.float32 if kind == "f32" else a.dtype, requirements="CA")
         want = n * self._H * self._D
         if a.size != want:
             raise _invalid("%s: %d elements, %d needed ([%d][%d][%d])" % (what, a.size, want, n, self._H, self._D))
@@ -575,9 +583,9 @@ class Cache:
         if a.dtype.kind in "iu" and a.ndim == 1:
             if a.size and a.dtype.kind == "i" and a.min() < 0:
                 raise _invalid("%s: a negative sequence id" % what)
-            a = np.ascontiguousarray(a, dtype=np.uint64)
+            a = np.require(a, dtype=np.uint64, requirements="CA")
         else:
-            a = np.ascontiguousarray([_seq_of(s) for s in seqs], dtype=np.uint64)
+            a = np.require([_seq_of(s) for s in seqs], dtype=np.uint64, requirements="CA")
         if a.size == 0:
             raise _invalid("%s: no sequences" % what)
         _u32_of(a.size, "%s: sequence count" % what)
@@ -673,8 +681,8 @@ class Cache:
         if out is None:
             return np.empty(shape, dtype=np.float32)
         if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous \
-                or not out.flags.writeable or out.size != int(np.prod(shape)):
-            raise _invalid("%s: a writeable C-contiguous float32 array of %d elements is needed"
+                or not out.flags.aligned or not out.flags.writeable or out.size != int(np.prod(shape)):
+            raise _invalid("%s: a writeable, aligned, C-contiguous float32 array of %d elements is needed"
                            % (what, int(np.prod(shape))))
         return out
 

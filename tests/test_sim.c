@@ -318,6 +318,7 @@ static void test_help_and_usage_errors(void **state) {
                       {"pkv", "sim", "--prompt-sigma", "inf", NULL},
                       {"pkv", "sim", "--rate", "nan", NULL},
                       {"pkv", "sim", "--max-len", "4294967295", NULL},
+                      {"pkv", "sim", "--sys-prompts", "2147483648", NULL}, /* a group id past int32 meant none */
                       {"pkv", "sim", "--step-ms", "1e-300", NULL},
                       /* strtoull took "-1" as 2^64 - 1 */
                       {"pkv", "sim", "--seed", "-1", NULL},

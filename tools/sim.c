@@ -60,7 +60,7 @@ static void usage(FILE *f) {
             "  --prompt-mean N     mean prompt tokens (own part) [%g]   --prompt-sigma S  [%g]\n"
             "  --output-mean N     mean output tokens [%g]              --output-sigma S  [%g]\n"
             "  --max-len N         model max length: prompt + output cap, 2 to 2^31 - 1 [%u]\n"
-            "  --sys-prompts N     shared system prompts [%u]\n"
+            "  --sys-prompts N     shared system prompts, at most 2^31 - 1 [%u]\n"
             "  --sys-len N         tokens per system prompt [%u]\n"
             "  --sys-frac F        fraction of requests starting with one [%g]\n"
             "  --n-frac F          fraction of requests asking for several samples [%g]\n"
@@ -168,7 +168,7 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         else if (!strcmp(a, "--output-mean")) bad = tool_parse_f64(v, &c->wo.output_mean) || c->wo.output_mean < 1;
         else if (!strcmp(a, "--output-sigma")) bad = tool_parse_f64(v, &c->wo.output_sigma) || c->wo.output_sigma < 0;
         else if (!strcmp(a, "--max-len")) bad = tool_parse_u32(v, &c->wo.max_len) || c->wo.max_len < 2 || c->wo.max_len > INT32_MAX;
-        else if (!strcmp(a, "--sys-prompts")) bad = tool_parse_u32(v, &c->wo.n_sys);
+        else if (!strcmp(a, "--sys-prompts")) bad = tool_parse_u32(v, &c->wo.n_sys) || c->wo.n_sys > INT32_MAX; /* group ids are int32 */
         else if (!strcmp(a, "--sys-len")) bad = tool_parse_u32(v, &c->wo.sys_len);
         else if (!strcmp(a, "--sys-frac")) bad = tool_parse_f64(v, &c->wo.sys_frac) || c->wo.sys_frac < 0 || c->wo.sys_frac > 1;
         else if (!strcmp(a, "--n-frac")) bad = tool_parse_f64(v, &c->wo.n_frac) || c->wo.n_frac < 0 || c->wo.n_frac > 1;

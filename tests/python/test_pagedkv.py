@@ -673,6 +673,13 @@ class TestCache(Base):
                 lambda: c.truncate(s, -1),
                 lambda: c.commit(s, 2.5),
                 lambda: c.seq_info(-3),
+                # infinities (int() raises OverflowError) and ints where bytes are meant
+                lambda: c.commit(s, float("inf")),
+                lambda: c.seq_info(float("inf")),
+                lambda: c.decode(float("inf"), [s], np.ones((1, 4, 32), np.float32)),
+                lambda: c.seq_create(salt=3),  # bytes(3) would be three zero bytes
+                lambda: c.seq_create(salt=0),  # ... and bytes(0) the default namespace
+                lambda: c.decode(0, [s], np.ones((1, 4, 32), np.float32), out=_misaligned(4 * 32)),
                 # counts past uint32 (a C count would cut them short) and ranges past the
                 # sequence (refused before an output of that many rows is allocated)
                 lambda: c.append(s, np.broadcast_to(np.int32(1), (2**32 + 5,))),
@@ -696,6 +703,33 @@ class TestCache(Base):
             out = c.decode(0, [s], np.ones(128, np.float32), n_q_heads=4)
             self.assertEqual(out.shape, (1, 4, 32))
             np.testing.assert_allclose(out, 1.0, rtol=0, atol=1e-6)
+            # misaligned inputs (contiguous, of the right dtype) are copied to aligned memory
+            # before libpkv reads them: the same results as aligned ones
+            rng = np.random.default_rng(5)
+            k, v, q = (rng.standard_normal(n).astype(np.float32) for n in (4 * 64, 4 * 64, 128))
+            t = c.seq_create()
+            c.write_kv(0, c.append(t, range(4)), k, v)
+            u = c.seq_create()
+            sl = _misaligned(4, np.int32)
+            sl[:] = c.append(u, range(4))
+            ka, va, qa = _misaligned(k.size), _misaligned(v.size), _misaligned(q.size)
+            ka[:], va[:], qa[:] = k, v, q
+            c.write_kv(0, sl, ka, va)
+            seqs = _misaligned(1, np.uint64)
+            seqs[:] = [u]
+            np.testing.assert_array_equal(c.decode(0, seqs, qa, n_q_heads=4), c.decode(0, [t], q, n_q_heads=4))
+        for budget in (float("nan"), None, float("inf")):
+            with self.subTest(budget=budget), self.assertRaises(pkv.PkvError) as e:
+                pkv.Cache(mem_budget_bytes=budget)
+            self.assertEqual(e.exception.code, pkv.EINVAL)
+
+
+def _misaligned(n, dtype=np.float32):
+    """A C-contiguous, writeable array of n elements whose address is one byte off alignment."""
+    size = np.dtype(dtype).itemsize
+    a = np.zeros(n * size + 1, np.uint8)[1:].view(dtype)
+    assert not a.flags.aligned and a.flags.c_contiguous
+    return a
 
 
 if __name__ == "__main__":
