@@ -107,6 +107,12 @@ fn len_u32(n: usize, what: &str) -> Result<u32> {
     u32::try_from(n).map_err(|_| invalid(format!("{}: {} is past u32", what, n)))
 }
 
+/// a * b, or EINVAL where the product is past usize (a length no slice can have).
+fn mul_len(a: usize, b: usize, what: &str) -> Result<usize> {
+    a.checked_mul(b)
+        .ok_or_else(|| invalid(format!("{}: {} x {} elements is past usize", what, a, b)))
+}
+
 fn want_len(have: usize, want: usize, what: &str) -> Result<()> {
     if have == want {
         Ok(())
@@ -330,10 +336,11 @@ pub fn merge(
         return Err(invalid("merge: head_dim 0".into()));
     }
     let rows = lse_a.len();
-    want_len(out_a.len(), rows * head_dim as usize, "merge: out_a")?;
-    want_len(out_b.len(), rows * head_dim as usize, "merge: out_b")?;
+    let n = mul_len(rows, head_dim as usize, "merge")?;
+    want_len(out_a.len(), n, "merge: out_a")?;
+    want_len(out_b.len(), n, "merge: out_b")?;
     want_len(lse_b.len(), rows, "merge: lse_b")?;
-    want_len(out.len(), rows * head_dim as usize, "merge: out")?;
+    want_len(out.len(), n, "merge: out")?;
     let lp = match lse {
         Some(l) => {
             want_len(l.len(), rows, "merge: lse")?;
@@ -604,7 +611,7 @@ impl Cache {
     /// vLLM's dense block tables: ([n_seqs][max_blocks], unused -1; seq_lens).
     pub fn export_dense(&self, seqs: &[Seq], max_blocks: u32) -> Result<(Vec<i32>, Vec<i32>)> {
         let n = len_u32(seqs.len(), "export_dense: seqs")?;
-        let mut tables = vec![0i32; seqs.len() * max_blocks as usize];
+        let mut tables = vec![0i32; mul_len(seqs.len(), max_blocks as usize, "export_dense")?];
         let mut lens = vec![0i32; seqs.len()];
         let rc = unsafe {
             ffi::pkv_export_dense(
@@ -730,7 +737,7 @@ impl Cache {
         } else {
             p.n_q_heads
         } as usize;
-        let n = rows * hq * self.cfg.head_dim as usize;
+        let n = mul_len(mul_len(rows, hq, what)?, self.cfg.head_dim as usize, what)?;
         want_len(q.len(), n, &format!("{}: q", what))?;
         want_len(out.len(), n, &format!("{}: out", what))?;
         let ni = len_u32(items, what)?;
@@ -741,7 +748,7 @@ impl Cache {
         raw.window = p.window;
         raw.flags = if p.bf16_dot { ffi::PKV_ATTN_BF16_DOT } else { 0 };
         if let Some(l) = lse {
-            want_len(l.len(), rows * hq, &format!("{}: lse", what))?;
+            want_len(l.len(), mul_len(rows, hq, what)?, &format!("{}: lse", what))?;
             raw.lse = l.as_mut_ptr();
         }
         check(
@@ -784,7 +791,10 @@ impl Cache {
         p: &AttnParams,
         lse: Option<&mut [f32]>,
     ) -> Result<()> {
-        let total: usize = reqs.iter().map(|r| r.n_q as usize).sum();
+        let total = reqs
+            .iter()
+            .try_fold(0usize, |t, r| t.checked_add(r.n_q as usize))
+            .ok_or_else(|| invalid("prefill: the queries' count is past usize".to_string()))?;
         // AttnReq is laid out as pkv_attn_req (tests/api.rs checks the offsets)
         let rp = reqs.as_ptr() as *const ffi::pkv_attn_req;
         self.attn_call(

@@ -782,6 +782,25 @@ fn statuses_and_length_checks() {
         ),
         merge(32, &q, &[0.0], &short, &[0.0], &mut out, None),
         merge(0, &q, &[0.0], &q, &[0.0], &mut out, None),
+        // rows x heads x head_dim past usize: an error, not a panic (debug) or a wrapped length
+        c.prefill(
+            0,
+            &vec![
+                AttnReq {
+                    seq: y,
+                    q_start: 0,
+                    n_q: u32::MAX,
+                };
+                1025
+            ],
+            &q,
+            &mut out,
+            &AttnParams {
+                n_q_heads: 1 << 31,
+                ..AttnParams::default()
+            },
+            None,
+        ),
     ];
     for (i, r) in refused.into_iter().enumerate() {
         assert_eq!(r.unwrap_err().code(), EINVAL, "case {}", i);
