@@ -750,6 +750,23 @@ func TestStatusesAndLengthChecks(t *testing.T) {
 	if got, err := c.Slots(y, 1, 3); err != nil || len(got) != 3 || got[0] != slots[1] || got[2] != slots[3] {
 		t.Fatal("slots 1..4:", got, err)
 	}
+	// empty slices (not nil) are zero elements, as in C with a buffer: an empty batch is no error
+	for i, err := range []error{
+		c.WriteKV(0, []int32{}, []float32{}, nil),
+		c.WriteKV(0, []int32{}, []float32{}, []float32{}),
+		c.WriteKV16(0, []int32{}, nil, []uint16{}, F16),
+		c.Decode(0, []Seq{}, []float32{}, []float32{}, p, nil),
+	} {
+		if err != nil {
+			t.Fatalf("empty case %d: %v", i, err)
+		}
+	}
+	if got, err := c.Append(y, []int32{}); err != nil || len(got) != 0 {
+		t.Fatal("empty append:", got, err)
+	}
+	if err := c.WriteKV(2, []int32{}, []float32{}, nil); code(err) != EINVAL {
+		t.Fatal("empty write to a layer out of range:", err) // still checked, as C does
+	}
 	must(t, c.Check())
 }
 

@@ -532,7 +532,16 @@ impl Cache {
         let n = len_u32(seqs.len(), "batch_compact: seqs")?;
         let mut moved = 0u32;
         check(
-            unsafe { ffi::pkv_batch_compact(self.p(), Self::seq_ptr(seqs), n, slack, repack as u32 | (cached as u32) << 1, &mut moved) },
+            unsafe {
+                ffi::pkv_batch_compact(
+                    self.p(),
+                    Self::seq_ptr(seqs),
+                    n,
+                    slack,
+                    repack as u32 | (cached as u32) << 1,
+                    &mut moved,
+                )
+            },
             "pkv_batch_compact",
         )?;
         Ok(moved)

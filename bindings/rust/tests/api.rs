@@ -72,7 +72,11 @@ fn reference(
 fn max_err<'a>(pairs: impl Iterator<Item = (&'a f32, &'a f64)>) -> f64 {
     pairs.fold(0f64, |a, (g, w)| {
         let e = (*g as f64 - w).abs();
-        if a.is_nan() || e.is_nan() { f64::NAN } else { a.max(e) }
+        if a.is_nan() || e.is_nan() {
+            f64::NAN
+        } else {
+            a.max(e)
+        }
     })
 }
 
