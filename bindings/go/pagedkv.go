@@ -81,6 +81,14 @@ func wantLen(have, want int, what string) error {
 	return nil
 }
 
+// mulLen is a * b for non-negative lengths, or EINVAL where the product is past int.
+func mulLen(a, b int, what string) (int, error) {
+	if a != 0 && b > math.MaxInt/a {
+		return 0, invalid("%s: %d x %d elements is past int", what, a, b)
+	}
+	return a * b, nil
+}
+
 func u32(n int, what string) (C.uint32_t, error) {
 	if n < 0 || n > math.MaxUint32 {
 		return 0, invalid("%s: %d out of range", what, n)
@@ -664,7 +672,14 @@ func (c *Cache) attnCall(what string, items, rows int, q, out []float32, ap Attn
 	if hq == 0 {
 		hq = int(c.cfg.NKVHeads)
 	}
-	n := rows * hq * int(c.cfg.HeadDim)
+	rowsHq, err := mulLen(rows, hq, what)
+	if err != nil {
+		return err
+	}
+	n, err := mulLen(rowsHq, int(c.cfg.HeadDim), what)
+	if err != nil {
+		return err
+	}
 	if err := wantLen(len(q), n, what+": q"); err != nil {
 		return err
 	}
@@ -681,7 +696,7 @@ func (c *Cache) attnCall(what string, items, rows int, q, out []float32, ap Attn
 		raw.flags = C.PKV_ATTN_BF16_DOT
 	}
 	if lse != nil {
-		if err := wantLen(len(lse), rows*hq, what+": lse"); err != nil {
+		if err := wantLen(len(lse), rowsHq, what+": lse"); err != nil {
 			return err
 		}
 		if len(lse) > 0 {
