@@ -32,13 +32,16 @@ import numpy as np
 __all__ = [
     "Cache", "PkvError", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES",
     "OK", "EINVAL", "ENOMEM", "ENOSPC", "ENOENT", "ELIMIT", "ECORRUPT", "EIO", "ENOTSUP", "EBUSY",
-    "ATTN_BF16_DOT",
+    "ATTN_BF16_DOT", "VALUE_MAX",
 ]
 
 # ---- status codes (pkv.h: values never change once released) -----------------------------
 OK, EINVAL, ENOMEM, ENOSPC, ENOENT, ELIMIT, ECORRUPT, EIO, ENOTSUP, EBUSY = 0, -1, -2, -3, -4, -5, -6, -7, -8, -9
 # pkv_attn_params.flags (pkv.h): what decode's and prefill's bf16_dot=True passes
 ATTN_BF16_DOT = 1
+# PKV_VALUE_MAX (pkv.h): the largest |element| write_kv takes, and the largest |q| x scale the
+# attention calls take (2^56); past it, EINVAL
+VALUE_MAX = float(2 ** 56)
 _CODE_NAMES = {OK: "OK", EINVAL: "EINVAL", ENOMEM: "ENOMEM", ENOSPC: "ENOSPC", ENOENT: "ENOENT",
                ELIMIT: "ELIMIT", ECORRUPT: "ECORRUPT", EIO: "EIO", ENOTSUP: "ENOTSUP", EBUSY: "EBUSY"}
 

@@ -50,6 +50,10 @@ const (
 	EBUSY    = -9
 )
 
+// ValueMax is PKV_VALUE_MAX (pkv.h): the largest |element| WriteKV takes, and the largest
+// |q| x scale the attention calls take (2^56); past it, EINVAL.
+const ValueMax = 1 << 56
+
 var codeNames = map[int]string{EINVAL: "EINVAL", ENOMEM: "ENOMEM", ENOSPC: "ENOSPC", ENOENT: "ENOENT",
 	ELIMIT: "ELIMIT", ECORRUPT: "ECORRUPT", EIO: "EIO", ENOTSUP: "ENOTSUP", EBUSY: "EBUSY"}
 

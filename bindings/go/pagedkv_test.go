@@ -838,3 +838,29 @@ func TestGoroutines(t *testing.T) {
 	}
 	must(t, c.Check())
 }
+
+func TestValueMax(t *testing.T) {
+	// in a pool that holds it (f32): PKV_VALUE_MAX is taken, the next float refused
+	cfg := DefaultConfig()
+	cfg.NKVHeads, cfg.HeadDim, cfg.NBlocks, cfg.NThreads, cfg.KDtype, cfg.VDtype = 1, 32, 4, 1, F32, F32
+	c, err := NewCache(cfg)
+	must(t, err)
+	defer c.Close()
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	slots, err := c.Append(s, []int32{1, 2})
+	must(t, err)
+	big := make([]float32, 2*32)
+	for i := range big {
+		big[i] = 1
+	}
+	big[40] = ValueMax
+	must(t, c.WriteKV(0, slots, big, big))
+	big[40] = math.Nextafter32(ValueMax, float32(math.Inf(1)))
+	if err := c.WriteKV(0, slots, big, nil); code(err) != EINVAL {
+		t.Fatal("past ValueMax:", err)
+	}
+	if k, _, err := c.Gather(s, 0, 0, 2); err != nil || k[40] != ValueMax {
+		t.Fatal("ValueMax not kept:", err)
+	}
+}

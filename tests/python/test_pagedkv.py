@@ -637,6 +637,19 @@ class TestCache(Base):
                 c.write_kv(0, slots, bad, bad)
             np.testing.assert_array_equal(c.gather(y, 0)[0], 1.0)  # nothing written
             c.check()
+        # PKV_VALUE_MAX, in a pool that holds it (f32): the limit is taken, the next float refused
+        with pkv.Cache(n_kv_heads=1, head_dim=32, n_blocks=4, k_dtype="f32", v_dtype="f32", n_threads=1) as c2:
+            s2 = c2.seq_create()
+            sl = c2.append(s2, range(2))
+            big = np.ones((2, 1, 32), np.float32)
+            big[1, 0, 3] = pkv.VALUE_MAX
+            c2.write_kv(0, sl, big, big)
+            self.assertEqual(c2.gather(s2, 0)[0][1, 0, 3], pkv.VALUE_MAX)
+            big[1, 0, 3] = np.nextafter(np.float32(pkv.VALUE_MAX), np.float32(np.inf))
+            with self.assertRaises(pkv.PkvError) as e:
+                c2.write_kv(0, sl, big, big)
+            self.assertEqual(e.exception.code, pkv.EINVAL)
+            self.assertEqual(c2.gather(s2, 0)[1][1, 0, 3], pkv.VALUE_MAX)  # nothing written
         with self.assertRaises(pkv.PkvError) as e:
             c.seq_create()  # closed
         self.assertEqual(e.exception.code, pkv.EINVAL)

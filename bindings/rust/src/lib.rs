@@ -43,6 +43,10 @@ pub const EIO: i32 = -7;
 pub const ENOTSUP: i32 = -8;
 pub const EBUSY: i32 = -9;
 
+/// `PKV_VALUE_MAX` (pkv.h): the largest |element| `write_kv` takes, and the largest |q| x scale
+/// the attention calls take (2^56); past it, `EINVAL`.
+pub const VALUE_MAX: f64 = 72057594037927936.0;
+
 /// A libpkv status other than `PKV_OK` (or `EINVAL` from the binding's own checks), with what
 /// was being done.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -883,3 +883,20 @@ fn decodes_from_several_threads() {
     });
     c.check().unwrap();
 }
+
+#[test]
+fn value_max_is_the_write_limit() {
+    // in a pool that holds it (f32): PKV_VALUE_MAX is taken, the next float refused
+    let mut c = Cache::new(&cfg(1, 32, 4, Dtype::F32)).unwrap();
+    let s = c.seq_create(b"").unwrap();
+    let slots = c.append(s, &[1, 2]).unwrap();
+    let mut big = vec![1f32; 2 * 32];
+    big[40] = VALUE_MAX as f32;
+    c.write_kv(0, &slots, Some(KvData::F32(&big)), Some(KvData::F32(&big)))
+        .unwrap();
+    assert_eq!(c.gather(s, 0, 0, 2).unwrap().0[40] as f64, VALUE_MAX);
+    big[40] = f32::from_bits((VALUE_MAX as f32).to_bits() + 1);
+    let err = c.write_kv(0, &slots, Some(KvData::F32(&big)), None).unwrap_err();
+    assert_eq!(err.code(), EINVAL);
+    assert_eq!(c.gather(s, 0, 0, 2).unwrap().0[40] as f64, VALUE_MAX); // nothing written
+}
