@@ -106,8 +106,10 @@ typedef void (*pkv_log_fn)(void *ctx, int level, const char *msg);
  * and never calls the executor again. Results do not depend on which thread or worker runs
  * which call: they are the same, bit for bit, as with n_workers threads of the cache's own.
  * An attention call whose executor breaks the contract in a way the library sees (a worker
- * index out of range or in use by a running call, calls left out) returns PKV_EINVAL, its
- * output unspecified. Small calls run on the calling thread without the executor. */
+ * index out of range or in use by a running call, or tasks still unrun when parallel_for
+ * returns) returns PKV_EINVAL, its output unspecified. Each call runs tasks until none is
+ * left, so an executor that makes fewer than n calls but at least one still completes the job
+ * (with the same bits); only one that makes none is seen. Small calls run on the calling thread without the executor. */
 typedef void (*pkv_task_fn)(void *job, uint32_t i, uint32_t worker);
 typedef struct pkv_executor {
     void (*parallel_for)(void *ctx, pkv_task_fn fn, void *job, uint32_t n); /* NULL: own threads */
@@ -117,8 +119,8 @@ typedef struct pkv_executor {
 
 /* ---- configuration --------------------------------------------------------------------------- */
 typedef struct pkv_config {
-    uint32_t n_layers;           /* >= 1 */
-    uint32_t n_kv_heads;         /* >= 1 */
+    uint32_t n_layers;           /* 1..4096 */
+    uint32_t n_kv_heads;         /* 1..4096 */
     uint32_t head_dim;           /* 1..1024 (multiple of 32 for q8_0 / q4_0) */
     uint32_t block_tokens;       /* B, token slots per block, 1..1024; default 16 */
     uint32_t n_blocks;           /* pool size in blocks, n_blocks x block_tokens under 2^31 (slots
@@ -128,8 +130,9 @@ typedef struct pkv_config {
                                     past 2^31 - 1 slots gives the pool of that many slots */
     pkv_dtype k_dtype;           /* pool element format of K (default f16) */
     pkv_dtype v_dtype;           /* pool element format of V (default f16) */
-    uint32_t max_seqs;           /* live sequences (pins included) at once; default 256 */
-    uint32_t max_blocks_per_seq; /* block-table capacity; 0 = min(n_blocks, 4096) */
+    uint32_t max_seqs;           /* live sequences (pins included) at once, 1..2^24; default 256 */
+    uint32_t max_blocks_per_seq; /* block-table capacity; 0 = min(n_blocks, 4096); max_seqs x
+                                    max_blocks_per_seq at most 2^34 */
     uint32_t n_threads;          /* attention worker threads incl. the caller, at most 256;
                                     0 = all online cpus (at most 256), or the executor's */
     int enable_prefix_cache;     /* 1 (default): full committed blocks are indexed and reused */
@@ -358,7 +361,9 @@ PKV_API PKV_NODISCARD int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint
 /* ---- prefix cache ---------------------------------------------------------------------------- */
 /* For an empty sequence s and its prompt tokens[0 .. n): attaches the longest run of indexed,
  * committed blocks of s's namespace whose token ids match exactly, plus (token-granular) the
- * matching leading tokens of the next indexed block, copied into a fresh block. Reuses at most
+ * matching leading tokens of the next indexed block, copied into a fresh block (that part needs
+ * a matched block before it: the first block is reused whole or not at all, so a prompt that
+ * shares less than one block with the index reuses nothing). Reuses at most
  * n - 1 tokens (the last prompt token must be computed). On return s has length
  * *n_reused, all committed; append the rest with pkv_seq_append. PKV_EINVAL if s is not empty.
  * With the prefix cache disabled it attaches nothing (*n_reused = 0). */
@@ -448,7 +453,8 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * groups of at most 32 sequences). The result then differs from a
  * read in table order by float rounding only. PKV_ATTN_ORDER=table (or pool, or auto, the
  * default) in the environment at pkv_cache_create fixes the order; another value makes
- * pkv_cache_create fail with PKV_EINVAL. pool reads in pool order wherever the pool-order read
+ * pkv_cache_create fail with PKV_EINVAL (unset or empty means auto, for this variable and the
+ * four PKV_ATTN_* below). pool reads in pool order wherever the pool-order read
  * can take the batch, and in table order where it cannot: more than 16 threads, n_q_heads over
  * 64, or a run of max_seqs in which one group of 32 sequences holds more (sequence, block) pairs
  * than the attention context does (32 x max_blocks_per_seq, at most 2^20): that whole run of

@@ -795,7 +795,24 @@ static void test_api_order_env(void **state) {
     pkv_cache *c = untouched;
     assert_int_equal(pkv_cache_create(&cfg, &c), PKV_EINVAL);
     assert_ptr_equal(c, untouched);
+    /* empty means auto (pkv.h), for each of the five variables; a case or space typo does not */
+    static const char *const vars[] = {"PKV_ATTN_ORDER", "PKV_ATTN_SWEEP", "PKV_ATTN_PASSES", "PKV_ATTN_LEAD",
+                                       "PKV_ATTN_PIECES"};
     unsetenv("PKV_ATTN_ORDER");
+    for (size_t i = 0; i < sizeof vars / sizeof *vars; i++) {
+        setenv(vars[i], "", 1);
+        c = NULL;
+        assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+        pkv_cache_destroy(c);
+        static const char *const typos[] = {"Auto", "auto ", "AUTO"};
+        for (size_t t = 0; t < 3; t++) {
+            setenv(vars[i], typos[t], 1);
+            c = untouched;
+            assert_int_equal(pkv_cache_create(&cfg, &c), PKV_EINVAL);
+            assert_ptr_equal(c, untouched);
+        }
+        unsetenv(vars[i]);
+    }
 }
 
 /* ---- a caller's executor (pkv_config.executor) ----
