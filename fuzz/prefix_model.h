@@ -536,8 +536,8 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     if (bad == 6 && prefill) reqs[n - 1].n_q = pick[n - 1]->len - reqs[n - 1].q_start + 1, want_rc = PKV_EINVAL;
     if (bad == 7 && nq) { /* a query element that is not finite (NaN, +inf or -inf), or whose
                              magnitude times scale (at least 2^-3 here) is past PKV_VALUE_MAX */
-        static const float nonfinite[5] = {NAN, INFINITY, -INFINITY, 1e30f, -0x1p60f};
-        w->aq[pm_below(src, nq * Hq * D)] = nonfinite[pm_byte(src) % 5];
+        static const float refused[5] = {NAN, INFINITY, -INFINITY, 1e30f, -0x1p60f};
+        w->aq[pm_below(src, nq * Hq * D)] = refused[pm_byte(src) % 5];
         want_rc = PKV_EINVAL;
     }
     if (bad == 8) ap.flags = 2u, want_rc = PKV_EINVAL; /* a flag pkv.h does not define */

@@ -109,7 +109,8 @@ typedef void (*pkv_log_fn)(void *ctx, int level, const char *msg);
  * index out of range or in use by a running call, or tasks still unrun when parallel_for
  * returns) returns PKV_EINVAL, its output unspecified. Each call runs tasks until none is
  * left, so an executor that makes fewer than n calls but at least one still completes the job
- * (with the same bits); only one that makes none is seen. Small calls run on the calling thread without the executor. */
+ * (with the same bits); only one that makes none is seen. Small calls run on the calling
+ * thread without the executor. */
 typedef void (*pkv_task_fn)(void *job, uint32_t i, uint32_t worker);
 typedef struct pkv_executor {
     void (*parallel_for)(void *ctx, pkv_task_fn fn, void *job, uint32_t n); /* NULL: own threads */
@@ -446,8 +447,9 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * out and p->lse is PKV_EINVAL, and so is a q element that is not finite or whose magnitude
  * times the scale is over PKV_VALUE_MAX. K/V of every visible position must have been written
  * for this layer (pkv_write_kv keeps them within PKV_VALUE_MAX; values put in the pool around
- * it past that make the rows that see them unspecified, and different between backends). A sequence may appear more than once (each entry its own query and output), and
- * n_seqs may pass max_seqs (the batch then runs in groups of max_seqs). A batch whose block
+ * it past that make the rows that see them unspecified, and different between backends). A
+ * sequence may appear more than once (each entry its own query and output), and n_seqs may
+ * pass max_seqs (the batch then runs in groups of max_seqs). A batch whose block
  * tables jump is read in pool order: every block of the batch once, in ascending block id,
  * whichever sequences hold it, with one running softmax per sequence merged at the end (in
  * groups of at most 32 sequences). The result then differs from a

@@ -222,24 +222,23 @@ def dtype_row_bytes(dtype, head_dim):
     return int(_lib.pkv_dtype_row_bytes(_dtype_code(dtype, "dtype_row_bytes"), _u32_of(head_dim, "head_dim")))
 
 
-def _u32_of(x, what):
+def _uint_of(x, what, bits):
+    """x as an int in [0, 2^bits), else PkvError(EINVAL) (a float must be integral)."""
     try:
         v = int(x)
     except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
         raise _invalid("%s must be an integer" % what) from None
-    if v != x or not 0 <= v <= 0xFFFFFFFF:
+    if v != x or not 0 <= v < 1 << bits:
         raise _invalid("%s out of range: %r" % (what, x))
     return v
 
 
+def _u32_of(x, what):
+    return _uint_of(x, what, 32)
+
+
 def _seq_of(s, what="sequence"):
-    try:
-        v = int(s)
-    except (TypeError, ValueError, OverflowError):
-        raise _invalid("%s id must be an integer" % what) from None
-    if v != s or not 0 <= v < 1 << 64:
-        raise _invalid("%s id out of range: %r" % (what, s))
-    return v
+    return _uint_of(s, what + " id", 64)
 
 
 def _f32_array(x, what, size=None):
@@ -316,13 +315,7 @@ class Cache:
             if k in self._INT_FIELDS:
                 setattr(cfg, k, _u32_of(v, k))
             elif k == "mem_budget_bytes":
-                try:
-                    b = int(v)
-                except (TypeError, ValueError, OverflowError):
-                    raise _invalid("mem_budget_bytes must be an integer") from None
-                if b != v or not 0 <= b < 1 << 64:
-                    raise _invalid("mem_budget_bytes out of range: %r" % (v,))
-                cfg.mem_budget_bytes = b
+                cfg.mem_budget_bytes = _uint_of(v, k, 64)
             elif k in ("k_dtype", "v_dtype"):
                 setattr(cfg, k, _dtype_code(v, k))
             elif k in ("enable_prefix_cache", "huge_pages"):

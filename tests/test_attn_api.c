@@ -618,6 +618,9 @@ static void test_api_merge_values(void **state) {
     TU_NEAR(l2[0], logf(2), 1e-7);
 }
 
+/* Every backend name PKV_ATTN_BACKEND takes (those this machine lacks give PKV_ENOTSUP). */
+static const char *const g_backends[] = {"ref", "avx2", "avx512", "avx512-vnni", "neon", "neon-dotprod"};
+
 /* PKV_ATTN_BACKEND=name picks the backend by name (each one this CPU has decodes as the oracle
  * says), a name this CPU or build lacks makes pkv_cache_create fail with PKV_ENOTSUP and change
  * nothing (ASan checks that it leaks nothing), and PKV_FORCE_REF=1 wins over it. */
@@ -630,11 +633,10 @@ static void test_api_backend_env(void **state) {
     strncpy(detected, pkv_attn_backend(c), sizeof detected - 1);
     detected[sizeof detected - 1] = 0;
     pkv_cache_destroy(c);
-    static const char *const names[] = {"ref", "avx2", "avx512", "avx512-vnni", "neon", "neon-dotprod"};
     pkv_config cfg = api_config(PKV_DTYPE_F16, 2, 0);
     int n_ok = 0, saw_detected = 0;
-    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
-        setenv("PKV_ATTN_BACKEND", names[i], 1);
+    for (size_t i = 0; i < sizeof g_backends / sizeof *g_backends; i++) {
+        setenv("PKV_ATTN_BACKEND", g_backends[i], 1);
         c = NULL;
         const int rc = pkv_cache_create(&cfg, &c);
         if (rc == PKV_ENOTSUP) {
@@ -642,8 +644,8 @@ static void test_api_backend_env(void **state) {
             continue;
         }
         assert_int_equal(rc, PKV_OK);
-        assert_string_equal(pkv_attn_backend(c), names[i]);
-        n_ok++, saw_detected |= !strcmp(names[i], detected);
+        assert_string_equal(pkv_attn_backend(c), g_backends[i]);
+        n_ok++, saw_detected |= !strcmp(g_backends[i], detected);
         static host_seq s;
         s.len = 0;
         assert_int_equal(pkv_seq_create(c, NULL, 0, &s.id), PKV_OK);
@@ -678,14 +680,13 @@ static void test_api_backend_env(void **state) {
 static void test_api_value_max(void **state) {
     (void)state;
     enum { N = 40, HOT = 7 };
-    static const char *const names[] = {"ref", "avx2", "avx512", "avx512-vnni", "neon", "neon-dotprod"};
     static const pkv_dtype dts[] = {PKV_DTYPE_F32, PKV_DTYPE_BF16};
     const float big = 0x1p56f;
     assert_true((double)big == PKV_VALUE_MAX);
     int ran = 0;
-    for (size_t bi = 0; bi < sizeof names / sizeof *names; bi++)
+    for (size_t bi = 0; bi < sizeof g_backends / sizeof *g_backends; bi++)
         for (size_t di = 0; di < 2; di++) {
-            setenv("PKV_ATTN_BACKEND", names[bi], 1);
+            setenv("PKV_ATTN_BACKEND", g_backends[bi], 1);
             pkv_config cfg = api_config(dts[di], 2, 0);
             pkv_cache *c = NULL;
             const int rc = pkv_cache_create(&cfg, &c);
@@ -715,12 +716,12 @@ static void test_api_value_max(void **state) {
                     assert_int_equal(pkv_attn_decode(c, 1, &sq, 1, q, out, &p), PKV_OK);
                     for (int i = 0; i < NQH * D; i++)
                         if (!(fabs((double)out[i] - big) <= 1e-6 * big))
-                            fail_msg("%s, %s pool, %s, flags %u: out[%d] = %g, want 2^56", names[bi],
+                            fail_msg("%s, %s pool, %s, flags %u: out[%d] = %g, want 2^56", g_backends[bi],
                                      pkv_dtype_name(dts[di]), sums ? "sums" : "scores", flags, i, (double)out[i]);
                     const double want_lse = sums ? log((double)N) : 0x1p118;
                     for (int i = 0; i < NQH; i++)
                         if (!(fabs((double)lse[i] - want_lse) <= 1e-6 * want_lse))
-                            fail_msg("%s, %s pool, %s, flags %u: lse[%d] = %g, want %g", names[bi],
+                            fail_msg("%s, %s pool, %s, flags %u: lse[%d] = %g, want %g", g_backends[bi],
                                      pkv_dtype_name(dts[di]), sums ? "sums" : "scores", flags, i, (double)lse[i],
                                      want_lse);
                     ran++;

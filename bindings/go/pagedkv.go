@@ -284,57 +284,27 @@ func (c *Cache) BF16DotUsed() bool {
 
 func (c *Cache) kvElems(n int) int { return n * int(c.cfg.NKVHeads) * int(c.cfg.HeadDim) }
 
-// The pointers handed to C: NULL for a nil slice, the first element's address otherwise, and
-// for an empty slice that is not nil the address of a dummy that C never reads or writes (a
-// count of 0 comes with it). So an empty slice means "no elements" as it does in C, Rust and
-// Python (libpkv refuses a NULL where a buffer is required, even for 0 elements), and nil
-// means "none given".
-var (
-	emptyI32 [1]int32
-	emptyF32 [1]float32
-	emptySeq [1]Seq
-	emptyU16 [1]uint16
-)
+// emptyBuf is what an empty slice that is not nil points C at: never read or written (a count
+// of 0 comes with it), 8-byte aligned for every element type here.
+var emptyBuf uint64
 
-func i32p(s []int32) *C.int32_t {
+// slicePtr is the pointer handed to C for s: NULL for a nil slice, the first element's address
+// otherwise, and emptyBuf's for an empty slice that is not nil. So an empty slice means "no
+// elements" as it does in C, Rust and Python (libpkv refuses a NULL where a buffer is required,
+// even for 0 elements), and nil means "none given".
+func slicePtr[T any](s []T) unsafe.Pointer {
 	if s == nil {
 		return nil
 	}
 	if len(s) == 0 {
-		return (*C.int32_t)(unsafe.Pointer(&emptyI32[0]))
-	}
-	return (*C.int32_t)(unsafe.Pointer(&s[0]))
-}
-
-func f32p(s []float32) *C.float {
-	if s == nil {
-		return nil
-	}
-	if len(s) == 0 {
-		return (*C.float)(unsafe.Pointer(&emptyF32[0]))
-	}
-	return (*C.float)(unsafe.Pointer(&s[0]))
-}
-
-func u16p(s []uint16) unsafe.Pointer {
-	if s == nil {
-		return nil
-	}
-	if len(s) == 0 {
-		return unsafe.Pointer(&emptyU16[0])
+		return unsafe.Pointer(&emptyBuf)
 	}
 	return unsafe.Pointer(&s[0])
 }
 
-func seqp(s []Seq) *C.pkv_seq {
-	if s == nil {
-		return nil
-	}
-	if len(s) == 0 {
-		return (*C.pkv_seq)(unsafe.Pointer(&emptySeq[0]))
-	}
-	return (*C.pkv_seq)(unsafe.Pointer(&s[0]))
-}
+func i32p(s []int32) *C.int32_t { return (*C.int32_t)(slicePtr(s)) }
+func f32p(s []float32) *C.float { return (*C.float)(slicePtr(s)) }
+func seqp(s []Seq) *C.pkv_seq   { return (*C.pkv_seq)(slicePtr(s)) }
 
 // Reset releases every sequence and pin and empties the prefix index.
 func (c *Cache) Reset() error {
@@ -405,7 +375,7 @@ func (c *Cache) WriteKV16(layer uint32, slots []int32, k, v []uint16, dt Dtype) 
 	if dt != F16 && dt != BF16 {
 		return invalid("WriteKV16: dtype %s, not f16 or bf16", dt.Name())
 	}
-	return c.writeKV(layer, slots, u16p(k), u16p(v), len(k), len(v), dt, k != nil, v != nil)
+	return c.writeKV(layer, slots, slicePtr(k), slicePtr(v), len(k), len(v), dt, k != nil, v != nil)
 }
 
 // op runs f under the write lock (write: a call that changes sequences or K/V) or the read lock

@@ -55,12 +55,13 @@ bool pkv__input_fits(pkv_dtype in, const void *src, size_t n, pkv_dtype pool) {
     case PKV_DTYPE_F32: {
         /* the first magnitude refused: past PKV_VALUE_MAX (2^56), or (f16) one that rounds to
            nearest even to infinity; NaN and infinity are past both */
-        const uint32_t lim = pool == PKV_DTYPE_F16 ? 0x477ff000u /* 65520 */ : 0x5b800001u /* 2^56 + ulp */;
+        const uint32_t lim = pool == PKV_DTYPE_F16 ? 0x477ff000u /* 65520 */ : PKV__VALUE_MAX_BITS + 1;
         return pkv__max_abs_bits(in, src, n) < lim;
     }
     case PKV_DTYPE_F16: return pkv__max_abs_bits(in, src, n) < 0x7c00u; /* every finite f16 fits every pool */
     case PKV_DTYPE_BF16:
-        return pkv__max_abs_bits(in, src, n) < (pool == PKV_DTYPE_F16 ? 0x4780u /* 65536 */ : 0x5b81u);
+        return pkv__max_abs_bits(in, src, n) < (pool == PKV_DTYPE_F16 ? 0x4780u /* 65536 */
+                                                                     : (PKV__VALUE_MAX_BITS >> 16) + 1);
     default: pkv_assert(!"input dtype must be f32, f16 or bf16");
     }
     return false;

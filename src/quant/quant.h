@@ -120,6 +120,9 @@ void pkv__to_f32(pkv_dtype in, const void *src, uint32_t n, float *dst);
  * infinity when stored as pool (f16: |x| >= 65520). One pass of integer max over the elements'
  * magnitude bits (pkv__max_abs_bits: AVX2 where the CPU has it). */
 bool pkv__input_fits(pkv_dtype in, const void *src, size_t n, pkv_dtype pool);
+/* PKV_VALUE_MAX (2^56) as f32 bits; its bf16 code is the top half (test_write_range checks
+ * both against the header's value). */
+#define PKV__VALUE_MAX_BITS 0x5b800000u
 
 /* ---- scalar conversions (exact IEEE semantics, round to nearest even) ---- */
 static inline uint32_t pkv__f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }

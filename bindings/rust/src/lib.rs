@@ -750,7 +750,8 @@ impl Cache {
         } else {
             p.n_q_heads
         } as usize;
-        let n = mul_len(mul_len(rows, hq, what)?, self.cfg.head_dim as usize, what)?;
+        let rows_hq = mul_len(rows, hq, what)?;
+        let n = mul_len(rows_hq, self.cfg.head_dim as usize, what)?;
         want_len(q.len(), n, &format!("{}: q", what))?;
         want_len(out.len(), n, &format!("{}: out", what))?;
         let ni = len_u32(items, what)?;
@@ -761,7 +762,7 @@ impl Cache {
         raw.window = p.window;
         raw.flags = if p.bf16_dot { ffi::PKV_ATTN_BF16_DOT } else { 0 };
         if let Some(l) = lse {
-            want_len(l.len(), mul_len(rows, hq, what)?, &format!("{}: lse", what))?;
+            want_len(l.len(), rows_hq, &format!("{}: lse", what))?;
             raw.lse = l.as_mut_ptr();
         }
         check(
