@@ -73,7 +73,7 @@ typedef struct pm_world {
     /* what the model predicts of the stats */
     uint64_t lookups, tokens_hit, tokens_queried;
     /* coverage, so a test can insist the workload did exercise reuse */
-    uint64_t n_steps, n_matches, n_full_block_hits, n_partial_hits, n_enospc, n_forks, n_pins, n_truncs;
+    uint64_t n_steps, n_matches, n_full_block_hits, n_partial_hits, n_root_hits, n_enospc, n_forks, n_pins, n_truncs;
     uint64_t n_compact_moved; /* blocks pkv_seq_compact moved */
     /* attention calls checked, their queries, bad calls, calls with out == q */
     uint64_t n_attn, n_attn_queries, n_attn_bad, n_attn_in_place;
@@ -630,6 +630,7 @@ static inline int pm_op_match(pm_world *w, pm_src *src) {
         w->n_matches++;
         if (reused >= w->B) w->n_full_block_hits++;
         if (reused % w->B) w->n_partial_hits++;
+        if (reused && reused < w->B) w->n_root_hits++; /* token-granular within block 0 */
         if (reused % w->B && !(reused == n - 1 && n % w->B == 0)) {
             /* the token-granular copy lives in a fresh, unshared block (unless the whole prompt
                matched: then the tail is the attached indexed block, length n - 1) */

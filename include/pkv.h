@@ -362,12 +362,14 @@ PKV_API PKV_NODISCARD int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint
 /* ---- prefix cache ---------------------------------------------------------------------------- */
 /* For an empty sequence s and its prompt tokens[0 .. n): attaches the longest run of indexed,
  * committed blocks of s's namespace whose token ids match exactly, plus (token-granular) the
- * matching leading tokens of the next indexed block, copied into a fresh block (that part needs
- * a matched block before it: the first block is reused whole or not at all, so a prompt that
- * shares less than one block with the index reuses nothing). Reuses at most
- * n - 1 tokens (the last prompt token must be computed). On return s has length
- * *n_reused, all committed; append the rest with pkv_seq_append. PKV_EINVAL if s is not empty.
- * With the prefix cache disabled it attaches nothing (*n_reused = 0). */
+ * matching leading tokens of the next block, copied into a fresh block: among the indexed
+ * blocks and committed partial tail blocks that follow the last matched block (with none
+ * matched, the first blocks of s's namespace that begin with tokens[0]), the one sharing the
+ * most, of the 64 most recently indexed or registered (best effort; full blocks are always
+ * found). Reuses at most n - 1 tokens (the last prompt token must be computed). On return s
+ * has length *n_reused, all committed; append the rest with pkv_seq_append. PKV_EINVAL if s is
+ * not empty. With the prefix cache disabled it attaches nothing (*n_reused = 0). No block free
+ * or evictable for the copy: the copy is skipped, not an error. */
 PKV_API PKV_NODISCARD int pkv_seq_match_prefix(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
                                                uint32_t *n_reused);
 

@@ -102,8 +102,8 @@ static void test_prefix_same_prompt_token_granular(void **state) {
 }
 
 /* The prompt diverges inside block 2 (position 40): blocks 0-1 are attached, and the 8 matching
- * leading tokens of the indexed block 2 are copied. Divergence inside block 0: no reuse (partial
- * matching needs one full matched block). */
+ * leading tokens of the indexed block 2 are copied. Divergence inside block 0 (position 5): the
+ * 5 leading tokens of the indexed root are copied (found on its root list). */
 static void test_prefix_diverge_inside_block(void **state) {
     (void)state;
     pkv_cache *c = tp_cache(16, 64, 2, PKV_DTYPE_F32, 1);
@@ -136,8 +136,22 @@ static void test_prefix_diverge_inside_block(void **state) {
     q[5] = 5000;
     pkv_seq d = tp_seq(c, 1);
     assert_int_equal(pkv_seq_match_prefix(c, d, q, 64, &reused), 0);
+    assert_int_equal(reused, 5);
+    tp_expect_info(c, d, 5, 5);
+    int32_t td[4];
+    assert_int_equal(tp_table(c, d, td, 4), 1);
+    assert_int_not_equal(td[0], ta[0]); /* a copy: d's block 0 is its own */
+    tp_expect_same(c, a, d, 0, 5);
+    tp_check(c);
+    /* d computes its own tokens from position 5 on; a's root is untouched */
+    tp_compute(c, d, 1, q, 5, 59);
+    tp_commit(c, d, 64);
+    tp_expect_kv(c, d, 1, q, 0, 64);
+    tp_expect_kv(c, a, 1, p, 0, 64);
+    /* the same divergence in another namespace reuses nothing */
+    pkv_seq e = tp_seq(c, 2);
+    assert_int_equal(pkv_seq_match_prefix(c, e, q, 64, &reused), 0);
     assert_int_equal(reused, 0);
-    tp_expect_info(c, d, 0, 0);
     tp_check(c);
     pkv_cache_destroy(c);
 }
@@ -345,6 +359,17 @@ static void test_prefix_exchange_one_chain(void **state) {
             assert_int_equal(pkv_seq_match_prefix(c, m, prompts[i], 9, &reused), 0);
             assert_int_equal(reused, 8);
             tp_expect_kv(c, m, 1, prompts[i], 0, 8);
+            /* and their roots still on the root list (all on one under the test switch): a
+               prompt that leaves each inside block 0 reuses its 2 leading tokens */
+            int32_t q[9];
+            memcpy(q, prompts[i], sizeof q);
+            q[2] = -5;
+            pkv_seq m2 = tp_seq(c, 1);
+            assert_int_equal(pkv_seq_match_prefix(c, m2, q, 9, &reused), 0);
+            assert_int_equal(reused, 2);
+            tp_expect_kv(c, m2, 1, q, 0, 2);
+            tp_check(c);
+            assert_int_equal(pkv_seq_release(c, m2), 0);
         }
         tp_check(c);
         pkv_cache_destroy(c);
@@ -385,12 +410,14 @@ static void test_prefix_forced_hash_collision(void **state) {
     assert_int_equal(tp_table(c, b, tb, 3), 2);
     assert_int_equal(tb[0], ta[0]);
     assert_int_not_equal(tb[1], ta[1]);
-    /* differs in the last token of block 0: nothing */
+    /* differs in the last token of block 0: its 15 leading tokens, from the one root of the two
+       (on the one root list) that shares them */
     memcpy(q, p, sizeof q);
     q[15] = 7777;
     pkv_seq d = tp_seq(c, 1);
     assert_int_equal(pkv_seq_match_prefix(c, d, q, 49, &reused), 0);
-    assert_int_equal(reused, 0);
+    assert_int_equal(reused, 15);
+    tp_expect_same(c, a, d, 0, 15);
     /* block 1 of the other chain under block 0 of this one: parent must match too */
     memcpy(q, p, sizeof q);
     memcpy(q + 16, o + 16, 16 * sizeof(int32_t));
@@ -411,6 +438,85 @@ static void test_prefix_forced_hash_collision(void **state) {
     assert_int_equal(pkv_seq_match_prefix(c, g2, o, 49, &reused), 0);
     assert_int_equal(reused, 48);
     tp_expect_kv(c, g2, 1, o, 0, 48);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* Token-granular matching inside block 0: a prompt sharing less than one block with the index
+ * reuses the committed leading tokens of a root of its namespace, an indexed one or the partial
+ * first block of a running sequence, and no more than is committed. */
+static void test_prefix_root_partial(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(16, 16, 2, PKV_DTYPE_F16, 1);
+    int32_t p[16], q[16];
+    tp_tokens(p, 16, 61);
+    pkv_seq a = tp_seq(c, 1);
+    tp_compute(c, a, 1, p, 0, 10);
+    uint32_t reused = 99;
+    /* nothing committed yet: nothing to reuse */
+    pkv_seq b = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, b, p, 12, &reused), 0);
+    assert_int_equal(reused, 0);
+    assert_int_equal(pkv_seq_release(c, b), 0);
+    /* 6 committed: a prompt sharing 8 tokens reuses those 6, in a block of its own */
+    tp_commit(c, a, 6);
+    memcpy(q, p, sizeof q);
+    q[8] = -1;
+    b = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, b, q, 12, &reused), 0);
+    assert_int_equal(reused, 6);
+    tp_expect_info(c, b, 6, 6);
+    int32_t ta[1], tb[1];
+    tp_table(c, a, ta, 1);
+    assert_int_equal(tp_table(c, b, tb, 1), 1);
+    assert_int_not_equal(ta[0], tb[0]);
+    tp_expect_kv(c, b, 1, q, 0, 6);
+    tp_check(c);
+    /* all 10 committed: a 12-token prompt sharing them reuses 10; a 2-token one its first */
+    tp_commit(c, a, 10);
+    pkv_seq d = tp_seq(c, 1), e = tp_seq(c, 1), f = tp_seq(c, 2);
+    memcpy(q, p, sizeof q);
+    q[10] = -2;
+    assert_int_equal(pkv_seq_match_prefix(c, d, q, 12, &reused), 0);
+    assert_int_equal(reused, 10);
+    tp_expect_kv(c, d, 1, q, 0, 10);
+    assert_int_equal(pkv_seq_match_prefix(c, e, p, 2, &reused), 0);
+    assert_int_equal(reused, 1);
+    tp_expect_kv(c, e, 1, p, 0, 1);
+    /* another namespace sees none of it */
+    assert_int_equal(pkv_seq_match_prefix(c, f, q, 12, &reused), 0);
+    assert_int_equal(reused, 0);
+    tp_check(c);
+    /* a truncated to nothing leaves the root list; d's copy (10 tokens) is found instead */
+    assert_int_equal(pkv_seq_truncate(c, a, 0), 0);
+    tp_check(c);
+    pkv_seq g = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, g, p, 16, &reused), 0);
+    assert_int_equal(reused, 10);
+    tp_expect_kv(c, g, 1, p, 0, 10);
+    /* d computes on to a full indexed root; a prompt leaving it at position 13 reuses 13 */
+    tp_compute(c, d, 1, q, 10, 6);
+    tp_commit(c, d, 16);
+    assert_int_equal(pkv_seq_release(c, d), 0); /* d's root: CACHED, still on its list */
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_int_equal(st.n_cached, 1);
+    int32_t r[16];
+    memcpy(r, q, sizeof r);
+    r[13] = -3;
+    pkv_seq h = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, h, r, 16, &reused), 0);
+    assert_int_equal(reused, 13);
+    tp_expect_kv(c, h, 1, r, 0, 13);
+    tp_check(c);
+    /* every sequence gone: only the indexed root is left to match */
+    const pkv_seq all[] = {a, b, e, f, g, h};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) assert_int_equal(pkv_seq_release(c, all[i]), 0);
+    tp_check(c);
+    pkv_seq z = tp_seq(c, 1);
+    assert_int_equal(pkv_seq_match_prefix(c, z, p, 16, &reused), 0);
+    assert_int_equal(reused, 10);
+    tp_expect_kv(c, z, 1, p, 0, 10);
     tp_check(c);
     pkv_cache_destroy(c);
 }
@@ -799,6 +905,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_salt_isolation),
         cmocka_unit_test(test_prefix_forced_hash_collision),
         cmocka_unit_test(test_prefix_exchange_one_chain),
+        cmocka_unit_test(test_prefix_root_partial),
         cmocka_unit_test(test_prefix_uncommitted_not_matched),
         cmocka_unit_test(test_prefix_truncate_keeps_reused_blocks),
         cmocka_unit_test(test_prefix_reused_count_follows_truncate),

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 
 typedef struct totals {
-    uint64_t matches, full_hits, partial_hits, evictions, cow, enospc, forks, pins, truncs, tokens_hit, compact_moved;
+    uint64_t matches, full_hits, partial_hits, root_hits, evictions, cow, enospc, forks, pins, truncs, tokens_hit, compact_moved;
     uint64_t attn, attn_queries, attn_bad, attn_pool, attn_in_place;
 } totals;
 
@@ -33,6 +33,7 @@ static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, i
     t->matches += w->n_matches;
     t->full_hits += w->n_full_block_hits;
     t->partial_hits += w->n_partial_hits;
+    t->root_hits += w->n_root_hits;
     t->evictions += st.evictions;
     t->cow += st.cow_copies;
     t->enospc += w->n_enospc;
@@ -55,14 +56,16 @@ static void test_prefix_random_b4(void **state) {
     (void)state;
     totals t = {0};
     for (uint64_t seed = 1; seed <= 6; seed++) run_world(0x00, (uint32_t)(seed * 7), 0, seed, 1500, &t);
-    print_message("B=4: matches %llu full-block hits %llu partial hits %llu evictions %llu cow %llu enospc %llu "
-                  "attention calls %llu (%llu queries) bad %llu\n",
+    print_message("B=4: matches %llu full-block hits %llu partial hits %llu (in block 0 %llu) evictions %llu cow %llu "
+                  "enospc %llu attention calls %llu (%llu queries) bad %llu\n",
                   (unsigned long long)t.matches, (unsigned long long)t.full_hits, (unsigned long long)t.partial_hits,
+                  (unsigned long long)t.root_hits,
                   (unsigned long long)t.evictions, (unsigned long long)t.cow, (unsigned long long)t.enospc,
                   (unsigned long long)t.attn, (unsigned long long)t.attn_queries, (unsigned long long)t.attn_bad);
     /* the workload must really exercise what it checks, or it proves nothing */
     assert_true(t.full_hits > 0);
     assert_true(t.partial_hits > 0);
+    assert_true(t.root_hits > 0);
     assert_true(t.evictions > 0);
     assert_true(t.cow > 0);
     assert_true(t.forks > 0 && t.pins > 0 && t.truncs > 0 && t.compact_moved > 0);

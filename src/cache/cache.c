@@ -175,6 +175,7 @@ static uint32_t pow2_at_least(uint64_t n) {
     X(seqs, sizeof(pkv__seq) * (size_t)c->max_seqs)                                                    \
     X(tables, sizeof(int32_t) * (size_t)c->max_seqs * c->max_bps)                                      \
     X(buckets, sizeof(uint32_t) * ((size_t)c->bucket_mask + 1))                                        \
+    X(roots, sizeof(uint32_t) * ((size_t)c->bucket_mask + 1))                                          \
     X(fp_seen, sizeof(uint64_t) * ((size_t)c->fp_mask + 1))                                            \
     X(fp_content, sizeof(uint64_t) * ((size_t)c->fp_mask + 1))                                         \
     X(chk_ref, sizeof(uint32_t) * (size_t)c->n_blocks)                                                 \
@@ -666,6 +667,7 @@ static void exchange_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
     /* the blocks whose links may name x or y, children aside: the two, their queue and tree
        neighbours and their hash chains' predecessors */
     uint32_t linked[16], n = 0, heads[2] = {PKV_NONE, PKV_NONE};
+    uint32_t *root_heads[2] = {NULL, NULL}; /* the root list heads among them */
     const uint32_t xy[2] = {x, y};
     for (int i = 0; i < 2; i++) {
         const pkv__blk *k = &c->blk[xy[i]];
@@ -673,6 +675,8 @@ static void exchange_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
         add_linked(linked, &n, xy[i]);
         add_linked(linked, &n, k->qprev), add_linked(linked, &n, k->qnext);
         add_linked(linked, &n, k->parent), add_linked(linked, &n, k->sib_prev), add_linked(linked, &n, k->sib_next);
+        if ((k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) && k->parent == PKV_NONE && k->sib_prev == PKV_NONE)
+            root_heads[i] = pkv__tree_head(c, xy[i]);
         if (k->flags & PKV_BLKF_INDEXED) {
             heads[i] = (uint32_t)(k->hash & c->bucket_mask);
             for (uint32_t b = c->buckets[heads[i]]; b != xy[i]; b = c->blk[b].hnext) {
@@ -696,6 +700,8 @@ static void exchange_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
     p->lru_head = renamed(p->lru_head, x, y), p->lru_tail = renamed(p->lru_tail, x, y);
     if (heads[0] != PKV_NONE) c->buckets[heads[0]] = renamed(c->buckets[heads[0]], x, y);
     if (heads[1] != PKV_NONE && heads[1] != heads[0]) c->buckets[heads[1]] = renamed(c->buckets[heads[1]], x, y);
+    if (root_heads[0]) *root_heads[0] = renamed(*root_heads[0], x, y);
+    if (root_heads[1] && root_heads[1] != root_heads[0]) *root_heads[1] = renamed(*root_heads[1], x, y);
     swap_content(c, x, y);
 }
 

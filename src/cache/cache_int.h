@@ -44,6 +44,7 @@ struct pkv_cache {
 
     /* prefix index */
     uint32_t *buckets; /* [bucket_mask + 1] first block of each hash chain */
+    uint32_t *roots;   /* [bucket_mask + 1] first block of each root list (prefix.c) */
     uint32_t bucket_mask;
     uint64_t n_indexed;
     uint64_t *fp_seen, *fp_content; /* [fp_mask + 1] fingerprints for miss reasons */
@@ -58,6 +59,7 @@ struct pkv_cache {
     /* checker scratch */
     uint32_t *chk_ref; /* [n_blocks] */
     uint32_t *chk_pos; /* [n_blocks] */
+    uint64_t chk_roots; /* root list entries check_index_chains walked */
 
     pkv__attn *attn;
     pkv__attn_item *items; /* [max_seqs] */
@@ -88,7 +90,12 @@ void pkv__copy_block(pkv_cache *c, uint32_t dst, uint32_t src, uint32_t n);
 void pkv__index_reset(pkv_cache *c);
 /* Un-indexes a CACHED block about to be reused (eviction). */
 void pkv__index_evict(pkv_cache *c, uint32_t b);
-/* Unlinks a PARTIAL block from its parent. */
+/* The root list of a namespace and first token id: c->roots[pkv__root_slot(...)]. */
+uint32_t pkv__root_slot(const pkv_cache *c, uint64_t ns_lo, uint64_t ns_hi, int32_t tok0);
+/* The slot naming b when it heads its list (its parent's child field, or its root list's head);
+ * b INDEXED or PARTIAL. */
+uint32_t *pkv__tree_head(pkv_cache *c, uint32_t b);
+/* Unlinks a PARTIAL block from its parent's child list (or its root list). */
 void pkv__partial_unlink(pkv_cache *c, uint32_t b);
 /* Compaction's move of an indexed or partial block: every index link to src (its place in the
  * hash chain and its parent's child list, its children's parent) now names dst, and src keeps

@@ -147,12 +147,28 @@ static int check_index_chains(pkv_cache *c, report *r) {
                     (unsigned long long)(c->blk[b].hash & c->bucket_mask));
             REQUIRE(++n <= c->n_blocks, "index buckets: more entries than blocks (cycle?)");
         }
+    /* the root lists: every entry an INDEXED or PARTIAL block without a parent, on the list its
+       namespace and first token name, its back link the entry before it; and as many entries as
+       such blocks (check_blocks counts them), so each is on its list exactly once */
+    n = 0;
+    for (uint32_t i = 0; i <= c->bucket_mask; i++)
+        for (uint32_t b = c->roots[i], before = PKV_NONE; b != PKV_NONE; before = b, b = c->blk[b].sib_next) {
+            REQUIRE(b < c->n_blocks, "root list %u: block id %u out of range", i, b);
+            const pkv__blk *k = &c->blk[b];
+            REQUIRE((k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) && k->parent == PKV_NONE,
+                    "root list %u: block %u is not a root of the index", i, b);
+            REQUIRE(pkv__root_slot(c, k->ns_lo, k->ns_hi, c->tokens[(size_t)b * c->B]) == i,
+                    "root list %u: block %u belongs on another list", i, b);
+            REQUIRE(k->sib_prev == before, "root list %u: block %u links back to %u, not %u", i, b, k->sib_prev, before);
+            REQUIRE(++n <= c->n_blocks, "root lists: more entries than blocks (cycle?)");
+        }
+    c->chk_roots = n;
     return PKV_OK;
 }
 
 static int check_blocks(pkv_cache *c, report *r) {
     uint32_t n_free = 0, n_cached = 0, n_active = 0;
-    uint64_t slots = 0, n_indexed = 0;
+    uint64_t slots = 0, n_indexed = 0, n_roots = 0;
     for (uint32_t b = 0; b < c->n_blocks; b++) {
         const pkv__blk *k = &c->blk[b];
         REQUIRE(k->ref == c->chk_ref[b], "block %u: refcount %u but %u table entries and pins name it", b, k->ref,
@@ -176,6 +192,7 @@ static int check_blocks(pkv_cache *c, report *r) {
             break;
         default: return fail(r, "block %u: unknown state %u", b, k->state);
         }
+        n_roots += (k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) && k->parent == PKV_NONE;
         if (k->flags & PKV_BLKF_INDEXED) {
             n_indexed++;
             REQUIRE(k->n_commit == c->B && k->n_fill == c->B, "block %u: indexed but not full and committed", b);
@@ -202,8 +219,10 @@ static int check_blocks(pkv_cache *c, report *r) {
             }
         } else if (k->flags & PKV_BLKF_PARTIAL) {
             REQUIRE(k->state == PKV_BLK_ACTIVE && k->n_commit > 0, "block %u: partial but not ACTIVE with commits", b);
-            REQUIRE(k->parent != PKV_NONE && (c->blk[k->parent].flags & PKV_BLKF_INDEXED),
+            REQUIRE(k->parent == PKV_NONE || (c->blk[k->parent].flags & PKV_BLKF_INDEXED),
                     "block %u: partial under a parent that is not indexed", b);
+            if (k->parent != PKV_NONE)
+                REQUIRE(k->ns_lo == 0 && k->ns_hi == 0, "block %u: partial under a parent but with a namespace", b);
         } else {
             REQUIRE(k->child == PKV_NONE, "block %u: not indexed but has children", b);
         }
@@ -216,6 +235,8 @@ static int check_blocks(pkv_cache *c, report *r) {
             (unsigned long long)c->pool.slots_used);
     REQUIRE(n_indexed == c->n_indexed, "index: %llu indexed blocks, counter %llu", (unsigned long long)n_indexed,
             (unsigned long long)c->n_indexed);
+    REQUIRE(n_roots == c->chk_roots, "root lists: %llu entries, %llu roots of the index", (unsigned long long)c->chk_roots,
+            (unsigned long long)n_roots);
     REQUIRE(c->pool.peak_active >= n_active, "peak_active %u below n_active %u", c->pool.peak_active, n_active);
     /* children counts: every INDEXED block's n_children equals its indexed children */
     for (uint32_t b = 0; b < c->n_blocks; b++) {

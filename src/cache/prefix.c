@@ -45,27 +45,50 @@ void pkv__cache_test_const_hash(pkv_cache *c, int on) {
 }
 
 void pkv__index_reset(pkv_cache *c) {
-    for (uint32_t i = 0; i <= c->bucket_mask; i++) c->buckets[i] = PKV_NONE;
+    for (uint32_t i = 0; i <= c->bucket_mask; i++) c->buckets[i] = c->roots[i] = PKV_NONE;
     c->n_indexed = 0;
     /* the fingerprint tables keep their history across a reset: "evicted" stays meaningful */
 }
 
-/* ---- child lists (INDEXED and PARTIAL children of a block) ---- */
-static void child_link(pkv_cache *c, uint32_t parent, uint32_t b) {
-    pkv__blk *k = &c->blk[b], *p = &c->blk[parent];
-    k->parent = parent;
-    k->sib_prev = PKV_NONE;
-    k->sib_next = p->child;
-    if (p->child != PKV_NONE) c->blk[p->child].sib_prev = b;
-    p->child = b;
+/* ---- the index tree's lists ----
+ * An INDEXED or PARTIAL block with a parent is on its parent's child list. One without (a root:
+ * the first block of its chain) is on a root list instead, c->roots[pkv__root_slot], keyed by
+ * its namespace and first token id: so a prompt that shares less than one block with the index
+ * finds the roots it may share leading tokens with (token-granular matching of block 0). Both
+ * kinds of list link through sib_prev / sib_next, newest first. */
+uint32_t pkv__root_slot(const pkv_cache *c, uint64_t ns_lo, uint64_t ns_hi, int32_t tok0) {
+    if (c->const_hash) return 0; /* the test switch puts every root on one list too */
+    uint64_t x = ns_lo ^ (ns_hi * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)(uint32_t)tok0 * 0xC2B2AE3D27D4EB4Full);
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
+    return (uint32_t)x & c->bucket_mask;
 }
 
-static void child_unlink(pkv_cache *c, uint32_t b) {
+/* The slot that names b first when it heads its list: its parent's child field or its root
+ * list's head. b must be on a list (INDEXED or PARTIAL). */
+uint32_t *pkv__tree_head(pkv_cache *c, uint32_t b) {
+    const pkv__blk *k = &c->blk[b];
+    if (k->parent != PKV_NONE) return &c->blk[k->parent].child;
+    return &c->roots[pkv__root_slot(c, k->ns_lo, k->ns_hi, c->tokens[(size_t)b * c->B])];
+}
+
+/* Puts b at the head of the list of parent (PKV_NONE: of its root list; b's namespace and first
+ * token are then set). */
+static void tree_link(pkv_cache *c, uint32_t parent, uint32_t b) {
     pkv__blk *k = &c->blk[b];
-    if (k->parent == PKV_NONE) return;
-    pkv__blk *p = &c->blk[k->parent];
+    k->parent = parent;
+    uint32_t *head = pkv__tree_head(c, b);
+    k->sib_prev = PKV_NONE;
+    k->sib_next = *head;
+    if (*head != PKV_NONE) c->blk[*head].sib_prev = b;
+    *head = b;
+}
+
+static void tree_unlink(pkv_cache *c, uint32_t b) {
+    pkv__blk *k = &c->blk[b];
     if (k->sib_prev != PKV_NONE) c->blk[k->sib_prev].sib_next = k->sib_next;
-    else p->child = k->sib_next;
+    else *pkv__tree_head(c, b) = k->sib_next;
     if (k->sib_next != PKV_NONE) c->blk[k->sib_next].sib_prev = k->sib_prev;
     k->sib_prev = k->sib_next = PKV_NONE;
     k->parent = PKV_NONE;
@@ -73,8 +96,9 @@ static void child_unlink(pkv_cache *c, uint32_t b) {
 
 void pkv__partial_unlink(pkv_cache *c, uint32_t b) {
     pkv_assert(c->blk[b].flags & PKV_BLKF_PARTIAL);
-    child_unlink(c, b);
+    tree_unlink(c, b);
     c->blk[b].flags &= (uint8_t)~PKV_BLKF_PARTIAL;
+    c->blk[b].ns_lo = c->blk[b].ns_hi = 0;
 }
 
 /* ---- hash table ---- */
@@ -105,7 +129,7 @@ void pkv__index_evict(pkv_cache *c, uint32_t b) {
     pkv_assert((k->flags & PKV_BLKF_INDEXED) && k->child == PKV_NONE && k->n_children == 0); /* a leaf */
     bucket_remove(c, b);
     if (k->parent != PKV_NONE) c->blk[k->parent].n_children--;
-    child_unlink(c, b);
+    tree_unlink(c, b);
     k->flags = 0;
     k->ns_lo = k->ns_hi = 0;
     c->n_indexed--;
@@ -122,7 +146,7 @@ void pkv__index_repoint(pkv_cache *c, uint32_t src, uint32_t dst) {
         *at = dst;
     }
     if (k->sib_prev != PKV_NONE) c->blk[k->sib_prev].sib_next = dst;
-    else if (k->parent != PKV_NONE) c->blk[k->parent].child = dst;
+    else *pkv__tree_head(c, src) = dst;
     if (k->sib_next != PKV_NONE) c->blk[k->sib_next].sib_prev = dst;
     for (uint32_t ch = k->child; ch != PKV_NONE; ch = c->blk[ch].sib_next) c->blk[ch].parent = dst;
     k->flags = 0;
@@ -157,20 +181,14 @@ static bool fp_has(const uint64_t *t, uint32_t mask, uint64_t x) {
 /* Makes block b (full, committed, table[i] of s) an index entry under parent. */
 static void index_insert(pkv_cache *c, const pkv__seq *s, uint32_t b, uint32_t parent, uint64_t h) {
     pkv__blk *k = &c->blk[b];
-    if (k->flags & PKV_BLKF_PARTIAL) { /* a registered partial that just filled up */
-        child_unlink(c, b);
-        k->flags &= (uint8_t)~PKV_BLKF_PARTIAL;
-    }
+    if (k->flags & PKV_BLKF_PARTIAL) pkv__partial_unlink(c, b); /* a registered partial that just filled up */
     k->flags |= PKV_BLKF_INDEXED;
     k->hash = h;
     k->chash = pkv__content_hash(c, parent, c->tokens + (size_t)b * c->B);
     k->ns_lo = parent == PKV_NONE ? s->ns_lo : 0;
     k->ns_hi = parent == PKV_NONE ? s->ns_hi : 0;
-    k->parent = PKV_NONE;
-    if (parent != PKV_NONE) {
-        child_link(c, parent, b);
-        c->blk[parent].n_children++;
-    }
+    tree_link(c, parent, b);
+    if (parent != PKV_NONE) c->blk[parent].n_children++;
     uint32_t *bucket = &c->buckets[h & c->bucket_mask];
     k->hnext = *bucket;
     *bucket = b;
@@ -199,13 +217,16 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
         index_insert(c, s, b, parent, h);
         s->idx_len++;
     }
-    /* register the committed part of the tail block for token-granular matching */
+    /* register the committed part of the tail block for token-granular matching (block 0: on
+       its root list, under s's namespace) */
     uint32_t rem = s->n_committed % B, i = full;
-    if (rem && i >= 1 && i == s->idx_len && i < s->n_blocks) {
+    if (rem && i == s->idx_len && i < s->n_blocks) {
         uint32_t b = (uint32_t)s->table[i];
         pkv__blk *k = &c->blk[b];
         if (!(k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) && k->n_commit > 0) {
-            child_link(c, (uint32_t)s->table[i - 1], b);
+            k->ns_lo = i ? 0 : s->ns_lo;
+            k->ns_hi = i ? 0 : s->ns_hi;
+            tree_link(c, i ? (uint32_t)s->table[i - 1] : PKV_NONE, b);
             k->flags |= PKV_BLKF_PARTIAL;
         }
     }
@@ -283,14 +304,18 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
     uint32_t reused = PKV_MIN(k * B, cap);
     s->n_blocks = k;
     s->idx_len = PKV_MIN(k, reused / B);
-    /* token-granular: the child of the last matched block sharing the longest token prefix */
-    if (k >= 1 && reused == k * B && reused < cap && k < c->max_bps) {
+    /* token-granular: the child of the last matched block (with none matched, the root of s's
+       namespace) sharing the longest token prefix */
+    if (reused == k * B && reused < cap && k < c->max_bps) {
         uint32_t want = PKV_MIN(B, cap - reused), best = PKV_NONE, best_m = 0;
-        /* children are linked newest first; a prefix shared by thousands of requests has
-           thousands of children, so only the most recent PARTIAL_SCAN are compared: the
-           token-granular extra is best effort, the full-block hits above are not */
+        /* lists are linked newest first; a prefix shared by thousands of requests has thousands
+           of children, so only the most recent PARTIAL_SCAN are compared: the token-granular
+           extra is best effort, the full-block hits above are not. A root list may also hold
+           the roots of other namespaces or first tokens that share its slot: skipped, counted. */
         uint32_t scanned = 0;
-        for (uint32_t ch = c->blk[prev].child; ch != PKV_NONE && scanned++ < PARTIAL_SCAN; ch = c->blk[ch].sib_next) {
+        const uint32_t first = k ? c->blk[prev].child : c->roots[pkv__root_slot(c, s->ns_lo, s->ns_hi, tokens[0])];
+        for (uint32_t ch = first; ch != PKV_NONE && scanned++ < PARTIAL_SCAN; ch = c->blk[ch].sib_next) {
+            if (!k && (c->blk[ch].ns_lo != s->ns_lo || c->blk[ch].ns_hi != s->ns_hi)) continue;
             uint32_t lim = PKV_MIN(want, (uint32_t)c->blk[ch].n_commit);
             uint32_t m = common_prefix(c->tokens + (size_t)ch * B, tokens + reused, lim);
             if (m > best_m) {
