@@ -266,6 +266,9 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
        and token ids of the next lookups are prefetched while this one is compared. Without it
        a hit in a large index waits on three dependent cache misses per block. */
     enum { AHEAD = 64, DIST = 4 };
+    /* a miss at block 0 goes on to the root list: its head is fetched while block 0 is hashed */
+    const uint32_t root_slot = pkv__root_slot(c, s->ns_lo, s->ns_hi, tokens[0]);
+    __builtin_prefetch(&c->roots[root_slot]);
     uint64_t hs[AHEAD];
     bool miss = false;
     while (k < full && !miss) {
@@ -313,7 +316,7 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
            extra is best effort, the full-block hits above are not. A root list may also hold
            the roots of other namespaces or first tokens that share its slot: skipped, counted. */
         uint32_t scanned = 0;
-        const uint32_t first = k ? c->blk[prev].child : c->roots[pkv__root_slot(c, s->ns_lo, s->ns_hi, tokens[0])];
+        const uint32_t first = k ? c->blk[prev].child : c->roots[root_slot];
         for (uint32_t ch = first; ch != PKV_NONE && scanned++ < PARTIAL_SCAN; ch = c->blk[ch].sib_next) {
             if (!k && (c->blk[ch].ns_lo != s->ns_lo || c->blk[ch].ns_hi != s->ns_hi)) continue;
             uint32_t lim = PKV_MIN(want, (uint32_t)c->blk[ch].n_commit);
