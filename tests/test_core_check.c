@@ -3,7 +3,7 @@
  * checks is shown to fire here: a sound state with every kind of block (FREE, CACHED, ACTIVE
  * shared by a fork and a pin, indexed chains, a partial tail) is built through the API, one
  * field of the metadata is broken through the internal headers, and the checker must answer
- * PKV_ECORRUPT with a message that names the broken invariant (35 of its 51 checks; the rest
+ * PKV_ECORRUPT with a message that names the broken invariant (41 of its 61 checks; the rest
  * guard cycles, retired slots, the table capacity and states no field write reaches alone). */
 #include <stdarg.h>
 #include <stddef.h>
@@ -20,12 +20,14 @@
 enum { B = 4 };
 
 /* The state: a committed 10-token sequence a (blocks 0-1 indexed, its tail a partial), a fork f
- * of it, a pin of its first 8 tokens, a sequence b that reused a's prefix and went on, and a
- * sequence whose committed blocks were released (CACHED, in the LRU queue). */
+ * of it, a pin of its first 8 tokens, a sequence b that reused a's prefix and went on (its tail
+ * a second partial under a's block 1), a sequence whose committed blocks were released (CACHED,
+ * in the LRU queue), and a sequence r of 2 committed tokens that begin like a's: its block, a
+ * partial root, on the root list of a's root. */
 typedef struct world {
     pkv_cache *c;
-    pkv_seq a, f, pin, b;
-    int32_t ta[4], tb[8];
+    pkv_seq a, f, pin, b, r;
+    int32_t ta[4], tb[8], tr;
     uint32_t na, nb;
 } world;
 
@@ -53,6 +55,11 @@ static void world_make(world *w) {
     TU_OK(pkv_seq_append(w->c, gone, g, 8, NULL));
     TU_OK(pkv_seq_commit(w->c, gone, 8));
     TU_OK(pkv_seq_release(w->c, gone));
+    w->r = tu_seq(w->c);
+    const int32_t rp[2] = {p[0], -1};
+    TU_OK(pkv_seq_append(w->c, w->r, rp, 2, NULL));
+    TU_OK(pkv_seq_commit(w->c, w->r, 2));
+    assert_int_equal(tu_table(w->c, w->r, &w->tr, 1), 1);
     w->na = tu_table(w->c, w->a, w->ta, 4);
     w->nb = tu_table(w->c, w->b, w->tb, 8);
     assert_int_equal(w->na, 3);
@@ -63,6 +70,13 @@ static void world_make(world *w) {
     assert_true(c->blk[w->ta[0]].flags & PKV_BLKF_INDEXED);
     assert_int_equal(c->blk[w->ta[0]].ref, 4); /* a, f, the pin, b */
     assert_true(c->blk[w->ta[2]].flags & PKV_BLKF_PARTIAL);
+    assert_true(c->blk[w->tb[2]].flags & PKV_BLKF_PARTIAL);
+    assert_int_equal(c->blk[w->ta[1]].child, w->tb[2]); /* newest first: b's tail, then a's */
+    assert_int_equal(c->blk[w->tb[2]].sib_next, w->ta[2]);
+    assert_true(c->blk[w->tr].flags & PKV_BLKF_PARTIAL);
+    assert_int_equal(c->blk[w->tr].parent, PKV_NONE);
+    assert_int_equal(*pkv__tree_head(w->c, (uint32_t)w->tr), w->tr); /* r's root, then a's */
+    assert_int_equal(c->blk[w->tr].sib_next, w->ta[0]);
 }
 
 typedef void (*breaker)(world *w);
@@ -143,6 +157,49 @@ static void partial_parent(world *w) {
     k->sib_prev = k->sib_next = PKV_NONE;
     k->parent = c->pool.free_head;
 }
+static void partial_ns(world *w) { w->c->blk[w->ta[2]].ns_lo ^= 1; }
+/* unlinks block b from its list (the list stays sound) */
+static void off_list(pkv_cache *c, uint32_t b) {
+    pkv__blk *k = &c->blk[b];
+    if (k->sib_prev != PKV_NONE) c->blk[k->sib_prev].sib_next = k->sib_next;
+    else *pkv__tree_head(c, b) = k->sib_next;
+    if (k->sib_next != PKV_NONE) c->blk[k->sib_next].sib_prev = k->sib_prev;
+    k->sib_prev = k->sib_next = PKV_NONE;
+}
+/* puts block b at the head of list slot *head */
+static void on_list(pkv_cache *c, uint32_t b, uint32_t *head) {
+    c->blk[b].sib_next = *head;
+    if (*head != PKV_NONE) c->blk[*head].sib_prev = b;
+    *head = b;
+}
+static void child_back_link(world *w) { w->c->blk[w->ta[2]].sib_prev = PKV_NONE; }
+static void child_off_list(world *w) { off_list(w->c, (uint32_t)w->ta[2]); } /* parent kept */
+static void root_back_link(world *w) { w->c->blk[w->ta[0]].sib_prev = PKV_NONE; }
+static void root_off_list(world *w) { off_list(w->c, (uint32_t)w->tr); }
+/* r's root moved, whole and consistent, into another namespace's list: its holder's namespace
+   is then the only witness (a match from that namespace would reuse r's K/V) */
+static void root_namespace(world *w) {
+    pkv_cache *c = w->c;
+    off_list(c, (uint32_t)w->tr);
+    c->blk[w->tr].ns_lo ^= 1;
+    on_list(c, (uint32_t)w->tr, pkv__tree_head(c, (uint32_t)w->tr));
+}
+/* r's root on a list its namespace and first token do not name */
+static void root_wrong_list(world *w) {
+    pkv_cache *c = w->c;
+    uint32_t *home = pkv__tree_head(c, (uint32_t)w->tr);
+    off_list(c, (uint32_t)w->tr);
+    on_list(c, (uint32_t)w->tr, &c->roots[(uint32_t)(home - c->roots + 1) & c->bucket_mask]);
+}
+/* b's partial tail made a root (off its parent's list, onto a root list, its parent forgotten) */
+static void child_as_root(world *w) {
+    pkv_cache *c = w->c;
+    off_list(c, (uint32_t)w->tb[2]);
+    pkv__seq *b = pkv__seq_get(c, w->b);
+    c->blk[w->tb[2]].parent = PKV_NONE;
+    c->blk[w->tb[2]].ns_lo = b->ns_lo, c->blk[w->tb[2]].ns_hi = b->ns_hi;
+    on_list(c, (uint32_t)w->tb[2], pkv__tree_head(c, (uint32_t)w->tb[2]));
+}
 
 static void free_cycle(world *w) { w->c->blk[w->c->pool.free_tail].qnext = w->c->pool.free_head; }
 static void lru_range(world *w) { w->c->blk[w->c->pool.lru_head].qnext = w->c->n_blocks + 5; }
@@ -215,7 +272,15 @@ static void test_checker_fires(void **state) {
         {peak, "peak_active"},
         {children_count, "indexed children"},
         {child_of_unindexed, "not indexed but has children"},
-        {partial_parent, "partial under a parent"},
+        {partial_parent, "table[2] (block"},
+        {partial_ns, "partial under a parent but with a namespace"},
+        {child_back_link, "child 2 links back"},
+        {child_off_list, "child lists:"},
+        {root_back_link, "block 0 links back to 4294967295, not 7"},
+        {root_off_list, "root lists:"},
+        {root_namespace, "in another namespace"},
+        {root_wrong_list, "belongs on another list"},
+        {child_as_root, "has parent 4294967295"},
         {free_cycle, "longer than n_free"},
         {lru_range, "LRU queue: block id"},
         {seq_gen0, "generation 0"},

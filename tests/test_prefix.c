@@ -521,6 +521,35 @@ static void test_prefix_root_partial(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* The best source of a token-granular copy is a CACHED root, the last block that can be had: a
+ * copy cannot take it and copy it too, so the best source in use (a running sequence's partial
+ * root) gives its shorter prefix instead; the copy's block is the evicted CACHED one. */
+static void test_prefix_root_partial_pool_full(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(4, 3, 1, PKV_DTYPE_F32, 1);
+    const int32_t cached[4] = {2, 1, 1, 9}, running[3] = {2, 3, 3}, other[4] = {7, 7, 7, 7}, q[4] = {2, 1, 2, 1};
+    pkv_seq x = tp_seq(c, 0), y = tp_seq(c, 0), z = tp_seq(c, 0);
+    tp_compute(c, x, 0, cached, 0, 4);
+    tp_commit(c, x, 4);
+    assert_int_equal(pkv_seq_release(c, x), 0);
+    tp_compute(c, y, 0, running, 0, 3);
+    tp_commit(c, y, 3);
+    tp_compute(c, z, 0, other, 0, 4);
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_true(st.n_free == 0 && st.n_cached == 1);
+    pkv_seq m = tp_seq(c, 0);
+    uint32_t reused = 0;
+    assert_int_equal(pkv_seq_match_prefix(c, m, q, 4, &reused), 0);
+    assert_int_equal(reused, 1); /* [2] from y, not [2 1] from the CACHED root */
+    tp_expect_kv(c, m, 0, q, 0, 1);
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    assert_true(st.n_free == 0 && st.n_cached == 0 && st.evictions == 1);
+    tp_expect_kv(c, y, 0, running, 0, 3);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
 /* ---- what may not be matched or written ------------------------------------------------------- */
 
 static void test_prefix_uncommitted_not_matched(void **state) {
@@ -906,6 +935,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_forced_hash_collision),
         cmocka_unit_test(test_prefix_exchange_one_chain),
         cmocka_unit_test(test_prefix_root_partial),
+        cmocka_unit_test(test_prefix_root_partial_pool_full),
         cmocka_unit_test(test_prefix_uncommitted_not_matched),
         cmocka_unit_test(test_prefix_truncate_keeps_reused_blocks),
         cmocka_unit_test(test_prefix_reused_count_follows_truncate),

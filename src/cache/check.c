@@ -107,11 +107,18 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
             REQUIRE(k->state == PKV_BLK_ACTIVE, "sequence %u: table[%u]=block %d is not ACTIVE", i, j, b);
             uint32_t need = (uint32_t)PKV_MIN((uint64_t)c->B, s->n_tokens - (uint64_t)j * c->B);
             REQUIRE(k->n_fill >= need, "sequence %u: block %d holds %u tokens, sequence uses %u", i, b, k->n_fill, need);
-            if (j < s->idx_len) {
+            if (j < s->idx_len)
                 REQUIRE(k->flags & PKV_BLKF_INDEXED, "sequence %u: chain block %u (block %d) not indexed", i, j, b);
+            if (k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) {
+                /* an index entry (on the chain or a registered partial) sits where its holders'
+                   tables say: a root at table[0] under the holder's namespace, any other below
+                   table[j - 1] */
                 REQUIRE(k->parent == (j ? (uint32_t)s->table[j - 1] : PKV_NONE),
-                        "sequence %u: chain block %u (block %d) has parent %u, table says %d", i, j, b, k->parent,
+                        "sequence %u: table[%u] (block %d) has parent %u, table says %d", i, j, b, k->parent,
                         j ? s->table[j - 1] : -1);
+                if (!j)
+                    REQUIRE(k->ns_lo == s->ns_lo && k->ns_hi == s->ns_hi,
+                            "sequence %u: its root (block %d) is in another namespace", i, b);
             }
             uint64_t committed = s->n_committed > (uint64_t)j * c->B ? s->n_committed - (uint64_t)j * c->B : 0;
             REQUIRE(k->n_commit >= PKV_MIN(committed, (uint64_t)c->B),
@@ -168,7 +175,7 @@ static int check_index_chains(pkv_cache *c, report *r) {
 
 static int check_blocks(pkv_cache *c, report *r) {
     uint32_t n_free = 0, n_cached = 0, n_active = 0;
-    uint64_t slots = 0, n_indexed = 0, n_roots = 0;
+    uint64_t slots = 0, n_indexed = 0, n_roots = 0, n_children = 0, n_listed = 0;
     for (uint32_t b = 0; b < c->n_blocks; b++) {
         const pkv__blk *k = &c->blk[b];
         REQUIRE(k->ref == c->chk_ref[b], "block %u: refcount %u but %u table entries and pins name it", b, k->ref,
@@ -192,7 +199,10 @@ static int check_blocks(pkv_cache *c, report *r) {
             break;
         default: return fail(r, "block %u: unknown state %u", b, k->state);
         }
-        n_roots += (k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) && k->parent == PKV_NONE;
+        if (k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) {
+            n_roots += k->parent == PKV_NONE;
+            n_children += k->parent != PKV_NONE;
+        }
         if (k->flags & PKV_BLKF_INDEXED) {
             n_indexed++;
             REQUIRE(k->n_commit == c->B && k->n_fill == c->B, "block %u: indexed but not full and committed", b);
@@ -213,10 +223,13 @@ static int check_blocks(pkv_cache *c, report *r) {
                             "LRU: cached block %u is behind its cached parent %u (leaves must go first)", b, k->parent);
             }
             uint32_t n_ch = 0;
-            for (uint32_t ch = k->child; ch != PKV_NONE; ch = c->blk[ch].sib_next) {
+            for (uint32_t ch = k->child, before = PKV_NONE; ch != PKV_NONE; before = ch, ch = c->blk[ch].sib_next) {
                 REQUIRE(ch < c->n_blocks && c->blk[ch].parent == b, "block %u: child %u does not name it as parent", b, ch);
+                REQUIRE(c->blk[ch].sib_prev == before, "block %u: child %u links back to %u, not %u", b, ch,
+                        c->blk[ch].sib_prev, before);
                 REQUIRE(++n_ch <= c->n_blocks, "block %u: child list cycles", b);
             }
+            n_listed += n_ch;
         } else if (k->flags & PKV_BLKF_PARTIAL) {
             REQUIRE(k->state == PKV_BLK_ACTIVE && k->n_commit > 0, "block %u: partial but not ACTIVE with commits", b);
             REQUIRE(k->parent == PKV_NONE || (c->blk[k->parent].flags & PKV_BLKF_INDEXED),
@@ -235,6 +248,8 @@ static int check_blocks(pkv_cache *c, report *r) {
             (unsigned long long)c->pool.slots_used);
     REQUIRE(n_indexed == c->n_indexed, "index: %llu indexed blocks, counter %llu", (unsigned long long)n_indexed,
             (unsigned long long)c->n_indexed);
+    REQUIRE(n_listed == n_children, "child lists: %llu entries, %llu index entries with a parent",
+            (unsigned long long)n_listed, (unsigned long long)n_children);
     REQUIRE(n_roots == c->chk_roots, "root lists: %llu entries, %llu roots of the index", (unsigned long long)c->chk_roots,
             (unsigned long long)n_roots);
     REQUIRE(c->pool.peak_active >= n_active, "peak_active %u below n_active %u", c->pool.peak_active, n_active);

@@ -310,7 +310,7 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
     /* token-granular: the child of the last matched block (with none matched, the root of s's
        namespace) sharing the longest token prefix */
     if (reused == k * B && reused < cap && k < c->max_bps) {
-        uint32_t want = PKV_MIN(B, cap - reused), best = PKV_NONE, best_m = 0;
+        uint32_t want = PKV_MIN(B, cap - reused), best = PKV_NONE, best_m = 0, used = PKV_NONE, used_m = 0;
         /* lists are linked newest first; a prefix shared by thousands of requests has thousands
            of children, so only the most recent PARTIAL_SCAN are compared: the token-granular
            extra is best effort, the full-block hits above are not. A root list may also hold
@@ -325,6 +325,16 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
                 best_m = m;
                 best = ch;
             }
+            if (m > used_m && c->blk[ch].state == PKV_BLK_ACTIVE) {
+                used_m = m;
+                used = ch;
+            }
+        }
+        /* the copy needs a block besides its source: a CACHED source that is the last block to
+           be had gives way to the best source in use (the copy then evicts it) */
+        if (best_m && c->blk[best].state == PKV_BLK_CACHED && c->pool.n_free + c->pool.n_cached < 2) {
+            best = used;
+            best_m = used_m;
         }
         if (best_m && c->pool.n_free + c->pool.n_cached > (c->blk[best].state == PKV_BLK_CACHED ? 1u : 0u)) {
             pkv__pool_ref(&c->pool, best); /* protect the source from eviction */
