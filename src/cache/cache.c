@@ -661,8 +661,8 @@ static void add_linked(uint32_t *list, uint32_t *n, uint32_t b) {
 /* Exchanges blocks x and y whole (x != y, each CACHED or ACTIVE): contents, records (state,
  * refcount, counts, index fields, queue links) and every link that names either, so that each
  * one's content and identity live at the other's id afterwards: its place in the LRU queue, in
- * its hash chain and in the index tree (parent, siblings, children) go with it. The block tables
- * that name an ACTIVE one are the caller's to rename. No count changes. */
+ * its hash chain and in the index tree (parent or root list, siblings, children) go with it.
+ * The block tables that name an ACTIVE one are the caller's to rename. No count changes. */
 static void exchange_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
     /* the blocks whose links may name x or y, children aside: the two, their queue and tree
        neighbours and their hash chains' predecessors */

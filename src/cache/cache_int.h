@@ -98,8 +98,9 @@ uint32_t *pkv__tree_head(pkv_cache *c, uint32_t b);
 /* Unlinks a PARTIAL block from its parent's child list (or its root list). */
 void pkv__partial_unlink(pkv_cache *c, uint32_t b);
 /* Compaction's move of an indexed or partial block: every index link to src (its place in the
- * hash chain and its parent's child list, its children's parent) now names dst, and src keeps
- * no index fields; the caller gives dst src's. No hash depends on a block id. */
+ * hash chain and on its parent's child list or its root list, its children's parent) now names
+ * dst, and src keeps no index fields; the caller gives dst src's. No hash depends on a block
+ * id. */
 void pkv__index_repoint(pkv_cache *c, uint32_t src, uint32_t dst);
 /* After a commit (or match / append) of s: index its full committed blocks, register its
  * committed partial tail. */
