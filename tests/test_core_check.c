@@ -148,57 +148,33 @@ static void children_count(world *w) { w->c->blk[w->ta[0]].n_children++; }
 static void child_of_unindexed(world *w) { w->c->blk[w->c->pool.free_head].child = (uint32_t)w->ta[1]; }
 static void partial_parent(world *w) {
     /* out of its parent's child list (so that list stays sound), under a FREE block instead */
-    pkv_cache *c = w->c;
-    const uint32_t t = (uint32_t)w->ta[2];
-    pkv__blk *k = &c->blk[t];
-    if (k->sib_prev != PKV_NONE) c->blk[k->sib_prev].sib_next = k->sib_next;
-    else c->blk[k->parent].child = k->sib_next;
-    if (k->sib_next != PKV_NONE) c->blk[k->sib_next].sib_prev = k->sib_prev;
-    k->sib_prev = k->sib_next = PKV_NONE;
-    k->parent = c->pool.free_head;
+    pkv__tree_unlink(w->c, (uint32_t)w->ta[2]);
+    w->c->blk[w->ta[2]].parent = w->c->pool.free_head;
 }
 static void partial_ns(world *w) { w->c->blk[w->ta[2]].ns_lo ^= 1; }
-/* unlinks block b from its list (the list stays sound) */
-static void off_list(pkv_cache *c, uint32_t b) {
-    pkv__blk *k = &c->blk[b];
-    if (k->sib_prev != PKV_NONE) c->blk[k->sib_prev].sib_next = k->sib_next;
-    else *pkv__tree_head(c, b) = k->sib_next;
-    if (k->sib_next != PKV_NONE) c->blk[k->sib_next].sib_prev = k->sib_prev;
-    k->sib_prev = k->sib_next = PKV_NONE;
-}
-/* puts block b at the head of list slot *head */
-static void on_list(pkv_cache *c, uint32_t b, uint32_t *head) {
-    c->blk[b].sib_next = *head;
-    if (*head != PKV_NONE) c->blk[*head].sib_prev = b;
-    *head = b;
-}
 static void child_back_link(world *w) { w->c->blk[w->ta[2]].sib_prev = PKV_NONE; }
-static void child_off_list(world *w) { off_list(w->c, (uint32_t)w->ta[2]); } /* parent kept */
+static void child_off_list(world *w) { /* off its parent's list (which stays sound), parent kept */
+    pkv__tree_unlink(w->c, (uint32_t)w->ta[2]);
+    w->c->blk[w->ta[2]].parent = (uint32_t)w->ta[1];
+}
 static void root_back_link(world *w) { w->c->blk[w->ta[0]].sib_prev = PKV_NONE; }
-static void root_off_list(world *w) { off_list(w->c, (uint32_t)w->tr); }
+static void root_off_list(world *w) { pkv__tree_unlink(w->c, (uint32_t)w->tr); }
 /* r's root moved, whole and consistent, into another namespace's list: its holder's namespace
    is then the only witness (a match from that namespace would reuse r's K/V) */
 static void root_namespace(world *w) {
-    pkv_cache *c = w->c;
-    off_list(c, (uint32_t)w->tr);
-    c->blk[w->tr].ns_lo ^= 1;
-    on_list(c, (uint32_t)w->tr, pkv__tree_head(c, (uint32_t)w->tr));
+    pkv__tree_unlink(w->c, (uint32_t)w->tr);
+    w->c->blk[w->tr].ns_lo ^= 1;
+    pkv__tree_link(w->c, PKV_NONE, (uint32_t)w->tr);
 }
-/* r's root on a list its namespace and first token do not name */
-static void root_wrong_list(world *w) {
-    pkv_cache *c = w->c;
-    uint32_t *home = pkv__tree_head(c, (uint32_t)w->tr);
-    off_list(c, (uint32_t)w->tr);
-    on_list(c, (uint32_t)w->tr, &c->roots[(uint32_t)(home - c->roots + 1) & c->bucket_mask]);
-}
+/* r's root left on the list of the first token it had */
+static void root_wrong_list(world *w) { w->c->tokens[(size_t)w->tr * B] ^= 1; }
 /* b's partial tail made a root (off its parent's list, onto a root list, its parent forgotten) */
 static void child_as_root(world *w) {
     pkv_cache *c = w->c;
-    off_list(c, (uint32_t)w->tb[2]);
-    pkv__seq *b = pkv__seq_get(c, w->b);
-    c->blk[w->tb[2]].parent = PKV_NONE;
+    const pkv__seq *b = pkv__seq_get(c, w->b);
+    pkv__tree_unlink(c, (uint32_t)w->tb[2]);
     c->blk[w->tb[2]].ns_lo = b->ns_lo, c->blk[w->tb[2]].ns_hi = b->ns_hi;
-    on_list(c, (uint32_t)w->tb[2], pkv__tree_head(c, (uint32_t)w->tb[2]));
+    pkv__tree_link(c, PKV_NONE, (uint32_t)w->tb[2]);
 }
 
 static void free_cycle(world *w) { w->c->blk[w->c->pool.free_tail].qnext = w->c->pool.free_head; }

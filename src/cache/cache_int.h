@@ -59,7 +59,6 @@ struct pkv_cache {
     /* checker scratch */
     uint32_t *chk_ref; /* [n_blocks] */
     uint32_t *chk_pos; /* [n_blocks] */
-    uint64_t chk_roots; /* root list entries check_index_chains walked */
 
     pkv__attn *attn;
     pkv__attn_item *items; /* [max_seqs] */
@@ -95,6 +94,11 @@ uint32_t pkv__root_slot(const pkv_cache *c, uint64_t ns_lo, uint64_t ns_hi, int3
 /* The slot naming b when it heads its list (its parent's child field, or its root list's head);
  * b INDEXED or PARTIAL. */
 uint32_t *pkv__tree_head(pkv_cache *c, uint32_t b);
+/* Puts b at the head of parent's child list (PKV_NONE: of its root list, so b's namespace and
+ * first token must be set) / takes b off its list (its parent then PKV_NONE). Links only: flags
+ * and counts are the caller's. */
+void pkv__tree_link(pkv_cache *c, uint32_t parent, uint32_t b);
+void pkv__tree_unlink(pkv_cache *c, uint32_t b);
 /* Unlinks a PARTIAL block from its parent's child list (or its root list). */
 void pkv__partial_unlink(pkv_cache *c, uint32_t b);
 /* Compaction's move of an indexed or partial block: every index link to src (its place in the

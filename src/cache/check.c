@@ -144,7 +144,7 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
 /* The prefix index's hash chains: every entry a block in range, INDEXED, in the bucket its hash
  * names, and no chain cycling (so the walks of check_blocks and of lookup stay in bounds and
  * only ever meet index entries). O(buckets + n_blocks): buckets <= 2 n_blocks + 16. */
-static int check_index_chains(pkv_cache *c, report *r) {
+static int check_index_chains(pkv_cache *c, report *r, uint64_t *n_root_entries) {
     uint64_t n = 0;
     for (uint32_t i = 0; i <= c->bucket_mask; i++)
         for (uint32_t b = c->buckets[i]; b != PKV_NONE; b = c->blk[b].hnext) {
@@ -169,11 +169,11 @@ static int check_index_chains(pkv_cache *c, report *r) {
             REQUIRE(k->sib_prev == before, "root list %u: block %u links back to %u, not %u", i, b, k->sib_prev, before);
             REQUIRE(++n <= c->n_blocks, "root lists: more entries than blocks (cycle?)");
         }
-    c->chk_roots = n;
+    *n_root_entries = n;
     return PKV_OK;
 }
 
-static int check_blocks(pkv_cache *c, report *r) {
+static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
     uint32_t n_free = 0, n_cached = 0, n_active = 0;
     uint64_t slots = 0, n_indexed = 0, n_roots = 0, n_children = 0, n_listed = 0;
     for (uint32_t b = 0; b < c->n_blocks; b++) {
@@ -250,7 +250,7 @@ static int check_blocks(pkv_cache *c, report *r) {
             (unsigned long long)c->n_indexed);
     REQUIRE(n_listed == n_children, "child lists: %llu entries, %llu index entries with a parent",
             (unsigned long long)n_listed, (unsigned long long)n_children);
-    REQUIRE(n_roots == c->chk_roots, "root lists: %llu entries, %llu roots of the index", (unsigned long long)c->chk_roots,
+    REQUIRE(n_roots == n_root_entries, "root lists: %llu entries, %llu roots of the index", (unsigned long long)n_root_entries,
             (unsigned long long)n_roots);
     REQUIRE(c->pool.peak_active >= n_active, "peak_active %u below n_active %u", c->pool.peak_active, n_active);
     /* children counts: every INDEXED block's n_children equals its indexed children */
@@ -270,11 +270,11 @@ PKV_API int pkv_cache_check(pkv_cache *c, char *msg, size_t msg_cap) {
     report rep = {msg, msg_cap}, *r = &rep;
     if (msg_cap) msg[0] = 0;
     pthread_mutex_lock(&c->mu);
-    uint64_t n_tokens = 0;
+    uint64_t n_tokens = 0, n_root_entries = 0;
     int rc = check_queues(c, r);
     if (!rc) rc = check_sequences(c, r, &n_tokens);
-    if (!rc) rc = check_index_chains(c, r);
-    if (!rc) rc = check_blocks(c, r);
+    if (!rc) rc = check_index_chains(c, r, &n_root_entries);
+    if (!rc) rc = check_blocks(c, r, n_root_entries);
     if (!rc && n_tokens != c->n_tokens_total)
         rc = fail(r, "token count: %llu over sequences, counter %llu", (unsigned long long)n_tokens,
                   (unsigned long long)c->n_tokens_total);

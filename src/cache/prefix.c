@@ -73,9 +73,7 @@ uint32_t *pkv__tree_head(pkv_cache *c, uint32_t b) {
     return &c->roots[pkv__root_slot(c, k->ns_lo, k->ns_hi, c->tokens[(size_t)b * c->B])];
 }
 
-/* Puts b at the head of the list of parent (PKV_NONE: of its root list; b's namespace and first
- * token are then set). */
-static void tree_link(pkv_cache *c, uint32_t parent, uint32_t b) {
+void pkv__tree_link(pkv_cache *c, uint32_t parent, uint32_t b) {
     pkv__blk *k = &c->blk[b];
     k->parent = parent;
     uint32_t *head = pkv__tree_head(c, b);
@@ -85,7 +83,7 @@ static void tree_link(pkv_cache *c, uint32_t parent, uint32_t b) {
     *head = b;
 }
 
-static void tree_unlink(pkv_cache *c, uint32_t b) {
+void pkv__tree_unlink(pkv_cache *c, uint32_t b) {
     pkv__blk *k = &c->blk[b];
     if (k->sib_prev != PKV_NONE) c->blk[k->sib_prev].sib_next = k->sib_next;
     else *pkv__tree_head(c, b) = k->sib_next;
@@ -96,7 +94,7 @@ static void tree_unlink(pkv_cache *c, uint32_t b) {
 
 void pkv__partial_unlink(pkv_cache *c, uint32_t b) {
     pkv_assert(c->blk[b].flags & PKV_BLKF_PARTIAL);
-    tree_unlink(c, b);
+    pkv__tree_unlink(c, b);
     c->blk[b].flags &= (uint8_t)~PKV_BLKF_PARTIAL;
     c->blk[b].ns_lo = c->blk[b].ns_hi = 0;
 }
@@ -129,7 +127,7 @@ void pkv__index_evict(pkv_cache *c, uint32_t b) {
     pkv_assert((k->flags & PKV_BLKF_INDEXED) && k->child == PKV_NONE && k->n_children == 0); /* a leaf */
     bucket_remove(c, b);
     if (k->parent != PKV_NONE) c->blk[k->parent].n_children--;
-    tree_unlink(c, b);
+    pkv__tree_unlink(c, b);
     k->flags = 0;
     k->ns_lo = k->ns_hi = 0;
     c->n_indexed--;
@@ -187,7 +185,7 @@ static void index_insert(pkv_cache *c, const pkv__seq *s, uint32_t b, uint32_t p
     k->chash = pkv__content_hash(c, parent, c->tokens + (size_t)b * c->B);
     k->ns_lo = parent == PKV_NONE ? s->ns_lo : 0;
     k->ns_hi = parent == PKV_NONE ? s->ns_hi : 0;
-    tree_link(c, parent, b);
+    pkv__tree_link(c, parent, b);
     if (parent != PKV_NONE) c->blk[parent].n_children++;
     uint32_t *bucket = &c->buckets[h & c->bucket_mask];
     k->hnext = *bucket;
@@ -226,7 +224,7 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
         if (!(k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) && k->n_commit > 0) {
             k->ns_lo = i ? 0 : s->ns_lo;
             k->ns_hi = i ? 0 : s->ns_hi;
-            tree_link(c, i ? (uint32_t)s->table[i - 1] : PKV_NONE, b);
+            pkv__tree_link(c, i ? (uint32_t)s->table[i - 1] : PKV_NONE, b);
             k->flags |= PKV_BLKF_PARTIAL;
         }
     }
@@ -309,8 +307,12 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
     s->idx_len = PKV_MIN(k, reused / B);
     /* token-granular: the child of the last matched block (with none matched, the root of s's
        namespace) sharing the longest token prefix */
-    if (reused == k * B && reused < cap && k < c->max_bps) {
-        uint32_t want = PKV_MIN(B, cap - reused), best = PKV_NONE, best_m = 0, used = PKV_NONE, used_m = 0;
+    const uint32_t can_take = c->pool.n_free + c->pool.n_cached; /* blocks a copy could take */
+    if (reused == k * B && reused < cap && k < c->max_bps && can_take) {
+        /* the copy needs a block besides its source: with one block to be had, a CACHED source
+           (that block) is passed over for the best source in use (the copy then evicts it) */
+        const bool cached_ok = can_take >= 2;
+        uint32_t want = PKV_MIN(B, cap - reused), best = PKV_NONE, best_m = 0;
         /* lists are linked newest first; a prefix shared by thousands of requests has thousands
            of children, so only the most recent PARTIAL_SCAN are compared: the token-granular
            extra is best effort, the full-block hits above are not. A root list may also hold
@@ -319,24 +321,15 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
         const uint32_t first = k ? c->blk[prev].child : c->roots[root_slot];
         for (uint32_t ch = first; ch != PKV_NONE && scanned++ < PARTIAL_SCAN; ch = c->blk[ch].sib_next) {
             if (!k && (c->blk[ch].ns_lo != s->ns_lo || c->blk[ch].ns_hi != s->ns_hi)) continue;
+            if (!cached_ok && c->blk[ch].state == PKV_BLK_CACHED) continue;
             uint32_t lim = PKV_MIN(want, (uint32_t)c->blk[ch].n_commit);
             uint32_t m = common_prefix(c->tokens + (size_t)ch * B, tokens + reused, lim);
             if (m > best_m) {
                 best_m = m;
                 best = ch;
             }
-            if (m > used_m && c->blk[ch].state == PKV_BLK_ACTIVE) {
-                used_m = m;
-                used = ch;
-            }
         }
-        /* the copy needs a block besides its source: a CACHED source that is the last block to
-           be had gives way to the best source in use (the copy then evicts it) */
-        if (best_m && c->blk[best].state == PKV_BLK_CACHED && c->pool.n_free + c->pool.n_cached < 2) {
-            best = used;
-            best_m = used_m;
-        }
-        if (best_m && c->pool.n_free + c->pool.n_cached > (c->blk[best].state == PKV_BLK_CACHED ? 1u : 0u)) {
+        if (best_m) {
             pkv__pool_ref(&c->pool, best); /* protect the source from eviction */
             uint32_t nb = pkv__take_block(c);
             pkv_assert(nb != PKV_NONE);
