@@ -364,10 +364,7 @@ static void test_prefix_exchange_one_chain(void **state) {
             int32_t q[9];
             memcpy(q, prompts[i], sizeof q);
             q[2] = -5;
-            pkv_seq m2 = tp_seq(c, 1);
-            assert_int_equal(pkv_seq_match_prefix(c, m2, q, 9, &reused), 0);
-            assert_int_equal(reused, 2);
-            tp_expect_kv(c, m2, 1, q, 0, 2);
+            pkv_seq m2 = tp_match(c, 1, q, 9, 2);
             tp_check(c);
             assert_int_equal(pkv_seq_release(c, m2), 0);
         }
@@ -448,52 +445,34 @@ static void test_prefix_forced_hash_collision(void **state) {
 static void test_prefix_root_partial(void **state) {
     (void)state;
     pkv_cache *c = tp_cache(16, 16, 2, PKV_DTYPE_F16, 1);
-    int32_t p[16], q[16];
+    int32_t p[16], q[16], r[16];
     tp_tokens(p, 16, 61);
     pkv_seq a = tp_seq(c, 1);
     tp_compute(c, a, 1, p, 0, 10);
-    uint32_t reused = 99;
     /* nothing committed yet: nothing to reuse */
-    pkv_seq b = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, b, p, 12, &reused), 0);
-    assert_int_equal(reused, 0);
-    assert_int_equal(pkv_seq_release(c, b), 0);
+    assert_int_equal(pkv_seq_release(c, tp_match(c, 1, p, 12, 0)), 0);
     /* 6 committed: a prompt sharing 8 tokens reuses those 6, in a block of its own */
     tp_commit(c, a, 6);
     memcpy(q, p, sizeof q);
     q[8] = -1;
-    b = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, b, q, 12, &reused), 0);
-    assert_int_equal(reused, 6);
+    pkv_seq b = tp_match(c, 1, q, 12, 6);
     tp_expect_info(c, b, 6, 6);
     int32_t ta[1], tb[1];
     tp_table(c, a, ta, 1);
     assert_int_equal(tp_table(c, b, tb, 1), 1);
     assert_int_not_equal(ta[0], tb[0]);
-    tp_expect_kv(c, b, 1, q, 0, 6);
     tp_check(c);
-    /* all 10 committed: a 12-token prompt sharing them reuses 10; a 2-token one its first */
+    /* all 10 committed: a 12-token prompt sharing them reuses 10; a 2-token one its first;
+       another namespace sees none of it */
     tp_commit(c, a, 10);
-    pkv_seq d = tp_seq(c, 1), e = tp_seq(c, 1), f = tp_seq(c, 2);
     memcpy(q, p, sizeof q);
     q[10] = -2;
-    assert_int_equal(pkv_seq_match_prefix(c, d, q, 12, &reused), 0);
-    assert_int_equal(reused, 10);
-    tp_expect_kv(c, d, 1, q, 0, 10);
-    assert_int_equal(pkv_seq_match_prefix(c, e, p, 2, &reused), 0);
-    assert_int_equal(reused, 1);
-    tp_expect_kv(c, e, 1, p, 0, 1);
-    /* another namespace sees none of it */
-    assert_int_equal(pkv_seq_match_prefix(c, f, q, 12, &reused), 0);
-    assert_int_equal(reused, 0);
+    pkv_seq d = tp_match(c, 1, q, 12, 10), e = tp_match(c, 1, p, 2, 1), f = tp_match(c, 2, q, 12, 0);
     tp_check(c);
     /* a truncated to nothing leaves the root list; d's copy (10 tokens) is found instead */
     assert_int_equal(pkv_seq_truncate(c, a, 0), 0);
     tp_check(c);
-    pkv_seq g = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, g, p, 16, &reused), 0);
-    assert_int_equal(reused, 10);
-    tp_expect_kv(c, g, 1, p, 0, 10);
+    pkv_seq g = tp_match(c, 1, p, 16, 10);
     /* d computes on to a full indexed root; a prompt leaving it at position 13 reuses 13 */
     tp_compute(c, d, 1, q, 10, 6);
     tp_commit(c, d, 16);
@@ -501,22 +480,15 @@ static void test_prefix_root_partial(void **state) {
     pkv_stats st;
     assert_int_equal(pkv_cache_get_stats(c, &st), 0);
     assert_int_equal(st.n_cached, 1);
-    int32_t r[16];
     memcpy(r, q, sizeof r);
     r[13] = -3;
-    pkv_seq h = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, h, r, 16, &reused), 0);
-    assert_int_equal(reused, 13);
-    tp_expect_kv(c, h, 1, r, 0, 13);
+    pkv_seq h = tp_match(c, 1, r, 16, 13);
     tp_check(c);
     /* every sequence gone: only the indexed root is left to match */
     const pkv_seq all[] = {a, b, e, f, g, h};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) assert_int_equal(pkv_seq_release(c, all[i]), 0);
     tp_check(c);
-    pkv_seq z = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, z, p, 16, &reused), 0);
-    assert_int_equal(reused, 10);
-    tp_expect_kv(c, z, 1, p, 0, 10);
+    (void)tp_match(c, 1, p, 16, 10);
     tp_check(c);
     pkv_cache_destroy(c);
 }
@@ -538,11 +510,7 @@ static void test_prefix_root_partial_pool_full(void **state) {
     pkv_stats st;
     assert_int_equal(pkv_cache_get_stats(c, &st), 0);
     assert_true(st.n_free == 0 && st.n_cached == 1);
-    pkv_seq m = tp_seq(c, 0);
-    uint32_t reused = 0;
-    assert_int_equal(pkv_seq_match_prefix(c, m, q, 4, &reused), 0);
-    assert_int_equal(reused, 1); /* [2] from y, not [2 1] from the CACHED root */
-    tp_expect_kv(c, m, 0, q, 0, 1);
+    (void)tp_match(c, 0, q, 4, 1); /* [2] from y, not [2 1] from the CACHED root */
     assert_int_equal(pkv_cache_get_stats(c, &st), 0);
     assert_true(st.n_free == 0 && st.n_cached == 0 && st.evictions == 1);
     tp_expect_kv(c, y, 0, running, 0, 3);

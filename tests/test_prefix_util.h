@@ -125,6 +125,17 @@ static inline void tp_expect_same(pkv_cache *c, pkv_seq a, pkv_seq b, uint32_t s
     free(vb);
 }
 
+/* A new sequence in namespace salt that matches toks[0 .. n): it must reuse exactly `want`
+ * tokens, holding the oracle's K/V for them. */
+static inline pkv_seq tp_match(pkv_cache *c, int salt, const int32_t *toks, uint32_t n, uint32_t want) {
+    pkv_seq s = tp_seq(c, salt);
+    uint32_t reused = 0xdeadbeef;
+    assert_int_equal(pkv_seq_match_prefix(c, s, toks, n, &reused), 0);
+    assert_int_equal(reused, want);
+    if (want) tp_expect_kv(c, s, salt, toks, 0, want);
+    return s;
+}
+
 static inline void tp_expect_info(pkv_cache *c, pkv_seq s, uint32_t len, uint32_t committed) {
     pkv_seq_info info;
     assert_int_equal(pkv_seq_get_info(c, s, &info), 0);
