@@ -617,7 +617,9 @@ class Cache:
     # -- prefix cache --
     def match_prefix(self, seq, tokens):
         """For an empty sequence and its prompt: attaches the longest indexed prefix; returns the
-        number of tokens reused (never the whole prompt)."""
+        number of tokens reused (never the whole prompt). Matching full blocks are shared; the
+        matching leading tokens of the next block are copied into a fresh block (best effort:
+        the 64 newest candidates; see pkv_seq_match_prefix in pkv.h)."""
         t = _i32_array(tokens, "match_prefix: tokens")
         out = _u32()
         _check(_lib.pkv_seq_match_prefix(self._h(), _seq_of(seq), _ptr(t), t.size, ctypes.byref(out)),

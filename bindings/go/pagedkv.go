@@ -475,7 +475,9 @@ func (c *Cache) Pin(s Seq, nPos uint32) (Seq, error) {
 }
 
 // MatchPrefix attaches the longest indexed prefix of tokens to the empty sequence s; returns
-// the tokens reused (never all of them).
+// the tokens reused (never all of them). Matching full blocks are shared; the matching leading
+// tokens of the next block are copied into a fresh block (best effort: the 64 newest
+// candidates; see pkv_seq_match_prefix in pkv.h).
 func (c *Cache) MatchPrefix(s Seq, tokens []int32) (uint32, error) {
 	n, err := u32(len(tokens), "MatchPrefix: tokens")
 	if err != nil {

@@ -682,7 +682,9 @@ impl Cache {
     // ---- prefix cache ----
 
     /// For an empty sequence and its prompt: attaches the longest indexed prefix; returns the
-    /// tokens reused (never the whole prompt).
+    /// tokens reused (never the whole prompt). Matching full blocks are shared; the matching
+    /// leading tokens of the next block are copied into a fresh block (best effort: the 64
+    /// newest candidates; see `pkv_seq_match_prefix` in pkv.h).
     pub fn match_prefix(&mut self, s: Seq, tokens: &[i32]) -> Result<u32> {
         let mut r = 0u32;
         let n = len_u32(tokens.len(), "match_prefix: tokens")?;
