@@ -25,31 +25,23 @@ static void test_prefix_same_prompt_full_blocks_only(void **state) {
     pkv_cache *c = tp_cache(16, 64, 3, PKV_DTYPE_F16, 1);
     int32_t p[100];
     tp_tokens(p, 100, 7);
-    pkv_seq a = tp_seq(c, 0);
-    tp_compute(c, a, 0, p, 0, 100);
-    tp_commit(c, a, 100);
+    pkv_seq a = tp_prompt(c, 0, p, 100);
     tp_expect_kv(c, a, 0, p, 0, 100); /* the oracle itself holds for the computing sequence */
     int32_t ta[8];
-    uint32_t na = tp_table(c, a, ta, 8);
-    assert_int_equal(na, 7);
+    assert_int_equal(tp_table(c, a, ta, 8), 7);
     assert_int_equal(pkv_seq_release(c, a), 0);
-    pkv_stats st;
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    pkv_stats st = tp_stats(c);
     assert_int_equal(st.n_cached, 6); /* the 6 indexed full blocks; the tail went FREE */
     assert_int_equal(st.n_indexed, 6);
     tp_check(c);
 
-    pkv_seq b = tp_seq(c, 0);
-    uint32_t reused = 0;
-    assert_int_equal(pkv_seq_match_prefix(c, b, p, 100, &reused), 0);
-    assert_int_equal(reused, 96);
+    pkv_seq b = tp_match(c, 0, p, 100, 96); /* K/V == what a computed over [0, 96), every layer */
     tp_check(c);
     int32_t tb[8];
     assert_int_equal(tp_table(c, b, tb, 8), 6);
     for (int i = 0; i < 6; i++) assert_int_equal(tb[i], ta[i]); /* the very same blocks */
     tp_expect_info(c, b, 96, 96);
-    tp_expect_kv(c, b, 0, p, 0, 96); /* == what a computed over [0, 96), every layer */
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    st = tp_stats(c);
     assert_int_equal(st.n_cached, 0);
     assert_int_equal(st.prefix_tokens_hit, 96);
     /* the engine computes the rest; the whole sequence then holds the oracle's K/V */
@@ -67,26 +59,19 @@ static void test_prefix_same_prompt_token_granular(void **state) {
     pkv_cache *c = tp_cache(16, 64, 3, PKV_DTYPE_F16, 1);
     int32_t p[100];
     tp_tokens(p, 100, 7);
-    pkv_seq a = tp_seq(c, 0);
-    tp_compute(c, a, 0, p, 0, 100);
-    tp_commit(c, a, 100);
-    pkv_stats before, after;
-    assert_int_equal(pkv_cache_get_stats(c, &before), 0);
+    pkv_seq a = tp_prompt(c, 0, p, 100);
+    pkv_stats before = tp_stats(c);
 
-    pkv_seq b = tp_seq(c, 0);
-    uint32_t reused = 0;
-    assert_int_equal(pkv_seq_match_prefix(c, b, p, 100, &reused), 0);
-    assert_int_equal(reused, 99);
+    pkv_seq b = tp_match(c, 0, p, 100, 99);
     tp_check(c);
     tp_expect_info(c, b, 99, 99);
     tp_expect_same(c, a, b, 0, 99); /* every layer, K and V, against the first sequence */
-    tp_expect_kv(c, b, 0, p, 0, 99);
     int32_t ta[8], tb[8];
     assert_int_equal(tp_table(c, a, ta, 8), 7);
     assert_int_equal(tp_table(c, b, tb, 8), 7);
     for (int i = 0; i < 6; i++) assert_int_equal(tb[i], ta[i]);
     assert_int_not_equal(tb[6], ta[6]); /* the 3 tail tokens were copied into a fresh block */
-    assert_int_equal(pkv_cache_get_stats(c, &after), 0);
+    pkv_stats after = tp_stats(c);
     assert_int_equal(after.prefix_tokens_hit - before.prefix_tokens_hit, 99);
     assert_int_equal(after.prefix_lookups - before.prefix_lookups, 1);
     assert_int_equal(after.prefix_tokens_queried - before.prefix_tokens_queried, 100);
@@ -109,16 +94,11 @@ static void test_prefix_diverge_inside_block(void **state) {
     pkv_cache *c = tp_cache(16, 64, 2, PKV_DTYPE_F32, 1);
     int32_t p[64], q[64];
     tp_tokens(p, 64, 3);
-    pkv_seq a = tp_seq(c, 1);
-    tp_compute(c, a, 1, p, 0, 64);
-    tp_commit(c, a, 64);
+    pkv_seq a = tp_prompt(c, 1, p, 64);
 
     memcpy(q, p, sizeof q);
     q[40] = 5000;
-    pkv_seq b = tp_seq(c, 1);
-    uint32_t reused = 0;
-    assert_int_equal(pkv_seq_match_prefix(c, b, q, 64, &reused), 0);
-    assert_int_equal(reused, 40);
+    pkv_seq b = tp_match(c, 1, q, 64, 40);
     tp_check(c);
     int32_t ta[4], tb[4];
     tp_table(c, a, ta, 4);
@@ -134,9 +114,7 @@ static void test_prefix_diverge_inside_block(void **state) {
 
     memcpy(q, p, sizeof q);
     q[5] = 5000;
-    pkv_seq d = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, d, q, 64, &reused), 0);
-    assert_int_equal(reused, 5);
+    pkv_seq d = tp_match(c, 1, q, 64, 5);
     tp_expect_info(c, d, 5, 5);
     int32_t td[4];
     assert_int_equal(tp_table(c, d, td, 4), 1);
@@ -149,9 +127,7 @@ static void test_prefix_diverge_inside_block(void **state) {
     tp_expect_kv(c, d, 1, q, 0, 64);
     tp_expect_kv(c, a, 1, p, 0, 64);
     /* the same divergence in another namespace reuses nothing */
-    pkv_seq e = tp_seq(c, 2);
-    assert_int_equal(pkv_seq_match_prefix(c, e, q, 64, &reused), 0);
-    assert_int_equal(reused, 0);
+    (void)tp_match(c, 2, q, 64, 0);
     tp_check(c);
     pkv_cache_destroy(c);
 }
@@ -163,13 +139,8 @@ static void test_prefix_full_match_then_cow(void **state) {
     pkv_cache *c = tp_cache(16, 32, 2, PKV_DTYPE_F16, 1);
     int32_t p[48];
     tp_tokens(p, 48, 11);
-    pkv_seq a = tp_seq(c, 0);
-    tp_compute(c, a, 0, p, 0, 48);
-    tp_commit(c, a, 48);
-    pkv_seq b = tp_seq(c, 0);
-    uint32_t reused = 0;
-    assert_int_equal(pkv_seq_match_prefix(c, b, p, 48, &reused), 0);
-    assert_int_equal(reused, 47);
+    pkv_seq a = tp_prompt(c, 0, p, 48);
+    pkv_seq b = tp_match(c, 0, p, 48, 47);
     tp_expect_info(c, b, 47, 47);
     int32_t ta[3], tb[3];
     tp_table(c, a, ta, 3);
@@ -178,10 +149,9 @@ static void test_prefix_full_match_then_cow(void **state) {
     pkv_seq_info info;
     assert_int_equal(pkv_seq_get_info(c, b, &info), 0);
     assert_int_equal(info.n_shared, 3);
-    pkv_stats before, after;
-    assert_int_equal(pkv_cache_get_stats(c, &before), 0);
+    pkv_stats before = tp_stats(c);
     tp_compute(c, b, 0, p, 47, 1);
-    assert_int_equal(pkv_cache_get_stats(c, &after), 0);
+    pkv_stats after = tp_stats(c);
     assert_int_equal(after.cow_copies - before.cow_copies, 1);
     assert_int_equal(tp_table(c, b, tb, 3), 3);
     assert_int_not_equal(tb[2], ta[2]);
@@ -198,13 +168,8 @@ static void test_prefix_b1_full_match(void **state) {
     pkv_cache *c = tp_cache(1, 32, 2, PKV_DTYPE_F16, 1);
     int32_t p[10];
     tp_tokens(p, 10, 17);
-    pkv_seq a = tp_seq(c, 0);
-    tp_compute(c, a, 0, p, 0, 10);
-    tp_commit(c, a, 10);
-    pkv_seq b = tp_seq(c, 0);
-    uint32_t reused = 0;
-    assert_int_equal(pkv_seq_match_prefix(c, b, p, 10, &reused), 0);
-    assert_int_equal(reused, 9);
+    pkv_seq a = tp_prompt(c, 0, p, 10);
+    pkv_seq b = tp_match(c, 0, p, 10, 9);
     pkv_seq_info info;
     assert_int_equal(pkv_seq_get_info(c, b, &info), 0);
     assert_int_equal(info.n_tokens, 9);
@@ -224,13 +189,8 @@ static void test_prefix_twin_indexed_once(void **state) {
     pkv_cache *c = tp_cache(16, 32, 1, PKV_DTYPE_F16, 1);
     int32_t p[49];
     tp_tokens(p, 49, 19);
-    pkv_seq a = tp_seq(c, 0), b = tp_seq(c, 0);
-    tp_compute(c, a, 0, p, 0, 48);
-    tp_commit(c, a, 48);
-    tp_compute(c, b, 0, p, 0, 48);
-    tp_commit(c, b, 48);
-    pkv_stats st;
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    pkv_seq a = tp_prompt(c, 0, p, 48), b = tp_prompt(c, 0, p, 48);
+    pkv_stats st = tp_stats(c);
     assert_int_equal(st.n_indexed, 3);
     int32_t ta[3], tb[3], tm[3];
     tp_table(c, a, ta, 3);
@@ -238,17 +198,13 @@ static void test_prefix_twin_indexed_once(void **state) {
     for (int i = 0; i < 3; i++) assert_int_not_equal(tb[i], ta[i]); /* b computed its own */
     assert_int_equal(pkv_seq_release(c, a), 0);
     assert_int_equal(pkv_seq_release(c, b), 0);
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    st = tp_stats(c);
     assert_int_equal(st.n_cached, 3);
     assert_int_equal(st.n_free, 29);
     tp_check(c);
-    pkv_seq d = tp_seq(c, 0);
-    uint32_t reused;
-    assert_int_equal(pkv_seq_match_prefix(c, d, p, 49, &reused), 0);
-    assert_int_equal(reused, 48);
+    pkv_seq d = tp_match(c, 0, p, 49, 48);
     assert_int_equal(tp_table(c, d, tm, 3), 3);
     assert_memory_equal(tm, ta, sizeof ta);
-    tp_expect_kv(c, d, 0, p, 0, 48);
     tp_check(c);
     pkv_cache_destroy(c);
 }
@@ -260,22 +216,11 @@ static void test_prefix_salt_isolation(void **state) {
     pkv_cache *c = tp_cache(8, 64, 1, PKV_DTYPE_F32, 1);
     int32_t p[41];
     tp_tokens(p, 41, 21);
-    pkv_seq a = tp_seq(c, 1); /* "tenant-a" */
-    tp_compute(c, a, 1, p, 0, 40);
-    tp_commit(c, a, 40);
-    uint32_t reused = 1;
-    pkv_seq b = tp_seq(c, 2); /* "tenant-b": same tokens, other tenant */
-    assert_int_equal(pkv_seq_match_prefix(c, b, p, 41, &reused), 0);
-    assert_int_equal(reused, 0);
-    pkv_seq n0 = tp_seq(c, 0); /* no salt */
-    assert_int_equal(pkv_seq_match_prefix(c, n0, p, 41, &reused), 0);
-    assert_int_equal(reused, 0);
-    pkv_seq ax = tp_seq(c, 3); /* "tenant-a\0x": a salt is bytes, not a C string */
-    assert_int_equal(pkv_seq_match_prefix(c, ax, p, 41, &reused), 0);
-    assert_int_equal(reused, 0);
-    pkv_seq a2 = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, a2, p, 41, &reused), 0);
-    assert_int_equal(reused, 40);
+    pkv_seq a = tp_prompt(c, 1, p, 40); /* "tenant-a" */
+    (void)tp_match(c, 2, p, 41, 0);     /* "tenant-b": same tokens, other tenant */
+    (void)tp_match(c, 0, p, 41, 0);     /* no salt */
+    (void)tp_match(c, 3, p, 41, 0);     /* "tenant-a\0x": a salt is bytes, not a C string */
+    pkv_seq a2 = tp_match(c, 1, p, 41, 40);
     tp_expect_same(c, a, a2, 0, 40);
 
     /* a salt of length 0 is the empty namespace, whatever the pointer */
@@ -284,6 +229,7 @@ static void test_prefix_salt_isolation(void **state) {
     tp_compute(c, e1, 0, p, 0, 16);
     tp_commit(c, e1, 16);
     assert_int_equal(pkv_seq_create(c, "ignored", 0, &e2), 0);
+    uint32_t reused = 1;
     assert_int_equal(pkv_seq_match_prefix(c, e2, p, 17, &reused), 0);
     assert_int_equal(reused, 16);
 
@@ -295,12 +241,8 @@ static void test_prefix_salt_isolation(void **state) {
     tp_tokens(longer + 40, 25, 22);
     tp_compute(c, f, 1, longer, 40, 24);
     tp_commit(c, f, 64);
-    pkv_seq a3 = tp_seq(c, 1), b3 = tp_seq(c, 2);
-    assert_int_equal(pkv_seq_match_prefix(c, a3, longer, 65, &reused), 0);
-    assert_int_equal(reused, 64);
-    tp_expect_kv(c, a3, 1, longer, 0, 64);
-    assert_int_equal(pkv_seq_match_prefix(c, b3, longer, 65, &reused), 0);
-    assert_int_equal(reused, 0);
+    (void)tp_match(c, 1, longer, 65, 64);
+    (void)tp_match(c, 2, longer, 65, 0);
     tp_check(c);
     pkv_cache_destroy(c);
 }
@@ -354,11 +296,7 @@ static void test_prefix_exchange_one_chain(void **state) {
         tp_expect_kv(c, b, 1, tb, 0, 12);
         const int32_t *prompts[2] = {t1, t2};
         for (int i = 0; i < 2; i++) {
-            pkv_seq m = tp_seq(c, 1);
-            uint32_t reused = 0;
-            assert_int_equal(pkv_seq_match_prefix(c, m, prompts[i], 9, &reused), 0);
-            assert_int_equal(reused, 8);
-            tp_expect_kv(c, m, 1, prompts[i], 0, 8);
+            (void)tp_match(c, 1, prompts[i], 9, 8);
             /* and their roots still on the root list (all on one under the test switch): a
                prompt that leaves each inside block 0 reuses its 2 leading tokens */
             int32_t q[9];
@@ -380,27 +318,19 @@ static void test_prefix_forced_hash_collision(void **state) {
     pkv__cache_test_const_hash(c, 1);
     int32_t p[49], q[49];
     tp_tokens(p, 49, 31);
-    pkv_seq a = tp_seq(c, 1);
-    tp_compute(c, a, 1, p, 0, 48);
-    tp_commit(c, a, 48);
+    pkv_seq a = tp_prompt(c, 1, p, 48);
     /* a second chain in the same (single) hash bucket, sharing nothing */
     int32_t o[49];
     tp_tokens(o, 49, 32);
-    pkv_seq a_other = tp_seq(c, 1);
-    tp_compute(c, a_other, 1, o, 0, 48);
-    tp_commit(c, a_other, 48);
-    pkv_stats st;
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    (void)tp_prompt(c, 1, o, 48);
+    pkv_stats st = tp_stats(c);
     assert_int_equal(st.n_indexed, 6);
     tp_check(c);
 
-    uint32_t reused;
     /* differs at position 20 (block 1): block 0 attached, 4 tokens of block 1 copied */
     memcpy(q, p, sizeof q);
     q[20] = 7777;
-    pkv_seq b = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, b, q, 49, &reused), 0);
-    assert_int_equal(reused, 20);
+    pkv_seq b = tp_match(c, 1, q, 49, 20);
     tp_expect_same(c, a, b, 0, 20);
     int32_t ta[3], tb[3];
     tp_table(c, a, ta, 3);
@@ -411,30 +341,16 @@ static void test_prefix_forced_hash_collision(void **state) {
        (on the one root list) that shares them */
     memcpy(q, p, sizeof q);
     q[15] = 7777;
-    pkv_seq d = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, d, q, 49, &reused), 0);
-    assert_int_equal(reused, 15);
-    tp_expect_same(c, a, d, 0, 15);
+    tp_expect_same(c, a, tp_match(c, 1, q, 49, 15), 0, 15);
     /* block 1 of the other chain under block 0 of this one: parent must match too */
     memcpy(q, p, sizeof q);
     memcpy(q + 16, o + 16, 16 * sizeof(int32_t));
-    pkv_seq d2 = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, d2, q, 49, &reused), 0);
-    assert_int_equal(reused, 16);
-    tp_expect_same(c, a, d2, 0, 16);
+    tp_expect_same(c, a, tp_match(c, 1, q, 49, 16), 0, 16);
     /* other namespace, identical tokens: nothing */
-    pkv_seq e = tp_seq(c, 2);
-    assert_int_equal(pkv_seq_match_prefix(c, e, p, 49, &reused), 0);
-    assert_int_equal(reused, 0);
+    (void)tp_match(c, 2, p, 49, 0);
     /* the real thing still hits */
-    pkv_seq g = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, g, p, 49, &reused), 0);
-    assert_int_equal(reused, 48);
-    tp_expect_kv(c, g, 1, p, 0, 48);
-    pkv_seq g2 = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, g2, o, 49, &reused), 0);
-    assert_int_equal(reused, 48);
-    tp_expect_kv(c, g2, 1, o, 0, 48);
+    (void)tp_match(c, 1, p, 49, 48);
+    (void)tp_match(c, 1, o, 49, 48);
     tp_check(c);
     pkv_cache_destroy(c);
 }
@@ -477,9 +393,7 @@ static void test_prefix_root_partial(void **state) {
     tp_compute(c, d, 1, q, 10, 6);
     tp_commit(c, d, 16);
     assert_int_equal(pkv_seq_release(c, d), 0); /* d's root: CACHED, still on its list */
-    pkv_stats st;
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
-    assert_int_equal(st.n_cached, 1);
+    assert_int_equal(tp_stats(c).n_cached, 1);
     memcpy(r, q, sizeof r);
     r[13] = -3;
     pkv_seq h = tp_match(c, 1, r, 16, 13);
@@ -500,18 +414,13 @@ static void test_prefix_root_partial_pool_full(void **state) {
     (void)state;
     pkv_cache *c = tp_cache(4, 3, 1, PKV_DTYPE_F32, 1);
     const int32_t cached[4] = {2, 1, 1, 9}, running[3] = {2, 3, 3}, other[4] = {7, 7, 7, 7}, q[4] = {2, 1, 2, 1};
-    pkv_seq x = tp_seq(c, 0), y = tp_seq(c, 0), z = tp_seq(c, 0);
-    tp_compute(c, x, 0, cached, 0, 4);
-    tp_commit(c, x, 4);
-    assert_int_equal(pkv_seq_release(c, x), 0);
-    tp_compute(c, y, 0, running, 0, 3);
-    tp_commit(c, y, 3);
+    assert_int_equal(pkv_seq_release(c, tp_prompt(c, 0, cached, 4)), 0);
+    pkv_seq y = tp_prompt(c, 0, running, 3), z = tp_seq(c, 0);
     tp_compute(c, z, 0, other, 0, 4);
-    pkv_stats st;
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    pkv_stats st = tp_stats(c);
     assert_true(st.n_free == 0 && st.n_cached == 1);
     (void)tp_match(c, 0, q, 4, 1); /* [2] from y, not [2 1] from the CACHED root */
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    st = tp_stats(c);
     assert_true(st.n_free == 0 && st.n_cached == 0 && st.evictions == 1);
     tp_expect_kv(c, y, 0, running, 0, 3);
     tp_check(c);
@@ -527,28 +436,16 @@ static void test_prefix_uncommitted_not_matched(void **state) {
     tp_tokens(p, 33, 41);
     pkv_seq a = tp_seq(c, 0);
     tp_compute(c, a, 0, p, 0, 32); /* written but not committed */
-    uint32_t reused = 9;
-    pkv_seq b = tp_seq(c, 0);
-    assert_int_equal(pkv_seq_match_prefix(c, b, p, 33, &reused), 0);
-    assert_int_equal(reused, 0);
-    pkv_stats st;
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
-    assert_int_equal(st.n_indexed, 0);
+    pkv_seq b = tp_match(c, 0, p, 33, 0);
+    assert_int_equal(tp_stats(c).n_indexed, 0);
     assert_int_equal(pkv_seq_release(c, b), 0);
 
     tp_commit(c, a, 20); /* block 0 full and committed, block 1 committed up to 4 tokens */
-    pkv_seq b2 = tp_seq(c, 0);
-    assert_int_equal(pkv_seq_match_prefix(c, b2, p, 33, &reused), 0);
-    assert_int_equal(reused, 20);
-    tp_expect_same(c, a, b2, 0, 20);
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
-    assert_int_equal(st.n_indexed, 1);
+    tp_expect_same(c, a, tp_match(c, 0, p, 33, 20), 0, 20);
+    assert_int_equal(tp_stats(c).n_indexed, 1);
 
     tp_commit(c, a, 32);
-    pkv_seq b3 = tp_seq(c, 0);
-    assert_int_equal(pkv_seq_match_prefix(c, b3, p, 33, &reused), 0);
-    assert_int_equal(reused, 32);
-    tp_expect_kv(c, b3, 0, p, 0, 32);
+    (void)tp_match(c, 0, p, 33, 32);
     tp_check(c);
     pkv_cache_destroy(c);
 }
@@ -562,13 +459,8 @@ static void test_prefix_truncate_keeps_reused_blocks(void **state) {
     tp_tokens(p, 64, 51);
     memcpy(q, p, 48 * sizeof(int32_t));
     tp_tokens(q + 48, 16, 52);
-    pkv_seq a = tp_seq(c, 0);
-    tp_compute(c, a, 0, p, 0, 64);
-    tp_commit(c, a, 64);
-    pkv_seq b = tp_seq(c, 0);
-    uint32_t reused;
-    assert_int_equal(pkv_seq_match_prefix(c, b, q, 64, &reused), 0);
-    assert_int_equal(reused, 48);
+    pkv_seq a = tp_prompt(c, 0, p, 64);
+    pkv_seq b = tp_match(c, 0, q, 64, 48);
     int32_t tb_before[4], tb_after[4];
     tp_table(c, b, tb_before, 4);
 
@@ -593,10 +485,7 @@ static void test_prefix_truncate_keeps_reused_blocks(void **state) {
     assert_int_equal(tp_table(c, b, tb_after, 4), 4);
     assert_int_not_equal(tb_after[2], tb_before[2]);
     tp_expect_kv(c, b, 0, q, 0, 64);
-    pkv_seq d = tp_seq(c, 0);
-    assert_int_equal(pkv_seq_match_prefix(c, d, p, 49, &reused), 0);
-    assert_int_equal(reused, 48); /* the original chain of p is intact */
-    tp_expect_kv(c, d, 0, p, 0, 48);
+    (void)tp_match(c, 0, p, 49, 48); /* the original chain of p is intact */
     tp_check(c);
     pkv_cache_destroy(c);
 }
@@ -608,18 +497,14 @@ static void test_prefix_reused_count_follows_truncate(void **state) {
     pkv_cache *c = tp_cache(16, 64, 2, PKV_DTYPE_F16, 1);
     int32_t p[64];
     tp_tokens(p, 64, 61);
-    pkv_seq a = tp_seq(c, 0);
-    tp_compute(c, a, 0, p, 0, 64);
-    tp_commit(c, a, 64);
-    pkv_seq b = tp_seq(c, 0);
-    uint32_t reused;
+    (void)tp_prompt(c, 0, p, 64);
+    pkv_seq b = tp_match(c, 0, p, 49, 48);
     pkv_seq_info in;
-    assert_int_equal(pkv_seq_match_prefix(c, b, p, 49, &reused), 0);
-    assert_int_equal(reused, 48);
     assert_int_equal(pkv_seq_truncate(c, b, 20), 0);
     assert_int_equal(pkv_seq_get_info(c, b, &in), 0);
     assert_int_equal(in.n_reused, 20);
     assert_int_equal(pkv_seq_truncate(c, b, 0), 0);
+    uint32_t reused = 1;
     assert_int_equal(pkv_seq_match_prefix(c, b, p, 1, &reused), 0); /* one token: nothing to attach */
     assert_int_equal(reused, 0);
     assert_int_equal(pkv_seq_get_info(c, b, &in), 0);
@@ -638,13 +523,8 @@ static void test_prefix_huge_prompt(void **state) {
     int32_t *tok = mmap(NULL, n * sizeof(int32_t), PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (tok == MAP_FAILED) skip();
     pkv_cache *c = tp_cache(16, 64, 2, PKV_DTYPE_F16, 1);
-    pkv_seq a = tp_seq(c, 0);
-    tp_compute(c, a, 0, tok, 0, 32);
-    tp_commit(c, a, 32);
-    pkv_seq b = tp_seq(c, 0);
-    uint32_t reused = 0;
-    assert_int_equal(pkv_seq_match_prefix(c, b, tok, (uint32_t)n, &reused), 0);
-    assert_int_equal(reused, 32);
+    (void)tp_prompt(c, 0, tok, 32);
+    (void)tp_match(c, 0, tok, (uint32_t)n, 32);
     tp_check(c);
     pkv_cache_destroy(c);
     munmap(tok, n * sizeof(int32_t));
@@ -657,19 +537,14 @@ static void test_prefix_write_into_indexed_rejected(void **state) {
     pkv_cache *c = tp_cache(16, 64, 1, PKV_DTYPE_F32, 1);
     int32_t p[48];
     tp_tokens(p, 48, 61);
-    pkv_seq a = tp_seq(c, 0);
-    tp_compute(c, a, 0, p, 0, 32);
-    tp_commit(c, a, 32);
+    pkv_seq a = tp_prompt(c, 0, p, 32);
     float kv[32 * TP_H * TP_D]; /* up to 32 tokens */
     for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++) kv[i] = 42.0f;
     int32_t slots[32];
     assert_int_equal(pkv_seq_slots(c, a, 0, 32, slots), 0);
     for (int i = 0; i < 32; i++) assert_int_equal(pkv_write_kv(c, 0, &slots[i], 1, kv, kv, PKV_DTYPE_F32), PKV_EINVAL);
     /* through the reusing sequence's slots: the same blocks */
-    pkv_seq b = tp_seq(c, 0);
-    uint32_t reused;
-    assert_int_equal(pkv_seq_match_prefix(c, b, p, 33, &reused), 0);
-    assert_int_equal(reused, 32);
+    pkv_seq b = tp_match(c, 0, p, 33, 32);
     assert_int_equal(pkv_seq_slots(c, b, 0, 32, slots), 0);
     assert_int_equal(pkv_write_kv(c, 0, slots, 32, kv, NULL, PKV_DTYPE_F32), PKV_EINVAL);
     assert_int_equal(pkv_write_kv(c, 0, slots + 31, 1, NULL, kv, PKV_DTYPE_F32), PKV_EINVAL);
@@ -688,27 +563,21 @@ static void test_prefix_write_into_indexed_rejected(void **state) {
     assert_int_equal(pkv_write_kv(c, 0, &cached_slot, 1, kv, kv, PKV_DTYPE_F32), PKV_EINVAL);
     /* truncate keeps an indexed block indexed: its slots past the new length stay read-only,
        and appending copies it first */
-    pkv_seq d = tp_seq(c, 0);
-    assert_int_equal(pkv_seq_match_prefix(c, d, p, 33, &reused), 0);
-    assert_int_equal(reused, 32);
+    pkv_seq d = tp_match(c, 0, p, 33, 32);
     assert_int_equal(pkv_seq_truncate(c, d, 20), 0);
     int32_t tab[2];
     assert_int_equal(tp_table(c, d, tab, 2), 2);
     int32_t past = tab[1] * 16 + 9; /* position 25: no longer in d, but indexed */
     assert_int_equal(pkv_write_kv(c, 0, &past, 1, kv, kv, PKV_DTYPE_F32), PKV_EINVAL);
-    pkv_stats s0, s1;
-    assert_int_equal(pkv_cache_get_stats(c, &s0), 0);
+    pkv_stats s0 = tp_stats(c);
     int32_t alt[48];
     memcpy(alt, p, 20 * sizeof(int32_t));
     tp_tokens(alt + 20, 28, 62);
     tp_compute(c, d, 0, alt, 20, 6);
-    assert_int_equal(pkv_cache_get_stats(c, &s1), 0);
+    pkv_stats s1 = tp_stats(c);
     assert_int_equal(s1.cow_copies - s0.cow_copies, 1);
     tp_expect_kv(c, d, 0, alt, 0, 26);
-    pkv_seq g = tp_seq(c, 0);
-    assert_int_equal(pkv_seq_match_prefix(c, g, p, 33, &reused), 0);
-    assert_int_equal(reused, 32);
-    tp_expect_kv(c, g, 0, p, 0, 32);
+    (void)tp_match(c, 0, p, 33, 32);
     tp_check(c);
     pkv_cache_destroy(c);
 }
@@ -718,17 +587,14 @@ static void test_prefix_match_nonempty_einval(void **state) {
     pkv_cache *c = tp_cache(16, 32, 1, PKV_DTYPE_F16, 1);
     int32_t p[40];
     tp_tokens(p, 40, 71);
-    pkv_seq a = tp_seq(c, 0);
-    tp_compute(c, a, 0, p, 0, 32);
-    tp_commit(c, a, 32);
+    pkv_seq a = tp_prompt(c, 0, p, 32);
     pkv_seq b = tp_seq(c, 0);
     tp_compute(c, b, 0, p, 0, 3);
-    pkv_stats s0, s1;
-    assert_int_equal(pkv_cache_get_stats(c, &s0), 0);
+    pkv_stats s0 = tp_stats(c);
     uint32_t reused = 1234;
     assert_int_equal(pkv_seq_match_prefix(c, b, p, 40, &reused), PKV_EINVAL);
     assert_int_equal(pkv_seq_match_prefix(c, a, p, 40, &reused), PKV_EINVAL);
-    assert_int_equal(pkv_cache_get_stats(c, &s1), 0);
+    pkv_stats s1 = tp_stats(c);
     assert_int_equal(s1.prefix_lookups, s0.prefix_lookups);
     assert_int_equal(s1.n_active, s0.n_active);
     tp_expect_info(c, b, 3, 0);
@@ -760,17 +626,10 @@ static void test_prefix_disabled_no_reuse(void **state) {
     pkv_cache *c = tp_cache(16, 32, 1, PKV_DTYPE_F16, 0);
     int32_t p[49];
     tp_tokens(p, 49, 81);
-    pkv_seq a = tp_seq(c, 0);
-    tp_compute(c, a, 0, p, 0, 48);
-    tp_commit(c, a, 48);
-    pkv_seq b = tp_seq(c, 0);
-    uint32_t reused = 77;
-    assert_int_equal(pkv_seq_match_prefix(c, b, p, 49, &reused), 0);
-    assert_int_equal(reused, 0);
-    tp_expect_info(c, b, 0, 0);
+    pkv_seq a = tp_prompt(c, 0, p, 48);
+    tp_expect_info(c, tp_match(c, 0, p, 49, 0), 0, 0);
     assert_int_equal(pkv_seq_release(c, a), 0);
-    pkv_stats st;
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    pkv_stats st = tp_stats(c);
     assert_int_equal(st.n_indexed, 0);
     assert_int_equal(st.n_cached, 0);
     assert_int_equal(st.n_free, 32);
@@ -782,8 +641,7 @@ static void test_prefix_disabled_no_reuse(void **state) {
 /* ---- stats: misses by reason ------------------------------------------------------------------ */
 
 static void expect_misses(pkv_cache *c, uint64_t n_new, uint64_t n_evicted, uint64_t n_ns) {
-    pkv_stats st;
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    pkv_stats st = tp_stats(c);
     assert_int_equal(st.prefix_miss_new, n_new);
     assert_int_equal(st.prefix_miss_evicted, n_evicted);
     assert_int_equal(st.prefix_miss_namespace, n_ns);
@@ -795,40 +653,29 @@ static void test_prefix_miss_reasons(void **state) {
     int32_t p[9], q[9], p2[9];
     tp_tokens(p, 9, 91);
     tp_tokens(q, 9, 92);
-    uint32_t reused;
     /* 1. nothing indexed yet: never seen */
-    pkv_seq s = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, s, p, 9, &reused), 0);
-    assert_int_equal(reused, 0);
+    pkv_seq s = tp_match(c, 1, p, 9, 0);
     expect_misses(c, 1, 0, 0);
     /* compute p under tenant-a (2 full blocks indexed) and release it */
     tp_compute(c, s, 1, p, 0, 9);
     tp_commit(c, s, 9);
     assert_int_equal(pkv_seq_release(c, s), 0);
     /* 2. a full hit (8 of 9) is no miss */
-    s = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, s, p, 9, &reused), 0);
-    assert_int_equal(reused, 8);
+    s = tp_match(c, 1, p, 9, 8);
     expect_misses(c, 1, 0, 0);
     assert_int_equal(pkv_seq_release(c, s), 0);
     /* 3. same tokens, tenant-b: other namespace */
-    s = tp_seq(c, 2);
-    assert_int_equal(pkv_seq_match_prefix(c, s, p, 9, &reused), 0);
-    assert_int_equal(reused, 0);
+    s = tp_match(c, 2, p, 9, 0);
     expect_misses(c, 1, 0, 1);
     assert_int_equal(pkv_seq_release(c, s), 0);
     /* 4. other tokens, tenant-a: never seen */
-    s = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, s, q, 9, &reused), 0);
-    assert_int_equal(reused, 0);
+    s = tp_match(c, 1, q, 9, 0);
     expect_misses(c, 2, 0, 1);
     assert_int_equal(pkv_seq_release(c, s), 0);
     /* 5. block 0 hits, block 1 never seen (diverges at its first token: no partial copy) */
     memcpy(p2, p, sizeof p2);
     p2[4] = 999;
-    s = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, s, p2, 9, &reused), 0);
-    assert_int_equal(reused, 4);
+    s = tp_match(c, 1, p2, 9, 4);
     expect_misses(c, 3, 0, 1);
     assert_int_equal(pkv_seq_release(c, s), 0);
     /* 6. fill the whole pool: both cached blocks are evicted; p is then an evicted miss */
@@ -836,16 +683,13 @@ static void test_prefix_miss_reasons(void **state) {
     int32_t fill[64];
     tp_tokens(fill, 64, 93);
     tp_compute(c, w, 0, fill, 0, 64);
-    pkv_stats st;
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    pkv_stats st = tp_stats(c);
     assert_int_equal(st.evictions, 2);
     assert_int_equal(st.n_indexed, 0);
     assert_int_equal(pkv_seq_release(c, w), 0);
-    s = tp_seq(c, 1);
-    assert_int_equal(pkv_seq_match_prefix(c, s, p, 9, &reused), 0);
-    assert_int_equal(reused, 0);
+    (void)tp_match(c, 1, p, 9, 0);
     expect_misses(c, 3, 1, 1);
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    st = tp_stats(c);
     assert_int_equal(st.prefix_lookups, 6);
     assert_int_equal(st.prefix_tokens_queried, 54);
     assert_int_equal(st.prefix_tokens_hit, 12);
@@ -864,25 +708,17 @@ static void test_prefix_miss_reasons_full_index(void **state) {
     int32_t p[5];
     for (uint32_t i = 0; i < N; i++) {
         tp_tokens(p, 4, 1000 + i);
-        pkv_seq s = tp_seq(c, 1);
-        tp_compute(c, s, 1, p, 0, 4);
-        tp_commit(c, s, 4);
-        assert_int_equal(pkv_seq_release(c, s), 0);
+        assert_int_equal(pkv_seq_release(c, tp_prompt(c, 1, p, 4)), 0);
     }
-    pkv_stats st;
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    pkv_stats st = tp_stats(c);
     assert_int_equal(st.n_indexed, N);
     assert_int_equal(st.n_cached, N);
     for (uint32_t i = 0; i < N; i++) {
         tp_tokens(p, 4, 1000 + i);
         p[4] = 7;
-        pkv_seq s = tp_seq(c, 2);
-        uint32_t reused = 1;
-        assert_int_equal(pkv_seq_match_prefix(c, s, p, 5, &reused), 0);
-        assert_int_equal(reused, 0);
-        assert_int_equal(pkv_seq_release(c, s), 0);
+        assert_int_equal(pkv_seq_release(c, tp_match(c, 2, p, 5, 0)), 0);
     }
-    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    st = tp_stats(c);
     assert_int_equal(st.prefix_miss_new + st.prefix_miss_namespace, N);
     assert_int_equal(st.prefix_miss_evicted, 0);
     if (st.prefix_miss_namespace < N * 93 / 100)

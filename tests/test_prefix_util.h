@@ -81,6 +81,20 @@ static inline void tp_compute(pkv_cache *c, pkv_seq s, int salt, const int32_t *
 
 static inline void tp_commit(pkv_cache *c, pkv_seq s, uint32_t n) { assert_int_equal(pkv_seq_commit(c, s, n), 0); }
 
+/* A new sequence in namespace salt that has computed and committed toks[0 .. n). */
+static inline pkv_seq tp_prompt(pkv_cache *c, int salt, const int32_t *toks, uint32_t n) {
+    pkv_seq s = tp_seq(c, salt);
+    tp_compute(c, s, salt, toks, 0, n);
+    tp_commit(c, s, n);
+    return s;
+}
+
+static inline pkv_stats tp_stats(pkv_cache *c) {
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(c, &st), 0);
+    return st;
+}
+
 /* Positions [start, start + n) of s hold the oracle's K/V for toks in namespace salt. */
 static inline void tp_expect_kv(pkv_cache *c, pkv_seq s, int salt, const int32_t *toks, uint32_t start, uint32_t n) {
     pkv_config cfg;
