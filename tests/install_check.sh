@@ -2,7 +2,8 @@
 # install_check.sh BUILD_DIR SOURCE_DIR CC [PYTHON]: what the README promises of an installed
 # pagedkv. Installs BUILD_DIR into a scratch prefix, then builds and runs the README example
 # (examples/readme_example.c) against that prefix through pkg-config and through CMake's
-# find_package(pkv), and, with PYTHON (one that imports numpy), imports the installed Python
+# find_package(pkv), then inside another project through add_subdirectory (and that project's
+# install, libdir lib/x86_64-linux-gnu, through pkg-config), and, with PYTHON (one that imports numpy), imports the installed Python
 # module from <prefix>/<libdir>/pkv/python and checks it loaded the installed library. Exits
 # non-zero, saying which step failed, if any does.
 set -euo pipefail
@@ -40,6 +41,39 @@ cmake -S "$tmp/consumer" -B "$tmp/consumer/build" -DCMAKE_PREFIX_PATH="$tmp/pref
     >"$tmp/consumer.log" 2>&1 || { cat "$tmp/consumer.log"; fail "find_package(pkv) failed"; }
 cmake --build "$tmp/consumer/build" >>"$tmp/consumer.log" 2>&1 || { cat "$tmp/consumer.log"; fail "the find_package build failed"; }
 "$tmp/consumer/build/example" || fail "the README example built through find_package failed"
+
+# add_subdirectory(pkv) in another project (what FetchContent does too), with a libdir two
+# levels deep as Debian's: the parent's tree must not stand in for pagedkv's own, only the
+# library is built, pkv::pkv links, and the parent's install gives a pkv.pc that points at it
+mkdir -p "$tmp/parent"
+cat >"$tmp/parent/CMakeLists.txt" <<CMAKE
+cmake_minimum_required(VERSION 3.16)
+project(parent C)
+add_subdirectory($src pkv)
+add_executable(example $src/examples/readme_example.c)
+target_link_libraries(example PRIVATE pkv::pkv)
+foreach(t pkv_cli test_core_basic)
+  if(TARGET \${t})
+    message(FATAL_ERROR "add_subdirectory(pkv) built \${t}: only the library is built inside another project")
+  endif()
+endforeach()
+CMAKE
+cmake -S "$tmp/parent" -B "$tmp/parent/build" -DCMAKE_C_COMPILER="$cc" -DCMAKE_BUILD_TYPE=Debug \
+    -DCMAKE_INSTALL_LIBDIR=lib/x86_64-linux-gnu >"$tmp/parent.log" 2>&1 ||
+    { cat "$tmp/parent.log"; fail "add_subdirectory(pkv) failed to configure"; }
+cmake --build "$tmp/parent/build" >>"$tmp/parent.log" 2>&1 || { cat "$tmp/parent.log"; fail "the add_subdirectory build failed"; }
+"$tmp/parent/build/example" || fail "the README example built through add_subdirectory failed"
+cmake --install "$tmp/parent/build" --prefix "$tmp/deep" >/dev/null || fail "the parent's cmake --install failed"
+pc2="$tmp/deep/lib/x86_64-linux-gnu/pkgconfig"
+[ -f "$pc2/pkv.pc" ] || fail "no pkv.pc in $pc2"
+[ "$(PKG_CONFIG_PATH=$pc2 pkg-config --variable=includedir pkv)" -ef "$tmp/deep/include" ] ||
+    fail "pkv.pc under lib/x86_64-linux-gnu names includedir $(PKG_CONFIG_PATH=$pc2 pkg-config --variable=includedir pkv)"
+flags=$(PKG_CONFIG_PATH=$pc2 pkg-config --cflags --libs pkv) || fail "pkg-config pkv (deep libdir) failed"
+# shellcheck disable=SC2086
+"$cc" -std=c11 -Wall -Werror -o "$tmp/example_deep" "$src/examples/readme_example.c" $flags ||
+    fail "the README example does not build through pkg-config under lib/x86_64-linux-gnu ($flags)"
+LD_LIBRARY_PATH="$tmp/deep/lib/x86_64-linux-gnu" "$tmp/example_deep" ||
+    fail "the README example built through pkg-config under lib/x86_64-linux-gnu failed"
 
 # the Python module, from where it was installed, with the library beside it
 if [ -n "$py" ]; then
