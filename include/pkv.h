@@ -9,6 +9,14 @@
  *   committed    positions whose K/V are written for every layer; only committed full blocks
  *                enter the prefix index.
  *   cached block refcount 0 but still in the prefix index; evictable (LRU, leaves first).
+ *
+ * Threads: one cache may be used from many threads at once. Calls on different sequences may
+ * overlap freely; no two threads may use the same sequence at once (a call that names a
+ * sequence, or reads it: pkv_seq_fork and pkv_pin_create read their source, pkv_attn_* read
+ * every sequence of the batch), and nothing may change a sequence while an attention call reads
+ * it. Metadata calls take the cache's lock for a short critical section; pkv_write_kv copies
+ * without it; attention calls are serialized among themselves (they share the cache's threads
+ * and scratch). pkv_cache_destroy comes after every other call has returned.
  */
 #ifndef PKV_H
 #define PKV_H
@@ -34,10 +42,15 @@ extern "C" {
 #define PKV_API
 #endif
 
+/* Statuses are meant to be checked: GCC and Clang warn where one is dropped. GCC's warning is
+ * not silenced by a (void) cast; define PKV_NODISCARD empty before including pkv.h to turn it
+ * off (e.g. for cleanup paths under -Werror). */
+#ifndef PKV_NODISCARD
 #if defined(__GNUC__)
 #define PKV_NODISCARD __attribute__((warn_unused_result))
 #else
 #define PKV_NODISCARD
+#endif
 #endif
 
 /* ---- status codes: values never change once released ------------------------------------ */
@@ -48,8 +61,8 @@ enum {
     PKV_ENOSPC = -3,   /* no block available, even after evicting every cached block */
     PKV_ENOENT = -4,   /* unknown or stale sequence id */
     PKV_ELIMIT = -5,   /* max_seqs or max_blocks_per_seq would be exceeded */
-    PKV_ECORRUPT = -6, /* the checker or a tier found a broken invariant / bad data */
-    PKV_EIO = -7,      /* I/O error (tiers, model files) */
+    PKV_ECORRUPT = -6, /* the checker found a broken invariant */
+    PKV_EIO = -7,      /* I/O error (reserved for storage tiers: no call of this version returns it) */
     PKV_ENOTSUP = -8,  /* valid request this build or configuration does not support */
     PKV_EBUSY = -9     /* the object is in use (e.g. a block shared with another sequence) */
 };
@@ -82,7 +95,7 @@ PKV_API PKV_NODISCARD int pkv_dtype_from_name(const char *name, pkv_dtype *out);
 /* Allocator hook (zstd customMem style). alloc returns memory aligned to `align` (a power of
  * two, >= sizeof(void*)) or NULL; free receives the pointer and the size it was asked for.
  * alloc == NULL selects the default (aligned_alloc/free). The library calls it only in
- * pkv_cache_create (and tiers' create calls), never on the hot path. */
+ * pkv_cache_create, never on the hot path. */
 typedef struct pkv_allocator {
     void *(*alloc)(void *ctx, size_t size, size_t align);
     void (*free)(void *ctx, void *ptr, size_t size);
@@ -162,7 +175,9 @@ typedef uint64_t pkv_seq;
 
 /* Creates a cache: allocates the whole pool, the metadata and the attention thread pool now;
  * nothing is allocated later. PKV_EINVAL for a bad config, PKV_ENOMEM, PKV_ENOTSUP (e.g. a
- * PKV_ATTN_BACKEND this CPU or build lacks: see pkv_attn_backend). */
+ * PKV_ATTN_BACKEND this CPU or build lacks: see pkv_attn_backend). When it refuses, it says why
+ * through cfg->log at PKV_LOG_ERROR first, one message naming the field or variable and its
+ * value (e.g. "pkv_cache_create: k_dtype q8_0 needs head_dim a multiple of 32, not 48"). */
 PKV_API PKV_NODISCARD int pkv_cache_create(const pkv_config *cfg, pkv_cache **out);
 /* Frees everything; NULL is a no-op. Outstanding sequence ids become invalid. */
 PKV_API void pkv_cache_destroy(pkv_cache *c);
@@ -229,9 +244,11 @@ PKV_API PKV_NODISCARD int pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t 
 PKV_API PKV_NODISCARD int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n,
                                        const void *k, const void *v, pkv_dtype in_dtype);
 
-/* Positions [0, n_pos) of s now hold K/V for every layer. Full blocks in that range enter the
- * prefix index (when enabled). n_pos may not exceed the length; committing less than is
- * already committed is a no-op. */
+/* The caller's promise that positions [0, n_pos) of s now hold K/V for every layer: the library
+ * cannot check it (K/V never written read as whatever the block held). Full blocks in that
+ * range enter the prefix index (when enabled), and committed positions are what
+ * pkv_seq_match_prefix hands to other sequences. n_pos may not exceed the length; committing
+ * less than is already committed is a no-op. */
 PKV_API PKV_NODISCARD int pkv_seq_commit(pkv_cache *c, pkv_seq s, uint32_t n_pos);
 
 /* New sequence sharing every block of parent (refcounts + 1, no data copied), same length,
@@ -337,7 +354,7 @@ PKV_API PKV_NODISCARD int pkv_seq_get_info(pkv_cache *c, pkv_seq s, pkv_seq_info
 PKV_API PKV_NODISCARD int pkv_seq_slots(pkv_cache *c, pkv_seq s, uint32_t start, uint32_t n, int32_t *slots);
 
 /* Copies the block table (block ids, int32) into out[0 .. cap); *n_out = its length.
- * PKV_EINVAL if cap is smaller than the length (nothing written). */
+ * PKV_EINVAL if cap is smaller than the length: nothing copied, *n_out = the length needed. */
 PKV_API PKV_NODISCARD int pkv_seq_block_table(pkv_cache *c, pkv_seq s, int32_t *out, uint32_t cap,
                                               uint32_t *n_out);
 
@@ -366,9 +383,11 @@ PKV_API PKV_NODISCARD int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint
  * blocks and committed partial tail blocks that follow the last matched block (with none
  * matched, the first blocks of s's namespace that begin with tokens[0]), the one sharing the
  * most, of the 64 most recently indexed or registered (best effort; full blocks are always
- * found). Reuses at most n - 1 tokens (the last prompt token must be computed). On return s
- * has length *n_reused, all committed; append the rest with pkv_seq_append. PKV_EINVAL if s is
- * not empty. With the prefix cache disabled it attaches nothing (*n_reused = 0). No block free
+ * found). A partial tail block is a candidate only while a sequence holds it: released, it
+ * goes FREE (only full blocks stay CACHED), so once its holder is gone the same prompt reuses
+ * the full blocks only. Reuses at most n - 1 tokens (the last prompt token must be computed).
+ * On return s has length *n_reused, all committed; append the rest with pkv_seq_append.
+ * PKV_EINVAL if s is not empty. With the prefix cache disabled it attaches nothing (*n_reused = 0). No block free
  * or evictable for the copy: the copy is skipped, not an error. */
 PKV_API PKV_NODISCARD int pkv_seq_match_prefix(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
                                                uint32_t *n_reused);
@@ -445,6 +464,7 @@ enum { PKV_ATTN_BF16_DOT = 1u };
 PKV_API pkv_attn_params pkv_attn_params_default(void);
 
 /* Decode: one query per sequence, at its last position (length - 1), seeing [0, length).
+ * p NULL means pkv_attn_params_default() (n_q_heads = n_kv_heads).
  * q, out: [n_seqs][n_q_heads][head_dim] f32. out may be q (in place); any other overlap of q,
  * out and p->lse is PKV_EINVAL, and so is a q element that is not finite or whose magnitude
  * times the scale is over PKV_VALUE_MAX. K/V of every visible position must have been written
@@ -491,7 +511,8 @@ typedef struct pkv_attn_req {
     uint32_t n_q;
 } pkv_attn_req;
 
-/* Ragged batch of prefill requests in one call. q, out: the requests' queries concatenated,
+/* Ragged batch of prefill requests in one call (p NULL: pkv_attn_params_default()). q, out: the
+ * requests' queries concatenated,
  * [sum n_q][n_q_heads][head_dim] f32 (out may be q, as in pkv_attn_decode). Requests of one
  * query (decodes batched beside chunked prefills) are read as pkv_attn_decode reads its batch
  * (in pool order when their tables jump), the others in table order, in the same call. */

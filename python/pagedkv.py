@@ -310,6 +310,7 @@ class Cache:
         self._c = None
         self._views = weakref.WeakValueDictionary()  # id -> a view's buffer, while alive
         cfg = _lib.pkv_config_default()
+        user_log = None
         for k in list(kw):
             v = kw.pop(k)
             if k in self._INT_FIELDS:
@@ -323,13 +324,25 @@ class Cache:
             elif k == "log":
                 if v is not None and not callable(v):
                     raise _invalid("log must be callable")
-                self._log_cb = _LOG_FN(lambda ctx, level, msg, f=v: f(level, msg.decode(errors="replace"))) \
-                    if v is not None else None
-                cfg.log = self._log_cb if v is not None else _LOG_FN()
+                user_log = v
             else:
                 raise TypeError("Cache() got an unexpected keyword argument %r" % k)
+        # the hook passes messages on to log, and keeps what create says when it refuses the
+        # config, for the PkvError (the callback lives as long as the cache)
+        refused = []
+
+        def on_log(ctx, level, msg):
+            text = msg.decode(errors="replace")
+            if level == 0 and self._c is None:  # PKV_LOG_ERROR, during create
+                refused.append(text)
+            if user_log is not None:
+                user_log(level, text)
+        self._log_cb = _LOG_FN(on_log)
+        cfg.log = self._log_cb
         h = _vp()
-        _check(_lib.pkv_cache_create(ctypes.byref(cfg), ctypes.byref(h)), "pkv_cache_create")
+        rc = _lib.pkv_cache_create(ctypes.byref(cfg), ctypes.byref(h))
+        if rc != OK:
+            raise PkvError(rc, refused[-1] if refused else "pkv_cache_create")
         self._c = h
         eff = _Config()
         _check(_lib.pkv_cache_config(self._c, ctypes.byref(eff)), "pkv_cache_config")

@@ -12,6 +12,7 @@
 #include "support_util.h"
 
 #include <float.h>
+#include <stdio.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -442,43 +443,89 @@ static void test_bad_inputs_no_status(void **state) {
     assert_string_equal(pkv_version(), PKV_VERSION_STRING);
 }
 
-/* Bad config fields one by one: PKV_EINVAL, nothing allocated (counting hook), nothing leaked. */
+/* Bad config fields one by one: PKV_EINVAL, nothing allocated (counting hook), nothing leaked,
+ * and one PKV_LOG_ERROR message through the log hook that says what was wrong (says). */
 typedef struct {
     const char *name;
     void (*mutate)(pkv_config *);
     int want;
+    const char *says;
 } cfg_row;
 
-#define CFG(name, want, stmt) \
+static void cfg_serial_for(void *ctx, pkv_task_fn fn, void *job, uint32_t n) {
+    (void)ctx;
+    for (uint32_t i = 0; i < n; i++) fn(job, i, 0);
+}
+
+/* The log hook's record: how many messages of each level, and the last error. */
+typedef struct {
+    int n[4];
+    char last_error[512];
+} cfg_log;
+
+static void cfg_log_fn(void *ctx, int level, const char *msg) {
+    cfg_log *l = ctx;
+    assert_true(level >= PKV_LOG_ERROR && level <= PKV_LOG_DEBUG);
+    l->n[level]++;
+    if (level == PKV_LOG_ERROR) snprintf(l->last_error, sizeof l->last_error, "%s", msg);
+}
+
+/* create refuses cfg with want, leaves nothing allocated through the counting hook as, and
+ * logs exactly one error containing says */
+static void expect_refused(const char *name, pkv_config cfg, const tu_alloc_state *as, int want, const char *says) {
+    cfg_log log = {{0}, ""};
+    cfg.log = cfg_log_fn, cfg.log_ctx = &log;
+    pkv_cache *c = NULL;
+    int rc = pkv_cache_create(&cfg, &c);
+    if (rc != want) fail_msg("config %s: got %d (%s), want %d", name, rc, pkv_strerror(rc), want);
+    assert_null(c);
+    assert_int_equal(as->n_live, 0);
+    assert_int_equal(as->n_bad_free, 0);
+    if (log.n[PKV_LOG_ERROR] != 1 || log.n[PKV_LOG_INFO] != 0 || !strstr(log.last_error, says))
+        fail_msg("config %s: %d error messages, the last \"%s\", want one saying \"%s\"", name, log.n[PKV_LOG_ERROR],
+                 log.last_error, says);
+    assert_non_null(strstr(log.last_error, "pkv_cache_create: "));
+}
+
+#define CFG(name, want, says, stmt) \
     static void cfg_##name(pkv_config *c) { stmt; }
-#define CFG_ROWS(X)                                                                                 \
-    X(n_layers_0, PKV_EINVAL, c->n_layers = 0)                                                      \
-    X(n_kv_heads_0, PKV_EINVAL, c->n_kv_heads = 0)                                                  \
-    X(head_dim_0, PKV_EINVAL, c->head_dim = 0)                                                      \
-    X(head_dim_1025, PKV_EINVAL, c->head_dim = 1025)                                                \
-    X(block_tokens_0, PKV_EINVAL, c->block_tokens = 0)                                              \
-    X(block_tokens_1025, PKV_EINVAL, c->block_tokens = 1025)                                        \
-    X(no_blocks_no_budget, PKV_EINVAL, (c->n_blocks = 0, c->mem_budget_bytes = 0))                  \
-    X(budget_below_one_block, PKV_EINVAL, (c->n_blocks = 0, c->mem_budget_bytes = 100))             \
-    X(n_blocks_slots_overflow, PKV_EINVAL, (c->block_tokens = 16, c->n_blocks = (1u << 31) / 16))   \
-    X(max_seqs_0, PKV_EINVAL, c->max_seqs = 0)                                                      \
-    X(max_seqs_too_many, PKV_EINVAL, c->max_seqs = (1u << 24) + 1)                                  \
-    X(k_dtype_count, PKV_EINVAL, c->k_dtype = PKV_DTYPE_COUNT)                                      \
-    X(v_dtype_neg, PKV_EINVAL, c->v_dtype = (pkv_dtype)-1)                                          \
-    X(k_dtype_99, PKV_EINVAL, c->k_dtype = (pkv_dtype)99)                                           \
-    X(q8_head_dim_40, PKV_EINVAL, (c->k_dtype = PKV_DTYPE_Q8_0, c->head_dim = 40))                  \
-    X(q4_head_dim_16, PKV_EINVAL, (c->v_dtype = PKV_DTYPE_Q4_0, c->head_dim = 16))                  \
-    X(n_threads_257, PKV_EINVAL, c->n_threads = 257)                                                \
-    X(n_layers_4097, PKV_EINVAL, c->n_layers = 4097)                                                \
-    X(n_kv_heads_4097, PKV_EINVAL, c->n_kv_heads = 4097)                                            \
-    X(prefix_cache_2, PKV_EINVAL, c->enable_prefix_cache = 2)                                       \
-    X(huge_pages_neg, PKV_EINVAL, c->huge_pages = -1)                                               \
-    X(table_slots_overflow, PKV_EINVAL, (c->block_tokens = 1024, c->max_blocks_per_seq = 1u << 21)) \
-    X(alloc_without_free, PKV_EINVAL, c->allocator.free = NULL)
+#define CFG_ROWS(X) \
+    X(n_layers_0, PKV_EINVAL, "n_layers 0", c->n_layers = 0)                                                          \
+    X(n_kv_heads_0, PKV_EINVAL, "n_kv_heads 0", c->n_kv_heads = 0)                                                    \
+    X(head_dim_0, PKV_EINVAL, "head_dim 0", c->head_dim = 0)                                                          \
+    X(head_dim_1025, PKV_EINVAL, "head_dim 1025", c->head_dim = 1025)                                                 \
+    X(block_tokens_0, PKV_EINVAL, "block_tokens 0", c->block_tokens = 0)                                              \
+    X(block_tokens_1025, PKV_EINVAL, "block_tokens 1025", c->block_tokens = 1025)                                     \
+    X(no_blocks_no_budget, PKV_EINVAL, "mem_budget_bytes 0", (c->n_blocks = 0, c->mem_budget_bytes = 0))              \
+    X(budget_below_one_block, PKV_EINVAL, "less than one block", (c->n_blocks = 0, c->mem_budget_bytes = 100))        \
+    X(n_blocks_slots_overflow, PKV_EINVAL, "n_blocks 134217728 x block_tokens 16",                                    \
+      (c->block_tokens = 16, c->n_blocks = (1u << 31) / 16))                                                          \
+    X(max_seqs_0, PKV_EINVAL, "max_seqs 0", c->max_seqs = 0)                                                          \
+    X(max_seqs_too_many, PKV_EINVAL, "max_seqs 16777217", c->max_seqs = (1u << 24) + 1)                               \
+    X(k_dtype_count, PKV_EINVAL, "k_dtype 6 is not", c->k_dtype = PKV_DTYPE_COUNT)                                    \
+    X(v_dtype_neg, PKV_EINVAL, "v_dtype -1 is not", c->v_dtype = (pkv_dtype)-1)                                       \
+    X(k_dtype_99, PKV_EINVAL, "k_dtype 99", c->k_dtype = (pkv_dtype)99)                                               \
+    X(q8_head_dim_40, PKV_EINVAL, "k_dtype q8_0 needs head_dim a multiple of 32, not 40",                             \
+      (c->k_dtype = PKV_DTYPE_Q8_0, c->head_dim = 40))                                                                \
+    X(q4_head_dim_16, PKV_EINVAL, "v_dtype q4_0 needs head_dim a multiple of 32, not 16",                             \
+      (c->v_dtype = PKV_DTYPE_Q4_0, c->head_dim = 16))                                                                \
+    X(n_threads_257, PKV_EINVAL, "n_threads 257", c->n_threads = 257)                                                 \
+    X(n_layers_4097, PKV_EINVAL, "n_layers 4097", c->n_layers = 4097)                                                 \
+    X(n_kv_heads_4097, PKV_EINVAL, "n_kv_heads 4097", c->n_kv_heads = 4097)                                           \
+    X(prefix_cache_2, PKV_EINVAL, "enable_prefix_cache 2", c->enable_prefix_cache = 2)                                \
+    X(huge_pages_neg, PKV_EINVAL, "huge_pages -1", c->huge_pages = -1)                                                \
+    X(table_slots_overflow, PKV_EINVAL, "max_blocks_per_seq 2097152 x block_tokens 1024",                             \
+      (c->block_tokens = 1024, c->max_blocks_per_seq = 1u << 21))                                                     \
+    X(alloc_without_free, PKV_EINVAL, "allocator.alloc without allocator.free", c->allocator.free = NULL)             \
+    X(workers_without_executor, PKV_EINVAL, "executor.n_workers 2 without", c->executor.n_workers = 2)                \
+    X(executor_no_workers, PKV_EINVAL, "executor.n_workers 0 not in",                                                 \
+      (c->executor.parallel_for = cfg_serial_for, c->executor.n_workers = 0))                                         \
+    X(executor_threads_differ, PKV_EINVAL, "n_threads 3 with an executor of 2 workers",                               \
+      (c->executor.parallel_for = cfg_serial_for, c->executor.n_workers = 2, c->n_threads = 3))
 
 CFG_ROWS(CFG)
 #undef CFG
-#define CFG_TABLE(name, want, stmt) {#name, cfg_##name, want},
+#define CFG_TABLE(name, want, says, stmt) {#name, cfg_##name, want, says},
 static const cfg_row g_cfg_rows[] = {CFG_ROWS(CFG_TABLE)};
 #undef CFG_TABLE
 
@@ -490,14 +537,42 @@ static void test_bad_config(void **state) {
         pkv_config cfg = tu_config(8, 4, 1, 1, 32, PKV_DTYPE_F32);
         cfg.allocator = tu_allocator(&as);
         g_cfg_rows[i].mutate(&cfg);
-        pkv_cache *c = NULL;
-        int rc = pkv_cache_create(&cfg, &c);
-        if (rc != g_cfg_rows[i].want)
-            fail_msg("config row %s: got %d (%s), want %d", g_cfg_rows[i].name, rc, pkv_strerror(rc),
-                     g_cfg_rows[i].want);
-        assert_null(c);
-        assert_int_equal(as.n_live, 0);
-        assert_int_equal(as.n_bad_free, 0);
+        expect_refused(g_cfg_rows[i].name, cfg, &as, g_cfg_rows[i].want, g_cfg_rows[i].says);
+    }
+    /* the environment's settings for attention, read at create: a bad one is refused and named */
+    static const struct {
+        const char *var, *value, *says;
+        int want;
+    } env[] = {
+        {"PKV_ATTN_BACKEND", "nonesuch", "attention backend \"nonesuch\"", PKV_ENOTSUP},
+        {"PKV_ATTN_ORDER", "sideways", "PKV_ATTN_ORDER (auto, table or pool)", PKV_EINVAL},
+        {"PKV_ATTN_SWEEP", "both", "PKV_ATTN_SWEEP (auto, wide or narrow)", PKV_EINVAL},
+        {"PKV_ATTN_PASSES", "three", "PKV_ATTN_PASSES", PKV_EINVAL},
+        {"PKV_ATTN_LEAD", "x", "PKV_ATTN_LEAD", PKV_EINVAL},
+        {"PKV_ATTN_PIECES", "x", "PKV_ATTN_PIECES", PKV_EINVAL},
+    };
+    for (size_t i = 0; i < sizeof env / sizeof env[0]; i++) {
+        const char *old = getenv(env[i].var);
+        char *saved = old ? strdup(old) : NULL;
+        assert_int_equal(setenv(env[i].var, env[i].value, 1), 0);
+        tu_alloc_state as;
+        tu_alloc_reset(&as, -1);
+        pkv_config cfg = tu_config(8, 4, 1, 1, 32, PKV_DTYPE_F32);
+        cfg.allocator = tu_allocator(&as);
+        expect_refused(env[i].var, cfg, &as, env[i].want, env[i].says);
+        if (saved) assert_int_equal(setenv(env[i].var, saved, 1), 0);
+        else assert_int_equal(unsetenv(env[i].var), 0);
+        free(saved);
+    }
+    /* a good config logs no error, one info line */
+    {
+        cfg_log log = {{0}, ""};
+        pkv_config cfg = tu_config(8, 4, 1, 1, 32, PKV_DTYPE_F32);
+        cfg.log = cfg_log_fn, cfg.log_ctx = &log;
+        pkv_cache *c = tu_create(&cfg);
+        assert_int_equal(log.n[PKV_LOG_ERROR], 0);
+        assert_int_equal(log.n[PKV_LOG_INFO], 1);
+        pkv_cache_destroy(c);
     }
     /* a budget past what int32 slots can name gives the largest pool they can (1024-token blocks:
        2^21 - 1 of them), not PKV_EINVAL: the hook refuses the first request over 64 MiB, the
@@ -509,9 +584,13 @@ static void test_bad_config(void **state) {
         pkv_config cfg = tu_config(0, 1024, 1, 1, 1, PKV_DTYPE_F16);
         cfg.mem_budget_bytes = UINT64_MAX / 2;
         cfg.allocator = tu_allocator(&as);
+        cfg_log log = {{0}, ""};
+        cfg.log = cfg_log_fn, cfg.log_ctx = &log;
         pkv_cache *c = NULL;
         assert_int_equal(pkv_cache_create(&cfg, &c), PKV_ENOMEM);
         assert_null(c);
+        assert_int_equal(log.n[PKV_LOG_ERROR], 1); /* and says so */
+        assert_non_null(strstr(log.last_error, "gave no memory"));
         const size_t r = as.first_refused;
         assert_true(r > 0 && r % ((1u << 21) - 1) == 0 && r / ((1u << 21) - 1) <= 256);
         assert_int_equal(as.n_live, 0);

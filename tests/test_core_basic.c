@@ -474,6 +474,19 @@ static void test_exports(void **state) {
     TU_RC(pkv_export_dense(c, s, 5, 2, bt2, sl2), PKV_EINVAL);
     for (int i = 0; i < 10; i++) assert_int_equal(bt2[i], 0x55555555);
     for (int i = 0; i < 5; i++) assert_int_equal(sl2[i], 0x55555555);
+    /* one sequence's table too small for its 3 blocks: EINVAL, nothing copied, *n_out = 3 */
+    int n_checked = 0;
+    for (int i = 0; i < 5; i++) {
+        if (ntab[i] < 3) continue;
+        n_checked++;
+        int32_t one[2] = {0x55555555, 0x55555555};
+        uint32_t n_out = 77;
+        TU_RC(pkv_seq_block_table(c, s[i], one, 2, &n_out), PKV_EINVAL);
+        assert_int_equal(n_out, ntab[i]);
+        assert_int_equal(one[0], 0x55555555);
+        assert_int_equal(one[1], 0x55555555);
+    }
+    assert_true(n_checked > 0);
     /* a subset in another order */
     pkv_seq sub[2] = {s[3], s[1]};
     TU_OK(pkv_export_dense(c, sub, 2, 3, bt3, sl));

@@ -320,14 +320,30 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
         lim->n_kv_heads == 0)
         return PKV_EINVAL;
     pkv__attn_kernels kt;
-    int rc = build_kernels(backend ? backend : auto_backend(), &kt);
-    if (rc < 0) return rc;
+    const char *want = backend ? backend : auto_backend();
+    int rc = build_kernels(want, &kt);
+    if (rc < 0) {
+        pkv__log(lim->log, lim->log_ctx, PKV_LOG_ERROR,
+                 "pkv_cache_create: attention backend \"%s\" (PKV_ATTN_BACKEND) is unknown or not supported by "
+                 "this CPU or build",
+                 want);
+        return rc;
+    }
     if (extra) extra(&kt);
     const int order = env_order(), wide = env_rule("PKV_ATTN_SWEEP", PKV_CPU_WIDE_SWEEP, "wide", "narrow");
     const int passes = env_rule("PKV_ATTN_PASSES", PKV_CPU_TWO_PASS, "two", "one");
     const int lead_head = env_rule("PKV_ATTN_LEAD", PKV_CPU_LEAD_HEAD, "head", "block");
     const int pieces = env_rule("PKV_ATTN_PIECES", PKV_CPU_PIECES, "on", "off");
-    if (order < 0 || wide < 0 || passes < 0 || lead_head < 0 || pieces < 0) return PKV_EINVAL;
+    if (order < 0 || wide < 0 || passes < 0 || lead_head < 0 || pieces < 0) {
+        const char *bad = order < 0  ? "PKV_ATTN_ORDER (auto, table or pool)"
+                          : wide < 0 ? "PKV_ATTN_SWEEP (auto, wide or narrow)"
+                          : passes < 0 ? "PKV_ATTN_PASSES (auto, two or one)"
+                          : lead_head < 0 ? "PKV_ATTN_LEAD (auto, head or block)"
+                                          : "PKV_ATTN_PIECES (auto, on or off)";
+        pkv__log(lim->log, lim->log_ctx, PKV_LOG_ERROR, "pkv_cache_create: the environment's %s has another value",
+                 bad);
+        return PKV_EINVAL;
+    }
     if (lim->exec.parallel_for) {
         if (lim->exec.n_workers == 0 || lim->exec.n_workers > PKV_MAX_THREADS) return PKV_EINVAL;
         n_threads = lim->exec.n_workers;

@@ -55,6 +55,8 @@ typedef struct pkv__attn_limits {
     uint32_t max_blocks_per_seq;
     uint32_t n_kv_heads, head_dim, block_tokens;
     pkv_executor exec; /* parallel_for set: the caller's executor (n_threads = its n_workers) */
+    pkv_log_fn log;    /* where create says why it refuses (NULL: silent) */
+    void *log_ctx;
 } pkv__attn_limits;
 
 typedef struct pkv__attn pkv__attn; /* thread pool, scratch, chosen backend */

@@ -141,24 +141,47 @@ static void attn_shim_free(void *ctx, void *p, size_t size) {
     pkv__free(&c->alloc, p, size);
 }
 
+/* Refuses a configuration: says why through the log hook (PKV_LOG_ERROR), returns rc. */
+#define REFUSE(cfg, rc, ...)                                                   \
+    do {                                                                       \
+        pkv__log((cfg)->log, (cfg)->log_ctx, PKV_LOG_ERROR, "pkv_cache_create: " __VA_ARGS__); \
+        return (rc);                                                           \
+    } while (0)
+
 static int validate_config(const pkv_config *cfg) {
-    if (cfg->n_layers < 1 || cfg->n_layers > 4096) return PKV_EINVAL;
-    if (cfg->n_kv_heads < 1 || cfg->n_kv_heads > 4096) return PKV_EINVAL;
-    if (cfg->head_dim < 1 || cfg->head_dim > 1024) return PKV_EINVAL;
-    if (cfg->block_tokens < 1 || cfg->block_tokens > 1024) return PKV_EINVAL;
-    if ((unsigned)cfg->k_dtype >= PKV_DTYPE_COUNT || (unsigned)cfg->v_dtype >= PKV_DTYPE_COUNT) return PKV_EINVAL;
-    if (!pkv__row_bytes(cfg->k_dtype, cfg->head_dim) || !pkv__row_bytes(cfg->v_dtype, cfg->head_dim)) return PKV_EINVAL;
-    if (!pkv__dtype_pool_supported(cfg->k_dtype) || !pkv__dtype_pool_supported(cfg->v_dtype)) return PKV_ENOTSUP;
-    if (cfg->max_seqs < 1 || cfg->max_seqs > (1u << 24)) return PKV_EINVAL;
-    if (cfg->n_threads > PKV_MAX_THREADS) return PKV_EINVAL;
-    if (cfg->enable_prefix_cache != 0 && cfg->enable_prefix_cache != 1) return PKV_EINVAL;
-    if (cfg->huge_pages != 0 && cfg->huge_pages != 1) return PKV_EINVAL;
-    if (cfg->allocator.alloc && !cfg->allocator.free) return PKV_EINVAL;
+    if (cfg->n_layers < 1 || cfg->n_layers > 4096) REFUSE(cfg, PKV_EINVAL, "n_layers %u not in 1..4096", cfg->n_layers);
+    if (cfg->n_kv_heads < 1 || cfg->n_kv_heads > 4096)
+        REFUSE(cfg, PKV_EINVAL, "n_kv_heads %u not in 1..4096", cfg->n_kv_heads);
+    if (cfg->head_dim < 1 || cfg->head_dim > 1024) REFUSE(cfg, PKV_EINVAL, "head_dim %u not in 1..1024", cfg->head_dim);
+    if (cfg->block_tokens < 1 || cfg->block_tokens > 1024)
+        REFUSE(cfg, PKV_EINVAL, "block_tokens %u not in 1..1024", cfg->block_tokens);
+    const pkv_dtype dt[2] = {cfg->k_dtype, cfg->v_dtype};
+    for (int i = 0; i < 2; i++) {
+        const char *kv = i ? "v_dtype" : "k_dtype";
+        if ((unsigned)dt[i] >= PKV_DTYPE_COUNT) REFUSE(cfg, PKV_EINVAL, "%s %d is not a pkv_dtype", kv, (int)dt[i]);
+        if (!pkv__row_bytes(dt[i], cfg->head_dim))
+            REFUSE(cfg, PKV_EINVAL, "%s %s needs head_dim a multiple of 32, not %u", kv, pkv_dtype_name(dt[i]),
+                   cfg->head_dim);
+        if (!pkv__dtype_pool_supported(dt[i]))
+            REFUSE(cfg, PKV_ENOTSUP, "%s %s is not supported by this build", kv, pkv_dtype_name(dt[i]));
+    }
+    if (cfg->max_seqs < 1 || cfg->max_seqs > (1u << 24))
+        REFUSE(cfg, PKV_EINVAL, "max_seqs %u not in 1..2^24", cfg->max_seqs);
+    if (cfg->n_threads > PKV_MAX_THREADS)
+        REFUSE(cfg, PKV_EINVAL, "n_threads %u is over %u", cfg->n_threads, PKV_MAX_THREADS);
+    if (cfg->enable_prefix_cache != 0 && cfg->enable_prefix_cache != 1)
+        REFUSE(cfg, PKV_EINVAL, "enable_prefix_cache %d is not 0 or 1", cfg->enable_prefix_cache);
+    if (cfg->huge_pages != 0 && cfg->huge_pages != 1)
+        REFUSE(cfg, PKV_EINVAL, "huge_pages %d is not 0 or 1", cfg->huge_pages);
+    if (cfg->allocator.alloc && !cfg->allocator.free) REFUSE(cfg, PKV_EINVAL, "allocator.alloc without allocator.free");
     const pkv_executor *x = &cfg->executor;
-    if (x->parallel_for ? (x->n_workers < 1 || x->n_workers > PKV_MAX_THREADS ||
-                           (cfg->n_threads && cfg->n_threads != x->n_workers))
-                        : x->n_workers != 0)
-        return PKV_EINVAL;
+    if (x->parallel_for && (x->n_workers < 1 || x->n_workers > PKV_MAX_THREADS))
+        REFUSE(cfg, PKV_EINVAL, "executor.n_workers %u not in 1..%u", x->n_workers, PKV_MAX_THREADS);
+    if (x->parallel_for && cfg->n_threads && cfg->n_threads != x->n_workers)
+        REFUSE(cfg, PKV_EINVAL, "n_threads %u with an executor of %u workers (0 or the same)", cfg->n_threads,
+               x->n_workers);
+    if (!x->parallel_for && x->n_workers != 0)
+        REFUSE(cfg, PKV_EINVAL, "executor.n_workers %u without executor.parallel_for", x->n_workers);
     return PKV_OK;
 }
 
@@ -243,31 +266,41 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     }
     size_t per_block = (k_blk + v_blk) * cfg.n_layers;
     if (cfg.n_blocks == 0) {
-        if (cfg.mem_budget_bytes == 0) return PKV_EINVAL;
+        if (cfg.mem_budget_bytes == 0) REFUSE(&cfg, PKV_EINVAL, "n_blocks 0 and mem_budget_bytes 0");
         uint64_t nb = cfg.mem_budget_bytes / per_block;
-        if (nb == 0) return PKV_EINVAL;
+        if (nb == 0)
+            REFUSE(&cfg, PKV_EINVAL, "mem_budget_bytes %llu is less than one block (%zu bytes)",
+                   (unsigned long long)cfg.mem_budget_bytes, per_block);
         const uint64_t nb_max = ((1ull << 31) - 1) / cfg.block_tokens; /* the slots int32 can name */
         cfg.n_blocks = (uint32_t)PKV_MIN(nb, nb_max);
     }
-    if ((uint64_t)cfg.n_blocks * cfg.block_tokens >= (1ull << 31)) return PKV_EINVAL; /* int32 slots */
+    if ((uint64_t)cfg.n_blocks * cfg.block_tokens >= (1ull << 31)) /* int32 slots */
+        REFUSE(&cfg, PKV_EINVAL, "n_blocks %u x block_tokens %u slots is not under 2^31", cfg.n_blocks,
+               cfg.block_tokens);
     if (cfg.max_blocks_per_seq == 0) cfg.max_blocks_per_seq = PKV_MIN(cfg.n_blocks, 4096u);
-    if ((uint64_t)cfg.max_blocks_per_seq * cfg.block_tokens >= (1ull << 31)) return PKV_EINVAL;
-    if ((uint64_t)cfg.max_seqs * cfg.max_blocks_per_seq > (1ull << 34)) return PKV_EINVAL;
+    if ((uint64_t)cfg.max_blocks_per_seq * cfg.block_tokens >= (1ull << 31))
+        REFUSE(&cfg, PKV_EINVAL, "max_blocks_per_seq %u x block_tokens %u is not under 2^31", cfg.max_blocks_per_seq,
+               cfg.block_tokens);
+    if ((uint64_t)cfg.max_seqs * cfg.max_blocks_per_seq > (1ull << 34))
+        REFUSE(&cfg, PKV_EINVAL, "max_seqs %u x max_blocks_per_seq %u is over 2^34", cfg.max_seqs,
+               cfg.max_blocks_per_seq);
     size_t k_bytes, v_bytes, layer_bytes, kv_bytes;
     if (!pkv__mul_ok(cfg.n_blocks, k_blk, &k_bytes) || !pkv__mul_ok(cfg.n_blocks, v_blk, &v_bytes))
-        return PKV_EINVAL;
+        REFUSE(&cfg, PKV_EINVAL, "the pool's size overflows size_t");
     /* every layer's K and V arrays start on a cache line (ARCHITECTURE 3), whatever the row size */
     const size_t k_pad = pkv__align_up(k_bytes, PKV_CACHELINE), v_off = k_pad + v_skew(k_pad);
     size_t v_end;
-    if (k_pad < k_bytes || v_off < k_pad || !pkv__add_ok(v_off, v_bytes, &v_end)) return PKV_EINVAL;
+    if (k_pad < k_bytes || v_off < k_pad || !pkv__add_ok(v_off, v_bytes, &v_end))
+        REFUSE(&cfg, PKV_EINVAL, "the pool's size overflows size_t");
     layer_bytes = pkv__align_up(v_end, PKV_CACHELINE);
-    if (layer_bytes < v_end || !pkv__mul_ok(layer_bytes, cfg.n_layers, &kv_bytes)) return PKV_EINVAL;
+    if (layer_bytes < v_end || !pkv__mul_ok(layer_bytes, cfg.n_layers, &kv_bytes))
+        REFUSE(&cfg, PKV_EINVAL, "the pool's size overflows size_t");
     if (cfg.executor.parallel_for) cfg.n_threads = cfg.executor.n_workers;
     if (cfg.n_threads == 0) cfg.n_threads = PKV_MIN(pkv__n_cpus(), PKV_MAX_THREADS);
 
     pkv_allocator a = cfg.allocator;
     pkv_cache *c = pkv__calloc(&a, sizeof *c, PKV_CACHELINE);
-    if (!c) return PKV_ENOMEM;
+    if (!c) REFUSE(&cfg, PKV_ENOMEM, "the allocator gave no memory for the cache (%zu bytes)", sizeof *c);
     c->alloc = a;
     c->cfg = cfg;
     pthread_mutex_init(&c->mu, NULL);
@@ -308,12 +341,14 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
 #endif
     pkv__attn_limits lim = {.max_items = c->max_seqs, .max_blocks_per_seq = c->max_bps,
                             .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B,
-                            .exec = cfg.executor};
+                            .exec = cfg.executor, .log = cfg.log, .log_ctx = cfg.log_ctx};
     c->attn_alloc = (pkv_allocator){.alloc = attn_shim_alloc, .free = attn_shim_free, .ctx = c};
     rc = pkv__attn_create(&c->attn_alloc, cfg.n_threads, &lim, &c->attn);
-    if (rc) {
+    if (rc) { /* what the environment got wrong it said itself */
         c->attn = NULL;
         cache_free_all(c);
+        if (rc == PKV_ENOMEM)
+            REFUSE(&cfg, rc, "no memory for the attention scratch, or no thread (n_threads %u)", cfg.n_threads);
         return rc;
     }
     c->meta_bytes = meta + c->attn_bytes;
@@ -330,7 +365,7 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     return PKV_OK;
 oom:
     cache_free_all(c);
-    return PKV_ENOMEM;
+    REFUSE(&cfg, PKV_ENOMEM, "the allocator gave no memory for the pool or its metadata (%zu K/V bytes)", kv_bytes);
 }
 
 PKV_API void pkv_cache_destroy(pkv_cache *c) {
@@ -1116,7 +1151,10 @@ PKV_API int pkv_seq_block_table(pkv_cache *c, pkv_seq id, int32_t *out, uint32_t
     LOCK(c);
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
-    if (!rc && cap < s->n_blocks) rc = PKV_EINVAL;
+    if (!rc && cap < s->n_blocks) {
+        rc = PKV_EINVAL;
+        *n_out = s->n_blocks; /* the capacity needed */
+    }
     if (!rc) {
         if (s->n_blocks) memcpy(out, s->table, s->n_blocks * sizeof(int32_t)); /* out may be NULL when cap is 0 */
         *n_out = s->n_blocks;

@@ -658,6 +658,12 @@ class TestCache(Base):
         with self.assertRaises(pkv.PkvError) as e:
             pkv.Cache(head_dim=0)
         self.assertEqual(e.exception.code, pkv.EINVAL)
+        self.assertIn("head_dim 0 not in 1..1024", str(e.exception))  # what libpkv's log said
+        got = []
+        with self.assertRaises(pkv.PkvError) as e:  # and the caller's log hears it too
+            pkv.Cache(k_dtype="q8_0", head_dim=48, log=lambda level, msg: got.append((level, msg)))
+        self.assertIn("k_dtype q8_0 needs head_dim a multiple of 32, not 48", str(e.exception))
+        self.assertEqual([lv for lv, _ in got], [0])
         with self.assertRaises(TypeError):
             pkv.Cache(n_layer=2)
 
