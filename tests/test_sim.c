@@ -333,6 +333,23 @@ static void test_help_and_usage_errors(void **state) {
         if (rc != 1) fail_msg("case %zu: exit %d (want 1): %s", i, rc, err);
         free(err);
     }
+    /* what the message says: an unknown name placed last is unknown, not short of a value */
+    struct { /* writable: run_cli puts the binary's path in argv[0] */
+        char *argv[7];
+        const char *says;
+    } said[] = {{{"pkv", "sim", "--no-atn", NULL}, "unknown option '--no-atn'"},
+                {{"pkv", "sim", "extra", NULL}, "unknown option 'extra'"},
+                {{"pkv", "sim", "--frobnicate", "5", NULL}, "unknown option '--frobnicate'"},
+                {{"pkv", "sim", "--requests", NULL}, "--requests needs a value"},
+                {{"pkv", "sim", "--dtype", "q8_0", "--head-dim", "48", NULL},
+                 "--dtype q8_0 needs --head-dim a multiple of 32"}};
+    for (size_t i = 0; i < sizeof said / sizeof said[0]; i++) {
+        char *e;
+        int rc = run_cli(said[i].argv, NULL, &e);
+        if (rc != 1 || !strstr(e, said[i].says))
+            fail_msg("case %zu: exit %d, \"%s\" (want 1, \"%s\")", i, rc, e, said[i].says);
+        free(e);
+    }
     /* a system prompt near 2^32 tokens is clamped to max-len - 1 (its sum with the own part wrapped) */
     char *big[] = {"pkv", "sim", "--sys-len", "4294967295", "--sys-frac", "1", "--requests", "10", "--no-attn",
                    "--no-progress", "--max-len", "2048", NULL};

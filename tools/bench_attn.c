@@ -552,6 +552,7 @@ static int setup_make(setup *s, pkv_dtype dt, uint32_t ctx, uint32_t batch, uint
     cfg.n_threads = n_threads;
     cfg.enable_prefix_cache = 0;
     if (loan) cfg.allocator = tool_loan_allocator(loan);
+    tool_log_errors(&cfg, "pkv bench attn");
     int rc = pkv_cache_create(&cfg, &s->c);
     if (rc < 0) return rc;
     if (paged && scatter_free_queue(s, rng, n_blocks) < 0) goto fail;

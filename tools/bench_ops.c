@@ -52,6 +52,7 @@ static int make_cache(uint32_t n_blocks, pkv_cache **c) {
     cfg.n_threads = 1;
     cfg.max_seqs = 1024;
     cfg.max_blocks_per_seq = 1024;
+    tool_log_errors(&cfg, "pkv bench ops");
     return tool_check(pkv_cache_create(&cfg, c), "pkv_cache_create");
 }
 

@@ -62,6 +62,7 @@ static int fill_index(uint32_t blocks, pkv_cache **out, uint32_t *n_fill) {
     cfg.n_threads = 1;
     cfg.huge_pages = 0;
     pkv_cache *c = NULL;
+    tool_log_errors(&cfg, "pkv bench prefix");
     if (tool_check(pkv_cache_create(&cfg, &c), "pkv_cache_create") < 0) return -1;
     int32_t *tok = malloc(FILL_TOKENS * sizeof *tok);
     if (!tok) {

@@ -122,8 +122,13 @@ int tool_run(int argc, char **argv) {
             model_path = a;
             continue;
         }
-        if (!val) {
-            fprintf(stderr, "pkv run: option %s needs a value (see pkv run --help)\n", a);
+        if (!val) { /* the options below that take a value; anything else last is unknown */
+            static const char *const with_value[] = {"-t", "-p", "-s", "-n", "-z", "--prompt-ids",
+                                                     "--batch", "--block-tokens", "--blocks", "--threads"};
+            int known = 0;
+            for (size_t j = 0; j < sizeof with_value / sizeof with_value[0]; j++) known |= !strcmp(a, with_value[j]);
+            if (known) fprintf(stderr, "pkv run: option %s needs a value (see pkv run --help)\n", a);
+            else fprintf(stderr, "pkv run: unknown option '%s' (see pkv run --help)\n", a);
             status = TOOL_USAGE;
             goto out;
         }
@@ -240,6 +245,7 @@ int tool_run(int argc, char **argv) {
         }
         model_sampler_init(&smp[i], temp, topp, seed + i);
     }
+    tool_log_errors(&cfg, "pkv run");
     rc = pkv_cache_create(&cfg, &c);
     if (rc < 0) {
         fprintf(stderr, "pkv run: pkv_cache_create (%u blocks of %u tokens, %d layers, %d kv heads, head_dim %d): %s\n",

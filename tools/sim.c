@@ -151,11 +151,9 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         if (!strcmp(a, "--repack")) { c->so.repack = 1; continue; }
         if (!strcmp(a, "--batch-cached")) { c->so.batch_cached = 1; continue; }
         if (!strcmp(a, "--no-progress")) { c->no_progress = 1; continue; }
-        if (i + 1 >= argc) {
-            fprintf(stderr, "pkv sim: %s needs a value (see pkv sim --help)\n", a);
-            return -1;
-        }
-        const char *v = argv[++i];
+        /* a missing value is said after the name is known: a typo last is an unknown option */
+        const int missing = i + 1 >= argc;
+        const char *v = missing ? "" : argv[++i];
         int bad = 0;
         double d;
         if (!strcmp(a, "--batch-compact")) bad = tool_parse_u32(v, &c->so.batch_compact);
@@ -198,6 +196,10 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
             fprintf(stderr, "pkv sim: unknown option '%s' (see pkv sim --help)\n", a);
             return -1;
         }
+        if (missing) {
+            fprintf(stderr, "pkv sim: %s needs a value (see pkv sim --help)\n", a);
+            return -1;
+        }
         if (bad) {
             fprintf(stderr, "pkv sim: bad value '%s' for %s\n", v, a);
             return -1;
@@ -206,6 +208,11 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
     if (c->so.model.n_q_heads % c->so.model.n_kv_heads) {
         fprintf(stderr, "pkv sim: --q-heads %u is not a multiple of --kv-heads %u\n", c->so.model.n_q_heads,
                 c->so.model.n_kv_heads);
+        return -1;
+    }
+    if (!pkv_dtype_row_bytes(c->so.model.dtype, c->so.model.head_dim)) {
+        fprintf(stderr, "pkv sim: --dtype %s needs --head-dim a multiple of 32, not %u\n",
+                pkv_dtype_name(c->so.model.dtype), c->so.model.head_dim);
         return -1;
     }
     return 0;

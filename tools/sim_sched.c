@@ -346,6 +346,7 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
     S.max_bps = cfg.max_blocks_per_seq;
     cfg.n_threads = o->n_threads;
     cfg.enable_prefix_cache = policy == SIM_PAGED_PREFIX;
+    tool_log_errors(&cfg, "pkv sim");
     int rc = pkv_cache_create(&cfg, &S.c);
     if (rc < 0) {
         fprintf(stderr, "pkv sim: pkv_cache_create (%u blocks of %u tokens): %s\n", o->n_blocks, B, pkv_strerror(rc));

@@ -56,6 +56,9 @@ int tool_parse_u64(const char *s, uint64_t *out);
 int tool_parse_f64(const char *s, double *out);
 /* Fails with a message naming the call when rc < 0; returns rc. */
 int tool_check(int rc, const char *what);
+/* Gives cfg a log hook that prints the library's errors and warnings to stderr after "who: "
+ * (e.g. why pkv_cache_create refused a config); who must outlive the cache. */
+void tool_log_errors(pkv_config *cfg, const char *who);
 /* xorshift-style deterministic RNG. */
 typedef struct { uint64_t s; } tool_rng;
 void tool_rng_seed(tool_rng *r, uint64_t seed);

@@ -72,6 +72,15 @@ int tool_check(int rc, const char *what) {
     return rc;
 }
 
+static void log_errors(void *ctx, int level, const char *msg) {
+    if (level <= PKV_LOG_WARN) fprintf(stderr, "%s: %s\n", (const char *)ctx, msg);
+}
+
+void tool_log_errors(pkv_config *cfg, const char *who) {
+    cfg->log = log_errors;
+    cfg->log_ctx = (void *)(uintptr_t)who;
+}
+
 void tool_rng_seed(tool_rng *r, uint64_t seed) { r->s = seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull; }
 
 uint64_t tool_rng_u64(tool_rng *r) { /* splitmix64 */
