@@ -28,6 +28,20 @@ LD_LIBRARY_PATH=$libdir "$tmp/example_pc" || fail "the README example built thro
 deps=$(LD_LIBRARY_PATH=$libdir ldd "$tmp/example_pc" 2>&1) || fail "ldd failed: $deps"
 grep -q "$libdir/libpkv.so" <<<"$deps" || fail "the pkg-config build did not load the installed libpkv: $deps"
 
+# PKV_NODISCARD defined empty before pkv.h lets a cleanup path drop a status under -Werror
+# (GCC warns even through a (void) cast while it is warn_unused_result)
+cat >"$tmp/nodiscard.c" <<'C'
+#include <pkv.h>
+void drop(pkv_cache *c, pkv_seq s) { pkv_seq_release(c, s); }
+C
+# shellcheck disable=SC2086
+"$cc" -std=c11 -Wall -Werror -DPKV_NODISCARD= -c -o "$tmp/nodiscard.o" "$tmp/nodiscard.c" $flags ||
+    fail "pkv.h with PKV_NODISCARD defined empty still warns of an unused status"
+# shellcheck disable=SC2086
+if "$cc" -std=c11 -Wall -Werror -c -o "$tmp/nodiscard.o" "$tmp/nodiscard.c" $flags 2>/dev/null; then
+    fail "pkv.h does not warn of a dropped status (PKV_NODISCARD)"
+fi
+
 # find_package(pkv)
 mkdir -p "$tmp/consumer"
 cat >"$tmp/consumer/CMakeLists.txt" <<CMAKE
