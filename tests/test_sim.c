@@ -272,6 +272,8 @@ static void test_malformed_trace_names_line(void **state) {
         {"{\"arrival\": 1, \"prompt\": 5, \"max_tokens\": 4}\n", "prompt must be an array"},
         {"{\"arrival\": 1, \"prompt_len\": 10, \"max_tokens\": 4} x\n", "trailing characters"},
         {"{\"arrival\": 1, \"prompt_len\": 9999, \"max_tokens\": 4}\n", "does not fit --max-len"},
+        {"{\"arrival\": 1, \"prompt_len\": 10, \"prefix_group\": 0, \"prefix_len\": 11, \"max_tokens\": 4}\n",
+         "prefix_len 11 is over prompt_len 10"},
         /* a step count a double cannot hold exactly (the cast was undefined past 2^64) */
         {"{\"arrival\": 4e17, \"prompt_len\": 10, \"max_tokens\": 4}\n", "past 2^53 steps"},
     };
@@ -380,6 +382,11 @@ static void test_plot_writes_png(void **state) {
     assert_memory_equal(magic, "\x89PNG\r\n\x1a\n", 8);
     free(out), free(err);
     unlink(png);
+    /* a name that cannot be written fails before the run, not after it */
+    char *nowhere[] = {"pkv", "sim", SMALL, "--no-attn", "--plot", "/nonexistent-dir/x.png", NULL};
+    assert_int_equal(run_cli(nowhere, &out, &err), 2);
+    if (!strstr(err, "cannot write '/nonexistent-dir/x.png'") || *out) fail_msg("out '%s', err '%s'", out, err);
+    free(out), free(err);
 }
 
 int main(void) {

@@ -319,7 +319,8 @@ int tool_run(int argc, char **argv) {
         if (rc < 0) {
             fprintf(stderr, "pkv run: decode step %llu (%u sequences) failed: %s%s\n", (unsigned long long)n_steps, nb,
                     pkv_strerror(rc),
-                    rc == PKV_ENOSPC ? " (pool too small: raise --blocks)"
+                    rc == PKV_ENOSPC   ? " (pool too small: raise --blocks)"
+                    : rc == PKV_ELIMIT ? " (a sequence's block table is full: it holds at most --blocks blocks; raise --blocks)"
                     : rc == PKV_ENOTSUP ? " (this build has no attention kernels for this configuration)" : "");
             goto cleanup;
         }

@@ -309,6 +309,18 @@ int tool_sim(int argc, char **argv) {
     c.so.seed = c.wo.seed;
     c.so.progress = !c.no_progress && isatty(STDERR_FILENO);
     c.so.want_series = c.plot != NULL;
+    if (c.plot) { /* what would fail the plot fails now, not after the whole run */
+        if (system("command -v gnuplot >/dev/null 2>&1") != 0) {
+            fprintf(stderr, "pkv sim: --plot needs gnuplot, which is not on PATH (Debian: apt install gnuplot-nox)\n");
+            return TOOL_FAIL;
+        }
+        FILE *f = fopen(c.plot, "w");
+        if (!f) {
+            fprintf(stderr, "pkv sim: --plot: cannot write '%s': %s\n", c.plot, strerror(errno));
+            return TOOL_FAIL;
+        }
+        fclose(f);
+    }
 
     sim_workload w;
     if (c.trace) {

@@ -376,6 +376,10 @@ int sim_workload_read_trace(const char *path, const sim_workload_opts *o, sim_wo
                     o->max_len);
             goto done;
         }
+        if (!t.have_prompt && t.group >= 0 && t.have_prefix_len && t.prefix_len > plen) {
+            fprintf(stderr, "pkv sim: %s:%u: prefix_len %u is over prompt_len %u\n", path, lineno, t.prefix_len, plen);
+            goto done;
+        }
         if (w->n == cap) {
             cap = cap ? 2 * cap : 1024;
             sim_request *nr = realloc(w->reqs, cap * sizeof *nr);
