@@ -19,7 +19,19 @@ package pagedkv
 #cgo LDFLAGS: -lpkv
 #include <pkv.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
+
+// Every cache's log hook keeps the last error message in its ctx (PKVGO_LOG_CAP bytes): why
+// pkv_cache_create refused a config, for the error NewCache returns.
+enum { PKVGO_LOG_CAP = 512 };
+static void pkvgo_log(void *ctx, int level, const char *msg) {
+	if (level == PKV_LOG_ERROR && ctx && msg) snprintf((char *)ctx, PKVGO_LOG_CAP, "%s", msg);
+}
+static void pkvgo_set_log(pkv_config *cfg, char *buf) {
+	cfg->log = pkvgo_log;
+	cfg->log_ctx = buf;
+}
 
 static size_t pkvgo_attn_req_size(void) { return sizeof(pkv_attn_req); }
 static size_t pkvgo_attn_req_off(int f) {
@@ -205,9 +217,10 @@ type Stats struct {
 
 // Cache is a paged KV cache (pkv_cache). Close frees it.
 type Cache struct {
-	mu  sync.RWMutex
-	c   *C.pkv_cache
-	cfg Config
+	mu     sync.RWMutex
+	c      *C.pkv_cache
+	cfg    Config
+	logBuf *C.char // the log hook's buffer, freed with the cache
 }
 
 // NewCache creates a cache: the whole pool and every buffer attention needs are allocated here.
@@ -220,16 +233,27 @@ func NewCache(cfg Config) (*Cache, error) {
 	raw.max_seqs, raw.max_blocks_per_seq = C.uint32_t(cfg.MaxSeqs), C.uint32_t(cfg.MaxBlocksPerSeq)
 	raw.n_threads = C.uint32_t(cfg.NThreads)
 	raw.enable_prefix_cache, raw.huge_pages = b2i(cfg.PrefixCache), b2i(cfg.HugePages)
+	logBuf := (*C.char)(C.calloc(1, C.PKVGO_LOG_CAP))
+	if logBuf == nil {
+		return nil, &Error{Code: ENOMEM, Op: "pkv_cache_create"}
+	}
+	C.pkvgo_set_log(&raw, logBuf)
 	var p *C.pkv_cache
-	if err := check(C.pkv_cache_create(&raw, &p), "pkv_cache_create"); err != nil {
-		return nil, err
+	if rc := C.pkv_cache_create(&raw, &p); rc != 0 {
+		op := C.GoString(logBuf) // what libpkv said, e.g. "pkv_cache_create: head_dim 0 not in 1..1024"
+		C.free(unsafe.Pointer(logBuf))
+		if op == "" {
+			op = "pkv_cache_create"
+		}
+		return nil, &Error{Code: int(rc), Op: op}
 	}
 	var eff C.pkv_config
 	if err := check(C.pkv_cache_config(p, &eff), "pkv_cache_config"); err != nil {
 		C.pkv_cache_destroy(p)
+		C.free(unsafe.Pointer(logBuf))
 		return nil, err
 	}
-	return &Cache{c: p, cfg: configFromC(&eff)}, nil
+	return &Cache{c: p, cfg: configFromC(&eff), logBuf: logBuf}, nil
 }
 
 // Close frees the cache; later calls return EINVAL. Closing twice is a no-op.
@@ -239,6 +263,8 @@ func (c *Cache) Close() {
 	if c.c != nil {
 		C.pkv_cache_destroy(c.c)
 		c.c = nil
+		C.free(unsafe.Pointer(c.logBuf))
+		c.logBuf = nil
 	}
 }
 

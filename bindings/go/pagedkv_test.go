@@ -177,6 +177,8 @@ func TestBasics(t *testing.T) {
 	bad.HeadDim = 0
 	if _, err := NewCache(bad); code(err) != EINVAL || !strings.HasPrefix(err.Error(), "pkv_cache_create: ") {
 		t.Fatal("head_dim 0:", err)
+	} else if !strings.Contains(err.Error(), "head_dim 0 not in 1..1024") { // what libpkv's log said
+		t.Fatal("head_dim 0 not named:", err)
 	}
 	c.Close()
 	if _, err := c.SeqCreate(nil); code(err) != EINVAL {

@@ -371,6 +371,24 @@ pub fn merge(
 pub struct Cache {
     raw: NonNull<ffi::pkv_cache>,
     cfg: Config,
+    _log: Box<LogSink>, // the log hook's context: lives as long as the cache
+}
+
+/// Where libpkv's log hook leaves its last error message (pkv_cache_create says why it refuses
+/// a config there), for the Error that create returns.
+#[derive(Default)]
+struct LogSink {
+    last_error: std::sync::Mutex<Option<String>>,
+}
+
+unsafe extern "C" fn log_sink(ctx: *mut c_void, level: c_int, msg: *const c_char) {
+    if level != 0 || ctx.is_null() || msg.is_null() {
+        return; // PKV_LOG_ERROR only
+    }
+    let sink = &*(ctx as *const LogSink);
+    if let Ok(mut last) = sink.last_error.lock() {
+        *last = Some(CStr::from_ptr(msg).to_string_lossy().into_owned());
+    }
 }
 
 // libpkv serializes metadata calls and attention calls inside; the &self / &mut self split
@@ -387,15 +405,24 @@ impl Drop for Cache {
 impl Cache {
     /// Creates a cache: the whole pool and every buffer attention needs are allocated here.
     pub fn new(cfg: &Config) -> Result<Cache> {
-        let raw_cfg = cfg.to_raw();
+        let mut raw_cfg = cfg.to_raw();
+        let sink = Box::new(LogSink::default());
+        raw_cfg.log = Some(log_sink);
+        raw_cfg.log_ctx = &*sink as *const LogSink as *mut c_void;
         let mut p: *mut ffi::pkv_cache = ptr::null_mut();
-        check(unsafe { ffi::pkv_cache_create(&raw_cfg, &mut p) }, "pkv_cache_create")?;
+        let rc = unsafe { ffi::pkv_cache_create(&raw_cfg, &mut p) };
+        if rc != 0 {
+            // the Error's context is what libpkv said, e.g. "pkv_cache_create: head_dim 0 not in 1..1024"
+            let said = sink.last_error.lock().ok().and_then(|mut m| m.take());
+            return Err(Error::new(rc, said.unwrap_or_else(|| "pkv_cache_create".to_string())));
+        }
         let raw = NonNull::new(p).ok_or_else(|| Error::new(ENOMEM, "pkv_cache_create"))?;
         let mut eff = raw_cfg;
         let rc = unsafe { ffi::pkv_cache_config(raw.as_ptr(), &mut eff) };
         let c = Cache {
             raw,
             cfg: Config::from_raw(&eff),
+            _log: sink,
         };
         check(rc, "pkv_cache_config")?;
         Ok(c)

@@ -313,6 +313,8 @@ fn library_basics() {
     .unwrap();
     assert_eq!((e.code(), e.name()), (EINVAL, "EINVAL"));
     assert!(e.to_string().starts_with("pkv_cache_create: "), "{}", e);
+    // what libpkv's log said about it
+    assert!(e.to_string().contains("head_dim 0 not in 1..1024"), "{}", e);
 }
 
 #[test]
