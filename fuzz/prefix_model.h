@@ -344,8 +344,17 @@ static inline int pm_append(pm_world *w, pm_seq *q, const int32_t *tok, uint32_t
     pkv_seq_info ib, ia;
     if (pkv_cache_get_stats(w->c, &before) < 0 || pkv_seq_get_info(w->c, q->id, &ib) < 0)
         return pm_fail(w, "stats/info before append");
+    uint32_t counted = UINT32_MAX;
+    const int rc_count = pkv_seq_append_blocks(w->c, q->id, n, &counted);
     int rc = pkv_seq_append(w->c, q->id, tok, n, w->slots);
-    PM_TR(w, "   s%d append(%u) to %u -> %s\n", PM_SI(w, q), n, q->len, pkv_strerror(rc));
+    PM_TR(w, "   s%d append(%u) to %u -> %s (counted %u)\n", PM_SI(w, q), n, q->len, pkv_strerror(rc), counted);
+    /* the count says what the append does: ELIMIT alike, else ENOSPC iff more than can be had */
+    PM_EXPECT(w,
+              rc_count == PKV_ELIMIT ? rc == PKV_ELIMIT
+                                     : rc_count == PKV_OK && rc != PKV_ELIMIT &&
+                                           (rc == PKV_ENOSPC) == (counted > before.n_free + before.n_cached),
+              "append %u to len %u: %s, append_blocks %s counted %u of %u", n, q->len, pkv_strerror(rc),
+              pkv_strerror(rc_count), counted, before.n_free + before.n_cached);
     uint32_t new_len = q->len + n;
     uint32_t need = (new_len + w->B - 1) / w->B - (q->len + w->B - 1) / w->B; /* without CoW */
     uint32_t avail = before.n_free + before.n_cached;

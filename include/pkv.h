@@ -220,6 +220,16 @@ PKV_API PKV_NODISCARD int pkv_seq_create(pkv_cache *c, const void *salt, size_t 
 PKV_API PKV_NODISCARD int pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
                                          int32_t *slots_out);
 
+/* How many blocks pkv_seq_append(c, s, ..., n) would take from the FREE and CACHED ones, so
+ * that it succeeds iff *n_blocks <= n_free + n_cached (pkv_stats) at the time of the append:
+ * the new blocks, plus a copy of a shared or indexed tail, less one where the copied tail is
+ * then CACHED (s held it alone) and so can be evicted by the same append. PKV_ELIMIT where the
+ * append would pass max_blocks_per_seq; n = 0 gives 0. Changes nothing. For a scheduler that
+ * budgets a step before appending (vLLM's can_append_slots): appends whose counts sum to at
+ * most n_free + n_cached all succeed, in any order, with no other call between (the sum can
+ * overstate by one for each copy that frees its tail). */
+PKV_API PKV_NODISCARD int pkv_seq_append_blocks(pkv_cache *c, pkv_seq s, uint32_t n, uint32_t *n_blocks);
+
 /* The largest magnitude pkv_write_kv takes into the pool, and the largest |q_d| x scale the
  * attention calls take: 2^56 (7.2e16), far past any model's activations. With it every sum the
  * kernels form stays inside f32 (a score is at most head_dim x 2^112 <= 2^124, an unnormalized

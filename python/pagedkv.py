@@ -151,6 +151,7 @@ def _load():
         "pkv_cache_layout": (_int, [_vp, _P(_Layout)]),
         "pkv_seq_create": (_int, [_vp, _vp, _sz, _P(_u64)]),
         "pkv_seq_append": (_int, [_vp, _u64, _vp, _u32, _vp]),
+        "pkv_seq_append_blocks": (_int, [_vp, _u64, _u32, _P(_u32)]),
         "pkv_write_kv": (_int, [_vp, _u32, _vp, _u32, _vp, _vp, _int]),
         "pkv_seq_commit": (_int, [_vp, _u64, _u32]),
         "pkv_seq_fork": (_int, [_vp, _u64, _P(_u64)]),
@@ -462,6 +463,15 @@ class Cache:
         slots = np.empty(t.size, dtype=np.int32)
         _check(_lib.pkv_seq_append(self._h(), _seq_of(seq), _ptr(t), t.size, _ptr(slots)), "pkv_seq_append")
         return slots
+
+    def append_blocks(self, seq, n):
+        """How many FREE or CACHED blocks appending n positions to seq would take: the append
+        succeeds iff that is at most stats()["n_free"] + stats()["n_cached"] (pkv_seq_append_blocks;
+        ELIMIT past max_blocks_per_seq). Changes nothing: for budgeting a step before appending."""
+        out = _u32()
+        _check(_lib.pkv_seq_append_blocks(self._h(), _seq_of(seq), _u32_of(n, "n"), ctypes.byref(out)),
+               "pkv_seq_append_blocks")
+        return out.value
 
     def _kv_in(self, x, n, what, dtype):
         """x as the C-contiguous input array of pkv_write_kv and its pkv_dtype: dtype None infers

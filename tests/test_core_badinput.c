@@ -183,6 +183,13 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(append_past_table, PKV_ELIMIT, pkv_seq_append(f->c, f->empty, f->tok, NB * BT + 1, NULL))                       \
     X(append_u32_max, PKV_ELIMIT, pkv_seq_append(f->c, f->live, f->tok, UINT32_MAX, NULL))                            \
     X(append_no_space, PKV_ENOSPC, pkv_seq_append(f->c, f->empty, f->tok, 60, NULL))                                  \
+    X(append_blocks_null_cache, PKV_EINVAL, ({ uint32_t n; pkv_seq_append_blocks(NULL, f->live, 1, &n); }))           \
+    X(append_blocks_null_out, PKV_EINVAL, pkv_seq_append_blocks(f->c, f->live, 1, NULL))                              \
+    X(append_blocks_stale, PKV_ENOENT, ({ uint32_t n; pkv_seq_append_blocks(f->c, f->stale, 1, &n); }))               \
+    X(append_blocks_forged, PKV_ENOENT, ({ uint32_t n; pkv_seq_append_blocks(f->c, f->forged, 1, &n); }))             \
+    X(append_blocks_pin, PKV_EINVAL, ({ uint32_t n; pkv_seq_append_blocks(f->c, f->pin, 1, &n); }))                   \
+    X(append_blocks_past_table, PKV_ELIMIT, ({ uint32_t n; pkv_seq_append_blocks(f->c, f->empty, NB * BT + 1, &n); }))\
+    X(append_blocks_u32_max, PKV_ELIMIT, ({ uint32_t n; pkv_seq_append_blocks(f->c, f->live, UINT32_MAX, &n); }))     \
     /* write_kv */                                                                                                    \
     X(write_null_cache, PKV_EINVAL, pkv_write_kv(NULL, 0, &f->live_slot, 1, f->kv, f->kv, PKV_DTYPE_F32))             \
     X(write_layer_out_of_range, PKV_EINVAL, pkv_write_kv(f->c, NL, &f->live_slot, 1, f->kv, f->kv, PKV_DTYPE_F32))    \

@@ -60,6 +60,82 @@ static void test_blocks_needed(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* pkv_seq_append_blocks(s, n), then whether an append of n succeeds with exactly that many blocks
+ * to be had and fails with one fewer (the pool's other blocks held by a filler sequence) */
+static uint32_t need_of(pkv_cache *c, pkv_seq s, uint32_t n) {
+    uint32_t need = 77;
+    TU_OK(pkv_seq_append_blocks(c, s, n, &need));
+    return need;
+}
+
+static void expect_append_edge(const pkv_config *cfg, uint32_t len0, int fork, int truncate_to, uint32_t n,
+                               uint32_t want) {
+    for (int spare = -1; spare <= 0; spare++) { /* pool left with want - 1, then want, blocks to be had */
+        pkv_cache *c = tu_create(cfg);
+        pkv_seq s = tu_seq(c), f = 0;
+        tu_append(c, s, len0, 0, NULL);
+        TU_OK(pkv_seq_commit(c, s, len0)); /* full blocks indexed where the prefix cache is on */
+        if (fork) TU_OK(pkv_seq_fork(c, s, &f));
+        if (truncate_to >= 0) TU_OK(pkv_seq_truncate(c, s, (uint32_t)truncate_to));
+        const uint32_t got = need_of(c, s, n);
+        if (got != want)
+            fail_msg("len %u, fork %d, truncate to %d, append %u: %u blocks, want %u", len0, fork, truncate_to, n, got,
+                     want);
+        pkv_stats st = tu_stats(c);
+        const uint32_t avail = st.n_free + st.n_cached, keep = want + (uint32_t)spare;
+        if (keep > avail) fail_msg("the pool has %u blocks to be had, the case needs %u", avail, keep);
+        pkv_seq filler = tu_seq(c); /* takes every block but keep (FREE first, then CACHED) */
+        if (avail > keep) tu_append(c, filler, (avail - keep) * cfg->block_tokens, 1000, NULL);
+        st = tu_stats(c);
+        assert_int_equal(st.n_free + st.n_cached, keep);
+        int32_t toks[64] = {0};
+        assert_true(n <= 64);
+        TU_RC(pkv_seq_append(c, s, toks, n, NULL), spare < 0 ? PKV_ENOSPC : PKV_OK);
+        TU_CHECK(c);
+        pkv_cache_destroy(c);
+    }
+}
+
+static void test_append_blocks(void **state) {
+    (void)state;
+    pkv_config cfg = tu_config(16, 4, 1, 1, 8, PKV_DTYPE_F32);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s = tu_seq(c);
+    const uint32_t n0[] = {0, 1, 4, 5, 9}, want0[] = {0, 1, 1, 2, 3};
+    for (int i = 0; i < 5; i++) assert_int_equal(need_of(c, s, n0[i]), want0[i]);
+    tu_append(c, s, 6, 0, NULL); /* 2 blocks, the tail holding 2 */
+    assert_int_equal(need_of(c, s, 2), 0);
+    assert_int_equal(need_of(c, s, 3), 1);
+    pkv_seq f;
+    TU_OK(pkv_seq_fork(c, s, &f)); /* the tail shared: a copy first */
+    assert_int_equal(need_of(c, s, 1), 1);
+    assert_int_equal(need_of(c, s, 3), 2);
+    pkv_stats before = tu_stats(c);
+    assert_int_equal(need_of(c, f, 7), 3);
+    pkv_stats after = tu_stats(c);
+    TU_STATS_EQ(&before, &after); /* changes nothing */
+    TU_OK(pkv_seq_release(c, f));
+    assert_int_equal(need_of(c, s, 2), 0);
+    /* past max_blocks_per_seq (16): ELIMIT, as the append would be */
+    uint32_t need = 77;
+    TU_RC(pkv_seq_append_blocks(c, s, 16 * 4 - 6 + 1, &need), PKV_ELIMIT);
+    assert_int_equal(need, 77);
+    assert_int_equal(need_of(c, s, 16 * 4 - 6), 14);
+    pkv_cache_destroy(c);
+
+    /* the edge: an append with exactly the blocks counted succeeds, one fewer is ENOSPC */
+    expect_append_edge(&cfg, 6, 0, -1, 3, 1);  /* a private tail: 1 new block */
+    expect_append_edge(&cfg, 6, 1, -1, 1, 1);  /* a shared tail: its copy */
+    expect_append_edge(&cfg, 6, 1, -1, 7, 3);  /* its copy and 2 new */
+    expect_append_edge(&cfg, 8, 0, 7, 6, 2);   /* an unindexed tail (prefix cache off), ref 1: no copy */
+    pkv_config pc = cfg;
+    pc.enable_prefix_cache = 1;
+    expect_append_edge(&pc, 8, 0, 7, 1, 1);    /* an indexed tail held alone: its copy (needs 1) ... */
+    expect_append_edge(&pc, 8, 0, 7, 2, 1);    /* ... frees it, CACHED: copy + 1 new from 1 */
+    expect_append_edge(&pc, 8, 0, 7, 9, 2);    /* copy + 2 new from 2 */
+    expect_append_edge(&pc, 8, 1, 7, 9, 3);    /* an indexed tail shared by a fork: nothing freed */
+}
+
 /* ---- slots of positions 14..17 with block table [5, 10], B = 16 (SEEDS 10) ---- */
 static void test_slots_block_table_5_10(void **state) {
     (void)state;
@@ -791,6 +867,7 @@ static void test_log_hook(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_blocks_needed),
+        cmocka_unit_test(test_append_blocks),
         cmocka_unit_test(test_slots_block_table_5_10),
         cmocka_unit_test(test_layout_fields),
         cmocka_unit_test(test_layout_kv_gap),

@@ -238,7 +238,14 @@ static void do_append(world *w, sh_seq *s) {
     memcpy(old_tab, s->tab, sizeof old_tab);
     uint32_t old_nb = s->nb;
     int32_t slots[16];
+    uint32_t counted = UINT32_MAX;
+    const int rc_count = pkv_seq_append_blocks(w->c, s->id, n, &counted);
+    if (rc_count != PKV_OK) fail_at(w, "append_blocks: unexpected status");
+    /* the copied tail of an indexed block held alone is counted back (it turns CACHED): need_lo */
+    if (n ? counted < need_lo || counted > need_hi : counted != 0)
+        fail_at(w, "append_blocks: a count outside the model's bounds");
     int rc = pkv_seq_append(w->c, s->id, toks, n, slots);
+    if ((rc == PKV_ENOSPC) != (counted > avail)) fail_at(w, "append_blocks and the append disagree");
     TRACE("append seq%d n=%u -> %d (len %u)", (int)(s - w->s), n, rc, s->len);
     int want_fail = n > 0 && need_lo > avail, may_fail = n > 0 && need_hi > avail;
     if (rc == PKV_ENOSPC) {

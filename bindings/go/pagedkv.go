@@ -365,6 +365,17 @@ func (c *Cache) Append(s Seq, tokens []int32) ([]int32, error) {
 	return slots, nil
 }
 
+// AppendBlocks says how many FREE or CACHED blocks appending n positions to s would take: the
+// append succeeds iff that is at most NFree + NCached (pkv_seq_append_blocks; ELIMIT past
+// max_blocks_per_seq). Changes nothing: for budgeting a step before appending.
+func (c *Cache) AppendBlocks(s Seq, n uint32) (uint32, error) {
+	var need C.uint32_t
+	err := c.readOp("pkv_seq_append_blocks", func(p *C.pkv_cache) C.int {
+		return C.pkv_seq_append_blocks(p, C.pkv_seq(s), C.uint32_t(n), &need)
+	})
+	return uint32(need), err
+}
+
 func (c *Cache) writeKV(layer uint32, slots []int32, k, v unsafe.Pointer, kn, vn int, dt Dtype, kOK, vOK bool) error {
 	want := c.kvElems(len(slots))
 	if !kOK && !vOK {

@@ -561,6 +561,15 @@ func TestPrefixForkExports(t *testing.T) {
 	a, err := c.SeqCreate([]byte("tenant-1"))
 	must(t, err)
 	fill(t, c, a, 40, &r)
+	// blocks an append would take (16-token blocks, 8 tokens in a's tail)
+	for _, nw := range [][2]uint32{{0, 0}, {8, 0}, {9, 1}, {100, 6}} {
+		if got, err := c.AppendBlocks(a, nw[0]); err != nil || got != nw[1] {
+			t.Fatal("AppendBlocks", nw[0], got, err)
+		}
+	}
+	if _, err := c.AppendBlocks(a, 32*16); code(err) != ELIMIT {
+		t.Fatal("AppendBlocks past max_blocks_per_seq:", err)
+	}
 	toks := make([]int32, 40)
 	for i := range toks {
 		toks[i] = int32((i*7 + 100) % 500)

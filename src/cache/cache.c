@@ -469,25 +469,46 @@ static void cow_tail(pkv_cache *c, pkv__seq *s) {
     c->cow_copies++;
 }
 
+/* What appending n > 0 positions to s takes from the FREE and CACHED blocks: PKV_ELIMIT past
+ * max_blocks_per_seq, else *need, so that the append succeeds iff need <= n_free + n_cached.
+ * That is the new blocks plus a copy of a shared or indexed tail (*cow), less one where the
+ * copied tail is then CACHED (s held it alone, so it is indexed) and the blocks after the copy
+ * may evict it; the copy itself still needs one. pkv_seq_append and pkv_seq_append_blocks
+ * both ask here, so they never disagree. */
+static int append_need(const pkv_cache *c, const pkv__seq *s, uint32_t n, uint64_t *need, bool *cow) {
+    const uint64_t nb_needed = ((uint64_t)s->n_tokens + n + c->B - 1) / c->B;
+    if (nb_needed > c->max_bps) return PKV_ELIMIT;
+    *cow = tail_needs_cow(c, s);
+    uint64_t take = nb_needed - s->n_blocks + (*cow ? 1 : 0);
+    if (*cow && c->blk[s->table[s->n_blocks - 1]].ref == 1 && take > 1) take--;
+    *need = take;
+    return PKV_OK;
+}
+
+PKV_API int pkv_seq_append_blocks(pkv_cache *c, pkv_seq id, uint32_t n, uint32_t *n_blocks) {
+    if (!c || !n_blocks) return PKV_EINVAL;
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    uint64_t need = 0;
+    bool cow;
+    if (!rc && n) rc = append_need(c, s, n, &need, &cow);
+    if (!rc) *n_blocks = (uint32_t)need; /* at most max_blocks_per_seq + 1 */
+    UNLOCK(c);
+    return rc;
+}
+
 PKV_API int pkv_seq_append(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, int32_t *slots_out) {
     if (!c || (n && !tokens)) return PKV_EINVAL;
     LOCK(c);
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
     if (rc || n == 0) goto out;
-    uint64_t new_len = (uint64_t)s->n_tokens + n;
-    uint64_t nb_needed = (new_len + c->B - 1) / c->B;
-    if (nb_needed > c->max_bps) {
-        rc = PKV_ELIMIT;
-        goto out;
-    }
-    bool cow = tail_needs_cow(c, s);
-    uint64_t n_new = nb_needed - s->n_blocks + (cow ? 1 : 0);
-    uint64_t avail = (uint64_t)c->pool.n_free + c->pool.n_cached;
-    /* a copied tail that s alone held (so it is indexed) turns CACHED once copied, and the
-       blocks after the copy may evict it: it counts, though not for the copy itself */
-    if (cow && avail && c->blk[s->table[s->n_blocks - 1]].ref == 1) avail++;
-    if (n_new > avail) {
+    uint64_t need;
+    bool cow;
+    rc = append_need(c, s, n, &need, &cow);
+    if (rc) goto out;
+    if (need > (uint64_t)c->pool.n_free + c->pool.n_cached) {
         rc = PKV_ENOSPC;
         goto out;
     }

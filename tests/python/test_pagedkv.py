@@ -364,6 +364,11 @@ class TestCache(Base):
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=1) as c:
             a = c.seq_create(b"tenant-1")
             toks = self.fill(c, a, 40)
+            # blocks an append would take (16-token blocks, 8 tokens in a's tail)
+            self.assertEqual([c.append_blocks(a, n) for n in (0, 8, 9, 100)], [0, 0, 1, 6])
+            with self.assertRaises(pkv.PkvError) as e:
+                c.append_blocks(a, 32 * 16)  # past max_blocks_per_seq (32)
+            self.assertEqual(e.exception.code, pkv.ELIMIT)
             b = c.seq_create(b"tenant-1")
             reused = c.match_prefix(b, toks)
             self.assertGreaterEqual(reused, 32)

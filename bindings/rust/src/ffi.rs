@@ -145,6 +145,7 @@ extern "C" {
     pub fn pkv_cache_layout(c: *const pkv_cache, out: *mut pkv_layout) -> c_int;
     pub fn pkv_seq_create(c: *mut pkv_cache, salt: *const c_void, salt_len: usize, out: *mut pkv_seq) -> c_int;
     pub fn pkv_seq_append(c: *mut pkv_cache, s: pkv_seq, tokens: *const i32, n: u32, slots_out: *mut i32) -> c_int;
+    pub fn pkv_seq_append_blocks(c: *mut pkv_cache, s: pkv_seq, n: u32, n_blocks: *mut u32) -> c_int;
     pub fn pkv_write_kv(
         c: *mut pkv_cache,
         layer: u32,

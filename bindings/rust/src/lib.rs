@@ -496,6 +496,18 @@ impl Cache {
         Ok(slots)
     }
 
+    /// How many FREE or CACHED blocks appending `n` positions to `s` would take: the append
+    /// succeeds iff that is at most `n_free + n_cached` (pkv_seq_append_blocks; ELIMIT past
+    /// max_blocks_per_seq). Changes nothing: for budgeting a step before appending.
+    pub fn append_blocks(&self, s: Seq, n: u32) -> Result<u32> {
+        let mut need = 0u32;
+        check(
+            unsafe { ffi::pkv_seq_append_blocks(self.p(), s.0, n, &mut need) },
+            "pkv_seq_append_blocks",
+        )?;
+        Ok(need)
+    }
+
     /// Writes K and/or V of one layer at these slots (slot -1 skips a row): each
     /// [slots.len()][n_kv_heads][head_dim]; both of one type. All-or-nothing.
     pub fn write_kv(&mut self, layer: u32, slots: &[i32], k: Option<KvData<'_>>, v: Option<KvData<'_>>) -> Result<()> {

@@ -520,6 +520,10 @@ fn prefix_fork_cow_exports() {
     .unwrap();
     let a = c.seq_create(b"tenant-1").unwrap();
     fill(&mut c, a, 40, &mut rng);
+    // blocks an append would take (16-token blocks, 8 tokens in a's tail)
+    let counts: Vec<u32> = [0, 8, 9, 100].iter().map(|&n| c.append_blocks(a, n).unwrap()).collect();
+    assert_eq!(counts, vec![0, 0, 1, 6]);
+    assert_eq!(c.append_blocks(a, 32 * 16).unwrap_err().code(), ELIMIT);
     let toks: Vec<i32> = (0..40i32).map(|i| (i * 7 + 100) % 500).collect();
     let b = c.seq_create(b"tenant-1").unwrap();
     let reused = c.match_prefix(b, &toks).unwrap();
