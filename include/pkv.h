@@ -257,8 +257,9 @@ PKV_API PKV_NODISCARD int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32
 /* The caller's promise that positions [0, n_pos) of s now hold K/V for every layer: the library
  * cannot check it (K/V never written read as whatever the block held). Full blocks in that
  * range enter the prefix index (when enabled), and committed positions are what
- * pkv_seq_match_prefix hands to other sequences. n_pos may not exceed the length; committing
- * less than is already committed is a no-op. */
+ * pkv_seq_match_prefix hands to other sequences, so commit what the engine keeps (speculative
+ * drafts once verified). n_pos may not exceed the length; committing less than is already
+ * committed is a no-op. */
 PKV_API PKV_NODISCARD int pkv_seq_commit(pkv_cache *c, pkv_seq s, uint32_t n_pos);
 
 /* New sequence sharing every block of parent (refcounts + 1, no data copied), same length,
@@ -448,7 +449,9 @@ PKV_API PKV_NODISCARD int pkv_cache_check(pkv_cache *c, char *msg, size_t msg_ca
 
 /* ---- attention ------------------------------------------------------------------------------- */
 typedef struct pkv_attn_params {
-    uint32_t n_q_heads;  /* multiple of n_kv_heads (GQA/MQA), at most 1024 x n_kv_heads; 0 = n_kv_heads */
+    uint32_t n_q_heads;  /* multiple of n_kv_heads (GQA/MQA), at most 1024 x n_kv_heads; 0 = n_kv_heads.
+                            Query head h reads kv head h / (n_q_heads / n_kv_heads): consecutive
+                            query heads share one (Llama's repeat_kv order) */
     float scale;         /* 0 = 1/sqrt(head_dim); else positive and finite */
     float softcap;       /* logit soft-cap: s = softcap * tanh(s / softcap); 0 = off; else finite
                             and at least FLT_MIN (a subnormal cap is PKV_EINVAL) */
@@ -521,8 +524,8 @@ typedef struct pkv_attn_req {
     uint32_t n_q;
 } pkv_attn_req;
 
-/* Ragged batch of prefill requests in one call (p NULL: pkv_attn_params_default()). q, out: the
- * requests' queries concatenated,
+/* Ragged batch of prefill requests in one call (p NULL: pkv_attn_params_default()); a sequence
+ * may appear in more than one request. q, out: the requests' queries concatenated,
  * [sum n_q][n_q_heads][head_dim] f32 (out may be q, as in pkv_attn_decode). Requests of one
  * query (decodes batched beside chunked prefills) are read as pkv_attn_decode reads its batch
  * (in pool order when their tables jump), the others in table order, in the same call. */
