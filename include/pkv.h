@@ -225,9 +225,10 @@ PKV_API PKV_NODISCARD int pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t 
  * the new blocks, plus a copy of a shared or indexed tail, less one where the copied tail is
  * then CACHED (s held it alone) and so can be evicted by the same append. PKV_ELIMIT where the
  * append would pass max_blocks_per_seq; n = 0 gives 0. Changes nothing. For a scheduler that
- * budgets a step before appending (vLLM's can_append_slots): appends whose counts sum to at
- * most n_free + n_cached all succeed, in any order, with no other call between (the sum can
- * overstate by one for each copy that frees its tail). */
+ * budgets a step before appending (vLLM's can_append_slots): appends to distinct sequences
+ * whose counts sum to at most n_free + n_cached all succeed, in any order, with no other call
+ * between (the sum can overstate by one for each copy that frees its tail); count a sequence's
+ * appends of one step as one append of their total. */
 PKV_API PKV_NODISCARD int pkv_seq_append_blocks(pkv_cache *c, pkv_seq s, uint32_t n, uint32_t *n_blocks);
 
 /* The largest magnitude pkv_write_kv takes into the pool, and the largest |q_d| x scale the

@@ -329,12 +329,14 @@ class Cache:
             else:
                 raise TypeError("Cache() got an unexpected keyword argument %r" % k)
         # the hook passes messages on to log, and keeps what create says when it refuses the
-        # config, for the PkvError (the callback lives as long as the cache)
-        refused = []
+        # config, for the PkvError (the callback lives as long as the cache). It must not refer
+        # to self: a cycle through the callback would keep a dropped Cache alive until the
+        # cyclic garbage collector runs.
+        refused, creating = [], [True]
 
         def on_log(ctx, level, msg):
             text = msg.decode(errors="replace")
-            if level == 0 and self._c is None:  # PKV_LOG_ERROR, during create
+            if level == 0 and creating[0]:  # PKV_LOG_ERROR, during create
                 refused.append(text)
             if user_log is not None:
                 user_log(level, text)
@@ -342,6 +344,7 @@ class Cache:
         cfg.log = self._log_cb
         h = _vp()
         rc = _lib.pkv_cache_create(ctypes.byref(cfg), ctypes.byref(h))
+        creating[0] = False
         if rc != OK:
             raise PkvError(rc, refused[-1] if refused else "pkv_cache_create")
         self._c = h

@@ -387,6 +387,22 @@ static void test_plot_writes_png(void **state) {
     assert_int_equal(run_cli(nowhere, &out, &err), 2);
     if (!strstr(err, "cannot write '/nonexistent-dir/x.png'") || *out) fail_msg("out '%s', err '%s'", out, err);
     free(out), free(err);
+    /* a run that fails leaves an existing file as it was, and the trace is never the plot */
+    const char *kept = write_file("precious");
+    char *failing[] = {"pkv", "sim", "--plot", (char *)kept, "--trace", "/nonexistent/trace.jsonl", NULL};
+    assert_int_equal(run_cli(failing, &out, &err), 2);
+    free(out), free(err);
+    char buf[16] = {0};
+    FILE *kf = fopen(kept, "rb");
+    assert_non_null(kf);
+    assert_int_equal(fread(buf, 1, sizeof buf - 1, kf), 8);
+    fclose(kf);
+    assert_string_equal(buf, "precious");
+    char *same[] = {"pkv", "sim", "--trace", (char *)kept, "--plot", (char *)kept, NULL};
+    assert_int_equal(run_cli(same, &out, &err), 1);
+    if (!strstr(err, "is the trace file")) fail_msg("err '%s'", err);
+    free(out), free(err);
+    unlink(kept);
 }
 
 int main(void) {

@@ -6,7 +6,9 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 typedef struct sim_cli {
@@ -314,12 +316,21 @@ int tool_sim(int argc, char **argv) {
             fprintf(stderr, "pkv sim: --plot needs gnuplot, which is not on PATH (Debian: apt install gnuplot-nox)\n");
             return TOOL_FAIL;
         }
-        FILE *f = fopen(c.plot, "w");
-        if (!f) {
+        /* opened without truncating: a run that fails leaves an existing file as it was */
+        struct stat before;
+        const int existed = stat(c.plot, &before) == 0;
+        struct stat tr;
+        if (existed && c.trace && stat(c.trace, &tr) == 0 && tr.st_dev == before.st_dev && tr.st_ino == before.st_ino) {
+            fprintf(stderr, "pkv sim: --plot '%s' is the trace file\n", c.plot);
+            return TOOL_USAGE;
+        }
+        const int fd = open(c.plot, O_WRONLY | O_CREAT, 0666);
+        if (fd < 0) {
             fprintf(stderr, "pkv sim: --plot: cannot write '%s': %s\n", c.plot, strerror(errno));
             return TOOL_FAIL;
         }
-        fclose(f);
+        close(fd);
+        if (!existed) unlink(c.plot); /* gnuplot makes it at the end */
     }
 
     sim_workload w;

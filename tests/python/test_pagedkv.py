@@ -6,10 +6,12 @@ statuses as exceptions, and the binding's own size checks. Run by ctest (test_py
 PKV_LIBRARY naming the built libpkv.so and PYTHONPATH the python/ folder."""
 
 import ctypes
+import gc
 import os
 import re
 import subprocess
 import unittest
+import weakref
 
 import numpy as np
 
@@ -143,6 +145,21 @@ class TestLibrary(Base):
         part = readme.split("## From Python", 1)[1]
         code = part.split("```python\n", 1)[1].split("```", 1)[0]
         exec(compile(code, "README.md (From Python)", "exec"), {})
+
+    def test_dropped_cache_is_freed_at_once(self):
+        # no reference cycle (e.g. through the log callback) keeps a dropped Cache alive
+        gc.disable()
+        try:
+            c = pkv.Cache(n_blocks=8, n_threads=1, log=lambda level, msg: None)
+            r = weakref.ref(c)
+            del c
+            self.assertIsNone(r(), "the Cache outlived its last reference")
+            c = pkv.Cache(n_blocks=8, n_threads=1)
+            r = weakref.ref(c)
+            del c
+            self.assertIsNone(r(), "the Cache outlived its last reference")
+        finally:
+            gc.enable()
 
     def test_log_hook(self):
         got = []
