@@ -299,7 +299,9 @@ class Cache:
     k_dtype and v_dtype (names: "f32", "f16", "bf16", "q8_0", "q4_0", "fp8_e4m3"), max_seqs,
     max_blocks_per_seq, n_threads, enable_prefix_cache, huge_pages, and log (a callable
     log(level, message), called on the thread that makes the libpkv call). The pool and every
-    buffer attention needs are allocated here; close() (or the with-statement) frees them.
+    buffer attention needs are allocated here; close() (or the with-statement) frees them. A
+    config libpkv refuses raises PkvError carrying its reason (e.g. "pkv_cache_create: head_dim 0
+    not in 1..1024: invalid argument (EINVAL)").
     Several Python threads may use one cache at once (libpkv runs without the GIL), under the
     library's rule: no two threads use the same sequence at once, and close() comes last.
     """
