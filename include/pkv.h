@@ -399,8 +399,8 @@ PKV_API PKV_NODISCARD int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint
  * goes FREE (only full blocks stay CACHED), so once its holder is gone the same prompt reuses
  * the full blocks only. Reuses at most n - 1 tokens (the last prompt token must be computed).
  * On return s has length *n_reused, all committed; append the rest with pkv_seq_append.
- * PKV_EINVAL if s is not empty. With the prefix cache disabled it attaches nothing (*n_reused = 0). No block free
- * or evictable for the copy: the copy is skipped, not an error. */
+ * PKV_EINVAL if s is not empty. With the prefix cache disabled it attaches nothing
+ * (*n_reused = 0). No block free or evictable for the copy: the copy is skipped, not an error. */
 PKV_API PKV_NODISCARD int pkv_seq_match_prefix(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
                                                uint32_t *n_reused);
 

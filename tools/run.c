@@ -122,16 +122,9 @@ int tool_run(int argc, char **argv) {
             model_path = a;
             continue;
         }
-        if (!val) { /* the options below that take a value; anything else last is unknown */
-            static const char *const with_value[] = {"-t", "-p", "-s", "-n", "-z", "--prompt-ids",
-                                                     "--batch", "--block-tokens", "--blocks", "--threads"};
-            int known = 0;
-            for (size_t j = 0; j < sizeof with_value / sizeof with_value[0]; j++) known |= !strcmp(a, with_value[j]);
-            if (known) fprintf(stderr, "pkv run: option %s needs a value (see pkv run --help)\n", a);
-            else fprintf(stderr, "pkv run: unknown option '%s' (see pkv run --help)\n", a);
-            status = TOOL_USAGE;
-            goto out;
-        }
+        /* a missing value is said after the name is known: a typo last is an unknown option */
+        const int missing = !val;
+        if (missing) val = "";
         i++;
         if (!strcmp(a, "-t")) bad = parse_f32(val, &temp) || temp < 0;
         else if (!strcmp(a, "-p")) bad = parse_f32(val, &topp) || topp < 0 || topp > 1;
@@ -141,7 +134,7 @@ int tool_run(int argc, char **argv) {
         } else if (!strcmp(a, "-n")) bad = tool_parse_u32(val, &steps);
         else if (!strcmp(a, "-z")) tok_path = val;
         else if (!strcmp(a, "--prompt-ids")) {
-            if (parse_prompts(&pl, val)) {
+            if (!missing && parse_prompts(&pl, val)) {
                 status = TOOL_USAGE;
                 goto out;
             }
@@ -152,6 +145,11 @@ int tool_run(int argc, char **argv) {
         else if (!strcmp(a, "--threads")) bad = tool_parse_u32(val, &n_threads) || n_threads > 256; /* pkv.h */
         else {
             fprintf(stderr, "pkv run: unknown option '%s' (see pkv run --help)\n", a);
+            status = TOOL_USAGE;
+            goto out;
+        }
+        if (missing) {
+            fprintf(stderr, "pkv run: option %s needs a value (see pkv run --help)\n", a);
             status = TOOL_USAGE;
             goto out;
         }
@@ -319,9 +317,11 @@ int tool_run(int argc, char **argv) {
         if (rc < 0) {
             fprintf(stderr, "pkv run: decode step %llu (%u sequences) failed: %s%s\n", (unsigned long long)n_steps, nb,
                     pkv_strerror(rc),
-                    rc == PKV_ENOSPC   ? " (pool too small: raise --blocks)"
-                    : rc == PKV_ELIMIT ? " (a sequence's block table is full: it holds at most --blocks blocks; raise --blocks)"
-                    : rc == PKV_ENOTSUP ? " (this build has no attention kernels for this configuration)" : "");
+                    rc == PKV_ENOSPC    ? " (pool too small: raise --blocks)"
+                    : rc == PKV_ELIMIT  ? " (a sequence's block table is full: it holds at most --blocks blocks;"
+                                          " raise --blocks)"
+                    : rc == PKV_ENOTSUP ? " (this build has no attention kernels for this configuration)"
+                                        : "");
             goto cleanup;
         }
         /* logits come back in batch order: move them to their sequences' rows (descending

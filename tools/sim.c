@@ -254,11 +254,32 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            c->so.repack ? "true" : "false", c->so.batch_cached ? "true" : "false", (unsigned long long)r->compact_moved, r->compact_s);
 }
 
-static int plot(const sim_cli *c, const sim_result *res, int n) {
+/* What would fail the plot, checked before the run rather than after it: gnuplot on PATH, and
+ * the file writable (opened without truncating, so a run that fails leaves an existing file as
+ * it was) and not the trace. A TOOL_* status. */
+static int plot_check(const sim_cli *c) {
     if (system("command -v gnuplot >/dev/null 2>&1") != 0) {
         fprintf(stderr, "pkv sim: --plot needs gnuplot, which is not on PATH (Debian: apt install gnuplot-nox)\n");
-        return -1;
+        return TOOL_FAIL;
     }
+    struct stat before, tr;
+    const int existed = stat(c->plot, &before) == 0;
+    if (existed && c->trace && stat(c->trace, &tr) == 0 && tr.st_dev == before.st_dev && tr.st_ino == before.st_ino) {
+        fprintf(stderr, "pkv sim: --plot '%s' is the trace file\n", c->plot);
+        return TOOL_USAGE;
+    }
+    const int fd = open(c->plot, O_WRONLY | O_CREAT, 0666);
+    if (fd < 0) {
+        fprintf(stderr, "pkv sim: --plot: cannot write '%s': %s\n", c->plot, strerror(errno));
+        return TOOL_FAIL;
+    }
+    close(fd);
+    if (!existed) unlink(c->plot); /* gnuplot makes it at the end */
+    return TOOL_OK;
+}
+
+/* Draws the run's series with gnuplot (plot_check passed before the run). */
+static int plot(const sim_cli *c, const sim_result *res, int n) {
     char dir[] = "/tmp/pkv-sim-XXXXXX";
     if (!mkdtemp(dir)) {
         fprintf(stderr, "pkv sim: --plot: cannot create a temporary directory: %s\n", strerror(errno));
@@ -311,26 +332,9 @@ int tool_sim(int argc, char **argv) {
     c.so.seed = c.wo.seed;
     c.so.progress = !c.no_progress && isatty(STDERR_FILENO);
     c.so.want_series = c.plot != NULL;
-    if (c.plot) { /* what would fail the plot fails now, not after the whole run */
-        if (system("command -v gnuplot >/dev/null 2>&1") != 0) {
-            fprintf(stderr, "pkv sim: --plot needs gnuplot, which is not on PATH (Debian: apt install gnuplot-nox)\n");
-            return TOOL_FAIL;
-        }
-        /* opened without truncating: a run that fails leaves an existing file as it was */
-        struct stat before;
-        const int existed = stat(c.plot, &before) == 0;
-        struct stat tr;
-        if (existed && c.trace && stat(c.trace, &tr) == 0 && tr.st_dev == before.st_dev && tr.st_ino == before.st_ino) {
-            fprintf(stderr, "pkv sim: --plot '%s' is the trace file\n", c.plot);
-            return TOOL_USAGE;
-        }
-        const int fd = open(c.plot, O_WRONLY | O_CREAT, 0666);
-        if (fd < 0) {
-            fprintf(stderr, "pkv sim: --plot: cannot write '%s': %s\n", c.plot, strerror(errno));
-            return TOOL_FAIL;
-        }
-        close(fd);
-        if (!existed) unlink(c.plot); /* gnuplot makes it at the end */
+    if (c.plot) {
+        const int pc = plot_check(&c);
+        if (pc != TOOL_OK) return pc;
     }
 
     sim_workload w;
