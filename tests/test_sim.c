@@ -259,6 +259,26 @@ static void test_trace_replay(void **state) {
     unlink(path);
 }
 
+/* A group's prefix without "prefix_len" is --sys-len tokens, cut to the prompt: two 40-token
+ * prompts of group 3 under --sys-len 64 are the same 40 tokens, so the later one reuses the
+ * earlier one's two full 16-token blocks (its third block holds output tokens); a third prompt,
+ * of group 4, shares nothing with them. */
+static void test_trace_group_shorter_than_sys_len(void **state) {
+    (void)state;
+    const char *path = write_file("{\"arrival\": 0, \"prompt_len\": 40, \"prefix_group\": 3, \"max_tokens\": 4}\n"
+                                  "{\"arrival\": 5, \"prompt_len\": 40, \"prefix_group\": 3, \"max_tokens\": 4}\n"
+                                  "{\"arrival\": 9, \"prompt_len\": 40, \"prefix_group\": 4, \"max_tokens\": 4}\n");
+    char *argv[] = {"pkv", "sim", SMALL, "--blocks", "64", "--trace", (char *)path, NULL};
+    runs r;
+    sim(argv, &r);
+    assert_true(field(r.line[0], "completed") == 3);
+    assert_true(field(r.line[0], "check") == 1.0);
+    assert_true(field(r.line[0], "prompt_tokens") == 120);
+    assert_true(field(r.line[0], "prefix_hit_tokens") == 32);
+    free(r.out);
+    unlink(path);
+}
+
 static void test_malformed_trace_names_line(void **state) {
     (void)state;
     const char *good = "{\"arrival\": 0, \"prompt_len\": 10, \"max_tokens\": 4}\n";
@@ -412,6 +432,7 @@ int main(void) {
         cmocka_unit_test(test_compact_keeps_schedule),
         cmocka_unit_test(test_preemption_under_pressure),
         cmocka_unit_test(test_trace_replay),
+        cmocka_unit_test(test_trace_group_shorter_than_sys_len),
         cmocka_unit_test(test_malformed_trace_names_line),
         cmocka_unit_test(test_help_and_usage_errors),
         cmocka_unit_test(test_plot_writes_png),

@@ -104,7 +104,9 @@ void sim_workload_free(sim_workload *w) {
  *   {"arrival": 0.5, "prompt_len": 300, "prefix_group": 2, "prefix_len": 200, "max_tokens": 64, "n": 2}
  * arrival (seconds, >= 0) and max_tokens (>= 1) are required; then either "prompt" (token ids)
  * or "prompt_len" (>= 1) with an optional "prefix_group" (>= 0) whose first "prefix_len"
- * tokens (default --sys-len) are shared by every request of the group. "n": samples (>= 1).
+ * tokens (default --sys-len, cut to the prompt's length: a prompt shorter than --sys-len is all
+ * shared prefix; a "prefix_len" over "prompt_len" is an error) are shared by every request of
+ * the group. "n": samples (>= 1).
  * Other keys are ignored; blank lines are skipped. Requests are replayed in arrival order. */
 
 typedef struct jparse {
