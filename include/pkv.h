@@ -1,6 +1,7 @@
 /* pkv.h: the one public header of pagedkv (libpkv): a paged KV cache and paged attention for
  * LLM inference engines. C99/C++ clean. Every fallible function returns int: 0 on success, a
- * negative PKV_E* code on error (pkv_strerror names it). A call that fails changes nothing.
+ * negative PKV_E* code on error (pkv_strerror names it). A call that fails changes no state of
+ * the cache (what it writes to its outputs then is said where it writes any).
  *
  * Words (docs/design.md has the full glossary):
  *   block        block_tokens consecutive token slots; the unit of allocation, sharing, hashing.
@@ -11,12 +12,18 @@
  *   cached block refcount 0 but still in the prefix index; evictable (LRU, leaves first).
  *
  * Threads: one cache may be used from many threads at once. Calls on different sequences may
- * overlap freely; no two threads may use the same sequence at once (a call that names a
- * sequence, or reads it: pkv_seq_fork and pkv_pin_create read their source, pkv_attn_* read
- * every sequence of the batch), and nothing may change a sequence while an attention call reads
- * it. Metadata calls take the cache's lock for a short critical section; pkv_write_kv copies
- * without it; attention calls are serialized among themselves (they share the cache's threads
- * and scratch). pkv_cache_destroy comes after every other call has returned.
+ * overlap freely. Calls that only read a sequence may overlap one another on the same sequence:
+ * pkv_attn_* (they read every sequence of the batch), pkv_seq_gather, pkv_seq_get_info,
+ * pkv_seq_slots, pkv_seq_block_table, pkv_export_*, and pkv_seq_fork and pkv_pin_create, which
+ * read their source. A call that changes a sequence (append, commit, truncate, compact, release,
+ * a prefix match into it, a pkv_batch_compact that names it) must not overlap any other call
+ * that names or reads that sequence. pkv_write_kv may overlap reads of other layers or other
+ * positions (layer l + 1 of a new token while attention reads layer l), not a read of the rows
+ * it writes. Metadata calls take the cache's lock for a short critical section; pkv_write_kv
+ * copies without it; attention calls are serialized among themselves (they share the cache's
+ * threads and scratch), so attention from several threads at once is no faster than one after
+ * the other. pkv_cache_destroy comes after every other call has returned. The hooks (log,
+ * allocator, executor) are called from C: they must not throw or longjmp out.
  */
 #ifndef PKV_H
 #define PKV_H
@@ -42,11 +49,15 @@ extern "C" {
 #define PKV_API
 #endif
 
-/* Statuses are meant to be checked: GCC and Clang warn where one is dropped. GCC's warning is
- * not silenced by a (void) cast; define PKV_NODISCARD empty before including pkv.h to turn it
- * off (e.g. for cleanup paths under -Werror). */
+/* Statuses are meant to be checked: compilers warn where one is dropped. In C++17 and later
+ * PKV_NODISCARD is [[nodiscard]], which a (void) cast silences; elsewhere (C, older C++) with GCC
+ * and Clang it is warn_unused_result, which GCC does not let a (void) cast silence: define it empty
+ * before including pkv.h to turn it off (e.g. for cleanup paths under -Werror). It comes first
+ * in each declaration, so a definition of your own may be a standard attribute. */
 #ifndef PKV_NODISCARD
-#if defined(__GNUC__)
+#if defined(__cplusplus) && (__cplusplus >= 201703L || (defined(_MSVC_LANG) && _MSVC_LANG >= 201703L))
+#define PKV_NODISCARD [[nodiscard]]
+#elif defined(__GNUC__)
 #define PKV_NODISCARD __attribute__((warn_unused_result))
 #else
 #define PKV_NODISCARD
@@ -89,7 +100,7 @@ PKV_API size_t pkv_dtype_row_bytes(pkv_dtype dtype, uint32_t head_dim);
 /* "f32", "f16", "bf16", "q8_0", "q4_0", "fp8_e4m3"; NULL for an unknown value. */
 PKV_API const char *pkv_dtype_name(pkv_dtype dtype);
 /* Parses the names above, and "fp8" for fp8_e4m3; PKV_EINVAL if unknown. */
-PKV_API PKV_NODISCARD int pkv_dtype_from_name(const char *name, pkv_dtype *out);
+PKV_NODISCARD PKV_API int pkv_dtype_from_name(const char *name, pkv_dtype *out);
 
 /* ---- hooks --------------------------------------------------------------------------------- */
 /* Allocator hook (zstd customMem style). alloc returns memory aligned to `align` (a power of
@@ -161,7 +172,8 @@ typedef struct pkv_config {
 } pkv_config;
 
 /* Defaults: 1 layer, 8 kv heads, head_dim 128, B = 16, 1024 blocks, f16/f16, 256 sequences,
- * prefix cache on, huge pages on, all cpus. Fields are only ever appended. */
+ * prefix cache on, huge pages on, all cpus. Fields are only ever appended. Start a config from
+ * this, not from zeros: a zeroed pkv_config is refused (block_tokens and max_seqs 0). */
 PKV_API pkv_config pkv_config_default(void);
 
 typedef struct pkv_cache pkv_cache;
@@ -171,22 +183,26 @@ typedef struct pkv_cache pkv_cache;
  * 2^32 - 1 generations are used up is retired, not wrapped: it no longer counts in max_seqs
  * (billions of create / release cycles of one slot). */
 typedef uint64_t pkv_seq;
+#ifdef __cplusplus
+#define PKV_SEQ_NONE (static_cast<pkv_seq>(0))
+#else
 #define PKV_SEQ_NONE ((pkv_seq)0)
+#endif
 
 /* Creates a cache: allocates the whole pool, the metadata and the attention thread pool now;
  * nothing is allocated later. PKV_EINVAL for a bad config, PKV_ENOMEM, PKV_ENOTSUP (e.g. a
  * PKV_ATTN_BACKEND this CPU or build lacks: see pkv_attn_backend). When it refuses, it says why
  * through cfg->log at PKV_LOG_ERROR first, one message naming the field or variable and its
  * value (e.g. "pkv_cache_create: k_dtype q8_0 needs head_dim a multiple of 32, not 48"). */
-PKV_API PKV_NODISCARD int pkv_cache_create(const pkv_config *cfg, pkv_cache **out);
+PKV_NODISCARD PKV_API int pkv_cache_create(const pkv_config *cfg, pkv_cache **out);
 /* Frees everything; NULL is a no-op. Outstanding sequence ids become invalid. */
 PKV_API void pkv_cache_destroy(pkv_cache *c);
 /* Releases every sequence and pin and empties the prefix index: all blocks FREE. The statistics'
  * counters and peak_active go on (a later miss at a block indexed before is counted in
  * prefix_miss_evicted). */
-PKV_API PKV_NODISCARD int pkv_cache_reset(pkv_cache *c);
+PKV_NODISCARD PKV_API int pkv_cache_reset(pkv_cache *c);
 /* The effective configuration (n_blocks, max_blocks_per_seq and n_threads resolved). */
-PKV_API PKV_NODISCARD int pkv_cache_config(const pkv_cache *c, pkv_config *out);
+PKV_NODISCARD PKV_API int pkv_cache_config(const pkv_cache *c, pkv_config *out);
 
 /* Where the pool lives, for engines that run their own kernels over it (vLLM layout):
  * K of layer l = k_base + l * layer_stride_bytes; block b, kv head h, offset t of K starts at
@@ -204,20 +220,20 @@ typedef struct pkv_layout {
     uint32_t n_blocks, block_tokens, n_kv_heads, head_dim, n_layers;
     pkv_dtype k_dtype, v_dtype;
 } pkv_layout;
-PKV_API PKV_NODISCARD int pkv_cache_layout(const pkv_cache *c, pkv_layout *out);
+PKV_NODISCARD PKV_API int pkv_cache_layout(const pkv_cache *c, pkv_layout *out);
 
 /* ---- sequences --------------------------------------------------------------------------- */
 /* New empty sequence. salt (may be NULL when salt_len == 0, at most 256 bytes) names its
  * prefix-index namespace: sequences with different salts never share indexed blocks.
  * PKV_ELIMIT when max_seqs are live. */
-PKV_API PKV_NODISCARD int pkv_seq_create(pkv_cache *c, const void *salt, size_t salt_len, pkv_seq *out);
+PKV_NODISCARD PKV_API int pkv_seq_create(pkv_cache *c, const void *salt, size_t salt_len, pkv_seq *out);
 
 /* Appends n positions with their token ids (tokens must not be NULL when n > 0) and returns
  * their slots in slots_out (may be NULL). Allocates blocks as needed, FREE blocks first, then
  * evicting CACHED blocks (LRU, leaves first); if the current tail block is shared (refcount > 1)
  * or indexed, it is first copied (copy-on-write, all layers). All-or-nothing: PKV_ENOSPC if
  * the blocks cannot be had, PKV_ELIMIT past max_blocks_per_seq. */
-PKV_API PKV_NODISCARD int pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
+PKV_NODISCARD PKV_API int pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
                                          int32_t *slots_out);
 
 /* How many blocks pkv_seq_append(c, s, ..., n) would take from the FREE and CACHED ones, so
@@ -229,7 +245,7 @@ PKV_API PKV_NODISCARD int pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t 
  * whose counts sum to at most n_free + n_cached all succeed, in any order, with no other call
  * between (the sum can overstate by one for each copy that frees its tail); count a sequence's
  * appends of one step as one append of their total. */
-PKV_API PKV_NODISCARD int pkv_seq_append_blocks(pkv_cache *c, pkv_seq s, uint32_t n, uint32_t *n_blocks);
+PKV_NODISCARD PKV_API int pkv_seq_append_blocks(pkv_cache *c, pkv_seq s, uint32_t n, uint32_t *n_blocks);
 
 /* The largest magnitude pkv_write_kv takes into the pool, and the largest |q_d| x scale the
  * attention calls take: 2^56 (7.2e16), far past any model's activations. With it every sum the
@@ -252,7 +268,7 @@ PKV_API PKV_NODISCARD int pkv_seq_append_blocks(pkv_cache *c, pkv_seq s, uint32_
  * written; rows at slot -1 are not read. k or v may
  * be NULL to write only the other. So write a sequence's K/V before forking it: a block shared
  * by a fork is read-only until copy-on-write gives the writer its own copy. */
-PKV_API PKV_NODISCARD int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n,
+PKV_NODISCARD PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n,
                                        const void *k, const void *v, pkv_dtype in_dtype);
 
 /* The caller's promise that positions [0, n_pos) of s now hold K/V for every layer: the library
@@ -261,15 +277,15 @@ PKV_API PKV_NODISCARD int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32
  * pkv_seq_match_prefix hands to other sequences, so commit what the engine keeps (speculative
  * drafts once verified). n_pos may not exceed the length; committing less than is already
  * committed is a no-op. */
-PKV_API PKV_NODISCARD int pkv_seq_commit(pkv_cache *c, pkv_seq s, uint32_t n_pos);
+PKV_NODISCARD PKV_API int pkv_seq_commit(pkv_cache *c, pkv_seq s, uint32_t n_pos);
 
 /* New sequence sharing every block of parent (refcounts + 1, no data copied), same length,
  * committed count and salt. PKV_ELIMIT when max_seqs are live. */
-PKV_API PKV_NODISCARD int pkv_seq_fork(pkv_cache *c, pkv_seq parent, pkv_seq *child);
+PKV_NODISCARD PKV_API int pkv_seq_fork(pkv_cache *c, pkv_seq parent, pkv_seq *child);
 
 /* Keeps positions [0, n); releases the blocks past n. Never fails for n >= length (no-op).
  * The committed count becomes min(committed, n). Shared blocks are only dereferenced. */
-PKV_API PKV_NODISCARD int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
+PKV_NODISCARD PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
 
 /* Compaction: moves blocks of s into free room (FREE blocks; with PKV_COMPACT_EVICT also CACHED
  * ones eviction could take) so that its block table holds longer runs of consecutive ids.
@@ -301,7 +317,7 @@ PKV_API PKV_NODISCARD int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
  * attention call reads s (as for every call that changes a sequence). PKV_ENOENT for an unknown
  * id, PKV_EINVAL for a pin or an unknown flag; a failed call changes nothing. */
 enum { PKV_COMPACT_EVICT = 1u, PKV_COMPACT_CACHED = 2u };
-PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t flags, uint32_t *n_moved);
+PKV_NODISCARD PKV_API int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t flags, uint32_t *n_moved);
 
 /* Compaction of a batch (a decode batch, say) at once: lays the blocks of seqs[0 .. n) that each
  * holds alone (refcount 1, its "entries") out so that, in block id order, each sequence's
@@ -346,12 +362,12 @@ PKV_API PKV_NODISCARD int pkv_seq_compact(pkv_cache *c, pkv_seq s, uint32_t flag
  * nothing. Costs a pass over the pool's block states, a few searches for a stretch per sequence
  * that moves (each at most one more pass), and up to two copies of every block of the batch. */
 enum { PKV_BATCH_REPACK = 1u, PKV_BATCH_CACHED = 2u };
-PKV_API PKV_NODISCARD int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uint32_t slack,
+PKV_NODISCARD PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uint32_t slack,
                                             uint32_t flags, uint32_t *n_moved);
 
 /* Drops the sequence: each block's refcount falls by one; a block reaching 0 becomes CACHED
  * if indexed, else FREE. The id becomes stale. */
-PKV_API PKV_NODISCARD int pkv_seq_release(pkv_cache *c, pkv_seq s);
+PKV_NODISCARD PKV_API int pkv_seq_release(pkv_cache *c, pkv_seq s);
 
 typedef struct pkv_seq_info {
     uint32_t n_tokens;     /* length in positions */
@@ -360,31 +376,31 @@ typedef struct pkv_seq_info {
     uint32_t n_shared;     /* blocks of its table with refcount > 1 */
     uint32_t n_reused;     /* tokens attached by pkv_seq_match_prefix */
 } pkv_seq_info;
-PKV_API PKV_NODISCARD int pkv_seq_get_info(pkv_cache *c, pkv_seq s, pkv_seq_info *out);
+PKV_NODISCARD PKV_API int pkv_seq_get_info(pkv_cache *c, pkv_seq s, pkv_seq_info *out);
 
 /* Slots of positions [start, start + n) (start + n <= length): the vLLM slot_mapping. */
-PKV_API PKV_NODISCARD int pkv_seq_slots(pkv_cache *c, pkv_seq s, uint32_t start, uint32_t n, int32_t *slots);
+PKV_NODISCARD PKV_API int pkv_seq_slots(pkv_cache *c, pkv_seq s, uint32_t start, uint32_t n, int32_t *slots);
 
 /* Copies the block table (block ids, int32) into out[0 .. cap); *n_out = its length.
  * PKV_EINVAL if cap is smaller than the length: nothing copied, *n_out = the length needed. */
-PKV_API PKV_NODISCARD int pkv_seq_block_table(pkv_cache *c, pkv_seq s, int32_t *out, uint32_t cap,
+PKV_NODISCARD PKV_API int pkv_seq_block_table(pkv_cache *c, pkv_seq s, int32_t *out, uint32_t cap,
                                               uint32_t *n_out);
 
 /* Gathers positions [start, start + n) of one layer into contiguous f32
  * k_out, v_out: [n][n_kv_heads][head_dim] (either may be NULL). Dequantizes. */
-PKV_API PKV_NODISCARD int pkv_seq_gather(pkv_cache *c, pkv_seq s, uint32_t layer, uint32_t start, uint32_t n,
+PKV_NODISCARD PKV_API int pkv_seq_gather(pkv_cache *c, pkv_seq s, uint32_t layer, uint32_t start, uint32_t n,
                                          float *k_out, float *v_out);
 
 /* Block tables of n_seqs sequences, vLLM dense format: block_tables [n_seqs][max_blocks]
  * int32 (unused entries -1) and seq_lens [n_seqs] int32. PKV_EINVAL if a table is longer
  * than max_blocks. */
-PKV_API PKV_NODISCARD int pkv_export_dense(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, uint32_t max_blocks,
+PKV_NODISCARD PKV_API int pkv_export_dense(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, uint32_t max_blocks,
                                            int32_t *block_tables, int32_t *seq_lens);
 
 /* FlashInfer CSR format: indptr [n_seqs + 1], indices [indptr[n_seqs]] (capacity
  * indices_cap), last_page_len [n_seqs] (tokens in each last block, 0 for an empty sequence).
  * PKV_EINVAL if indices_cap is too small (n_needed, if not NULL, says how many). */
-PKV_API PKV_NODISCARD int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, int32_t *indptr,
+PKV_NODISCARD PKV_API int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, int32_t *indptr,
                                          int32_t *indices, uint32_t indices_cap, int32_t *last_page_len,
                                          uint32_t *n_needed);
 
@@ -401,15 +417,15 @@ PKV_API PKV_NODISCARD int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint
  * On return s has length *n_reused, all committed; append the rest with pkv_seq_append.
  * PKV_EINVAL if s is not empty. With the prefix cache disabled it attaches nothing
  * (*n_reused = 0). No block free or evictable for the copy: the copy is skipped, not an error. */
-PKV_API PKV_NODISCARD int pkv_seq_match_prefix(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
+PKV_NODISCARD PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
                                                uint32_t *n_reused);
 
 /* Pins the committed full blocks of positions [0, n_pos) of s: they stay in use (never
  * evicted, counted ACTIVE) until pkv_pin_release, even after s is released. *pin is a handle
  * of its own (it counts against max_seqs, and pkv_seq_* calls on it return PKV_EINVAL).
  * Pinning 0 full blocks is valid (an empty pin). */
-PKV_API PKV_NODISCARD int pkv_pin_create(pkv_cache *c, pkv_seq s, uint32_t n_pos, pkv_seq *pin);
-PKV_API PKV_NODISCARD int pkv_pin_release(pkv_cache *c, pkv_seq pin);
+PKV_NODISCARD PKV_API int pkv_pin_create(pkv_cache *c, pkv_seq s, uint32_t n_pos, pkv_seq *pin);
+PKV_NODISCARD PKV_API int pkv_pin_release(pkv_cache *c, pkv_seq pin);
 
 /* ---- statistics and checker ------------------------------------------------------------------ */
 typedef struct pkv_stats {
@@ -441,12 +457,12 @@ typedef struct pkv_stats {
     uint64_t attn_reqs_pool;
     uint64_t attn_reqs_table;
 } pkv_stats;
-PKV_API PKV_NODISCARD int pkv_cache_get_stats(pkv_cache *c, pkv_stats *out);
+PKV_NODISCARD PKV_API int pkv_cache_get_stats(pkv_cache *c, pkv_stats *out);
 
 /* Verifies every invariant (block-state counts, refcounts against block tables and pins,
  * free/LRU queues, index identities, sequence lengths) in O(n_blocks + table entries).
  * 0 if all hold, else PKV_ECORRUPT with a description of the first broken one in msg. */
-PKV_API PKV_NODISCARD int pkv_cache_check(pkv_cache *c, char *msg, size_t msg_cap);
+PKV_NODISCARD PKV_API int pkv_cache_check(pkv_cache *c, char *msg, size_t msg_cap);
 
 /* ---- attention ------------------------------------------------------------------------------- */
 typedef struct pkv_attn_params {
@@ -513,7 +529,7 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * measured 8-18% faster there; PKV_ATTN_PIECES=on or off (or auto, the default) at
  * pkv_cache_create fixes that, with the same rule for other values; the results differ by float
  * rounding only. */
-PKV_API PKV_NODISCARD int pkv_attn_decode(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, uint32_t n_seqs,
+PKV_NODISCARD PKV_API int pkv_attn_decode(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, uint32_t n_seqs,
                                           const float *q, float *out, const pkv_attn_params *p);
 
 /* One prefill/extend request: queries for positions [q_start, q_start + n_q) of seq, causal
@@ -530,7 +546,7 @@ typedef struct pkv_attn_req {
  * [sum n_q][n_q_heads][head_dim] f32 (out may be q, as in pkv_attn_decode). Requests of one
  * query (decodes batched beside chunked prefills) are read as pkv_attn_decode reads its batch
  * (in pool order when their tables jump), the others in table order, in the same call. */
-PKV_API PKV_NODISCARD int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs,
+PKV_NODISCARD PKV_API int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs,
                                            const float *q, float *out, const pkv_attn_params *p);
 
 /* Merges two partial attention results of the same queries over disjoint key sets into the
@@ -545,7 +561,7 @@ PKV_API PKV_NODISCARD int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const p
  * overlap, a NULL array (lse aside), head_dim 0 or an lse that is NaN or +inf is PKV_EINVAL,
  * and nothing is written. n_rows 0 does nothing. Needs no cache: the parts may come from
  * anywhere (another engine's kernel included), as long as both used the same scale. */
-PKV_API PKV_NODISCARD int pkv_attn_merge(uint32_t n_rows, uint32_t head_dim, const float *out_a, const float *lse_a,
+PKV_NODISCARD PKV_API int pkv_attn_merge(uint32_t n_rows, uint32_t head_dim, const float *out_a, const float *lse_a,
                                          const float *out_b, const float *lse_b, float *out, float *lse);
 
 /* Which kernel family attention uses: "ref", "avx2", "avx512", "avx512-vnni" (avx512 with

@@ -303,7 +303,9 @@ class Cache:
     config libpkv refuses raises PkvError carrying its reason (e.g. "pkv_cache_create: head_dim 0
     not in 1..1024: invalid argument (EINVAL)").
     Several Python threads may use one cache at once (libpkv runs without the GIL), under the
-    library's rule: no two threads use the same sequence at once, and close() comes last.
+    library's rule (pkv.h): calls that only read a sequence (attention, gather, info, forks of it)
+    may overlap on it, a call that changes a sequence overlaps no other call on it, and close()
+    comes last.
     """
 
     _INT_FIELDS = ("n_layers", "n_kv_heads", "head_dim", "block_tokens", "n_blocks", "max_seqs",

@@ -45,6 +45,6 @@ nm --defined-only -g "$tmp/A.a" | awk 'NF == 3 { print $3 " a_" $3 }' | sort -u 
 objcopy --redefine-syms="$tmp/syms" "$tmp/A.a" "$tmp/A-renamed.a"
 cc -O2 -std=c11 -Wall -Wextra -D_GNU_SOURCE -I"$root/include" -I"$root/tools" "$root/bench/ab_decode.c" \
     "$root/tools/tool_util.c" "$tmp/B.a" "$tmp/A-renamed.a" \
-    -lxxhash -lpthread -lm -o "$tmp/ab_decode"
+    -lpthread -lm -o "$tmp/ab_decode"
 echo "A = $a ($(git -C "$root" rev-parse --short "$a" 2>/dev/null || echo "$a")), B = $b"
 "$tmp/ab_decode" "${args[@]}"

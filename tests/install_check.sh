@@ -2,7 +2,7 @@
 # install_check.sh BUILD_DIR SOURCE_DIR CC [PYTHON]: what the README promises of an installed
 # pagedkv. Installs BUILD_DIR into a scratch prefix, then builds and runs the README example
 # (examples/readme_example.c) against that prefix through pkg-config and through CMake's
-# find_package(pkv), then inside another project through add_subdirectory (and that project's
+# find_package(pkv) (also fully static), checks pkv.h as C++ (g++, clang++), then inside another project through add_subdirectory (and that project's
 # install, libdir lib/x86_64-linux-gnu, through pkg-config), and, with PYTHON (one that imports numpy), imports the installed Python
 # module from <prefix>/<libdir>/pkv/python and checks it loaded the installed library. Exits
 # non-zero, saying which step failed, if any does.
@@ -42,6 +42,41 @@ if "$cc" -std=c11 -Wall -Werror -c -o "$tmp/nodiscard.o" "$tmp/nodiscard.c" $fla
     fail "pkv.h does not warn of a dropped status (PKV_NODISCARD)"
 fi
 
+# C++ through pkg-config's -I (warnings from pkv.h show): clean under -Wold-style-cast (PKV_SEQ_NONE)
+# from C++11 on; in C++17 PKV_NODISCARD is [[nodiscard]]: a (void) cast silences it, a dropped
+# status still warns; and a user's own standard attribute for it compiles (it comes first in each
+# declaration, where Clang wants one). With every C++ compiler here (g++, clang++).
+cxxflags=$(PKG_CONFIG_PATH=$(dirname "$pc") pkg-config --cflags pkv) || fail "pkg-config --cflags pkv failed"
+cat >"$tmp/cxx.cpp" <<'CXX'
+#include <pkv.h>
+void drop(pkv_cache *c, pkv_seq s) { (void)pkv_seq_release(c, s); }
+pkv_seq none() { return PKV_SEQ_NONE; }
+CXX
+cat >"$tmp/cxx_drop.cpp" <<'CXX'
+#include <pkv.h>
+void drop(pkv_cache *c, pkv_seq s) { pkv_seq_release(c, s); }
+CXX
+n_cxx=0
+for cxx in g++ clang++; do
+    command -v "$cxx" >/dev/null || continue
+    n_cxx=$((n_cxx + 1))
+    w=(-Wall -Wextra -Wpedantic -Wold-style-cast -Werror)
+    # shellcheck disable=SC2086
+    "$cxx" -std=c++11 "${w[@]}" -DPKV_NODISCARD= -c -o "$tmp/cxx.o" "$tmp/cxx.cpp" $cxxflags ||
+        fail "pkv.h does not compile cleanly as C++11 with $cxx"
+    # shellcheck disable=SC2086
+    "$cxx" -std=c++17 "${w[@]}" -c -o "$tmp/cxx.o" "$tmp/cxx.cpp" $cxxflags ||
+        fail "pkv.h as C++17 with $cxx: a (void) cast does not silence PKV_NODISCARD, or it warns"
+    # shellcheck disable=SC2086
+    if "$cxx" -std=c++17 -Wall -Werror -c -o "$tmp/cxx.o" "$tmp/cxx_drop.cpp" $cxxflags 2>/dev/null; then
+        fail "pkv.h as C++17 with $cxx does not warn of a dropped status"
+    fi
+    # shellcheck disable=SC2086
+    "$cxx" -std=c++17 -Wall -Werror '-DPKV_NODISCARD=[[nodiscard]]' -c -o "$tmp/cxx.o" "$tmp/cxx.cpp" $cxxflags ||
+        fail "pkv.h with PKV_NODISCARD defined as [[nodiscard]] does not compile with $cxx"
+done
+[ "$n_cxx" -gt 0 ] || fail "no C++ compiler (g++ or clang++) to check pkv.h as C++"
+
 # find_package(pkv)
 mkdir -p "$tmp/consumer"
 cat >"$tmp/consumer/CMakeLists.txt" <<CMAKE
@@ -55,6 +90,23 @@ cmake -S "$tmp/consumer" -B "$tmp/consumer/build" -DCMAKE_PREFIX_PATH="$tmp/pref
     >"$tmp/consumer.log" 2>&1 || { cat "$tmp/consumer.log"; fail "find_package(pkv) failed"; }
 cmake --build "$tmp/consumer/build" >>"$tmp/consumer.log" 2>&1 || { cat "$tmp/consumer.log"; fail "the find_package build failed"; }
 "$tmp/consumer/build/example" || fail "the README example built through find_package failed"
+
+# a fully static program through find_package's pkv::pkv_static (no shared library named in its
+# link interface: an -static link refuses any)
+mkdir -p "$tmp/static"
+cat >"$tmp/static/CMakeLists.txt" <<CMAKE
+cmake_minimum_required(VERSION 3.16)
+project(consumer_static C)
+find_package(pkv 0.1 REQUIRED)
+add_executable(example $src/examples/readme_example.c)
+target_link_libraries(example PRIVATE pkv::pkv_static)
+target_link_options(example PRIVATE -static)
+CMAKE
+cmake -S "$tmp/static" -B "$tmp/static/build" -DCMAKE_PREFIX_PATH="$tmp/prefix" -DCMAKE_C_COMPILER="$cc" \
+    >"$tmp/static.log" 2>&1 || { cat "$tmp/static.log"; fail "find_package(pkv) failed (static)"; }
+cmake --build "$tmp/static/build" >>"$tmp/static.log" 2>&1 ||
+    { cat "$tmp/static.log"; fail "a fully static build through pkv::pkv_static failed"; }
+"$tmp/static/build/example" || fail "the README example linked fully static failed"
 
 # add_subdirectory(pkv) in another project (what FetchContent does too), with a libdir two
 # levels deep as Debian's: the parent's tree must not stand in for pagedkv's own, only the

@@ -1,6 +1,7 @@
 /* test_thr_core.c: several pthreads hammer one cache (create, append, write K/V, commit, fork,
  * CoW, truncate, gather, prefix match, compaction, release) on their own sequences plus forks of shared
- * parents that are only read; every thread verifies its data; at the end the checker passes
+ * parents that are only read (forks, gathers and decodes of them from every thread at once: reads
+ * of one sequence may overlap); every thread verifies its data; at the end the checker passes
  * and the shared parents are intact. Runs under ThreadSanitizer in CI (label "thread"). */
 #include <stdarg.h>
 #include <stddef.h>
@@ -15,12 +16,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { NTHR = 4, NPARENT = 3, PARENT_LEN = 10, B = 4 };
+enum { NTHR = 4, NPARENT = 3, PARENT_LEN = 10, B = 4, LAYERS = 2, KVH = 2, HD = 8, QH = 4 };
+enum { DEC_N = NPARENT * QH * HD }; /* one decode of the parents: their queries or outputs */
 
 typedef struct {
     pkv_cache *c;
     pkv_seq parents[NPARENT];
     int32_t parent_tok[NPARENT][PARENT_LEN];
+    const float *q, *want; /* the parents' queries; their decode by layer, computed before the threads */
     int tid;
     uint32_t iters;
     long errors;
@@ -83,6 +86,17 @@ static void *worker(void *p) {
             TFAIL(a, "thread %d: fork of shared parent %d has wrong K/V", a->tid, k);
         if (tu_cmp_pattern(c, g, PARENT_LEN, 3, tag + 3) != 0)
             TFAIL(a, "thread %d: K/V appended to a shared parent's fork wrong", a->tid);
+        /* every thread decodes the shared parents while the others fork, gather and decode them:
+           the same bits as before the threads started */
+        {
+            float out[DEC_N];
+            const uint32_t layer = it % LAYERS;
+            pkv_attn_params ap = pkv_attn_params_default();
+            ap.n_q_heads = QH;
+            TCALL(a, pkv_attn_decode(c, layer, a->parents, NPARENT, a->q, out, &ap));
+            if (memcmp(out, a->want + layer * DEC_N, sizeof out) != 0)
+                TFAIL(a, "thread %d: decode of the shared parents changed (layer %u)", a->tid, layer);
+        }
         /* compaction of this thread's sequences while the others work (the shared parents'
            blocks never move): their K/V stays */
         uint32_t moved = 0;
@@ -124,7 +138,7 @@ static void *worker(void *p) {
 }
 
 static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy) {
-    pkv_config cfg = tu_config(n_blocks, B, 2, 2, 8, PKV_DTYPE_F32);
+    pkv_config cfg = tu_config(n_blocks, B, LAYERS, KVH, HD, PKV_DTYPE_F32);
     cfg.enable_prefix_cache = prefix;
     cfg.max_seqs = 64;
     pkv_cache *c = tu_create(&cfg);
@@ -139,9 +153,15 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
         TU_WRITE_PAT(c, parents[k], 0, PARENT_LEN, 9000 + (uint32_t)k);
         TU_OK(pkv_seq_commit(c, parents[k], PARENT_LEN));
     }
+    float q[DEC_N], want[LAYERS * DEC_N];
+    for (int i = 0; i < DEC_N; i++) q[i] = (float)((i * 7) % 11) * 0.25f - 1.0f;
+    pkv_attn_params ap = pkv_attn_params_default();
+    ap.n_q_heads = QH;
+    for (uint32_t l = 0; l < LAYERS; l++) TU_OK(pkv_attn_decode(c, l, parents, NPARENT, q, want + l * DEC_N, &ap));
     pthread_t th[NTHR];
     for (int t = 0; t < NTHR; t++) {
         args[t].c = c;
+        args[t].q = q, args[t].want = want;
         memcpy(args[t].parents, parents, sizeof parents);
         memcpy(args[t].parent_tok, ptok, sizeof ptok);
         args[t].tid = t;
