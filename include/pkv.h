@@ -267,7 +267,10 @@ PKV_NODISCARD PKV_API int pkv_seq_append_blocks(pkv_cache *c, pkv_seq s, uint32_
  * dtype (f16: |x| >= 65520; the quantized dtypes saturate), else PKV_EINVAL and nothing is
  * written; rows at slot -1 are not read. k or v may
  * be NULL to write only the other. So write a sequence's K/V before forking it: a block shared
- * by a fork is read-only until copy-on-write gives the writer its own copy. */
+ * by a fork is read-only until copy-on-write gives the writer its own copy. Slots name places in
+ * the pool, not a sequence: after a sequence's truncate, release or compaction its old slots
+ * may lie in another sequence's blocks, where a write through them passes these checks and
+ * changes that sequence. Take slots again after those calls (pkv_seq_slots). */
 PKV_NODISCARD PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n,
                                        const void *k, const void *v, pkv_dtype in_dtype);
 

@@ -504,7 +504,10 @@ class Cache:
     def write_kv(self, layer, slots, k=None, v=None, dtype=None):
         """Writes K and/or V of one layer at these slots (pkv_write_kv): k, v [n][n_kv_heads][head_dim]
         float32 or float16 (other floating types are converted to float32), or uint16 bf16 bit
-        patterns with dtype="bf16". Slot -1 skips a row. All-or-nothing."""
+        patterns with dtype="bf16". Slot -1 skips a row. All-or-nothing. Slots name places in
+        the pool, not a sequence: after a truncate, release or compaction of their sequence they
+        may lie in another sequence's blocks, and a write through them changes that one. Take
+        them again (slots()) after those calls."""
         s = _i32_array(slots, "write_kv: slots")
         ka, kc = self._kv_in(k, s.size, "write_kv: k", dtype)
         va, vc = self._kv_in(v, s.size, "write_kv: v", dtype)
@@ -619,9 +622,14 @@ class Cache:
 
     def export_dense(self, seqs, max_blocks=None):
         """vLLM's dense block tables: (block_tables [n_seqs][max_blocks] int32, unused -1;
-        seq_lens [n_seqs] int32). max_blocks defaults to the cache's max_blocks_per_seq."""
+        seq_lens [n_seqs] int32). max_blocks defaults to the cache's max_blocks_per_seq; one over
+        it is PkvError(EINVAL) (no table is longer: the rest would be padding), raised before the
+        tables are allocated."""
         a = self._seqs(seqs, "export_dense")
         mb = self._max_blocks if max_blocks is None else _u32_of(max_blocks, "max_blocks")
+        if mb > self._max_blocks:
+            raise _invalid("export_dense: max_blocks %d over the cache's max_blocks_per_seq %d"
+                           % (mb, self._max_blocks))
         tables = np.empty((a.size, mb), dtype=np.int32)
         lens = np.empty(a.size, dtype=np.int32)
         _check(_lib.pkv_export_dense(self._h(), _ptr(a), a.size, mb, _ptr(tables), _ptr(lens)), "pkv_export_dense")

@@ -401,7 +401,10 @@ func (c *Cache) writeKV(layer uint32, slots []int32, k, v unsafe.Pointer, kn, vn
 }
 
 // WriteKV writes f32 K and/or V (nil: not written) of one layer at these slots (-1 skips a
-// row): each [len(slots)][n_kv_heads][head_dim]. All-or-nothing.
+// row): each [len(slots)][n_kv_heads][head_dim]. All-or-nothing. Slots name places in the pool,
+// not a sequence: after a Truncate, Release or compaction of their sequence they may lie in
+// another sequence's blocks, and a write through them changes that one. Take them again (Slots)
+// after those calls.
 func (c *Cache) WriteKV(layer uint32, slots []int32, k, v []float32) error {
 	return c.writeKV(layer, slots, unsafe.Pointer(f32p(k)), unsafe.Pointer(f32p(v)), len(k), len(v), F32,
 		k != nil, v != nil)
@@ -606,10 +609,16 @@ func (c *Cache) Gather(s Seq, layer, start, n uint32) ([]float32, []float32, err
 }
 
 // ExportDense is vLLM's dense block tables: [len(seqs)][maxBlocks] (unused -1), and seq_lens.
+// EINVAL where maxBlocks is over the cache's MaxBlocksPerSeq (no table is longer: the rest would
+// be padding), checked before the tables are allocated.
 func (c *Cache) ExportDense(seqs []Seq, maxBlocks uint32) ([]int32, []int32, error) {
 	n, err := u32(len(seqs), "ExportDense: seqs")
 	if err != nil {
 		return nil, nil, err
+	}
+	if maxBlocks > c.cfg.MaxBlocksPerSeq {
+		return nil, nil, invalid("ExportDense: maxBlocks %d over the cache's MaxBlocksPerSeq %d", maxBlocks,
+			c.cfg.MaxBlocksPerSeq)
 	}
 	tables, lens := make([]int32, len(seqs)*int(maxBlocks)), make([]int32, len(seqs))
 	err = c.readOp("pkv_export_dense", func(p *C.pkv_cache) C.int {

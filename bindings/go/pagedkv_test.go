@@ -621,6 +621,16 @@ func TestPrefixForkExports(t *testing.T) {
 	seqs := []Seq{a, b, child}
 	tables, lens, err := c.ExportDense(seqs, 8)
 	must(t, err)
+	// wider than any table can be: refused before the tables are allocated
+	mbps := c.Config().MaxBlocksPerSeq
+	if tb, _, err := c.ExportDense(seqs, mbps); err != nil || len(tb) != 3*int(mbps) {
+		t.Fatal("ExportDense at MaxBlocksPerSeq", err)
+	}
+	for _, wide := range []uint32{mbps + 1, math.MaxUint32} {
+		if _, _, err := c.ExportDense(seqs, wide); code(err) != EINVAL {
+			t.Fatal("ExportDense wider than MaxBlocksPerSeq:", wide, err)
+		}
+	}
 	indptr, indices, last, err := c.ExportCSR(seqs)
 	must(t, err)
 	for i, s := range seqs {

@@ -423,6 +423,13 @@ class TestCache(Base):
 
             seqs = [a, b, child]
             tables, lens = c.export_dense(seqs, 8)
+            # wider than any table can be: refused before the tables are allocated
+            mbps = c.config["max_blocks_per_seq"]
+            self.assertEqual(c.export_dense(seqs)[0].shape, (3, mbps))
+            for wide in (mbps + 1, 2**32 - 1):
+                with self.assertRaises(pkv.PkvError) as e:
+                    c.export_dense(seqs, wide)
+                self.assertEqual(e.exception.code, pkv.EINVAL)
             indptr, indices, last = c.export_csr(seqs)
             self.assertEqual(list(lens), [c.seq_info(s).n_tokens for s in seqs])
             for i, s in enumerate(seqs):

@@ -301,7 +301,7 @@ impl Default for AttnParams {
     }
 }
 
-/// K or V rows to write: [n][n_kv_heads][head_dim] elements.
+/// K or V rows to write: `[n][n_kv_heads][head_dim]` elements.
 #[derive(Clone, Copy, Debug)]
 pub enum KvData<'a> {
     F32(&'a [f32]),
@@ -325,8 +325,8 @@ pub type SeqInfo = ffi::pkv_seq_info;
 pub type Stats = ffi::pkv_stats;
 
 /// Merges two partial attention results of the same rows over disjoint key sets by their
-/// log-sum-exps (pkv_attn_merge): out_a, out_b, out [n_rows][head_dim]; lse_a, lse_b, lse
-/// [n_rows].
+/// log-sum-exps (pkv_attn_merge): out_a, out_b, out `[n_rows][head_dim]`; lse_a, lse_b, lse
+/// `[n_rows]`.
 pub fn merge(
     head_dim: u32,
     out_a: &[f32],
@@ -509,7 +509,10 @@ impl Cache {
     }
 
     /// Writes K and/or V of one layer at these slots (slot -1 skips a row): each
-    /// [slots.len()][n_kv_heads][head_dim]; both of one type. All-or-nothing.
+    /// `[slots.len()][n_kv_heads][head_dim]`; both of one type. All-or-nothing. Slots name
+    /// places in the pool, not a sequence: after a truncate, release or compaction of their
+    /// sequence they may lie in another sequence's blocks, and a write through them changes
+    /// that one. Take them again ([`Cache::slots`]) after those calls.
     pub fn write_kv(&mut self, layer: u32, slots: &[i32], k: Option<KvData<'_>>, v: Option<KvData<'_>>) -> Result<()> {
         let want = self.kv_elems(slots.len());
         let mut dtype = None;
@@ -645,7 +648,7 @@ impl Cache {
         Ok(out)
     }
 
-    /// K and V of positions [start, start + n) of one layer, f32 [n][n_kv_heads][head_dim]
+    /// K and V of positions [start, start + n) of one layer, f32 `[n][n_kv_heads][head_dim]`
     /// (dequantized).
     pub fn gather(&self, s: Seq, layer: u32, start: u32, n: u32) -> Result<(Vec<f32>, Vec<f32>)> {
         self.in_seq(s, start, n, "pkv_seq_gather")?;
@@ -660,9 +663,17 @@ impl Cache {
         seqs.as_ptr() as *const u64 // Seq is repr(transparent) over u64
     }
 
-    /// vLLM's dense block tables: ([n_seqs][max_blocks], unused -1; seq_lens).
+    /// vLLM's dense block tables: (`[n_seqs][max_blocks]`, unused -1; seq_lens). EINVAL where
+    /// max_blocks is over the cache's max_blocks_per_seq (no table is longer: the rest would be
+    /// padding), checked before the tables are allocated.
     pub fn export_dense(&self, seqs: &[Seq], max_blocks: u32) -> Result<(Vec<i32>, Vec<i32>)> {
         let n = len_u32(seqs.len(), "export_dense: seqs")?;
+        if max_blocks > self.cfg.max_blocks_per_seq {
+            return Err(invalid(format!(
+                "export_dense: max_blocks {} over the cache's max_blocks_per_seq {}",
+                max_blocks, self.cfg.max_blocks_per_seq
+            )));
+        }
         let mut tables = vec![0i32; mul_len(seqs.len(), max_blocks as usize, "export_dense")?];
         let mut lens = vec![0i32; seqs.len()];
         let rc = unsafe {
@@ -679,7 +690,7 @@ impl Cache {
         Ok((tables, lens))
     }
 
-    /// FlashInfer's paged layout: (indptr [n_seqs + 1], indices, last_page_len [n_seqs]).
+    /// FlashInfer's paged layout: (indptr `[n_seqs + 1]`, indices, last_page_len `[n_seqs]`).
     pub fn export_csr(&self, seqs: &[Seq]) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>)> {
         let n = len_u32(seqs.len(), "export_csr: seqs")?;
         let mut indptr = vec![0i32; seqs.len() + 1];
@@ -813,7 +824,7 @@ impl Cache {
     }
 
     /// Decode (pkv_attn_decode): one query per sequence at its last position. q and out:
-    /// [seqs.len()][n_q_heads][head_dim]; lse, if given, [seqs.len()][n_q_heads].
+    /// `[seqs.len()][n_q_heads][head_dim]`; lse, if given, `[seqs.len()][n_q_heads]`.
     pub fn decode(
         &self,
         layer: u32,
@@ -836,7 +847,7 @@ impl Cache {
     }
 
     /// Prefill / extend over a ragged batch (pkv_attn_prefill), causal. q and out: the requests'
-    /// queries concatenated, [sum n_q][n_q_heads][head_dim]; lse, if given, [sum n_q][n_q_heads].
+    /// queries concatenated, `[sum n_q][n_q_heads][head_dim]`; lse, if given, `[sum n_q][n_q_heads]`.
     pub fn prefill(
         &self,
         layer: u32,

@@ -575,6 +575,13 @@ fn prefix_fork_cow_exports() {
 
     let seqs = [a, b, child];
     let (tables, lens) = c.export_dense(&seqs, 8).unwrap();
+    // wider than any table can be: refused before the tables are allocated (u32::MAX columns
+    // would be 48 GiB here)
+    let mbps = c.config().max_blocks_per_seq;
+    assert_eq!(c.export_dense(&seqs, mbps).unwrap().0.len(), 3 * mbps as usize);
+    for wide in [mbps + 1, u32::MAX] {
+        assert_eq!(c.export_dense(&seqs, wide).unwrap_err().code(), EINVAL);
+    }
     let (indptr, indices, last) = c.export_csr(&seqs).unwrap();
     for (i, &s) in seqs.iter().enumerate() {
         let t = c.block_table(s).unwrap();
@@ -669,7 +676,7 @@ fn batch_compact_exchanges_cached_blocks() {
         let st2 = c.stats().unwrap();
         assert_eq!((st.n_cached, st.evictions), (st2.n_cached, st2.evictions));
         let m = c.seq_create(b"b").unwrap();
-        let mut toks: Vec<i32> = (0..32).map(|i| ((i * 7 + 100) % 500) as i32).collect();
+        let mut toks: Vec<i32> = (0..32).map(|i| (i * 7 + 100) % 500).collect();
         toks.push(1);
         assert_eq!(c.match_prefix(m, &toks).unwrap(), 32);
         assert_eq!(c.block_table(m).unwrap(), tp, "cached {}", cached);
