@@ -77,36 +77,28 @@ for cxx in g++ clang++; do
 done
 [ "$n_cxx" -gt 0 ] || fail "no C++ compiler (g++ or clang++) to check pkv.h as C++"
 
-# find_package(pkv)
-mkdir -p "$tmp/consumer"
-cat >"$tmp/consumer/CMakeLists.txt" <<CMAKE
+# find_package(pkv): consumer DIR TARGET [LINE] builds the README example in a project of its own
+# linked to TARGET (LINE added to its CMakeLists.txt) and runs it
+consumer() {
+    local dir=$tmp/$1 tgt=$2 line=${3:-}
+    mkdir -p "$dir"
+    cat >"$dir/CMakeLists.txt" <<CMAKE
 cmake_minimum_required(VERSION 3.16)
 project(consumer C)
 find_package(pkv 0.1 REQUIRED)
 add_executable(example $src/examples/readme_example.c)
-target_link_libraries(example PRIVATE pkv::pkv)
+target_link_libraries(example PRIVATE $tgt)
+$line
 CMAKE
-cmake -S "$tmp/consumer" -B "$tmp/consumer/build" -DCMAKE_PREFIX_PATH="$tmp/prefix" -DCMAKE_C_COMPILER="$cc" \
-    >"$tmp/consumer.log" 2>&1 || { cat "$tmp/consumer.log"; fail "find_package(pkv) failed"; }
-cmake --build "$tmp/consumer/build" >>"$tmp/consumer.log" 2>&1 || { cat "$tmp/consumer.log"; fail "the find_package build failed"; }
-"$tmp/consumer/build/example" || fail "the README example built through find_package failed"
-
-# a fully static program through find_package's pkv::pkv_static (no shared library named in its
-# link interface: an -static link refuses any)
-mkdir -p "$tmp/static"
-cat >"$tmp/static/CMakeLists.txt" <<CMAKE
-cmake_minimum_required(VERSION 3.16)
-project(consumer_static C)
-find_package(pkv 0.1 REQUIRED)
-add_executable(example $src/examples/readme_example.c)
-target_link_libraries(example PRIVATE pkv::pkv_static)
-target_link_options(example PRIVATE -static)
-CMAKE
-cmake -S "$tmp/static" -B "$tmp/static/build" -DCMAKE_PREFIX_PATH="$tmp/prefix" -DCMAKE_C_COMPILER="$cc" \
-    >"$tmp/static.log" 2>&1 || { cat "$tmp/static.log"; fail "find_package(pkv) failed (static)"; }
-cmake --build "$tmp/static/build" >>"$tmp/static.log" 2>&1 ||
-    { cat "$tmp/static.log"; fail "a fully static build through pkv::pkv_static failed"; }
-"$tmp/static/build/example" || fail "the README example linked fully static failed"
+    cmake -S "$dir" -B "$dir/build" -DCMAKE_PREFIX_PATH="$tmp/prefix" -DCMAKE_C_COMPILER="$cc" >"$dir.log" 2>&1 ||
+        { cat "$dir.log"; fail "find_package(pkv) failed ($tgt)"; }
+    cmake --build "$dir/build" >>"$dir.log" 2>&1 || { cat "$dir.log"; fail "the find_package build failed ($tgt $line)"; }
+    "$dir/build/example" || fail "the README example built through find_package failed ($tgt $line)"
+}
+consumer consumer pkv::pkv
+# a fully static program through pkv::pkv_static (no shared library named in its link interface:
+# an -static link refuses any)
+consumer static pkv::pkv_static "target_link_options(example PRIVATE -static)"
 
 # add_subdirectory(pkv) in another project (what FetchContent does too), with a libdir two
 # levels deep as Debian's: the parent's tree must not stand in for pagedkv's own, only the
