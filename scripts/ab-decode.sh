@@ -11,12 +11,14 @@
 # EXT: each call also extends one more sequence of CTX tokens by EXT queries, in one
 # pkv_attn_prefill call with the decodes (a chunked prefill batched beside them).
 # REV_B may be "work" for the working tree as it is (uncommitted changes included).
-# AB_BLOCK_TOKENS=N in the environment: N-token blocks (default 16). AB_FLAGS_A=F and
+# AB_BLOCK_TOKENS=N in the environment: N-token blocks (default 16). AB_BUILD_TYPE: the two
+# libraries' CMake build type (default Release; ctest's run of this script takes Debug, which
+# compiles in a quarter of the time: it checks the script, not the speed). AB_FLAGS_A=F and
 # AB_FLAGS_B=F: each side's pkv_attn_params.flags (1: PKV_ATTN_BF16_DOT), so HEAD HEAD with
 # AB_FLAGS_B=1 times the flag against none in one build.
 # Default run: f16 4096 16 2 2 paged 21 6 (a 256 MiB layer, two layers per side).
 set -euo pipefail
-if [ $# -lt 2 ]; then sed -n 2,17p "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
+if [ $# -lt 2 ]; then sed -n 2,19p "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
 root=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 a=$1 b=$2; shift 2
 args=("$@")
@@ -35,7 +37,7 @@ build_lib() {
         src=$tmp/wt-$2
         git -C "$root" worktree add --detach -q "$src" "$1"
     fi
-    cmake -S "$src" -B "$tmp/build-$2" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+    cmake -S "$src" -B "$tmp/build-$2" -G Ninja -DCMAKE_BUILD_TYPE="${AB_BUILD_TYPE:-Release}" >/dev/null
     cmake --build "$tmp/build-$2" --target pkv_static >/dev/null
     cp "$tmp/build-$2/libpkv.a" "$tmp/$2.a"
 }

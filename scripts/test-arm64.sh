@@ -7,7 +7,7 @@
 #
 # Under emulation code runs 10-50x slower, so the stage runs the "unit" tests with
 # PKV_ATTN_TEST_BACKENDS=neon (the reference is tested natively), shorter oracle contexts
-# (PKV_ARM64_ATTN_MAX_LEN, default 200) and a shorter stress run. The tests that spawn the pkv
+# (PKV_ARM64_ATTN_MAX_LEN, default 120) and a shorter stress run. The tests that spawn the pkv
 # CLI (test_run*, test_sim, test_bench_cli) are left out: an arm64 binary cannot be exec'd
 # without binfmt_misc, and the CLI has no architecture-specific code of its own.
 # Environment: JOBS (default nproc), BUILD_DIR (default build-arm64).
@@ -27,5 +27,5 @@ BUILD_DIR=${BUILD_DIR:-build-arm64}
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DCMAKE_BUILD_TYPE=Release
 ninja -C "$BUILD_DIR" -j "$JOBS"
 cd "$BUILD_DIR"
-env PKV_ATTN_TEST_BACKENDS=neon PKV_ATTN_TEST_MAX_LEN="${PKV_ARM64_ATTN_MAX_LEN:-200}" PKV_STRESS_OPS=20000 \
+env PKV_ATTN_TEST_BACKENDS=neon PKV_ATTN_TEST_MAX_LEN="${PKV_ARM64_ATTN_MAX_LEN:-120}" PKV_STRESS_OPS=20000 \
     ctest --output-on-failure -j "$JOBS" -L unit -E '^test_(run|run_checkpoint|sim|bench_cli)$' --timeout 900

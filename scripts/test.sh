@@ -10,7 +10,7 @@
 # 5 s; the test itself defaults to 200000 when run alone), PKV_ASAN_STRESS_OPS (the ASan
 # stage, default 200000: about 10 s there), PKV_THR_ITERS (threaded test
 # iterations, default 2000; the TSan stage uses PKV_TSAN_THR_ITERS, default 1000),
-# PKV_ASAN_ATTN_MAX_LEN (the longest oracle context in the ASan stage, default 700),
+# PKV_ASAN_ATTN_MAX_LEN (the longest oracle context in the ASan stage, default 400),
 # PKV_FUZZ_SECONDS (default 30), PKV_FUZZ_RUNS (default 2000000), PKV_SKIP_ARM64 (1: skip the
 # arm64 stage), JOBS (default nproc).
 set -euo pipefail
@@ -67,7 +67,7 @@ run_stage release build "-DCMAKE_BUILD_TYPE=Release" "" \
     "PKV_STRESS_OPS=${PKV_STRESS_OPS:-1000000}" "PKV_THR_ITERS=${PKV_THR_ITERS:-2000}"
 
 run_stage asan build-asan "-DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS=-O1 -DPKV_SANITIZE=address,undefined -DCMAKE_C_COMPILER=clang" "-L unit" \
-    "PKV_STRESS_OPS=${PKV_ASAN_STRESS_OPS:-200000}" "PKV_ATTN_TEST_MAX_LEN=${PKV_ASAN_ATTN_MAX_LEN:-700}" \
+    "PKV_STRESS_OPS=${PKV_ASAN_STRESS_OPS:-200000}" "PKV_ATTN_TEST_MAX_LEN=${PKV_ASAN_ATTN_MAX_LEN:-400}" \
     "ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1" \
     "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1"
 
