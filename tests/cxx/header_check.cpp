@@ -1,5 +1,6 @@
-// header_check.cpp: pkv.h from C++ (built as C++11 with -Wall -Wextra -Wpedantic -Werror): the
-// header compiles there and links against libpkv; a one-token decode returns that token's V.
+// header_check.cpp: pkv.h from C++ (built as C++11 with -Wall -Wextra -Wpedantic -Wold-style-cast
+// -Werror: PKV_SEQ_NONE below, a cast in C, must not be an old-style one here): the header
+// compiles there and links against libpkv; a one-token decode returns that token's V.
 #include <pkv.h>
 
 #include <cstdio>
