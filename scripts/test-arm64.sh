@@ -7,7 +7,9 @@
 #
 # Under emulation code runs 10-50x slower, so the stage runs the "unit" tests with
 # PKV_ATTN_TEST_BACKENDS=neon (the reference is tested natively), shorter oracle contexts
-# (PKV_ARM64_ATTN_MAX_LEN, default 120) and a shorter stress run. The tests that spawn the pkv
+# (PKV_ARM64_ATTN_MAX_LEN, default 120) and a shorter stress run; test_attn and test_quant_attn,
+# the longest by far there, run as three ctest entries each (PKV_TEST_SHARDS, tests/tu_shard.h)
+# so that ctest -j keeps every core busy to the end. The tests that spawn the pkv
 # CLI (test_run*, test_sim, test_bench_cli) are left out: an arm64 binary cannot be exec'd
 # without binfmt_misc, and the CLI has no architecture-specific code of its own.
 # Environment: JOBS (default nproc), BUILD_DIR (default build-arm64).
@@ -24,7 +26,8 @@ pkv_install_missing gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user libxxh
 
 JOBS=${JOBS:-$(nproc)}
 BUILD_DIR=${BUILD_DIR:-build-arm64}
-cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DCMAKE_BUILD_TYPE=Release
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DCMAKE_BUILD_TYPE=Release \
+    -DPKV_TEST_SHARDS=3
 ninja -C "$BUILD_DIR" -j "$JOBS"
 cd "$BUILD_DIR"
 env PKV_ATTN_TEST_BACKENDS=neon PKV_ATTN_TEST_MAX_LEN="${PKV_ARM64_ATTN_MAX_LEN:-120}" PKV_STRESS_OPS=20000 \

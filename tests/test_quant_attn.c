@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <setjmp.h>
 #include <cmocka.h>
+#include "tu_shard.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -464,5 +465,5 @@ int main(void) {
         PER_SIMD(test_fp8_kv),
         PER_SIMD(test_mixed_kv),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return TU_RUN_TESTS(tests); /* PKV_TEST_FILTER, PKV_TEST_SHARD: tu_shard.h */
 }

@@ -1,0 +1,42 @@
+/* tu_shard.h: runs a cmocka group whole or one shard of it. PKV_TEST_SHARD="k/n" (0 <= k < n)
+ * keeps the tests whose function has ordinal i % n == k, counting the distinct functions in
+ * order (the entries of one function, one a backend, stay together); PKV_TEST_FILTER (a cmocka
+ * glob, e.g. "test_oracle_prefill*") picks tests by name as well. CMake's PKV_TEST_SHARDS
+ * registers the longest tests as n ctest entries of this kind, so that ctest -j runs their
+ * shards side by side: the arm64 stage of scripts/test.sh does, where qemu makes test_attn run
+ * for minutes. Include after cmocka.h. */
+#ifndef PKV_TU_SHARD_H
+#define PKV_TU_SHARD_H
+
+#include <stdlib.h>
+#include <string.h>
+
+static inline int tu_run_tests(const char *group, const struct CMUnitTest *tests, size_t n_tests) {
+    const char *filter = getenv("PKV_TEST_FILTER");
+    if (filter && *filter) cmocka_set_test_filter(filter);
+    const char *shard = getenv("PKV_TEST_SHARD");
+    unsigned long k = 0, n = 1;
+    if (shard && *shard) {
+        char *end = NULL;
+        k = strtoul(shard, &end, 10);
+        if (*end == '/') n = strtoul(end + 1, &end, 10);
+        if (*end || *shard == '/' || n == 0 || n > 1000 || k >= n) {
+            print_error("PKV_TEST_SHARD=%s: want k/n with 0 <= k < n <= 1000\n", shard);
+            return 1;
+        }
+    }
+    struct CMUnitTest *picked = malloc(sizeof *picked * (n_tests ? n_tests : 1));
+    if (!picked) return 1;
+    size_t n_picked = 0, ordinal = 0;
+    for (size_t i = 0; i < n_tests; i++) {
+        if (i > 0 && strcmp(tests[i].name, tests[i - 1].name)) ordinal++;
+        if (ordinal % n == k) picked[n_picked++] = tests[i];
+    }
+    const int rc = _cmocka_run_group_tests(group, picked, n_picked, NULL, NULL);
+    free(picked);
+    return rc;
+}
+
+#define TU_RUN_TESTS(tests) tu_run_tests(#tests, tests, sizeof(tests) / sizeof((tests)[0]))
+
+#endif
