@@ -79,6 +79,26 @@ func (e *Error) Error() string {
 	return fmt.Sprintf("%s: %s (%s)", e.Op, Strerror(e.Code), codeNames[e.Code])
 }
 
+// Is reports whether target is an *Error of the same status, whatever its Op, so that
+// errors.Is(err, pagedkv.ErrNoSpace) matches every ENOSPC, wrapped or not.
+func (e *Error) Is(target error) bool {
+	t, ok := target.(*Error)
+	return ok && t.Code == e.Code
+}
+
+// One error a status, to match with errors.Is (an engine preempts on ErrNoSpace).
+var (
+	ErrInvalid      error = &Error{Code: EINVAL, Op: "pagedkv"}
+	ErrNoMem        error = &Error{Code: ENOMEM, Op: "pagedkv"}
+	ErrNoSpace      error = &Error{Code: ENOSPC, Op: "pagedkv"}
+	ErrNotFound     error = &Error{Code: ENOENT, Op: "pagedkv"}
+	ErrLimit        error = &Error{Code: ELIMIT, Op: "pagedkv"}
+	ErrCorrupt      error = &Error{Code: ECORRUPT, Op: "pagedkv"}
+	ErrIO           error = &Error{Code: EIO, Op: "pagedkv"}
+	ErrNotSupported error = &Error{Code: ENOTSUP, Op: "pagedkv"}
+	ErrBusy         error = &Error{Code: EBUSY, Op: "pagedkv"}
+)
+
 func check(rc C.int, op string) error {
 	if rc == 0 {
 		return nil

@@ -706,6 +706,19 @@ func TestStatusesAndLengthChecks(t *testing.T) {
 	}
 	if _, err := c.Append(x, make([]int32, 80)); code(err) != ENOSPC {
 		t.Fatal("pool:", err)
+	} else if !errors.Is(err, ErrNoSpace) || !errors.Is(fmt.Errorf("step 3: %w", err), ErrNoSpace) ||
+		errors.Is(err, ErrNotFound) || errors.Is(err, errors.New("ENOSPC")) {
+		t.Fatal("errors.Is on ENOSPC:", err)
+	}
+	// every status has its sentinel, and only that one matches it
+	sentinels := map[int]error{EINVAL: ErrInvalid, ENOMEM: ErrNoMem, ENOSPC: ErrNoSpace, ENOENT: ErrNotFound,
+		ELIMIT: ErrLimit, ECORRUPT: ErrCorrupt, EIO: ErrIO, ENOTSUP: ErrNotSupported, EBUSY: ErrBusy}
+	for c1, s1 := range sentinels {
+		for c2, s2 := range sentinels {
+			if errors.Is(&Error{Code: c1, Op: "x"}, s2) != (c1 == c2) || errors.Is(s1, s2) != (c1 == c2) {
+				t.Fatalf("errors.Is(%d, sentinel of %d) wrong", c1, c2)
+			}
+		}
 	}
 	slots, err := c.Append(y, []int32{1, 2, 3, 4})
 	must(t, err)

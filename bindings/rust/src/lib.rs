@@ -68,6 +68,12 @@ impl Error {
         self.code
     }
 
+    /// The status as an [`ErrorKind`], to match on: an engine preempts on
+    /// `ErrorKind::NoSpace` and drops a request on `ErrorKind::NotFound`.
+    pub fn kind(&self) -> ErrorKind {
+        ErrorKind::from_code(self.code)
+    }
+
     /// The status's name: "EINVAL", "ENOENT", ...
     pub fn name(&self) -> &'static str {
         match self.code {
@@ -81,6 +87,53 @@ impl Error {
             ENOTSUP => "ENOTSUP",
             EBUSY => "EBUSY",
             _ => "unknown status",
+        }
+    }
+}
+
+/// What a libpkv status means, one variant a status (pkv.h's wording); [`Error::kind`]. A call
+/// that fails changes no state of the cache, whatever the kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// `EINVAL`: a bad argument (a length or shape that does not match the call, a slot, layer
+    /// or position out of range, a value past `VALUE_MAX`).
+    InvalidArgument,
+    /// `ENOMEM`: a host allocation failed.
+    OutOfMemory,
+    /// `ENOSPC`: no block available, even after evicting every cached block (an engine
+    /// preempts a sequence here).
+    NoSpace,
+    /// `ENOENT`: an unknown or stale sequence.
+    NotFound,
+    /// `ELIMIT`: `max_seqs` or `max_blocks_per_seq` would be exceeded.
+    Limit,
+    /// `ECORRUPT`: the checker found a broken invariant.
+    Corrupt,
+    /// `EIO`: an I/O error (reserved for storage tiers: no call of this version returns it).
+    Io,
+    /// `ENOTSUP`: a valid request this build or configuration does not support.
+    NotSupported,
+    /// `EBUSY`: the object is in use (a block shared with another sequence, ...).
+    Busy,
+    /// A status this version of the binding does not know (`Error::code` has it).
+    Unknown,
+}
+
+impl ErrorKind {
+    /// The kind of a status code; `OK` and codes this binding does not know are `Unknown`.
+    pub fn from_code(code: i32) -> ErrorKind {
+        match code {
+            EINVAL => ErrorKind::InvalidArgument,
+            ENOMEM => ErrorKind::OutOfMemory,
+            ENOSPC => ErrorKind::NoSpace,
+            ENOENT => ErrorKind::NotFound,
+            ELIMIT => ErrorKind::Limit,
+            ECORRUPT => ErrorKind::Corrupt,
+            EIO => ErrorKind::Io,
+            ENOTSUP => ErrorKind::NotSupported,
+            EBUSY => ErrorKind::Busy,
+            _ => ErrorKind::Unknown,
         }
     }
 }

@@ -312,6 +312,15 @@ fn library_basics() {
     .err()
     .unwrap();
     assert_eq!((e.code(), e.name()), (EINVAL, "EINVAL"));
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    // every status has a kind of its own; OK and codes past pkv.h's are Unknown
+    let codes = [EINVAL, ENOMEM, ENOSPC, ENOENT, ELIMIT, ECORRUPT, EIO, ENOTSUP, EBUSY];
+    let kinds: std::collections::HashSet<ErrorKind> = codes.iter().map(|&c| ErrorKind::from_code(c)).collect();
+    assert_eq!(kinds.len(), codes.len());
+    assert!(!kinds.contains(&ErrorKind::Unknown));
+    assert_eq!(ErrorKind::from_code(ENOTSUP), ErrorKind::NotSupported);
+    assert_eq!(ErrorKind::from_code(OK), ErrorKind::Unknown);
+    assert_eq!(ErrorKind::from_code(-100), ErrorKind::Unknown);
     assert!(e.to_string().starts_with("pkv_cache_create: "), "{}", e);
     // what libpkv's log said about it
     assert!(e.to_string().contains("head_dim 0 not in 1..1024"), "{}", e);
@@ -753,10 +762,11 @@ fn statuses_and_length_checks() {
     c.append(s, &[1, 2, 3]).unwrap();
     c.release(s).unwrap();
     assert_eq!(c.seq_info(s).unwrap_err().code(), ENOENT);
-    assert_eq!(c.append(s, &[1]).unwrap_err().code(), ENOENT);
+    assert_eq!(c.append(s, &[1]).unwrap_err().kind(), ErrorKind::NotFound);
     let (x, y) = (c.seq_create(b"").unwrap(), c.seq_create(b"").unwrap());
-    assert_eq!(c.seq_create(b"").unwrap_err().code(), ELIMIT);
-    assert_eq!(c.append(x, &[0; 80]).unwrap_err().code(), ENOSPC);
+    assert_eq!(c.seq_create(b"").unwrap_err().kind(), ErrorKind::Limit);
+    let full = c.append(x, &[0; 80]).unwrap_err();
+    assert_eq!((full.code(), full.kind()), (ENOSPC, ErrorKind::NoSpace));
     assert_eq!(c.seq_info(x).unwrap().n_tokens, 0);
     let slots = c.append(y, &[1, 2, 3, 4]).unwrap();
     let ones = vec![1f32; 4 * 32];
