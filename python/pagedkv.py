@@ -30,7 +30,8 @@ from collections import namedtuple
 import numpy as np
 
 __all__ = [
-    "Cache", "PkvError", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES",
+    "Cache", "PkvError", "InvalidArgumentError", "OutOfMemoryError", "NoSpaceError", "NotFoundError",
+    "LimitError", "CorruptError", "IoError", "NotSupportedError", "BusyError", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES",
     "OK", "EINVAL", "ENOMEM", "ENOSPC", "ENOENT", "ELIMIT", "ECORRUPT", "EIO", "ENOTSUP", "EBUSY",
     "ATTN_BF16_DOT", "VALUE_MAX",
 ]
@@ -52,12 +53,67 @@ _DTYPE_NAMES = {}
 
 class PkvError(Exception):
     """A libpkv call returned a status other than PKV_OK (or the binding refused its arguments
-    with EINVAL before calling). `code` is the status (pagedkv.EINVAL, ...), `name` its name."""
+    with EINVAL before calling). `code` is the status (pagedkv.EINVAL, ...), `name` its name.
+    Each status raises a subclass of its own (`NoSpaceError` for ENOSPC, ...: _ERROR_CLASSES),
+    so `except pagedkv.NoSpaceError` catches that status alone; PkvError(code, what) builds one."""
+
+    def __new__(cls, code=None, what=""):
+        if cls is PkvError:
+            cls = _ERROR_CLASSES.get(code, PkvError)
+        return super().__new__(cls, code, what)
 
     def __init__(self, code, what):
         self.code = code
+        self.what = what
         self.name = _CODE_NAMES.get(code, str(code))
         super().__init__("%s: %s (%s)" % (what, strerror(code) if _lib else self.name, self.name))
+
+    def __reduce__(self):  # pickles (a multiprocessing pool's worker raising it) as (code, what)
+        return (type(self), (self.code, self.what))
+
+
+# one subclass of PkvError a status, named as the Rust binding's ErrorKind (pkv.h's meanings)
+class InvalidArgumentError(PkvError):
+    """EINVAL: a bad argument (a shape, slot, layer or position out of range, a value past
+    VALUE_MAX)."""
+
+
+class OutOfMemoryError(PkvError):
+    """ENOMEM: a host allocation failed."""
+
+
+class NoSpaceError(PkvError):
+    """ENOSPC: no block available, even after evicting every cached block (an engine preempts
+    a sequence here)."""
+
+
+class NotFoundError(PkvError):
+    """ENOENT: an unknown or stale sequence."""
+
+
+class LimitError(PkvError):
+    """ELIMIT: max_seqs or max_blocks_per_seq would be exceeded."""
+
+
+class CorruptError(PkvError):
+    """ECORRUPT: the checker found a broken invariant."""
+
+
+class IoError(PkvError):
+    """EIO: an I/O error (reserved for storage tiers: no call of this version returns it)."""
+
+
+class NotSupportedError(PkvError):
+    """ENOTSUP: a valid request this build or configuration does not support."""
+
+
+class BusyError(PkvError):
+    """EBUSY: the object is in use (a block shared with another sequence, ...)."""
+
+
+_ERROR_CLASSES = {EINVAL: InvalidArgumentError, ENOMEM: OutOfMemoryError, ENOSPC: NoSpaceError,
+                  ENOENT: NotFoundError, ELIMIT: LimitError, ECORRUPT: CorruptError, EIO: IoError,
+                  ENOTSUP: NotSupportedError, EBUSY: BusyError}
 
 
 # ---- the library ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ PKV_LIBRARY naming the built libpkv.so and PYTHONPATH the python/ folder."""
 import ctypes
 import gc
 import os
+import pickle
 import re
 import subprocess
 import unittest
@@ -79,6 +80,28 @@ class TestLibrary(Base):
             hdr = f.read()
         want = re.search(r'#define PKV_VERSION_STRING "([^"]+)"', hdr).group(1)
         self.assertEqual(pkv.version(), want)
+
+    def test_error_classes(self):
+        # each status its own subclass, also when the caller builds the error; unknown codes stay PkvError
+        classes = {pkv.EINVAL: pkv.InvalidArgumentError, pkv.ENOMEM: pkv.OutOfMemoryError,
+                   pkv.ENOSPC: pkv.NoSpaceError, pkv.ENOENT: pkv.NotFoundError, pkv.ELIMIT: pkv.LimitError,
+                   pkv.ECORRUPT: pkv.CorruptError, pkv.EIO: pkv.IoError, pkv.ENOTSUP: pkv.NotSupportedError,
+                   pkv.EBUSY: pkv.BusyError}
+        self.assertEqual(len(set(classes.values())), 9)
+        for code, cls in classes.items():
+            e = pkv.PkvError(code, "here")
+            self.assertIs(type(e), cls)
+            self.assertEqual((e.code, e.name), (code, pkv._CODE_NAMES[code]))
+            self.assertTrue(str(e).startswith("here: "), str(e))
+            self.assertIs(type(cls(code, "there")), cls)
+            back = pickle.loads(pickle.dumps(e))
+            self.assertEqual((type(back), back.code, str(back)), (cls, code, str(e)))
+        self.assertIs(type(pkv.PkvError(-100, "x")), pkv.PkvError)
+        with pkv.Cache(n_threads=1) as c:
+            with self.assertRaises(pkv.NotFoundError):
+                c.seq_info(12345)
+            with self.assertRaises(pkv.InvalidArgumentError):
+                c.decode(5, [], np.zeros((0, 8, 128), np.float32))
 
     def test_strerror_and_row_bytes(self):
         self.assertIn("sequence", pkv.strerror(pkv.ENOENT))
@@ -648,9 +671,10 @@ class TestCache(Base):
             with self.assertRaises(pkv.PkvError) as e:
                 c.seq_create()
             self.assertEqual(e.exception.code, pkv.ELIMIT)
-            with self.assertRaises(pkv.PkvError) as e:
+            with self.assertRaises(pkv.NoSpaceError) as e:
                 c.append(x, range(5 * 16))  # more than the pool: nothing appended
             self.assertEqual(e.exception.code, pkv.ENOSPC)
+            self.assertIsInstance(e.exception, pkv.PkvError)
             self.assertEqual(c.seq_info(x).n_tokens, 0)
             slots = c.append(y, range(4))
             c.write_kv(0, slots, np.ones((4, 1, 32), np.float32), np.ones((4, 1, 32), np.float32))
