@@ -30,8 +30,9 @@ from collections import namedtuple
 import numpy as np
 
 __all__ = [
-    "Cache", "PkvError", "InvalidArgumentError", "OutOfMemoryError", "NoSpaceError", "NotFoundError",
-    "LimitError", "CorruptError", "IoError", "NotSupportedError", "BusyError", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES",
+    "Cache", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES",
+    "PkvError", "InvalidArgumentError", "OutOfMemoryError", "NoSpaceError", "NotFoundError", "LimitError",
+    "CorruptError", "IoError", "NotSupportedError", "BusyError",
     "OK", "EINVAL", "ENOMEM", "ENOSPC", "ENOENT", "ELIMIT", "ECORRUPT", "EIO", "ENOTSUP", "EBUSY",
     "ATTN_BF16_DOT", "VALUE_MAX",
 ]
@@ -57,7 +58,7 @@ class PkvError(Exception):
     Each status raises a subclass of its own (`NoSpaceError` for ENOSPC, ...: _ERROR_CLASSES),
     so `except pagedkv.NoSpaceError` catches that status alone; PkvError(code, what) builds one."""
 
-    def __new__(cls, code=None, what=""):
+    def __new__(cls, code, what):
         if cls is PkvError:
             cls = _ERROR_CLASSES.get(code, PkvError)
         return super().__new__(cls, code, what)

@@ -76,19 +76,25 @@ impl Error {
 
     /// The status's name: "EINVAL", "ENOENT", ...
     pub fn name(&self) -> &'static str {
-        match self.code {
-            EINVAL => "EINVAL",
-            ENOMEM => "ENOMEM",
-            ENOSPC => "ENOSPC",
-            ENOENT => "ENOENT",
-            ELIMIT => "ELIMIT",
-            ECORRUPT => "ECORRUPT",
-            EIO => "EIO",
-            ENOTSUP => "ENOTSUP",
-            EBUSY => "EBUSY",
-            _ => "unknown status",
-        }
+        status(self.code).map_or("unknown status", |s| s.1)
     }
+}
+
+/// Each status other than `OK`: its code, name and kind.
+const STATUSES: [(i32, &str, ErrorKind); 9] = [
+    (EINVAL, "EINVAL", ErrorKind::InvalidArgument),
+    (ENOMEM, "ENOMEM", ErrorKind::OutOfMemory),
+    (ENOSPC, "ENOSPC", ErrorKind::NoSpace),
+    (ENOENT, "ENOENT", ErrorKind::NotFound),
+    (ELIMIT, "ELIMIT", ErrorKind::Limit),
+    (ECORRUPT, "ECORRUPT", ErrorKind::Corrupt),
+    (EIO, "EIO", ErrorKind::Io),
+    (ENOTSUP, "ENOTSUP", ErrorKind::NotSupported),
+    (EBUSY, "EBUSY", ErrorKind::Busy),
+];
+
+fn status(code: i32) -> Option<&'static (i32, &'static str, ErrorKind)> {
+    STATUSES.iter().find(|s| s.0 == code)
 }
 
 /// What a libpkv status means, one variant a status (pkv.h's wording); [`Error::kind`]. A call
@@ -123,18 +129,7 @@ pub enum ErrorKind {
 impl ErrorKind {
     /// The kind of a status code; `OK` and codes this binding does not know are `Unknown`.
     pub fn from_code(code: i32) -> ErrorKind {
-        match code {
-            EINVAL => ErrorKind::InvalidArgument,
-            ENOMEM => ErrorKind::OutOfMemory,
-            ENOSPC => ErrorKind::NoSpace,
-            ENOENT => ErrorKind::NotFound,
-            ELIMIT => ErrorKind::Limit,
-            ECORRUPT => ErrorKind::Corrupt,
-            EIO => ErrorKind::Io,
-            ENOTSUP => ErrorKind::NotSupported,
-            EBUSY => ErrorKind::Busy,
-            _ => ErrorKind::Unknown,
-        }
+        status(code).map_or(ErrorKind::Unknown, |s| s.2)
     }
 }
 
