@@ -181,7 +181,10 @@ typedef struct pkv_cache pkv_cache;
 /* Sequence handle: (generation << 32) | index. 0 is never a valid id. A released id is
  * stale forever (its slot's generation moves on): using it returns PKV_ENOENT. A slot whose
  * 2^32 - 1 generations are used up is retired, not wrapped: it no longer counts in max_seqs
- * (billions of create / release cycles of one slot). */
+ * (billions of create / release cycles of one slot). Each cache of a process starts its
+ * generations far from the others' (about 2^32 / 3n apart for n caches), so a handle passed to
+ * the wrong cache returns PKV_ENOENT too, unless one of that cache's slots has gone through that
+ * many create / release cycles: a check that catches the mistake, not a guarantee. */
 typedef uint64_t pkv_seq;
 #ifdef __cplusplus
 #define PKV_SEQ_NONE (static_cast<pkv_seq>(0))

@@ -15,7 +15,9 @@ past an array.
         c.commit(s, 20)
         out = c.decode(0, [s], q)              # q: [1][8][64] float32 (8 query heads, GQA)
 
-Sequence handles are Python ints (the C pkv_seq). The library is found through the
+Sequence handles are Python ints (the C pkv_seq). A released one is stale forever
+(NotFoundError); each cache numbers its handles far from the others', so one passed to the
+wrong cache raises NotFoundError too (a check, not a guarantee: see pkv_seq in pkv.h). The library is found through the
 environment variable PKV_LIBRARY (a path to libpkv.so), else next to this file, two levels up
 (cmake --install puts this file in <libdir>/pkv/python) or in ../build, else by
 ctypes.util.find_library("pkv"). help(pagedkv.Cache) lists the whole API.

@@ -27,6 +27,8 @@ typedef struct fx {
     pkv_seq empty;   /* length 0 */
     pkv_seq stale;   /* released */
     pkv_seq forged;  /* live's index with another generation */
+    pkv_seq foreign; /* a live sequence of another cache, at live's index */
+    pkv_cache *other; /* foreign's cache */
     pkv_seq out_of_range; /* index >= max_seqs */
     pkv_seq pin;     /* a pin of live */
     int32_t free_slot;      /* a slot in a FREE block */
@@ -80,6 +82,18 @@ static int setup(void **state) {
     f->stale = tu_seq(c);
     TU_OK(pkv_seq_release(c, f->stale));
     f->forged = f->live ^ (7ull << 32);
+    /* another cache with a live sequence at live's index and as many generations past its first
+       (gone was c's first): each cache's generations start far from the others', so its handles
+       are refused here */
+    f->other = tu_create(&cfg);
+    f->foreign = tu_seq(f->other);
+    const uint32_t first_gen = (uint32_t)(f->foreign >> 32);
+    while ((f->foreign & 0xffffffffu) != (f->live & 0xffffffffu) ||
+           (uint32_t)(f->foreign >> 32) - first_gen != (uint32_t)(f->live >> 32) - (uint32_t)(gone >> 32)) {
+        if ((f->foreign & 0xffffffffu) == (f->live & 0xffffffffu))
+            TU_OK(pkv_seq_release(f->other, f->foreign)); /* its slot again, one generation on */
+        f->foreign = tu_seq(f->other);
+    }
     f->out_of_range = (f->live & ~0xffffffffull) | 0x00ffffffu;
     TU_OK(pkv_pin_create(c, f->live, 8, &f->pin));
     /* a FREE block: the last one of the FIFO queue is never handed out here */
@@ -95,6 +109,7 @@ static int setup(void **state) {
 static int teardown(void **state) {
     fx *f = *state;
     pkv_cache_destroy(f->c);
+    pkv_cache_destroy(f->other);
     free(f);
     return 0;
 }
@@ -177,6 +192,7 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(append_null_tokens, PKV_EINVAL, pkv_seq_append(f->c, f->live, NULL, 1, NULL))                                   \
     X(append_stale, PKV_ENOENT, pkv_seq_append(f->c, f->stale, f->tok, 1, NULL))                                      \
     X(append_forged, PKV_ENOENT, pkv_seq_append(f->c, f->forged, f->tok, 1, NULL))                                    \
+    X(append_foreign, PKV_ENOENT, pkv_seq_append(f->c, f->foreign, f->tok, 1, NULL))                                  \
     X(append_id0, PKV_ENOENT, pkv_seq_append(f->c, 0, f->tok, 1, NULL))                                               \
     X(append_index_out_of_range, PKV_ENOENT, pkv_seq_append(f->c, f->out_of_range, f->tok, 1, NULL))                  \
     X(append_pin, PKV_EINVAL, pkv_seq_append(f->c, f->pin, f->tok, 1, NULL))                                          \
@@ -187,6 +203,7 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(append_blocks_null_out, PKV_EINVAL, pkv_seq_append_blocks(f->c, f->live, 1, NULL))                              \
     X(append_blocks_stale, PKV_ENOENT, ({ uint32_t n; pkv_seq_append_blocks(f->c, f->stale, 1, &n); }))               \
     X(append_blocks_forged, PKV_ENOENT, ({ uint32_t n; pkv_seq_append_blocks(f->c, f->forged, 1, &n); }))             \
+    X(append_blocks_foreign, PKV_ENOENT, ({ uint32_t n; pkv_seq_append_blocks(f->c, f->foreign, 1, &n); }))           \
     X(append_blocks_pin, PKV_EINVAL, ({ uint32_t n; pkv_seq_append_blocks(f->c, f->pin, 1, &n); }))                   \
     X(append_blocks_past_table, PKV_ELIMIT, ({ uint32_t n; pkv_seq_append_blocks(f->c, f->empty, NB * BT + 1, &n); }))\
     X(append_blocks_u32_max, PKV_ELIMIT, ({ uint32_t n; pkv_seq_append_blocks(f->c, f->live, UINT32_MAX, &n); }))     \
@@ -229,6 +246,7 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(commit_null_cache, PKV_EINVAL, pkv_seq_commit(NULL, f->live, 9))                                                \
     X(commit_stale, PKV_ENOENT, pkv_seq_commit(f->c, f->stale, 0))                                                    \
     X(commit_forged, PKV_ENOENT, pkv_seq_commit(f->c, f->forged, 9))                                                  \
+    X(commit_foreign, PKV_ENOENT, pkv_seq_commit(f->c, f->foreign, 9))                                                \
     X(commit_id0, PKV_ENOENT, pkv_seq_commit(f->c, 0, 0))                                                             \
     X(commit_pin, PKV_EINVAL, pkv_seq_commit(f->c, f->pin, 0))                                                        \
     X(commit_past_length, PKV_EINVAL, pkv_seq_commit(f->c, f->live, 11))                                              \
@@ -238,6 +256,7 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(fork_null_out, PKV_EINVAL, pkv_seq_fork(f->c, f->live, NULL))                                                   \
     X(fork_stale, PKV_ENOENT, ({ pkv_seq s; pkv_seq_fork(f->c, f->stale, &s); }))                                   \
     X(fork_forged, PKV_ENOENT, ({ pkv_seq s; pkv_seq_fork(f->c, f->forged, &s); }))                                 \
+    X(fork_foreign, PKV_ENOENT, ({ pkv_seq s; pkv_seq_fork(f->c, f->foreign, &s); }))                               \
     X(fork_id0, PKV_ENOENT, ({ pkv_seq s; pkv_seq_fork(f->c, 0, &s); }))                                            \
     X(fork_out_of_range, PKV_ENOENT, ({ pkv_seq s; pkv_seq_fork(f->c, f->out_of_range, &s); }))                     \
     X(fork_pin, PKV_EINVAL, ({ pkv_seq s; pkv_seq_fork(f->c, f->pin, &s); }))                                       \
@@ -245,6 +264,7 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(truncate_null_cache, PKV_EINVAL, pkv_seq_truncate(NULL, f->live, 0))                                            \
     X(truncate_stale, PKV_ENOENT, pkv_seq_truncate(f->c, f->stale, 0))                                                \
     X(truncate_forged, PKV_ENOENT, pkv_seq_truncate(f->c, f->forged, 0))                                              \
+    X(truncate_foreign, PKV_ENOENT, pkv_seq_truncate(f->c, f->foreign, 0))                                            \
     X(truncate_id0, PKV_ENOENT, pkv_seq_truncate(f->c, 0, 0))                                                         \
     X(truncate_pin, PKV_EINVAL, pkv_seq_truncate(f->c, f->pin, 0))                                                    \
     X(truncate_past_length_noop, PKV_OK, pkv_seq_truncate(f->c, f->live, UINT32_MAX))                                 \
@@ -252,6 +272,7 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(release_null_cache, PKV_EINVAL, pkv_seq_release(NULL, f->live))                                                 \
     X(release_stale, PKV_ENOENT, pkv_seq_release(f->c, f->stale))                                                     \
     X(release_forged, PKV_ENOENT, pkv_seq_release(f->c, f->forged))                                                   \
+    X(release_foreign, PKV_ENOENT, pkv_seq_release(f->c, f->foreign))                                                 \
     X(release_id0, PKV_ENOENT, pkv_seq_release(f->c, 0))                                                              \
     X(release_out_of_range, PKV_ENOENT, pkv_seq_release(f->c, f->out_of_range))                                       \
     X(release_pin, PKV_EINVAL, pkv_seq_release(f->c, f->pin))                                                         \
@@ -260,6 +281,7 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(info_null_out, PKV_EINVAL, pkv_seq_get_info(f->c, f->live, NULL))                                               \
     X(info_stale, PKV_ENOENT, ({ pkv_seq_info i; pkv_seq_get_info(f->c, f->stale, &i); }))                          \
     X(info_forged, PKV_ENOENT, ({ pkv_seq_info i; pkv_seq_get_info(f->c, f->forged, &i); }))                        \
+    X(info_foreign, PKV_ENOENT, ({ pkv_seq_info i; pkv_seq_get_info(f->c, f->foreign, &i); }))                      \
     X(info_id0, PKV_ENOENT, ({ pkv_seq_info i; pkv_seq_get_info(f->c, 0, &i); }))                                   \
     X(info_pin, PKV_EINVAL, ({ pkv_seq_info i; pkv_seq_get_info(f->c, f->pin, &i); }))                              \
     /* slots */                                                                                                       \
@@ -267,6 +289,7 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(slots_null_buf, PKV_EINVAL, pkv_seq_slots(f->c, f->live, 0, 1, NULL))                                           \
     X(slots_stale, PKV_ENOENT, pkv_seq_slots(f->c, f->stale, 0, 0, f->ibuf))                                          \
     X(slots_forged, PKV_ENOENT, pkv_seq_slots(f->c, f->forged, 0, 1, f->ibuf))                                        \
+    X(slots_foreign, PKV_ENOENT, pkv_seq_slots(f->c, f->foreign, 0, 1, f->ibuf))                                      \
     X(slots_pin, PKV_EINVAL, pkv_seq_slots(f->c, f->pin, 0, 1, f->ibuf))                                              \
     X(slots_past_length, PKV_EINVAL, pkv_seq_slots(f->c, f->live, 5, 6, f->ibuf))                                     \
     X(slots_start_past_length, PKV_EINVAL, pkv_seq_slots(f->c, f->live, 11, 0, f->ibuf))                              \
@@ -278,6 +301,7 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(table_cap_too_small, PKV_EINVAL, ({ uint32_t n; pkv_seq_block_table(f->c, f->live, f->ibuf, 2, &n); }))       \
     X(table_stale, PKV_ENOENT, ({ uint32_t n; pkv_seq_block_table(f->c, f->stale, f->ibuf, 8, &n); }))              \
     X(table_forged, PKV_ENOENT, ({ uint32_t n; pkv_seq_block_table(f->c, f->forged, f->ibuf, 8, &n); }))            \
+    X(table_foreign, PKV_ENOENT, ({ uint32_t n; pkv_seq_block_table(f->c, f->foreign, f->ibuf, 8, &n); }))          \
     X(table_pin, PKV_EINVAL, ({ uint32_t n; pkv_seq_block_table(f->c, f->pin, f->ibuf, 8, &n); }))                  \
     /* gather */                                                                                                      \
     X(gather_null_cache, PKV_EINVAL, pkv_seq_gather(NULL, f->live, 0, 0, 1, f->out, f->out))                          \
@@ -287,6 +311,7 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(gather_overflow, PKV_EINVAL, pkv_seq_gather(f->c, f->live, 0, UINT32_MAX, 2, f->out, NULL))                     \
     X(gather_stale, PKV_ENOENT, pkv_seq_gather(f->c, f->stale, 0, 0, 0, f->out, NULL))                                \
     X(gather_forged, PKV_ENOENT, pkv_seq_gather(f->c, f->forged, 0, 0, 1, f->out, NULL))                              \
+    X(gather_foreign, PKV_ENOENT, pkv_seq_gather(f->c, f->foreign, 0, 0, 1, f->out, NULL))                            \
     X(gather_pin, PKV_EINVAL, pkv_seq_gather(f->c, f->pin, 0, 0, 1, f->out, NULL))                                    \
     /* export dense */                                                                                                \
     X(dense_null_cache, PKV_EINVAL, pkv_export_dense(NULL, f->list, 2, 8, f->ibuf, f->ibuf + 128))                    \
@@ -296,6 +321,8 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(dense_too_narrow, PKV_EINVAL, pkv_export_dense(f->c, f->list, 2, 2, f->ibuf, f->ibuf + 128))                    \
     X(dense_stale_in_list, PKV_ENOENT, ({ pkv_seq l[2] = {f->live, f->stale};                                         \
                                           pkv_export_dense(f->c, l, 2, 8, f->ibuf, f->ibuf + 128); }))               \
+    X(dense_foreign_in_list, PKV_ENOENT, ({ pkv_seq l[2] = {f->live, f->foreign};                                     \
+                                            pkv_export_dense(f->c, l, 2, 8, f->ibuf, f->ibuf + 128); }))              \
     X(dense_pin_in_list, PKV_EINVAL, ({ pkv_seq l[2] = {f->live, f->pin};                                             \
                                         pkv_export_dense(f->c, l, 2, 8, f->ibuf, f->ibuf + 128); }))                 \
     /* export csr */                                                                                                  \
@@ -314,12 +341,14 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(match_not_empty, PKV_EINVAL, ({ uint32_t r; pkv_seq_match_prefix(f->c, f->live, f->tok, 8, &r); }))           \
     X(match_stale, PKV_ENOENT, ({ uint32_t r; pkv_seq_match_prefix(f->c, f->stale, f->tok, 8, &r); }))              \
     X(match_forged, PKV_ENOENT, ({ uint32_t r; pkv_seq_match_prefix(f->c, f->forged, f->tok, 8, &r); }))            \
+    X(match_foreign, PKV_ENOENT, ({ uint32_t r; pkv_seq_match_prefix(f->c, f->foreign, f->tok, 8, &r); }))          \
     X(match_pin, PKV_EINVAL, ({ uint32_t r; pkv_seq_match_prefix(f->c, f->pin, f->tok, 8, &r); }))                  \
     /* pins */                                                                                                        \
     X(pin_null_cache, PKV_EINVAL, ({ pkv_seq p; pkv_pin_create(NULL, f->live, 8, &p); }))                           \
     X(pin_null_out, PKV_EINVAL, pkv_pin_create(f->c, f->live, 8, NULL))                                               \
     X(pin_stale, PKV_ENOENT, ({ pkv_seq p; pkv_pin_create(f->c, f->stale, 8, &p); }))                               \
     X(pin_forged, PKV_ENOENT, ({ pkv_seq p; pkv_pin_create(f->c, f->forged, 8, &p); }))                             \
+    X(pin_foreign, PKV_ENOENT, ({ pkv_seq p; pkv_pin_create(f->c, f->foreign, 8, &p); }))                           \
     X(pin_of_pin, PKV_EINVAL, ({ pkv_seq p; pkv_pin_create(f->c, f->pin, 8, &p); }))                                \
     X(pin_release_null, PKV_EINVAL, pkv_pin_release(NULL, f->pin))                                                    \
     X(pin_release_seq, PKV_EINVAL, pkv_pin_release(f->c, f->live))                                                    \
@@ -332,6 +361,7 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(decode_null_q, PKV_EINVAL, pkv_attn_decode(f->c, 0, &f->live, 1, NULL, f->out, NULL))                           \
     X(decode_null_out, PKV_EINVAL, pkv_attn_decode(f->c, 0, &f->live, 1, f->kv, NULL, NULL))                          \
     X(decode_stale, PKV_ENOENT, pkv_attn_decode(f->c, 0, &f->stale, 1, f->kv, f->out, NULL))                          \
+    X(decode_foreign, PKV_ENOENT, pkv_attn_decode(f->c, 0, &f->foreign, 1, f->kv, f->out, NULL))                      \
     X(decode_pin, PKV_EINVAL, pkv_attn_decode(f->c, 0, &f->pin, 1, f->kv, f->out, NULL))                              \
     X(decode_empty_seq, PKV_EINVAL, pkv_attn_decode(f->c, 0, &f->empty, 1, f->kv, f->out, NULL))                      \
     X(decode_bad_q_heads, PKV_EINVAL, ({ pkv_attn_params p = pkv_attn_params_default(); p.n_q_heads = NH + 1;         \
@@ -350,6 +380,8 @@ static int attn_q_scaled(fx *f, float x, float scale) {
                                        pkv_attn_prefill(f->c, 0, &r, 1, f->kv, f->out, NULL); }))                   \
     X(prefill_stale, PKV_ENOENT, ({ pkv_attn_req r = {f->stale, 0, 0};                                                \
                                     pkv_attn_prefill(f->c, 0, &r, 1, f->kv, f->out, NULL); }))                      \
+    X(prefill_foreign, PKV_ENOENT, ({ pkv_attn_req r = {f->foreign, 0, 1};                                            \
+                                      pkv_attn_prefill(f->c, 0, &r, 1, f->kv, f->out, NULL); }))                      \
     X(prefill_null_q, PKV_EINVAL, ({ pkv_attn_req r = {f->live, 0, 1};                                                \
                                      pkv_attn_prefill(f->c, 0, &r, 1, NULL, f->out, NULL); }))                      \
     /* queries that are not finite */                                                                                 \

@@ -879,21 +879,29 @@ static void run(int prefix, uint64_t n_ops, uint64_t seed) {
                  (unsigned long long)n_dev, first);
 }
 
+/* The generation before g, 0 skipped (ids never have generation 0). */
+static uint32_t gen_before(uint32_t g) { return g - 1u ? g - 1u : UINT32_MAX; }
+
 /* A slot whose generations are used up is retired, not wrapped: ids of it stay stale forever
  * (pkv.h), the slot no longer counts in max_seqs, the checker agrees, and a reset keeps it
- * retired. The generation is moved near its end through the internals (2^32 cycles take
- * minutes). */
+ * retired. A slot counts up from its cache's base generation and past 2^32 - 1 to 1 (never 0),
+ * so it is used up one short of its base again. The generation is moved near its end through
+ * the internals (2^32 cycles take minutes). */
 static void test_generation_used_up(void **state) {
     (void)state;
     pkv_config cfg = tu_config(8, 4, 1, 1, 32, PKV_DTYPE_F32);
     cfg.max_seqs = 2;
     pkv_cache *c = tu_create(&cfg);
-    c->seqs[0].gen = UINT32_MAX - 1; /* slot 0 is the free list's head */
+    const uint32_t base = c->gen_base, last = gen_before(base);
+    assert_int_not_equal(base, 0);
+    assert_int_equal(c->seqs[0].gen, base);
+    assert_int_equal(c->seqs[1].gen, base);
+    c->seqs[0].gen = gen_before(last); /* slot 0 is the free list's head */
     pkv_seq s1 = tu_seq(c);
-    assert_int_equal(s1 & 0xffffffffu, 0);
+    assert_int_equal(s1, (uint64_t)gen_before(last) << 32);
     TU_OK(pkv_seq_release(c, s1));
     pkv_seq s2 = tu_seq(c); /* slot 0 again, its last generation */
-    assert_int_equal(s2, ((uint64_t)UINT32_MAX << 32) | 0);
+    assert_int_equal(s2, (uint64_t)last << 32);
     TU_OK(pkv_seq_release(c, s2));
     TU_CHECK(c);
     pkv_seq x = tu_seq(c), y = PKV_SEQ_NONE;
@@ -911,6 +919,38 @@ static void test_generation_used_up(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* Past generation 2^32 - 1 a slot goes on at 1, not 0 (0 is no id's); and caches created one
+ * after another start their generations far apart, so a handle of one is refused by the other
+ * even where the same slot is live there. */
+static void test_generation_wraps_and_caches_differ(void **state) {
+    (void)state;
+    pkv_config cfg = tu_config(8, 4, 1, 1, 32, PKV_DTYPE_F32);
+    cfg.max_seqs = 2;
+    pkv_cache *a = tu_create(&cfg), *b = tu_create(&cfg);
+    assert_int_not_equal(a->gen_base, b->gen_base);
+    const uint32_t d = b->gen_base - a->gen_base;
+    assert_true(d > (1u << 24) && d < UINT32_MAX - (1u << 24)); /* far apart, either way round */
+    pkv_seq sa = tu_seq(a), sb = tu_seq(b);
+    assert_int_equal(sa & 0xffffffffu, sb & 0xffffffffu);
+    assert_int_not_equal(sa, sb);
+    pkv_seq_info in;
+    assert_int_equal(pkv_seq_get_info(a, sb, &in), PKV_ENOENT);
+    assert_int_equal(pkv_seq_get_info(b, sa, &in), PKV_ENOENT);
+    TU_OK(pkv_seq_release(a, sa));
+    if (a->gen_base != 1u) { /* base 1 retires at 2^32 - 1: test_generation_used_up's case */
+        a->seqs[0].gen = UINT32_MAX; /* slot 0 heads the free list again */
+        pkv_seq s = tu_seq(a);
+        assert_int_equal(s, (uint64_t)UINT32_MAX << 32);
+        TU_OK(pkv_seq_release(a, s));
+        s = tu_seq(a);
+        assert_int_equal(s, (uint64_t)1 << 32);
+        TU_OK(pkv_seq_get_info(a, s, &in));
+        TU_CHECK(a);
+    }
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+}
+
 static void test_stress_prefix_off(void **state) {
     (void)state;
     uint64_t n = tu_env_u64("PKV_STRESS_OPS", 200000);
@@ -926,6 +966,7 @@ static void test_stress_prefix_on(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_generation_used_up),
+        cmocka_unit_test(test_generation_wraps_and_caches_differ),
         cmocka_unit_test(test_stress_prefix_off),
         cmocka_unit_test(test_stress_prefix_on),
     };

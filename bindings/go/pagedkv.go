@@ -198,7 +198,10 @@ func b2i(b bool) C.int {
 	return 0
 }
 
-// Seq is a sequence (or pin) handle: libpkv's generation-counted id.
+// Seq is a sequence (or pin) handle: libpkv's generation-counted id. A released one is stale
+// forever (ErrNotFound). Each cache numbers its handles far from the others', so one passed to
+// the wrong cache fails with ErrNotFound (a check that catches the mistake, not a guarantee:
+// see pkv_seq in pkv.h).
 type Seq uint64
 
 // AttnReq is one prefill / extend request: queries for positions [QStart, QStart+NQ) of Seq.

@@ -704,6 +704,24 @@ func TestStatusesAndLengthChecks(t *testing.T) {
 	if _, err := c.SeqCreate(nil); code(err) != ELIMIT {
 		t.Fatal("max_seqs:", err)
 	}
+	// a handle of another cache, at a slot that is live here: refused, not another sequence's
+	other, err := NewCache(cfg)
+	must(t, err)
+	o, err := other.SeqCreate(nil)
+	must(t, err)
+	if o&0xffffffff != x&0xffffffff {
+		t.Fatal("other cache's first slot:", o, x)
+	}
+	if _, err := c.SeqInfo(o); !errors.Is(err, ErrNotFound) {
+		t.Fatal("foreign handle, SeqInfo:", err)
+	}
+	if _, err := c.Append(o, []int32{1}); !errors.Is(err, ErrNotFound) {
+		t.Fatal("foreign handle, Append:", err)
+	}
+	if err := c.Release(o); !errors.Is(err, ErrNotFound) {
+		t.Fatal("foreign handle, Release:", err)
+	}
+	other.Close()
 	if _, err := c.Append(x, make([]int32, 80)); code(err) != ENOSPC {
 		t.Fatal("pool:", err)
 	} else if !errors.Is(err, ErrNoSpace) || !errors.Is(fmt.Errorf("step 3: %w", err), ErrNoSpace) ||

@@ -3,6 +3,7 @@
 #include "cache_int.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 #include <sys/mman.h>
 
@@ -48,6 +49,24 @@ static int get_seq(pkv_cache *c, pkv_seq id, pkv__seq **out) {
     return PKV_OK;
 }
 
+/* Each cache starts its slots' generations at its own base: the n-th cache of the process at
+ * n * 0x9E3779B1 mod 2^32 (0 skipped), so the bases of any two caches are far apart (the golden
+ * ratio's multiples spread evenly) and a handle of one cache is refused by another (PKV_ENOENT)
+ * unless a slot there went through about 2^32 / (the caches created) generations. A slot then
+ * counts up from its base, skipping 0, and retires (generation 0) when the next one would be its
+ * base again: 2^32 - 1 ids. */
+static uint32_t new_gen_base(void) {
+    static _Atomic uint32_t n_caches;
+    uint32_t base = (atomic_fetch_add_explicit(&n_caches, 1, memory_order_relaxed) + 1u) * 0x9E3779B1u;
+    return base ? base : 1u;
+}
+
+/* The generation after gen in cache c: 0 when the slot's ids are used up. */
+static uint32_t next_gen(const pkv_cache *c, uint32_t gen) {
+    uint32_t next = gen + 1u ? gen + 1u : 1u;
+    return next == c->gen_base ? 0u : next;
+}
+
 pkv__seq *pkv__seq_new(pkv_cache *c) {
     if (c->seq_free == PKV_NONE) return NULL;
     pkv__seq *s = &c->seqs[c->seq_free];
@@ -70,7 +89,7 @@ void pkv__seq_free(pkv_cache *c, pkv__seq *s) {
     c->n_live--;
     /* a released id is stale forever: a slot whose generations are used up (2^32 - 1 ids) is
        retired (generation 0, off the free list) rather than wrapped */
-    s->gen = s->gen + 1;
+    s->gen = next_gen(c, s->gen);
     if (s->gen == 0) return;
     s->next_free = c->seq_free;
     c->seq_free = (uint32_t)(s - c->seqs);
@@ -223,7 +242,7 @@ static void reset_state(pkv_cache *c) {
     uint32_t *link = &c->seq_free;
     for (uint32_t i = 0; i < c->max_seqs; i++) {
         pkv__seq *s = &c->seqs[i];
-        if (s->live) s->gen = s->gen + 1; /* 0 when used up: retired, as in pkv__seq_free */
+        if (s->live) s->gen = next_gen(c, s->gen); /* 0 when used up: retired, as in pkv__seq_free */
         s->live = s->is_pin = 0;
         s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = 0;
         s->next_free = PKV_NONE;
@@ -353,8 +372,9 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     }
     c->meta_bytes = meta + c->attn_bytes;
 
+    c->gen_base = new_gen_base();
     for (uint32_t i = 0; i < c->max_seqs; i++) {
-        c->seqs[i].gen = 1;
+        c->seqs[i].gen = c->gen_base;
         c->seqs[i].table = c->tables + (size_t)i * c->max_bps;
     }
     reset_state(c);

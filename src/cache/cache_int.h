@@ -40,6 +40,7 @@ struct pkv_cache {
     pkv__seq *seqs;  /* [max_seqs] */
     int32_t *tables; /* [max_seqs][max_bps] */
     uint32_t seq_free, n_live, n_pins;
+    uint32_t gen_base; /* every slot's first generation, nonzero, far from other caches' (cache.c) */
     uint64_t n_tokens_total; /* sum of n_tokens over live sequences (pins excluded) */
 
     /* prefix index */

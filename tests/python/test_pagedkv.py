@@ -671,6 +671,14 @@ class TestCache(Base):
             with self.assertRaises(pkv.PkvError) as e:
                 c.seq_create()
             self.assertEqual(e.exception.code, pkv.ELIMIT)
+            # a handle of another cache, at a slot that is live here: refused, not another sequence's
+            with pkv.Cache(n_kv_heads=1, head_dim=32, n_blocks=4, max_seqs=2, max_blocks_per_seq=8,
+                           n_threads=1) as other:
+                o = other.seq_create()
+                self.assertEqual(o & 0xffffffff, x & 0xffffffff)
+                for call in (lambda: c.seq_info(o), lambda: c.append(o, [1]), lambda: c.release(o)):
+                    with self.assertRaises(pkv.NotFoundError):
+                        call()
             with self.assertRaises(pkv.NoSpaceError) as e:
                 c.append(x, range(5 * 16))  # more than the pool: nothing appended
             self.assertEqual(e.exception.code, pkv.ENOSPC)

@@ -307,7 +307,9 @@ impl Default for Config {
 }
 
 /// A sequence (or pin) handle: libpkv's generation-counted id. A released one is stale forever
-/// (ENOENT).
+/// (ENOENT). A handle is not tied to its [`Cache`] by type, but each cache numbers its handles
+/// far from the others', so one passed to the wrong cache fails with ENOENT (a check that
+/// catches the mistake, not a guarantee: see `pkv_seq` in pkv.h).
 #[repr(transparent)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Seq(pub u64);

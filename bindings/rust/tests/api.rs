@@ -765,6 +765,14 @@ fn statuses_and_length_checks() {
     assert_eq!(c.append(s, &[1]).unwrap_err().kind(), ErrorKind::NotFound);
     let (x, y) = (c.seq_create(b"").unwrap(), c.seq_create(b"").unwrap());
     assert_eq!(c.seq_create(b"").unwrap_err().kind(), ErrorKind::Limit);
+    // a handle of another cache, at a slot that is live here: refused, not another sequence's
+    let mut other = Cache::new(c.config()).unwrap();
+    let o = other.seq_create(b"").unwrap();
+    assert_eq!(o.0 & 0xffff_ffff, x.0 & 0xffff_ffff);
+    assert_eq!(c.seq_info(o).unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(c.append(o, &[1]).unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(c.release(o).unwrap_err().kind(), ErrorKind::NotFound);
+    drop(other);
     let full = c.append(x, &[0; 80]).unwrap_err();
     assert_eq!((full.code(), full.kind()), (ENOSPC, ErrorKind::NoSpace));
     assert_eq!(c.seq_info(x).unwrap().n_tokens, 0);
