@@ -538,12 +538,19 @@ impl Cache {
     /// Appends positions with these token ids; returns their slots.
     pub fn append(&mut self, s: Seq, tokens: &[i32]) -> Result<Vec<i32>> {
         let mut slots = vec![0i32; tokens.len()];
+        self.append_into(s, tokens, &mut slots)?;
+        Ok(slots)
+    }
+
+    /// [`Cache::append`] into the caller's buffer (one slot a token, `slots.len() ==
+    /// tokens.len()`), for a decode loop that allocates nothing a step.
+    pub fn append_into(&mut self, s: Seq, tokens: &[i32], slots: &mut [i32]) -> Result<()> {
+        want_len(slots.len(), tokens.len(), "append: slots")?;
         let n = len_u32(tokens.len(), "append: tokens")?;
         check(
             unsafe { ffi::pkv_seq_append(self.p(), s.0, tokens.as_ptr(), n, slots.as_mut_ptr()) },
             "pkv_seq_append",
-        )?;
-        Ok(slots)
+        )
     }
 
     /// How many FREE or CACHED blocks appending `n` positions to `s` would take: the append
@@ -564,6 +571,27 @@ impl Cache {
     /// sequence they may lie in another sequence's blocks, and a write through them changes
     /// that one. Take them again ([`Cache::slots`]) after those calls.
     pub fn write_kv(&mut self, layer: u32, slots: &[i32], k: Option<KvData<'_>>, v: Option<KvData<'_>>) -> Result<()> {
+        // SAFETY: `&mut self` excludes every other call on this cache
+        unsafe { self.write_kv_shared(layer, slots, k, v) }
+    }
+
+    /// [`Cache::write_kv`] through `&self`, so that layer l + 1 of a new token can be written
+    /// while attention reads layer l from another thread, as libpkv allows (pkv.h: "Threads").
+    ///
+    /// # Safety
+    /// No other call may read or write the rows written (these slots' positions of this layer)
+    /// while this one runs: not an attention call over a sequence holding them, a gather of
+    /// them, a write to the same slots, nor a call that changes a sequence holding them (which
+    /// takes `&mut self`, so it cannot overlap). The binding cannot check it: a write racing a
+    /// read of the same rows is a data race in the library's memory. The slots must be current
+    /// (see [`Cache::write_kv`]); argument errors are still returned, not undefined.
+    pub unsafe fn write_kv_shared(
+        &self,
+        layer: u32,
+        slots: &[i32],
+        k: Option<KvData<'_>>,
+        v: Option<KvData<'_>>,
+    ) -> Result<()> {
         let want = self.kv_elems(slots.len());
         let mut dtype = None;
         let mut ptrs = [ptr::null(); 2];
@@ -678,24 +706,42 @@ impl Cache {
     pub fn slots(&self, s: Seq, start: u32, n: u32) -> Result<Vec<i32>> {
         self.in_seq(s, start, n, "pkv_seq_slots")?;
         let mut out = vec![0i32; n as usize];
+        self.slots_into(s, start, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Cache::slots`] of positions [start, start + out.len()) into the caller's buffer.
+    pub fn slots_into(&self, s: Seq, start: u32, out: &mut [i32]) -> Result<()> {
+        let n = len_u32(out.len(), "slots: out")?;
         check(
             unsafe { ffi::pkv_seq_slots(self.p(), s.0, start, n, out.as_mut_ptr()) },
             "pkv_seq_slots",
-        )?;
-        Ok(out)
+        )
     }
 
     /// The sequence's block ids.
     pub fn block_table(&self, s: Seq) -> Result<Vec<i32>> {
-        let n = self.seq_info(s)?.n_blocks;
-        let mut out = vec![0i32; n as usize];
-        let mut got = 0u32;
-        check(
-            unsafe { ffi::pkv_seq_block_table(self.p(), s.0, out.as_mut_ptr(), n, &mut got) },
-            "pkv_seq_block_table",
-        )?;
-        out.truncate(got as usize);
+        let mut out = vec![0i32; self.seq_info(s)?.n_blocks as usize];
+        let got = self.block_table_into(s, &mut out)?;
+        out.truncate(got);
         Ok(out)
+    }
+
+    /// [`Cache::block_table`] into the caller's buffer; returns the table's length. EINVAL,
+    /// nothing copied, where `out` is shorter than the table.
+    pub fn block_table_into(&self, s: Seq, out: &mut [i32]) -> Result<usize> {
+        let cap = u32::try_from(out.len()).unwrap_or(u32::MAX); // no table is longer
+        let mut got = 0u32;
+        let rc = unsafe { ffi::pkv_seq_block_table(self.p(), s.0, out.as_mut_ptr(), cap, &mut got) };
+        if rc == EINVAL && got as usize > out.len() {
+            return Err(invalid(format!(
+                "pkv_seq_block_table: out holds {} ids, the table {}",
+                out.len(),
+                got
+            )));
+        }
+        check(rc, "pkv_seq_block_table")?;
+        Ok(got as usize)
     }
 
     /// K and V of positions [start, start + n) of one layer, f32 `[n][n_kv_heads][head_dim]`
@@ -704,9 +750,42 @@ impl Cache {
         self.in_seq(s, start, n, "pkv_seq_gather")?;
         let len = self.kv_elems(n as usize);
         let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
-        let rc = unsafe { ffi::pkv_seq_gather(self.p(), s.0, layer, start, n, k.as_mut_ptr(), v.as_mut_ptr()) };
-        check(rc, "pkv_seq_gather")?;
+        self.gather_into(s, layer, start, Some(&mut k), Some(&mut v))?;
         Ok((k, v))
+    }
+
+    /// [`Cache::gather`] into the caller's buffers, K, V or both, each `[n][n_kv_heads][head_dim]`
+    /// for n = its length / (n_kv_heads * head_dim) positions (both the same n).
+    pub fn gather_into(
+        &self,
+        s: Seq,
+        layer: u32,
+        start: u32,
+        k: Option<&mut [f32]>,
+        v: Option<&mut [f32]>,
+    ) -> Result<()> {
+        let row = self.kv_elems(1);
+        let len = match (&k, &v) {
+            (Some(k), Some(v)) => {
+                want_len(v.len(), k.len(), "gather: v (as k)")?;
+                k.len()
+            }
+            (Some(x), None) | (None, Some(x)) => x.len(),
+            (None, None) => return Err(invalid("gather: neither k nor v given".into())),
+        };
+        if len % row != 0 {
+            return Err(invalid(format!(
+                "gather: {} elements, not a whole number of rows of {}",
+                len, row
+            )));
+        }
+        let n = len_u32(len / row, "gather: positions")?;
+        let kp = k.map_or(ptr::null_mut(), |x| x.as_mut_ptr());
+        let vp = v.map_or(ptr::null_mut(), |x| x.as_mut_ptr());
+        check(
+            unsafe { ffi::pkv_seq_gather(self.p(), s.0, layer, start, n, kp, vp) },
+            "pkv_seq_gather",
+        )
     }
 
     fn seq_ptr(seqs: &[Seq]) -> *const u64 {

@@ -1,8 +1,9 @@
 //! The Rust bindings against libpkv and a float64 reference computed here: the struct layouts
 //! against the C compiler's (PKV_ABI_LAYOUT: tests/python/abi_layout.c built), decode and ragged
 //! prefill against contiguous attention, soft-cap, window and the LSE merge, prefix reuse, fork
-//! and copy-on-write, the exports, statuses as errors, the binding's own length checks, and
-//! decodes from several threads at once. Run by ctest (test_rust) with PKV_LIB_DIR set.
+//! and copy-on-write, the exports, statuses as errors, the binding's own length checks, the
+//! `_into` forms, decodes from several threads at once, and K/V writes of one layer beside
+//! decodes of another. Run by ctest (test_rust) with PKV_LIB_DIR set.
 
 use pagedkv::*;
 use std::collections::HashMap;
@@ -930,4 +931,98 @@ fn value_max_is_the_write_limit() {
     let err = c.write_kv(0, &slots, Some(KvData::F32(&big)), None).unwrap_err();
     assert_eq!(err.code(), EINVAL);
     assert_eq!(c.gather(s, 0, 0, 2).unwrap().0[40] as f64, VALUE_MAX); // nothing written
+}
+
+#[test]
+fn into_forms_and_writes_beside_attention() {
+    let mut rng = Rng(7);
+    let mut c = Cache::new(&Config {
+        n_layers: 2,
+        ..cfg(2, 32, 64, Dtype::F32)
+    })
+    .unwrap();
+    let s = c.seq_create(b"").unwrap();
+    // the _into forms against the Vec forms, and their buffers' lengths
+    let toks: Vec<i32> = (0..40).collect();
+    let mut slots = vec![0i32; 40];
+    assert_eq!(c.append_into(s, &toks, &mut slots[..39]).unwrap_err().code(), EINVAL);
+    assert_eq!(c.seq_info(s).unwrap().n_tokens, 0); // nothing appended
+    c.append_into(s, &toks, &mut slots).unwrap();
+    assert_eq!(c.slots(s, 0, 40).unwrap(), slots);
+    let mut part = vec![0i32; 10];
+    c.slots_into(s, 30, &mut part).unwrap();
+    assert_eq!(part, slots[30..]);
+    assert_eq!(c.slots_into(s, 31, &mut part).unwrap_err().code(), EINVAL); // past the length
+    let table = c.block_table(s).unwrap();
+    let bt = c.config().block_tokens as usize;
+    assert_eq!(table.len(), (40 + bt - 1) / bt);
+    let mut t = vec![-1i32; table.len() + 2];
+    assert_eq!(c.block_table_into(s, &mut t).unwrap(), table.len());
+    assert_eq!(t[..table.len()], table[..]);
+    assert_eq!(t[table.len()..], [-1, -1]);
+    let short = c.block_table_into(s, &mut t[..table.len() - 1]).unwrap_err();
+    assert_eq!(short.code(), EINVAL);
+    assert!(
+        short.to_string().contains(&format!("the table {}", table.len())),
+        "{}",
+        short
+    );
+
+    let row = 2 * 32;
+    let kv: Vec<Vec<f32>> = (0..4).map(|_| rng.vec(40 * row)).collect(); // K, V of layer 0, then 1
+    c.write_kv(0, &slots, Some(KvData::F32(&kv[0])), Some(KvData::F32(&kv[1])))
+        .unwrap();
+    // layer 1 written through &self while other threads decode layer 0 (committed after: a
+    // committed position's rows are read-only)
+    let p = AttnParams {
+        n_q_heads: 4,
+        ..AttnParams::default()
+    };
+    let q = rng.vec(4 * 32);
+    let (cs, kv, slots) = (&c, &kv, &slots);
+    std::thread::scope(|sc| {
+        for _ in 0..2 {
+            sc.spawn(|| {
+                let mut out = vec![0f32; q.len()];
+                for _ in 0..50 {
+                    cs.decode(0, &[s], &q, &mut out, &p, None).unwrap();
+                    expect_attn(&out, &q, &kv[0], &kv[1], 4, 2, 32, "layer 0 beside layer 1's writes");
+                }
+            });
+        }
+        sc.spawn(|| {
+            for round in 0..50 {
+                let at = (round * 7) % 40; // every slot, in two calls a round
+                for (a, b) in [(at, 40), (0, at)] {
+                    let (k, v) = (&kv[2][a * row..b * row], &kv[3][a * row..b * row]);
+                    // SAFETY: nothing reads or writes layer 1 while these run
+                    unsafe { cs.write_kv_shared(1, &slots[a..b], Some(KvData::F32(k)), Some(KvData::F32(v))) }.unwrap();
+                }
+            }
+        });
+    });
+    c.commit(s, 40).unwrap();
+    let mut out = vec![0f32; q.len()];
+    c.decode(1, &[s], &q, &mut out, &p, None).unwrap();
+    expect_attn(&out, &q, &kv[2], &kv[3], 4, 2, 32, "layer 1 after the shared writes");
+    let (mut k, mut v) = (vec![0f32; 5 * row], vec![0f32; 5 * row]);
+    c.gather_into(s, 1, 35, Some(&mut k), Some(&mut v)).unwrap();
+    assert_eq!((&k[..], &v[..]), (&kv[2][35 * row..], &kv[3][35 * row..]));
+    c.gather_into(s, 0, 35, None, Some(&mut v)).unwrap();
+    assert_eq!(v, kv[1][35 * row..]);
+    assert_eq!(c.gather_into(s, 1, 36, Some(&mut k), None).unwrap_err().code(), EINVAL); // past the length
+    assert_eq!(
+        c.gather_into(s, 1, 0, Some(&mut k[..row + 1]), None)
+            .unwrap_err()
+            .code(),
+        EINVAL
+    );
+    assert_eq!(
+        c.gather_into(s, 1, 0, Some(&mut k), Some(&mut v[..row]))
+            .unwrap_err()
+            .code(),
+        EINVAL
+    );
+    assert_eq!(c.gather_into(s, 1, 0, None, None).unwrap_err().code(), EINVAL);
+    c.check().unwrap();
 }
