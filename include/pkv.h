@@ -24,6 +24,10 @@
  * threads and scratch), so attention from several threads at once is no faster than one after
  * the other. pkv_cache_destroy comes after every other call has returned. The hooks (log,
  * allocator, executor) are called from C: they must not throw or longjmp out.
+ * fork(): a child process may go on using a cache it inherited, and destroy it, provided no
+ * call on that cache was running in the parent when it forked (a lock held then stays held in
+ * the child). The cache's threads are not in the child: its attention runs on the calling
+ * thread alone there, with the same results. (A caller's executor is the caller's to handle.)
  */
 #ifndef PKV_H
 #define PKV_H

@@ -12,6 +12,8 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "pkv.h"
 #include "quant/quant.h"
@@ -977,6 +979,45 @@ static void test_api_executor(void **state) {
     free(q);
 }
 
+/* A child process (fork) of a program whose cache has worker threads: they are not in the
+ * child, so there attention runs on the calling thread alone, with the same results bit for
+ * bit, and destroying the cache returns (it hung, joining threads that are not there). The
+ * parent's cache goes on with its threads. */
+static void test_api_fork_child(void **state) {
+    (void)state;
+    static host_seq hs[EX_SEQS];
+    static float dec0[EX_SEQS * NQH * D], pre0[EX_SEQS * EX_Q * NQH * D];
+    static float dec[EX_SEQS * NQH * D], pre[EX_SEQS * EX_Q * NQH * D];
+    pkv_cache *c = make_cache(PKV_DTYPE_F16, 2, 0);
+    pkv_seq ids[EX_SEQS];
+    build_exec_batch(c, hs, ids);
+    float *q = rand_q(EX_SEQS * EX_Q);
+    assert_int_equal(exec_calls(c, ids, q, dec0, pre0), PKV_OK);
+    usleep(100000); /* the worker asleep on its condition variable, as in an idle engine */
+    fflush(NULL);
+    const pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        alarm(20); /* a hang ends the child with SIGALRM */
+        int bad = exec_calls(c, ids, q, dec, pre) != PKV_OK;
+        bad |= memcmp(dec, dec0, sizeof dec) != 0;
+        bad |= (memcmp(pre, pre0, sizeof pre) != 0) << 1;
+        pkv_cache_destroy(c);
+        _exit(bad);
+    }
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        fail_msg("child: %s %d", WIFEXITED(status) ? "exit status" : "signal",
+                 WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+    memset(dec, 0, sizeof dec), memset(pre, 0, sizeof pre);
+    assert_int_equal(exec_calls(c, ids, q, dec, pre), PKV_OK);
+    assert_memory_equal(dec, dec0, sizeof dec);
+    assert_memory_equal(pre, pre0, sizeof pre);
+    pkv_cache_destroy(c);
+    free(q);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_api_oracle),
@@ -991,6 +1032,7 @@ int main(void) {
         cmocka_unit_test(test_api_value_max),
         cmocka_unit_test(test_api_order_env),
         cmocka_unit_test(test_api_executor),
+        cmocka_unit_test(test_api_fork_child),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -3,6 +3,8 @@
  * from one ticket (attn_pool.h); a job is over when its tasks are done. */
 #include "attn_pool.h"
 
+#include <unistd.h>
+
 /* How long an idle thread spins before sleeping: long enough to bridge consecutive calls of
  * one decode step (layers), short enough not to steal a shared core for long. */
 #define SPIN_NS 50000u
@@ -89,6 +91,7 @@ static void *worker_main(void *arg) {
 int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *workers, const pkv_executor *exec) {
     p->exec = exec && exec->parallel_for ? *exec : (pkv_executor){0};
     p->n_threads = n_threads;
+    p->pid = getpid();
     p->workers = workers;
     atomic_init(&p->gen, 0);
     atomic_init(&p->ticket, 0);
@@ -120,7 +123,11 @@ int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *worker
     return PKV_OK;
 }
 
+/* Whether this is a child process of the one that made the pool (its workers are not here). */
+static bool forked(const pkv__tpool *p) { return getpid() != p->pid; }
+
 void pkv__tpool_fini(pkv__tpool *p) {
+    if (forked(p)) return; /* no workers to stop; mu and the cvs may hold the parent's waiters */
     pthread_mutex_lock(&p->mu);
     atomic_store_explicit(&p->stop, 1, memory_order_release);
     pthread_cond_broadcast(&p->cv_work);
@@ -144,7 +151,8 @@ static int run_exec(pkv__tpool *p, uint32_t n_tasks) {
 }
 
 int pkv__tpool_run(pkv__tpool *p, pkv__task_fn fn, void *ctx, uint32_t n_tasks) {
-    if (p->n_threads <= 1 || n_tasks <= 1) { /* nothing to share: skip the wake-up */
+    if (p->n_threads <= 1 || n_tasks <= 1 || (!p->exec.parallel_for && forked(p))) {
+        /* nothing to share (or, in a child process, no worker to share it with) */
         for (uint32_t t = 0; t < n_tasks; t++) fn(ctx, t, 0);
         return PKV_OK;
     }

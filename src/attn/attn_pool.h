@@ -6,7 +6,10 @@
  * caller, which takes tasks too, never waits for it.
  * With a caller's executor (pkv_executor) the pool starts no threads: a job is one
  * parallel_for of min(n_tasks, n_threads) calls, each taking tasks from the same ticket until
- * none is left, as the worker of the index the executor gave it (tid). */
+ * none is left, as the worker of the index the executor gave it (tid).
+ * In a child process (fork) the workers do not exist: there, jobs run on the calling thread
+ * alone (the same results: the executor contract's serial loop), and fini only marks the pool
+ * done (the parent's threads may have left its mutex and condition variables in use). */
 #ifndef PKV_ATTN_POOL_H
 #define PKV_ATTN_POOL_H
 
@@ -14,6 +17,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <sys/types.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -35,6 +39,7 @@ typedef struct pkv__tpool_worker {
 
 typedef struct pkv__tpool {
     uint32_t n_threads;           /* including the caller (tid 0) */
+    pid_t pid;                    /* the process whose threads the workers are */
     pkv__tpool_worker *workers;   /* [n_threads - 1], tids 1.. */
     pthread_mutex_t mu;
     pthread_cond_t cv_work;       /* workers sleep here for a new generation */
