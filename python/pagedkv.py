@@ -25,14 +25,16 @@ ctypes.util.find_library("pkv"). help(pagedkv.Cache) lists the whole API.
 
 import ctypes
 import ctypes.util
+import functools
 import os
+import threading
 import weakref
 from collections import namedtuple
 
 import numpy as np
 
 __all__ = [
-    "Cache", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES",
+    "Cache", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES", "bf16_bits", "bf16_value",
     "PkvError", "InvalidArgumentError", "OutOfMemoryError", "NoSpaceError", "NotFoundError", "LimitError",
     "CorruptError", "IoError", "NotSupportedError", "BusyError",
     "OK", "EINVAL", "ENOMEM", "ENOSPC", "ENOENT", "ELIMIT", "ECORRUPT", "EIO", "ENOTSUP", "EBUSY",
@@ -265,8 +267,11 @@ def version():
 
 
 def strerror(code):
-    """libpkv's description of a status code."""
-    return _lib.pkv_strerror(int(code)).decode()
+    """libpkv's description of a status code (an unknown one for a value no status has)."""
+    code = int(code)
+    if not -(1 << 31) <= code < 1 << 31:  # a C int: cut short, 2**40 would read as 0 (success)
+        code = -(1 << 31)
+    return _lib.pkv_strerror(code).decode()
 
 
 def _dtype_code(d, what):
@@ -280,6 +285,29 @@ def _dtype_code(d, what):
 def dtype_row_bytes(dtype, head_dim):
     """Bytes one token row of head_dim elements takes in the pool (0 if the dtype cannot hold it)."""
     return int(_lib.pkv_dtype_row_bytes(_dtype_code(dtype, "dtype_row_bytes"), _u32_of(head_dim, "head_dim")))
+
+
+def bf16_bits(x):
+    """Floating values -> their bf16 bit patterns (uint16, the same shape), rounded to nearest,
+    ties to even, as libpkv rounds f32 into a bf16 pool: what write_kv(..., dtype="bf16") takes.
+    Past the largest bf16 a value rounds to infinity; a NaN stays a (quiet) NaN."""
+    a = np.asarray(x)
+    if a.dtype.kind != "f":
+        raise _invalid("bf16_bits: a floating array is needed, got %s" % a.dtype)
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    bits = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():  # rounding a NaN's low mantissa bits away could make it an infinity
+        bits[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return bits
+
+
+def bf16_value(bits):
+    """bf16 bit patterns (uint16) -> their float32 values (exact), the same shape."""
+    b = np.asarray(bits)
+    if b.dtype != np.uint16:
+        raise _invalid("bf16_value: a uint16 array of bf16 bit patterns is needed, got %s" % b.dtype)
+    return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def _uint_of(x, what, bits):
@@ -327,6 +355,16 @@ def _ptr(a):
     return None if a is None else a.ctypes.data_as(_vp)
 
 
+def _shape_check(a, dims, what):
+    """EINVAL unless a is shaped as dims = (n, h, d) or flattened after the first axis or whole:
+    (n, h, d), (n, h * d) or (n * h * d,). A transposed array of the right size is refused, not
+    read in the wrong order."""
+    n, h, d = dims
+    if a.shape not in ((n, h, d), (n, h * d), (n * h * d,)):
+        raise _invalid("%s: shape %s, [%d][%d][%d] needed (or flattened: (%d, %d) or (%d,))"
+                       % (what, a.shape, n, h, d, n, h * d, n * h * d))
+
+
 SeqInfo = namedtuple("SeqInfo", [f for f, _ in _SeqInfo._fields_])
 Layout = namedtuple("Layout", [f for f, _ in _Layout._fields_])
 
@@ -343,11 +381,29 @@ def merge(out_a, lse_a, out_b, lse_b):
     ob = _f32_array(out_b, "merge: out_b", oa.size)
     la = _f32_array(lse_a, "merge: lse_a", rows)
     lb = _f32_array(lse_b, "merge: lse_b", rows)
+    if ob.shape != oa.shape:
+        raise _invalid("merge: out_b shaped %s, out_a %s" % (ob.shape, oa.shape))
+    for x, name in ((la, "lse_a"), (lb, "lse_b")):
+        if x.shape not in (oa.shape[:-1], (rows,)):
+            raise _invalid("merge: %s shaped %s, %s needed (out_a's without head_dim)" % (name, x.shape, oa.shape[:-1]))
     out = np.empty_like(oa)
     lse = np.empty(rows, dtype=np.float32)
     _check(_lib.pkv_attn_merge(_u32_of(rows, "rows"), D, _ptr(oa), _ptr(la), _ptr(ob), _ptr(lb), _ptr(out),
                                _ptr(lse)), "pkv_attn_merge")
     return out, lse.reshape(oa.shape[:-1])
+
+
+def _in_call(f):
+    """Runs a Cache method as one call in flight: refused on a closed cache, and close() waits
+    until it has returned (so no call reads freed memory)."""
+    @functools.wraps(f)
+    def call(self, *args, **kw):
+        self._enter()
+        try:
+            return f(self, *args, **kw)
+        finally:
+            self._leave()
+    return call
 
 
 class Cache:
@@ -363,8 +419,10 @@ class Cache:
     not in 1..1024: invalid argument (EINVAL)").
     Several Python threads may use one cache at once (libpkv runs without the GIL), under the
     library's rule (pkv.h): calls that only read a sequence (attention, gather, info, forks of it)
-    may overlap on it, a call that changes a sequence overlaps no other call on it, and close()
-    comes last.
+    may overlap on it, a call that changes a sequence overlaps no other call on it. close()
+    waits for the calls in flight on other threads to return, and the calls made after it raise
+    PkvError (EINVAL). A Cache cannot be copied or pickled (it owns C memory: a copy would free
+    it twice). Sequence handles are ints; one passed to another cache raises NotFoundError.
     """
 
     _INT_FIELDS = ("n_layers", "n_kv_heads", "head_dim", "block_tokens", "n_blocks", "max_seqs",
@@ -372,6 +430,10 @@ class Cache:
 
     def __init__(self, **kw):
         self._c = None
+        self._cv = threading.Condition()  # guards _c, _busy and _closing
+        self._busy = 0  # calls in flight (_in_call)
+        self._closing = False
+        self._local = threading.local()  # .depth: this thread's calls in flight
         self._views = weakref.WeakValueDictionary()  # id -> a view's buffer, while alive
         cfg = _lib.pkv_config_default()
         user_log = None
@@ -418,19 +480,58 @@ class Cache:
 
     # -- lifetime --
     def close(self):
-        """Frees the cache (pkv_cache_destroy). Later calls raise PkvError (EINVAL). While a
+        """Frees the cache (pkv_cache_destroy), once the calls other threads have in flight on it
+        have returned. Later calls raise PkvError (EINVAL); a second close does nothing. While a
         view of the pool (kv_view) is alive, raises PkvError (EBUSY) and frees nothing: the
-        cache is then freed when the last view and reference are gone."""
-        if self._c and len(self._views):
-            raise PkvError(EBUSY, "close: %d views of the pool are still alive" % len(self._views))
-        self._destroy()
+        cache is then freed when the last view and reference are gone. From inside a call on
+        this cache (a log callback) it raises EBUSY too."""
+        with self._cv:
+            if not self._c:
+                return
+            if getattr(self._local, "depth", 0):
+                raise PkvError(EBUSY, "close: called from inside a call on this cache")
+            self._closing = True  # calls made from now on are refused
+            try:
+                while self._busy:
+                    self._cv.wait()
+                if len(self._views):  # (a call in flight may have made one)
+                    raise PkvError(EBUSY, "close: %d views of the pool are still alive" % len(self._views))
+                self._destroy()
+            finally:
+                self._closing = False
 
     def _destroy(self):
-        if self._c and _lib is not None:  # (None at interpreter exit)
-            _lib.pkv_cache_destroy(self._c)
+        c = getattr(self, "_c", None)  # (absent if __init__ did not get that far)
+        if c and _lib is not None:  # (None at interpreter exit)
+            _lib.pkv_cache_destroy(c)
             self._c = None
 
+    def _enter(self):
+        with self._cv:
+            if not self._c or self._closing:
+                raise _invalid("the cache is closed")
+            self._busy += 1
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+
+    def _leave(self):
+        self._local.depth -= 1
+        with self._cv:
+            self._busy -= 1
+            if not self._busy:
+                self._cv.notify_all()
+
+    def __copy__(self):
+        raise TypeError("a pagedkv.Cache cannot be copied: it owns its pool (C memory)")
+
+    def __deepcopy__(self, memo):
+        raise TypeError("a pagedkv.Cache cannot be copied: it owns its pool (C memory)")
+
+    def __reduce__(self):
+        raise TypeError("a pagedkv.Cache cannot be pickled: it owns its pool (C memory)")
+
     def __enter__(self):
+        if not self._c:
+            raise _invalid("the cache is closed")
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -448,6 +549,7 @@ class Cache:
 
     # -- configuration --
     @property
+    @_in_call
     def config(self):
         """The effective configuration (n_blocks, max_blocks_per_seq, n_threads resolved) as a dict."""
         c = _Config()
@@ -458,16 +560,19 @@ class Cache:
         return d
 
     @property
+    @_in_call
     def backend(self):
         """The attention kernel family in use ("ref", "avx2", "avx512", "avx512-vnni", "neon", ...)."""
         return _lib.pkv_attn_backend(self._h()).decode()
 
     @property
+    @_in_call
     def bf16_dot_used(self):
         """Whether bf16_dot=True changes this cache's attention (pkv_attn_flags_used): bf16 K or V
         and a backend with bf16 dot products."""
         return bool(_lib.pkv_attn_flags_used(self._h()) & ATTN_BF16_DOT)
 
+    @_in_call
     def layout(self):
         """Where the pool lives (pkv_cache_layout), for engines with kernels of their own:
         k_base and v_base are addresses (ints), valid until close()."""
@@ -478,6 +583,7 @@ class Cache:
         d = Layout(*vals)
         return d._replace(k_dtype=_DTYPE_NAMES[d.k_dtype], v_dtype=_DTYPE_NAMES[d.v_dtype])
 
+    @_in_call
     def kv_view(self, layer, writeable=False):
         """Zero-copy numpy views (K, V) of one layer's arrays in the pool, for engines with
         kernels of their own: [n_blocks][n_kv_heads][block_tokens][head_dim] of float32 or
@@ -504,11 +610,13 @@ class Cache:
             views.append(a)
         return tuple(views)
 
+    @_in_call
     def reset(self):
         """Releases every sequence and pin and empties the prefix index."""
         _check(_lib.pkv_cache_reset(self._h()), "pkv_cache_reset")
 
     # -- sequences --
+    @_in_call
     def seq_create(self, salt=b""):
         """A new empty sequence; salt (bytes, at most 256) names its prefix-index namespace."""
         if isinstance(salt, str):
@@ -523,6 +631,7 @@ class Cache:
                "pkv_seq_create")
         return out.value
 
+    @_in_call
     def append(self, seq, tokens):
         """Appends positions with these token ids; returns their slots (int32 array)."""
         t = _i32_array(tokens, "append: tokens")
@@ -530,6 +639,7 @@ class Cache:
         _check(_lib.pkv_seq_append(self._h(), _seq_of(seq), _ptr(t), t.size, _ptr(slots)), "pkv_seq_append")
         return slots
 
+    @_in_call
     def append_blocks(self, seq, n):
         """How many FREE or CACHED blocks appending n positions to seq would take: the append
         succeeds iff that is at most stats()["n_free"] + stats()["n_cached"] (pkv_seq_append_blocks;
@@ -558,11 +668,13 @@ class Cache:
         want = n * self._H * self._D
         if a.size != want:
             raise _invalid("%s: %d elements, %d needed ([%d][%d][%d])" % (what, a.size, want, n, self._H, self._D))
+        _shape_check(a, (n, self._H, self._D), what)
         return a, DTYPES[kind]
 
+    @_in_call
     def write_kv(self, layer, slots, k=None, v=None, dtype=None):
         """Writes K and/or V of one layer at these slots (pkv_write_kv): k, v [n][n_kv_heads][head_dim]
-        float32 or float16 (other floating types are converted to float32), or uint16 bf16 bit
+        (or that flattened to [n][n_kv_heads * head_dim] or [n * n_kv_heads * head_dim]) float32 or float16 (other floating types are converted to float32), or uint16 bf16 bit
         patterns with dtype="bf16". Slot -1 skips a row. All-or-nothing. Slots name places in
         the pool, not a sequence: after a truncate, release or compaction of their sequence they
         may lie in another sequence's blocks, and a write through them changes that one. Take
@@ -577,20 +689,24 @@ class Cache:
         _check(_lib.pkv_write_kv(self._h(), _u32_of(layer, "layer"), _ptr(s), s.size, _ptr(ka), _ptr(va),
                                  kc if ka is not None else vc), "pkv_write_kv")
 
+    @_in_call
     def commit(self, seq, n_pos):
         """Positions [0, n_pos) now hold K/V for every layer; full blocks enter the prefix index."""
         _check(_lib.pkv_seq_commit(self._h(), _seq_of(seq), _u32_of(n_pos, "n_pos")), "pkv_seq_commit")
 
+    @_in_call
     def fork(self, seq):
         """A new sequence sharing every block of seq (no data copied); returns its id."""
         out = _u64()
         _check(_lib.pkv_seq_fork(self._h(), _seq_of(seq), ctypes.byref(out)), "pkv_seq_fork")
         return out.value
 
+    @_in_call
     def truncate(self, seq, n):
         """Keeps positions [0, n)."""
         _check(_lib.pkv_seq_truncate(self._h(), _seq_of(seq), _u32_of(n, "n")), "pkv_seq_truncate")
 
+    @_in_call
     def compact(self, seq, evict=False, cached=False):
         """Moves runs of seq's blocks that it alone holds (no fork or pin shares them) into FREE
         blocks (with evict=True also CACHED leaf blocks, evicted as an append would; with
@@ -604,6 +720,7 @@ class Cache:
                                     ctypes.byref(out)), "pkv_seq_compact")
         return out.value
 
+    @_in_call
     def batch_compact(self, seqs, slack=0, repack=False, cached=False):
         """Lays the blocks each of seqs holds alone out as one group a sequence in id order, over
         the FREE ids and the ids the batch holds, exchanging blocks where no room is free; a
@@ -619,16 +736,19 @@ class Cache:
                                       ctypes.byref(out)), "pkv_batch_compact")
         return out.value
 
+    @_in_call
     def release(self, seq):
         """Drops the sequence; its id becomes stale (ENOENT)."""
         _check(_lib.pkv_seq_release(self._h(), _seq_of(seq)), "pkv_seq_release")
 
+    @_in_call
     def seq_info(self, seq):
         """SeqInfo(n_tokens, n_committed, n_blocks, n_shared, n_reused)."""
         i = _SeqInfo()
         _check(_lib.pkv_seq_get_info(self._h(), _seq_of(seq), ctypes.byref(i)), "pkv_seq_get_info")
         return SeqInfo(*(getattr(i, f) for f, _ in _SeqInfo._fields_))
 
+    @_in_call
     def _range(self, seq, start, n, what):
         """start, n checked against the sequence's length before an output of n rows is made (so a
         huge n is EINVAL, as the C call would say, not an allocation of that size)."""
@@ -639,6 +759,7 @@ class Cache:
             raise _invalid("%s: positions [%d, %d) past the sequence's %d" % (what, start, start + n, length))
         return start, n
 
+    @_in_call
     def slots(self, seq, start=0, n=None):
         """Slots of positions [start, start + n) (default: to the end): vLLM's slot_mapping."""
         start, n = self._range(seq, start, n, "slots")
@@ -646,6 +767,7 @@ class Cache:
         _check(_lib.pkv_seq_slots(self._h(), _seq_of(seq), start, n, _ptr(out)), "pkv_seq_slots")
         return out
 
+    @_in_call
     def block_table(self, seq):
         """The sequence's block ids (int32 array)."""
         n = self.seq_info(seq).n_blocks
@@ -655,6 +777,7 @@ class Cache:
                "pkv_seq_block_table")
         return out[:got.value]
 
+    @_in_call
     def gather(self, seq, layer, start=0, n=None):
         """K and V of positions [start, start + n) of one layer as float32 [n][n_kv_heads][head_dim]
         arrays (dequantized)."""
@@ -668,7 +791,9 @@ class Cache:
     def _seqs(self, seqs, what):
         """Sequence ids as a C-contiguous uint64 array (an integer array is checked as a whole)."""
         a = np.asarray(seqs)
-        if a.dtype.kind in "iu" and a.ndim == 1:
+        if a.ndim != 1:
+            raise _invalid("%s: a list (or 1-D array) of sequence ids is needed, got %d dimensions" % (what, a.ndim))
+        if a.dtype.kind in "iu":
             if a.size and a.dtype.kind == "i" and a.min() < 0:
                 raise _invalid("%s: a negative sequence id" % what)
             a = np.require(a, dtype=np.uint64, requirements="CA")
@@ -679,6 +804,7 @@ class Cache:
         _u32_of(a.size, "%s: sequence count" % what)
         return a
 
+    @_in_call
     def export_dense(self, seqs, max_blocks=None):
         """vLLM's dense block tables: (block_tables [n_seqs][max_blocks] int32, unused -1;
         seq_lens [n_seqs] int32). max_blocks defaults to the cache's max_blocks_per_seq; one over
@@ -694,6 +820,7 @@ class Cache:
         _check(_lib.pkv_export_dense(self._h(), _ptr(a), a.size, mb, _ptr(tables), _ptr(lens)), "pkv_export_dense")
         return tables, lens
 
+    @_in_call
     def export_csr(self, seqs):
         """FlashInfer's paged layout: (indptr [n_seqs + 1], indices, last_page_len [n_seqs]), int32."""
         a = self._seqs(seqs, "export_csr")
@@ -712,6 +839,7 @@ class Cache:
         return indptr, indices[:int(indptr[-1])], last
 
     # -- prefix cache --
+    @_in_call
     def match_prefix(self, seq, tokens):
         """For an empty sequence and its prompt: attaches the longest indexed prefix; returns the
         number of tokens reused (never the whole prompt). Matching full blocks are shared; the
@@ -723,6 +851,7 @@ class Cache:
                "pkv_seq_match_prefix")
         return out.value
 
+    @_in_call
     def pin(self, seq, n_pos):
         """Pins the committed full blocks of positions [0, n_pos) of seq; returns the pin's handle."""
         out = _u64()
@@ -730,16 +859,19 @@ class Cache:
                "pkv_pin_create")
         return out.value
 
+    @_in_call
     def pin_release(self, pin):
         _check(_lib.pkv_pin_release(self._h(), _seq_of(pin, "pin")), "pkv_pin_release")
 
     # -- statistics and checker --
+    @_in_call
     def stats(self):
         """pkv_cache_get_stats as a dict."""
         s = _Stats()
         _check(_lib.pkv_cache_get_stats(self._h(), ctypes.byref(s)), "pkv_cache_get_stats")
         return {f: getattr(s, f) for f, _ in _Stats._fields_}
 
+    @_in_call
     def check(self):
         """Verifies every invariant; raises PkvError (ECORRUPT, with the checker's message) if one is broken."""
         buf = ctypes.create_string_buffer(512)
@@ -769,18 +901,24 @@ class Cache:
         if a.size != n_queries * n_q_heads * self._D:
             raise _invalid("%s: q has %d elements, %d needed ([%d][%d][%d])"
                            % (what, a.size, n_queries * n_q_heads * self._D, n_queries, n_q_heads, self._D))
+        _shape_check(a, (n_queries, n_q_heads, self._D), "%s: q" % what)
         return a, n_q_heads
 
     def _out(self, out, shape, what):
-        """A caller's output array (float32, C-contiguous, of shape's size), or a new one."""
+        """A caller's output array (float32, C-contiguous, shaped as shape or flattened after its
+        first axis or whole), or a new one."""
         if out is None:
             return np.empty(shape, dtype=np.float32)
+        size = int(np.prod(shape))
         if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous \
-                or not out.flags.aligned or not out.flags.writeable or out.size != int(np.prod(shape)):
+                or not out.flags.aligned or not out.flags.writeable or out.size != size:
             raise _invalid("%s: a writeable, aligned, C-contiguous float32 array of %d elements is needed"
-                           % (what, int(np.prod(shape))))
+                           % (what, size))
+        if out.shape not in (tuple(shape), (shape[0], size // max(shape[0], 1)), (size,)):
+            raise _invalid("%s: shape %s, %s needed (or flattened)" % (what, out.shape, tuple(shape)))
         return out
 
+    @_in_call
     def decode(self, layer, seqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
                out=None, lse_out=None, bf16_dot=False):
         """Decode attention (pkv_attn_decode): one query per sequence at its last position.
@@ -794,12 +932,15 @@ class Cache:
         a = self._seqs(seqs, "decode")
         qa, hq = self._q(q, a.size, n_q_heads, "decode")
         out = self._out(out, (a.size, hq, self._D), "decode: out")
+        if lse_out is not None and not return_lse:
+            raise _invalid("decode: lse_out given without return_lse=True")
         lse = self._out(lse_out, (a.size, hq), "decode: lse_out") if return_lse else None
         p = self._params(hq, scale, softcap, window, lse, bf16_dot)
         _check(_lib.pkv_attn_decode(self._h(), _u32_of(layer, "layer"), _ptr(a), a.size, _ptr(qa), _ptr(out),
                                     ctypes.byref(p)), "pkv_attn_decode")
         return (out, lse) if return_lse else out
 
+    @_in_call
     def prefill(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
                 out=None, lse_out=None, bf16_dot=False):
         """Prefill / extend attention over a ragged batch (pkv_attn_prefill), causal.
@@ -821,6 +962,8 @@ class Cache:
             total += arr[i].n_q
         qa, hq = self._q(q, total, n_q_heads, "prefill")
         out = self._out(out, (total, hq, self._D), "prefill: out")
+        if lse_out is not None and not return_lse:
+            raise _invalid("prefill: lse_out given without return_lse=True")
         lse = self._out(lse_out, (total, hq), "prefill: lse_out") if return_lse else None
         p = self._params(hq, scale, softcap, window, lse, bf16_dot)
         _check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa), _ptr(out),

@@ -42,16 +42,6 @@ def ref_attn(q, K, V, scale, softcap=0.0, window=0):
     return out, lse
 
 
-def bf16_bits(x):
-    """float32 -> bf16 bit patterns (round to nearest even), as uint16."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def bf16_value(bits):
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
 class Base(unittest.TestCase):
     def setUp(self):
         self.rng = np.random.default_rng(1234)
@@ -105,6 +95,8 @@ class TestLibrary(Base):
 
     def test_strerror_and_row_bytes(self):
         self.assertIn("sequence", pkv.strerror(pkv.ENOENT))
+        self.assertEqual(pkv.strerror(2**40), pkv.strerror(-12345))  # unknown, not 0's "success"
+        self.assertNotEqual(pkv.strerror(2**40), pkv.strerror(pkv.OK))
         self.assertEqual(pkv.dtype_row_bytes("f16", 128), 256)
         self.assertEqual(pkv.dtype_row_bytes("q8_0", 128), 4 * 34)
         self.assertEqual(pkv.dtype_row_bytes("q4_0", 48), 0)  # head_dim not a multiple of 32
@@ -116,6 +108,15 @@ class TestLibrary(Base):
             with self.assertRaises(pkv.PkvError) as e:
                 pkv.Cache(k_dtype=bad)
             self.assertEqual(e.exception.code, pkv.EINVAL)
+
+    def test_cache_cannot_be_copied(self):
+        # a copy would share the C cache and free it twice (copy.copy then close: a segfault)
+        import copy
+        with pkv.Cache(n_kv_heads=1, head_dim=32, n_blocks=4) as c:
+            for f in (copy.copy, copy.deepcopy, pickle.dumps):
+                with self.subTest(f=f.__name__), self.assertRaises(TypeError):
+                    f(c)
+            self.assertEqual(c.stats()["n_blocks"], 4)
 
     def test_config_defaults(self):
         with pkv.Cache(n_threads=1) as c:
@@ -241,7 +242,7 @@ class TestAttention(Base):
             out = c.decode(0, seqs, q, bf16_dot=True)
             used = c.bf16_dot_used
             self.assertEqual(not np.array_equal(plain, out), used)
-            qr = bf16_value(bf16_bits(q / np.sqrt(D))) if used else q / np.sqrt(D)
+            qr = pkv.bf16_value(pkv.bf16_bits(q / np.sqrt(D))) if used else q / np.sqrt(D)
             for i, s in enumerate(seqs):
                 K, V = c.gather(s, 0)
                 want, _ = ref_attn(qr[i], K, V, 1.0)
@@ -269,16 +270,39 @@ class TestAttention(Base):
             s = c.seq_create()
             slots = c.append(s, range(5))
             x = self.rng.standard_normal((5, 1, 32)).astype(np.float32)
-            bits = bf16_bits(x)
+            bits = pkv.bf16_bits(x)
             c.write_kv(0, slots, k=bits, dtype="bf16")
             c.write_kv(0, slots, v=x.astype(np.float16))
             c.write_kv(0, slots, v=x.astype(np.float16), dtype="f16")  # the same, named
             K, V = c.gather(s, 0)
-            np.testing.assert_array_equal(K, bf16_value(bits))
+            np.testing.assert_array_equal(K, pkv.bf16_value(bits))
             np.testing.assert_array_equal(V, x.astype(np.float16).astype(np.float32))
             with self.assertRaises(pkv.PkvError) as e:
                 c.write_kv(0, slots, k=bits)  # uint16 without dtype="bf16"
             self.assertEqual(e.exception.code, pkv.EINVAL)
+            # f32 written into the bf16 pool rounds as bf16_bits does
+            c.write_kv(0, slots, k=x)
+            np.testing.assert_array_equal(c.gather(s, 0)[0], pkv.bf16_value(pkv.bf16_bits(x)))
+
+    def test_bf16_conversions(self):
+        x = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -2.5, np.inf, -np.inf, 3.4e38, 0.0, -0.0,
+                      1e-40, np.nan], np.float32)
+        x.view(np.uint32)[-1] = 0x7F800001  # a NaN whose mantissa lies in the bits rounded away
+        bits = pkv.bf16_bits(x)
+        self.assertEqual(bits.dtype, np.uint16)
+        # ties to even (1 + 2^-8 down, 1 + 3 * 2^-8 up), past a tie up, overflow to infinity,
+        # signed zero, a subnormal, a NaN kept a NaN
+        self.assertEqual([int(b) for b in bits], [0x3F80, 0x3F80, 0x3F82, 0x3F81, 0xC020, 0x7F80, 0xFF80, 0x7F80,
+                                                  0x0000, 0x8000, 0x0001, 0x7FC0])
+        v = pkv.bf16_value(bits)
+        self.assertEqual(v.dtype, np.float32)
+        self.assertEqual(v[:-1].tolist(), [1.0, 1.0, 1.015625, 1.0078125, -2.5, np.inf, -np.inf, np.inf, 0.0, 0.0,
+                                           float(np.float32(2**-133))])
+        self.assertTrue(np.isnan(v[-1]))
+        self.assertEqual(pkv.bf16_bits(np.ones((2, 3))).shape, (2, 3))  # float64 in, the shape kept
+        for bad in (lambda: pkv.bf16_bits(np.ones(3, np.int32)), lambda: pkv.bf16_value(np.ones(3, np.float32))):
+            with self.assertRaises(pkv.PkvError):
+                bad()
 
     def test_softcap_window_merge(self):
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=2) as c:
@@ -361,6 +385,78 @@ class TestThreads(Base):
             c.check()
             self.assertEqual(c.stats()["n_seqs"], 0)
 
+
+    def test_close_waits_for_calls_in_flight(self):
+        # close() on one thread while another decodes in a loop: the decode in flight finishes,
+        # the calls after close raise (the cache is closed), and nothing reads freed memory (the
+        # process died here before close waited)
+        import threading
+        import time
+        c = pkv.Cache(n_kv_heads=8, head_dim=128, n_blocks=1024, n_threads=2)
+        seqs = [c.seq_create() for _ in range(8)]
+        for s in seqs:
+            slots = c.append(s, range(1024))
+            kv = np.ones((1024, 8, 128), np.float16)
+            c.write_kv(0, slots, kv, kv)
+        q = np.ones((8, 32, 128), np.float32)
+        done, errs = [], []
+
+        def loop():
+            try:
+                while True:
+                    out = c.decode(0, seqs, q)
+                    if not np.all(out == 1.0):
+                        errs.append("a decode gave %r" % out.ravel()[:4])
+                    done.append(1)
+            except pkv.PkvError as e:
+                errs.append(e)
+
+        t = threading.Thread(target=loop)
+        t.start()
+        while not done:
+            time.sleep(0.01)
+        c.close()
+        t.join(30)
+        self.assertFalse(t.is_alive())
+        self.assertEqual(len(errs), 1, errs)
+        self.assertIsInstance(errs[0], pkv.InvalidArgumentError)
+        self.assertIn("closed", str(errs[0]))
+        c.close()  # again: nothing
+        with self.assertRaises(pkv.PkvError):
+            with c:
+                pass
+
+    def test_fork_child_closes_inherited_cache(self):
+        # multiprocessing's fork: a child that closes (or drops) a cache it inherited, whose
+        # worker threads are not in the child (it hung there, in pthread_cond_destroy)
+        import time
+        c = pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=16, n_threads=2, k_dtype="f32", v_dtype="f32")
+        s = c.seq_create()
+        self.fill(c, s, 20)
+        q = self.rng.standard_normal((1, 4, 32)).astype(np.float32)
+        want = c.decode(0, [s], q)
+        time.sleep(0.1)  # the worker asleep, as in an idle engine
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = 0 if np.array_equal(c.decode(0, [s], q), want) else 2
+                c.close()
+            finally:
+                os._exit(code)
+        deadline = time.time() + 20
+        while True:
+            got, status = os.waitpid(pid, os.WNOHANG)
+            if got or time.time() > deadline:
+                break
+            time.sleep(0.05)
+        if not got:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            self.fail("the child hung")
+        self.assertEqual(os.waitstatus_to_exitcode(status), 0)
+        np.testing.assert_array_equal(c.decode(0, [s], q), want)
+        c.close()
 
 class TestModel(Base):
     def test_python_engine_matches_pkv_run(self):
@@ -772,6 +868,20 @@ class TestCache(Base):
                 lambda: c.slots(s, 0, 0xFFFFFFFF),
                 lambda: c.slots(s, 4, 1),
                 lambda: pkv.merge(np.ones((2, 8)), np.ones(3), np.ones((2, 8)), np.ones(2)),
+                # the right size in the wrong shape: refused, not read in the wrong order
+                lambda: c.write_kv(0, slots, np.ones((2, 4, 32), np.float32)),  # heads first
+                lambda: c.write_kv(0, slots, np.ones((4, 32, 2), np.float32)),
+                lambda: c.write_kv(0, slots, np.ones((8, 32), np.float32)),
+                lambda: c.decode(0, [s], np.ones((4, 1, 32), np.float32), n_q_heads=4),
+                lambda: c.decode(0, [s], np.ones((1, 4, 32), np.float32), out=np.empty((4, 1, 32), np.float32)),
+                lambda: c.decode(0, [s], np.ones((1, 4, 32), np.float32), return_lse=True,
+                                 lse_out=np.empty((4, 1), np.float32)),
+                lambda: pkv.merge(np.ones((2, 4, 8)), np.ones((2, 4)), np.ones((4, 2, 8)), np.ones((2, 4))),
+                lambda: pkv.merge(np.ones((2, 4, 8)), np.ones((4, 2)), np.ones((2, 4, 8)), np.ones((2, 4))),
+                # lse_out without return_lse would be left unwritten
+                lambda: c.decode(0, [s], np.ones((1, 4, 32), np.float32), lse_out=np.empty((1, 4), np.float32)),
+                lambda: c.prefill(0, [(s, 0, 1)], np.ones((1, 4, 32), np.float32), lse_out=np.empty((1, 4), np.float32)),
+                lambda: c.decode(0, np.array(s), np.ones((1, 4, 32), np.float32)),  # 0-d: not a list
             ]
             for i, call in enumerate(bad):
                 with self.subTest(case=i), self.assertRaises(pkv.PkvError) as e:
@@ -780,8 +890,9 @@ class TestCache(Base):
             self.assertEqual(c.seq_info(s).n_tokens, 4)
             self.assertEqual(c.gather(s, 0, 4)[0].shape, (0, 2, 32))  # empty, at the end
             self.assertEqual(c.slots(s, 1, 3).tolist(), slots[1:].tolist())
-            # a flat q with n_q_heads given is fine
-            c.write_kv(0, slots, np.ones((4, 2, 32), np.float32), np.ones((4, 2, 32), np.float32))
+            # flattened shapes are fine: K/V [n][H * D], q [n][Hq * D] or [n * Hq * D] with n_q_heads
+            c.write_kv(0, slots, np.ones((4, 64), np.float32), np.ones(4 * 64, np.float32))
+            self.assertEqual(c.decode(0, [s], np.ones((1, 128), np.float32), n_q_heads=4).shape, (1, 4, 32))
             out = c.decode(0, [s], np.ones(128, np.float32), n_q_heads=4)
             self.assertEqual(out.shape, (1, 4, 32))
             np.testing.assert_allclose(out, 1.0, rtol=0, atol=1e-6)
