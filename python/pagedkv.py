@@ -430,10 +430,9 @@ class Cache:
 
     def __init__(self, **kw):
         self._c = None
-        self._cv = threading.Condition()  # guards _c, _busy and _closing
+        self._cv = threading.Condition(threading.Lock())  # guards _c, _busy and _closing
         self._busy = 0  # calls in flight (_in_call)
         self._closing = False
-        self._local = threading.local()  # .depth: this thread's calls in flight
         self._views = weakref.WeakValueDictionary()  # id -> a view's buffer, while alive
         cfg = _lib.pkv_config_default()
         user_log = None
@@ -483,13 +482,12 @@ class Cache:
         """Frees the cache (pkv_cache_destroy), once the calls other threads have in flight on it
         have returned. Later calls raise PkvError (EINVAL); a second close does nothing. While a
         view of the pool (kv_view) is alive, raises PkvError (EBUSY) and frees nothing: the
-        cache is then freed when the last view and reference are gone. From inside a call on
-        this cache (a log callback) it raises EBUSY too."""
+        cache is then freed when the last view and reference are gone. (libpkv calls the log
+        callback only inside create, so no call of this cache is in flight on the thread that
+        closes it.)"""
         with self._cv:
             if not self._c:
                 return
-            if getattr(self._local, "depth", 0):
-                raise PkvError(EBUSY, "close: called from inside a call on this cache")
             self._closing = True  # calls made from now on are refused
             try:
                 while self._busy:
@@ -511,13 +509,11 @@ class Cache:
             if not self._c or self._closing:
                 raise _invalid("the cache is closed")
             self._busy += 1
-        self._local.depth = getattr(self._local, "depth", 0) + 1
 
     def _leave(self):
-        self._local.depth -= 1
         with self._cv:
             self._busy -= 1
-            if not self._busy:
+            if self._closing and not self._busy:
                 self._cv.notify_all()
 
     def __copy__(self):
