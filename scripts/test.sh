@@ -3,8 +3,8 @@
 # ctest test, an ASan+UBSan Debug build running the "unit" tests, a TSan build running the
 # "thread" tests (both sanitizer builds at -O1, as the sanitizers' documentation advises: at -O0
 # the ASan stage's test_attn took about 3x as long), an arm64 cross build whose tests run under
-# qemu (scripts/test-arm64.sh: the NEON kernels), and (when fuzz/fuzz_api.c exists) a bounded
-# libFuzzer run. Exits non-zero if any stage fails; prints each stage's ctest summary at the end.
+# qemu (scripts/test-arm64.sh: the NEON kernels), a 32-bit x86 libpkv under the Go binding's
+# tests, and (when fuzz/fuzz_api.c exists) a bounded libFuzzer run. Exits non-zero if any stage fails; prints each stage's ctest summary at the end.
 #
 # Environment: PKV_STRESS_OPS (stress test operations in the Release stage, default 1000000, about
 # 5 s; the test itself defaults to 200000 when run alone), PKV_ASAN_STRESS_OPS (the ASan
@@ -12,7 +12,7 @@
 # iterations, default 2000; the TSan stage uses PKV_TSAN_THR_ITERS, default 1000),
 # PKV_ASAN_ATTN_MAX_LEN (the longest oracle context in the ASan stage, default 400),
 # PKV_FUZZ_SECONDS (default 30), PKV_FUZZ_RUNS (default 2000000), PKV_SKIP_ARM64 (1: skip the
-# arm64 stage), JOBS (default nproc).
+# arm64 stage), PKV_SKIP_I386 (1: skip the i386 stage), JOBS (default nproc).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 t_start=$(date +%s)
@@ -93,6 +93,26 @@ if [ "${PKV_SKIP_ARM64:-0}" != 1 ]; then
     fi
 else
     summary+=("[arm64] skipped: PKV_SKIP_ARM64=1")
+fi
+
+# ---- i386: a 32-bit libpkv under the Go binding's tests (a Go int is 32 bits there, so every
+# length product is checked for overflow; PKV_SKIP_I386=1 skips; x86-64 hosts only) -----------
+if [ "$(uname -m)" = x86_64 ] && [ "${PKV_SKIP_I386:-0}" != 1 ]; then
+    t0=$(date +%s)
+    log="$LOG_DIR/i386.log"
+    echo "=== [i386] 32-bit libpkv (gcc -m32) + go test with GOARCH=386"
+    pkv_install_missing gcc-multilib >"$log" 2>&1 || true
+    if CFLAGS=-m32 LDFLAGS=-m32 cmake -S . -B build-i386 -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DPKV_BUILD_TESTS=OFF -DPKV_BUILD_TOOLS=OFF >>"$log" 2>&1 &&
+        ninja -C build-i386 -j "$JOBS" pkv >>"$log" 2>        ninja -C build-i386 -j "$JOBS" pkv_shared >>"$log" 2>&1 &&1 &&
+        (cd bindings/go && GOARCH=386 CGO_ENABLED=1 CC="gcc -m32" \
+            CGO_LDFLAGS="-L$PWD/../../build-i386 -Wl,-rpath,$PWD/../../build-i386" go test -count=1 ./...) >>"$log" 2>&1; then
+        summary+=("[i386] $(grep -E '^ok' "$log" | tail -n 1) ($(($(date +%s) - t0)) s)")
+    else
+        stage_failed i386 "$log" 60 "FAILED (see above)"
+    fi
+else
+    summary+=("[i386] skipped: not an x86-64 host, or PKV_SKIP_I386=1")
 fi
 
 # ---- fuzz hook: only when the fuzz target exists ---------------------------------------------

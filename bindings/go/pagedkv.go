@@ -8,6 +8,9 @@
 // A Cache may be used from many goroutines: methods that change sequences or write K/V hold
 // its write lock, reads (attention, gather, block tables, stats, the checker) its read lock, so
 // no block table or K/V row changes under a running read (libpkv's threading rule, pkv.h).
+// WriteKVShared writes K/V under the read lock instead (layer l + 1 beside a decode of layer l),
+// the caller answering for the rows. The Into forms (AppendInto, SlotsInto, GatherInto) fill
+// the caller's buffers. Lengths are checked in int on every platform (GOARCH=386 included).
 //
 // Build: cgo needs pkv.h (found through ../../include) and libpkv.so, e.g.
 //
@@ -43,6 +46,7 @@ import "C"
 import (
 	"fmt"
 	"math"
+	"runtime"
 	"strings"
 	"sync"
 	"unsafe"
@@ -82,6 +86,9 @@ func (e *Error) Error() string {
 // Is reports whether target is an *Error of the same status, whatever its Op, so that
 // errors.Is(err, pagedkv.ErrNoSpace) matches every ENOSPC, wrapped or not.
 func (e *Error) Is(target error) bool {
+	if target == ErrClosed { // only the closed cache's own error, not every EINVAL
+		return e == errClosed
+	}
 	t, ok := target.(*Error)
 	return ok && t.Code == e.Code
 }
@@ -97,7 +104,12 @@ var (
 	ErrIO           error = &Error{Code: EIO, Op: "pagedkv"}
 	ErrNotSupported error = &Error{Code: ENOTSUP, Op: "pagedkv"}
 	ErrBusy         error = &Error{Code: EBUSY, Op: "pagedkv"}
+	// ErrClosed is what every call on a closed (or nil) Cache returns: an EINVAL, so
+	// errors.Is(err, ErrInvalid) matches it too, while errors.Is(err, ErrClosed) matches it alone.
+	ErrClosed error = errClosed
 )
+
+var errClosed = &Error{Code: EINVAL, Op: "the cache is closed"}
 
 func check(rc C.int, op string) error {
 	if rc == 0 {
@@ -126,7 +138,7 @@ func mulLen(a, b int, what string) (int, error) {
 }
 
 func u32(n int, what string) (C.uint32_t, error) {
-	if n < 0 || n > math.MaxUint32 {
+	if n < 0 || uint64(n) > math.MaxUint32 {
 		return 0, invalid("%s: %d out of range", what, n)
 	}
 	return C.uint32_t(n), nil
@@ -150,12 +162,21 @@ const (
 	FP8E4M3
 )
 
+// c is d as a pkv_dtype. A value past the C enum's range becomes one libpkv refuses as
+// unknown, not one cut down to a dtype it knows (Dtype(1<<32) read as f32).
+func (d Dtype) c() C.pkv_dtype {
+	if d < 0 || d > 0xffff {
+		return C.pkv_dtype(0xffff)
+	}
+	return C.pkv_dtype(d)
+}
+
 // Name is libpkv's name of the format ("f32", "f16", "bf16", "q8_0", "q4_0", "fp8_e4m3").
-func (d Dtype) Name() string { return C.GoString(C.pkv_dtype_name(C.pkv_dtype(d))) }
+func (d Dtype) Name() string { return C.GoString(C.pkv_dtype_name(d.c())) }
 
 // RowBytes is the bytes one token row of headDim elements takes in the pool (0: it cannot).
 func (d Dtype) RowBytes(headDim uint32) int {
-	return int(C.pkv_dtype_row_bytes(C.pkv_dtype(d), C.uint32_t(headDim)))
+	return int(C.pkv_dtype_row_bytes(d.c(), C.uint32_t(headDim)))
 }
 
 // DtypeFromName parses libpkv's names (and "fp8").
@@ -252,7 +273,7 @@ func NewCache(cfg Config) (*Cache, error) {
 	raw.n_layers, raw.n_kv_heads, raw.head_dim = C.uint32_t(cfg.NLayers), C.uint32_t(cfg.NKVHeads), C.uint32_t(cfg.HeadDim)
 	raw.block_tokens, raw.n_blocks = C.uint32_t(cfg.BlockTokens), C.uint32_t(cfg.NBlocks)
 	raw.mem_budget_bytes = C.uint64_t(cfg.MemBudgetBytes)
-	raw.k_dtype, raw.v_dtype = C.pkv_dtype(cfg.KDtype), C.pkv_dtype(cfg.VDtype)
+	raw.k_dtype, raw.v_dtype = cfg.KDtype.c(), cfg.VDtype.c()
 	raw.max_seqs, raw.max_blocks_per_seq = C.uint32_t(cfg.MaxSeqs), C.uint32_t(cfg.MaxBlocksPerSeq)
 	raw.n_threads = C.uint32_t(cfg.NThreads)
 	raw.enable_prefix_cache, raw.huge_pages = b2i(cfg.PrefixCache), b2i(cfg.HugePages)
@@ -276,13 +297,24 @@ func NewCache(cfg Config) (*Cache, error) {
 		C.free(unsafe.Pointer(logBuf))
 		return nil, err
 	}
-	return &Cache{c: p, cfg: configFromC(&eff), logBuf: logBuf}, nil
+	cache := &Cache{c: p, cfg: configFromC(&eff), logBuf: logBuf}
+	// a safety net, as os.File has: a Cache dropped without Close is freed when the garbage
+	// collector finds it unreachable (its pool, metadata and threads), not kept forever
+	runtime.SetFinalizer(cache, (*Cache).Close)
+	return cache, nil
 }
 
-// Close frees the cache; later calls return EINVAL. Closing twice is a no-op.
+// Close frees the cache once the calls in flight on it have returned; later calls return
+// ErrClosed. Closing twice (or a nil Cache) is a no-op. A Cache that is dropped without Close
+// is freed by a finalizer when the garbage collector finds it, but memory this large is better
+// returned at a known time: call Close.
 func (c *Cache) Close() {
+	if c == nil {
+		return
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	runtime.SetFinalizer(c, nil)
 	if c.c != nil {
 		C.pkv_cache_destroy(c.c)
 		c.c = nil
@@ -293,6 +325,9 @@ func (c *Cache) Close() {
 
 // lock takes the write lock (write) or the read lock; it fails, holding nothing, on a closed cache.
 func (c *Cache) lock(write bool) (*C.pkv_cache, func(), error) {
+	if c == nil {
+		return nil, nil, errClosed
+	}
 	lock, unlock := c.mu.RLock, c.mu.RUnlock
 	if write {
 		lock, unlock = c.mu.Lock, c.mu.Unlock
@@ -300,15 +335,21 @@ func (c *Cache) lock(write bool) (*C.pkv_cache, func(), error) {
 	lock()
 	if c.c == nil {
 		unlock()
-		return nil, nil, invalid("the cache is closed")
+		return nil, nil, errClosed
 	}
 	return c.c, unlock, nil
 }
 
 func (c *Cache) rlock() (*C.pkv_cache, func(), error) { return c.lock(false) }
 
-// Config is the effective configuration (n_blocks, max_blocks_per_seq, n_threads resolved).
-func (c *Cache) Config() Config { return c.cfg }
+// Config is the effective configuration (n_blocks, max_blocks_per_seq, n_threads resolved);
+// the zero Config for a nil Cache.
+func (c *Cache) Config() Config {
+	if c == nil {
+		return Config{}
+	}
+	return c.cfg
+}
 
 // Backend is the attention kernel family in use ("ref", "avx2", "avx512", "avx512-vnni", ...).
 func (c *Cache) Backend() string {
@@ -331,7 +372,15 @@ func (c *Cache) BF16DotUsed() bool {
 	return C.pkv_attn_flags_used(p)&C.PKV_ATTN_BF16_DOT != 0
 }
 
-func (c *Cache) kvElems(n int) int { return n * int(c.cfg.NKVHeads) * int(c.cfg.HeadDim) }
+// kvElems is the elements of n K or V rows, or EINVAL where that is past int (a 32-bit int
+// wraps at 2^31: 1024 rows of 4096 kv heads x 1024 would read as 0).
+func (c *Cache) kvElems(n int, what string) (int, error) {
+	row, err := mulLen(int(c.cfg.NKVHeads), int(c.cfg.HeadDim), what)
+	if err != nil {
+		return 0, err
+	}
+	return mulLen(n, row, what)
+}
 
 // emptyBuf is what an empty slice that is not nil points C at: never read or written (a count
 // of 0 comes with it), 8-byte aligned for every element type here.
@@ -374,18 +423,26 @@ func (c *Cache) SeqCreate(salt []byte) (Seq, error) {
 
 // Append adds positions with these token ids; returns their slots.
 func (c *Cache) Append(s Seq, tokens []int32) ([]int32, error) {
-	n, err := u32(len(tokens), "Append: tokens")
-	if err != nil {
-		return nil, err
-	}
 	slots := make([]int32, len(tokens))
-	err = c.seqOp("pkv_seq_append", func(p *C.pkv_cache) C.int {
-		return C.pkv_seq_append(p, C.pkv_seq(s), i32p(tokens), n, i32p(slots))
-	})
-	if err != nil {
+	if err := c.AppendInto(s, tokens, slots); err != nil {
 		return nil, err
 	}
 	return slots, nil
+}
+
+// AppendInto is Append into the caller's slots (len(slots) == len(tokens)), for a decode loop
+// that allocates nothing a step.
+func (c *Cache) AppendInto(s Seq, tokens, slots []int32) error {
+	if err := wantLen(len(slots), len(tokens), "Append: slots"); err != nil {
+		return err
+	}
+	n, err := u32(len(tokens), "Append: tokens")
+	if err != nil {
+		return err
+	}
+	return c.seqOp("pkv_seq_append", func(p *C.pkv_cache) C.int {
+		return C.pkv_seq_append(p, C.pkv_seq(s), i32p(tokens), n, i32p(slots))
+	})
 }
 
 // AppendBlocks says how many FREE or CACHED blocks appending n positions to s would take: the
@@ -399,8 +456,11 @@ func (c *Cache) AppendBlocks(s Seq, n uint32) (uint32, error) {
 	return uint32(need), err
 }
 
-func (c *Cache) writeKV(layer uint32, slots []int32, k, v unsafe.Pointer, kn, vn int, dt Dtype, kOK, vOK bool) error {
-	want := c.kvElems(len(slots))
+func (c *Cache) writeKV(layer uint32, slots []int32, k, v unsafe.Pointer, kn, vn int, dt Dtype, kOK, vOK, shared bool) error {
+	want, err := c.kvElems(len(slots), "WriteKV")
+	if err != nil {
+		return err
+	}
 	if !kOK && !vOK {
 		return invalid("WriteKV: neither k nor v given")
 	}
@@ -418,8 +478,8 @@ func (c *Cache) writeKV(layer uint32, slots []int32, k, v unsafe.Pointer, kn, vn
 	if err != nil {
 		return err
 	}
-	return c.seqOp("pkv_write_kv", func(p *C.pkv_cache) C.int {
-		return C.pkv_write_kv(p, C.uint32_t(layer), i32p(slots), n, k, v, C.pkv_dtype(dt))
+	return c.op(!shared, "pkv_write_kv", func(p *C.pkv_cache) C.int {
+		return C.pkv_write_kv(p, C.uint32_t(layer), i32p(slots), n, k, v, dt.c())
 	})
 }
 
@@ -430,7 +490,7 @@ func (c *Cache) writeKV(layer uint32, slots []int32, k, v unsafe.Pointer, kn, vn
 // after those calls.
 func (c *Cache) WriteKV(layer uint32, slots []int32, k, v []float32) error {
 	return c.writeKV(layer, slots, unsafe.Pointer(f32p(k)), unsafe.Pointer(f32p(v)), len(k), len(v), F32,
-		k != nil, v != nil)
+		k != nil, v != nil, false)
 }
 
 // WriteKV16 is WriteKV for f16 or bf16 bit patterns (dt F16 or BF16).
@@ -438,7 +498,26 @@ func (c *Cache) WriteKV16(layer uint32, slots []int32, k, v []uint16, dt Dtype) 
 	if dt != F16 && dt != BF16 {
 		return invalid("WriteKV16: dtype %s, not f16 or bf16", dt.Name())
 	}
-	return c.writeKV(layer, slots, slicePtr(k), slicePtr(v), len(k), len(v), dt, k != nil, v != nil)
+	return c.writeKV(layer, slots, slicePtr(k), slicePtr(v), len(k), len(v), dt, k != nil, v != nil, false)
+}
+
+// WriteKVShared is WriteKV under the cache's read lock instead of its write lock, so that it
+// runs beside attention and other reads: layer l + 1 of a new token written while a Decode
+// reads layer l, as libpkv allows (pkv.h, "Threads"). The caller answers for what the lock no
+// longer keeps apart: no call may read or write these rows (these slots of this layer) while
+// it runs. A write racing a read of the same rows is a data race in libpkv's memory (values
+// torn or mixed, which the race detector cannot see); the slots must be current (see WriteKV).
+func (c *Cache) WriteKVShared(layer uint32, slots []int32, k, v []float32) error {
+	return c.writeKV(layer, slots, unsafe.Pointer(f32p(k)), unsafe.Pointer(f32p(v)), len(k), len(v), F32,
+		k != nil, v != nil, true)
+}
+
+// WriteKV16Shared is WriteKVShared for f16 or bf16 bit patterns (dt F16 or BF16).
+func (c *Cache) WriteKV16Shared(layer uint32, slots []int32, k, v []uint16, dt Dtype) error {
+	if dt != F16 && dt != BF16 {
+		return invalid("WriteKV16: dtype %s, not f16 or bf16", dt.Name())
+	}
+	return c.writeKV(layer, slots, slicePtr(k), slicePtr(v), len(k), len(v), dt, k != nil, v != nil, true)
 }
 
 // op runs f under the write lock (write: a call that changes sequences or K/V) or the read lock
@@ -593,6 +672,17 @@ func (c *Cache) Slots(s Seq, start, n uint32) ([]int32, error) {
 	return out, nil
 }
 
+// SlotsInto is Slots of positions [start, start+len(out)) into the caller's buffer.
+func (c *Cache) SlotsInto(s Seq, start uint32, out []int32) error {
+	n, err := u32(len(out), "Slots: out")
+	if err != nil {
+		return err
+	}
+	return c.readOp("pkv_seq_slots", func(p *C.pkv_cache) C.int {
+		return C.pkv_seq_slots(p, C.pkv_seq(s), C.uint32_t(start), n, i32p(out))
+	})
+}
+
 // BlockTable is the sequence's block ids.
 func (c *Cache) BlockTable(s Seq) ([]int32, error) {
 	p, unlock, err := c.rlock()
@@ -623,12 +713,50 @@ func (c *Cache) Gather(s Seq, layer, start, n uint32) ([]float32, []float32, err
 	if err := inSeq(p, s, start, n, "pkv_seq_gather"); err != nil {
 		return nil, nil, err
 	}
-	k, v := make([]float32, c.kvElems(int(n))), make([]float32, c.kvElems(int(n)))
+	elems, err := c.kvElems(int(n), "Gather")
+	if err != nil {
+		return nil, nil, err
+	}
+	k, v := make([]float32, elems), make([]float32, elems)
 	rc := C.pkv_seq_gather(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), C.uint32_t(n), f32p(k), f32p(v))
 	if err := check(rc, "pkv_seq_gather"); err != nil {
 		return nil, nil, err
 	}
 	return k, v, nil
+}
+
+// GatherInto is Gather into the caller's buffers, K, V or both (nil: not gathered), each
+// [n][n_kv_heads][head_dim] for n = its length / (n_kv_heads * head_dim) positions from start
+// (both the same n).
+func (c *Cache) GatherInto(s Seq, layer, start uint32, k, v []float32) error {
+	row, err := c.kvElems(1, "Gather")
+	if err != nil {
+		return err
+	}
+	var elems int
+	switch {
+	case k != nil && v != nil:
+		if err := wantLen(len(v), len(k), "Gather: v (as k)"); err != nil {
+			return err
+		}
+		elems = len(k)
+	case k != nil:
+		elems = len(k)
+	case v != nil:
+		elems = len(v)
+	default:
+		return invalid("Gather: neither k nor v given")
+	}
+	if elems%row != 0 {
+		return invalid("Gather: %d elements, not a whole number of rows of %d", elems, row)
+	}
+	n, err := u32(elems/row, "Gather: positions")
+	if err != nil {
+		return err
+	}
+	return c.readOp("pkv_seq_gather", func(p *C.pkv_cache) C.int {
+		return C.pkv_seq_gather(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), n, f32p(k), f32p(v))
+	})
 }
 
 // ExportDense is vLLM's dense block tables: [len(seqs)][maxBlocks] (unused -1), and seq_lens.
@@ -643,7 +771,11 @@ func (c *Cache) ExportDense(seqs []Seq, maxBlocks uint32) ([]int32, []int32, err
 		return nil, nil, invalid("ExportDense: maxBlocks %d over the cache's MaxBlocksPerSeq %d", maxBlocks,
 			c.cfg.MaxBlocksPerSeq)
 	}
-	tables, lens := make([]int32, len(seqs)*int(maxBlocks)), make([]int32, len(seqs))
+	nt, err := mulLen(len(seqs), int(maxBlocks), "ExportDense")
+	if err != nil {
+		return nil, nil, err
+	}
+	tables, lens := make([]int32, nt), make([]int32, len(seqs))
 	err = c.readOp("pkv_export_dense", func(p *C.pkv_cache) C.int {
 		return C.pkv_export_dense(p, seqp(seqs), n, C.uint32_t(maxBlocks), i32p(tables), i32p(lens))
 	})
@@ -713,6 +845,9 @@ func (c *Cache) Check() error {
 // lse once the call succeeded.
 func (c *Cache) attnCall(what string, items, rows int, q, out []float32, ap AttnParams, lse []float32,
 	call func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int) error {
+	if ap.NQHeads > math.MaxInt32 {
+		return invalid("%s: NQHeads %d", what, ap.NQHeads)
+	}
 	hq := int(ap.NQHeads)
 	if hq == 0 {
 		hq = int(c.cfg.NKVHeads)
@@ -777,10 +912,14 @@ func (c *Cache) Decode(layer uint32, seqs []Seq, q, out []float32, ap AttnParams
 // Prefill is pkv_attn_prefill over a ragged batch, causal. q and out: the requests' queries
 // concatenated, [sum NQ][n_q_heads][head_dim]; lse, if not nil, [sum NQ][n_q_heads].
 func (c *Cache) Prefill(layer uint32, reqs []AttnReq, q, out []float32, ap AttnParams, lse []float32) error {
-	total := 0
+	var total64 uint64
 	for _, r := range reqs {
-		total += int(r.NQ)
+		total64 += uint64(r.NQ)
 	}
+	if total64 > math.MaxInt32 { // more rows than a call takes, and past a 32-bit int
+		return invalid("Prefill: %d queries in all", total64)
+	}
+	total := int(total64)
 	var rp *C.pkv_attn_req
 	if len(reqs) > 0 {
 		rp = (*C.pkv_attn_req)(unsafe.Pointer(&reqs[0])) // same layout (TestLayout)
@@ -794,16 +933,20 @@ func (c *Cache) Prefill(layer uint32, reqs []AttnReq, q, out []float32, ap AttnP
 // Merge is pkv_attn_merge: two partial results of the same rows over disjoint key sets, merged
 // by their log-sum-exps. outA, outB, out: [rows][headDim]; lseA, lseB, lse (may be nil): [rows].
 func Merge(headDim uint32, outA, lseA, outB, lseB, out, lse []float32) error {
-	if headDim == 0 {
-		return invalid("Merge: head_dim 0")
+	if headDim == 0 || headDim > math.MaxInt32 {
+		return invalid("Merge: head_dim %d", headDim)
 	}
 	rows := len(lseA)
+	elems, err := mulLen(rows, int(headDim), "Merge")
+	if err != nil {
+		return err
+	}
 	for _, x := range []struct {
 		s    []float32
 		n    int
 		what string
-	}{{outA, rows * int(headDim), "Merge: outA"}, {outB, rows * int(headDim), "Merge: outB"}, {lseB, rows, "Merge: lseB"},
-		{out, rows * int(headDim), "Merge: out"}} {
+	}{{outA, elems, "Merge: outA"}, {outB, elems, "Merge: outB"}, {lseB, rows, "Merge: lseB"},
+		{out, elems, "Merge: out"}} {
 		if err := wantLen(len(x.s), x.n, x.what); err != nil {
 			return err
 		}

@@ -1,7 +1,8 @@
 // The Go bindings against libpkv and a float64 reference computed here: decode and ragged
 // prefill against contiguous attention, soft-cap, window and the LSE merge, prefix reuse, fork
-// and copy-on-write, the exports, statuses as errors, the binding's own length checks, and
-// goroutines sharing a cache. Run by ctest (test_go) with CGO_LDFLAGS naming the build.
+// and copy-on-write, the exports, statuses as errors, the binding's own length checks,
+// goroutines sharing a cache, nil and closed caches, the finalizer, the Into forms and K/V
+// writes of one layer beside decodes of another. Run by ctest (test_go) with CGO_LDFLAGS naming the build.
 package pagedkv
 
 import (
@@ -9,9 +10,11 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 	"unsafe"
 )
 
@@ -914,5 +917,238 @@ func TestValueMax(t *testing.T) {
 	}
 	if k, _, err := c.Gather(s, 0, 0, 2); err != nil || k[40] != ValueMax {
 		t.Fatal("ValueMax not kept:", err)
+	}
+}
+
+func TestClosedNilAndDtypes(t *testing.T) {
+	// a nil Cache and a closed one return ErrClosed (an EINVAL), and only they match it
+	var nilc *Cache
+	if _, err := nilc.Stats(); !errors.Is(err, ErrClosed) || !errors.Is(err, ErrInvalid) {
+		t.Fatal("nil cache:", err)
+	}
+	nilc.Close() // a no-op
+	if nilc.Config() != (Config{}) || nilc.Backend() != "" {
+		t.Fatal("nil cache's config or backend")
+	}
+	c := newCache(t, 1, 32, 4, F32)
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	if err := c.Commit(s, 5); code(err) != EINVAL || errors.Is(err, ErrClosed) {
+		t.Fatal("a plain EINVAL matched ErrClosed:", err)
+	}
+	c.Close()
+	if _, err := c.Append(s, []int32{1}); !errors.Is(err, ErrClosed) || code(err) != EINVAL {
+		t.Fatal("closed cache:", err)
+	}
+	// a Dtype past the C enum is unknown to libpkv, not cut down to one it knows (1<<32 was f32)
+	bigs := []Dtype{Dtype(-1), Dtype(0x10000), Dtype(math.MaxInt32)}
+	if shift := 32; math.MaxInt > math.MaxInt32 { // a 64-bit int
+		bigs = append(bigs, Dtype(1)<<shift, Dtype(1)<<shift+1)
+	}
+	cfg := DefaultConfig()
+	cfg.NKVHeads, cfg.HeadDim, cfg.NBlocks = 1, 32, 4
+	for _, big := range bigs {
+		if big.Name() == F32.Name() || big.Name() == F16.Name() || big.RowBytes(32) != 0 {
+			t.Fatalf("Dtype(%d) read as %s", int(big), big.Name())
+		}
+		cfg.KDtype = big
+		if _, err := NewCache(cfg); code(err) != EINVAL {
+			t.Fatalf("KDtype %d: %v", int(big), err)
+		}
+	}
+	cfg.KDtype = F16
+	c2, err := NewCache(cfg)
+	must(t, err)
+	defer c2.Close()
+	sl, err := c2.Append(s, nil) // s is c's handle: refused here
+	if !errors.Is(err, ErrNotFound) || sl != nil {
+		t.Fatal("another cache's handle:", err)
+	}
+	s2, err := c2.SeqCreate(nil)
+	must(t, err)
+	slots, err := c2.Append(s2, []int32{1})
+	must(t, err)
+	for _, big := range bigs {
+		if err := c2.WriteKV16(0, slots, make([]uint16, 32), nil, big); code(err) != EINVAL {
+			t.Fatalf("WriteKV16 with Dtype(%d): %v", int(big), err)
+		}
+	}
+}
+
+func TestFinalizerFreesDroppedCaches(t *testing.T) {
+	// caches dropped without Close are freed by the finalizer: their worker threads end
+	threads := func() int {
+		b, err := os.ReadFile("/proc/self/status")
+		if err != nil {
+			t.Skip("no /proc/self/status")
+		}
+		var n int
+		for _, line := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(line, "Threads:") {
+				fmt.Sscan(strings.TrimPrefix(line, "Threads:"), &n)
+			}
+		}
+		return n
+	}
+	runtime.GC()
+	before := threads()
+	func() {
+		for i := 0; i < 20; i++ {
+			cfg := DefaultConfig()
+			cfg.NKVHeads, cfg.HeadDim, cfg.NBlocks, cfg.NThreads = 1, 32, 4, 3
+			c, err := NewCache(cfg)
+			must(t, err)
+			_ = c.Backend()
+		}
+	}()
+	if n := threads(); n < before+40 {
+		t.Fatalf("threads %d before, %d with 20 caches of 2 workers", before, n)
+	}
+	for i := 0; i < 100 && threads() >= before+40; i++ {
+		runtime.GC()
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := threads(); n > before+4 {
+		t.Fatalf("threads %d before, %d after the caches were dropped", before, n)
+	}
+}
+
+func TestIntoFormsAndSharedWrites(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.NLayers, cfg.NKVHeads, cfg.HeadDim, cfg.NBlocks, cfg.KDtype, cfg.VDtype, cfg.NThreads = 2, 2, 32, 64, F32, F32, 2
+	c, err := NewCache(cfg)
+	must(t, err)
+	defer c.Close()
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	toks := make([]int32, 40)
+	for i := range toks {
+		toks[i] = int32(i)
+	}
+	slots := make([]int32, 40)
+	if err := c.AppendInto(s, toks, slots[:39]); code(err) != EINVAL {
+		t.Fatal("AppendInto, short slots:", err)
+	}
+	must(t, c.AppendInto(s, toks, slots))
+	want, err := c.Slots(s, 0, 40)
+	must(t, err)
+	part := make([]int32, 10)
+	must(t, c.SlotsInto(s, 30, part))
+	for i := range want {
+		if want[i] != slots[i] || (i >= 30 && part[i-30] != slots[i]) {
+			t.Fatal("AppendInto / SlotsInto against Slots at", i)
+		}
+	}
+	if err := c.SlotsInto(s, 31, part); code(err) != EINVAL {
+		t.Fatal("SlotsInto past the length:", err)
+	}
+	const row = 2 * 32
+	r := rng(77)
+	kv := [4][]float32{r.vec(40 * row), r.vec(40 * row), r.vec(40 * row), r.vec(40 * row)} // K, V of layers 0, 1
+	must(t, c.WriteKV(0, slots, kv[0], kv[1]))
+	// layer 1 written under the read lock while two goroutines decode layer 0
+	q := r.vec(4 * 32)
+	ap := AttnParams{NQHeads: 4}
+	var wg sync.WaitGroup
+	errs := make(chan error, 3)
+	for g := 0; g < 2; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			out := make([]float32, len(q))
+			w, _ := reference(q, kv[0], kv[1], 4, 2, 32, 1/math.Sqrt(32), 0, 0)
+			for i := 0; i < 50; i++ {
+				if err := c.Decode(0, []Seq{s}, q, out, ap, nil); err != nil {
+					errs <- err
+					return
+				}
+				for j := range w {
+					if !(math.Abs(float64(out[j])-w[j]) <= 1e-5*math.Max(1, math.Abs(w[j]))*4) {
+						errs <- fmt.Errorf("layer 0 beside layer 1's writes: decode differs")
+						return
+					}
+				}
+			}
+		}()
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for round := 0; round < 50; round++ {
+			at := (round * 7) % 40
+			for _, ab := range [][2]int{{at, 40}, {0, at}} {
+				a, b := ab[0], ab[1]
+				if err := c.WriteKVShared(1, slots[a:b], kv[2][a*row:b*row], kv[3][a*row:b*row]); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}
+	}()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	must(t, c.Commit(s, 40))
+	out := make([]float32, len(q))
+	must(t, c.Decode(1, []Seq{s}, q, out, ap, nil))
+	w, _ := reference(q, kv[2], kv[3], 4, 2, 32, 1/math.Sqrt(32), 0, 0)
+	assertClose(t, out, w, 1e-5, "layer 1 after the shared writes")
+	k, v := make([]float32, 5*row), make([]float32, 5*row)
+	must(t, c.GatherInto(s, 1, 35, k, v))
+	for i := range k {
+		if k[i] != kv[2][35*row+i] || v[i] != kv[3][35*row+i] {
+			t.Fatal("GatherInto differs at", i)
+		}
+	}
+	must(t, c.GatherInto(s, 0, 35, nil, v))
+	for i := range v {
+		if v[i] != kv[1][35*row+i] {
+			t.Fatal("GatherInto, V alone, differs at", i)
+		}
+	}
+	for _, bad := range []error{
+		c.GatherInto(s, 1, 36, k, nil),        // past the length
+		c.GatherInto(s, 1, 0, k[:row+1], nil), // not whole rows
+		c.GatherInto(s, 1, 0, k, v[:row]),     // k and v of different lengths
+		c.GatherInto(s, 1, 0, nil, nil),
+	} {
+		if code(bad) != EINVAL {
+			t.Fatal("GatherInto:", bad)
+		}
+	}
+	must(t, c.Check())
+}
+
+func TestLengthsPastInt32(t *testing.T) {
+	// 1024 rows of 4096 kv heads x 1024 are 2^32 elements: a 32-bit int wrapped that to 0, and
+	// an empty k passed the check into libpkv (a crash on 386); now EINVAL on every int size
+	cfg := DefaultConfig()
+	cfg.NKVHeads, cfg.HeadDim, cfg.BlockTokens, cfg.NBlocks, cfg.KDtype, cfg.VDtype, cfg.NThreads = 4096, 1024, 1, 1, F32, F32, 1
+	cfg.HugePages = false
+	c, err := NewCache(cfg)
+	must(t, err)
+	defer c.Close()
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	sl, err := c.Append(s, []int32{1})
+	must(t, err)
+	slots := make([]int32, 1024)
+	for i := range slots {
+		slots[i] = -1
+	}
+	slots[0] = sl[0]
+	if err := c.WriteKV(0, slots, []float32{}, nil); code(err) != EINVAL {
+		t.Fatal("WriteKV of 2^32 elements from an empty k:", err)
+	}
+	if err := c.WriteKVShared(0, slots[:1023], []float32{}, nil); code(err) != EINVAL {
+		t.Fatal("WriteKVShared, 1023 rows, an empty k:", err)
+	}
+	if err := Merge(math.MaxUint32, nil, []float32{0, 0}, nil, nil, nil, nil); code(err) != EINVAL {
+		t.Fatal("Merge, head_dim 2^32 - 1:", err)
+	}
+	if err := c.Prefill(0, []AttnReq{{s, 0, math.MaxUint32}, {s, 0, math.MaxUint32}}, nil, nil, AttnParams{}, nil); code(err) != EINVAL {
+		t.Fatal("Prefill of 2^33 queries:", err)
 	}
 }
