@@ -118,7 +118,13 @@ typedef struct pkv_allocator {
 } pkv_allocator;
 
 enum { PKV_LOG_ERROR = 0, PKV_LOG_WARN = 1, PKV_LOG_INFO = 2, PKV_LOG_DEBUG = 3 };
-/* Log hook: the library never prints; it reports through this (NULL = silent). */
+/* Log hook: the library never prints; it reports through this (NULL = silent). When a call on
+ * a cache refuses (any status but PKV_OK), the hook gets one PKV_LOG_ERROR message saying why
+ * first, on the calling thread, before the call returns: "pkv_write_kv: slot 17 (row 3) is a
+ * committed position: read-only". Not said: the sizing answers of pkv_seq_block_table and
+ * pkv_export_csr (a capacity too small, with the size needed), and calls without a cache (no
+ * hook to say it to: a NULL cache, pkv_attn_merge, pkv_dtype_from_name). The hook may run with
+ * the cache's lock held: it must not call libpkv on that cache. */
 typedef void (*pkv_log_fn)(void *ctx, int level, const char *msg);
 
 /* Executor hook: attention run on the caller's threads (an engine's own pool, an OpenMP team)

@@ -452,28 +452,28 @@ class Cache:
                 user_log = v
             else:
                 raise TypeError("Cache() got an unexpected keyword argument %r" % k)
-        # the hook passes messages on to log, and keeps what create says when it refuses the
-        # config, for the PkvError (the callback lives as long as the cache). It must not refer
-        # to self: a cycle through the callback would keep a dropped Cache alive until the
-        # cyclic garbage collector runs.
-        refused, creating = [], [True]
+        # the hook passes messages on to log, and keeps why a call refused (libpkv says it at
+        # PKV_LOG_ERROR on the calling thread before the call returns: pkv.h) for the PkvError
+        # that call raises. The callback lives as long as the cache. It must not refer to self: a
+        # cycle through the callback would keep a dropped Cache alive until the cyclic garbage
+        # collector runs.
+        said = self._said = threading.local()
 
         def on_log(ctx, level, msg):
             text = msg.decode(errors="replace")
-            if level == 0 and creating[0]:  # PKV_LOG_ERROR, during create
-                refused.append(text)
+            if level == 0:  # PKV_LOG_ERROR
+                said.msg = text
             if user_log is not None:
                 user_log(level, text)
         self._log_cb = _LOG_FN(on_log)
         cfg.log = self._log_cb
         h = _vp()
         rc = _lib.pkv_cache_create(ctypes.byref(cfg), ctypes.byref(h))
-        creating[0] = False
         if rc != OK:
-            raise PkvError(rc, refused[-1] if refused else "pkv_cache_create")
+            raise PkvError(rc, self._why("pkv_cache_create"))
         self._c = h
         eff = _Config()
-        _check(_lib.pkv_cache_config(self._c, ctypes.byref(eff)), "pkv_cache_config")
+        self._check(_lib.pkv_cache_config(self._c, ctypes.byref(eff)), "pkv_cache_config")
         self._H, self._D, self._L = eff.n_kv_heads, eff.head_dim, eff.n_layers
         self._max_blocks = eff.max_blocks_per_seq
 
@@ -503,6 +503,17 @@ class Cache:
         if c and _lib is not None:  # (None at interpreter exit)
             _lib.pkv_cache_destroy(c)
             self._c = None
+
+    def _why(self, what):
+        """What libpkv said on this thread about the call that just refused, else what."""
+        said = self._said
+        msg = getattr(said, "msg", None)
+        said.msg = None
+        return msg or what
+
+    def _check(self, rc, what):
+        if rc != OK:
+            raise PkvError(rc, self._why(what))
 
     def _enter(self):
         with self._cv:
@@ -549,7 +560,7 @@ class Cache:
     def config(self):
         """The effective configuration (n_blocks, max_blocks_per_seq, n_threads resolved) as a dict."""
         c = _Config()
-        _check(_lib.pkv_cache_config(self._h(), ctypes.byref(c)), "pkv_cache_config")
+        self._check(_lib.pkv_cache_config(self._h(), ctypes.byref(c)), "pkv_cache_config")
         d = {k: getattr(c, k) for k in self._INT_FIELDS + ("mem_budget_bytes",)}
         d.update(k_dtype=_DTYPE_NAMES[c.k_dtype], v_dtype=_DTYPE_NAMES[c.v_dtype],
                  enable_prefix_cache=bool(c.enable_prefix_cache), huge_pages=bool(c.huge_pages))
@@ -573,7 +584,7 @@ class Cache:
         """Where the pool lives (pkv_cache_layout), for engines with kernels of their own:
         k_base and v_base are addresses (ints), valid until close()."""
         lo = _Layout()
-        _check(_lib.pkv_cache_layout(self._h(), ctypes.byref(lo)), "pkv_cache_layout")
+        self._check(_lib.pkv_cache_layout(self._h(), ctypes.byref(lo)), "pkv_cache_layout")
         vals = [getattr(lo, f) for f, _ in _Layout._fields_]
         vals[0], vals[1] = vals[0] or 0, vals[1] or 0
         d = Layout(*vals)
@@ -609,7 +620,7 @@ class Cache:
     @_in_call
     def reset(self):
         """Releases every sequence and pin and empties the prefix index."""
-        _check(_lib.pkv_cache_reset(self._h()), "pkv_cache_reset")
+        self._check(_lib.pkv_cache_reset(self._h()), "pkv_cache_reset")
 
     # -- sequences --
     @_in_call
@@ -623,7 +634,7 @@ class Cache:
             raise _invalid("salt must be bytes or str, got %s" % type(salt).__name__)
         salt = bytes(salt)
         out = _u64()
-        _check(_lib.pkv_seq_create(self._h(), salt if salt else None, len(salt), ctypes.byref(out)),
+        self._check(_lib.pkv_seq_create(self._h(), salt if salt else None, len(salt), ctypes.byref(out)),
                "pkv_seq_create")
         return out.value
 
@@ -632,7 +643,7 @@ class Cache:
         """Appends positions with these token ids; returns their slots (int32 array)."""
         t = _i32_array(tokens, "append: tokens")
         slots = np.empty(t.size, dtype=np.int32)
-        _check(_lib.pkv_seq_append(self._h(), _seq_of(seq), _ptr(t), t.size, _ptr(slots)), "pkv_seq_append")
+        self._check(_lib.pkv_seq_append(self._h(), _seq_of(seq), _ptr(t), t.size, _ptr(slots)), "pkv_seq_append")
         return slots
 
     @_in_call
@@ -641,7 +652,7 @@ class Cache:
         succeeds iff that is at most stats()["n_free"] + stats()["n_cached"] (pkv_seq_append_blocks;
         ELIMIT past max_blocks_per_seq). Changes nothing: for budgeting a step before appending."""
         out = _u32()
-        _check(_lib.pkv_seq_append_blocks(self._h(), _seq_of(seq), _u32_of(n, "n"), ctypes.byref(out)),
+        self._check(_lib.pkv_seq_append_blocks(self._h(), _seq_of(seq), _u32_of(n, "n"), ctypes.byref(out)),
                "pkv_seq_append_blocks")
         return out.value
 
@@ -682,25 +693,25 @@ class Cache:
             raise _invalid("write_kv: neither k nor v given")
         if ka is not None and va is not None and kc != vc:
             raise _invalid("write_kv: k and v must have the same dtype")
-        _check(_lib.pkv_write_kv(self._h(), _u32_of(layer, "layer"), _ptr(s), s.size, _ptr(ka), _ptr(va),
+        self._check(_lib.pkv_write_kv(self._h(), _u32_of(layer, "layer"), _ptr(s), s.size, _ptr(ka), _ptr(va),
                                  kc if ka is not None else vc), "pkv_write_kv")
 
     @_in_call
     def commit(self, seq, n_pos):
         """Positions [0, n_pos) now hold K/V for every layer; full blocks enter the prefix index."""
-        _check(_lib.pkv_seq_commit(self._h(), _seq_of(seq), _u32_of(n_pos, "n_pos")), "pkv_seq_commit")
+        self._check(_lib.pkv_seq_commit(self._h(), _seq_of(seq), _u32_of(n_pos, "n_pos")), "pkv_seq_commit")
 
     @_in_call
     def fork(self, seq):
         """A new sequence sharing every block of seq (no data copied); returns its id."""
         out = _u64()
-        _check(_lib.pkv_seq_fork(self._h(), _seq_of(seq), ctypes.byref(out)), "pkv_seq_fork")
+        self._check(_lib.pkv_seq_fork(self._h(), _seq_of(seq), ctypes.byref(out)), "pkv_seq_fork")
         return out.value
 
     @_in_call
     def truncate(self, seq, n):
         """Keeps positions [0, n)."""
-        _check(_lib.pkv_seq_truncate(self._h(), _seq_of(seq), _u32_of(n, "n")), "pkv_seq_truncate")
+        self._check(_lib.pkv_seq_truncate(self._h(), _seq_of(seq), _u32_of(n, "n")), "pkv_seq_truncate")
 
     @_in_call
     def compact(self, seq, evict=False, cached=False):
@@ -712,7 +723,7 @@ class Cache:
         of block copies (two an exchange). Slots and block tables taken before are stale for the
         moved blocks."""
         out = _u32()
-        _check(_lib.pkv_seq_compact(self._h(), _seq_of(seq), (1 if evict else 0) | (2 if cached else 0),
+        self._check(_lib.pkv_seq_compact(self._h(), _seq_of(seq), (1 if evict else 0) | (2 if cached else 0),
                                     ctypes.byref(out)), "pkv_seq_compact")
         return out.value
 
@@ -727,7 +738,7 @@ class Cache:
         block copies. Slots and block tables of the batch taken before are stale."""
         a = self._seqs(seqs, "batch_compact")
         out = _u32()
-        _check(_lib.pkv_batch_compact(self._h(), _ptr(a), a.size, _u32_of(slack, "slack"),
+        self._check(_lib.pkv_batch_compact(self._h(), _ptr(a), a.size, _u32_of(slack, "slack"),
                                       (1 if repack else 0) | (2 if cached else 0),
                                       ctypes.byref(out)), "pkv_batch_compact")
         return out.value
@@ -735,13 +746,13 @@ class Cache:
     @_in_call
     def release(self, seq):
         """Drops the sequence; its id becomes stale (ENOENT)."""
-        _check(_lib.pkv_seq_release(self._h(), _seq_of(seq)), "pkv_seq_release")
+        self._check(_lib.pkv_seq_release(self._h(), _seq_of(seq)), "pkv_seq_release")
 
     @_in_call
     def seq_info(self, seq):
         """SeqInfo(n_tokens, n_committed, n_blocks, n_shared, n_reused)."""
         i = _SeqInfo()
-        _check(_lib.pkv_seq_get_info(self._h(), _seq_of(seq), ctypes.byref(i)), "pkv_seq_get_info")
+        self._check(_lib.pkv_seq_get_info(self._h(), _seq_of(seq), ctypes.byref(i)), "pkv_seq_get_info")
         return SeqInfo(*(getattr(i, f) for f, _ in _SeqInfo._fields_))
 
     @_in_call
@@ -760,7 +771,7 @@ class Cache:
         """Slots of positions [start, start + n) (default: to the end): vLLM's slot_mapping."""
         start, n = self._range(seq, start, n, "slots")
         out = np.empty(n, dtype=np.int32)
-        _check(_lib.pkv_seq_slots(self._h(), _seq_of(seq), start, n, _ptr(out)), "pkv_seq_slots")
+        self._check(_lib.pkv_seq_slots(self._h(), _seq_of(seq), start, n, _ptr(out)), "pkv_seq_slots")
         return out
 
     @_in_call
@@ -769,7 +780,7 @@ class Cache:
         n = self.seq_info(seq).n_blocks
         out = np.empty(n, dtype=np.int32)
         got = _u32()
-        _check(_lib.pkv_seq_block_table(self._h(), _seq_of(seq), _ptr(out), n, ctypes.byref(got)),
+        self._check(_lib.pkv_seq_block_table(self._h(), _seq_of(seq), _ptr(out), n, ctypes.byref(got)),
                "pkv_seq_block_table")
         return out[:got.value]
 
@@ -780,7 +791,7 @@ class Cache:
         start, n = self._range(seq, start, n, "gather")
         k = np.empty((n, self._H, self._D), dtype=np.float32)
         v = np.empty_like(k)
-        _check(_lib.pkv_seq_gather(self._h(), _seq_of(seq), _u32_of(layer, "layer"), start, n, _ptr(k), _ptr(v)),
+        self._check(_lib.pkv_seq_gather(self._h(), _seq_of(seq), _u32_of(layer, "layer"), start, n, _ptr(k), _ptr(v)),
                "pkv_seq_gather")
         return k, v
 
@@ -813,7 +824,7 @@ class Cache:
                            % (mb, self._max_blocks))
         tables = np.empty((a.size, mb), dtype=np.int32)
         lens = np.empty(a.size, dtype=np.int32)
-        _check(_lib.pkv_export_dense(self._h(), _ptr(a), a.size, mb, _ptr(tables), _ptr(lens)), "pkv_export_dense")
+        self._check(_lib.pkv_export_dense(self._h(), _ptr(a), a.size, mb, _ptr(tables), _ptr(lens)), "pkv_export_dense")
         return tables, lens
 
     @_in_call
@@ -831,7 +842,7 @@ class Cache:
             if rc != EINVAL or need.value <= cap:
                 break
             cap = need.value
-        _check(rc, "pkv_export_csr")
+        self._check(rc, "pkv_export_csr")
         return indptr, indices[:int(indptr[-1])], last
 
     # -- prefix cache --
@@ -843,7 +854,7 @@ class Cache:
         the 64 newest candidates; see pkv_seq_match_prefix in pkv.h)."""
         t = _i32_array(tokens, "match_prefix: tokens")
         out = _u32()
-        _check(_lib.pkv_seq_match_prefix(self._h(), _seq_of(seq), _ptr(t), t.size, ctypes.byref(out)),
+        self._check(_lib.pkv_seq_match_prefix(self._h(), _seq_of(seq), _ptr(t), t.size, ctypes.byref(out)),
                "pkv_seq_match_prefix")
         return out.value
 
@@ -851,20 +862,20 @@ class Cache:
     def pin(self, seq, n_pos):
         """Pins the committed full blocks of positions [0, n_pos) of seq; returns the pin's handle."""
         out = _u64()
-        _check(_lib.pkv_pin_create(self._h(), _seq_of(seq), _u32_of(n_pos, "n_pos"), ctypes.byref(out)),
+        self._check(_lib.pkv_pin_create(self._h(), _seq_of(seq), _u32_of(n_pos, "n_pos"), ctypes.byref(out)),
                "pkv_pin_create")
         return out.value
 
     @_in_call
     def pin_release(self, pin):
-        _check(_lib.pkv_pin_release(self._h(), _seq_of(pin, "pin")), "pkv_pin_release")
+        self._check(_lib.pkv_pin_release(self._h(), _seq_of(pin, "pin")), "pkv_pin_release")
 
     # -- statistics and checker --
     @_in_call
     def stats(self):
         """pkv_cache_get_stats as a dict."""
         s = _Stats()
-        _check(_lib.pkv_cache_get_stats(self._h(), ctypes.byref(s)), "pkv_cache_get_stats")
+        self._check(_lib.pkv_cache_get_stats(self._h(), ctypes.byref(s)), "pkv_cache_get_stats")
         return {f: getattr(s, f) for f, _ in _Stats._fields_}
 
     @_in_call
@@ -872,8 +883,7 @@ class Cache:
         """Verifies every invariant; raises PkvError (ECORRUPT, with the checker's message) if one is broken."""
         buf = ctypes.create_string_buffer(512)
         rc = _lib.pkv_cache_check(self._h(), buf, len(buf))
-        if rc != OK:
-            raise PkvError(rc, "pkv_cache_check: " + buf.value.decode(errors="replace"))
+        self._check(rc, "pkv_cache_check: " + buf.value.decode(errors="replace"))
 
     # -- attention --
     def _params(self, n_q_heads, scale, softcap, window, lse, bf16_dot):
@@ -932,7 +942,7 @@ class Cache:
             raise _invalid("decode: lse_out given without return_lse=True")
         lse = self._out(lse_out, (a.size, hq), "decode: lse_out") if return_lse else None
         p = self._params(hq, scale, softcap, window, lse, bf16_dot)
-        _check(_lib.pkv_attn_decode(self._h(), _u32_of(layer, "layer"), _ptr(a), a.size, _ptr(qa), _ptr(out),
+        self._check(_lib.pkv_attn_decode(self._h(), _u32_of(layer, "layer"), _ptr(a), a.size, _ptr(qa), _ptr(out),
                                     ctypes.byref(p)), "pkv_attn_decode")
         return (out, lse) if return_lse else out
 
@@ -962,6 +972,6 @@ class Cache:
             raise _invalid("prefill: lse_out given without return_lse=True")
         lse = self._out(lse_out, (total, hq), "prefill: lse_out") if return_lse else None
         p = self._params(hq, scale, softcap, window, lse, bf16_dot)
-        _check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa), _ptr(out),
+        self._check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa), _ptr(out),
                                      ctypes.byref(p)), "pkv_attn_prefill")
         return (out, lse) if return_lse else out

@@ -41,7 +41,16 @@ typedef struct fx {
     float out[64 * NH * HD];
     int32_t ibuf[256];
     pkv_seq list[4];
+    int n_said;        /* PKV_LOG_ERROR messages of f->c's log hook during a row */
+    char said[512];    /* the last one */
 } fx;
+
+static void fx_log(void *ctx, int level, const char *msg) {
+    fx *f = ctx;
+    if (level != PKV_LOG_ERROR) return;
+    f->n_said++;
+    snprintf(f->said, sizeof f->said, "%s", msg);
+}
 
 static pkv_seq all_ids(const fx *f, int i) {
     const pkv_seq ids[] = {f->live, f->parent, f->child, f->empty};
@@ -53,6 +62,8 @@ static int setup(void **state) {
     pkv_config cfg = tu_config(NB, BT, NL, NH, HD, PKV_DTYPE_F32);
     cfg.enable_prefix_cache = 1;
     cfg.max_seqs = 8;
+    cfg.log = fx_log;
+    cfg.log_ctx = f;
     f->c = tu_create(&cfg);
     pkv_cache *c = f->c;
     tu_tokens(f->tok, 64, 1000);
@@ -435,10 +446,21 @@ static void test_bad_inputs(void **state) {
     for (size_t i = 0; i < n; i++) {
         obs before, after;
         observe(f, &before);
+        f->n_said = 0;
         int rc = g_rows[i].fn(f);
         if (rc != g_rows[i].want)
             fail_msg("row %s: got %d (%s), want %d (%s)", g_rows[i].name, rc, pkv_strerror(rc), g_rows[i].want,
                      pkv_strerror(g_rows[i].want));
+        /* a refusal on the cache says why once, through its log hook (pkv.h); not a call that
+           succeeds, a sizing answer, or a call without the cache */
+        const char *nm = g_rows[i].name;
+        const bool unsaid = rc == PKV_OK || strstr(nm, "null_cache") || strstr(nm, "cap_too_small") ||
+                            !strncmp(nm, "dtype_", 6) || !strncmp(nm, "create_", 7) || !strcmp(nm, "reset_null") ||
+                            !strcmp(nm, "pin_release_null");
+        if (f->n_said != (unsaid ? 0 : 1))
+            fail_msg("row %s: %d messages said, want %d (last: %s)", nm, f->n_said, unsaid ? 0 : 1, f->said);
+        if (!unsaid && strncmp(f->said, "pkv_", 4) != 0) fail_msg("row %s: said \"%s\"", nm, f->said);
+        if (getenv("PKV_TEST_SHOW_SAID") && !unsaid) print_message("%-28s %s\n", nm, f->said);
         char msg[256] = "";
         if (pkv_cache_check(f->c, msg, sizeof msg) != 0) fail_msg("row %s: checker: %s", g_rows[i].name, msg);
         observe(f, &after);

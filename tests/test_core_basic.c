@@ -816,8 +816,9 @@ static void test_config_roundtrip(void **state) {
 }
 
 /* The log hook (pkv.h: the library never prints, it reports through the hook): one INFO line at
- * creation that names the pool's shape and the attention backend, nothing from the calls after
- * it (errors are statuses), and a NULL hook stays silent. */
+ * creation that names the pool's shape and the attention backend; after it, one PKV_LOG_ERROR
+ * message for each refused call saying why (none for a sizing answer, none from calls that
+ * succeed); a NULL hook stays silent. */
 typedef struct log_rec {
     int n, level;
     char msg[512];
@@ -849,19 +850,48 @@ static void test_log_hook(void **state) {
     pkv_seq s = tu_seq(c);
     int32_t slots[8];
     tu_append(c, s, 8, 0, slots);
+    /* each refusal says why, once, at PKV_LOG_ERROR, named after the call */
     assert_int_equal(pkv_seq_append(c, s, NULL, 3, NULL), PKV_EINVAL);
+    assert_int_equal(rec.n, 2);
+    assert_int_equal(rec.level, PKV_LOG_ERROR);
+    assert_string_equal(rec.msg, "pkv_seq_append: tokens is NULL, n 3");
     assert_int_equal(pkv_seq_truncate(c, s + 1, 0), PKV_ENOENT);
+    assert_int_equal(rec.n, 3);
+    char want[160];
+    snprintf(want, sizeof want, "pkv_seq_truncate: sequence %#llx is unknown: never made, released, or another cache's",
+             (unsigned long long)(s + 1));
+    assert_string_equal(rec.msg, want);
     float kv[8 * 16] = {0}, q[16] = {0}, out[16];
     TU_OK(pkv_write_kv(c, 0, slots, 8, kv, kv, PKV_DTYPE_F32));
+    TU_OK(pkv_seq_commit(c, s, 8));
+    assert_int_equal(pkv_write_kv(c, 0, slots + 5, 1, kv, kv, PKV_DTYPE_F32), PKV_EINVAL);
+    assert_int_equal(rec.n, 4);
+    snprintf(want, sizeof want, "pkv_write_kv: slot %d (row 0) is a committed position: read-only", slots[5]);
+    assert_string_equal(rec.msg, want);
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = 1025;
+    assert_int_equal(pkv_attn_decode(c, 0, &s, 1, q, out, &p), PKV_EINVAL);
+    assert_int_equal(rec.n, 5);
+    assert_string_equal(rec.msg, "pkv_attn_decode: n_q_heads 1025 over 1024 x n_kv_heads 1");
+    q[3] = NAN;
+    assert_int_equal(pkv_attn_decode(c, 0, &s, 1, q, out, NULL), PKV_EINVAL);
+    assert_int_equal(rec.n, 6);
+    assert_string_equal(rec.msg, "pkv_attn_decode: a query element is not finite, or |q| x scale is past PKV_VALUE_MAX");
+    q[3] = 0;
+    /* the sizing answer of pkv_seq_block_table is not said; calls that succeed say nothing */
+    uint32_t need = 0;
+    assert_int_equal(pkv_seq_block_table(c, s, NULL, 0, &need), PKV_EINVAL);
+    assert_int_equal(need, 1);
     TU_OK(pkv_attn_decode(c, 0, &s, 1, q, out, NULL));
     TU_OK(pkv_seq_release(c, s));
     TU_CHECK(c);
     pkv_cache_destroy(c);
-    assert_int_equal(rec.n, 1);
+    assert_int_equal(rec.n, 6);
     cfg.log = NULL; /* silent, whatever log_ctx holds */
     c = tu_create(&cfg);
+    assert_int_equal(pkv_seq_append(c, PKV_SEQ_NONE, NULL, 3, NULL), PKV_EINVAL);
     pkv_cache_destroy(c);
-    assert_int_equal(rec.n, 1);
+    assert_int_equal(rec.n, 6);
 }
 
 int main(void) {

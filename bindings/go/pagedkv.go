@@ -24,16 +24,27 @@ package pagedkv
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
-// Every cache's log hook keeps the last error message in its ctx (PKVGO_LOG_CAP bytes): why
-// pkv_cache_create refused a config, for the error NewCache returns.
-enum { PKVGO_LOG_CAP = 512 };
+// libpkv says why a call refuses through the log hook, on the calling thread, before the call
+// returns (pkv.h). The hook keeps it in this thread's buffer; check takes it for the *Error, on
+// the same OS thread (a Cache's calls run with the goroutine locked to its thread).
+enum { PKVGO_SAID_CAP = 512 };
+static __thread char pkvgo_said[PKVGO_SAID_CAP];
 static void pkvgo_log(void *ctx, int level, const char *msg) {
-	if (level == PKV_LOG_ERROR && ctx && msg) snprintf((char *)ctx, PKVGO_LOG_CAP, "%s", msg);
+	(void)ctx;
+	if (level == PKV_LOG_ERROR && msg) snprintf(pkvgo_said, PKVGO_SAID_CAP, "%s", msg);
 }
-static void pkvgo_set_log(pkv_config *cfg, char *buf) {
+static void pkvgo_set_log(pkv_config *cfg) {
 	cfg->log = pkvgo_log;
-	cfg->log_ctx = buf;
+	cfg->log_ctx = NULL;
+}
+// Copies this thread's reason into buf (PKVGO_SAID_CAP bytes) and clears it; its length.
+static size_t pkvgo_take_said(char *buf) {
+	size_t n = strlen(pkvgo_said);
+	memcpy(buf, pkvgo_said, n + 1);
+	pkvgo_said[0] = 0;
+	return n;
 }
 
 static size_t pkvgo_attn_req_size(void) { return sizeof(pkv_attn_req); }
@@ -111,9 +122,15 @@ var (
 
 var errClosed = &Error{Code: EINVAL, Op: "the cache is closed"}
 
+// check is rc as an error: its Op what libpkv said on this OS thread about the call (why it
+// refused: the caller holds the goroutine on the thread it made the call on), else op.
 func check(rc C.int, op string) error {
 	if rc == 0 {
 		return nil
+	}
+	var buf [C.PKVGO_SAID_CAP]C.char
+	if n := C.pkvgo_take_said(&buf[0]); n > 0 {
+		op = C.GoStringN(&buf[0], C.int(n))
 	}
 	return &Error{Code: int(rc), Op: op}
 }
@@ -261,10 +278,9 @@ type Stats struct {
 
 // Cache is a paged KV cache (pkv_cache). Close frees it.
 type Cache struct {
-	mu     sync.RWMutex
-	c      *C.pkv_cache
-	cfg    Config
-	logBuf *C.char // the log hook's buffer, freed with the cache
+	mu  sync.RWMutex
+	c   *C.pkv_cache
+	cfg Config
 }
 
 // NewCache creates a cache: the whole pool and every buffer attention needs are allocated here.
@@ -277,27 +293,20 @@ func NewCache(cfg Config) (*Cache, error) {
 	raw.max_seqs, raw.max_blocks_per_seq = C.uint32_t(cfg.MaxSeqs), C.uint32_t(cfg.MaxBlocksPerSeq)
 	raw.n_threads = C.uint32_t(cfg.NThreads)
 	raw.enable_prefix_cache, raw.huge_pages = b2i(cfg.PrefixCache), b2i(cfg.HugePages)
-	logBuf := (*C.char)(C.calloc(1, C.PKVGO_LOG_CAP))
-	if logBuf == nil {
-		return nil, &Error{Code: ENOMEM, Op: "pkv_cache_create"}
-	}
-	C.pkvgo_set_log(&raw, logBuf)
+	C.pkvgo_set_log(&raw)
+	runtime.LockOSThread() // check reads what libpkv said on this thread
+	defer runtime.UnlockOSThread()
 	var p *C.pkv_cache
-	if rc := C.pkv_cache_create(&raw, &p); rc != 0 {
-		op := C.GoString(logBuf) // what libpkv said, e.g. "pkv_cache_create: head_dim 0 not in 1..1024"
-		C.free(unsafe.Pointer(logBuf))
-		if op == "" {
-			op = "pkv_cache_create"
-		}
-		return nil, &Error{Code: int(rc), Op: op}
+	// the error's Op is what libpkv said, e.g. "pkv_cache_create: head_dim 0 not in 1..1024"
+	if err := check(C.pkv_cache_create(&raw, &p), "pkv_cache_create"); err != nil {
+		return nil, err
 	}
 	var eff C.pkv_config
 	if err := check(C.pkv_cache_config(p, &eff), "pkv_cache_config"); err != nil {
 		C.pkv_cache_destroy(p)
-		C.free(unsafe.Pointer(logBuf))
 		return nil, err
 	}
-	cache := &Cache{c: p, cfg: configFromC(&eff), logBuf: logBuf}
+	cache := &Cache{c: p, cfg: configFromC(&eff)}
 	// a safety net, as os.File has: a Cache dropped without Close is freed when the garbage
 	// collector finds it unreachable (its pool, metadata and threads), not kept forever
 	runtime.SetFinalizer(cache, (*Cache).Close)
@@ -318,12 +327,11 @@ func (c *Cache) Close() {
 	if c.c != nil {
 		C.pkv_cache_destroy(c.c)
 		c.c = nil
-		C.free(unsafe.Pointer(c.logBuf))
-		c.logBuf = nil
 	}
 }
 
-// lock takes the write lock (write) or the read lock; it fails, holding nothing, on a closed cache.
+// lock takes the write lock (write) or the read lock, and holds the goroutine on its OS thread
+// until the returned unlock; it fails, holding nothing, on a closed cache.
 func (c *Cache) lock(write bool) (*C.pkv_cache, func(), error) {
 	if c == nil {
 		return nil, nil, errClosed
@@ -337,7 +345,13 @@ func (c *Cache) lock(write bool) (*C.pkv_cache, func(), error) {
 		unlock()
 		return nil, nil, errClosed
 	}
-	return c.c, unlock, nil
+	// the calls under the lock, and check after each, run on one OS thread: check reads what
+	// libpkv said on it
+	runtime.LockOSThread()
+	return c.c, func() {
+		runtime.UnlockOSThread()
+		unlock()
+	}, nil
 }
 
 func (c *Cache) rlock() (*C.pkv_cache, func(), error) { return c.lock(false) }
@@ -833,10 +847,8 @@ func (c *Cache) Check() error {
 	}
 	defer unlock()
 	var msg [512]C.char
-	if rc := C.pkv_cache_check(p, &msg[0], C.size_t(len(msg))); rc != 0 {
-		return &Error{Code: int(rc), Op: "pkv_cache_check: " + C.GoString(&msg[0])}
-	}
-	return nil
+	rc := C.pkv_cache_check(p, &msg[0], C.size_t(len(msg)))
+	return check(rc, "pkv_cache_check: "+C.GoString(&msg[0]))
 }
 
 // attnCall runs one attention call of `items` sequences or requests and `rows` queries: the

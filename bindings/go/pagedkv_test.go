@@ -1152,3 +1152,57 @@ func TestLengthsPastInt32(t *testing.T) {
 		t.Fatal("Prefill of 2^33 queries:", err)
 	}
 }
+
+func TestErrorsSayWhy(t *testing.T) {
+	// libpkv says why a call refused (pkv.h); the *Error carries it, each goroutine its own
+	if _, err := NewCache(Config{}); err == nil || !strings.Contains(err.Error(), "pkv_cache_create: ") {
+		t.Fatal("a zeroed config:", err)
+	}
+	c := newCache(t, 1, 32, 4, F32)
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	_, err = c.Append(s, []int32{1, 2, 3})
+	must(t, err)
+	if err := c.Commit(s, 99); err == nil || !strings.HasPrefix(err.Error(), "pkv_seq_commit: n_pos 99 past the sequence's length 3: ") {
+		t.Fatal("commit past the length:", err)
+	}
+	if err := c.Decode(0, []Seq{s}, make([]float32, 3*32), make([]float32, 3*32), AttnParams{NQHeads: 3}, nil); err != nil {
+		t.Fatal("n_q_heads 3 over 1 kv head:", err) // (a multiple of 1: fine)
+	}
+	// a binding-side refusal does not take an earlier libpkv reason
+	_, err = c.Append(s+9, []int32{1})
+	if !strings.Contains(err.Error(), fmt.Sprintf("sequence %#x is unknown", uint64(s+9))) {
+		t.Fatal("unknown sequence:", err)
+	}
+	if _, _, err := c.ExportDense([]Seq{s}, 1<<20); err == nil || strings.Contains(err.Error(), "unknown") {
+		t.Fatal("binding-side refusal:", err)
+	}
+	var wg sync.WaitGroup
+	msgs := make([]map[string]bool, 4)
+	for g := range msgs {
+		wg.Add(1)
+		msgs[g] = map[string]bool{}
+		go func(g int) {
+			defer wg.Done()
+			for i := 0; i < 200; i++ {
+				var err error
+				if g%2 == 0 {
+					err = c.Commit(s, uint32(10+g))
+				} else {
+					_, err = c.SeqInfo(s + Seq(g))
+				}
+				msgs[g][strings.SplitN(err.Error(), ": ", 3)[1]] = true
+			}
+		}(g)
+	}
+	wg.Wait()
+	for g, m := range msgs {
+		want := fmt.Sprintf("n_pos %d past the sequence's length 3", 10+g)
+		if g%2 == 1 {
+			want = fmt.Sprintf("sequence %#x is unknown", uint64(s+Seq(g)))
+		}
+		if len(m) != 1 || !m[want] {
+			t.Fatalf("goroutine %d saw %v, want only %q", g, m, want)
+		}
+	}
+}

@@ -3,7 +3,9 @@
 #include "cache_int.h"
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 
@@ -40,14 +42,28 @@ pkv__seq *pkv__seq_get(pkv_cache *c, pkv_seq id) {
     return s;
 }
 
-/* A live, non-pin sequence, or the status saying why not. */
-static int get_seq(pkv_cache *c, pkv_seq id, pkv__seq **out) {
+int pkv__say(const pkv_cache *c, int rc, const char *api, const char *fmt, ...) {
+    if (!c || !c->cfg.log) return rc;
+    char why[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    pkv__log(c->cfg.log, c->cfg.log_ctx, PKV_LOG_ERROR, "%s: %s", api, why);
+    return rc;
+}
+
+int pkv__get_seq(pkv_cache *c, pkv_seq id, pkv__seq **out, const char *api) {
     pkv__seq *s = pkv__seq_get(c, id);
-    if (!s) return PKV_ENOENT;
-    if (s->is_pin) return PKV_EINVAL;
+    *out = s; /* (written whatever the answer: the callers' compilers then see it set) */
+    if (!s)
+        return pkv__say(c, PKV_ENOENT, api, "sequence %#llx is unknown: never made, released, or another cache's",
+                        (unsigned long long)id);
+    if (s->is_pin) return pkv__say(c, PKV_EINVAL, api, "%#llx is a pin, not a sequence", (unsigned long long)id);
     *out = s;
     return PKV_OK;
 }
+#define get_seq(c, id, out) pkv__get_seq((c), (id), (out), __func__)
 
 /* Each cache starts its slots' generations at its own base: the n-th cache of the process at
  * n * 0x9E3779B1 mod 2^32 (0 skipped), so the bases of any two caches are far apart (the golden
@@ -403,13 +419,15 @@ PKV_API int pkv_cache_reset(pkv_cache *c) {
 }
 
 PKV_API int pkv_cache_config(const pkv_cache *c, pkv_config *out) {
-    if (!c || !out) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (!out) return PKV__SAY(c, PKV_EINVAL, "out is NULL");
     *out = c->cfg;
     return PKV_OK;
 }
 
 PKV_API int pkv_cache_layout(const pkv_cache *c, pkv_layout *out) {
-    if (!c || !out) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (!out) return PKV__SAY(c, PKV_EINVAL, "out is NULL");
     memset(out, 0, sizeof *out);
     out->k_base = c->kv;
     out->v_base = c->kv + c->v_off;
@@ -430,14 +448,18 @@ PKV_API int pkv_cache_layout(const pkv_cache *c, pkv_layout *out) {
 
 /* ---- sequences -------------------------------------------------------------------------------- */
 PKV_API int pkv_seq_create(pkv_cache *c, const void *salt, size_t salt_len, pkv_seq *out) {
-    if (!c || !out || (salt_len && !salt) || salt_len > 256) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (!out) return PKV__SAY(c, PKV_EINVAL, "out is NULL");
+    if (salt_len && !salt) return PKV__SAY(c, PKV_EINVAL, "salt is NULL, salt_len %zu", salt_len);
+    if (salt_len > 256) return PKV__SAY(c, PKV_EINVAL, "salt_len %zu over 256", salt_len);
     uint64_t lo, hi;
     pkv__salt_digest(salt, salt_len, &lo, &hi);
     LOCK(c);
     pkv__seq *s = pkv__seq_new(c);
     if (!s) {
+        const int rc = PKV__SAY(c, PKV_ELIMIT, "%u sequences and pins are live, max_seqs %u", c->n_live, c->max_seqs);
         UNLOCK(c);
-        return PKV_ELIMIT;
+        return rc;
     }
     s->ns_lo = lo;
     s->ns_hi = hi;
@@ -495,9 +517,11 @@ static void cow_tail(pkv_cache *c, pkv__seq *s) {
  * copied tail is then CACHED (s held it alone, so it is indexed) and the blocks after the copy
  * may evict it; the copy itself still needs one. pkv_seq_append and pkv_seq_append_blocks
  * both ask here, so they never disagree. */
-static int append_need(const pkv_cache *c, const pkv__seq *s, uint32_t n, uint64_t *need, bool *cow) {
+static int append_need(const pkv_cache *c, const pkv__seq *s, uint32_t n, uint64_t *need, bool *cow, const char *api) {
     const uint64_t nb_needed = ((uint64_t)s->n_tokens + n + c->B - 1) / c->B;
-    if (nb_needed > c->max_bps) return PKV_ELIMIT;
+    if (nb_needed > c->max_bps)
+        return pkv__say(c, PKV_ELIMIT, api, "%u + %u positions take %llu blocks, past max_blocks_per_seq %u",
+                        s->n_tokens, n, (unsigned long long)nb_needed, c->max_bps);
     *cow = tail_needs_cow(c, s);
     uint64_t take = nb_needed - s->n_blocks + (*cow ? 1 : 0);
     if (*cow && c->blk[s->table[s->n_blocks - 1]].ref == 1 && take > 1) take--;
@@ -506,30 +530,33 @@ static int append_need(const pkv_cache *c, const pkv__seq *s, uint32_t n, uint64
 }
 
 PKV_API int pkv_seq_append_blocks(pkv_cache *c, pkv_seq id, uint32_t n, uint32_t *n_blocks) {
-    if (!c || !n_blocks) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (!n_blocks) return PKV__SAY(c, PKV_EINVAL, "n_blocks is NULL");
     LOCK(c);
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
     uint64_t need = 0;
     bool cow;
-    if (!rc && n) rc = append_need(c, s, n, &need, &cow);
+    if (!rc && n) rc = append_need(c, s, n, &need, &cow, __func__);
     if (!rc) *n_blocks = (uint32_t)need; /* at most max_blocks_per_seq + 1 */
     UNLOCK(c);
     return rc;
 }
 
 PKV_API int pkv_seq_append(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, int32_t *slots_out) {
-    if (!c || (n && !tokens)) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (n && !tokens) return PKV__SAY(c, PKV_EINVAL, "tokens is NULL, n %u", n);
     LOCK(c);
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
     if (rc || n == 0) goto out;
     uint64_t need;
     bool cow;
-    rc = append_need(c, s, n, &need, &cow);
+    rc = append_need(c, s, n, &need, &cow, __func__);
     if (rc) goto out;
     if (need > (uint64_t)c->pool.n_free + c->pool.n_cached) {
-        rc = PKV_ENOSPC;
+        rc = PKV__SAY(c, PKV_ENOSPC, "%u positions need %llu blocks, %u FREE and %u CACHED are left", n,
+                      (unsigned long long)need, c->pool.n_free, c->pool.n_cached);
         goto out;
     }
     if (cow) cow_tail(c, s);
@@ -562,8 +589,12 @@ out:
 
 PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n, const void *k,
                          const void *v, pkv_dtype in_dtype) {
-    if (!c || (n && !slots) || (!k && !v) || layer >= c->n_layers) return PKV_EINVAL;
-    if (in_dtype != PKV_DTYPE_F32 && in_dtype != PKV_DTYPE_F16 && in_dtype != PKV_DTYPE_BF16) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (n && !slots) return PKV__SAY(c, PKV_EINVAL, "slots is NULL, n %u", n);
+    if (!k && !v) return PKV__SAY(c, PKV_EINVAL, "neither k nor v given");
+    if (layer >= c->n_layers) return PKV__SAY(c, PKV_EINVAL, "layer %u of %u", layer, c->n_layers);
+    if (in_dtype != PKV_DTYPE_F32 && in_dtype != PKV_DTYPE_F16 && in_dtype != PKV_DTYPE_BF16)
+        return PKV__SAY(c, PKV_EINVAL, "input dtype %d is not f32, f16 or bf16", (int)in_dtype);
     if (n == 0) return PKV_OK;
     const uint32_t B = c->B;
     const int64_t n_slots = (int64_t)c->n_blocks * B;
@@ -572,10 +603,25 @@ PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uin
     for (uint32_t i = 0; i < n; i++) {
         int32_t slot = slots[i];
         if (slot == -1) continue;
-        if (slot < 0 || slot >= n_slots) goto bad;
-        const pkv__blk *bk = &c->blk[(uint32_t)slot / B];
-        if (bk->state != PKV_BLK_ACTIVE || bk->ref != 1 || (bk->flags & PKV_BLKF_INDEXED)) goto bad;
-        if ((uint32_t)slot % B < bk->n_commit) goto bad;
+        int rc = PKV_OK;
+        const pkv__blk *bk = slot < 0 || slot >= n_slots ? NULL : &c->blk[(uint32_t)slot / B];
+        if (!bk)
+            rc = PKV__SAY(c, PKV_EINVAL, "slot %d (row %u) is not in [0, %lld) nor -1", slot, i, (long long)n_slots);
+        else if (bk->state != PKV_BLK_ACTIVE)
+            rc = PKV__SAY(c, PKV_EINVAL, "slot %d (row %u) is in block %u, which no sequence holds", slot, i,
+                          (uint32_t)slot / B);
+        else if (bk->ref != 1)
+            rc = PKV__SAY(c, PKV_EINVAL, "slot %d (row %u) is in block %u, shared (%u holders): read-only", slot, i,
+                          (uint32_t)slot / B, (unsigned)bk->ref);
+        else if (bk->flags & PKV_BLKF_INDEXED)
+            rc = PKV__SAY(c, PKV_EINVAL, "slot %d (row %u) is in block %u, in the prefix index: read-only", slot,
+                          i, (uint32_t)slot / B);
+        else if ((uint32_t)slot % B < bk->n_commit)
+            rc = PKV__SAY(c, PKV_EINVAL, "slot %d (row %u) is a committed position: read-only", slot, i);
+        if (rc) {
+            UNLOCK(c);
+            return rc;
+        }
     }
     UNLOCK(c);
     const uint32_t d = c->head_dim, nkv = c->n_kv;
@@ -586,9 +632,10 @@ PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uin
     for (uint32_t i = 0; i < n; i++) {
         if (slots[i] < 0) continue;
         const size_t at = (size_t)i * nkv * in_row, n_el = (size_t)nkv * d;
-        if ((k && !pkv__input_fits(in_dtype, (const uint8_t *)k + at, n_el, c->cfg.k_dtype)) ||
-            (v && !pkv__input_fits(in_dtype, (const uint8_t *)v + at, n_el, c->cfg.v_dtype)))
-            return PKV_EINVAL;
+        const bool k_bad = k && !pkv__input_fits(in_dtype, (const uint8_t *)k + at, n_el, c->cfg.k_dtype);
+        if (k_bad || (v && !pkv__input_fits(in_dtype, (const uint8_t *)v + at, n_el, c->cfg.v_dtype)))
+            return PKV__SAY(c, PKV_EINVAL, "row %u of %s has a value that is not finite, or past what %s holds", i,
+                            k_bad ? "k" : "v", pkv_dtype_name(k_bad ? c->cfg.k_dtype : c->cfg.v_dtype));
     }
     uint8_t *kl = c->kv + layer * c->layer_stride, *vl = kl + c->v_off;
     float tmp[1024];
@@ -616,9 +663,6 @@ PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uin
         }
     }
     return PKV_OK;
-bad:
-    UNLOCK(c);
-    return PKV_EINVAL;
 }
 
 PKV_API int pkv_seq_commit(pkv_cache *c, pkv_seq id, uint32_t n_pos) {
@@ -628,7 +672,7 @@ PKV_API int pkv_seq_commit(pkv_cache *c, pkv_seq id, uint32_t n_pos) {
     int rc = get_seq(c, id, &s);
     if (rc) goto out;
     if (n_pos > s->n_tokens) {
-        rc = PKV_EINVAL;
+        rc = PKV__SAY(c, PKV_EINVAL, "n_pos %u past the sequence's length %u", n_pos, s->n_tokens);
         goto out;
     }
     if (n_pos <= s->n_committed) goto out;
@@ -645,14 +689,15 @@ out:
 }
 
 PKV_API int pkv_seq_fork(pkv_cache *c, pkv_seq parent, pkv_seq *child) {
-    if (!c || !child) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (!child) return PKV__SAY(c, PKV_EINVAL, "child is NULL");
     LOCK(c);
     pkv__seq *p;
     int rc = get_seq(c, parent, &p);
     if (rc) goto out;
     pkv__seq *s = pkv__seq_new(c);
     if (!s) {
-        rc = PKV_ELIMIT;
+        rc = PKV__SAY(c, PKV_ELIMIT, "%u sequences and pins are live, max_seqs %u", c->n_live, c->max_seqs);
         goto out;
     }
     pkv__seq_share(c, s, p, p->n_blocks);
@@ -862,7 +907,9 @@ static uint32_t move_run(pkv_cache *c, pkv__seq *s, uint32_t flags, uint32_t i, 
 }
 
 PKV_API int pkv_seq_compact(pkv_cache *c, pkv_seq id, uint32_t flags, uint32_t *n_moved) {
-    if (!c || (flags & ~(uint32_t)(PKV_COMPACT_EVICT | PKV_COMPACT_CACHED))) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (flags & ~(uint32_t)(PKV_COMPACT_EVICT | PKV_COMPACT_CACHED))
+        return PKV__SAY(c, PKV_EINVAL, "unknown flags %#x", flags);
     LOCK(c);
     pkv__seq *s;
     uint32_t moved = 0;
@@ -1084,7 +1131,9 @@ static uint32_t bc_seq(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t per, bool 
 
 PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uint32_t slack, uint32_t flags,
                               uint32_t *n_moved) {
-    if (!c || (n && !seqs) || (flags & ~(uint32_t)(PKV_BATCH_REPACK | PKV_BATCH_CACHED))) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (n && !seqs) return PKV__SAY(c, PKV_EINVAL, "seqs is NULL, n %u", n);
+    if (flags & ~(uint32_t)(PKV_BATCH_REPACK | PKV_BATCH_CACHED)) return PKV__SAY(c, PKV_EINVAL, "unknown flags %#x", flags);
     const bool repack = flags & PKV_BATCH_REPACK;
     LOCK(c);
     bc_map w = {c->chk_pos, c->chk_ref, (flags & PKV_BATCH_CACHED) != 0};
@@ -1097,7 +1146,8 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
         for (uint32_t p = 0; !rc && p < s->n_blocks; p++) {
             const uint32_t b = (uint32_t)s->table[p];
             if (!movable(c, b)) continue;
-            if (w.at[b] != PKV_NONE) rc = PKV_EINVAL; /* held once, so named twice: a repeated id */
+            if (w.at[b] != PKV_NONE) /* held once, so named twice: a repeated id */
+                rc = PKV__SAY(c, PKV_EINVAL, "sequence %#llx named twice", (unsigned long long)seqs[i]);
             w.seq[b] = (uint32_t)(s - c->seqs), w.at[b] = p;
         }
     }
@@ -1156,7 +1206,8 @@ PKV_API int pkv_seq_release(pkv_cache *c, pkv_seq id) {
 }
 
 PKV_API int pkv_seq_get_info(pkv_cache *c, pkv_seq id, pkv_seq_info *out) {
-    if (!c || !out) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (!out) return PKV__SAY(c, PKV_EINVAL, "out is NULL");
     LOCK(c);
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
@@ -1173,11 +1224,14 @@ PKV_API int pkv_seq_get_info(pkv_cache *c, pkv_seq id, pkv_seq_info *out) {
 }
 
 PKV_API int pkv_seq_slots(pkv_cache *c, pkv_seq id, uint32_t start, uint32_t n, int32_t *slots) {
-    if (!c || (n && !slots)) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (n && !slots) return PKV__SAY(c, PKV_EINVAL, "slots is NULL, n %u", n);
     LOCK(c);
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
-    if (!rc && (uint64_t)start + n > s->n_tokens) rc = PKV_EINVAL;
+    if (!rc && (uint64_t)start + n > s->n_tokens)
+        rc = PKV__SAY(c, PKV_EINVAL, "positions [%u, %llu) past the sequence's length %u", start,
+                      (unsigned long long)start + n, s->n_tokens);
     if (!rc)
         for (uint32_t j = 0; j < n; j++) {
             uint32_t p = start + j;
@@ -1188,12 +1242,14 @@ PKV_API int pkv_seq_slots(pkv_cache *c, pkv_seq id, uint32_t start, uint32_t n, 
 }
 
 PKV_API int pkv_seq_block_table(pkv_cache *c, pkv_seq id, int32_t *out, uint32_t cap, uint32_t *n_out) {
-    if (!c || !n_out || (cap && !out)) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (!n_out) return PKV__SAY(c, PKV_EINVAL, "n_out is NULL");
+    if (cap && !out) return PKV__SAY(c, PKV_EINVAL, "out is NULL, cap %u", cap);
     LOCK(c);
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
     if (!rc && cap < s->n_blocks) {
-        rc = PKV_EINVAL;
+        rc = PKV_EINVAL; /* the sizing answer: not said (pkv.h) */
         *n_out = s->n_blocks; /* the capacity needed */
     }
     if (!rc) {
@@ -1206,11 +1262,15 @@ PKV_API int pkv_seq_block_table(pkv_cache *c, pkv_seq id, int32_t *out, uint32_t
 
 PKV_API int pkv_seq_gather(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, uint32_t n, float *k_out,
                            float *v_out) {
-    if (!c || layer >= c->n_layers || (n && !k_out && !v_out)) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (layer >= c->n_layers) return PKV__SAY(c, PKV_EINVAL, "layer %u of %u", layer, c->n_layers);
+    if (n && !k_out && !v_out) return PKV__SAY(c, PKV_EINVAL, "neither k_out nor v_out given");
     LOCK(c);
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
-    if (!rc && (uint64_t)start + n > s->n_tokens) rc = PKV_EINVAL;
+    if (!rc && (uint64_t)start + n > s->n_tokens)
+        rc = PKV__SAY(c, PKV_EINVAL, "positions [%u, %llu) past the sequence's length %u", start,
+                      (unsigned long long)start + n, s->n_tokens);
     if (!rc) {
         const uint32_t B = c->B, d = c->head_dim;
         const uint8_t *kl = c->kv + layer * c->layer_stride, *vl = kl + c->v_off;
@@ -1228,10 +1288,10 @@ PKV_API int pkv_seq_gather(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t st
 }
 
 /* Validates every id of a list (live, not a pin). */
-static int check_ids(pkv_cache *c, const pkv_seq *seqs, uint32_t n) {
+static int check_ids(pkv_cache *c, const pkv_seq *seqs, uint32_t n, const char *api) {
     for (uint32_t i = 0; i < n; i++) {
         pkv__seq *s;
-        int rc = get_seq(c, seqs[i], &s);
+        int rc = pkv__get_seq(c, seqs[i], &s, api);
         if (rc) return rc;
     }
     return PKV_OK;
@@ -1239,11 +1299,16 @@ static int check_ids(pkv_cache *c, const pkv_seq *seqs, uint32_t n) {
 
 PKV_API int pkv_export_dense(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, uint32_t max_blocks,
                              int32_t *block_tables, int32_t *seq_lens) {
-    if (!c || (n_seqs && (!seqs || !block_tables || !seq_lens))) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (n_seqs && (!seqs || !block_tables || !seq_lens))
+        return PKV__SAY(c, PKV_EINVAL, "%s is NULL, n_seqs %u", !seqs ? "seqs" : !block_tables ? "block_tables" : "seq_lens",
+                        n_seqs);
     LOCK(c);
-    int rc = check_ids(c, seqs, n_seqs);
+    int rc = check_ids(c, seqs, n_seqs, __func__);
     for (uint32_t i = 0; !rc && i < n_seqs; i++)
-        if (pkv__seq_get(c, seqs[i])->n_blocks > max_blocks) rc = PKV_EINVAL;
+        if (pkv__seq_get(c, seqs[i])->n_blocks > max_blocks)
+            rc = PKV__SAY(c, PKV_EINVAL, "sequence %#llx holds %u blocks, over max_blocks %u",
+                          (unsigned long long)seqs[i], pkv__seq_get(c, seqs[i])->n_blocks, max_blocks);
     for (uint32_t i = 0; !rc && i < n_seqs; i++) {
         const pkv__seq *s = pkv__seq_get(c, seqs[i]);
         int32_t *row = block_tables + (size_t)i * max_blocks;
@@ -1257,13 +1322,18 @@ PKV_API int pkv_export_dense(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs,
 
 PKV_API int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, int32_t *indptr, int32_t *indices,
                            uint32_t indices_cap, int32_t *last_page_len, uint32_t *n_needed) {
-    if (!c || !indptr || (n_seqs && (!seqs || !last_page_len)) || (indices_cap && !indices)) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (!indptr || (n_seqs && (!seqs || !last_page_len)) || (indices_cap && !indices))
+        return PKV__SAY(c, PKV_EINVAL, "%s is NULL (n_seqs %u, indices_cap %u)",
+                        !indptr ? "indptr" : (n_seqs && !seqs) ? "seqs" : (n_seqs && !last_page_len) ? "last_page_len" : "indices",
+                        n_seqs, indices_cap);
     LOCK(c);
-    int rc = check_ids(c, seqs, n_seqs);
+    int rc = check_ids(c, seqs, n_seqs, __func__);
     uint64_t total = 0;
     for (uint32_t i = 0; !rc && i < n_seqs; i++) total += pkv__seq_get(c, seqs[i])->n_blocks;
     if (!rc && n_needed) *n_needed = total > UINT32_MAX ? UINT32_MAX : (uint32_t)total;
-    if (!rc && (total > indices_cap || total > INT32_MAX)) rc = PKV_EINVAL;
+    if (!rc && total > INT32_MAX) rc = PKV__SAY(c, PKV_EINVAL, "%llu indices, past int32", (unsigned long long)total);
+    if (!rc && total > indices_cap) rc = PKV_EINVAL; /* the sizing answer: not said (pkv.h) */
     if (!rc) {
         uint32_t at = 0;
         indptr[0] = 0;
@@ -1295,14 +1365,21 @@ PKV_API uint32_t pkv_attn_flags_used(const pkv_cache *c) {
                                                                                                    : 0;
 }
 
-static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_params *p, pkv__attn_call *call) {
-    if (layer >= c->n_layers) return PKV_EINVAL;
+static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_params *p, pkv__attn_call *call,
+                        const char *api) {
+    if (layer >= c->n_layers) return pkv__say(c, PKV_EINVAL, api, "layer %u of %u", layer, c->n_layers);
     pkv_attn_params d = pkv_attn_params_default();
     if (!p) p = &d;
     uint32_t nq = p->n_q_heads ? p->n_q_heads : c->n_kv;
-    if (nq % c->n_kv || nq > c->n_kv * 1024u) return PKV_EINVAL;
-    if (!(p->scale >= 0.0f) || isinf(p->scale) || !pkv__attn_softcap_ok(p->softcap)) return PKV_EINVAL;
-    if (p->flags & ~(uint32_t)PKV_ATTN_BF16_DOT) return PKV_EINVAL;
+    if (nq % c->n_kv)
+        return pkv__say(c, PKV_EINVAL, api, "n_q_heads %u is not a multiple of n_kv_heads %u", nq, c->n_kv);
+    if (nq > c->n_kv * 1024u)
+        return pkv__say(c, PKV_EINVAL, api, "n_q_heads %u over 1024 x n_kv_heads %u", nq, c->n_kv);
+    if (!(p->scale >= 0.0f) || isinf(p->scale))
+        return pkv__say(c, PKV_EINVAL, api, "scale %g is negative, NaN or infinite", (double)p->scale);
+    if (!pkv__attn_softcap_ok(p->softcap))
+        return pkv__say(c, PKV_EINVAL, api, "softcap %g is negative, NaN, infinite or too small", (double)p->softcap);
+    if (p->flags & ~(uint32_t)PKV_ATTN_BF16_DOT) return pkv__say(c, PKV_EINVAL, api, "unknown flags %#x", p->flags);
     call->n_q_heads = nq;
     call->scale = p->scale > 0.0f ? p->scale : 1.0f / sqrtf((float)c->head_dim);
     call->softcap = p->softcap;
@@ -1335,9 +1412,11 @@ static int check_overlap(const float *q, const float *out, const float *lse, uin
 /* Shared body of decode and prefill: reqs == NULL means decode (one query at length - 1). */
 static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const pkv_attn_req *reqs, uint32_t n,
                        const float *q, float *out, const pkv_attn_params *p) {
-    if (!c || (n && (!q || !out || (!seqs && !reqs)))) return PKV_EINVAL;
+    const char *api = reqs ? "pkv_attn_prefill" : "pkv_attn_decode";
+    if (!c) return PKV_EINVAL;
+    if (n && (!q || !out)) return pkv__say(c, PKV_EINVAL, api, "%s is NULL, %u %s", !q ? "q" : "out", n, reqs ? "requests" : "sequences");
     pkv__attn_call call;
-    int rc = resolve_call(c, layer, p, &call);
+    int rc = resolve_call(c, layer, p, &call, api);
     if (rc || n == 0) return rc;
     float *lse = p ? p->lse : NULL;
     const size_t qrow = (size_t)call.n_q_heads * c->head_dim;
@@ -1349,13 +1428,19 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
     LOCK(c);
     for (uint32_t i = 0; i < n && !rc; i++) {
         pkv__seq *s;
-        rc = get_seq(c, reqs ? reqs[i].seq : seqs[i], &s);
+        rc = pkv__get_seq(c, reqs ? reqs[i].seq : seqs[i], &s, api);
         if (rc) break;
-        if (reqs ? ((uint64_t)reqs[i].q_start + reqs[i].n_q > s->n_tokens) : s->n_tokens == 0) rc = PKV_EINVAL;
+        if (reqs && (uint64_t)reqs[i].q_start + reqs[i].n_q > s->n_tokens)
+            rc = pkv__say(c, PKV_EINVAL, api, "request %u: positions [%u, %llu) past the sequence's length %u", i,
+                          reqs[i].q_start, (unsigned long long)reqs[i].q_start + reqs[i].n_q, s->n_tokens);
+        else if (!reqs && s->n_tokens == 0)
+            rc = pkv__say(c, PKV_EINVAL, api, "sequence %u (%#llx) is empty: no position to query", i,
+                          (unsigned long long)seqs[i]);
         n_rows += reqs ? reqs[i].n_q : 1;
     }
     UNLOCK(c);
-    if (!rc) rc = check_overlap(q, out, lse, n_rows, qrow, call.n_q_heads);
+    if (!rc && check_overlap(q, out, lse, n_rows, qrow, call.n_q_heads))
+        rc = pkv__say(c, PKV_EINVAL, api, "q, out and lse overlap (out may be q itself, nothing else)");
     /* a query that is not finite, or so large that q.k overflows (or q x scale, which the kernels
        form first), would give each backend and order its own garbage (a NaN or infinite logit is
        dropped by one max and kept by another): refused instead. With |K| <= PKV_VALUE_MAX too, a
@@ -1364,7 +1449,8 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         const uint32_t bits = pkv__max_abs_bits(PKV_DTYPE_F32, q, (size_t)n_rows * qrow);
         float qmax;
         memcpy(&qmax, &bits, sizeof qmax);
-        if (!((double)qmax * call.scale <= PKV_VALUE_MAX)) rc = PKV_EINVAL; /* NaN bits: not <= */
+        if (!((double)qmax * call.scale <= PKV_VALUE_MAX)) /* NaN bits: not <= */
+            rc = pkv__say(c, PKV_EINVAL, api, "a query element is not finite, or |q| x scale is past PKV_VALUE_MAX");
     }
     size_t q_at = 0;
     pkv__attn_hold_counts(c->attn); /* the statistics count a call whose every group ran, or nothing */
@@ -1375,7 +1461,7 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
             uint32_t i = (uint32_t)i0 + j;
             pkv__seq *s = pkv__seq_get(c, reqs ? reqs[i].seq : seqs[i]);
             if (!s) { /* released by another thread since the check: a misuse (design.md), not a crash */
-                rc = PKV_ENOENT;
+                rc = pkv__say(c, PKV_ENOENT, api, "a sequence was released during the call");
                 k = 0;
                 break;
             }
@@ -1387,7 +1473,8 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
             q_at += nq;
         }
         UNLOCK(c);
-        if (k) rc = pkv__attn_run(c->attn, &view, c->items, k, &call);
+        if (k && (rc = pkv__attn_run(c->attn, &view, c->items, k, &call)) != 0)
+            pkv__say(c, rc, api, "the executor broke its contract: a worker index out of range or in use, or tasks left");
     }
     pkv__attn_release_counts(c->attn, rc == 0);
     pthread_mutex_unlock(&c->attn_mu);
@@ -1396,12 +1483,12 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
 
 PKV_API int pkv_attn_decode(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, uint32_t n_seqs, const float *q,
                             float *out, const pkv_attn_params *p) {
-    if (n_seqs && !seqs) return PKV_EINVAL;
+    if (n_seqs && !seqs) return PKV__SAY(c, PKV_EINVAL, "seqs is NULL, n_seqs %u", n_seqs);
     return attn_common(c, layer, seqs, NULL, n_seqs, q, out, p);
 }
 
 PKV_API int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs, const float *q,
                              float *out, const pkv_attn_params *p) {
-    if (n_reqs && !reqs) return PKV_EINVAL;
+    if (n_reqs && !reqs) return PKV__SAY(c, PKV_EINVAL, "reqs is NULL, n_reqs %u", n_reqs);
     return attn_common(c, layer, NULL, reqs, n_reqs, q, out, p);
 }

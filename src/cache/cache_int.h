@@ -70,6 +70,15 @@ struct pkv_cache {
 
 /* ---- cache.c ---- */
 pkv__seq *pkv__seq_get(pkv_cache *c, pkv_seq id); /* NULL if unknown or stale */
+/* A refusal said through the cache's log hook: one PKV_LOG_ERROR message "api: why" on the
+ * calling thread before the call returns (pkv.h); returns rc. Called with or without c->mu held
+ * (the hook must not call libpkv on the cache). */
+int pkv__say(const pkv_cache *c, int rc, const char *api, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+/* The same from a public function, named after it. */
+#define PKV__SAY(c, rc, ...) pkv__say((c), (rc), __func__, __VA_ARGS__)
+/* A live, non-pin sequence (*out) or the status saying why not, said as api's refusal. */
+int pkv__get_seq(pkv_cache *c, pkv_seq id, pkv__seq **out, const char *api);
+
 /* A fresh live slot (NULL when max_seqs are live) / back to the free list (id goes stale). */
 pkv__seq *pkv__seq_new(pkv_cache *c);
 void pkv__seq_free(pkv_cache *c, pkv__seq *s);

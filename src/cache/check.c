@@ -6,7 +6,8 @@
 #include <stdio.h>
 
 PKV_API int pkv_cache_get_stats(pkv_cache *c, pkv_stats *out) {
-    if (!c || !out) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (!out) return PKV__SAY(c, PKV_EINVAL, "out is NULL");
     pthread_mutex_lock(&c->mu);
     memset(out, 0, sizeof *out);
     out->n_blocks = c->n_blocks;
@@ -266,9 +267,10 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
 }
 
 PKV_API int pkv_cache_check(pkv_cache *c, char *msg, size_t msg_cap) {
-    if (!c || (msg_cap && !msg)) return PKV_EINVAL;
-    report rep = {msg, msg_cap}, *r = &rep;
-    if (msg_cap) msg[0] = 0;
+    if (!c) return PKV_EINVAL;
+    if (msg_cap && !msg) return PKV__SAY(c, PKV_EINVAL, "msg is NULL, msg_cap %zu", msg_cap);
+    char why[400] = "";
+    report rep = {why, sizeof why}, *r = &rep;
     pthread_mutex_lock(&c->mu);
     uint64_t n_tokens = 0, n_root_entries = 0;
     int rc = check_queues(c, r);
@@ -278,6 +280,8 @@ PKV_API int pkv_cache_check(pkv_cache *c, char *msg, size_t msg_cap) {
     if (!rc && n_tokens != c->n_tokens_total)
         rc = fail(r, "token count: %llu over sequences, counter %llu", (unsigned long long)n_tokens,
                   (unsigned long long)c->n_tokens_total);
+    if (rc) PKV__SAY(c, rc, "%s", why);
     pthread_mutex_unlock(&c->mu);
+    if (msg_cap) snprintf(msg, msg_cap, "%s", why);
     return rc;
 }

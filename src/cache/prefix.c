@@ -240,13 +240,15 @@ static uint32_t common_prefix(const int32_t *a, const int32_t *b, uint32_t n) {
 }
 
 PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, uint32_t *n_reused) {
-    if (!c || !n_reused || (n && !tokens)) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (!n_reused) return PKV__SAY(c, PKV_EINVAL, "n_reused is NULL");
+    if (n && !tokens) return PKV__SAY(c, PKV_EINVAL, "tokens is NULL, n %u", n);
     pthread_mutex_lock(&c->mu);
-    pkv__seq *s = pkv__seq_get(c, id);
-    int rc = !s ? PKV_ENOENT : s->is_pin ? PKV_EINVAL : PKV_OK;
+    pkv__seq *s;
+    int rc = pkv__get_seq(c, id, &s, __func__);
     if (rc) goto out;
     if (s->n_tokens != 0) {
-        rc = PKV_EINVAL;
+        rc = PKV__SAY(c, PKV_EINVAL, "the sequence holds %u positions: a match goes into an empty one", s->n_tokens);
         goto out;
     }
     *n_reused = 0;
@@ -353,14 +355,15 @@ out:
 
 /* ---- pins ----------------------------------------------------------------------------------- */
 PKV_API int pkv_pin_create(pkv_cache *c, pkv_seq id, uint32_t n_pos, pkv_seq *pin) {
-    if (!c || !pin) return PKV_EINVAL;
+    if (!c) return PKV_EINVAL;
+    if (!pin) return PKV__SAY(c, PKV_EINVAL, "pin is NULL");
     pthread_mutex_lock(&c->mu);
-    pkv__seq *s = pkv__seq_get(c, id);
-    int rc = !s ? PKV_ENOENT : s->is_pin ? PKV_EINVAL : PKV_OK;
+    pkv__seq *s;
+    int rc = pkv__get_seq(c, id, &s, __func__);
     if (rc) goto out;
     pkv__seq *p = pkv__seq_new(c);
     if (!p) {
-        rc = PKV_ELIMIT;
+        rc = PKV__SAY(c, PKV_ELIMIT, "%u sequences and pins are live, max_seqs %u", c->n_live, c->max_seqs);
         goto out;
     }
     uint32_t nb = PKV_MIN(n_pos, s->n_committed) / c->B;
@@ -378,7 +381,10 @@ PKV_API int pkv_pin_release(pkv_cache *c, pkv_seq pin) {
     if (!c) return PKV_EINVAL;
     pthread_mutex_lock(&c->mu);
     pkv__seq *p = pkv__seq_get(c, pin);
-    int rc = !p ? PKV_ENOENT : !p->is_pin ? PKV_EINVAL : PKV_OK;
+    int rc = !p   ? PKV__SAY(c, PKV_ENOENT, "pin %#llx is unknown: never made, released, or another cache's",
+                             (unsigned long long)pin)
+             : !p->is_pin ? PKV__SAY(c, PKV_EINVAL, "%#llx is a sequence, not a pin", (unsigned long long)pin)
+                          : PKV_OK;
     if (!rc) {
         pkv__seq_drop_blocks(c, p, 0);
         pkv__seq_free(c, p);

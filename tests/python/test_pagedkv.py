@@ -192,6 +192,53 @@ class TestLibrary(Base):
         self.assertTrue(got, "no log message at create")
         self.assertTrue(all(isinstance(m, str) and m for _, m in got))
 
+    def test_errors_say_why(self):
+        # libpkv says why a call refused (pkv.h: on the calling thread, through the log hook);
+        # the PkvError carries it, and the caller's log hears it too
+        import threading
+        got = []
+        with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=8, k_dtype="f32", v_dtype="f32", n_threads=1,
+                       log=lambda level, msg: got.append((level, msg))) as c:
+            s = c.seq_create()
+            slots = c.append(s, range(4))
+            kv = np.ones((4, 2, 32), np.float32)
+            c.write_kv(0, slots, kv, kv)
+            c.commit(s, 4)
+            with self.assertRaises(pkv.InvalidArgumentError) as e:
+                c.write_kv(0, slots[2:3], kv[:1], kv[:1])
+            self.assertEqual(str(e.exception).split(": invalid argument")[0],
+                             "pkv_write_kv: slot %d (row 0) is a committed position: read-only" % slots[2])
+            self.assertEqual(got[-1], (0, str(e.exception).split(": invalid argument")[0]))
+            with self.assertRaises(pkv.InvalidArgumentError) as e:
+                c.decode(0, [s], np.ones((1, 3, 32), np.float32))
+            self.assertIn("pkv_attn_decode: n_q_heads 3 is not a multiple of n_kv_heads 2", str(e.exception))
+            with self.assertRaises(pkv.NotFoundError) as e:
+                c.seq_info(s + 1)
+            self.assertIn("is unknown: never made, released, or another cache's", str(e.exception))
+            # a refusal without a reason of its own does not take an earlier one's
+            c.seq_info(s)
+            with self.assertRaises(pkv.PkvError) as e:
+                c.export_dense([s], 10**6)  # refused by the binding: not libpkv's words
+            self.assertNotIn("unknown", str(e.exception))
+            # each thread's error has its own reason
+            errs = {}
+
+            def fail(i):
+                for _ in range(200):
+                    try:
+                        if i:
+                            c.commit(s, 99)
+                        else:
+                            c.append(s + 7, [1])
+                    except pkv.PkvError as x:
+                        errs.setdefault(i, set()).add(str(x).split(":")[1].strip())
+            ts = [threading.Thread(target=fail, args=(i,)) for i in (0, 1)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            self.assertEqual(errs, {0: {"sequence %#x is unknown" % (s + 7)}, 1: {"n_pos 99 past the sequence's length 4"}})
+
 
 class TestAttention(Base):
     def test_decode_and_prefill_match_reference(self):

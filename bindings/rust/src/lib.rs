@@ -143,11 +143,23 @@ impl std::error::Error for Error {}
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+thread_local! {
+    /// Why the libpkv call refusing on this thread refused: libpkv says it through the log hook
+    /// at PKV_LOG_ERROR, on the calling thread, before the call returns (pkv.h); `check` takes
+    /// it for the [`Error`]'s context.
+    static SAID: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// What libpkv said on this thread about the call that just refused, else `what`.
+fn said_or(what: &str) -> String {
+    SAID.with(|s| s.borrow_mut().take()).unwrap_or_else(|| what.to_string())
+}
+
 fn check(rc: c_int, what: &str) -> Result<()> {
     if rc == OK {
         Ok(())
     } else {
-        Err(Error::new(rc, what))
+        Err(Error::new(rc, said_or(what)))
     }
 }
 
@@ -421,24 +433,17 @@ pub fn merge(
 pub struct Cache {
     raw: NonNull<ffi::pkv_cache>,
     cfg: Config,
-    _log: Box<LogSink>, // the log hook's context: lives as long as the cache
 }
 
-/// Where libpkv's log hook leaves its last error message (pkv_cache_create says why it refuses
-/// a config there), for the Error that create returns.
-#[derive(Default)]
-struct LogSink {
-    last_error: std::sync::Mutex<Option<String>>,
-}
-
-unsafe extern "C" fn log_sink(ctx: *mut c_void, level: c_int, msg: *const c_char) {
-    if level != 0 || ctx.is_null() || msg.is_null() {
+/// The log hook: keeps what libpkv says at PKV_LOG_ERROR (why a call refuses) for that call's
+/// [`Error`] (`SAID`, this thread's).
+unsafe extern "C" fn log_sink(_ctx: *mut c_void, level: c_int, msg: *const c_char) {
+    if level != 0 || msg.is_null() {
         return; // PKV_LOG_ERROR only
     }
-    let sink = &*(ctx as *const LogSink);
-    if let Ok(mut last) = sink.last_error.lock() {
-        *last = Some(CStr::from_ptr(msg).to_string_lossy().into_owned());
-    }
+    let text = CStr::from_ptr(msg).to_string_lossy().into_owned();
+    // (never unwinds into C: a thread being torn down has no SAID left to write)
+    let _ = SAID.try_with(|s| s.try_borrow_mut().map(|mut s| *s = Some(text)));
 }
 
 // libpkv serializes metadata calls and attention calls inside; the &self / &mut self split
@@ -456,23 +461,17 @@ impl Cache {
     /// Creates a cache: the whole pool and every buffer attention needs are allocated here.
     pub fn new(cfg: &Config) -> Result<Cache> {
         let mut raw_cfg = cfg.to_raw();
-        let sink = Box::new(LogSink::default());
         raw_cfg.log = Some(log_sink);
-        raw_cfg.log_ctx = &*sink as *const LogSink as *mut c_void;
+        raw_cfg.log_ctx = ptr::null_mut();
         let mut p: *mut ffi::pkv_cache = ptr::null_mut();
-        let rc = unsafe { ffi::pkv_cache_create(&raw_cfg, &mut p) };
-        if rc != 0 {
-            // the Error's context is what libpkv said, e.g. "pkv_cache_create: head_dim 0 not in 1..1024"
-            let said = sink.last_error.lock().ok().and_then(|mut m| m.take());
-            return Err(Error::new(rc, said.unwrap_or_else(|| "pkv_cache_create".to_string())));
-        }
+        // the Error's context is what libpkv said, e.g. "pkv_cache_create: head_dim 0 not in 1..1024"
+        check(unsafe { ffi::pkv_cache_create(&raw_cfg, &mut p) }, "pkv_cache_create")?;
         let raw = NonNull::new(p).ok_or_else(|| Error::new(ENOMEM, "pkv_cache_create"))?;
         let mut eff = raw_cfg;
         let rc = unsafe { ffi::pkv_cache_config(raw.as_ptr(), &mut eff) };
         let c = Cache {
             raw,
             cfg: Config::from_raw(&eff),
-            _log: sink,
         };
         check(rc, "pkv_cache_config")?;
         Ok(c)
@@ -907,7 +906,7 @@ impl Cache {
             return Ok(());
         }
         let text = unsafe { CStr::from_ptr(msg.as_ptr()) }.to_string_lossy().into_owned();
-        Err(Error::new(rc, format!("pkv_cache_check: {}", text)))
+        Err(Error::new(rc, said_or(&format!("pkv_cache_check: {}", text))))
     }
 
     // ---- attention ----

@@ -774,8 +774,48 @@ fn statuses_and_length_checks() {
     assert_eq!(c.append(o, &[1]).unwrap_err().kind(), ErrorKind::NotFound);
     assert_eq!(c.release(o).unwrap_err().kind(), ErrorKind::NotFound);
     drop(other);
+    // libpkv says why a call refused (pkv.h); the Error carries it, each thread its own
+    let e = c.seq_info(s).unwrap_err();
+    assert!(
+        e.to_string().starts_with(&format!(
+            "pkv_seq_get_info: sequence {:#x} is unknown: never made, released, or another cache's",
+            s.0
+        )),
+        "{}",
+        e
+    );
+    std::thread::scope(|sc| {
+        let c = &c;
+        let a = sc.spawn(move || {
+            (0..100)
+                .map(|_| c.seq_info(Seq(s.0 + 5)).unwrap_err().to_string())
+                .collect::<Vec<_>>()
+        });
+        let b = sc.spawn(move || {
+            (0..100)
+                .map(|_| c.seq_info(s).unwrap_err().to_string())
+                .collect::<Vec<_>>()
+        });
+        let (a, b) = (a.join().unwrap(), b.join().unwrap());
+        assert!(
+            a.iter().all(|m| m.contains(&format!("{:#x} is unknown", s.0 + 5))),
+            "{:?}",
+            a[0]
+        );
+        assert!(
+            b.iter().all(|m| m.contains(&format!("{:#x} is unknown", s.0))),
+            "{:?}",
+            b[0]
+        );
+    });
     let full = c.append(x, &[0; 80]).unwrap_err();
     assert_eq!((full.code(), full.kind()), (ENOSPC, ErrorKind::NoSpace));
+    assert!(
+        full.to_string()
+            .contains("80 positions need 5 blocks, 4 FREE and 0 CACHED are left"),
+        "{}",
+        full
+    );
     assert_eq!(c.seq_info(x).unwrap().n_tokens, 0);
     let slots = c.append(y, &[1, 2, 3, 4]).unwrap();
     let ones = vec![1f32; 4 * 32];
