@@ -866,6 +866,16 @@ static int exec_calls(pkv_cache *c, const pkv_seq *ids, const float *q, float *d
     return pkv_attn_prefill(c, 0, reqs, EX_SEQS, q, pre, &p);
 }
 
+/* exec_calls into dec and pre (zeroed first) succeeds and gives dec0 and pre0 bit for bit. */
+static void expect_exec_same(pkv_cache *c, const pkv_seq *ids, const float *q, float *dec, float *pre,
+                             const float *dec0, const float *pre0) {
+    const size_t n_dec = (size_t)EX_SEQS * NQH * D, n_pre = (size_t)EX_SEQS * EX_Q * NQH * D;
+    memset(dec, 0, n_dec * sizeof *dec), memset(pre, 0, n_pre * sizeof *pre);
+    assert_int_equal(exec_calls(c, ids, q, dec, pre), PKV_OK);
+    assert_memory_equal(dec, dec0, n_dec * sizeof *dec);
+    assert_memory_equal(pre, pre0, n_pre * sizeof *pre);
+}
+
 /* Attention on a caller's executor: the config rules, the same results bit for bit as on the
  * cache's own threads (2 and 1 workers), and a status, not a crash, from an executor that runs
  * nothing or gives a worker index out of range; the cache works again once it behaves. */
@@ -953,10 +963,7 @@ static void test_api_executor(void **state) {
         assert_int_equal(st1.attn_reqs_pool + st1.attn_reqs_table, st0.attn_reqs_pool + st0.attn_reqs_table + BIG);
     }
     x.mode = EXEC_GOOD;
-    memset(dec, 0, sizeof dec), memset(pre, 0, sizeof pre);
-    assert_int_equal(exec_calls(c, ids, q, dec, pre), PKV_OK);
-    assert_memory_equal(dec, dec0, sizeof dec);
-    assert_memory_equal(pre, pre0, sizeof pre);
+    expect_exec_same(c, ids, q, dec, pre, dec0, pre0);
     pkv_cache_destroy(c);
     pkv_cache_destroy(own);
 
@@ -1010,10 +1017,7 @@ static void test_api_fork_child(void **state) {
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
         fail_msg("child: %s %d", WIFEXITED(status) ? "exit status" : "signal",
                  WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
-    memset(dec, 0, sizeof dec), memset(pre, 0, sizeof pre);
-    assert_int_equal(exec_calls(c, ids, q, dec, pre), PKV_OK);
-    assert_memory_equal(dec, dec0, sizeof dec);
-    assert_memory_equal(pre, pre0, sizeof pre);
+    expect_exec_same(c, ids, q, dec, pre, dec0, pre0);
     pkv_cache_destroy(c);
     free(q);
 }

@@ -509,10 +509,14 @@ func (c *Cache) WriteKV(layer uint32, slots []int32, k, v []float32) error {
 
 // WriteKV16 is WriteKV for f16 or bf16 bit patterns (dt F16 or BF16).
 func (c *Cache) WriteKV16(layer uint32, slots []int32, k, v []uint16, dt Dtype) error {
+	return c.writeKV16(layer, slots, k, v, dt, false)
+}
+
+func (c *Cache) writeKV16(layer uint32, slots []int32, k, v []uint16, dt Dtype, shared bool) error {
 	if dt != F16 && dt != BF16 {
 		return invalid("WriteKV16: dtype %s, not f16 or bf16", dt.Name())
 	}
-	return c.writeKV(layer, slots, slicePtr(k), slicePtr(v), len(k), len(v), dt, k != nil, v != nil, false)
+	return c.writeKV(layer, slots, slicePtr(k), slicePtr(v), len(k), len(v), dt, k != nil, v != nil, shared)
 }
 
 // WriteKVShared is WriteKV under the cache's read lock instead of its write lock, so that it
@@ -528,10 +532,7 @@ func (c *Cache) WriteKVShared(layer uint32, slots []int32, k, v []float32) error
 
 // WriteKV16Shared is WriteKVShared for f16 or bf16 bit patterns (dt F16 or BF16).
 func (c *Cache) WriteKV16Shared(layer uint32, slots []int32, k, v []uint16, dt Dtype) error {
-	if dt != F16 && dt != BF16 {
-		return invalid("WriteKV16: dtype %s, not f16 or bf16", dt.Name())
-	}
-	return c.writeKV(layer, slots, slicePtr(k), slicePtr(v), len(k), len(v), dt, k != nil, v != nil, true)
+	return c.writeKV16(layer, slots, k, v, dt, true)
 }
 
 // op runs f under the write lock (write: a call that changes sequences or K/V) or the read lock
