@@ -464,7 +464,11 @@ class Cache:
             if level == 0:  # PKV_LOG_ERROR
                 said.msg = text
             if user_log is not None:
-                user_log(level, text)
+                said.in_log = True  # inside a libpkv call on this cache: close() must not wait for it
+                try:
+                    user_log(level, text)
+                finally:
+                    said.in_log = False
         self._log_cb = _LOG_FN(on_log)
         cfg.log = self._log_cb
         h = _vp()
@@ -482,12 +486,13 @@ class Cache:
         """Frees the cache (pkv_cache_destroy), once the calls other threads have in flight on it
         have returned. Later calls raise PkvError (EINVAL); a second close does nothing. While a
         view of the pool (kv_view) is alive, raises PkvError (EBUSY) and frees nothing: the
-        cache is then freed when the last view and reference are gone. (libpkv calls the log
-        callback only inside create, so no call of this cache is in flight on the thread that
-        closes it.)"""
+        cache is then freed when the last view and reference are gone. From the log callback
+        (inside a call on this cache, which close would wait for) it raises EBUSY."""
         with self._cv:
             if not self._c:
                 return
+            if getattr(self._said, "in_log", False):
+                raise PkvError(EBUSY, "close: called from the log callback, inside a call on this cache")
             self._closing = True  # calls made from now on are refused
             try:
                 while self._busy:

@@ -238,6 +238,20 @@ class TestLibrary(Base):
             for t in ts:
                 t.join()
             self.assertEqual(errs, {0: {"sequence %#x is unknown" % (s + 7)}, 1: {"n_pos 99 past the sequence's length 4"}})
+        # close() from the log callback (inside the refused call) raises instead of waiting for it
+        closing = []
+
+        def close_in_log(level, msg):
+            if level == 0:
+                try:
+                    c2.close()
+                except pkv.BusyError as x:
+                    closing.append(x)
+        c2 = pkv.Cache(n_kv_heads=1, head_dim=32, n_blocks=4, n_threads=1, log=close_in_log)
+        with self.assertRaises(pkv.NotFoundError):
+            c2.seq_info(12345)
+        self.assertEqual(len(closing), 1)
+        c2.close()
 
 
 class TestAttention(Base):
