@@ -415,7 +415,8 @@ PKV_NODISCARD PKV_API int pkv_export_dense(pkv_cache *c, const pkv_seq *seqs, ui
 
 /* FlashInfer CSR format: indptr [n_seqs + 1], indices [indptr[n_seqs]] (capacity
  * indices_cap), last_page_len [n_seqs] (tokens in each last block, 0 for an empty sequence).
- * PKV_EINVAL if indices_cap is too small (n_needed, if not NULL, says how many). */
+ * PKV_EINVAL if indices_cap is too small (n_needed, if not NULL, says how many), or if the
+ * tables hold more than INT32_MAX ids in all (a sequence named many times: n_needed untouched). */
 PKV_NODISCARD PKV_API int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, int32_t *indptr,
                                          int32_t *indices, uint32_t indices_cap, int32_t *last_page_len,
                                          uint32_t *n_needed);

@@ -356,11 +356,11 @@ def _ptr(a):
 
 
 def _shape_check(a, dims, what):
-    """EINVAL unless a is shaped as dims = (n, h, d) or flattened after the first axis or whole:
-    (n, h, d), (n, h * d) or (n * h * d,). A transposed array of the right size is refused, not
-    read in the wrong order."""
+    """EINVAL unless a is shaped as dims = (n, h, d), flattened after the first axis or whole
+    ((n, h * d), (n * h * d,)), or for one row (h, d). An array of another shape, a transposed
+    one among them, is refused rather than read in the wrong order."""
     n, h, d = dims
-    if a.shape not in ((n, h, d), (n, h * d), (n * h * d,)):
+    if a.shape not in ((n, h, d), (n, h * d), (n * h * d,)) and not (n == 1 and a.shape == (h, d)):
         raise _invalid("%s: shape %s, [%d][%d][%d] needed (or flattened: (%d, %d) or (%d,))"
                        % (what, a.shape, n, h, d, n, h * d, n * h * d))
 
@@ -521,6 +521,8 @@ class Cache:
             raise PkvError(rc, self._why(what))
 
     def _enter(self):
+        if getattr(self._said, "in_log", False):  # libpkv holds the cache's lock around the hook
+            raise PkvError(EBUSY, "a call on the cache from its log callback (inside a call on it)")
         with self._cv:
             if not self._c or self._closing:
                 raise _invalid("the cache is closed")
@@ -588,6 +590,9 @@ class Cache:
     def layout(self):
         """Where the pool lives (pkv_cache_layout), for engines with kernels of their own:
         k_base and v_base are addresses (ints), valid until close()."""
+        return self._layout()
+
+    def _layout(self):  # (inside a call already: not counted again)
         lo = _Layout()
         self._check(_lib.pkv_cache_layout(self._h(), ctypes.byref(lo)), "pkv_cache_layout")
         vals = [getattr(lo, f) for f, _ in _Layout._fields_]
@@ -604,7 +609,7 @@ class Cache:
         unless writeable=True; what is written through a view bypasses pkv_write_kv's checks
         (pkv.h: such rows are the caller's business). A view keeps the cache alive, and close()
         refuses (EBUSY) while one is."""
-        lo = self.layout()
+        lo = self._layout()
         layer = _u32_of(layer, "layer")
         if layer >= lo.n_layers:
             raise _invalid("kv_view: layer %d of %d" % (layer, lo.n_layers))
@@ -756,16 +761,18 @@ class Cache:
     @_in_call
     def seq_info(self, seq):
         """SeqInfo(n_tokens, n_committed, n_blocks, n_shared, n_reused)."""
+        return self._info(seq)
+
+    def _info(self, seq):  # (inside a call already: not counted again)
         i = _SeqInfo()
         self._check(_lib.pkv_seq_get_info(self._h(), _seq_of(seq), ctypes.byref(i)), "pkv_seq_get_info")
         return SeqInfo(*(getattr(i, f) for f, _ in _SeqInfo._fields_))
 
-    @_in_call
     def _range(self, seq, start, n, what):
         """start, n checked against the sequence's length before an output of n rows is made (so a
         huge n is EINVAL, as the C call would say, not an allocation of that size)."""
         start = _u32_of(start, "%s: start" % what)
-        length = self.seq_info(seq).n_tokens
+        length = self._info(seq).n_tokens
         n = max(length - start, 0) if n is None else _u32_of(n, "%s: n" % what)
         if start + n > length:
             raise _invalid("%s: positions [%d, %d) past the sequence's %d" % (what, start, start + n, length))
@@ -782,7 +789,7 @@ class Cache:
     @_in_call
     def block_table(self, seq):
         """The sequence's block ids (int32 array)."""
-        n = self.seq_info(seq).n_blocks
+        n = self._info(seq).n_blocks
         out = np.empty(n, dtype=np.int32)
         got = _u32()
         self._check(_lib.pkv_seq_block_table(self._h(), _seq_of(seq), _ptr(out), n, ctypes.byref(got)),
@@ -803,9 +810,9 @@ class Cache:
     def _seqs(self, seqs, what):
         """Sequence ids as a C-contiguous uint64 array (an integer array is checked as a whole)."""
         a = np.asarray(seqs)
-        if a.ndim != 1:
-            raise _invalid("%s: a list (or 1-D array) of sequence ids is needed, got %d dimensions" % (what, a.ndim))
-        if a.dtype.kind in "iu":
+        if a.ndim == 0 and a.dtype.kind != "O":  # one id (an int, a 0-d array): not a list
+            raise _invalid("%s: a list (or 1-D array) of sequence ids is needed, got one value" % what)
+        if a.dtype.kind in "iu" and a.ndim == 1:
             if a.size and a.dtype.kind == "i" and a.min() < 0:
                 raise _invalid("%s: a negative sequence id" % what)
             a = np.require(a, dtype=np.uint64, requirements="CA")

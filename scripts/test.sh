@@ -101,11 +101,17 @@ if [ "$(uname -m)" = x86_64 ] && [ "${PKV_SKIP_I386:-0}" != 1 ]; then
     t0=$(date +%s)
     log="$LOG_DIR/i386.log"
     echo "=== [i386] 32-bit libpkv (gcc -m32) + go test with GOARCH=386"
-    pkv_install_missing gcc-multilib >"$log" 2>&1 || true
-    if CFLAGS=-m32 LDFLAGS=-m32 cmake -S . -B build-i386 -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    # gcc-N-multilib, not the gcc-multilib metapackage: that one conflicts with the arm64 stage's
+    # cross compiler (apt removes one for the other), the versioned one sits beside it. Without
+    # the metapackage's /usr/include/asm link, -m32 finds <asm/...> through one of its own.
+    pkv_install_missing "gcc-$(gcc -dumpversion | cut -d. -f1)-multilib" >"$log" 2>&1 || true
+    mkdir -p build-i386/inc
+    ln -sfn "/usr/include/$(gcc -print-multiarch)/asm" build-i386/inc/asm
+    m32="-m32 -isystem $PWD/build-i386/inc"
+    if CFLAGS="$m32" LDFLAGS=-m32 cmake -S . -B build-i386 -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DPKV_BUILD_TESTS=OFF -DPKV_BUILD_TOOLS=OFF >>"$log" 2>&1 &&
-        ninja -C build-i386 -j "$JOBS" pkv >>"$log" 2>        ninja -C build-i386 -j "$JOBS" pkv_shared >>"$log" 2>&1 &&1 &&
-        (cd bindings/go && GOARCH=386 CGO_ENABLED=1 CC="gcc -m32" \
+        ninja -C build-i386 -j "$JOBS" pkv >>"$log" 2>&1 &&
+        (cd bindings/go && GOARCH=386 CGO_ENABLED=1 CC="gcc $m32" \
             CGO_LDFLAGS="-L$PWD/../../build-i386 -Wl,-rpath,$PWD/../../build-i386" go test -count=1 ./...) >>"$log" 2>&1; then
         summary+=("[i386] $(grep -E '^ok' "$log" | tail -n 1) ($(($(date +%s) - t0)) s)")
     else

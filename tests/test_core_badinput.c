@@ -734,6 +734,37 @@ static void test_id_index_max_seqs(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* pkv_export_csr over more than INT32_MAX ids in all (one sequence named many times): refused
+ * and said, with no size given (a caller would allocate for a second call refused the same). */
+static void test_csr_past_int32(void **state) {
+    (void)state;
+    fx f0 = {0};
+    pkv_config cfg = tu_config(4096, 1, 1, 1, 8, PKV_DTYPE_F32);
+    cfg.log = fx_log;
+    cfg.log_ctx = &f0;
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s = tu_seq(c);
+    tu_append(c, s, 4096, 0, NULL);
+    const uint32_t n = (1u << 31) / 4096 + 1; /* 2^31 + 4096 ids */
+    pkv_seq *list = malloc(n * sizeof *list);
+    assert_non_null(list);
+    for (uint32_t i = 0; i < n; i++) list[i] = s;
+    int32_t *indptr = malloc((n + 1) * sizeof *indptr), *last = malloc(n * sizeof *last);
+    assert_non_null(indptr);
+    assert_non_null(last);
+    uint32_t need = 12345;
+    assert_int_equal(pkv_export_csr(c, list, n, indptr, NULL, 0, last, &need), PKV_EINVAL);
+    assert_int_equal(need, 12345);
+    assert_int_equal(f0.n_said, 1);
+    assert_string_equal(f0.said, "pkv_export_csr: 2147487744 indices, past int32");
+    /* 2^31 - 4096 ids: a size, not said (the sizing answer) */
+    assert_int_equal(pkv_export_csr(c, list, n - 2, indptr, NULL, 0, last, &need), PKV_EINVAL);
+    assert_int_equal(need, (n - 2) * 4096u);
+    assert_int_equal(f0.n_said, 1);
+    free(list), free(indptr), free(last);
+    pkv_cache_destroy(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_bad_inputs, setup, teardown),
@@ -741,6 +772,7 @@ int main(void) {
         cmocka_unit_test(test_bad_config),
         cmocka_unit_test(test_empty_outputs_null),
         cmocka_unit_test(test_id_index_max_seqs),
+        cmocka_unit_test(test_csr_past_int32),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -389,6 +389,9 @@ func (c *Cache) BF16DotUsed() bool {
 // kvElems is the elements of n K or V rows, or EINVAL where that is past int (a 32-bit int
 // wraps at 2^31: 1024 rows of 4096 kv heads x 1024 would read as 0).
 func (c *Cache) kvElems(n int, what string) (int, error) {
+	if c == nil {
+		return 0, errClosed
+	}
 	row, err := mulLen(int(c.cfg.NKVHeads), int(c.cfg.HeadDim), what)
 	if err != nil {
 		return 0, err
@@ -778,6 +781,9 @@ func (c *Cache) GatherInto(s Seq, layer, start uint32, k, v []float32) error {
 // EINVAL where maxBlocks is over the cache's MaxBlocksPerSeq (no table is longer: the rest would
 // be padding), checked before the tables are allocated.
 func (c *Cache) ExportDense(seqs []Seq, maxBlocks uint32) ([]int32, []int32, error) {
+	if c == nil {
+		return nil, nil, errClosed
+	}
 	n, err := u32(len(seqs), "ExportDense: seqs")
 	if err != nil {
 		return nil, nil, err
@@ -858,6 +864,9 @@ func (c *Cache) Check() error {
 // lse once the call succeeded.
 func (c *Cache) attnCall(what string, items, rows int, q, out []float32, ap AttnParams, lse []float32,
 	call func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int) error {
+	if c == nil {
+		return errClosed
+	}
 	if ap.NQHeads > math.MaxInt32 {
 		return invalid("%s: NQHeads %d", what, ap.NQHeads)
 	}

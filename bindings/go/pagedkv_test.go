@@ -927,8 +927,40 @@ func TestClosedNilAndDtypes(t *testing.T) {
 		t.Fatal("nil cache:", err)
 	}
 	nilc.Close() // a no-op
-	if nilc.Config() != (Config{}) || nilc.Backend() != "" {
+	if nilc.Config() != (Config{}) || nilc.Backend() != "" || nilc.BF16DotUsed() {
 		t.Fatal("nil cache's config or backend")
+	}
+	f32, i32, u16 := make([]float32, 64), []int32{0}, make([]uint16, 64)
+	for i, err := range []error{
+		nilc.Reset(), nilc.AppendInto(1, i32, i32), nilc.WriteKV(0, i32, f32, f32), nilc.WriteKV16(0, i32, u16, u16, F16),
+		nilc.WriteKVShared(0, i32, f32, f32), nilc.WriteKV16Shared(0, i32, u16, u16, BF16), nilc.Commit(1, 1),
+		nilc.Truncate(1, 0), nilc.Release(1), nilc.PinRelease(1), nilc.SlotsInto(1, 0, i32),
+		nilc.GatherInto(1, 0, 0, f32, nil), nilc.Check(),
+		nilc.Decode(0, []Seq{1}, f32, f32, AttnParams{}, nil), nilc.Prefill(0, []AttnReq{{1, 0, 1}}, f32, f32, AttnParams{}, nil),
+	} {
+		if !errors.Is(err, ErrClosed) {
+			t.Fatalf("nil cache, call %d: %v", i, err)
+		}
+	}
+	for i, f := range []func() error{
+		func() error { _, err := nilc.SeqCreate(nil); return err },
+		func() error { _, err := nilc.Append(1, i32); return err },
+		func() error { _, err := nilc.AppendBlocks(1, 1); return err },
+		func() error { _, err := nilc.Compact(1, false, false); return err },
+		func() error { _, err := nilc.BatchCompact([]Seq{1}, 0, false, false); return err },
+		func() error { _, err := nilc.Fork(1); return err },
+		func() error { _, err := nilc.Pin(1, 1); return err },
+		func() error { _, err := nilc.MatchPrefix(1, i32); return err },
+		func() error { _, err := nilc.SeqInfo(1); return err },
+		func() error { _, err := nilc.Slots(1, 0, 1); return err },
+		func() error { _, err := nilc.BlockTable(1); return err },
+		func() error { _, _, err := nilc.Gather(1, 0, 0, 1); return err },
+		func() error { _, _, err := nilc.ExportDense([]Seq{1}, 1); return err },
+		func() error { _, _, _, err := nilc.ExportCSR([]Seq{1}); return err },
+	} {
+		if err := f(); !errors.Is(err, ErrClosed) {
+			t.Fatalf("nil cache, call %d: %v", i, err)
+		}
 	}
 	c := newCache(t, 1, 32, 4, F32)
 	s, err := c.SeqCreate(nil)
@@ -992,18 +1024,19 @@ func TestFinalizerFreesDroppedCaches(t *testing.T) {
 	}
 	runtime.GC()
 	before := threads()
-	func() {
-		for i := 0; i < 20; i++ {
-			cfg := DefaultConfig()
-			cfg.NKVHeads, cfg.HeadDim, cfg.NBlocks, cfg.NThreads = 1, 32, 4, 3
-			c, err := NewCache(cfg)
-			must(t, err)
-			_ = c.Backend()
-		}
-	}()
+	caches := make([]*Cache, 20) // reachable until counted: a GC meanwhile must not free them
+	for i := range caches {
+		cfg := DefaultConfig()
+		cfg.NKVHeads, cfg.HeadDim, cfg.NBlocks, cfg.NThreads = 1, 32, 4, 3
+		c, err := NewCache(cfg)
+		must(t, err)
+		caches[i] = c
+	}
 	if n := threads(); n < before+40 {
 		t.Fatalf("threads %d before, %d with 20 caches of 2 workers", before, n)
 	}
+	runtime.KeepAlive(caches)
+	caches = nil
 	for i := 0; i < 100 && threads() >= before+40; i++ {
 		runtime.GC()
 		time.Sleep(20 * time.Millisecond)

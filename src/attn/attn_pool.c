@@ -3,7 +3,14 @@
  * from one ticket (attn_pool.h); a job is over when its tasks are done. */
 #include "attn_pool.h"
 
-#include <unistd.h>
+/* How many times this process is a fork child of the one before (a pthread_atfork handler in
+ * the child counts them): a pool made at another count is another process's, its workers not
+ * here. (A count, not getpid(): no system call a job, and a pid the kernel reuses for a later
+ * descendant cannot pass for the creator's.) */
+static _Atomic uint32_t g_forks;
+static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
+static void on_fork_child(void) { atomic_fetch_add_explicit(&g_forks, 1, memory_order_relaxed); }
+static void atfork_init(void) { (void)pthread_atfork(NULL, NULL, on_fork_child); }
 
 /* How long an idle thread spins before sleeping: long enough to bridge consecutive calls of
  * one decode step (layers), short enough not to steal a shared core for long. */
@@ -91,7 +98,8 @@ static void *worker_main(void *arg) {
 int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *workers, const pkv_executor *exec) {
     p->exec = exec && exec->parallel_for ? *exec : (pkv_executor){0};
     p->n_threads = n_threads;
-    p->pid = getpid();
+    pthread_once(&g_atfork_once, atfork_init);
+    p->fork_gen = atomic_load_explicit(&g_forks, memory_order_relaxed);
     p->workers = workers;
     atomic_init(&p->gen, 0);
     atomic_init(&p->ticket, 0);
@@ -124,7 +132,7 @@ int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *worker
 }
 
 /* Whether this is a child process of the one that made the pool (its workers are not here). */
-static bool forked(const pkv__tpool *p) { return getpid() != p->pid; }
+static bool forked(const pkv__tpool *p) { return atomic_load_explicit(&g_forks, memory_order_relaxed) != p->fork_gen; }
 
 void pkv__tpool_fini(pkv__tpool *p) {
     if (forked(p)) return; /* no workers to stop; mu and the cvs may hold the parent's waiters */

@@ -17,7 +17,6 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
-#include <sys/types.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -39,7 +38,7 @@ typedef struct pkv__tpool_worker {
 
 typedef struct pkv__tpool {
     uint32_t n_threads;           /* including the caller (tid 0) */
-    pid_t pid;                    /* the process whose threads the workers are */
+    uint32_t fork_gen;            /* the process's fork count when the workers started (attn_pool.c) */
     pkv__tpool_worker *workers;   /* [n_threads - 1], tids 1.. */
     pthread_mutex_t mu;
     pthread_cond_t cv_work;       /* workers sleep here for a new generation */

@@ -555,9 +555,11 @@ PKV_API int pkv_seq_append(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint
     rc = append_need(c, s, n, &need, &cow, __func__);
     if (rc) goto out;
     if (need > (uint64_t)c->pool.n_free + c->pool.n_cached) {
-        rc = PKV__SAY(c, PKV_ENOSPC, "%u positions need %llu blocks, %u FREE and %u CACHED are left", n,
-                      (unsigned long long)need, c->pool.n_free, c->pool.n_cached);
-        goto out;
+        /* how an engine learns to preempt, a routine refusal: said after the lock is let go */
+        const uint32_t n_free = c->pool.n_free, n_cached = c->pool.n_cached;
+        UNLOCK(c);
+        return PKV__SAY(c, PKV_ENOSPC, "%u positions need %llu blocks, %u FREE and %u CACHED are left", n,
+                        (unsigned long long)need, n_free, n_cached);
     }
     if (cow) cow_tail(c, s);
     else claim_tail(c, s);
@@ -1331,8 +1333,10 @@ PKV_API int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, i
     int rc = check_ids(c, seqs, n_seqs, __func__);
     uint64_t total = 0;
     for (uint32_t i = 0; !rc && i < n_seqs; i++) total += pkv__seq_get(c, seqs[i])->n_blocks;
-    if (!rc && n_needed) *n_needed = total > UINT32_MAX ? UINT32_MAX : (uint32_t)total;
+    /* past int32 (one id named many times) there is no size to give: said, and *n_needed left
+       alone, so that no caller allocates for a second call that would be refused too */
     if (!rc && total > INT32_MAX) rc = PKV__SAY(c, PKV_EINVAL, "%llu indices, past int32", (unsigned long long)total);
+    if (!rc && n_needed) *n_needed = (uint32_t)total;
     if (!rc && total > indices_cap) rc = PKV_EINVAL; /* the sizing answer: not said (pkv.h) */
     if (!rc) {
         uint32_t at = 0;
@@ -1439,6 +1443,9 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         n_rows += reqs ? reqs[i].n_q : 1;
     }
     UNLOCK(c);
+    size_t q_bytes;
+    if (!rc && !pkv__f32_rows_bytes(n_rows, qrow, &q_bytes))
+        rc = pkv__say(c, PKV_EINVAL, api, "%llu queries x %zu floats are past size_t", (unsigned long long)n_rows, qrow);
     if (!rc && check_overlap(q, out, lse, n_rows, qrow, call.n_q_heads))
         rc = pkv__say(c, PKV_EINVAL, api, "q, out and lse overlap (out may be q itself, nothing else)");
     /* a query that is not finite, or so large that q.k overflows (or q x scale, which the kernels
@@ -1474,7 +1481,10 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         }
         UNLOCK(c);
         if (k && (rc = pkv__attn_run(c->attn, &view, c->items, k, &call)) != 0)
-            pkv__say(c, rc, api, "the executor broke its contract: a worker index out of range or in use, or tasks left");
+            pkv__say(c, rc, api, "%s",
+                     c->cfg.executor.parallel_for
+                         ? "the executor broke its contract: a worker index out of range or in use, or tasks left"
+                         : "the kernels refused the call");
     }
     pkv__attn_release_counts(c->attn, rc == 0);
     pthread_mutex_unlock(&c->attn_mu);

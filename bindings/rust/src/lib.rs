@@ -838,7 +838,7 @@ impl Cache {
             )
         };
         if rc != OK && rc != EINVAL {
-            return Err(Error::new(rc, "pkv_export_csr"));
+            check(rc, "pkv_export_csr")?; // (with what libpkv said)
         }
         let mut indices = vec![0i32; need as usize];
         let rc = unsafe {
