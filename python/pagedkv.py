@@ -493,6 +493,8 @@ class Cache:
                 return
             if getattr(self._said, "in_log", False):
                 raise PkvError(EBUSY, "close: called from the log callback, inside a call on this cache")
+            if len(self._views):
+                raise PkvError(EBUSY, "close: %d views of the pool are still alive" % len(self._views))
             self._closing = True  # calls made from now on are refused
             try:
                 while self._busy:
