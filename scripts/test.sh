@@ -3,8 +3,8 @@
 # ctest test, an ASan+UBSan Debug build running the "unit" tests, a TSan build running the
 # "thread" tests (both sanitizer builds at -O1, as the sanitizers' documentation advises: at -O0
 # the ASan stage's test_attn took about 3x as long), an arm64 cross build whose tests run under
-# qemu (scripts/test-arm64.sh: the NEON kernels), a 32-bit x86 libpkv under the Go binding's
-# tests, and (when fuzz/fuzz_api.c exists) a bounded libFuzzer run. Exits non-zero if any stage fails; prints each stage's ctest summary at the end.
+# qemu (scripts/test-arm64.sh: the NEON kernels), a 32-bit x86 build running the unit tests and
+# the Go binding's tests, and (when fuzz/fuzz_api.c exists) a bounded libFuzzer run. Exits non-zero if any stage fails; prints each stage's ctest summary at the end.
 #
 # Environment: PKV_STRESS_OPS (stress test operations in the Release stage, default 1000000, about
 # 5 s; the test itself defaults to 200000 when run alone), PKV_ASAN_STRESS_OPS (the ASan
@@ -95,25 +95,33 @@ else
     summary+=("[arm64] skipped: PKV_SKIP_ARM64=1")
 fi
 
-# ---- i386: a 32-bit libpkv under the Go binding's tests (a Go int is 32 bits there, so every
-# length product is checked for overflow; PKV_SKIP_I386=1 skips; x86-64 hosts only) -----------
+# ---- i386: the library and its unit tests built 32-bit (gcc -m32) and run natively, then the Go
+# binding's tests with GOARCH=386 over that libpkv (a Go int is 32 bits there, so every length
+# product is checked for overflow). PKV_SKIP_I386=1 skips; x86-64 hosts only --------------------
 if [ "$(uname -m)" = x86_64 ] && [ "${PKV_SKIP_I386:-0}" != 1 ]; then
     t0=$(date +%s)
     log="$LOG_DIR/i386.log"
-    echo "=== [i386] 32-bit libpkv (gcc -m32) + go test with GOARCH=386"
+    echo "=== [i386] 32-bit build (gcc -m32) + ctest -L unit + go test with GOARCH=386"
     # gcc-N-multilib, not the gcc-multilib metapackage: that one conflicts with the arm64 stage's
     # cross compiler (apt removes one for the other), the versioned one sits beside it. Without
-    # the metapackage's /usr/include/asm link, -m32 finds <asm/...> through one of its own.
-    pkv_install_missing "gcc-$(gcc -dumpversion | cut -d. -f1)-multilib" >"$log" 2>&1 || true
+    # the metapackage's /usr/include/asm link, -m32 finds <asm/...> through one of its own. The
+    # i386 cmocka and xxhash come from dpkg multiarch, as the arm64 stage's arm64 ones do.
+    if ! dpkg --print-foreign-architectures | grep -qx i386; then
+        if [ "$(id -u)" -ne 0 ]; then sudo dpkg --add-architecture i386; else dpkg --add-architecture i386; fi
+    fi
+    pkv_install_missing "gcc-$(gcc -dumpversion | cut -d. -f1)-multilib" libcmocka-dev:i386 libxxhash-dev:i386 \
+        >"$log" 2>&1 || true
     mkdir -p build-i386/inc
     ln -sfn "/usr/include/$(gcc -print-multiarch)/asm" build-i386/inc/asm
     m32="-m32 -isystem $PWD/build-i386/inc"
     if CFLAGS="$m32" LDFLAGS=-m32 cmake -S . -B build-i386 -G Ninja -DCMAKE_BUILD_TYPE=Release \
-        -DPKV_BUILD_TESTS=OFF -DPKV_BUILD_TOOLS=OFF >>"$log" 2>&1 &&
-        ninja -C build-i386 -j "$JOBS" pkv >>"$log" 2>&1 &&
+        -DCMAKE_LIBRARY_ARCHITECTURE=i386-linux-gnu -DPKV_TEST_SHARDS=2 >>"$log" 2>&1 &&
+        ninja -C build-i386 -j "$JOBS" >>"$log" 2>&1 &&
+        (cd build-i386 && PKV_ATTN_TEST_MAX_LEN=120 PKV_STRESS_OPS=50000 ctest --output-on-failure -j "$JOBS" \
+            -L unit -E '^test_python$') >>"$log" 2>&1 &&
         (cd bindings/go && GOARCH=386 CGO_ENABLED=1 CC="gcc $m32" \
             CGO_LDFLAGS="-L$PWD/../../build-i386 -Wl,-rpath,$PWD/../../build-i386" go test -count=1 ./...) >>"$log" 2>&1; then
-        summary+=("[i386] $(grep -E '^ok' "$log" | tail -n 1) ($(($(date +%s) - t0)) s)")
+        summary+=("[i386] $(grep -E 'tests passed' "$log" | tail -n 1); go $(grep -E '^ok' "$log" | tail -n 1) ($(($(date +%s) - t0)) s)")
     else
         stage_failed i386 "$log" 60 "FAILED (see above)"
     fi

@@ -194,6 +194,18 @@ static int meta_fraction(uint32_t n_layers, uint32_t n_blocks, int json) {
     cfg.k_dtype = cfg.v_dtype = PKV_DTYPE_F16;
     cfg.n_blocks = n_blocks;
     cfg.n_threads = 1;
+    /* K and V of 16 tokens x 8 kv heads x 128 f16, a block and layer */
+    const uint64_t kv_bytes = (uint64_t)n_layers * n_blocks * 2 * 16 * 8 * 128 * 2;
+    if (kv_bytes > SIZE_MAX / 2) { /* a 32-bit platform: no pool that size (create would refuse) */
+        if (json)
+            printf("{\"bench\":\"ops\",\"metric\":\"meta_fraction\",\"n_layers\":%u,\"n_blocks\":%u,"
+                   "\"skipped\":\"a pool of %llu bytes is past this platform's size_t\"}\n",
+                   n_layers, n_blocks, (unsigned long long)kv_bytes);
+        else
+            printf("  %2u layer(s), %6u blocks: skipped, a pool of %llu bytes is past this platform's size_t\n",
+                   n_layers, n_blocks, (unsigned long long)kv_bytes);
+        return 0;
+    }
     pkv_cache *c = NULL;
     if (tool_check(pkv_cache_create(&cfg, &c), "pkv_cache_create (metadata shape)") < 0) return -1;
     pkv_stats st;
