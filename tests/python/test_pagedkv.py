@@ -215,22 +215,6 @@ class TestLibrary(Base):
             with self.assertRaises(pkv.NotFoundError) as e:
                 c.seq_info(s + 1)
             self.assertIn("is unknown: never made, released, or another cache's", str(e.exception))
-            # calls from the log callback (inside a refused call, under the cache's lock) raise
-            # rather than deadlock
-            inner = []
-
-            def call_in_log(level, msg):
-                if level == 0:
-                    try:
-                        c3.stats()
-                    except pkv.BusyError as x:
-                        inner.append(x)
-            c3 = pkv.Cache(n_kv_heads=1, head_dim=32, n_blocks=4, n_threads=1, log=call_in_log)
-            with self.assertRaises(pkv.NotFoundError):
-                c3.seq_info(12345)
-            self.assertEqual(len(inner), 1)
-            self.assertEqual(c3.stats()["n_blocks"], 4)
-            c3.close()
             # shapes: one row as [H][D] is fine, a set of ids is a list of them
             s1 = c.seq_create()
             c.write_kv(0, c.append(s1, [5]), np.ones((2, 32), np.float32), np.ones((2, 32), np.float32))
@@ -253,20 +237,23 @@ class TestLibrary(Base):
             for t in ts:
                 t.join()
             self.assertEqual(errs, {0: {"sequence %#x is unknown" % (s + 7)}, 1: {"n_pos 99 past the sequence's length 4"}})
-        # close() from the log callback (inside the refused call) raises instead of waiting for it
-        closing = []
+        # from the log callback (inside a refused call, under the cache's lock) a call on the
+        # cache, close() among them, raises BusyError rather than deadlock
+        for what in ("stats", "close"):
+            inner, cx = [], []
 
-        def close_in_log(level, msg):
-            if level == 0:
-                try:
-                    c2.close()
-                except pkv.BusyError as x:
-                    closing.append(x)
-        c2 = pkv.Cache(n_kv_heads=1, head_dim=32, n_blocks=4, n_threads=1, log=close_in_log)
-        with self.assertRaises(pkv.NotFoundError):
-            c2.seq_info(12345)
-        self.assertEqual(len(closing), 1)
-        c2.close()
+            def in_log(level, msg):
+                if level == 0:
+                    try:
+                        getattr(cx[0], what)()
+                    except pkv.BusyError as x:
+                        inner.append(x)
+            cx.append(pkv.Cache(n_kv_heads=1, head_dim=32, n_blocks=4, n_threads=1, log=in_log))
+            with self.assertRaises(pkv.NotFoundError):
+                cx[0].seq_info(12345)
+            self.assertEqual(len(inner), 1, what)
+            self.assertEqual(cx[0].stats()["n_blocks"], 4)
+            cx[0].close()
 
 
 class TestAttention(Base):
