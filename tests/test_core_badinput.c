@@ -19,6 +19,19 @@
 
 enum { NB = 16, BT = 4, NL = 2, NH = 2, HD = 8 };
 
+/* The log hook's record: how many messages of each level, and the last error. */
+typedef struct {
+    int n[4];
+    char last_error[512];
+} cfg_log;
+
+static void cfg_log_fn(void *ctx, int level, const char *msg) {
+    cfg_log *l = ctx;
+    assert_true(level >= PKV_LOG_ERROR && level <= PKV_LOG_DEBUG);
+    l->n[level]++;
+    if (level == PKV_LOG_ERROR) snprintf(l->last_error, sizeof l->last_error, "%s", msg);
+}
+
 typedef struct fx {
     pkv_cache *c;
     pkv_seq live;    /* 10 tokens, written, committed 8 (2 full blocks indexed) */
@@ -41,16 +54,8 @@ typedef struct fx {
     float out[64 * NH * HD];
     int32_t ibuf[256];
     pkv_seq list[4];
-    int n_said;        /* PKV_LOG_ERROR messages of f->c's log hook during a row */
-    char said[512];    /* the last one */
+    cfg_log said; /* f->c's log hook, during a row */
 } fx;
-
-static void fx_log(void *ctx, int level, const char *msg) {
-    fx *f = ctx;
-    if (level != PKV_LOG_ERROR) return;
-    f->n_said++;
-    snprintf(f->said, sizeof f->said, "%s", msg);
-}
 
 static pkv_seq all_ids(const fx *f, int i) {
     const pkv_seq ids[] = {f->live, f->parent, f->child, f->empty};
@@ -62,8 +67,8 @@ static int setup(void **state) {
     pkv_config cfg = tu_config(NB, BT, NL, NH, HD, PKV_DTYPE_F32);
     cfg.enable_prefix_cache = 1;
     cfg.max_seqs = 8;
-    cfg.log = fx_log;
-    cfg.log_ctx = f;
+    cfg.log = cfg_log_fn;
+    cfg.log_ctx = &f->said;
     f->c = tu_create(&cfg);
     pkv_cache *c = f->c;
     tu_tokens(f->tok, 64, 1000);
@@ -446,7 +451,7 @@ static void test_bad_inputs(void **state) {
     for (size_t i = 0; i < n; i++) {
         obs before, after;
         observe(f, &before);
-        f->n_said = 0;
+        memset(&f->said, 0, sizeof f->said);
         int rc = g_rows[i].fn(f);
         if (rc != g_rows[i].want)
             fail_msg("row %s: got %d (%s), want %d (%s)", g_rows[i].name, rc, pkv_strerror(rc), g_rows[i].want,
@@ -457,10 +462,12 @@ static void test_bad_inputs(void **state) {
         const bool unsaid = rc == PKV_OK || strstr(nm, "null_cache") || strstr(nm, "cap_too_small") ||
                             !strncmp(nm, "dtype_", 6) || !strncmp(nm, "create_", 7) || !strcmp(nm, "reset_null") ||
                             !strcmp(nm, "pin_release_null");
-        if (f->n_said != (unsaid ? 0 : 1))
-            fail_msg("row %s: %d messages said, want %d (last: %s)", nm, f->n_said, unsaid ? 0 : 1, f->said);
-        if (!unsaid && strncmp(f->said, "pkv_", 4) != 0) fail_msg("row %s: said \"%s\"", nm, f->said);
-        if (getenv("PKV_TEST_SHOW_SAID") && !unsaid) print_message("%-28s %s\n", nm, f->said);
+        const int n_said = f->said.n[PKV_LOG_ERROR];
+        const char *said = f->said.last_error;
+        if (n_said != (unsaid ? 0 : 1))
+            fail_msg("row %s: %d messages said, want %d (last: %s)", nm, n_said, unsaid ? 0 : 1, said);
+        if (!unsaid && strncmp(said, "pkv_", 4) != 0) fail_msg("row %s: said \"%s\"", nm, said);
+        if (getenv("PKV_TEST_SHOW_SAID") && !unsaid) print_message("%-28s %s\n", nm, said);
         char msg[256] = "";
         if (pkv_cache_check(f->c, msg, sizeof msg) != 0) fail_msg("row %s: checker: %s", g_rows[i].name, msg);
         observe(f, &after);
@@ -516,19 +523,6 @@ typedef struct {
 static void cfg_serial_for(void *ctx, pkv_task_fn fn, void *job, uint32_t n) {
     (void)ctx;
     for (uint32_t i = 0; i < n; i++) fn(job, i, 0);
-}
-
-/* The log hook's record: how many messages of each level, and the last error. */
-typedef struct {
-    int n[4];
-    char last_error[512];
-} cfg_log;
-
-static void cfg_log_fn(void *ctx, int level, const char *msg) {
-    cfg_log *l = ctx;
-    assert_true(level >= PKV_LOG_ERROR && level <= PKV_LOG_DEBUG);
-    l->n[level]++;
-    if (level == PKV_LOG_ERROR) snprintf(l->last_error, sizeof l->last_error, "%s", msg);
 }
 
 /* create refuses cfg with want, leaves nothing allocated through the counting hook as, and
@@ -747,10 +741,9 @@ static void test_id_index_max_seqs(void **state) {
  * and said, with no size given (a caller would allocate for a second call refused the same). */
 static void test_csr_past_int32(void **state) {
     (void)state;
-    fx f0 = {0};
+    cfg_log log = {{0}, ""};
     pkv_config cfg = tu_config(4096, 1, 1, 1, 8, PKV_DTYPE_F32);
-    cfg.log = fx_log;
-    cfg.log_ctx = &f0;
+    cfg.log = cfg_log_fn, cfg.log_ctx = &log;
     pkv_cache *c = tu_create(&cfg);
     pkv_seq s = tu_seq(c);
     tu_append(c, s, 4096, 0, NULL);
@@ -764,12 +757,12 @@ static void test_csr_past_int32(void **state) {
     uint32_t need = 12345;
     assert_int_equal(pkv_export_csr(c, list, n, indptr, NULL, 0, last, &need), PKV_EINVAL);
     assert_int_equal(need, 12345);
-    assert_int_equal(f0.n_said, 1);
-    assert_string_equal(f0.said, "pkv_export_csr: 2147487744 indices, past int32");
+    assert_int_equal(log.n[PKV_LOG_ERROR], 1);
+    assert_string_equal(log.last_error, "pkv_export_csr: 2147487744 indices, past int32");
     /* 2^31 - 4096 ids: a size, not said (the sizing answer) */
     assert_int_equal(pkv_export_csr(c, list, n - 2, indptr, NULL, 0, last, &need), PKV_EINVAL);
     assert_int_equal(need, (n - 2) * 4096u);
-    assert_int_equal(f0.n_said, 1);
+    assert_int_equal(log.n[PKV_LOG_ERROR], 1);
     free(list), free(indptr), free(last);
     pkv_cache_destroy(c);
 }

@@ -1402,11 +1402,10 @@ static pkv__kv_view layer_view(const pkv_cache *c, uint32_t layer) {
 }
 
 /* out may be q (in place: each query's rows are read before its output is written, and no other
- * query's are written over them); any other overlap of q, out and lse is PKV_EINVAL. */
-static int check_overlap(const float *q, const float *out, const float *lse, uint64_t n_rows, size_t qrow,
+ * query's are written over them); any other overlap of q, out and lse is PKV_EINVAL. nq: the bytes
+ * of q (and of out), n_rows rows of n_q_heads x head_dim floats. */
+static int check_overlap(const float *q, const float *out, const float *lse, uint64_t n_rows, size_t nq,
                          uint32_t n_q_heads) {
-    size_t nq;
-    if (!pkv__f32_rows_bytes(n_rows, qrow, &nq)) return PKV_EINVAL;
     const size_t nl = (size_t)n_rows * sizeof(float) * n_q_heads; /* <= nq: n_q_heads <= qrow */
     if (pkv__overlap_unequal(q, out, nq)) return PKV_EINVAL;
     if (lse && (pkv__overlap(lse, nl, q, nq) || pkv__overlap(lse, nl, out, nq))) return PKV_EINVAL;
@@ -1443,10 +1442,10 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         n_rows += reqs ? reqs[i].n_q : 1;
     }
     UNLOCK(c);
-    size_t q_bytes;
+    size_t q_bytes = 0;
     if (!rc && !pkv__f32_rows_bytes(n_rows, qrow, &q_bytes))
         rc = pkv__say(c, PKV_EINVAL, api, "%llu queries x %zu floats are past size_t", (unsigned long long)n_rows, qrow);
-    if (!rc && check_overlap(q, out, lse, n_rows, qrow, call.n_q_heads))
+    if (!rc && check_overlap(q, out, lse, n_rows, q_bytes, call.n_q_heads))
         rc = pkv__say(c, PKV_EINVAL, api, "q, out and lse overlap (out may be q itself, nothing else)");
     /* a query that is not finite, or so large that q.k overflows (or q x scale, which the kernels
        form first), would give each backend and order its own garbage (a NaN or infinite logit is
