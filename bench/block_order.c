@@ -93,7 +93,7 @@ static void probe(tool_rng *rng) {
                                : offs[k] < 0 ? run + offs[k]
                                              : run + BLOCK + offs[k];
             unsigned aux;
-            _mm_mfence();
+            __atomic_thread_fence(__ATOMIC_SEQ_CST); /* mfence; a locked or on i686 without SSE2 */
             const uint64_t t0 = __rdtscp(&aux);
             g_sink += *(volatile const uint8_t *)x;
             lat[k][t] = __rdtscp(&aux) - t0;

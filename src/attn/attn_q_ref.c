@@ -34,8 +34,14 @@ void pkv__attn_prep_q8(const float *q, size_t q_stride, uint32_t n_rows, uint32_
             dq[b] = d;
             for (int j = 0; j < 32; j++) {
                 /* |x * id| <= 127 (+ rounding): round half to even by the 1.5 * 2^23 trick,
-                   exact for |v| < 2^22, then clamp the rounding overshoot */
-                float v = (x[j] * id + 12582912.0f) - 12582912.0f;
+                   exact for |v| < 2^22, then clamp the rounding overshoot. The product and
+                   the sum are each stored in a float: where float math carries excess
+                   precision (x87, FLT_EVAL_METHOD 2) the sum would otherwise keep the
+                   product's fraction and the (int8_t) below would truncate instead of round,
+                   and an unrounded product could round to another integer than the SIMD
+                   kernels' float product (stop 67) */
+                const float xq = x[j] * id, big = xq + 12582912.0f;
+                float v = big - 12582912.0f;
                 v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : (v == v ? v : 0.0f)); /* NaN query -> 0 */
                 qs[32 * b + j] = (int8_t)v;
                 qa[32 * b + j] = (uint8_t)(v < 0 ? -v : v);
