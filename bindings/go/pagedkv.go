@@ -5,11 +5,13 @@
 // slice's length is checked against the call before libpkv sees it (the C API cannot see
 // lengths), so a wrong shape is an EINVAL error, never a read or write past a slice.
 //
-// A Cache may be used from many goroutines: methods that change sequences or write K/V hold
-// its write lock, reads (attention, gather, block tables, stats, the checker) its read lock, so
-// no block table or K/V row changes under a running read (libpkv's threading rule, pkv.h).
-// WriteKVShared writes K/V under the read lock instead (layer l + 1 beside a decode of layer l),
-// the caller answering for the rows. The Into forms (AppendInto, SlotsInto, GatherInto) fill
+// A Cache may be used from many goroutines, with locks per sequence (libpkv's threading rule,
+// pkv.h): a method that changes a sequence waits only for the calls that name that sequence,
+// and reads of a sequence (attention, gather, block tables) run beside one another, so an
+// append to one sequence does not wait for attention over others. WriteKV waits for the
+// attention calls and gathers in flight (its slots do not say whose rows they are);
+// WriteKVShared writes beside them (layer l + 1 beside a decode of layer l), the caller
+// answering for the rows. The Into forms (AppendInto, SlotsInto, GatherInto) fill
 // the caller's buffers. Lengths are checked in int on every platform (GOARCH=386 included).
 //
 // Build: cgo needs pkv.h (found through ../../include) and libpkv.so, e.g.
@@ -58,7 +60,7 @@ import (
 	"fmt"
 	"math"
 	"runtime"
-	"strings"
+	"sort"
 	"sync"
 	"unsafe"
 )
@@ -140,7 +142,16 @@ func invalid(format string, a ...interface{}) error {
 }
 
 func wantLen(have, want int, what string) error {
+	return wantLenOf(have, want, what, "")
+}
+
+// wantLenOf is wantLen for the argument arg of call what, the name joined only for an error (a
+// join is an allocation a call).
+func wantLenOf(have, want int, what, arg string) error {
 	if have != want {
+		if arg != "" {
+			what += ": " + arg
+		}
 		return invalid("%s: %d elements, %d needed", what, have, want)
 	}
 	return nil
@@ -278,9 +289,21 @@ type Stats struct {
 
 // Cache is a paged KV cache (pkv_cache). Close frees it.
 type Cache struct {
-	mu  sync.RWMutex
-	c   *C.pkv_cache
-	cfg Config
+	gate  sync.RWMutex // Close and Reset hold it alone; every other call shares it
+	kv    sync.RWMutex // WriteKV and WriteKV16 hold it alone; attention and gathers share it
+	smu   sync.Mutex   // guards seqs and spare
+	seqs  map[Seq]*seqLock
+	spare []*seqLock
+	c     *C.pkv_cache
+	cfg   Config
+}
+
+// seqLock is one sequence's lock: held alone by a call that changes the sequence, shared by
+// the calls that read it. It is in Cache.seqs while some call holds or waits for it.
+type seqLock struct {
+	mu    sync.RWMutex
+	id    Seq // the sequence (under Cache.smu)
+	users int // calls holding or waiting for mu (under Cache.smu)
 }
 
 // NewCache creates a cache: the whole pool and every buffer attention needs are allocated here.
@@ -306,7 +329,7 @@ func NewCache(cfg Config) (*Cache, error) {
 		C.pkv_cache_destroy(p)
 		return nil, err
 	}
-	cache := &Cache{c: p, cfg: configFromC(&eff)}
+	cache := &Cache{c: p, cfg: configFromC(&eff), seqs: make(map[Seq]*seqLock)}
 	// a safety net, as os.File has: a Cache dropped without Close is freed when the garbage
 	// collector finds it unreachable (its pool, metadata and threads), not kept forever
 	runtime.SetFinalizer(cache, (*Cache).Close)
@@ -321,8 +344,8 @@ func (c *Cache) Close() {
 	if c == nil {
 		return
 	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
+	c.gate.Lock()
+	defer c.gate.Unlock()
 	runtime.SetFinalizer(c, nil)
 	if c.c != nil {
 		C.pkv_cache_destroy(c.c)
@@ -330,31 +353,224 @@ func (c *Cache) Close() {
 	}
 }
 
-// lock takes the write lock (write) or the read lock, and holds the goroutine on its OS thread
-// until the returned unlock; it fails, holding nothing, on a closed cache.
-func (c *Cache) lock(write bool) (*C.pkv_cache, func(), error) {
-	if c == nil {
-		return nil, nil, errClosed
-	}
-	lock, unlock := c.mu.RLock, c.mu.RUnlock
-	if write {
-		lock, unlock = c.mu.Lock, c.mu.Unlock
-	}
-	lock()
-	if c.c == nil {
-		unlock()
-		return nil, nil, errClosed
-	}
-	// the calls under the lock, and check after each, run on one OS thread: check reads what
-	// libpkv said on it
-	runtime.LockOSThread()
-	return c.c, func() {
-		runtime.UnlockOSThread()
-		unlock()
-	}, nil
+// Locks. libpkv lets calls on different sequences overlap, and calls that only read a sequence
+// overlap one another; a call that changes a sequence must not overlap any call that names or
+// reads it (pkv.h, "Threads"). The binding keeps that rule with the locks a call takes, always
+// in this order, so that no two calls wait on each other in a cycle:
+//  1. gate: Close and Reset hold it alone, every other call shares it;
+//  2. the locks of the sequences the call names, in increasing id order: held alone by a call
+//     that changes its sequence (Append, Commit, Truncate, Compact, BatchCompact, Release,
+//     MatchPrefix, PinRelease), shared by the calls that read it (attention, Gather, Slots,
+//     BlockTable, SeqInfo, AppendBlocks, the exports, and Fork and Pin of their source);
+//  3. kv: WriteKV and WriteKV16 hold it alone, since their slots do not say whose rows they
+//     are; the calls that read K/V rows (attention, Gather) or move or free them (Truncate,
+//     Release, Compact, BatchCompact) share it.
+// So a change to one sequence waits only for the calls that name that sequence (and, for one
+// that moves rows, for a WriteKV in flight), not for attention over others; WriteKV waits for
+// the attention calls, gathers and row moves in flight, and while it waits, later ones wait
+// for it (WriteKVShared takes no kv lock: its caller answers for the rows).
+
+// kvUse is what a call takes of the kv lock.
+type kvUse uint8
+
+const (
+	kvNone  kvUse = iota
+	kvRead        // shared: the call reads K/V rows (attention, Gather)
+	kvWrite       // alone: WriteKV, WriteKV16
+)
+
+// access is what a call locks besides the sequences it names.
+type access struct {
+	alone bool  // the gate alone (Close, Reset); no sequence is named then
+	write bool  // the named sequences' locks alone (the call changes them); else shared
+	kv    kvUse // the kv lock
 }
 
-func (c *Cache) rlock() (*C.pkv_cache, func(), error) { return c.lock(false) }
+var (
+	readSeqs  = access{}
+	writeSeqs = access{write: true}
+	// a change that moves or frees K/V rows (Truncate, Release, the compactions) also shares
+	// the kv lock: a WriteKV in flight may be writing rows of that very sequence
+	moveSeqs = access{write: true, kv: kvRead}
+)
+
+// guard is what one call holds, let go by exit in the reverse order.
+type guard struct {
+	c    *Cache
+	a    access
+	one  *seqLock   // the sequence lock of a call naming one sequence
+	many []*seqLock // those of a call naming several, in id order (in sc)
+	sc   *scratch
+}
+
+// scratch is what a call naming several sequences (attention batches, the exports,
+// BatchCompact) sorts their ids and keeps their locks in; pooled, so a decode step allocates
+// none.
+type scratch struct {
+	ids   []Seq
+	locks []*seqLock
+}
+
+var scratchPool = sync.Pool{New: func() interface{} { return new(scratch) }}
+
+// enter takes what access a and the sequences seqs call for and holds the goroutine on its OS
+// thread until g.exit; it fails, holding nothing, on a closed cache.
+func (c *Cache) enter(a access, seqs ...Seq) (p *C.pkv_cache, g guard, err error) {
+	if c == nil {
+		return nil, guard{}, errClosed
+	}
+	if a.alone {
+		c.gate.Lock()
+	} else {
+		c.gate.RLock()
+	}
+	if c.c == nil {
+		if a.alone {
+			c.gate.Unlock()
+		} else {
+			c.gate.RUnlock()
+		}
+		return nil, guard{}, errClosed
+	}
+	g = guard{c: c, a: a}
+	switch len(seqs) {
+	case 0:
+	case 1:
+		c.smu.Lock()
+		g.one = c.seqLockLocked(seqs[0])
+		c.smu.Unlock()
+		g.one.lock(a.write)
+	default:
+		g.sc = scratchPool.Get().(*scratch)
+		g.many = c.seqLocksSorted(seqs, g.sc)
+		for _, l := range g.many {
+			l.lock(a.write)
+		}
+	}
+	switch a.kv {
+	case kvRead:
+		c.kv.RLock()
+	case kvWrite:
+		c.kv.Lock()
+	}
+	// the calls under these locks, and check after each, run on one OS thread: check reads
+	// what libpkv said on it
+	runtime.LockOSThread()
+	return c.c, g, nil
+}
+
+// exit lets go of what enter took; a no-op for the guard of a failed enter.
+func (g *guard) exit() {
+	c := g.c
+	if c == nil {
+		return
+	}
+	runtime.UnlockOSThread()
+	switch g.a.kv {
+	case kvRead:
+		c.kv.RUnlock()
+	case kvWrite:
+		c.kv.Unlock()
+	}
+	if g.one != nil || len(g.many) > 0 {
+		if g.one != nil {
+			g.one.unlock(g.a.write)
+		}
+		for i := len(g.many) - 1; i >= 0; i-- {
+			g.many[i].unlock(g.a.write)
+		}
+		c.smu.Lock()
+		if g.one != nil {
+			c.dropLocked(g.one)
+		}
+		for _, l := range g.many {
+			c.dropLocked(l)
+		}
+		c.smu.Unlock()
+	}
+	if g.sc != nil {
+		for i := range g.many {
+			g.many[i] = nil
+		}
+		g.sc.locks = g.many[:0]
+		scratchPool.Put(g.sc)
+	}
+	if g.a.alone {
+		c.gate.Unlock()
+	} else {
+		c.gate.RUnlock()
+	}
+	*g = guard{}
+}
+
+func (l *seqLock) lock(write bool) {
+	if write {
+		l.mu.Lock()
+	} else {
+		l.mu.RLock()
+	}
+}
+
+func (l *seqLock) unlock(write bool) {
+	if write {
+		l.mu.Unlock()
+	} else {
+		l.mu.RUnlock()
+	}
+}
+
+// seqLockLocked is s's lock with one more user, made if no call holds it (c.smu held).
+func (c *Cache) seqLockLocked(s Seq) *seqLock {
+	l := c.seqs[s]
+	if l == nil {
+		if n := len(c.spare); n > 0 {
+			l, c.spare = c.spare[n-1], c.spare[:n-1]
+		} else {
+			l = new(seqLock)
+		}
+		l.id = s
+		c.seqs[s] = l
+	}
+	l.users++
+	return l
+}
+
+// dropLocked takes a user from l, forgetting it when none is left (c.smu held).
+func (c *Cache) dropLocked(l *seqLock) {
+	if l.users--; l.users > 0 {
+		return
+	}
+	delete(c.seqs, l.id)
+	if len(c.spare) < 64 {
+		c.spare = append(c.spare, l)
+	}
+}
+
+// seqLocksSorted is the locks of seqs' distinct ids in increasing id order (one user each), the
+// order every call takes them in, in sc.locks.
+func (c *Cache) seqLocksSorted(seqs []Seq, sc *scratch) []*seqLock {
+	ids := append(sc.ids[:0], seqs...)
+	sc.ids = ids
+	if len(ids) <= 32 {
+		for i := 1; i < len(ids); i++ { // insertion sort: a batch is short
+			for j := i; j > 0 && ids[j] < ids[j-1]; j-- {
+				ids[j], ids[j-1] = ids[j-1], ids[j]
+			}
+		}
+	} else {
+		sort.Slice(ids, func(i, j int) bool { return ids[i] < ids[j] })
+	}
+	dst := sc.locks[:0]
+	c.smu.Lock()
+	for i, s := range ids {
+		if i > 0 && s == ids[i-1] {
+			continue
+		}
+		dst = append(dst, c.seqLockLocked(s))
+	}
+	c.smu.Unlock()
+	return dst
+}
 
 // Config is the effective configuration (n_blocks, max_blocks_per_seq, n_threads resolved);
 // the zero Config for a nil Cache.
@@ -367,22 +583,22 @@ func (c *Cache) Config() Config {
 
 // Backend is the attention kernel family in use ("ref", "avx2", "avx512", "avx512-vnni", ...).
 func (c *Cache) Backend() string {
-	p, unlock, err := c.rlock()
+	p, g, err := c.enter(readSeqs)
 	if err != nil {
 		return ""
 	}
-	defer unlock()
+	defer g.exit()
 	return C.GoString(C.pkv_attn_backend(p))
 }
 
 // BF16DotUsed says whether AttnParams.BF16Dot changes this cache's attention
 // (pkv_attn_flags_used): bf16 K or V and a backend with bf16 dot products.
 func (c *Cache) BF16DotUsed() bool {
-	p, unlock, err := c.rlock()
+	p, g, err := c.enter(readSeqs)
 	if err != nil {
 		return false
 	}
-	defer unlock()
+	defer g.exit()
 	return C.pkv_attn_flags_used(p)&C.PKV_ATTN_BF16_DOT != 0
 }
 
@@ -423,7 +639,7 @@ func seqp(s []Seq) *C.pkv_seq   { return (*C.pkv_seq)(slicePtr(s)) }
 
 // Reset releases every sequence and pin and empties the prefix index.
 func (c *Cache) Reset() error {
-	return c.seqOp("pkv_cache_reset", func(p *C.pkv_cache) C.int { return C.pkv_cache_reset(p) })
+	return c.op("pkv_cache_reset", access{alone: true}, func(p *C.pkv_cache) C.int { return C.pkv_cache_reset(p) })
 }
 
 // SeqCreate makes an empty sequence; salt (at most 256 bytes) names its prefix-index namespace.
@@ -434,7 +650,7 @@ func (c *Cache) SeqCreate(salt []byte) (Seq, error) {
 		defer C.free(sp)
 	}
 	var s C.pkv_seq
-	err := c.seqOp("pkv_seq_create", func(p *C.pkv_cache) C.int { return C.pkv_seq_create(p, sp, C.size_t(len(salt)), &s) })
+	err := c.op("pkv_seq_create", readSeqs, func(p *C.pkv_cache) C.int { return C.pkv_seq_create(p, sp, C.size_t(len(salt)), &s) })
 	return Seq(s), err
 }
 
@@ -448,7 +664,7 @@ func (c *Cache) Append(s Seq, tokens []int32) ([]int32, error) {
 }
 
 // AppendInto is Append into the caller's slots (len(slots) == len(tokens)), for a decode loop
-// that allocates nothing a step.
+// that allocates no buffers a step.
 func (c *Cache) AppendInto(s Seq, tokens, slots []int32) error {
 	if err := wantLen(len(slots), len(tokens), "Append: slots"); err != nil {
 		return err
@@ -457,9 +673,9 @@ func (c *Cache) AppendInto(s Seq, tokens, slots []int32) error {
 	if err != nil {
 		return err
 	}
-	return c.seqOp("pkv_seq_append", func(p *C.pkv_cache) C.int {
+	return c.op("pkv_seq_append", writeSeqs, func(p *C.pkv_cache) C.int {
 		return C.pkv_seq_append(p, C.pkv_seq(s), i32p(tokens), n, i32p(slots))
-	})
+	}, s)
 }
 
 // AppendBlocks says how many FREE or CACHED blocks appending n positions to s would take: the
@@ -467,9 +683,9 @@ func (c *Cache) AppendInto(s Seq, tokens, slots []int32) error {
 // max_blocks_per_seq). Changes nothing: for budgeting a step before appending.
 func (c *Cache) AppendBlocks(s Seq, n uint32) (uint32, error) {
 	var need C.uint32_t
-	err := c.readOp("pkv_seq_append_blocks", func(p *C.pkv_cache) C.int {
+	err := c.op("pkv_seq_append_blocks", readSeqs, func(p *C.pkv_cache) C.int {
 		return C.pkv_seq_append_blocks(p, C.pkv_seq(s), C.uint32_t(n), &need)
-	})
+	}, s)
 	return uint32(need), err
 }
 
@@ -495,7 +711,11 @@ func (c *Cache) writeKV(layer uint32, slots []int32, k, v unsafe.Pointer, kn, vn
 	if err != nil {
 		return err
 	}
-	return c.op(!shared, "pkv_write_kv", func(p *C.pkv_cache) C.int {
+	a := access{kv: kvWrite}
+	if shared {
+		a = readSeqs
+	}
+	return c.op("pkv_write_kv", a, func(p *C.pkv_cache) C.int {
 		return C.pkv_write_kv(p, C.uint32_t(layer), i32p(slots), n, k, v, dt.c())
 	})
 }
@@ -522,8 +742,8 @@ func (c *Cache) writeKV16(layer uint32, slots []int32, k, v []uint16, dt Dtype, 
 	return c.writeKV(layer, slots, slicePtr(k), slicePtr(v), len(k), len(v), dt, k != nil, v != nil, shared)
 }
 
-// WriteKVShared is WriteKV under the cache's read lock instead of its write lock, so that it
-// runs beside attention and other reads: layer l + 1 of a new token written while a Decode
+// WriteKVShared is WriteKV without waiting for attention and gathers in flight, so that it
+// runs beside them: layer l + 1 of a new token written while a Decode
 // reads layer l, as libpkv allows (pkv.h, "Threads"). The caller answers for what the lock no
 // longer keeps apart: no call may read or write these rows (these slots of this layer) while
 // it runs. A write racing a read of the same rows is a data race in libpkv's memory (values
@@ -538,29 +758,25 @@ func (c *Cache) WriteKV16Shared(layer uint32, slots []int32, k, v []uint16, dt D
 	return c.writeKV16(layer, slots, k, v, dt, true)
 }
 
-// op runs f under the write lock (write: a call that changes sequences or K/V) or the read lock
-// (a call that only reads), and returns f's status as an error named name. seqOp and readOp are
-// the two.
-func (c *Cache) op(write bool, name string, f func(p *C.pkv_cache) C.int) error {
-	p, unlock, err := c.lock(write)
+// op runs f holding what access a and the sequences seqs call for (see enter), and returns f's
+// status as an error named name.
+func (c *Cache) op(name string, a access, f func(p *C.pkv_cache) C.int, seqs ...Seq) error {
+	p, g, err := c.enter(a, seqs...)
 	if err != nil {
 		return err
 	}
-	defer unlock()
+	defer g.exit()
 	return check(f(p), name)
 }
 
-func (c *Cache) seqOp(name string, f func(p *C.pkv_cache) C.int) error  { return c.op(true, name, f) }
-func (c *Cache) readOp(name string, f func(p *C.pkv_cache) C.int) error { return c.op(false, name, f) }
-
 // Commit: positions [0, nPos) now hold K/V for every layer.
 func (c *Cache) Commit(s Seq, nPos uint32) error {
-	return c.seqOp("pkv_seq_commit", func(p *C.pkv_cache) C.int { return C.pkv_seq_commit(p, C.pkv_seq(s), C.uint32_t(nPos)) })
+	return c.op("pkv_seq_commit", writeSeqs, func(p *C.pkv_cache) C.int { return C.pkv_seq_commit(p, C.pkv_seq(s), C.uint32_t(nPos)) }, s)
 }
 
 // Truncate keeps positions [0, n).
 func (c *Cache) Truncate(s Seq, n uint32) error {
-	return c.seqOp("pkv_seq_truncate", func(p *C.pkv_cache) C.int { return C.pkv_seq_truncate(p, C.pkv_seq(s), C.uint32_t(n)) })
+	return c.op("pkv_seq_truncate", moveSeqs, func(p *C.pkv_cache) C.int { return C.pkv_seq_truncate(p, C.pkv_seq(s), C.uint32_t(n)) }, s)
 }
 
 // Compact moves runs of the sequence's blocks that it alone holds (no fork or pin shares them)
@@ -578,7 +794,7 @@ func (c *Cache) Compact(s Seq, evict, cached bool) (uint32, error) {
 	if cached {
 		flags |= C.PKV_COMPACT_CACHED
 	}
-	err := c.seqOp("pkv_seq_compact", func(p *C.pkv_cache) C.int { return C.pkv_seq_compact(p, C.pkv_seq(s), flags, &moved) })
+	err := c.op("pkv_seq_compact", moveSeqs, func(p *C.pkv_cache) C.int { return C.pkv_seq_compact(p, C.pkv_seq(s), flags, &moved) }, s)
 	return uint32(moved), err
 }
 
@@ -602,35 +818,35 @@ func (c *Cache) BatchCompact(seqs []Seq, slack uint32, repack, cached bool) (uin
 	if cached {
 		flags |= C.PKV_BATCH_CACHED
 	}
-	err = c.seqOp("pkv_batch_compact", func(p *C.pkv_cache) C.int {
+	err = c.op("pkv_batch_compact", moveSeqs, func(p *C.pkv_cache) C.int {
 		return C.pkv_batch_compact(p, seqp(seqs), n, C.uint32_t(slack), flags, &moved)
-	})
+	}, seqs...)
 	return uint32(moved), err
 }
 
 // Release drops the sequence; its id becomes stale (ENOENT).
 func (c *Cache) Release(s Seq) error {
-	return c.seqOp("pkv_seq_release", func(p *C.pkv_cache) C.int { return C.pkv_seq_release(p, C.pkv_seq(s)) })
+	return c.op("pkv_seq_release", moveSeqs, func(p *C.pkv_cache) C.int { return C.pkv_seq_release(p, C.pkv_seq(s)) }, s)
 }
 
 // PinRelease drops a pin.
 func (c *Cache) PinRelease(pin Seq) error {
-	return c.seqOp("pkv_pin_release", func(p *C.pkv_cache) C.int { return C.pkv_pin_release(p, C.pkv_seq(pin)) })
+	return c.op("pkv_pin_release", writeSeqs, func(p *C.pkv_cache) C.int { return C.pkv_pin_release(p, C.pkv_seq(pin)) }, pin)
 }
 
 // Fork makes a sequence sharing every block of s (no data copied).
 func (c *Cache) Fork(s Seq) (Seq, error) {
 	var out C.pkv_seq
-	err := c.seqOp("pkv_seq_fork", func(p *C.pkv_cache) C.int { return C.pkv_seq_fork(p, C.pkv_seq(s), &out) })
+	err := c.op("pkv_seq_fork", readSeqs, func(p *C.pkv_cache) C.int { return C.pkv_seq_fork(p, C.pkv_seq(s), &out) }, s)
 	return Seq(out), err
 }
 
 // Pin holds the committed full blocks of positions [0, nPos) of s; returns the pin.
 func (c *Cache) Pin(s Seq, nPos uint32) (Seq, error) {
 	var out C.pkv_seq
-	err := c.seqOp("pkv_pin_create", func(p *C.pkv_cache) C.int {
+	err := c.op("pkv_pin_create", readSeqs, func(p *C.pkv_cache) C.int {
 		return C.pkv_pin_create(p, C.pkv_seq(s), C.uint32_t(nPos), &out)
-	})
+	}, s)
 	return Seq(out), err
 }
 
@@ -644,23 +860,23 @@ func (c *Cache) MatchPrefix(s Seq, tokens []int32) (uint32, error) {
 		return 0, err
 	}
 	var r C.uint32_t
-	err = c.seqOp("pkv_seq_match_prefix", func(p *C.pkv_cache) C.int {
+	err = c.op("pkv_seq_match_prefix", writeSeqs, func(p *C.pkv_cache) C.int {
 		return C.pkv_seq_match_prefix(p, C.pkv_seq(s), i32p(tokens), n, &r)
-	})
+	}, s)
 	return uint32(r), err
 }
 
 // SeqInfo describes a sequence.
 func (c *Cache) SeqInfo(s Seq) (SeqInfo, error) {
 	var i C.pkv_seq_info
-	if err := c.readOp("pkv_seq_get_info", func(p *C.pkv_cache) C.int { return C.pkv_seq_get_info(p, C.pkv_seq(s), &i) }); err != nil {
+	if err := c.op("pkv_seq_get_info", readSeqs, func(p *C.pkv_cache) C.int { return C.pkv_seq_get_info(p, C.pkv_seq(s), &i) }, s); err != nil {
 		return SeqInfo{}, err
 	}
 	return SeqInfo{uint32(i.n_tokens), uint32(i.n_committed), uint32(i.n_blocks), uint32(i.n_shared), uint32(i.n_reused)}, nil
 }
 
 // inSeq is EINVAL unless positions [start, start+n) are in the sequence (the C call's own
-// check), made under the caller's read lock before an output of n rows is allocated: a huge n
+// check), made under the caller's lock on s before an output of n rows is allocated: a huge n
 // is an error, not an allocation of that size.
 func inSeq(p *C.pkv_cache, s Seq, start, n uint32, op string) error {
 	var i C.pkv_seq_info
@@ -675,11 +891,11 @@ func inSeq(p *C.pkv_cache, s Seq, start, n uint32, op string) error {
 
 // Slots of positions [start, start+n): vLLM's slot_mapping.
 func (c *Cache) Slots(s Seq, start, n uint32) ([]int32, error) {
-	p, unlock, err := c.rlock()
+	p, g, err := c.enter(readSeqs, s)
 	if err != nil {
 		return nil, err
 	}
-	defer unlock()
+	defer g.exit()
 	if err := inSeq(p, s, start, n, "pkv_seq_slots"); err != nil {
 		return nil, err
 	}
@@ -696,18 +912,18 @@ func (c *Cache) SlotsInto(s Seq, start uint32, out []int32) error {
 	if err != nil {
 		return err
 	}
-	return c.readOp("pkv_seq_slots", func(p *C.pkv_cache) C.int {
+	return c.op("pkv_seq_slots", readSeqs, func(p *C.pkv_cache) C.int {
 		return C.pkv_seq_slots(p, C.pkv_seq(s), C.uint32_t(start), n, i32p(out))
-	})
+	}, s)
 }
 
 // BlockTable is the sequence's block ids.
 func (c *Cache) BlockTable(s Seq) ([]int32, error) {
-	p, unlock, err := c.rlock()
+	p, g, err := c.enter(readSeqs, s)
 	if err != nil {
 		return nil, err
 	}
-	defer unlock()
+	defer g.exit()
 	var i C.pkv_seq_info
 	if err := check(C.pkv_seq_get_info(p, C.pkv_seq(s), &i), "pkv_seq_get_info"); err != nil {
 		return nil, err
@@ -723,11 +939,11 @@ func (c *Cache) BlockTable(s Seq) ([]int32, error) {
 // Gather returns K and V of positions [start, start+n) of one layer, f32
 // [n][n_kv_heads][head_dim] (dequantized).
 func (c *Cache) Gather(s Seq, layer, start, n uint32) ([]float32, []float32, error) {
-	p, unlock, err := c.rlock()
+	p, g, err := c.enter(access{kv: kvRead}, s)
 	if err != nil {
 		return nil, nil, err
 	}
-	defer unlock()
+	defer g.exit()
 	if err := inSeq(p, s, start, n, "pkv_seq_gather"); err != nil {
 		return nil, nil, err
 	}
@@ -772,9 +988,9 @@ func (c *Cache) GatherInto(s Seq, layer, start uint32, k, v []float32) error {
 	if err != nil {
 		return err
 	}
-	return c.readOp("pkv_seq_gather", func(p *C.pkv_cache) C.int {
+	return c.op("pkv_seq_gather", access{kv: kvRead}, func(p *C.pkv_cache) C.int {
 		return C.pkv_seq_gather(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), n, f32p(k), f32p(v))
-	})
+	}, s)
 }
 
 // ExportDense is vLLM's dense block tables: [len(seqs)][maxBlocks] (unused -1), and seq_lens.
@@ -797,9 +1013,9 @@ func (c *Cache) ExportDense(seqs []Seq, maxBlocks uint32) ([]int32, []int32, err
 		return nil, nil, err
 	}
 	tables, lens := make([]int32, nt), make([]int32, len(seqs))
-	err = c.readOp("pkv_export_dense", func(p *C.pkv_cache) C.int {
+	err = c.op("pkv_export_dense", readSeqs, func(p *C.pkv_cache) C.int {
 		return C.pkv_export_dense(p, seqp(seqs), n, C.uint32_t(maxBlocks), i32p(tables), i32p(lens))
-	})
+	}, seqs...)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -812,11 +1028,11 @@ func (c *Cache) ExportCSR(seqs []Seq) ([]int32, []int32, []int32, error) {
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	p, unlock, err := c.rlock()
+	p, g, err := c.enter(readSeqs, seqs...)
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	defer unlock() // the read lock keeps the tables as they are between the two calls
+	defer g.exit() // the sequences' locks keep their tables as they are between the two calls
 	indptr, last := make([]int32, len(seqs)+1), make([]int32, len(seqs))
 	var need C.uint32_t
 	rc := C.pkv_export_csr(p, seqp(seqs), n, i32p(indptr), nil, 0, i32p(last), &need)
@@ -834,7 +1050,7 @@ func (c *Cache) ExportCSR(seqs []Seq) ([]int32, []int32, []int32, error) {
 // Stats is pkv_cache_get_stats.
 func (c *Cache) Stats() (Stats, error) {
 	var s C.pkv_stats
-	if err := c.readOp("pkv_cache_get_stats", func(p *C.pkv_cache) C.int { return C.pkv_cache_get_stats(p, &s) }); err != nil {
+	if err := c.op("pkv_cache_get_stats", readSeqs, func(p *C.pkv_cache) C.int { return C.pkv_cache_get_stats(p, &s) }); err != nil {
 		return Stats{}, err
 	}
 	return Stats{uint32(s.n_blocks), uint32(s.n_free), uint32(s.n_cached), uint32(s.n_active), uint32(s.n_seqs),
@@ -848,21 +1064,21 @@ func (c *Cache) Stats() (Stats, error) {
 
 // Check verifies every invariant; the error (ECORRUPT) names the first one broken.
 func (c *Cache) Check() error {
-	p, unlock, err := c.rlock()
+	p, g, err := c.enter(readSeqs)
 	if err != nil {
 		return err
 	}
-	defer unlock()
+	defer g.exit()
 	var msg [512]C.char
 	rc := C.pkv_cache_check(p, &msg[0], C.size_t(len(msg)))
 	return check(rc, "pkv_cache_check: "+C.GoString(&msg[0]))
 }
 
 // attnCall runs one attention call of `items` sequences or requests and `rows` queries: the
-// params, q's and out's lengths checked, then call under the read lock. cgo forbids a Go pointer
+// params, q's and out's lengths checked, then call holding the sequences' locks shared. cgo forbids a Go pointer
 // inside the params struct handed to C, so a wanted lse is written to C memory and copied into
 // lse once the call succeeded.
-func (c *Cache) attnCall(what string, items, rows int, q, out []float32, ap AttnParams, lse []float32,
+func (c *Cache) attnCall(what, cname string, seqs []Seq, items, rows int, q, out []float32, ap AttnParams, lse []float32,
 	call func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int) error {
 	if c == nil {
 		return errClosed
@@ -882,23 +1098,24 @@ func (c *Cache) attnCall(what string, items, rows int, q, out []float32, ap Attn
 	if err != nil {
 		return err
 	}
-	if err := wantLen(len(q), n, what+": q"); err != nil {
+	if err := wantLenOf(len(q), n, what, "q"); err != nil {
 		return err
 	}
-	if err := wantLen(len(out), n, what+": out"); err != nil {
+	if err := wantLenOf(len(out), n, what, "out"); err != nil {
 		return err
 	}
-	ni, err := u32(items, what+": items")
-	if err != nil {
+	if uint64(items) > math.MaxUint32 {
+		_, err := u32(items, what+": items")
 		return err
 	}
+	ni := C.uint32_t(items)
 	raw := C.pkv_attn_params_default()
 	raw.n_q_heads, raw.scale, raw.softcap, raw.window = C.uint32_t(ap.NQHeads), C.float(ap.Scale), C.float(ap.Softcap), C.uint32_t(ap.Window)
 	if ap.BF16Dot {
 		raw.flags = C.PKV_ATTN_BF16_DOT
 	}
 	if lse != nil {
-		if err := wantLen(len(lse), rowsHq, what+": lse"); err != nil {
+		if err := wantLenOf(len(lse), rowsHq, what, "lse"); err != nil {
 			return err
 		}
 		if len(lse) > 0 {
@@ -910,22 +1127,22 @@ func (c *Cache) attnCall(what string, items, rows int, q, out []float32, ap Attn
 			raw.lse = buf
 		}
 	}
-	p, unlock, err := c.rlock()
+	p, g, err := c.enter(access{kv: kvRead}, seqs...)
 	if err != nil {
 		return err
 	}
-	defer unlock()
+	defer g.exit()
 	rc := call(p, ni, &raw)
 	if rc == 0 && raw.lse != nil {
 		copy(lse, unsafe.Slice((*float32)(unsafe.Pointer(raw.lse)), len(lse)))
 	}
-	return check(rc, "pkv_attn_"+strings.ToLower(what))
+	return check(rc, cname)
 }
 
 // Decode is pkv_attn_decode: one query per sequence at its last position. q and out:
 // [len(seqs)][n_q_heads][head_dim]; lse, if not nil, [len(seqs)][n_q_heads].
 func (c *Cache) Decode(layer uint32, seqs []Seq, q, out []float32, ap AttnParams, lse []float32) error {
-	return c.attnCall("Decode", len(seqs), len(seqs), q, out, ap, lse,
+	return c.attnCall("Decode", "pkv_attn_decode", seqs, len(seqs), len(seqs), q, out, ap, lse,
 		func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int {
 			return C.pkv_attn_decode(p, C.uint32_t(layer), seqp(seqs), n, f32p(q), f32p(out), raw)
 		})
@@ -946,7 +1163,12 @@ func (c *Cache) Prefill(layer uint32, reqs []AttnReq, q, out []float32, ap AttnP
 	if len(reqs) > 0 {
 		rp = (*C.pkv_attn_req)(unsafe.Pointer(&reqs[0])) // same layout (TestLayout)
 	}
-	return c.attnCall("Prefill", len(reqs), total, q, out, ap, lse,
+	var buf [16]Seq // the requests' sequences, for their locks
+	seqs := buf[:0]
+	for _, r := range reqs {
+		seqs = append(seqs, r.Seq)
+	}
+	return c.attnCall("Prefill", "pkv_attn_prefill", seqs, len(reqs), total, q, out, ap, lse,
 		func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int {
 			return C.pkv_attn_prefill(p, C.uint32_t(layer), rp, n, f32p(q), f32p(out), raw)
 		})
