@@ -260,6 +260,34 @@ PKV_NODISCARD PKV_API int pkv_seq_append(pkv_cache *c, pkv_seq s, const int32_t 
  * appends of one step as one append of their total. */
 PKV_NODISCARD PKV_API int pkv_seq_append_blocks(pkv_cache *c, pkv_seq s, uint32_t n, uint32_t *n_blocks);
 
+/* One request of pkv_batch_append: n positions with their token ids appended to seq (tokens
+ * not NULL when n > 0), their slots returned in slots_out (may be NULL). */
+typedef struct pkv_append_req {
+    pkv_seq seq;
+    const int32_t *tokens;
+    uint32_t n;
+    int32_t *slots_out;
+} pkv_append_req;
+
+/* pkv_batch_append flag: append the longest leading run of the requests that fits, instead of
+ * all or none (first come, first served; *n_done says how many). */
+#define PKV_APPEND_FIT 1u
+
+/* A scheduler step's appends in one call: the budget check and the appends under one hold of
+ * the cache's lock, so no other thread's append can take the blocks between them (as it can
+ * between pkv_seq_append_blocks and pkv_seq_append). The requests are checked first: each
+ * names a distinct live sequence (not a pin), none passes max_blocks_per_seq (PKV_ELIMIT),
+ * else the call fails and changes nothing. They fit where the sum of their
+ * pkv_seq_append_blocks counts is at most n_free + n_cached (so the check can refuse a batch by
+ * one block for each request whose only block is the copy of a tail it held alone, which
+ * sequential appends would take). Without flags: every request is appended, in order, or none
+ * (PKV_ENOSPC). With PKV_APPEND_FIT: requests 0 .. k-1 are appended for the largest k that
+ * fits, the others left as they were, and the call succeeds, k 0 included; n_done is then
+ * required. Each appended request is what pkv_seq_append would do (same blocks, slots and
+ * copy-on-write). *n_done (may be NULL without PKV_APPEND_FIT) is the number appended. */
+PKV_NODISCARD PKV_API int pkv_batch_append(pkv_cache *c, const pkv_append_req *reqs, uint32_t n_reqs, uint32_t flags,
+                                           uint32_t *n_done);
+
 /* The largest magnitude pkv_write_kv takes into the pool, and the largest |q_d| x scale the
  * attention calls take: 2^56 (7.2e16), far past any model's activations. With it every sum the
  * kernels form stays inside f32 (a score is at most head_dim x 2^112 <= 2^124, an unnormalized

@@ -179,6 +179,12 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     return pkv_attn_decode(f->c, 0, &f->live, 1, q, f->out, &p);
 }
 
+/* A batch append of one token to live, then n tokens (tokens tok, NULL where tok is) to s. */
+static int batch_with(fx *f, pkv_seq s, const int32_t *tok, uint32_t n, uint32_t flags, uint32_t *done) {
+    const pkv_append_req r[2] = {{f->live, f->tok, 1, NULL}, {s, tok, n, NULL}};
+    return pkv_batch_append(f->c, r, 2, flags, done);
+}
+
 #define ROWS(X)                                                                                                       \
     /* dtype helpers */                                                                                               \
     X(dtype_from_name_null_name, PKV_EINVAL, ({ pkv_dtype d; pkv_dtype_from_name(NULL, &d); }))                       \
@@ -223,6 +229,18 @@ static int attn_q_scaled(fx *f, float x, float scale) {
     X(append_blocks_pin, PKV_EINVAL, ({ uint32_t n; pkv_seq_append_blocks(f->c, f->pin, 1, &n); }))                   \
     X(append_blocks_past_table, PKV_ELIMIT, ({ uint32_t n; pkv_seq_append_blocks(f->c, f->empty, NB * BT + 1, &n); }))\
     X(append_blocks_u32_max, PKV_ELIMIT, ({ uint32_t n; pkv_seq_append_blocks(f->c, f->live, UINT32_MAX, &n); }))     \
+    X(batch_append_null_cache, PKV_EINVAL, ({ pkv_append_req r = {f->live, f->tok, 1, NULL}; pkv_batch_append(NULL, &r, 1, 0, NULL); }))\
+    X(batch_append_null_reqs, PKV_EINVAL, pkv_batch_append(f->c, NULL, 1, 0, NULL))                                   \
+    X(batch_append_null_tokens, PKV_EINVAL, batch_with(f, f->empty, NULL, 1, 0, NULL))                                \
+    X(batch_append_unknown_flags, PKV_EINVAL, ({ uint32_t d; batch_with(f, f->empty, f->tok, 1, 2, &d); }))           \
+    X(batch_append_fit_null_done, PKV_EINVAL, batch_with(f, f->empty, f->tok, 1, PKV_APPEND_FIT, NULL))               \
+    X(batch_append_stale, PKV_ENOENT, batch_with(f, f->stale, f->tok, 1, 0, NULL))                                    \
+    X(batch_append_forged, PKV_ENOENT, batch_with(f, f->forged, f->tok, 1, 0, NULL))                                  \
+    X(batch_append_foreign, PKV_ENOENT, batch_with(f, f->foreign, f->tok, 1, 0, NULL))                                \
+    X(batch_append_pin, PKV_EINVAL, batch_with(f, f->pin, f->tok, 1, 0, NULL))                                        \
+    X(batch_append_twice, PKV_EINVAL, batch_with(f, f->live, f->tok, 1, 0, NULL))                                     \
+    X(batch_append_past_table, PKV_ELIMIT, ({ uint32_t d; batch_with(f, f->empty, f->tok, NB * BT + 1, PKV_APPEND_FIT, &d); }))\
+    X(batch_append_no_space, PKV_ENOSPC, batch_with(f, f->empty, f->tok, 60, 0, NULL))                                \
     /* write_kv */                                                                                                    \
     X(write_null_cache, PKV_EINVAL, pkv_write_kv(NULL, 0, &f->live_slot, 1, f->kv, f->kv, PKV_DTYPE_F32))             \
     X(write_layer_out_of_range, PKV_EINVAL, pkv_write_kv(f->c, NL, &f->live_slot, 1, f->kv, f->kv, PKV_DTYPE_F32))    \

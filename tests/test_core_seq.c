@@ -1340,6 +1340,171 @@ static void test_reset_keeps_counters(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* ---- pkv_batch_append: a step's appends in one call ---- */
+/* By hand: 4 blocks of 4. s1 holds 3 positions (block 0), s2 4 (block 1): 2 FREE. */
+static void test_batch_append_exact(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_small(4);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq s[2] = {tu_seq(c), tu_seq(c)};
+    tu_append(c, s[0], 3, 0, NULL);
+    tu_append(c, s[1], 4, 100, NULL);
+    int32_t t0[2] = {3, 4}, t1[1] = {104}, sl0[2], sl1[1];
+    /* s1 + 2 takes block 2 (its tail has one place left), s2 + 1 takes block 3: both fit */
+    pkv_append_req r[2] = {{s[0], t0, 2, sl0}, {s[1], t1, 1, sl1}};
+    uint32_t done = 99;
+    TU_OK(pkv_batch_append(c, r, 2, 0, &done));
+    assert_int_equal(done, 2);
+    assert_int_equal(sl0[0], 3), assert_int_equal(sl0[1], 8), assert_int_equal(sl1[0], 12);
+    assert_int_equal(tu_stats(c).n_free, 0);
+    TU_CHECK(c);
+    /* nothing left: s2 + 3 fits its tail (0 blocks), s1 + 4 needs one; all or none: none */
+    snap before;
+    take(c, s, 2, &before);
+    int32_t t2[4] = {5, 6, 7, 8}, t3[3] = {105, 106, 107};
+    pkv_append_req r2[2] = {{s[1], t3, 3, NULL}, {s[0], t2, 4, NULL}};
+    done = 99;
+    TU_RC(pkv_batch_append(c, r2, 2, 0, &done), PKV_ENOSPC);
+    assert_int_equal(done, 99);
+    assert_same(c, s, &before);
+    /* first come, first served: the first fits, the second is left */
+    TU_OK(pkv_batch_append(c, r2, 2, PKV_APPEND_FIT, &done));
+    assert_int_equal(done, 1);
+    assert_int_equal(tu_info(c, s[1]).n_tokens, 8);
+    assert_int_equal(tu_info(c, s[0]).n_tokens, 5);
+    /* none fits: k = 0 is a success; an empty batch too */
+    TU_OK(pkv_batch_append(c, r2 + 1, 1, PKV_APPEND_FIT, &done));
+    assert_int_equal(done, 0);
+    TU_OK(pkv_batch_append(c, NULL, 0, 0, NULL));
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* Twin caches built by the same calls (prefix caching on, forks, commits, truncates and
+ * releases, so tails are shared, indexed or held alone), then one random batch: cache A takes
+ * it in one pkv_batch_append, cache B one pkv_seq_append per request in order. A succeeds iff
+ * the pkv_seq_append_blocks counts fit (the leading run of them with PKV_APPEND_FIT), ends
+ * where B ends (stats, tables, slots), and a refused A is unchanged. */
+static void test_batch_append_oracle(void **state) {
+    (void)state;
+    tu_rng rng;
+    tu_rng_seed(&rng, tu_env_u64("PKV_TEST_SEED", 0xba7c4));
+    const uint32_t rounds = (uint32_t)tu_env_u64("PKV_BATCH_APPEND_ROUNDS", 300);
+    uint32_t n_fit = 0, n_nospc = 0, n_part = 0;
+    for (uint32_t round = 0; round < rounds; round++) {
+        pkv_config cfg = cfg_small(6 + tu_rng_below(&rng, 14));
+        cfg.enable_prefix_cache = 1;
+        pkv_cache *cc[2] = {tu_create(&cfg), tu_create(&cfg)};
+        pkv_seq s[2][8];
+        uint32_t n = 0;
+        int32_t tok[16];
+        for (uint32_t step = 0; step < 14; step++) {
+            const uint32_t op = tu_rng_below(&rng, 6), i = n ? tu_rng_below(&rng, n) : 0;
+            const uint32_t k = 1 + tu_rng_below(&rng, 7), at = tu_rng_below(&rng, 3) * 20;
+            tu_tokens(tok, k, (int32_t)at); /* few distinct prompts: blocks are found again */
+            /* what to do, chosen once for both twins (n changes on the first) */
+            const int kind = op <= 1 && n < 8 ? 1 : op == 2 && n && n < 8 ? 2 : op == 3 && n ? 3 : op == 4 && n > 1 ? 4 : n ? 5 : 0;
+            if (kind == 1 || kind == 2) n++;
+            if (kind == 1) s[0][n - 1] = tu_seq(cc[0]), s[1][n - 1] = tu_seq(cc[1]);
+            for (int w = 0; w < 2; w++) {
+                pkv_cache *c = cc[w];
+                if (kind == 1) {
+                    uint32_t got;
+                    TU_OK(pkv_seq_match_prefix(c, s[w][n - 1], tok, k, &got));
+                    const int rc = pkv_seq_append(c, s[w][n - 1], tok + got, k - got, NULL);
+                    assert_true(rc == PKV_OK || rc == PKV_ENOSPC);
+                    if (!rc) TU_OK(pkv_seq_commit(c, s[w][n - 1], tu_info(c, s[w][n - 1]).n_tokens));
+                } else if (kind == 2) {
+                    TU_OK(pkv_seq_fork(c, s[w][i], &s[w][n - 1]));
+                } else if (kind == 3) {
+                    const uint32_t len = tu_info(c, s[w][i]).n_tokens;
+                    TU_OK(pkv_seq_truncate(c, s[w][i], len - len / 3));
+                } else if (kind == 4) {
+                    TU_OK(pkv_seq_release(c, s[w][i]));
+                    s[w][i] = s[w][n - 1];
+                } else if (kind == 5) {
+                    const int rc = pkv_seq_append(c, s[w][i], tok, k, NULL);
+                    assert_true(rc == PKV_OK || rc == PKV_ENOSPC || rc == PKV_ELIMIT);
+                }
+            }
+            if (kind == 4) n--;
+        }
+        if (!n) {
+            pkv_cache_destroy(cc[0]), pkv_cache_destroy(cc[1]);
+            continue;
+        }
+        {   /* the twins are alike */
+            const pkv_stats a = tu_stats(cc[0]), b = tu_stats(cc[1]);
+            TU_STATS_EQ(&a, &b);
+            for (uint32_t i = 0; i < n; i++) {
+                int32_t ta[64], tb[64];
+                const uint32_t na = tu_table(cc[0], s[0][i], ta, 64), nb = tu_table(cc[1], s[1][i], tb, 64);
+                assert_int_equal(na, nb);
+                assert_memory_equal(ta, tb, na * sizeof(int32_t));
+            }
+        }
+        /* the batch: distinct sequences in a random order */
+        uint32_t order[8], m = 1 + tu_rng_below(&rng, n);
+        for (uint32_t i = 0; i < n; i++) order[i] = i;
+        for (uint32_t i = n; i > 1; i--) {
+            const uint32_t j = tu_rng_below(&rng, i), t = order[i - 1];
+            order[i - 1] = order[j], order[j] = t;
+        }
+        pkv_append_req req[8];
+        int32_t slots[2][8][9], toks[8][9];
+        const pkv_stats st = tu_stats(cc[0]);
+        uint64_t sum = 0;
+        uint32_t fit = 0;
+        bool limit = false;
+        for (uint32_t r = 0; r < m; r++) {
+            const uint32_t k = tu_rng_below(&rng, 10);
+            tu_tokens(toks[r], k, 7000 + (int32_t)r);
+            req[r] = (pkv_append_req){s[0][order[r]], toks[r], k, slots[0][r]};
+            uint32_t need;
+            const int rc = pkv_seq_append_blocks(cc[0], req[r].seq, k, &need);
+            assert_true(rc == PKV_OK || rc == PKV_ELIMIT);
+            limit |= rc == PKV_ELIMIT;
+            sum += rc ? 0 : need;
+            if (sum <= (uint64_t)st.n_free + st.n_cached && fit == r) fit = r + 1;
+        }
+        const uint32_t flags = tu_rng_chance(&rng, 0.5) ? PKV_APPEND_FIT : 0;
+        snap before;
+        take(cc[0], s[0], n, &before);
+        uint32_t done = 99;
+        const int rc = pkv_batch_append(cc[0], req, m, flags, &done);
+        if (limit) {
+            TU_RC(rc, PKV_ELIMIT);
+            assert_same(cc[0], s[0], &before);
+        } else if (fit < m && !flags) {
+            TU_RC(rc, PKV_ENOSPC);
+            assert_same(cc[0], s[0], &before);
+            n_nospc++;
+        } else {
+            TU_OK(rc);
+            assert_int_equal(done, fit);
+            n_fit += fit == m, n_part += fit < m;
+            for (uint32_t r = 0; r < fit; r++) {
+                TU_OK(pkv_seq_append(cc[1], s[1][order[r]], toks[r], req[r].n, slots[1][r]));
+                assert_memory_equal(slots[0][r], slots[1][r], req[r].n * sizeof(int32_t));
+            }
+            const pkv_stats a = tu_stats(cc[0]), b = tu_stats(cc[1]);
+            TU_STATS_EQ(&a, &b);
+            for (uint32_t i = 0; i < n; i++) {
+                int32_t ta[64], tb[64];
+                const uint32_t na = tu_table(cc[0], s[0][i], ta, 64), nb = tu_table(cc[1], s[1][i], tb, 64);
+                assert_int_equal(na, nb);
+                assert_memory_equal(ta, tb, na * sizeof(int32_t));
+                assert_int_equal(tu_info(cc[0], s[0][i]).n_tokens, tu_info(cc[1], s[1][i]).n_tokens);
+            }
+            TU_CHECK(cc[0]);
+        }
+        pkv_cache_destroy(cc[0]), pkv_cache_destroy(cc[1]);
+    }
+    /* every outcome met: all appended, some (PKV_APPEND_FIT), none (ENOSPC) */
+    print_message("batch append: %u all, %u a leading run, %u ENOSPC of %u rounds\n", n_fit, n_part, n_nospc, rounds);
+    assert_true(n_fit > 0 && n_part > 0 && n_nospc > 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fork_cow_isolation),
@@ -1348,6 +1513,8 @@ int main(void) {
         cmocka_unit_test(test_exhaustion_and_reuse),
         cmocka_unit_test(test_limits),
         cmocka_unit_test(test_cow_sole_indexed_tail_counts),
+        cmocka_unit_test(test_batch_append_exact),
+        cmocka_unit_test(test_batch_append_oracle),
         cmocka_unit_test(test_truncate_frees),
         cmocka_unit_test(test_truncate_then_append_rewrites),
         cmocka_unit_test(test_truncate_shared),

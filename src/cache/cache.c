@@ -543,24 +543,8 @@ PKV_API int pkv_seq_append_blocks(pkv_cache *c, pkv_seq id, uint32_t n, uint32_t
     return rc;
 }
 
-PKV_API int pkv_seq_append(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, int32_t *slots_out) {
-    if (!c) return PKV_EINVAL;
-    if (n && !tokens) return PKV__SAY(c, PKV_EINVAL, "tokens is NULL, n %u", n);
-    LOCK(c);
-    pkv__seq *s;
-    int rc = get_seq(c, id, &s);
-    if (rc || n == 0) goto out;
-    uint64_t need;
-    bool cow;
-    rc = append_need(c, s, n, &need, &cow, __func__);
-    if (rc) goto out;
-    if (need > (uint64_t)c->pool.n_free + c->pool.n_cached) {
-        /* how an engine learns to preempt, a routine refusal: said after the lock is let go */
-        const uint32_t n_free = c->pool.n_free, n_cached = c->pool.n_cached;
-        UNLOCK(c);
-        return PKV__SAY(c, PKV_ENOSPC, "%u positions need %llu blocks, %u FREE and %u CACHED are left", n,
-                        (unsigned long long)need, n_free, n_cached);
-    }
+/* Appends n > 0 positions to s, append_need having said cow and that the blocks are there. */
+static void append_locked(pkv_cache *c, pkv__seq *s, const int32_t *tokens, uint32_t n, int32_t *slots_out, bool cow) {
     if (cow) cow_tail(c, s);
     else claim_tail(c, s);
     const uint32_t B = c->B;
@@ -584,7 +568,78 @@ PKV_API int pkv_seq_append(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint
     s->n_tokens = pos;
     c->n_tokens_total += n;
     if (cow) pkv__index_after_commit(c, s); /* the copied tail may be a registrable partial */
+}
+
+PKV_API int pkv_seq_append(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, int32_t *slots_out) {
+    if (!c) return PKV_EINVAL;
+    if (n && !tokens) return PKV__SAY(c, PKV_EINVAL, "tokens is NULL, n %u", n);
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    if (rc || n == 0) goto out;
+    uint64_t need;
+    bool cow;
+    rc = append_need(c, s, n, &need, &cow, __func__);
+    if (rc) goto out;
+    if (need > (uint64_t)c->pool.n_free + c->pool.n_cached) {
+        /* how an engine learns to preempt, a routine refusal: said after the lock is let go */
+        const uint32_t n_free = c->pool.n_free, n_cached = c->pool.n_cached;
+        UNLOCK(c);
+        return PKV__SAY(c, PKV_ENOSPC, "%u positions need %llu blocks, %u FREE and %u CACHED are left", n,
+                        (unsigned long long)need, n_free, n_cached);
+    }
+    append_locked(c, s, tokens, n, slots_out, cow);
 out:
+    UNLOCK(c);
+    return rc;
+}
+
+PKV_API int pkv_batch_append(pkv_cache *c, const pkv_append_req *reqs, uint32_t n_reqs, uint32_t flags,
+                             uint32_t *n_done) {
+    if (!c) return PKV_EINVAL;
+    if (n_reqs && !reqs) return PKV__SAY(c, PKV_EINVAL, "reqs is NULL, n_reqs %u", n_reqs);
+    if (flags & ~PKV_APPEND_FIT) return PKV__SAY(c, PKV_EINVAL, "unknown flags %#x", flags);
+    if ((flags & PKV_APPEND_FIT) && !n_done) return PKV__SAY(c, PKV_EINVAL, "n_done is NULL with PKV_APPEND_FIT");
+    for (uint32_t i = 0; i < n_reqs; i++)
+        if (reqs[i].n && !reqs[i].tokens)
+            return PKV__SAY(c, PKV_EINVAL, "reqs[%u].tokens is NULL, n %u", i, reqs[i].n);
+    LOCK(c);
+    int rc = PKV_OK;
+    /* every id live and named once (mark: how many requests name it) */
+    for (uint32_t i = 0; i < n_reqs && !rc; i++) {
+        pkv__seq *s;
+        if (!(rc = get_seq(c, reqs[i].seq, &s))) s->mark = 0;
+    }
+    for (uint32_t i = 0; i < n_reqs && !rc; i++)
+        if (pkv__seq_get(c, reqs[i].seq)->mark++)
+            rc = PKV__SAY(c, PKV_EINVAL, "reqs[%u]: sequence %#llx named twice", i, (unsigned long long)reqs[i].seq);
+    /* the longest leading run that fits; every request's own limit checked */
+    const uint64_t avail = (uint64_t)c->pool.n_free + c->pool.n_cached;
+    uint64_t sum = 0;
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < n_reqs && !rc; i++) {
+        uint64_t need = 0;
+        bool cow;
+        if (reqs[i].n) rc = append_need(c, pkv__seq_get(c, reqs[i].seq), reqs[i].n, &need, &cow, __func__);
+        sum += need; /* counts never fall: the run that fits is a prefix */
+        if (!rc && sum <= avail) k = i + 1;
+    }
+    if (!rc && k < n_reqs && !(flags & PKV_APPEND_FIT)) {
+        const uint32_t n_free = c->pool.n_free, n_cached = c->pool.n_cached;
+        UNLOCK(c);
+        return PKV__SAY(c, PKV_ENOSPC, "%u requests need %llu blocks, %u FREE and %u CACHED are left", n_reqs,
+                        (unsigned long long)sum, n_free, n_cached);
+    }
+    for (uint32_t i = 0; i < k && !rc; i++) {
+        if (!reqs[i].n) continue;
+        pkv__seq *s = pkv__seq_get(c, reqs[i].seq);
+        uint64_t need;
+        bool cow; /* asked again: the appends before this one may have changed its tail */
+        const int ok = append_need(c, s, reqs[i].n, &need, &cow, __func__);
+        pkv_assert(ok == PKV_OK);
+        append_locked(c, s, reqs[i].tokens, reqs[i].n, reqs[i].slots_out, cow);
+    }
+    if (!rc && n_done) *n_done = k;
     UNLOCK(c);
     return rc;
 }

@@ -17,7 +17,7 @@ typedef struct pkv__seq {
     uint32_t idx_len; /* table[0 .. idx_len) is this sequence's indexed chain */
     uint64_t ns_lo, ns_hi; /* namespace: XXH3-128 of the salt */
     uint32_t next_free;    /* free-slot list */
-    uint32_t mark;         /* pkv_batch_compact's scratch, under the lock */
+    uint32_t mark;         /* pkv_batch_compact's and pkv_batch_append's scratch, under the lock */
     int32_t *table;        /* [max_blocks_per_seq] block ids; [0, n_blocks) valid */
 } pkv__seq;
 
