@@ -195,6 +195,10 @@ class _AttnReq(ctypes.Structure):
     _fields_ = [("seq", _u64), ("q_start", _u32), ("n_q", _u32)]
 
 
+class _AppendReq(ctypes.Structure):
+    _fields_ = [("seq", _u64), ("tokens", _vp), ("n", _u32), ("slots_out", _vp)]
+
+
 def _load():
     global _lib
     lib = ctypes.CDLL(_find_library())
@@ -213,6 +217,7 @@ def _load():
         "pkv_seq_create": (_int, [_vp, _vp, _sz, _P(_u64)]),
         "pkv_seq_append": (_int, [_vp, _u64, _vp, _u32, _vp]),
         "pkv_seq_append_blocks": (_int, [_vp, _u64, _u32, _P(_u32)]),
+        "pkv_batch_append": (_int, [_vp, _vp, _u32, _u32, _P(_u32)]),
         "pkv_write_kv": (_int, [_vp, _u32, _vp, _u32, _vp, _vp, _int]),
         "pkv_seq_commit": (_int, [_vp, _u64, _u32]),
         "pkv_seq_fork": (_int, [_vp, _u64, _P(_u64)]),
@@ -667,6 +672,33 @@ class Cache:
         self._check(_lib.pkv_seq_append_blocks(self._h(), _seq_of(seq), _u32_of(n, "n"), ctypes.byref(out)),
                "pkv_seq_append_blocks")
         return out.value
+
+    @_in_call
+    def batch_append(self, reqs, fit=False):
+        """A scheduler step's appends in one call (pkv_batch_append): reqs is a sequence of
+        (seq, tokens) pairs naming distinct sequences. The budget check and the appends happen
+        under one hold of the cache's lock, so no other thread's append takes the blocks between
+        them. Without fit, every request is appended, in order, or none (NoSpaceError); with
+        fit=True, the leading run of them that fits (first come, first served), the others left
+        as they were. Returns the slots (int32 arrays) of the requests appended, in order: its
+        length is how many were."""
+        reqs = list(reqs)
+        n = len(reqs)
+        arr = (_AppendReq * max(n, 1))()
+        keep = []  # the arrays C reads and writes, alive until it returns
+        for i, r in enumerate(reqs):
+            try:
+                seq, tokens = r
+            except (TypeError, ValueError):
+                raise _invalid("batch_append: reqs[%d] is not a (seq, tokens) pair" % i) from None
+            t = _i32_array(tokens, "batch_append: reqs[%d] tokens" % i)
+            slots = np.empty(t.size, dtype=np.int32)
+            keep.append((t, slots))
+            arr[i].seq, arr[i].tokens, arr[i].n, arr[i].slots_out = _seq_of(seq), _ptr(t), t.size, _ptr(slots)
+        done = _u32()
+        self._check(_lib.pkv_batch_append(self._h(), ctypes.byref(arr), _u32_of(n, "batch_append: requests"),
+                                          1 if fit else 0, ctypes.byref(done)), "pkv_batch_append")
+        return [keep[i][1] for i in range(done.value)]
 
     def _kv_in(self, x, n, what, dtype):
         """x as the C-contiguous input array of pkv_write_kv and its pkv_dtype: dtype None infers

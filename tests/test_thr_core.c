@@ -1,8 +1,8 @@
 /* test_thr_core.c: several pthreads hammer one cache (create, append, write K/V, commit, fork,
- * CoW, truncate, gather, prefix match, compaction, release) on their own sequences plus forks of shared
- * parents that are only read (forks, gathers and decodes of them from every thread at once: reads
- * of one sequence may overlap); every thread verifies its data; at the end the checker passes
- * and the shared parents are intact. Runs under ThreadSanitizer in CI (label "thread"). */
+ * CoW, truncate, batch append, gather, prefix match, compaction, release) on their own
+ * sequences plus forks of shared parents that are only read (forks, gathers and decodes of them
+ * from every thread at once: reads of one sequence may overlap); every thread verifies its
+ * data; at the end the checker passes and the shared parents are intact. Runs under ThreadSanitizer in CI (label "thread"). */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -80,7 +80,12 @@ static void *worker(void *p) {
         /* a fork of a shared parent that every thread reads */
         int k = (int)tu_rng_below(&r, NPARENT);
         TCALL(a, pkv_seq_fork(c, a->parents[k], &g));
-        TCALL(a, pkv_seq_append(c, g, toks, 3, NULL));
+        { /* in a batch (copy-on-write of the shared tail inside it) with an empty request */
+            const pkv_append_req rq[2] = {{g, toks, 3, NULL}, {s, NULL, 0, NULL}};
+            uint32_t done;
+            TCALL(a, pkv_batch_append(c, rq, 2, 0, &done));
+            if (done != 2) TFAIL(a, "thread %d: batch append did %u of 2", a->tid, done);
+        }
         TCALL(a, tu_write_pattern(c, g, PARENT_LEN, 3, tag + 3));
         if (tu_cmp_pattern(c, g, 0, PARENT_LEN, 9000 + (uint32_t)k) != 0)
             TFAIL(a, "thread %d: fork of shared parent %d has wrong K/V", a->tid, k);

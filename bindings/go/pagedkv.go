@@ -49,6 +49,23 @@ static size_t pkvgo_take_said(char *buf) {
 	return n;
 }
 
+// pkv_batch_append over flat arrays: cgo may not hand C Go memory that holds Go pointers, so the
+// requests (pointers into toks and slots) are built here. toks and slots: the requests' tokens
+// and slots one after another, ns[i] of each.
+static int pkvgo_batch_append(pkv_cache *c, const pkv_seq *seqs, const uint32_t *ns, const int32_t *toks,
+                              int32_t *slots, uint32_t n, uint32_t flags, uint32_t *done) {
+	pkv_append_req few[16], *r = n <= 16 ? few : malloc(n * sizeof *r);
+	if (!r) return PKV_ENOMEM;
+	size_t at = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		r[i].seq = seqs[i], r[i].tokens = toks + at, r[i].n = ns[i], r[i].slots_out = slots + at;
+		at += ns[i];
+	}
+	const int rc = pkv_batch_append(c, r, n, flags, done);
+	if (r != few) free(r);
+	return rc;
+}
+
 static size_t pkvgo_attn_req_size(void) { return sizeof(pkv_attn_req); }
 static size_t pkvgo_attn_req_off(int f) {
 	return f == 0 ? offsetof(pkv_attn_req, seq) : f == 1 ? offsetof(pkv_attn_req, q_start) : offsetof(pkv_attn_req, n_q);
@@ -676,6 +693,56 @@ func (c *Cache) AppendInto(s Seq, tokens, slots []int32) error {
 	return c.op("pkv_seq_append", writeSeqs, func(p *C.pkv_cache) C.int {
 		return C.pkv_seq_append(p, C.pkv_seq(s), i32p(tokens), n, i32p(slots))
 	}, s)
+}
+
+// BatchAppend is a scheduler step's appends in one call (pkv_batch_append): tokens[i] appended
+// to seqs[i], distinct sequences. The budget check and the appends happen under one hold of the
+// cache's lock, so no other goroutine's append takes the blocks between them. Without fit,
+// every request is appended, in order, or none (ErrNoSpace); with fit, the leading run of them
+// that fits (first come, first served), the others left as they were. Returns the slots of the
+// requests appended, in order: its length is how many were.
+func (c *Cache) BatchAppend(seqs []Seq, tokens [][]int32, fit bool) ([][]int32, error) {
+	if err := wantLen(len(tokens), len(seqs), "BatchAppend: tokens (one slice a sequence)"); err != nil {
+		return nil, err
+	}
+	n, err := u32(len(seqs), "BatchAppend: seqs")
+	if err != nil {
+		return nil, err
+	}
+	ns := make([]uint32, len(seqs))
+	total := 0
+	for i, t := range tokens {
+		k, err := u32(len(t), "BatchAppend: tokens")
+		if err != nil {
+			return nil, err
+		}
+		if total += len(t); total < 0 || uint64(total) > math.MaxUint32 {
+			return nil, invalid("BatchAppend: more tokens in all than a call takes")
+		}
+		ns[i] = uint32(k)
+	}
+	flat, slots := make([]int32, 0, total), make([]int32, total)
+	for _, t := range tokens {
+		flat = append(flat, t...)
+	}
+	flags := C.uint32_t(0)
+	if fit {
+		flags = C.PKV_APPEND_FIT
+	}
+	var done C.uint32_t
+	err = c.op("pkv_batch_append", writeSeqs, func(p *C.pkv_cache) C.int {
+		return C.pkvgo_batch_append(p, seqp(seqs), (*C.uint32_t)(slicePtr(ns)), i32p(flat), i32p(slots), n, flags, &done)
+	}, seqs...)
+	if err != nil {
+		return nil, err
+	}
+	out := make([][]int32, done)
+	at := 0
+	for i := range out {
+		out[i] = slots[at : at+len(tokens[i]) : at+len(tokens[i])]
+		at += len(tokens[i])
+	}
+	return out, nil
 }
 
 // AppendBlocks says how many FREE or CACHED blocks appending n positions to s would take: the

@@ -1409,7 +1409,10 @@ func TestSequenceLocksStress(t *testing.T) {
 				var err error
 				switch step % 9 {
 				case 0:
-					_, err = c.Append(pick(), []int32{int32(step), 2})
+					_, err = c.BatchAppend([]Seq{seqs[g%nSeqs], pick()}, [][]int32{{1}, {int32(step), 2}}, step%2 == 0)
+					if code(err) == EINVAL { // pick() drew the same sequence twice
+						err = nil
+					}
 				case 1:
 					// K/V written by slot while other goroutines may truncate, compact or
 					// release... the sequence: its slots may be stale by then (EINVAL, or rows
@@ -1468,4 +1471,66 @@ func TestSequenceLocksStress(t *testing.T) {
 	}
 	c.smu.Unlock()
 	c.Close()
+}
+
+func TestBatchAppend(t *testing.T) {
+	// 6 blocks of 16: a holds 20 positions (2 blocks), b 16 (1): 3 FREE
+	cfg := DefaultConfig()
+	cfg.NKVHeads, cfg.HeadDim, cfg.BlockTokens, cfg.NBlocks, cfg.NThreads = 1, 32, 16, 6, 1
+	c, err := NewCache(cfg)
+	must(t, err)
+	defer c.Close()
+	toks := make([]int32, 40)
+	for i := range toks {
+		toks[i] = int32(i)
+	}
+	a, _ := c.SeqCreate(nil)
+	b, _ := c.SeqCreate(nil)
+	d, _ := c.SeqCreate(nil)
+	_, err = c.Append(a, toks[:20])
+	must(t, err)
+	_, err = c.Append(b, toks[:16])
+	must(t, err)
+	got, err := c.BatchAppend([]Seq{a, b, d}, [][]int32{toks[:2], toks[:3], nil}, false)
+	must(t, err)
+	wantA, _ := c.Slots(a, 20, 2)
+	wantB, _ := c.Slots(b, 16, 3)
+	if len(got) != 3 || fmt.Sprint(got[0]) != fmt.Sprint(wantA) || fmt.Sprint(got[1]) != fmt.Sprint(wantB) || len(got[2]) != 0 {
+		t.Fatalf("BatchAppend slots %v, want %v %v []", got, wantA, wantB)
+	}
+	// 2 FREE: b + 20 takes 1, d + 40 takes 3: all or none, none
+	st, _ := c.Stats()
+	if st.NFree != 2 {
+		t.Fatal("FREE blocks:", st.NFree)
+	}
+	if _, err := c.BatchAppend([]Seq{b, d}, [][]int32{toks[:20], toks}, false); !errors.Is(err, ErrNoSpace) ||
+		!strings.Contains(err.Error(), "pkv_batch_append") {
+		t.Fatal("all or none:", err)
+	}
+	if st2, _ := c.Stats(); st2 != st {
+		t.Fatal("a refused BatchAppend changed the stats")
+	}
+	// first come, first served: b's fits, d's does not
+	got, err = c.BatchAppend([]Seq{b, d}, [][]int32{toks[:20], toks}, true)
+	must(t, err)
+	ib, _ := c.SeqInfo(b)
+	id, _ := c.SeqInfo(d)
+	if len(got) != 1 || len(got[0]) != 20 || ib.NTokens != 39 || id.NTokens != 0 {
+		t.Fatal("fit:", len(got), ib.NTokens, id.NTokens)
+	}
+	if got, err := c.BatchAppend(nil, nil, true); err != nil || len(got) != 0 {
+		t.Fatal("empty batch:", got, err)
+	}
+	for _, bad := range []error{
+		func() error { _, err := c.BatchAppend([]Seq{a, a}, [][]int32{toks[:1], toks[:1]}, false); return err }(),
+		func() error { _, err := c.BatchAppend([]Seq{a}, [][]int32{toks[:1], toks[:1]}, false); return err }(),
+	} {
+		if code(bad) != EINVAL {
+			t.Fatal("BatchAppend, bad input:", bad)
+		}
+	}
+	if ia, _ := c.SeqInfo(a); ia.NTokens != 22 {
+		t.Fatal("a refused BatchAppend changed a:", ia.NTokens)
+	}
+	must(t, c.Check())
 }

@@ -44,5 +44,8 @@ int main(void) {
     FIELD(pkv_attn_params, window), FIELD(pkv_attn_params, lse), FIELD(pkv_attn_params, flags);
     SIZE(pkv_attn_req);
     FIELD(pkv_attn_req, seq), FIELD(pkv_attn_req, q_start), FIELD(pkv_attn_req, n_q);
+    SIZE(pkv_append_req);
+    FIELD(pkv_append_req, seq), FIELD(pkv_append_req, tokens), FIELD(pkv_append_req, n);
+    FIELD(pkv_append_req, slots_out);
     return 0;
 }

@@ -155,7 +155,8 @@ class TestLibrary(Base):
         c = dict(line.rsplit(" ", 1) for line in lines if line)
         mirrors = {"pkv_config": pkv._Config, "pkv_allocator": pkv._Allocator, "pkv_executor": pkv._Executor,
                    "pkv_layout": pkv._Layout, "pkv_seq_info": pkv._SeqInfo, "pkv_stats": pkv._Stats,
-                   "pkv_attn_params": pkv._AttnParams, "pkv_attn_req": pkv._AttnReq}
+                   "pkv_attn_params": pkv._AttnParams, "pkv_attn_req": pkv._AttnReq,
+                   "pkv_append_req": pkv._AppendReq}
         for name, cls in mirrors.items():
             self.assertEqual(ctypes.sizeof(cls), int(c[name]), "sizeof(%s)" % name)
             fields = [f for f, _ in cls._fields_]
@@ -758,6 +759,41 @@ class TestCache(Base):
             with self.assertRaises(pkv.PkvError) as e:
                 c.batch_compact([a, a])
             self.assertEqual(e.exception.code, pkv.EINVAL)
+
+    def test_batch_append(self):
+        # 6 blocks of 16: a holds 20 positions (2 blocks), b 16 (1): 3 FREE
+        with pkv.Cache(n_kv_heads=1, head_dim=32, block_tokens=16, n_blocks=6, n_threads=1) as c:
+            self.check_batch_append(c)
+
+    def check_batch_append(self, c):
+        a, b, d = c.seq_create(), c.seq_create(), c.seq_create()
+        c.append(a, range(20))
+        c.append(b, range(16))
+        got = c.batch_append([(a, [1, 2]), (b, np.arange(3)), (d, [])])
+        self.assertEqual(len(got), 3)
+        np.testing.assert_array_equal(got[0], c.slots(a, 20, 2))  # a's tail had room
+        np.testing.assert_array_equal(got[1], c.slots(b, 16, 3))
+        self.assertEqual(got[2].size, 0)
+        self.assertEqual(c.stats()["n_free"], 2)
+        # 2 FREE: b + 20 takes 1, d + 40 takes 3: all or none, none
+        before = (c.stats(), c.seq_info(b), c.seq_info(d))
+        with self.assertRaises(pkv.NoSpaceError) as e:
+            c.batch_append([(b, range(20)), (d, range(40))])
+        self.assertIn("pkv_batch_append", str(e.exception))
+        self.assertEqual(before, (c.stats(), c.seq_info(b), c.seq_info(d)))
+        # first come, first served: b's fits, d's does not
+        got = c.batch_append([(b, range(20)), (d, range(40))], fit=True)
+        self.assertEqual(len(got), 1)
+        self.assertEqual((c.seq_info(b).n_tokens, c.seq_info(d).n_tokens), (39, 0))
+        self.assertEqual(c.batch_append([], fit=True), [])
+        for bad in ([(a, [1]), (a, [2])], [(a,)], [a], [(a, [1.5])]):
+            with self.assertRaises(pkv.InvalidArgumentError):
+                c.batch_append(bad)
+        c.release(d)
+        with self.assertRaises(pkv.NotFoundError):
+            c.batch_append([(a, [1]), (d, [1])])
+        self.assertEqual(c.seq_info(a).n_tokens, 22)  # a refused batch changes nothing
+        c.check()
 
     def test_kv_view(self):
         for dt in ("f32", "f16", "bf16", "q8_0"):

@@ -131,6 +131,17 @@ pub struct pkv_attn_req {
     pub n_q: u32,
 }
 
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct pkv_append_req {
+    pub seq: pkv_seq,
+    pub tokens: *const i32,
+    pub n: u32,
+    pub slots_out: *mut i32,
+}
+
+pub const PKV_APPEND_FIT: u32 = 1;
+
 extern "C" {
     pub fn pkv_strerror(rc: c_int) -> *const c_char;
     pub fn pkv_version() -> *const c_char;
@@ -146,6 +157,13 @@ extern "C" {
     pub fn pkv_seq_create(c: *mut pkv_cache, salt: *const c_void, salt_len: usize, out: *mut pkv_seq) -> c_int;
     pub fn pkv_seq_append(c: *mut pkv_cache, s: pkv_seq, tokens: *const i32, n: u32, slots_out: *mut i32) -> c_int;
     pub fn pkv_seq_append_blocks(c: *mut pkv_cache, s: pkv_seq, n: u32, n_blocks: *mut u32) -> c_int;
+    pub fn pkv_batch_append(
+        c: *mut pkv_cache,
+        reqs: *const pkv_append_req,
+        n_reqs: u32,
+        flags: u32,
+        n_done: *mut u32,
+    ) -> c_int;
     pub fn pkv_write_kv(
         c: *mut pkv_cache,
         layer: u32,

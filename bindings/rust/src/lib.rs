@@ -335,6 +335,15 @@ pub struct AttnReq {
     pub n_q: u32,
 }
 
+/// One request of [`Cache::batch_append`]: `tokens` appended to `seq`, their slots written to
+/// `slots` where given (`slots.len() == tokens.len()`).
+#[derive(Debug)]
+pub struct AppendReq<'a> {
+    pub seq: Seq,
+    pub tokens: &'a [i32],
+    pub slots: Option<&'a mut [i32]>,
+}
+
 /// Attention parameters (pkv_attn_params without the lse pointer, which the calls take).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnParams {
@@ -550,6 +559,40 @@ impl Cache {
             unsafe { ffi::pkv_seq_append(self.p(), s.0, tokens.as_ptr(), n, slots.as_mut_ptr()) },
             "pkv_seq_append",
         )
+    }
+
+    /// A scheduler step's appends in one call (pkv_batch_append): the requests name distinct
+    /// sequences; the budget check and the appends happen under one hold of the cache's lock,
+    /// so no other thread's append takes the blocks between them. Without `fit`, every request
+    /// is appended, in order, or none ([`ErrorKind::NoSpace`]); with `fit`, the leading run of
+    /// them that fits (first come, first served), the others left as they were. Returns how many
+    /// were appended.
+    pub fn batch_append(&mut self, reqs: &mut [AppendReq<'_>], fit: bool) -> Result<usize> {
+        let n = len_u32(reqs.len(), "batch_append: requests")?;
+        let mut raw = Vec::with_capacity(reqs.len());
+        for (i, r) in reqs.iter_mut().enumerate() {
+            let len = len_u32(r.tokens.len(), "batch_append: tokens")?;
+            let slots_out = match r.slots.as_deref_mut() {
+                Some(s) => {
+                    want_len(s.len(), r.tokens.len(), &format!("batch_append: reqs[{}].slots", i))?;
+                    s.as_mut_ptr()
+                }
+                None => std::ptr::null_mut(),
+            };
+            raw.push(ffi::pkv_append_req {
+                seq: r.seq.0,
+                tokens: r.tokens.as_ptr(),
+                n: len,
+                slots_out,
+            });
+        }
+        let flags = if fit { ffi::PKV_APPEND_FIT } else { 0 };
+        let mut done = 0u32;
+        check(
+            unsafe { ffi::pkv_batch_append(self.p(), raw.as_ptr(), n, flags, &mut done) },
+            "pkv_batch_append",
+        )?;
+        Ok(done as usize)
     }
 
     /// How many FREE or CACHED blocks appending `n` positions to `s` would take: the append

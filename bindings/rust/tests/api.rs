@@ -259,6 +259,7 @@ fn struct_layouts_match_c() {
     );
     offsets!(m, "pkv_attn_req", ffi::pkv_attn_req, [seq, q_start, n_q]);
     offsets!(m, "pkv_attn_req", AttnReq, [seq, q_start, n_q]); // the safe type handed over as one
+    offsets!(m, "pkv_append_req", ffi::pkv_append_req, [seq, tokens, n, slots_out]);
 }
 
 #[test]
@@ -1064,5 +1065,98 @@ fn into_forms_and_writes_beside_attention() {
         EINVAL
     );
     assert_eq!(c.gather_into(s, 1, 0, None, None).unwrap_err().code(), EINVAL);
+    c.check().unwrap();
+}
+
+#[test]
+fn batch_append_all_none_or_a_leading_run() {
+    // 6 blocks of 16: a holds 20 positions (2 blocks), b 16 (1): 3 FREE
+    let mut c = Cache::new(&Config {
+        block_tokens: 16,
+        ..cfg(1, 32, 6, Dtype::F32)
+    })
+    .unwrap();
+    let (a, b, d) = (
+        c.seq_create(b"").unwrap(),
+        c.seq_create(b"").unwrap(),
+        c.seq_create(b"").unwrap(),
+    );
+    let toks: Vec<i32> = (0..40).collect();
+    c.append(a, &toks[..20]).unwrap();
+    c.append(b, &toks[..16]).unwrap();
+    let (mut sa, mut sb) = ([0i32; 2], [0i32; 3]);
+    let mut reqs = [
+        AppendReq {
+            seq: a,
+            tokens: &toks[..2],
+            slots: Some(&mut sa),
+        },
+        AppendReq {
+            seq: b,
+            tokens: &toks[..3],
+            slots: Some(&mut sb),
+        },
+        AppendReq {
+            seq: d,
+            tokens: &[],
+            slots: None,
+        },
+    ];
+    assert_eq!(c.batch_append(&mut reqs, false).unwrap(), 3);
+    assert_eq!(sa.to_vec(), c.slots(a, 20, 2).unwrap()); // a's tail had room
+    assert_eq!(sb.to_vec(), c.slots(b, 16, 3).unwrap());
+    assert_eq!(c.stats().unwrap().n_free, 2);
+    // 2 FREE: b + 20 takes 1, d + 40 takes 3: all or none, none
+    let before = (c.stats().unwrap(), c.seq_info(b).unwrap(), c.seq_info(d).unwrap());
+    let mut two = [
+        AppendReq {
+            seq: b,
+            tokens: &toks[..20],
+            slots: None,
+        },
+        AppendReq {
+            seq: d,
+            tokens: &toks[..40],
+            slots: None,
+        },
+    ];
+    let e = c.batch_append(&mut two, false).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoSpace);
+    assert_eq!(
+        before,
+        (c.stats().unwrap(), c.seq_info(b).unwrap(), c.seq_info(d).unwrap())
+    );
+    // first come, first served: b's fits, d's does not
+    assert_eq!(c.batch_append(&mut two, true).unwrap(), 1);
+    assert_eq!(
+        (c.seq_info(b).unwrap().n_tokens, c.seq_info(d).unwrap().n_tokens),
+        (39, 0)
+    );
+    assert_eq!(c.batch_append(&mut [], true).unwrap(), 0);
+    // refused, changing nothing: a sequence named twice, slots of the wrong length
+    let mut short = [0i32; 1];
+    for mut bad in [
+        vec![
+            AppendReq {
+                seq: a,
+                tokens: &toks[..1],
+                slots: None,
+            },
+            AppendReq {
+                seq: a,
+                tokens: &toks[..1],
+                slots: None,
+            },
+        ],
+        vec![AppendReq {
+            seq: a,
+            tokens: &toks[..2],
+            slots: Some(&mut short),
+        }],
+    ] {
+        let e = c.batch_append(&mut bad, false).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    }
+    assert_eq!(c.seq_info(a).unwrap().n_tokens, 22);
     c.check().unwrap();
 }
