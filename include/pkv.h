@@ -16,13 +16,13 @@
  * pkv_attn_* (they read every sequence of the batch), pkv_seq_gather, pkv_seq_get_info,
  * pkv_seq_slots, pkv_seq_block_table, pkv_export_*, and pkv_seq_fork and pkv_pin_create, which
  * read their source. A call that changes a sequence (append, commit, truncate, compact, release,
- * a prefix match into it, a pkv_batch_compact that names it) must not overlap any other call
- * that names or reads that sequence. pkv_write_kv may overlap reads of other layers or other
- * positions (layer l + 1 of a new token while attention reads layer l), not a read of the rows
- * it writes. Metadata calls take the cache's lock for a short critical section; pkv_write_kv
- * copies without it; attention calls are serialized among themselves (they share the cache's
- * threads and scratch), so attention from several threads at once is no faster than one after
- * the other. pkv_cache_destroy comes after every other call has returned. The hooks (log,
+ * a prefix match into it, a pkv_batch_compact or pkv_batch_append that names it) must not
+ * overlap any other call that names or reads that sequence. pkv_write_kv may overlap reads of
+ * other layers or other positions (layer l + 1 of a new token while attention reads layer l),
+ * not a read of the rows it writes. Metadata calls take the cache's lock for a short critical
+ * section; pkv_write_kv copies without it; attention calls are serialized among themselves
+ * (they share the cache's threads and scratch), so attention from several threads at once is no
+ * faster than one after the other. pkv_cache_destroy comes after every other call has returned. The hooks (log,
  * allocator, executor) are called from C: they must not throw or longjmp out.
  * fork(): a child process may go on using a cache it inherited, and destroy it, provided no
  * call on that cache was running in the parent when it forked (a lock held then stays held in
@@ -277,10 +277,12 @@ typedef struct pkv_append_req {
  * the cache's lock, so no other thread's append can take the blocks between them (as it can
  * between pkv_seq_append_blocks and pkv_seq_append). The requests are checked first: each
  * names a distinct live sequence (not a pin), none passes max_blocks_per_seq (PKV_ELIMIT),
- * else the call fails and changes nothing. They fit where the sum of their
- * pkv_seq_append_blocks counts is at most n_free + n_cached (so the check can refuse a batch by
- * one block for each request whose only block is the copy of a tail it held alone, which
- * sequential appends would take). Without flags: every request is appended, in order, or none
+ * else the call fails and changes nothing. They fit where the blocks they take sum to at most
+ * n_free + n_cached, each request's counted as pkv_seq_append_blocks would count it once the
+ * requests before it are appended (a tail shared by forks in the batch is copied by all but the
+ * last of them). That is where one pkv_seq_append after another would all succeed, but for one
+ * case, counted as 1 though it gives its old block back: a request whose only block is the copy
+ * of an indexed tail it holds alone. Without flags: every request is appended, in order, or none
  * (PKV_ENOSPC). With PKV_APPEND_FIT: requests 0 .. k-1 are appended for the largest k that
  * fits, the others left as they were, and the call succeeds, k 0 included; n_done is then
  * required. Each appended request is what pkv_seq_append would do (same blocks, slots and

@@ -11,7 +11,8 @@
 // append to one sequence does not wait for attention over others. WriteKV waits for the
 // attention calls and gathers in flight (its slots do not say whose rows they are);
 // WriteKVShared writes beside them (layer l + 1 beside a decode of layer l), the caller
-// answering for the rows. The Into forms (AppendInto, SlotsInto, GatherInto) fill
+// answering for the rows. Both wait for calls that move or free rows (Truncate, Release, the
+// compactions) and for Fork, and those wait for them. The Into forms (AppendInto, SlotsInto, GatherInto) fill
 // the caller's buffers. Lengths are checked in int on every platform (GOARCH=386 included).
 //
 // Build: cgo needs pkv.h (found through ../../include) and libpkv.so, e.g.
@@ -54,7 +55,7 @@ static size_t pkvgo_take_said(char *buf) {
 // and slots one after another, ns[i] of each.
 static int pkvgo_batch_append(pkv_cache *c, const pkv_seq *seqs, const uint32_t *ns, const int32_t *toks,
                               int32_t *slots, uint32_t n, uint32_t flags, uint32_t *done) {
-	pkv_append_req few[16], *r = n <= 16 ? few : malloc(n * sizeof *r);
+	pkv_append_req few[16], *r = n <= 16 ? few : calloc(n, sizeof *r);
 	if (!r) return PKV_ENOMEM;
 	size_t at = 0;
 	for (uint32_t i = 0; i < n; i++) {
@@ -308,6 +309,7 @@ type Stats struct {
 type Cache struct {
 	gate  sync.RWMutex // Close and Reset hold it alone; every other call shares it
 	kv    sync.RWMutex // WriteKV and WriteKV16 hold it alone; attention and gathers share it
+	rows  sync.RWMutex // moves of K/V rows and Fork hold it alone; K/V writes share it
 	smu   sync.Mutex   // guards seqs and spare
 	seqs  map[Seq]*seqLock
 	spare []*seqLock
@@ -376,39 +378,59 @@ func (c *Cache) Close() {
 // in this order, so that no two calls wait on each other in a cycle:
 //  1. gate: Close and Reset hold it alone, every other call shares it;
 //  2. the locks of the sequences the call names, in increasing id order: held alone by a call
-//     that changes its sequence (Append, Commit, Truncate, Compact, BatchCompact, Release,
-//     MatchPrefix, PinRelease), shared by the calls that read it (attention, Gather, Slots,
-//     BlockTable, SeqInfo, AppendBlocks, the exports, and Fork and Pin of their source);
+//     that changes its sequence (Append, BatchAppend, Commit, Truncate, Compact, BatchCompact,
+//     Release, MatchPrefix, PinRelease), shared by the calls that read it (attention, Gather,
+//     Slots, BlockTable, SeqInfo, AppendBlocks, the exports, and Fork and Pin of their source);
 //  3. kv: WriteKV and WriteKV16 hold it alone, since their slots do not say whose rows they
-//     are; the calls that read K/V rows (attention, Gather) or move or free them (Truncate,
-//     Release, Compact, BatchCompact) share it.
-// So a change to one sequence waits only for the calls that name that sequence (and, for one
-// that moves rows, for a WriteKV in flight), not for attention over others; WriteKV waits for
-// the attention calls, gathers and row moves in flight, and while it waits, later ones wait
-// for it (WriteKVShared takes no kv lock: its caller answers for the rows).
+//     are; the calls that read K/V rows (attention, Gather) share it;
+//  4. rows: the calls that move or free K/V rows (Truncate, Release, Compact, BatchCompact)
+//     and Fork (after it, the forked tail is shared, and the next append copies it) hold it
+//     alone; every K/V write (WriteKV, WriteKVShared) shares it.
+// So a change to one sequence waits only for the calls that name that sequence (and, for a row
+// move or a fork, for the K/V writes in flight), not for attention over others; WriteKV waits
+// for the attention calls and gathers in flight, and while it waits, later ones wait for it;
+// WriteKVShared waits for no read: its caller answers for the rows.
 
-// kvUse is what a call takes of the kv lock.
-type kvUse uint8
+// use is what a call takes of the kv or rows lock.
+type use uint8
 
 const (
-	kvNone  kvUse = iota
-	kvRead        // shared: the call reads K/V rows (attention, Gather)
-	kvWrite       // alone: WriteKV, WriteKV16
+	useNone   use = iota
+	useShared     // the lock shared
+	useAlone      // the lock alone
 )
+
+func (u use) lock(m *sync.RWMutex) {
+	switch u {
+	case useShared:
+		m.RLock()
+	case useAlone:
+		m.Lock()
+	}
+}
+
+func (u use) unlock(m *sync.RWMutex) {
+	switch u {
+	case useShared:
+		m.RUnlock()
+	case useAlone:
+		m.Unlock()
+	}
+}
 
 // access is what a call locks besides the sequences it names.
 type access struct {
-	alone bool  // the gate alone (Close, Reset); no sequence is named then
-	write bool  // the named sequences' locks alone (the call changes them); else shared
-	kv    kvUse // the kv lock
+	alone bool // the gate alone (Close, Reset); no sequence is named then
+	write bool // the named sequences' locks alone (the call changes them); else shared
+	kv    use  // the kv lock
+	rows  use  // the rows lock
 }
 
 var (
 	readSeqs  = access{}
 	writeSeqs = access{write: true}
-	// a change that moves or frees K/V rows (Truncate, Release, the compactions) also shares
-	// the kv lock: a WriteKV in flight may be writing rows of that very sequence
-	moveSeqs = access{write: true, kv: kvRead}
+	readKV    = access{kv: useShared}               // attention, Gather
+	moveRows  = access{write: true, rows: useAlone} // Truncate, Release, Compact, BatchCompact
 )
 
 // guard is what one call holds, let go by exit in the reverse order.
@@ -464,12 +486,8 @@ func (c *Cache) enter(a access, seqs ...Seq) (p *C.pkv_cache, g guard, err error
 			l.lock(a.write)
 		}
 	}
-	switch a.kv {
-	case kvRead:
-		c.kv.RLock()
-	case kvWrite:
-		c.kv.Lock()
-	}
+	a.kv.lock(&c.kv)
+	a.rows.lock(&c.rows)
 	// the calls under these locks, and check after each, run on one OS thread: check reads
 	// what libpkv said on it
 	runtime.LockOSThread()
@@ -483,12 +501,8 @@ func (g *guard) exit() {
 		return
 	}
 	runtime.UnlockOSThread()
-	switch g.a.kv {
-	case kvRead:
-		c.kv.RUnlock()
-	case kvWrite:
-		c.kv.Unlock()
-	}
+	g.a.rows.unlock(&c.rows)
+	g.a.kv.unlock(&c.kv)
 	if g.one != nil || len(g.many) > 0 {
 		if g.one != nil {
 			g.one.unlock(g.a.write)
@@ -778,9 +792,9 @@ func (c *Cache) writeKV(layer uint32, slots []int32, k, v unsafe.Pointer, kn, vn
 	if err != nil {
 		return err
 	}
-	a := access{kv: kvWrite}
+	a := access{kv: useAlone, rows: useShared}
 	if shared {
-		a = readSeqs
+		a = access{rows: useShared}
 	}
 	return c.op("pkv_write_kv", a, func(p *C.pkv_cache) C.int {
 		return C.pkv_write_kv(p, C.uint32_t(layer), i32p(slots), n, k, v, dt.c())
@@ -810,11 +824,13 @@ func (c *Cache) writeKV16(layer uint32, slots []int32, k, v []uint16, dt Dtype, 
 }
 
 // WriteKVShared is WriteKV without waiting for attention and gathers in flight, so that it
-// runs beside them: layer l + 1 of a new token written while a Decode
-// reads layer l, as libpkv allows (pkv.h, "Threads"). The caller answers for what the lock no
-// longer keeps apart: no call may read or write these rows (these slots of this layer) while
-// it runs. A write racing a read of the same rows is a data race in libpkv's memory (values
-// torn or mixed, which the race detector cannot see); the slots must be current (see WriteKV).
+// runs beside them: layer l + 1 of a new token written while a Decode reads layer l, as libpkv
+// allows (pkv.h, "Threads"). It still waits for the calls that move or free rows (Truncate,
+// Release, the compactions) and for Fork, as WriteKV does. The caller answers for what the
+// locks no longer keep apart: no call may read or write these rows (these slots of this layer)
+// while it runs. A write racing a read of the same rows is a data race in libpkv's memory
+// (values torn or mixed, which the race detector cannot see); the slots must be current (see
+// WriteKV).
 func (c *Cache) WriteKVShared(layer uint32, slots []int32, k, v []float32) error {
 	return c.writeKV(layer, slots, unsafe.Pointer(f32p(k)), unsafe.Pointer(f32p(v)), len(k), len(v), F32,
 		k != nil, v != nil, true)
@@ -843,7 +859,7 @@ func (c *Cache) Commit(s Seq, nPos uint32) error {
 
 // Truncate keeps positions [0, n).
 func (c *Cache) Truncate(s Seq, n uint32) error {
-	return c.op("pkv_seq_truncate", moveSeqs, func(p *C.pkv_cache) C.int { return C.pkv_seq_truncate(p, C.pkv_seq(s), C.uint32_t(n)) }, s)
+	return c.op("pkv_seq_truncate", moveRows, func(p *C.pkv_cache) C.int { return C.pkv_seq_truncate(p, C.pkv_seq(s), C.uint32_t(n)) }, s)
 }
 
 // Compact moves runs of the sequence's blocks that it alone holds (no fork or pin shares them)
@@ -861,7 +877,7 @@ func (c *Cache) Compact(s Seq, evict, cached bool) (uint32, error) {
 	if cached {
 		flags |= C.PKV_COMPACT_CACHED
 	}
-	err := c.op("pkv_seq_compact", moveSeqs, func(p *C.pkv_cache) C.int { return C.pkv_seq_compact(p, C.pkv_seq(s), flags, &moved) }, s)
+	err := c.op("pkv_seq_compact", moveRows, func(p *C.pkv_cache) C.int { return C.pkv_seq_compact(p, C.pkv_seq(s), flags, &moved) }, s)
 	return uint32(moved), err
 }
 
@@ -885,7 +901,7 @@ func (c *Cache) BatchCompact(seqs []Seq, slack uint32, repack, cached bool) (uin
 	if cached {
 		flags |= C.PKV_BATCH_CACHED
 	}
-	err = c.op("pkv_batch_compact", moveSeqs, func(p *C.pkv_cache) C.int {
+	err = c.op("pkv_batch_compact", moveRows, func(p *C.pkv_cache) C.int {
 		return C.pkv_batch_compact(p, seqp(seqs), n, C.uint32_t(slack), flags, &moved)
 	}, seqs...)
 	return uint32(moved), err
@@ -893,7 +909,7 @@ func (c *Cache) BatchCompact(seqs []Seq, slack uint32, repack, cached bool) (uin
 
 // Release drops the sequence; its id becomes stale (ENOENT).
 func (c *Cache) Release(s Seq) error {
-	return c.op("pkv_seq_release", moveSeqs, func(p *C.pkv_cache) C.int { return C.pkv_seq_release(p, C.pkv_seq(s)) }, s)
+	return c.op("pkv_seq_release", moveRows, func(p *C.pkv_cache) C.int { return C.pkv_seq_release(p, C.pkv_seq(s)) }, s)
 }
 
 // PinRelease drops a pin.
@@ -904,7 +920,7 @@ func (c *Cache) PinRelease(pin Seq) error {
 // Fork makes a sequence sharing every block of s (no data copied).
 func (c *Cache) Fork(s Seq) (Seq, error) {
 	var out C.pkv_seq
-	err := c.op("pkv_seq_fork", readSeqs, func(p *C.pkv_cache) C.int { return C.pkv_seq_fork(p, C.pkv_seq(s), &out) }, s)
+	err := c.op("pkv_seq_fork", access{rows: useAlone}, func(p *C.pkv_cache) C.int { return C.pkv_seq_fork(p, C.pkv_seq(s), &out) }, s)
 	return Seq(out), err
 }
 
@@ -1006,7 +1022,7 @@ func (c *Cache) BlockTable(s Seq) ([]int32, error) {
 // Gather returns K and V of positions [start, start+n) of one layer, f32
 // [n][n_kv_heads][head_dim] (dequantized).
 func (c *Cache) Gather(s Seq, layer, start, n uint32) ([]float32, []float32, error) {
-	p, g, err := c.enter(access{kv: kvRead}, s)
+	p, g, err := c.enter(readKV, s)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -1055,7 +1071,7 @@ func (c *Cache) GatherInto(s Seq, layer, start uint32, k, v []float32) error {
 	if err != nil {
 		return err
 	}
-	return c.op("pkv_seq_gather", access{kv: kvRead}, func(p *C.pkv_cache) C.int {
+	return c.op("pkv_seq_gather", readKV, func(p *C.pkv_cache) C.int {
 		return C.pkv_seq_gather(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), n, f32p(k), f32p(v))
 	}, s)
 }
@@ -1194,7 +1210,7 @@ func (c *Cache) attnCall(what, cname string, seqs []Seq, items, rows int, q, out
 			raw.lse = buf
 		}
 	}
-	p, g, err := c.enter(access{kv: kvRead}, seqs...)
+	p, g, err := c.enter(readKV, seqs...)
 	if err != nil {
 		return err
 	}

@@ -1258,10 +1258,62 @@ func waitsFor(f func()) chan struct{} {
 	return done
 }
 
+// call is a named call for the lock tests; its error is reported with t.Errorf (from its own
+// goroutine: not t.Fatal).
+type call struct {
+	name string
+	f    func() error
+}
+
+func (k call) start(t *testing.T) chan struct{} {
+	return waitsFor(func() {
+		if err := k.f(); err != nil {
+			t.Errorf("%s: %v", k.name, err)
+		}
+	})
+}
+
+// goOn: each call returns while what the test holds stays held.
+func goOn(t *testing.T, held string, calls ...call) {
+	t.Helper()
+	for _, k := range calls {
+		select {
+		case <-k.start(t):
+		case <-time.After(20 * time.Second):
+			t.Fatalf("%s waited for %s", k.name, held)
+		}
+	}
+}
+
+// waitOn: each call is still waiting 100 ms after it started, and returns once release() has
+// let go of what the test holds.
+func waitOn(t *testing.T, held string, release func(), calls ...call) {
+	t.Helper()
+	done := make([]chan struct{}, len(calls))
+	for i, k := range calls {
+		done[i] = k.start(t)
+	}
+	time.Sleep(100 * time.Millisecond)
+	for i, k := range calls {
+		select {
+		case <-done[i]:
+			release()
+			t.Fatalf("%s did not wait for %s", k.name, held)
+		default:
+		}
+	}
+	release()
+	for i, k := range calls {
+		select {
+		case <-done[i]:
+		case <-time.After(20 * time.Second):
+			t.Fatalf("%s still waits after %s ended", k.name, held)
+		}
+	}
+}
+
 func TestSequenceLocks(t *testing.T) {
-	// what waits for what while a read of sequence a is held as attention over a holds it:
-	// changes to other sequences and reads of a go on; changes to a, K/V writes by slot and
-	// Close wait for it
+	// what waits for what while the test holds what a call in flight would hold
 	c := newCacheUnclosed(t, 2, 32, 64, F32) // closed below
 	r := rng(5)
 	a, err := c.SeqCreate(nil)
@@ -1270,103 +1322,95 @@ func TestSequenceLocks(t *testing.T) {
 	must(t, err)
 	fill(t, c, a, 20, &r)
 	fill(t, c, b, 20, &r)
-	bSlots, err := c.Append(b, []int32{1, 2})
+	_, err = c.Append(b, []int32{1, 2})
 	must(t, err)
+	bSlots := func() []int32 { // b's uncommitted positions 20, 21, taken again after any move
+		s, err := c.Slots(b, 20, 2)
+		must(t, err)
+		return s
+	}
 	row := r.vec(2 * 2 * 32)
 	q := r.vec(3 * 4 * 32)
-	out := make([]float32, len(q))
+	decode := func(seqs ...Seq) call {
+		return call{fmt.Sprint("Decode", seqs), func() error {
+			return c.Decode(0, seqs, q[:len(seqs)*128], make([]float32, len(seqs)*128), AttnParams{NQHeads: 4}, nil)
+		}}
+	}
 
-	_, held, err := c.enter(access{kv: kvRead}, a) // what Decode(0, []Seq{a}, ...) holds
+	// 1. a read of a (attention over a): changes to b and reads of a go on; changes to a, and
+	// WriteKV (by slot: whoever's rows), wait
+	_, held, err := c.enter(readKV, a)
 	must(t, err)
-	goOn := []struct {
-		name string
-		f    func() error
-	}{
-		{"Append(b)", func() error { _, err := c.Append(b, []int32{3}); return err }},
-		{"Commit(b)", func() error { return c.Commit(b, 20) }},
-		{"WriteKVShared", func() error { return c.WriteKVShared(0, bSlots, row, row) }},
-		{"SeqInfo(a)", func() error { _, err := c.SeqInfo(a); return err }},
-		{"Gather(a)", func() error { _, _, err := c.Gather(a, 0, 0, 20); return err }},
-		{"Decode(a, a, b)", func() error { return c.Decode(0, []Seq{a, a, b}, q, out, AttnParams{NQHeads: 4}, nil) }},
-		{"Fork(a)", func() error { f, err := c.Fork(a); c.Release(f); return err }},
-		{"Stats", func() error { _, err := c.Stats(); return err }},
-		{"Check", c.Check},
-		{"SeqCreate", func() error { s, err := c.SeqCreate(nil); c.Release(s); return err }},
-		{"BatchCompact(b)", func() error { _, err := c.BatchCompact([]Seq{b}, 0, false, false); return err }},
-		{"ExportDense(b, a, b)", func() error { _, _, err := c.ExportDense([]Seq{b, a, b}, 8); return err }},
-	}
-	for _, call := range goOn {
-		select {
-		case <-waitsFor(func() { must(t, call.f()) }):
-		case <-time.After(20 * time.Second):
-			t.Fatalf("%s waited for a read of another sequence, or of its own", call.name)
-		}
-	}
-	// b's slots are stale after BatchCompact and the appends: take them again
-	bSlots, err = c.Slots(b, 20, 2)
+	sl := bSlots()
+	goOn(t, "a read of a",
+		call{"Append(b)", func() error { _, err := c.Append(b, []int32{3}); return err }},
+		call{"Commit(b)", func() error { return c.Commit(b, 20) }},
+		call{"WriteKVShared(b)", func() error { return c.WriteKVShared(0, sl, row, row) }},
+		call{"SeqInfo(a)", func() error { _, err := c.SeqInfo(a); return err }},
+		call{"Gather(a)", func() error { _, _, err := c.Gather(a, 0, 0, 20); return err }},
+		decode(a, a, b),
+		call{"Fork(a)", func() error { f, err := c.Fork(a); c.Release(f); return err }},
+		call{"Stats", func() error { _, err := c.Stats(); return err }},
+		call{"Check", c.Check},
+		call{"SeqCreate", func() error { s, err := c.SeqCreate(nil); c.Release(s); return err }},
+		call{"BatchCompact(b)", func() error { _, err := c.BatchCompact([]Seq{b}, 0, false, false); return err }},
+		call{"ExportDense(b, a, b)", func() error { _, _, err := c.ExportDense([]Seq{b, a, b}, 8); return err }},
+	)
+	sl = bSlots()
+	waitOn(t, "a read of a", held.exit,
+		call{"Append(a)", func() error { _, err := c.Append(a, []int32{9}); return err }},
+		call{"Truncate(a)", func() error { return c.Truncate(a, 20) }},
+		call{"BatchAppend(b, a)", func() error {
+			_, err := c.BatchAppend([]Seq{b, a}, [][]int32{{5}, {6}}, false)
+			return err
+		}},
+		call{"WriteKV(b)", func() error { return c.WriteKV(0, sl, row, row) }},
+	)
+
+	// 2. a WriteKV in flight: appends and shared writes go on; reads of K/V rows, moves of them
+	// and forks wait
+	_, held, err = c.enter(access{kv: useAlone, rows: useShared})
 	must(t, err)
-	wait := map[string]chan struct{}{
-		"Append(a)":   waitsFor(func() { _, err := c.Append(a, []int32{9}); must(t, err) }),
-		"Truncate(a)": waitsFor(func() { must(t, c.Truncate(a, 20)) }),
-		"WriteKV":     waitsFor(func() { must(t, c.WriteKV(0, bSlots, row, row)) }),
-	}
-	time.Sleep(50 * time.Millisecond)
-	for name, ch := range wait {
-		select {
-		case <-ch:
-			t.Fatalf("%s did not wait for the read of a", name)
-		default:
-		}
-	}
-	held.exit()
-	for name, ch := range wait {
-		select {
-		case <-ch:
-		case <-time.After(20 * time.Second):
-			t.Fatalf("%s still waits after the read of a ended", name)
-		}
-	}
-	// with a WriteKV in flight (by slot: whoever's rows), appends go on; the calls that read
-	// K/V rows or move them wait
-	_, held, err = c.enter(access{kv: kvWrite})
+	sl = bSlots()
+	goOn(t, "a WriteKV",
+		call{"Append(b)", func() error { _, err := c.Append(b, []int32{4}); return err }},
+		call{"WriteKVShared(b)", func() error { return c.WriteKVShared(0, sl, row, row) }},
+		call{"SeqInfo(a)", func() error { _, err := c.SeqInfo(a); return err }},
+	)
+	waitOn(t, "a WriteKV", held.exit,
+		decode(b),
+		call{"Gather(b)", func() error { _, _, err := c.Gather(b, 0, 0, 20); return err }},
+		call{"Truncate(b)", func() error { return c.Truncate(b, 23) }},
+		call{"Fork(b)", func() error { f, err := c.Fork(b); c.Release(f); return err }},
+	)
+
+	// 3. a WriteKVShared in flight: attention and appends go on; moves of rows and forks wait
+	e, err := c.SeqCreate(nil)
 	must(t, err)
-	select {
-	case <-waitsFor(func() { _, err := c.Append(b, []int32{4}); must(t, err) }):
-	case <-time.After(20 * time.Second):
-		t.Fatal("Append waited for a WriteKV")
-	}
-	wait = map[string]chan struct{}{
-		"Decode(b)":   waitsFor(func() { must(t, c.Decode(0, []Seq{b}, q[:128], out[:128], AttnParams{NQHeads: 4}, nil)) }),
-		"Gather(b)":   waitsFor(func() { _, _, err := c.Gather(b, 0, 0, 20); must(t, err) }),
-		"Truncate(b)": waitsFor(func() { must(t, c.Truncate(b, 22)) }),
-		"Release(a)":  waitsFor(func() { must(t, c.Release(a)) }),
-	}
-	time.Sleep(50 * time.Millisecond)
-	for name, ch := range wait {
-		select {
-		case <-ch:
-			t.Fatalf("%s did not wait for a WriteKV in flight", name)
-		default:
-		}
-	}
-	held.exit()
-	for name, ch := range wait {
-		select {
-		case <-ch:
-		case <-time.After(20 * time.Second):
-			t.Fatalf("%s still waits after the WriteKV ended", name)
-		}
-	}
+	fill(t, c, e, 5, &r)
+	_, held, err = c.enter(access{rows: useShared})
+	must(t, err)
+	goOn(t, "a WriteKVShared",
+		decode(a, b),
+		call{"Append(b)", func() error { _, err := c.Append(b, []int32{5}); return err }},
+	)
+	waitOn(t, "a WriteKVShared", held.exit,
+		call{"Truncate(b)", func() error { return c.Truncate(b, 22) }},
+		call{"Compact(a)", func() error { _, err := c.Compact(a, false, false); return err }},
+		call{"Fork(a)", func() error { f, err := c.Fork(a); c.Release(f); return err }},
+		call{"Release(e)", func() error { return c.Release(e) }},
+	)
 	c.smu.Lock()
 	if len(c.seqs) != 0 {
 		t.Errorf("%d sequence locks kept with no call in flight", len(c.seqs))
 	}
 	c.smu.Unlock()
-	// Close waits for the calls in flight; calls after it are ErrClosed
+
+	// 4. Close waits for the calls in flight; calls after it are ErrClosed
 	_, held, err = c.enter(readSeqs, b)
 	must(t, err)
 	closed := waitsFor(c.Close)
-	time.Sleep(50 * time.Millisecond)
+	time.Sleep(100 * time.Millisecond)
 	select {
 	case <-closed:
 		t.Fatal("Close did not wait for a call in flight")
@@ -1409,9 +1453,8 @@ func TestSequenceLocksStress(t *testing.T) {
 				var err error
 				switch step % 9 {
 				case 0:
-					_, err = c.BatchAppend([]Seq{seqs[g%nSeqs], pick()}, [][]int32{{1}, {int32(step), 2}}, step%2 == 0)
-					if code(err) == EINVAL { // pick() drew the same sequence twice
-						err = nil
+					if s := pick(); s != seqs[g%nSeqs] { // distinct: pkv_batch_append names each once
+						_, err = c.BatchAppend([]Seq{seqs[g%nSeqs], s}, [][]int32{{1}, {int32(step), 2}}, step%2 == 0)
 					}
 				case 1:
 					// K/V written by slot while other goroutines may truncate, compact or

@@ -490,11 +490,9 @@ static void claim_tail(pkv_cache *c, pkv__seq *s) {
     if ((k->flags & PKV_BLKF_PARTIAL) && k->n_commit == 0) pkv__partial_unlink(c, b);
 }
 
-/* Would the tail block need a copy before positions are appended after length len? */
-static bool tail_needs_cow(const pkv_cache *c, const pkv__seq *s) {
-    if (s->n_tokens % c->B == 0) return false;
-    const pkv__blk *k = &c->blk[s->table[s->n_blocks - 1]];
-    return k->ref > 1 || (k->flags & PKV_BLKF_INDEXED);
+/* s's partly filled tail block, or PKV_NONE where its blocks are full (or it has none). */
+static uint32_t open_tail(const pkv_cache *c, const pkv__seq *s) {
+    return s->n_tokens % c->B ? (uint32_t)s->table[s->n_blocks - 1] : PKV_NONE;
 }
 
 /* Replaces the shared or indexed tail block by a private copy of its first len % B positions. */
@@ -515,16 +513,21 @@ static void cow_tail(pkv_cache *c, pkv__seq *s) {
  * max_blocks_per_seq, else *need, so that the append succeeds iff need <= n_free + n_cached.
  * That is the new blocks plus a copy of a shared or indexed tail (*cow), less one where the
  * copied tail is then CACHED (s held it alone, so it is indexed) and the blocks after the copy
- * may evict it; the copy itself still needs one. pkv_seq_append and pkv_seq_append_blocks
- * both ask here, so they never disagree. */
-static int append_need(const pkv_cache *c, const pkv__seq *s, uint32_t n, uint64_t *need, bool *cow, const char *api) {
+ * may evict it; the copy itself still needs one. gone: holders of the tail that will have
+ * copied it away before this append (pkv_batch_append's earlier requests), 0 for the state as
+ * it is. pkv_seq_append, pkv_seq_append_blocks and pkv_batch_append all ask here, so they never
+ * disagree. */
+static int append_need(const pkv_cache *c, const pkv__seq *s, uint32_t n, uint32_t gone, uint64_t *need, bool *cow,
+                       const char *api) {
     const uint64_t nb_needed = ((uint64_t)s->n_tokens + n + c->B - 1) / c->B;
     if (nb_needed > c->max_bps)
         return pkv__say(c, PKV_ELIMIT, api, "%u + %u positions take %llu blocks, past max_blocks_per_seq %u",
                         s->n_tokens, n, (unsigned long long)nb_needed, c->max_bps);
-    *cow = tail_needs_cow(c, s);
+    const uint32_t tail = open_tail(c, s);
+    const uint32_t ref = tail == PKV_NONE ? 0 : c->blk[tail].ref - gone;
+    *cow = tail != PKV_NONE && (ref > 1 || (c->blk[tail].flags & PKV_BLKF_INDEXED));
     uint64_t take = nb_needed - s->n_blocks + (*cow ? 1 : 0);
-    if (*cow && c->blk[s->table[s->n_blocks - 1]].ref == 1 && take > 1) take--;
+    if (*cow && ref == 1 && take > 1) take--;
     *need = take;
     return PKV_OK;
 }
@@ -537,7 +540,7 @@ PKV_API int pkv_seq_append_blocks(pkv_cache *c, pkv_seq id, uint32_t n, uint32_t
     int rc = get_seq(c, id, &s);
     uint64_t need = 0;
     bool cow;
-    if (!rc && n) rc = append_need(c, s, n, &need, &cow, __func__);
+    if (!rc && n) rc = append_need(c, s, n, 0, &need, &cow, __func__);
     if (!rc) *n_blocks = (uint32_t)need; /* at most max_blocks_per_seq + 1 */
     UNLOCK(c);
     return rc;
@@ -579,7 +582,7 @@ PKV_API int pkv_seq_append(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint
     if (rc || n == 0) goto out;
     uint64_t need;
     bool cow;
-    rc = append_need(c, s, n, &need, &cow, __func__);
+    rc = append_need(c, s, n, 0, &need, &cow, __func__);
     if (rc) goto out;
     if (need > (uint64_t)c->pool.n_free + c->pool.n_cached) {
         /* how an engine learns to preempt, a routine refusal: said after the lock is let go */
@@ -613,15 +616,25 @@ PKV_API int pkv_batch_append(pkv_cache *c, const pkv_append_req *reqs, uint32_t 
     for (uint32_t i = 0; i < n_reqs && !rc; i++)
         if (pkv__seq_get(c, reqs[i].seq)->mark++)
             rc = PKV__SAY(c, PKV_EINVAL, "reqs[%u]: sequence %#llx named twice", i, (unsigned long long)reqs[i].seq);
-    /* the longest leading run that fits; every request's own limit checked */
+    /* what each append will take once the ones before it are done: as append_need counts it
+       then, a shared tail's earlier holders in the batch having copied it away (chk_ref,
+       scratch under the lock: copies of each tail so far); the longest leading run that fits,
+       every request's own limit checked */
+    for (uint32_t i = 0; i < n_reqs && !rc; i++) {
+        const uint32_t t = reqs[i].n ? open_tail(c, pkv__seq_get(c, reqs[i].seq)) : PKV_NONE;
+        if (t != PKV_NONE) c->chk_ref[t] = 0;
+    }
     const uint64_t avail = (uint64_t)c->pool.n_free + c->pool.n_cached;
     uint64_t sum = 0;
     uint32_t k = 0;
     for (uint32_t i = 0; i < n_reqs && !rc; i++) {
         uint64_t need = 0;
-        bool cow;
-        if (reqs[i].n) rc = append_need(c, pkv__seq_get(c, reqs[i].seq), reqs[i].n, &need, &cow, __func__);
-        sum += need; /* counts never fall: the run that fits is a prefix */
+        bool cow = false;
+        const pkv__seq *s = pkv__seq_get(c, reqs[i].seq);
+        const uint32_t t = reqs[i].n ? open_tail(c, s) : PKV_NONE;
+        if (reqs[i].n) rc = append_need(c, s, reqs[i].n, t == PKV_NONE ? 0 : c->chk_ref[t], &need, &cow, __func__);
+        if (cow) c->chk_ref[t]++;
+        sum += need; /* counts are not negative: the run that fits is a prefix */
         if (!rc && sum <= avail) k = i + 1;
     }
     if (!rc && k < n_reqs && !(flags & PKV_APPEND_FIT)) {
@@ -634,8 +647,8 @@ PKV_API int pkv_batch_append(pkv_cache *c, const pkv_append_req *reqs, uint32_t 
         if (!reqs[i].n) continue;
         pkv__seq *s = pkv__seq_get(c, reqs[i].seq);
         uint64_t need;
-        bool cow; /* asked again: the appends before this one may have changed its tail */
-        const int ok = append_need(c, s, reqs[i].n, &need, &cow, __func__);
+        bool cow; /* asked again, of the state the appends before it left: what was counted */
+        const int ok = append_need(c, s, reqs[i].n, 0, &need, &cow, __func__);
         pkv_assert(ok == PKV_OK);
         append_locked(c, s, reqs[i].tokens, reqs[i].n, reqs[i].slots_out, cow);
     }
