@@ -346,7 +346,16 @@ static inline int pm_append(pm_world *w, pm_seq *q, const int32_t *tok, uint32_t
         return pm_fail(w, "stats/info before append");
     uint32_t counted = UINT32_MAX;
     const int rc_count = pkv_seq_append_blocks(w->c, q->id, n, &counted);
-    int rc = pkv_seq_append(w->c, q->id, tok, n, w->slots);
+    /* every third step's appends go through pkv_batch_append, one request: the same contract */
+    int rc;
+    if (w->n_steps % 3 == 0) {
+        const pkv_append_req rq = {q->id, tok, n, w->slots};
+        uint32_t done = 99;
+        rc = pkv_batch_append(w->c, &rq, 1, 0, &done);
+        PM_EXPECT(w, done == (rc ? 99u : 1u), "batch append: n_done %u, status %s", done, pkv_strerror(rc));
+    } else {
+        rc = pkv_seq_append(w->c, q->id, tok, n, w->slots);
+    }
     PM_TR(w, "   s%d append(%u) to %u -> %s (counted %u)\n", PM_SI(w, q), n, q->len, pkv_strerror(rc), counted);
     /* the count says what the append does: ELIMIT alike, else ENOSPC iff more than can be had */
     PM_EXPECT(w,

@@ -244,7 +244,17 @@ static void do_append(world *w, sh_seq *s) {
     /* the copied tail of an indexed block held alone is counted back (it turns CACHED): need_lo */
     if (n ? counted < need_lo || counted > need_hi : counted != 0)
         fail_at(w, "append_blocks: a count outside the model's bounds");
-    int rc = pkv_seq_append(w->c, s->id, toks, n, slots);
+    /* a third of the appends go through pkv_batch_append, one request (its batches of several
+       are test_core_seq's oracle): the same append, and the same refusal */
+    int rc;
+    if (tu_rng_below(&w->r, 3) == 0) {
+        const pkv_append_req rq = {s->id, toks, n, slots};
+        uint32_t done = 99;
+        rc = pkv_batch_append(w->c, &rq, 1, 0, &done);
+        if (done != (rc ? 99u : 1u)) fail_at(w, "batch append: n_done wrong");
+    } else {
+        rc = pkv_seq_append(w->c, s->id, toks, n, slots);
+    }
     if ((rc == PKV_ENOSPC) != (counted > avail)) fail_at(w, "append_blocks and the append disagree");
     TRACE("append seq%d n=%u -> %d (len %u)", (int)(s - w->s), n, rc, s->len);
     int want_fail = n > 0 && need_lo > avail, may_fail = n > 0 && need_hi > avail;
