@@ -1408,6 +1408,19 @@ static void test_batch_append_forks_share_a_tail(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* The twin caches alike: stats, and each of the n sequences' table and length. */
+static void assert_twins(pkv_cache *const cc[2], pkv_seq s[2][8], uint32_t n) {
+    const pkv_stats a = tu_stats(cc[0]), b = tu_stats(cc[1]);
+    TU_STATS_EQ(&a, &b);
+    for (uint32_t i = 0; i < n; i++) {
+        int32_t ta[64], tb[64];
+        const uint32_t na = tu_table(cc[0], s[0][i], ta, 64), nb = tu_table(cc[1], s[1][i], tb, 64);
+        assert_int_equal(na, nb);
+        assert_memory_equal(ta, tb, na * sizeof(int32_t));
+        assert_int_equal(tu_info(cc[0], s[0][i]).n_tokens, tu_info(cc[1], s[1][i]).n_tokens);
+    }
+}
+
 /* Twin caches built by the same calls (prefix caching on, forks, commits, truncates and
  * releases, so tails are shared, indexed or held alone), then one random batch: cache A takes
  * it in one pkv_batch_append, cache B one pkv_seq_append per request in order, each counted by
@@ -1462,16 +1475,7 @@ static void test_batch_append_oracle(void **state) {
             pkv_cache_destroy(cc[0]), pkv_cache_destroy(cc[1]);
             continue;
         }
-        {   /* the twins are alike */
-            const pkv_stats a = tu_stats(cc[0]), b = tu_stats(cc[1]);
-            TU_STATS_EQ(&a, &b);
-            for (uint32_t i = 0; i < n; i++) {
-                int32_t ta[64], tb[64];
-                const uint32_t na = tu_table(cc[0], s[0][i], ta, 64), nb = tu_table(cc[1], s[1][i], tb, 64);
-                assert_int_equal(na, nb);
-                assert_memory_equal(ta, tb, na * sizeof(int32_t));
-            }
-        }
+        assert_twins(cc, s, n);
         /* the batch: distinct sequences in a random order */
         uint32_t order[8], m = 1 + tu_rng_below(&rng, n);
         for (uint32_t i = 0; i < n; i++) order[i] = i;
@@ -1524,15 +1528,7 @@ static void test_batch_append_oracle(void **state) {
             n_fit += fit == m, n_part += fit < m;
             for (uint32_t r = 0; r < fit; r++)
                 assert_memory_equal(slots[0][r], slots[1][r], req[r].n * sizeof(int32_t));
-            const pkv_stats a = tu_stats(cc[0]), b = tu_stats(cc[1]);
-            TU_STATS_EQ(&a, &b);
-            for (uint32_t i = 0; i < n; i++) {
-                int32_t ta[64], tb[64];
-                const uint32_t na = tu_table(cc[0], s[0][i], ta, 64), nb = tu_table(cc[1], s[1][i], tb, 64);
-                assert_int_equal(na, nb);
-                assert_memory_equal(ta, tb, na * sizeof(int32_t));
-                assert_int_equal(tu_info(cc[0], s[0][i]).n_tokens, tu_info(cc[1], s[1][i]).n_tokens);
-            }
+            assert_twins(cc, s, n);
             TU_CHECK(cc[0]);
         }
         pkv_cache_destroy(cc[0]), pkv_cache_destroy(cc[1]);
