@@ -17,13 +17,15 @@
  * pkv_seq_slots, pkv_seq_block_table, pkv_export_*, and pkv_seq_fork and pkv_pin_create, which
  * read their source. A call that changes a sequence (append, commit, truncate, compact, release,
  * a prefix match into it, a pkv_batch_compact or pkv_batch_append that names it) must not
- * overlap any other call that names or reads that sequence. pkv_write_kv may overlap reads of
- * other layers or other positions (layer l + 1 of a new token while attention reads layer l),
- * not a read of the rows it writes. Metadata calls take the cache's lock for a short critical
- * section; pkv_write_kv copies without it; attention calls are serialized among themselves
- * (they share the cache's threads and scratch), so attention from several threads at once is no
- * faster than one after the other. pkv_cache_destroy comes after every other call has returned. The hooks (log,
- * allocator, executor) are called from C: they must not throw or longjmp out.
+ * overlap any other call that names or reads that sequence. pkv_write_kv and pkv_seq_write_kv
+ * may overlap reads of other layers or other positions (layer l + 1 of a new token while
+ * attention reads layer l), not a read of the rows they write; pkv_seq_write_kv reads its
+ * sequence's table, so it must not overlap a call that changes that sequence. Metadata calls
+ * take the cache's lock for a short critical section; the writes copy without it; attention
+ * calls are serialized among themselves (they share the cache's threads and scratch), so
+ * attention from several threads at once is no faster than one after the other.
+ * pkv_cache_destroy comes after every other call has returned. The hooks (log, allocator,
+ * executor) are called from C: they must not throw or longjmp out.
  * fork(): a child process may go on using a cache it inherited, and destroy it, provided no
  * call on that cache was running in the parent when it forked (a lock held then stays held in
  * the child). The cache's threads are not in the child: its attention runs on the calling
@@ -316,6 +318,20 @@ PKV_NODISCARD PKV_API int pkv_batch_append(pkv_cache *c, const pkv_append_req *r
  * changes that sequence. Take slots again after those calls (pkv_seq_slots). */
 PKV_NODISCARD PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n,
                                        const void *k, const void *v, pkv_dtype in_dtype);
+
+/* pkv_write_kv by position: writes K and V of one layer for positions [start, start + n) of s
+ * (start + n <= its length), k and v as there: [n][n_kv_heads][head_dim] of in_dtype, either
+ * NULL to write only the other. The same checks, all made before a byte is written (every
+ * position's block held by s alone, not in the prefix index, the position not committed; every
+ * value finite and within PKV_VALUE_MAX), else PKV_EINVAL and nothing is written; ENOENT for an
+ * unknown, released or pin handle. Where a slot is a place that a truncate, release or
+ * compaction hands to another sequence, a position stays s's own: this call cannot write into
+ * another sequence's rows through stale slots, and needs no slot_mapping. Threads (above): it
+ * may overlap calls on other sequences, attention over them included, and reads of s that do
+ * not read the rows it writes (attention over layer l while it writes layer l + 1); not a call
+ * that changes s, nor another write of the same rows. */
+PKV_NODISCARD PKV_API int pkv_seq_write_kv(pkv_cache *c, pkv_seq s, uint32_t layer, uint32_t start, uint32_t n,
+                                           const void *k, const void *v, pkv_dtype in_dtype);
 
 /* The caller's promise that positions [0, n_pos) of s now hold K/V for every layer: the library
  * cannot check it (K/V never written read as whatever the block held). Full blocks in that

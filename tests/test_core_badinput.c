@@ -38,6 +38,7 @@ typedef struct fx {
     pkv_seq parent;  /* 6 tokens, written, forked into child: both share 2 blocks */
     pkv_seq child;
     pkv_seq empty;   /* length 0 */
+    pkv_seq part;    /* 3 tokens in one block of its own, committed 2 (a partial block: not indexed) */
     pkv_seq stale;   /* released */
     pkv_seq forged;  /* live's index with another generation */
     pkv_seq foreign; /* a live sequence of another cache, at live's index */
@@ -95,6 +96,10 @@ static int setup(void **state) {
     TU_OK(pkv_seq_fork(c, f->parent, &f->child));
     TU_OK(pkv_seq_slots(c, f->parent, 5, 1, &f->shared_slot));
     f->empty = tu_seq(c);
+    f->part = tu_seq(c);
+    tu_append(c, f->part, 3, 200, NULL);
+    TU_WRITE_PAT(c, f->part, 0, 3, 3);
+    TU_OK(pkv_seq_commit(c, f->part, 2));
     f->stale = tu_seq(c);
     TU_OK(pkv_seq_release(c, f->stale));
     f->forged = f->live ^ (7ull << 32);
@@ -158,6 +163,19 @@ static int write16_with(fx *f, pkv_dtype in, uint16_t code) {
     for (int i = 0; i < NH * HD; i++) b[i] = in == PKV_DTYPE_F16 ? 0x3c00 : 0x3f80; /* 1.0 */
     b[5] = code;
     return pkv_write_kv(f->c, 0, &f->live_slot, 1, b, b, in);
+}
+
+/* pkv_seq_write_kv of live's positions 8 and 9 (uncommitted, its own) with element at of the
+ * two rows set to x, K or V (v_side); in f16 codes when code is non-zero (element at = code). */
+static int seqwrite_with(fx *f, int v_side, uint32_t at, float x, uint16_t code) {
+    float b[2 * NH * HD];
+    uint16_t h[2 * NH * HD];
+    memcpy(b, f->kv, sizeof b);
+    b[at] = x;
+    for (int i = 0; i < 2 * NH * HD; i++) h[i] = 0x3c00;
+    h[at] = code;
+    if (code) return pkv_seq_write_kv(f->c, f->live, 1, 8, 2, v_side ? NULL : h, v_side ? h : NULL, PKV_DTYPE_F16);
+    return pkv_seq_write_kv(f->c, f->live, 1, 8, 2, v_side ? f->kv : b, v_side ? b : f->kv, PKV_DTYPE_F32);
 }
 
 /* A decode (or, with two queries, a prefill of live's positions 8 and 9) whose query element at
@@ -259,6 +277,8 @@ static int batch_with(fx *f, pkv_seq s, const int32_t *tok, uint32_t n, uint32_t
     X(write_slot_cached_block, PKV_EINVAL, pkv_write_kv(f->c, 0, &f->cached_slot, 1, f->kv, f->kv, PKV_DTYPE_F32))    \
     X(write_slot_shared_block, PKV_EINVAL, pkv_write_kv(f->c, 0, &f->shared_slot, 1, f->kv, f->kv, PKV_DTYPE_F32))    \
     X(write_slot_committed, PKV_EINVAL, pkv_write_kv(f->c, 0, &f->committed_slot, 1, f->kv, f->kv, PKV_DTYPE_F32))    \
+    X(write_slot_committed_own, PKV_EINVAL, ({ int32_t s; pkv_seq_slots(f->c, f->part, 1, 1, &s) ? -100 :             \
+                                               pkv_write_kv(f->c, 0, &s, 1, f->kv, f->kv, PKV_DTYPE_F32); }))        \
     X(write_one_bad_among_good, PKV_EINVAL, ({ int32_t s[3] = {f->live_slot, -1, f->shared_slot};                     \
                                               pkv_write_kv(f->c, 1, s, 3, f->kv, f->kv, PKV_DTYPE_F32); }))          \
     X(write_pinned_block, PKV_EINVAL, ({ int32_t s; pkv_seq_slots(f->c, f->live, 3, 1, &s) ? -100 :                  \
@@ -276,6 +296,32 @@ static int batch_with(fx *f, pkv_seq s, const int32_t *tok, uint32_t n, uint32_t
     X(write_f16_inf_code, PKV_EINVAL, write16_with(f, PKV_DTYPE_F16, 0xfc00))                                         \
     X(write_bf16_nan_code, PKV_EINVAL, write16_with(f, PKV_DTYPE_BF16, 0x7fc1))                                       \
     X(write_bf16_inf_code, PKV_EINVAL, write16_with(f, PKV_DTYPE_BF16, 0x7f80))                                       \
+    /* seq_write_kv: positions of a sequence */                                                                       \
+    X(seqwrite_null_cache, PKV_EINVAL, pkv_seq_write_kv(NULL, f->live, 0, 8, 1, f->kv, f->kv, PKV_DTYPE_F32))         \
+    X(seqwrite_null_k_and_v, PKV_EINVAL, pkv_seq_write_kv(f->c, f->live, 0, 8, 1, NULL, NULL, PKV_DTYPE_F32))         \
+    X(seqwrite_layer, PKV_EINVAL, pkv_seq_write_kv(f->c, f->live, NL, 8, 1, f->kv, f->kv, PKV_DTYPE_F32))             \
+    X(seqwrite_dtype_q8, PKV_EINVAL, pkv_seq_write_kv(f->c, f->live, 0, 8, 1, f->kv, f->kv, PKV_DTYPE_Q8_0))          \
+    X(seqwrite_dtype_99, PKV_EINVAL, pkv_seq_write_kv(f->c, f->live, 0, 8, 1, f->kv, f->kv, (pkv_dtype)99))           \
+    X(seqwrite_stale, PKV_ENOENT, pkv_seq_write_kv(f->c, f->stale, 0, 0, 0, f->kv, f->kv, PKV_DTYPE_F32))             \
+    X(seqwrite_forged, PKV_ENOENT, pkv_seq_write_kv(f->c, f->forged, 0, 8, 1, f->kv, f->kv, PKV_DTYPE_F32))           \
+    X(seqwrite_foreign, PKV_ENOENT, pkv_seq_write_kv(f->c, f->foreign, 0, 8, 1, f->kv, f->kv, PKV_DTYPE_F32))         \
+    X(seqwrite_id0, PKV_ENOENT, pkv_seq_write_kv(f->c, 0, 0, 0, 0, f->kv, f->kv, PKV_DTYPE_F32))                      \
+    X(seqwrite_out_of_range, PKV_ENOENT, pkv_seq_write_kv(f->c, f->out_of_range, 0, 0, 0, f->kv, f->kv, PKV_DTYPE_F32)) \
+    X(seqwrite_pin, PKV_EINVAL, pkv_seq_write_kv(f->c, f->pin, 0, 0, 1, f->kv, f->kv, PKV_DTYPE_F32))                 \
+    X(seqwrite_past_length, PKV_EINVAL, pkv_seq_write_kv(f->c, f->live, 0, 9, 2, f->kv, f->kv, PKV_DTYPE_F32))        \
+    X(seqwrite_start_past_length, PKV_EINVAL, pkv_seq_write_kv(f->c, f->live, 0, 11, 0, f->kv, f->kv, PKV_DTYPE_F32)) \
+    X(seqwrite_empty_seq, PKV_EINVAL, pkv_seq_write_kv(f->c, f->empty, 0, 0, 1, f->kv, f->kv, PKV_DTYPE_F32))         \
+    X(seqwrite_overflow, PKV_EINVAL, pkv_seq_write_kv(f->c, f->live, 0, UINT32_MAX, 2, f->kv, f->kv, PKV_DTYPE_F32))  \
+    X(seqwrite_committed_first, PKV_EINVAL, pkv_seq_write_kv(f->c, f->live, 0, 7, 3, f->kv, f->kv, PKV_DTYPE_F32))    \
+    X(seqwrite_indexed_pinned, PKV_EINVAL, pkv_seq_write_kv(f->c, f->live, 1, 3, 1, f->kv, NULL, PKV_DTYPE_F32))      \
+    X(seqwrite_committed_own, PKV_EINVAL, pkv_seq_write_kv(f->c, f->part, 0, 1, 2, f->kv, f->kv, PKV_DTYPE_F32))      \
+    X(seqwrite_uncommitted_own_ok, PKV_OK, pkv_seq_write_kv(f->c, f->part, 1, 2, 1, f->kv, f->kv, PKV_DTYPE_F32))     \
+    X(seqwrite_shared_fork, PKV_EINVAL, pkv_seq_write_kv(f->c, f->child, 0, 4, 2, f->kv, f->kv, PKV_DTYPE_F32))       \
+    X(seqwrite_shared_parent, PKV_EINVAL, pkv_seq_write_kv(f->c, f->parent, 1, 5, 1, NULL, f->kv, PKV_DTYPE_F32))     \
+    X(seqwrite_nan_second_row_k, PKV_EINVAL, seqwrite_with(f, 0, NH * HD + 3, NAN, 0))                                \
+    X(seqwrite_past_value_max_v, PKV_EINVAL, seqwrite_with(f, 1, 1, -0x1.000002p56f, 0))                              \
+    X(seqwrite_f16_inf_code_v, PKV_EINVAL, seqwrite_with(f, 1, NH * HD + 1, 0, 0x7c00))                               \
+    X(seqwrite_zero_rows, PKV_OK, pkv_seq_write_kv(f->c, f->empty, 0, 0, 0, f->kv, NULL, PKV_DTYPE_F32))              \
     /* commit */                                                                                                      \
     X(commit_null_cache, PKV_EINVAL, pkv_seq_commit(NULL, f->live, 9))                                                \
     X(commit_stale, PKV_ENOENT, pkv_seq_commit(f->c, f->stale, 0))                                                    \

@@ -418,6 +418,126 @@ static void test_write_k_only_v_only(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* ---- pkv_seq_write_kv: writes by position, the same bytes as pkv_write_kv at their slots ---- */
+/* Twin caches take the same appends (three sequences in small interleaved chunks, so the
+ * tables are fragmented) and the same writes: A by position, B through pkv_seq_slots and
+ * pkv_write_kv. Every row of the pool they hold then has the same bytes in both, for each pool
+ * dtype and input dtype, K only, V only and both, ranges across block boundaries. */
+static void run_seq_write_twins(pkv_dtype pool, pkv_dtype in, uint64_t seed) {
+    enum { NBK = 24, BT = 4, NLY = 2, H = 2, D = 32, NS = 3, LEN = 20, E = LEN * H * D };
+    pkv_config cfg = tu_config(NBK, BT, NLY, H, D, pool);
+    pkv_cache *c[2] = {tu_create(&cfg), tu_create(&cfg)};
+    pkv_seq s[2][NS];
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    for (int t = 0; t < 2; t++)
+        for (int i = 0; i < NS; i++) s[t][i] = tu_seq(c[t]);
+    uint32_t len[NS] = {0};
+    while (len[0] < LEN || len[1] < LEN || len[2] < LEN) {
+        const uint32_t i = tu_rng_below(&r, NS), want = 1 + tu_rng_below(&r, 5);
+        const uint32_t n = want < LEN - len[i] ? want : LEN - len[i];
+        for (int t = 0; t < 2 && n; t++) tu_append(c[t], s[t][i], n, (int32_t)(100 * i + len[i]), NULL);
+        len[i] += n;
+    }
+    float *x = calloc(E, sizeof *x), *z = calloc(E, sizeof *z);
+    uint16_t *x16 = calloc(E, sizeof *x16);
+    int32_t slots[LEN];
+    for (int t = 0; t < 2; t++) /* every row defined: zeros */
+        for (int i = 0; i < NS; i++)
+            for (uint32_t l = 0; l < NLY; l++) TU_OK(pkv_seq_write_kv(c[t], s[t][i], l, 0, LEN, z, z, PKV_DTYPE_F32));
+    for (int w = 0; w < 60; w++) {
+        const uint32_t i = tu_rng_below(&r, NS), layer = tu_rng_below(&r, NLY), start = tu_rng_below(&r, LEN);
+        const uint32_t n = 1 + tu_rng_below(&r, LEN - start), what = tu_rng_below(&r, 3); /* K, V, both */
+        for (uint32_t e = 0; e < n * H * D; e++) {
+            x[e] = tu_rng_float(&r) * 4.0f;
+            x16[e] = in == PKV_DTYPE_F16 ? tu_f32_to_f16(x[e]) : tu_f32_to_bf16(x[e]);
+        }
+        const void *src = in == PKV_DTYPE_F32 ? (const void *)x : (const void *)x16;
+        const void *k = what != 1 ? src : NULL, *v = what != 0 ? src : NULL;
+        TU_OK(pkv_seq_write_kv(c[0], s[0][i], layer, start, n, k, v, in));
+        TU_OK(pkv_seq_slots(c[1], s[1][i], start, n, slots));
+        TU_OK(pkv_write_kv(c[1], layer, slots, n, k, v, in));
+    }
+    pkv_layout L[2];
+    for (int t = 0; t < 2; t++) TU_OK(pkv_cache_layout(c[t], &L[t]));
+    size_t n_rows = 0;
+    for (int i = 0; i < NS; i++) {
+        int32_t sl[2][LEN];
+        for (int t = 0; t < 2; t++) TU_OK(pkv_seq_slots(c[t], s[t][i], 0, LEN, sl[t]));
+        assert_memory_equal(sl[0], sl[1], sizeof sl[0]); /* the same appends, the same places */
+        for (uint32_t l = 0; l < NLY; l++)
+            for (uint32_t p = 0; p < LEN; p++)
+                for (uint32_t h = 0; h < H; h++)
+                    for (int is_v = 0; is_v < 2; is_v++) {
+                        const uint8_t *a = elem_addr(&L[0], is_v, l, (uint32_t)sl[0][p], h);
+                        const uint8_t *b = elem_addr(&L[1], is_v, l, (uint32_t)sl[1][p], h);
+                        if (memcmp(a, b, is_v ? L[0].v_row_bytes : L[0].k_row_bytes) != 0)
+                            fail_msg("pool %s in %s: seq %d layer %u position %u head %u %s differs",
+                                     pkv_dtype_name(pool), pkv_dtype_name(in), i, l, p, h, is_v ? "V" : "K");
+                        n_rows++;
+                    }
+    }
+    assert_int_equal(n_rows, (size_t)NS * NLY * LEN * H * 2);
+    for (int t = 0; t < 2; t++) {
+        TU_CHECK(c[t]);
+        pkv_cache_destroy(c[t]);
+    }
+    free(x);
+    free(z);
+    free(x16);
+}
+
+static void test_seq_write_twins(void **state) {
+    (void)state;
+    const pkv_dtype pools[] = {PKV_DTYPE_F32,  PKV_DTYPE_F16,  PKV_DTYPE_BF16,
+                               PKV_DTYPE_Q8_0, PKV_DTYPE_Q4_0, PKV_DTYPE_FP8_E4M3};
+    const pkv_dtype ins[] = {PKV_DTYPE_F32, PKV_DTYPE_F16, PKV_DTYPE_BF16};
+    for (size_t p = 0; p < sizeof pools / sizeof pools[0]; p++)
+        for (size_t i = 0; i < 3; i++) run_seq_write_twins(pools[p], ins[i], 17 * p + i + 1);
+}
+
+/* Slots go stale, positions do not: after a truncate hands a block to another sequence, a write
+ * through the old slots lands in that sequence's rows (pkv.h says so), while the same write by
+ * position is refused (past the length) and, once the position is appended again, lands in
+ * the sequence's new block. */
+static void test_seq_write_stale_slots(void **state) {
+    (void)state;
+    enum { H = 1, D = 4 };
+    pkv_config cfg = tu_config(2, 4, 1, H, D, PKV_DTYPE_F32);
+    pkv_cache *c = tu_create(&cfg);
+    pkv_seq a = tu_seq(c), b = tu_seq(c);
+    int32_t old[2];
+    tu_append(c, a, 6, 0, NULL);
+    TU_OK(pkv_seq_slots(c, a, 4, 2, old)); /* a's second block */
+    TU_OK(pkv_seq_truncate(c, a, 4));
+    tu_append(c, b, 2, 50, NULL); /* the only FREE block: a's old second one */
+    int32_t bs[2];
+    TU_OK(pkv_seq_slots(c, b, 0, 2, bs));
+    assert_memory_equal(bs, old, sizeof bs);
+    const float kb[2 * D] = {1, 2, 3, 4, 5, 6, 7, 8}, kx[2 * D] = {-1, -2, -3, -4, -5, -6, -7, -8};
+    TU_OK(pkv_seq_write_kv(c, b, 0, 0, 2, kb, kb, PKV_DTYPE_F32));
+    /* by position: a has 4 positions now, so 4 and 5 are past its length; b keeps its rows */
+    TU_RC(pkv_seq_write_kv(c, a, 0, 4, 2, kx, kx, PKV_DTYPE_F32), PKV_EINVAL);
+    float g[2 * D];
+    TU_OK(pkv_seq_gather(c, b, 0, 0, 2, g, NULL));
+    assert_memory_equal(g, kb, sizeof g);
+    /* by the stale slots: accepted (they lie in a block held alone), and b's rows change */
+    TU_OK(pkv_write_kv(c, 0, old, 2, kx, kx, PKV_DTYPE_F32));
+    TU_OK(pkv_seq_gather(c, b, 0, 0, 2, g, NULL));
+    assert_memory_equal(g, kx, sizeof g);
+    /* a's positions 0-3 by position: its own block, b untouched */
+    float ka[4 * D];
+    for (int i = 0; i < 4 * D; i++) ka[i] = 0.5f * (float)i;
+    TU_OK(pkv_seq_write_kv(c, a, 0, 0, 4, ka, NULL, PKV_DTYPE_F32));
+    float ga[4 * D];
+    TU_OK(pkv_seq_gather(c, a, 0, 0, 4, ga, NULL));
+    assert_memory_equal(ga, ka, sizeof ga);
+    TU_OK(pkv_seq_gather(c, b, 0, 0, 2, g, NULL));
+    assert_memory_equal(g, kx, sizeof g);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
 /* ---- dtype conversions: pool f16 / bf16 / f32 from input f32 / f16 / bf16 ---- */
 static uint16_t read_u16(const uint8_t *p) {
     uint16_t u;
@@ -907,6 +1027,8 @@ int main(void) {
         cmocka_unit_test(test_reshape_boostr12),
         cmocka_unit_test(test_reshape_boostr13),
         cmocka_unit_test(test_write_k_only_v_only),
+        cmocka_unit_test(test_seq_write_twins),
+        cmocka_unit_test(test_seq_write_stale_slots),
         cmocka_unit_test(test_conversions),
         cmocka_unit_test(test_exports),
         cmocka_unit_test(test_stats_scripted),

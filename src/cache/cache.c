@@ -657,54 +657,63 @@ PKV_API int pkv_batch_append(pkv_cache *c, const pkv_append_req *reqs, uint32_t 
     return rc;
 }
 
-PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n, const void *k,
-                         const void *v, pkv_dtype in_dtype) {
-    if (!c) return PKV_EINVAL;
-    if (n && !slots) return PKV__SAY(c, PKV_EINVAL, "slots is NULL, n %u", n);
-    if (!k && !v) return PKV__SAY(c, PKV_EINVAL, "neither k nor v given");
-    if (layer >= c->n_layers) return PKV__SAY(c, PKV_EINVAL, "layer %u of %u", layer, c->n_layers);
-    if (in_dtype != PKV_DTYPE_F32 && in_dtype != PKV_DTYPE_F16 && in_dtype != PKV_DTYPE_BF16)
-        return PKV__SAY(c, PKV_EINVAL, "input dtype %d is not f32, f16 or bf16", (int)in_dtype);
-    if (n == 0) return PKV_OK;
+/* The slot of row i of a write: slots[i], or position start + i of a sequence's table. */
+static inline int32_t write_slot(const pkv_cache *c, const int32_t *slots, const int32_t *table, uint32_t start,
+                                 uint32_t i) {
+    if (slots) return slots[i];
+    const uint32_t p = start + i;
+    return table[p / c->B] * (int32_t)c->B + (int32_t)(p % c->B);
+}
+
+/* Whether row i may be written at slot (under the lock): said as api's refusal if not. what
+ * names the row in the message ("slot 17 (row 3)" or "position 40 (row 3)"). */
+static int check_write_row(pkv_cache *c, int32_t slot, uint32_t i, const char *what, uint32_t what_v,
+                           const char *api) {
     const uint32_t B = c->B;
     const int64_t n_slots = (int64_t)c->n_blocks * B;
-    /* Validate every slot under the lock; copy the data outside it. */
-    LOCK(c);
-    for (uint32_t i = 0; i < n; i++) {
-        int32_t slot = slots[i];
-        if (slot == -1) continue;
-        int rc = PKV_OK;
-        const pkv__blk *bk = slot < 0 || slot >= n_slots ? NULL : &c->blk[(uint32_t)slot / B];
-        if (!bk)
-            rc = PKV__SAY(c, PKV_EINVAL, "slot %d (row %u) is not in [0, %lld) nor -1", slot, i, (long long)n_slots);
-        else if (bk->state != PKV_BLK_ACTIVE)
-            rc = PKV__SAY(c, PKV_EINVAL, "slot %d (row %u) is in block %u, which no sequence holds", slot, i,
-                          (uint32_t)slot / B);
-        else if (bk->ref != 1)
-            rc = PKV__SAY(c, PKV_EINVAL, "slot %d (row %u) is in block %u, shared (%u holders): read-only", slot, i,
-                          (uint32_t)slot / B, (unsigned)bk->ref);
-        else if (bk->flags & PKV_BLKF_INDEXED)
-            rc = PKV__SAY(c, PKV_EINVAL, "slot %d (row %u) is in block %u, in the prefix index: read-only", slot,
-                          i, (uint32_t)slot / B);
-        else if ((uint32_t)slot % B < bk->n_commit)
-            rc = PKV__SAY(c, PKV_EINVAL, "slot %d (row %u) is a committed position: read-only", slot, i);
-        if (rc) {
-            UNLOCK(c);
-            return rc;
-        }
-    }
-    UNLOCK(c);
-    const uint32_t d = c->head_dim, nkv = c->n_kv;
+    const pkv__blk *bk = slot < 0 || slot >= n_slots ? NULL : &c->blk[(uint32_t)slot / B];
+    if (!bk)
+        return pkv__say(c, PKV_EINVAL, api, "slot %d (row %u) is not in [0, %lld) nor -1", slot, i,
+                        (long long)n_slots);
+    if (bk->state != PKV_BLK_ACTIVE)
+        return pkv__say(c, PKV_EINVAL, api, "%s %u (row %u) is in block %u, which no sequence holds", what, what_v, i,
+                        (uint32_t)slot / B);
+    if (bk->ref != 1)
+        return pkv__say(c, PKV_EINVAL, api, "%s %u (row %u) is in block %u, shared (%u holders): read-only", what,
+                        what_v, i, (uint32_t)slot / B, (unsigned)bk->ref);
+    if (bk->flags & PKV_BLKF_INDEXED)
+        return pkv__say(c, PKV_EINVAL, api, "%s %u (row %u) is in block %u, in the prefix index: read-only", what,
+                        what_v, i, (uint32_t)slot / B);
+    if ((uint32_t)slot % B < bk->n_commit)
+        return pkv__say(c, PKV_EINVAL, api, "%s %u (row %u) is a committed position: read-only", what, what_v, i);
+    return PKV_OK;
+}
+
+/* The argument checks both writes share. */
+static int check_write_args(pkv_cache *c, uint32_t layer, const void *k, const void *v, pkv_dtype in_dtype,
+                            const char *api) {
+    if (!k && !v) return pkv__say(c, PKV_EINVAL, api, "neither k nor v given");
+    if (layer >= c->n_layers) return pkv__say(c, PKV_EINVAL, api, "layer %u of %u", layer, c->n_layers);
+    if (in_dtype != PKV_DTYPE_F32 && in_dtype != PKV_DTYPE_F16 && in_dtype != PKV_DTYPE_BF16)
+        return pkv__say(c, PKV_EINVAL, api, "input dtype %d is not f32, f16 or bf16", (int)in_dtype);
+    return PKV_OK;
+}
+
+/* Checks every value (finite, and not past what the pool's dtypes hold), then copies the rows:
+ * outside the lock, once the rows' places have been checked under it. Row i goes to
+ * write_slot(c, slots, table, start, i); slots[i] < 0 skips it (padding rows are not read). */
+static int write_rows(pkv_cache *c, uint32_t layer, const int32_t *slots, const int32_t *table, uint32_t start,
+                      uint32_t n, const void *k, const void *v, pkv_dtype in_dtype, const char *api) {
+    const uint32_t d = c->head_dim, nkv = c->n_kv, B = c->B;
     const size_t in_el = in_dtype == PKV_DTYPE_F32 ? 4 : 2, in_row = (size_t)d * in_el;
-    /* Every value written must be finite and must not round to infinity in the pool's dtype
-     * (padding rows, slot -1, are not read): checked before a byte is written, so the pool only
-     * ever holds finite K/V through this call and attention over it is defined. */
+    /* checked before a byte is written, so the pool only ever holds finite K/V through these
+     * calls and attention over it is defined */
     for (uint32_t i = 0; i < n; i++) {
-        if (slots[i] < 0) continue;
+        if (slots && slots[i] < 0) continue;
         const size_t at = (size_t)i * nkv * in_row, n_el = (size_t)nkv * d;
         const bool k_bad = k && !pkv__input_fits(in_dtype, (const uint8_t *)k + at, n_el, c->cfg.k_dtype);
         if (k_bad || (v && !pkv__input_fits(in_dtype, (const uint8_t *)v + at, n_el, c->cfg.v_dtype)))
-            return PKV__SAY(c, PKV_EINVAL, "row %u of %s has a value that is not finite, or past what %s holds", i,
+            return pkv__say(c, PKV_EINVAL, api, "row %u of %s has a value that is not finite, or past what %s holds", i,
                             k_bad ? "k" : "v", pkv_dtype_name(k_bad ? c->cfg.k_dtype : c->cfg.v_dtype));
     }
     uint8_t *kl = c->kv + layer * c->layer_stride, *vl = kl + c->v_off;
@@ -716,8 +725,9 @@ PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uin
         size_t row = pass ? c->v_row : c->k_row, blk = pass ? c->v_blk : c->k_blk;
         pkv_dtype dt = pass ? c->cfg.v_dtype : c->cfg.k_dtype;
         for (uint32_t i = 0; i < n; i++) {
-            if (slots[i] < 0) continue;
-            uint32_t b = (uint32_t)slots[i] / B, off = (uint32_t)slots[i] % B;
+            const int32_t slot = write_slot(c, slots, table, start, i);
+            if (slot < 0) continue;
+            uint32_t b = (uint32_t)slot / B, off = (uint32_t)slot % B;
             for (uint32_t h = 0; h < nkv; h++) {
                 const uint8_t *s = src + ((size_t)i * nkv + h) * in_row;
                 uint8_t *dst = base + b * blk + ((size_t)h * B + off) * row;
@@ -733,6 +743,40 @@ PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uin
         }
     }
     return PKV_OK;
+}
+
+PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uint32_t n, const void *k,
+                         const void *v, pkv_dtype in_dtype) {
+    if (!c) return PKV_EINVAL;
+    if (n && !slots) return PKV__SAY(c, PKV_EINVAL, "slots is NULL, n %u", n);
+    int rc = check_write_args(c, layer, k, v, in_dtype, __func__);
+    if (rc || n == 0) return rc;
+    /* Validate every slot under the lock; copy the data outside it. */
+    LOCK(c);
+    for (uint32_t i = 0; i < n && !rc; i++)
+        if (slots[i] != -1) rc = check_write_row(c, slots[i], i, "slot", (uint32_t)slots[i], __func__);
+    UNLOCK(c);
+    return rc ? rc : write_rows(c, layer, slots, NULL, 0, n, k, v, in_dtype, __func__);
+}
+
+PKV_API int pkv_seq_write_kv(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, uint32_t n, const void *k,
+                             const void *v, pkv_dtype in_dtype) {
+    if (!c) return PKV_EINVAL;
+    int rc = check_write_args(c, layer, k, v, in_dtype, __func__);
+    if (rc) return rc;
+    LOCK(c);
+    pkv__seq *s;
+    rc = get_seq(c, id, &s);
+    if (!rc && (uint64_t)start + n > s->n_tokens)
+        rc = PKV__SAY(c, PKV_EINVAL, "positions [%u, %llu) past the sequence's length %u", start,
+                      (unsigned long long)start + n, s->n_tokens);
+    for (uint32_t i = 0; i < n && !rc; i++)
+        rc = check_write_row(c, write_slot(c, NULL, s->table, start, i), i, "position", start + i, __func__);
+    /* The table is the sequence's own row of c->tables: it stays put, and nothing may change it
+     * while this call runs (pkv.h, "Threads"). */
+    const int32_t *table = rc ? NULL : s->table;
+    UNLOCK(c);
+    return rc || n == 0 ? rc : write_rows(c, layer, NULL, table, start, n, k, v, in_dtype, __func__);
 }
 
 PKV_API int pkv_seq_commit(pkv_cache *c, pkv_seq id, uint32_t n_pos) {
