@@ -265,9 +265,11 @@ PM_NOCOV static inline int pm_write(pm_world *w, pm_seq *q, uint32_t start, uint
                     w->kbuf[(i * H + h) * D + d] = pm_val(q->h[start + i], l, 0, h, d);
                     w->vbuf[(i * H + h) * D + d] = pm_val(q->h[start + i], l, 1, h, d);
                 }
-        int rc = pkv_write_kv(w->c, l, slots, n, w->kbuf, w->vbuf, PKV_DTYPE_F32);
-        PM_EXPECT(w, rc == 0, "write_kv layer %u of %u fresh positions [%u,%u): %s", l, n, start, start + n,
-                  pkv_strerror(rc));
+        /* odd steps write by position (pkv_seq_write_kv): the same rows, the same contract */
+        int rc = w->n_steps % 2 ? pkv_seq_write_kv(w->c, q->id, l, start, n, w->kbuf, w->vbuf, PKV_DTYPE_F32)
+                                : pkv_write_kv(w->c, l, slots, n, w->kbuf, w->vbuf, PKV_DTYPE_F32);
+        PM_EXPECT(w, rc == 0, "%s layer %u of %u fresh positions [%u,%u): %s",
+                  w->n_steps % 2 ? "seq_write_kv" : "write_kv", l, n, start, start + n, pkv_strerror(rc));
     }
     return 0;
 }
@@ -913,6 +915,9 @@ static inline int pm_step(pm_world *w, pm_src *src) {
             for (uint32_t i = 0; i < w->cfg.n_kv_heads * w->cfg.head_dim; i++) w->kbuf[i] = 99.0f;
             rc = pkv_write_kv(w->c, 0, &slot, 1, w->kbuf, w->kbuf, PKV_DTYPE_F32);
             PM_EXPECT(w, rc == PKV_EINVAL, "write into committed pos %u (committed %u): %s", p, q->committed,
+                      pkv_strerror(rc));
+            rc = pkv_seq_write_kv(w->c, q->id, 0, p, 1, w->kbuf, w->kbuf, PKV_DTYPE_F32);
+            PM_EXPECT(w, rc == PKV_EINVAL, "seq_write_kv of committed pos %u (committed %u): %s", p, q->committed,
                       pkv_strerror(rc));
         } else if (kind == 4) { /* an out-of-range slot among good ones changes nothing */
             int32_t bad = (int32_t)(w->cfg.n_blocks * w->B);

@@ -287,7 +287,9 @@ int tu_write_pattern(pkv_cache *c, pkv_seq s, uint32_t start, uint32_t n, uint32
                 k[(size_t)t * row + e] = tu_pat(tag, l, start + t, e, 0);
                 v[(size_t)t * row + e] = tu_pat(tag, l, start + t, e, 1);
             }
-        rc = pkv_write_kv(c, l, slots, n, k, v, PKV_DTYPE_F32);
+        /* odd layers by position, even ones by slot: both ways in every test that writes */
+        rc = l % 2 ? pkv_seq_write_kv(c, s, l, start, n, k, v, PKV_DTYPE_F32)
+                   : pkv_write_kv(c, l, slots, n, k, v, PKV_DTYPE_F32);
     }
     free(slots);
     free(k);

@@ -77,7 +77,8 @@ uint16_t tu_f32_to_bf16(float f);
 /* ---- K/V patterns: exact f32 values that depend on (tag, layer, position, element, K/V) ----
  * Usable from any thread (no cmocka calls): they return statuses / mismatch counts. */
 float tu_pat(uint32_t tag, uint32_t layer, uint32_t pos, uint32_t elem, int is_v);
-/* Writes the pattern `tag` for positions [start, start + n) of s, every layer (f32 input). */
+/* Writes the pattern `tag` for positions [start, start + n) of s, every layer (f32 input): even
+ * layers through pkv_seq_slots and pkv_write_kv, odd ones through pkv_seq_write_kv. */
 int tu_write_pattern(pkv_cache *c, pkv_seq s, uint32_t start, uint32_t n, uint32_t tag);
 /* Gathers [start, start + n) of every layer; returns the number of elements differing from
  * pattern `tag`, or a negative status. */

@@ -346,7 +346,11 @@ static void write_range(world *w, sh_seq *s, uint32_t l, uint32_t p0, uint32_t n
         else if (maybe_indexed(w, s, bi) || w->bc[b] < 0) maybe = 1;
         else if ((int)(p % B) < w->bc[b]) valid = 0; /* committed by a co-holder that left */
     }
-    int rc = pkv_write_kv(w->c, l, call_slots, m, k, v, PKV_DTYPE_F32);
+    /* every third step, a write without padding goes by position (pkv_seq_write_kv): held to
+       the same model */
+    const bool by_pos = pad > n && w->step % 3 == 1;
+    int rc = by_pos ? pkv_seq_write_kv(w->c, s->id, l, p0, n, k, v, PKV_DTYPE_F32)
+                    : pkv_write_kv(w->c, l, call_slots, m, k, v, PKV_DTYPE_F32);
     TRACE("write seq%d layer %u pos %u..%u ver %d -> %d (len %u committed %u)", (int)(s - w->s), l, p0, p0 + n - 1,
           ver, rc, s->len, s->committed);
     if (rc == PKV_OK) {
