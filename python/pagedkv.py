@@ -219,6 +219,7 @@ def _load():
         "pkv_seq_append_blocks": (_int, [_vp, _u64, _u32, _P(_u32)]),
         "pkv_batch_append": (_int, [_vp, _vp, _u32, _u32, _P(_u32)]),
         "pkv_write_kv": (_int, [_vp, _u32, _vp, _u32, _vp, _vp, _int]),
+        "pkv_seq_write_kv": (_int, [_vp, _u64, _u32, _u32, _u32, _vp, _vp, _int]),
         "pkv_seq_commit": (_int, [_vp, _u64, _u32]),
         "pkv_seq_fork": (_int, [_vp, _u64, _P(_u64)]),
         "pkv_seq_truncate": (_int, [_vp, _u64, _u32]),
@@ -739,6 +740,29 @@ class Cache:
             raise _invalid("write_kv: k and v must have the same dtype")
         self._check(_lib.pkv_write_kv(self._h(), _u32_of(layer, "layer"), _ptr(s), s.size, _ptr(ka), _ptr(va),
                                  kc if ka is not None else vc), "pkv_write_kv")
+
+    @_in_call
+    def write_kv_seq(self, seq, layer, start, k=None, v=None, dtype=None):
+        """Writes K and/or V of one layer for positions [start, start + n) of seq
+        (pkv_seq_write_kv), n the rows of k or v, which take the shapes and dtypes of write_kv.
+        All-or-nothing, with write_kv's checks. By position, so no slots are needed and none
+        can be stale: the rows written are seq's own."""
+        x = k if k is not None else v
+        if x is None:
+            raise _invalid("write_kv_seq: neither k nor v given")
+        row = self._H * self._D
+        size = np.asarray(x).size
+        if size % row:
+            raise _invalid("write_kv_seq: %d elements, not a whole number of rows of [%d][%d]"
+                           % (size, self._H, self._D))
+        n = size // row
+        ka, kc = self._kv_in(k, n, "write_kv_seq: k", dtype)
+        va, vc = self._kv_in(v, n, "write_kv_seq: v", dtype)
+        if ka is not None and va is not None and kc != vc:
+            raise _invalid("write_kv_seq: k and v must have the same dtype")
+        self._check(_lib.pkv_seq_write_kv(self._h(), _seq_of(seq), _u32_of(layer, "layer"), _u32_of(start, "start"),
+                                          _u32_of(n, "write_kv_seq: rows"), _ptr(ka), _ptr(va),
+                                          kc if ka is not None else vc), "pkv_seq_write_kv")
 
     @_in_call
     def commit(self, seq, n_pos):

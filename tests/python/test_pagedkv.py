@@ -795,6 +795,69 @@ class TestCache(Base):
         self.assertEqual(c.seq_info(a).n_tokens, 22)  # a refused batch changes nothing
         c.check()
 
+    def test_write_kv_seq(self):
+        # by position == by slot, for each input form; refusals change nothing; stale slots
+        for dt in ("f32", "f16", "bf16"):
+            with self.subTest(dtype=dt), pkv.Cache(n_layers=2, n_kv_heads=2, head_dim=32, block_tokens=4,
+                                                   n_blocks=12, k_dtype=dt, v_dtype=dt, n_threads=1) as c:
+                a, b = c.seq_create(), c.seq_create()
+                for i in range(4):  # interleaved: fragmented tables
+                    c.append(a, range(3))
+                    c.append(b, range(2))
+                k = self.rng.standard_normal((12, 2, 32)).astype(np.float32)
+                v = self.rng.standard_normal((12, 2, 32)).astype(np.float32)
+                c.write_kv_seq(a, 1, 0, k, v)
+                c.write_kv(1, c.slots(b, 0, 8), k[:8], v[:8])
+                ga, gb = c.gather(a, 1), c.gather(b, 1)
+                np.testing.assert_array_equal(ga[0][:8], gb[0])
+                np.testing.assert_array_equal(ga[1][:8], gb[1])
+                # positions 5..9 of a again, K only, f16 input and flattened; one row as [H][D]
+                k2 = self.rng.standard_normal((5, 2, 32)).astype(np.float16)
+                c.write_kv_seq(a, 1, 5, k=k2.reshape(5, 64))
+                c.write_kv_seq(a, 1, 11, v=np.full((2, 32), 0.5, np.float32))
+                ga2 = c.gather(a, 1)
+                np.testing.assert_array_equal(ga2[0][:5], ga[0][:5])
+                c.write_kv(1, c.slots(b, 0, 5), k=k2)
+                np.testing.assert_array_equal(ga2[0][5:10], c.gather(b, 1)[0][:5])
+                np.testing.assert_array_equal(ga2[1][:11], ga[1][:11])  # V untouched but row 11
+                self.assertTrue((ga2[1][11] == 0.5).all())
+                c.commit(a, 4)
+                before = c.gather(a, 0)
+                for bad in (lambda: c.write_kv_seq(a, 0, 3, k[:2], v[:2]),  # position 3 committed
+                            lambda: c.write_kv_seq(a, 0, 11, k[:2]),  # past the length 12
+                            lambda: c.write_kv_seq(a, 2, 4, k[:1]),  # layer 2 of 2
+                            lambda: c.write_kv_seq(a, 0, 4),  # neither k nor v
+                            lambda: c.write_kv_seq(a, 0, 4, np.ones(63, np.float32)),  # not whole rows
+                            lambda: c.write_kv_seq(a, 0, 4, k[:2], v[:3]),  # k and v of different rows
+                            lambda: c.write_kv_seq(a, 0, 4, np.ones((2, 32, 2), np.float32)),  # heads last
+                            lambda: c.write_kv_seq(a, 0, 4, k[:1], k[:1].astype(np.float16))):
+                    with self.assertRaises(pkv.InvalidArgumentError):
+                        bad()
+                for got, want in zip(c.gather(a, 0), before):
+                    np.testing.assert_array_equal(got, want)
+                d = c.fork(a)
+                with self.assertRaises(pkv.InvalidArgumentError) as e:
+                    c.write_kv_seq(d, 0, 6, k[:1])  # a block the fork shares
+                self.assertIn("pkv_seq_write_kv: position 6 (row 0) is in block", str(e.exception))
+                c.release(d)
+                with self.assertRaises(pkv.NotFoundError):
+                    c.write_kv_seq(d, 0, 0, k[:1])
+                c.check()
+        # a truncate hands a's block to b: the old slots now write b's rows, a's positions are refused
+        with pkv.Cache(n_kv_heads=1, head_dim=32, block_tokens=4, n_blocks=2, n_threads=1) as c:
+            a, b = c.seq_create(), c.seq_create()
+            c.append(a, range(6))
+            old = c.slots(a, 4, 2)
+            c.truncate(a, 4)
+            np.testing.assert_array_equal(c.append(b, [7, 8]), old)
+            one = np.ones((2, 1, 32), np.float32)
+            c.write_kv_seq(b, 0, 0, one, one)
+            with self.assertRaises(pkv.InvalidArgumentError):
+                c.write_kv_seq(a, 0, 4, 2 * one, 2 * one)
+            self.assertTrue((c.gather(b, 0)[0] == 1.0).all())
+            c.write_kv(0, old, 2 * one, 2 * one)
+            self.assertTrue((c.gather(b, 0)[0] == 2.0).all())
+
     def test_kv_view(self):
         for dt in ("f32", "f16", "bf16", "q8_0"):
             with self.subTest(dtype=dt):
