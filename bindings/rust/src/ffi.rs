@@ -173,6 +173,16 @@ extern "C" {
         v: *const c_void,
         in_dtype: c_int,
     ) -> c_int;
+    pub fn pkv_seq_write_kv(
+        c: *mut pkv_cache,
+        s: pkv_seq,
+        layer: u32,
+        start: u32,
+        n: u32,
+        k: *const c_void,
+        v: *const c_void,
+        in_dtype: c_int,
+    ) -> c_int;
     pub fn pkv_seq_commit(c: *mut pkv_cache, s: pkv_seq, n_pos: u32) -> c_int;
     pub fn pkv_seq_fork(c: *mut pkv_cache, parent: pkv_seq, child: *mut pkv_seq) -> c_int;
     pub fn pkv_seq_truncate(c: *mut pkv_cache, s: pkv_seq, n: u32) -> c_int;

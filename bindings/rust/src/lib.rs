@@ -185,6 +185,31 @@ fn want_len(have: usize, want: usize, what: &str) -> Result<()> {
     }
 }
 
+/// The pointers and the one type of a write's K and V (either may be None, not both), each of
+/// `want` elements.
+fn kv_args(
+    k: &Option<KvData<'_>>,
+    v: &Option<KvData<'_>>,
+    want: usize,
+    what: &str,
+) -> Result<([*const c_void; 2], Dtype)> {
+    let mut dtype = None;
+    let mut ptrs = [ptr::null(); 2];
+    for (i, (x, side)) in [(k, "k"), (v, "v")].iter().enumerate() {
+        if let Some(d) = x {
+            let (len, p, t) = d.parts();
+            want_len(len, want, &format!("{}: {}", what, side))?;
+            if dtype.map_or(false, |t0| t0 != t) {
+                return Err(invalid(format!("{}: k and v of different types", what)));
+            }
+            dtype = Some(t);
+            ptrs[i] = p;
+        }
+    }
+    let t = dtype.ok_or_else(|| invalid(format!("{}: neither k nor v given", what)))?;
+    Ok((ptrs, t))
+}
+
 fn cstr(p: *const c_char) -> &'static str {
     if p.is_null() {
         return "";
@@ -634,24 +659,56 @@ impl Cache {
         k: Option<KvData<'_>>,
         v: Option<KvData<'_>>,
     ) -> Result<()> {
-        let want = self.kv_elems(slots.len());
-        let mut dtype = None;
-        let mut ptrs = [ptr::null(); 2];
-        for (i, (x, what)) in [(k, "write_kv: k"), (v, "write_kv: v")].iter().enumerate() {
-            if let Some(d) = x {
-                let (len, p, t) = d.parts();
-                want_len(len, want, what)?;
-                if dtype.map_or(false, |t0| t0 != t) {
-                    return Err(invalid("write_kv: k and v of different types".into()));
-                }
-                dtype = Some(t);
-                ptrs[i] = p;
-            }
-        }
-        let t = dtype.ok_or_else(|| invalid("write_kv: neither k nor v given".into()))?;
+        let (ptrs, t) = kv_args(&k, &v, self.kv_elems(slots.len()), "write_kv")?;
         let n = len_u32(slots.len(), "write_kv: slots")?;
         let rc = unsafe { ffi::pkv_write_kv(self.p(), layer, slots.as_ptr(), n, ptrs[0], ptrs[1], t.raw()) };
         check(rc, "pkv_write_kv")
+    }
+
+    /// Writes K and/or V of one layer for positions `[start, start + n)` of `s`
+    /// (pkv_seq_write_kv), n the rows of `k` or `v` (`[n][n_kv_heads][head_dim]` each, both of
+    /// one type and length). All-or-nothing, with [`Cache::write_kv`]'s checks. By position, so
+    /// no slots are needed and none can be stale: the rows written are `s`'s own.
+    pub fn write_kv_seq(
+        &mut self,
+        s: Seq,
+        layer: u32,
+        start: u32,
+        k: Option<KvData<'_>>,
+        v: Option<KvData<'_>>,
+    ) -> Result<()> {
+        // SAFETY: `&mut self` excludes every other call on this cache
+        unsafe { self.write_kv_seq_shared(s, layer, start, k, v) }
+    }
+
+    /// [`Cache::write_kv_seq`] through `&self`: layer l + 1 of a new token written while
+    /// attention reads layer l from another thread (pkv.h: "Threads").
+    ///
+    /// # Safety
+    /// No other call may read or write these positions of this layer of `s` while this one
+    /// runs (an attention call over `s` at this layer, a gather of them, another write of them),
+    /// and no call that changes `s` may overlap it (those take `&mut self`). The binding cannot
+    /// check it: a write racing a read of the same rows is a data race in the library's memory.
+    pub unsafe fn write_kv_seq_shared(
+        &self,
+        s: Seq,
+        layer: u32,
+        start: u32,
+        k: Option<KvData<'_>>,
+        v: Option<KvData<'_>>,
+    ) -> Result<()> {
+        let row = self.kv_elems(1);
+        let have = k.as_ref().or(v.as_ref()).map_or(0, |d| d.parts().0);
+        if have % row != 0 {
+            return Err(invalid(format!(
+                "write_kv_seq: {} elements, not whole rows of {} x {}",
+                have, self.cfg.n_kv_heads, self.cfg.head_dim
+            )));
+        }
+        let (ptrs, t) = kv_args(&k, &v, have, "write_kv_seq")?;
+        let n = len_u32(have / row, "write_kv_seq: rows")?;
+        let rc = unsafe { ffi::pkv_seq_write_kv(self.p(), s.0, layer, start, n, ptrs[0], ptrs[1], t.raw()) };
+        check(rc, "pkv_seq_write_kv")
     }
 
     /// Positions [0, n_pos) now hold K/V for every layer.

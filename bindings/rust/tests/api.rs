@@ -1160,3 +1160,79 @@ fn batch_append_all_none_or_a_leading_run() {
     assert_eq!(c.seq_info(a).unwrap().n_tokens, 22);
     c.check().unwrap();
 }
+
+#[test]
+fn write_kv_seq_by_position() {
+    // fragmented tables (a and b appended in turns): by position == by slot, byte for byte
+    let mut c = Cache::new(&Config {
+        block_tokens: 4,
+        n_layers: 2,
+        ..cfg(2, 32, 12, Dtype::F16)
+    })
+    .unwrap();
+    let (a, b) = (c.seq_create(b"").unwrap(), c.seq_create(b"").unwrap());
+    let toks: Vec<i32> = (0..12).collect();
+    for _ in 0..4 {
+        c.append(a, &toks[..3]).unwrap();
+        c.append(b, &toks[..2]).unwrap();
+    }
+    let mut rng = Rng(77);
+    let row = 2 * 32;
+    let (k, v) = (rng.vec(12 * row), rng.vec(12 * row));
+    c.write_kv_seq(a, 1, 0, Some(KvData::F32(&k)), Some(KvData::F32(&v)))
+        .unwrap();
+    let sb = c.slots(b, 0, 8).unwrap();
+    c.write_kv(
+        1,
+        &sb,
+        Some(KvData::F32(&k[..8 * row])),
+        Some(KvData::F32(&v[..8 * row])),
+    )
+    .unwrap();
+    let (ka, va) = c.gather(a, 1, 0, 8).unwrap();
+    assert_eq!((ka, va), c.gather(b, 1, 0, 8).unwrap());
+    // V only, f16 bits, positions 9..11: K stays, V is 1.0 there
+    let (k_all, v_all) = c.gather(a, 1, 0, 12).unwrap();
+    let h16 = vec![0x3c00u16; 3 * row]; // 1.0
+    c.write_kv_seq(a, 1, 9, None, Some(KvData::F16(&h16))).unwrap();
+    let (k2, v2) = c.gather(a, 1, 0, 12).unwrap();
+    assert_eq!(k2, k_all);
+    assert_eq!(&v2[..9 * row], &v_all[..9 * row]);
+    assert!(v2[9 * row..].iter().all(|&x| x == 1.0));
+    // refusals change nothing
+    c.commit(a, 4).unwrap();
+    let before = c.gather(a, 0, 0, 12).unwrap();
+    let one = vec![0.5f32; row];
+    let two = vec![0.5f32; 2 * row];
+    let cases: Vec<(Result<()>, i32)> = vec![
+        (c.write_kv_seq(a, 0, 3, Some(KvData::F32(&two)), None), EINVAL), // position 3 committed
+        (c.write_kv_seq(a, 0, 11, Some(KvData::F32(&two)), None), EINVAL), // past the length
+        (c.write_kv_seq(a, 2, 4, Some(KvData::F32(&one)), None), EINVAL), // layer 2 of 2
+        (c.write_kv_seq(a, 0, 4, None, None), EINVAL),
+        (c.write_kv_seq(a, 0, 4, Some(KvData::F32(&one[1..])), None), EINVAL), // not whole rows
+        (
+            c.write_kv_seq(a, 0, 4, Some(KvData::F32(&one)), Some(KvData::F32(&two))),
+            EINVAL,
+        ),
+        (
+            c.write_kv_seq(a, 0, 4, Some(KvData::F32(&one)), Some(KvData::F16(&h16[..row]))),
+            EINVAL,
+        ),
+    ];
+    for (i, (r, want)) in cases.into_iter().enumerate() {
+        assert_eq!(r.unwrap_err().code(), want, "case {}", i);
+    }
+    assert_eq!(before, c.gather(a, 0, 0, 12).unwrap());
+    let d = c.fork(a).unwrap();
+    let e = c.write_kv_seq(d, 0, 6, Some(KvData::F32(&one)), None).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("pkv_seq_write_kv: position 6 (row 0) is in block"),
+        "{}",
+        e
+    );
+    c.release(d).unwrap();
+    let e = c.write_kv_seq(d, 0, 0, Some(KvData::F32(&one)), None).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    c.check().unwrap();
+}
