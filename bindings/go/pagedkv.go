@@ -378,8 +378,8 @@ func (c *Cache) Close() {
 // in this order, so that no two calls wait on each other in a cycle:
 //  1. gate: Close and Reset hold it alone, every other call shares it;
 //  2. the locks of the sequences the call names, in increasing id order: held alone by a call
-//     that changes its sequence (Append, BatchAppend, Commit, Truncate, Compact, BatchCompact,
-//     Release, MatchPrefix, PinRelease), shared by the calls that read it (attention, Gather,
+//     that changes its sequence (Append, BatchAppend, Commit, WriteKVSeq, Truncate, Compact,
+//     BatchCompact, Release, MatchPrefix, PinRelease), shared by the calls that read it (attention, Gather,
 //     Slots, BlockTable, SeqInfo, AppendBlocks, the exports, and Fork and Pin of their source);
 //  3. kv: WriteKV and WriteKV16 hold it alone, since their slots do not say whose rows they
 //     are; the calls that read K/V rows (attention, Gather) share it;
@@ -387,8 +387,10 @@ func (c *Cache) Close() {
 //     and Fork (after it, the forked tail is shared, and the next append copies it) hold it
 //     alone; every K/V write (WriteKV, WriteKVShared) shares it.
 // So a change to one sequence waits only for the calls that name that sequence (and, for a row
-// move or a fork, for the K/V writes in flight), not for attention over others; WriteKV waits
-// for the attention calls and gathers in flight, and while it waits, later ones wait for it;
+// move or a fork, for the K/V writes by slot in flight), not for attention over others; WriteKV
+// waits for the attention calls and gathers in flight, and while it waits, later ones wait for
+// it; WriteKVSeq (by position) names its sequence, so it waits only for the calls that name it
+// and takes neither kv nor rows (its rows are its sequence's alone, which no other call moves);
 // WriteKVShared waits for no read: its caller answers for the rows.
 
 // use is what a call takes of the kv or rows lock.
@@ -839,6 +841,54 @@ func (c *Cache) WriteKVShared(layer uint32, slots []int32, k, v []float32) error
 // WriteKV16Shared is WriteKVShared for f16 or bf16 bit patterns (dt F16 or BF16).
 func (c *Cache) WriteKV16Shared(layer uint32, slots []int32, k, v []uint16, dt Dtype) error {
 	return c.writeKV16(layer, slots, k, v, dt, true)
+}
+
+// WriteKVSeq writes f32 K and/or V (nil: not written) of one layer for positions
+// [start, start + n) of s (pkv_seq_write_kv), n the rows of k or v (each
+// [n][n_kv_heads][head_dim]). All-or-nothing, with WriteKV's checks. By position, so no slots
+// are needed and none can be stale: the rows written are s's own. It holds s's lock alone, as a
+// change to s does, and no kv lock: it waits for the calls that name s (attention over s
+// included), not for attention over other sequences.
+func (c *Cache) WriteKVSeq(s Seq, layer, start uint32, k, v []float32) error {
+	return c.writeKVSeq(s, layer, start, unsafe.Pointer(f32p(k)), unsafe.Pointer(f32p(v)), len(k), len(v), F32,
+		k != nil, v != nil)
+}
+
+// WriteKVSeq16 is WriteKVSeq for f16 or bf16 bit patterns (dt F16 or BF16).
+func (c *Cache) WriteKVSeq16(s Seq, layer, start uint32, k, v []uint16, dt Dtype) error {
+	if dt != F16 && dt != BF16 {
+		return invalid("WriteKVSeq16: dtype %s, not f16 or bf16", dt.Name())
+	}
+	return c.writeKVSeq(s, layer, start, slicePtr(k), slicePtr(v), len(k), len(v), dt, k != nil, v != nil)
+}
+
+func (c *Cache) writeKVSeq(s Seq, layer, start uint32, k, v unsafe.Pointer, kn, vn int, dt Dtype, kOK, vOK bool) error {
+	if !kOK && !vOK {
+		return invalid("WriteKVSeq: neither k nor v given")
+	}
+	row, err := c.kvElems(1, "WriteKVSeq")
+	if err != nil {
+		return err
+	}
+	have := kn
+	if !kOK {
+		have = vn
+	}
+	if have%row != 0 {
+		return invalid("WriteKVSeq: %d elements, not whole rows of %d x %d", have, c.cfg.NKVHeads, c.cfg.HeadDim)
+	}
+	if kOK && vOK {
+		if err := wantLenOf(vn, kn, "WriteKVSeq", "v"); err != nil {
+			return err
+		}
+	}
+	n, err := u32(have/row, "WriteKVSeq: rows")
+	if err != nil {
+		return err
+	}
+	return c.op("pkv_seq_write_kv", writeSeqs, func(p *C.pkv_cache) C.int {
+		return C.pkv_seq_write_kv(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), n, k, v, dt.c())
+	}, s)
 }
 
 // op runs f holding what access a and the sequences seqs call for (see enter), and returns f's

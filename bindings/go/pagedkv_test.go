@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"reflect"
 	"runtime"
 	"strings"
 	"sync"
@@ -1406,7 +1407,44 @@ func TestSequenceLocks(t *testing.T) {
 	}
 	c.smu.Unlock()
 
-	// 4. Close waits for the calls in flight; calls after it are ErrClosed
+	// 4. WriteKVSeq names its sequence f: it goes on beside a read of another sequence and a
+	// WriteKV in flight, and waits for a read of f; one in flight makes the calls that name f
+	// wait, not attention over others nor writes by slot
+	f, err := c.SeqCreate(nil)
+	must(t, err)
+	fill(t, c, f, 8, &r)
+	_, err = c.Append(f, []int32{1, 2})
+	must(t, err)
+	writeF := call{"WriteKVSeq(f)", func() error { return c.WriteKVSeq(f, 0, 8, row, row) }}
+	for _, h := range []struct {
+		what string
+		a    access
+		seq  []Seq
+	}{{"a read of a", readKV, []Seq{a}}, {"a WriteKV", access{kv: useAlone, rows: useShared}, nil}} {
+		_, held, err = c.enter(h.a, h.seq...)
+		must(t, err)
+		goOn(t, h.what, writeF)
+		held.exit()
+	}
+	_, held, err = c.enter(readKV, f)
+	must(t, err)
+	waitOn(t, "a read of f", held.exit, writeF)
+	_, held, err = c.enter(writeSeqs, f) // what WriteKVSeq(f) holds
+	must(t, err)
+	sl = bSlots()
+	goOn(t, "a WriteKVSeq(f)",
+		decode(a, b),
+		call{"Gather(a)", func() error { _, _, err := c.Gather(a, 0, 0, 20); return err }},
+		call{"WriteKV(b)", func() error { return c.WriteKV(0, sl, row, row) }},
+		call{"WriteKVSeq(b)", func() error { return c.WriteKVSeq(b, 0, 20, row, nil) }},
+	)
+	waitOn(t, "a WriteKVSeq(f)", held.exit,
+		decode(a, f),
+		call{"Gather(f)", func() error { _, _, err := c.Gather(f, 0, 0, 10); return err }},
+		call{"Fork(f)", func() error { g, err := c.Fork(f); c.Release(g); return err }},
+	)
+
+	// 5. Close waits for the calls in flight; calls after it are ErrClosed
 	_, held, err = c.enter(readSeqs, b)
 	must(t, err)
 	closed := waitsFor(c.Close)
@@ -1460,9 +1498,20 @@ func TestSequenceLocksStress(t *testing.T) {
 					// K/V written by slot while other goroutines may truncate, compact or
 					// release... the sequence: its slots may be stale by then (EINVAL, or rows
 					// of another sequence: values are not checked here)
+					// Every other step by position instead: the two positions last appended, unless
+					// another goroutine changed the sequence in between (EINVAL, or other rows of it)
+					s := pick()
 					var slots []int32
-					if slots, err = c.Append(pick(), []int32{int32(step), 2}); err == nil {
-						if err = c.WriteKV(0, slots, kvRows, kvRows); code(err) == EINVAL {
+					if slots, err = c.Append(s, []int32{int32(step), 2}); err == nil {
+						if step%2 == 0 {
+							err = c.WriteKV(0, slots, kvRows, kvRows)
+						} else {
+							var info SeqInfo
+							if info, err = c.SeqInfo(s); err == nil {
+								err = c.WriteKVSeq(s, 0, info.NTokens-2, kvRows, kvRows)
+							}
+						}
+						if code(err) == EINVAL {
 							err = nil
 						}
 					}
@@ -1514,6 +1563,88 @@ func TestSequenceLocksStress(t *testing.T) {
 	}
 	c.smu.Unlock()
 	c.Close()
+}
+
+func TestWriteKVSeq(t *testing.T) {
+	// by position == by slot on fragmented tables; f16 input; refusals change nothing
+	cfg := DefaultConfig()
+	cfg.NLayers, cfg.NKVHeads, cfg.HeadDim, cfg.BlockTokens, cfg.NBlocks, cfg.NThreads = 2, 2, 32, 4, 12, 1
+	cfg.KDtype, cfg.VDtype = F16, F16
+	c, err := NewCache(cfg)
+	must(t, err)
+	defer c.Close()
+	a, err := c.SeqCreate(nil)
+	must(t, err)
+	b, err := c.SeqCreate(nil)
+	must(t, err)
+	for i := 0; i < 4; i++ {
+		_, err = c.Append(a, []int32{1, 2, 3})
+		must(t, err)
+		_, err = c.Append(b, []int32{1, 2})
+		must(t, err)
+	}
+	r := rng(9)
+	const row = 2 * 32
+	k, v := r.vec(12*row), r.vec(12*row)
+	must(t, c.WriteKVSeq(a, 1, 0, k, v))
+	sb, err := c.Slots(b, 0, 8)
+	must(t, err)
+	must(t, c.WriteKV(1, sb, k[:8*row], v[:8*row]))
+	ka, va, err := c.Gather(a, 1, 0, 12)
+	must(t, err)
+	kb, vb, err := c.Gather(b, 1, 0, 8)
+	must(t, err)
+	if !reflect.DeepEqual(ka[:8*row], kb) || !reflect.DeepEqual(va[:8*row], vb) {
+		t.Fatal("by position and by slot wrote different rows")
+	}
+	ones := make([]uint16, 3*row)
+	for i := range ones {
+		ones[i] = 0x3c00 // 1.0
+	}
+	must(t, c.WriteKVSeq16(a, 1, 9, nil, ones, F16)) // V only, positions 9..11
+	k2, v2, err := c.Gather(a, 1, 0, 12)
+	must(t, err)
+	if !reflect.DeepEqual(k2, ka) || !reflect.DeepEqual(v2[:9*row], va[:9*row]) {
+		t.Fatal("a V-only write changed other rows")
+	}
+	for i, x := range v2[9*row:] {
+		if x != 1 {
+			t.Fatalf("V element %d of positions 9..11 is %v, want 1", i, x)
+		}
+	}
+	must(t, c.Commit(a, 4))
+	before, _, err := c.Gather(a, 0, 0, 12)
+	must(t, err)
+	one, two := k[:row], k[:2*row]
+	for i, f := range []func() error{
+		func() error { return c.WriteKVSeq(a, 0, 3, two, nil) },  // position 3 committed
+		func() error { return c.WriteKVSeq(a, 0, 11, two, nil) }, // past the length
+		func() error { return c.WriteKVSeq(a, 2, 4, one, nil) },  // layer 2 of 2
+		func() error { return c.WriteKVSeq(a, 0, 4, nil, nil) },
+		func() error { return c.WriteKVSeq(a, 0, 4, one[1:], nil) }, // not whole rows
+		func() error { return c.WriteKVSeq(a, 0, 4, one, two) },
+		func() error { return c.WriteKVSeq16(a, 0, 4, ones[:row], nil, Q8_0) },
+	} {
+		if err := f(); code(err) != EINVAL {
+			t.Fatalf("case %d: %v, want EINVAL", i, err)
+		}
+	}
+	after, _, err := c.Gather(a, 0, 0, 12)
+	must(t, err)
+	if !reflect.DeepEqual(before, after) {
+		t.Fatal("a refused write changed K")
+	}
+	d, err := c.Fork(a)
+	must(t, err)
+	if err := c.WriteKVSeq(d, 0, 6, one, nil); code(err) != EINVAL ||
+		!strings.Contains(err.Error(), "pkv_seq_write_kv: position 6 (row 0) is in block") {
+		t.Fatal("a write into a block the fork shares:", err)
+	}
+	must(t, c.Release(d))
+	if err := c.WriteKVSeq(d, 0, 0, one, nil); code(err) != ENOENT {
+		t.Fatal("a released sequence:", err)
+	}
+	must(t, c.Check())
 }
 
 func TestBatchAppend(t *testing.T) {
