@@ -279,12 +279,12 @@ typedef struct pkv_append_req {
  * the cache's lock, so no other thread's append can take the blocks between them (as it can
  * between pkv_seq_append_blocks and pkv_seq_append). The requests are checked first: each
  * names a distinct live sequence (not a pin), none passes max_blocks_per_seq (PKV_ELIMIT),
- * else the call fails and changes nothing. They fit where the blocks they take sum to at most
- * n_free + n_cached, each request's counted as pkv_seq_append_blocks would count it once the
- * requests before it are appended (a tail shared by forks in the batch is copied by all but the
- * last of them). That is where one pkv_seq_append after another would all succeed, but for one
- * case, counted as 1 though it gives its old block back: a request whose only block is the copy
- * of an indexed tail it holds alone. Without flags: every request is appended, in order, or none
+ * else the call fails and changes nothing. Request i fits where pkv_seq_append_blocks would
+ * count it at most n_free + n_cached once the requests before it are appended: each counted
+ * in the state they leave (a tail shared by forks in the batch is copied by all but the last of
+ * them), against what they leave (a request whose only block is the copy of an indexed tail it
+ * holds alone gives that tail back, CACHED). That is exactly where one pkv_seq_append after
+ * another succeeds. Without flags: every request is appended, in order, or none
  * (PKV_ENOSPC). With PKV_APPEND_FIT: requests 0 .. k-1 are appended for the largest k that
  * fits, the others left as they were, and the call succeeds, k 0 included; n_done is then
  * required. Each appended request is what pkv_seq_append would do (same blocks, slots and

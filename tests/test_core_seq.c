@@ -1380,6 +1380,75 @@ static void test_batch_append_exact(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* Twin caches, each with two sequences of 6 tokens whose tails are indexed blocks each holds
+ * alone (8 committed, truncated to 6), and one block FREE. */
+static void assert_twins(pkv_cache *const cc[2], pkv_seq s[2][8], uint32_t n);
+static void two_indexed_tails(pkv_cache *cc[2], pkv_seq s[2][8]) {
+    pkv_config cfg = cfg_small(5);
+    cfg.enable_prefix_cache = 1;
+    for (int w = 0; w < 2; w++) {
+        cc[w] = tu_create(&cfg);
+        for (int i = 0; i < 2; i++) {
+            s[w][i] = tu_seq(cc[w]);
+            tu_append(cc[w], s[w][i], 8, 100 * i, NULL);
+            TU_OK(pkv_seq_commit(cc[w], s[w][i], 8));   /* both blocks indexed */
+            TU_OK(pkv_seq_truncate(cc[w], s[w][i], 6)); /* tail: an indexed block, refcount 1 */
+        }
+    }
+    const pkv_stats st = tu_stats(cc[0]);
+    assert_int_equal(st.n_free, 1);
+    assert_int_equal(st.n_cached, 0);
+}
+
+/* Appending one token to each of two_indexed_tails' sequences copies its tail
+ * (pkv_seq_append_blocks 1 each), and the old tail turns CACHED, so the first leaves n_free +
+ * n_cached as it found them and the second fits too (it evicts the first's old tail), as one
+ * append after the other does; counting 1 + 1 against the 1 there at the start would refuse
+ * the second. A copy with a new block after it gives nothing back (the new block may take the
+ * old tail): 3 tokens to the first (count 1) leave 0, and the second is refused. */
+static void test_batch_append_tail_given_back(void **state) {
+    (void)state;
+    pkv_cache *cc[2];
+    pkv_seq s[2][8];
+    two_indexed_tails(cc, s);
+    uint32_t need[2];
+    for (int i = 0; i < 2; i++) TU_OK(pkv_seq_append_blocks(cc[0], s[0][i], 1, &need[i]));
+    assert_int_equal(need[0], 1), assert_int_equal(need[1], 1);
+    int32_t t[3] = {50, 150, 250}, sl[2][2];
+    pkv_append_req r[2] = {{s[0][0], t, 1, sl[0]}, {s[0][1], t + 1, 1, sl[0] + 1}};
+    uint32_t done = 99;
+    TU_OK(pkv_batch_append(cc[0], r, 2, 0, &done));
+    assert_int_equal(done, 2);
+    for (int i = 0; i < 2; i++) TU_OK(pkv_seq_append(cc[1], s[1][i], t + i, 1, sl[1] + i));
+    assert_memory_equal(sl[0], sl[1], sizeof sl[0]);
+    assert_twins(cc, s, 2);
+    pkv_stats st = tu_stats(cc[0]);
+    assert_int_equal(st.cow_copies, 2);
+    assert_int_equal(st.evictions, 1); /* the second copy took the first's old tail */
+    assert_int_equal(st.n_free + st.n_cached, 1);
+    for (int w = 0; w < 2; w++) {
+        TU_CHECK(cc[w]);
+        pkv_cache_destroy(cc[w]);
+    }
+    two_indexed_tails(cc, s);
+    TU_OK(pkv_seq_append_blocks(cc[0], s[0][0], 3, &need[0]));
+    assert_int_equal(need[0], 1); /* the copy and a new block, less the old tail evicted */
+    r[0].seq = s[0][0], r[0].n = 3, r[1].seq = s[0][1];
+    snap before;
+    take(cc[0], s[0], 2, &before);
+    TU_RC(pkv_batch_append(cc[0], r, 2, 0, &done), PKV_ENOSPC);
+    assert_same(cc[0], s[0], &before);
+    TU_OK(pkv_batch_append(cc[0], r, 2, PKV_APPEND_FIT, &done));
+    assert_int_equal(done, 1);
+    TU_OK(pkv_seq_append(cc[1], s[1][0], t, 3, NULL));
+    TU_RC(pkv_seq_append(cc[1], s[1][1], t + 1, 1, NULL), PKV_ENOSPC);
+    assert_twins(cc, s, 2);
+    for (int w = 0; w < 2; w++) {
+        TU_CHECK(cc[w]);
+        pkv_cache_destroy(cc[w]);
+    }
+}
+
 /* A beam step: a sequence and its fork share a partly filled tail, one block is FREE. Each
  * alone counts a copy (pkv_seq_append_blocks 1 each), but in one batch the first copies the
  * tail and the last then holds it alone and appends in place: 1 block in all, which fits. */
@@ -1431,8 +1500,8 @@ static void test_batch_append_oracle(void **state) {
     (void)state;
     tu_rng rng;
     tu_rng_seed(&rng, tu_env_u64("PKV_TEST_SEED", 0xba7c4));
-    const uint32_t rounds = (uint32_t)tu_env_u64("PKV_BATCH_APPEND_ROUNDS", 300);
-    uint32_t n_fit = 0, n_nospc = 0, n_part = 0, n_shared = 0;
+    const uint32_t rounds = (uint32_t)tu_env_u64("PKV_BATCH_APPEND_ROUNDS", 1000);
+    uint32_t n_fit = 0, n_nospc = 0, n_part = 0, n_shared = 0, n_back = 0;
     for (uint32_t round = 0; round < rounds; round++) {
         pkv_config cfg = cfg_small(6 + tu_rng_below(&rng, 14));
         cfg.enable_prefix_cache = 1;
@@ -1441,11 +1510,17 @@ static void test_batch_append_oracle(void **state) {
         uint32_t n = 0;
         int32_t tok[16];
         for (uint32_t step = 0; step < 14; step++) {
-            const uint32_t op = tu_rng_below(&rng, 6), i = n ? tu_rng_below(&rng, n) : 0;
+            const uint32_t op = tu_rng_below(&rng, 8), i = n ? tu_rng_below(&rng, n) : 0;
             const uint32_t k = 1 + tu_rng_below(&rng, 7), at = tu_rng_below(&rng, 3) * 20;
             tu_tokens(tok, k, (int32_t)at); /* few distinct prompts: blocks are found again */
             /* what to do, chosen once for both twins (n changes on the first) */
-            const int kind = op <= 1 && n < 8 ? 1 : op == 2 && n && n < 8 ? 2 : op == 3 && n ? 3 : op == 4 && n > 1 ? 4 : n ? 5 : 0;
+            const int kind = op <= 1 && n < 8            ? 1
+                             : op == 2 && n && n < 8       ? 2
+                             : op == 3 && n                ? 3
+                             : op == 4 && n > 1            ? 4
+                             : op >= 6 && n                ? 6
+                             : n                           ? 5
+                                                           : 0;
             if (kind == 1 || kind == 2) n++;
             if (kind == 1) s[0][n - 1] = tu_seq(cc[0]), s[1][n - 1] = tu_seq(cc[1]);
             for (int w = 0; w < 2; w++) {
@@ -1467,6 +1542,10 @@ static void test_batch_append_oracle(void **state) {
                 } else if (kind == 5) {
                     const int rc = pkv_seq_append(c, s[w][i], tok, k, NULL);
                     assert_true(rc == PKV_OK || rc == PKV_ENOSPC || rc == PKV_ELIMIT);
+                } else if (kind == 6) { /* commit, then cut into the last full block: an indexed tail */
+                    const uint32_t len = tu_info(c, s[w][i]).n_tokens, full = len / cfg.block_tokens * cfg.block_tokens;
+                    TU_OK(pkv_seq_commit(c, s[w][i], len));
+                    if (full) TU_OK(pkv_seq_truncate(c, s[w][i], full - 1));
                 }
             }
             if (kind == 4) n--;
@@ -1474,6 +1553,15 @@ static void test_batch_append_oracle(void **state) {
         if (!n) {
             pkv_cache_destroy(cc[0]), pkv_cache_destroy(cc[1]);
             continue;
+        }
+        if (tu_rng_chance(&rng, 0.4)) { /* a filler sequence leaves 0-2 blocks: a tight batch */
+            const uint32_t left = tu_rng_below(&rng, 3);
+            for (int w = 0; w < 2; w++) {
+                pkv_seq f = tu_seq(cc[w]);
+                const int32_t one = 9999;
+                for (pkv_stats st = tu_stats(cc[w]); st.n_free + st.n_cached > left; st = tu_stats(cc[w]))
+                    if (pkv_seq_append(cc[w], f, &one, 1, NULL) != PKV_OK) break; /* past its limit */
+            }
         }
         assert_twins(cc, s, n);
         /* the batch: distinct sequences in a random order */
@@ -1490,7 +1578,7 @@ static void test_batch_append_oracle(void **state) {
         uint64_t alone = 0; /* the counts taken alone, before any of the batch is appended */
         bool limit = false;
         for (uint32_t r = 0; r < m; r++) {
-            const uint32_t k = tu_rng_below(&rng, 10);
+            const uint32_t k = tu_rng_below(&rng, tu_rng_chance(&rng, 0.5) ? 3 : 10); /* some within a tail */
             tu_tokens(toks[r], k, 7000 + (int32_t)r);
             req[r] = (pkv_append_req){s[0][order[r]], toks[r], k, slots[0][r]};
             uint32_t need;
@@ -1499,17 +1587,22 @@ static void test_batch_append_oracle(void **state) {
             limit |= rc == PKV_ELIMIT;
             alone += rc ? 0 : need;
         }
-        /* B: one append after another, each counted just before it, while the counts fit */
+        /* B: one append after another until one is refused, each counted just before it (and
+           refused iff its count is past what is left then) */
         uint64_t sum = 0;
         uint32_t fit = 0;
         for (uint32_t r = 0; r < m && !limit; r++) {
             uint32_t need;
             TU_OK(pkv_seq_append_blocks(cc[1], s[1][order[r]], req[r].n, &need));
-            if ((sum += need) > avail) break;
-            TU_OK(pkv_seq_append(cc[1], s[1][order[r]], toks[r], req[r].n, slots[1][r]));
+            const pkv_stats now = tu_stats(cc[1]);
+            const int rc_b = pkv_seq_append(cc[1], s[1][order[r]], toks[r], req[r].n, slots[1][r]);
+            TU_RC(rc_b, need <= (uint64_t)now.n_free + now.n_cached ? PKV_OK : PKV_ENOSPC);
+            if (rc_b) break;
+            sum += need;
             fit = r + 1;
         }
         n_shared += !limit && sum < alone; /* a tail shared in the batch: copied once less */
+        n_back += !limit && sum > avail;   /* fits only as the appends go: a copied tail given back */
         const uint32_t flags = tu_rng_chance(&rng, 0.5) ? PKV_APPEND_FIT : 0;
         snap before;
         take(cc[0], s[0], n, &before);
@@ -1533,11 +1626,13 @@ static void test_batch_append_oracle(void **state) {
         }
         pkv_cache_destroy(cc[0]), pkv_cache_destroy(cc[1]);
     }
-    /* every outcome met: all appended, some (PKV_APPEND_FIT), none (ENOSPC), and batches whose
-       counts taken alone overstate (forks sharing a tail, which only the last does not copy) */
-    print_message("batch append: %u all, %u a leading run, %u ENOSPC, %u with a shared tail, of %u rounds\n", n_fit,
-                  n_part, n_nospc, n_shared, rounds);
-    assert_true(n_fit > 0 && n_part > 0 && n_nospc > 0 && n_shared > 0);
+    /* every outcome met: all appended, some (PKV_APPEND_FIT), none (ENOSPC), batches whose
+       counts taken alone overstate (forks sharing a tail, which only the last does not copy),
+       and batches that fit only because a copied tail is given back as the appends go */
+    print_message("batch append: %u all, %u a leading run, %u ENOSPC, %u with a shared tail, %u past the counts "
+                  "taken at the start, of %u rounds\n",
+                  n_fit, n_part, n_nospc, n_shared, n_back, rounds);
+    assert_true(n_fit > 0 && n_part > 0 && n_nospc > 0 && n_shared > 0 && n_back > 0);
 }
 
 int main(void) {
@@ -1550,6 +1645,7 @@ int main(void) {
         cmocka_unit_test(test_cow_sole_indexed_tail_counts),
         cmocka_unit_test(test_batch_append_exact),
         cmocka_unit_test(test_batch_append_forks_share_a_tail),
+        cmocka_unit_test(test_batch_append_tail_given_back),
         cmocka_unit_test(test_batch_append_oracle),
         cmocka_unit_test(test_truncate_frees),
         cmocka_unit_test(test_truncate_then_append_rewrites),

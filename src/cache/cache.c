@@ -513,12 +513,14 @@ static void cow_tail(pkv_cache *c, pkv__seq *s) {
  * max_blocks_per_seq, else *need, so that the append succeeds iff need <= n_free + n_cached.
  * That is the new blocks plus a copy of a shared or indexed tail (*cow), less one where the
  * copied tail is then CACHED (s held it alone, so it is indexed) and the blocks after the copy
- * may evict it; the copy itself still needs one. gone: holders of the tail that will have
- * copied it away before this append (pkv_batch_append's earlier requests), 0 for the state as
- * it is. pkv_seq_append, pkv_seq_append_blocks and pkv_batch_append all ask here, so they never
- * disagree. */
+ * may evict it; the copy itself still needs one. *back (may be NULL): 1 where that copy is the
+ * only block taken, so the append leaves n_free + n_cached as it found them (its old tail is
+ * CACHED after it), else 0; the append lowers n_free + n_cached by need - back. gone: holders
+ * of the tail that will have copied it away before this append (pkv_batch_append's earlier
+ * requests), 0 for the state as it is. pkv_seq_append, pkv_seq_append_blocks and
+ * pkv_batch_append all ask here, so they never disagree. */
 static int append_need(const pkv_cache *c, const pkv__seq *s, uint32_t n, uint32_t gone, uint64_t *need, bool *cow,
-                       const char *api) {
+                       uint32_t *back, const char *api) {
     const uint64_t nb_needed = ((uint64_t)s->n_tokens + n + c->B - 1) / c->B;
     if (nb_needed > c->max_bps)
         return pkv__say(c, PKV_ELIMIT, api, "%u + %u positions take %llu blocks, past max_blocks_per_seq %u",
@@ -527,7 +529,9 @@ static int append_need(const pkv_cache *c, const pkv__seq *s, uint32_t n, uint32
     const uint32_t ref = tail == PKV_NONE ? 0 : c->blk[tail].ref - gone;
     *cow = tail != PKV_NONE && (ref > 1 || (c->blk[tail].flags & PKV_BLKF_INDEXED));
     uint64_t take = nb_needed - s->n_blocks + (*cow ? 1 : 0);
-    if (*cow && ref == 1 && take > 1) take--;
+    const bool gives_back = *cow && ref == 1; /* the old tail turns CACHED */
+    if (gives_back && take > 1) take--;
+    if (back) *back = gives_back && take == 1 && nb_needed == s->n_blocks;
     *need = take;
     return PKV_OK;
 }
@@ -540,7 +544,7 @@ PKV_API int pkv_seq_append_blocks(pkv_cache *c, pkv_seq id, uint32_t n, uint32_t
     int rc = get_seq(c, id, &s);
     uint64_t need = 0;
     bool cow;
-    if (!rc && n) rc = append_need(c, s, n, 0, &need, &cow, __func__);
+    if (!rc && n) rc = append_need(c, s, n, 0, &need, &cow, NULL, __func__);
     if (!rc) *n_blocks = (uint32_t)need; /* at most max_blocks_per_seq + 1 */
     UNLOCK(c);
     return rc;
@@ -582,7 +586,7 @@ PKV_API int pkv_seq_append(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint
     if (rc || n == 0) goto out;
     uint64_t need;
     bool cow;
-    rc = append_need(c, s, n, 0, &need, &cow, __func__);
+    rc = append_need(c, s, n, 0, &need, &cow, NULL, __func__);
     if (rc) goto out;
     if (need > (uint64_t)c->pool.n_free + c->pool.n_cached) {
         /* how an engine learns to preempt, a routine refusal: said after the lock is let go */
@@ -618,37 +622,48 @@ PKV_API int pkv_batch_append(pkv_cache *c, const pkv_append_req *reqs, uint32_t 
             rc = PKV__SAY(c, PKV_EINVAL, "reqs[%u]: sequence %#llx named twice", i, (unsigned long long)reqs[i].seq);
     /* what each append will take once the ones before it are done: as append_need counts it
        then, a shared tail's earlier holders in the batch having copied it away (chk_ref,
-       scratch under the lock: copies of each tail so far); the longest leading run that fits,
+       scratch under the lock: copies of each tail so far), against what the appends before it
+       leave (each lowers n_free + n_cached by need - back); the longest leading run that fits,
        every request's own limit checked */
     for (uint32_t i = 0; i < n_reqs && !rc; i++) {
         const uint32_t t = reqs[i].n ? open_tail(c, pkv__seq_get(c, reqs[i].seq)) : PKV_NONE;
         if (t != PKV_NONE) c->chk_ref[t] = 0;
     }
     const uint64_t avail = (uint64_t)c->pool.n_free + c->pool.n_cached;
-    uint64_t sum = 0;
+    uint64_t used = 0, miss_need = 0, miss_left = 0; /* used: by the requests before i */
     uint32_t k = 0;
+    bool fits = true;
     for (uint32_t i = 0; i < n_reqs && !rc; i++) {
         uint64_t need = 0;
         bool cow = false;
+        uint32_t back = 0;
         const pkv__seq *s = pkv__seq_get(c, reqs[i].seq);
         const uint32_t t = reqs[i].n ? open_tail(c, s) : PKV_NONE;
-        if (reqs[i].n) rc = append_need(c, s, reqs[i].n, t == PKV_NONE ? 0 : c->chk_ref[t], &need, &cow, __func__);
+        if (reqs[i].n)
+            rc = append_need(c, s, reqs[i].n, t == PKV_NONE ? 0 : c->chk_ref[t], &need, &cow, &back, __func__);
         if (cow) c->chk_ref[t]++;
-        sum += need; /* counts are not negative: the run that fits is a prefix */
-        if (!rc && sum <= avail) k = i + 1;
+        if (rc) break;
+        if (fits && used + need <= avail) {
+            k = i + 1;
+        } else if (fits) {
+            fits = false, miss_need = need, miss_left = avail - used;
+        }
+        used += need - back; /* never past avail + 1 - back: used <= avail before each fit */
     }
     if (!rc && k < n_reqs && !(flags & PKV_APPEND_FIT)) {
         const uint32_t n_free = c->pool.n_free, n_cached = c->pool.n_cached;
         UNLOCK(c);
-        return PKV__SAY(c, PKV_ENOSPC, "%u requests need %llu blocks, %u FREE and %u CACHED are left", n_reqs,
-                        (unsigned long long)sum, n_free, n_cached);
+        return PKV__SAY(c, PKV_ENOSPC,
+                        "request %u of %u needs %llu blocks, %llu left after the ones before it (%u FREE and %u "
+                        "CACHED now)",
+                        k, n_reqs, (unsigned long long)miss_need, (unsigned long long)miss_left, n_free, n_cached);
     }
     for (uint32_t i = 0; i < k && !rc; i++) {
         if (!reqs[i].n) continue;
         pkv__seq *s = pkv__seq_get(c, reqs[i].seq);
         uint64_t need;
         bool cow; /* asked again, of the state the appends before it left: what was counted */
-        const int ok = append_need(c, s, reqs[i].n, 0, &need, &cow, __func__);
+        const int ok = append_need(c, s, reqs[i].n, 0, &need, &cow, NULL, __func__);
         pkv_assert(ok == PKV_OK);
         append_locked(c, s, reqs[i].tokens, reqs[i].n, reqs[i].slots_out, cow);
     }
