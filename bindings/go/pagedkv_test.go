@@ -1612,6 +1612,7 @@ func TestWriteKVSeq(t *testing.T) {
 			t.Fatalf("V element %d of positions 9..11 is %v, want 1", i, x)
 		}
 	}
+	must(t, c.WriteKVSeq(a, 0, 0, v, k)) // layer 0 defined: the refusals below must leave it
 	must(t, c.Commit(a, 4))
 	before, _, err := c.Gather(a, 0, 0, 12)
 	must(t, err)

@@ -821,6 +821,7 @@ class TestCache(Base):
                 np.testing.assert_array_equal(ga2[0][5:10], c.gather(b, 1)[0][:5])
                 np.testing.assert_array_equal(ga2[1][:11], ga[1][:11])  # V untouched but row 11
                 self.assertTrue((ga2[1][11] == 0.5).all())
+                c.write_kv_seq(a, 0, 0, v, k)  # layer 0 defined: the refusals below must leave it
                 c.commit(a, 4)
                 before = c.gather(a, 0)
                 for bad in (lambda: c.write_kv_seq(a, 0, 3, k[:2], v[:2]),  # position 3 committed

@@ -1200,6 +1200,9 @@ fn write_kv_seq_by_position() {
     assert_eq!(&v2[..9 * row], &v_all[..9 * row]);
     assert!(v2[9 * row..].iter().all(|&x| x == 1.0));
     // refusals change nothing
+    // layer 0 defined: the refusals below must leave it
+    c.write_kv_seq(a, 0, 0, Some(KvData::F32(&v)), Some(KvData::F32(&k)))
+        .unwrap();
     c.commit(a, 4).unwrap();
     let before = c.gather(a, 0, 0, 12).unwrap();
     let one = vec![0.5f32; row];
