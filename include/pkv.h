@@ -19,8 +19,10 @@
  * a prefix match into it, a pkv_batch_compact or pkv_batch_append that names it) must not
  * overlap any other call that names or reads that sequence. pkv_write_kv and pkv_seq_write_kv
  * may overlap reads of other layers or other positions (layer l + 1 of a new token while
- * attention reads layer l), not a read of the rows they write; pkv_seq_write_kv reads its
- * sequence's table, so it must not overlap a call that changes that sequence. Metadata calls
+ * attention reads layer l), not a read of the rows they write, nor a pkv_seq_fork or
+ * pkv_pin_create of a sequence holding those rows (the fork would share rows being written);
+ * pkv_seq_write_kv reads its sequence's table, so it must not overlap a call that changes that
+ * sequence. Metadata calls
  * take the cache's lock for a short critical section; the writes copy without it; attention
  * calls are serialized among themselves (they share the cache's threads and scratch), so
  * attention from several threads at once is no faster than one after the other.
@@ -323,13 +325,14 @@ PKV_NODISCARD PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32
  * (start + n <= its length), k and v as there: [n][n_kv_heads][head_dim] of in_dtype, either
  * NULL to write only the other. The same checks, all made before a byte is written (every
  * position's block held by s alone, not in the prefix index, the position not committed; every
- * value finite and within PKV_VALUE_MAX), else PKV_EINVAL and nothing is written; ENOENT for an
- * unknown, released or pin handle. Where a slot is a place that a truncate, release or
- * compaction hands to another sequence, a position stays s's own: this call cannot write into
- * another sequence's rows through stale slots, and needs no slot_mapping. Threads (above): it
+ * value finite and within PKV_VALUE_MAX), else PKV_EINVAL and nothing is written (PKV_ENOENT
+ * for an unknown or released handle, PKV_EINVAL for a pin). Where a slot is a place that a
+ * truncate, release or compaction hands to another sequence, a position stays s's own: this
+ * call cannot write into another sequence's rows through stale slots, and needs no
+ * slot_mapping. Threads (above): it
  * may overlap calls on other sequences, attention over them included, and reads of s that do
  * not read the rows it writes (attention over layer l while it writes layer l + 1); not a call
- * that changes s, nor another write of the same rows. */
+ * that changes s, a fork or pin of s, nor another write of the same rows. */
 PKV_NODISCARD PKV_API int pkv_seq_write_kv(pkv_cache *c, pkv_seq s, uint32_t layer, uint32_t start, uint32_t n,
                                            const void *k, const void *v, pkv_dtype in_dtype);
 

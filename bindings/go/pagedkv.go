@@ -382,16 +382,18 @@ func (c *Cache) Close() {
 //     BatchCompact, Release, MatchPrefix, PinRelease), shared by the calls that read it (attention, Gather,
 //     Slots, BlockTable, SeqInfo, AppendBlocks, the exports, and Fork and Pin of their source);
 //  3. kv: WriteKV and WriteKV16 hold it alone, since their slots do not say whose rows they
-//     are; the calls that read K/V rows (attention, Gather) share it;
+//     are; the calls that read K/V rows (attention, Gather) and WriteKVSeq share it;
 //  4. rows: the calls that move or free K/V rows (Truncate, Release, Compact, BatchCompact)
 //     and Fork (after it, the forked tail is shared, and the next append copies it) hold it
 //     alone; every K/V write (WriteKV, WriteKVShared) shares it.
 // So a change to one sequence waits only for the calls that name that sequence (and, for a row
 // move or a fork, for the K/V writes by slot in flight), not for attention over others; WriteKV
 // waits for the attention calls and gathers in flight, and while it waits, later ones wait for
-// it; WriteKVSeq (by position) names its sequence, so it waits only for the calls that name it
-// and takes neither kv nor rows (its rows are its sequence's alone, which no other call moves);
-// WriteKVShared waits for no read: its caller answers for the rows.
+// it; WriteKVSeq (by position) names its sequence, so it waits for the calls that name it and
+// for a WriteKV in flight (and one waiting: Go's RWMutex lets a waiting Lock go first), not for
+// attention over other sequences; it takes no rows lock (its rows are its sequence's alone,
+// which only calls naming it move); WriteKVShared waits for no read: its caller answers for the
+// rows.
 
 // use is what a call takes of the kv or rows lock.
 type use uint8
@@ -847,8 +849,9 @@ func (c *Cache) WriteKV16Shared(layer uint32, slots []int32, k, v []uint16, dt D
 // [start, start + n) of s (pkv_seq_write_kv), n the rows of k or v (each
 // [n][n_kv_heads][head_dim]). All-or-nothing, with WriteKV's checks. By position, so no slots
 // are needed and none can be stale: the rows written are s's own. It holds s's lock alone, as a
-// change to s does, and no kv lock: it waits for the calls that name s (attention over s
-// included), not for attention over other sequences.
+// change to s does, and shares the kv lock with attention: it waits for the calls that name s
+// (attention over s included) and for a WriteKV by slot (whose slots might name s's rows), not
+// for attention over other sequences.
 func (c *Cache) WriteKVSeq(s Seq, layer, start uint32, k, v []float32) error {
 	return c.writeKVSeq(s, layer, start, unsafe.Pointer(f32p(k)), unsafe.Pointer(f32p(v)), len(k), len(v), F32,
 		k != nil, v != nil)
@@ -886,7 +889,7 @@ func (c *Cache) writeKVSeq(s Seq, layer, start uint32, k, v unsafe.Pointer, kn, 
 	if err != nil {
 		return err
 	}
-	return c.op("pkv_seq_write_kv", writeSeqs, func(p *C.pkv_cache) C.int {
+	return c.op("pkv_seq_write_kv", access{write: true, kv: useShared}, func(p *C.pkv_cache) C.int {
 		return C.pkv_seq_write_kv(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), n, k, v, dt.c())
 	}, s)
 }

@@ -1408,40 +1408,44 @@ func TestSequenceLocks(t *testing.T) {
 	c.smu.Unlock()
 
 	// 4. WriteKVSeq names its sequence f: it goes on beside a read of another sequence and a
-	// WriteKV in flight, and waits for a read of f; one in flight makes the calls that name f
-	// wait, not attention over others nor writes by slot
+	// WriteKVShared, and waits for a read of f and for a WriteKV (whose slots may be f's rows);
+	// one in flight makes the calls that name f and WriteKV wait, not attention over others
 	f, err := c.SeqCreate(nil)
 	must(t, err)
 	fill(t, c, f, 8, &r)
 	_, err = c.Append(f, []int32{1, 2})
 	must(t, err)
 	writeF := call{"WriteKVSeq(f)", func() error { return c.WriteKVSeq(f, 0, 8, row, row) }}
-	for _, h := range []struct {
+	type hold struct {
 		what string
 		a    access
 		seq  []Seq
-	}{{"a read of a", readKV, []Seq{a}}, {"a WriteKV", access{kv: useAlone, rows: useShared}, nil}} {
+	}
+	for _, h := range []hold{{"a read of a", readKV, []Seq{a}}, {"a WriteKVShared", access{rows: useShared}, nil}} {
 		_, held, err = c.enter(h.a, h.seq...)
 		must(t, err)
 		goOn(t, h.what, writeF)
 		held.exit()
 	}
-	_, held, err = c.enter(readKV, f)
+	for _, h := range []hold{{"a read of f", readKV, []Seq{f}}, {"a WriteKV", access{kv: useAlone, rows: useShared}, nil}} {
+		_, held, err = c.enter(h.a, h.seq...)
+		must(t, err)
+		waitOn(t, h.what, held.exit, writeF)
+	}
+	_, held, err = c.enter(access{write: true, kv: useShared}, f) // what WriteKVSeq(f) holds
 	must(t, err)
-	waitOn(t, "a read of f", held.exit, writeF)
-	_, held, err = c.enter(writeSeqs, f) // what WriteKVSeq(f) holds
-	must(t, err)
-	sl = bSlots()
 	goOn(t, "a WriteKVSeq(f)",
 		decode(a, b),
 		call{"Gather(a)", func() error { _, _, err := c.Gather(a, 0, 0, 20); return err }},
-		call{"WriteKV(b)", func() error { return c.WriteKV(0, sl, row, row) }},
 		call{"WriteKVSeq(b)", func() error { return c.WriteKVSeq(b, 0, 20, row, nil) }},
+		call{"Truncate(b)", func() error { return c.Truncate(b, 22) }},
 	)
+	sl = bSlots()
 	waitOn(t, "a WriteKVSeq(f)", held.exit,
 		decode(a, f),
 		call{"Gather(f)", func() error { _, _, err := c.Gather(f, 0, 0, 10); return err }},
 		call{"Fork(f)", func() error { g, err := c.Fork(f); c.Release(g); return err }},
+		call{"WriteKV(b)", func() error { return c.WriteKV(0, sl, row, row) }},
 	)
 
 	// 5. Close waits for the calls in flight; calls after it are ErrClosed
