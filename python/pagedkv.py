@@ -732,14 +732,19 @@ class Cache:
         may lie in another sequence's blocks, and a write through them changes that one. Take
         them again (slots()) after those calls."""
         s = _i32_array(slots, "write_kv: slots")
-        ka, kc = self._kv_in(k, s.size, "write_kv: k", dtype)
-        va, vc = self._kv_in(v, s.size, "write_kv: v", dtype)
-        if ka is None and va is None:
-            raise _invalid("write_kv: neither k nor v given")
-        if ka is not None and va is not None and kc != vc:
-            raise _invalid("write_kv: k and v must have the same dtype")
+        ka, va, code = self._kv_pair(k, v, s.size, "write_kv", dtype)
         self._check(_lib.pkv_write_kv(self._h(), _u32_of(layer, "layer"), _ptr(s), s.size, _ptr(ka), _ptr(va),
-                                 kc if ka is not None else vc), "pkv_write_kv")
+                                 code), "pkv_write_kv")
+
+    def _kv_pair(self, k, v, n, what, dtype):
+        """k and v (either None, not both) as _kv_in gives them, of one dtype: (ka, va, its code)."""
+        ka, kc = self._kv_in(k, n, what + ": k", dtype)
+        va, vc = self._kv_in(v, n, what + ": v", dtype)
+        if ka is None and va is None:
+            raise _invalid("%s: neither k nor v given" % what)
+        if ka is not None and va is not None and kc != vc:
+            raise _invalid("%s: k and v must have the same dtype" % what)
+        return ka, va, kc if ka is not None else vc
 
     @_in_call
     def write_kv_seq(self, seq, layer, start, k=None, v=None, dtype=None):
@@ -748,21 +753,16 @@ class Cache:
         All-or-nothing, with write_kv's checks. By position, so no slots are needed and none
         can be stale: the rows written are seq's own."""
         x = k if k is not None else v
-        if x is None:
-            raise _invalid("write_kv_seq: neither k nor v given")
         row = self._H * self._D
-        size = np.asarray(x).size
+        size = 0 if x is None else np.asarray(x).size
         if size % row:
             raise _invalid("write_kv_seq: %d elements, not a whole number of rows of [%d][%d]"
                            % (size, self._H, self._D))
         n = size // row
-        ka, kc = self._kv_in(k, n, "write_kv_seq: k", dtype)
-        va, vc = self._kv_in(v, n, "write_kv_seq: v", dtype)
-        if ka is not None and va is not None and kc != vc:
-            raise _invalid("write_kv_seq: k and v must have the same dtype")
+        ka, va, code = self._kv_pair(k, v, n, "write_kv_seq", dtype)
         self._check(_lib.pkv_seq_write_kv(self._h(), _seq_of(seq), _u32_of(layer, "layer"), _u32_of(start, "start"),
-                                          _u32_of(n, "write_kv_seq: rows"), _ptr(ka), _ptr(va),
-                                          kc if ka is not None else vc), "pkv_seq_write_kv")
+                                          _u32_of(n, "write_kv_seq: rows"), _ptr(ka), _ptr(va), code),
+                    "pkv_seq_write_kv")
 
     @_in_call
     def commit(self, seq, n_pos):

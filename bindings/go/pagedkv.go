@@ -821,8 +821,8 @@ func (c *Cache) WriteKV16(layer uint32, slots []int32, k, v []uint16, dt Dtype) 
 }
 
 func (c *Cache) writeKV16(layer uint32, slots []int32, k, v []uint16, dt Dtype, shared bool) error {
-	if dt != F16 && dt != BF16 {
-		return invalid("WriteKV16: dtype %s, not f16 or bf16", dt.Name())
+	if err := want16(dt, "WriteKV16"); err != nil {
+		return err
 	}
 	return c.writeKV(layer, slots, slicePtr(k), slicePtr(v), len(k), len(v), dt, k != nil, v != nil, shared)
 }
@@ -845,6 +845,14 @@ func (c *Cache) WriteKV16Shared(layer uint32, slots []int32, k, v []uint16, dt D
 	return c.writeKV16(layer, slots, k, v, dt, true)
 }
 
+// want16 is nil for the 16-bit input dtypes (F16, BF16), else call what's EINVAL.
+func want16(dt Dtype, what string) error {
+	if dt != F16 && dt != BF16 {
+		return invalid("%s: dtype %s, not f16 or bf16", what, dt.Name())
+	}
+	return nil
+}
+
 // WriteKVSeq writes f32 K and/or V (nil: not written) of one layer for positions
 // [start, start + n) of s (pkv_seq_write_kv), n the rows of k or v (each
 // [n][n_kv_heads][head_dim]). All-or-nothing, with WriteKV's checks. By position, so no slots
@@ -859,8 +867,8 @@ func (c *Cache) WriteKVSeq(s Seq, layer, start uint32, k, v []float32) error {
 
 // WriteKVSeq16 is WriteKVSeq for f16 or bf16 bit patterns (dt F16 or BF16).
 func (c *Cache) WriteKVSeq16(s Seq, layer, start uint32, k, v []uint16, dt Dtype) error {
-	if dt != F16 && dt != BF16 {
-		return invalid("WriteKVSeq16: dtype %s, not f16 or bf16", dt.Name())
+	if err := want16(dt, "WriteKVSeq16"); err != nil {
+		return err
 	}
 	return c.writeKVSeq(s, layer, start, slicePtr(k), slicePtr(v), len(k), len(v), dt, k != nil, v != nil)
 }
