@@ -13,16 +13,16 @@
  *
  * Threads: one cache may be used from many threads at once. Calls on different sequences may
  * overlap freely. Calls that only read a sequence may overlap one another on the same sequence:
- * pkv_attn_* (they read every sequence of the batch), pkv_seq_gather, pkv_seq_get_info,
- * pkv_seq_slots, pkv_seq_block_table, pkv_export_*, and pkv_seq_fork and pkv_pin_create, which
- * read their source. A call that changes a sequence (append, commit, truncate, compact, release,
- * a prefix match into it, a pkv_batch_compact or pkv_batch_append that names it) must not
- * overlap any other call that names or reads that sequence. pkv_write_kv and pkv_seq_write_kv
- * may overlap reads of other layers or other positions (layer l + 1 of a new token while
- * attention reads layer l), not a read of the rows they write, nor a pkv_seq_fork or
- * pkv_pin_create of a sequence holding those rows (the fork would share rows being written);
- * pkv_seq_write_kv reads its sequence's table, so it must not overlap a call that changes that
- * sequence. Metadata calls
+ * pkv_attn_* (they read every sequence of the batch), pkv_seq_gather, pkv_seq_read_stored,
+ * pkv_seq_get_info, pkv_seq_slots, pkv_seq_block_table, pkv_export_*, and pkv_seq_fork and
+ * pkv_pin_create, which read their source. A call that changes a sequence (append, commit,
+ * truncate, compact, release, a prefix match into it, a pkv_batch_compact or pkv_batch_append
+ * that names it) must not overlap any other call that names or reads that sequence.
+ * pkv_write_kv, pkv_seq_write_kv and pkv_seq_write_stored may overlap reads of other layers or
+ * other positions (layer l + 1 of a new token while attention reads layer l), not a read of the
+ * rows they write, nor a pkv_seq_fork or pkv_pin_create of a sequence holding those rows (the
+ * fork would share rows being written); the two by position read their sequence's table, so
+ * they must not overlap a call that changes that sequence. Metadata calls
  * take the cache's lock for a short critical section; the writes copy without it; attention
  * calls are serialized among themselves (they share the cache's threads and scratch), so
  * attention from several threads at once is no faster than one after the other.
@@ -455,6 +455,28 @@ PKV_NODISCARD PKV_API int pkv_seq_block_table(pkv_cache *c, pkv_seq s, int32_t *
  * k_out, v_out: [n][n_kv_heads][head_dim] (either may be NULL). Dequantizes. */
 PKV_NODISCARD PKV_API int pkv_seq_gather(pkv_cache *c, pkv_seq s, uint32_t layer, uint32_t start, uint32_t n,
                                          float *k_out, float *v_out);
+
+/* K/V exactly as the pool stores them, for moving a sequence's K/V without loss: swapping it
+ * out of the pool and back (preemption without recompute), or into another cache of the same
+ * shape and dtypes (a prefill instance handing a sequence to a decode instance). Rows are
+ * [n][n_kv_heads] of pkv_dtype_row_bytes(dtype, head_dim) bytes each, k in the cache's k_dtype
+ * and v in its v_dtype, scales inline as in the pool (q8_0 / q4_0: f16 scale and codes per 32
+ * values; fp8: f32 scale and head_dim codes); for f32, f16 and bf16 that is the element type.
+ * pkv_seq_read_stored copies positions [start, start + n) of one layer out (either buffer may
+ * be NULL), as pkv_seq_gather does without decoding; it reads like pkv_seq_gather (Threads,
+ * above). pkv_seq_write_stored writes such rows back, as pkv_seq_write_kv writes values, with
+ * the same checks and threading rules: every position's block held by s alone, not in the prefix
+ * index, the position not committed, all before a byte is written. The rows are checked too,
+ * since attention trusts the pool: an f32, f16 or bf16 element that is not finite or is past
+ * PKV_VALUE_MAX, a q8_0 or q4_0 scale that is not finite, a q8_0 code of -128, an fp8 scale that
+ * is negative, not finite or past PKV_VALUE_MAX / 448, or an fp8 NaN code (0x7f, 0xff) is
+ * PKV_EINVAL, nothing written. Rows read from any cache of the same dtypes and head_dim pass.
+ * A read then a write is bit-exact for every dtype (pkv_seq_gather then pkv_seq_write_kv is for
+ * f32, f16 and bf16, not for the quantized dtypes). */
+PKV_NODISCARD PKV_API int pkv_seq_read_stored(pkv_cache *c, pkv_seq s, uint32_t layer, uint32_t start, uint32_t n,
+                                              void *k_out, void *v_out);
+PKV_NODISCARD PKV_API int pkv_seq_write_stored(pkv_cache *c, pkv_seq s, uint32_t layer, uint32_t start, uint32_t n,
+                                               const void *k, const void *v);
 
 /* Block tables of n_seqs sequences, vLLM dense format: block_tables [n_seqs][max_blocks]
  * int32 (unused entries -1) and seq_lens [n_seqs] int32. PKV_EINVAL if a table is longer

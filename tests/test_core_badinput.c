@@ -186,6 +186,23 @@ static int seqwrite_same(fx *f) {
     return rc ? rc : pkv_seq_write_kv(f->c, f->part, 1, 2, 1, k, v, PKV_DTYPE_F32);
 }
 
+/* pkv_seq_write_stored of live's positions 8 and 9 (f32 rows: the fixture's pool) with element
+ * at of the two rows set to x, K or V (v_side). */
+static int storedwrite_with(fx *f, int v_side, uint32_t at, float x) {
+    float b[2 * NH * HD];
+    memcpy(b, f->kv, sizeof b);
+    b[at] = x;
+    return pkv_seq_write_stored(f->c, f->live, 1, 8, 2, v_side ? f->kv : b, v_side ? b : f->kv);
+}
+
+/* pkv_seq_write_stored of part's uncommitted position 2, layer 1, with the rows it holds (read
+ * by pkv_seq_read_stored): accepted, and nothing observable changes. */
+static int storedwrite_same(fx *f) {
+    float k[NH * HD], v[NH * HD];
+    const int rc = pkv_seq_read_stored(f->c, f->part, 1, 2, 1, k, v);
+    return rc ? rc : pkv_seq_write_stored(f->c, f->part, 1, 2, 1, k, v);
+}
+
 /* A decode (or, with two queries, a prefill of live's positions 8 and 9) whose query element at
  * is x. */
 static int attn_q_with(fx *f, int prefill, uint32_t at, float x) {
@@ -330,6 +347,24 @@ static int batch_with(fx *f, pkv_seq s, const int32_t *tok, uint32_t n, uint32_t
     X(seqwrite_past_value_max_v, PKV_EINVAL, seqwrite_with(f, 1, 1, -0x1.000002p56f, 0))                              \
     X(seqwrite_f16_inf_code_v, PKV_EINVAL, seqwrite_with(f, 1, NH * HD + 1, 0, 0x7c00))                               \
     X(seqwrite_zero_rows, PKV_OK, pkv_seq_write_kv(f->c, f->empty, 0, 0, 0, f->kv, NULL, PKV_DTYPE_F32))              \
+    /* seq_write_stored: the pool's own rows, by position */                                                          \
+    X(storedw_null_cache, PKV_EINVAL, pkv_seq_write_stored(NULL, f->live, 0, 8, 1, f->kv, f->kv))                     \
+    X(storedw_null_k_and_v, PKV_EINVAL, pkv_seq_write_stored(f->c, f->live, 0, 8, 1, NULL, NULL))                     \
+    X(storedw_layer, PKV_EINVAL, pkv_seq_write_stored(f->c, f->live, NL, 8, 1, f->kv, f->kv))                         \
+    X(storedw_stale, PKV_ENOENT, pkv_seq_write_stored(f->c, f->stale, 0, 0, 0, f->kv, f->kv))                         \
+    X(storedw_forged, PKV_ENOENT, pkv_seq_write_stored(f->c, f->forged, 0, 8, 1, f->kv, f->kv))                       \
+    X(storedw_foreign, PKV_ENOENT, pkv_seq_write_stored(f->c, f->foreign, 0, 8, 1, f->kv, f->kv))                     \
+    X(storedw_pin, PKV_EINVAL, pkv_seq_write_stored(f->c, f->pin, 0, 0, 1, f->kv, f->kv))                             \
+    X(storedw_past_length, PKV_EINVAL, pkv_seq_write_stored(f->c, f->live, 0, 9, 2, f->kv, f->kv))                    \
+    X(storedw_overflow, PKV_EINVAL, pkv_seq_write_stored(f->c, f->live, 0, UINT32_MAX, 2, f->kv, f->kv))              \
+    X(storedw_committed_first, PKV_EINVAL, pkv_seq_write_stored(f->c, f->live, 0, 7, 3, f->kv, f->kv))                \
+    X(storedw_indexed_pinned, PKV_EINVAL, pkv_seq_write_stored(f->c, f->live, 1, 3, 1, f->kv, NULL))                  \
+    X(storedw_shared_fork, PKV_EINVAL, pkv_seq_write_stored(f->c, f->child, 0, 4, 2, f->kv, f->kv))                   \
+    X(storedw_nan_second_row_k, PKV_EINVAL, storedwrite_with(f, 0, NH * HD + 3, NAN))                                 \
+    X(storedw_inf_v, PKV_EINVAL, storedwrite_with(f, 1, 2, -INFINITY))                                                \
+    X(storedw_past_value_max_v, PKV_EINVAL, storedwrite_with(f, 1, 1, 0x1.000002p56f))                                \
+    X(storedw_uncommitted_own_ok, PKV_OK, storedwrite_same(f))                                                        \
+    X(storedw_zero_rows, PKV_OK, pkv_seq_write_stored(f->c, f->empty, 0, 0, 0, f->kv, NULL))                          \
     /* commit */                                                                                                      \
     X(commit_null_cache, PKV_EINVAL, pkv_seq_commit(NULL, f->live, 9))                                                \
     X(commit_stale, PKV_ENOENT, pkv_seq_commit(f->c, f->stale, 0))                                                    \
@@ -401,6 +436,16 @@ static int batch_with(fx *f, pkv_seq s, const int32_t *tok, uint32_t n, uint32_t
     X(gather_forged, PKV_ENOENT, pkv_seq_gather(f->c, f->forged, 0, 0, 1, f->out, NULL))                              \
     X(gather_foreign, PKV_ENOENT, pkv_seq_gather(f->c, f->foreign, 0, 0, 1, f->out, NULL))                            \
     X(gather_pin, PKV_EINVAL, pkv_seq_gather(f->c, f->pin, 0, 0, 1, f->out, NULL))                                    \
+    /* read_stored */                                                                                                 \
+    X(readst_null_cache, PKV_EINVAL, pkv_seq_read_stored(NULL, f->live, 0, 0, 1, f->out, f->out))                     \
+    X(readst_null_both, PKV_EINVAL, pkv_seq_read_stored(f->c, f->live, 0, 0, 1, NULL, NULL))                          \
+    X(readst_layer, PKV_EINVAL, pkv_seq_read_stored(f->c, f->live, NL, 0, 1, f->out, NULL))                           \
+    X(readst_past_length, PKV_EINVAL, pkv_seq_read_stored(f->c, f->live, 0, 9, 2, f->out, NULL))                      \
+    X(readst_overflow, PKV_EINVAL, pkv_seq_read_stored(f->c, f->live, 0, UINT32_MAX, 2, NULL, f->out))                \
+    X(readst_stale, PKV_ENOENT, pkv_seq_read_stored(f->c, f->stale, 0, 0, 0, f->out, NULL))                           \
+    X(readst_forged, PKV_ENOENT, pkv_seq_read_stored(f->c, f->forged, 0, 0, 1, f->out, NULL))                         \
+    X(readst_foreign, PKV_ENOENT, pkv_seq_read_stored(f->c, f->foreign, 0, 0, 1, f->out, NULL))                       \
+    X(readst_pin, PKV_EINVAL, pkv_seq_read_stored(f->c, f->pin, 0, 0, 1, f->out, NULL))                               \
     /* export dense */                                                                                                \
     X(dense_null_cache, PKV_EINVAL, pkv_export_dense(NULL, f->list, 2, 8, f->ibuf, f->ibuf + 128))                    \
     X(dense_null_seqs, PKV_EINVAL, pkv_export_dense(f->c, NULL, 2, 8, f->ibuf, f->ibuf + 128))                        \

@@ -538,6 +538,220 @@ static void test_seq_write_stale_slots(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* ---- stored rows: a sequence moved to another cache, bit for bit ---- */
+/* Cache A holds a sequence written from f32 values; its rows go through pkv_seq_read_stored
+ * into cache B (another pool size, a fragmented table: a filler sequence appended between the
+ * pieces), written by pkv_seq_write_stored in pieces (K alone, V alone, both). B's stored rows,
+ * read back, equal A's byte for byte, and so do the gathers (decoded) and a decode's output;
+ * the rows in B's pool are where B's table says (checked through pkv_cache_layout). */
+static void run_stored_transfer(pkv_dtype kd, pkv_dtype vd, uint64_t seed) {
+    enum { BT = 4, NLY = 2, H = 2, QH = 4, D = 64, LEN = 23, E = LEN * H * D };
+    pkv_config ca = tu_config(12, BT, NLY, H, D, kd), cb = tu_config(24, BT, NLY, H, D, kd);
+    ca.v_dtype = cb.v_dtype = vd;
+    pkv_cache *a = tu_create(&ca), *b = tu_create(&cb);
+    pkv_seq sa = tu_seq(a), sb = tu_seq(b), filler = tu_seq(b);
+    tu_append(a, sa, LEN, 0, NULL);
+    for (uint32_t got = 0; got < LEN; got += 5) { /* sb's blocks between filler's */
+        tu_append(b, sb, LEN - got < 5 ? LEN - got : 5, (int32_t)got, NULL);
+        tu_append(b, filler, 3, 1000 + (int32_t)got, NULL);
+    }
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    float *x = calloc(2 * E, sizeof *x);
+    for (uint32_t l = 0; l < NLY; l++) {
+        for (uint32_t e = 0; e < 2 * E; e++) /* magnitudes 2^-8 .. 2^7, and rows of zeros */
+            x[e] = (e / D) % 7 == 3 ? 0.0f : tu_rng_float(&r) * ldexpf(1.0f, (int)tu_rng_below(&r, 16) - 8);
+        TU_OK(pkv_seq_write_kv(a, sa, l, 0, LEN, x, x + E, PKV_DTYPE_F32));
+    }
+    const size_t kr = pkv_dtype_row_bytes(kd, D), vr = pkv_dtype_row_bytes(vd, D);
+    uint8_t *ks = malloc(LEN * H * kr), *vs = malloc(LEN * H * vr), *ks2 = malloc(LEN * H * kr),
+            *vs2 = malloc(LEN * H * vr);
+    float *ga = malloc(2 * E * sizeof *ga), *gb = malloc(2 * E * sizeof *gb);
+    pkv_layout L;
+    TU_OK(pkv_cache_layout(b, &L));
+    int32_t slots[LEN];
+    TU_OK(pkv_seq_slots(b, sb, 0, LEN, slots));
+    for (uint32_t l = 0; l < NLY; l++) {
+        TU_OK(pkv_seq_read_stored(a, sa, l, 0, LEN, ks, vs));
+        const uint32_t cut = 1 + tu_rng_below(&r, LEN - 1);
+        TU_OK(pkv_seq_write_stored(b, sb, l, 0, cut, ks, NULL));
+        TU_OK(pkv_seq_write_stored(b, sb, l, 0, cut, NULL, vs));
+        TU_OK(pkv_seq_write_stored(b, sb, l, cut, LEN - cut, ks + cut * H * kr, vs + cut * H * vr));
+        TU_OK(pkv_seq_read_stored(b, sb, l, 0, LEN, ks2, vs2));
+        assert_memory_equal(ks, ks2, LEN * H * kr);
+        assert_memory_equal(vs, vs2, LEN * H * vr);
+        for (uint32_t p = 0; p < LEN; p++) /* in B's pool where B's table puts them */
+            for (uint32_t h = 0; h < H; h++) {
+                assert_memory_equal(elem_addr(&L, 0, l, (uint32_t)slots[p], h), ks + (p * H + h) * kr, kr);
+                assert_memory_equal(elem_addr(&L, 1, l, (uint32_t)slots[p], h), vs + (p * H + h) * vr, vr);
+            }
+        TU_OK(pkv_seq_read_stored(b, sb, l, 7, 3, NULL, vs2)); /* a range, V alone */
+        assert_memory_equal(vs2, vs + 7 * H * vr, 3 * H * vr);
+        TU_OK(pkv_seq_gather(a, sa, l, 0, LEN, ga, ga + E));
+        TU_OK(pkv_seq_gather(b, sb, l, 0, LEN, gb, gb + E));
+        assert_memory_equal(ga, gb, 2 * E * sizeof *ga);
+        if (kd == PKV_DTYPE_F32 && l == NLY - 1) assert_memory_equal(ks, x, E * sizeof *x); /* its values */
+    }
+    float q[QH * D], oa[QH * D], ob[QH * D];
+    for (int i = 0; i < QH * D; i++) q[i] = tu_rng_float(&r);
+    pkv_attn_params ap = pkv_attn_params_default();
+    ap.n_q_heads = QH;
+    for (uint32_t l = 0; l < NLY; l++) {
+        TU_OK(pkv_attn_decode(a, l, &sa, 1, q, oa, &ap));
+        TU_OK(pkv_attn_decode(b, l, &sb, 1, q, ob, &ap));
+        for (int i = 0; i < QH * D; i++) assert_float_equal(oa[i], ob[i], 1e-6 * (1.0 + fabs(oa[i])));
+    }
+    TU_CHECK(a);
+    TU_CHECK(b);
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+    free(x), free(ks), free(vs), free(ks2), free(vs2), free(ga), free(gb);
+}
+
+static void test_stored_transfer(void **state) {
+    (void)state;
+    const pkv_dtype all[] = {PKV_DTYPE_F32,  PKV_DTYPE_F16,  PKV_DTYPE_BF16,
+                             PKV_DTYPE_Q8_0, PKV_DTYPE_Q4_0, PKV_DTYPE_FP8_E4M3};
+    for (size_t k = 0; k < 6; k++)
+        for (size_t v = 0; v < 6; v++) run_stored_transfer(all[k], all[v], 6 * k + v + 1);
+}
+
+/* What the stored rows are, exactly (f16 codes, a q8_0 block), and which rows a write refuses:
+ * one element or scale or code spoiled at a time in a valid row of each dtype, each refused
+ * with PKV_EINVAL and nothing written; the edges the encoder can reach are accepted. */
+static void put_f32(uint8_t *p, float x) { memcpy(p, &x, 4); }
+static void put_u16(uint8_t *p, uint16_t u) { memcpy(p, &u, 2); }
+
+static void test_stored_rows(void **state) {
+    (void)state;
+    enum { D = 32 };
+    float x[D];
+    for (int i = 0; i < D; i++) x[i] = (float)(i - 16) * 0.25f; /* -4 .. 3.75 */
+    x[0] = 1.0f, x[1] = -2.0f, x[2] = 0.5f;
+    /* f16: the codes of 1, -2, 0.5 */
+    {
+        pkv_config cfg = tu_config(4, 4, 1, 1, D, PKV_DTYPE_F16);
+        pkv_cache *c = tu_create(&cfg);
+        pkv_seq s = tu_seq(c);
+        tu_append(c, s, 1, 0, NULL);
+        TU_OK(pkv_seq_write_kv(c, s, 0, 0, 1, x, x, PKV_DTYPE_F32));
+        uint16_t k[D];
+        TU_OK(pkv_seq_read_stored(c, s, 0, 0, 1, k, NULL));
+        assert_int_equal(k[0], 0x3c00);
+        assert_int_equal(k[1], 0xc000);
+        assert_int_equal(k[2], 0x3800);
+        assert_int_equal(k[3], 0xc280); /* -3.25 */
+        pkv_cache_destroy(c);
+    }
+    /* q8_0: amax 3.75 (x[31]) -> scale f16(3.75 / 127) = 0x278f (0.0295257568...), so 1 -> 34
+     * (33.87), -2 -> -68, 0 -> 0, 3.75 -> 127 */
+    {
+        pkv_config cfg = tu_config(4, 4, 1, 1, D, PKV_DTYPE_Q8_0);
+        pkv_cache *c = tu_create(&cfg);
+        pkv_seq s = tu_seq(c);
+        tu_append(c, s, 1, 0, NULL);
+        TU_OK(pkv_seq_write_kv(c, s, 0, 0, 1, x, x, PKV_DTYPE_F32));
+        uint8_t k[34];
+        TU_OK(pkv_seq_read_stored(c, s, 0, 0, 1, k, NULL));
+        assert_int_equal(k[0] | k[1] << 8, 0x278f);
+        assert_int_equal((int8_t)k[2], 34);
+        assert_int_equal((int8_t)k[3], -68);
+        assert_int_equal((int8_t)k[2 + 16], 0);
+        assert_int_equal((int8_t)k[2 + 31], 127);
+        pkv_cache_destroy(c);
+    }
+    typedef struct {
+        pkv_dtype dt;
+        int spoil; /* what to spoil in the row (below) */
+        int want;
+    } row_case;
+    static const row_case cases[] = {
+        {PKV_DTYPE_F32, 0, PKV_EINVAL},      /* element NaN */
+        {PKV_DTYPE_F32, 1, PKV_EINVAL},      /* element -inf */
+        {PKV_DTYPE_F32, 2, PKV_EINVAL},      /* element just past 2^56 */
+        {PKV_DTYPE_F32, 3, PKV_OK},          /* element 2^56 */
+        {PKV_DTYPE_F16, 0, PKV_EINVAL},      /* code 0x7c00 (inf) */
+        {PKV_DTYPE_F16, 1, PKV_EINVAL},      /* code 0xfe00 (NaN) */
+        {PKV_DTYPE_F16, 3, PKV_OK},          /* code 0x7bff (65504) */
+        {PKV_DTYPE_BF16, 0, PKV_EINVAL},     /* code 0x7fc0 (NaN) */
+        {PKV_DTYPE_BF16, 2, PKV_EINVAL},     /* code 0x5b81 (just past 2^56) */
+        {PKV_DTYPE_BF16, 3, PKV_OK},         /* code 0xdb80 (-2^56) */
+        {PKV_DTYPE_Q8_0, 0, PKV_EINVAL},     /* scale 0x7c00 */
+        {PKV_DTYPE_Q8_0, 1, PKV_EINVAL},     /* code -128 */
+        {PKV_DTYPE_Q8_0, 3, PKV_OK},         /* scale 65504, code -127 */
+        {PKV_DTYPE_Q4_0, 0, PKV_EINVAL},     /* scale 0xfe00 (NaN) */
+        {PKV_DTYPE_Q4_0, 3, PKV_OK},         /* scale -65504 (q4_0 scales may be negative), nibbles 0xff */
+        {PKV_DTYPE_FP8_E4M3, 0, PKV_EINVAL}, /* scale -1 */
+        {PKV_DTYPE_FP8_E4M3, 1, PKV_EINVAL}, /* code 0xff (NaN) */
+        {PKV_DTYPE_FP8_E4M3, 2, PKV_EINVAL}, /* scale past 2^56 / 448 */
+        {PKV_DTYPE_FP8_E4M3, 4, PKV_EINVAL}, /* scale NaN */
+        {PKV_DTYPE_FP8_E4M3, 5, PKV_EINVAL}, /* code 0x7f (NaN) */
+        {PKV_DTYPE_FP8_E4M3, 3, PKV_OK},     /* scale 2^56 / 448, code 0x7e (448) */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const row_case *rc = &cases[i];
+        enum { H = 2 };
+        pkv_config cfg = tu_config(4, 4, 1, H, D, rc->dt);
+        pkv_cache *c = tu_create(&cfg);
+        pkv_seq s = tu_seq(c);
+        tu_append(c, s, 3, 0, NULL);
+        float xs[3 * H * D];
+        for (int e = 0; e < 3 * H * D; e++) xs[e] = x[e % D];
+        TU_OK(pkv_seq_write_kv(c, s, 0, 0, 3, xs, xs, PKV_DTYPE_F32));
+        const size_t rb = pkv_dtype_row_bytes(rc->dt, D);
+        uint8_t good[3 * H * 64 * 4], row[3 * H * 64 * 4], after[3 * H * 64 * 4], vafter[3 * H * 64 * 4];
+        TU_OK(pkv_seq_read_stored(c, s, 0, 0, 3, good, NULL));
+        memcpy(row, good, 3 * H * rb);
+        uint8_t *p = row + (1 * H + 1) * rb; /* position 1, head 1 */
+        switch (rc->dt) {
+        case PKV_DTYPE_F32: {
+            const float bad[] = {NAN, -INFINITY, 0x1.000002p56f, 0x1p56f};
+            put_f32(p + 4 * 9, bad[rc->spoil]);
+            break;
+        }
+        case PKV_DTYPE_F16: {
+            const uint16_t bad[] = {0x7c00, 0xfe00, 0, 0x7bff};
+            put_u16(p + 2 * 9, bad[rc->spoil]);
+            break;
+        }
+        case PKV_DTYPE_BF16: {
+            const uint16_t bad[] = {0x7fc0, 0, 0x5b81, 0xdb80};
+            put_u16(p + 2 * 9, bad[rc->spoil]);
+            break;
+        }
+        case PKV_DTYPE_Q8_0:
+            if (rc->spoil == 0) put_u16(p, 0x7c00);
+            if (rc->spoil == 1) p[2 + 5] = 0x80;
+            if (rc->spoil == 3) put_u16(p, 0x7bff), p[2 + 5] = 0x81;
+            break;
+        case PKV_DTYPE_Q4_0:
+            if (rc->spoil == 0) put_u16(p, 0xfe00);
+            if (rc->spoil == 3) put_u16(p, 0xfbff), p[2 + 5] = 0xff;
+            break;
+        default: /* fp8 */
+            if (rc->spoil == 0) put_f32(p, -1.0f);
+            if (rc->spoil == 1) p[4 + 3] = 0xff;
+            if (rc->spoil == 2) put_f32(p, nextafterf(0x1p56f / 448.0f, INFINITY));
+            if (rc->spoil == 4) put_f32(p, NAN);
+            if (rc->spoil == 5) p[4 + 30] = 0x7f;
+            if (rc->spoil == 3) put_f32(p, 0x1p56f / 448.0f), p[4 + 3] = 0x7e;
+            break;
+        }
+        for (int side = 0; side < 2; side++) { /* the row as K, then as V */
+            const int got = pkv_seq_write_stored(c, s, 0, 0, 3, side ? NULL : row, side ? row : NULL);
+            if (got != rc->want)
+                fail_msg("%s spoil %d as %s: %d, want %d", pkv_dtype_name(rc->dt), rc->spoil, side ? "V" : "K", got,
+                         rc->want);
+            TU_OK(pkv_seq_read_stored(c, s, 0, 0, 3, after, vafter));
+            const uint8_t *now = side ? vafter : after;
+            if (rc->want == PKV_OK) assert_memory_equal(now, row, 3 * H * rb);
+            else assert_memory_equal(now, good, 3 * H * rb); /* nothing written, not the rows before it */
+        }
+        TU_CHECK(c);
+        pkv_cache_destroy(c);
+    }
+}
+
 /* ---- dtype conversions: pool f16 / bf16 / f32 from input f32 / f16 / bf16 ---- */
 static uint16_t read_u16(const uint8_t *p) {
     uint16_t u;
@@ -1029,6 +1243,8 @@ int main(void) {
         cmocka_unit_test(test_write_k_only_v_only),
         cmocka_unit_test(test_seq_write_twins),
         cmocka_unit_test(test_seq_write_stale_slots),
+        cmocka_unit_test(test_stored_transfer),
+        cmocka_unit_test(test_stored_rows),
         cmocka_unit_test(test_conversions),
         cmocka_unit_test(test_exports),
         cmocka_unit_test(test_stats_scripted),

@@ -714,22 +714,40 @@ static int check_write_args(pkv_cache *c, uint32_t layer, const void *k, const v
     return PKV_OK;
 }
 
+/* in_dtype of the rows pkv_seq_write_stored copies: each side in its pool dtype, as stored */
+#define PKV__DTYPE_STORED ((pkv_dtype)PKV_DTYPE_COUNT)
+
+/* Bytes of one (position, kv head) row of the input: in_dtype's elements, or the pool's rows. */
+static size_t in_row_bytes(const pkv_cache *c, pkv_dtype in_dtype, bool v_side) {
+    if (in_dtype == PKV__DTYPE_STORED) return v_side ? c->v_row : c->k_row;
+    return (size_t)c->head_dim * (in_dtype == PKV_DTYPE_F32 ? 4 : 2);
+}
+
+/* Whether the nkv rows of one position of one side (k or v) may go into the pool. */
+static bool input_row_fits(const pkv_cache *c, pkv_dtype in_dtype, const void *src, pkv_dtype pool) {
+    if (in_dtype == PKV__DTYPE_STORED) return pkv__stored_fits(pool, src, c->n_kv, c->head_dim);
+    return pkv__input_fits(in_dtype, src, (size_t)c->n_kv * c->head_dim, pool);
+}
+
 /* Checks every value (finite, and not past what the pool's dtypes hold), then copies the rows:
  * outside the lock, once the rows' places have been checked under it. Row i goes to
  * write_slot(c, slots, table, start, i); slots[i] < 0 skips it (padding rows are not read). */
 static int write_rows(pkv_cache *c, uint32_t layer, const int32_t *slots, const int32_t *table, uint32_t start,
                       uint32_t n, const void *k, const void *v, pkv_dtype in_dtype, const char *api) {
     const uint32_t d = c->head_dim, nkv = c->n_kv, B = c->B;
-    const size_t in_el = in_dtype == PKV_DTYPE_F32 ? 4 : 2, in_row = (size_t)d * in_el;
+    const size_t k_in = in_row_bytes(c, in_dtype, false), v_in = in_row_bytes(c, in_dtype, true);
     /* checked before a byte is written, so the pool only ever holds finite K/V through these
      * calls and attention over it is defined */
     for (uint32_t i = 0; i < n; i++) {
         if (slots && slots[i] < 0) continue;
-        const size_t at = (size_t)i * nkv * in_row, n_el = (size_t)nkv * d;
-        const bool k_bad = k && !pkv__input_fits(in_dtype, (const uint8_t *)k + at, n_el, c->cfg.k_dtype);
-        if (k_bad || (v && !pkv__input_fits(in_dtype, (const uint8_t *)v + at, n_el, c->cfg.v_dtype)))
-            return pkv__say(c, PKV_EINVAL, api, "row %u of %s has a value that is not finite, or past what %s holds", i,
-                            k_bad ? "k" : "v", pkv_dtype_name(k_bad ? c->cfg.k_dtype : c->cfg.v_dtype));
+        const bool k_bad = k && !input_row_fits(c, in_dtype, (const uint8_t *)k + (size_t)i * nkv * k_in, c->cfg.k_dtype);
+        if (k_bad || (v && !input_row_fits(c, in_dtype, (const uint8_t *)v + (size_t)i * nkv * v_in, c->cfg.v_dtype)))
+            return pkv__say(c, PKV_EINVAL, api,
+                            in_dtype == PKV__DTYPE_STORED
+                                ? "row %u of %s is not a %s row the pool can hold (a scale or value not finite, "
+                                  "past PKV_VALUE_MAX, or a code the encoder never writes)"
+                                : "row %u of %s has a value that is not finite, or past what %s holds",
+                            i, k_bad ? "k" : "v", pkv_dtype_name(k_bad ? c->cfg.k_dtype : c->cfg.v_dtype));
     }
     uint8_t *kl = c->kv + layer * c->layer_stride, *vl = kl + c->v_off;
     float tmp[1024];
@@ -737,7 +755,7 @@ static int write_rows(pkv_cache *c, uint32_t layer, const int32_t *slots, const 
         const uint8_t *src = pass ? v : k;
         if (!src) continue;
         uint8_t *base = pass ? vl : kl;
-        size_t row = pass ? c->v_row : c->k_row, blk = pass ? c->v_blk : c->k_blk;
+        size_t row = pass ? c->v_row : c->k_row, blk = pass ? c->v_blk : c->k_blk, in_row = pass ? v_in : k_in;
         pkv_dtype dt = pass ? c->cfg.v_dtype : c->cfg.k_dtype;
         for (uint32_t i = 0; i < n; i++) {
             const int32_t slot = write_slot(c, slots, table, start, i);
@@ -746,7 +764,7 @@ static int write_rows(pkv_cache *c, uint32_t layer, const int32_t *slots, const 
             for (uint32_t h = 0; h < nkv; h++) {
                 const uint8_t *s = src + ((size_t)i * nkv + h) * in_row;
                 uint8_t *dst = base + b * blk + ((size_t)h * B + off) * row;
-                if (dt == in_dtype) {
+                if (dt == in_dtype || in_dtype == PKV__DTYPE_STORED) {
                     memcpy(dst, s, in_row);
                 } else if (in_dtype == PKV_DTYPE_F32 && ((uintptr_t)s & 3) == 0) {
                     pkv__row_encode(dt, (const float *)s, d, dst); /* no copy of f32 rows first */
@@ -774,24 +792,36 @@ PKV_API int pkv_write_kv(pkv_cache *c, uint32_t layer, const int32_t *slots, uin
     return rc ? rc : write_rows(c, layer, slots, NULL, 0, n, k, v, in_dtype, __func__);
 }
 
-PKV_API int pkv_seq_write_kv(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, uint32_t n, const void *k,
-                             const void *v, pkv_dtype in_dtype) {
-    if (!c) return PKV_EINVAL;
-    int rc = check_write_args(c, layer, k, v, in_dtype, __func__);
-    if (rc) return rc;
+/* pkv_seq_write_kv and pkv_seq_write_stored after their argument checks. */
+static int seq_write(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, uint32_t n, const void *k,
+                     const void *v, pkv_dtype in_dtype, const char *api) {
     LOCK(c);
     pkv__seq *s;
-    rc = get_seq(c, id, &s);
+    int rc = pkv__get_seq(c, id, &s, api);
     if (!rc && (uint64_t)start + n > s->n_tokens)
-        rc = PKV__SAY(c, PKV_EINVAL, "positions [%u, %llu) past the sequence's length %u", start,
+        rc = pkv__say(c, PKV_EINVAL, api, "positions [%u, %llu) past the sequence's length %u", start,
                       (unsigned long long)start + n, s->n_tokens);
     for (uint32_t i = 0; i < n && !rc; i++)
-        rc = check_write_row(c, write_slot(c, NULL, s->table, start, i), i, "position", start + i, __func__);
+        rc = check_write_row(c, write_slot(c, NULL, s->table, start, i), i, "position", start + i, api);
     /* The table is the sequence's own row of c->tables: it stays put, and nothing may change it
      * while this call runs (pkv.h, "Threads"). */
     const int32_t *table = rc ? NULL : s->table;
     UNLOCK(c);
-    return rc || n == 0 ? rc : write_rows(c, layer, NULL, table, start, n, k, v, in_dtype, __func__);
+    return rc || n == 0 ? rc : write_rows(c, layer, NULL, table, start, n, k, v, in_dtype, api);
+}
+
+PKV_API int pkv_seq_write_kv(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, uint32_t n, const void *k,
+                             const void *v, pkv_dtype in_dtype) {
+    if (!c) return PKV_EINVAL;
+    int rc = check_write_args(c, layer, k, v, in_dtype, __func__);
+    return rc ? rc : seq_write(c, id, layer, start, n, k, v, in_dtype, __func__);
+}
+
+PKV_API int pkv_seq_write_stored(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, uint32_t n,
+                                 const void *k, const void *v) {
+    if (!c) return PKV_EINVAL;
+    int rc = check_write_args(c, layer, k, v, PKV_DTYPE_F32, __func__); /* f32: the dtype check passes */
+    return rc ? rc : seq_write(c, id, layer, start, n, k, v, PKV__DTYPE_STORED, __func__);
 }
 
 PKV_API int pkv_seq_commit(pkv_cache *c, pkv_seq id, uint32_t n_pos) {
@@ -1389,16 +1419,17 @@ PKV_API int pkv_seq_block_table(pkv_cache *c, pkv_seq id, int32_t *out, uint32_t
     return rc;
 }
 
-PKV_API int pkv_seq_gather(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, uint32_t n, float *k_out,
-                           float *v_out) {
-    if (!c) return PKV_EINVAL;
-    if (layer >= c->n_layers) return PKV__SAY(c, PKV_EINVAL, "layer %u of %u", layer, c->n_layers);
-    if (n && !k_out && !v_out) return PKV__SAY(c, PKV_EINVAL, "neither k_out nor v_out given");
+/* pkv_seq_gather (f32) and pkv_seq_read_stored (the pool's rows): k_out, v_out are float * or
+ * uint8_t * as stored says. */
+static int seq_read(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, uint32_t n, void *k_out, void *v_out,
+                    bool stored, const char *api) {
+    if (layer >= c->n_layers) return pkv__say(c, PKV_EINVAL, api, "layer %u of %u", layer, c->n_layers);
+    if (n && !k_out && !v_out) return pkv__say(c, PKV_EINVAL, api, "neither k_out nor v_out given");
     LOCK(c);
     pkv__seq *s;
-    int rc = get_seq(c, id, &s);
+    int rc = pkv__get_seq(c, id, &s, api);
     if (!rc && (uint64_t)start + n > s->n_tokens)
-        rc = PKV__SAY(c, PKV_EINVAL, "positions [%u, %llu) past the sequence's length %u", start,
+        rc = pkv__say(c, PKV_EINVAL, api, "positions [%u, %llu) past the sequence's length %u", start,
                       (unsigned long long)start + n, s->n_tokens);
     if (!rc) {
         const uint32_t B = c->B, d = c->head_dim;
@@ -1406,14 +1437,31 @@ PKV_API int pkv_seq_gather(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t st
         for (uint32_t j = 0; j < n; j++) {
             uint32_t p = start + j, b = (uint32_t)s->table[p / B], off = p % B;
             for (uint32_t h = 0; h < c->n_kv; h++) {
-                size_t o = ((size_t)j * c->n_kv + h) * d;
-                if (k_out) pkv__row_decode(c->cfg.k_dtype, kl + b * c->k_blk + ((size_t)h * B + off) * c->k_row, d, k_out + o);
-                if (v_out) pkv__row_decode(c->cfg.v_dtype, vl + b * c->v_blk + ((size_t)h * B + off) * c->v_row, d, v_out + o);
+                const size_t o = (size_t)j * c->n_kv + h;
+                const uint8_t *kr = kl + b * c->k_blk + ((size_t)h * B + off) * c->k_row;
+                const uint8_t *vr = vl + b * c->v_blk + ((size_t)h * B + off) * c->v_row;
+                if (stored) {
+                    if (k_out) memcpy((uint8_t *)k_out + o * c->k_row, kr, c->k_row);
+                    if (v_out) memcpy((uint8_t *)v_out + o * c->v_row, vr, c->v_row);
+                } else {
+                    if (k_out) pkv__row_decode(c->cfg.k_dtype, kr, d, (float *)k_out + o * d);
+                    if (v_out) pkv__row_decode(c->cfg.v_dtype, vr, d, (float *)v_out + o * d);
+                }
             }
         }
     }
     UNLOCK(c);
     return rc;
+}
+
+PKV_API int pkv_seq_gather(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, uint32_t n, float *k_out,
+                           float *v_out) {
+    return c ? seq_read(c, id, layer, start, n, k_out, v_out, false, __func__) : PKV_EINVAL;
+}
+
+PKV_API int pkv_seq_read_stored(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, uint32_t n, void *k_out,
+                                void *v_out) {
+    return c ? seq_read(c, id, layer, start, n, k_out, v_out, true, __func__) : PKV_EINVAL;
 }
 
 /* Validates every id of a list (live, not a pin). */

@@ -67,6 +67,35 @@ bool pkv__input_fits(pkv_dtype in, const void *src, size_t n, pkv_dtype pool) {
     return false;
 }
 
+bool pkv__stored_fits(pkv_dtype dt, const void *rows, size_t n_rows, uint32_t d) {
+    if (dt == PKV_DTYPE_F32 || dt == PKV_DTYPE_F16 || dt == PKV_DTYPE_BF16)
+        return pkv__input_fits(dt, rows, n_rows * d, dt);
+    const size_t rb = pkv_dtype_row_bytes(dt, d);
+    const uint8_t *p = rows;
+    for (size_t r = 0; r < n_rows; r++, p += rb) {
+        if (dt == PKV_DTYPE_FP8_E4M3) {
+            float s;
+            memcpy(&s, p, 4);
+            /* what the encoder writes: a positive scale, and s * 448 within PKV_VALUE_MAX */
+            if (!(s >= 0.0f && s <= 0x1p56f / 448.0f)) return false;
+            for (uint32_t j = 0; j < d; j++)
+                if ((p[PKV_FP8_ROW_HEADER + j] & 0x7f) == 0x7f) return false; /* NaN */
+            continue;
+        }
+        const size_t bb = dt == PKV_DTYPE_Q8_0 ? sizeof(pkv_block_q8_0) : sizeof(pkv_block_q4_0);
+        for (uint32_t b = 0; b < d / 32; b++) {
+            const uint8_t *blk = p + b * bb;
+            uint16_t h;
+            memcpy(&h, blk, 2); /* the f16 scale leads each block (quant.h) */
+            if ((h & 0x7c00u) == 0x7c00u) return false; /* infinity or NaN */
+            if (dt == PKV_DTYPE_Q8_0)
+                for (int j = 0; j < 32; j++)
+                    if (blk[2 + j] == 0x80) return false; /* -128: the encoder writes -127 .. 127 */
+        }
+    }
+    return true;
+}
+
 void pkv__row_encode(pkv_dtype dt, const float *x, uint32_t d, void *dst) {
     switch (dt) {
     case PKV_DTYPE_F32: memcpy(dst, x, (size_t)d * 4); break;

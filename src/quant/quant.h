@@ -120,6 +120,11 @@ void pkv__to_f32(pkv_dtype in, const void *src, uint32_t n, float *dst);
  * infinity when stored as pool (f16: |x| >= 65520). One pass of integer max over the elements'
  * magnitude bits (pkv__max_abs_bits: AVX2 where the CPU has it). */
 bool pkv__input_fits(pkv_dtype in, const void *src, size_t n, pkv_dtype pool);
+/* Whether n_rows stored rows of dt (pkv_dtype_row_bytes(dt, d) bytes each, the pool's own
+ * format) are rows the encoder could have written, as far as attention relies on it: float
+ * elements as pkv__input_fits asks of a write into dt; q8_0 / q4_0 scales finite, q8_0 codes in
+ * -127 .. 127; fp8 scales in [0, 2^56 / 448] and no NaN code (0x7f / 0xff). */
+bool pkv__stored_fits(pkv_dtype dt, const void *rows, size_t n_rows, uint32_t d);
 /* PKV_VALUE_MAX (2^56) as f32 bits; its bf16 code is the top half (test_write_range checks
  * both against the header's value). */
 #define PKV__VALUE_MAX_BITS 0x5b800000u
