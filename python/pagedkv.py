@@ -230,6 +230,8 @@ def _load():
         "pkv_seq_slots": (_int, [_vp, _u64, _u32, _u32, _vp]),
         "pkv_seq_block_table": (_int, [_vp, _u64, _vp, _u32, _P(_u32)]),
         "pkv_seq_gather": (_int, [_vp, _u64, _u32, _u32, _u32, _vp, _vp]),
+        "pkv_seq_read_stored": (_int, [_vp, _u64, _u32, _u32, _u32, _vp, _vp]),
+        "pkv_seq_write_stored": (_int, [_vp, _u64, _u32, _u32, _u32, _vp, _vp]),
         "pkv_export_dense": (_int, [_vp, _vp, _u32, _u32, _vp, _vp]),
         "pkv_export_csr": (_int, [_vp, _vp, _u32, _vp, _vp, _u32, _vp, _P(_u32)]),
         "pkv_seq_match_prefix": (_int, [_vp, _u64, _vp, _u32, _P(_u32)]),
@@ -864,6 +866,51 @@ class Cache:
         self._check(_lib.pkv_seq_gather(self._h(), _seq_of(seq), _u32_of(layer, "layer"), start, n, _ptr(k), _ptr(v)),
                "pkv_seq_gather")
         return k, v
+
+    @_in_call
+    def read_stored(self, seq, layer, start=0, n=None):
+        """K and V of positions [start, start + n) of one layer exactly as the pool stores them
+        (pkv_seq_read_stored): uint8 arrays [n][n_kv_heads][row bytes], k in the cache's k_dtype
+        and v in its v_dtype (pagedkv.dtype_row_bytes; scales inline for the quantized dtypes).
+        write_stored takes them back, into this cache or another of the same dtypes and
+        head_dim, bit for bit: a sequence swapped out and in, or moved to another cache."""
+        start, n = self._range(seq, start, n, "read_stored")
+        lo = self._layout()
+        k = np.empty((n, self._H, lo.k_row_bytes), dtype=np.uint8)
+        v = np.empty((n, self._H, lo.v_row_bytes), dtype=np.uint8)
+        self._check(_lib.pkv_seq_read_stored(self._h(), _seq_of(seq), _u32_of(layer, "layer"), start, n, _ptr(k),
+                                             _ptr(v)), "pkv_seq_read_stored")
+        return k, v
+
+    @_in_call
+    def write_stored(self, seq, layer, start, k=None, v=None):
+        """Writes rows as read_stored gives them (pkv_seq_write_stored) to positions [start,
+        start + n) of seq: k and/or v uint8 arrays of n x n_kv_heads rows of the pool's row bytes
+        (any shape of that many bytes). All-or-nothing, with write_kv_seq's checks, and the rows
+        are checked (a scale or value not finite, past PKV_VALUE_MAX, or a code the encoder never
+        writes raises, nothing written)."""
+        lo = self._layout()
+        arrs, ns = [], []
+        for x, row, side in ((k, lo.k_row_bytes, "k"), (v, lo.v_row_bytes, "v")):
+            if x is None:
+                arrs.append(None)
+                continue
+            a = np.asarray(x)
+            if a.dtype != np.uint8:
+                raise _invalid("write_stored: %s: a uint8 array of stored rows is needed, got %s" % (side, a.dtype))
+            a = np.require(a, requirements="CA")
+            if a.size % (self._H * row):
+                raise _invalid("write_stored: %s: %d bytes, not a whole number of positions of [%d][%d]"
+                               % (side, a.size, self._H, row))
+            arrs.append(a)
+            ns.append(a.size // (self._H * row))
+        if not ns:
+            raise _invalid("write_stored: neither k nor v given")
+        if len(ns) == 2 and ns[0] != ns[1]:
+            raise _invalid("write_stored: k holds %d positions, v %d" % (ns[0], ns[1]))
+        self._check(_lib.pkv_seq_write_stored(self._h(), _seq_of(seq), _u32_of(layer, "layer"),
+                                              _u32_of(start, "start"), _u32_of(ns[0], "write_stored: rows"),
+                                              _ptr(arrs[0]), _ptr(arrs[1])), "pkv_seq_write_stored")
 
     def _seqs(self, seqs, what):
         """Sequence ids as a C-contiguous uint64 array (an integer array is checked as a whole)."""

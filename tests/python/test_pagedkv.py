@@ -795,6 +795,62 @@ class TestCache(Base):
         self.assertEqual(c.seq_info(a).n_tokens, 22)  # a refused batch changes nothing
         c.check()
 
+    def test_stored_transfer(self):
+        # a sequence moved to another cache through its stored rows: bit for bit, every dtype
+        for kd, vd in (("f32", "f32"), ("f16", "bf16"), ("q8_0", "q4_0"), ("fp8_e4m3", "f16"), ("q4_0", "q8_0")):
+            with self.subTest(k=kd, v=vd), \
+                    pkv.Cache(n_layers=2, n_kv_heads=2, head_dim=32, block_tokens=4, n_blocks=8, k_dtype=kd,
+                              v_dtype=vd, n_threads=1) as a, \
+                    pkv.Cache(n_layers=2, n_kv_heads=2, head_dim=32, block_tokens=4, n_blocks=16, k_dtype=kd,
+                              v_dtype=vd, n_threads=1) as b:
+                sa, sb, filler = a.seq_create(), b.seq_create(), b.seq_create()
+                a.append(sa, range(10))
+                for i in range(3):  # sb's blocks between filler's
+                    b.append(sb, range(4 * i, min(4 * i + 4, 10)))
+                    b.append(filler, range(100, 104))
+                for layer in range(2):
+                    a.write_kv_seq(sa, layer, 0, self.rng.standard_normal((10, 2, 32)).astype(np.float32),
+                                   self.rng.standard_normal((10, 2, 32)).astype(np.float32))
+                    k, v = a.read_stored(sa, layer)
+                    self.assertEqual(k.shape, (10, 2, pkv.dtype_row_bytes(kd, 32)))
+                    self.assertEqual(v.shape, (10, 2, pkv.dtype_row_bytes(vd, 32)))
+                    b.write_stored(sb, layer, 0, k=k[:6])
+                    b.write_stored(sb, layer, 0, v=v[:6].reshape(-1))  # any shape of whole rows
+                    b.write_stored(sb, layer, 6, k[6:], v[6:])
+                    kb, vb = b.read_stored(sb, layer)
+                    np.testing.assert_array_equal(kb, k)
+                    np.testing.assert_array_equal(vb, v)
+                    for got, want in zip(b.gather(sb, layer), a.gather(sa, layer)):
+                        np.testing.assert_array_equal(got, want)
+                    kr, vr = b.read_stored(sb, layer, 3, 2)
+                    np.testing.assert_array_equal(kr, k[3:5])
+                q = self.rng.standard_normal((1, 2, 32)).astype(np.float32)
+                np.testing.assert_allclose(b.decode(1, [sb], q), a.decode(1, [sa], q), rtol=1e-6, atol=1e-6)
+                b.commit(sb, 8)
+                before = b.read_stored(sb, 0)
+                bad_k = k[:1].copy()
+                if kd == "f32":
+                    bad_k.reshape(-1).view(np.float32)[3] = np.nan
+                elif kd == "q8_0":
+                    bad_k[0, 1, 7] = 0x80  # code -128
+                elif kd == "fp8_e4m3":
+                    bad_k[0, 0, 4 + 2] = 0xff  # a NaN code
+                else:  # q4_0: its first scale f16 infinity
+                    bad_k[0, 0, 0:2] = (0x00, 0x7c)
+                for bad in (lambda: b.write_stored(sb, 0, 9, k=bad_k),  # a spoiled row
+                            lambda: b.write_stored(sb, 0, 7, k[:2]),  # position 7 committed
+                            lambda: b.write_stored(sb, 0, 9, k[:2]),  # past the length 10
+                            lambda: b.write_stored(sb, 2, 9, k[:1]),  # layer 2 of 2
+                            lambda: b.write_stored(sb, 0, 9),  # neither
+                            lambda: b.write_stored(sb, 0, 9, k[:1], v[:2]),  # positions differ
+                            lambda: b.write_stored(sb, 0, 9, k[:1].reshape(-1)[:-1]),  # not whole rows
+                            lambda: b.write_stored(sb, 0, 9, k[:1].astype(np.int8))):  # not uint8
+                    with self.assertRaises(pkv.InvalidArgumentError):
+                        bad()
+                for got, want in zip(b.read_stored(sb, 0), before):
+                    np.testing.assert_array_equal(got, want)
+                b.check()
+
     def test_write_kv_seq(self):
         # by position == by slot, for each input form; refusals change nothing; stale slots
         for dt in ("f32", "f16", "bf16"):
