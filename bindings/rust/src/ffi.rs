@@ -208,6 +208,24 @@ extern "C" {
         k_out: *mut f32,
         v_out: *mut f32,
     ) -> c_int;
+    pub fn pkv_seq_read_stored(
+        c: *mut pkv_cache,
+        s: pkv_seq,
+        layer: u32,
+        start: u32,
+        n: u32,
+        k_out: *mut c_void,
+        v_out: *mut c_void,
+    ) -> c_int;
+    pub fn pkv_seq_write_stored(
+        c: *mut pkv_cache,
+        s: pkv_seq,
+        layer: u32,
+        start: u32,
+        n: u32,
+        k: *const c_void,
+        v: *const c_void,
+    ) -> c_int;
     pub fn pkv_export_dense(
         c: *mut pkv_cache,
         seqs: *const pkv_seq,

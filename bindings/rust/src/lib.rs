@@ -887,6 +887,76 @@ impl Cache {
         )
     }
 
+    /// Bytes of one position's stored rows, K and V: n_kv_heads rows of the pool's row bytes
+    /// ([`Dtype::row_bytes`] of k_dtype and v_dtype).
+    fn stored_bytes(&self) -> (usize, usize) {
+        let (d, h) = (self.cfg.head_dim, self.cfg.n_kv_heads as usize);
+        (h * self.cfg.k_dtype.row_bytes(d), h * self.cfg.v_dtype.row_bytes(d))
+    }
+
+    /// K and V of positions [start, start + n) of one layer exactly as the pool stores them
+    /// (pkv_seq_read_stored): `[n][n_kv_heads][row bytes]`, K in the cache's k_dtype and V in its
+    /// v_dtype ([`Dtype::row_bytes`]; scales inline for the quantized dtypes).
+    /// [`Cache::write_stored`] takes them back, into this cache or another of the same dtypes
+    /// and head_dim, bit for bit: a sequence swapped out and in, or moved to another cache.
+    pub fn read_stored(&self, s: Seq, layer: u32, start: u32, n: u32) -> Result<(Vec<u8>, Vec<u8>)> {
+        self.in_seq(s, start, n, "pkv_seq_read_stored")?;
+        let (kb, vb) = self.stored_bytes();
+        let (mut k, mut v) = (vec![0u8; n as usize * kb], vec![0u8; n as usize * vb]);
+        let rc = unsafe {
+            ffi::pkv_seq_read_stored(
+                self.p(),
+                s.0,
+                layer,
+                start,
+                n,
+                k.as_mut_ptr() as *mut c_void,
+                v.as_mut_ptr() as *mut c_void,
+            )
+        };
+        check(rc, "pkv_seq_read_stored")?;
+        Ok((k, v))
+    }
+
+    /// Writes rows as [`Cache::read_stored`] gives them to positions [start, start + n) of `s`
+    /// (pkv_seq_write_stored), n the positions `k` or `v` holds (both the same). All-or-nothing,
+    /// with [`Cache::write_kv_seq`]'s checks; the rows are checked too (a scale or value not
+    /// finite, past PKV_VALUE_MAX, or a code the encoder never writes is an error, nothing
+    /// written).
+    pub fn write_stored(&mut self, s: Seq, layer: u32, start: u32, k: Option<&[u8]>, v: Option<&[u8]>) -> Result<()> {
+        let (kb, vb) = self.stored_bytes();
+        let mut n = None;
+        for (x, per, side) in [(&k, kb, "k"), (&v, vb, "v")] {
+            if let Some(x) = x {
+                if per == 0 || x.len() % per != 0 {
+                    return Err(invalid(format!(
+                        "write_stored: {}: {} bytes, not whole positions of {}",
+                        side,
+                        x.len(),
+                        per
+                    )));
+                }
+                let m = x.len() / per;
+                if n.map_or(false, |n0| n0 != m) {
+                    return Err(invalid(format!(
+                        "write_stored: k holds {} positions, v {}",
+                        n.unwrap_or(0),
+                        m
+                    )));
+                }
+                n = Some(m);
+            }
+        }
+        let n = n.ok_or_else(|| invalid("write_stored: neither k nor v given".into()))?;
+        let n = len_u32(n, "write_stored: positions")?;
+        let kp = k.map_or(ptr::null(), |x| x.as_ptr() as *const c_void);
+        let vp = v.map_or(ptr::null(), |x| x.as_ptr() as *const c_void);
+        check(
+            unsafe { ffi::pkv_seq_write_stored(self.p(), s.0, layer, start, n, kp, vp) },
+            "pkv_seq_write_stored",
+        )
+    }
+
     fn seq_ptr(seqs: &[Seq]) -> *const u64 {
         seqs.as_ptr() as *const u64 // Seq is repr(transparent) over u64
     }

@@ -1239,3 +1239,71 @@ fn write_kv_seq_by_position() {
     assert_eq!(e.kind(), ErrorKind::NotFound);
     c.check().unwrap();
 }
+
+#[test]
+fn stored_rows_move_a_sequence() {
+    // a sequence moved to another cache through its stored rows: bit for bit, mixed dtypes
+    let pairs = [
+        (Dtype::F32, Dtype::F16),
+        (Dtype::Bf16, Dtype::Q8_0),
+        (Dtype::Q4_0, Dtype::Fp8E4m3),
+    ];
+    let mut rng = Rng(91);
+    for (kd, vd) in pairs {
+        let conf = |n_blocks| Config {
+            block_tokens: 4,
+            n_layers: 2,
+            v_dtype: vd,
+            ..cfg(2, 32, n_blocks, kd)
+        };
+        let mut a = Cache::new(&conf(8)).unwrap();
+        let mut b = Cache::new(&conf(16)).unwrap();
+        let sa = a.seq_create(b"").unwrap();
+        let (sb, filler) = (b.seq_create(b"").unwrap(), b.seq_create(b"").unwrap());
+        let toks: Vec<i32> = (0..10).collect();
+        a.append(sa, &toks).unwrap();
+        for i in 0..3 {
+            b.append(sb, &toks[4 * i..(4 * i + 4).min(10)]).unwrap();
+            b.append(filler, &toks[..4]).unwrap();
+        }
+        let row = 2 * 32;
+        let (kb, vb) = (2 * kd.row_bytes(32), 2 * vd.row_bytes(32));
+        for layer in 0..2 {
+            let (k, v) = (rng.vec(10 * row), rng.vec(10 * row));
+            a.write_kv_seq(sa, layer, 0, Some(KvData::F32(&k)), Some(KvData::F32(&v)))
+                .unwrap();
+            let (ks, vs) = a.read_stored(sa, layer, 0, 10).unwrap();
+            assert_eq!((ks.len(), vs.len()), (10 * kb, 10 * vb));
+            b.write_stored(sb, layer, 0, Some(&ks[..6 * kb]), None).unwrap();
+            b.write_stored(sb, layer, 0, None, Some(&vs[..6 * vb])).unwrap();
+            b.write_stored(sb, layer, 6, Some(&ks[6 * kb..]), Some(&vs[6 * vb..]))
+                .unwrap();
+            assert_eq!(b.read_stored(sb, layer, 0, 10).unwrap(), (ks.clone(), vs.clone()));
+            assert_eq!(b.gather(sb, layer, 0, 10).unwrap(), a.gather(sa, layer, 0, 10).unwrap());
+            assert_eq!(b.read_stored(sb, layer, 3, 2).unwrap().0, ks[3 * kb..5 * kb].to_vec());
+        }
+        b.commit(sb, 8).unwrap();
+        let before = b.read_stored(sb, 0, 0, 10).unwrap();
+        let (ks, vs) = before.clone();
+        let mut spoiled = ks[..kb].to_vec();
+        match kd {
+            Dtype::F32 => spoiled[4 * 3..4 * 4].copy_from_slice(&f32::NAN.to_ne_bytes()),
+            Dtype::Bf16 => spoiled[2 * 5..2 * 6].copy_from_slice(&0x7fc0u16.to_ne_bytes()),
+            _ => spoiled[..2].copy_from_slice(&0x7c00u16.to_ne_bytes()), // q4_0: an infinite scale
+        }
+        let cases: Vec<(Result<()>, i32)> = vec![
+            (b.write_stored(sb, 0, 9, Some(&spoiled), None), EINVAL),
+            (b.write_stored(sb, 0, 7, Some(&ks[..2 * kb]), None), EINVAL), // position 7 committed
+            (b.write_stored(sb, 0, 9, Some(&ks[..2 * kb]), None), EINVAL), // past the length
+            (b.write_stored(sb, 2, 9, Some(&ks[..kb]), None), EINVAL),     // layer 2 of 2
+            (b.write_stored(sb, 0, 9, None, None), EINVAL),
+            (b.write_stored(sb, 0, 9, Some(&ks[..kb - 1]), None), EINVAL), // not whole positions
+            (b.write_stored(sb, 0, 9, Some(&ks[..kb]), Some(&vs[..2 * vb])), EINVAL),
+        ];
+        for (i, (r, want)) in cases.into_iter().enumerate() {
+            assert_eq!(r.unwrap_err().code(), want, "{:?}/{:?} case {}", kd, vd, i);
+        }
+        assert_eq!(before, b.read_stored(sb, 0, 0, 10).unwrap());
+        b.check().unwrap();
+    }
+}
