@@ -1137,6 +1137,75 @@ func (c *Cache) GatherInto(s Seq, layer, start uint32, k, v []float32) error {
 	}, s)
 }
 
+// storedBytes is the bytes of one position's stored rows, K and V: n_kv_heads rows of the
+// pool's row bytes (RowBytes of KDtype and VDtype).
+func (c *Cache) storedBytes() (int, int) {
+	h := int(c.cfg.NKVHeads)
+	return h * c.cfg.KDtype.RowBytes(c.cfg.HeadDim), h * c.cfg.VDtype.RowBytes(c.cfg.HeadDim)
+}
+
+// ReadStored returns K and V of positions [start, start+n) of one layer exactly as the pool
+// stores them (pkv_seq_read_stored): [n][n_kv_heads][row bytes], K in the cache's KDtype and V
+// in its VDtype (RowBytes; scales inline for the quantized dtypes). WriteStored takes them
+// back, into this cache or another of the same dtypes and head_dim, bit for bit: a sequence
+// swapped out and in, or moved to another cache. It reads as Gather does.
+func (c *Cache) ReadStored(s Seq, layer, start, n uint32) ([]byte, []byte, error) {
+	p, g, err := c.enter(readKV, s)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer g.exit()
+	if err := inSeq(p, s, start, n, "pkv_seq_read_stored"); err != nil {
+		return nil, nil, err
+	}
+	kb, vb := c.storedBytes()
+	k, v := make([]byte, int(n)*kb), make([]byte, int(n)*vb)
+	rc := C.pkv_seq_read_stored(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), C.uint32_t(n), slicePtr(k),
+		slicePtr(v))
+	if err := check(rc, "pkv_seq_read_stored"); err != nil {
+		return nil, nil, err
+	}
+	return k, v, nil
+}
+
+// WriteStored writes rows as ReadStored gives them (nil: not written) to positions
+// [start, start+n) of s (pkv_seq_write_stored), n the positions k or v holds (both the same).
+// All-or-nothing, with WriteKVSeq's checks and locks; the rows are checked too (a scale or value
+// not finite, past PKV_VALUE_MAX, or a code the encoder never writes is an error, nothing
+// written).
+func (c *Cache) WriteStored(s Seq, layer, start uint32, k, v []byte) error {
+	if k == nil && v == nil {
+		return invalid("WriteStored: neither k nor v given")
+	}
+	kb, vb := c.storedBytes()
+	n := -1
+	for _, x := range []struct {
+		b    []byte
+		per  int
+		side string
+	}{{k, kb, "k"}, {v, vb, "v"}} {
+		if x.b == nil {
+			continue
+		}
+		if x.per == 0 || len(x.b)%x.per != 0 {
+			return invalid("WriteStored: %s: %d bytes, not whole positions of %d", x.side, len(x.b), x.per)
+		}
+		if m := len(x.b) / x.per; n >= 0 && m != n {
+			return invalid("WriteStored: k holds %d positions, v %d", n, m)
+		} else {
+			n = m
+		}
+	}
+	nn, err := u32(n, "WriteStored: positions")
+	if err != nil {
+		return err
+	}
+	kp, vp := slicePtr(k), slicePtr(v)
+	return c.op("pkv_seq_write_stored", access{write: true, kv: useShared}, func(p *C.pkv_cache) C.int {
+		return C.pkv_seq_write_stored(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), nn, kp, vp)
+	}, s)
+}
+
 // ExportDense is vLLM's dense block tables: [len(seqs)][maxBlocks] (unused -1), and seq_lens.
 // EINVAL where maxBlocks is over the cache's MaxBlocksPerSeq (no table is longer: the rest would
 // be padding), checked before the tables are allocated.

@@ -1713,3 +1713,97 @@ func TestBatchAppend(t *testing.T) {
 	}
 	must(t, c.Check())
 }
+
+func TestStoredRows(t *testing.T) {
+	// a sequence moved to another cache through its stored rows: bit for bit, mixed dtypes
+	for _, dt := range [][2]Dtype{{F32, BF16}, {Q8_0, F16}, {FP8E4M3, Q4_0}} {
+		mk := func(nBlocks uint32) *Cache {
+			cfg := DefaultConfig()
+			cfg.NLayers, cfg.NKVHeads, cfg.HeadDim, cfg.BlockTokens, cfg.NBlocks, cfg.NThreads = 2, 2, 32, 4, nBlocks, 1
+			cfg.KDtype, cfg.VDtype = dt[0], dt[1]
+			c, err := NewCache(cfg)
+			must(t, err)
+			return c
+		}
+		a, b := mk(8), mk(16)
+		sa, err := a.SeqCreate(nil)
+		must(t, err)
+		sb, err := b.SeqCreate(nil)
+		must(t, err)
+		filler, err := b.SeqCreate(nil)
+		must(t, err)
+		toks := []int32{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}
+		_, err = a.Append(sa, toks)
+		must(t, err)
+		for i := 0; i < 3; i++ {
+			end := 4*i + 4
+			if end > 10 {
+				end = 10
+			}
+			_, err = b.Append(sb, toks[4*i:end])
+			must(t, err)
+			_, err = b.Append(filler, toks[:4])
+			must(t, err)
+		}
+		r := rng(33)
+		const row = 2 * 32
+		kb, vb := 2*dt[0].RowBytes(32), 2*dt[1].RowBytes(32)
+		var ks, vs []byte
+		for layer := uint32(0); layer < 2; layer++ {
+			must(t, a.WriteKVSeq(sa, layer, 0, r.vec(10*row), r.vec(10*row)))
+			ks, vs, err = a.ReadStored(sa, layer, 0, 10)
+			must(t, err)
+			if len(ks) != 10*kb || len(vs) != 10*vb {
+				t.Fatalf("%v: %d and %d bytes", dt, len(ks), len(vs))
+			}
+			must(t, b.WriteStored(sb, layer, 0, ks[:6*kb], nil))
+			must(t, b.WriteStored(sb, layer, 0, nil, vs[:6*vb]))
+			must(t, b.WriteStored(sb, layer, 6, ks[6*kb:], vs[6*vb:]))
+			k2, v2, err := b.ReadStored(sb, layer, 0, 10)
+			must(t, err)
+			if !reflect.DeepEqual(k2, ks) || !reflect.DeepEqual(v2, vs) {
+				t.Fatalf("%v layer %d: stored rows differ after the move", dt, layer)
+			}
+			ga, gva, err := a.Gather(sa, layer, 0, 10)
+			must(t, err)
+			gb, gvb, err := b.Gather(sb, layer, 0, 10)
+			must(t, err)
+			if !reflect.DeepEqual(ga, gb) || !reflect.DeepEqual(gva, gvb) {
+				t.Fatalf("%v layer %d: gathers differ", dt, layer)
+			}
+		}
+		must(t, b.Commit(sb, 8))
+		bk, bv, err := b.ReadStored(sb, 0, 0, 10)
+		must(t, err)
+		spoiled := append([]byte(nil), ks[:kb]...)
+		switch dt[0] {
+		case F32:
+			copy(spoiled[12:16], []byte{0, 0, 0xc0, 0x7f}) // NaN (little-endian)
+		case Q8_0:
+			spoiled[2+5] = 0x80 // code -128
+		default:
+			spoiled[4+3] = 0xff // fp8: a NaN code
+		}
+		for i, err := range []error{
+			b.WriteStored(sb, 0, 9, spoiled, nil),
+			b.WriteStored(sb, 0, 7, ks[:2*kb], nil), // position 7 committed
+			b.WriteStored(sb, 0, 9, ks[:2*kb], nil), // past the length
+			b.WriteStored(sb, 2, 9, ks[:kb], nil),   // layer 2 of 2
+			b.WriteStored(sb, 0, 9, nil, nil),
+			b.WriteStored(sb, 0, 9, ks[:kb-1], nil), // not whole positions
+			b.WriteStored(sb, 0, 9, ks[:kb], vs[:2*vb]),
+		} {
+			if !errors.Is(err, ErrInvalid) {
+				t.Errorf("%v case %d: %v, want ErrInvalid", dt, i, err)
+			}
+		}
+		ak, av, err := b.ReadStored(sb, 0, 0, 10)
+		must(t, err)
+		if !reflect.DeepEqual(ak, bk) || !reflect.DeepEqual(av, bv) {
+			t.Fatalf("%v: a refused write changed the rows", dt)
+		}
+		must(t, b.Check())
+		a.Close()
+		b.Close()
+	}
+}
