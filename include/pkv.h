@@ -468,9 +468,10 @@ PKV_NODISCARD PKV_API int pkv_seq_gather(pkv_cache *c, pkv_seq s, uint32_t layer
  * the same checks and threading rules: every position's block held by s alone, not in the prefix
  * index, the position not committed, all before a byte is written. The rows are checked too,
  * since attention trusts the pool: an f32, f16 or bf16 element that is not finite or is past
- * PKV_VALUE_MAX, a q8_0 or q4_0 scale that is not finite, a q8_0 code of -128, an fp8 scale that
- * is negative, not finite or past PKV_VALUE_MAX / 448, or an fp8 NaN code (0x7f, 0xff) is
- * PKV_EINVAL, nothing written. Rows read from any cache of the same dtypes and head_dim pass.
+ * PKV_VALUE_MAX, a q8_0 or q4_0 scale that is not finite, a q8_0 code of -128, an fp8 scale
+ * outside [0, PKV_VALUE_MAX / 448] or NaN, or an fp8 NaN code (0x7f, 0xff) is PKV_EINVAL,
+ * nothing written. Rows read from any cache of the same dtypes and head_dim pass, as long as
+ * that cache's rows went in through the API (not written through pkv_cache_layout).
  * A read then a write is bit-exact for every dtype (pkv_seq_gather then pkv_seq_write_kv is for
  * f32, f16 and bf16, not for the quantized dtypes). */
 PKV_NODISCARD PKV_API int pkv_seq_read_stored(pkv_cache *c, pkv_seq s, uint32_t layer, uint32_t start, uint32_t n,

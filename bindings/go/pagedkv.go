@@ -1159,7 +1159,15 @@ func (c *Cache) ReadStored(s Seq, layer, start, n uint32) ([]byte, []byte, error
 		return nil, nil, err
 	}
 	kb, vb := c.storedBytes()
-	k, v := make([]byte, int(n)*kb), make([]byte, int(n)*vb)
+	kn, err := mulLen(int(n), kb, "ReadStored: k")
+	if err != nil {
+		return nil, nil, err
+	}
+	vn, err := mulLen(int(n), vb, "ReadStored: v")
+	if err != nil {
+		return nil, nil, err
+	}
+	k, v := make([]byte, kn), make([]byte, vn)
 	rc := C.pkv_seq_read_stored(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), C.uint32_t(n), slicePtr(k),
 		slicePtr(v))
 	if err := check(rc, "pkv_seq_read_stored"); err != nil {
@@ -1174,6 +1182,9 @@ func (c *Cache) ReadStored(s Seq, layer, start, n uint32) ([]byte, []byte, error
 // not finite, past PKV_VALUE_MAX, or a code the encoder never writes is an error, nothing
 // written).
 func (c *Cache) WriteStored(s Seq, layer, start uint32, k, v []byte) error {
+	if c == nil {
+		return errClosed
+	}
 	if k == nil && v == nil {
 		return invalid("WriteStored: neither k nor v given")
 	}

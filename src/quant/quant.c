@@ -76,7 +76,8 @@ bool pkv__stored_fits(pkv_dtype dt, const void *rows, size_t n_rows, uint32_t d)
         if (dt == PKV_DTYPE_FP8_E4M3) {
             float s;
             memcpy(&s, p, 4);
-            /* what the encoder writes: a positive scale, and s * 448 within PKV_VALUE_MAX */
+            /* the encoder writes a positive scale, at most (2^56) / 448 (amax / 448 for amax within
+               PKV_VALUE_MAX); 0 is a row never written (the pool starts zeroed) */
             if (!(s >= 0.0f && s <= 0x1p56f / 448.0f)) return false;
             for (uint32_t j = 0; j < d; j++)
                 if ((p[PKV_FP8_ROW_HEADER + j] & 0x7f) == 0x7f) return false; /* NaN */

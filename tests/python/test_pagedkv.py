@@ -835,7 +835,7 @@ class TestCache(Base):
                     bad_k[0, 1, 7] = 0x80  # code -128
                 elif kd == "fp8_e4m3":
                     bad_k[0, 0, 4 + 2] = 0xff  # a NaN code
-                else:  # q4_0: its first scale f16 infinity
+                else:  # f16 K: its first element infinity; q4_0 K: its first scale
                     bad_k[0, 0, 0:2] = (0x00, 0x7c)
                 for bad in (lambda: b.write_stored(sb, 0, 9, k=bad_k),  # a spoiled row
                             lambda: b.write_stored(sb, 0, 7, k[:2]),  # position 7 committed

@@ -902,7 +902,12 @@ impl Cache {
     pub fn read_stored(&self, s: Seq, layer: u32, start: u32, n: u32) -> Result<(Vec<u8>, Vec<u8>)> {
         self.in_seq(s, start, n, "pkv_seq_read_stored")?;
         let (kb, vb) = self.stored_bytes();
-        let (mut k, mut v) = (vec![0u8; n as usize * kb], vec![0u8; n as usize * vb]);
+        let len = |per: usize| {
+            (n as usize)
+                .checked_mul(per)
+                .ok_or_else(|| invalid(format!("read_stored: {} positions of {} bytes is past usize", n, per)))
+        };
+        let (mut k, mut v) = (vec![0u8; len(kb)?], vec![0u8; len(vb)?]);
         let rc = unsafe {
             ffi::pkv_seq_read_stored(
                 self.p(),
