@@ -270,6 +270,12 @@ PM_NOCOV static inline int pm_write(pm_world *w, pm_seq *q, uint32_t start, uint
                                 : pkv_write_kv(w->c, l, slots, n, w->kbuf, w->vbuf, PKV_DTYPE_F32);
         PM_EXPECT(w, rc == 0, "%s layer %u of %u fresh positions [%u,%u): %s",
                   w->n_steps % 2 ? "seq_write_kv" : "write_kv", l, n, start, start + n, pkv_strerror(rc));
+        if (w->n_steps % 4 == 3) { /* and the rows as stored, out and back in (bit for bit: pm_verify) */
+            rc = pkv_seq_read_stored(w->c, q->id, l, start, n, w->kbuf, w->vbuf);
+            if (!rc) rc = pkv_seq_write_stored(w->c, q->id, l, start, n, w->kbuf, w->vbuf);
+            PM_EXPECT(w, rc == 0, "stored rows of layer %u, positions [%u,%u): %s", l, start, start + n,
+                      pkv_strerror(rc));
+        }
     }
     return 0;
 }
