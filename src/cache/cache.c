@@ -1431,11 +1431,16 @@ static int seq_read(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, ui
     if (!rc && (uint64_t)start + n > s->n_tokens)
         rc = pkv__say(c, PKV_EINVAL, api, "positions [%u, %llu) past the sequence's length %u", start,
                       (unsigned long long)start + n, s->n_tokens);
-    if (!rc) {
+    /* Copied outside the lock, as attention reads: the table is the sequence's own row of
+     * c->tables, and no call that changes it or its blocks may overlap this one (pkv.h,
+     * "Threads"), so a long read does not hold up other sequences' metadata calls. */
+    const int32_t *table = rc ? NULL : s->table;
+    UNLOCK(c);
+    if (table) {
         const uint32_t B = c->B, d = c->head_dim;
         const uint8_t *kl = c->kv + layer * c->layer_stride, *vl = kl + c->v_off;
         for (uint32_t j = 0; j < n; j++) {
-            uint32_t p = start + j, b = (uint32_t)s->table[p / B], off = p % B;
+            uint32_t p = start + j, b = (uint32_t)table[p / B], off = p % B;
             for (uint32_t h = 0; h < c->n_kv; h++) {
                 const size_t o = (size_t)j * c->n_kv + h;
                 const uint8_t *kr = kl + b * c->k_blk + ((size_t)h * B + off) * c->k_row;
@@ -1450,7 +1455,6 @@ static int seq_read(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, ui
             }
         }
     }
-    UNLOCK(c);
     return rc;
 }
 
