@@ -78,7 +78,8 @@ bool pkv__stored_fits(pkv_dtype dt, const void *rows, size_t n_rows, uint32_t d)
             memcpy(&s, p, 4);
             /* the encoder writes a positive scale, at most (2^56) / 448 (amax / 448 for amax within
                PKV_VALUE_MAX); 0 is a row never written (the pool starts zeroed) */
-            if (!(s >= 0.0f && s <= 0x1p56f / 448.0f)) return false;
+            static const float s_max = 0x1p56f / 448.0f; /* a float: x87 would compare in long double */
+            if (!(s >= 0.0f && s <= s_max)) return false;
             for (uint32_t j = 0; j < d; j++)
                 if ((p[PKV_FP8_ROW_HEADER + j] & 0x7f) == 0x7f) return false; /* NaN */
             continue;
