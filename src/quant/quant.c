@@ -90,9 +90,13 @@ bool pkv__stored_fits(pkv_dtype dt, const void *rows, size_t n_rows, uint32_t d)
             uint16_t h;
             memcpy(&h, blk, 2); /* the f16 scale leads each block (quant.h) */
             if ((h & 0x7c00u) == 0x7c00u) return false; /* infinity or NaN */
-            if (dt == PKV_DTYPE_Q8_0)
-                for (int j = 0; j < 32; j++)
-                    if (blk[2 + j] == 0x80) return false; /* -128: the encoder writes -127 .. 127 */
+            if (dt == PKV_DTYPE_Q8_0) /* a code -128 (0x80): the encoder writes -127 .. 127 */
+                for (int j = 0; j < 32; j += 8) {
+                    uint64_t w;
+                    memcpy(&w, blk + 2 + j, 8);
+                    w ^= 0x8080808080808080ull; /* a byte 0x80 becomes 0: the zero-byte test */
+                    if ((w - 0x0101010101010101ull) & ~w & 0x8080808080808080ull) return false;
+                }
         }
     }
     return true;
