@@ -660,6 +660,26 @@ static void test_stored_rows(void **state) {
         assert_int_equal((int8_t)k[2 + 31], 127);
         pkv_cache_destroy(c);
     }
+    /* fp8 at head_dim 13: the NaN check's tail (codes past the last eight) */
+    {
+        enum { D13 = 13 };
+        pkv_config cfg = tu_config(4, 4, 1, 1, D13, PKV_DTYPE_FP8_E4M3);
+        pkv_cache *c = tu_create(&cfg);
+        pkv_seq s = tu_seq(c);
+        tu_append(c, s, 1, 0, NULL);
+        TU_OK(pkv_seq_write_kv(c, s, 0, 0, 1, x, x, PKV_DTYPE_F32));
+        uint8_t k[4 + D13], k0[4 + D13];
+        TU_OK(pkv_seq_read_stored(c, s, 0, 0, 1, k0, NULL));
+        for (int j = 0; j < D13; j++) {
+            memcpy(k, k0, sizeof k);
+            k[4 + j] = j % 2 ? 0x7f : 0xff;
+            TU_RC(pkv_seq_write_stored(c, s, 0, 0, 1, k, NULL), PKV_EINVAL);
+            k[4 + j] = 0x7e; /* 448 */
+            TU_OK(pkv_seq_write_stored(c, s, 0, 0, 1, k, NULL));
+        }
+        TU_CHECK(c);
+        pkv_cache_destroy(c);
+    }
     typedef struct {
         pkv_dtype dt;
         int spoil; /* what to spoil in the row (below) */

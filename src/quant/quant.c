@@ -80,8 +80,16 @@ bool pkv__stored_fits(pkv_dtype dt, const void *rows, size_t n_rows, uint32_t d)
                PKV_VALUE_MAX); 0 is a row never written (the pool starts zeroed) */
             static const float s_max = 0x1p56f / 448.0f; /* a float: x87 would compare in long double */
             if (!(s >= 0.0f && s <= s_max)) return false;
-            for (uint32_t j = 0; j < d; j++)
-                if ((p[PKV_FP8_ROW_HEADER + j] & 0x7f) == 0x7f) return false; /* NaN */
+            const uint8_t *e = p + PKV_FP8_ROW_HEADER; /* no NaN code, 0x7f or 0xff */
+            uint32_t j = 0;
+            for (; j + 8 <= d; j += 8) { /* eight at a time: a byte of (code & 0x7f) ^ 0x7f is 0 */
+                uint64_t w;
+                memcpy(&w, e + j, 8);
+                w = (w & 0x7f7f7f7f7f7f7f7full) ^ 0x7f7f7f7f7f7f7f7full;
+                if ((w - 0x0101010101010101ull) & ~w & 0x8080808080808080ull) return false;
+            }
+            for (; j < d; j++)
+                if ((e[j] & 0x7f) == 0x7f) return false;
             continue;
         }
         const size_t bb = dt == PKV_DTYPE_Q8_0 ? sizeof(pkv_block_q8_0) : sizeof(pkv_block_q4_0);
