@@ -680,6 +680,25 @@ static void test_stored_rows(void **state) {
         TU_CHECK(c);
         pkv_cache_destroy(c);
     }
+    /* q8_0: a code -128 at every position of a block */
+    {
+        pkv_config cfg = tu_config(4, 4, 1, 1, D, PKV_DTYPE_Q8_0);
+        pkv_cache *c = tu_create(&cfg);
+        pkv_seq s = tu_seq(c);
+        tu_append(c, s, 1, 0, NULL);
+        TU_OK(pkv_seq_write_kv(c, s, 0, 0, 1, x, x, PKV_DTYPE_F32));
+        uint8_t k[34], k0[34];
+        TU_OK(pkv_seq_read_stored(c, s, 0, 0, 1, k0, NULL));
+        for (int j = 0; j < 32; j++) {
+            memcpy(k, k0, sizeof k);
+            k[2 + j] = 0x80;
+            TU_RC(pkv_seq_write_stored(c, s, 0, 0, 1, NULL, k), PKV_EINVAL);
+            k[2 + j] = 0x81; /* -127 */
+            TU_OK(pkv_seq_write_stored(c, s, 0, 0, 1, NULL, k));
+        }
+        TU_CHECK(c);
+        pkv_cache_destroy(c);
+    }
     typedef struct {
         pkv_dtype dt;
         int spoil; /* what to spoil in the row (below) */
