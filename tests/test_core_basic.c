@@ -599,7 +599,14 @@ static void run_stored_transfer(pkv_dtype kd, pkv_dtype vd, uint64_t seed) {
     for (uint32_t l = 0; l < NLY; l++) {
         TU_OK(pkv_attn_decode(a, l, &sa, 1, q, oa, &ap));
         TU_OK(pkv_attn_decode(b, l, &sb, 1, q, ob, &ap));
-        for (int i = 0; i < QH * D; i++) assert_float_equal(oa[i], ob[i], 1e-6 * (1.0 + fabs(oa[i])));
+        /* the same K/V; with other blocks the kernels' softmax steps and sums differ: f32 rounding,
+           held to the attention oracle's f32 bound, 1e-5 of the output's scale */
+        double scale = 0.0, worst = 0.0;
+        for (int i = 0; i < QH * D; i++) scale = fmax(scale, fabs(oa[i]));
+        for (int i = 0; i < QH * D; i++) worst = fmax(worst, fabs((double)oa[i] - ob[i]));
+        if (worst > 1e-5 * scale)
+            fail_msg("k %s v %s layer %u: decode differs by %g, output scale %g", pkv_dtype_name(kd),
+                     pkv_dtype_name(vd), l, worst, scale);
     }
     TU_CHECK(a);
     TU_CHECK(b);
