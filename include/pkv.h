@@ -458,22 +458,22 @@ PKV_NODISCARD PKV_API int pkv_seq_gather(pkv_cache *c, pkv_seq s, uint32_t layer
 
 /* K/V exactly as the pool stores them, for moving a sequence's K/V without loss: swapping it
  * out of the pool and back (preemption without recompute), or into another cache of the same
- * shape and dtypes (a prefill instance handing a sequence to a decode instance). Rows are
- * [n][n_kv_heads] of pkv_dtype_row_bytes(dtype, head_dim) bytes each, k in the cache's k_dtype
- * and v in its v_dtype, scales inline as in the pool (q8_0 / q4_0: f16 scale and codes per 32
- * values; fp8: f32 scale and head_dim codes); for f32, f16 and bf16 that is the element type.
- * pkv_seq_read_stored copies positions [start, start + n) of one layer out (either buffer may
- * be NULL), as pkv_seq_gather does without decoding; it reads like pkv_seq_gather (Threads,
- * above). pkv_seq_write_stored writes such rows back, as pkv_seq_write_kv writes values, with
- * the same checks and threading rules: every position's block held by s alone, not in the prefix
- * index, the position not committed, all before a byte is written. The rows are checked too,
- * since attention trusts the pool: an f32, f16 or bf16 element that is not finite or is past
- * PKV_VALUE_MAX, a q8_0 or q4_0 scale that is not finite, a q8_0 code of -128, an fp8 scale
- * outside [0, PKV_VALUE_MAX / 448] or NaN, or an fp8 NaN code (0x7f, 0xff) is PKV_EINVAL,
- * nothing written. Rows read from any cache of the same dtypes and head_dim pass, as long as
- * that cache's rows went in through the API (not written through pkv_cache_layout).
- * A read then a write is bit-exact for every dtype (pkv_seq_gather then pkv_seq_write_kv is for
- * f32, f16 and bf16, not for the quantized dtypes). */
+ * dtypes, head_dim and n_kv_heads, whatever its block size (a prefill instance handing a
+ * sequence to a decode instance). Rows are [n][n_kv_heads] of pkv_dtype_row_bytes(dtype,
+ * head_dim) bytes each, k in the cache's k_dtype and v in its v_dtype, scales inline as in the
+ * pool (q8_0 / q4_0: f16 scale and codes per 32 values; fp8: f32 scale and head_dim codes); for
+ * f32, f16 and bf16 that is the element type. pkv_seq_read_stored copies positions [start,
+ * start + n) of one layer out (either buffer may be NULL), as pkv_seq_gather does without
+ * decoding; it reads like pkv_seq_gather (Threads, above). pkv_seq_write_stored writes such
+ * rows back, as pkv_seq_write_kv writes values, with the same checks and threading rules: every
+ * position's block held by s alone, not in the prefix index, the position not committed, all
+ * before a byte is written. The rows are checked too, since attention trusts the pool: an f32,
+ * f16 or bf16 element that is not finite or is past PKV_VALUE_MAX, a q8_0 or q4_0 scale that is
+ * not finite, a q8_0 code of -128, an fp8 scale outside [0, PKV_VALUE_MAX / 448] or NaN, or an
+ * fp8 NaN code (0x7f, 0xff) is PKV_EINVAL, nothing written. Rows read from any cache of the same
+ * dtypes and head_dim pass, as long as that cache's rows went in through the API (not written
+ * through pkv_cache_layout). A read then a write is bit-exact for every dtype (pkv_seq_gather
+ * then pkv_seq_write_kv is for f32, f16 and bf16, not for the quantized dtypes). */
 PKV_NODISCARD PKV_API int pkv_seq_read_stored(pkv_cache *c, pkv_seq s, uint32_t layer, uint32_t start, uint32_t n,
                                               void *k_out, void *v_out);
 PKV_NODISCARD PKV_API int pkv_seq_write_stored(pkv_cache *c, pkv_seq s, uint32_t layer, uint32_t start, uint32_t n,
