@@ -629,6 +629,32 @@ static void test_stored_transfer(void **state) {
 static void put_f32(uint8_t *p, float x) { memcpy(p, &x, 4); }
 static void put_u16(uint8_t *p, uint16_t u) { memcpy(p, &u, 2); }
 
+/* A cache of one layer and kv head at head_dim d holding one position written from x. */
+static pkv_cache *one_row_cache(pkv_dtype dt, uint32_t d, const float *x, pkv_seq *s) {
+    pkv_config cfg = tu_config(4, 4, 1, 1, d, dt);
+    pkv_cache *c = tu_create(&cfg);
+    *s = tu_seq(c);
+    tu_append(c, *s, 1, 0, NULL);
+    TU_OK(pkv_seq_write_kv(c, *s, 0, 0, 1, x, x, PKV_DTYPE_F32));
+    return c;
+}
+
+/* Codes [first, first + n) of s's stored row, K or V (v_side), set one at a time to bad_even or
+ * bad_odd (by position): refused; to good: accepted. */
+static void every_code(pkv_cache *c, pkv_seq s, uint32_t first, uint32_t n, uint8_t bad_even, uint8_t bad_odd,
+                       uint8_t good, int v_side) {
+    uint8_t row0[64], row[64];
+    TU_OK(pkv_seq_read_stored(c, s, 0, 0, 1, v_side ? NULL : row0, v_side ? row0 : NULL));
+    for (uint32_t j = first; j < first + n; j++) {
+        memcpy(row, row0, sizeof row);
+        row[j] = j % 2 ? bad_odd : bad_even;
+        TU_RC(pkv_seq_write_stored(c, s, 0, 0, 1, v_side ? NULL : row, v_side ? row : NULL), PKV_EINVAL);
+        row[j] = good;
+        TU_OK(pkv_seq_write_stored(c, s, 0, 0, 1, v_side ? NULL : row, v_side ? row : NULL));
+    }
+    TU_CHECK(c);
+}
+
 static void test_stored_rows(void **state) {
     (void)state;
     enum { D = 32 };
@@ -636,76 +662,31 @@ static void test_stored_rows(void **state) {
     for (int i = 0; i < D; i++) x[i] = (float)(i - 16) * 0.25f; /* -4 .. 3.75 */
     x[0] = 1.0f, x[1] = -2.0f, x[2] = 0.5f;
     /* f16: the codes of 1, -2, 0.5 */
-    {
-        pkv_config cfg = tu_config(4, 4, 1, 1, D, PKV_DTYPE_F16);
-        pkv_cache *c = tu_create(&cfg);
-        pkv_seq s = tu_seq(c);
-        tu_append(c, s, 1, 0, NULL);
-        TU_OK(pkv_seq_write_kv(c, s, 0, 0, 1, x, x, PKV_DTYPE_F32));
-        uint16_t k[D];
-        TU_OK(pkv_seq_read_stored(c, s, 0, 0, 1, k, NULL));
-        assert_int_equal(k[0], 0x3c00);
-        assert_int_equal(k[1], 0xc000);
-        assert_int_equal(k[2], 0x3800);
-        assert_int_equal(k[3], 0xc280); /* -3.25 */
-        pkv_cache_destroy(c);
-    }
+    pkv_seq s;
+    pkv_cache *c = one_row_cache(PKV_DTYPE_F16, D, x, &s);
+    uint16_t h[D];
+    TU_OK(pkv_seq_read_stored(c, s, 0, 0, 1, h, NULL));
+    assert_int_equal(h[0], 0x3c00);
+    assert_int_equal(h[1], 0xc000);
+    assert_int_equal(h[2], 0x3800);
+    assert_int_equal(h[3], 0xc280); /* -3.25 */
+    pkv_cache_destroy(c);
     /* q8_0: amax 3.75 (x[31]) -> scale f16(3.75 / 127) = 0x278f (0.0295257568...), so 1 -> 34
-     * (33.87), -2 -> -68, 0 -> 0, 3.75 -> 127 */
-    {
-        pkv_config cfg = tu_config(4, 4, 1, 1, D, PKV_DTYPE_Q8_0);
-        pkv_cache *c = tu_create(&cfg);
-        pkv_seq s = tu_seq(c);
-        tu_append(c, s, 1, 0, NULL);
-        TU_OK(pkv_seq_write_kv(c, s, 0, 0, 1, x, x, PKV_DTYPE_F32));
-        uint8_t k[34];
-        TU_OK(pkv_seq_read_stored(c, s, 0, 0, 1, k, NULL));
-        assert_int_equal(k[0] | k[1] << 8, 0x278f);
-        assert_int_equal((int8_t)k[2], 34);
-        assert_int_equal((int8_t)k[3], -68);
-        assert_int_equal((int8_t)k[2 + 16], 0);
-        assert_int_equal((int8_t)k[2 + 31], 127);
-        pkv_cache_destroy(c);
-    }
-    /* fp8 at head_dim 13: the NaN check's tail (codes past the last eight) */
-    {
-        enum { D13 = 13 };
-        pkv_config cfg = tu_config(4, 4, 1, 1, D13, PKV_DTYPE_FP8_E4M3);
-        pkv_cache *c = tu_create(&cfg);
-        pkv_seq s = tu_seq(c);
-        tu_append(c, s, 1, 0, NULL);
-        TU_OK(pkv_seq_write_kv(c, s, 0, 0, 1, x, x, PKV_DTYPE_F32));
-        uint8_t k[4 + D13], k0[4 + D13];
-        TU_OK(pkv_seq_read_stored(c, s, 0, 0, 1, k0, NULL));
-        for (int j = 0; j < D13; j++) {
-            memcpy(k, k0, sizeof k);
-            k[4 + j] = j % 2 ? 0x7f : 0xff;
-            TU_RC(pkv_seq_write_stored(c, s, 0, 0, 1, k, NULL), PKV_EINVAL);
-            k[4 + j] = 0x7e; /* 448 */
-            TU_OK(pkv_seq_write_stored(c, s, 0, 0, 1, k, NULL));
-        }
-        TU_CHECK(c);
-        pkv_cache_destroy(c);
-    }
-    /* q8_0: a code -128 at every position of a block */
-    {
-        pkv_config cfg = tu_config(4, 4, 1, 1, D, PKV_DTYPE_Q8_0);
-        pkv_cache *c = tu_create(&cfg);
-        pkv_seq s = tu_seq(c);
-        tu_append(c, s, 1, 0, NULL);
-        TU_OK(pkv_seq_write_kv(c, s, 0, 0, 1, x, x, PKV_DTYPE_F32));
-        uint8_t k[34], k0[34];
-        TU_OK(pkv_seq_read_stored(c, s, 0, 0, 1, k0, NULL));
-        for (int j = 0; j < 32; j++) {
-            memcpy(k, k0, sizeof k);
-            k[2 + j] = 0x80;
-            TU_RC(pkv_seq_write_stored(c, s, 0, 0, 1, NULL, k), PKV_EINVAL);
-            k[2 + j] = 0x81; /* -127 */
-            TU_OK(pkv_seq_write_stored(c, s, 0, 0, 1, NULL, k));
-        }
-        TU_CHECK(c);
-        pkv_cache_destroy(c);
-    }
+     * (33.87), -2 -> -68, 0 -> 0, 3.75 -> 127; then a code -128 at every position, as V */
+    c = one_row_cache(PKV_DTYPE_Q8_0, D, x, &s);
+    uint8_t k[34];
+    TU_OK(pkv_seq_read_stored(c, s, 0, 0, 1, k, NULL));
+    assert_int_equal(k[0] | k[1] << 8, 0x278f);
+    assert_int_equal((int8_t)k[2], 34);
+    assert_int_equal((int8_t)k[3], -68);
+    assert_int_equal((int8_t)k[2 + 16], 0);
+    assert_int_equal((int8_t)k[2 + 31], 127);
+    every_code(c, s, 2, 32, 0x80, 0x80, 0x81 /* -127 */, 1);
+    pkv_cache_destroy(c);
+    /* fp8 at head_dim 13: a NaN code at every position (the check's tail past the last eight) */
+    c = one_row_cache(PKV_DTYPE_FP8_E4M3, 13, x, &s);
+    every_code(c, s, 4, 13, 0xff, 0x7f, 0x7e /* 448 */, 0);
+    pkv_cache_destroy(c);
     typedef struct {
         pkv_dtype dt;
         int spoil; /* what to spoil in the row (below) */
@@ -738,8 +719,8 @@ static void test_stored_rows(void **state) {
         const row_case *rc = &cases[i];
         enum { H = 2 };
         pkv_config cfg = tu_config(4, 4, 1, H, D, rc->dt);
-        pkv_cache *c = tu_create(&cfg);
-        pkv_seq s = tu_seq(c);
+        c = tu_create(&cfg);
+        s = tu_seq(c);
         tu_append(c, s, 3, 0, NULL);
         float xs[3 * H * D];
         for (int e = 0; e < 3 * H * D; e++) xs[e] = x[e % D];

@@ -1513,6 +1513,12 @@ func TestSequenceLocksStress(t *testing.T) {
 							var info SeqInfo
 							if info, err = c.SeqInfo(s); err == nil {
 								err = c.WriteKVSeq(s, 0, info.NTokens-2, kvRows, kvRows)
+								if err == nil && step%4 == 3 { // and the rows as stored, out and back in
+									var ks, vs []byte
+									if ks, vs, err = c.ReadStored(s, 0, info.NTokens-2, 2); err == nil {
+										err = c.WriteStored(s, 0, info.NTokens-2, ks, vs)
+									}
+								}
 							}
 						}
 						if code(err) == EINVAL {
@@ -1522,7 +1528,11 @@ func TestSequenceLocksStress(t *testing.T) {
 				case 7:
 					_, err = c.Compact(pick(), step%2 == 0, false)
 				case 8:
-					_, _, err = c.Gather(pick(), 0, 0, 1) // every sequence keeps position 0
+					if step%2 == 0 {
+						_, _, err = c.Gather(pick(), 0, 0, 1) // every sequence keeps position 0
+					} else {
+						_, _, err = c.ReadStored(pick(), 0, 0, 1)
+					}
 				case 2:
 					err = c.Decode(0, batch, q, out, AttnParams{NQHeads: 4}, nil)
 				case 3:
