@@ -472,7 +472,8 @@ PKV_NODISCARD PKV_API int pkv_seq_gather(pkv_cache *c, pkv_seq s, uint32_t layer
  * not finite, a q8_0 code of -128, an fp8 scale outside [0, PKV_VALUE_MAX / 448] or NaN, or an
  * fp8 NaN code (0x7f, 0xff) is PKV_EINVAL, nothing written. Rows read from any cache of the same
  * dtypes and head_dim pass, as long as that cache's rows went in through the API (not written
- * through pkv_cache_layout). A read then a write is bit-exact for every dtype (pkv_seq_gather
+ * through pkv_cache_layout). Rows carry no tag of their format: matching dtypes are the
+ * caller's to keep (f16 rows written into a bf16 pool pass, read as bf16). A read then a write is bit-exact for every dtype (pkv_seq_gather
  * then pkv_seq_write_kv is for f32, f16 and bf16, not for the quantized dtypes). */
 PKV_NODISCARD PKV_API int pkv_seq_read_stored(pkv_cache *c, pkv_seq s, uint32_t layer, uint32_t start, uint32_t n,
                                               void *k_out, void *v_out);
