@@ -572,7 +572,10 @@ typedef struct pkv_attn_params {
  * and later, AMD Zen 4 and later; ARM with FEAT_BF16: Neoverse V1, V2 and N2, Graviton 3 and 4,
  * Apple M2 and later, on Linux). vdpbf16ps multiplies 32 pairs of bf16 values exactly and adds
  * them into 16 f32 lanes (BFDOT: 8 pairs into 4): twice the products an instruction of the f32
- * path, so a decode bound by arithmetic runs faster (subnormal bf16 values count as 0).
+ * path (subnormal bf16 values count as 0). Whether that is faster depends on the CPU: bf16
+ * decode took 0.80-0.82x the time on an AMD Zen 4 but 1.13-1.16x from memory and 1.43x in cache
+ * on an Intel Xeon (family 6 model 207), so measure it (pkv bench attn --bf16-dot) before
+ * turning it on; pkv_attn_flags_used says whether it applies, not whether it pays.
  * - bf16 K: each query row times scale is rounded to bf16 (nearest, ties to even), so a score
  *   moves by up to 2^-8 of sum |q_d k_d| x scale: what a model computing its queries in bf16
  *   gets anyway.
