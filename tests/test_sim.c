@@ -220,6 +220,36 @@ static void test_preemption_under_pressure(void **state) {
     free(r.out);
 }
 
+/* --preempt swap under the same pressure: the same requests complete with a clean checker, and
+ * preempted single-sample requests come back from host memory (the sim reads each restored row
+ * back and compares it, failing the run on a difference) instead of being recomputed, so the
+ * paged policies prefill fewer tokens than with recompute. */
+static void test_preempt_swap(void **state) {
+    (void)state;
+    char *argv_r[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
+                      "--seed", "3", NULL};
+    char *argv_s[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
+                      "--seed", "3", "--preempt", "swap", NULL};
+    runs rr, rs;
+    sim(argv_r, &rr);
+    sim(argv_s, &rs);
+    for (int i = 0; i < 3; i++) {
+        assert_true(field(rs.line[i], "check") == 1.0);
+        assert_true(field(rs.line[i], "completed") == field(rr.line[i], "completed"));
+        assert_true(field(rs.line[i], "completed") + field(rs.line[i], "rejected") == 60);
+        assert_true(field(rr.line[i], "swap_outs") == 0 && field(rr.line[i], "swap_in_tokens") == 0);
+        assert_true(field(rs.line[i], "swap_outs") <= field(rs.line[i], "preemptions"));
+    }
+    for (int i = 0; i < 2; i++) { /* the paged policies */
+        assert_true(field(rs.line[i], "swap_outs") > 0);
+        assert_true(field(rs.line[i], "swap_in_tokens") > 0);
+        assert_true(field(rs.line[i], "swap_peak_bytes") > 0);
+        assert_true(field(rs.line[i], "prefill_tokens") < field(rr.line[i], "prefill_tokens"));
+    }
+    assert_true(field(rs.line[2], "swap_outs") == 0); /* reservation never preempts */
+    free(rr.out), free(rs.out);
+}
+
 static const char *write_file(const char *text) {
     static char path[64];
     snprintf(path, sizeof path, "/tmp/pkv-trace-XXXXXX");
@@ -325,12 +355,13 @@ static void test_help_and_usage_errors(void **state) {
     char *out;
     assert_int_equal(run_cli(h, &out, NULL), 0);
     static const char *opts[] = {"--requests", "--rate", "--trace", "--blocks", "--block-tokens", "--no-attn", "--json",
-                                 "--plot", "--policies", "--seed", "--step-tokens", "--max-seqs", "requests [100]"};
+                                 "--plot", "--policies", "--seed", "--step-tokens", "--max-seqs", "--preempt", "requests [100]"};
     for (size_t i = 0; i < sizeof opts / sizeof opts[0]; i++)
         if (!strstr(out, opts[i])) fail_msg("--help does not mention %s", opts[i]);
     free(out);
     char *bad[][5] = {{"pkv", "sim", "--policies", "paged,bogus", NULL},
                       {"pkv", "sim", "--blocks", "0", NULL},
+                      {"pkv", "sim", "--preempt", "swapp", NULL},
                       {"pkv", "sim", "--frobnicate", NULL},
                       {"pkv", "sim", "--requests", NULL},
                       {"pkv", "sim", "--q-heads", "3", NULL},
@@ -431,6 +462,7 @@ int main(void) {
         cmocka_unit_test(test_deterministic_and_attn_independent),
         cmocka_unit_test(test_compact_keeps_schedule),
         cmocka_unit_test(test_preemption_under_pressure),
+        cmocka_unit_test(test_preempt_swap),
         cmocka_unit_test(test_trace_replay),
         cmocka_unit_test(test_trace_group_shorter_than_sys_len),
         cmocka_unit_test(test_malformed_trace_names_line),

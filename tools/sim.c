@@ -53,7 +53,8 @@ static void usage(FILE *f) {
             "Continuous batching: each step runs one decode token per running sequence plus chunked\n"
             "prefill within --step-tokens; waiting requests are admitted FIFO after a prefix match\n"
             "while blocks allow; when an append finds no block (PKV_ENOSPC) the newest running request\n"
-            "is preempted by recompute (released, requeued first, restarted from its prompt).\n"
+            "is preempted by recompute (released, requeued first, restarted from its prompt), or with\n"
+            "--preempt swap by swapping (below).\n"
             "\n"
             "workload (built in, seeded; ShareGPT-like log-normal lengths):\n"
             "  --requests N        requests [%u]\n"
@@ -87,6 +88,12 @@ static void usage(FILE *f) {
             "                      at most 1e6 [%g]\n"
             "  --threads N         attention threads, 0 = all cpus [%u]\n"
             "  --policies LIST     comma-separated subset of paged_prefix,paged,contiguous [all]\n"
+            "  --preempt MODE      recompute (default) or swap: a preempted single-sample request's\n"
+            "                      K/V goes to host memory as the pool stores it (pkv_seq_read_stored)\n"
+            "                      and comes back at readmission (pkv_seq_write_stored, after a prefix\n"
+            "                      match for what the index still holds; read back and compared)\n"
+            "                      instead of being recomputed; requests with several samples, and\n"
+            "                      --no-attn runs, recompute\n"
             "  --no-attn           skip K/V writes and attention: memory-only replay (the pool then\n"
             "                      holds a 1-layer head_dim-8 shape; block accounting is the same)\n"
             "  --compact           before each step, pkv_seq_compact on every decoding sequence (its\n"
@@ -159,7 +166,10 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         const char *v = missing ? "" : argv[++i];
         int bad = 0;
         double d;
-        if (!strcmp(a, "--batch-compact")) bad = tool_parse_u32(v, &c->so.batch_compact);
+        if (!strcmp(a, "--preempt")) {
+            bad = strcmp(v, "swap") && strcmp(v, "recompute");
+            c->so.swap = !strcmp(v, "swap");
+        } else if (!strcmp(a, "--batch-compact")) bad = tool_parse_u32(v, &c->so.batch_compact);
         else if (!strcmp(a, "--slack")) bad = tool_parse_u32(v, &c->so.slack);
         else if (!strcmp(a, "--requests")) bad = tool_parse_u32(v, &c->wo.n_requests) || c->wo.n_requests == 0;
         else if (!strcmp(a, "--rate")) bad = tool_parse_f64(v, &c->wo.rate) || c->wo.rate <= 0;
@@ -243,7 +253,8 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            "\"ttft_p50_steps\":%.1f,\"ttft_p90_steps\":%.1f,\"ttft_p99_steps\":%.1f,\"pkv_s\":%.4f,\"attn_s\":%.4f,"
            "\"wall_s\":%.3f,\"decode_tok_s\":%.1f,\"attn\":%s,\"check\":\"%s\",\"peak_rss_mib\":%.1f,\"seed\":%llu,"
            "\"decode_switch\":%.4f,\"decode_shared\":%.4f,\"compact\":\"%s\",\"batch_compact\":%u,\"slack\":%u,\"repack\":%s,\"batch_cached\":%s,"
-           "\"compacted_blocks\":%llu,\"compact_s\":%.4f}\n",
+           "\"compacted_blocks\":%llu,\"compact_s\":%.4f,\"preempt\":\"%s\",\"swap_outs\":%u,\"swap_in_tokens\":%llu,"
+           "\"swap_peak_bytes\":%llu}\n",
            sim_policy_names[r->policy], n_requests, r->completed, r->rejected, r->peak_seqs, r->mean_seqs,
            r->peak_blocks, c->so.n_blocks, r->kv_utilization, r->waste, r->prefix_hit_rate,
            (unsigned long long)r->prefix_hit_tokens, (unsigned long long)r->prompt_tokens, r->preemptions,
@@ -252,7 +263,9 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            r->pkv_s, r->attn_s, r->wall_s, r->decode_tok_s, c->so.attn ? "true" : "false",
            r->check_rc == 0 ? "ok" : "failed", rss_mib(), (unsigned long long)c->wo.seed, decode_switch(r), decode_shared(r),
            compact_json[c->so.compact], c->so.batch_compact, c->so.slack,
-           c->so.repack ? "true" : "false", c->so.batch_cached ? "true" : "false", (unsigned long long)r->compact_moved, r->compact_s);
+           c->so.repack ? "true" : "false", c->so.batch_cached ? "true" : "false", (unsigned long long)r->compact_moved, r->compact_s,
+           c->so.swap ? "swap" : "recompute", r->swap_outs, (unsigned long long)r->swap_in_tokens,
+           (unsigned long long)r->swap_peak_bytes);
 }
 
 /* What would fail the plot, checked before the run rather than after it: gnuplot on PATH, and
@@ -430,6 +443,12 @@ int tool_sim(int argc, char **argv) {
                            (unsigned long long)res[i].compact_moved, res[i].compact_s);
                 printf("\n");
             }
+            for (int i = 0; c.so.swap && i < n_run; i++)
+                printf("%s: --preempt swap: %u of %u preemptions swapped out, %llu positions written back from the "
+                       "host (not recomputed; %llu prefill tokens in all), at most %.1f MiB on the host\n",
+                       sim_policy_names[res[i].policy], res[i].swap_outs, res[i].preemptions,
+                       (unsigned long long)res[i].swap_in_tokens, (unsigned long long)res[i].prefill_tokens,
+                       (double)res[i].swap_peak_bytes / 1048576.0);
             printf("peak RSS %.1f MiB\n", rss_mib());
         }
     }

@@ -81,6 +81,9 @@ typedef struct sim_opts {
     uint32_t slack;         /* --slack K */
     int repack;             /* --repack: with PKV_BATCH_REPACK */
     int batch_cached;       /* --batch-cached: with PKV_BATCH_CACHED */
+    int swap;               /* --preempt swap: a single-sample request's K/V goes to host memory
+                               at preemption (pkv_seq_read_stored) and comes back at readmission
+                               (pkv_seq_write_stored) instead of being recomputed */
     uint64_t seed;
     int progress;           /* draw a progress bar on stderr */
     int want_series;        /* keep (step, blocks, seqs) samples for --plot */
@@ -99,6 +102,9 @@ typedef struct sim_result {
     double prefix_hit_rate; /* tokens reused by match / prompt tokens queried */
     uint64_t prefix_hit_tokens, prompt_tokens;
     uint32_t preemptions;
+    uint32_t swap_outs;           /* --preempt swap: preemptions that kept their K/V on the host */
+    uint64_t swap_in_tokens;      /* positions written back from the host, not recomputed */
+    uint64_t swap_peak_bytes;     /* host bytes held at most */
     uint64_t steps;
     uint64_t decode_tokens, prefill_tokens;
     uint64_t cow_copies, evictions;

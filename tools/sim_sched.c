@@ -21,6 +21,8 @@ typedef struct req_state {
     uint32_t reserved;      /* contiguous: blocks reserved at admission */
     uint64_t admit_no;      /* admission order; the largest running one is the newest */
     int64_t ttft;           /* steps from arrival to the first token, -1 before it */
+    uint8_t *swap;          /* --preempt swap: positions [0, swap_len) of every layer, as stored */
+    uint32_t swap_len;
 } req_state;
 
 typedef struct entry {      /* one running sequence */
@@ -55,6 +57,8 @@ typedef struct sim {
     uint64_t admit_counter;
     uint64_t now;
     uint64_t ns_pkv, ns_attn, ns_compact;
+    size_t swap_k, swap_v;   /* --preempt swap: stored bytes of one position's K, V, one layer */
+    uint64_t swap_bytes;     /* held on the host now */
     sim_result *res;
     /* step buffers */
     item *items;
@@ -121,6 +125,68 @@ static int release_entry(sim *S, entry *e) {
  * of the queue. A single-sample request keeps its generated tokens: on readmission it prefills
  * prompt + those tokens (prefix matching finds what is still cached) and goes on decoding. A
  * request with forked samples starts over from its prompt. */
+/* --preempt swap: positions [0, e->len) of e (written and committed in earlier steps; this
+ * step's appends are not written yet), every layer, to host memory as the pool stores them: per
+ * layer its K rows, then its V rows. */
+static int swap_out(sim *S, entry *e) {
+    req_state *q = &S->rs[e->req];
+    const uint32_t nl = S->o->model.n_layers, len = e->len;
+    const size_t layer = (size_t)len * (S->swap_k + S->swap_v);
+    q->swap = malloc(layer * nl);
+    if (!q->swap) return fail(S, PKV_ENOMEM, "swap out");
+    uint64_t t0 = tool_now_ns();
+    int rc = 0;
+    for (uint32_t l = 0; l < nl && !rc; l++) {
+        uint8_t *k = q->swap + l * layer;
+        rc = pkv_seq_read_stored(S->c, e->s, l, 0, len, k, k + (size_t)len * S->swap_k);
+    }
+    S->ns_pkv += tool_now_ns() - t0;
+    if (rc < 0) return fail(S, rc, "pkv_seq_read_stored");
+    q->swap_len = len;
+    S->swap_bytes += layer * nl;
+    if (S->swap_bytes > S->res->swap_peak_bytes) S->res->swap_peak_bytes = S->swap_bytes;
+    S->res->swap_outs++;
+    return 0;
+}
+
+/* --preempt swap, at readmission: positions [from, q->swap_len) of the image (those the prefix
+ * match did not attach) appended to s and written back, then committed; each layer read back and
+ * compared with the image (the sim's own check that nothing was lost). The image is freed. 1:
+ * the append found no room (PKV_ENOSPC, nothing changed), so the positions are recomputed. */
+static int swap_in(sim *S, req_state *q, pkv_seq s, const int32_t *tokens, uint32_t from) {
+    const uint32_t nl = S->o->model.n_layers, len = q->swap_len, n = len - from;
+    const size_t layer = (size_t)len * (S->swap_k + S->swap_v);
+    uint8_t *back = malloc((size_t)n * (S->swap_k + S->swap_v) + 1);
+    if (!back) return fail(S, PKV_ENOMEM, "swap in");
+    uint64_t t0 = tool_now_ns();
+    int rc = pkv_seq_append(S->c, s, tokens + from, n, NULL);
+    if (rc == PKV_ENOSPC) { /* no room after all (nothing appended): it is recomputed instead */
+        S->ns_pkv += tool_now_ns() - t0;
+        free(back);
+        free(q->swap);
+        q->swap = NULL;
+        S->swap_bytes -= layer * nl;
+        return 1;
+    }
+    for (uint32_t l = 0; l < nl && !rc; l++) {
+        const uint8_t *k = q->swap + l * layer, *v = k + (size_t)len * S->swap_k;
+        rc = pkv_seq_write_stored(S->c, s, l, from, n, k + (size_t)from * S->swap_k, v + (size_t)from * S->swap_v);
+        if (!rc) rc = pkv_seq_read_stored(S->c, s, l, from, n, back, back + (size_t)n * S->swap_k);
+        if (!rc && (memcmp(back, k + (size_t)from * S->swap_k, (size_t)n * S->swap_k) ||
+                    memcmp(back + (size_t)n * S->swap_k, v + (size_t)from * S->swap_v, (size_t)n * S->swap_v)))
+            rc = PKV_ECORRUPT;
+    }
+    if (!rc) rc = pkv_seq_commit(S->c, s, len);
+    S->ns_pkv += tool_now_ns() - t0;
+    free(back);
+    free(q->swap);
+    q->swap = NULL;
+    S->swap_bytes -= layer * nl;
+    if (rc < 0) return fail(S, rc, "swap in (append, pkv_seq_write_stored, read back, commit)");
+    S->res->swap_in_tokens += n;
+    return 0;
+}
+
 static int preempt(sim *S, uint32_t r) {
     req_state *q = &S->rs[r];
     q->kept = 0;
@@ -130,6 +196,7 @@ static int preempt(sim *S, uint32_t r) {
         if (!e->alive || e->req != r) continue;
         if (S->w->reqs[r].n_samples == 1 && !e->prefill) q->kept = e->gen;
         else if (S->w->reqs[r].n_samples == 1) q->kept = q->target - S->w->reqs[r].prompt_len;
+        if (S->o->swap && S->o->attn && S->w->reqs[r].n_samples == 1 && e->len && swap_out(S, e)) return -1;
         if (release_entry(S, e)) return -1;
     }
     q->state = RQ_WAITING;
@@ -208,6 +275,17 @@ static int admit(sim *S, uint32_t *budget, uint32_t *n_items, uint32_t *off) {
         S->ns_pkv += tool_now_ns() - t0;
         S->res->prefix_hit_tokens += reused;
         S->res->prompt_tokens += q->target;
+        if (q->swap) { /* the rest of what it had computed comes back from the host */
+            if (q->swap_len > reused) {
+                const uint32_t len = q->swap_len;
+                const int in = swap_in(S, q, s, prompt, reused);
+                if (in < 0) return -1;
+                if (in == 0) reused = len;
+            } else {
+                free(q->swap), q->swap = NULL; /* the prefix index still held all of it */
+                S->swap_bytes -= (uint64_t)q->swap_len * (S->swap_k + S->swap_v) * S->o->model.n_layers;
+            }
+        }
         q->state = RQ_RUNNING;
         q->computed = reused;
         q->reserved = reserve;
@@ -353,6 +431,8 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
         return rc;
     }
     S.kv_row = md->n_kv_heads * md->head_dim;
+    S.swap_k = (size_t)cfg.n_kv_heads * pkv_dtype_row_bytes(cfg.k_dtype, cfg.head_dim);
+    S.swap_v = (size_t)cfg.n_kv_heads * pkv_dtype_row_bytes(cfg.v_dtype, cfg.head_dim);
     S.q_row = md->n_q_heads * md->head_dim;
     uint32_t n = w->n;
     uint32_t max_tok = o->step_tokens > o->max_len ? o->step_tokens : o->max_len;
@@ -630,6 +710,7 @@ done:
     if (S.fatal && rc >= 0) rc = PKV_EINVAL;
     if (rc < 0) progress(&S, t_start, 1);
     pkv_cache_destroy(S.c);
+    for (uint32_t i = 0; S.rs && i < w->n; i++) free(S.rs[i].swap); /* left by a run that failed */
     free(S.rs), free(S.ent), free(S.run_reqs), free(S.wq), free(S.items), free(S.tok), free(S.slots);
     free(S.dec_seqs), free(S.preq), free(S.owner), free(S.tab), free(S.kbuf), free(S.vbuf), free(S.qbuf), free(S.obuf), free(ttft);
     return rc;
