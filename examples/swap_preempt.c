@@ -88,7 +88,7 @@ int main(void) {
     if (!rc) rc = checked(c, pkv_seq_commit(c, run[N_RUN - 1], PROMPT));
 
     /* the rows are back byte for byte, and the decode sees what it saw before */
-    static uint8_t again_k[PROMPT * H * 64 * 4], again_v[PROMPT * H * 64 * 4];
+    static uint8_t again_k[PROMPT * H * D * 4], again_v[PROMPT * H * D * 4]; /* room for f32 rows */
     for (uint32_t l = 0; l < NL && !rc; l++) {
         rc = pkv_seq_read_stored(c, run[N_RUN - 1], l, 0, PROMPT, again_k, again_v);
         if (!rc && (memcmp(again_k, host_k + l * PROMPT * kb, PROMPT * kb) ||

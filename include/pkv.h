@@ -473,8 +473,9 @@ PKV_NODISCARD PKV_API int pkv_seq_gather(pkv_cache *c, pkv_seq s, uint32_t layer
  * fp8 NaN code (0x7f, 0xff) is PKV_EINVAL, nothing written. Rows read from any cache of the same
  * dtypes and head_dim pass, as long as that cache's rows went in through the API (not written
  * through pkv_cache_layout). Rows carry no tag of their format: matching dtypes are the
- * caller's to keep (f16 rows written into a bf16 pool pass, read as bf16). A read then a write is bit-exact for every dtype (pkv_seq_gather
- * then pkv_seq_write_kv is for f32, f16 and bf16, not for the quantized dtypes). */
+ * caller's to keep (f16 rows written into a bf16 pool pass, read as bf16). A read then a write
+ * is bit-exact for every dtype (pkv_seq_gather then pkv_seq_write_kv is for f32, f16 and bf16,
+ * not for the quantized dtypes). */
 PKV_NODISCARD PKV_API int pkv_seq_read_stored(pkv_cache *c, pkv_seq s, uint32_t layer, uint32_t start, uint32_t n,
                                               void *k_out, void *v_out);
 PKV_NODISCARD PKV_API int pkv_seq_write_stored(pkv_cache *c, pkv_seq s, uint32_t layer, uint32_t start, uint32_t n,

@@ -1,5 +1,6 @@
 /* sim_sched.c: `pkv sim`'s continuous-batching scheduler: admits, prefills in chunks, decodes,
- * forks samples, preempts by recompute, all on a real pkv cache, and measures each policy. */
+ * forks samples, preempts by recompute (or with --preempt swap by swapping K/V to host memory), all
+ * on a real pkv cache, and measures each policy. */
 #include "sim.h"
 #include "tool.h"
 
@@ -121,10 +122,6 @@ static int release_entry(sim *S, entry *e) {
     return rc < 0 ? fail(S, rc, "pkv_seq_release") : 0;
 }
 
-/* Recompute preemption (vLLM's): drop every sequence of request r and put it back at the head
- * of the queue. A single-sample request keeps its generated tokens: on readmission it prefills
- * prompt + those tokens (prefix matching finds what is still cached) and goes on decoding. A
- * request with forked samples starts over from its prompt. */
 /* --preempt swap: positions [0, e->len) of e (written and committed in earlier steps; this
  * step's appends are not written yet), every layer, to host memory as the pool stores them: per
  * layer its K rows, then its V rows. */
@@ -187,6 +184,12 @@ static int swap_in(sim *S, req_state *q, pkv_seq s, const int32_t *tokens, uint3
     return 0;
 }
 
+/* Recompute preemption (vLLM's): drop every sequence of request r and put it back at the head
+ * of the queue. A single-sample request keeps its generated tokens: on readmission it prefills
+ * prompt + those tokens (prefix matching finds what is still cached) and goes on decoding. A
+ * request with forked samples starts over from its prompt. With --preempt swap a single-sample
+ * request's computed positions go to host memory first (swap_out) and come back at readmission
+ * (swap_in) rather than being prefilled again. */
 static int preempt(sim *S, uint32_t r) {
     req_state *q = &S->rs[r];
     q->kept = 0;
