@@ -1176,17 +1176,28 @@ func (c *Cache) ReadStored(s Seq, layer, start, n uint32) ([]byte, []byte, error
 	return k, v, nil
 }
 
-// WriteStored writes rows as ReadStored gives them (nil: not written) to positions
-// [start, start+n) of s (pkv_seq_write_stored), n the positions k or v holds (both the same).
-// All-or-nothing, with WriteKVSeq's checks and locks; the rows are checked too (a scale or value
-// not finite, past PKV_VALUE_MAX, or a code the encoder never writes is an error, nothing
-// written).
-func (c *Cache) WriteStored(s Seq, layer, start uint32, k, v []byte) error {
+// ReadStoredInto is ReadStored into the caller's buffers, K, V or both (nil: not read), each
+// holding n positions' rows for n = its length / the bytes of one position's rows (both the
+// same n).
+func (c *Cache) ReadStoredInto(s Seq, layer, start uint32, k, v []byte) error {
+	n, err := c.storedPositions(k, v, "ReadStoredInto")
+	if err != nil {
+		return err
+	}
+	kp, vp := slicePtr(k), slicePtr(v)
+	return c.op("pkv_seq_read_stored", readKV, func(p *C.pkv_cache) C.int {
+		return C.pkv_seq_read_stored(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), n, kp, vp)
+	}, s)
+}
+
+// storedPositions is the positions k and v (nil: not given) hold, both the same, as whole
+// positions of the stored rows.
+func (c *Cache) storedPositions(k, v []byte, what string) (C.uint32_t, error) {
 	if c == nil {
-		return errClosed
+		return 0, errClosed
 	}
 	if k == nil && v == nil {
-		return invalid("WriteStored: neither k nor v given")
+		return 0, invalid("%s: neither k nor v given", what)
 	}
 	kb, vb := c.storedBytes()
 	n := -1
@@ -1199,15 +1210,24 @@ func (c *Cache) WriteStored(s Seq, layer, start uint32, k, v []byte) error {
 			continue
 		}
 		if x.per == 0 || len(x.b)%x.per != 0 {
-			return invalid("WriteStored: %s: %d bytes, not whole positions of %d", x.side, len(x.b), x.per)
+			return 0, invalid("%s: %s: %d bytes, not whole positions of %d", what, x.side, len(x.b), x.per)
 		}
 		if m := len(x.b) / x.per; n >= 0 && m != n {
-			return invalid("WriteStored: k holds %d positions, v %d", n, m)
+			return 0, invalid("%s: k holds %d positions, v %d", what, n, m)
 		} else {
 			n = m
 		}
 	}
-	nn, err := u32(n, "WriteStored: positions")
+	return u32(n, what+": positions")
+}
+
+// WriteStored writes rows as ReadStored gives them (nil: not written) to positions
+// [start, start+n) of s (pkv_seq_write_stored), n the positions k or v holds (both the same).
+// All-or-nothing, with WriteKVSeq's checks and locks; the rows are checked too (a scale or value
+// not finite, past PKV_VALUE_MAX, or a code the encoder never writes is an error, nothing
+// written).
+func (c *Cache) WriteStored(s Seq, layer, start uint32, k, v []byte) error {
+	nn, err := c.storedPositions(k, v, "WriteStored")
 	if err != nil {
 		return err
 	}

@@ -939,12 +939,13 @@ func TestClosedNilAndDtypes(t *testing.T) {
 	if nilc.Config() != (Config{}) || nilc.Backend() != "" || nilc.BF16DotUsed() {
 		t.Fatal("nil cache's config or backend")
 	}
-	f32, i32, u16 := make([]float32, 64), []int32{0}, make([]uint16, 64)
+	f32, i32, u16, b8 := make([]float32, 64), []int32{0}, make([]uint16, 64), make([]byte, 64)
 	for i, err := range []error{
 		nilc.Reset(), nilc.AppendInto(1, i32, i32), nilc.WriteKV(0, i32, f32, f32), nilc.WriteKV16(0, i32, u16, u16, F16),
 		nilc.WriteKVShared(0, i32, f32, f32), nilc.WriteKV16Shared(0, i32, u16, u16, BF16), nilc.Commit(1, 1),
 		nilc.Truncate(1, 0), nilc.Release(1), nilc.PinRelease(1), nilc.SlotsInto(1, 0, i32),
-		nilc.GatherInto(1, 0, 0, f32, nil), nilc.Check(),
+		nilc.GatherInto(1, 0, 0, f32, nil), nilc.Check(), nilc.WriteStored(1, 0, 0, b8, nil),
+		nilc.ReadStoredInto(1, 0, 0, b8, nil),
 		nilc.Decode(0, []Seq{1}, f32, f32, AttnParams{}, nil), nilc.Prefill(0, []AttnReq{{1, 0, 1}}, f32, f32, AttnParams{}, nil),
 	} {
 		if !errors.Is(err, ErrClosed) {
@@ -964,6 +965,7 @@ func TestClosedNilAndDtypes(t *testing.T) {
 		func() error { _, err := nilc.Slots(1, 0, 1); return err },
 		func() error { _, err := nilc.BlockTable(1); return err },
 		func() error { _, _, err := nilc.Gather(1, 0, 0, 1); return err },
+		func() error { _, _, err := nilc.ReadStored(1, 0, 0, 1); return err },
 		func() error { _, _, err := nilc.ExportDense([]Seq{1}, 1); return err },
 		func() error { _, _, _, err := nilc.ExportCSR([]Seq{1}); return err },
 	} {
@@ -1773,6 +1775,14 @@ func TestStoredRows(t *testing.T) {
 			must(t, err)
 			if !reflect.DeepEqual(k2, ks) || !reflect.DeepEqual(v2, vs) {
 				t.Fatalf("%v layer %d: stored rows differ after the move", dt, layer)
+			}
+			vpart := make([]byte, 3*vb) // into the caller's buffer: V alone, 3 positions
+			must(t, b.ReadStoredInto(sb, layer, 4, nil, vpart))
+			if !reflect.DeepEqual(vpart, vs[4*vb:7*vb]) {
+				t.Fatalf("%v layer %d: ReadStoredInto differs", dt, layer)
+			}
+			if err := b.ReadStoredInto(sb, layer, 0, nil, make([]byte, vb+1)); !errors.Is(err, ErrInvalid) {
+				t.Fatalf("ReadStoredInto of a partial position: %v", err)
 			}
 			ga, gva, err := a.Gather(sa, layer, 0, 10)
 			must(t, err)

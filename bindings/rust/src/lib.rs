@@ -897,8 +897,9 @@ impl Cache {
     /// K and V of positions [start, start + n) of one layer exactly as the pool stores them
     /// (pkv_seq_read_stored): `[n][n_kv_heads][row bytes]`, K in the cache's k_dtype and V in its
     /// v_dtype ([`Dtype::row_bytes`]; scales inline for the quantized dtypes).
-    /// [`Cache::write_stored`] takes them back, into this cache or another of the same dtypes
-    /// and head_dim, bit for bit: a sequence swapped out and in, or moved to another cache.
+    /// [`Cache::write_stored`] takes them back, into this cache or another of the same dtypes,
+    /// head_dim and n_kv_heads (any block size), bit for bit: a sequence swapped out and in, or
+    /// moved to another cache.
     pub fn read_stored(&self, s: Seq, layer: u32, start: u32, n: u32) -> Result<(Vec<u8>, Vec<u8>)> {
         self.in_seq(s, start, n, "pkv_seq_read_stored")?;
         let (kb, vb) = self.stored_bytes();
@@ -908,19 +909,56 @@ impl Cache {
                 .ok_or_else(|| invalid(format!("read_stored: {} positions of {} bytes is past usize", n, per)))
         };
         let (mut k, mut v) = (vec![0u8; len(kb)?], vec![0u8; len(vb)?]);
-        let rc = unsafe {
-            ffi::pkv_seq_read_stored(
-                self.p(),
-                s.0,
-                layer,
-                start,
-                n,
-                k.as_mut_ptr() as *mut c_void,
-                v.as_mut_ptr() as *mut c_void,
-            )
-        };
-        check(rc, "pkv_seq_read_stored")?;
+        self.read_stored_into(s, layer, start, Some(&mut k), Some(&mut v))?;
         Ok((k, v))
+    }
+
+    /// [`Cache::read_stored`] into the caller's buffers, K, V or both, each holding n positions'
+    /// rows for n = its length / the bytes of one position's rows (both the same n).
+    pub fn read_stored_into(
+        &self,
+        s: Seq,
+        layer: u32,
+        start: u32,
+        k: Option<&mut [u8]>,
+        v: Option<&mut [u8]>,
+    ) -> Result<()> {
+        let n = self.stored_positions(k.as_ref().map(|x| x.len()), v.as_ref().map(|x| x.len()), "read_stored")?;
+        let kp = k.map_or(ptr::null_mut(), |x| x.as_mut_ptr() as *mut c_void);
+        let vp = v.map_or(ptr::null_mut(), |x| x.as_mut_ptr() as *mut c_void);
+        check(
+            unsafe { ffi::pkv_seq_read_stored(self.p(), s.0, layer, start, n, kp, vp) },
+            "pkv_seq_read_stored",
+        )
+    }
+
+    /// The positions that buffers of these byte lengths (K, V; None: not given) hold, both the
+    /// same, as whole positions of the stored rows.
+    fn stored_positions(&self, k: Option<usize>, v: Option<usize>, what: &str) -> Result<u32> {
+        let (kb, vb) = self.stored_bytes();
+        let mut n = None;
+        for (len, per, side) in [(k, kb, "k"), (v, vb, "v")] {
+            if let Some(len) = len {
+                if per == 0 || len % per != 0 {
+                    return Err(invalid(format!(
+                        "{}: {}: {} bytes, not whole positions of {}",
+                        what, side, len, per
+                    )));
+                }
+                let m = len / per;
+                if n.map_or(false, |n0| n0 != m) {
+                    return Err(invalid(format!(
+                        "{}: k holds {} positions, v {}",
+                        what,
+                        n.unwrap_or(0),
+                        m
+                    )));
+                }
+                n = Some(m);
+            }
+        }
+        let n = n.ok_or_else(|| invalid(format!("{}: neither k nor v given", what)))?;
+        len_u32(n, &format!("{}: positions", what))
     }
 
     /// Writes rows as [`Cache::read_stored`] gives them to positions [start, start + n) of `s`
@@ -929,31 +967,7 @@ impl Cache {
     /// finite, past PKV_VALUE_MAX, or a code the encoder never writes is an error, nothing
     /// written).
     pub fn write_stored(&mut self, s: Seq, layer: u32, start: u32, k: Option<&[u8]>, v: Option<&[u8]>) -> Result<()> {
-        let (kb, vb) = self.stored_bytes();
-        let mut n = None;
-        for (x, per, side) in [(&k, kb, "k"), (&v, vb, "v")] {
-            if let Some(x) = x {
-                if per == 0 || x.len() % per != 0 {
-                    return Err(invalid(format!(
-                        "write_stored: {}: {} bytes, not whole positions of {}",
-                        side,
-                        x.len(),
-                        per
-                    )));
-                }
-                let m = x.len() / per;
-                if n.map_or(false, |n0| n0 != m) {
-                    return Err(invalid(format!(
-                        "write_stored: k holds {} positions, v {}",
-                        n.unwrap_or(0),
-                        m
-                    )));
-                }
-                n = Some(m);
-            }
-        }
-        let n = n.ok_or_else(|| invalid("write_stored: neither k nor v given".into()))?;
-        let n = len_u32(n, "write_stored: positions")?;
+        let n = self.stored_positions(k.map(|x| x.len()), v.map(|x| x.len()), "write_stored")?;
         let kp = k.map_or(ptr::null(), |x| x.as_ptr() as *const c_void);
         let vp = v.map_or(ptr::null(), |x| x.as_ptr() as *const c_void);
         check(

@@ -1281,6 +1281,13 @@ fn stored_rows_move_a_sequence() {
             assert_eq!(b.read_stored(sb, layer, 0, 10).unwrap(), (ks.clone(), vs.clone()));
             assert_eq!(b.gather(sb, layer, 0, 10).unwrap(), a.gather(sa, layer, 0, 10).unwrap());
             assert_eq!(b.read_stored(sb, layer, 3, 2).unwrap().0, ks[3 * kb..5 * kb].to_vec());
+            let mut vpart = vec![0u8; 3 * vb]; // into the caller's buffer: V alone, 3 positions
+            b.read_stored_into(sb, layer, 4, None, Some(&mut vpart)).unwrap();
+            assert_eq!(vpart, vs[4 * vb..7 * vb].to_vec());
+            let mut odd = vec![0u8; vb + 1];
+            let e = b.read_stored_into(sb, layer, 0, None, Some(&mut odd)).unwrap_err();
+            assert_eq!(e.code(), EINVAL); // not whole positions
+            assert!(b.read_stored_into(sb, layer, 0, None, None).is_err());
         }
         b.commit(sb, 8).unwrap();
         let before = b.read_stored(sb, 0, 0, 10).unwrap();
