@@ -279,6 +279,10 @@ int tu_write_pattern(pkv_cache *c, pkv_seq s, uint32_t start, uint32_t n, uint32
     uint32_t row = cfg.n_kv_heads * cfg.head_dim;
     int32_t *slots = malloc((n ? n : 1) * sizeof *slots);
     float *k = malloc(((size_t)n * row + 1) * sizeof *k), *v = malloc(((size_t)n * row + 1) * sizeof *v);
+    /* the stored rows of one layer, for the round trip below */
+    const size_t kb = cfg.n_kv_heads * pkv_dtype_row_bytes(cfg.k_dtype, cfg.head_dim),
+                 vb = cfg.n_kv_heads * pkv_dtype_row_bytes(cfg.v_dtype, cfg.head_dim);
+    uint8_t *ks = malloc(n * kb + 1), *vs = malloc(n * vb + 1);
     if (!slots || !k || !v) rc = PKV_ENOMEM;
     if (!rc) rc = pkv_seq_slots(c, s, start, n, slots);
     for (uint32_t l = 0; !rc && l < cfg.n_layers; l++) {
@@ -292,15 +296,12 @@ int tu_write_pattern(pkv_cache *c, pkv_seq s, uint32_t start, uint32_t n, uint32
                    : pkv_write_kv(c, l, slots, n, k, v, PKV_DTYPE_F32);
         /* half the writes by position: the rows as stored, out and back in too */
         if (!rc && l % 2 && (tag + start) % 2) {
-            const size_t kb = cfg.n_kv_heads * pkv_dtype_row_bytes(cfg.k_dtype, cfg.head_dim),
-                         vb = cfg.n_kv_heads * pkv_dtype_row_bytes(cfg.v_dtype, cfg.head_dim);
-            uint8_t *ks = malloc(n * kb + 1), *vs = malloc(n * vb + 1);
             rc = ks && vs ? pkv_seq_read_stored(c, s, l, start, n, ks, vs) : PKV_ENOMEM;
             if (!rc) rc = pkv_seq_write_stored(c, s, l, start, n, ks, vs);
-            free(ks);
-            free(vs);
         }
     }
+    free(ks);
+    free(vs);
     free(slots);
     free(k);
     free(v);

@@ -541,9 +541,10 @@ static void test_seq_write_stale_slots(void **state) {
 /* ---- stored rows: a sequence moved to another cache, bit for bit ---- */
 /* Cache A holds a sequence written from f32 values; its rows go through pkv_seq_read_stored
  * into cache B (another pool size and block size: rows are per position; a fragmented table: a
- * filler sequence appended between the pieces), written by pkv_seq_write_stored in pieces (K alone, V alone, both). B's stored rows,
- * read back, equal A's byte for byte, and so do the gathers (decoded) and a decode's output;
- * the rows in B's pool are where B's table says (checked through pkv_cache_layout). */
+ * filler sequence appended between the pieces), written by pkv_seq_write_stored in pieces (K
+ * alone, V alone, both). B's stored rows, read back, equal A's byte for byte, and so do the
+ * gathers (decoded); its decode is within f32 rounding of A's; the rows in B's pool are where
+ * B's table says (checked through pkv_cache_layout). */
 static void run_stored_transfer(pkv_dtype kd, pkv_dtype vd, uint64_t seed) {
     enum { BT = 4, NLY = 2, H = 2, QH = 4, D = 64, LEN = 23, E = LEN * H * D };
     pkv_config ca = tu_config(12, BT, NLY, H, D, kd), cb = tu_config(16, 2 * BT, NLY, H, D, kd); /* B: 8-token blocks */

@@ -146,6 +146,13 @@ static int swap_out(sim *S, entry *e) {
     return 0;
 }
 
+/* --preempt swap: q's image freed (written back, no longer needed, or given up). */
+static void swap_drop(sim *S, req_state *q) {
+    free(q->swap);
+    q->swap = NULL;
+    S->swap_bytes -= (uint64_t)q->swap_len * (S->swap_k + S->swap_v) * S->o->model.n_layers;
+}
+
 /* --preempt swap, at readmission: positions [from, q->swap_len) of the image (those the prefix
  * match did not attach) appended to s and written back, then committed; each layer read back and
  * compared with the image (the sim's own check that nothing was lost). The image is freed. 1:
@@ -157,15 +164,8 @@ static int swap_in(sim *S, req_state *q, pkv_seq s, const int32_t *tokens, uint3
     if (!back) return fail(S, PKV_ENOMEM, "swap in");
     uint64_t t0 = tool_now_ns();
     int rc = pkv_seq_append(S->c, s, tokens + from, n, NULL);
-    if (rc == PKV_ENOSPC) { /* no room after all (nothing appended): it is recomputed instead */
-        S->ns_pkv += tool_now_ns() - t0;
-        free(back);
-        free(q->swap);
-        q->swap = NULL;
-        S->swap_bytes -= layer * nl;
-        return 1;
-    }
-    for (uint32_t l = 0; l < nl && !rc; l++) {
+    const bool room = rc != PKV_ENOSPC; /* else nothing appended: it is recomputed instead */
+    for (uint32_t l = 0; l < nl && room && !rc; l++) {
         const uint8_t *k = q->swap + l * layer, *v = k + (size_t)len * S->swap_k;
         rc = pkv_seq_write_stored(S->c, s, l, from, n, k + (size_t)from * S->swap_k, v + (size_t)from * S->swap_v);
         if (!rc) rc = pkv_seq_read_stored(S->c, s, l, from, n, back, back + (size_t)n * S->swap_k);
@@ -173,12 +173,11 @@ static int swap_in(sim *S, req_state *q, pkv_seq s, const int32_t *tokens, uint3
                     memcmp(back + (size_t)n * S->swap_k, v + (size_t)from * S->swap_v, (size_t)n * S->swap_v)))
             rc = PKV_ECORRUPT;
     }
-    if (!rc) rc = pkv_seq_commit(S->c, s, len);
+    if (room && !rc) rc = pkv_seq_commit(S->c, s, len);
     S->ns_pkv += tool_now_ns() - t0;
     free(back);
-    free(q->swap);
-    q->swap = NULL;
-    S->swap_bytes -= layer * nl;
+    swap_drop(S, q);
+    if (!room) return 1;
     if (rc < 0) return fail(S, rc, "swap in (append, pkv_seq_write_stored, read back, commit)");
     S->res->swap_in_tokens += n;
     return 0;
@@ -285,8 +284,7 @@ static int admit(sim *S, uint32_t *budget, uint32_t *n_items, uint32_t *off) {
                 if (in < 0) return -1;
                 if (in == 0) reused = len;
             } else {
-                free(q->swap), q->swap = NULL; /* the prefix index still held all of it */
-                S->swap_bytes -= (uint64_t)q->swap_len * (S->swap_k + S->swap_v) * S->o->model.n_layers;
+                swap_drop(S, q); /* the prefix index still held all of it */
             }
         }
         q->state = RQ_RUNNING;

@@ -704,17 +704,24 @@ static int check_write_row(pkv_cache *c, int32_t slot, uint32_t i, const char *w
     return PKV_OK;
 }
 
-/* The argument checks both writes share. */
-static int check_write_args(pkv_cache *c, uint32_t layer, const void *k, const void *v, pkv_dtype in_dtype,
-                            const char *api) {
+/* The argument checks every write shares: something to write, a layer of the cache. */
+static int check_write_target(pkv_cache *c, uint32_t layer, const void *k, const void *v, const char *api) {
     if (!k && !v) return pkv__say(c, PKV_EINVAL, api, "neither k nor v given");
     if (layer >= c->n_layers) return pkv__say(c, PKV_EINVAL, api, "layer %u of %u", layer, c->n_layers);
-    if (in_dtype != PKV_DTYPE_F32 && in_dtype != PKV_DTYPE_F16 && in_dtype != PKV_DTYPE_BF16)
-        return pkv__say(c, PKV_EINVAL, api, "input dtype %d is not f32, f16 or bf16", (int)in_dtype);
     return PKV_OK;
 }
 
-/* in_dtype of the rows pkv_seq_write_stored copies: each side in its pool dtype, as stored */
+/* Those, and the element type of a write of values (pkv_write_kv, pkv_seq_write_kv). */
+static int check_write_args(pkv_cache *c, uint32_t layer, const void *k, const void *v, pkv_dtype in_dtype,
+                            const char *api) {
+    const int rc = check_write_target(c, layer, k, v, api);
+    if (!rc && in_dtype != PKV_DTYPE_F32 && in_dtype != PKV_DTYPE_F16 && in_dtype != PKV_DTYPE_BF16)
+        return pkv__say(c, PKV_EINVAL, api, "input dtype %d is not f32, f16 or bf16", (int)in_dtype);
+    return rc;
+}
+
+/* in_dtype of the rows pkv_seq_write_stored copies: each side in its pool dtype, as stored (only
+ * that call passes it: check_write_args refuses it from the callers of the value writes) */
 #define PKV__DTYPE_STORED ((pkv_dtype)PKV_DTYPE_COUNT)
 
 /* Bytes of one (position, kv head) row of the input: in_dtype's elements, or the pool's rows. */
@@ -820,7 +827,7 @@ PKV_API int pkv_seq_write_kv(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t 
 PKV_API int pkv_seq_write_stored(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, uint32_t n,
                                  const void *k, const void *v) {
     if (!c) return PKV_EINVAL;
-    int rc = check_write_args(c, layer, k, v, PKV_DTYPE_F32, __func__); /* f32: the dtype check passes */
+    int rc = check_write_target(c, layer, k, v, __func__);
     return rc ? rc : seq_write(c, id, layer, start, n, k, v, PKV__DTYPE_STORED, __func__);
 }
 

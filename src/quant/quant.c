@@ -67,6 +67,15 @@ bool pkv__input_fits(pkv_dtype in, const void *src, size_t n, pkv_dtype pool) {
     return false;
 }
 
+/* Whether one of the 8 bytes at p, each first and-ed with mask and then xor-ed with flip, is 0
+ * (the zero-byte test, a word at a time). */
+static inline bool any_byte_zero(const uint8_t *p, uint64_t mask, uint64_t flip) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+    w = (w & mask) ^ flip;
+    return (w - 0x0101010101010101ull) & ~w & 0x8080808080808080ull;
+}
+
 bool pkv__stored_fits(pkv_dtype dt, const void *rows, size_t n_rows, uint32_t d) {
     if (dt == PKV_DTYPE_F32 || dt == PKV_DTYPE_F16 || dt == PKV_DTYPE_BF16)
         return pkv__input_fits(dt, rows, n_rows * d, dt);
@@ -82,12 +91,8 @@ bool pkv__stored_fits(pkv_dtype dt, const void *rows, size_t n_rows, uint32_t d)
             if (!(s >= 0.0f && s <= s_max)) return false;
             const uint8_t *e = p + PKV_FP8_ROW_HEADER; /* no NaN code, 0x7f or 0xff */
             uint32_t j = 0;
-            for (; j + 8 <= d; j += 8) { /* eight at a time: a byte of (code & 0x7f) ^ 0x7f is 0 */
-                uint64_t w;
-                memcpy(&w, e + j, 8);
-                w = (w & 0x7f7f7f7f7f7f7f7full) ^ 0x7f7f7f7f7f7f7f7full;
-                if ((w - 0x0101010101010101ull) & ~w & 0x8080808080808080ull) return false;
-            }
+            for (; j + 8 <= d; j += 8) /* eight at a time: a byte of (code & 0x7f) ^ 0x7f is 0 */
+                if (any_byte_zero(e + j, 0x7f7f7f7f7f7f7f7full, 0x7f7f7f7f7f7f7f7full)) return false;
             for (; j < d; j++)
                 if ((e[j] & 0x7f) == 0x7f) return false;
             continue;
@@ -99,12 +104,8 @@ bool pkv__stored_fits(pkv_dtype dt, const void *rows, size_t n_rows, uint32_t d)
             memcpy(&h, blk, 2); /* the f16 scale leads each block (quant.h) */
             if ((h & 0x7c00u) == 0x7c00u) return false; /* infinity or NaN */
             if (dt == PKV_DTYPE_Q8_0) /* a code -128 (0x80): the encoder writes -127 .. 127 */
-                for (int j = 0; j < 32; j += 8) {
-                    uint64_t w;
-                    memcpy(&w, blk + 2 + j, 8);
-                    w ^= 0x8080808080808080ull; /* a byte 0x80 becomes 0: the zero-byte test */
-                    if ((w - 0x0101010101010101ull) & ~w & 0x8080808080808080ull) return false;
-                }
+                for (int j = 0; j < 32; j += 8)
+                    if (any_byte_zero(blk + 2 + j, ~0ull, 0x8080808080808080ull)) return false;
         }
     }
     return true;
