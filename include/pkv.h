@@ -81,7 +81,7 @@ enum {
     PKV_ENOENT = -4,   /* unknown or stale sequence id */
     PKV_ELIMIT = -5,   /* max_seqs or max_blocks_per_seq would be exceeded */
     PKV_ECORRUPT = -6, /* the checker found a broken invariant */
-    PKV_EIO = -7,      /* I/O error (reserved for storage tiers: no call of this version returns it) */
+    PKV_EIO = -7,      /* I/O error: a storage tier's put failed (pkv_tier_save) */
     PKV_ENOTSUP = -8,  /* valid request this build or configuration does not support */
     PKV_EBUSY = -9     /* the object is in use (e.g. a block shared with another sequence) */
 };
@@ -670,6 +670,102 @@ PKV_API const char *pkv_attn_backend(const pkv_cache *c);
  * pass any of them; the others change nothing here): PKV_ATTN_BF16_DOT where K or V is bf16 and
  * the backend has bf16 dot products. 0 for NULL. */
 PKV_API uint32_t pkv_attn_flags_used(const pkv_cache *c);
+
+/* ---- storage tiers ----------------------------------------------------------------------------
+ * A tier keeps whole blocks of prompt prefixes out of the pool: in host memory, in files, or in
+ * a store of the caller's (the ops below), so that a prefix the pool has evicted, or one another
+ * cache computed, is copied back instead of recomputed (what LMCache and SGLang's HiCache do).
+ * An entry is one full, committed block: its token ids and every layer's K and V rows as the
+ * pool stores them (pkv_seq_read_stored), under a 128-bit key that chains the block's token ids
+ * onto its parent's key, seeded by the sequence's namespace (its salt's digest) and the cache's
+ * shape (k_dtype, v_dtype, head_dim, n_kv_heads, n_layers, block_tokens). So only a cache of
+ * that shape, a sequence of that namespace and that exact token prefix find an entry. A load
+ * compares the entry's token ids, its parent's key, the shape and a checksum of its bytes: a
+ * wrong prefix gets a block only through a collision of two prefixes' 128-bit keys (XXH3; not a
+ * cryptographic hash: tenants who must not share blocks must use different salts, as in the
+ * pool's index, and caches of different models with one shape must not share a tier unless
+ * their salts differ). Entries are in the machine's byte order.
+ *
+ * The engine moves blocks explicitly, outside the cache's lock:
+ *   pkv_seq_match_prefix(c, s, prompt, n, &reused);     the pool's blocks first
+ *   pkv_tier_load(t, c, s, prompt, n, &loaded);           then the tier's, appended and committed
+ *   ... compute positions [reused + loaded, n), commit ...
+ *   pkv_tier_save(t, c, s, &saved);                       the full committed blocks, for later
+ * A tier is thread-safe: several threads and several caches may share one. pkv_tier_save reads
+ * its sequence like pkv_seq_gather; pkv_tier_load changes its sequence like pkv_seq_match_prefix
+ * (pkv.h, Threads). */
+typedef struct pkv_tier pkv_tier;
+
+/* A store of the caller's: bytes under 16-byte keys. Each op returns a status; the library
+ * calls them from the thread that called pkv_tier_save or pkv_tier_load, possibly from several
+ * threads at once. The library checks what comes back (checksum, key, tokens, shape, size), so
+ * a store may lose, truncate or garble entries: that is a miss, never wrong K/V.
+ * - put: store len bytes under key, replacing an entry of that key. PKV_OK; PKV_ENOSPC: not
+ *   stored, for want of room (not an error: the save goes on); anything else fails the save.
+ * - get: data NULL (cap 0): is the entry there? PKV_OK with *len its size, or PKV_ENOENT. Else
+ *   copy it into data (cap bytes): PKV_OK with *len; PKV_ENOENT; PKV_ENOSPC with *len where it
+ *   is larger than cap. Either form may count as a use (for a least-recently-used policy).
+ * - del: drop the entry (PKV_OK whether or not it was there).
+ * - usage: may be NULL; what pkv_tier_get_stats reports of the store itself.
+ * - destroy: may be NULL; called once, by pkv_tier_destroy. */
+typedef struct pkv_tier_ops {
+    int (*put)(void *ctx, const uint8_t key[16], const void *data, size_t len);
+    int (*get)(void *ctx, const uint8_t key[16], void *data, size_t cap, size_t *len);
+    int (*del)(void *ctx, const uint8_t key[16]);
+    void (*usage)(void *ctx, uint64_t *entries, uint64_t *bytes, uint64_t *capacity, uint64_t *evictions);
+    void (*destroy)(void *ctx);
+} pkv_tier_ops;
+
+/* A tier over the caller's store (ops copied; put, get and del required). alloc: NULL or
+ * alloc.alloc NULL for the default allocator. */
+PKV_NODISCARD PKV_API int pkv_tier_create(const pkv_tier_ops *ops, void *ctx, const pkv_allocator *alloc,
+                                          pkv_tier **out);
+/* Host memory: at most capacity_bytes of entries (> 0), the least recently used dropped first. */
+PKV_NODISCARD PKV_API int pkv_tier_host_create(uint64_t capacity_bytes, const pkv_allocator *alloc, pkv_tier **out);
+/* Files in the directory dir (made if missing; its parent must exist), one file an entry
+ * (32 hex digits of the key, ".pkvb"), at most capacity_bytes of them (> 0), the least recently
+ * used dropped first. Entries already in dir (a tier of an earlier process) are taken over,
+ * oldest written first in line to be dropped; files of other names are left alone. A file is
+ * written beside its final name and renamed into place, so a reader never sees half an entry
+ * (not synced: a crash of the machine may lose entries, and the checksum catches torn ones).
+ * One tier object a directory: two at once (two processes) keep separate accounts of it.
+ * PKV_EIO where dir cannot be made or read. */
+PKV_NODISCARD PKV_API int pkv_tier_file_create(const char *dir, uint64_t capacity_bytes, const pkv_allocator *alloc,
+                                               pkv_tier **out);
+/* Destroys t (NULL: nothing); no call on t may be running. Entries of a file tier stay. */
+PKV_API void pkv_tier_destroy(pkv_tier *t);
+
+typedef struct pkv_tier_stats {
+    uint64_t entries, bytes, capacity, evictions; /* the store's own (ops.usage; 0 without it) */
+    uint64_t saved;          /* blocks pkv_tier_save stored */
+    uint64_t save_present;   /* blocks it found stored already */
+    uint64_t save_no_room;   /* blocks the store refused for want of room (PKV_ENOSPC) */
+    uint64_t loaded_blocks;  /* blocks pkv_tier_load copied into a cache */
+    uint64_t loaded_tokens;  /* positions they gave */
+    uint64_t load_misses;    /* loads that ended on a block the store did not have */
+    uint64_t rejected;       /* entries refused (size, checksum, key, tokens, shape, rows) and deleted */
+    uint64_t errors;         /* store calls that failed otherwise (PKV_EIO, ...) */
+} pkv_tier_stats;
+PKV_NODISCARD PKV_API int pkv_tier_get_stats(pkv_tier *t, pkv_tier_stats *out);
+
+/* Stores the full committed blocks of s that t lacks (deepest first, so that a least-recently-
+ * used store drops the ends of prefixes before their beginnings); *n_saved (may be NULL): how
+ * many it stored. Blocks t has are only touched; blocks the store refuses for want of room are
+ * counted, not an error. A put that fails otherwise fails the call, and the entries it stored
+ * are deleted again. PKV_ENOMEM: the entry buffer could not be allocated (through the cache's
+ * allocator). */
+PKV_NODISCARD PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq s, uint32_t *n_saved);
+/* For a sequence whose positions [0, m) are all committed and are tokens[0, m) (m <= n; what
+ * pkv_seq_match_prefix leaves, or an empty sequence): appends, writes and commits the positions
+ * of the prompt tokens[0, n) that the tier holds, block after block from the one holding
+ * position m, up to the first block it lacks, and never the last token (as a prefix match).
+ * *n_loaded: positions added. A block whose entry is missing, refused (then deleted) or that
+ * finds no room in the pool (PKV_ENOSPC, PKV_ELIMIT) ends the load: what was loaded before it
+ * stays, and the call succeeds. The loaded full blocks enter the prefix index as committed
+ * blocks do. PKV_EINVAL where s has uncommitted positions or its tokens differ from tokens[0,
+ * m). Positions are a multiple of block_tokens but for the first (from m) and the last (cap). */
+PKV_NODISCARD PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
+                                        uint32_t *n_loaded);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,354 @@
+/* tier.c: storage tiers (pkv.h, "storage tiers"): the tier object over a store's ops, its
+ * counters, entries and their keys, and the two moves between a cache and a tier,
+ * pkv_tier_save and pkv_tier_load. Both go through the public calls for K/V rows
+ * (pkv_seq_read_stored, pkv_seq_append, pkv_seq_write_stored, pkv_seq_commit), so the cache's
+ * checks and locking are the same as for any caller; only the sequence's token ids and
+ * namespace are read here under the cache's lock.
+ *
+ * An entry: the header below, the block's B token ids (int32), then for each layer the K rows
+ * [B][n_kv_heads] and the V rows [B][n_kv_heads], as pkv_seq_read_stored gives them. */
+#include "tier_int.h"
+
+#include "../cache/cache_int.h"
+
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+struct pkv_tier {
+    pkv_tier_ops ops;
+    void *ctx;
+    pkv_allocator alloc;
+    pthread_mutex_t mu; /* the counters */
+    pkv_tier_stats st;
+};
+
+typedef struct tier_hdr {
+    char magic[8];       /* "PKVTIER1" */
+    uint32_t byte_order; /* 0x01020304 as the writer stored it */
+    uint32_t hdr_bytes;  /* sizeof(tier_hdr) */
+    uint8_t key[PKV__TIER_KEY], parent[PKV__TIER_KEY];
+    uint32_t k_dtype, v_dtype, head_dim, n_kv_heads, n_layers, block_tokens;
+    uint64_t entry_bytes; /* the whole entry, this header included */
+    uint64_t checksum;    /* XXH3-64 of the bytes after the header */
+} tier_hdr;
+_Static_assert(sizeof(tier_hdr) == 88, "tier_hdr: no padding, the same on every ABI");
+
+static const char TIER_MAGIC[8] = {'P', 'K', 'V', 'T', 'I', 'E', 'R', '1'};
+
+/* ---- the tier object ---- */
+static int tier_new(const pkv_tier_ops *ops, void *ctx, const pkv_allocator *alloc, pkv_tier **out) {
+    pkv_tier *t = pkv__alloc(alloc, sizeof *t, 64);
+    if (!t) return PKV_ENOMEM;
+    memset(t, 0, sizeof *t);
+    t->ops = *ops;
+    t->ctx = ctx;
+    if (alloc) t->alloc = *alloc;
+    pthread_mutex_init(&t->mu, NULL);
+    *out = t;
+    return PKV_OK;
+}
+
+PKV_API int pkv_tier_create(const pkv_tier_ops *ops, void *ctx, const pkv_allocator *alloc, pkv_tier **out) {
+    if (out) *out = NULL;
+    if (!out || !ops || !ops->put || !ops->get || !ops->del) return PKV_EINVAL;
+    return tier_new(ops, ctx, alloc, out);
+}
+
+PKV_API int pkv_tier_host_create(uint64_t capacity_bytes, const pkv_allocator *alloc, pkv_tier **out) {
+    if (out) *out = NULL;
+    if (!out || !capacity_bytes) return PKV_EINVAL;
+    pkv_tier_ops ops;
+    void *ctx;
+    int rc = pkv__tier_host_open(capacity_bytes, alloc, &ops, &ctx);
+    if (!rc && (rc = tier_new(&ops, ctx, alloc, out))) ops.destroy(ctx);
+    return rc;
+}
+
+PKV_API int pkv_tier_file_create(const char *dir, uint64_t capacity_bytes, const pkv_allocator *alloc,
+                                 pkv_tier **out) {
+    if (out) *out = NULL;
+    if (!out || !dir || !*dir || !capacity_bytes || strlen(dir) > 4000) return PKV_EINVAL;
+    pkv_tier_ops ops;
+    void *ctx;
+    int rc = pkv__tier_file_open(dir, capacity_bytes, alloc, &ops, &ctx);
+    if (!rc && (rc = tier_new(&ops, ctx, alloc, out))) ops.destroy(ctx);
+    return rc;
+}
+
+PKV_API void pkv_tier_destroy(pkv_tier *t) {
+    if (!t) return;
+    if (t->ops.destroy) t->ops.destroy(t->ctx);
+    pthread_mutex_destroy(&t->mu);
+    pkv_allocator a = t->alloc;
+    pkv__free(&a, t, sizeof *t);
+}
+
+PKV_API int pkv_tier_get_stats(pkv_tier *t, pkv_tier_stats *out) {
+    if (!t || !out) return PKV_EINVAL;
+    pthread_mutex_lock(&t->mu);
+    pkv_tier_stats st = t->st;
+    pthread_mutex_unlock(&t->mu);
+    st.entries = st.bytes = st.capacity = st.evictions = 0;
+    if (t->ops.usage) t->ops.usage(t->ctx, &st.entries, &st.bytes, &st.capacity, &st.evictions);
+    *out = st;
+    return PKV_OK;
+}
+
+#define COUNT(t, field, n)                                                                                      \
+    do {                                                                                                        \
+        pthread_mutex_lock(&(t)->mu);                                                                           \
+        (t)->st.field += (n);                                                                                   \
+        pthread_mutex_unlock(&(t)->mu);                                                                         \
+    } while (0)
+
+/* ---- keys: a chain over the blocks' token ids, seeded by the namespace and the cache's shape ---- */
+typedef struct tkey {
+    uint8_t b[PKV__TIER_KEY];
+} tkey;
+
+static void key_of(XXH128_hash_t h, tkey *out) {
+    XXH128_canonical_t can;
+    XXH128_canonicalFromHash(&can, h);
+    memcpy(out->b, can.digest, PKV__TIER_KEY);
+}
+
+static void key_seed(const pkv_cache *c, uint64_t ns_lo, uint64_t ns_hi, tkey *out) {
+    const uint64_t shape[8] = {0x31726569747670ull /* "pvtier1" */, c->cfg.k_dtype, c->cfg.v_dtype, c->head_dim,
+                               c->n_kv, c->n_layers, c->B, 0};
+    XXH3_state_t st;
+    XXH3_INITSTATE(&st);
+    XXH3_128bits_reset(&st);
+    XXH3_128bits_update(&st, shape, sizeof shape);
+    XXH3_128bits_update(&st, &ns_lo, sizeof ns_lo);
+    XXH3_128bits_update(&st, &ns_hi, sizeof ns_hi);
+    key_of(XXH3_128bits_digest(&st), out);
+}
+
+static void key_next(const tkey *parent, const int32_t *toks, uint32_t B, tkey *out) {
+    XXH3_state_t st;
+    XXH3_INITSTATE(&st);
+    XXH3_128bits_reset(&st);
+    XXH3_128bits_update(&st, parent->b, PKV__TIER_KEY);
+    XXH3_128bits_update(&st, toks, (size_t)B * sizeof(int32_t));
+    key_of(XXH3_128bits_digest(&st), out);
+}
+
+/* ---- entries ---- */
+typedef struct shape {
+    size_t k_rows, v_rows; /* bytes of one position's K (V) rows, every kv head */
+    size_t layer;          /* bytes of one layer's K and V rows of a block */
+    size_t entry;          /* bytes of an entry */
+} shape;
+
+static bool shape_of(const pkv_cache *c, shape *sh) {
+    size_t kv, l;
+    sh->k_rows = c->k_row * c->n_kv; /* each under the pool's own sizes, which fit in memory */
+    sh->v_rows = c->v_row * c->n_kv;
+    return pkv__add_ok(sh->k_rows, sh->v_rows, &kv) && pkv__mul_ok(kv, c->B, &sh->layer) &&
+           pkv__mul_ok(sh->layer, c->n_layers, &l) && pkv__add_ok(l, sizeof(tier_hdr) + (size_t)c->B * 4, &sh->entry);
+}
+
+static void hdr_fill(const pkv_cache *c, const shape *sh, const tkey *key, const tkey *parent, tier_hdr *h) {
+    memset(h, 0, sizeof *h);
+    memcpy(h->magic, TIER_MAGIC, sizeof h->magic);
+    h->byte_order = 0x01020304u;
+    h->hdr_bytes = sizeof *h;
+    memcpy(h->key, key->b, PKV__TIER_KEY);
+    memcpy(h->parent, parent->b, PKV__TIER_KEY);
+    h->k_dtype = (uint32_t)c->cfg.k_dtype, h->v_dtype = (uint32_t)c->cfg.v_dtype;
+    h->head_dim = c->head_dim, h->n_kv_heads = c->n_kv, h->n_layers = c->n_layers, h->block_tokens = c->B;
+    h->entry_bytes = sh->entry;
+}
+
+/* Whether buf (len bytes, from the store) is the entry of key under parent, for tokens. */
+static bool entry_ok(const pkv_cache *c, const shape *sh, const uint8_t *buf, size_t len, const tkey *key,
+                     const tkey *parent, const int32_t *toks) {
+    if (len != sh->entry) return false;
+    tier_hdr want, h;
+    hdr_fill(c, sh, key, parent, &want);
+    memcpy(&h, buf, sizeof h);
+    want.checksum = h.checksum;
+    return !memcmp(&h, &want, sizeof h) && !memcmp(buf + sizeof h, toks, (size_t)c->B * sizeof(int32_t)) &&
+           XXH3_64bits(buf + sizeof h, len - sizeof h) == h.checksum;
+}
+
+/* Under the cache's lock: s (live, not a pin), its length, committed length and namespace, and
+ * the token ids of its first nb blocks into toks (blocks holding committed positions; toks
+ * NULL: not wanted). */
+static int seq_peek(pkv_cache *c, pkv_seq id, const char *api, uint32_t *n_tokens, uint32_t *n_committed,
+                    uint64_t *ns_lo, uint64_t *ns_hi, int32_t *toks, uint32_t nb) {
+    pthread_mutex_lock(&c->mu);
+    pkv__seq *s;
+    int rc = pkv__get_seq(c, id, &s, api);
+    if (!rc) {
+        *n_tokens = s->n_tokens, *n_committed = s->n_committed;
+        *ns_lo = s->ns_lo, *ns_hi = s->ns_hi;
+        if (toks && nb > (s->n_committed + c->B - 1) / c->B)
+            rc = pkv__say(c, PKV_EINVAL, api, "the sequence changed during the call"); /* against the rules */
+        for (uint32_t i = 0; !rc && toks && i < nb; i++)
+            memcpy(toks + (size_t)i * c->B, c->tokens + (size_t)s->table[i] * c->B, (size_t)c->B * sizeof(int32_t));
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+/* ---- save ---- */
+PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_saved) {
+    if (!c) return PKV_EINVAL;
+    if (!t) return PKV__SAY(c, PKV_EINVAL, "t is NULL");
+    if (n_saved) *n_saved = 0;
+    uint32_t n_tok, n_com;
+    uint64_t ns_lo, ns_hi;
+    int rc = seq_peek(c, id, __func__, &n_tok, &n_com, &ns_lo, &ns_hi, NULL, 0);
+    if (rc) return rc;
+    const uint32_t B = c->B, nb = n_com / B;
+    if (!nb) return PKV_OK;
+    shape sh;
+    size_t toks_bytes = (size_t)nb * B * sizeof(int32_t), keys_bytes = (size_t)nb * sizeof(tkey);
+    if (!shape_of(c, &sh)) return PKV__SAY(c, PKV_ENOMEM, "an entry's size overflows");
+    int32_t *toks = pkv__alloc(&c->alloc, toks_bytes, 64);
+    tkey *keys = pkv__alloc(&c->alloc, keys_bytes, 64);
+    uint8_t *buf = pkv__alloc(&c->alloc, sh.entry, 64);
+    bool *put = pkv__calloc(&c->alloc, nb, 1);
+    uint32_t saved = 0, present = 0, no_room = 0;
+    if (!toks || !keys || !buf || !put) rc = PKV__SAY(c, PKV_ENOMEM, "the entry buffer (%zu bytes)", sh.entry);
+    if (!rc) rc = seq_peek(c, id, __func__, &n_tok, &n_com, &ns_lo, &ns_hi, toks, nb);
+    if (!rc) {
+        tkey seed;
+        key_seed(c, ns_lo, ns_hi, &seed);
+        for (uint32_t i = 0; i < nb; i++) key_next(i ? &keys[i - 1] : &seed, toks + (size_t)i * B, B, &keys[i]);
+        /* deepest first: in a least-recently-used store the beginnings of prefixes stay longest */
+        for (uint32_t j = nb; !rc && j-- > 0;) {
+            size_t len = 0;
+            int g = t->ops.get(t->ctx, keys[j].b, NULL, 0, &len);
+            if (g == PKV_OK) {
+                present++;
+                continue;
+            }
+            tier_hdr h;
+            hdr_fill(c, &sh, &keys[j], j ? &keys[j - 1] : &seed, &h);
+            uint8_t *p = buf + sizeof h;
+            memcpy(p, toks + (size_t)j * B, (size_t)B * sizeof(int32_t));
+            p += (size_t)B * sizeof(int32_t);
+            for (uint32_t l = 0; !rc && l < c->n_layers; l++, p += sh.layer)
+                rc = pkv_seq_read_stored(c, id, l, j * B, B, p, p + (size_t)B * sh.k_rows);
+            if (rc) break;
+            h.checksum = XXH3_64bits(buf + sizeof h, sh.entry - sizeof h);
+            memcpy(buf, &h, sizeof h);
+            int r = t->ops.put(t->ctx, keys[j].b, buf, sh.entry);
+            if (r == PKV_OK) put[j] = true, saved++;
+            else if (r == PKV_ENOSPC) no_room++;
+            else {
+                COUNT(t, errors, 1);
+                rc = PKV__SAY(c, r < 0 && r > -64 ? r : PKV_EIO, "the tier's put of block %u failed: %s", j,
+                              pkv_strerror(r));
+            }
+        }
+        if (rc) /* none of this call's entries stays */
+            for (uint32_t i = 0; i < nb; i++)
+                if (put[i]) (void)t->ops.del(t->ctx, keys[i].b);
+    }
+    if (!rc) {
+        pthread_mutex_lock(&t->mu);
+        t->st.saved += saved, t->st.save_present += present, t->st.save_no_room += no_room;
+        pthread_mutex_unlock(&t->mu);
+        if (n_saved) *n_saved = saved;
+    }
+    pkv__free(&c->alloc, put, nb);
+    pkv__free(&c->alloc, buf, sh.entry);
+    pkv__free(&c->alloc, keys, keys_bytes);
+    pkv__free(&c->alloc, toks, toks_bytes);
+    return rc;
+}
+
+/* ---- load ---- */
+PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n,
+                          uint32_t *n_loaded) {
+    if (!c) return PKV_EINVAL;
+    if (!t) return PKV__SAY(c, PKV_EINVAL, "t is NULL");
+    if (!n_loaded) return PKV__SAY(c, PKV_EINVAL, "n_loaded is NULL");
+    if (n && !tokens) return PKV__SAY(c, PKV_EINVAL, "tokens is NULL, n %u", n);
+    *n_loaded = 0;
+    uint32_t m, n_com;
+    uint64_t ns_lo, ns_hi;
+    int rc = seq_peek(c, id, __func__, &m, &n_com, &ns_lo, &ns_hi, NULL, 0);
+    if (rc) return rc;
+    if (n_com != m) return PKV__SAY(c, PKV_EINVAL, "positions [%u, %u) of the sequence are not committed", n_com, m);
+    if (m > n) return PKV__SAY(c, PKV_EINVAL, "the sequence holds %u positions, past the prompt's %u", m, n);
+    const uint32_t B = c->B, cap = n ? n - 1 : 0;
+    const uint32_t full = PKV_MIN(n / B, c->max_bps), i0 = m / B;
+    if (m >= cap || i0 >= full) return PKV_OK;
+    shape sh;
+    if (!shape_of(c, &sh)) return PKV__SAY(c, PKV_ENOMEM, "an entry's size overflows");
+    /* the sequence's own positions must be the prompt's: its blocks' token ids, compared */
+    const size_t toks_bytes = ((size_t)i0 + 1) * B * sizeof(int32_t), keys_bytes = (size_t)(full - i0) * sizeof(tkey);
+    int32_t *toks = pkv__alloc(&c->alloc, toks_bytes, 64);
+    tkey *keys = pkv__alloc(&c->alloc, keys_bytes, 64);
+    uint8_t *buf = pkv__alloc(&c->alloc, sh.entry, 64);
+    if (!toks || !keys || !buf) rc = PKV__SAY(c, PKV_ENOMEM, "the entry buffer (%zu bytes)", sh.entry);
+    if (!rc) {
+        /* the blocks of [0, m): i0 full ones and, where m is not a multiple of B, part of one */
+        const uint32_t nbk = (m + B - 1) / B;
+        rc = seq_peek(c, id, __func__, &m, &n_com, &ns_lo, &ns_hi, toks, nbk);
+        if (!rc && memcmp(toks, tokens, (size_t)m * sizeof(int32_t)))
+            rc = PKV__SAY(c, PKV_EINVAL, "the sequence's positions [0, %u) are not tokens[0, %u)", m, m);
+    }
+    uint32_t pos = m, blocks = 0;
+    bool miss = false;
+    if (!rc) {
+        tkey prev;
+        key_seed(c, ns_lo, ns_hi, &prev);
+        for (uint32_t i = 0; i < i0; i++) key_next(&prev, tokens + (size_t)i * B, B, &prev);
+        for (uint32_t i = i0; i < full && pos < cap; i++) {
+            tkey *key = &keys[i - i0];
+            const int32_t *bt = tokens + (size_t)i * B;
+            key_next(&prev, bt, B, key);
+            size_t len = 0;
+            int g = t->ops.get(t->ctx, key->b, buf, sh.entry, &len);
+            if (g == PKV_ENOENT) {
+                miss = true;
+                break;
+            }
+            if (g != PKV_OK && g != PKV_ENOSPC) {
+                COUNT(t, errors, 1);
+                break;
+            }
+            if (g == PKV_ENOSPC || !entry_ok(c, &sh, buf, len, key, &prev, bt)) {
+                COUNT(t, rejected, 1);
+                (void)t->ops.del(t->ctx, key->b);
+                break;
+            }
+            const uint32_t from = pos, to = PKV_MIN((i + 1) * B, cap), cnt = to - from;
+            if (pkv_seq_append(c, id, tokens + from, cnt, NULL) != PKV_OK) break; /* no room: the load ends */
+            const uint8_t *p = buf + sizeof(tier_hdr) + (size_t)B * sizeof(int32_t);
+            const size_t skip = from - (size_t)i * B;
+            int w = PKV_OK;
+            for (uint32_t l = 0; !w && l < c->n_layers; l++, p += sh.layer)
+                w = pkv_seq_write_stored(c, id, l, from, cnt, p + skip * sh.k_rows,
+                                         p + (size_t)B * sh.k_rows + skip * sh.v_rows);
+            if (w) { /* rows the cache refuses (crafted to pass the checksum): a refused entry */
+                rc = pkv_seq_truncate(c, id, from);
+                COUNT(t, rejected, 1);
+                (void)t->ops.del(t->ctx, key->b);
+                break;
+            }
+            if ((rc = pkv_seq_commit(c, id, to))) break; /* only where s changed under the call */
+            pos = to, blocks++, prev = *key;
+        }
+        /* touched again deepest first, so that a least-recently-used store keeps the beginnings */
+        for (uint32_t j = blocks; j-- > 1;) {
+            size_t len;
+            (void)t->ops.get(t->ctx, keys[j - 1].b, NULL, 0, &len);
+        }
+        pthread_mutex_lock(&t->mu);
+        t->st.loaded_blocks += blocks, t->st.loaded_tokens += pos - m, t->st.load_misses += miss;
+        pthread_mutex_unlock(&t->mu);
+        *n_loaded = pos - m;
+    }
+    pkv__free(&c->alloc, buf, sh.entry);
+    pkv__free(&c->alloc, keys, keys_bytes);
+    pkv__free(&c->alloc, toks, toks_bytes);
+    return rc;
+}

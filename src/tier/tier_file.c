@@ -1,0 +1,297 @@
+/* tier_file.c: the file store (pkv_tier_file_create): one file an entry in a directory, named by
+ * its key (32 hex digits, ".pkvb"); the map holds each file's size in use order, and at most
+ * `capacity` bytes of files are kept, the least recently used dropped first. A put writes a
+ * temporary file (".pkvt-", never taken over) and renames it into place; a get opens the file
+ * under the lock and reads it after, so an eviction meanwhile (an unlink) does not cut the read
+ * short. */
+#include "tier_int.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define NAME_LEN (2 * PKV__TIER_KEY + 5) /* hex digits and ".pkvb" */
+
+typedef struct file_store {
+    pthread_mutex_t mu;
+    pkv__tmap map;
+    uint64_t capacity, evictions, tmp_seq;
+    size_t dir_len;
+    char *path; /* dir_len bytes of "dir/", then room for a name (path_size bytes in all) */
+    size_t path_size;
+} file_store;
+
+static void hex_name(char *out, const uint8_t *key) {
+    static const char hx[] = "0123456789abcdef";
+    for (int i = 0; i < PKV__TIER_KEY; i++) out[2 * i] = hx[key[i] >> 4], out[2 * i + 1] = hx[key[i] & 15];
+    memcpy(out + 2 * PKV__TIER_KEY, ".pkvb", 6);
+}
+
+static bool parse_name(const char *name, uint8_t *key) {
+    if (strlen(name) != NAME_LEN || strcmp(name + 2 * PKV__TIER_KEY, ".pkvb")) return false;
+    for (int i = 0; i < 2 * PKV__TIER_KEY; i++) {
+        const char ch = name[i];
+        const int v = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
+        if (v < 0) return false;
+        key[i / 2] = (uint8_t)(i % 2 ? key[i / 2] | v : v << 4);
+    }
+    return true;
+}
+
+/* "dir/<name>" into buf (path_size bytes) */
+static char *path_of(const file_store *f, char *buf, const uint8_t *key) {
+    memcpy(buf, f->path, f->dir_len);
+    hex_name(buf + f->dir_len, key);
+    return buf;
+}
+
+static bool write_all(int fd, const void *data, size_t len) {
+    const unsigned char *p = data;
+    while (len) {
+        ssize_t w = write(fd, p, len);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return false;
+        p += w, len -= (size_t)w;
+    }
+    return true;
+}
+
+/* drops the oldest entry, its file unlinked (under the lock) */
+static void evict_oldest(file_store *f, char *buf) {
+    pkv__tent *o = f->map.oldest;
+    unlink(path_of(f, buf, o->key));
+    pkv__tmap_remove(&f->map, o);
+    pkv__tmap_free(&f->map, o);
+    f->evictions++;
+}
+
+static int file_put(void *ctx, const uint8_t key[16], const void *data, size_t len) {
+    file_store *f = ctx;
+    if (len > f->capacity) return PKV_ENOSPC;
+    char *tmp = pkv__alloc(&f->map.alloc, 2 * f->path_size, 1), *fin = tmp + f->path_size;
+    pkv__tent *e = pkv__tmap_new(&f->map, key, len, 0);
+    if (!tmp || !e) {
+        pkv__free(&f->map.alloc, tmp, 2 * f->path_size);
+        if (e) pkv__tmap_free(&f->map, e);
+        return PKV_ENOMEM;
+    }
+    pthread_mutex_lock(&f->mu);
+    const uint64_t seq = f->tmp_seq++;
+    pthread_mutex_unlock(&f->mu);
+    memcpy(tmp, f->path, f->dir_len);
+    snprintf(tmp + f->dir_len, f->path_size - f->dir_len, ".pkvt-%ld-%llu", (long)getpid(), (unsigned long long)seq);
+    int rc = PKV_OK;
+    const int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0) rc = errno == ENOSPC || errno == EDQUOT ? PKV_ENOSPC : PKV_EIO;
+    else {
+        const bool ok = write_all(fd, data, len);
+        const int err = ok ? 0 : errno;
+        if (close(fd) != 0 || !ok) rc = err == ENOSPC || err == EDQUOT ? PKV_ENOSPC : PKV_EIO;
+        if (rc) unlink(tmp);
+    }
+    if (!rc) {
+        pthread_mutex_lock(&f->mu);
+        pkv__tent *old = pkv__tmap_find(&f->map, key);
+        if (old) { /* replaced by the rename */
+            pkv__tmap_remove(&f->map, old);
+            pkv__tmap_free(&f->map, old);
+        }
+        while (f->map.bytes + len > f->capacity) evict_oldest(f, fin);
+        if (rename(tmp, path_of(f, fin, key)) == 0) {
+            pkv__tmap_insert(&f->map, e);
+            e = NULL;
+        } else {
+            rc = PKV_EIO;
+            unlink(tmp);
+        }
+        pthread_mutex_unlock(&f->mu);
+    }
+    if (e) pkv__tmap_free(&f->map, e);
+    pkv__free(&f->map.alloc, tmp, 2 * f->path_size);
+    return rc;
+}
+
+static bool read_all(int fd, void *data, size_t len) {
+    unsigned char *p = data;
+    while (len) {
+        ssize_t r = read(fd, p, len);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return false;
+        p += r, len -= (size_t)r;
+    }
+    return true;
+}
+
+static int file_get(void *ctx, const uint8_t key[16], void *data, size_t cap, size_t *len) {
+    file_store *f = ctx;
+    char *buf = pkv__alloc(&f->map.alloc, f->path_size, 1);
+    if (!buf) return PKV_ENOMEM;
+    int fd = -1, rc = PKV_ENOENT;
+    pthread_mutex_lock(&f->mu);
+    pkv__tent *e = pkv__tmap_find(&f->map, key);
+    if (e) {
+        *len = (size_t)e->len;
+        pkv__tmap_touch(&f->map, e);
+        rc = data && e->len > cap ? PKV_ENOSPC : PKV_OK;
+        if (data && !rc) {
+            fd = open(path_of(f, buf, key), O_RDONLY | O_CLOEXEC);
+            if (fd < 0) { /* gone from under the store (removed by hand): forget it */
+                pkv__tmap_remove(&f->map, e);
+                pkv__tmap_free(&f->map, e);
+                rc = errno == ENOENT ? PKV_ENOENT : PKV_EIO;
+            }
+        }
+    }
+    pthread_mutex_unlock(&f->mu);
+    if (fd >= 0) {
+        struct stat st;
+        /* a file of another size than the map's (changed by hand) reads as what it holds: the
+           caller's checks refuse it */
+        if (fstat(fd, &st) != 0) rc = PKV_EIO;
+        else if ((uint64_t)st.st_size > cap) *len = (size_t)st.st_size, rc = PKV_ENOSPC;
+        else if (!read_all(fd, data, (size_t)st.st_size)) rc = PKV_EIO;
+        else *len = (size_t)st.st_size;
+        close(fd);
+    }
+    pkv__free(&f->map.alloc, buf, f->path_size);
+    return rc;
+}
+
+static int file_del(void *ctx, const uint8_t key[16]) {
+    file_store *f = ctx;
+    char *buf = pkv__alloc(&f->map.alloc, f->path_size, 1);
+    if (!buf) return PKV_ENOMEM;
+    pthread_mutex_lock(&f->mu);
+    pkv__tent *e = pkv__tmap_find(&f->map, key);
+    if (e) {
+        unlink(path_of(f, buf, key));
+        pkv__tmap_remove(&f->map, e);
+        pkv__tmap_free(&f->map, e);
+    }
+    pthread_mutex_unlock(&f->mu);
+    pkv__free(&f->map.alloc, buf, f->path_size);
+    return PKV_OK;
+}
+
+static void file_usage(void *ctx, uint64_t *entries, uint64_t *bytes, uint64_t *capacity, uint64_t *evictions) {
+    file_store *f = ctx;
+    pthread_mutex_lock(&f->mu);
+    *entries = f->map.n;
+    *bytes = f->map.bytes;
+    *capacity = f->capacity;
+    *evictions = f->evictions;
+    pthread_mutex_unlock(&f->mu);
+}
+
+static void file_free(file_store *f) {
+    pkv_allocator a = f->map.alloc;
+    pkv__tmap_fini(&f->map);
+    pkv__free(&a, f->path, f->path_size);
+    pthread_mutex_destroy(&f->mu);
+    pkv__free(&a, f, sizeof *f);
+}
+
+static void file_destroy(void *ctx) { file_free(ctx); }
+
+typedef struct found {
+    uint8_t key[PKV__TIER_KEY];
+    uint64_t len, when;
+} found;
+
+static int by_when(const void *a, const void *b) {
+    const found *x = a, *y = b;
+    return x->when < y->when ? -1 : x->when > y->when ? 1 : memcmp(x->key, y->key, PKV__TIER_KEY);
+}
+
+/* Takes over the entries already in the directory, oldest written first in the use order;
+ * removes temporary files an earlier process left. */
+static int adopt(file_store *f) {
+    DIR *d = opendir(f->path);
+    if (!d) return PKV_EIO;
+    found *list = NULL;
+    size_t n = 0, cap = 0;
+    int rc = PKV_OK;
+    char *buf = pkv__alloc(&f->map.alloc, f->path_size + 256, 1);
+    if (!buf) rc = PKV_ENOMEM;
+    for (struct dirent *de; !rc && (de = readdir(d));) {
+        found x;
+        const bool tmp = !strncmp(de->d_name, ".pkvt-", 6);
+        if (!tmp && !parse_name(de->d_name, x.key)) continue;
+        if (strlen(de->d_name) > 255) continue;
+        memcpy(buf, f->path, f->dir_len);
+        strcpy(buf + f->dir_len, de->d_name);
+        if (tmp) {
+            unlink(buf);
+            continue;
+        }
+        struct stat st;
+        if (stat(buf, &st) != 0 || !S_ISREG(st.st_mode)) continue;
+        x.len = (uint64_t)st.st_size;
+        x.when = (uint64_t)st.st_mtim.tv_sec * 1000000000u + (uint64_t)st.st_mtim.tv_nsec;
+        if (n == cap) {
+            size_t nc = cap ? 2 * cap : 64;
+            found *g = pkv__alloc(&f->map.alloc, nc * sizeof *g, 16);
+            if (!g) {
+                rc = PKV_ENOMEM;
+                break;
+            }
+            if (n) memcpy(g, list, n * sizeof *g);
+            pkv__free(&f->map.alloc, list, cap * sizeof *list);
+            list = g, cap = nc;
+        }
+        list[n++] = x;
+    }
+    closedir(d);
+    if (n) qsort(list, n, sizeof *list, by_when);
+    for (size_t i = 0; !rc && i < n; i++) {
+        pkv__tent *e = pkv__tmap_new(&f->map, list[i].key, list[i].len, 0);
+        if (!e) rc = PKV_ENOMEM;
+        else pkv__tmap_insert(&f->map, e);
+    }
+    /* over the capacity (a smaller one than before): the oldest go */
+    while (!rc && f->map.n && f->map.bytes > f->capacity) evict_oldest(f, buf);
+    pkv__free(&f->map.alloc, list, cap * sizeof *list);
+    pkv__free(&f->map.alloc, buf, f->path_size + 256);
+    return rc;
+}
+
+int pkv__tier_file_open(const char *dir, uint64_t capacity, const pkv_allocator *alloc, pkv_tier_ops *ops,
+                        void **ctx) {
+    file_store *f = pkv__alloc(alloc, sizeof *f, 64);
+    if (!f) return PKV_ENOMEM;
+    memset(f, 0, sizeof *f);
+    pthread_mutex_init(&f->mu, NULL);
+    int rc = pkv__tmap_init(&f->map, alloc);
+    const size_t dl = strlen(dir);
+    f->dir_len = dl + 1;
+    f->path_size = f->dir_len + 64; /* a key's name or a temporary one */
+    if (!rc && !(f->path = pkv__alloc(&f->map.alloc, f->path_size, 1))) rc = PKV_ENOMEM;
+    if (!rc) {
+        memcpy(f->path, dir, dl);
+        f->path[dl] = '/';
+        f->path[dl + 1] = 0;
+        struct stat st;
+        if (mkdir(dir, 0755) != 0 && errno != EEXIST) rc = PKV_EIO;
+        else if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) rc = PKV_EIO;
+        else {
+            f->capacity = capacity;
+            rc = adopt(f);
+        }
+    }
+    if (rc) {
+        if (f->map.buckets) file_free(f);
+        else {
+            pthread_mutex_destroy(&f->mu);
+            pkv__free(alloc, f, sizeof *f);
+        }
+        return rc;
+    }
+    *ops = (pkv_tier_ops){file_put, file_get, file_del, file_usage, file_destroy};
+    *ctx = f;
+    return PKV_OK;
+}

@@ -1,0 +1,48 @@
+/* tier_int.h: storage tiers (pkv.h, "storage tiers"): the key map with its least-recently-used
+ * list that the host and file stores share, and the built-in stores' constructors. Depends on
+ * core only; tier.c also reads the cache (save and load). */
+#ifndef PKV_TIER_INT_H
+#define PKV_TIER_INT_H
+
+#include "../core/core.h"
+
+#include <pthread.h>
+
+#define PKV__TIER_KEY 16
+
+/* One entry of a store: its key, its size, its bytes (host: inline after the struct; file:
+ * none, they are in the file), its hash chain and its place in the use order. */
+typedef struct pkv__tent {
+    struct pkv__tent *hnext, *older, *newer;
+    uint64_t len;
+    size_t size; /* bytes allocated for the entry, itself included */
+    uint8_t key[PKV__TIER_KEY];
+    _Alignas(16) unsigned char data[];
+} pkv__tent;
+
+/* Entries by key (a chained hash table on the key's first 8 bytes, already uniform: a key is a
+ * hash) and in use order (oldest first). Not locked: the store's lock guards it. */
+typedef struct pkv__tmap {
+    pkv_allocator alloc;
+    pkv__tent **buckets;
+    size_t mask; /* buckets - 1 (a power of two) */
+    pkv__tent *oldest, *newest;
+    uint64_t n, bytes;
+} pkv__tmap;
+
+int pkv__tmap_init(pkv__tmap *m, const pkv_allocator *alloc); /* PKV_ENOMEM */
+void pkv__tmap_fini(pkv__tmap *m);                            /* frees every entry */
+pkv__tent *pkv__tmap_find(const pkv__tmap *m, const uint8_t *key);
+/* An entry of data_bytes inline bytes (0 for the file store), key and len set, not in the map. */
+pkv__tent *pkv__tmap_new(pkv__tmap *m, const uint8_t *key, uint64_t len, size_t data_bytes);
+void pkv__tmap_free(pkv__tmap *m, pkv__tent *e); /* an entry not in the map */
+void pkv__tmap_insert(pkv__tmap *m, pkv__tent *e); /* as the newest; grows the table if it can */
+void pkv__tmap_remove(pkv__tmap *m, pkv__tent *e);
+void pkv__tmap_touch(pkv__tmap *m, pkv__tent *e); /* now the newest */
+
+/* The built-in stores: their ops and context (pkv_tier_host_create, pkv_tier_file_create). */
+int pkv__tier_host_open(uint64_t capacity, const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx);
+int pkv__tier_file_open(const char *dir, uint64_t capacity, const pkv_allocator *alloc, pkv_tier_ops *ops,
+                        void **ctx);
+
+#endif

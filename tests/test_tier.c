@@ -1,0 +1,590 @@
+/* test_tier.c: storage tiers (pkv.h, "storage tiers"): blocks saved from one cache and loaded
+ * into another, byte for byte; partial matches finished from the tier; what must not match
+ * (another namespace, another shape, other tokens); the store's least-recently-used order; the
+ * file store across "processes" (destroy and reopen) and with corrupt files; a store of the
+ * test's own that fails, loses and garbles on request; allocation failures. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include "support_util.h"
+
+#include <dirent.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+enum { B = 8, LAYERS = 2, KV = 2, HD = 32, N = 45, TAG = 7 };
+
+static pkv_cache *mk(pkv_dtype k, pkv_dtype v, uint32_t n_blocks, uint32_t layers) {
+    pkv_config cfg = tu_config(n_blocks, B, layers, KV, HD, k);
+    cfg.v_dtype = v;
+    cfg.enable_prefix_cache = 1;
+    return tu_create(&cfg);
+}
+
+static void prompt(int32_t *t, uint32_t n, int32_t base) {
+    for (uint32_t i = 0; i < n; i++) t[i] = base + (int32_t)(i * 7 % 13) + (int32_t)i;
+}
+
+/* a sequence of salt holding tokens[0, n), the pattern TAG written, committed */
+static pkv_seq filled(pkv_cache *c, const char *salt, const int32_t *toks, uint32_t n) {
+    pkv_seq s;
+    TU_OK(pkv_seq_create(c, salt, salt ? strlen(salt) : 0, &s));
+    TU_OK(pkv_seq_append(c, s, toks, n, NULL));
+    TU_WRITE_PAT(c, s, 0, n, TAG);
+    TU_OK(pkv_seq_commit(c, s, n));
+    return s;
+}
+
+/* positions [0, n) of a in ca and b in cb: the same stored bytes, every layer */
+static void same_rows(pkv_cache *ca, pkv_seq a, pkv_cache *cb, pkv_seq b, uint32_t n) {
+    pkv_config cfg;
+    TU_OK(pkv_cache_config(ca, &cfg));
+    const size_t kb = pkv_dtype_row_bytes(cfg.k_dtype, HD) * KV * n, vb = pkv_dtype_row_bytes(cfg.v_dtype, HD) * KV * n;
+    uint8_t *x = malloc(kb + vb + 1), *y = malloc(kb + vb + 1);
+    for (uint32_t l = 0; l < cfg.n_layers; l++) {
+        TU_OK(pkv_seq_read_stored(ca, a, l, 0, n, x, x + kb));
+        TU_OK(pkv_seq_read_stored(cb, b, l, 0, n, y, y + kb));
+        assert_memory_equal(x, y, kb + vb);
+    }
+    free(x);
+    free(y);
+}
+
+static pkv_tier *host(uint64_t cap) {
+    pkv_tier *t = NULL;
+    TU_OK(pkv_tier_host_create(cap, NULL, &t));
+    return t;
+}
+
+static pkv_tier_stats tstats(pkv_tier *t) {
+    pkv_tier_stats st;
+    TU_OK(pkv_tier_get_stats(t, &st));
+    return st;
+}
+
+/* load into a fresh sequence of c (a match first), giving the positions loaded */
+static uint32_t load_fresh(pkv_tier *t, pkv_cache *c, const char *salt, const int32_t *toks, uint32_t n,
+                           uint32_t *reused, pkv_seq *out) {
+    pkv_seq s;
+    uint32_t r = 0, got = 99999;
+    TU_OK(pkv_seq_create(c, salt, salt ? strlen(salt) : 0, &s));
+    TU_OK(pkv_seq_match_prefix(c, s, toks, n, &r));
+    TU_OK(pkv_tier_load(t, c, s, toks, n, &got));
+    pkv_seq_info info = tu_info(c, s);
+    assert_int_equal(info.n_tokens, r + got);
+    assert_int_equal(info.n_committed, r + got);
+    TU_CHECK(c);
+    if (reused) *reused = r;
+    *out = s;
+    return got;
+}
+
+/* ---- one cache to another, every dtype pair of four, then decode over the loaded blocks ---- */
+static void roundtrip(pkv_dtype k, pkv_dtype v) {
+    int32_t toks[N];
+    prompt(toks, N, 100);
+    pkv_cache *a = mk(k, v, 16, LAYERS), *b = mk(k, v, 40, LAYERS);
+    pkv_tier *t = host(1u << 24);
+    pkv_seq sa = filled(a, "ten", toks, N);
+    uint32_t saved = 99;
+    TU_OK(pkv_tier_save(t, a, sa, &saved));
+    assert_int_equal(saved, N / B); /* the full committed blocks */
+    TU_OK(pkv_tier_save(t, a, sa, &saved));
+    assert_int_equal(saved, 0);
+    pkv_tier_stats st = tstats(t);
+    assert_int_equal(st.saved, 5);
+    assert_int_equal(st.save_present, 5);
+    assert_int_equal(st.entries, 5);
+    /* b is empty: the whole of the 5 blocks comes from the tier (the prompt's last token never) */
+    pkv_seq sb;
+    uint32_t reused;
+    assert_int_equal(load_fresh(t, b, "ten", toks, N, &reused, &sb), 40);
+    assert_int_equal(reused, 0);
+    same_rows(a, sa, b, sb, 40);
+    st = tstats(t);
+    assert_int_equal(st.loaded_blocks, 5);
+    assert_int_equal(st.loaded_tokens, 40);
+    assert_int_equal(st.load_misses, 0); /* the prompt has no sixth full block to look for */
+    /* the loaded blocks are in b's index: another request matches them in the pool */
+    pkv_seq s2;
+    uint32_t r2 = 0;
+    TU_OK(pkv_seq_create(b, "ten", 3, &s2));
+    TU_OK(pkv_seq_match_prefix(b, s2, toks, N, &r2));
+    assert_int_equal(r2, 40);
+    /* decode over the loaded blocks equals decode over the saved ones */
+    TU_OK(pkv_seq_append(b, sb, toks + 40, 5, NULL));
+    TU_WRITE_PAT(b, sb, 40, 5, TAG);
+    TU_OK(pkv_seq_commit(b, sb, N));
+    float q[KV * HD], oa[KV * HD], ob[KV * HD];
+    for (int i = 0; i < KV * HD; i++) q[i] = sinf((float)i);
+    float scale = 0;
+    for (uint32_t l = 0; l < LAYERS; l++) {
+        TU_OK(pkv_attn_decode(a, l, &sa, 1, q, oa, NULL));
+        TU_OK(pkv_attn_decode(b, l, &sb, 1, q, ob, NULL));
+        for (int i = 0; i < KV * HD; i++) scale = fmaxf(scale, fabsf(oa[i]));
+        for (int i = 0; i < KV * HD; i++) assert_true(fabsf(oa[i] - ob[i]) <= 1e-5f * (scale + 1e-30f));
+    }
+    assert_true(scale > 0);
+    TU_CHECK(a);
+    TU_CHECK(b);
+    pkv_tier_destroy(t);
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+}
+
+static void test_roundtrip(void **state) {
+    (void)state;
+    roundtrip(PKV_DTYPE_F16, PKV_DTYPE_F16);
+    roundtrip(PKV_DTYPE_Q8_0, PKV_DTYPE_Q4_0);
+    roundtrip(PKV_DTYPE_FP8_E4M3, PKV_DTYPE_BF16);
+    roundtrip(PKV_DTYPE_F32, PKV_DTYPE_Q8_0);
+}
+
+/* ---- a pool match that stops inside a block, finished from the tier ---- */
+static void test_partial(void **state) {
+    (void)state;
+    int32_t toks[N];
+    prompt(toks, N, 300);
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 16, LAYERS), *b = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 40, LAYERS);
+    pkv_tier *t = host(1u << 24);
+    pkv_seq sa = filled(a, NULL, toks, N);
+    TU_OK(pkv_tier_save(t, a, sa, NULL));
+    /* b has computed the first 20 tokens once: 2 indexed blocks and a committed part of a third */
+    pkv_seq old = filled(b, NULL, toks, 20); /* kept: its tail block is the token-granular source */
+    pkv_seq sb;
+    uint32_t reused;
+    assert_int_equal(load_fresh(t, b, NULL, toks, N, &reused, &sb), 20);
+    assert_int_equal(reused, 20); /* 16 in whole blocks, 4 token-granular */
+    same_rows(a, sa, b, sb, 40);
+    TU_OK(pkv_seq_release(b, old));
+    /* a prompt that ends on a block's last token: that token is not loaded */
+    pkv_seq s3;
+    assert_int_equal(load_fresh(t, b, NULL, toks, 40, &reused, &s3), 0);
+    assert_int_equal(reused, 39);
+    pkv_cache *c = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 40, LAYERS);
+    assert_int_equal(load_fresh(t, c, NULL, toks, 40, &reused, &s3), 39);
+    same_rows(a, sa, c, s3, 39);
+    assert_int_equal(load_fresh(t, c, NULL, toks, 41, &reused, &s3), 1); /* 39 in the pool, then 1 */
+    pkv_tier_destroy(t);
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+    pkv_cache_destroy(c);
+}
+
+/* ---- what must not match, and refusals ---- */
+static void test_mismatch(void **state) {
+    (void)state;
+    int32_t toks[N], other[N];
+    prompt(toks, N, 500);
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 16, LAYERS);
+    pkv_tier *t = host(1u << 24);
+    pkv_seq sa = filled(a, "alice", toks, N), s;
+    TU_OK(pkv_tier_save(t, a, sa, NULL));
+    pkv_cache *b = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 60, LAYERS);
+    assert_int_equal(load_fresh(t, b, "bob", toks, N, NULL, &s), 0); /* another namespace */
+    assert_int_equal(load_fresh(t, b, NULL, toks, N, NULL, &s), 0);  /* none */
+    assert_int_equal(tstats(t).load_misses, 2);
+    pkv_cache *c3 = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, 3); /* another shape */
+    assert_int_equal(load_fresh(t, c3, "alice", toks, N, NULL, &s), 0);
+    pkv_cache *cb = mk(PKV_DTYPE_F16, PKV_DTYPE_BF16, 40, LAYERS);
+    assert_int_equal(load_fresh(t, cb, "alice", toks, N, NULL, &s), 0);
+    /* tokens that differ in block 3: blocks 0-2 */
+    memcpy(other, toks, sizeof other);
+    other[27]++;
+    assert_int_equal(load_fresh(t, b, "alice", other, N, NULL, &s), 24);
+    same_rows(a, sa, b, s, 24);
+    /* refusals, nothing changed */
+    uint32_t got = 5;
+    pkv_seq e;
+    TU_OK(pkv_seq_create(b, "alice", 5, &e));
+    TU_OK(pkv_seq_append(b, e, toks, 3, NULL));
+    TU_WRITE_PAT(b, e, 0, 3, TAG);
+    TU_RC(pkv_tier_load(t, b, e, toks, N, &got), PKV_EINVAL); /* uncommitted positions */
+    TU_OK(pkv_seq_commit(b, e, 3));
+    TU_RC(pkv_tier_load(t, b, e, other + 1, N - 1, &got), PKV_EINVAL); /* not the prompt's tokens */
+    TU_RC(pkv_tier_load(t, b, e, toks, 2, &got), PKV_EINVAL);          /* longer than the prompt */
+    TU_RC(pkv_tier_load(t, b, e, NULL, N, &got), PKV_EINVAL);
+    TU_RC(pkv_tier_load(t, b, e, toks, N, NULL), PKV_EINVAL);
+    TU_RC(pkv_tier_load(NULL, b, e, toks, N, &got), PKV_EINVAL);
+    TU_RC(pkv_tier_load(t, NULL, e, toks, N, &got), PKV_EINVAL);
+    TU_RC(pkv_tier_load(t, b, e + 1, toks, N, &got), PKV_ENOENT);
+    TU_RC(pkv_tier_save(NULL, b, e, &got), PKV_EINVAL);
+    TU_RC(pkv_tier_save(t, NULL, e, &got), PKV_EINVAL);
+    TU_RC(pkv_tier_save(t, b, e + 1, &got), PKV_ENOENT);
+    assert_int_equal(tu_info(b, e).n_tokens, 3);
+    TU_OK(pkv_tier_load(t, b, e, toks, N, &got)); /* from position 3: the rest of blocks 0-4 */
+    assert_int_equal(got, 37);
+    same_rows(a, sa, b, e, 40);
+    /* a pin is not a sequence */
+    pkv_seq pin;
+    TU_OK(pkv_pin_create(b, e, 16, &pin));
+    TU_RC(pkv_tier_save(t, b, pin, &got), PKV_EINVAL);
+    TU_OK(pkv_pin_release(b, pin));
+    /* creation */
+    pkv_tier *x = (pkv_tier *)&got;
+    TU_RC(pkv_tier_host_create(0, NULL, &x), PKV_EINVAL);
+    assert_null(x);
+    TU_RC(pkv_tier_host_create(1, NULL, NULL), PKV_EINVAL);
+    TU_RC(pkv_tier_file_create(NULL, 1, NULL, &x), PKV_EINVAL);
+    TU_RC(pkv_tier_file_create("", 1, NULL, &x), PKV_EINVAL);
+    TU_RC(pkv_tier_file_create("/nonexistent-dir-pkv/a/b", 1 << 20, NULL, &x), PKV_EIO);
+    TU_RC(pkv_tier_file_create("/dev/null", 1 << 20, NULL, &x), PKV_EIO);
+    pkv_tier_ops none = {0};
+    TU_RC(pkv_tier_create(&none, NULL, NULL, &x), PKV_EINVAL);
+    TU_RC(pkv_tier_create(NULL, NULL, NULL, &x), PKV_EINVAL);
+    TU_RC(pkv_tier_get_stats(t, NULL), PKV_EINVAL);
+    TU_RC(pkv_tier_get_stats(NULL, &(pkv_tier_stats){0}), PKV_EINVAL);
+    pkv_tier_destroy(NULL);
+    TU_CHECK(b);
+    pkv_tier_destroy(t);
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+    pkv_cache_destroy(c3);
+    pkv_cache_destroy(cb);
+}
+
+/* ---- a store with room for 3 entries keeps the beginnings of the prefix ---- */
+static void test_lru(void **state) {
+    (void)state;
+    int32_t toks[N];
+    prompt(toks, N, 700);
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 16, LAYERS);
+    pkv_seq sa = filled(a, NULL, toks, N), s;
+    pkv_tier *probe = host(1u << 24);
+    TU_OK(pkv_tier_save(probe, a, sa, NULL));
+    const uint64_t entry = tstats(probe).bytes / 5;
+    assert_int_equal(tstats(probe).bytes % 5, 0);
+    pkv_tier_destroy(probe);
+    pkv_tier *t = host(3 * entry + entry / 2);
+    uint32_t saved;
+    TU_OK(pkv_tier_save(t, a, sa, &saved));
+    assert_int_equal(saved, 5);
+    pkv_tier_stats st = tstats(t);
+    assert_int_equal(st.entries, 3);
+    assert_int_equal(st.evictions, 2);
+    pkv_cache *b = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
+    assert_int_equal(load_fresh(t, b, NULL, toks, N, NULL, &s), 24); /* blocks 0-2 stayed */
+    assert_int_equal(tstats(t).load_misses, 1);
+    /* a store too small for one entry: nothing stored, not an error */
+    pkv_tier *tiny = host(entry - 1);
+    TU_OK(pkv_tier_save(tiny, a, sa, &saved));
+    assert_int_equal(saved, 0);
+    assert_int_equal(tstats(tiny).save_no_room, 5);
+    pkv_tier_destroy(tiny);
+    pkv_tier_destroy(t);
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+}
+
+/* ---- files: taken over by a new tier, corrupt ones refused ---- */
+static int count_files(const char *dir, const char *suffix, char *first) {
+    DIR *d = opendir(dir);
+    assert_non_null(d);
+    int n = 0;
+    for (struct dirent *de; (de = readdir(d));) {
+        size_t l = strlen(de->d_name), ls = strlen(suffix);
+        if (l >= ls && !strcmp(de->d_name + l - ls, suffix)) {
+            if (first && !n) snprintf(first, 256, "%s/%s", dir, de->d_name);
+            n++;
+        }
+    }
+    closedir(d);
+    return n;
+}
+
+static void write_file(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+static void test_file(void **state) {
+    (void)state;
+    char dir[] = "/tmp/pkv-tier-XXXXXX", path[512], victim[256];
+    assert_non_null(mkdtemp(dir));
+    int32_t toks[N];
+    prompt(toks, N, 900);
+    pkv_cache *a = mk(PKV_DTYPE_Q4_0, PKV_DTYPE_F16, 16, LAYERS);
+    pkv_seq sa = filled(a, NULL, toks, N), s;
+    pkv_tier *t = NULL;
+    snprintf(path, sizeof path, "%s/sub", dir);
+    TU_OK(pkv_tier_file_create(path, 1u << 24, NULL, &t)); /* made */
+    TU_OK(pkv_tier_save(t, a, sa, NULL));
+    const uint64_t bytes = tstats(t).bytes;
+    pkv_tier_destroy(t);
+    assert_int_equal(count_files(path, ".pkvb", NULL), 5);
+    /* another "process": a leftover temporary file goes, a foreign file stays */
+    char tmp[600], foreign[600];
+    snprintf(tmp, sizeof tmp, "%s/.pkvt-1-1", path);
+    snprintf(foreign, sizeof foreign, "%s/notes.txt", path);
+    write_file(tmp, "half an entry");
+    write_file(foreign, "mine");
+    TU_OK(pkv_tier_file_create(path, 1u << 24, NULL, &t));
+    pkv_tier_stats st = tstats(t);
+    assert_int_equal(st.entries, 5);
+    assert_int_equal(st.bytes, bytes);
+    assert_int_equal(access(tmp, F_OK), -1);
+    assert_int_equal(access(foreign, F_OK), 0);
+    pkv_cache *b = mk(PKV_DTYPE_Q4_0, PKV_DTYPE_F16, 40, LAYERS);
+    assert_int_equal(load_fresh(t, b, NULL, toks, N, NULL, &s), 40);
+    same_rows(a, sa, b, s, 40);
+    /* one file spoiled (a byte in its rows): the load stops there, the file is deleted */
+    count_files(path, ".pkvb", victim);
+    FILE *f = fopen(victim, "r+b");
+    assert_non_null(f);
+    fseek(f, -3, SEEK_END);
+    int ch = fgetc(f);
+    fseek(f, -3, SEEK_END);
+    fputc(ch ^ 0x10, f);
+    fclose(f);
+    pkv_cache *c = mk(PKV_DTYPE_Q4_0, PKV_DTYPE_F16, 40, LAYERS);
+    uint32_t got = load_fresh(t, c, NULL, toks, N, NULL, &s);
+    assert_true(got < 40 && got % B == 0);
+    same_rows(a, sa, c, s, got);
+    st = tstats(t);
+    assert_int_equal(st.rejected, 1);
+    assert_int_equal(st.entries, 4);
+    assert_int_equal(access(victim, F_OK), -1);
+    /* a file removed by hand: a miss, forgotten */
+    TU_OK(pkv_tier_save(t, a, sa, NULL)); /* back to 5 */
+    assert_int_equal(tstats(t).entries, 5);
+    count_files(path, ".pkvb", victim);
+    assert_int_equal(unlink(victim), 0);
+    pkv_cache *d = mk(PKV_DTYPE_Q4_0, PKV_DTYPE_F16, 40, LAYERS);
+    got = load_fresh(t, d, NULL, toks, N, NULL, &s);
+    assert_true(got < 40 && got % B == 0);
+    assert_int_equal(tstats(t).entries, 4);
+    pkv_tier_destroy(t);
+    /* reopened smaller: the oldest written go */
+    TU_OK(pkv_tier_file_create(path, 2 * (bytes / 5), NULL, &t));
+    assert_int_equal(tstats(t).entries, 2);
+    assert_int_equal(count_files(path, ".pkvb", NULL), 2);
+    pkv_tier_destroy(t);
+    unlink(foreign);
+    while (count_files(path, ".pkvb", victim)) unlink(victim);
+    rmdir(path);
+    rmdir(dir);
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+    pkv_cache_destroy(c);
+    pkv_cache_destroy(d);
+}
+
+/* ---- a store of the test's own, failing on request ---- */
+typedef struct fake {
+    uint8_t key[32][16];
+    uint8_t *data[32];
+    size_t len[32];
+    int n_put, n_get, n_del;
+    int fail_put_at, fail_get_at; /* call index answered PKV_EIO (-1 never) */
+    int garble, shorten;          /* gets: flip a byte of the rows / give one byte less */
+    int craft;                    /* gets: a q8_0 code of -128 in the V rows, checksum fixed */
+} fake;
+
+static int find(fake *f, const uint8_t *key) {
+    for (int i = 0; i < 32; i++)
+        if (f->data[i] && !memcmp(f->key[i], key, 16)) return i;
+    return -1;
+}
+
+static int fake_put(void *ctx, const uint8_t key[16], const void *data, size_t len) {
+    fake *f = ctx;
+    if (f->n_put++ == f->fail_put_at) return PKV_EIO;
+    int i = find(f, key);
+    for (int j = 0; i < 0 && j < 32; j++)
+        if (!f->data[j]) i = j;
+    if (i < 0) return PKV_ENOSPC;
+    free(f->data[i]);
+    f->data[i] = malloc(len);
+    memcpy(f->data[i], data, len);
+    memcpy(f->key[i], key, 16);
+    f->len[i] = len;
+    return PKV_OK;
+}
+
+static int fake_get(void *ctx, const uint8_t key[16], void *data, size_t cap, size_t *len) {
+    fake *f = ctx;
+    if (data && f->n_get++ == f->fail_get_at) return PKV_EIO;
+    int i = find(f, key);
+    if (i < 0) return PKV_ENOENT;
+    *len = f->len[i] - (data && f->shorten ? 1 : 0);
+    if (!data) return PKV_OK;
+    if (*len > cap) return PKV_ENOSPC;
+    memcpy(data, f->data[i], *len);
+    uint8_t *p = data;
+    if (f->garble) p[*len - 1] ^= 1;
+    if (f->craft) { /* layer 0's first V row: header 88, tokens, K rows (f16) */
+        p[88 + B * 4 + B * KV * HD * 2 + 2] = 0x80; /* its first code (after the f16 scale) */
+        uint64_t sum = XXH3_64bits(p + 88, *len - 88);
+        memcpy(p + 80, &sum, 8);
+    }
+    return PKV_OK;
+}
+
+static int fake_del(void *ctx, const uint8_t key[16]) {
+    fake *f = ctx;
+    f->n_del++;
+    int i = find(f, key);
+    if (i >= 0) free(f->data[i]), f->data[i] = NULL;
+    return PKV_OK;
+}
+
+static int fake_count(const fake *f) {
+    int n = 0;
+    for (int i = 0; i < 32; i++) n += f->data[i] != NULL;
+    return n;
+}
+
+static void test_faults(void **state) {
+    (void)state;
+    int32_t toks[N];
+    prompt(toks, N, 1100);
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 16, LAYERS);
+    pkv_seq sa = filled(a, NULL, toks, N), s;
+    fake f = {.fail_put_at = 2, .fail_get_at = -1};
+    pkv_tier_ops ops = {fake_put, fake_get, fake_del, NULL, NULL};
+    pkv_tier *t = NULL;
+    TU_OK(pkv_tier_create(&ops, &f, NULL, &t));
+    uint32_t saved = 7;
+    TU_RC(pkv_tier_save(t, a, sa, &saved), PKV_EIO); /* the third put: the two before are deleted */
+    assert_int_equal(fake_count(&f), 0);
+    assert_int_equal(saved, 0);
+    assert_int_equal(tstats(t).errors, 1);
+    assert_int_equal(tstats(t).saved, 0);
+    f.fail_put_at = -1;
+    TU_OK(pkv_tier_save(t, a, sa, &saved));
+    assert_int_equal(saved, 5);
+    assert_int_equal(tstats(t).entries, 0); /* no usage op */
+    pkv_cache *b = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
+    /* the store fails the third get: two blocks, then the load ends, successfully */
+    f.n_get = 0, f.fail_get_at = 2;
+    assert_int_equal(load_fresh(t, b, NULL, toks, N, NULL, &s), 16);
+    assert_int_equal(tstats(t).errors, 2);
+    same_rows(a, sa, b, s, 16);
+    f.fail_get_at = -1;
+    /* garbled, shortened, crafted: each refused at block 0 and deleted */
+    pkv_cache *c = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
+    int *knob[3] = {&f.garble, &f.shorten, &f.craft};
+    for (int k = 0; k < 3; k++) {
+        *knob[k] = 1;
+        assert_int_equal(load_fresh(t, c, NULL, toks, N, NULL, &s), 0);
+        assert_int_equal(tstats(t).rejected, (uint64_t)k + 1);
+        assert_int_equal(fake_count(&f), 4); /* block 0 deleted */
+        assert_int_equal(tu_info(c, s).n_tokens, 0);
+        *knob[k] = 0;
+        TU_OK(pkv_tier_save(t, a, sa, &saved)); /* put back */
+        assert_int_equal(saved, 1);
+    }
+    /* the crafted entry without the -128 passes: the check above was the cache's */
+    assert_int_equal(load_fresh(t, c, NULL, toks, N, NULL, &s), 40);
+    same_rows(a, sa, c, s, 40);
+    TU_CHECK(c);
+    pkv_tier_destroy(t);
+    for (int i = 0; i < 32; i++) free(f.data[i]);
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+    pkv_cache_destroy(c);
+}
+
+/* ---- allocation failures: tier creation, the store's put, the cache's entry buffer ---- */
+static void test_alloc_faults(void **state) {
+    (void)state;
+    int32_t toks[N];
+    prompt(toks, N, 1300);
+    tu_alloc_state as;
+    pkv_allocator al = tu_allocator(&as);
+    for (long k = 0;; k++) { /* every allocation of pkv_tier_host_create */
+        tu_alloc_reset(&as, k);
+        pkv_tier *t = NULL;
+        int rc = pkv_tier_host_create(1u << 24, &al, &t);
+        if (rc == PKV_OK) {
+            pkv_tier_destroy(t);
+            assert_int_equal(as.n_live, 0);
+            assert_true(k > 0);
+            break;
+        }
+        assert_int_equal(rc, PKV_ENOMEM);
+        assert_null(t);
+        assert_int_equal(as.n_live, 0);
+    }
+    char dir[] = "/tmp/pkv-tierf-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    for (long k = 0;; k++) { /* every allocation of pkv_tier_file_create */
+        tu_alloc_reset(&as, k);
+        pkv_tier *t = NULL;
+        int rc = pkv_tier_file_create(dir, 1u << 24, &al, &t);
+        if (rc == PKV_OK) {
+            pkv_tier_destroy(t);
+            assert_int_equal(as.n_live, 0);
+            break;
+        }
+        assert_int_equal(rc, PKV_ENOMEM);
+        assert_int_equal(as.n_live, 0);
+    }
+    rmdir(dir);
+    assert_int_equal(as.n_bad_free, 0);
+    /* the store's allocations fail during a save: PKV_ENOMEM, no entry stays */
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 16, LAYERS);
+    pkv_seq sa = filled(a, NULL, toks, N);
+    tu_alloc_reset(&as, -1);
+    pkv_tier *t = NULL;
+    TU_OK(pkv_tier_host_create(1u << 24, &al, &t));
+    as.fail_at = as.n_calls + 2;
+    uint32_t saved;
+    TU_RC(pkv_tier_save(t, a, sa, &saved), PKV_ENOMEM);
+    assert_int_equal(tstats(t).entries, 0);
+    TU_OK(pkv_tier_save(t, a, sa, &saved));
+    assert_int_equal(saved, 5);
+    /* the cache's allocator fails the entry buffer: the save and the load refuse, nothing changed */
+    pkv_config cfg = tu_config(40, B, LAYERS, KV, HD, PKV_DTYPE_F16);
+    cfg.enable_prefix_cache = 1;
+    tu_alloc_state cs;
+    tu_alloc_reset(&cs, -1);
+    cfg.allocator = tu_allocator(&cs);
+    pkv_cache *b = tu_create(&cfg);
+    pkv_seq sb;
+    TU_OK(pkv_seq_create(b, NULL, 0, &sb));
+    for (long k = 0; k < 3; k++) {
+        cs.fail_at = cs.n_calls + k;
+        uint32_t got = 9;
+        TU_RC(pkv_tier_load(t, b, sb, toks, N, &got), PKV_ENOMEM);
+        assert_int_equal(tu_info(b, sb).n_tokens, 0);
+    }
+    cs.fail_at = -1;
+    uint32_t got = 0;
+    TU_OK(pkv_tier_load(t, b, sb, toks, N, &got));
+    assert_int_equal(got, 40);
+    same_rows(a, sa, b, sb, 40);
+    for (long k = 0; k < 4; k++) {
+        cs.fail_at = cs.n_calls + k;
+        TU_RC(pkv_tier_save(t, b, sb, &saved), PKV_ENOMEM);
+    }
+    cs.fail_at = -1;
+    TU_CHECK(b);
+    pkv_cache_destroy(b);
+    assert_int_equal(cs.n_live, 0);
+    pkv_tier_destroy(t);
+    assert_int_equal(as.n_live, 0);
+    assert_int_equal(as.n_bad_free, 0);
+    pkv_cache_destroy(a);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_roundtrip), cmocka_unit_test(test_partial),     cmocka_unit_test(test_mismatch),
+        cmocka_unit_test(test_lru),       cmocka_unit_test(test_file),        cmocka_unit_test(test_faults),
+        cmocka_unit_test(test_alloc_faults),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
