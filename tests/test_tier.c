@@ -390,6 +390,9 @@ typedef struct fake {
     int fail_put_at, fail_get_at; /* call index answered PKV_EIO (-1 never) */
     int garble, shorten;          /* gets: flip a byte of the rows / give one byte less */
     int craft;                    /* gets: a q8_0 code of -128 in the V rows, checksum fixed */
+    int retoken;                  /* gets: a token id changed, checksum fixed */
+    int other;                    /* gets: another key's entry (the first stored of another key) */
+    int reparent;                 /* gets: the parent key changed, checksum fixed (it is not covered) */
 } fake;
 
 static int find(fake *f, const uint8_t *key) {
@@ -418,6 +421,11 @@ static int fake_get(void *ctx, const uint8_t key[16], void *data, size_t cap, si
     if (data && f->n_get++ == f->fail_get_at) return PKV_EIO;
     int i = find(f, key);
     if (i < 0) return PKV_ENOENT;
+    for (int j = 0; data && f->other && j < 32; j++)
+        if (f->data[j] && j != i) {
+            i = j;
+            break;
+        }
     *len = f->len[i] - (data && f->shorten ? 1 : 0);
     if (!data) return PKV_OK;
     if (*len > cap) return PKV_ENOSPC;
@@ -426,6 +434,12 @@ static int fake_get(void *ctx, const uint8_t key[16], void *data, size_t cap, si
     if (f->garble) p[*len - 1] ^= 1;
     if (f->craft) { /* layer 0's first V row: header 88, tokens, K rows (f16) */
         p[88 + B * 4 + B * KV * HD * 2 + 2] = 0x80; /* its first code (after the f16 scale) */
+        uint64_t sum = XXH3_64bits(p + 88, *len - 88);
+        memcpy(p + 80, &sum, 8);
+    }
+    if (f->reparent) p[40] ^= 1; /* the header's parent key: bytes 32-47 */
+    if (f->retoken) {
+        p[88 + 4 * (B - 1)] ^= 1; /* the block's last token id */
         uint64_t sum = XXH3_64bits(p + 88, *len - 88);
         memcpy(p + 80, &sum, 8);
     }
@@ -473,10 +487,11 @@ static void test_faults(void **state) {
     assert_int_equal(tstats(t).errors, 2);
     same_rows(a, sa, b, s, 16);
     f.fail_get_at = -1;
-    /* garbled, shortened, crafted: each refused at block 0 and deleted */
+    /* garbled, shortened, crafted rows, another token, another entry, another parent: each refused at block 0
+       and deleted */
     pkv_cache *c = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
-    int *knob[3] = {&f.garble, &f.shorten, &f.craft};
-    for (int k = 0; k < 3; k++) {
+    int *knob[6] = {&f.garble, &f.shorten, &f.craft, &f.retoken, &f.other, &f.reparent};
+    for (int k = 0; k < 6; k++) {
         *knob[k] = 1;
         assert_int_equal(load_fresh(t, c, NULL, toks, N, NULL, &s), 0);
         assert_int_equal(tstats(t).rejected, (uint64_t)k + 1);
