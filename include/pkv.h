@@ -732,6 +732,18 @@ PKV_NODISCARD PKV_API int pkv_tier_host_create(uint64_t capacity_bytes, const pk
  * PKV_EIO where dir cannot be made or read. */
 PKV_NODISCARD PKV_API int pkv_tier_file_create(const char *dir, uint64_t capacity_bytes, const pkv_allocator *alloc,
                                                pkv_tier **out);
+/* Redis, where the library was built with hiredis (else PKV_ENOTSUP): entries as string values
+ * under key_prefix (NULL: "pkv:") followed by the key's 16 bytes, on the server at host:port.
+ * What stays is the server's to decide, by its maxmemory and maxmemory-policy: allkeys-lru
+ * drops the least recently used; under noeviction a full server refuses puts (PKV_ENOSPC, not an
+ * error for a save). One connection a tier, its calls one at a time; a connection that broke
+ * is made again at the next call, and a call that cannot reach the server is PKV_EIO (a save
+ * fails; a load ends there). timeout_ms: for connecting and for each command (0: 1000). PKV_EIO
+ * where the server does not answer at creation. hiredis allocates with malloc, not alloc.
+ * pkv_tier_get_stats' entries, bytes, capacity and evictions are 0 (the server's INFO has
+ * them). */
+PKV_NODISCARD PKV_API int pkv_tier_redis_create(const char *host, int port, const char *key_prefix,
+                                                uint32_t timeout_ms, const pkv_allocator *alloc, pkv_tier **out);
 /* Destroys t (NULL: nothing); no call on t may be running. Entries of a file tier stay. */
 PKV_API void pkv_tier_destroy(pkv_tier *t);
 

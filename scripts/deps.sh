@@ -17,7 +17,8 @@ pkv_install_missing() {
     DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y --no-install-recommends "${missing[@]}"
 }
 
-pkv_install_missing cmake ninja-build gcc g++ clang libcmocka-dev libxxhash-dev libsimde-dev gnuplot-nox libclang-rt-14-dev python3 python3-numpy
+pkv_install_missing cmake ninja-build gcc g++ clang libcmocka-dev libxxhash-dev libsimde-dev gnuplot-nox libclang-rt-14-dev python3 python3-numpy \
+    libhiredis-dev redis-server
 # the Rust bindings' tests: any cargo on PATH (rustup's included), else Debian's
 command -v cargo >/dev/null 2>&1 || pkv_install_missing cargo
 # the Go bindings' tests: any go on PATH, else Debian's

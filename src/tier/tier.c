@@ -77,6 +77,19 @@ PKV_API int pkv_tier_file_create(const char *dir, uint64_t capacity_bytes, const
     return rc;
 }
 
+PKV_API int pkv_tier_redis_create(const char *host, int port, const char *key_prefix, uint32_t timeout_ms,
+                                  const pkv_allocator *alloc, pkv_tier **out) {
+    if (out) *out = NULL;
+    if (!out || !host || !*host || strlen(host) >= 256 || port <= 0 || port > 65535 ||
+        (key_prefix && strlen(key_prefix) >= 256))
+        return PKV_EINVAL;
+    pkv_tier_ops ops;
+    void *ctx;
+    int rc = pkv__tier_redis_open(host, port, key_prefix ? key_prefix : "pkv:", timeout_ms, alloc, &ops, &ctx);
+    if (!rc && (rc = tier_new(&ops, ctx, alloc, out))) ops.destroy(ctx);
+    return rc;
+}
+
 PKV_API void pkv_tier_destroy(pkv_tier *t) {
     if (!t) return;
     if (t->ops.destroy) t->ops.destroy(t->ctx);

@@ -44,5 +44,8 @@ void pkv__tmap_touch(pkv__tmap *m, pkv__tent *e); /* now the newest */
 int pkv__tier_host_open(uint64_t capacity, const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx);
 int pkv__tier_file_open(const char *dir, uint64_t capacity, const pkv_allocator *alloc, pkv_tier_ops *ops,
                         void **ctx);
+/* host under 256 bytes, prefix under 256 (checked by the caller); PKV_ENOTSUP without hiredis */
+int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms,
+                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx);
 
 #endif
