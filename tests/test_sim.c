@@ -250,6 +250,51 @@ static void test_preempt_swap(void **state) {
     free(rr.out), free(rs.out);
 }
 
+/* --tier: paged_prefix loads from a host (or file) tier what its pool evicted, so it prefills
+ * fewer tokens and preempts less; the other policies do not use it; bad values are refused */
+static void test_tier(void **state) {
+    (void)state;
+    char dir[] = "/tmp/pkv-sim-tier-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char file_opt[128];
+    snprintf(file_opt, sizeof file_opt, "file:%s/t:8", dir);
+    char *argv_r[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
+                      "--seed", "3", NULL};
+    char *argv_h[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
+                      "--seed", "3", "--tier", "host:8", NULL};
+    char *argv_f[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
+                      "--seed", "3", "--tier", file_opt, NULL};
+    runs rr, rh, rf;
+    sim(argv_r, &rr);
+    sim(argv_h, &rh);
+    sim(argv_f, &rf);
+    for (int i = 0; i < 3; i++) {
+        assert_true(field(rh.line[i], "check") == 1.0 && field(rf.line[i], "check") == 1.0);
+        assert_true(field(rh.line[i], "completed") == field(rr.line[i], "completed"));
+        assert_true(field(rr.line[i], "tier_hit_tokens") == 0);
+    }
+    assert_true(field(rh.line[0], "tier_hit_tokens") > 0);
+    assert_true(field(rh.line[0], "tier_saved_blocks") > 0);
+    assert_true(field(rh.line[0], "prefill_tokens") < field(rr.line[0], "prefill_tokens"));
+    /* the file tier holds the same entries: the same run, the same counts */
+    assert_true(field(rf.line[0], "tier_hit_tokens") == field(rh.line[0], "tier_hit_tokens"));
+    assert_true(field(rf.line[0], "prefill_tokens") == field(rh.line[0], "prefill_tokens"));
+    for (int i = 1; i < 3; i++) /* paged and contiguous: no tier */
+        assert_true(field(rh.line[i], "tier_hit_tokens") == 0 && field(rh.line[i], "tier_saved_blocks") == 0 &&
+                    field(rh.line[i], "prefill_tokens") == field(rr.line[i], "prefill_tokens"));
+    free(rr.out), free(rh.out), free(rf.out);
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
+    const char *bad[] = {"host:0", "host:", "host", "file::8", "file:/tmp", "disk:/tmp:8", "host:-1", "host:x"};
+    for (size_t k = 0; k < sizeof bad / sizeof *bad; k++) {
+        char *argv[] = {"pkv", "sim", SMALL, "--requests", "5", "--tier", (char *)bad[k], NULL}, *out, *err;
+        assert_int_equal(run_cli(argv, &out, &err), 1); /* TOOL_USAGE */
+        assert_non_null(strstr(err, "--tier"));
+        free(out), free(err);
+    }
+}
+
 static const char *write_file(const char *text) {
     static char path[64];
     snprintf(path, sizeof path, "/tmp/pkv-trace-XXXXXX");
@@ -463,6 +508,7 @@ int main(void) {
         cmocka_unit_test(test_compact_keeps_schedule),
         cmocka_unit_test(test_preemption_under_pressure),
         cmocka_unit_test(test_preempt_swap),
+        cmocka_unit_test(test_tier),
         cmocka_unit_test(test_trace_replay),
         cmocka_unit_test(test_trace_group_shorter_than_sys_len),
         cmocka_unit_test(test_malformed_trace_names_line),

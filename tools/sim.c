@@ -94,6 +94,12 @@ static void usage(FILE *f) {
             "                      match for what the index still holds; read back and compared)\n"
             "                      instead of being recomputed; requests with several samples, and\n"
             "                      --no-attn runs, recompute\n"
+            "  --tier host:MIB | file:DIR:MIB\n"
+            "                      paged_prefix keeps prompt prefixes in a storage tier of MIB MiB\n"
+            "                      behind the pool (host memory, or files in DIR, made if missing):\n"
+            "                      what the prefix match does not find in the pool is loaded from it\n"
+            "                      (pkv_tier_load), and each computed prompt's full blocks are saved\n"
+            "                      to it (pkv_tier_save)\n"
             "  --no-attn           skip K/V writes and attention: memory-only replay (the pool then\n"
             "                      holds a 1-layer head_dim-8 shape; block accounting is the same)\n"
             "  --compact           before each step, pkv_seq_compact on every decoding sequence (its\n"
@@ -166,7 +172,19 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         const char *v = missing ? "" : argv[++i];
         int bad = 0;
         double d;
-        if (!strcmp(a, "--preempt")) {
+        if (!strcmp(a, "--tier")) {
+            double mib = 0;
+            const char *last = strrchr(v, ':');
+            bad = !last || tool_parse_f64(last + 1, &mib) || !(mib > 0) || mib > 1e9;
+            if (!bad && !strncmp(v, "host:", 5) && last == v + 4) c->so.tier_dir = NULL;
+            else if (!bad && !strncmp(v, "file:", 5) && last > v + 5) {
+                static char dir[4096];
+                const size_t n = (size_t)(last - (v + 5));
+                bad = n >= sizeof dir;
+                if (!bad) memcpy(dir, v + 5, n), dir[n] = 0, c->so.tier_dir = dir;
+            } else bad = 1;
+            if (!bad) c->so.tier_bytes = (uint64_t)(mib * 1048576.0);
+        } else if (!strcmp(a, "--preempt")) {
             bad = strcmp(v, "swap") && strcmp(v, "recompute");
             c->so.swap = !strcmp(v, "swap");
         } else if (!strcmp(a, "--batch-compact")) bad = tool_parse_u32(v, &c->so.batch_compact);
@@ -254,7 +272,8 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            "\"wall_s\":%.3f,\"decode_tok_s\":%.1f,\"attn\":%s,\"check\":\"%s\",\"peak_rss_mib\":%.1f,\"seed\":%llu,"
            "\"decode_switch\":%.4f,\"decode_shared\":%.4f,\"compact\":\"%s\",\"batch_compact\":%u,\"slack\":%u,\"repack\":%s,\"batch_cached\":%s,"
            "\"compacted_blocks\":%llu,\"compact_s\":%.4f,\"preempt\":\"%s\",\"swap_outs\":%u,\"swap_in_tokens\":%llu,"
-           "\"swap_peak_bytes\":%llu}\n",
+           "\"swap_peak_bytes\":%llu,\"tier_bytes_cap\":%llu,\"tier_hit_tokens\":%llu,\"tier_saved_blocks\":%llu,"
+           "\"tier_evictions\":%llu,\"tier_bytes\":%llu}\n",
            sim_policy_names[r->policy], n_requests, r->completed, r->rejected, r->peak_seqs, r->mean_seqs,
            r->peak_blocks, c->so.n_blocks, r->kv_utilization, r->waste, r->prefix_hit_rate,
            (unsigned long long)r->prefix_hit_tokens, (unsigned long long)r->prompt_tokens, r->preemptions,
@@ -265,7 +284,9 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            compact_json[c->so.compact], c->so.batch_compact, c->so.slack,
            c->so.repack ? "true" : "false", c->so.batch_cached ? "true" : "false", (unsigned long long)r->compact_moved, r->compact_s,
            c->so.swap ? "swap" : "recompute", r->swap_outs, (unsigned long long)r->swap_in_tokens,
-           (unsigned long long)r->swap_peak_bytes);
+           (unsigned long long)r->swap_peak_bytes, (unsigned long long)(r->policy == SIM_PAGED_PREFIX ? c->so.tier_bytes : 0),
+           (unsigned long long)r->tier_hit_tokens, (unsigned long long)r->tier_saved_blocks,
+           (unsigned long long)r->tier_evictions, (unsigned long long)r->tier_bytes);
 }
 
 /* What would fail the plot, checked before the run rather than after it: gnuplot on PATH, and
@@ -449,6 +470,14 @@ int tool_sim(int argc, char **argv) {
                        sim_policy_names[res[i].policy], res[i].swap_outs, res[i].preemptions,
                        (unsigned long long)res[i].swap_in_tokens, (unsigned long long)res[i].prefill_tokens,
                        (double)res[i].swap_peak_bytes / 1048576.0);
+            for (int i = 0; c.so.tier_bytes && i < n_run; i++)
+                if (res[i].policy == SIM_PAGED_PREFIX)
+                    printf("%s: --tier %s of %.1f MiB: %llu prompt positions loaded from it (beside %llu matched in "
+                           "the pool), %llu blocks saved, %llu dropped for room, %.1f MiB held at the end\n",
+                           sim_policy_names[res[i].policy], c.so.tier_dir ? "file" : "host",
+                           (double)c.so.tier_bytes / 1048576.0, (unsigned long long)res[i].tier_hit_tokens,
+                           (unsigned long long)res[i].prefix_hit_tokens, (unsigned long long)res[i].tier_saved_blocks,
+                           (unsigned long long)res[i].tier_evictions, (double)res[i].tier_bytes / 1048576.0);
             printf("peak RSS %.1f MiB\n", rss_mib());
         }
     }

@@ -84,6 +84,11 @@ typedef struct sim_opts {
     int swap;               /* --preempt swap: a single-sample request's K/V goes to host memory
                                at preemption (pkv_seq_read_stored) and comes back at readmission
                                (pkv_seq_write_stored) instead of being recomputed */
+    uint64_t tier_bytes;    /* --tier host:MIB / file:DIR:MIB: a storage tier of that many bytes
+                               behind the pool (paged_prefix only; 0: none): at admission, after
+                               the prefix match, pkv_tier_load; when a prompt is computed,
+                               pkv_tier_save */
+    const char *tier_dir;   /* file:DIR (NULL: host memory) */
     uint64_t seed;
     int progress;           /* draw a progress bar on stderr */
     int want_series;        /* keep (step, blocks, seqs) samples for --plot */
@@ -105,6 +110,10 @@ typedef struct sim_result {
     uint32_t swap_outs;           /* --preempt swap: preemptions that kept their K/V on the host */
     uint64_t swap_in_tokens;      /* positions written back from the host, not recomputed */
     uint64_t swap_peak_bytes;     /* host bytes held at most */
+    uint64_t tier_hit_tokens;     /* --tier: prompt positions loaded from the tier */
+    uint64_t tier_saved_blocks;   /* blocks stored in it */
+    uint64_t tier_evictions;      /* entries it dropped for room */
+    uint64_t tier_bytes;          /* bytes it held at the end */
     uint64_t steps;
     uint64_t decode_tokens, prefill_tokens;
     uint64_t cow_copies, evictions;

@@ -45,6 +45,7 @@ typedef struct sim {
     const sim_workload *w;
     int policy;
     pkv_cache *c;
+    pkv_tier *tier;         /* --tier (paged_prefix), else NULL */
     req_state *rs;
     entry *ent;
     uint32_t n_ent, cap_ent;
@@ -274,8 +275,15 @@ static int admit(sim *S, uint32_t *budget, uint32_t *n_items, uint32_t *off) {
             rc = pkv_seq_match_prefix(S->c, s, prompt, q->target, &reused);
             if (rc < 0) return fail(S, rc, "pkv_seq_match_prefix");
         }
+        uint32_t loaded = 0;
+        if (S->tier) { /* what the pool no longer holds, from the tier */
+            rc = pkv_tier_load(S->tier, S->c, s, prompt, q->target, &loaded);
+            if (rc < 0) return fail(S, rc, "pkv_tier_load");
+            S->res->tier_hit_tokens += loaded;
+        }
         S->ns_pkv += tool_now_ns() - t0;
         S->res->prefix_hit_tokens += reused;
+        reused += loaded;
         S->res->prompt_tokens += q->target;
         if (q->swap) { /* the rest of what it had computed comes back from the host */
             if (q->swap_len > reused) {
@@ -430,6 +438,15 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
     if (rc < 0) {
         fprintf(stderr, "pkv sim: pkv_cache_create (%u blocks of %u tokens): %s\n", o->n_blocks, B, pkv_strerror(rc));
         return rc;
+    }
+    if (o->tier_bytes && policy == SIM_PAGED_PREFIX) {
+        rc = o->tier_dir ? pkv_tier_file_create(o->tier_dir, o->tier_bytes, NULL, &S.tier)
+                         : pkv_tier_host_create(o->tier_bytes, NULL, &S.tier);
+        if (rc < 0) {
+            fprintf(stderr, "pkv sim: the tier (%s): %s\n", o->tier_dir ? o->tier_dir : "host memory", pkv_strerror(rc));
+            pkv_cache_destroy(S.c);
+            return rc;
+        }
     }
     S.kv_row = md->n_kv_heads * md->head_dim;
     S.swap_k = (size_t)cfg.n_kv_heads * pkv_dtype_row_bytes(cfg.k_dtype, cfg.head_dim);
@@ -616,6 +633,16 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
                 res->prefill_tokens += it->n;
                 if (q->computed < q->target) continue;
                 S.ent[ei].prefill = 0;
+                if (S.tier) { /* the computed prompt's full blocks, for requests to come */
+                    uint32_t saved = 0;
+                    uint64_t t0 = tool_now_ns();
+                    rc = pkv_tier_save(S.tier, S.c, S.ent[ei].s, &saved);
+                    S.ns_pkv += tool_now_ns() - t0;
+                    if (rc < 0) {
+                        fail(&S, rc, "pkv_tier_save");
+                        goto done;
+                    }
+                }
                 S.ent[ei].gen = q->kept + 1;
                 q->kept = 0;
                 if (q->ttft < 0) {
@@ -705,12 +732,21 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
             res->evictions = st.evictions;
         }
     }
+    if (S.tier) {
+        pkv_tier_stats ts;
+        if (pkv_tier_get_stats(S.tier, &ts) == 0) {
+            res->tier_saved_blocks = ts.saved;
+            res->tier_evictions = ts.evictions;
+            res->tier_bytes = ts.bytes;
+        }
+    }
     res->check_rc = pkv_cache_check(S.c, res->check_msg, sizeof res->check_msg);
     rc = 0;
 done:
     if (S.fatal && rc >= 0) rc = PKV_EINVAL;
     if (rc < 0) progress(&S, t_start, 1);
     pkv_cache_destroy(S.c);
+    pkv_tier_destroy(S.tier);
     for (uint32_t i = 0; S.rs && i < w->n; i++) free(S.rs[i].swap); /* left by a run that failed */
     free(S.rs), free(S.ent), free(S.run_reqs), free(S.wq), free(S.items), free(S.tok), free(S.slots);
     free(S.dec_seqs), free(S.preq), free(S.owner), free(S.tab), free(S.kbuf), free(S.vbuf), free(S.qbuf), free(S.obuf), free(ttft);
