@@ -561,7 +561,8 @@ static void test_alloc_faults(void **state) {
     assert_int_equal(tstats(t).entries, 0);
     TU_OK(pkv_tier_save(t, a, sa, &saved));
     assert_int_equal(saved, 5);
-    /* the cache's allocator fails the entry buffer: the save and the load refuse, nothing changed */
+    /* the cache's allocator fails the token and key buffers, the tier's the entry buffer: the
+       save and the load refuse, nothing changed */
     pkv_config cfg = tu_config(40, B, LAYERS, KV, HD, PKV_DTYPE_F16);
     cfg.enable_prefix_cache = 1;
     tu_alloc_state cs;
@@ -570,18 +571,29 @@ static void test_alloc_faults(void **state) {
     pkv_cache *b = tu_create(&cfg);
     pkv_seq sb;
     TU_OK(pkv_seq_create(b, NULL, 0, &sb));
-    for (long k = 0; k < 3; k++) {
+    for (long k = 0; k < 2; k++) {
         cs.fail_at = cs.n_calls + k;
         uint32_t got = 9;
         TU_RC(pkv_tier_load(t, b, sb, toks, N, &got), PKV_ENOMEM);
         assert_int_equal(tu_info(b, sb).n_tokens, 0);
     }
     cs.fail_at = -1;
-    uint32_t got = 0;
+    pkv_tier *fresh = NULL; /* no entry buffer kept yet */
+    TU_OK(pkv_tier_host_create(1u << 24, &al, &fresh));
+    as.fail_at = as.n_calls;
+    uint32_t got = 9;
+    TU_RC(pkv_tier_load(fresh, b, sb, toks, N, &got), PKV_ENOMEM);
+    as.fail_at = as.n_calls;
+    TU_RC(pkv_tier_save(fresh, a, sa, &saved), PKV_ENOMEM);
+    assert_int_equal(tstats(fresh).entries, 0);
+    as.fail_at = -1;
+    assert_int_equal(tu_info(b, sb).n_tokens, 0);
+    pkv_tier_destroy(fresh);
+    got = 0;
     TU_OK(pkv_tier_load(t, b, sb, toks, N, &got));
     assert_int_equal(got, 40);
     same_rows(a, sa, b, sb, 40);
-    for (long k = 0; k < 4; k++) {
+    for (long k = 0; k < 3; k++) {
         cs.fail_at = cs.n_calls + k;
         TU_RC(pkv_tier_save(t, b, sb, &saved), PKV_ENOMEM);
     }

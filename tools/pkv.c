@@ -40,9 +40,9 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "sim")) return tool_sim(argc - 1, argv + 1);
     if (!strcmp(cmd, "run")) return tool_run(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) {
-        static const char bench_usage[] = "usage: pkv bench ops|attn|prefix [options]  (`pkv bench attn --help`, ...)\n";
+        static const char bench_usage[] = "usage: pkv bench ops|attn|prefix|tier [options]  (`pkv bench attn --help`, ...)\n";
         if (argc < 3) {
-            fprintf(stderr, "pkv bench: which benchmark? ops, attn or prefix\n%s", bench_usage);
+            fprintf(stderr, "pkv bench: which benchmark? ops, attn, prefix or tier\n%s", bench_usage);
             return TOOL_USAGE;
         }
         const char *what = argv[2];
@@ -53,7 +53,8 @@ int main(int argc, char **argv) {
         if (!strcmp(what, "ops")) return tool_bench_ops(argc - 2, argv + 2);
         if (!strcmp(what, "attn")) return tool_bench_attn(argc - 2, argv + 2);
         if (!strcmp(what, "prefix")) return tool_bench_prefix(argc - 2, argv + 2);
-        fprintf(stderr, "pkv bench: unknown benchmark '%s' (ops, attn, prefix)\n", what);
+        if (!strcmp(what, "tier")) return tool_bench_tier(argc - 2, argv + 2);
+        fprintf(stderr, "pkv bench: unknown benchmark '%s' (ops, attn, prefix, tier)\n", what);
         return TOOL_USAGE;
     }
     fprintf(stderr, "pkv: unknown command '%s'\n\n", cmd);
