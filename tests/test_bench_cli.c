@@ -145,6 +145,12 @@ static void test_usage_errors(void **state) {
                       {"pkv", "bench", "prefix", "--reps", "3.5"},
                       {"pkv", "bench", "prefix", "--reps", NULL},
                       {"pkv", "bench", "prefix", "--frobnicate", NULL},
+                      {"pkv", "bench", "tier", "--rounds", "0"},
+                      {"pkv", "bench", "tier", "--rounds", NULL},
+                      {"pkv", "bench", "tier", "--redis", "localhost"},
+                      {"pkv", "bench", "tier", "--redis", ":6379"},
+                      {"pkv", "bench", "tier", "--redis", "h:70000"},
+                      {"pkv", "bench", "tier", "--frobnicate", NULL},
                       {"pkv", "bench", "sideways", NULL}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char *argv[8] = {bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4], bad[i][5], bad[i][6], NULL};
@@ -167,7 +173,7 @@ static void test_usage_errors(void **state) {
     /* `pkv --help` says each command takes --help: bench's own, and each benchmark's, on stdout */
     char *help[][4] = {{"pkv", "bench", "--help", NULL}, {"pkv", "bench", "-h", NULL},
                        {"pkv", "bench", "attn", "--help"}, {"pkv", "bench", "ops", "--help"},
-                       {"pkv", "bench", "prefix", "--help"}};
+                       {"pkv", "bench", "prefix", "--help"}, {"pkv", "bench", "tier", "--help"}};
     for (size_t i = 0; i < sizeof help / sizeof help[0]; i++) {
         char *hv[5] = {help[i][0], help[i][1], help[i][2], help[i][3], NULL};
         int rc = run_cli(hv, &out, &err);
@@ -407,8 +413,49 @@ static void test_prefix_json(void **state) {
     free(out), free(err);
 }
 
+/* `pkv bench tier --json`: a header, then copy, direct, and save and load for host and file, each
+ * with a median, GB/s consistent with it and the bytes, and its fraction of the copy's rate (the
+ * copy's own 1); a Redis server that does not answer fails the run and says so. */
+static void test_tier_json(void **state) {
+    (void)state;
+    static const char *ops[4] = {"copy", "direct", "save", "load"};
+    char *argv[] = {"pkv", "bench", "tier", "--quick", "--json", NULL};
+    char *out, *err;
+    int rc = run_cli(argv, &out, &err);
+    if (rc != 0) fail_msg("exit %d: %s", rc, err);
+    int header = 0, seen[4] = {0}, tiers = 0;
+    for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        one_object(line);
+        assert_true(str_is(line, "bench", "tier"));
+        if (field(line, "build")) {
+            assert_int_equal((int)num(line, "tokens"), 512);
+            assert_int_equal((int)num(line, "blocks"), 32);
+            header++;
+            continue;
+        }
+        const int op = which(line, "op", ops, 4);
+        seen[op]++;
+        tiers += str_is(line, "tier", "host") || str_is(line, "tier", "file");
+        const double ms = num(line, "median_ms"), gbps = num(line, "gbps"), bytes = num(line, "bytes");
+        assert_true(ms > 0 && gbps > 0 && isfinite(gbps));
+        assert_true(fabs(gbps - bytes / (ms * 1e-3) * 1e-9) <= 1e-3 * gbps + 2e-3);
+        assert_true(fabs(num(line, "copy_frac") - gbps / num(line, "copy_gbps")) <= 1e-3);
+        if (op == 0) assert_true(num(line, "copy_frac") == 1.0);
+        assert_int_equal((int)num(line, "rounds"), 3);
+    }
+    assert_int_equal(header, 1);
+    assert_true(seen[0] == 1 && seen[1] == 1 && seen[2] == 2 && seen[3] == 2 && tiers == 4);
+    free(out), free(err);
+    char *dead[] = {"pkv", "bench", "tier", "--quick", "--redis", "127.0.0.1:1", NULL};
+    rc = run_cli(dead, &out, &err);
+    assert_int_equal(rc, 2);
+    assert_non_null(strstr(err, "redis"));
+    free(out), free(err);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_tier_json),
         cmocka_unit_test(test_json_lines),
         cmocka_unit_test(test_usage_errors),
         cmocka_unit_test(test_large_batch),

@@ -104,11 +104,6 @@ int tool_bench_tier(int argc, char **argv) {
     tier_kind kinds[3] = {{"host", NULL, NULL, 0}, {"file", NULL, NULL, 0}, {"redis", NULL, NULL, 0}};
     int n_kinds = 2;
     char tmpdir[] = "/tmp/pkv-bench-tier-XXXXXX", host[256];
-    if (dir_arg) kinds[1].dir = dir_arg;
-    else if (!(kinds[1].dir = mkdtemp(tmpdir))) {
-        fprintf(stderr, "pkv bench tier: mkdtemp failed\n");
-        return TOOL_FAIL;
-    }
     if (redis) {
         const char *colon = strrchr(redis, ':');
         uint32_t port;
@@ -121,6 +116,11 @@ int tool_bench_tier(int argc, char **argv) {
         host[colon - redis] = 0;
         kinds[2].redis_host = host, kinds[2].redis_port = (int)port;
         n_kinds = 3;
+    }
+    if (dir_arg) kinds[1].dir = dir_arg;
+    else if (!(kinds[1].dir = mkdtemp(tmpdir))) {
+        fprintf(stderr, "pkv bench tier: mkdtemp failed\n");
+        return TOOL_FAIL;
     }
     int status = TOOL_FAIL;
     pkv_cache *a = mk(n_blk + 8), *b = mk(n_blk + 8);
