@@ -34,7 +34,7 @@ from collections import namedtuple
 import numpy as np
 
 __all__ = [
-    "Cache", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES", "bf16_bits", "bf16_value",
+    "Cache", "Tier", "TierStats", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES", "bf16_bits", "bf16_value",
     "PkvError", "InvalidArgumentError", "OutOfMemoryError", "NoSpaceError", "NotFoundError", "LimitError",
     "CorruptError", "IoError", "NotSupportedError", "BusyError",
     "OK", "EINVAL", "ENOMEM", "ENOSPC", "ENOENT", "ELIMIT", "ECORRUPT", "EIO", "ENOTSUP", "EBUSY",
@@ -186,6 +186,12 @@ class _Stats(ctypes.Structure):
                 ("evictions", _u64), ("attn_reqs_pool", _u64), ("attn_reqs_table", _u64)]
 
 
+class _TierStats(ctypes.Structure):
+    _fields_ = [(f, _u64) for f in ("entries", "bytes", "capacity", "evictions", "saved", "save_present",
+                                    "save_no_room", "loaded_blocks", "loaded_tokens", "load_misses", "rejected",
+                                    "errors")]
+
+
 class _AttnParams(ctypes.Structure):
     _fields_ = [("n_q_heads", _u32), ("scale", _f32), ("softcap", _f32), ("window", _u32), ("lse", _vp),
                 ("flags", _u32)]
@@ -244,6 +250,13 @@ def _load():
         "pkv_attn_prefill": (_int, [_vp, _u32, _vp, _u32, _vp, _vp, _P(_AttnParams)]),
         "pkv_attn_merge": (_int, [_u32, _u32, _vp, _vp, _vp, _vp, _vp, _vp]),
         "pkv_attn_backend": (_cp, [_vp]),
+        "pkv_tier_host_create": (_int, [_u64, _vp, _P(_vp)]),
+        "pkv_tier_file_create": (_int, [_cp, _u64, _vp, _P(_vp)]),
+        "pkv_tier_redis_create": (_int, [_cp, _int, _cp, _u32, _vp, _P(_vp)]),
+        "pkv_tier_destroy": (None, [_vp]),
+        "pkv_tier_get_stats": (_int, [_vp, _P(_TierStats)]),
+        "pkv_tier_save": (_int, [_vp, _vp, _u64, _P(_u32)]),
+        "pkv_tier_load": (_int, [_vp, _vp, _u64, _vp, _u32, _P(_u32)]),
         "pkv_attn_flags_used": (_u32, [_vp]),
     }
     for name, (res, args) in sigs.items():
@@ -374,6 +387,7 @@ def _shape_check(a, dims, what):
 
 
 SeqInfo = namedtuple("SeqInfo", [f for f, _ in _SeqInfo._fields_])
+TierStats = namedtuple("TierStats", [f for f, _ in _TierStats._fields_])
 Layout = namedtuple("Layout", [f for f, _ in _Layout._fields_])
 
 
@@ -964,6 +978,34 @@ class Cache:
 
     # -- prefix cache --
     @_in_call
+    def tier_save(self, tier, seq):
+        """Stores the full committed blocks of seq that tier lacks (pkv_tier_save); returns how
+        many it stored. A store that refuses an entry for want of room is not an error; one that
+        fails otherwise (Redis unreachable: IoError) fails the call, and the entries it stored are
+        deleted again."""
+        if not isinstance(tier, Tier):
+            raise _invalid("tier_save: a pagedkv.Tier is needed, got %s" % type(tier).__name__)
+        out = _u32()
+        with tier._use():
+            self._check(_lib.pkv_tier_save(tier._t, self._h(), _seq_of(seq), ctypes.byref(out)), "pkv_tier_save")
+        return out.value
+
+    @_in_call
+    def tier_load(self, tier, seq, tokens):
+        """For a sequence whose positions are all committed and are the prompt's first tokens (as
+        match_prefix leaves it, or empty): appends, writes and commits the prompt's next blocks
+        from tier, up to the first it lacks, never the prompt's last token (pkv_tier_load);
+        returns the positions added. A miss, a refused entry or a full pool ends the load."""
+        if not isinstance(tier, Tier):
+            raise _invalid("tier_load: a pagedkv.Tier is needed, got %s" % type(tier).__name__)
+        t = _i32_array(tokens, "tier_load: tokens")
+        out = _u32()
+        with tier._use():
+            self._check(_lib.pkv_tier_load(tier._t, self._h(), _seq_of(seq), _ptr(t), t.size, ctypes.byref(out)),
+                        "pkv_tier_load")
+        return out.value
+
+    @_in_call
     def match_prefix(self, seq, tokens):
         """For an empty sequence and its prompt: attaches the longest indexed prefix; returns the
         number of tokens reused (never the whole prompt). Matching full blocks are shared; the
@@ -1092,3 +1134,115 @@ class Cache:
         self._check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa), _ptr(out),
                                      ctypes.byref(p)), "pkv_attn_prefill")
         return (out, lse) if return_lse else out
+
+
+class Tier:
+    """A storage tier (pkv_tier): whole prefix blocks kept out of the pool, in host memory, in
+    files or in Redis, for Cache.tier_load to copy back instead of recomputing them (see
+    "storage tiers" in pkv.h). Made by Tier.host(capacity_bytes), Tier.file(dir,
+    capacity_bytes) or Tier.redis(host, port, key_prefix=None, timeout_ms=0); close() (or the
+    with-statement) frees it, after the calls in flight on other threads have returned. One
+    tier may serve several caches and threads.
+
+        with pagedkv.Tier.host(1 << 30) as t:
+            reused = c.match_prefix(s, prompt)
+            reused += c.tier_load(t, s, prompt)
+            ...                                   # compute and commit the rest
+            c.tier_save(t, s)
+    """
+
+    def __init__(self, _handle=None):
+        if not isinstance(_handle, _vp) or not _handle:
+            raise TypeError("use Tier.host(), Tier.file() or Tier.redis()")
+        self._t = _handle
+        self._cv = threading.Condition(threading.Lock())
+        self._busy = 0
+
+    @classmethod
+    def _made(cls, what, fn, *args):
+        h = _vp()
+        _check(fn(*args, None, ctypes.byref(h)), what)
+        return cls(h)
+
+    @classmethod
+    def host(cls, capacity_bytes):
+        """Host memory: at most capacity_bytes (> 0) of entries, the least recently used dropped."""
+        return cls._made("pkv_tier_host_create", _lib.pkv_tier_host_create, _uint_of(capacity_bytes, "capacity_bytes", 64))
+
+    @classmethod
+    def file(cls, dir, capacity_bytes):
+        """Files in dir (made if missing; entries already there are taken over), at most
+        capacity_bytes of them, the least recently used dropped. IoError where dir cannot be used."""
+        d = os.fsencode(dir)
+        if b"\0" in d:
+            raise _invalid("Tier.file: dir contains a NUL byte")
+        return cls._made("pkv_tier_file_create", _lib.pkv_tier_file_create, d, _uint_of(capacity_bytes, "capacity_bytes", 64))
+
+    @classmethod
+    def redis(cls, host, port, key_prefix=None, timeout_ms=0):
+        """Redis at host:port, keys under key_prefix (None: "pkv:"); the server's maxmemory and
+        maxmemory-policy decide what stays. NotSupportedError where libpkv was built without
+        hiredis, IoError where the server does not answer."""
+        h = host.encode() if isinstance(host, str) else host
+        p = None if key_prefix is None else (key_prefix.encode() if isinstance(key_prefix, str) else key_prefix)
+        if not isinstance(h, bytes) or b"\0" in h or (p is not None and (not isinstance(p, bytes) or b"\0" in p)):
+            raise _invalid("Tier.redis: host and key_prefix must be strings without NUL bytes")
+        port = _uint_of(port, "port", 31)
+        return cls._made("pkv_tier_redis_create", _lib.pkv_tier_redis_create, h, port, p, _u32_of(timeout_ms, "timeout_ms"))
+
+    class _Use:
+        def __init__(self, tier):
+            self.tier = tier
+
+        def __enter__(self):
+            t = self.tier
+            with t._cv:
+                if not t._t:
+                    raise _invalid("the tier is closed")
+                t._busy += 1
+
+        def __exit__(self, *exc):
+            t = self.tier
+            with t._cv:
+                t._busy -= 1
+                if not t._busy:
+                    t._cv.notify_all()
+
+    def _use(self):
+        return Tier._Use(self)
+
+    def stats(self):
+        """Its counters (pkv_tier_get_stats) as a TierStats: the store's entries, bytes, capacity
+        and evictions (0 for Redis), and saved, save_present, save_no_room, loaded_blocks,
+        loaded_tokens, load_misses, rejected and errors."""
+        st = _TierStats()
+        with self._use():
+            _check(_lib.pkv_tier_get_stats(self._t, ctypes.byref(st)), "pkv_tier_get_stats")
+        return TierStats(*(getattr(st, f) for f, _ in _TierStats._fields_))
+
+    def close(self):
+        """Frees the tier once the calls in flight on it have returned (a file tier's files
+        stay); a second close does nothing."""
+        with self._cv:
+            while self._busy:
+                self._cv.wait()
+            h, self._t = self._t, None
+        if h and _lib is not None:
+            _lib.pkv_tier_destroy(h)
+
+    def __enter__(self):
+        if not self._t:
+            raise _invalid("the tier is closed")
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        h = getattr(self, "_t", None)
+        if h and _lib is not None:
+            _lib.pkv_tier_destroy(h)
+            self._t = None
+
+    def __reduce__(self):
+        raise TypeError("a pagedkv.Tier cannot be pickled: it owns C memory")

@@ -47,5 +47,10 @@ int main(void) {
     SIZE(pkv_append_req);
     FIELD(pkv_append_req, seq), FIELD(pkv_append_req, tokens), FIELD(pkv_append_req, n);
     FIELD(pkv_append_req, slots_out);
+    SIZE(pkv_tier_stats);
+    FIELD(pkv_tier_stats, entries), FIELD(pkv_tier_stats, bytes), FIELD(pkv_tier_stats, capacity);
+    FIELD(pkv_tier_stats, evictions), FIELD(pkv_tier_stats, saved), FIELD(pkv_tier_stats, save_present);
+    FIELD(pkv_tier_stats, save_no_room), FIELD(pkv_tier_stats, loaded_blocks), FIELD(pkv_tier_stats, loaded_tokens);
+    FIELD(pkv_tier_stats, load_misses), FIELD(pkv_tier_stats, rejected), FIELD(pkv_tier_stats, errors);
     return 0;
 }

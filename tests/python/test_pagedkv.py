@@ -156,7 +156,7 @@ class TestLibrary(Base):
         mirrors = {"pkv_config": pkv._Config, "pkv_allocator": pkv._Allocator, "pkv_executor": pkv._Executor,
                    "pkv_layout": pkv._Layout, "pkv_seq_info": pkv._SeqInfo, "pkv_stats": pkv._Stats,
                    "pkv_attn_params": pkv._AttnParams, "pkv_attn_req": pkv._AttnReq,
-                   "pkv_append_req": pkv._AppendReq}
+                   "pkv_append_req": pkv._AppendReq, "pkv_tier_stats": pkv._TierStats}
         for name, cls in mirrors.items():
             self.assertEqual(ctypes.sizeof(cls), int(c[name]), "sizeof(%s)" % name)
             fields = [f for f, _ in cls._fields_]
@@ -794,6 +794,61 @@ class TestCache(Base):
             c.batch_append([(a, [1]), (d, [1])])
         self.assertEqual(c.seq_info(a).n_tokens, 22)  # a refused batch changes nothing
         c.check()
+
+    def test_tier(self):
+        # a prompt's blocks saved from one cache into host and file tiers and loaded into another,
+        # byte for byte, after a pool match that stopped short; counters; refusals; closing
+        import tempfile
+        mk = lambda n: pkv.Cache(n_layers=2, n_kv_heads=2, head_dim=32, block_tokens=8, n_blocks=n,
+                                 k_dtype="f16", v_dtype="q8_0", n_threads=1)
+        prompt = np.arange(200, 245)
+        with mk(16) as a, mk(40) as b, tempfile.TemporaryDirectory() as d, \
+                pkv.Tier.host(1 << 24) as th, pkv.Tier.file(os.path.join(d, "t"), 1 << 24) as tf:
+            sa = a.seq_create(b"ten")
+            a.append(sa, prompt)
+            for layer in range(2):
+                a.write_kv_seq(sa, layer, 0, self.rng.standard_normal((45, 2, 32)).astype(np.float32),
+                               self.rng.standard_normal((45, 2, 32)).astype(np.float32))
+            a.commit(sa, 45)
+            self.assertEqual(a.tier_save(th, sa), 5)
+            self.assertEqual(a.tier_save(tf, sa), 5)
+            self.assertEqual(a.tier_save(th, sa), 0)
+            st = th.stats()
+            self.assertEqual((st.entries, st.saved, st.save_present), (5, 5, 5))
+            self.assertEqual(len(os.listdir(os.path.join(d, "t"))), 5)
+            for t in (th, tf):
+                sb = b.seq_create(b"ten")
+                self.assertEqual(b.match_prefix(sb, prompt), 0 if t is th else 40)
+                got = b.tier_load(t, sb, prompt)
+                self.assertEqual(got, 40 if t is th else 0)  # the second: b's pool has it now
+                for layer in range(2):
+                    for x, y in zip(b.read_stored(sb, layer, 0, 40), a.read_stored(sa, layer, 0, 40)):
+                        np.testing.assert_array_equal(x, y)
+                b.release(sb)
+            other = b.seq_create(b"other")  # another namespace
+            self.assertEqual(b.tier_load(tf, other, prompt), 0)
+            self.assertEqual(tf.stats().load_misses, 1)
+            b.append(other, [5])
+            with self.assertRaises(pkv.InvalidArgumentError):
+                b.tier_load(tf, other, prompt)  # an uncommitted position
+            with self.assertRaises(pkv.InvalidArgumentError):
+                b.tier_save("not a tier", other)
+            with self.assertRaises(pkv.NotFoundError):
+                b.tier_save(th, 12345)
+        with self.assertRaises(pkv.InvalidArgumentError):
+            th.stats()  # closed
+        th.close()  # a second close does nothing
+        with self.assertRaises(pkv.InvalidArgumentError):
+            pkv.Tier.host(0)
+        with self.assertRaises(pkv.IoError):
+            pkv.Tier.file("/nonexistent-pkv/a/b", 1 << 20)
+        with self.assertRaises(TypeError):
+            pkv.Tier()
+        try:
+            pkv.Tier.redis("127.0.0.1", 1, timeout_ms=100)  # nothing listens there
+            self.fail("a tier on a port nobody serves")
+        except (pkv.IoError, pkv.NotSupportedError):
+            pass
 
     def test_stored_transfer(self):
         # a sequence moved to another cache through its stored rows: bit for bit, every dtype
