@@ -12,6 +12,28 @@ pub struct pkv_cache {
 }
 
 #[repr(C)]
+pub struct pkv_tier {
+    _private: [u8; 0],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+pub struct pkv_tier_stats {
+    pub entries: u64,
+    pub bytes: u64,
+    pub capacity: u64,
+    pub evictions: u64,
+    pub saved: u64,
+    pub save_present: u64,
+    pub save_no_room: u64,
+    pub loaded_blocks: u64,
+    pub loaded_tokens: u64,
+    pub load_misses: u64,
+    pub rejected: u64,
+    pub errors: u64,
+}
+
+#[repr(C)]
 #[derive(Clone, Copy)]
 pub struct pkv_allocator {
     pub alloc: Option<unsafe extern "C" fn(*mut c_void, usize, usize) -> *mut c_void>,
@@ -249,6 +271,32 @@ extern "C" {
     pub fn pkv_pin_create(c: *mut pkv_cache, s: pkv_seq, n_pos: u32, pin: *mut pkv_seq) -> c_int;
     pub fn pkv_pin_release(c: *mut pkv_cache, pin: pkv_seq) -> c_int;
     pub fn pkv_cache_get_stats(c: *mut pkv_cache, out: *mut pkv_stats) -> c_int;
+    pub fn pkv_tier_host_create(capacity_bytes: u64, alloc: *const pkv_allocator, out: *mut *mut pkv_tier) -> c_int;
+    pub fn pkv_tier_file_create(
+        dir: *const c_char,
+        capacity_bytes: u64,
+        alloc: *const pkv_allocator,
+        out: *mut *mut pkv_tier,
+    ) -> c_int;
+    pub fn pkv_tier_redis_create(
+        host: *const c_char,
+        port: c_int,
+        key_prefix: *const c_char,
+        timeout_ms: u32,
+        alloc: *const pkv_allocator,
+        out: *mut *mut pkv_tier,
+    ) -> c_int;
+    pub fn pkv_tier_destroy(t: *mut pkv_tier);
+    pub fn pkv_tier_get_stats(t: *mut pkv_tier, out: *mut pkv_tier_stats) -> c_int;
+    pub fn pkv_tier_save(t: *mut pkv_tier, c: *mut pkv_cache, s: pkv_seq, n_saved: *mut u32) -> c_int;
+    pub fn pkv_tier_load(
+        t: *mut pkv_tier,
+        c: *mut pkv_cache,
+        s: pkv_seq,
+        tokens: *const i32,
+        n: u32,
+        n_loaded: *mut u32,
+    ) -> c_int;
     pub fn pkv_cache_check(c: *mut pkv_cache, msg: *mut c_char, msg_cap: usize) -> c_int;
     pub fn pkv_attn_params_default() -> pkv_attn_params;
     pub fn pkv_attn_decode(

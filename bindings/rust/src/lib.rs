@@ -463,6 +463,87 @@ pub fn merge(
     check(r, "pkv_attn_merge")
 }
 
+/// A storage tier (pkv_tier): whole prefix blocks kept out of the pool, in host memory, files or
+/// Redis, for [`Cache::tier_load`] to copy back instead of recomputing them ("storage tiers" in
+/// pkv.h). Thread-safe: one tier may serve several caches and threads. Freed on drop (a file
+/// tier's files stay).
+pub struct Tier {
+    raw: NonNull<ffi::pkv_tier>,
+}
+
+/// A tier's counters ([`Tier::stats`]): the store's own (entries, bytes, capacity, evictions;
+/// 0 for Redis) and what saves and loads did.
+pub type TierStats = ffi::pkv_tier_stats;
+
+unsafe impl Send for Tier {}
+unsafe impl Sync for Tier {}
+
+impl Drop for Tier {
+    fn drop(&mut self) {
+        unsafe { ffi::pkv_tier_destroy(self.raw.as_ptr()) }
+    }
+}
+
+fn c_string(s: &str, what: &str) -> Result<CString> {
+    CString::new(s).map_err(|_| invalid(format!("{}: contains a NUL byte", what)))
+}
+
+impl Tier {
+    fn made(rc: c_int, p: *mut ffi::pkv_tier, what: &str) -> Result<Tier> {
+        check(rc, what)?;
+        let raw = NonNull::new(p).ok_or_else(|| Error::new(ENOMEM, what))?;
+        Ok(Tier { raw })
+    }
+
+    /// Host memory: at most `capacity_bytes` (> 0) of entries, the least recently used dropped.
+    pub fn host(capacity_bytes: u64) -> Result<Tier> {
+        let mut p = ptr::null_mut();
+        let rc = unsafe { ffi::pkv_tier_host_create(capacity_bytes, ptr::null(), &mut p) };
+        Tier::made(rc, p, "pkv_tier_host_create")
+    }
+
+    /// Files in `dir` (made if missing; entries already there are taken over), at most
+    /// `capacity_bytes` of them, the least recently used dropped. `Io` where dir cannot be used.
+    pub fn file(dir: &std::path::Path, capacity_bytes: u64) -> Result<Tier> {
+        use std::os::unix::ffi::OsStrExt;
+        let d = CString::new(dir.as_os_str().as_bytes())
+            .map_err(|_| invalid("Tier::file: dir contains a NUL byte".into()))?;
+        let mut p = ptr::null_mut();
+        let rc = unsafe { ffi::pkv_tier_file_create(d.as_ptr(), capacity_bytes, ptr::null(), &mut p) };
+        Tier::made(rc, p, "pkv_tier_file_create")
+    }
+
+    /// Redis at host:port, keys under `key_prefix` (None: "pkv:"); the server's maxmemory and
+    /// maxmemory-policy decide what stays. `NotSupported` where libpkv was built without
+    /// hiredis, `Io` where the server does not answer. timeout_ms 0: 1000.
+    pub fn redis(host: &str, port: u16, key_prefix: Option<&str>, timeout_ms: u32) -> Result<Tier> {
+        let h = c_string(host, "Tier::redis: host")?;
+        let kp = key_prefix.map(|k| c_string(k, "Tier::redis: key_prefix")).transpose()?;
+        let mut p = ptr::null_mut();
+        let rc = unsafe {
+            ffi::pkv_tier_redis_create(
+                h.as_ptr(),
+                port as c_int,
+                kp.as_ref().map_or(ptr::null(), |k| k.as_ptr()),
+                timeout_ms,
+                ptr::null(),
+                &mut p,
+            )
+        };
+        Tier::made(rc, p, "pkv_tier_redis_create")
+    }
+
+    /// Its counters (pkv_tier_get_stats).
+    pub fn stats(&self) -> Result<TierStats> {
+        let mut st = TierStats::default();
+        check(
+            unsafe { ffi::pkv_tier_get_stats(self.raw.as_ptr(), &mut st) },
+            "pkv_tier_get_stats",
+        )?;
+        Ok(st)
+    }
+}
+
 /// A paged KV cache (pkv_cache): the pool, sequences, prefix index and attention. Freed on drop.
 pub struct Cache {
     raw: NonNull<ffi::pkv_cache>,
@@ -1058,6 +1139,34 @@ impl Cache {
         check(
             unsafe { ffi::pkv_seq_match_prefix(self.p(), s.0, tokens.as_ptr(), n, &mut r) },
             "pkv_seq_match_prefix",
+        )?;
+        Ok(r)
+    }
+
+    /// Stores the full committed blocks of `s` that `t` lacks (pkv_tier_save); returns how many
+    /// it stored. A store refusing an entry for want of room is not an error; one failing
+    /// otherwise (Redis unreachable: `Io`) fails the call, and the entries it stored are deleted
+    /// again. Reads `s` as [`Cache::gather`] does.
+    pub fn tier_save(&self, t: &Tier, s: Seq) -> Result<u32> {
+        let mut n = 0u32;
+        check(
+            unsafe { ffi::pkv_tier_save(t.raw.as_ptr(), self.p(), s.0, &mut n) },
+            "pkv_tier_save",
+        )?;
+        Ok(n)
+    }
+
+    /// For a sequence whose positions are all committed and are the prompt's first tokens (as
+    /// [`Cache::match_prefix`] leaves it, or empty): appends, writes and commits the prompt's
+    /// next blocks from `t`, up to the first it lacks, never the prompt's last token
+    /// (pkv_tier_load); returns the positions added. A miss, a refused entry or a full pool ends
+    /// the load.
+    pub fn tier_load(&mut self, t: &Tier, s: Seq, tokens: &[i32]) -> Result<u32> {
+        let n = len_u32(tokens.len(), "tier_load: tokens")?;
+        let mut r = 0u32;
+        check(
+            unsafe { ffi::pkv_tier_load(t.raw.as_ptr(), self.p(), s.0, tokens.as_ptr(), n, &mut r) },
+            "pkv_tier_load",
         )?;
         Ok(r)
     }

@@ -260,6 +260,25 @@ fn struct_layouts_match_c() {
     offsets!(m, "pkv_attn_req", ffi::pkv_attn_req, [seq, q_start, n_q]);
     offsets!(m, "pkv_attn_req", AttnReq, [seq, q_start, n_q]); // the safe type handed over as one
     offsets!(m, "pkv_append_req", ffi::pkv_append_req, [seq, tokens, n, slots_out]);
+    offsets!(
+        m,
+        "pkv_tier_stats",
+        ffi::pkv_tier_stats,
+        [
+            entries,
+            bytes,
+            capacity,
+            evictions,
+            saved,
+            save_present,
+            save_no_room,
+            loaded_blocks,
+            loaded_tokens,
+            load_misses,
+            rejected,
+            errors
+        ]
+    );
 }
 
 #[test]
@@ -1313,4 +1332,72 @@ fn stored_rows_move_a_sequence() {
         assert_eq!(before, b.read_stored(sb, 0, 0, 10).unwrap());
         b.check().unwrap();
     }
+}
+
+#[test]
+fn tiers_move_prefix_blocks() {
+    // a prompt's blocks saved from one cache into host and file tiers and loaded into another,
+    // byte for byte; another namespace misses; refusals
+    let conf = |n_blocks| Config {
+        block_tokens: 8,
+        n_layers: 2,
+        v_dtype: Dtype::Q8_0,
+        prefix_cache: true,
+        ..cfg(2, 32, n_blocks, Dtype::F16)
+    };
+    let mut rng = Rng(17);
+    let mut a = Cache::new(&conf(16)).unwrap();
+    let mut b = Cache::new(&conf(40)).unwrap();
+    let prompt: Vec<i32> = (300..345).collect();
+    let sa = a.seq_create(b"ten").unwrap();
+    a.append(sa, &prompt).unwrap();
+    for layer in 0..2 {
+        let (k, v) = (rng.vec(45 * 64), rng.vec(45 * 64));
+        a.write_kv_seq(sa, layer, 0, Some(KvData::F32(&k)), Some(KvData::F32(&v)))
+            .unwrap();
+    }
+    a.commit(sa, 45).unwrap();
+    let dir = std::env::temp_dir().join(format!("pkv-rust-tier-{}", std::process::id()));
+    let host = Tier::host(1 << 24).unwrap();
+    let file = Tier::file(&dir, 1 << 24).unwrap();
+    for t in [&host, &file] {
+        assert_eq!(a.tier_save(t, sa).unwrap(), 5);
+        assert_eq!(a.tier_save(t, sa).unwrap(), 0);
+        let st = t.stats().unwrap();
+        assert_eq!((st.entries, st.saved, st.save_present), (5, 5, 5));
+        let mut c = Cache::new(&conf(40)).unwrap();
+        let sc = c.seq_create(b"ten").unwrap();
+        assert_eq!(c.match_prefix(sc, &prompt).unwrap(), 0);
+        assert_eq!(c.tier_load(t, sc, &prompt).unwrap(), 40);
+        for layer in 0..2 {
+            assert_eq!(
+                c.read_stored(sc, layer, 0, 40).unwrap(),
+                a.read_stored(sa, layer, 0, 40).unwrap()
+            );
+        }
+        let other = c.seq_create(b"other").unwrap();
+        assert_eq!(c.tier_load(t, other, &prompt).unwrap(), 0);
+        assert_eq!(t.stats().unwrap().load_misses, 1);
+    }
+    let sb = b.seq_create(b"ten").unwrap();
+    b.append(sb, &prompt[..3]).unwrap();
+    let e = b.tier_load(&host, sb, &prompt).unwrap_err(); // uncommitted positions
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert_eq!(b.tier_save(&host, Seq(12345)).unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(Tier::host(0).err().unwrap().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(
+        Tier::file(std::path::Path::new("/nonexistent-pkv/a/b"), 1 << 20)
+            .err()
+            .unwrap()
+            .kind(),
+        ErrorKind::Io
+    );
+    let r = Tier::redis("127.0.0.1", 1, None, 100).err().unwrap().kind(); // nothing listens there
+    assert!(r == ErrorKind::Io || r == ErrorKind::NotSupported);
+    assert_eq!(
+        Tier::redis("a\0b", 6379, None, 0).err().unwrap().kind(),
+        ErrorKind::InvalidArgument
+    );
+    drop(file);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
