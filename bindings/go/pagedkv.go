@@ -79,6 +79,7 @@ import (
 	"math"
 	"runtime"
 	"sort"
+	"strings"
 	"sync"
 	"unsafe"
 )
@@ -1458,4 +1459,148 @@ func attnReqLayout() (size uintptr, offs [3]uintptr) {
 		offs[i] = uintptr(C.pkvgo_attn_req_off(C.int(i)))
 	}
 	return uintptr(C.pkvgo_attn_req_size()), offs
+}
+
+// ---- storage tiers ----
+
+// Tier is a storage tier (pkv_tier): whole prefix blocks kept out of the pool, in host memory,
+// files or Redis, for TierLoad to copy back instead of recomputing them ("storage tiers" in
+// pkv.h). One tier may serve several caches and goroutines. Close frees it (a file tier's files
+// stay); calls on a closed (or nil) Tier return ErrClosed.
+type Tier struct {
+	mu sync.RWMutex // Close holds it alone; every other call shares it
+	t  *C.pkv_tier
+}
+
+// TierStats are a tier's counters: the store's own (Entries, Bytes, Capacity, Evictions; 0 for
+// Redis) and what saves and loads did.
+type TierStats struct {
+	Entries, Bytes, Capacity, Evictions                      uint64
+	Saved, SavePresent, SaveNoRoom                           uint64
+	LoadedBlocks, LoadedTokens, LoadMisses, Rejected, Errors uint64
+}
+
+func newTier(op string, f func(out **C.pkv_tier) C.int) (*Tier, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var p *C.pkv_tier
+	if err := check(f(&p), op); err != nil {
+		return nil, err
+	}
+	t := &Tier{t: p}
+	runtime.SetFinalizer(t, (*Tier).Close)
+	return t, nil
+}
+
+// NewHostTier is a tier in host memory: at most capacity bytes (> 0) of entries, the least
+// recently used dropped.
+func NewHostTier(capacity uint64) (*Tier, error) {
+	return newTier("pkv_tier_host_create", func(out **C.pkv_tier) C.int {
+		return C.pkv_tier_host_create(C.uint64_t(capacity), nil, out)
+	})
+}
+
+// NewFileTier is a tier of files in dir (made if missing; entries already there are taken
+// over), at most capacity bytes of them, the least recently used dropped. ErrIO where dir
+// cannot be used.
+func NewFileTier(dir string, capacity uint64) (*Tier, error) {
+	if strings.IndexByte(dir, 0) >= 0 {
+		return nil, invalid("NewFileTier: dir contains a NUL byte")
+	}
+	d := C.CString(dir)
+	defer C.free(unsafe.Pointer(d))
+	return newTier("pkv_tier_file_create", func(out **C.pkv_tier) C.int {
+		return C.pkv_tier_file_create(d, C.uint64_t(capacity), nil, out)
+	})
+}
+
+// NewRedisTier is a tier on the Redis server at host:port, keys under keyPrefix ("" for the
+// default, "pkv:"); the server's maxmemory and maxmemory-policy decide what stays. ErrNotSupported
+// where libpkv was built without hiredis, ErrIO where the server does not answer. timeoutMs 0:
+// 1000.
+func NewRedisTier(host string, port int, keyPrefix string, timeoutMs uint32) (*Tier, error) {
+	if strings.IndexByte(host, 0) >= 0 || strings.IndexByte(keyPrefix, 0) >= 0 {
+		return nil, invalid("NewRedisTier: host and keyPrefix must not contain NUL bytes")
+	}
+	if port <= 0 || port > 65535 {
+		return nil, invalid("NewRedisTier: port %d not in 1..65535", port)
+	}
+	h := C.CString(host)
+	defer C.free(unsafe.Pointer(h))
+	var kp *C.char
+	if keyPrefix != "" {
+		kp = C.CString(keyPrefix)
+		defer C.free(unsafe.Pointer(kp))
+	}
+	return newTier("pkv_tier_redis_create", func(out **C.pkv_tier) C.int {
+		return C.pkv_tier_redis_create(h, C.int(port), kp, C.uint32_t(timeoutMs), nil, out)
+	})
+}
+
+// Close frees the tier once the calls in flight on it have returned. Closing twice (or a nil
+// Tier) is a no-op.
+func (t *Tier) Close() {
+	if t == nil {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	runtime.SetFinalizer(t, nil)
+	if t.t != nil {
+		C.pkv_tier_destroy(t.t)
+		t.t = nil
+	}
+}
+
+// use runs f on the open tier, which Close waits for.
+func (t *Tier) use(f func(p *C.pkv_tier) error) error {
+	if t == nil {
+		return errClosed
+	}
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	if t.t == nil {
+		return errClosed
+	}
+	return f(t.t)
+}
+
+// Stats returns the tier's counters (pkv_tier_get_stats).
+func (t *Tier) Stats() (TierStats, error) {
+	var st C.pkv_tier_stats
+	err := t.use(func(p *C.pkv_tier) error { return check(C.pkv_tier_get_stats(p, &st), "pkv_tier_get_stats") })
+	return TierStats{uint64(st.entries), uint64(st.bytes), uint64(st.capacity), uint64(st.evictions),
+		uint64(st.saved), uint64(st.save_present), uint64(st.save_no_room), uint64(st.loaded_blocks),
+		uint64(st.loaded_tokens), uint64(st.load_misses), uint64(st.rejected), uint64(st.errors)}, err
+}
+
+// TierSave stores the full committed blocks of s that t lacks (pkv_tier_save); returns how many
+// it stored. A store refusing an entry for want of room is not an error; one failing otherwise
+// (Redis unreachable: ErrIO) fails the call, and the entries it stored are deleted again. It
+// reads s as Gather does.
+func (c *Cache) TierSave(t *Tier, s Seq) (uint32, error) {
+	var n C.uint32_t
+	err := t.use(func(tp *C.pkv_tier) error {
+		return c.op("pkv_tier_save", readKV, func(p *C.pkv_cache) C.int { return C.pkv_tier_save(tp, p, C.pkv_seq(s), &n) }, s)
+	})
+	return uint32(n), err
+}
+
+// TierLoad, for a sequence whose positions are all committed and are the prompt's first tokens
+// (as MatchPrefix leaves it, or empty), appends, writes and commits the prompt's next blocks
+// from t, up to the first it lacks, never the prompt's last token (pkv_tier_load); returns the
+// positions added. A miss, a refused entry or a full pool ends the load. It changes s as
+// MatchPrefix does, and moves rows as Truncate does (a refused entry's positions are cut).
+func (c *Cache) TierLoad(t *Tier, s Seq, tokens []int32) (uint32, error) {
+	n, err := u32(len(tokens), "TierLoad: tokens")
+	if err != nil {
+		return 0, err
+	}
+	var r C.uint32_t
+	err = t.use(func(tp *C.pkv_tier) error {
+		return c.op("pkv_tier_load", access{write: true, kv: useShared, rows: useAlone}, func(p *C.pkv_cache) C.int {
+			return C.pkv_tier_load(tp, p, C.pkv_seq(s), i32p(tokens), n, &r)
+		}, s)
+	})
+	return uint32(r), err
 }

@@ -961,6 +961,13 @@ func TestClosedNilAndDtypes(t *testing.T) {
 		func() error { _, err := nilc.Fork(1); return err },
 		func() error { _, err := nilc.Pin(1, 1); return err },
 		func() error { _, err := nilc.MatchPrefix(1, i32); return err },
+		func() error { h, _ := NewHostTier(1 << 20); defer h.Close(); _, err := nilc.TierSave(h, 1); return err },
+		func() error {
+			h, _ := NewHostTier(1 << 20)
+			defer h.Close()
+			_, err := nilc.TierLoad(h, 1, i32)
+			return err
+		},
 		func() error { _, err := nilc.SeqInfo(1); return err },
 		func() error { _, err := nilc.Slots(1, 0, 1); return err },
 		func() error { _, err := nilc.BlockTable(1); return err },
@@ -1825,5 +1832,109 @@ func TestStoredRows(t *testing.T) {
 		must(t, b.Check())
 		a.Close()
 		b.Close()
+	}
+}
+
+func TestTiers(t *testing.T) {
+	// a prompt's blocks saved from one cache into host and file tiers and loaded into another,
+	// byte for byte; another namespace misses; refusals; a closed tier
+	mk := func(nBlocks uint32) *Cache {
+		cfg := DefaultConfig()
+		cfg.NLayers, cfg.NKVHeads, cfg.HeadDim, cfg.BlockTokens, cfg.NBlocks, cfg.NThreads = 2, 2, 32, 8, nBlocks, 1
+		cfg.KDtype, cfg.VDtype, cfg.PrefixCache = F16, Q8_0, true
+		c, err := NewCache(cfg)
+		must(t, err)
+		return c
+	}
+	a := mk(16)
+	defer a.Close()
+	prompt := make([]int32, 45)
+	for i := range prompt {
+		prompt[i] = int32(400 + i)
+	}
+	sa, err := a.SeqCreate([]byte("ten"))
+	must(t, err)
+	_, err = a.Append(sa, prompt)
+	must(t, err)
+	r := rng(5)
+	for layer := uint32(0); layer < 2; layer++ {
+		must(t, a.WriteKVSeq(sa, layer, 0, r.vec(45*64), r.vec(45*64)))
+	}
+	must(t, a.Commit(sa, 45))
+	host, err := NewHostTier(1 << 24)
+	must(t, err)
+	dir := t.TempDir()
+	file, err := NewFileTier(dir+"/t", 1<<24)
+	must(t, err)
+	for _, tier := range []*Tier{host, file} {
+		n, err := a.TierSave(tier, sa)
+		must(t, err)
+		if n != 5 {
+			t.Fatalf("saved %d blocks, want 5", n)
+		}
+		if n, _ = a.TierSave(tier, sa); n != 0 {
+			t.Fatalf("saved %d blocks again", n)
+		}
+		st, err := tier.Stats()
+		must(t, err)
+		if st.Entries != 5 || st.Saved != 5 || st.SavePresent != 5 {
+			t.Fatalf("stats %+v", st)
+		}
+		c := mk(40)
+		sc, err := c.SeqCreate([]byte("ten"))
+		must(t, err)
+		got, err := c.TierLoad(tier, sc, prompt)
+		must(t, err)
+		if got != 40 {
+			t.Fatalf("loaded %d positions, want 40", got)
+		}
+		for layer := uint32(0); layer < 2; layer++ {
+			k1, v1, err := a.ReadStored(sa, layer, 0, 40)
+			must(t, err)
+			k2, v2, err := c.ReadStored(sc, layer, 0, 40)
+			must(t, err)
+			if !reflect.DeepEqual(k1, k2) || !reflect.DeepEqual(v1, v2) {
+				t.Fatalf("layer %d: the loaded rows differ", layer)
+			}
+		}
+		other, err := c.SeqCreate([]byte("other"))
+		must(t, err)
+		if got, err = c.TierLoad(tier, other, prompt); err != nil || got != 0 {
+			t.Fatalf("another namespace: %d, %v", got, err)
+		}
+		_, err = c.Append(other, prompt[:2])
+		must(t, err)
+		if _, err = c.TierLoad(tier, other, prompt); !errors.Is(err, ErrInvalid) {
+			t.Fatalf("uncommitted positions: %v", err)
+		}
+		c.Close()
+	}
+	if _, err := a.TierSave(host, Seq(12345)); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("an unknown sequence: %v", err)
+	}
+	if _, err := NewHostTier(0); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("capacity 0: %v", err)
+	}
+	if _, err := NewFileTier("/nonexistent-pkv/a/b", 1<<20); !errors.Is(err, ErrIO) {
+		t.Fatalf("a directory that cannot be made: %v", err)
+	}
+	if _, err := NewRedisTier("127.0.0.1", 1, "", 100); !errors.Is(err, ErrIO) && !errors.Is(err, ErrNotSupported) {
+		t.Fatalf("a Redis port nobody serves: %v", err)
+	}
+	if _, err := NewRedisTier("127.0.0.1", 0, "", 100); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("port 0: %v", err)
+	}
+	host.Close()
+	host.Close()
+	file.Close()
+	if _, err := a.TierSave(host, sa); !errors.Is(err, ErrClosed) {
+		t.Fatalf("a closed tier: %v", err)
+	}
+	if _, err := host.Stats(); !errors.Is(err, ErrClosed) {
+		t.Fatalf("stats of a closed tier: %v", err)
+	}
+	var none *Tier
+	if _, err := a.TierLoad(none, sa, prompt); !errors.Is(err, ErrClosed) {
+		t.Fatalf("a nil tier: %v", err)
 	}
 }
