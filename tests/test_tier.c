@@ -607,11 +607,83 @@ static void test_alloc_faults(void **state) {
     pkv_cache_destroy(a);
 }
 
+/* ---- a random workload over two caches and one small tier, checked after every step ----
+ * Prompts of four variants (a variant's tokens depend on the position only, and so do its rows:
+ * pattern tag = variant), random lengths; each request matches, loads, computes the rest, checks
+ * every committed row against its variant's pattern, saves, and is released or kept for a while.
+ * The pools and the tier are small, so blocks are evicted from both. The checker runs after every
+ * step, and the tier's counters must add up. */
+static void test_random(void **state) {
+    (void)state;
+    enum { STEPS = 400, VAR = 4, MAXLEN = 60, LIVE = 3 };
+    tu_rng r;
+    tu_rng_seed(&r, tu_env_u64("PKV_SEED", 71));
+    /* (dtypes the pattern's values are exact in: the checks compare values) */
+    pkv_cache *cs[2] = {mk(PKV_DTYPE_F16, PKV_DTYPE_F32, 20, LAYERS), mk(PKV_DTYPE_F16, PKV_DTYPE_F32, 28, LAYERS)};
+    const uint64_t entry = 88 + B * 4 + (uint64_t)LAYERS * B * KV * (pkv_dtype_row_bytes(PKV_DTYPE_F16, HD) +
+                                                                       pkv_dtype_row_bytes(PKV_DTYPE_F32, HD));
+    pkv_tier *t = host(10 * entry);
+    pkv_seq live[2][LIVE];
+    int n_live[2] = {0, 0};
+    uint64_t loaded_total = 0, saved_total = 0;
+    int32_t toks[MAXLEN];
+    for (int step = 0; step < STEPS; step++) {
+        const int ci = (int)tu_rng_below(&r, 2);
+        pkv_cache *c = cs[ci];
+        const uint32_t v = tu_rng_below(&r, VAR), n = 2 + tu_rng_below(&r, MAXLEN - 1);
+        for (uint32_t i = 0; i < n; i++) toks[i] = (int32_t)(100 * v + 3 * i);
+        const char salt[2] = {(char)('a' + v % 2), 0}; /* two namespaces: variants 0, 2 and 1, 3 */
+        pkv_seq s;
+        uint32_t reused = 0, got = 0, saved = 0;
+        TU_OK(pkv_seq_create(c, salt, 1, &s));
+        TU_OK(pkv_seq_match_prefix(c, s, toks, n, &reused));
+        TU_OK(pkv_tier_load(t, c, s, toks, n, &got));
+        assert_true(reused + got <= n - 1);
+        assert_int_equal(tu_info(c, s).n_committed, reused + got);
+        assert_int_equal(tu_cmp_pattern(c, s, 0, reused + got, v), 0); /* what came back is this variant's */
+        loaded_total += got;
+        int rc = pkv_seq_append(c, s, toks + reused + got, n - reused - got, NULL);
+        if (rc == PKV_OK) {
+            TU_WRITE_PAT(c, s, reused + got, n - reused - got, v);
+            TU_OK(pkv_seq_commit(c, s, n));
+            TU_OK(pkv_tier_save(t, c, s, &saved));
+            saved_total += saved;
+        } else
+            assert_int_equal(rc, PKV_ENOSPC);
+        TU_CHECK(c);
+        if (rc == PKV_OK && n_live[ci] < LIVE && tu_rng_chance(&r, 0.5)) live[ci][n_live[ci]++] = s;
+        else TU_OK(pkv_seq_release(c, s));
+        if (n_live[ci] && tu_rng_chance(&r, 0.3)) TU_OK(pkv_seq_release(c, live[ci][--n_live[ci]]));
+        if (tu_rng_chance(&r, 0.02)) { /* an engine restart: the pool forgets, the tier does not */
+            for (int j = 0; j < n_live[ci]; j++) TU_OK(pkv_seq_release(c, live[ci][j]));
+            n_live[ci] = 0;
+            TU_OK(pkv_cache_reset(c));
+        }
+        TU_CHECK(c);
+    }
+    pkv_tier_stats st = tstats(t);
+    if (getenv("PKV_TEST_VERBOSE"))
+        printf("test_random: %llu saved, %llu loaded blocks (%llu positions), %llu misses, %llu evictions\n",
+               (unsigned long long)st.saved, (unsigned long long)st.loaded_blocks, (unsigned long long)st.loaded_tokens,
+               (unsigned long long)st.load_misses, (unsigned long long)st.evictions);
+    assert_int_equal(st.saved, saved_total);
+    assert_int_equal(st.loaded_tokens, loaded_total);
+    assert_true(st.loaded_blocks > 0 && st.evictions > 0 && st.entries <= 10);
+    assert_int_equal(st.rejected + st.errors, 0);
+    assert_true(st.bytes <= 10 * entry);
+    for (int ci = 0; ci < 2; ci++) {
+        for (int j = 0; j < n_live[ci]; j++) TU_OK(pkv_seq_release(cs[ci], live[ci][j]));
+        TU_CHECK(cs[ci]);
+        pkv_cache_destroy(cs[ci]);
+    }
+    pkv_tier_destroy(t);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip), cmocka_unit_test(test_partial),     cmocka_unit_test(test_mismatch),
         cmocka_unit_test(test_lru),       cmocka_unit_test(test_file),        cmocka_unit_test(test_faults),
-        cmocka_unit_test(test_alloc_faults),
+        cmocka_unit_test(test_alloc_faults), cmocka_unit_test(test_random),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
