@@ -725,11 +725,14 @@ PKV_NODISCARD PKV_API int pkv_tier_host_create(uint64_t capacity_bytes, const pk
 /* Files in the directory dir (made if missing; its parent must exist), one file an entry
  * (32 hex digits of the key, ".pkvb"), at most capacity_bytes of them (> 0), the least recently
  * used dropped first. Entries already in dir (a tier of an earlier process) are taken over,
- * oldest written first in line to be dropped; files of other names are left alone. A file is
- * written beside its final name and renamed into place, so a reader never sees half an entry
- * (not synced: a crash of the machine may lose entries, and the checksum catches torn ones).
- * One tier object a directory: two at once (two processes) keep separate accounts of it.
- * PKV_EIO where dir cannot be made or read. */
+ * oldest written first in line to be dropped (the order of use is not kept in the files);
+ * files of other names are left alone. A file is written beside its final name (".pkvt-<pid>-
+ * <tier>-<count>") and renamed into place, so a reader never sees half an entry (not synced: a
+ * crash of the machine may lose entries, and the checksum catches torn ones); temporary files
+ * an hour old, left by a process that died writing them, are removed at creation. Two tier
+ * objects on one directory (two processes) work, but keep separate accounts of it: each counts
+ * only the files it wrote or found, and drops only those. PKV_EIO where dir cannot be made or
+ * read. */
 PKV_NODISCARD PKV_API int pkv_tier_file_create(const char *dir, uint64_t capacity_bytes, const pkv_allocator *alloc,
                                                pkv_tier **out);
 /* Redis, where the library was built with hiredis (else PKV_ENOTSUP): entries as string values
@@ -764,18 +767,20 @@ PKV_NODISCARD PKV_API int pkv_tier_get_stats(pkv_tier *t, pkv_tier_stats *out);
  * used store drops the ends of prefixes before their beginnings); *n_saved (may be NULL): how
  * many it stored. Blocks t has are only touched; blocks the store refuses for want of room are
  * counted, not an error. A put that fails otherwise fails the call, and the entries it stored
- * are deleted again. PKV_ENOMEM: the entry buffer could not be allocated (through the cache's
- * allocator). */
+ * are deleted again (up to the first del the store fails). PKV_ENOMEM: the token, key and flag
+ * buffers could not be allocated (through the cache's allocator) or the entry buffer (through
+ * the tier's; the tier keeps one between calls). */
 PKV_NODISCARD PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq s, uint32_t *n_saved);
 /* For a sequence whose positions [0, m) are all committed and are tokens[0, m) (m <= n; what
  * pkv_seq_match_prefix leaves, or an empty sequence): appends, writes and commits the positions
  * of the prompt tokens[0, n) that the tier holds, block after block from the one holding
  * position m, up to the first block it lacks, and never the last token (as a prefix match).
- * *n_loaded: positions added. A block whose entry is missing, refused (then deleted) or that
- * finds no room in the pool (PKV_ENOSPC, PKV_ELIMIT) ends the load: what was loaded before it
- * stays, and the call succeeds. The loaded full blocks enter the prefix index as committed
+ * *n_loaded: positions added. A block whose entry is missing, refused (then deleted), that the
+ * store fails to give (counted in errors; nothing more is asked of the store in that call) or
+ * that finds no room in the pool (PKV_ENOSPC, PKV_ELIMIT) ends the load: what was loaded before
+ * it stays, and the call succeeds. The loaded full blocks enter the prefix index as committed
  * blocks do. PKV_EINVAL where s has uncommitted positions or its tokens differ from tokens[0,
- * m). Positions are a multiple of block_tokens but for the first (from m) and the last (cap). */
+ * m). */
 PKV_NODISCARD PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
                                         uint32_t *n_loaded);
 

@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/time.h>
+#include <time.h>
 #include <unistd.h>
 
 #define XXH_INLINE_ALL
@@ -175,6 +177,11 @@ static void test_partial(void **state) {
     assert_int_equal(load_fresh(t, c, NULL, toks, 40, &reused, &s3), 39);
     same_rows(a, sa, c, s3, 39);
     assert_int_equal(load_fresh(t, c, NULL, toks, 41, &reused, &s3), 1); /* 39 in the pool, then 1 */
+    /* a pool of 3 blocks: the load ends when it is full, successfully, with what fitted */
+    pkv_cache *small = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 3, LAYERS);
+    assert_int_equal(load_fresh(t, small, NULL, toks, N, &reused, &s3), 24);
+    same_rows(a, sa, small, s3, 24);
+    pkv_cache_destroy(small);
     pkv_tier_destroy(t);
     pkv_cache_destroy(a);
     pkv_cache_destroy(b);
@@ -286,6 +293,51 @@ static void test_lru(void **state) {
     pkv_cache_destroy(b);
 }
 
+/* ---- what a load uses is kept over what was saved before it (host and file stores) ----
+ * Room for 6 entries: P's 5 blocks, then R's 2 (P's deepest goes), then P is loaded (4 blocks,
+ * touched), then S's 2 come in: R's go, not P's. In a store that ignored use (first in, first
+ * out), P's blocks 3 and 2 would go instead. */
+static void lru_scenario(pkv_tier *t, uint64_t entry) {
+    (void)entry;
+    int32_t p[N], r[2 * B + 1], q[2 * B + 1];
+    prompt(p, N, 5000);
+    prompt(r, 2 * B + 1, 6000);
+    prompt(q, 2 * B + 1, 7000);
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 16, LAYERS);
+    pkv_seq sp = filled(a, NULL, p, N), sr = filled(a, NULL, r, 2 * B + 1), sq = filled(a, NULL, q, 2 * B + 1), s;
+    uint32_t saved;
+    TU_OK(pkv_tier_save(t, a, sp, &saved));
+    TU_OK(pkv_tier_save(t, a, sr, &saved));
+    assert_int_equal(tstats(t).entries, 6);
+    pkv_cache *b = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
+    assert_int_equal(load_fresh(t, b, NULL, p, N, NULL, &s), 32); /* P's block 4 went for R */
+    TU_OK(pkv_tier_save(t, a, sq, &saved));
+    assert_int_equal(saved, 2);
+    pkv_cache *c = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
+    assert_int_equal(load_fresh(t, c, NULL, r, 2 * B + 1, NULL, &s), 0); /* R's went */
+    assert_int_equal(load_fresh(t, c, NULL, p, N, NULL, &s), 32);        /* P's stayed */
+    assert_int_equal(load_fresh(t, c, NULL, q, 2 * B + 1, NULL, &s), 16); /* S came in */
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+    pkv_cache_destroy(c);
+}
+
+static void test_use_order(void **state) {
+    (void)state;
+    const uint64_t entry = 88 + B * 4 + (uint64_t)LAYERS * B * KV * 2 * pkv_dtype_row_bytes(PKV_DTYPE_F16, HD);
+    pkv_tier *t = host(6 * entry + entry / 2);
+    lru_scenario(t, entry);
+    pkv_tier_destroy(t);
+    char dir[] = "/tmp/pkv-tier-lru-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    TU_OK(pkv_tier_file_create(dir, 6 * entry + entry / 2, NULL, &t));
+    lru_scenario(t, entry);
+    pkv_tier_destroy(t);
+    TU_OK(pkv_tier_file_create(dir, 1, NULL, &t)); /* drops every file */
+    pkv_tier_destroy(t);
+    assert_int_equal(rmdir(dir), 0);
+}
+
 /* ---- files: taken over by a new tier, corrupt ones refused ---- */
 static int count_files(const char *dir, const char *suffix, char *first) {
     DIR *d = opendir(dir);
@@ -324,18 +376,25 @@ static void test_file(void **state) {
     const uint64_t bytes = tstats(t).bytes;
     pkv_tier_destroy(t);
     assert_int_equal(count_files(path, ".pkvb", NULL), 5);
-    /* another "process": a leftover temporary file goes, a foreign file stays */
-    char tmp[600], foreign[600];
-    snprintf(tmp, sizeof tmp, "%s/.pkvt-1-1", path);
+    /* another "process": a temporary file two hours old (a writer that died) goes; a fresh one
+       (another process's write in flight) and a foreign file stay */
+    char tmp[600], live[600], foreign[600];
+    snprintf(tmp, sizeof tmp, "%s/.pkvt-1-1-1", path);
+    snprintf(live, sizeof live, "%s/.pkvt-2-1-1", path);
     snprintf(foreign, sizeof foreign, "%s/notes.txt", path);
     write_file(tmp, "half an entry");
+    write_file(live, "half an entry");
     write_file(foreign, "mine");
+    const struct timeval old[2] = {{time(NULL) - 7200, 0}, {time(NULL) - 7200, 0}};
+    assert_int_equal(utimes(tmp, old), 0);
     TU_OK(pkv_tier_file_create(path, 1u << 24, NULL, &t));
     pkv_tier_stats st = tstats(t);
     assert_int_equal(st.entries, 5);
     assert_int_equal(st.bytes, bytes);
     assert_int_equal(access(tmp, F_OK), -1);
+    assert_int_equal(access(live, F_OK), 0);
     assert_int_equal(access(foreign, F_OK), 0);
+    unlink(live);
     pkv_cache *b = mk(PKV_DTYPE_Q4_0, PKV_DTYPE_F16, 40, LAYERS);
     assert_int_equal(load_fresh(t, b, NULL, toks, N, NULL, &s), 40);
     same_rows(a, sa, b, s, 40);
@@ -365,11 +424,37 @@ static void test_file(void **state) {
     got = load_fresh(t, d, NULL, toks, N, NULL, &s);
     assert_true(got < 40 && got % B == 0);
     assert_int_equal(tstats(t).entries, 4);
+    TU_OK(pkv_tier_save(t, a, sa, NULL)); /* back to 5 */
     pkv_tier_destroy(t);
-    /* reopened smaller: the oldest written go */
+    /* reopened smaller: the oldest written go. The files' write times are set by the block
+       each holds (its first token id, after the 88-byte header): block 0 newest, as a save
+       leaves them (deepest first), so blocks 0 and 1 stay and a load gets 16 positions */
+    DIR *dd = opendir(path);
+    assert_non_null(dd);
+    for (struct dirent *de; (de = readdir(dd));) {
+        if (!strstr(de->d_name, ".pkvb")) continue;
+        char fp[1024];
+        snprintf(fp, sizeof fp, "%s/%s", path, de->d_name);
+        FILE *ff = fopen(fp, "rb");
+        int32_t first = 0;
+        assert_non_null(ff);
+        assert_int_equal(fseek(ff, 88, SEEK_SET), 0);
+        assert_int_equal(fread(&first, 4, 1, ff), 1);
+        fclose(ff);
+        int blk = -1;
+        for (int k = 0; k < N; k += B)
+            if (toks[k] == first) blk = k / B;
+        assert_true(blk >= 0);
+        const struct timeval when[2] = {{time(NULL) - 100 * blk, 0}, {time(NULL) - 100 * blk, 0}};
+        assert_int_equal(utimes(fp, when), 0);
+    }
+    closedir(dd);
     TU_OK(pkv_tier_file_create(path, 2 * (bytes / 5), NULL, &t));
     assert_int_equal(tstats(t).entries, 2);
     assert_int_equal(count_files(path, ".pkvb", NULL), 2);
+    pkv_cache *e = mk(PKV_DTYPE_Q4_0, PKV_DTYPE_F16, 40, LAYERS);
+    assert_int_equal(load_fresh(t, e, NULL, toks, N, NULL, &s), 16);
+    pkv_cache_destroy(e);
     pkv_tier_destroy(t);
     unlink(foreign);
     while (count_files(path, ".pkvb", victim)) unlink(victim);
@@ -386,7 +471,7 @@ typedef struct fake {
     uint8_t key[32][16];
     uint8_t *data[32];
     size_t len[32];
-    int n_put, n_get, n_del;
+    int n_put, n_get, n_del, n_calls; /* n_calls: gets, probes included */
     int fail_put_at, fail_get_at; /* call index answered PKV_EIO (-1 never) */
     int garble, shorten;          /* gets: flip a byte of the rows / give one byte less */
     int craft;                    /* gets: a q8_0 code of -128 in the V rows, checksum fixed */
@@ -418,6 +503,7 @@ static int fake_put(void *ctx, const uint8_t key[16], const void *data, size_t l
 
 static int fake_get(void *ctx, const uint8_t key[16], void *data, size_t cap, size_t *len) {
     fake *f = ctx;
+    f->n_calls++;
     if (data && f->n_get++ == f->fail_get_at) return PKV_EIO;
     int i = find(f, key);
     if (i < 0) return PKV_ENOENT;
@@ -482,8 +568,9 @@ static void test_faults(void **state) {
     assert_int_equal(tstats(t).entries, 0); /* no usage op */
     pkv_cache *b = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
     /* the store fails the third get: two blocks, then the load ends, successfully */
-    f.n_get = 0, f.fail_get_at = 2;
+    f.n_get = 0, f.fail_get_at = 2, f.n_calls = 0;
     assert_int_equal(load_fresh(t, b, NULL, toks, N, NULL, &s), 16);
+    assert_int_equal(f.n_calls, 3); /* nothing asked of a failing store after its failure */
     assert_int_equal(tstats(t).errors, 2);
     same_rows(a, sa, b, s, 16);
     f.fail_get_at = -1;
@@ -683,7 +770,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip), cmocka_unit_test(test_partial),     cmocka_unit_test(test_mismatch),
         cmocka_unit_test(test_lru),       cmocka_unit_test(test_file),        cmocka_unit_test(test_faults),
-        cmocka_unit_test(test_alloc_faults), cmocka_unit_test(test_random),
+        cmocka_unit_test(test_alloc_faults), cmocka_unit_test(test_random), cmocka_unit_test(test_use_order),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

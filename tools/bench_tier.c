@@ -6,6 +6,7 @@
  * pkv_seq_write_stored, no tier). Public API only. */
 #include "tool.h"
 
+#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -68,10 +69,20 @@ static int open_tier(const tier_kind *k, int round, pkv_tier **t) {
     return pkv_tier_host_create((uint64_t)1 << 40, NULL, t);
 }
 
+/* removes DIR/rROUND and the files in it (the file tier's entries: no subdirectories) */
 static void remove_round_dir(const char *dir, int round) {
-    char cmd[4300];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s/r%d'", dir, round);
-    if (system(cmd) != 0) fprintf(stderr, "pkv bench tier: could not remove %s/r%d\n", dir, round);
+    char path[4200], file[4500];
+    snprintf(path, sizeof path, "%s/r%d", dir, round);
+    DIR *d = opendir(path);
+    if (d) {
+        for (struct dirent *de; (de = readdir(d));) {
+            if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+            snprintf(file, sizeof file, "%s/%s", path, de->d_name);
+            unlink(file);
+        }
+        closedir(d);
+    }
+    if (rmdir(path) != 0) fprintf(stderr, "pkv bench tier: could not remove %s\n", path);
 }
 
 int tool_bench_tier(int argc, char **argv) {

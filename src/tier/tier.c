@@ -224,20 +224,21 @@ static bool entry_ok(const pkv_cache *c, const shape *sh, const uint8_t *buf, si
            XXH3_64bits(buf + sizeof h, len - sizeof h) == h.checksum;
 }
 
-/* Under the cache's lock: s (live, not a pin), its length, committed length and namespace, and
- * the token ids of its first nb blocks into toks (blocks holding committed positions; toks
- * NULL: not wanted). */
+/* Under the cache's lock: s (live, not a pin), and its length, committed length and namespace.
+ * With toks: the token ids of its first nb blocks into toks, once its length and committed
+ * length are checked to be *n_tokens and *n_committed still (a call that changed s meanwhile
+ * broke pkv.h's rule; refused rather than read past the buffers sized for them). */
 static int seq_peek(pkv_cache *c, pkv_seq id, const char *api, uint32_t *n_tokens, uint32_t *n_committed,
                     uint64_t *ns_lo, uint64_t *ns_hi, int32_t *toks, uint32_t nb) {
     pthread_mutex_lock(&c->mu);
     pkv__seq *s;
     int rc = pkv__get_seq(c, id, &s, api);
+    if (!rc && toks && (s->n_tokens != *n_tokens || s->n_committed != *n_committed || nb > s->n_blocks))
+        rc = pkv__say(c, PKV_EINVAL, api, "the sequence changed during the call");
     if (!rc) {
         *n_tokens = s->n_tokens, *n_committed = s->n_committed;
         *ns_lo = s->ns_lo, *ns_hi = s->ns_hi;
-        if (toks && nb > (s->n_committed + c->B - 1) / c->B)
-            rc = pkv__say(c, PKV_EINVAL, api, "the sequence changed during the call"); /* against the rules */
-        for (uint32_t i = 0; !rc && toks && i < nb; i++)
+        for (uint32_t i = 0; toks && i < nb; i++)
             memcpy(toks + (size_t)i * c->B, c->tokens + (size_t)s->table[i] * c->B, (size_t)c->B * sizeof(int32_t));
     }
     pthread_mutex_unlock(&c->mu);
@@ -278,6 +279,7 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
                 present++;
                 continue;
             }
+            if (g != PKV_ENOENT) COUNT(t, errors, 1); /* taken as absent: the put says more */
             tier_hdr h;
             hdr_fill(c, &sh, &keys[j], j ? &keys[j - 1] : &seed, &h);
             uint8_t *p = buf + sizeof h;
@@ -297,9 +299,13 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
                               pkv_strerror(r));
             }
         }
-        if (rc) /* none of this call's entries stays */
-            for (uint32_t i = 0; i < nb; i++)
-                if (put[i]) (void)t->ops.del(t->ctx, keys[i].b);
+        /* none of this call's entries stays, where the store lets them go: a del that fails
+           (the store unreachable) ends the clean-up, rather than wait on each one */
+        for (uint32_t i = 0; rc && i < nb; i++)
+            if (put[i] && t->ops.del(t->ctx, keys[i].b) != PKV_OK) {
+                COUNT(t, errors, 1);
+                break;
+            }
     }
     if (!rc) {
         pthread_mutex_lock(&t->mu);
@@ -348,7 +354,7 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
             rc = PKV__SAY(c, PKV_EINVAL, "the sequence's positions [0, %u) are not tokens[0, %u)", m, m);
     }
     uint32_t pos = m, blocks = 0;
-    bool miss = false;
+    bool miss = false, failed = false; /* ended on a block the store lacks / on a store failure */
     if (!rc) {
         tkey prev;
         key_seed(c, ns_lo, ns_hi, &prev);
@@ -365,6 +371,7 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
             }
             if (g != PKV_OK && g != PKV_ENOSPC) {
                 COUNT(t, errors, 1);
+                failed = true;
                 break;
             }
             if (g == PKV_ENOSPC || !entry_ok(c, &sh, buf, len, key, &prev, bt)) {
@@ -373,7 +380,12 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
                 break;
             }
             const uint32_t from = pos, to = PKV_MIN((i + 1) * B, cap), cnt = to - from;
-            if (pkv_seq_append(c, id, tokens + from, cnt, NULL) != PKV_OK) break; /* no room: the load ends */
+            const int a = pkv_seq_append(c, id, tokens + from, cnt, NULL);
+            if (a == PKV_ENOSPC || a == PKV_ELIMIT) break; /* no room: the load ends, successfully */
+            if (a) { /* only where s changed under the call */
+                rc = a;
+                break;
+            }
             const uint8_t *p = buf + sizeof(tier_hdr) + (size_t)B * sizeof(int32_t);
             const size_t skip = from - (size_t)i * B;
             int w = PKV_OK;
@@ -389,10 +401,15 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
             if ((rc = pkv_seq_commit(c, id, to))) break; /* only where s changed under the call */
             pos = to, blocks++, prev = *key;
         }
-        /* touched again deepest first, so that a least-recently-used store keeps the beginnings */
-        for (uint32_t j = blocks; j-- > 1;) {
+        /* touched again deepest first, so that a least-recently-used store keeps the beginnings;
+           not after a store failure, nor past one (each would wait on an unreachable store) */
+        for (uint32_t j = blocks; !failed && j-- > 1;) {
             size_t len;
-            (void)t->ops.get(t->ctx, keys[j - 1].b, NULL, 0, &len);
+            const int g = t->ops.get(t->ctx, keys[j - 1].b, NULL, 0, &len);
+            if (g != PKV_OK && g != PKV_ENOENT) {
+                COUNT(t, errors, 1);
+                break;
+            }
         }
         pthread_mutex_lock(&t->mu);
         t->st.loaded_blocks += blocks, t->st.loaded_tokens += pos - m, t->st.load_misses += miss;

@@ -1,7 +1,7 @@
 /* tier_file.c: the file store (pkv_tier_file_create): one file an entry in a directory, named by
  * its key (32 hex digits, ".pkvb"); the map holds each file's size in use order, and at most
  * `capacity` bytes of files are kept, the least recently used dropped first. A put writes a
- * temporary file (".pkvt-", never taken over) and renames it into place; a get opens the file
+ * temporary file (".pkvt-<pid>-<store>-<count>", never taken over) and renames it into place; a get opens the file
  * under the lock and reads it after, so an eviction meanwhile (an unlink) does not cut the read
  * short. */
 #include "tier_int.h"
@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define NAME_LEN (2 * PKV__TIER_KEY + 5) /* hex digits and ".pkvb" */
@@ -80,13 +81,19 @@ static int file_put(void *ctx, const uint8_t key[16], const void *data, size_t l
         if (e) pkv__tmap_free(&f->map, e);
         return PKV_ENOMEM;
     }
-    pthread_mutex_lock(&f->mu);
-    const uint64_t seq = f->tmp_seq++;
-    pthread_mutex_unlock(&f->mu);
+    /* a name no other writer uses: this process, this store, a count; and should another
+       process of the same pid (a container's) have it, the next count */
+    int rc = PKV_OK, fd = -1;
     memcpy(tmp, f->path, f->dir_len);
-    snprintf(tmp + f->dir_len, f->path_size - f->dir_len, ".pkvt-%ld-%llu", (long)getpid(), (unsigned long long)seq);
-    int rc = PKV_OK;
-    const int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    for (int tries = 0; fd < 0 && tries < 16; tries++) {
+        pthread_mutex_lock(&f->mu);
+        const uint64_t seq = f->tmp_seq++;
+        pthread_mutex_unlock(&f->mu);
+        snprintf(tmp + f->dir_len, f->path_size - f->dir_len, ".pkvt-%ld-%llx-%llu", (long)getpid(),
+                 (unsigned long long)(uintptr_t)f, (unsigned long long)seq);
+        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+        if (fd < 0 && errno != EEXIST) break;
+    }
     if (fd < 0) rc = errno == ENOSPC || errno == EDQUOT ? PKV_ENOSPC : PKV_EIO;
     else {
         const bool ok = write_all(fd, data, len);
@@ -95,16 +102,17 @@ static int file_put(void *ctx, const uint8_t key[16], const void *data, size_t l
         if (rc) unlink(tmp);
     }
     if (!rc) {
+        /* the map changes only once the file is in place: a failed rename leaves it as it was */
         pthread_mutex_lock(&f->mu);
-        pkv__tent *old = pkv__tmap_find(&f->map, key);
-        if (old) { /* replaced by the rename */
-            pkv__tmap_remove(&f->map, old);
-            pkv__tmap_free(&f->map, old);
-        }
-        while (f->map.bytes + len > f->capacity) evict_oldest(f, fin);
         if (rename(tmp, path_of(f, fin, key)) == 0) {
+            pkv__tent *old = pkv__tmap_find(&f->map, key);
+            if (old) { /* its file replaced by the rename */
+                pkv__tmap_remove(&f->map, old);
+                pkv__tmap_free(&f->map, old);
+            }
             pkv__tmap_insert(&f->map, e);
             e = NULL;
+            while (f->map.bytes > f->capacity) evict_oldest(f, fin); /* never the new one: len <= capacity */
         } else {
             rc = PKV_EIO;
             unlink(tmp);
@@ -140,11 +148,13 @@ static int file_get(void *ctx, const uint8_t key[16], void *data, size_t cap, si
         rc = data && e->len > cap ? PKV_ENOSPC : PKV_OK;
         if (data && !rc) {
             fd = open(path_of(f, buf, key), O_RDONLY | O_CLOEXEC);
-            if (fd < 0) { /* gone from under the store (removed by hand): forget it */
+            const int err = errno;
+            if (fd < 0 && err == ENOENT) { /* gone from under the store (removed by hand): forget it */
                 pkv__tmap_remove(&f->map, e);
                 pkv__tmap_free(&f->map, e);
-                rc = errno == ENOENT ? PKV_ENOENT : PKV_EIO;
-            }
+                rc = PKV_ENOENT;
+            } else if (fd < 0)
+                rc = PKV_EIO; /* (out of descriptors, permissions: the entry stays) */
         }
     }
     pthread_mutex_unlock(&f->mu);
@@ -209,13 +219,15 @@ static int by_when(const void *a, const void *b) {
 }
 
 /* Takes over the entries already in the directory, oldest written first in the use order;
- * removes temporary files an earlier process left. */
+ * removes temporary files an hour old (left by a process that died writing them: a live
+ * writer's, another process's on the same directory, are younger). */
 static int adopt(file_store *f) {
     DIR *d = opendir(f->path);
     if (!d) return PKV_EIO;
     found *list = NULL;
     size_t n = 0, cap = 0;
     int rc = PKV_OK;
+    const time_t now = time(NULL);
     char *buf = pkv__alloc(&f->map.alloc, f->path_size + 256, 1);
     if (!buf) rc = PKV_ENOMEM;
     for (struct dirent *de; !rc && (de = readdir(d));) {
@@ -225,12 +237,12 @@ static int adopt(file_store *f) {
         if (strlen(de->d_name) > 255) continue;
         memcpy(buf, f->path, f->dir_len);
         strcpy(buf + f->dir_len, de->d_name);
-        if (tmp) {
-            unlink(buf);
-            continue;
-        }
         struct stat st;
         if (stat(buf, &st) != 0 || !S_ISREG(st.st_mode)) continue;
+        if (tmp) { /* another writer's, in flight, unless an hour old: then left by a crash */
+            if (now - st.st_mtime > 3600) unlink(buf);
+            continue;
+        }
         x.len = (uint64_t)st.st_size;
         x.when = (uint64_t)st.st_mtim.tv_sec * 1000000000u + (uint64_t)st.st_mtim.tv_nsec;
         if (n == cap) {
