@@ -41,6 +41,7 @@ static pid_t start_server(int port, const char *maxmemory, const char *policy) {
 }
 
 static void stop_server(pid_t pid) {
+    kill(pid, SIGCONT); /* (a check may have failed while it was stopped) */
     kill(pid, SIGTERM);
     int st;
     waitpid(pid, &st, 0);
@@ -155,6 +156,23 @@ static void test_redis(void **state) {
     assert_int_equal(saved, 5);
     TU_OK(pkv_seq_release(d, s));
     assert_int_equal(load_fresh(t, d, toks, N, &s), 40);
+    /* the server hangs (stopped, not gone): the load waits for one command's timeout (500 ms),
+       not for one a block, ends with nothing, and the tier connects again once it answers */
+    TU_OK(pkv_seq_release(d, s));
+    const uint64_t errors = tstats(t).errors;
+    kill(srv, SIGSTOP);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    pkv_cache *e = mk(40);
+    assert_int_equal(load_fresh(t, e, toks, N, &s), 0);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    const double waited = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    kill(srv, SIGCONT);
+    assert_true(waited < 1.5);
+    assert_int_equal(tstats(t).errors, errors + 1);
+    TU_OK(pkv_seq_release(e, s));
+    assert_int_equal(load_fresh(t, e, toks, N, &s), 40);
+    pkv_cache_destroy(e);
     stop_server(srv);
     /* a full server under noeviction refuses puts: not an error (maxmemory 1 byte: always full) */
     srv = start_server(port, "1", "noeviction");
