@@ -413,7 +413,8 @@ static void test_prefix_json(void **state) {
     free(out), free(err);
 }
 
-/* `pkv bench tier --json`: a header, then copy, direct, and save and load for host and file, each
+/* `pkv bench tier --json`: a header, then copy, direct, save and load for host and file, and the
+ * save of a full host tier (host-full), each
  * with a median, GB/s consistent with it and the bytes, and its fraction of the copy's rate (the
  * copy's own 1); a Redis server that does not answer fails the run and says so. */
 static void test_tier_json(void **state) {
@@ -423,7 +424,7 @@ static void test_tier_json(void **state) {
     char *out, *err;
     int rc = run_cli(argv, &out, &err);
     if (rc != 0) fail_msg("exit %d: %s", rc, err);
-    int header = 0, seen[4] = {0}, tiers = 0;
+    int header = 0, seen[4] = {0}, tiers = 0, full = 0;
     for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
         one_object(line);
         assert_true(str_is(line, "bench", "tier"));
@@ -436,6 +437,7 @@ static void test_tier_json(void **state) {
         const int op = which(line, "op", ops, 4);
         seen[op]++;
         tiers += str_is(line, "tier", "host") || str_is(line, "tier", "file");
+        full += str_is(line, "tier", "host-full") && op == 2; /* the steady state's save */
         const double ms = num(line, "median_ms"), gbps = num(line, "gbps"), bytes = num(line, "bytes");
         assert_true(ms > 0 && gbps > 0 && isfinite(gbps));
         assert_true(fabs(gbps - bytes / (ms * 1e-3) * 1e-9) <= 1e-3 * gbps + 2e-3);
@@ -444,7 +446,7 @@ static void test_tier_json(void **state) {
         assert_int_equal((int)num(line, "rounds"), 3);
     }
     assert_int_equal(header, 1);
-    assert_true(seen[0] == 1 && seen[1] == 1 && seen[2] == 2 && seen[3] == 2 && tiers == 4);
+    assert_true(seen[0] == 1 && seen[1] == 1 && seen[2] == 3 && seen[3] == 2 && tiers == 4 && full == 1);
     free(out), free(err);
     char *dead[] = {"pkv", "bench", "tier", "--quick", "--redis", "127.0.0.1:1", NULL};
     rc = run_cli(dead, &out, &err);

@@ -22,7 +22,9 @@ static void usage(FILE *f) {
             "(pkv_tier_load); medians over the rounds, GB/s of entry bytes, and that as a fraction\n"
             "of a memcpy of the same bytes timed in the same rounds (copy_frac). direct: the same\n"
             "rows read out of one cache and written into another (pkv_seq_read_stored,\n"
-            "pkv_seq_write_stored), no tier: what the tier adds is the rest.\n"
+            "pkv_seq_write_stored), no tier: what the tier adds is the rest. save host-full: the\n"
+            "steady state of a full host tier, each save's 128 entries replacing the last's (the\n"
+            "memory of the entries it drops is reused; a new tier's entries are fresh pages).\n"
             "\n"
             "  --json          one JSON object per line (keys: op, tier, median_ms, gbps, copy_gbps,\n"
             "                  copy_frac, bytes, rounds)\n"
@@ -134,7 +136,8 @@ int tool_bench_tier(int argc, char **argv) {
         return TOOL_FAIL;
     }
     int status = TOOL_FAIL;
-    pkv_cache *a = mk(n_blk + 8), *b = mk(n_blk + 8);
+    pkv_cache *a = mk(2 * n_blk + 8), *b = mk(n_blk + 8);
+    pkv_tier *full = NULL; /* the steady state: a host tier with room for one prompt, two alternating */
     int32_t *toks = malloc(n_tok * sizeof *toks);
     const size_t rowe = (size_t)KVH * HD, bytes_f16 = (size_t)n_tok * rowe * 2;
     uint16_t *kb = malloc(bytes_f16), *vb = malloc(bytes_f16);
@@ -142,8 +145,10 @@ int tool_bench_tier(int argc, char **argv) {
     unsigned char *src = malloc(total), *dst = malloc(total);
     double *t_copy = calloc(rounds, sizeof(double)), *t_direct = calloc(rounds, sizeof(double));
     double *t_save = calloc((size_t)rounds * 3, sizeof(double)), *t_load = calloc((size_t)rounds * 3, sizeof(double));
-    pkv_seq sa;
-    if (!a || !b || !toks || !kb || !vb || !src || !dst || !t_copy || !t_direct || !t_save || !t_load) goto out;
+    double *t_full = calloc(rounds, sizeof(double));
+    pkv_seq sa, sa2;
+    if (!a || !b || !toks || !kb || !vb || !src || !dst || !t_copy || !t_direct || !t_save || !t_load || !t_full)
+        goto out;
     for (uint32_t i = 0; i < n_tok; i++) toks[i] = (int32_t)(i * 2654435761u % 30000);
     for (size_t i = 0; i < (size_t)n_tok * rowe; i++) kb[i] = (uint16_t)(0x3000 + i % 0x0fff), vb[i] = (uint16_t)(0xb000 + i % 0x0fff);
     memset(src, 1, total);
@@ -152,6 +157,14 @@ int tool_bench_tier(int argc, char **argv) {
     if (!rc) rc = pkv_seq_append(a, sa, toks, n_tok, NULL);
     for (uint32_t l = 0; !rc && l < LAYERS; l++) rc = pkv_seq_write_kv(a, sa, l, 0, n_tok, kb, vb, PKV_DTYPE_F16);
     if (!rc) rc = pkv_seq_commit(a, sa, n_tok);
+    for (uint32_t i = 0; !rc && i < n_tok; i++) toks[i] += 30000; /* the second prompt: other tokens */
+    if (!rc) rc = pkv_seq_create(a, NULL, 0, &sa2);
+    if (!rc) rc = pkv_seq_append(a, sa2, toks, n_tok, NULL);
+    for (uint32_t l = 0; !rc && l < LAYERS; l++) rc = pkv_seq_write_kv(a, sa2, l, 0, n_tok, kb, vb, PKV_DTYPE_F16);
+    if (!rc) rc = pkv_seq_commit(a, sa2, n_tok);
+    for (uint32_t i = 0; i < n_tok; i++) toks[i] -= 30000;
+    if (!rc) rc = pkv_tier_host_create(total + entry / 2, NULL, &full);
+    if (!rc) rc = pkv_tier_save(full, a, sa, NULL); /* full from the start */
     if (rc) {
         fprintf(stderr, "pkv bench tier: filling the source cache: %s\n", pkv_strerror(rc));
         goto out;
@@ -174,6 +187,16 @@ int tool_bench_tier(int argc, char **argv) {
         if (!rc) rc = pkv_seq_commit(b, sb, n_tok - 1);
         t_direct[r] = (double)(tool_now_ns() - t0) * 1e-9;
         if (rc) break;
+        /* the steady state: the other prompt's 128 entries replace this one's */
+        t0 = tool_now_ns();
+        uint32_t n_full = 0;
+        rc = pkv_tier_save(full, a, r % 2 ? sa : sa2, &n_full);
+        t_full[r] = (double)(tool_now_ns() - t0) * 1e-9;
+        if (!rc && n_full != n_blk) rc = PKV_EIO;
+        if (rc) {
+            fprintf(stderr, "pkv bench tier: the full host tier: saved %u: %s\n", n_full, pkv_strerror(rc));
+            break;
+        }
         for (int k = 0; k < n_kinds && !rc; k++) {
             pkv_tier *t = NULL;
             if ((rc = open_tier(&kinds[k], (int)r, &t))) {
@@ -206,7 +229,7 @@ int tool_bench_tier(int argc, char **argv) {
                tool_build_info(), tool_cpu_name(), n_tok, n_blk, entry, LAYERS, KVH, HD, BT);
     else
         printf("pkv bench tier: %s, %s; %u tokens = %u entries of %zu bytes (%.1f MiB), %u rounds\n"
-               "%-7s %-6s %10s %8s %10s %9s\n",
+               "%-7s %-9s %10s %8s %10s %9s\n",
                tool_build_info(), tool_cpu_name(), n_tok, n_blk, entry, (double)total / 1048576.0, rounds, "op", "tier",
                "median_ms", "GB/s", "copy_GB/s", "copy_frac");
     typedef struct row {
@@ -220,6 +243,7 @@ int tool_bench_tier(int argc, char **argv) {
     for (int k = 0; k < n_kinds; k++) {
         rows[n_rows++] = (row_t){"save", kinds[k].name, t_save + (size_t)k * rounds};
         rows[n_rows++] = (row_t){"load", kinds[k].name, t_load + (size_t)k * rounds};
+        if (k == 0) rows[n_rows++] = (row_t){"save", "host-full", t_full};
     }
     for (int i = 0; i < n_rows; i++) {
         const double med = i == 0 ? copy : tool_median(rows[i].t, rounds), gbps = (double)total / med * 1e-9;
@@ -228,14 +252,15 @@ int tool_bench_tier(int argc, char **argv) {
                    "\"copy_frac\":%.4f,\"bytes\":%zu,\"rounds\":%u}\n",
                    rows[i].op, rows[i].tier, med * 1e3, gbps, copy_gbps, gbps / copy_gbps, total, rounds);
         else
-            printf("%-7s %-6s %10.3f %8.2f %10.2f %8.1f%%\n", rows[i].op, rows[i].tier, med * 1e3, gbps, copy_gbps,
+            printf("%-7s %-9s %10.3f %8.2f %10.2f %8.1f%%\n", rows[i].op, rows[i].tier, med * 1e3, gbps, copy_gbps,
                    100.0 * gbps / copy_gbps);
     }
     status = TOOL_OK;
 out:
     if (!dir_arg && kinds[1].dir) rmdir(kinds[1].dir);
+    pkv_tier_destroy(full);
     pkv_cache_destroy(a);
     pkv_cache_destroy(b);
-    free(toks), free(kb), free(vb), free(src), free(dst), free(t_copy), free(t_direct), free(t_save), free(t_load);
+    free(t_full), free(toks), free(kb), free(vb), free(src), free(dst), free(t_copy), free(t_direct), free(t_save), free(t_load);
     return status;
 }
