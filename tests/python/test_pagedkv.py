@@ -850,6 +850,49 @@ class TestCache(Base):
         except (pkv.IoError, pkv.NotSupportedError):
             pass
 
+    def test_tier_closed_under_load(self):
+        # a Tier closed while other threads load and save through it: their calls in flight
+        # finish, later ones raise InvalidArgumentError ("closed"), nothing crashes
+        import threading
+        prompt = np.arange(500, 541)
+        tier = pkv.Tier.host(1 << 24)
+        errors, closed = [], []
+
+        def worker():
+            with pkv.Cache(n_layers=1, n_kv_heads=2, head_dim=32, block_tokens=8, n_blocks=16, n_threads=1) as c:
+                for i in range(1000000):  # until the tier is closed
+                    s = c.seq_create()
+                    try:
+                        got = c.tier_load(tier, s, prompt)
+                        c.append(s, prompt[got:])
+                        c.write_kv_seq(s, 0, got, np.ones((41 - got, 2, 32), np.float32),
+                                       np.ones((41 - got, 2, 32), np.float32))
+                        c.commit(s, 41)
+                        c.tier_save(tier, s)
+                    except pkv.InvalidArgumentError as e:
+                        if "closed" not in str(e):
+                            errors.append(e)
+                        closed.append(i)
+                        c.release(s)
+                        return
+                    except Exception as e:  # anything else is a failure
+                        errors.append(e)
+                        return
+                    c.release(s)
+
+        threads = [threading.Thread(target=worker) for _ in range(2)]
+        for t in threads:
+            t.start()
+        import time
+        time.sleep(0.05)
+        tier.close()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        self.assertEqual(len(closed), 2)  # both met the closed tier
+        with self.assertRaises(pkv.InvalidArgumentError):
+            tier.stats()
+
     def test_stored_transfer(self):
         # a sequence moved to another cache through its stored rows: bit for bit, every dtype
         for kd, vd in (("f32", "f32"), ("f16", "bf16"), ("q8_0", "q4_0"), ("fp8_e4m3", "f16"), ("q4_0", "q8_0")):
