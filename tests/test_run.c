@@ -326,6 +326,44 @@ static void test_cli_sampling_is_seeded(void **state) {
     free(o1), free(o2), free(o3);
 }
 
+/* --tier-dir: a prefix saved to a file tier by one run is loaded by the next (another process),
+ * and that run samples exactly what a run computing the whole prompt samples. The prompts share
+ * their first 36 tokens: two full 16-token blocks. */
+static void test_cli_tier(void **state) {
+    (void)state;
+    const char *path = shared_model("stories260K.bin");
+    if (access(path, R_OK) != 0) {
+        skip();
+        return;
+    }
+    char dir[] = "/tmp/pkv-run-tier-XXXXXX", pa[512], pb[512];
+    assert_non_null(mkdtemp(dir));
+    size_t na = (size_t)snprintf(pa, sizeof pa, "1"), nb = (size_t)snprintf(pb, sizeof pb, "1");
+    for (int i = 1; i < 40; i++) {
+        na += (size_t)snprintf(pa + na, sizeof pa - na, ",%d", 7 + 11 * i % 500);
+        nb += (size_t)snprintf(pb + nb, sizeof pb - nb, ",%d", i < 36 ? 7 + 11 * i % 500 : 300 + i);
+    }
+    char *first[] = {"pkv", "run", (char *)path, "-t", "1.0", "-s", "5", "-n", "96", "--prompt-ids", pa,
+                     "--tier-dir", dir, NULL};
+    char *again[] = {"pkv", "run", (char *)path, "-t", "1.0", "-s", "5", "-n", "96", "--prompt-ids", pb,
+                     "--tier-dir", dir, NULL};
+    char *plain[] = {"pkv", "run", (char *)path, "-t", "1.0", "-s", "5", "-n", "96", "--prompt-ids", pb, NULL};
+    char *o1, *e1, *o2, *e2, *o3, *e3;
+    assert_int_equal(run_cli(first, &o1, &e1), 0);
+    assert_non_null(strstr(e1, "0 prompt positions loaded from it, 2 blocks saved to it"));
+    assert_int_equal(run_cli(again, &o2, &e2), 0);
+    assert_non_null(strstr(e2, "32 prompt positions loaded from it, 0 blocks saved to it"));
+    assert_int_equal(run_cli(plain, &o3, &e3), 0);
+    assert_string_equal(o2, o3);
+    assert_true(strlen(o2) > 10);
+    free(o1), free(e1), free(o2), free(e2), free(o3), free(e3);
+    char *bad[] = {"pkv", "run", (char *)path, "--tier-dir", "", NULL};
+    assert_int_equal(run_cli(bad, NULL, NULL), 1);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* Bad command lines are usage errors (exit 1), never crashes. */
 static void test_cli_usage_errors(void **state) {
     (void)state;
@@ -407,6 +445,7 @@ int main(void) {
         cmocka_unit_test(test_paged_generation_matches_contiguous_oracle),
         cmocka_unit_test(test_cli_greedy_matches_oracle),
         cmocka_unit_test(test_cli_sampling_is_seeded),
+        cmocka_unit_test(test_cli_tier),
         cmocka_unit_test(test_cli_usage_errors),
         cmocka_unit_test(test_cli_tokenizer_text),
     };

@@ -34,6 +34,11 @@ static void usage(FILE *f) {
             "  --blocks N         pool size in blocks [enough for every sequence at full length]\n"
             "  --threads N        attention threads, at most 256; 0 = all cpus [0]\n"
             "  --no-prefix-cache  disable prefix caching (prompts sharing a prefix recompute it)\n"
+            "  --tier-dir DIR     keep prompt prefixes in a file tier in DIR (made if missing; 1 GiB):\n"
+            "                     each prompt loads what the tier holds after its prefix match\n"
+            "                     (pkv_tier_load) and saves its full blocks after its prefill\n"
+            "                     (pkv_tier_save), so a later run with the same DIR and prompt\n"
+            "                     computes only the rest\n"
             "  -h, --help         this help\n"
             "\n"
             "Prompts are prefilled one after the other, each first matching the prefix cache, so\n"
@@ -98,6 +103,7 @@ int tool_run(int argc, char **argv) {
     float temp = 1.0f, topp = 0.9f;
     uint64_t seed = 0;
     int have_seed = 0, prefix_cache = 1;
+    const char *tier_dir = NULL;
     uint32_t steps = 256, batch = 0, block_tokens = 16, n_blocks = 0, n_threads = 0;
     prompt_list pl = {0};
     int status = TOOL_FAIL;
@@ -143,6 +149,10 @@ int tool_run(int argc, char **argv) {
             bad = tool_parse_u32(val, &block_tokens) || block_tokens == 0 || block_tokens > 1024; /* pkv.h */
         else if (!strcmp(a, "--blocks")) bad = tool_parse_u32(val, &n_blocks);
         else if (!strcmp(a, "--threads")) bad = tool_parse_u32(val, &n_threads) || n_threads > 256; /* pkv.h */
+        else if (!strcmp(a, "--tier-dir")) {
+            tier_dir = val;
+            bad = !*val;
+        }
         else {
             fprintf(stderr, "pkv run: unknown option '%s' (see pkv run --help)\n", a);
             status = TOOL_USAGE;
@@ -219,6 +229,7 @@ int tool_run(int argc, char **argv) {
     cfg.n_threads = n_threads;
     cfg.enable_prefix_cache = prefix_cache;
     pkv_cache *c = NULL;
+    pkv_tier *tier = NULL;
     model_scratch s = {0};
     pkv_seq *seqs = calloc(batch, sizeof *seqs);
     int32_t **gen = calloc(batch, sizeof *gen);
@@ -251,9 +262,13 @@ int tool_run(int argc, char **argv) {
         goto cleanup;
     }
 
+    if (tier_dir && (rc = pkv_tier_file_create(tier_dir, (uint64_t)1 << 30, NULL, &tier)) < 0) {
+        fprintf(stderr, "pkv run: the tier in %s: %s\n", tier_dir, pkv_strerror(rc));
+        goto cleanup;
+    }
     model_pkv_step tm = {0};
     uint64_t t_start = tool_now_ns();
-    uint64_t reused_total = 0, prompt_total = 0;
+    uint64_t reused_total = 0, prompt_total = 0, loaded_total = 0, saved_total = 0;
     /* Prefill: prompt by prompt, reusing what earlier prompts committed. */
     for (uint32_t i = 0; i < pl.n; i++) {
         uint32_t reused = 0;
@@ -264,12 +279,25 @@ int tool_run(int argc, char **argv) {
             what = "pkv_seq_match_prefix";
             rc = pkv_seq_match_prefix(c, seqs[i], pl.ids[i], pl.len[i], &reused);
         }
+        uint32_t loaded = 0, saved = 0;
+        if (rc >= 0 && tier) {
+            what = "pkv_tier_load";
+            rc = pkv_tier_load(tier, c, seqs[i], pl.ids[i], pl.len[i], &loaded);
+        }
         tm.ns_pkv += tool_now_ns() - t0;
         if (rc >= 0) {
             what = "prefill";
-            uint32_t n = pl.len[i] - reused;
-            rc = model_pkv_forward(&m, &s, c, &seqs[i], 1, &n, pl.ids[i] + reused, logits + (size_t)i * p->vocab_size, &tm);
+            uint32_t n = pl.len[i] - reused - loaded;
+            rc = model_pkv_forward(&m, &s, c, &seqs[i], 1, &n, pl.ids[i] + reused + loaded,
+                                   logits + (size_t)i * p->vocab_size, &tm);
         }
+        if (rc >= 0 && tier) {
+            what = "pkv_tier_save";
+            t0 = tool_now_ns();
+            rc = pkv_tier_save(tier, c, seqs[i], &saved);
+            tm.ns_pkv += tool_now_ns() - t0;
+        }
+        loaded_total += loaded, saved_total += saved;
         if (rc < 0) {
             fprintf(stderr, "pkv run: %s of prompt %u failed: %s%s\n", what, i, pkv_strerror(rc),
                     rc == PKV_ENOTSUP ? " (this build has no attention kernels for this configuration)" : "");
@@ -378,9 +406,13 @@ int tool_run(int argc, char **argv) {
             (unsigned long long)prompt_total, (unsigned long long)reused_total, (double)tm.ns_pkv * 1e-9,
             (double)tm.ns_attn * 1e-9, pkv_attn_backend(c), st.peak_active, st.n_blocks,
             (unsigned long long)st.cow_copies);
+    if (tier)
+        fprintf(stderr, "pkv run: tier %s: %llu prompt positions loaded from it, %llu blocks saved to it\n", tier_dir,
+                (unsigned long long)loaded_total, (unsigned long long)saved_total);
     status = TOOL_OK;
 
 cleanup:
+    pkv_tier_destroy(tier);
     pkv_cache_destroy(c);
     model_scratch_free(&s);
     if (gen)
