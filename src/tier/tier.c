@@ -55,6 +55,13 @@ static int tier_new(const pkv_tier_ops *ops, void *ctx, const pkv_allocator *all
     return PKV_OK;
 }
 
+/* a built-in store opened with status rc (ops and ctx set only on success): the tier over it, or
+ * the store closed again */
+static int tier_over(int rc, const pkv_tier_ops *ops, void *ctx, const pkv_allocator *alloc, pkv_tier **out) {
+    if (!rc && (rc = tier_new(ops, ctx, alloc, out))) ops->destroy(ctx);
+    return rc;
+}
+
 PKV_API int pkv_tier_create(const pkv_tier_ops *ops, void *ctx, const pkv_allocator *alloc, pkv_tier **out) {
     if (out) *out = NULL;
     if (!out || !ops || !ops->put || !ops->get || !ops->del) return PKV_EINVAL;
@@ -66,20 +73,18 @@ PKV_API int pkv_tier_host_create(uint64_t capacity_bytes, const pkv_allocator *a
     if (!out || !capacity_bytes) return PKV_EINVAL;
     pkv_tier_ops ops;
     void *ctx;
-    int rc = pkv__tier_host_open(capacity_bytes, alloc, &ops, &ctx);
-    if (!rc && (rc = tier_new(&ops, ctx, alloc, out))) ops.destroy(ctx);
-    return rc;
+    const int rc = pkv__tier_host_open(capacity_bytes, alloc, &ops, &ctx);
+    return tier_over(rc, &ops, ctx, alloc, out);
 }
 
 PKV_API int pkv_tier_file_create(const char *dir, uint64_t capacity_bytes, const pkv_allocator *alloc,
                                  pkv_tier **out) {
     if (out) *out = NULL;
-    if (!out || !dir || !*dir || !capacity_bytes || strlen(dir) > 4000) return PKV_EINVAL;
+    if (!out || !dir || !*dir || !capacity_bytes || strlen(dir) > PKV__TIER_DIR_MAX) return PKV_EINVAL;
     pkv_tier_ops ops;
     void *ctx;
-    int rc = pkv__tier_file_open(dir, capacity_bytes, alloc, &ops, &ctx);
-    if (!rc && (rc = tier_new(&ops, ctx, alloc, out))) ops.destroy(ctx);
-    return rc;
+    const int rc = pkv__tier_file_open(dir, capacity_bytes, alloc, &ops, &ctx);
+    return tier_over(rc, &ops, ctx, alloc, out);
 }
 
 PKV_API int pkv_tier_redis_create(const char *host, int port, const char *key_prefix, uint32_t timeout_ms,
@@ -90,9 +95,8 @@ PKV_API int pkv_tier_redis_create(const char *host, int port, const char *key_pr
         return PKV_EINVAL;
     pkv_tier_ops ops;
     void *ctx;
-    int rc = pkv__tier_redis_open(host, port, key_prefix ? key_prefix : "pkv:", timeout_ms, alloc, &ops, &ctx);
-    if (!rc && (rc = tier_new(&ops, ctx, alloc, out))) ops.destroy(ctx);
-    return rc;
+    const int rc = pkv__tier_redis_open(host, port, key_prefix ? key_prefix : "pkv:", timeout_ms, alloc, &ops, &ctx);
+    return tier_over(rc, &ops, ctx, alloc, out);
 }
 
 PKV_API void pkv_tier_destroy(pkv_tier *t) {
@@ -321,6 +325,12 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
 }
 
 /* ---- load ---- */
+/* An entry the load refuses: counted, and deleted from the store. */
+static void reject(pkv_tier *t, const tkey *key) {
+    COUNT(t, rejected, 1);
+    (void)t->ops.del(t->ctx, key->b);
+}
+
 PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n,
                           uint32_t *n_loaded) {
     if (!c) return PKV_EINVAL;
@@ -375,8 +385,7 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
                 break;
             }
             if (g == PKV_ENOSPC || !entry_ok(c, &sh, buf, len, key, &prev, bt)) {
-                COUNT(t, rejected, 1);
-                (void)t->ops.del(t->ctx, key->b);
+                reject(t, key);
                 break;
             }
             const uint32_t from = pos, to = PKV_MIN((i + 1) * B, cap), cnt = to - from;
@@ -394,8 +403,7 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
                                          p + (size_t)B * sh.k_rows + skip * sh.v_rows);
             if (w) { /* rows the cache refuses (crafted to pass the checksum): a refused entry */
                 rc = pkv_seq_truncate(c, id, from);
-                COUNT(t, rejected, 1);
-                (void)t->ops.del(t->ctx, key->b);
+                reject(t, key);
                 break;
             }
             if ((rc = pkv_seq_commit(c, id, to))) break; /* only where s changed under the call */

@@ -17,14 +17,14 @@
 #include <unistd.h>
 
 #define NAME_LEN (2 * PKV__TIER_KEY + 5) /* hex digits and ".pkvb" */
+/* a path: "dir/" and a name (an entry's, a temporary one, or any directory entry's: <= 255) */
+#define PATH_BUF (PKV__TIER_DIR_MAX + 2 + 256)
 
 typedef struct file_store {
-    pthread_mutex_t mu;
-    pkv__tmap map;
-    uint64_t capacity, evictions, tmp_seq;
+    pkv__tstore s; /* first: the ops' ctx is also the base */
+    uint64_t tmp_seq;
     size_t dir_len;
-    char *path; /* dir_len bytes of "dir/", then room for a name (path_size bytes in all) */
-    size_t path_size;
+    char path[PKV__TIER_DIR_MAX + 2]; /* "dir/" (dir_len bytes) */
 } file_store;
 
 static void hex_name(char *out, const uint8_t *key) {
@@ -44,7 +44,7 @@ static bool parse_name(const char *name, uint8_t *key) {
     return true;
 }
 
-/* "dir/<name>" into buf (path_size bytes) */
+/* "dir/<name>" into buf (PATH_BUF bytes) */
 static char *path_of(const file_store *f, char *buf, const uint8_t *key) {
     memcpy(buf, f->path, f->dir_len);
     hex_name(buf + f->dir_len, key);
@@ -62,34 +62,27 @@ static bool write_all(int fd, const void *data, size_t len) {
     return true;
 }
 
-/* drops the oldest entry, its file unlinked (under the lock) */
-static void evict_oldest(file_store *f, char *buf) {
-    pkv__tent *o = f->map.oldest;
-    unlink(path_of(f, buf, o->key));
-    pkv__tmap_remove(&f->map, o);
-    pkv__tmap_free(&f->map, o);
-    f->evictions++;
+/* the base's hook: an entry dropped for room takes its file with it (under the lock) */
+static void evicted(pkv__tstore *s, const pkv__tent *e) {
+    char buf[PATH_BUF];
+    unlink(path_of((const file_store *)s, buf, e->key));
 }
 
 static int file_put(void *ctx, const uint8_t key[16], const void *data, size_t len) {
     file_store *f = ctx;
-    if (len > f->capacity) return PKV_ENOSPC;
-    char *tmp = pkv__alloc(&f->map.alloc, 2 * f->path_size, 1), *fin = tmp + f->path_size;
-    pkv__tent *e = pkv__tmap_new(&f->map, key, len, 0);
-    if (!tmp || !e) {
-        pkv__free(&f->map.alloc, tmp, 2 * f->path_size);
-        if (e) pkv__tmap_free(&f->map, e);
-        return PKV_ENOMEM;
-    }
+    if (len > f->s.capacity) return PKV_ENOSPC;
+    char tmp[PATH_BUF], fin[PATH_BUF];
+    pkv__tent *e = pkv__tmap_new(&f->s.map, key, len, 0);
+    if (!e) return PKV_ENOMEM;
     /* a name no other writer uses: this process, this store, a count; and should another
        process of the same pid (a container's) have it, the next count */
     int rc = PKV_OK, fd = -1;
     memcpy(tmp, f->path, f->dir_len);
     for (int tries = 0; fd < 0 && tries < 16; tries++) {
-        pthread_mutex_lock(&f->mu);
+        pthread_mutex_lock(&f->s.mu);
         const uint64_t seq = f->tmp_seq++;
-        pthread_mutex_unlock(&f->mu);
-        snprintf(tmp + f->dir_len, f->path_size - f->dir_len, ".pkvt-%ld-%llx-%llu", (long)getpid(),
+        pthread_mutex_unlock(&f->s.mu);
+        snprintf(tmp + f->dir_len, sizeof tmp - f->dir_len, ".pkvt-%ld-%llx-%llu", (long)getpid(),
                  (unsigned long long)(uintptr_t)f, (unsigned long long)seq);
         fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
         if (fd < 0 && errno != EEXIST) break;
@@ -103,24 +96,17 @@ static int file_put(void *ctx, const uint8_t key[16], const void *data, size_t l
     }
     if (!rc) {
         /* the map changes only once the file is in place: a failed rename leaves it as it was */
-        pthread_mutex_lock(&f->mu);
+        pthread_mutex_lock(&f->s.mu);
         if (rename(tmp, path_of(f, fin, key)) == 0) {
-            pkv__tent *old = pkv__tmap_find(&f->map, key);
-            if (old) { /* its file replaced by the rename */
-                pkv__tmap_remove(&f->map, old);
-                pkv__tmap_free(&f->map, old);
-            }
-            pkv__tmap_insert(&f->map, e);
+            pkv__tstore_insert(&f->s, e);
             e = NULL;
-            while (f->map.bytes > f->capacity) evict_oldest(f, fin); /* never the new one: len <= capacity */
         } else {
             rc = PKV_EIO;
             unlink(tmp);
         }
-        pthread_mutex_unlock(&f->mu);
+        pthread_mutex_unlock(&f->s.mu);
     }
-    if (e) pkv__tmap_free(&f->map, e);
-    pkv__free(&f->map.alloc, tmp, 2 * f->path_size);
+    if (e) pkv__tmap_free(&f->s.map, e);
     return rc;
 }
 
@@ -137,27 +123,25 @@ static bool read_all(int fd, void *data, size_t len) {
 
 static int file_get(void *ctx, const uint8_t key[16], void *data, size_t cap, size_t *len) {
     file_store *f = ctx;
-    char *buf = pkv__alloc(&f->map.alloc, f->path_size, 1);
-    if (!buf) return PKV_ENOMEM;
+    char buf[PATH_BUF];
     int fd = -1, rc = PKV_ENOENT;
-    pthread_mutex_lock(&f->mu);
-    pkv__tent *e = pkv__tmap_find(&f->map, key);
+    pthread_mutex_lock(&f->s.mu);
+    pkv__tent *e = pkv__tmap_find(&f->s.map, key);
     if (e) {
         *len = (size_t)e->len;
-        pkv__tmap_touch(&f->map, e);
+        pkv__tmap_touch(&f->s.map, e);
         rc = data && e->len > cap ? PKV_ENOSPC : PKV_OK;
         if (data && !rc) {
             fd = open(path_of(f, buf, key), O_RDONLY | O_CLOEXEC);
             const int err = errno;
             if (fd < 0 && err == ENOENT) { /* gone from under the store (removed by hand): forget it */
-                pkv__tmap_remove(&f->map, e);
-                pkv__tmap_free(&f->map, e);
+                pkv__tstore_forget(&f->s, e);
                 rc = PKV_ENOENT;
             } else if (fd < 0)
                 rc = PKV_EIO; /* (out of descriptors, permissions: the entry stays) */
         }
     }
-    pthread_mutex_unlock(&f->mu);
+    pthread_mutex_unlock(&f->s.mu);
     if (fd >= 0) {
         struct stat st;
         /* a file of another size than the map's (changed by hand) reads as what it holds: the
@@ -168,45 +152,28 @@ static int file_get(void *ctx, const uint8_t key[16], void *data, size_t cap, si
         else *len = (size_t)st.st_size;
         close(fd);
     }
-    pkv__free(&f->map.alloc, buf, f->path_size);
     return rc;
 }
 
 static int file_del(void *ctx, const uint8_t key[16]) {
     file_store *f = ctx;
-    char *buf = pkv__alloc(&f->map.alloc, f->path_size, 1);
-    if (!buf) return PKV_ENOMEM;
-    pthread_mutex_lock(&f->mu);
-    pkv__tent *e = pkv__tmap_find(&f->map, key);
+    char buf[PATH_BUF];
+    pthread_mutex_lock(&f->s.mu);
+    pkv__tent *e = pkv__tmap_find(&f->s.map, key);
     if (e) {
         unlink(path_of(f, buf, key));
-        pkv__tmap_remove(&f->map, e);
-        pkv__tmap_free(&f->map, e);
+        pkv__tstore_forget(&f->s, e);
     }
-    pthread_mutex_unlock(&f->mu);
-    pkv__free(&f->map.alloc, buf, f->path_size);
+    pthread_mutex_unlock(&f->s.mu);
     return PKV_OK;
 }
 
-static void file_usage(void *ctx, uint64_t *entries, uint64_t *bytes, uint64_t *capacity, uint64_t *evictions) {
+static void file_destroy(void *ctx) {
     file_store *f = ctx;
-    pthread_mutex_lock(&f->mu);
-    *entries = f->map.n;
-    *bytes = f->map.bytes;
-    *capacity = f->capacity;
-    *evictions = f->evictions;
-    pthread_mutex_unlock(&f->mu);
-}
-
-static void file_free(file_store *f) {
-    pkv_allocator a = f->map.alloc;
-    pkv__tmap_fini(&f->map);
-    pkv__free(&a, f->path, f->path_size);
-    pthread_mutex_destroy(&f->mu);
+    pkv_allocator a = f->s.map.alloc;
+    pkv__tstore_fini(&f->s);
     pkv__free(&a, f, sizeof *f);
 }
-
-static void file_destroy(void *ctx) { file_free(ctx); }
 
 typedef struct found {
     uint8_t key[PKV__TIER_KEY];
@@ -228,13 +195,11 @@ static int adopt(file_store *f) {
     size_t n = 0, cap = 0;
     int rc = PKV_OK;
     const time_t now = time(NULL);
-    char *buf = pkv__alloc(&f->map.alloc, f->path_size + 256, 1);
-    if (!buf) rc = PKV_ENOMEM;
-    for (struct dirent *de; !rc && (de = readdir(d));) {
+    char buf[PATH_BUF];
+    for (struct dirent *de; (de = readdir(d));) {
         found x;
         const bool tmp = !strncmp(de->d_name, ".pkvt-", 6);
         if (!tmp && !parse_name(de->d_name, x.key)) continue;
-        if (strlen(de->d_name) > 255) continue;
         memcpy(buf, f->path, f->dir_len);
         strcpy(buf + f->dir_len, de->d_name);
         struct stat st;
@@ -247,13 +212,13 @@ static int adopt(file_store *f) {
         x.when = (uint64_t)st.st_mtim.tv_sec * 1000000000u + (uint64_t)st.st_mtim.tv_nsec;
         if (n == cap) {
             size_t nc = cap ? 2 * cap : 64;
-            found *g = pkv__alloc(&f->map.alloc, nc * sizeof *g, 16);
+            found *g = pkv__alloc(&f->s.map.alloc, nc * sizeof *g, 16);
             if (!g) {
                 rc = PKV_ENOMEM;
                 break;
             }
             if (n) memcpy(g, list, n * sizeof *g);
-            pkv__free(&f->map.alloc, list, cap * sizeof *list);
+            pkv__free(&f->s.map.alloc, list, cap * sizeof *list);
             list = g, cap = nc;
         }
         list[n++] = x;
@@ -261,49 +226,42 @@ static int adopt(file_store *f) {
     closedir(d);
     if (n) qsort(list, n, sizeof *list, by_when);
     for (size_t i = 0; !rc && i < n; i++) {
-        pkv__tent *e = pkv__tmap_new(&f->map, list[i].key, list[i].len, 0);
+        pkv__tent *e = pkv__tmap_new(&f->s.map, list[i].key, list[i].len, 0);
         if (!e) rc = PKV_ENOMEM;
-        else pkv__tmap_insert(&f->map, e);
+        else pkv__tmap_insert(&f->s.map, e);
     }
     /* over the capacity (a smaller one than before): the oldest go */
-    while (!rc && f->map.n && f->map.bytes > f->capacity) evict_oldest(f, buf);
-    pkv__free(&f->map.alloc, list, cap * sizeof *list);
-    pkv__free(&f->map.alloc, buf, f->path_size + 256);
+    while (!rc && f->s.map.n && f->s.map.bytes > f->s.capacity) pkv__tstore_evict_oldest(&f->s);
+    pkv__free(&f->s.map.alloc, list, cap * sizeof *list);
     return rc;
 }
 
 int pkv__tier_file_open(const char *dir, uint64_t capacity, const pkv_allocator *alloc, pkv_tier_ops *ops,
                         void **ctx) {
+    const size_t dl = strlen(dir);
+    if (dl > PKV__TIER_DIR_MAX) return PKV_EINVAL; /* (pkv_tier_file_create checks it first) */
     file_store *f = pkv__alloc(alloc, sizeof *f, 64);
     if (!f) return PKV_ENOMEM;
     memset(f, 0, sizeof *f);
-    pthread_mutex_init(&f->mu, NULL);
-    int rc = pkv__tmap_init(&f->map, alloc);
-    const size_t dl = strlen(dir);
-    f->dir_len = dl + 1;
-    f->path_size = f->dir_len + 64; /* a key's name or a temporary one */
-    if (!rc && !(f->path = pkv__alloc(&f->map.alloc, f->path_size, 1))) rc = PKV_ENOMEM;
-    if (!rc) {
-        memcpy(f->path, dir, dl);
-        f->path[dl] = '/';
-        f->path[dl + 1] = 0;
-        struct stat st;
-        if (mkdir(dir, 0755) != 0 && errno != EEXIST) rc = PKV_EIO;
-        else if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) rc = PKV_EIO;
-        else {
-            f->capacity = capacity;
-            rc = adopt(f);
-        }
-    }
+    int rc = pkv__tstore_init(&f->s, capacity, alloc);
     if (rc) {
-        if (f->map.buckets) file_free(f);
-        else {
-            pthread_mutex_destroy(&f->mu);
-            pkv__free(alloc, f, sizeof *f);
-        }
+        pkv__free(alloc, f, sizeof *f);
         return rc;
     }
-    *ops = (pkv_tier_ops){file_put, file_get, file_del, file_usage, file_destroy};
+    f->s.evicted = evicted;
+    f->dir_len = dl + 1;
+    memcpy(f->path, dir, dl);
+    f->path[dl] = '/';
+    f->path[dl + 1] = 0;
+    struct stat st;
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) rc = PKV_EIO;
+    else if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) rc = PKV_EIO;
+    else rc = adopt(f);
+    if (rc) {
+        file_destroy(f);
+        return rc;
+    }
+    *ops = (pkv_tier_ops){file_put, file_get, file_del, pkv__tstore_usage, file_destroy};
     *ctx = f;
     return PKV_OK;
 }

@@ -5,75 +5,51 @@
 #include <string.h>
 
 typedef struct host_store {
-    pthread_mutex_t mu;
-    pkv__tmap map;
-    uint64_t capacity, evictions;
+    pkv__tstore s; /* first: the ops' ctx is also the base */
 } host_store;
 
 static int host_put(void *ctx, const uint8_t key[16], const void *data, size_t len) {
     host_store *h = ctx;
-    if (len > h->capacity) return PKV_ENOSPC;
+    if (len > h->s.capacity) return PKV_ENOSPC;
     /* the copy is made before the lock: a put of megabytes holds up no other thread's get */
-    pkv__tent *e = pkv__tmap_new(&h->map, key, len, len);
+    pkv__tent *e = pkv__tmap_new(&h->s.map, key, len, len);
     if (!e) return PKV_ENOMEM;
     memcpy(e->data, data, len);
-    pthread_mutex_lock(&h->mu);
-    pkv__tent *old = pkv__tmap_find(&h->map, key);
-    if (old) {
-        pkv__tmap_remove(&h->map, old);
-        pkv__tmap_free(&h->map, old);
-    }
-    while (h->map.bytes + len > h->capacity) {
-        pkv__tent *o = h->map.oldest;
-        pkv__tmap_remove(&h->map, o);
-        pkv__tmap_free(&h->map, o);
-        h->evictions++;
-    }
-    pkv__tmap_insert(&h->map, e);
-    pthread_mutex_unlock(&h->mu);
+    pthread_mutex_lock(&h->s.mu);
+    pkv__tstore_insert(&h->s, e);
+    pthread_mutex_unlock(&h->s.mu);
     return PKV_OK;
 }
 
 static int host_get(void *ctx, const uint8_t key[16], void *data, size_t cap, size_t *len) {
     host_store *h = ctx;
-    pthread_mutex_lock(&h->mu);
-    pkv__tent *e = pkv__tmap_find(&h->map, key);
+    pthread_mutex_lock(&h->s.mu);
+    pkv__tent *e = pkv__tmap_find(&h->s.map, key);
     int rc = PKV_ENOENT;
     if (e) {
         *len = (size_t)e->len;
         rc = data && e->len > cap ? PKV_ENOSPC : PKV_OK;
         if (data && !rc) memcpy(data, e->data, (size_t)e->len); /* under the lock: no put frees it meanwhile */
-        pkv__tmap_touch(&h->map, e);
+        pkv__tmap_touch(&h->s.map, e);
     }
-    pthread_mutex_unlock(&h->mu);
+    pthread_mutex_unlock(&h->s.mu);
     return rc;
 }
 
 static int host_del(void *ctx, const uint8_t key[16]) {
     host_store *h = ctx;
-    pthread_mutex_lock(&h->mu);
-    pkv__tent *e = pkv__tmap_find(&h->map, key);
-    if (e) pkv__tmap_remove(&h->map, e);
-    pthread_mutex_unlock(&h->mu);
-    if (e) pkv__tmap_free(&h->map, e);
+    pthread_mutex_lock(&h->s.mu);
+    pkv__tent *e = pkv__tmap_find(&h->s.map, key);
+    if (e) pkv__tmap_remove(&h->s.map, e);
+    pthread_mutex_unlock(&h->s.mu);
+    if (e) pkv__tmap_free(&h->s.map, e);
     return PKV_OK;
-}
-
-static void host_usage(void *ctx, uint64_t *entries, uint64_t *bytes, uint64_t *capacity, uint64_t *evictions) {
-    host_store *h = ctx;
-    pthread_mutex_lock(&h->mu);
-    *entries = h->map.n;
-    *bytes = h->map.bytes;
-    *capacity = h->capacity;
-    *evictions = h->evictions;
-    pthread_mutex_unlock(&h->mu);
 }
 
 static void host_destroy(void *ctx) {
     host_store *h = ctx;
-    pkv_allocator a = h->map.alloc;
-    pkv__tmap_fini(&h->map);
-    pthread_mutex_destroy(&h->mu);
+    pkv_allocator a = h->s.map.alloc;
+    pkv__tstore_fini(&h->s);
     pkv__free(&a, h, sizeof *h);
 }
 
@@ -81,14 +57,12 @@ int pkv__tier_host_open(uint64_t capacity, const pkv_allocator *alloc, pkv_tier_
     host_store *h = pkv__alloc(alloc, sizeof *h, 64);
     if (!h) return PKV_ENOMEM;
     memset(h, 0, sizeof *h);
-    int rc = pkv__tmap_init(&h->map, alloc);
+    int rc = pkv__tstore_init(&h->s, capacity, alloc);
     if (rc) {
         pkv__free(alloc, h, sizeof *h);
         return rc;
     }
-    pthread_mutex_init(&h->mu, NULL);
-    h->capacity = capacity;
-    *ops = (pkv_tier_ops){host_put, host_get, host_del, host_usage, host_destroy};
+    *ops = (pkv_tier_ops){host_put, host_get, host_del, pkv__tstore_usage, host_destroy};
     *ctx = h;
     return PKV_OK;
 }

@@ -1,5 +1,6 @@
 /* tier_int.h: storage tiers (pkv.h, "storage tiers"): the key map with its least-recently-used
- * list that the host and file stores share, and the built-in stores' constructors. Depends on
+ * list and the store base that the host and file stores share, and the built-in stores'
+ * constructors. Depends on
  * core only; tier.c also reads the cache (save and load). */
 #ifndef PKV_TIER_INT_H
 #define PKV_TIER_INT_H
@@ -9,6 +10,7 @@
 #include <pthread.h>
 
 #define PKV__TIER_KEY 16
+#define PKV__TIER_DIR_MAX 4000 /* bytes of a file tier's directory name (pkv_tier_file_create) */
 
 /* One entry of a store: its key, its size, its bytes (host: inline after the struct; file:
  * none, they are in the file), its hash chain and its place in the use order. */
@@ -39,6 +41,27 @@ void pkv__tmap_free(pkv__tmap *m, pkv__tent *e); /* an entry not in the map */
 void pkv__tmap_insert(pkv__tmap *m, pkv__tent *e); /* as the newest; grows the table if it can */
 void pkv__tmap_remove(pkv__tmap *m, pkv__tent *e);
 void pkv__tmap_touch(pkv__tmap *m, pkv__tent *e); /* now the newest */
+
+/* What the host and file stores share: their lock, their map, their capacity and the count of
+ * entries dropped for room. Each store's struct begins with one, so the ops' ctx is also a
+ * pkv__tstore (pkv__tstore_usage is both stores' usage op). */
+typedef struct pkv__tstore {
+    pthread_mutex_t mu;
+    pkv__tmap map;
+    uint64_t capacity, evictions;
+    /* NULL, or called under the lock on an entry dropped for room, before it is freed (the file
+       store unlinks its file) */
+    void (*evicted)(struct pkv__tstore *s, const pkv__tent *e);
+} pkv__tstore;
+
+int pkv__tstore_init(pkv__tstore *s, uint64_t capacity, const pkv_allocator *alloc); /* PKV_ENOMEM */
+void pkv__tstore_fini(pkv__tstore *s);
+/* Under the lock: e (len <= capacity) in place of the entry of its key, the oldest entries
+ * dropped until it fits / the oldest dropped / an entry out of the map and freed. */
+void pkv__tstore_insert(pkv__tstore *s, pkv__tent *e);
+void pkv__tstore_evict_oldest(pkv__tstore *s);
+void pkv__tstore_forget(pkv__tstore *s, pkv__tent *e);
+void pkv__tstore_usage(void *ctx, uint64_t *entries, uint64_t *bytes, uint64_t *capacity, uint64_t *evictions);
 
 /* The built-in stores: their ops and context (pkv_tier_host_create, pkv_tier_file_create). */
 int pkv__tier_host_open(uint64_t capacity, const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx);

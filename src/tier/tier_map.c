@@ -1,4 +1,5 @@
-/* tier_map.c: the key map of the host and file stores (tier_int.h). */
+/* tier_map.c: the key map of the host and file stores, and the store base they share
+ * (tier_int.h). */
 #include "tier_int.h"
 
 #include <stdint.h>
@@ -109,4 +110,49 @@ void pkv__tmap_touch(pkv__tmap *m, pkv__tent *e) {
     if (m->newest == e) return;
     unlink_order(m, e);
     link_newest(m, e);
+}
+
+/* ---- the store base ---- */
+int pkv__tstore_init(pkv__tstore *s, uint64_t capacity, const pkv_allocator *alloc) {
+    int rc = pkv__tmap_init(&s->map, alloc);
+    if (rc) return rc;
+    pthread_mutex_init(&s->mu, NULL);
+    s->capacity = capacity;
+    s->evictions = 0;
+    s->evicted = NULL;
+    return PKV_OK;
+}
+
+void pkv__tstore_fini(pkv__tstore *s) {
+    pkv__tmap_fini(&s->map);
+    pthread_mutex_destroy(&s->mu);
+}
+
+void pkv__tstore_forget(pkv__tstore *s, pkv__tent *e) {
+    pkv__tmap_remove(&s->map, e);
+    pkv__tmap_free(&s->map, e);
+}
+
+void pkv__tstore_evict_oldest(pkv__tstore *s) {
+    pkv__tent *o = s->map.oldest;
+    if (s->evicted) s->evicted(s, o);
+    pkv__tstore_forget(s, o);
+    s->evictions++;
+}
+
+void pkv__tstore_insert(pkv__tstore *s, pkv__tent *e) {
+    pkv__tent *old = pkv__tmap_find(&s->map, e->key);
+    if (old) pkv__tstore_forget(s, old); /* replaced (the file store: its file by the rename) */
+    while (s->map.bytes + e->len > s->capacity) pkv__tstore_evict_oldest(s);
+    pkv__tmap_insert(&s->map, e);
+}
+
+void pkv__tstore_usage(void *ctx, uint64_t *entries, uint64_t *bytes, uint64_t *capacity, uint64_t *evictions) {
+    pkv__tstore *s = ctx;
+    pthread_mutex_lock(&s->mu);
+    *entries = s->map.n;
+    *bytes = s->map.bytes;
+    *capacity = s->capacity;
+    *evictions = s->evictions;
+    pthread_mutex_unlock(&s->mu);
 }
