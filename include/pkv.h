@@ -183,6 +183,8 @@ typedef struct pkv_config {
     pkv_executor executor;       /* parallel_for NULL (default): the cache starts n_threads - 1
                                     threads of its own; else it starts none and runs attention
                                     on the executor's n_workers (n_threads 0 or n_workers) */
+    uint32_t event_capacity;     /* prefix-index events kept for pkv_cache_take_events, at most
+                                    2^24; 0 (default): none recorded */
 } pkv_config;
 
 /* Defaults: 1 layer, 8 kv heads, head_dim 128, B = 16, 1024 blocks, f16/f16, 256 sequences,
@@ -517,6 +519,69 @@ PKV_NODISCARD PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq s, const in
  * Pinning 0 full blocks is valid (an empty pin). */
 PKV_NODISCARD PKV_API int pkv_pin_create(pkv_cache *c, pkv_seq s, uint32_t n_pos, pkv_seq *pin);
 PKV_NODISCARD PKV_API int pkv_pin_release(pkv_cache *c, pkv_seq pin);
+
+/* ---- prefix-index events -----------------------------------------------------------------------
+ * What a KV-aware router needs to know of each engine's cache (vLLM's KV events): which full
+ * blocks a prompt could reuse. With config event_capacity > 0 the cache records, under its lock
+ * and in order, every change of its prefix index:
+ *   PKV_EVENT_STORED   a full committed block was indexed (pkv_seq_commit, pkv_tier_load, ...);
+ *                      a parent's STORED always comes before its children's
+ *   PKV_EVENT_REMOVED  an indexed block was evicted to make room; children go before parents
+ *   PKV_EVENT_CLEARED  pkv_cache_reset emptied the index (no REMOVED for its blocks)
+ *   PKV_EVENT_OVERFLOW the ring was full: `lost` events were dropped (counted with the ones
+ *                      dropped with them); what the consumer knows of the index is stale:
+ *                      rebuild it from pkv_prefix_snapshot
+ * A block is named by its identity hash: XXH3-64 of its token ids seeded by its parent's hash
+ * (a first block: by its namespace), exactly what pkv_prefix_hashes computes from a prompt in
+ * another process, with no cache. Compaction moves blocks without an event (the hash stays). */
+typedef enum pkv_event_kind {
+    PKV_EVENT_STORED = 1,
+    PKV_EVENT_REMOVED = 2,
+    PKV_EVENT_CLEARED = 3,
+    PKV_EVENT_OVERFLOW = 4
+} pkv_event_kind;
+
+typedef struct pkv_event {
+    uint64_t seqno;       /* 1, 2, 3, ... over the cache's life (lost ones included); 0 in a snapshot */
+    uint64_t hash;        /* STORED / REMOVED: the block's identity hash; else 0 */
+    uint64_t parent_hash; /* STORED / REMOVED: its parent's, 0 for a first block */
+    uint64_t lost;        /* OVERFLOW: events dropped; else 0 */
+    uint32_t kind;        /* pkv_event_kind */
+    uint32_t depth;       /* STORED / REMOVED: the block's index in its chain (positions depth x B
+                             .. depth x B + B - 1) */
+    uint32_t block;       /* STORED / REMOVED: the pool block at the time (compaction may move it) */
+    uint32_t reserved;    /* 0 */
+} pkv_event;
+
+/* Moves the oldest recorded events, at most cap, into out[0 .. *n_out) and forgets them. tokens:
+ * NULL, or room for cap x block_tokens ids: event i's block's token ids at tokens[i x B ..]
+ * (STORED and REMOVED; zeros for the others). Returns at once: *n_out 0 when none are held.
+ * PKV_EINVAL for a cache created with event_capacity 0 (said through the log hook). One
+ * consumer: two threads taking at once each get a share. */
+PKV_NODISCARD PKV_API int pkv_cache_take_events(pkv_cache *c, pkv_event *out, size_t cap, int32_t *tokens,
+                                                size_t *n_out);
+
+/* The whole prefix index now, as STORED events (seqno 0), every parent before its children,
+ * and the recorded events forgotten in the same step: a consumer that applies the snapshot and
+ * then every event it takes afterwards stays exact. *n_out is the number of indexed blocks;
+ * PKV_ELIMIT, with nothing written or forgotten, when that is over cap (call again with room for
+ * *n_out). tokens: as in pkv_cache_take_events. Works with event_capacity 0 as well. */
+PKV_NODISCARD PKV_API int pkv_prefix_snapshot(pkv_cache *c, pkv_event *out, size_t cap, int32_t *tokens,
+                                              size_t *n_out);
+
+/* The identity hashes a cache with this block_tokens gives the full blocks of tokens[0 .. n)
+ * under the namespace salt (as pkv_seq_create's): hashes[i] for block i, at most cap of them;
+ * *n_out = min(n / block_tokens, cap). Needs no cache: a router computes a prompt's hashes and
+ * counts how many leading ones each engine's events say it holds: a pkv_seq_match_prefix of
+ * that prompt attaches those blocks (at most n - 1 tokens), and may copy more from live
+ * sequences' committed tail blocks (token-granular matching), which no event names: at most one
+ * block's worth, as full only where that tail block filled up after an identical twin was
+ * indexed. Token ids are hashed as
+ * int32 in the machine's byte order: hashes agree across machines of one byte order. PKV_EINVAL
+ * for block_tokens outside 1..1024, salt_len over 256, or a NULL buffer with a nonzero size. */
+PKV_NODISCARD PKV_API int pkv_prefix_hashes(const void *salt, size_t salt_len, uint32_t block_tokens,
+                                            const int32_t *tokens, size_t n, uint64_t *hashes, size_t cap,
+                                            size_t *n_out);
 
 /* ---- statistics and checker ------------------------------------------------------------------ */
 typedef struct pkv_stats {

@@ -34,7 +34,7 @@ from collections import namedtuple
 import numpy as np
 
 __all__ = [
-    "Cache", "Tier", "TierStats", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES", "bf16_bits", "bf16_value",
+    "Cache", "Tier", "TierStats", "Event", "prefix_hashes", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES", "bf16_bits", "bf16_value",
     "PkvError", "InvalidArgumentError", "OutOfMemoryError", "NoSpaceError", "NotFoundError", "LimitError",
     "CorruptError", "IoError", "NotSupportedError", "BusyError",
     "OK", "EINVAL", "ENOMEM", "ENOSPC", "ENOENT", "ELIMIT", "ECORRUPT", "EIO", "ENOTSUP", "EBUSY",
@@ -161,7 +161,22 @@ class _Config(ctypes.Structure):
                 ("n_blocks", _u32), ("mem_budget_bytes", _u64), ("k_dtype", _int), ("v_dtype", _int),
                 ("max_seqs", _u32), ("max_blocks_per_seq", _u32), ("n_threads", _u32),
                 ("enable_prefix_cache", _int), ("huge_pages", _int), ("allocator", _Allocator),
-                ("log", _LOG_FN), ("log_ctx", _vp), ("executor", _Executor)]
+                ("log", _LOG_FN), ("log_ctx", _vp), ("executor", _Executor), ("event_capacity", _u32)]
+
+
+class _Event(ctypes.Structure):
+    _fields_ = [("seqno", _u64), ("hash", _u64), ("parent_hash", _u64), ("lost", _u64), ("kind", _u32),
+                ("depth", _u32), ("block", _u32), ("reserved", _u32)]
+
+
+_EVENT_KINDS = {1: "stored", 2: "removed", 3: "cleared", 4: "overflow"}
+
+Event = namedtuple("Event", "seqno kind hash parent_hash depth block lost tokens")
+Event.__doc__ = """A prefix-index event (pkv_event): kind is "stored", "removed", "cleared" or "overflow";
+hash and parent_hash are identity hashes (prefix_hashes computes a prompt's), 0 where none;
+depth is the block's index in its chain; block its pool block then; lost (overflow) the events
+dropped; tokens the block's token ids (int32 array) for stored / removed when asked for, else
+None."""
 
 
 class _Layout(ctypes.Structure):
@@ -258,6 +273,9 @@ def _load():
         "pkv_tier_save": (_int, [_vp, _vp, _u64, _P(_u32)]),
         "pkv_tier_load": (_int, [_vp, _vp, _u64, _vp, _u32, _P(_u32)]),
         "pkv_attn_flags_used": (_u32, [_vp]),
+        "pkv_cache_take_events": (_int, [_vp, _P(_Event), _sz, _vp, _P(_sz)]),
+        "pkv_prefix_snapshot": (_int, [_vp, _P(_Event), _sz, _vp, _P(_sz)]),
+        "pkv_prefix_hashes": (_int, [_vp, _sz, _u32, _vp, _sz, _vp, _sz, _P(_sz)]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -293,6 +311,42 @@ def strerror(code):
     if not -(1 << 31) <= code < 1 << 31:  # a C int: cut short, 2**40 would read as 0 (success)
         code = -(1 << 31)
     return _lib.pkv_strerror(code).decode()
+
+
+def _salt_bytes(salt):
+    """A namespace salt as bytes (str is UTF-8); anything else raises."""
+    if isinstance(salt, str):
+        return salt.encode()
+    if not isinstance(salt, (bytes, bytearray, memoryview)):
+        # bytes(3) would be three zero bytes: a tenant id passed as an int must not silently
+        # land in another namespace
+        raise _invalid("salt must be bytes or str, got %s" % type(salt).__name__)
+    return bytes(salt)
+
+
+def prefix_hashes(tokens, block_tokens, salt=b""):
+    """The identity hashes (uint64 array) a cache with this block_tokens gives the full blocks of
+    tokens under the namespace salt (pkv_prefix_hashes): what the events of Cache.take_events
+    name. Needs no cache: a router compares them with each engine's events."""
+    t = _i32_array(tokens, "prefix_hashes: tokens")
+    salt = _salt_bytes(salt)
+    bt = _u32_of(block_tokens, "block_tokens")
+    out = np.empty(t.size // bt if bt else 0, dtype=np.uint64)
+    n = _sz()
+    _check(_lib.pkv_prefix_hashes(salt if salt else None, len(salt), bt, _ptr(t), t.size, _ptr(out), out.size,
+                                  ctypes.byref(n)), "pkv_prefix_hashes")
+    return out[:n.value]
+
+
+def _events(buf, n, toks, block_tokens):
+    out = []
+    for i in range(n):
+        e = buf[i]
+        t = None
+        if toks is not None and e.kind in (1, 2):
+            t = toks[i * block_tokens:(i + 1) * block_tokens].copy()
+        out.append(Event(e.seqno, _EVENT_KINDS.get(e.kind, e.kind), e.hash, e.parent_hash, e.depth, e.block, e.lost, t))
+    return out
 
 
 def _dtype_code(d, what):
@@ -448,7 +502,7 @@ class Cache:
     """
 
     _INT_FIELDS = ("n_layers", "n_kv_heads", "head_dim", "block_tokens", "n_blocks", "max_seqs",
-                   "max_blocks_per_seq", "n_threads")
+                   "max_blocks_per_seq", "n_threads", "event_capacity")
 
     def __init__(self, **kw):
         self._c = None
@@ -660,13 +714,7 @@ class Cache:
     @_in_call
     def seq_create(self, salt=b""):
         """A new empty sequence; salt (bytes, at most 256) names its prefix-index namespace."""
-        if isinstance(salt, str):
-            salt = salt.encode()
-        elif not isinstance(salt, (bytes, bytearray, memoryview)):
-            # bytes(3) would be three zero bytes: a tenant id passed as an int must not
-            # silently land in another namespace
-            raise _invalid("salt must be bytes or str, got %s" % type(salt).__name__)
-        salt = bytes(salt)
+        salt = _salt_bytes(salt)
         out = _u64()
         self._check(_lib.pkv_seq_create(self._h(), salt if salt else None, len(salt), ctypes.byref(out)),
                "pkv_seq_create")
@@ -1028,6 +1076,46 @@ class Cache:
     @_in_call
     def pin_release(self, pin):
         self._check(_lib.pkv_pin_release(self._h(), _seq_of(pin, "pin")), "pkv_pin_release")
+
+    # -- prefix-index events --
+    @_in_call
+    def take_events(self, max_events=1024, tokens=False):
+        """Takes the oldest recorded prefix-index events, at most max_events, as a list of Event
+        (pkv_cache_take_events; the cache needs event_capacity > 0). An "overflow" event means the
+        ring was full and events were dropped: rebuild from prefix_snapshot()."""
+        cap = _uint_of(max_events, "max_events", 32)
+        buf = (_Event * max(cap, 1))()
+        bt = self._block_tokens()
+        toks = np.empty(cap * bt, dtype=np.int32) if tokens else None
+        n = _sz()
+        self._check(_lib.pkv_cache_take_events(self._h(), buf, cap, _ptr(toks), ctypes.byref(n)),
+                    "pkv_cache_take_events")
+        return _events(buf, n.value, toks, bt)
+
+    @_in_call
+    def prefix_snapshot(self, tokens=False):
+        """The whole prefix index as "stored" events (seqno 0), parents first; the recorded events
+        are forgotten in the same step (pkv_prefix_snapshot)."""
+        bt = self._block_tokens()
+        st = _Stats()
+        self._check(_lib.pkv_cache_get_stats(self._h(), ctypes.byref(st)), "pkv_cache_get_stats")
+        cap = st.n_indexed + 64  # room for what other threads index meanwhile, usually
+        while True:
+            buf = (_Event * max(cap, 1))()
+            toks = np.empty(cap * bt, dtype=np.int32) if tokens else None
+            n = _sz()
+            rc = _lib.pkv_prefix_snapshot(self._h(), buf, cap, _ptr(toks), ctypes.byref(n))
+            if rc == ELIMIT and n.value > cap:  # the index grew past that: again, with room
+                self._why("")  # forget the refusal it said
+                cap = n.value + 64
+                continue
+            self._check(rc, "pkv_prefix_snapshot")
+            return _events(buf, n.value, toks, bt)
+
+    def _block_tokens(self):
+        c = _Config()
+        self._check(_lib.pkv_cache_config(self._h(), ctypes.byref(c)), "pkv_cache_config")
+        return c.block_tokens
 
     # -- statistics and checker --
     @_in_call

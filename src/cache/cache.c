@@ -215,6 +215,8 @@ static int validate_config(const pkv_config *cfg) {
     if (x->parallel_for && cfg->n_threads && cfg->n_threads != x->n_workers)
         REFUSE(cfg, PKV_EINVAL, "n_threads %u with an executor of %u workers (0 or the same)", cfg->n_threads,
                x->n_workers);
+    if (cfg->event_capacity > (1u << 24))
+        REFUSE(cfg, PKV_EINVAL, "event_capacity %u is over 2^24", cfg->event_capacity);
     if (!x->parallel_for && x->n_workers != 0)
         REFUSE(cfg, PKV_EINVAL, "executor.n_workers %u without executor.parallel_for", x->n_workers);
     return PKV_OK;
@@ -238,7 +240,9 @@ static uint32_t pow2_at_least(uint64_t n) {
     X(fp_content, sizeof(uint64_t) * ((size_t)c->fp_mask + 1))                                         \
     X(chk_ref, sizeof(uint32_t) * (size_t)c->n_blocks)                                                 \
     X(chk_pos, sizeof(uint32_t) * (size_t)c->n_blocks)                                                 \
-    X(items, sizeof(pkv__attn_item) * (size_t)c->max_seqs)
+    X(items, sizeof(pkv__attn_item) * (size_t)c->max_seqs)                                          \
+    X(ev, sizeof(pkv_event) * (size_t)c->ev_cap)                                                       \
+    X(ev_tok, sizeof(int32_t) * (size_t)c->ev_cap * c->B)
 
 static void cache_free_all(pkv_cache *c) {
     pkv_allocator a = c->alloc;
@@ -347,6 +351,7 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     c->n_layers = cfg.n_layers;
     c->n_kv = cfg.n_kv_heads;
     c->head_dim = cfg.head_dim;
+    c->ev_cap = cfg.event_capacity;
     c->k_row = k_row;
     c->v_row = v_row;
     c->k_blk = k_blk;
@@ -360,7 +365,7 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
 #define ALLOC_ONE(field, size)                                   \
     c->field = pkv__calloc(&a, size, PKV_CACHELINE);            \
     if (!c->field) goto oom;                                     \
-    meta += size;
+    meta += (size) + ((size) == 0); /* as pkv__alloc takes it */
     CACHE_ALLOCS(ALLOC_ONE)
 #undef ALLOC_ONE
     c->kv_bytes = kv_bytes;
@@ -413,6 +418,7 @@ PKV_API int pkv_cache_reset(pkv_cache *c) {
     LOCK(c);
     uint32_t peak = c->pool.peak_active;
     reset_state(c);
+    pkv__event_cleared(c);
     c->pool.peak_active = peak;
     UNLOCK(c);
     return PKV_OK;
@@ -1020,6 +1026,7 @@ static void move_block(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t dst) {
         d->hash = was.hash, d->chash = was.chash, d->ns_lo = was.ns_lo, d->ns_hi = was.ns_hi;
         d->parent = was.parent, d->hnext = was.hnext, d->child = was.child;
         d->sib_prev = was.sib_prev, d->sib_next = was.sib_next, d->n_children = was.n_children;
+        d->depth = was.depth;
     }
     s->table[i] = (int32_t)dst;
 }

@@ -52,6 +52,12 @@ struct pkv_cache {
     uint32_t fp_mask;
     int const_hash; /* test switch: every identity hash is the same value */
 
+    /* prefix-index events (events.c): a ring of ev_cap, the oldest at ev_head, ev_n held */
+    pkv_event *ev;   /* [ev_cap] */
+    int32_t *ev_tok; /* [ev_cap][B] token ids of STORED / REMOVED events */
+    uint32_t ev_cap, ev_head, ev_n;
+    uint64_t ev_seqno; /* the last event's */
+
     /* counters */
     uint64_t cow_copies, evictions;
     uint64_t pfx_lookups, pfx_queried, pfx_hit, miss_new, miss_evicted, miss_ns;
@@ -126,5 +132,11 @@ uint64_t pkv__content_hash(const pkv_cache *c, uint32_t parent, const int32_t *t
 void pkv__salt_digest(const void *salt, size_t len, uint64_t *lo, uint64_t *hi);
 /* Test-only: make every identity hash collide (forces exact comparison). */
 void pkv__cache_test_const_hash(pkv_cache *c, int on);
+
+/* ---- events.c ---- (under c->mu; no-ops with event_capacity 0) */
+/* Records STORED / REMOVED of indexed block b (its fields set: hash, parent, depth). */
+void pkv__event_block(pkv_cache *c, pkv_event_kind kind, uint32_t b);
+/* Records CLEARED (pkv_cache_reset). */
+void pkv__event_cleared(pkv_cache *c);
 
 #endif

@@ -214,6 +214,9 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
             uint32_t x = c->buckets[h & c->bucket_mask], steps = 0;
             while (x != PKV_NONE && x != b && steps++ <= c->n_blocks) x = c->blk[x].hnext;
             REQUIRE(x == b, "block %u: indexed but not in its hash bucket", b);
+            REQUIRE(k->depth == (k->parent == PKV_NONE ? 0 : c->blk[k->parent].depth + 1),
+                    "block %u: depth %u under a parent of depth %u", b, k->depth,
+                    k->parent == PKV_NONE ? 0 : c->blk[k->parent].depth);
             if (k->parent != PKV_NONE) {
                 const pkv__blk *p = &c->blk[k->parent];
                 REQUIRE(p->flags & PKV_BLKF_INDEXED, "block %u: indexed under parent %u which is not indexed", b, k->parent);
@@ -254,6 +257,8 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
     REQUIRE(n_roots == n_root_entries, "root lists: %llu entries, %llu roots of the index", (unsigned long long)n_root_entries,
             (unsigned long long)n_roots);
     REQUIRE(c->pool.peak_active >= n_active, "peak_active %u below n_active %u", c->pool.peak_active, n_active);
+    REQUIRE(c->ev_n <= c->ev_cap && (c->ev_cap ? c->ev_head < c->ev_cap : c->ev_head == 0),
+            "event ring: %u held from %u, capacity %u", c->ev_n, c->ev_head, c->ev_cap);
     /* children counts: every INDEXED block's n_children equals its indexed children */
     for (uint32_t b = 0; b < c->n_blocks; b++) {
         const pkv__blk *k = &c->blk[b];

@@ -27,10 +27,28 @@ uint64_t pkv__hash_seeded(const pkv_cache *c, uint64_t seed, const int32_t *toks
     return XXH3_64bits_withSeed(toks, (size_t)c->B * sizeof(int32_t), seed);
 }
 
+/* A first block's seed: its namespace's digest folded to 64 bits. */
+static uint64_t root_seed(uint64_t ns_lo, uint64_t ns_hi) { return ns_lo ^ (ns_hi * 0x9E3779B97F4A7C15ull); }
+
 uint64_t pkv__identity_hash(const pkv_cache *c, uint32_t parent, uint64_t ns_lo, uint64_t ns_hi,
                             const int32_t *toks) {
-    uint64_t seed = parent == PKV_NONE ? ns_lo ^ (ns_hi * 0x9E3779B97F4A7C15ull) : c->blk[parent].hash;
+    uint64_t seed = parent == PKV_NONE ? root_seed(ns_lo, ns_hi) : c->blk[parent].hash;
     return pkv__hash_seeded(c, seed, toks);
+}
+
+PKV_API int pkv_prefix_hashes(const void *salt, size_t salt_len, uint32_t block_tokens, const int32_t *tokens,
+                              size_t n, uint64_t *hashes, size_t cap, size_t *n_out) {
+    if (!n_out || block_tokens < 1 || block_tokens > 1024 || salt_len > 256 || (!salt && salt_len) ||
+        (!tokens && n) || (!hashes && cap))
+        return PKV_EINVAL;
+    uint64_t lo, hi;
+    pkv__salt_digest(salt, salt_len, &lo, &hi);
+    const size_t m = PKV_MIN(n / block_tokens, cap);
+    uint64_t seed = root_seed(lo, hi);
+    for (size_t i = 0; i < m; i++)
+        hashes[i] = seed = XXH3_64bits_withSeed(tokens + i * block_tokens, block_tokens * sizeof(int32_t), seed);
+    *n_out = m;
+    return PKV_OK;
 }
 
 uint64_t pkv__content_hash(const pkv_cache *c, uint32_t parent, const int32_t *toks) {
@@ -125,6 +143,7 @@ static void bucket_remove(pkv_cache *c, uint32_t b) {
 void pkv__index_evict(pkv_cache *c, uint32_t b) {
     pkv__blk *k = &c->blk[b];
     pkv_assert((k->flags & PKV_BLKF_INDEXED) && k->child == PKV_NONE && k->n_children == 0); /* a leaf */
+    pkv__event_block(c, PKV_EVENT_REMOVED, b);
     bucket_remove(c, b);
     if (k->parent != PKV_NONE) c->blk[k->parent].n_children--;
     pkv__tree_unlink(c, b);
@@ -177,11 +196,12 @@ static bool fp_has(const uint64_t *t, uint32_t mask, uint64_t x) {
 }
 
 /* Makes block b (full, committed, table[i] of s) an index entry under parent. */
-static void index_insert(pkv_cache *c, const pkv__seq *s, uint32_t b, uint32_t parent, uint64_t h) {
+static void index_insert(pkv_cache *c, const pkv__seq *s, uint32_t b, uint32_t parent, uint64_t h, uint32_t depth) {
     pkv__blk *k = &c->blk[b];
     if (k->flags & PKV_BLKF_PARTIAL) pkv__partial_unlink(c, b); /* a registered partial that just filled up */
     k->flags |= PKV_BLKF_INDEXED;
     k->hash = h;
+    k->depth = depth;
     k->chash = pkv__content_hash(c, parent, c->tokens + (size_t)b * c->B);
     k->ns_lo = parent == PKV_NONE ? s->ns_lo : 0;
     k->ns_hi = parent == PKV_NONE ? s->ns_hi : 0;
@@ -193,6 +213,7 @@ static void index_insert(pkv_cache *c, const pkv__seq *s, uint32_t b, uint32_t p
     fp_put(c->fp_seen, c->fp_mask, h);
     fp_put(c->fp_content, c->fp_mask, k->chash);
     c->n_indexed++;
+    pkv__event_block(c, PKV_EVENT_STORED, b);
 }
 
 void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
@@ -212,7 +233,7 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
         const int32_t *toks = c->tokens + (size_t)b * B;
         uint64_t h = pkv__identity_hash(c, parent, s->ns_lo, s->ns_hi, toks);
         if (lookup(c, h, parent, s->ns_lo, s->ns_hi, toks) != PKV_NONE) break; /* a twin is indexed */
-        index_insert(c, s, b, parent, h);
+        index_insert(c, s, b, parent, h, i);
         s->idx_len++;
     }
     /* register the committed part of the tail block for token-granular matching (block 0: on

@@ -28,6 +28,7 @@ typedef struct pkv__blk {
     uint32_t child;        /* first INDEXED or PARTIAL child */
     uint32_t sib_prev, sib_next;
     uint32_t n_children; /* INDEXED children */
+    uint32_t depth;      /* index in its chain (INDEXED): parent's + 1, a root's 0 */
     uint64_t hash;       /* identity hash: namespace + whole token prefix (INDEXED) */
     uint64_t chash;      /* namespace-free content hash of the prefix (INDEXED) */
     uint64_t ns_lo, ns_hi; /* namespace digest (INDEXED roots) */

@@ -16,7 +16,7 @@ int main(void) {
     FIELD(pkv_config, k_dtype), FIELD(pkv_config, v_dtype), FIELD(pkv_config, max_seqs);
     FIELD(pkv_config, max_blocks_per_seq), FIELD(pkv_config, n_threads), FIELD(pkv_config, enable_prefix_cache);
     FIELD(pkv_config, huge_pages), FIELD(pkv_config, allocator), FIELD(pkv_config, log);
-    FIELD(pkv_config, log_ctx), FIELD(pkv_config, executor);
+    FIELD(pkv_config, log_ctx), FIELD(pkv_config, executor), FIELD(pkv_config, event_capacity);
     SIZE(pkv_allocator);
     FIELD(pkv_allocator, alloc), FIELD(pkv_allocator, free), FIELD(pkv_allocator, ctx);
     SIZE(pkv_executor);
@@ -52,5 +52,8 @@ int main(void) {
     FIELD(pkv_tier_stats, evictions), FIELD(pkv_tier_stats, saved), FIELD(pkv_tier_stats, save_present);
     FIELD(pkv_tier_stats, save_no_room), FIELD(pkv_tier_stats, loaded_blocks), FIELD(pkv_tier_stats, loaded_tokens);
     FIELD(pkv_tier_stats, load_misses), FIELD(pkv_tier_stats, rejected), FIELD(pkv_tier_stats, errors);
+    SIZE(pkv_event);
+    FIELD(pkv_event, seqno), FIELD(pkv_event, hash), FIELD(pkv_event, parent_hash), FIELD(pkv_event, lost);
+    FIELD(pkv_event, kind), FIELD(pkv_event, depth), FIELD(pkv_event, block), FIELD(pkv_event, reserved);
     return 0;
 }

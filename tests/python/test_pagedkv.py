@@ -129,12 +129,12 @@ class TestLibrary(Base):
         # every field after the two dtypes sits where pkv.h puts it, or these come back wrong
         with pkv.Cache(n_layers=3, n_kv_heads=2, head_dim=64, block_tokens=8, n_blocks=40, k_dtype="bf16",
                        v_dtype="q8_0", max_seqs=7, max_blocks_per_seq=9, n_threads=2, enable_prefix_cache=False,
-                       huge_pages=False) as c:
+                       huge_pages=False, event_capacity=5) as c:
             cfg = c.config
             lo = c.layout()
             st = c.stats()
         self.assertEqual(cfg, dict(n_layers=3, n_kv_heads=2, head_dim=64, block_tokens=8, n_blocks=40, max_seqs=7,
-                                   max_blocks_per_seq=9, n_threads=2, mem_budget_bytes=0, k_dtype="bf16",
+                                   max_blocks_per_seq=9, n_threads=2, event_capacity=5, mem_budget_bytes=0, k_dtype="bf16",
                                    v_dtype="q8_0", enable_prefix_cache=False, huge_pages=False))
         self.assertEqual((lo.n_blocks, lo.block_tokens, lo.n_kv_heads, lo.head_dim, lo.n_layers), (40, 8, 2, 64, 3))
         self.assertEqual((lo.k_dtype, lo.v_dtype, lo.k_row_bytes, lo.v_row_bytes), ("bf16", "q8_0", 128, 68))
@@ -156,7 +156,7 @@ class TestLibrary(Base):
         mirrors = {"pkv_config": pkv._Config, "pkv_allocator": pkv._Allocator, "pkv_executor": pkv._Executor,
                    "pkv_layout": pkv._Layout, "pkv_seq_info": pkv._SeqInfo, "pkv_stats": pkv._Stats,
                    "pkv_attn_params": pkv._AttnParams, "pkv_attn_req": pkv._AttnReq,
-                   "pkv_append_req": pkv._AppendReq, "pkv_tier_stats": pkv._TierStats}
+                   "pkv_append_req": pkv._AppendReq, "pkv_tier_stats": pkv._TierStats, "pkv_event": pkv._Event}
         for name, cls in mirrors.items():
             self.assertEqual(ctypes.sizeof(cls), int(c[name]), "sizeof(%s)" % name)
             fields = [f for f, _ in cls._fields_]
@@ -849,6 +849,62 @@ class TestCache(Base):
             self.fail("a tier on a port nobody serves")
         except (pkv.IoError, pkv.NotSupportedError):
             pass
+
+    def test_events(self):
+        # a router's view of a cache: the events name the blocks by the hashes prefix_hashes
+        # computes from the prompt, with no cache; eviction removes them leaf first; a snapshot
+        # gives the same; a reset says cleared; a full ring says overflow
+        B = 4
+        prompt = np.arange(1000, 1010)
+        with pkv.Cache(n_kv_heads=1, head_dim=8, block_tokens=B, n_blocks=4, n_threads=1, event_capacity=16) as c:
+            self.assertEqual(c.config["event_capacity"], 16)
+            h = pkv.prefix_hashes(prompt, B, salt="t")
+            self.assertEqual(h.dtype, np.uint64)
+            self.assertEqual(len(h), 2)
+            self.assertFalse(np.array_equal(h, pkv.prefix_hashes(prompt, B)))  # another namespace
+            s = c.seq_create("t")
+            c.append(s, prompt)
+            c.commit(s, 10)
+            ev = c.take_events(tokens=True)
+            self.assertEqual([e.kind for e in ev], ["stored", "stored"])
+            self.assertEqual([e.hash for e in ev], [int(x) for x in h])
+            self.assertEqual([e.parent_hash for e in ev], [0, int(h[0])])
+            self.assertEqual([e.depth for e in ev], [0, 1])
+            self.assertEqual([e.seqno for e in ev], [1, 2])
+            np.testing.assert_array_equal(ev[1].tokens, prompt[4:8])
+            self.assertEqual(c.take_events(), [])
+            snap = c.prefix_snapshot()
+            self.assertEqual([(e.kind, e.hash, e.seqno, e.tokens) for e in snap],
+                             [("stored", int(h[0]), 0, None), ("stored", int(h[1]), 0, None)])
+            c.release(s)
+            s2 = c.seq_create()
+            c.append(s2, np.arange(16))  # all 4 blocks: both cached ones evicted, the leaf first
+            ev = c.take_events()
+            self.assertEqual([(e.kind, e.hash) for e in ev], [("removed", int(h[1])), ("removed", int(h[0]))])
+            self.assertIsNone(ev[0].tokens)
+            c.commit(s2, 16)
+            self.assertEqual(len(c.take_events(max_events=3)), 3)
+            self.assertEqual(len(c.take_events()), 1)
+            c.reset()
+            self.assertEqual([e.kind for e in c.take_events()], ["cleared"])
+            for _ in range(5):  # 20 events for a ring of 16
+                s = c.seq_create()
+                c.append(s, np.arange(16))
+                c.commit(s, 16)
+                c.release(s)
+                c.reset()
+            ev = c.take_events()  # seqno 9 was the last taken; 10-25 filled the ring, 26 found it full
+            self.assertEqual((ev[0].kind, ev[0].seqno, ev[0].lost), ("overflow", 26, 17))
+            self.assertEqual([e.seqno for e in ev[1:]], list(range(27, 35)))
+            self.assertEqual(c.prefix_snapshot(), [])
+        with pkv.Cache(n_blocks=8, n_threads=1) as c:  # event_capacity 0: nothing recorded
+            with self.assertRaisesRegex(pkv.InvalidArgumentError, "event_capacity 0"):
+                c.take_events()
+        with self.assertRaises(pkv.InvalidArgumentError):
+            pkv.prefix_hashes([1, 2], 0)
+        with self.assertRaises(pkv.InvalidArgumentError):
+            pkv.prefix_hashes([1, 2], 2, salt=3)
+        self.assertEqual(len(pkv.prefix_hashes([], 16)), 0)
 
     def test_tier_closed_under_load(self):
         # a Tier closed while other threads load and save through it: their calls in flight
