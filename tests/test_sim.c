@@ -501,6 +501,69 @@ static void test_plot_writes_png(void **state) {
     unlink(kept);
 }
 
+/* `pkv route`: the router's predictions from events alone are exact while it drains them after
+ * every request; KV-aware routing reuses more than round robin on the same requests; bounded
+ * loads keep every replica busy; a stale router (events taken rarely, through a small ring)
+ * resyncs from snapshots and still routes; bad options are refused. */
+static void test_route(void **state) {
+    (void)state;
+    char *argv[] = {"pkv", "route", "--json", "--chats", "48", "--active", "16", "--turns", "4", "--replicas", "4",
+                    "--blocks", "128", "--sys-len", "128", "--user-mean", "40", "--reply-mean", "60", NULL};
+    char *out, *err;
+    int rc = run_cli(argv, &out, &err);
+    if (rc != 0) fail_msg("pkv route exited %d: %s", rc, err);
+    static const char *names[3] = {"round_robin", "prefix", "prefix_bounded"};
+    double hit[3] = {0}, req_min[3] = {0};
+    int n = 0;
+    for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save), n++) {
+        assert_true(n < 3);
+        char pat[64];
+        snprintf(pat, sizeof pat, "\"policy\":\"%s\"", names[n]);
+        assert_non_null(strstr(line, pat));
+        assert_int_equal((int)field(line, "requests"), 48 * 4);
+        assert_int_equal(field(line, "predicted_exact"), field(line, "predicted"));
+        assert_int_equal((int)field(line, "overflows"), 0);
+        const double prompt = field(line, "prompt_tokens"), reused = field(line, "reused_tokens");
+        assert_true(fabs(field(line, "hit_rate") - reused / prompt) < 1e-4);
+        assert_true(reused <= prompt && field(line, "events") > 0);
+        hit[n] = field(line, "hit_rate");
+        req_min[n] = field(line, "req_min");
+    }
+    assert_int_equal(n, 3);
+    assert_true(hit[1] > hit[0] + 0.1 && hit[2] > hit[0] + 0.1);
+    assert_true(req_min[0] == 48 && req_min[2] > 0);
+    free(out), free(err);
+    /* events taken every 50 requests through a ring of 64: overflows, resynced */
+    char *stale[] = {"pkv", "route", "--json", "--chats", "48", "--active", "16", "--turns", "4", "--replicas", "4",
+                     "--blocks", "128", "--sys-len", "128", "--user-mean", "40", "--reply-mean", "60", "--drain", "50",
+                     "--events", "64", "--policies", "prefix_bounded", NULL};
+    rc = run_cli(stale, &out, &err);
+    if (rc != 0) fail_msg("pkv route exited %d: %s", rc, err);
+    assert_true(field(out, "overflows") > 0);
+    assert_true(field(out, "predicted_exact") < field(out, "predicted"));
+    assert_true(field(out, "hit_rate") > hit[0]);
+    free(out), free(err);
+    char *bad[][5] = {{"pkv", "route", "--replicas", "0", NULL},
+                      {"pkv", "route", "--policies", "prefix,prefix", NULL},
+                      {"pkv", "route", "--balance", "nan", NULL},
+                      {"pkv", "route", "--drain", NULL},
+                      {"pkv", "route", "--bogus", "1", NULL}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(run_cli(bad[i], &out, &err), 1);
+        assert_true(strlen(err) > 0);
+        free(out), free(err);
+    }
+    /* a pool smaller than one chat: a runtime error that says what to change */
+    char *tiny[] = {"pkv", "route", "--blocks", "8", NULL};
+    assert_int_equal(run_cli(tiny, &out, &err), 2);
+    assert_non_null(strstr(err, "--blocks"));
+    free(out), free(err);
+    char *help[] = {"pkv", "route", "--help", NULL};
+    assert_int_equal(run_cli(help, &out, NULL), 0);
+    assert_non_null(strstr(out, "prefix_bounded"));
+    free(out);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_policies_complete_same_requests),
@@ -514,6 +577,7 @@ int main(void) {
         cmocka_unit_test(test_malformed_trace_names_line),
         cmocka_unit_test(test_help_and_usage_errors),
         cmocka_unit_test(test_plot_writes_png),
+        cmocka_unit_test(test_route),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,4 +1,4 @@
-/* pkv.c: the command-line tool's entry point: dispatches to bench, sim and run. */
+/* pkv.c: the command-line tool's entry point: dispatches to bench, sim, run and route. */
 #include "tool.h"
 
 #include <stdio.h>
@@ -14,6 +14,8 @@ static void usage(FILE *f) {
             "  sim            serving replay: paged + prefix caching vs paged vs contiguous\n"
             "                 (built-in seeded workload; `pkv sim --help`)\n"
             "  run MODEL      generate with a llama2.c checkpoint over the paged cache\n"
+            "  route          KV-aware routing across replicas from prefix-index events, against\n"
+            "                 round robin (`pkv route --help`)\n"
             "  bench ops      median ns of cache operations (append, fork, truncate, ...)\n"
             "  bench attn     paged attention against contiguous and the memory bandwidth\n"
             "  bench prefix   prefix-match cost per token, hit and miss\n"
@@ -39,6 +41,7 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(cmd, "sim")) return tool_sim(argc - 1, argv + 1);
     if (!strcmp(cmd, "run")) return tool_run(argc - 1, argv + 1);
+    if (!strcmp(cmd, "route")) return tool_route(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) {
         static const char bench_usage[] = "usage: pkv bench ops|attn|prefix|tier [options]  (`pkv bench attn --help`, ...)\n";
         if (argc < 3) {
