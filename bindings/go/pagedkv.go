@@ -244,12 +244,14 @@ type Config struct {
 	KDtype, VDtype                                   Dtype
 	MaxSeqs, MaxBlocksPerSeq, NThreads               uint32
 	PrefixCache, HugePages                           bool
+	EventCapacity                                    uint32 // prefix-index events kept for TakeEvents, at most 2^24; 0: none recorded
 }
 
 func configFromC(c *C.pkv_config) Config {
 	return Config{uint32(c.n_layers), uint32(c.n_kv_heads), uint32(c.head_dim), uint32(c.block_tokens),
 		uint32(c.n_blocks), uint64(c.mem_budget_bytes), Dtype(c.k_dtype), Dtype(c.v_dtype), uint32(c.max_seqs),
-		uint32(c.max_blocks_per_seq), uint32(c.n_threads), c.enable_prefix_cache != 0, c.huge_pages != 0}
+		uint32(c.max_blocks_per_seq), uint32(c.n_threads), c.enable_prefix_cache != 0, c.huge_pages != 0,
+		uint32(c.event_capacity)}
 }
 
 // DefaultConfig: 1 layer, 8 kv heads, head_dim 128, 16-token blocks, 1024 blocks, f16 K and V,
@@ -336,6 +338,7 @@ func NewCache(cfg Config) (*Cache, error) {
 	raw.max_seqs, raw.max_blocks_per_seq = C.uint32_t(cfg.MaxSeqs), C.uint32_t(cfg.MaxBlocksPerSeq)
 	raw.n_threads = C.uint32_t(cfg.NThreads)
 	raw.enable_prefix_cache, raw.huge_pages = b2i(cfg.PrefixCache), b2i(cfg.HugePages)
+	raw.event_capacity = C.uint32_t(cfg.EventCapacity)
 	C.pkvgo_set_log(&raw)
 	runtime.LockOSThread() // check reads what libpkv said on this thread
 	defer runtime.UnlockOSThread()
@@ -1290,6 +1293,181 @@ func (c *Cache) ExportCSR(seqs []Seq) ([]int32, []int32, []int32, error) {
 		return nil, nil, nil, err
 	}
 	return indptr, indices, last, nil
+}
+
+// ---- prefix-index events ----
+
+// EventKind is what a prefix-index event says (pkv_event_kind; "prefix-index events" in pkv.h).
+type EventKind uint32
+
+const (
+	// EventStored: a full committed block was indexed (Commit, TierLoad, ...); a parent's comes
+	// before its children's.
+	EventStored EventKind = C.PKV_EVENT_STORED
+	// EventRemoved: an indexed block was evicted to make room; children go before parents.
+	EventRemoved EventKind = C.PKV_EVENT_REMOVED
+	// EventCleared: Reset emptied the index (no EventRemoved for its blocks).
+	EventCleared EventKind = C.PKV_EVENT_CLEARED
+	// EventOverflow: the ring was full; Lost events were dropped, and what the consumer knows
+	// of the index is stale: rebuild it from PrefixSnapshot.
+	EventOverflow EventKind = C.PKV_EVENT_OVERFLOW
+)
+
+// String is the kind's name: "stored", "removed", "cleared", "overflow" (else "EventKind(n)").
+func (k EventKind) String() string {
+	switch k {
+	case EventStored:
+		return "stored"
+	case EventRemoved:
+		return "removed"
+	case EventCleared:
+		return "cleared"
+	case EventOverflow:
+		return "overflow"
+	}
+	return fmt.Sprintf("EventKind(%d)", uint32(k))
+}
+
+// Event is a prefix-index event (pkv_event), from TakeEvents or PrefixSnapshot. A block is
+// named by its identity hash: what PrefixHashes computes from a prompt, with no cache.
+type Event struct {
+	Seqno      uint64    // 1, 2, 3, ... over the cache's life (lost events included); 0 in a snapshot
+	Kind       EventKind // what happened
+	Hash       uint64    // EventStored / EventRemoved: the block's identity hash; else 0
+	ParentHash uint64    // EventStored / EventRemoved: its parent's, 0 for a first block
+	Depth      uint32    // EventStored / EventRemoved: the block's index in its chain (positions Depth x B ..)
+	Block      uint32    // EventStored / EventRemoved: the pool block at the time (compaction may move it)
+	Lost       uint64    // EventOverflow: the events dropped; else 0
+	Tokens     []int32   // EventStored / EventRemoved, when asked for: the block's token ids; else nil
+}
+
+// events is the first n of raw as Events; toks: their blocks' token ids, b an event (nil: not
+// taken).
+func events(raw []C.pkv_event, n int, toks []int32, b int) []Event {
+	out := make([]Event, n)
+	for i := range out {
+		e := &raw[i]
+		k := EventKind(e.kind)
+		out[i] = Event{Seqno: uint64(e.seqno), Kind: k, Hash: uint64(e.hash), ParentHash: uint64(e.parent_hash),
+			Depth: uint32(e.depth), Block: uint32(e.block), Lost: uint64(e.lost)}
+		if toks != nil && (k == EventStored || k == EventRemoved) {
+			out[i].Tokens = append([]int32(nil), toks[i*b:(i+1)*b]...)
+		}
+	}
+	return out
+}
+
+// TakeEvents takes the oldest recorded prefix-index events, at most max, and forgets them
+// (pkv_cache_take_events); none held: an empty slice, at once. With withTokens, each
+// EventStored / EventRemoved event carries its block's token ids. EINVAL for a cache created
+// with EventCapacity 0. An EventOverflow event says events were dropped: rebuild from
+// PrefixSnapshot. It names no sequence, so it waits for none; one consumer, though: two
+// goroutines taking at once each get a share.
+func (c *Cache) TakeEvents(max int, withTokens bool) ([]Event, error) {
+	if c == nil {
+		return nil, errClosed
+	}
+	if max < 0 {
+		return nil, invalid("TakeEvents: max %d", max)
+	}
+	n := max
+	if ec := int64(c.cfg.EventCapacity); int64(n) > ec { // the ring never holds more
+		n = int(ec)
+	}
+	b := int(c.cfg.BlockTokens)
+	raw := make([]C.pkv_event, n)
+	var toks []int32
+	if withTokens {
+		nt, err := mulLen(n, b, "TakeEvents: tokens")
+		if err != nil {
+			return nil, err
+		}
+		toks = make([]int32, nt)
+	}
+	var got C.size_t
+	err := c.op("pkv_cache_take_events", readSeqs, func(p *C.pkv_cache) C.int {
+		return C.pkv_cache_take_events(p, (*C.pkv_event)(slicePtr(raw)), C.size_t(n), i32p(toks), &got)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return events(raw, int(got), toks, b), nil
+}
+
+// PrefixSnapshot is the whole prefix index now, as EventStored events (Seqno 0), every parent
+// before its children, and the recorded events forgotten in the same step (pkv_prefix_snapshot):
+// a consumer that applies it and then every event it takes afterwards stays exact. Works with
+// EventCapacity 0 as well. With withTokens, each event carries its block's token ids.
+func (c *Cache) PrefixSnapshot(withTokens bool) ([]Event, error) {
+	p, g, err := c.enter(readSeqs)
+	if err != nil {
+		return nil, err
+	}
+	defer g.exit()
+	b := int(c.cfg.BlockTokens)
+	room := func(n uint64) (int, error) {
+		if n > uint64(math.MaxInt-64) {
+			return 0, invalid("PrefixSnapshot: %d indexed blocks is past int", n)
+		}
+		return int(n) + 64, nil
+	}
+	var st C.pkv_stats
+	if err := check(C.pkv_cache_get_stats(p, &st), "pkv_cache_get_stats"); err != nil {
+		return nil, err
+	}
+	n, err := room(uint64(st.n_indexed)) // room for what other goroutines index meanwhile, usually
+	if err != nil {
+		return nil, err
+	}
+	for {
+		raw := make([]C.pkv_event, n)
+		var toks []int32
+		if withTokens {
+			nt, err := mulLen(n, b, "PrefixSnapshot: tokens")
+			if err != nil {
+				return nil, err
+			}
+			toks = make([]int32, nt)
+		}
+		var got C.size_t
+		rc := C.pkv_prefix_snapshot(p, (*C.pkv_event)(slicePtr(raw)), C.size_t(n), i32p(toks), &got)
+		if rc == ELIMIT && uint64(got) > uint64(n) {
+			// the index grew past that: again, with room (forgetting the refusal it said)
+			var buf [C.PKVGO_SAID_CAP]C.char
+			C.pkvgo_take_said(&buf[0])
+			if n, err = room(uint64(got)); err != nil {
+				return nil, err
+			}
+			continue
+		}
+		if err := check(rc, "pkv_prefix_snapshot"); err != nil {
+			return nil, err
+		}
+		return events(raw, int(got), toks, b), nil
+	}
+}
+
+// PrefixHashes is the identity hashes a cache with this blockTokens gives the full blocks of
+// tokens under the namespace salt (as SeqCreate's), one a full block (pkv_prefix_hashes): what
+// the events of TakeEvents name. It needs no cache: a router computes a prompt's hashes and
+// counts how many leading ones each engine's events say it holds. EINVAL for blockTokens
+// outside 1..1024 or a salt over 256 bytes.
+func PrefixHashes(salt []byte, blockTokens uint32, tokens []int32) ([]uint64, error) {
+	if blockTokens == 0 || blockTokens > math.MaxInt32 {
+		return nil, invalid("PrefixHashes: block_tokens %d not in 1..1024", blockTokens)
+	}
+	out := make([]uint64, len(tokens)/int(blockTokens))
+	var sp unsafe.Pointer
+	if len(salt) > 0 {
+		sp = unsafe.Pointer(&salt[0])
+	}
+	var n C.size_t
+	rc := C.pkv_prefix_hashes(sp, C.size_t(len(salt)), C.uint32_t(blockTokens), i32p(tokens), C.size_t(len(tokens)),
+		(*C.uint64_t)(slicePtr(out)), C.size_t(len(out)), &n)
+	if err := check(rc, "pkv_prefix_hashes: block_tokens not in 1..1024 or a salt over 256 bytes"); err != nil {
+		return nil, err
+	}
+	return out[:n], nil
 }
 
 // Stats is pkv_cache_get_stats.

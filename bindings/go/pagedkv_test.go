@@ -1,8 +1,9 @@
 // The Go bindings against libpkv and a float64 reference computed here: decode and ragged
 // prefill against contiguous attention, soft-cap, window and the LSE merge, prefix reuse, fork
 // and copy-on-write, the exports, statuses as errors, the binding's own length checks,
-// goroutines sharing a cache, nil and closed caches, the finalizer, the Into forms and K/V
-// writes of one layer beside decodes of another. Run by ctest (test_go) with CGO_LDFLAGS naming the build.
+// goroutines sharing a cache, nil and closed caches, the finalizer, the Into forms, K/V
+// writes of one layer beside decodes of another, and the prefix-index events against the
+// hashes PrefixHashes computes. Run by ctest (test_go) with CGO_LDFLAGS naming the build.
 package pagedkv
 
 import (
@@ -175,7 +176,7 @@ func TestBasics(t *testing.T) {
 		t.Fatal("q8_0 name or row bytes")
 	}
 	want := Config{NLayers: 3, NKVHeads: 2, HeadDim: 64, BlockTokens: 8, NBlocks: 40, KDtype: BF16, VDtype: Q8_0,
-		MaxSeqs: 7, MaxBlocksPerSeq: 9, NThreads: 2}
+		MaxSeqs: 7, MaxBlocksPerSeq: 9, NThreads: 2, EventCapacity: 5}
 	c, err := NewCache(want)
 	must(t, err)
 	defer c.Close()
@@ -1936,5 +1937,177 @@ func TestTiers(t *testing.T) {
 	var none *Tier
 	if _, err := a.TierLoad(none, sa, prompt); !errors.Is(err, ErrClosed) {
 		t.Fatalf("a nil tier: %v", err)
+	}
+}
+
+func TestEvents(t *testing.T) {
+	// a router's view of a cache: the events name the blocks by the hashes PrefixHashes
+	// computes from the prompt, with no cache; eviction removes them leaf first; a snapshot
+	// gives the same; a reset says cleared; a full ring says overflow
+	const b = 4
+	seq := func(lo, hi int32) []int32 {
+		s := make([]int32, 0, hi-lo)
+		for x := lo; x < hi; x++ {
+			s = append(s, x)
+		}
+		return s
+	}
+	prompt := seq(1000, 1010)
+	cfg := DefaultConfig()
+	cfg.NKVHeads, cfg.HeadDim, cfg.BlockTokens, cfg.NBlocks, cfg.NThreads, cfg.EventCapacity = 1, 8, b, 4, 1, 16
+	c, err := NewCache(cfg)
+	must(t, err)
+	defer c.Close()
+	if c.Config().EventCapacity != 16 {
+		t.Fatalf("EventCapacity %d", c.Config().EventCapacity)
+	}
+	h, err := PrefixHashes([]byte("t"), b, prompt)
+	must(t, err)
+	if len(h) != 2 {
+		t.Fatalf("%d hashes, want 2", len(h))
+	}
+	if h0, err := PrefixHashes(nil, b, prompt); err != nil || reflect.DeepEqual(h0, h) {
+		t.Fatalf("another namespace: %v, %v", h0, err)
+	}
+	s, err := c.SeqCreate([]byte("t"))
+	must(t, err)
+	_, err = c.Append(s, prompt)
+	must(t, err)
+	must(t, c.Commit(s, 10))
+	ev, err := c.TakeEvents(1024, true)
+	must(t, err)
+	table, err := c.BlockTable(s)
+	must(t, err)
+	want := []Event{
+		{Seqno: 1, Kind: EventStored, Hash: h[0], ParentHash: 0, Depth: 0, Block: uint32(table[0]), Tokens: prompt[0:4]},
+		{Seqno: 2, Kind: EventStored, Hash: h[1], ParentHash: h[0], Depth: 1, Block: uint32(table[1]), Tokens: prompt[4:8]},
+	}
+	if !reflect.DeepEqual(ev, want) {
+		t.Fatalf("events %+v, want %+v", ev, want)
+	}
+	if ev, err = c.TakeEvents(1024, false); err != nil || len(ev) != 0 {
+		t.Fatalf("none left: %+v, %v", ev, err)
+	}
+	snap, err := c.PrefixSnapshot(false)
+	must(t, err)
+	for i := range want {
+		want[i].Seqno, want[i].Tokens = 0, nil
+	}
+	if !reflect.DeepEqual(snap, want) {
+		t.Fatalf("snapshot %+v, want %+v", snap, want)
+	}
+	snap, err = c.PrefixSnapshot(true)
+	must(t, err)
+	if len(snap) != 2 || !reflect.DeepEqual(snap[1].Tokens, prompt[4:8]) {
+		t.Fatalf("snapshot with tokens %+v", snap)
+	}
+	must(t, c.Release(s))
+	s2, err := c.SeqCreate(nil)
+	must(t, err)
+	_, err = c.Append(s2, seq(0, 16)) // all 4 blocks: both cached ones evicted, the leaf first
+	must(t, err)
+	ev, err = c.TakeEvents(1024, false)
+	must(t, err)
+	if len(ev) != 2 || ev[0].Kind != EventRemoved || ev[0].Hash != h[1] || ev[1].Kind != EventRemoved ||
+		ev[1].Hash != h[0] || ev[0].Tokens != nil {
+		t.Fatalf("evictions: %+v", ev)
+	}
+	must(t, c.Commit(s2, 16))
+	if ev, err = c.TakeEvents(3, false); err != nil || len(ev) != 3 {
+		t.Fatalf("3 of 4: %+v, %v", ev, err)
+	}
+	if ev, err = c.TakeEvents(1024, false); err != nil || len(ev) != 1 {
+		t.Fatalf("the 4th: %+v, %v", ev, err)
+	}
+	if ev, err = c.TakeEvents(0, false); err != nil || len(ev) != 0 {
+		t.Fatalf("max 0: %+v, %v", ev, err)
+	}
+	must(t, c.Reset())
+	ev, err = c.TakeEvents(1024, true)
+	must(t, err)
+	if !reflect.DeepEqual(ev, []Event{{Seqno: 9, Kind: EventCleared}}) || ev[0].Kind.String() != "cleared" {
+		t.Fatalf("reset: %+v", ev)
+	}
+	for i := 0; i < 5; i++ { // 20 events for a ring of 16
+		s, err := c.SeqCreate(nil)
+		must(t, err)
+		_, err = c.Append(s, seq(0, 16))
+		must(t, err)
+		must(t, c.Commit(s, 16))
+		must(t, c.Release(s))
+		must(t, c.Reset())
+	}
+	// seqno 9 was the last taken; 10-25 filled the ring, 26 found it full
+	ev, err = c.TakeEvents(math.MaxInt, false)
+	must(t, err)
+	if len(ev) != 9 || ev[0].Kind != EventOverflow || ev[0].Seqno != 26 || ev[0].Lost != 17 {
+		t.Fatalf("overflow: %+v", ev)
+	}
+	for i, e := range ev[1:] {
+		if e.Seqno != uint64(27+i) {
+			t.Fatalf("after the overflow: %+v", ev)
+		}
+	}
+	if snap, err = c.PrefixSnapshot(true); err != nil || len(snap) != 0 {
+		t.Fatalf("an empty index: %+v, %v", snap, err)
+	}
+	must(t, c.Check())
+	if _, err := c.TakeEvents(-1, false); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("max -1: %v", err)
+	}
+
+	// EventCapacity 0: nothing recorded; a snapshot works all the same
+	cfg = DefaultConfig()
+	cfg.NBlocks, cfg.NThreads = 8, 1
+	c0, err := NewCache(cfg)
+	must(t, err)
+	defer c0.Close()
+	if _, err := c0.TakeEvents(1024, false); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "event_capacity 0") {
+		t.Fatalf("EventCapacity 0: %v", err)
+	}
+	s, err = c0.SeqCreate(nil)
+	must(t, err)
+	_, err = c0.Append(s, seq(0, 40))
+	must(t, err)
+	must(t, c0.Commit(s, 40))
+	snap, err = c0.PrefixSnapshot(false)
+	must(t, err)
+	h, err = PrefixHashes(nil, 16, seq(0, 40))
+	must(t, err)
+	if len(snap) != 2 || snap[0].Hash != h[0] || snap[1].Hash != h[1] || snap[1].ParentHash != h[0] {
+		t.Fatalf("snapshot %+v, hashes %v", snap, h)
+	}
+
+	// PrefixHashes' refusals
+	for _, bt := range []uint32{0, 1025, math.MaxUint32} {
+		if _, err := PrefixHashes(nil, bt, []int32{1, 2}); !errors.Is(err, ErrInvalid) {
+			t.Fatalf("block_tokens %d: %v", bt, err)
+		}
+	}
+	long := make([]byte, 257)
+	if _, err := PrefixHashes(long, 2, []int32{1, 2}); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("a salt of 257 bytes: %v", err)
+	}
+	if h, err := PrefixHashes(long[:256], 2, []int32{1, 2, 3}); err != nil || len(h) != 1 {
+		t.Fatalf("a salt of 256 bytes: %v, %v", h, err)
+	}
+	if h, err := PrefixHashes(nil, 16, nil); err != nil || len(h) != 0 {
+		t.Fatalf("no tokens: %v, %v", h, err)
+	}
+
+	// a closed or nil cache
+	c.Close()
+	if _, err := c.TakeEvents(1, false); !errors.Is(err, ErrClosed) {
+		t.Fatalf("closed: %v", err)
+	}
+	if _, err := c.PrefixSnapshot(false); !errors.Is(err, ErrClosed) {
+		t.Fatalf("closed: %v", err)
+	}
+	var nilc *Cache
+	if _, err := nilc.TakeEvents(1, false); !errors.Is(err, ErrClosed) {
+		t.Fatalf("nil: %v", err)
+	}
+	if _, err := nilc.PrefixSnapshot(false); !errors.Is(err, ErrClosed) {
+		t.Fatalf("nil: %v", err)
 	}
 }

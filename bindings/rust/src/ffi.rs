@@ -71,6 +71,7 @@ pub struct pkv_config {
     pub log: Option<unsafe extern "C" fn(*mut c_void, c_int, *const c_char)>,
     pub log_ctx: *mut c_void,
     pub executor: pkv_executor,
+    pub event_capacity: u32,
 }
 
 #[repr(C)]
@@ -163,6 +164,25 @@ pub struct pkv_append_req {
 }
 
 pub const PKV_APPEND_FIT: u32 = 1;
+
+/// pkv_event_kind (pkv.h, "prefix-index events").
+pub const PKV_EVENT_STORED: u32 = 1;
+pub const PKV_EVENT_REMOVED: u32 = 2;
+pub const PKV_EVENT_CLEARED: u32 = 3;
+pub const PKV_EVENT_OVERFLOW: u32 = 4;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+pub struct pkv_event {
+    pub seqno: u64,
+    pub hash: u64,
+    pub parent_hash: u64,
+    pub lost: u64,
+    pub kind: u32,
+    pub depth: u32,
+    pub block: u32,
+    pub reserved: u32,
+}
 
 extern "C" {
     pub fn pkv_strerror(rc: c_int) -> *const c_char;
@@ -270,6 +290,30 @@ extern "C" {
         -> c_int;
     pub fn pkv_pin_create(c: *mut pkv_cache, s: pkv_seq, n_pos: u32, pin: *mut pkv_seq) -> c_int;
     pub fn pkv_pin_release(c: *mut pkv_cache, pin: pkv_seq) -> c_int;
+    pub fn pkv_cache_take_events(
+        c: *mut pkv_cache,
+        out: *mut pkv_event,
+        cap: usize,
+        tokens: *mut i32,
+        n_out: *mut usize,
+    ) -> c_int;
+    pub fn pkv_prefix_snapshot(
+        c: *mut pkv_cache,
+        out: *mut pkv_event,
+        cap: usize,
+        tokens: *mut i32,
+        n_out: *mut usize,
+    ) -> c_int;
+    pub fn pkv_prefix_hashes(
+        salt: *const c_void,
+        salt_len: usize,
+        block_tokens: u32,
+        tokens: *const i32,
+        n: usize,
+        hashes: *mut u64,
+        cap: usize,
+        n_out: *mut usize,
+    ) -> c_int;
     pub fn pkv_cache_get_stats(c: *mut pkv_cache, out: *mut pkv_stats) -> c_int;
     pub fn pkv_tier_host_create(capacity_bytes: u64, alloc: *const pkv_allocator, out: *mut *mut pkv_tier) -> c_int;
     pub fn pkv_tier_file_create(

@@ -297,6 +297,9 @@ pub struct Config {
     pub n_threads: u32,
     pub prefix_cache: bool,
     pub huge_pages: bool,
+    /// Prefix-index events kept for [`Cache::take_events`], at most 2^24; 0 (the default): none
+    /// recorded.
+    pub event_capacity: u32,
 }
 
 impl Config {
@@ -315,6 +318,7 @@ impl Config {
             n_threads: c.n_threads,
             prefix_cache: c.enable_prefix_cache != 0,
             huge_pages: c.huge_pages != 0,
+            event_capacity: c.event_capacity,
         }
     }
 
@@ -333,6 +337,7 @@ impl Config {
         c.n_threads = self.n_threads;
         c.enable_prefix_cache = self.prefix_cache as c_int;
         c.huge_pages = self.huge_pages as c_int;
+        c.event_capacity = self.event_capacity;
         c
     }
 }
@@ -461,6 +466,120 @@ pub fn merge(
         )
     };
     check(r, "pkv_attn_merge")
+}
+
+/// What a prefix-index event says (pkv_event_kind; "prefix-index events" in pkv.h).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum EventKind {
+    /// A full committed block was indexed (a commit, a tier load, ...); a parent's comes before
+    /// its children's.
+    Stored,
+    /// An indexed block was evicted to make room; children go before parents.
+    Removed,
+    /// [`Cache::reset`] emptied the index (no `Removed` for its blocks).
+    Cleared,
+    /// The ring was full: [`Event::lost`] events were dropped, and what the consumer knows of
+    /// the index is stale: rebuild it from [`Cache::prefix_snapshot`].
+    Overflow,
+    /// A kind this version of the binding does not know (its pkv_event_kind value).
+    Unknown(u32),
+}
+
+impl EventKind {
+    fn from_raw(v: u32) -> EventKind {
+        match v {
+            ffi::PKV_EVENT_STORED => EventKind::Stored,
+            ffi::PKV_EVENT_REMOVED => EventKind::Removed,
+            ffi::PKV_EVENT_CLEARED => EventKind::Cleared,
+            ffi::PKV_EVENT_OVERFLOW => EventKind::Overflow,
+            v => EventKind::Unknown(v),
+        }
+    }
+}
+
+/// A prefix-index event (pkv_event), from [`Cache::take_events`] or [`Cache::prefix_snapshot`].
+/// A block is named by its identity hash: what [`prefix_hashes`] computes from a prompt, with no
+/// cache.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    /// 1, 2, 3, ... over the cache's life (lost events included); 0 in a snapshot.
+    pub seqno: u64,
+    pub kind: EventKind,
+    /// `Stored` / `Removed`: the block's identity hash; else 0.
+    pub hash: u64,
+    /// `Stored` / `Removed`: its parent's, 0 for a first block.
+    pub parent_hash: u64,
+    /// `Stored` / `Removed`: the block's index in its chain (positions depth x B .. depth x B +
+    /// B - 1).
+    pub depth: u32,
+    /// `Stored` / `Removed`: the pool block at the time (compaction may move it).
+    pub block: u32,
+    /// `Overflow`: the events dropped; else 0.
+    pub lost: u64,
+    /// `Stored` / `Removed`, when asked for: the block's block_tokens token ids; else None.
+    pub tokens: Option<Vec<i32>>,
+}
+
+/// The first `n` of `raw` as [`Event`]s; `toks`: their blocks' token ids, `b` an event, if taken.
+fn events(raw: &[ffi::pkv_event], n: usize, toks: Option<&[i32]>, b: usize) -> Vec<Event> {
+    raw[..n]
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let kind = EventKind::from_raw(e.kind);
+            let tokens = match (toks, kind) {
+                (Some(t), EventKind::Stored | EventKind::Removed) => Some(t[i * b..(i + 1) * b].to_vec()),
+                _ => None,
+            };
+            Event {
+                seqno: e.seqno,
+                kind,
+                hash: e.hash,
+                parent_hash: e.parent_hash,
+                depth: e.depth,
+                block: e.block,
+                lost: e.lost,
+                tokens,
+            }
+        })
+        .collect()
+}
+
+/// The identity hashes a cache with this `block_tokens` gives the full blocks of `tokens` under
+/// the namespace `salt` (as [`Cache::seq_create`]'s), one a full block (pkv_prefix_hashes):
+/// what the events of [`Cache::take_events`] name. Needs no cache: a router computes a prompt's
+/// hashes and counts how many leading ones each engine's events say it holds. EINVAL for
+/// block_tokens outside 1..1024 or a salt over 256 bytes.
+pub fn prefix_hashes(salt: &[u8], block_tokens: u32, tokens: &[i32]) -> Result<Vec<u64>> {
+    if block_tokens == 0 {
+        return Err(invalid("prefix_hashes: block_tokens 0 not in 1..1024".into()));
+    }
+    let mut out = vec![0u64; tokens.len() / block_tokens as usize];
+    let sp = if salt.is_empty() {
+        ptr::null()
+    } else {
+        salt.as_ptr() as *const c_void
+    };
+    let mut n = 0usize;
+    let rc = unsafe {
+        ffi::pkv_prefix_hashes(
+            sp,
+            salt.len(),
+            block_tokens,
+            tokens.as_ptr(),
+            tokens.len(),
+            out.as_mut_ptr(),
+            out.len(),
+            &mut n,
+        )
+    };
+    check(
+        rc,
+        "pkv_prefix_hashes: block_tokens not in 1..1024 or a salt over 256 bytes",
+    )?;
+    out.truncate(n);
+    Ok(out)
 }
 
 /// A storage tier (pkv_tier): whole prefix blocks kept out of the pool, in host memory, files or
@@ -1183,6 +1302,76 @@ impl Cache {
 
     pub fn pin_release(&mut self, pin: Seq) -> Result<()> {
         check(unsafe { ffi::pkv_pin_release(self.p(), pin.0) }, "pkv_pin_release")
+    }
+
+    // ---- prefix-index events ----
+
+    /// Takes the oldest recorded prefix-index events, at most `max`, and forgets them
+    /// (pkv_cache_take_events); none held: an empty Vec, at once. With `with_tokens`, each
+    /// `Stored` / `Removed` event carries its block's token ids. EINVAL for a cache created with
+    /// event_capacity 0. An [`EventKind::Overflow`] event says events were dropped: rebuild from
+    /// [`Cache::prefix_snapshot`]. `&self`: it changes no sequence (the ring is the library's,
+    /// under its lock); one consumer, though: two threads taking at once each get a share.
+    pub fn take_events(&self, max: usize, with_tokens: bool) -> Result<Vec<Event>> {
+        // the ring never holds more than event_capacity: no larger buffer is needed
+        let cap = max.min(self.cfg.event_capacity as usize);
+        let b = self.cfg.block_tokens as usize;
+        let mut raw = vec![ffi::pkv_event::default(); cap];
+        let mut toks = if with_tokens {
+            vec![0i32; mul_len(cap, b, "take_events: tokens")?]
+        } else {
+            Vec::new()
+        };
+        let tp = if with_tokens {
+            toks.as_mut_ptr()
+        } else {
+            ptr::null_mut()
+        };
+        let mut n = 0usize;
+        check(
+            unsafe { ffi::pkv_cache_take_events(self.p(), raw.as_mut_ptr(), cap, tp, &mut n) },
+            "pkv_cache_take_events",
+        )?;
+        Ok(events(&raw, n, if with_tokens { Some(&toks) } else { None }, b))
+    }
+
+    /// The whole prefix index now, as `Stored` events (seqno 0), every parent before its
+    /// children, and the recorded events forgotten in the same step (pkv_prefix_snapshot): a
+    /// consumer that applies it and then every event it takes afterwards stays exact. Works with
+    /// event_capacity 0 as well. With `with_tokens`, each event carries its block's token ids.
+    pub fn prefix_snapshot(&self, with_tokens: bool) -> Result<Vec<Event>> {
+        let b = self.cfg.block_tokens as usize;
+        let room = |n: u64| {
+            usize::try_from(n)
+                .ok()
+                .and_then(|n| n.checked_add(64))
+                .ok_or_else(|| invalid(format!("prefix_snapshot: {} indexed blocks is past usize", n)))
+        };
+        // room for what other threads index meanwhile, usually
+        let mut cap = room(self.stats()?.n_indexed)?;
+        loop {
+            let mut raw = vec![ffi::pkv_event::default(); cap];
+            let mut toks = if with_tokens {
+                vec![0i32; mul_len(cap, b, "prefix_snapshot: tokens")?]
+            } else {
+                Vec::new()
+            };
+            let tp = if with_tokens {
+                toks.as_mut_ptr()
+            } else {
+                ptr::null_mut()
+            };
+            let mut n = 0usize;
+            let rc = unsafe { ffi::pkv_prefix_snapshot(self.p(), raw.as_mut_ptr(), cap, tp, &mut n) };
+            if rc == ELIMIT && n > cap {
+                // the index grew past that: again, with room (forgetting the refusal it said)
+                SAID.with(|s| s.borrow_mut().take());
+                cap = room(n as u64)?;
+                continue;
+            }
+            check(rc, "pkv_prefix_snapshot")?;
+            return Ok(events(&raw, n, if with_tokens { Some(&toks) } else { None }, b));
+        }
     }
 
     // ---- statistics and checker ----

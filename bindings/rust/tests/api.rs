@@ -2,8 +2,9 @@
 //! against the C compiler's (PKV_ABI_LAYOUT: tests/python/abi_layout.c built), decode and ragged
 //! prefill against contiguous attention, soft-cap, window and the LSE merge, prefix reuse, fork
 //! and copy-on-write, the exports, statuses as errors, the binding's own length checks, the
-//! `_into` forms, decodes from several threads at once, and K/V writes of one layer beside
-//! decodes of another. Run by ctest (test_rust) with PKV_LIB_DIR set.
+//! `_into` forms, decodes from several threads at once, K/V writes of one layer beside decodes
+//! of another, and the prefix-index events against the hashes `prefix_hashes` computes. Run by
+//! ctest (test_rust) with PKV_LIB_DIR set.
 
 use pagedkv::*;
 use std::collections::HashMap;
@@ -188,7 +189,8 @@ fn struct_layouts_match_c() {
             allocator,
             log,
             log_ctx,
-            executor
+            executor,
+            event_capacity
         ]
     );
     offsets!(m, "pkv_allocator", ffi::pkv_allocator, [alloc, free, ctx]);
@@ -279,6 +281,12 @@ fn struct_layouts_match_c() {
             errors
         ]
     );
+    offsets!(
+        m,
+        "pkv_event",
+        ffi::pkv_event,
+        [seqno, hash, parent_hash, lost, kind, depth, block, reserved]
+    );
 }
 
 #[test]
@@ -317,6 +325,7 @@ fn library_basics() {
         prefix_cache: false,
         huge_pages: false,
         mem_budget_bytes: 0,
+        event_capacity: 5,
     };
     let c = Cache::new(&want).unwrap();
     assert_eq!(c.config(), &want);
@@ -1400,4 +1409,129 @@ fn tiers_move_prefix_blocks() {
     );
     drop(file);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn prefix_index_events() {
+    // a router's view of a cache: the events name the blocks by the hashes prefix_hashes
+    // computes from the prompt, with no cache; eviction removes them leaf first; a snapshot
+    // gives the same; a reset says cleared; a full ring says overflow
+    let b = 4u32;
+    let prompt: Vec<i32> = (1000..1010).collect();
+    let mut c = Cache::new(&Config {
+        n_kv_heads: 1,
+        head_dim: 8,
+        block_tokens: b,
+        n_blocks: 4,
+        n_threads: 1,
+        event_capacity: 16,
+        ..Config::default()
+    })
+    .unwrap();
+    assert_eq!(c.config().event_capacity, 16);
+    let h = prefix_hashes(b"t", b, &prompt).unwrap();
+    assert_eq!(h.len(), 2);
+    assert_ne!(h, prefix_hashes(b"", b, &prompt).unwrap()); // another namespace
+    let s = c.seq_create(b"t").unwrap();
+    c.append(s, &prompt).unwrap();
+    c.commit(s, 10).unwrap();
+    let ev = c.take_events(1024, true).unwrap();
+    assert_eq!(
+        ev.iter().map(|e| e.kind).collect::<Vec<_>>(),
+        [EventKind::Stored, EventKind::Stored]
+    );
+    assert_eq!(ev.iter().map(|e| e.hash).collect::<Vec<_>>(), h);
+    assert_eq!(ev.iter().map(|e| e.parent_hash).collect::<Vec<_>>(), [0, h[0]]);
+    assert_eq!(ev.iter().map(|e| e.depth).collect::<Vec<_>>(), [0, 1]);
+    assert_eq!(ev.iter().map(|e| e.seqno).collect::<Vec<_>>(), [1, 2]);
+    assert_eq!(ev.iter().map(|e| e.lost).collect::<Vec<_>>(), [0, 0]);
+    assert_eq!(ev[0].tokens.as_deref(), Some(&prompt[0..4]));
+    assert_eq!(ev[1].tokens.as_deref(), Some(&prompt[4..8]));
+    let table = c.block_table(s).unwrap();
+    assert_eq!((ev[0].block as i32, ev[1].block as i32), (table[0], table[1]));
+    assert!(c.take_events(1024, false).unwrap().is_empty());
+    let snap = c.prefix_snapshot(false).unwrap();
+    assert_eq!(
+        snap.iter()
+            .map(|e| (e.kind, e.hash, e.parent_hash, e.seqno, e.tokens.clone()))
+            .collect::<Vec<_>>(),
+        [
+            (EventKind::Stored, h[0], 0, 0, None),
+            (EventKind::Stored, h[1], h[0], 0, None)
+        ]
+    );
+    let snap = c.prefix_snapshot(true).unwrap();
+    assert_eq!(snap[1].tokens.as_deref(), Some(&prompt[4..8]));
+    c.release(s).unwrap();
+    let s2 = c.seq_create(b"").unwrap();
+    c.append(s2, &(0..16).collect::<Vec<i32>>()).unwrap(); // all 4 blocks: both cached ones evicted, the leaf first
+    let ev = c.take_events(1024, false).unwrap();
+    assert_eq!(
+        ev.iter().map(|e| (e.kind, e.hash)).collect::<Vec<_>>(),
+        [(EventKind::Removed, h[1]), (EventKind::Removed, h[0])]
+    );
+    assert_eq!(ev[0].tokens, None);
+    assert_eq!(c.take_events(1024, false).unwrap(), []);
+    c.commit(s2, 16).unwrap();
+    assert_eq!(c.take_events(3, false).unwrap().len(), 3);
+    assert_eq!(c.take_events(1024, false).unwrap().len(), 1);
+    assert_eq!(c.take_events(0, false).unwrap(), []);
+    c.reset().unwrap();
+    let ev = c.take_events(1024, true).unwrap();
+    assert_eq!(
+        ev.iter()
+            .map(|e| (e.kind, e.hash, e.tokens.clone()))
+            .collect::<Vec<_>>(),
+        [(EventKind::Cleared, 0, None)]
+    );
+    for _ in 0..5 {
+        // 20 events for a ring of 16
+        let s = c.seq_create(b"").unwrap();
+        c.append(s, &(0..16).collect::<Vec<i32>>()).unwrap();
+        c.commit(s, 16).unwrap();
+        c.release(s).unwrap();
+        c.reset().unwrap();
+    }
+    // seqno 9 was the last taken; 10-25 filled the ring, 26 found it full
+    let ev = c.take_events(usize::MAX, false).unwrap();
+    assert_eq!((ev[0].kind, ev[0].seqno, ev[0].lost), (EventKind::Overflow, 26, 17));
+    assert_eq!(
+        ev[1..].iter().map(|e| e.seqno).collect::<Vec<_>>(),
+        (27..35).collect::<Vec<u64>>()
+    );
+    assert_eq!(c.prefix_snapshot(true).unwrap(), []);
+    c.check().unwrap();
+
+    // event_capacity 0: nothing recorded; a snapshot works all the same
+    let mut c = Cache::new(&Config {
+        n_blocks: 8,
+        n_threads: 1,
+        ..Config::default()
+    })
+    .unwrap();
+    assert_eq!(c.config().event_capacity, 0);
+    let e = c.take_events(1024, false).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert!(e.to_string().contains("event_capacity 0"), "{}", e);
+    let s = c.seq_create(b"").unwrap();
+    c.append(s, &(0..40).collect::<Vec<i32>>()).unwrap();
+    c.commit(s, 40).unwrap();
+    let snap = c.prefix_snapshot(false).unwrap();
+    assert_eq!(snap.len(), 2);
+    assert_eq!(
+        snap.iter().map(|e| e.hash).collect::<Vec<_>>(),
+        prefix_hashes(b"", 16, &(0..40).collect::<Vec<i32>>()).unwrap()
+    );
+
+    // prefix_hashes' refusals
+    for bt in [0, 1025] {
+        let e = prefix_hashes(b"", bt, &[1, 2]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "block_tokens {}", bt);
+    }
+    assert_eq!(
+        prefix_hashes(&[7u8; 257], 2, &[1, 2]).unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
+    assert_eq!(prefix_hashes(&[7u8; 256], 2, &[1, 2, 3]).unwrap().len(), 1);
+    assert_eq!(prefix_hashes(b"", 16, &[]).unwrap(), []);
 }
