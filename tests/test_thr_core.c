@@ -12,6 +12,7 @@
 #include "support_util.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -142,10 +143,82 @@ static void *worker(void *p) {
     return NULL;
 }
 
+/* The event consumer: a thread that takes the prefix index's events while the workers run and
+ * keeps the set of indexed hashes they describe (a STORED hash new to it, a REMOVED one known;
+ * seqnos increasing by one but after an OVERFLOW, where it resyncs from a snapshot). */
+typedef struct consumer {
+    pkv_cache *c;
+    atomic_int stop;
+    uint64_t set[1024];
+    uint32_t n;
+    uint64_t events, overflows;
+    char error[200];
+} consumer;
+
+static int cons_find(const consumer *k, uint64_t h) {
+    for (uint32_t i = 0; i < k->n; i++)
+        if (k->set[i] == h) return (int)i;
+    return -1;
+}
+
+static int cons_snapshot(consumer *k) {
+    static pkv_event ev[1024];
+    size_t n = 0;
+    int rc = pkv_prefix_snapshot(k->c, ev, 1024, NULL, &n);
+    if (rc) return snprintf(k->error, sizeof k->error, "pkv_prefix_snapshot: %s", pkv_strerror(rc)), -1;
+    k->n = 0;
+    for (size_t i = 0; i < n; i++) k->set[k->n++] = ev[i].hash;
+    return 0;
+}
+
+/* Takes every held event; 0, or -1 with k->error set. */
+static int cons_drain(consumer *k, uint64_t *last) {
+    pkv_event ev[32];
+    for (;;) {
+        size_t n = 0;
+        int rc = pkv_cache_take_events(k->c, ev, 32, NULL, &n);
+        if (rc) return snprintf(k->error, sizeof k->error, "pkv_cache_take_events: %s", pkv_strerror(rc)), -1;
+        if (!n) return 0;
+        k->events += n;
+        for (size_t i = 0; i < n; i++) {
+            const pkv_event *e = &ev[i];
+            if (e->kind != PKV_EVENT_OVERFLOW && *last && e->seqno != *last + 1)
+                return snprintf(k->error, sizeof k->error, "seqno %llu after %llu", (unsigned long long)e->seqno,
+                                (unsigned long long)*last), -1;
+            *last = e->seqno;
+            const int at = cons_find(k, e->hash);
+            if (e->kind == PKV_EVENT_OVERFLOW) {
+                k->overflows++;
+                *last = 0; /* the snapshot forgets the ring: a gap follows */
+                if (cons_snapshot(k)) return -1;
+                break;
+            } else if (e->kind == PKV_EVENT_STORED) {
+                if (at >= 0 || k->n == 1024) return snprintf(k->error, sizeof k->error, "STORED twice"), -1;
+                k->set[k->n++] = e->hash;
+            } else if (e->kind == PKV_EVENT_REMOVED) {
+                if (at < 0) return snprintf(k->error, sizeof k->error, "REMOVED unknown"), -1;
+                k->set[at] = k->set[--k->n];
+            } else {
+                return snprintf(k->error, sizeof k->error, "event kind %u", e->kind), -1;
+            }
+        }
+    }
+}
+
+static void *consume(void *p) {
+    consumer *k = p;
+    uint64_t last = 0;
+    while (!atomic_load(&k->stop))
+        if (cons_drain(k, &last)) return NULL;
+    cons_drain(k, &last);
+    return NULL;
+}
+
 static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy) {
     pkv_config cfg = tu_config(n_blocks, B, LAYERS, KVH, HD, PKV_DTYPE_F32);
     cfg.enable_prefix_cache = prefix;
     cfg.max_seqs = 64;
+    cfg.event_capacity = 48; /* small: the consumer falls behind and resyncs now and then */
     pkv_cache *c = tu_create(&cfg);
     targ args[NTHR];
     memset(args, 0, sizeof args);
@@ -163,7 +236,12 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
     pkv_attn_params ap = pkv_attn_params_default();
     ap.n_q_heads = QH;
     for (uint32_t l = 0; l < LAYERS; l++) TU_OK(pkv_attn_decode(c, l, parents, NPARENT, q, want + l * DEC_N, &ap));
-    pthread_t th[NTHR];
+    static consumer ec;
+    memset(&ec, 0, sizeof ec);
+    ec.c = c;
+    assert_int_equal(cons_snapshot(&ec), 0);
+    pthread_t th[NTHR], kth;
+    assert_int_equal(pthread_create(&kth, NULL, consume, &ec), 0);
     for (int t = 0; t < NTHR; t++) {
         args[t].c = c;
         args[t].q = q, args[t].want = want;
@@ -183,6 +261,19 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
         hits += args[t].match_hits;
         moved += args[t].moved;
     }
+    atomic_store(&ec.stop, 1);
+    assert_int_equal(pthread_join(kth, NULL), 0);
+    if (ec.error[0]) fail_msg("event consumer: %s", ec.error);
+    { /* what it took is the index */
+        static consumer snap;
+        snap.c = c;
+        assert_int_equal(cons_snapshot(&snap), 0);
+        assert_int_equal(snap.n, ec.n);
+        for (uint32_t i = 0; i < snap.n; i++) assert_true(cons_find(&ec, snap.set[i]) >= 0);
+    }
+    print_message("events: %llu taken, %llu overflows, %u blocks indexed at the end\n", (unsigned long long)ec.events,
+                  (unsigned long long)ec.overflows, ec.n);
+    if (prefix) assert_true(ec.events > 0);
     print_message("prefix %s: %d threads x %u iterations: %ld complete, %ld out of blocks, %ld prefix hits, %ld "
                   "blocks compacted\n",
                   prefix ? "on" : "off", NTHR, iters, ok, enospc, hits, moved);
