@@ -382,7 +382,7 @@ static void test_prefix_json(void **state) {
     char *out, *err;
     const int rc = run_cli(argv, &out, &err);
     if (rc != 0) fail_msg("exit %d: %s", rc, err);
-    int header = 0, seen[3][2][2] = {{{0}}};
+    int header = 0, seen[3][2][2] = {{{0}}}, ev_seen[2][2] = {{0}};
     for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
         one_object(line);
         assert_true(str_is(line, "bench", "prefix"));
@@ -390,6 +390,18 @@ static void test_prefix_json(void **state) {
             assert_int_equal((int)num(line, "block_tokens"), 16);
             assert_non_null(strstr(line, "\"quick\":true"));
             header++;
+            continue;
+        }
+        if (strstr(line, "\"events\":")) { /* what recording the events costs: on and off, each op */
+            static const char *ev_ops[2] = {"commit_index", "append_evict"};
+            const int eo = which(line, "op", ev_ops, 2), on = strstr(line, "\"events\":true") != NULL;
+            ev_seen[eo][on]++;
+            assert_int_equal((int)num(line, "blocks"), 512);
+            assert_int_equal((int)num(line, "reps"), 3);
+            const double med = num(line, "median_ns"), ratio = num(line, "ratio_vs_no_events");
+            assert_true(med > 0 && fabs(num(line, "ns_per_block") - med / 512) <= 1.0 / 512 + 5e-4);
+            assert_true(isfinite(ratio) && ratio > 0);
+            if (!on) assert_true(ratio == 1.0);
             continue;
         }
         const int op = which(line, "op", ops, 3);
@@ -410,6 +422,7 @@ static void test_prefix_json(void **state) {
     for (int o = 0; o < 3; o++)
         for (int p = 0; p < 2; p++)
             for (int x = 0; x < 2; x++) assert_int_equal(seen[o][p][x], 1);
+    for (int o = 0; o < 2; o++) assert_true(ev_seen[o][0] == 1 && ev_seen[o][1] == 1);
     free(out), free(err);
 }
 

@@ -25,11 +25,14 @@ static void usage(FILE *f) {
             "(B = 16). hit: prompts rotate over the filled sequences (index memory cold-ish);\n"
             "hit_hot: the same prompt every time (it stays in cache: the algorithm alone).\n"
             "The ratio column compares with the smallest index of the same run: ~1.0 means\n"
-            "the cost does not grow with the index.\n"
+            "the cost does not grow with the index. Then what recording the index's events costs\n"
+            "(event_capacity 1024 against 0): a commit that indexes 512 blocks (commit_index) and\n"
+            "an append that evicts 512 cached ones (append_evict), with the ratio on / off.\n"
             "\n"
             "  --json     one JSON object per line (keys: op, prompt_tokens, index_blocks,\n"
             "             ns_per_token, median_ns, p10_ns_per_token, p90_ns_per_token, reps,\n"
-            "             ratio_vs_smallest_index)\n"
+            "             ratio_vs_smallest_index; the events' lines: op, events, blocks, reps,\n"
+            "             median_ns, ns_per_block, ratio_vs_no_events)\n"
             "  --quick    index sizes 10,000 and 100,000, fewer repetitions (a smoke run)\n"
             "  --reps N   repetitions per point (default 2001 for 256 tokens, 201 for 8192)\n"
             "  --help     this text\n");
@@ -160,6 +163,65 @@ static int measure(pkv_cache *c, uint32_t n_fill, uint32_t index_blocks, int hit
     return rc ? -1 : 0;
 }
 
+/* What recording the prefix index's events costs: a commit that indexes a 512-block prompt
+ * (commit_index) and an append that evicts 512 cached blocks (append_evict), in a cache with
+ * event_capacity 0 and one with 1,024, reps interleaved (the order alternating), the events
+ * taken untimed after each. out[op][events]: the median ns. */
+#define EV_BLOCKS 512u
+static int measure_events(uint32_t reps, double out[2][2]) {
+    pkv_cache *c[2] = {NULL, NULL};
+    int32_t *tok = malloc(EV_BLOCKS * BLOCK * sizeof *tok);
+    double *ns = malloc(4 * (size_t)reps * sizeof *ns);
+    pkv_event *ev = malloc(1024 * sizeof *ev);
+    int rc = tok && ns && ev ? 0 : -1;
+    for (int e = 0; e < 2 && rc == 0; e++) {
+        pkv_config cfg = pkv_config_default();
+        cfg.n_layers = 1, cfg.n_kv_heads = 1, cfg.head_dim = 8;
+        cfg.block_tokens = BLOCK;
+        cfg.n_blocks = EV_BLOCKS;
+        cfg.max_seqs = 4;
+        cfg.n_threads = 1;
+        cfg.huge_pages = 0;
+        cfg.event_capacity = e ? 1024 : 0;
+        tool_log_errors(&cfg, "pkv bench prefix");
+        rc = tool_check(pkv_cache_create(&cfg, &c[e]), "pkv_cache_create");
+    }
+    const uint32_t n = EV_BLOCKS * BLOCK;
+    for (uint32_t r = 0; r < reps && rc == 0; r++)
+        for (int k = 0; k < 2 && rc == 0; k++) {
+            const int e = (int)((r + (uint32_t)k) & 1);
+            pkv_seq s, s2;
+            for (uint32_t t = 0; t < n; t++) tok[t] = fill_token(2000000 + r * 2 + (uint32_t)e, t);
+            rc = tool_check(pkv_seq_create(c[e], NULL, 0, &s), "pkv_seq_create");
+            if (rc == 0) rc = tool_check(pkv_seq_append(c[e], s, tok, n, NULL), "pkv_seq_append");
+            uint64_t t0 = tool_now_ns();
+            if (rc == 0) rc = tool_check(pkv_seq_commit(c[e], s, n), "pkv_seq_commit");
+            ns[(0 * 2 + e) * reps + r] = (double)(tool_now_ns() - t0);
+            if (rc == 0) rc = tool_check(pkv_seq_release(c[e], s), "pkv_seq_release"); /* 512 CACHED */
+            for (uint32_t t = 0; t < n; t++) tok[t] |= 0x40000000;
+            if (rc == 0) rc = tool_check(pkv_seq_create(c[e], NULL, 0, &s2), "pkv_seq_create");
+            t0 = tool_now_ns();
+            if (rc == 0) rc = tool_check(pkv_seq_append(c[e], s2, tok, n, NULL), "pkv_seq_append"); /* evicts all */
+            ns[(1 * 2 + e) * reps + r] = (double)(tool_now_ns() - t0);
+            if (rc == 0) rc = tool_check(pkv_seq_release(c[e], s2), "pkv_seq_release");
+            size_t got = 0, total = 0;
+            do {
+                if (e && rc == 0) rc = tool_check(pkv_cache_take_events(c[e], ev, 1024, NULL, &got), "pkv_cache_take_events");
+                total += got;
+            } while (e && rc == 0 && got);
+            if (rc == 0 && e && total != 2 * EV_BLOCKS) {
+                fprintf(stderr, "pkv bench prefix: %zu events for %u blocks stored and removed\n", total, EV_BLOCKS);
+                rc = -1;
+            }
+        }
+    for (int op = 0; op < 2 && rc == 0; op++)
+        for (int e = 0; e < 2; e++) out[op][e] = tool_median(ns + (size_t)(op * 2 + e) * reps, reps);
+    pkv_cache_destroy(c[0]);
+    pkv_cache_destroy(c[1]);
+    free(tok), free(ns), free(ev);
+    return rc ? -1 : 0;
+}
+
 int tool_bench_prefix(int argc, char **argv) {
     int json = 0, quick = 0;
     uint32_t reps_arg = 0;
@@ -249,5 +311,23 @@ int tool_bench_prefix(int argc, char **argv) {
                    pts[i].index_blocks, pts[i].median_ns, pts[i].ns_per_token, pts[i].p10, pts[i].p90, ratio);
     }
     if (!json) printf("goal: hit <= 20 ns/token, ratio ~1 (flat in the index size)\n");
+    const uint32_t ev_reps = reps_arg ? reps_arg : quick ? 15 : 201;
+    double evm[2][2];
+    if (measure_events(ev_reps, evm) < 0) return TOOL_FAIL;
+    static const char *const ev_ops[2] = {"commit_index", "append_evict"};
+    if (!json)
+        printf("\nevents: the cost of recording them (event_capacity 1024 against 0, reps interleaved)\n"
+               "%-13s %7s %12s %12s %8s\n", "op", "blocks", "off ns", "on ns", "on/off");
+    for (int op = 0; op < 2; op++) {
+        const double ratio = evm[op][0] > 0 ? evm[op][1] / evm[op][0] : 0.0;
+        if (json)
+            for (int e = 0; e < 2; e++)
+                printf("{\"bench\":\"prefix\",\"op\":\"%s\",\"events\":%s,\"blocks\":%u,\"reps\":%u,"
+                       "\"median_ns\":%.0f,\"ns_per_block\":%.3f,\"ratio_vs_no_events\":%.3f}\n",
+                       ev_ops[op], e ? "true" : "false", EV_BLOCKS, ev_reps, evm[op][e], evm[op][e] / EV_BLOCKS,
+                       e ? ratio : 1.0);
+        else
+            printf("%-13s %7u %12.0f %12.0f %8.3f\n", ev_ops[op], EV_BLOCKS, evm[op][0], evm[op][1], ratio);
+    }
     return TOOL_OK;
 }

@@ -26,7 +26,8 @@ static pkv_event *ev_push(pkv_cache *c) {
         c->ev[0] = (pkv_event){.seqno = c->ev_seqno, .lost = lost, .kind = PKV_EVENT_OVERFLOW};
         return NULL;
     }
-    const uint32_t at = (c->ev_head + c->ev_n) % c->ev_cap;
+    uint32_t at = c->ev_head + c->ev_n; /* both under ev_cap <= 2^24: no overflow, no division */
+    if (at >= c->ev_cap) at -= c->ev_cap;
     c->ev_n++;
     pkv_event *e = &c->ev[at];
     *e = (pkv_event){.seqno = c->ev_seqno};
