@@ -762,8 +762,8 @@ PKV_API uint32_t pkv_attn_flags_used(const pkv_cache *c);
 typedef struct pkv_tier pkv_tier;
 
 /* A store of the caller's: bytes under 16-byte keys. Each op returns a status; the library
- * calls them from the thread that called pkv_tier_save or pkv_tier_load, possibly from several
- * threads at once. The library checks what comes back (checksum, key, tokens, shape, size), so
+ * calls them from the thread that called pkv_tier_save or pkv_tier_load, and get from the
+ * tier's prefetch thread (pkv_tier_prefetch_start), possibly from several threads at once. The library checks what comes back (checksum, key, tokens, shape, size), so
  * a store may lose, truncate or garble entries: that is a miss, never wrong K/V.
  * - put: store len bytes under key, replacing an entry of that key. PKV_OK; PKV_ENOSPC: not
  *   stored, for want of room (not an error: the save goes on); anything else fails the save.
@@ -825,6 +825,11 @@ typedef struct pkv_tier_stats {
     uint64_t load_misses;    /* loads that ended on a block the store did not have */
     uint64_t rejected;       /* entries refused (size, checksum, key, tokens, shape, rows) and deleted */
     uint64_t errors;         /* store calls that failed otherwise (PKV_EIO, ...) */
+    /* prefetch (pkv_tier_prefetch_start) */
+    uint64_t prefetched;     /* entries the prefetch thread fetched from the store into staging */
+    uint64_t prefetch_hits;  /* blocks pkv_tier_load took from staging instead of the store */
+    uint64_t prefetch_dropped; /* staged entries dropped unused, for room */
+    uint64_t staged_entries, staged_bytes; /* held in staging now */
 } pkv_tier_stats;
 PKV_NODISCARD PKV_API int pkv_tier_get_stats(pkv_tier *t, pkv_tier_stats *out);
 
@@ -848,6 +853,28 @@ PKV_NODISCARD PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq s, ui
  * m). */
 PKV_NODISCARD PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
                                         uint32_t *n_loaded);
+
+/* Prefetch (SGLang HiCache's prefetch from storage while a request waits): a thread of the
+ * tier's own fetches a prompt's entries from the store into host memory (staging), so that the
+ * pkv_tier_load that follows copies them from memory instead of waiting on files or Redis.
+ * pkv_tier_prefetch_start starts the thread with staging_bytes of staging (entries allocated
+ * through the tier's allocator as they arrive, the oldest dropped past it); once only, PKV_EINVAL
+ * after that; PKV_ENOMEM where no thread can be started. pkv_tier_destroy stops it. */
+PKV_NODISCARD PKV_API int pkv_tier_prefetch_start(pkv_tier *t, uint64_t staging_bytes);
+
+/* Queues the entries of tokens[0 .. n)'s full blocks (those a later pkv_tier_load of this prompt
+ * would ask for) under the namespace salt (as pkv_seq_create's) for caches of c's shape, and
+ * returns. The thread fetches them in order and stops at the first the store lacks; entries
+ * already staged are kept. A load takes a staged entry (and drops it from staging) after the same
+ * checks as one from the store; a load that comes before its entries are staged asks the store
+ * itself. PKV_EINVAL before pkv_tier_prefetch_start or for bad arguments; PKV_EBUSY when 64
+ * prefetches are queued; PKV_ENOMEM. */
+PKV_NODISCARD PKV_API int pkv_tier_prefetch(pkv_tier *t, const pkv_cache *c, const void *salt, size_t salt_len,
+                                            const int32_t *tokens, uint32_t n);
+
+/* Waits until every queued prefetch is done (staged, or stopped at a miss). PKV_EINVAL before
+ * pkv_tier_prefetch_start. */
+PKV_NODISCARD PKV_API int pkv_tier_prefetch_wait(pkv_tier *t);
 
 #ifdef __cplusplus
 }

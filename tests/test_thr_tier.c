@@ -2,7 +2,8 @@
  * matches its prompt in its own pool, loads what the tier has, computes (writes) the rest,
  * checks every row, and saves. The pools are small, so their prefix blocks are evicted and come
  * back from the tiers; the tiers are small too, so they evict while other threads read. Runs
- * under ThreadSanitizer in CI (label "thread"). */
+ * under ThreadSanitizer in CI (label "thread"). The file tier prefetches (its own thread stages a
+ * prompt's entries while the requesting thread matches), so loads take staged entries too. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -49,7 +50,12 @@ static void *worker(void *p) {
         pkv_tier *t = a->tiers[it % 2];
         pkv_seq s;
         uint32_t reused = 0, got = 0, saved = 0;
-        int rc = pkv_seq_create(a->c, "t", 1, &s);
+        int rc;
+        if (it % 2) { /* the file tier's thread stages the prompt while this one matches */
+            rc = pkv_tier_prefetch(t, a->c, "t", 1, toks, n);
+            TCHECK(a, rc == PKV_OK || rc == PKV_EBUSY, "prefetch: %d", rc);
+        }
+        rc = pkv_seq_create(a->c, "t", 1, &s);
         TCHECK(a, rc == PKV_OK, "create: %d", rc);
         rc = pkv_seq_match_prefix(a->c, s, toks, n, &reused);
         TCHECK(a, rc == PKV_OK, "match: %d", rc);
@@ -90,6 +96,7 @@ static void test_threads(void **state) {
     pkv_tier *tiers[2];
     TU_OK(pkv_tier_host_create(12 * entry, NULL, &tiers[0]));
     TU_OK(pkv_tier_file_create(dir, 12 * entry, NULL, &tiers[1]));
+    TU_OK(pkv_tier_prefetch_start(tiers[1], 4 * entry));
     pthread_t th[NTHR];
     targ args[NTHR];
     pkv_cache *caches[NTHR];
@@ -115,6 +122,11 @@ static void test_threads(void **state) {
     assert_true(hs.evictions > 0 && fs.evictions > 0);
     assert_int_equal(hs.rejected + fs.rejected + hs.errors + fs.errors, 0);
     assert_true(hs.bytes <= 12 * entry && fs.bytes <= 12 * entry);
+    TU_OK(pkv_tier_prefetch_wait(tiers[1]));
+    TU_OK(pkv_tier_get_stats(tiers[1], &fs));
+    print_message("prefetch: %llu staged, %llu loads from staging, %llu dropped\n", (unsigned long long)fs.prefetched,
+                  (unsigned long long)fs.prefetch_hits, (unsigned long long)fs.prefetch_dropped);
+    assert_true(fs.prefetched > 0 && fs.prefetch_hits <= fs.prefetched && fs.staged_bytes <= 4 * entry);
     pkv_tier_destroy(tiers[0]);
     pkv_tier_destroy(tiers[1]);
     /* the file tier's files: removed */

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <stdatomic.h>
 #include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
@@ -478,6 +479,7 @@ typedef struct fake {
     int retoken;                  /* gets: a token id changed, checksum fixed */
     int other;                    /* gets: another key's entry (the first stored of another key) */
     int reparent;                 /* gets: the parent key changed, checksum fixed (it is not covered) */
+    atomic_int gate;              /* gets with data wait while it is set (prefetch tests) */
 } fake;
 
 static int find(fake *f, const uint8_t *key) {
@@ -503,6 +505,7 @@ static int fake_put(void *ctx, const uint8_t key[16], const void *data, size_t l
 
 static int fake_get(void *ctx, const uint8_t key[16], void *data, size_t cap, size_t *len) {
     fake *f = ctx;
+    while (data && atomic_load(&f->gate)) usleep(100);
     f->n_calls++;
     if (data && f->n_get++ == f->fail_get_at) return PKV_EIO;
     int i = find(f, key);
@@ -593,6 +596,135 @@ static void test_faults(void **state) {
     same_rows(a, sa, c, s, 40);
     TU_CHECK(c);
     pkv_tier_destroy(t);
+    for (int i = 0; i < 32; i++) free(f.data[i]);
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+    pkv_cache_destroy(c);
+}
+
+/* ---- prefetch: a prompt's entries staged by the tier's thread, then loaded from memory ---- */
+static void test_prefetch(void **state) {
+    (void)state;
+    int32_t toks[N];
+    prompt(toks, N, 1700);
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 16, LAYERS);
+    pkv_seq sa = filled(a, "ns", toks, N), s;
+    static fake f;
+    memset(&f, 0, sizeof f);
+    f.fail_put_at = f.fail_get_at = -1;
+    pkv_tier_ops ops = {fake_put, fake_get, fake_del, NULL, NULL};
+    pkv_tier *t = NULL;
+    TU_OK(pkv_tier_create(&ops, &f, NULL, &t));
+    uint32_t saved = 0;
+    TU_OK(pkv_tier_save(t, a, sa, &saved));
+    assert_int_equal(saved, 5);
+    pkv_cache *b = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
+    /* not started: refused */
+    TU_RC(pkv_tier_prefetch(t, b, "ns", 2, toks, N), PKV_EINVAL);
+    TU_RC(pkv_tier_prefetch_wait(t), PKV_EINVAL);
+    TU_RC(pkv_tier_prefetch_start(t, 0), PKV_EINVAL);
+    TU_RC(pkv_tier_prefetch_start(NULL, 1), PKV_EINVAL);
+    TU_OK(pkv_tier_prefetch_start(t, 1u << 24));
+    TU_RC(pkv_tier_prefetch_start(t, 1u << 24), PKV_EINVAL); /* once */
+    TU_RC(pkv_tier_prefetch(t, NULL, "ns", 2, toks, N), PKV_EINVAL);
+    TU_RC(pkv_tier_prefetch(t, b, NULL, 2, toks, N), PKV_EINVAL);
+    TU_RC(pkv_tier_prefetch(t, b, "ns", 2, NULL, N), PKV_EINVAL);
+    TU_OK(pkv_tier_prefetch(t, b, "ns", 2, toks, B - 1)); /* no full block: nothing to do */
+    /* staged: every block, one get each; the load then asks the store for no entry */
+    f.n_get = 0;
+    TU_OK(pkv_tier_prefetch(t, b, "ns", 2, toks, N));
+    TU_OK(pkv_tier_prefetch_wait(t));
+    pkv_tier_stats st = tstats(t);
+    assert_int_equal(st.prefetched, 5);
+    assert_int_equal(st.staged_entries, 5);
+    const uint64_t entry = st.staged_bytes / 5;
+    assert_int_equal(st.staged_bytes, 5 * entry);
+    assert_int_equal(f.n_get, 5);
+    TU_OK(pkv_tier_prefetch(t, b, "ns", 2, toks, N)); /* staged already: no get */
+    TU_OK(pkv_tier_prefetch_wait(t));
+    assert_int_equal(f.n_get, 5);
+    assert_int_equal(load_fresh(t, b, "ns", toks, N, NULL, &s), 40);
+    assert_int_equal(f.n_get, 5);
+    same_rows(a, sa, b, s, 40);
+    st = tstats(t);
+    assert_int_equal(st.prefetch_hits, 5);
+    assert_int_equal(st.staged_entries, 0);
+    assert_int_equal(st.staged_bytes, 0);
+    /* another namespace: the first block is missing, nothing staged */
+    TU_OK(pkv_tier_prefetch(t, b, "other", 5, toks, N));
+    TU_OK(pkv_tier_prefetch_wait(t));
+    assert_int_equal(tstats(t).prefetched, 5);
+    assert_int_equal(f.n_get, 6);
+    /* a garbled entry staged is refused at the load, as from the store, and deleted there */
+    f.garble = 1;
+    TU_OK(pkv_tier_prefetch(t, b, "ns", 2, toks, N));
+    TU_OK(pkv_tier_prefetch_wait(t));
+    f.garble = 0;
+    pkv_cache *c = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
+    assert_int_equal(load_fresh(t, c, "ns", toks, N, NULL, &s), 0);
+    assert_int_equal(tstats(t).rejected, 1);
+    assert_int_equal(fake_count(&f), 4);
+    TU_OK(pkv_tier_save(t, a, sa, &saved)); /* put back */
+    /* a store that hangs: 64 prefetches queue, the 65th is refused; released, all finish */
+    atomic_store(&f.gate, 1);
+    for (int i = 0; i < 64; i++) TU_OK(pkv_tier_prefetch(t, c, "ns", 2, toks, N));
+    TU_RC(pkv_tier_prefetch(t, c, "ns", 2, toks, N), PKV_EBUSY);
+    atomic_store(&f.gate, 0);
+    TU_OK(pkv_tier_prefetch_wait(t));
+    st = tstats(t);
+    /* block 0 fetched again; blocks 1-4 staged by the garbled run are kept as they are (a key
+       names one content: a staged entry is what the store gave) */
+    assert_int_equal(st.staged_entries, 5);
+    assert_int_equal(st.prefetched, 5 + 5 + 1);
+    pkv_tier_destroy(t);
+    /* staging smaller than the prompt: the oldest staged entries are dropped; the load takes the
+       rest from staging and the dropped ones from the store */
+    TU_OK(pkv_tier_create(&ops, &f, NULL, &t));
+    TU_OK(pkv_tier_prefetch_start(t, 2 * entry + entry / 2));
+    f.n_get = 0;
+    TU_OK(pkv_tier_prefetch(t, c, "ns", 2, toks, N));
+    TU_OK(pkv_tier_prefetch_wait(t));
+    st = tstats(t);
+    assert_int_equal(st.prefetched, 5);
+    assert_int_equal(st.prefetch_dropped, 3);
+    assert_int_equal(st.staged_entries, 2);
+    pkv_cache_destroy(c);
+    c = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
+    assert_int_equal(load_fresh(t, c, "ns", toks, N, NULL, &s), 40);
+    same_rows(a, sa, c, s, 40);
+    assert_int_equal(tstats(t).prefetch_hits, 2);
+    assert_int_equal(f.n_get, 5 + 3);
+    /* staging too small for one entry: nothing is fetched */
+    pkv_tier_destroy(t);
+    TU_OK(pkv_tier_create(&ops, &f, NULL, &t));
+    TU_OK(pkv_tier_prefetch_start(t, entry - 1));
+    TU_OK(pkv_tier_prefetch(t, c, "ns", 2, toks, N));
+    TU_OK(pkv_tier_prefetch_wait(t));
+    assert_int_equal(tstats(t).prefetched, 0);
+    /* destroyed with prefetches queued behind a slow store: they are dropped, nothing leaks */
+    pkv_tier_destroy(t);
+    tu_alloc_state as;
+    pkv_allocator al = tu_allocator(&as);
+    tu_alloc_reset(&as, -1);
+    TU_OK(pkv_tier_create(&ops, &f, &al, &t));
+    TU_OK(pkv_tier_prefetch_start(t, 1u << 24));
+    for (int i = 0; i < 20; i++) TU_OK(pkv_tier_prefetch(t, c, "ns", 2, toks, N));
+    pkv_tier_destroy(t);
+    assert_int_equal(as.n_live, 0);
+    /* allocation failures: the job's (PKV_ENOMEM, nothing queued) and staging's (nothing staged) */
+    tu_alloc_reset(&as, -1);
+    TU_OK(pkv_tier_create(&ops, &f, &al, &t));
+    TU_OK(pkv_tier_prefetch_start(t, 1u << 24));
+    as.fail_at = as.n_calls;
+    TU_RC(pkv_tier_prefetch(t, c, "ns", 2, toks, N), PKV_ENOMEM);
+    as.fail_at = as.n_calls + 1; /* the job is allocated; its first staged entry is not */
+    TU_OK(pkv_tier_prefetch(t, c, "ns", 2, toks, N));
+    TU_OK(pkv_tier_prefetch_wait(t));
+    assert_int_equal(tstats(t).prefetched, 0);
+    assert_int_equal(as.n_failed, 2);
+    pkv_tier_destroy(t);
+    assert_int_equal(as.n_live, 0);
+    assert_int_equal(as.n_bad_free, 0);
     for (int i = 0; i < 32; i++) free(f.data[i]);
     pkv_cache_destroy(a);
     pkv_cache_destroy(b);
@@ -771,6 +903,7 @@ int main(void) {
         cmocka_unit_test(test_roundtrip), cmocka_unit_test(test_partial),     cmocka_unit_test(test_mismatch),
         cmocka_unit_test(test_lru),       cmocka_unit_test(test_file),        cmocka_unit_test(test_faults),
         cmocka_unit_test(test_alloc_faults), cmocka_unit_test(test_random), cmocka_unit_test(test_use_order),
+        cmocka_unit_test(test_prefetch),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

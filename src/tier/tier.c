@@ -16,12 +16,24 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+typedef struct pf_job pf_job;
+
 struct pkv_tier {
     pkv_tier_ops ops;
     void *ctx;
     pkv_allocator alloc;
-    pthread_mutex_t mu; /* the counters and the scratch */
+    pthread_mutex_t mu; /* the counters, the scratch, and the prefetch's jobs and staging */
     pkv_tier_stats st;
+    /* prefetch (pkv_tier_prefetch_start): its thread takes jobs from the queue, fetches their
+       entries from the store (outside mu) and stages them; loads take staged entries */
+    bool pf_on, pf_stop, pf_busy;
+    pthread_t pf_thread;
+    pthread_cond_t pf_cv;   /* a job queued, or stop */
+    pthread_cond_t pf_idle; /* the queue empty and the thread idle */
+    pf_job *pf_head, *pf_tail;
+    uint32_t pf_n;
+    pkv__tmap staged;
+    uint64_t staged_cap;
     /* one entry buffer kept between calls (the largest given back while it was free): a fresh
        one a call cost more in page faults than its copies (half of a host save's time) */
     uint8_t *scratch;
@@ -99,8 +111,11 @@ PKV_API int pkv_tier_redis_create(const char *host, int port, const char *key_pr
     return tier_over(rc, &ops, ctx, alloc, out);
 }
 
+static void prefetch_stop(pkv_tier *t);
+
 PKV_API void pkv_tier_destroy(pkv_tier *t) {
     if (!t) return;
+    if (t->pf_on) prefetch_stop(t); /* before the store goes: the thread calls its get */
     if (t->ops.destroy) t->ops.destroy(t->ctx);
     pkv__free(&t->alloc, t->scratch, t->scratch_size);
     pthread_mutex_destroy(&t->mu);
@@ -112,6 +127,7 @@ PKV_API int pkv_tier_get_stats(pkv_tier *t, pkv_tier_stats *out) {
     if (!t || !out) return PKV_EINVAL;
     pthread_mutex_lock(&t->mu);
     pkv_tier_stats st = t->st;
+    st.staged_entries = t->staged.n, st.staged_bytes = t->staged.bytes;
     pthread_mutex_unlock(&t->mu);
     st.entries = st.bytes = st.capacity = st.evictions = 0;
     if (t->ops.usage) t->ops.usage(t->ctx, &st.entries, &st.bytes, &st.capacity, &st.evictions);
@@ -325,6 +341,24 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
 }
 
 /* ---- load ---- */
+/* Whether key's entry was staged by the prefetch: then copied into buf (cap bytes; *len its
+ * size, or where it is larger than cap, left for the store's own answer) and out of staging. */
+static bool take_staged(pkv_tier *t, const tkey *key, uint8_t *buf, size_t cap, size_t *len) {
+    pthread_mutex_lock(&t->mu);
+    pkv__tent *e = t->pf_on ? pkv__tmap_find(&t->staged, key->b) : NULL;
+    if (e && e->len <= cap) {
+        memcpy(buf, e->data, e->len);
+        *len = e->len;
+        pkv__tmap_remove(&t->staged, e);
+        t->st.prefetch_hits++;
+    } else {
+        e = NULL;
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (e) pkv__tmap_free(&t->staged, e);
+    return e != NULL;
+}
+
 /* An entry the load refuses: counted, and deleted from the store. */
 static void reject(pkv_tier *t, const tkey *key) {
     COUNT(t, rejected, 1);
@@ -374,7 +408,7 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
             const int32_t *bt = tokens + (size_t)i * B;
             key_next(&prev, bt, B, key);
             size_t len = 0;
-            int g = t->ops.get(t->ctx, key->b, buf, sh.entry, &len);
+            int g = take_staged(t, key, buf, sh.entry, &len) ? PKV_OK : t->ops.get(t->ctx, key->b, buf, sh.entry, &len);
             if (g == PKV_ENOENT) {
                 miss = true;
                 break;
@@ -428,4 +462,166 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
     pkv__free(&c->alloc, keys, keys_bytes);
     pkv__free(&c->alloc, toks, toks_bytes);
     return rc;
+}
+
+/* ---- prefetch ---- */
+#define PF_MAX_JOBS 64
+
+struct pf_job {
+    pf_job *next;
+    tkey seed;     /* the chain's seed: namespace and shape */
+    uint32_t B, nb; /* block tokens; blocks to fetch */
+    size_t entry;  /* an entry's bytes for that shape */
+    int32_t toks[]; /* [nb][B] */
+};
+
+static size_t job_size(uint32_t nb, uint32_t B) { return sizeof(pf_job) + (size_t)nb * B * sizeof(int32_t); }
+
+/* Fetches job's entries in order into staging, until the first the store lacks (or fails). */
+static void prefetch_job(pkv_tier *t, const pf_job *j) {
+    tkey key = j->seed;
+    for (uint32_t i = 0; i < j->nb; i++) {
+        key_next(&key, j->toks + (size_t)i * j->B, j->B, &key);
+        pthread_mutex_lock(&t->mu);
+        pkv__tent *have = pkv__tmap_find(&t->staged, key.b);
+        if (have) pkv__tmap_touch(&t->staged, have);
+        const bool stop = t->pf_stop;
+        pthread_mutex_unlock(&t->mu);
+        if (stop) return;
+        if (have) continue;
+        if (j->entry > t->staged_cap) return;
+        pkv__tent *e = pkv__tmap_new(&t->staged, key.b, j->entry, j->entry);
+        if (!e) return;
+        size_t len = 0;
+        const int g = t->ops.get(t->ctx, key.b, e->data, j->entry, &len);
+        if (g != PKV_OK || len != j->entry) { /* missing, failed, or not an entry: the load will see */
+            pkv__tmap_free(&t->staged, e);
+            if (g != PKV_OK && g != PKV_ENOENT && g != PKV_ENOSPC) COUNT(t, errors, 1);
+            return;
+        }
+        pkv__tent *drop = NULL; /* the staged entries dropped for room, linked through hnext */
+        pthread_mutex_lock(&t->mu);
+        while (t->staged.oldest && t->staged.bytes + e->len > t->staged_cap) {
+            pkv__tent *o = t->staged.oldest;
+            pkv__tmap_remove(&t->staged, o);
+            o->hnext = drop, drop = o;
+            t->st.prefetch_dropped++;
+        }
+        if (!pkv__tmap_find(&t->staged, key.b)) { /* only this thread stages: always absent */
+            pkv__tmap_insert(&t->staged, e);
+            t->st.prefetched++;
+            e = NULL;
+        }
+        pthread_mutex_unlock(&t->mu);
+        if (e) pkv__tmap_free(&t->staged, e);
+        while (drop) {
+            pkv__tent *next = drop->hnext;
+            pkv__tmap_free(&t->staged, drop);
+            drop = next;
+        }
+    }
+}
+
+static void *prefetch_main(void *arg) {
+    pkv_tier *t = arg;
+    pthread_mutex_lock(&t->mu);
+    for (;;) {
+        while (!t->pf_stop && !t->pf_head) pthread_cond_wait(&t->pf_cv, &t->mu);
+        if (t->pf_stop) break;
+        pf_job *j = t->pf_head;
+        t->pf_head = j->next;
+        if (!t->pf_head) t->pf_tail = NULL;
+        t->pf_busy = true;
+        pthread_mutex_unlock(&t->mu);
+        prefetch_job(t, j);
+        pkv__free(&t->alloc, j, job_size(j->nb, j->B));
+        pthread_mutex_lock(&t->mu);
+        t->pf_n--;
+        t->pf_busy = false;
+        if (!t->pf_n) pthread_cond_broadcast(&t->pf_idle);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return NULL;
+}
+
+PKV_API int pkv_tier_prefetch_start(pkv_tier *t, uint64_t staging_bytes) {
+    if (!t || !staging_bytes) return PKV_EINVAL;
+    /* all under the lock: a second start waits, then finds it on (the new thread waits for the
+       lock before it looks at anything) */
+    pthread_mutex_lock(&t->mu);
+    int rc = t->pf_on ? PKV_EINVAL : pkv__tmap_init(&t->staged, &t->alloc);
+    if (!rc) {
+        t->staged_cap = staging_bytes;
+        t->pf_stop = t->pf_busy = false;
+        pthread_cond_init(&t->pf_cv, NULL);
+        pthread_cond_init(&t->pf_idle, NULL);
+        if (pthread_create(&t->pf_thread, NULL, prefetch_main, t)) {
+            rc = PKV_ENOMEM;
+            pthread_cond_destroy(&t->pf_cv);
+            pthread_cond_destroy(&t->pf_idle);
+            pkv__tmap_fini(&t->staged);
+        } else {
+            t->pf_on = true;
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    return rc;
+}
+
+static void prefetch_stop(pkv_tier *t) {
+    pthread_mutex_lock(&t->mu);
+    t->pf_stop = true;
+    pthread_cond_broadcast(&t->pf_cv);
+    pthread_mutex_unlock(&t->mu);
+    pthread_join(t->pf_thread, NULL);
+    for (pf_job *j = t->pf_head, *next; j; j = next) {
+        next = j->next;
+        pkv__free(&t->alloc, j, job_size(j->nb, j->B));
+    }
+    t->pf_head = t->pf_tail = NULL;
+    pthread_cond_destroy(&t->pf_cv);
+    pthread_cond_destroy(&t->pf_idle);
+    pkv__tmap_fini(&t->staged);
+    t->pf_on = false;
+}
+
+PKV_API int pkv_tier_prefetch(pkv_tier *t, const pkv_cache *c, const void *salt, size_t salt_len,
+                              const int32_t *tokens, uint32_t n) {
+    if (!t || !c || (!salt && salt_len) || salt_len > 256 || (!tokens && n)) return PKV_EINVAL;
+    pthread_mutex_lock(&t->mu);
+    const bool on = t->pf_on;
+    pthread_mutex_unlock(&t->mu);
+    if (!on) return PKV_EINVAL;
+    const uint32_t B = c->B, nb = PKV_MIN(n / B, c->max_bps);
+    if (!nb) return PKV_OK;
+    shape sh;
+    if (!shape_of(c, &sh)) return PKV_ENOMEM;
+    pf_job *j = pkv__alloc(&t->alloc, job_size(nb, B), 64);
+    if (!j) return PKV_ENOMEM;
+    uint64_t ns_lo, ns_hi;
+    pkv__salt_digest(salt, salt_len, &ns_lo, &ns_hi);
+    key_seed(c, ns_lo, ns_hi, &j->seed);
+    j->next = NULL, j->B = B, j->nb = nb, j->entry = sh.entry;
+    memcpy(j->toks, tokens, (size_t)nb * B * sizeof(int32_t));
+    pthread_mutex_lock(&t->mu);
+    const bool full = t->pf_n >= PF_MAX_JOBS;
+    if (!full) {
+        if (t->pf_tail) t->pf_tail->next = j;
+        else t->pf_head = j;
+        t->pf_tail = j;
+        t->pf_n++;
+        pthread_cond_signal(&t->pf_cv);
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (full) pkv__free(&t->alloc, j, job_size(nb, B));
+    return full ? PKV_EBUSY : PKV_OK;
+}
+
+PKV_API int pkv_tier_prefetch_wait(pkv_tier *t) {
+    if (!t) return PKV_EINVAL;
+    pthread_mutex_lock(&t->mu);
+    const bool on = t->pf_on;
+    while (on && (t->pf_n || t->pf_busy)) pthread_cond_wait(&t->pf_idle, &t->mu);
+    pthread_mutex_unlock(&t->mu);
+    return on ? PKV_OK : PKV_EINVAL;
 }
