@@ -204,7 +204,8 @@ class _Stats(ctypes.Structure):
 class _TierStats(ctypes.Structure):
     _fields_ = [(f, _u64) for f in ("entries", "bytes", "capacity", "evictions", "saved", "save_present",
                                     "save_no_room", "loaded_blocks", "loaded_tokens", "load_misses", "rejected",
-                                    "errors")]
+                                    "errors", "prefetched", "prefetch_hits", "prefetch_dropped", "staged_entries",
+                                    "staged_bytes")]
 
 
 class _AttnParams(ctypes.Structure):
@@ -272,6 +273,9 @@ def _load():
         "pkv_tier_get_stats": (_int, [_vp, _P(_TierStats)]),
         "pkv_tier_save": (_int, [_vp, _vp, _u64, _P(_u32)]),
         "pkv_tier_load": (_int, [_vp, _vp, _u64, _vp, _u32, _P(_u32)]),
+        "pkv_tier_prefetch_start": (_int, [_vp, _u64]),
+        "pkv_tier_prefetch": (_int, [_vp, _vp, _vp, _sz, _vp, _u32]),
+        "pkv_tier_prefetch_wait": (_int, [_vp]),
         "pkv_attn_flags_used": (_u32, [_vp]),
         "pkv_cache_take_events": (_int, [_vp, _P(_Event), _sz, _vp, _P(_sz)]),
         "pkv_prefix_snapshot": (_int, [_vp, _P(_Event), _sz, _vp, _P(_sz)]),
@@ -1054,6 +1058,19 @@ class Cache:
         return out.value
 
     @_in_call
+    def tier_prefetch(self, tier, tokens, salt=b""):
+        """Queues the prompt's full blocks (namespace salt, this cache's shape) for tier's prefetch
+        thread to stage in host memory ahead of tier_load (pkv_tier_prefetch; Tier.prefetch_start
+        first); returns at once. BusyError when 64 prefetches are queued."""
+        if not isinstance(tier, Tier):
+            raise _invalid("tier_prefetch: a pagedkv.Tier is needed, got %s" % type(tier).__name__)
+        t = _i32_array(tokens, "tier_prefetch: tokens")
+        salt = _salt_bytes(salt)
+        with tier._use():
+            _check(_lib.pkv_tier_prefetch(tier._t, self._h(), salt if salt else None, len(salt), _ptr(t), t.size),
+                   "pkv_tier_prefetch")
+
+    @_in_call
     def match_prefix(self, seq, tokens):
         """For an empty sequence and its prompt: attaches the longest indexed prefix; returns the
         number of tokens reused (never the whole prompt). Matching full blocks are shared; the
@@ -1302,11 +1319,24 @@ class Tier:
     def stats(self):
         """Its counters (pkv_tier_get_stats) as a TierStats: the store's entries, bytes, capacity
         and evictions (0 for Redis), and saved, save_present, save_no_room, loaded_blocks,
-        loaded_tokens, load_misses, rejected and errors."""
+        loaded_tokens, load_misses, rejected, errors, and the prefetch's prefetched, prefetch_hits,
+        prefetch_dropped, staged_entries and staged_bytes."""
         st = _TierStats()
         with self._use():
             _check(_lib.pkv_tier_get_stats(self._t, ctypes.byref(st)), "pkv_tier_get_stats")
         return TierStats(*(getattr(st, f) for f, _ in _TierStats._fields_))
+
+    def prefetch_start(self, staging_bytes):
+        """Starts the tier's prefetch thread with staging_bytes of host memory for staged entries
+        (pkv_tier_prefetch_start; once). Then Cache.tier_prefetch queues a prompt."""
+        with self._use():
+            _check(_lib.pkv_tier_prefetch_start(self._t, _uint_of(staging_bytes, "staging_bytes", 64)),
+                   "pkv_tier_prefetch_start")
+
+    def prefetch_wait(self):
+        """Waits until every queued prefetch is done (the GIL is released meanwhile)."""
+        with self._use():
+            _check(_lib.pkv_tier_prefetch_wait(self._t), "pkv_tier_prefetch_wait")
 
     def close(self):
         """Frees the tier once the calls in flight on it have returned (a file tier's files

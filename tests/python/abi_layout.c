@@ -52,6 +52,8 @@ int main(void) {
     FIELD(pkv_tier_stats, evictions), FIELD(pkv_tier_stats, saved), FIELD(pkv_tier_stats, save_present);
     FIELD(pkv_tier_stats, save_no_room), FIELD(pkv_tier_stats, loaded_blocks), FIELD(pkv_tier_stats, loaded_tokens);
     FIELD(pkv_tier_stats, load_misses), FIELD(pkv_tier_stats, rejected), FIELD(pkv_tier_stats, errors);
+    FIELD(pkv_tier_stats, prefetched), FIELD(pkv_tier_stats, prefetch_hits), FIELD(pkv_tier_stats, prefetch_dropped);
+    FIELD(pkv_tier_stats, staged_entries), FIELD(pkv_tier_stats, staged_bytes);
     SIZE(pkv_event);
     FIELD(pkv_event, seqno), FIELD(pkv_event, hash), FIELD(pkv_event, parent_hash), FIELD(pkv_event, lost);
     FIELD(pkv_event, kind), FIELD(pkv_event, depth), FIELD(pkv_event, block), FIELD(pkv_event, reserved);

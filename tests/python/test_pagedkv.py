@@ -825,6 +825,23 @@ class TestCache(Base):
                     for x, y in zip(b.read_stored(sb, layer, 0, 40), a.read_stored(sa, layer, 0, 40)):
                         np.testing.assert_array_equal(x, y)
                 b.release(sb)
+            # prefetch: the file tier's thread stages the prompt; the load then takes it from memory
+            tf.prefetch_start(1 << 24)
+            with self.assertRaises(pkv.InvalidArgumentError):
+                tf.prefetch_start(1 << 24)
+            with mk(40) as c:
+                c.tier_prefetch(tf, prompt, salt=b"ten")
+                tf.prefetch_wait()
+                st = tf.stats()
+                self.assertEqual((st.prefetched, st.staged_entries), (5, 5))
+                sc = c.seq_create(b"ten")
+                self.assertEqual(c.tier_load(tf, sc, prompt), 40)
+                self.assertEqual((tf.stats().prefetch_hits, tf.stats().staged_entries), (5, 0))
+                for layer in range(2):
+                    for x, y in zip(c.read_stored(sc, layer, 0, 40), a.read_stored(sa, layer, 0, 40)):
+                        np.testing.assert_array_equal(x, y)
+            with self.assertRaises(pkv.InvalidArgumentError):
+                b.tier_prefetch(th, prompt)  # the host tier's prefetch was not started
             other = b.seq_create(b"other")  # another namespace
             self.assertEqual(b.tier_load(tf, other, prompt), 0)
             self.assertEqual(tf.stats().load_misses, 1)
