@@ -432,12 +432,12 @@ static void test_prefix_json(void **state) {
  * copy's own 1); a Redis server that does not answer fails the run and says so. */
 static void test_tier_json(void **state) {
     (void)state;
-    static const char *ops[4] = {"copy", "direct", "save", "load"};
+    static const char *ops[5] = {"copy", "direct", "save", "load", "prefetch"};
     char *argv[] = {"pkv", "bench", "tier", "--quick", "--json", NULL};
     char *out, *err;
     int rc = run_cli(argv, &out, &err);
     if (rc != 0) fail_msg("exit %d: %s", rc, err);
-    int header = 0, seen[4] = {0}, tiers = 0, full = 0;
+    int header = 0, seen[5] = {0}, tiers = 0, full = 0, staged = 0;
     for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
         one_object(line);
         assert_true(str_is(line, "bench", "tier"));
@@ -447,9 +447,10 @@ static void test_tier_json(void **state) {
             header++;
             continue;
         }
-        const int op = which(line, "op", ops, 4);
+        const int op = which(line, "op", ops, 5);
         seen[op]++;
-        tiers += str_is(line, "tier", "host") || str_is(line, "tier", "file");
+        tiers += (str_is(line, "tier", "host") || str_is(line, "tier", "file")) && op != 4;
+        staged += str_is(line, "tier", "file-staged") && op == 3;
         full += str_is(line, "tier", "host-full") && op == 2; /* the steady state's save */
         const double ms = num(line, "median_ms"), gbps = num(line, "gbps"), bytes = num(line, "bytes");
         assert_true(ms > 0 && gbps > 0 && isfinite(gbps));
@@ -459,7 +460,8 @@ static void test_tier_json(void **state) {
         assert_int_equal((int)num(line, "rounds"), 3);
     }
     assert_int_equal(header, 1);
-    assert_true(seen[0] == 1 && seen[1] == 1 && seen[2] == 3 && seen[3] == 2 && tiers == 4 && full == 1);
+    assert_true(seen[0] == 1 && seen[1] == 1 && seen[2] == 3 && seen[3] == 3 && seen[4] == 1 && tiers == 4 &&
+                full == 1 && staged == 1);
     free(out), free(err);
     char *dead[] = {"pkv", "bench", "tier", "--quick", "--redis", "127.0.0.1:1", NULL};
     rc = run_cli(dead, &out, &err);

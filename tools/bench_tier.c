@@ -25,6 +25,9 @@ static void usage(FILE *f) {
             "pkv_seq_write_stored), no tier: what the tier adds is the rest. save host-full: the\n"
             "steady state of a full host tier, each save's 128 entries replacing the last's (the\n"
             "memory of the entries it drops is reused; a new tier's entries are fresh pages).\n"
+            "prefetch file / redis: pkv_tier_prefetch of the prompt and pkv_tier_prefetch_wait (the\n"
+            "tier's thread staging the entries in host memory: the work an engine overlaps with\n"
+            "others'); load file-staged / redis-staged: the pkv_tier_load after it.\n"
             "\n"
             "  --json          one JSON object per line (keys: op, tier, median_ms, gbps, copy_gbps,\n"
             "                  copy_frac, bytes, rounds)\n"
@@ -146,8 +149,10 @@ int tool_bench_tier(int argc, char **argv) {
     double *t_copy = calloc(rounds, sizeof(double)), *t_direct = calloc(rounds, sizeof(double));
     double *t_save = calloc((size_t)rounds * 3, sizeof(double)), *t_load = calloc((size_t)rounds * 3, sizeof(double));
     double *t_full = calloc(rounds, sizeof(double));
+    /* file and Redis: the prefetch (staging the prompt, timed to its end) and the load after it */
+    double *t_pf = calloc((size_t)rounds * 3, sizeof(double)), *t_staged = calloc((size_t)rounds * 3, sizeof(double));
     pkv_seq sa, sa2;
-    if (!a || !b || !toks || !kb || !vb || !src || !dst || !t_copy || !t_direct || !t_save || !t_load || !t_full)
+    if (!a || !b || !toks || !kb || !vb || !src || !dst || !t_copy || !t_direct || !t_save || !t_load || !t_full || !t_pf || !t_staged)
         goto out;
     for (uint32_t i = 0; i < n_tok; i++) toks[i] = (int32_t)(i * 2654435761u % 30000);
     for (size_t i = 0; i < (size_t)n_tok * rowe; i++) kb[i] = (uint16_t)(0x3000 + i % 0x0fff), vb[i] = (uint16_t)(0xb000 + i % 0x0fff);
@@ -214,6 +219,21 @@ int tool_bench_tier(int argc, char **argv) {
                 t_load[(size_t)k * rounds + r] = (double)(tool_now_ns() - t0) * 1e-9;
                 if (!rc && loaded != n_tok - 1) rc = PKV_EIO;
             }
+            if (!rc && k > 0) { /* prefetched into staging, then loaded from there */
+                rc = pkv_tier_prefetch_start(t, total + entry);
+                if (!rc && !(rc = pkv_cache_reset(b)) && !(rc = pkv_seq_create(b, NULL, 0, &sb))) {
+                    t0 = tool_now_ns();
+                    rc = pkv_tier_prefetch(t, b, NULL, 0, toks, n_tok);
+                    if (!rc) rc = pkv_tier_prefetch_wait(t);
+                    t_pf[(size_t)k * rounds + r] = (double)(tool_now_ns() - t0) * 1e-9;
+                    t0 = tool_now_ns();
+                    if (!rc) rc = pkv_tier_load(t, b, sb, toks, n_tok, &loaded);
+                    t_staged[(size_t)k * rounds + r] = (double)(tool_now_ns() - t0) * 1e-9;
+                    pkv_tier_stats ts;
+                    if (!rc && (loaded != n_tok - 1 || pkv_tier_get_stats(t, &ts) || ts.prefetch_hits != n_blk))
+                        rc = PKV_EIO;
+                }
+            }
             if (rc) fprintf(stderr, "pkv bench tier: the %s tier: saved %u, loaded %u: %s\n", kinds[k].name, saved, loaded,
                             pkv_strerror(rc));
             pkv_tier_destroy(t);
@@ -229,14 +249,15 @@ int tool_bench_tier(int argc, char **argv) {
                tool_build_info(), tool_cpu_name(), n_tok, n_blk, entry, LAYERS, KVH, HD, BT);
     else
         printf("pkv bench tier: %s, %s; %u tokens = %u entries of %zu bytes (%.1f MiB), %u rounds\n"
-               "%-7s %-9s %10s %8s %10s %9s\n",
+               "%-8s %-12s %10s %8s %10s %9s\n",
                tool_build_info(), tool_cpu_name(), n_tok, n_blk, entry, (double)total / 1048576.0, rounds, "op", "tier",
                "median_ms", "GB/s", "copy_GB/s", "copy_frac");
     typedef struct row {
         const char *op, *tier;
         double *t;
     } row_t;
-    row_t rows[8];
+    static const char *const staged_name[3] = {"", "file-staged", "redis-staged"};
+    row_t rows[16];
     int n_rows = 0;
     rows[n_rows++] = (row_t){"copy", "-", t_copy};
     rows[n_rows++] = (row_t){"direct", "-", t_direct};
@@ -244,6 +265,10 @@ int tool_bench_tier(int argc, char **argv) {
         rows[n_rows++] = (row_t){"save", kinds[k].name, t_save + (size_t)k * rounds};
         rows[n_rows++] = (row_t){"load", kinds[k].name, t_load + (size_t)k * rounds};
         if (k == 0) rows[n_rows++] = (row_t){"save", "host-full", t_full};
+        if (k > 0) {
+            rows[n_rows++] = (row_t){"prefetch", kinds[k].name, t_pf + (size_t)k * rounds};
+            rows[n_rows++] = (row_t){"load", staged_name[k], t_staged + (size_t)k * rounds};
+        }
     }
     for (int i = 0; i < n_rows; i++) {
         const double med = i == 0 ? copy : tool_median(rows[i].t, rounds), gbps = (double)total / med * 1e-9;
@@ -252,7 +277,7 @@ int tool_bench_tier(int argc, char **argv) {
                    "\"copy_frac\":%.4f,\"bytes\":%zu,\"rounds\":%u}\n",
                    rows[i].op, rows[i].tier, med * 1e3, gbps, copy_gbps, gbps / copy_gbps, total, rounds);
         else
-            printf("%-7s %-9s %10.3f %8.2f %10.2f %8.1f%%\n", rows[i].op, rows[i].tier, med * 1e3, gbps, copy_gbps,
+            printf("%-8s %-12s %10.3f %8.2f %10.2f %8.1f%%\n", rows[i].op, rows[i].tier, med * 1e3, gbps, copy_gbps,
                    100.0 * gbps / copy_gbps);
     }
     status = TOOL_OK;
@@ -261,6 +286,6 @@ out:
     pkv_tier_destroy(full);
     pkv_cache_destroy(a);
     pkv_cache_destroy(b);
-    free(t_full), free(toks), free(kb), free(vb), free(src), free(dst), free(t_copy), free(t_direct), free(t_save), free(t_load);
+    free(t_full), free(t_pf), free(t_staged), free(toks), free(kb), free(vb), free(src), free(dst), free(t_copy), free(t_direct), free(t_save), free(t_load);
     return status;
 }
