@@ -858,8 +858,9 @@ PKV_NODISCARD PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq s, co
  * tier's own fetches a prompt's entries from the store into host memory (staging), so that the
  * pkv_tier_load that follows copies them from memory instead of waiting on files or Redis.
  * pkv_tier_prefetch_start starts the thread with staging_bytes of staging (entries allocated
- * through the tier's allocator as they arrive, the oldest dropped past it); once only, PKV_EINVAL
- * after that; PKV_ENOMEM where no thread can be started. pkv_tier_destroy stops it. */
+ * through the tier's allocator as they arrive, the oldest dropped past it; the buffers of
+ * entries loads took are kept within it for the next ones); once only, PKV_EINVAL after that;
+ * PKV_ENOMEM where no thread can be started. pkv_tier_destroy stops it. */
 PKV_NODISCARD PKV_API int pkv_tier_prefetch_start(pkv_tier *t, uint64_t staging_bytes);
 
 /* Queues the entries of tokens[0 .. n)'s full blocks (those a later pkv_tier_load of this prompt

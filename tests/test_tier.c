@@ -711,6 +711,25 @@ static void test_prefetch(void **state) {
     for (int i = 0; i < 20; i++) TU_OK(pkv_tier_prefetch(t, c, "ns", 2, toks, N));
     pkv_tier_destroy(t);
     assert_int_equal(as.n_live, 0);
+    /* the entries a load took are kept for the next prefetch: it allocates its job only */
+    tu_alloc_reset(&as, -1);
+    TU_OK(pkv_tier_create(&ops, &f, &al, &t));
+    TU_OK(pkv_tier_prefetch_start(t, 1u << 24));
+    TU_OK(pkv_tier_prefetch(t, c, "ns", 2, toks, N));
+    TU_OK(pkv_tier_prefetch_wait(t));
+    pkv_cache_destroy(c);
+    c = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
+    assert_int_equal(load_fresh(t, c, "ns", toks, N, NULL, &s), 40);
+    const long calls = as.n_calls;
+    TU_OK(pkv_tier_prefetch(t, c, "other", 5, toks, N)); /* a miss: nothing staged */
+    TU_OK(pkv_tier_prefetch(t, c, "ns", 2, toks, N));
+    TU_OK(pkv_tier_prefetch_wait(t));
+    assert_int_equal(as.n_calls - calls, 2);
+    st = tstats(t);
+    assert_int_equal(st.prefetched, 10);
+    assert_int_equal(st.staged_entries, 5);
+    pkv_tier_destroy(t);
+    assert_int_equal(as.n_live, 0);
     /* allocation failures: the job's (PKV_ENOMEM, nothing queued) and staging's (nothing staged) */
     tu_alloc_reset(&as, -1);
     TU_OK(pkv_tier_create(&ops, &f, &al, &t));

@@ -34,6 +34,11 @@ struct pkv_tier {
     uint32_t pf_n;
     pkv__tmap staged;
     uint64_t staged_cap;
+    /* staged entries a load took, kept for the next ones (linked through hnext, within
+       staged_cap with the staged ones): freeing them cost a load more than its copies (an
+       unmapped page is every thread's TLB's business) */
+    pkv__tent *spare;
+    uint64_t spare_bytes;
     /* one entry buffer kept between calls (the largest given back while it was free): a fresh
        one a call cost more in page faults than its copies (half of a host save's time) */
     uint8_t *scratch;
@@ -341,22 +346,34 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
 }
 
 /* ---- load ---- */
+/* Under t->mu: e (out of the map) kept as a spare where staging has room for it; else NULL */
+static pkv__tent *spare_keep(pkv_tier *t, pkv__tent *e) {
+    if (t->staged.bytes + t->spare_bytes + e->size > t->staged_cap) return e;
+    e->hnext = t->spare;
+    t->spare = e;
+    t->spare_bytes += e->size;
+    return NULL;
+}
+
 /* Whether key's entry was staged by the prefetch: then copied into buf (cap bytes; *len its
  * size, or where it is larger than cap, left for the store's own answer) and out of staging. */
 static bool take_staged(pkv_tier *t, const tkey *key, uint8_t *buf, size_t cap, size_t *len) {
     pthread_mutex_lock(&t->mu);
     pkv__tent *e = t->pf_on ? pkv__tmap_find(&t->staged, key->b) : NULL;
+    bool hit = false;
     if (e && e->len <= cap) {
         memcpy(buf, e->data, e->len);
         *len = e->len;
         pkv__tmap_remove(&t->staged, e);
         t->st.prefetch_hits++;
+        hit = true;
+        e = spare_keep(t, e); /* NULL: kept for the next prefetch */
     } else {
         e = NULL;
     }
     pthread_mutex_unlock(&t->mu);
     if (e) pkv__tmap_free(&t->staged, e);
-    return e != NULL;
+    return hit;
 }
 
 /* An entry the load refuses: counted, and deleted from the store. */
@@ -490,17 +507,41 @@ static void prefetch_job(pkv_tier *t, const pf_job *j) {
         if (stop) return;
         if (have) continue;
         if (j->entry > t->staged_cap) return;
-        pkv__tent *e = pkv__tmap_new(&t->staged, key.b, j->entry, j->entry);
-        if (!e) return;
+        pkv__tent *e = NULL;
+        pthread_mutex_lock(&t->mu);
+        for (pkv__tent **at = &t->spare; *at; at = &(*at)->hnext)
+            if ((*at)->size - sizeof(pkv__tent) == j->entry) { /* a spare of this size */
+                e = *at;
+                *at = e->hnext;
+                t->spare_bytes -= e->size;
+                break;
+            }
+        pthread_mutex_unlock(&t->mu);
+        if (e) {
+            memcpy(e->key, key.b, PKV__TIER_KEY);
+            e->len = j->entry;
+            e->hnext = e->older = e->newer = NULL;
+        } else if (!(e = pkv__tmap_new(&t->staged, key.b, j->entry, j->entry))) {
+            return;
+        }
         size_t len = 0;
         const int g = t->ops.get(t->ctx, key.b, e->data, j->entry, &len);
         if (g != PKV_OK || len != j->entry) { /* missing, failed, or not an entry: the load will see */
-            pkv__tmap_free(&t->staged, e);
+            pthread_mutex_lock(&t->mu);
+            e = spare_keep(t, e);
+            pthread_mutex_unlock(&t->mu);
+            if (e) pkv__tmap_free(&t->staged, e);
             if (g != PKV_OK && g != PKV_ENOENT && g != PKV_ENOSPC) COUNT(t, errors, 1);
             return;
         }
         pkv__tent *drop = NULL; /* the staged entries dropped for room, linked through hnext */
         pthread_mutex_lock(&t->mu);
+        while (t->spare && t->staged.bytes + t->spare_bytes + e->size > t->staged_cap) { /* spares first */
+            pkv__tent *o = t->spare;
+            t->spare = o->hnext;
+            t->spare_bytes -= o->size;
+            o->hnext = drop, drop = o;
+        }
         while (t->staged.oldest && t->staged.bytes + e->len > t->staged_cap) {
             pkv__tent *o = t->staged.oldest;
             pkv__tmap_remove(&t->staged, o);
@@ -579,6 +620,11 @@ static void prefetch_stop(pkv_tier *t) {
         pkv__free(&t->alloc, j, job_size(j->nb, j->B));
     }
     t->pf_head = t->pf_tail = NULL;
+    for (pkv__tent *e = t->spare, *next; e; e = next) {
+        next = e->hnext;
+        pkv__tmap_free(&t->staged, e);
+    }
+    t->spare = NULL, t->spare_bytes = 0;
     pthread_cond_destroy(&t->pf_cv);
     pthread_cond_destroy(&t->pf_idle);
     pkv__tmap_fini(&t->staged);
