@@ -1651,11 +1651,15 @@ type Tier struct {
 }
 
 // TierStats are a tier's counters: the store's own (Entries, Bytes, Capacity, Evictions; 0 for
-// Redis) and what saves and loads did.
+// Redis), what saves and loads did, and the prefetch's (PrefetchStart): entries fetched into
+// staging (Prefetched), blocks loads took from it (PrefetchHits), staged entries dropped unused
+// for room (PrefetchDropped), and what staging holds now (StagedEntries, StagedBytes).
 type TierStats struct {
 	Entries, Bytes, Capacity, Evictions                      uint64
 	Saved, SavePresent, SaveNoRoom                           uint64
 	LoadedBlocks, LoadedTokens, LoadMisses, Rejected, Errors uint64
+	Prefetched, PrefetchHits, PrefetchDropped                uint64
+	StagedEntries, StagedBytes                               uint64
 }
 
 func newTier(op string, f func(out **C.pkv_tier) C.int) (*Tier, error) {
@@ -1749,7 +1753,65 @@ func (t *Tier) Stats() (TierStats, error) {
 	err := t.use(func(p *C.pkv_tier) error { return check(C.pkv_tier_get_stats(p, &st), "pkv_tier_get_stats") })
 	return TierStats{uint64(st.entries), uint64(st.bytes), uint64(st.capacity), uint64(st.evictions),
 		uint64(st.saved), uint64(st.save_present), uint64(st.save_no_room), uint64(st.loaded_blocks),
-		uint64(st.loaded_tokens), uint64(st.load_misses), uint64(st.rejected), uint64(st.errors)}, err
+		uint64(st.loaded_tokens), uint64(st.load_misses), uint64(st.rejected), uint64(st.errors),
+		uint64(st.prefetched), uint64(st.prefetch_hits), uint64(st.prefetch_dropped),
+		uint64(st.staged_entries), uint64(st.staged_bytes)}, err
+}
+
+// PrefetchStart starts the tier's prefetch thread (libpkv's own; pkv_tier_prefetch_start), with
+// stagingBytes (> 0) of host memory to stage entries in, the oldest dropped past it: Prefetch
+// then fetches a prompt's entries from the store ahead of the TierLoad that copies them. Once a
+// tier: ErrInvalid after that (and for stagingBytes 0); ErrNoMem where no thread can be started.
+// Close stops the thread.
+func (t *Tier) PrefetchStart(stagingBytes uint64) error {
+	return t.use(func(p *C.pkv_tier) error {
+		return check(C.pkv_tier_prefetch_start(p, C.uint64_t(stagingBytes)), "pkv_tier_prefetch_start: stagingBytes 0, or started already")
+	})
+}
+
+// Prefetch queues the entries of the full blocks of tokens (those a later TierLoad of this
+// prompt asks for) under the namespace salt (at most 256 bytes, as SeqCreate's) for caches of
+// c's shape, and returns (pkv_tier_prefetch): the prefetch thread fetches them in order into
+// staging, up to the first the store lacks. It reads only c's shape, and c may be closed before
+// the fetch is done. ErrInvalid before PrefetchStart; ErrBusy while 64 prefetches are queued;
+// ErrClosed for a closed (or nil) tier or cache.
+func (t *Tier) Prefetch(c *Cache, salt []byte, tokens []int32) error {
+	if len(salt) > 256 {
+		return invalid("Prefetch: salt of %d bytes, at most 256", len(salt))
+	}
+	n, err := u32(len(tokens), "Prefetch: tokens")
+	if err != nil {
+		return err
+	}
+	var sp unsafe.Pointer
+	if len(salt) > 0 {
+		sp = unsafe.Pointer(&salt[0])
+	}
+	return t.use(func(tp *C.pkv_tier) error {
+		// the gate shared, no sequence named: it reads only c's shape
+		p, g, err := c.enter(readSeqs)
+		if err != nil {
+			return err
+		}
+		defer g.exit()
+		rc := C.pkv_tier_prefetch(tp, p, sp, C.size_t(len(salt)), i32p(tokens), n)
+		op := "pkv_tier_prefetch"
+		switch rc {
+		case EINVAL:
+			op += ": PrefetchStart not called"
+		case EBUSY:
+			op += ": 64 prefetches queued"
+		}
+		return check(rc, op)
+	})
+}
+
+// PrefetchWait waits until every queued prefetch is done: staged, or stopped at an entry the
+// store lacks (pkv_tier_prefetch_wait). ErrInvalid before PrefetchStart. Close waits for it.
+func (t *Tier) PrefetchWait() error {
+	return t.use(func(p *C.pkv_tier) error {
+		return check(C.pkv_tier_prefetch_wait(p), "pkv_tier_prefetch_wait: PrefetchStart not called")
+	})
 }
 
 // TierSave stores the full committed blocks of s that t lacks (pkv_tier_save); returns how many

@@ -1940,6 +1940,127 @@ func TestTiers(t *testing.T) {
 	}
 }
 
+func TestTierPrefetch(t *testing.T) {
+	// tests/test_tier.c test_prefetch, its first part, on a file tier: a prompt saved from one
+	// cache is prefetched for another, staged, and loaded from staging byte for byte; refusals;
+	// a closed tier or cache
+	mk := func(nBlocks uint32) *Cache {
+		cfg := DefaultConfig()
+		cfg.NLayers, cfg.NKVHeads, cfg.HeadDim, cfg.BlockTokens, cfg.NBlocks, cfg.NThreads = 2, 2, 32, 8, nBlocks, 1
+		cfg.KDtype, cfg.VDtype, cfg.PrefixCache = F16, Q8_0, true
+		c, err := NewCache(cfg)
+		must(t, err)
+		return c
+	}
+	a := mk(16)
+	defer a.Close()
+	prompt := make([]int32, 45)
+	for i := range prompt {
+		prompt[i] = int32(500 + i)
+	}
+	sa, err := a.SeqCreate([]byte("ns"))
+	must(t, err)
+	_, err = a.Append(sa, prompt)
+	must(t, err)
+	r := rng(29)
+	for layer := uint32(0); layer < 2; layer++ {
+		must(t, a.WriteKVSeq(sa, layer, 0, r.vec(45*64), r.vec(45*64)))
+	}
+	must(t, a.Commit(sa, 45))
+	tier, err := NewFileTier(t.TempDir()+"/t", 1<<24)
+	must(t, err)
+	defer tier.Close()
+	if n, err := a.TierSave(tier, sa); err != nil || n != 5 {
+		t.Fatalf("saved %d blocks (%v), want 5", n, err)
+	}
+	b := mk(60)
+	defer b.Close()
+	ns := []byte("ns")
+	// not started: refused
+	if err := tier.Prefetch(b, ns, prompt); !errors.Is(err, ErrInvalid) || errors.Is(err, ErrClosed) {
+		t.Fatalf("prefetch before start: %v", err)
+	}
+	if err := tier.PrefetchWait(); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("wait before start: %v", err)
+	}
+	if err := tier.PrefetchStart(0); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("staging 0: %v", err)
+	}
+	must(t, tier.PrefetchStart(1<<24))
+	if err := tier.PrefetchStart(1 << 24); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("started twice: %v", err)
+	}
+	if err := tier.Prefetch(b, make([]byte, 257), prompt); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("a salt of 257 bytes: %v", err)
+	}
+	must(t, tier.Prefetch(b, ns, prompt[:7])) // no full block: nothing to do
+	must(t, tier.Prefetch(b, ns, nil))
+	// staged: every full block
+	must(t, tier.Prefetch(b, ns, prompt))
+	must(t, tier.PrefetchWait())
+	st, err := tier.Stats()
+	must(t, err)
+	if st.Prefetched != 5 || st.StagedEntries != 5 || st.PrefetchHits != 0 || st.StagedBytes == 0 || st.StagedBytes%5 != 0 {
+		t.Fatalf("staged: %+v", st)
+	}
+	must(t, tier.Prefetch(b, ns, prompt)) // staged already: kept, not fetched again
+	must(t, tier.PrefetchWait())
+	if st2, err := tier.Stats(); err != nil || st2 != st {
+		t.Fatalf("prefetched again: %+v, %v", st2, err)
+	}
+	// the load takes them from staging
+	sb, err := b.SeqCreate(ns)
+	must(t, err)
+	got, err := b.TierLoad(tier, sb, prompt)
+	must(t, err)
+	if got != 40 {
+		t.Fatalf("loaded %d positions, want 40", got)
+	}
+	st, err = tier.Stats()
+	must(t, err)
+	if st.PrefetchHits != 5 || st.LoadedBlocks != 5 || st.LoadMisses != 0 || st.StagedEntries != 0 || st.StagedBytes != 0 {
+		t.Fatalf("loaded: %+v", st)
+	}
+	for layer := uint32(0); layer < 2; layer++ {
+		k1, v1, err := a.ReadStored(sa, layer, 0, 40)
+		must(t, err)
+		k2, v2, err := b.ReadStored(sb, layer, 0, 40)
+		must(t, err)
+		if !reflect.DeepEqual(k1, k2) || !reflect.DeepEqual(v1, v2) {
+			t.Fatalf("layer %d: the loaded rows differ", layer)
+		}
+	}
+	// another namespace: the first block is missing, nothing staged
+	must(t, tier.Prefetch(b, []byte("other"), prompt))
+	must(t, tier.PrefetchWait())
+	if st, err = tier.Stats(); err != nil || st.Prefetched != 5 || st.StagedEntries != 0 {
+		t.Fatalf("another namespace: %+v, %v", st, err)
+	}
+	// queued for a cache closed before they run; then a closed cache, a closed or nil tier
+	c := mk(60)
+	must(t, tier.Prefetch(c, ns, prompt))
+	c.Close()
+	must(t, tier.PrefetchWait())
+	if st, err = tier.Stats(); err != nil || st.StagedEntries != 5 {
+		t.Fatalf("staged for a closed cache: %+v, %v", st, err)
+	}
+	if err := tier.Prefetch(c, ns, prompt); !errors.Is(err, ErrClosed) {
+		t.Fatalf("a closed cache: %v", err)
+	}
+	must(t, b.Check())
+	tier.Close()
+	if err := tier.Prefetch(b, ns, prompt); !errors.Is(err, ErrClosed) {
+		t.Fatalf("a closed tier: %v", err)
+	}
+	if err := tier.PrefetchWait(); !errors.Is(err, ErrClosed) {
+		t.Fatalf("wait on a closed tier: %v", err)
+	}
+	var none *Tier
+	if err := none.PrefetchStart(1); !errors.Is(err, ErrClosed) {
+		t.Fatalf("a nil tier: %v", err)
+	}
+}
+
 func TestEvents(t *testing.T) {
 	// a router's view of a cache: the events name the blocks by the hashes PrefixHashes
 	// computes from the prompt, with no cache; eviction removes them leaf first; a snapshot

@@ -31,6 +31,11 @@ pub struct pkv_tier_stats {
     pub load_misses: u64,
     pub rejected: u64,
     pub errors: u64,
+    pub prefetched: u64,
+    pub prefetch_hits: u64,
+    pub prefetch_dropped: u64,
+    pub staged_entries: u64,
+    pub staged_bytes: u64,
 }
 
 #[repr(C)]
@@ -341,6 +346,16 @@ extern "C" {
         n: u32,
         n_loaded: *mut u32,
     ) -> c_int;
+    pub fn pkv_tier_prefetch_start(t: *mut pkv_tier, staging_bytes: u64) -> c_int;
+    pub fn pkv_tier_prefetch(
+        t: *mut pkv_tier,
+        c: *const pkv_cache,
+        salt: *const c_void,
+        salt_len: usize,
+        tokens: *const i32,
+        n: u32,
+    ) -> c_int;
+    pub fn pkv_tier_prefetch_wait(t: *mut pkv_tier) -> c_int;
     pub fn pkv_cache_check(c: *mut pkv_cache, msg: *mut c_char, msg_cap: usize) -> c_int;
     pub fn pkv_attn_params_default() -> pkv_attn_params;
     pub fn pkv_attn_decode(

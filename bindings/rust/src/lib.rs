@@ -591,7 +591,10 @@ pub struct Tier {
 }
 
 /// A tier's counters ([`Tier::stats`]): the store's own (entries, bytes, capacity, evictions;
-/// 0 for Redis) and what saves and loads did.
+/// 0 for Redis), what saves and loads did, and the prefetch's ([`Tier::prefetch_start`]):
+/// entries fetched into staging (prefetched), blocks loads took from it (prefetch_hits), staged
+/// entries dropped unused for room (prefetch_dropped), and what staging holds now
+/// (staged_entries, staged_bytes).
 pub type TierStats = ffi::pkv_tier_stats;
 
 unsafe impl Send for Tier {}
@@ -660,6 +663,58 @@ impl Tier {
             "pkv_tier_get_stats",
         )?;
         Ok(st)
+    }
+
+    /// Starts the tier's prefetch thread (pkv_tier_prefetch_start), with `staging_bytes` (> 0)
+    /// of host memory to stage entries in, the oldest dropped past it: [`Tier::prefetch`] then
+    /// fetches a prompt's entries from the store ahead of the [`Cache::tier_load`] that copies
+    /// them. Once a tier: `InvalidArgument` after that (and for staging_bytes 0); `OutOfMemory`
+    /// where no thread can be started. Dropping the tier stops the thread.
+    pub fn prefetch_start(&self, staging_bytes: u64) -> Result<()> {
+        check(
+            unsafe { ffi::pkv_tier_prefetch_start(self.raw.as_ptr(), staging_bytes) },
+            "pkv_tier_prefetch_start: staging_bytes 0, or started already",
+        )
+    }
+
+    /// Queues the entries of the full blocks of `tokens` (those a later [`Cache::tier_load`] of
+    /// this prompt asks for) under the namespace `salt` (at most 256 bytes, as
+    /// [`Cache::seq_create`]'s) for caches of `cache`'s shape, and returns
+    /// (pkv_tier_prefetch): the prefetch thread fetches them in order into staging, up to the
+    /// first the store lacks. Reads only the cache's shape; `cache` may be dropped before the
+    /// fetch is done. `InvalidArgument` before [`Tier::prefetch_start`]; `Busy` while 64
+    /// prefetches are queued.
+    pub fn prefetch(&self, cache: &Cache, salt: &[u8], tokens: &[i32]) -> Result<()> {
+        if salt.len() > 256 {
+            return Err(invalid(format!(
+                "Tier::prefetch: salt of {} bytes, at most 256",
+                salt.len()
+            )));
+        }
+        let n = len_u32(tokens.len(), "Tier::prefetch: tokens")?;
+        let sp = if salt.is_empty() {
+            ptr::null()
+        } else {
+            salt.as_ptr() as *const c_void
+        };
+        let rc = unsafe { ffi::pkv_tier_prefetch(self.raw.as_ptr(), cache.p(), sp, salt.len(), tokens.as_ptr(), n) };
+        check(
+            rc,
+            match rc {
+                EINVAL => "pkv_tier_prefetch: prefetch_start not called",
+                EBUSY => "pkv_tier_prefetch: 64 prefetches queued",
+                _ => "pkv_tier_prefetch",
+            },
+        )
+    }
+
+    /// Waits until every queued prefetch is done: staged, or stopped at an entry the store
+    /// lacks (pkv_tier_prefetch_wait). `InvalidArgument` before [`Tier::prefetch_start`].
+    pub fn prefetch_wait(&self) -> Result<()> {
+        check(
+            unsafe { ffi::pkv_tier_prefetch_wait(self.raw.as_ptr()) },
+            "pkv_tier_prefetch_wait: prefetch_start not called",
+        )
     }
 }
 

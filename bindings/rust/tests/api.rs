@@ -278,7 +278,12 @@ fn struct_layouts_match_c() {
             loaded_tokens,
             load_misses,
             rejected,
-            errors
+            errors,
+            prefetched,
+            prefetch_hits,
+            prefetch_dropped,
+            staged_entries,
+            staged_bytes
         ]
     );
     offsets!(
@@ -1408,6 +1413,80 @@ fn tiers_move_prefix_blocks() {
         ErrorKind::InvalidArgument
     );
     drop(file);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn tier_prefetch_stages_a_prompt() {
+    // tests/test_tier.c test_prefetch, its first part, on a file tier: a prompt saved from one
+    // cache is prefetched for another, staged, and loaded from staging byte for byte; refusals
+    let conf = |n_blocks| Config {
+        block_tokens: 8,
+        n_layers: 2,
+        v_dtype: Dtype::Q8_0,
+        prefix_cache: true,
+        ..cfg(2, 32, n_blocks, Dtype::F16)
+    };
+    let mut rng = Rng(29);
+    let mut a = Cache::new(&conf(16)).unwrap();
+    let prompt: Vec<i32> = (500..545).collect();
+    let sa = a.seq_create(b"ns").unwrap();
+    a.append(sa, &prompt).unwrap();
+    for layer in 0..2 {
+        let (k, v) = (rng.vec(45 * 64), rng.vec(45 * 64));
+        a.write_kv_seq(sa, layer, 0, Some(KvData::F32(&k)), Some(KvData::F32(&v)))
+            .unwrap();
+    }
+    a.commit(sa, 45).unwrap();
+    let dir = std::env::temp_dir().join(format!("pkv-rust-prefetch-{}", std::process::id()));
+    let t = Tier::file(&dir, 1 << 24).unwrap();
+    assert_eq!(a.tier_save(&t, sa).unwrap(), 5);
+    let mut b = Cache::new(&conf(60)).unwrap();
+    // not started: refused
+    let kind = |r: Result<()>| r.unwrap_err().kind();
+    assert_eq!(kind(t.prefetch(&b, b"ns", &prompt)), ErrorKind::InvalidArgument);
+    assert_eq!(kind(t.prefetch_wait()), ErrorKind::InvalidArgument);
+    assert_eq!(kind(t.prefetch_start(0)), ErrorKind::InvalidArgument);
+    t.prefetch_start(1 << 24).unwrap();
+    assert_eq!(kind(t.prefetch_start(1 << 24)), ErrorKind::InvalidArgument); // once
+    assert_eq!(kind(t.prefetch(&b, &[0u8; 257], &prompt)), ErrorKind::InvalidArgument);
+    t.prefetch(&b, b"ns", &prompt[..7]).unwrap(); // no full block: nothing to do
+    t.prefetch(&b, b"ns", &[]).unwrap();
+    // staged: every full block
+    t.prefetch(&b, b"ns", &prompt).unwrap();
+    t.prefetch_wait().unwrap();
+    let st = t.stats().unwrap();
+    assert_eq!((st.prefetched, st.staged_entries, st.prefetch_hits), (5, 5, 0));
+    assert!(st.staged_bytes > 0 && st.staged_bytes % 5 == 0, "{:?}", st);
+    t.prefetch(&b, b"ns", &prompt).unwrap(); // staged already: kept, not fetched again
+    t.prefetch_wait().unwrap();
+    assert_eq!(t.stats().unwrap(), st);
+    // the load takes them from staging
+    let sb = b.seq_create(b"ns").unwrap();
+    assert_eq!(b.match_prefix(sb, &prompt).unwrap(), 0);
+    assert_eq!(b.tier_load(&t, sb, &prompt).unwrap(), 40);
+    let st = t.stats().unwrap();
+    assert_eq!((st.prefetch_hits, st.loaded_blocks, st.load_misses), (5, 5, 0));
+    assert_eq!((st.staged_entries, st.staged_bytes), (0, 0));
+    for layer in 0..2 {
+        assert_eq!(
+            b.read_stored(sb, layer, 0, 40).unwrap(),
+            a.read_stored(sa, layer, 0, 40).unwrap()
+        );
+    }
+    // another namespace: the first block is missing, nothing staged
+    t.prefetch(&b, b"other", &prompt).unwrap();
+    t.prefetch_wait().unwrap();
+    let st = t.stats().unwrap();
+    assert_eq!((st.prefetched, st.staged_entries), (5, 0));
+    // queued prefetches for a cache dropped before they run; the tier dropped with staged entries
+    let c = Cache::new(&conf(60)).unwrap();
+    t.prefetch(&c, b"ns", &prompt).unwrap();
+    drop(c);
+    t.prefetch_wait().unwrap();
+    assert_eq!(t.stats().unwrap().staged_entries, 5);
+    b.check().unwrap();
+    drop(t);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
