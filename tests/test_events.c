@@ -10,24 +10,17 @@
 #include <cmocka.h>
 
 #include "../fuzz/prefix_model.h"
+#include "support_util.h"
 #include "test_prefix_util.h"
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
 static pkv_cache *ev_cache(uint32_t B, uint32_t n_blocks, uint32_t ev_cap) {
-    pkv_config cfg = pkv_config_default();
-    cfg.n_layers = 1;
-    cfg.n_kv_heads = TP_H;
-    cfg.head_dim = TP_D;
-    cfg.block_tokens = B;
-    cfg.n_blocks = n_blocks;
-    cfg.n_threads = 1;
-    cfg.huge_pages = 0;
+    pkv_config cfg = tu_config(n_blocks, B, 1, TP_H, TP_D, PKV_DTYPE_F16);
+    cfg.enable_prefix_cache = 1;
     cfg.event_capacity = ev_cap;
-    pkv_cache *c = NULL;
-    assert_int_equal(pkv_cache_create(&cfg, &c), 0);
-    return c;
+    return tu_create(&cfg);
 }
 
 static size_t take(pkv_cache *c, pkv_event *ev, size_t cap, int32_t *toks) {

@@ -1836,10 +1836,10 @@ func TestStoredRows(t *testing.T) {
 	}
 }
 
-func TestTiers(t *testing.T) {
-	// a prompt's blocks saved from one cache into host and file tiers and loaded into another,
-	// byte for byte; another namespace misses; refusals; a closed tier
-	mk := func(nBlocks uint32) *Cache {
+// tierCache makes the tier tests' caches: 2 layers, 2 kv heads x 32, blocks of 8, f16 K and
+// q8_0 V, prefix caching on.
+func tierCache(t *testing.T) func(nBlocks uint32) *Cache {
+	return func(nBlocks uint32) *Cache {
 		cfg := DefaultConfig()
 		cfg.NLayers, cfg.NKVHeads, cfg.HeadDim, cfg.BlockTokens, cfg.NBlocks, cfg.NThreads = 2, 2, 32, 8, nBlocks, 1
 		cfg.KDtype, cfg.VDtype, cfg.PrefixCache = F16, Q8_0, true
@@ -1847,21 +1847,34 @@ func TestTiers(t *testing.T) {
 		must(t, err)
 		return c
 	}
-	a := mk(16)
-	defer a.Close()
+}
+
+// tierSource is a cache of 16 blocks holding a 45-token prompt (first .. first+44) in namespace
+// salt, its K/V random from seed, committed: the cache, the sequence and the prompt.
+func tierSource(t *testing.T, salt string, first int32, seed uint64) (*Cache, Seq, []int32) {
+	a := tierCache(t)(16)
 	prompt := make([]int32, 45)
 	for i := range prompt {
-		prompt[i] = int32(400 + i)
+		prompt[i] = first + int32(i)
 	}
-	sa, err := a.SeqCreate([]byte("ten"))
+	sa, err := a.SeqCreate([]byte(salt))
 	must(t, err)
 	_, err = a.Append(sa, prompt)
 	must(t, err)
-	r := rng(5)
+	r := rng(seed)
 	for layer := uint32(0); layer < 2; layer++ {
 		must(t, a.WriteKVSeq(sa, layer, 0, r.vec(45*64), r.vec(45*64)))
 	}
 	must(t, a.Commit(sa, 45))
+	return a, sa, prompt
+}
+
+func TestTiers(t *testing.T) {
+	// a prompt's blocks saved from one cache into host and file tiers and loaded into another,
+	// byte for byte; another namespace misses; refusals; a closed tier
+	mk := tierCache(t)
+	a, sa, prompt := tierSource(t, "ten", 400, 5)
+	defer a.Close()
 	host, err := NewHostTier(1 << 24)
 	must(t, err)
 	dir := t.TempDir()
@@ -1944,29 +1957,9 @@ func TestTierPrefetch(t *testing.T) {
 	// tests/test_tier.c test_prefetch, its first part, on a file tier: a prompt saved from one
 	// cache is prefetched for another, staged, and loaded from staging byte for byte; refusals;
 	// a closed tier or cache
-	mk := func(nBlocks uint32) *Cache {
-		cfg := DefaultConfig()
-		cfg.NLayers, cfg.NKVHeads, cfg.HeadDim, cfg.BlockTokens, cfg.NBlocks, cfg.NThreads = 2, 2, 32, 8, nBlocks, 1
-		cfg.KDtype, cfg.VDtype, cfg.PrefixCache = F16, Q8_0, true
-		c, err := NewCache(cfg)
-		must(t, err)
-		return c
-	}
-	a := mk(16)
+	mk := tierCache(t)
+	a, sa, prompt := tierSource(t, "ns", 500, 29)
 	defer a.Close()
-	prompt := make([]int32, 45)
-	for i := range prompt {
-		prompt[i] = int32(500 + i)
-	}
-	sa, err := a.SeqCreate([]byte("ns"))
-	must(t, err)
-	_, err = a.Append(sa, prompt)
-	must(t, err)
-	r := rng(29)
-	for layer := uint32(0); layer < 2; layer++ {
-		must(t, a.WriteKVSeq(sa, layer, 0, r.vec(45*64), r.vec(45*64)))
-	}
-	must(t, a.Commit(sa, 45))
 	tier, err := NewFileTier(t.TempDir()+"/t", 1<<24)
 	must(t, err)
 	defer tier.Close()

@@ -521,6 +521,39 @@ pub struct Event {
     pub tokens: Option<Vec<i32>>,
 }
 
+/// Room for `cap` events and, with tokens, their blocks' token ids (`b` an event).
+struct EventBuf {
+    raw: Vec<ffi::pkv_event>,
+    toks: Option<Vec<i32>>,
+    b: usize,
+}
+
+impl EventBuf {
+    fn new(cap: usize, b: usize, with_tokens: bool, what: &str) -> Result<EventBuf> {
+        let toks = if with_tokens {
+            Some(vec![0i32; mul_len(cap, b, &format!("{}: tokens", what))?])
+        } else {
+            None
+        };
+        Ok(EventBuf {
+            raw: vec![ffi::pkv_event::default(); cap],
+            toks,
+            b,
+        })
+    }
+
+    /// The events' and the token ids' buffers for C (null: no token ids).
+    fn ptrs(&mut self) -> (*mut ffi::pkv_event, *mut i32) {
+        let tp = self.toks.as_mut().map_or(ptr::null_mut(), |t| t.as_mut_ptr());
+        (self.raw.as_mut_ptr(), tp)
+    }
+
+    /// The first `n` as [`Event`]s.
+    fn events(&self, n: usize) -> Vec<Event> {
+        events(&self.raw, n, self.toks.as_deref(), self.b)
+    }
+}
+
 /// The first `n` of `raw` as [`Event`]s; `toks`: their blocks' token ids, `b` an event, if taken.
 fn events(raw: &[ffi::pkv_event], n: usize, toks: Option<&[i32]>, b: usize) -> Vec<Event> {
     raw[..n]
@@ -1370,24 +1403,14 @@ impl Cache {
     pub fn take_events(&self, max: usize, with_tokens: bool) -> Result<Vec<Event>> {
         // the ring never holds more than event_capacity: no larger buffer is needed
         let cap = max.min(self.cfg.event_capacity as usize);
-        let b = self.cfg.block_tokens as usize;
-        let mut raw = vec![ffi::pkv_event::default(); cap];
-        let mut toks = if with_tokens {
-            vec![0i32; mul_len(cap, b, "take_events: tokens")?]
-        } else {
-            Vec::new()
-        };
-        let tp = if with_tokens {
-            toks.as_mut_ptr()
-        } else {
-            ptr::null_mut()
-        };
+        let mut buf = EventBuf::new(cap, self.cfg.block_tokens as usize, with_tokens, "take_events")?;
         let mut n = 0usize;
+        let (raw, tp) = buf.ptrs();
         check(
-            unsafe { ffi::pkv_cache_take_events(self.p(), raw.as_mut_ptr(), cap, tp, &mut n) },
+            unsafe { ffi::pkv_cache_take_events(self.p(), raw, cap, tp, &mut n) },
             "pkv_cache_take_events",
         )?;
-        Ok(events(&raw, n, if with_tokens { Some(&toks) } else { None }, b))
+        Ok(buf.events(n))
     }
 
     /// The whole prefix index now, as `Stored` events (seqno 0), every parent before its
@@ -1405,19 +1428,10 @@ impl Cache {
         // room for what other threads index meanwhile, usually
         let mut cap = room(self.stats()?.n_indexed)?;
         loop {
-            let mut raw = vec![ffi::pkv_event::default(); cap];
-            let mut toks = if with_tokens {
-                vec![0i32; mul_len(cap, b, "prefix_snapshot: tokens")?]
-            } else {
-                Vec::new()
-            };
-            let tp = if with_tokens {
-                toks.as_mut_ptr()
-            } else {
-                ptr::null_mut()
-            };
+            let mut buf = EventBuf::new(cap, b, with_tokens, "prefix_snapshot")?;
             let mut n = 0usize;
-            let rc = unsafe { ffi::pkv_prefix_snapshot(self.p(), raw.as_mut_ptr(), cap, tp, &mut n) };
+            let (raw, tp) = buf.ptrs();
+            let rc = unsafe { ffi::pkv_prefix_snapshot(self.p(), raw, cap, tp, &mut n) };
             if rc == ELIMIT && n > cap {
                 // the index grew past that: again, with room (forgetting the refusal it said)
                 SAID.with(|s| s.borrow_mut().take());
@@ -1425,7 +1439,7 @@ impl Cache {
                 continue;
             }
             check(rc, "pkv_prefix_snapshot")?;
-            return Ok(events(&raw, n, if with_tokens { Some(&toks) } else { None }, b));
+            return Ok(buf.events(n));
         }
     }
 

@@ -1348,22 +1348,24 @@ fn stored_rows_move_a_sequence() {
     }
 }
 
-#[test]
-fn tiers_move_prefix_blocks() {
-    // a prompt's blocks saved from one cache into host and file tiers and loaded into another,
-    // byte for byte; another namespace misses; refusals
-    let conf = |n_blocks| Config {
+/// The tier tests' shape: 2 layers, 2 kv heads x 32, blocks of 8, f16 K and q8_0 V.
+fn tier_conf(n_blocks: u32) -> Config {
+    Config {
         block_tokens: 8,
         n_layers: 2,
         v_dtype: Dtype::Q8_0,
         prefix_cache: true,
         ..cfg(2, 32, n_blocks, Dtype::F16)
-    };
-    let mut rng = Rng(17);
-    let mut a = Cache::new(&conf(16)).unwrap();
-    let mut b = Cache::new(&conf(40)).unwrap();
-    let prompt: Vec<i32> = (300..345).collect();
-    let sa = a.seq_create(b"ten").unwrap();
+    }
+}
+
+/// A cache of 16 blocks holding a 45-token prompt (first..first + 45) in namespace salt, its
+/// K/V random from seed and committed: the sequence and the prompt.
+fn tier_source(salt: &[u8], first: i32, seed: u64) -> (Cache, Seq, Vec<i32>) {
+    let mut rng = Rng(seed);
+    let mut a = Cache::new(&tier_conf(16)).unwrap();
+    let prompt: Vec<i32> = (first..first + 45).collect();
+    let sa = a.seq_create(salt).unwrap();
     a.append(sa, &prompt).unwrap();
     for layer in 0..2 {
         let (k, v) = (rng.vec(45 * 64), rng.vec(45 * 64));
@@ -1371,6 +1373,15 @@ fn tiers_move_prefix_blocks() {
             .unwrap();
     }
     a.commit(sa, 45).unwrap();
+    (a, sa, prompt)
+}
+
+#[test]
+fn tiers_move_prefix_blocks() {
+    // a prompt's blocks saved from one cache into host and file tiers and loaded into another,
+    // byte for byte; another namespace misses; refusals
+    let (a, sa, prompt) = tier_source(b"ten", 300, 17);
+    let mut b = Cache::new(&tier_conf(40)).unwrap();
     let dir = std::env::temp_dir().join(format!("pkv-rust-tier-{}", std::process::id()));
     let host = Tier::host(1 << 24).unwrap();
     let file = Tier::file(&dir, 1 << 24).unwrap();
@@ -1379,7 +1390,7 @@ fn tiers_move_prefix_blocks() {
         assert_eq!(a.tier_save(t, sa).unwrap(), 0);
         let st = t.stats().unwrap();
         assert_eq!((st.entries, st.saved, st.save_present), (5, 5, 5));
-        let mut c = Cache::new(&conf(40)).unwrap();
+        let mut c = Cache::new(&tier_conf(40)).unwrap();
         let sc = c.seq_create(b"ten").unwrap();
         assert_eq!(c.match_prefix(sc, &prompt).unwrap(), 0);
         assert_eq!(c.tier_load(t, sc, &prompt).unwrap(), 40);
@@ -1420,28 +1431,11 @@ fn tiers_move_prefix_blocks() {
 fn tier_prefetch_stages_a_prompt() {
     // tests/test_tier.c test_prefetch, its first part, on a file tier: a prompt saved from one
     // cache is prefetched for another, staged, and loaded from staging byte for byte; refusals
-    let conf = |n_blocks| Config {
-        block_tokens: 8,
-        n_layers: 2,
-        v_dtype: Dtype::Q8_0,
-        prefix_cache: true,
-        ..cfg(2, 32, n_blocks, Dtype::F16)
-    };
-    let mut rng = Rng(29);
-    let mut a = Cache::new(&conf(16)).unwrap();
-    let prompt: Vec<i32> = (500..545).collect();
-    let sa = a.seq_create(b"ns").unwrap();
-    a.append(sa, &prompt).unwrap();
-    for layer in 0..2 {
-        let (k, v) = (rng.vec(45 * 64), rng.vec(45 * 64));
-        a.write_kv_seq(sa, layer, 0, Some(KvData::F32(&k)), Some(KvData::F32(&v)))
-            .unwrap();
-    }
-    a.commit(sa, 45).unwrap();
+    let (a, sa, prompt) = tier_source(b"ns", 500, 29);
     let dir = std::env::temp_dir().join(format!("pkv-rust-prefetch-{}", std::process::id()));
     let t = Tier::file(&dir, 1 << 24).unwrap();
     assert_eq!(a.tier_save(&t, sa).unwrap(), 5);
-    let mut b = Cache::new(&conf(60)).unwrap();
+    let mut b = Cache::new(&tier_conf(60)).unwrap();
     // not started: refused
     let kind = |r: Result<()>| r.unwrap_err().kind();
     assert_eq!(kind(t.prefetch(&b, b"ns", &prompt)), ErrorKind::InvalidArgument);
@@ -1480,7 +1474,7 @@ fn tier_prefetch_stages_a_prompt() {
     let st = t.stats().unwrap();
     assert_eq!((st.prefetched, st.staged_entries), (5, 0));
     // queued prefetches for a cache dropped before they run; the tier dropped with staged entries
-    let c = Cache::new(&conf(60)).unwrap();
+    let c = Cache::new(&tier_conf(60)).unwrap();
     t.prefetch(&c, b"ns", &prompt).unwrap();
     drop(c);
     t.prefetch_wait().unwrap();
