@@ -829,7 +829,8 @@ typedef struct pkv_tier_stats {
     uint64_t prefetched;     /* entries the prefetch thread fetched from the store into staging */
     uint64_t prefetch_hits;  /* blocks pkv_tier_load took from staging instead of the store */
     uint64_t prefetch_dropped; /* staged entries dropped unused, for room */
-    uint64_t staged_entries, staged_bytes; /* held in staging now */
+    uint64_t staged_entries; /* entries staged now */
+    uint64_t staged_bytes;   /* memory staging holds now: staged entries and kept buffers */
 } pkv_tier_stats;
 PKV_NODISCARD PKV_API int pkv_tier_get_stats(pkv_tier *t, pkv_tier_stats *out);
 
@@ -857,18 +858,20 @@ PKV_NODISCARD PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq s, co
 /* Prefetch (SGLang HiCache's prefetch from storage while a request waits): a thread of the
  * tier's own fetches a prompt's entries from the store into host memory (staging), so that the
  * pkv_tier_load that follows copies them from memory instead of waiting on files or Redis.
- * pkv_tier_prefetch_start starts the thread with staging_bytes of staging (entries allocated
- * through the tier's allocator as they arrive, the oldest dropped past it; the buffers of
- * entries loads took are kept within it for the next ones); once only, PKV_EINVAL after that;
- * PKV_ENOMEM where no thread can be started. pkv_tier_destroy stops it. */
+ * pkv_tier_prefetch_start starts the thread with staging_bytes of staging: entries allocated
+ * through the tier's allocator as they arrive, the buffers of those loads took kept for the next
+ * ones, and all of it, headers included, within staging_bytes (kept buffers dropped first, then
+ * the oldest staged entries). Once only: PKV_EINVAL after that; PKV_ENOMEM where no thread can be
+ * started. pkv_tier_destroy stops it. */
 PKV_NODISCARD PKV_API int pkv_tier_prefetch_start(pkv_tier *t, uint64_t staging_bytes);
 
 /* Queues the entries of tokens[0 .. n)'s full blocks (those a later pkv_tier_load of this prompt
  * would ask for) under the namespace salt (as pkv_seq_create's) for caches of c's shape, and
- * returns. The thread fetches them in order and stops at the first the store lacks; entries
- * already staged are kept. A load takes a staged entry (and drops it from staging) after the same
- * checks as one from the store; a load that comes before its entries are staged asks the store
- * itself. PKV_EINVAL before pkv_tier_prefetch_start or for bad arguments; PKV_EBUSY when 64
+ * returns. The thread fetches them in order and stops at the first the store lacks, or gives
+ * wrong (it checks an entry's header, token ids and checksum as a load does, and stages only
+ * what passes; entries already staged are kept). A load takes a staged entry (out of staging)
+ * after the same checks as one from the store; a load that comes before its entries are staged
+ * asks the store itself. PKV_EINVAL before pkv_tier_prefetch_start or for bad arguments; PKV_EBUSY when 64
  * prefetches are queued; PKV_ENOMEM. */
 PKV_NODISCARD PKV_API int pkv_tier_prefetch(pkv_tier *t, const pkv_cache *c, const void *salt, size_t salt_len,
                                             const int32_t *tokens, uint32_t n);

@@ -1100,9 +1100,11 @@ class Cache:
         """Takes the oldest recorded prefix-index events, at most max_events, as a list of Event
         (pkv_cache_take_events; the cache needs event_capacity > 0). An "overflow" event means the
         ring was full and events were dropped: rebuild from prefix_snapshot()."""
-        cap = _uint_of(max_events, "max_events", 32)
+        c = _Config()
+        self._check(_lib.pkv_cache_config(self._h(), ctypes.byref(c)), "pkv_cache_config")
+        cap = min(_uint_of(max_events, "max_events", 32), c.event_capacity)  # the ring holds no more
+        bt = c.block_tokens
         buf = (_Event * max(cap, 1))()
-        bt = self._block_tokens()
         toks = np.empty(cap * bt, dtype=np.int32) if tokens else None
         n = _sz()
         self._check(_lib.pkv_cache_take_events(self._h(), buf, cap, _ptr(toks), ctypes.byref(n)),

@@ -716,6 +716,20 @@ static void test_bad_config(void **state) {
         g_cfg_rows[i].mutate(&cfg);
         expect_refused(g_cfg_rows[i].name, cfg, &as, g_cfg_rows[i].want, g_cfg_rows[i].says);
     }
+    { /* block tables of 2^22 sequences x 4096 blocks: 64 GiB, past a 32-bit size_t (refused as
+         such: the product wrapped there, and an append wrote past the tables) */
+        tu_alloc_state as;
+        tu_alloc_reset(&as, -1);
+        as.refuse_over = (size_t)1 << 30;
+        pkv_config cfg = tu_config(4096, 4, 1, 1, 32, PKV_DTYPE_F32);
+        cfg.allocator = tu_allocator(&as);
+        cfg.max_seqs = 1u << 22;
+        cfg.max_blocks_per_seq = 4096;
+        pkv_cache *c = NULL;
+        assert_int_equal(pkv_cache_create(&cfg, &c), sizeof(size_t) < 8 ? PKV_EINVAL : PKV_ENOMEM);
+        assert_null(c);
+        assert_int_equal(as.n_live, 0);
+    }
     /* the environment's settings for attention, read at create: a bad one is refused and named */
     static const struct {
         const char *var, *value, *says;

@@ -222,6 +222,18 @@ static void test_events_bad_input(void **state) {
     pkv_cache *c = NULL;
     assert_int_equal(pkv_cache_create(&cfg, &c), PKV_EINVAL);
     assert_null(c);
+    /* the largest ring: 2^24 events of 1024 tokens, 64 GiB of token ids: past a 32-bit size_t
+       (refused as such, where it wrapped to nothing before), refused by the allocator on 64 */
+    tu_alloc_state as;
+    tu_alloc_reset(&as, -1);
+    as.refuse_over = (size_t)1 << 30;
+    pkv_config big = cfg;
+    big.allocator = tu_allocator(&as);
+    big.event_capacity = 1u << 24;
+    big.block_tokens = 1024;
+    assert_int_equal(pkv_cache_create(&big, &c), sizeof(size_t) < 8 ? PKV_EINVAL : PKV_ENOMEM);
+    assert_null(c);
+    assert_int_equal(as.n_live, 0);
     cfg.event_capacity = 0;
     assert_int_equal(pkv_cache_create(&cfg, &c), 0);
     pkv_event ev[4];

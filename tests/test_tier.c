@@ -605,8 +605,9 @@ static void test_faults(void **state) {
 /* ---- prefetch: a prompt's entries staged by the tier's thread, then loaded from memory ---- */
 static void test_prefetch(void **state) {
     (void)state;
-    int32_t toks[N];
+    int32_t toks[N], toks2[N];
     prompt(toks, N, 1700);
+    prompt(toks2, N, 2900);
     pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 16, LAYERS);
     pkv_seq sa = filled(a, "ns", toks, N), s;
     static fake f;
@@ -637,8 +638,9 @@ static void test_prefetch(void **state) {
     pkv_tier_stats st = tstats(t);
     assert_int_equal(st.prefetched, 5);
     assert_int_equal(st.staged_entries, 5);
-    const uint64_t entry = st.staged_bytes / 5;
-    assert_int_equal(st.staged_bytes, 5 * entry);
+    const uint64_t held = st.staged_bytes / 5; /* an entry's buffer in staging */
+    assert_int_equal(st.staged_bytes, 5 * held);
+    assert_true(held > 88 + B * 4);
     assert_int_equal(f.n_get, 5);
     TU_OK(pkv_tier_prefetch(t, b, "ns", 2, toks, N)); /* staged already: no get */
     TU_OK(pkv_tier_prefetch_wait(t));
@@ -649,19 +651,24 @@ static void test_prefetch(void **state) {
     st = tstats(t);
     assert_int_equal(st.prefetch_hits, 5);
     assert_int_equal(st.staged_entries, 0);
-    assert_int_equal(st.staged_bytes, 0);
+    assert_int_equal(st.staged_bytes, 5 * held); /* the buffers, kept for the next fetches */
     /* another namespace: the first block is missing, nothing staged */
     TU_OK(pkv_tier_prefetch(t, b, "other", 5, toks, N));
     TU_OK(pkv_tier_prefetch_wait(t));
     assert_int_equal(tstats(t).prefetched, 5);
     assert_int_equal(f.n_get, 6);
-    /* a garbled entry staged is refused at the load, as from the store, and deleted there */
+    /* a store that gives a garbled entry: the thread stages none of it (it checks as the load
+       does), and the load then finds it in the store, refuses it and deletes it there */
     f.garble = 1;
     TU_OK(pkv_tier_prefetch(t, b, "ns", 2, toks, N));
     TU_OK(pkv_tier_prefetch_wait(t));
     f.garble = 0;
+    assert_int_equal(tstats(t).staged_entries, 0);
+    assert_int_equal(tstats(t).prefetched, 5);
+    f.garble = 1;
     pkv_cache *c = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
     assert_int_equal(load_fresh(t, c, "ns", toks, N, NULL, &s), 0);
+    f.garble = 0;
     assert_int_equal(tstats(t).rejected, 1);
     assert_int_equal(fake_count(&f), 4);
     TU_OK(pkv_tier_save(t, a, sa, &saved)); /* put back */
@@ -672,15 +679,16 @@ static void test_prefetch(void **state) {
     atomic_store(&f.gate, 0);
     TU_OK(pkv_tier_prefetch_wait(t));
     st = tstats(t);
-    /* block 0 fetched again; blocks 1-4 staged by the garbled run are kept as they are (a key
-       names one content: a staged entry is what the store gave) */
     assert_int_equal(st.staged_entries, 5);
-    assert_int_equal(st.prefetched, 5 + 5 + 1);
+    assert_int_equal(st.prefetched, 10);
+    assert_int_equal(st.staged_bytes, 5 * held);
     pkv_tier_destroy(t);
-    /* staging smaller than the prompt: the oldest staged entries are dropped; the load takes the
-       rest from staging and the dropped ones from the store */
+    /* staging of 2.5 entries: the oldest staged entries are dropped; the load takes the rest from
+       staging and the dropped ones from the store; then another prompt's prefetch drops the
+       kept buffers and what is staged to stay within it */
     TU_OK(pkv_tier_create(&ops, &f, NULL, &t));
-    TU_OK(pkv_tier_prefetch_start(t, 2 * entry + entry / 2));
+    const uint64_t small = 2 * held + held / 2;
+    TU_OK(pkv_tier_prefetch_start(t, small));
     f.n_get = 0;
     TU_OK(pkv_tier_prefetch(t, c, "ns", 2, toks, N));
     TU_OK(pkv_tier_prefetch_wait(t));
@@ -688,20 +696,33 @@ static void test_prefetch(void **state) {
     assert_int_equal(st.prefetched, 5);
     assert_int_equal(st.prefetch_dropped, 3);
     assert_int_equal(st.staged_entries, 2);
+    assert_int_equal(st.staged_bytes, 2 * held);
     pkv_cache_destroy(c);
     c = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
     assert_int_equal(load_fresh(t, c, "ns", toks, N, NULL, &s), 40);
     same_rows(a, sa, c, s, 40);
     assert_int_equal(tstats(t).prefetch_hits, 2);
     assert_int_equal(f.n_get, 5 + 3);
+    assert_int_equal(tstats(t).staged_bytes, 2 * held); /* two spares */
+    pkv_seq sa2 = filled(a, "ns", toks2, N);
+    TU_OK(pkv_tier_save(t, a, sa2, &saved));
+    assert_int_equal(saved, 5);
+    TU_OK(pkv_tier_prefetch(t, c, "ns", 2, toks2, N));
+    TU_OK(pkv_tier_prefetch_wait(t));
+    st = tstats(t);
+    assert_int_equal(st.prefetched, 10);
+    assert_int_equal(st.staged_entries, 2);
+    assert_true(st.staged_bytes <= small);
+    assert_int_equal(st.prefetch_dropped, 3 + 3);
     /* staging too small for one entry: nothing is fetched */
     pkv_tier_destroy(t);
     TU_OK(pkv_tier_create(&ops, &f, NULL, &t));
-    TU_OK(pkv_tier_prefetch_start(t, entry - 1));
+    TU_OK(pkv_tier_prefetch_start(t, held - 1));
     TU_OK(pkv_tier_prefetch(t, c, "ns", 2, toks, N));
     TU_OK(pkv_tier_prefetch_wait(t));
     assert_int_equal(tstats(t).prefetched, 0);
-    /* destroyed with prefetches queued behind a slow store: they are dropped, nothing leaks */
+    assert_int_equal(tstats(t).staged_bytes, 0);
+    /* destroyed with prefetches queued: they are dropped, nothing leaks */
     pkv_tier_destroy(t);
     tu_alloc_state as;
     pkv_allocator al = tu_allocator(&as);
@@ -711,7 +732,7 @@ static void test_prefetch(void **state) {
     for (int i = 0; i < 20; i++) TU_OK(pkv_tier_prefetch(t, c, "ns", 2, toks, N));
     pkv_tier_destroy(t);
     assert_int_equal(as.n_live, 0);
-    /* the entries a load took are kept for the next prefetch: it allocates its job only */
+    /* the buffers a load took serve the next prefetch: it allocates its jobs only */
     tu_alloc_reset(&as, -1);
     TU_OK(pkv_tier_create(&ops, &f, &al, &t));
     TU_OK(pkv_tier_prefetch_start(t, 1u << 24));
@@ -721,10 +742,12 @@ static void test_prefetch(void **state) {
     c = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
     assert_int_equal(load_fresh(t, c, "ns", toks, N, NULL, &s), 40);
     const long calls = as.n_calls;
+    const size_t live = as.live_bytes;
     TU_OK(pkv_tier_prefetch(t, c, "other", 5, toks, N)); /* a miss: nothing staged */
     TU_OK(pkv_tier_prefetch(t, c, "ns", 2, toks, N));
     TU_OK(pkv_tier_prefetch_wait(t));
     assert_int_equal(as.n_calls - calls, 2);
+    assert_int_equal(as.live_bytes, live); /* the jobs freed, the buffers the same */
     st = tstats(t);
     assert_int_equal(st.prefetched, 10);
     assert_int_equal(st.staged_entries, 5);
@@ -740,6 +763,7 @@ static void test_prefetch(void **state) {
     TU_OK(pkv_tier_prefetch(t, c, "ns", 2, toks, N));
     TU_OK(pkv_tier_prefetch_wait(t));
     assert_int_equal(tstats(t).prefetched, 0);
+    assert_int_equal(tstats(t).staged_bytes, 0);
     assert_int_equal(as.n_failed, 2);
     pkv_tier_destroy(t);
     assert_int_equal(as.n_live, 0);

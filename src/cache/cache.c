@@ -228,26 +228,28 @@ static uint32_t pow2_at_least(uint64_t n) {
     return p;
 }
 
-/* Every allocation create makes, in order; destroy frees the same list. */
+/* Every allocation create makes, in order, with its size in bytes as a uint64_t (every factor
+ * is bounded by the config's checks, so no product overflows 64 bits; create refuses one past
+ * size_t, which on a 32-bit machine several can be); destroy frees the same list. */
 #define CACHE_ALLOCS(X)                                                                               \
-    X(blk, sizeof(pkv__blk) * (size_t)c->n_blocks)                                                     \
-    X(tokens, sizeof(int32_t) * (size_t)c->n_blocks * c->B)                                            \
-    X(seqs, sizeof(pkv__seq) * (size_t)c->max_seqs)                                                    \
-    X(tables, sizeof(int32_t) * (size_t)c->max_seqs * c->max_bps)                                      \
-    X(buckets, sizeof(uint32_t) * ((size_t)c->bucket_mask + 1))                                        \
-    X(roots, sizeof(uint32_t) * ((size_t)c->bucket_mask + 1))                                          \
-    X(fp_seen, sizeof(uint64_t) * ((size_t)c->fp_mask + 1))                                            \
-    X(fp_content, sizeof(uint64_t) * ((size_t)c->fp_mask + 1))                                         \
-    X(chk_ref, sizeof(uint32_t) * (size_t)c->n_blocks)                                                 \
-    X(chk_pos, sizeof(uint32_t) * (size_t)c->n_blocks)                                                 \
-    X(items, sizeof(pkv__attn_item) * (size_t)c->max_seqs)                                          \
-    X(ev, sizeof(pkv_event) * (size_t)c->ev_cap)                                                       \
-    X(ev_tok, sizeof(int32_t) * (size_t)c->ev_cap * c->B)
+    X(blk, (uint64_t)sizeof(pkv__blk) * c->n_blocks)                                                   \
+    X(tokens, (uint64_t)sizeof(int32_t) * c->n_blocks * c->B)                                          \
+    X(seqs, (uint64_t)sizeof(pkv__seq) * c->max_seqs)                                                  \
+    X(tables, (uint64_t)sizeof(int32_t) * c->max_seqs * c->max_bps)                                    \
+    X(buckets, (uint64_t)sizeof(uint32_t) * ((uint64_t)c->bucket_mask + 1))                            \
+    X(roots, (uint64_t)sizeof(uint32_t) * ((uint64_t)c->bucket_mask + 1))                              \
+    X(fp_seen, (uint64_t)sizeof(uint64_t) * ((uint64_t)c->fp_mask + 1))                                \
+    X(fp_content, (uint64_t)sizeof(uint64_t) * ((uint64_t)c->fp_mask + 1))                             \
+    X(chk_ref, (uint64_t)sizeof(uint32_t) * c->n_blocks)                                               \
+    X(chk_pos, (uint64_t)sizeof(uint32_t) * c->n_blocks)                                               \
+    X(items, (uint64_t)sizeof(pkv__attn_item) * c->max_seqs)                                           \
+    X(ev, (uint64_t)sizeof(pkv_event) * c->ev_cap)                                                     \
+    X(ev_tok, (uint64_t)sizeof(int32_t) * c->ev_cap * c->B)
 
 static void cache_free_all(pkv_cache *c) {
     pkv_allocator a = c->alloc;
     if (c->attn) pkv__attn_destroy(c->attn);
-#define FREE_ONE(field, size) pkv__free(&a, c->field, size);
+#define FREE_ONE(field, size) pkv__free(&a, c->field, (size_t)(size));
     CACHE_ALLOCS(FREE_ONE)
 #undef FREE_ONE
     if (c->kv) pkv__free(&a, c->kv, c->kv_bytes);
@@ -362,8 +364,16 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     c->fp_mask = pow2_at_least(PKV_MIN((uint64_t)cfg.n_blocks * 2, 1u << 22)) - 1;
 
     uint64_t meta = sizeof *c;
+#define FITS_ONE(field, size)                                                                           \
+    if ((size) > SIZE_MAX) {                                                                            \
+        cache_free_all(c);                                                                              \
+        REFUSE(&cfg, PKV_EINVAL, "the cache's " #field " (%llu bytes) is past this machine's size_t",   \
+               (unsigned long long)(size));                                                             \
+    }
+    CACHE_ALLOCS(FITS_ONE)
+#undef FITS_ONE
 #define ALLOC_ONE(field, size)                                   \
-    c->field = pkv__calloc(&a, size, PKV_CACHELINE);            \
+    c->field = pkv__calloc(&a, (size_t)(size), PKV_CACHELINE);  \
     if (!c->field) goto oom;                                     \
     meta += (size) + ((size) == 0); /* as pkv__alloc takes it */
     CACHE_ALLOCS(ALLOC_ONE)

@@ -33,12 +33,13 @@ struct pkv_tier {
     pf_job *pf_head, *pf_tail;
     uint32_t pf_n;
     pkv__tmap staged;
-    uint64_t staged_cap;
-    /* staged entries a load took, kept for the next ones (linked through hnext, within
-       staged_cap with the staged ones): freeing them cost a load more than its copies (an
-       unmapped page is every thread's TLB's business) */
+    uint64_t staged_cap; /* staging_bytes */
+    uint64_t pf_bytes;   /* what staging holds: staged entries, spares and the fetch in flight (their
+                            sizes, headers included), at most staged_cap */
+    /* buffers of staged entries a load took (or a fetch did not keep), for the next fetches
+       (linked through hnext; counted in pf_bytes): freeing them cost a load more than its
+       copies (an unmapped page is every thread's TLB's business) */
     pkv__tent *spare;
-    uint64_t spare_bytes;
     /* one entry buffer kept between calls (the largest given back while it was free): a fresh
        one a call cost more in page faults than its copies (half of a host save's time) */
     uint8_t *scratch;
@@ -132,7 +133,7 @@ PKV_API int pkv_tier_get_stats(pkv_tier *t, pkv_tier_stats *out) {
     if (!t || !out) return PKV_EINVAL;
     pthread_mutex_lock(&t->mu);
     pkv_tier_stats st = t->st;
-    st.staged_entries = t->staged.n, st.staged_bytes = t->staged.bytes;
+    st.staged_entries = t->staged.n, st.staged_bytes = t->pf_bytes;
     pthread_mutex_unlock(&t->mu);
     st.entries = st.bytes = st.capacity = st.evictions = 0;
     if (t->ops.usage) t->ops.usage(t->ctx, &st.entries, &st.bytes, &st.capacity, &st.evictions);
@@ -215,37 +216,41 @@ typedef struct shape {
     size_t k_rows, v_rows; /* bytes of one position's K (V) rows, every kv head */
     size_t layer;          /* bytes of one layer's K and V rows of a block */
     size_t entry;          /* bytes of an entry */
+    uint32_t k_dtype, v_dtype, head_dim, n_kv_heads, n_layers, block_tokens; /* as the header says */
 } shape;
 
 static bool shape_of(const pkv_cache *c, shape *sh) {
     size_t kv, l;
+    sh->k_dtype = (uint32_t)c->cfg.k_dtype, sh->v_dtype = (uint32_t)c->cfg.v_dtype;
+    sh->head_dim = c->head_dim, sh->n_kv_heads = c->n_kv, sh->n_layers = c->n_layers, sh->block_tokens = c->B;
     sh->k_rows = c->k_row * c->n_kv; /* each under the pool's own sizes, which fit in memory */
     sh->v_rows = c->v_row * c->n_kv;
     return pkv__add_ok(sh->k_rows, sh->v_rows, &kv) && pkv__mul_ok(kv, c->B, &sh->layer) &&
            pkv__mul_ok(sh->layer, c->n_layers, &l) && pkv__add_ok(l, sizeof(tier_hdr) + (size_t)c->B * 4, &sh->entry);
 }
 
-static void hdr_fill(const pkv_cache *c, const shape *sh, const tkey *key, const tkey *parent, tier_hdr *h) {
+static void hdr_fill(const shape *sh, const tkey *key, const tkey *parent, tier_hdr *h) {
     memset(h, 0, sizeof *h);
     memcpy(h->magic, TIER_MAGIC, sizeof h->magic);
     h->byte_order = 0x01020304u;
     h->hdr_bytes = sizeof *h;
     memcpy(h->key, key->b, PKV__TIER_KEY);
     memcpy(h->parent, parent->b, PKV__TIER_KEY);
-    h->k_dtype = (uint32_t)c->cfg.k_dtype, h->v_dtype = (uint32_t)c->cfg.v_dtype;
-    h->head_dim = c->head_dim, h->n_kv_heads = c->n_kv, h->n_layers = c->n_layers, h->block_tokens = c->B;
+    h->k_dtype = sh->k_dtype, h->v_dtype = sh->v_dtype;
+    h->head_dim = sh->head_dim, h->n_kv_heads = sh->n_kv_heads, h->n_layers = sh->n_layers;
+    h->block_tokens = sh->block_tokens;
     h->entry_bytes = sh->entry;
 }
 
 /* Whether buf (len bytes, from the store) is the entry of key under parent, for tokens. */
-static bool entry_ok(const pkv_cache *c, const shape *sh, const uint8_t *buf, size_t len, const tkey *key,
-                     const tkey *parent, const int32_t *toks) {
+static bool entry_ok(const shape *sh, const uint8_t *buf, size_t len, const tkey *key, const tkey *parent,
+                     const int32_t *toks) {
     if (len != sh->entry) return false;
     tier_hdr want, h;
-    hdr_fill(c, sh, key, parent, &want);
+    hdr_fill(sh, key, parent, &want);
     memcpy(&h, buf, sizeof h);
     want.checksum = h.checksum;
-    return !memcmp(&h, &want, sizeof h) && !memcmp(buf + sizeof h, toks, (size_t)c->B * sizeof(int32_t)) &&
+    return !memcmp(&h, &want, sizeof h) && !memcmp(buf + sizeof h, toks, (size_t)sh->block_tokens * sizeof(int32_t)) &&
            XXH3_64bits(buf + sizeof h, len - sizeof h) == h.checksum;
 }
 
@@ -306,7 +311,7 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
             }
             if (g != PKV_ENOENT) COUNT(t, errors, 1); /* taken as absent: the put says more */
             tier_hdr h;
-            hdr_fill(c, &sh, &keys[j], j ? &keys[j - 1] : &seed, &h);
+            hdr_fill(&sh, &keys[j], j ? &keys[j - 1] : &seed, &h);
             uint8_t *p = buf + sizeof h;
             memcpy(p, toks + (size_t)j * B, (size_t)B * sizeof(int32_t));
             p += (size_t)B * sizeof(int32_t);
@@ -346,34 +351,32 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
 }
 
 /* ---- load ---- */
-/* Under t->mu: e (out of the map) kept as a spare where staging has room for it; else NULL */
-static pkv__tent *spare_keep(pkv_tier *t, pkv__tent *e) {
-    if (t->staged.bytes + t->spare_bytes + e->size > t->staged_cap) return e;
+/* Under t->mu: e (out of the map, counted in pf_bytes) kept as a spare. */
+static void spare_keep(pkv_tier *t, pkv__tent *e) {
     e->hnext = t->spare;
     t->spare = e;
-    t->spare_bytes += e->size;
-    return NULL;
 }
 
 /* Whether key's entry was staged by the prefetch: then copied into buf (cap bytes; *len its
- * size, or where it is larger than cap, left for the store's own answer) and out of staging. */
+ * size; one larger than cap is left for the store's own answer) and out of staging, its buffer
+ * a spare. The copy is made outside the lock: the entry is out of the map, this thread's. */
 static bool take_staged(pkv_tier *t, const tkey *key, uint8_t *buf, size_t cap, size_t *len) {
     pthread_mutex_lock(&t->mu);
     pkv__tent *e = t->pf_on ? pkv__tmap_find(&t->staged, key->b) : NULL;
-    bool hit = false;
     if (e && e->len <= cap) {
-        memcpy(buf, e->data, e->len);
-        *len = e->len;
         pkv__tmap_remove(&t->staged, e);
         t->st.prefetch_hits++;
-        hit = true;
-        e = spare_keep(t, e); /* NULL: kept for the next prefetch */
     } else {
         e = NULL;
     }
     pthread_mutex_unlock(&t->mu);
-    if (e) pkv__tmap_free(&t->staged, e);
-    return hit;
+    if (!e) return false;
+    memcpy(buf, e->data, e->len);
+    *len = e->len;
+    pthread_mutex_lock(&t->mu);
+    spare_keep(t, e);
+    pthread_mutex_unlock(&t->mu);
+    return true;
 }
 
 /* An entry the load refuses: counted, and deleted from the store. */
@@ -435,7 +438,7 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
                 failed = true;
                 break;
             }
-            if (g == PKV_ENOSPC || !entry_ok(c, &sh, buf, len, key, &prev, bt)) {
+            if (g == PKV_ENOSPC || !entry_ok(&sh, buf, len, key, &prev, bt)) {
                 reject(t, key);
                 break;
             }
@@ -486,19 +489,74 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
 
 struct pf_job {
     pf_job *next;
-    tkey seed;     /* the chain's seed: namespace and shape */
+    tkey seed;      /* the chain's seed: namespace and shape */
+    shape sh;       /* the cache's, as the entries' checks need it */
     uint32_t B, nb; /* block tokens; blocks to fetch */
-    size_t entry;  /* an entry's bytes for that shape */
     int32_t toks[]; /* [nb][B] */
 };
 
 static size_t job_size(uint32_t nb, uint32_t B) { return sizeof(pf_job) + (size_t)nb * B * sizeof(int32_t); }
 
 /* Fetches job's entries in order into staging, until the first the store lacks (or fails). */
+static void free_chain(pkv_tier *t, pkv__tent *e) { /* entries linked through hnext */
+    while (e) {
+        pkv__tent *next = e->hnext;
+        pkv__tmap_free(&t->staged, e);
+        e = next;
+    }
+}
+
+/* A buffer for one entry of `need` bytes (pkv__tent included), counted in pf_bytes: a spare of
+ * that size, else room made (spares first, then the oldest staged entries) and a new one. NULL
+ * where the allocator has none. */
+static pkv__tent *stage_buffer(pkv_tier *t, const tkey *key, size_t entry) {
+    const size_t need = sizeof(pkv__tent) + entry; /* pkv__tmap_new's size */
+    pkv__tent *e = NULL, *drop = NULL;
+    pthread_mutex_lock(&t->mu);
+    for (pkv__tent **at = &t->spare; *at; at = &(*at)->hnext)
+        if ((*at)->size == need) {
+            e = *at;
+            *at = e->hnext;
+            break;
+        }
+    if (!e) {
+        while (t->pf_bytes + need > t->staged_cap && (t->spare || t->staged.oldest)) {
+            pkv__tent *o = t->spare;
+            if (o) {
+                t->spare = o->hnext;
+            } else {
+                o = t->staged.oldest;
+                pkv__tmap_remove(&t->staged, o);
+                t->st.prefetch_dropped++;
+            }
+            t->pf_bytes -= o->size;
+            o->hnext = drop, drop = o;
+        }
+        t->pf_bytes += need; /* reserved */
+    }
+    pthread_mutex_unlock(&t->mu);
+    free_chain(t, drop);
+    if (e) {
+        memcpy(e->key, key->b, PKV__TIER_KEY);
+        e->len = entry;
+        e->hnext = e->older = e->newer = NULL;
+    } else if (!(e = pkv__tmap_new(&t->staged, key->b, entry, entry))) {
+        pthread_mutex_lock(&t->mu);
+        t->pf_bytes -= need;
+        pthread_mutex_unlock(&t->mu);
+    }
+    return e;
+}
+
+/* Fetches job's entries in order into staging, until the first the store lacks, fails or gives
+ * wrong (the header, token ids and checksum are checked here, so a staged entry is the one the
+ * load would accept from the store, and a garbled one is left for the load to find there). */
 static void prefetch_job(pkv_tier *t, const pf_job *j) {
-    tkey key = j->seed;
+    tkey key = j->seed, parent;
     for (uint32_t i = 0; i < j->nb; i++) {
-        key_next(&key, j->toks + (size_t)i * j->B, j->B, &key);
+        const int32_t *bt = j->toks + (size_t)i * j->B;
+        parent = key;
+        key_next(&parent, bt, j->B, &key);
         pthread_mutex_lock(&t->mu);
         pkv__tent *have = pkv__tmap_find(&t->staged, key.b);
         if (have) pkv__tmap_touch(&t->staged, have);
@@ -506,60 +564,22 @@ static void prefetch_job(pkv_tier *t, const pf_job *j) {
         pthread_mutex_unlock(&t->mu);
         if (stop) return;
         if (have) continue;
-        if (j->entry > t->staged_cap) return;
-        pkv__tent *e = NULL;
-        pthread_mutex_lock(&t->mu);
-        for (pkv__tent **at = &t->spare; *at; at = &(*at)->hnext)
-            if ((*at)->size - sizeof(pkv__tent) == j->entry) { /* a spare of this size */
-                e = *at;
-                *at = e->hnext;
-                t->spare_bytes -= e->size;
-                break;
-            }
-        pthread_mutex_unlock(&t->mu);
-        if (e) {
-            memcpy(e->key, key.b, PKV__TIER_KEY);
-            e->len = j->entry;
-            e->hnext = e->older = e->newer = NULL;
-        } else if (!(e = pkv__tmap_new(&t->staged, key.b, j->entry, j->entry))) {
-            return;
-        }
+        if (sizeof(pkv__tent) + j->sh.entry > t->staged_cap) return;
+        pkv__tent *e = stage_buffer(t, &key, j->sh.entry);
+        if (!e) return;
         size_t len = 0;
-        const int g = t->ops.get(t->ctx, key.b, e->data, j->entry, &len);
-        if (g != PKV_OK || len != j->entry) { /* missing, failed, or not an entry: the load will see */
-            pthread_mutex_lock(&t->mu);
-            e = spare_keep(t, e);
-            pthread_mutex_unlock(&t->mu);
-            if (e) pkv__tmap_free(&t->staged, e);
-            if (g != PKV_OK && g != PKV_ENOENT && g != PKV_ENOSPC) COUNT(t, errors, 1);
-            return;
-        }
-        pkv__tent *drop = NULL; /* the staged entries dropped for room, linked through hnext */
+        const int g = t->ops.get(t->ctx, key.b, e->data, j->sh.entry, &len);
+        const bool ok = g == PKV_OK && entry_ok(&j->sh, e->data, len, &key, &parent, bt);
         pthread_mutex_lock(&t->mu);
-        while (t->spare && t->staged.bytes + t->spare_bytes + e->size > t->staged_cap) { /* spares first */
-            pkv__tent *o = t->spare;
-            t->spare = o->hnext;
-            t->spare_bytes -= o->size;
-            o->hnext = drop, drop = o;
-        }
-        while (t->staged.oldest && t->staged.bytes + e->len > t->staged_cap) {
-            pkv__tent *o = t->staged.oldest;
-            pkv__tmap_remove(&t->staged, o);
-            o->hnext = drop, drop = o;
-            t->st.prefetch_dropped++;
-        }
-        if (!pkv__tmap_find(&t->staged, key.b)) { /* only this thread stages: always absent */
+        if (ok && !pkv__tmap_find(&t->staged, key.b)) { /* only this thread stages: always absent */
             pkv__tmap_insert(&t->staged, e);
             t->st.prefetched++;
-            e = NULL;
+        } else {
+            spare_keep(t, e);
         }
+        if (g != PKV_OK && g != PKV_ENOENT && g != PKV_ENOSPC) t->st.errors++;
         pthread_mutex_unlock(&t->mu);
-        if (e) pkv__tmap_free(&t->staged, e);
-        while (drop) {
-            pkv__tent *next = drop->hnext;
-            pkv__tmap_free(&t->staged, drop);
-            drop = next;
-        }
+        if (!ok) return;
     }
 }
 
@@ -620,11 +640,8 @@ static void prefetch_stop(pkv_tier *t) {
         pkv__free(&t->alloc, j, job_size(j->nb, j->B));
     }
     t->pf_head = t->pf_tail = NULL;
-    for (pkv__tent *e = t->spare, *next; e; e = next) {
-        next = e->hnext;
-        pkv__tmap_free(&t->staged, e);
-    }
-    t->spare = NULL, t->spare_bytes = 0;
+    free_chain(t, t->spare);
+    t->spare = NULL, t->pf_bytes = 0;
     pthread_cond_destroy(&t->pf_cv);
     pthread_cond_destroy(&t->pf_idle);
     pkv__tmap_fini(&t->staged);
@@ -647,7 +664,7 @@ PKV_API int pkv_tier_prefetch(pkv_tier *t, const pkv_cache *c, const void *salt,
     uint64_t ns_lo, ns_hi;
     pkv__salt_digest(salt, salt_len, &ns_lo, &ns_hi);
     key_seed(c, ns_lo, ns_hi, &j->seed);
-    j->next = NULL, j->B = B, j->nb = nb, j->entry = sh.entry;
+    j->next = NULL, j->B = B, j->nb = nb, j->sh = sh;
     memcpy(j->toks, tokens, (size_t)nb * B * sizeof(int32_t));
     pthread_mutex_lock(&t->mu);
     const bool full = t->pf_n >= PF_MAX_JOBS;
