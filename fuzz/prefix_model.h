@@ -25,6 +25,9 @@
 #include <stdio.h>
 #include <string.h>
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #define PM_MAX_SEQS 12    /* max_seqs of the cache: sequences and pins together */
 #define PM_MAX_TOK 384    /* tokens per sequence the model holds */
 #define PM_MAX_H 2        /* kv heads */
@@ -61,8 +64,31 @@ typedef struct pm_src {
     int use_rng, done;
 } pm_src;
 
+/* A consumer's mirror of a cache's prefix index, built from its events alone (pm_ev_drain) and
+ * compared with a snapshot (pm_ev_compare): every STORED event's hash recomputed from its token
+ * ids (the parent's hash as the seed, or one of the salts' roots), STORED new, REMOVED known and
+ * a leaf, seqnos one by one but after an OVERFLOW (then rebuilt from a snapshot). */
+#define PM_EV_MAX 1024 /* index entries at most (the pools here hold fewer blocks) */
+#define PM_EV_B 16     /* block tokens at most */
+typedef struct pm_ev_ent {
+    uint64_t hash, parent;
+    uint32_t depth, n_children;
+    int32_t toks[PM_EV_B];
+} pm_ev_ent;
+
+typedef struct pm_ev {
+    pm_ev_ent e[PM_EV_MAX];
+    uint32_t n, B;
+    uint64_t last_seqno;
+    uint64_t n_stored, n_removed, n_cleared, n_overflow;
+    /* scratch */
+    pkv_event ev[PM_EV_MAX];
+    int32_t toks[PM_EV_MAX * PM_EV_B];
+} pm_ev;
+
 typedef struct pm_world {
     pkv_cache *c;
+    pm_ev *ev; /* the event mirror, when cfg.event_capacity > 0 (pm_init) */
     pkv_config cfg;
     uint32_t B, max_tok;
     pm_seq s[PM_MAX_SEQS];
@@ -141,6 +167,109 @@ static int pm_fail(pm_world *w, const char *fmt, ...) {
         if (!(cond)) return pm_fail((w), __VA_ARGS__);                                             \
     } while (0)
 
+static inline int pm_ev_find(const pm_ev *m, uint64_t h) {
+    for (uint32_t i = 0; i < m->n; i++)
+        if (m->e[i].hash == h) return (int)i;
+    return -1;
+}
+
+/* Whether a STORED or REMOVED event's hash is its tokens' under its parent (or a root's). */
+PM_NOCOV static inline int pm_ev_hash_ok(const pm_ev *m, const pkv_event *e, const int32_t *toks) {
+    if (e->depth) return XXH3_64bits_withSeed(toks, m->B * sizeof(int32_t), e->parent_hash) == e->hash;
+    for (int s = 0; s < PM_N_SALTS; s++) {
+        uint64_t h;
+        size_t n;
+        if (pkv_prefix_hashes(pm_salts[s], pm_salt_lens[s], m->B, toks, m->B, &h, 1, &n) == 0 && h == e->hash)
+            return 1;
+    }
+    return 0;
+}
+
+/* m := the index now (a snapshot: the ring forgotten with it), or -1 with w->err said. */
+PM_NOCOV static inline int pm_ev_snapshot(pm_world *w, pm_ev *m) {
+    size_t n = 0;
+    int rc = pkv_prefix_snapshot(w->c, m->ev, PM_EV_MAX, m->toks, &n);
+    PM_EXPECT(w, rc == 0, "pkv_prefix_snapshot: %s", pkv_strerror(rc));
+    m->n = 0;
+    for (size_t i = 0; i < n; i++) {
+        pm_ev_ent *x = &m->e[m->n++];
+        x->hash = m->ev[i].hash, x->parent = m->ev[i].parent_hash, x->depth = m->ev[i].depth, x->n_children = 0;
+        memcpy(x->toks, m->toks + i * m->B, m->B * sizeof(int32_t));
+        if (!m->ev[i].depth) continue;
+        int p = pm_ev_find(m, m->ev[i].parent_hash);
+        PM_EXPECT(w, p >= 0 && (uint32_t)p < m->n - 1, "snapshot: block %zu before its parent", i);
+        m->e[p].n_children++;
+    }
+    return 0;
+}
+
+/* Applies every held event to m, checking each. */
+PM_NOCOV static inline int pm_ev_drain(pm_world *w, pm_ev *m) {
+    for (;;) {
+        size_t n = 0;
+        int rc = pkv_cache_take_events(w->c, m->ev, 64, m->toks, &n);
+        PM_EXPECT(w, rc == 0 && n <= 64, "pkv_cache_take_events: %s", pkv_strerror(rc));
+        if (!n) return 0;
+        for (size_t i = 0; i < n; i++) {
+            const pkv_event *e = &m->ev[i];
+            const int32_t *t = m->toks + i * m->B;
+            PM_EXPECT(w, e->kind == PKV_EVENT_OVERFLOW || !m->last_seqno || e->seqno == m->last_seqno + 1,
+                      "event seqno %llu after %llu", (unsigned long long)e->seqno, (unsigned long long)m->last_seqno);
+            m->last_seqno = e->seqno;
+            if (e->kind == PKV_EVENT_OVERFLOW) {
+                m->n_overflow++;
+                PM_EXPECT(w, e->lost >= 1, "OVERFLOW of %llu lost", (unsigned long long)e->lost);
+                m->last_seqno = 0; /* the snapshot forgets the ring: a gap follows */
+                if (pm_ev_snapshot(w, m) < 0) return -1;
+                break; /* the snapshot holds what the rest of this batch said */
+            }
+            if (e->kind == PKV_EVENT_CLEARED) {
+                m->n = 0, m->n_cleared++;
+                continue;
+            }
+            const int at = pm_ev_find(m, e->hash), pa = e->depth ? pm_ev_find(m, e->parent_hash) : -1;
+            if (e->kind == PKV_EVENT_STORED) {
+                m->n_stored++;
+                PM_EXPECT(w, at < 0 && m->n < PM_EV_MAX, "STORED %016llx twice", (unsigned long long)e->hash);
+                PM_EXPECT(w, pm_ev_hash_ok(m, e, t), "STORED %016llx: not its tokens' hash", (unsigned long long)e->hash);
+                PM_EXPECT(w, e->depth ? pa >= 0 && m->e[pa].depth + 1 == e->depth : e->parent_hash == 0,
+                          "STORED %016llx at depth %u without its parent", (unsigned long long)e->hash, e->depth);
+                if (pa >= 0) m->e[pa].n_children++;
+                pm_ev_ent *x = &m->e[m->n++];
+                x->hash = e->hash, x->parent = e->parent_hash, x->depth = e->depth, x->n_children = 0;
+                memcpy(x->toks, t, m->B * sizeof(int32_t));
+            } else {
+                PM_EXPECT(w, e->kind == PKV_EVENT_REMOVED, "event kind %u", e->kind);
+                m->n_removed++;
+                PM_EXPECT(w, at >= 0, "REMOVED %016llx unknown", (unsigned long long)e->hash);
+                const pm_ev_ent *x = &m->e[at];
+                PM_EXPECT(w, x->n_children == 0 && x->parent == e->parent_hash && x->depth == e->depth &&
+                                 !memcmp(x->toks, t, m->B * sizeof(int32_t)),
+                          "REMOVED %016llx: not the leaf STORED", (unsigned long long)e->hash);
+                if (pa >= 0) m->e[pa].n_children--;
+                m->e[at] = m->e[--m->n];
+            }
+        }
+    }
+}
+
+/* The drained mirror equals the index (a snapshot: which also empties the drained ring). */
+PM_NOCOV static inline int pm_ev_compare(pm_world *w, const pm_ev *m) {
+    static pm_ev snap;
+    snap.B = m->B;
+    if (pm_ev_snapshot(w, &snap) < 0) return -1;
+    PM_EXPECT(w, snap.n == m->n, "events say %u indexed blocks, the index holds %u", m->n, snap.n);
+    for (uint32_t i = 0; i < snap.n; i++) {
+        const int at = pm_ev_find(m, snap.e[i].hash);
+        PM_EXPECT(w, at >= 0, "indexed %016llx: no event said so", (unsigned long long)snap.e[i].hash);
+        const pm_ev_ent *x = &m->e[at];
+        PM_EXPECT(w, x->parent == snap.e[i].parent && x->depth == snap.e[i].depth &&
+                         x->n_children == snap.e[i].n_children && !memcmp(x->toks, snap.e[i].toks, m->B * sizeof(int32_t)),
+                  "indexed %016llx: not as its events said", (unsigned long long)snap.e[i].hash);
+    }
+    return 0;
+}
+
 /* Config choice from one byte: block size, pool dtype, pool size; prefix cache on unless
  * `prefix_off`. */
 static inline pkv_config pm_config(uint32_t b0, uint32_t b1, int prefix_off) {
@@ -161,6 +290,10 @@ static inline pkv_config pm_config(uint32_t b0, uint32_t b1, int prefix_off) {
     cfg.n_threads = 1;
     cfg.huge_pages = 0;
     cfg.enable_prefix_cache = !prefix_off;
+    /* events: off, a ring of 5 (overflows all along) or of 512, by b1 (each pool size meets
+       all three over b1's range) */
+    const uint32_t ev = (b1 / 48 + b1) % 3;
+    cfg.event_capacity = ev == 0 ? 0 : ev == 1 ? 5 : 512;
     return cfg;
 }
 
@@ -197,12 +330,19 @@ static inline int pm_init(pm_world *w, const pkv_config *cfg, uint64_t prompt_se
     pm_make_prompts(w, prompt_seed);
     int rc = pkv_cache_create(cfg, &w->c);
     if (rc < 0) return pm_fail(w, "pkv_cache_create: %s", pkv_strerror(rc));
+    if (cfg->event_capacity && cfg->block_tokens <= PM_EV_B) {
+        static pm_ev mirror; /* one world at a time (the tests' and the fuzzer's) */
+        memset(&mirror, 0, sizeof mirror);
+        mirror.B = cfg->block_tokens;
+        w->ev = &mirror;
+    }
     return 0;
 }
 
 static inline void pm_fini(pm_world *w) {
     pkv_cache_destroy(w->c);
     w->c = NULL;
+    w->ev = NULL;
 }
 
 static inline uint32_t pm_n_live(const pm_world *w) {
@@ -342,6 +482,7 @@ PM_NOCOV static inline int pm_verify(pm_world *w) {
     if (!w->cfg.enable_prefix_cache)
         PM_EXPECT(w, st.n_indexed == 0 && st.n_cached == 0 && st.prefix_tokens_hit == 0,
                   "prefix cache off but %llu indexed", (unsigned long long)st.n_indexed);
+    if (w->ev && (pm_ev_drain(w, w->ev) < 0 || pm_ev_compare(w, w->ev) < 0)) return -1;
     return 0;
 }
 

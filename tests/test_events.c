@@ -13,8 +13,6 @@
 #include "support_util.h"
 #include "test_prefix_util.h"
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
 
 static pkv_cache *ev_cache(uint32_t B, uint32_t n_blocks, uint32_t ev_cap) {
     pkv_config cfg = tu_config(n_blocks, B, 1, TP_H, TP_D, PKV_DTYPE_F16);
@@ -279,127 +277,11 @@ static void test_events_bad_input(void **state) {
     assert_int_equal(h1, h[0]);
 }
 
-/* ---- the consumer's mirror ---------------------------------------------------------------------- */
-
-typedef struct mirror_ent {
-    uint64_t hash, parent;
-    uint32_t depth, n_children;
-    int32_t toks[16];
-} mirror_ent;
-
-typedef struct mirror {
-    mirror_ent e[1024];
-    uint32_t n;
-    uint32_t B;
-    uint64_t last_seqno;
-    uint64_t n_stored, n_removed, n_cleared, n_overflow;
-} mirror;
-
-static int mirror_find(const mirror *m, uint64_t h) {
-    for (uint32_t i = 0; i < m->n; i++)
-        if (m->e[i].hash == h) return (int)i;
-    return -1;
-}
-
-/* A STORED event's hash, recomputed from its tokens: the parent's hash as the seed, or (a
- * first block) one of the namespaces' roots. */
-static int hash_ok(const mirror *m, const pkv_event *e, const int32_t *toks) {
-    if (e->depth) return XXH3_64bits_withSeed(toks, m->B * sizeof(int32_t), e->parent_hash) == e->hash;
-    for (int s = 0; s < PM_N_SALTS; s++) {
-        uint64_t h;
-        size_t n;
-        assert_int_equal(pkv_prefix_hashes(pm_salts[s], pm_salt_lens[s], m->B, toks, m->B, &h, 1, &n), 0);
-        if (h == e->hash) return 1;
-    }
-    return 0;
-}
-
-static void mirror_from_snapshot(mirror *m, pkv_cache *c) {
-    static pkv_event ev[1024];
-    static int32_t et[1024 * 16];
-    size_t n = 0;
-    assert_int_equal(pkv_prefix_snapshot(c, ev, 1024, et, &n), 0);
-    m->n = 0;
-    for (size_t i = 0; i < n; i++) {
-        mirror_ent *x = &m->e[m->n++];
-        x->hash = ev[i].hash, x->parent = ev[i].parent_hash, x->depth = ev[i].depth, x->n_children = 0;
-        memcpy(x->toks, et + i * m->B, m->B * sizeof(int32_t));
-        if (ev[i].depth) {
-            int p = mirror_find(m, ev[i].parent_hash);
-            assert_true(p >= 0 && (uint32_t)p < m->n - 1); /* parents first */
-            m->e[p].n_children++;
-        }
-    }
-}
-
-/* Applies every held event to m, checking each; on OVERFLOW resyncs from a snapshot. */
-static void mirror_drain(mirror *m, pkv_cache *c) {
-    static pkv_event ev[64];
-    static int32_t et[64 * 16];
-    for (;;) {
-        size_t n = take(c, ev, 64, et);
-        if (n == 0) return;
-        for (size_t i = 0; i < n; i++) {
-            const pkv_event *e = &ev[i];
-            const int32_t *t = et + i * m->B;
-            if (e->kind != PKV_EVENT_OVERFLOW && m->last_seqno) assert_int_equal(e->seqno, m->last_seqno + 1);
-            m->last_seqno = e->seqno;
-            if (e->kind == PKV_EVENT_OVERFLOW) {
-                m->n_overflow++;
-                assert_true(e->lost >= 1);
-                mirror_from_snapshot(m, c); /* what the rest of this batch says is in it */
-                m->last_seqno = 0;          /* the snapshot forgot the ring: a gap follows */
-                break;
-            }
-            if (e->kind == PKV_EVENT_CLEARED) {
-                m->n = 0;
-                m->n_cleared++;
-                continue;
-            }
-            int at = mirror_find(m, e->hash), pa = e->depth ? mirror_find(m, e->parent_hash) : -1;
-            if (e->kind == PKV_EVENT_STORED) {
-                m->n_stored++;
-                assert_true(at < 0);
-                assert_true(hash_ok(m, e, t));
-                assert_true(e->depth == 0 ? e->parent_hash == 0 : pa >= 0);
-                if (pa >= 0) assert_int_equal(m->e[pa].depth + 1, e->depth), m->e[pa].n_children++;
-                mirror_ent *x = &m->e[m->n++];
-                x->hash = e->hash, x->parent = e->parent_hash, x->depth = e->depth, x->n_children = 0;
-                memcpy(x->toks, t, m->B * sizeof(int32_t));
-            } else {
-                assert_int_equal(e->kind, PKV_EVENT_REMOVED);
-                m->n_removed++;
-                assert_true(at >= 0);
-                mirror_ent *x = &m->e[at];
-                assert_int_equal(x->n_children, 0); /* a leaf */
-                assert_int_equal(x->parent, e->parent_hash);
-                assert_int_equal(x->depth, e->depth);
-                assert_memory_equal(x->toks, t, m->B * sizeof(int32_t));
-                if (pa >= 0) m->e[pa].n_children--;
-                m->e[at] = m->e[--m->n];
-            }
-        }
-    }
-}
-
-/* The mirror equals the index (a snapshot; which also empties the drained ring). */
-static void mirror_compare(mirror *m, pkv_cache *c) {
-    static mirror snap;
-    snap.B = m->B;
-    mirror_from_snapshot(&snap, c);
-    assert_int_equal(snap.n, m->n);
-    for (uint32_t i = 0; i < snap.n; i++) {
-        int at = mirror_find(m, snap.e[i].hash);
-        assert_true(at >= 0);
-        assert_int_equal(m->e[at].parent, snap.e[i].parent);
-        assert_int_equal(m->e[at].depth, snap.e[i].depth);
-        assert_int_equal(m->e[at].n_children, snap.e[i].n_children);
-        assert_memory_equal(m->e[at].toks, snap.e[i].toks, m->B * sizeof(int32_t));
-    }
-}
+/* ---- the consumer's mirror (fuzz/prefix_model.h's pm_ev) ---------------------------------------- */
 
 /* The pm world's random workload (forks, truncates, pins, matches, compaction, attention) with
- * events on: after every step the drained mirror equals the index. */
+ * events on: its pm_verify drains them into its mirror and compares that with a snapshot after
+ * every step. */
 static void test_events_random_world(void **state) {
     (void)state;
     uint64_t stored = 0, removed = 0, overflow = 0;
@@ -410,16 +292,11 @@ static void test_events_random_world(void **state) {
         pkv_config cfg = pm_config(b0, b1, 0);
         cfg.event_capacity = seed % 2 ? 4096 : 3; /* odd seeds never overflow, even ones often */
         if (pm_init(w, &cfg, seed) < 0) fail_msg("%s", w->err);
+        assert_non_null(w->ev);
         pm_src src = {.use_rng = 1, .rng = seed * 0x9E3779B97F4A7C15ull};
-        static mirror m;
-        memset(&m, 0, sizeof m);
-        m.B = cfg.block_tokens;
-        for (int i = 0; i < 800; i++) {
+        for (int i = 0; i < 800; i++)
             if (pm_step(w, &src) < 0) fail_msg("seed %llu: %s", (unsigned long long)seed, w->err);
-            mirror_drain(&m, w->c);
-            mirror_compare(&m, w->c);
-        }
-        stored += m.n_stored, removed += m.n_removed, overflow += m.n_overflow;
+        stored += w->ev->n_stored, removed += w->ev->n_removed, overflow += w->ev->n_overflow;
         pm_fini(w);
         free(w);
     }
@@ -440,9 +317,11 @@ static void test_events_router_prediction(void **state) {
     for (uint32_t bi = 0; bi < 3; bi++) {
         const uint32_t B = Bs[bi], n_blocks = B == 1 ? 160 : B == 4 ? 48 : 14;
         pkv_cache *c = ev_cache(B, n_blocks, 256);
-        static mirror m;
+        static pm_ev m;
+        static pm_world rw; /* its cache and error message only */
         memset(&m, 0, sizeof m);
         m.B = B;
+        rw.c = c;
         int32_t fam[2][96];
         tp_tokens(fam[0], 96, 10 + bi);
         tp_tokens(fam[1], 96, 20 + bi);
@@ -461,7 +340,7 @@ static void test_events_router_prediction(void **state) {
             assert_int_equal(pkv_prefix_hashes(pm_salts[salt], pm_salt_lens[salt], B, prompt, n, h, 96, &nh), 0);
             assert_int_equal(nh, n / B);
             uint32_t held = 0;
-            while (held < nh && mirror_find(&m, h[held]) >= 0) held++;
+            while (held < nh && pm_ev_find(&m, h[held]) >= 0) held++;
             const uint32_t want = held < (n - 1) / B ? held : (n - 1) / B;
             /* the engine's reuse */
             pkv_seq s = tp_seq(c, salt);
@@ -479,7 +358,7 @@ static void test_events_router_prediction(void **state) {
                 assert_int_equal(ev1[ne - 1].hash, h[want]);
                 assert_int_equal(ev1[ne - 1].depth, want);
                 n_extra++;
-                mirror_from_snapshot(&m, c);
+                if (pm_ev_snapshot(&rw, &m) < 0) fail_msg("%s", rw.err);
                 m.last_seqno = 0;
             }
             predicted_blocks += want, checks++;
@@ -504,8 +383,7 @@ static void test_events_router_prediction(void **state) {
                 memset(live, 0, sizeof live);
             }
             tp_check(c);
-            mirror_drain(&m, c);
-            mirror_compare(&m, c);
+            if (pm_ev_drain(&rw, &m) < 0 || pm_ev_compare(&rw, &m) < 0) fail_msg("B %u step %d: %s", B, step, rw.err);
         }
         assert_true(m.n_cleared >= 1 && m.n_removed > 20);
         pkv_cache_destroy(c);
