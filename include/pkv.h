@@ -880,6 +880,22 @@ PKV_NODISCARD PKV_API int pkv_tier_prefetch(pkv_tier *t, const pkv_cache *c, con
  * pkv_tier_prefetch_start. */
 PKV_NODISCARD PKV_API int pkv_tier_prefetch_wait(pkv_tier *t);
 
+/* Write-back: as pkv_tier_save, but the store's puts are left to the tier's thread
+ * (pkv_tier_prefetch_start first, else PKV_EINVAL), so a file or Redis tier's save costs the
+ * caller a copy of the rows into host memory. The full committed blocks' entries are made now
+ * (s may be released as soon as it returns) into buffers within staging_bytes and queued, all of
+ * them or, on a failure, none; *n_queued (may be NULL) is their count. Where staging has no
+ * room for them (the writes queued before hold it), it saves now, as pkv_tier_save (*n_queued
+ * 0). The thread puts them in order before any queued prefetch, skipping those the store has,
+ * and counts them in pkv_tier_get_stats (saved, save_present, save_no_room, errors); a load
+ * that comes before a block's put misses it. pkv_tier_destroy puts every queued entry first. */
+PKV_NODISCARD PKV_API int pkv_tier_save_async(pkv_tier *t, pkv_cache *c, pkv_seq s, uint32_t *n_queued);
+
+/* Waits until every queued write is in the store. PKV_EIO when a put failed since the last
+ * flush (counted in errors; that block is not stored), PKV_EINVAL before
+ * pkv_tier_prefetch_start. */
+PKV_NODISCARD PKV_API int pkv_tier_flush(pkv_tier *t);
+
 #ifdef __cplusplus
 }
 #endif

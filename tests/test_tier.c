@@ -774,6 +774,94 @@ static void test_prefetch(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* ---- write-back: a save's entries made at once, put by the tier's thread ---- */
+static void test_write_back(void **state) {
+    (void)state;
+    int32_t toks[N];
+    prompt(toks, N, 3300);
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 16, LAYERS);
+    pkv_seq sa = filled(a, "wb", toks, N), s;
+    static fake f;
+    memset(&f, 0, sizeof f);
+    f.fail_put_at = f.fail_get_at = -1;
+    pkv_tier_ops ops = {fake_put, fake_get, fake_del, NULL, NULL};
+    pkv_tier *t = NULL;
+    TU_OK(pkv_tier_create(&ops, &f, NULL, &t));
+    uint32_t q = 99;
+    TU_RC(pkv_tier_save_async(t, a, sa, &q), PKV_EINVAL); /* no thread */
+    assert_int_equal(q, 0);
+    TU_RC(pkv_tier_flush(t), PKV_EINVAL);
+    TU_OK(pkv_tier_prefetch_start(t, 1u << 24));
+    TU_RC(pkv_tier_save_async(NULL, a, sa, &q), PKV_EINVAL);
+    TU_RC(pkv_tier_save_async(t, a, 12345, &q), PKV_ENOENT);
+    /* a store that hangs: the save returns with its entries made, the sequence can go */
+    atomic_store(&f.gate, 1);
+    pkv_seq sa2;
+    TU_OK(pkv_seq_fork(a, sa, &sa2));
+    TU_OK(pkv_tier_save_async(t, a, sa2, &q));
+    assert_int_equal(q, 5);
+    TU_OK(pkv_seq_release(a, sa2));
+    assert_int_equal(fake_count(&f), 0);
+    assert_true(tstats(t).staged_bytes > 0); /* the queued entries' buffers */
+    atomic_store(&f.gate, 0);
+    TU_OK(pkv_tier_flush(t));
+    assert_int_equal(fake_count(&f), 5);
+    pkv_tier_stats st = tstats(t);
+    assert_int_equal(st.saved, 5);
+    /* the stored entries load as a synchronous save's do */
+    pkv_cache *b = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
+    assert_int_equal(load_fresh(t, b, "wb", toks, N, NULL, &s), 40);
+    same_rows(a, sa, b, s, 40);
+    /* again: the thread finds them there */
+    TU_OK(pkv_tier_save_async(t, a, sa, &q));
+    TU_OK(pkv_tier_flush(t));
+    assert_int_equal(tstats(t).save_present, 5);
+    assert_int_equal(tstats(t).saved, 5);
+    /* a put that fails: the flush says so, once */
+    for (int i = 0; i < 32; i++) free(f.data[i]), f.data[i] = NULL;
+    f.n_put = 0, f.fail_put_at = 1;
+    TU_OK(pkv_tier_save_async(t, a, sa, &q));
+    TU_RC(pkv_tier_flush(t), PKV_EIO);
+    TU_OK(pkv_tier_flush(t));
+    assert_int_equal(fake_count(&f), 4);
+    assert_int_equal(tstats(t).errors, 1);
+    f.fail_put_at = -1;
+    /* entries queued at destroy are put first */
+    for (int i = 0; i < 32; i++) free(f.data[i]), f.data[i] = NULL;
+    TU_OK(pkv_tier_save_async(t, a, sa, &q));
+    pkv_tier_destroy(t);
+    assert_int_equal(fake_count(&f), 5);
+    /* staging for three entries: no room for the save's five, so it saves now, synchronously
+       (stored on return, no flush) */
+    for (int i = 0; i < 32; i++) free(f.data[i]), f.data[i] = NULL;
+    TU_OK(pkv_tier_create(&ops, &f, NULL, &t));
+    TU_OK(pkv_tier_prefetch_start(t, 3 * 4096));
+    TU_OK(pkv_tier_save_async(t, a, sa, &q));
+    assert_int_equal(q, 0);
+    assert_int_equal(fake_count(&f), 5);
+    assert_int_equal(tstats(t).saved, 5);
+    /* allocation failures: the entries' buffers (the save then goes now), the keys (ENOMEM,
+       nothing queued, nothing stored) */
+    pkv_tier_destroy(t);
+    for (int i = 0; i < 32; i++) free(f.data[i]), f.data[i] = NULL;
+    tu_alloc_state as;
+    pkv_allocator al = tu_allocator(&as);
+    tu_alloc_reset(&as, -1);
+    TU_OK(pkv_tier_create(&ops, &f, &al, &t));
+    TU_OK(pkv_tier_prefetch_start(t, 1u << 24));
+    as.fail_at = as.n_calls + 2; /* the third buffer */
+    TU_OK(pkv_tier_save_async(t, a, sa, &q));
+    assert_int_equal(q, 0);
+    assert_int_equal(fake_count(&f), 5);
+    TU_OK(pkv_tier_flush(t));
+    pkv_tier_destroy(t);
+    assert_int_equal(as.n_live, 0);
+    assert_int_equal(as.n_bad_free, 0);
+    for (int i = 0; i < 32; i++) free(f.data[i]), f.data[i] = NULL;
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+}
+
 /* ---- allocation failures: tier creation, the store's put, the cache's entry buffer ---- */
 static void test_alloc_faults(void **state) {
     (void)state;
@@ -946,7 +1034,7 @@ int main(void) {
         cmocka_unit_test(test_roundtrip), cmocka_unit_test(test_partial),     cmocka_unit_test(test_mismatch),
         cmocka_unit_test(test_lru),       cmocka_unit_test(test_file),        cmocka_unit_test(test_faults),
         cmocka_unit_test(test_alloc_faults), cmocka_unit_test(test_random), cmocka_unit_test(test_use_order),
-        cmocka_unit_test(test_prefetch),
+        cmocka_unit_test(test_prefetch),  cmocka_unit_test(test_write_back),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

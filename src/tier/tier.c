@@ -26,7 +26,7 @@ struct pkv_tier {
     pkv_tier_stats st;
     /* prefetch (pkv_tier_prefetch_start): its thread takes jobs from the queue, fetches their
        entries from the store (outside mu) and stages them; loads take staged entries */
-    bool pf_on, pf_stop, pf_busy;
+    bool pf_on, pf_stop, pf_busy, wb_busy;
     pthread_t pf_thread;
     pthread_cond_t pf_cv;   /* a job queued, or stop */
     pthread_cond_t pf_idle; /* the queue empty and the thread idle */
@@ -40,6 +40,11 @@ struct pkv_tier {
        (linked through hnext; counted in pf_bytes): freeing them cost a load more than its
        copies (an unmapped page is every thread's TLB's business) */
     pkv__tent *spare;
+    /* write-back (pkv_tier_save_async): entries waiting for the thread's put, oldest first
+       (linked through hnext; counted in pf_bytes); failures since the last pkv_tier_flush */
+    pkv__tent *wb_head, *wb_tail;
+    uint32_t wb_n;
+    uint64_t wb_failed;
     /* one entry buffer kept between calls (the largest given back while it was free): a fresh
        one a call cost more in page faults than its copies (half of a host save's time) */
     uint8_t *scratch;
@@ -276,6 +281,25 @@ static int seq_peek(pkv_cache *c, pkv_seq id, const char *api, uint32_t *n_token
 }
 
 /* ---- save ---- */
+/* buf := the entry of block j of sequence id (keys[], its blocks' keys from seed; toks[], its
+ * blocks' token ids): header, token ids, every layer's rows, checksum. */
+static int fill_entry(pkv_cache *c, pkv_seq id, const shape *sh, const tkey *keys, const tkey *seed,
+                      const int32_t *toks, uint32_t j, uint8_t *buf) {
+    const uint32_t B = c->B;
+    tier_hdr h;
+    hdr_fill(sh, &keys[j], j ? &keys[j - 1] : seed, &h);
+    uint8_t *p = buf + sizeof h;
+    memcpy(p, toks + (size_t)j * B, (size_t)B * sizeof(int32_t));
+    p += (size_t)B * sizeof(int32_t);
+    int rc = PKV_OK;
+    for (uint32_t l = 0; !rc && l < c->n_layers; l++, p += sh->layer)
+        rc = pkv_seq_read_stored(c, id, l, j * B, B, p, p + (size_t)B * sh->k_rows);
+    if (rc) return rc;
+    h.checksum = XXH3_64bits(buf + sizeof h, sh->entry - sizeof h);
+    memcpy(buf, &h, sizeof h);
+    return PKV_OK;
+}
+
 PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_saved) {
     if (!c) return PKV_EINVAL;
     if (!t) return PKV__SAY(c, PKV_EINVAL, "t is NULL");
@@ -310,16 +334,7 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
                 continue;
             }
             if (g != PKV_ENOENT) COUNT(t, errors, 1); /* taken as absent: the put says more */
-            tier_hdr h;
-            hdr_fill(&sh, &keys[j], j ? &keys[j - 1] : &seed, &h);
-            uint8_t *p = buf + sizeof h;
-            memcpy(p, toks + (size_t)j * B, (size_t)B * sizeof(int32_t));
-            p += (size_t)B * sizeof(int32_t);
-            for (uint32_t l = 0; !rc && l < c->n_layers; l++, p += sh.layer)
-                rc = pkv_seq_read_stored(c, id, l, j * B, B, p, p + (size_t)B * sh.k_rows);
-            if (rc) break;
-            h.checksum = XXH3_64bits(buf + sizeof h, sh.entry - sizeof h);
-            memcpy(buf, &h, sizeof h);
+            if ((rc = fill_entry(c, id, &sh, keys, &seed, toks, j, buf))) break;
             int r = t->ops.put(t->ctx, keys[j].b, buf, sh.entry);
             if (r == PKV_OK) put[j] = true, saved++;
             else if (r == PKV_ENOSPC) no_room++;
@@ -508,7 +523,7 @@ static void free_chain(pkv_tier *t, pkv__tent *e) { /* entries linked through hn
 
 /* A buffer for one entry of `need` bytes (pkv__tent included), counted in pf_bytes: a spare of
  * that size, else room made (spares first, then the oldest staged entries) and a new one. NULL
- * where the allocator has none. */
+ * where the allocator has none, or where writes waiting for the thread hold the rest. */
 static pkv__tent *stage_buffer(pkv_tier *t, const tkey *key, size_t entry) {
     const size_t need = sizeof(pkv__tent) + entry; /* pkv__tmap_new's size */
     pkv__tent *e = NULL, *drop = NULL;
@@ -520,7 +535,7 @@ static pkv__tent *stage_buffer(pkv_tier *t, const tkey *key, size_t entry) {
             break;
         }
     if (!e) {
-        while (t->pf_bytes + need > t->staged_cap && (t->spare || t->staged.oldest)) {
+        while (t->pf_bytes + need > t->staged_cap && (t->spare || t->staged.oldest)) { /* room */
             pkv__tent *o = t->spare;
             if (o) {
                 t->spare = o->hnext;
@@ -531,6 +546,11 @@ static pkv__tent *stage_buffer(pkv_tier *t, const tkey *key, size_t entry) {
             }
             t->pf_bytes -= o->size;
             o->hnext = drop, drop = o;
+        }
+        if (t->pf_bytes + need > t->staged_cap) { /* the rest is writes waiting: no room */
+            pthread_mutex_unlock(&t->mu);
+            free_chain(t, drop);
+            return NULL;
         }
         t->pf_bytes += need; /* reserved */
     }
@@ -583,11 +603,39 @@ static void prefetch_job(pkv_tier *t, const pf_job *j) {
     }
 }
 
+/* One queued write: put unless the store has it, counted; its buffer then a spare. */
+static void write_back(pkv_tier *t, pkv__tent *e) {
+    size_t len = 0;
+    int g = t->ops.get(t->ctx, e->key, NULL, 0, &len), r = PKV_OK;
+    if (g != PKV_OK) r = t->ops.put(t->ctx, e->key, e->data, e->len);
+    pthread_mutex_lock(&t->mu);
+    if (g != PKV_OK && g != PKV_ENOENT) t->st.errors++; /* taken as absent: the put says more */
+    if (g == PKV_OK) t->st.save_present++;
+    else if (r == PKV_OK) t->st.saved++;
+    else if (r == PKV_ENOSPC) t->st.save_no_room++;
+    else t->st.errors++, t->wb_failed++;
+    spare_keep(t, e);
+    pthread_mutex_unlock(&t->mu);
+}
+
 static void *prefetch_main(void *arg) {
     pkv_tier *t = arg;
     pthread_mutex_lock(&t->mu);
     for (;;) {
-        while (!t->pf_stop && !t->pf_head) pthread_cond_wait(&t->pf_cv, &t->mu);
+        while (!t->pf_stop && !t->pf_head && !t->wb_head) pthread_cond_wait(&t->pf_cv, &t->mu);
+        if (t->wb_head) { /* writes first, and all of them before the thread stops */
+            pkv__tent *e = t->wb_head;
+            t->wb_head = e->hnext;
+            if (!t->wb_head) t->wb_tail = NULL;
+            t->wb_busy = true;
+            pthread_mutex_unlock(&t->mu);
+            write_back(t, e);
+            pthread_mutex_lock(&t->mu);
+            t->wb_n--;
+            t->wb_busy = false;
+            if (!t->wb_n) pthread_cond_broadcast(&t->pf_idle);
+            continue;
+        }
         if (t->pf_stop) break;
         pf_job *j = t->pf_head;
         t->pf_head = j->next;
@@ -687,4 +735,81 @@ PKV_API int pkv_tier_prefetch_wait(pkv_tier *t) {
     while (on && (t->pf_n || t->pf_busy)) pthread_cond_wait(&t->pf_idle, &t->mu);
     pthread_mutex_unlock(&t->mu);
     return on ? PKV_OK : PKV_EINVAL;
+}
+
+/* ---- write-back ---- */
+PKV_API int pkv_tier_save_async(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_queued) {
+    if (!c) return PKV_EINVAL;
+    if (!t) return PKV__SAY(c, PKV_EINVAL, "t is NULL");
+    if (n_queued) *n_queued = 0;
+    pthread_mutex_lock(&t->mu);
+    const bool on = t->pf_on;
+    pthread_mutex_unlock(&t->mu);
+    if (!on) return PKV__SAY(c, PKV_EINVAL, "the tier's thread is not started (pkv_tier_prefetch_start)");
+    uint32_t n_tok, n_com;
+    uint64_t ns_lo, ns_hi;
+    int rc = seq_peek(c, id, __func__, &n_tok, &n_com, &ns_lo, &ns_hi, NULL, 0);
+    if (rc) return rc;
+    const uint32_t B = c->B, nb = n_com / B;
+    if (!nb) return PKV_OK;
+    shape sh;
+    if (!shape_of(c, &sh)) return PKV__SAY(c, PKV_ENOMEM, "an entry's size overflows");
+    const size_t toks_bytes = (size_t)nb * B * sizeof(int32_t), keys_bytes = (size_t)nb * sizeof(tkey);
+    int32_t *toks = pkv__alloc(&c->alloc, toks_bytes, 64);
+    tkey *keys = pkv__alloc(&c->alloc, keys_bytes, 64);
+    if (!toks || !keys) rc = PKV__SAY(c, PKV_ENOMEM, "the save's keys (%u blocks)", nb);
+    if (!rc) rc = seq_peek(c, id, __func__, &n_tok, &n_com, &ns_lo, &ns_hi, toks, nb);
+    pkv__tent *head = NULL, *tail = NULL; /* this call's entries, deepest first */
+    bool room = true;
+    if (!rc) {
+        tkey seed;
+        key_seed(c, ns_lo, ns_hi, &seed);
+        for (uint32_t i = 0; i < nb; i++) key_next(i ? &keys[i - 1] : &seed, toks + (size_t)i * B, B, &keys[i]);
+        for (uint32_t j = nb; !rc && room && j-- > 0;) {
+            pkv__tent *e = stage_buffer(t, &keys[j], sh.entry);
+            if (!e) {
+                room = false;
+                break;
+            }
+            e->hnext = NULL;
+            if (tail) tail->hnext = e;
+            else head = e;
+            tail = e;
+            rc = fill_entry(c, id, &sh, keys, &seed, toks, j, e->data);
+        }
+    }
+    if (!rc && room) { /* all of them, or none: queued in one step */
+        pthread_mutex_lock(&t->mu);
+        if (t->wb_tail) t->wb_tail->hnext = head;
+        else t->wb_head = head;
+        t->wb_tail = tail;
+        t->wb_n += nb;
+        pthread_cond_signal(&t->pf_cv);
+        pthread_mutex_unlock(&t->mu);
+        if (n_queued) *n_queued = nb;
+        head = NULL;
+    }
+    if (head) { /* not queued: the buffers back as spares */
+        pthread_mutex_lock(&t->mu);
+        for (pkv__tent *e = head, *next; e; e = next) {
+            next = e->hnext;
+            spare_keep(t, e);
+        }
+        pthread_mutex_unlock(&t->mu);
+    }
+    pkv__free(&c->alloc, keys, keys_bytes);
+    pkv__free(&c->alloc, toks, toks_bytes);
+    if (!rc && !room) return pkv_tier_save(t, c, id, NULL); /* no room to wait in: now */
+    return rc;
+}
+
+PKV_API int pkv_tier_flush(pkv_tier *t) {
+    if (!t) return PKV_EINVAL;
+    pthread_mutex_lock(&t->mu);
+    const bool on = t->pf_on;
+    while (on && (t->wb_n || t->wb_busy)) pthread_cond_wait(&t->pf_idle, &t->mu);
+    const uint64_t failed = t->wb_failed;
+    t->wb_failed = 0;
+    pthread_mutex_unlock(&t->mu);
+    return !on ? PKV_EINVAL : failed ? PKV_EIO : PKV_OK;
 }
