@@ -276,6 +276,8 @@ def _load():
         "pkv_tier_prefetch_start": (_int, [_vp, _u64]),
         "pkv_tier_prefetch": (_int, [_vp, _vp, _vp, _sz, _vp, _u32]),
         "pkv_tier_prefetch_wait": (_int, [_vp]),
+        "pkv_tier_save_async": (_int, [_vp, _vp, _u64, _P(_u32)]),
+        "pkv_tier_flush": (_int, [_vp]),
         "pkv_attn_flags_used": (_u32, [_vp]),
         "pkv_cache_take_events": (_int, [_vp, _P(_Event), _sz, _vp, _P(_sz)]),
         "pkv_prefix_snapshot": (_int, [_vp, _P(_Event), _sz, _vp, _P(_sz)]),
@@ -1058,6 +1060,19 @@ class Cache:
         return out.value
 
     @_in_call
+    def tier_save_async(self, tier, seq):
+        """As tier_save, but the store's puts are left to tier's thread (Tier.prefetch_start
+        first): the entries are made now (seq may be released on return) and queued; returns how
+        many (0: no room in staging, so they were saved now). Tier.flush waits for them."""
+        if not isinstance(tier, Tier):
+            raise _invalid("tier_save_async: a pagedkv.Tier is needed, got %s" % type(tier).__name__)
+        out = _u32()
+        with tier._use():
+            self._check(_lib.pkv_tier_save_async(tier._t, self._h(), _seq_of(seq), ctypes.byref(out)),
+                        "pkv_tier_save_async")
+        return out.value
+
+    @_in_call
     def tier_prefetch(self, tier, tokens, salt=b""):
         """Queues the prompt's full blocks (namespace salt, this cache's shape) for tier's prefetch
         thread to stage in host memory ahead of tier_load (pkv_tier_prefetch; Tier.prefetch_start
@@ -1334,6 +1349,12 @@ class Tier:
         with self._use():
             _check(_lib.pkv_tier_prefetch_start(self._t, _uint_of(staging_bytes, "staging_bytes", 64)),
                    "pkv_tier_prefetch_start")
+
+    def flush(self):
+        """Waits until every write queued by Cache.tier_save_async is in the store; IoError when a
+        put failed since the last flush (pkv_tier_flush; the GIL is released meanwhile)."""
+        with self._use():
+            _check(_lib.pkv_tier_flush(self._t), "pkv_tier_flush")
 
     def prefetch_wait(self):
         """Waits until every queued prefetch is done (the GIL is released meanwhile)."""

@@ -842,6 +842,21 @@ class TestCache(Base):
                         np.testing.assert_array_equal(x, y)
             with self.assertRaises(pkv.InvalidArgumentError):
                 b.tier_prefetch(th, prompt)  # the host tier's prefetch was not started
+            with self.assertRaises(pkv.InvalidArgumentError):
+                a.tier_save_async(th, sa)  # nor its thread
+            # write-back: the file tier's thread puts a save's entries; another prompt's here
+            sw = a.seq_create(b"ten")
+            a.append(sw, prompt + 1000)
+            for layer in range(2):
+                a.write_kv_seq(sw, layer, 0, self.rng.standard_normal((45, 2, 32)).astype(np.float32),
+                               self.rng.standard_normal((45, 2, 32)).astype(np.float32))
+            a.commit(sw, 45)
+            saved_before = tf.stats().saved
+            self.assertEqual(a.tier_save_async(tf, sw), 5)
+            a.release(sw)
+            tf.flush()
+            self.assertEqual(tf.stats().saved, saved_before + 5)
+            self.assertEqual(len(os.listdir(os.path.join(d, "t"))), 10)
             other = b.seq_create(b"other")  # another namespace
             self.assertEqual(b.tier_load(tf, other, prompt), 0)
             self.assertEqual(tf.stats().load_misses, 1)
