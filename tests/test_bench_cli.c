@@ -432,12 +432,12 @@ static void test_prefix_json(void **state) {
  * copy's own 1); a Redis server that does not answer fails the run and says so. */
 static void test_tier_json(void **state) {
     (void)state;
-    static const char *ops[5] = {"copy", "direct", "save", "load", "prefetch"};
+    static const char *ops[6] = {"copy", "direct", "save", "load", "prefetch", "flush"};
     char *argv[] = {"pkv", "bench", "tier", "--quick", "--json", NULL};
     char *out, *err;
     int rc = run_cli(argv, &out, &err);
     if (rc != 0) fail_msg("exit %d: %s", rc, err);
-    int header = 0, seen[5] = {0}, tiers = 0, full = 0, staged = 0;
+    int header = 0, seen[6] = {0}, tiers = 0, full = 0, staged = 0, async = 0;
     for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
         one_object(line);
         assert_true(str_is(line, "bench", "tier"));
@@ -447,9 +447,10 @@ static void test_tier_json(void **state) {
             header++;
             continue;
         }
-        const int op = which(line, "op", ops, 5);
+        const int op = which(line, "op", ops, 6);
         seen[op]++;
-        tiers += (str_is(line, "tier", "host") || str_is(line, "tier", "file")) && op != 4;
+        tiers += (str_is(line, "tier", "host") || str_is(line, "tier", "file")) && op != 4 && op != 5;
+        async += str_is(line, "tier", "file-async") && op == 2;
         staged += str_is(line, "tier", "file-staged") && op == 3;
         full += str_is(line, "tier", "host-full") && op == 2; /* the steady state's save */
         const double ms = num(line, "median_ms"), gbps = num(line, "gbps"), bytes = num(line, "bytes");
@@ -460,8 +461,8 @@ static void test_tier_json(void **state) {
         assert_int_equal((int)num(line, "rounds"), 3);
     }
     assert_int_equal(header, 1);
-    assert_true(seen[0] == 1 && seen[1] == 1 && seen[2] == 3 && seen[3] == 3 && seen[4] == 1 && tiers == 4 &&
-                full == 1 && staged == 1);
+    assert_true(seen[0] == 1 && seen[1] == 1 && seen[2] == 4 && seen[3] == 3 && seen[4] == 1 && seen[5] == 1 &&
+                tiers == 4 && full == 1 && staged == 1 && async == 1);
     free(out), free(err);
     char *dead[] = {"pkv", "bench", "tier", "--quick", "--redis", "127.0.0.1:1", NULL};
     rc = run_cli(dead, &out, &err);

@@ -27,7 +27,10 @@ static void usage(FILE *f) {
             "memory of the entries it drops is reused; a new tier's entries are fresh pages).\n"
             "prefetch file / redis: pkv_tier_prefetch of the prompt and pkv_tier_prefetch_wait (the\n"
             "tier's thread staging the entries in host memory: the work an engine overlaps with\n"
-            "others'); load file-staged / redis-staged: the pkv_tier_load after it.\n"
+            "others'); load file-staged / redis-staged: the pkv_tier_load after it. save\n"
+            "file-async / redis-async: pkv_tier_save_async (the caller's part: the entries made in host\n"
+            "memory, in the buffers of another prompt's save before it), flush: the pkv_tier_flush\n"
+            "after it (the thread's puts).\n"
             "\n"
             "  --json          one JSON object per line (keys: op, tier, median_ms, gbps, copy_gbps,\n"
             "                  copy_frac, bytes, rounds)\n"
@@ -151,8 +154,10 @@ int tool_bench_tier(int argc, char **argv) {
     double *t_full = calloc(rounds, sizeof(double));
     /* file and Redis: the prefetch (staging the prompt, timed to its end) and the load after it */
     double *t_pf = calloc((size_t)rounds * 3, sizeof(double)), *t_staged = calloc((size_t)rounds * 3, sizeof(double));
+    /* and write-back: the pkv_tier_save_async call, then the pkv_tier_flush after it */
+    double *t_async = calloc((size_t)rounds * 3, sizeof(double)), *t_flush = calloc((size_t)rounds * 3, sizeof(double));
     pkv_seq sa, sa2;
-    if (!a || !b || !toks || !kb || !vb || !src || !dst || !t_copy || !t_direct || !t_save || !t_load || !t_full || !t_pf || !t_staged)
+    if (!a || !b || !toks || !kb || !vb || !src || !dst || !t_copy || !t_direct || !t_save || !t_load || !t_full || !t_pf || !t_staged || !t_async || !t_flush)
         goto out;
     for (uint32_t i = 0; i < n_tok; i++) toks[i] = (int32_t)(i * 2654435761u % 30000);
     for (size_t i = 0; i < (size_t)n_tok * rowe; i++) kb[i] = (uint16_t)(0x3000 + i % 0x0fff), vb[i] = (uint16_t)(0xb000 + i % 0x0fff);
@@ -238,6 +243,26 @@ int tool_bench_tier(int argc, char **argv) {
                             pkv_strerror(rc));
             pkv_tier_destroy(t);
             if (kinds[k].dir) remove_round_dir(kinds[k].dir, (int)r);
+            if (!rc && k > 0) { /* write-back into a new tier of its own: one prompt's save and flush
+                                   (untimed: its buffers are fresh pages), then the other's, timed */
+                pkv_tier *w = NULL;
+                uint32_t queued = 0;
+                if (!(rc = open_tier(&kinds[k], (int)(rounds + r), &w)) && !(rc = pkv_tier_prefetch_start(w, total + entry)) &&
+                    !(rc = pkv_tier_save_async(w, a, sa2, &queued)) && !(rc = pkv_tier_flush(w))) {
+                    t0 = tool_now_ns();
+                    rc = pkv_tier_save_async(w, a, sa, &queued);
+                    t_async[(size_t)k * rounds + r] = (double)(tool_now_ns() - t0) * 1e-9;
+                    t0 = tool_now_ns();
+                    if (!rc) rc = pkv_tier_flush(w);
+                    t_flush[(size_t)k * rounds + r] = (double)(tool_now_ns() - t0) * 1e-9;
+                    pkv_tier_stats ts;
+                    if (!rc && (queued != n_blk || pkv_tier_get_stats(w, &ts) || ts.saved != 2 * n_blk)) rc = PKV_EIO;
+                }
+                if (rc) fprintf(stderr, "pkv bench tier: the %s tier's write-back: queued %u: %s\n", kinds[k].name, queued,
+                                pkv_strerror(rc));
+                pkv_tier_destroy(w);
+                if (kinds[k].dir) remove_round_dir(kinds[k].dir, (int)(rounds + r));
+            }
         }
         if (rc) break;
     }
@@ -257,7 +282,8 @@ int tool_bench_tier(int argc, char **argv) {
         double *t;
     } row_t;
     static const char *const staged_name[3] = {"", "file-staged", "redis-staged"};
-    row_t rows[16];
+    static const char *const async_name[3] = {"", "file-async", "redis-async"};
+    row_t rows[20];
     int n_rows = 0;
     rows[n_rows++] = (row_t){"copy", "-", t_copy};
     rows[n_rows++] = (row_t){"direct", "-", t_direct};
@@ -268,6 +294,8 @@ int tool_bench_tier(int argc, char **argv) {
         if (k > 0) {
             rows[n_rows++] = (row_t){"prefetch", kinds[k].name, t_pf + (size_t)k * rounds};
             rows[n_rows++] = (row_t){"load", staged_name[k], t_staged + (size_t)k * rounds};
+            rows[n_rows++] = (row_t){"save", async_name[k], t_async + (size_t)k * rounds};
+            rows[n_rows++] = (row_t){"flush", kinds[k].name, t_flush + (size_t)k * rounds};
         }
     }
     for (int i = 0; i < n_rows; i++) {
@@ -286,6 +314,6 @@ out:
     pkv_tier_destroy(full);
     pkv_cache_destroy(a);
     pkv_cache_destroy(b);
-    free(t_full), free(t_pf), free(t_staged), free(toks), free(kb), free(vb), free(src), free(dst), free(t_copy), free(t_direct), free(t_save), free(t_load);
+    free(t_full), free(t_pf), free(t_staged), free(t_async), free(t_flush), free(toks), free(kb), free(vb), free(src), free(dst), free(t_copy), free(t_direct), free(t_save), free(t_load);
     return status;
 }
