@@ -1814,6 +1814,23 @@ func (t *Tier) PrefetchWait() error {
 	})
 }
 
+// Flush waits until every write queued by TierSaveAsync is in the store (pkv_tier_flush).
+// ErrIO when a put failed since the last flush (counted in the stats' Errors; that block is not
+// stored); ErrInvalid before PrefetchStart.
+func (t *Tier) Flush() error {
+	return t.use(func(p *C.pkv_tier) error {
+		rc := C.pkv_tier_flush(p)
+		op := "pkv_tier_flush"
+		switch rc {
+		case EINVAL:
+			op += ": PrefetchStart not called"
+		case EIO:
+			op += ": a queued put failed"
+		}
+		return check(rc, op)
+	})
+}
+
 // TierSave stores the full committed blocks of s that t lacks (pkv_tier_save); returns how many
 // it stored. A store refusing an entry for want of room is not an error; one failing otherwise
 // (Redis unreachable: ErrIO) fails the call, and the entries it stored are deleted again. It
@@ -1822,6 +1839,23 @@ func (c *Cache) TierSave(t *Tier, s Seq) (uint32, error) {
 	var n C.uint32_t
 	err := t.use(func(tp *C.pkv_tier) error {
 		return c.op("pkv_tier_save", readKV, func(p *C.pkv_cache) C.int { return C.pkv_tier_save(tp, p, C.pkv_seq(s), &n) }, s)
+	})
+	return uint32(n), err
+}
+
+// TierSaveAsync is TierSave with the store's puts left to t's thread (PrefetchStart first, else
+// ErrInvalid) (pkv_tier_save_async): the entries of the full committed blocks are made now, into
+// host memory within the tier's staging bytes, and queued, all of them or, on a failure, none;
+// it returns how many. s may be released as soon as it returns. Where staging has no room for
+// them, it saves now, as TierSave, and returns 0. The thread puts them before any queued
+// prefetch, skipping those the store has, and counts them in Stats; Flush waits for them, and
+// Close puts them first. It reads s as Gather does.
+func (c *Cache) TierSaveAsync(t *Tier, s Seq) (uint32, error) {
+	var n C.uint32_t
+	err := t.use(func(tp *C.pkv_tier) error {
+		return c.op("pkv_tier_save_async", readKV, func(p *C.pkv_cache) C.int {
+			return C.pkv_tier_save_async(tp, p, C.pkv_seq(s), &n)
+		}, s)
 	})
 	return uint32(n), err
 }

@@ -2056,6 +2056,122 @@ func TestTierPrefetch(t *testing.T) {
 	}
 }
 
+func TestTierWriteBack(t *testing.T) {
+	// tests/test_tier.c test_write_back, on a file tier: a save's puts left to the tier's thread,
+	// the sequence released before they run; Flush waits for them; refusals; a closed tier or
+	// cache
+	mk := tierCache(t)
+	a, sa, prompt := tierSource(t, "wb", 700, 31)
+	defer a.Close()
+	dir := t.TempDir() + "/t"
+	tier, err := NewFileTier(dir, 1<<24)
+	must(t, err)
+	defer tier.Close()
+	files := func() int {
+		es, err := os.ReadDir(dir)
+		must(t, err)
+		return len(es)
+	}
+	// not started: refused
+	host, err := NewHostTier(1 << 24)
+	must(t, err)
+	defer host.Close()
+	if _, err := a.TierSaveAsync(host, sa); !errors.Is(err, ErrInvalid) || errors.Is(err, ErrClosed) {
+		t.Fatalf("save before start: %v", err)
+	}
+	if err := host.Flush(); !errors.Is(err, ErrInvalid) || errors.Is(err, ErrClosed) {
+		t.Fatalf("flush before start: %v", err)
+	}
+	must(t, tier.PrefetchStart(1<<24))
+	if _, err := a.TierSaveAsync(tier, Seq(12345)); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("an unknown sequence: %v", err)
+	}
+	// queued: the sequence may go before the puts run
+	s2, err := a.Fork(sa)
+	must(t, err)
+	if n, err := a.TierSaveAsync(tier, s2); err != nil || n != 5 {
+		t.Fatalf("queued %d blocks (%v), want 5", n, err)
+	}
+	must(t, a.Release(s2))
+	must(t, tier.Flush())
+	st, err := tier.Stats()
+	must(t, err)
+	if st.Saved != 5 || st.SavePresent != 0 || st.Errors != 0 {
+		t.Fatalf("flushed: %+v", st)
+	}
+	if n := files(); n != 5 {
+		t.Fatalf("%d files, want 5", n)
+	}
+	// they load as a synchronous save's do
+	b := mk(60)
+	defer b.Close()
+	sb, err := b.SeqCreate([]byte("wb"))
+	must(t, err)
+	if got, err := b.TierLoad(tier, sb, prompt); err != nil || got != 40 {
+		t.Fatalf("loaded %d positions (%v), want 40", got, err)
+	}
+	for layer := uint32(0); layer < 2; layer++ {
+		k1, v1, err := a.ReadStored(sa, layer, 0, 40)
+		must(t, err)
+		k2, v2, err := b.ReadStored(sb, layer, 0, 40)
+		must(t, err)
+		if !reflect.DeepEqual(k1, k2) || !reflect.DeepEqual(v1, v2) {
+			t.Fatalf("layer %d: the loaded rows differ", layer)
+		}
+	}
+	// again: the thread finds them there
+	if n, err := a.TierSaveAsync(tier, sa); err != nil || n != 5 {
+		t.Fatalf("queued again %d blocks (%v), want 5", n, err)
+	}
+	must(t, tier.Flush())
+	if st, err = tier.Stats(); err != nil || st.Saved != 5 || st.SavePresent != 5 {
+		t.Fatalf("saved again: %+v, %v", st, err)
+	}
+	must(t, tier.Flush()) // nothing queued
+	// puts that fail (the directory gone): the flush says so, once
+	c, sc, _ := tierSource(t, "wb2", 700, 37)
+	gone := t.TempDir() + "/t"
+	t2, err := NewFileTier(gone, 1<<24)
+	must(t, err)
+	must(t, t2.PrefetchStart(1<<24))
+	must(t, os.RemoveAll(gone))
+	if n, err := c.TierSaveAsync(t2, sc); err != nil || n != 5 {
+		t.Fatalf("queued %d blocks (%v), want 5", n, err)
+	}
+	if err := t2.Flush(); !errors.Is(err, ErrIO) {
+		t.Fatalf("failed puts: %v", err)
+	}
+	must(t, t2.Flush())
+	if st, err = t2.Stats(); err != nil || st.Saved != 0 || st.Errors != 5 {
+		t.Fatalf("failed puts: %+v, %v", st, err)
+	}
+	t2.Close()
+	// queued at Close: put first
+	if n, err := c.TierSaveAsync(tier, sc); err != nil || n != 5 {
+		t.Fatalf("queued %d blocks (%v), want 5", n, err)
+	}
+	tier.Close()
+	if n := files(); n != 10 {
+		t.Fatalf("%d files after Close, want 10", n)
+	}
+	// a closed cache, a closed or nil tier
+	c.Close()
+	if _, err := c.TierSaveAsync(host, sc); !errors.Is(err, ErrClosed) {
+		t.Fatalf("a closed cache: %v", err)
+	}
+	if _, err := a.TierSaveAsync(tier, sa); !errors.Is(err, ErrClosed) {
+		t.Fatalf("a closed tier: %v", err)
+	}
+	if err := tier.Flush(); !errors.Is(err, ErrClosed) {
+		t.Fatalf("flush on a closed tier: %v", err)
+	}
+	var none *Tier
+	if err := none.Flush(); !errors.Is(err, ErrClosed) {
+		t.Fatalf("a nil tier: %v", err)
+	}
+	must(t, a.Check())
+}
+
 func TestEvents(t *testing.T) {
 	// a router's view of a cache: the events name the blocks by the hashes PrefixHashes
 	// computes from the prompt, with no cache; eviction removes them leaf first; a snapshot

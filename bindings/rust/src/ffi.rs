@@ -356,6 +356,8 @@ extern "C" {
         n: u32,
     ) -> c_int;
     pub fn pkv_tier_prefetch_wait(t: *mut pkv_tier) -> c_int;
+    pub fn pkv_tier_save_async(t: *mut pkv_tier, c: *mut pkv_cache, s: pkv_seq, n_queued: *mut u32) -> c_int;
+    pub fn pkv_tier_flush(t: *mut pkv_tier) -> c_int;
     pub fn pkv_cache_check(c: *mut pkv_cache, msg: *mut c_char, msg_cap: usize) -> c_int;
     pub fn pkv_attn_params_default() -> pkv_attn_params;
     pub fn pkv_attn_decode(

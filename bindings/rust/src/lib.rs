@@ -116,7 +116,8 @@ pub enum ErrorKind {
     Limit,
     /// `ECORRUPT`: the checker found a broken invariant.
     Corrupt,
-    /// `EIO`: an I/O error (reserved for storage tiers: no call of this version returns it).
+    /// `EIO`: an I/O error of a storage tier's store (a directory that cannot be used, Redis
+    /// not answering, a write-back put that failed: [`Tier::flush`]).
     Io,
     /// `ENOTSUP`: a valid request this build or configuration does not support.
     NotSupported,
@@ -749,6 +750,21 @@ impl Tier {
             "pkv_tier_prefetch_wait: prefetch_start not called",
         )
     }
+
+    /// Waits until every write queued by [`Cache::tier_save_async`] is in the store
+    /// (pkv_tier_flush). `Io` when a put failed since the last flush (counted in the stats'
+    /// errors; that block is not stored); `InvalidArgument` before [`Tier::prefetch_start`].
+    pub fn flush(&self) -> Result<()> {
+        let rc = unsafe { ffi::pkv_tier_flush(self.raw.as_ptr()) };
+        check(
+            rc,
+            match rc {
+                EINVAL => "pkv_tier_flush: prefetch_start not called",
+                EIO => "pkv_tier_flush: a queued put failed",
+                _ => "pkv_tier_flush",
+            },
+        )
+    }
 }
 
 /// A paged KV cache (pkv_cache): the pool, sequences, prefix index and attention. Freed on drop.
@@ -1359,6 +1375,23 @@ impl Cache {
         check(
             unsafe { ffi::pkv_tier_save(t.raw.as_ptr(), self.p(), s.0, &mut n) },
             "pkv_tier_save",
+        )?;
+        Ok(n)
+    }
+
+    /// As [`Cache::tier_save`], but the store's puts are left to `t`'s thread
+    /// ([`Tier::prefetch_start`] first, else `InvalidArgument`) (pkv_tier_save_async): the
+    /// entries of the full committed blocks are made now, into host memory within the tier's
+    /// staging bytes, and queued, all of them or, on a failure, none; returns how many. `s` may
+    /// be released as soon as it returns. Where staging has no room for them, it saves now, as
+    /// [`Cache::tier_save`], and returns 0. The thread puts them before any queued prefetch,
+    /// skipping those the store has, and counts them in [`Tier::stats`]; [`Tier::flush`] waits
+    /// for them, and dropping the tier puts them first. Reads `s` as [`Cache::gather`] does.
+    pub fn tier_save_async(&self, t: &Tier, s: Seq) -> Result<u32> {
+        let mut n = 0u32;
+        check(
+            unsafe { ffi::pkv_tier_save_async(t.raw.as_ptr(), self.p(), s.0, &mut n) },
+            "pkv_tier_save_async",
         )?;
         Ok(n)
     }

@@ -1487,6 +1487,68 @@ fn tier_prefetch_stages_a_prompt() {
 }
 
 #[test]
+fn tier_write_back() {
+    // tests/test_tier.c test_write_back, on a file tier: a save's puts left to the tier's thread,
+    // the sequence released before they run; flush waits for them; refusals
+    let (mut a, sa, prompt) = tier_source(b"wb", 700, 31);
+    let dir = std::env::temp_dir().join(format!("pkv-rust-write-back-{}", std::process::id()));
+    let t = Tier::file(&dir, 1 << 24).unwrap();
+    // not started: refused
+    let host = Tier::host(1 << 24).unwrap();
+    let e = a.tier_save_async(&host, sa).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert_eq!(host.flush().unwrap_err().kind(), ErrorKind::InvalidArgument);
+    t.prefetch_start(1 << 24).unwrap();
+    assert_eq!(
+        a.tier_save_async(&t, Seq(12345)).unwrap_err().kind(),
+        ErrorKind::NotFound
+    );
+    // queued: the sequence may go before the puts run
+    let s2 = a.fork(sa).unwrap();
+    assert_eq!(a.tier_save_async(&t, s2).unwrap(), 5);
+    a.release(s2).unwrap();
+    t.flush().unwrap();
+    let st = t.stats().unwrap();
+    assert_eq!((st.saved, st.save_present, st.errors), (5, 0, 0));
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 5);
+    // they load as a synchronous save's do
+    let mut b = Cache::new(&tier_conf(60)).unwrap();
+    let sb = b.seq_create(b"wb").unwrap();
+    assert_eq!(b.tier_load(&t, sb, &prompt).unwrap(), 40);
+    for layer in 0..2 {
+        assert_eq!(
+            b.read_stored(sb, layer, 0, 40).unwrap(),
+            a.read_stored(sa, layer, 0, 40).unwrap()
+        );
+    }
+    // again: the thread finds them there
+    assert_eq!(a.tier_save_async(&t, sa).unwrap(), 5);
+    t.flush().unwrap();
+    let st = t.stats().unwrap();
+    assert_eq!((st.saved, st.save_present), (5, 5));
+    // nothing queued
+    t.flush().unwrap();
+    // puts that fail (the directory gone): the flush says so, once
+    let (c, sc, _) = tier_source(b"wb2", 700, 37);
+    let gone = std::env::temp_dir().join(format!("pkv-rust-write-back-gone-{}", std::process::id()));
+    let t2 = Tier::file(&gone, 1 << 24).unwrap();
+    t2.prefetch_start(1 << 24).unwrap();
+    std::fs::remove_dir_all(&gone).unwrap();
+    assert_eq!(c.tier_save_async(&t2, sc).unwrap(), 5);
+    assert_eq!(t2.flush().unwrap_err().kind(), ErrorKind::Io);
+    t2.flush().unwrap();
+    let st = t2.stats().unwrap();
+    assert_eq!((st.saved, st.errors), (0, 5), "{:?}", st);
+    drop(t2);
+    // queued at drop: put first
+    assert_eq!(c.tier_save_async(&t, sc).unwrap(), 5);
+    drop(t);
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 10);
+    a.check().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn prefix_index_events() {
     // a router's view of a cache: the events name the blocks by the hashes prefix_hashes
     // computes from the prompt, with no cache; eviction removes them leaf first; a snapshot
