@@ -830,7 +830,8 @@ typedef struct pkv_tier_stats {
     uint64_t prefetch_hits;  /* blocks pkv_tier_load took from staging instead of the store */
     uint64_t prefetch_dropped; /* staged entries dropped unused, for room */
     uint64_t staged_entries; /* entries staged now */
-    uint64_t staged_bytes;   /* memory staging holds now: staged entries and kept buffers */
+    uint64_t staged_bytes;   /* memory staging holds now: staged entries, kept buffers, writes
+                                waiting (pkv_tier_save_async) */
 } pkv_tier_stats;
 PKV_NODISCARD PKV_API int pkv_tier_get_stats(pkv_tier *t, pkv_tier_stats *out);
 
@@ -860,8 +861,9 @@ PKV_NODISCARD PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq s, co
  * pkv_tier_load that follows copies them from memory instead of waiting on files or Redis.
  * pkv_tier_prefetch_start starts the thread with staging_bytes of staging: entries allocated
  * through the tier's allocator as they arrive, the buffers of those loads took kept for the next
- * ones, and all of it, headers included, within staging_bytes (kept buffers dropped first, then
- * the oldest staged entries). Once only: PKV_EINVAL after that; PKV_ENOMEM where no thread can be
+ * ones, the writes of pkv_tier_save_async waiting, and all of it, headers included, within
+ * staging_bytes (kept buffers dropped first, then the oldest staged entries; writes waiting
+ * are never dropped: where they hold the room, nothing is fetched). Once only: PKV_EINVAL after that; PKV_ENOMEM where no thread can be
  * started. pkv_tier_destroy stops it. */
 PKV_NODISCARD PKV_API int pkv_tier_prefetch_start(pkv_tier *t, uint64_t staging_bytes);
 
@@ -885,15 +887,15 @@ PKV_NODISCARD PKV_API int pkv_tier_prefetch_wait(pkv_tier *t);
  * caller a copy of the rows into host memory. The full committed blocks' entries are made now
  * (s may be released as soon as it returns) into buffers within staging_bytes and queued, all of
  * them or, on a failure, none; *n_queued (may be NULL) is their count. Where staging has no
- * room for them (the writes queued before hold it), it saves now, as pkv_tier_save (*n_queued
- * 0). The thread puts them in order before any queued prefetch, skipping those the store has,
+ * room for them (the writes queued before hold it: then nothing staged is dropped for them) or
+ * the allocator no memory, it saves now, as pkv_tier_save (*n_queued 0). The thread puts them in order before any queued prefetch, skipping those the store has,
  * and counts them in pkv_tier_get_stats (saved, save_present, save_no_room, errors); a load
  * that comes before a block's put misses it. pkv_tier_destroy puts every queued entry first. */
 PKV_NODISCARD PKV_API int pkv_tier_save_async(pkv_tier *t, pkv_cache *c, pkv_seq s, uint32_t *n_queued);
 
-/* Waits until every queued write is in the store. PKV_EIO when a put failed since the last
- * flush (counted in errors; that block is not stored), PKV_EINVAL before
- * pkv_tier_prefetch_start. */
+/* Waits until the writes queued before the call are in the store (not those queued after it,
+ * by other threads). PKV_EIO when a put failed since the last flush returned (counted in errors;
+ * that block is not stored; one flush reports it), PKV_EINVAL before pkv_tier_prefetch_start. */
 PKV_NODISCARD PKV_API int pkv_tier_flush(pkv_tier *t);
 
 #ifdef __cplusplus

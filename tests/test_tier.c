@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <sys/time.h>
 #include <time.h>
@@ -479,8 +480,18 @@ typedef struct fake {
     int retoken;                  /* gets: a token id changed, checksum fixed */
     int other;                    /* gets: another key's entry (the first stored of another key) */
     int reparent;                 /* gets: the parent key changed, checksum fixed (it is not covered) */
-    atomic_int gate;              /* gets with data wait while it is set (prefetch tests) */
+    atomic_int gate;              /* gets with data, and puts, wait while it is set (prefetch tests) */
+    atomic_int hold_tok;          /* nonzero: only puts of the block beginning with it wait */
+    int32_t log[128];             /* puts (+first token) and gets with data (-first token), in order */
+    atomic_int n_log;
 } fake;
+
+/* the first token id of an entry's block (after the 88-byte header) */
+static int32_t first_tok(const void *entry) {
+    int32_t t;
+    memcpy(&t, (const uint8_t *)entry + 88, sizeof t);
+    return t;
+}
 
 static int find(fake *f, const uint8_t *key) {
     for (int i = 0; i < 32; i++)
@@ -490,6 +501,10 @@ static int find(fake *f, const uint8_t *key) {
 
 static int fake_put(void *ctx, const uint8_t key[16], const void *data, size_t len) {
     fake *f = ctx;
+    while (atomic_load(&f->gate) && (!atomic_load(&f->hold_tok) || atomic_load(&f->hold_tok) == first_tok(data)))
+        usleep(100);
+    const int at = atomic_fetch_add(&f->n_log, 1);
+    if (at < 128) f->log[at] = first_tok(data);
     if (f->n_put++ == f->fail_put_at) return PKV_EIO;
     int i = find(f, key);
     for (int j = 0; i < 0 && j < 32; j++)
@@ -505,7 +520,7 @@ static int fake_put(void *ctx, const uint8_t key[16], const void *data, size_t l
 
 static int fake_get(void *ctx, const uint8_t key[16], void *data, size_t cap, size_t *len) {
     fake *f = ctx;
-    while (data && atomic_load(&f->gate)) usleep(100);
+    while (data && atomic_load(&f->gate) && !atomic_load(&f->hold_tok)) usleep(100);
     f->n_calls++;
     if (data && f->n_get++ == f->fail_get_at) return PKV_EIO;
     int i = find(f, key);
@@ -517,6 +532,8 @@ static int fake_get(void *ctx, const uint8_t key[16], void *data, size_t cap, si
         }
     *len = f->len[i] - (data && f->shorten ? 1 : 0);
     if (!data) return PKV_OK;
+    const int at = atomic_fetch_add(&f->n_log, 1);
+    if (at < 128) f->log[at] = -first_tok(f->data[i]);
     if (*len > cap) return PKV_ENOSPC;
     memcpy(data, f->data[i], *len);
     uint8_t *p = data;
@@ -775,12 +792,20 @@ static void test_prefetch(void **state) {
 }
 
 /* ---- write-back: a save's entries made at once, put by the tier's thread ---- */
+static void clear_fake(fake *f) {
+    for (int i = 0; i < 32; i++) free(f->data[i]), f->data[i] = NULL;
+    atomic_store(&f->n_log, 0);
+}
+
+static void *flush_main(void *t) { return (void *)(intptr_t)pkv_tier_flush(t); }
+
 static void test_write_back(void **state) {
     (void)state;
-    int32_t toks[N];
+    int32_t toks[N], toks2[N];
     prompt(toks, N, 3300);
+    prompt(toks2, N, 5300);
     pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 16, LAYERS);
-    pkv_seq sa = filled(a, "wb", toks, N), s;
+    pkv_seq sa = filled(a, "wb", toks, N), sb2 = filled(a, "wb", toks2, N), s;
     static fake f;
     memset(&f, 0, sizeof f);
     f.fail_put_at = f.fail_get_at = -1;
@@ -794,20 +819,27 @@ static void test_write_back(void **state) {
     TU_OK(pkv_tier_prefetch_start(t, 1u << 24));
     TU_RC(pkv_tier_save_async(NULL, a, sa, &q), PKV_EINVAL);
     TU_RC(pkv_tier_save_async(t, a, 12345, &q), PKV_ENOENT);
-    /* a store that hangs: the save returns with its entries made, the sequence can go */
+    /* a store that hangs: the save returns with its entries made, and the sequence can go */
     atomic_store(&f.gate, 1);
     pkv_seq sa2;
     TU_OK(pkv_seq_fork(a, sa, &sa2));
     TU_OK(pkv_tier_save_async(t, a, sa2, &q));
     assert_int_equal(q, 5);
     TU_OK(pkv_seq_release(a, sa2));
-    assert_int_equal(fake_count(&f), 0);
-    assert_true(tstats(t).staged_bytes > 0); /* the queued entries' buffers */
+    usleep(20000);
+    assert_int_equal(fake_count(&f), 0); /* the thread waits at the first put */
+    const uint64_t held = tstats(t).staged_bytes / 5; /* an entry's buffer */
+    assert_true(held > 88 + B * 4);
+    assert_int_equal(tstats(t).staged_bytes, 5 * held);
     atomic_store(&f.gate, 0);
     TU_OK(pkv_tier_flush(t));
     assert_int_equal(fake_count(&f), 5);
     pkv_tier_stats st = tstats(t);
     assert_int_equal(st.saved, 5);
+    assert_int_equal(st.staged_bytes, 5 * held); /* the buffers, kept for the next writes */
+    /* put deepest first, as a synchronous save */
+    assert_int_equal(atomic_load(&f.n_log), 5);
+    for (int i = 0; i < 5; i++) assert_int_equal(f.log[i], toks[(4 - i) * B]);
     /* the stored entries load as a synchronous save's do */
     pkv_cache *b = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
     assert_int_equal(load_fresh(t, b, "wb", toks, N, NULL, &s), 40);
@@ -817,33 +849,107 @@ static void test_write_back(void **state) {
     TU_OK(pkv_tier_flush(t));
     assert_int_equal(tstats(t).save_present, 5);
     assert_int_equal(tstats(t).saved, 5);
+    /* writes go before prefetches: the first prompt's first put held, a prefetch queued behind
+       it; released, the store sees the five puts, then the prefetch's five gets */
+    clear_fake(&f);
+    TU_OK(pkv_tier_save(t, a, sb2, &q)); /* the second prompt stored, for the prefetch to fetch */
+    assert_int_equal(q, 5);
+    atomic_store(&f.n_log, 0);
+    pkv_cache_destroy(b);
+    b = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
+    atomic_store(&f.hold_tok, toks[4 * B]); /* the first prompt's first put waits */
+    atomic_store(&f.gate, 1);
+    TU_OK(pkv_tier_save_async(t, a, sa, &q));
+    usleep(20000);                                   /* the thread at that put */
+    TU_OK(pkv_tier_prefetch(t, b, "wb", 2, toks2, N)); /* queued behind the writes */
+    atomic_store(&f.gate, 0);
+    TU_OK(pkv_tier_flush(t));
+    TU_OK(pkv_tier_prefetch_wait(t));
+    atomic_store(&f.hold_tok, 0);
+    assert_int_equal(atomic_load(&f.n_log), 5 + 5);
+    for (int i = 0; i < 5; i++) assert_int_equal(f.log[i], toks[(4 - i) * B]);   /* the writes */
+    for (int i = 0; i < 5; i++) assert_int_equal(f.log[5 + i], -toks2[i * B]);    /* then the fetches */
+    assert_int_equal(tstats(t).prefetched, 5);
+    /* a flush waits for the writes queued before it, not for those queued after: the first
+       prompt's first put held, a flush on another thread, the second prompt queued, then the
+       hold moved to the second's first put: the flush returns with the second's held */
+    clear_fake(&f);
+    atomic_store(&f.hold_tok, toks[4 * B]);
+    atomic_store(&f.gate, 1);
+    TU_OK(pkv_tier_save_async(t, a, sa, &q));
+    pthread_t fl;
+    assert_int_equal(pthread_create(&fl, NULL, flush_main, t), 0);
+    usleep(20000);
+    TU_OK(pkv_tier_save_async(t, a, sb2, &q));
+    atomic_store(&f.hold_tok, toks2[4 * B]);
+    void *frc;
+    assert_int_equal(pthread_join(fl, &frc), 0);
+    assert_int_equal((intptr_t)frc, PKV_OK);
+    assert_int_equal(fake_count(&f), 5); /* the second's first put still held */
+    atomic_store(&f.gate, 0);
+    atomic_store(&f.hold_tok, 0);
+    TU_OK(pkv_tier_flush(t));
+    assert_int_equal(fake_count(&f), 10);
     /* a put that fails: the flush says so, once */
-    for (int i = 0; i < 32; i++) free(f.data[i]), f.data[i] = NULL;
+    clear_fake(&f);
     f.n_put = 0, f.fail_put_at = 1;
     TU_OK(pkv_tier_save_async(t, a, sa, &q));
     TU_RC(pkv_tier_flush(t), PKV_EIO);
     TU_OK(pkv_tier_flush(t));
     assert_int_equal(fake_count(&f), 4);
-    assert_int_equal(tstats(t).errors, 1);
     f.fail_put_at = -1;
     /* entries queued at destroy are put first */
-    for (int i = 0; i < 32; i++) free(f.data[i]), f.data[i] = NULL;
+    clear_fake(&f);
     TU_OK(pkv_tier_save_async(t, a, sa, &q));
     pkv_tier_destroy(t);
     assert_int_equal(fake_count(&f), 5);
     /* staging for three entries: no room for the save's five, so it saves now, synchronously
-       (stored on return, no flush) */
-    for (int i = 0; i < 32; i++) free(f.data[i]), f.data[i] = NULL;
+       (stored on return, no flush), and staging holds nothing of it */
+    clear_fake(&f);
     TU_OK(pkv_tier_create(&ops, &f, NULL, &t));
-    TU_OK(pkv_tier_prefetch_start(t, 3 * 4096));
+    TU_OK(pkv_tier_prefetch_start(t, 3 * held));
+    TU_OK(pkv_tier_prefetch(t, b, "wb", 2, toks2, N)); /* a miss: the store is empty */
+    TU_OK(pkv_tier_prefetch_wait(t));
     TU_OK(pkv_tier_save_async(t, a, sa, &q));
     assert_int_equal(q, 0);
     assert_int_equal(fake_count(&f), 5);
     assert_int_equal(tstats(t).saved, 5);
-    /* allocation failures: the entries' buffers (the save then goes now), the keys (ENOMEM,
-       nothing queued, nothing stored) */
+    assert_int_equal(tstats(t).staged_bytes, held); /* the miss's buffer, kept */
+    /* three staged entries, then a save that cannot fit: nothing staged is dropped for it */
+    TU_OK(pkv_tier_save(t, a, sb2, &q));
+    TU_OK(pkv_tier_prefetch(t, b, "wb", 2, toks2, N));
+    TU_OK(pkv_tier_prefetch_wait(t));
+    assert_int_equal(tstats(t).staged_entries, 3);
+    const uint64_t dropped = tstats(t).prefetch_dropped;
+    TU_OK(pkv_tier_save_async(t, a, sa, &q));
+    assert_int_equal(q, 0);
+    assert_int_equal(tstats(t).staged_entries, 3);
+    assert_int_equal(tstats(t).prefetch_dropped, dropped);
+    /* staging for six entries: three staged and two kept buffers (a load took two), then a
+       save of five: it takes the two buffers and drops two staged entries for the other three,
+       and staging stays within its six */
     pkv_tier_destroy(t);
-    for (int i = 0; i < 32; i++) free(f.data[i]), f.data[i] = NULL;
+    TU_OK(pkv_tier_create(&ops, &f, NULL, &t));
+    TU_OK(pkv_tier_prefetch_start(t, 6 * held));
+    TU_OK(pkv_tier_prefetch(t, b, "wb", 2, toks2, N));
+    TU_OK(pkv_tier_prefetch_wait(t));
+    pkv_cache_destroy(b);
+    b = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 60, LAYERS);
+    assert_int_equal(load_fresh(t, b, "wb", toks2, 2 * B + 1, NULL, &s), 2 * B);
+    st = tstats(t);
+    assert_true(st.staged_entries == 3 && st.staged_bytes == 5 * held && st.prefetch_dropped == 0);
+    for (int i = 0; i < 32; i++) /* the first prompt's entries out of the store: all five put */
+        if (f.data[i] && first_tok(f.data[i]) >= toks[0] && first_tok(f.data[i]) < toks2[0]) free(f.data[i]), f.data[i] = NULL;
+    TU_OK(pkv_tier_save_async(t, a, sa, &q));
+    assert_int_equal(q, 5);
+    st = tstats(t);
+    assert_true(st.staged_entries == 1 && st.prefetch_dropped == 2 && st.staged_bytes == 6 * held);
+    TU_OK(pkv_tier_flush(t));
+    assert_int_equal(tstats(t).staged_bytes, 6 * held);
+    /* allocation failures of the entries' buffers: the save is made now; the two it had stay
+       as spares, within the staging */
+    pkv_tier_destroy(t);
+    clear_fake(&f);
     tu_alloc_state as;
     pkv_allocator al = tu_allocator(&as);
     tu_alloc_reset(&as, -1);
@@ -854,10 +960,11 @@ static void test_write_back(void **state) {
     assert_int_equal(q, 0);
     assert_int_equal(fake_count(&f), 5);
     TU_OK(pkv_tier_flush(t));
+    assert_int_equal(tstats(t).staged_bytes, 2 * held);
     pkv_tier_destroy(t);
     assert_int_equal(as.n_live, 0);
     assert_int_equal(as.n_bad_free, 0);
-    for (int i = 0; i < 32; i++) free(f.data[i]), f.data[i] = NULL;
+    clear_fake(&f);
     pkv_cache_destroy(a);
     pkv_cache_destroy(b);
 }

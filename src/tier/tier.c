@@ -26,7 +26,7 @@ struct pkv_tier {
     pkv_tier_stats st;
     /* prefetch (pkv_tier_prefetch_start): its thread takes jobs from the queue, fetches their
        entries from the store (outside mu) and stages them; loads take staged entries */
-    bool pf_on, pf_stop, pf_busy, wb_busy;
+    bool pf_on, pf_stop, pf_busy;
     pthread_t pf_thread;
     pthread_cond_t pf_cv;   /* a job queued, or stop */
     pthread_cond_t pf_idle; /* the queue empty and the thread idle */
@@ -34,16 +34,19 @@ struct pkv_tier {
     uint32_t pf_n;
     pkv__tmap staged;
     uint64_t staged_cap; /* staging_bytes */
-    uint64_t pf_bytes;   /* what staging holds: staged entries, spares and the fetch in flight (their
-                            sizes, headers included), at most staged_cap */
+    /* what staging holds, in entries' sizes (headers included), by whom; their sum (held()) is
+       at most staged_cap: staged entries (and those a load is copying out), spares, buffers of
+       writes (being made, queued or being put), the fetch in flight */
+    uint64_t sz_staged, sz_spare, sz_write, sz_fetch;
     /* buffers of staged entries a load took (or a fetch did not keep), for the next fetches
-       (linked through hnext; counted in pf_bytes): freeing them cost a load more than its
+       (linked through hnext; counted in sz_spare): freeing them cost a load more than its
        copies (an unmapped page is every thread's TLB's business) */
     pkv__tent *spare;
     /* write-back (pkv_tier_save_async): entries waiting for the thread's put, oldest first
-       (linked through hnext; counted in pf_bytes); failures since the last pkv_tier_flush */
+       (linked through hnext; counted in sz_write); failures since the last pkv_tier_flush */
     pkv__tent *wb_head, *wb_tail;
     uint32_t wb_n;
+    uint64_t wb_enq, wb_done; /* writes queued, writes done, ever: a flush waits for those before it */
     uint64_t wb_failed;
     /* one entry buffer kept between calls (the largest given back while it was free): a fresh
        one a call cost more in page faults than its copies (half of a host save's time) */
@@ -138,7 +141,8 @@ PKV_API int pkv_tier_get_stats(pkv_tier *t, pkv_tier_stats *out) {
     if (!t || !out) return PKV_EINVAL;
     pthread_mutex_lock(&t->mu);
     pkv_tier_stats st = t->st;
-    st.staged_entries = t->staged.n, st.staged_bytes = t->pf_bytes;
+    st.staged_entries = t->staged.n;
+    st.staged_bytes = t->sz_staged + t->sz_spare + t->sz_write + t->sz_fetch;
     pthread_mutex_unlock(&t->mu);
     st.entries = st.bytes = st.capacity = st.evictions = 0;
     if (t->ops.usage) t->ops.usage(t->ctx, &st.entries, &st.bytes, &st.capacity, &st.evictions);
@@ -366,10 +370,44 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
 }
 
 /* ---- load ---- */
-/* Under t->mu: e (out of the map, counted in pf_bytes) kept as a spare. */
+/* ---- staging's memory (all under t->mu) ---- */
+static uint64_t held(const pkv_tier *t) { return t->sz_staged + t->sz_spare + t->sz_write + t->sz_fetch; }
+
+/* e (out of the map, its size taken out of whichever count held it) kept as a spare */
 static void spare_keep(pkv_tier *t, pkv__tent *e) {
     e->hnext = t->spare;
     t->spare = e;
+    t->sz_spare += e->size;
+}
+
+/* a spare of `size` bytes, out of the spares' count (the caller counts it again); NULL: none */
+static pkv__tent *spare_take(pkv_tier *t, size_t size) {
+    for (pkv__tent **at = &t->spare; *at; at = &(*at)->hnext)
+        if ((*at)->size == size) {
+            pkv__tent *e = *at;
+            *at = e->hnext;
+            t->sz_spare -= size;
+            return e;
+        }
+    return NULL;
+}
+
+/* Drops spares, then the oldest staged entries, until `bytes` more fit (or nothing is left to
+ * drop); what it drops is linked onto *drop for the caller to free after the lock. */
+static void make_room(pkv_tier *t, uint64_t bytes, pkv__tent **drop) {
+    while (held(t) + bytes > t->staged_cap && (t->spare || t->staged.oldest)) {
+        pkv__tent *o = t->spare;
+        if (o) {
+            t->spare = o->hnext;
+            t->sz_spare -= o->size;
+        } else {
+            o = t->staged.oldest;
+            pkv__tmap_remove(&t->staged, o);
+            t->sz_staged -= o->size;
+            t->st.prefetch_dropped++;
+        }
+        o->hnext = *drop, *drop = o;
+    }
 }
 
 /* Whether key's entry was staged by the prefetch: then copied into buf (cap bytes; *len its
@@ -386,9 +424,10 @@ static bool take_staged(pkv_tier *t, const tkey *key, uint8_t *buf, size_t cap, 
     }
     pthread_mutex_unlock(&t->mu);
     if (!e) return false;
-    memcpy(buf, e->data, e->len);
+    memcpy(buf, e->data, e->len); /* still counted as staged meanwhile */
     *len = e->len;
     pthread_mutex_lock(&t->mu);
+    t->sz_staged -= e->size;
     spare_keep(t, e);
     pthread_mutex_unlock(&t->mu);
     return true;
@@ -521,48 +560,27 @@ static void free_chain(pkv_tier *t, pkv__tent *e) { /* entries linked through hn
     }
 }
 
-/* A buffer for one entry of `need` bytes (pkv__tent included), counted in pf_bytes: a spare of
- * that size, else room made (spares first, then the oldest staged entries) and a new one. NULL
- * where the allocator has none, or where writes waiting for the thread hold the rest. */
-static pkv__tent *stage_buffer(pkv_tier *t, const tkey *key, size_t entry) {
+/* The prefetch's buffer for one entry (counted as the fetch in flight): a spare of its size, else
+ * room made (spares first, then the oldest staged entries) and a new one. NULL where the
+ * allocator has none, or where the writes waiting hold the room (then nothing is dropped). */
+static pkv__tent *fetch_buffer(pkv_tier *t, const tkey *key, size_t entry) {
     const size_t need = sizeof(pkv__tent) + entry; /* pkv__tmap_new's size */
-    pkv__tent *e = NULL, *drop = NULL;
+    pkv__tent *drop = NULL;
     pthread_mutex_lock(&t->mu);
-    for (pkv__tent **at = &t->spare; *at; at = &(*at)->hnext)
-        if ((*at)->size == need) {
-            e = *at;
-            *at = e->hnext;
-            break;
-        }
-    if (!e) {
-        while (t->pf_bytes + need > t->staged_cap && (t->spare || t->staged.oldest)) { /* room */
-            pkv__tent *o = t->spare;
-            if (o) {
-                t->spare = o->hnext;
-            } else {
-                o = t->staged.oldest;
-                pkv__tmap_remove(&t->staged, o);
-                t->st.prefetch_dropped++;
-            }
-            t->pf_bytes -= o->size;
-            o->hnext = drop, drop = o;
-        }
-        if (t->pf_bytes + need > t->staged_cap) { /* the rest is writes waiting: no room */
-            pthread_mutex_unlock(&t->mu);
-            free_chain(t, drop);
-            return NULL;
-        }
-        t->pf_bytes += need; /* reserved */
-    }
+    pkv__tent *e = spare_take(t, need);
+    const bool room = e || t->sz_write + t->sz_fetch + need <= t->staged_cap;
+    if (!e && room) make_room(t, need, &drop);
+    if (room) t->sz_fetch += need;
     pthread_mutex_unlock(&t->mu);
     free_chain(t, drop);
+    if (!room) return NULL;
     if (e) {
         memcpy(e->key, key->b, PKV__TIER_KEY);
         e->len = entry;
         e->hnext = e->older = e->newer = NULL;
     } else if (!(e = pkv__tmap_new(&t->staged, key->b, entry, entry))) {
         pthread_mutex_lock(&t->mu);
-        t->pf_bytes -= need;
+        t->sz_fetch -= need;
         pthread_mutex_unlock(&t->mu);
     }
     return e;
@@ -585,14 +603,16 @@ static void prefetch_job(pkv_tier *t, const pf_job *j) {
         if (stop) return;
         if (have) continue;
         if (sizeof(pkv__tent) + j->sh.entry > t->staged_cap) return;
-        pkv__tent *e = stage_buffer(t, &key, j->sh.entry);
+        pkv__tent *e = fetch_buffer(t, &key, j->sh.entry);
         if (!e) return;
         size_t len = 0;
         const int g = t->ops.get(t->ctx, key.b, e->data, j->sh.entry, &len);
         const bool ok = g == PKV_OK && entry_ok(&j->sh, e->data, len, &key, &parent, bt);
         pthread_mutex_lock(&t->mu);
+        t->sz_fetch -= e->size;
         if (ok && !pkv__tmap_find(&t->staged, key.b)) { /* only this thread stages: always absent */
             pkv__tmap_insert(&t->staged, e);
+            t->sz_staged += e->size;
             t->st.prefetched++;
         } else {
             spare_keep(t, e);
@@ -614,7 +634,9 @@ static void write_back(pkv_tier *t, pkv__tent *e) {
     else if (r == PKV_OK) t->st.saved++;
     else if (r == PKV_ENOSPC) t->st.save_no_room++;
     else t->st.errors++, t->wb_failed++;
+    t->sz_write -= e->size;
     spare_keep(t, e);
+    t->wb_done++;
     pthread_mutex_unlock(&t->mu);
 }
 
@@ -627,13 +649,11 @@ static void *prefetch_main(void *arg) {
             pkv__tent *e = t->wb_head;
             t->wb_head = e->hnext;
             if (!t->wb_head) t->wb_tail = NULL;
-            t->wb_busy = true;
             pthread_mutex_unlock(&t->mu);
             write_back(t, e);
             pthread_mutex_lock(&t->mu);
             t->wb_n--;
-            t->wb_busy = false;
-            if (!t->wb_n) pthread_cond_broadcast(&t->pf_idle);
+            pthread_cond_broadcast(&t->pf_idle); /* a flush waits for its count of writes done */
             continue;
         }
         if (t->pf_stop) break;
@@ -689,7 +709,8 @@ static void prefetch_stop(pkv_tier *t) {
     }
     t->pf_head = t->pf_tail = NULL;
     free_chain(t, t->spare);
-    t->spare = NULL, t->pf_bytes = 0;
+    t->spare = NULL;
+    t->sz_staged = t->sz_spare = t->sz_write = t->sz_fetch = 0;
     pthread_cond_destroy(&t->pf_cv);
     pthread_cond_destroy(&t->pf_idle);
     pkv__tmap_fini(&t->staged);
@@ -759,40 +780,73 @@ PKV_API int pkv_tier_save_async(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t 
     tkey *keys = pkv__alloc(&c->alloc, keys_bytes, 64);
     if (!toks || !keys) rc = PKV__SAY(c, PKV_ENOMEM, "the save's keys (%u blocks)", nb);
     if (!rc) rc = seq_peek(c, id, __func__, &n_tok, &n_com, &ns_lo, &ns_hi, toks, nb);
-    pkv__tent *head = NULL, *tail = NULL; /* this call's entries, deepest first */
-    bool room = true;
+    /* room for all of them, or none: the spares of their size, the rest made room for by
+       dropping spares and staged entries; where the writes waiting (and a fetch) hold too much
+       for that, nothing is dropped and the save is made now instead */
+    const size_t need = sizeof(pkv__tent) + sh.entry;
+    const uint64_t total = (uint64_t)nb * need;
+    pkv__tent *mine = NULL, *drop = NULL;
+    bool room = false;
     if (!rc) {
+        pthread_mutex_lock(&t->mu);
+        room = t->sz_write + t->sz_fetch + total <= t->staged_cap;
+        uint32_t have = 0;
+        for (pkv__tent *e; room && have < nb && (e = spare_take(t, need)); have++) e->hnext = mine, mine = e;
+        if (room) {
+            t->sz_write += (uint64_t)have * need; /* the spares taken, now the writes' */
+            make_room(t, (uint64_t)(nb - have) * need, &drop);
+            t->sz_write += (uint64_t)(nb - have) * need;
+        }
+        pthread_mutex_unlock(&t->mu);
+        free_chain(t, drop);
+        for (uint32_t k = have; room && k < nb; k++) {
+            pkv__tent *e = pkv__tmap_new(&t->staged, keys[0].b, sh.entry, sh.entry);
+            if (!e) { /* the allocator has none: the save is made now, as for want of room */
+                room = false;
+                pthread_mutex_lock(&t->mu);
+                t->sz_write -= (uint64_t)(nb - k) * need; /* those never allocated */
+                pthread_mutex_unlock(&t->mu);
+                break;
+            }
+            e->hnext = mine, mine = e;
+        }
+    }
+    pkv__tent *head = NULL, *tail = NULL; /* this call's entries, deepest first */
+    if (!rc && room) {
         tkey seed;
         key_seed(c, ns_lo, ns_hi, &seed);
         for (uint32_t i = 0; i < nb; i++) key_next(i ? &keys[i - 1] : &seed, toks + (size_t)i * B, B, &keys[i]);
-        for (uint32_t j = nb; !rc && room && j-- > 0;) {
-            pkv__tent *e = stage_buffer(t, &keys[j], sh.entry);
-            if (!e) {
-                room = false;
-                break;
-            }
-            e->hnext = NULL;
+        for (uint32_t j = nb; !rc && j-- > 0;) {
+            pkv__tent *e = mine;
+            mine = e->hnext;
+            memcpy(e->key, keys[j].b, PKV__TIER_KEY);
+            e->len = sh.entry;
+            e->hnext = e->older = e->newer = NULL;
             if (tail) tail->hnext = e;
             else head = e;
             tail = e;
             rc = fill_entry(c, id, &sh, keys, &seed, toks, j, e->data);
         }
     }
-    if (!rc && room) { /* all of them, or none: queued in one step */
+    if (!rc && room) { /* queued in one step */
         pthread_mutex_lock(&t->mu);
         if (t->wb_tail) t->wb_tail->hnext = head;
         else t->wb_head = head;
         t->wb_tail = tail;
         t->wb_n += nb;
+        t->wb_enq += nb;
         pthread_cond_signal(&t->pf_cv);
         pthread_mutex_unlock(&t->mu);
         if (n_queued) *n_queued = nb;
         head = NULL;
     }
-    if (head) { /* not queued: the buffers back as spares */
+    if (head || mine) { /* not queued: the buffers back as spares */
+        if (tail) tail->hnext = mine;
+        else head = mine;
         pthread_mutex_lock(&t->mu);
         for (pkv__tent *e = head, *next; e; e = next) {
             next = e->hnext;
+            t->sz_write -= e->size;
             spare_keep(t, e);
         }
         pthread_mutex_unlock(&t->mu);
@@ -807,7 +861,8 @@ PKV_API int pkv_tier_flush(pkv_tier *t) {
     if (!t) return PKV_EINVAL;
     pthread_mutex_lock(&t->mu);
     const bool on = t->pf_on;
-    while (on && (t->wb_n || t->wb_busy)) pthread_cond_wait(&t->pf_idle, &t->mu);
+    const uint64_t target = t->wb_enq; /* the writes queued before this call */
+    while (on && t->wb_done < target) pthread_cond_wait(&t->pf_idle, &t->mu);
     const uint64_t failed = t->wb_failed;
     t->wb_failed = 0;
     pthread_mutex_unlock(&t->mu);
