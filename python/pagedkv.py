@@ -1351,8 +1351,9 @@ class Tier:
                    "pkv_tier_prefetch_start")
 
     def flush(self):
-        """Waits until every write queued by Cache.tier_save_async is in the store; IoError when a
-        put failed since the last flush (pkv_tier_flush; the GIL is released meanwhile)."""
+        """Waits until the writes queued by Cache.tier_save_async before the call are in the store
+        (not those other threads queue after it); IoError when a put failed since the last flush
+        (pkv_tier_flush; the GIL is released meanwhile)."""
         with self._use():
             _check(_lib.pkv_tier_flush(self._t), "pkv_tier_flush")
 

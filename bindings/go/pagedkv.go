@@ -1814,7 +1814,8 @@ func (t *Tier) PrefetchWait() error {
 	})
 }
 
-// Flush waits until every write queued by TierSaveAsync is in the store (pkv_tier_flush).
+// Flush waits until the writes queued by TierSaveAsync before the call are in the store, not
+// those other goroutines queue after it (pkv_tier_flush).
 // ErrIO when a put failed since the last flush (counted in the stats' Errors; that block is not
 // stored); ErrInvalid before PrefetchStart.
 func (t *Tier) Flush() error {

@@ -751,8 +751,8 @@ impl Tier {
         )
     }
 
-    /// Waits until every write queued by [`Cache::tier_save_async`] is in the store
-    /// (pkv_tier_flush). `Io` when a put failed since the last flush (counted in the stats'
+    /// Waits until the writes queued by [`Cache::tier_save_async`] before the call are in the
+    /// store, not those other threads queue after it (pkv_tier_flush). `Io` when a put failed since the last flush (counted in the stats'
     /// errors; that block is not stored); `InvalidArgument` before [`Tier::prefetch_start`].
     pub fn flush(&self) -> Result<()> {
         let rc = unsafe { ffi::pkv_tier_flush(self.raw.as_ptr()) };
