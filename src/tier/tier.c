@@ -304,58 +304,86 @@ static int fill_entry(pkv_cache *c, pkv_seq id, const shape *sh, const tkey *key
     return PKV_OK;
 }
 
+/* What a save of s needs: its full committed blocks' token ids and keys, the entry shape. */
+typedef struct save_prep {
+    uint32_t nb; /* full committed blocks; 0: nothing to save (and nothing allocated) */
+    shape sh;
+    tkey seed;
+    int32_t *toks; /* [nb][B] */
+    tkey *keys;    /* [nb] */
+    size_t toks_bytes, keys_bytes;
+} save_prep;
+
+static void save_done(pkv_cache *c, save_prep *p) {
+    pkv__free(&c->alloc, p->keys, p->keys_bytes);
+    pkv__free(&c->alloc, p->toks, p->toks_bytes);
+}
+
+/* p := what saving s takes (api names the refusal); on failure nothing is left allocated. */
+static int save_prepare(pkv_cache *c, pkv_seq id, const char *api, save_prep *p) {
+    memset(p, 0, sizeof *p);
+    uint32_t n_tok, n_com;
+    uint64_t ns_lo, ns_hi;
+    int rc = seq_peek(c, id, api, &n_tok, &n_com, &ns_lo, &ns_hi, NULL, 0);
+    if (rc) return rc;
+    const uint32_t B = c->B, nb = n_com / B;
+    if (!nb) return PKV_OK;
+    if (!shape_of(c, &p->sh)) return pkv__say(c, PKV_ENOMEM, api, "an entry's size overflows");
+    p->toks_bytes = (size_t)nb * B * sizeof(int32_t), p->keys_bytes = (size_t)nb * sizeof(tkey);
+    p->toks = pkv__alloc(&c->alloc, p->toks_bytes, 64);
+    p->keys = pkv__alloc(&c->alloc, p->keys_bytes, 64);
+    if (!p->toks || !p->keys) rc = pkv__say(c, PKV_ENOMEM, api, "the save's keys (%u blocks)", nb);
+    if (!rc) rc = seq_peek(c, id, api, &n_tok, &n_com, &ns_lo, &ns_hi, p->toks, nb);
+    if (rc) {
+        save_done(c, p);
+        return rc;
+    }
+    key_seed(c, ns_lo, ns_hi, &p->seed);
+    for (uint32_t i = 0; i < nb; i++) key_next(i ? &p->keys[i - 1] : &p->seed, p->toks + (size_t)i * B, B, &p->keys[i]);
+    p->nb = nb;
+    return PKV_OK;
+}
+
 PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_saved) {
     if (!c) return PKV_EINVAL;
     if (!t) return PKV__SAY(c, PKV_EINVAL, "t is NULL");
     if (n_saved) *n_saved = 0;
-    uint32_t n_tok, n_com;
-    uint64_t ns_lo, ns_hi;
-    int rc = seq_peek(c, id, __func__, &n_tok, &n_com, &ns_lo, &ns_hi, NULL, 0);
-    if (rc) return rc;
-    const uint32_t B = c->B, nb = n_com / B;
-    if (!nb) return PKV_OK;
-    shape sh;
-    size_t toks_bytes = (size_t)nb * B * sizeof(int32_t), keys_bytes = (size_t)nb * sizeof(tkey);
-    if (!shape_of(c, &sh)) return PKV__SAY(c, PKV_ENOMEM, "an entry's size overflows");
-    int32_t *toks = pkv__alloc(&c->alloc, toks_bytes, 64);
-    tkey *keys = pkv__alloc(&c->alloc, keys_bytes, 64);
+    save_prep sp;
+    int rc = save_prepare(c, id, __func__, &sp);
+    if (rc || !sp.nb) return rc;
+    const uint32_t nb = sp.nb;
+    const size_t entry = sp.sh.entry;
     size_t buf_size = 0;
-    uint8_t *buf = scratch_take(t, sh.entry, &buf_size);
+    uint8_t *buf = scratch_take(t, entry, &buf_size);
     bool *put = pkv__calloc(&c->alloc, nb, 1);
     uint32_t saved = 0, present = 0, no_room = 0;
-    if (!toks || !keys || !buf || !put) rc = PKV__SAY(c, PKV_ENOMEM, "the entry buffer (%zu bytes)", sh.entry);
-    if (!rc) rc = seq_peek(c, id, __func__, &n_tok, &n_com, &ns_lo, &ns_hi, toks, nb);
-    if (!rc) {
-        tkey seed;
-        key_seed(c, ns_lo, ns_hi, &seed);
-        for (uint32_t i = 0; i < nb; i++) key_next(i ? &keys[i - 1] : &seed, toks + (size_t)i * B, B, &keys[i]);
-        /* deepest first: in a least-recently-used store the beginnings of prefixes stay longest */
-        for (uint32_t j = nb; !rc && j-- > 0;) {
-            size_t len = 0;
-            int g = t->ops.get(t->ctx, keys[j].b, NULL, 0, &len);
-            if (g == PKV_OK) {
-                present++;
-                continue;
-            }
-            if (g != PKV_ENOENT) COUNT(t, errors, 1); /* taken as absent: the put says more */
-            if ((rc = fill_entry(c, id, &sh, keys, &seed, toks, j, buf))) break;
-            int r = t->ops.put(t->ctx, keys[j].b, buf, sh.entry);
-            if (r == PKV_OK) put[j] = true, saved++;
-            else if (r == PKV_ENOSPC) no_room++;
-            else {
-                COUNT(t, errors, 1);
-                rc = PKV__SAY(c, r < 0 && r > -64 ? r : PKV_EIO, "the tier's put of block %u failed: %s", j,
-                              pkv_strerror(r));
-            }
+    if (!buf || !put) rc = PKV__SAY(c, PKV_ENOMEM, "the entry buffer (%zu bytes)", entry);
+    /* deepest first: in a least-recently-used store the beginnings of prefixes stay longest */
+    for (uint32_t j = nb; !rc && j-- > 0;) {
+        size_t len = 0;
+        int g = t->ops.get(t->ctx, sp.keys[j].b, NULL, 0, &len);
+        if (g == PKV_OK) {
+            present++;
+            continue;
         }
-        /* none of this call's entries stays, where the store lets them go: a del that fails
-           (the store unreachable) ends the clean-up, rather than wait on each one */
-        for (uint32_t i = 0; rc && i < nb; i++)
-            if (put[i] && t->ops.del(t->ctx, keys[i].b) != PKV_OK) {
-                COUNT(t, errors, 1);
-                break;
-            }
+        if (g != PKV_ENOENT) COUNT(t, errors, 1); /* taken as absent: the put says more */
+        if ((rc = fill_entry(c, id, &sp.sh, sp.keys, &sp.seed, sp.toks, j, buf))) break;
+        int r = t->ops.put(t->ctx, sp.keys[j].b, buf, entry);
+        if (r == PKV_OK) put[j] = true, saved++;
+        else if (r == PKV_ENOSPC) no_room++;
+        else {
+            COUNT(t, errors, 1);
+            rc = PKV__SAY(c, r < 0 && r > -64 ? r : PKV_EIO, "the tier's put of block %u failed: %s", j,
+                          pkv_strerror(r));
+        }
     }
+    /* none of this call's entries stays, where the store lets them go: a del that fails (the
+       store unreachable) ends the clean-up, rather than wait on each one */
+    for (uint32_t i = 0; rc && put && i < nb; i++)
+        if (put[i] && t->ops.del(t->ctx, sp.keys[i].b) != PKV_OK) {
+            COUNT(t, errors, 1);
+            break;
+        }
     if (!rc) {
         pthread_mutex_lock(&t->mu);
         t->st.saved += saved, t->st.save_present += present, t->st.save_no_room += no_room;
@@ -364,8 +392,7 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
     }
     pkv__free(&c->alloc, put, nb);
     scratch_give(t, buf, buf_size);
-    pkv__free(&c->alloc, keys, keys_bytes);
-    pkv__free(&c->alloc, toks, toks_bytes);
+    save_done(c, &sp);
     return rc;
 }
 
@@ -767,19 +794,11 @@ PKV_API int pkv_tier_save_async(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t 
     const bool on = t->pf_on;
     pthread_mutex_unlock(&t->mu);
     if (!on) return PKV__SAY(c, PKV_EINVAL, "the tier's thread is not started (pkv_tier_prefetch_start)");
-    uint32_t n_tok, n_com;
-    uint64_t ns_lo, ns_hi;
-    int rc = seq_peek(c, id, __func__, &n_tok, &n_com, &ns_lo, &ns_hi, NULL, 0);
-    if (rc) return rc;
-    const uint32_t B = c->B, nb = n_com / B;
-    if (!nb) return PKV_OK;
-    shape sh;
-    if (!shape_of(c, &sh)) return PKV__SAY(c, PKV_ENOMEM, "an entry's size overflows");
-    const size_t toks_bytes = (size_t)nb * B * sizeof(int32_t), keys_bytes = (size_t)nb * sizeof(tkey);
-    int32_t *toks = pkv__alloc(&c->alloc, toks_bytes, 64);
-    tkey *keys = pkv__alloc(&c->alloc, keys_bytes, 64);
-    if (!toks || !keys) rc = PKV__SAY(c, PKV_ENOMEM, "the save's keys (%u blocks)", nb);
-    if (!rc) rc = seq_peek(c, id, __func__, &n_tok, &n_com, &ns_lo, &ns_hi, toks, nb);
+    save_prep sp;
+    int rc = save_prepare(c, id, __func__, &sp);
+    if (rc || !sp.nb) return rc;
+    const uint32_t nb = sp.nb;
+    const shape sh = sp.sh;
     /* room for all of them, or none: the spares of their size, the rest made room for by
        dropping spares and staged entries; where the writes waiting (and a fetch) hold too much
        for that, nothing is dropped and the save is made now instead */
@@ -800,7 +819,7 @@ PKV_API int pkv_tier_save_async(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t 
         pthread_mutex_unlock(&t->mu);
         free_chain(t, drop);
         for (uint32_t k = have; room && k < nb; k++) {
-            pkv__tent *e = pkv__tmap_new(&t->staged, keys[0].b, sh.entry, sh.entry);
+            pkv__tent *e = pkv__tmap_new(&t->staged, sp.keys[0].b, sh.entry, sh.entry);
             if (!e) { /* the allocator has none: the save is made now, as for want of room */
                 room = false;
                 pthread_mutex_lock(&t->mu);
@@ -813,19 +832,16 @@ PKV_API int pkv_tier_save_async(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t 
     }
     pkv__tent *head = NULL, *tail = NULL; /* this call's entries, deepest first */
     if (!rc && room) {
-        tkey seed;
-        key_seed(c, ns_lo, ns_hi, &seed);
-        for (uint32_t i = 0; i < nb; i++) key_next(i ? &keys[i - 1] : &seed, toks + (size_t)i * B, B, &keys[i]);
         for (uint32_t j = nb; !rc && j-- > 0;) {
             pkv__tent *e = mine;
             mine = e->hnext;
-            memcpy(e->key, keys[j].b, PKV__TIER_KEY);
+            memcpy(e->key, sp.keys[j].b, PKV__TIER_KEY);
             e->len = sh.entry;
             e->hnext = e->older = e->newer = NULL;
             if (tail) tail->hnext = e;
             else head = e;
             tail = e;
-            rc = fill_entry(c, id, &sh, keys, &seed, toks, j, e->data);
+            rc = fill_entry(c, id, &sh, sp.keys, &sp.seed, sp.toks, j, e->data);
         }
     }
     if (!rc && room) { /* queued in one step */
@@ -851,8 +867,7 @@ PKV_API int pkv_tier_save_async(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t 
         }
         pthread_mutex_unlock(&t->mu);
     }
-    pkv__free(&c->alloc, keys, keys_bytes);
-    pkv__free(&c->alloc, toks, toks_bytes);
+    save_done(c, &sp);
     if (!rc && !room) return pkv_tier_save(t, c, id, NULL); /* no room to wait in: now */
     return rc;
 }
