@@ -18,7 +18,9 @@ static void usage(FILE *f) {
             "                 round robin (`pkv route --help`)\n"
             "  bench ops      median ns of cache operations (append, fork, truncate, ...)\n"
             "  bench attn     paged attention against contiguous and the memory bandwidth\n"
-            "  bench prefix   prefix-match cost per token, hit and miss\n"
+            "  bench prefix   prefix-match cost per token, hit and miss; what recording events costs\n"
+            "  bench tier     moving a prompt's blocks to and from storage tiers (host, files, Redis),\n"
+            "                 prefetch and write-back included\n"
             "  version        print the library version\n"
             "\n"
             "Each command takes --help. Exit status: 0 ok, 1 usage error, 2 runtime error.\n",
