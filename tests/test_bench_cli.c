@@ -454,7 +454,14 @@ static void test_tier_json(void **state) {
         staged += str_is(line, "tier", "file-staged") && op == 3;
         full += str_is(line, "tier", "host-full") && op == 2; /* the steady state's save */
         const double ms = num(line, "median_ms"), gbps = num(line, "gbps"), bytes = num(line, "bytes");
-        assert_true(ms > 0 && gbps > 0 && isfinite(gbps));
+        /* a flush may find its writes done already (the tier's thread ran while the bench was
+           descheduled): a time of about 0 (its rate then 0, or huge and rounded); every other
+           move takes time */
+        if (op == 5) {
+            if (!(ms >= 0 && gbps >= 0 && isfinite(gbps))) fail_msg("not a time and a rate: %s", line);
+            continue;
+        }
+        if (!(ms > 0 && gbps > 0 && isfinite(gbps))) fail_msg("not a time and a rate: %s", line);
         assert_true(fabs(gbps - bytes / (ms * 1e-3) * 1e-9) <= 1e-3 * gbps + 2e-3);
         assert_true(fabs(num(line, "copy_frac") - gbps / num(line, "copy_gbps")) <= 1e-3);
         if (op == 0) assert_true(num(line, "copy_frac") == 1.0);

@@ -299,7 +299,10 @@ int tool_bench_tier(int argc, char **argv) {
         }
     }
     for (int i = 0; i < n_rows; i++) {
-        const double med = i == 0 ? copy : tool_median(rows[i].t, rounds), gbps = (double)total / med * 1e-9;
+        /* a flush can find its writes done already (the tier's thread ran while the caller was
+           descheduled): a time of about 0, reported as such, with a rate of 0 */
+        const double med = i == 0 ? copy : tool_median(rows[i].t, rounds);
+        const double gbps = med > 1e-9 ? (double)total / med * 1e-9 : 0.0;
         if (json)
             printf("{\"bench\":\"tier\",\"op\":\"%s\",\"tier\":\"%s\",\"median_ms\":%.3f,\"gbps\":%.3f,\"copy_gbps\":%.3f,"
                    "\"copy_frac\":%.4f,\"bytes\":%zu,\"rounds\":%u}\n",
