@@ -560,6 +560,20 @@ static int fake_del(void *ctx, const uint8_t key[16]) {
     return PKV_OK;
 }
 
+static const pkv_tier_ops fake_ops = {fake_put, fake_get, fake_del, NULL, NULL};
+
+/* an empty store that fails nothing */
+static void fake_init(fake *f) {
+    memset(f, 0, sizeof *f);
+    f->fail_put_at = f->fail_get_at = -1;
+}
+
+/* every entry dropped, the log emptied */
+static void clear_fake(fake *f) {
+    for (int i = 0; i < 32; i++) free(f->data[i]), f->data[i] = NULL;
+    atomic_store(&f->n_log, 0);
+}
+
 static int fake_count(const fake *f) {
     int n = 0;
     for (int i = 0; i < 32; i++) n += f->data[i] != NULL;
@@ -573,7 +587,7 @@ static void test_faults(void **state) {
     pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 16, LAYERS);
     pkv_seq sa = filled(a, NULL, toks, N), s;
     fake f = {.fail_put_at = 2, .fail_get_at = -1};
-    pkv_tier_ops ops = {fake_put, fake_get, fake_del, NULL, NULL};
+    const pkv_tier_ops ops = fake_ops;
     pkv_tier *t = NULL;
     TU_OK(pkv_tier_create(&ops, &f, NULL, &t));
     uint32_t saved = 7;
@@ -613,7 +627,7 @@ static void test_faults(void **state) {
     same_rows(a, sa, c, s, 40);
     TU_CHECK(c);
     pkv_tier_destroy(t);
-    for (int i = 0; i < 32; i++) free(f.data[i]);
+    clear_fake(&f);
     pkv_cache_destroy(a);
     pkv_cache_destroy(b);
     pkv_cache_destroy(c);
@@ -628,9 +642,8 @@ static void test_prefetch(void **state) {
     pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 16, LAYERS);
     pkv_seq sa = filled(a, "ns", toks, N), s;
     static fake f;
-    memset(&f, 0, sizeof f);
-    f.fail_put_at = f.fail_get_at = -1;
-    pkv_tier_ops ops = {fake_put, fake_get, fake_del, NULL, NULL};
+    fake_init(&f);
+    const pkv_tier_ops ops = fake_ops;
     pkv_tier *t = NULL;
     TU_OK(pkv_tier_create(&ops, &f, NULL, &t));
     uint32_t saved = 0;
@@ -785,18 +798,13 @@ static void test_prefetch(void **state) {
     pkv_tier_destroy(t);
     assert_int_equal(as.n_live, 0);
     assert_int_equal(as.n_bad_free, 0);
-    for (int i = 0; i < 32; i++) free(f.data[i]);
+    clear_fake(&f);
     pkv_cache_destroy(a);
     pkv_cache_destroy(b);
     pkv_cache_destroy(c);
 }
 
 /* ---- write-back: a save's entries made at once, put by the tier's thread ---- */
-static void clear_fake(fake *f) {
-    for (int i = 0; i < 32; i++) free(f->data[i]), f->data[i] = NULL;
-    atomic_store(&f->n_log, 0);
-}
-
 static void *flush_main(void *t) { return (void *)(intptr_t)pkv_tier_flush(t); }
 
 static void test_write_back(void **state) {
@@ -807,9 +815,8 @@ static void test_write_back(void **state) {
     pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_Q8_0, 16, LAYERS);
     pkv_seq sa = filled(a, "wb", toks, N), sb2 = filled(a, "wb", toks2, N), s;
     static fake f;
-    memset(&f, 0, sizeof f);
-    f.fail_put_at = f.fail_get_at = -1;
-    pkv_tier_ops ops = {fake_put, fake_get, fake_del, NULL, NULL};
+    fake_init(&f);
+    const pkv_tier_ops ops = fake_ops;
     pkv_tier *t = NULL;
     TU_OK(pkv_tier_create(&ops, &f, NULL, &t));
     uint32_t q = 99;

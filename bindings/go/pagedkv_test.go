@@ -1836,6 +1836,21 @@ func TestStoredRows(t *testing.T) {
 	}
 }
 
+// sameStored fails t unless positions [0, n) of a's sequence sa and b's sb hold the same stored
+// rows, both layers of the tier tests' caches.
+func sameStored(t *testing.T, a *Cache, sa Seq, b *Cache, sb Seq, n uint32) {
+	t.Helper()
+	for layer := uint32(0); layer < 2; layer++ {
+		k1, v1, err := a.ReadStored(sa, layer, 0, n)
+		must(t, err)
+		k2, v2, err := b.ReadStored(sb, layer, 0, n)
+		must(t, err)
+		if !reflect.DeepEqual(k1, k2) || !reflect.DeepEqual(v1, v2) {
+			t.Fatalf("layer %d: the loaded rows differ", layer)
+		}
+	}
+}
+
 // tierCache makes the tier tests' caches: 2 layers, 2 kv heads x 32, blocks of 8, f16 K and
 // q8_0 V, prefix caching on.
 func tierCache(t *testing.T) func(nBlocks uint32) *Cache {
@@ -1902,15 +1917,7 @@ func TestTiers(t *testing.T) {
 		if got != 40 {
 			t.Fatalf("loaded %d positions, want 40", got)
 		}
-		for layer := uint32(0); layer < 2; layer++ {
-			k1, v1, err := a.ReadStored(sa, layer, 0, 40)
-			must(t, err)
-			k2, v2, err := c.ReadStored(sc, layer, 0, 40)
-			must(t, err)
-			if !reflect.DeepEqual(k1, k2) || !reflect.DeepEqual(v1, v2) {
-				t.Fatalf("layer %d: the loaded rows differ", layer)
-			}
-		}
+		sameStored(t, a, sa, c, sc, 40)
 		other, err := c.SeqCreate([]byte("other"))
 		must(t, err)
 		if got, err = c.TierLoad(tier, other, prompt); err != nil || got != 0 {
@@ -2016,15 +2023,7 @@ func TestTierPrefetch(t *testing.T) {
 	if st.PrefetchHits != 5 || st.LoadedBlocks != 5 || st.LoadMisses != 0 || st.StagedEntries != 0 || st.StagedBytes != held {
 		t.Fatalf("loaded: %+v", st)
 	}
-	for layer := uint32(0); layer < 2; layer++ {
-		k1, v1, err := a.ReadStored(sa, layer, 0, 40)
-		must(t, err)
-		k2, v2, err := b.ReadStored(sb, layer, 0, 40)
-		must(t, err)
-		if !reflect.DeepEqual(k1, k2) || !reflect.DeepEqual(v1, v2) {
-			t.Fatalf("layer %d: the loaded rows differ", layer)
-		}
-	}
+	sameStored(t, a, sa, b, sb, 40)
 	// another namespace: the first block is missing, nothing staged
 	must(t, tier.Prefetch(b, []byte("other"), prompt))
 	must(t, tier.PrefetchWait())
@@ -2110,15 +2109,7 @@ func TestTierWriteBack(t *testing.T) {
 	if got, err := b.TierLoad(tier, sb, prompt); err != nil || got != 40 {
 		t.Fatalf("loaded %d positions (%v), want 40", got, err)
 	}
-	for layer := uint32(0); layer < 2; layer++ {
-		k1, v1, err := a.ReadStored(sa, layer, 0, 40)
-		must(t, err)
-		k2, v2, err := b.ReadStored(sb, layer, 0, 40)
-		must(t, err)
-		if !reflect.DeepEqual(k1, k2) || !reflect.DeepEqual(v1, v2) {
-			t.Fatalf("layer %d: the loaded rows differ", layer)
-		}
-	}
+	sameStored(t, a, sa, b, sb, 40)
 	// again: the thread finds them there
 	if n, err := a.TierSaveAsync(tier, sa); err != nil || n != 5 {
 		t.Fatalf("queued again %d blocks (%v), want 5", n, err)

@@ -26,12 +26,12 @@ struct pkv_tier {
     pkv_tier_stats st;
     /* prefetch (pkv_tier_prefetch_start): its thread takes jobs from the queue, fetches their
        entries from the store (outside mu) and stages them; loads take staged entries */
-    bool pf_on, pf_stop, pf_busy;
+    bool pf_on, pf_stop;
     pthread_t pf_thread;
     pthread_cond_t pf_cv;   /* a job queued, or stop */
     pthread_cond_t pf_idle; /* the queue empty and the thread idle */
     pf_job *pf_head, *pf_tail;
-    uint32_t pf_n;
+    uint32_t pf_n; /* prefetch jobs queued or in progress */
     pkv__tmap staged;
     uint64_t staged_cap; /* staging_bytes */
     /* what staging holds, in entries' sizes (headers included), by whom; their sum (held()) is
@@ -45,7 +45,6 @@ struct pkv_tier {
     /* write-back (pkv_tier_save_async): entries waiting for the thread's put, oldest first
        (linked through hnext; counted in sz_write); failures since the last pkv_tier_flush */
     pkv__tent *wb_head, *wb_tail;
-    uint32_t wb_n;
     uint64_t wb_enq, wb_done; /* writes queued, writes done, ever: a flush waits for those before it */
     uint64_t wb_failed;
     /* one entry buffer kept between calls (the largest given back while it was free): a fresh
@@ -566,6 +565,14 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
 }
 
 /* ---- prefetch ---- */
+/* Whether the tier's thread runs (pkv_tier_prefetch_start). */
+static bool thread_on(pkv_tier *t) {
+    pthread_mutex_lock(&t->mu);
+    const bool on = t->pf_on;
+    pthread_mutex_unlock(&t->mu);
+    return on;
+}
+
 #define PF_MAX_JOBS 64
 
 struct pf_job {
@@ -679,7 +686,6 @@ static void *prefetch_main(void *arg) {
             pthread_mutex_unlock(&t->mu);
             write_back(t, e);
             pthread_mutex_lock(&t->mu);
-            t->wb_n--;
             pthread_cond_broadcast(&t->pf_idle); /* a flush waits for its count of writes done */
             continue;
         }
@@ -687,13 +693,11 @@ static void *prefetch_main(void *arg) {
         pf_job *j = t->pf_head;
         t->pf_head = j->next;
         if (!t->pf_head) t->pf_tail = NULL;
-        t->pf_busy = true;
         pthread_mutex_unlock(&t->mu);
         prefetch_job(t, j);
         pkv__free(&t->alloc, j, job_size(j->nb, j->B));
         pthread_mutex_lock(&t->mu);
         t->pf_n--;
-        t->pf_busy = false;
         if (!t->pf_n) pthread_cond_broadcast(&t->pf_idle);
     }
     pthread_mutex_unlock(&t->mu);
@@ -708,7 +712,7 @@ PKV_API int pkv_tier_prefetch_start(pkv_tier *t, uint64_t staging_bytes) {
     int rc = t->pf_on ? PKV_EINVAL : pkv__tmap_init(&t->staged, &t->alloc);
     if (!rc) {
         t->staged_cap = staging_bytes;
-        t->pf_stop = t->pf_busy = false;
+        t->pf_stop = false;
         pthread_cond_init(&t->pf_cv, NULL);
         pthread_cond_init(&t->pf_idle, NULL);
         if (pthread_create(&t->pf_thread, NULL, prefetch_main, t)) {
@@ -746,11 +750,7 @@ static void prefetch_stop(pkv_tier *t) {
 
 PKV_API int pkv_tier_prefetch(pkv_tier *t, const pkv_cache *c, const void *salt, size_t salt_len,
                               const int32_t *tokens, uint32_t n) {
-    if (!t || !c || (!salt && salt_len) || salt_len > 256 || (!tokens && n)) return PKV_EINVAL;
-    pthread_mutex_lock(&t->mu);
-    const bool on = t->pf_on;
-    pthread_mutex_unlock(&t->mu);
-    if (!on) return PKV_EINVAL;
+    if (!t || !c || (!salt && salt_len) || salt_len > 256 || (!tokens && n) || !thread_on(t)) return PKV_EINVAL;
     const uint32_t B = c->B, nb = PKV_MIN(n / B, c->max_bps);
     if (!nb) return PKV_OK;
     shape sh;
@@ -780,7 +780,7 @@ PKV_API int pkv_tier_prefetch_wait(pkv_tier *t) {
     if (!t) return PKV_EINVAL;
     pthread_mutex_lock(&t->mu);
     const bool on = t->pf_on;
-    while (on && (t->pf_n || t->pf_busy)) pthread_cond_wait(&t->pf_idle, &t->mu);
+    while (on && t->pf_n) pthread_cond_wait(&t->pf_idle, &t->mu);
     pthread_mutex_unlock(&t->mu);
     return on ? PKV_OK : PKV_EINVAL;
 }
@@ -790,10 +790,7 @@ PKV_API int pkv_tier_save_async(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t 
     if (!c) return PKV_EINVAL;
     if (!t) return PKV__SAY(c, PKV_EINVAL, "t is NULL");
     if (n_queued) *n_queued = 0;
-    pthread_mutex_lock(&t->mu);
-    const bool on = t->pf_on;
-    pthread_mutex_unlock(&t->mu);
-    if (!on) return PKV__SAY(c, PKV_EINVAL, "the tier's thread is not started (pkv_tier_prefetch_start)");
+    if (!thread_on(t)) return PKV__SAY(c, PKV_EINVAL, "the tier's thread is not started (pkv_tier_prefetch_start)");
     save_prep sp;
     int rc = save_prepare(c, id, __func__, &sp);
     if (rc || !sp.nb) return rc;
@@ -805,8 +802,8 @@ PKV_API int pkv_tier_save_async(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t 
     const size_t need = sizeof(pkv__tent) + sh.entry;
     const uint64_t total = (uint64_t)nb * need;
     pkv__tent *mine = NULL, *drop = NULL;
-    bool room = false;
-    if (!rc) {
+    bool room;
+    {
         pthread_mutex_lock(&t->mu);
         room = t->sz_write + t->sz_fetch + total <= t->staged_cap;
         uint32_t have = 0;
@@ -831,7 +828,7 @@ PKV_API int pkv_tier_save_async(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t 
         }
     }
     pkv__tent *head = NULL, *tail = NULL; /* this call's entries, deepest first */
-    if (!rc && room) {
+    if (room) {
         for (uint32_t j = nb; !rc && j-- > 0;) {
             pkv__tent *e = mine;
             mine = e->hnext;
@@ -849,7 +846,6 @@ PKV_API int pkv_tier_save_async(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t 
         if (t->wb_tail) t->wb_tail->hnext = head;
         else t->wb_head = head;
         t->wb_tail = tail;
-        t->wb_n += nb;
         t->wb_enq += nb;
         pthread_cond_signal(&t->pf_cv);
         pthread_mutex_unlock(&t->mu);

@@ -1348,6 +1348,16 @@ fn stored_rows_move_a_sequence() {
     }
 }
 
+/// Positions [0, 40) of x's sequence xs and y's ys hold the same stored rows, both layers.
+fn same_stored(x: &Cache, xs: Seq, y: &Cache, ys: Seq) {
+    for layer in 0..2 {
+        assert_eq!(
+            x.read_stored(xs, layer, 0, 40).unwrap(),
+            y.read_stored(ys, layer, 0, 40).unwrap()
+        );
+    }
+}
+
 /// The tier tests' shape: 2 layers, 2 kv heads x 32, blocks of 8, f16 K and q8_0 V.
 fn tier_conf(n_blocks: u32) -> Config {
     Config {
@@ -1394,12 +1404,7 @@ fn tiers_move_prefix_blocks() {
         let sc = c.seq_create(b"ten").unwrap();
         assert_eq!(c.match_prefix(sc, &prompt).unwrap(), 0);
         assert_eq!(c.tier_load(t, sc, &prompt).unwrap(), 40);
-        for layer in 0..2 {
-            assert_eq!(
-                c.read_stored(sc, layer, 0, 40).unwrap(),
-                a.read_stored(sa, layer, 0, 40).unwrap()
-            );
-        }
+        same_stored(&c, sc, &a, sa);
         let other = c.seq_create(b"other").unwrap();
         assert_eq!(c.tier_load(t, other, &prompt).unwrap(), 0);
         assert_eq!(t.stats().unwrap().load_misses, 1);
@@ -1464,12 +1469,7 @@ fn tier_prefetch_stages_a_prompt() {
     assert_eq!((st.prefetch_hits, st.loaded_blocks, st.load_misses), (5, 5, 0));
     // none staged; their buffers kept for the next fetches, within the staging bytes
     assert_eq!((st.staged_entries, st.staged_bytes), (0, held));
-    for layer in 0..2 {
-        assert_eq!(
-            b.read_stored(sb, layer, 0, 40).unwrap(),
-            a.read_stored(sa, layer, 0, 40).unwrap()
-        );
-    }
+    same_stored(&b, sb, &a, sa);
     // another namespace: the first block is missing, nothing staged
     t.prefetch(&b, b"other", &prompt).unwrap();
     t.prefetch_wait().unwrap();
@@ -1515,12 +1515,7 @@ fn tier_write_back() {
     let mut b = Cache::new(&tier_conf(60)).unwrap();
     let sb = b.seq_create(b"wb").unwrap();
     assert_eq!(b.tier_load(&t, sb, &prompt).unwrap(), 40);
-    for layer in 0..2 {
-        assert_eq!(
-            b.read_stored(sb, layer, 0, 40).unwrap(),
-            a.read_stored(sa, layer, 0, 40).unwrap()
-        );
-    }
+    same_stored(&b, sb, &a, sa);
     // again: the thread finds them there
     assert_eq!(a.tier_save_async(&t, sa).unwrap(), 5);
     t.flush().unwrap();
