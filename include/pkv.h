@@ -632,6 +632,16 @@ typedef struct pkv_attn_params {
     float *lse;          /* optional out: natural-log sum-exp of the scaled (capped) logits,
                             [n_queries][n_q_heads]; NULL = not wanted */
     uint32_t flags;      /* PKV_ATTN_* below, or 0; another bit is PKV_EINVAL */
+    const float *sinks;  /* optional: [n_q_heads] attention-sink logits (gpt-oss), NULL = none.
+                            Head h's softmax also counts one virtual key of logit sinks[h] and
+                            value 0: out = sum_t e^(s_t) v_t / (e^(sinks[h]) + sum_t e^(s_t)),
+                            with s_t the scaled (capped) logits; the sink is compared with them
+                            as given (neither scaled nor capped). Every key outside the window
+                            or past the query's position is still invisible; a row that sees no
+                            key gets out 0 and lse sinks[h]. lse includes the sink's term, so
+                            to merge partial results (pkv_attn_merge) pass sinks to exactly one
+                            part. Each must be finite, and sinks must not overlap out or lse
+                            (it may overlap q where out is not q): else PKV_EINVAL. */
 } pkv_attn_params;
 /* pkv_attn_params.flags. PKV_ATTN_BF16_DOT: allows bf16 arithmetic where the backend has bf16
  * dot products (pkv_attn_flags_used; x86 with AVX512_BF16: Intel Cooper Lake, Sapphire Rapids

@@ -158,7 +158,7 @@ static void seq_free(tseq *s) {
 
 /* ---- the reference: plain contiguous attention in double -------------------------------------- */
 static void ref_query(const tpool *p, const tseq *s, uint32_t n_q_heads, const float *q, uint32_t pos, double scale,
-                      double softcap, uint32_t window, double *out, double *lse) {
+                      double softcap, uint32_t window, const float *sinks, double *out, double *lse) {
     const uint32_t D = p->D, G = n_q_heads / p->H;
     const uint32_t lo = (window && pos + 1 > window) ? pos + 1 - window : 0;
     double *w = malloc(sizeof(double) * (pos - lo + 1));
@@ -175,7 +175,8 @@ static void ref_query(const tpool *p, const tseq *s, uint32_t n_q_heads, const f
             w[t - lo] = x;
             mx = fmax(mx, x);
         }
-        double sum = 0;
+        if (sinks) mx = fmax(mx, sinks[hq]); /* a key of this logit and value 0 */
+        double sum = sinks ? exp(sinks[hq] - mx) : 0;
         for (uint32_t t = lo; t <= pos; t++) sum += (w[t - lo] = exp(w[t - lo] - mx));
         double *o = out + (size_t)hq * D;
         for (uint32_t d = 0; d < D; d++) o[d] = 0;
@@ -196,7 +197,8 @@ static double check_item(const tpool *p, const tseq *s, uint32_t nqh, const pkv_
     double *ro = malloc(sizeof(double) * nqh * D), *rl = malloc(sizeof(double) * nqh);
     double worst = 0;
     for (uint32_t qi = 0; qi < it->n_q; qi++) {
-        ref_query(p, s, nqh, it->q + (size_t)qi * nqh * D, it->q_pos0 + qi, c->scale, c->softcap, c->window, ro, rl);
+        ref_query(p, s, nqh, it->q + (size_t)qi * nqh * D, it->q_pos0 + qi, c->scale, c->softcap, c->window, c->sinks,
+                  ro, rl);
         for (uint32_t i = 0; i < nqh * D; i++) {
             double e = fabs((double)it->out[(size_t)qi * nqh * D + i] - ro[i]) / fmax(s->vmax, 1e-30);
             if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
@@ -343,6 +345,7 @@ typedef struct oracle_opts {
     int prefill;     /* 0: decode items (one query at the end); 1: prefill / extend items */
     int softcap;     /* random soft-cap */
     int window;      /* random sliding window */
+    int sinks;       /* random attention-sink logits */
     uint32_t block_tokens; /* 0: drawn from k_btok */
     uint32_t len_cap;      /* 0: rand_len() alone; else contexts of at most this many tokens */
 } oracle_opts;
@@ -388,6 +391,16 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
     /* caps near the logits, and (one case in four) far above them, where tanh(x / cap) is tiny */
     if (o->softcap) call.softcap = rng_below(4) ? (float)(1.0 + 30.0 * rng_unit()) : (float)pow(10.0, 2.0 + 28.0 * rng_unit());
     if (o->window) call.window = 1 + rng_below(600);
+    float *sinks = NULL;
+    if (o->sinks) { /* near the logits, far above them (the sink leads: outputs shrink) and far below */
+        sinks = malloc(sizeof(float) * nqh);
+        for (uint32_t h = 0; h < nqh; h++) {
+            const uint32_t k = rng_below(4);
+            sinks[h] = (float)(k < 2 ? -4.0 + 12.0 * rng_unit()
+                               : k == 2 ? 8.0 + 12.0 * rng_unit() : -30.0 + 26.0 * rng_unit());
+        }
+        call.sinks = sinks;
+    }
     pkv__attn_item items[4];
     for (uint32_t i = 0; i < n_seqs; i++) {
         uint32_t n_q = 1, pos0 = lens[i] - 1;
@@ -447,6 +460,7 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         free(items[i].lse);
         seq_free(&seqs[i]);
     }
+    free(sinks);
     pkv__attn_destroy(at);
     pool_free(&p);
 }
@@ -463,9 +477,9 @@ static void run_oracle_dims(const char *backend, const oracle_opts *o, uint64_t 
                 pkv_dtype kdt = k_types[ti], vdt = rng_below(4) ? kdt : k_types[rng_below(3)];
                 oracle_case(backend, nt, dims[di], k_heads[hi][0], k_heads[hi][1], kdt, vdt, o, &worst, &worst_lse);
             }
-        print_message("  %s K=%s%s%s%s: max err %.3g of the tolerance, lse err %.3g\n", backend,
+        print_message("  %s K=%s%s%s%s%s: max err %.3g of the tolerance, lse err %.3g\n", backend,
                       pkv_dtype_name(k_types[ti]), o->prefill ? " prefill" : " decode", o->softcap ? " softcap" : "",
-                      o->window ? " window" : "", worst, worst_lse);
+                      o->window ? " window" : "", o->sinks ? " sinks" : "", worst, worst_lse);
         assert_true(worst <= 1.0);
         assert_true(worst_lse <= TOL_LSE);
     }
@@ -564,6 +578,7 @@ static void test_oracle_extreme_shapes(void **state) {
             double worst = 0, worst_lse = 0;
             for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
                 const oracle_opts o = {.prefill = prefill, .softcap = (int)rng_below(2), .window = (int)rng_below(2),
+                                       .sinks = (int)rng_below(2),
                                        .block_tokens = shapes[i].B, .len_cap = shapes[i].cap};
                 const pkv_dtype kdt = k_types[ti], vdt = rng_below(4) ? kdt : k_types[rng_below(3)];
                 oracle_case(bc->name, 1 + rng_below(2), shapes[i].D, shapes[i].nqh, shapes[i].H, kdt, vdt, &o, &worst,
@@ -597,6 +612,16 @@ static void test_oracle_softcap_window(void **state) {
     run_oracle(bc->name, &o, 304);
     o.softcap = 0;
     run_oracle(bc->name, &o, 305);
+}
+static void test_oracle_sinks(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    oracle_opts o = {.sinks = 1};
+    run_oracle(bc->name, &o, 306);
+    o.prefill = 1;
+    run_oracle(bc->name, &o, 307);
+    o.window = o.softcap = 1;
+    run_oracle(bc->name, &o, 308);
 }
 
 /* ---- soft-cap and window: exact effects on a hand-made case ------------------------------------ */
@@ -1350,6 +1375,7 @@ int main(void) {
         PER_BACKEND(test_oracle_decode),
         PER_BACKEND(test_oracle_prefill),
         PER_BACKEND(test_oracle_softcap_window),
+        PER_BACKEND(test_oracle_sinks),
         PER_BACKEND(test_softcap_wide),
         PER_BACKEND(test_oracle_odd_dims),
         PER_BACKEND(test_oracle_extreme_shapes),

@@ -112,6 +112,7 @@ static void ref_one(const host_seq *s, uint32_t l, const float *q, uint32_t pos,
             w[t] = x;
             mx = fmax(mx, x);
         }
+        if (p->sinks) mx = fmax(mx, p->sinks[hq]), sum = exp(p->sinks[hq] - mx); /* a key of value 0 */
         for (uint32_t t = lo; t <= pos; t++) sum += (w[t] = exp(w[t] - mx));
         for (uint32_t d = 0; d < D; d++) {
             double o = 0;
@@ -160,7 +161,7 @@ static float *rand_q(uint32_t n) {
 static const pkv_dtype k_types[] = {PKV_DTYPE_F32, PKV_DTYPE_F16, PKV_DTYPE_BF16};
 
 /* Decode and ragged prefill over three sequences, every float dtype, 1 and 2 threads, with and
- * without soft-cap / window / LSE. */
+ * without soft-cap / window / LSE / sinks. */
 static void test_api_oracle(void **state) {
     (void)state;
     static host_seq s[3];
@@ -175,12 +176,16 @@ static void test_api_oracle(void **state) {
                 append_write(c, k_types[ti], &s[i], lens[i] / 2 + 1, 1000 * i);
                 if (lens[i] / 2 + 1 < lens[i]) append_write(c, k_types[ti], &s[i], lens[i] - lens[i] / 2 - 1, 1000 * i);
             }
-            for (int variant = 0; variant < 3; variant++) {
+            for (int variant = 0; variant < 4; variant++) {
                 pkv_attn_params p = pkv_attn_params_default();
                 p.n_q_heads = NQH;
-                float lse[64 * NQH];
+                float lse[64 * NQH], sinks[NQH];
                 if (variant >= 1) p.lse = lse;
-                if (variant == 2) p.softcap = 7.5f, p.window = 20, p.scale = 0.2f;
+                if (variant >= 2) p.softcap = 7.5f, p.window = 20, p.scale = 0.2f;
+                if (variant == 3) { /* sinks below, near and above the logits (|logit| <= 7.5) */
+                    for (uint32_t h = 0; h < NQH; h++) sinks[h] = 6.0f * rnd() + (h % 3 ? 0.0f : 8.0f);
+                    p.sinks = sinks;
+                }
                 /* decode: one query per sequence at its last position */
                 const pkv_seq ids[3] = {s[0].id, s[1].id, s[2].id};
                 float *q = rand_q(3), *out = malloc(sizeof(float) * 3 * NQH * D);
@@ -496,6 +501,86 @@ static void test_api_merge_cascade(void **state) {
         }
         pkv_cache_destroy(c);
     }
+}
+
+/* Attention sinks (pkv_attn_params.sinks). Through the public calls, decode (a batch whose tables
+ * jump, read in pool order) and prefill, 2 threads:
+ * - sinks far below every logit give the same bits as none;
+ * - a sink is one more key of value 0: the result equals the one without sinks merged
+ *   (pkv_attn_merge) with a part of out 0 and lse sinks[h];
+ * - a sink that is not finite, or sinks overlapping out or lse, is PKV_EINVAL with out untouched;
+ *   overlapping q is allowed where out is not q. */
+static void test_api_sinks(void **state) {
+    (void)state;
+    static host_seq s[3];
+    pkv_cache *c = make_cache(PKV_DTYPE_F16, 2, 0);
+    const uint32_t lens[3] = {70, 33, 140};
+    for (int i = 0; i < 3; i++) {
+        memset(&s[i], 0, sizeof s[i]);
+        assert_int_equal(pkv_seq_create(c, NULL, 0, &s[i].id), PKV_OK);
+    }
+    for (uint32_t step = 0; step < 10; step++) /* interleaved appends: tables that jump */
+        for (int i = 0; i < 3; i++)
+            append_write(c, PKV_DTYPE_F16, &s[i], lens[i] / 10 + (step == 9 ? lens[i] % 10 : 0), 100 * i);
+    const pkv_seq ids[3] = {s[0].id, s[1].id, s[2].id};
+    const pkv_attn_req reqs[2] = {{s[2].id, 100, 40}, {s[0].id, 0, 30}};
+    enum { NR = 70 }; /* queries: 3 decodes, or 70 prefill rows */
+    float *q = rand_q(NR), *o0 = malloc(sizeof(float) * NR * NQH * D), *o1 = malloc(sizeof(float) * NR * NQH * D);
+    float *om = malloc(sizeof(float) * NR * NQH * D), *zero = calloc((size_t)NR * NQH * D, sizeof(float));
+    float l0[NR * NQH], l1[NR * NQH], lz[NR * NQH], lm[NR * NQH], sinks[NQH];
+    double vm = 0;
+    for (int i = 0; i < 3; i++) vm = fmax(vm, vmax_of(&s[i], 1));
+    for (int prefill = 0; prefill < 2; prefill++) {
+        const uint32_t n = prefill ? NR : 3;
+#define RUN(out, pp) (prefill ? pkv_attn_prefill(c, 1, reqs, 2, q, out, pp) : pkv_attn_decode(c, 1, ids, 3, q, out, pp))
+        pkv_attn_params p = pkv_attn_params_default();
+        p.n_q_heads = NQH, p.lse = l0;
+        assert_int_equal(RUN(o0, &p), PKV_OK);
+        for (uint32_t h = 0; h < NQH; h++) sinks[h] = -1e30f;
+        p.sinks = sinks, p.lse = l1;
+        assert_int_equal(RUN(o1, &p), PKV_OK);
+        assert_memory_equal(o0, o1, sizeof(float) * n * NQH * D);
+        assert_memory_equal(l0, l1, sizeof(float) * n * NQH);
+        for (uint32_t h = 0; h < NQH; h++) sinks[h] = 4.0f * rnd() + (float)(h % 4) - 1.0f;
+        assert_int_equal(RUN(o1, &p), PKV_OK);
+        for (uint32_t r = 0; r < n * NQH; r++) lz[r] = sinks[r % NQH];
+        assert_int_equal(pkv_attn_merge(n * NQH, D, o0, l0, zero, lz, om, lm), PKV_OK);
+        for (size_t j = 0; j < (size_t)n * NQH * D; j++) assert_true(fabs(o1[j] - om[j]) <= TOL * vm);
+        for (uint32_t r = 0; r < n * NQH; r++) assert_true(fabsf(l1[r] - lm[r]) <= 1e-5f * fmaxf(1.0f, fabsf(lm[r])));
+        if (!prefill) /* and against the reference, which counts the sink itself */
+            for (int i = 0; i < 3; i++)
+                check(&s[i], 1, q + i * NQH * D, o1 + i * NQH * D, l1 + i * NQH, s[i].len - 1, 1, &p);
+        /* refusals: out keeps what it held */
+        memcpy(om, o1, sizeof(float) * n * NQH * D);
+        const float bad[3] = {NAN, INFINITY, -INFINITY};
+        for (int b = 0; b < 3; b++) {
+            sinks[NQH - 1 - b] = bad[b];
+            assert_int_equal(RUN(o1, &p), PKV_EINVAL);
+            sinks[NQH - 1 - b] = 0.5f;
+        }
+        assert_memory_equal(om, o1, sizeof(float) * n * NQH * D);
+        memcpy(o1 + NQH * D, sinks, sizeof sinks);
+        p.sinks = o1 + NQH * D; /* inside out */
+        assert_int_equal(RUN(o1, &p), PKV_EINVAL);
+        memcpy(l1 + 3, sinks, sizeof sinks);
+        p.sinks = l1 + 3; /* inside lse */
+        assert_int_equal(RUN(o1, &p), PKV_EINVAL);
+        float *qs = malloc(sizeof(float) * NR * NQH * D), *q_saved = q; /* inside q: read only, allowed */
+        memcpy(qs, q, sizeof(float) * NR * NQH * D);
+        memcpy(qs + 5, sinks, sizeof sinks);
+        q = qs, p.sinks = qs + 5, p.lse = NULL;
+        assert_int_equal(RUN(o1, &p), PKV_OK);
+        p.sinks = sinks;
+        assert_int_equal(RUN(o0, &p), PKV_OK);
+        assert_memory_equal(o0, o1, sizeof(float) * n * NQH * D);
+        p.sinks = qs + 5; /* ... but not where out is q */
+        assert_int_equal(RUN(qs, &p), PKV_EINVAL);
+        q = q_saved;
+        free(qs);
+#undef RUN
+    }
+    free(q), free(o0), free(o1), free(om), free(zero);
+    pkv_cache_destroy(c);
 }
 
 /* out may be q (in place): every query's output overwrites only its own query, read before.
@@ -1031,6 +1116,7 @@ int main(void) {
         cmocka_unit_test(test_api_bf16_dot),
         cmocka_unit_test(test_api_merge_cascade),
         cmocka_unit_test(test_api_merge_values),
+        cmocka_unit_test(test_api_sinks),
         cmocka_unit_test(test_api_in_place),
         cmocka_unit_test(test_api_backend_env),
         cmocka_unit_test(test_api_value_max),

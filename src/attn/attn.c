@@ -564,6 +564,7 @@ static void merge_write(const pkv__attn *at, const unit *w, float *m0, const flo
     const uint32_t D = at->kv->head_dim, nqh = at->call->n_q_heads, G = at->G;
     const uint32_t rows_h = w->nq * w->gs;
     const bool eo = at->kt->acc_eo[at->kv->v_dtype]; /* acc in even-odd order (attn.h) */
+    const float *sinks = at->call->sinks;
     for (uint32_t j = 0; j < w->n_kvh; j++)
         for (uint32_t qi = 0; qi < w->nq; qi++)
             for (uint32_t g = 0; g < w->gs; g++) {
@@ -581,8 +582,20 @@ static void merge_write(const pkv__attn *at, const unit *w, float *m0, const flo
                         m0[k * stride + r] = mk == mx ? 1.0f : expf(mk - mx); /* exp(0) exactly */
                         lsum += lk * m0[k * stride + r];
                     }
+                const bool seen = lsum > 0.0f;
+                if (sinks) { /* one more key, of logit sinks[h] and value 0: in the sum, not in acc */
+                    const float sv = sinks[(w->kvh0 + j) * G + w->g0 + g];
+                    if (sv > mx) { /* the sink leads: every state's weight shrinks by e^(mx - sv) */
+                        const float f = seen ? expf(mx - sv) : 0.0f;
+                        for (uint32_t k = 0; k < n_ks; k++)
+                            if (l0[k * stride + r] > 0.0f) m0[k * stride + r] *= f;
+                        lsum = lsum * f + 1.0f;
+                        mx = sv;
+                    } else
+                        lsum += expf(sv - mx);
+                }
                 if (w->item->lse) w->item->lse[o] = lsum > 0.0f ? mx + logf(lsum) : -INFINITY;
-                if (!(lsum > 0.0f)) { /* nothing visible at all */
+                if (!seen) { /* no key visible: the sink alone (lse sinks[h]) or nothing */
                     for (uint32_t d = 0; d < D; d++) dst[d] = 0.0f;
                     continue;
                 }

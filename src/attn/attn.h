@@ -40,6 +40,7 @@ typedef struct pkv__attn_call {
     float softcap;      /* 0 = off */
     uint32_t window;    /* 0 = off */
     uint32_t flags;     /* pkv_attn_params.flags (PKV_ATTN_BF16_DOT), checked by the caller */
+    const float *sinks; /* [n_q_heads] finite sink logits (pkv_attn_params.sinks), or NULL */
 } pkv__attn_call;
 
 /* A soft-cap the kernels take: 0 (off), or finite and normal (a subnormal cap's 1 / cap is not

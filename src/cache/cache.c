@@ -1592,6 +1592,10 @@ static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_param
     call->softcap = p->softcap;
     call->window = p->window;
     call->flags = p->flags;
+    call->sinks = p->sinks;
+    for (uint32_t h = 0; p->sinks && h < nq; h++)
+        if (!isfinite(p->sinks[h]))
+            return pkv__say(c, PKV_EINVAL, api, "sinks[%u] is %g, not finite", h, (double)p->sinks[h]);
     return PKV_OK;
 }
 
@@ -1650,6 +1654,11 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         rc = pkv__say(c, PKV_EINVAL, api, "%llu queries x %zu floats are past size_t", (unsigned long long)n_rows, qrow);
     if (!rc && check_overlap(q, out, lse, n_rows, q_bytes, call.n_q_heads))
         rc = pkv__say(c, PKV_EINVAL, api, "q, out and lse overlap (out may be q itself, nothing else)");
+    if (!rc && call.sinks) {
+        const size_t ns = (size_t)call.n_q_heads * sizeof(float), nl = (size_t)n_rows * ns;
+        if (pkv__overlap(call.sinks, ns, out, q_bytes) || (lse && pkv__overlap(call.sinks, ns, lse, nl)))
+            rc = pkv__say(c, PKV_EINVAL, api, "sinks overlap out or lse");
+    }
     /* a query that is not finite, or so large that q.k overflows (or q x scale, which the kernels
        form first), would give each backend and order its own garbage (a NaN or infinite logit is
        dropped by one max and kept by another): refused instead. With |K| <= PKV_VALUE_MAX too, a
