@@ -210,7 +210,7 @@ class _TierStats(ctypes.Structure):
 
 class _AttnParams(ctypes.Structure):
     _fields_ = [("n_q_heads", _u32), ("scale", _f32), ("softcap", _f32), ("window", _u32), ("lse", _vp),
-                ("flags", _u32)]
+                ("flags", _u32), ("sinks", _vp)]
 
 
 class _AttnReq(ctypes.Structure):
@@ -1167,14 +1167,21 @@ class Cache:
         self._check(rc, "pkv_cache_check: " + buf.value.decode(errors="replace"))
 
     # -- attention --
-    def _params(self, n_q_heads, scale, softcap, window, lse, bf16_dot):
+    def _params(self, n_q_heads, scale, softcap, window, lse, bf16_dot, sinks, what):
+        """The pkv_attn_params, and the sinks array it points to (the caller keeps it alive)."""
         p = _lib.pkv_attn_params_default()
         p.n_q_heads = _u32_of(n_q_heads, "n_q_heads")
         p.scale, p.softcap = float(scale), float(softcap)
         p.window = _u32_of(window, "window")
         p.lse = _ptr(lse)
         p.flags = ATTN_BF16_DOT if bf16_dot else 0
-        return p
+        sk = None
+        if sinks is not None:
+            sk = _f32_array(sinks, "%s: sinks" % what)
+            if sk.size != p.n_q_heads:
+                raise _invalid("%s: sinks has %d elements, n_q_heads %d needed" % (what, sk.size, p.n_q_heads))
+            p.sinks = _ptr(sk)
+        return p, sk
 
     def _q(self, q, n_queries, n_q_heads, what):
         a = _f32_array(q, what)
@@ -1207,7 +1214,7 @@ class Cache:
 
     @_in_call
     def decode(self, layer, seqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
-               out=None, lse_out=None, bf16_dot=False):
+               out=None, lse_out=None, bf16_dot=False, sinks=None):
         """Decode attention (pkv_attn_decode): one query per sequence at its last position.
         q: [n_seqs][n_q_heads][head_dim] (float32; n_q_heads from its shape unless given).
         Returns out shaped [n_seqs][n_q_heads][head_dim], and lse [n_seqs][n_q_heads] with
@@ -1215,25 +1222,27 @@ class Cache:
         lse_out) may be given, float32 C-contiguous arrays of those sizes, to be written in
         place of new ones (out may be q itself when q is such an array). bf16_dot: allow bf16
         arithmetic with bf16 K/V (PKV_ATTN_BF16_DOT: queries and softmax weights rounded to bf16
-        where the CPU has bf16 dot products; bf16_dot_used says whether it does here)."""
+        where the CPU has bf16 dot products; bf16_dot_used says whether it does here). sinks:
+        n_q_heads finite attention-sink logits (gpt-oss; pkv_attn_params.sinks), each head's
+        softmax counting one more key of that logit and value 0; lse then includes it."""
         a = self._seqs(seqs, "decode")
         qa, hq = self._q(q, a.size, n_q_heads, "decode")
         out = self._out(out, (a.size, hq, self._D), "decode: out")
         if lse_out is not None and not return_lse:
             raise _invalid("decode: lse_out given without return_lse=True")
         lse = self._out(lse_out, (a.size, hq), "decode: lse_out") if return_lse else None
-        p = self._params(hq, scale, softcap, window, lse, bf16_dot)
+        p, _sk = self._params(hq, scale, softcap, window, lse, bf16_dot, sinks, "decode")
         self._check(_lib.pkv_attn_decode(self._h(), _u32_of(layer, "layer"), _ptr(a), a.size, _ptr(qa), _ptr(out),
                                     ctypes.byref(p)), "pkv_attn_decode")
         return (out, lse) if return_lse else out
 
     @_in_call
     def prefill(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
-                out=None, lse_out=None, bf16_dot=False):
+                out=None, lse_out=None, bf16_dot=False, sinks=None):
         """Prefill / extend attention over a ragged batch (pkv_attn_prefill), causal.
         reqs: (seq, q_start, n_q) triples; q: the requests' queries concatenated,
         [sum n_q][n_q_heads][head_dim]. Returns out (and lse) like decode, one row per query;
-        out, lse_out and bf16_dot as in decode."""
+        out, lse_out, bf16_dot and sinks as in decode."""
         rs = list(reqs)
         if not rs:
             raise _invalid("prefill: no requests")
@@ -1252,7 +1261,7 @@ class Cache:
         if lse_out is not None and not return_lse:
             raise _invalid("prefill: lse_out given without return_lse=True")
         lse = self._out(lse_out, (total, hq), "prefill: lse_out") if return_lse else None
-        p = self._params(hq, scale, softcap, window, lse, bf16_dot)
+        p, _sk = self._params(hq, scale, softcap, window, lse, bf16_dot, sinks, "prefill")
         self._check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa), _ptr(out),
                                      ctypes.byref(p)), "pkv_attn_prefill")
         return (out, lse) if return_lse else out

@@ -21,10 +21,11 @@ import pagedkv as pkv
 SRC = os.environ.get("PKV_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-def ref_attn(q, K, V, scale, softcap=0.0, window=0):
+def ref_attn(q, K, V, scale, softcap=0.0, window=0, sinks=None):
     """One query's attention over K, V [T][H][D] (float64), seeing positions [T - window, T)
-    when window > 0. q [Hq][D]; GQA: query head h reads kv head h // (Hq // H).
-    Returns out [Hq][D] and the natural-log sum-exp [Hq] of the scaled (capped) logits."""
+    when window > 0. q [Hq][D]; GQA: query head h reads kv head h // (Hq // H); sinks [Hq]: one
+    more key per head of that logit and value 0. Returns out [Hq][D] and the natural-log sum-exp
+    [Hq] of the scaled (capped) logits (and the sink)."""
     T, H, _ = K.shape
     Hq = q.shape[0]
     lo = max(0, T - window) if window else 0
@@ -35,10 +36,11 @@ def ref_attn(q, K, V, scale, softcap=0.0, window=0):
         s = K[lo:, kh, :].astype(np.float64) @ q[h].astype(np.float64) * scale
         if softcap:
             s = softcap * np.tanh(s / softcap)
-        m = s.max()
+        m = s.max() if sinks is None else max(s.max(), float(sinks[h]))
         w = np.exp(s - m)
-        out[h] = w @ V[lo:, kh, :].astype(np.float64) / w.sum()
-        lse[h] = m + np.log(w.sum())
+        total = w.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
+        out[h] = w @ V[lo:, kh, :].astype(np.float64) / total
+        lse[h] = m + np.log(total)
     return out, lse
 
 
@@ -367,6 +369,39 @@ class TestAttention(Base):
         for bad in (lambda: pkv.bf16_bits(np.ones(3, np.int32)), lambda: pkv.bf16_value(np.ones(3, np.float32))):
             with self.assertRaises(pkv.PkvError):
                 bad()
+
+    def test_sinks(self):
+        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f16", v_dtype="f16", n_threads=2) as c:
+            s, t = c.seq_create(), c.seq_create()
+            self.fill(c, s, 40)
+            self.fill(c, t, 23)
+            q = 2 * self.rng.standard_normal((2, 4, 64)).astype(np.float32)
+            sinks = np.array([-1.0, 0.5, 2.0, 6.0], np.float32)
+            out, lse = c.decode(0, [s, t], q, sinks=sinks, window=30, return_lse=True)
+            for i, sq in enumerate((s, t)):
+                K, V = c.gather(sq, 0)
+                want, wlse = ref_attn(q[i], K.astype(np.float64), V.astype(np.float64), 1 / 8, 0.0, 30, sinks)
+                self.assertClose(out[i], want, 1e-5, "decode with sinks, sequence %d" % i)
+                self.assertClose(lse[i], wlse, 1e-5, "lse with sinks, sequence %d" % i)
+            # a sink is a key of value 0: the result without it merged with (0, lse = sink)
+            o0, l0 = c.decode(0, [s, t], q, window=30, return_lse=True)
+            m, ml = pkv.merge(o0, l0, np.zeros_like(o0), np.broadcast_to(sinks, l0.shape).copy())
+            self.assertClose(out, m.astype(np.float64), 1e-5, "merged with the sink")
+            self.assertClose(lse, ml.astype(np.float64), 1e-5, "merged lse")
+            # far below every logit: the same bits as none; prefill too
+            far = np.full(4, -1e30, np.float32)
+            o1, l1 = c.decode(0, [s, t], q, window=30, return_lse=True, sinks=far)
+            np.testing.assert_array_equal(o1, o0)
+            np.testing.assert_array_equal(l1, l0)
+            qp = self.rng.standard_normal((10, 4, 64)).astype(np.float32)
+            p0 = c.prefill(0, [(s, 30, 10)], qp)
+            np.testing.assert_array_equal(c.prefill(0, [(s, 30, 10)], qp, sinks=far), p0)
+            self.assertFalse(np.array_equal(c.prefill(0, [(s, 30, 10)], qp, sinks=sinks), p0))
+            for bad in (np.array([0, 0, np.nan, 0], np.float32), np.array([0, np.inf, 0, 0], np.float32),
+                        np.zeros(3, np.float32), np.zeros(5, np.float32)):
+                with self.assertRaises(pkv.PkvError) as e:
+                    c.decode(0, [s], q[:1], sinks=bad)
+                self.assertEqual(e.exception.code, pkv.EINVAL)
 
     def test_softcap_window_merge(self):
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=2) as c:
