@@ -626,6 +626,8 @@ PM_NOCOV static inline void pm_attn_ref(const pm_world *w, const pm_seq *q, uint
             sc[j] = x;
             if (x > mx) mx = x;
         }
+        if (ap->sinks && ap->sinks[h] > mx) mx = ap->sinks[h]; /* a key of value 0 */
+        if (ap->sinks) sum = exp(ap->sinks[h] - mx);
         for (uint32_t d = 0; d < D; d++) ref[h * D + d] = 0.0;
         for (uint32_t j = lo; j <= pos; j++) {
             const double e = exp(sc[j] - mx);
@@ -659,6 +661,11 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     ap.softcap = b % 3 == 0 ? 4.0f + (float)(pm_byte(src) % 16) : 0.0f;
     ap.window = b % 5 == 0 ? 1 + pm_byte(src) % 20 : 0;
     ap.lse = b & 4 ? w->alse : NULL;
+    float sinks[PM_ATTN_MAX_HQ];
+    if (pm_byte(src) & 1) { /* attention sinks of -8 .. 8, about where the logits lie */
+        for (uint32_t h = 0; h < Hq; h++) sinks[h] = (float)((int)pm_byte(src) - 128) / 16.0f;
+        ap.sinks = sinks;
+    }
     const int prefill = pm_byte(src) & 1;
     /* bf16 arithmetic allowed (decode, and prefill in both the row and the transposed kernels) */
     if (b & 16) ap.flags = PKV_ATTN_BF16_DOT;
@@ -695,7 +702,12 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         else qp = NULL;
         want_rc = PKV_EINVAL;
     }
-    if (bad == 4) ap.softcap = -1.0f, want_rc = PKV_EINVAL;
+    if (bad == 4 && (b & 8)) { /* a sink that is not finite */
+        for (uint32_t h = 0; h < Hq; h++) sinks[h] = 0.0f;
+        sinks[pm_below(src, Hq)] = pm_byte(src) & 1 ? NAN : -INFINITY;
+        ap.sinks = sinks, want_rc = PKV_EINVAL;
+    } else if (bad == 4)
+        ap.softcap = -1.0f, want_rc = PKV_EINVAL;
     if (bad == 5 && w->n_stale) {
         seqs[n - 1] = reqs[n - 1].seq = pm_stale_id(w, src);
         want_rc = PKV_ENOENT;
@@ -715,10 +727,10 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     int rc = prefill ? pkv_attn_prefill(w->c, l, reqs, n, qp, w->aout, &ap)
                      : pkv_attn_decode(w->c, l, seqs, n, qp, w->aout, &ap);
     PM_TR(w,
-          "   attn %s of %u seqs (%u queries, Hq %u, layer %u, scale %g cap %g window %u lse %d, in place %d, flags %u"
-          " (used %d), bad %u) -> %s\n",
+          "   attn %s of %u seqs (%u queries, Hq %u, layer %u, scale %g cap %g window %u lse %d, sinks %d, in place %d,"
+          " flags %u (used %d), bad %u) -> %s\n",
           prefill ? "prefill" : "decode", n, nq, Hq, l, (double)ap.scale, (double)ap.softcap, ap.window,
-          ap.lse != NULL, qp == w->aout, ap.flags, used, bad, pkv_strerror(rc));
+          ap.lse != NULL, ap.sinks != NULL, qp == w->aout, ap.flags, used, bad, pkv_strerror(rc));
     if (want_rc) {
         PM_EXPECT(w, rc == want_rc, "attn with bad input %u: %s, want %s", bad, pkv_strerror(rc), pkv_strerror(want_rc));
         PM_EXPECT(w, pm_untouched(w->aout, 0, sizeof w->aout), "attn with bad input %u wrote out", bad);
