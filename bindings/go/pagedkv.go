@@ -285,12 +285,20 @@ type AttnReq struct {
 // AttnParams: NQHeads 0 means n_kv_heads, Scale 0 means 1/sqrt(head_dim), Softcap and Window
 // 0 mean off. BF16Dot is PKV_ATTN_BF16_DOT: with bf16 K/V, queries and softmax weights rounded
 // to bf16 and multiplied by bf16 dot products where the CPU has them (Cache.BF16DotUsed).
+//
+// Sinks, if not nil, are attention-sink logits (gpt-oss; pkv_attn_params.sinks), one per query
+// head: exactly n_q_heads of them (n_kv_heads where NQHeads is 0), else EINVAL before libpkv is
+// called; each finite, else EINVAL from libpkv. Head h's softmax counts one more key, of logit
+// Sinks[h] (neither scaled nor capped) and value 0: out is
+// sum_t e^(s_t) v_t / (e^(Sinks[h]) + sum_t e^(s_t)) over the scaled (capped) logits s_t, and lse
+// includes the sink's term, so to Merge partial results pass Sinks to one part only.
 type AttnParams struct {
 	NQHeads uint32
 	Scale   float32
 	Softcap float32
 	Window  uint32
 	BF16Dot bool
+	Sinks   []float32
 }
 
 // SeqInfo is pkv_seq_info.
@@ -1498,9 +1506,10 @@ func (c *Cache) Check() error {
 }
 
 // attnCall runs one attention call of `items` sequences or requests and `rows` queries: the
-// params, q's and out's lengths checked, then call holding the sequences' locks shared. cgo forbids a Go pointer
-// inside the params struct handed to C, so a wanted lse is written to C memory and copied into
-// lse once the call succeeded.
+// params, q's, out's, lse's and sinks' lengths checked, then call holding the sequences' locks
+// shared. cgo forbids a Go pointer inside the params struct handed to C, so a wanted lse is
+// written to C memory and copied into lse once the call succeeded, and sinks are copied into C
+// memory before it (where out and lse cannot overlap them).
 func (c *Cache) attnCall(what, cname string, seqs []Seq, items, rows int, q, out []float32, ap AttnParams, lse []float32,
 	call func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int) error {
 	if c == nil {
@@ -1537,6 +1546,18 @@ func (c *Cache) attnCall(what, cname string, seqs []Seq, items, rows int, q, out
 	if ap.BF16Dot {
 		raw.flags = C.PKV_ATTN_BF16_DOT
 	}
+	if ap.Sinks != nil {
+		if err := wantLenOf(len(ap.Sinks), hq, what, "sinks"); err != nil {
+			return err
+		}
+		buf := (*C.float)(C.malloc(C.size_t(hq) * C.sizeof_float)) // hq >= 1
+		if buf == nil {
+			return &Error{Code: ENOMEM, Op: what + ": sinks"}
+		}
+		defer C.free(unsafe.Pointer(buf))
+		copy(unsafe.Slice((*float32)(unsafe.Pointer(buf)), hq), ap.Sinks)
+		raw.sinks = buf
+	}
 	if lse != nil {
 		if err := wantLenOf(len(lse), rowsHq, what, "lse"); err != nil {
 			return err
@@ -1563,7 +1584,8 @@ func (c *Cache) attnCall(what, cname string, seqs []Seq, items, rows int, q, out
 }
 
 // Decode is pkv_attn_decode: one query per sequence at its last position. q and out:
-// [len(seqs)][n_q_heads][head_dim]; lse, if not nil, [len(seqs)][n_q_heads].
+// [len(seqs)][n_q_heads][head_dim]; lse, if not nil, [len(seqs)][n_q_heads]; ap.Sinks, if not
+// nil, [n_q_heads].
 func (c *Cache) Decode(layer uint32, seqs []Seq, q, out []float32, ap AttnParams, lse []float32) error {
 	return c.attnCall("Decode", "pkv_attn_decode", seqs, len(seqs), len(seqs), q, out, ap, lse,
 		func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int {
@@ -1572,7 +1594,8 @@ func (c *Cache) Decode(layer uint32, seqs []Seq, q, out []float32, ap AttnParams
 }
 
 // Prefill is pkv_attn_prefill over a ragged batch, causal. q and out: the requests' queries
-// concatenated, [sum NQ][n_q_heads][head_dim]; lse, if not nil, [sum NQ][n_q_heads].
+// concatenated, [sum NQ][n_q_heads][head_dim]; lse, if not nil, [sum NQ][n_q_heads]; ap.Sinks,
+// if not nil, [n_q_heads].
 func (c *Cache) Prefill(layer uint32, reqs []AttnReq, q, out []float32, ap AttnParams, lse []float32) error {
 	var total64 uint64
 	for _, r := range reqs {

@@ -1,9 +1,9 @@
 // The Go bindings against libpkv and a float64 reference computed here: decode and ragged
-// prefill against contiguous attention, soft-cap, window and the LSE merge, prefix reuse, fork
-// and copy-on-write, the exports, statuses as errors, the binding's own length checks,
-// goroutines sharing a cache, nil and closed caches, the finalizer, the Into forms, K/V
-// writes of one layer beside decodes of another, and the prefix-index events against the
-// hashes PrefixHashes computes. Run by ctest (test_go) with CGO_LDFLAGS naming the build.
+// prefill against contiguous attention, soft-cap, window and the LSE merge, attention sinks
+// against that merge, prefix reuse, fork and copy-on-write, the exports, statuses as errors, the
+// binding's own length checks, goroutines sharing a cache, nil and closed caches, the finalizer,
+// the Into forms, K/V writes of one layer beside decodes of another, and the prefix-index events
+// against the hashes PrefixHashes computes. Run by ctest (test_go) with CGO_LDFLAGS naming the build.
 package pagedkv
 
 import (
@@ -366,6 +366,140 @@ func TestSoftcapWindowMerge(t *testing.T) {
 	assertClose(t, lm, toF64(lw), 1e-5, "merged lse")
 	w, _ := reference(q, k[:20*h*d], v[:20*h*d], hq, h, d, 1.0/8, 0, 0)
 	assertClose(t, oa, w, 1e-5, "the fork truncated to 20")
+}
+
+// sameBits says whether a and b hold the same float32 bit patterns.
+func sameBits(a, b []float32) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if math.Float32bits(a[i]) != math.Float32bits(b[i]) {
+			return false
+		}
+	}
+	return true
+}
+
+// Attention sinks: sinks of -1e30 give the same bits as none (Decode and Prefill); finite ones
+// give the result without them merged with a part of out 0 and lse Sinks[h] (pkv.h), out and
+// lse; a sink that is not finite and Sinks of another length than n_q_heads are EINVAL.
+func TestSinks(t *testing.T) {
+	r := rng(0x5111c5)
+	const h, d, hq = 2, 64, 8
+	c := newCache(t, h, d, 64, F32)
+	lens := []int{1, 17, 40}
+	seqs := make([]Seq, len(lens))
+	for i, n := range lens {
+		s, err := c.SeqCreate(nil)
+		must(t, err)
+		seqs[i] = s
+		fill(t, c, s, n, &r)
+	}
+	q := r.vec(len(seqs) * hq * d)
+	for i := range q {
+		q[i] *= 2
+	}
+	reqs := []AttnReq{{seqs[2], 30, 10}, {seqs[0], 0, 1}, {seqs[1], 5, 4}}
+	qp := r.vec(15 * hq * d)
+	far, finite := make([]float32, hq), make([]float32, hq)
+	for i := range far {
+		far[i] = -1e30
+		finite[i] = 1 + r.next() // [-1, 3)
+	}
+	toF64 := func(x []float32) []float64 {
+		y := make([]float64, len(x))
+		for i := range x {
+			y[i] = float64(x[i])
+		}
+		return y
+	}
+	for _, cw := range []struct {
+		capv float32
+		win  uint32
+	}{{0, 0}, {0, 6}, {4, 0}} {
+		p := AttnParams{NQHeads: hq, Softcap: cw.capv, Window: cw.win}
+		for _, prefill := range []bool{false, true} {
+			call := "decode"
+			if prefill {
+				call = "prefill"
+			}
+			what := fmt.Sprintf("%s softcap %g window %d", call, cw.capv, cw.win)
+			attn := func(sinks []float32) ([]float32, []float32) {
+				qq, rows := q, len(seqs)
+				if prefill {
+					qq, rows = qp, 15
+				}
+				out, lse := make([]float32, rows*hq*d), make([]float32, rows*hq)
+				ps := p
+				ps.Sinks = sinks
+				if prefill {
+					must(t, c.Prefill(0, reqs, qq, out, ps, lse))
+				} else {
+					must(t, c.Decode(0, seqs, qq, out, ps, lse))
+				}
+				return out, lse
+			}
+			o0, l0 := attn(nil)
+			of, lf := attn(far)
+			if !sameBits(of, o0) || !sameBits(lf, l0) {
+				t.Fatalf("%s: sinks -1e30 are not the bits of none", what)
+			}
+			osk, ls := attn(finite)
+			rows := len(l0)
+			zeros, lseSink := make([]float32, rows*d), make([]float32, rows)
+			for i := range lseSink {
+				lseSink[i] = finite[i%hq]
+			}
+			om, lm := make([]float32, rows*d), make([]float32, rows)
+			must(t, Merge(d, o0, l0, zeros, lseSink, om, lm))
+			assertClose(t, osk, toF64(om), 1e-5, what+": out with sinks")
+			assertClose(t, ls, toF64(lm), 1e-5, what+": lse with sinks")
+			if sameBits(osk, o0) {
+				t.Fatalf("%s: sinks changed nothing", what)
+			}
+			for i := range ls { // the sink's term only adds to the sum
+				if !(ls[i] >= l0[i]) {
+					t.Fatalf("%s: row %d: lse %g under %g", what, i, ls[i], l0[i])
+				}
+			}
+		}
+	}
+	// NQHeads 0 is n_kv_heads: h sinks
+	o0, l0, o1, l1 := make([]float32, h*d), make([]float32, h), make([]float32, h*d), make([]float32, h)
+	must(t, c.Decode(0, seqs[2:], q[:h*d], o0, AttnParams{}, l0))
+	must(t, c.Decode(0, seqs[2:], q[:h*d], o1, AttnParams{Sinks: []float32{-1e30, -1e30}}, l1))
+	if !sameBits(o1, o0) || !sameBits(l1, l0) {
+		t.Fatal("NQHeads 0, h sinks: not the bits of none")
+	}
+	if err := c.Decode(0, seqs[2:], q[:h*d], o1, AttnParams{Sinks: finite}, nil); code(err) != EINVAL {
+		t.Fatal("NQHeads 0 with n_q_heads sinks:", err)
+	}
+	// refusals: the wrong length (the binding's check, before libpkv reads past the slice), and a
+	// sink that is not finite (libpkv's)
+	out, outp := make([]float32, len(q)), make([]float32, len(qp))
+	for _, n := range []int{0, hq - 1, hq + 1} {
+		p := AttnParams{NQHeads: hq, Sinks: make([]float32, n)}
+		err := c.Decode(0, seqs, q, out, p, nil)
+		if want := fmt.Sprintf("Decode: sinks: %d elements, %d needed", n, hq); code(err) != EINVAL ||
+			!strings.HasPrefix(err.Error(), want) {
+			t.Fatalf("%d sinks: %v", n, err)
+		}
+		if err := c.Prefill(0, reqs, qp, outp, p, nil); code(err) != EINVAL || !strings.HasPrefix(err.Error(), "Prefill: sinks: ") {
+			t.Fatalf("%d sinks, prefill: %v", n, err)
+		}
+	}
+	for _, x := range []float64{math.NaN(), math.Inf(1), math.Inf(-1)} {
+		bad := append([]float32(nil), finite...)
+		bad[3] = float32(x)
+		p := AttnParams{NQHeads: hq, Sinks: bad}
+		if err := c.Decode(0, seqs, q, out, p, nil); code(err) != EINVAL || !strings.Contains(err.Error(), "sinks[3]") {
+			t.Fatalf("sink %g: %v", x, err)
+		}
+		if err := c.Prefill(0, reqs, qp, outp, p, nil); code(err) != EINVAL {
+			t.Fatalf("sink %g, prefill: %v", x, err)
+		}
+	}
 }
 
 func TestCompactCached(t *testing.T) {

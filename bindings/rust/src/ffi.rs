@@ -146,6 +146,7 @@ pub struct pkv_attn_params {
     pub window: u32,
     pub lse: *mut f32,
     pub flags: u32,
+    pub sinks: *const f32,
 }
 
 /// pkv_attn_params.flags: bf16 arithmetic allowed with bf16 K/V (pkv.h).

@@ -375,9 +375,10 @@ pub struct AppendReq<'a> {
     pub slots: Option<&'a mut [i32]>,
 }
 
-/// Attention parameters (pkv_attn_params without the lse pointer, which the calls take).
+/// Attention parameters (pkv_attn_params without the lse pointer, which the calls take). The
+/// lifetime is the borrow of [`AttnParams::sinks`]; without sinks it is any.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AttnParams {
+pub struct AttnParams<'a> {
     /// Query heads, a multiple of n_kv_heads; 0 = n_kv_heads.
     pub n_q_heads: u32,
     /// 0 = 1/sqrt(head_dim).
@@ -389,16 +390,25 @@ pub struct AttnParams {
     /// PKV_ATTN_BF16_DOT: with bf16 K/V, queries and softmax weights rounded to bf16 and
     /// multiplied by bf16 dot products where the CPU has them (`Cache::bf16_dot_used`).
     pub bf16_dot: bool,
+    /// Attention-sink logits (gpt-oss; pkv_attn_params.sinks), one per query head: exactly
+    /// n_q_heads of them (n_kv_heads where `n_q_heads` is 0), else `EINVAL` before libpkv is
+    /// called; each finite, else `EINVAL` from libpkv. Head h's softmax counts one more key, of
+    /// logit `sinks[h]` (neither scaled nor capped) and value 0: out is
+    /// `sum_t e^(s_t) v_t / (e^(sinks[h]) + sum_t e^(s_t))` over the scaled (capped) logits
+    /// `s_t`, and lse includes the sink's term, so to [`merge`] partial results pass sinks to
+    /// one part only. None = no sinks.
+    pub sinks: Option<&'a [f32]>,
 }
 
-impl Default for AttnParams {
-    fn default() -> AttnParams {
+impl Default for AttnParams<'_> {
+    fn default() -> Self {
         AttnParams {
             n_q_heads: 0,
             scale: 0.0,
             softcap: 0.0,
             window: 0,
             bf16_dot: false,
+            sinks: None,
         }
     }
 }
@@ -1501,7 +1511,7 @@ impl Cache {
     // ---- attention ----
 
     /// One attention call of `items` sequences or requests and `rows` queries: the params built,
-    /// q's, out's and lse's lengths checked, then `call(cache, items, q, out, params)`.
+    /// q's, out's, lse's and sinks' lengths checked, then `call(cache, items, q, out, params)`.
     #[allow(clippy::too_many_arguments)]
     fn attn_call(
         &self,
@@ -1510,7 +1520,7 @@ impl Cache {
         rows: usize,
         q: &[f32],
         out: &mut [f32],
-        p: &AttnParams,
+        p: &AttnParams<'_>,
         lse: Option<&mut [f32]>,
         call: impl FnOnce(*mut ffi::pkv_cache, u32, *const f32, *mut f32, &ffi::pkv_attn_params) -> c_int,
     ) -> Result<()> {
@@ -1530,6 +1540,11 @@ impl Cache {
         raw.softcap = p.softcap;
         raw.window = p.window;
         raw.flags = if p.bf16_dot { ffi::PKV_ATTN_BF16_DOT } else { 0 };
+        if let Some(s) = p.sinks {
+            // a shared borrow: it cannot overlap out or lse, which are borrowed mutably
+            want_len(s.len(), hq, &format!("{}: sinks", what))?;
+            raw.sinks = s.as_ptr();
+        }
         if let Some(l) = lse {
             want_len(l.len(), rows_hq, &format!("{}: lse", what))?;
             raw.lse = l.as_mut_ptr();
@@ -1541,14 +1556,15 @@ impl Cache {
     }
 
     /// Decode (pkv_attn_decode): one query per sequence at its last position. q and out:
-    /// `[seqs.len()][n_q_heads][head_dim]`; lse, if given, `[seqs.len()][n_q_heads]`.
+    /// `[seqs.len()][n_q_heads][head_dim]`; lse, if given, `[seqs.len()][n_q_heads]`; `p.sinks`,
+    /// if given, `[n_q_heads]`.
     pub fn decode(
         &self,
         layer: u32,
         seqs: &[Seq],
         q: &[f32],
         out: &mut [f32],
-        p: &AttnParams,
+        p: &AttnParams<'_>,
         lse: Option<&mut [f32]>,
     ) -> Result<()> {
         self.attn_call(
@@ -1564,14 +1580,15 @@ impl Cache {
     }
 
     /// Prefill / extend over a ragged batch (pkv_attn_prefill), causal. q and out: the requests'
-    /// queries concatenated, `[sum n_q][n_q_heads][head_dim]`; lse, if given, `[sum n_q][n_q_heads]`.
+    /// queries concatenated, `[sum n_q][n_q_heads][head_dim]`; lse, if given, `[sum n_q][n_q_heads]`;
+    /// `p.sinks`, if given, `[n_q_heads]`.
     pub fn prefill(
         &self,
         layer: u32,
         reqs: &[AttnReq],
         q: &[f32],
         out: &mut [f32],
-        p: &AttnParams,
+        p: &AttnParams<'_>,
         lse: Option<&mut [f32]>,
     ) -> Result<()> {
         let total = reqs

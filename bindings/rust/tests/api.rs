@@ -1,10 +1,10 @@
 //! The Rust bindings against libpkv and a float64 reference computed here: the struct layouts
 //! against the C compiler's (PKV_ABI_LAYOUT: tests/python/abi_layout.c built), decode and ragged
-//! prefill against contiguous attention, soft-cap, window and the LSE merge, prefix reuse, fork
-//! and copy-on-write, the exports, statuses as errors, the binding's own length checks, the
-//! `_into` forms, decodes from several threads at once, K/V writes of one layer beside decodes
-//! of another, and the prefix-index events against the hashes `prefix_hashes` computes. Run by
-//! ctest (test_rust) with PKV_LIB_DIR set.
+//! prefill against contiguous attention, soft-cap, window and the LSE merge, attention sinks
+//! against that merge, prefix reuse, fork and copy-on-write, the exports, statuses as errors,
+//! the binding's own length checks, the `_into` forms, decodes from several threads at once, K/V
+//! writes of one layer beside decodes of another, and the prefix-index events against the
+//! hashes `prefix_hashes` computes. Run by ctest (test_rust) with PKV_LIB_DIR set.
 
 use pagedkv::*;
 use std::collections::HashMap;
@@ -257,7 +257,7 @@ fn struct_layouts_match_c() {
         m,
         "pkv_attn_params",
         ffi::pkv_attn_params,
-        [n_q_heads, scale, softcap, window, lse, flags]
+        [n_q_heads, scale, softcap, window, lse, flags, sinks]
     );
     offsets!(m, "pkv_attn_req", ffi::pkv_attn_req, [seq, q_start, n_q]);
     offsets!(m, "pkv_attn_req", AttnReq, [seq, q_start, n_q]); // the safe type handed over as one
@@ -510,6 +510,7 @@ fn softcap_window_merge() {
             softcap: cap,
             window: win,
             bf16_dot: false,
+            sinks: None,
         };
         let (mut out, mut lse) = (vec![0f32; hq * d], vec![0f32; hq]);
         c.decode(0, &[s], &q, &mut out, &p, Some(&mut lse)).unwrap();
@@ -552,6 +553,150 @@ fn softcap_window_merge() {
     );
     let (w, _) = reference(&q, &k[..20 * h * d], &v[..20 * h * d], hq, h, d, 1.0 / 8.0, 0.0, 0);
     assert_close(&oa, &w, 1e-5, "the fork truncated to 20");
+}
+
+/// Bits, to compare results exactly (NaN included).
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Attention sinks: sinks of -1e30 give the same bits as none (decode and prefill); finite ones
+/// give the result without them merged with a part of out 0 and lse sinks[h] (pkv.h), out and
+/// lse; a sink that is not finite and a sinks slice of another length than n_q_heads are EINVAL.
+#[test]
+fn sinks_merge_as_a_key_of_value_zero() {
+    let mut rng = Rng(0x5111c5);
+    let (h, d, hq) = (2usize, 64usize, 8usize);
+    let mut c = Cache::new(&cfg(h as u32, d as u32, 64, Dtype::F32)).unwrap();
+    let lens = [1usize, 17, 40];
+    let seqs: Vec<Seq> = lens.iter().map(|_| c.seq_create(b"").unwrap()).collect();
+    for (s, &n) in seqs.iter().zip(&lens) {
+        fill(&mut c, *s, n, &mut rng);
+    }
+    let q: Vec<f32> = rng.vec(seqs.len() * hq * d).iter().map(|x| 2.0 * x).collect();
+    let reqs = [
+        AttnReq {
+            seq: seqs[2],
+            q_start: 30,
+            n_q: 10,
+        },
+        AttnReq {
+            seq: seqs[0],
+            q_start: 0,
+            n_q: 1,
+        },
+        AttnReq {
+            seq: seqs[1],
+            q_start: 5,
+            n_q: 4,
+        },
+    ];
+    let qp = rng.vec(15 * hq * d);
+    let far = vec![-1e30f32; hq];
+    let finite: Vec<f32> = (0..hq).map(|_| 1.0 + rng.next()).collect(); // [-1, 3)
+    assert!(finite.iter().all(|x| (-1.0..3.0).contains(x)));
+    for (win, cap) in [(0u32, 0f32), (6, 0.0), (0, 4.0)] {
+        let p = AttnParams {
+            n_q_heads: hq as u32,
+            softcap: cap,
+            window: win,
+            ..AttnParams::default()
+        };
+        let what = format!("window {} softcap {}", win, cap);
+        // decode and prefill: without sinks, with far-below sinks (the same bits), with finite sinks
+        let attn = |prefill: bool, sinks: Option<&[f32]>| {
+            let (qq, rows) = if prefill { (&qp, 15) } else { (&q, seqs.len()) };
+            let (mut out, mut lse) = (vec![0f32; rows * hq * d], vec![0f32; rows * hq]);
+            let ps = AttnParams { sinks, ..p };
+            if prefill {
+                c.prefill(0, &reqs, qq, &mut out, &ps, Some(&mut lse)).unwrap();
+            } else {
+                c.decode(0, &seqs, qq, &mut out, &ps, Some(&mut lse)).unwrap();
+            }
+            (out, lse)
+        };
+        for prefill in [false, true] {
+            let what = format!("{} {}", if prefill { "prefill" } else { "decode" }, what);
+            let (o0, l0) = attn(prefill, None);
+            let (of, lf) = attn(prefill, Some(&far));
+            assert_eq!(bits(&of), bits(&o0), "{}: out with sinks -1e30", what);
+            assert_eq!(bits(&lf), bits(&l0), "{}: lse with sinks -1e30", what);
+            let (os, ls) = attn(prefill, Some(&finite));
+            let rows = l0.len();
+            let zeros = vec![0f32; rows * d];
+            let lse_sink: Vec<f32> = (0..rows).map(|r| finite[r % hq]).collect();
+            let (mut om, mut lm) = (vec![0f32; rows * d], vec![0f32; rows]);
+            merge(d as u32, &o0, &l0, &zeros, &lse_sink, &mut om, Some(&mut lm)).unwrap();
+            let wide = |x: &[f32]| x.iter().map(|v| *v as f64).collect::<Vec<_>>();
+            assert_close(&os, &wide(&om), 1e-5, &format!("{}: out with sinks", what));
+            assert_close(&ls, &wide(&lm), 1e-5, &format!("{}: lse with sinks", what));
+            assert!(os != o0, "{}: sinks changed nothing", what);
+            // the sink's term only adds to the sum: lse does not fall
+            for r in 0..rows {
+                assert!(ls[r] >= l0[r], "{}: row {}: lse {} under {}", what, r, ls[r], l0[r]);
+            }
+        }
+    }
+    // n_q_heads 0 is n_kv_heads: h sinks
+    let p0 = AttnParams::default();
+    let (mut o0, mut l0) = (vec![0f32; h * d], vec![0f32; h]);
+    let (mut o1, mut l1) = (vec![0f32; h * d], vec![0f32; h]);
+    c.decode(0, &seqs[2..], &q[..h * d], &mut o0, &p0, Some(&mut l0))
+        .unwrap();
+    let sinks_h = [-1e30f32; 2];
+    let ps = AttnParams {
+        sinks: Some(&sinks_h),
+        ..p0
+    };
+    c.decode(0, &seqs[2..], &q[..h * d], &mut o1, &ps, Some(&mut l1))
+        .unwrap();
+    assert_eq!((bits(&o1), bits(&l1)), (bits(&o0), bits(&l0)), "n_q_heads 0, h sinks");
+    // refusals: the wrong length (the binding's check, before libpkv reads past the slice), and a
+    // sink that is not finite (libpkv's)
+    let p = AttnParams {
+        n_q_heads: hq as u32,
+        ..AttnParams::default()
+    };
+    let mut out = vec![0f32; q.len()];
+    let mut outp = vec![0f32; qp.len()];
+    for n in [0usize, hq - 1, hq + 1] {
+        let bad = vec![0f32; n];
+        let pb = AttnParams { sinks: Some(&bad), ..p };
+        let e = c.decode(0, &seqs, &q, &mut out, &pb, None).unwrap_err();
+        assert_eq!(e.code(), EINVAL, "{} sinks", n);
+        let want = format!("decode: sinks: {} elements, {} needed", n, hq);
+        assert!(e.to_string().starts_with(&want), "{}", e);
+        let e = c.prefill(0, &reqs, &qp, &mut outp, &pb, None).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{} sinks, prefill", n);
+        assert!(e.to_string().starts_with("prefill: sinks: "), "{}", e);
+    }
+    assert_eq!(
+        c.decode(
+            0,
+            &seqs[2..],
+            &q[..h * d],
+            &mut o1,
+            &AttnParams {
+                sinks: Some(&finite),
+                ..p0
+            },
+            None
+        )
+        .unwrap_err()
+        .code(),
+        EINVAL,
+        "n_q_heads 0 with n_q_heads sinks"
+    );
+    for x in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut bad = finite.clone();
+        bad[3] = x;
+        let pb = AttnParams { sinks: Some(&bad), ..p };
+        let e = c.decode(0, &seqs, &q, &mut out, &pb, None).unwrap_err();
+        assert_eq!(e.code(), EINVAL, "sink {}", x);
+        assert!(e.to_string().contains("sinks[3]"), "{}", e);
+        let e = c.prefill(0, &reqs, &qp, &mut outp, &pb, None).unwrap_err();
+        assert_eq!(e.code(), EINVAL, "sink {}, prefill", x);
+    }
 }
 
 #[test]
