@@ -718,6 +718,36 @@ typedef struct pkv_attn_req {
 PKV_NODISCARD PKV_API int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs,
                                            const float *q, float *out, const pkv_attn_params *p);
 
+/* One request of pkv_attn_tree: a tree of draft tokens (speculative decoding) whose K/V a
+ * sequence holds at positions [q_start, q_start + n_nodes), node i at q_start + i, in any order
+ * where each node comes after its parent (parent[i] < i). Node i's position in the text is
+ * q_start + depth(i) (a root, parent -1, follows position q_start - 1 and has depth 0): the
+ * position its K was rotated for, and the one a window counts from. */
+typedef struct pkv_attn_tree_req {
+    pkv_seq seq;
+    uint32_t q_start;      /* the first node's position; q_start + n_nodes <= length */
+    uint32_t n_nodes;      /* at most PKV_TREE_MAX_NODES; 0: an empty request */
+    const int32_t *parent; /* [n_nodes]: parent[i] in [-1, i), -1 for a root (several allowed) */
+} pkv_attn_tree_req;
+enum { PKV_TREE_MAX_NODES = 1024 };
+
+/* Tree attention (SpecInfer / Medusa / EAGLE verification): node i's query sees the positions
+ * before q_start (the prefix, reused blocks included) and the nodes on its path to its root,
+ * itself included: not its siblings, cousins or other branches. With a window, a key is seen
+ * where the node's position (q_start + depth) minus the key's (its position in the prefix, or
+ * q_start + depth for a node) is under window. q, out: the requests' nodes' queries
+ * concatenated, [sum n_nodes][n_q_heads][head_dim] (out may be q); p as for pkv_attn_prefill:
+ * scale, softcap, window, lse and sinks mean the same, per node. The prefix is read by the
+ * prefill kernels, all of a request's nodes at once (in runs of 4096 / n_q_heads nodes: a
+ * request of more reads its prefix once a run; with a window, a run a node), the paths on the
+ * calling thread; the two parts are merged by log-sum-exp. A chain (parent[i] = i - 1) gives what
+ * pkv_attn_prefill gives over the same positions, up to float rounding. Bad input (a parent
+ * outside [-1, i), n_nodes past PKV_TREE_MAX_NODES or the sequence, a NULL parent with nodes, and
+ * every refusal of pkv_attn_prefill) is PKV_EINVAL (PKV_ENOENT: an unknown sequence) with nothing
+ * written. Accepting a path afterwards: pkv_seq_truncate to drop the tree, or pkv_seq_keep. */
+PKV_NODISCARD PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req *reqs, uint32_t n_reqs,
+                                        const float *q, float *out, const pkv_attn_params *p);
+
 /* Merges two partial attention results of the same queries over disjoint key sets into the
  * result over their union (cascade attention: a shared prefix attended once, each sequence's
  * suffix apart; split attention across devices or caches). out_a, out_b, out:

@@ -583,6 +583,197 @@ static void test_api_sinks(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* The reference of pkv_attn_tree for node i of a tree at [q_start, ..) of s: nqh query heads (GQA
+ * over H), keys the prefix positions and the node's path, window counted from q_start + depth. */
+static void ref_tree(const host_seq *s, uint32_t l, const float *q, uint32_t nqh, uint32_t q_start,
+                     const int32_t *parent, uint32_t i, const pkv_attn_params *p, double *out, double *lse) {
+    const double scale = p->scale > 0 ? p->scale : 1.0 / sqrt((double)D);
+    uint32_t depth[MAXTOK], keys[MAXTOK], n = 0;
+    for (uint32_t j = 0; j <= i; j++) depth[j] = parent[j] < 0 ? 0 : depth[parent[j]] + 1;
+    const uint32_t pos = q_start + depth[i];
+    for (uint32_t t = 0; t < q_start; t++)
+        if (!p->window || pos - t < p->window) keys[n++] = t;
+    for (int32_t j = (int32_t)i; j >= 0; j = parent[j])
+        if (!p->window || depth[i] - depth[j] < p->window) keys[n++] = q_start + (uint32_t)j;
+    for (uint32_t hq = 0; hq < nqh; hq++) {
+        const uint32_t h = hq / (nqh / H);
+        double w[MAXTOK], mx = p->sinks ? p->sinks[hq] : -INFINITY, sum = 0;
+        for (uint32_t k = 0; k < n; k++) {
+            double dot = 0;
+            for (uint32_t d = 0; d < D; d++) dot += (double)q[(size_t)hq * D + d] * s->k[l][keys[k]][h][d];
+            double x = dot * scale;
+            if (p->softcap > 0) x = p->softcap * tanh(x / p->softcap);
+            w[k] = x;
+            mx = fmax(mx, x);
+        }
+        if (p->sinks) sum = exp(p->sinks[hq] - mx);
+        for (uint32_t k = 0; k < n; k++) sum += (w[k] = exp(w[k] - mx));
+        for (uint32_t d = 0; d < D; d++) {
+            double o = 0;
+            for (uint32_t k = 0; k < n; k++) o += w[k] * s->v[l][keys[k]][h][d];
+            out[(size_t)hq * D + d] = o / sum;
+        }
+        if (lse) lse[hq] = mx + log(sum);
+    }
+}
+
+/* Checks a tree call's n nodes (queries q, out, lse at the request's rows) against ref_tree. */
+static void check_tree(const host_seq *s, uint32_t l, const float *q, const float *out, const float *lse,
+                       uint32_t nqh, uint32_t q_start, const int32_t *parent, uint32_t n, const pkv_attn_params *p,
+                       double tol) {
+    double *ro = malloc(sizeof(double) * nqh * D), *rl = malloc(sizeof(double) * nqh);
+    const double vm = vmax_of(s, l);
+    for (uint32_t i = 0; i < n; i++) {
+        ref_tree(s, l, q + (size_t)i * nqh * D, nqh, q_start, parent, i, p, ro, rl);
+        for (uint32_t j = 0; j < nqh * D; j++) {
+            const double e = fabs(out[(size_t)i * nqh * D + j] - ro[j]);
+            if (!(e <= tol * vm))
+                fail_msg("node %u of %u (q_start %u) row %u: %.9g, reference %.9g", i, n, q_start, j,
+                         (double)out[(size_t)i * nqh * D + j], ro[j]);
+        }
+        if (lse)
+            for (uint32_t h = 0; h < nqh; h++)
+                if (!(fabs(lse[(size_t)i * nqh + h] - rl[h]) <= 1e-5 * fmax(1.0, fabs(rl[h]))))
+                    fail_msg("node %u head %u lse %.9g, reference %.9g", i, h, (double)lse[(size_t)i * nqh + h], rl[h]);
+    }
+    free(ro), free(rl);
+}
+
+/* A random tree of n nodes: mostly chains with branches, a root now and then. */
+static void rand_tree(int32_t *parent, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) {
+        const float u = 0.5f * (rnd() + 1.0f); /* [0, 1) */
+        parent[i] = i == 0 || u < 0.1f ? -1 : u < 0.6f ? (int32_t)i - 1 : (int32_t)((uint32_t)(u * 977.0f) % i);
+    }
+}
+
+/* pkv_attn_tree against the reference: every float dtype, 1 and 2 threads, prefixes of 0 to 150
+ * tokens (a block boundary inside the tree), trees of 1 to 60 nodes, two requests and an empty
+ * one in a call, with window (shorter and longer than the paths), soft-cap, sinks and lse; a
+ * chain gives what prefill gives. */
+static void test_api_tree(void **state) {
+    (void)state;
+    static host_seq s[2];
+    static const uint32_t prefixes[] = {0, 1, 37, 150}, sizes[] = {1, 7, 60};
+    for (size_t ti = 0; ti < 3; ti++)
+        for (uint32_t nt = 1; nt <= 2; nt++) {
+            const pkv_dtype dt = k_types[ti];
+            for (size_t pi = 0; pi < 4; pi++) {
+                pkv_cache *c = make_cache(dt, nt, 0);
+                int32_t par[2][64];
+                uint32_t n[2], q0[2];
+                for (int i = 0; i < 2; i++) {
+                    memset(&s[i], 0, sizeof s[i]);
+                    assert_int_equal(pkv_seq_create(c, NULL, 0, &s[i].id), PKV_OK);
+                    q0[i] = prefixes[(pi + (uint32_t)i) % 4];
+                    n[i] = sizes[(pi + ti + (uint32_t)i) % 3];
+                    if (q0[i]) append_write(c, dt, &s[i], q0[i], 100 * i);
+                    append_write(c, dt, &s[i], n[i] + 3, 7000 + 100 * i); /* the nodes, then 3 more */
+                    rand_tree(par[i], n[i]);
+                }
+                const pkv_attn_tree_req reqs[3] = {{s[0].id, q0[0], n[0], par[0]}, {s[1].id, 0, 0, NULL},
+                                                   {s[1].id, q0[1], n[1], par[1]}};
+                const uint32_t rows = n[0] + n[1];
+                float *q = rand_q(rows), *out = malloc(sizeof(float) * rows * NQH * D), lse[128 * NQH], sinks[NQH];
+                for (uint32_t h = 0; h < NQH; h++) sinks[h] = 2.0f * rnd() + 1.0f;
+                for (int variant = 0; variant < 5; variant++) {
+                    pkv_attn_params p = pkv_attn_params_default();
+                    p.n_q_heads = NQH;
+                    if (variant != 1) p.lse = lse;
+                    if (variant == 2) p.window = 5;
+                    if (variant == 3) p.window = 60, p.softcap = 6.0f, p.scale = 0.3f;
+                    if (variant == 4) p.sinks = sinks, p.window = 40;
+                    assert_int_equal(pkv_attn_tree(c, 1, reqs, 3, q, out, &p), PKV_OK);
+                    check_tree(&s[0], 1, q, out, p.lse, NQH, q0[0], par[0], n[0], &p, TOL);
+                    check_tree(&s[1], 1, q + (size_t)n[0] * NQH * D, out + (size_t)n[0] * NQH * D,
+                               p.lse ? lse + n[0] * NQH : NULL, NQH, q0[1], par[1], n[1], &p, TOL);
+                }
+                /* a chain is what prefill computes over the same positions */
+                int32_t chain[64];
+                for (uint32_t i = 0; i < n[0]; i++) chain[i] = (int32_t)i - 1;
+                const pkv_attn_tree_req cr = {s[0].id, q0[0], n[0], chain};
+                const pkv_attn_req pr = {s[0].id, q0[0], n[0]};
+                pkv_attn_params pc = pkv_attn_params_default();
+                pc.n_q_heads = NQH;
+                float *o2 = malloc(sizeof(float) * rows * NQH * D);
+                assert_int_equal(pkv_attn_tree(c, 0, &cr, 1, q, out, &pc), PKV_OK);
+                assert_int_equal(pkv_attn_prefill(c, 0, &pr, 1, q, o2, &pc), PKV_OK);
+                const double vm = vmax_of(&s[0], 0);
+                for (size_t j = 0; j < (size_t)n[0] * NQH * D; j++) assert_true(fabs(out[j] - o2[j]) <= TOL * vm);
+                free(o2);
+                pkv_cache_destroy(c);
+                free(q), free(out);
+            }
+        }
+}
+
+/* pkv_attn_tree's runs and refusals: with 1024 query heads a kv head a run holds 2 nodes (4096
+ * log-sum-exps), so a tree of 7 takes 4 runs, which give the reference; every refusal writes
+ * nothing. */
+static void test_api_tree_refusals_runs(void **state) {
+    (void)state;
+    static host_seq s;
+    pkv_cache *c = make_cache(PKV_DTYPE_F16, 2, 0);
+    memset(&s, 0, sizeof s);
+    assert_int_equal(pkv_seq_create(c, NULL, 0, &s.id), PKV_OK);
+    append_write(c, PKV_DTYPE_F16, &s, 40, 0);
+    const int32_t par[7] = {-1, 0, 0, 1, -1, 4, 2};
+    enum { BIG = 2048 }; /* 1024 x H query heads */
+    float *q = malloc(sizeof(float) * 7 * BIG * D), *out = malloc(sizeof(float) * 7 * BIG * D);
+    float *lse = malloc(sizeof(float) * 7 * BIG);
+    for (size_t i = 0; i < (size_t)7 * BIG * D; i++) q[i] = rnd();
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = BIG, p.lse = lse;
+    pkv_attn_tree_req r = {s.id, 33, 7, par};
+    assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, out, &p), PKV_OK);
+    check_tree(&s, 0, q, out, lse, BIG, 33, par, 7, &p, TOL);
+    p.window = 3;
+    assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, out, &p), PKV_OK);
+    check_tree(&s, 0, q, out, lse, BIG, 33, par, 7, &p, TOL);
+    /* refusals */
+    p = pkv_attn_params_default();
+    p.n_q_heads = NQH;
+    memset(out, 0x5a, sizeof(float) * 7 * NQH * D);
+    float *before = malloc(sizeof(float) * 7 * NQH * D);
+    memcpy(before, out, sizeof(float) * 7 * NQH * D);
+    int32_t bad[7];
+    memcpy(bad, par, sizeof bad);
+    bad[3] = 3; /* itself */
+    r.parent = bad;
+    assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, out, &p), PKV_EINVAL);
+    bad[3] = 5; /* a later node */
+    assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, out, &p), PKV_EINVAL);
+    bad[3] = -2;
+    assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, out, &p), PKV_EINVAL);
+    r.parent = NULL;
+    assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, out, &p), PKV_EINVAL);
+    r.parent = par, r.q_start = 34; /* past the length */
+    assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, out, &p), PKV_EINVAL);
+    r.q_start = 33, r.n_nodes = PKV_TREE_MAX_NODES + 1;
+    assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, out, &p), PKV_EINVAL);
+    r.n_nodes = 7;
+    assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, q, &p), PKV_EINVAL);   /* out may not be q */
+    assert_int_equal(pkv_attn_tree(c, 2, &r, 1, q, out, &p), PKV_EINVAL); /* layer */
+    assert_int_equal(pkv_attn_tree(c, 0, NULL, 1, q, out, &p), PKV_EINVAL);
+    assert_int_equal(pkv_attn_tree(c, 0, &r, 1, NULL, out, &p), PKV_EINVAL);
+    const float nan_sinks[NQH] = {0, 0, 0, NAN, 0, 0, 0, 0};
+    p.sinks = nan_sinks;
+    assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, out, &p), PKV_EINVAL);
+    p.sinks = NULL;
+    const float keep = q[5];
+    q[5] = INFINITY;
+    assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, out, &p), PKV_EINVAL);
+    q[5] = keep;
+    pkv_attn_tree_req two[2] = {r, r};
+    assert_int_equal(pkv_seq_release(c, s.id), PKV_OK); /* stale */
+    assert_int_equal(pkv_attn_tree(c, 0, two, 2, q, out, &p), PKV_ENOENT);
+    assert_memory_equal(before, out, sizeof(float) * 7 * NQH * D);
+    assert_int_equal(pkv_attn_tree(c, 0, two, 0, q, out, &p), PKV_OK); /* nothing to do */
+    assert_int_equal(pkv_attn_tree(NULL, 0, two, 0, q, out, &p), PKV_EINVAL);
+    free(before), free(q), free(out), free(lse);
+    pkv_cache_destroy(c);
+}
+
 /* out may be q (in place): every query's output overwrites only its own query, read before.
  * Decode (a repeated sequence, a batch past max_seqs run in groups) and ragged prefill, table and
  * pool order, 1 and 2 threads, with LSE: the same bits as into a buffer of their own. */
@@ -1117,6 +1308,8 @@ int main(void) {
         cmocka_unit_test(test_api_merge_cascade),
         cmocka_unit_test(test_api_merge_values),
         cmocka_unit_test(test_api_sinks),
+        cmocka_unit_test(test_api_tree),
+        cmocka_unit_test(test_api_tree_refusals_runs),
         cmocka_unit_test(test_api_in_place),
         cmocka_unit_test(test_api_backend_env),
         cmocka_unit_test(test_api_value_max),

@@ -517,6 +517,16 @@ static void decode_unit(const pkv__attn *at, uint32_t u, unit *w) {
     }
 }
 
+/* The last key a query at pos of item it sees (the item's k_end hides the keys from it on). */
+static inline uint32_t item_key_hi(const pkv__attn_item *it, uint32_t pos) {
+    return it->k_end && it->k_end - 1 < pos ? it->k_end - 1 : pos;
+}
+
+/* Items of one query the pool-order sweep may take (its decodes). */
+static inline bool sweepable(const pkv__attn_item *it) {
+    return it->n_q == 1 && !it->k_end;
+}
+
 static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
     return (window && pos + 1 > window) ? pos + 1 - window : 0;
 }
@@ -1102,7 +1112,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     /* keys this tile sees: [k_lo, k_hi]; split ks takes an even share of its blocks */
     const uint32_t pos_first = it->q_pos0 + w.qa, pos_last = pos_first + w.nq - 1;
-    const uint32_t k_lo = key_lo(pos_first, call->window), k_hi = pos_last;
+    const uint32_t k_lo = key_lo(pos_first, call->window), k_hi = item_key_hi(it, pos_last);
     const uint32_t bl = k_lo / B, nb = k_hi / B - bl + 1;
     const uint32_t b0 = bl + (uint32_t)((uint64_t)nb * w.ks / pi->n_ks);
     const uint32_t b1 = bl + (uint32_t)((uint64_t)nb * (w.ks + 1) / pi->n_ks);
@@ -1195,7 +1205,7 @@ static void plan_shape(const pkv__attn *at, const pkv__attn_item *it, plan_item 
 
 /* Blocks the item's last query sees: its share of the work when choosing key splits. */
 static uint32_t item_blocks(const pkv__attn *at, const pkv__attn_item *it) {
-    const uint32_t B = at->kv->block_tokens, last = it->q_pos0 + it->n_q - 1;
+    const uint32_t B = at->kv->block_tokens, last = item_key_hi(it, it->q_pos0 + it->n_q - 1);
     const uint32_t lo = key_lo(it->q_pos0 + it->n_q - 1, at->call->window) / B;
     return last / B - PKV_MIN(lo, last / B) + 1;
 }
@@ -1206,7 +1216,7 @@ static uint32_t make_plan(pkv__attn *at, bool skip_swept) {
     uint64_t base_total = 0, work_total = 0, head_blocks = 0;
     for (uint32_t i = 0; i < at->n_items; i++) {
         plan_item *pi = &at->plan[i];
-        if (at->items[i].n_q == 0 || (skip_swept && at->items[i].n_q == 1)) { /* no units */
+        if (at->items[i].n_q == 0 || (skip_swept && sweepable(&at->items[i]))) { /* no units */
             memset(pi, 0, sizeof *pi);
             pi->n_ks = 1;
             continue;
@@ -1314,7 +1324,7 @@ static size_t sweep_entry_bytes(const pkv__attn *at) {
 static void sweep_collect(pkv__attn *at, uint32_t most) {
     uint32_t n = 0;
     for (uint32_t i = 0; i < at->n_items; i++)
-        if (at->items[i].n_q == 1) at->sweep_idx[n++] = i;
+        if (sweepable(&at->items[i])) at->sweep_idx[n++] = i;
     at->sweep_total = n;
     const size_t budget = PKV_MIN(at->l2_bytes / 8 * SWEEP_STATE_L2_EIGHTHS, SWEEP_STATE_BYTES_MAX);
     const size_t per_chunk = budget / sweep_entry_bytes(at);
@@ -1671,12 +1681,13 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         const uint64_t nbt = (end + kv->block_tokens - 1) / kv->block_tokens;
         if (nbt > at->lim.max_blocks_per_seq && at->lim.max_blocks_per_seq) return PKV_EINVAL;
         if (end > UINT32_MAX) return PKV_EINVAL;
+        if (it->k_end && key_lo(it->q_pos0, call->window) >= it->k_end) return PKV_EINVAL; /* no key at all */
         /* only the blocks a query can see are read; each must name a block of the pool */
         const uint32_t lo = key_lo(it->q_pos0, call->window) / kv->block_tokens;
-        if (it->n_q == 1) most = PKV_MAX(most, (uint32_t)(nbt - lo));
+        if (sweepable(it)) most = PKV_MAX(most, (uint32_t)(nbt - lo));
         for (uint64_t b = lo; b < nbt; b++) {
             if (it->block_table[b] < 0 || (uint32_t)it->block_table[b] >= kv->n_blocks) return PKV_EINVAL;
-            runs += it->n_q == 1 && (b == lo || it->block_table[b] != it->block_table[b - 1] + 1);
+            runs += sweepable(it) && (b == lo || it->block_table[b] != it->block_table[b - 1] + 1);
         }
     }
 

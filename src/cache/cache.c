@@ -231,6 +231,17 @@ static uint32_t pow2_at_least(uint64_t n) {
 /* Every allocation create makes, in order, with its size in bytes as a uint64_t (every factor
  * is bounded by the config's checks, so no product overflows 64 bits; create refuses one past
  * size_t, which on a 32-bit machine several can be); destroy frees the same list. */
+/* pkv_attn_tree's scratch, in this order: a node's path scores and p.V sum (double), the prefix
+ * part's log-sum-exps of a run (tree_lse_cap floats), a K and a V row widened to f32, the
+ * request's node depths and a node's path. */
+static uint32_t tree_lse_cap(const pkv_cache *c) {
+    return PKV_MAX(4096u, 1024u * c->n_kv); /* a node's rows at the most query heads a call takes */
+}
+static uint64_t tree_bytes(const pkv_cache *c) {
+    return sizeof(double) * ((uint64_t)PKV_TREE_MAX_NODES + c->head_dim) +
+           sizeof(float) * ((uint64_t)tree_lse_cap(c) + 2u * c->head_dim) + sizeof(uint32_t) * 2u * PKV_TREE_MAX_NODES;
+}
+
 #define CACHE_ALLOCS(X)                                                                               \
     X(blk, (uint64_t)sizeof(pkv__blk) * c->n_blocks)                                                   \
     X(tokens, (uint64_t)sizeof(int32_t) * c->n_blocks * c->B)                                          \
@@ -243,6 +254,7 @@ static uint32_t pow2_at_least(uint64_t n) {
     X(chk_ref, (uint64_t)sizeof(uint32_t) * c->n_blocks)                                               \
     X(chk_pos, (uint64_t)sizeof(uint32_t) * c->n_blocks)                                               \
     X(items, (uint64_t)sizeof(pkv__attn_item) * c->max_seqs)                                           \
+    X(tree, tree_bytes(c))                                                                             \
     X(ev, (uint64_t)sizeof(pkv_event) * c->ev_cap)                                                     \
     X(ev_tok, (uint64_t)sizeof(int32_t) * c->ev_cap * c->B)
 
@@ -1619,6 +1631,36 @@ static int check_overlap(const float *q, const float *out, const float *lse, uin
     return PKV_OK;
 }
 
+/* The checks of an attention call's buffers, n_rows queries of call->n_q_heads x head_dim: their
+ * size within size_t, the overlaps of q, out, lse and sinks (out may be q where in_place), and
+ * every query element finite with |q| x scale within PKV_VALUE_MAX. */
+static int check_buffers(pkv_cache *c, const char *api, const float *q, const float *out, const float *lse,
+                         const pkv__attn_call *call, uint64_t n_rows, bool in_place) {
+    const size_t qrow = (size_t)call->n_q_heads * c->head_dim;
+    size_t q_bytes = 0;
+    if (!pkv__f32_rows_bytes(n_rows, qrow, &q_bytes))
+        return pkv__say(c, PKV_EINVAL, api, "%llu queries x %zu floats are past size_t", (unsigned long long)n_rows,
+                        qrow);
+    if (check_overlap(q, out, lse, n_rows, q_bytes, call->n_q_heads) || (!in_place && q == out))
+        return pkv__say(c, PKV_EINVAL, api, "q, out and lse overlap (%s)",
+                        in_place ? "out may be q itself, nothing else" : "out may not be q here");
+    if (call->sinks) {
+        const size_t ns = (size_t)call->n_q_heads * sizeof(float), nl = (size_t)n_rows * ns;
+        if (pkv__overlap(call->sinks, ns, out, q_bytes) || (lse && pkv__overlap(call->sinks, ns, lse, nl)))
+            return pkv__say(c, PKV_EINVAL, api, "sinks overlap out or lse");
+    }
+    /* a query that is not finite, or so large that q.k overflows (or q x scale, which the kernels
+       form first), would give each backend and order its own garbage (a NaN or infinite logit is
+       dropped by one max and kept by another): refused instead. With |K| <= PKV_VALUE_MAX too, a
+       score is at most head_dim x 2^112 (pkv.h). */
+    const uint32_t bits = pkv__max_abs_bits(PKV_DTYPE_F32, q, (size_t)n_rows * qrow);
+    float qmax;
+    memcpy(&qmax, &bits, sizeof qmax);
+    if (!((double)qmax * call->scale <= PKV_VALUE_MAX)) /* NaN bits: not <= */
+        return pkv__say(c, PKV_EINVAL, api, "a query element is not finite, or |q| x scale is past PKV_VALUE_MAX");
+    return PKV_OK;
+}
+
 /* Shared body of decode and prefill: reqs == NULL means decode (one query at length - 1). */
 static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const pkv_attn_req *reqs, uint32_t n,
                        const float *q, float *out, const pkv_attn_params *p) {
@@ -1649,27 +1691,7 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         n_rows += reqs ? reqs[i].n_q : 1;
     }
     UNLOCK(c);
-    size_t q_bytes = 0;
-    if (!rc && !pkv__f32_rows_bytes(n_rows, qrow, &q_bytes))
-        rc = pkv__say(c, PKV_EINVAL, api, "%llu queries x %zu floats are past size_t", (unsigned long long)n_rows, qrow);
-    if (!rc && check_overlap(q, out, lse, n_rows, q_bytes, call.n_q_heads))
-        rc = pkv__say(c, PKV_EINVAL, api, "q, out and lse overlap (out may be q itself, nothing else)");
-    if (!rc && call.sinks) {
-        const size_t ns = (size_t)call.n_q_heads * sizeof(float), nl = (size_t)n_rows * ns;
-        if (pkv__overlap(call.sinks, ns, out, q_bytes) || (lse && pkv__overlap(call.sinks, ns, lse, nl)))
-            rc = pkv__say(c, PKV_EINVAL, api, "sinks overlap out or lse");
-    }
-    /* a query that is not finite, or so large that q.k overflows (or q x scale, which the kernels
-       form first), would give each backend and order its own garbage (a NaN or infinite logit is
-       dropped by one max and kept by another): refused instead. With |K| <= PKV_VALUE_MAX too, a
-       score is at most head_dim x 2^112 (pkv.h). */
-    if (!rc) {
-        const uint32_t bits = pkv__max_abs_bits(PKV_DTYPE_F32, q, (size_t)n_rows * qrow);
-        float qmax;
-        memcpy(&qmax, &bits, sizeof qmax);
-        if (!((double)qmax * call.scale <= PKV_VALUE_MAX)) /* NaN bits: not <= */
-            rc = pkv__say(c, PKV_EINVAL, api, "a query element is not finite, or |q| x scale is past PKV_VALUE_MAX");
-    }
+    if (!rc) rc = check_buffers(c, api, q, out, lse, &call, n_rows, true);
     size_t q_at = 0;
     pkv__attn_hold_counts(c->attn); /* the statistics count a call whose every group ran, or nothing */
     for (uint64_t i0 = 0; i0 < n && !rc; i0 += c->max_seqs) { /* 64-bit: no wrap near n = 2^32 */
@@ -1712,4 +1734,161 @@ PKV_API int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *r
                              float *out, const pkv_attn_params *p) {
     if (n_reqs && !reqs) return PKV__SAY(c, PKV_EINVAL, "reqs is NULL, n_reqs %u", n_reqs);
     return attn_common(c, layer, NULL, reqs, n_reqs, q, out, p);
+}
+
+/* ---- tree attention ---------------------------------------------------------------------------- */
+/* Node i's path (itself, its parent, ... up to its root, or to where a window ends it) into path;
+ * returns its length. depth: the request's node depths. */
+static uint32_t tree_path(const int32_t *parent, const uint32_t *depth, uint32_t i, uint32_t window, uint32_t *path) {
+    uint32_t n = 0;
+    for (int32_t j = (int32_t)i; j >= 0 && (!window || depth[i] - depth[j] < window); j = parent[j]) path[n++] = (uint32_t)j;
+    return n;
+}
+
+/* The rows of nodes [i0, i1) of request r (queries q, outputs out, lse or NULL: the request's own
+ * rows): the prefix part already in out with its log-sum-exps in la (-inf: none), the path part
+ * computed here, the two (and the sinks) merged by log-sum-exp into out and lse. */
+static void tree_paths(pkv_cache *c, const pkv__kv_view *kv, const int32_t *table, const pkv_attn_tree_req *r,
+                       uint32_t i0, uint32_t i1, const pkv__attn_call *call, const float *sinks, const float *q,
+                       float *out, float *lse, const float *la) {
+    const uint32_t D = c->head_dim, B = c->B, nqh = call->n_q_heads, G = nqh / c->n_kv;
+    double *sc = (double *)(void *)c->tree, *acc = sc + PKV_TREE_MAX_NODES;
+    float *kr = (float *)(void *)(acc + D) + tree_lse_cap(c), *vr = kr + D;
+    const uint32_t *depth = (const uint32_t *)(void *)(vr + D);
+    uint32_t *path = (uint32_t *)(void *)(vr + D) + PKV_TREE_MAX_NODES;
+    for (uint32_t i = i0; i < i1; i++) {
+        const uint32_t np = tree_path(r->parent, depth, i, call->window, path);
+        for (uint32_t h = 0; h < nqh; h++) {
+            const size_t row = (size_t)i * nqh + h;
+            const float *qr = q + row * D;
+            double mb = -INFINITY;
+            for (uint32_t k = 0; k < np; k++) {
+                const uint32_t pos = r->q_start + path[k];
+                const size_t at = (size_t)table[pos / B] * kv->k_block_bytes +
+                                  ((size_t)(h / G) * B + pos % B) * kv->k_row_bytes;
+                pkv__row_decode(kv->k_dtype, kv->k + at, D, kr);
+                double x = 0.0;
+                for (uint32_t d = 0; d < D; d++) x += (double)qr[d] * kr[d];
+                x *= call->scale;
+                if (call->softcap > 0.0f) x = call->softcap * tanh(x / call->softcap);
+                sc[k] = x;
+                mb = x > mb ? x : mb;
+            }
+            double lb = 0.0;
+            for (uint32_t d = 0; d < D; d++) acc[d] = 0.0;
+            for (uint32_t k = 0; k < np; k++) {
+                const uint32_t pos = r->q_start + path[k];
+                const size_t at = (size_t)table[pos / B] * kv->v_block_bytes +
+                                  ((size_t)(h / G) * B + pos % B) * kv->v_row_bytes;
+                pkv__row_decode(kv->v_dtype, kv->v + at, D, vr);
+                const double w = exp(sc[k] - mb);
+                lb += w;
+                for (uint32_t d = 0; d < D; d++) acc[d] += w * vr[d];
+            }
+            /* the parts' weights against the largest of their log-sum-exps (the path part has its
+               node itself, so lb >= 1 and its log-sum-exp is finite) */
+            const double a = la[(size_t)(i - i0) * nqh + h], b = mb + log(lb), s = sinks ? sinks[h] : -INFINITY;
+            const double m = PKV_MAX(PKV_MAX(a, b), s);
+            const double wa = a == -INFINITY ? 0.0 : exp(a - m), wb = exp(b - m), ws = sinks ? exp(s - m) : 0.0;
+            const double tot = wa + wb + ws, fb = wb / (lb * tot);
+            float *o = out + row * D;
+            if (wa > 0.0)
+                for (uint32_t d = 0; d < D; d++) o[d] = (float)(wa / tot * o[d] + fb * acc[d]);
+            else
+                for (uint32_t d = 0; d < D; d++) o[d] = (float)(fb * acc[d]);
+            if (lse) lse[row] = (float)(m + log(tot));
+        }
+    }
+}
+
+PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req *reqs, uint32_t n_reqs, const float *q,
+                          float *out, const pkv_attn_params *p) {
+    static const char api[] = "pkv_attn_tree";
+    if (!c) return PKV_EINVAL;
+    if (n_reqs && !reqs) return pkv__say(c, PKV_EINVAL, api, "reqs is NULL, n_reqs %u", n_reqs);
+    if (n_reqs && (!q || !out)) return pkv__say(c, PKV_EINVAL, api, "%s is NULL, %u requests", !q ? "q" : "out", n_reqs);
+    pkv__attn_call call;
+    int rc = resolve_call(c, layer, p, &call, api);
+    if (rc || n_reqs == 0) return rc;
+    float *lse = p ? p->lse : NULL;
+    const uint32_t nqh = call.n_q_heads;
+    const size_t qrow = (size_t)nqh * c->head_dim;
+    const pkv__kv_view view = layer_view(c, layer);
+
+    pthread_mutex_lock(&c->attn_mu);
+    uint64_t n_rows = 0;
+    LOCK(c);
+    for (uint32_t i = 0; i < n_reqs && !rc; i++) {
+        const pkv_attn_tree_req *r = &reqs[i];
+        pkv__seq *s;
+        rc = pkv__get_seq(c, r->seq, &s, api);
+        if (rc) break;
+        if (r->n_nodes > PKV_TREE_MAX_NODES)
+            rc = pkv__say(c, PKV_EINVAL, api, "request %u: %u nodes, past PKV_TREE_MAX_NODES", i, r->n_nodes);
+        else if ((uint64_t)r->q_start + r->n_nodes > s->n_tokens)
+            rc = pkv__say(c, PKV_EINVAL, api, "request %u: nodes at [%u, %llu), past the sequence's length %u", i,
+                          r->q_start, (unsigned long long)r->q_start + r->n_nodes, s->n_tokens);
+        else if (r->n_nodes && !r->parent)
+            rc = pkv__say(c, PKV_EINVAL, api, "request %u: parent is NULL, %u nodes", i, r->n_nodes);
+        for (uint32_t j = 0; !rc && j < r->n_nodes; j++)
+            if (r->parent[j] < -1 || r->parent[j] >= (int32_t)j)
+                rc = pkv__say(c, PKV_EINVAL, api, "request %u: node %u's parent %d is not in [-1, %u)", i, j,
+                              r->parent[j], j);
+        n_rows += r->n_nodes;
+    }
+    UNLOCK(c);
+    if (!rc) rc = check_buffers(c, api, q, out, lse, &call, n_rows, false);
+    const float *sinks = call.sinks;
+    call.sinks = NULL; /* counted once a row, in the merge of the two parts (tree_paths) */
+    double *sc = (double *)(void *)c->tree;
+    float *la = (float *)(void *)(sc + PKV_TREE_MAX_NODES + c->head_dim);
+    uint32_t *depth = (uint32_t *)(void *)(la + tree_lse_cap(c) + 2u * c->head_dim);
+    const uint32_t run_nodes = tree_lse_cap(c) / nqh; /* >= 4: nqh <= 1024 x n_kv */
+    pkv__attn_hold_counts(c->attn); /* not counted in attn_reqs_*: those are decode's and prefill's */
+    size_t row0 = 0;
+    for (uint32_t ri = 0; ri < n_reqs && !rc; row0 += reqs[ri].n_nodes, ri++) {
+        const pkv_attn_tree_req *r = &reqs[ri];
+        for (uint32_t j = 0; j < r->n_nodes; j++) depth[j] = r->parent[j] < 0 ? 0 : depth[r->parent[j]] + 1;
+        for (uint32_t i0 = 0; i0 < r->n_nodes && !rc;) {
+            /* the prefix part of nodes [i0, i1): one item for all of them, or with a window an item
+               a node (its own window; none where it ends before the prefix), their log-sum-exps in
+               la (-inf: no prefix part) */
+            uint32_t i1 = PKV_MIN(r->n_nodes, i0 + run_nodes), k = 0;
+            LOCK(c);
+            pkv__seq *s = pkv__seq_get(c, r->seq);
+            const int32_t *table = s ? s->table : NULL;
+            UNLOCK(c);
+            if (!s) { /* released by another thread since the check: a misuse (design.md), not a crash */
+                rc = pkv__say(c, PKV_ENOENT, api, "a sequence was released during the call");
+                break;
+            }
+            if (r->q_start && !call.window)
+                c->items[k++] = (pkv__attn_item){.block_table = table, .q_pos0 = r->q_start + i0, .n_q = i1 - i0,
+                                                 .k_end = r->q_start, .q = q + (row0 + i0) * qrow,
+                                                 .out = out + (row0 + i0) * qrow, .lse = la};
+            else if (r->q_start) {
+                i1 = PKV_MIN(i1, i0 + c->max_seqs); /* an item a node */
+                for (uint32_t i = i0; i < i1; i++)
+                    if (depth[i] + 1 < call.window) /* the window reaches back into the prefix */
+                        c->items[k++] = (pkv__attn_item){.block_table = table, .q_pos0 = r->q_start + depth[i], .n_q = 1,
+                                                         .k_end = r->q_start, .q = q + (row0 + i) * qrow,
+                                                         .out = out + (row0 + i) * qrow,
+                                                         .lse = la + (size_t)(i - i0) * nqh};
+            }
+            for (size_t x = 0; x < (size_t)(i1 - i0) * nqh; x++) la[x] = -INFINITY; /* the items write theirs */
+            if (k && (rc = pkv__attn_run(c->attn, &view, c->items, k, &call)) != 0) {
+                pkv__say(c, rc, api, "%s",
+                         c->cfg.executor.parallel_for
+                             ? "the executor broke its contract: a worker index out of range or in use, or tasks left"
+                             : "the kernels refused the call");
+                break;
+            }
+            tree_paths(c, &view, table, r, i0, i1, &call, sinks, q + row0 * qrow, out + row0 * qrow,
+                       lse ? lse + row0 * nqh : NULL, la);
+            i0 = i1;
+        }
+    }
+    pkv__attn_release_counts(c->attn, false);
+    pthread_mutex_unlock(&c->attn_mu);
+    return rc;
 }

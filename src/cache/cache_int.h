@@ -69,6 +69,7 @@ struct pkv_cache {
 
     pkv__attn *attn;
     pkv__attn_item *items; /* [max_seqs] */
+    uint8_t *tree;         /* pkv_attn_tree's scratch (cache.c: tree_bytes), under attn_mu */
     /* the attention context allocates through this counting shim, so meta_bytes includes it */
     pkv_allocator attn_alloc;
     uint64_t attn_bytes;
