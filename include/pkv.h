@@ -354,6 +354,17 @@ PKV_NODISCARD PKV_API int pkv_seq_fork(pkv_cache *c, pkv_seq parent, pkv_seq *ch
  * The committed count becomes min(committed, n). Shared blocks are only dereferenced. */
 PKV_NODISCARD PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
 
+/* Keeps the positions start + idx[0] < start + idx[1] < ... < start + idx[n - 1] of s's
+ * uncommitted tail and drops the rest of the tail: position start + idx[k] moves to start + k
+ * (its token id and every layer's K and V, as the pool holds them), and the length becomes
+ * start + n. After a tree verification (pkv_attn_tree over nodes at [start, ...)) this keeps the
+ * accepted path, whose node indices ascend from root to leaf; then commit what is kept. idx
+ * strictly ascending, start + idx[n - 1] < length, start at or past the committed count, and each
+ * position moved into one pkv_seq_write_kv could write (a block s holds alone, outside the prefix
+ * index, not committed): else PKV_EINVAL (PKV_ENOENT: an unknown sequence) and nothing changes.
+ * n 0 truncates to start. Threads: as pkv_seq_truncate (it changes s). */
+PKV_NODISCARD PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq s, uint32_t start, const uint32_t *idx, uint32_t n);
+
 /* Compaction: moves blocks of s into free room (FREE blocks; with PKV_COMPACT_EVICT also CACHED
  * ones eviction could take) so that its block table holds longer runs of consecutive ids.
  * Decode reads a batch's blocks in ascending id (docs/design.md, "Attention"), and each block of

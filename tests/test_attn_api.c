@@ -774,6 +774,105 @@ static void test_api_tree_refusals_runs(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* The check of every invariant, as a test assertion. */
+static void cache_ok(pkv_cache *c) {
+    char msg[256];
+    if (pkv_cache_check(c, msg, sizeof msg) != PKV_OK) fail_msg("pkv_cache_check: %s", msg);
+}
+
+/* Speculative decoding end to end: a prefix, a tree of drafts verified by pkv_attn_tree, the
+ * accepted path kept by pkv_seq_keep (K/V and token ids moved down, the rest dropped), then
+ * committed. After it the sequence reads as one written with the path directly: gather, decode
+ * against the reference, and the prefix index matching the path's tokens. Refusals first, each
+ * changing nothing. */
+static void test_api_tree_keep(void **state) {
+    (void)state;
+    static host_seq s, h2;
+    for (size_t ti = 0; ti < 2; ti++) {
+        const pkv_dtype dt = k_types[ti + 1];
+        pkv_cache *c = make_cache(dt, 2, 1);
+        memset(&s, 0, sizeof s);
+        assert_int_equal(pkv_seq_create(c, NULL, 0, &s.id), PKV_OK);
+        append_write(c, dt, &s, 30, 0);
+        assert_int_equal(pkv_seq_commit(c, s.id, 30), PKV_OK);
+        append_write(c, dt, &s, 12, 5000); /* the tree: positions 30 .. 41, tokens 5030 .. 5041 */
+        static const int32_t par[12] = {-1, 0, 0, 1, 2, 3, 3, 5, 4, -1, 7, 9};
+        const pkv_attn_tree_req r = {s.id, 30, 12, par};
+        pkv_attn_params p = pkv_attn_params_default();
+        p.n_q_heads = NQH;
+        float *q = rand_q(12), *out = malloc(sizeof(float) * 12 * NQH * D);
+        assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, out, &p), PKV_OK);
+        check_tree(&s, 0, q, out, NULL, NQH, 30, par, 12, &p, TOL);
+        /* node 10's path: 10 <- 7 <- 5 <- 3 <- 1 <- 0, ascending */
+        const uint32_t path[6] = {0, 1, 3, 5, 7, 10};
+        float *k0 = malloc(sizeof(float) * 42 * H * D), *v0 = malloc(sizeof(float) * 42 * H * D);
+        float *k1 = malloc(sizeof(float) * 42 * H * D), *v1 = malloc(sizeof(float) * 42 * H * D);
+        assert_int_equal(pkv_seq_gather(c, s.id, 1, 0, 42, k0, v0), PKV_OK);
+        const uint32_t bad_up[3] = {0, 3, 3}, bad_past[2] = {1, 12};
+        assert_int_equal(pkv_seq_keep(c, s.id, 30, bad_up, 3), PKV_EINVAL);  /* not ascending */
+        assert_int_equal(pkv_seq_keep(c, s.id, 30, bad_past, 2), PKV_EINVAL); /* past the length */
+        assert_int_equal(pkv_seq_keep(c, s.id, 29, path, 6), PKV_EINVAL);     /* a committed position */
+        assert_int_equal(pkv_seq_keep(c, s.id, 30, NULL, 6), PKV_EINVAL);
+        pkv_seq f;
+        assert_int_equal(pkv_seq_fork(c, s.id, &f), PKV_OK); /* the tree's blocks shared: read-only */
+        assert_int_equal(pkv_seq_keep(c, s.id, 30, path, 6), PKV_EINVAL);
+        assert_int_equal(pkv_seq_release(c, f), PKV_OK);
+        assert_int_equal(pkv_seq_keep(c, f, 30, path, 6), PKV_ENOENT);
+        pkv_seq_info info;
+        assert_int_equal(pkv_seq_get_info(c, s.id, &info), PKV_OK);
+        assert_int_equal(info.n_tokens, 42);
+        assert_int_equal(pkv_seq_gather(c, s.id, 1, 0, 42, k1, v1), PKV_OK);
+        assert_memory_equal(k0, k1, sizeof(float) * 42 * H * D);
+        assert_memory_equal(v0, v1, sizeof(float) * 42 * H * D);
+        cache_ok(c);
+        /* keep the path */
+        assert_int_equal(pkv_seq_keep(c, s.id, 30, path, 6), PKV_OK);
+        cache_ok(c);
+        assert_int_equal(pkv_seq_get_info(c, s.id, &info), PKV_OK);
+        assert_int_equal(info.n_tokens, 36);
+        assert_int_equal(info.n_committed, 30);
+        for (uint32_t l = 0; l < L; l++) {
+            assert_int_equal(pkv_seq_gather(c, s.id, l, 0, 36, k1, v1), PKV_OK);
+            for (uint32_t i = 0; i < 6; i++) { /* the host copy follows */
+                memcpy(s.k[l][30 + i], s.k[l][30 + path[i]], sizeof s.k[l][0]);
+                memcpy(s.v[l][30 + i], s.v[l][30 + path[i]], sizeof s.v[l][0]);
+            }
+            assert_memory_equal(k1, s.k[l], sizeof(float) * 36 * H * D);
+            assert_memory_equal(v1, s.v[l], sizeof(float) * 36 * H * D);
+        }
+        s.len = 36;
+        float *qd = rand_q(1), *od = malloc(sizeof(float) * NQH * D);
+        assert_int_equal(pkv_attn_decode(c, 1, &s.id, 1, qd, od, &p), PKV_OK);
+        check(&s, 1, qd, od, NULL, 35, 1, &p);
+        /* the kept token ids: committed, a new sequence of the same tokens reuses every full block */
+        append_write(c, dt, &s, 12, 6000); /* on to 48: three full blocks */
+        assert_int_equal(pkv_seq_commit(c, s.id, 48), PKV_OK);
+        int32_t toks[48];
+        for (uint32_t i = 0; i < 48; i++)
+            toks[i] = i < 30 ? (int32_t)i : i < 36 ? 5000 + 30 + (int32_t)path[i - 30] : 6000 + (int32_t)i;
+        memset(&h2, 0, sizeof h2);
+        assert_int_equal(pkv_seq_create(c, NULL, 0, &h2.id), PKV_OK);
+        uint32_t reused = 0;
+        assert_int_equal(pkv_seq_match_prefix(c, h2.id, toks, 48, &reused), PKV_OK);
+        assert_int_equal(reused, 47); /* all but the last token, which the engine computes */
+        toks[33] ^= 1;                 /* one kept token different: the reuse stops there */
+        pkv_seq h3;
+        assert_int_equal(pkv_seq_create(c, NULL, 0, &h3), PKV_OK);
+        assert_int_equal(pkv_seq_match_prefix(c, h3, toks, 48, &reused), PKV_OK);
+        assert_int_equal(reused, 33);
+        /* n 0 truncates to start; a start past the length is refused */
+        int32_t slots[2];
+        assert_int_equal(pkv_seq_append(c, h3, toks + 33, 2, slots), PKV_OK);
+        assert_int_equal(pkv_seq_keep(c, h3, 36, NULL, 0), PKV_EINVAL);
+        assert_int_equal(pkv_seq_keep(c, h3, 33, NULL, 0), PKV_OK);
+        assert_int_equal(pkv_seq_get_info(c, h3, &info), PKV_OK);
+        assert_int_equal(info.n_tokens, 33);
+        cache_ok(c);
+        free(q), free(out), free(qd), free(od), free(k0), free(v0), free(k1), free(v1);
+        pkv_cache_destroy(c);
+    }
+}
+
 /* out may be q (in place): every query's output overwrites only its own query, read before.
  * Decode (a repeated sequence, a batch past max_seqs run in groups) and ragged prefill, table and
  * pool order, 1 and 2 threads, with LSE: the same bits as into a buffer of their own. */
@@ -1310,6 +1409,7 @@ int main(void) {
         cmocka_unit_test(test_api_sinks),
         cmocka_unit_test(test_api_tree),
         cmocka_unit_test(test_api_tree_refusals_runs),
+        cmocka_unit_test(test_api_tree_keep),
         cmocka_unit_test(test_api_in_place),
         cmocka_unit_test(test_api_backend_env),
         cmocka_unit_test(test_api_value_max),

@@ -919,12 +919,8 @@ void pkv__seq_share(pkv_cache *c, pkv__seq *dst, const pkv__seq *src, uint32_t n
     dst->ns_hi = src->ns_hi;
 }
 
-PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq id, uint32_t n) {
-    if (!c) return PKV_EINVAL;
-    LOCK(c);
-    pkv__seq *s;
-    int rc = get_seq(c, id, &s);
-    if (rc || n >= s->n_tokens) goto out;
+/* s keeps positions [0, n) (n < its length), under the lock. */
+static void seq_cut(pkv_cache *c, pkv__seq *s, uint32_t n) {
     const uint32_t B = c->B;
     pkv__seq_drop_blocks(c, s, (n + B - 1) / B);
     c->n_tokens_total -= s->n_tokens - n;
@@ -933,7 +929,56 @@ PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq id, uint32_t n) {
     if (s->n_reused > n) s->n_reused = n; /* of the tokens it still holds */
     if (s->idx_len > n / B) s->idx_len = n / B;
     claim_tail(c, s);
-out:
+}
+
+PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq id, uint32_t n) {
+    if (!c) return PKV_EINVAL;
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    if (!rc && n < s->n_tokens) seq_cut(c, s, n);
+    UNLOCK(c);
+    return rc;
+}
+
+/* Moves position from of table to position to: its token id and every layer's K and V rows. */
+static void move_position(pkv_cache *c, const int32_t *table, uint32_t from, uint32_t to) {
+    const uint32_t B = c->B;
+    const size_t fb = (size_t)table[from / B], tb = (size_t)table[to / B];
+    for (uint32_t l = 0; l < c->n_layers; l++) {
+        uint8_t *k = c->kv + l * c->layer_stride, *v = k + c->v_off;
+        for (uint32_t h = 0; h < c->n_kv; h++) {
+            memcpy(k + tb * c->k_blk + ((size_t)h * B + to % B) * c->k_row,
+                   k + fb * c->k_blk + ((size_t)h * B + from % B) * c->k_row, c->k_row);
+            memcpy(v + tb * c->v_blk + ((size_t)h * B + to % B) * c->v_row,
+                   v + fb * c->v_blk + ((size_t)h * B + from % B) * c->v_row, c->v_row);
+        }
+    }
+    c->tokens[tb * B + to % B] = c->tokens[fb * B + from % B];
+}
+
+PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq id, uint32_t start, const uint32_t *idx, uint32_t n) {
+    if (!c) return PKV_EINVAL;
+    if (n && !idx) return PKV__SAY(c, PKV_EINVAL, "idx is NULL, n %u", n);
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    if (!rc && (start < s->n_committed || start > s->n_tokens))
+        rc = PKV__SAY(c, PKV_EINVAL, "start %u is not in [committed %u, length %u]", start, s->n_committed,
+                      s->n_tokens);
+    for (uint32_t k = 0; k < n && !rc; k++)
+        if ((k && idx[k] <= idx[k - 1]) || (uint64_t)start + idx[k] >= s->n_tokens)
+            rc = PKV__SAY(c, PKV_EINVAL, "idx[%u] = %u: not ascending, or past the length %u (start %u)", k, idx[k],
+                          s->n_tokens, start);
+    /* every position written to is one pkv_seq_write_kv could write (s's alone, not committed) */
+    for (uint32_t k = 0; k < n && !rc; k++)
+        if (idx[k] != k) rc = check_write_row(c, write_slot(c, NULL, s->table, start, k), k, "position", start + k, __func__);
+    if (!rc) {
+        /* ascending: position start + k is written after every position it held was read */
+        for (uint32_t k = 0; k < n; k++)
+            if (idx[k] != k) move_position(c, s->table, start + idx[k], start + k);
+        if (start + n < s->n_tokens) seq_cut(c, s, start + n);
+    }
     UNLOCK(c);
     return rc;
 }
