@@ -217,6 +217,13 @@ class _AttnReq(ctypes.Structure):
     _fields_ = [("seq", _u64), ("q_start", _u32), ("n_q", _u32)]
 
 
+class _TreeReq(ctypes.Structure):
+    _fields_ = [("seq", _u64), ("q_start", _u32), ("n_nodes", _u32), ("parent", _vp)]
+
+
+TREE_MAX_NODES = 1024  # PKV_TREE_MAX_NODES
+
+
 class _AppendReq(ctypes.Structure):
     _fields_ = [("seq", _u64), ("tokens", _vp), ("n", _u32), ("slots_out", _vp)]
 
@@ -245,6 +252,8 @@ def _load():
         "pkv_seq_commit": (_int, [_vp, _u64, _u32]),
         "pkv_seq_fork": (_int, [_vp, _u64, _P(_u64)]),
         "pkv_seq_truncate": (_int, [_vp, _u64, _u32]),
+        "pkv_seq_keep": (_int, [_vp, _u64, _u32, _vp, _u32]),
+        "pkv_attn_tree": (_int, [_vp, _u32, _vp, _u32, _vp, _vp, _P(_AttnParams)]),
     "pkv_seq_compact": (_int, [_vp, _u64, _u32, ctypes.POINTER(_u32)]),
     "pkv_batch_compact": (_int, [_vp, _vp, _u32, _u32, _u32, ctypes.POINTER(_u32)]),
         "pkv_seq_release": (_int, [_vp, _u64]),
@@ -852,6 +861,19 @@ class Cache:
         self._check(_lib.pkv_seq_truncate(self._h(), _seq_of(seq), _u32_of(n, "n")), "pkv_seq_truncate")
 
     @_in_call
+    def keep(self, seq, start, idx):
+        """Keeps positions start + idx[k] (idx strictly ascending) of seq's uncommitted tail, moved
+        to start + k with their token ids and K/V, and drops the rest of the tail (pkv_seq_keep):
+        the accepted path of a draft tree verified by tree()."""
+        a = np.ascontiguousarray(np.asarray(idx, dtype=np.int64).reshape(-1))
+        if a.size and (a.min() < 0 or a.max() >= 2**32):
+            raise _invalid("keep: idx values must be in [0, 2^32)")
+        a = a.astype(np.uint32)
+        _u32_of(a.size, "keep: idx count")
+        self._check(_lib.pkv_seq_keep(self._h(), _seq_of(seq), _u32_of(start, "start"), _ptr(a) if a.size else None,
+                                      a.size), "pkv_seq_keep")
+
+    @_in_call
     def compact(self, seq, evict=False, cached=False):
         """Moves runs of seq's blocks that it alone holds (no fork or pin shares them) into FREE
         blocks (with evict=True also CACHED leaf blocks, evicted as an append would; with
@@ -1264,6 +1286,46 @@ class Cache:
         p, _sk = self._params(hq, scale, softcap, window, lse, bf16_dot, sinks, "prefill")
         self._check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa), _ptr(out),
                                      ctypes.byref(p)), "pkv_attn_prefill")
+        return (out, lse) if return_lse else out
+
+
+    @_in_call
+    def tree(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
+             out=None, lse_out=None, bf16_dot=False, sinks=None):
+        """Tree attention (pkv_attn_tree) for speculative decoding: reqs are (seq, q_start,
+        parents) triples, node i of a request at position q_start + i with parent parents[i]
+        (in [-1, i), -1 for a root); node i sees the positions before q_start and its path to
+        its root, itself included. q: the requests' nodes' queries concatenated, [sum
+        nodes][n_q_heads][head_dim]. Returns out (and lse) like prefill; out may not be q. The
+        other arguments as in decode."""
+        rs = list(reqs)
+        if not rs:
+            raise _invalid("tree: no requests")
+        _u32_of(len(rs), "tree: request count")
+        arr = (_TreeReq * len(rs))()
+        keep = []
+        total = 0
+        for i, r in enumerate(rs):
+            try:
+                seq, q_start, parents = r
+            except (TypeError, ValueError):
+                raise _invalid("tree: a request is a (seq, q_start, parents) triple") from None
+            pa = np.ascontiguousarray(np.asarray(parents, dtype=np.int64).reshape(-1))
+            if pa.size and (pa.min() < -1 or pa.max() >= 2**31):
+                raise _invalid("tree: request %d: a parent outside [-1, 2^31)" % i)
+            pa = pa.astype(np.int32)
+            keep.append(pa)
+            arr[i].seq, arr[i].q_start = _seq_of(seq), _u32_of(q_start, "q_start")
+            arr[i].n_nodes, arr[i].parent = _u32_of(pa.size, "tree: nodes"), _ptr(pa) if pa.size else None
+            total += pa.size
+        qa, hq = self._q(q, total, n_q_heads, "tree")
+        out = self._out(out, (total, hq, self._D), "tree: out")
+        if lse_out is not None and not return_lse:
+            raise _invalid("tree: lse_out given without return_lse=True")
+        lse = self._out(lse_out, (total, hq), "tree: lse_out") if return_lse else None
+        p, _sk = self._params(hq, scale, softcap, window, lse, bf16_dot, sinks, "tree")
+        self._check(_lib.pkv_attn_tree(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa),
+                                       _ptr(out), ctypes.byref(p)), "pkv_attn_tree")
         return (out, lse) if return_lse else out
 
 

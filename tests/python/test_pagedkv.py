@@ -403,6 +403,48 @@ class TestAttention(Base):
                     c.decode(0, [s], q[:1], sinks=bad)
                 self.assertEqual(e.exception.code, pkv.EINVAL)
 
+    def test_tree_keep(self):
+        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=2) as c:
+            s = c.seq_create()
+            self.fill(c, s, 37)
+            parents = [-1, 0, 0, 1, 2, -1, 5, 3, 6]
+            slots = c.append(s, self.rng.integers(0, 500, len(parents)))  # the draft tree, uncommitted
+            c.write_kv(0, slots, self.rng.standard_normal((9, 2, 64)).astype(np.float32),
+                       self.rng.standard_normal((9, 2, 64)).astype(np.float32))
+            K, V = c.gather(s, 0)
+            q = self.rng.standard_normal((9, 4, 64)).astype(np.float32)
+            out, lse = c.tree(0, [(s, 37, parents)], q, return_lse=True)
+            depth = []
+            for i, pa in enumerate(parents):
+                depth.append(0 if pa < 0 else depth[pa] + 1)
+                keys, j = list(range(37)), i
+                while j >= 0:  # the node's path, itself first
+                    keys.append(37 + j)
+                    j = parents[j]
+                want, wlse = ref_attn(q[i], K[keys], V[keys], 1 / 8)
+                self.assertClose(out[i], want, 1e-5, "tree node %d" % i)
+                self.assertClose(lse[i], wlse, 1e-5, "tree node %d lse" % i)
+            chain = list(range(-1, 8))  # a chain: what prefill gives
+            self.assertClose(c.tree(0, [(s, 37, chain)], q[:9]), c.prefill(0, [(s, 37, 9)], q).astype(np.float64),
+                             1e-5, "chain against prefill")
+            for bad in ([-1, 1], [-1, -2], [0]):
+                with self.assertRaises(pkv.PkvError) as e:
+                    c.tree(0, [(s, 37, bad)], q[:len(bad)])
+                self.assertEqual(e.exception.code, pkv.EINVAL)
+            with self.assertRaises(pkv.PkvError):
+                c.tree(0, [(s, 37, parents)], q, out=q)  # out may not be q
+            # keep node 7's path (0, 1, 3, 7): K/V and length follow
+            with self.assertRaises(pkv.PkvError):
+                c.keep(s, 37, [0, 3, 1])
+            self.assertEqual(c.seq_info(s).n_tokens, 46)
+            c.keep(s, 37, [0, 1, 3, 7])
+            self.assertEqual(c.seq_info(s).n_tokens, 41)
+            K2, V2 = c.gather(s, 0)
+            np.testing.assert_array_equal(K2[37:], K[[37, 38, 40, 44]])
+            np.testing.assert_array_equal(V2[37:], V[[37, 38, 40, 44]])
+            np.testing.assert_array_equal(K2[:37], K[:37])
+            c.check()
+
     def test_softcap_window_merge(self):
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=2) as c:
             s = c.seq_create()
