@@ -302,6 +302,46 @@ static void test_cli_greedy_matches_oracle(void **state) {
     model_free(&m);
 }
 
+/* --spec-tree: greedy decoding with draft trees (pkv_attn_tree, pkv_seq_keep) prints the token ids
+ * greedy decoding prints without them (which test_cli_greedy_matches_oracle checks against the
+ * contiguous oracle), for narrow and wide trees, forks, blocks of 1, 3 and 16 tokens, and keeps
+ * more than one position a pass on average (the drafts were taken). */
+static void test_cli_spec_tree(void **state) {
+    (void)state;
+    const char *path = shared_model("stories260K.bin");
+    if (access(path, R_OK) != 0) {
+        skip();
+        return;
+    }
+    char *base[] = {"pkv", "run", (char *)path, "-t", "0", "-n", "160", "--prompt-ids", "1,403,407;1,20,30,40",
+                    "--batch", "3", NULL};
+    char *want = NULL;
+    assert_int_equal(run_cli(base, &want, NULL), 0);
+    static const char *const shapes[][3] = {{"1", "1", "16"}, {"4", "5", "3"}, {"16", "32", "1"}};
+    for (size_t i = 0; i < 3; i++) {
+        char *argv[] = {"pkv", "run", (char *)path, "-t", "0", "-n", "160", "--prompt-ids", "1,403,407;1,20,30,40",
+                        "--batch", "3", "--spec-tree", (char *)shapes[i][0], "--spec-depth", (char *)shapes[i][1],
+                        "--block-tokens", (char *)shapes[i][2], NULL};
+        char *out = NULL, *err = NULL;
+        const int rc = run_cli(argv, &out, &err);
+        if (rc != 0) fail_msg("--spec-tree %s exited %d: %s", shapes[i][0], rc, err ? err : "");
+        assert_string_equal(out, want);
+        const char *sp = strstr(err, "speculative: ");
+        assert_non_null(sp);
+        unsigned long long passes = 0, nodes = 0, kept = 0;
+        assert_int_equal(sscanf(sp, "speculative: %llu passes over %llu draft-tree nodes kept %llu", &passes, &nodes,
+                                &kept),
+                         3);
+        assert_true(passes > 0 && kept > passes && nodes >= passes);
+        free(out), free(err);
+    }
+    char *bad[] = {"pkv", "run", (char *)path, "-t", "0.5", "--spec-tree", "2", NULL}; /* greedy only */
+    char *err = NULL;
+    assert_int_equal(run_cli(bad, NULL, &err), 1);
+    assert_non_null(strstr(err, "-t 0"));
+    free(err), free(want);
+}
+
 /* Sampling is seeded: the same seed gives the same tokens, another seed other tokens. */
 static void test_cli_sampling_is_seeded(void **state) {
     (void)state;
@@ -368,7 +408,7 @@ static void test_cli_tier(void **state) {
 static void test_cli_usage_errors(void **state) {
     (void)state;
     const char *path = shared_model("stories260K.bin");
-    char *cases[][8] = {
+    char *cases[][10] = {
         {"pkv", "run", NULL},
         {"pkv", "run", (char *)path, "-t", NULL},
         {"pkv", "run", (char *)path, "--prompt-ids", "1,x", NULL},
@@ -383,6 +423,8 @@ static void test_cli_usage_errors(void **state) {
         /* past the library's limits: a usage error that names the option, not a failed create */
         {"pkv", "run", (char *)path, "--threads", "257", NULL},
         {"pkv", "run", (char *)path, "--block-tokens", "1025", NULL},
+        {"pkv", "run", (char *)path, "-t", "0", "--spec-tree", "17", NULL},
+        {"pkv", "run", (char *)path, "-t", "0", "--spec-tree", "2", "--spec-depth", "0", NULL},
     };
     const int have_model = access(path, R_OK) == 0;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -444,6 +486,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_paged_generation_matches_contiguous_oracle),
         cmocka_unit_test(test_cli_greedy_matches_oracle),
+        cmocka_unit_test(test_cli_spec_tree),
         cmocka_unit_test(test_cli_sampling_is_seeded),
         cmocka_unit_test(test_cli_tier),
         cmocka_unit_test(test_cli_usage_errors),

@@ -467,6 +467,59 @@ done:
     return rc;
 }
 
+/* ---- tree forward (speculative decoding) ------------------------------------------------------ */
+typedef struct tree_attn_ctx {
+    pkv_cache *c;
+    const int32_t *slots;
+    pkv_attn_tree_req req;
+    uint32_t n_q_heads;
+    model_pkv_step *timing;
+} tree_attn_ctx;
+
+static int tree_attn_cb(void *vctx, uint32_t layer, const float *q, const float *k, const float *v, float *out) {
+    tree_attn_ctx *a = vctx;
+    uint64_t t0 = now_ns();
+    int rc = pkv_write_kv(a->c, layer, a->slots, a->req.n_nodes, k, v, PKV_DTYPE_F32);
+    uint64_t t1 = now_ns();
+    if (rc < 0) return rc;
+    pkv_attn_params ap = pkv_attn_params_default();
+    ap.n_q_heads = a->n_q_heads;
+    rc = pkv_attn_tree(a->c, layer, &a->req, 1, q, out, &ap);
+    uint64_t t2 = now_ns();
+    if (a->timing) {
+        a->timing->ns_pkv += t2 - t0;
+        a->timing->ns_attn += t2 - t1;
+    }
+    return rc < 0 ? rc : 0;
+}
+
+int model_pkv_tree_forward(const model *m, model_scratch *s, pkv_cache *c, pkv_seq seq, uint32_t n,
+                           const int32_t *tokens, const int32_t *parent, float *logits, model_pkv_step *timing) {
+    if (n == 0 || n > s->max_tokens || n > PKV_TREE_MAX_NODES) return PKV_EINVAL;
+    for (uint32_t i = 0; i < n; i++)
+        if (parent[i] < -1 || parent[i] >= (int32_t)i) return PKV_EINVAL;
+    uint32_t *pos = malloc(n * sizeof *pos), *rows = malloc(n * sizeof *rows);
+    int32_t *slots = malloc(n * sizeof *slots);
+    pkv_seq_info info;
+    int rc = PKV_ENOMEM;
+    if (!pos || !rows || !slots) goto done;
+    uint64_t t0 = now_ns();
+    if ((rc = pkv_seq_get_info(c, seq, &info)) < 0 || (rc = pkv_seq_append(c, seq, tokens, n, slots)) < 0) goto done;
+    if (timing) timing->ns_pkv += now_ns() - t0;
+    for (uint32_t i = 0; i < n; i++) { /* each node at its place in the text: after its parent */
+        pos[i] = parent[i] < 0 ? info.n_tokens : pos[parent[i]] + 1;
+        rows[i] = i;
+    }
+    tree_attn_ctx a = {.c = c, .slots = slots, .req = {.seq = seq, .q_start = info.n_tokens, .n_nodes = n, .parent = parent},
+                       .n_q_heads = (uint32_t)m->cfg.n_heads, .timing = timing};
+    rc = model_forward(m, s, n, tokens, pos, n, rows, logits, tree_attn_cb, &a);
+    if (rc == -1) rc = PKV_EINVAL;
+    if (rc < 0) (void)!pkv_seq_truncate(c, seq, info.n_tokens);
+done:
+    free(pos), free(rows), free(slots);
+    return rc;
+}
+
 /* ---- tokenizer ------------------------------------------------------------------------------ */
 
 void model_tokenizer_free(model_tokenizer *t) {

@@ -84,6 +84,14 @@ typedef struct model_pkv_step {
 int model_pkv_forward(const model *m, model_scratch *s, pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs,
                       const uint32_t *n_new, const int32_t *tokens, float *logits, model_pkv_step *timing);
 
+/* Speculative decoding's verification step: n draft nodes (tokens[i], parent[i] in [-1, i), -1
+ * for a root, which follows the sequence's last position) appended to seq, each run at its place
+ * in the text (the length plus its depth), attention by pkv_attn_tree, logits[i][vocab] for
+ * every node. Nothing is committed: the caller keeps the accepted path (pkv_seq_keep) and
+ * commits it. Returns 0 or a negative PKV_E* status, with the nodes truncated away again. */
+int model_pkv_tree_forward(const model *m, model_scratch *s, pkv_cache *c, pkv_seq seq, uint32_t n,
+                           const int32_t *tokens, const int32_t *parent, float *logits, model_pkv_step *timing);
+
 /* ---- llama2.c tokenizer.bin (decoding only) ---- */
 typedef struct model_tokenizer {
     int32_t vocab_size;

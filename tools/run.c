@@ -39,6 +39,13 @@ static void usage(FILE *f) {
             "                     (pkv_tier_load) and saves its full blocks after its prefill\n"
             "                     (pkv_tier_save), so a later run with the same DIR and prompt\n"
             "                     computes only the rest\n"
+            "  --spec-tree W      greedy only (-t 0): speculative decoding with draft trees, verified\n"
+            "                     in one forward pass each (pkv_attn_tree) and the accepted path kept\n"
+            "                     (pkv_seq_keep): the drafts are up to W continuations of earlier\n"
+            "                     places in the text that end like it (prompt lookup, 2 tokens, else\n"
+            "                     1), merged into a tree; 1 to 16. The token ids are those of the run\n"
+            "                     without it; stderr says how many each pass accepted\n"
+            "  --spec-depth D     draft tokens per continuation, 1 to 32 [5]\n"
             "  -h, --help         this help\n"
             "\n"
             "Prompts are prefilled one after the other, each first matching the prefix cache, so\n"
@@ -91,6 +98,96 @@ static int parse_prompts(prompt_list *pl, const char *arg) {
     return 0;
 }
 
+/* Speculative decoding with draft trees (--spec-tree): the tree's scratch and counters. */
+typedef struct spec_ctx {
+    uint32_t width, depth;
+    int32_t *tok, *par; /* [1 + width * depth] a tree */
+    uint32_t *path;     /* [1 + depth] the accepted nodes */
+    float *logits;      /* [1 + width * depth][vocab] */
+    uint64_t passes, nodes, kept;
+} spec_ctx;
+
+static int32_t argmax(const float *x, int32_t n) { /* as model_sample's greedy: the lowest index wins ties */
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+/* The child of node `at` carrying token t, or -1. */
+static int32_t tree_child(const spec_ctx *sp, uint32_t n, int32_t at, int32_t t) {
+    for (uint32_t j = (uint32_t)at + 1; j < n; j++)
+        if (sp->par[j] == at && sp->tok[j] == t) return (int32_t)j;
+    return -1;
+}
+
+/* The draft tree after root token t0, the last of h[0, nh): up to width continuations of at
+ * most dmax tokens that follow earlier places ending in the same two tokens (then in the same
+ * one), most recent first, merged by their common prefixes. Returns the node count. */
+static uint32_t spec_tree(spec_ctx *sp, const int32_t *h, uint32_t nh, uint32_t dmax) {
+    uint32_t n = 1, found = 0;
+    sp->tok[0] = h[nh - 1], sp->par[0] = -1;
+    for (int gram = 2; gram >= 1 && found < sp->width; gram--)
+        for (uint32_t j = nh - 1; j-- > 0 && found < sp->width;) {
+            if (h[j] != h[nh - 1] || (gram == 2 && (j == 0 || nh < 2 || h[j - 1] != h[nh - 2]))) continue;
+            if (gram == 1 && j > 0 && nh >= 2 && h[j - 1] == h[nh - 2]) continue; /* taken as a 2-gram */
+            int32_t at = 0;
+            uint32_t added = 0;
+            for (uint32_t k = 1; k <= dmax && j + k < nh; k++) {
+                const int32_t t = h[j + k], ch = tree_child(sp, n, at, t);
+                if (ch >= 0) {
+                    at = ch;
+                    continue;
+                }
+                sp->tok[n] = t, sp->par[n] = at;
+                at = (int32_t)n++;
+                added++;
+            }
+            found += added > 0;
+        }
+    return n;
+}
+
+/* Greedy decoding of one sequence with draft trees until it ends (BOS, or steps positions),
+ * logits those of its last position: each pass samples the root (the token greedy decoding
+ * takes next), verifies the tree in one forward pass, keeps the root and the drafts greedy
+ * decoding would have taken after it, and commits them. The same tokens as without drafts. */
+static int spec_decode(const model *m, model_scratch *s, pkv_cache *c, pkv_seq seq, const int32_t *prompt,
+                       uint32_t plen, int32_t *gen, uint32_t *n_gen, uint32_t *len, uint32_t steps, float *logits,
+                       int32_t *hist, spec_ctx *sp, model_pkv_step *tm) {
+    const int32_t V = m->cfg.vocab_size;
+    memcpy(hist, prompt, plen * sizeof *hist);
+    for (;;) {
+        const int32_t t0 = argmax(logits, V);
+        if (t0 != 1) gen[(*n_gen)++] = t0;
+        if (t0 == 1 || *len + 1 > steps) return 0;
+        const uint32_t nh = plen + *n_gen;
+        memcpy(hist + plen, gen, *n_gen * sizeof *hist);
+        /* drafts at depth k take position len + k: at most steps - 1 */
+        const uint32_t dmax = sp->depth < steps - 1 - *len ? sp->depth : steps - 1 - *len;
+        const uint32_t n = spec_tree(sp, hist, nh, dmax);
+        int rc = model_pkv_tree_forward(m, s, c, seq, n, sp->tok, sp->par, sp->logits, tm);
+        if (rc < 0) return rc;
+        uint32_t np = 1, cur = *len + 1;
+        int32_t at = 0;
+        for (;;) { /* greedy decoding's next token: a child of the node it is at, or the next root */
+            const int32_t t = argmax(sp->logits + (size_t)at * V, V);
+            if (t == 1 || cur + 1 > steps) break;
+            const int32_t ch = tree_child(sp, n, at, t);
+            if (ch < 0) break;
+            gen[(*n_gen)++] = t;
+            sp->path[np++] = (uint32_t)ch;
+            at = ch, cur++;
+        }
+        sp->path[0] = 0;
+        if ((rc = pkv_seq_keep(c, seq, *len, sp->path, np)) < 0 || (rc = pkv_seq_commit(c, seq, *len + np)) < 0)
+            return rc;
+        *len += np;
+        memcpy(logits, sp->logits + (size_t)at * V, (size_t)V * sizeof *logits);
+        sp->passes++, sp->nodes += n, sp->kept += np;
+    }
+}
+
 static int parse_f32(const char *s, float *out) {
     double v;
     if (tool_parse_f64(s, &v)) return -1;
@@ -105,6 +202,7 @@ int tool_run(int argc, char **argv) {
     int have_seed = 0, prefix_cache = 1;
     const char *tier_dir = NULL;
     uint32_t steps = 256, batch = 0, block_tokens = 16, n_blocks = 0, n_threads = 0;
+    spec_ctx sp = {.depth = 5};
     prompt_list pl = {0};
     int status = TOOL_FAIL;
 
@@ -149,6 +247,8 @@ int tool_run(int argc, char **argv) {
             bad = tool_parse_u32(val, &block_tokens) || block_tokens == 0 || block_tokens > 1024; /* pkv.h */
         else if (!strcmp(a, "--blocks")) bad = tool_parse_u32(val, &n_blocks);
         else if (!strcmp(a, "--threads")) bad = tool_parse_u32(val, &n_threads) || n_threads > 256; /* pkv.h */
+        else if (!strcmp(a, "--spec-tree")) bad = tool_parse_u32(val, &sp.width) || sp.width == 0 || sp.width > 16;
+        else if (!strcmp(a, "--spec-depth")) bad = tool_parse_u32(val, &sp.depth) || sp.depth == 0 || sp.depth > 32;
         else if (!strcmp(a, "--tier-dir")) {
             tier_dir = val;
             bad = !*val;
@@ -179,6 +279,11 @@ int tool_run(int argc, char **argv) {
     if (pl.n == 0) {
         static const char *bos = "1";
         if (parse_prompts(&pl, bos)) goto out;
+    }
+    if (sp.width && temp != 0.0f) {
+        fprintf(stderr, "pkv run: --spec-tree verifies drafts against greedy decoding: it needs -t 0\n");
+        status = TOOL_USAGE;
+        goto out;
     }
     if (batch == 0) batch = pl.n;
     if (batch < pl.n) {
@@ -221,7 +326,8 @@ int tool_run(int argc, char **argv) {
     }
 
     /* The pool: every sequence at full length, plus one block each for copy-on-write. */
-    uint64_t per_seq = (steps + block_tokens - 1) / block_tokens + 1;
+    const uint32_t tree_max = sp.width ? 1 + sp.width * sp.depth : 0; /* a tree's nodes */
+    uint64_t per_seq = (steps + tree_max + block_tokens - 1) / block_tokens + 1;
     if (n_blocks == 0) n_blocks = (uint32_t)(per_seq * batch + 1);
     pkv_config cfg = model_pkv_config(&m, block_tokens, n_blocks);
     cfg.max_seqs = batch + 1;
@@ -240,9 +346,19 @@ int tool_run(int argc, char **argv) {
     float *logits = malloc((size_t)batch * (size_t)p->vocab_size * sizeof(float));
     void *work = malloc(model_sample_work_bytes(p->vocab_size));
     pkv_seq *bseqs = calloc(batch, sizeof *bseqs);
+    int32_t *hist = NULL;
+    if (sp.width) {
+        sp.tok = malloc(tree_max * sizeof *sp.tok), sp.par = malloc(tree_max * sizeof *sp.par);
+        sp.path = malloc((sp.depth + 1) * sizeof *sp.path);
+        sp.logits = malloc((size_t)tree_max * (size_t)p->vocab_size * sizeof(float));
+        hist = malloc(((size_t)steps + max_prompt + 1) * sizeof *hist);
+    }
     int rc = 0;
+    uint32_t scratch_tokens = max_prompt > batch ? max_prompt : batch;
+    if (scratch_tokens < tree_max) scratch_tokens = tree_max;
     if (!seqs || !gen || !n_gen || !len || !n_new || !next || !feed || !live || !smp || !logits || !work || !bseqs ||
-        model_scratch_init(&s, &m, max_prompt > batch ? max_prompt : batch)) {
+        (sp.width && (!sp.tok || !sp.par || !sp.path || !sp.logits || !hist)) ||
+        model_scratch_init(&s, &m, scratch_tokens)) {
         fprintf(stderr, "pkv run: out of memory\n");
         goto cleanup;
     }
@@ -321,6 +437,16 @@ int tool_run(int argc, char **argv) {
     uint64_t n_decoded = 0, n_steps = 0;
     uint32_t n_live = batch;
     for (uint32_t i = 0; i < batch; i++) live[i] = 1;
+    for (uint32_t i = 0; sp.width && i < batch; i++) { /* one sequence after the other */
+        rc = spec_decode(&m, &s, c, seqs[i], pl.ids[i % pl.n], pl.len[i % pl.n], gen[i], &n_gen[i], &len[i], steps,
+                         logits + (size_t)i * p->vocab_size, hist, &sp, &tm);
+        if (rc < 0) {
+            fprintf(stderr, "pkv run: speculative decoding of sequence %u failed: %s\n", i, pkv_strerror(rc));
+            goto cleanup;
+        }
+        live[i] = 0, n_live--;
+    }
+    n_decoded += sp.kept, n_steps += sp.passes;
     while (n_live) {
         uint32_t nb = 0;
         for (uint32_t i = 0; i < batch; i++) {
@@ -406,6 +532,13 @@ int tool_run(int argc, char **argv) {
             (unsigned long long)prompt_total, (unsigned long long)reused_total, (double)tm.ns_pkv * 1e-9,
             (double)tm.ns_attn * 1e-9, pkv_attn_backend(c), st.peak_active, st.n_blocks,
             (unsigned long long)st.cow_copies);
+    if (sp.width)
+        fprintf(stderr,
+                "pkv run: speculative: %llu passes over %llu draft-tree nodes kept %llu positions (%.2f a pass,"
+                " %.1f nodes a tree)\n",
+                (unsigned long long)sp.passes, (unsigned long long)sp.nodes, (unsigned long long)sp.kept,
+                sp.passes ? (double)sp.kept / (double)sp.passes : 0.0,
+                sp.passes ? (double)sp.nodes / (double)sp.passes : 0.0);
     if (tier)
         fprintf(stderr, "pkv run: tier %s: %llu prompt positions loaded from it, %llu blocks saved to it\n", tier_dir,
                 (unsigned long long)loaded_total, (unsigned long long)saved_total);
@@ -418,6 +551,7 @@ cleanup:
     if (gen)
         for (uint32_t i = 0; i < batch; i++) free(gen[i]);
     free(seqs), free(gen), free(n_gen), free(len), free(n_new), free(next), free(feed), free(live), free(smp);
+    free(sp.tok), free(sp.par), free(sp.path), free(sp.logits), free(hist);
     free(logits), free(work), free(bseqs);
     model_tokenizer_free(&tok);
     model_free(&m);
