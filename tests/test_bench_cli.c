@@ -426,6 +426,43 @@ static void test_prefix_json(void **state) {
     free(out), free(err);
 }
 
+/* `pkv bench tree --json`: one line per (ctx, width, threads), with positive times whose ratios
+ * are the ones printed, and its usage errors. */
+static void test_tree_json(void **state) {
+    (void)state;
+    char *argv[] = {"pkv", "bench", "tree", "--json", "--ctx", "40,100", "--width", "1,3", "--threads", "1",
+                    "--rounds", "3", NULL};
+    char *out, *err;
+    const int rc = run_cli(argv, &out, &err);
+    if (rc != 0) fail_msg("exit %d: %s", rc, err);
+    int seen[2][2] = {{0}};
+    for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        one_object(line);
+        assert_true(str_is(line, "bench", "tree"));
+        const int ctx = (int)num(line, "ctx"), w = (int)num(line, "width");
+        assert_true((ctx == 40 || ctx == 100) && (w == 1 || w == 3));
+        assert_int_equal((int)num(line, "nodes"), 1 + 4 * w);
+        assert_int_equal((int)num(line, "threads"), 1);
+        seen[ctx == 100][w == 3]++;
+        const double t = num(line, "tree_us"), pa = num(line, "paths_us"), pf = num(line, "prefill_us");
+        assert_true(t > 0 && pa > 0 && pf > 0);
+        assert_true(fabs(num(line, "tree_over_paths") - t / pa) <= 2e-3 * (1 + t / pa));
+        assert_true(fabs(num(line, "tree_over_prefill") - t / pf) <= 2e-3 * (1 + t / pf));
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++) assert_int_equal(seen[i][j], 1);
+    free(out), free(err);
+    static char *bad[][5] = {{"pkv", "bench", "tree", "--width", "0"},
+                             {"pkv", "bench", "tree", "--width", "64"},
+                             {"pkv", "bench", "tree", "--rounds", "2"},
+                             {"pkv", "bench", "tree", "--ctx", "x"},
+                             {"pkv", "bench", "tree", "--bogus", NULL}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char *argv2[6] = {bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4], NULL};
+        assert_int_equal(run_cli(argv2, NULL, NULL), 1);
+    }
+}
+
 /* `pkv bench tier --json`: a header, then copy, direct, save and load for host and file, and the
  * save of a full host tier (host-full), each
  * with a median, GB/s consistent with it and the bytes, and its fraction of the copy's rate (the
@@ -481,6 +518,7 @@ static void test_tier_json(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tier_json),
+        cmocka_unit_test(test_tree_json),
         cmocka_unit_test(test_json_lines),
         cmocka_unit_test(test_usage_errors),
         cmocka_unit_test(test_large_batch),

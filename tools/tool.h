@@ -15,6 +15,7 @@ int tool_bench_ops(int argc, char **argv);    /* tools/bench_ops.c */
 int tool_bench_attn(int argc, char **argv);   /* tools/bench_attn.c */
 int tool_bench_prefix(int argc, char **argv); /* tools/bench_prefix.c */
 int tool_bench_tier(int argc, char **argv);   /* tools/bench_tier.c */
+int tool_bench_tree(int argc, char **argv);   /* tools/bench_tree.c */
 int tool_sim(int argc, char **argv);          /* tools/sim.c */
 int tool_run(int argc, char **argv);          /* tools/run.c */
 int tool_route(int argc, char **argv);        /* tools/route.c */
