@@ -747,7 +747,8 @@ enum { PKV_TREE_MAX_NODES = 1024 };
  * itself included: not its siblings, cousins or other branches. With a window, a key is seen
  * where the node's position (q_start + depth) minus the key's (its position in the prefix, or
  * q_start + depth for a node) is under window. q, out: the requests' nodes' queries
- * concatenated, [sum n_nodes][n_q_heads][head_dim] (out may be q); p as for pkv_attn_prefill:
+ * concatenated, [sum n_nodes][n_q_heads][head_dim] (out may not be q: the paths read the queries
+ * after the prefix part wrote out); p as for pkv_attn_prefill:
  * scale, softcap, window, lse and sinks mean the same, per node. The prefix is read by the
  * prefill kernels, all of a request's nodes at once (in runs of 4096 / n_q_heads nodes: a
  * request of more reads its prefix once a run; with a window, a run a node), the paths on the

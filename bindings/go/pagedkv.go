@@ -11,8 +11,8 @@
 // append to one sequence does not wait for attention over others. WriteKV waits for the
 // attention calls and gathers in flight (its slots do not say whose rows they are);
 // WriteKVShared writes beside them (layer l + 1 beside a decode of layer l), the caller
-// answering for the rows. Both wait for calls that move or free rows (Truncate, Release, the
-// compactions) and for Fork, and those wait for them. The Into forms (AppendInto, SlotsInto, GatherInto) fill
+// answering for the rows. Both wait for calls that move or free rows (Truncate, Keep, Release,
+// the compactions) and for Fork, and those wait for them. The Into forms (AppendInto, SlotsInto, GatherInto) fill
 // the caller's buffers. Lengths are checked in int on every platform (GOARCH=386 included).
 //
 // Build: cgo needs pkv.h (found through ../../include) and libpkv.so, e.g.
@@ -282,6 +282,21 @@ type AttnReq struct {
 	NQ     uint32
 }
 
+// TreeMaxNodes is PKV_TREE_MAX_NODES (pkv.h): the most nodes a TreeReq may have; past it, EINVAL.
+const TreeMaxNodes = C.PKV_TREE_MAX_NODES
+
+// TreeReq is one request of Tree: a tree of draft tokens (speculative decoding) whose K/V Seq
+// holds at positions [QStart, QStart+len(Parent)), node i at QStart+i (pkv_attn_tree_req, its
+// n_nodes len(Parent), at most TreeMaxNodes). Parent[i] is node i's parent, in [-1, i) (-1 for a
+// root; several roots allowed): each node comes after its parent. Node i's position in the text
+// is QStart + depth(i) (a root has depth 0): the position its K was rotated for, and the one a
+// window counts from. An empty Parent is an empty request.
+type TreeReq struct {
+	Seq    Seq
+	QStart uint32
+	Parent []int32
+}
+
 // AttnParams: NQHeads 0 means n_kv_heads, Scale 0 means 1/sqrt(head_dim), Softcap and Window
 // 0 mean off. BF16Dot is PKV_ATTN_BF16_DOT: with bf16 K/V, queries and softmax weights rounded
 // to bf16 and multiplied by bf16 dot products where the CPU has them (Cache.BF16DotUsed).
@@ -390,12 +405,12 @@ func (c *Cache) Close() {
 // in this order, so that no two calls wait on each other in a cycle:
 //  1. gate: Close and Reset hold it alone, every other call shares it;
 //  2. the locks of the sequences the call names, in increasing id order: held alone by a call
-//     that changes its sequence (Append, BatchAppend, Commit, WriteKVSeq, Truncate, Compact,
+//     that changes its sequence (Append, BatchAppend, Commit, WriteKVSeq, Truncate, Keep, Compact,
 //     BatchCompact, Release, MatchPrefix, PinRelease), shared by the calls that read it (attention, Gather,
 //     Slots, BlockTable, SeqInfo, AppendBlocks, the exports, and Fork and Pin of their source);
 //  3. kv: WriteKV and WriteKV16 hold it alone, since their slots do not say whose rows they
 //     are; the calls that read K/V rows (attention, Gather) and WriteKVSeq share it;
-//  4. rows: the calls that move or free K/V rows (Truncate, Release, Compact, BatchCompact)
+//  4. rows: the calls that move or free K/V rows (Truncate, Keep, Release, Compact, BatchCompact)
 //     and Fork (after it, the forked tail is shared, and the next append copies it) hold it
 //     alone; every K/V write (WriteKV, WriteKVShared) shares it.
 // So a change to one sequence waits only for the calls that name that sequence (and, for a row
@@ -446,7 +461,7 @@ var (
 	readSeqs  = access{}
 	writeSeqs = access{write: true}
 	readKV    = access{kv: useShared}               // attention, Gather
-	moveRows  = access{write: true, rows: useAlone} // Truncate, Release, Compact, BatchCompact
+	moveRows  = access{write: true, rows: useAlone} // Truncate, Keep, Release, Compact, BatchCompact
 )
 
 // guard is what one call holds, let go by exit in the reverse order.
@@ -819,7 +834,7 @@ func (c *Cache) writeKV(layer uint32, slots []int32, k, v unsafe.Pointer, kn, vn
 
 // WriteKV writes f32 K and/or V (nil: not written) of one layer at these slots (-1 skips a
 // row): each [len(slots)][n_kv_heads][head_dim]. All-or-nothing. Slots name places in the pool,
-// not a sequence: after a Truncate, Release or compaction of their sequence they may lie in
+// not a sequence: after a Truncate, Keep, Release or compaction of their sequence they may lie in
 // another sequence's blocks, and a write through them changes that one. Take them again (Slots)
 // after those calls.
 func (c *Cache) WriteKV(layer uint32, slots []int32, k, v []float32) error {
@@ -842,7 +857,7 @@ func (c *Cache) writeKV16(layer uint32, slots []int32, k, v []uint16, dt Dtype, 
 // WriteKVShared is WriteKV without waiting for attention and gathers in flight, so that it
 // runs beside them: layer l + 1 of a new token written while a Decode reads layer l, as libpkv
 // allows (pkv.h, "Threads"). It still waits for the calls that move or free rows (Truncate,
-// Release, the compactions) and for Fork, as WriteKV does. The caller answers for what the
+// Keep, Release, the compactions) and for Fork, as WriteKV does. The caller answers for what the
 // locks no longer keep apart: no call may read or write these rows (these slots of this layer)
 // while it runs. A write racing a read of the same rows is a data race in libpkv's memory
 // (values torn or mixed, which the race detector cannot see); the slots must be current (see
@@ -933,6 +948,25 @@ func (c *Cache) Commit(s Seq, nPos uint32) error {
 // Truncate keeps positions [0, n).
 func (c *Cache) Truncate(s Seq, n uint32) error {
 	return c.op("pkv_seq_truncate", moveRows, func(p *C.pkv_cache) C.int { return C.pkv_seq_truncate(p, C.pkv_seq(s), C.uint32_t(n)) }, s)
+}
+
+// Keep keeps the positions start+idx[k] of s's uncommitted tail, moved to start+k (their token
+// ids and every layer's K and V), and drops the rest of the tail: the length becomes
+// start+len(idx) (pkv_seq_keep). After a Tree over nodes at [start, ...), this keeps the
+// accepted path (its node indices ascend from root to leaf); then Commit what is kept. idx
+// strictly ascending, start plus its last under the length, start at or past the committed
+// count, and each position moved into one that WriteKVSeq could write (a block s holds alone,
+// outside the prefix index, not committed): else EINVAL and nothing changes. An empty idx
+// truncates to start. It moves rows, so it locks as Truncate does; slots taken before are stale
+// for the moved positions.
+func (c *Cache) Keep(s Seq, start uint32, idx []uint32) error {
+	n, err := u32(len(idx), "Keep: idx")
+	if err != nil {
+		return err
+	}
+	return c.op("pkv_seq_keep", moveRows, func(p *C.pkv_cache) C.int {
+		return C.pkv_seq_keep(p, C.pkv_seq(s), C.uint32_t(start), (*C.uint32_t)(slicePtr(idx)), n)
+	}, s)
 }
 
 // Compact moves runs of the sequence's blocks that it alone holds (no fork or pin shares them)
@@ -1617,6 +1651,69 @@ func (c *Cache) Prefill(layer uint32, reqs []AttnReq, q, out []float32, ap AttnP
 	return c.attnCall("Prefill", "pkv_attn_prefill", seqs, len(reqs), total, q, out, ap, lse,
 		func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int {
 			return C.pkv_attn_prefill(p, C.uint32_t(layer), rp, n, f32p(q), f32p(out), raw)
+		})
+}
+
+// Tree is pkv_attn_tree, tree attention for speculative decoding (SpecInfer / Medusa / EAGLE
+// verification): node i of a request sees the positions before its QStart (the prefix) and the
+// nodes on its path to its root, itself included, not its siblings or other branches. With a
+// window, a key is seen where the node's position (QStart + depth) minus the key's (its position
+// in the prefix, or QStart + depth for a node) is under the window. q and out: the requests'
+// nodes' queries concatenated, [sum len(Parent)][n_q_heads][head_dim], and out may not be q
+// (unlike Decode and Prefill: EINVAL from libpkv); lse, if not nil, [sum len(Parent)][n_q_heads];
+// ap.Sinks, if not nil, [n_q_heads]; ap means what it means for Prefill, per node. A chain
+// (Parent[i] = i - 1) gives what Prefill gives over the same positions, up to float rounding. A
+// parent outside [-1, i), more than TreeMaxNodes nodes, nodes past the sequence's length, and
+// every refusal of Prefill are EINVAL, nothing written. Accepting a path afterwards: Truncate
+// to drop the tree, or Keep. It locks as Prefill does. cgo forbids Go pointers in Go memory
+// handed to C, so the requests and their parents are copied into one C buffer for the call.
+func (c *Cache) Tree(layer uint32, reqs []TreeReq, q, out []float32, ap AttnParams, lse []float32) error {
+	var total64 uint64
+	for _, r := range reqs {
+		total64 += uint64(len(r.Parent))
+	}
+	if total64 > math.MaxInt32 { // more rows than a call takes, and past a 32-bit int
+		return invalid("Tree: %d nodes in all", total64)
+	}
+	total := int(total64)
+	if uint64(len(reqs)) > math.MaxUint32 {
+		_, err := u32(len(reqs), "Tree: items")
+		return err
+	}
+	var rp *C.pkv_attn_tree_req
+	if len(reqs) > 0 {
+		// the requests, then the parents: total <= 2^31 - 1 and len(reqs) <= 2^32 - 1, so the
+		// size fits 64 bits; past a 32-bit size_t it is refused
+		size64 := uint64(len(reqs))*uint64(C.sizeof_pkv_attn_tree_req) + uint64(total)*uint64(C.sizeof_int32_t)
+		if size64 > uint64(^C.size_t(0)) || size64 > math.MaxInt {
+			return invalid("Tree: %d requests of %d nodes in all", len(reqs), total)
+		}
+		buf := C.malloc(C.size_t(size64))
+		if buf == nil {
+			return &Error{Code: ENOMEM, Op: "Tree: requests"}
+		}
+		defer C.free(buf)
+		rs := unsafe.Slice((*C.pkv_attn_tree_req)(buf), len(reqs))
+		ps := unsafe.Slice((*int32)(unsafe.Add(buf, uintptr(len(reqs))*uintptr(C.sizeof_pkv_attn_tree_req))), total)
+		at := 0
+		for i, r := range reqs {
+			rs[i].seq, rs[i].q_start, rs[i].n_nodes = C.pkv_seq(r.Seq), C.uint32_t(r.QStart), C.uint32_t(len(r.Parent))
+			rs[i].parent = nil
+			if len(r.Parent) > 0 {
+				rs[i].parent = (*C.int32_t)(unsafe.Pointer(&ps[at]))
+			}
+			at += copy(ps[at:], r.Parent)
+		}
+		rp = &rs[0]
+	}
+	var buf [16]Seq // the requests' sequences, for their locks
+	seqs := buf[:0]
+	for _, r := range reqs {
+		seqs = append(seqs, r.Seq)
+	}
+	return c.attnCall("Tree", "pkv_attn_tree", seqs, len(reqs), total, q, out, ap, lse,
+		func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int {
+			return C.pkv_attn_tree(p, C.uint32_t(layer), rp, n, f32p(q), f32p(out), raw)
 		})
 }
 

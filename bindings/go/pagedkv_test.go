@@ -2,8 +2,9 @@
 // prefill against contiguous attention, soft-cap, window and the LSE merge, attention sinks
 // against that merge, prefix reuse, fork and copy-on-write, the exports, statuses as errors, the
 // binding's own length checks, goroutines sharing a cache, nil and closed caches, the finalizer,
-// the Into forms, K/V writes of one layer beside decodes of another, and the prefix-index events
-// against the hashes PrefixHashes computes. Run by ctest (test_go) with CGO_LDFLAGS naming the build.
+// the Into forms, K/V writes of one layer beside decodes of another, the prefix-index events
+// against the hashes PrefixHashes computes, and tree attention against the reference over each
+// node's keys, with Keep of an accepted path. Run by ctest (test_go) with CGO_LDFLAGS naming the build.
 package pagedkv
 
 import (
@@ -2467,4 +2468,313 @@ func TestEvents(t *testing.T) {
 	if _, err := nilc.PrefixSnapshot(false); !errors.Is(err, ErrClosed) {
 		t.Fatalf("nil: %v", err)
 	}
+}
+
+// treeReference is the float64 reference of node i of a tree whose nodes are at positions
+// [qStart, ..) of K, V ([T][h][d], gathered): its keys are the prefix [0, qStart) and its path,
+// root first, in text order (the path's nodes at qStart + depth), so reference's window counts
+// back from the node's own position qStart + depth(i), as pkv_attn_tree's does.
+func treeReference(q, k, v []float32, hq, h, d, qStart int, parent []int32, i int, scale, capv float64, window int) ([]float64, []float64) {
+	var path []int
+	for j := int32(i); j >= 0; j = parent[j] {
+		path = append([]int{qStart + int(j)}, path...)
+	}
+	row := h * d
+	var ks, vs []float32
+	for p := 0; p < qStart+len(path); p++ {
+		at := p
+		if p >= qStart {
+			at = path[p-qStart]
+		}
+		ks = append(ks, k[at*row:(at+1)*row]...)
+		vs = append(vs, v[at*row:(at+1)*row]...)
+	}
+	return reference(q, ks, vs, hq, h, d, scale, capv, window)
+}
+
+// TestTreeAndKeep: Tree (pkv_attn_tree) against the float64 reference over each node's keys (a
+// prefix of 37 tokens and a tree of 9 nodes with branches and two roots, beside a request of
+// another sequence and an empty one; GQA; window, soft-cap, scale, sinks, lse); a chain against
+// Prefill; the refusals (out as q among them), which write nothing; Keep (pkv_seq_keep) of the
+// accepted path: the length start + 3 and the K/V of start + idx[k] at start + k, a refused Keep
+// changing nothing; and the locks: Keep waits for a read of its sequence, as Truncate does, and
+// Tree for a change of its sequences, not of others.
+func TestTreeAndKeep(t *testing.T) {
+	r := rng(0x7ee5eed)
+	const h, d, hq = 2, 32, 4
+	const row = hq * d
+	const P, P2 = 37, 20 // the prefixes, committed
+	c := newCache(t, h, d, 64, F32)
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	s2, err := c.SeqCreate(nil)
+	must(t, err)
+	fill(t, c, s, P, &r)
+	fill(t, c, s2, P2, &r)
+	// the trees: s's 9 nodes at 37 .. 45, roots 0 and 4, branches at 0 (1, 2) and 2 (5, ...);
+	// s2's 3 at 20 .. 22
+	parent := []int32{-1, 0, 0, 1, -1, 2, 4, 3, 5}
+	parent2 := []int32{-1, 0, 0}
+	for _, x := range []struct {
+		s Seq
+		n int
+	}{{s, len(parent)}, {s2, len(parent2)}} {
+		info, err := c.SeqInfo(x.s)
+		must(t, err)
+		toks := make([]int32, x.n)
+		for i := range toks {
+			toks[i] = int32(900 + i)
+		}
+		_, err = c.Append(x.s, toks)
+		must(t, err)
+		must(t, c.WriteKVSeq(x.s, 0, info.NTokens, r.vec(x.n*h*d), r.vec(x.n*h*d)))
+	}
+	n := len(parent)
+	length := P + n
+	k, v, err := c.Gather(s, 0, 0, uint32(length))
+	must(t, err)
+	k2, v2, err := c.Gather(s2, 0, 0, uint32(P2+len(parent2)))
+	must(t, err)
+	reqs := []TreeReq{{s, P, parent}, {s2, 5, nil}, {s2, P2, parent2}}
+	rows := len(parent) + len(parent2)
+	q := r.vec(rows * row)
+	sinks := make([]float32, hq)
+	for i := range sinks {
+		sinks[i] = 1 + r.next()
+	}
+	for _, x := range []struct {
+		scale, capv float32
+		window      uint32
+		sinks       bool
+	}{{0, 0, 0, false}, {0, 0, 3, false}, {0.3, 6, 0, false}, {0, 0, 38, true}, {0, 0, 0, true}} {
+		what := fmt.Sprintf("Tree scale %g softcap %g window %d sinks %v", x.scale, x.capv, x.window, x.sinks)
+		p := AttnParams{NQHeads: hq, Scale: x.scale, Softcap: x.capv, Window: x.window}
+		if x.sinks {
+			p.Sinks = sinks
+		}
+		out, lse := make([]float32, rows*row), make([]float32, rows*hq)
+		must(t, c.Tree(0, reqs, q, out, p, lse))
+		sc := 1 / math.Sqrt(d)
+		if x.scale > 0 {
+			sc = float64(x.scale)
+		}
+		at := 0
+		for _, tr := range []struct {
+			par    []int32
+			q0     int
+			kk, vv []float32
+		}{{parent, P, k, v}, {parent2, P2, k2, v2}} {
+			for i := range tr.par {
+				w, wl := treeReference(q[at*row:(at+1)*row], tr.kk, tr.vv, hq, h, d, tr.q0, tr.par, i, sc,
+					float64(x.capv), int(x.window))
+				if x.sinks {
+					// one more key of logit sinks[h] and value 0: out scaled by e^lse / (e^lse +
+					// e^sink), lse the log of that sum
+					for hh := range wl {
+						sk := float64(sinks[hh])
+						m := math.Max(wl[hh], sk)
+						l2 := m + math.Log(math.Exp(wl[hh]-m)+math.Exp(sk-m))
+						for j := hh * d; j < (hh+1)*d; j++ {
+							w[j] *= math.Exp(wl[hh] - l2)
+						}
+						wl[hh] = l2
+					}
+				}
+				node := fmt.Sprintf("%s: node %d at %d", what, i, tr.q0+i)
+				assertClose(t, out[at*row:(at+1)*row], w, 1e-5, node)
+				assertClose(t, lse[at*hq:(at+1)*hq], wl, 1e-5, node+" lse")
+				at++
+			}
+		}
+	}
+
+	// a chain is what Prefill gives over the same positions
+	chain := make([]int32, n)
+	for i := range chain {
+		chain[i] = int32(i) - 1
+	}
+	p := AttnParams{NQHeads: hq}
+	qn := q[:n*row]
+	ot, lt, op, lp := make([]float32, n*row), make([]float32, n*hq), make([]float32, n*row), make([]float32, n*hq)
+	must(t, c.Tree(0, []TreeReq{{s, P, chain}}, qn, ot, p, lt))
+	must(t, c.Prefill(0, []AttnReq{{s, P, uint32(n)}}, qn, op, p, lp))
+	f64s := func(x []float32) []float64 {
+		y := make([]float64, len(x))
+		for i := range x {
+			y[i] = float64(x[i])
+		}
+		return y
+	}
+	assertClose(t, ot, f64s(op), 1e-5, "chain against Prefill")
+	assertClose(t, lt, f64s(lp), 1e-5, "chain against Prefill: lse")
+
+	// refusals: EINVAL (ENOENT for a stale sequence), out and lse untouched
+	out, lse := make([]float32, n*row), make([]float32, n*hq)
+	for i := range out {
+		out[i] = 7
+	}
+	for i := range lse {
+		lse[i] = 7
+	}
+	untouched := func(what string) {
+		t.Helper()
+		for _, x := range append(append([]float32(nil), out...), lse...) {
+			if x != 7 {
+				t.Fatalf("%s: a refusal wrote out or lse", what)
+			}
+		}
+	}
+	for _, b := range []struct {
+		i   int
+		bad int32
+	}{{3, 3}, {3, 5}, {3, -2}, {8, 8}, {0, 0}} {
+		par := append([]int32(nil), parent...)
+		par[b.i] = b.bad
+		err := c.Tree(0, []TreeReq{{s, P, par}}, qn, out, p, lse)
+		if code(err) != EINVAL || !strings.HasPrefix(err.Error(), "pkv_attn_tree: ") ||
+			!strings.Contains(err.Error(), fmt.Sprintf("node %d's parent %d is not in", b.i, b.bad)) {
+			t.Fatalf("parent[%d] = %d: %v", b.i, b.bad, err)
+		}
+		untouched(fmt.Sprintf("parent[%d] = %d", b.i, b.bad))
+	}
+	// nodes at 38 .. 46: past the length
+	if err := c.Tree(0, []TreeReq{{s, P + 1, parent}}, qn, out, p, lse); code(err) != EINVAL ||
+		!strings.Contains(err.Error(), "past the sequence's length 46") {
+		t.Fatal("nodes past the length:", err)
+	}
+	untouched("nodes past the length")
+	// out may not be q (unlike Decode and Prefill): libpkv refuses, q untouched
+	qc := append([]float32(nil), qn...)
+	if err := c.Tree(0, []TreeReq{{s, P, parent}}, qc, qc, p, nil); code(err) != EINVAL {
+		t.Fatal("out as q:", err)
+	}
+	if !sameBits(qc, qn) {
+		t.Fatal("out as q: a refusal wrote q")
+	}
+	// more than TreeMaxNodes nodes (all roots)
+	many := make([]int32, TreeMaxNodes+1)
+	for i := range many {
+		many[i] = -1
+	}
+	qm, om := make([]float32, len(many)*row), make([]float32, len(many)*row)
+	if err := c.Tree(0, []TreeReq{{s, 0, many}}, qm, om, p, nil); code(err) != EINVAL ||
+		!strings.Contains(err.Error(), "PKV_TREE_MAX_NODES") {
+		t.Fatal("more than TreeMaxNodes nodes:", err)
+	}
+	// the binding's own length checks: q, out, lse, sinks for the nodes' count
+	one := []TreeReq{{s, P, parent}}
+	for _, b := range []struct {
+		what string
+		err  error
+	}{
+		{"Tree: q: ", c.Tree(0, one, qn[1:], out, p, nil)},
+		{"Tree: out: ", c.Tree(0, one, qn, out[1:], p, nil)},
+		{"Tree: lse: ", c.Tree(0, one, qn, out, p, lse[1:])},
+		{"Tree: sinks: ", c.Tree(0, one, qn, out, AttnParams{NQHeads: hq, Sinks: sinks[1:]}, nil)},
+	} {
+		if code(b.err) != EINVAL || !strings.HasPrefix(b.err.Error(), b.what) {
+			t.Fatalf("%s: %v", b.what, b.err)
+		}
+	}
+	untouched("the length checks")
+	// a stale sequence; no requests
+	gone, err := c.SeqCreate(nil)
+	must(t, err)
+	must(t, c.Release(gone))
+	if err := c.Tree(0, []TreeReq{{gone, 0, nil}}, []float32{}, []float32{}, p, nil); code(err) != ENOENT {
+		t.Fatal("a stale sequence:", err)
+	}
+	must(t, c.Tree(0, nil, nil, nil, p, nil))
+
+	// Keep: refusals first, each changing nothing
+	same := func(what string) {
+		t.Helper()
+		info, err := c.SeqInfo(s)
+		must(t, err)
+		if info.NTokens != uint32(length) || info.NCommitted != P {
+			t.Fatalf("%s: length %d committed %d", what, info.NTokens, info.NCommitted)
+		}
+		k1, v1, err := c.Gather(s, 0, 0, uint32(length))
+		must(t, err)
+		if !sameBits(k1, k) || !sameBits(v1, v) {
+			t.Fatalf("%s: a refused Keep changed K/V", what)
+		}
+	}
+	for _, b := range []struct {
+		what  string
+		start uint32
+		idx   []uint32
+	}{
+		{"not strictly ascending", P, []uint32{0, 2, 2}},
+		{"descending", P, []uint32{2, 0, 5}},
+		{"past the length", P, []uint32{0, 2, 9}},
+		{"a committed position", P - 1, []uint32{0, 2, 5}},
+	} {
+		if err := c.Keep(s, b.start, b.idx); code(err) != EINVAL || !strings.HasPrefix(err.Error(), "pkv_seq_keep: ") {
+			t.Fatalf("Keep %s: %v", b.what, err)
+		}
+		same("Keep " + b.what)
+	}
+	if err := c.Keep(gone, P, []uint32{0}); code(err) != ENOENT {
+		t.Fatal("Keep of a stale sequence:", err)
+	}
+	same("Keep of a stale sequence")
+	// the accepted path 0 -> 2 -> 5
+	idx := []uint32{0, 2, 5}
+	must(t, c.Keep(s, P, idx))
+	info, err := c.SeqInfo(s)
+	must(t, err)
+	if info.NTokens != P+uint32(len(idx)) || info.NCommitted != P {
+		t.Fatalf("after Keep: length %d committed %d", info.NTokens, info.NCommitted)
+	}
+	k1, v1, err := c.Gather(s, 0, 0, info.NTokens)
+	must(t, err)
+	const kv = h * d
+	if !sameBits(k1[:P*kv], k[:P*kv]) || !sameBits(v1[:P*kv], v[:P*kv]) {
+		t.Fatal("Keep changed the prefix")
+	}
+	for j, i := range idx {
+		at, from := (P+j)*kv, (P+int(i))*kv
+		if !sameBits(k1[at:at+kv], k[from:from+kv]) || !sameBits(v1[at:at+kv], v[from:from+kv]) {
+			t.Fatalf("position %d: not what position %d held", P+j, P+int(i))
+		}
+	}
+	// the sequence reads as one written with the path: decode at its last position
+	qd, od := r.vec(row), make([]float32, row)
+	must(t, c.Decode(0, []Seq{s}, qd, od, p, nil))
+	w, _ := reference(qd, k1, v1, hq, h, d, 1/math.Sqrt(d), 0, 0)
+	assertClose(t, od, w, 1e-5, "decode after Keep")
+
+	// the locks: Keep holds s alone and the rows lock, as Truncate does; Tree reads its sequences
+	kept := uint32(P + len(idx))
+	treeOf := func(x Seq, q0 uint32, m int) call {
+		return call{fmt.Sprintf("Tree(%v)", x), func() error {
+			ch := make([]int32, m)
+			for i := range ch {
+				ch[i] = int32(i) - 1
+			}
+			return c.Tree(0, []TreeReq{{x, q0, ch}}, q[:m*row], make([]float32, m*row), p, nil)
+		}}
+	}
+	keepS := call{"Keep(s)", func() error { return c.Keep(s, kept, nil) }} // n 0: truncates to start, the length
+	_, held, err := c.enter(readKV, s)                                     // a read of s (attention over s)
+	must(t, err)
+	goOn(t, "a read of s", treeOf(s, P, len(idx)), treeOf(s2, P2, len(parent2)))
+	waitOn(t, "a read of s", held.exit, keepS)
+	_, held, err = c.enter(moveRows, s) // what Keep(s) holds
+	must(t, err)
+	goOn(t, "a Keep(s)", treeOf(s2, P2, len(parent2)))
+	waitOn(t, "a Keep(s)", held.exit, treeOf(s, P, len(idx)))
+	_, held, err = c.enter(access{rows: useShared}) // a WriteKVShared in flight
+	must(t, err)
+	goOn(t, "a WriteKVShared", treeOf(s, P, len(idx)))
+	waitOn(t, "a WriteKVShared", held.exit, keepS)
+	// an empty idx truncates to start
+	must(t, c.Keep(s, P+1, []uint32{}))
+	info, err = c.SeqInfo(s)
+	must(t, err)
+	if info.NTokens != P+1 {
+		t.Fatalf("Keep(s, start, []): length %d, want %d", info.NTokens, P+1)
+	}
+	must(t, c.Check())
 }

@@ -45,6 +45,9 @@ int main(void) {
     FIELD(pkv_attn_params, sinks);
     SIZE(pkv_attn_req);
     FIELD(pkv_attn_req, seq), FIELD(pkv_attn_req, q_start), FIELD(pkv_attn_req, n_q);
+    SIZE(pkv_attn_tree_req);
+    FIELD(pkv_attn_tree_req, seq), FIELD(pkv_attn_tree_req, q_start), FIELD(pkv_attn_tree_req, n_nodes);
+    FIELD(pkv_attn_tree_req, parent);
     SIZE(pkv_append_req);
     FIELD(pkv_append_req, seq), FIELD(pkv_append_req, tokens), FIELD(pkv_append_req, n);
     FIELD(pkv_append_req, slots_out);

@@ -162,6 +162,17 @@ pub struct pkv_attn_req {
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
+pub struct pkv_attn_tree_req {
+    pub seq: pkv_seq,
+    pub q_start: u32,
+    pub n_nodes: u32,
+    pub parent: *const i32,
+}
+
+pub const PKV_TREE_MAX_NODES: u32 = 1024;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
 pub struct pkv_append_req {
     pub seq: pkv_seq,
     pub tokens: *const i32,
@@ -234,6 +245,7 @@ extern "C" {
     pub fn pkv_seq_commit(c: *mut pkv_cache, s: pkv_seq, n_pos: u32) -> c_int;
     pub fn pkv_seq_fork(c: *mut pkv_cache, parent: pkv_seq, child: *mut pkv_seq) -> c_int;
     pub fn pkv_seq_truncate(c: *mut pkv_cache, s: pkv_seq, n: u32) -> c_int;
+    pub fn pkv_seq_keep(c: *mut pkv_cache, s: pkv_seq, start: u32, idx: *const u32, n: u32) -> c_int;
     pub fn pkv_seq_compact(c: *mut pkv_cache, s: pkv_seq, flags: u32, n_moved: *mut u32) -> c_int;
     pub fn pkv_batch_compact(
         c: *mut pkv_cache,
@@ -374,6 +386,15 @@ extern "C" {
         c: *mut pkv_cache,
         layer: u32,
         reqs: *const pkv_attn_req,
+        n_reqs: u32,
+        q: *const f32,
+        out: *mut f32,
+        p: *const pkv_attn_params,
+    ) -> c_int;
+    pub fn pkv_attn_tree(
+        c: *mut pkv_cache,
+        layer: u32,
+        reqs: *const pkv_attn_tree_req,
         n_reqs: u32,
         q: *const f32,
         out: *mut f32,

@@ -366,6 +366,22 @@ pub struct AttnReq {
     pub n_q: u32,
 }
 
+/// `PKV_TREE_MAX_NODES` (pkv.h): the most nodes a [`TreeReq`] may have; past it, `EINVAL`.
+pub const TREE_MAX_NODES: u32 = ffi::PKV_TREE_MAX_NODES;
+
+/// One request of [`Cache::tree`]: a tree of draft tokens (speculative decoding) whose K/V `seq`
+/// holds at positions [q_start, q_start + parent.len()), node i at q_start + i (pkv_attn_tree_req;
+/// its n_nodes is `parent.len()`, at most [`TREE_MAX_NODES`]). `parent[i]` is node i's parent, in
+/// [-1, i) (-1 for a root; several roots allowed): each node comes after its parent. Node i's
+/// position in the text is q_start + depth(i) (a root has depth 0): the position its K was rotated
+/// for, and the one a window counts from. An empty `parent` is an empty request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TreeReq<'a> {
+    pub seq: Seq,
+    pub q_start: u32,
+    pub parent: &'a [i32],
+}
+
 /// One request of [`Cache::batch_append`]: `tokens` appended to `seq`, their slots written to
 /// `slots` where given (`slots.len() == tokens.len()`).
 #[derive(Debug)]
@@ -948,9 +964,9 @@ impl Cache {
 
     /// Writes K and/or V of one layer at these slots (slot -1 skips a row): each
     /// `[slots.len()][n_kv_heads][head_dim]`; both of one type. All-or-nothing. Slots name
-    /// places in the pool, not a sequence: after a truncate, release or compaction of their
-    /// sequence they may lie in another sequence's blocks, and a write through them changes
-    /// that one. Take them again ([`Cache::slots`]) after those calls.
+    /// places in the pool, not a sequence: after a truncate, keep, release or compaction of
+    /// their sequence they may lie in another sequence's blocks, and a write through them
+    /// changes that one. Take them again ([`Cache::slots`]) after those calls.
     pub fn write_kv(&mut self, layer: u32, slots: &[i32], k: Option<KvData<'_>>, v: Option<KvData<'_>>) -> Result<()> {
         // SAFETY: `&mut self` excludes every other call on this cache
         unsafe { self.write_kv_shared(layer, slots, k, v) }
@@ -1040,6 +1056,23 @@ impl Cache {
     /// Keeps positions [0, n).
     pub fn truncate(&mut self, s: Seq, n: u32) -> Result<()> {
         check(unsafe { ffi::pkv_seq_truncate(self.p(), s.0, n) }, "pkv_seq_truncate")
+    }
+
+    /// Keeps the positions start + idx\[k\] of the sequence's uncommitted tail, moved to start + k
+    /// (their token ids and every layer's K and V), and drops the rest of the tail: the length
+    /// becomes start + idx.len() (pkv_seq_keep). After a [`Cache::tree`] over nodes at
+    /// [start, ...), this keeps the accepted path (its node indices ascend from root to leaf);
+    /// then [`Cache::commit`] what is kept. idx strictly ascending, start + its last < the length,
+    /// start at or past the committed count, and each position moved into one that
+    /// [`Cache::write_kv_seq`] could write (a block `s` holds alone, outside the prefix index, not
+    /// committed): else `EINVAL` and nothing changes. An empty idx truncates to start. Slots
+    /// taken before are stale for the moved positions.
+    pub fn keep(&mut self, s: Seq, start: u32, idx: &[u32]) -> Result<()> {
+        let n = len_u32(idx.len(), "keep: idx")?;
+        check(
+            unsafe { ffi::pkv_seq_keep(self.p(), s.0, start, idx.as_ptr(), n) },
+            "pkv_seq_keep",
+        )
     }
 
     /// Moves runs of the sequence's blocks that it alone holds (no fork or pin shares them) into
@@ -1607,5 +1640,48 @@ impl Cache {
             lse,
             |c, n, qp, op, raw| unsafe { ffi::pkv_attn_prefill(c, layer, rp, n, qp, op, raw) },
         )
+    }
+
+    /// Tree attention (pkv_attn_tree) for speculative decoding (SpecInfer / Medusa / EAGLE
+    /// verification): node i of a request sees the positions before its q_start (the prefix)
+    /// and the nodes on its path to its root, itself included, not its siblings or other
+    /// branches. With a window, a key is seen where the node's position (q_start + depth) minus
+    /// the key's (its position in the prefix, or q_start + depth for a node) is under the window.
+    /// q and out: the requests' nodes' queries concatenated, `[sum parent.len()][n_q_heads][head_dim]`
+    /// (out is never q: libpkv refuses that for this call, and the borrows keep them apart); lse,
+    /// if given, `[sum parent.len()][n_q_heads]`; `p.sinks`, if given, `[n_q_heads]`; `p` means
+    /// what it means for [`Cache::prefill`], per node. A chain (`parent[i] = i - 1`) gives what
+    /// prefill gives over the same positions, up to float rounding. A parent outside [-1, i),
+    /// more than [`TREE_MAX_NODES`] nodes, nodes past the sequence's length, and every refusal of
+    /// prefill are `EINVAL`, nothing written. Accepting a path afterwards: [`Cache::truncate`] to
+    /// drop the tree, or [`Cache::keep`].
+    pub fn tree(
+        &self,
+        layer: u32,
+        reqs: &[TreeReq<'_>],
+        q: &[f32],
+        out: &mut [f32],
+        p: &AttnParams<'_>,
+        lse: Option<&mut [f32]>,
+    ) -> Result<()> {
+        let mut total = 0usize;
+        // pkv_attn_tree_req holds a pointer and a count where TreeReq holds a slice: built here
+        let mut rs = Vec::with_capacity(reqs.len());
+        for (i, r) in reqs.iter().enumerate() {
+            let n = len_u32(r.parent.len(), &format!("tree: reqs[{}].parent", i))?;
+            total = total
+                .checked_add(r.parent.len())
+                .ok_or_else(|| invalid("tree: the nodes' count is past usize".to_string()))?;
+            rs.push(ffi::pkv_attn_tree_req {
+                seq: r.seq.0,
+                q_start: r.q_start,
+                n_nodes: n,
+                parent: r.parent.as_ptr(),
+            });
+        }
+        let rp = rs.as_ptr();
+        self.attn_call("tree", reqs.len(), total, q, out, p, lse, |c, n, qp, op, raw| unsafe {
+            ffi::pkv_attn_tree(c, layer, rp, n, qp, op, raw)
+        })
     }
 }

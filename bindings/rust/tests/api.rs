@@ -3,8 +3,9 @@
 //! prefill against contiguous attention, soft-cap, window and the LSE merge, attention sinks
 //! against that merge, prefix reuse, fork and copy-on-write, the exports, statuses as errors,
 //! the binding's own length checks, the `_into` forms, decodes from several threads at once, K/V
-//! writes of one layer beside decodes of another, and the prefix-index events against the
-//! hashes `prefix_hashes` computes. Run by ctest (test_rust) with PKV_LIB_DIR set.
+//! writes of one layer beside decodes of another, the prefix-index events against the hashes
+//! `prefix_hashes` computes, and tree attention against the reference over each node's keys,
+//! with `keep` of an accepted path. Run by ctest (test_rust) with PKV_LIB_DIR set.
 
 use pagedkv::*;
 use std::collections::HashMap;
@@ -261,6 +262,12 @@ fn struct_layouts_match_c() {
     );
     offsets!(m, "pkv_attn_req", ffi::pkv_attn_req, [seq, q_start, n_q]);
     offsets!(m, "pkv_attn_req", AttnReq, [seq, q_start, n_q]); // the safe type handed over as one
+    offsets!(
+        m,
+        "pkv_attn_tree_req",
+        ffi::pkv_attn_tree_req,
+        [seq, q_start, n_nodes, parent]
+    );
     offsets!(m, "pkv_append_req", ffi::pkv_append_req, [seq, tokens, n, slots_out]);
     offsets!(
         m,
@@ -1811,4 +1818,306 @@ fn prefix_index_events() {
     );
     assert_eq!(prefix_hashes(&[7u8; 256], 2, &[1, 2, 3]).unwrap().len(), 1);
     assert_eq!(prefix_hashes(b"", 16, &[]).unwrap(), []);
+}
+
+/// The float64 reference of node `i` of a tree whose nodes are at positions [q_start, ..) of K, V
+/// (`[T][h][d]`, gathered): its keys are the prefix [0, q_start) and its path, root first, in
+/// text order (the path's nodes at q_start + depth), so `reference`'s window counts back from
+/// the node's own position q_start + depth(i), as pkv_attn_tree's does.
+#[allow(clippy::too_many_arguments)]
+fn tree_reference(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (hq, h, d): (usize, usize, usize),
+    q_start: usize,
+    parent: &[i32],
+    i: usize,
+    (scale, cap, window): (f64, f64, usize),
+) -> (Vec<f64>, Vec<f64>) {
+    let mut path = Vec::new();
+    let mut j = i as i32;
+    while j >= 0 {
+        assert!(j < parent.len() as i32 && parent[j as usize] < j, "not a tree");
+        path.push(q_start + j as usize);
+        j = parent[j as usize];
+    }
+    path.reverse();
+    let keys: Vec<usize> = (0..q_start).chain(path).collect();
+    let row = h * d;
+    let pick = |x: &[f32]| -> Vec<f32> { keys.iter().flat_map(|&p| x[p * row..][..row].iter().copied()).collect() };
+    reference(q, &pick(k), &pick(v), hq, h, d, scale, cap, window)
+}
+
+/// Tree attention (pkv_attn_tree) against the float64 reference over each node's keys (a prefix
+/// of 37 tokens and a tree of 9 nodes with branches and two roots, beside a request of another
+/// sequence and an empty one; GQA; window, soft-cap, scale, sinks, lse); a chain against prefill;
+/// the refusals, which write nothing; then keep (pkv_seq_keep) of the accepted path: the length
+/// start + 3 and the K/V of start + idx[k] at start + k, and a keep that is refused changes
+/// nothing.
+#[test]
+fn tree_attention_and_keep() {
+    let mut rng = Rng(0x7ee5eed);
+    let (h, d, hq) = (2usize, 32usize, 4usize);
+    let dims = (hq, h, d);
+    let row = hq * d;
+    let mut c = Cache::new(&cfg(h as u32, d as u32, 64, Dtype::F32)).unwrap();
+    let (s, s2) = (c.seq_create(b"").unwrap(), c.seq_create(b"").unwrap());
+    const P: usize = 37; // the prefix, committed
+    const P2: usize = 20;
+    fill(&mut c, s, P, &mut rng);
+    fill(&mut c, s2, P2, &mut rng);
+    // the trees: s's 9 nodes at 37 .. 45, roots 0 and 4, branches at 0 (1, 2) and 2 (5, ...);
+    // s2's 3 at 20 .. 22
+    let parent: [i32; 9] = [-1, 0, 0, 1, -1, 2, 4, 3, 5];
+    let parent2: [i32; 3] = [-1, 0, 0];
+    for (seq, n) in [(s, parent.len()), (s2, parent2.len())] {
+        let start = c.seq_info(seq).unwrap().n_tokens;
+        c.append(seq, &(0..n as i32).map(|i| 900 + i).collect::<Vec<i32>>())
+            .unwrap();
+        let (k, v) = (rng.vec(n * h * d), rng.vec(n * h * d));
+        c.write_kv_seq(seq, 0, start, Some(KvData::F32(&k)), Some(KvData::F32(&v)))
+            .unwrap();
+    }
+    let len = P + parent.len();
+    let (k, v) = c.gather(s, 0, 0, len as u32).unwrap();
+    let (k2, v2) = c.gather(s2, 0, 0, (P2 + parent2.len()) as u32).unwrap();
+    let reqs = [
+        TreeReq {
+            seq: s,
+            q_start: P as u32,
+            parent: &parent,
+        },
+        TreeReq {
+            seq: s2,
+            q_start: 5,
+            parent: &[],
+        },
+        TreeReq {
+            seq: s2,
+            q_start: P2 as u32,
+            parent: &parent2,
+        },
+    ];
+    let rows = parent.len() + parent2.len();
+    let q = rng.vec(rows * row);
+    let sinks: Vec<f32> = (0..hq).map(|_| 1.0 + rng.next()).collect();
+    for (scale, cap, window, with_sinks) in [
+        (0f32, 0f32, 0u32, false),
+        (0.0, 0.0, 3, false),
+        (0.3, 6.0, 0, false),
+        (0.0, 0.0, 38, true),
+        (0.0, 0.0, 0, true),
+    ] {
+        let what = format!(
+            "tree scale {} softcap {} window {} sinks {}",
+            scale, cap, window, with_sinks
+        );
+        let p = AttnParams {
+            n_q_heads: hq as u32,
+            scale,
+            softcap: cap,
+            window,
+            sinks: if with_sinks { Some(&sinks) } else { None },
+            ..AttnParams::default()
+        };
+        let (mut out, mut lse) = (vec![0f32; rows * row], vec![0f32; rows * hq]);
+        c.tree(0, &reqs, &q, &mut out, &p, Some(&mut lse)).unwrap();
+        let sc = if scale > 0.0 {
+            scale as f64
+        } else {
+            1.0 / (d as f64).sqrt()
+        };
+        let mut at = 0;
+        for (par, q0, kk, vv) in [(&parent[..], P, &k, &v), (&parent2[..], P2, &k2, &v2)] {
+            for i in 0..par.len() {
+                let (mut w, mut wl) = tree_reference(
+                    &q[at * row..][..row],
+                    kk,
+                    vv,
+                    dims,
+                    q0,
+                    par,
+                    i,
+                    (sc, cap as f64, window as usize),
+                );
+                if with_sinks {
+                    // one more key of logit sinks[h] and value 0: out scaled by e^lse / (e^lse +
+                    // e^sink), lse the log of that sum
+                    for (hh, l) in wl.iter_mut().enumerate() {
+                        let m = l.max(sinks[hh] as f64);
+                        let l2 = m + ((*l - m).exp() + (sinks[hh] as f64 - m).exp()).ln();
+                        w[hh * d..][..d].iter_mut().for_each(|x| *x *= (*l - l2).exp());
+                        *l = l2;
+                    }
+                }
+                let node = format!("{}: node {} at {}", what, i, q0 + i);
+                assert_close(&out[at * row..][..row], &w, 1e-5, &node);
+                assert_close(&lse[at * hq..][..hq], &wl, 1e-5, &format!("{} lse", node));
+                at += 1;
+            }
+        }
+    }
+
+    // a chain is what prefill gives over the same positions
+    let chain: Vec<i32> = (-1..parent.len() as i32 - 1).collect();
+    let p = AttnParams {
+        n_q_heads: hq as u32,
+        ..AttnParams::default()
+    };
+    let n = parent.len();
+    let (mut ot, mut lt) = (vec![0f32; n * row], vec![0f32; n * hq]);
+    let (mut op, mut lp) = (vec![0f32; n * row], vec![0f32; n * hq]);
+    let cr = [TreeReq {
+        seq: s,
+        q_start: P as u32,
+        parent: &chain,
+    }];
+    c.tree(0, &cr, &q[..n * row], &mut ot, &p, Some(&mut lt)).unwrap();
+    let pr = [AttnReq {
+        seq: s,
+        q_start: P as u32,
+        n_q: n as u32,
+    }];
+    c.prefill(0, &pr, &q[..n * row], &mut op, &p, Some(&mut lp)).unwrap();
+    let f64s = |x: &[f32]| x.iter().map(|&y| y as f64).collect::<Vec<f64>>();
+    assert_close(&ot, &f64s(&op), 1e-5, "chain against prefill");
+    assert_close(&lt, &f64s(&lp), 1e-5, "chain against prefill: lse");
+
+    // refusals: EINVAL (ENOENT for a stale sequence), out untouched. out as q cannot be written in
+    // safe Rust (q is borrowed shared, out mutably), so that refusal of libpkv's is not reachable.
+    let qn = &q[..n * row];
+    let mut out = vec![7f32; n * row];
+    let mut lse = vec![7f32; n * hq];
+    let tree1 = |c: &Cache, par: &[i32], q_start: u32, out: &mut [f32], lse: &mut [f32]| {
+        let r = [TreeReq {
+            seq: s,
+            q_start,
+            parent: par,
+        }];
+        c.tree(0, &r, qn, out, &p, Some(lse)).unwrap_err()
+    };
+    for (i, bad) in [(3usize, 3i32), (3, 5), (3, -2), (8, 8), (0, 0)] {
+        let mut par = parent;
+        par[i] = bad;
+        let e = tree1(&c, &par, P as u32, &mut out, &mut lse);
+        assert_eq!(e.code(), EINVAL, "parent[{}] = {}: {}", i, bad, e);
+        assert!(e.to_string().starts_with("pkv_attn_tree: "), "{}", e);
+        assert!(
+            e.to_string()
+                .contains(&format!("node {}'s parent {} is not in", i, bad)),
+            "{}",
+            e
+        );
+    }
+    let e = tree1(&c, &parent, P as u32 + 1, &mut out, &mut lse); // nodes at 38 .. 46: past the length
+    assert_eq!(e.code(), EINVAL, "{}", e);
+    assert!(e.to_string().contains("past the sequence's length 46"), "{}", e);
+    assert!(out.iter().chain(&lse).all(|&x| x == 7.0), "a refusal wrote out or lse");
+    // more than TREE_MAX_NODES nodes (all roots)
+    let many = vec![-1i32; TREE_MAX_NODES as usize + 1];
+    let r = [TreeReq {
+        seq: s,
+        q_start: 0,
+        parent: &many,
+    }];
+    let qm = vec![0.5f32; many.len() * row];
+    let mut om = vec![0f32; many.len() * row];
+    let e = c.tree(0, &r, &qm, &mut om, &p, None).unwrap_err();
+    assert_eq!(e.code(), EINVAL, "{}", e);
+    assert!(e.to_string().contains("PKV_TREE_MAX_NODES"), "{}", e);
+    // the binding's own length checks: q, out, lse, sinks for the nodes' count
+    let r = [TreeReq {
+        seq: s,
+        q_start: P as u32,
+        parent: &parent,
+    }];
+    let e = c.tree(0, &r, &q[..n * row - 1], &mut out, &p, None).unwrap_err();
+    assert!(e.code() == EINVAL && e.to_string().starts_with("tree: q: "), "{}", e);
+    let e = c.tree(0, &r, qn, &mut out[..n * row - 1], &p, None).unwrap_err();
+    assert!(e.code() == EINVAL && e.to_string().starts_with("tree: out: "), "{}", e);
+    let e = c
+        .tree(0, &r, qn, &mut out, &p, Some(&mut lse[..n * hq - 1]))
+        .unwrap_err();
+    assert!(e.code() == EINVAL && e.to_string().starts_with("tree: lse: "), "{}", e);
+    let e = c
+        .tree(
+            0,
+            &r,
+            qn,
+            &mut out,
+            &AttnParams {
+                sinks: Some(&sinks[1..]),
+                ..p
+            },
+            None,
+        )
+        .unwrap_err();
+    assert!(
+        e.code() == EINVAL && e.to_string().starts_with("tree: sinks: "),
+        "{}",
+        e
+    );
+    assert!(out.iter().chain(&lse).all(|&x| x == 7.0), "a refusal wrote out or lse");
+    // a stale sequence
+    let gone = c.seq_create(b"").unwrap();
+    c.release(gone).unwrap();
+    let r = [TreeReq {
+        seq: gone,
+        q_start: 0,
+        parent: &[],
+    }];
+    assert_eq!(c.tree(0, &r, &[], &mut [], &p, None).unwrap_err().code(), ENOENT);
+    // no requests: nothing to do
+    c.tree(0, &[], &[], &mut [], &p, None).unwrap();
+
+    // keep: refusals first, each changing nothing
+    let same = |c: &Cache| {
+        let info = c.seq_info(s).unwrap();
+        assert_eq!((info.n_tokens, info.n_committed), (len as u32, P as u32));
+        let (k1, v1) = c.gather(s, 0, 0, len as u32).unwrap();
+        assert!(k1 == k && v1 == v, "a refused keep changed K/V");
+    };
+    for (start, idx) in [
+        (P as u32, &[0u32, 2, 2][..]),  // not strictly ascending
+        (P as u32, &[2, 0, 5][..]),     // descending
+        (P as u32, &[0, 2, 9][..]),     // past the length
+        (P as u32 - 1, &[0, 2, 5][..]), // a committed position
+    ] {
+        let e = c.keep(s, start, idx).unwrap_err();
+        assert_eq!(e.code(), EINVAL, "keep({}, {:?}): {}", start, idx, e);
+        assert!(e.to_string().starts_with("pkv_seq_keep: "), "{}", e);
+        same(&c);
+    }
+    assert_eq!(c.keep(gone, P as u32, &[0]).unwrap_err().code(), ENOENT);
+    same(&c);
+    // the accepted path 0 -> 2 -> 5
+    let idx = [0u32, 2, 5];
+    c.keep(s, P as u32, &idx).unwrap();
+    let info = c.seq_info(s).unwrap();
+    assert_eq!((info.n_tokens, info.n_committed), ((P + idx.len()) as u32, P as u32));
+    let (k1, v1) = c.gather(s, 0, 0, info.n_tokens).unwrap();
+    let kv = h * d;
+    assert!(
+        k1[..P * kv] == k[..P * kv] && v1[..P * kv] == v[..P * kv],
+        "keep changed the prefix"
+    );
+    for (j, &i) in idx.iter().enumerate() {
+        let (at, from) = ((P + j) * kv, (P + i as usize) * kv);
+        assert!(
+            k1[at..][..kv] == k[from..][..kv] && v1[at..][..kv] == v[from..][..kv],
+            "position {}: not what position {} held",
+            P + j,
+            P + i as usize
+        );
+    }
+    // the sequence reads as one written with the path: decode at its last position
+    let qd = rng.vec(row);
+    let mut od = vec![0f32; row];
+    c.decode(0, &[s], &qd, &mut od, &p, None).unwrap();
+    expect_attn(&od, &qd, &k1, &v1, hq, h, d, "decode after keep");
+    // an empty idx truncates to start
+    c.keep(s, P as u32 + 1, &[]).unwrap();
+    assert_eq!(c.seq_info(s).unwrap().n_tokens, P as u32 + 1);
+    c.check().unwrap();
 }
