@@ -647,7 +647,8 @@ static void rand_tree(int32_t *parent, uint32_t n) {
     }
 }
 
-/* pkv_attn_tree against the reference: every float dtype, 1 and 2 threads, prefixes of 0 to 150
+/* pkv_attn_tree against the reference: every float dtype and fp8 (K/V dequantized in the
+ * reference; fp8 K keeps f32 queries, so the float tolerance holds), 1 and 2 threads, prefixes of 0 to 150
  * tokens (a block boundary inside the tree), trees of 1 to 60 nodes, two requests and an empty
  * one in a call, with window (shorter and longer than the paths), soft-cap, sinks and lse; a
  * chain gives what prefill gives. */
@@ -655,9 +656,10 @@ static void test_api_tree(void **state) {
     (void)state;
     static host_seq s[2];
     static const uint32_t prefixes[] = {0, 1, 37, 150}, sizes[] = {1, 7, 60};
-    for (size_t ti = 0; ti < 3; ti++)
+    static const pkv_dtype dts[4] = {PKV_DTYPE_F32, PKV_DTYPE_F16, PKV_DTYPE_BF16, PKV_DTYPE_FP8_E4M3};
+    for (size_t ti = 0; ti < 4; ti++)
         for (uint32_t nt = 1; nt <= 2; nt++) {
-            const pkv_dtype dt = k_types[ti];
+            const pkv_dtype dt = dts[ti];
             for (size_t pi = 0; pi < 4; pi++) {
                 pkv_cache *c = make_cache(dt, nt, 0);
                 int32_t par[2][64];
