@@ -750,8 +750,9 @@ enum { PKV_TREE_MAX_NODES = 1024 };
  * concatenated, [sum n_nodes][n_q_heads][head_dim] (out may not be q: the paths read the queries
  * after the prefix part wrote out); p as for pkv_attn_prefill:
  * scale, softcap, window, lse and sinks mean the same, per node. The prefix is read by the
- * prefill kernels, all of a request's nodes at once (in runs of 4096 / n_q_heads nodes: a
- * request of more reads its prefix once a run; with a window, a run a node), the paths on the
+ * prefill kernels, all of a request's nodes at once (in runs of max(4096, 1024 x n_kv_heads) /
+ * n_q_heads nodes: a request of more reads its prefix once a run; where a window ends inside
+ * the prefix for some node, a read a node), the paths on the
  * calling thread; the two parts are merged by log-sum-exp. A chain (parent[i] = i - 1) gives what
  * pkv_attn_prefill gives over the same positions, up to float rounding. Bad input (a parent
  * outside [-1, i), n_nodes past PKV_TREE_MAX_NODES or the sequence, a NULL parent with nodes, and

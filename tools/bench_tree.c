@@ -95,13 +95,15 @@ int tool_bench_tree(int argc, char **argv) {
                "%8s %6s %6s %4s %12s %12s %12s %11s %13s\n",
                tool_build_info(), tool_cpu_name(), NQH, NKV, HD, BT, rounds, "ctx", "width", "nodes", "thr", "tree_us",
                "paths_us", "prefill_us", "tree/paths", "tree/prefill");
-    float *kv = malloc(sizeof(float) * 1024 * NKV * HD), *q = malloc(sizeof(float) * MAX_NODES * NQH * HD);
-    float *out = malloc(sizeof(float) * MAX_NODES * NQH * HD);
+    /* queries: the tree's 1 + 4W, the paths' 5W */
+    const size_t rows = 5 * ((MAX_NODES - 1) / 4);
+    float *kv = malloc(sizeof(float) * 1024 * NKV * HD), *q = malloc(sizeof(float) * rows * NQH * HD);
+    float *out = malloc(sizeof(float) * rows * NQH * HD);
     double *t[3] = {malloc(sizeof(double) * rounds), malloc(sizeof(double) * rounds), malloc(sizeof(double) * rounds)};
     int status = TOOL_FAIL;
     if (!kv || !q || !out || !t[0] || !t[1] || !t[2]) goto done;
     uint64_t rng = 12345;
-    for (size_t i = 0; i < (size_t)MAX_NODES * NQH * HD; i++) q[i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
+    for (size_t i = 0; i < rows * NQH * HD; i++) q[i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
     for (int ci = 0; ci < n_ctx; ci++)
         for (int ti = 0; ti < n_thr; ti++)
             for (int wi = 0; wi < n_w; wi++) {

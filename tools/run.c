@@ -44,7 +44,9 @@ static void usage(FILE *f) {
             "                     (pkv_seq_keep): the drafts are up to W continuations of earlier\n"
             "                     places in the text that end like it (prompt lookup, 2 tokens, else\n"
             "                     1), merged into a tree; 1 to 16. The token ids are those of the run\n"
-            "                     without it; stderr says how many each pass accepted\n"
+            "                     without it up to float rounding (the tree's attention sums in\n"
+            "                     another order: a near-tie may go the other way); stderr says how\n"
+            "                     many positions each pass kept\n"
             "  --spec-depth D     draft tokens per continuation, 1 to 32 [5]\n"
             "  -h, --help         this help\n"
             "\n"
@@ -151,7 +153,8 @@ static uint32_t spec_tree(spec_ctx *sp, const int32_t *h, uint32_t nh, uint32_t 
 /* Greedy decoding of one sequence with draft trees until it ends (BOS, or steps positions),
  * logits those of its last position: each pass samples the root (the token greedy decoding
  * takes next), verifies the tree in one forward pass, keeps the root and the drafts greedy
- * decoding would have taken after it, and commits them. The same tokens as without drafts. */
+ * decoding would have taken after it, and commits them. The same tokens as without drafts, up
+ * to float rounding (the tree's logits come from attention summed in another order). */
 static int spec_decode(const model *m, model_scratch *s, pkv_cache *c, pkv_seq seq, const int32_t *prompt,
                        uint32_t plen, int32_t *gen, uint32_t *n_gen, uint32_t *len, uint32_t steps, float *logits,
                        int32_t *hist, spec_ctx *sp, model_pkv_step *tm) {

@@ -1681,7 +1681,8 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         const uint64_t nbt = (end + kv->block_tokens - 1) / kv->block_tokens;
         if (nbt > at->lim.max_blocks_per_seq && at->lim.max_blocks_per_seq) return PKV_EINVAL;
         if (end > UINT32_MAX) return PKV_EINVAL;
-        if (it->k_end && key_lo(it->q_pos0, call->window) >= it->k_end) return PKV_EINVAL; /* no key at all */
+        /* every query sees a key (a tile of later queries would otherwise have none: k_lo > k_hi) */
+        if (it->k_end && key_lo(it->q_pos0 + it->n_q - 1, call->window) >= it->k_end) return PKV_EINVAL;
         /* only the blocks a query can see are read; each must name a block of the pool */
         const uint32_t lo = key_lo(it->q_pos0, call->window) / kv->block_tokens;
         if (sweepable(it)) most = PKV_MAX(most, (uint32_t)(nbt - lo));

@@ -24,9 +24,10 @@ typedef struct pkv__kv_view {
  * q_pos0 .. q_pos0 + n_q - 1; the query at position p attends to positions
  * [max(0, p - window + 1), p] (window 0 = [0, p]). block_table covers at least
  * ceil((q_pos0 + n_q) / block_tokens) entries, all valid block ids. Decode is the item
- * {q_pos0 = length - 1, n_q = 1}. k_end, where not 0, also hides every key at or past it: with
- * k_end <= q_pos0 all n_q queries see the same keys [.., k_end) (pkv_attn_tree's prefix part;
- * the pool-order sweep does not take such items). */
+ * {q_pos0 = length - 1, n_q = 1}. k_end, where not 0, also hides every key at or past it; the
+ * last query's window must still reach below it (else PKV_EINVAL). With k_end <= q_pos0 and no
+ * window all n_q queries see the same keys [0, k_end) (pkv_attn_tree's prefix part; the
+ * pool-order sweep does not take such items). */
 typedef struct pkv__attn_item {
     const int32_t *block_table;
     uint32_t q_pos0;

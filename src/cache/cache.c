@@ -1888,26 +1888,28 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
     double *sc = (double *)(void *)c->tree;
     float *la = (float *)(void *)(sc + PKV_TREE_MAX_NODES + c->head_dim);
     uint32_t *depth = (uint32_t *)(void *)(la + tree_lse_cap(c) + 2u * c->head_dim);
-    const uint32_t run_nodes = tree_lse_cap(c) / nqh; /* >= 4: nqh <= 1024 x n_kv */
+    const uint32_t run_nodes = tree_lse_cap(c) / nqh; /* >= 1: nqh <= 1024 x n_kv */
     pkv__attn_hold_counts(c->attn); /* not counted in attn_reqs_*: those are decode's and prefill's */
     size_t row0 = 0;
     for (uint32_t ri = 0; ri < n_reqs && !rc; row0 += reqs[ri].n_nodes, ri++) {
         const pkv_attn_tree_req *r = &reqs[ri];
         for (uint32_t j = 0; j < r->n_nodes; j++) depth[j] = r->parent[j] < 0 ? 0 : depth[r->parent[j]] + 1;
         for (uint32_t i0 = 0; i0 < r->n_nodes && !rc;) {
-            /* the prefix part of nodes [i0, i1): one item for all of them, or with a window an item
-               a node (its own window; none where it ends before the prefix), their log-sum-exps in
-               la (-inf: no prefix part) */
+            /* the prefix part of nodes [i0, i1): one item for all of them where no window cuts the
+               prefix short for any of them (its rows' nominal positions q_start + i, at or past
+               their own, q_start + depth), else an item a node (its own window; none where it
+               ends before the prefix); their log-sum-exps in la (-inf: no prefix part) */
             uint32_t i1 = PKV_MIN(r->n_nodes, i0 + run_nodes), k = 0;
             LOCK(c);
             pkv__seq *s = pkv__seq_get(c, r->seq);
             const int32_t *table = s ? s->table : NULL;
+            const bool gone = !s || (uint64_t)r->q_start + r->n_nodes > s->n_tokens;
             UNLOCK(c);
-            if (!s) { /* released by another thread since the check: a misuse (design.md), not a crash */
-                rc = pkv__say(c, PKV_ENOENT, api, "a sequence was released during the call");
+            if (gone) { /* released or cut by another thread since the check: a misuse (design.md), not a crash */
+                rc = pkv__say(c, PKV_ENOENT, api, "a sequence was released or truncated during the call");
                 break;
             }
-            if (r->q_start && !call.window)
+            if (r->q_start && (!call.window || (uint64_t)r->q_start + i1 <= call.window))
                 c->items[k++] = (pkv__attn_item){.block_table = table, .q_pos0 = r->q_start + i0, .n_q = i1 - i0,
                                                  .k_end = r->q_start, .q = q + (row0 + i0) * qrow,
                                                  .out = out + (row0 + i0) * qrow, .lse = la};
