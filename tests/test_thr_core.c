@@ -11,6 +11,7 @@
 
 #include "support_util.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -130,6 +131,27 @@ static void *worker(void *p) {
             pkv_seq_info in;
             TCALL(a, pkv_seq_get_info(c, s, &in));
             if (tu_cmp_pattern(c, s, 0, in.n_tokens, tag) != 0) TFAIL(a, "thread %d: truncated parent wrong", a->tid);
+        }
+        { /* g's 3 uncommitted positions verified as a chain of drafts (tree attention over the
+             shared parent's blocks while the others read them): what prefill gives; then the
+             first kept (pkv_seq_keep) and the rest dropped */
+            float t_out[DEC_N], p_out[DEC_N];
+            const int32_t chain[3] = {-1, 0, 1};
+            const pkv_attn_tree_req tr = {g, PARENT_LEN, 3, chain};
+            const pkv_attn_req pr = {g, PARENT_LEN, 3};
+            pkv_attn_params ap = pkv_attn_params_default();
+            ap.n_q_heads = QH;
+            TCALL(a, pkv_attn_tree(c, it % LAYERS, &tr, 1, a->q, t_out, &ap));
+            TCALL(a, pkv_attn_prefill(c, it % LAYERS, &pr, 1, a->q, p_out, &ap));
+            for (int i = 0; i < DEC_N; i++)
+                if (!(fabsf(t_out[i] - p_out[i]) <= 1e-4f * (1.0f + fabsf(p_out[i]))))
+                    TFAIL(a, "thread %d: tree attention %g, prefill %g", a->tid, (double)t_out[i], (double)p_out[i]);
+            const uint32_t first = 0;
+            TCALL(a, pkv_seq_keep(c, g, PARENT_LEN, &first, 1));
+            pkv_seq_info in;
+            TCALL(a, pkv_seq_get_info(c, g, &in));
+            if (in.n_tokens != PARENT_LEN + 1 || tu_cmp_pattern(c, g, PARENT_LEN, 1, tag + 3) != 0)
+                TFAIL(a, "thread %d: kept draft wrong", a->tid);
         }
         a->ok_iters++;
     done:
