@@ -1205,6 +1205,19 @@ class Cache:
             p.sinks = _ptr(sk)
         return p, sk
 
+    def _attn_io(self, q, n_queries, n_q_heads, out, lse_out, return_lse, params, what):
+        """An attention call's queries, outputs (new or the caller's), lse and parameters
+        (scale, softcap, window, bf16_dot, sinks): (q, out, lse, pkv_attn_params, the sinks
+        array the params point to, which the caller keeps alive through the call)."""
+        qa, hq = self._q(q, n_queries, n_q_heads, what)
+        out = self._out(out, (n_queries, hq, self._D), "%s: out" % what)
+        if lse_out is not None and not return_lse:
+            raise _invalid("%s: lse_out given without return_lse=True" % what)
+        lse = self._out(lse_out, (n_queries, hq), "%s: lse_out" % what) if return_lse else None
+        scale, softcap, window, bf16_dot, sinks = params
+        p, sk = self._params(hq, scale, softcap, window, lse, bf16_dot, sinks, what)
+        return qa, out, lse, p, sk
+
     def _q(self, q, n_queries, n_q_heads, what):
         a = _f32_array(q, what)
         if n_q_heads is None:
@@ -1248,12 +1261,8 @@ class Cache:
         n_q_heads finite attention-sink logits (gpt-oss; pkv_attn_params.sinks), each head's
         softmax counting one more key of that logit and value 0; lse then includes it."""
         a = self._seqs(seqs, "decode")
-        qa, hq = self._q(q, a.size, n_q_heads, "decode")
-        out = self._out(out, (a.size, hq, self._D), "decode: out")
-        if lse_out is not None and not return_lse:
-            raise _invalid("decode: lse_out given without return_lse=True")
-        lse = self._out(lse_out, (a.size, hq), "decode: lse_out") if return_lse else None
-        p, _sk = self._params(hq, scale, softcap, window, lse, bf16_dot, sinks, "decode")
+        qa, out, lse, p, _sk = self._attn_io(q, a.size, n_q_heads, out, lse_out, return_lse,
+                                             (scale, softcap, window, bf16_dot, sinks), "decode")
         self._check(_lib.pkv_attn_decode(self._h(), _u32_of(layer, "layer"), _ptr(a), a.size, _ptr(qa), _ptr(out),
                                     ctypes.byref(p)), "pkv_attn_decode")
         return (out, lse) if return_lse else out
@@ -1278,16 +1287,11 @@ class Cache:
                 raise _invalid("prefill: a request is a (seq, q_start, n_q) triple") from None
             arr[i].seq, arr[i].q_start, arr[i].n_q = _seq_of(seq), _u32_of(q_start, "q_start"), _u32_of(n_q, "n_q")
             total += arr[i].n_q
-        qa, hq = self._q(q, total, n_q_heads, "prefill")
-        out = self._out(out, (total, hq, self._D), "prefill: out")
-        if lse_out is not None and not return_lse:
-            raise _invalid("prefill: lse_out given without return_lse=True")
-        lse = self._out(lse_out, (total, hq), "prefill: lse_out") if return_lse else None
-        p, _sk = self._params(hq, scale, softcap, window, lse, bf16_dot, sinks, "prefill")
+        qa, out, lse, p, _sk = self._attn_io(q, total, n_q_heads, out, lse_out, return_lse,
+                                             (scale, softcap, window, bf16_dot, sinks), "prefill")
         self._check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa), _ptr(out),
                                      ctypes.byref(p)), "pkv_attn_prefill")
         return (out, lse) if return_lse else out
-
 
     @_in_call
     def tree(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
@@ -1318,12 +1322,8 @@ class Cache:
             arr[i].seq, arr[i].q_start = _seq_of(seq), _u32_of(q_start, "q_start")
             arr[i].n_nodes, arr[i].parent = _u32_of(pa.size, "tree: nodes"), _ptr(pa) if pa.size else None
             total += pa.size
-        qa, hq = self._q(q, total, n_q_heads, "tree")
-        out = self._out(out, (total, hq, self._D), "tree: out")
-        if lse_out is not None and not return_lse:
-            raise _invalid("tree: lse_out given without return_lse=True")
-        lse = self._out(lse_out, (total, hq), "tree: lse_out") if return_lse else None
-        p, _sk = self._params(hq, scale, softcap, window, lse, bf16_dot, sinks, "tree")
+        qa, out, lse, p, _sk = self._attn_io(q, total, n_q_heads, out, lse_out, return_lse,
+                                             (scale, softcap, window, bf16_dot, sinks), "tree")
         self._check(_lib.pkv_attn_tree(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa),
                                        _ptr(out), ctypes.byref(p)), "pkv_attn_tree")
         return (out, lse) if return_lse else out
