@@ -633,7 +633,7 @@ static void check_tree(const host_seq *s, uint32_t l, const float *q, const floa
         }
         if (lse)
             for (uint32_t h = 0; h < nqh; h++)
-                if (!(fabs(lse[(size_t)i * nqh + h] - rl[h]) <= 1e-5 * fmax(1.0, fabs(rl[h]))))
+                if (!(fabs(lse[(size_t)i * nqh + h] - rl[h]) <= tol * fmax(1.0, fabs(rl[h]))))
                     fail_msg("node %u head %u lse %.9g, reference %.9g", i, h, (double)lse[(size_t)i * nqh + h], rl[h]);
     }
     free(ro), free(rl);
@@ -647,8 +647,9 @@ static void rand_tree(int32_t *parent, uint32_t n) {
     }
 }
 
-/* pkv_attn_tree against the reference: every float dtype and fp8 (K/V dequantized in the
- * reference; fp8 K keeps f32 queries, so the float tolerance holds), 1 and 2 threads, prefixes of 0 to 150
+/* pkv_attn_tree against the reference: every float dtype, fp8 and q8_0 (K/V dequantized in the
+ * reference; fp8 K keeps f32 queries, so the float tolerance holds; q8_0 K scores int8 queries
+ * in the prefix part, so 2e-2 of max |V| there), 1 and 2 threads, prefixes of 0 to 150
  * tokens (a block boundary inside the tree), trees of 1 to 60 nodes, two requests and an empty
  * one in a call, with window (shorter and longer than the paths), soft-cap, sinks and lse; a
  * chain gives what prefill gives. */
@@ -656,10 +657,12 @@ static void test_api_tree(void **state) {
     (void)state;
     static host_seq s[2];
     static const uint32_t prefixes[] = {0, 1, 37, 150}, sizes[] = {1, 7, 60};
-    static const pkv_dtype dts[4] = {PKV_DTYPE_F32, PKV_DTYPE_F16, PKV_DTYPE_BF16, PKV_DTYPE_FP8_E4M3};
-    for (size_t ti = 0; ti < 4; ti++)
+    static const pkv_dtype dts[5] = {PKV_DTYPE_F32, PKV_DTYPE_F16, PKV_DTYPE_BF16, PKV_DTYPE_FP8_E4M3,
+                                     PKV_DTYPE_Q8_0};
+    for (size_t ti = 0; ti < 5; ti++)
         for (uint32_t nt = 1; nt <= 2; nt++) {
             const pkv_dtype dt = dts[ti];
+            const double tol = dt == PKV_DTYPE_Q8_0 ? 2e-2 : TOL;
             for (size_t pi = 0; pi < 4; pi++) {
                 pkv_cache *c = make_cache(dt, nt, 0);
                 int32_t par[2][64];
@@ -686,9 +689,9 @@ static void test_api_tree(void **state) {
                     if (variant == 3) p.window = 60, p.softcap = 6.0f, p.scale = 0.3f;
                     if (variant == 4) p.sinks = sinks, p.window = 40;
                     assert_int_equal(pkv_attn_tree(c, 1, reqs, 3, q, out, &p), PKV_OK);
-                    check_tree(&s[0], 1, q, out, p.lse, NQH, q0[0], par[0], n[0], &p, TOL);
+                    check_tree(&s[0], 1, q, out, p.lse, NQH, q0[0], par[0], n[0], &p, tol);
                     check_tree(&s[1], 1, q + (size_t)n[0] * NQH * D, out + (size_t)n[0] * NQH * D,
-                               p.lse ? lse + n[0] * NQH : NULL, NQH, q0[1], par[1], n[1], &p, TOL);
+                               p.lse ? lse + n[0] * NQH : NULL, NQH, q0[1], par[1], n[1], &p, tol);
                 }
                 /* a chain is what prefill computes over the same positions */
                 int32_t chain[64];
@@ -701,7 +704,7 @@ static void test_api_tree(void **state) {
                 assert_int_equal(pkv_attn_tree(c, 0, &cr, 1, q, out, &pc), PKV_OK);
                 assert_int_equal(pkv_attn_prefill(c, 0, &pr, 1, q, o2, &pc), PKV_OK);
                 const double vm = vmax_of(&s[0], 0);
-                for (size_t j = 0; j < (size_t)n[0] * NQH * D; j++) assert_true(fabs(out[j] - o2[j]) <= TOL * vm);
+                for (size_t j = 0; j < (size_t)n[0] * NQH * D; j++) assert_true(fabs(out[j] - o2[j]) <= tol * vm);
                 free(o2);
                 pkv_cache_destroy(c);
                 free(q), free(out);
