@@ -231,15 +231,19 @@ static uint32_t pow2_at_least(uint64_t n) {
 /* Every allocation create makes, in order, with its size in bytes as a uint64_t (every factor
  * is bounded by the config's checks, so no product overflows 64 bits; create refuses one past
  * size_t, which on a 32-bit machine several can be); destroy frees the same list. */
-/* pkv_attn_tree's scratch, in this order: a node's path scores and p.V sum (double), the prefix
- * part's log-sum-exps of a run (tree_lse_cap floats), a K and a V row widened to f32, the
+/* pkv_attn_tree's scratch, in this order: a node's path scores (double), the prefix part's
+ * log-sum-exps of a run (tree_lse_cap floats), a head's p.V sum (head_dim floats), the K and V
+ * rows of a node's path for one kv head widened to f32 (TREE_PATH_FLOATS each: the rows of
+ * paths up to that many values long; longer ones are widened a query head at a time), the
  * request's node depths and a node's path. */
+#define TREE_PATH_FLOATS 32768u
 static uint32_t tree_lse_cap(const pkv_cache *c) {
     return PKV_MAX(4096u, 1024u * c->n_kv); /* a node's rows at the most query heads a call takes */
 }
 static uint64_t tree_bytes(const pkv_cache *c) {
-    return sizeof(double) * ((uint64_t)PKV_TREE_MAX_NODES + c->head_dim) +
-           sizeof(float) * ((uint64_t)tree_lse_cap(c) + 2u * c->head_dim) + sizeof(uint32_t) * 2u * PKV_TREE_MAX_NODES;
+    return sizeof(double) * (uint64_t)PKV_TREE_MAX_NODES +
+           sizeof(float) * ((uint64_t)tree_lse_cap(c) + c->head_dim + 2u * PKV_MAX(TREE_PATH_FLOATS, c->head_dim)) +
+           sizeof(uint32_t) * 2u * PKV_TREE_MAX_NODES;
 }
 
 #define CACHE_ALLOCS(X)                                                                               \
@@ -1790,57 +1794,83 @@ static uint32_t tree_path(const int32_t *parent, const uint32_t *depth, uint32_t
     return n;
 }
 
+/* <a, b> over n floats, in 8 partial sums (a loop the compiler turns into vector FMAs). */
+static inline float tree_dot(const float *a, const float *b, uint32_t n) {
+    float s[8] = {0}, t = 0.0f;
+    uint32_t d = 0;
+    for (; d + 8 <= n; d += 8)
+        for (uint32_t j = 0; j < 8; j++) s[j] += a[d + j] * b[d + j];
+    for (; d < n; d++) t += a[d] * b[d];
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])) + t;
+}
+
+/* Row `pos` of kv head h of one layer's K (or V) array base, widened to f32 into y. */
+static inline void tree_row(const pkv_cache *c, const int32_t *table, const uint8_t *base, size_t blk_bytes,
+                            size_t row_bytes, pkv_dtype dt, uint32_t h, uint32_t pos, float *y) {
+    const size_t at = (size_t)table[pos / c->B] * blk_bytes + ((size_t)h * c->B + pos % c->B) * row_bytes;
+    pkv__row_decode(dt, base + at, c->head_dim, y);
+}
+
 /* The rows of nodes [i0, i1) of request r (queries q, outputs out, lse or NULL: the request's own
  * rows): the prefix part already in out with its log-sum-exps in la (-inf: none), the path part
- * computed here, the two (and the sinks) merged by log-sum-exp into out and lse. */
+ * computed here, the two (and the sinks) merged by log-sum-exp into out and lse. A path's K and V
+ * rows are widened once a kv head for all its query heads where they fit the scratch. */
 static void tree_paths(pkv_cache *c, const pkv__kv_view *kv, const int32_t *table, const pkv_attn_tree_req *r,
                        uint32_t i0, uint32_t i1, const pkv__attn_call *call, const float *sinks, const float *q,
                        float *out, float *lse, const float *la) {
-    const uint32_t D = c->head_dim, B = c->B, nqh = call->n_q_heads, G = nqh / c->n_kv;
-    double *sc = (double *)(void *)c->tree, *acc = sc + PKV_TREE_MAX_NODES;
-    float *kr = (float *)(void *)(acc + D) + tree_lse_cap(c), *vr = kr + D;
-    const uint32_t *depth = (const uint32_t *)(void *)(vr + D);
-    uint32_t *path = (uint32_t *)(void *)(vr + D) + PKV_TREE_MAX_NODES;
+    const uint32_t D = c->head_dim, nqh = call->n_q_heads, G = nqh / c->n_kv;
+    const size_t path_floats = PKV_MAX(TREE_PATH_FLOATS, D);
+    double *sc = (double *)(void *)c->tree;
+    float *acc = (float *)(void *)(sc + PKV_TREE_MAX_NODES) + tree_lse_cap(c), *kr = acc + D, *vr = kr + path_floats;
+    const uint32_t *depth = (const uint32_t *)(void *)(vr + path_floats);
+    uint32_t *path = (uint32_t *)(void *)(vr + path_floats) + PKV_TREE_MAX_NODES;
     for (uint32_t i = i0; i < i1; i++) {
         const uint32_t np = tree_path(r->parent, depth, i, call->window, path);
+        const bool once = (size_t)np * D <= path_floats; /* the path's rows widened once a kv head */
         for (uint32_t h = 0; h < nqh; h++) {
+            const uint32_t kh = h / G;
+            if (once && h % G == 0)
+                for (uint32_t k = 0; k < np; k++) {
+                    tree_row(c, table, kv->k, kv->k_block_bytes, kv->k_row_bytes, kv->k_dtype, kh, r->q_start + path[k],
+                             kr + (size_t)k * D);
+                    tree_row(c, table, kv->v, kv->v_block_bytes, kv->v_row_bytes, kv->v_dtype, kh, r->q_start + path[k],
+                             vr + (size_t)k * D);
+                }
             const size_t row = (size_t)i * nqh + h;
             const float *qr = q + row * D;
             double mb = -INFINITY;
             for (uint32_t k = 0; k < np; k++) {
-                const uint32_t pos = r->q_start + path[k];
-                const size_t at = (size_t)table[pos / B] * kv->k_block_bytes +
-                                  ((size_t)(h / G) * B + pos % B) * kv->k_row_bytes;
-                pkv__row_decode(kv->k_dtype, kv->k + at, D, kr);
-                double x = 0.0;
-                for (uint32_t d = 0; d < D; d++) x += (double)qr[d] * kr[d];
-                x *= call->scale;
+                const float *kk = kr + (once ? (size_t)k * D : 0);
+                if (!once)
+                    tree_row(c, table, kv->k, kv->k_block_bytes, kv->k_row_bytes, kv->k_dtype, kh, r->q_start + path[k], kr);
+                double x = (double)tree_dot(qr, kk, D) * call->scale;
                 if (call->softcap > 0.0f) x = call->softcap * tanh(x / call->softcap);
                 sc[k] = x;
                 mb = x > mb ? x : mb;
             }
             double lb = 0.0;
-            for (uint32_t d = 0; d < D; d++) acc[d] = 0.0;
+            for (uint32_t d = 0; d < D; d++) acc[d] = 0.0f;
             for (uint32_t k = 0; k < np; k++) {
-                const uint32_t pos = r->q_start + path[k];
-                const size_t at = (size_t)table[pos / B] * kv->v_block_bytes +
-                                  ((size_t)(h / G) * B + pos % B) * kv->v_row_bytes;
-                pkv__row_decode(kv->v_dtype, kv->v + at, D, vr);
+                const float *vv = vr + (once ? (size_t)k * D : 0);
+                if (!once)
+                    tree_row(c, table, kv->v, kv->v_block_bytes, kv->v_row_bytes, kv->v_dtype, kh, r->q_start + path[k], vr);
                 const double w = exp(sc[k] - mb);
+                const float wf = (float)w;
                 lb += w;
-                for (uint32_t d = 0; d < D; d++) acc[d] += w * vr[d];
+                for (uint32_t d = 0; d < D; d++) acc[d] += wf * vv[d];
             }
             /* the parts' weights against the largest of their log-sum-exps (the path part has its
                node itself, so lb >= 1 and its log-sum-exp is finite) */
             const double a = la[(size_t)(i - i0) * nqh + h], b = mb + log(lb), s = sinks ? sinks[h] : -INFINITY;
             const double m = PKV_MAX(PKV_MAX(a, b), s);
             const double wa = a == -INFINITY ? 0.0 : exp(a - m), wb = exp(b - m), ws = sinks ? exp(s - m) : 0.0;
-            const double tot = wa + wb + ws, fb = wb / (lb * tot);
+            const double tot = wa + wb + ws;
+            const float fa = (float)(wa / tot), fb = (float)(wb / (lb * tot));
             float *o = out + row * D;
             if (wa > 0.0)
-                for (uint32_t d = 0; d < D; d++) o[d] = (float)(wa / tot * o[d] + fb * acc[d]);
+                for (uint32_t d = 0; d < D; d++) o[d] = fa * o[d] + fb * acc[d];
             else
-                for (uint32_t d = 0; d < D; d++) o[d] = (float)(fb * acc[d]);
+                for (uint32_t d = 0; d < D; d++) o[d] = fb * acc[d];
             if (lse) lse[row] = (float)(m + log(tot));
         }
     }
@@ -1885,9 +1915,8 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
     if (!rc) rc = check_buffers(c, api, q, out, lse, &call, n_rows, false);
     const float *sinks = call.sinks;
     call.sinks = NULL; /* counted once a row, in the merge of the two parts (tree_paths) */
-    double *sc = (double *)(void *)c->tree;
-    float *la = (float *)(void *)(sc + PKV_TREE_MAX_NODES + c->head_dim);
-    uint32_t *depth = (uint32_t *)(void *)(la + tree_lse_cap(c) + 2u * c->head_dim);
+    float *la = (float *)(void *)((double *)(void *)c->tree + PKV_TREE_MAX_NODES);
+    uint32_t *depth = (uint32_t *)(void *)(la + tree_lse_cap(c) + c->head_dim + 2u * PKV_MAX(TREE_PATH_FLOATS, c->head_dim));
     const uint32_t run_nodes = tree_lse_cap(c) / nqh; /* >= 1: nqh <= 1024 x n_kv */
     pkv__attn_hold_counts(c->attn); /* not counted in attn_reqs_*: those are decode's and prefill's */
     size_t row0 = 0;
