@@ -603,18 +603,20 @@ PM_NOCOV static inline float pm_bf16(float x) { /* to bf16, nearest even (pkv.h:
     memcpy(&x, &u, sizeof x);
     return x;
 }
-/* With bf16q, the queries times scale rounded to bf16 (the f32 product, as the kernels round). */
-PM_NOCOV static inline void pm_attn_ref(const pm_world *w, const pm_seq *q, uint32_t l, uint32_t pos, uint32_t Hq,
-                                        const pkv_attn_params *ap, const float *qv, int bf16q, double *ref,
-                                        double *lse) {
+/* Attention of one query over the keys at positions keys[0, nk) of q (the window is the
+ * caller's). With bf16q, the queries times scale rounded to bf16 (the f32 product, as the kernels
+ * round). */
+PM_NOCOV static inline void pm_attn_ref_keys(const pm_world *w, const pm_seq *q, uint32_t l, const uint32_t *keys,
+                                             uint32_t nk, uint32_t Hq, const pkv_attn_params *ap, const float *qv,
+                                             int bf16q, double *ref, double *lse) {
     const uint32_t H = w->cfg.n_kv_heads, D = w->cfg.head_dim, G = Hq / H;
     const double scale = ap->scale > 0.0f ? ap->scale : 1.0 / sqrt((double)D);
     const float fscale = ap->scale > 0.0f ? ap->scale : 1.0f / sqrtf((float)D); /* as pkv_attn_* resolve it */
-    const uint32_t lo = ap->window && pos + 1 > ap->window ? pos + 1 - ap->window : 0;
     static double sc[PM_MAX_TOK];
     for (uint32_t h = 0; h < Hq; h++) {
         double mx = -INFINITY, sum = 0.0;
-        for (uint32_t j = lo; j <= pos; j++) {
+        for (uint32_t x_ = 0; x_ < nk; x_++) {
+            const uint32_t j = keys[x_];
             double x = 0.0;
             if (bf16q)
                 for (uint32_t d = 0; d < D; d++) x += (double)pm_bf16(qv[h * D + d] * fscale) * pm_val(q->h[j], l, 0, h / G, d);
@@ -623,20 +625,104 @@ PM_NOCOV static inline void pm_attn_ref(const pm_world *w, const pm_seq *q, uint
                 x *= scale;
             }
             if (ap->softcap > 0.0f) x = ap->softcap * tanh(x / ap->softcap);
-            sc[j] = x;
+            sc[x_] = x;
             if (x > mx) mx = x;
         }
         if (ap->sinks && ap->sinks[h] > mx) mx = ap->sinks[h]; /* a key of value 0 */
         if (ap->sinks) sum = exp(ap->sinks[h] - mx);
         for (uint32_t d = 0; d < D; d++) ref[h * D + d] = 0.0;
-        for (uint32_t j = lo; j <= pos; j++) {
-            const double e = exp(sc[j] - mx);
+        for (uint32_t x_ = 0; x_ < nk; x_++) {
+            const uint32_t j = keys[x_];
+            const double e = exp(sc[x_] - mx);
             sum += e;
             for (uint32_t d = 0; d < D; d++) ref[h * D + d] += e * pm_val(q->h[j], l, 1, h / G, d);
         }
         for (uint32_t d = 0; d < D; d++) ref[h * D + d] /= sum;
         lse[h] = mx + log(sum);
     }
+}
+
+/* The same for a query at pos: keys [max(0, pos - window + 1), pos]. */
+PM_NOCOV static inline void pm_attn_ref(const pm_world *w, const pm_seq *q, uint32_t l, uint32_t pos, uint32_t Hq,
+                                        const pkv_attn_params *ap, const float *qv, int bf16q, double *ref,
+                                        double *lse) {
+    static uint32_t keys[PM_MAX_TOK];
+    const uint32_t lo = ap->window && pos + 1 > ap->window ? pos + 1 - ap->window : 0;
+    for (uint32_t j = lo; j <= pos; j++) keys[j - lo] = j;
+    pm_attn_ref_keys(w, q, l, keys, pos - lo + 1, Hq, ap, qv, bf16q, ref, lse);
+}
+
+/* Tree attention (pkv_attn_tree) over the last n positions of a live sequence as draft nodes of
+ * a random tree (branches, chains, several roots), with random scale, soft-cap, window, lse and
+ * sinks, compared with pm_attn_ref_keys over each node's prefix and path; or a parent outside
+ * [-1, i), which must fail and leave out and lse as they were. */
+static inline int pm_op_tree(pm_world *w, pm_src *src) {
+    const uint32_t H = w->cfg.n_kv_heads, D = w->cfg.head_dim;
+    pm_seq *q = pm_pick(w, src, 0);
+    if (!q || !q->len) return 0;
+    const uint32_t n = 1 + pm_below(src, q->len < 24 ? q->len : 24), q_start = q->len - n;
+    int32_t par[24];
+    uint32_t depth[24];
+    for (uint32_t i = 0; i < n; i++) {
+        const uint32_t b = pm_byte(src);
+        par[i] = i == 0 || b < 30 ? -1 : b < 150 ? (int32_t)i - 1 : (int32_t)pm_below(src, i);
+        depth[i] = par[i] < 0 ? 0 : depth[par[i]] + 1;
+    }
+    const uint32_t G = 1 + pm_byte(src) % 2, Hq = H * G, layer = pm_byte(src) % w->cfg.n_layers;
+    const uint32_t b = pm_byte(src);
+    pkv_attn_params ap = pkv_attn_params_default();
+    ap.n_q_heads = Hq;
+    ap.scale = b & 2 ? 0.0f : 0.125f * (float)(1 + b % 8);
+    ap.softcap = b % 3 == 0 ? 4.0f + (float)(pm_byte(src) % 16) : 0.0f;
+    ap.window = b % 5 == 0 ? 1 + pm_byte(src) % 20 : 0;
+    ap.lse = b & 4 ? w->alse : NULL;
+    float sinks[PM_ATTN_MAX_HQ];
+    if (b & 8) {
+        for (uint32_t h = 0; h < Hq; h++) sinks[h] = (float)((int)pm_byte(src) - 128) / 16.0f;
+        ap.sinks = sinks;
+    }
+    for (size_t i = 0; i < (size_t)n * Hq * D; i++) w->aq[i] = (float)((int)pm_byte(src) - 128) / 64.0f;
+    memset(w->aout, PM_UNTOUCHED, sizeof w->aout);
+    memset(w->alse, PM_UNTOUCHED, sizeof w->alse);
+    const int bad = n > 1 && pm_byte(src) < 24;
+    if (bad) par[1 + pm_below(src, n - 1)] = pm_byte(src) & 1 ? -2 : (int32_t)n; /* outside [-1, i) */
+    const pkv_attn_tree_req r = {.seq = q->id, .q_start = q_start, .n_nodes = n, .parent = par};
+    const int rc = pkv_attn_tree(w->c, layer, &r, 1, w->aq, w->aout, &ap);
+    PM_TR(w, "   tree over seq %d's last %u positions (Hq %u, layer %u, window %u, sinks %d, bad %d) -> %s\n",
+          PM_SI(w, q), n, Hq, layer, ap.window, ap.sinks != NULL, bad, pkv_strerror(rc));
+    if (bad) {
+        PM_EXPECT(w, rc == PKV_EINVAL, "tree with a bad parent: %s", pkv_strerror(rc));
+        PM_EXPECT(w, pm_untouched(w->aout, 0, sizeof w->aout), "tree with a bad parent wrote out");
+        PM_EXPECT(w, pm_untouched(w->alse, 0, sizeof w->alse), "tree with a bad parent wrote lse");
+        w->n_attn_bad++;
+        return 0;
+    }
+    PM_EXPECT(w, rc == 0, "tree over seq %d: %s", PM_SI(w, q), pkv_strerror(rc));
+    PM_EXPECT(w, pm_untouched(w->aout, (size_t)n * Hq * D * sizeof(float), sizeof w->aout),
+              "tree wrote out past its %u nodes", n);
+    double ref[PM_ATTN_MAX_HQ * PM_MAX_D], lse[PM_ATTN_MAX_HQ];
+    static uint32_t keys[PM_MAX_TOK];
+    for (uint32_t i = 0; i < n; i++) {
+        const uint32_t pos = q_start + depth[i];
+        uint32_t nk = 0;
+        for (uint32_t t = 0; t < q_start; t++)
+            if (!ap.window || pos - t < ap.window) keys[nk++] = t;
+        for (int32_t j = (int32_t)i; j >= 0; j = par[j])
+            if (!ap.window || depth[i] - depth[j] < ap.window) keys[nk++] = q_start + (uint32_t)j;
+        pm_attn_ref_keys(w, q, layer, keys, nk, Hq, &ap, w->aq + (size_t)i * Hq * D, 0, ref, lse);
+        for (uint32_t e = 0; e < Hq * D; e++)
+            PM_EXPECT(w, fabs((double)w->aout[(size_t)i * Hq * D + e] - ref[e]) <= 5e-4,
+                      "tree seq %d node %u (of %u, q_start %u) head %u dim %u: %.7g, reference %.7g", PM_SI(w, q), i,
+                      n, q_start, e / D, e % D, (double)w->aout[(size_t)i * Hq * D + e], ref[e]);
+        if (ap.lse)
+            for (uint32_t h = 0; h < Hq; h++)
+                PM_EXPECT(w, fabs((double)w->alse[(size_t)i * Hq + h] - lse[h]) <= 1e-4 * (1.0 + fabs(lse[h])),
+                          "tree lse seq %d node %u head %u: %.7g, reference %.7g", PM_SI(w, q), i, h,
+                          (double)w->alse[(size_t)i * Hq + h], lse[h]);
+    }
+    w->n_attn++;
+    w->n_attn_queries += n;
+    return 0;
 }
 
 /* Attention over the live sequences: a decode or a ragged prefill batch of some of them, with
@@ -1087,7 +1173,7 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         break;
     }
     case PM_OP_ATTN:
-        if (pm_op_attn(w, src) < 0) return -1;
+        if ((pm_byte(src) < 64 ? pm_op_tree(w, src) : pm_op_attn(w, src)) < 0) return -1;
         break;
     case PM_OP_REWRITE: {
         /* rewrite one position with the value it already holds: allowed only for an uncommitted
