@@ -652,6 +652,30 @@ PM_NOCOV static inline void pm_attn_ref(const pm_world *w, const pm_seq *q, uint
     pm_attn_ref_keys(w, q, l, keys, pos - lo + 1, Hq, ap, qv, bf16q, ref, lse);
 }
 
+/* An attention call's scale, soft-cap, window and lse (into w->alse) drawn from b and src. */
+static inline pkv_attn_params pm_draw_params(pm_world *w, pm_src *src, uint32_t b) {
+    pkv_attn_params ap = pkv_attn_params_default();
+    ap.scale = b & 2 ? 0.0f : 0.125f * (float)(1 + b % 8);
+    ap.softcap = b % 3 == 0 ? 4.0f + (float)(pm_byte(src) % 16) : 0.0f;
+    ap.window = b % 5 == 0 ? 1 + pm_byte(src) % 20 : 0;
+    ap.lse = b & 4 ? w->alse : NULL;
+    return ap;
+}
+
+/* Hq attention-sink logits of -8 .. 8, about where the logits lie, into sinks; returns sinks. */
+static inline const float *pm_draw_sinks(pm_src *src, uint32_t Hq, float *sinks) {
+    for (uint32_t h = 0; h < Hq; h++) sinks[h] = (float)((int)pm_byte(src) - 128) / 16.0f;
+    return sinks;
+}
+
+/* n query elements into w->aq; out and lse start as a pattern a bad call must leave, and a good
+ * one past its queries. */
+static inline void pm_draw_queries(pm_world *w, pm_src *src, size_t n) {
+    for (size_t i = 0; i < n; i++) w->aq[i] = (float)((int)pm_byte(src) - 128) / 64.0f;
+    memset(w->aout, PM_UNTOUCHED, sizeof w->aout);
+    memset(w->alse, PM_UNTOUCHED, sizeof w->alse);
+}
+
 /* Tree attention (pkv_attn_tree) over the last n positions of a live sequence as draft nodes of
  * a random tree (branches, chains, several roots), with random scale, soft-cap, window, lse and
  * sinks, compared with pm_attn_ref_keys over each node's prefix and path; or a parent outside
@@ -670,20 +694,11 @@ static inline int pm_op_tree(pm_world *w, pm_src *src) {
     }
     const uint32_t G = 1 + pm_byte(src) % 2, Hq = H * G, layer = pm_byte(src) % w->cfg.n_layers;
     const uint32_t b = pm_byte(src);
-    pkv_attn_params ap = pkv_attn_params_default();
+    pkv_attn_params ap = pm_draw_params(w, src, b);
     ap.n_q_heads = Hq;
-    ap.scale = b & 2 ? 0.0f : 0.125f * (float)(1 + b % 8);
-    ap.softcap = b % 3 == 0 ? 4.0f + (float)(pm_byte(src) % 16) : 0.0f;
-    ap.window = b % 5 == 0 ? 1 + pm_byte(src) % 20 : 0;
-    ap.lse = b & 4 ? w->alse : NULL;
     float sinks[PM_ATTN_MAX_HQ];
-    if (b & 8) {
-        for (uint32_t h = 0; h < Hq; h++) sinks[h] = (float)((int)pm_byte(src) - 128) / 16.0f;
-        ap.sinks = sinks;
-    }
-    for (size_t i = 0; i < (size_t)n * Hq * D; i++) w->aq[i] = (float)((int)pm_byte(src) - 128) / 64.0f;
-    memset(w->aout, PM_UNTOUCHED, sizeof w->aout);
-    memset(w->alse, PM_UNTOUCHED, sizeof w->alse);
+    if (b & 8) ap.sinks = pm_draw_sinks(src, Hq, sinks);
+    pm_draw_queries(w, src, (size_t)n * Hq * D);
     const int bad = n > 1 && pm_byte(src) < 24;
     if (bad) par[1 + pm_below(src, n - 1)] = pm_byte(src) & 1 ? -2 : (int32_t)n; /* outside [-1, i) */
     const pkv_attn_tree_req r = {.seq = q->id, .q_start = q_start, .n_nodes = n, .parent = par};
@@ -741,17 +756,10 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         for (uint32_t m = n; n < PM_ATTN_MAX_SEQS; n++) pick[n] = pick[pm_below(src, m)];
     const uint32_t G = 1 + pm_byte(src) % 2, Hq = H * G, layer = pm_byte(src) % w->cfg.n_layers;
     const uint32_t b = pm_byte(src);
-    pkv_attn_params ap = pkv_attn_params_default();
+    pkv_attn_params ap = pm_draw_params(w, src, b);
     ap.n_q_heads = G == 1 && (b & 1) ? 0 : Hq;
-    ap.scale = b & 2 ? 0.0f : 0.125f * (float)(1 + b % 8);
-    ap.softcap = b % 3 == 0 ? 4.0f + (float)(pm_byte(src) % 16) : 0.0f;
-    ap.window = b % 5 == 0 ? 1 + pm_byte(src) % 20 : 0;
-    ap.lse = b & 4 ? w->alse : NULL;
     float sinks[PM_ATTN_MAX_HQ];
-    if (pm_byte(src) & 1) { /* attention sinks of -8 .. 8, about where the logits lie */
-        for (uint32_t h = 0; h < Hq; h++) sinks[h] = (float)((int)pm_byte(src) - 128) / 16.0f;
-        ap.sinks = sinks;
-    }
+    if (pm_byte(src) & 1) ap.sinks = pm_draw_sinks(src, Hq, sinks);
     const int prefill = pm_byte(src) & 1;
     /* bf16 arithmetic allowed (decode, and prefill in both the row and the transposed kernels) */
     if (b & 16) ap.flags = PKV_ATTN_BF16_DOT;
@@ -773,10 +781,7 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         reqs[i] = (pkv_attn_req){.seq = pick[i]->id, .q_start = q0, .n_q = m};
         nq += m;
     }
-    for (size_t i = 0; i < (size_t)nq * Hq * D; i++) w->aq[i] = (float)((int)pm_byte(src) - 128) / 64.0f;
-    /* out and lse start as a pattern a bad call must leave, and a good one past its queries */
-    memset(w->aout, PM_UNTOUCHED, sizeof w->aout);
-    memset(w->alse, PM_UNTOUCHED, sizeof w->alse);
+    pm_draw_queries(w, src, (size_t)nq * Hq * D);
     const uint32_t bad = pm_byte(src) < 48 ? 1 + pm_byte(src) % 8 : 0;
     int want_rc = 0;
     uint32_t l = layer;

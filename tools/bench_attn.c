@@ -620,21 +620,6 @@ typedef struct opts {
 
 static int opts_rounds(const opts *o) { return o->rounds ? (int)o->rounds : o->quick ? 3 : 7; }
 
-/* "a,b,c" -> values in [1, max]; 0 on success. */
-static int parse_u32_list(const char *s, uint32_t *out, int cap, uint32_t max, int *n) {
-    *n = 0;
-    while (*s) {
-        char *end;
-        unsigned long v = strtoul(s, &end, 10);
-        /* digits only: no sign, no blanks, no empty item ("4,", ",4", "4,,8") */
-        if (*s < '0' || *s > '9' || v == 0 || v > max || *n == cap || (*end && *end != ',')) return -1;
-        out[(*n)++] = (uint32_t)v;
-        if (*end == ',' && !end[1]) return -1;
-        s = *end ? end + 1 : end;
-    }
-    return *n ? 0 : -1;
-}
-
 static int parse_dtypes(const char *s, opts *o) {
     char buf[256];
     if (strlen(s) >= sizeof buf) return -1;
@@ -1093,9 +1078,9 @@ int tool_bench_attn(int argc, char **argv) {
         else if (!strcmp(arg, "--batch-compact")) g_compact = 2;
         else if (!strcmp(arg, "--bf16-dot")) g_attn_flags = PKV_ATTN_BF16_DOT;
         else if (!strcmp(arg, "--dtype") && val) bad = parse_dtypes(val, &o), i++;
-        else if (!strcmp(arg, "--ctx") && val) bad = parse_u32_list(val, o.ctx, 8, 1u << 20, &o.n_ctx), i++;
-        else if (!strcmp(arg, "--batch") && val) bad = parse_u32_list(val, o.batch, 8, BATCH_MAX, &o.n_batch), i++;
-        else if (!strcmp(arg, "--threads") && val) bad = parse_u32_list(val, o.threads, 2, 2, &o.n_threads), i++;
+        else if (!strcmp(arg, "--ctx") && val) bad = tool_parse_u32_list(val, o.ctx, 8, 1u << 20, &o.n_ctx), i++;
+        else if (!strcmp(arg, "--batch") && val) bad = tool_parse_u32_list(val, o.batch, 8, BATCH_MAX, &o.n_batch), i++;
+        else if (!strcmp(arg, "--threads") && val) bad = tool_parse_u32_list(val, o.threads, 2, 2, &o.n_threads), i++;
         else if (!strcmp(arg, "--prompt") && val) {
             char *end;
             o.prompt = strtol(val, &end, 10);
@@ -1104,17 +1089,17 @@ int tool_bench_attn(int argc, char **argv) {
         }
         else if (!strcmp(arg, "--block-tokens") && val) {
             int n = 0;
-            bad = parse_u32_list(val, &o.block_tokens, 1, BT_MAX, &n);
+            bad = tool_parse_u32_list(val, &o.block_tokens, 1, BT_MAX, &n);
             i++;
         }
         else if (!strcmp(arg, "--rounds") && val) {
             int n = 0;
-            bad = parse_u32_list(val, &o.rounds, 1, ROUNDS_MAX, &n) || o.rounds < 3;
+            bad = tool_parse_u32_list(val, &o.rounds, 1, ROUNDS_MAX, &n) || o.rounds < 3;
             i++;
         }
         else if (!strcmp(arg, "--occupancy") && val) {
             int n = 0;
-            bad = parse_u32_list(val, &o.occupancy, 1, 100, &n) || o.occupancy < 10;
+            bad = tool_parse_u32_list(val, &o.occupancy, 1, 100, &n) || o.occupancy < 10;
             i++;
         }
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {

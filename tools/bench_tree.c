@@ -30,19 +30,6 @@ static void usage(FILE *f) {
             "  --json          one JSON object per line\n");
 }
 
-static int parse_list(const char *s, uint32_t *out, int cap, uint32_t lo, uint32_t hi) {
-    int n = 0;
-    char buf[256];
-    if (strlen(s) >= sizeof buf) return -1;
-    strcpy(buf, s);
-    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
-        uint32_t v;
-        if (n == cap || tool_parse_u32(tok, &v) || v < lo || v > hi) return -1;
-        out[n++] = v;
-    }
-    return n ? n : -1;
-}
-
 /* Appends n tokens to s and writes random K/V into every position (1 layer). */
 static int fill(pkv_cache *c, pkv_seq s, uint32_t n, float *kv, uint64_t *rng) {
     for (uint32_t done = 0; done < n;) {
@@ -75,9 +62,9 @@ int tool_bench_tree(int argc, char **argv) {
         } else if (!strcmp(a, "--json")) {
             json = 1;
             continue;
-        } else if (!strcmp(a, "--ctx")) bad = (n_ctx = parse_list(val, ctx, 8, 1, 1u << 20)) < 0;
-        else if (!strcmp(a, "--width")) bad = (n_w = parse_list(val, width, 8, 1, (MAX_NODES - 1) / 4)) < 0;
-        else if (!strcmp(a, "--threads")) bad = (n_thr = parse_list(val, thr, 4, 1, 256)) < 0;
+        } else if (!strcmp(a, "--ctx")) bad = tool_parse_u32_list(val, ctx, 8, 1u << 20, &n_ctx);
+        else if (!strcmp(a, "--width")) bad = tool_parse_u32_list(val, width, 8, (MAX_NODES - 1) / 4, &n_w);
+        else if (!strcmp(a, "--threads")) bad = tool_parse_u32_list(val, thr, 4, 256, &n_thr);
         else if (!strcmp(a, "--rounds")) bad = tool_parse_u32(val, &rounds) || rounds < 3 || rounds > 99;
         else {
             fprintf(stderr, "pkv bench tree: unknown option '%s'\n\n", a);

@@ -625,13 +625,15 @@ static int cmp_prob_desc(const void *a, const void *b) {
     return (x->i > y->i) - (x->i < y->i);
 }
 
+int32_t model_argmax(const float *logits, int32_t vocab) {
+    int32_t best = 0;
+    for (int32_t i = 1; i < vocab; i++)
+        if (logits[i] > logits[best]) best = i;
+    return best;
+}
+
 int32_t model_sample(model_sampler *sm, float *logits, int32_t vocab, void *work) {
-    if (sm->temperature <= 0.0f) { /* greedy: lowest index wins ties */
-        int32_t best = 0;
-        for (int32_t i = 1; i < vocab; i++)
-            if (logits[i] > logits[best]) best = i;
-        return best;
-    }
+    if (sm->temperature <= 0.0f) return model_argmax(logits, vocab); /* greedy */
     float mx = logits[0];
     for (int32_t i = 1; i < vocab; i++) mx = logits[i] > mx ? logits[i] : mx;
     float sum = 0.0f;

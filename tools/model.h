@@ -113,6 +113,8 @@ typedef struct model_sampler {
     uint64_t rng;      /* xorshift64* state, nonzero */
 } model_sampler;
 void model_sampler_init(model_sampler *sm, float temperature, float topp, uint64_t seed);
+/* Greedy: the index of the largest logit, the lowest one on a tie. */
+int32_t model_argmax(const float *logits, int32_t vocab);
 /* Samples a token from logits[vocab] (modified in place); work holds [vocab] floats + ints. */
 int32_t model_sample(model_sampler *sm, float *logits, int32_t vocab, void *work);
 size_t model_sample_work_bytes(int32_t vocab);

@@ -109,13 +109,6 @@ typedef struct spec_ctx {
     uint64_t passes, nodes, kept;
 } spec_ctx;
 
-static int32_t argmax(const float *x, int32_t n) { /* as model_sample's greedy: the lowest index wins ties */
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    return best;
-}
-
 /* The child of node `at` carrying token t, or -1. */
 static int32_t tree_child(const spec_ctx *sp, uint32_t n, int32_t at, int32_t t) {
     for (uint32_t j = (uint32_t)at + 1; j < n; j++)
@@ -160,12 +153,14 @@ static int spec_decode(const model *m, model_scratch *s, pkv_cache *c, pkv_seq s
                        int32_t *hist, spec_ctx *sp, model_pkv_step *tm) {
     const int32_t V = m->cfg.vocab_size;
     memcpy(hist, prompt, plen * sizeof *hist);
+    uint32_t synced = 0; /* gen[0, synced) follows the prompt in hist */
     for (;;) {
-        const int32_t t0 = argmax(logits, V);
+        const int32_t t0 = model_argmax(logits, V);
         if (t0 != 1) gen[(*n_gen)++] = t0;
         if (t0 == 1 || *len + 1 > steps) return 0;
         const uint32_t nh = plen + *n_gen;
-        memcpy(hist + plen, gen, *n_gen * sizeof *hist);
+        memcpy(hist + plen + synced, gen + synced, (*n_gen - synced) * sizeof *hist);
+        synced = *n_gen;
         /* drafts at depth k take position len + k: at most steps - 1 */
         const uint32_t dmax = sp->depth < steps - 1 - *len ? sp->depth : steps - 1 - *len;
         const uint32_t n = spec_tree(sp, hist, nh, dmax);
@@ -174,7 +169,7 @@ static int spec_decode(const model *m, model_scratch *s, pkv_cache *c, pkv_seq s
         uint32_t np = 1, cur = *len + 1;
         int32_t at = 0;
         for (;;) { /* greedy decoding's next token: a child of the node it is at, or the next root */
-            const int32_t t = argmax(sp->logits + (size_t)at * V, V);
+            const int32_t t = model_argmax(sp->logits + (size_t)at * V, V);
             if (t == 1 || cur + 1 > steps) break;
             const int32_t ch = tree_child(sp, n, at, t);
             if (ch < 0) break;

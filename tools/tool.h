@@ -54,6 +54,9 @@ uint64_t tool_sum_block(const uint8_t *k, const uint8_t *v, const uint8_t *kn, c
 int tool_parse_u32(const char *s, uint32_t *out);
 /* The same in [0, UINT64_MAX] (seeds). */
 int tool_parse_u64(const char *s, uint64_t *out);
+/* "a,b,c" (digits and commas only, no empty item) -> at most cap values in [1, max] into out,
+ * their count in *n: 0, else -1. The benches' list options. */
+int tool_parse_u32_list(const char *s, uint32_t *out, int cap, uint32_t max, int *n);
 /* A finite number (strtod's syntax, the whole string): 0 and *out set, else -1 and *out
  * untouched. NaN and infinity are refused, since they would pass every range check after. */
 int tool_parse_f64(const char *s, double *out);

@@ -57,6 +57,20 @@ int tool_parse_u32(const char *s, uint32_t *out) {
     return 0;
 }
 
+int tool_parse_u32_list(const char *s, uint32_t *out, int cap, uint32_t max, int *n) {
+    *n = 0;
+    while (*s) {
+        char *end;
+        unsigned long v = strtoul(s, &end, 10);
+        /* digits only: no sign, no blanks, no empty item ("4,", ",4", "4,,8") */
+        if (*s < '0' || *s > '9' || v == 0 || v > max || *n == cap || (*end && *end != ',')) return -1;
+        out[(*n)++] = (uint32_t)v;
+        if (*end == ',' && !end[1]) return -1;
+        s = *end ? end + 1 : end;
+    }
+    return *n ? 0 : -1;
+}
+
 int tool_parse_f64(const char *s, double *out) {
     if (!s || !*s) return -1;
     char *e;

@@ -1417,23 +1417,31 @@ func (c *Cache) TakeEvents(max int, withTokens bool) ([]Event, error) {
 		n = int(ec)
 	}
 	b := int(c.cfg.BlockTokens)
-	raw := make([]C.pkv_event, n)
-	var toks []int32
-	if withTokens {
-		nt, err := mulLen(n, b, "TakeEvents: tokens")
-		if err != nil {
-			return nil, err
-		}
-		toks = make([]int32, nt)
+	raw, toks, err := eventBufs(n, b, withTokens, "TakeEvents")
+	if err != nil {
+		return nil, err
 	}
 	var got C.size_t
-	err := c.op("pkv_cache_take_events", readSeqs, func(p *C.pkv_cache) C.int {
+	err = c.op("pkv_cache_take_events", readSeqs, func(p *C.pkv_cache) C.int {
 		return C.pkv_cache_take_events(p, (*C.pkv_event)(slicePtr(raw)), C.size_t(n), i32p(toks), &got)
 	})
 	if err != nil {
 		return nil, err
 	}
 	return events(raw, int(got), toks, b), nil
+}
+
+// eventBufs makes room for n events and, withTokens, their blocks' b token ids each.
+func eventBufs(n, b int, withTokens bool, what string) ([]C.pkv_event, []int32, error) {
+	raw := make([]C.pkv_event, n)
+	if !withTokens {
+		return raw, nil, nil
+	}
+	nt, err := mulLen(n, b, what+": tokens")
+	if err != nil {
+		return nil, nil, err
+	}
+	return raw, make([]int32, nt), nil
 }
 
 // PrefixSnapshot is the whole prefix index now, as EventStored events (Seqno 0), every parent
@@ -1462,14 +1470,9 @@ func (c *Cache) PrefixSnapshot(withTokens bool) ([]Event, error) {
 		return nil, err
 	}
 	for {
-		raw := make([]C.pkv_event, n)
-		var toks []int32
-		if withTokens {
-			nt, err := mulLen(n, b, "PrefixSnapshot: tokens")
-			if err != nil {
-				return nil, err
-			}
-			toks = make([]int32, nt)
+		raw, toks, err := eventBufs(n, b, withTokens, "PrefixSnapshot")
+		if err != nil {
+			return nil, err
 		}
 		var got C.size_t
 		rc := C.pkv_prefix_snapshot(p, (*C.pkv_event)(slicePtr(raw)), C.size_t(n), i32p(toks), &got)

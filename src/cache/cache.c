@@ -231,19 +231,38 @@ static uint32_t pow2_at_least(uint64_t n) {
 /* Every allocation create makes, in order, with its size in bytes as a uint64_t (every factor
  * is bounded by the config's checks, so no product overflows 64 bits; create refuses one past
  * size_t, which on a 32-bit machine several can be); destroy frees the same list. */
-/* pkv_attn_tree's scratch, in this order: a node's path scores (double), the prefix part's
- * log-sum-exps of a run (tree_lse_cap floats), a head's p.V sum (head_dim floats), the K and V
- * rows of a node's path for one kv head widened to f32 (TREE_PATH_FLOATS each: the rows of
+/* pkv_attn_tree's scratch (c->tree), in this order: a node's path scores (double), the prefix
+ * part's log-sum-exps of a run (tree_lse_cap floats), a head's p.V sum (head_dim floats), the K
+ * and V rows of a node's path for one kv head widened to f32 (tree_path_floats each: the rows of
  * paths up to that many values long; longer ones are widened a query head at a time), the
- * request's node depths and a node's path. */
+ * request's node depths and a node's path. tree_bytes sizes it, tree_carve cuts it. */
 #define TREE_PATH_FLOATS 32768u
 static uint32_t tree_lse_cap(const pkv_cache *c) {
     return PKV_MAX(4096u, 1024u * c->n_kv); /* a node's rows at the most query heads a call takes */
 }
+static size_t tree_path_floats(const pkv_cache *c) {
+    return PKV_MAX(TREE_PATH_FLOATS, c->head_dim);
+}
 static uint64_t tree_bytes(const pkv_cache *c) {
     return sizeof(double) * (uint64_t)PKV_TREE_MAX_NODES +
-           sizeof(float) * ((uint64_t)tree_lse_cap(c) + c->head_dim + 2u * PKV_MAX(TREE_PATH_FLOATS, c->head_dim)) +
+           sizeof(float) * ((uint64_t)tree_lse_cap(c) + c->head_dim + 2u * (uint64_t)tree_path_floats(c)) +
            sizeof(uint32_t) * 2u * PKV_TREE_MAX_NODES;
+}
+typedef struct tree_scratch {
+    double *sc;
+    float *la, *acc, *kr, *vr;
+    uint32_t *depth, *path;
+} tree_scratch;
+static tree_scratch tree_carve(const pkv_cache *c) {
+    tree_scratch t;
+    t.sc = (double *)(void *)c->tree;
+    t.la = (float *)(void *)(t.sc + PKV_TREE_MAX_NODES);
+    t.acc = t.la + tree_lse_cap(c);
+    t.kr = t.acc + c->head_dim;
+    t.vr = t.kr + tree_path_floats(c);
+    t.depth = (uint32_t *)(void *)(t.vr + tree_path_floats(c));
+    t.path = t.depth + PKV_TREE_MAX_NODES;
+    return t;
 }
 
 #define CACHE_ALLOCS(X)                                                                               \
@@ -1710,6 +1729,17 @@ static int check_buffers(pkv_cache *c, const char *api, const float *q, const fl
     return PKV_OK;
 }
 
+/* Runs the kernels over c->items[0, k), saying why where they fail. */
+static int attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv__attn_call *call, const char *api) {
+    const int rc = pkv__attn_run(c->attn, view, c->items, k, call);
+    if (rc)
+        pkv__say(c, rc, api, "%s",
+                 c->cfg.executor.parallel_for
+                     ? "the executor broke its contract: a worker index out of range or in use, or tasks left"
+                     : "the kernels refused the call");
+    return rc;
+}
+
 /* Shared body of decode and prefill: reqs == NULL means decode (one query at length - 1). */
 static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const pkv_attn_req *reqs, uint32_t n,
                        const float *q, float *out, const pkv_attn_params *p) {
@@ -1762,11 +1792,7 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
             q_at += nq;
         }
         UNLOCK(c);
-        if (k && (rc = pkv__attn_run(c->attn, &view, c->items, k, &call)) != 0)
-            pkv__say(c, rc, api, "%s",
-                     c->cfg.executor.parallel_for
-                         ? "the executor broke its contract: a worker index out of range or in use, or tasks left"
-                         : "the kernels refused the call");
+        if (k) rc = attn_run(c, &view, k, &call, api);
     }
     pkv__attn_release_counts(c->attn, rc == 0);
     pthread_mutex_unlock(&c->attn_mu);
@@ -1812,18 +1838,19 @@ static inline void tree_row(const pkv_cache *c, const int32_t *table, const uint
 }
 
 /* The rows of nodes [i0, i1) of request r (queries q, outputs out, lse or NULL: the request's own
- * rows): the prefix part already in out with its log-sum-exps in la (-inf: none), the path part
- * computed here, the two (and the sinks) merged by log-sum-exp into out and lse. A path's K and V
- * rows are widened once a kv head for all its query heads where they fit the scratch. */
-static void tree_paths(pkv_cache *c, const pkv__kv_view *kv, const int32_t *table, const pkv_attn_tree_req *r,
-                       uint32_t i0, uint32_t i1, const pkv__attn_call *call, const float *sinks, const float *q,
-                       float *out, float *lse, const float *la) {
+ * rows): the prefix part already in out with its log-sum-exps in t->la (-inf: none), the path
+ * part computed here, the two (and the sinks) merged by log-sum-exp into out and lse. A path's K
+ * and V rows are widened once a kv head for all its query heads where they fit the scratch. */
+static void tree_paths(const pkv_cache *c, const tree_scratch *t, const pkv__kv_view *kv, const int32_t *table,
+                       const pkv_attn_tree_req *r, uint32_t i0, uint32_t i1, const pkv__attn_call *call,
+                       const float *sinks, const float *q, float *out, float *lse) {
     const uint32_t D = c->head_dim, nqh = call->n_q_heads, G = nqh / c->n_kv;
-    const size_t path_floats = PKV_MAX(TREE_PATH_FLOATS, D);
-    double *sc = (double *)(void *)c->tree;
-    float *acc = (float *)(void *)(sc + PKV_TREE_MAX_NODES) + tree_lse_cap(c), *kr = acc + D, *vr = kr + path_floats;
-    const uint32_t *depth = (const uint32_t *)(void *)(vr + path_floats);
-    uint32_t *path = (uint32_t *)(void *)(vr + path_floats) + PKV_TREE_MAX_NODES;
+    const size_t path_floats = tree_path_floats(c);
+    double *sc = t->sc;
+    float *acc = t->acc, *kr = t->kr, *vr = t->vr;
+    const float *la = t->la;
+    const uint32_t *depth = t->depth;
+    uint32_t *path = t->path;
     for (uint32_t i = i0; i < i1; i++) {
         const uint32_t np = tree_path(r->parent, depth, i, call->window, path);
         const bool once = (size_t)np * D <= path_floats; /* the path's rows widened once a kv head */
@@ -1915,8 +1942,9 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
     if (!rc) rc = check_buffers(c, api, q, out, lse, &call, n_rows, false);
     const float *sinks = call.sinks;
     call.sinks = NULL; /* counted once a row, in the merge of the two parts (tree_paths) */
-    float *la = (float *)(void *)((double *)(void *)c->tree + PKV_TREE_MAX_NODES);
-    uint32_t *depth = (uint32_t *)(void *)(la + tree_lse_cap(c) + c->head_dim + 2u * PKV_MAX(TREE_PATH_FLOATS, c->head_dim));
+    const tree_scratch ts = tree_carve(c);
+    float *la = ts.la;
+    uint32_t *depth = ts.depth;
     const uint32_t run_nodes = tree_lse_cap(c) / nqh; /* >= 1: nqh <= 1024 x n_kv */
     pkv__attn_hold_counts(c->attn); /* not counted in attn_reqs_*: those are decode's and prefill's */
     size_t row0 = 0;
@@ -1952,15 +1980,9 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
                                                          .lse = la + (size_t)(i - i0) * nqh};
             }
             for (size_t x = 0; x < (size_t)(i1 - i0) * nqh; x++) la[x] = -INFINITY; /* the items write theirs */
-            if (k && (rc = pkv__attn_run(c->attn, &view, c->items, k, &call)) != 0) {
-                pkv__say(c, rc, api, "%s",
-                         c->cfg.executor.parallel_for
-                             ? "the executor broke its contract: a worker index out of range or in use, or tasks left"
-                             : "the kernels refused the call");
-                break;
-            }
-            tree_paths(c, &view, table, r, i0, i1, &call, sinks, q + row0 * qrow, out + row0 * qrow,
-                       lse ? lse + row0 * nqh : NULL, la);
+            if (k && (rc = attn_run(c, &view, k, &call, api)) != 0) break;
+            tree_paths(c, &ts, &view, table, r, i0, i1, &call, sinks, q + row0 * qrow, out + row0 * qrow,
+                       lse ? lse + row0 * nqh : NULL);
             i0 = i1;
         }
     }
