@@ -531,6 +531,12 @@ static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
     return (window && pos + 1 > window) ? pos + 1 - window : 0;
 }
 
+/* The first key a query at pos of item it sees: its window's, or the item's k_start (a block
+ * boundary: the blocks before it are not read, so no mask needs it). */
+static inline uint32_t item_key_lo(const pkv__attn_item *it, uint32_t pos, uint32_t window) {
+    return PKV_MAX(key_lo(pos, window), it->k_start);
+}
+
 /* Software prefetch of the next block's rows of one head while this block's head is computed
  * (pkv__attn_pf), PKV_ATTN_PF_DIST blocks ahead. Each (block, head) is one 4 KiB run for f16
  * at head_dim 128, B 16: the hardware prefetcher restarts at every such run, software does not.
@@ -574,7 +580,7 @@ static void merge_write(const pkv__attn *at, const unit *w, float *m0, const flo
     const uint32_t D = at->kv->head_dim, nqh = at->call->n_q_heads, G = at->G;
     const uint32_t rows_h = w->nq * w->gs;
     const bool eo = at->kt->acc_eo[at->kv->v_dtype]; /* acc in even-odd order (attn.h) */
-    const float *sinks = at->call->sinks;
+    const float *sinks = w->item->partial ? NULL : at->call->sinks;
     for (uint32_t j = 0; j < w->n_kvh; j++)
         for (uint32_t qi = 0; qi < w->nq; qi++)
             for (uint32_t g = 0; g < w->gs; g++) {
@@ -1112,7 +1118,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     /* keys this tile sees: [k_lo, k_hi]; split ks takes an even share of its blocks */
     const uint32_t pos_first = it->q_pos0 + w.qa, pos_last = pos_first + w.nq - 1;
-    const uint32_t k_lo = key_lo(pos_first, call->window), k_hi = item_key_hi(it, pos_last);
+    const uint32_t k_lo = item_key_lo(it, pos_first, call->window), k_hi = item_key_hi(it, pos_last);
     const uint32_t bl = k_lo / B, nb = k_hi / B - bl + 1;
     const uint32_t b0 = bl + (uint32_t)((uint64_t)nb * w.ks / pi->n_ks);
     const uint32_t b1 = bl + (uint32_t)((uint64_t)nb * (w.ks + 1) / pi->n_ks);
@@ -1193,11 +1199,17 @@ static void plan_shape(const pkv__attn *at, const pkv__attn_item *it, plan_item 
     } else {
         pi->n_gsub = 1;
         pi->gsub = G;
-        pi->qtile = PKV_MAX(1u, PKV_MIN(it->n_q, ROWS_PER_HEAD / G));
+        /* a shared prefix's queries all see the same keys: as many in a tile as it holds, so its
+           blocks are read once a tile */
+        pi->qtile = PKV_MAX(1u, PKV_MIN(it->n_q, (it->partial ? ROWS_MAX : ROWS_PER_HEAD) / G));
         const uint32_t rows_h = pi->qtile * G;
         /* as many kv heads per unit as fit: their blocks are adjacent in the pool */
         pi->heads_per = PKV_MAX(1u, PKV_MIN(H, ROWS_MAX / rows_h));
         pi->n_hgs = (H + pi->heads_per - 1) / pi->heads_per;
+        if (it->partial) { /* even groups: 4 + 4 heads, not 5 + 3 */
+            pi->heads_per = (H + pi->n_hgs - 1) / pi->n_hgs;
+            pi->n_hgs = (H + pi->heads_per - 1) / pi->heads_per;
+        }
     }
     pi->n_qt = (it->n_q + pi->qtile - 1) / pi->qtile;
     pi->n_ks = 1;
@@ -1206,7 +1218,7 @@ static void plan_shape(const pkv__attn *at, const pkv__attn_item *it, plan_item 
 /* Blocks the item's last query sees: its share of the work when choosing key splits. */
 static uint32_t item_blocks(const pkv__attn *at, const pkv__attn_item *it) {
     const uint32_t B = at->kv->block_tokens, last = item_key_hi(it, it->q_pos0 + it->n_q - 1);
-    const uint32_t lo = key_lo(it->q_pos0 + it->n_q - 1, at->call->window) / B;
+    const uint32_t lo = item_key_lo(it, it->q_pos0 + it->n_q - 1, at->call->window) / B;
     return last / B - PKV_MIN(lo, last / B) + 1;
 }
 
@@ -1239,10 +1251,13 @@ static uint32_t make_plan(pkv__attn *at, bool skip_swept) {
     for (uint32_t i = 0; i < at->n_items; i++) {
         plan_item *pi = &at->plan[i];
         const uint64_t base = (uint64_t)pi->n_hgs * pi->n_qt;
-        if (split && pi->n_qt == 1) {
+        /* a shared prefix's units are split whatever the rest: they are the call's largest */
+        const bool partial = at->items[i].partial && at->n_threads > 1;
+        if ((split || partial) && pi->n_qt == 1) {
             const uint32_t nb = item_blocks(at, &at->items[i]);
             uint64_t want = (target * base * nb + work_total - 1) / work_total; /* this item's share */
             want = (want + base - 1) / base;
+            if (partial) want = PKV_MAX(want, (target + base - 1) / base);
             want = PKV_MIN(want, nb / MIN_SPLIT_BLOCKS);
             want = PKV_MIN(want, parts_cap(at->n_threads, nb));
             want = PKV_MIN(want, slots_left / base);
@@ -1354,7 +1369,7 @@ static void sweep_group(const pkv__attn *at, uint32_t g, uint32_t *i0, uint32_t 
 /* The blocks an item's one query sees: [*b0, *b1] of its table. */
 static void sweep_blocks(const pkv__attn *at, const pkv__attn_item *it, uint32_t *b0, uint32_t *b1) {
     const uint32_t B = at->kv->block_tokens;
-    *b0 = key_lo(it->q_pos0, at->call->window) / B, *b1 = it->q_pos0 / B;
+    *b0 = item_key_lo(it, it->q_pos0, at->call->window) / B, *b1 = it->q_pos0 / B;
 }
 
 /* Whether the sweep takes the call's items of one query (sweep_collect listed them; items of
@@ -1499,7 +1514,8 @@ static pass_blk sweep_entry(const pkv__attn *at, uint32_t c, uint64_t ek, uint32
         for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, m[ROWS_MAX + r] = 0.0f;
         memset(m + 2 * ROWS_MAX, 0, (size_t)rows * D * sizeof(float));
     }
-    const uint32_t pos = sweep_item(at, i)->q_pos0, k_lo = key_lo(pos, at->call->window), kb = key_b(ek) * B;
+    const pkv__attn_item *it = sweep_item(at, i);
+    const uint32_t pos = it->q_pos0, k_lo = item_key_lo(it, pos, at->call->window), kb = key_b(ek) * B;
     const uint32_t t0 = k_lo > kb ? k_lo - kb : 0;
     return (pass_blk){.bid = key_bid(ek), .t0 = t0, .n_keys = PKV_MIN(B, pos - kb + 1) - t0,
                       .qp = at->sweep_q + (size_t)i * rows * PKV__ATTN_QROW_BYTES(D), .m = m, .l = m + ROWS_MAX,
@@ -1671,20 +1687,23 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     if (!at->kt->prep_q[kv->k_dtype] || !at->kt->score[kv->k_dtype] || !at->kt->accum[kv->v_dtype]) return PKV_ENOTSUP;
     uint64_t runs = 0; /* runs of neighbouring blocks in one-query items' visible tables (AUTO's rule) */
     uint32_t most = 0; /* visible blocks of the longest one-query item (sweep_collect) */
-    uint32_t n_live = 0; /* items of at least one query */
+    uint32_t n_live = 0; /* items of at least one query, partial ones aside (not requests) */
     for (uint32_t i = 0; i < n_items; i++) {
         const pkv__attn_item *it = &items[i];
         if (it->n_q == 0) continue;
-        n_live++;
+        n_live += !it->partial;
         if (!it->q || !it->out || !it->block_table) return PKV_EINVAL;
         const uint64_t end = (uint64_t)it->q_pos0 + it->n_q;
-        const uint64_t nbt = (end + kv->block_tokens - 1) / kv->block_tokens;
-        if (nbt > at->lim.max_blocks_per_seq && at->lim.max_blocks_per_seq) return PKV_EINVAL;
         if (end > UINT32_MAX) return PKV_EINVAL;
+        /* the blocks up to the last key a query sees */
+        const uint64_t nbt = item_key_hi(it, (uint32_t)(end - 1)) / kv->block_tokens + 1;
+        if (nbt > at->lim.max_blocks_per_seq && at->lim.max_blocks_per_seq) return PKV_EINVAL;
         /* every query sees a key (a tile of later queries would otherwise have none: k_lo > k_hi) */
         if (it->k_end && key_lo(it->q_pos0 + it->n_q - 1, call->window) >= it->k_end) return PKV_EINVAL;
+        if (it->k_start % kv->block_tokens || it->k_start > it->q_pos0 || (it->k_end && it->k_start >= it->k_end))
+            return PKV_EINVAL;
         /* only the blocks a query can see are read; each must name a block of the pool */
-        const uint32_t lo = key_lo(it->q_pos0, call->window) / kv->block_tokens;
+        const uint32_t lo = item_key_lo(it, it->q_pos0, call->window) / kv->block_tokens;
         if (sweepable(it)) most = PKV_MAX(most, (uint32_t)(nbt - lo));
         for (uint64_t b = lo; b < nbt; b++) {
             if (it->block_table[b] < 0 || (uint32_t)it->block_table[b] >= kv->n_blocks) return PKV_EINVAL;

@@ -26,13 +26,20 @@ typedef struct pkv__kv_view {
  * ceil((q_pos0 + n_q) / block_tokens) entries, all valid block ids. Decode is the item
  * {q_pos0 = length - 1, n_q = 1}. k_end, where not 0, also hides every key at or past it; the
  * last query's window must still reach below it (else PKV_EINVAL). With k_end <= q_pos0 and no
- * window all n_q queries see the same keys [0, k_end) (pkv_attn_tree's prefix part; the
- * pool-order sweep does not take such items). */
+ * window all n_q queries see the same keys [0, k_end) (pkv_attn_tree's prefix part, and a
+ * shared-prefix group's: cache.c, share_*; the pool-order sweep does not take such items). Only
+ * the blocks its queries see must be valid in block_table. k_start, a multiple of block_tokens,
+ * hides every key before it (a shared-prefix group's members read their own blocks from there);
+ * the last query must be at or past it. partial: the item is the shared-prefix part of a group
+ * of decodes: the call's sinks are not applied to it (the merge with the members' own parts
+ * adds them there) and pkv__attn_item_counts does not count it. */
 typedef struct pkv__attn_item {
     const int32_t *block_table;
     uint32_t q_pos0;
     uint32_t n_q;
     uint32_t k_end;
+    uint32_t k_start;
+    bool partial;
     const float *q; /* [n_q][n_q_heads][head_dim] */
     float *out;     /* [n_q][n_q_heads][head_dim] */
     float *lse;     /* [n_q][n_q_heads] or NULL */

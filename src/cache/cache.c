@@ -6,6 +6,7 @@
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 
@@ -265,6 +266,12 @@ static tree_scratch tree_carve(const pkv_cache *c) {
     return t;
 }
 
+/* Items an attention call holds: a batch of max_seqs decodes and their shared-prefix groups, two
+ * members or more each (share.c). */
+static uint32_t share_items(const pkv_cache *c) {
+    return c->max_seqs + c->max_seqs / 2u + 1u;
+}
+
 #define CACHE_ALLOCS(X)                                                                               \
     X(blk, (uint64_t)sizeof(pkv__blk) * c->n_blocks)                                                   \
     X(tokens, (uint64_t)sizeof(int32_t) * c->n_blocks * c->B)                                          \
@@ -276,7 +283,8 @@ static tree_scratch tree_carve(const pkv_cache *c) {
     X(fp_content, (uint64_t)sizeof(uint64_t) * ((uint64_t)c->fp_mask + 1))                             \
     X(chk_ref, (uint64_t)sizeof(uint32_t) * c->n_blocks)                                               \
     X(chk_pos, (uint64_t)sizeof(uint32_t) * c->n_blocks)                                               \
-    X(items, (uint64_t)sizeof(pkv__attn_item) * c->max_seqs)                                           \
+    X(items, (uint64_t)sizeof(pkv__attn_item) * share_items(c))                                        \
+    X(share_mem, pkv__share_bytes(c))                                                                  \
     X(tree, tree_bytes(c))                                                                             \
     X(ev, (uint64_t)sizeof(pkv_event) * c->ev_cap)                                                     \
     X(ev_tok, (uint64_t)sizeof(int32_t) * c->ev_cap * c->B)
@@ -374,6 +382,11 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     if (cfg.executor.parallel_for) cfg.n_threads = cfg.executor.n_workers;
     if (cfg.n_threads == 0) cfg.n_threads = PKV_MIN(pkv__n_cpus(), PKV_MAX_THREADS);
 
+    const int64_t share_min = pkv__share_env();
+    if (share_min < 0)
+        REFUSE(&cfg, PKV_EINVAL, "PKV_ATTN_SHARE is \"%s\": not auto, off or a number of positions 1-%u",
+               getenv("PKV_ATTN_SHARE"), PKV__SHARE_MIN_KEYS_MAX);
+
     pkv_allocator a = cfg.allocator;
     pkv_cache *c = pkv__calloc(&a, sizeof *c, PKV_CACHELINE);
     if (!c) REFUSE(&cfg, PKV_ENOMEM, "the allocator gave no memory for the cache (%zu bytes)", sizeof *c);
@@ -424,7 +437,7 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     if (!cfg.huge_pages && !cfg.allocator.alloc && kv_bytes >= PKV_HUGEPAGE)
         (void)madvise(c->kv, kv_bytes, MADV_NOHUGEPAGE);
 #endif
-    pkv__attn_limits lim = {.max_items = c->max_seqs, .max_blocks_per_seq = c->max_bps,
+    pkv__attn_limits lim = {.max_items = share_items(c), .max_blocks_per_seq = c->max_bps,
                             .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B,
                             .exec = cfg.executor, .log = cfg.log, .log_ctx = cfg.log_ctx};
     c->attn_alloc = (pkv_allocator){.alloc = attn_shim_alloc, .free = attn_shim_free, .ctx = c};
@@ -443,6 +456,8 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
         c->seqs[i].gen = c->gen_base;
         c->seqs[i].table = c->tables + (size_t)i * c->max_bps;
     }
+    pkv__share_carve(c);
+    c->share.min_blocks = (uint32_t)((share_min + c->B - 1) / c->B); /* 0: off */
     reset_state(c);
     pkv__log(cfg.log, cfg.log_ctx, PKV_LOG_INFO,
              "pkv: cache of %u blocks x %u tokens, %u layers, %zu KV bytes, attention %s x%u", c->n_blocks, c->B,
@@ -1729,8 +1744,8 @@ static int check_buffers(pkv_cache *c, const char *api, const float *q, const fl
     return PKV_OK;
 }
 
-/* Runs the kernels over c->items[0, k), saying why where they fail. */
-static int attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv__attn_call *call, const char *api) {
+int pkv__cache_attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv__attn_call *call,
+                        const char *api) {
     const int rc = pkv__attn_run(c->attn, view, c->items, k, call);
     if (rc)
         pkv__say(c, rc, api, "%s",
@@ -1792,7 +1807,7 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
             q_at += nq;
         }
         UNLOCK(c);
-        if (k) rc = attn_run(c, &view, k, &call, api);
+        if (k) rc = reqs ? pkv__cache_attn_run(c, &view, k, &call, api) : pkv__share_decode(c, &view, k, &call, api);
     }
     pkv__attn_release_counts(c->attn, rc == 0);
     pthread_mutex_unlock(&c->attn_mu);
@@ -1980,7 +1995,7 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
                                                          .lse = la + (size_t)(i - i0) * nqh};
             }
             for (size_t x = 0; x < (size_t)(i1 - i0) * nqh; x++) la[x] = -INFINITY; /* the items write theirs */
-            if (k && (rc = attn_run(c, &view, k, &call, api)) != 0) break;
+            if (k && (rc = pkv__cache_attn_run(c, &view, k, &call, api)) != 0) break;
             tree_paths(c, &ts, &view, table, r, i0, i1, &call, sinks, q + row0 * qrow, out + row0 * qrow,
                        lse ? lse + row0 * nqh : NULL);
             i0 = i1;

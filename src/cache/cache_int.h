@@ -21,6 +21,23 @@ typedef struct pkv__seq {
     int32_t *table;        /* [max_blocks_per_seq] block ids; [0, n_blocks) valid */
 } pkv__seq;
 
+/* A group of a decode batch's sequences whose tables share their first `blocks` blocks (share.c):
+ * its members are pkv__share.order[first .. first + n). */
+typedef struct pkv__share_group {
+    uint32_t first, n, blocks;
+} pkv__share_group;
+
+/* Shared-prefix decode's settings and scratch (share.c), under attn_mu. */
+typedef struct pkv__share {
+    uint32_t min_blocks; /* the fewest blocks a group shares (0: no groups; PKV_ATTN_SHARE) */
+    uint32_t rows;       /* query rows (a member's query heads each) the scratch holds */
+    uint32_t *full, *idx, *tmp, *order, *lcp; /* [max_seqs] each */
+    pkv__share_group *groups;                 /* [max_seqs / 2 + 1] */
+    float **lse_to;                           /* [max_seqs] each member's own lse (NULL: none) */
+    float *q;                                 /* [rows][head_dim]: the groups' queries, then their outputs */
+    float *lse_a, *lse_b;                     /* [rows]: the shared parts' and the members' own parts' */
+} pkv__share;
+
 struct pkv_cache {
     pkv_config cfg; /* resolved */
     pkv_allocator alloc;
@@ -68,7 +85,9 @@ struct pkv_cache {
     uint32_t *chk_pos; /* [n_blocks] */
 
     pkv__attn *attn;
-    pkv__attn_item *items; /* [max_seqs] */
+    pkv__attn_item *items; /* [max_seqs + max_seqs / 2 + 1]: a batch's, then its shared-prefix groups' */
+    uint8_t *share_mem;    /* share's scratch (cache.c: share_bytes) */
+    pkv__share share;
     uint8_t *tree;         /* pkv_attn_tree's scratch (cache.c: tree_bytes), under attn_mu */
     /* the attention context allocates through this counting shim, so meta_bytes includes it */
     pkv_allocator attn_alloc;
@@ -101,6 +120,40 @@ uint32_t pkv__take_block(pkv_cache *c);
 void pkv__drop_block(pkv_cache *c, uint32_t b);
 /* Copies positions [0, n) of block src into dst (all layers, K and V, token ids). */
 void pkv__copy_block(pkv_cache *c, uint32_t dst, uint32_t src, uint32_t n);
+
+/* Runs the kernels over c->items[0, k), saying why where they fail (attention calls, under
+ * attn_mu). */
+int pkv__cache_attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv__attn_call *call,
+                        const char *api);
+
+/* ---- share.c ---- (under attn_mu) */
+/* Groups the decodes c->items[0, k) that share at least share.min_blocks whole blocks before their
+ * queries (none where a window hides a key of them): share.order and share.groups; returns the
+ * number of groups (0: none, or share off). A run of members is grouped as saves the most block
+ * reads: whole, or split where they share the least. Groups take members while the scratch has
+ * rows for their n_q_heads query heads. */
+uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, uint32_t window, uint32_t n_q_heads);
+/* pkv__cache_attn_run for the decodes c->items[0, k) (one query each, lse pointing at the
+ * caller's or NULL), their shared prefixes read once a group: each group's shared part is one more
+ * item of the group's queries, after the k, and merges with its members' own parts into their
+ * outputs. The members' items are changed (k_start, lse). */
+int pkv__share_decode(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv__attn_call *call,
+                      const char *api);
+/* The fewest shared positions that make a group (rounded up to whole blocks) unless
+ * PKV_ATTN_SHARE says otherwise: "auto" (or unset, or empty) is this, "off" none, a number 1 to
+ * PKV__SHARE_MIN_KEYS_MAX that number; pkv__share_env gives -1 for anything else (create refuses
+ * it). Where the K/V is in cache, a group of fewer shared positions cost more than it saved on the
+ * development machine (Intel Xeon, 2 threads, f16: 2-16 forks of 128-256 positions 0.79-1.17 of
+ * the time without, 512 and more 0.82-0.99; from memory 0.59-0.90: docs/design.md, "Stop 74"). */
+#define PKV__SHARE_MIN_KEYS 512u
+#define PKV__SHARE_MIN_KEYS_MAX 1000000000u
+int64_t pkv__share_env(void); /* the positions, 0 for off */
+/* Test hook: the fewest blocks a group shares (0: no groups; pkv_cache_create sets the positions
+ * of pkv__share_env in whole blocks). */
+void pkv__cache_test_share(pkv_cache *c, uint32_t min_blocks);
+/* The share scratch's bytes, and its arrays cut from share_mem. */
+uint64_t pkv__share_bytes(const pkv_cache *c);
+void pkv__share_carve(pkv_cache *c);
 
 /* ---- prefix.c ---- */
 void pkv__index_reset(pkv_cache *c);

@@ -1,0 +1,199 @@
+/* share.c: shared-prefix decode. The sequences of a decode batch whose block tables begin with
+ * the same blocks (forks for parallel sampling or beam search, requests whose prompts the
+ * prefix cache matched) see the same keys there. Each such group's queries go through those
+ * blocks together, as the rows of one item of many queries (the kernels' prefill tiles: a K/V
+ * row read once for all of them), and each member's own blocks after them as a decode of its own;
+ * the two parts are merged by log-sum-exp. FlashInfer and vLLM call this cascade attention. */
+#include "cache_int.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* The blocks of item i that a group may share: the whole blocks before its query's position (its
+ * own part keeps at least that key), none where a window hides some key of them. */
+static uint32_t share_full(const pkv_cache *c, const pkv__attn_item *it, uint32_t window) {
+    if (window && it->q_pos0 + 1 > window) return 0;
+    return it->q_pos0 / c->B;
+}
+
+/* Whether item a's table sorts before item b's: by their shareable blocks' ids as bytes, then the
+ * shorter first, then by index. Any total order over the tables puts those that share a prefix
+ * side by side, which is all the grouping needs. */
+static bool share_before(const pkv_cache *c, const uint32_t *full, uint32_t a, uint32_t b) {
+    const uint32_t n = PKV_MIN(full[a], full[b]);
+    const int r = memcmp(c->items[a].block_table, c->items[b].block_table, (size_t)n * sizeof(int32_t));
+    if (r) return r < 0;
+    if (full[a] != full[b]) return full[a] < full[b];
+    return a < b;
+}
+
+/* Sorts idx[0, n) by share_before (bottom-up merge sort through tmp). Returns the sorted array. */
+static uint32_t *share_sort(const pkv_cache *c, const uint32_t *full, uint32_t *idx, uint32_t *tmp, uint32_t n) {
+    for (uint32_t w = 1; w < n; w *= 2) {
+        for (uint32_t lo = 0; lo < n; lo += 2 * w) {
+            const uint32_t mid = PKV_MIN(lo + w, n), hi = PKV_MIN(lo + 2 * w, n);
+            uint32_t i = lo, j = mid, o = lo;
+            while (i < mid && j < hi) tmp[o++] = share_before(c, full, idx[j], idx[i]) ? idx[j++] : idx[i++];
+            while (i < mid) tmp[o++] = idx[i++];
+            while (j < hi) tmp[o++] = idx[j++];
+        }
+        uint32_t *t = idx;
+        idx = tmp, tmp = t;
+    }
+    return idx;
+}
+
+/* A run longer than this is taken whole, with no search for a better split (the search's depth). */
+#define SHARE_SPLIT_MAX 64u
+
+/* The blocks the sorted members [a, b] of a run save by their best grouping (a group of n members
+ * and p shared blocks saves (n - 1) x p block reads), and through emit (NULL: none) that grouping:
+ * the run as one group, or split where its members share the least, whichever saves more. lcp[x]:
+ * the blocks members x and x + 1 share. */
+typedef struct share_out {
+    pkv__share_group *g;
+    uint32_t n;
+} share_out;
+static uint64_t share_best(const uint32_t *lcp, uint32_t a, uint32_t b, share_out *emit) {
+    if (a >= b) return 0;
+    uint32_t m = a;
+    for (uint32_t x = a + 1; x < b; x++)
+        if (lcp[x] < lcp[m]) m = x;
+    const uint64_t whole = (uint64_t)(b - a) * lcp[m];
+    const bool search = b - a < SHARE_SPLIT_MAX;
+    const uint64_t split = search ? share_best(lcp, a, m, NULL) + share_best(lcp, m + 1, b, NULL) : 0;
+    if (split > whole) {
+        if (emit) (void)share_best(lcp, a, m, emit), (void)share_best(lcp, m + 1, b, emit);
+        return split;
+    }
+    if (emit) emit->g[emit->n++] = (pkv__share_group){.first = a, .n = b - a + 1, .blocks = lcp[m]};
+    return whole;
+}
+
+uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, uint32_t window, uint32_t n_q_heads) {
+    pkv__share *sh = &c->share;
+    if (!sh->min_blocks || k < 2) return 0;
+    uint32_t *full = sh->full, n = 0;
+    for (uint32_t i = 0; i < k; i++) {
+        full[i] = share_full(c, &c->items[i], window);
+        if (full[i] >= sh->min_blocks) sh->idx[n++] = i;
+    }
+    if (n < 2) return 0;
+    uint32_t *ord = share_sort(c, full, sh->idx, sh->tmp, n);
+    if (ord != sh->order) memcpy(sh->order, ord, (size_t)n * sizeof(uint32_t));
+    ord = sh->order;
+    for (uint32_t x = 0; x + 1 < n; x++) { /* the blocks neighbours share */
+        const int32_t *ta = c->items[ord[x]].block_table, *tb = c->items[ord[x + 1]].block_table;
+        const uint32_t most = PKV_MIN(full[ord[x]], full[ord[x + 1]]);
+        uint32_t p = 0;
+        while (p < most && ta[p] == tb[p]) p++;
+        sh->lcp[x] = p;
+    }
+    /* runs of neighbours that share at least min_blocks, each grouped as saves the most */
+    share_out out = {.g = sh->groups, .n = 0};
+    for (uint32_t a = 0; a + 1 < n;) {
+        uint32_t b = a;
+        while (b + 1 < n && sh->lcp[b] >= sh->min_blocks) b++;
+        (void)share_best(sh->lcp, a, b, &out);
+        a = b + 1;
+    }
+    /* as many members as the scratch holds rows for, in groups of two or more */
+    const uint32_t cap = n_q_heads ? sh->rows / n_q_heads : 0;
+    uint32_t left = cap, ng = 0;
+    for (uint32_t g = 0; g < out.n && left >= 2; g++) {
+        pkv__share_group gr = out.g[g];
+        gr.n = PKV_MIN(gr.n, left);
+        left -= gr.n;
+        sh->groups[ng++] = gr;
+    }
+    return ng;
+}
+
+int pkv__share_decode(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv__attn_call *call,
+                      const char *api) {
+    pkv__share *sh = &c->share;
+    const uint32_t ng = pkv__share_plan(c, k, call->window, call->n_q_heads);
+    if (!ng) return pkv__cache_attn_run(c, view, k, call, api);
+    /* the groups' shared parts first: their units, the call's largest, are handed out first */
+    memmove(c->items + ng, c->items, (size_t)k * sizeof *c->items);
+    pkv__attn_item *items = c->items + ng;
+    const uint32_t D = c->head_dim, nqh = call->n_q_heads;
+    const size_t qrow = (size_t)nqh * D;
+    uint32_t r0 = 0; /* rows of the scratch used */
+    for (uint32_t g = 0; g < ng; g++) {
+        const pkv__share_group *gr = &sh->groups[g];
+        const uint32_t P = gr->blocks * c->B;
+        float *q = sh->q + (size_t)r0 * D;
+        for (uint32_t j = 0; j < gr->n; j++) {
+            pkv__attn_item *it = &items[sh->order[gr->first + j]];
+            memcpy(q + j * qrow, it->q, qrow * sizeof(float));
+            sh->lse_to[gr->first + j] = it->lse;
+            it->lse = sh->lse_b + (size_t)r0 + (size_t)j * nqh;
+            it->k_start = P;
+        }
+        /* every query of the group sees [0, P) whatever its position: P - 1 is the first */
+        c->items[g] = (pkv__attn_item){.block_table = items[sh->order[gr->first]].block_table,
+                                           .q_pos0 = P - 1, .n_q = gr->n, .k_end = P, .partial = true,
+                                           .q = q, .out = q, .lse = sh->lse_a + r0};
+        r0 += gr->n * nqh;
+    }
+    const int rc = pkv__cache_attn_run(c, view, k + ng, call, api);
+    if (rc) return rc;
+    r0 = 0;
+    for (uint32_t g = 0; g < ng; g++) {
+        const pkv__share_group *gr = &sh->groups[g];
+        for (uint32_t j = 0; j < gr->n; j++, r0 += nqh) {
+            const pkv__attn_item *it = &items[sh->order[gr->first + j]];
+            /* the shared part's rows and the member's own (sinks there) into the member's output */
+            const int m = pkv_attn_merge(nqh, D, sh->q + (size_t)r0 * D, sh->lse_a + r0, it->out, it->lse, it->out,
+                                         sh->lse_to[gr->first + j]);
+            pkv_assert(m == PKV_OK); /* finite log-sum-exps, no overlap: both parts saw keys */
+        }
+    }
+    return PKV_OK;
+}
+
+/* The scratch's rows: a member's query heads each, for up to SHARE_ROWS_SEQS members of 8 query
+ * heads a kv head. */
+#define SHARE_ROWS_SEQS 32u
+static uint32_t share_rows(const pkv_cache *c) {
+    return PKV_MIN(c->max_seqs, SHARE_ROWS_SEQS) * 8u * c->n_kv;
+}
+
+uint64_t pkv__share_bytes(const pkv_cache *c) {
+    const uint64_t n = c->max_seqs, rows = share_rows(c);
+    return sizeof(float) * rows * ((uint64_t)c->head_dim + 2u) + sizeof(float *) * n +
+           sizeof(pkv__share_group) * (n / 2 + 1) + sizeof(uint32_t) * 5u * n;
+}
+
+void pkv__share_carve(pkv_cache *c) {
+    pkv__share *sh = &c->share;
+    const uint32_t n = c->max_seqs;
+    sh->rows = share_rows(c);
+    sh->q = (float *)(void *)c->share_mem; /* most aligned first */
+    sh->lse_a = sh->q + (size_t)sh->rows * c->head_dim;
+    sh->lse_b = sh->lse_a + sh->rows;
+    sh->lse_to = (float **)(void *)(sh->lse_b + sh->rows);
+    sh->groups = (pkv__share_group *)(void *)(sh->lse_to + n);
+    sh->full = (uint32_t *)(void *)(sh->groups + n / 2 + 1);
+    sh->idx = sh->full + n;
+    sh->tmp = sh->idx + n;
+    sh->order = sh->tmp + n;
+    sh->lcp = sh->order + n;
+}
+
+int64_t pkv__share_env(void) {
+    const char *e = getenv("PKV_ATTN_SHARE");
+    if (!e || !*e || !strcmp(e, "auto")) return PKV__SHARE_MIN_KEYS;
+    if (!strcmp(e, "off")) return 0;
+    char *end = NULL;
+    const unsigned long v = strtoul(e, &end, 10);
+    if (*e < '1' || *e > '9' || *end || v > PKV__SHARE_MIN_KEYS_MAX) return -1;
+    return (int64_t)v;
+}
+
+void pkv__cache_test_share(pkv_cache *c, uint32_t min_blocks) {
+    pthread_mutex_lock(&c->attn_mu);
+    c->share.min_blocks = min_blocks;
+    pthread_mutex_unlock(&c->attn_mu);
+}
