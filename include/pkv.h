@@ -623,6 +623,10 @@ typedef struct pkv_stats {
      * reject counts nothing */
     uint64_t attn_reqs_pool;
     uint64_t attn_reqs_table;
+    /* K/V positions pkv_attn_decode read once for a group of sequences that share them rather
+     * than once a sequence (shared-prefix decode, see pkv_attn_decode): (members - 1) x shared
+     * positions, summed over groups, calls and layers; a failed call counts nothing */
+    uint64_t attn_shared_keys;
 } pkv_stats;
 PKV_NODISCARD PKV_API int pkv_cache_get_stats(pkv_cache *c, pkv_stats *out);
 

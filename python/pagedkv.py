@@ -198,7 +198,8 @@ class _Stats(ctypes.Structure):
                 ("cow_copies", _u64), ("peak_active", _u32), ("prefix_lookups", _u64),
                 ("prefix_tokens_queried", _u64), ("prefix_tokens_hit", _u64), ("prefix_miss_new", _u64),
                 ("prefix_miss_evicted", _u64), ("prefix_miss_namespace", _u64), ("n_indexed", _u64),
-                ("evictions", _u64), ("attn_reqs_pool", _u64), ("attn_reqs_table", _u64)]
+                ("evictions", _u64), ("attn_reqs_pool", _u64), ("attn_reqs_table", _u64),
+                ("attn_shared_keys", _u64)]
 
 
 class _TierStats(ctypes.Structure):

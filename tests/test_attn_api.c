@@ -18,6 +18,8 @@
 #include "pkv.h"
 #include "quant/quant.h"
 
+void pkv__cache_test_share(pkv_cache *c, uint32_t min_blocks, uint32_t rows); /* cache_int.h */
+
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
 #endif
@@ -143,7 +145,7 @@ static void check_tol(const host_seq *s, uint32_t l, const float *q, const float
         ref_one(s, l, q + (size_t)i * NQH * D, pos0 + i, p, ro, rl);
         for (uint32_t j = 0; j < NQH * D; j++) assert_true(fabs(out[(size_t)i * NQH * D + j] - ro[j]) <= tol * vm);
         if (lse)
-            for (uint32_t h = 0; h < NQH; h++) assert_true(fabs(lse[i * NQH + h] - rl[h]) <= 1e-5 * fmax(1.0, fabs(rl[h])));
+            for (uint32_t h = 0; h < NQH; h++) assert_true(fabs(lse[i * NQH + h] - rl[h]) <= tol * fmax(1.0, fabs(rl[h])));
     }
 }
 
@@ -1117,6 +1119,91 @@ static void test_api_value_max(void **state) {
 }
 
 /* The stats' attention counters: requests read in pool order and in table order. */
+/* Shared-prefix decode (pkv_attn_decode; src/cache/share.c). A batch in shuffled order: parent A
+ * (100 positions) and its forks A1-A3, each with positions of its own after them (the 6 full
+ * blocks shared, the partial 7th copied on write); parent P (50) and its fork P1 (3 blocks
+ * shared); S, attached by the prefix cache to A's first blocks. With groups of any whole shared
+ * block: {A, A1, A2, A3} (6 blocks: S and A's forks share fewer, and the best grouping leaves S
+ * alone) and {P, P1} (3), so attn_shared_keys grows by 3 x 96 + 48 a call; with a window of 130,
+ * A3 (140 positions) decodes alone: 2 x 96 + 48; with a scratch of two members' rows, the first
+ * group of the sorted batch only, cut to 2 members: 96 or 48; with groups off and by the default
+ * rule (512 positions at least) 0. Every output and lse against the reference, each float and
+ * 8-bit dtype, 1 and 2 threads, with soft-cap, window and sinks; the requests count 7 a call. */
+static void test_api_share(void **state) {
+    (void)state;
+    enum { NS = 7 };
+    static host_seq s[NS];
+    static const pkv_dtype dts[5] = {PKV_DTYPE_F32, PKV_DTYPE_F16, PKV_DTYPE_BF16, PKV_DTYPE_FP8_E4M3,
+                                     PKV_DTYPE_Q8_0};
+    for (size_t ti = 0; ti < 5; ti++)
+        for (uint32_t nt = 1; nt <= 2; nt++) {
+            const pkv_dtype dt = dts[ti];
+            const double tol = dt == PKV_DTYPE_Q8_0 ? 2e-2 : TOL;
+            pkv_cache *c = make_cache(dt, nt, 1);
+            for (int i = 0; i < NS; i++) memset(&s[i], 0, sizeof s[i]);
+            /* 0 A, 1-3 A1-A3, 4 P, 5 P1, 6 S */
+            assert_int_equal(pkv_seq_create(c, NULL, 0, &s[0].id), PKV_OK);
+            append_write(c, dt, &s[0], 100, 10);
+            assert_int_equal(pkv_seq_commit(c, s[0].id, 100), PKV_OK);
+            for (int i = 1; i <= 3; i++) {
+                memcpy(&s[i], &s[0], sizeof s[0]);
+                assert_int_equal(pkv_seq_fork(c, s[0].id, &s[i].id), PKV_OK);
+            }
+            static const uint32_t own[4] = {3, 5, 20, 40};
+            for (int i = 0; i <= 3; i++) append_write(c, dt, &s[i], own[i], 1000 * (i + 1));
+            assert_int_equal(pkv_seq_create(c, NULL, 0, &s[4].id), PKV_OK);
+            append_write(c, dt, &s[4], 50, 20000);
+            memcpy(&s[5], &s[4], sizeof s[4]);
+            assert_int_equal(pkv_seq_fork(c, s[4].id, &s[5].id), PKV_OK);
+            append_write(c, dt, &s[4], 10, 30000);
+            append_write(c, dt, &s[5], 30, 40000);
+            int32_t prompt[64 + 30];
+            for (int i = 0; i < 94; i++) prompt[i] = 10 + i + (i >= 64 ? 50000 : 0);
+            memcpy(&s[6], &s[0], sizeof s[0]);
+            assert_int_equal(pkv_seq_create(c, NULL, 0, &s[6].id), PKV_OK);
+            uint32_t reused = 0;
+            assert_int_equal(pkv_seq_match_prefix(c, s[6].id, prompt, 94, &reused), PKV_OK);
+            assert_true(reused >= 48 && reused <= 64);
+            s[6].len = reused;
+            append_write(c, dt, &s[6], 94 - reused, 0);
+
+            static const int perm[NS] = {5, 2, 6, 0, 4, 3, 1}; /* the batch's order */
+            pkv_seq ids[NS];
+            for (int j = 0; j < NS; j++) ids[j] = s[perm[j]].id;
+            float *q = rand_q(NS), *out = malloc(sizeof(float) * NS * NQH * D), lse[NS * NQH], sinks[NQH];
+            for (uint32_t h = 0; h < NQH; h++) sinks[h] = 2.0f * rnd() + 1.0f;
+            for (int variant = 0; variant < 7; variant++) {
+                pkv_attn_params p = pkv_attn_params_default();
+                p.n_q_heads = NQH;
+                p.lse = variant == 1 ? NULL : lse;
+                uint64_t want = 3 * 96 + 48;
+                pkv__cache_test_share(c, 1, 0);
+                if (variant == 2) p.softcap = 5.0f, p.scale = 0.2f;
+                if (variant == 3) p.window = 130, p.sinks = sinks, want = 2 * 96 + 48;
+                if (variant == 4) pkv__cache_test_share(c, 1, 2 * NQH), want = 96; /* or 48: below */
+                if (variant == 5) pkv__cache_test_share(c, 0, 0), want = 0;
+                if (variant == 6) pkv__cache_test_share(c, 512 / B, 0), want = 0, p.sinks = sinks;
+                pkv_stats st0, st1;
+                assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
+                const uint32_t l = (uint32_t)variant % L;
+                assert_int_equal(pkv_attn_decode(c, l, ids, NS, q, out, &p), PKV_OK);
+                assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
+                const uint64_t got = st1.attn_shared_keys - st0.attn_shared_keys;
+                if (variant == 4)
+                    assert_true(got == 96 || got == 48);
+                else
+                    assert_int_equal(got, want);
+                assert_int_equal(st1.attn_reqs_pool + st1.attn_reqs_table - st0.attn_reqs_pool - st0.attn_reqs_table, NS);
+                for (int j = 0; j < NS; j++)
+                    check_tol(&s[perm[j]], l, q + (size_t)j * NQH * D, out + (size_t)j * NQH * D,
+                              p.lse ? lse + j * NQH : NULL, s[perm[j]].len - 1, 1, &p, tol);
+            }
+            free(q), free(out);
+            cache_ok(c);
+            pkv_cache_destroy(c);
+        }
+}
+
 static void expect_attn_reqs(pkv_cache *c, uint64_t pool, uint64_t table) {
     pkv_stats st;
     assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
@@ -1421,6 +1508,7 @@ int main(void) {
         cmocka_unit_test(test_api_order_env),
         cmocka_unit_test(test_api_executor),
         cmocka_unit_test(test_api_fork_child),
+        cmocka_unit_test(test_api_share),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -328,7 +328,7 @@ type Stats struct {
 	PeakActive                                                                     uint32
 	PrefixLookups, PrefixTokensQueried, PrefixTokensHit                            uint64
 	PrefixMissNew, PrefixMissEvicted, PrefixMissNamespace, NIndexed, Evictions     uint64
-	AttnReqsPool, AttnReqsTable                                                    uint64
+	AttnReqsPool, AttnReqsTable, AttnSharedKeys                                    uint64
 }
 
 // Cache is a paged KV cache (pkv_cache). Close frees it.
@@ -1527,7 +1527,7 @@ func (c *Cache) Stats() (Stats, error) {
 		uint32(s.peak_active), uint64(s.prefix_lookups), uint64(s.prefix_tokens_queried),
 		uint64(s.prefix_tokens_hit), uint64(s.prefix_miss_new), uint64(s.prefix_miss_evicted),
 		uint64(s.prefix_miss_namespace), uint64(s.n_indexed), uint64(s.evictions), uint64(s.attn_reqs_pool),
-		uint64(s.attn_reqs_table)}, nil
+		uint64(s.attn_reqs_table), uint64(s.attn_shared_keys)}, nil
 }
 
 // Check verifies every invariant; the error (ECORRUPT) names the first one broken.

@@ -457,6 +457,7 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
         c->seqs[i].table = c->tables + (size_t)i * c->max_bps;
     }
     pkv__share_carve(c);
+    atomic_init(&c->share.keys, 0);
     c->share.min_blocks = (uint32_t)((share_min + c->B - 1) / c->B); /* 0: off */
     reset_state(c);
     pkv__log(cfg.log, cfg.log_ctx, PKV_LOG_INFO,
@@ -1788,6 +1789,7 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
     if (!rc) rc = check_buffers(c, api, q, out, lse, &call, n_rows, true);
     size_t q_at = 0;
     pkv__attn_hold_counts(c->attn); /* the statistics count a call whose every group ran, or nothing */
+    c->share.call_keys = 0;
     for (uint64_t i0 = 0; i0 < n && !rc; i0 += c->max_seqs) { /* 64-bit: no wrap near n = 2^32 */
         uint32_t m = (uint32_t)PKV_MIN(n - i0, c->max_seqs), k = 0;
         LOCK(c);
@@ -1810,6 +1812,7 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         if (k) rc = reqs ? pkv__cache_attn_run(c, &view, k, &call, api) : pkv__share_decode(c, &view, k, &call, api);
     }
     pkv__attn_release_counts(c->attn, rc == 0);
+    if (!rc) atomic_fetch_add_explicit(&c->share.keys, c->share.call_keys, memory_order_relaxed);
     pthread_mutex_unlock(&c->attn_mu);
     return rc;
 }

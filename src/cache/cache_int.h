@@ -8,6 +8,7 @@
 #include "../quant/quant.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 
 typedef struct pkv__seq {
     uint32_t gen;  /* generation: the id is (gen << 32) | index; moves on at release */
@@ -36,6 +37,8 @@ typedef struct pkv__share {
     float **lse_to;                           /* [max_seqs] each member's own lse (NULL: none) */
     float *q;                                 /* [rows][head_dim]: the groups' queries, then their outputs */
     float *lse_a, *lse_b;                     /* [rows]: the shared parts' and the members' own parts' */
+    uint64_t call_keys;                       /* this call's saved positions so far (pkv_stats) */
+    _Atomic uint64_t keys;                    /* pkv_stats.attn_shared_keys */
 } pkv__share;
 
 struct pkv_cache {
@@ -149,8 +152,9 @@ int pkv__share_decode(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const 
 #define PKV__SHARE_MIN_KEYS_MAX 1000000000u
 int64_t pkv__share_env(void); /* the positions, 0 for off */
 /* Test hook: the fewest blocks a group shares (0: no groups; pkv_cache_create sets the positions
- * of pkv__share_env in whole blocks). */
-void pkv__cache_test_share(pkv_cache *c, uint32_t min_blocks);
+ * of pkv__share_env in whole blocks), and the query rows the scratch takes (0: all it holds; at
+ * most that). */
+void pkv__cache_test_share(pkv_cache *c, uint32_t min_blocks, uint32_t rows);
 /* The share scratch's bytes, and its arrays cut from share_mem. */
 uint64_t pkv__share_bytes(const pkv_cache *c);
 void pkv__share_carve(pkv_cache *c);

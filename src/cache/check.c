@@ -33,6 +33,7 @@ PKV_API int pkv_cache_get_stats(pkv_cache *c, pkv_stats *out) {
     out->n_indexed = c->n_indexed;
     out->evictions = c->evictions;
     if (c->attn) pkv__attn_item_counts(c->attn, &out->attn_reqs_pool, &out->attn_reqs_table);
+    out->attn_shared_keys = atomic_load_explicit(&c->share.keys, memory_order_relaxed);
     pthread_mutex_unlock(&c->mu);
     return PKV_OK;
 }

@@ -139,6 +139,8 @@ int pkv__share_decode(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const 
     }
     const int rc = pkv__cache_attn_run(c, view, k + ng, call, api);
     if (rc) return rc;
+    for (uint32_t g = 0; g < ng; g++)
+        sh->call_keys += (uint64_t)(sh->groups[g].n - 1) * sh->groups[g].blocks * c->B;
     r0 = 0;
     for (uint32_t g = 0; g < ng; g++) {
         const pkv__share_group *gr = &sh->groups[g];
@@ -192,8 +194,9 @@ int64_t pkv__share_env(void) {
     return (int64_t)v;
 }
 
-void pkv__cache_test_share(pkv_cache *c, uint32_t min_blocks) {
+void pkv__cache_test_share(pkv_cache *c, uint32_t min_blocks, uint32_t rows) {
     pthread_mutex_lock(&c->attn_mu);
     c->share.min_blocks = min_blocks;
+    c->share.rows = rows ? PKV_MIN(rows, share_rows(c)) : share_rows(c);
     pthread_mutex_unlock(&c->attn_mu);
 }

@@ -135,6 +135,7 @@ pub struct pkv_stats {
     pub evictions: u64,
     pub attn_reqs_pool: u64,
     pub attn_reqs_table: u64,
+    pub attn_shared_keys: u64,
 }
 
 #[repr(C)]

@@ -251,7 +251,8 @@ fn struct_layouts_match_c() {
             n_indexed,
             evictions,
             attn_reqs_pool,
-            attn_reqs_table
+            attn_reqs_table,
+            attn_shared_keys
         ]
     );
     offsets!(
