@@ -1128,7 +1128,9 @@ static void test_api_value_max(void **state) {
  * A3 (140 positions) decodes alone: 2 x 96 + 48; with a scratch of two members' rows, the first
  * group of the sorted batch only, cut to 2 members: 96 or 48; with groups off and by the default
  * rule (512 positions at least) 0. Every output and lse against the reference, each float and
- * 8-bit dtype, 1 and 2 threads, with soft-cap, window and sinks; the requests count 7 a call. */
+ * 8-bit dtype, 1 and 2 threads, with soft-cap, window and sinks; the requests count 7 a call; in
+ * place (out = q) the same bits as apart. PKV_ATTN_SHARE: 16 positions (one block) groups as any
+ * block does, off groups nothing, 0 and other words make pkv_cache_create refuse. */
 static void test_api_share(void **state) {
     (void)state;
     enum { NS = 7 };
@@ -1171,8 +1173,9 @@ static void test_api_share(void **state) {
             pkv_seq ids[NS];
             for (int j = 0; j < NS; j++) ids[j] = s[perm[j]].id;
             float *q = rand_q(NS), *out = malloc(sizeof(float) * NS * NQH * D), lse[NS * NQH], sinks[NQH];
+            float *out0 = malloc(sizeof(float) * NS * NQH * D), lse0[NS * NQH];
             for (uint32_t h = 0; h < NQH; h++) sinks[h] = 2.0f * rnd() + 1.0f;
-            for (int variant = 0; variant < 7; variant++) {
+            for (int variant = 0; variant < 8; variant++) {
                 pkv_attn_params p = pkv_attn_params_default();
                 p.n_q_heads = NQH;
                 p.lse = variant == 1 ? NULL : lse;
@@ -1185,8 +1188,14 @@ static void test_api_share(void **state) {
                 if (variant == 6) pkv__cache_test_share(c, 512 / B, 0), want = 0, p.sinks = sinks;
                 pkv_stats st0, st1;
                 assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
-                const uint32_t l = (uint32_t)variant % L;
-                assert_int_equal(pkv_attn_decode(c, l, ids, NS, q, out, &p), PKV_OK);
+                const uint32_t l = variant == 7 ? 0 : (uint32_t)variant % L;
+                if (variant == 7) memcpy(out, q, sizeof(float) * NS * NQH * D); /* in place: as variant 0 */
+                assert_int_equal(pkv_attn_decode(c, l, ids, NS, variant == 7 ? out : q, out, &p), PKV_OK);
+                if (variant == 0) memcpy(out0, out, sizeof(float) * NS * NQH * D), memcpy(lse0, lse, sizeof lse);
+                if (variant == 7) {
+                    assert_memory_equal(out, out0, sizeof(float) * NS * NQH * D);
+                    assert_memory_equal(lse, lse0, sizeof lse);
+                }
                 assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
                 const uint64_t got = st1.attn_shared_keys - st0.attn_shared_keys;
                 if (variant == 4)
@@ -1198,8 +1207,36 @@ static void test_api_share(void **state) {
                     check_tol(&s[perm[j]], l, q + (size_t)j * NQH * D, out + (size_t)j * NQH * D,
                               p.lse ? lse + j * NQH : NULL, s[perm[j]].len - 1, 1, &p, tol);
             }
-            free(q), free(out);
+            free(q), free(out), free(out0);
             cache_ok(c);
+            /* the environment's rule, read at creation */
+            static const char *const envs[] = {"16", "off", "0", "12x", "auto"};
+            for (int e = 0; e < 5; e++) {
+                assert_int_equal(setenv("PKV_ATTN_SHARE", envs[e], 1), 0);
+                pkv_cache *c2 = NULL;
+                const pkv_config cfg = api_config(dt, nt, 1);
+                if (e == 2 || e == 3) {
+                    assert_int_equal(pkv_cache_create(&cfg, &c2), PKV_EINVAL);
+                    assert_null(c2);
+                    continue;
+                }
+                assert_int_equal(pkv_cache_create(&cfg, &c2), PKV_OK);
+                pkv_seq f[2];
+                host_seq *h = &s[0];
+                memset(h, 0, sizeof *h);
+                assert_int_equal(pkv_seq_create(c2, NULL, 0, &f[0]), PKV_OK);
+                h->id = f[0];
+                append_write(c2, dt, h, 40, 5);
+                assert_int_equal(pkv_seq_fork(c2, f[0], &f[1]), PKV_OK);
+                float *q2 = rand_q(2), out2[2 * NQH * D];
+                pkv_stats st;
+                assert_int_equal(pkv_attn_decode(c2, 0, f, 2, q2, out2, NULL), PKV_OK);
+                assert_int_equal(pkv_cache_get_stats(c2, &st), PKV_OK);
+                assert_int_equal(st.attn_shared_keys, e == 0 ? 32 : 0); /* 2 whole blocks before position 39 */
+                free(q2);
+                pkv_cache_destroy(c2);
+            }
+            assert_int_equal(unsetenv("PKV_ATTN_SHARE"), 0);
             pkv_cache_destroy(c);
         }
 }
