@@ -463,6 +463,46 @@ static void test_tree_json(void **state) {
     }
 }
 
+/* `pkv bench share --json`: one line a configuration (dtype, ctx, forks) with medians and their
+ * ratio; forks of 600 positions share 37 whole blocks before their queries (the 38th, partial at
+ * the fork, each copied on write), so each call reads (F - 1) x 592 positions once rather than a
+ * fork; 40 are below the default rule's 512: none. Bad options are usage errors. */
+static void test_share_json(void **state) {
+    (void)state;
+    char *argv[] = {"pkv", "bench", "share", "--json", "--ctx", "40,600", "--forks", "2,3", "--threads", "1",
+                    "--dtype", "f16,q8_0", "--mib", "1", "--rounds", "3", NULL};
+    char *out, *err;
+    const int rc = run_cli(argv, &out, &err);
+    if (rc != 0) fail_msg("exit %d: %s", rc, err);
+    int seen[2][2][2] = {{{0}}};
+    for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        one_object(line);
+        assert_true(str_is(line, "bench", "share"));
+        const int q8 = str_is(line, "kv_dtype", "q8_0");
+        assert_true(q8 || str_is(line, "kv_dtype", "f16"));
+        const int ctx = (int)num(line, "ctx"), f = (int)num(line, "forks");
+        assert_true((ctx == 40 || ctx == 600) && (f == 2 || f == 3));
+        assert_int_equal((int)num(line, "threads"), 1);
+        assert_int_equal((int)num(line, "own"), 16);
+        assert_true(num(line, "layers") >= 1);
+        seen[q8][ctx == 600][f == 3]++;
+        const double pl = num(line, "plain_us"), sh = num(line, "shared_us");
+        assert_true(pl > 0 && sh > 0);
+        assert_true(fabs(num(line, "shared_over_plain") - sh / pl) <= 2e-3 * (1 + sh / pl));
+        assert_int_equal((int)num(line, "shared_keys"), ctx == 600 ? (f - 1) * 592 : 0);
+    }
+    for (int i = 0; i < 8; i++) assert_int_equal(seen[i / 4][i / 2 % 2][i % 2], 1);
+    free(out), free(err);
+    static char *bad[][5] = {{"pkv", "bench", "share", "--forks", "1"},   {"pkv", "bench", "share", "--forks", "65"},
+                             {"pkv", "bench", "share", "--rounds", "2"},  {"pkv", "bench", "share", "--dtype", "f16,"},
+                             {"pkv", "bench", "share", "--mib", "0"},     {"pkv", "bench", "share", "--own", "5000"},
+                             {"pkv", "bench", "share", "--dtype", "x"},   {"pkv", "bench", "share", "--bogus", NULL}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char *argv2[6] = {bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4], NULL};
+        assert_int_equal(run_cli(argv2, NULL, NULL), 1);
+    }
+}
+
 /* `pkv bench tier --json`: a header, then copy, direct, save and load for host and file, and the
  * save of a full host tier (host-full), each
  * with a median, GB/s consistent with it and the bytes, and its fraction of the copy's rate (the
@@ -519,6 +559,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tier_json),
         cmocka_unit_test(test_tree_json),
+        cmocka_unit_test(test_share_json),
         cmocka_unit_test(test_json_lines),
         cmocka_unit_test(test_usage_errors),
         cmocka_unit_test(test_large_batch),

@@ -621,18 +621,12 @@ typedef struct opts {
 static int opts_rounds(const opts *o) { return o->rounds ? (int)o->rounds : o->quick ? 3 : 7; }
 
 static int parse_dtypes(const char *s, opts *o) {
-    char buf[256];
-    if (strlen(s) >= sizeof buf) return -1;
-    strcpy(buf, s);
-    o->dtype_set = 1;
+    pkv_dtype d[64];
     int n = 0;
-    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save), n++) {
-        int found = 0;
-        for (int d = 0; d < PKV_DTYPE_COUNT; d++)
-            if (!strcmp(t, pkv_dtype_name((pkv_dtype)d))) o->dtype_on[d] = 1, found = 1;
-        if (!found) return -1;
-    }
-    return n ? 0 : -1; /* "" or "," names none */
+    if (tool_parse_dtype_list(s, d, 64, &n)) return -1; /* "" or "," names none */
+    o->dtype_set = 1;
+    for (int i = 0; i < n; i++) o->dtype_on[d[i]] = 1;
+    return 0;
 }
 
 static double g_bw[3];   /* initial read bandwidth, GB/s, by thread count */

@@ -16,6 +16,7 @@ int tool_bench_attn(int argc, char **argv);   /* tools/bench_attn.c */
 int tool_bench_prefix(int argc, char **argv); /* tools/bench_prefix.c */
 int tool_bench_tier(int argc, char **argv);   /* tools/bench_tier.c */
 int tool_bench_tree(int argc, char **argv);   /* tools/bench_tree.c */
+int tool_bench_share(int argc, char **argv);  /* tools/bench_share.c */
 int tool_sim(int argc, char **argv);          /* tools/sim.c */
 int tool_run(int argc, char **argv);          /* tools/run.c */
 int tool_route(int argc, char **argv);        /* tools/route.c */
@@ -57,6 +58,9 @@ int tool_parse_u64(const char *s, uint64_t *out);
 /* "a,b,c" (digits and commas only, no empty item) -> at most cap values in [1, max] into out,
  * their count in *n: 0, else -1. The benches' list options. */
 int tool_parse_u32_list(const char *s, uint32_t *out, int cap, uint32_t max, int *n);
+/* "f16,q8_0" (pkv_dtype_name's names, commas only, no empty item) -> at most cap dtypes into out,
+ * their count in *n: 0, else -1. */
+int tool_parse_dtype_list(const char *s, pkv_dtype *out, int cap, int *n);
 /* A finite number (strtod's syntax, the whole string): 0 and *out set, else -1 and *out
  * untouched. NaN and infinity are refused, since they would pass every range check after. */
 int tool_parse_f64(const char *s, double *out);

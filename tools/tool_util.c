@@ -71,6 +71,23 @@ int tool_parse_u32_list(const char *s, uint32_t *out, int cap, uint32_t max, int
     return *n ? 0 : -1;
 }
 
+int tool_parse_dtype_list(const char *s, pkv_dtype *out, int cap, int *n) {
+    *n = 0;
+    while (*s) {
+        const char *end = strchr(s, ',');
+        const size_t len = end ? (size_t)(end - s) : strlen(s);
+        int found = -1;
+        for (int d = 0; d < PKV_DTYPE_COUNT && found < 0; d++) {
+            const char *name = pkv_dtype_name((pkv_dtype)d);
+            if (strlen(name) == len && !strncmp(s, name, len)) found = d;
+        }
+        if (found < 0 || *n == cap || (end && !end[1])) return -1; /* unknown, too many, "f16," */
+        out[(*n)++] = (pkv_dtype)found;
+        s = end ? end + 1 : s + len;
+    }
+    return *n ? 0 : -1;
+}
+
 int tool_parse_f64(const char *s, double *out) {
     if (!s || !*s) return -1;
     char *e;
