@@ -13,7 +13,7 @@
 
 typedef struct totals {
     uint64_t matches, full_hits, partial_hits, root_hits, evictions, cow, enospc, forks, pins, truncs, tokens_hit, compact_moved;
-    uint64_t attn, attn_queries, attn_bad, attn_pool, attn_in_place;
+    uint64_t attn, attn_queries, attn_bad, attn_pool, attn_in_place, attn_shared;
 } totals;
 
 static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, int steps, totals *t) {
@@ -46,6 +46,7 @@ static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, i
     t->attn_queries += w->n_attn_queries;
     t->attn_bad += w->n_attn_bad;
     t->attn_in_place += w->n_attn_in_place;
+    t->attn_shared += w->n_attn_shared;
     t->attn_pool += st.attn_reqs_pool;
     pm_fini(w);
     free(w);
@@ -71,6 +72,7 @@ static void test_prefix_random_b4(void **state) {
     assert_true(t.forks > 0 && t.pins > 0 && t.truncs > 0 && t.compact_moved > 0);
     /* attention over those sequences, against the model's K/V, and its bad calls */
     assert_true(t.attn > 0 && t.attn_queries > t.attn && t.attn_bad > 0 && t.attn_in_place > 0);
+    assert_true(t.attn_shared > 0); /* decodes of forks and matched prompts in shared-prefix groups */
 }
 
 /* Other block sizes (1, 3, 16), dtypes (f32, bf16, mixed K/V) and two layers. */
