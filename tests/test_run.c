@@ -306,6 +306,43 @@ static void test_cli_greedy_matches_oracle(void **state) {
  * greedy decoding prints without them (which test_cli_greedy_matches_oracle checks against the
  * contiguous oracle), for narrow and wide trees, forks, blocks of 1, 3 and 16 tokens, and keeps
  * more than one position a pass on average (the drafts were taken). */
+/* Forks of a 40-token prompt (--batch 4 of one prompt) decode greedily with shared-prefix groups
+ * of any whole block (PKV_ATTN_SHARE=16) and with none: the same token ids (the groups' sums are
+ * in another order: a near-tie could flip, none does here), and stderr says how many positions
+ * were read once a group (none without groups). */
+static void test_cli_shared_forks(void **state) {
+    (void)state;
+    model m;
+    if (load_model(&m)) {
+        skip();
+        return;
+    }
+    model_free(&m);
+    char ids[256];
+    size_t n = 0;
+    for (int i = 0; i < 40; i++) n += (size_t)snprintf(ids + n, sizeof ids - n, i ? ",%d" : "%d", i ? 30 + 7 * i : 1);
+    char *argv[] = {"pkv", "run", (char *)shared_model("stories260K.bin"), "-t", "0", "-n", "120", "--prompt-ids", ids,
+                    "--batch", "4", "--threads", "2", NULL};
+    char *out[2], *err[2];
+    static const char *const env[2] = {"16", "off"};
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(setenv("PKV_ATTN_SHARE", env[k], 1), 0);
+        const int rc = run_cli(argv, &out[k], &err[k]);
+        if (rc != 0) fail_msg("pkv run (PKV_ATTN_SHARE=%s) exited %d: %s", env[k], rc, err[k] ? err[k] : "");
+    }
+    assert_int_equal(unsetenv("PKV_ATTN_SHARE"), 0);
+    assert_string_equal(out[0], out[1]);
+    const char *a = strstr(err[0], "copy-on-write copies, "), *b = strstr(err[1], "copy-on-write copies, ");
+    assert_non_null(a);
+    assert_non_null(b);
+    unsigned long long na = 0, nb = 1;
+    assert_int_equal(sscanf(a, "copy-on-write copies, %llu positions", &na), 1);
+    assert_int_equal(sscanf(b, "copy-on-write copies, %llu positions", &nb), 1);
+    assert_true(na > 0);
+    assert_int_equal(nb, 0);
+    for (int k = 0; k < 2; k++) free(out[k]), free(err[k]);
+}
+
 static void test_cli_spec_tree(void **state) {
     (void)state;
     const char *path = shared_model("stories260K.bin");
@@ -487,6 +524,7 @@ int main(void) {
         cmocka_unit_test(test_paged_generation_matches_contiguous_oracle),
         cmocka_unit_test(test_cli_greedy_matches_oracle),
         cmocka_unit_test(test_cli_spec_tree),
+        cmocka_unit_test(test_cli_shared_forks),
         cmocka_unit_test(test_cli_sampling_is_seeded),
         cmocka_unit_test(test_cli_tier),
         cmocka_unit_test(test_cli_usage_errors),

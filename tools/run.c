@@ -524,12 +524,13 @@ int tool_run(int argc, char **argv) {
             "pkv run: %u sequences, %llu tokens generated in %.3f s (%.1f tok/s); decode %llu steps, %.1f tok/s\n"
             "pkv run: prefill %llu prompt tokens, %llu reused from the prefix cache; %.3f s in pkv calls "
             "(%.3f s attention, backend %s)\n"
-            "pkv run: peak %u of %u blocks active, %llu copy-on-write copies, checker ok\n",
+            "pkv run: peak %u of %u blocks active, %llu copy-on-write copies, %llu positions decode read once a "
+            "group of sequences sharing them, checker ok\n",
             batch, (unsigned long long)n_out, s_total, s_total > 0 ? (double)n_out / s_total : 0.0,
             (unsigned long long)n_steps, s_dec > 0 ? (double)n_decoded / s_dec : 0.0,
             (unsigned long long)prompt_total, (unsigned long long)reused_total, (double)tm.ns_pkv * 1e-9,
             (double)tm.ns_attn * 1e-9, pkv_attn_backend(c), st.peak_active, st.n_blocks,
-            (unsigned long long)st.cow_copies);
+            (unsigned long long)st.cow_copies, (unsigned long long)st.attn_shared_keys);
     if (sp.width)
         fprintf(stderr,
                 "pkv run: speculative: %llu passes over %llu draft-tree nodes kept %llu positions (%.2f a pass,"
