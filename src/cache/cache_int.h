@@ -33,6 +33,7 @@ typedef struct pkv__share {
     uint32_t min_blocks; /* the fewest blocks a group shares (0: no groups; PKV_ATTN_SHARE) */
     uint32_t rows;       /* query rows (a member's query heads each) the scratch holds */
     uint32_t *full, *idx, *tmp, *order, *lcp; /* [max_seqs] each */
+    uint64_t *best;                           /* [max_seqs + 1]: share_partition's */
     pkv__share_group *groups;                 /* [max_seqs / 2 + 1] */
     float **lse_to;                           /* [max_seqs] each member's own lse (NULL: none) */
     float *q;                                 /* [rows][head_dim]: the groups' queries, then their outputs */
@@ -132,9 +133,9 @@ int pkv__cache_attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, cons
 /* ---- share.c ---- (under attn_mu) */
 /* Groups the decodes c->items[0, k) that share at least share.min_blocks whole blocks before their
  * queries (none where a window hides a key of them): share.order and share.groups; returns the
- * number of groups (0: none, or share off). A run of members is grouped as saves the most block
- * reads: whole, or split where they share the least. Groups take members while the scratch has
- * rows for their n_q_heads query heads. */
+ * number of groups (0: none, or share off). The members are grouped as saves the most block
+ * reads (a group of m sharing p blocks saves (m - 1) x p), each group within the members the
+ * scratch has rows for at n_q_heads query heads, and groups take members while it has rows. */
 uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, uint32_t window, uint32_t n_q_heads);
 /* pkv__cache_attn_run for the decodes c->items[0, k) (one query each, lse pointing at the
  * caller's or NULL), their shared prefixes read once a group: each group's shared part is one more

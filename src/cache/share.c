@@ -43,31 +43,46 @@ static uint32_t *share_sort(const pkv_cache *c, const uint32_t *full, uint32_t *
     return idx;
 }
 
-/* A run longer than this is taken whole, with no search for a better split (the search's depth). */
-#define SHARE_SPLIT_MAX 64u
-
-/* The blocks the sorted members [a, b] of a run save by their best grouping (a group of n members
- * and p shared blocks saves (n - 1) x p block reads), and through emit (NULL: none) that grouping:
- * the run as one group, or split where its members share the least, whichever saves more. lcp[x]:
- * the blocks members x and x + 1 share. */
-typedef struct share_out {
-    pkv__share_group *g;
-    uint32_t n;
-} share_out;
-static uint64_t share_best(const uint32_t *lcp, uint32_t a, uint32_t b, share_out *emit) {
-    if (a >= b) return 0;
-    uint32_t m = a;
-    for (uint32_t x = a + 1; x < b; x++)
-        if (lcp[x] < lcp[m]) m = x;
-    const uint64_t whole = (uint64_t)(b - a) * lcp[m];
-    const bool search = b - a < SHARE_SPLIT_MAX;
-    const uint64_t split = search ? share_best(lcp, a, m, NULL) + share_best(lcp, m + 1, b, NULL) : 0;
-    if (split > whole) {
-        if (emit) (void)share_best(lcp, a, m, emit), (void)share_best(lcp, m + 1, b, emit);
-        return split;
+/* Groups the n sorted members as saves the most block reads: a group of m members sharing p
+ * blocks saves (m - 1) x p. A group's members may be taken contiguous in the sorted order (a
+ * member between two that share p blocks shares them too), so a partition of the order into runs
+ * decides it: best[i], the most members [0, i) save, is best[i - 1] (member i - 1 alone) or, for a
+ * run [j, i) of at most span members whose neighbours all share at least min_blocks, best[j] +
+ * (i - 1 - j) x their least share; from[i - 1] keeps the j taken (i - 1: alone). On a tie the
+ * larger group (fewer items). O(n x span). Writes the groups to sh->groups in order; returns
+ * their count. */
+static uint32_t share_partition(pkv__share *sh, uint32_t n, uint32_t span) {
+    const uint32_t *lcp = sh->lcp;
+    uint64_t *best = sh->best;
+    uint32_t *from = sh->tmp; /* the sort is done with it */
+    best[0] = 0;
+    for (uint32_t i = 1; i <= n; i++) {
+        best[i] = best[i - 1], from[i - 1] = i - 1;
+        uint32_t p = UINT32_MAX;
+        for (uint32_t j = i - 1; j-- > 0 && i - j <= span;) {
+            p = PKV_MIN(p, lcp[j]);
+            if (p < sh->min_blocks) break;
+            const uint64_t v = best[j] + (uint64_t)(i - 1 - j) * p;
+            if (v >= best[i]) best[i] = v, from[i - 1] = j;
+        }
     }
-    if (emit) emit->g[emit->n++] = (pkv__share_group){.first = a, .n = b - a + 1, .blocks = lcp[m]};
-    return whole;
+    uint32_t ng = 0;
+    for (uint32_t i = n; i > 0;) { /* back from the end: the groups in descending order */
+        const uint32_t j = from[i - 1];
+        if (j == i - 1) {
+            i--;
+            continue;
+        }
+        uint32_t p = UINT32_MAX;
+        for (uint32_t x = j; x + 1 < i; x++) p = PKV_MIN(p, lcp[x]);
+        sh->groups[ng++] = (pkv__share_group){.first = j, .n = i - j, .blocks = p};
+        i = j;
+    }
+    for (uint32_t a = 0, b = ng; a + 1 < b; a++, b--) { /* ascending */
+        const pkv__share_group t = sh->groups[a];
+        sh->groups[a] = sh->groups[b - 1], sh->groups[b - 1] = t;
+    }
+    return ng;
 }
 
 uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, uint32_t window, uint32_t n_q_heads) {
@@ -89,19 +104,14 @@ uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, uint32_t window, uint32_t n_q
         while (p < most && ta[p] == tb[p]) p++;
         sh->lcp[x] = p;
     }
-    /* runs of neighbours that share at least min_blocks, each grouped as saves the most */
-    share_out out = {.g = sh->groups, .n = 0};
-    for (uint32_t a = 0; a + 1 < n;) {
-        uint32_t b = a;
-        while (b + 1 < n && sh->lcp[b] >= sh->min_blocks) b++;
-        (void)share_best(sh->lcp, a, b, &out);
-        a = b + 1;
-    }
-    /* as many members as the scratch holds rows for, in groups of two or more */
+    /* groups of at most as many members as the scratch holds rows for, then, in order, as many
+       of them as it holds (the last cut, in a group of two or more) */
     const uint32_t cap = n_q_heads ? sh->rows / n_q_heads : 0;
+    if (cap < 2) return 0;
+    const uint32_t found = share_partition(sh, n, cap);
     uint32_t left = cap, ng = 0;
-    for (uint32_t g = 0; g < out.n && left >= 2; g++) {
-        pkv__share_group gr = out.g[g];
+    for (uint32_t g = 0; g < found && left >= 2; g++) {
+        pkv__share_group gr = sh->groups[g];
         gr.n = PKV_MIN(gr.n, left);
         left -= gr.n;
         sh->groups[ng++] = gr;
@@ -164,7 +174,7 @@ static uint32_t share_rows(const pkv_cache *c) {
 
 uint64_t pkv__share_bytes(const pkv_cache *c) {
     const uint64_t n = c->max_seqs, rows = share_rows(c);
-    return sizeof(float) * rows * ((uint64_t)c->head_dim + 2u) + sizeof(float *) * n +
+    return sizeof(float) * rows * ((uint64_t)c->head_dim + 2u) + sizeof(uint64_t) * (n + 1) + sizeof(float *) * n +
            sizeof(pkv__share_group) * (n / 2 + 1) + sizeof(uint32_t) * 5u * n;
 }
 
@@ -175,7 +185,8 @@ void pkv__share_carve(pkv_cache *c) {
     sh->q = (float *)(void *)c->share_mem; /* most aligned first */
     sh->lse_a = sh->q + (size_t)sh->rows * c->head_dim;
     sh->lse_b = sh->lse_a + sh->rows;
-    sh->lse_to = (float **)(void *)(sh->lse_b + sh->rows);
+    sh->best = (uint64_t *)(void *)(sh->lse_b + sh->rows);
+    sh->lse_to = (float **)(void *)(sh->best + n + 1);
     sh->groups = (pkv__share_group *)(void *)(sh->lse_to + n);
     sh->full = (uint32_t *)(void *)(sh->groups + n / 2 + 1);
     sh->idx = sh->full + n;
