@@ -267,7 +267,7 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
     printf("{\"policy\":\"%s\",\"requests\":%u,\"completed\":%u,\"rejected\":%u,\"peak_seqs\":%u,\"mean_seqs\":%.2f,"
            "\"peak_blocks\":%u,\"n_blocks\":%u,\"kv_utilization\":%.4f,\"waste\":%.4f,\"prefix_hit_rate\":%.4f,"
            "\"prefix_hit_tokens\":%llu,\"prompt_tokens\":%llu,\"preemptions\":%u,\"steps\":%llu,"
-           "\"decode_tokens\":%llu,\"prefill_tokens\":%llu,\"cow_copies\":%llu,\"evictions\":%llu,"
+           "\"decode_tokens\":%llu,\"prefill_tokens\":%llu,\"cow_copies\":%llu,\"evictions\":%llu,\"shared_keys\":%llu,"
            "\"ttft_p50_steps\":%.1f,\"ttft_p90_steps\":%.1f,\"ttft_p99_steps\":%.1f,\"pkv_s\":%.4f,\"attn_s\":%.4f,"
            "\"wall_s\":%.3f,\"decode_tok_s\":%.1f,\"attn\":%s,\"check\":\"%s\",\"peak_rss_mib\":%.1f,\"seed\":%llu,"
            "\"decode_switch\":%.4f,\"decode_shared\":%.4f,\"compact\":\"%s\",\"batch_compact\":%u,\"slack\":%u,\"repack\":%s,\"batch_cached\":%s,"
@@ -278,7 +278,8 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            r->peak_blocks, c->so.n_blocks, r->kv_utilization, r->waste, r->prefix_hit_rate,
            (unsigned long long)r->prefix_hit_tokens, (unsigned long long)r->prompt_tokens, r->preemptions,
            (unsigned long long)r->steps, (unsigned long long)r->decode_tokens, (unsigned long long)r->prefill_tokens,
-           (unsigned long long)r->cow_copies, (unsigned long long)r->evictions, r->ttft_p50, r->ttft_p90, r->ttft_p99,
+           (unsigned long long)r->cow_copies, (unsigned long long)r->evictions, (unsigned long long)r->shared_keys,
+           r->ttft_p50, r->ttft_p90, r->ttft_p99,
            r->pkv_s, r->attn_s, r->wall_s, r->decode_tok_s, c->so.attn ? "true" : "false",
            r->check_rc == 0 ? "ok" : "failed", rss_mib(), (unsigned long long)c->wo.seed, decode_switch(r), decode_shared(r),
            compact_json[c->so.compact], c->so.batch_compact, c->so.slack,
@@ -448,9 +449,10 @@ int tool_sim(int argc, char **argv) {
                    "reused by pkv_seq_match_prefix; decode tok/s: decode tokens / seconds inside pkv calls.\n");
             for (int i = 0; i < n_run; i++)
                 printf("%s: %u rejected (too large for the pool), %llu copy-on-write copies, %llu evictions, "
-                       "checker %s\n",
+                       "%llu positions decode read once a group of sequences sharing them, checker %s\n",
                        sim_policy_names[res[i].policy], res[i].rejected, (unsigned long long)res[i].cow_copies,
-                       (unsigned long long)res[i].evictions, res[i].check_rc == 0 ? "ok" : "FAILED");
+                       (unsigned long long)res[i].evictions, (unsigned long long)res[i].shared_keys,
+                       res[i].check_rc == 0 ? "ok" : "FAILED");
             for (int i = 0; i < n_run; i++) {
                 printf("%s: decode batches in block id order: %.1f%% of neighbouring blocks belong to different "
                        "sequences (%.1f%% with a block several share)",

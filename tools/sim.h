@@ -117,6 +117,7 @@ typedef struct sim_result {
     uint64_t steps;
     uint64_t decode_tokens, prefill_tokens;
     uint64_t cow_copies, evictions;
+    uint64_t shared_keys; /* pkv_stats.attn_shared_keys: positions decode read once a group */
     double ttft_p50, ttft_p90, ttft_p99; /* steps */
     double pkv_s, attn_s, wall_s;
     double decode_tok_s;    /* generated tokens / seconds inside pkv calls */

@@ -730,6 +730,7 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
             if (policy != SIM_CONTIGUOUS) res->peak_blocks = st.peak_active;
             res->cow_copies = st.cow_copies;
             res->evictions = st.evictions;
+            res->shared_keys = st.attn_shared_keys;
         }
     }
     if (S.tier) {
