@@ -110,6 +110,25 @@ static void test_deterministic_and_attn_independent(void **state) {
     free(ra.out), free(rb.out), free(rd.out);
 }
 
+/* Requests of 4 samples after a 600-token system prompt: decode reads the forks' shared prompt
+ * once a group (shared_keys > 0 under every policy: the forks share their request's blocks even
+ * without the prefix cache); --no-attn runs no attention and reads nothing. */
+static void test_shared_keys(void **state) {
+    (void)state;
+    char *a[] = {"pkv", "sim", SMALL, "--requests", "12", "--blocks", "2000", "--max-len", "2048", "--sys-len", "600",
+                 "--sys-frac", "1", "--n-frac", "0.5", "--samples", "4", NULL};
+    char *b[] = {"pkv", "sim", SMALL, "--requests", "12", "--blocks", "2000", "--max-len", "2048", "--sys-len", "600",
+                 "--sys-frac", "1", "--n-frac", "0.5", "--samples", "4", "--no-attn", NULL};
+    runs ra, rb;
+    sim(a, &ra);
+    sim(b, &rb);
+    for (int i = 0; i < 3; i++) {
+        assert_true(field(ra.line[i], "shared_keys") > 0);
+        assert_true(field(rb.line[i], "shared_keys") == 0);
+    }
+    free(ra.out), free(rb.out);
+}
+
 /* --compact and --batch-compact change where blocks lie, never the schedule: every count is the
  * same, the checker passes (with attention over the moved blocks), blocks move under the paged
  * policy and its decode batches switch sequences less often in block id order. */
@@ -568,6 +587,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_policies_complete_same_requests),
         cmocka_unit_test(test_deterministic_and_attn_independent),
+        cmocka_unit_test(test_shared_keys),
         cmocka_unit_test(test_compact_keeps_schedule),
         cmocka_unit_test(test_preemption_under_pressure),
         cmocka_unit_test(test_preempt_swap),
