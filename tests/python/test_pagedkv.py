@@ -567,6 +567,33 @@ class TestThreads(Base):
             with c:
                 pass
 
+    def test_shared_prefix_decode(self):
+        # forks decoded together read their shared blocks once a group (PKV_ATTN_SHARE=16: any
+        # whole block, read at creation); each output and lse as each fork decoded alone
+        old = os.environ.get("PKV_ATTN_SHARE")
+        os.environ["PKV_ATTN_SHARE"] = "16"
+        try:
+            c = pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=32, n_threads=2, k_dtype="f32", v_dtype="f32")
+        finally:
+            if old is None:
+                del os.environ["PKV_ATTN_SHARE"]
+            else:
+                os.environ["PKV_ATTN_SHARE"] = old
+        with c:
+            s = c.seq_create()
+            self.fill(c, s, 40)
+            seqs = [s] + [c.fork(s) for _ in range(3)]
+            for f in seqs[1:]:
+                self.fill(c, f, 5)  # each fork's own tail: block 2 copied on write
+            q = self.rng.standard_normal((4, 8, 32)).astype(np.float32)
+            out, lse = c.decode(0, seqs, q, return_lse=True)
+            self.assertEqual(c.stats()["attn_shared_keys"], 3 * 32)  # 2 blocks before every query
+            for i, f in enumerate(seqs):
+                o1, l1 = c.decode(0, [f], q[i:i + 1], return_lse=True)
+                self.assertClose(out[i:i + 1], o1, 1e-5, "output")
+                self.assertClose(lse[i:i + 1], l1, 1e-5, "lse")
+            self.assertEqual(c.stats()["attn_shared_keys"], 3 * 32)  # alone: nothing shared
+
     def test_fork_child_closes_inherited_cache(self):
         # multiprocessing's fork: a child that closes (or drops) a cache it inherited, whose
         # worker threads are not in the child (it hung there, in pthread_cond_destroy)
