@@ -1241,6 +1241,53 @@ static void test_api_share(void **state) {
         }
 }
 
+/* Shared-prefix groups under a window that hides none of the shared keys from any member, but
+ * with more members than the window is wide past them: a group's part takes its queries at
+ * nominal positions one a member, which the window must not cut. Forks of 97 positions (6 blocks
+ * shared), window 99: 6 members; forks of 17 (one block), window 17: 20 members, whose nominal
+ * positions run past the window's reach (a refusal when the window applied). Every output and
+ * lse against the reference, the saved positions exact. */
+static void test_api_share_window(void **state) {
+    (void)state;
+    static host_seq s[20];
+    static const uint32_t lens[2] = {97, 17}, members[2] = {6, 20}, windows[2] = {99, 17};
+    for (int k = 0; k < 2; k++)
+        for (uint32_t nt = 1; nt <= 2; nt++) {
+            pkv_config cfg = api_config(PKV_DTYPE_F32, nt, 0);
+            cfg.max_seqs = 24;
+            pkv_cache *c = NULL;
+            assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+            pkv__cache_test_share(c, 1, 0);
+            const uint32_t n = members[k];
+            memset(&s[0], 0, sizeof s[0]);
+            assert_int_equal(pkv_seq_create(c, NULL, 0, &s[0].id), PKV_OK);
+            append_write(c, PKV_DTYPE_F32, &s[0], lens[k], 3);
+            pkv_seq ids[20];
+            ids[0] = s[0].id;
+            for (uint32_t i = 1; i < n; i++) {
+                memcpy(&s[i], &s[0], sizeof s[0]);
+                assert_int_equal(pkv_seq_fork(c, s[0].id, &s[i].id), PKV_OK);
+                ids[i] = s[i].id;
+            }
+            for (uint32_t i = 1; k == 0 && i < n; i++) append_write(c, PKV_DTYPE_F32, &s[i], i % 3, 500 * i);
+            pkv_attn_params p = pkv_attn_params_default();
+            p.n_q_heads = NQH;
+            p.window = windows[k];
+            float *q = rand_q(n), *out = malloc(sizeof(float) * n * NQH * D), lse[20 * NQH];
+            p.lse = lse;
+            pkv_stats st0, st1;
+            assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
+            assert_int_equal(pkv_attn_decode(c, 1, ids, n, q, out, &p), PKV_OK);
+            assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
+            assert_int_equal(st1.attn_shared_keys - st0.attn_shared_keys, (uint64_t)(n - 1) * ((lens[k] - 1) / B * B));
+            for (uint32_t i = 0; i < n; i++)
+                check(&s[i], 1, q + (size_t)i * NQH * D, out + (size_t)i * NQH * D, lse + i * NQH, s[i].len - 1, 1, &p);
+            free(q), free(out);
+            cache_ok(c);
+            pkv_cache_destroy(c);
+        }
+}
+
 static void expect_attn_reqs(pkv_cache *c, uint64_t pool, uint64_t table) {
     pkv_stats st;
     assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
@@ -1546,6 +1593,7 @@ int main(void) {
         cmocka_unit_test(test_api_executor),
         cmocka_unit_test(test_api_fork_child),
         cmocka_unit_test(test_api_share),
+        cmocka_unit_test(test_api_share_window),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

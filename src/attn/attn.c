@@ -531,10 +531,17 @@ static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
     return (window && pos + 1 > window) ? pos + 1 - window : 0;
 }
 
+/* The call's window as item it takes it: none for a shared-prefix part, whose nominal positions
+ * (P - 1 on, one a member) are not its queries' (each member's window hides none of [0, P): the
+ * cache groups no other member). */
+static inline uint32_t item_window(const pkv__attn_item *it, uint32_t window) {
+    return it->partial ? 0 : window;
+}
+
 /* The first key a query at pos of item it sees: its window's, or the item's k_start (a block
  * boundary: the blocks before it are not read, so no mask needs it). */
 static inline uint32_t item_key_lo(const pkv__attn_item *it, uint32_t pos, uint32_t window) {
-    return PKV_MAX(key_lo(pos, window), it->k_start);
+    return PKV_MAX(key_lo(pos, item_window(it, window)), it->k_start);
 }
 
 /* Software prefetch of the next block's rows of one head while this block's head is computed
@@ -909,7 +916,7 @@ static inline unit_block unit_block_at(const pkv__attn *at, const pkv__attn_item
 static void mask_block(const pkv__attn *at, const unit *w, uint32_t pos_first, uint32_t kp0, uint32_t n_keys,
                        float *s, size_t rs, size_t ts) {
     for (uint32_t qi = 0; qi < w->nq; qi++) {
-        const uint32_t p = pos_first + qi, plo = key_lo(p, at->call->window);
+        const uint32_t p = pos_first + qi, plo = key_lo(p, item_window(w->item, at->call->window));
         for (uint32_t g = 0; g < w->gs; g++) {
             float *sr = s + (size_t)(qi * w->gs + g) * rs;
             for (uint32_t t = 0; t < n_keys; t++)
@@ -1124,7 +1131,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     const uint32_t b1 = bl + (uint32_t)((uint64_t)nb * (w.ks + 1) / pi->n_ks);
     /* rows that may need masking inside a block: causal when a key is past the first query,
      * window when a key is before the last query's window start */
-    const uint32_t lo_last = key_lo(pos_last, call->window);
+    const uint32_t lo_last = key_lo(pos_last, item_window(it, call->window));
 
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
@@ -1699,7 +1706,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         const uint64_t nbt = item_key_hi(it, (uint32_t)(end - 1)) / kv->block_tokens + 1;
         if (nbt > at->lim.max_blocks_per_seq && at->lim.max_blocks_per_seq) return PKV_EINVAL;
         /* every query sees a key (a tile of later queries would otherwise have none: k_lo > k_hi) */
-        if (it->k_end && key_lo(it->q_pos0 + it->n_q - 1, call->window) >= it->k_end) return PKV_EINVAL;
+        if (it->k_end && key_lo(it->q_pos0 + it->n_q - 1, item_window(it, call->window)) >= it->k_end) return PKV_EINVAL;
         if (it->k_start % kv->block_tokens || it->k_start > it->q_pos0 || (it->k_end && it->k_start >= it->k_end))
             return PKV_EINVAL;
         /* only the blocks a query can see are read; each must name a block of the pool */

@@ -30,9 +30,10 @@ typedef struct pkv__kv_view {
  * shared-prefix group's: cache.c, share_*; the pool-order sweep does not take such items). Only
  * the blocks its queries see must be valid in block_table. k_start, a multiple of block_tokens,
  * hides every key before it (a shared-prefix group's members read their own blocks from there);
- * the last query must be at or past it. partial: the item is the shared-prefix part of a group
- * of decodes: the call's sinks are not applied to it (the merge with the members' own parts
- * adds them there) and pkv__attn_item_counts does not count it. */
+ * the first query must be at or past it. partial: the item is the shared-prefix part of a group
+ * of decodes (its queries at nominal positions, all seeing [0, k_end)): the call's window and
+ * sinks are not applied to it (no member's window hides a key of it; the merge with the members'
+ * own parts adds the sinks there) and pkv__attn_item_counts does not count it. */
 typedef struct pkv__attn_item {
     const int32_t *block_table;
     uint32_t q_pos0;
