@@ -722,8 +722,8 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * blocks before every member's query position, none of a member whose window hides some of them;
  * a batch's sequences that share most are grouped together (a run of forks sharing a system
  * prompt with other requests may be grouped by the forks' longer prefix), and groups hold up to
- * min(max_seqs, 32) x 8 x n_kv_heads query heads of members in all (the rest decode alone: with
- * n_q_heads over 4 x that, none is grouped). pkv_stats counts
+ * min(max_seqs, 32) x 8 x n_kv_heads query heads of members in all (the rest decode alone; where
+ * two members' query heads do not fit, none is grouped). pkv_stats counts
  * the positions so read once (attn_shared_keys). From memory this took 0.55-0.72 of the time
  * without at 2-16 forks of 4096-32768 positions on the development machine (f16, 1 and 2
  * threads; pkv bench share), 0.42-0.58 with f32 K/V. PKV_ATTN_SHARE=off (or auto, the default, or a number: the fewest positions)
