@@ -23,21 +23,25 @@ typedef struct pkv__seq {
 } pkv__seq;
 
 /* A group of a decode batch's sequences whose tables share their first `blocks` blocks (share.c):
- * its members are pkv__share.order[first .. first + n). */
+ * its members are pkv__share.order[first .. first + n); it reads blocks [from, blocks) for them,
+ * a group of a superset of them (from its blocks on) or none (from 0) the blocks before. */
 typedef struct pkv__share_group {
-    uint32_t first, n, blocks;
+    uint32_t first, n, from, blocks;
 } pkv__share_group;
 
 /* Shared-prefix decode's settings and scratch (share.c), under attn_mu. */
 typedef struct pkv__share {
     uint32_t min_blocks; /* the fewest blocks a group shares (0: no groups; PKV_ATTN_SHARE) */
     uint32_t rows;       /* query rows (a member's query heads each) the scratch holds */
-    uint32_t *full, *idx, *tmp, *order, *lcp; /* [max_seqs] each */
-    uint64_t *best;                           /* [max_seqs + 1]: share_partition's */
-    pkv__share_group *groups;                 /* [max_seqs / 2 + 1] */
+    uint32_t *full, *idx, *tmp, *order, *lcp; /* [max_seqs + 1] each */
+    uint32_t *st_lcp, *st_lb, *st_id;         /* [max_seqs + 1] each: the lcp intervals' stack */
+    uint32_t *nd_a, *nd_b, *nd_depth, *nd_up; /* [max_seqs + 1] each: the intervals, by id */
+    uint32_t *nd_eff, *slot;                  /* [max_seqs + 1] each */
+    uint32_t n_sorted;                        /* the members in order (the last plan's) */
+    pkv__share_group *groups;                 /* [max_seqs] */
     float **lse_to;                           /* [max_seqs] each member's own lse (NULL: none) */
     float *q;                                 /* [rows][head_dim]: the groups' queries, then their outputs */
-    float *lse_a, *lse_b;                     /* [rows]: the shared parts' and the members' own parts' */
+    float *lse_a, *lse_b;                     /* [rows]: the groups' parts' and the members' own parts' */
     uint64_t call_keys;                       /* this call's saved positions so far (pkv_stats) */
     _Atomic uint64_t keys;                    /* pkv_stats.attn_shared_keys */
 } pkv__share;
@@ -132,10 +136,11 @@ int pkv__cache_attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, cons
 
 /* ---- share.c ---- (under attn_mu) */
 /* Groups the decodes c->items[0, k) that share at least share.min_blocks whole blocks before their
- * queries (none where a window hides a key of them): share.order and share.groups; returns the
- * number of groups (0: none, or share off). The members are grouped as saves the most block
- * reads (a group of m sharing p blocks saves (m - 1) x p), each group within the members the
- * scratch has rows for at n_q_heads query heads, and groups take members while it has rows. */
+ * queries (none where a window hides a key of them): share.order and share.groups, nested (the
+ * trie of their tables: a group of forks inside a group of requests that share a system prompt);
+ * returns the number of groups (0: none, or share off). Every set of members that share a prefix
+ * is a group, from its enclosing group's blocks to its own, where that is min_blocks or more and
+ * the scratch still has rows for its members at n_q_heads query heads (taken outermost first). */
 uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, uint32_t window, uint32_t n_q_heads);
 /* pkv__cache_attn_run for the decodes c->items[0, k) (one query each, lse pointing at the
  * caller's or NULL), their shared prefixes read once a group: each group's shared part is one more

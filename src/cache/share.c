@@ -43,44 +43,40 @@ static uint32_t *share_sort(const pkv_cache *c, const uint32_t *full, uint32_t *
     return idx;
 }
 
-/* Groups the n sorted members as saves the most block reads: a group of m members sharing p
- * blocks saves (m - 1) x p. A group's members may be taken contiguous in the sorted order (a
- * member between two that share p blocks shares them too), so a partition of the order into runs
- * decides it: best[i], the most members [0, i) save, is best[i - 1] (member i - 1 alone) or, for a
- * run [j, i) of at most span members whose neighbours all share at least min_blocks, best[j] +
- * (i - 1 - j) x their least share; from[i - 1] keeps the j taken (i - 1: alone). On a tie the
- * larger group (fewer items). O(n x span). Writes the groups to sh->groups in order; returns
- * their count. */
-static uint32_t share_partition(pkv__share *sh, uint32_t n, uint32_t span) {
+/* The groups of the n sorted members (lcp: neighbours' shared blocks): every lcp interval, a
+ * maximal run [a, b] of members whose neighbours all share at least d blocks, with d the least
+ * of them (the trie's branching points: the intervals nest), found by one pass with a stack;
+ * each interval the run of members that share its first d blocks. An interval is a group where it
+ * reads min_blocks or more past the nearest enclosing group (or 0) and the scratch has rows for
+ * its members (cap in all), taken outermost first; a group of m members reading blocks [f, d)
+ * saves (m - 1) x (d - f) block reads, and every nesting level adds to what its outer groups
+ * save. Writes sh->groups, outermost first; returns their count. */
+static uint32_t share_intervals(pkv__share *sh, uint32_t n, uint32_t cap) {
     const uint32_t *lcp = sh->lcp;
-    uint64_t *best = sh->best;
-    uint32_t *from = sh->tmp; /* the sort is done with it */
-    best[0] = 0;
-    for (uint32_t i = 1; i <= n; i++) {
-        best[i] = best[i - 1], from[i - 1] = i - 1;
-        uint32_t p = UINT32_MAX;
-        for (uint32_t j = i - 1; j-- > 0 && i - j <= span;) {
-            p = PKV_MIN(p, lcp[j]);
-            if (p < sh->min_blocks) break;
-            const uint64_t v = best[j] + (uint64_t)(i - 1 - j) * p;
-            if (v >= best[i]) best[i] = v, from[i - 1] = j;
+    uint32_t *st_lcp = sh->st_lcp, *st_lb = sh->st_lb, *st_id = sh->st_id, top = 0, ids = 1, n_rep = 0;
+    uint32_t *rep = sh->tmp; /* the intervals in the order they close: inner ones first */
+    st_lcp[0] = 0, st_lb[0] = 0, st_id[0] = 0; /* the root: depth 0, never a group */
+    for (uint32_t i = 0; i < n; i++) {
+        const uint32_t cur = i + 1 < n ? lcp[i] : 0; /* 0 past the end closes every interval */
+        uint32_t lb = i;
+        while (st_lcp[top] > cur) { /* interval [st_lb, i] of depth st_lcp closes */
+            const uint32_t id = st_id[top];
+            lb = st_lb[top--];
+            sh->nd_a[id] = lb, sh->nd_b[id] = i, sh->nd_depth[id] = st_lcp[top + 1];
+            sh->nd_up[id] = st_lcp[top] >= cur ? st_id[top] : ids; /* the next on the stack, or the one pushed below */
+            rep[n_rep++] = id;
         }
+        if (st_lcp[top] < cur) top++, st_lcp[top] = cur, st_lb[top] = lb, st_id[top] = ids++;
     }
-    uint32_t ng = 0;
-    for (uint32_t i = n; i > 0;) { /* back from the end: the groups in descending order */
-        const uint32_t j = from[i - 1];
-        if (j == i - 1) {
-            i--;
-            continue;
-        }
-        uint32_t p = UINT32_MAX;
-        for (uint32_t x = j; x + 1 < i; x++) p = PKV_MIN(p, lcp[x]);
-        sh->groups[ng++] = (pkv__share_group){.first = j, .n = i - j, .blocks = p};
-        i = j;
-    }
-    for (uint32_t a = 0, b = ng; a + 1 < b; a++, b--) { /* ascending */
-        const pkv__share_group t = sh->groups[a];
-        sh->groups[a] = sh->groups[b - 1], sh->groups[b - 1] = t;
+    uint32_t ng = 0, left = cap;
+    sh->nd_eff[0] = 0;
+    for (uint32_t r = n_rep; r-- > 0;) { /* outer intervals before the ones they hold */
+        const uint32_t id = rep[r], m = sh->nd_b[id] - sh->nd_a[id] + 1, f = sh->nd_eff[sh->nd_up[id]];
+        const bool take = sh->nd_depth[id] - f >= sh->min_blocks && m <= left;
+        sh->nd_eff[id] = take ? sh->nd_depth[id] : f;
+        if (!take) continue;
+        left -= m;
+        sh->groups[ng++] = (pkv__share_group){.first = sh->nd_a[id], .n = m, .from = f, .blocks = sh->nd_depth[id]};
     }
     return ng;
 }
@@ -104,19 +100,9 @@ uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, uint32_t window, uint32_t n_q
         while (p < most && ta[p] == tb[p]) p++;
         sh->lcp[x] = p;
     }
-    /* groups of at most as many members as the scratch holds rows for, then, in order, as many
-       of them as it holds (the last cut, in a group of two or more) */
-    const uint32_t cap = n_q_heads ? sh->rows / n_q_heads : 0;
-    if (cap < 2) return 0;
-    const uint32_t found = share_partition(sh, n, cap);
-    uint32_t left = cap, ng = 0;
-    for (uint32_t g = 0; g < found && left >= 2; g++) {
-        pkv__share_group gr = sh->groups[g];
-        gr.n = PKV_MIN(gr.n, left);
-        left -= gr.n;
-        sh->groups[ng++] = gr;
-    }
-    return ng;
+    sh->n_sorted = n;
+    const uint32_t cap = n_q_heads ? sh->rows / n_q_heads : 0; /* members' rows the scratch holds */
+    return cap < 2 ? 0 : share_intervals(sh, n, cap);
 }
 
 int pkv__share_decode(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv__attn_call *call,
@@ -124,44 +110,51 @@ int pkv__share_decode(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const 
     pkv__share *sh = &c->share;
     const uint32_t ng = pkv__share_plan(c, k, call->window, call->n_q_heads);
     if (!ng) return pkv__cache_attn_run(c, view, k, call, api);
-    /* the groups' shared parts first: their units, the call's largest, are handed out first */
+    /* the groups' parts first: their units, the call's largest, are handed out first */
     memmove(c->items + ng, c->items, (size_t)k * sizeof *c->items);
     pkv__attn_item *items = c->items + ng;
-    const uint32_t D = c->head_dim, nqh = call->n_q_heads;
+    const uint32_t D = c->head_dim, nqh = call->n_q_heads, B = c->B;
     const size_t qrow = (size_t)nqh * D;
-    uint32_t r0 = 0; /* rows of the scratch used */
+    for (uint32_t x = 0; x < sh->n_sorted; x++) sh->slot[x] = UINT32_MAX;
+    uint32_t r0 = 0, s0 = 0; /* rows of the scratch used by the groups, by the members' own lse */
     for (uint32_t g = 0; g < ng; g++) {
         const pkv__share_group *gr = &sh->groups[g];
-        const uint32_t P = gr->blocks * c->B;
         float *q = sh->q + (size_t)r0 * D;
         for (uint32_t j = 0; j < gr->n; j++) {
-            pkv__attn_item *it = &items[sh->order[gr->first + j]];
+            const uint32_t x = gr->first + j;
+            pkv__attn_item *it = &items[sh->order[x]];
             memcpy(q + j * qrow, it->q, qrow * sizeof(float));
-            sh->lse_to[gr->first + j] = it->lse;
-            it->lse = sh->lse_b + (size_t)r0 + (size_t)j * nqh;
-            it->k_start = P;
+            if (sh->slot[x] == UINT32_MAX) { /* its own part's lse goes to the scratch */
+                sh->slot[x] = s0, s0 += nqh;
+                sh->lse_to[x] = it->lse;
+                it->lse = sh->lse_b + sh->slot[x];
+            }
+            it->k_start = PKV_MAX(it->k_start, gr->blocks * B); /* its own part: past its innermost group */
         }
-        /* every query of the group sees [0, P) whatever its position: P - 1 is the first */
+        /* every query of the group sees [from, blocks) whatever its position: blocks x B - 1 the first */
         c->items[g] = (pkv__attn_item){.block_table = items[sh->order[gr->first]].block_table,
-                                           .q_pos0 = P - 1, .n_q = gr->n, .k_end = P, .partial = true,
-                                           .q = q, .out = q, .lse = sh->lse_a + r0};
+                                       .q_pos0 = gr->blocks * B - 1, .n_q = gr->n, .k_start = gr->from * B,
+                                       .k_end = gr->blocks * B, .partial = true, .q = q, .out = q,
+                                       .lse = sh->lse_a + r0};
         r0 += gr->n * nqh;
     }
     const int rc = pkv__cache_attn_run(c, view, k + ng, call, api);
     if (rc) return rc;
-    for (uint32_t g = 0; g < ng; g++)
-        sh->call_keys += (uint64_t)(sh->groups[g].n - 1) * sh->groups[g].blocks * c->B;
     r0 = 0;
     for (uint32_t g = 0; g < ng; g++) {
         const pkv__share_group *gr = &sh->groups[g];
+        sh->call_keys += (uint64_t)(gr->n - 1) * (gr->blocks - gr->from) * B;
         for (uint32_t j = 0; j < gr->n; j++, r0 += nqh) {
             const pkv__attn_item *it = &items[sh->order[gr->first + j]];
-            /* the shared part's rows and the member's own (sinks there) into the member's output */
+            /* the group's rows into the member's output and lse (its own part's: sinks there) */
             const int m = pkv_attn_merge(nqh, D, sh->q + (size_t)r0 * D, sh->lse_a + r0, it->out, it->lse, it->out,
-                                         sh->lse_to[gr->first + j]);
-            pkv_assert(m == PKV_OK); /* finite log-sum-exps, no overlap: both parts saw keys */
+                                         it->lse);
+            pkv_assert(m == PKV_OK); /* finite log-sum-exps, no overlap: every part saw keys */
         }
     }
+    for (uint32_t x = 0; x < sh->n_sorted; x++)
+        if (sh->slot[x] != UINT32_MAX && sh->lse_to[x])
+            memcpy(sh->lse_to[x], sh->lse_b + sh->slot[x], (size_t)nqh * sizeof(float));
     return PKV_OK;
 }
 
@@ -174,8 +167,8 @@ static uint32_t share_rows(const pkv_cache *c) {
 
 uint64_t pkv__share_bytes(const pkv_cache *c) {
     const uint64_t n = c->max_seqs, rows = share_rows(c);
-    return sizeof(float) * rows * ((uint64_t)c->head_dim + 2u) + sizeof(uint64_t) * (n + 1) + sizeof(float *) * n +
-           sizeof(pkv__share_group) * (n / 2 + 1) + sizeof(uint32_t) * 5u * n;
+    return sizeof(float) * rows * ((uint64_t)c->head_dim + 2u) + sizeof(float *) * n + sizeof(pkv__share_group) * n +
+           sizeof(uint32_t) * 14u * (n + 1);
 }
 
 void pkv__share_carve(pkv_cache *c) {
@@ -185,14 +178,12 @@ void pkv__share_carve(pkv_cache *c) {
     sh->q = (float *)(void *)c->share_mem; /* most aligned first */
     sh->lse_a = sh->q + (size_t)sh->rows * c->head_dim;
     sh->lse_b = sh->lse_a + sh->rows;
-    sh->best = (uint64_t *)(void *)(sh->lse_b + sh->rows);
-    sh->lse_to = (float **)(void *)(sh->best + n + 1);
+    sh->lse_to = (float **)(void *)(sh->lse_b + sh->rows);
     sh->groups = (pkv__share_group *)(void *)(sh->lse_to + n);
-    sh->full = (uint32_t *)(void *)(sh->groups + n / 2 + 1);
-    sh->idx = sh->full + n;
-    sh->tmp = sh->idx + n;
-    sh->order = sh->tmp + n;
-    sh->lcp = sh->order + n;
+    uint32_t *u = (uint32_t *)(void *)(sh->groups + n);
+    uint32_t **arrays[14] = {&sh->full,   &sh->idx,  &sh->tmp,  &sh->order,    &sh->lcp,  &sh->st_lcp, &sh->st_lb,
+                             &sh->st_id,  &sh->nd_a, &sh->nd_b, &sh->nd_depth, &sh->nd_up, &sh->nd_eff, &sh->slot};
+    for (int i = 0; i < 14; i++) *arrays[i] = u, u += n + 1;
 }
 
 int64_t pkv__share_env(void) {
