@@ -719,9 +719,10 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * queries reads a block once for all of them), then each member's own blocks on its own, the two
  * parts merged by log-sum-exp (FlashInfer's and vLLM's cascade attention). A group shares at
  * least 512 positions of whole blocks (shorter ones cost more than they saved, measured), only
- * blocks before every member's query position, none of a member whose window hides some of them;
- * a batch's sequences that share most are grouped together (a run of forks sharing a system
- * prompt with other requests may be grouped by the forks' longer prefix), and groups hold up to
+ * blocks before every member's query position, none of a member whose window hides some of them.
+ * Groups nest: forks of several requests that share a system prompt make one group reading the
+ * system prompt, and inside it one group a request reading that request's blocks after it (each
+ * level where it reads 512 positions or more past the level around it). Groups hold up to
  * min(max_seqs, 32) x 8 x n_kv_heads query heads of members in all (the rest decode alone; where
  * two members' query heads do not fit, none is grouped). pkv_stats counts
  * the positions so read once (attn_shared_keys). From memory this took 0.55-0.72 of the time

@@ -466,7 +466,10 @@ static void test_tree_json(void **state) {
 /* `pkv bench share --json`: one line a configuration (dtype, ctx, forks) with medians and their
  * ratio; forks of 600 positions share 37 whole blocks before their queries (the 38th, partial at
  * the fork, each copied on write), so each call reads (F - 1) x 592 positions once rather than a
- * fork; 40 are below the default rule's 512: none. Bad options are usage errors. */
+ * fork; 40 are below the default rule's 512: none. Two requests of 600 positions after a system
+ * prompt of 600, two forks each: the four share 37 blocks (each request's 38th a copy on write),
+ * each request's forks 75, so the groups nest and read 3 x 37 + 2 x 38 blocks once, 2992
+ * positions. Bad options are usage errors. */
 static void test_share_json(void **state) {
     (void)state;
     char *argv[] = {"pkv", "bench", "share", "--json", "--ctx", "40,600", "--forks", "2,3", "--threads", "1",
@@ -490,13 +493,30 @@ static void test_share_json(void **state) {
         assert_true(pl > 0 && sh > 0);
         assert_true(fabs(num(line, "shared_over_plain") - sh / pl) <= 2e-3 * (1 + sh / pl));
         assert_int_equal((int)num(line, "shared_keys"), ctx == 600 ? (f - 1) * 592 : 0);
+        assert_int_equal((int)num(line, "requests"), 1);
+        assert_int_equal((int)num(line, "prompt"), 0);
     }
     for (int i = 0; i < 8; i++) assert_int_equal(seen[i / 4][i / 2 % 2][i % 2], 1);
+    free(out), free(err);
+    char *nest[] = {"pkv", "bench", "share", "--json", "--ctx", "600", "--forks", "2", "--requests", "2", "--prompt", "600",
+                    "--threads", "1", "--mib", "1", "--rounds", "3", NULL};
+    const int rc2 = run_cli(nest, &out, &err);
+    if (rc2 != 0) fail_msg("exit %d: %s", rc2, err);
+    char *nl = strchr(out, '\n');
+    assert_non_null(nl);
+    *nl = 0;
+    one_object(out);
+    assert_true(str_is(out, "bench", "share"));
+    assert_int_equal((int)num(out, "requests"), 2);
+    assert_int_equal((int)num(out, "prompt"), 600);
+    assert_int_equal((int)num(out, "shared_keys"), 3 * 37 * 16 + 2 * 38 * 16);
     free(out), free(err);
     static char *bad[][5] = {{"pkv", "bench", "share", "--forks", "1"},   {"pkv", "bench", "share", "--forks", "65"},
                              {"pkv", "bench", "share", "--rounds", "2"},  {"pkv", "bench", "share", "--dtype", "f16,"},
                              {"pkv", "bench", "share", "--mib", "0"},     {"pkv", "bench", "share", "--own", "5000"},
-                             {"pkv", "bench", "share", "--dtype", "x"},   {"pkv", "bench", "share", "--bogus", NULL}};
+                             {"pkv", "bench", "share", "--dtype", "x"},   {"pkv", "bench", "share", "--bogus", NULL},
+                             {"pkv", "bench", "share", "--requests", "33"}, {"pkv", "bench", "share", "--requests", "0"},
+                             {"pkv", "bench", "share", "--requests", "5"}}; /* 5 x 16 forks: past 64 */
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char *argv2[6] = {bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4], NULL};
         assert_int_equal(run_cli(argv2, NULL, NULL), 1);
