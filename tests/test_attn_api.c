@@ -1287,6 +1287,53 @@ static void test_api_share_window(void **state) {
         }
 }
 
+/* Nested groups as deep as a batch makes them: 16 sequences in a chain, each a fork of the one
+ * before after its block (sequence i shares its i + 1 blocks with every later one), each with a
+ * position of its own; n_q_heads 2, so the scratch holds 128 members' rows. The groups: sequences
+ * [i, 16) share i + 1 blocks. Outermost first those of 16 down to 5 members fit (block i each, to
+ * i + 1 = 12), then the pair of the two deepest (blocks 12 to 15): 13 groups beside 16 decodes
+ * (more than max_seqs / 2: the items hold 2 x max_seqs), 4 + ... + 15 + 3 = 117 blocks read once.
+ * The outputs and lse as with groups off, to float rounding. */
+static void test_api_share_chain(void **state) {
+    (void)state;
+    static host_seq hs;
+    enum { N = 16 };
+    for (uint32_t nt = 1; nt <= 2; nt++) {
+        pkv_cache *c = make_cache(PKV_DTYPE_F32, nt, 0);
+        pkv_seq ids[N];
+        memset(&hs, 0, sizeof hs);
+        assert_int_equal(pkv_seq_create(c, NULL, 0, &ids[0]), PKV_OK);
+        hs.id = ids[0];
+        append_write(c, PKV_DTYPE_F32, &hs, B, 1);
+        for (uint32_t i = 1; i < N; i++) {
+            assert_int_equal(pkv_seq_fork(c, ids[i - 1], &ids[i]), PKV_OK);
+            hs.id = ids[i];
+            append_write(c, PKV_DTYPE_F32, &hs, B, 100 * (int32_t)i);
+        }
+        for (uint32_t i = 0; i < N; i++) { /* a position of its own each */
+            hs.id = ids[i];
+            hs.len = (i + 1) * B;
+            append_write(c, PKV_DTYPE_F32, &hs, 1, 9000 + (int32_t)i);
+        }
+        float *q = rand_q(N), out[2][N * NQH * D], lse[2][N * NQH];
+        for (int k = 0; k < 2; k++) {
+            pkv__cache_test_share(c, k == 0 ? 1 : 0, 0);
+            pkv_attn_params p = pkv_attn_params_default(); /* n_q_heads = n_kv_heads (2) */
+            p.lse = lse[k];
+            pkv_stats st0, st1;
+            assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
+            assert_int_equal(pkv_attn_decode(c, 0, ids, N, q, out[k], &p), PKV_OK);
+            assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
+            assert_int_equal(st1.attn_shared_keys - st0.attn_shared_keys, k == 0 ? 117 * B : 0);
+        }
+        for (size_t j = 0; j < (size_t)N * H * D; j++) assert_true(fabs(out[0][j] - out[1][j]) <= 1e-5);
+        for (size_t j = 0; j < (size_t)N * H; j++) assert_true(fabs(lse[0][j] - lse[1][j]) <= 1e-5 * fmax(1.0, fabs(lse[1][j])));
+        free(q);
+        cache_ok(c);
+        pkv_cache_destroy(c);
+    }
+}
+
 static void expect_attn_reqs(pkv_cache *c, uint64_t pool, uint64_t table) {
     pkv_stats st;
     assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
@@ -1593,6 +1640,7 @@ int main(void) {
         cmocka_unit_test(test_api_fork_child),
         cmocka_unit_test(test_api_share),
         cmocka_unit_test(test_api_share_window),
+        cmocka_unit_test(test_api_share_chain),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -266,10 +266,10 @@ static tree_scratch tree_carve(const pkv_cache *c) {
     return t;
 }
 
-/* Items an attention call holds: a batch of max_seqs decodes and their shared-prefix groups, two
- * members or more each (share.c). */
+/* Items an attention call holds: a batch of max_seqs decodes and their shared-prefix groups (share.c:
+ * nested, as many as the lcp intervals of max_seqs tables, max_seqs - 1 at most). */
 static uint32_t share_items(const pkv_cache *c) {
-    return c->max_seqs + c->max_seqs / 2u + 1u;
+    return 2u * c->max_seqs;
 }
 
 #define CACHE_ALLOCS(X)                                                                               \

@@ -93,7 +93,7 @@ struct pkv_cache {
     uint32_t *chk_pos; /* [n_blocks] */
 
     pkv__attn *attn;
-    pkv__attn_item *items; /* [max_seqs + max_seqs / 2 + 1]: a batch's, then its shared-prefix groups' */
+    pkv__attn_item *items; /* [2 x max_seqs]: a batch's, then its shared-prefix groups' (fewer) */
     uint8_t *share_mem;    /* share's scratch (cache.c: share_bytes) */
     pkv__share share;
     uint8_t *tree;         /* pkv_attn_tree's scratch (cache.c: tree_bytes), under attn_mu */
