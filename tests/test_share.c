@@ -160,9 +160,44 @@ static void test_share_plan(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* The scratch's rows go to the shallowest groups of the whole batch first, whichever order the
+ * block ids give the subtrees: two families of three sharing 3 blocks, two of the second sharing
+ * 6; with room for 6 members both families' groups are taken (2 x 3 + 2 x 3 = 12 block reads
+ * saved) and the pair is not, with either family's ids the smaller. (Taking a subtree whole first,
+ * the second family's group and its pair, then no room for the first family: 9.) */
+static void test_share_plan_depth_order(void **state) {
+    (void)state;
+    pkv_config cfg = pkv_config_default();
+    cfg.n_layers = 1, cfg.n_kv_heads = 2, cfg.head_dim = 16, cfg.block_tokens = BT, cfg.n_blocks = 64;
+    cfg.max_seqs = 8, cfg.max_blocks_per_seq = MAXB, cfg.n_threads = 1;
+    pkv_cache *c = NULL;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    for (int flip = 0; flip < 2; flip++) {
+        const int32_t x = flip ? 100 : 1, y = flip ? 1 : 100; /* the families' first block ids */
+        for (uint32_t i = 0; i < 6; i++) {
+            for (uint32_t b = 0; b < 8; b++) g_tab[i][b] = 1000 + (int32_t)(10 * i + b); /* own blocks */
+            for (uint32_t b = 0; b < 3; b++) g_tab[i][b] = (i < 3 ? x : y) + (int32_t)b;
+            for (uint32_t b = 3; i >= 4 && b < 6; b++) g_tab[i][b] = y + (int32_t)b;
+            c->items[i] = (pkv__attn_item){.block_table = g_tab[i], .q_pos0 = 7 * BT, .n_q = 1};
+        }
+        pkv__cache_test_share(c, 1, 6 * 2);
+        const uint32_t ng = pkv__share_plan(c, 6, 0, 2);
+        uint64_t saved = 0;
+        for (uint32_t g = 0; g < ng; g++) {
+            const pkv__share_group *gr = &c->share.groups[g];
+            assert_true(gr->n == 3 && gr->from == 0 && gr->blocks == 3);
+            saved += (uint64_t)(gr->n - 1) * (gr->blocks - gr->from);
+        }
+        assert_int_equal(ng, 2);
+        assert_int_equal(saved, 12);
+    }
+    pkv_cache_destroy(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_share_plan),
+        cmocka_unit_test(test_share_plan_depth_order),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -140,7 +140,8 @@ int pkv__cache_attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, cons
  * trie of their tables: a group of forks inside a group of requests that share a system prompt);
  * returns the number of groups (0: none, or share off). Every set of members that share a prefix
  * is a group, from its enclosing group's blocks to its own, where that is min_blocks or more and
- * the scratch still has rows for its members at n_q_heads query heads (taken outermost first). */
+ * the scratch still has rows for its members at n_q_heads query heads (taken shallowest first,
+ * over the whole batch). */
 uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, uint32_t window, uint32_t n_q_heads);
 /* pkv__cache_attn_run for the decodes c->items[0, k) (one query each, lse pointing at the
  * caller's or NULL), their shared prefixes read once a group: each group's shared part is one more

@@ -48,13 +48,13 @@ static uint32_t *share_sort(const pkv_cache *c, const uint32_t *full, uint32_t *
  * of them (the trie's branching points: the intervals nest), found by one pass with a stack;
  * each interval the run of members that share its first d blocks. An interval is a group where it
  * reads min_blocks or more past the nearest enclosing group (or 0) and the scratch has rows for
- * its members (cap in all), taken outermost first; a group of m members reading blocks [f, d)
+ * its members (cap in all), taken shallowest first; a group of m members reading blocks [f, d)
  * saves (m - 1) x (d - f) block reads, and every nesting level adds to what its outer groups
- * save. Writes sh->groups, outermost first; returns their count. */
+ * save. Writes sh->groups, shallowest first; returns their count. */
 static uint32_t share_intervals(pkv__share *sh, uint32_t n, uint32_t cap) {
     const uint32_t *lcp = sh->lcp;
     uint32_t *st_lcp = sh->st_lcp, *st_lb = sh->st_lb, *st_id = sh->st_id, top = 0, ids = 1, n_rep = 0;
-    uint32_t *rep = sh->tmp; /* the intervals in the order they close: inner ones first */
+    uint32_t *rep = sh->tmp; /* the intervals in the order they close (inner ones first) */
     st_lcp[0] = 0, st_lb[0] = 0, st_id[0] = 0; /* the root: depth 0, never a group */
     for (uint32_t i = 0; i < n; i++) {
         const uint32_t cur = i + 1 < n ? lcp[i] : 0; /* 0 past the end closes every interval */
@@ -68,9 +68,23 @@ static uint32_t share_intervals(pkv__share *sh, uint32_t n, uint32_t cap) {
         }
         if (st_lcp[top] < cur) top++, st_lcp[top] = cur, st_lb[top] = lb, st_id[top] = ids++;
     }
+    /* by depth, shallowest first (a merge sort through idx, free since the tables' sort): every
+       interval after the ones that hold it, and the scratch's rows to the outer levels of the whole
+       batch first, whichever order the block ids gave the subtrees */
+    for (uint32_t w = 1; w < n_rep; w *= 2) {
+        uint32_t *to = rep == sh->tmp ? sh->idx : sh->tmp;
+        for (uint32_t lo = 0; lo < n_rep; lo += 2 * w) {
+            const uint32_t mid = PKV_MIN(lo + w, n_rep), hi = PKV_MIN(lo + 2 * w, n_rep);
+            uint32_t i = lo, j = mid, o = lo;
+            while (i < mid && j < hi) to[o++] = sh->nd_depth[rep[j]] < sh->nd_depth[rep[i]] ? rep[j++] : rep[i++];
+            while (i < mid) to[o++] = rep[i++];
+            while (j < hi) to[o++] = rep[j++];
+        }
+        rep = to;
+    }
     uint32_t ng = 0, left = cap;
     sh->nd_eff[0] = 0;
-    for (uint32_t r = n_rep; r-- > 0;) { /* outer intervals before the ones they hold */
+    for (uint32_t r = 0; r < n_rep; r++) {
         const uint32_t id = rep[r], m = sh->nd_b[id] - sh->nd_a[id] + 1, f = sh->nd_eff[sh->nd_up[id]];
         const bool take = sh->nd_depth[id] - f >= sh->min_blocks && m <= left;
         sh->nd_eff[id] = take ? sh->nd_depth[id] : f;
