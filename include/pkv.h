@@ -723,8 +723,9 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * Groups nest: forks of several requests that share a system prompt make one group reading the
  * system prompt, and inside it one group a request reading that request's blocks after it (each
  * level where it reads 512 positions or more past the level around it). Groups hold up to
- * min(max_seqs, 32) x 8 x n_kv_heads query heads of members in all (the rest decode alone; where
- * two members' query heads do not fit, none is grouped). pkv_stats counts
+ * min(max_seqs, 32) x 8 x n_kv_heads query heads of members in all, within 16 MiB of scratch
+ * (head_dim + 2 floats a head; the rest decode alone; where two members' query heads do not fit,
+ * none is grouped). pkv_stats counts
  * the positions so read once (attn_shared_keys). From memory this took 0.55-0.72 of the time
  * without at 2-16 forks of 4096-32768 positions on the development machine (f16, 1 and 2
  * threads; pkv bench share), 0.42-0.58 with f32 K/V. PKV_ATTN_SHARE=off (or auto, the default, or a number: the fewest positions)

@@ -173,10 +173,15 @@ int pkv__share_decode(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const 
 }
 
 /* The scratch's rows: a member's query heads each, for up to SHARE_ROWS_SEQS members of 8 query
- * heads a kv head. */
+ * heads a kv head, within SHARE_SCRATCH_MAX bytes (a row is head_dim + 2 floats: 1 MiB at 8 kv
+ * heads of 128; a config of 4096 kv heads of 1024 would have asked for 4 GiB), a multiple of 8
+ * (the arrays after them stay 8-byte aligned). */
 #define SHARE_ROWS_SEQS 32u
+#define SHARE_SCRATCH_MAX ((uint64_t)16 << 20)
 static uint32_t share_rows(const pkv_cache *c) {
-    return PKV_MIN(c->max_seqs, SHARE_ROWS_SEQS) * 8u * c->n_kv;
+    const uint64_t want = (uint64_t)PKV_MIN(c->max_seqs, SHARE_ROWS_SEQS) * 8u * c->n_kv;
+    const uint64_t fit = SHARE_SCRATCH_MAX / (sizeof(float) * ((uint64_t)c->head_dim + 2u));
+    return (uint32_t)(PKV_MIN(want, fit) & ~(uint64_t)7);
 }
 
 uint64_t pkv__share_bytes(const pkv_cache *c) {
