@@ -2778,3 +2778,53 @@ func TestTreeAndKeep(t *testing.T) {
 	}
 	must(t, c.Check())
 }
+
+// Forks of a 560-token prompt decoded together read their 35 shared blocks once for all three
+// (Stats.AttnSharedKeys: 2 x 560 positions, past the default 512); each output and lse is the
+// one decoded alone, which shares nothing.
+func TestSharedPrefixDecode(t *testing.T) {
+	r := rng(7)
+	const h, d, hq = 2, 64, 8
+	c := newCache(t, h, d, 64, F32)
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	for n := 0; n < 560; n += 16 {
+		fill(t, c, s, 16, &r)
+	}
+	seqs := []Seq{s}
+	for i := 0; i < 2; i++ {
+		f, err := c.Fork(s)
+		must(t, err)
+		seqs = append(seqs, f)
+	}
+	for _, x := range seqs {
+		fill(t, c, x, 1, &r)
+	}
+	q := r.vec(3 * hq * d)
+	out, lse := make([]float32, len(q)), make([]float32, 3*hq)
+	p := AttnParams{NQHeads: hq}
+	must(t, c.Decode(0, seqs, q, out, p, lse))
+	st, err := c.Stats()
+	must(t, err)
+	if st.AttnSharedKeys != 2*560 {
+		t.Fatal("AttnSharedKeys", st.AttnSharedKeys, "want", 2*560)
+	}
+	for i, x := range seqs {
+		o1, l1 := make([]float32, hq*d), make([]float32, hq)
+		must(t, c.Decode(0, []Seq{x}, q[i*hq*d:(i+1)*hq*d], o1, p, l1))
+		w, wl := make([]float64, len(o1)), make([]float64, len(l1))
+		for j := range o1 {
+			w[j] = float64(o1[j])
+		}
+		for j := range l1 {
+			wl[j] = float64(l1[j])
+		}
+		assertClose(t, out[i*hq*d:(i+1)*hq*d], w, 1e-5, "shared-prefix decode")
+		assertClose(t, lse[i*hq:(i+1)*hq], wl, 1e-5, "shared-prefix lse")
+	}
+	st2, err := c.Stats()
+	must(t, err)
+	if st2.AttnSharedKeys != st.AttnSharedKeys {
+		t.Fatal("a decode of one sequence counted shared positions")
+	}
+}

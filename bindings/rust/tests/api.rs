@@ -2122,3 +2122,43 @@ fn tree_attention_and_keep() {
     assert_eq!(c.seq_info(s).unwrap().n_tokens, P as u32 + 1);
     c.check().unwrap();
 }
+
+/// Forks of a 560-token prompt decoded together read their 35 shared blocks once for all three
+/// (`attn_shared_keys`: 2 x 560 positions, past the default 512); each output and lse is the one
+/// decoded alone, which shares nothing.
+#[test]
+fn shared_prefix_decode() {
+    let mut rng = Rng(7);
+    let (d, hq) = (64usize, 8usize);
+    let mut c = Cache::new(&cfg(2, d as u32, 64, Dtype::F32)).unwrap();
+    let s = c.seq_create(b"").unwrap();
+    for _ in 0..35 {
+        fill(&mut c, s, 16, &mut rng);
+    }
+    let mut seqs = vec![s];
+    for _ in 0..2 {
+        seqs.push(c.fork(s).unwrap());
+    }
+    for &x in &seqs {
+        fill(&mut c, x, 1, &mut rng);
+    }
+    let q = rng.vec(3 * hq * d);
+    let (mut out, mut lse) = (vec![0f32; q.len()], vec![0f32; 3 * hq]);
+    let p = AttnParams {
+        n_q_heads: hq as u32,
+        ..AttnParams::default()
+    };
+    c.decode(0, &seqs, &q, &mut out, &p, Some(&mut lse)).unwrap();
+    let shared = c.stats().unwrap().attn_shared_keys;
+    assert_eq!(shared, 2 * 560);
+    for (i, &x) in seqs.iter().enumerate() {
+        let (mut o1, mut l1) = (vec![0f32; hq * d], vec![0f32; hq]);
+        c.decode(0, &[x], &q[i * hq * d..][..hq * d], &mut o1, &p, Some(&mut l1))
+            .unwrap();
+        let w: Vec<f64> = o1.iter().map(|&v| v as f64).collect();
+        let wl: Vec<f64> = l1.iter().map(|&v| v as f64).collect();
+        assert_close(&out[i * hq * d..][..hq * d], &w, 1e-5, "shared-prefix decode");
+        assert_close(&lse[i * hq..][..hq], &wl, 1e-5, "shared-prefix lse");
+    }
+    assert_eq!(c.stats().unwrap().attn_shared_keys, shared);
+}
