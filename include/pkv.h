@@ -623,9 +623,9 @@ typedef struct pkv_stats {
      * reject counts nothing */
     uint64_t attn_reqs_pool;
     uint64_t attn_reqs_table;
-    /* K/V positions pkv_attn_decode read once for a group of sequences that share them rather
-     * than once a sequence (shared-prefix decode, see pkv_attn_decode): (members - 1) x shared
-     * positions, summed over groups, calls and layers; a failed call counts nothing */
+    /* K/V positions pkv_attn_decode and pkv_attn_prefill read once for a group of requests that
+     * share them rather than once a request (shared prefixes, see pkv_attn_decode): (members - 1)
+     * x shared positions, summed over groups, calls and layers; a failed call counts nothing */
     uint64_t attn_shared_keys;
 } pkv_stats;
 PKV_NODISCARD PKV_API int pkv_cache_get_stats(pkv_cache *c, pkv_stats *out);
@@ -747,7 +747,11 @@ typedef struct pkv_attn_req {
  * may appear in more than one request. q, out: the requests' queries concatenated,
  * [sum n_q][n_q_heads][head_dim] f32 (out may be q, as in pkv_attn_decode). Requests of one
  * query (decodes batched beside chunked prefills) are read as pkv_attn_decode reads its batch
- * (in pool order when their tables jump), the others in table order, in the same call. */
+ * (in pool order when their tables jump), the others in table order, in the same call. Requests
+ * whose tables begin with the same blocks before their first query (forks verifying draft tokens,
+ * beam search extending several tokens) are grouped as pkv_attn_decode groups shared prefixes,
+ * all of a group's queries read together (a request's queries count against the scratch's heads
+ * one by one: long prompts do not fit, and are read on their own). */
 PKV_NODISCARD PKV_API int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs,
                                            const float *q, float *out, const pkv_attn_params *p);
 

@@ -1206,6 +1206,30 @@ static void test_api_share(void **state) {
                     check_tol(&s[perm[j]], l, q + (size_t)j * NQH * D, out + (size_t)j * NQH * D,
                               p.lse ? lse + j * NQH : NULL, s[perm[j]].len - 1, 1, &p, tol);
             }
+            /* extends (pkv_attn_prefill) of each sequence's last 1-3 positions group as the decodes
+               did: every query starts past the same shared blocks */
+            {
+                pkv_attn_req reqs[NS];
+                uint32_t nq = 0;
+                for (int j = 0; j < NS; j++) {
+                    const uint32_t m = 1 + (uint32_t)j % 3;
+                    reqs[j] = (pkv_attn_req){s[perm[j]].id, s[perm[j]].len - m, m};
+                    nq += m;
+                }
+                float *q3 = rand_q(nq), *o3 = malloc(sizeof(float) * nq * NQH * D), l3[3 * NS * NQH];
+                pkv_attn_params p = pkv_attn_params_default();
+                p.n_q_heads = NQH, p.lse = l3, p.sinks = sinks;
+                pkv__cache_test_share(c, 1, 0);
+                pkv_stats st0, st1;
+                assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
+                assert_int_equal(pkv_attn_prefill(c, 1, reqs, NS, q3, o3, &p), PKV_OK);
+                assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
+                assert_int_equal(st1.attn_shared_keys - st0.attn_shared_keys, (reused / B + 18) * B + 48);
+                for (int j = 0, at = 0; j < NS; at += (int)reqs[j].n_q, j++)
+                    check_tol(&s[perm[j]], 1, q3 + (size_t)at * NQH * D, o3 + (size_t)at * NQH * D, l3 + at * NQH,
+                              reqs[j].q_start, reqs[j].n_q, &p, tol);
+                free(q3), free(o3);
+            }
             free(q), free(out), free(out0);
             cache_ok(c);
             /* the environment's rule, read at creation */

@@ -1809,7 +1809,7 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
             q_at += nq;
         }
         UNLOCK(c);
-        if (k) rc = reqs ? pkv__cache_attn_run(c, &view, k, &call, api) : pkv__share_decode(c, &view, k, &call, api);
+        if (k) rc = pkv__share_run(c, &view, k, &call, api);
     }
     pkv__attn_release_counts(c->attn, rc == 0);
     if (!rc) atomic_fetch_add_explicit(&c->share.keys, c->share.call_keys, memory_order_relaxed);

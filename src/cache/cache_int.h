@@ -37,6 +37,7 @@ typedef struct pkv__share {
     uint32_t *st_lcp, *st_lb, *st_id;         /* [max_seqs + 1] each: the lcp intervals' stack */
     uint32_t *nd_a, *nd_b, *nd_depth, *nd_up; /* [max_seqs + 1] each: the intervals, by id */
     uint32_t *nd_eff, *slot;                  /* [max_seqs + 1] each */
+    uint64_t *qsum;                           /* [max_seqs + 1]: the queries of the first x members in order */
     uint32_t n_sorted;                        /* the members in order (the last plan's) */
     pkv__share_group *groups;                 /* [max_seqs] */
     float **lse_to;                           /* [max_seqs] each member's own lse (NULL: none) */
@@ -143,12 +144,12 @@ int pkv__cache_attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, cons
  * the scratch still has rows for its members at n_q_heads query heads (taken shallowest first,
  * over the whole batch). */
 uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, uint32_t window, uint32_t n_q_heads);
-/* pkv__cache_attn_run for the decodes c->items[0, k) (one query each, lse pointing at the
- * caller's or NULL), their shared prefixes read once a group: each group's shared part is one more
- * item of the group's queries, after the k, and merges with its members' own parts into their
- * outputs. The members' items are changed (k_start, lse). */
-int pkv__share_decode(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv__attn_call *call,
-                      const char *api);
+/* pkv__cache_attn_run for the requests c->items[0, k) (decodes, or extends of their queries; lse
+ * pointing at the caller's or NULL), their shared prefixes read once a group: each group's part is
+ * one more item of all its members' queries, before the k, and merges with its members' own parts
+ * into their outputs. The members' items are changed (k_start, lse). */
+int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv__attn_call *call,
+                   const char *api);
 /* The fewest shared positions that make a group (rounded up to whole blocks) unless
  * PKV_ATTN_SHARE says otherwise: "auto" (or unset, or empty) is this, "off" none, a number 1 to
  * PKV__SHARE_MIN_KEYS_MAX that number; pkv__share_env gives -1 for anything else (create refuses

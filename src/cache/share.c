@@ -9,10 +9,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The blocks of item i that a group may share: the whole blocks before its query's position (its
- * own part keeps at least that key), none where a window hides some key of them. */
+/* The blocks of item i that a group may share: the whole blocks before its first query's position
+ * (its own part keeps at least that key, and every later query sees them too), none where a
+ * window hides some key of them from its last query, none for an empty request. */
 static uint32_t share_full(const pkv_cache *c, const pkv__attn_item *it, uint32_t window) {
-    if (window && it->q_pos0 + 1 > window) return 0;
+    if (!it->n_q || (window && it->q_pos0 + it->n_q > window)) return 0;
     return it->q_pos0 / c->B;
 }
 
@@ -48,7 +49,7 @@ static uint32_t *share_sort(const pkv_cache *c, const uint32_t *full, uint32_t *
  * of them (the trie's branching points: the intervals nest), found by one pass with a stack;
  * each interval the run of members that share its first d blocks. An interval is a group where it
  * reads min_blocks or more past the nearest enclosing group (or 0) and the scratch has rows for
- * its members (cap in all), taken shallowest first; a group of m members reading blocks [f, d)
+ * its members' queries (cap in all), taken shallowest first; a group of m members reading blocks [f, d)
  * saves (m - 1) x (d - f) block reads, and every nesting level adds to what its outer groups
  * save. Writes sh->groups, shallowest first; returns their count. */
 static uint32_t share_intervals(pkv__share *sh, uint32_t n, uint32_t cap) {
@@ -86,10 +87,11 @@ static uint32_t share_intervals(pkv__share *sh, uint32_t n, uint32_t cap) {
     sh->nd_eff[0] = 0;
     for (uint32_t r = 0; r < n_rep; r++) {
         const uint32_t id = rep[r], m = sh->nd_b[id] - sh->nd_a[id] + 1, f = sh->nd_eff[sh->nd_up[id]];
-        const bool take = sh->nd_depth[id] - f >= sh->min_blocks && m <= left;
+        const uint64_t nq = sh->qsum[sh->nd_b[id] + 1] - sh->qsum[sh->nd_a[id]]; /* its members' queries */
+        const bool take = sh->nd_depth[id] - f >= sh->min_blocks && nq <= left;
         sh->nd_eff[id] = take ? sh->nd_depth[id] : f;
         if (!take) continue;
-        left -= m;
+        left -= (uint32_t)nq;
         sh->groups[ng++] = (pkv__share_group){.first = sh->nd_a[id], .n = m, .from = f, .blocks = sh->nd_depth[id]};
     }
     return ng;
@@ -115,12 +117,14 @@ uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, uint32_t window, uint32_t n_q
         sh->lcp[x] = p;
     }
     sh->n_sorted = n;
-    const uint32_t cap = n_q_heads ? sh->rows / n_q_heads : 0; /* members' rows the scratch holds */
+    sh->qsum[0] = 0;
+    for (uint32_t x = 0; x < n; x++) sh->qsum[x + 1] = sh->qsum[x] + c->items[ord[x]].n_q; /* members [0, x)'s queries */
+    const uint32_t cap = n_q_heads ? sh->rows / n_q_heads : 0; /* queries' rows the scratch holds */
     return cap < 2 ? 0 : share_intervals(sh, n, cap);
 }
 
-int pkv__share_decode(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv__attn_call *call,
-                      const char *api) {
+int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv__attn_call *call,
+                   const char *api) {
     pkv__share *sh = &c->share;
     const uint32_t ng = pkv__share_plan(c, k, call->window, call->n_q_heads);
     if (!ng) return pkv__cache_attn_run(c, view, k, call, api);
@@ -134,12 +138,14 @@ int pkv__share_decode(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const 
     for (uint32_t g = 0; g < ng; g++) {
         const pkv__share_group *gr = &sh->groups[g];
         float *q = sh->q + (size_t)r0 * D;
-        for (uint32_t j = 0; j < gr->n; j++) {
+        const uint32_t nq = (uint32_t)(sh->qsum[gr->first + gr->n] - sh->qsum[gr->first]); /* within rows */
+        for (uint32_t j = 0, at = 0; j < gr->n; j++) {
             const uint32_t x = gr->first + j;
             pkv__attn_item *it = &items[sh->order[x]];
-            memcpy(q + j * qrow, it->q, qrow * sizeof(float));
+            memcpy(q + (size_t)at * qrow, it->q, it->n_q * qrow * sizeof(float));
+            at += it->n_q;
             if (sh->slot[x] == UINT32_MAX) { /* its own part's lse goes to the scratch */
-                sh->slot[x] = s0, s0 += nqh;
+                sh->slot[x] = s0, s0 += it->n_q * nqh;
                 sh->lse_to[x] = it->lse;
                 it->lse = sh->lse_b + sh->slot[x];
             }
@@ -147,10 +153,10 @@ int pkv__share_decode(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const 
         }
         /* every query of the group sees [from, blocks) whatever its position: blocks x B - 1 the first */
         c->items[g] = (pkv__attn_item){.block_table = items[sh->order[gr->first]].block_table,
-                                       .q_pos0 = gr->blocks * B - 1, .n_q = gr->n, .k_start = gr->from * B,
+                                       .q_pos0 = gr->blocks * B - 1, .n_q = nq, .k_start = gr->from * B,
                                        .k_end = gr->blocks * B, .partial = true, .q = q, .out = q,
                                        .lse = sh->lse_a + r0};
-        r0 += gr->n * nqh;
+        r0 += nq * nqh;
     }
     const int rc = pkv__cache_attn_run(c, view, k + ng, call, api);
     if (rc) return rc;
@@ -158,17 +164,18 @@ int pkv__share_decode(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const 
     for (uint32_t g = 0; g < ng; g++) {
         const pkv__share_group *gr = &sh->groups[g];
         sh->call_keys += (uint64_t)(gr->n - 1) * (gr->blocks - gr->from) * B;
-        for (uint32_t j = 0; j < gr->n; j++, r0 += nqh) {
+        for (uint32_t j = 0; j < gr->n; j++) {
             const pkv__attn_item *it = &items[sh->order[gr->first + j]];
-            /* the group's rows into the member's output and lse (its own part's: sinks there) */
-            const int m = pkv_attn_merge(nqh, D, sh->q + (size_t)r0 * D, sh->lse_a + r0, it->out, it->lse, it->out,
-                                         it->lse);
+            /* the group's rows into the member's outputs and lse (its own part's: sinks there) */
+            const int m = pkv_attn_merge(it->n_q * nqh, D, sh->q + (size_t)r0 * D, sh->lse_a + r0, it->out, it->lse,
+                                         it->out, it->lse);
             pkv_assert(m == PKV_OK); /* finite log-sum-exps, no overlap: every part saw keys */
+            r0 += it->n_q * nqh;
         }
     }
     for (uint32_t x = 0; x < sh->n_sorted; x++)
         if (sh->slot[x] != UINT32_MAX && sh->lse_to[x])
-            memcpy(sh->lse_to[x], sh->lse_b + sh->slot[x], (size_t)nqh * sizeof(float));
+            memcpy(sh->lse_to[x], sh->lse_b + sh->slot[x], (size_t)items[sh->order[x]].n_q * nqh * sizeof(float));
     return PKV_OK;
 }
 
@@ -187,7 +194,7 @@ static uint32_t share_rows(const pkv_cache *c) {
 uint64_t pkv__share_bytes(const pkv_cache *c) {
     const uint64_t n = c->max_seqs, rows = share_rows(c);
     return sizeof(float) * rows * ((uint64_t)c->head_dim + 2u) + sizeof(float *) * n + sizeof(pkv__share_group) * n +
-           sizeof(uint32_t) * 14u * (n + 1);
+           sizeof(uint64_t) * (n + 1) + sizeof(uint32_t) * 14u * (n + 1);
 }
 
 void pkv__share_carve(pkv_cache *c) {
@@ -199,7 +206,8 @@ void pkv__share_carve(pkv_cache *c) {
     sh->lse_b = sh->lse_a + sh->rows;
     sh->lse_to = (float **)(void *)(sh->lse_b + sh->rows);
     sh->groups = (pkv__share_group *)(void *)(sh->lse_to + n);
-    uint32_t *u = (uint32_t *)(void *)(sh->groups + n);
+    sh->qsum = (uint64_t *)(void *)(sh->groups + n); /* groups are 16 bytes: 8-byte aligned */
+    uint32_t *u = (uint32_t *)(void *)(sh->qsum + n + 1);
     uint32_t **arrays[14] = {&sh->full,   &sh->idx,  &sh->tmp,  &sh->order,    &sh->lcp,  &sh->st_lcp, &sh->st_lb,
                              &sh->st_id,  &sh->nd_a, &sh->nd_b, &sh->nd_depth, &sh->nd_up, &sh->nd_eff, &sh->slot};
     for (int i = 0; i < 14; i++) *arrays[i] = u, u += n + 1;
