@@ -98,6 +98,13 @@ static void append_write(pkv_cache *c, pkv_dtype dt, host_seq *s, uint32_t n, in
     append_kv(c, dt, s, n, tok0, k, v);
 }
 
+/* A new sequence in s (its copy reset) with n tokens of random K/V written (ids tok0 + position). */
+static void seq_new(pkv_cache *c, pkv_dtype dt, host_seq *s, uint32_t n, int32_t tok0) {
+    memset(s, 0, sizeof *s);
+    assert_int_equal(pkv_seq_create(c, NULL, 0, &s->id), PKV_OK);
+    if (n) append_write(c, dt, s, n, tok0);
+}
+
 /* Reference for one query row set (NQH heads) at position pos of s. */
 static void ref_one(const host_seq *s, uint32_t l, const float *q, uint32_t pos, const pkv_attn_params *p, double *out,
                     double *lse) {
@@ -223,9 +230,7 @@ static void test_api_fork_cow(void **state) {
     (void)state;
     static host_seq par, child;
     pkv_cache *c = make_cache(PKV_DTYPE_F16, 2, 0);
-    memset(&par, 0, sizeof par);
-    assert_int_equal(pkv_seq_create(c, NULL, 0, &par.id), PKV_OK);
-    append_write(c, PKV_DTYPE_F16, &par, 40, 0); /* blocks 0, 1 full; block 2 holds 8 */
+    seq_new(c, PKV_DTYPE_F16, &par, 40, 0); /* blocks 0, 1 full; block 2 holds 8 */
     child = par;
     assert_int_equal(pkv_seq_fork(c, par.id, &child.id), PKV_OK);
     append_write(c, PKV_DTYPE_F16, &child, 5, 500); /* CoW of block 2 for the child */
@@ -268,9 +273,7 @@ static void test_api_shared_prefix(void **state) {
     (void)state;
     static host_seq a, b;
     pkv_cache *c = make_cache(PKV_DTYPE_BF16, 2, 1);
-    memset(&a, 0, sizeof a);
-    assert_int_equal(pkv_seq_create(c, NULL, 0, &a.id), PKV_OK);
-    append_write(c, PKV_DTYPE_BF16, &a, 64, 7);
+    seq_new(c, PKV_DTYPE_BF16, &a, 64, 7);
     assert_int_equal(pkv_seq_commit(c, a.id, 64), PKV_OK);
     /* b's prompt: the same 64 tokens, then 20 of its own */
     int32_t prompt[84];
@@ -303,9 +306,7 @@ static void test_api_bad_input(void **state) {
     (void)state;
     static host_seq s;
     pkv_cache *c = make_cache(PKV_DTYPE_F16, 2, 0);
-    memset(&s, 0, sizeof s);
-    assert_int_equal(pkv_seq_create(c, NULL, 0, &s.id), PKV_OK);
-    append_write(c, PKV_DTYPE_F16, &s, 30, 0);
+    seq_new(c, PKV_DTYPE_F16, &s, 30, 0);
     pkv_seq empty, gone;
     assert_int_equal(pkv_seq_create(c, NULL, 0, &empty), PKV_OK);
     assert_int_equal(pkv_seq_create(c, NULL, 0, &gone), PKV_OK);
@@ -396,9 +397,7 @@ static void test_api_bf16_dot(void **state) {
     (void)state;
     static host_seq s;
     pkv_cache *c = make_cache(PKV_DTYPE_BF16, 2, 0);
-    memset(&s, 0, sizeof s);
-    assert_int_equal(pkv_seq_create(c, NULL, 0, &s.id), PKV_OK);
-    append_write(c, PKV_DTYPE_BF16, &s, 200, 0);
+    seq_new(c, PKV_DTYPE_BF16, &s, 200, 0);
     const char *be = pkv_attn_backend(c);
     const bool avx512 = !strncmp(be, "avx512", 6), neon = !strncmp(be, "neon", 4);
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && (defined(__x86_64__) || defined(__i386__))
@@ -464,9 +463,7 @@ static void test_api_merge_cascade(void **state) {
     for (size_t ti = 0; ti < 2; ti++) {
         const pkv_dtype dt = k_types[ti];
         pkv_cache *c = make_cache(dt, 2, 0);
-        memset(&pre, 0, sizeof pre);
-        assert_int_equal(pkv_seq_create(c, NULL, 0, &pre.id), PKV_OK);
-        append_write(c, dt, &pre, 40, 0); /* the prefix ends inside block 2: the forks copy it */
+        seq_new(c, dt, &pre, 40, 0); /* the prefix ends inside block 2: the forks copy it */
         a = pre, b = pre;
         assert_int_equal(pkv_seq_fork(c, pre.id, &a.id), PKV_OK);
         assert_int_equal(pkv_seq_fork(c, pre.id, &b.id), PKV_OK);
@@ -724,9 +721,7 @@ static void test_api_tree_refusals_runs(void **state) {
     (void)state;
     static host_seq s;
     pkv_cache *c = make_cache(PKV_DTYPE_F16, 2, 0);
-    memset(&s, 0, sizeof s);
-    assert_int_equal(pkv_seq_create(c, NULL, 0, &s.id), PKV_OK);
-    append_write(c, PKV_DTYPE_F16, &s, 40, 0);
+    seq_new(c, PKV_DTYPE_F16, &s, 40, 0);
     const int32_t par[7] = {-1, 0, 0, 1, -1, 4, 2};
     enum { BIG = 2048 }; /* 1024 x H query heads */
     float *q = malloc(sizeof(float) * 7 * BIG * D), *out = malloc(sizeof(float) * 7 * BIG * D);
@@ -801,9 +796,7 @@ static void test_api_tree_keep(void **state) {
     for (size_t ti = 0; ti < 2; ti++) {
         const pkv_dtype dt = k_types[ti + 1];
         pkv_cache *c = make_cache(dt, 2, 1);
-        memset(&s, 0, sizeof s);
-        assert_int_equal(pkv_seq_create(c, NULL, 0, &s.id), PKV_OK);
-        append_write(c, dt, &s, 30, 0);
+        seq_new(c, dt, &s, 30, 0);
         assert_int_equal(pkv_seq_commit(c, s.id, 30), PKV_OK);
         append_write(c, dt, &s, 12, 5000); /* the tree: positions 30 .. 41, tokens 5030 .. 5041 */
         static const int32_t par[12] = {-1, 0, 0, 1, 2, 3, 3, 5, 4, -1, 7, 9};
@@ -897,9 +890,7 @@ static void test_api_in_place(void **state) {
             unsetenv("PKV_ATTN_ORDER");
             const uint32_t lens[4] = {1, 70, 333, 150};
             for (int i = 0; i < 4; i++) {
-                memset(&s[i], 0, sizeof s[i]);
-                assert_int_equal(pkv_seq_create(c, NULL, 0, &s[i].id), PKV_OK);
-                append_write(c, PKV_DTYPE_F16, &s[i], lens[i], 1000 * i);
+                seq_new(c, PKV_DTYPE_F16, &s[i], lens[i], 1000 * i);
             }
             enum { NB = 20 }; /* > max_seqs (16): two groups */
             pkv_seq ids[NB];
@@ -1282,9 +1273,7 @@ static void test_api_share_window(void **state) {
             assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
             pkv__cache_test_share(c, 1, 0);
             const uint32_t n = members[k];
-            memset(&s[0], 0, sizeof s[0]);
-            assert_int_equal(pkv_seq_create(c, NULL, 0, &s[0].id), PKV_OK);
-            append_write(c, PKV_DTYPE_F32, &s[0], lens[k], 3);
+            seq_new(c, PKV_DTYPE_F32, &s[0], lens[k], 3);
             pkv_seq ids[20];
             ids[0] = s[0].id;
             for (uint32_t i = 1; i < n; i++) {
@@ -1378,9 +1367,7 @@ static void test_api_order_env(void **state) {
         pkv_cache *c = NULL;
         assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
         static host_seq par, child;
-        memset(&par, 0, sizeof par);
-        assert_int_equal(pkv_seq_create(c, NULL, 0, &par.id), PKV_OK);
-        append_write(c, PKV_DTYPE_F16, &par, 40, 0);
+        seq_new(c, PKV_DTYPE_F16, &par, 40, 0);
         child = par;
         assert_int_equal(pkv_seq_fork(c, par.id, &child.id), PKV_OK);
         append_write(c, PKV_DTYPE_F16, &child, 30, 500);

@@ -79,6 +79,15 @@ func reference(q, k, v []float32, hq, h, d int, scale, capv float64, window int)
 	return out, lse
 }
 
+// toF64 widens x, for assertClose against values the library computed.
+func toF64(x []float32) []float64 {
+	y := make([]float64, len(x))
+	for i := range x {
+		y[i] = float64(x[i])
+	}
+	return y
+}
+
 func assertClose(t *testing.T, got []float32, want []float64, rel float64, what string) {
 	t.Helper()
 	if len(got) != len(want) {
@@ -356,13 +365,6 @@ func TestSoftcapWindowMerge(t *testing.T) {
 	must(t, c.Decode(0, []Seq{s}, q, ow, p, lw))
 	om, lm := make([]float32, hq*d), make([]float32, hq)
 	must(t, Merge(d, oa, la, ob, lb, om, lm))
-	toF64 := func(x []float32) []float64 {
-		y := make([]float64, len(x))
-		for i := range x {
-			y[i] = float64(x[i])
-		}
-		return y
-	}
 	assertClose(t, om, toF64(ow), 1e-5, "merged halves")
 	assertClose(t, lm, toF64(lw), 1e-5, "merged lse")
 	w, _ := reference(q, k[:20*h*d], v[:20*h*d], hq, h, d, 1.0/8, 0, 0)
@@ -407,13 +409,6 @@ func TestSinks(t *testing.T) {
 	for i := range far {
 		far[i] = -1e30
 		finite[i] = 1 + r.next() // [-1, 3)
-	}
-	toF64 := func(x []float32) []float64 {
-		y := make([]float64, len(x))
-		for i := range x {
-			y[i] = float64(x[i])
-		}
-		return y
 	}
 	for _, cw := range []struct {
 		capv float32
@@ -2812,15 +2807,8 @@ func TestSharedPrefixDecode(t *testing.T) {
 	for i, x := range seqs {
 		o1, l1 := make([]float32, hq*d), make([]float32, hq)
 		must(t, c.Decode(0, []Seq{x}, q[i*hq*d:(i+1)*hq*d], o1, p, l1))
-		w, wl := make([]float64, len(o1)), make([]float64, len(l1))
-		for j := range o1 {
-			w[j] = float64(o1[j])
-		}
-		for j := range l1 {
-			wl[j] = float64(l1[j])
-		}
-		assertClose(t, out[i*hq*d:(i+1)*hq*d], w, 1e-5, "shared-prefix decode")
-		assertClose(t, lse[i*hq:(i+1)*hq], wl, 1e-5, "shared-prefix lse")
+		assertClose(t, out[i*hq*d:(i+1)*hq*d], toF64(o1), 1e-5, "shared-prefix decode")
+		assertClose(t, lse[i*hq:(i+1)*hq], toF64(l1), 1e-5, "shared-prefix lse")
 	}
 	st2, err := c.Stats()
 	must(t, err)

@@ -28,20 +28,31 @@ static bool share_before(const pkv_cache *c, const uint32_t *full, uint32_t a, u
     return a < b;
 }
 
-/* Sorts idx[0, n) by share_before (bottom-up merge sort through tmp). Returns the sorted array. */
-static uint32_t *share_sort(const pkv_cache *c, const uint32_t *full, uint32_t *idx, uint32_t *tmp, uint32_t n) {
+/* What the plan's two sorts order by: the tables (share_before), or the intervals' depths. */
+typedef struct share_key {
+    const pkv_cache *c;
+    const uint32_t *full;  /* the tables' sort */
+    const uint32_t *depth; /* the intervals' sort, where not NULL */
+} share_key;
+static bool key_before(const share_key *k, uint32_t a, uint32_t b) {
+    return k->depth ? k->depth[a] < k->depth[b] : share_before(k->c, k->full, a, b);
+}
+
+/* Sorts a[0, n) by key_before, equal keys kept in the order given (bottom-up merge sort through
+ * tmp). Returns the sorted array, a or tmp. */
+static uint32_t *share_sort(const share_key *k, uint32_t *a, uint32_t *tmp, uint32_t n) {
     for (uint32_t w = 1; w < n; w *= 2) {
         for (uint32_t lo = 0; lo < n; lo += 2 * w) {
             const uint32_t mid = PKV_MIN(lo + w, n), hi = PKV_MIN(lo + 2 * w, n);
             uint32_t i = lo, j = mid, o = lo;
-            while (i < mid && j < hi) tmp[o++] = share_before(c, full, idx[j], idx[i]) ? idx[j++] : idx[i++];
-            while (i < mid) tmp[o++] = idx[i++];
-            while (j < hi) tmp[o++] = idx[j++];
+            while (i < mid && j < hi) tmp[o++] = key_before(k, a[j], a[i]) ? a[j++] : a[i++];
+            while (i < mid) tmp[o++] = a[i++];
+            while (j < hi) tmp[o++] = a[j++];
         }
-        uint32_t *t = idx;
-        idx = tmp, tmp = t;
+        uint32_t *t = a;
+        a = tmp, tmp = t;
     }
-    return idx;
+    return a;
 }
 
 /* The groups of the n sorted members (lcp: neighbours' shared blocks): every lcp interval, a
@@ -69,20 +80,11 @@ static uint32_t share_intervals(pkv__share *sh, uint32_t n, uint32_t cap) {
         }
         if (st_lcp[top] < cur) top++, st_lcp[top] = cur, st_lb[top] = lb, st_id[top] = ids++;
     }
-    /* by depth, shallowest first (a merge sort through idx, free since the tables' sort): every
-       interval after the ones that hold it, and the scratch's rows to the outer levels of the whole
-       batch first, whichever order the block ids gave the subtrees */
-    for (uint32_t w = 1; w < n_rep; w *= 2) {
-        uint32_t *to = rep == sh->tmp ? sh->idx : sh->tmp;
-        for (uint32_t lo = 0; lo < n_rep; lo += 2 * w) {
-            const uint32_t mid = PKV_MIN(lo + w, n_rep), hi = PKV_MIN(lo + 2 * w, n_rep);
-            uint32_t i = lo, j = mid, o = lo;
-            while (i < mid && j < hi) to[o++] = sh->nd_depth[rep[j]] < sh->nd_depth[rep[i]] ? rep[j++] : rep[i++];
-            while (i < mid) to[o++] = rep[i++];
-            while (j < hi) to[o++] = rep[j++];
-        }
-        rep = to;
-    }
+    /* by depth, shallowest first (through idx, free since the tables' sort): every interval after
+       the ones that hold it, and the scratch's rows to the outer levels of the whole batch first,
+       whichever order the block ids gave the subtrees */
+    const share_key by_depth = {.depth = sh->nd_depth};
+    rep = share_sort(&by_depth, rep, sh->idx, n_rep);
     uint32_t ng = 0, left = cap;
     sh->nd_eff[0] = 0;
     for (uint32_t r = 0; r < n_rep; r++) {
@@ -106,7 +108,8 @@ uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, uint32_t window, uint32_t n_q
         if (full[i] >= sh->min_blocks) sh->idx[n++] = i;
     }
     if (n < 2) return 0;
-    uint32_t *ord = share_sort(c, full, sh->idx, sh->tmp, n);
+    const share_key by_table = {.c = c, .full = full};
+    uint32_t *ord = share_sort(&by_table, sh->idx, sh->tmp, n);
     if (ord != sh->order) memcpy(sh->order, ord, (size_t)n * sizeof(uint32_t));
     ord = sh->order;
     for (uint32_t x = 0; x + 1 < n; x++) { /* the blocks neighbours share */
