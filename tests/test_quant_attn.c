@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "attn/attn.h"
+#include "core/core.h"
 #include "quant/quant.h"
 
 static uint64_t rng_state = 0x243f6a8885a308d3ull;
@@ -40,16 +41,30 @@ static float rng_normal(void) {
     return sqrtf(-2.0f * logf(u)) * cosf(6.2831853f * w);
 }
 
-/* A context with the named backend. "avx512-vnni-emu": every AVX-512 file's kernels compiled for
- * AVX2 (src/attn/x86/avx512_emu.h) over the avx2 table, when CMake linked them in (SIMDe found),
- * so that their logic is checked on CPUs without AVX-512 or VNNI too. */
+/* A context with the named backend. "avx512-vnni-emu" and "avx512-vnni-wide-emu": every AVX-512
+ * file's kernels compiled for AVX2 (src/attn/x86/avx512_emu.h) over the avx2 table, with the VNNI
+ * score's 4-key tiles or its 16 keys transposed, when CMake linked them in (SIMDe found), so
+ * that their logic is checked on CPUs without AVX-512 or VNNI too. "avx512-vnni-256" and
+ * "avx512-vnni-wide": the avx512 table with each of the two VNNI scores natively, whichever one
+ * "avx512-vnni" picks on this CPU (the transposed one where 512-bit units are full width). */
 #ifdef PKV_HAVE_AVX512_EMU
 void pkv__attn_fill_q_emu(pkv__attn_kernels *kt);
+void pkv__attn_fill_q_emu_wide(pkv__attn_kernels *kt);
 #endif
 static int create_backend(uint32_t n_threads, const pkv__attn_limits *lim, const char *be, pkv__attn **out) {
 #ifdef PKV_HAVE_AVX512_EMU
     if (!strcmp(be, "avx512-vnni-emu"))
         return pkv__attn_create_extended(NULL, n_threads, lim, "avx2", pkv__attn_fill_q_emu, out);
+    if (!strcmp(be, "avx512-vnni-wide-emu"))
+        return pkv__attn_create_extended(NULL, n_threads, lim, "avx2", pkv__attn_fill_q_emu_wide, out);
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+    const bool v256 = !strcmp(be, "avx512-vnni-256"), wide = !strcmp(be, "avx512-vnni-wide");
+    if (v256 || wide) {
+        if (!(pkv__cpu_features() & PKV_CPU_AVX512VNNI)) return PKV_ENOTSUP;
+        return pkv__attn_create_extended(NULL, n_threads, lim, "avx512",
+                                         v256 ? pkv__attn_fill_q_vnni : pkv__attn_fill_q_vnni_wide, out);
+    }
 #endif
     return pkv__attn_create_backend(NULL, n_threads, lim, be, out);
 }
@@ -290,8 +305,8 @@ static double bound_dq(pkv_dtype kdt) {
     return kdt == PKV_DTYPE_Q8_0 || kdt == PKV_DTYPE_Q4_0 ? 1e-2 : 1e-9;
 }
 
-/* The SIMD backend a test compares with the reference: its state names it ("avx2" and
- * "avx512", "avx512-vnni", "avx512-vnni-emu" on x86, "neon" and "neon-dotprod" on ARM, one run each). Where the CPU lacks it: NULL (the reference
+/* The SIMD backend a test compares with the reference: its state names it ("avx2",
+ * "avx512", the avx512-vnni ones (g_simd below) on x86, "neon" and "neon-dotprod" on ARM, one run each). Where the CPU lacks it: NULL (the reference
  * alone is checked against the oracle), or, for an extra backend, the test is skipped. */
 typedef struct {
     const char *name;
@@ -442,12 +457,17 @@ static void test_exact_inputs(void **state) {
 
 #if defined(__x86_64__) || defined(__i386__)
 /* avx512: the AVX-2 kernels with attn_q_avx512.c's over them (fp8); skipped without AVX-512.
- * avx512-vnni: that with attn_q_vnni.c's q8_0 / q4_0 score; skipped without AVX-512 VNNI.
- * avx512-vnni-emu: the same kernels built for AVX2 (skipped where CMake did not link them). */
-static simd_case g_simd[] = {{"avx2", false}, {"avx512", true}, {"avx512-vnni", true}, {"avx512-vnni-emu", true}};
+ * avx512-vnni: that with attn_q_vnni.c's q8_0 / q4_0 score as this CPU gets it; -256 and -wide
+ * each of its two scores (create_backend); skipped without AVX-512 VNNI. The -emu ones: the same
+ * kernels built for AVX2 (skipped where CMake did not link them). */
+static simd_case g_simd[] = {{"avx2", false},           {"avx512", true},          {"avx512-vnni", true},
+                             {"avx512-vnni-256", true}, {"avx512-vnni-wide", true}, {"avx512-vnni-emu", true},
+                             {"avx512-vnni-wide-emu", true}};
 #define PER_SIMD(fn)                                                                                               \
     cmocka_unit_test_prestate(fn, &g_simd[0]), cmocka_unit_test_prestate(fn, &g_simd[1]),                          \
-        cmocka_unit_test_prestate(fn, &g_simd[2]), cmocka_unit_test_prestate(fn, &g_simd[3])
+        cmocka_unit_test_prestate(fn, &g_simd[2]), cmocka_unit_test_prestate(fn, &g_simd[3]),                      \
+        cmocka_unit_test_prestate(fn, &g_simd[4]), cmocka_unit_test_prestate(fn, &g_simd[5]),                      \
+        cmocka_unit_test_prestate(fn, &g_simd[6])
 #elif defined(__aarch64__)
 static simd_case g_simd[] = {{"neon", false}, {"neon-dotprod", true}};
 #define PER_SIMD(fn) cmocka_unit_test_prestate(fn, &g_simd[0]), cmocka_unit_test_prestate(fn, &g_simd[1])

@@ -8,9 +8,17 @@
 void pkv__attn_fill_avx512_emu(pkv__attn_kernels *kt);
 void pkv__attn_fill_q_avx512_emu(pkv__attn_kernels *kt);
 void pkv__attn_fill_q_emu(pkv__attn_kernels *kt);
+void pkv__attn_fill_q_emu_wide(pkv__attn_kernels *kt);
 
 void pkv__attn_fill_q_emu(pkv__attn_kernels *kt) {
     pkv__attn_fill_avx512_emu(kt);
     pkv__attn_fill_q_avx512_emu(kt);
     pkv__attn_fill_q_vnni_emu(kt);
+}
+
+/* "avx512-vnni-wide-emu": the same with the score over 16 keys transposed, as CPUs with
+ * full-width 512-bit units run it */
+void pkv__attn_fill_q_emu_wide(pkv__attn_kernels *kt) {
+    pkv__attn_fill_q_emu(kt);
+    pkv__attn_fill_q_vnni_wide_emu(kt);
 }

@@ -235,6 +235,7 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
         pkv__attn_fill_q_avx512(kt);
         if (!(f & PKV_CPU_AVX512_HALVES)) pkv__attn_fill_q_avx512_wide(kt); /* not on Zen 4 */
         if (vnni) pkv__attn_fill_q_vnni(kt);
+        if (vnni && !(f & PKV_CPU_AVX512_HALVES)) pkv__attn_fill_q_vnni_wide(kt); /* not on Zen 4 */
         return PKV_OK;
     }
 #elif defined(__aarch64__)

@@ -544,6 +544,8 @@ void pkv__attn_fill_q_avx512(pkv__attn_kernels *kt); /* x86/attn_q_avx512.c: fp8
 /* x86/attn_q_avx512.c: q8_0, q4_0 accum at 512 bits, for cores with full-width 512-bit units */
 void pkv__attn_fill_q_avx512_wide(pkv__attn_kernels *kt);
 void pkv__attn_fill_q_vnni(pkv__attn_kernels *kt);   /* x86/attn_q_vnni.c: q8_0, q4_0 prep and score (VNNI) */
+/* x86/attn_q_vnni.c: the same over 16 keys transposed, for full-width 512-bit units (not Zen 4) */
+void pkv__attn_fill_q_vnni_wide(pkv__attn_kernels *kt);
 void pkv__attn_fill_q_neon(pkv__attn_kernels *kt);  /* arm/attn_q_neon.c: q8_0, q4_0, fp8_e4m3 */
 void pkv__attn_fill_q_dotprod(pkv__attn_kernels *kt); /* arm/attn_q_dotprod.c: q8_0, q4_0 score (SDOT) */
 /* arm/attn_bf16dot.c: the lp_fill of NEON where the CPU has bf16 (BFDOT): bf16 prep_q, score, accum */

@@ -1,7 +1,7 @@
 /* avx512_emu.h: for tests only. Lets attn_avx512.c be compiled for a CPU without AVX-512, so
  * its kernels (tiles, tails, masks, the softmax) run against the reference on any x86 machine
  * with AVX2. SIMDe (Debian's libsimde-dev) gives the 512-bit types and most intrinsics, each as
- * a pair of 256-bit AVX2 operations; the seven the packaged SIMDe lacks are written below the
+ * a pair of 256-bit AVX2 operations; the eight the packaged SIMDe lacks are written below the
  * same way, and one it has without its native alias (shuffle_f32x4) is aliased by hand. CMake
  * compiles this variant (PKV_AVX512_EMU) into objects of test_attn and test_quant_attn only, as
  * the backends "avx512-emu" and "avx512-vnni-emu"; it never goes into libpkv. It checks the
@@ -34,6 +34,10 @@ static inline simde__m512i pkv_emu_mm512_cvtps_epi32(simde__m512 a) {
     r.m256i[0] = _mm256_cvtps_epi32(pkv_emu_half(a, 0));
     r.m256i[1] = _mm256_cvtps_epi32(pkv_emu_half(a, 1));
     return simde__m512i_from_private(r);
+}
+static inline simde__m512 pkv_emu_mm512_cvtepi32_ps(simde__m512i a) {
+    const simde__m512i_private p = simde__m512i_to_private(a);
+    return pkv_emu_from2(_mm256_cvtepi32_ps(p.m256i[0]), _mm256_cvtepi32_ps(p.m256i[1]));
 }
 /* masked-off lanes are 0 and not read (maskload does not fault on them) */
 static inline simde__m512 pkv_emu_mm512_maskz_loadu_ps(simde__mmask16 k, const void *p) {
@@ -69,6 +73,8 @@ static inline __m256i pkv_emu_mm512_cvtepi32_epi16(simde__m512i a) {
 #undef _mm512_maskz_loadu_ps
 #undef _mm512_cvtepu16_epi32
 #undef _mm512_cvtps_epi32
+#undef _mm512_cvtepi32_ps
+#define _mm512_cvtepi32_ps pkv_emu_mm512_cvtepi32_ps
 #undef _mm512_reduce_add_ps
 #undef _mm512_reduce_max_ps
 #undef _mm512_shuffle_f32x4
