@@ -179,6 +179,7 @@ struct pkv__attn {
     int pf_two;  /* and the row path's led by bytes, at two levels, where pf_l1 is set (the same flag; head_io_fill) */
     int pf_head; /* the row path's prefetch leads by one head into L2 (PKV_CPU_LEAD_HEAD), where pf_two is not set */
     uint32_t pf_lead; /* the call's lead in heads: pf_ahead where pf_two and pf_l1 are set, 1 where pf_head is, else 0 */
+    int pf_l1_call;   /* the call's: pf_l1, or where the one-head lead (pf_head) reads quantized K and V, L1 too */
     uint32_t piece_bytes; /* the row path's pieces of a head's run, in bytes of K (PKV_CPU_PIECES); 0: whole runs */
     uint32_t piece_keys;  /* the call's: keys a piece (piece_call), 0 where runs are taken whole */
     bool tpath;  /* units of many rows take the transposed primitives where the backend has them */
@@ -568,7 +569,13 @@ static inline uint32_t item_key_lo(const pkv__attn_item *it, uint32_t pos, uint3
  * row path leads by one head into L2 (pf_head): f16 4096 x 16 contiguous 0.84 of the block
  * lead's time at 2 threads, 32768 x 1 0.85 (contiguous) and 0.83-0.85 (paged, 1 and 2 threads),
  * 4096 x 16 paged 0.93-0.94, bf16 0.87 and 0.95, f32 and the quantized types 0.99-1.00; two
- * and four heads ahead measured the same as the block lead (ab-decode). */
+ * and four heads ahead measured the same as the block lead (ab-decode). Where K and V are both
+ * quantized (q8_0, q4_0, fp8: a head's block of rows 2-4 KiB), that one-head lead goes into L1
+ * (pf_l1_call): once the VNNI score read 16 keys transposed (stop 75), a q8_0 head's block took
+ * about 280 ns, and T0 took 0.964 of T1's time at q8_0 4096 x 16 paged (2 threads), 0.944 at 1,
+ * 0.964 at 32768 x 1 contiguous, 0.964 in cache (256 x 2), q4_0 0.954 and 0.960 (32768 x 1),
+ * fp8 0.980 (ab-decode, HEAD against the change); f16 with T0 measured 1.05-1.11 of T1's time
+ * in the bench the same day (0.97-0.98 at 32768 x 16 only), so 16-bit and f32 K/V keep T1. */
 #ifndef PKV_ATTN_PF_DIST
 #define PKV_ATTN_PF_DIST 1
 #endif
@@ -691,6 +698,11 @@ static scratch thread_scratch(const pkv__attn *at, uint32_t tid) {
 #ifndef PKV_ATTN_PF_LEAD
 #define PKV_ATTN_PF_LEAD ((size_t)16 * 1024)
 #endif
+/* q8_0, q4_0, fp8: a head's block of K and V rows is 2-4 KiB at head_dim 128 and 16-token blocks */
+static bool dtype_quantized(pkv_dtype dt) {
+    return dt == PKV_DTYPE_Q8_0 || dt == PKV_DTYPE_Q4_0 || dt == PKV_DTYPE_FP8_E4M3;
+}
+
 /* How many runs of run bytes make lead bytes, rounded up: at least least, at most most. */
 static uint32_t lead_runs(size_t lead, size_t run, size_t least, size_t most) {
     return (uint32_t)PKV_MIN(PKV_MAX((lead + run - 1) / run, least), most);
@@ -737,8 +749,8 @@ static inline bool head_io_fill(const pkv__attn *at, size_t bid, uint32_t h, uin
     const bool accum_pf = at->kt->accum_pf[kv->v_dtype];
     /* score's second run: the V run where accum does not prefetch it, else xr (or empty) */
     const uint8_t *r1 = accum_pf ? (xr ? xr : kx) : vx, *e1 = accum_pf ? (xr ? xr + xn : kx) : vx + vblk;
-    io->pk = (pkv__attn_pf){.p = {kx, r1}, .end = {kx + kblk, e1}, .l1 = at->pf_l1, .fine = at->pf_fine};
-    io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}, .l1 = at->pf_l1};
+    io->pk = (pkv__attn_pf){.p = {kx, r1}, .end = {kx + kblk, e1}, .l1 = at->pf_l1_call, .fine = at->pf_fine};
+    io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + vblk, vx}, .l1 = at->pf_l1_call};
     if (lead && ahead > 1) { /* the far run (NTA), the next head's into L1: this block's h + 1, or the next's h0 */
         const bool here = h + 1 < h1;
         if (here || kn) {
@@ -817,8 +829,8 @@ static inline void piece_io_fill(const pkv__attn *at, size_t bid, uint32_t h, ui
         io->pkp = io->pvp = NULL;
         return;
     }
-    io->pk = (pkv__attn_pf){.p = {kx, kx}, .end = {kx + nx * krb, kx}, .l1 = at->pf_l1, .fine = at->pf_fine};
-    io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + nx * vrb, vx}, .l1 = at->pf_l1};
+    io->pk = (pkv__attn_pf){.p = {kx, kx}, .end = {kx + nx * krb, kx}, .l1 = at->pf_l1_call, .fine = at->pf_fine};
+    io->pv = (pkv__attn_pf){.p = {vx, vx}, .end = {vx + nx * vrb, vx}, .l1 = at->pf_l1_call};
     io->pkp = &io->pk, io->pvp = &io->pv;
 }
 
@@ -1727,6 +1739,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
      * two passes' lead counts single runs, about PKV_ATTN_PF_LEAD bytes of them, 2 to 64 */
     const size_t run2 = (size_t)kv->block_tokens * (kv->k_row_bytes + kv->v_row_bytes);
     at->pf_lead = at->pf_two && at->pf_l1 ? pf_ahead(run2, kv->k_dtype == PKV_DTYPE_F32) : at->pf_head ? 1 : 0;
+    at->pf_l1_call = at->pf_l1 || (at->pf_head && dtype_quantized(kv->k_dtype) && dtype_quantized(kv->v_dtype));
     at->piece_keys = piece_call(at, kv);
     at->pass_ahead = lead_runs(2 * PKV_ATTN_PF_LEAD, run2, 2, 64);
     at->items = items;
