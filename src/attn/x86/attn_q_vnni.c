@@ -207,15 +207,20 @@ static ALWAYS_INLINE __m512 t16_scales(const t16_rows *kr, size_t o) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
 }
 
+/* The 32 bits at p in every lane, by a broadcast load (with a plain set1 of a scalar, GCC loaded
+ * the query's groups into general registers in pairs and broadcast each from there: a shuffle
+ * port uop apiece, where the load ports broadcast for free). */
+static ALWAYS_INLINE __m512i t16_bcast(const uint8_t *p) {
+    return _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss((const float *)(const void *)p)));
+}
+
 /* Row r's dot products with Kt for block b, plus its start value: two chains of 4 vpdpbusd. */
 static ALWAYS_INLINE __m512 t16_row_block(const __m512i Kt[8], const uint8_t *row, uint32_t b, uint32_t D) {
-    int32_t st, qg[8];
-    memcpy(&st, row + D + 4 * (size_t)b, 4);
-    memcpy(qg, row + 32 * (size_t)b, 32);
-    __m512i a0 = _mm512_set1_epi32(st), a1 = _mm512_setzero_si512();
+    const uint8_t *qg = row + 32 * (size_t)b;
+    __m512i a0 = t16_bcast(row + D + 4 * (size_t)b), a1 = _mm512_setzero_si512();
     for (int g = 0; g < 8; g += 2) {
-        a0 = _mm512_dpbusd_epi32(a0, Kt[g], _mm512_set1_epi32(qg[g]));
-        a1 = _mm512_dpbusd_epi32(a1, Kt[g + 1], _mm512_set1_epi32(qg[g + 1]));
+        a0 = _mm512_dpbusd_epi32(a0, Kt[g], t16_bcast(qg + 4 * g));
+        a1 = _mm512_dpbusd_epi32(a1, Kt[g + 1], t16_bcast(qg + 4 * g + 4));
     }
     return _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1));
 }
