@@ -248,46 +248,27 @@ static ALWAYS_INLINE void t16_codes(const t16_rows *kr, uint32_t b, __m512i Kt[8
         t16_codes_q8(kr, b * sizeof(pkv_block_q8_0) + 2, Kt);
 }
 
-/* NR (<= 4) rows x 16 keys: the rows' sums held in registers across the blocks. */
-static ALWAYS_INLINE void t16_tile(const uint8_t *qp, size_t qrow, uint32_t D, const uint32_t NR, const t16_rows *kr,
-                                   float *s, uint32_t ss, uint32_t nk, pkv__attn_pf *pf, const bool q4) {
-    const size_t bsz = q4 ? sizeof(pkv_block_q4_0) : sizeof(pkv_block_q8_0);
-    __m512 acc[4];
-    for (uint32_t r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
-    for (uint32_t b = 0; b < D / 32; b++) {
-        __m512i Kt[8];
-        t16_codes(kr, b, Kt, q4);
-        const __m512 dk = t16_scales(kr, b * bsz);
-        for (uint32_t r = 0; r < NR; r++) {
-            const uint8_t *row = qp + r * qrow;
-            acc[r] = _mm512_fmadd_ps(t16_row_block(Kt, row, b, D), _mm512_mul_ps(dk, _mm512_set1_ps(t16_dq(row, b, D))),
-                                     acc[r]);
-        }
-        pkv__attn_pf_step(pf);
-    }
-    for (uint32_t r = 0; r < NR; r++) t16_store(s + (size_t)r * ss, acc[r], nk);
-}
-
-/* More rows (up to T16_ROWS): each block transposed once for all of them, their sums in buf. */
+/* n_rows (<= T16_ROWS) rows x 16 keys, each block transposed once for all of them; the rows' sums
+ * kept across the blocks (in registers where n_rows is a constant of at most 4: t16_tile). */
 #define T16_ROWS 16u
-static ALWAYS_INLINE void t16_rows_many(const uint8_t *qp, size_t qrow, uint32_t D, uint32_t n_rows,
+static ALWAYS_INLINE void t16_rows_tile(const uint8_t *qp, size_t qrow, uint32_t D, uint32_t n_rows,
                                         const t16_rows *kr, float *s, uint32_t ss, uint32_t nk, pkv__attn_pf *pf,
                                         const bool q4) {
     const size_t bsz = q4 ? sizeof(pkv_block_q4_0) : sizeof(pkv_block_q8_0);
-    __m512 buf[T16_ROWS];
-    for (uint32_t r = 0; r < n_rows; r++) buf[r] = _mm512_setzero_ps();
+    __m512 acc[T16_ROWS];
+    for (uint32_t r = 0; r < n_rows; r++) acc[r] = _mm512_setzero_ps();
     for (uint32_t b = 0; b < D / 32; b++) {
         __m512i Kt[8];
         t16_codes(kr, b, Kt, q4);
         const __m512 dk = t16_scales(kr, b * bsz);
         for (uint32_t r = 0; r < n_rows; r++) {
             const uint8_t *row = qp + r * qrow;
-            buf[r] = _mm512_fmadd_ps(t16_row_block(Kt, row, b, D), _mm512_mul_ps(dk, _mm512_set1_ps(t16_dq(row, b, D))),
-                                     buf[r]);
+            acc[r] = _mm512_fmadd_ps(t16_row_block(Kt, row, b, D), _mm512_mul_ps(dk, _mm512_set1_ps(t16_dq(row, b, D))),
+                                     acc[r]);
         }
         pkv__attn_pf_step(pf);
     }
-    for (uint32_t r = 0; r < n_rows; r++) t16_store(s + (size_t)r * ss, buf[r], nk);
+    for (uint32_t r = 0; r < n_rows; r++) t16_store(s + (size_t)r * ss, acc[r], nk);
 }
 
 static ALWAYS_INLINE void score_t16_d(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,
@@ -306,12 +287,12 @@ static ALWAYS_INLINE void score_t16_d(const void *qp, uint32_t n_rows, const uin
         for (uint32_t j = 0; j < 16; j++) kr.kr[j] = k + (size_t)(t0 + (j < nk ? j : nk - 1)) * krb;
         kr.km = (__mmask16)((1u << nk) - 1u);
         float *st = s + t0;
-#define CALL_T16(N) t16_tile((const uint8_t *)qp, qrow, D, N, &kr, st, ss, nk, pf, q4)
+#define CALL_T16(N) t16_rows_tile((const uint8_t *)qp, qrow, D, N, &kr, st, ss, nk, pf, q4)
         if (n_rows <= 4) {
             PKV__ATTN_NR_SWITCH(n_rows, CALL_T16)
         } else {
             for (uint32_t r0 = 0; r0 < n_rows; r0 += T16_ROWS)
-                t16_rows_many((const uint8_t *)qp + r0 * qrow, qrow, D, PKV_MIN(T16_ROWS, n_rows - r0), &kr,
+                t16_rows_tile((const uint8_t *)qp + r0 * qrow, qrow, D, PKV_MIN(T16_ROWS, n_rows - r0), &kr,
                               st + (size_t)r0 * ss, ss, nk, pf, q4);
         }
 #undef CALL_T16
