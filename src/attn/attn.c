@@ -177,7 +177,8 @@ struct pkv__attn {
     int pf_l1;   /* the next block's prefetch into L1 (PKV_CPU_PREFETCH_L1), else into L2: head_io_fill */
     int pf_fine; /* and a decode head's score in finer shares (the same flag; attn.h, PKV__ATTN_PF_SUB_FINE) */
     int pf_two;  /* and the row path's led by bytes, at two levels, where pf_l1 is set (the same flag; head_io_fill) */
-    int pf_head; /* the row path's prefetch leads by one head into L2 (PKV_CPU_LEAD_HEAD), where pf_two is not set */
+    int pf_head; /* the row path's prefetch leads by one head (PKV_CPU_LEAD_HEAD), where pf_two is not set: into L2,
+                  * or L1 where K and V are quantized (pf_l1_call) */
     uint32_t pf_lead; /* the call's lead in heads: pf_ahead where pf_two and pf_l1 are set, 1 where pf_head is, else 0 */
     int pf_l1_call;   /* the call's: pf_l1, or where the one-head lead (pf_head) reads quantized K and V, L1 too */
     uint32_t piece_bytes; /* the row path's pieces of a head's run, in bytes of K (PKV_CPU_PIECES); 0: whole runs */

@@ -127,8 +127,9 @@ bool pkv__attn_sweep_wide(const pkv__attn *at);
  * (fine), and, where l1 is set, the row path's about 16 KiB of K/V ahead rather than a block,
  * at two levels where that is more than one head (two: attn.c, head_io_fill; pkv__attn_pf.near),
  * and, where two is not set, the row path's one head ahead into L2 rather than a block (head;
- * from PKV_CPU_LEAD_HEAD or PKV_ATTN_LEAD). None changes a result; tests set them every way so
- * every machine runs every path. */
+ * from PKV_CPU_LEAD_HEAD or PKV_ATTN_LEAD; into L1 where K and V are both quantized: attn.c,
+ * pf_l1_call). None changes a result; tests set them every way so every machine runs every
+ * path. */
 void pkv__attn_set_prefetch(pkv__attn *at, bool l1, bool fine, bool two, bool head);
 /* Whether the row path's prefetch leads by one head where two is not set (head above). */
 bool pkv__attn_lead_head(const pkv__attn *at);
@@ -241,7 +242,7 @@ typedef struct pkv__attn_pf {
     uint32_t left; /* steps left when the runs split evenly (even), else unused */
     int even;      /* run 0 (and run 1 unless empty) is left * step bytes: a step is a fixed, unbounded burst */
     int two;       /* run 1 is not empty */
-    int l1;        /* set by the driver: prefetch into L1 (T0) rather than L2 (T1): pkv__attn's pf_l1 */
+    int l1;        /* set by the driver: prefetch into L1 (T0) rather than L2 (T1): the call's pf_l1_call (attn.c) */
     int fine;      /* set by the driver: a decode-sized score takes finer shares (PKV__ATTN_DEF_SCORE_ROWS4) */
     /* set by the driver, 0 or not: the prefetch at two levels (pkv__attn's pf_two). Each line of run
      * 0 (the run the driver leads to, some heads on: attn.c, head_io_fill) is fetched with the

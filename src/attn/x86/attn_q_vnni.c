@@ -108,7 +108,8 @@ void PKV__VNNI_FILL(pkv__attn_kernels *kt) {
  * block are transposed once, shared by the rows: register g holds the 4-byte group g of every
  * key (lane j: key j), so one vpdpbusd with the query's group g broadcast adds 4 products to
  * each key's lane, and 8 of them leave each key's block sum in its own lane with nothing to
- * reduce. A row then costs 8 vpdpbusd, an add, a convert and an fma per block for 16 keys.
+ * reduce. A row then costs 8 vpdpbusd, an add, a convert, a multiply (the scales) and an fma per
+ * block for 16 keys.
  * The transpose (q8_0: 8 x 32 bytes per key pair and block, 3 shuffle stages; q4_0: 16 bytes
  * a key, 2 stages, the nibbles split after) is paid once per block and 16 keys.
  *
@@ -209,10 +210,9 @@ static ALWAYS_INLINE __m512 t16_scales(const t16_rows *kr, size_t o) {
 
 /* The 32 bits at p in every lane, by a broadcast load (with a plain set1 of a scalar, GCC loaded
  * the query's groups into general registers in pairs and broadcast each from there: a shuffle
- * port uop apiece, where the load ports broadcast for free). */
-static ALWAYS_INLINE __m512i t16_bcast(const uint8_t *p) {
-    return _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss((const float *)(const void *)p)));
-}
+ * port uop apiece, where the load ports broadcast for free). _mm_loadu_si32: no float read of the
+ * int8 / int32 bytes (GCC 12 still makes one vpbroadcastd from memory of it). */
+static ALWAYS_INLINE __m512i t16_bcast(const uint8_t *p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
 
 /* Row r's dot products with Kt for block b, plus its start value: two chains of 4 vpdpbusd. */
 static ALWAYS_INLINE __m512 t16_row_block(const __m512i Kt[8], const uint8_t *row, uint32_t b, uint32_t D) {
@@ -276,6 +276,7 @@ static ALWAYS_INLINE void score_t16_d(const void *qp, uint32_t n_rows, const uin
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     const uint32_t groups = n_rows <= 4 ? 1 : (n_rows + T16_ROWS - 1) / T16_ROWS;
     pkv__attn_pf_start(pf, (n_keys + 15) / 16 * (D / 32) * groups);
+    if (!n_rows) n_keys = 0; /* nothing to write (PKV__ATTN_NR_SWITCH would take 0 rows as 1) */
     t16_rows kr;
     kr.gather = krb <= (size_t)INT32_MAX / 16;
 #ifndef PKV_AVX512_EMU
