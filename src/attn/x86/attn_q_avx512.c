@@ -89,13 +89,16 @@ static ALWAYS_INLINE void accum_fp8_rows(const float *p, uint32_t ps, const uint
 /* ---- q8_0 / q4_0 V at 512 bits (pkv__attn_fill_q_avx512_wide) ------------------------------------
  * NR rows x NB (1 or 2) 32-value blocks across nk keys (block j's codes at c + j * bsz, key t at
  * + t * vrb), 8 NB accumulators; w[(j * 4 + r) * PKV__VKEYS + t] is p times key t's scale of
- * block j. q4_0: values 0..15 are the low nibbles, 16..31 the high ones; their -8 is corr[j * 4 +
- * r] = 8 * sum_t w, taken off once at the end. Two blocks a tile give each accumulator's chain of
- * fmas (4 cycles a step) twice the independent work beside it: one block a tile, 8 chains of one
- * fma a key, kept the fma pipes waiting on latency. */
-static ALWAYS_INLINE void accum_i8_tile(const float *w, const float *corr, uint32_t nk, const uint8_t *c, size_t bsz,
-                                        size_t vrb, float *acc, uint32_t D, const uint32_t NR, const uint32_t NB,
-                                        const bool q4) {
+ * block j. q4_0: values 0..15 are the low nibbles, 16..31 the high ones, each widened to its
+ * value n - 8 by one vpermps from a table of the 16 (the index is a lane's low 4 bits: the low
+ * nibble as the byte is, the high one after a shift), a convert and the -8 in one op; before
+ * (stop 75), a mask or shift and a convert a 16, and the -8 taken off at the end as 8 times the
+ * sum of each weight row. Two blocks a tile give each accumulator's chain of fmas (4 cycles a
+ * step) twice the independent work beside it: one block a tile, 8 chains of one fma a key, kept
+ * the fma pipes waiting on latency. */
+static ALWAYS_INLINE void accum_i8_tile(const float *w, uint32_t nk, const uint8_t *c, size_t bsz, size_t vrb,
+                                        float *acc, uint32_t D, const uint32_t NR, const uint32_t NB, const bool q4) {
+    const __m512 q4v = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     __m512 a[4][4];
     for (uint32_t r = 0; r < NR; r++)
         for (uint32_t h = 0; h < 2 * NB; h++) a[r][h] = _mm512_loadu_ps(acc + r * (size_t)D + 16 * h);
@@ -105,8 +108,8 @@ static ALWAYS_INLINE void accum_i8_tile(const float *w, const float *corr, uint3
             const uint8_t *ct = c + j * bsz + t * vrb;
             if (q4) {
                 const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)ct));
-                x[2 * j] = _mm512_cvtepi32_ps(_mm512_and_si512(z, _mm512_set1_epi32(15)));
-                x[2 * j + 1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(z, 4));
+                x[2 * j] = _mm512_permutexvar_ps(z, q4v);
+                x[2 * j + 1] = _mm512_permutexvar_ps(_mm512_srli_epi32(z, 4), q4v);
             } else {
                 x[2 * j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)ct)));
                 x[2 * j + 1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ct + 16))));
@@ -120,29 +123,7 @@ static ALWAYS_INLINE void accum_i8_tile(const float *w, const float *corr, uint3
             }
     }
     for (uint32_t r = 0; r < NR; r++)
-        for (uint32_t h = 0; h < 2 * NB; h++) {
-            __m512 o = a[r][h];
-            if (q4) o = _mm512_sub_ps(o, _mm512_set1_ps(corr[(h / 2) * 4 + r]));
-            _mm512_storeu_ps(acc + r * (size_t)D + 16 * h, o);
-        }
-}
-
-/* Lane i: the sum of v[i]'s 16 lanes (a transpose by unpacks and 128-bit shuffles, adding as it
- * goes: 8 + 4 pairs within 128-bit lanes, then the lanes 2 + 1 pairs at a time). */
-static ALWAYS_INLINE __m512 hsum16x16(const __m512 v[16]) {
-    __m512 a[8], b[4];
-    for (int k = 0; k < 8; k++)
-        a[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; k++) {
-        const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
-        b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    } /* b[k], 128-bit lane L: the sums over lane L of v[4 k .. 4 k + 3] */
-    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+        for (uint32_t h = 0; h < 2 * NB; h++) _mm512_storeu_ps(acc + r * (size_t)D + 16 * h, a[r][h]);
 }
 
 /* NR rows, nk <= PKV__VKEYS keys of q8_0 / q4_0 V (D % 32 == 0): per pair of blocks, the keys'
@@ -153,7 +134,6 @@ static ALWAYS_INLINE void accum_i8_rows(const float *p, uint32_t ps, const uint3
     __m512 pr[4];
     load_p(p, ps, NR, nk, pr);
     float w[4 * 4 * PKV__VKEYS] __attribute__((aligned(64)));
-    float corr[4 * 4];
     /* the keys' block scales by one gather a block: 16-bit stores read back as one vector wait
      * for the stores to retire (a store-forwarding stall, 13% of the q8_0 accum's samples). The
      * weights of 4 blocks (2 tiles) are made before their tiles: with a pair's gathers right
@@ -165,28 +145,19 @@ static ALWAYS_INLINE void accum_i8_rows(const float *p, uint32_t ps, const uint3
     const uint32_t nb = D / 32;
     for (uint32_t b0 = 0; b0 < nb; b0 += 4) {
         const uint32_t n4 = PKV_MIN(4u, nb - b0);
-        const bool all16 = NR == 4 && n4 == 4; /* wv all made */
-        __m512 wv[16];
         for (uint32_t j = 0; j < n4; j++) {
             const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, ix, v + (b0 + j) * bsz, 1);
             const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-            for (uint32_t r = 0; r < NR; r++) {
-                const __m512 wr = _mm512_mul_ps(pr[r], d);
-                _mm512_store_ps(w + (j * 4 + r) * PKV__VKEYS, wr);
-                wv[j * 4 + r] = wr;
-                if (q4 && !all16) corr[j * 4 + r] = 8.0f * _mm512_reduce_add_ps(wr);
-            }
+            for (uint32_t r = 0; r < NR; r++) _mm512_store_ps(w + (j * 4 + r) * PKV__VKEYS, _mm512_mul_ps(pr[r], d));
         }
-        if (q4 && all16) /* the 16 sums at once: 45 ops, not 16 reductions of 8-10 */
-            _mm512_storeu_ps(corr, _mm512_mul_ps(hsum16x16(wv), _mm512_set1_ps(8.0f)));
         for (uint32_t j = 0; j < n4; j += 2) {
             const uint32_t b = b0 + j;
             const uint8_t *c = v + b * bsz + 2;
-            const float *wj = w + j * 4 * PKV__VKEYS, *cj = corr + j * 4;
+            const float *wj = w + j * 4 * PKV__VKEYS;
             if (n4 - j >= 2)
-                accum_i8_tile(wj, cj, nk, c, bsz, vrb, acc + 32 * b, D, NR, 2, q4);
+                accum_i8_tile(wj, nk, c, bsz, vrb, acc + 32 * b, D, NR, 2, q4);
             else
-                accum_i8_tile(wj, cj, nk, c, bsz, vrb, acc + 32 * b, D, NR, 1, q4);
+                accum_i8_tile(wj, nk, c, bsz, vrb, acc + 32 * b, D, NR, 1, q4);
         }
     }
 }
