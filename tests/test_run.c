@@ -302,10 +302,6 @@ static void test_cli_greedy_matches_oracle(void **state) {
     model_free(&m);
 }
 
-/* --spec-tree: greedy decoding with draft trees (pkv_attn_tree, pkv_seq_keep) prints the token ids
- * greedy decoding prints without them (which test_cli_greedy_matches_oracle checks against the
- * contiguous oracle), for narrow and wide trees, forks, blocks of 1, 3 and 16 tokens, and keeps
- * more than one position a pass on average (the drafts were taken). */
 /* Forks of a 40-token prompt (--batch 4 of one prompt) decode greedily with shared-prefix groups
  * of any whole block (PKV_ATTN_SHARE=16) and with none: the same token ids (the groups' sums are
  * in another order: a near-tie could flip, none does here), and stderr says how many positions
@@ -343,6 +339,10 @@ static void test_cli_shared_forks(void **state) {
     for (int k = 0; k < 2; k++) free(out[k]), free(err[k]);
 }
 
+/* --spec-tree: greedy decoding with draft trees (pkv_attn_tree, pkv_seq_keep) prints the token ids
+ * greedy decoding prints without them (which test_cli_greedy_matches_oracle checks against the
+ * contiguous oracle), for narrow and wide trees, forks, blocks of 1, 3 and 16 tokens, and keeps
+ * more than one position a pass on average (the drafts were taken). */
 static void test_cli_spec_tree(void **state) {
     (void)state;
     const char *path = shared_model("stories260K.bin");

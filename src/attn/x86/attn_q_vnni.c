@@ -101,15 +101,15 @@ void PKV__VNNI_FILL(pkv__attn_kernels *kt) {
 }
 
 /* ---- score over 16 keys transposed (pkv__attn_fill_q_vnni_wide) ---------------------------------
- * For cores with full-width 512-bit units (Intel; build_kernels takes it where
- * PKV_CPU_AVX512_HALVES is not set). The tiles above reduce each row's four 8-lane dot products
- * to the 4 keys' sums, 9 shuffles and adds per row and block: with 4 query rows a kv head that
- * reduction, done again for every row, is most of the score's work. Here 16 keys' codes of a
- * block are transposed once, shared by the rows: register g holds the 4-byte group g of every
- * key (lane j: key j), so one vpdpbusd with the query's group g broadcast adds 4 products to
- * each key's lane, and 8 of them leave each key's block sum in its own lane with nothing to
- * reduce. A row then costs 8 vpdpbusd, an add, a convert, a multiply (the scales) and an fma per
- * block for 16 keys.
+ * For cores with full-width 512-bit units (Intel, AMD Zen 5; build_kernels takes it where
+ * PKV_CPU_AVX512_HALVES is not set; measured on Intel only). The tiles above reduce each row's
+ * four 8-lane dot products to the 4 keys' sums, 9 shuffles and adds per row and block: with 4
+ * query rows a kv head that reduction, done again for every row, is most of the score's work.
+ * Here 16 keys' codes of a block are transposed once, shared by the rows: register g holds the
+ * 4-byte group g of every key (lane j: key j), so one vpdpbusd with the query's group g
+ * broadcast adds 4 products to each key's lane, and 8 of them leave each key's block sum in its
+ * own lane with nothing to reduce. A row then costs 8 vpdpbusd, an add, a convert, a multiply
+ * (the scales) and an fma per block for 16 keys.
  * The transpose (q8_0: 8 x 32 bytes per key pair and block, 3 shuffle stages; q4_0: 16 bytes
  * a key, 2 stages, the nibbles split after) is paid once per block and 16 keys.
  *
