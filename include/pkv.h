@@ -802,8 +802,9 @@ PKV_NODISCARD PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_
 PKV_NODISCARD PKV_API int pkv_attn_merge(uint32_t n_rows, uint32_t head_dim, const float *out_a, const float *lse_a,
                                          const float *out_b, const float *lse_b, float *out, float *lse);
 
-/* Which kernel family attention uses: "ref", "avx2", "avx512", "avx512-vnni" (avx512 with
- * the q8_0 / q4_0 score on VNNI), "neon", "neon-dotprod" (chosen
+/* Which kernel family attention uses: "ref", "avx2", "avx2-vnni" (avx2 with the q8_0 / q4_0
+ * score on AVX-VNNI: Intel cores without AVX-512 from Alder Lake and Sierra Forest on),
+ * "avx512", "avx512-vnni" (avx512 with the q8_0 / q4_0 score on VNNI), "neon", "neon-dotprod" (chosen
  * once at creation from CPU detection; PKV_FORCE_REF=1 in the environment forces "ref" (so does
  * any value but an empty one or "0", "false" and "off" included), and
  * PKV_ATTN_BACKEND=name picks one by name: pkv_cache_create fails with PKV_ENOTSUP when this

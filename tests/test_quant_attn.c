@@ -305,7 +305,7 @@ static double bound_dq(pkv_dtype kdt) {
     return kdt == PKV_DTYPE_Q8_0 || kdt == PKV_DTYPE_Q4_0 ? 1e-2 : 1e-9;
 }
 
-/* The SIMD backend a test compares with the reference: its state names it ("avx2",
+/* The SIMD backend a test compares with the reference: its state names it ("avx2", "avx2-vnni",
  * "avx512", the avx512-vnni ones (g_simd below) on x86, "neon" and "neon-dotprod" on ARM, one run each). Where the CPU lacks it: NULL (the reference
  * alone is checked against the oracle), or, for an extra backend, the test is skipped. */
 typedef struct {
@@ -456,18 +456,20 @@ static void test_exact_inputs(void **state) {
 }
 
 #if defined(__x86_64__) || defined(__i386__)
-/* avx512: the AVX-2 kernels with attn_q_avx512.c's over them (fp8); skipped without AVX-512.
+/* avx2-vnni: the AVX2 kernels with attn_q_vnni.c's 4-key score over them, on AVX-VNNI (VEX);
+ * skipped without it (or where the compiler had no -mavxvnni).
+ * avx512: the AVX-2 kernels with attn_q_avx512.c's over them (fp8); skipped without AVX-512.
  * avx512-vnni: that with attn_q_vnni.c's q8_0 / q4_0 score as this CPU gets it; -256 and -wide
  * each of its two scores (create_backend); skipped without AVX-512 VNNI. The -emu ones: the same
  * kernels built for AVX2 (skipped where CMake did not link them). */
-static simd_case g_simd[] = {{"avx2", false},           {"avx512", true},          {"avx512-vnni", true},
-                             {"avx512-vnni-256", true}, {"avx512-vnni-wide", true}, {"avx512-vnni-emu", true},
-                             {"avx512-vnni-wide-emu", true}};
+static simd_case g_simd[] = {{"avx2", false},           {"avx2-vnni", true},        {"avx512", true},
+                             {"avx512-vnni", true},     {"avx512-vnni-256", true}, {"avx512-vnni-wide", true},
+                             {"avx512-vnni-emu", true}, {"avx512-vnni-wide-emu", true}};
 #define PER_SIMD(fn)                                                                                               \
     cmocka_unit_test_prestate(fn, &g_simd[0]), cmocka_unit_test_prestate(fn, &g_simd[1]),                          \
         cmocka_unit_test_prestate(fn, &g_simd[2]), cmocka_unit_test_prestate(fn, &g_simd[3]),                      \
         cmocka_unit_test_prestate(fn, &g_simd[4]), cmocka_unit_test_prestate(fn, &g_simd[5]),                      \
-        cmocka_unit_test_prestate(fn, &g_simd[6])
+        cmocka_unit_test_prestate(fn, &g_simd[6]), cmocka_unit_test_prestate(fn, &g_simd[7])
 #elif defined(__aarch64__)
 static simd_case g_simd[] = {{"neon", false}, {"neon-dotprod", true}};
 #define PER_SIMD(fn) cmocka_unit_test_prestate(fn, &g_simd[0]), cmocka_unit_test_prestate(fn, &g_simd[1])

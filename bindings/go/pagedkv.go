@@ -643,7 +643,7 @@ func (c *Cache) Config() Config {
 	return c.cfg
 }
 
-// Backend is the attention kernel family in use ("ref", "avx2", "avx512", "avx512-vnni", ...).
+// Backend is the attention kernel family in use ("ref", "avx2", "avx2-vnni", "avx512", "avx512-vnni", ...).
 func (c *Cache) Backend() string {
 	p, g, err := c.enter(readSeqs)
 	if err != nil {

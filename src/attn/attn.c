@@ -218,11 +218,20 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
     if (!strcmp(want, "ref")) return PKV_OK;
 #if defined(__x86_64__) || defined(__i386__)
     const uint32_t f = pkv__cpu_features();
-    if (!strcmp(want, "avx2")) {
+    const bool avxvnni = !strcmp(want, "avx2-vnni");
+    if (avxvnni || !strcmp(want, "avx2")) {
         if (!have_avx2(f)) return PKV_ENOTSUP;
+#ifdef PKV_HAVE_AVXVNNI
+        if (avxvnni && !(f & PKV_CPU_AVXVNNI)) return PKV_ENOTSUP;
+#else
+        if (avxvnni) return PKV_ENOTSUP; /* the compiler had no -mavxvnni */
+#endif
         pkv__attn_fill_avx2(kt);
         /* quantized-dtype fillers for AVX2 go here */
         pkv__attn_fill_q_avx2(kt);
+#ifdef PKV_HAVE_AVXVNNI
+        if (avxvnni) pkv__attn_fill_q_avxvnni(kt);
+#endif
         return PKV_OK;
     }
     const bool vnni = !strcmp(want, "avx512-vnni");
@@ -264,6 +273,9 @@ static const char *auto_backend(void) {
 #if defined(__x86_64__) || defined(__i386__)
     const uint32_t f = pkv__cpu_features();
     if (have_avx512(f)) return f & PKV_CPU_AVX512VNNI ? "avx512-vnni" : "avx512";
+#ifdef PKV_HAVE_AVXVNNI
+    if (have_avx2(f) && (f & PKV_CPU_AVXVNNI)) return "avx2-vnni";
+#endif
     if (have_avx2(f)) return "avx2";
 #elif defined(__aarch64__)
     return pkv__cpu_features() & PKV_CPU_ASIMDDP ? "neon-dotprod" : "neon";

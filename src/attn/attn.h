@@ -77,7 +77,7 @@ typedef struct pkv__attn pkv__attn; /* thread pool, scratch, chosen backend */
 /* n_threads: workers including the caller (0 = all cpus). Allocates through a. Picks the
  * backend once from pkv__cpu_features() (PKV_FORCE_REF=1 forces "ref"). */
 int pkv__attn_create(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim, pkv__attn **out);
-/* Same with a named backend ("ref", "avx2", "avx512", "avx512-vnni", "neon", "neon-dotprod"; NULL =
+/* Same with a named backend ("ref", "avx2", "avx2-vnni", "avx512", "avx512-vnni", "neon", "neon-dotprod"; NULL =
  * automatic): tests use it to compare every SIMD path with the reference. PKV_ENOTSUP if this
  * CPU or build lacks it. */
 int pkv__attn_create_backend(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim,
@@ -547,6 +547,8 @@ void pkv__attn_fill_q_avx512_wide(pkv__attn_kernels *kt);
 void pkv__attn_fill_q_vnni(pkv__attn_kernels *kt);   /* x86/attn_q_vnni.c: q8_0, q4_0 prep and score (VNNI) */
 /* x86/attn_q_vnni.c: the same over 16 keys transposed, for full-width 512-bit units (not Zen 4) */
 void pkv__attn_fill_q_vnni_wide(pkv__attn_kernels *kt);
+/* x86/attn_q_avxvnni.c: the 4-key VNNI score with AVX-VNNI (VEX), over the avx2 table */
+void pkv__attn_fill_q_avxvnni(pkv__attn_kernels *kt);
 void pkv__attn_fill_q_neon(pkv__attn_kernels *kt);  /* arm/attn_q_neon.c: q8_0, q4_0, fp8_e4m3 */
 void pkv__attn_fill_q_dotprod(pkv__attn_kernels *kt); /* arm/attn_q_dotprod.c: q8_0, q4_0 score (SDOT) */
 /* arm/attn_bf16dot.c: the lp_fill of NEON where the CPU has bf16 (BFDOT): bf16 prep_q, score, accum */

@@ -133,7 +133,6 @@ static void detect_cpu(void) {
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
     if (__builtin_cpu_supports("avx512bf16")) f |= PKV_CPU_AVX512BF16;
     if (__builtin_cpu_supports("avx512fp16")) f |= PKV_CPU_AVX512FP16;
-    if (__builtin_cpu_supports("avxvnni")) f |= PKV_CPU_AVXVNNI;
 #endif
     /* F16C: CPUID.1:ECX bit 29. The family from EAX: base (bits 8-11), plus the extended family
      * (bits 20-27) where base is 0xF; read here for both AMD families the kernels tune for, as
@@ -145,6 +144,17 @@ static void detect_cpu(void) {
         if (c & (1u << 29)) f |= PKV_CPU_F16C;
         family = (a >> 8) & 0xFu;
         if (family == 0xFu) family += (a >> 20) & 0xFFu;
+    }
+    {
+        /* AVX-VNNI: CPUID.(7, 1):EAX bit 4 (read here: __builtin_cpu_supports has no name for it
+         * in clang 14); only with AVX2, whose check above includes the OS's YMM state */
+        uint32_t a = 0, b, c, d;
+        __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(0));
+        if (a >= 7 && (f & PKV_CPU_AVX2)) {
+            a = 7;
+            __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(1));
+            if (a & (1u << 4)) f |= PKV_CPU_AVXVNNI;
+        }
     }
     if (__builtin_cpu_is("amd")) {
         if (family == 0x19u) f |= PKV_CPU_AVX512_HALVES | PKV_CPU_VICTIM_L3; /* Zen 3 and 4 */

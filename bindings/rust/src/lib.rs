@@ -850,7 +850,7 @@ impl Cache {
         &self.cfg
     }
 
-    /// The attention kernel family in use ("ref", "avx2", "avx512", "avx512-vnni", "neon", ...).
+    /// The attention kernel family in use ("ref", "avx2", "avx2-vnni", "avx512", "avx512-vnni", "neon", ...).
     pub fn backend(&self) -> &'static str {
         cstr(unsafe { ffi::pkv_attn_backend(self.p()) })
     }

@@ -1,5 +1,7 @@
-/* attn_q_vnni.c: the q8_0 and q4_0 score (q.K) with AVX-512 VNNI's vpdpbusd, the backend
- * "avx512-vnni" (the avx512 table with these entries over it). Same integers as attn_q_ref.c:
+/* attn_q_vnni.c: the q8_0 and q4_0 score (q.K) with VNNI's vpdpbusd, the backend "avx512-vnni"
+ * (the avx512 table with these entries over it) and, compiled again by attn_q_avxvnni.c with the
+ * VEX encoding of AVX-VNNI (PKV_AVXVNNI: its 256-bit 4-key tiles only), the backend "avx2-vnni"
+ * (the avx2 table with them over it). Same integers as attn_q_ref.c:
  * each 32-value block's dot product of the int8 query and the K codes is exact, then scaled by
  * dq * dk in f32, as in the AVX2 file.
  *
@@ -19,11 +21,18 @@
 #define PKV__VNNI_FILL pkv__attn_fill_q_vnni_emu
 #define PKV__VNNI_FILL_WIDE pkv__attn_fill_q_vnni_wide_emu
 #define PKV__VNNI_NAME "avx512-vnni-emu"
+#define DPBUSD256 _mm256_dpbusd_epi32
+#elif defined(PKV_AVXVNNI) /* attn_q_avxvnni.c: AVX2 + AVX-VNNI (VEX), no AVX-512 */
+#include <immintrin.h>
+#define PKV__VNNI_FILL pkv__attn_fill_q_avxvnni
+#define PKV__VNNI_NAME "avx2-vnni"
+#define DPBUSD256 _mm256_dpbusd_avx_epi32
 #else
 #include <immintrin.h>
 #define PKV__VNNI_FILL pkv__attn_fill_q_vnni
 #define PKV__VNNI_FILL_WIDE pkv__attn_fill_q_vnni_wide
 #define PKV__VNNI_NAME "avx512-vnni"
+#define DPBUSD256 _mm256_dpbusd_epi32
 #endif
 #include "i8_x86.h"
 
@@ -72,8 +81,8 @@ static ALWAYS_INLINE __m256i vnni_codes(const uint8_t *p, const bool q4) {
 static ALWAYS_INLINE __m256i vnni_sums(const __m256i kv[4], const uint8_t *row, uint32_t b, uint32_t D) {
     const __m256i qv = _mm256_loadu_si256((const __m256i *)(row + 32 * b));
     const __m256i c = _mm256_loadu_si256((const __m256i *)(row + D + 32 * b));
-    return pkv__sum4x4_epi32(_mm256_dpbusd_epi32(c, kv[0], qv), _mm256_dpbusd_epi32(c, kv[1], qv),
-                             _mm256_dpbusd_epi32(c, kv[2], qv), _mm256_dpbusd_epi32(c, kv[3], qv));
+    return pkv__sum4x4_epi32(DPBUSD256(c, kv[0], qv), DPBUSD256(c, kv[1], qv), DPBUSD256(c, kv[2], qv),
+                             DPBUSD256(c, kv[3], qv));
 }
 
 static ALWAYS_INLINE void score_vnni_tile(const uint8_t *qp, size_t qrow, uint32_t D, const uint32_t NR,
@@ -100,6 +109,7 @@ void PKV__VNNI_FILL(pkv__attn_kernels *kt) {
     kt->score[PKV_DTYPE_Q4_0] = score_q4_0;
 }
 
+#ifndef PKV_AVXVNNI /* the rest is AVX-512 */
 /* ---- score over 16 keys transposed (pkv__attn_fill_q_vnni_wide) ---------------------------------
  * For cores with full-width 512-bit units (Intel, AMD Zen 5; build_kernels takes it where
  * PKV_CPU_AVX512_HALVES is not set; measured on Intel only). The tiles above reduce each row's
@@ -324,3 +334,4 @@ void PKV__VNNI_FILL_WIDE(pkv__attn_kernels *kt) {
     kt->score[PKV_DTYPE_Q8_0] = score_t16_q8_0;
     kt->score[PKV_DTYPE_Q4_0] = score_t16_q4_0;
 }
+#endif
