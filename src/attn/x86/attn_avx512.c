@@ -22,6 +22,7 @@
 #define PKV__AVX512_FILL pkv__attn_fill_avx512
 #define PKV__AVX512_NAME "avx512"
 #endif
+#include "fp8_x86.h" /* fp8 e4m3 rows widened for the transposed primitives */
 
 static inline __m512 ld_f32(const void *p) { return _mm512_loadu_ps(p); }
 static inline __m512 ld_f16(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
@@ -443,6 +444,7 @@ static inline __m512 exp16_scalef(__m512 x) {
 #define vf_ne_bits(a, b) ((uint32_t)_mm512_cmp_ps_mask(a, b, _CMP_NEQ_UQ))
 #define TP_NK 8 /* 16 accumulators, 2 qt vectors, a broadcast: of 32 registers */
 #define TP_WIDEN_LD(T, row, d, D) LDK_##T(row, d, (D) & ~31u) /* bf16: even-odd groups, as prep_q and acc */
+#define TP_E4M3_LD(p) _mm512_cvtph_ps(pkv__e4m3_f16x16(p))
 #include "tpath_x86.h"
 
 /* bf16 queries, scaled, in even-odd order (attn.h): each full group of 32 by two two-source

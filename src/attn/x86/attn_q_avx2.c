@@ -132,10 +132,7 @@ PKV__ATTN_DEF_I8_SCORE_WALK(CALL_I8)
 
 /* ---- fp8 e4m3 ---------------------------------------------------------------------------------
  * Codes decode to f16 (fp8_x86.h, pkv__e4m3_f16x16), widened by F16C. */
-static ALWAYS_INLINE __m256 e4m3x8(const uint8_t *p) {
-    const __m128i w = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7);
-    return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xbf80)));
-}
+static ALWAYS_INLINE __m256 e4m3x8(const uint8_t *p) { return pkv__e4m3_f32x8(p); }
 
 /* 16 dims of one key for NR rows: a[r][0] += q_r[d..d+8) * k[d..d+8), a[r][1] the next 8 */
 static ALWAYS_INLINE void fp8_dot16(const float *const q[4], const uint32_t NR, const uint8_t *e, uint32_t d,

@@ -19,6 +19,12 @@ static inline __attribute__((always_inline)) __m256i pkv__e4m3_f16x16(const uint
     return _mm256_and_si256(w, _mm256_set1_epi16((short)0xbf80));
 }
 
+/* 8 codes -> 8 floats equal to e4m3(b) * 2^-8 (the same decode, 8 at a time) */
+static inline __attribute__((always_inline)) __m256 pkv__e4m3_f32x8(const uint8_t *p) {
+    const __m128i w = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7);
+    return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xbf80)));
+}
+
 /* The V columns [d, D) the vector tiles left (head_dim not a multiple of their width), scalar:
  * acc[r][c] += w[r][t] * e4m3(code) for nk keys of codes at e + t * vrb; w carries the 2^8 the
  * vector decode takes off, so w / 256 is exactly p times the row scale. */

@@ -3,7 +3,8 @@
  * rows (prefill). The row path's score tiles end on trees of shuffles and adds (45 for 128 FMAs
  * in AVX-512's 4 x 4 tile at head_dim 128), which take one of the two FMA pipes of an Intel
  * core, and widen each 16-bit K vector for 4 rows only. Here a block's 16-bit K and V rows are
- * widened to f32 once (kbuf, vbuf: PKV__ATTN_T_KEYS rows at a time), score is an outer product
+ * widened to f32 once (kbuf, vbuf: PKV__ATTN_T_KEYS rows at a time; fp8 e4m3 rows too, each
+ * code's value times its row's scale), score is an outer product
  * (a K value broadcast against VF_N rows of qt, tiles of TP_NK keys x 2 vectors of rows, no sums
  * across lanes), softmax works on VF_N rows a vector down the keys, and accum is the row path's
  * tile over the widened rows with the weights read down a key's row of scores.
@@ -16,6 +17,7 @@
  *                             vectors, with a broadcast, fit the registers;
  *   TP_WIDEN_LD(T, row, d, D) the VF_N values of a K or V row of dtype T from column d, in
  *                             the order prep_q and acc use (d a multiple of VF_N under D);
+ *   TP_E4M3_LD(p)             the values of VF_N fp8 e4m3 codes at p times 2^-8 (fp8_x86.h);
  *   accum_rows_pts_f32(p, ps, pts, R, v, vrb, n_keys, D, acc, pf)  the row path's accum over f32
  *                             rows with the weights at p[r * ps + t * pts], and
  *                             PKV__ATTN_ACCUM_TILES(D), its prefetch steps per key;
@@ -39,6 +41,28 @@
     }
 TP_DEF_WIDEN(f16)
 TP_DEF_WIDEN(bf16)
+
+/* The same for fp8 e4m3 rows (an f32 scale, then head_dim codes): each code's value times the
+ * row's scale, as pkv__row_decode gives them. TP_E4M3_LD's values carry 2^-8 and the scale times
+ * 2^8 takes it off: both exact, so each product is the same rounding of the same real number.
+ * The prepared query is plain f32 (prep_q of attn_q_avx2.c), so score_t over these rows is the
+ * f32 outer product; the row path's fp8 score applies the scale after the sum instead (the two
+ * differ by rounding only). */
+static inline __attribute__((always_inline)) void widen_rows_fp8(const uint8_t *src, size_t rb, uint32_t n, uint32_t D,
+                                                                float *dst, pkv__attn_pf *pf) {
+    const uint32_t DV = D & ~(uint32_t)(VF_N - 1);
+    for (uint32_t t = 0; t < n; t++) {
+        const uint8_t *row = src + t * rb, *e = row + PKV_FP8_ROW_HEADER;
+        float sk;
+        memcpy(&sk, row, sizeof sk);
+        const vf sv = vf_set1(sk * 256.0f);
+        float *o = dst + (size_t)t * D;
+        uint32_t d = 0;
+        for (; d < DV; d += VF_N) vf_store(o + d, vf_mul(TP_E4M3_LD(e + d), sv));
+        for (; d < D; d++) o[d] = pkv__e4m3_to_f32(e[d]) * sk;
+        pkv__attn_pf_step(pf);
+    }
+}
 
 /* Keys t < NK (<= TP_NK) of f32 rows k (stride ks floats) against NV (1 or 2) vectors of VF_N
  * rows of qt (columns from qt): s[t * rp + r] for those rows. */
@@ -114,6 +138,7 @@ static void score_t_f32(const float *qt, uint32_t rp, const uint8_t *k, size_t k
     }
 TP_DEF_SCORE_T16(f16)
 TP_DEF_SCORE_T16(bf16)
+TP_DEF_SCORE_T16(fp8)
 
 /* softmax's step (attn.h) on VF_N rows a vector, each lane a row, down the keys s[t * rp + r].
  * The lazy rescale is taken lane by lane: a row keeps its max where it is finite and no score of
@@ -220,6 +245,7 @@ static void accum_t_f32(const float *p, uint32_t rp, uint32_t n_rows, const uint
     }
 TP_DEF_ACCUM_T16(f16)
 TP_DEF_ACCUM_T16(bf16)
+TP_DEF_ACCUM_T16(fp8)
 
 static void tpath_fill(pkv__attn_kernels *kt) {
     kt->score_t[PKV_DTYPE_F32] = score_t_f32;
@@ -228,5 +254,7 @@ static void tpath_fill(pkv__attn_kernels *kt) {
     kt->accum_t[PKV_DTYPE_F32] = accum_t_f32;
     kt->accum_t[PKV_DTYPE_F16] = accum_t_f16;
     kt->accum_t[PKV_DTYPE_BF16] = accum_t_bf16;
+    kt->score_t[PKV_DTYPE_FP8_E4M3] = score_t_fp8;
+    kt->accum_t[PKV_DTYPE_FP8_E4M3] = accum_t_fp8;
     kt->softmax_t = softmax_t;
 }
