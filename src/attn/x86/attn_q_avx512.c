@@ -32,6 +32,7 @@
 #define PKV__Q512_FILL pkv__attn_fill_q_avx512
 #endif
 #include "avx2_reduce.h"
+#include "avx512_reduce.h"
 #include "fp8_x86.h"
 
 #include <stdbool.h>
@@ -251,10 +252,45 @@ static ALWAYS_INLINE void score_fp8_key(const float *const q[4], const uint32_t 
     }
 }
 
-/* Keys in groups of 4 between prefetch shares. */
+/* 4 rows x 4 keys (D a multiple of 16): each K vector decoded once for the 4 rows, and the 16
+ * dot products reduced together by one transpose-add tree (HSUM4X4: 45 ops for the 16, where the
+ * one-key path above takes about 18 a key), then the 4 keys' scales by one multiply. Measured
+ * alone in L2 (4 rows, head_dim 128): 0.82-0.93 of the one-key path's time. */
+static ALWAYS_INLINE void score_fp8_tile4(const float *const q[4], const uint8_t *k, size_t krb, uint32_t D, float *s,
+                                          uint32_t ss) {
+    __m512 acc[4][4];
+    for (uint32_t r = 0; r < 4; r++)
+        for (uint32_t j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    for (uint32_t d = 0; d < D; d += 16) {
+        __m512 kk[4];
+        for (uint32_t j = 0; j < 4; j++) kk[j] = e4m3x16(k + j * krb + PKV_FP8_ROW_HEADER + d);
+        for (uint32_t r = 0; r < 4; r++) {
+            const __m512 x = _mm512_loadu_ps(q[r] + d);
+            for (uint32_t j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(x, kk[j], acc[r][j]);
+        }
+    }
+    float sk[4];
+    for (uint32_t j = 0; j < 4; j++) memcpy(&sk[j], k + j * krb, 4);
+    /* times 256, exact: undoes the decode's 2^-8 */
+    const __m512 h =
+        _mm512_mul_ps(HSUM4X4(acc), _mm512_broadcast_f32x4(_mm_mul_ps(_mm_loadu_ps(sk), _mm_set1_ps(256.0f))));
+    _mm_storeu_ps(s, _mm512_castps512_ps128(h));
+    _mm_storeu_ps(s + ss, _mm512_extractf32x4_ps(h, 1));
+    _mm_storeu_ps(s + 2 * ss, _mm512_extractf32x4_ps(h, 2));
+    _mm_storeu_ps(s + 3 * ss, _mm512_extractf32x4_ps(h, 3));
+}
+
+/* Keys in groups of 4 between prefetch shares: 4 rows and D a multiple of 16 by the tile above,
+ * the rest (and other shapes) a key at a time. */
 static ALWAYS_INLINE void score_fp8_rows(const float *const q[4], const uint32_t NR, const uint8_t *k, size_t krb,
                                          uint32_t n_keys, uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {
-    for (uint32_t t = 0; t < n_keys; t++) {
+    uint32_t t0 = 0;
+    if (NR == 4 && D % 16 == 0)
+        for (; t0 + 4 <= n_keys; t0 += 4) {
+            score_fp8_tile4(q, k + t0 * krb, krb, D, s + t0, ss);
+            pkv__attn_pf_step(pf);
+        }
+    for (uint32_t t = t0; t < n_keys; t++) {
         score_fp8_key(q, NR, k + t * krb, D, s + t, ss);
         if (t % 4 == 3 || t + 1 == n_keys) pkv__attn_pf_step(pf);
     }
