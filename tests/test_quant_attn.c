@@ -213,9 +213,11 @@ static int run_world(const world *w, const char *be, uint32_t n_threads, int pre
 /* One random case: returns the errors of backend `be` (and of "ref"). */
 static void run_case(pkv_dtype kdt, pkv_dtype vdt, uint32_t D, int prefill, float qmul, float outl, const char *be,
                      errs *e_ref, errs *e_be, uint32_t n_threads) {
-    static const uint32_t Hs[] = {1, 2, 4}, Gs[] = {1, 2, 4, 8}, Bs[] = {1, 5, 16, 32};
+    /* G 16: a decode's unit of 16 rows a kv head takes the transposed primitives where both
+     * dtypes have them (fp8, f16, bf16), as prefill's do */
+    static const uint32_t Hs[] = {1, 2, 4}, Gs[] = {1, 2, 4, 8, 16}, Bs[] = {1, 5, 16, 32};
     world w;
-    uint32_t H = Hs[rng_below(3)], G = Gs[rng_below(4)], B = Bs[rng_below(4)];
+    uint32_t H = Hs[rng_below(3)], G = Gs[rng_below(5)], B = Bs[rng_below(4)];
     world_init(&w, H, G, D, B, 1 + rng_below(4), 1 + rng_below(300), kdt, vdt, outl);
     const uint32_t nqh = H * G;
     uint32_t *q_off = calloc(w.n_seqs, 4), *nq_of = calloc(w.n_seqs, 4), total = 0;
@@ -382,6 +384,10 @@ static void test_mixed_kv(void **state) {
     check_pair(be, PKV_DTYPE_FP8_E4M3, PKV_DTYPE_Q8_0, 8);
     check_pair(be, PKV_DTYPE_Q8_0, PKV_DTYPE_FP8_E4M3, 8);
     check_pair(be, PKV_DTYPE_BF16, PKV_DTYPE_FP8_E4M3, 8);
+    /* fp8 K's transposed score beside the 16-bit dtypes' accum (bf16: acc in even-odd order on
+     * AVX-512, the fp8 query in natural order) */
+    check_pair(be, PKV_DTYPE_FP8_E4M3, PKV_DTYPE_BF16, 8);
+    check_pair(be, PKV_DTYPE_FP8_E4M3, PKV_DTYPE_F16, 8);
 }
 
 /* head_dim beyond one SIMD K tile pass (1024 values: the AVX2 score kernels then run in

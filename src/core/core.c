@@ -147,13 +147,18 @@ static void detect_cpu(void) {
     }
     {
         /* AVX-VNNI: CPUID.(7, 1):EAX bit 4 (read here: __builtin_cpu_supports has no name for it
-         * in clang 14); only with AVX2, whose check above includes the OS's YMM state */
+         * in clang 14), where leaf 7 exists and has subleaf 1 (CPUID.(7, 0):EAX, the last
+         * subleaf); only with AVX2, whose check above includes the OS's YMM state */
         uint32_t a = 0, b, c, d;
         __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(0));
         if (a >= 7 && (f & PKV_CPU_AVX2)) {
             a = 7;
-            __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(1));
-            if (a & (1u << 4)) f |= PKV_CPU_AVXVNNI;
+            __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(0));
+            if (a >= 1) {
+                a = 7;
+                __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(1));
+                if (a & (1u << 4)) f |= PKV_CPU_AVXVNNI;
+            }
         }
     }
     if (__builtin_cpu_is("amd")) {

@@ -1,5 +1,6 @@
-/* fp8_x86.h: the fp8 e4m3 pieces shared by the x86 quantized attention files (attn_q_avx2.c,
- * attn_q_avx512.c; include only from files compiled with -mavx2 -mf16c). */
+/* fp8_x86.h: the fp8 e4m3 pieces shared by the x86 attention files (attn_q_avx2.c,
+ * attn_q_avx512.c, and attn_avx2.c / attn_avx512.c for the transposed primitives' widening;
+ * include only from files compiled with -mavx2 -mf16c). */
 #ifndef PKV_ATTN_FP8_X86_H
 #define PKV_ATTN_FP8_X86_H
 

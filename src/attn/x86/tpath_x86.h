@@ -42,24 +42,36 @@
 TP_DEF_WIDEN(f16)
 TP_DEF_WIDEN(bf16)
 
-/* The same for fp8 e4m3 rows (an f32 scale, then head_dim codes): each code's value times the
- * row's scale, as pkv__row_decode gives them. TP_E4M3_LD's values carry 2^-8 and the scale times
- * 2^8 takes it off: both exact, so each product is the same rounding of the same real number.
- * The prepared query is plain f32 (prep_q of attn_q_avx2.c), so score_t over these rows is the
- * f32 outer product; the row path's fp8 score applies the scale after the sum instead (the two
- * differ by rounding only). */
+/* The same for fp8 e4m3 rows (an f32 scale, then head_dim codes). V (widen_rows_fp8): each
+ * code's value times the row's scale, as pkv__row_decode gives them; TP_E4M3_LD's values carry
+ * 2^-8 and the scale times 2^8 takes it off, both exact, so each product is the same rounding of
+ * the same real number. K (widen_rows_fp8_codes): the codes' values times 2^-8 alone, exact, and
+ * score_t_fp8 multiplies each key's scores by its scale times 2^8 after the sums, as the row
+ * path and attn_q_ref.c do: with the scale folded into K instead, a test case of outliers (one
+ * value in 1000 times 20) differed from the reference by 2.0e-4 of the output's rms, against at
+ * most 7e-5 for the row path. The prepared query is plain f32 (prep_q of attn_q_avx2.c). */
+static inline __attribute__((always_inline)) void widen_fp8_row(const uint8_t *row, uint32_t D, float *o, float mul,
+                                                               const bool scaled) {
+    const uint8_t *e = row + PKV_FP8_ROW_HEADER;
+    float sk = 1.0f / 256.0f;
+    if (scaled) memcpy(&sk, row, sizeof sk);
+    const uint32_t DV = D & ~(uint32_t)(VF_N - 1);
+    const vf sv = vf_set1(sk * 256.0f * mul);
+    uint32_t d = 0;
+    for (; d < DV; d += VF_N) vf_store(o + d, scaled ? vf_mul(TP_E4M3_LD(e + d), sv) : TP_E4M3_LD(e + d));
+    for (; d < D; d++) o[d] = pkv__e4m3_to_f32(e[d]) * sk;
+}
 static inline __attribute__((always_inline)) void widen_rows_fp8(const uint8_t *src, size_t rb, uint32_t n, uint32_t D,
                                                                 float *dst, pkv__attn_pf *pf) {
-    const uint32_t DV = D & ~(uint32_t)(VF_N - 1);
     for (uint32_t t = 0; t < n; t++) {
-        const uint8_t *row = src + t * rb, *e = row + PKV_FP8_ROW_HEADER;
-        float sk;
-        memcpy(&sk, row, sizeof sk);
-        const vf sv = vf_set1(sk * 256.0f);
-        float *o = dst + (size_t)t * D;
-        uint32_t d = 0;
-        for (; d < DV; d += VF_N) vf_store(o + d, vf_mul(TP_E4M3_LD(e + d), sv));
-        for (; d < D; d++) o[d] = pkv__e4m3_to_f32(e[d]) * sk;
+        widen_fp8_row(src + t * rb, D, dst + (size_t)t * D, 1.0f, true);
+        pkv__attn_pf_step(pf);
+    }
+}
+static inline __attribute__((always_inline)) void widen_rows_fp8_codes(const uint8_t *src, size_t rb, uint32_t n,
+                                                                      uint32_t D, float *dst, pkv__attn_pf *pf) {
+    for (uint32_t t = 0; t < n; t++) {
+        widen_fp8_row(src + t * rb, D, dst + (size_t)t * D, 1.0f, false);
         pkv__attn_pf_step(pf);
     }
 }
@@ -138,7 +150,25 @@ static void score_t_f32(const float *qt, uint32_t rp, const uint8_t *k, size_t k
     }
 TP_DEF_SCORE_T16(f16)
 TP_DEF_SCORE_T16(bf16)
-TP_DEF_SCORE_T16(fp8)
+/* fp8 K: the scores of the codes' values (times 2^-8), then each key's row of scores times its
+ * scale times 2^8 (the rp lanes, a multiple of 16, pad rows included) */
+static void score_t_fp8(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                        float *s, float *kbuf, pkv__attn_pf *pf) {
+    pkv__attn_pf_start(pf, n_keys);
+    for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* kbuf holds PKV__ATTN_T_KEYS rows */
+        const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);
+        widen_rows_fp8_codes(k + t * krb, krb, nk, D, kbuf, pf);
+        float *st = s + (size_t)t * rp;
+        score_t_rows(qt, rp, kbuf, D, nk, D, st, NULL);
+        for (uint32_t j = 0; j < nk; j++) {
+            float sk;
+            memcpy(&sk, k + (t + j) * krb, sizeof sk);
+            const vf sv = vf_set1(sk * 256.0f);
+            for (uint32_t r = 0; r < rp; r += VF_N) vf_store(st + (size_t)j * rp + r, vf_mul(vf_load(st + (size_t)j * rp + r), sv));
+        }
+    }
+    pkv__attn_pf_finish(pf);
+}
 
 /* softmax's step (attn.h) on VF_N rows a vector, each lane a row, down the keys s[t * rp + r].
  * The lazy rescale is taken lane by lane: a row keeps its max where it is finite and no score of
