@@ -203,6 +203,15 @@ static bool have_avx2(uint32_t f) {
     const uint32_t need = PKV_CPU_AVX2 | PKV_CPU_FMA | PKV_CPU_F16C;
     return (f & need) == need;
 }
+/* AVX-VNNI, where this build has its kernels (CMake: PKV_HAVE_AVXVNNI) */
+static bool have_avxvnni(uint32_t f) {
+#ifdef PKV_HAVE_AVXVNNI
+    return have_avx2(f) && (f & PKV_CPU_AVXVNNI);
+#else
+    (void)f;
+    return false;
+#endif
+}
 static bool have_avx512(uint32_t f) {
     const uint32_t need = PKV_CPU_AVX512F | PKV_CPU_AVX512BW | PKV_CPU_AVX512VL | PKV_CPU_AVX512DQ;
     return (f & need) == need && have_avx2(f);
@@ -220,12 +229,7 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
     const uint32_t f = pkv__cpu_features();
     const bool avxvnni = !strcmp(want, "avx2-vnni");
     if (avxvnni || !strcmp(want, "avx2")) {
-        if (!have_avx2(f)) return PKV_ENOTSUP;
-#ifdef PKV_HAVE_AVXVNNI
-        if (avxvnni && !(f & PKV_CPU_AVXVNNI)) return PKV_ENOTSUP;
-#else
-        if (avxvnni) return PKV_ENOTSUP; /* the compiler had no -mavxvnni */
-#endif
+        if (!have_avx2(f) || (avxvnni && !have_avxvnni(f))) return PKV_ENOTSUP;
         pkv__attn_fill_avx2(kt);
         /* quantized-dtype fillers for AVX2 go here */
         pkv__attn_fill_q_avx2(kt);
@@ -273,9 +277,7 @@ static const char *auto_backend(void) {
 #if defined(__x86_64__) || defined(__i386__)
     const uint32_t f = pkv__cpu_features();
     if (have_avx512(f)) return f & PKV_CPU_AVX512VNNI ? "avx512-vnni" : "avx512";
-#ifdef PKV_HAVE_AVXVNNI
-    if (have_avx2(f) && (f & PKV_CPU_AVXVNNI)) return "avx2-vnni";
-#endif
+    if (have_avxvnni(f)) return "avx2-vnni";
     if (have_avx2(f)) return "avx2";
 #elif defined(__aarch64__)
     return pkv__cpu_features() & PKV_CPU_ASIMDDP ? "neon-dotprod" : "neon";

@@ -119,6 +119,13 @@ void pkv__log(pkv_log_fn log, void *ctx, int level, const char *fmt, ...) {
 static uint32_t g_cpu;
 static pthread_once_t g_cpu_once = PTHREAD_ONCE_INIT;
 
+#if defined(__x86_64__) || defined(__i386__)
+/* CPUID leaf, subleaf: r = eax, ebx, ecx, edx */
+static void cpuid(uint32_t leaf, uint32_t sub, uint32_t r[4]) {
+    __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(leaf), "c"(sub));
+}
+#endif
+
 static void detect_cpu(void) {
     uint32_t f = 0;
 #if defined(__x86_64__) || defined(__i386__)
@@ -137,28 +144,20 @@ static void detect_cpu(void) {
     /* F16C: CPUID.1:ECX bit 29. The family from EAX: base (bits 8-11), plus the extended family
      * (bits 20-27) where base is 0xF; read here for both AMD families the kernels tune for, as
      * GCC 12 and clang 14 know __builtin_cpu_is("amdfam19h") but not "amdfam1ah". */
-    uint32_t family;
-    {
-        uint32_t a = 1, b, c, d;
-        __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(0));
-        if (c & (1u << 29)) f |= PKV_CPU_F16C;
-        family = (a >> 8) & 0xFu;
-        if (family == 0xFu) family += (a >> 20) & 0xFFu;
-    }
-    {
-        /* AVX-VNNI: CPUID.(7, 1):EAX bit 4 (read here: __builtin_cpu_supports has no name for it
-         * in clang 14), where leaf 7 exists and has subleaf 1 (CPUID.(7, 0):EAX, the last
-         * subleaf); only with AVX2, whose check above includes the OS's YMM state */
-        uint32_t a = 0, b, c, d;
-        __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(0));
-        if (a >= 7 && (f & PKV_CPU_AVX2)) {
-            a = 7;
-            __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(0));
-            if (a >= 1) {
-                a = 7;
-                __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(1));
-                if (a & (1u << 4)) f |= PKV_CPU_AVXVNNI;
-            }
+    uint32_t r[4];
+    cpuid(1, 0, r);
+    if (r[2] & (1u << 29)) f |= PKV_CPU_F16C;
+    uint32_t family = (r[0] >> 8) & 0xFu;
+    if (family == 0xFu) family += (r[0] >> 20) & 0xFFu;
+    /* AVX-VNNI: CPUID.(7, 1):EAX bit 4 (read here: __builtin_cpu_supports has no name for it in
+     * clang 14), where leaf 7 exists (CPUID.0:EAX, the last leaf) and has subleaf 1 (CPUID.(7,
+     * 0):EAX, the last subleaf); only with AVX2, whose check above includes the OS's YMM state */
+    cpuid(0, 0, r);
+    if (r[0] >= 7 && (f & PKV_CPU_AVX2)) {
+        cpuid(7, 0, r);
+        if (r[0] >= 1) {
+            cpuid(7, 1, r);
+            if (r[0] & (1u << 4)) f |= PKV_CPU_AVXVNNI;
         }
     }
     if (__builtin_cpu_is("amd")) {

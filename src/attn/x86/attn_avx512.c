@@ -114,11 +114,7 @@ typedef uint16_t elem_bf16;
                     YSUM4X4_STORE(y, s, ss);                                                                    \
                     return;                                                                                     \
                 }                                                                                               \
-                const __m512 h = HSUM4X4(acc);                                                                  \
-                _mm_storeu_ps(s, _mm512_castps512_ps128(h));                                                    \
-                _mm_storeu_ps(s + ss, _mm512_extractf32x4_ps(h, 1));                                            \
-                _mm_storeu_ps(s + 2 * ss, _mm512_extractf32x4_ps(h, 2));                                        \
-                _mm_storeu_ps(s + 3 * ss, _mm512_extractf32x4_ps(h, 3));                                        \
+                hstore4x4(HSUM4X4(acc), s, ss);                                                                 \
             } else                                                                                              \
                 for (uint32_t r = 0; r < R; r++)                                                                \
                     _mm_storeu_ps(s + r * ss, hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));               \
@@ -286,12 +282,9 @@ DEF_SCORE(bf16)
 /* the tree's levels 2 to 4 over the 8 pair sums h[2 r], h[2 r + 1] of rows r, each row's 4 scores stored */
 #define RUN4_FINISH(h, st)                                                                                      \
     do {                                                                                                        \
-        const __m512 s_ = hlanes(hlanes(HQUAD(_mm512_add_ps, h[0], h[1]), HQUAD(_mm512_add_ps, h[2], h[3])),   \
-                                 hlanes(HQUAD(_mm512_add_ps, h[4], h[5]), HQUAD(_mm512_add_ps, h[6], h[7])));   \
-        _mm_storeu_ps(st, _mm512_castps512_ps128(s_));                                                          \
-        _mm_storeu_ps(st + ss, _mm512_extractf32x4_ps(s_, 1));                                                  \
-        _mm_storeu_ps(st + 2 * ss, _mm512_extractf32x4_ps(s_, 2));                                              \
-        _mm_storeu_ps(st + 3 * ss, _mm512_extractf32x4_ps(s_, 3));                                              \
+        hstore4x4(hlanes(hlanes(HQUAD(_mm512_add_ps, h[0], h[1]), HQUAD(_mm512_add_ps, h[2], h[3])),            \
+                         hlanes(HQUAD(_mm512_add_ps, h[4], h[5]), HQUAD(_mm512_add_ps, h[6], h[7]))),           \
+                  st, ss);                                                                                      \
     } while (0)
 /* Scores keys [0, t) of a 4-row group, t the largest multiple of 4 <= n_keys, and gives t (0, and
  * nothing done, where the shape is not one it takes: the driver's tiles do it). */

@@ -131,9 +131,7 @@ PKV__ATTN_DEF_I8_SCORE_WALK(CALL_I8)
 #undef CALL_I8
 
 /* ---- fp8 e4m3 ---------------------------------------------------------------------------------
- * Codes decode to f16 (fp8_x86.h, pkv__e4m3_f16x16), widened by F16C. */
-static ALWAYS_INLINE __m256 e4m3x8(const uint8_t *p) { return pkv__e4m3_f32x8(p); }
-
+ * Codes decode to f16 (fp8_x86.h, pkv__e4m3_f16x16 and pkv__e4m3_f32x8), widened by F16C. */
 /* 16 dims of one key for NR rows: a[r][0] += q_r[d..d+8) * k[d..d+8), a[r][1] the next 8 */
 static ALWAYS_INLINE void fp8_dot16(const float *const q[4], const uint32_t NR, const uint8_t *e, uint32_t d,
                                     __m256 a[4][2]) {
@@ -159,7 +157,7 @@ static ALWAYS_INLINE void score_fp8_key(const float *const q[4], const uint32_t 
     }
     if (d + 16 <= D) fp8_dot16(q, NR, e, d, a), d += 16;
     if (d + 8 <= D) {
-        const __m256 k0 = e4m3x8(e + d);
+        const __m256 k0 = pkv__e4m3_f32x8(e + d);
         for (uint32_t r = 0; r < NR; r++) a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), k0, a[r][0]);
         d += 8;
     }
@@ -320,7 +318,7 @@ static ALWAYS_INLINE void accum_fp8_tile(const float *w, uint32_t nk, const uint
     for (uint32_t t = 0; t < nk; t++) {
         __m256 x0, x1 = _mm256_setzero_ps();
         if (half) {
-            x0 = e4m3x8(src + t * vrb);
+            x0 = pkv__e4m3_f32x8(src + t * vrb);
         } else {
             const __m256i h = pkv__e4m3_f16x16(src + t * vrb);
             x0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), x1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));

@@ -272,12 +272,8 @@ static ALWAYS_INLINE void score_fp8_tile4(const float *const q[4], const uint8_t
     float sk[4];
     for (uint32_t j = 0; j < 4; j++) memcpy(&sk[j], k + j * krb, 4);
     /* times 256, exact: undoes the decode's 2^-8 */
-    const __m512 h =
-        _mm512_mul_ps(HSUM4X4(acc), _mm512_broadcast_f32x4(_mm_mul_ps(_mm_loadu_ps(sk), _mm_set1_ps(256.0f))));
-    _mm_storeu_ps(s, _mm512_castps512_ps128(h));
-    _mm_storeu_ps(s + ss, _mm512_extractf32x4_ps(h, 1));
-    _mm_storeu_ps(s + 2 * ss, _mm512_extractf32x4_ps(h, 2));
-    _mm_storeu_ps(s + 3 * ss, _mm512_extractf32x4_ps(h, 3));
+    hstore4x4(_mm512_mul_ps(HSUM4X4(acc), _mm512_broadcast_f32x4(_mm_mul_ps(_mm_loadu_ps(sk), _mm_set1_ps(256.0f)))),
+              s, ss);
 }
 
 /* Keys in groups of 4 between prefetch shares: 4 rows and D a multiple of 16 by the tile above,

@@ -32,6 +32,13 @@ static inline __attribute__((always_inline)) __m512 hlanes(__m512 x, __m512 y) {
         const __m256 h = op256(_mm512_castps512_ps256(c), hi);                                                  \
         return op128(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));                                   \
     }
+/* h's 128-bit lane r (4 sums, as HSUM4X4 leaves row r's) stored at s + r * ss */
+static inline __attribute__((always_inline)) void hstore4x4(__m512 h, float *s, uint32_t ss) {
+    _mm_storeu_ps(s, _mm512_castps512_ps128(h));
+    _mm_storeu_ps(s + ss, _mm512_extractf32x4_ps(h, 1));
+    _mm_storeu_ps(s + 2 * (size_t)ss, _mm512_extractf32x4_ps(h, 2));
+    _mm_storeu_ps(s + 3 * (size_t)ss, _mm512_extractf32x4_ps(h, 3));
+}
 DEF_HTREE4(hsum4, _mm512_add_ps, _mm256_add_ps, _mm_add_ps)
 DEF_HTREE4(hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps)
 

@@ -45,35 +45,31 @@ TP_DEF_WIDEN(bf16)
 /* The same for fp8 e4m3 rows (an f32 scale, then head_dim codes). V (widen_rows_fp8): each
  * code's value times the row's scale, as pkv__row_decode gives them; TP_E4M3_LD's values carry
  * 2^-8 and the scale times 2^8 takes it off, both exact, so each product is the same rounding of
- * the same real number. K (widen_rows_fp8_codes): the codes' values times 2^-8 alone, exact, and
+ * the same real number. K (scaled false): the codes' values times 2^-8 alone, exact, and
  * score_t_fp8 multiplies each key's scores by its scale times 2^8 after the sums, as the row
  * path and attn_q_ref.c do: with the scale folded into K instead, a test case of outliers (one
  * value in 1000 times 20) differed from the reference by 2.0e-4 of the output's rms, against at
  * most 7e-5 for the row path. The prepared query is plain f32 (prep_q of attn_q_avx2.c). */
-static inline __attribute__((always_inline)) void widen_fp8_row(const uint8_t *row, uint32_t D, float *o, float mul,
-                                                               const bool scaled) {
-    const uint8_t *e = row + PKV_FP8_ROW_HEADER;
-    float sk = 1.0f / 256.0f;
-    if (scaled) memcpy(&sk, row, sizeof sk);
+static inline __attribute__((always_inline)) void widen_rows_fp8_as(const uint8_t *src, size_t rb, uint32_t n,
+                                                                   uint32_t D, float *dst, pkv__attn_pf *pf,
+                                                                   const bool scaled) {
     const uint32_t DV = D & ~(uint32_t)(VF_N - 1);
-    const vf sv = vf_set1(sk * 256.0f * mul);
-    uint32_t d = 0;
-    for (; d < DV; d += VF_N) vf_store(o + d, scaled ? vf_mul(TP_E4M3_LD(e + d), sv) : TP_E4M3_LD(e + d));
-    for (; d < D; d++) o[d] = pkv__e4m3_to_f32(e[d]) * sk;
+    for (uint32_t t = 0; t < n; t++) {
+        const uint8_t *row = src + t * rb, *e = row + PKV_FP8_ROW_HEADER;
+        float *o = dst + (size_t)t * D;
+        float sk = 1.0f / 256.0f;
+        if (scaled) memcpy(&sk, row, sizeof sk);
+        const vf sv = vf_set1(sk * 256.0f);
+        uint32_t d = 0;
+        for (; d < DV; d += VF_N) vf_store(o + d, scaled ? vf_mul(TP_E4M3_LD(e + d), sv) : TP_E4M3_LD(e + d));
+        for (; d < D; d++) o[d] = pkv__e4m3_to_f32(e[d]) * sk;
+        pkv__attn_pf_step(pf);
+    }
 }
+/* V's (TP_DEF_ACCUM_T16 names it widen_rows_##T) */
 static inline __attribute__((always_inline)) void widen_rows_fp8(const uint8_t *src, size_t rb, uint32_t n, uint32_t D,
                                                                 float *dst, pkv__attn_pf *pf) {
-    for (uint32_t t = 0; t < n; t++) {
-        widen_fp8_row(src + t * rb, D, dst + (size_t)t * D, 1.0f, true);
-        pkv__attn_pf_step(pf);
-    }
-}
-static inline __attribute__((always_inline)) void widen_rows_fp8_codes(const uint8_t *src, size_t rb, uint32_t n,
-                                                                      uint32_t D, float *dst, pkv__attn_pf *pf) {
-    for (uint32_t t = 0; t < n; t++) {
-        widen_fp8_row(src + t * rb, D, dst + (size_t)t * D, 1.0f, false);
-        pkv__attn_pf_step(pf);
-    }
+    widen_rows_fp8_as(src, rb, n, D, dst, pf, true);
 }
 
 /* Keys t < NK (<= TP_NK) of f32 rows k (stride ks floats) against NV (1 or 2) vectors of VF_N
@@ -157,14 +153,14 @@ static void score_t_fp8(const float *qt, uint32_t rp, const uint8_t *k, size_t k
     pkv__attn_pf_start(pf, n_keys);
     for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* kbuf holds PKV__ATTN_T_KEYS rows */
         const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);
-        widen_rows_fp8_codes(k + t * krb, krb, nk, D, kbuf, pf);
-        float *st = s + (size_t)t * rp;
-        score_t_rows(qt, rp, kbuf, D, nk, D, st, NULL);
+        widen_rows_fp8_as(k + t * krb, krb, nk, D, kbuf, pf, false);
+        score_t_rows(qt, rp, kbuf, D, nk, D, s + (size_t)t * rp, NULL);
         for (uint32_t j = 0; j < nk; j++) {
             float sk;
             memcpy(&sk, k + (t + j) * krb, sizeof sk);
             const vf sv = vf_set1(sk * 256.0f);
-            for (uint32_t r = 0; r < rp; r += VF_N) vf_store(st + (size_t)j * rp + r, vf_mul(vf_load(st + (size_t)j * rp + r), sv));
+            float *sj = s + (size_t)(t + j) * rp;
+            for (uint32_t r = 0; r < rp; r += VF_N) vf_store(sj + r, vf_mul(vf_load(sj + r), sv));
         }
     }
     pkv__attn_pf_finish(pf);
