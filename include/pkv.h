@@ -185,6 +185,17 @@ typedef struct pkv_config {
                                     on the executor's n_workers (n_threads 0 or n_workers) */
     uint32_t event_capacity;     /* prefix-index events kept for pkv_cache_take_events, at most
                                     2^24; 0 (default): none recorded */
+    uint32_t v_dim;              /* 0 (default): V has rows of its own, head_dim values of v_dtype.
+                                    1..head_dim: V lives in K (multi-head latent attention, MLA:
+                                    DeepSeek-V2 / V3, Kimi K2): the pool holds K rows only, and a
+                                    token's V is the first v_dim values of its K row. For MLA a
+                                    K row is [c_kv | k_pe]: head_dim = kv_lora_rank +
+                                    qk_rope_head_dim (512 + 64), v_dim = kv_lora_rank, one kv
+                                    head, queries with W_UK absorbed, outputs before W_UV.
+                                    v_dtype must then equal k_dtype (q8_0 / q4_0: v_dim a multiple
+                                    of 32); writes and reads of V rows (a v or v_out that is not
+                                    NULL) are PKV_EINVAL, and attention's outputs are
+                                    [n][n_q_heads][v_dim] (pkv_attn_decode). See "MLA" below. */
 } pkv_config;
 
 /* Defaults: 1 layer, 8 kv heads, head_dim 128, B = 16, 1024 blocks, f16/f16, 256 sequences,
@@ -238,6 +249,8 @@ typedef struct pkv_layout {
     size_t k_block_bytes, v_block_bytes; /* n_kv_heads * block_tokens * row bytes */
     uint32_t n_blocks, block_tokens, n_kv_heads, head_dim, n_layers;
     pkv_dtype k_dtype, v_dtype;
+    uint32_t v_dim; /* values a V row holds: head_dim, or pkv_config.v_dim where V lives in K (then
+                       v_base, v_row_bytes and v_block_bytes are K's, v_dtype k_dtype) */
 } pkv_layout;
 PKV_NODISCARD PKV_API int pkv_cache_layout(const pkv_cache *c, pkv_layout *out);
 
@@ -679,7 +692,8 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
 
 /* Decode: one query per sequence, at its last position (length - 1), seeing [0, length).
  * p NULL means pkv_attn_params_default() (n_q_heads = n_kv_heads).
- * q, out: [n_seqs][n_q_heads][head_dim] f32. out may be q (in place); any other overlap of q,
+ * q, out: [n_seqs][n_q_heads][head_dim] f32 (out [n_seqs][n_q_heads][v_dim] where V lives in K:
+ * MLA below). out may be q (in place; not where v_dim differs from head_dim); any other overlap of q,
  * out and p->lse is PKV_EINVAL, and so is a q element that is not finite or whose magnitude
  * times the scale is over PKV_VALUE_MAX. K/V of every visible position must have been written
  * for this layer (pkv_write_kv keeps them within PKV_VALUE_MAX; values put in the pool around
@@ -734,6 +748,19 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
 PKV_NODISCARD PKV_API int pkv_attn_decode(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, uint32_t n_seqs,
                                           const float *q, float *out, const pkv_attn_params *p);
 
+/* MLA (pkv_config.v_dim): multi-head latent attention in its absorbed form (DeepSeek-V2 / V3,
+ * FlashMLA's decode): one kv head whose row is the latent c_kv and the rotary key k_pe,
+ * [c_kv | k_pe], read as K by every query head and its first v_dim values (c_kv) read as V. A
+ * query row is [q_nope W_UK | q_pe] (head_dim values), an output row sum_t p_t c_kv_t (v_dim
+ * values: the caller applies W_UV), and the scale is the model's (DeepSeek: 1 / sqrt(192), its
+ * qk_nope + qk_rope dims, not head_dim's 576; the default 1/sqrt(head_dim) is rarely right
+ * here). Each call (decode, prefill, tree) takes q [n][n_q_heads][head_dim] and out
+ * [n][n_q_heads][v_dim], out never overlapping q (where v_dim < head_dim); pkv_attn_merge merges
+ * such outputs with head_dim = v_dim. Every other rule is the same: sharing, copy-on-write,
+ * prefix reuse, tiers (an MLA cache's entries are its own: a cache without v_dim never loads
+ * them, nor they its), pkv_seq_read_stored / write_stored and pkv_seq_gather with k only. The
+ * pool holds one row a token a layer (head_dim values of k_dtype), no V array. */
+
 /* One prefill/extend request: queries for positions [q_start, q_start + n_q) of seq, causal
  * (a query at position p sees positions <= p, reused prefix blocks included);
  * q_start + n_q <= length. */
@@ -745,7 +772,8 @@ typedef struct pkv_attn_req {
 
 /* Ragged batch of prefill requests in one call (p NULL: pkv_attn_params_default()); a sequence
  * may appear in more than one request. q, out: the requests' queries concatenated,
- * [sum n_q][n_q_heads][head_dim] f32 (out may be q, as in pkv_attn_decode). Requests of one
+ * [sum n_q][n_q_heads][head_dim] f32, out [sum n_q][n_q_heads][v_dim] (out may be q, as in
+ * pkv_attn_decode). Requests of one
  * query (decodes batched beside chunked prefills) are read as pkv_attn_decode reads its batch
  * (in pool order when their tables jump), the others in table order, in the same call. Requests
  * whose tables begin with the same blocks before their first query (forks verifying draft tokens,
@@ -773,7 +801,7 @@ enum { PKV_TREE_MAX_NODES = 1024 };
  * itself included: not its siblings, cousins or other branches. With a window, a key is seen
  * where the node's position (q_start + depth) minus the key's (its position in the prefix, or
  * q_start + depth for a node) is under window. q, out: the requests' nodes' queries
- * concatenated, [sum n_nodes][n_q_heads][head_dim] (out may not be q: the paths read the queries
+ * concatenated, [sum n_nodes][n_q_heads][head_dim] (out [..][v_dim]; out may not be q: the paths read the queries
  * after the prefix part wrote out); p as for pkv_attn_prefill:
  * scale, softcap, window, lse and sinks mean the same, per node. The prefix is read by the
  * prefill kernels, all of a request's nodes at once (in runs of max(4096, 1024 x n_kv_heads) /

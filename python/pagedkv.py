@@ -161,7 +161,8 @@ class _Config(ctypes.Structure):
                 ("n_blocks", _u32), ("mem_budget_bytes", _u64), ("k_dtype", _int), ("v_dtype", _int),
                 ("max_seqs", _u32), ("max_blocks_per_seq", _u32), ("n_threads", _u32),
                 ("enable_prefix_cache", _int), ("huge_pages", _int), ("allocator", _Allocator),
-                ("log", _LOG_FN), ("log_ctx", _vp), ("executor", _Executor), ("event_capacity", _u32)]
+                ("log", _LOG_FN), ("log_ctx", _vp), ("executor", _Executor), ("event_capacity", _u32),
+                ("v_dim", _u32)]
 
 
 class _Event(ctypes.Structure):
@@ -183,7 +184,7 @@ class _Layout(ctypes.Structure):
     _fields_ = [("k_base", _vp), ("v_base", _vp), ("layer_stride_bytes", _sz), ("k_row_bytes", _sz),
                 ("v_row_bytes", _sz), ("k_block_bytes", _sz), ("v_block_bytes", _sz), ("n_blocks", _u32),
                 ("block_tokens", _u32), ("n_kv_heads", _u32), ("head_dim", _u32), ("n_layers", _u32),
-                ("k_dtype", _int), ("v_dtype", _int)]
+                ("k_dtype", _int), ("v_dtype", _int), ("v_dim", _u32)]
 
 
 class _SeqInfo(ctypes.Structure):

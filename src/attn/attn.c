@@ -189,7 +189,8 @@ struct pkv__attn {
     uint32_t pass_ahead;  /* the call's lead in runs along the two passes' walk (pass_pf) */
     size_t pass_bytes;    /* a thread's score window (PASS_BYTES at least) */
     /* the call being run (read-only for the workers during a job) */
-    const pkv__kv_view *kv;
+    const pkv__kv_view *kv; /* during a run: kv_own */
+    pkv__kv_view kv_own;    /* the run's view, v_dim resolved */
     const pkv__attn_item *items;
     const pkv__attn_call *call;
     uint32_t n_items;
@@ -598,7 +599,7 @@ static inline uint32_t item_key_lo(const pkv__attn_item *it, uint32_t pos, uint3
 /* Merges n_ks partial softmax states of w's rows by log-sum-exp and writes w's outputs (and
  * log-sum-exps) in one pass. State k is m0 [ROWS_MAX], l0 [ROWS_MAX], acc0 [ROWS_MAX][head_dim]
  * (in w's row order) at k * stride floats further (slots of a key split or of a sweep's chunks;
- * n_ks 1 and stride 0 for a unit's own state). Each output row is the states' acc rows weighted
+ * n_ks 1 and stride 0 for a unit's own state; head_dim: v_dim). Each output row is the states' acc rows weighted
  * exp(m_k - m) / l, with m their max and l the weighted sum of their l_k. A state with l = 0
  * saw nothing (its acc may be stale): it weighs 0, and a row no state saw is written as zeros
  * (log-sum-exp -inf). Acc in even-odd order is combined in state 0's row and unshuffled from
@@ -607,7 +608,7 @@ static inline uint32_t item_key_lo(const pkv__attn_item *it, uint32_t pos, uint3
  * f16 decode of 512 x 2 at 2 threads, stop 31.) */
 static void merge_write(const pkv__attn *at, const unit *w, float *m0, const float *l0, float *acc0, size_t stride,
                         uint32_t n_ks) {
-    const uint32_t D = at->kv->head_dim, nqh = at->call->n_q_heads, G = at->G;
+    const uint32_t D = at->kv->v_dim, nqh = at->call->n_q_heads, G = at->G;
     const uint32_t rows_h = w->nq * w->gs;
     const bool eo = at->kt->acc_eo[at->kv->v_dtype]; /* acc in even-odd order (attn.h) */
     const float *sinks = w->item->partial ? NULL : at->call->sinks;
@@ -793,8 +794,8 @@ static inline float *score_half(const pkv__attn *at, float *s, uint32_t rows_h, 
 static inline void accum_head(const pkv__attn *at, pkv__attn_accum_fn accum, float *s, uint32_t rows_h, uint32_t j,
                               uint32_t n_keys, const head_io *io, float *acc) {
     const pkv__kv_view *kv = at->kv;
-    accum(score_half(at, s, rows_h, j), at->s_stride, rows_h, io[j & 1u].vr, kv->v_row_bytes, n_keys, kv->head_dim,
-          acc + (size_t)j * rows_h * kv->head_dim, io[j & 1u].pvp);
+    accum(score_half(at, s, rows_h, j), at->s_stride, rows_h, io[j & 1u].vr, kv->v_row_bytes, n_keys, kv->v_dim,
+          acc + (size_t)j * rows_h * kv->v_dim, io[j & 1u].pvp);
 }
 
 /* ---- pieces: a head's run a piece at a time (PKV_CPU_PIECES) ----------------------------------
@@ -870,7 +871,7 @@ static inline void accum_piece(const pkv__attn *at, pkv__attn_accum_fn accum, fl
                                uint32_t np, const uint32_t *len, const head_io *io, float *acc) {
     const pkv__kv_view *kv = at->kv;
     accum(score_half(at, s, rows_h, i), at->s_stride, rows_h, io[i & 1u].vr, kv->v_row_bytes, len[i & 1u],
-          kv->head_dim, acc + (size_t)(i / np) * rows_h * kv->head_dim, io[i & 1u].pvp);
+          kv->v_dim, acc + (size_t)(i / np) * rows_h * kv->v_dim, io[i & 1u].pvp);
 }
 
 /* Heads [h0, h1) of block bid, keys [t0, t0 + n_keys), in pieces (above); qp, m, l, acc: the rows
@@ -884,7 +885,8 @@ static void block_pieces(const pkv__attn *at, size_t bid, uint32_t h0, uint32_t 
     const pkv__attn_kernels *kt = at->kt;
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
-    const uint32_t D = kv->head_dim, pk = at->piece_keys, np = (n_keys + pk - 1) / pk, n = (h1 - h0) * np;
+    const uint32_t D = kv->head_dim, Dv = kv->v_dim, pk = at->piece_keys, np = (n_keys + pk - 1) / pk;
+    const uint32_t n = (h1 - h0) * np;
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     head_io io2[2];
     uint32_t len[2]; /* piece j's keys, by j % 2 */
@@ -899,7 +901,7 @@ static void block_pieces(const pkv__attn *at, size_t bid, uint32_t h0, uint32_t 
         if (pm) mask_block(at, pm->w, pm->pos_first, pm->kp0 + o, nj, sj, at->s_stride, 1);
         if (j > 0) accum_piece(at, accum, s, rows_h, j - 1, np, len, io2, acc);
         len[j & 1u] = nj;
-        kt->softmax(sj, at->s_stride, rows_h, nj, at->call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
+        kt->softmax(sj, at->s_stride, rows_h, nj, at->call->softcap, m + r0, l + r0, acc + (size_t)r0 * Dv, Dv);
     }
     accum_piece(at, accum, s, rows_h, n - 1, np, len, io2, acc);
 }
@@ -1044,7 +1046,7 @@ static void pass_window(const pkv__attn *at, const pass_walk *pw, uint32_t xw0, 
                         uint32_t rows_h, float *sw, const unit *w, uint32_t pos_first) {
     const pkv__kv_view *kv = at->kv;
     const pkv__attn_kernels *kt = at->kt;
-    const uint32_t D = kv->head_dim, B = kv->block_tokens, nh = pw->nh;
+    const uint32_t D = kv->head_dim, Dv = kv->v_dim, B = kv->block_tokens, nh = pw->nh;
     const size_t qrow = PKV__ATTN_QROW_BYTES(D), ss = at->s_stride, rows = (size_t)nh * rows_h;
     const size_t krun = (size_t)B * kv->k_row_bytes, vrun = (size_t)B * kv->v_row_bytes;
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
@@ -1066,8 +1068,9 @@ static void pass_window(const pkv__attn *at, const pass_walk *pw, uint32_t xw0, 
         for (uint32_t h = 0; h < nh; h++) {
             const size_t r0 = (size_t)h * rows_h;
             float *s = sw + (j * rows + r0) * ss;
-            kt->softmax(s, (uint32_t)ss, rows_h, b->n_keys, at->call->softcap, b->m + r0, b->l + r0, b->acc + r0 * D, D);
-            accum(s, (uint32_t)ss, rows_h, v + h * vrun, kv->v_row_bytes, b->n_keys, D, b->acc + r0 * D,
+            kt->softmax(s, (uint32_t)ss, rows_h, b->n_keys, at->call->softcap, b->m + r0, b->l + r0, b->acc + r0 * Dv,
+                        Dv);
+            accum(s, (uint32_t)ss, rows_h, v + h * vrun, kv->v_row_bytes, b->n_keys, Dv, b->acc + r0 * Dv,
                   pass_pf(at, pw, xw0, (size_t)(nw + j) * nh + h, &pf));
         }
     }
@@ -1081,7 +1084,7 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
     const pkv__kv_view *kv = at->kv;
     const pkv__attn_kernels *kt = at->kt;
     const pkv__attn_item *it = w->item;
-    const uint32_t D = kv->head_dim;
+    const uint32_t D = kv->head_dim, Dv = kv->v_dim;
     const uint32_t rows_h = w->nq * w->gs, rp = (rows_h + 15u) & ~15u;
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     pkv_assert(w->n_kvh * rp <= T_QT_ROWS && rp <= T_ROWS_PAD);
@@ -1119,8 +1122,8 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
             score(sc->qt + (size_t)j * rp * D, rp, io.kr, kv->k_row_bytes, n_keys, D, sc->st, sc->kbuf, io.pkp);
             if (ub.mask) mask_block(at, w, pos_first, ub.kb + ub.t0, n_keys, sc->st, 1, rp);
             kt->softmax_t(sc->st, rp, rows_h, n_keys, at->call->softcap, sc->m + r0, sc->l + r0,
-                          sc->acc + (size_t)r0 * D, D);
-            accum(sc->st, rp, rows_h, io.vr, kv->v_row_bytes, n_keys, D, sc->acc + (size_t)r0 * D, sc->vbuf, io.pvp);
+                          sc->acc + (size_t)r0 * Dv, Dv);
+            accum(sc->st, rp, rows_h, io.vr, kv->v_row_bytes, n_keys, Dv, sc->acc + (size_t)r0 * Dv, sc->vbuf, io.pvp);
         }
     }
 }
@@ -1130,7 +1133,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     const pkv__kv_view *kv = at->kv;
     const pkv__attn_call *call = at->call;
     const pkv__attn_kernels *kt = at->kt;
-    const uint32_t D = kv->head_dim, B = kv->block_tokens, G = at->G, nqh = call->n_q_heads;
+    const uint32_t D = kv->head_dim, Dv = kv->v_dim, B = kv->block_tokens, G = at->G, nqh = call->n_q_heads;
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     unit w;
     decode_unit(at, u, &w);
@@ -1149,7 +1152,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
             kt->prep_q[kv->k_dtype](q, D, w.gs, D, call->scale, qp + (size_t)(j * rows_h + qi * w.gs) * qrow);
         }
     for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
-    memset(acc, 0, (size_t)rows * D * sizeof(float));
+    memset(acc, 0, (size_t)rows * Dv * sizeof(float));
 
     /* keys this tile sees: [k_lo, k_hi]; split ks takes an even share of its blocks */
     const uint32_t pos_first = it->q_pos0 + w.qa, pos_last = pos_first + w.nq - 1;
@@ -1200,7 +1203,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
                 score(qp + (size_t)r0 * qrow, rows_h, io->kr, kv->k_row_bytes, n_keys, D, sj, at->s_stride, io->pkp);
                 if (ub.mask) mask_block(at, &w, pos_first, ub.kb + ub.t0, n_keys, sj, at->s_stride, 1);
                 if (j > 0) accum_head(at, accum, s, rows_h, j - 1, n_keys, io2, acc);
-                kt->softmax(sj, at->s_stride, rows_h, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
+                kt->softmax(sj, at->s_stride, rows_h, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * Dv, Dv);
             }
             accum_head(at, accum, s, rows_h, w.n_kvh - 1, n_keys, io2, acc);
         }
@@ -1215,7 +1218,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     float *slot = slot0 + (size_t)w.ks * at->slot_floats;
     memcpy(slot, m, rows * sizeof(float));
     memcpy(slot + ROWS_MAX, l, rows * sizeof(float));
-    memcpy(slot + 2 * ROWS_MAX, acc, (size_t)rows * D * sizeof(float));
+    memcpy(slot + 2 * ROWS_MAX, acc, (size_t)rows * Dv * sizeof(float));
     if (!part_done(&at->split_done[pi->grp0 + w.grp], pi->n_ks)) return;
     merge_write(at, &w, slot0, slot0 + ROWS_MAX, slot0 + 2 * ROWS_MAX, at->slot_floats, pi->n_ks);
 }
@@ -1365,7 +1368,7 @@ static size_t sweep_entry_bytes(const pkv__attn *at) {
     const pkv__kv_view *kv = at->kv;
     const uint32_t D = kv->head_dim, rows = kv->n_kv_heads * at->G;
     return (size_t)kv->n_kv_heads * kv->block_tokens * (kv->k_row_bytes + kv->v_row_bytes) +
-           (size_t)rows * (PKV__ATTN_QROW_BYTES(D) + D * sizeof(float));
+           (size_t)rows * (PKV__ATTN_QROW_BYTES(D) + kv->v_dim * sizeof(float));
 }
 
 /* Lists the call's items of one query (decode, or an extend of one token) in sweep_idx: the
@@ -1547,7 +1550,7 @@ static pass_blk sweep_entry(const pkv__attn *at, uint32_t c, uint64_t ek, uint32
         *used |= 1u << i;
         sweep_wait_queries(at, i);
         for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, m[ROWS_MAX + r] = 0.0f;
-        memset(m + 2 * ROWS_MAX, 0, (size_t)rows * D * sizeof(float));
+        memset(m + 2 * ROWS_MAX, 0, (size_t)rows * at->kv->v_dim * sizeof(float));
     }
     const pkv__attn_item *it = sweep_item(at, i);
     const uint32_t pos = it->q_pos0, k_lo = item_key_lo(it, pos, at->call->window), kb = key_b(ek) * B;
@@ -1562,7 +1565,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
     const pkv__kv_view *kv = at->kv;
     const pkv__attn_call *call = at->call;
     const pkv__attn_kernels *kt = at->kt;
-    const uint32_t D = kv->head_dim, G = at->G, H = kv->n_kv_heads, rows = H * G;
+    const uint32_t D = kv->head_dim, Dv = kv->v_dim, G = at->G, H = kv->n_kv_heads, rows = H * G;
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     const scratch sc = thread_scratch(at, tid);
     float *s = sc.s; /* the chunk's states live in its slots */
@@ -1629,7 +1632,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
         if (piece_take(at, n_keys, G)) {
             block_pieces(at, bid, 0, H, t0, n_keys, kn, vn, qp, G, s, m, l, acc, NULL, qn, (size_t)G * qrow);
             if (qn) /* and its acc */
-                for (size_t o = 0; o < (size_t)rows * D * sizeof(float); o += 64) __builtin_prefetch(an + o, 1, 2);
+                for (size_t o = 0; o < (size_t)rows * Dv * sizeof(float); o += 64) __builtin_prefetch(an + o, 1, 2);
             if (x == last[i]) finish_item(at, i);
             continue;
         }
@@ -1645,11 +1648,11 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
                 for (size_t o = 0; o < (size_t)G * qrow; o += 64) __builtin_prefetch(qx + o, 0, 2);
             score(qp + (size_t)r0 * qrow, G, io->kr, kv->k_row_bytes, n_keys, D, sh, at->s_stride, io->pkp);
             if (qn) { /* and its acc, between score and accum */
-                const uint8_t *ax = an + (size_t)h * G * D * sizeof(float);
-                for (size_t o = 0; o < (size_t)G * D * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
+                const uint8_t *ax = an + (size_t)h * G * Dv * sizeof(float);
+                for (size_t o = 0; o < (size_t)G * Dv * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
             }
             if (h > 0) accum_head(at, accum, s, G, h - 1, n_keys, io2, acc);
-            kt->softmax(sh, at->s_stride, G, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * D, D);
+            kt->softmax(sh, at->s_stride, G, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * Dv, Dv);
         }
         accum_head(at, accum, s, G, H - 1, n_keys, io2, acc);
         if (x == last[i]) finish_item(at, i);
@@ -1711,7 +1714,9 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     if (!kv->k || !kv->v || kv->n_kv_heads == 0 || kv->head_dim == 0 || kv->block_tokens == 0) return PKV_EINVAL;
     if (kv->head_dim > at->lim.head_dim || kv->block_tokens > at->lim.block_tokens) return PKV_EINVAL;
     if ((unsigned)kv->k_dtype >= PKV_DTYPE_COUNT || (unsigned)kv->v_dtype >= PKV_DTYPE_COUNT) return PKV_EINVAL;
-    const size_t krb = pkv__row_bytes(kv->k_dtype, kv->head_dim), vrb = pkv__row_bytes(kv->v_dtype, kv->head_dim);
+    if (kv->v_dim > kv->head_dim) return PKV_EINVAL;
+    const uint32_t v_dim = kv->v_dim ? kv->v_dim : kv->head_dim;
+    const size_t krb = pkv__row_bytes(kv->k_dtype, kv->head_dim), vrb = pkv__row_bytes(kv->v_dtype, v_dim);
     if (!krb || !vrb || kv->k_row_bytes < krb || kv->v_row_bytes < vrb) return PKV_EINVAL;
     if (kv->k_block_bytes < (size_t)kv->n_kv_heads * kv->block_tokens * kv->k_row_bytes ||
         kv->v_block_bytes < (size_t)kv->n_kv_heads * kv->block_tokens * kv->v_row_bytes)
@@ -1746,7 +1751,9 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         }
     }
 
-    at->kv = kv;
+    at->kv_own = *kv;
+    at->kv_own.v_dim = v_dim;
+    at->kv = kv = &at->kv_own;
     at->call = call;
     at->kt = &at->kt_tab[call->flags & PKV_ATTN_BF16_DOT ? 1 : 0];
     at->G = call->n_q_heads / kv->n_kv_heads;

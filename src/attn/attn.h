@@ -11,13 +11,17 @@
 #include <stddef.h>
 
 /* One layer of the pool (ARCHITECTURE section 3). Row of (block b, kv head h, offset t):
- * k + b * k_block_bytes + (h * block_tokens + t) * k_row_bytes. */
+ * k + b * k_block_bytes + (h * block_tokens + t) * k_row_bytes. K rows hold head_dim values, V
+ * rows v_dim (0: head_dim), at most head_dim: queries are [head_dim], outputs and acc [v_dim]. A
+ * cache whose V is the first v_dim values of each K row (MLA: pkv_config.v_dim) passes v = k,
+ * v_dtype = k_dtype and K's row and block bytes for V's. */
 typedef struct pkv__kv_view {
     const uint8_t *k, *v;
     pkv_dtype k_dtype, v_dtype;
     size_t k_row_bytes, v_row_bytes;
     size_t k_block_bytes, v_block_bytes;
     uint32_t n_kv_heads, head_dim, block_tokens, n_blocks;
+    uint32_t v_dim;
 } pkv__kv_view;
 
 /* One sequence's share of an attention call: n_q consecutive queries at positions
@@ -42,7 +46,7 @@ typedef struct pkv__attn_item {
     uint32_t k_start;
     bool partial;
     const float *q; /* [n_q][n_q_heads][head_dim] */
-    float *out;     /* [n_q][n_q_heads][head_dim] */
+    float *out;     /* [n_q][n_q_heads][v_dim] */
     float *lse;     /* [n_q][n_q_heads] or NULL */
 } pkv__attn_item;
 

@@ -201,6 +201,12 @@ static int validate_config(const pkv_config *cfg) {
         if (!pkv__dtype_pool_supported(dt[i]))
             REFUSE(cfg, PKV_ENOTSUP, "%s %s is not supported by this build", kv, pkv_dtype_name(dt[i]));
     }
+    if (cfg->v_dim > cfg->head_dim) REFUSE(cfg, PKV_EINVAL, "v_dim %u is over head_dim %u", cfg->v_dim, cfg->head_dim);
+    if (cfg->v_dim && cfg->v_dtype != cfg->k_dtype)
+        REFUSE(cfg, PKV_EINVAL, "v_dim %u (V in K) needs v_dtype %s to be k_dtype %s", cfg->v_dim,
+               pkv_dtype_name(cfg->v_dtype), pkv_dtype_name(cfg->k_dtype));
+    if (cfg->v_dim && !pkv__row_bytes(cfg->k_dtype, cfg->v_dim))
+        REFUSE(cfg, PKV_EINVAL, "v_dim %u: %s needs a multiple of 32", cfg->v_dim, pkv_dtype_name(cfg->k_dtype));
     if (cfg->max_seqs < 1 || cfg->max_seqs > (1u << 24))
         REFUSE(cfg, PKV_EINVAL, "max_seqs %u not in 1..2^24", cfg->max_seqs);
     if (cfg->n_threads > PKV_MAX_THREADS)
@@ -341,7 +347,8 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     int rc = validate_config(cfg_in);
     if (rc) return rc;
     pkv_config cfg = *cfg_in;
-    size_t k_row = pkv__row_bytes(cfg.k_dtype, cfg.head_dim), v_row = pkv__row_bytes(cfg.v_dtype, cfg.head_dim);
+    size_t k_row = pkv__row_bytes(cfg.k_dtype, cfg.head_dim);
+    size_t v_row = cfg.v_dim ? 0 : pkv__row_bytes(cfg.v_dtype, cfg.head_dim); /* V in K: no V array */
     size_t k_blk = k_row * cfg.block_tokens * cfg.n_kv_heads, v_blk = v_row * cfg.block_tokens * cfg.n_kv_heads;
     /* keep every block's K and V 64-byte aligned */
     if (k_blk % PKV_CACHELINE || v_blk % PKV_CACHELINE) {
@@ -372,7 +379,7 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     if (!pkv__mul_ok(cfg.n_blocks, k_blk, &k_bytes) || !pkv__mul_ok(cfg.n_blocks, v_blk, &v_bytes))
         REFUSE(&cfg, PKV_EINVAL, "the pool's size overflows size_t");
     /* every layer's K and V arrays start on a cache line (ARCHITECTURE 3), whatever the row size */
-    const size_t k_pad = pkv__align_up(k_bytes, PKV_CACHELINE), v_off = k_pad + v_skew(k_pad);
+    const size_t k_pad = pkv__align_up(k_bytes, PKV_CACHELINE), v_off = k_pad + (v_bytes ? v_skew(k_pad) : 0);
     size_t v_end;
     if (k_pad < k_bytes || v_off < k_pad || !pkv__add_ok(v_off, v_bytes, &v_end))
         REFUSE(&cfg, PKV_EINVAL, "the pool's size overflows size_t");
@@ -401,6 +408,7 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     c->n_layers = cfg.n_layers;
     c->n_kv = cfg.n_kv_heads;
     c->head_dim = cfg.head_dim;
+    c->v_dim = cfg.v_dim ? cfg.v_dim : cfg.head_dim;
     c->ev_cap = cfg.event_capacity;
     c->k_row = k_row;
     c->v_row = v_row;
@@ -496,13 +504,15 @@ PKV_API int pkv_cache_layout(const pkv_cache *c, pkv_layout *out) {
     if (!c) return PKV_EINVAL;
     if (!out) return PKV__SAY(c, PKV_EINVAL, "out is NULL");
     memset(out, 0, sizeof *out);
+    const bool v_in_k = c->cfg.v_dim != 0; /* V's rows are K's */
     out->k_base = c->kv;
-    out->v_base = c->kv + c->v_off;
+    out->v_base = c->kv + (v_in_k ? 0 : c->v_off);
     out->layer_stride_bytes = c->layer_stride;
     out->k_row_bytes = c->k_row;
-    out->v_row_bytes = c->v_row;
+    out->v_row_bytes = v_in_k ? c->k_row : c->v_row;
     out->k_block_bytes = c->k_blk;
-    out->v_block_bytes = c->v_blk;
+    out->v_block_bytes = v_in_k ? c->k_blk : c->v_blk;
+    out->v_dim = c->v_dim;
     out->n_blocks = c->n_blocks;
     out->block_tokens = c->B;
     out->n_kv_heads = c->n_kv;
@@ -774,6 +784,8 @@ static int check_write_row(pkv_cache *c, int32_t slot, uint32_t i, const char *w
 /* The argument checks every write shares: something to write, a layer of the cache. */
 static int check_write_target(pkv_cache *c, uint32_t layer, const void *k, const void *v, const char *api) {
     if (!k && !v) return pkv__say(c, PKV_EINVAL, api, "neither k nor v given");
+    if (v && c->cfg.v_dim)
+        return pkv__say(c, PKV_EINVAL, api, "v given, but V lives in K here (v_dim %u): write k alone", c->v_dim);
     if (layer >= c->n_layers) return pkv__say(c, PKV_EINVAL, api, "layer %u of %u", layer, c->n_layers);
     return PKV_OK;
 }
@@ -1545,6 +1557,8 @@ static int seq_read(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, ui
                     bool stored, const char *api) {
     if (layer >= c->n_layers) return pkv__say(c, PKV_EINVAL, api, "layer %u of %u", layer, c->n_layers);
     if (n && !k_out && !v_out) return pkv__say(c, PKV_EINVAL, api, "neither k_out nor v_out given");
+    if (v_out && c->cfg.v_dim)
+        return pkv__say(c, PKV_EINVAL, api, "v_out given, but V lives in K here (v_dim %u): read k alone", c->v_dim);
     LOCK(c);
     pkv__seq *s;
     int rc = pkv__get_seq(c, id, &s, api);
@@ -1696,41 +1710,49 @@ static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_param
 }
 
 static pkv__kv_view layer_view(const pkv_cache *c, uint32_t layer) {
-    pkv__kv_view v = {.k = c->kv + layer * c->layer_stride, .v = c->kv + layer * c->layer_stride + c->v_off,
-                      .k_dtype = c->cfg.k_dtype, .v_dtype = c->cfg.v_dtype, .k_row_bytes = c->k_row,
-                      .v_row_bytes = c->v_row, .k_block_bytes = c->k_blk, .v_block_bytes = c->v_blk,
+    const bool v_in_k = c->cfg.v_dim != 0; /* V's rows are K's first v_dim values */
+    const uint8_t *k = c->kv + layer * c->layer_stride;
+    pkv__kv_view v = {.k = k, .v = v_in_k ? k : k + c->v_off, .k_dtype = c->cfg.k_dtype, .v_dtype = c->cfg.v_dtype,
+                      .k_row_bytes = c->k_row, .v_row_bytes = v_in_k ? c->k_row : c->v_row,
+                      .k_block_bytes = c->k_blk, .v_block_bytes = v_in_k ? c->k_blk : c->v_blk,
                       .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B,
-                      .n_blocks = c->n_blocks};
+                      .n_blocks = c->n_blocks, .v_dim = c->v_dim};
     return v;
 }
 
 /* out may be q (in place: each query's rows are read before its output is written, and no other
- * query's are written over them); any other overlap of q, out and lse is PKV_EINVAL. nq: the bytes
- * of q (and of out), n_rows rows of n_q_heads x head_dim floats. */
-static int check_overlap(const float *q, const float *out, const float *lse, uint64_t n_rows, size_t nq,
+ * query's are written over them) where its rows are as long (no = nq); any other overlap of q,
+ * out and lse is PKV_EINVAL. nq, no: the bytes of q and of out, n_rows rows of n_q_heads x
+ * head_dim (v_dim) floats. */
+static int check_overlap(const float *q, const float *out, const float *lse, uint64_t n_rows, size_t nq, size_t no,
                          uint32_t n_q_heads) {
-    const size_t nl = (size_t)n_rows * sizeof(float) * n_q_heads; /* <= nq: n_q_heads <= qrow */
-    if (pkv__overlap_unequal(q, out, nq)) return PKV_EINVAL;
-    if (lse && (pkv__overlap(lse, nl, q, nq) || pkv__overlap(lse, nl, out, nq))) return PKV_EINVAL;
+    const size_t nl = (size_t)n_rows * sizeof(float) * n_q_heads; /* <= no <= nq: n_q_heads <= orow */
+    if (no == nq ? pkv__overlap_unequal(q, out, nq) : pkv__overlap(q, nq, out, no)) return PKV_EINVAL;
+    if (lse && (pkv__overlap(lse, nl, q, nq) || pkv__overlap(lse, nl, out, no))) return PKV_EINVAL;
     return PKV_OK;
 }
 
-/* The checks of an attention call's buffers, n_rows queries of call->n_q_heads x head_dim: their
- * size within size_t, the overlaps of q, out, lse and sinks (out may be q where in_place), and
- * every query element finite with |q| x scale within PKV_VALUE_MAX. */
+/* The checks of an attention call's buffers, n_rows queries of call->n_q_heads x head_dim (their
+ * outputs of v_dim): their size within size_t, the overlaps of q, out, lse and sinks (out may be
+ * q where in_place and v_dim is head_dim), and every query element finite with |q| x scale within
+ * PKV_VALUE_MAX. */
 static int check_buffers(pkv_cache *c, const char *api, const float *q, const float *out, const float *lse,
                          const pkv__attn_call *call, uint64_t n_rows, bool in_place) {
-    const size_t qrow = (size_t)call->n_q_heads * c->head_dim;
-    size_t q_bytes = 0;
+    const size_t qrow = (size_t)call->n_q_heads * c->head_dim, orow = (size_t)call->n_q_heads * c->v_dim;
+    size_t q_bytes = 0, o_bytes = 0;
     if (!pkv__f32_rows_bytes(n_rows, qrow, &q_bytes))
         return pkv__say(c, PKV_EINVAL, api, "%llu queries x %zu floats are past size_t", (unsigned long long)n_rows,
                         qrow);
-    if (check_overlap(q, out, lse, n_rows, q_bytes, call->n_q_heads) || (!in_place && q == out))
+    (void)pkv__f32_rows_bytes(n_rows, orow, &o_bytes); /* orow <= qrow */
+    in_place = in_place && orow == qrow;
+    if (check_overlap(q, out, lse, n_rows, q_bytes, o_bytes, call->n_q_heads) || (!in_place && q == out))
         return pkv__say(c, PKV_EINVAL, api, "q, out and lse overlap (%s)",
-                        in_place ? "out may be q itself, nothing else" : "out may not be q here");
+                        in_place ? "out may be q itself, nothing else"
+                        : orow != qrow ? "out may not be q where v_dim is not head_dim"
+                                       : "out may not be q here");
     if (call->sinks) {
         const size_t ns = (size_t)call->n_q_heads * sizeof(float), nl = (size_t)n_rows * ns;
-        if (pkv__overlap(call->sinks, ns, out, q_bytes) || (lse && pkv__overlap(call->sinks, ns, lse, nl)))
+        if (pkv__overlap(call->sinks, ns, out, o_bytes) || (lse && pkv__overlap(call->sinks, ns, lse, nl)))
             return pkv__say(c, PKV_EINVAL, api, "sinks overlap out or lse");
     }
     /* a query that is not finite, or so large that q.k overflows (or q x scale, which the kernels
@@ -1766,7 +1788,7 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
     int rc = resolve_call(c, layer, p, &call, api);
     if (rc || n == 0) return rc;
     float *lse = p ? p->lse : NULL;
-    const size_t qrow = (size_t)call.n_q_heads * c->head_dim;
+    const size_t qrow = (size_t)call.n_q_heads * c->head_dim, orow = (size_t)call.n_q_heads * c->v_dim;
     pkv__kv_view view = layer_view(c, layer);
 
     pthread_mutex_lock(&c->attn_mu);
@@ -1804,7 +1826,7 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
             uint32_t q0 = reqs ? reqs[i].q_start : s->n_tokens - 1, nq = reqs ? reqs[i].n_q : 1;
             if (nq == 0) continue;
             c->items[k++] = (pkv__attn_item){.block_table = s->table, .q_pos0 = q0, .n_q = nq,
-                                             .q = q + q_at * qrow, .out = out + q_at * qrow,
+                                             .q = q + q_at * qrow, .out = out + q_at * orow,
                                              .lse = lse ? lse + q_at * call.n_q_heads : NULL};
             q_at += nq;
         }
@@ -1862,7 +1884,7 @@ static inline void tree_row(const pkv_cache *c, const int32_t *table, const uint
 static void tree_paths(const pkv_cache *c, const tree_scratch *t, const pkv__kv_view *kv, const int32_t *table,
                        const pkv_attn_tree_req *r, uint32_t i0, uint32_t i1, const pkv__attn_call *call,
                        const float *sinks, const float *q, float *out, float *lse) {
-    const uint32_t D = c->head_dim, nqh = call->n_q_heads, G = nqh / c->n_kv;
+    const uint32_t D = c->head_dim, Dv = c->v_dim, nqh = call->n_q_heads, G = nqh / c->n_kv;
     const size_t path_floats = tree_path_floats(c);
     double *sc = t->sc;
     float *acc = t->acc, *kr = t->kr, *vr = t->vr;
@@ -1894,7 +1916,7 @@ static void tree_paths(const pkv_cache *c, const tree_scratch *t, const pkv__kv_
                 mb = x > mb ? x : mb;
             }
             double lb = 0.0;
-            for (uint32_t d = 0; d < D; d++) acc[d] = 0.0f;
+            for (uint32_t d = 0; d < Dv; d++) acc[d] = 0.0f;
             for (uint32_t k = 0; k < np; k++) {
                 const float *vv = vr + (once ? (size_t)k * D : 0);
                 if (!once)
@@ -1902,7 +1924,7 @@ static void tree_paths(const pkv_cache *c, const tree_scratch *t, const pkv__kv_
                 const double w = exp(sc[k] - mb);
                 const float wf = (float)w;
                 lb += w;
-                for (uint32_t d = 0; d < D; d++) acc[d] += wf * vv[d];
+                for (uint32_t d = 0; d < Dv; d++) acc[d] += wf * vv[d];
             }
             /* the parts' weights against the largest of their log-sum-exps (the path part has its
                node itself, so lb >= 1 and its log-sum-exp is finite) */
@@ -1911,11 +1933,11 @@ static void tree_paths(const pkv_cache *c, const tree_scratch *t, const pkv__kv_
             const double wa = a == -INFINITY ? 0.0 : exp(a - m), wb = exp(b - m), ws = sinks ? exp(s - m) : 0.0;
             const double tot = wa + wb + ws;
             const float fa = (float)(wa / tot), fb = (float)(wb / (lb * tot));
-            float *o = out + row * D;
+            float *o = out + row * Dv;
             if (wa > 0.0)
-                for (uint32_t d = 0; d < D; d++) o[d] = fa * o[d] + fb * acc[d];
+                for (uint32_t d = 0; d < Dv; d++) o[d] = fa * o[d] + fb * acc[d];
             else
-                for (uint32_t d = 0; d < D; d++) o[d] = fb * acc[d];
+                for (uint32_t d = 0; d < Dv; d++) o[d] = fb * acc[d];
             if (lse) lse[row] = (float)(m + log(tot));
         }
     }
@@ -1932,7 +1954,7 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
     if (rc || n_reqs == 0) return rc;
     float *lse = p ? p->lse : NULL;
     const uint32_t nqh = call.n_q_heads;
-    const size_t qrow = (size_t)nqh * c->head_dim;
+    const size_t qrow = (size_t)nqh * c->head_dim, orow = (size_t)nqh * c->v_dim;
     const pkv__kv_view view = layer_view(c, layer);
 
     pthread_mutex_lock(&c->attn_mu);
@@ -1987,19 +2009,19 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
             if (r->q_start && (!call.window || (uint64_t)r->q_start + i1 <= call.window))
                 c->items[k++] = (pkv__attn_item){.block_table = table, .q_pos0 = r->q_start + i0, .n_q = i1 - i0,
                                                  .k_end = r->q_start, .q = q + (row0 + i0) * qrow,
-                                                 .out = out + (row0 + i0) * qrow, .lse = la};
+                                                 .out = out + (row0 + i0) * orow, .lse = la};
             else if (r->q_start) {
                 i1 = PKV_MIN(i1, i0 + c->max_seqs); /* an item a node */
                 for (uint32_t i = i0; i < i1; i++)
                     if (depth[i] + 1 < call.window) /* the window reaches back into the prefix */
                         c->items[k++] = (pkv__attn_item){.block_table = table, .q_pos0 = r->q_start + depth[i], .n_q = 1,
                                                          .k_end = r->q_start, .q = q + (row0 + i) * qrow,
-                                                         .out = out + (row0 + i) * qrow,
+                                                         .out = out + (row0 + i) * orow,
                                                          .lse = la + (size_t)(i - i0) * nqh};
             }
             for (size_t x = 0; x < (size_t)(i1 - i0) * nqh; x++) la[x] = -INFINITY; /* the items write theirs */
             if (k && (rc = pkv__cache_attn_run(c, &view, k, &call, api)) != 0) break;
-            tree_paths(c, &ts, &view, table, r, i0, i1, &call, sinks, q + row0 * qrow, out + row0 * qrow,
+            tree_paths(c, &ts, &view, table, r, i0, i1, &call, sinks, q + row0 * qrow, out + row0 * orow,
                        lse ? lse + row0 * nqh : NULL);
             i0 = i1;
         }

@@ -42,6 +42,7 @@ typedef struct pkv__share {
     pkv__share_group *groups;                 /* [max_seqs] */
     float **lse_to;                           /* [max_seqs] each member's own lse (NULL: none) */
     float *q;                                 /* [rows][head_dim]: the groups' queries, then their outputs */
+    float *o;                                 /* [rows][v_dim]: the outputs: q, or its own where v_dim < head_dim */
     float *lse_a, *lse_b;                     /* [rows]: the groups' parts' and the members' own parts' */
     uint64_t call_keys;                       /* this call's saved positions so far (pkv_stats) */
     _Atomic uint64_t keys;                    /* pkv_stats.attn_shared_keys */
@@ -53,6 +54,8 @@ struct pkv_cache {
     pthread_mutex_t mu;      /* metadata: pool, sequences, index, counters */
     pthread_mutex_t attn_mu; /* serializes attention calls (scratch + thread pool) */
     uint32_t B, n_blocks, max_seqs, max_bps, n_layers, n_kv, head_dim;
+    uint32_t v_dim; /* values of a V row: head_dim, or cfg.v_dim where V lives in K (then v_row
+                       and v_blk are 0: no V array; layer_view points V at K) */
 
     /* pool memory: layer l: K at kv + l * layer_stride, V at kv + l * layer_stride + v_off (the K
      * array, then a gap of v_skew bytes: cache.c) */

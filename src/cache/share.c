@@ -134,7 +134,7 @@ int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv
     /* the groups' parts first: their units, the call's largest, are handed out first */
     memmove(c->items + ng, c->items, (size_t)k * sizeof *c->items);
     pkv__attn_item *items = c->items + ng;
-    const uint32_t D = c->head_dim, nqh = call->n_q_heads, B = c->B;
+    const uint32_t D = c->head_dim, Dv = c->v_dim, nqh = call->n_q_heads, B = c->B;
     const size_t qrow = (size_t)nqh * D;
     for (uint32_t x = 0; x < sh->n_sorted; x++) sh->slot[x] = UINT32_MAX;
     uint32_t r0 = 0, s0 = 0; /* rows of the scratch used by the groups, by the members' own lse */
@@ -157,7 +157,8 @@ int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv
         /* every query of the group sees [from, blocks) whatever its position: blocks x B - 1 the first */
         c->items[g] = (pkv__attn_item){.block_table = items[sh->order[gr->first]].block_table,
                                        .q_pos0 = gr->blocks * B - 1, .n_q = nq, .k_start = gr->from * B,
-                                       .k_end = gr->blocks * B, .partial = true, .q = q, .out = q,
+                                       .k_end = gr->blocks * B, .partial = true, .q = q,
+                                       .out = sh->o + (size_t)r0 * Dv,
                                        .lse = sh->lse_a + r0};
         r0 += nq * nqh;
     }
@@ -170,8 +171,8 @@ int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv
         for (uint32_t j = 0; j < gr->n; j++) {
             const pkv__attn_item *it = &items[sh->order[gr->first + j]];
             /* the group's rows into the member's outputs and lse (its own part's: sinks there) */
-            const int m = pkv_attn_merge(it->n_q * nqh, D, sh->q + (size_t)r0 * D, sh->lse_a + r0, it->out, it->lse,
-                                         it->out, it->lse);
+            const int m = pkv_attn_merge(it->n_q * nqh, Dv, sh->o + (size_t)r0 * Dv, sh->lse_a + r0, it->out,
+                                         it->lse, it->out, it->lse);
             pkv_assert(m == PKV_OK); /* finite log-sum-exps, no overlap: every part saw keys */
             r0 += it->n_q * nqh;
         }
@@ -183,20 +184,24 @@ int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv
 }
 
 /* The scratch's rows: a member's query heads each, for up to SHARE_ROWS_SEQS members of 8 query
- * heads a kv head, within SHARE_SCRATCH_MAX bytes (a row is head_dim + 2 floats: 1 MiB at 8 kv
- * heads of 128; a config of 4096 kv heads of 1024 would have asked for 4 GiB), a multiple of 8
- * (the arrays after them stay 8-byte aligned). */
+ * heads a kv head, within SHARE_SCRATCH_MAX bytes (a row is head_dim + 2 floats, and v_dim more
+ * where V lives in K with v_dim < head_dim, whose outputs cannot take their queries' place: 1 MiB
+ * at 8 kv heads of 128; a config of 4096 kv heads of 1024 would have asked for 4 GiB), a multiple
+ * of 8 (the arrays after them stay 8-byte aligned). */
 #define SHARE_ROWS_SEQS 32u
 #define SHARE_SCRATCH_MAX ((uint64_t)16 << 20)
+static uint64_t share_row_floats(const pkv_cache *c) {
+    return (uint64_t)c->head_dim + 2u + (c->v_dim < c->head_dim ? c->v_dim : 0u);
+}
 static uint32_t share_rows(const pkv_cache *c) {
     const uint64_t want = (uint64_t)PKV_MIN(c->max_seqs, SHARE_ROWS_SEQS) * 8u * c->n_kv;
-    const uint64_t fit = SHARE_SCRATCH_MAX / (sizeof(float) * ((uint64_t)c->head_dim + 2u));
+    const uint64_t fit = SHARE_SCRATCH_MAX / (sizeof(float) * share_row_floats(c));
     return (uint32_t)(PKV_MIN(want, fit) & ~(uint64_t)7);
 }
 
 uint64_t pkv__share_bytes(const pkv_cache *c) {
     const uint64_t n = c->max_seqs, rows = share_rows(c);
-    return sizeof(float) * rows * ((uint64_t)c->head_dim + 2u) + sizeof(float *) * n + sizeof(pkv__share_group) * n +
+    return sizeof(float) * rows * share_row_floats(c) + sizeof(float *) * n + sizeof(pkv__share_group) * n +
            sizeof(uint64_t) * (n + 1) + sizeof(uint32_t) * 14u * (n + 1);
 }
 
@@ -205,7 +210,8 @@ void pkv__share_carve(pkv_cache *c) {
     const uint32_t n = c->max_seqs;
     sh->rows = share_rows(c);
     sh->q = (float *)(void *)c->share_mem; /* most aligned first */
-    sh->lse_a = sh->q + (size_t)sh->rows * c->head_dim;
+    sh->o = c->v_dim < c->head_dim ? sh->q + (size_t)sh->rows * c->head_dim : sh->q;
+    sh->lse_a = sh->o + (size_t)sh->rows * (c->v_dim < c->head_dim ? c->v_dim : c->head_dim);
     sh->lse_b = sh->lse_a + sh->rows;
     sh->lse_to = (float **)(void *)(sh->lse_b + sh->rows);
     sh->groups = (pkv__share_group *)(void *)(sh->lse_to + n);

@@ -59,12 +59,14 @@ typedef struct tier_hdr {
     uint32_t byte_order; /* 0x01020304 as the writer stored it */
     uint32_t hdr_bytes;  /* sizeof(tier_hdr) */
     uint8_t key[PKV__TIER_KEY], parent[PKV__TIER_KEY];
-    uint32_t k_dtype, v_dtype, head_dim, n_kv_heads, n_layers, block_tokens;
+    uint32_t k_dtype, v_dtype, head_dim, n_kv_heads, n_layers, block_tokens; /* v_dtype: TIER_V_IN_K + v_dim
+                                                                                  where V lives in K */
     uint64_t entry_bytes; /* the whole entry, this header included */
     uint64_t checksum;    /* XXH3-64 of the bytes after the header */
 } tier_hdr;
 _Static_assert(sizeof(tier_hdr) == 88, "tier_hdr: no padding, the same on every ABI");
 
+#define TIER_V_IN_K 0x80000000u /* the header's v_dtype of a cache whose V lives in K: this + v_dim */
 static const char TIER_MAGIC[8] = {'P', 'K', 'V', 'T', 'I', 'E', 'R', '1'};
 
 /* ---- the tier object ---- */
@@ -199,8 +201,9 @@ static void key_of(XXH128_hash_t h, tkey *out) {
 }
 
 static void key_seed(const pkv_cache *c, uint64_t ns_lo, uint64_t ns_hi, tkey *out) {
+    /* the last word: v_dim where V lives in K (MLA), else 0 (the keys caches without it always had) */
     const uint64_t shape[8] = {0x31726569747670ull /* "pvtier1" */, c->cfg.k_dtype, c->cfg.v_dtype, c->head_dim,
-                               c->n_kv, c->n_layers, c->B, 0};
+                               c->n_kv, c->n_layers, c->B, c->cfg.v_dim};
     XXH3_state_t st;
     XXH3_INITSTATE(&st);
     XXH3_128bits_reset(&st);
@@ -229,10 +232,11 @@ typedef struct shape {
 
 static bool shape_of(const pkv_cache *c, shape *sh) {
     size_t kv, l;
-    sh->k_dtype = (uint32_t)c->cfg.k_dtype, sh->v_dtype = (uint32_t)c->cfg.v_dtype;
+    sh->k_dtype = (uint32_t)c->cfg.k_dtype;
+    sh->v_dtype = c->cfg.v_dim ? TIER_V_IN_K + c->cfg.v_dim : (uint32_t)c->cfg.v_dtype;
     sh->head_dim = c->head_dim, sh->n_kv_heads = c->n_kv, sh->n_layers = c->n_layers, sh->block_tokens = c->B;
     sh->k_rows = c->k_row * c->n_kv; /* each under the pool's own sizes, which fit in memory */
-    sh->v_rows = c->v_row * c->n_kv;
+    sh->v_rows = c->v_row * c->n_kv; /* 0 where V lives in K */
     return pkv__add_ok(sh->k_rows, sh->v_rows, &kv) && pkv__mul_ok(kv, c->B, &sh->layer) &&
            pkv__mul_ok(sh->layer, c->n_layers, &l) && pkv__add_ok(l, sizeof(tier_hdr) + (size_t)c->B * 4, &sh->entry);
 }
@@ -296,7 +300,7 @@ static int fill_entry(pkv_cache *c, pkv_seq id, const shape *sh, const tkey *key
     p += (size_t)B * sizeof(int32_t);
     int rc = PKV_OK;
     for (uint32_t l = 0; !rc && l < c->n_layers; l++, p += sh->layer)
-        rc = pkv_seq_read_stored(c, id, l, j * B, B, p, p + (size_t)B * sh->k_rows);
+        rc = pkv_seq_read_stored(c, id, l, j * B, B, p, sh->v_rows ? p + (size_t)B * sh->k_rows : NULL);
     if (rc) return rc;
     h.checksum = XXH3_64bits(buf + sizeof h, sh->entry - sizeof h);
     memcpy(buf, &h, sizeof h);
@@ -534,7 +538,7 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
             int w = PKV_OK;
             for (uint32_t l = 0; !w && l < c->n_layers; l++, p += sh.layer)
                 w = pkv_seq_write_stored(c, id, l, from, cnt, p + skip * sh.k_rows,
-                                         p + (size_t)B * sh.k_rows + skip * sh.v_rows);
+                                         sh.v_rows ? p + (size_t)B * sh.k_rows + skip * sh.v_rows : NULL);
             if (w) { /* rows the cache refuses (crafted to pass the checksum): a refused entry */
                 rc = pkv_seq_truncate(c, id, from);
                 reject(t, key);

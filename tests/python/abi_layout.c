@@ -17,6 +17,7 @@ int main(void) {
     FIELD(pkv_config, max_blocks_per_seq), FIELD(pkv_config, n_threads), FIELD(pkv_config, enable_prefix_cache);
     FIELD(pkv_config, huge_pages), FIELD(pkv_config, allocator), FIELD(pkv_config, log);
     FIELD(pkv_config, log_ctx), FIELD(pkv_config, executor), FIELD(pkv_config, event_capacity);
+    FIELD(pkv_config, v_dim);
     SIZE(pkv_allocator);
     FIELD(pkv_allocator, alloc), FIELD(pkv_allocator, free), FIELD(pkv_allocator, ctx);
     SIZE(pkv_executor);
@@ -26,7 +27,7 @@ int main(void) {
     FIELD(pkv_layout, k_row_bytes), FIELD(pkv_layout, v_row_bytes), FIELD(pkv_layout, k_block_bytes);
     FIELD(pkv_layout, v_block_bytes), FIELD(pkv_layout, n_blocks), FIELD(pkv_layout, block_tokens);
     FIELD(pkv_layout, n_kv_heads), FIELD(pkv_layout, head_dim), FIELD(pkv_layout, n_layers);
-    FIELD(pkv_layout, k_dtype), FIELD(pkv_layout, v_dtype);
+    FIELD(pkv_layout, k_dtype), FIELD(pkv_layout, v_dtype), FIELD(pkv_layout, v_dim);
     SIZE(pkv_seq_info);
     FIELD(pkv_seq_info, n_tokens), FIELD(pkv_seq_info, n_committed), FIELD(pkv_seq_info, n_blocks);
     FIELD(pkv_seq_info, n_shared), FIELD(pkv_seq_info, n_reused);

@@ -77,6 +77,7 @@ pub struct pkv_config {
     pub log_ctx: *mut c_void,
     pub executor: pkv_executor,
     pub event_capacity: u32,
+    pub v_dim: u32,
 }
 
 #[repr(C)]
@@ -106,6 +107,7 @@ pub struct pkv_layout {
     pub n_layers: u32,
     pub k_dtype: c_int,
     pub v_dtype: c_int,
+    pub v_dim: u32,
 }
 
 #[repr(C)]

@@ -191,7 +191,8 @@ fn struct_layouts_match_c() {
             log,
             log_ctx,
             executor,
-            event_capacity
+            event_capacity,
+            v_dim
         ]
     );
     offsets!(m, "pkv_allocator", ffi::pkv_allocator, [alloc, free, ctx]);
@@ -214,7 +215,8 @@ fn struct_layouts_match_c() {
             head_dim,
             n_layers,
             k_dtype,
-            v_dtype
+            v_dtype,
+            v_dim
         ]
     );
     offsets!(

@@ -1,0 +1,467 @@
+/* test_mla.c: caches whose V lives in K (pkv_config.v_dim: multi-head latent attention, MLA).
+ * Decode, prefill and tree attention on every backend this CPU has and every dtype, against a
+ * double reference over the pool's own rows (pkv_seq_gather of K; V = K's first v_dim values) and
+ * against a twin cache of the classic layout whose V rows are copies of the K rows (its outputs'
+ * first v_dim columns); forks after copy-on-write, shared prefixes read once (share.c), the
+ * refusals of V writes and reads, the layout, stored rows, and a tier round trip that a cache of
+ * the classic layout never sees. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+#include "tu_assert.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pkv.h"
+
+enum { B = 16, MAXTOK = 300, NSEQ = 3 };
+#define TOL 1e-5
+
+static uint64_t g_rng = 7;
+static float rnd(void) {
+    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)((double)(z >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+}
+
+static const char *const g_backends[] = {"ref", "avx2", "avx2-vnni", "avx512", "avx512-vnni", "neon", "neon-dotprod"};
+static const pkv_dtype g_types[] = {PKV_DTYPE_F32,  PKV_DTYPE_F16,  PKV_DTYPE_BF16,
+                                    PKV_DTYPE_Q8_0, PKV_DTYPE_Q4_0, PKV_DTYPE_FP8_E4M3};
+/* q8_0 and q4_0 K score int8 queries (test_attn_api.c: tol_of); the rest keep f32 queries */
+static double tol_of(pkv_dtype dt) { return dt == PKV_DTYPE_Q8_0 || dt == PKV_DTYPE_Q4_0 ? 2e-2 : TOL; }
+
+typedef struct shape {
+    uint32_t D, Dv, nqh;
+} shape;
+
+static pkv_config mla_config(pkv_dtype dt, shape sh, uint32_t v_dim, uint32_t n_threads) {
+    pkv_config cfg = pkv_config_default();
+    cfg.n_layers = 2, cfg.n_kv_heads = 1, cfg.head_dim = sh.D, cfg.block_tokens = B, cfg.n_blocks = 160;
+    cfg.k_dtype = cfg.v_dtype = dt;
+    cfg.n_threads = n_threads;
+    cfg.max_seqs = 16;
+    cfg.v_dim = v_dim;
+    return cfg;
+}
+
+/* The MLA cache and its twin of the classic layout (V rows: copies of the K rows), the same
+ * sequences in both (same handles' roles, same token ids). */
+typedef struct world {
+    shape sh;
+    pkv_dtype dt;
+    pkv_cache *c[2]; /* [0] MLA, [1] classic */
+    pkv_seq s[2][NSEQ];
+    uint32_t len[NSEQ];
+} world;
+
+/* Appends n positions to sequence i of both caches and writes random K in every layer (V too, the
+ * same rows, in the classic one). */
+static void grow(world *w, uint32_t i, uint32_t n, int32_t tok0) {
+    const uint32_t D = w->sh.D;
+    int32_t tok[MAXTOK];
+    float *k = malloc((size_t)n * D * sizeof(float));
+    assert_non_null(k);
+    for (uint32_t t = 0; t < n; t++) tok[t] = tok0 + (int32_t)(w->len[i] + t);
+    for (int x = 0; x < 2; x++) assert_int_equal(pkv_seq_append(w->c[x], w->s[x][i], tok, n, NULL), PKV_OK);
+    for (uint32_t l = 0; l < 2; l++) {
+        for (size_t j = 0; j < (size_t)n * D; j++) k[j] = rnd() * 1.5f;
+        assert_int_equal(pkv_seq_write_kv(w->c[0], w->s[0][i], l, w->len[i], n, k, NULL, PKV_DTYPE_F32), PKV_OK);
+        assert_int_equal(pkv_seq_write_kv(w->c[1], w->s[1][i], l, w->len[i], n, k, k, PKV_DTYPE_F32), PKV_OK);
+    }
+    w->len[i] += n;
+    free(k);
+}
+
+/* Three sequences: 0 of 150 positions, 1 a fork of 0 after 70 that grows its own 60 (copy-on-write
+ * of the shared partial block), 2 of 37 on its own. */
+static void world_make(world *w, pkv_dtype dt, shape sh, uint32_t n_threads) {
+    memset(w, 0, sizeof *w);
+    w->sh = sh, w->dt = dt;
+    for (int x = 0; x < 2; x++) {
+        const pkv_config cfg = mla_config(dt, sh, x ? 0 : sh.Dv, n_threads);
+        assert_int_equal(pkv_cache_create(&cfg, &w->c[x]), PKV_OK);
+        assert_int_equal(pkv_seq_create(w->c[x], NULL, 0, &w->s[x][0]), PKV_OK);
+        assert_int_equal(pkv_seq_create(w->c[x], NULL, 0, &w->s[x][2]), PKV_OK);
+    }
+    grow(w, 0, 70, 1);
+    for (int x = 0; x < 2; x++) assert_int_equal(pkv_seq_fork(w->c[x], w->s[x][0], &w->s[x][1]), PKV_OK);
+    w->len[1] = 70;
+    grow(w, 0, 80, 1);
+    grow(w, 1, 60, 1000);
+    grow(w, 2, 37, 5000);
+    for (int x = 0; x < 2; x++) {
+        char msg[256];
+        assert_int_equal(pkv_cache_check(w->c[x], msg, sizeof msg), PKV_OK);
+    }
+}
+
+static void world_free(world *w) {
+    for (int x = 0; x < 2; x++) pkv_cache_destroy(w->c[x]);
+}
+
+/* The double reference of query rows q ([nqh][D]) at position pos of sequence i in layer l, over
+ * the keys [0, pos] the pool holds (gathered from the MLA cache): out [nqh][Dv], lse [nqh]. */
+static void ref_rows(const world *w, uint32_t i, uint32_t l, const float *q, uint32_t pos, float scale, double *out,
+                     double *lse) {
+    const uint32_t D = w->sh.D, Dv = w->sh.Dv, n = pos + 1;
+    float *k = malloc((size_t)n * D * sizeof(float));
+    double *p = malloc((size_t)n * sizeof(double));
+    assert_true(k && p);
+    assert_int_equal(pkv_seq_gather(w->c[0], w->s[0][i], l, 0, n, k, NULL), PKV_OK);
+    for (uint32_t h = 0; h < w->sh.nqh; h++) {
+        double mx = -INFINITY, sum = 0;
+        for (uint32_t t = 0; t < n; t++) {
+            double dot = 0;
+            for (uint32_t d = 0; d < D; d++) dot += (double)q[(size_t)h * D + d] * k[(size_t)t * D + d];
+            p[t] = dot * scale;
+            mx = fmax(mx, p[t]);
+        }
+        for (uint32_t t = 0; t < n; t++) sum += (p[t] = exp(p[t] - mx));
+        for (uint32_t d = 0; d < Dv; d++) {
+            double o = 0;
+            for (uint32_t t = 0; t < n; t++) o += p[t] * k[(size_t)t * D + d];
+            out[(size_t)h * Dv + d] = o / sum;
+        }
+        lse[h] = mx + log(sum);
+    }
+    free(k);
+    free(p);
+}
+
+/* Row r of out ([nqh][Dv], lse [nqh]) against the reference at position pos of sequence i, and
+ * against the classic twin's row (co: [nqh][D], its first Dv columns). */
+static void check_row(const world *w, uint32_t i, uint32_t l, const float *q, uint32_t pos, float scale,
+                      const float *out, const float *lse, const float *co, const float *clse) {
+    const uint32_t Dv = w->sh.Dv, D = w->sh.D, nqh = w->sh.nqh;
+    double *ro = malloc((size_t)nqh * Dv * sizeof(double)), rl[128];
+    assert_true(ro && nqh <= 128);
+    ref_rows(w, i, l, q, pos, scale, ro, rl);
+    double vm = 0; /* the outputs' scale: the largest |V| is at most 1.5 rounded up */
+    for (size_t j = 0; j < (size_t)nqh * Dv; j++) vm = fmax(vm, fabs(ro[j]));
+    vm = fmax(vm, 1.0);
+    const double tol = tol_of(w->dt);
+    for (uint32_t h = 0; h < nqh; h++) {
+        for (uint32_t d = 0; d < Dv; d++) {
+            const float o = out[(size_t)h * Dv + d];
+            if (!(fabs(o - ro[(size_t)h * Dv + d]) <= tol * vm))
+                fail_msg("%s seq %u pos %u head %u d %u: %g, reference %g", pkv_dtype_name(w->dt), i, pos, h, d, o,
+                         ro[(size_t)h * Dv + d]);
+            /* the same kernels over the same values: equal up to the order of float sums */
+            assert_true(fabs(o - co[(size_t)h * D + d]) <= 1e-6 * vm);
+        }
+        assert_true(fabs(lse[h] - rl[h]) <= tol * fmax(1.0, fabs(rl[h])));
+        assert_true(fabs(lse[h] - clse[h]) <= 1e-6 * fmax(1.0, fabs(rl[h])));
+    }
+    free(ro);
+}
+
+static float *rand_q(size_t n) {
+    float *q = malloc(n * sizeof(float));
+    assert_non_null(q);
+    for (size_t j = 0; j < n; j++) q[j] = rnd();
+    return q;
+}
+
+/* Decode of the three sequences, a ragged prefill and a tree, in both caches, checked row by row. */
+static void run_world(world *w, float scale) {
+    const uint32_t D = w->sh.D, Dv = w->sh.Dv, nqh = w->sh.nqh;
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = nqh, p.scale = scale;
+    if (scale == 0.0f) scale = 1.0f / sqrtf((float)D); /* the default, as the library takes it */
+    enum { NQ = 24 };
+    float *q = rand_q((size_t)NQ * nqh * D), *out = malloc((size_t)NQ * nqh * Dv * sizeof(float));
+    float *co = malloc((size_t)NQ * nqh * D * sizeof(float)), lse[NQ * 128], clse[NQ * 128];
+    assert_true(out && co && nqh <= 128);
+    for (uint32_t l = 0; l < 2; l++) {
+        /* decode */
+        p.lse = lse;
+        assert_int_equal(pkv_attn_decode(w->c[0], l, w->s[0], NSEQ, q, out, &p), PKV_OK);
+        p.lse = clse;
+        assert_int_equal(pkv_attn_decode(w->c[1], l, w->s[1], NSEQ, q, co, &p), PKV_OK);
+        for (uint32_t i = 0; i < NSEQ; i++)
+            check_row(w, i, l, q + (size_t)i * nqh * D, w->len[i] - 1, scale, out + (size_t)i * nqh * Dv,
+                      lse + i * nqh, co + (size_t)i * nqh * D, clse + i * nqh);
+        /* prefill: positions [100, 112) of 0, [0, 9) of 2, [129, 130) of 1 */
+        const uint32_t who[3] = {0, 2, 1}, q0[3] = {100, 0, 129}, nq[3] = {12, 9, 1};
+        pkv_attn_req r[2][3];
+        for (int x = 0; x < 2; x++)
+            for (int j = 0; j < 3; j++) r[x][j] = (pkv_attn_req){.seq = w->s[x][who[j]], .q_start = q0[j], .n_q = nq[j]};
+        p.lse = lse;
+        assert_int_equal(pkv_attn_prefill(w->c[0], l, r[0], 3, q, out, &p), PKV_OK);
+        p.lse = clse;
+        assert_int_equal(pkv_attn_prefill(w->c[1], l, r[1], 3, q, co, &p), PKV_OK);
+        for (uint32_t j = 0, at = 0; j < 3; j++)
+            for (uint32_t t = 0; t < nq[j]; t++, at++)
+                check_row(w, who[j], l, q + (size_t)at * nqh * D, q0[j] + t, scale, out + (size_t)at * nqh * Dv,
+                          lse + at * nqh, co + (size_t)at * nqh * D, clse + at * nqh);
+        /* a tree of 4 nodes at the end of sequence 0 (positions 146-149): a chain 0-1-2 and a node
+           3 under 0; against the twin only (the paths' reference is test_attn_api.c's) */
+        const int32_t parent[4] = {-1, 0, 1, 0};
+        pkv_attn_tree_req tr[2];
+        for (int x = 0; x < 2; x++) tr[x] = (pkv_attn_tree_req){.seq = w->s[x][0], .q_start = 146, .n_nodes = 4, .parent = parent};
+        p.lse = lse;
+        assert_int_equal(pkv_attn_tree(w->c[0], l, &tr[0], 1, q, out, &p), PKV_OK);
+        p.lse = clse;
+        assert_int_equal(pkv_attn_tree(w->c[1], l, &tr[1], 1, q, co, &p), PKV_OK);
+        for (uint32_t j = 0; j < 4 * nqh; j++) {
+            for (uint32_t d = 0; d < Dv; d++) assert_true(fabs(out[(size_t)j * Dv + d] - co[(size_t)j * D + d]) <= 1e-5);
+            assert_true(fabs(lse[j] - clse[j]) <= 1e-5 * fmax(1.0, fabs(clse[j])));
+        }
+        /* the chain's nodes 0-2 are prefill rows 146-148 of sequence 0 */
+        for (uint32_t j = 0; j < 3; j++)
+            check_row(w, 0, l, q + (size_t)j * nqh * D, 146 + j, scale, out + (size_t)j * nqh * Dv, lse + j * nqh,
+                      co + (size_t)j * nqh * D, clse + j * nqh);
+    }
+    free(q);
+    free(out);
+    free(co);
+}
+
+/* The kernels' ways of reading (pkv.h: PKV_ATTN_*), set at creation: the CPU's own, then pool
+ * order with two passes (K then V of a window) and head leads, then table order in 4 KiB pieces
+ * with the wide sweep's rule. */
+static const char *const g_ways[3][5] = {
+    {NULL},
+    {"PKV_ATTN_ORDER", "pool", "PKV_ATTN_PASSES", "two", NULL},
+    {"PKV_ATTN_ORDER", "table", "PKV_ATTN_PIECES", "on", NULL},
+};
+static void set_way(int way) {
+    const char *const names[] = {"PKV_ATTN_ORDER", "PKV_ATTN_PASSES", "PKV_ATTN_PIECES"};
+    for (int i = 0; i < 3; i++) unsetenv(names[i]);
+    for (int i = 0; g_ways[way][i]; i += 2) setenv(g_ways[way][i], g_ways[way][i + 1], 1);
+}
+
+/* Every backend this CPU has, every dtype, three shapes: a small one at 1 and 16 query heads (16:
+ * the transposed primitives), and DeepSeek's (576 = 512 + 64, 16 heads) for f16 and q8_0; each
+ * way of reading (g_ways) on the reference and on the CPU's own backend. */
+static void test_mla_oracle(void **state) {
+    (void)state;
+    const shape shapes[3] = {{96, 64, 1}, {96, 64, 16}, {576, 512, 16}};
+    int n_backends = 0;
+    for (size_t b = 0; b < sizeof g_backends / sizeof *g_backends; b++)
+        for (int way = 0; way < 3; way++) {
+        set_way(way);
+        setenv("PKV_ATTN_BACKEND", g_backends[b], 1);
+        pkv_config probe = mla_config(PKV_DTYPE_F16, shapes[0], 64, 1);
+        pkv_cache *c = NULL;
+        if (pkv_cache_create(&probe, &c) == PKV_ENOTSUP) continue;
+        pkv_cache_destroy(c);
+        n_backends += way == 0;
+        for (size_t t = 0; t < sizeof g_types / sizeof *g_types; t++)
+            for (int s = 0; s < 3; s++) {
+                if (s == 2 && g_types[t] != PKV_DTYPE_F16 && g_types[t] != PKV_DTYPE_Q8_0) continue;
+                world w;
+                world_make(&w, g_types[t], shapes[s], 1 + (uint32_t)(s & 1));
+                run_world(&w, s == 2 ? 1.0f / sqrtf(192.0f) : 0.0f /* default: 1/sqrt(head_dim) */);
+                world_free(&w);
+            }
+        }
+    set_way(0);
+    unsetenv("PKV_ATTN_BACKEND");
+    assert_true(n_backends >= 2); /* ref and the detected one at least */
+}
+
+/* The default scale is 1 / sqrt(head_dim); run_world passes 0 for it, so the reference needs it. */
+static void test_mla_default_scale(void **state) {
+    (void)state;
+    world w;
+    const shape sh = {64, 32, 4};
+    world_make(&w, PKV_DTYPE_F32, sh, 2);
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = sh.nqh;
+    float *q = rand_q((size_t)NSEQ * sh.nqh * sh.D), out[NSEQ * 4 * 32], co[NSEQ * 4 * 64], lse[NSEQ * 4], clse[NSEQ * 4];
+    p.lse = lse;
+    assert_int_equal(pkv_attn_decode(w.c[0], 1, w.s[0], NSEQ, q, out, &p), PKV_OK);
+    p.lse = clse;
+    assert_int_equal(pkv_attn_decode(w.c[1], 1, w.s[1], NSEQ, q, co, &p), PKV_OK);
+    for (uint32_t i = 0; i < NSEQ; i++)
+        check_row(&w, i, 1, q + (size_t)i * sh.nqh * sh.D, w.len[i] - 1, 1.0f / 8.0f, out + (size_t)i * sh.nqh * sh.Dv,
+                  lse + i * sh.nqh, co + (size_t)i * sh.nqh * sh.D, clse + i * sh.nqh);
+    free(q);
+    world_free(&w);
+}
+
+/* Forks of one long prompt decoded together: the shared prefix is read once for all (share.c,
+ * attn_shared_keys counts it), its outputs kept apart from the queries (v_dim < head_dim). */
+static void test_mla_shared_prefix(void **state) {
+    (void)state;
+    const shape sh = {96, 64, 16};
+    for (size_t t = 0; t < sizeof g_types / sizeof *g_types; t++) {
+        world w;
+        world_make(&w, g_types[t], sh, 2);
+        /* 0 grows to 290; 1 and 2 become forks of it with 5 positions each of their own */
+        grow(&w, 0, 140, 1);
+        for (int x = 0; x < 2; x++) {
+            assert_int_equal(pkv_seq_release(w.c[x], w.s[x][1]), PKV_OK);
+            assert_int_equal(pkv_seq_release(w.c[x], w.s[x][2]), PKV_OK);
+            assert_int_equal(pkv_seq_commit(w.c[x], w.s[x][0], 290), PKV_OK);
+            assert_int_equal(pkv_seq_fork(w.c[x], w.s[x][0], &w.s[x][1]), PKV_OK);
+            assert_int_equal(pkv_seq_fork(w.c[x], w.s[x][0], &w.s[x][2]), PKV_OK);
+        }
+        w.len[1] = w.len[2] = 290;
+        grow(&w, 1, 5, 7000);
+        grow(&w, 2, 5, 8000);
+        pkv_stats st0;
+        assert_int_equal(pkv_cache_get_stats(w.c[0], &st0), PKV_OK);
+        pkv_attn_params p = pkv_attn_params_default();
+        p.n_q_heads = sh.nqh;
+        float *q = rand_q((size_t)NSEQ * sh.nqh * sh.D);
+        float *out = malloc((size_t)NSEQ * sh.nqh * sh.Dv * sizeof(float)), *co = malloc((size_t)NSEQ * sh.nqh * sh.D * 4);
+        float lse[NSEQ * 16], clse[NSEQ * 16];
+        assert_true(out && co);
+        p.lse = lse;
+        assert_int_equal(pkv_attn_decode(w.c[0], 0, w.s[0], NSEQ, q, out, &p), PKV_OK);
+        p.lse = clse;
+        assert_int_equal(pkv_attn_decode(w.c[1], 0, w.s[1], NSEQ, q, co, &p), PKV_OK);
+        pkv_stats st1;
+        assert_int_equal(pkv_cache_get_stats(w.c[0], &st1), PKV_OK);
+        assert_true(st1.attn_shared_keys > st0.attn_shared_keys); /* the group ran */
+        for (uint32_t i = 0; i < NSEQ; i++)
+            check_row(&w, i, 0, q + (size_t)i * sh.nqh * sh.D, w.len[i] - 1, 1.0f / sqrtf(96.0f),
+                      out + (size_t)i * sh.nqh * sh.Dv, lse + i * sh.nqh, co + (size_t)i * sh.nqh * sh.D,
+                      clse + i * sh.nqh);
+        free(q);
+        free(out);
+        free(co);
+        world_free(&w);
+    }
+}
+
+/* What a cache whose V lives in K refuses, and what it reports. */
+static void test_mla_refusals(void **state) {
+    (void)state;
+    const shape sh = {96, 64, 4};
+    pkv_config cfg = mla_config(PKV_DTYPE_F16, sh, 97, 1);
+    pkv_cache *c = NULL;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_EINVAL); /* v_dim over head_dim */
+    cfg = mla_config(PKV_DTYPE_F16, sh, 64, 1);
+    cfg.v_dtype = PKV_DTYPE_BF16;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_EINVAL); /* v_dtype not k_dtype */
+    cfg = mla_config(PKV_DTYPE_Q8_0, sh, 48, 1);
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_EINVAL); /* q8_0 blocks of 32 */
+    assert_null(c);
+    cfg = mla_config(PKV_DTYPE_Q4_0, sh, 64, 1);
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    pkv_config got;
+    assert_int_equal(pkv_cache_config(c, &got), PKV_OK);
+    assert_int_equal(got.v_dim, 64);
+    pkv_layout lo;
+    assert_int_equal(pkv_cache_layout(c, &lo), PKV_OK);
+    assert_int_equal(lo.v_dim, 64);
+    assert_ptr_equal(lo.v_base, lo.k_base);
+    assert_int_equal(lo.v_row_bytes, lo.k_row_bytes);
+    assert_int_equal(lo.v_block_bytes, lo.k_block_bytes);
+    assert_int_equal(lo.v_dtype, PKV_DTYPE_Q4_0);
+    pkv_stats st;
+    assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
+    assert_int_equal(st.kv_bytes_per_block, 2 * B * pkv_dtype_row_bytes(PKV_DTYPE_Q4_0, 96)); /* K alone, 2 layers */
+
+    pkv_seq s;
+    int32_t tok[20], slots[20];
+    for (int i = 0; i < 20; i++) tok[i] = i;
+    assert_int_equal(pkv_seq_create(c, NULL, 0, &s), PKV_OK);
+    assert_int_equal(pkv_seq_append(c, s, tok, 20, slots), PKV_OK);
+    float k[20 * 96], q[4 * 96], out[4 * 96], lse[4];
+    for (int i = 0; i < 20 * 96; i++) k[i] = rnd();
+    for (int i = 0; i < 4 * 96; i++) q[i] = rnd();
+    assert_int_equal(pkv_write_kv(c, 0, slots, 20, k, k, PKV_DTYPE_F32), PKV_EINVAL);
+    assert_int_equal(pkv_seq_write_kv(c, s, 0, 0, 20, k, k, PKV_DTYPE_F32), PKV_EINVAL);
+    assert_int_equal(pkv_seq_write_kv(c, s, 0, 0, 20, NULL, k, PKV_DTYPE_F32), PKV_EINVAL);
+    for (uint32_t l = 0; l < 2; l++) assert_int_equal(pkv_write_kv(c, l, slots, 20, k, NULL, PKV_DTYPE_F32), PKV_OK);
+    float g[20 * 96];
+    uint8_t raw[20 * 64];
+    assert_int_equal(pkv_seq_gather(c, s, 0, 0, 20, g, g), PKV_EINVAL);
+    assert_int_equal(pkv_seq_gather(c, s, 0, 0, 20, NULL, g), PKV_EINVAL);
+    assert_int_equal(pkv_seq_read_stored(c, s, 0, 0, 1, raw, raw + 64), PKV_EINVAL);
+    assert_int_equal(pkv_seq_read_stored(c, s, 0, 0, 20, raw, NULL), PKV_OK);
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = 4;
+    memcpy(out, q, sizeof q);
+    assert_int_equal(pkv_attn_decode(c, 0, &s, 1, out, out, &p), PKV_EINVAL); /* in place: rows differ */
+    assert_int_equal(pkv_attn_decode(c, 0, &s, 1, q, q + 96, &p), PKV_EINVAL);
+    p.lse = out + 4 * 64 - 2; /* over out's last row */
+    assert_int_equal(pkv_attn_decode(c, 0, &s, 1, q, out, &p), PKV_EINVAL);
+    p.lse = lse;
+    out[4 * 64] = 12345.0f; /* past out's [4][64]: untouched */
+    assert_int_equal(pkv_attn_decode(c, 0, &s, 1, q, out, &p), PKV_OK);
+    assert_true(out[4 * 64] == 12345.0f);
+    char msg[256];
+    assert_int_equal(pkv_cache_check(c, msg, sizeof msg), PKV_OK);
+    pkv_cache_destroy(c);
+}
+
+/* Stored rows move between MLA caches of another block size bit for bit, and a tier's entries
+ * from one MLA cache load into another (the same attention after), never into a cache of the
+ * classic layout with the same dtypes and head_dim. */
+static void test_mla_stored_tier(void **state) {
+    (void)state;
+    const shape sh = {96, 64, 8};
+    world w;
+    world_make(&w, PKV_DTYPE_FP8_E4M3, sh, 1);
+    pkv_config cfg = mla_config(PKV_DTYPE_FP8_E4M3, sh, 64, 1);
+    cfg.block_tokens = 32;
+    pkv_cache *c2 = NULL;
+    assert_int_equal(pkv_cache_create(&cfg, &c2), PKV_OK);
+    const size_t rb = pkv_dtype_row_bytes(PKV_DTYPE_FP8_E4M3, 96);
+    uint8_t *rows = malloc(150 * rb), *back = malloc(150 * rb);
+    assert_true(rows && back);
+    pkv_seq s2;
+    int32_t tok[150];
+    for (int i = 0; i < 150; i++) tok[i] = 1 + i;
+    assert_int_equal(pkv_seq_create(c2, NULL, 0, &s2), PKV_OK);
+    assert_int_equal(pkv_seq_append(c2, s2, tok, 150, NULL), PKV_OK);
+    for (uint32_t l = 0; l < 2; l++) {
+        assert_int_equal(pkv_seq_read_stored(w.c[0], w.s[0][0], l, 0, 150, rows, NULL), PKV_OK);
+        assert_int_equal(pkv_seq_write_stored(c2, s2, l, 0, 150, rows, rows), PKV_EINVAL);
+        assert_int_equal(pkv_seq_write_stored(c2, s2, l, 0, 150, rows, NULL), PKV_OK);
+        assert_int_equal(pkv_seq_read_stored(c2, s2, l, 0, 150, back, NULL), PKV_OK);
+        assert_memory_equal(rows, back, 150 * rb);
+    }
+    pkv_cache_destroy(c2);
+
+    /* a tier: sequence 0's 9 full blocks (its first 144 positions) saved, then loaded elsewhere */
+    pkv_tier *t = NULL;
+    assert_int_equal(pkv_tier_host_create(64u << 20, NULL, &t), PKV_OK);
+    assert_int_equal(pkv_seq_commit(w.c[0], w.s[0][0], 150), PKV_OK);
+    uint32_t saved = 0, loaded = 0;
+    assert_int_equal(pkv_tier_save(t, w.c[0], w.s[0][0], &saved), PKV_OK);
+    assert_int_equal(saved, 9);
+    for (int x = 1; x >= 0; x--) { /* the classic layout first: its miss must not cost the MLA entries */
+        cfg = mla_config(PKV_DTYPE_FP8_E4M3, sh, x ? 0 : 64, 1);
+        assert_int_equal(pkv_cache_create(&cfg, &c2), PKV_OK);
+        assert_int_equal(pkv_seq_create(c2, NULL, 0, &s2), PKV_OK);
+        assert_int_equal(pkv_tier_load(t, c2, s2, tok, 150, &loaded), PKV_OK);
+        if (x) { /* the classic layout: another key chain, nothing found */
+            assert_int_equal(loaded, 0);
+            pkv_cache_destroy(c2);
+            continue;
+        }
+        assert_int_equal(loaded, 144);
+        for (uint32_t l = 0; l < 2; l++) {
+            assert_int_equal(pkv_seq_read_stored(w.c[0], w.s[0][0], l, 0, 144, rows, NULL), PKV_OK);
+            assert_int_equal(pkv_seq_read_stored(c2, s2, l, 0, 144, back, NULL), PKV_OK);
+            assert_memory_equal(rows, back, 144 * rb);
+        }
+        pkv_cache_destroy(c2);
+    }
+    pkv_tier_destroy(t);
+    free(rows);
+    free(back);
+    world_free(&w);
+}
+
+int main(void) {
+    setenv("PKV_ATTN_SHARE", "64", 1); /* shared prefixes of 64 positions and more read once */
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_mla_oracle),        cmocka_unit_test(test_mla_default_scale),
+        cmocka_unit_test(test_mla_shared_prefix), cmocka_unit_test(test_mla_refusals),
+        cmocka_unit_test(test_mla_stored_tier),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
