@@ -523,6 +523,56 @@ static void test_share_json(void **state) {
     }
 }
 
+/* `pkv bench mla --json`: one line a configuration with both medians, their ratio, rates that
+ * agree with the mla median and the bytes, and the pool bytes a token takes a layer: K alone in
+ * the MLA cache (row bytes), K and V in the classic one. Bad options are usage errors. */
+static void test_mla_json(void **state) {
+    (void)state;
+    char *argv[] = {"pkv", "bench", "mla", "--json", "--ctx", "40,300", "--batch", "2", "--heads", "1,16", "--threads",
+                    "1", "--dtype", "f16,q8_0", "--head-dim", "96", "--v-dim", "64", "--mib", "1", "--rounds", "3", NULL};
+    char *out, *err;
+    const int rc = run_cli(argv, &out, &err);
+    if (rc != 0) fail_msg("exit %d: %s", rc, err);
+    int seen[2][2][2] = {{{0}}};
+    for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        one_object(line);
+        assert_true(str_is(line, "bench", "mla"));
+        const int q8 = str_is(line, "kv_dtype", "q8_0");
+        assert_true(q8 || str_is(line, "kv_dtype", "f16"));
+        const int ctx = (int)num(line, "ctx"), h = (int)num(line, "heads");
+        assert_true((ctx == 40 || ctx == 300) && (h == 1 || h == 16));
+        assert_int_equal((int)num(line, "batch"), 2);
+        assert_int_equal((int)num(line, "head_dim"), 96);
+        assert_int_equal((int)num(line, "v_dim"), 64);
+        const double L = num(line, "layers");
+        assert_true(L >= 1 && L <= 64);
+        seen[q8][ctx == 300][h == 16]++;
+        const double c = num(line, "classic_us"), m = num(line, "mla_us");
+        assert_true(c > 0 && m > 0);
+        /* the medians are printed to 0.1 us: each figure derived from them within that rounding */
+        const double ulp = 0.05 / m + 0.05 / c;
+        assert_true(fabs(num(line, "mla_over_classic") - m / c) <= 2e-3 + ulp * m / c);
+        const double row = (double)pkv_dtype_row_bytes(q8 ? PKV_DTYPE_Q8_0 : PKV_DTYPE_F16, 96);
+        const double gb = 2.0 * ctx * row / (m * 1e3), gf = 2.0 * h * (96 + 64) * 2.0 * ctx / (m * 1e3);
+        assert_true(fabs(num(line, "gbps") - gb) <= (0.01 + ulp) * gb + 0.01);
+        assert_true(fabs(num(line, "gflops") - gf) <= (0.01 + ulp) * gf + 0.1);
+        assert_int_equal((int)num(line, "bytes_per_token"), (int)row);
+        assert_int_equal((int)num(line, "bytes_per_token_classic"), 2 * (int)row);
+    }
+    for (int i = 0; i < 8; i++) assert_int_equal(seen[i / 4][i / 2 % 2][i % 2], 1);
+    free(out), free(err);
+    static char *bad[][5] = {{"pkv", "bench", "mla", "--heads", "0"},    {"pkv", "bench", "mla", "--heads", "129"},
+                             {"pkv", "bench", "mla", "--rounds", "2"},   {"pkv", "bench", "mla", "--dtype", "f16,"},
+                             {"pkv", "bench", "mla", "--v-dim", "600"},  {"pkv", "bench", "mla", "--batch", "65"},
+                             {"pkv", "bench", "mla", "--head-dim", "0"}, {"pkv", "bench", "mla", "--bogus", NULL}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char *argv2[6] = {bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4], NULL};
+        assert_int_equal(run_cli(argv2, NULL, NULL), 1);
+    }
+    char *odd[] = {"pkv", "bench", "mla", "--dtype", "q8_0", "--head-dim", "96", "--v-dim", "48", NULL};
+    assert_int_equal(run_cli(odd, NULL, NULL), 1); /* q8_0 rows of 32 values */
+}
+
 /* `pkv bench tier --json`: a header, then copy, direct, save and load for host and file, and the
  * save of a full host tier (host-full), each
  * with a median, GB/s consistent with it and the bytes, and its fraction of the copy's rate (the
@@ -587,6 +637,7 @@ int main(void) {
         cmocka_unit_test(test_refused_environment),
         cmocka_unit_test(test_ops_json),
         cmocka_unit_test(test_prefix_json),
+        cmocka_unit_test(test_mla_json),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
