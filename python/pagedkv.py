@@ -464,8 +464,9 @@ Layout = namedtuple("Layout", [f for f, _ in _Layout._fields_])
 
 def merge(out_a, lse_a, out_b, lse_b):
     """Merges two partial attention results of the same queries over disjoint key sets
-    (pkv_attn_merge): out_a, out_b [..., head_dim], lse_a, lse_b the matching [...] natural-log
-    sum-exps. Returns (out, lse) over the union, out shaped as out_a."""
+    (pkv_attn_merge): out_a, out_b [..., head_dim] (an MLA cache's outputs: [..., v_dim]),
+    lse_a, lse_b the matching [...] natural-log sum-exps. Returns (out, lse) over the union,
+    out shaped as out_a."""
     oa = _f32_array(out_a, "merge: out_a")
     if oa.ndim < 1 or oa.shape[-1] == 0:
         raise _invalid("merge: out_a needs a last axis of head_dim > 0")
@@ -505,8 +506,14 @@ class Cache:
     Keyword arguments are pkv_config's fields; those left out keep pkv_config_default()'s
     values: n_layers, n_kv_heads, head_dim, block_tokens, n_blocks, mem_budget_bytes,
     k_dtype and v_dtype (names: "f32", "f16", "bf16", "q8_0", "q4_0", "fp8_e4m3"), max_seqs,
-    max_blocks_per_seq, n_threads, enable_prefix_cache, huge_pages, and log (a callable
-    log(level, message), called on the thread that makes the libpkv call). The pool and every
+    max_blocks_per_seq, n_threads, enable_prefix_cache, huge_pages, event_capacity, v_dim, and
+    log (a callable log(level, message), called on the thread that makes the libpkv call).
+    v_dim (0, the default: V has rows of its own) in 1..head_dim makes an MLA cache (multi-head
+    latent attention, DeepSeek-V2 / V3: pkv.h's "MLA"): V lives in K, a token's V being the
+    first v_dim values of its K row (v_dtype must equal k_dtype; q8_0 / q4_0 need v_dim a
+    multiple of 32). Such a cache takes K alone (a v given to write_kv, write_kv_seq or
+    write_stored raises InvalidArgumentError), gather, read_stored and kv_view return None for V,
+    and attention returns outputs of v_dim values a head ([n][n_q_heads][v_dim]). The pool and every
     buffer attention needs are allocated here; close() (or the with-statement) frees them. A
     config libpkv refuses raises PkvError carrying its reason (e.g. "pkv_cache_create: head_dim 0
     not in 1..1024: invalid argument (EINVAL)").
@@ -519,7 +526,7 @@ class Cache:
     """
 
     _INT_FIELDS = ("n_layers", "n_kv_heads", "head_dim", "block_tokens", "n_blocks", "max_seqs",
-                   "max_blocks_per_seq", "n_threads", "event_capacity")
+                   "max_blocks_per_seq", "n_threads", "event_capacity", "v_dim")
 
     def __init__(self, **kw):
         self._c = None
@@ -572,6 +579,8 @@ class Cache:
         eff = _Config()
         self._check(_lib.pkv_cache_config(self._c, ctypes.byref(eff)), "pkv_cache_config")
         self._H, self._D, self._L = eff.n_kv_heads, eff.head_dim, eff.n_layers
+        self._v_in_k = eff.v_dim != 0  # MLA: no V rows, V is K's first v_dim values
+        self._Dv = eff.v_dim or eff.head_dim  # values an attention output row holds a head
         self._max_blocks = eff.max_blocks_per_seq
 
     # -- lifetime --
@@ -660,7 +669,8 @@ class Cache:
     @property
     @_in_call
     def config(self):
-        """The effective configuration (n_blocks, max_blocks_per_seq, n_threads resolved) as a dict."""
+        """The effective configuration (n_blocks, max_blocks_per_seq, n_threads resolved) as a dict;
+        v_dim is 0 where V has rows of its own, else the MLA cache's v_dim."""
         c = _Config()
         self._check(_lib.pkv_cache_config(self._h(), ctypes.byref(c)), "pkv_cache_config")
         d = {k: getattr(c, k) for k in self._INT_FIELDS + ("mem_budget_bytes",)}
@@ -684,7 +694,9 @@ class Cache:
     @_in_call
     def layout(self):
         """Where the pool lives (pkv_cache_layout), for engines with kernels of their own:
-        k_base and v_base are addresses (ints), valid until close()."""
+        k_base and v_base are addresses (ints), valid until close(). v_dim is the values a V row
+        holds: head_dim, or on an MLA cache its v_dim, and then v_base, v_row_bytes and
+        v_block_bytes are K's (V is the first v_dim values of each K row) and v_dtype k_dtype."""
         return self._layout()
 
     def _layout(self):  # (inside a call already: not counted again)
@@ -703,14 +715,17 @@ class Cache:
         bytes] uint8 for the quantized dtypes (scales inline, pagedkv.dtype_row_bytes). Read-only
         unless writeable=True; what is written through a view bypasses pkv_write_kv's checks
         (pkv.h: such rows are the caller's business). A view keeps the cache alive, and close()
-        refuses (EBUSY) while one is."""
+        refuses (EBUSY) while one is. On an MLA cache (v_dim) there is no V array: V is None
+        (a token's V is the first v_dim values of its K row: K[..., :v_dim] for f32, f16 and bf16)."""
         lo = self._layout()
         layer = _u32_of(layer, "layer")
         if layer >= lo.n_layers:
             raise _invalid("kv_view: layer %d of %d" % (layer, lo.n_layers))
         views = []
-        for base, dt, row, blk in ((lo.k_base, lo.k_dtype, lo.k_row_bytes, lo.k_block_bytes),
-                                   (lo.v_base, lo.v_dtype, lo.v_row_bytes, lo.v_block_bytes)):
+        arrays = [(lo.k_base, lo.k_dtype, lo.k_row_bytes, lo.k_block_bytes)]
+        if not self._v_in_k:
+            arrays.append((lo.v_base, lo.v_dtype, lo.v_row_bytes, lo.v_block_bytes))
+        for base, dt, row, blk in arrays:
             buf = (ctypes.c_uint8 * (lo.n_blocks * blk)).from_address(base + layer * lo.layer_stride_bytes)
             buf._cache = self  # the cache outlives every view
             self._views[id(buf)] = buf
@@ -720,6 +735,8 @@ class Cache:
             a = a.view(elem).reshape(shape + (lo.head_dim,)) if elem else a.reshape(shape + (row,))
             a.flags.writeable = bool(writeable)
             views.append(a)
+        if self._v_in_k:
+            views.append(None)
         return tuple(views)
 
     @_in_call
@@ -811,11 +828,19 @@ class Cache:
         patterns with dtype="bf16". Slot -1 skips a row. All-or-nothing. Slots name places in
         the pool, not a sequence: after a truncate, release or compaction of their sequence they
         may lie in another sequence's blocks, and a write through them changes that one. Take
-        them again (slots()) after those calls."""
+        them again (slots()) after those calls. On an MLA cache (v_dim) v must be None: K alone
+        is written, its first v_dim values being V."""
+        self._no_v(v, "write_kv")
         s = _i32_array(slots, "write_kv: slots")
         ka, va, code = self._kv_pair(k, v, s.size, "write_kv", dtype)
         self._check(_lib.pkv_write_kv(self._h(), _u32_of(layer, "layer"), _ptr(s), s.size, _ptr(ka), _ptr(va),
                                  code), "pkv_write_kv")
+
+    def _no_v(self, v, what):
+        """EINVAL for a v given to an MLA cache (V lives in K: write k alone), before any shape
+        check would misname the problem."""
+        if v is not None and self._v_in_k:
+            raise _invalid("%s: v given, but V lives in K here (v_dim %d): write k alone" % (what, self._Dv))
 
     def _kv_pair(self, k, v, n, what, dtype):
         """k and v (either None, not both) as _kv_in gives them, of one dtype: (ka, va, its code)."""
@@ -833,6 +858,7 @@ class Cache:
         (pkv_seq_write_kv), n the rows of k or v, which take the shapes and dtypes of write_kv.
         All-or-nothing, with write_kv's checks. By position, so no slots are needed and none
         can be stale: the rows written are seq's own."""
+        self._no_v(v, "write_kv_seq")
         x = k if k is not None else v
         row = self._H * self._D
         size = 0 if x is None else np.asarray(x).size
@@ -951,10 +977,10 @@ class Cache:
     @_in_call
     def gather(self, seq, layer, start=0, n=None):
         """K and V of positions [start, start + n) of one layer as float32 [n][n_kv_heads][head_dim]
-        arrays (dequantized)."""
+        arrays (dequantized). On an MLA cache (v_dim) V is None: it is k[..., :v_dim]."""
         start, n = self._range(seq, start, n, "gather")
         k = np.empty((n, self._H, self._D), dtype=np.float32)
-        v = np.empty_like(k)
+        v = None if self._v_in_k else np.empty_like(k)
         self._check(_lib.pkv_seq_gather(self._h(), _seq_of(seq), _u32_of(layer, "layer"), start, n, _ptr(k), _ptr(v)),
                "pkv_seq_gather")
         return k, v
@@ -965,11 +991,12 @@ class Cache:
         (pkv_seq_read_stored): uint8 arrays [n][n_kv_heads][row bytes], k in the cache's k_dtype
         and v in its v_dtype (pagedkv.dtype_row_bytes; scales inline for the quantized dtypes).
         write_stored takes them back, into this cache or another of the same dtypes and
-        head_dim, bit for bit: a sequence swapped out and in, or moved to another cache."""
+        head_dim, bit for bit: a sequence swapped out and in, or moved to another cache. On an
+        MLA cache (v_dim) v is None (the K rows hold V)."""
         start, n = self._range(seq, start, n, "read_stored")
         lo = self._layout()
         k = np.empty((n, self._H, lo.k_row_bytes), dtype=np.uint8)
-        v = np.empty((n, self._H, lo.v_row_bytes), dtype=np.uint8)
+        v = None if self._v_in_k else np.empty((n, self._H, lo.v_row_bytes), dtype=np.uint8)
         self._check(_lib.pkv_seq_read_stored(self._h(), _seq_of(seq), _u32_of(layer, "layer"), start, n, _ptr(k),
                                              _ptr(v)), "pkv_seq_read_stored")
         return k, v
@@ -980,7 +1007,8 @@ class Cache:
         start + n) of seq: k and/or v uint8 arrays of n x n_kv_heads rows of the pool's row bytes
         (any shape of that many bytes). All-or-nothing, with write_kv_seq's checks, and the rows
         are checked (a scale or value not finite, past PKV_VALUE_MAX, or a code the encoder never
-        writes raises, nothing written)."""
+        writes raises, nothing written). On an MLA cache (v_dim) v must be None."""
+        self._no_v(v, "write_stored")
         lo = self._layout()
         arrs, ns = [], []
         for x, row, side in ((k, lo.k_row_bytes, "k"), (v, lo.v_row_bytes, "v")):
@@ -1212,7 +1240,10 @@ class Cache:
         (scale, softcap, window, bf16_dot, sinks): (q, out, lse, pkv_attn_params, the sinks
         array the params point to, which the caller keeps alive through the call)."""
         qa, hq = self._q(q, n_queries, n_q_heads, what)
-        out = self._out(out, (n_queries, hq, self._D), "%s: out" % what)
+        if out is not None and self._Dv != self._D and isinstance(out, np.ndarray) and np.may_share_memory(out, qa):
+            raise _invalid("%s: out overlaps q; out may not be q where v_dim (%d) is not head_dim (%d)"
+                           % (what, self._Dv, self._D))
+        out = self._out(out, (n_queries, hq, self._Dv), "%s: out" % what)
         if lse_out is not None and not return_lse:
             raise _invalid("%s: lse_out given without return_lse=True" % what)
         lse = self._out(lse_out, (n_queries, hq), "%s: lse_out" % what) if return_lse else None
@@ -1254,13 +1285,14 @@ class Cache:
                out=None, lse_out=None, bf16_dot=False, sinks=None):
         """Decode attention (pkv_attn_decode): one query per sequence at its last position.
         q: [n_seqs][n_q_heads][head_dim] (float32; n_q_heads from its shape unless given).
-        Returns out shaped [n_seqs][n_q_heads][head_dim], and lse [n_seqs][n_q_heads] with
-        return_lse. scale 0 means 1/sqrt(head_dim); softcap and window 0 mean off. out (and
-        lse_out) may be given, float32 C-contiguous arrays of those sizes, to be written in
-        place of new ones (out may be q itself when q is such an array). bf16_dot: allow bf16
-        arithmetic with bf16 K/V (PKV_ATTN_BF16_DOT: queries and softmax weights rounded to bf16
-        where the CPU has bf16 dot products; bf16_dot_used says whether it does here). sinks:
-        n_q_heads finite attention-sink logits (gpt-oss; pkv_attn_params.sinks), each head's
+        Returns out shaped [n_seqs][n_q_heads][head_dim] ([..][v_dim] on an MLA cache), and lse
+        [n_seqs][n_q_heads] with return_lse. scale 0 means 1/sqrt(head_dim) (MLA: give the
+        model's). softcap and window 0 mean off. out (and lse_out) may be given, float32
+        C-contiguous arrays of those sizes, to be written in place of new ones (out may be q
+        itself when q is such an array, except on an MLA cache whose v_dim is not head_dim).
+        bf16_dot: allow bf16 arithmetic with bf16 K/V (PKV_ATTN_BF16_DOT: queries and softmax
+        weights rounded to bf16 where the CPU has bf16 dot products; bf16_dot_used says whether
+        it does here). sinks: n_q_heads finite attention-sink logits (gpt-oss; pkv_attn_params.sinks), each head's
         softmax counting one more key of that logit and value 0; lse then includes it."""
         a = self._seqs(seqs, "decode")
         qa, out, lse, p, _sk = self._attn_io(q, a.size, n_q_heads, out, lse_out, return_lse,
@@ -1274,8 +1306,9 @@ class Cache:
                 out=None, lse_out=None, bf16_dot=False, sinks=None):
         """Prefill / extend attention over a ragged batch (pkv_attn_prefill), causal.
         reqs: (seq, q_start, n_q) triples; q: the requests' queries concatenated,
-        [sum n_q][n_q_heads][head_dim]. Returns out (and lse) like decode, one row per query;
-        out, lse_out, bf16_dot and sinks as in decode."""
+        [sum n_q][n_q_heads][head_dim]. Returns out (and lse) like decode, one row per query
+        ([sum n_q][n_q_heads][v_dim] on an MLA cache); out, lse_out, bf16_dot and sinks as in
+        decode."""
         rs = list(reqs)
         if not rs:
             raise _invalid("prefill: no requests")
@@ -1302,8 +1335,8 @@ class Cache:
         parents) triples, node i of a request at position q_start + i with parent parents[i]
         (in [-1, i), -1 for a root); node i sees the positions before q_start and its path to
         its root, itself included. q: the requests' nodes' queries concatenated, [sum
-        nodes][n_q_heads][head_dim]. Returns out (and lse) like prefill; out may not be q. The
-        other arguments as in decode."""
+        nodes][n_q_heads][head_dim]. Returns out (and lse) like prefill ([..][v_dim] on an MLA
+        cache); out may not be q. The other arguments as in decode."""
         rs = list(reqs)
         if not rs:
             raise _invalid("tree: no requests")

@@ -24,12 +24,13 @@ SRC = os.environ.get("PKV_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "
 def ref_attn(q, K, V, scale, softcap=0.0, window=0, sinks=None):
     """One query's attention over K, V [T][H][D] (float64), seeing positions [T - window, T)
     when window > 0. q [Hq][D]; GQA: query head h reads kv head h // (Hq // H); sinks [Hq]: one
-    more key per head of that logit and value 0. Returns out [Hq][D] and the natural-log sum-exp
-    [Hq] of the scaled (capped) logits (and the sink)."""
+    more key per head of that logit and value 0. V may be narrower than K (MLA: V [T][H][Dv]).
+    Returns out [Hq][Dv] and the natural-log sum-exp [Hq] of the scaled (capped) logits (and
+    the sink)."""
     T, H, _ = K.shape
     Hq = q.shape[0]
     lo = max(0, T - window) if window else 0
-    out = np.empty(q.shape)
+    out = np.empty((Hq, V.shape[2]))
     lse = np.empty(Hq)
     for h in range(Hq):
         kh = h // (Hq // H)
@@ -137,10 +138,11 @@ class TestLibrary(Base):
             st = c.stats()
         self.assertEqual(cfg, dict(n_layers=3, n_kv_heads=2, head_dim=64, block_tokens=8, n_blocks=40, max_seqs=7,
                                    max_blocks_per_seq=9, n_threads=2, event_capacity=5, mem_budget_bytes=0, k_dtype="bf16",
-                                   v_dtype="q8_0", enable_prefix_cache=False, huge_pages=False))
+                                   v_dtype="q8_0", enable_prefix_cache=False, huge_pages=False, v_dim=0))
         self.assertEqual((lo.n_blocks, lo.block_tokens, lo.n_kv_heads, lo.head_dim, lo.n_layers), (40, 8, 2, 64, 3))
         self.assertEqual((lo.k_dtype, lo.v_dtype, lo.k_row_bytes, lo.v_row_bytes), ("bf16", "q8_0", 128, 68))
         self.assertEqual(lo.k_block_bytes, 2 * 8 * 128)
+        self.assertEqual(lo.v_dim, 64)  # V rows of their own: head_dim values
         self.assertNotEqual(lo.k_base, 0)
         self.assertEqual(st["n_blocks"], 40)
         self.assertEqual(st["n_free"], 40)
@@ -483,6 +485,205 @@ class TestAttention(Base):
             # the truncated fork reads only [0, 20)
             want, _ = ref_attn(qa[0], K[:20], V[:20], 1 / 8)
             self.assertClose(out_a[0], want, 1e-5, "fork truncated to 20")
+
+
+class TestMLA(Base):
+    """Caches whose V lives in K (pkv_config.v_dim: multi-head latent attention): K written
+    alone, attention outputs of v_dim values against ref_attn over gather()'s K with V its first
+    v_dim values, the refusals, and the layout's view of a pool without a V array."""
+
+    D, DV, HQ = 96, 64, 8
+    TOL = {"f32": 1e-5, "f16": 1e-5, "q8_0": 2e-2}  # q8_0: the kernels quantize queries to int8
+
+    def mla(self, dt, **kw):
+        args = dict(n_kv_heads=1, head_dim=self.D, v_dim=self.DV, block_tokens=16, n_blocks=64, k_dtype=dt,
+                    v_dtype=dt, n_threads=2)
+        args.update(kw)
+        return pkv.Cache(**args)
+
+    def fill_k(self, c, s, n, by_seq=False):
+        """Appends n tokens to s and writes random K (v=None) for layer 0, by slot or by position."""
+        start = c.seq_info(s).n_tokens
+        slots = c.append(s, self.rng.integers(0, 500, n))
+        k = self.rng.standard_normal((n, 1, self.D)).astype(np.float32)
+        if by_seq:
+            c.write_kv_seq(s, 0, start, k)
+        else:
+            c.write_kv(0, slots, k)
+
+    def ref(self, q, K, scale):
+        return ref_attn(q, K, K[:, :, :self.DV], scale)
+
+    def test_decode_prefill_tree_match_reference(self):
+        for dt in ("f32", "f16", "q8_0"):
+            with self.subTest(dtype=dt), self.mla(dt) as c:
+                tol, Hq, D, Dv = self.TOL[dt], self.HQ, self.D, self.DV
+                self.assertEqual(c.config["v_dim"], Dv)
+                lens = [1, 15, 16, 17, 100, 257]
+                seqs = [c.seq_create() for _ in lens]
+                for rnd in range(0, max(lens), 16):  # in turns: interleaved block tables
+                    for i, (s, n) in enumerate(zip(seqs, lens)):
+                        if rnd < n:
+                            self.fill_k(c, s, min(16, n - rnd), by_seq=i % 2 == 1)
+                for s in seqs:
+                    c.commit(s, c.seq_info(s).n_tokens)
+                q = self.rng.standard_normal((len(seqs), Hq, D)).astype(np.float32)
+                for scale in (0.0, 1 / np.sqrt(192)):  # the default 1/sqrt(head_dim), and a model's
+                    out, lse = c.decode(0, seqs, q, scale=scale, return_lse=True)
+                    self.assertEqual(out.shape, (len(seqs), Hq, Dv))
+                    for i, s in enumerate(seqs):
+                        K, V = c.gather(s, 0)
+                        self.assertIsNone(V)
+                        self.assertEqual(K.shape, (lens[i], 1, D))
+                        want, wlse = self.ref(q[i], K, scale or 1 / np.sqrt(D))
+                        self.assertClose(out[i], want, tol, "%s decode, %d tokens" % (dt, lens[i]))
+                        self.assertClose(lse[i], wlse, tol, "%s decode lse" % dt)
+                # out given: v_dim wide, written in place; flattened after the first axis too
+                buf = np.empty((len(seqs), Hq * Dv), np.float32)
+                self.assertIs(c.decode(0, seqs, q, out=buf), buf)
+                np.testing.assert_array_equal(buf.reshape(out.shape), c.decode(0, seqs, q))
+                # a ragged prefill
+                reqs = [(seqs[5], 237, 20), (seqs[4], 97, 3), (seqs[2], 15, 1)]
+                qp = self.rng.standard_normal((24, Hq, D)).astype(np.float32)
+                outp = c.prefill(0, reqs, qp, scale=0.1)
+                self.assertEqual(outp.shape, (24, Hq, Dv))
+                row = 0
+                for s, start, n in reqs:
+                    K, _ = c.gather(s, 0)
+                    for j in range(n):
+                        want, _ = self.ref(qp[row], K[:start + j + 1], 0.1)
+                        self.assertClose(outp[row], want, tol, "%s prefill, position %d" % (dt, start + j))
+                        row += 1
+                # a draft tree after seqs[4]'s 100 committed positions
+                s = seqs[4]
+                parents = [-1, 0, 0, 1, -1, 4]
+                self.fill_k(c, s, len(parents))
+                K, _ = c.gather(s, 0)
+                qt = self.rng.standard_normal((len(parents), Hq, D)).astype(np.float32)
+                outt = c.tree(0, [(s, 100, parents)], qt, scale=0.1)
+                self.assertEqual(outt.shape, (len(parents), Hq, Dv))
+                for i in range(len(parents)):
+                    keys, j = list(range(100)), i
+                    while j >= 0:
+                        keys.append(100 + j)
+                        j = parents[j]
+                    want, _ = self.ref(qt[i], K[keys], 0.1)
+                    self.assertClose(outt[i], want, tol, "%s tree node %d" % (dt, i))
+                c.check()
+
+    def test_refusals(self):
+        with self.mla("f32") as c:
+            s = c.seq_create()
+            slots = c.append(s, range(5))
+            k = self.rng.standard_normal((5, 1, self.D)).astype(np.float32)
+            c.write_kv(0, slots, k)
+            k_st, _ = c.read_stored(s, 0)
+            q = self.rng.standard_normal((1, self.HQ, self.D)).astype(np.float32)
+            before = c.decode(0, [s], q)
+            for call in (lambda: c.write_kv(0, slots, k, k[:, :, :self.DV]),
+                         lambda: c.write_kv(0, slots, k, k),
+                         lambda: c.write_kv(0, slots, v=k[:, :, :self.DV]),
+                         lambda: c.write_kv_seq(s, 0, 0, k, k),
+                         lambda: c.write_kv_seq(s, 0, 0, v=k[:, :, :self.DV]),
+                         lambda: c.write_stored(s, 0, 0, k_st, k_st),
+                         lambda: c.write_stored(s, 0, 0, v=k_st)):
+                with self.assertRaises(pkv.InvalidArgumentError) as e:
+                    call()
+                self.assertIn("V lives in K", str(e.exception))
+            np.testing.assert_array_equal(c.gather(s, 0)[0], k)  # nothing written
+            # out may not be q, nor overlap it, where v_dim < head_dim; nor be head_dim wide
+            qs = q.copy()
+            inside = qs.reshape(-1)[:self.HQ * self.DV].reshape(1, self.HQ, self.DV)
+            for out in (qs, inside, qs.reshape(-1)[self.HQ * (self.D - self.DV):]):
+                with self.assertRaises(pkv.InvalidArgumentError) as e:
+                    c.decode(0, [s], qs, out=out)
+                self.assertIn("out may not be q", str(e.exception))
+                with self.assertRaises(pkv.InvalidArgumentError):
+                    c.prefill(0, [(s, 4, 1)], qs, out=out)
+            np.testing.assert_array_equal(qs, q)
+            for out in (np.empty((1, self.HQ, self.D), np.float32), np.empty((1, self.HQ, self.DV + 1), np.float32)):
+                with self.assertRaises(pkv.InvalidArgumentError):
+                    c.decode(0, [s], q, out=out)
+                with self.assertRaises(pkv.InvalidArgumentError):
+                    c.tree(0, [(s, 4, [-1])], q, out=out)
+            np.testing.assert_array_equal(c.decode(0, [s], q), before)
+        # configurations libpkv refuses, its reasons carried
+        for kw, why in ((dict(v_dim=97), "v_dim 97 is over head_dim 96"),
+                        (dict(v_dim=64, v_dtype="f16"), "needs v_dtype f16 to be k_dtype f32"),
+                        (dict(v_dim=48, k_dtype="q8_0", v_dtype="q8_0"), "needs a multiple of 32"),
+                        (dict(v_dim=-1), "v_dim out of range")):
+            with self.subTest(kw=kw), self.assertRaises(pkv.InvalidArgumentError) as e:
+                pkv.Cache(n_kv_heads=1, head_dim=96, k_dtype=kw.pop("k_dtype", "f32"), n_threads=1,
+                          v_dtype=kw.pop("v_dtype", "f32"), **kw)
+            self.assertIn(why, str(e.exception))
+        # v_dim == head_dim: V is the whole K row, and out may be q (in place) again
+        with self.mla("f32", v_dim=self.D) as c:
+            s = c.seq_create()
+            c.write_kv(0, c.append(s, range(3)), self.rng.standard_normal((3, 1, self.D)).astype(np.float32))
+            q = self.rng.standard_normal((1, self.HQ, self.D)).astype(np.float32)
+            want = c.decode(0, [s], q)
+            self.assertIs(c.decode(0, [s], q, out=q), q)
+            np.testing.assert_array_equal(q, want)
+
+    def test_layout_views_stored(self):
+        for dt in ("f32", "f16", "q8_0"):
+            with self.subTest(dtype=dt), self.mla(dt, n_layers=2, block_tokens=4, n_blocks=8) as a, \
+                    self.mla(dt, n_layers=2, block_tokens=4, n_blocks=8) as b:
+                lo = a.layout()
+                row = pkv.dtype_row_bytes(dt, self.D)
+                self.assertEqual((lo.v_dim, lo.head_dim, lo.v_dtype, lo.k_dtype), (self.DV, self.D, dt, dt))
+                self.assertEqual((lo.v_base, lo.v_row_bytes, lo.v_block_bytes), (lo.k_base, row, 4 * row))
+                self.assertEqual(lo.k_block_bytes, 4 * row)
+                self.assertEqual(a.stats()["kv_bytes_per_block"], 2 * 4 * row)  # K rows alone
+                sa, sb = a.seq_create(), b.seq_create()
+                a.append(sa, range(7))
+                b.append(sb, range(7))
+                k = self.rng.standard_normal((7, 1, self.D)).astype(np.float32)
+                for layer in range(2):
+                    a.write_kv_seq(sa, layer, 0, k * (layer + 1))
+                gk, gv = a.gather(sa, 1)
+                self.assertIsNone(gv)
+                # the pool's view: K alone, V None (a token's V is its K row's first v_dim values)
+                K, V = a.kv_view(1)
+                self.assertIsNone(V)
+                table = a.block_table(sa)
+                rows = np.stack([K[table[p // 4], :, p % 4] for p in range(7)])
+                if dt == "q8_0":
+                    self.assertEqual(K.shape, (8, 1, 4, row))
+                    np.testing.assert_array_equal(rows, a.read_stored(sa, 1)[0])
+                else:
+                    self.assertEqual(K.shape, (8, 1, 4, self.D))
+                    np.testing.assert_array_equal(rows.astype(np.float32), gk)
+                del K, V, rows
+                # stored rows: K alone, moved to another MLA cache bit for bit
+                for layer in range(2):
+                    ks, vs = a.read_stored(sa, layer)
+                    self.assertIsNone(vs)
+                    self.assertEqual(ks.shape, (7, 1, row))
+                    b.write_stored(sb, layer, 0, ks)
+                    np.testing.assert_array_equal(b.read_stored(sb, layer)[0], ks)
+                    np.testing.assert_array_equal(b.gather(sb, layer)[0], a.gather(sa, layer)[0])
+                q = self.rng.standard_normal((1, self.HQ, self.D)).astype(np.float32)
+                np.testing.assert_array_equal(b.decode(1, [sb], q), a.decode(1, [sa], q))
+                a.check()
+                b.check()
+
+    def test_merge_of_mla_outputs(self):
+        # two halves of a sequence's keys attended apart (two caches), merged: the whole one's result
+        with self.mla("f32") as whole, self.mla("f32") as a, self.mla("f32") as b:
+            k = self.rng.standard_normal((40, 1, self.D)).astype(np.float32)
+            sw, sa, sb = whole.seq_create(), a.seq_create(), b.seq_create()
+            whole.write_kv(0, whole.append(sw, range(40)), k)
+            a.write_kv(0, a.append(sa, range(25)), k[:25])
+            b.write_kv(0, b.append(sb, range(15)), k[25:])
+            q = self.rng.standard_normal((1, self.HQ, self.D)).astype(np.float32)
+            oa, la = a.decode(0, [sa], q, return_lse=True)
+            ob, lb = b.decode(0, [sb], q, return_lse=True)
+            out, lse = pkv.merge(oa, la, ob, lb)
+            want, wlse = whole.decode(0, [sw], q, return_lse=True)
+            self.assertEqual(out.shape, (1, self.HQ, self.DV))
+            self.assertClose(out, want.astype(np.float64), 1e-5, "merged")
+            self.assertClose(lse, wlse.astype(np.float64), 1e-5, "merged lse")
 
 
 class TestThreads(Base):
