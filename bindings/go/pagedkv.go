@@ -238,6 +238,13 @@ func DtypeFromName(name string) (Dtype, error) {
 }
 
 // Config is pkv_config without the hooks. DefaultConfig is pkv_config_default().
+//
+// VDim 0 (the default): V has rows of its own, HeadDim values of VDtype. 1..HeadDim: V lives in
+// K (multi-head latent attention, MLA: DeepSeek-V2 / V3): the pool holds K rows only and a
+// token's V is the first VDim values of its K row (pkv.h, "MLA"). VDtype must then be KDtype
+// (Q8_0 / Q4_0: VDim a multiple of 32); writes and reads of V are EINVAL (pass K alone, v nil),
+// and the attention calls' outputs are [..][n_q_heads][VDim], their queries still
+// [..][n_q_heads][HeadDim].
 type Config struct {
 	NLayers, NKVHeads, HeadDim, BlockTokens, NBlocks uint32
 	MemBudgetBytes                                   uint64
@@ -245,17 +252,18 @@ type Config struct {
 	MaxSeqs, MaxBlocksPerSeq, NThreads               uint32
 	PrefixCache, HugePages                           bool
 	EventCapacity                                    uint32 // prefix-index events kept for TakeEvents, at most 2^24; 0: none recorded
+	VDim                                             uint32 // 0: V rows of their own; 1..HeadDim: V is K's first VDim values (MLA)
 }
 
 func configFromC(c *C.pkv_config) Config {
 	return Config{uint32(c.n_layers), uint32(c.n_kv_heads), uint32(c.head_dim), uint32(c.block_tokens),
 		uint32(c.n_blocks), uint64(c.mem_budget_bytes), Dtype(c.k_dtype), Dtype(c.v_dtype), uint32(c.max_seqs),
 		uint32(c.max_blocks_per_seq), uint32(c.n_threads), c.enable_prefix_cache != 0, c.huge_pages != 0,
-		uint32(c.event_capacity)}
+		uint32(c.event_capacity), uint32(c.v_dim)}
 }
 
 // DefaultConfig: 1 layer, 8 kv heads, head_dim 128, 16-token blocks, 1024 blocks, f16 K and V,
-// 256 sequences, prefix cache and huge pages on, every CPU.
+// 256 sequences, prefix cache and huge pages on, every CPU, V rows of their own (VDim 0).
 func DefaultConfig() Config {
 	c := C.pkv_config_default()
 	return configFromC(&c)
@@ -362,6 +370,7 @@ func NewCache(cfg Config) (*Cache, error) {
 	raw.n_threads = C.uint32_t(cfg.NThreads)
 	raw.enable_prefix_cache, raw.huge_pages = b2i(cfg.PrefixCache), b2i(cfg.HugePages)
 	raw.event_capacity = C.uint32_t(cfg.EventCapacity)
+	raw.v_dim = C.uint32_t(cfg.VDim)
 	C.pkvgo_set_log(&raw)
 	runtime.LockOSThread() // check reads what libpkv said on this thread
 	defer runtime.UnlockOSThread()
@@ -677,6 +686,24 @@ func (c *Cache) kvElems(n int, what string) (int, error) {
 	return mulLen(n, row, what)
 }
 
+// outDim is the values of an attention output row (a query head's): VDim where V lives in K
+// (MLA, Config.VDim), else HeadDim.
+func (c *Cache) outDim() uint32 {
+	if c.cfg.VDim != 0 {
+		return c.cfg.VDim
+	}
+	return c.cfg.HeadDim
+}
+
+// noVInK is EINVAL, before libpkv sees it, where V is given (vOK) to a cache whose V lives in K
+// (MLA, Config.VDim): its V is K's rows, written and read as K.
+func (c *Cache) noVInK(vOK bool, what string) error {
+	if vOK && c.cfg.VDim != 0 {
+		return invalid("%s: v given, but V lives in K here (v_dim %d): pass k alone", what, c.cfg.VDim)
+	}
+	return nil
+}
+
 // emptyBuf is what an empty slice that is not nil points C at: never read or written (a count
 // of 0 comes with it), 8-byte aligned for every element type here.
 var emptyBuf uint64
@@ -806,6 +833,9 @@ func (c *Cache) writeKV(layer uint32, slots []int32, k, v unsafe.Pointer, kn, vn
 	if err != nil {
 		return err
 	}
+	if err := c.noVInK(vOK, "WriteKV"); err != nil {
+		return err
+	}
 	if !kOK && !vOK {
 		return invalid("WriteKV: neither k nor v given")
 	}
@@ -832,11 +862,11 @@ func (c *Cache) writeKV(layer uint32, slots []int32, k, v unsafe.Pointer, kn, vn
 	})
 }
 
-// WriteKV writes f32 K and/or V (nil: not written) of one layer at these slots (-1 skips a
-// row): each [len(slots)][n_kv_heads][head_dim]. All-or-nothing. Slots name places in the pool,
-// not a sequence: after a Truncate, Keep, Release or compaction of their sequence they may lie in
-// another sequence's blocks, and a write through them changes that one. Take them again (Slots)
-// after those calls.
+// WriteKV writes f32 K and/or V (nil: not written) of one layer at these slots (-1 skips a row):
+// each [len(slots)][n_kv_heads][head_dim] (K alone where V lives in K, MLA: a v is EINVAL).
+// All-or-nothing. Slots name places in the pool, not a sequence: after a Truncate, Keep, Release
+// or compaction of their sequence they may lie in another sequence's blocks, and a write through
+// them changes that one. Take them again (Slots) after those calls.
 func (c *Cache) WriteKV(layer uint32, slots []int32, k, v []float32) error {
 	return c.writeKV(layer, slots, unsafe.Pointer(f32p(k)), unsafe.Pointer(f32p(v)), len(k), len(v), F32,
 		k != nil, v != nil, false)
@@ -880,13 +910,13 @@ func want16(dt Dtype, what string) error {
 	return nil
 }
 
-// WriteKVSeq writes f32 K and/or V (nil: not written) of one layer for positions
-// [start, start + n) of s (pkv_seq_write_kv), n the rows of k or v (each
-// [n][n_kv_heads][head_dim]). All-or-nothing, with WriteKV's checks. By position, so no slots
-// are needed and none can be stale: the rows written are s's own. It holds s's lock alone, as a
-// change to s does, and shares the kv lock with attention: it waits for the calls that name s
-// (attention over s included) and for a WriteKV by slot (whose slots might name s's rows), not
-// for attention over other sequences.
+// WriteKVSeq writes f32 K and/or V (nil: not written) of one layer for positions [start, start +
+// n) of s (pkv_seq_write_kv), n the rows of k or v (each [n][n_kv_heads][head_dim]; k alone where
+// V lives in K). All-or-nothing, with WriteKV's checks. By position, so no slots are needed and
+// none can be stale: the rows written are s's own. It holds s's lock alone, as a change to s
+// does, and shares the kv lock with attention: it waits for the calls that name s (attention over
+// s included) and for a WriteKV by slot (whose slots might name s's rows), not for attention over
+// other sequences.
 func (c *Cache) WriteKVSeq(s Seq, layer, start uint32, k, v []float32) error {
 	return c.writeKVSeq(s, layer, start, unsafe.Pointer(f32p(k)), unsafe.Pointer(f32p(v)), len(k), len(v), F32,
 		k != nil, v != nil)
@@ -906,6 +936,9 @@ func (c *Cache) writeKVSeq(s Seq, layer, start uint32, k, v unsafe.Pointer, kn, 
 	}
 	row, err := c.kvElems(1, "WriteKVSeq")
 	if err != nil {
+		return err
+	}
+	if err := c.noVInK(vOK, "WriteKVSeq"); err != nil {
 		return err
 	}
 	have := kn
@@ -1127,7 +1160,8 @@ func (c *Cache) BlockTable(s Seq) ([]int32, error) {
 }
 
 // Gather returns K and V of positions [start, start+n) of one layer, f32
-// [n][n_kv_heads][head_dim] (dequantized).
+// [n][n_kv_heads][head_dim] (dequantized). Where V lives in K (MLA, Config.VDim) V is nil: a
+// position's V is the first VDim values of its K row.
 func (c *Cache) Gather(s Seq, layer, start, n uint32) ([]float32, []float32, error) {
 	p, g, err := c.enter(readKV, s)
 	if err != nil {
@@ -1141,7 +1175,10 @@ func (c *Cache) Gather(s Seq, layer, start, n uint32) ([]float32, []float32, err
 	if err != nil {
 		return nil, nil, err
 	}
-	k, v := make([]float32, elems), make([]float32, elems)
+	k, v := make([]float32, elems), []float32(nil)
+	if c.cfg.VDim == 0 {
+		v = make([]float32, elems)
+	}
 	rc := C.pkv_seq_gather(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), C.uint32_t(n), f32p(k), f32p(v))
 	if err := check(rc, "pkv_seq_gather"); err != nil {
 		return nil, nil, err
@@ -1151,10 +1188,13 @@ func (c *Cache) Gather(s Seq, layer, start, n uint32) ([]float32, []float32, err
 
 // GatherInto is Gather into the caller's buffers, K, V or both (nil: not gathered), each
 // [n][n_kv_heads][head_dim] for n = its length / (n_kv_heads * head_dim) positions from start
-// (both the same n).
+// (both the same n). K alone where V lives in K (MLA): a v is EINVAL.
 func (c *Cache) GatherInto(s Seq, layer, start uint32, k, v []float32) error {
 	row, err := c.kvElems(1, "Gather")
 	if err != nil {
+		return err
+	}
+	if err := c.noVInK(v != nil, "Gather"); err != nil {
 		return err
 	}
 	var elems int
@@ -1184,9 +1224,12 @@ func (c *Cache) GatherInto(s Seq, layer, start uint32, k, v []float32) error {
 }
 
 // storedBytes is the bytes of one position's stored rows, K and V: n_kv_heads rows of the
-// pool's row bytes (RowBytes of KDtype and VDtype).
+// pool's row bytes (RowBytes of KDtype and VDtype; V none where V lives in K).
 func (c *Cache) storedBytes() (int, int) {
 	h := int(c.cfg.NKVHeads)
+	if c.cfg.VDim != 0 {
+		return h * c.cfg.KDtype.RowBytes(c.cfg.HeadDim), 0
+	}
 	return h * c.cfg.KDtype.RowBytes(c.cfg.HeadDim), h * c.cfg.VDtype.RowBytes(c.cfg.HeadDim)
 }
 
@@ -1194,7 +1237,9 @@ func (c *Cache) storedBytes() (int, int) {
 // stores them (pkv_seq_read_stored): [n][n_kv_heads][row bytes], K in the cache's KDtype and V
 // in its VDtype (RowBytes; scales inline for the quantized dtypes). WriteStored takes them
 // back, into this cache or another of the same dtypes and head_dim, bit for bit: a sequence
-// swapped out and in, or moved to another cache. It reads as Gather does.
+// swapped out and in, or moved to another cache. It reads as Gather does. Where V lives in K
+// (MLA, Config.VDim) V is nil: K's rows are all there is (and the other cache must have the
+// same VDim).
 func (c *Cache) ReadStored(s Seq, layer, start, n uint32) ([]byte, []byte, error) {
 	p, g, err := c.enter(readKV, s)
 	if err != nil {
@@ -1213,7 +1258,10 @@ func (c *Cache) ReadStored(s Seq, layer, start, n uint32) ([]byte, []byte, error
 	if err != nil {
 		return nil, nil, err
 	}
-	k, v := make([]byte, kn), make([]byte, vn)
+	k, v := make([]byte, kn), []byte(nil)
+	if c.cfg.VDim == 0 {
+		v = make([]byte, vn)
+	}
 	rc := C.pkv_seq_read_stored(p, C.pkv_seq(s), C.uint32_t(layer), C.uint32_t(start), C.uint32_t(n), slicePtr(k),
 		slicePtr(v))
 	if err := check(rc, "pkv_seq_read_stored"); err != nil {
@@ -1224,7 +1272,7 @@ func (c *Cache) ReadStored(s Seq, layer, start, n uint32) ([]byte, []byte, error
 
 // ReadStoredInto is ReadStored into the caller's buffers, K, V or both (nil: not read), each
 // holding n positions' rows for n = its length / the bytes of one position's rows (both the
-// same n).
+// same n). K alone where V lives in K (MLA): a v is EINVAL.
 func (c *Cache) ReadStoredInto(s Seq, layer, start uint32, k, v []byte) error {
 	n, err := c.storedPositions(k, v, "ReadStoredInto")
 	if err != nil {
@@ -1244,6 +1292,9 @@ func (c *Cache) storedPositions(k, v []byte, what string) (C.uint32_t, error) {
 	}
 	if k == nil && v == nil {
 		return 0, invalid("%s: neither k nor v given", what)
+	}
+	if err := c.noVInK(v != nil, what); err != nil {
+		return 0, err
 	}
 	kb, vb := c.storedBytes()
 	n := -1
@@ -1271,7 +1322,7 @@ func (c *Cache) storedPositions(k, v []byte, what string) (C.uint32_t, error) {
 // [start, start+n) of s (pkv_seq_write_stored), n the positions k or v holds (both the same).
 // All-or-nothing, with WriteKVSeq's checks and locks; the rows are checked too (a scale or value
 // not finite, past PKV_VALUE_MAX, or a code the encoder never writes is an error, nothing
-// written).
+// written). k alone where V lives in K (MLA): a v is EINVAL.
 func (c *Cache) WriteStored(s Seq, layer, start uint32, k, v []byte) error {
 	nn, err := c.storedPositions(k, v, "WriteStored")
 	if err != nil {
@@ -1543,10 +1594,11 @@ func (c *Cache) Check() error {
 }
 
 // attnCall runs one attention call of `items` sequences or requests and `rows` queries: the
-// params, q's, out's, lse's and sinks' lengths checked, then call holding the sequences' locks
-// shared. cgo forbids a Go pointer inside the params struct handed to C, so a wanted lse is
-// written to C memory and copied into lse once the call succeeded, and sinks are copied into C
-// memory before it (where out and lse cannot overlap them).
+// params, q's (HeadDim a head), out's (outDim a head), lse's and sinks' lengths checked, then
+// call holding the sequences' locks shared. cgo forbids a Go pointer inside the params struct
+// handed to C, so a wanted lse is written to C memory and copied into lse once the call
+// succeeded, and sinks are copied into C memory before it (where out and lse cannot overlap
+// them).
 func (c *Cache) attnCall(what, cname string, seqs []Seq, items, rows int, q, out []float32, ap AttnParams, lse []float32,
 	call func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int) error {
 	if c == nil {
@@ -1570,7 +1622,11 @@ func (c *Cache) attnCall(what, cname string, seqs []Seq, items, rows int, q, out
 	if err := wantLenOf(len(q), n, what, "q"); err != nil {
 		return err
 	}
-	if err := wantLenOf(len(out), n, what, "out"); err != nil {
+	nOut, err := mulLen(rowsHq, int(c.outDim()), what)
+	if err != nil {
+		return err
+	}
+	if err := wantLenOf(len(out), nOut, what, "out"); err != nil {
 		return err
 	}
 	if uint64(items) > math.MaxUint32 {
@@ -1621,8 +1677,9 @@ func (c *Cache) attnCall(what, cname string, seqs []Seq, items, rows int, q, out
 }
 
 // Decode is pkv_attn_decode: one query per sequence at its last position. q and out:
-// [len(seqs)][n_q_heads][head_dim]; lse, if not nil, [len(seqs)][n_q_heads]; ap.Sinks, if not
-// nil, [n_q_heads].
+// [len(seqs)][n_q_heads][head_dim] (out [len(seqs)][n_q_heads][VDim] where V lives in K, MLA:
+// Config.VDim; out may then not be q, EINVAL from libpkv); lse, if not nil,
+// [len(seqs)][n_q_heads]; ap.Sinks, if not nil, [n_q_heads].
 func (c *Cache) Decode(layer uint32, seqs []Seq, q, out []float32, ap AttnParams, lse []float32) error {
 	return c.attnCall("Decode", "pkv_attn_decode", seqs, len(seqs), len(seqs), q, out, ap, lse,
 		func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int {
@@ -1631,8 +1688,8 @@ func (c *Cache) Decode(layer uint32, seqs []Seq, q, out []float32, ap AttnParams
 }
 
 // Prefill is pkv_attn_prefill over a ragged batch, causal. q and out: the requests' queries
-// concatenated, [sum NQ][n_q_heads][head_dim]; lse, if not nil, [sum NQ][n_q_heads]; ap.Sinks,
-// if not nil, [n_q_heads].
+// concatenated, [sum NQ][n_q_heads][head_dim] (out [..][VDim] where V lives in K, as for
+// Decode); lse, if not nil, [sum NQ][n_q_heads]; ap.Sinks, if not nil, [n_q_heads].
 func (c *Cache) Prefill(layer uint32, reqs []AttnReq, q, out []float32, ap AttnParams, lse []float32) error {
 	var total64 uint64
 	for _, r := range reqs {
@@ -1662,14 +1719,15 @@ func (c *Cache) Prefill(layer uint32, reqs []AttnReq, q, out []float32, ap AttnP
 // nodes on its path to its root, itself included, not its siblings or other branches. With a
 // window, a key is seen where the node's position (QStart + depth) minus the key's (its position
 // in the prefix, or QStart + depth for a node) is under the window. q and out: the requests'
-// nodes' queries concatenated, [sum len(Parent)][n_q_heads][head_dim], and out may not be q
-// (unlike Decode and Prefill: EINVAL from libpkv); lse, if not nil, [sum len(Parent)][n_q_heads];
-// ap.Sinks, if not nil, [n_q_heads]; ap means what it means for Prefill, per node. A chain
-// (Parent[i] = i - 1) gives what Prefill gives over the same positions, up to float rounding. A
-// parent outside [-1, i), more than TreeMaxNodes nodes, nodes past the sequence's length, and
-// every refusal of Prefill are EINVAL, nothing written. Accepting a path afterwards: Truncate
-// to drop the tree, or Keep. It locks as Prefill does. cgo forbids Go pointers in Go memory
-// handed to C, so the requests and their parents are copied into one C buffer for the call.
+// nodes' queries concatenated, [sum len(Parent)][n_q_heads][head_dim] (out [..][VDim] where V
+// lives in K, as for Decode), and out may not be q (unlike Decode and Prefill: EINVAL from
+// libpkv); lse, if not nil, [sum len(Parent)][n_q_heads]; ap.Sinks, if not nil, [n_q_heads]; ap
+// means what it means for Prefill, per node. A chain (Parent[i] = i - 1) gives what Prefill gives
+// over the same positions, up to float rounding. A parent outside [-1, i), more than TreeMaxNodes
+// nodes, nodes past the sequence's length, and every refusal of Prefill are EINVAL, nothing
+// written. Accepting a path afterwards: Truncate to drop the tree, or Keep. It locks as Prefill
+// does. cgo forbids Go pointers in Go memory handed to C, so the requests and their parents are
+// copied into one C buffer for the call.
 func (c *Cache) Tree(layer uint32, reqs []TreeReq, q, out []float32, ap AttnParams, lse []float32) error {
 	var total64 uint64
 	for _, r := range reqs {
@@ -1722,6 +1780,7 @@ func (c *Cache) Tree(layer uint32, reqs []TreeReq, q, out []float32, ap AttnPara
 
 // Merge is pkv_attn_merge: two partial results of the same rows over disjoint key sets, merged
 // by their log-sum-exps. outA, outB, out: [rows][headDim]; lseA, lseB, lse (may be nil): [rows].
+// For outputs of a cache whose V lives in K (MLA), headDim is its VDim.
 func Merge(headDim uint32, outA, lseA, outB, lseB, out, lse []float32) error {
 	if headDim == 0 || headDim > math.MaxInt32 {
 		return invalid("Merge: head_dim %d", headDim)

@@ -3,8 +3,10 @@
 // against that merge, prefix reuse, fork and copy-on-write, the exports, statuses as errors, the
 // binding's own length checks, goroutines sharing a cache, nil and closed caches, the finalizer,
 // the Into forms, K/V writes of one layer beside decodes of another, the prefix-index events
-// against the hashes PrefixHashes computes, and tree attention against the reference over each
-// node's keys, with Keep of an accepted path. Run by ctest (test_go) with CGO_LDFLAGS naming the build.
+// against the hashes PrefixHashes computes, tree attention against the reference over each
+// node's keys, with Keep of an accepted path, and a cache whose V lives in K (MLA, VDim): its
+// attention against the reference over K's rows, its outputs' sizes and its refusals of V. Run by
+// ctest (test_go) with CGO_LDFLAGS naming the build.
 package pagedkv
 
 import (
@@ -319,6 +321,179 @@ func TestDecodeAndPrefill(t *testing.T) {
 				assertClose(t, op[row*hq*d:(row+1)*hq*d], w, 1e-5, fmt.Sprintf("%s prefill, position %d", dt.Name(), pos))
 				row++
 			}
+		}
+	}
+}
+
+// mlaReference is the reference of one query on a cache whose V lives in K (MLA): reference over
+// K as both K and V (one kv head), each query head's first dv values. out [hq][dv], lse [hq].
+func mlaReference(q, k []float32, hq, d, dv int, scale float64) ([]float64, []float64) {
+	w, lse := reference(q, k, k, hq, 1, d, scale, 0, 0)
+	out := make([]float64, 0, hq*dv)
+	for h := 0; h < hq; h++ {
+		out = append(out, w[h*d:h*d+dv]...)
+	}
+	return out, lse
+}
+
+// TestMLA: a cache whose V lives in K (MLA: one kv head of 96, VDim 64), f32 and q8_0: K written
+// alone; Decode, Prefill and a chain of Tree attention against the reference over the gathered K
+// (V = its first 64 values), q HeadDim wide and out VDim wide (the only out length taken); the
+// config; V writes and reads refused, K's stored rows moved alone.
+func TestMLA(t *testing.T) {
+	r := rng(0x3d1a)
+	const d, dv, hq = 96, 64, 8
+	// q8_0 K scores int8 queries (pkv.h): a coarser tolerance
+	for _, tc := range []struct {
+		dt  Dtype
+		tol float64
+	}{{F32, 1e-5}, {Q8_0, 2e-2}} {
+		dt, tol := tc.dt, tc.tol
+		cfg := DefaultConfig()
+		cfg.NKVHeads, cfg.HeadDim, cfg.VDim, cfg.NBlocks, cfg.KDtype, cfg.VDtype, cfg.NThreads = 1, d, dv, 64, dt, dt, 2
+		c, err := NewCache(cfg)
+		must(t, err)
+		defer c.Close()
+		if got := c.Config(); got.VDim != dv || got.HeadDim != d {
+			t.Fatalf("config %+v", got)
+		}
+		lens := []int{1, 17, 100}
+		seqs := make([]Seq, len(lens))
+		for i, n := range lens {
+			s, err := c.SeqCreate(nil)
+			must(t, err)
+			toks := make([]int32, n)
+			for j := range toks {
+				toks[j] = int32(3*j + i)
+			}
+			slots, err := c.Append(s, toks)
+			must(t, err)
+			k := r.vec(n * d)
+			if i == 0 {
+				must(t, c.WriteKVSeq(s, 0, 0, k, nil))
+			} else {
+				must(t, c.WriteKV(0, slots, k, nil))
+			}
+			must(t, c.Commit(s, uint32(n)))
+			seqs[i] = s
+		}
+		p := AttnParams{NQHeads: hq}
+		q := r.vec(len(seqs) * hq * d)
+		out, lse := make([]float32, len(seqs)*hq*dv), make([]float32, len(seqs)*hq)
+		must(t, c.Decode(0, seqs, q, out, p, lse))
+		for i, s := range seqs {
+			k, v, err := c.Gather(s, 0, 0, uint32(lens[i]))
+			must(t, err)
+			if v != nil {
+				t.Fatalf("Gather gave %d V values where V lives in K", len(v))
+			}
+			w, wl := mlaReference(q[i*hq*d:(i+1)*hq*d], k, hq, d, dv, 1/math.Sqrt(d))
+			what := fmt.Sprintf("%s MLA decode, %d tokens", dt.Name(), lens[i])
+			assertClose(t, out[i*hq*dv:(i+1)*hq*dv], w, tol, what)
+			assertClose(t, lse[i*hq:(i+1)*hq], wl, tol, what+" lse")
+		}
+		// Prefill with a scale of the model's (not 1/sqrt(head_dim)), and a chain of tree nodes
+		ps := AttnParams{NQHeads: hq, Scale: float32(1 / math.Sqrt(48))}
+		reqs := []AttnReq{{seqs[2], 90, 10}, {seqs[1], 0, 17}}
+		qp := r.vec(27 * hq * d)
+		op := make([]float32, 27*hq*dv)
+		must(t, c.Prefill(0, reqs, qp, op, ps, nil))
+		chain := make([]int32, 12)
+		for i := range chain {
+			chain[i] = int32(i - 1)
+		}
+		tr := []TreeReq{{seqs[2], 88, chain}}
+		qt := r.vec(12 * hq * d)
+		ot := make([]float32, 12*hq*dv)
+		must(t, c.Tree(0, tr, qt, ot, ps, nil))
+		type row struct {
+			call   string
+			q, out []float32
+			s      Seq
+			pos    uint32
+		}
+		var rows []row
+		for _, rq := range reqs {
+			for j := uint32(0); j < rq.NQ; j++ {
+				i := len(rows)
+				rows = append(rows, row{"prefill", qp[i*hq*d : (i+1)*hq*d], op[i*hq*dv : (i+1)*hq*dv], rq.Seq, rq.QStart + j})
+			}
+		}
+		for j := 0; j < 12; j++ {
+			rows = append(rows, row{"tree", qt[j*hq*d : (j+1)*hq*d], ot[j*hq*dv : (j+1)*hq*dv], seqs[2], 88 + uint32(j)})
+		}
+		for _, x := range rows {
+			k, _, err := c.Gather(x.s, 0, 0, x.pos+1)
+			must(t, err)
+			w, _ := mlaReference(x.q, k, hq, d, dv, float64(ps.Scale))
+			assertClose(t, x.out, w, tol, fmt.Sprintf("%s MLA %s, position %d", dt.Name(), x.call, x.pos))
+		}
+		// outputs VDim wide, queries HeadDim wide: a HeadDim-wide out is refused, as is a q of VDim
+		for i, err := range []error{
+			c.Decode(0, seqs, q, make([]float32, len(seqs)*hq*d), p, nil),
+			c.Decode(0, seqs, q[:len(seqs)*hq*dv], out, p, nil),
+			c.Prefill(0, reqs, qp, make([]float32, 27*hq*d), ps, nil),
+			c.Tree(0, tr, qt, make([]float32, 12*hq*d), ps, nil),
+		} {
+			if code(err) != EINVAL {
+				t.Fatalf("%s size case %d: %v", dt.Name(), i, err)
+			}
+		}
+		// V written or read: refused, nothing written
+		s := seqs[1]
+		before, _, err := c.Gather(s, 0, 0, 17)
+		must(t, err)
+		slots, err := c.Slots(s, 0, 17)
+		must(t, err)
+		k := r.vec(17 * d)
+		ks, vs, err := c.ReadStored(s, 0, 0, 17)
+		must(t, err)
+		if len(ks) != 17*dt.RowBytes(d) || vs != nil {
+			t.Fatalf("%s ReadStored: %d and %d bytes", dt.Name(), len(ks), len(vs))
+		}
+		s2, err := c.SeqCreate([]byte("x"))
+		must(t, err)
+		_, err = c.Append(s2, make([]int32, 17))
+		must(t, err)
+		kbuf := make([]float32, 17*d)
+		for i, err := range []error{
+			c.WriteKV(0, slots, k, k),
+			c.WriteKV(0, slots, nil, k),
+			c.WriteKVShared(0, slots, k, k),
+			c.WriteKVSeq(s2, 0, 0, k, k),
+			c.GatherInto(s, 0, 0, kbuf, make([]float32, 17*d)),
+			c.ReadStoredInto(s, 0, 0, nil, make([]byte, len(ks))),
+			c.WriteStored(s2, 0, 0, ks, ks),
+		} {
+			if code(err) != EINVAL || !strings.Contains(err.Error(), "V lives in K") {
+				t.Fatalf("%s V case %d: %v", dt.Name(), i, err)
+			}
+		}
+		after, _, err := c.Gather(s, 0, 0, 17)
+		must(t, err)
+		if !reflect.DeepEqual(after, before) {
+			t.Fatalf("%s: a refused V write changed K", dt.Name())
+		}
+		// K alone: gathered into a buffer, and its stored rows moved bit for bit
+		must(t, c.GatherInto(s, 0, 0, kbuf, nil))
+		if !reflect.DeepEqual(kbuf, before) {
+			t.Fatalf("%s: GatherInto of K differs", dt.Name())
+		}
+		must(t, c.WriteStored(s2, 0, 0, ks, nil))
+		ks2, vs2, err := c.ReadStored(s2, 0, 0, 17)
+		must(t, err)
+		if !reflect.DeepEqual(ks2, ks) || vs2 != nil {
+			t.Fatalf("%s: stored K rows differ after the move", dt.Name())
+		}
+		must(t, c.Check())
+	}
+	// VDim past HeadDim, and a VDtype other than KDtype: refused
+	for i, vd := range [][2]uint32{{97, uint32(F32)}, {64, uint32(F16)}} {
+		cfg := DefaultConfig()
+		cfg.NKVHeads, cfg.HeadDim, cfg.NBlocks, cfg.KDtype = 1, d, 64, F32
+		cfg.VDim, cfg.VDtype = vd[0], Dtype(vd[1])
+		if _, err := NewCache(cfg); code(err) != EINVAL {
+			t.Fatalf("bad config %d: %v", i, err)
 		}
 	}
 }

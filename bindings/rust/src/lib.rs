@@ -282,7 +282,8 @@ impl Dtype {
 
 /// The cache's configuration (pkv_config without the hooks). `Config::default()` is
 /// pkv_config_default(): 1 layer, 8 kv heads, head_dim 128, 16-token blocks, 1024 blocks,
-/// f16 K and V, 256 sequences, prefix cache and huge pages on, every CPU.
+/// f16 K and V, 256 sequences, prefix cache and huge pages on, every CPU, V rows of their own
+/// (`v_dim` 0).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
     pub n_layers: u32,
@@ -301,6 +302,13 @@ pub struct Config {
     /// Prefix-index events kept for [`Cache::take_events`], at most 2^24; 0 (the default): none
     /// recorded.
     pub event_capacity: u32,
+    /// 0 (the default): V has rows of its own, head_dim values of v_dtype. 1..head_dim: V lives
+    /// in K (multi-head latent attention, MLA: DeepSeek-V2 / V3): the pool holds K rows only and
+    /// a token's V is the first v_dim values of its K row (pkv.h, "MLA"). v_dtype must then be
+    /// k_dtype (q8_0 / q4_0: v_dim a multiple of 32); writes and reads of V are `EINVAL` (pass
+    /// K alone), and the attention calls' outputs are `[..][n_q_heads][v_dim]`, their queries
+    /// still `[..][n_q_heads][head_dim]`.
+    pub v_dim: u32,
 }
 
 impl Config {
@@ -320,6 +328,7 @@ impl Config {
             prefix_cache: c.enable_prefix_cache != 0,
             huge_pages: c.huge_pages != 0,
             event_capacity: c.event_capacity,
+            v_dim: c.v_dim,
         }
     }
 
@@ -339,6 +348,7 @@ impl Config {
         c.enable_prefix_cache = self.prefix_cache as c_int;
         c.huge_pages = self.huge_pages as c_int;
         c.event_capacity = self.event_capacity;
+        c.v_dim = self.v_dim;
         c
     }
 }
@@ -454,7 +464,7 @@ pub type Stats = ffi::pkv_stats;
 
 /// Merges two partial attention results of the same rows over disjoint key sets by their
 /// log-sum-exps (pkv_attn_merge): out_a, out_b, out `[n_rows][head_dim]`; lse_a, lse_b, lse
-/// `[n_rows]`.
+/// `[n_rows]`. For outputs of a cache whose V lives in K (MLA), `head_dim` is its v_dim.
 pub fn merge(
     head_dim: u32,
     out_a: &[f32],
@@ -862,7 +872,8 @@ impl Cache {
         used & ffi::PKV_ATTN_BF16_DOT != 0
     }
 
-    /// Where the pool lives (pkv_cache_layout), for kernels of the caller's own.
+    /// Where the pool lives (pkv_cache_layout), for kernels of the caller's own. Where V lives
+    /// in K (MLA, [`Config::v_dim`]) its V fields are K's and its v_dim the config's.
     pub fn layout(&self) -> Result<ffi::pkv_layout> {
         let mut lo = std::mem::MaybeUninit::<ffi::pkv_layout>::zeroed();
         check(
@@ -879,6 +890,28 @@ impl Cache {
 
     fn kv_elems(&self, n: usize) -> usize {
         n * self.cfg.n_kv_heads as usize * self.cfg.head_dim as usize
+    }
+
+    /// The values of an attention output row (a query head's): v_dim where V lives in K (MLA,
+    /// [`Config::v_dim`]), else head_dim.
+    fn out_dim(&self) -> u32 {
+        if self.cfg.v_dim != 0 {
+            self.cfg.v_dim
+        } else {
+            self.cfg.head_dim
+        }
+    }
+
+    /// `EINVAL`, before libpkv sees it, where V is given to a cache whose V lives in K (MLA,
+    /// [`Config::v_dim`]): its V is K's rows, written and read as K.
+    fn no_v_in_k(&self, v_given: bool, what: &str) -> Result<()> {
+        if v_given && self.cfg.v_dim != 0 {
+            return Err(invalid(format!(
+                "{}: v given, but V lives in K here (v_dim {}): pass k alone",
+                what, self.cfg.v_dim
+            )));
+        }
+        Ok(())
     }
 
     // ---- sequences ----
@@ -963,7 +996,8 @@ impl Cache {
     }
 
     /// Writes K and/or V of one layer at these slots (slot -1 skips a row): each
-    /// `[slots.len()][n_kv_heads][head_dim]`; both of one type. All-or-nothing. Slots name
+    /// `[slots.len()][n_kv_heads][head_dim]`; both of one type (K alone where V lives in K, MLA:
+    /// a V is `EINVAL`). All-or-nothing. Slots name
     /// places in the pool, not a sequence: after a truncate, keep, release or compaction of
     /// their sequence they may lie in another sequence's blocks, and a write through them
     /// changes that one. Take them again ([`Cache::slots`]) after those calls.
@@ -989,6 +1023,7 @@ impl Cache {
         k: Option<KvData<'_>>,
         v: Option<KvData<'_>>,
     ) -> Result<()> {
+        self.no_v_in_k(v.is_some(), "write_kv")?;
         let (ptrs, t) = kv_args(&k, &v, self.kv_elems(slots.len()), "write_kv")?;
         let n = len_u32(slots.len(), "write_kv: slots")?;
         let rc = unsafe { ffi::pkv_write_kv(self.p(), layer, slots.as_ptr(), n, ptrs[0], ptrs[1], t.raw()) };
@@ -997,8 +1032,9 @@ impl Cache {
 
     /// Writes K and/or V of one layer for positions `[start, start + n)` of `s`
     /// (pkv_seq_write_kv), n the rows of `k` or `v` (`[n][n_kv_heads][head_dim]` each, both of
-    /// one type and length). All-or-nothing, with [`Cache::write_kv`]'s checks. By position, so
-    /// no slots are needed and none can be stale: the rows written are `s`'s own.
+    /// one type and length; `k` alone where V lives in K). All-or-nothing, with
+    /// [`Cache::write_kv`]'s checks. By position, so no slots are needed and none can be stale:
+    /// the rows written are `s`'s own.
     pub fn write_kv_seq(
         &mut self,
         s: Seq,
@@ -1027,6 +1063,7 @@ impl Cache {
         k: Option<KvData<'_>>,
         v: Option<KvData<'_>>,
     ) -> Result<()> {
+        self.no_v_in_k(v.is_some(), "write_kv_seq")?;
         let row = self.kv_elems(1);
         let have = k.as_ref().or(v.as_ref()).map_or(0, |d| d.parts().0);
         if have % row != 0 {
@@ -1191,17 +1228,24 @@ impl Cache {
     }
 
     /// K and V of positions [start, start + n) of one layer, f32 `[n][n_kv_heads][head_dim]`
-    /// (dequantized).
+    /// (dequantized). Where V lives in K (MLA, [`Config::v_dim`]) V is empty: a position's V is
+    /// the first v_dim values of its K row.
     pub fn gather(&self, s: Seq, layer: u32, start: u32, n: u32) -> Result<(Vec<f32>, Vec<f32>)> {
         self.in_seq(s, start, n, "pkv_seq_gather")?;
         let len = self.kv_elems(n as usize);
-        let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
+        let mut k = vec![0f32; len];
+        if self.cfg.v_dim != 0 {
+            self.gather_into(s, layer, start, Some(&mut k), None)?;
+            return Ok((k, Vec::new()));
+        }
+        let mut v = vec![0f32; len];
         self.gather_into(s, layer, start, Some(&mut k), Some(&mut v))?;
         Ok((k, v))
     }
 
     /// [`Cache::gather`] into the caller's buffers, K, V or both, each `[n][n_kv_heads][head_dim]`
-    /// for n = its length / (n_kv_heads * head_dim) positions (both the same n).
+    /// for n = its length / (n_kv_heads * head_dim) positions (both the same n). K alone where V
+    /// lives in K (MLA): a V is `EINVAL`.
     pub fn gather_into(
         &self,
         s: Seq,
@@ -1210,6 +1254,7 @@ impl Cache {
         k: Option<&mut [f32]>,
         v: Option<&mut [f32]>,
     ) -> Result<()> {
+        self.no_v_in_k(v.is_some(), "gather")?;
         let row = self.kv_elems(1);
         let len = match (&k, &v) {
             (Some(k), Some(v)) => {
@@ -1235,10 +1280,15 @@ impl Cache {
     }
 
     /// Bytes of one position's stored rows, K and V: n_kv_heads rows of the pool's row bytes
-    /// ([`Dtype::row_bytes`] of k_dtype and v_dtype).
+    /// ([`Dtype::row_bytes`] of k_dtype and v_dtype; V none where V lives in K).
     fn stored_bytes(&self) -> (usize, usize) {
         let (d, h) = (self.cfg.head_dim, self.cfg.n_kv_heads as usize);
-        (h * self.cfg.k_dtype.row_bytes(d), h * self.cfg.v_dtype.row_bytes(d))
+        let vb = if self.cfg.v_dim != 0 {
+            0
+        } else {
+            h * self.cfg.v_dtype.row_bytes(d)
+        };
+        (h * self.cfg.k_dtype.row_bytes(d), vb)
     }
 
     /// K and V of positions [start, start + n) of one layer exactly as the pool stores them
@@ -1246,7 +1296,8 @@ impl Cache {
     /// v_dtype ([`Dtype::row_bytes`]; scales inline for the quantized dtypes).
     /// [`Cache::write_stored`] takes them back, into this cache or another of the same dtypes,
     /// head_dim and n_kv_heads (any block size), bit for bit: a sequence swapped out and in, or
-    /// moved to another cache.
+    /// moved to another cache. Where V lives in K (MLA, [`Config::v_dim`]) V is empty: K's rows
+    /// are all there is (and the other cache must have the same v_dim).
     pub fn read_stored(&self, s: Seq, layer: u32, start: u32, n: u32) -> Result<(Vec<u8>, Vec<u8>)> {
         self.in_seq(s, start, n, "pkv_seq_read_stored")?;
         let (kb, vb) = self.stored_bytes();
@@ -1256,12 +1307,14 @@ impl Cache {
                 .ok_or_else(|| invalid(format!("read_stored: {} positions of {} bytes is past usize", n, per)))
         };
         let (mut k, mut v) = (vec![0u8; len(kb)?], vec![0u8; len(vb)?]);
-        self.read_stored_into(s, layer, start, Some(&mut k), Some(&mut v))?;
+        let vo = if self.cfg.v_dim != 0 { None } else { Some(&mut v[..]) };
+        self.read_stored_into(s, layer, start, Some(&mut k), vo)?;
         Ok((k, v))
     }
 
     /// [`Cache::read_stored`] into the caller's buffers, K, V or both, each holding n positions'
-    /// rows for n = its length / the bytes of one position's rows (both the same n).
+    /// rows for n = its length / the bytes of one position's rows (both the same n). K alone where
+    /// V lives in K (MLA): a V is `EINVAL`.
     pub fn read_stored_into(
         &self,
         s: Seq,
@@ -1270,6 +1323,7 @@ impl Cache {
         k: Option<&mut [u8]>,
         v: Option<&mut [u8]>,
     ) -> Result<()> {
+        self.no_v_in_k(v.is_some(), "read_stored")?;
         let n = self.stored_positions(k.as_ref().map(|x| x.len()), v.as_ref().map(|x| x.len()), "read_stored")?;
         let kp = k.map_or(ptr::null_mut(), |x| x.as_mut_ptr() as *mut c_void);
         let vp = v.map_or(ptr::null_mut(), |x| x.as_mut_ptr() as *mut c_void);
@@ -1312,8 +1366,9 @@ impl Cache {
     /// (pkv_seq_write_stored), n the positions `k` or `v` holds (both the same). All-or-nothing,
     /// with [`Cache::write_kv_seq`]'s checks; the rows are checked too (a scale or value not
     /// finite, past PKV_VALUE_MAX, or a code the encoder never writes is an error, nothing
-    /// written).
+    /// written). `k` alone where V lives in K (MLA): a V is `EINVAL`.
     pub fn write_stored(&mut self, s: Seq, layer: u32, start: u32, k: Option<&[u8]>, v: Option<&[u8]>) -> Result<()> {
+        self.no_v_in_k(v.is_some(), "write_stored")?;
         let n = self.stored_positions(k.map(|x| x.len()), v.map(|x| x.len()), "write_stored")?;
         let kp = k.map_or(ptr::null(), |x| x.as_ptr() as *const c_void);
         let vp = v.map_or(ptr::null(), |x| x.as_ptr() as *const c_void);
@@ -1544,7 +1599,8 @@ impl Cache {
     // ---- attention ----
 
     /// One attention call of `items` sequences or requests and `rows` queries: the params built,
-    /// q's, out's, lse's and sinks' lengths checked, then `call(cache, items, q, out, params)`.
+    /// q's (head_dim a head), out's ([`Cache::out_dim`] a head), lse's and sinks' lengths checked,
+    /// then `call(cache, items, q, out, params)`.
     #[allow(clippy::too_many_arguments)]
     fn attn_call(
         &self,
@@ -1565,7 +1621,8 @@ impl Cache {
         let rows_hq = mul_len(rows, hq, what)?;
         let n = mul_len(rows_hq, self.cfg.head_dim as usize, what)?;
         want_len(q.len(), n, &format!("{}: q", what))?;
-        want_len(out.len(), n, &format!("{}: out", what))?;
+        let n_out = mul_len(rows_hq, self.out_dim() as usize, what)?;
+        want_len(out.len(), n_out, &format!("{}: out", what))?;
         let ni = len_u32(items, what)?;
         let mut raw = unsafe { ffi::pkv_attn_params_default() };
         raw.n_q_heads = p.n_q_heads;
@@ -1589,8 +1646,9 @@ impl Cache {
     }
 
     /// Decode (pkv_attn_decode): one query per sequence at its last position. q and out:
-    /// `[seqs.len()][n_q_heads][head_dim]`; lse, if given, `[seqs.len()][n_q_heads]`; `p.sinks`,
-    /// if given, `[n_q_heads]`.
+    /// `[seqs.len()][n_q_heads][head_dim]` (out `[seqs.len()][n_q_heads][v_dim]` where V lives in
+    /// K, MLA: [`Config::v_dim`]); lse, if given, `[seqs.len()][n_q_heads]`; `p.sinks`, if given,
+    /// `[n_q_heads]`.
     pub fn decode(
         &self,
         layer: u32,
@@ -1613,8 +1671,9 @@ impl Cache {
     }
 
     /// Prefill / extend over a ragged batch (pkv_attn_prefill), causal. q and out: the requests'
-    /// queries concatenated, `[sum n_q][n_q_heads][head_dim]`; lse, if given, `[sum n_q][n_q_heads]`;
-    /// `p.sinks`, if given, `[n_q_heads]`.
+    /// queries concatenated, `[sum n_q][n_q_heads][head_dim]` (out `[..][v_dim]` where V lives in
+    /// K, as for [`Cache::decode`]); lse, if given, `[sum n_q][n_q_heads]`; `p.sinks`, if given,
+    /// `[n_q_heads]`.
     pub fn prefill(
         &self,
         layer: u32,
@@ -1648,9 +1707,10 @@ impl Cache {
     /// branches. With a window, a key is seen where the node's position (q_start + depth) minus
     /// the key's (its position in the prefix, or q_start + depth for a node) is under the window.
     /// q and out: the requests' nodes' queries concatenated, `[sum parent.len()][n_q_heads][head_dim]`
-    /// (out is never q: libpkv refuses that for this call, and the borrows keep them apart); lse,
-    /// if given, `[sum parent.len()][n_q_heads]`; `p.sinks`, if given, `[n_q_heads]`; `p` means
-    /// what it means for [`Cache::prefill`], per node. A chain (`parent[i] = i - 1`) gives what
+    /// (out `[..][v_dim]` where V lives in K, as for [`Cache::decode`]; out is never q: libpkv
+    /// refuses that for this call, and the borrows keep them apart); lse, if given,
+    /// `[sum parent.len()][n_q_heads]`; `p.sinks`, if given, `[n_q_heads]`; `p` means what it
+    /// means for [`Cache::prefill`], per node. A chain (`parent[i] = i - 1`) gives what
     /// prefill gives over the same positions, up to float rounding. A parent outside [-1, i),
     /// more than [`TREE_MAX_NODES`] nodes, nodes past the sequence's length, and every refusal of
     /// prefill are `EINVAL`, nothing written. Accepting a path afterwards: [`Cache::truncate`] to

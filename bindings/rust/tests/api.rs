@@ -4,8 +4,10 @@
 //! against that merge, prefix reuse, fork and copy-on-write, the exports, statuses as errors,
 //! the binding's own length checks, the `_into` forms, decodes from several threads at once, K/V
 //! writes of one layer beside decodes of another, the prefix-index events against the hashes
-//! `prefix_hashes` computes, and tree attention against the reference over each node's keys,
-//! with `keep` of an accepted path. Run by ctest (test_rust) with PKV_LIB_DIR set.
+//! `prefix_hashes` computes, tree attention against the reference over each node's keys, with
+//! `keep` of an accepted path, and a cache whose V lives in K (MLA, v_dim): its attention against
+//! the reference over K's rows, its outputs' sizes and its refusals of V. Run by ctest
+//! (test_rust) with PKV_LIB_DIR set.
 
 use pagedkv::*;
 use std::collections::HashMap;
@@ -341,6 +343,7 @@ fn library_basics() {
         huge_pages: false,
         mem_budget_bytes: 0,
         event_capacity: 5,
+        v_dim: 0,
     };
     let c = Cache::new(&want).unwrap();
     assert_eq!(c.config(), &want);
@@ -454,6 +457,171 @@ fn decode_and_prefill_match_reference() {
                 row += 1;
             }
         }
+    }
+}
+
+/// The reference of one query on a cache whose V lives in K (MLA): [`reference`] over K as both
+/// K and V (one kv head), each query head's first dv values. out [hq][dv], lse [hq].
+fn mla_reference(q: &[f32], k: &[f32], hq: usize, d: usize, dv: usize, scale: f64) -> (Vec<f64>, Vec<f64>) {
+    let (w, lse) = reference(q, k, k, hq, 1, d, scale, 0.0, 0);
+    (w.chunks(d).flat_map(|h| h[..dv].to_vec()).collect(), lse)
+}
+
+/// A cache whose V lives in K (MLA: one kv head of 96, v_dim 64), f32 and q8_0: K written alone;
+/// decode, prefill and a chain of tree attention against the reference over the gathered K (V =
+/// its first 64 values), q head_dim wide and out v_dim wide (the only out length taken); the
+/// config and layout; V writes and reads refused, K's stored rows moved alone.
+#[test]
+fn mla_v_lives_in_k() {
+    let mut rng = Rng(0x3d1a);
+    let (d, dv, hq) = (96usize, 64usize, 8usize);
+    // q8_0 K scores int8 queries (pkv.h): a coarser tolerance
+    for (dt, tol) in [(Dtype::F32, 1e-5), (Dtype::Q8_0, 2e-2)] {
+        let conf = Config {
+            v_dim: dv as u32,
+            ..cfg(1, d as u32, 64, dt)
+        };
+        let mut c = Cache::new(&conf).unwrap();
+        assert_eq!(c.config().v_dim, dv as u32);
+        let lo = c.layout().unwrap();
+        assert_eq!(
+            (lo.v_dim, lo.v_base, lo.v_row_bytes, lo.v_block_bytes),
+            (dv as u32, lo.k_base, lo.k_row_bytes, lo.k_block_bytes)
+        );
+        let lens = [1usize, 17, 100];
+        let mut seqs = Vec::new();
+        for (i, &n) in lens.iter().enumerate() {
+            let s = c.seq_create(b"").unwrap();
+            let toks: Vec<i32> = (0..n as i32).map(|t| t * 3 + i as i32).collect();
+            let slots = c.append(s, &toks).unwrap();
+            let k = rng.vec(n * d);
+            if i == 0 {
+                c.write_kv_seq(s, 0, 0, Some(KvData::F32(&k)), None).unwrap();
+            } else {
+                c.write_kv(0, &slots, Some(KvData::F32(&k)), None).unwrap();
+            }
+            c.commit(s, n as u32).unwrap();
+            seqs.push(s);
+        }
+        let p = AttnParams {
+            n_q_heads: hq as u32,
+            ..AttnParams::default()
+        };
+        let scale = 1.0 / (d as f64).sqrt();
+        let q = rng.vec(seqs.len() * hq * d);
+        let mut out = vec![0f32; seqs.len() * hq * dv];
+        let mut lse = vec![0f32; seqs.len() * hq];
+        c.decode(0, &seqs, &q, &mut out, &p, Some(&mut lse)).unwrap();
+        for (i, (&s, &n)) in seqs.iter().zip(&lens).enumerate() {
+            let (k, v) = c.gather(s, 0, 0, n as u32).unwrap();
+            assert!(v.is_empty(), "gather gives no V where V lives in K");
+            let (w, wl) = mla_reference(&q[i * hq * d..][..hq * d], &k, hq, d, dv, scale);
+            let what = format!("{:?} MLA decode, {} tokens", dt, n);
+            assert_close(&out[i * hq * dv..][..hq * dv], &w, tol, &what);
+            assert_close(&lse[i * hq..][..hq], &wl, tol, &what);
+        }
+        // prefill with a scale of the model's (not 1/sqrt(head_dim)), and a chain of tree nodes
+        let ps = AttnParams {
+            scale: 1.0 / 48f32.sqrt(),
+            ..p
+        };
+        let reqs = [
+            AttnReq {
+                seq: seqs[2],
+                q_start: 90,
+                n_q: 10,
+            },
+            AttnReq {
+                seq: seqs[1],
+                q_start: 0,
+                n_q: 17,
+            },
+        ];
+        let qp = rng.vec(27 * hq * d);
+        let mut op = vec![0f32; 27 * hq * dv];
+        c.prefill(0, &reqs, &qp, &mut op, &ps, None).unwrap();
+        let chain: Vec<i32> = (-1..11).collect();
+        let tr = [TreeReq {
+            seq: seqs[2],
+            q_start: 88,
+            parent: &chain,
+        }];
+        let qt = rng.vec(12 * hq * d);
+        let mut ot = vec![0f32; 12 * hq * dv];
+        c.tree(0, &tr, &qt, &mut ot, &ps, None).unwrap();
+        let mut rows = Vec::new(); // (call, row, sequence, position)
+        for r in &reqs {
+            for j in 0..r.n_q {
+                rows.push(("prefill", rows.len(), r.seq, r.q_start + j));
+            }
+        }
+        rows.extend((0..12).map(|j| ("tree", j, seqs[2], 88 + j as u32)));
+        for (call, row, s, pos) in rows {
+            let (qs, os) = if call == "tree" { (&qt, &ot) } else { (&qp, &op) };
+            let (k, _) = c.gather(s, 0, 0, pos + 1).unwrap();
+            let (w, _) = mla_reference(&qs[row * hq * d..][..hq * d], &k, hq, d, dv, ps.scale as f64);
+            let what = format!("{:?} MLA {}, position {}", dt, call, pos);
+            assert_close(&os[row * hq * dv..][..hq * dv], &w, tol, &what);
+        }
+        // outputs v_dim wide, queries head_dim wide: a head_dim-wide out is refused, as is a q
+        // of v_dim
+        let mut wide = vec![0f32; seqs.len() * hq * d];
+        let e = c.decode(0, &seqs, &q, &mut wide, &p, None).unwrap_err();
+        assert_eq!(e.code(), EINVAL, "{}", e);
+        assert!(e.to_string().contains("out"), "{}", e);
+        let qn = &q[..seqs.len() * hq * dv];
+        assert_eq!(c.decode(0, &seqs, qn, &mut out, &p, None).unwrap_err().code(), EINVAL);
+        let mut wide = vec![0f32; 27 * hq * d];
+        assert_eq!(
+            c.prefill(0, &reqs, &qp, &mut wide, &ps, None).unwrap_err().code(),
+            EINVAL
+        );
+        let mut wide = vec![0f32; 12 * hq * d];
+        assert_eq!(c.tree(0, &tr, &qt, &mut wide, &ps, None).unwrap_err().code(), EINVAL);
+        // V written or read: refused, nothing written
+        let s = seqs[1];
+        let before = c.gather(s, 0, 0, 17).unwrap();
+        let slots = c.slots(s, 0, 17).unwrap();
+        let k = rng.vec(17 * d);
+        let (mut kbuf, mut vbuf) = (vec![0f32; 17 * d], vec![0f32; 17 * d]);
+        let (ks, vs) = c.read_stored(s, 0, 0, 17).unwrap();
+        assert_eq!((ks.len(), vs.len()), (17 * dt.row_bytes(d as u32), 0));
+        let s2 = c.seq_create(b"x").unwrap();
+        c.append(s2, &[1; 17]).unwrap();
+        let refused = [
+            c.write_kv(0, &slots, Some(KvData::F32(&k)), Some(KvData::F32(&k))),
+            c.write_kv(0, &slots, None, Some(KvData::F32(&k))),
+            c.write_kv_seq(s2, 0, 0, Some(KvData::F32(&k)), Some(KvData::F32(&k))),
+            c.gather_into(s, 0, 0, Some(&mut kbuf), Some(&mut vbuf)),
+            c.read_stored_into(s, 0, 0, None, Some(&mut vec![0u8; ks.len()])),
+            c.write_stored(s2, 0, 0, Some(&ks), Some(&ks)),
+        ];
+        for (i, r) in refused.into_iter().enumerate() {
+            let e = r.unwrap_err();
+            assert_eq!(e.code(), EINVAL, "{:?} V case {}: {}", dt, i, e);
+            assert!(e.to_string().contains("V lives in K"), "{}", e);
+        }
+        assert_eq!(c.gather(s, 0, 0, 17).unwrap(), before);
+        // K alone: gathered into a buffer, and its stored rows moved bit for bit
+        c.gather_into(s, 0, 0, Some(&mut kbuf), None).unwrap();
+        assert_eq!(kbuf, before.0);
+        c.write_stored(s2, 0, 0, Some(&ks), None).unwrap();
+        assert_eq!(c.read_stored(s2, 0, 0, 17).unwrap(), (ks, vs));
+        c.check().unwrap();
+    }
+    // v_dim past head_dim, and a v_dtype other than k_dtype: refused
+    for bad in [
+        Config {
+            v_dim: 97,
+            ..cfg(1, 96, 64, Dtype::F32)
+        },
+        Config {
+            v_dim: 64,
+            v_dtype: Dtype::F16,
+            ..cfg(1, 96, 64, Dtype::F32)
+        },
+    ] {
+        assert_eq!(Cache::new(&bad).err().unwrap().code(), EINVAL, "{:?}", bad);
     }
 }
 
