@@ -737,8 +737,9 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * Groups nest: forks of several requests that share a system prompt make one group reading the
  * system prompt, and inside it one group a request reading that request's blocks after it (each
  * level where it reads 512 positions or more past the level around it). Groups hold up to
- * min(max_seqs, 32) x 8 x n_kv_heads query heads of members in all, within 16 MiB of scratch
- * (head_dim + 2 floats a head; the rest decode alone; where two members' query heads do not fit,
+ * min(max_seqs, 32) x 8 x n_kv_heads query heads of members in all (x 128 where V lives in K:
+ * MLA's one kv head is read by 16-128 query heads), within 16 MiB of scratch (head_dim + 2
+ * floats a head, and v_dim more where V lives in K with v_dim < head_dim; the rest decode alone; where two members' query heads do not fit,
  * none is grouped). pkv_stats counts
  * the positions so read once (attn_shared_keys). From memory this took 0.55-0.72 of the time
  * without at 2-16 forks of 4096-32768 positions on the development machine (f16, 1 and 2
@@ -849,9 +850,10 @@ PKV_API uint32_t pkv_attn_flags_used(const pkv_cache *c);
  * a store of the caller's (the ops below), so that a prefix the pool has evicted, or one another
  * cache computed, is copied back instead of recomputed (what LMCache and SGLang's HiCache do).
  * An entry is one full, committed block: its token ids and every layer's K and V rows as the
- * pool stores them (pkv_seq_read_stored), under a 128-bit key that chains the block's token ids
- * onto its parent's key, seeded by the sequence's namespace (its salt's digest) and the cache's
- * shape (k_dtype, v_dtype, head_dim, n_kv_heads, n_layers, block_tokens). So only a cache of
+ * pool stores them (pkv_seq_read_stored; K rows alone where V lives in K), under a 128-bit key
+ * that chains the block's token ids onto its parent's key, seeded by the sequence's namespace
+ * (its salt's digest) and the cache's shape (k_dtype, v_dtype, head_dim, n_kv_heads, n_layers,
+ * block_tokens, v_dim). So only a cache of
  * that shape, a sequence of that namespace and that exact token prefix find an entry. A load
  * compares the entry's token ids, its parent's key, the shape and a checksum of its bytes: a
  * wrong prefix gets a block only through a collision of two prefixes' 128-bit keys (XXH3; not a

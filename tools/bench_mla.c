@@ -4,6 +4,7 @@
  * v_dim would have to store), built alike and called in turn. */
 #include "tool.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,13 +27,13 @@ static void usage(FILE *f) {
             "pool it reads (K) and in GFLOP/s (2 x HEADS x (HEAD_DIM + V_DIM) a key), and the pool bytes a\n"
             "token takes a layer in each (B/tok).\n"
             "\n"
-            "  --ctx LIST      context lengths [4096,32768]\n"
+            "  --ctx LIST      context lengths, 1..2^20 [4096,32768]\n"
             "  --batch LIST    sequences a call, 1..64 [1,16]\n"
             "  --heads LIST    query heads, 1..128 [16,128]\n"
             "  --threads LIST  attention threads [1,2]\n"
             "  --dtype LIST    the dtype of K (and V) (f32, f16, bf16, fp8_e4m3, q8_0, q4_0) [f16]\n"
             "  --head-dim N    values a K row holds, 1..1024 [576]\n"
-            "  --v-dim N       values of V, the first of K's, 1..HEAD_DIM [512]\n"
+            "  --v-dim N       values of V, the first of K's, 1..HEAD_DIM [512, or HEAD_DIM where that is less]\n"
             "  --mib N         the K one MLA cache's calls read, MiB, 1..65536 [512]\n"
             "  --rounds N      rounds, 3..99 [5]\n"
             "  --json          one JSON object per line\n");
@@ -77,7 +78,7 @@ static pkv_cache *make(const pkv_config *cfg, uint32_t ctx, uint32_t batch, pkv_
 
 int tool_bench_mla(int argc, char **argv) {
     uint32_t ctx[8] = {4096, 32768}, batch[8] = {1, 16}, heads[8] = {16, 128}, thr[4] = {1, 2};
-    uint32_t D = 576, Dv = 512, mib = 512, rounds = 5;
+    uint32_t D = 576, Dv = 0, mib = 512, rounds = 5; /* Dv 0: --v-dim not given */
     int n_ctx = 2, n_b = 2, n_h = 2, n_thr = 2, n_dt = 1, json = 0;
     pkv_dtype dts[8] = {PKV_DTYPE_F16};
     for (int i = 1; i < argc; i++) {
@@ -109,6 +110,7 @@ int tool_bench_mla(int argc, char **argv) {
         }
         i++;
     }
+    if (!Dv) Dv = D < 512 ? D : 512;
     if (Dv > D) {
         fprintf(stderr, "pkv bench mla: --v-dim %u is over --head-dim %u\n", Dv, D);
         return TOOL_USAGE;
@@ -137,9 +139,10 @@ int tool_bench_mla(int argc, char **argv) {
                         const uint32_t C = ctx[ci], N = batch[bi], H = heads[hi];
                         const pkv_dtype dt = dts[di];
                         const double row = (double)pkv_dtype_row_bytes(dt, D), layer = (double)C * N * row;
-                        uint32_t L = (uint32_t)((double)mib * 1048576.0 / layer + 0.999);
+                        uint32_t L = (uint32_t)ceil((double)mib * 1048576.0 / layer);
                         L = L < 1 ? 1 : L > MAX_LAYERS ? MAX_LAYERS : L;
                         pkv_config cfg = pkv_config_default();
+                        tool_log_errors(&cfg, "pkv bench mla");
                         cfg.n_layers = L, cfg.n_kv_heads = 1, cfg.head_dim = D, cfg.block_tokens = BT;
                         cfg.k_dtype = cfg.v_dtype = dt;
                         cfg.n_threads = thr[ti], cfg.max_seqs = N, cfg.enable_prefix_cache = 0;

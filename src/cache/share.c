@@ -184,17 +184,20 @@ int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv
 }
 
 /* The scratch's rows: a member's query heads each, for up to SHARE_ROWS_SEQS members of 8 query
- * heads a kv head, within SHARE_SCRATCH_MAX bytes (a row is head_dim + 2 floats, and v_dim more
+ * heads a kv head (SHARE_MLA_HEADS where V lives in K: MLA's one kv head has 16-128; at 8, a group
+ * of 128-head members never formed), within SHARE_SCRATCH_MAX bytes (a row is head_dim + 2 floats, and v_dim more
  * where V lives in K with v_dim < head_dim, whose outputs cannot take their queries' place: 1 MiB
  * at 8 kv heads of 128; a config of 4096 kv heads of 1024 would have asked for 4 GiB), a multiple
  * of 8 (the arrays after them stay 8-byte aligned). */
 #define SHARE_ROWS_SEQS 32u
+#define SHARE_MLA_HEADS 128u
 #define SHARE_SCRATCH_MAX ((uint64_t)16 << 20)
 static uint64_t share_row_floats(const pkv_cache *c) {
     return (uint64_t)c->head_dim + 2u + (c->v_dim < c->head_dim ? c->v_dim : 0u);
 }
 static uint32_t share_rows(const pkv_cache *c) {
-    const uint64_t want = (uint64_t)PKV_MIN(c->max_seqs, SHARE_ROWS_SEQS) * 8u * c->n_kv;
+    const uint64_t per_kv = c->cfg.v_dim ? SHARE_MLA_HEADS : 8u;
+    const uint64_t want = (uint64_t)PKV_MIN(c->max_seqs, SHARE_ROWS_SEQS) * per_kv * c->n_kv;
     const uint64_t fit = SHARE_SCRATCH_MAX / (sizeof(float) * share_row_floats(c));
     return (uint32_t)(PKV_MIN(want, fit) & ~(uint64_t)7);
 }

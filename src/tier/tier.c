@@ -6,7 +6,8 @@
  * namespace are read here under the cache's lock.
  *
  * An entry: the header below, the block's B token ids (int32), then for each layer the K rows
- * [B][n_kv_heads] and the V rows [B][n_kv_heads], as pkv_seq_read_stored gives them. */
+ * [B][n_kv_heads] and the V rows [B][n_kv_heads], as pkv_seq_read_stored gives them (no V rows
+ * where V lives in K: pkv_config.v_dim). */
 #include "tier_int.h"
 
 #include "../cache/cache_int.h"
