@@ -166,8 +166,8 @@ static double ref_tol(const world *w) {
 
 /* Under emulation (scripts/test-arm64.sh sets PKV_ATTN_TEST_MAX_LEN, as for test_attn) the
  * double reference checks the decode rows and each request's first and last query, the twin every
- * row, one way of reading besides the CPU's own is run, and the shared prefixes of f16 and q8_0 once
- * each: qemu made the whole test take 270 s. */
+ * row, the oracle reads the CPU's own way alone, 128 heads run with f16 alone, and the shared
+ * prefixes of f16 and q8_0 once each: qemu made the whole test take 270 s. */
 static bool quick(void) { return getenv("PKV_ATTN_TEST_MAX_LEN") != NULL; }
 
 /* Row r of out ([nqh][Dv], lse [nqh]) against the reference at position pos of sequence i (where
@@ -326,7 +326,7 @@ static void test_mla_oracle(void **state) {
     for (size_t b = 0; b < sizeof g_backends / sizeof *g_backends; b++) {
         if (!backend_here(g_backends[b])) continue;
         n_backends++;
-        for (int way = 0; way < (quick() ? 2 : 3); way++) {
+        for (int way = 0; way < (quick() ? 1 : 3); way++) {
             set_way(way);
             for (size_t t = 0; t < sizeof g_types / sizeof *g_types; t++)
                 for (int s = 0; s < 3; s++) {
@@ -367,6 +367,7 @@ static void test_mla_shapes(void **state) {
                         if (e == 2 && dt != PKV_DTYPE_BF16) continue;
                         if (s == 2 && dt != PKV_DTYPE_F16 && dt != PKV_DTYPE_BF16) continue;
                         if (!pkv_dtype_row_bytes(dt, shapes[s].Dv)) continue; /* q8_0 / q4_0 at v_dim 96 */
+                        if (quick() && s == 0 && dt != PKV_DTYPE_F16) continue; /* 128 heads: f16 alone */
                         world w;
                         world_make(&w, dt, shapes[s], exs[e]);
                         run_world(&w, 0.0f);
