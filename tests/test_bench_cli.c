@@ -50,6 +50,14 @@ static void one_object(const char *line) {
     if (n < 2 || line[0] != '{' || line[n - 1] != '}') fail_msg("not one JSON object: %s", line);
 }
 
+/* Each of n command lines (up to 4 words after "pkv", NULL where shorter) is a usage error (exit 1). */
+static void expect_usage_errors(char *bad[][5], size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        char *argv[6] = {bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4], NULL};
+        assert_int_equal(run_cli(argv, NULL, NULL), 1);
+    }
+}
+
 static void test_json_lines(void **state) {
     (void)state;
     char *argv[] = {"pkv",  "bench",    "attn", "--quick", "--json", "--dtype", "f16,q8_0,q4_0",
@@ -457,10 +465,7 @@ static void test_tree_json(void **state) {
                              {"pkv", "bench", "tree", "--rounds", "2"},
                              {"pkv", "bench", "tree", "--ctx", "x"},
                              {"pkv", "bench", "tree", "--bogus", NULL}};
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        char *argv2[6] = {bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4], NULL};
-        assert_int_equal(run_cli(argv2, NULL, NULL), 1);
-    }
+    expect_usage_errors(bad, sizeof bad / sizeof bad[0]);
 }
 
 /* `pkv bench share --json`: one line a configuration (dtype, ctx, forks) with medians and their
@@ -517,10 +522,7 @@ static void test_share_json(void **state) {
                              {"pkv", "bench", "share", "--dtype", "x"},   {"pkv", "bench", "share", "--bogus", NULL},
                              {"pkv", "bench", "share", "--requests", "33"}, {"pkv", "bench", "share", "--requests", "0"},
                              {"pkv", "bench", "share", "--requests", "5"}}; /* 5 x 16 forks: past 64 */
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        char *argv2[6] = {bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4], NULL};
-        assert_int_equal(run_cli(argv2, NULL, NULL), 1);
-    }
+    expect_usage_errors(bad, sizeof bad / sizeof bad[0]);
 }
 
 /* `pkv bench mla --json`: one line a configuration with both medians, their ratio, rates that
@@ -565,10 +567,7 @@ static void test_mla_json(void **state) {
                              {"pkv", "bench", "mla", "--rounds", "2"},   {"pkv", "bench", "mla", "--dtype", "f16,"},
                              {"pkv", "bench", "mla", "--v-dim", "600"},  {"pkv", "bench", "mla", "--batch", "65"},
                              {"pkv", "bench", "mla", "--head-dim", "0"}, {"pkv", "bench", "mla", "--bogus", NULL}};
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        char *argv2[6] = {bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4], NULL};
-        assert_int_equal(run_cli(argv2, NULL, NULL), 1);
-    }
+    expect_usage_errors(bad, sizeof bad / sizeof bad[0]);
     char *odd[] = {"pkv", "bench", "mla", "--dtype", "q8_0", "--head-dim", "96", "--v-dim", "48", NULL};
     assert_int_equal(run_cli(odd, NULL, NULL), 1); /* q8_0 rows of 32 values */
 }

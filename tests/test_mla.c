@@ -18,18 +18,13 @@
 #include <string.h>
 
 #include "pkv.h"
+#include "support_util.h"
 
 enum { B = 16, MAXTOK = 300, NSEQ = 3 };
 #define TOL 1e-5
 
-static uint64_t g_rng = 7;
-static float rnd(void) {
-    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return (float)((double)(z >> 11) * (2.0 / 9007199254740992.0) - 1.0);
-}
+static tu_rng g_rng = {7};
+static float rnd(void) { return tu_rng_float(&g_rng); } /* uniform in [-1, 1) */
 
 static const char *const g_backends[] = {"ref", "avx2", "avx2-vnni", "avx512", "avx512-vnni", "neon", "neon-dotprod"};
 static const pkv_dtype g_types[] = {PKV_DTYPE_F32,  PKV_DTYPE_F16,  PKV_DTYPE_BF16,

@@ -500,19 +500,32 @@ PKV_API int pkv_cache_config(const pkv_cache *c, pkv_config *out) {
     return PKV_OK;
 }
 
+/* One layer of the pool as the kernels read it (attn.h), and as pkv_cache_layout reports layer 0:
+ * where V lives in K, V's base, rows and blocks are K's. */
+static pkv__kv_view layer_view(const pkv_cache *c, uint32_t layer) {
+    const bool v_in_k = c->cfg.v_dim != 0; /* V's rows are K's first v_dim values */
+    const uint8_t *k = c->kv + layer * c->layer_stride;
+    pkv__kv_view v = {.k = k, .v = v_in_k ? k : k + c->v_off, .k_dtype = c->cfg.k_dtype, .v_dtype = c->cfg.v_dtype,
+                      .k_row_bytes = c->k_row, .v_row_bytes = v_in_k ? c->k_row : c->v_row,
+                      .k_block_bytes = c->k_blk, .v_block_bytes = v_in_k ? c->k_blk : c->v_blk,
+                      .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B,
+                      .n_blocks = c->n_blocks, .v_dim = c->v_dim};
+    return v;
+}
+
 PKV_API int pkv_cache_layout(const pkv_cache *c, pkv_layout *out) {
     if (!c) return PKV_EINVAL;
     if (!out) return PKV__SAY(c, PKV_EINVAL, "out is NULL");
+    const pkv__kv_view v = layer_view(c, 0);
     memset(out, 0, sizeof *out);
-    const bool v_in_k = c->cfg.v_dim != 0; /* V's rows are K's */
     out->k_base = c->kv;
-    out->v_base = c->kv + (v_in_k ? 0 : c->v_off);
+    out->v_base = c->kv + (v.v - v.k);
     out->layer_stride_bytes = c->layer_stride;
-    out->k_row_bytes = c->k_row;
-    out->v_row_bytes = v_in_k ? c->k_row : c->v_row;
-    out->k_block_bytes = c->k_blk;
-    out->v_block_bytes = v_in_k ? c->k_blk : c->v_blk;
-    out->v_dim = c->v_dim;
+    out->k_row_bytes = v.k_row_bytes;
+    out->v_row_bytes = v.v_row_bytes;
+    out->k_block_bytes = v.k_block_bytes;
+    out->v_block_bytes = v.v_block_bytes;
+    out->v_dim = v.v_dim;
     out->n_blocks = c->n_blocks;
     out->block_tokens = c->B;
     out->n_kv_heads = c->n_kv;
@@ -1709,17 +1722,6 @@ static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_param
     return PKV_OK;
 }
 
-static pkv__kv_view layer_view(const pkv_cache *c, uint32_t layer) {
-    const bool v_in_k = c->cfg.v_dim != 0; /* V's rows are K's first v_dim values */
-    const uint8_t *k = c->kv + layer * c->layer_stride;
-    pkv__kv_view v = {.k = k, .v = v_in_k ? k : k + c->v_off, .k_dtype = c->cfg.k_dtype, .v_dtype = c->cfg.v_dtype,
-                      .k_row_bytes = c->k_row, .v_row_bytes = v_in_k ? c->k_row : c->v_row,
-                      .k_block_bytes = c->k_blk, .v_block_bytes = v_in_k ? c->k_blk : c->v_blk,
-                      .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B,
-                      .n_blocks = c->n_blocks, .v_dim = c->v_dim};
-    return v;
-}
-
 /* out may be q (in place: each query's rows are read before its output is written, and no other
  * query's are written over them) where its rows are as long (no = nq); any other overlap of q,
  * out and lse is PKV_EINVAL. nq, no: the bytes of q and of out, n_rows rows of n_q_heads x
@@ -1891,17 +1893,20 @@ static void tree_paths(const pkv_cache *c, const tree_scratch *t, const pkv__kv_
     const float *la = t->la;
     const uint32_t *depth = t->depth;
     uint32_t *path = t->path;
+    const bool v_in_k = kv->v == kv->k; /* V's rows are the K rows' first v_dim values */
     for (uint32_t i = i0; i < i1; i++) {
         const uint32_t np = tree_path(r->parent, depth, i, call->window, path);
         const bool once = (size_t)np * D <= path_floats; /* the path's rows widened once a kv head */
+        const float *vrows = once && v_in_k ? kr : vr; /* the widened V rows, where once */
         for (uint32_t h = 0; h < nqh; h++) {
             const uint32_t kh = h / G;
             if (once && h % G == 0)
                 for (uint32_t k = 0; k < np; k++) {
                     tree_row(c, table, kv->k, kv->k_block_bytes, kv->k_row_bytes, kv->k_dtype, kh, r->q_start + path[k],
                              kr + (size_t)k * D);
-                    tree_row(c, table, kv->v, kv->v_block_bytes, kv->v_row_bytes, kv->v_dtype, kh, r->q_start + path[k],
-                             vr + (size_t)k * D);
+                    if (!v_in_k)
+                        tree_row(c, table, kv->v, kv->v_block_bytes, kv->v_row_bytes, kv->v_dtype, kh,
+                                 r->q_start + path[k], vr + (size_t)k * D);
                 }
             const size_t row = (size_t)i * nqh + h;
             const float *qr = q + row * D;
@@ -1918,7 +1923,7 @@ static void tree_paths(const pkv_cache *c, const tree_scratch *t, const pkv__kv_
             double lb = 0.0;
             for (uint32_t d = 0; d < Dv; d++) acc[d] = 0.0f;
             for (uint32_t k = 0; k < np; k++) {
-                const float *vv = vr + (once ? (size_t)k * D : 0);
+                const float *vv = vrows + (once ? (size_t)k * D : 0);
                 if (!once)
                     tree_row(c, table, kv->v, kv->v_block_bytes, kv->v_row_bytes, kv->v_dtype, kh, r->q_start + path[k], vr);
                 const double w = exp(sc[k] - mb);

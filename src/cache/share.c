@@ -192,8 +192,10 @@ int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv
 #define SHARE_ROWS_SEQS 32u
 #define SHARE_MLA_HEADS 128u
 #define SHARE_SCRATCH_MAX ((uint64_t)16 << 20)
+/* Whether the groups' outputs need rows of their own: v_dim < head_dim (else they are the queries') */
+static bool share_out_apart(const pkv_cache *c) { return c->v_dim < c->head_dim; }
 static uint64_t share_row_floats(const pkv_cache *c) {
-    return (uint64_t)c->head_dim + 2u + (c->v_dim < c->head_dim ? c->v_dim : 0u);
+    return (uint64_t)c->head_dim + 2u + (share_out_apart(c) ? c->v_dim : 0u);
 }
 static uint32_t share_rows(const pkv_cache *c) {
     const uint64_t per_kv = c->cfg.v_dim ? SHARE_MLA_HEADS : 8u;
@@ -213,8 +215,8 @@ void pkv__share_carve(pkv_cache *c) {
     const uint32_t n = c->max_seqs;
     sh->rows = share_rows(c);
     sh->q = (float *)(void *)c->share_mem; /* most aligned first */
-    sh->o = c->v_dim < c->head_dim ? sh->q + (size_t)sh->rows * c->head_dim : sh->q;
-    sh->lse_a = sh->o + (size_t)sh->rows * (c->v_dim < c->head_dim ? c->v_dim : c->head_dim);
+    sh->o = share_out_apart(c) ? sh->q + (size_t)sh->rows * c->head_dim : sh->q;
+    sh->lse_a = sh->o + (size_t)sh->rows * c->v_dim; /* past o's rows (q's, where v_dim is head_dim) */
     sh->lse_b = sh->lse_a + sh->rows;
     sh->lse_to = (float **)(void *)(sh->lse_b + sh->rows);
     sh->groups = (pkv__share_group *)(void *)(sh->lse_to + n);
