@@ -29,6 +29,7 @@ typedef struct ab_opts {
     uint32_t bt; /* block_tokens: AB_BT, or AB_BLOCK_TOKENS from the environment */
     uint32_t flags; /* pkv_attn_params.flags: AB_FLAGS_A / AB_FLAGS_B from the environment */
     int paged, shared; /* shared: paged, and sequences 1 .. batch - 1 forks of sequence 0 */
+    uint32_t hq, hkv, d, vd; /* query heads, kv heads, head_dim, v_dim: AB_HQ, AB_HKV, AB_D, 0 or AB_SHAPE */
 } ab_opts;
 
 typedef struct ab_side {
@@ -75,8 +76,9 @@ static int usage(void) {
                     "  e.g. ab_decode f16 4096 16 2 2 paged 21 6  (BATCH <= %d, ROUNDS <= %d, CALLS <= %d;\n"
                     "  EXT <= CTX: each call also extends one more sequence by EXT queries;\n"
                     "  AB_BLOCK_TOKENS=N in the environment: N-token blocks, 1..%d, default %d;\n"
-                    "  AB_FLAGS_A=F, AB_FLAGS_B=F: pkv_attn_params.flags of each side, default 0)\n",
-            AB_MAX_BATCH, AB_MAX_ROUNDS, AB_MAX_CALLS, AB_BT_MAX, AB_BT);
+                    "  AB_FLAGS_A=F, AB_FLAGS_B=F: pkv_attn_params.flags of each side, default 0;\n"
+                    "  AB_SHAPE=HQ,HKV,D[,VD]: query heads, kv heads, head_dim and v_dim (V in K), default %d,%d,%d)\n",
+            AB_MAX_BATCH, AB_MAX_ROUNDS, AB_MAX_CALLS, AB_BT_MAX, AB_BT, AB_HQ, AB_HKV, AB_D);
     return 2;
 }
 
@@ -107,6 +109,12 @@ int main(int argc, char **argv) {
     const char *fla = getenv("AB_FLAGS_A"), *flb = getenv("AB_FLAGS_B");
     if ((fla && *fla && parse_u32(fla, 0, 255, &fa)) || (flb && *flb && parse_u32(flb, 0, 255, &o.flags)))
         return usage();
+    o.hq = AB_HQ, o.hkv = AB_HKV, o.d = AB_D;
+    const char *shape = getenv("AB_SHAPE");
+    if (shape && *shape) {
+        const int n = sscanf(shape, "%u,%u,%u,%u", &o.hq, &o.hkv, &o.d, &o.vd);
+        if (n < 3 || !o.hkv || !o.hq || o.hq % o.hkv || !o.d || o.d > 1024 || o.vd > o.d) return usage();
+    }
     if (!strcmp(argv[6], "paged")) o.paged = 1;
     else if (!strcmp(argv[6], "shared")) o.paged = o.shared = 1;
     else if (!strcmp(argv[6], "pc")) o.paged = pc = 1;
@@ -126,7 +134,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "ab_decode: set-up failed (out of memory, or a shape the builds refuse)\n");
         rc = 1;
     }
-    const size_t nq = (size_t)(o.batch + o.ext) * AB_HQ * AB_D;
+    const size_t nq = (size_t)(o.batch + o.ext) * o.hq * o.d;
     float *q = malloc(sizeof(float) * nq), *out = malloc(sizeof(float) * nq);
     tool_rng rq;
     tool_rng_seed(&rq, 2);
@@ -141,8 +149,8 @@ int main(int argc, char **argv) {
         ratio[r] = tb[r] / ta[r];
     }
     if (rc == 0) {
-        const double bytes = (double)o.ctx * (o.batch + (o.ext > 0)) * AB_HKV *
-                             (double)pkv_dtype_row_bytes(o.dtype, AB_D) * 2.0;
+        const double bytes = (double)o.ctx * (o.batch + (o.ext > 0)) * o.hkv *
+                             (double)pkv_dtype_row_bytes(o.dtype, o.d) * (o.vd ? 1.0 : 2.0);
         const double ma = tool_median(ta, o.rounds), mb = tool_median(tb, o.rounds), mr = tool_median(ratio, o.rounds);
         char ext[48] = "";
         if (o.ext) snprintf(ext, sizeof ext, " + an extend of %u", o.ext);

@@ -8,7 +8,7 @@
 static int AB(ab_setup)(ab_side *s, const ab_opts *o, tool_rng *rng) {
     const uint32_t per_seq = (o->ctx + o->bt - 1) / o->bt, n_seqs = o->batch + (o->ext > 0);
     pkv_config c = AB(pkv_config_default)();
-    c.n_layers = o->layers, c.n_kv_heads = AB_HKV, c.head_dim = AB_D, c.block_tokens = o->bt;
+    c.n_layers = o->layers, c.n_kv_heads = o->hkv, c.head_dim = o->d, c.v_dim = o->vd, c.block_tokens = o->bt;
     c.n_blocks = per_seq * n_seqs, c.k_dtype = c.v_dtype = o->dtype, c.n_threads = o->threads;
     c.enable_prefix_cache = 0, c.max_blocks_per_seq = per_seq > 64 ? per_seq : 64, c.max_seqs = AB_SCATTER + 64;
     if (ab_loan.base) c.allocator = tool_loan_allocator(&ab_loan); /* build A reads build B's pool */
@@ -34,7 +34,7 @@ static int AB(ab_setup)(ab_side *s, const ab_opts *o, tool_rng *rng) {
         for (uint32_t i = 0; i < m; i++)
             if (AB(pkv_seq_release)(s->c, sc[i]) < 0) return -1;
     }
-    const size_t n = (size_t)o->ctx * AB_HKV * AB_D;
+    const size_t n = (size_t)o->ctx * o->hkv * o->d;
     int32_t *ids = calloc(o->ctx, sizeof *ids), *slots = malloc(sizeof(int32_t) * o->ctx);
     float *k = malloc(sizeof(float) * n), *v = malloc(sizeof(float) * n);
     int rc = ids && slots && k && v ? 0 : -1;
@@ -49,7 +49,7 @@ static int AB(ab_setup)(ab_side *s, const ab_opts *o, tool_rng *rng) {
             AB(pkv_seq_slots)(s->c, s->seqs[b], 0, o->ctx, slots) < 0)
             rc = -1;
         for (uint32_t l = 0; l < o->layers && rc == 0; l++)
-            if (AB(pkv_write_kv)(s->c, l, slots, o->ctx, k, v, PKV_DTYPE_F32) < 0) rc = -1;
+            if (AB(pkv_write_kv)(s->c, l, slots, o->ctx, k, o->vd ? NULL : v, PKV_DTYPE_F32) < 0) rc = -1;
     }
     free(ids), free(slots), free(k), free(v);
     return rc;
@@ -59,7 +59,7 @@ static int AB(ab_setup)(ab_side *s, const ab_opts *o, tool_rng *rng) {
  * batch, or with an extend a prefill call of the batch's decodes and the extend. */
 static double AB(ab_time)(ab_side *s, const ab_opts *o, const float *q, float *out) {
     pkv_attn_params p = AB(pkv_attn_params_default)();
-    p.n_q_heads = AB_HQ;
+    p.n_q_heads = o->hq;
     p.flags = o->flags;
     double t[AB_MAX_CALLS];
     pkv_attn_req reqs[AB_MAX_BATCH + 1]; /* with an extend: the decodes, then the extend */

@@ -178,24 +178,24 @@ static inline uint32_t key_tiles(uint32_t n) {
                                                                          const size_t pts,                      \
                                                                          const uint32_t R, const uint8_t *v,    \
                                                                          size_t vrb, uint32_t n_keys, uint32_t D, \
-                                                                         float *acc, pkv__attn_pf *pf) {        \
+                                                                         float *acc, size_t as, pkv__attn_pf *pf) { \
         const size_t esz = sizeof(elem_##T);                                                                    \
         /* 24-column tiles, ending on 16-column ones rather than an 8-column one (e.g. 128 = 4 x 24 + 2 x 16) */ \
         uint32_t d = 0;                                                                                         \
         for (; D - d >= 24 && D - d != 32; d += 24)                                                             \
-            accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 3, acc + d, D, pf);                         \
-        for (; D - d >= 16; d += 16) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 2, acc + d, D, pf); \
-        if (D - d >= 8) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 1, acc + d, D, pf), d += 8;     \
+            accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 3, acc + d, as, pf);                        \
+        for (; D - d >= 16; d += 16) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 2, acc + d, as, pf); \
+        if (D - d >= 8) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 1, acc + d, as, pf), d += 8;    \
         for (uint32_t i = 0; i < R; i++) /* head_dim not a multiple of 8 */                                     \
             for (uint32_t t = 0; t < n_keys; t++) {                                                             \
                 const float w = p[i * ps + t * pts];                                                            \
-                for (uint32_t e = d; e < D; e++) acc[(size_t)i * D + e] += w * sc_##T(v + t * vrb, e);          \
+                for (uint32_t e = d; e < D; e++) acc[(size_t)i * as + e] += w * sc_##T(v + t * vrb, e);         \
             }                                                                                                   \
     }                                                                                                           \
     static inline __attribute__((always_inline)) void accum_rows_##T(const float *p, uint32_t ps, const uint32_t R, \
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
                                                                      uint32_t D, float *acc, pkv__attn_pf *pf) { \
-        accum_rows_pts_##T(p, ps, 1, R, v, vrb, n_keys, D, acc, pf);                                            \
+        accum_rows_pts_##T(p, ps, 1, R, v, vrb, n_keys, D, acc, D, pf);                                         \
     }
 
 typedef float elem_f32;
@@ -288,6 +288,7 @@ static inline int vf_all_le(__m256 x, __m256 t) {
 #define vf_exp_t exp8
 #define vf_ne_bits(a, b) ((uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_NEQ_UQ)))
 #define TP_NK 6 /* 12 accumulators, 2 qt vectors, a broadcast: 15 of 16 registers */
+#define TP_NK1 6 /* (rp, a multiple of 16, is 2 vectors or more: never taken) */
 #define TP_WIDEN_LD(T, row, d, D) ld_##T((row) + (size_t)(d) * sizeof(elem_##T))
 #define TP_E4M3_LD(p) pkv__e4m3_f32x8(p)
 #include "tpath_x86.h"

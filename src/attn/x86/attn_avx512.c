@@ -162,23 +162,23 @@ typedef uint16_t elem_bf16;
                                                                          const size_t pts,                      \
                                                                          const uint32_t R, const uint8_t *v,    \
                                                                          size_t vrb, uint32_t n_keys, uint32_t D, \
-                                                                         float *acc, pkv__attn_pf *pf) {        \
+                                                                         float *acc, size_t as, pkv__attn_pf *pf) { \
         const size_t esz = sizeof(elem_##T);                                                                    \
         uint32_t d = 0; /* 64-column tiles, then one of 48, 32 or 16 (PKV__ATTN_ACCUM_TILES) */                 \
-        for (; D - d >= 64; d += 64) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 4, acc + d, D, pf); \
-        if (D - d >= 48) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 3, acc + d, D, pf), d += 48;   \
-        else if (D - d >= 32) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 2, acc + d, D, pf), d += 32; \
-        else if (D - d >= 16) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 1, acc + d, D, pf), d += 16; \
+        for (; D - d >= 64; d += 64) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 4, acc + d, as, pf); \
+        if (D - d >= 48) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 3, acc + d, as, pf), d += 48;  \
+        else if (D - d >= 32) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 2, acc + d, as, pf), d += 32; \
+        else if (D - d >= 16) accum_tile_##T(p, ps, pts, R, v + d * esz, vrb, n_keys, 1, acc + d, as, pf), d += 16; \
         for (uint32_t i = 0; i < R; i++) /* head_dim not a multiple of 16 */                                    \
             for (uint32_t t = 0; t < n_keys; t++) {                                                             \
                 const float w = p[i * ps + t * pts];                                                            \
-                for (uint32_t e = d; e < D; e++) acc[(size_t)i * D + e] += w * sc_##T(v + t * vrb, e);          \
+                for (uint32_t e = d; e < D; e++) acc[(size_t)i * as + e] += w * sc_##T(v + t * vrb, e);         \
             }                                                                                                   \
     }                                                                                                           \
     static inline __attribute__((always_inline)) void accum_rows_##T(const float *p, uint32_t ps, const uint32_t R, \
                                                                      const uint8_t *v, size_t vrb, uint32_t n_keys, \
                                                                      uint32_t D, float *acc, pkv__attn_pf *pf) { \
-        accum_rows_pts_##T(p, ps, 1, R, v, vrb, n_keys, D, acc, pf);                                            \
+        accum_rows_pts_##T(p, ps, 1, R, v, vrb, n_keys, D, acc, D, pf);                                         \
     }
 
 /* The 4 rows' 4 sums of 16 ymm accumulators a[r][t] (a macro over the array, as HSUM4X4) stored
@@ -408,6 +408,7 @@ static inline __m512 exp16_scalef(__m512 x) {
 #define vf_exp_t exp16_scalef
 #define vf_ne_bits(a, b) ((uint32_t)_mm512_cmp_ps_mask(a, b, _CMP_NEQ_UQ))
 #define TP_NK 8 /* 16 accumulators, 2 qt vectors, a broadcast: of 32 registers */
+#define TP_NK1 16 /* against one vector of rows: 16 accumulators */
 #define TP_WIDEN_LD(T, row, d, D) LDK_##T(row, d, (D) & ~31u) /* bf16: even-odd groups, as prep_q and acc */
 #define TP_E4M3_LD(p) _mm512_cvtph_ps(pkv__e4m3_f16x16(p))
 #include "tpath_x86.h"

@@ -13,8 +13,10 @@
  * first defines:
  *   vf_exp_t(x)               e^x for the softmax (0 below -87.3, for -inf and nan);
  *   vf_ne_bits(a, b)          the lanes where a != b (or either is nan), as bits of an unsigned;
- *   TP_NK                     keys a score tile (at most 8): 2 * TP_NK accumulators and 2 qt
- *                             vectors, with a broadcast, fit the registers;
+ *   TP_NK                     keys a score tile against 2 vectors of rows (at most 8): 2 * TP_NK
+ *                             accumulators and 2 qt vectors, with a broadcast, fit the registers;
+ *   TP_NK1                    keys a score tile against one vector (at most 16; rp 16, as in a
+ *                             decode of 16 query heads a kv head);
  *   TP_WIDEN_LD(T, row, d, D) the VF_N values of a K or V row of dtype T from column d, in
  *                             the order prep_q and acc use (d a multiple of VF_N under D);
  *   TP_E4M3_LD(p)             the values of VF_N fp8 e4m3 codes at p times 2^-8 (fp8_x86.h);
@@ -24,18 +26,26 @@
  *   sc_T(row, i), elem_T      a scalar of a row, and the element type, for f16 and bf16;
  * and gets static functions, and tpath_fill(kt), which sets the table's entries. */
 
-/* n rows of K or V (row stride rb) widened to f32 rows of D floats at dst, a prefetch step of pf
- * after each row (the caller starts and finishes pf). */
+/* Rows of more than 128 values are widened and scored TP_DC columns at a time (rows TP_DC floats
+ * apart in kbuf), each part's scores added to the last's, and V likewise (accum_t): a part of PKV__ATTN_T_KEYS widened
+ * rows (4 KiB) and its columns of qt stay in L1, where whole rows of 576 values (DeepSeek's MLA:
+ * 36 KiB of widened K, and 36 KiB of qt at 16 rows) do not. */
+#define TP_DC 64u
+
+/* Columns [d0, d0 + dn) of n rows of K or V (row stride rb, D values a row) widened to f32 rows
+ * of dn floats, ds floats apart, at dst (d0 a multiple of 32, so that bf16's even-odd groups stay whole), a
+ * prefetch step of pf after each row (the caller starts and finishes pf). */
 #define TP_DEF_WIDEN(T)                                                                                         \
     static inline __attribute__((always_inline)) void widen_rows_##T(const uint8_t *src, size_t rb, uint32_t n, \
-                                                                     uint32_t D, float *dst, pkv__attn_pf *pf) { \
-        const uint32_t DV = D & ~(uint32_t)(VF_N - 1);                                                          \
+                                                                     uint32_t d0, uint32_t dn, uint32_t D,      \
+                                                                     float *dst, size_t ds, pkv__attn_pf *pf) { \
+        const uint32_t d1 = d0 + dn, DV = PKV_MIN(d1, D & ~(uint32_t)(VF_N - 1));                               \
         for (uint32_t t = 0; t < n; t++) {                                                                      \
             const uint8_t *row = src + t * rb;                                                                  \
-            float *o = dst + (size_t)t * D;                                                                     \
-            uint32_t d = 0;                                                                                     \
-            for (; d < DV; d += VF_N) vf_store(o + d, TP_WIDEN_LD(T, row, d, D));                              \
-            for (; d < D; d++) o[d] = sc_##T(row, d);                                                           \
+            float *o = dst + t * ds;                                                                            \
+            uint32_t d = d0;                                                                                    \
+            for (; d < DV; d += VF_N) vf_store(o + d - d0, TP_WIDEN_LD(T, row, d, D));                          \
+            for (; d < d1; d++) o[d - d0] = sc_##T(row, d);                                                     \
             pkv__attn_pf_step(pf);                                                                              \
         }                                                                                                       \
     }
@@ -51,81 +61,118 @@ TP_DEF_WIDEN(bf16)
  * value in 1000 times 20) differed from the reference by 2.0e-4 of the output's rms, against at
  * most 7e-5 for the row path. The prepared query is plain f32 (prep_q of attn_q_avx2.c). */
 static inline __attribute__((always_inline)) void widen_rows_fp8_as(const uint8_t *src, size_t rb, uint32_t n,
-                                                                   uint32_t D, float *dst, pkv__attn_pf *pf,
-                                                                   const bool scaled) {
-    const uint32_t DV = D & ~(uint32_t)(VF_N - 1);
+                                                                   uint32_t d0, uint32_t dn, uint32_t D, float *dst,
+                                                                   size_t ds, pkv__attn_pf *pf, const bool scaled) {
+    const uint32_t d1 = d0 + dn, DV = PKV_MIN(d1, D & ~(uint32_t)(VF_N - 1));
     for (uint32_t t = 0; t < n; t++) {
         const uint8_t *row = src + t * rb, *e = row + PKV_FP8_ROW_HEADER;
-        float *o = dst + (size_t)t * D;
+        float *o = dst + t * ds;
         float sk = 1.0f / 256.0f;
         if (scaled) memcpy(&sk, row, sizeof sk);
         const vf sv = vf_set1(sk * 256.0f);
-        uint32_t d = 0;
-        for (; d < DV; d += VF_N) vf_store(o + d, scaled ? vf_mul(TP_E4M3_LD(e + d), sv) : TP_E4M3_LD(e + d));
-        for (; d < D; d++) o[d] = pkv__e4m3_to_f32(e[d]) * sk;
+        uint32_t d = d0;
+        for (; d < DV; d += VF_N) vf_store(o + d - d0, scaled ? vf_mul(TP_E4M3_LD(e + d), sv) : TP_E4M3_LD(e + d));
+        for (; d < d1; d++) o[d - d0] = pkv__e4m3_to_f32(e[d]) * sk;
         pkv__attn_pf_step(pf);
     }
 }
 /* V's (TP_DEF_ACCUM_T16 names it widen_rows_##T) */
-static inline __attribute__((always_inline)) void widen_rows_fp8(const uint8_t *src, size_t rb, uint32_t n, uint32_t D,
-                                                                float *dst, pkv__attn_pf *pf) {
-    widen_rows_fp8_as(src, rb, n, D, dst, pf, true);
+static inline __attribute__((always_inline)) void widen_rows_fp8(const uint8_t *src, size_t rb, uint32_t n, uint32_t d0,
+                                                                uint32_t dn, uint32_t D, float *dst, size_t ds,
+                                                                pkv__attn_pf *pf) {
+    widen_rows_fp8_as(src, rb, n, d0, dn, D, dst, ds, pf, true);
 }
 
-/* Keys t < NK (<= TP_NK) of f32 rows k (stride ks floats) against NV (1 or 2) vectors of VF_N
- * rows of qt (columns from qt): s[t * rp + r] for those rows. */
+/* Keys t < NK (<= 16) of f32 rows k (stride ks floats) against NV (1 or 2) vectors of VF_N
+ * rows of qt (columns from qt): s[t * rp + r] for those rows, or added to them where add; a
+ * prefetch step of pf after each 16 columns (pf NULL: none). */
 static inline __attribute__((always_inline)) void score_t_tile(const float *qt, uint32_t rp, const float *k, size_t ks,
                                                               const uint32_t NK, const uint32_t NV, uint32_t D,
-                                                              float *s) {
-    vf a[8][2];
-    _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++)
-        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = vf_zero();
-    for (uint32_t d = 0; d < D; d++) {
-        const float *qd = qt + (size_t)d * rp;
-        vf x[2];
-        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) x[v] = vf_load(qd + VF_N * v);
-        _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++) {
-            const vf kb = vf_set1(k[t * ks + d]);
-            _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = vf_fmadd(kb, x[v], a[t][v]);
+                                                              float *s, bool add, pkv__attn_pf *pf) {
+    vf a[16][2];
+    _Pragma("GCC unroll 16") for (uint32_t t = 0; t < NK; t++)
+        _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = add ? vf_load(s + t * rp + VF_N * v)
+                                                                                : vf_zero();
+    for (uint32_t d0 = 0; d0 < D;) { /* one span of all D columns where pf is NULL */
+        const uint32_t d1 = pf ? PKV_MIN(d0 + 16, D) : D;
+        for (uint32_t d = d0; d < d1; d++) {
+            const float *qd = qt + (size_t)d * rp;
+            vf x[2];
+            _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) x[v] = vf_load(qd + VF_N * v);
+            _Pragma("GCC unroll 16") for (uint32_t t = 0; t < NK; t++) {
+                const vf kb = vf_set1(k[t * ks + d]);
+                _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) a[t][v] = vf_fmadd(kb, x[v], a[t][v]);
+            }
         }
+        pkv__attn_pf_step(pf);
+        d0 = d1;
     }
-    _Pragma("GCC unroll 8") for (uint32_t t = 0; t < NK; t++)
+    _Pragma("GCC unroll 16") for (uint32_t t = 0; t < NK; t++)
         _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) vf_store(s + t * rp + VF_N * v, a[t][v]);
 }
 
-/* Every key of the block against NV vectors of rows: tiles of TP_NK keys, then one of the rest. */
+/* Every key of the block against NV vectors of rows: tiles of NKT keys (TP_NK against 2 vectors,
+ * NK1 against one), then tiles of 8 and one of the rest; a prefetch step of pf after each tile,
+ * or where pft is not NULL, of pft in the tiles (score_t_tile). */
 static inline __attribute__((always_inline)) void score_t_keys(const float *qt, uint32_t rp, const float *k, size_t ks,
                                                               uint32_t n_keys, uint32_t D, float *s,
-                                                              const uint32_t NV, pkv__attn_pf *pf) {
+                                                              const uint32_t NV, const uint32_t NK1, pkv__attn_pf *pf,
+                                                              bool add, pkv__attn_pf *pft) {
+    const uint32_t NKT = NV == 1 ? NK1 : TP_NK;
     uint32_t t = 0;
-    for (; t + TP_NK <= n_keys; t += TP_NK) {
-        score_t_tile(qt, rp, k + t * ks, ks, TP_NK, NV, D, s + t * rp);
+    for (; t + NKT <= n_keys; t += NKT) {
+        score_t_tile(qt, rp, k + t * ks, ks, NKT, NV, D, s + t * rp, add, pft);
         pkv__attn_pf_step(pf);
+    }
+    if (NKT > 8 && t + 8 <= n_keys) {
+        score_t_tile(qt, rp, k + t * ks, ks, 8, NV, D, s + t * rp, add, pft);
+        t += 8;
     }
     const float *kt = k + t * ks;
     float *st = s + t * rp;
-    switch (n_keys - t) { /* below TP_NK */
-    case 7: score_t_tile(qt, rp, kt, ks, 7, NV, D, st); break;
-    case 6: score_t_tile(qt, rp, kt, ks, 6, NV, D, st); break;
-    case 5: score_t_tile(qt, rp, kt, ks, 5, NV, D, st); break;
-    case 4: score_t_tile(qt, rp, kt, ks, 4, NV, D, st); break;
-    case 3: score_t_tile(qt, rp, kt, ks, 3, NV, D, st); break;
-    case 2: score_t_tile(qt, rp, kt, ks, 2, NV, D, st); break;
-    case 1: score_t_tile(qt, rp, kt, ks, 1, NV, D, st); break;
+    switch (n_keys - t) { /* below 8 */
+    case 7: score_t_tile(qt, rp, kt, ks, 7, NV, D, st, add, pft); break;
+    case 6: score_t_tile(qt, rp, kt, ks, 6, NV, D, st, add, pft); break;
+    case 5: score_t_tile(qt, rp, kt, ks, 5, NV, D, st, add, pft); break;
+    case 4: score_t_tile(qt, rp, kt, ks, 4, NV, D, st, add, pft); break;
+    case 3: score_t_tile(qt, rp, kt, ks, 3, NV, D, st, add, pft); break;
+    case 2: score_t_tile(qt, rp, kt, ks, 2, NV, D, st, add, pft); break;
+    case 1: score_t_tile(qt, rp, kt, ks, 1, NV, D, st, add, pft); break;
     default: return;
     }
     pkv__attn_pf_step(pf);
 }
 
 /* f32 K rows (stride ks floats) against all rp rows of qt (a multiple of 16), 2 vectors of rows
- * at a time, then one. */
-static void score_t_rows(const float *qt, uint32_t rp, const float *k, size_t ks, uint32_t n_keys, uint32_t D, float *s,
-                         pkv__attn_pf *pf) {
+ * at a time, then one (tiles of NK1 keys); the scores added to s where add. */
+static inline __attribute__((always_inline)) void score_t_rows_in(const float *qt, uint32_t rp, const float *k,
+                                                                 size_t ks, uint32_t n_keys, uint32_t D, float *s,
+                                                                 pkv__attn_pf *pf, bool add, const uint32_t NK1,
+                                                                 pkv__attn_pf *pft) {
     pkv__attn_pf_start(pf, (n_keys + TP_NK - 1) / TP_NK * ((rp + 2 * VF_N - 1) / (2 * VF_N)));
     uint32_t v = 0;
-    for (; v + 2 * VF_N <= rp; v += 2 * VF_N) score_t_keys(qt + v, rp, k, ks, n_keys, D, s + v, 2, pf);
-    if (v < rp) score_t_keys(qt + v, rp, k, ks, n_keys, D, s + v, 1, pf);
+    for (; v + 2 * VF_N <= rp; v += 2 * VF_N) score_t_keys(qt + v, rp, k, ks, n_keys, D, s + v, 2, NK1, pf, add, pft);
+    if (v < rp) score_t_keys(qt + v, rp, k, ks, n_keys, D, s + v, 1, NK1, pf, add, pft);
     pkv__attn_pf_finish(pf);
+}
+/* Tiles of TP_NK1 keys against one vector of rows need the stride a constant: then a tile's keys
+ * are offsets from one register (with 16 keys' offsets in variables the inner loop ran out of
+ * registers and reloaded them from the stack). Other strides keep tiles of TP_NK. */
+static void score_t_rows(const float *qt, uint32_t rp, const float *k, size_t ks, uint32_t n_keys, uint32_t D, float *s,
+                         pkv__attn_pf *pf) {
+    if (ks == 128 && D == 128) /* widened rows of the common head_dim */
+        score_t_rows_in(qt, rp, k, 128, n_keys, 128, s, pf, false, TP_NK1, NULL);
+    else
+        score_t_rows_in(qt, rp, k, ks, n_keys, D, s, pf, false, TP_NK, NULL);
+}
+/* The same over rows TP_DC floats apart (the widened parts below), D columns of them, added to s
+ * where add, with steps of pft (started by the caller) in the tiles. */
+static void score_t_rows_dc(const float *qt, uint32_t rp, const float *k, uint32_t n_keys, uint32_t D, float *s,
+                            bool add, pkv__attn_pf *pft) {
+    if (D == TP_DC)
+        score_t_rows_in(qt, rp, k, TP_DC, n_keys, TP_DC, s, NULL, add, TP_NK1, pft);
+    else
+        score_t_rows_in(qt, rp, k, TP_DC, n_keys, D, s, NULL, add, TP_NK1, pft);
 }
 
 static void score_t_f32(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
@@ -133,37 +180,57 @@ static void score_t_f32(const float *qt, uint32_t rp, const uint8_t *k, size_t k
     (void)kbuf;
     score_t_rows(qt, rp, (const float *)(const void *)k, krb / sizeof(float), n_keys, D, s, pf);
 }
+
+/* The 16-bit and fp8 K's score_t: its rows widened (wid(src, rb, n, d0, dn, D, dst, ds, pf)) and
+ * scored PKV__ATTN_T_KEYS at a time, whole or in parts of TP_DC columns. */
+#define TP_SCORE_WIDENED(wid)                                                                                   \
+    do {                                                                                                        \
+        if (D <= 128) {                                                                                         \
+            pkv__attn_pf_start(pf, n_keys);                                                                     \
+            for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* kbuf holds PKV__ATTN_T_KEYS rows */    \
+                const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                      \
+                wid(k + t * krb, krb, nk, 0, D, D, kbuf, D, pf);                                                \
+                score_t_rows(qt, rp, kbuf, D, nk, D, s + (size_t)t * rp, NULL);                                 \
+            }                                                                                                   \
+            pkv__attn_pf_finish(pf);                                                                            \
+            break;                                                                                              \
+        }                                                                                                       \
+        /* a prefetch step each 16 columns of a tile: spread over the arithmetic, not in bursts */              \
+        pkv__attn_pf_start(pf, (n_keys + PKV__ATTN_T_KEYS - 1) / PKV__ATTN_T_KEYS * ((D + 15) / 16));           \
+        for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) {                                               \
+            const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                          \
+            for (uint32_t d0 = 0; d0 < D; d0 += TP_DC) {                                                        \
+                const uint32_t dn = PKV_MIN(TP_DC, D - d0);                                                     \
+                wid(k + t * krb, krb, nk, d0, dn, D, kbuf, TP_DC, NULL);                                        \
+                score_t_rows_dc(qt + (size_t)d0 * rp, rp, kbuf, nk, dn, s + (size_t)t * rp, d0 > 0, pf);        \
+            }                                                                                                   \
+        }                                                                                                       \
+        pkv__attn_pf_finish(pf);                                                                                \
+    } while (0)
 #define TP_DEF_SCORE_T16(T)                                                                                     \
     static void score_t_##T(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D, \
                             float *s, float *kbuf, pkv__attn_pf *pf) {                                          \
-        pkv__attn_pf_start(pf, n_keys);                                                                         \
-        for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* kbuf holds PKV__ATTN_T_KEYS rows */        \
-            const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                          \
-            widen_rows_##T(k + t * krb, krb, nk, D, kbuf, pf);                                                  \
-            score_t_rows(qt, rp, kbuf, D, nk, D, s + (size_t)t * rp, NULL);                                     \
-        }                                                                                                       \
-        pkv__attn_pf_finish(pf);                                                                                \
+        TP_SCORE_WIDENED(widen_rows_##T);                                                                       \
     }
 TP_DEF_SCORE_T16(f16)
 TP_DEF_SCORE_T16(bf16)
 /* fp8 K: the scores of the codes' values (times 2^-8), then each key's row of scores times its
  * scale times 2^8 (the rp lanes, a multiple of 16, pad rows included) */
+static inline __attribute__((always_inline)) void widen_rows_fp8_k(const uint8_t *src, size_t rb, uint32_t n,
+                                                                  uint32_t d0, uint32_t dn, uint32_t D, float *dst,
+                                                                  size_t ds, pkv__attn_pf *pf) {
+    widen_rows_fp8_as(src, rb, n, d0, dn, D, dst, ds, pf, false);
+}
 static void score_t_fp8(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
                         float *s, float *kbuf, pkv__attn_pf *pf) {
-    pkv__attn_pf_start(pf, n_keys);
-    for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* kbuf holds PKV__ATTN_T_KEYS rows */
-        const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);
-        widen_rows_fp8_as(k + t * krb, krb, nk, D, kbuf, pf, false);
-        score_t_rows(qt, rp, kbuf, D, nk, D, s + (size_t)t * rp, NULL);
-        for (uint32_t j = 0; j < nk; j++) {
-            float sk;
-            memcpy(&sk, k + (t + j) * krb, sizeof sk);
-            const vf sv = vf_set1(sk * 256.0f);
-            float *sj = s + (size_t)(t + j) * rp;
-            for (uint32_t r = 0; r < rp; r += VF_N) vf_store(sj + r, vf_mul(vf_load(sj + r), sv));
-        }
+    TP_SCORE_WIDENED(widen_rows_fp8_k);
+    for (uint32_t t = 0; t < n_keys; t++) {
+        float sk;
+        memcpy(&sk, k + t * krb, sizeof sk);
+        const vf sv = vf_set1(sk * 256.0f);
+        float *st = s + (size_t)t * rp;
+        for (uint32_t r = 0; r < rp; r += VF_N) vf_store(st + r, vf_mul(vf_load(st + r), sv));
     }
-    pkv__attn_pf_finish(pf);
 }
 
 /* softmax's step (attn.h) on VF_N rows a vector, each lane a row, down the keys s[t * rp + r].
@@ -238,34 +305,45 @@ static void softmax_t(float *s, uint32_t rp, uint32_t n_rows, uint32_t n_keys, f
     }
 }
 
-/* The row path's accum tiles over f32 V rows (stride vrb bytes), the weights of row r and key t
- * at p[t * rp + r]. */
+/* The row path's accum tiles over f32 V rows (stride vrb bytes) of D columns, the weights of row r
+ * and key t at p[t * rp + r], acc's rows as (floats) apart. */
 static void accum_t_rows(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
-                         uint32_t D, float *acc, pkv__attn_pf *pf) {
+                         uint32_t D, float *acc, size_t as, pkv__attn_pf *pf) {
     uint32_t r = 0;
     pkv__attn_pf_start(pf, (n_rows / 4 + n_rows % 4) * n_keys * PKV__ATTN_ACCUM_TILES(D));
-    if (D == 128)
+    if (D == 128 && as == 128)
         for (; r + 4 <= n_rows; r += 4)
-            accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, 128, acc + (size_t)r * 128, pf);
-    for (; r + 4 <= n_rows; r += 4) accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, D, acc + (size_t)r * D, pf);
-    for (; r < n_rows; r++) accum_rows_pts_f32(p + r, 1, rp, 1, v, vrb, n_keys, D, acc + (size_t)r * D, pf);
+            accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, 128, acc + (size_t)r * 128, 128, pf);
+    else if (D == TP_DC)
+        for (; r + 4 <= n_rows; r += 4)
+            accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, TP_DC, acc + (size_t)r * as, as, pf);
+    for (; r + 4 <= n_rows; r += 4)
+        accum_rows_pts_f32(p + r, 1, rp, 4, v, vrb, n_keys, D, acc + (size_t)r * as, as, pf);
+    for (; r < n_rows; r++) accum_rows_pts_f32(p + r, 1, rp, 1, v, vrb, n_keys, D, acc + (size_t)r * as, as, pf);
     pkv__attn_pf_finish(pf);
 }
 
 static void accum_t_f32(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
                         uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
     (void)vbuf;
-    accum_t_rows(p, rp, n_rows, v, vrb, n_keys, D, acc, pf);
+    accum_t_rows(p, rp, n_rows, v, vrb, n_keys, D, acc, D, pf);
 }
+/* 16-bit and fp8 V: rows widened PKV__ATTN_T_KEYS at a time, in parts of TP_DC columns where D is
+ * more than 128 (as score_t's K), each part accumulated into its columns of acc. */
 #define TP_DEF_ACCUM_T16(T)                                                                                     \
     static void accum_t_##T(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,         \
                             uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {           \
-        pkv__attn_pf_start(pf, n_keys);                                                                         \
+        const uint32_t dc = D > 128 ? TP_DC : D, n_parts = (D + dc - 1) / dc;                                   \
+        pkv__attn_pf_start(pf, n_parts == 1 ? n_keys : (n_keys + PKV__ATTN_T_KEYS - 1) / PKV__ATTN_T_KEYS * n_parts); \
         for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* vbuf holds PKV__ATTN_T_KEYS rows */        \
             const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                          \
-            widen_rows_##T(v + t * vrb, vrb, nk, D, vbuf, pf);                                                  \
-            accum_t_rows(p + (size_t)t * rp, rp, n_rows, (const uint8_t *)vbuf, (size_t)D * sizeof(float), nk, D, \
-                         acc, NULL);                                                                            \
+            for (uint32_t d0 = 0; d0 < D; d0 += dc) { /* a prefetch step a row, or a part where there are parts */ \
+                const uint32_t dn = PKV_MIN(dc, D - d0);                                                        \
+                widen_rows_##T(v + t * vrb, vrb, nk, d0, dn, D, vbuf, dn, n_parts == 1 ? pf : NULL);            \
+                accum_t_rows(p + (size_t)t * rp, rp, n_rows, (const uint8_t *)vbuf, (size_t)dn * sizeof(float), nk, \
+                             dn, acc + d0, D, NULL);                                                            \
+                if (n_parts > 1) pkv__attn_pf_step(pf);                                                         \
+            }                                                                                                   \
         }                                                                                                       \
         pkv__attn_pf_finish(pf);                                                                                \
     }
