@@ -289,6 +289,7 @@ static inline int vf_all_le(__m256 x, __m256 t) {
 #define vf_ne_bits(a, b) ((uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_NEQ_UQ)))
 #define TP_NK 6 /* 12 accumulators, 2 qt vectors, a broadcast: 15 of 16 registers */
 #define TP_NK1 6 /* (rp, a multiple of 16, is 2 vectors or more: never taken) */
+#define TP_WHOLE_MAX 1024u
 #define TP_WIDEN_LD(T, row, d, D) ld_##T((row) + (size_t)(d) * sizeof(elem_##T))
 #define TP_E4M3_LD(p) pkv__e4m3_f32x8(p)
 #include "tpath_x86.h"

@@ -409,6 +409,7 @@ static inline __m512 exp16_scalef(__m512 x) {
 #define vf_ne_bits(a, b) ((uint32_t)_mm512_cmp_ps_mask(a, b, _CMP_NEQ_UQ))
 #define TP_NK 8 /* 16 accumulators, 2 qt vectors, a broadcast: of 32 registers */
 #define TP_NK1 16 /* against one vector of rows: 16 accumulators */
+#define TP_WHOLE_MAX 128u
 #define TP_WIDEN_LD(T, row, d, D) LDK_##T(row, d, (D) & ~31u) /* bf16: even-odd groups, as prep_q and acc */
 #define TP_E4M3_LD(p) _mm512_cvtph_ps(pkv__e4m3_f16x16(p))
 #include "tpath_x86.h"

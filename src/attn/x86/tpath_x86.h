@@ -17,19 +17,25 @@
  *                             accumulators and 2 qt vectors, with a broadcast, fit the registers;
  *   TP_NK1                    keys a score tile against one vector (at most 16; rp 16, as in a
  *                             decode of 16 query heads a kv head);
+ *   TP_WHOLE_MAX              the widest K and V rows widened whole (wider ones: in parts, below);
  *   TP_WIDEN_LD(T, row, d, D) the VF_N values of a K or V row of dtype T from column d, in
  *                             the order prep_q and acc use (d a multiple of VF_N under D);
  *   TP_E4M3_LD(p)             the values of VF_N fp8 e4m3 codes at p times 2^-8 (fp8_x86.h);
- *   accum_rows_pts_f32(p, ps, pts, R, v, vrb, n_keys, D, acc, pf)  the row path's accum over f32
- *                             rows with the weights at p[r * ps + t * pts], and
+ *   accum_rows_pts_f32(p, ps, pts, R, v, vrb, n_keys, D, acc, as, pf)  the row path's accum over
+ *                             f32 rows, D columns, with the weights at p[r * ps + t * pts] and
+ *                             acc's rows as floats apart, and
  *                             PKV__ATTN_ACCUM_TILES(D), its prefetch steps per key;
  *   sc_T(row, i), elem_T      a scalar of a row, and the element type, for f16 and bf16;
  * and gets static functions, and tpath_fill(kt), which sets the table's entries. */
 
-/* Rows of more than 128 values are widened and scored TP_DC columns at a time (rows TP_DC floats
- * apart in kbuf), each part's scores added to the last's, and V likewise (accum_t): a part of PKV__ATTN_T_KEYS widened
- * rows (4 KiB) and its columns of qt stay in L1, where whole rows of 576 values (DeepSeek's MLA:
- * 36 KiB of widened K, and 36 KiB of qt at 16 rows) do not. */
+/* Rows of more than TP_WHOLE_MAX values are widened and used TP_DC columns at a time (rows TP_DC
+ * floats apart in kbuf), each part's scores added to the last's, and V's parts accumulated into
+ * their columns of acc (accum_t): a part of PKV__ATTN_T_KEYS widened rows (4 KiB) and its columns
+ * of qt stay in L1, where whole rows of 576 values do not (DeepSeek's MLA: 36 KiB of widened K,
+ * and 36 KiB of qt at 16 rows). AVX-512 takes parts past 128 values: MLA decode at 16 heads
+ * (scripts/ab-decode.sh, AB_SHAPE=16,1,576,512, f16 4096 x 1, 1 thread) took 0.77-0.81 of the time
+ * of whole rows with 8-key tiles. AVX2 keeps whole rows (its 6 x 2 tiles, TP_NK1 6): in parts the
+ * same decode took 1.04-1.06 of the time. */
 #define TP_DC 64u
 
 /* Columns [d0, d0 + dn) of n rows of K or V (row stride rb, D values a row) widened to f32 rows
@@ -160,7 +166,7 @@ static inline __attribute__((always_inline)) void score_t_rows_in(const float *q
  * registers and reloaded them from the stack). Other strides keep tiles of TP_NK. */
 static void score_t_rows(const float *qt, uint32_t rp, const float *k, size_t ks, uint32_t n_keys, uint32_t D, float *s,
                          pkv__attn_pf *pf) {
-    if (ks == 128 && D == 128) /* widened rows of the common head_dim */
+    if (TP_NK1 > TP_NK && ks == 128 && D == 128) /* widened rows of the common head_dim */
         score_t_rows_in(qt, rp, k, 128, n_keys, 128, s, pf, false, TP_NK1, NULL);
     else
         score_t_rows_in(qt, rp, k, ks, n_keys, D, s, pf, false, TP_NK, NULL);
@@ -185,7 +191,7 @@ static void score_t_f32(const float *qt, uint32_t rp, const uint8_t *k, size_t k
  * scored PKV__ATTN_T_KEYS at a time, whole or in parts of TP_DC columns. */
 #define TP_SCORE_WIDENED(wid)                                                                                   \
     do {                                                                                                        \
-        if (D <= 128) {                                                                                         \
+        if (D <= TP_WHOLE_MAX) {                                                                                \
             pkv__attn_pf_start(pf, n_keys);                                                                     \
             for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* kbuf holds PKV__ATTN_T_KEYS rows */    \
                 const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                      \
@@ -333,7 +339,7 @@ static void accum_t_f32(const float *p, uint32_t rp, uint32_t n_rows, const uint
 #define TP_DEF_ACCUM_T16(T)                                                                                     \
     static void accum_t_##T(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,         \
                             uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {           \
-        const uint32_t dc = D > 128 ? TP_DC : D, n_parts = (D + dc - 1) / dc;                                   \
+        const uint32_t dc = D > TP_WHOLE_MAX ? TP_DC : D, n_parts = (D + dc - 1) / dc;                          \
         pkv__attn_pf_start(pf, n_parts == 1 ? n_keys : (n_keys + PKV__ATTN_T_KEYS - 1) / PKV__ATTN_T_KEYS * n_parts); \
         for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) { /* vbuf holds PKV__ATTN_T_KEYS rows */        \
             const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                          \
