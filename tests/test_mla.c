@@ -370,6 +370,7 @@ static void test_mla_shapes(void **state) {
                         if (s == 2 && dt != PKV_DTYPE_F16 && dt != PKV_DTYPE_BF16) continue;
                         if (!pkv_dtype_row_bytes(dt, shapes[s].Dv)) continue; /* q8_0 / q4_0 at v_dim 96 */
                         if (quick() && s == 0 && dt != PKV_DTYPE_F16) continue; /* 128 heads: f16 alone */
+                        if (quick() && s == 4) continue; /* the parts of x86's transposed path */
                         world w;
                         world_make(&w, dt, shapes[s], exs[e]);
                         run_world(&w, 0.0f);
