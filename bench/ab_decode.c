@@ -112,8 +112,11 @@ int main(int argc, char **argv) {
     o.hq = AB_HQ, o.hkv = AB_HKV, o.d = AB_D;
     const char *shape = getenv("AB_SHAPE");
     if (shape && *shape) {
-        const int n = sscanf(shape, "%u,%u,%u,%u", &o.hq, &o.hkv, &o.d, &o.vd);
-        if (n < 3 || !o.hkv || !o.hq || o.hq % o.hkv || !o.d || o.d > 1024 || o.vd > o.d) return usage();
+        char tail;
+        const int n = sscanf(shape, "%u,%u,%u,%u%c", &o.hq, &o.hkv, &o.d, &o.vd, &tail);
+        if (n < 3 || n > 4 || strchr(shape, '-') || !o.hkv || !o.hq || o.hq > 1024 || o.hq % o.hkv || !o.d ||
+            o.d > 1024 || o.vd > o.d)
+            return usage();
     }
     if (!strcmp(argv[6], "paged")) o.paged = 1;
     else if (!strcmp(argv[6], "shared")) o.paged = o.shared = 1;

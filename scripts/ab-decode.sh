@@ -19,7 +19,7 @@
 # heads, head_dim and, with VD, v_dim (V in K: AB_SHAPE=16,1,576,512 is DeepSeek's MLA on 16 heads).
 # Default run: f16 4096 16 2 2 paged 21 6 (a 256 MiB layer, two layers per side).
 set -euo pipefail
-if [ $# -lt 2 ]; then sed -n 2,21p "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
+if [ $# -lt 2 ]; then sed -n 2,20p "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
 root=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 a=$1 b=$2; shift 2
 args=("$@")

@@ -261,12 +261,13 @@ static void run_world(world *w, float scale) {
         assert_int_equal(pkv_attn_tree(w->c[0], l, &tr[0], 1, q, out, &p), PKV_OK);
         p.lse = clse;
         assert_int_equal(pkv_attn_tree(w->c[1], l, &tr[1], 1, q, co, &p), PKV_OK);
-        /* with the bf16 flag, V's columns past the last full group of 32 of v_dim (but not of
+        /* with the bf16 flag, bf16 V's columns past the last full group of 32 of v_dim (but not of
            head_dim: 128-135 at 200 / 136) take the f32 accum in the MLA cache, the bf16 one in the twin */
-        const double ttol = w->ex.flags ? 1.0 / 128.0 : 1e-5;
+        const bool lp = w->ex.flags && w->dt == PKV_DTYPE_BF16;
         for (uint32_t j = 0; j < 4 * nqh; j++) {
             for (uint32_t d = 0; d < Dv; d++)
-                assert_true(fabs(out[(size_t)j * Dv + d] - co[(size_t)j * D + d]) <= ttol);
+                assert_true(fabs(out[(size_t)j * Dv + d] - co[(size_t)j * D + d]) <=
+                            (lp && d >= (Dv & ~31u) ? 1.0 / 128.0 : 1e-5));
             assert_true(fabs(lse[j] - clse[j]) <= 1e-5 * fmax(1.0, fabs(clse[j])));
         }
         /* the chain's nodes 0-2 are prefill rows t0 .. t0 + 2 of sequence 0 */
@@ -370,7 +371,7 @@ static void test_mla_shapes(void **state) {
                         if (s == 2 && dt != PKV_DTYPE_F16 && dt != PKV_DTYPE_BF16) continue;
                         if (!pkv_dtype_row_bytes(dt, shapes[s].Dv)) continue; /* q8_0 / q4_0 at v_dim 96 */
                         if (quick() && s == 0 && dt != PKV_DTYPE_F16) continue; /* 128 heads: f16 alone */
-                        if (quick() && s == 4) continue; /* the parts of x86's transposed path */
+                        if (quick() && s == 4 && dt != PKV_DTYPE_F16) continue; /* x86's transposed parts */
                         world w;
                         world_make(&w, dt, shapes[s], exs[e]);
                         run_world(&w, 0.0f);

@@ -475,15 +475,16 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
  * rounded up to 16), so that score is a plain outer product of a K row by the queries, transposed
  * once a unit (qt[d * rp + r], pad rows 0), with no horizontal sums, and softmax works on 16 rows
  * at a time down the keys. K and V of a 16-bit or fp8 dtype are widened to f32 once a block
- * (kbuf, vbuf: PKV__ATTN_T_KEYS rows of head_dim floats at a time, in the order the backend's
- * prep_q and acc use; fp8 V with each row's scale, fp8 K without, its scores scaled after the
- * sums), not once per row group. A backend fills all three (and the float prep_q) or none; for a
+ * (kbuf, vbuf: each room for PKV__ATTN_T_KEYS rows of head_dim floats, which a backend fills with
+ * whole rows or with parts of rows (x86: tpath_x86.h's TP_DC columns), in the order its prep_q
+ * and acc use; fp8 V with each row's scale, fp8 K without, its scores scaled after the sums), not
+ * once per row group. A backend fills all three (and the float prep_q) or none; for a
  * K dtype with score_t and not qt_pairs, prep_q must give plain f32 rows (q times scale, in the
  * order the widened K uses), since the driver transposes them as floats.
  * score_t: for t < n_keys, r < rp: s[t * rp + r] = <qt column r, K row t>, K row t at
  * k + t * k_row_bytes; prefetches pf (the next block's K run) along the way. */
 #define PKV__ATTN_T_MIN_ROWS 16u
-/* kbuf and vbuf hold this many rows: a block of more keys is widened and used in parts. */
+/* kbuf and vbuf hold this many rows: a block of more keys is widened and used this many keys at a time. */
 #define PKV__ATTN_T_KEYS 16u
 typedef void (*pkv__attn_score_t_fn)(const float *qt, uint32_t rp, const uint8_t *k, size_t k_row_bytes,
                                      uint32_t n_keys, uint32_t head_dim, float *s, float *kbuf, pkv__attn_pf *pf);

@@ -1,11 +1,12 @@
 /* tpath_x86.h: the transposed primitives of the x86 backends (attn.h: score_t, softmax_t,
  * accum_t), written once over a vector of VF_N floats, as softmax_x86.h is. For units of many
- * rows (prefill). The row path's score tiles end on trees of shuffles and adds (45 for 128 FMAs
- * in AVX-512's 4 x 4 tile at head_dim 128), which take one of the two FMA pipes of an Intel
- * core, and widen each 16-bit K vector for 4 rows only. Here a block's 16-bit K and V rows are
- * widened to f32 once (kbuf, vbuf: PKV__ATTN_T_KEYS rows at a time; fp8 e4m3 rows too, each
- * code's value times its row's scale), score is an outer product
- * (a K value broadcast against VF_N rows of qt, tiles of TP_NK keys x 2 vectors of rows, no sums
+ * rows (prefill tiles; decode with 16 or more query heads a kv head, as MLA's). The row path's
+ * score tiles end on trees of shuffles and adds (45 for 128 FMAs in AVX-512's 4 x 4 tile at
+ * head_dim 128), which take one of the two FMA pipes of an Intel core, and widen each 16-bit K
+ * vector for 4 rows only. Here a block's 16-bit K and V rows are widened to f32 once (kbuf, vbuf:
+ * PKV__ATTN_T_KEYS rows at a time, whole or in parts of TP_DC columns (below); fp8 e4m3 rows too,
+ * each code's value times its row's scale), score is an outer product (a K value broadcast
+ * against VF_N rows of qt, tiles of TP_NK keys x 2 vectors of rows or TP_NK1 keys x 1, no sums
  * across lanes), softmax works on VF_N rows a vector down the keys, and accum is the row path's
  * tile over the widened rows with the weights read down a key's row of scores.
  *
@@ -15,8 +16,9 @@
  *   vf_ne_bits(a, b)          the lanes where a != b (or either is nan), as bits of an unsigned;
  *   TP_NK                     keys a score tile against 2 vectors of rows (at most 8): 2 * TP_NK
  *                             accumulators and 2 qt vectors, with a broadcast, fit the registers;
- *   TP_NK1                    keys a score tile against one vector (at most 16; rp 16, as in a
- *                             decode of 16 query heads a kv head);
+ *   TP_NK1                    keys a score tile against one vector of rows (at most 16; the last
+ *                             vector where rp is an odd number of them, as 16 query heads a kv
+ *                             head in decode), where the K rows' stride is a constant;
  *   TP_WHOLE_MAX              the widest K and V rows widened whole (wider ones: in parts, below);
  *   TP_WIDEN_LD(T, row, d, D) the VF_N values of a K or V row of dtype T from column d, in
  *                             the order prep_q and acc use (d a multiple of VF_N under D);
@@ -50,7 +52,7 @@
             const uint8_t *row = src + t * rb;                                                                  \
             float *o = dst + t * ds;                                                                            \
             uint32_t d = d0;                                                                                    \
-            for (; d < DV; d += VF_N) vf_store(o + d - d0, TP_WIDEN_LD(T, row, d, D));                          \
+            for (; d < DV; d += VF_N) vf_store(o + (d - d0), TP_WIDEN_LD(T, row, d, D));                        \
             for (; d < d1; d++) o[d - d0] = sc_##T(row, d);                                                     \
             pkv__attn_pf_step(pf);                                                                              \
         }                                                                                                       \
@@ -77,7 +79,7 @@ static inline __attribute__((always_inline)) void widen_rows_fp8_as(const uint8_
         if (scaled) memcpy(&sk, row, sizeof sk);
         const vf sv = vf_set1(sk * 256.0f);
         uint32_t d = d0;
-        for (; d < DV; d += VF_N) vf_store(o + d - d0, scaled ? vf_mul(TP_E4M3_LD(e + d), sv) : TP_E4M3_LD(e + d));
+        for (; d < DV; d += VF_N) vf_store(o + (d - d0), scaled ? vf_mul(TP_E4M3_LD(e + d), sv) : TP_E4M3_LD(e + d));
         for (; d < d1; d++) o[d - d0] = pkv__e4m3_to_f32(e[d]) * sk;
         pkv__attn_pf_step(pf);
     }
@@ -117,9 +119,15 @@ static inline __attribute__((always_inline)) void score_t_tile(const float *qt, 
         _Pragma("GCC unroll 2") for (uint32_t v = 0; v < NV; v++) vf_store(s + t * rp + VF_N * v, a[t][v]);
 }
 
+/* The tiles score_t_keys takes for n keys, NKT at a time (then 8, then the rest). */
+static inline uint32_t tp_tiles(uint32_t n, uint32_t nkt) {
+    const uint32_t r = n % nkt;
+    return n / nkt + (nkt > 8 && r >= 8) + (r % 8 != 0);
+}
+
 /* Every key of the block against NV vectors of rows: tiles of NKT keys (TP_NK against 2 vectors,
  * NK1 against one), then tiles of 8 and one of the rest; a prefetch step of pf after each tile,
- * or where pft is not NULL, of pft in the tiles (score_t_tile). */
+ * and of pft in the tiles (score_t_tile: each 16 columns) where pft is not NULL. */
 static inline __attribute__((always_inline)) void score_t_keys(const float *qt, uint32_t rp, const float *k, size_t ks,
                                                               uint32_t n_keys, uint32_t D, float *s,
                                                               const uint32_t NV, const uint32_t NK1, pkv__attn_pf *pf,
@@ -132,6 +140,7 @@ static inline __attribute__((always_inline)) void score_t_keys(const float *qt, 
     }
     if (NKT > 8 && t + 8 <= n_keys) {
         score_t_tile(qt, rp, k + t * ks, ks, 8, NV, D, s + t * rp, add, pft);
+        pkv__attn_pf_step(pf);
         t += 8;
     }
     const float *kt = k + t * ks;
@@ -149,13 +158,20 @@ static inline __attribute__((always_inline)) void score_t_keys(const float *qt, 
     pkv__attn_pf_step(pf);
 }
 
+/* The tiles of n keys against rp rows: rp / (2 VF_N) groups of 2 vectors, and one of one vector
+ * (tiles of NK1) where rp is an odd number of vectors. */
+static inline uint32_t tp_row_tiles(uint32_t rp, uint32_t n, uint32_t NK1) {
+    return rp / (2 * VF_N) * tp_tiles(n, TP_NK) + (rp % (2 * VF_N) ? tp_tiles(n, NK1) : 0);
+}
+
 /* f32 K rows (stride ks floats) against all rp rows of qt (a multiple of 16), 2 vectors of rows
- * at a time, then one (tiles of NK1 keys); the scores added to s where add. */
+ * at a time, then one (tiles of NK1 keys); the scores added to s where add; a step of pf after
+ * each tile (pf started and finished here), and of pft each 16 columns in the tiles. */
 static inline __attribute__((always_inline)) void score_t_rows_in(const float *qt, uint32_t rp, const float *k,
                                                                  size_t ks, uint32_t n_keys, uint32_t D, float *s,
                                                                  pkv__attn_pf *pf, bool add, const uint32_t NK1,
                                                                  pkv__attn_pf *pft) {
-    pkv__attn_pf_start(pf, (n_keys + TP_NK - 1) / TP_NK * ((rp + 2 * VF_N - 1) / (2 * VF_N)));
+    pkv__attn_pf_start(pf, tp_row_tiles(rp, n_keys, NK1));
     uint32_t v = 0;
     for (; v + 2 * VF_N <= rp; v += 2 * VF_N) score_t_keys(qt + v, rp, k, ks, n_keys, D, s + v, 2, NK1, pf, add, pft);
     if (v < rp) score_t_keys(qt + v, rp, k, ks, n_keys, D, s + v, 1, NK1, pf, add, pft);
@@ -202,7 +218,10 @@ static void score_t_f32(const float *qt, uint32_t rp, const uint8_t *k, size_t k
             break;                                                                                              \
         }                                                                                                       \
         /* a prefetch step each 16 columns of a tile: spread over the arithmetic, not in bursts */              \
-        pkv__attn_pf_start(pf, (n_keys + PKV__ATTN_T_KEYS - 1) / PKV__ATTN_T_KEYS * ((D + 15) / 16));           \
+        uint32_t n_steps = 0;                                                                                   \
+        for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS)                                                 \
+            n_steps += tp_row_tiles(rp, PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t), TP_NK1) * ((D + 15) / 16);       \
+        pkv__attn_pf_start(pf, n_steps);                                                                        \
         for (uint32_t t = 0; t < n_keys; t += PKV__ATTN_T_KEYS) {                                               \
             const uint32_t nk = PKV_MIN(PKV__ATTN_T_KEYS, n_keys - t);                                          \
             for (uint32_t d0 = 0; d0 < D; d0 += TP_DC) {                                                        \
@@ -335,7 +354,7 @@ static void accum_t_f32(const float *p, uint32_t rp, uint32_t n_rows, const uint
     accum_t_rows(p, rp, n_rows, v, vrb, n_keys, D, acc, D, pf);
 }
 /* 16-bit and fp8 V: rows widened PKV__ATTN_T_KEYS at a time, in parts of TP_DC columns where D is
- * more than 128 (as score_t's K), each part accumulated into its columns of acc. */
+ * more than TP_WHOLE_MAX (as score_t's K), each part accumulated into its columns of acc. */
 #define TP_DEF_ACCUM_T16(T)                                                                                     \
     static void accum_t_##T(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,         \
                             uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {           \
