@@ -90,6 +90,22 @@ static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
     return 0;
 }
 
+/* AB_SHAPE: "HQ,HKV,D" or "HQ,HKV,D,VD", each field as parse_u32 takes it; 0 or -1. */
+static int parse_shape(const char *shape, ab_opts *o) {
+    char buf[64];
+    if (strlen(shape) >= sizeof buf) return -1;
+    strcpy(buf, shape);
+    uint32_t *const field[4] = {&o->hq, &o->hkv, &o->d, &o->vd};
+    const uint32_t lo[4] = {1, 1, 1, 0}, hi[4] = {1024, 1024, 1024, 1024};
+    uint32_t n = 0;
+    for (char *tok = buf, *next; tok; tok = next, n++) {
+        next = strchr(tok, ',');
+        if (next) *next++ = '\0';
+        if (n == 4 || parse_u32(tok, lo[n], hi[n], field[n])) return -1;
+    }
+    return n < 3 || o->hq % o->hkv || o->vd > o->d ? -1 : 0;
+}
+
 int main(int argc, char **argv) {
     ab_opts o = {0};
     int pc = 0; /* build A contiguous, build B paged */
@@ -111,13 +127,7 @@ int main(int argc, char **argv) {
         return usage();
     o.hq = AB_HQ, o.hkv = AB_HKV, o.d = AB_D;
     const char *shape = getenv("AB_SHAPE");
-    if (shape && *shape) {
-        char tail;
-        const int n = sscanf(shape, "%u,%u,%u,%u%c", &o.hq, &o.hkv, &o.d, &o.vd, &tail);
-        if (n < 3 || n > 4 || strchr(shape, '-') || !o.hkv || !o.hq || o.hq > 1024 || o.hq % o.hkv || !o.d ||
-            o.d > 1024 || o.vd > o.d)
-            return usage();
-    }
+    if (shape && *shape && parse_shape(shape, &o)) return usage();
     if (!strcmp(argv[6], "paged")) o.paged = 1;
     else if (!strcmp(argv[6], "shared")) o.paged = o.shared = 1;
     else if (!strcmp(argv[6], "pc")) o.paged = pc = 1;
