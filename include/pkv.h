@@ -670,7 +670,20 @@ typedef struct pkv_attn_params {
                             to merge partial results (pkv_attn_merge) pass sinks to exactly one
                             part. Each must be finite, and sinks must not overlap out or lse
                             (it may overlap q where out is not q): else PKV_EINVAL. */
+    const float *alibi_slopes; /* optional: [n_q_heads] ALiBi slopes (BLOOM, MPT, Baichuan,
+                            Falcon-RW), NULL = none. Head h's logit of the key at position k for
+                            the query at position p gains alibi_slopes[h] x (k - p) after the
+                            scale and the soft-cap: s = cap(scale q.k) + slope (k - p), so keys
+                            behind the query are pushed down by their distance (the usual slopes
+                            2^(-8 (h + 1) / n_q_heads) for a power of 2 heads are positive; any
+                            sign is taken). Positions are the keys' and queries' own (in
+                            pkv_attn_tree a node's depth: below). The sinks are not biased. Each
+                            slope must be finite with magnitude at most PKV_ALIBI_SLOPE_MAX, and
+                            the slopes must not overlap out or lse: else PKV_EINVAL. */
 } pkv_attn_params;
+/* The largest ALiBi slope magnitude taken: bias x distance stays far from f32's range at any
+ * position a cache holds (2^32 x 2^16 = 2^48). */
+#define PKV_ALIBI_SLOPE_MAX 65536.0f
 /* pkv_attn_params.flags. PKV_ATTN_BF16_DOT: allows bf16 arithmetic where the backend has bf16
  * dot products (pkv_attn_flags_used; x86 with AVX512_BF16: Intel Cooper Lake, Sapphire Rapids
  * and later, AMD Zen 4 and later; ARM with FEAT_BF16: Neoverse V1, V2 and N2, Graviton 3 and 4,
@@ -804,7 +817,8 @@ enum { PKV_TREE_MAX_NODES = 1024 };
  * q_start + depth for a node) is under window. q, out: the requests' nodes' queries
  * concatenated, [sum n_nodes][n_q_heads][head_dim] (out [..][v_dim]; out may not be q: the paths read the queries
  * after the prefix part wrote out); p as for pkv_attn_prefill:
- * scale, softcap, window, lse and sinks mean the same, per node. The prefix is read by the
+ * scale, softcap, window, lse, sinks and alibi_slopes mean the same, per node (a key's distance
+ * for ALiBi is the node's position, q_start + depth, minus the key's, as for the window). The prefix is read by the
  * prefill kernels, all of a request's nodes at once (in runs of max(4096, 1024 x n_kv_heads) /
  * n_q_heads nodes: a request of more reads its prefix once a run; where a window ends inside
  * the prefix for some node, a read a node), the paths on the

@@ -158,7 +158,8 @@ static void seq_free(tseq *s) {
 
 /* ---- the reference: plain contiguous attention in double -------------------------------------- */
 static void ref_query(const tpool *p, const tseq *s, uint32_t n_q_heads, const float *q, uint32_t pos, double scale,
-                      double softcap, uint32_t window, const float *sinks, double *out, double *lse) {
+                      double softcap, uint32_t window, const float *sinks, const float *alibi, double *out,
+                      double *lse) {
     const uint32_t D = p->D, G = n_q_heads / p->H;
     const uint32_t lo = (window && pos + 1 > window) ? pos + 1 - window : 0;
     double *w = malloc(sizeof(double) * (pos - lo + 1));
@@ -172,6 +173,7 @@ static void ref_query(const tpool *p, const tseq *s, uint32_t n_q_heads, const f
             for (uint32_t d = 0; d < D; d++) dot += (double)qr[d] * kr[d];
             double x = dot * scale;
             if (softcap > 0) x = softcap * tanh(x / softcap);
+            if (alibi) x += (double)alibi[hq] * ((double)t - (double)pos); /* after the cap */
             w[t - lo] = x;
             mx = fmax(mx, x);
         }
@@ -198,7 +200,7 @@ static double check_item(const tpool *p, const tseq *s, uint32_t nqh, const pkv_
     double worst = 0;
     for (uint32_t qi = 0; qi < it->n_q; qi++) {
         ref_query(p, s, nqh, it->q + (size_t)qi * nqh * D, it->q_pos0 + qi, c->scale, c->softcap, c->window, c->sinks,
-                  ro, rl);
+                  c->alibi, ro, rl);
         for (uint32_t i = 0; i < nqh * D; i++) {
             double e = fabs((double)it->out[(size_t)qi * nqh * D + i] - ro[i]) / fmax(s->vmax, 1e-30);
             if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
@@ -346,9 +348,25 @@ typedef struct oracle_opts {
     int softcap;     /* random soft-cap */
     int window;      /* random sliding window */
     int sinks;       /* random attention-sink logits */
+    int alibi;       /* random ALiBi slopes (rand_alibi) */
     uint32_t block_tokens; /* 0: drawn from k_btok */
     uint32_t len_cap;      /* 0: rand_len() alone; else contexts of at most this many tokens */
 } oracle_opts;
+
+/* ALiBi slopes for nqh heads into a: one case in two the models' own, 2^(-8 (h + 1) / nqh); else
+ * each drawn from steep (up to 2: only the nearest keys count), shallow (2^-12 .. 2^-4: the
+ * context's far end still weighs) and slightly negative (down to -2^-9: the far end leads, with
+ * logits that stay within f32's rounding over 5,000 positions). */
+static void rand_alibi(float *a, uint32_t nqh) {
+    const bool model = rng_below(2);
+    for (uint32_t h = 0; h < nqh; h++) {
+        const uint32_t k = rng_below(4);
+        a[h] = model ? (float)pow(2.0, -8.0 * (h + 1) / nqh)
+               : k == 0 ? (float)(2.0 * rng_unit())
+               : k == 3 ? (float)(-pow(2.0, -9.0) * rng_unit())
+                        : (float)pow(2.0, -12.0 + 8.0 * rng_unit());
+    }
+}
 
 /* One random case: a batch of sequences in one pool, one run, every query checked. */
 static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uint32_t nqh, uint32_t H, pkv_dtype kdt,
@@ -401,6 +419,12 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         }
         call.sinks = sinks;
     }
+    float *alibi = NULL;
+    if (o->alibi) {
+        alibi = malloc(sizeof(float) * nqh);
+        rand_alibi(alibi, nqh);
+        call.alibi = alibi;
+    }
     pkv__attn_item items[4];
     for (uint32_t i = 0; i < n_seqs; i++) {
         uint32_t n_q = 1, pos0 = lens[i] - 1;
@@ -451,9 +475,10 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         if (!(e <= *worst)) {
             *worst = e;
             if (e > 1.0)
-                print_message("  fail: %s D=%u q/kv=%u/%u B=%u len=%u q_pos0=%u n_q=%u softcap=%g window=%u thr=%u: err %.3g\n",
+                print_message("  fail: %s D=%u q/kv=%u/%u B=%u len=%u q_pos0=%u n_q=%u softcap=%g window=%u alibi=%d "
+                              "thr=%u: err %.3g\n",
                               backend, D, nqh, H, B, lens[i], items[i].q_pos0, items[i].n_q, call.softcap, call.window,
-                              n_threads, e);
+                              call.alibi != NULL, n_threads, e);
         }
         free((void *)items[i].q);
         free(items[i].out);
@@ -461,6 +486,7 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         seq_free(&seqs[i]);
     }
     free(sinks);
+    free(alibi);
     pkv__attn_destroy(at);
     pool_free(&p);
 }
@@ -477,9 +503,9 @@ static void run_oracle_dims(const char *backend, const oracle_opts *o, uint64_t 
                 pkv_dtype kdt = k_types[ti], vdt = rng_below(4) ? kdt : k_types[rng_below(3)];
                 oracle_case(backend, nt, dims[di], k_heads[hi][0], k_heads[hi][1], kdt, vdt, o, &worst, &worst_lse);
             }
-        print_message("  %s K=%s%s%s%s%s: max err %.3g of the tolerance, lse err %.3g\n", backend,
+        print_message("  %s K=%s%s%s%s%s%s: max err %.3g of the tolerance, lse err %.3g\n", backend,
                       pkv_dtype_name(k_types[ti]), o->prefill ? " prefill" : " decode", o->softcap ? " softcap" : "",
-                      o->window ? " window" : "", o->sinks ? " sinks" : "", worst, worst_lse);
+                      o->window ? " window" : "", o->sinks ? " sinks" : "", o->alibi ? " alibi" : "", worst, worst_lse);
         assert_true(worst <= 1.0);
         assert_true(worst_lse <= TOL_LSE);
     }
@@ -578,7 +604,7 @@ static void test_oracle_extreme_shapes(void **state) {
             double worst = 0, worst_lse = 0;
             for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
                 const oracle_opts o = {.prefill = prefill, .softcap = (int)rng_below(2), .window = (int)rng_below(2),
-                                       .sinks = (int)rng_below(2),
+                                       .sinks = (int)rng_below(2), .alibi = (int)rng_below(2),
                                        .block_tokens = shapes[i].B, .len_cap = shapes[i].cap};
                 const pkv_dtype kdt = k_types[ti], vdt = rng_below(4) ? kdt : k_types[rng_below(3)];
                 oracle_case(bc->name, 1 + rng_below(2), shapes[i].D, shapes[i].nqh, shapes[i].H, kdt, vdt, &o, &worst,
@@ -622,6 +648,21 @@ static void test_oracle_sinks(void **state) {
     run_oracle(bc->name, &o, 307);
     o.window = o.softcap = 1;
     run_oracle(bc->name, &o, 308);
+}
+
+/* ALiBi (pkv__attn_call.alibi): every path (row and transposed, pieces, two passes, key splits)
+ * against the reference, alone and with the soft-cap (the bias after it), a window and sinks. */
+static void test_oracle_alibi(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    oracle_opts o = {.alibi = 1};
+    run_oracle(bc->name, &o, 309);
+    o.prefill = 1;
+    run_oracle(bc->name, &o, 310);
+    o.softcap = o.window = o.sinks = 1;
+    run_oracle(bc->name, &o, 311);
+    o.prefill = 0;
+    run_oracle(bc->name, &o, 312);
 }
 
 /* ---- soft-cap and window: exact effects on a hand-made case ------------------------------------ */
@@ -834,6 +875,8 @@ static void test_oracle_pool_order(void **state) {
         pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
         if (rng_below(3) == 0) call.softcap = (float)(1.0 + 30.0 * rng_unit());
         if (rng_below(3) == 0) call.window = 1 + rng_below(600);
+        float alibi[32];
+        if (c % 4 == 3) rand_alibi(alibi, nqh), call.alibi = alibi; /* the sweep's bias, each pass mode */
         pkv__attn_item items[40];
         float *table_out[40];
         for (uint32_t i = 0; i < n; i++) {
@@ -1141,6 +1184,14 @@ static void test_bad_input(void **state) {
     call.softcap = 1e-39f; /* subnormal: 1 / cap is not finite */
     assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
     call.softcap = 0.0f;
+    float slopes[4] = {0.5f, 0.25f, NAN, 0.0625f}; /* a slope NaN, infinite, or past the bound */
+    call.alibi = slopes;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    slopes[2] = -INFINITY;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    slopes[2] = 2.0f * PKV_ALIBI_SLOPE_MAX;
+    assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
+    call.alibi = NULL;
     kv.k_dtype = (pkv_dtype)99;
     assert_int_equal(pkv__attn_run(at, &kv, &it, 1, &call), PKV_EINVAL);
     kv = p.view;
@@ -1376,6 +1427,7 @@ int main(void) {
         PER_BACKEND(test_oracle_prefill),
         PER_BACKEND(test_oracle_softcap_window),
         PER_BACKEND(test_oracle_sinks),
+        PER_BACKEND(test_oracle_alibi),
         PER_BACKEND(test_softcap_wide),
         PER_BACKEND(test_oracle_odd_dims),
         PER_BACKEND(test_oracle_extreme_shapes),

@@ -858,11 +858,23 @@ static inline bool piece_take(const pkv__attn *at, uint32_t n_keys, uint32_t row
 
 static void mask_block(const pkv__attn *at, const unit *w, uint32_t pos_first, uint32_t kp0, uint32_t n_keys,
                        float *s, size_t rs, size_t ts);
+static void bias_block(const pkv__attn *at, uint32_t hq0, uint32_t nq, uint32_t gs, uint32_t pos_first, uint32_t kp0,
+                       uint32_t n_keys, float *s, size_t rs, size_t ts);
+
+/* The soft-cap the softmax steps take: the call's, or 0 where ALiBi's pass (bias_block) caps first. */
+static inline float sm_cap(const pkv__attn *at) { return at->call->alibi ? 0.0f : at->call->softcap; }
+
+/* A unit's rows of kv head kvh (of a block's keys from kp0): ALiBi's bias where the call has it. */
+static inline void unit_bias(const pkv__attn *at, const unit *w, uint32_t kvh, uint32_t pos_first, uint32_t kp0,
+                             uint32_t n_keys, float *s, size_t rs, size_t ts) {
+    if (at->call->alibi) bias_block(at, kvh * at->G + w->g0, w->nq, w->gs, pos_first, kp0, n_keys, s, rs, ts);
+}
 
 /* Where block_pieces masks a piece's scores (run_unit: causal or window keys); NULL: none. */
 typedef struct piece_mask {
     const unit *w;
     uint32_t pos_first, kp0; /* the first query's position; the position of key t0 */
+    bool mask;               /* whether the keys need masks (else ALiBi's bias alone) */
 } piece_mask;
 
 /* Piece i's accum (accum_head's for pieces): its scores' half, its V run, len[i % 2] keys, the acc
@@ -898,10 +910,11 @@ static void block_pieces(const pkv__attn *at, size_t bid, uint32_t h0, uint32_t 
         if (xq && o == 0)
             for (size_t b = 0; b < xn; b += 64) __builtin_prefetch(xq + hj * xn + b, 0, 2);
         score(qp + (size_t)r0 * qrow, rows_h, io->kr, kv->k_row_bytes, nj, D, sj, at->s_stride, io->pkp);
-        if (pm) mask_block(at, pm->w, pm->pos_first, pm->kp0 + o, nj, sj, at->s_stride, 1);
+        if (pm && pm->mask) mask_block(at, pm->w, pm->pos_first, pm->kp0 + o, nj, sj, at->s_stride, 1);
+        if (pm) unit_bias(at, pm->w, h0 + hj, pm->pos_first, pm->kp0 + o, nj, sj, at->s_stride, 1);
         if (j > 0) accum_piece(at, accum, s, rows_h, j - 1, np, len, io2, acc);
         len[j & 1u] = nj;
-        kt->softmax(sj, at->s_stride, rows_h, nj, at->call->softcap, m + r0, l + r0, acc + (size_t)r0 * Dv, Dv);
+        kt->softmax(sj, at->s_stride, rows_h, nj, sm_cap(at), m + r0, l + r0, acc + (size_t)r0 * Dv, Dv);
     }
     accum_piece(at, accum, s, rows_h, n - 1, np, len, io2, acc);
 }
@@ -955,6 +968,29 @@ static void mask_block(const pkv__attn *at, const unit *w, uint32_t pos_first, u
     }
 }
 
+/* ALiBi (call->alibi): the scores of query heads hq0 .. hq0 + gs - 1 at positions pos_first + qi,
+ * for the keys at kp0 + t, in mask_block's layout: each visible one (masked ones, -inf, stay)
+ * capped where the call caps (the softmax steps then take cap 0: sm_cap) and then raised by
+ * alibi[h] x (kp0 + t - pos). A pass over rows x keys floats beside a score of head_dim products
+ * each. */
+static void bias_block(const pkv__attn *at, uint32_t hq0, uint32_t nq, uint32_t gs, uint32_t pos_first, uint32_t kp0,
+                       uint32_t n_keys, float *s, size_t rs, size_t ts) {
+    const float cap = at->call->softcap, inv = cap > 0.0f ? 1.0f / cap : 0.0f;
+    for (uint32_t qi = 0; qi < nq; qi++) {
+        const int64_t d0 = (int64_t)kp0 - (int64_t)pos_first - qi; /* key t0's distance, negative behind */
+        for (uint32_t g = 0; g < gs; g++) {
+            const float a = at->call->alibi[hq0 + g];
+            float *sr = s + (size_t)(qi * gs + g) * rs;
+            for (uint32_t t = 0; t < n_keys; t++) {
+                float x = sr[t * ts];
+                if (x == -INFINITY) continue;
+                if (cap > 0.0f) x = cap * tanhf(x * inv);
+                sr[t * ts] = x + a * (float)(d0 + (int64_t)t);
+            }
+        }
+    }
+}
+
 /* An entry key's fields: block id, item (within its group), index in the item's table. */
 static uint64_t sweep_key(int32_t bid, uint32_t i, uint32_t b) {
     return (uint64_t)(uint32_t)bid << 32 | (uint64_t)i << SWEEP_B_BITS | b;
@@ -990,6 +1026,7 @@ typedef struct pass_walk {
 typedef struct pass_blk {
     size_t bid;
     uint32_t t0, n_keys, kp0;
+    uint32_t qpos; /* a sweep entry's query position (ALiBi's bias; a unit's come from the unit) */
     bool mask;
     const uint8_t *qp;
     float *m, *l, *acc;
@@ -1060,6 +1097,9 @@ static void pass_window(const pkv__attn *at, const pass_walk *pw, uint32_t xw0, 
             score(b->qp + (size_t)h * rows_h * qrow, rows_h, k + h * krun, kv->k_row_bytes, b->n_keys, D, s,
                   (uint32_t)ss, pass_pf(at, pw, xw0, (size_t)j * nh + h, &pf));
             if (b->mask) mask_block(at, w, pos_first, b->kp0, b->n_keys, s, ss, 1);
+            if (at->call->alibi) /* a unit's blocks, or a sweep's entries of one query each */
+                bias_block(at, (pw->h0 + h) * at->G + (w ? w->g0 : 0), w ? w->nq : 1, w ? w->gs : rows_h,
+                           w ? pos_first : b->qpos, b->kp0, b->n_keys, s, ss, 1);
         }
     }
     for (uint32_t j = 0; j < nw; j++) { /* the V pass */
@@ -1068,8 +1108,7 @@ static void pass_window(const pkv__attn *at, const pass_walk *pw, uint32_t xw0, 
         for (uint32_t h = 0; h < nh; h++) {
             const size_t r0 = (size_t)h * rows_h;
             float *s = sw + (j * rows + r0) * ss;
-            kt->softmax(s, (uint32_t)ss, rows_h, b->n_keys, at->call->softcap, b->m + r0, b->l + r0, b->acc + r0 * Dv,
-                        Dv);
+            kt->softmax(s, (uint32_t)ss, rows_h, b->n_keys, sm_cap(at), b->m + r0, b->l + r0, b->acc + r0 * Dv, Dv);
             accum(s, (uint32_t)ss, rows_h, v + h * vrun, kv->v_row_bytes, b->n_keys, Dv, b->acc + r0 * Dv,
                   pass_pf(at, pw, xw0, (size_t)(nw + j) * nh + h, &pf));
         }
@@ -1121,7 +1160,8 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
                                NULL, 0, &io);
             score(sc->qt + (size_t)j * rp * D, rp, io.kr, kv->k_row_bytes, n_keys, D, sc->st, sc->kbuf, io.pkp);
             if (ub.mask) mask_block(at, w, pos_first, ub.kb + ub.t0, n_keys, sc->st, 1, rp);
-            kt->softmax_t(sc->st, rp, rows_h, n_keys, at->call->softcap, sc->m + r0, sc->l + r0,
+            unit_bias(at, w, w->kvh0 + j, pos_first, ub.kb + ub.t0, n_keys, sc->st, 1, rp);
+            kt->softmax_t(sc->st, rp, rows_h, n_keys, sm_cap(at), sc->m + r0, sc->l + r0,
                           sc->acc + (size_t)r0 * Dv, Dv);
             accum(sc->st, rp, rows_h, io.vr, kv->v_row_bytes, n_keys, Dv, sc->acc + (size_t)r0 * Dv, sc->vbuf, io.pvp);
         }
@@ -1188,9 +1228,9 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
             const unit_block ub = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);
             const uint32_t n_keys = ub.n_keys;
             if (piece_take(at, n_keys, rows_h)) {
-                const piece_mask pm = {.w = &w, .pos_first = pos_first, .kp0 = ub.kb + ub.t0};
+                const piece_mask pm = {.w = &w, .pos_first = pos_first, .kp0 = ub.kb + ub.t0, .mask = ub.mask};
                 block_pieces(at, ub.bid, w.kvh0, w.kvh0 + w.n_kvh, ub.t0, n_keys, ub.kn, ub.vn, qp, rows_h, s, m, l,
-                             acc, ub.mask ? &pm : NULL, NULL, 0);
+                             acc, ub.mask || call->alibi ? &pm : NULL, NULL, 0);
                 continue;
             }
             head_io io2[2]; /* heads pipelined (score_half) */
@@ -1202,8 +1242,9 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
                                    NULL, 0, io);
                 score(qp + (size_t)r0 * qrow, rows_h, io->kr, kv->k_row_bytes, n_keys, D, sj, at->s_stride, io->pkp);
                 if (ub.mask) mask_block(at, &w, pos_first, ub.kb + ub.t0, n_keys, sj, at->s_stride, 1);
+                unit_bias(at, &w, w.kvh0 + j, pos_first, ub.kb + ub.t0, n_keys, sj, at->s_stride, 1);
                 if (j > 0) accum_head(at, accum, s, rows_h, j - 1, n_keys, io2, acc);
-                kt->softmax(sj, at->s_stride, rows_h, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * Dv, Dv);
+                kt->softmax(sj, at->s_stride, rows_h, n_keys, sm_cap(at), m + r0, l + r0, acc + (size_t)r0 * Dv, Dv);
             }
             accum_head(at, accum, s, rows_h, w.n_kvh - 1, n_keys, io2, acc);
         }
@@ -1555,7 +1596,7 @@ static pass_blk sweep_entry(const pkv__attn *at, uint32_t c, uint64_t ek, uint32
     const pkv__attn_item *it = sweep_item(at, i);
     const uint32_t pos = it->q_pos0, k_lo = item_key_lo(it, pos, at->call->window), kb = key_b(ek) * B;
     const uint32_t t0 = k_lo > kb ? k_lo - kb : 0;
-    return (pass_blk){.bid = key_bid(ek), .t0 = t0, .n_keys = PKV_MIN(B, pos - kb + 1) - t0,
+    return (pass_blk){.bid = key_bid(ek), .t0 = t0, .n_keys = PKV_MIN(B, pos - kb + 1) - t0, .kp0 = kb + t0, .qpos = pos,
                       .qp = at->sweep_q + (size_t)i * rows * PKV__ATTN_QROW_BYTES(D), .m = m, .l = m + ROWS_MAX,
                       .acc = m + 2 * ROWS_MAX};
 }
@@ -1630,7 +1671,11 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
             }
         }
         if (piece_take(at, n_keys, G)) {
-            block_pieces(at, bid, 0, H, t0, n_keys, kn, vn, qp, G, s, m, l, acc, NULL, qn, (size_t)G * qrow);
+            /* no masks (an entry's keys are its query's); ALiBi's bias where the call has it */
+            const unit wi = {.item = sweep_item(at, i), .n_kvh = H, .gs = G, .nq = 1};
+            const piece_mask pm = {.w = &wi, .pos_first = eb.qpos, .kp0 = eb.kp0};
+            block_pieces(at, bid, 0, H, t0, n_keys, kn, vn, qp, G, s, m, l, acc, call->alibi ? &pm : NULL, qn,
+                         (size_t)G * qrow);
             if (qn) /* and its acc */
                 for (size_t o = 0; o < (size_t)rows * Dv * sizeof(float); o += 64) __builtin_prefetch(an + o, 1, 2);
             if (x == last[i]) finish_item(at, i);
@@ -1651,8 +1696,9 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
                 const uint8_t *ax = an + (size_t)h * G * Dv * sizeof(float);
                 for (size_t o = 0; o < (size_t)G * Dv * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
             }
+            if (call->alibi) bias_block(at, r0, 1, G, eb.qpos, eb.kp0, n_keys, sh, at->s_stride, 1);
             if (h > 0) accum_head(at, accum, s, G, h - 1, n_keys, io2, acc);
-            kt->softmax(sh, at->s_stride, G, n_keys, call->softcap, m + r0, l + r0, acc + (size_t)r0 * Dv, Dv);
+            kt->softmax(sh, at->s_stride, G, n_keys, sm_cap(at), m + r0, l + r0, acc + (size_t)r0 * Dv, Dv);
         }
         accum_head(at, accum, s, G, H - 1, n_keys, io2, acc);
         if (x == last[i]) finish_item(at, i);
@@ -1724,6 +1770,8 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     if (call->n_q_heads == 0 || call->n_q_heads % kv->n_kv_heads) return PKV_EINVAL;
     if (!isfinite(call->scale) || call->scale == 0.0f || !pkv__attn_softcap_ok(call->softcap))
         return PKV_EINVAL;
+    for (uint32_t h = 0; call->alibi && h < call->n_q_heads; h++)
+        if (!(fabsf(call->alibi[h]) <= PKV_ALIBI_SLOPE_MAX)) return PKV_EINVAL; /* NaN too */
     if (!at->kt->prep_q[kv->k_dtype] || !at->kt->score[kv->k_dtype] || !at->kt->accum[kv->v_dtype]) return PKV_ENOTSUP;
     uint64_t runs = 0; /* runs of neighbouring blocks in one-query items' visible tables (AUTO's rule) */
     uint32_t most = 0; /* visible blocks of the longest one-query item (sweep_collect) */

@@ -57,6 +57,11 @@ typedef struct pkv__attn_call {
     uint32_t window;    /* 0 = off */
     uint32_t flags;     /* pkv_attn_params.flags (PKV_ATTN_BF16_DOT), checked by the caller */
     const float *sinks; /* [n_q_heads] finite sink logits (pkv_attn_params.sinks), or NULL */
+    const float *alibi; /* [n_q_heads] ALiBi slopes (pkv_attn_params.alibi_slopes: finite, at most
+                           PKV_ALIBI_SLOPE_MAX), or NULL: each visible logit, after the soft-cap,
+                           gains alibi[h] x (key position - query position), the query's position
+                           being the item's (nominal where an item's are: its callers correct the
+                           log-sum-exps, which shift by alibi[h] x (nominal - real) per row) */
 } pkv__attn_call;
 
 /* A soft-cap the kernels take: 0 (off), or finite and normal (a subnormal cap's 1 / cap is not

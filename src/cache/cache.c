@@ -1719,6 +1719,11 @@ static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_param
     for (uint32_t h = 0; p->sinks && h < nq; h++)
         if (!isfinite(p->sinks[h]))
             return pkv__say(c, PKV_EINVAL, api, "sinks[%u] is %g, not finite", h, (double)p->sinks[h]);
+    call->alibi = p->alibi_slopes;
+    for (uint32_t h = 0; p->alibi_slopes && h < nq; h++)
+        if (!(fabsf(p->alibi_slopes[h]) <= PKV_ALIBI_SLOPE_MAX)) /* NaN: not <= */
+            return pkv__say(c, PKV_EINVAL, api, "alibi_slopes[%u] is %g, not finite or past PKV_ALIBI_SLOPE_MAX", h,
+                            (double)p->alibi_slopes[h]);
     return PKV_OK;
 }
 
@@ -1735,7 +1740,7 @@ static int check_overlap(const float *q, const float *out, const float *lse, uin
 }
 
 /* The checks of an attention call's buffers, n_rows queries of call->n_q_heads x head_dim (their
- * outputs of v_dim): their size within size_t, the overlaps of q, out, lse and sinks (out may be
+ * outputs of v_dim): their size within size_t, the overlaps of q, out, lse, sinks and ALiBi's slopes (out may be
  * q where in_place and v_dim is head_dim), and every query element finite with |q| x scale within
  * PKV_VALUE_MAX. */
 static int check_buffers(pkv_cache *c, const char *api, const float *q, const float *out, const float *lse,
@@ -1756,6 +1761,11 @@ static int check_buffers(pkv_cache *c, const char *api, const float *q, const fl
         const size_t ns = (size_t)call->n_q_heads * sizeof(float), nl = (size_t)n_rows * ns;
         if (pkv__overlap(call->sinks, ns, out, o_bytes) || (lse && pkv__overlap(call->sinks, ns, lse, nl)))
             return pkv__say(c, PKV_EINVAL, api, "sinks overlap out or lse");
+    }
+    if (call->alibi) {
+        const size_t ns = (size_t)call->n_q_heads * sizeof(float), nl = (size_t)n_rows * ns;
+        if (pkv__overlap(call->alibi, ns, out, o_bytes) || (lse && pkv__overlap(call->alibi, ns, lse, nl)))
+            return pkv__say(c, PKV_EINVAL, api, "alibi_slopes overlap out or lse");
     }
     /* a query that is not finite, or so large that q.k overflows (or q x scale, which the kernels
        form first), would give each backend and order its own garbage (a NaN or infinite logit is
@@ -1917,6 +1927,8 @@ static void tree_paths(const pkv_cache *c, const tree_scratch *t, const pkv__kv_
                     tree_row(c, table, kv->k, kv->k_block_bytes, kv->k_row_bytes, kv->k_dtype, kh, r->q_start + path[k], kr);
                 double x = (double)tree_dot(qr, kk, D) * call->scale;
                 if (call->softcap > 0.0f) x = call->softcap * tanh(x / call->softcap);
+                /* ALiBi: the ancestor's distance in the text, depth against depth */
+                if (call->alibi) x += (double)call->alibi[h] * ((double)depth[path[k]] - (double)depth[i]);
                 sc[k] = x;
                 mb = x > mb ? x : mb;
             }
@@ -2011,7 +2023,8 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
                 rc = pkv__say(c, PKV_ENOENT, api, "a sequence was released or truncated during the call");
                 break;
             }
-            if (r->q_start && (!call.window || (uint64_t)r->q_start + i1 <= call.window))
+            const bool nominal = r->q_start && (!call.window || (uint64_t)r->q_start + i1 <= call.window);
+            if (nominal)
                 c->items[k++] = (pkv__attn_item){.block_table = table, .q_pos0 = r->q_start + i0, .n_q = i1 - i0,
                                                  .k_end = r->q_start, .q = q + (row0 + i0) * qrow,
                                                  .out = out + (row0 + i0) * orow, .lse = la};
@@ -2026,6 +2039,15 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
             }
             for (size_t x = 0; x < (size_t)(i1 - i0) * nqh; x++) la[x] = -INFINITY; /* the items write theirs */
             if (k && (rc = pkv__cache_attn_run(c, &view, k, &call, api)) != 0) break;
+            /* ALiBi: one item for all the nodes read the prefix from nominal positions q_start + i;
+               node i's own is q_start + depth[i], which moves its logits, so its log-sum-exps, by
+               slope x (i - depth[i]) (its output, a softmax, is the same) */
+            if (call.alibi && nominal)
+                for (uint32_t i = i0; i < i1; i++)
+                    for (uint32_t h = 0; h < nqh; h++) {
+                        float *a = &la[(size_t)(i - i0) * nqh + h];
+                        if (*a != -INFINITY) *a += call.alibi[h] * (float)(i - depth[i]);
+                    }
             tree_paths(c, &ts, &view, table, r, i0, i1, &call, sinks, q + row0 * qrow, out + row0 * orow,
                        lse ? lse + row0 * nqh : NULL);
             i0 = i1;
