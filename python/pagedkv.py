@@ -212,7 +212,7 @@ class _TierStats(ctypes.Structure):
 
 class _AttnParams(ctypes.Structure):
     _fields_ = [("n_q_heads", _u32), ("scale", _f32), ("softcap", _f32), ("window", _u32), ("lse", _vp),
-                ("flags", _u32), ("sinks", _vp)]
+                ("flags", _u32), ("sinks", _vp), ("alibi_slopes", _vp)]
 
 
 class _AttnReq(ctypes.Structure):
@@ -1219,8 +1219,9 @@ class Cache:
         self._check(rc, "pkv_cache_check: " + buf.value.decode(errors="replace"))
 
     # -- attention --
-    def _params(self, n_q_heads, scale, softcap, window, lse, bf16_dot, sinks, what):
-        """The pkv_attn_params, and the sinks array it points to (the caller keeps it alive)."""
+    def _params(self, n_q_heads, scale, softcap, window, lse, bf16_dot, sinks, alibi_slopes, what):
+        """The pkv_attn_params, and the sinks and ALiBi slope arrays it points to (the caller
+        keeps them alive)."""
         p = _lib.pkv_attn_params_default()
         p.n_q_heads = _u32_of(n_q_heads, "n_q_heads")
         p.scale, p.softcap = float(scale), float(softcap)
@@ -1233,12 +1234,18 @@ class Cache:
             if sk.size != p.n_q_heads:
                 raise _invalid("%s: sinks has %d elements, n_q_heads %d needed" % (what, sk.size, p.n_q_heads))
             p.sinks = _ptr(sk)
-        return p, sk
+        ak = None
+        if alibi_slopes is not None:
+            ak = _f32_array(alibi_slopes, "%s: alibi_slopes" % what)
+            if ak.size != p.n_q_heads:
+                raise _invalid("%s: alibi_slopes has %d elements, n_q_heads %d needed" % (what, ak.size, p.n_q_heads))
+            p.alibi_slopes = _ptr(ak)
+        return p, (sk, ak)
 
     def _attn_io(self, q, n_queries, n_q_heads, out, lse_out, return_lse, params, what):
         """An attention call's queries, outputs (new or the caller's), lse and parameters
-        (scale, softcap, window, bf16_dot, sinks): (q, out, lse, pkv_attn_params, the sinks
-        array the params point to, which the caller keeps alive through the call)."""
+        (scale, softcap, window, bf16_dot, sinks, alibi_slopes): (q, out, lse, pkv_attn_params,
+        the arrays the params point to, which the caller keeps alive through the call)."""
         qa, hq = self._q(q, n_queries, n_q_heads, what)
         if out is not None and self._Dv != self._D and isinstance(out, np.ndarray) and np.may_share_memory(out, qa):
             raise _invalid("%s: out overlaps q; out may not be q where v_dim (%d) is not head_dim (%d)"
@@ -1247,8 +1254,8 @@ class Cache:
         if lse_out is not None and not return_lse:
             raise _invalid("%s: lse_out given without return_lse=True" % what)
         lse = self._out(lse_out, (n_queries, hq), "%s: lse_out" % what) if return_lse else None
-        scale, softcap, window, bf16_dot, sinks = params
-        p, sk = self._params(hq, scale, softcap, window, lse, bf16_dot, sinks, what)
+        scale, softcap, window, bf16_dot, sinks, alibi_slopes = params
+        p, sk = self._params(hq, scale, softcap, window, lse, bf16_dot, sinks, alibi_slopes, what)
         return qa, out, lse, p, sk
 
     def _q(self, q, n_queries, n_q_heads, what):
@@ -1282,7 +1289,7 @@ class Cache:
 
     @_in_call
     def decode(self, layer, seqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
-               out=None, lse_out=None, bf16_dot=False, sinks=None):
+               out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None):
         """Decode attention (pkv_attn_decode): one query per sequence at its last position.
         q: [n_seqs][n_q_heads][head_dim] (float32; n_q_heads from its shape unless given).
         Returns out shaped [n_seqs][n_q_heads][head_dim] ([..][v_dim] on an MLA cache), and lse
@@ -1293,22 +1300,25 @@ class Cache:
         bf16_dot: allow bf16 arithmetic with bf16 K/V (PKV_ATTN_BF16_DOT: queries and softmax
         weights rounded to bf16 where the CPU has bf16 dot products; bf16_dot_used says whether
         it does here). sinks: n_q_heads finite attention-sink logits (gpt-oss; pkv_attn_params.sinks), each head's
-        softmax counting one more key of that logit and value 0; lse then includes it."""
+        softmax counting one more key of that logit and value 0; lse then includes it.
+        alibi_slopes: n_q_heads ALiBi slopes (BLOOM, MPT; pkv_attn_params.alibi_slopes), each
+        finite with magnitude at most 65536: head h's logit of the key at position k for the
+        query at p gains alibi_slopes[h] * (k - p), after the soft-cap."""
         a = self._seqs(seqs, "decode")
         qa, out, lse, p, _sk = self._attn_io(q, a.size, n_q_heads, out, lse_out, return_lse,
-                                             (scale, softcap, window, bf16_dot, sinks), "decode")
+                                             (scale, softcap, window, bf16_dot, sinks, alibi_slopes), "decode")
         self._check(_lib.pkv_attn_decode(self._h(), _u32_of(layer, "layer"), _ptr(a), a.size, _ptr(qa), _ptr(out),
                                     ctypes.byref(p)), "pkv_attn_decode")
         return (out, lse) if return_lse else out
 
     @_in_call
     def prefill(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
-                out=None, lse_out=None, bf16_dot=False, sinks=None):
+                out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None):
         """Prefill / extend attention over a ragged batch (pkv_attn_prefill), causal.
         reqs: (seq, q_start, n_q) triples; q: the requests' queries concatenated,
         [sum n_q][n_q_heads][head_dim]. Returns out (and lse) like decode, one row per query
-        ([sum n_q][n_q_heads][v_dim] on an MLA cache); out, lse_out, bf16_dot and sinks as in
-        decode."""
+        ([sum n_q][n_q_heads][v_dim] on an MLA cache); out, lse_out, bf16_dot, sinks and
+        alibi_slopes as in decode."""
         rs = list(reqs)
         if not rs:
             raise _invalid("prefill: no requests")
@@ -1323,20 +1333,21 @@ class Cache:
             arr[i].seq, arr[i].q_start, arr[i].n_q = _seq_of(seq), _u32_of(q_start, "q_start"), _u32_of(n_q, "n_q")
             total += arr[i].n_q
         qa, out, lse, p, _sk = self._attn_io(q, total, n_q_heads, out, lse_out, return_lse,
-                                             (scale, softcap, window, bf16_dot, sinks), "prefill")
+                                             (scale, softcap, window, bf16_dot, sinks, alibi_slopes), "prefill")
         self._check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa), _ptr(out),
                                      ctypes.byref(p)), "pkv_attn_prefill")
         return (out, lse) if return_lse else out
 
     @_in_call
     def tree(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
-             out=None, lse_out=None, bf16_dot=False, sinks=None):
+             out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None):
         """Tree attention (pkv_attn_tree) for speculative decoding: reqs are (seq, q_start,
         parents) triples, node i of a request at position q_start + i with parent parents[i]
         (in [-1, i), -1 for a root); node i sees the positions before q_start and its path to
         its root, itself included. q: the requests' nodes' queries concatenated, [sum
         nodes][n_q_heads][head_dim]. Returns out (and lse) like prefill ([..][v_dim] on an MLA
-        cache); out may not be q. The other arguments as in decode."""
+        cache); out may not be q. The other arguments as in decode (ALiBi's distance for node i
+        counts from its position in the text, q_start + its depth, as the window does)."""
         rs = list(reqs)
         if not rs:
             raise _invalid("tree: no requests")
@@ -1358,7 +1369,7 @@ class Cache:
             arr[i].n_nodes, arr[i].parent = _u32_of(pa.size, "tree: nodes"), _ptr(pa) if pa.size else None
             total += pa.size
         qa, out, lse, p, _sk = self._attn_io(q, total, n_q_heads, out, lse_out, return_lse,
-                                             (scale, softcap, window, bf16_dot, sinks), "tree")
+                                             (scale, softcap, window, bf16_dot, sinks, alibi_slopes), "tree")
         self._check(_lib.pkv_attn_tree(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa),
                                        _ptr(out), ctypes.byref(p)), "pkv_attn_tree")
         return (out, lse) if return_lse else out

@@ -118,6 +118,7 @@ static void ref_one(const host_seq *s, uint32_t l, const float *q, uint32_t pos,
             for (uint32_t d = 0; d < D; d++) dot += (double)q[hq * D + d] * s->k[l][t][h][d];
             double x = dot * scale;
             if (p->softcap > 0) x = p->softcap * tanh(x / p->softcap);
+            if (p->alibi_slopes) x += (double)p->alibi_slopes[hq] * ((double)t - (double)pos); /* after the cap */
             w[t] = x;
             mx = fmax(mx, x);
         }
@@ -175,7 +176,7 @@ static const pkv_dtype q_types[5] = {PKV_DTYPE_F32, PKV_DTYPE_F16, PKV_DTYPE_BF1
 static double tol_of(pkv_dtype dt) { return dt == PKV_DTYPE_Q8_0 ? 2e-2 : TOL; }
 
 /* Decode and ragged prefill over three sequences, every float dtype, 1 and 2 threads, with and
- * without soft-cap / window / LSE / sinks. */
+ * without soft-cap / window / LSE / sinks / ALiBi. */
 static void test_api_oracle(void **state) {
     (void)state;
     static host_seq s[3];
@@ -190,12 +191,16 @@ static void test_api_oracle(void **state) {
                 append_write(c, k_types[ti], &s[i], lens[i] / 2 + 1, 1000 * i);
                 if (lens[i] / 2 + 1 < lens[i]) append_write(c, k_types[ti], &s[i], lens[i] - lens[i] / 2 - 1, 1000 * i);
             }
-            for (int variant = 0; variant < 4; variant++) {
+            for (int variant = 0; variant < 6; variant++) {
                 pkv_attn_params p = pkv_attn_params_default();
                 p.n_q_heads = NQH;
-                float lse[64 * NQH], sinks[NQH];
+                float lse[64 * NQH], sinks[NQH], slopes[NQH];
                 if (variant >= 1) p.lse = lse;
-                if (variant >= 2) p.softcap = 7.5f, p.window = 20, p.scale = 0.2f;
+                if (variant >= 2 && variant < 5) p.softcap = 7.5f, p.window = 20, p.scale = 0.2f;
+                if (variant >= 4) { /* ALiBi: the models' slopes (4: with soft-cap and window), then steeper */
+                    for (uint32_t h = 0; h < NQH; h++) slopes[h] = powf(2.0f, -8.0f * (float)(h + 1) / NQH) * (variant - 3);
+                    p.alibi_slopes = slopes;
+                }
                 if (variant == 3) { /* sinks below, near and above the logits (|logit| <= 7.5) */
                     for (uint32_t h = 0; h < NQH; h++) sinks[h] = 6.0f * rnd() + (h % 3 ? 0.0f : 8.0f);
                     p.sinks = sinks;
@@ -587,18 +592,110 @@ static void test_api_sinks(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* ALiBi (pkv_attn_params.alibi_slopes) through the public calls, decode (tables that jump: the
+ * pool-order sweep) and prefill, f16:
+ * - slopes of 0 give the same bits as none;
+ * - slopes of PKV_ALIBI_SLOPE_MAX leave each query its own key alone (every other is at least
+ *   65,536 below): out = V[p] exactly, as with a window of 1, and lse its own logit;
+ * - a slope that is NaN, infinite or past PKV_ALIBI_SLOPE_MAX, or slopes overlapping out or lse,
+ *   is PKV_EINVAL with out untouched; overlapping q is allowed where out is not q. */
+static void test_api_alibi(void **state) {
+    (void)state;
+    static host_seq s[3];
+    pkv_cache *c = make_cache(PKV_DTYPE_F16, 2, 0);
+    const uint32_t lens[3] = {70, 33, 140};
+    for (int i = 0; i < 3; i++) {
+        memset(&s[i], 0, sizeof s[i]);
+        assert_int_equal(pkv_seq_create(c, NULL, 0, &s[i].id), PKV_OK);
+    }
+    for (uint32_t step = 0; step < 10; step++) /* interleaved appends: tables that jump */
+        for (int i = 0; i < 3; i++)
+            append_write(c, PKV_DTYPE_F16, &s[i], lens[i] / 10 + (step == 9 ? lens[i] % 10 : 0), 100 * i);
+    const pkv_seq ids[3] = {s[0].id, s[1].id, s[2].id};
+    const pkv_attn_req reqs[2] = {{s[2].id, 100, 40}, {s[0].id, 0, 30}};
+    enum { NR = 70 }; /* queries: 3 decodes, or 70 prefill rows */
+    float *q = rand_q(NR), *o0 = malloc(sizeof(float) * NR * NQH * D), *o1 = malloc(sizeof(float) * NR * NQH * D);
+    float *om = malloc(sizeof(float) * NR * NQH * D);
+    float l0[NR * NQH], l1[NR * NQH], slopes[NQH];
+    for (int prefill = 0; prefill < 2; prefill++) {
+        const uint32_t n = prefill ? NR : 3;
+#define RUN(out, pp) (prefill ? pkv_attn_prefill(c, 1, reqs, 2, q, out, pp) : pkv_attn_decode(c, 1, ids, 3, q, out, pp))
+        pkv_attn_params p = pkv_attn_params_default();
+        p.n_q_heads = NQH, p.lse = l0;
+        assert_int_equal(RUN(o0, &p), PKV_OK);
+        for (uint32_t h = 0; h < NQH; h++) slopes[h] = 0.0f;
+        p.alibi_slopes = slopes, p.lse = l1;
+        assert_int_equal(RUN(o1, &p), PKV_OK);
+        assert_memory_equal(o0, o1, sizeof(float) * n * NQH * D);
+        assert_memory_equal(l0, l1, sizeof(float) * n * NQH);
+        p.alibi_slopes = NULL, p.window = 1, p.lse = l0;
+        assert_int_equal(RUN(o0, &p), PKV_OK);
+        for (uint32_t h = 0; h < NQH; h++) slopes[h] = PKV_ALIBI_SLOPE_MAX;
+        p.alibi_slopes = slopes, p.window = 0, p.lse = l1;
+        assert_int_equal(RUN(o1, &p), PKV_OK);
+        /* out: V[p] exactly (weights 1 and 0), as window 1 gives; lse: the own logit, which a
+           window's one-key score tile sums in another order than the whole block's */
+        for (uint32_t r = 0; r < n; r++) {
+            const host_seq *sr = prefill ? &s[r < 40 ? 2 : 0] : &s[r];
+            const uint32_t pos = prefill ? (r < 40 ? 100 + r : r - 40) : sr->len - 1;
+            for (uint32_t hq = 0; hq < NQH; hq++) {
+                for (uint32_t d = 0; d < D; d++) {
+                    const float v = sr->v[1][pos][hq / (NQH / H)][d];
+                    assert_true(o1[((size_t)r * NQH + hq) * D + d] == v);
+                    assert_true(o0[((size_t)r * NQH + hq) * D + d] == v);
+                }
+                const float a = l0[r * NQH + hq], b = l1[r * NQH + hq];
+                assert_true(fabsf(a - b) <= 1e-6f * fmaxf(1.0f, fabsf(a)));
+            }
+        }
+        /* refusals: out keeps what it held */
+        for (uint32_t h = 0; h < NQH; h++) slopes[h] = powf(2.0f, -(float)(h + 1));
+        memcpy(om, o1, sizeof(float) * n * NQH * D);
+        const float bad[4] = {NAN, INFINITY, -INFINITY, -1.5f * PKV_ALIBI_SLOPE_MAX};
+        for (int b = 0; b < 4; b++) {
+            slopes[NQH - 1 - b] = bad[b];
+            assert_int_equal(RUN(o1, &p), PKV_EINVAL);
+            slopes[NQH - 1 - b] = 0.5f;
+        }
+        assert_memory_equal(om, o1, sizeof(float) * n * NQH * D);
+        memcpy(o1 + NQH * D, slopes, sizeof slopes);
+        p.alibi_slopes = o1 + NQH * D; /* inside out */
+        assert_int_equal(RUN(o1, &p), PKV_EINVAL);
+        memcpy(l1 + 3, slopes, sizeof slopes);
+        p.alibi_slopes = l1 + 3; /* inside lse */
+        assert_int_equal(RUN(o1, &p), PKV_EINVAL);
+        float *qs = malloc(sizeof(float) * NR * NQH * D), *q_saved = q; /* inside q: read only, allowed */
+        memcpy(qs, q, sizeof(float) * NR * NQH * D);
+        memcpy(qs + 5, slopes, sizeof slopes);
+        q = qs, p.alibi_slopes = qs + 5, p.lse = NULL;
+        assert_int_equal(RUN(o1, &p), PKV_OK);
+        p.alibi_slopes = slopes;
+        assert_int_equal(RUN(o0, &p), PKV_OK);
+        assert_memory_equal(o0, o1, sizeof(float) * n * NQH * D);
+        if (!prefill)
+            for (int i = 0; i < 3; i++) check(&s[i], 1, q + i * NQH * D, o0 + i * NQH * D, NULL, s[i].len - 1, 1, &p);
+        p.alibi_slopes = qs + 5; /* ... but not where out is q */
+        assert_int_equal(RUN(qs, &p), PKV_EINVAL);
+        q = q_saved;
+        free(qs);
+#undef RUN
+    }
+    free(q), free(o0), free(o1), free(om);
+    pkv_cache_destroy(c);
+}
+
 /* The reference of pkv_attn_tree for node i of a tree at [q_start, ..) of s: nqh query heads (GQA
  * over H), keys the prefix positions and the node's path, window counted from q_start + depth. */
 static void ref_tree(const host_seq *s, uint32_t l, const float *q, uint32_t nqh, uint32_t q_start,
                      const int32_t *parent, uint32_t i, const pkv_attn_params *p, double *out, double *lse) {
     const double scale = p->scale > 0 ? p->scale : 1.0 / sqrt((double)D);
-    uint32_t depth[MAXTOK], keys[MAXTOK], n = 0;
+    uint32_t depth[MAXTOK], keys[MAXTOK], kpos[MAXTOK], n = 0; /* a key's row, its position in the text */
     for (uint32_t j = 0; j <= i; j++) depth[j] = parent[j] < 0 ? 0 : depth[parent[j]] + 1;
     const uint32_t pos = q_start + depth[i];
     for (uint32_t t = 0; t < q_start; t++)
-        if (!p->window || pos - t < p->window) keys[n++] = t;
+        if (!p->window || pos - t < p->window) kpos[n] = t, keys[n++] = t;
     for (int32_t j = (int32_t)i; j >= 0; j = parent[j])
-        if (!p->window || depth[i] - depth[j] < p->window) keys[n++] = q_start + (uint32_t)j;
+        if (!p->window || depth[i] - depth[j] < p->window) kpos[n] = q_start + depth[j], keys[n++] = q_start + (uint32_t)j;
     for (uint32_t hq = 0; hq < nqh; hq++) {
         const uint32_t h = hq / (nqh / H);
         double w[MAXTOK], mx = p->sinks ? p->sinks[hq] : -INFINITY, sum = 0;
@@ -607,6 +704,7 @@ static void ref_tree(const host_seq *s, uint32_t l, const float *q, uint32_t nqh
             for (uint32_t d = 0; d < D; d++) dot += (double)q[(size_t)hq * D + d] * s->k[l][keys[k]][h][d];
             double x = dot * scale;
             if (p->softcap > 0) x = p->softcap * tanh(x / p->softcap);
+            if (p->alibi_slopes) x += (double)p->alibi_slopes[hq] * ((double)kpos[k] - (double)pos);
             w[k] = x;
             mx = fmax(mx, x);
         }
@@ -655,8 +753,8 @@ static void rand_tree(int32_t *parent, uint32_t n) {
  * reference; fp8 K keeps f32 queries, so the float tolerance holds; q8_0 K scores int8 queries
  * in the prefix part, so 2e-2 of max |V| there), 1 and 2 threads, prefixes of 0 to 150
  * tokens (a block boundary inside the tree), trees of 1 to 60 nodes, two requests and an empty
- * one in a call, with window (shorter and longer than the paths), soft-cap, sinks and lse; a
- * chain gives what prefill gives. */
+ * one in a call, with window (shorter and longer than the paths), soft-cap, sinks, ALiBi (its
+ * distances by depth) and lse; a chain gives what prefill gives. */
 static void test_api_tree(void **state) {
     (void)state;
     static host_seq s[2];
@@ -683,13 +781,17 @@ static void test_api_tree(void **state) {
                 const uint32_t rows = n[0] + n[1];
                 float *q = rand_q(rows), *out = malloc(sizeof(float) * rows * NQH * D), lse[128 * NQH], sinks[NQH];
                 for (uint32_t h = 0; h < NQH; h++) sinks[h] = 2.0f * rnd() + 1.0f;
-                for (int variant = 0; variant < 5; variant++) {
+                float slopes[NQH]; /* steep and shallow: the path's depths and the prefix both weigh */
+                for (uint32_t h = 0; h < NQH; h++) slopes[h] = h % 2 ? 0.4f + 0.1f * (float)h : 0.005f * (float)(h + 1);
+                for (int variant = 0; variant < 7; variant++) {
                     pkv_attn_params p = pkv_attn_params_default();
                     p.n_q_heads = NQH;
                     if (variant != 1) p.lse = lse;
                     if (variant == 2) p.window = 5;
                     if (variant == 3) p.window = 60, p.softcap = 6.0f, p.scale = 0.3f;
                     if (variant == 4) p.sinks = sinks, p.window = 40;
+                    if (variant == 5) p.alibi_slopes = slopes, p.sinks = sinks;
+                    if (variant == 6) p.alibi_slopes = slopes, p.window = 9, p.softcap = 6.0f;
                     assert_int_equal(pkv_attn_tree(c, 1, reqs, 3, q, out, &p), PKV_OK);
                     check_tree(&s[0], 1, q, out, p.lse, NQH, q0[0], par[0], n[0], &p, tol);
                     check_tree(&s[1], 1, q + (size_t)n[0] * NQH * D, out + (size_t)n[0] * NQH * D,
@@ -1167,7 +1269,9 @@ static void test_api_share(void **state) {
             float *q = rand_q(NS), *out = malloc(sizeof(float) * NS * NQH * D), lse[NS * NQH], sinks[NQH];
             float *out0 = malloc(sizeof(float) * NS * NQH * D), lse0[NS * NQH];
             for (uint32_t h = 0; h < NQH; h++) sinks[h] = 2.0f * rnd() + 1.0f;
-            for (int variant = 0; variant < 8; variant++) {
+            float slopes[NQH];
+            for (uint32_t h = 0; h < NQH; h++) slopes[h] = powf(2.0f, -8.0f * (float)(h + 1) / NQH);
+            for (int variant = 0; variant < 10; variant++) {
                 pkv_attn_params p = pkv_attn_params_default();
                 p.n_q_heads = NQH;
                 p.lse = variant == 1 ? NULL : lse;
@@ -1179,6 +1283,9 @@ static void test_api_share(void **state) {
                 if (variant == 4) pkv__cache_test_share(c, 1, 2 * NQH), want = 48;
                 if (variant == 5) pkv__cache_test_share(c, 0, 0), want = 0;
                 if (variant == 6) pkv__cache_test_share(c, 512 / B, 0), want = 0, p.sinks = sinks;
+                /* ALiBi: the groups' parts at nominal positions, their log-sum-exps corrected */
+                if (variant == 8) p.alibi_slopes = slopes;
+                if (variant == 9) p.alibi_slopes = slopes, p.window = 130, p.sinks = sinks, want = (sb + 12) * B + 48;
                 pkv_stats st0, st1;
                 assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
                 const uint32_t l = variant == 7 ? 0 : (uint32_t)variant % L;
@@ -1198,8 +1305,8 @@ static void test_api_share(void **state) {
                               p.lse ? lse + j * NQH : NULL, s[perm[j]].len - 1, 1, &p, tol);
             }
             /* extends (pkv_attn_prefill) of each sequence's last 1-3 positions group as the decodes
-               did: every query starts past the same shared blocks */
-            {
+               did: every query starts past the same shared blocks; without ALiBi and with it */
+            for (int al = 0; al < 2; al++) {
                 pkv_attn_req reqs[NS];
                 uint32_t nq = 0;
                 for (int j = 0; j < NS; j++) {
@@ -1209,7 +1316,7 @@ static void test_api_share(void **state) {
                 }
                 float *q3 = rand_q(nq), *o3 = malloc(sizeof(float) * nq * NQH * D), l3[3 * NS * NQH];
                 pkv_attn_params p = pkv_attn_params_default();
-                p.n_q_heads = NQH, p.lse = l3, p.sinks = sinks;
+                p.n_q_heads = NQH, p.lse = l3, p.sinks = sinks, p.alibi_slopes = al ? slopes : NULL;
                 pkv__cache_test_share(c, 1, 0);
                 pkv_stats st0, st1;
                 assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
@@ -1640,6 +1747,7 @@ int main(void) {
         cmocka_unit_test(test_api_merge_cascade),
         cmocka_unit_test(test_api_merge_values),
         cmocka_unit_test(test_api_sinks),
+        cmocka_unit_test(test_api_alibi),
         cmocka_unit_test(test_api_tree),
         cmocka_unit_test(test_api_tree_refusals_runs),
         cmocka_unit_test(test_api_tree_keep),

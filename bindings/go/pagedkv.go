@@ -315,13 +315,20 @@ type TreeReq struct {
 // Sinks[h] (neither scaled nor capped) and value 0: out is
 // sum_t e^(s_t) v_t / (e^(Sinks[h]) + sum_t e^(s_t)) over the scaled (capped) logits s_t, and lse
 // includes the sink's term, so to Merge partial results pass Sinks to one part only.
+//
+// AlibiSlopes, if not nil, are ALiBi slopes (BLOOM, MPT; pkv_attn_params.alibi_slopes), one per
+// query head: exactly n_q_heads of them, else EINVAL before libpkv is called; each finite with
+// magnitude at most 65536, else EINVAL from libpkv. Head h's logit of the key at position k for
+// the query at position p gains AlibiSlopes[h] * (k - p) after the scale and the soft-cap (in
+// Tree a node's position is QStart + its depth).
 type AttnParams struct {
-	NQHeads uint32
-	Scale   float32
-	Softcap float32
-	Window  uint32
-	BF16Dot bool
-	Sinks   []float32
+	NQHeads     uint32
+	Scale       float32
+	Softcap     float32
+	Window      uint32
+	BF16Dot     bool
+	Sinks       []float32
+	AlibiSlopes []float32
 }
 
 // SeqInfo is pkv_seq_info.
@@ -1594,11 +1601,11 @@ func (c *Cache) Check() error {
 }
 
 // attnCall runs one attention call of `items` sequences or requests and `rows` queries: the
-// params, q's (HeadDim a head), out's (outDim a head), lse's and sinks' lengths checked, then
+// params, q's (HeadDim a head), out's (outDim a head), lse's, sinks' and ALiBi slopes' lengths checked, then
 // call holding the sequences' locks shared. cgo forbids a Go pointer inside the params struct
 // handed to C, so a wanted lse is written to C memory and copied into lse once the call
-// succeeded, and sinks are copied into C memory before it (where out and lse cannot overlap
-// them).
+// succeeded, and sinks and ALiBi slopes are copied into C memory before it (where out and lse
+// cannot overlap them).
 func (c *Cache) attnCall(what, cname string, seqs []Seq, items, rows int, q, out []float32, ap AttnParams, lse []float32,
 	call func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int) error {
 	if c == nil {
@@ -1650,6 +1657,18 @@ func (c *Cache) attnCall(what, cname string, seqs []Seq, items, rows int, q, out
 		defer C.free(unsafe.Pointer(buf))
 		copy(unsafe.Slice((*float32)(unsafe.Pointer(buf)), hq), ap.Sinks)
 		raw.sinks = buf
+	}
+	if ap.AlibiSlopes != nil {
+		if err := wantLenOf(len(ap.AlibiSlopes), hq, what, "alibi slopes"); err != nil {
+			return err
+		}
+		buf := (*C.float)(C.malloc(C.size_t(hq) * C.sizeof_float))
+		if buf == nil {
+			return &Error{Code: ENOMEM, Op: what + ": alibi slopes"}
+		}
+		defer C.free(unsafe.Pointer(buf))
+		copy(unsafe.Slice((*float32)(unsafe.Pointer(buf)), hq), ap.AlibiSlopes)
+		raw.alibi_slopes = buf
 	}
 	if lse != nil {
 		if err := wantLenOf(len(lse), rowsHq, what, "lse"); err != nil {

@@ -673,6 +673,81 @@ func TestSinks(t *testing.T) {
 	}
 }
 
+// ALiBi: decode with slopes against a reference that adds slope x (k - p) after the soft-cap;
+// zero slopes give the same bits as none (no soft-cap); a slope that is NaN or past 65536 and
+// AlibiSlopes of another length than n_q_heads are EINVAL.
+func TestAlibi(t *testing.T) {
+	r := rng(0xa11b1)
+	const h, d, hq = 2, 64, 8
+	c := newCache(t, h, d, 64, F32)
+	lens := []int{9, 40}
+	seqs := make([]Seq, len(lens))
+	for i, n := range lens {
+		s, err := c.SeqCreate(nil)
+		must(t, err)
+		seqs[i] = s
+		fill(t, c, s, n, &r)
+	}
+	q := r.vec(len(seqs) * hq * d)
+	slopes := make([]float32, hq)
+	for i := range slopes {
+		slopes[i] = float32(math.Pow(2, -8*float64(i+1)/hq))
+	}
+	const scale, capv = 0.2, 4.0
+	p := AttnParams{NQHeads: hq, Scale: scale, Softcap: capv, AlibiSlopes: slopes}
+	out, lse := make([]float32, len(q)), make([]float32, len(seqs)*hq)
+	must(t, c.Decode(0, seqs, q, out, p, lse))
+	for i, s := range seqs {
+		n := lens[i]
+		k, v, err := c.Gather(s, 0, 0, uint32(n))
+		must(t, err)
+		wo, wl := make([]float64, hq*d), make([]float64, hq)
+		for qh := 0; qh < hq; qh++ {
+			kh := qh / (hq / h)
+			x := make([]float64, n)
+			m := math.Inf(-1)
+			for pos := 0; pos < n; pos++ {
+				dot := 0.0
+				for j := 0; j < d; j++ {
+					dot += float64(q[(i*hq+qh)*d+j]) * float64(k[(pos*h+kh)*d+j])
+				}
+				x[pos] = capv*math.Tanh(dot*float64(float32(scale))/capv) + float64(slopes[qh])*float64(pos-(n-1))
+				m = math.Max(m, x[pos])
+			}
+			sum := 0.0
+			for pos := range x {
+				x[pos] = math.Exp(x[pos] - m)
+				sum += x[pos]
+			}
+			for pos := range x {
+				for j := 0; j < d; j++ {
+					wo[qh*d+j] += x[pos] / sum * float64(v[(pos*h+kh)*d+j])
+				}
+			}
+			wl[qh] = m + math.Log(sum)
+		}
+		assertClose(t, out[i*hq*d:(i+1)*hq*d], wo, 1e-5, fmt.Sprintf("ALiBi sequence %d", i))
+		assertClose(t, lse[i*hq:(i+1)*hq], wl, 1e-5, fmt.Sprintf("ALiBi lse sequence %d", i))
+	}
+	o0, o1 := make([]float32, len(q)), make([]float32, len(q))
+	must(t, c.Decode(0, seqs, q, o0, AttnParams{NQHeads: hq, Scale: scale}, nil))
+	must(t, c.Decode(0, seqs, q, o1, AttnParams{NQHeads: hq, Scale: scale, AlibiSlopes: make([]float32, hq)}, nil))
+	for i := range o0 {
+		if math.Float32bits(o0[i]) != math.Float32bits(o1[i]) {
+			t.Fatalf("zero slopes: element %d %g, without %g", i, o1[i], o0[i])
+		}
+	}
+	nan := append([]float32(nil), slopes...)
+	nan[2] = float32(math.NaN())
+	big := append([]float32(nil), slopes...)
+	big[5] = 1e6
+	for _, bad := range [][]float32{slopes[1:], nan, big} {
+		if err := c.Decode(0, seqs, q, out, AttnParams{NQHeads: hq, AlibiSlopes: bad}, nil); code(err) != EINVAL {
+			t.Fatalf("slopes %v: %v", bad, err)
+		}
+	}
+}
+
 func TestCompactCached(t *testing.T) {
 	r := rng(6)
 	cfg := DefaultConfig()

@@ -21,10 +21,11 @@ import pagedkv as pkv
 SRC = os.environ.get("PKV_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-def ref_attn(q, K, V, scale, softcap=0.0, window=0, sinks=None):
+def ref_attn(q, K, V, scale, softcap=0.0, window=0, sinks=None, alibi=None):
     """One query's attention over K, V [T][H][D] (float64), seeing positions [T - window, T)
     when window > 0. q [Hq][D]; GQA: query head h reads kv head h // (Hq // H); sinks [Hq]: one
-    more key per head of that logit and value 0. V may be narrower than K (MLA: V [T][H][Dv]).
+    more key per head of that logit and value 0; alibi [Hq]: ALiBi slopes, slope x (k - (T - 1))
+    added to each logit after the cap. V may be narrower than K (MLA: V [T][H][Dv]).
     Returns out [Hq][Dv] and the natural-log sum-exp [Hq] of the scaled (capped) logits (and
     the sink)."""
     T, H, _ = K.shape
@@ -37,6 +38,8 @@ def ref_attn(q, K, V, scale, softcap=0.0, window=0, sinks=None):
         s = K[lo:, kh, :].astype(np.float64) @ q[h].astype(np.float64) * scale
         if softcap:
             s = softcap * np.tanh(s / softcap)
+        if alibi is not None:
+            s = s + float(alibi[h]) * (np.arange(lo, T, dtype=np.float64) - (T - 1))
         m = s.max() if sinks is None else max(s.max(), float(sinks[h]))
         w = np.exp(s - m)
         total = w.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
@@ -403,6 +406,36 @@ class TestAttention(Base):
                         np.zeros(3, np.float32), np.zeros(5, np.float32)):
                 with self.assertRaises(pkv.PkvError) as e:
                     c.decode(0, [s], q[:1], sinks=bad)
+                self.assertEqual(e.exception.code, pkv.EINVAL)
+
+    def test_alibi(self):
+        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f16", v_dtype="f16", n_threads=2) as c:
+            s, t = c.seq_create(), c.seq_create()
+            self.fill(c, s, 40)
+            self.fill(c, t, 23)
+            q = 2 * self.rng.standard_normal((2, 4, 64)).astype(np.float32)
+            slopes = np.array([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8], np.float32)  # 4 heads' ALiBi slopes
+            out, lse = c.decode(0, [s, t], q, alibi_slopes=slopes, softcap=5.0, return_lse=True)
+            for i, sq in enumerate((s, t)):
+                K, V = c.gather(sq, 0)
+                want, wlse = ref_attn(q[i], K.astype(np.float64), V.astype(np.float64), 1 / 8, 5.0, 0, None, slopes)
+                self.assertClose(out[i], want, 1e-5, "decode with ALiBi, sequence %d" % i)
+                self.assertClose(lse[i], wlse, 1e-5, "lse with ALiBi, sequence %d" % i)
+            # prefill: query j of (s, 30, 10) is at position 30 + j, seeing [0, 30 + j]
+            qp = self.rng.standard_normal((10, 4, 64)).astype(np.float32)
+            po = c.prefill(0, [(s, 30, 10)], qp, alibi_slopes=slopes)
+            K, V = c.gather(s, 0)
+            for j in range(10):
+                want, _ = ref_attn(qp[j], K[:31 + j].astype(np.float64), V[:31 + j].astype(np.float64), 1 / 8,
+                                   alibi=slopes)
+                self.assertClose(po[j], want, 1e-5, "prefill with ALiBi, query %d" % j)
+            # zero slopes: the same bits as none
+            np.testing.assert_array_equal(c.decode(0, [s, t], q, alibi_slopes=np.zeros(4, np.float32)),
+                                          c.decode(0, [s, t], q))
+            for bad in (np.full(3, 0.5, np.float32), np.array([0.5, np.nan, 0.5, 0.5], np.float32),
+                        np.array([0.5, 1e6, 0.5, 0.5], np.float32)):
+                with self.assertRaises(pkv.PkvError) as e:
+                    c.decode(0, [s, t], q, alibi_slopes=bad)
                 self.assertEqual(e.exception.code, pkv.EINVAL)
 
     def test_tree_keep(self):

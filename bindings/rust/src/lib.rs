@@ -402,7 +402,8 @@ pub struct AppendReq<'a> {
 }
 
 /// Attention parameters (pkv_attn_params without the lse pointer, which the calls take). The
-/// lifetime is the borrow of [`AttnParams::sinks`]; without sinks it is any.
+/// lifetime is the borrow of [`AttnParams::sinks`] and [`AttnParams::alibi_slopes`]; without
+/// them it is any.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnParams<'a> {
     /// Query heads, a multiple of n_kv_heads; 0 = n_kv_heads.
@@ -424,6 +425,12 @@ pub struct AttnParams<'a> {
     /// `s_t`, and lse includes the sink's term, so to [`merge`] partial results pass sinks to
     /// one part only. None = no sinks.
     pub sinks: Option<&'a [f32]>,
+    /// ALiBi slopes (BLOOM, MPT; pkv_attn_params.alibi_slopes), one per query head: exactly
+    /// n_q_heads of them, else `EINVAL` before libpkv is called; each finite with magnitude at
+    /// most 65536, else `EINVAL` from libpkv. Head h's logit of the key at position k for the
+    /// query at position p gains `alibi_slopes[h] * (k - p)` after the scale and the soft-cap
+    /// (in [`Cache::tree`] a node's position is `q_start` + its depth). None = no ALiBi.
+    pub alibi_slopes: Option<&'a [f32]>,
 }
 
 impl Default for AttnParams<'_> {
@@ -435,6 +442,7 @@ impl Default for AttnParams<'_> {
             window: 0,
             bf16_dot: false,
             sinks: None,
+            alibi_slopes: None,
         }
     }
 }
@@ -1599,7 +1607,8 @@ impl Cache {
     // ---- attention ----
 
     /// One attention call of `items` sequences or requests and `rows` queries: the params built,
-    /// q's (head_dim a head), out's ([`Cache::out_dim`] a head), lse's and sinks' lengths checked,
+    /// q's (head_dim a head), out's ([`Cache::out_dim`] a head), lse's, sinks' and ALiBi slopes'
+    /// lengths checked,
     /// then `call(cache, items, q, out, params)`.
     #[allow(clippy::too_many_arguments)]
     fn attn_call(
@@ -1634,6 +1643,10 @@ impl Cache {
             // a shared borrow: it cannot overlap out or lse, which are borrowed mutably
             want_len(s.len(), hq, &format!("{}: sinks", what))?;
             raw.sinks = s.as_ptr();
+        }
+        if let Some(a) = p.alibi_slopes {
+            want_len(a.len(), hq, &format!("{}: alibi_slopes", what))?;
+            raw.alibi_slopes = a.as_ptr();
         }
         if let Some(l) = lse {
             want_len(l.len(), rows_hq, &format!("{}: lse", what))?;

@@ -263,7 +263,7 @@ fn struct_layouts_match_c() {
         m,
         "pkv_attn_params",
         ffi::pkv_attn_params,
-        [n_q_heads, scale, softcap, window, lse, flags, sinks]
+        [n_q_heads, scale, softcap, window, lse, flags, sinks, alibi_slopes]
     );
     offsets!(m, "pkv_attn_req", ffi::pkv_attn_req, [seq, q_start, n_q]);
     offsets!(m, "pkv_attn_req", AttnReq, [seq, q_start, n_q]); // the safe type handed over as one
@@ -689,6 +689,7 @@ fn softcap_window_merge() {
             window: win,
             bf16_dot: false,
             sinks: None,
+            alibi_slopes: None,
         };
         let (mut out, mut lse) = (vec![0f32; hq * d], vec![0f32; hq]);
         c.decode(0, &[s], &q, &mut out, &p, Some(&mut lse)).unwrap();
@@ -874,6 +875,103 @@ fn sinks_merge_as_a_key_of_value_zero() {
         assert!(e.to_string().contains("sinks[3]"), "{}", e);
         let e = c.prefill(0, &reqs, &qp, &mut outp, &pb, None).unwrap_err();
         assert_eq!(e.code(), EINVAL, "sink {}, prefill", x);
+    }
+}
+
+/// ALiBi: decode with slopes against a reference that adds slope x (k - p) after the soft-cap;
+/// zero slopes give the same bits as none (no soft-cap); a slope that is NaN or past 65536 and a slice of
+/// another length than n_q_heads are EINVAL.
+#[test]
+fn alibi_against_reference() {
+    let mut rng = Rng(0xa11b1);
+    let (h, d, hq) = (2usize, 64usize, 8usize);
+    let mut c = Cache::new(&cfg(h as u32, d as u32, 64, Dtype::F32)).unwrap();
+    let seqs: Vec<Seq> = [9usize, 40].iter().map(|_| c.seq_create(b"").unwrap()).collect();
+    fill(&mut c, seqs[0], 9, &mut rng);
+    fill(&mut c, seqs[1], 40, &mut rng);
+    let q: Vec<f32> = rng.vec(seqs.len() * hq * d).iter().map(|x| 2.0 * x).collect();
+    let slopes: Vec<f32> = (0..hq)
+        .map(|i| (2f32).powf(-8.0 * (i + 1) as f32 / hq as f32))
+        .collect();
+    let (scale, cap) = (0.2f64, 4.0f64);
+    let p = AttnParams {
+        n_q_heads: hq as u32,
+        scale: scale as f32,
+        softcap: cap as f32,
+        alibi_slopes: Some(&slopes),
+        ..AttnParams::default()
+    };
+    let (mut out, mut lse) = (vec![0f32; q.len()], vec![0f32; seqs.len() * hq]);
+    c.decode(0, &seqs, &q, &mut out, &p, Some(&mut lse)).unwrap();
+    for (i, s) in seqs.iter().enumerate() {
+        let t = c.seq_info(*s).unwrap().n_tokens as usize;
+        let (k, v) = c.gather(*s, 0, 0, t as u32).unwrap();
+        let (mut wo, mut wl) = (vec![0f64; hq * d], vec![0f64; hq]);
+        for qh in 0..hq {
+            let kh = qh / (hq / h);
+            let qr = &q[(i * hq + qh) * d..(i * hq + qh + 1) * d];
+            let x: Vec<f64> = (0..t)
+                .map(|pos| {
+                    let dot: f64 = (0..d).map(|j| qr[j] as f64 * k[(pos * h + kh) * d + j] as f64).sum();
+                    cap * (dot * scale / cap).tanh() + slopes[qh] as f64 * (pos as f64 - (t - 1) as f64)
+                })
+                .collect();
+            let m = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = x.iter().map(|y| (y - m).exp()).sum();
+            for (pos, y) in x.iter().enumerate() {
+                for j in 0..d {
+                    wo[qh * d + j] += (y - m).exp() / sum * v[(pos * h + kh) * d + j] as f64;
+                }
+            }
+            wl[qh] = m + sum.ln();
+        }
+        assert_close(
+            &out[i * hq * d..(i + 1) * hq * d],
+            &wo,
+            1e-5,
+            &format!("ALiBi sequence {}", i),
+        );
+        assert_close(
+            &lse[i * hq..(i + 1) * hq],
+            &wl,
+            1e-5,
+            &format!("ALiBi lse sequence {}", i),
+        );
+    }
+    let zeros = vec![0f32; hq];
+    let (mut o0, mut o1) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+    // (without the soft-cap: with ALiBi the cap is taken by the bias pass, in other arithmetic)
+    let pn = AttnParams {
+        alibi_slopes: None,
+        softcap: 0.0,
+        ..p
+    };
+    c.decode(0, &seqs, &q, &mut o0, &pn, None).unwrap();
+    let pz = AttnParams {
+        alibi_slopes: Some(&zeros),
+        ..pn
+    };
+    c.decode(0, &seqs, &q, &mut o1, &pz, None).unwrap();
+    assert_eq!(bits(&o0), bits(&o1), "zero slopes");
+    for bad in [
+        vec![0.5f32; hq - 1],
+        {
+            let mut b = slopes.clone();
+            b[2] = f32::NAN;
+            b
+        },
+        {
+            let mut b = slopes.clone();
+            b[5] = 1e6;
+            b
+        },
+    ] {
+        let pb = AttnParams {
+            alibi_slopes: Some(&bad),
+            ..p
+        };
+        let e = c.decode(0, &seqs, &q, &mut out, &pb, None).unwrap_err();
+        assert_eq!(e.code(), EINVAL, "{:?}", bad);
     }
 }
 
