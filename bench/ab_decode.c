@@ -16,6 +16,7 @@
  * tool_loan_allocator). */
 #include "tool.h" /* tools/tool_util.c: clock, median, RNG */
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +29,7 @@ typedef struct ab_opts {
     uint32_t ctx, batch, layers, threads, rounds, calls, ext;
     uint32_t bt; /* block_tokens: AB_BT, or AB_BLOCK_TOKENS from the environment */
     uint32_t flags; /* pkv_attn_params.flags: AB_FLAGS_A / AB_FLAGS_B from the environment */
+    const float *alibi; /* pkv_attn_params.alibi_slopes: AB_ALIBI_A / AB_ALIBI_B set to 1, else NULL */
     int paged, shared; /* shared: paged, and sequences 1 .. batch - 1 forks of sequence 0 */
     uint32_t hq, hkv, d, vd; /* query heads, kv heads, head_dim, v_dim: AB_HQ, AB_HKV, AB_D, 0 or AB_SHAPE */
 } ab_opts;
@@ -77,6 +79,8 @@ static int usage(void) {
                     "  EXT <= CTX: each call also extends one more sequence by EXT queries;\n"
                     "  AB_BLOCK_TOKENS=N in the environment: N-token blocks, 1..%d, default %d;\n"
                     "  AB_FLAGS_A=F, AB_FLAGS_B=F: pkv_attn_params.flags of each side, default 0;\n"
+                    "  AB_ALIBI_A=1, AB_ALIBI_B=1: that side's calls take ALiBi slopes 2^(-8 (h + 1) / HQ)\n"
+                    "  (a build from before pkv_attn_params.alibi_slopes ignores them);\n"
                     "  AB_SHAPE=HQ,HKV,D[,VD]: query heads, kv heads, head_dim and v_dim (V in K), default %d,%d,%d)\n",
             AB_MAX_BATCH, AB_MAX_ROUNDS, AB_MAX_CALLS, AB_BT_MAX, AB_BT, AB_HQ, AB_HKV, AB_D);
     return 2;
@@ -128,6 +132,12 @@ int main(int argc, char **argv) {
     o.hq = AB_HQ, o.hkv = AB_HKV, o.d = AB_D;
     const char *shape = getenv("AB_SHAPE");
     if (shape && *shape && parse_shape(shape, &o)) return usage();
+    uint32_t ala = 0, alb = 0;
+    const char *aa = getenv("AB_ALIBI_A"), *abb = getenv("AB_ALIBI_B");
+    if ((aa && *aa && parse_u32(aa, 0, 1, &ala)) || (abb && *abb && parse_u32(abb, 0, 1, &alb))) return usage();
+    static float slopes[1024]; /* the models' slopes for o.hq heads */
+    for (uint32_t h = 0; h < o.hq; h++) slopes[h] = powf(2.0f, -8.0f * (float)(h + 1) / (float)o.hq);
+    o.alibi = alb ? slopes : NULL;
     if (!strcmp(argv[6], "paged")) o.paged = 1;
     else if (!strcmp(argv[6], "shared")) o.paged = o.shared = 1;
     else if (!strcmp(argv[6], "pc")) o.paged = pc = 1;
@@ -136,6 +146,7 @@ int main(int argc, char **argv) {
     ab_opts oa = o; /* build A's: contiguous under pc */
     if (pc) oa.paged = 0;
     oa.flags = fa;
+    oa.alibi = ala ? slopes : NULL;
     static ab_side a, b;
     int rc = 0;
     /* the same seed: both builds get the same pool and data (under pc, B's scattering draws
@@ -167,8 +178,10 @@ int main(int argc, char **argv) {
         const double ma = tool_median(ta, o.rounds), mb = tool_median(tb, o.rounds), mr = tool_median(ratio, o.rounds);
         char ext[48] = "";
         if (o.ext) snprintf(ext, sizeof ext, " + an extend of %u", o.ext);
-        char fl[48] = "";
+        char fl[64] = "";
         if (oa.flags || o.flags) snprintf(fl, sizeof fl, " flags A %u B %u", oa.flags, o.flags);
+        if (oa.alibi || o.alibi)
+            snprintf(fl + strlen(fl), sizeof fl - strlen(fl), " ALiBi A %d B %d", oa.alibi != NULL, o.alibi != NULL);
         printf("%s ctx %u batch %u%s block %u layers %u threads %u %s%s, %u rounds x %u calls: A %.2f GB/s, "
                "B %.2f GB/s; time B/A median %.3f (quartiles %.3f %.3f)\n",
                argv[1], o.ctx, o.batch, ext, o.bt, o.layers, o.threads, argv[6], fl, o.rounds, o.calls, bytes / ma * 1e-9,

@@ -858,8 +858,10 @@ static inline bool piece_take(const pkv__attn *at, uint32_t n_keys, uint32_t row
 
 static void mask_block(const pkv__attn *at, const unit *w, uint32_t pos_first, uint32_t kp0, uint32_t n_keys,
                        float *s, size_t rs, size_t ts);
-static void bias_block(const pkv__attn *at, uint32_t hq0, uint32_t nq, uint32_t gs, uint32_t pos_first, uint32_t kp0,
-                       uint32_t n_keys, float *s, size_t rs, size_t ts);
+/* (apart: the hot loops that call it keep the shape they had without ALiBi) */
+__attribute__((noinline)) static void bias_block(const pkv__attn *at, uint32_t hq0, uint32_t nq, uint32_t gs,
+                                                 uint32_t pos_first, uint32_t kp0, uint32_t n_keys, float *s,
+                                                 size_t rs, size_t ts);
 
 /* The soft-cap the softmax steps take: the call's, or 0 where ALiBi's pass (bias_block) caps first. */
 static inline float sm_cap(const pkv__attn *at) { return at->call->alibi ? 0.0f : at->call->softcap; }
@@ -867,7 +869,7 @@ static inline float sm_cap(const pkv__attn *at) { return at->call->alibi ? 0.0f 
 /* A unit's rows of kv head kvh (of a block's keys from kp0): ALiBi's bias where the call has it. */
 static inline void unit_bias(const pkv__attn *at, const unit *w, uint32_t kvh, uint32_t pos_first, uint32_t kp0,
                              uint32_t n_keys, float *s, size_t rs, size_t ts) {
-    if (at->call->alibi) bias_block(at, kvh * at->G + w->g0, w->nq, w->gs, pos_first, kp0, n_keys, s, rs, ts);
+    if (PKV_UNLIKELY(at->call->alibi != NULL)) bias_block(at, kvh * at->G + w->g0, w->nq, w->gs, pos_first, kp0, n_keys, s, rs, ts);
 }
 
 /* Where block_pieces masks a piece's scores (run_unit: causal or window keys); NULL: none. */
@@ -969,24 +971,42 @@ static void mask_block(const pkv__attn *at, const unit *w, uint32_t pos_first, u
 }
 
 /* ALiBi (call->alibi): the scores of query heads hq0 .. hq0 + gs - 1 at positions pos_first + qi,
- * for the keys at kp0 + t, in mask_block's layout: each visible one (masked ones, -inf, stay)
- * capped where the call caps (the softmax steps then take cap 0: sm_cap) and then raised by
- * alibi[h] x (kp0 + t - pos). A pass over rows x keys floats beside a score of head_dim products
- * each. */
-static void bias_block(const pkv__attn *at, uint32_t hq0, uint32_t nq, uint32_t gs, uint32_t pos_first, uint32_t kp0,
-                       uint32_t n_keys, float *s, size_t rs, size_t ts) {
-    const float cap = at->call->softcap, inv = cap > 0.0f ? 1.0f / cap : 0.0f;
-    for (uint32_t qi = 0; qi < nq; qi++) {
-        const int64_t d0 = (int64_t)kp0 - (int64_t)pos_first - qi; /* key t0's distance, negative behind */
+ * for the keys at kp0 + t, in mask_block's layout (rs = 1 or ts = 1): each raised by
+ * alibi[h] x (kp0 + t - pos), masked ones (-inf) staying -inf; where the call caps, each visible
+ * one is capped first (the softmax steps then take cap 0: sm_cap). Distances are formed in f32
+ * (exact under 2^24 positions). Without a cap the loops run along the contiguous axis with no
+ * branch (-inf plus a finite bias is -inf), so the compiler vectorizes them: a pass over rows x
+ * keys floats beside a score of head_dim products each. */
+__attribute__((noinline)) static void bias_block(const pkv__attn *at, uint32_t hq0, uint32_t nq, uint32_t gs,
+                                                 uint32_t pos_first, uint32_t kp0, uint32_t n_keys, float *s,
+                                                 size_t rs, size_t ts) {
+    const uint32_t rows = nq * gs;
+    pkv_assert(rows <= ROWS_MAX);
+    float sl[ROWS_MAX], d0[ROWS_MAX]; /* a row's slope, and key t0's distance from its query */
+    for (uint32_t qi = 0; qi < nq; qi++)
         for (uint32_t g = 0; g < gs; g++) {
-            const float a = at->call->alibi[hq0 + g];
-            float *sr = s + (size_t)(qi * gs + g) * rs;
+            sl[qi * gs + g] = at->call->alibi[hq0 + g];
+            d0[qi * gs + g] = (float)((int64_t)kp0 - (int64_t)pos_first - qi);
+        }
+    const float cap = at->call->softcap;
+    if (cap > 0.0f) {
+        const float inv = 1.0f / cap;
+        for (uint32_t r = 0; r < rows; r++)
             for (uint32_t t = 0; t < n_keys; t++) {
-                float x = sr[t * ts];
-                if (x == -INFINITY) continue;
-                if (cap > 0.0f) x = cap * tanhf(x * inv);
-                sr[t * ts] = x + a * (float)(d0 + (int64_t)t);
+                float *x = s + r * rs + t * ts;
+                if (*x != -INFINITY) *x = cap * tanhf(*x * inv) + sl[r] * (d0[r] + (float)t);
             }
+    } else if (ts == 1) { /* the row path's layout: a row's keys contiguous */
+        for (uint32_t r = 0; r < rows; r++) {
+            float *x = s + r * rs;
+            const float a = sl[r], d = d0[r];
+            for (uint32_t t = 0; t < n_keys; t++) x[t] += a * (d + (float)t);
+        }
+    } else { /* the transposed path's: a key's rows contiguous */
+        for (uint32_t t = 0; t < n_keys; t++) {
+            float *x = s + t * ts;
+            const float ft = (float)t;
+            for (uint32_t r = 0; r < rows; r++) x[r] += sl[r] * (d0[r] + ft);
         }
     }
 }
@@ -1097,7 +1117,7 @@ static void pass_window(const pkv__attn *at, const pass_walk *pw, uint32_t xw0, 
             score(b->qp + (size_t)h * rows_h * qrow, rows_h, k + h * krun, kv->k_row_bytes, b->n_keys, D, s,
                   (uint32_t)ss, pass_pf(at, pw, xw0, (size_t)j * nh + h, &pf));
             if (b->mask) mask_block(at, w, pos_first, b->kp0, b->n_keys, s, ss, 1);
-            if (at->call->alibi) /* a unit's blocks, or a sweep's entries of one query each */
+            if (PKV_UNLIKELY(at->call->alibi != NULL)) /* a unit's blocks, or a sweep's entries of one query each */
                 bias_block(at, (pw->h0 + h) * at->G + (w ? w->g0 : 0), w ? w->nq : 1, w ? w->gs : rows_h,
                            w ? pos_first : b->qpos, b->kp0, b->n_keys, s, ss, 1);
         }
@@ -1696,7 +1716,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
                 const uint8_t *ax = an + (size_t)h * G * Dv * sizeof(float);
                 for (size_t o = 0; o < (size_t)G * Dv * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
             }
-            if (call->alibi) bias_block(at, r0, 1, G, eb.qpos, eb.kp0, n_keys, sh, at->s_stride, 1);
+            if (PKV_UNLIKELY(call->alibi != NULL)) bias_block(at, r0, 1, G, eb.qpos, eb.kp0, n_keys, sh, at->s_stride, 1);
             if (h > 0) accum_head(at, accum, s, G, h - 1, n_keys, io2, acc);
             kt->softmax(sh, at->s_stride, G, n_keys, sm_cap(at), m + r0, l + r0, acc + (size_t)r0 * Dv, Dv);
         }
