@@ -869,10 +869,12 @@ static inline float sm_cap(const pkv__attn *at) { return at->call->alibi ? 0.0f 
 /* A unit's rows of kv head kvh (of a block's keys from kp0): ALiBi's bias where the call has it. */
 static inline void unit_bias(const pkv__attn *at, const unit *w, uint32_t kvh, uint32_t pos_first, uint32_t kp0,
                              uint32_t n_keys, float *s, size_t rs, size_t ts) {
-    if (PKV_UNLIKELY(at->call->alibi != NULL)) bias_block(at, kvh * at->G + w->g0, w->nq, w->gs, pos_first, kp0, n_keys, s, rs, ts);
+    if (PKV_UNLIKELY(at->call->alibi != NULL))
+        bias_block(at, kvh * at->G + w->g0, w->nq, w->gs, pos_first, kp0, n_keys, s, rs, ts);
 }
 
-/* Where block_pieces masks a piece's scores (run_unit: causal or window keys); NULL: none. */
+/* What block_pieces does to a piece's scores: the masks where mask is set (run_unit: causal or
+ * window keys), ALiBi's bias where the call has it; NULL: neither. */
 typedef struct piece_mask {
     const unit *w;
     uint32_t pos_first, kp0; /* the first query's position; the position of key t0 */

@@ -423,12 +423,13 @@ class TestAttention(Base):
                 self.assertClose(lse[i], wlse, 1e-5, "lse with ALiBi, sequence %d" % i)
             # prefill: query j of (s, 30, 10) is at position 30 + j, seeing [0, 30 + j]
             qp = self.rng.standard_normal((10, 4, 64)).astype(np.float32)
-            po = c.prefill(0, [(s, 30, 10)], qp, alibi_slopes=slopes)
+            po, pl = c.prefill(0, [(s, 30, 10)], qp, alibi_slopes=slopes, return_lse=True)
             K, V = c.gather(s, 0)
-            for j in range(10):
-                want, _ = ref_attn(qp[j], K[:31 + j].astype(np.float64), V[:31 + j].astype(np.float64), 1 / 8,
-                                   alibi=slopes)
+            for j in range(10):  # lse too: a wrong query position moves it, not the softmax
+                want, wlse = ref_attn(qp[j], K[:31 + j].astype(np.float64), V[:31 + j].astype(np.float64), 1 / 8,
+                                      alibi=slopes)
                 self.assertClose(po[j], want, 1e-5, "prefill with ALiBi, query %d" % j)
+                self.assertClose(pl[j], wlse, 1e-5, "prefill lse with ALiBi, query %d" % j)
             # zero slopes: the same bits as none
             np.testing.assert_array_equal(c.decode(0, [s, t], q, alibi_slopes=np.zeros(4, np.float32)),
                                           c.decode(0, [s, t], q))
