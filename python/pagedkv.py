@@ -1228,19 +1228,15 @@ class Cache:
         p.window = _u32_of(window, "window")
         p.lse = _ptr(lse)
         p.flags = ATTN_BF16_DOT if bf16_dot else 0
-        sk = None
-        if sinks is not None:
-            sk = _f32_array(sinks, "%s: sinks" % what)
-            if sk.size != p.n_q_heads:
-                raise _invalid("%s: sinks has %d elements, n_q_heads %d needed" % (what, sk.size, p.n_q_heads))
-            p.sinks = _ptr(sk)
-        ak = None
-        if alibi_slopes is not None:
-            ak = _f32_array(alibi_slopes, "%s: alibi_slopes" % what)
-            if ak.size != p.n_q_heads:
-                raise _invalid("%s: alibi_slopes has %d elements, n_q_heads %d needed" % (what, ak.size, p.n_q_heads))
-            p.alibi_slopes = _ptr(ak)
-        return p, (sk, ak)
+        keep = []
+        for name, arr in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):  # one float a query head
+            if arr is not None:
+                a = _f32_array(arr, "%s: %s" % (what, name))
+                if a.size != p.n_q_heads:
+                    raise _invalid("%s: %s has %d elements, n_q_heads %d needed" % (what, name, a.size, p.n_q_heads))
+                setattr(p, name, _ptr(a))
+                keep.append(a)
+        return p, keep
 
     def _attn_io(self, q, n_queries, n_q_heads, out, lse_out, return_lse, params, what):
         """An attention call's queries, outputs (new or the caller's), lse and parameters

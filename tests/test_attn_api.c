@@ -512,6 +512,55 @@ static void test_api_merge_cascade(void **state) {
     }
 }
 
+/* One call of test_api_sinks / test_api_alibi: 3 decodes or a ragged prefill of two requests. */
+typedef struct run_ctx {
+    pkv_cache *c;
+    int prefill;
+    const pkv_seq *ids;
+    const pkv_attn_req *reqs;
+} run_ctx;
+static int run_call(const run_ctx *x, const float *q, float *out, const pkv_attn_params *p) {
+    return x->prefill ? pkv_attn_prefill(x->c, 1, x->reqs, 2, q, out, p) : pkv_attn_decode(x->c, 1, x->ids, 3, q, out, p);
+}
+
+/* The refusals of a per-head array of the params (*field: &p->sinks or &p->alibi_slopes, whose
+ * values vals[NQH] are good): each of bad[nb] in one head is PKV_EINVAL with out (o1, n_out
+ * floats) untouched, and so is the array inside out or inside lse (l1); inside q (nq floats) it is
+ * read only and allowed, the same bits as apart, except where out is q. */
+static void array_refusals(const run_ctx *x, const float *q, size_t nq, size_t n_out, pkv_attn_params *p,
+                           const float **field, float *vals, const float *bad, int nb, float *o0, float *o1, float *l1) {
+    float *om = malloc(sizeof(float) * n_out);
+    memcpy(om, o1, sizeof(float) * n_out);
+    *field = vals;
+    for (int b = 0; b < nb; b++) {
+        const float keep = vals[NQH - 1 - b];
+        vals[NQH - 1 - b] = bad[b];
+        assert_int_equal(run_call(x, q, o1, p), PKV_EINVAL);
+        vals[NQH - 1 - b] = keep;
+    }
+    assert_memory_equal(om, o1, sizeof(float) * n_out);
+    free(om);
+    memcpy(o1 + NQH * D, vals, sizeof(float) * NQH);
+    *field = o1 + NQH * D; /* inside out */
+    assert_int_equal(run_call(x, q, o1, p), PKV_EINVAL);
+    memcpy(l1 + 3, vals, sizeof(float) * NQH);
+    *field = l1 + 3; /* inside lse */
+    assert_int_equal(run_call(x, q, o1, p), PKV_EINVAL);
+    float *qs = malloc(sizeof(float) * nq); /* inside q: read only, allowed */
+    memcpy(qs, q, sizeof(float) * nq);
+    memcpy(qs + 5, vals, sizeof(float) * NQH);
+    float *lse = p->lse;
+    *field = qs + 5, p->lse = NULL;
+    assert_int_equal(run_call(x, qs, o1, p), PKV_OK);
+    *field = vals;
+    assert_int_equal(run_call(x, qs, o0, p), PKV_OK);
+    assert_memory_equal(o0, o1, sizeof(float) * n_out);
+    *field = qs + 5; /* ... but not where out is q */
+    assert_int_equal(run_call(x, qs, qs, p), PKV_EINVAL);
+    *field = vals, p->lse = lse;
+    free(qs);
+}
+
 /* Attention sinks (pkv_attn_params.sinks). Through the public calls, decode (a batch whose tables
  * jump, read in pool order) and prefill, 2 threads:
  * - sinks far below every logit give the same bits as none;
@@ -560,32 +609,9 @@ static void test_api_sinks(void **state) {
             for (int i = 0; i < 3; i++)
                 check(&s[i], 1, q + i * NQH * D, o1 + i * NQH * D, l1 + i * NQH, s[i].len - 1, 1, &p);
         /* refusals: out keeps what it held */
-        memcpy(om, o1, sizeof(float) * n * NQH * D);
         const float bad[3] = {NAN, INFINITY, -INFINITY};
-        for (int b = 0; b < 3; b++) {
-            sinks[NQH - 1 - b] = bad[b];
-            assert_int_equal(RUN(o1, &p), PKV_EINVAL);
-            sinks[NQH - 1 - b] = 0.5f;
-        }
-        assert_memory_equal(om, o1, sizeof(float) * n * NQH * D);
-        memcpy(o1 + NQH * D, sinks, sizeof sinks);
-        p.sinks = o1 + NQH * D; /* inside out */
-        assert_int_equal(RUN(o1, &p), PKV_EINVAL);
-        memcpy(l1 + 3, sinks, sizeof sinks);
-        p.sinks = l1 + 3; /* inside lse */
-        assert_int_equal(RUN(o1, &p), PKV_EINVAL);
-        float *qs = malloc(sizeof(float) * NR * NQH * D), *q_saved = q; /* inside q: read only, allowed */
-        memcpy(qs, q, sizeof(float) * NR * NQH * D);
-        memcpy(qs + 5, sinks, sizeof sinks);
-        q = qs, p.sinks = qs + 5, p.lse = NULL;
-        assert_int_equal(RUN(o1, &p), PKV_OK);
-        p.sinks = sinks;
-        assert_int_equal(RUN(o0, &p), PKV_OK);
-        assert_memory_equal(o0, o1, sizeof(float) * n * NQH * D);
-        p.sinks = qs + 5; /* ... but not where out is q */
-        assert_int_equal(RUN(qs, &p), PKV_EINVAL);
-        q = q_saved;
-        free(qs);
+        const run_ctx x = {c, prefill, ids, reqs};
+        array_refusals(&x, q, (size_t)NR * NQH * D, (size_t)n * NQH * D, &p, &p.sinks, sinks, bad, 3, o0, o1, l1);
 #undef RUN
     }
     free(q), free(o0), free(o1), free(om), free(zero);
@@ -615,7 +641,6 @@ static void test_api_alibi(void **state) {
     const pkv_attn_req reqs[2] = {{s[2].id, 100, 40}, {s[0].id, 0, 30}};
     enum { NR = 70 }; /* queries: 3 decodes, or 70 prefill rows */
     float *q = rand_q(NR), *o0 = malloc(sizeof(float) * NR * NQH * D), *o1 = malloc(sizeof(float) * NR * NQH * D);
-    float *om = malloc(sizeof(float) * NR * NQH * D);
     float l0[NR * NQH], l1[NR * NQH], slopes[NQH];
     for (int prefill = 0; prefill < 2; prefill++) {
         const uint32_t n = prefill ? NR : 3;
@@ -648,39 +673,19 @@ static void test_api_alibi(void **state) {
                 assert_true(fabsf(a - b) <= 1e-6f * fmaxf(1.0f, fabsf(a)));
             }
         }
-        /* refusals: out keeps what it held */
+        /* refusals: out keeps what it held; then these slopes against the reference */
         for (uint32_t h = 0; h < NQH; h++) slopes[h] = powf(2.0f, -(float)(h + 1));
-        memcpy(om, o1, sizeof(float) * n * NQH * D);
         const float bad[4] = {NAN, INFINITY, -INFINITY, -1.5f * PKV_ALIBI_SLOPE_MAX};
-        for (int b = 0; b < 4; b++) {
-            slopes[NQH - 1 - b] = bad[b];
-            assert_int_equal(RUN(o1, &p), PKV_EINVAL);
-            slopes[NQH - 1 - b] = 0.5f;
-        }
-        assert_memory_equal(om, o1, sizeof(float) * n * NQH * D);
-        memcpy(o1 + NQH * D, slopes, sizeof slopes);
-        p.alibi_slopes = o1 + NQH * D; /* inside out */
-        assert_int_equal(RUN(o1, &p), PKV_EINVAL);
-        memcpy(l1 + 3, slopes, sizeof slopes);
-        p.alibi_slopes = l1 + 3; /* inside lse */
-        assert_int_equal(RUN(o1, &p), PKV_EINVAL);
-        float *qs = malloc(sizeof(float) * NR * NQH * D), *q_saved = q; /* inside q: read only, allowed */
-        memcpy(qs, q, sizeof(float) * NR * NQH * D);
-        memcpy(qs + 5, slopes, sizeof slopes);
-        q = qs, p.alibi_slopes = qs + 5, p.lse = NULL;
-        assert_int_equal(RUN(o1, &p), PKV_OK);
-        p.alibi_slopes = slopes;
+        const run_ctx x = {c, prefill, ids, reqs};
+        array_refusals(&x, q, (size_t)NR * NQH * D, (size_t)n * NQH * D, &p, &p.alibi_slopes, slopes, bad, 4, o0, o1,
+                       l1);
+        p.lse = NULL;
         assert_int_equal(RUN(o0, &p), PKV_OK);
-        assert_memory_equal(o0, o1, sizeof(float) * n * NQH * D);
         if (!prefill)
             for (int i = 0; i < 3; i++) check(&s[i], 1, q + i * NQH * D, o0 + i * NQH * D, NULL, s[i].len - 1, 1, &p);
-        p.alibi_slopes = qs + 5; /* ... but not where out is q */
-        assert_int_equal(RUN(qs, &p), PKV_EINVAL);
-        q = q_saved;
-        free(qs);
 #undef RUN
     }
-    free(q), free(o0), free(o1), free(om);
+    free(q), free(o0), free(o1);
     pkv_cache_destroy(c);
 }
 
