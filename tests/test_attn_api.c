@@ -512,6 +512,21 @@ static void test_api_merge_cascade(void **state) {
     }
 }
 
+/* The cache of test_api_sinks and test_api_alibi: f16, 2 threads, three sequences of 70, 33 and
+ * 140 positions appended in turns (tables that jump: decode reads them in pool order). */
+static pkv_cache *jumping_seqs(host_seq s[3]) {
+    pkv_cache *c = make_cache(PKV_DTYPE_F16, 2, 0);
+    const uint32_t lens[3] = {70, 33, 140};
+    for (int i = 0; i < 3; i++) {
+        memset(&s[i], 0, sizeof s[i]);
+        assert_int_equal(pkv_seq_create(c, NULL, 0, &s[i].id), PKV_OK);
+    }
+    for (uint32_t step = 0; step < 10; step++)
+        for (int i = 0; i < 3; i++)
+            append_write(c, PKV_DTYPE_F16, &s[i], lens[i] / 10 + (step == 9 ? lens[i] % 10 : 0), 100 * i);
+    return c;
+}
+
 /* One call of test_api_sinks / test_api_alibi: 3 decodes or a ragged prefill of two requests. */
 typedef struct run_ctx {
     pkv_cache *c;
@@ -571,15 +586,7 @@ static void array_refusals(const run_ctx *x, const float *q, size_t nq, size_t n
 static void test_api_sinks(void **state) {
     (void)state;
     static host_seq s[3];
-    pkv_cache *c = make_cache(PKV_DTYPE_F16, 2, 0);
-    const uint32_t lens[3] = {70, 33, 140};
-    for (int i = 0; i < 3; i++) {
-        memset(&s[i], 0, sizeof s[i]);
-        assert_int_equal(pkv_seq_create(c, NULL, 0, &s[i].id), PKV_OK);
-    }
-    for (uint32_t step = 0; step < 10; step++) /* interleaved appends: tables that jump */
-        for (int i = 0; i < 3; i++)
-            append_write(c, PKV_DTYPE_F16, &s[i], lens[i] / 10 + (step == 9 ? lens[i] % 10 : 0), 100 * i);
+    pkv_cache *c = jumping_seqs(s);
     const pkv_seq ids[3] = {s[0].id, s[1].id, s[2].id};
     const pkv_attn_req reqs[2] = {{s[2].id, 100, 40}, {s[0].id, 0, 30}};
     enum { NR = 70 }; /* queries: 3 decodes, or 70 prefill rows */
@@ -628,15 +635,7 @@ static void test_api_sinks(void **state) {
 static void test_api_alibi(void **state) {
     (void)state;
     static host_seq s[3];
-    pkv_cache *c = make_cache(PKV_DTYPE_F16, 2, 0);
-    const uint32_t lens[3] = {70, 33, 140};
-    for (int i = 0; i < 3; i++) {
-        memset(&s[i], 0, sizeof s[i]);
-        assert_int_equal(pkv_seq_create(c, NULL, 0, &s[i].id), PKV_OK);
-    }
-    for (uint32_t step = 0; step < 10; step++) /* interleaved appends: tables that jump */
-        for (int i = 0; i < 3; i++)
-            append_write(c, PKV_DTYPE_F16, &s[i], lens[i] / 10 + (step == 9 ? lens[i] % 10 : 0), 100 * i);
+    pkv_cache *c = jumping_seqs(s);
     const pkv_seq ids[3] = {s[0].id, s[1].id, s[2].id};
     const pkv_attn_req reqs[2] = {{s[2].id, 100, 40}, {s[0].id, 0, 30}};
     enum { NR = 70 }; /* queries: 3 decodes, or 70 prefill rows */
