@@ -1692,9 +1692,11 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
                 an = (const uint8_t *)(sweep_slot(at, in, c) + 2 * ROWS_MAX);
             }
         }
+        /* the entry's rows as a unit's for ALiBi's bias (every kv head's G query heads, one query;
+           no item: neither the bias nor a mask-free piece reads it) */
+        const unit wi = {.n_kvh = H, .gs = G, .nq = 1};
         if (piece_take(at, n_keys, G)) {
             /* no masks (an entry's keys are its query's); ALiBi's bias where the call has it */
-            const unit wi = {.item = sweep_item(at, i), .n_kvh = H, .gs = G, .nq = 1};
             const piece_mask pm = {.w = &wi, .pos_first = eb.qpos, .kp0 = eb.kp0};
             block_pieces(at, bid, 0, H, t0, n_keys, kn, vn, qp, G, s, m, l, acc, call->alibi ? &pm : NULL, qn,
                          (size_t)G * qrow);
@@ -1718,7 +1720,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
                 const uint8_t *ax = an + (size_t)h * G * Dv * sizeof(float);
                 for (size_t o = 0; o < (size_t)G * Dv * sizeof(float); o += 64) __builtin_prefetch(ax + o, 1, 2);
             }
-            if (PKV_UNLIKELY(call->alibi != NULL)) bias_block(at, r0, 1, G, eb.qpos, eb.kp0, n_keys, sh, at->s_stride, 1);
+            unit_bias(at, &wi, h, eb.qpos, eb.kp0, n_keys, sh, at->s_stride, 1);
             if (h > 0) accum_head(at, accum, s, G, h - 1, n_keys, io2, acc);
             kt->softmax(sh, at->s_stride, G, n_keys, sm_cap(at), m + r0, l + r0, acc + (size_t)r0 * Dv, Dv);
         }
@@ -1793,7 +1795,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     if (!isfinite(call->scale) || call->scale == 0.0f || !pkv__attn_softcap_ok(call->softcap))
         return PKV_EINVAL;
     for (uint32_t h = 0; call->alibi && h < call->n_q_heads; h++)
-        if (!(fabsf(call->alibi[h]) <= PKV_ALIBI_SLOPE_MAX)) return PKV_EINVAL; /* NaN too */
+        if (!pkv__attn_slope_ok(call->alibi[h])) return PKV_EINVAL;
     if (!at->kt->prep_q[kv->k_dtype] || !at->kt->score[kv->k_dtype] || !at->kt->accum[kv->v_dtype]) return PKV_ENOTSUP;
     uint64_t runs = 0; /* runs of neighbouring blocks in one-query items' visible tables (AUTO's rule) */
     uint32_t most = 0; /* visible blocks of the longest one-query item (sweep_collect) */

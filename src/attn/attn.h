@@ -70,6 +70,10 @@ static inline bool pkv__attn_softcap_ok(float softcap) {
     return softcap == 0.0f || (softcap >= FLT_MIN && !isinf(softcap));
 }
 
+/* An ALiBi slope the kernels take: finite, |slope| <= PKV_ALIBI_SLOPE_MAX (NaN is not). pkv.h's
+ * attention parameters and pkv__attn_run both check it. */
+static inline bool pkv__attn_slope_ok(float slope) { return fabsf(slope) <= PKV_ALIBI_SLOPE_MAX; }
+
 /* Sizes the attention context may rely on (scratch is allocated once, at create), and where
  * its jobs run. */
 typedef struct pkv__attn_limits {

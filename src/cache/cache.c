@@ -1721,7 +1721,7 @@ static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_param
             return pkv__say(c, PKV_EINVAL, api, "sinks[%u] is %g, not finite", h, (double)p->sinks[h]);
     call->alibi = p->alibi_slopes;
     for (uint32_t h = 0; p->alibi_slopes && h < nq; h++)
-        if (!(fabsf(p->alibi_slopes[h]) <= PKV_ALIBI_SLOPE_MAX)) /* NaN: not <= */
+        if (!pkv__attn_slope_ok(p->alibi_slopes[h]))
             return pkv__say(c, PKV_EINVAL, api, "alibi_slopes[%u] is %g, not finite or past PKV_ALIBI_SLOPE_MAX", h,
                             (double)p->alibi_slopes[h]);
     return PKV_OK;
@@ -1757,16 +1757,12 @@ static int check_buffers(pkv_cache *c, const char *api, const float *q, const fl
                         in_place ? "out may be q itself, nothing else"
                         : orow != qrow ? "out may not be q where v_dim is not head_dim"
                                        : "out may not be q here");
-    if (call->sinks) {
-        const size_t ns = (size_t)call->n_q_heads * sizeof(float), nl = (size_t)n_rows * ns;
-        if (pkv__overlap(call->sinks, ns, out, o_bytes) || (lse && pkv__overlap(call->sinks, ns, lse, nl)))
-            return pkv__say(c, PKV_EINVAL, api, "sinks overlap out or lse");
-    }
-    if (call->alibi) {
-        const size_t ns = (size_t)call->n_q_heads * sizeof(float), nl = (size_t)n_rows * ns;
-        if (pkv__overlap(call->alibi, ns, out, o_bytes) || (lse && pkv__overlap(call->alibi, ns, lse, nl)))
-            return pkv__say(c, PKV_EINVAL, api, "alibi_slopes overlap out or lse");
-    }
+    const float *const heads[2] = {call->sinks, call->alibi}; /* the per-head arrays, read during the call */
+    static const char *const head_names[2] = {"sinks", "alibi_slopes"};
+    const size_t ns = (size_t)call->n_q_heads * sizeof(float), nl = (size_t)n_rows * ns;
+    for (int a = 0; a < 2; a++)
+        if (heads[a] && (pkv__overlap(heads[a], ns, out, o_bytes) || (lse && pkv__overlap(heads[a], ns, lse, nl))))
+            return pkv__say(c, PKV_EINVAL, api, "%s overlap out or lse", head_names[a]);
     /* a query that is not finite, or so large that q.k overflows (or q x scale, which the kernels
        form first), would give each backend and order its own garbage (a NaN or infinite logit is
        dropped by one max and kept by another): refused instead. With |K| <= PKV_VALUE_MAX too, a

@@ -173,9 +173,10 @@ int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv
             /* ALiBi: the group's query gq + qi was biased from its nominal position blocks x B - 1 +
                gq + qi; the member's own is q_pos0 + qi, which moves the row's logits, so its
                log-sum-exp, by slope x (nominal - own) (the output, a softmax, is the same) */
-            for (uint32_t qi = 0; call->alibi && qi < it->n_q; qi++) {
-                const float d = (float)((int64_t)gr->blocks * B - 1 + gq - it->q_pos0);
-                for (uint32_t h = 0; h < nqh; h++) sh->lse_a[r0 + qi * nqh + h] += call->alibi[h] * d;
+            if (call->alibi) {
+                const float d = (float)((int64_t)gr->blocks * B - 1 + gq - it->q_pos0); /* qi cancels */
+                for (uint32_t qi = 0; qi < it->n_q; qi++)
+                    for (uint32_t h = 0; h < nqh; h++) sh->lse_a[r0 + qi * nqh + h] += call->alibi[h] * d;
             }
             /* the group's rows into the member's outputs and lse (its own part's: sinks there) */
             const int m = pkv_attn_merge(it->n_q * nqh, Dv, sh->o + (size_t)r0 * Dv, sh->lse_a + r0, it->out,
