@@ -664,7 +664,7 @@ typedef struct pkv_attn_params {
                             Head h's softmax also counts one virtual key of logit sinks[h] and
                             value 0: out = sum_t e^(s_t) v_t / (e^(sinks[h]) + sum_t e^(s_t)),
                             with s_t the scaled (capped, ALiBi-biased) logits; the sink is compared with them
-                            as given (neither scaled nor capped). Every key outside the window
+                            as given (neither scaled nor capped). Every key outside the window or chunk
                             or past the query's position is still invisible; a row that sees no
                             key gets out 0 and lse sinks[h]. lse includes the sink's term, so
                             to merge partial results (pkv_attn_merge) pass sinks to exactly one
@@ -685,6 +685,13 @@ typedef struct pkv_attn_params {
                             soft-cap is taken (with one, ALiBi's pass takes the cap in scalar
                             arithmetic: other rounding). Negative slopes make the far keys lead,
                             their logits rounded to f32 at slope x distance. */
+    uint32_t attn_chunk; /* chunked local attention (Llama 4's attention_chunk_size): the query at
+                            p sees only the keys of its own chunk, [p - p % attn_chunk, p]; 0 =
+                            off. With a window too, a key must pass both. Any value is taken (1:
+                            each query sees itself alone). In pkv_attn_tree a node's position is
+                            q_start + depth, as for the window. Shared-prefix groups (below) take
+                            no member whose chunk starts past 0, as none whose window hides a key
+                            of the prefix. */
 } pkv_attn_params;
 /* The largest ALiBi slope magnitude taken: bias x distance stays far from f32's range at any
  * position a cache holds (2^32 x 2^16 = 2^48). */
@@ -751,7 +758,7 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * queries reads a block once for all of them), then each member's own blocks on its own, the two
  * parts merged by log-sum-exp (FlashInfer's and vLLM's cascade attention). A group shares at
  * least 512 positions of whole blocks (shorter ones cost more than they saved, measured), only
- * blocks before every member's query position, none of a member whose window hides some of them.
+ * blocks before every member's query position, none of a member whose window or chunk hides some of them.
  * Groups nest: forks of several requests that share a system prompt make one group reading the
  * system prompt, and inside it one group a request reading that request's blocks after it (each
  * level where it reads 512 positions or more past the level around it). Groups hold up to
@@ -819,13 +826,14 @@ enum { PKV_TREE_MAX_NODES = 1024 };
  * before q_start (the prefix, reused blocks included) and the nodes on its path to its root,
  * itself included: not its siblings, cousins or other branches. With a window, a key is seen
  * where the node's position (q_start + depth) minus the key's (its position in the prefix, or
- * q_start + depth for a node) is under window. q, out: the requests' nodes' queries
+ * q_start + depth for a node) is under window; with chunks, where the key is in the node's
+ * position's chunk. q, out: the requests' nodes' queries
  * concatenated, [sum n_nodes][n_q_heads][head_dim] (out [..][v_dim]; out may not be q: the paths read the queries
  * after the prefix part wrote out); p as for pkv_attn_prefill:
- * scale, softcap, window, lse, sinks and alibi_slopes mean the same, per node (a key's distance
+ * scale, softcap, window, lse, sinks, alibi_slopes and attn_chunk mean the same, per node (a key's distance
  * for ALiBi is the node's position, q_start + depth, minus the key's, as for the window). The prefix is read by the
  * prefill kernels, all of a request's nodes at once (in runs of max(4096, 1024 x n_kv_heads) /
- * n_q_heads nodes: a request of more reads its prefix once a run; where a window ends inside
+ * n_q_heads nodes: a request of more reads its prefix once a run; where a window or chunk ends inside
  * the prefix for some node, a read a node), the paths on the
  * calling thread; the two parts are merged by log-sum-exp. A chain (parent[i] = i - 1) gives what
  * pkv_attn_prefill gives over the same positions, up to float rounding. Bad input (a parent

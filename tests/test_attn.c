@@ -1,6 +1,6 @@
 /* test_attn.c: the paged attention kernels against a double-precision contiguous reference,
  * for every backend this CPU has, over pools built here (fragmented block tables), plus the
- * seed value, soft-cap, sliding window, LSE merge and bad input. */
+ * seed value, soft-cap, sliding window, chunked local attention, LSE merge and bad input. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -158,10 +158,11 @@ static void seq_free(tseq *s) {
 
 /* ---- the reference: plain contiguous attention in double -------------------------------------- */
 static void ref_query(const tpool *p, const tseq *s, uint32_t n_q_heads, const float *q, uint32_t pos, double scale,
-                      double softcap, uint32_t window, const float *sinks, const float *alibi, double *out,
-                      double *lse) {
+                      double softcap, uint32_t window, uint32_t chunk, const float *sinks, const float *alibi,
+                      double *out, double *lse) {
     const uint32_t D = p->D, G = n_q_heads / p->H;
-    const uint32_t lo = (window && pos + 1 > window) ? pos + 1 - window : 0;
+    uint32_t lo = (window && pos + 1 > window) ? pos + 1 - window : 0;
+    if (chunk && pos / chunk * chunk > lo) lo = pos / chunk * chunk; /* the query's chunk's first key */
     double *w = malloc(sizeof(double) * (pos - lo + 1));
     for (uint32_t hq = 0; hq < n_q_heads; hq++) {
         const uint32_t h = hq / G;
@@ -199,8 +200,8 @@ static double check_item(const tpool *p, const tseq *s, uint32_t nqh, const pkv_
     double *ro = malloc(sizeof(double) * nqh * D), *rl = malloc(sizeof(double) * nqh);
     double worst = 0;
     for (uint32_t qi = 0; qi < it->n_q; qi++) {
-        ref_query(p, s, nqh, it->q + (size_t)qi * nqh * D, it->q_pos0 + qi, c->scale, c->softcap, c->window, c->sinks,
-                  c->alibi, ro, rl);
+        ref_query(p, s, nqh, it->q + (size_t)qi * nqh * D, it->q_pos0 + qi, c->scale, c->softcap, c->window, c->chunk,
+                  c->sinks, c->alibi, ro, rl);
         for (uint32_t i = 0; i < nqh * D; i++) {
             double e = fabs((double)it->out[(size_t)qi * nqh * D + i] - ro[i]) / fmax(s->vmax, 1e-30);
             if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
@@ -349,6 +350,7 @@ typedef struct oracle_opts {
     int window;      /* random sliding window */
     int sinks;       /* random attention-sink logits */
     int alibi;       /* random ALiBi slopes (rand_alibi) */
+    int chunk;       /* random chunks of local attention (rand_chunk) */
     uint32_t block_tokens; /* 0: drawn from k_btok */
     uint32_t len_cap;      /* 0: rand_len() alone; else contexts of at most this many tokens */
 } oracle_opts;
@@ -366,6 +368,14 @@ static void rand_alibi(float *a, uint32_t nqh) {
                : k == 3 ? (float)(-pow(2.0, -9.0) * rng_unit())
                         : (float)pow(2.0, -12.0 + 8.0 * rng_unit());
     }
+}
+
+/* Chunked local attention's chunk size for blocks of B tokens: one case in two a multiple of B
+ * (as models' 8192 is of every block size), else any size from 1 (edges inside blocks); prefill
+ * gets short ones, so that its runs of up to 20 queries cross chunk edges. */
+static uint32_t rand_chunk(uint32_t B, bool prefill) {
+    const uint32_t most = prefill ? 120 : 900;
+    return rng_below(2) ? B * (1 + rng_below(most / B + 1)) : 1 + rng_below(most);
 }
 
 /* One random case: a batch of sequences in one pool, one run, every query checked. */
@@ -409,6 +419,7 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
     /* caps near the logits, and (one case in four) far above them, where tanh(x / cap) is tiny */
     if (o->softcap) call.softcap = rng_below(4) ? (float)(1.0 + 30.0 * rng_unit()) : (float)pow(10.0, 2.0 + 28.0 * rng_unit());
     if (o->window) call.window = 1 + rng_below(600);
+    if (o->chunk) call.chunk = rand_chunk(B, o->prefill);
     float *sinks = NULL;
     if (o->sinks) { /* near the logits, far above them (the sink leads: outputs shrink) and far below */
         sinks = malloc(sizeof(float) * nqh);
@@ -475,10 +486,10 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         if (!(e <= *worst)) {
             *worst = e;
             if (e > 1.0)
-                print_message("  fail: %s D=%u q/kv=%u/%u B=%u len=%u q_pos0=%u n_q=%u softcap=%g window=%u alibi=%d "
-                              "thr=%u: err %.3g\n",
+                print_message("  fail: %s D=%u q/kv=%u/%u B=%u len=%u q_pos0=%u n_q=%u softcap=%g window=%u chunk=%u "
+                              "alibi=%d thr=%u: err %.3g\n",
                               backend, D, nqh, H, B, lens[i], items[i].q_pos0, items[i].n_q, call.softcap, call.window,
-                              call.alibi != NULL, n_threads, e);
+                              call.chunk, call.alibi != NULL, n_threads, e);
         }
         free((void *)items[i].q);
         free(items[i].out);
@@ -503,9 +514,10 @@ static void run_oracle_dims(const char *backend, const oracle_opts *o, uint64_t 
                 pkv_dtype kdt = k_types[ti], vdt = rng_below(4) ? kdt : k_types[rng_below(3)];
                 oracle_case(backend, nt, dims[di], k_heads[hi][0], k_heads[hi][1], kdt, vdt, o, &worst, &worst_lse);
             }
-        print_message("  %s K=%s%s%s%s%s%s: max err %.3g of the tolerance, lse err %.3g\n", backend,
+        print_message("  %s K=%s%s%s%s%s%s%s: max err %.3g of the tolerance, lse err %.3g\n", backend,
                       pkv_dtype_name(k_types[ti]), o->prefill ? " prefill" : " decode", o->softcap ? " softcap" : "",
-                      o->window ? " window" : "", o->sinks ? " sinks" : "", o->alibi ? " alibi" : "", worst, worst_lse);
+                      o->window ? " window" : "", o->chunk ? " chunk" : "", o->sinks ? " sinks" : "",
+                      o->alibi ? " alibi" : "", worst, worst_lse);
         assert_true(worst <= 1.0);
         assert_true(worst_lse <= TOL_LSE);
     }
@@ -605,7 +617,8 @@ static void test_oracle_extreme_shapes(void **state) {
             for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
                 const oracle_opts o = {.prefill = prefill, .softcap = (int)rng_below(2), .window = (int)rng_below(2),
                                        .sinks = (int)rng_below(2), .alibi = (int)rng_below(2),
-                                       .block_tokens = shapes[i].B, .len_cap = shapes[i].cap};
+                                       .chunk = (int)rng_below(2), .block_tokens = shapes[i].B,
+                                       .len_cap = shapes[i].cap};
                 const pkv_dtype kdt = k_types[ti], vdt = rng_below(4) ? kdt : k_types[rng_below(3)];
                 oracle_case(bc->name, 1 + rng_below(2), shapes[i].D, shapes[i].nqh, shapes[i].H, kdt, vdt, &o, &worst,
                             &worst_lse);
@@ -665,8 +678,24 @@ static void test_oracle_alibi(void **state) {
     run_oracle(bc->name, &o, 312);
 }
 
+/* Chunked local attention (pkv__attn_call.chunk, Llama 4's): every path against the reference,
+ * alone and with a window (a key passes both), the soft-cap, sinks and ALiBi. */
+static void test_oracle_chunk(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    oracle_opts o = {.chunk = 1};
+    run_oracle(bc->name, &o, 313);
+    o.prefill = 1;
+    run_oracle(bc->name, &o, 314);
+    o.softcap = o.window = o.sinks = o.alibi = 1;
+    run_oracle(bc->name, &o, 315);
+    o.prefill = 0;
+    run_oracle(bc->name, &o, 316);
+}
+
 /* ---- soft-cap and window: exact effects on a hand-made case ------------------------------------ */
-/* Window 1: a query sees only its own position, so out == V[p] exactly and lse == its logit. */
+/* Window 1 (or chunks of 1): a query sees only its own position, so out == V[p] exactly and lse ==
+ * its logit. */
 static void test_window_one_sees_itself(void **state) {
     const backend_case *bc = *state;
     need_backend(bc->name);
@@ -681,19 +710,24 @@ static void test_window_one_sees_itself(void **state) {
     float *q = rand_q((size_t)n_q * nqh * 64), *out = malloc(sizeof(float) * n_q * nqh * 64);
     float lse[40 * 4];
     pkv__attn_item it = {.block_table = s.table, .q_pos0 = 60, .n_q = n_q, .q = q, .out = out, .lse = lse};
-    pkv__attn_call call = {.n_q_heads = nqh, .scale = 0.125f, .softcap = 5.0f, .window = 1};
-    assert_int_equal(pkv__attn_run(at, &p.view, &it, 1, &call), PKV_OK);
-    for (uint32_t qi = 0; qi < n_q; qi++)
-        for (uint32_t hq = 0; hq < nqh; hq++) {
-            const uint32_t h = hq / 2, pos = 60 + qi;
-            const float *v = s.vf + ((size_t)pos * 2 + h) * 64;
-            for (uint32_t d = 0; d < 64; d++) TU_NEAR(out[((size_t)qi * nqh + hq) * 64 + d], v[d], 1e-6f);
-            double dot = 0;
-            for (uint32_t d = 0; d < 64; d++) dot += (double)q[((size_t)qi * nqh + hq) * 64 + d] * s.kf[((size_t)pos * 2 + h) * 64 + d];
-            double logit = 5.0 * tanh(dot * 0.125 / 5.0);
-            TU_NEAR(lse[qi * nqh + hq], (float)logit, 1e-5f);
-            assert_true(fabs(logit) <= 5.0);
-        }
+    /* a window of 1, and chunks of 1 (Llama 4's local attention at its smallest) */
+    for (int chunked = 0; chunked < 2; chunked++) {
+        pkv__attn_call call = {.n_q_heads = nqh, .scale = 0.125f, .softcap = 5.0f};
+        call.window = !chunked, call.chunk = (uint32_t)chunked;
+        assert_int_equal(pkv__attn_run(at, &p.view, &it, 1, &call), PKV_OK);
+        for (uint32_t qi = 0; qi < n_q; qi++)
+            for (uint32_t hq = 0; hq < nqh; hq++) {
+                const uint32_t h = hq / 2, pos = 60 + qi;
+                const float *v = s.vf + ((size_t)pos * 2 + h) * 64;
+                for (uint32_t d = 0; d < 64; d++) TU_NEAR(out[((size_t)qi * nqh + hq) * 64 + d], v[d], 1e-6f);
+                double dot = 0;
+                for (uint32_t d = 0; d < 64; d++)
+                    dot += (double)q[((size_t)qi * nqh + hq) * 64 + d] * s.kf[((size_t)pos * 2 + h) * 64 + d];
+                double logit = 5.0 * tanh(dot * 0.125 / 5.0);
+                TU_NEAR(lse[qi * nqh + hq], (float)logit, 1e-5f);
+                assert_true(fabs(logit) <= 5.0);
+            }
+    }
     free(q);
     free(out);
     seq_free(&s);
@@ -875,6 +909,7 @@ static void test_oracle_pool_order(void **state) {
         pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
         if (rng_below(3) == 0) call.softcap = (float)(1.0 + 30.0 * rng_unit());
         if (rng_below(3) == 0) call.window = 1 + rng_below(600);
+        if (c % 4 == 3) call.chunk = rand_chunk(B, false); /* decodes whose chunk starts past block 0 */
         float alibi[32];
         /* the sweep's bias: narrow and wide, both sizings, in pieces (where one pass is the
            default) and in the other pass mode below */
@@ -1434,6 +1469,7 @@ int main(void) {
         PER_BACKEND(test_oracle_odd_dims),
         PER_BACKEND(test_oracle_extreme_shapes),
         PER_BACKEND(test_oracle_moving_max),
+        PER_BACKEND(test_oracle_chunk),
         PER_BACKEND(test_window_one_sees_itself),
         PER_BACKEND(test_lse_merge_halves),
         PER_BACKEND(test_threads_agree),

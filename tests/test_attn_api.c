@@ -109,7 +109,8 @@ static void seq_new(pkv_cache *c, pkv_dtype dt, host_seq *s, uint32_t n, int32_t
 static void ref_one(const host_seq *s, uint32_t l, const float *q, uint32_t pos, const pkv_attn_params *p, double *out,
                     double *lse) {
     const double scale = p->scale > 0 ? p->scale : 1.0 / sqrt((double)D);
-    const uint32_t lo = (p->window && pos + 1 > p->window) ? pos + 1 - p->window : 0;
+    uint32_t lo = (p->window && pos + 1 > p->window) ? pos + 1 - p->window : 0;
+    if (p->attn_chunk && pos / p->attn_chunk * p->attn_chunk > lo) lo = pos / p->attn_chunk * p->attn_chunk;
     for (uint32_t hq = 0; hq < NQH; hq++) {
         const uint32_t h = hq / (NQH / H);
         double w[MAXTOK], mx = -INFINITY, sum = 0;
@@ -176,7 +177,7 @@ static const pkv_dtype q_types[5] = {PKV_DTYPE_F32, PKV_DTYPE_F16, PKV_DTYPE_BF1
 static double tol_of(pkv_dtype dt) { return dt == PKV_DTYPE_Q8_0 ? 2e-2 : TOL; }
 
 /* Decode and ragged prefill over three sequences, every float dtype, 1 and 2 threads, with and
- * without soft-cap / window / LSE / sinks / ALiBi. */
+ * without soft-cap / window / LSE / sinks / ALiBi / chunks of local attention. */
 static void test_api_oracle(void **state) {
     (void)state;
     static host_seq s[3];
@@ -191,16 +192,20 @@ static void test_api_oracle(void **state) {
                 append_write(c, k_types[ti], &s[i], lens[i] / 2 + 1, 1000 * i);
                 if (lens[i] / 2 + 1 < lens[i]) append_write(c, k_types[ti], &s[i], lens[i] - lens[i] / 2 - 1, 1000 * i);
             }
-            for (int variant = 0; variant < 6; variant++) {
+            for (int variant = 0; variant < 8; variant++) {
                 pkv_attn_params p = pkv_attn_params_default();
                 p.n_q_heads = NQH;
                 float lse[64 * NQH], sinks[NQH], slopes[NQH];
                 if (variant >= 1) p.lse = lse;
                 if (variant >= 2 && variant < 5) p.softcap = 7.5f, p.window = 20, p.scale = 0.2f;
-                if (variant >= 4) { /* ALiBi: the models' slopes (4: with soft-cap and window), then steeper */
-                    for (uint32_t h = 0; h < NQH; h++) slopes[h] = powf(2.0f, -8.0f * (float)(h + 1) / NQH) * (variant - 3);
-                    p.alibi_slopes = slopes;
-                }
+                /* ALiBi: the models' slopes (4: with soft-cap and window; 7: below), then steeper (5) */
+                for (uint32_t h = 0; h < NQH; h++)
+                    slopes[h] = powf(2.0f, -8.0f * (float)(h + 1) / NQH) * (variant == 5 ? 2.0f : 1.0f);
+                if (variant == 4 || variant == 5) p.alibi_slopes = slopes;
+                /* chunks: of whole blocks (the sequences' ends and the extends cross their edges),
+                   then of 13 with a window of 9, soft-cap and ALiBi */
+                if (variant == 6) p.attn_chunk = 48;
+                if (variant == 7) p.attn_chunk = 13, p.window = 9, p.softcap = 7.5f, p.alibi_slopes = slopes;
                 if (variant == 3) { /* sinks below, near and above the logits (|logit| <= 7.5) */
                     for (uint32_t h = 0; h < NQH; h++) sinks[h] = 6.0f * rnd() + (h % 3 ? 0.0f : 8.0f);
                     p.sinks = sinks;
@@ -689,17 +694,19 @@ static void test_api_alibi(void **state) {
 }
 
 /* The reference of pkv_attn_tree for node i of a tree at [q_start, ..) of s: nqh query heads (GQA
- * over H), keys the prefix positions and the node's path, window counted from q_start + depth. */
+ * over H), keys the prefix positions and the node's path, window and chunk counted from q_start +
+ * depth. */
 static void ref_tree(const host_seq *s, uint32_t l, const float *q, uint32_t nqh, uint32_t q_start,
                      const int32_t *parent, uint32_t i, const pkv_attn_params *p, double *out, double *lse) {
     const double scale = p->scale > 0 ? p->scale : 1.0 / sqrt((double)D);
     uint32_t depth[MAXTOK], keys[MAXTOK], kpos[MAXTOK], n = 0; /* a key's row, its position in the text */
     for (uint32_t j = 0; j <= i; j++) depth[j] = parent[j] < 0 ? 0 : depth[parent[j]] + 1;
-    const uint32_t pos = q_start + depth[i];
+    const uint32_t pos = q_start + depth[i], chunk0 = p->attn_chunk ? pos / p->attn_chunk * p->attn_chunk : 0;
     for (uint32_t t = 0; t < q_start; t++)
-        if (!p->window || pos - t < p->window) kpos[n] = t, keys[n++] = t;
+        if ((!p->window || pos - t < p->window) && t >= chunk0) kpos[n] = t, keys[n++] = t;
     for (int32_t j = (int32_t)i; j >= 0; j = parent[j])
-        if (!p->window || depth[i] - depth[j] < p->window) kpos[n] = q_start + depth[j], keys[n++] = q_start + (uint32_t)j;
+        if ((!p->window || depth[i] - depth[j] < p->window) && q_start + depth[j] >= chunk0)
+            kpos[n] = q_start + depth[j], keys[n++] = q_start + (uint32_t)j;
     for (uint32_t hq = 0; hq < nqh; hq++) {
         const uint32_t h = hq / (nqh / H);
         double w[MAXTOK], mx = p->sinks ? p->sinks[hq] : -INFINITY, sum = 0;
@@ -758,7 +765,8 @@ static void rand_tree(int32_t *parent, uint32_t n) {
  * in the prefix part, so 2e-2 of max |V| there), 1 and 2 threads, prefixes of 0 to 150
  * tokens (a block boundary inside the tree), trees of 1 to 60 nodes, two requests and an empty
  * one in a call, with window (shorter and longer than the paths), soft-cap, sinks, ALiBi (its
- * distances by depth) and lse; a chain gives what prefill gives. */
+ * distances by depth), chunks of local attention (edges in the prefix and among the nodes) and
+ * lse; a chain gives what prefill gives. */
 static void test_api_tree(void **state) {
     (void)state;
     static host_seq s[2];
@@ -787,7 +795,7 @@ static void test_api_tree(void **state) {
                 for (uint32_t h = 0; h < NQH; h++) sinks[h] = 2.0f * rnd() + 1.0f;
                 float slopes[NQH]; /* steep and shallow: the path's depths and the prefix both weigh */
                 for (uint32_t h = 0; h < NQH; h++) slopes[h] = h % 2 ? 0.4f + 0.1f * (float)h : 0.005f * (float)(h + 1);
-                for (int variant = 0; variant < 7; variant++) {
+                for (int variant = 0; variant < 9; variant++) {
                     pkv_attn_params p = pkv_attn_params_default();
                     p.n_q_heads = NQH;
                     if (variant != 1) p.lse = lse;
@@ -796,6 +804,8 @@ static void test_api_tree(void **state) {
                     if (variant == 4) p.sinks = sinks, p.window = 40;
                     if (variant == 5) p.alibi_slopes = slopes, p.sinks = sinks;
                     if (variant == 6) p.alibi_slopes = slopes, p.window = 9, p.softcap = 6.0f;
+                    if (variant == 7) p.attn_chunk = 32;
+                    if (variant == 8) p.attn_chunk = 7, p.window = 5, p.alibi_slopes = slopes, p.sinks = sinks;
                     assert_int_equal(pkv_attn_tree(c, 1, reqs, 3, q, out, &p), PKV_OK);
                     check_tree(&s[0], 1, q, out, p.lse, NQH, q0[0], par[0], n[0], &p, tol);
                     check_tree(&s[1], 1, q + (size_t)n[0] * NQH * D, out + (size_t)n[0] * NQH * D,
@@ -839,6 +849,10 @@ static void test_api_tree_refusals_runs(void **state) {
     assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, out, &p), PKV_OK);
     check_tree(&s, 0, q, out, lse, BIG, 33, par, 7, &p, TOL);
     p.window = 3;
+    assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, out, &p), PKV_OK);
+    check_tree(&s, 0, q, out, lse, BIG, 33, par, 7, &p, TOL);
+    /* chunks of 35: nodes at 33 and 34 see the whole prefix, those at 35 and 36 none of it */
+    p.window = 0, p.attn_chunk = 35;
     assert_int_equal(pkv_attn_tree(c, 0, &r, 1, q, out, &p), PKV_OK);
     check_tree(&s, 0, q, out, lse, BIG, 33, par, 7, &p, TOL);
     /* refusals */
@@ -1227,8 +1241,11 @@ static void test_api_value_max(void **state) {
  * A2, A3} over [s, 6) inside it, and {P, P1} over [0, 3), so attn_shared_keys grows by (4 s + 3
  * (6 - s)) x 16 + 48 = (s + 18) x 16 + 48 a call; with a window of 130, A3 (140 positions) decodes
  * alone: (3 s + 2 (6 - s)) x 16 + 48; with a scratch of two members' rows, only
- * {P, P1} fits: 48; with groups off and by the default rule (512 positions at least) 0. Every output and lse against the reference, each float and
- * 8-bit dtype, 1 and 2 threads, with soft-cap, window and sinks; the requests count 7 a call; in
+ * {P, P1} fits: 48; with groups off and by the default rule (512 positions at least) 0; chunks of
+ * 128 leave A3 alone as the window does; of 64, no group (only P's query, 59, is in the first
+ * chunk). Every output and lse
+ * against the reference, each float and 8-bit dtype, 1 and 2 threads, with soft-cap, window, sinks
+ * and ALiBi; the requests count 7 a call; in
  * place (out = q) the same bits as apart. PKV_ATTN_SHARE: 16 positions (one block) groups as any
  * block does, off groups nothing, 0 and other words make pkv_cache_create refuse. */
 static void test_api_share(void **state) {
@@ -1275,7 +1292,7 @@ static void test_api_share(void **state) {
             for (uint32_t h = 0; h < NQH; h++) sinks[h] = 2.0f * rnd() + 1.0f;
             float slopes[NQH];
             for (uint32_t h = 0; h < NQH; h++) slopes[h] = powf(2.0f, -8.0f * (float)(h + 1) / NQH);
-            for (int variant = 0; variant < 10; variant++) {
+            for (int variant = 0; variant < 12; variant++) {
                 pkv_attn_params p = pkv_attn_params_default();
                 p.n_q_heads = NQH;
                 p.lse = variant == 1 ? NULL : lse;
@@ -1290,6 +1307,10 @@ static void test_api_share(void **state) {
                 /* ALiBi: the groups' parts at nominal positions, their log-sum-exps corrected */
                 if (variant == 8) p.alibi_slopes = slopes;
                 if (variant == 9) p.alibi_slopes = slopes, p.window = 130, p.sinks = sinks, want = (sb + 12) * B + 48;
+                /* chunks of local attention: of 128, A3's query (139) is past the first chunk, as
+                   the window of 130 left it; of 64, only P's (59) is in it, so no group */
+                if (variant == 10) p.attn_chunk = 128, want = (sb + 12) * B + 48;
+                if (variant == 11) p.attn_chunk = 64, p.alibi_slopes = slopes, p.sinks = sinks, want = 0;
                 pkv_stats st0, st1;
                 assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
                 const uint32_t l = variant == 7 ? 0 : (uint32_t)variant % L;

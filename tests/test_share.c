@@ -73,6 +73,7 @@ static void test_share_plan(void **state) {
     uint64_t n_groups = 0, n_nested = 0, n_exact = 0;
     for (int round = 0; round < 400; round++) {
         const uint32_t k = 2 + below(round & 1 ? NS - 1 : 13), window = below(4) ? 0 : 40 + below(120);
+        const uint32_t chunk = below(4) ? 0 : 30 + below(200); /* a query past the first chunk: not shared */
         const uint32_t min_blocks = round & 2 ? 1 : 1 + below(6), nqh = round & 2 ? 2 : 2 * (1 + below(4));
         int32_t next = 1;
         for (uint32_t i = 0; i < k; i++) {
@@ -86,10 +87,11 @@ static void test_share_plan(void **state) {
             }
             for (uint32_t b = keep; b < nb; b++) g_tab[i][b] = next++;
             c->items[i] = (pkv__attn_item){.block_table = g_tab[i], .q_pos0 = len - 1, .n_q = 1};
-            full[i] = window && len > window ? 0 : (len - 1) / BT;
+            full[i] = (window && len > window) || (chunk && len > chunk) ? 0 : (len - 1) / BT;
         }
         pkv__cache_test_share(c, min_blocks, 0);
-        const uint32_t ng = pkv__share_plan(c, k, window, nqh);
+        const pkv__attn_call call = {.n_q_heads = nqh, .window = window, .chunk = chunk};
+        const uint32_t ng = pkv__share_plan(c, k, &call);
         const pkv__share *sh = &c->share;
         uint32_t n = 0; /* the eligible items: min_blocks shareable */
         for (uint32_t i = 0; i < k; i++) n += full[i] >= min_blocks;
@@ -147,13 +149,13 @@ static void test_share_plan(void **state) {
         }
         /* a scratch of 3 members' rows: groups of 3 members in all at most */
         pkv__cache_test_share(c, min_blocks, 3 * nqh);
-        const uint32_t ng3 = pkv__share_plan(c, k, window, nqh);
+        const uint32_t ng3 = pkv__share_plan(c, k, &call);
         uint32_t m3 = 0;
         for (uint32_t g = 0; g < ng3; g++) m3 += sh->groups[g].n, assert_true(sh->groups[g].n >= 2);
         assert_true(m3 <= 3);
         /* off: nothing */
         pkv__cache_test_share(c, 0, 0);
-        assert_int_equal(pkv__share_plan(c, k, window, nqh), 0);
+        assert_int_equal(pkv__share_plan(c, k, &call), 0);
     }
     /* the batches really had groups, nested in some, and the exact check ran */
     assert_true(n_groups > 200 && n_nested > 30 && n_exact > 100);
@@ -181,7 +183,8 @@ static void test_share_plan_depth_order(void **state) {
             c->items[i] = (pkv__attn_item){.block_table = g_tab[i], .q_pos0 = 7 * BT, .n_q = 1};
         }
         pkv__cache_test_share(c, 1, 6 * 2);
-        const uint32_t ng = pkv__share_plan(c, 6, 0, 2);
+        const pkv__attn_call call = {.n_q_heads = 2};
+        const uint32_t ng = pkv__share_plan(c, 6, &call);
         uint64_t saved = 0;
         for (uint32_t g = 0; g < ng; g++) {
             const pkv__share_group *gr = &c->share.groups[g];

@@ -545,21 +545,17 @@ static inline bool sweepable(const pkv__attn_item *it) {
     return it->n_q == 1 && !it->k_end;
 }
 
-static inline uint32_t key_lo(uint32_t pos, uint32_t window) {
-    return (window && pos + 1 > window) ? pos + 1 - window : 0;
+/* The first key a query at pos of item it sees under the call's window and chunks: none hides a
+ * key of a shared-prefix part, whose nominal positions (P - 1 on, one a member) are not its
+ * queries' (neither hides any of [0, P) from a member: the cache groups no other member). */
+static inline uint32_t key_lo(const pkv__attn_call *call, const pkv__attn_item *it, uint32_t pos) {
+    return it->partial ? 0 : pkv__attn_key_lo(call, pos);
 }
 
-/* The call's window as item it takes it: none for a shared-prefix part, whose nominal positions
- * (P - 1 on, one a member) are not its queries' (each member's window hides none of [0, P): the
- * cache groups no other member). */
-static inline uint32_t item_window(const pkv__attn_item *it, uint32_t window) {
-    return it->partial ? 0 : window;
-}
-
-/* The first key a query at pos of item it sees: its window's, or the item's k_start (a block
+/* The first key a query at pos of item it sees: key_lo's, or the item's k_start (a block
  * boundary: the blocks before it are not read, so no mask needs it). */
-static inline uint32_t item_key_lo(const pkv__attn_item *it, uint32_t pos, uint32_t window) {
-    return PKV_MAX(key_lo(pos, item_window(it, window)), it->k_start);
+static inline uint32_t item_key_lo(const pkv__attn_call *call, const pkv__attn_item *it, uint32_t pos) {
+    return PKV_MAX(key_lo(call, it, pos), it->k_start);
 }
 
 /* Software prefetch of the next block's rows of one head while this block's head is computed
@@ -931,7 +927,8 @@ static bool part_done(_Atomic uint32_t *done, uint32_t n) {
 
 /* Block b of a unit's walk over [.., b1) of its item: its id, the position of its first key, the
  * keys the unit sees in it [t0, t0 + n_keys) (of [k_lo, k_hi]), whether any of them needs a mask
- * (causal past the first query pos_first, or before the last query's window start lo_last),
+ * (causal past the first query pos_first, or before the last query's first key lo_last: its
+ * window's or chunk's),
  * and the next block's K and V to prefetch (NULL: none). */
 typedef struct unit_block {
     size_t bid;
@@ -958,12 +955,13 @@ static inline unit_block unit_block_at(const pkv__attn *at, const pkv__attn_item
 }
 
 /* The masks of one block's scores for a unit's queries: -inf where key kp is past query p or
- * before its window. s[qi * gs + g][t] lies at s + (qi * gs + g) * rs + t * ts (the row path's
- * layout: rs = s_stride, ts = 1; the transposed path's: rs = 1, ts = rp). */
+ * before its first (key_lo: its window's or chunk's). s[qi * gs + g][t] lies at
+ * s + (qi * gs + g) * rs + t * ts (the row path's layout: rs = s_stride, ts = 1; the transposed
+ * path's: rs = 1, ts = rp). */
 static void mask_block(const pkv__attn *at, const unit *w, uint32_t pos_first, uint32_t kp0, uint32_t n_keys,
                        float *s, size_t rs, size_t ts) {
     for (uint32_t qi = 0; qi < w->nq; qi++) {
-        const uint32_t p = pos_first + qi, plo = key_lo(p, item_window(w->item, at->call->window));
+        const uint32_t p = pos_first + qi, plo = key_lo(at->call, w->item, p);
         for (uint32_t g = 0; g < w->gs; g++) {
             float *sr = s + (size_t)(qi * w->gs + g) * rs;
             for (uint32_t t = 0; t < n_keys; t++)
@@ -1218,13 +1216,13 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     /* keys this tile sees: [k_lo, k_hi]; split ks takes an even share of its blocks */
     const uint32_t pos_first = it->q_pos0 + w.qa, pos_last = pos_first + w.nq - 1;
-    const uint32_t k_lo = item_key_lo(it, pos_first, call->window), k_hi = item_key_hi(it, pos_last);
+    const uint32_t k_lo = item_key_lo(call, it, pos_first), k_hi = item_key_hi(it, pos_last);
     const uint32_t bl = k_lo / B, nb = k_hi / B - bl + 1;
     const uint32_t b0 = bl + (uint32_t)((uint64_t)nb * w.ks / pi->n_ks);
     const uint32_t b1 = bl + (uint32_t)((uint64_t)nb * (w.ks + 1) / pi->n_ks);
     /* rows that may need masking inside a block: causal when a key is past the first query,
-     * window when a key is before the last query's window start */
-    const uint32_t lo_last = key_lo(pos_last, item_window(it, call->window));
+     * window or chunk when a key is before the last query's first (the largest: key_lo) */
+    const uint32_t lo_last = key_lo(call, it, pos_last);
 
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
@@ -1319,7 +1317,7 @@ static void plan_shape(const pkv__attn *at, const pkv__attn_item *it, plan_item 
 /* Blocks the item's last query sees: its share of the work when choosing key splits. */
 static uint32_t item_blocks(const pkv__attn *at, const pkv__attn_item *it) {
     const uint32_t B = at->kv->block_tokens, last = item_key_hi(it, it->q_pos0 + it->n_q - 1);
-    const uint32_t lo = item_key_lo(it, it->q_pos0 + it->n_q - 1, at->call->window) / B;
+    const uint32_t lo = item_key_lo(at->call, it, it->q_pos0 + it->n_q - 1) / B;
     return last / B - PKV_MIN(lo, last / B) + 1;
 }
 
@@ -1470,7 +1468,7 @@ static void sweep_group(const pkv__attn *at, uint32_t g, uint32_t *i0, uint32_t 
 /* The blocks an item's one query sees: [*b0, *b1] of its table. */
 static void sweep_blocks(const pkv__attn *at, const pkv__attn_item *it, uint32_t *b0, uint32_t *b1) {
     const uint32_t B = at->kv->block_tokens;
-    *b0 = item_key_lo(it, it->q_pos0, at->call->window) / B, *b1 = it->q_pos0 / B;
+    *b0 = item_key_lo(at->call, it, it->q_pos0) / B, *b1 = it->q_pos0 / B;
 }
 
 /* Whether the sweep takes the call's items of one query (sweep_collect listed them; items of
@@ -1616,7 +1614,7 @@ static pass_blk sweep_entry(const pkv__attn *at, uint32_t c, uint64_t ek, uint32
         memset(m + 2 * ROWS_MAX, 0, (size_t)rows * at->kv->v_dim * sizeof(float));
     }
     const pkv__attn_item *it = sweep_item(at, i);
-    const uint32_t pos = it->q_pos0, k_lo = item_key_lo(it, pos, at->call->window), kb = key_b(ek) * B;
+    const uint32_t pos = it->q_pos0, k_lo = item_key_lo(at->call, it, pos), kb = key_b(ek) * B;
     const uint32_t t0 = k_lo > kb ? k_lo - kb : 0;
     return (pass_blk){.bid = key_bid(ek), .t0 = t0, .n_keys = PKV_MIN(B, pos - kb + 1) - t0, .kp0 = kb + t0, .qpos = pos,
                       .qp = at->sweep_q + (size_t)i * rows * PKV__ATTN_QROW_BYTES(D), .m = m, .l = m + ROWS_MAX,
@@ -1811,11 +1809,11 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         const uint64_t nbt = item_key_hi(it, (uint32_t)(end - 1)) / kv->block_tokens + 1;
         if (nbt > at->lim.max_blocks_per_seq && at->lim.max_blocks_per_seq) return PKV_EINVAL;
         /* every query sees a key (a tile of later queries would otherwise have none: k_lo > k_hi) */
-        if (it->k_end && key_lo(it->q_pos0 + it->n_q - 1, item_window(it, call->window)) >= it->k_end) return PKV_EINVAL;
+        if (it->k_end && key_lo(call, it, it->q_pos0 + it->n_q - 1) >= it->k_end) return PKV_EINVAL;
         if (it->k_start % kv->block_tokens || it->k_start > it->q_pos0 || (it->k_end && it->k_start >= it->k_end))
             return PKV_EINVAL;
         /* only the blocks a query can see are read; each must name a block of the pool */
-        const uint32_t lo = item_key_lo(it, it->q_pos0, call->window) / kv->block_tokens;
+        const uint32_t lo = item_key_lo(call, it, it->q_pos0) / kv->block_tokens;
         if (sweepable(it)) most = PKV_MAX(most, (uint32_t)(nbt - lo));
         for (uint64_t b = lo; b < nbt; b++) {
             if (it->block_table[b] < 0 || (uint32_t)it->block_table[b] >= kv->n_blocks) return PKV_EINVAL;

@@ -26,17 +26,18 @@ typedef struct pkv__kv_view {
 
 /* One sequence's share of an attention call: n_q consecutive queries at positions
  * q_pos0 .. q_pos0 + n_q - 1; the query at position p attends to positions
- * [max(0, p - window + 1), p] (window 0 = [0, p]). block_table covers at least
+ * [pkv__attn_key_lo(call, p), p]: [max(0, p - window + 1), p] (window 0 = [0, p]), and with
+ * chunks not before p's chunk, p - p % chunk. block_table covers at least
  * ceil((q_pos0 + n_q) / block_tokens) entries, all valid block ids. Decode is the item
  * {q_pos0 = length - 1, n_q = 1}. k_end, where not 0, also hides every key at or past it; the
- * last query's window must still reach below it (else PKV_EINVAL). With k_end <= q_pos0 and no
- * window all n_q queries see the same keys [0, k_end) (pkv_attn_tree's prefix part, and a
+ * last query's first key (pkv__attn_key_lo) must still be below it (else PKV_EINVAL). With k_end <=
+ * q_pos0 and neither window nor chunks all n_q queries see the same keys [0, k_end) (pkv_attn_tree's prefix part, and a
  * shared-prefix group's: cache.c, share_*; the pool-order sweep does not take such items). Only
  * the blocks its queries see must be valid in block_table. k_start, a multiple of block_tokens,
  * hides every key before it (a shared-prefix group's members read their own blocks from there);
  * the first query must be at or past it. partial: the item is the shared-prefix part of a group
- * of decodes (its queries at nominal positions, all seeing [0, k_end)): the call's window and
- * sinks are not applied to it (no member's window hides a key of it; the merge with the members'
+ * of decodes (its queries at nominal positions, all seeing [0, k_end)): the call's window, chunks and
+ * sinks are not applied to it (neither hides a key of it; the merge with the members'
  * own parts adds the sinks there) and pkv__attn_item_counts does not count it. */
 typedef struct pkv__attn_item {
     const int32_t *block_table;
@@ -55,6 +56,7 @@ typedef struct pkv__attn_call {
     float scale;        /* resolved (never 0) */
     float softcap;      /* 0 = off */
     uint32_t window;    /* 0 = off */
+    uint32_t chunk;     /* chunked local attention (pkv_attn_params.attn_chunk): 0 = off */
     uint32_t flags;     /* pkv_attn_params.flags (PKV_ATTN_BF16_DOT), checked by the caller */
     const float *sinks; /* [n_q_heads] finite sink logits (pkv_attn_params.sinks), or NULL */
     const float *alibi; /* [n_q_heads] ALiBi slopes (pkv_attn_params.alibi_slopes: finite, at most
@@ -63,6 +65,15 @@ typedef struct pkv__attn_call {
                            being the item's (nominal where an item's are: its callers correct the
                            log-sum-exps, which shift by alibi[h] x (nominal - real) per row) */
 } pkv__attn_call;
+
+/* The first key a query at position pos sees under the call's window and chunks (0 where
+ * neither hides one). Never past pos, and never less for a later pos: a tile's last query has the
+ * largest, its first the smallest. */
+static inline uint32_t pkv__attn_key_lo(const pkv__attn_call *call, uint32_t pos) {
+    uint32_t lo = call->window && pos + 1 > call->window ? pos + 1 - call->window : 0;
+    if (call->chunk && pos - pos % call->chunk > lo) lo = pos - pos % call->chunk;
+    return lo;
+}
 
 /* A soft-cap the kernels take: 0 (off), or finite and normal (a subnormal cap's 1 / cap is not
  * finite). pkv.h's attention parameters and pkv__attn_run both check it. */

@@ -1714,6 +1714,7 @@ static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_param
     call->scale = p->scale > 0.0f ? p->scale : 1.0f / sqrtf((float)c->head_dim);
     call->softcap = p->softcap;
     call->window = p->window;
+    call->chunk = p->attn_chunk;
     call->flags = p->flags;
     call->sinks = p->sinks;
     for (uint32_t h = 0; p->sinks && h < nq; h++)
@@ -1860,11 +1861,14 @@ PKV_API int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *r
 }
 
 /* ---- tree attention ---------------------------------------------------------------------------- */
-/* Node i's path (itself, its parent, ... up to its root, or to where a window ends it) into path;
- * returns its length. depth: the request's node depths. */
-static uint32_t tree_path(const int32_t *parent, const uint32_t *depth, uint32_t i, uint32_t window, uint32_t *path) {
+/* Node i's path (itself, its parent, ... up to its root, or to where a window or chunk ends it)
+ * into path; returns its length. depth: the request's node depths; q_start: the first node's
+ * position (a node's own is q_start + depth). */
+static uint32_t tree_path(const pkv__attn_call *call, const int32_t *parent, const uint32_t *depth, uint32_t q_start,
+                          uint32_t i, uint32_t *path) {
+    const uint32_t lo = pkv__attn_key_lo(call, q_start + depth[i]);
     uint32_t n = 0;
-    for (int32_t j = (int32_t)i; j >= 0 && (!window || depth[i] - depth[j] < window); j = parent[j]) path[n++] = (uint32_t)j;
+    for (int32_t j = (int32_t)i; j >= 0 && q_start + depth[j] >= lo; j = parent[j]) path[n++] = (uint32_t)j;
     return n;
 }
 
@@ -1901,7 +1905,7 @@ static void tree_paths(const pkv_cache *c, const tree_scratch *t, const pkv__kv_
     uint32_t *path = t->path;
     const bool v_in_k = kv->v == kv->k; /* V's rows are the K rows' first v_dim values */
     for (uint32_t i = i0; i < i1; i++) {
-        const uint32_t np = tree_path(r->parent, depth, i, call->window, path);
+        const uint32_t np = tree_path(call, r->parent, depth, r->q_start, i, path);
         const bool once = (size_t)np * D <= path_floats; /* the path's rows widened once a kv head */
         const float *vrows = once && v_in_k ? kr : vr; /* the widened V rows, where once */
         for (uint32_t h = 0; h < nqh; h++) {
@@ -2005,10 +2009,11 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
         const pkv_attn_tree_req *r = &reqs[ri];
         for (uint32_t j = 0; j < r->n_nodes; j++) depth[j] = r->parent[j] < 0 ? 0 : depth[r->parent[j]] + 1;
         for (uint32_t i0 = 0; i0 < r->n_nodes && !rc;) {
-            /* the prefix part of nodes [i0, i1): one item for all of them where no window cuts the
-               prefix short for any of them (its rows' nominal positions q_start + i, at or past
-               their own, q_start + depth), else an item a node (its own window; none where it
-               ends before the prefix); their log-sum-exps in la (-inf: no prefix part) */
+            /* the prefix part of nodes [i0, i1): one item for all of them where no window or chunk
+               cuts the prefix short for any of them (its rows' nominal positions q_start + i, at
+               or past their own, q_start + depth), else an item a node (its own window and chunk;
+               none where they end before the prefix); their log-sum-exps in la (-inf: no prefix
+               part) */
             uint32_t i1 = PKV_MIN(r->n_nodes, i0 + run_nodes), k = 0;
             LOCK(c);
             pkv__seq *s = pkv__seq_get(c, r->seq);
@@ -2019,7 +2024,7 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
                 rc = pkv__say(c, PKV_ENOENT, api, "a sequence was released or truncated during the call");
                 break;
             }
-            const bool nominal = r->q_start && (!call.window || (uint64_t)r->q_start + i1 <= call.window);
+            const bool nominal = r->q_start && pkv__attn_key_lo(&call, r->q_start + i1 - 1) == 0;
             if (nominal)
                 c->items[k++] = (pkv__attn_item){.block_table = table, .q_pos0 = r->q_start + i0, .n_q = i1 - i0,
                                                  .k_end = r->q_start, .q = q + (row0 + i0) * qrow,
@@ -2027,7 +2032,7 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
             else if (r->q_start) {
                 i1 = PKV_MIN(i1, i0 + c->max_seqs); /* an item a node */
                 for (uint32_t i = i0; i < i1; i++)
-                    if (depth[i] + 1 < call.window) /* the window reaches back into the prefix */
+                    if (pkv__attn_key_lo(&call, r->q_start + depth[i]) < r->q_start) /* it sees some prefix */
                         c->items[k++] = (pkv__attn_item){.block_table = table, .q_pos0 = r->q_start + depth[i], .n_q = 1,
                                                          .k_end = r->q_start, .q = q + (row0 + i) * qrow,
                                                          .out = out + (row0 + i) * orow,

@@ -140,13 +140,13 @@ int pkv__cache_attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, cons
 
 /* ---- share.c ---- (under attn_mu) */
 /* Groups the decodes c->items[0, k) that share at least share.min_blocks whole blocks before their
- * queries (none where a window hides a key of them): share.order and share.groups, nested (the
+ * queries (none where call's window or chunk hides a key of them): share.order and share.groups, nested (the
  * trie of their tables: a group of forks inside a group of requests that share a system prompt);
  * returns the number of groups (0: none, or share off). Every set of members that share a prefix
  * is a group, from its enclosing group's blocks to its own, where that is min_blocks or more and
- * the scratch still has rows for its members at n_q_heads query heads (taken shallowest first,
+ * the scratch still has rows for its members at call's n_q_heads query heads (taken shallowest first,
  * over the whole batch). */
-uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, uint32_t window, uint32_t n_q_heads);
+uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, const pkv__attn_call *call);
 /* pkv__cache_attn_run for the requests c->items[0, k) (decodes, or extends of their queries; lse
  * pointing at the caller's or NULL), their shared prefixes read once a group: each group's part is
  * one more item of all its members' queries, before the k, and merges with its members' own parts

@@ -11,9 +11,9 @@
 
 /* The blocks of item i that a group may share: the whole blocks before its first query's position
  * (its own part keeps at least that key, and every later query sees them too), none where a
- * window hides some key of them from its last query, none for an empty request. */
-static uint32_t share_full(const pkv_cache *c, const pkv__attn_item *it, uint32_t window) {
-    if (!it->n_q || (window && it->q_pos0 + it->n_q > window)) return 0;
+ * window or chunk hides some key of them from its last query, none for an empty request. */
+static uint32_t share_full(const pkv_cache *c, const pkv__attn_item *it, const pkv__attn_call *call) {
+    if (!it->n_q || pkv__attn_key_lo(call, it->q_pos0 + it->n_q - 1) > 0) return 0;
     return it->q_pos0 / c->B;
 }
 
@@ -99,12 +99,12 @@ static uint32_t share_intervals(pkv__share *sh, uint32_t n, uint32_t cap) {
     return ng;
 }
 
-uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, uint32_t window, uint32_t n_q_heads) {
+uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, const pkv__attn_call *call) {
     pkv__share *sh = &c->share;
     if (!sh->min_blocks || k < 2) return 0;
     uint32_t *full = sh->full, n = 0;
     for (uint32_t i = 0; i < k; i++) {
-        full[i] = share_full(c, &c->items[i], window);
+        full[i] = share_full(c, &c->items[i], call);
         if (full[i] >= sh->min_blocks) sh->idx[n++] = i;
     }
     if (n < 2) return 0;
@@ -122,14 +122,14 @@ uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, uint32_t window, uint32_t n_q
     sh->n_sorted = n;
     sh->qsum[0] = 0;
     for (uint32_t x = 0; x < n; x++) sh->qsum[x + 1] = sh->qsum[x] + c->items[ord[x]].n_q; /* members [0, x)'s queries */
-    const uint32_t cap = n_q_heads ? sh->rows / n_q_heads : 0; /* queries' rows the scratch holds */
+    const uint32_t cap = call->n_q_heads ? sh->rows / call->n_q_heads : 0; /* queries' rows the scratch holds */
     return cap < 2 ? 0 : share_intervals(sh, n, cap);
 }
 
 int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv__attn_call *call,
                    const char *api) {
     pkv__share *sh = &c->share;
-    const uint32_t ng = pkv__share_plan(c, k, call->window, call->n_q_heads);
+    const uint32_t ng = pkv__share_plan(c, k, call);
     if (!ng) return pkv__cache_attn_run(c, view, k, call, api);
     /* the groups' parts first: their units, the call's largest, are handed out first */
     memmove(c->items + ng, c->items, (size_t)k * sizeof *c->items);
