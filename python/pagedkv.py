@@ -212,7 +212,7 @@ class _TierStats(ctypes.Structure):
 
 class _AttnParams(ctypes.Structure):
     _fields_ = [("n_q_heads", _u32), ("scale", _f32), ("softcap", _f32), ("window", _u32), ("lse", _vp),
-                ("flags", _u32), ("sinks", _vp), ("alibi_slopes", _vp)]
+                ("flags", _u32), ("sinks", _vp), ("alibi_slopes", _vp), ("attn_chunk", _u32)]
 
 
 class _AttnReq(ctypes.Structure):
@@ -1219,13 +1219,14 @@ class Cache:
         self._check(rc, "pkv_cache_check: " + buf.value.decode(errors="replace"))
 
     # -- attention --
-    def _params(self, n_q_heads, scale, softcap, window, lse, bf16_dot, sinks, alibi_slopes, what):
+    def _params(self, n_q_heads, scale, softcap, window, lse, bf16_dot, sinks, alibi_slopes, attn_chunk, what):
         """The pkv_attn_params, and the sinks and ALiBi slope arrays it points to (the caller
         keeps them alive)."""
         p = _lib.pkv_attn_params_default()
         p.n_q_heads = _u32_of(n_q_heads, "n_q_heads")
         p.scale, p.softcap = float(scale), float(softcap)
         p.window = _u32_of(window, "window")
+        p.attn_chunk = _u32_of(attn_chunk, "attn_chunk")
         p.lse = _ptr(lse)
         p.flags = ATTN_BF16_DOT if bf16_dot else 0
         keep = []
@@ -1240,7 +1241,7 @@ class Cache:
 
     def _attn_io(self, q, n_queries, n_q_heads, out, lse_out, return_lse, params, what):
         """An attention call's queries, outputs (new or the caller's), lse and parameters
-        (scale, softcap, window, bf16_dot, sinks, alibi_slopes): (q, out, lse, pkv_attn_params,
+        (scale, softcap, window, bf16_dot, sinks, alibi_slopes, attn_chunk): (q, out, lse, pkv_attn_params,
         the arrays the params point to, which the caller keeps alive through the call)."""
         qa, hq = self._q(q, n_queries, n_q_heads, what)
         if out is not None and self._Dv != self._D and isinstance(out, np.ndarray) and np.may_share_memory(out, qa):
@@ -1250,8 +1251,8 @@ class Cache:
         if lse_out is not None and not return_lse:
             raise _invalid("%s: lse_out given without return_lse=True" % what)
         lse = self._out(lse_out, (n_queries, hq), "%s: lse_out" % what) if return_lse else None
-        scale, softcap, window, bf16_dot, sinks, alibi_slopes = params
-        p, sk = self._params(hq, scale, softcap, window, lse, bf16_dot, sinks, alibi_slopes, what)
+        scale, softcap, window, bf16_dot, sinks, alibi_slopes, attn_chunk = params
+        p, sk = self._params(hq, scale, softcap, window, lse, bf16_dot, sinks, alibi_slopes, attn_chunk, what)
         return qa, out, lse, p, sk
 
     def _q(self, q, n_queries, n_q_heads, what):
@@ -1285,7 +1286,7 @@ class Cache:
 
     @_in_call
     def decode(self, layer, seqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
-               out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None):
+               out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None, attn_chunk=0):
         """Decode attention (pkv_attn_decode): one query per sequence at its last position.
         q: [n_seqs][n_q_heads][head_dim] (float32; n_q_heads from its shape unless given).
         Returns out shaped [n_seqs][n_q_heads][head_dim] ([..][v_dim] on an MLA cache), and lse
@@ -1299,22 +1300,25 @@ class Cache:
         softmax counting one more key of that logit and value 0; lse then includes it.
         alibi_slopes: n_q_heads ALiBi slopes (BLOOM, MPT; pkv_attn_params.alibi_slopes), each
         finite with magnitude at most 65536: head h's logit of the key at position k for the
-        query at p gains alibi_slopes[h] * (k - p), after the soft-cap."""
+        query at p gains alibi_slopes[h] * (k - p), after the soft-cap. attn_chunk: chunked
+        local attention (Llama 4's attention_chunk_size; pkv_attn_params.attn_chunk): the query
+        at p sees only [p - p % attn_chunk, p]; 0 means off."""
         a = self._seqs(seqs, "decode")
         qa, out, lse, p, _sk = self._attn_io(q, a.size, n_q_heads, out, lse_out, return_lse,
-                                             (scale, softcap, window, bf16_dot, sinks, alibi_slopes), "decode")
+                                             (scale, softcap, window, bf16_dot, sinks, alibi_slopes, attn_chunk),
+                                             "decode")
         self._check(_lib.pkv_attn_decode(self._h(), _u32_of(layer, "layer"), _ptr(a), a.size, _ptr(qa), _ptr(out),
                                     ctypes.byref(p)), "pkv_attn_decode")
         return (out, lse) if return_lse else out
 
     @_in_call
     def prefill(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
-                out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None):
+                out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None, attn_chunk=0):
         """Prefill / extend attention over a ragged batch (pkv_attn_prefill), causal.
         reqs: (seq, q_start, n_q) triples; q: the requests' queries concatenated,
         [sum n_q][n_q_heads][head_dim]. Returns out (and lse) like decode, one row per query
-        ([sum n_q][n_q_heads][v_dim] on an MLA cache); out, lse_out, bf16_dot, sinks and
-        alibi_slopes as in decode."""
+        ([sum n_q][n_q_heads][v_dim] on an MLA cache); out, lse_out, bf16_dot, sinks,
+        alibi_slopes and attn_chunk as in decode."""
         rs = list(reqs)
         if not rs:
             raise _invalid("prefill: no requests")
@@ -1329,21 +1333,23 @@ class Cache:
             arr[i].seq, arr[i].q_start, arr[i].n_q = _seq_of(seq), _u32_of(q_start, "q_start"), _u32_of(n_q, "n_q")
             total += arr[i].n_q
         qa, out, lse, p, _sk = self._attn_io(q, total, n_q_heads, out, lse_out, return_lse,
-                                             (scale, softcap, window, bf16_dot, sinks, alibi_slopes), "prefill")
+                                             (scale, softcap, window, bf16_dot, sinks, alibi_slopes, attn_chunk),
+                                             "prefill")
         self._check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa), _ptr(out),
                                      ctypes.byref(p)), "pkv_attn_prefill")
         return (out, lse) if return_lse else out
 
     @_in_call
     def tree(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
-             out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None):
+             out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None, attn_chunk=0):
         """Tree attention (pkv_attn_tree) for speculative decoding: reqs are (seq, q_start,
         parents) triples, node i of a request at position q_start + i with parent parents[i]
         (in [-1, i), -1 for a root); node i sees the positions before q_start and its path to
         its root, itself included. q: the requests' nodes' queries concatenated, [sum
         nodes][n_q_heads][head_dim]. Returns out (and lse) like prefill ([..][v_dim] on an MLA
         cache); out may not be q. The other arguments as in decode (ALiBi's distance for node i
-        counts from its position in the text, q_start + its depth, as the window does)."""
+        counts from its position in the text, q_start + its depth, as the window's and the
+        chunk's do)."""
         rs = list(reqs)
         if not rs:
             raise _invalid("tree: no requests")
@@ -1365,7 +1371,8 @@ class Cache:
             arr[i].n_nodes, arr[i].parent = _u32_of(pa.size, "tree: nodes"), _ptr(pa) if pa.size else None
             total += pa.size
         qa, out, lse, p, _sk = self._attn_io(q, total, n_q_heads, out, lse_out, return_lse,
-                                             (scale, softcap, window, bf16_dot, sinks, alibi_slopes), "tree")
+                                             (scale, softcap, window, bf16_dot, sinks, alibi_slopes, attn_chunk),
+                                             "tree")
         self._check(_lib.pkv_attn_tree(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa),
                                        _ptr(out), ctypes.byref(p)), "pkv_attn_tree")
         return (out, lse) if return_lse else out

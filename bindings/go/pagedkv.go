@@ -321,6 +321,11 @@ type TreeReq struct {
 // magnitude at most 65536, else EINVAL from libpkv. Head h's logit of the key at position k for
 // the query at position p gains AlibiSlopes[h] * (k - p) after the scale and the soft-cap (in
 // Tree a node's position is QStart + its depth).
+//
+// AttnChunk is chunked local attention (Llama 4's attention_chunk_size;
+// pkv_attn_params.attn_chunk): the query at position p sees only the keys of its chunk,
+// [p - p % AttnChunk, p] (with a Window too, a key must pass both; in Tree a node's position is
+// QStart + its depth). 0 means off.
 type AttnParams struct {
 	NQHeads     uint32
 	Scale       float32
@@ -329,6 +334,7 @@ type AttnParams struct {
 	BF16Dot     bool
 	Sinks       []float32
 	AlibiSlopes []float32
+	AttnChunk   uint32
 }
 
 // SeqInfo is pkv_seq_info.
@@ -1643,6 +1649,7 @@ func (c *Cache) attnCall(what, cname string, seqs []Seq, items, rows int, q, out
 	ni := C.uint32_t(items)
 	raw := C.pkv_attn_params_default()
 	raw.n_q_heads, raw.scale, raw.softcap, raw.window = C.uint32_t(ap.NQHeads), C.float(ap.Scale), C.float(ap.Softcap), C.uint32_t(ap.Window)
+	raw.attn_chunk = C.uint32_t(ap.AttnChunk)
 	if ap.BF16Dot {
 		raw.flags = C.PKV_ATTN_BF16_DOT
 	}

@@ -528,6 +528,12 @@ func TestSoftcapWindowMerge(t *testing.T) {
 		assertClose(t, out, w, 1e-5, fmt.Sprintf("softcap %g window %d", cw.capv, cw.win))
 		assertClose(t, lse, wl, 1e-5, "lse")
 	}
+	// chunks of 16 (Llama 4's local attention): the query at 39 sees [32, 39], as a window of 8
+	oc, lc := make([]float32, hq*d), make([]float32, hq)
+	must(t, c.Decode(0, []Seq{s}, q, oc, AttnParams{NQHeads: hq, Scale: 0.2, AttnChunk: 16}, lc))
+	wc, wlc := reference(q, k, v, hq, h, d, 0.2, 0, 8)
+	assertClose(t, oc, wc, 1e-5, "chunks of 16")
+	assertClose(t, lc, wlc, 1e-5, "chunks of 16: lse")
 	// keys [0, 20) through a truncated fork, [20, 40) through a window of 20: merged, the whole
 	f, err := c.Fork(s)
 	must(t, err)

@@ -43,7 +43,7 @@ int main(void) {
     SIZE(pkv_attn_params);
     FIELD(pkv_attn_params, n_q_heads), FIELD(pkv_attn_params, scale), FIELD(pkv_attn_params, softcap);
     FIELD(pkv_attn_params, window), FIELD(pkv_attn_params, lse), FIELD(pkv_attn_params, flags);
-    FIELD(pkv_attn_params, sinks), FIELD(pkv_attn_params, alibi_slopes);
+    FIELD(pkv_attn_params, sinks), FIELD(pkv_attn_params, alibi_slopes), FIELD(pkv_attn_params, attn_chunk);
     SIZE(pkv_attn_req);
     FIELD(pkv_attn_req, seq), FIELD(pkv_attn_req, q_start), FIELD(pkv_attn_req, n_q);
     SIZE(pkv_attn_tree_req);

@@ -439,6 +439,41 @@ class TestAttention(Base):
                     c.decode(0, [s, t], q, alibi_slopes=bad)
                 self.assertEqual(e.exception.code, pkv.EINVAL)
 
+    def test_attn_chunk(self):
+        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f16", v_dtype="f16", n_threads=2) as c:
+            s, t = c.seq_create(), c.seq_create()
+            self.fill(c, s, 40)
+            self.fill(c, t, 23)
+            q = 2 * self.rng.standard_normal((2, 4, 64)).astype(np.float32)
+            slopes = np.array([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8], np.float32)
+            # chunks of 16 (Llama 4's local attention): position 39 sees [32, 39], 22 sees [16, 22]
+            for al in (None, slopes):
+                out, lse = c.decode(0, [s, t], q, attn_chunk=16, alibi_slopes=al, return_lse=True)
+                for i, sq in enumerate((s, t)):
+                    K, V = c.gather(sq, 0)
+                    lo = (K.shape[0] - 1) // 16 * 16
+                    want, wlse = ref_attn(q[i], K[lo:].astype(np.float64), V[lo:].astype(np.float64), 1 / 8,
+                                          alibi=al)
+                    self.assertClose(out[i], want, 1e-5, "decode in chunks, sequence %d" % i)
+                    self.assertClose(lse[i], wlse, 1e-5, "lse in chunks, sequence %d" % i)
+            # prefill: query j of (s, 25, 15) is at 25 + j, seeing its chunk's keys up to itself
+            qp = self.rng.standard_normal((15, 4, 64)).astype(np.float32)
+            po, pl = c.prefill(0, [(s, 25, 15)], qp, attn_chunk=16, window=12, return_lse=True)
+            K, V = c.gather(s, 0)
+            for j in range(15):
+                p = 25 + j
+                lo = max(p // 16 * 16, p + 1 - 12)  # a key passes both the chunk and the window
+                want, wlse = ref_attn(qp[j], K[lo:p + 1].astype(np.float64), V[lo:p + 1].astype(np.float64), 1 / 8)
+                self.assertClose(po[j], want, 1e-5, "prefill in chunks, query %d" % j)
+                self.assertClose(pl[j], wlse, 1e-5, "prefill lse in chunks, query %d" % j)
+            # chunks of 1: each query sees itself alone, out = its V row (query heads 2h, 2h + 1 read kv head h)
+            po = c.prefill(0, [(s, 25, 15)], qp, attn_chunk=1)
+            self.assertClose(po, np.repeat(V[25:40], 2, axis=1).astype(np.float64), 1e-6, "chunks of 1")
+            for bad in (-1, 2 ** 32):
+                with self.assertRaises(pkv.PkvError) as e:
+                    c.decode(0, [s], q[:1], attn_chunk=bad)
+                self.assertEqual(e.exception.code, pkv.EINVAL)
+
     def test_tree_keep(self):
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=2) as c:
             s = c.seq_create()

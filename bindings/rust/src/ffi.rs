@@ -151,6 +151,7 @@ pub struct pkv_attn_params {
     pub flags: u32,
     pub sinks: *const f32,
     pub alibi_slopes: *const f32,
+    pub attn_chunk: u32,
 }
 
 /// pkv_attn_params.flags: bf16 arithmetic allowed with bf16 K/V (pkv.h).

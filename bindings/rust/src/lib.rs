@@ -431,6 +431,11 @@ pub struct AttnParams<'a> {
     /// query at position p gains `alibi_slopes[h] * (k - p)` after the scale and the soft-cap
     /// (in [`Cache::tree`] a node's position is `q_start` + its depth). None = no ALiBi.
     pub alibi_slopes: Option<&'a [f32]>,
+    /// Chunked local attention (Llama 4's attention_chunk_size; pkv_attn_params.attn_chunk):
+    /// the query at position p sees only the keys of its chunk, `[p - p % attn_chunk, p]` (with
+    /// a window too, a key must pass both; in [`Cache::tree`] a node's position is `q_start` +
+    /// its depth). 0 = off.
+    pub attn_chunk: u32,
 }
 
 impl Default for AttnParams<'_> {
@@ -443,6 +448,7 @@ impl Default for AttnParams<'_> {
             bf16_dot: false,
             sinks: None,
             alibi_slopes: None,
+            attn_chunk: 0,
         }
     }
 }
@@ -1638,6 +1644,7 @@ impl Cache {
         raw.scale = p.scale;
         raw.softcap = p.softcap;
         raw.window = p.window;
+        raw.attn_chunk = p.attn_chunk;
         raw.flags = if p.bf16_dot { ffi::PKV_ATTN_BF16_DOT } else { 0 };
         if let Some(s) = p.sinks {
             // a shared borrow: it cannot overlap out or lse, which are borrowed mutably

@@ -263,7 +263,7 @@ fn struct_layouts_match_c() {
         m,
         "pkv_attn_params",
         ffi::pkv_attn_params,
-        [n_q_heads, scale, softcap, window, lse, flags, sinks, alibi_slopes]
+        [n_q_heads, scale, softcap, window, lse, flags, sinks, alibi_slopes, attn_chunk]
     );
     offsets!(m, "pkv_attn_req", ffi::pkv_attn_req, [seq, q_start, n_q]);
     offsets!(m, "pkv_attn_req", AttnReq, [seq, q_start, n_q]); // the safe type handed over as one
@@ -690,6 +690,7 @@ fn softcap_window_merge() {
             bf16_dot: false,
             sinks: None,
             alibi_slopes: None,
+            attn_chunk: 0,
         };
         let (mut out, mut lse) = (vec![0f32; hq * d], vec![0f32; hq]);
         c.decode(0, &[s], &q, &mut out, &p, Some(&mut lse)).unwrap();
@@ -697,6 +698,18 @@ fn softcap_window_merge() {
         assert_close(&out, &w, 1e-5, &format!("softcap {} window {}", cap, win));
         assert_close(&lse, &wl, 1e-5, "lse");
     }
+    // chunks of 16 (Llama 4's local attention): the query at 39 sees [32, 39], as a window of 8
+    let pc = AttnParams {
+        n_q_heads: hq as u32,
+        scale: 0.2,
+        attn_chunk: 16,
+        ..AttnParams::default()
+    };
+    let (mut oc, mut lc) = (vec![0f32; hq * d], vec![0f32; hq]);
+    c.decode(0, &[s], &q, &mut oc, &pc, Some(&mut lc)).unwrap();
+    let (w, wl) = reference(&q, &k, &v, hq, h, d, 0.2, 0.0, 8);
+    assert_close(&oc, &w, 1e-5, "chunks of 16");
+    assert_close(&lc, &wl, 1e-5, "chunks of 16: lse");
     // keys [0, 20) through a truncated fork, [20, 40) through a window of 20: merged, the whole
     let f = c.fork(s).unwrap();
     c.truncate(f, 20).unwrap();
