@@ -50,6 +50,7 @@ static pkv_config mla_config(pkv_dtype dt, shape sh, uint32_t v_dim) {
 typedef struct extra {
     float softcap;
     uint32_t window;
+    uint32_t chunk; /* chunked local attention (pkv_attn_params.attn_chunk) */
     bool sinks;    /* sinks[h] = 0.5 - h / nqh */
     uint32_t flags; /* PKV_ATTN_BF16_DOT */
 } extra;
@@ -119,12 +120,13 @@ static void world_free(world *w) {
 static float sink_of(const world *w, uint32_t h) { return 0.5f - (float)h / (float)w->sh.nqh; }
 
 /* The double reference of query rows q ([nqh][D]) at position pos of sequence i in layer l, over
- * the keys the pool holds (gathered from the MLA cache) that the window leaves: out [nqh][Dv],
+ * the keys the pool holds (gathered from the MLA cache) that the window and chunk leave: out [nqh][Dv],
  * lse [nqh]. */
 static void ref_rows(const world *w, uint32_t i, uint32_t l, const float *q, uint32_t pos, float scale, double *out,
                      double *lse) {
     const uint32_t D = w->sh.D, Dv = w->sh.Dv, nkv = w->sh.nkv, G = w->sh.nqh / nkv, n = pos + 1;
-    const uint32_t lo = w->ex.window && n > w->ex.window ? n - w->ex.window : 0;
+    uint32_t lo = w->ex.window && n > w->ex.window ? n - w->ex.window : 0;
+    if (w->ex.chunk && pos / w->ex.chunk * w->ex.chunk > lo) lo = pos / w->ex.chunk * w->ex.chunk;
     float *k = malloc((size_t)n * nkv * D * sizeof(float));
     double *p = malloc((size_t)n * sizeof(double));
     assert_true(k && p);
@@ -219,6 +221,7 @@ static void run_world(world *w, float scale) {
     const uint32_t D = w->sh.D, Dv = w->sh.Dv, nqh = w->sh.nqh;
     pkv_attn_params p = pkv_attn_params_default();
     p.n_q_heads = nqh, p.scale = scale, p.softcap = w->ex.softcap, p.window = w->ex.window, p.flags = w->ex.flags;
+    p.attn_chunk = w->ex.chunk;
     float sinks[128];
     for (uint32_t h = 0; h < nqh; h++) sinks[h] = sink_of(w, h);
     if (w->ex.sinks) p.sinks = sinks;
@@ -348,13 +351,13 @@ static void test_mla_oracle(void **state) {
  * heads on one kv head (split into sub-groups of 64 rows), 2 kv heads, 4 query heads at head_dim
  * 576 (the row path: its 16-bit runs in pieces where the way says so), head_dim 200 and v_dim 136
  * at 16 heads (the transposed path's parts of 64 columns end on parts of 8), soft-cap with a
- * window and sinks, the bf16 flag; then after pkv_seq_compact (1) and pkv_seq_keep (2) on both
+ * window, chunks of 40 and sinks, the bf16 flag; then after pkv_seq_compact (1) and pkv_seq_keep (2) on both
  * caches. */
 static void test_mla_shapes(void **state) {
     (void)state;
     const shape shapes[5] = {{96, 64, 128, 1, 2}, {128, 96, 16, 2, 2}, {576, 512, 4, 1, 2}, {64, 32, 8, 2, 2},
                              {200, 136, 16, 1, 2}};
-    const extra exs[3] = {{0}, {.softcap = 3.0f, .window = 50, .sinks = true}, {.flags = PKV_ATTN_BF16_DOT}};
+    const extra exs[3] = {{0}, {.softcap = 3.0f, .window = 50, .chunk = 40, .sinks = true}, {.flags = PKV_ATTN_BF16_DOT}};
     const char *const backends[2] = {"ref", NULL};
     for (int b = 0; b < 2; b++) {
         const char *want = getenv("PKV_ATTN_TEST_BACKENDS");
