@@ -30,6 +30,7 @@ typedef struct ab_opts {
     uint32_t bt; /* block_tokens: AB_BT, or AB_BLOCK_TOKENS from the environment */
     uint32_t flags; /* pkv_attn_params.flags: AB_FLAGS_A / AB_FLAGS_B from the environment */
     const float *alibi; /* pkv_attn_params.alibi_slopes: AB_ALIBI_A / AB_ALIBI_B set to 1, else NULL */
+    uint32_t chunk;     /* pkv_attn_params.attn_chunk: AB_CHUNK_A / AB_CHUNK_B, else 0 */
     int paged, shared; /* shared: paged, and sequences 1 .. batch - 1 forks of sequence 0 */
     uint32_t hq, hkv, d, vd; /* query heads, kv heads, head_dim, v_dim: AB_HQ, AB_HKV, AB_D, 0 or AB_SHAPE */
 } ab_opts;
@@ -81,6 +82,8 @@ static int usage(void) {
                     "  AB_FLAGS_A=F, AB_FLAGS_B=F: pkv_attn_params.flags of each side, default 0;\n"
                     "  AB_ALIBI_A=1, AB_ALIBI_B=1: that side's calls take ALiBi slopes 2^(-8 (h + 1) / HQ)\n"
                     "  (a build from before pkv_attn_params.alibi_slopes ignores them);\n"
+                    "  AB_CHUNK_A=N, AB_CHUNK_B=N: that side's calls take chunks of N positions of local\n"
+                    "  attention (pkv_attn_params.attn_chunk; a build from before it ignores them);\n"
                     "  AB_SHAPE=HQ,HKV,D[,VD]: query heads, kv heads, head_dim and v_dim (V in K), default %d,%d,%d)\n",
             AB_MAX_BATCH, AB_MAX_ROUNDS, AB_MAX_CALLS, AB_BT_MAX, AB_BT, AB_HQ, AB_HKV, AB_D);
     return 2;
@@ -138,6 +141,10 @@ int main(int argc, char **argv) {
     static float slopes[1024]; /* the models' slopes for o.hq heads */
     for (uint32_t h = 0; h < o.hq; h++) slopes[h] = powf(2.0f, -8.0f * (float)(h + 1) / (float)o.hq);
     o.alibi = alb ? slopes : NULL;
+    uint32_t cha = 0;
+    const char *ca = getenv("AB_CHUNK_A"), *cb = getenv("AB_CHUNK_B");
+    if ((ca && *ca && parse_u32(ca, 0, UINT32_MAX, &cha)) || (cb && *cb && parse_u32(cb, 0, UINT32_MAX, &o.chunk)))
+        return usage();
     if (!strcmp(argv[6], "paged")) o.paged = 1;
     else if (!strcmp(argv[6], "shared")) o.paged = o.shared = 1;
     else if (!strcmp(argv[6], "pc")) o.paged = pc = 1;
@@ -147,6 +154,7 @@ int main(int argc, char **argv) {
     if (pc) oa.paged = 0;
     oa.flags = fa;
     oa.alibi = ala ? slopes : NULL;
+    oa.chunk = cha;
     static ab_side a, b;
     int rc = 0;
     /* the same seed: both builds get the same pool and data (under pc, B's scattering draws
@@ -178,10 +186,11 @@ int main(int argc, char **argv) {
         const double ma = tool_median(ta, o.rounds), mb = tool_median(tb, o.rounds), mr = tool_median(ratio, o.rounds);
         char ext[48] = "";
         if (o.ext) snprintf(ext, sizeof ext, " + an extend of %u", o.ext);
-        char fl[64] = "";
+        char fl[96] = "";
         if (oa.flags || o.flags) snprintf(fl, sizeof fl, " flags A %u B %u", oa.flags, o.flags);
         if (oa.alibi || o.alibi)
             snprintf(fl + strlen(fl), sizeof fl - strlen(fl), " ALiBi A %d B %d", oa.alibi != NULL, o.alibi != NULL);
+        if (oa.chunk || o.chunk) snprintf(fl + strlen(fl), sizeof fl - strlen(fl), " chunk A %u B %u", oa.chunk, o.chunk);
         printf("%s ctx %u batch %u%s block %u layers %u threads %u %s%s, %u rounds x %u calls: A %.2f GB/s, "
                "B %.2f GB/s; time B/A median %.3f (quartiles %.3f %.3f)\n",
                argv[1], o.ctx, o.batch, ext, o.bt, o.layers, o.threads, argv[6], fl, o.rounds, o.calls, bytes / ma * 1e-9,

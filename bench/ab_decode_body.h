@@ -62,6 +62,7 @@ static double AB(ab_time)(ab_side *s, const ab_opts *o, const float *q, float *o
     p.n_q_heads = o->hq;
     p.flags = o->flags;
     p.alibi_slopes = o->alibi;
+    p.attn_chunk = o->chunk;
     double t[AB_MAX_CALLS];
     pkv_attn_req reqs[AB_MAX_BATCH + 1]; /* with an extend: the decodes, then the extend */
     if (o->ext) {

@@ -18,10 +18,11 @@
 # AB_FLAGS_B=1 times the flag against none in one build. AB_SHAPE=HQ,HKV,D[,VD]: query heads, kv
 # heads, head_dim and, with VD, v_dim (V in K: AB_SHAPE=16,1,576,512 is DeepSeek's MLA on 16 heads).
 # AB_ALIBI_A=1, AB_ALIBI_B=1: that side's calls take ALiBi slopes (HEAD HEAD with AB_ALIBI_B=1 times
-# ALiBi against none in one build).
+# ALiBi against none in one build). AB_CHUNK_A=N, AB_CHUNK_B=N: that side's calls take chunks of N
+# positions of local attention (pkv_attn_params.attn_chunk).
 # Default run: f16 4096 16 2 2 paged 21 6 (a 256 MiB layer, two layers per side).
 set -euo pipefail
-if [ $# -lt 2 ]; then sed -n 2,22p "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
+if [ $# -lt 2 ]; then sed -n 2,23p "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
 root=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 a=$1 b=$2; shift 2
 args=("$@")
