@@ -1242,8 +1242,8 @@ static void test_api_value_max(void **state) {
  * (6 - s)) x 16 + 48 = (s + 18) x 16 + 48 a call; with a window of 130, A3 (140 positions) decodes
  * alone: (3 s + 2 (6 - s)) x 16 + 48; with a scratch of two members' rows, only
  * {P, P1} fits: 48; with groups off and by the default rule (512 positions at least) 0; chunks of
- * 128 leave A3 alone as the window does; of 64, no group (only P's query, 59, is in the first
- * chunk). Every output and lse
+ * 128 leave A3 alone as the window does; of 64, one group from block 4 on ({A, A1, A2} over
+ * blocks 4 and 5: 2 x 2 x 16). Every output and lse
  * against the reference, each float and 8-bit dtype, 1 and 2 threads, with soft-cap, window, sinks
  * and ALiBi; the requests count 7 a call; in
  * place (out = q) the same bits as apart. PKV_ATTN_SHARE: 16 positions (one block) groups as any
@@ -1307,10 +1307,12 @@ static void test_api_share(void **state) {
                 /* ALiBi: the groups' parts at nominal positions, their log-sum-exps corrected */
                 if (variant == 8) p.alibi_slopes = slopes;
                 if (variant == 9) p.alibi_slopes = slopes, p.window = 130, p.sinks = sinks, want = (sb + 12) * B + 48;
-                /* chunks of local attention: of 128, A3's query (139) is past the first chunk, as
-                   the window of 130 left it; of 64, only P's (59) is in it, so no group */
+                /* chunks of local attention: of 128, A3's query (139) sees from block 8 on, where
+                   no other member's does, so it decodes alone (as the window of 130 left it); of
+                   64, A, A1, A2 (102, 104, 119), P1 (79) and S (93) see from block 4 on, where A,
+                   A1 and A2 share blocks 4 and 5 (S's block 4 and P1's are their own) */
                 if (variant == 10) p.attn_chunk = 128, want = (sb + 12) * B + 48;
-                if (variant == 11) p.attn_chunk = 64, p.alibi_slopes = slopes, p.sinks = sinks, want = 0;
+                if (variant == 11) p.attn_chunk = 64, p.alibi_slopes = slopes, p.sinks = sinks, want = 2 * 2 * B;
                 pkv_stats st0, st1;
                 assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
                 const uint32_t l = variant == 7 ? 0 : (uint32_t)variant % L;
@@ -1330,8 +1332,9 @@ static void test_api_share(void **state) {
                               p.lse ? lse + j * NQH : NULL, s[perm[j]].len - 1, 1, &p, tol);
             }
             /* extends (pkv_attn_prefill) of each sequence's last 1-3 positions group as the decodes
-               did: every query starts past the same shared blocks; without ALiBi and with it */
-            for (int al = 0; al < 2; al++) {
+               did: every query starts past the same shared blocks; without ALiBi, with it, and with
+               it in chunks of 64 (one group, as the decodes' variant 11) */
+            for (int al = 0; al < 3; al++) {
                 pkv_attn_req reqs[NS];
                 uint32_t nq = 0;
                 for (int j = 0; j < NS; j++) {
@@ -1342,12 +1345,13 @@ static void test_api_share(void **state) {
                 float *q3 = rand_q(nq), *o3 = malloc(sizeof(float) * nq * NQH * D), l3[3 * NS * NQH];
                 pkv_attn_params p = pkv_attn_params_default();
                 p.n_q_heads = NQH, p.lse = l3, p.sinks = sinks, p.alibi_slopes = al ? slopes : NULL;
+                p.attn_chunk = al == 2 ? 64 : 0;
                 pkv__cache_test_share(c, 1, 0);
                 pkv_stats st0, st1;
                 assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
                 assert_int_equal(pkv_attn_prefill(c, 1, reqs, NS, q3, o3, &p), PKV_OK);
                 assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
-                assert_int_equal(st1.attn_shared_keys - st0.attn_shared_keys, (reused / B + 18) * B + 48);
+                assert_int_equal(st1.attn_shared_keys - st0.attn_shared_keys, al == 2 ? 2 * 2 * B : (reused / B + 18) * B + 48);
                 for (int j = 0, at = 0; j < NS; at += (int)reqs[j].n_q, j++)
                     check_tol(&s[perm[j]], 1, q3 + (size_t)at * NQH * D, o3 + (size_t)at * NQH * D, l3 + at * NQH,
                               reqs[j].q_start, reqs[j].n_q, &p, tol);

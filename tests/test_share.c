@@ -3,11 +3,13 @@
  * blocks, then blocks of its own; some repeated whole), so a batch shares prefixes at several
  * depths. The groups must nest: two are disjoint or one holds the other, and a group reads from
  * where the innermost group holding it ends (or 0); each group two members or more that share its
- * blocks, each member's shareable blocks (before its query, under the window) at least that, each
+ * blocks from the same base (the first block their queries see: past 0 under chunks of local
+ * attention of whole blocks), each member's shareable blocks (before its query, from its base,
+ * none where a window or chunk starts inside a block) at least that, each
  * group reading min_blocks or more, and the members of all groups within the scratch's. With
  * groups of any block and room for all, what they save must be what reading every distinct
- * prefix once saves (the sum of the members' shareable blocks less the distinct (depth, prefix)
- * pairs among them, counted by comparing every pair). The plan's order must put tables with a
+ * prefix once saves (the sum of the members' shareable blocks less the distinct (base, depth,
+ * prefix) triples among them, counted by comparing every pair). The plan's order must put tables with a
  * common prefix side by side. Off, no group. */
 #include <stdarg.h>
 #include <stddef.h>
@@ -29,11 +31,15 @@ static uint32_t below(uint32_t n) {
 }
 
 static int32_t g_tab[NS][MAXB];
+static uint32_t g_base[NS]; /* an item's first visible block */
 
-/* The blocks item a's and item b's tables share within their first n. */
-static uint32_t common(const int32_t *a, const int32_t *b, uint32_t n) {
+/* The blocks items a's and b's tables share within their first n from their bases (none where
+ * their bases differ). */
+static uint32_t common(uint32_t a, uint32_t b, uint32_t n) {
+    if (g_base[a] != g_base[b]) return 0;
+    const int32_t *ta = g_tab[a] + g_base[a], *tb = g_tab[b] + g_base[b];
     uint32_t p = 0;
-    while (p < n && a[p] == b[p]) p++;
+    while (p < n && ta[p] == tb[p]) p++;
     return p;
 }
 
@@ -41,7 +47,7 @@ static uint32_t common(const int32_t *a, const int32_t *b, uint32_t n) {
  * members' shareable blocks). */
 static uint32_t order_lcp(const pkv_cache *c, const uint32_t *full, uint32_t x) {
     const uint32_t a = c->share.order[x], b = c->share.order[x + 1];
-    return common(c->items[a].block_table, c->items[b].block_table, full[a] < full[b] ? full[a] : full[b]);
+    return common(a, b, full[a] < full[b] ? full[a] : full[b]);
 }
 
 /* The block reads that reading each distinct prefix of the eligible items once saves: their
@@ -54,8 +60,7 @@ static uint64_t distinct_saving(const pkv_cache *c, const uint32_t *full, uint32
         for (uint32_t t = 1; t <= full[i]; t++) { /* (t, prefix) new unless an earlier item has it */
             bool seen = false;
             for (uint32_t j = 0; j < i && !seen; j++)
-                seen = full[j] >= min_blocks && full[j] >= t &&
-                       common(c->items[i].block_table, c->items[j].block_table, t) == t;
+                seen = full[j] >= min_blocks && full[j] >= t && common(i, j, t) == t;
             distinct += !seen;
         }
     }
@@ -70,10 +75,12 @@ static void test_share_plan(void **state) {
     pkv_cache *c = NULL;
     assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
     uint32_t full[NS];
-    uint64_t n_groups = 0, n_nested = 0, n_exact = 0;
+    uint64_t n_groups = 0, n_nested = 0, n_exact = 0, n_based = 0, n_based_groups = 0;
     for (int round = 0; round < 400; round++) {
         const uint32_t k = 2 + below(round & 1 ? NS - 1 : 13), window = below(4) ? 0 : 40 + below(120);
-        const uint32_t chunk = below(4) ? 0 : 30 + below(200); /* a query past the first chunk: not shared */
+        /* chunks of whole blocks (a query past the first chunk shares from its chunk's block on), or
+           of any size (past the first chunk: not shared where the chunk starts inside a block) */
+        const uint32_t chunk = below(4) ? 0 : below(2) ? BT * (1 + below(30)) : 30 + below(200);
         const uint32_t min_blocks = round & 2 ? 1 : 1 + below(6), nqh = round & 2 ? 2 : 2 * (1 + below(4));
         int32_t next = 1;
         for (uint32_t i = 0; i < k; i++) {
@@ -87,7 +94,12 @@ static void test_share_plan(void **state) {
             }
             for (uint32_t b = keep; b < nb; b++) g_tab[i][b] = next++;
             c->items[i] = (pkv__attn_item){.block_table = g_tab[i], .q_pos0 = len - 1, .n_q = 1};
-            full[i] = (window && len > window) || (chunk && len > chunk) ? 0 : (len - 1) / BT;
+            /* the first key the query at len - 1 sees, by the window and the chunk */
+            const uint32_t wlo = window && len > window ? len - window : 0, clo = chunk ? (len - 1) / chunk * chunk : 0;
+            const uint32_t lo = wlo > clo ? wlo : clo;
+            g_base[i] = lo % BT ? 0 : lo / BT;
+            full[i] = lo % BT ? 0 : (len - 1) / BT - lo / BT;
+            n_based += full[i] && lo;
         }
         pkv__cache_test_share(c, min_blocks, 0);
         const pkv__attn_call call = {.n_q_heads = nqh, .window = window, .chunk = chunk};
@@ -102,10 +114,11 @@ static void test_share_plan(void **state) {
             assert_true(gr->n >= 2 && gr->first + gr->n <= n);
             assert_true(gr->blocks - gr->from >= min_blocks && gr->blocks > gr->from);
             const uint32_t i0 = sh->order[gr->first];
+            n_based_groups += g_base[i0] > 0;
             for (uint32_t j = 0; j < gr->n; j++) {
                 const uint32_t i = sh->order[gr->first + j];
                 assert_true(i < k && gr->blocks <= full[i]);
-                assert_int_equal(common(g_tab[i], g_tab[i0], gr->blocks), gr->blocks);
+                assert_int_equal(common(i, i0, gr->blocks), gr->blocks);
             }
             /* nested or disjoint; it reads from where the innermost group holding it ends (or 0) */
             uint32_t from = 0;
@@ -135,7 +148,7 @@ static void test_share_plan(void **state) {
             for (uint32_t z = x + 1; z < n; z++) {
                 const uint32_t a = sh->order[x], b = sh->order[z];
                 p = PKV_MIN(p, order_lcp(c, full, z - 1));
-                assert_int_equal(common(g_tab[a], g_tab[b], PKV_MIN(full[a], full[b])), p);
+                assert_int_equal(common(a, b, PKV_MIN(full[a], full[b])), p);
             }
         }
         /* groups of any block, none refused for room (room left for any group): every distinct
@@ -158,7 +171,10 @@ static void test_share_plan(void **state) {
         assert_int_equal(pkv__share_plan(c, k, &call), 0);
     }
     /* the batches really had groups, nested in some, and the exact check ran */
-    assert_true(n_groups > 200 && n_nested > 30 && n_exact > 100);
+    print_message("  %llu groups, %llu nested, %llu checked exactly; %llu members past block 0, %llu groups of them\n",
+                  (unsigned long long)n_groups, (unsigned long long)n_nested, (unsigned long long)n_exact,
+                  (unsigned long long)n_based, (unsigned long long)n_based_groups);
+    assert_true(n_groups > 200 && n_nested > 30 && n_exact > 100 && n_based_groups > 20);
     pkv_cache_destroy(c);
 }
 

@@ -22,9 +22,11 @@ typedef struct pkv__seq {
     int32_t *table;        /* [max_blocks_per_seq] block ids; [0, n_blocks) valid */
 } pkv__seq;
 
-/* A group of a decode batch's sequences whose tables share their first `blocks` blocks (share.c):
- * its members are pkv__share.order[first .. first + n); it reads blocks [from, blocks) for them,
- * a group of a superset of them (from its blocks on) or none (from 0) the blocks before. */
+/* A group of a decode batch's sequences whose tables share their first `blocks` blocks (share.c),
+ * counted from each member's base (pkv__share.base: the first block its queries see, past 0 where
+ * chunks of local attention hide the earlier ones; the same for every member): its members are
+ * pkv__share.order[first .. first + n); it reads blocks [from, blocks) for them, a group of a
+ * superset of them (from its blocks on) or none (from 0) the blocks before. */
 typedef struct pkv__share_group {
     uint32_t first, n, from, blocks;
 } pkv__share_group;
@@ -34,6 +36,7 @@ typedef struct pkv__share {
     uint32_t min_blocks; /* the fewest blocks a group shares (0: no groups; PKV_ATTN_SHARE) */
     uint32_t rows;       /* query rows (a member's query heads each) the scratch holds */
     uint32_t *full, *idx, *tmp, *order, *lcp; /* [max_seqs + 1] each */
+    uint32_t *base;                           /* [max_seqs + 1]: an item's first visible block (full counts from it) */
     uint32_t *st_lcp, *st_lb, *st_id;         /* [max_seqs + 1] each: the lcp intervals' stack */
     uint32_t *nd_a, *nd_b, *nd_depth, *nd_up; /* [max_seqs + 1] each: the intervals, by id */
     uint32_t *nd_eff, *slot;                  /* [max_seqs + 1] each */
@@ -140,7 +143,9 @@ int pkv__cache_attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, cons
 
 /* ---- share.c ---- (under attn_mu) */
 /* Groups the decodes c->items[0, k) that share at least share.min_blocks whole blocks before their
- * queries (none where call's window or chunk hides a key of them): share.order and share.groups, nested (the
+ * queries, from the first block they see (every query of a member seeing from the same block
+ * boundary on: none where a window or a chunk starts inside a block or moves between its queries;
+ * members whose chunks start at different blocks in no group together): share.order and share.groups, nested (the
  * trie of their tables: a group of forks inside a group of requests that share a system prompt);
  * returns the number of groups (0: none, or share off). Every set of members that share a prefix
  * is a group, from its enclosing group's blocks to its own, where that is min_blocks or more and

@@ -9,20 +9,34 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The blocks of item i that a group may share: the whole blocks before its first query's position
- * (its own part keeps at least that key, and every later query sees them too), none where a
- * window or chunk hides some key of them from its last query, none for an empty request. */
-static uint32_t share_full(const pkv_cache *c, const pkv__attn_item *it, const pkv__attn_call *call) {
-    if (!it->n_q || pkv__attn_key_lo(call, it->q_pos0 + it->n_q - 1) > 0) return 0;
-    return it->q_pos0 / c->B;
+/* The blocks of item it that a group may share, counted from *base, the first block its queries
+ * see: the whole blocks before its first query's position (its own part keeps at least that key,
+ * and every later query sees them too) from the first key every query sees, where that is the
+ * first key of each (pkv__attn_key_lo) and starts a block (chunks of local attention of whole
+ * blocks, Llama 4's 8192; a window that hides no key); none where a window or chunk starts
+ * inside a block or moves between the item's queries (a key some query sees and the group does
+ * not read), none for an empty request. */
+static uint32_t share_full(const pkv_cache *c, const pkv__attn_item *it, const pkv__attn_call *call, uint32_t *base) {
+    *base = 0;
+    if (!it->n_q) return 0;
+    const uint32_t lo = pkv__attn_key_lo(call, it->q_pos0 + it->n_q - 1);
+    if (lo % c->B || pkv__attn_key_lo(call, it->q_pos0) != lo) return 0;
+    *base = lo / c->B;
+    return it->q_pos0 / c->B - *base;
+}
+
+/* Item i's table from its base on: what the groups compare and read. */
+static const int32_t *share_table(const pkv_cache *c, uint32_t i) {
+    return c->items[i].block_table + c->share.base[i];
 }
 
 /* Whether item a's table sorts before item b's: by their shareable blocks' ids as bytes, then the
  * shorter first, then by index. Any total order over the tables puts those that share a prefix
  * side by side, which is all the grouping needs. */
 static bool share_before(const pkv_cache *c, const uint32_t *full, uint32_t a, uint32_t b) {
+    if (c->share.base[a] != c->share.base[b]) return c->share.base[a] < c->share.base[b]; /* never grouped */
     const uint32_t n = PKV_MIN(full[a], full[b]);
-    const int r = memcmp(c->items[a].block_table, c->items[b].block_table, (size_t)n * sizeof(int32_t));
+    const int r = memcmp(share_table(c, a), share_table(c, b), (size_t)n * sizeof(int32_t));
     if (r) return r < 0;
     if (full[a] != full[b]) return full[a] < full[b];
     return a < b;
@@ -104,7 +118,7 @@ uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, const pkv__attn_call *call) {
     if (!sh->min_blocks || k < 2) return 0;
     uint32_t *full = sh->full, n = 0;
     for (uint32_t i = 0; i < k; i++) {
-        full[i] = share_full(c, &c->items[i], call);
+        full[i] = share_full(c, &c->items[i], call, &sh->base[i]);
         if (full[i] >= sh->min_blocks) sh->idx[n++] = i;
     }
     if (n < 2) return 0;
@@ -112,9 +126,9 @@ uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, const pkv__attn_call *call) {
     uint32_t *ord = share_sort(&by_table, sh->idx, sh->tmp, n);
     if (ord != sh->order) memcpy(sh->order, ord, (size_t)n * sizeof(uint32_t));
     ord = sh->order;
-    for (uint32_t x = 0; x + 1 < n; x++) { /* the blocks neighbours share */
-        const int32_t *ta = c->items[ord[x]].block_table, *tb = c->items[ord[x + 1]].block_table;
-        const uint32_t most = PKV_MIN(full[ord[x]], full[ord[x + 1]]);
+    for (uint32_t x = 0; x + 1 < n; x++) { /* the blocks neighbours share (none from other bases) */
+        const int32_t *ta = share_table(c, ord[x]), *tb = share_table(c, ord[x + 1]);
+        const uint32_t most = sh->base[ord[x]] == sh->base[ord[x + 1]] ? PKV_MIN(full[ord[x]], full[ord[x + 1]]) : 0;
         uint32_t p = 0;
         while (p < most && ta[p] == tb[p]) p++;
         sh->lcp[x] = p;
@@ -140,6 +154,7 @@ int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv
     uint32_t r0 = 0, s0 = 0; /* rows of the scratch used by the groups, by the members' own lse */
     for (uint32_t g = 0; g < ng; g++) {
         const pkv__share_group *gr = &sh->groups[g];
+        const uint32_t i0 = sh->order[gr->first], bb = sh->base[i0]; /* every member's base */
         float *q = sh->q + (size_t)r0 * D;
         const uint32_t nq = (uint32_t)(sh->qsum[gr->first + gr->n] - sh->qsum[gr->first]); /* within rows */
         for (uint32_t j = 0, at = 0; j < gr->n; j++) {
@@ -152,10 +167,12 @@ int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv
                 sh->lse_to[x] = it->lse;
                 it->lse = sh->lse_b + sh->slot[x];
             }
-            it->k_start = PKV_MAX(it->k_start, gr->blocks * B); /* its own part: past its innermost group */
+            it->k_start = PKV_MAX(it->k_start, (bb + gr->blocks) * B); /* its own part: past its innermost group */
         }
-        /* every query of the group sees [from, blocks) whatever its position: blocks x B - 1 the first */
-        c->items[g] = (pkv__attn_item){.block_table = items[sh->order[gr->first]].block_table,
+        /* every query of the group sees [from, blocks) of the tables from their base whatever its
+           position: blocks x B - 1 the first, counted from the base (positions bb x B on; the
+           part takes no window or chunk) */
+        c->items[g] = (pkv__attn_item){.block_table = items[i0].block_table + bb,
                                        .q_pos0 = gr->blocks * B - 1, .n_q = nq, .k_start = gr->from * B,
                                        .k_end = gr->blocks * B, .partial = true, .q = q,
                                        .out = sh->o + (size_t)r0 * Dv,
@@ -170,11 +187,13 @@ int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv
         sh->call_keys += (uint64_t)(gr->n - 1) * (gr->blocks - gr->from) * B;
         for (uint32_t j = 0, gq = 0; j < gr->n; gq += items[sh->order[gr->first + j]].n_q, j++) {
             const pkv__attn_item *it = &items[sh->order[gr->first + j]];
-            /* ALiBi: the group's query gq + qi was biased from its nominal position blocks x B - 1 +
-               gq + qi; the member's own is q_pos0 + qi, which moves the row's logits, so its
-               log-sum-exp, by slope x (nominal - own) (the output, a softmax, is the same) */
+            /* ALiBi: the group's query gq + qi was biased from its nominal position (bb + blocks) x B
+               - 1 + gq + qi (in the text: the part counts its keys from the base too); the
+               member's own is q_pos0 + qi, which moves the row's logits, so its log-sum-exp, by
+               slope x (nominal - own) (the output, a softmax, is the same) */
             if (call->alibi) {
-                const float d = (float)((int64_t)gr->blocks * B - 1 + gq - it->q_pos0); /* qi cancels */
+                const float d = (float)(((int64_t)sh->base[sh->order[gr->first]] + gr->blocks) * B - 1 + gq -
+                                        it->q_pos0); /* qi cancels */
                 for (uint32_t qi = 0; qi < it->n_q; qi++)
                     for (uint32_t h = 0; h < nqh; h++) sh->lse_a[r0 + qi * nqh + h] += call->alibi[h] * d;
             }
@@ -215,7 +234,7 @@ static uint32_t share_rows(const pkv_cache *c) {
 uint64_t pkv__share_bytes(const pkv_cache *c) {
     const uint64_t n = c->max_seqs, rows = share_rows(c);
     return sizeof(float) * rows * share_row_floats(c) + sizeof(float *) * n + sizeof(pkv__share_group) * n +
-           sizeof(uint64_t) * (n + 1) + sizeof(uint32_t) * 14u * (n + 1);
+           sizeof(uint64_t) * (n + 1) + sizeof(uint32_t) * 15u * (n + 1);
 }
 
 void pkv__share_carve(pkv_cache *c) {
@@ -230,9 +249,10 @@ void pkv__share_carve(pkv_cache *c) {
     sh->groups = (pkv__share_group *)(void *)(sh->lse_to + n);
     sh->qsum = (uint64_t *)(void *)(sh->groups + n); /* groups are 16 bytes: 8-byte aligned */
     uint32_t *u = (uint32_t *)(void *)(sh->qsum + n + 1);
-    uint32_t **arrays[14] = {&sh->full,   &sh->idx,  &sh->tmp,  &sh->order,    &sh->lcp,  &sh->st_lcp, &sh->st_lb,
-                             &sh->st_id,  &sh->nd_a, &sh->nd_b, &sh->nd_depth, &sh->nd_up, &sh->nd_eff, &sh->slot};
-    for (int i = 0; i < 14; i++) *arrays[i] = u, u += n + 1;
+    uint32_t **arrays[15] = {&sh->full,  &sh->idx,  &sh->tmp,  &sh->order,    &sh->lcp,   &sh->st_lcp, &sh->st_lb,
+                             &sh->st_id, &sh->nd_a, &sh->nd_b, &sh->nd_depth, &sh->nd_up, &sh->nd_eff, &sh->slot,
+                             &sh->base};
+    for (int i = 0; i < 15; i++) *arrays[i] = u, u += n + 1;
 }
 
 int64_t pkv__share_env(void) {
