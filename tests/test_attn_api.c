@@ -1436,6 +1436,44 @@ static void test_api_share_window(void **state) {
         }
 }
 
+/* Shared-prefix groups under chunks of local attention of 64: forks F1, F2, F3 of a 150-token
+ * parent, 6 positions of their own each. Extends of F1 and F2 over [150, 156) see from 128 (block
+ * 8) on and share block 8, the parent's: one group of 16 positions. F3's extend over [120, 156)
+ * crosses the chunk edge at 128, its first queries seeing from 64: it is in no group (a group from
+ * block 8 would hide [64, 128) from them). With ALiBi and lse, against the reference. */
+static void test_api_share_chunk_cross(void **state) {
+    (void)state;
+    static host_seq s[4];
+    for (uint32_t nt = 1; nt <= 2; nt++) {
+        pkv_cache *c = make_cache(PKV_DTYPE_F32, nt, 0);
+        pkv__cache_test_share(c, 1, 0);
+        seq_new(c, PKV_DTYPE_F32, &s[0], 150, 7);
+        for (int i = 1; i <= 3; i++) {
+            memcpy(&s[i], &s[0], sizeof s[0]);
+            assert_int_equal(pkv_seq_fork(c, s[0].id, &s[i].id), PKV_OK);
+            append_write(c, PKV_DTYPE_F32, &s[i], 6, 900 * i);
+        }
+        const pkv_attn_req reqs[3] = {{s[1].id, 150, 6}, {s[3].id, 120, 36}, {s[2].id, 150, 6}};
+        const uint32_t nq = 6 + 36 + 6;
+        float slopes[NQH], *q = rand_q(nq), *out = malloc(sizeof(float) * nq * NQH * D), lse[48 * NQH];
+        for (uint32_t h = 0; h < NQH; h++) slopes[h] = powf(2.0f, -(float)(h + 1));
+        pkv_attn_params p = pkv_attn_params_default();
+        p.n_q_heads = NQH, p.attn_chunk = 64, p.alibi_slopes = slopes, p.lse = lse;
+        pkv_stats st0, st1;
+        assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
+        assert_int_equal(pkv_attn_prefill(c, 0, reqs, 3, q, out, &p), PKV_OK);
+        assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
+        assert_int_equal(st1.attn_shared_keys - st0.attn_shared_keys, B);
+        const host_seq *who[3] = {&s[1], &s[3], &s[2]};
+        for (uint32_t j = 0, at = 0; j < 3; at += reqs[j].n_q, j++)
+            check(who[j], 0, q + (size_t)at * NQH * D, out + (size_t)at * NQH * D, lse + at * NQH, reqs[j].q_start,
+                  reqs[j].n_q, &p);
+        free(q), free(out);
+        cache_ok(c);
+        pkv_cache_destroy(c);
+    }
+}
+
 /* Nested groups as deep as a batch makes them: 16 sequences in a chain, each a fork of the one
  * before after its block (sequence i shares its i + 1 blocks with every later one), each with a
  * position of its own; n_q_heads 2, so the scratch holds 128 members' rows. The groups: sequences
@@ -1788,6 +1826,7 @@ int main(void) {
         cmocka_unit_test(test_api_fork_child),
         cmocka_unit_test(test_api_share),
         cmocka_unit_test(test_api_share_window),
+        cmocka_unit_test(test_api_share_chunk_cross),
         cmocka_unit_test(test_api_share_chain),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

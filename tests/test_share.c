@@ -213,10 +213,37 @@ static void test_share_plan_depth_order(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* Bases apart: under chunks of 8 positions (2 blocks), a decode at 15 sees from block 2 on and
+ * one at 23 from block 4 on. Tables whose blocks from their bases read alike (block 7, then 9:
+ * tables no cache makes, a block sitting at one index in every table, but the plan must not lean
+ * on that) are no group; at the same base they are one, over that block. */
+static void test_share_plan_bases(void **state) {
+    (void)state;
+    pkv_config cfg = pkv_config_default();
+    cfg.n_layers = 1, cfg.n_kv_heads = 2, cfg.head_dim = 16, cfg.block_tokens = BT, cfg.n_blocks = 64;
+    cfg.max_seqs = 8, cfg.max_blocks_per_seq = MAXB, cfg.n_threads = 1;
+    pkv_cache *c = NULL;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    static const int32_t ta[8] = {1, 2, 7, 9, 20, 21, 22, 23}, tb[8] = {3, 4, 5, 6, 7, 9, 30, 31};
+    static const int32_t tc[8] = {3, 4, 7, 9, 40, 41, 42, 43};
+    const pkv__attn_call call = {.n_q_heads = 2, .chunk = 2 * BT};
+    pkv__cache_test_share(c, 1, 0);
+    c->items[0] = (pkv__attn_item){.block_table = ta, .q_pos0 = 15, .n_q = 1};
+    c->items[1] = (pkv__attn_item){.block_table = tb, .q_pos0 = 23, .n_q = 1};
+    assert_int_equal(pkv__share_plan(c, 2, &call), 0);
+    c->items[1] = (pkv__attn_item){.block_table = tc, .q_pos0 = 15, .n_q = 1};
+    assert_int_equal(pkv__share_plan(c, 2, &call), 1);
+    const pkv__share_group *g = &c->share.groups[0];
+    assert_true(g->n == 2 && g->from == 0 && g->blocks == 1);
+    assert_true(c->share.base[0] == 2 && c->share.base[1] == 2);
+    pkv_cache_destroy(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_share_plan),
         cmocka_unit_test(test_share_plan_depth_order),
+        cmocka_unit_test(test_share_plan_bases),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
