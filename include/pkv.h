@@ -689,9 +689,10 @@ typedef struct pkv_attn_params {
                             p sees only the keys of its own chunk, [p - p % attn_chunk, p]; 0 =
                             off. With a window too, a key must pass both. Any value is taken (1:
                             each query sees itself alone). In pkv_attn_tree a node's position is
-                            q_start + depth, as for the window. Shared-prefix groups (below) take
-                            no member whose chunk starts past 0, as none whose window hides a key
-                            of the prefix. */
+                            q_start + depth, as for the window. Shared-prefix groups (below)
+                            share from the chunk's first block where chunks are of whole blocks
+                            (8192 is); a request whose queries' chunks start at different
+                            positions, or inside a block, is in no group. */
 } pkv_attn_params;
 /* The largest ALiBi slope magnitude taken: bias x distance stays far from f32's range at any
  * position a cache holds (2^32 x 2^16 = 2^48). */
@@ -758,7 +759,10 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * queries reads a block once for all of them), then each member's own blocks on its own, the two
  * parts merged by log-sum-exp (FlashInfer's and vLLM's cascade attention). A group shares at
  * least 512 positions of whole blocks (shorter ones cost more than they saved, measured), only
- * blocks before every member's query position, none of a member whose window or chunk hides some of them.
+ * blocks before every member's query position, and only those every query of each member sees:
+ * with chunks of local attention (attn_chunk) of whole blocks, from the block its chunk starts at
+ * (members whose chunks start at different blocks are not grouped together); none of a member
+ * whose window starts inside a block, or whose queries' first keys differ.
  * Groups nest: forks of several requests that share a system prompt make one group reading the
  * system prompt, and inside it one group a request reading that request's blocks after it (each
  * level where it reads 512 positions or more past the level around it). Groups hold up to
