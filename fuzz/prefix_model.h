@@ -647,22 +647,31 @@ PM_NOCOV static inline void pm_attn_ref_keys(const pm_world *w, const pm_seq *q,
     }
 }
 
-/* The same for a query at pos: keys [max(0, pos - window + 1), pos]. */
+/* The first key a query at pos sees: the window's, max(0, pos - window + 1), or its chunk's
+ * first, pos - pos % attn_chunk, the later. */
+PM_NOCOV static inline uint32_t pm_key_lo(const pkv_attn_params *ap, uint32_t pos) {
+    const uint32_t w = ap->window && pos + 1 > ap->window ? pos + 1 - ap->window : 0;
+    const uint32_t c = ap->attn_chunk ? pos / ap->attn_chunk * ap->attn_chunk : 0;
+    return w > c ? w : c;
+}
+
+/* The same for a query at pos: keys [pm_key_lo, pos]. */
 PM_NOCOV static inline void pm_attn_ref(const pm_world *w, const pm_seq *q, uint32_t l, uint32_t pos, uint32_t Hq,
                                         const pkv_attn_params *ap, const float *qv, int bf16q, double *ref,
                                         double *lse) {
     static uint32_t keys[PM_MAX_TOK];
-    const uint32_t lo = ap->window && pos + 1 > ap->window ? pos + 1 - ap->window : 0;
+    const uint32_t lo = pm_key_lo(ap, pos);
     for (uint32_t j = lo; j <= pos; j++) keys[j - lo] = j;
     pm_attn_ref_keys(w, q, l, keys, pos - lo + 1, Hq, ap, qv, bf16q, ref, lse);
 }
 
-/* An attention call's scale, soft-cap, window and lse (into w->alse) drawn from b and src. */
+/* An attention call's scale, soft-cap, window, chunks and lse (into w->alse) drawn from b and src. */
 static inline pkv_attn_params pm_draw_params(pm_world *w, pm_src *src, uint32_t b) {
     pkv_attn_params ap = pkv_attn_params_default();
     ap.scale = b & 2 ? 0.0f : 0.125f * (float)(1 + b % 8);
     ap.softcap = b % 3 == 0 ? 4.0f + (float)(pm_byte(src) % 16) : 0.0f;
     ap.window = b % 5 == 0 ? 1 + pm_byte(src) % 20 : 0;
+    ap.attn_chunk = b % 7 == 0 ? 1 + pm_byte(src) % 24 : 0;
     ap.lse = b & 4 ? w->alse : NULL;
     return ap;
 }
@@ -708,8 +717,9 @@ static inline int pm_op_tree(pm_world *w, pm_src *src) {
     if (bad) par[1 + pm_below(src, n - 1)] = pm_byte(src) & 1 ? -2 : (int32_t)n; /* outside [-1, i) */
     const pkv_attn_tree_req r = {.seq = q->id, .q_start = q_start, .n_nodes = n, .parent = par};
     const int rc = pkv_attn_tree(w->c, layer, &r, 1, w->aq, w->aout, &ap);
-    PM_TR(w, "   tree over seq %d's last %u positions (Hq %u, layer %u, window %u, sinks %d, bad %d) -> %s\n",
-          PM_SI(w, q), n, Hq, layer, ap.window, ap.sinks != NULL, bad, pkv_strerror(rc));
+    PM_TR(w, "   tree over seq %d's last %u positions (Hq %u, layer %u, window %u, chunk %u, sinks %d, bad %d) -> %s\n",
+          PM_SI(w, q), n, Hq, layer, ap.window, ap.attn_chunk, ap.sinks != NULL, bad,
+          pkv_strerror(rc));
     if (bad) {
         PM_EXPECT(w, rc == PKV_EINVAL, "tree with a bad parent: %s", pkv_strerror(rc));
         PM_EXPECT(w, pm_untouched(w->aout, 0, sizeof w->aout), "tree with a bad parent wrote out");
@@ -725,10 +735,10 @@ static inline int pm_op_tree(pm_world *w, pm_src *src) {
     for (uint32_t i = 0; i < n; i++) {
         const uint32_t pos = q_start + depth[i];
         uint32_t nk = 0;
-        for (uint32_t t = 0; t < q_start; t++)
-            if (!ap.window || pos - t < ap.window) keys[nk++] = t;
+        const uint32_t lo = pm_key_lo(&ap, pos); /* a node's window and chunk from its position */
+        for (uint32_t t = lo; t < q_start; t++) keys[nk++] = t;
         for (int32_t j = (int32_t)i; j >= 0; j = par[j])
-            if (!ap.window || depth[i] - depth[j] < ap.window) keys[nk++] = q_start + (uint32_t)j;
+            if (q_start + depth[j] >= lo) keys[nk++] = q_start + (uint32_t)j;
         pm_attn_ref_keys(w, q, layer, keys, nk, Hq, &ap, w->aq + (size_t)i * Hq * D, 0, ref, lse);
         for (uint32_t e = 0; e < Hq * D; e++)
             PM_EXPECT(w, fabs((double)w->aout[(size_t)i * Hq * D + e] - ref[e]) <= 5e-4,
@@ -829,10 +839,10 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     int rc = prefill ? pkv_attn_prefill(w->c, l, reqs, n, qp, w->aout, &ap)
                      : pkv_attn_decode(w->c, l, seqs, n, qp, w->aout, &ap);
     PM_TR(w,
-          "   attn %s of %u seqs (%u queries, Hq %u, layer %u, scale %g cap %g window %u lse %d, sinks %d, in place %d,"
-          " flags %u (used %d), bad %u, share %u %d) -> %s\n",
+          "   attn %s of %u seqs (%u queries, Hq %u, layer %u, scale %g cap %g window %u chunk %u lse %d, sinks %d,"
+          " in place %d, flags %u (used %d), bad %u, share %u %d) -> %s\n",
           prefill ? "prefill" : "decode", n, nq, Hq, l, (double)ap.scale, (double)ap.softcap, ap.window,
-          ap.lse != NULL, ap.sinks != NULL, qp == w->aout, ap.flags, used, bad, sh_min, (shb & 64) != 0, pkv_strerror(rc));
+          ap.attn_chunk, ap.lse != NULL, ap.sinks != NULL, qp == w->aout, ap.flags, used, bad, sh_min, (shb & 64) != 0, pkv_strerror(rc));
     pkv_stats st1;
     PM_EXPECT(w, pkv_cache_get_stats(w->c, &st1) == 0, "pkv_cache_get_stats");
     PM_EXPECT(w, st1.attn_shared_keys == st0.attn_shared_keys || (!rc && sh_min),
