@@ -1482,11 +1482,13 @@ static void test_api_share_window(void **state) {
         }
 }
 
-/* Shared-prefix groups under chunks of local attention of 64: forks F1, F2, F3 of a 150-token
- * parent, 6 positions of their own each. Extends of F1 and F2 over [150, 156) see from 128 (block
- * 8) on and share block 8, the parent's: one group of 16 positions. F3's extend over [120, 156)
- * crosses the chunk edge at 128, its first queries seeing from 64: it is in no group (a group from
- * block 8 would hide [64, 128) from them). With ALiBi and lse, against the reference. */
+/* Shared-prefix groups from a base past block 0: forks F1, F2, F3 of a 150-token parent, 6
+ * positions of their own each. Under chunks of local attention of 64, extends of F1 and F2 over
+ * [150, 156) see from 128 (block 8) on and share block 8, the parent's: one group of 16 positions.
+ * F3's extend over [120, 156) crosses the chunk edge at 128, its first queries seeing from 64: it
+ * is in no group (a group from block 8 would hide [64, 128) from them). Then decodes under a
+ * window that starts on a block boundary, and one that does not. With ALiBi and lse, against the
+ * reference. */
 static void test_api_share_chunk_cross(void **state) {
     (void)state;
     static host_seq s[4];
@@ -1514,6 +1516,20 @@ static void test_api_share_chunk_cross(void **state) {
         for (uint32_t j = 0, at = 0; j < 3; at += reqs[j].n_q, j++)
             check(who[j], 0, q + (size_t)at * NQH * D, out + (size_t)at * NQH * D, lse + at * NQH, reqs[j].q_start,
                   reqs[j].n_q, &p);
+        /* decodes of F1-F3 (at 155) under a window of 60, which starts on block 6 (96): one group
+           over blocks 6-8, the parent's (2 x 3 x 16 positions); a window of 61 starts inside block
+           5: none */
+        for (uint32_t w = 60; w <= 61; w++) {
+            const pkv_seq ids[3] = {s[1].id, s[2].id, s[3].id};
+            p = pkv_attn_params_default();
+            p.n_q_heads = NQH, p.window = w, p.alibi_slopes = slopes, p.lse = lse;
+            assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
+            assert_int_equal(pkv_attn_decode(c, 1, ids, 3, q, out, &p), PKV_OK);
+            assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
+            assert_int_equal(st1.attn_shared_keys - st0.attn_shared_keys, w == 60 ? 2 * 3 * B : 0);
+            for (uint32_t j = 0; j < 3; j++)
+                check(&s[1 + j], 1, q + (size_t)j * NQH * D, out + (size_t)j * NQH * D, lse + j * NQH, 155, 1, &p);
+        }
         free(q), free(out);
         cache_ok(c);
         pkv_cache_destroy(c);

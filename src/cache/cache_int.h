@@ -24,7 +24,8 @@ typedef struct pkv__seq {
 
 /* A group of a decode batch's sequences whose tables share their first `blocks` blocks (share.c),
  * counted from each member's base (pkv__share.base: the first block its queries see, past 0 where
- * chunks of local attention hide the earlier ones; the same for every member): its members are
+ * chunks of local attention or a window that starts on a block boundary hide the earlier ones;
+ * the same for every member): its members are
  * pkv__share.order[first .. first + n); it reads blocks [from, blocks) for them, a group of a
  * superset of them (from its blocks on) or none (from 0) the blocks before. */
 typedef struct pkv__share_group {

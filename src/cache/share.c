@@ -13,9 +13,9 @@
  * see: the whole blocks before its first query's position (its own part keeps at least that key,
  * and every later query sees them too) from the first key every query sees, where that is the
  * first key of each (pkv__attn_key_lo) and starts a block (chunks of local attention of whole
- * blocks, Llama 4's 8192; a window that hides no key); none where a window or chunk starts
- * inside a block or moves between the item's queries (a key some query sees and the group does
- * not read), none for an empty request. */
+ * blocks, Llama 4's 8192; a window that hides no key, or one that starts on a block boundary);
+ * none where a window or chunk starts inside a block or moves between the item's queries (a key
+ * some query sees and the group does not read), none for an empty request. */
 static uint32_t share_full(const pkv_cache *c, const pkv__attn_item *it, const pkv__attn_call *call, uint32_t *base) {
     *base = 0;
     if (!it->n_q) return 0;
