@@ -2010,10 +2010,11 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
         for (uint32_t j = 0; j < r->n_nodes; j++) depth[j] = r->parent[j] < 0 ? 0 : depth[r->parent[j]] + 1;
         for (uint32_t i0 = 0; i0 < r->n_nodes && !rc;) {
             /* the prefix part of nodes [i0, i1): one item for all of them where no window or chunk
-               cuts the prefix short for any of them (its rows' nominal positions q_start + i, at
-               or past their own, q_start + depth), else an item a node (its own window and chunk;
-               none where they end before the prefix); their log-sum-exps in la (-inf: no prefix
-               part) */
+               cuts the prefix short for any of them (its rows at nominal positions q_start + i, at
+               or past their own, q_start + depth: a partial item, to which the kernels apply
+               neither, as no node's own position hides a key of the prefix), else an item a node
+               (its own window and chunk; none where they end before the prefix); their
+               log-sum-exps in la (-inf: no prefix part) */
             uint32_t i1 = PKV_MIN(r->n_nodes, i0 + run_nodes), k = 0;
             LOCK(c);
             pkv__seq *s = pkv__seq_get(c, r->seq);
@@ -2024,10 +2025,12 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
                 rc = pkv__say(c, PKV_ENOENT, api, "a sequence was released or truncated during the call");
                 break;
             }
-            const bool nominal = r->q_start && pkv__attn_key_lo(&call, r->q_start + i1 - 1) == 0;
+            uint32_t dmax = 0; /* the deepest node of the run: the last position any of them is at */
+            for (uint32_t i = i0; i < i1; i++) dmax = PKV_MAX(dmax, depth[i]);
+            const bool nominal = r->q_start && pkv__attn_key_lo(&call, r->q_start + dmax) == 0;
             if (nominal)
                 c->items[k++] = (pkv__attn_item){.block_table = table, .q_pos0 = r->q_start + i0, .n_q = i1 - i0,
-                                                 .k_end = r->q_start, .q = q + (row0 + i0) * qrow,
+                                                 .k_end = r->q_start, .partial = true, .q = q + (row0 + i0) * qrow,
                                                  .out = out + (row0 + i0) * orow, .lse = la};
             else if (r->q_start) {
                 i1 = PKV_MIN(i1, i0 + c->max_seqs); /* an item a node */
