@@ -178,6 +178,16 @@ static void test_share_plan(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* A cache of 64 blocks of BT tokens and 8 sequences, whose items the plans below fill by hand. */
+static pkv_cache *small_cache(void) {
+    pkv_config cfg = pkv_config_default();
+    cfg.n_layers = 1, cfg.n_kv_heads = 2, cfg.head_dim = 16, cfg.block_tokens = BT, cfg.n_blocks = 64;
+    cfg.max_seqs = 8, cfg.max_blocks_per_seq = MAXB, cfg.n_threads = 1;
+    pkv_cache *c = NULL;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    return c;
+}
+
 /* The scratch's rows go to the shallowest groups of the whole batch first, whichever order the
  * block ids give the subtrees: two families of three sharing 3 blocks, two of the second sharing
  * 6; with room for 6 members both families' groups are taken (2 x 3 + 2 x 3 = 12 block reads
@@ -185,11 +195,7 @@ static void test_share_plan(void **state) {
  * the second family's group and its pair, then no room for the first family: 9.) */
 static void test_share_plan_depth_order(void **state) {
     (void)state;
-    pkv_config cfg = pkv_config_default();
-    cfg.n_layers = 1, cfg.n_kv_heads = 2, cfg.head_dim = 16, cfg.block_tokens = BT, cfg.n_blocks = 64;
-    cfg.max_seqs = 8, cfg.max_blocks_per_seq = MAXB, cfg.n_threads = 1;
-    pkv_cache *c = NULL;
-    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    pkv_cache *c = small_cache();
     for (int flip = 0; flip < 2; flip++) {
         const int32_t x = flip ? 100 : 1, y = flip ? 1 : 100; /* the families' first block ids */
         for (uint32_t i = 0; i < 6; i++) {
@@ -219,11 +225,7 @@ static void test_share_plan_depth_order(void **state) {
  * on that) are no group; at the same base they are one, over that block. */
 static void test_share_plan_bases(void **state) {
     (void)state;
-    pkv_config cfg = pkv_config_default();
-    cfg.n_layers = 1, cfg.n_kv_heads = 2, cfg.head_dim = 16, cfg.block_tokens = BT, cfg.n_blocks = 64;
-    cfg.max_seqs = 8, cfg.max_blocks_per_seq = MAXB, cfg.n_threads = 1;
-    pkv_cache *c = NULL;
-    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    pkv_cache *c = small_cache();
     static const int32_t ta[8] = {1, 2, 7, 9, 20, 21, 22, 23}, tb[8] = {3, 4, 5, 6, 7, 9, 30, 31};
     static const int32_t tc[8] = {3, 4, 7, 9, 40, 41, 42, 43};
     const pkv__attn_call call = {.n_q_heads = 2, .chunk = 2 * BT};

@@ -375,12 +375,17 @@ class TestAttention(Base):
             with self.assertRaises(pkv.PkvError):
                 bad()
 
+    def two_seqs(self, c):
+        """Two sequences of 40 and 23 random tokens in c (2 kv heads of 64), and queries for both
+        at 4 heads: (s, t, q)."""
+        s, t = c.seq_create(), c.seq_create()
+        self.fill(c, s, 40)
+        self.fill(c, t, 23)
+        return s, t, 2 * self.rng.standard_normal((2, 4, 64)).astype(np.float32)
+
     def test_sinks(self):
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f16", v_dtype="f16", n_threads=2) as c:
-            s, t = c.seq_create(), c.seq_create()
-            self.fill(c, s, 40)
-            self.fill(c, t, 23)
-            q = 2 * self.rng.standard_normal((2, 4, 64)).astype(np.float32)
+            s, t, q = self.two_seqs(c)
             sinks = np.array([-1.0, 0.5, 2.0, 6.0], np.float32)
             out, lse = c.decode(0, [s, t], q, sinks=sinks, window=30, return_lse=True)
             for i, sq in enumerate((s, t)):
@@ -410,10 +415,7 @@ class TestAttention(Base):
 
     def test_alibi(self):
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f16", v_dtype="f16", n_threads=2) as c:
-            s, t = c.seq_create(), c.seq_create()
-            self.fill(c, s, 40)
-            self.fill(c, t, 23)
-            q = 2 * self.rng.standard_normal((2, 4, 64)).astype(np.float32)
+            s, t, q = self.two_seqs(c)
             slopes = np.array([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8], np.float32)  # 4 heads' ALiBi slopes
             out, lse = c.decode(0, [s, t], q, alibi_slopes=slopes, softcap=5.0, return_lse=True)
             for i, sq in enumerate((s, t)):
@@ -441,10 +443,7 @@ class TestAttention(Base):
 
     def test_attn_chunk(self):
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f16", v_dtype="f16", n_threads=2) as c:
-            s, t = c.seq_create(), c.seq_create()
-            self.fill(c, s, 40)
-            self.fill(c, t, 23)
-            q = 2 * self.rng.standard_normal((2, 4, 64)).astype(np.float32)
+            s, t, q = self.two_seqs(c)
             slopes = np.array([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8], np.float32)
             # chunks of 16 (Llama 4's local attention): position 39 sees [32, 39], 22 sees [16, 22]
             for al in (None, slopes):
