@@ -796,6 +796,13 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         reqs[i] = (pkv_attn_req){.seq = pick[i]->id, .q_start = q0, .n_q = m};
         nq += m;
     }
+    /* non-causal (PKV_ATTN_NONCAUSAL, without a window or chunks): every query over the whole
+       sequence, q_start 0 */
+    const int noncausal = prefill && (b & 32) && !ap.window && !ap.attn_chunk;
+    if (noncausal) {
+        ap.flags |= PKV_ATTN_NONCAUSAL;
+        for (uint32_t i = 0; i < n; i++) reqs[i].q_start = 0;
+    }
     pm_draw_queries(w, src, (size_t)nq * Hq * D);
     const uint32_t bad = pm_byte(src) < 48 ? 1 + pm_byte(src) % 8 : 0;
     int want_rc = 0;
@@ -818,14 +825,15 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         seqs[n - 1] = reqs[n - 1].seq = pm_stale_id(w, src);
         want_rc = PKV_ENOENT;
     }
-    if (bad == 6 && prefill) reqs[n - 1].n_q = pick[n - 1]->len - reqs[n - 1].q_start + 1, want_rc = PKV_EINVAL;
+    if (bad == 6 && noncausal) reqs[n - 1].q_start = 1, want_rc = PKV_EINVAL; /* q_start past 0 */
+    else if (bad == 6 && prefill) reqs[n - 1].n_q = pick[n - 1]->len - reqs[n - 1].q_start + 1, want_rc = PKV_EINVAL;
     if (bad == 7 && nq) { /* a query element that is not finite (NaN, +inf or -inf), or whose
                              magnitude times scale (at least 2^-3 here) is past PKV_VALUE_MAX */
         static const float refused[5] = {NAN, INFINITY, -INFINITY, 1e30f, -0x1p60f};
         w->aq[pm_below(src, nq * Hq * D)] = refused[pm_byte(src) % 5];
         want_rc = PKV_EINVAL;
     }
-    if (bad == 8) ap.flags = 2u, want_rc = PKV_EINVAL; /* a flag pkv.h does not define */
+    if (bad == 8) ap.flags = 4u, want_rc = PKV_EINVAL; /* a flag pkv.h does not define */
     if (!bad && b >= 192) { /* in place: out is q, the queries copied there first */
         memcpy(w->aout, w->aq, (size_t)nq * Hq * D * sizeof(float));
         qp = w->aout;
@@ -867,7 +875,7 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     size_t row = 0;
     for (uint32_t i = 0; i < n; i++)
         for (uint32_t t = 0; t < reqs[i].n_q; t++, row++) {
-            const uint32_t pos = reqs[i].q_start + t;
+            const uint32_t pos = noncausal ? pick[i]->len - 1 : reqs[i].q_start + t; /* non-causal: the last's */
             pm_attn_ref(w, pick[i], layer, pos, Hq, &ap, w->aq + row * Hq * D, bf16q, ref, lse);
             for (uint32_t e = 0; e < Hq * D; e++) {
                 const float o = w->aout[row * Hq * D + e];

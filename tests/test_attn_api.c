@@ -343,7 +343,7 @@ static void test_api_bad_input(void **state) {
     p.scale = -0.5f;
     assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
     p.scale = 0;
-    p.flags = 2u; /* a flag pkv.h does not define */
+    p.flags = 4u; /* a flag pkv.h does not define */
     assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
     p.flags = 0;
     assert_int_equal(pkv_attn_decode(NULL, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
@@ -712,6 +712,80 @@ static void q8_query(const float *x, float *y) {
             y[32 * b + j] = nearbyintf(xq) * d;
         }
     }
+}
+
+/* PKV_ATTN_NONCAUSAL: encoder self-attention (every query of a 37-token sequence over all of it),
+ * cross-attention (40 queries over a 5-token sequence, more queries than positions) and 3 queries
+ * over 250 positions, with an empty request, in one call, each query against the reference of
+ * one at the sequence's last position; plain, with soft-cap and lse, with sinks; every float
+ * dtype and the 8-bit ones, 1 and 2 threads; in place the same bits as apart. Decode takes the
+ * flag and gives the same bits. Refusals (a window, chunks or ALiBi with it, q_start past 0, queries
+ * over an empty sequence, a tree, an unknown flag) leave out untouched. */
+static void test_api_noncausal(void **state) {
+    (void)state;
+    static host_seq s[4];
+    for (size_t ti = 0; ti < 5; ti++)
+        for (uint32_t nt = 1; nt <= 2; nt++) {
+            const pkv_dtype dt = q_types[ti];
+            pkv_cache *c = make_cache(dt, nt, 0);
+            static const uint32_t lens[4] = {37, 5, 250, 0};
+            for (int i = 0; i < 4; i++) seq_new(c, dt, &s[i], lens[i], 100 * i);
+            const pkv_attn_req reqs[4] = {{s[0].id, 0, 37}, {s[1].id, 0, 40}, {s[0].id, 0, 0}, {s[2].id, 0, 3}};
+            const host_seq *who[4] = {&s[0], &s[1], &s[0], &s[2]};
+            const uint32_t nq = 37 + 40 + 3;
+            float *q = rand_q(nq), *out = malloc(sizeof(float) * nq * NQH * D), lse[80 * NQH], sinks[NQH];
+            float *o2 = malloc(sizeof(float) * nq * NQH * D);
+            for (uint32_t h = 0; h < NQH; h++) sinks[h] = 4.0f * rnd() + 1.0f;
+            for (int variant = 0; variant < 3; variant++) {
+                pkv_attn_params p = pkv_attn_params_default();
+                p.n_q_heads = NQH, p.flags = PKV_ATTN_NONCAUSAL;
+                if (variant == 1) p.softcap = 6.0f, p.scale = 0.3f, p.lse = lse;
+                if (variant == 2) p.sinks = sinks, p.lse = lse;
+                assert_int_equal(pkv_attn_prefill(c, variant % L, reqs, 4, q, out, &p), PKV_OK);
+                for (uint32_t j = 0, at = 0; j < 4; at += reqs[j].n_q, j++)
+                    for (uint32_t i = 0; i < reqs[j].n_q; i++) /* every query as the last position's */
+                        check_tol(who[j], variant % L, q + (size_t)(at + i) * NQH * D, out + (size_t)(at + i) * NQH * D,
+                                  p.lse ? lse + (at + i) * NQH : NULL, who[j]->len - 1, 1, &p, tol_of(dt));
+                /* in place: the same bits */
+                memcpy(o2, q, sizeof(float) * nq * NQH * D);
+                assert_int_equal(pkv_attn_prefill(c, variant % L, reqs, 4, o2, o2, &p), PKV_OK);
+                assert_memory_equal(o2, out, sizeof(float) * nq * NQH * D);
+            }
+            /* decode: the flag changes nothing */
+            const pkv_seq ids[3] = {s[0].id, s[1].id, s[2].id};
+            pkv_attn_params p = pkv_attn_params_default();
+            p.n_q_heads = NQH;
+            assert_int_equal(pkv_attn_decode(c, 0, ids, 3, q, out, &p), PKV_OK);
+            p.flags = PKV_ATTN_NONCAUSAL;
+            assert_int_equal(pkv_attn_decode(c, 0, ids, 3, q, o2, &p), PKV_OK);
+            assert_memory_equal(o2, out, sizeof(float) * 3 * NQH * D);
+            /* refusals, out untouched */
+            float slopes[NQH];
+            for (uint32_t h = 0; h < NQH; h++) slopes[h] = 0.1f;
+            memset(out, 0x5a, sizeof(float) * nq * NQH * D);
+            memcpy(o2, out, sizeof(float) * nq * NQH * D);
+            for (int bad = 0; bad < 7; bad++) {
+                pkv_attn_params pb = pkv_attn_params_default();
+                pb.n_q_heads = NQH, pb.flags = PKV_ATTN_NONCAUSAL;
+                pkv_attn_req rb[4];
+                memcpy(rb, reqs, sizeof rb);
+                if (bad == 0) pb.window = 8;
+                if (bad == 1) pb.attn_chunk = 16;
+                if (bad == 2) pb.alibi_slopes = slopes;
+                if (bad == 3) rb[3].q_start = 1;
+                if (bad == 4) rb[1].seq = s[3].id; /* empty */
+                if (bad == 5) pb.flags |= 4u;
+                if (bad == 6) {
+                    const int32_t par[2] = {-1, 0};
+                    const pkv_attn_tree_req tr = {s[0].id, 30, 2, par};
+                    assert_int_equal(pkv_attn_tree(c, 0, &tr, 1, q, out, &pb), PKV_EINVAL);
+                } else
+                    assert_int_equal(pkv_attn_prefill(c, 0, rb, 4, q, out, &pb), PKV_EINVAL);
+                assert_memory_equal(o2, out, sizeof(float) * nq * NQH * D);
+            }
+            free(q), free(out), free(o2);
+            pkv_cache_destroy(c);
+        }
 }
 
 /* The reference of pkv_attn_tree for node i of a tree at [q_start, ..) of s: nqh query heads (GQA
@@ -1889,6 +1963,7 @@ int main(void) {
         cmocka_unit_test(test_api_share),
         cmocka_unit_test(test_api_share_window),
         cmocka_unit_test(test_api_share_chunk_cross),
+        cmocka_unit_test(test_api_noncausal),
         cmocka_unit_test(test_api_share_chain),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

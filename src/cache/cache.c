@@ -1709,7 +1709,11 @@ static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_param
         return pkv__say(c, PKV_EINVAL, api, "scale %g is negative, NaN or infinite", (double)p->scale);
     if (!pkv__attn_softcap_ok(p->softcap))
         return pkv__say(c, PKV_EINVAL, api, "softcap %g is negative, NaN, infinite or too small", (double)p->softcap);
-    if (p->flags & ~(uint32_t)PKV_ATTN_BF16_DOT) return pkv__say(c, PKV_EINVAL, api, "unknown flags %#x", p->flags);
+    if (p->flags & ~(uint32_t)(PKV_ATTN_BF16_DOT | PKV_ATTN_NONCAUSAL))
+        return pkv__say(c, PKV_EINVAL, api, "unknown flags %#x", p->flags);
+    if ((p->flags & PKV_ATTN_NONCAUSAL) && (p->window || p->attn_chunk || p->alibi_slopes))
+        return pkv__say(c, PKV_EINVAL, api, "PKV_ATTN_NONCAUSAL with %s: a non-causal query has no position",
+                        p->window ? "a window" : p->attn_chunk ? "attn_chunk" : "alibi_slopes");
     call->n_q_heads = nq;
     call->scale = p->scale > 0.0f ? p->scale : 1.0f / sqrtf((float)c->head_dim);
     call->softcap = p->softcap;
@@ -1800,6 +1804,8 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
     const size_t qrow = (size_t)call.n_q_heads * c->head_dim, orow = (size_t)call.n_q_heads * c->v_dim;
     pkv__kv_view view = layer_view(c, layer);
 
+    /* PKV_ATTN_NONCAUSAL: a request's queries see [0, length) (decode's do anyway) */
+    const bool noncausal = reqs && (call.flags & PKV_ATTN_NONCAUSAL);
     pthread_mutex_lock(&c->attn_mu);
     /* validate everything first: no kernel runs on a bad request */
     uint64_t n_rows = 0; /* queries in all */
@@ -1808,7 +1814,13 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         pkv__seq *s;
         rc = pkv__get_seq(c, reqs ? reqs[i].seq : seqs[i], &s, api);
         if (rc) break;
-        if (reqs && (uint64_t)reqs[i].q_start + reqs[i].n_q > s->n_tokens)
+        if (noncausal && reqs[i].q_start)
+            rc = pkv__say(c, PKV_EINVAL, api, "request %u: q_start %u with PKV_ATTN_NONCAUSAL (0 is taken)", i,
+                          reqs[i].q_start);
+        else if (noncausal && reqs[i].n_q && s->n_tokens == 0)
+            rc = pkv__say(c, PKV_EINVAL, api, "request %u: %u non-causal queries over an empty sequence", i,
+                          reqs[i].n_q);
+        else if (reqs && !noncausal && (uint64_t)reqs[i].q_start + reqs[i].n_q > s->n_tokens)
             rc = pkv__say(c, PKV_EINVAL, api, "request %u: positions [%u, %llu) past the sequence's length %u", i,
                           reqs[i].q_start, (unsigned long long)reqs[i].q_start + reqs[i].n_q, s->n_tokens);
         else if (!reqs && s->n_tokens == 0)
@@ -1834,7 +1846,10 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
             }
             uint32_t q0 = reqs ? reqs[i].q_start : s->n_tokens - 1, nq = reqs ? reqs[i].n_q : 1;
             if (nq == 0) continue;
+            /* non-causal: the queries at nominal positions from length on, every one seeing [0, k_end) */
+            if (noncausal) q0 = s->n_tokens;
             c->items[k++] = (pkv__attn_item){.block_table = s->table, .q_pos0 = q0, .n_q = nq,
+                                             .k_end = noncausal ? s->n_tokens : 0,
                                              .q = q + q_at * qrow, .out = out + q_at * orow,
                                              .lse = lse ? lse + q_at * call.n_q_heads : NULL};
             q_at += nq;
@@ -1968,6 +1983,8 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
     if (n_reqs && (!q || !out)) return pkv__say(c, PKV_EINVAL, api, "%s is NULL, %u requests", !q ? "q" : "out", n_reqs);
     pkv__attn_call call;
     int rc = resolve_call(c, layer, p, &call, api);
+    if (!rc && (call.flags & PKV_ATTN_NONCAUSAL))
+        rc = pkv__say(c, PKV_EINVAL, api, "PKV_ATTN_NONCAUSAL: a tree's nodes are causal");
     if (rc || n_reqs == 0) return rc;
     float *lse = p ? p->lse : NULL;
     const uint32_t nqh = call.n_q_heads;

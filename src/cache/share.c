@@ -18,7 +18,7 @@
  * some query sees and the group does not read), none for an empty request. */
 static uint32_t share_full(const pkv_cache *c, const pkv__attn_item *it, const pkv__attn_call *call, uint32_t *base) {
     *base = 0;
-    if (!it->n_q) return 0;
+    if (!it->n_q || it->k_end) return 0; /* (k_end: non-causal queries, one request a sequence is theirs) */
     const uint32_t lo = pkv__attn_key_lo(call, it->q_pos0 + it->n_q - 1);
     if (lo % c->B || pkv__attn_key_lo(call, it->q_pos0) != lo) return 0;
     *base = lo / c->B;
