@@ -38,13 +38,15 @@ __all__ = [
     "PkvError", "InvalidArgumentError", "OutOfMemoryError", "NoSpaceError", "NotFoundError", "LimitError",
     "CorruptError", "IoError", "NotSupportedError", "BusyError",
     "OK", "EINVAL", "ENOMEM", "ENOSPC", "ENOENT", "ELIMIT", "ECORRUPT", "EIO", "ENOTSUP", "EBUSY",
-    "ATTN_BF16_DOT", "VALUE_MAX",
+    "ATTN_BF16_DOT", "ATTN_NONCAUSAL", "VALUE_MAX",
 ]
 
 # ---- status codes (pkv.h: values never change once released) -----------------------------
 OK, EINVAL, ENOMEM, ENOSPC, ENOENT, ELIMIT, ECORRUPT, EIO, ENOTSUP, EBUSY = 0, -1, -2, -3, -4, -5, -6, -7, -8, -9
 # pkv_attn_params.flags (pkv.h): what decode's and prefill's bf16_dot=True passes
 ATTN_BF16_DOT = 1
+# pkv_attn_params.flags (pkv.h): what prefill's causal=False passes
+ATTN_NONCAUSAL = 2
 # PKV_VALUE_MAX (pkv.h): the largest |element| write_kv takes, and the largest |q| x scale the
 # attention calls take (2^56); past it, EINVAL
 VALUE_MAX = float(2 ** 56)
@@ -1313,12 +1315,15 @@ class Cache:
 
     @_in_call
     def prefill(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
-                out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None, attn_chunk=0):
+                out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None, attn_chunk=0, causal=True):
         """Prefill / extend attention over a ragged batch (pkv_attn_prefill), causal.
         reqs: (seq, q_start, n_q) triples; q: the requests' queries concatenated,
         [sum n_q][n_q_heads][head_dim]. Returns out (and lse) like decode, one row per query
         ([sum n_q][n_q_heads][v_dim] on an MLA cache); out, lse_out, bf16_dot, sinks,
-        alibi_slopes and attn_chunk as in decode."""
+        alibi_slopes and attn_chunk as in decode. causal=False (PKV_ATTN_NONCAUSAL): each query
+        sees its whole sequence, [0, length): an encoder's self-attention, or cross-attention
+        over a sequence holding an encoder's K/V; q_start must then be 0 and n_q may be any
+        count (window, attn_chunk and alibi_slopes are refused with it)."""
         rs = list(reqs)
         if not rs:
             raise _invalid("prefill: no requests")
@@ -1335,6 +1340,8 @@ class Cache:
         qa, out, lse, p, _sk = self._attn_io(q, total, n_q_heads, out, lse_out, return_lse,
                                              (scale, softcap, window, bf16_dot, sinks, alibi_slopes, attn_chunk),
                                              "prefill")
+        if not causal:
+            p.flags |= ATTN_NONCAUSAL
         self._check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa), _ptr(out),
                                      ctypes.byref(p)), "pkv_attn_prefill")
         return (out, lse) if return_lse else out

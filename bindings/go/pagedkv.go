@@ -326,6 +326,11 @@ type TreeReq struct {
 // pkv_attn_params.attn_chunk): the query at position p sees only the keys of its chunk,
 // [p - p % AttnChunk, p] (with a Window too, a key must pass both; in Tree a node's position is
 // QStart + its depth). 0 means off.
+//
+// NonCausal is PKV_ATTN_NONCAUSAL: each query of a Prefill request sees its whole sequence,
+// [0, length) (an encoder's self-attention; cross-attention over a sequence holding an encoder's
+// K/V): QStart must be 0 and NQ may be any count; a Window, AttnChunk or AlibiSlopes with it, or
+// Tree, is EINVAL. Decode computes the same either way.
 type AttnParams struct {
 	NQHeads     uint32
 	Scale       float32
@@ -335,6 +340,7 @@ type AttnParams struct {
 	Sinks       []float32
 	AlibiSlopes []float32
 	AttnChunk   uint32
+	NonCausal   bool
 }
 
 // SeqInfo is pkv_seq_info.
@@ -1652,6 +1658,9 @@ func (c *Cache) attnCall(what, cname string, seqs []Seq, items, rows int, q, out
 	raw.attn_chunk = C.uint32_t(ap.AttnChunk)
 	if ap.BF16Dot {
 		raw.flags = C.PKV_ATTN_BF16_DOT
+	}
+	if ap.NonCausal {
+		raw.flags |= C.PKV_ATTN_NONCAUSAL
 	}
 	if ap.Sinks != nil {
 		if err := wantLenOf(len(ap.Sinks), hq, what, "sinks"); err != nil {

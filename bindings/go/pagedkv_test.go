@@ -534,6 +534,20 @@ func TestSoftcapWindowMerge(t *testing.T) {
 	wc, wlc := reference(q, k, v, hq, h, d, 0.2, 0, 8)
 	assertClose(t, oc, wc, 1e-5, "chunks of 16")
 	assertClose(t, lc, wlc, 1e-5, "chunks of 16: lse")
+	// non-causal: 3 queries of one request each over all 40 positions, as a decode's query sees
+	qn := r.vec(3 * hq * d)
+	on, ln := make([]float32, 3*hq*d), make([]float32, 3*hq)
+	pn := AttnParams{NQHeads: hq, Scale: 0.2, NonCausal: true}
+	must(t, c.Prefill(0, []AttnReq{{Seq: s, QStart: 0, NQ: 3}}, qn, on, pn, ln))
+	for i := 0; i < 3; i++ {
+		wn, wln := reference(qn[i*hq*d:(i+1)*hq*d], k, v, hq, h, d, 0.2, 0, 0)
+		assertClose(t, on[i*hq*d:(i+1)*hq*d], wn, 1e-5, "non-causal")
+		assertClose(t, ln[i*hq:(i+1)*hq], wln, 1e-5, "non-causal: lse")
+	}
+	pn.Window = 8
+	if err := c.Prefill(0, []AttnReq{{Seq: s, QStart: 0, NQ: 3}}, qn, on, pn, nil); code(err) != EINVAL {
+		t.Fatalf("non-causal with a window: %v", err)
+	}
 	// keys [0, 20) through a truncated fork, [20, 40) through a window of 20: merged, the whole
 	f, err := c.Fork(s)
 	must(t, err)

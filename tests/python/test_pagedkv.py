@@ -473,6 +473,25 @@ class TestAttention(Base):
                     c.decode(0, [s], q[:1], attn_chunk=bad)
                 self.assertEqual(e.exception.code, pkv.EINVAL)
 
+    def test_noncausal(self):
+        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f16", v_dtype="f16", n_threads=2) as c:
+            s, t, _ = self.two_seqs(c)
+            # an encoder's self-attention over s (40), cross-attention of 30 queries over t (23)
+            q = self.rng.standard_normal((70, 4, 64)).astype(np.float32)
+            out, lse = c.prefill(0, [(s, 0, 40), (t, 0, 30)], q, causal=False, softcap=6.0, return_lse=True)
+            for row in range(70):
+                K, V = c.gather(s if row < 40 else t, 0)  # every query over the whole sequence
+                want, wlse = ref_attn(q[row], K.astype(np.float64), V.astype(np.float64), 1 / 8, 6.0)
+                self.assertClose(out[row], want, 1e-5, "non-causal, query %d" % row)
+                self.assertClose(lse[row], wlse, 1e-5, "non-causal lse, query %d" % row)
+            for kw in (dict(window=8), dict(attn_chunk=16), dict(alibi_slopes=np.ones(4, np.float32))):
+                with self.assertRaises(pkv.PkvError) as e:
+                    c.prefill(0, [(s, 0, 40)], q[:40], causal=False, **kw)
+                self.assertEqual(e.exception.code, pkv.EINVAL)
+            with self.assertRaises(pkv.PkvError) as e:
+                c.prefill(0, [(s, 1, 39)], q[:39], causal=False)  # q_start past 0
+            self.assertEqual(e.exception.code, pkv.EINVAL)
+
     def test_tree_keep(self):
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=2) as c:
             s = c.seq_create()

@@ -156,6 +156,8 @@ pub struct pkv_attn_params {
 
 /// pkv_attn_params.flags: bf16 arithmetic allowed with bf16 K/V (pkv.h).
 pub const PKV_ATTN_BF16_DOT: u32 = 1;
+/// pkv_attn_params.flags: each prefill query sees its whole sequence (pkv.h).
+pub const PKV_ATTN_NONCAUSAL: u32 = 2;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

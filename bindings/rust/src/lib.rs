@@ -436,6 +436,11 @@ pub struct AttnParams<'a> {
     /// a window too, a key must pass both; in [`Cache::tree`] a node's position is `q_start` +
     /// its depth). 0 = off.
     pub attn_chunk: u32,
+    /// PKV_ATTN_NONCAUSAL: each query of a [`Cache::prefill`] request sees its whole sequence,
+    /// `[0, length)` (an encoder's self-attention; cross-attention over a sequence holding an
+    /// encoder's K/V): `q_start` must be 0 and `n_q` may be any count; a window, `attn_chunk`
+    /// or `alibi_slopes` with it, or a tree, is `EINVAL`. Decode computes the same either way.
+    pub noncausal: bool,
 }
 
 impl Default for AttnParams<'_> {
@@ -449,6 +454,7 @@ impl Default for AttnParams<'_> {
             sinks: None,
             alibi_slopes: None,
             attn_chunk: 0,
+            noncausal: false,
         }
     }
 }
@@ -1645,7 +1651,8 @@ impl Cache {
         raw.softcap = p.softcap;
         raw.window = p.window;
         raw.attn_chunk = p.attn_chunk;
-        raw.flags = if p.bf16_dot { ffi::PKV_ATTN_BF16_DOT } else { 0 };
+        raw.flags = if p.bf16_dot { ffi::PKV_ATTN_BF16_DOT } else { 0 }
+            | if p.noncausal { ffi::PKV_ATTN_NONCAUSAL } else { 0 };
         if let Some(s) = p.sinks {
             // a shared borrow: it cannot overlap out or lse, which are borrowed mutably
             want_len(s.len(), hq, &format!("{}: sinks", what))?;

@@ -691,6 +691,7 @@ fn softcap_window_merge() {
             sinks: None,
             alibi_slopes: None,
             attn_chunk: 0,
+            noncausal: false,
         };
         let (mut out, mut lse) = (vec![0f32; hq * d], vec![0f32; hq]);
         c.decode(0, &[s], &q, &mut out, &p, Some(&mut lse)).unwrap();
@@ -710,6 +711,32 @@ fn softcap_window_merge() {
     let (w, wl) = reference(&q, &k, &v, hq, h, d, 0.2, 0.0, 8);
     assert_close(&oc, &w, 1e-5, "chunks of 16");
     assert_close(&lc, &wl, 1e-5, "chunks of 16: lse");
+    // non-causal: 3 queries of one request each over all 40 positions, as a decode's query sees
+    let qn: Vec<f32> = rng.vec(3 * hq * d);
+    let pn = AttnParams {
+        n_q_heads: hq as u32,
+        scale: 0.2,
+        noncausal: true,
+        ..AttnParams::default()
+    };
+    let (mut on, mut ln) = (vec![0f32; 3 * hq * d], vec![0f32; 3 * hq]);
+    let req = AttnReq {
+        seq: s,
+        q_start: 0,
+        n_q: 3,
+    };
+    c.prefill(0, &[req], &qn, &mut on, &pn, Some(&mut ln)).unwrap();
+    for i in 0..3 {
+        let qi = &qn[i * hq * d..(i + 1) * hq * d];
+        let (w, wl) = reference(qi, &k, &v, hq, h, d, 0.2, 0.0, 0);
+        assert_close(&on[i * hq * d..(i + 1) * hq * d], &w, 1e-5, "non-causal");
+        assert_close(&ln[i * hq..(i + 1) * hq], &wl, 1e-5, "non-causal: lse");
+    }
+    let bad = AttnParams { window: 8, ..pn };
+    assert_eq!(
+        c.prefill(0, &[req], &qn, &mut on, &bad, None).unwrap_err().code(),
+        EINVAL
+    );
     // keys [0, 20) through a truncated fork, [20, 40) through a window of 20: merged, the whole
     let f = c.fork(s).unwrap();
     c.truncate(f, 20).unwrap();
