@@ -254,6 +254,20 @@ static void run_world(world *w, float scale) {
                 check_row_as(w, who[j], l, q + (size_t)at * nqh * D, q0[j] + t, scale, out + (size_t)at * nqh * Dv,
                              lse + at * nqh, co + (size_t)at * nqh * D, clse + at * nqh,
                              !quick() || t == 0 || t + 1 == nq[j]);
+        /* non-causal (PKV_ATTN_NONCAUSAL, where the world has no window or chunks): 5 queries over
+           all of sequence 2, each as its last position's */
+        if (!w->ex.window && !w->ex.chunk) {
+            const pkv_attn_req nr[2] = {{.seq = w->s[0][2], .n_q = 5}, {.seq = w->s[1][2], .n_q = 5}};
+            pkv_attn_params pn = p;
+            pn.flags |= PKV_ATTN_NONCAUSAL;
+            pn.lse = lse;
+            assert_int_equal(pkv_attn_prefill(w->c[0], l, &nr[0], 1, q, out, &pn), PKV_OK);
+            pn.lse = clse;
+            assert_int_equal(pkv_attn_prefill(w->c[1], l, &nr[1], 1, q, co, &pn), PKV_OK);
+            for (uint32_t t = 0; t < 5; t++)
+                check_row_as(w, 2, l, q + (size_t)t * nqh * D, w->len[2] - 1, scale, out + (size_t)t * nqh * Dv,
+                             lse + t * nqh, co + (size_t)t * nqh * D, clse + t * nqh, !quick() || t == 0);
+        }
         /* a tree of 4 nodes at the end of sequence 0: a chain 0-1-2 and a node 3 under 0; against
            the twin (the paths' reference is test_attn_api.c's) */
         const int32_t parent[4] = {-1, 0, 1, 0};
@@ -351,7 +365,7 @@ static void test_mla_oracle(void **state) {
  * heads on one kv head (split into sub-groups of 64 rows), 2 kv heads, 4 query heads at head_dim
  * 576 (the row path: its 16-bit runs in pieces where the way says so), head_dim 200 and v_dim 136
  * at 16 heads (the transposed path's parts of 64 columns end on parts of 8), soft-cap with a
- * window, chunks of 40 and sinks, the bf16 flag; then after pkv_seq_compact (1) and pkv_seq_keep (2) on both
+ * window, chunks of 40 and sinks, the bf16 flag (non-causal prefill where there is no window); then after pkv_seq_compact (1) and pkv_seq_keep (2) on both
  * caches. */
 static void test_mla_shapes(void **state) {
     (void)state;
