@@ -730,10 +730,12 @@ static void test_api_noncausal(void **state) {
             pkv_cache *c = make_cache(dt, nt, 0);
             static const uint32_t lens[4] = {37, 5, 250, 0};
             for (int i = 0; i < 4; i++) seq_new(c, dt, &s[i], lens[i], 100 * i);
-            const pkv_attn_req reqs[4] = {{s[0].id, 0, 37}, {s[1].id, 0, 40}, {s[0].id, 0, 0}, {s[2].id, 0, 3}};
-            const host_seq *who[4] = {&s[0], &s[1], &s[0], &s[2]};
-            const uint32_t nq = 37 + 40 + 3;
-            float *q = rand_q(nq), *out = malloc(sizeof(float) * nq * NQH * D), lse[80 * NQH], sinks[NQH];
+            /* (two requests over sequence 0: not grouped as a shared prefix) */
+            const pkv_attn_req reqs[5] = {{s[0].id, 0, 37}, {s[1].id, 0, 40}, {s[0].id, 0, 0}, {s[2].id, 0, 3},
+                                          {s[0].id, 0, 4}};
+            const host_seq *who[5] = {&s[0], &s[1], &s[0], &s[2], &s[0]};
+            const uint32_t nq = 37 + 40 + 3 + 4;
+            float *q = rand_q(nq), *out = malloc(sizeof(float) * nq * NQH * D), lse[84 * NQH], sinks[NQH];
             float *o2 = malloc(sizeof(float) * nq * NQH * D);
             for (uint32_t h = 0; h < NQH; h++) sinks[h] = 4.0f * rnd() + 1.0f;
             for (int variant = 0; variant < 3; variant++) {
@@ -741,14 +743,14 @@ static void test_api_noncausal(void **state) {
                 p.n_q_heads = NQH, p.flags = PKV_ATTN_NONCAUSAL;
                 if (variant == 1) p.softcap = 6.0f, p.scale = 0.3f, p.lse = lse;
                 if (variant == 2) p.sinks = sinks, p.lse = lse;
-                assert_int_equal(pkv_attn_prefill(c, variant % L, reqs, 4, q, out, &p), PKV_OK);
-                for (uint32_t j = 0, at = 0; j < 4; at += reqs[j].n_q, j++)
+                assert_int_equal(pkv_attn_prefill(c, variant % L, reqs, 5, q, out, &p), PKV_OK);
+                for (uint32_t j = 0, at = 0; j < 5; at += reqs[j].n_q, j++)
                     for (uint32_t i = 0; i < reqs[j].n_q; i++) /* every query as the last position's */
                         check_tol(who[j], variant % L, q + (size_t)(at + i) * NQH * D, out + (size_t)(at + i) * NQH * D,
                                   p.lse ? lse + (at + i) * NQH : NULL, who[j]->len - 1, 1, &p, tol_of(dt));
                 /* in place: the same bits */
                 memcpy(o2, q, sizeof(float) * nq * NQH * D);
-                assert_int_equal(pkv_attn_prefill(c, variant % L, reqs, 4, o2, o2, &p), PKV_OK);
+                assert_int_equal(pkv_attn_prefill(c, variant % L, reqs, 5, o2, o2, &p), PKV_OK);
                 assert_memory_equal(o2, out, sizeof(float) * nq * NQH * D);
             }
             /* decode: the flag changes nothing */
@@ -767,7 +769,7 @@ static void test_api_noncausal(void **state) {
             for (int bad = 0; bad < 7; bad++) {
                 pkv_attn_params pb = pkv_attn_params_default();
                 pb.n_q_heads = NQH, pb.flags = PKV_ATTN_NONCAUSAL;
-                pkv_attn_req rb[4];
+                pkv_attn_req rb[5];
                 memcpy(rb, reqs, sizeof rb);
                 if (bad == 0) pb.window = 8;
                 if (bad == 1) pb.attn_chunk = 16;
@@ -780,7 +782,7 @@ static void test_api_noncausal(void **state) {
                     const pkv_attn_tree_req tr = {s[0].id, 30, 2, par};
                     assert_int_equal(pkv_attn_tree(c, 0, &tr, 1, q, out, &pb), PKV_EINVAL);
                 } else
-                    assert_int_equal(pkv_attn_prefill(c, 0, rb, 4, q, out, &pb), PKV_EINVAL);
+                    assert_int_equal(pkv_attn_prefill(c, 0, rb, 5, q, out, &pb), PKV_EINVAL);
                 assert_memory_equal(o2, out, sizeof(float) * nq * NQH * D);
             }
             free(q), free(out), free(o2);
