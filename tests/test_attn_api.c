@@ -714,7 +714,7 @@ static void q8_query(const float *x, float *y) {
     }
 }
 
-/* PKV_ATTN_NONCAUSAL: encoder self-attention (every query of a 37-token sequence over all of it),
+/* PKV_ATTN_NONCAUSAL: encoder self-attention (every query of a 48-token sequence over all of it),
  * cross-attention (40 queries over a 5-token sequence, more queries than positions) and 3 queries
  * over 250 positions, with an empty request, in one call, each query against the reference of
  * one at the sequence's last position; plain, with soft-cap and lse, with sinks; every float
@@ -728,14 +728,15 @@ static void test_api_noncausal(void **state) {
         for (uint32_t nt = 1; nt <= 2; nt++) {
             const pkv_dtype dt = q_types[ti];
             pkv_cache *c = make_cache(dt, nt, 0);
-            static const uint32_t lens[4] = {37, 5, 250, 0};
+            pkv__cache_test_share(c, 1, 0); /* groups of any whole block, where they were allowed */
+            static const uint32_t lens[4] = {48, 5, 250, 0};
             for (int i = 0; i < 4; i++) seq_new(c, dt, &s[i], lens[i], 100 * i);
             /* (two requests over sequence 0: not grouped as a shared prefix) */
-            const pkv_attn_req reqs[5] = {{s[0].id, 0, 37}, {s[1].id, 0, 40}, {s[0].id, 0, 0}, {s[2].id, 0, 3},
+            const pkv_attn_req reqs[5] = {{s[0].id, 0, 48}, {s[1].id, 0, 40}, {s[0].id, 0, 0}, {s[2].id, 0, 3},
                                           {s[0].id, 0, 4}};
             const host_seq *who[5] = {&s[0], &s[1], &s[0], &s[2], &s[0]};
-            const uint32_t nq = 37 + 40 + 3 + 4;
-            float *q = rand_q(nq), *out = malloc(sizeof(float) * nq * NQH * D), lse[84 * NQH], sinks[NQH];
+            const uint32_t nq = 48 + 40 + 3 + 4;
+            float *q = rand_q(nq), *out = malloc(sizeof(float) * nq * NQH * D), lse[95 * NQH], sinks[NQH];
             float *o2 = malloc(sizeof(float) * nq * NQH * D);
             for (uint32_t h = 0; h < NQH; h++) sinks[h] = 4.0f * rnd() + 1.0f;
             for (int variant = 0; variant < 3; variant++) {
