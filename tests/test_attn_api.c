@@ -714,9 +714,9 @@ static void q8_query(const float *x, float *y) {
     }
 }
 
-/* PKV_ATTN_NONCAUSAL: encoder self-attention (every query of a 48-token sequence over all of it),
- * cross-attention (40 queries over a 5-token sequence, more queries than positions) and 3 queries
- * over 250 positions, with an empty request, in one call, each query against the reference of
+/* PKV_ATTN_NONCAUSAL: 48 queries over 250 positions, cross-attention (40 queries over a 5-token
+ * sequence, more queries than positions) and two requests of 3 and 4 queries over one sequence of
+ * 48 positions, with an empty request, in one call, each query against the reference of
  * one at the sequence's last position; plain, with soft-cap and lse, with sinks; every float
  * dtype and the 8-bit ones, 1 and 2 threads; in place the same bits as apart. Decode takes the
  * flag and gives the same bits. Refusals (a window, chunks or ALiBi with it, q_start past 0, queries
@@ -731,10 +731,11 @@ static void test_api_noncausal(void **state) {
             pkv__cache_test_share(c, 1, 0); /* groups of any whole block, where they were allowed */
             static const uint32_t lens[4] = {48, 5, 250, 0};
             for (int i = 0; i < 4; i++) seq_new(c, dt, &s[i], lens[i], 100 * i);
-            /* (two requests over sequence 0: not grouped as a shared prefix) */
-            const pkv_attn_req reqs[5] = {{s[0].id, 0, 48}, {s[1].id, 0, 40}, {s[0].id, 0, 0}, {s[2].id, 0, 3},
+            /* (two requests over sequence 0, within the scratch's rows: not grouped as a shared
+               prefix, whose members' own parts would hold no key) */
+            const pkv_attn_req reqs[5] = {{s[2].id, 0, 48}, {s[1].id, 0, 40}, {s[0].id, 0, 0}, {s[0].id, 0, 3},
                                           {s[0].id, 0, 4}};
-            const host_seq *who[5] = {&s[0], &s[1], &s[0], &s[2], &s[0]};
+            const host_seq *who[5] = {&s[2], &s[1], &s[0], &s[0], &s[0]};
             const uint32_t nq = 48 + 40 + 3 + 4;
             float *q = rand_q(nq), *out = malloc(sizeof(float) * nq * NQH * D), lse[95 * NQH], sinks[NQH];
             float *o2 = malloc(sizeof(float) * nq * NQH * D);
