@@ -805,7 +805,8 @@ PKV_NODISCARD PKV_API int pkv_attn_decode(pkv_cache *c, uint32_t layer, const pk
 
 /* One prefill/extend request: queries for positions [q_start, q_start + n_q) of seq, causal
  * (a query at position p sees positions <= p, reused prefix blocks included);
- * q_start + n_q <= length. */
+ * q_start + n_q <= length. With PKV_ATTN_NONCAUSAL (above) every query sees [0, length) instead:
+ * q_start 0, n_q any count. */
 typedef struct pkv_attn_req {
     pkv_seq seq;
     uint32_t q_start;
