@@ -801,7 +801,14 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     const int noncausal = prefill && (b & 32) && !ap.window && !ap.attn_chunk;
     if (noncausal) {
         ap.flags |= PKV_ATTN_NONCAUSAL;
-        for (uint32_t i = 0; i < n; i++) reqs[i].q_start = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            reqs[i].q_start = 0;
+            if (pm_byte(src) < 64 && nq < PM_ATTN_MAX_Q) { /* more queries than the sequence has positions */
+                uint32_t more = 1 + pm_below(src, 8);
+                if (more > PM_ATTN_MAX_Q - nq) more = PM_ATTN_MAX_Q - nq;
+                reqs[i].n_q += more, nq += more;
+            }
+        }
     }
     pm_draw_queries(w, src, (size_t)nq * Hq * D);
     const uint32_t bad = pm_byte(src) < 48 ? 1 + pm_byte(src) % 8 : 0;

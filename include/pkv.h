@@ -719,12 +719,14 @@ enum { PKV_ATTN_BF16_DOT = 1u };
  * self-attention (BERT, Whisper's and T5's encoders), and cross-attention, where a decoder's
  * queries attend to a sequence that holds an encoder's K/V (Whisper, T5, Llama 3.2 Vision's image
  * layers: FlashInfer's and vLLM's causal=False). A request's queries are then not at positions of
- * the sequence: q_start must be 0 and n_q may be any count (the sequence must hold a position
- * where n_q is not 0). Positions having no meaning, a window, attn_chunk or alibi_slopes with it
- * is PKV_EINVAL, and so is pkv_attn_tree with it; pkv_attn_decode takes it and computes what it
- * computes without (its query sees [0, length) anyway). Soft-cap, sinks, lse, GQA and MLA as
- * causal requests. Queries over one sequence are best one request: its blocks are read once for
- * all of them (such requests are not grouped with others as shared prefixes). */
+ * the sequence: q_start must be 0 and n_q may be any count up to max_blocks_per_seq x
+ * block_tokens, what a causal request may have (the sequence must hold a position where n_q is
+ * not 0). Positions having no meaning, a window, attn_chunk or alibi_slopes with it is
+ * PKV_EINVAL in every call, and so is pkv_attn_tree with it; pkv_attn_decode otherwise takes it
+ * and computes what it computes without (its query sees [0, length) anyway). Soft-cap, sinks, lse, GQA and MLA as
+ * causal requests. Queries over one sequence are best one request: its blocks are then read once a
+ * tile of up to 64 query rows (a tile's query heads x queries), not once a request (such
+ * requests are not grouped with others as shared prefixes). */
 enum { PKV_ATTN_NONCAUSAL = 2u };
 PKV_API pkv_attn_params pkv_attn_params_default(void);
 

@@ -1316,7 +1316,7 @@ class Cache:
     @_in_call
     def prefill(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
                 out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None, attn_chunk=0, causal=True):
-        """Prefill / extend attention over a ragged batch (pkv_attn_prefill), causal.
+        """Prefill / extend attention over a ragged batch (pkv_attn_prefill), causal unless causal=False.
         reqs: (seq, q_start, n_q) triples; q: the requests' queries concatenated,
         [sum n_q][n_q_heads][head_dim]. Returns out (and lse) like decode, one row per query
         ([sum n_q][n_q_heads][v_dim] on an MLA cache); out, lse_out, bf16_dot, sinks,

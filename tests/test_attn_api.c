@@ -720,7 +720,8 @@ static void q8_query(const float *x, float *y) {
  * one at the sequence's last position; plain, with soft-cap and lse, with sinks; every float
  * dtype and the 8-bit ones, 1 and 2 threads; in place the same bits as apart. Decode takes the
  * flag and gives the same bits. Refusals (a window, chunks or ALiBi with it, q_start past 0, queries
- * over an empty sequence, a tree, an unknown flag) leave out untouched. */
+ * over an empty sequence, a tree, an unknown flag, more queries than a sequence may hold) leave
+ * out untouched. */
 static void test_api_noncausal(void **state) {
     (void)state;
     static host_seq s[4];
@@ -768,7 +769,7 @@ static void test_api_noncausal(void **state) {
             for (uint32_t h = 0; h < NQH; h++) slopes[h] = 0.1f;
             memset(out, 0x5a, sizeof(float) * nq * NQH * D);
             memcpy(o2, out, sizeof(float) * nq * NQH * D);
-            for (int bad = 0; bad < 7; bad++) {
+            for (int bad = 0; bad < 8; bad++) {
                 pkv_attn_params pb = pkv_attn_params_default();
                 pb.n_q_heads = NQH, pb.flags = PKV_ATTN_NONCAUSAL;
                 pkv_attn_req rb[5];
@@ -779,6 +780,7 @@ static void test_api_noncausal(void **state) {
                 if (bad == 3) rb[3].q_start = 1;
                 if (bad == 4) rb[1].seq = s[3].id; /* empty */
                 if (bad == 5) pb.flags |= 4u;
+                if (bad == 7) rb[1].n_q = 0x7fffffffu; /* past what a sequence may hold (checked first) */
                 if (bad == 6) {
                     const int32_t par[2] = {-1, 0};
                     const pkv_attn_tree_req tr = {s[0].id, 30, 2, par};

@@ -329,8 +329,9 @@ type TreeReq struct {
 //
 // NonCausal is PKV_ATTN_NONCAUSAL: each query of a Prefill request sees its whole sequence,
 // [0, length) (an encoder's self-attention; cross-attention over a sequence holding an encoder's
-// K/V): QStart must be 0 and NQ may be any count; a Window, AttnChunk or AlibiSlopes with it, or
-// Tree, is EINVAL. Decode computes the same either way.
+// K/V): QStart must be 0 and NQ may be any count up to what a sequence may hold; a Window,
+// AttnChunk or AlibiSlopes with it (in any call), or Tree, is EINVAL; Decode otherwise computes
+// the same either way.
 type AttnParams struct {
 	NQHeads     uint32
 	Scale       float32

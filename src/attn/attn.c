@@ -546,8 +546,9 @@ static inline bool sweepable(const pkv__attn_item *it) {
 }
 
 /* The first key a query at pos of item it sees under the call's window and chunks: none hides a
- * key of a shared-prefix part, whose nominal positions (P - 1 on, one a member) are not its
- * queries' (neither hides any of [0, P) from a member: the cache groups no other member). */
+ * key of a partial item (a shared-prefix part, whose nominal positions, P - 1 on, one a member,
+ * are not its queries': neither hides any of [0, P) from a member, the cache groups no other; the
+ * tree's prefix part, likewise for its nodes). */
 static inline uint32_t key_lo(const pkv__attn_call *call, const pkv__attn_item *it, uint32_t pos) {
     return it->partial ? 0 : pkv__attn_key_lo(call, pos);
 }
@@ -1298,14 +1299,16 @@ static void plan_shape(const pkv__attn *at, const pkv__attn_item *it, plan_item 
     } else {
         pi->n_gsub = 1;
         pi->gsub = G;
-        /* a shared prefix's queries all see the same keys: as many in a tile as it holds, so its
+        /* a shared prefix's queries (and a tree's prefix part's, and non-causal ones: k_end at or
+           before the first query) all see the same keys: as many in a tile as it holds, so its
            blocks are read once a tile */
-        pi->qtile = PKV_MAX(1u, PKV_MIN(it->n_q, (it->partial ? ROWS_MAX : ROWS_PER_HEAD) / G));
+        const bool same = it->partial || (it->k_end && it->k_end <= it->q_pos0);
+        pi->qtile = PKV_MAX(1u, PKV_MIN(it->n_q, (same ? ROWS_MAX : ROWS_PER_HEAD) / G));
         const uint32_t rows_h = pi->qtile * G;
         /* as many kv heads per unit as fit: their blocks are adjacent in the pool */
         pi->heads_per = PKV_MAX(1u, PKV_MIN(H, ROWS_MAX / rows_h));
         pi->n_hgs = (H + pi->heads_per - 1) / pi->heads_per;
-        if (it->partial) { /* even groups: 4 + 4 heads, not 5 + 3 */
+        if (same) { /* even groups: 4 + 4 heads, not 5 + 3 */
             pi->heads_per = (H + pi->n_hgs - 1) / pi->n_hgs;
             pi->n_hgs = (H + pi->heads_per - 1) / pi->heads_per;
         }

@@ -31,14 +31,17 @@ typedef struct pkv__kv_view {
  * ceil((q_pos0 + n_q) / block_tokens) entries, all valid block ids. Decode is the item
  * {q_pos0 = length - 1, n_q = 1}. k_end, where not 0, also hides every key at or past it; the
  * last query's first key (pkv__attn_key_lo) must still be below it (else PKV_EINVAL). With k_end <=
- * q_pos0 and neither window nor chunks all n_q queries see the same keys [0, k_end) (pkv_attn_tree's prefix part, and a
- * shared-prefix group's: cache.c, share_*; the pool-order sweep does not take such items). Only
- * the blocks its queries see must be valid in block_table. k_start, a multiple of block_tokens,
- * hides every key before it (a shared-prefix group's members read their own blocks from there);
- * the first query must be at or past it. partial: the item is the shared-prefix part of a group
- * of decodes (its queries at nominal positions, all seeing [0, k_end)): the call's window, chunks and
- * sinks are not applied to it (neither hides a key of it; the merge with the members'
- * own parts adds the sinks there) and pkv__attn_item_counts does not count it. */
+ * q_pos0 and neither window nor chunks (or partial) all n_q queries see the same keys [0, k_end):
+ * pkv_attn_tree's prefix part, a shared-prefix group's (cache.c, share_*) and a non-causal
+ * request (PKV_ATTN_NONCAUSAL: q_pos0 = k_end = length); the pool-order sweep does not take such
+ * items, and the planner gives them the larger tiles. Only the blocks its queries see must be
+ * valid in block_table. k_start, a multiple of block_tokens, hides every key before it (a
+ * shared-prefix group's members read their own blocks from there); the first query must be at or
+ * past it. partial: the item's queries are at nominal positions, all seeing [0, k_end) (the
+ * shared-prefix part of a group of decodes, or the tree's prefix part for a run of nodes): the
+ * call's window, chunks and sinks are not applied to it (neither hides a key of it for any of its
+ * real queries; the merge with the members' own parts, or the tree's paths, adds the sinks there)
+ * and pkv__attn_item_counts does not count it. */
 typedef struct pkv__attn_item {
     const int32_t *block_table;
     uint32_t q_pos0;

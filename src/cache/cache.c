@@ -1820,6 +1820,9 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         else if (noncausal && reqs[i].n_q && s->n_tokens == 0)
             rc = pkv__say(c, PKV_EINVAL, api, "request %u: %u non-causal queries over an empty sequence", i,
                           reqs[i].n_q);
+        else if (noncausal && reqs[i].n_q > (uint64_t)c->max_bps * c->B) /* as many as a causal one may have */
+            rc = pkv__say(c, PKV_EINVAL, api, "request %u: %u non-causal queries, past the %llu positions a sequence may hold",
+                          i, reqs[i].n_q, (unsigned long long)c->max_bps * c->B);
         else if (reqs && !noncausal && (uint64_t)reqs[i].q_start + reqs[i].n_q > s->n_tokens)
             rc = pkv__say(c, PKV_EINVAL, api, "request %u: positions [%u, %llu) past the sequence's length %u", i,
                           reqs[i].q_start, (unsigned long long)reqs[i].q_start + reqs[i].n_q, s->n_tokens);

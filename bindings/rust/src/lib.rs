@@ -438,8 +438,10 @@ pub struct AttnParams<'a> {
     pub attn_chunk: u32,
     /// PKV_ATTN_NONCAUSAL: each query of a [`Cache::prefill`] request sees its whole sequence,
     /// `[0, length)` (an encoder's self-attention; cross-attention over a sequence holding an
-    /// encoder's K/V): `q_start` must be 0 and `n_q` may be any count; a window, `attn_chunk`
-    /// or `alibi_slopes` with it, or a tree, is `EINVAL`. Decode computes the same either way.
+    /// encoder's K/V): `q_start` must be 0 and `n_q` may be any count up to what a sequence may
+    /// hold; a window, `attn_chunk`
+    /// or `alibi_slopes` with it (in any call), or a tree, is `EINVAL`; decode otherwise computes
+    /// the same either way.
     pub noncausal: bool,
 }
 
