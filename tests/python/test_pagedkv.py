@@ -64,6 +64,12 @@ class Base(unittest.TestCase):
         c.commit(s, c.seq_info(s).n_tokens)
         return toks
 
+    def assertEinval(self, fn, *args, **kw):
+        """fn(*args, **kw) raises PkvError with code EINVAL."""
+        with self.assertRaises(pkv.PkvError) as e:
+            fn(*args, **kw)
+        self.assertEqual(e.exception.code, pkv.EINVAL)
+
     def assertClose(self, got, want, rel, what):
         scale = max(1.0, float(np.abs(want).max()))
         err = float(np.abs(got.astype(np.float64) - want).max())
@@ -409,9 +415,7 @@ class TestAttention(Base):
             self.assertFalse(np.array_equal(c.prefill(0, [(s, 30, 10)], qp, sinks=sinks), p0))
             for bad in (np.array([0, 0, np.nan, 0], np.float32), np.array([0, np.inf, 0, 0], np.float32),
                         np.zeros(3, np.float32), np.zeros(5, np.float32)):
-                with self.assertRaises(pkv.PkvError) as e:
-                    c.decode(0, [s], q[:1], sinks=bad)
-                self.assertEqual(e.exception.code, pkv.EINVAL)
+                self.assertEinval(c.decode, 0, [s], q[:1], sinks=bad)
 
     def test_alibi(self):
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f16", v_dtype="f16", n_threads=2) as c:
@@ -437,9 +441,7 @@ class TestAttention(Base):
                                           c.decode(0, [s, t], q))
             for bad in (np.full(3, 0.5, np.float32), np.array([0.5, np.nan, 0.5, 0.5], np.float32),
                         np.array([0.5, 1e6, 0.5, 0.5], np.float32)):
-                with self.assertRaises(pkv.PkvError) as e:
-                    c.decode(0, [s, t], q, alibi_slopes=bad)
-                self.assertEqual(e.exception.code, pkv.EINVAL)
+                self.assertEinval(c.decode, 0, [s, t], q, alibi_slopes=bad)
 
     def test_attn_chunk(self):
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f16", v_dtype="f16", n_threads=2) as c:
@@ -469,9 +471,7 @@ class TestAttention(Base):
             po = c.prefill(0, [(s, 25, 15)], qp, attn_chunk=1)
             self.assertClose(po, np.repeat(V[25:40], 2, axis=1).astype(np.float64), 1e-6, "chunks of 1")
             for bad in (-1, 2 ** 32):
-                with self.assertRaises(pkv.PkvError) as e:
-                    c.decode(0, [s], q[:1], attn_chunk=bad)
-                self.assertEqual(e.exception.code, pkv.EINVAL)
+                self.assertEinval(c.decode, 0, [s], q[:1], attn_chunk=bad)
 
     def test_noncausal(self):
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f16", v_dtype="f16", n_threads=2) as c:
@@ -485,12 +485,8 @@ class TestAttention(Base):
                 self.assertClose(out[row], want, 1e-5, "non-causal, query %d" % row)
                 self.assertClose(lse[row], wlse, 1e-5, "non-causal lse, query %d" % row)
             for kw in (dict(window=8), dict(attn_chunk=16), dict(alibi_slopes=np.ones(4, np.float32))):
-                with self.assertRaises(pkv.PkvError) as e:
-                    c.prefill(0, [(s, 0, 40)], q[:40], causal=False, **kw)
-                self.assertEqual(e.exception.code, pkv.EINVAL)
-            with self.assertRaises(pkv.PkvError) as e:
-                c.prefill(0, [(s, 1, 39)], q[:39], causal=False)  # q_start past 0
-            self.assertEqual(e.exception.code, pkv.EINVAL)
+                self.assertEinval(c.prefill, 0, [(s, 0, 40)], q[:40], causal=False, **kw)
+            self.assertEinval(c.prefill, 0, [(s, 1, 39)], q[:39], causal=False)  # q_start past 0
 
     def test_tree_keep(self):
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=2) as c:
