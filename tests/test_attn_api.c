@@ -105,12 +105,18 @@ static void seq_new(pkv_cache *c, pkv_dtype dt, host_seq *s, uint32_t n, int32_t
     if (n) append_write(c, dt, s, n, tok0);
 }
 
+/* The first key a query at pos sees under p's window and chunks (the references' own rule). */
+static uint32_t ref_key_lo(const pkv_attn_params *p, uint32_t pos) {
+    uint32_t lo = (p->window && pos + 1 > p->window) ? pos + 1 - p->window : 0;
+    if (p->attn_chunk && pos / p->attn_chunk * p->attn_chunk > lo) lo = pos / p->attn_chunk * p->attn_chunk;
+    return lo;
+}
+
 /* Reference for one query row set (NQH heads) at position pos of s. */
 static void ref_one(const host_seq *s, uint32_t l, const float *q, uint32_t pos, const pkv_attn_params *p, double *out,
                     double *lse) {
     const double scale = p->scale > 0 ? p->scale : 1.0 / sqrt((double)D);
-    uint32_t lo = (p->window && pos + 1 > p->window) ? pos + 1 - p->window : 0;
-    if (p->attn_chunk && pos / p->attn_chunk * p->attn_chunk > lo) lo = pos / p->attn_chunk * p->attn_chunk;
+    const uint32_t lo = ref_key_lo(p, pos);
     for (uint32_t hq = 0; hq < NQH; hq++) {
         const uint32_t h = hq / (NQH / H);
         double w[MAXTOK], mx = -INFINITY, sum = 0;
@@ -803,12 +809,10 @@ static void ref_tree(const host_seq *s, uint32_t l, const float *q, uint32_t nqh
     const float fscale = p->scale > 0 ? p->scale : 1.0f / sqrtf((float)D); /* as the library resolves it */
     uint32_t depth[MAXTOK], keys[MAXTOK], kpos[MAXTOK], n = 0; /* a key's row, its position in the text */
     for (uint32_t j = 0; j <= i; j++) depth[j] = parent[j] < 0 ? 0 : depth[parent[j]] + 1;
-    const uint32_t pos = q_start + depth[i], chunk0 = p->attn_chunk ? pos / p->attn_chunk * p->attn_chunk : 0;
-    for (uint32_t t = 0; t < q_start; t++)
-        if ((!p->window || pos - t < p->window) && t >= chunk0) kpos[n] = t, keys[n++] = t;
+    const uint32_t pos = q_start + depth[i], lo = ref_key_lo(p, pos); /* a node's, from its position */
+    for (uint32_t t = lo; t < q_start; t++) kpos[n] = t, keys[n++] = t;
     for (int32_t j = (int32_t)i; j >= 0; j = parent[j])
-        if ((!p->window || depth[i] - depth[j] < p->window) && q_start + depth[j] >= chunk0)
-            kpos[n] = q_start + depth[j], keys[n++] = q_start + (uint32_t)j;
+        if (q_start + depth[j] >= lo) kpos[n] = q_start + depth[j], keys[n++] = q_start + (uint32_t)j;
     for (uint32_t hq = 0; hq < nqh; hq++) {
         const uint32_t h = hq / (nqh / H);
         double w[MAXTOK], mx = p->sinks ? p->sinks[hq] : -INFINITY, sum = 0;

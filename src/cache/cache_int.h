@@ -25,9 +25,9 @@ typedef struct pkv__seq {
 /* A group of a decode batch's sequences whose tables share their first `blocks` blocks (share.c),
  * counted from each member's base (pkv__share.base: the first block its queries see, past 0 where
  * chunks of local attention or a window that starts on a block boundary hide the earlier ones;
- * the same for every member): its members are
- * pkv__share.order[first .. first + n); it reads blocks [from, blocks) for them, a group of a
- * superset of them (from its blocks on) or none (from 0) the blocks before. */
+ * the same for every member): its members are pkv__share.order[first .. first + n); it reads
+ * blocks [from, blocks) for them, a group of a superset of them (from its blocks on) or none (from
+ * 0) the blocks before. */
 typedef struct pkv__share_group {
     uint32_t first, n, from, blocks;
 } pkv__share_group;
@@ -146,12 +146,12 @@ int pkv__cache_attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, cons
 /* Groups the decodes c->items[0, k) that share at least share.min_blocks whole blocks before their
  * queries, from the first block they see (every query of a member seeing from the same block
  * boundary on: none where a window or a chunk starts inside a block or moves between its queries;
- * members whose chunks start at different blocks in no group together): share.order and share.groups, nested (the
- * trie of their tables: a group of forks inside a group of requests that share a system prompt);
- * returns the number of groups (0: none, or share off). Every set of members that share a prefix
- * is a group, from its enclosing group's blocks to its own, where that is min_blocks or more and
- * the scratch still has rows for its members at call's n_q_heads query heads (taken shallowest first,
- * over the whole batch). */
+ * members whose chunks start at different blocks in no group together): share.order and
+ * share.groups, nested (the trie of their tables: a group of forks inside a group of requests that
+ * share a system prompt); returns the number of groups (0: none, or share off). Every set of
+ * members that share a prefix is a group, from its enclosing group's blocks to its own, where that
+ * is min_blocks or more and the scratch still has rows for its members at call's n_q_heads query
+ * heads (taken shallowest first, over the whole batch). */
 uint32_t pkv__share_plan(pkv_cache *c, uint32_t k, const pkv__attn_call *call);
 /* pkv__cache_attn_run for the requests c->items[0, k) (decodes, or extends of their queries; lse
  * pointing at the caller's or NULL), their shared prefixes read once a group: each group's part is

@@ -184,6 +184,7 @@ int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv
     r0 = 0;
     for (uint32_t g = 0; g < ng; g++) {
         const pkv__share_group *gr = &sh->groups[g];
+        const uint32_t bb = sh->base[sh->order[gr->first]];
         sh->call_keys += (uint64_t)(gr->n - 1) * (gr->blocks - gr->from) * B;
         for (uint32_t j = 0, gq = 0; j < gr->n; gq += items[sh->order[gr->first + j]].n_q, j++) {
             const pkv__attn_item *it = &items[sh->order[gr->first + j]];
@@ -192,8 +193,7 @@ int pkv__share_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv
                member's own is q_pos0 + qi, which moves the row's logits, so its log-sum-exp, by
                slope x (nominal - own) (the output, a softmax, is the same) */
             if (call->alibi) {
-                const float d = (float)(((int64_t)sh->base[sh->order[gr->first]] + gr->blocks) * B - 1 + gq -
-                                        it->q_pos0); /* qi cancels */
+                const float d = (float)(((int64_t)bb + gr->blocks) * B - 1 + gq - it->q_pos0); /* qi cancels */
                 for (uint32_t qi = 0; qi < it->n_q; qi++)
                     for (uint32_t h = 0; h < nqh; h++) sh->lse_a[r0 + qi * nqh + h] += call->alibi[h] * d;
             }
@@ -231,10 +231,13 @@ static uint32_t share_rows(const pkv_cache *c) {
     return (uint32_t)(PKV_MIN(want, fit) & ~(uint64_t)7);
 }
 
+/* The uint32_t arrays of max_seqs + 1 each that pkv__share_carve cuts (pkv__share: full .. base). */
+#define SHARE_U32_ARRAYS 15u
+
 uint64_t pkv__share_bytes(const pkv_cache *c) {
     const uint64_t n = c->max_seqs, rows = share_rows(c);
     return sizeof(float) * rows * share_row_floats(c) + sizeof(float *) * n + sizeof(pkv__share_group) * n +
-           sizeof(uint64_t) * (n + 1) + sizeof(uint32_t) * 15u * (n + 1);
+           sizeof(uint64_t) * (n + 1) + sizeof(uint32_t) * SHARE_U32_ARRAYS * (n + 1);
 }
 
 void pkv__share_carve(pkv_cache *c) {
@@ -249,10 +252,10 @@ void pkv__share_carve(pkv_cache *c) {
     sh->groups = (pkv__share_group *)(void *)(sh->lse_to + n);
     sh->qsum = (uint64_t *)(void *)(sh->groups + n); /* groups are 16 bytes: 8-byte aligned */
     uint32_t *u = (uint32_t *)(void *)(sh->qsum + n + 1);
-    uint32_t **arrays[15] = {&sh->full,  &sh->idx,  &sh->tmp,  &sh->order,    &sh->lcp,   &sh->st_lcp, &sh->st_lb,
+    uint32_t **arrays[SHARE_U32_ARRAYS] = {&sh->full,  &sh->idx,  &sh->tmp,  &sh->order,    &sh->lcp,   &sh->st_lcp, &sh->st_lb,
                              &sh->st_id, &sh->nd_a, &sh->nd_b, &sh->nd_depth, &sh->nd_up, &sh->nd_eff, &sh->slot,
                              &sh->base};
-    for (int i = 0; i < 15; i++) *arrays[i] = u, u += n + 1;
+    for (uint32_t i = 0; i < SHARE_U32_ARRAYS; i++) *arrays[i] = u, u += n + 1;
 }
 
 int64_t pkv__share_env(void) {
