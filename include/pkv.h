@@ -364,8 +364,28 @@ PKV_NODISCARD PKV_API int pkv_seq_commit(pkv_cache *c, pkv_seq s, uint32_t n_pos
 PKV_NODISCARD PKV_API int pkv_seq_fork(pkv_cache *c, pkv_seq parent, pkv_seq *child);
 
 /* Keeps positions [0, n); releases the blocks past n. Never fails for n >= length (no-op).
- * The committed count becomes min(committed, n). Shared blocks are only dereferenced. */
+ * The committed count becomes min(committed, n). Shared blocks are only dereferenced. n below
+ * the positions pkv_seq_drop_front let go is PKV_EINVAL. */
 PKV_NODISCARD PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
+
+/* Lets go of the blocks of s wholly before position pos (pos <= length), which no query of a
+ * sliding window or of chunked local attention reads again: what llama.cpp's SWA cache and
+ * vLLM's sliding-window manager do. Each such block loses s's reference (FREE where s held it
+ * alone; shared with a fork, it stays the fork's) and its table entry reads -1
+ * (pkv_seq_block_table and the exports give -1 there). The length, committed count and every
+ * later position stay as they are; pkv_seq_info.n_dropped says where the dropped front ends (a
+ * multiple of block_tokens). A pos at or below that is a no-op.
+ * Afterwards any call that would read or write a dropped position is PKV_EINVAL: attention
+ * whose query sees a key there (window or attn_chunk must hide them; PKV_ATTN_NONCAUSAL sees all
+ * of them), pkv_seq_gather / read_stored / write_kv / write_stored / slots from there,
+ * pkv_seq_truncate or pkv_seq_keep to below it, pkv_pin_create and the storage tiers' save and
+ * load. A fork inherits the dropped front. Compaction moves the blocks that are left.
+ * A block here holds every layer's rows, so a model mixing windowed or chunked layers with
+ * global ones (Gemma 2/3, gpt-oss, Llama 4) keeps its windowed layers in a cache of their own and
+ * drops there (examples/hybrid_window.c).
+ * PKV_ENOTSUP where the cache indexes prefixes (enable_prefix_cache): an indexed block's holders
+ * hold the blocks before it, and eviction relies on that. PKV_ENOENT: an unknown sequence. */
+PKV_NODISCARD PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq s, uint32_t pos);
 
 /* Keeps the positions start + idx[0] < start + idx[1] < ... < start + idx[n - 1] of s's
  * uncommitted tail and drops the rest of the tail: position start + idx[k] moves to start + k
@@ -466,6 +486,7 @@ typedef struct pkv_seq_info {
     uint32_t n_blocks;     /* block-table length */
     uint32_t n_shared;     /* blocks of its table with refcount > 1 */
     uint32_t n_reused;     /* tokens attached by pkv_seq_match_prefix */
+    uint32_t n_dropped;    /* positions [0, n_dropped) let go by pkv_seq_drop_front (0: none) */
 } pkv_seq_info;
 PKV_NODISCARD PKV_API int pkv_seq_get_info(pkv_cache *c, pkv_seq s, pkv_seq_info *out);
 

@@ -191,7 +191,7 @@ class _Layout(ctypes.Structure):
 
 class _SeqInfo(ctypes.Structure):
     _fields_ = [("n_tokens", _u32), ("n_committed", _u32), ("n_blocks", _u32), ("n_shared", _u32),
-                ("n_reused", _u32)]
+                ("n_reused", _u32), ("n_dropped", _u32)]
 
 
 class _Stats(ctypes.Structure):
@@ -256,6 +256,7 @@ def _load():
         "pkv_seq_commit": (_int, [_vp, _u64, _u32]),
         "pkv_seq_fork": (_int, [_vp, _u64, _P(_u64)]),
         "pkv_seq_truncate": (_int, [_vp, _u64, _u32]),
+        "pkv_seq_drop_front": (_int, [_vp, _u64, _u32]),
         "pkv_seq_keep": (_int, [_vp, _u64, _u32, _vp, _u32]),
         "pkv_attn_tree": (_int, [_vp, _u32, _vp, _u32, _vp, _vp, _P(_AttnParams)]),
     "pkv_seq_compact": (_int, [_vp, _u64, _u32, ctypes.POINTER(_u32)]),
@@ -891,6 +892,13 @@ class Cache:
         self._check(_lib.pkv_seq_truncate(self._h(), _seq_of(seq), _u32_of(n, "n")), "pkv_seq_truncate")
 
     @_in_call
+    def drop_front(self, seq, pos):
+        """Lets go of the blocks wholly before position pos, which a sliding window or chunked
+        local attention no longer reads (pkv_seq_drop_front; ENOTSUP where the cache indexes
+        prefixes). Positions before seq_info(seq).n_dropped are then refused everywhere."""
+        self._check(_lib.pkv_seq_drop_front(self._h(), _seq_of(seq), _u32_of(pos, "pos")), "pkv_seq_drop_front")
+
+    @_in_call
     def keep(self, seq, start, idx):
         """Keeps positions start + idx[k] (idx strictly ascending) of seq's uncommitted tail, moved
         to start + k with their token ids and K/V, and drops the rest of the tail (pkv_seq_keep):
@@ -940,7 +948,7 @@ class Cache:
 
     @_in_call
     def seq_info(self, seq):
-        """SeqInfo(n_tokens, n_committed, n_blocks, n_shared, n_reused)."""
+        """SeqInfo(n_tokens, n_committed, n_blocks, n_shared, n_reused, n_dropped)."""
         return self._info(seq)
 
     def _info(self, seq):  # (inside a call already: not counted again)

@@ -347,6 +347,7 @@ type AttnParams struct {
 // SeqInfo is pkv_seq_info.
 type SeqInfo struct {
 	NTokens, NCommitted, NBlocks, NShared, NReused uint32
+	NDropped                                       uint32 // positions [0, NDropped) let go by DropFront
 }
 
 // Stats is pkv_stats.
@@ -490,7 +491,7 @@ var (
 	readSeqs  = access{}
 	writeSeqs = access{write: true}
 	readKV    = access{kv: useShared}               // attention, Gather
-	moveRows  = access{write: true, rows: useAlone} // Truncate, Keep, Release, Compact, BatchCompact
+	moveRows  = access{write: true, rows: useAlone} // Truncate, DropFront, Keep, Release, Compact, BatchCompact
 )
 
 // guard is what one call holds, let go by exit in the reverse order.
@@ -1003,6 +1004,13 @@ func (c *Cache) Truncate(s Seq, n uint32) error {
 	return c.op("pkv_seq_truncate", moveRows, func(p *C.pkv_cache) C.int { return C.pkv_seq_truncate(p, C.pkv_seq(s), C.uint32_t(n)) }, s)
 }
 
+// DropFront lets go of the blocks of s wholly before position pos, which a sliding window or
+// chunked local attention no longer reads (pkv_seq_drop_front): positions before
+// SeqInfo.NDropped are then refused by every call. ENOTSUP where the cache indexes prefixes.
+func (c *Cache) DropFront(s Seq, pos uint32) error {
+	return c.op("pkv_seq_drop_front", moveRows, func(p *C.pkv_cache) C.int { return C.pkv_seq_drop_front(p, C.pkv_seq(s), C.uint32_t(pos)) }, s)
+}
+
 // Keep keeps the positions start+idx[k] of s's uncommitted tail, moved to start+k (their token
 // ids and every layer's K and V), and drops the rest of the tail: the length becomes
 // start+len(idx) (pkv_seq_keep). After a Tree over nodes at [start, ...), this keeps the
@@ -1115,7 +1123,7 @@ func (c *Cache) SeqInfo(s Seq) (SeqInfo, error) {
 	if err := c.op("pkv_seq_get_info", readSeqs, func(p *C.pkv_cache) C.int { return C.pkv_seq_get_info(p, C.pkv_seq(s), &i) }, s); err != nil {
 		return SeqInfo{}, err
 	}
-	return SeqInfo{uint32(i.n_tokens), uint32(i.n_committed), uint32(i.n_blocks), uint32(i.n_shared), uint32(i.n_reused)}, nil
+	return SeqInfo{uint32(i.n_tokens), uint32(i.n_committed), uint32(i.n_blocks), uint32(i.n_shared), uint32(i.n_reused), uint32(i.n_dropped)}, nil
 }
 
 // inSeq is EINVAL unless positions [start, start+n) are in the sequence (the C call's own

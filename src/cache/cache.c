@@ -66,6 +66,18 @@ int pkv__get_seq(pkv_cache *c, pkv_seq id, pkv__seq **out, const char *api) {
 }
 #define get_seq(c, id, out) pkv__get_seq((c), (id), (out), __func__)
 
+/* Whether positions [start, start + n) of s are there to read or write: within its length and
+ * past the blocks it dropped (pkv_seq_drop_front); said as api's refusal if not. */
+static int check_span(const pkv_cache *c, const pkv__seq *s, uint32_t start, uint32_t n, const char *api) {
+    if ((uint64_t)start + n > s->n_tokens)
+        return pkv__say(c, PKV_EINVAL, api, "positions [%u, %llu) past the sequence's length %u", start,
+                        (unsigned long long)start + n, s->n_tokens);
+    if (n && start < s->n_dropped * c->B)
+        return pkv__say(c, PKV_EINVAL, api, "position %u was dropped (pkv_seq_drop_front: positions before %u)",
+                        start, s->n_dropped * c->B);
+    return PKV_OK;
+}
+
 /* Each cache starts its slots' generations at its own base: the n-th cache of the process at
  * n * 0x9E3779B1 mod 2^32 (0 skipped), so the bases of any two caches are far apart (the golden
  * ratio's multiples spread evenly) and a handle of one cache is refused by another (PKV_ENOENT)
@@ -102,7 +114,7 @@ void pkv__seq_free(pkv_cache *c, pkv__seq *s) {
     else c->n_pins--;
     s->live = 0;
     s->is_pin = 0;
-    s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = 0;
+    s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = s->n_dropped = 0;
     c->n_live--;
     /* a released id is stale forever: a slot whose generations are used up (2^32 - 1 ids) is
        retired (generation 0, off the free list) rather than wrapped */
@@ -897,9 +909,7 @@ static int seq_write(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, u
     LOCK(c);
     pkv__seq *s;
     int rc = pkv__get_seq(c, id, &s, api);
-    if (!rc && (uint64_t)start + n > s->n_tokens)
-        rc = pkv__say(c, PKV_EINVAL, api, "positions [%u, %llu) past the sequence's length %u", start,
-                      (unsigned long long)start + n, s->n_tokens);
+    if (!rc) rc = check_span(c, s, start, n, api);
     for (uint32_t i = 0; i < n && !rc; i++)
         rc = check_write_row(c, write_slot(c, NULL, s->table, start, i), i, "position", start + i, api);
     /* The table is the sequence's own row of c->tables: it stays put, and nothing may change it
@@ -934,7 +944,7 @@ PKV_API int pkv_seq_commit(pkv_cache *c, pkv_seq id, uint32_t n_pos) {
         goto out;
     }
     if (n_pos <= s->n_committed) goto out;
-    for (uint32_t i = s->n_committed / c->B; i < s->n_blocks && (uint64_t)i * c->B < n_pos; i++) {
+    for (uint32_t i = PKV_MAX(s->n_committed / c->B, s->n_dropped); i < s->n_blocks && (uint64_t)i * c->B < n_pos; i++) {
         pkv__blk *k = &c->blk[s->table[i]];
         uint32_t in_block = (uint32_t)PKV_MIN((uint64_t)c->B, n_pos - (uint64_t)i * c->B);
         if (k->n_commit < in_block) k->n_commit = (uint16_t)in_block;
@@ -969,15 +979,20 @@ out:
 }
 
 void pkv__seq_drop_blocks(pkv_cache *c, pkv__seq *s, uint32_t keep_blocks) {
-    while (s->n_blocks > keep_blocks) pkv__drop_block(c, (uint32_t)s->table[--s->n_blocks]);
+    while (s->n_blocks > keep_blocks) {
+        const int32_t b = s->table[--s->n_blocks];
+        if (b >= 0) pkv__drop_block(c, (uint32_t)b);
+    }
+    if (s->n_dropped > s->n_blocks) s->n_dropped = s->n_blocks; /* (only pkv_seq_release drops into them) */
 }
 
 void pkv__seq_share(pkv_cache *c, pkv__seq *dst, const pkv__seq *src, uint32_t n_blocks) {
     for (uint32_t i = 0; i < n_blocks; i++) {
         dst->table[i] = src->table[i];
-        pkv__pool_ref(&c->pool, (uint32_t)src->table[i]);
+        if (src->table[i] >= 0) pkv__pool_ref(&c->pool, (uint32_t)src->table[i]);
     }
     dst->n_blocks = n_blocks;
+    dst->n_dropped = PKV_MIN(src->n_dropped, n_blocks);
     dst->idx_len = PKV_MIN(src->idx_len, n_blocks);
     dst->ns_lo = src->ns_lo;
     dst->ns_hi = src->ns_hi;
@@ -1000,7 +1015,33 @@ PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq id, uint32_t n) {
     LOCK(c);
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
+    if (!rc && n < s->n_tokens && n < s->n_dropped * c->B)
+        rc = PKV__SAY(c, PKV_EINVAL, "n %u is below the positions dropped (pkv_seq_drop_front: before %u)", n,
+                      s->n_dropped * c->B);
     if (!rc && n < s->n_tokens) seq_cut(c, s, n);
+    UNLOCK(c);
+    return rc;
+}
+
+PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq id, uint32_t pos) {
+    if (!c) return PKV_EINVAL;
+    /* the prefix index needs a holder of an indexed block to hold the blocks before it */
+    if (c->cfg.enable_prefix_cache)
+        return PKV__SAY(c, PKV_ENOTSUP, "the cache indexes prefixes (enable_prefix_cache): a sequence's front "
+                                        "cannot go while later blocks hang from it");
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    if (!rc && pos > s->n_tokens)
+        rc = PKV__SAY(c, PKV_EINVAL, "pos %u past the sequence's length %u", pos, s->n_tokens);
+    if (!rc) {
+        const uint32_t j = pos / c->B; /* the blocks wholly before pos */
+        for (uint32_t i = j; i > s->n_dropped; i--) { /* deepest first, as a release drops */
+            pkv__drop_block(c, (uint32_t)s->table[i - 1]);
+            s->table[i - 1] = -1;
+        }
+        s->n_dropped = PKV_MAX(s->n_dropped, j);
+    }
     UNLOCK(c);
     return rc;
 }
@@ -1027,9 +1068,9 @@ PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq id, uint32_t start, const uint32_
     LOCK(c);
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
-    if (!rc && (start < s->n_committed || start > s->n_tokens))
-        rc = PKV__SAY(c, PKV_EINVAL, "start %u is not in [committed %u, length %u]", start, s->n_committed,
-                      s->n_tokens);
+    if (!rc && (start < s->n_committed || start < s->n_dropped * c->B || start > s->n_tokens))
+        rc = PKV__SAY(c, PKV_EINVAL, "start %u is not in [max(committed %u, dropped %u), length %u]", start,
+                      s->n_committed, s->n_dropped * c->B, s->n_tokens);
     for (uint32_t k = 0; k < n && !rc; k++)
         if ((k && idx[k] <= idx[k - 1]) || (uint64_t)start + idx[k] >= s->n_tokens)
             rc = PKV__SAY(c, PKV_EINVAL, "idx[%u] = %u: not ascending, or past the length %u (start %u)", k, idx[k],
@@ -1220,7 +1261,9 @@ PKV_API int pkv_seq_compact(pkv_cache *c, pkv_seq id, uint32_t flags, uint32_t *
     int rc = get_seq(c, id, &s);
     /* table[p0 .. i) is a run; at each gap, the cheaper of the two runs beside it that fits
        moves to meet the other, and they go on as one */
-    for (uint32_t p0 = 0, i = rc ? UINT32_MAX : run_at(s, 0); !rc && i < s->n_blocks;) {
+    const uint32_t first = rc ? 0 : s->n_dropped; /* (a dropped front's entries are no blocks) */
+    for (uint32_t p0 = first, i = rc || first == s->n_blocks ? UINT32_MAX : first + run_at(s, first);
+         !rc && i < s->n_blocks;) {
         const uint32_t len = run_at(s, i), plen = i - p0;
         const uint32_t next = (uint32_t)s->table[i], prev = (uint32_t)s->table[p0];
         const uint32_t after = (uint32_t)s->table[i - 1] + 1; /* the id that would join the runs */
@@ -1310,7 +1353,7 @@ static uint32_t bc_crossed(const pkv_cache *c, const bc_map *w, uint32_t t, uint
 /* How many of s's entries already lie where a layout from id t puts them. */
 static uint32_t bc_in_place(const pkv_cache *c, const bc_map *w, const pkv__seq *s, uint32_t slot, uint32_t t) {
     uint32_t hits = 0;
-    for (uint32_t p = 0; p < s->n_blocks && t < c->n_blocks; p++) {
+    for (uint32_t p = s->n_dropped; p < s->n_blocks && t < c->n_blocks; p++) {
         const uint32_t x = (uint32_t)s->table[p];
         if (!bc_is(w, x, slot, p)) continue;
         while (t < c->n_blocks && !bc_open(c, w, t)) t++;
@@ -1323,7 +1366,7 @@ static uint32_t bc_in_place(const pkv_cache *c, const bc_map *w, const pkv__seq 
  * closes `per` ids after them as slack. Returns the blocks copied. */
 static uint32_t bc_place(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t slot, uint32_t t, uint32_t per) {
     uint32_t moved = 0;
-    for (uint32_t p = 0; p < s->n_blocks; p++) {
+    for (uint32_t p = s->n_dropped; p < s->n_blocks; p++) {
         const uint32_t x = (uint32_t)s->table[p];
         if (!bc_is(w, x, slot, p)) continue; /* shared: stays */
         while (t < c->n_blocks && !bc_open(c, w, t)) t++;
@@ -1361,7 +1404,7 @@ static uint32_t bc_place(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t slot, ui
 
 /* Closes s's entries where they lie: it stays, and the others go round it. */
 static void bc_stay(bc_map *w, pkv__seq *s, uint32_t slot) {
-    for (uint32_t p = 0; p < s->n_blocks; p++)
+    for (uint32_t p = s->n_dropped; p < s->n_blocks; p++)
         if (bc_is(w, (uint32_t)s->table[p], slot, p)) w->seq[s->table[p]] = OWN_CLOSED, w->at[s->table[p]] = PKV_NONE;
 }
 
@@ -1400,7 +1443,7 @@ static uint32_t bc_pick(const pkv_cache *c, const bc_map *w, const pkv__seq *s, 
 static uint32_t bc_seq(pkv_cache *c, bc_map *w, pkv__seq *s, uint32_t per, bool repack, int pass, bc_pass *ps) {
     const uint32_t slot = (uint32_t)(s - c->seqs), groups = s->mark;
     uint32_t m = 0, home = PKV_NONE, run = 0, longest = 0;
-    for (uint32_t p = 0, prev = PKV_NONE; p < s->n_blocks; p++) {
+    for (uint32_t p = s->n_dropped, prev = PKV_NONE; p < s->n_blocks; p++) {
         const uint32_t x = (uint32_t)s->table[p];
         if (!bc_is(w, x, slot, p)) continue;
         if (!m++) home = x;
@@ -1447,7 +1490,7 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
     for (uint32_t i = 0; i < n && !rc; i++) {
         pkv__seq *s;
         rc = get_seq(c, seqs[i], &s);
-        for (uint32_t p = 0; !rc && p < s->n_blocks; p++) {
+        for (uint32_t p = s->n_dropped; !rc && p < s->n_blocks; p++) {
             const uint32_t b = (uint32_t)s->table[p];
             if (!movable(c, b)) continue;
             if (w.at[b] != PKV_NONE) /* held once, so named twice: a repeated id */
@@ -1467,7 +1510,7 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
         const uint32_t slot = (uint32_t)(s - c->seqs);
         uint32_t first = PKV_NONE, prev = PKV_NONE;
         bool up = s->mark == 1 && !repack;
-        for (uint32_t p = 0; up && p < s->n_blocks; p++) {
+        for (uint32_t p = s->n_dropped; up && p < s->n_blocks; p++) {
             const uint32_t x = (uint32_t)s->table[p];
             if (!bc_is(&w, x, slot, p)) continue;
             up = prev == PKV_NONE || x > prev;
@@ -1521,7 +1564,8 @@ PKV_API int pkv_seq_get_info(pkv_cache *c, pkv_seq id, pkv_seq_info *out) {
         out->n_blocks = s->n_blocks;
         out->n_reused = s->n_reused;
         out->n_shared = 0;
-        for (uint32_t i = 0; i < s->n_blocks; i++) out->n_shared += c->blk[s->table[i]].ref > 1;
+        for (uint32_t i = s->n_dropped; i < s->n_blocks; i++) out->n_shared += c->blk[s->table[i]].ref > 1;
+        out->n_dropped = s->n_dropped * c->B;
     }
     UNLOCK(c);
     return rc;
@@ -1533,9 +1577,7 @@ PKV_API int pkv_seq_slots(pkv_cache *c, pkv_seq id, uint32_t start, uint32_t n, 
     LOCK(c);
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
-    if (!rc && (uint64_t)start + n > s->n_tokens)
-        rc = PKV__SAY(c, PKV_EINVAL, "positions [%u, %llu) past the sequence's length %u", start,
-                      (unsigned long long)start + n, s->n_tokens);
+    if (!rc) rc = check_span(c, s, start, n, __func__);
     if (!rc)
         for (uint32_t j = 0; j < n; j++) {
             uint32_t p = start + j;
@@ -1575,9 +1617,7 @@ static int seq_read(pkv_cache *c, pkv_seq id, uint32_t layer, uint32_t start, ui
     LOCK(c);
     pkv__seq *s;
     int rc = pkv__get_seq(c, id, &s, api);
-    if (!rc && (uint64_t)start + n > s->n_tokens)
-        rc = pkv__say(c, PKV_EINVAL, api, "positions [%u, %llu) past the sequence's length %u", start,
-                      (unsigned long long)start + n, s->n_tokens);
+    if (!rc) rc = check_span(c, s, start, n, api);
     /* Copied outside the lock, as attention reads: the table is the sequence's own row of
      * c->tables, and no call that changes it or its blocks may overlap this one (pkv.h,
      * "Threads"), so a long read does not hold up other sequences' metadata calls. */
@@ -1829,6 +1869,14 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         else if (!reqs && s->n_tokens == 0)
             rc = pkv__say(c, PKV_EINVAL, api, "sequence %u (%#llx) is empty: no position to query", i,
                           (unsigned long long)seqs[i]);
+        else if (s->n_dropped && (reqs ? reqs[i].n_q : 1)) { /* its first query's first key (the least) */
+            const uint32_t q0 = reqs ? reqs[i].q_start : s->n_tokens - 1;
+            const uint32_t lo = noncausal ? 0 : pkv__attn_key_lo(&call, q0);
+            if (lo < s->n_dropped * c->B)
+                rc = pkv__say(c, PKV_EINVAL, api,
+                              "%s %u: the query at position %u sees position %u, dropped (pkv_seq_drop_front: "
+                              "before %u)", reqs ? "request" : "sequence", i, q0, lo, s->n_dropped * c->B);
+        }
         n_rows += reqs ? reqs[i].n_q : 1;
     }
     UNLOCK(c);
@@ -2009,6 +2057,10 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
                           r->q_start, (unsigned long long)r->q_start + r->n_nodes, s->n_tokens);
         else if (r->n_nodes && !r->parent)
             rc = pkv__say(c, PKV_EINVAL, api, "request %u: parent is NULL, %u nodes", i, r->n_nodes);
+        else if (r->n_nodes && pkv__attn_key_lo(&call, r->q_start) < s->n_dropped * c->B) /* node 0, a root */
+            rc = pkv__say(c, PKV_EINVAL, api, "request %u: the node at position %u sees position %u, dropped "
+                          "(pkv_seq_drop_front: before %u)", i, r->q_start, pkv__attn_key_lo(&call, r->q_start),
+                          s->n_dropped * c->B);
         for (uint32_t j = 0; !rc && j < r->n_nodes; j++)
             if (r->parent[j] < -1 || r->parent[j] >= (int32_t)j)
                 rc = pkv__say(c, PKV_EINVAL, api, "request %u: node %u's parent %d is not in [-1, %u)", i, j,

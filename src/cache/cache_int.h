@@ -16,6 +16,8 @@ typedef struct pkv__seq {
     uint8_t is_pin;
     uint32_t n_tokens, n_committed, n_blocks, n_reused;
     uint32_t idx_len; /* table[0 .. idx_len) is this sequence's indexed chain */
+    uint32_t n_dropped; /* table[0 .. n_dropped) are -1: blocks let go (pkv_seq_drop_front); it
+                           indexes nothing more, and every position it is asked for is past them */
     uint64_t ns_lo, ns_hi; /* namespace: XXH3-128 of the salt */
     uint32_t next_free;    /* free-slot list */
     uint32_t mark;         /* pkv_batch_compact's and pkv_batch_append's scratch, under the lock */
@@ -125,7 +127,8 @@ int pkv__get_seq(pkv_cache *c, pkv_seq id, pkv__seq **out, const char *api);
 pkv__seq *pkv__seq_new(pkv_cache *c);
 void pkv__seq_free(pkv_cache *c, pkv__seq *s);
 pkv_seq pkv__seq_id(const pkv_cache *c, const pkv__seq *s);
-/* Drops table[keep_blocks ..) deepest first (so the LRU queue holds leaves before parents). */
+/* Drops table[keep_blocks ..) deepest first (so the LRU queue holds leaves before parents);
+ * the dropped front's -1 entries (n_dropped) are passed over and kept. */
 void pkv__seq_drop_blocks(pkv_cache *c, pkv__seq *s, uint32_t keep_blocks);
 /* dst (empty) takes references to src's first n_blocks blocks, its indexed chain up to there
  * and its namespace (fork and pins). Lengths are the caller's to set. */

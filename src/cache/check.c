@@ -101,7 +101,15 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
         REQUIRE(s->n_committed <= s->n_tokens, "sequence %u: committed %u > length %u", i, s->n_committed, s->n_tokens);
         REQUIRE((uint64_t)s->idx_len * c->B <= s->n_committed, "sequence %u: indexed chain of %u blocks past committed %u",
                 i, s->idx_len, s->n_committed);
-        for (uint32_t j = 0; j < s->n_blocks; j++) {
+        /* a dropped front (pkv_seq_drop_front): -1 entries, whole blocks within the length, in a
+           cache that indexes nothing */
+        REQUIRE(s->n_dropped <= s->n_blocks && (uint64_t)s->n_dropped * c->B <= s->n_tokens,
+                "sequence %u: %u blocks dropped of %u (%u tokens)", i, s->n_dropped, s->n_blocks, s->n_tokens);
+        REQUIRE(!s->n_dropped || (!c->cfg.enable_prefix_cache && !s->idx_len),
+                "sequence %u: a dropped front in a cache that indexes prefixes", i);
+        for (uint32_t j = 0; j < s->n_dropped; j++)
+            REQUIRE(s->table[j] == -1, "sequence %u: table[%u]=%d in its dropped front", i, j, s->table[j]);
+        for (uint32_t j = s->n_dropped; j < s->n_blocks; j++) {
             int32_t b = s->table[j];
             REQUIRE(b >= 0 && (uint32_t)b < c->n_blocks, "sequence %u: table[%u]=%d out of range", i, j, b);
             ref[b]++;

@@ -88,6 +88,7 @@ pub struct pkv_seq_info {
     pub n_blocks: u32,
     pub n_shared: u32,
     pub n_reused: u32,
+    pub n_dropped: u32,
 }
 
 #[repr(C)]
@@ -252,6 +253,7 @@ extern "C" {
     pub fn pkv_seq_commit(c: *mut pkv_cache, s: pkv_seq, n_pos: u32) -> c_int;
     pub fn pkv_seq_fork(c: *mut pkv_cache, parent: pkv_seq, child: *mut pkv_seq) -> c_int;
     pub fn pkv_seq_truncate(c: *mut pkv_cache, s: pkv_seq, n: u32) -> c_int;
+    pub fn pkv_seq_drop_front(c: *mut pkv_cache, s: pkv_seq, pos: u32) -> c_int;
     pub fn pkv_seq_keep(c: *mut pkv_cache, s: pkv_seq, start: u32, idx: *const u32, n: u32) -> c_int;
     pub fn pkv_seq_compact(c: *mut pkv_cache, s: pkv_seq, flags: u32, n_moved: *mut u32) -> c_int;
     pub fn pkv_batch_compact(

@@ -1117,6 +1117,13 @@ impl Cache {
         check(unsafe { ffi::pkv_seq_truncate(self.p(), s.0, n) }, "pkv_seq_truncate")
     }
 
+    /// Lets go of the blocks wholly before position `pos`, which a sliding window or chunked local
+    /// attention no longer reads (pkv_seq_drop_front): positions before `seq_info(s).n_dropped`
+    /// are then refused by every call. `ENOTSUP` where the cache indexes prefixes.
+    pub fn drop_front(&mut self, s: Seq, pos: u32) -> Result<()> {
+        check(unsafe { ffi::pkv_seq_drop_front(self.p(), s.0, pos) }, "pkv_seq_drop_front")
+    }
+
     /// Keeps the positions start + idx\[k\] of the sequence's uncommitted tail, moved to start + k
     /// (their token ids and every layer's K and V), and drops the rest of the tail: the length
     /// becomes start + idx.len() (pkv_seq_keep). After a [`Cache::tree`] over nodes at
