@@ -1,5 +1,5 @@
 /* test_core_stress.c: seeded random operations (create, append, write K/V, commit, fork,
- * truncate, release, gather, pins, prefix matches, compaction) on a small pool, with pkv_cache_check after
+ * truncate, release, gather, pins, prefix matches, compaction, dropped fronts) on a small pool, with pkv_cache_check after
  * EVERY step and a shadow model of every sequence (token ids, K/V per position per layer,
  * block refcounts) that the library's answers must match exactly. PKV_STRESS_OPS sets the
  * number of operations (default 200000, split between a prefix-cache-off and -on run);
@@ -26,6 +26,7 @@
 #endif
 
 #define PKV_MIN_U(a, b) ((a) < (b) ? (a) : (b))
+#define PKV_MAX_U(a, b) ((a) > (b) ? (a) : (b))
 
 enum { NBLK = 64, B = 4, NL = 2, NH = 2, HD = 8, ROW = NH * HD, MAXS = 16, MAXLEN = 120, NBASE = 4, VOCAB = 6 };
 
@@ -33,6 +34,7 @@ typedef struct {
     int live, is_pin, salt, base;
     pkv_seq id;
     uint32_t len, committed, nb;
+    uint32_t dropped; /* positions [0, dropped) let go by pkv_seq_drop_front (a multiple of B) */
     int32_t tok[MAXLEN];
     uint64_t ph[MAXLEN];       /* hash of (salt, tokens[0..p]): defines the canonical K/V */
     int16_t ver[NL][MAXLEN];   /* -1 unwritten, 0 canonical, > 0 a noise version */
@@ -60,7 +62,7 @@ typedef struct {
 } world;
 
 enum { OP_CREATE, OP_APPEND, OP_WRITE, OP_COMMIT, OP_FORK, OP_TRUNCATE, OP_RELEASE, OP_GATHER, OP_PIN, OP_UNPIN,
-       OP_MATCH, OP_STALE, OP_FILL, OP_COMPACT, OP_COUNT };
+       OP_MATCH, OP_STALE, OP_FILL, OP_COMPACT, OP_DROP, OP_COUNT };
 
 static uint64_t mix(uint64_t h, uint64_t x) {
     h ^= x + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
@@ -83,7 +85,8 @@ static void recount(world *w) {
     memset(w->ref, 0, sizeof w->ref);
     for (int i = 0; i < MAXS; i++)
         if (w->s[i].live)
-            for (uint32_t j = 0; j < w->s[i].nb; j++) w->ref[w->s[i].tab[j]]++;
+            for (uint32_t j = 0; j < w->s[i].nb; j++)
+                if (w->s[i].tab[j] >= 0) w->ref[w->s[i].tab[j]]++; /* (-1: a dropped front's) */
 }
 
 /* The last operations, printed when a step fails (the minimal repro is usually in there). */
@@ -106,12 +109,15 @@ static void sync_seq(world *w, sh_seq *s) {
     s->nb = n;
     pkv_seq_info in = tu_info(w->c, s->id);
     if (in.n_tokens != s->len || in.n_committed != s->committed || in.n_blocks != (s->len + B - 1) / B ||
-        n != in.n_blocks) {
+        n != in.n_blocks || in.n_dropped != s->dropped) {
         char m[200];
-        snprintf(m, sizeof m, "info {len %u, committed %u, blocks %u, table %u}, shadow {len %u, committed %u}",
-                 in.n_tokens, in.n_committed, in.n_blocks, n, s->len, s->committed);
+        snprintf(m, sizeof m,
+                 "info {len %u, committed %u, blocks %u, table %u, dropped %u}, shadow {len %u, committed %u, dropped %u}",
+                 in.n_tokens, in.n_committed, in.n_blocks, n, in.n_dropped, s->len, s->committed, s->dropped);
         fail_at(w, m);
     }
+    for (uint32_t j = 0; j < n; j++)
+        if ((s->tab[j] < 0) != (j < s->dropped / B)) fail_at(w, "table: -1 entries other than the dropped front");
 }
 
 /* Global invariants the shadow predicts, after every step. */
@@ -158,6 +164,11 @@ static void check_world(world *w) {
 /* Compares [p0, p0 + n) of layer l of s with the shadow (written positions only). */
 static void verify_range(world *w, sh_seq *s, uint32_t l, uint32_t p0, uint32_t n) {
     float k[MAXLEN * ROW], v[MAXLEN * ROW];
+    if (p0 < s->dropped && n) { /* a read from the dropped front is refused; the rest is compared */
+        if (pkv_seq_gather(w->c, s->id, l, p0, n, k, v) != PKV_EINVAL) fail_at(w, "gather from a dropped front");
+        n = p0 + n > s->dropped ? p0 + n - s->dropped : 0;
+        p0 = s->dropped;
+    }
     int rc = pkv_seq_gather(w->c, s->id, l, p0, n, k, v);
     if (rc) fail_at(w, "gather of a valid range failed");
     for (uint32_t t = 0; t < n; t++) {
@@ -176,8 +187,8 @@ static void verify_range(world *w, sh_seq *s, uint32_t l, uint32_t p0, uint32_t 
 
 static void verify_all(world *w) {
     for (int i = 0; i < MAXS; i++)
-        if (w->s[i].live && !w->s[i].is_pin && w->s[i].len)
-            for (uint32_t l = 0; l < NL; l++) verify_range(w, &w->s[i], l, 0, w->s[i].len);
+        if (w->s[i].live && !w->s[i].is_pin && w->s[i].len > w->s[i].dropped)
+            for (uint32_t l = 0; l < NL; l++) verify_range(w, &w->s[i], l, w->s[i].dropped, w->s[i].len - w->s[i].dropped);
 }
 
 static int pick(world *w, int want_live, int allow_pin) {
@@ -391,6 +402,15 @@ static void do_write(world *w, sh_seq *s) {
     uint32_t n = 1 + tu_rng_below(&w->r, PKV_MIN_U(8, s->len - p0));
     int ver = tu_rng_chance(&w->r, 0.85) ? 0 : 1 + (int)tu_rng_below(&w->r, 100);
     uint32_t pad = tu_rng_chance(&w->r, 0.2) ? tu_rng_below(&w->r, n + 1) : UINT32_MAX; /* a -1 row */
+    if (p0 < s->dropped) { /* the dropped front: no slots, no write by position, nothing changes */
+        int32_t slots[9];
+        float k[9 * ROW] = {0}, v[9 * ROW] = {0};
+        if (pkv_seq_slots(w->c, s->id, p0, n, slots) != PKV_EINVAL ||
+            pkv_seq_write_kv(w->c, s->id, l, p0, n, k, v, PKV_DTYPE_F32) != PKV_EINVAL)
+            fail_at(w, "slots or a write of a dropped position not refused");
+        w->n_fail[OP_WRITE]++;
+        return;
+    }
     write_range(w, s, l, p0, n, ver, pad);
 }
 
@@ -400,7 +420,7 @@ static void do_commit(world *w, sh_seq *s);
    layer, then commit (drives the prefix index, matches and evictions). */
 static void do_fill(world *w, sh_seq *s) {
     for (uint32_t l = 0; l < NL; l++)
-        for (uint32_t p = s->committed; p < s->len; p += 8)
+        for (uint32_t p = PKV_MAX_U(s->committed, s->dropped); p < s->len; p += 8)
             write_range(w, s, l, p, PKV_MIN_U(8, s->len - p), 0, UINT32_MAX);
     do_commit(w, s);
 }
@@ -424,7 +444,7 @@ static void do_commit(world *w, sh_seq *s) {
     }
     uint32_t n_pos = tu_rng_chance(&w->r, 0.7) ? ok : tu_rng_below(&w->r, ok + 1);
     TU_OK(pkv_seq_commit(w->c, s->id, n_pos));
-    for (uint32_t i = s->committed / B; i < s->nb && i * B < n_pos; i++) {
+    for (uint32_t i = PKV_MAX_U(s->committed, s->dropped) / B; i < s->nb && i * B < n_pos; i++) {
         int in_block = (int)PKV_MIN_U(B, n_pos - i * B);
         if (w->bc[s->tab[i]] >= 0 && w->bc[s->tab[i]] < in_block) w->bc[s->tab[i]] = in_block;
     }
@@ -458,6 +478,16 @@ static void do_truncate(world *w, sh_seq *s) {
     int32_t old_tab[NBLK];
     memcpy(old_tab, s->tab, sizeof old_tab);
     uint32_t old_len = s->len;
+    if (n < s->len && n < s->dropped) { /* into the dropped front: refused, nothing changes */
+        pkv_stats st0 = tu_stats(w->c);
+        TU_RC(pkv_seq_truncate(w->c, s->id, n), PKV_EINVAL);
+        pkv_stats st1 = tu_stats(w->c);
+        TU_STATS_EQ(&st0, &st1);
+        sync_seq(w, s);
+        if (memcmp(old_tab, s->tab, s->nb * sizeof(int32_t))) fail_at(w, "a refused truncate changed the table");
+        w->n_fail[OP_TRUNCATE]++;
+        return;
+    }
     TU_OK(pkv_seq_truncate(w->c, s->id, n));
     TRACE("truncate seq%d %u (len %u committed %u)", (int)(s - w->s), n, s->len, s->committed);
     if (n < s->len) {
@@ -471,11 +501,53 @@ static void do_truncate(world *w, sh_seq *s) {
     w->n_ok[OP_TRUNCATE]++;
 }
 
+/* pkv_seq_drop_front: PKV_ENOTSUP with the prefix cache on and PKV_EINVAL past the length, each
+ * changing nothing; else the blocks wholly before pos lose s's reference (-1 in its table; the
+ * counts check_world compares follow), every later entry stays, and the dropped front is refused
+ * to a read, a truncate into it and a pin. */
+static void do_drop(world *w, sh_seq *s) {
+    const uint32_t pos = tu_rng_chance(&w->r, 0.1) ? s->len + 1 + tu_rng_below(&w->r, 3) : tu_rng_below(&w->r, s->len + 1);
+    int32_t old_tab[NBLK];
+    memcpy(old_tab, s->tab, sizeof old_tab);
+    const pkv_stats st0 = tu_stats(w->c);
+    const int rc = pkv_seq_drop_front(w->c, s->id, pos);
+    TRACE("drop_front seq%d %u -> %d (len %u dropped %u)", (int)(s - w->s), pos, rc, s->len, s->dropped);
+    if (w->prefix || pos > s->len) {
+        if (rc != (w->prefix ? PKV_ENOTSUP : PKV_EINVAL)) fail_at(w, "drop_front: not the refusal expected");
+        const pkv_stats st1 = tu_stats(w->c);
+        TU_STATS_EQ(&st0, &st1);
+        sync_seq(w, s);
+        if (memcmp(old_tab, s->tab, s->nb * sizeof(int32_t))) fail_at(w, "a refused drop_front changed the table");
+        w->n_fail[OP_DROP]++;
+        return;
+    }
+    if (rc) fail_at(w, "drop_front failed");
+    s->dropped = PKV_MAX_U(s->dropped, pos / B * B);
+    sync_seq(w, s); /* -1 exactly before dropped / B */
+    for (uint32_t j = s->dropped / B; j < s->nb; j++)
+        if (s->tab[j] != old_tab[j]) fail_at(w, "drop_front changed a kept entry");
+    if (s->dropped) {
+        const pkv_stats st1 = tu_stats(w->c);
+        float k[ROW];
+        pkv_seq pin;
+        TU_RC(pkv_seq_gather(w->c, s->id, 0, s->dropped - 1, 1, k, NULL), PKV_EINVAL);
+        TU_RC(pkv_seq_truncate(w->c, s->id, s->dropped - 1), PKV_EINVAL);
+        TU_RC(pkv_pin_create(w->c, s->id, s->len, &pin), PKV_EINVAL);
+        const pkv_stats st2 = tu_stats(w->c);
+        TU_STATS_EQ(&st1, &st2);
+    }
+    w->n_ok[OP_DROP]++;
+}
+
 static void do_pin(world *w, sh_seq *s) {
     int i = pick(w, 0, 0);
     pkv_seq pin = 0;
     uint32_t n_pos = tu_rng_below(&w->r, s->len + 3);
     int rc = pkv_pin_create(w->c, s->id, n_pos, &pin);
+    if (s->dropped) { /* no prefix left to pin */
+        if (rc != PKV_EINVAL) fail_at(w, "a pin of a sequence with a dropped front not refused");
+        return;
+    }
     if (i < 0) {
         if (rc != PKV_ELIMIT) fail_at(w, "pin past max_seqs did not return PKV_ELIMIT");
         return;
@@ -631,7 +703,8 @@ static void do_compact(world *w, sh_seq *s) {
     }
     memcpy(want, s->tab, s->nb * sizeof *want);
     uint32_t n_want = 0;
-    for (uint32_t p0 = 0, i = s->nb ? cm_run(&m, 0) : 0; i < s->nb;) {
+    const uint32_t d = s->dropped / B; /* the dropped front's -1 entries: no blocks, never moved */
+    for (uint32_t p0 = d, i = d < s->nb ? d + cm_run(&m, d) : d; i < s->nb;) {
         const uint32_t len = cm_run(&m, i), plen = i - p0;
         if (want[i] == want[i - 1] + 1) {
             i += len;
@@ -644,18 +717,18 @@ static void do_compact(world *w, sh_seq *s) {
         else p0 = i;
         i += len;
     }
-    const uint32_t runs0 = n_runs(s->tab, s->nb);
+    const uint32_t runs0 = n_runs(s->tab + d, s->nb - d);
     pkv_stats st0 = tu_stats(w->c);
     uint32_t moved = UINT32_MAX;
     if (pkv_seq_compact(w->c, s->id, m.flags, &moved)) fail_at(w, "compact failed");
     TRACE("compact seq%d flags %u: %u moved, %u evicted", (int)(s - w->s), m.flags, moved, m.evicted);
     sync_seq(w, s);
     if (moved != n_want || memcmp(want, s->tab, s->nb * sizeof *want)) fail_at(w, "compact: not the rule's table");
-    if (n_runs(s->tab, s->nb) > runs0) fail_at(w, "compact: more runs");
+    if (n_runs(s->tab + d, s->nb - d) > runs0) fail_at(w, "compact: more runs");
     const pkv_stats st1 = tu_stats(w->c);
     st0.evictions += m.evicted, st0.n_cached -= m.evicted, st0.n_free += m.evicted, st0.n_indexed -= m.evicted;
     TU_STATS_EQ(&st0, &st1);
-    for (uint32_t l = 0; l < NL && s->len; l++) verify_range(w, s, l, 0, s->len);
+    for (uint32_t l = 0; l < NL && s->len > s->dropped; l++) verify_range(w, s, l, s->dropped, s->len - s->dropped);
     w->n_ok[OP_COMPACT] += moved > 0;
     w->n_fail[OP_COMPACT] += moved == 0;
     w->n_compact_evicted += m.evicted;
@@ -669,7 +742,7 @@ static int laid_out(const world *w, const int *idx, int n, int j) {
     int32_t lo = -1, hi = -1;
     for (uint32_t p = 0; p < s->nb; p++) {
         const int32_t b = s->tab[p];
-        if (w->ref[b] != 1) continue;
+        if (b < 0 || w->ref[b] != 1) continue;
         if (hi >= 0 && b <= hi) return 0;
         if (lo < 0) lo = b;
         hi = b;
@@ -677,7 +750,7 @@ static int laid_out(const world *w, const int *idx, int n, int j) {
     for (int k = 0; k < n && lo >= 0; k++)
         for (uint32_t p = 0; k != j && p < w->s[idx[k]].nb; p++) {
             const int32_t b = w->s[idx[k]].tab[p];
-            if (w->ref[b] == 1 && lo < b && b < hi) return 0;
+            if (b >= 0 && w->ref[b] == 1 && lo < b && b < hi) return 0;
         }
     return 1;
 }
@@ -697,7 +770,7 @@ static void do_batch_compact(world *w) {
     recount(w);
     for (int j = 0; j < n; j++) {
         ids[j] = w->s[idx[j]].id;
-        for (uint32_t p = 0; p < w->s[idx[j]].nb; p++) saved[j][p] = w->bc[w->s[idx[j]].tab[p]];
+        for (uint32_t p = w->s[idx[j]].dropped / B; p < w->s[idx[j]].nb; p++) saved[j][p] = w->bc[w->s[idx[j]].tab[p]];
         keep[j] = laid_out(w, idx, n, j);
         memcpy(kept[j], w->s[idx[j]].tab, sizeof kept[j]);
     }
@@ -711,8 +784,9 @@ static void do_batch_compact(world *w) {
     for (int j = 0; j < n; j++) {
         sh_seq *s = &w->s[idx[j]];
         sync_seq(w, s);
-        for (uint32_t p = 0; p < s->nb; p++) w->bc[s->tab[p]] = saved[j][p];
-        for (uint32_t l = 0; l < NL && s->len; l++) verify_range(w, s, l, 0, s->len);
+        for (uint32_t p = s->dropped / B; p < s->nb; p++) w->bc[s->tab[p]] = saved[j][p];
+        for (uint32_t l = 0; l < NL && s->len > s->dropped; l++)
+            verify_range(w, s, l, s->dropped, s->len - s->dropped);
         if (!(flags & PKV_BATCH_REPACK) && keep[j] && memcmp(kept[j], s->tab, s->nb * sizeof *s->tab))
             fail_at(w, "batch compact moved a sequence laid out already");
     }
@@ -725,7 +799,8 @@ static void step(world *w) {
     int op;
     if (r < 6) op = OP_CREATE;
     else if (r < 30) op = OP_APPEND;
-    else if (r < 55) op = OP_WRITE;
+    else if (r < 53) op = OP_WRITE;
+    else if (r < 55) op = OP_DROP;
     else if (r < 59) op = OP_COMMIT;
     else if (r < 63) op = OP_FILL;
     else if (r < 69) op = OP_FORK;
@@ -791,13 +866,16 @@ static void step(world *w) {
     case OP_GATHER:
         if ((i = pick(w, 1, 0)) >= 0 && w->s[i].len) {
             sh_seq *s = &w->s[i];
-            uint32_t p0 = tu_rng_below(&w->r, s->len);
+            uint32_t p0 = tu_rng_below(&w->r, s->len); /* (in a dropped front: refused, then the rest) */
             verify_range(w, s, tu_rng_below(&w->r, NL), p0, 1 + tu_rng_below(&w->r, s->len - p0));
             w->n_ok[op]++;
         }
         break;
     case OP_PIN:
         if ((i = pick(w, 1, 0)) >= 0) do_pin(w, &w->s[i]);
+        break;
+    case OP_DROP:
+        if ((i = pick(w, 1, 0)) >= 0) do_drop(w, &w->s[i]);
         break;
     case OP_UNPIN: {
         int cand[MAXS], n = 0;
@@ -862,8 +940,8 @@ static void run(int prefix, uint64_t n_ops, uint64_t seed) {
     verify_all(w);
     pkv_stats st = tu_stats(w->c);
     print_message("prefix %s, seed %llu: %llu ops; ok/fail: append %llu/%llu write %llu/%llu commit %llu fork %llu "
-                  "truncate %llu release %llu gather %llu pin %llu match hit/miss %llu/%llu compact moved/not %llu/%llu; cow %llu evictions %llu "
-                  "peak %u\n",
+                  "truncate %llu release %llu gather %llu pin %llu match hit/miss %llu/%llu compact moved/not %llu/%llu "
+                  "drop_front ok/refused %llu/%llu; cow %llu evictions %llu peak %u\n",
                   prefix ? "on" : "off", (unsigned long long)seed, (unsigned long long)n_ops,
                   (unsigned long long)w->n_ok[OP_APPEND], (unsigned long long)w->n_fail[OP_APPEND],
                   (unsigned long long)w->n_ok[OP_WRITE], (unsigned long long)w->n_fail[OP_WRITE],
@@ -872,6 +950,7 @@ static void run(int prefix, uint64_t n_ops, uint64_t seed) {
                   (unsigned long long)w->n_ok[OP_GATHER], (unsigned long long)w->n_ok[OP_PIN],
                   (unsigned long long)w->n_ok[OP_MATCH], (unsigned long long)w->n_fail[OP_MATCH],
                   (unsigned long long)w->n_ok[OP_COMPACT], (unsigned long long)w->n_fail[OP_COMPACT],
+                  (unsigned long long)w->n_ok[OP_DROP], (unsigned long long)w->n_fail[OP_DROP],
                   (unsigned long long)st.cow_copies, (unsigned long long)st.evictions, st.peak_active);
     /* the run must have exercised the paths it exists for */
     assert_true(w->n_fail[OP_APPEND] > 0 || n_ops < 20000); /* exhaustion */
@@ -881,6 +960,7 @@ static void run(int prefix, uint64_t n_ops, uint64_t seed) {
     assert_true(w->n_ok[OP_COMPACT] > 0 || n_ops < 20000);
     if (prefix) assert_true(w->n_compact_evicted > 0 || n_ops < 20000);
     assert_true(w->n_batch_moved > 0 || n_ops < 20000);
+    assert_true(w->n_ok[OP_DROP] > 0 || prefix || n_ops < 20000);
     pkv_cache_destroy(w->c);
     uint64_t n_dev = w->n_dev;
     char first[200];

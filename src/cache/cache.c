@@ -327,7 +327,7 @@ static void reset_state(pkv_cache *c) {
         pkv__seq *s = &c->seqs[i];
         if (s->live) s->gen = next_gen(c, s->gen); /* 0 when used up: retired, as in pkv__seq_free */
         s->live = s->is_pin = 0;
-        s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = 0;
+        s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = s->n_dropped = 0;
         s->next_free = PKV_NONE;
         if (s->gen == 0) continue;
         *link = i;
