@@ -1950,6 +1950,178 @@ static void test_api_fork_child(void **state) {
     free(q);
 }
 
+/* The distinct blocks the tables of ids[0 .. n) hold; every entry before info.n_dropped / B is
+ * -1 (a dropped front) and no other is. */
+static uint32_t blocks_held(pkv_cache *c, const pkv_seq *ids, uint32_t n) {
+    uint8_t seen[128] = {0};
+    uint32_t held = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        int32_t tab[MAXTOK / B + 1];
+        uint32_t nb = 0;
+        pkv_seq_info in;
+        assert_int_equal(pkv_seq_block_table(c, ids[i], tab, MAXTOK / B + 1, &nb), PKV_OK);
+        assert_int_equal(pkv_seq_get_info(c, ids[i], &in), PKV_OK);
+        for (uint32_t j = 0; j < nb; j++) {
+            assert_int_equal(tab[j] < 0, j < in.n_dropped / B);
+            if (tab[j] >= 0 && !seen[tab[j]]++) held++;
+        }
+    }
+    return held;
+}
+
+/* pkv_seq_drop_front under a sliding window and under chunks of local attention. A 300-token
+ * parent and two forks of their own tails (6 and 11 positions) drop what a window of 70 no
+ * longer reads: the shared blocks go once all three have let go of them (n_active is the blocks
+ * the tables still hold), and decode (shared-prefix groups on), an extend and a tree over what is
+ * left match the reference, for f32 and f16, 1 and 2 threads. Then every call that would read a dropped position is refused with
+ * its output untouched and the counts unchanged: decode without the window or with a wider one,
+ * chunks that start before the front, non-causal prefill, a tree whose root sees it, gather,
+ * read_stored, write by position, slots, keep and truncate below it, a pin, a tier's save; and a
+ * drop past the length. Chunks of 64: the front dropped to the current chunk, decode matches.
+ * With prefix caching on: PKV_ENOTSUP, nothing changes. */
+static void test_api_drop_front(void **state) {
+    (void)state;
+    static host_seq s[4];
+    enum { W = 70 };
+    for (int ti = 0; ti < 2; ti++)
+        for (uint32_t nt = 1; nt <= 2; nt++) {
+            const pkv_dtype dt = k_types[ti];
+            pkv_cache *c = make_cache(dt, nt, 0);
+            pkv__cache_test_share(c, 1, 0);
+            seq_new(c, dt, &s[0], 300, 11);
+            for (int i = 1; i <= 2; i++) {
+                memcpy(&s[i], &s[0], sizeof s[0]);
+                assert_int_equal(pkv_seq_fork(c, s[0].id, &s[i].id), PKV_OK);
+                append_write(c, dt, &s[i], i == 1 ? 6 : 11, 700 * i);
+            }
+            const pkv_seq ids[3] = {s[0].id, s[1].id, s[2].id};
+            pkv_stats st0, st1;
+            assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
+            assert_int_equal(st0.n_active, blocks_held(c, ids, 3));
+            /* each drops the blocks before its next decode's first key, len - W */
+            for (int i = 0; i < 3; i++) {
+                assert_int_equal(pkv_seq_drop_front(c, s[i].id, s[i].len - W), PKV_OK);
+                pkv_seq_info in;
+                assert_int_equal(pkv_seq_get_info(c, s[i].id, &in), PKV_OK);
+                assert_int_equal(in.n_dropped, (s[i].len - W) / B * B);
+                assert_int_equal(in.n_tokens, s[i].len);
+                assert_int_equal(pkv_seq_drop_front(c, s[i].id, 3), PKV_OK); /* below it: a no-op */
+                assert_int_equal(pkv_seq_get_info(c, s[i].id, &in), PKV_OK);
+                assert_int_equal(in.n_dropped, (s[i].len - W) / B * B);
+            }
+            assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
+            assert_int_equal(st1.n_active, blocks_held(c, ids, 3));
+            /* 300 - 70 = 230: blocks 0-13 of the parent, shared by all three, are FREE now */
+            assert_int_equal(st0.n_active - st1.n_active, 230 / B);
+            cache_ok(c);
+            pkv_attn_params p = pkv_attn_params_default();
+            float lse[16 * NQH];
+            p.n_q_heads = NQH, p.window = W, p.lse = lse;
+            float *q = rand_q(16), *out = malloc(sizeof(float) * 16 * NQH * D);
+            assert_int_equal(pkv_attn_decode(c, 1, ids, 3, q, out, &p), PKV_OK);
+            for (int i = 0; i < 3; i++)
+                check(&s[i], 1, q + (size_t)i * NQH * D, out + (size_t)i * NQH * D, lse + i * NQH, s[i].len - 1, 1, &p);
+            /* an extend of F1 by 5 positions, its queries' first keys past the front */
+            append_write(c, dt, &s[1], 5, 900);
+            const pkv_attn_req rq = {s[1].id, s[1].len - 5, 5};
+            assert_int_equal(pkv_attn_prefill(c, 0, &rq, 1, q, out, &p), PKV_OK);
+            check(&s[1], 0, q, out, lse, s[1].len - 5, 5, &p);
+            /* a tree of 4 nodes at F2's last 4 positions; a fork of F2 inherits its front */
+            assert_int_equal(pkv_seq_fork(c, s[2].id, &s[3].id), PKV_OK);
+            pkv_seq_info in3;
+            assert_int_equal(pkv_seq_get_info(c, s[3].id, &in3), PKV_OK);
+            assert_int_equal(in3.n_dropped, (s[2].len - W) / B * B);
+            const int32_t parent[4] = {-1, 0, 0, 1};
+            const pkv_attn_tree_req tr = {s[2].id, s[2].len - 4, 4, parent};
+            float *out2 = malloc(sizeof(float) * 16 * NQH * D);
+            pkv_attn_params tp = p; /* the root, at len - 4, sees from len - W as the last decode did */
+            tp.window = W - 3;
+            assert_int_equal(pkv_attn_tree(c, 1, &tr, 1, q, out, &tp), PKV_OK);
+            check_tree(&s[2], 1, q, out, lse, NQH, s[2].len - 4, parent, 4, &tp, TOL);
+            assert_int_equal(pkv_seq_release(c, s[3].id), PKV_OK);
+
+            /* refusals: each leaves out and the counts as they were */
+            for (uint32_t i = 0; i < 16 * NQH * D; i++) out[i] = 7.0f;
+            memcpy(out2, out, sizeof(float) * 16 * NQH * D);
+            assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
+            pkv_attn_params bad = p;
+            bad.window = 0;
+            assert_int_equal(pkv_attn_decode(c, 1, ids, 3, q, out, &bad), PKV_EINVAL);
+            bad.window = W + B + 1; /* sees the last dropped block of each */
+            assert_int_equal(pkv_attn_decode(c, 1, ids, 3, q, out, &bad), PKV_EINVAL);
+            bad.window = 0, bad.attn_chunk = 200; /* F1's chunk starts at 200, before its front (224) */
+            assert_int_equal(pkv_attn_decode(c, 1, &s[1].id, 1, q, out, &bad), PKV_EINVAL);
+            bad = p, bad.window = 0, bad.flags = PKV_ATTN_NONCAUSAL;
+            const pkv_attn_req all = {s[0].id, 0, 2};
+            assert_int_equal(pkv_attn_prefill(c, 0, &all, 1, q, out, &bad), PKV_EINVAL);
+            const pkv_attn_req early = {s[1].id, s[1].len - 5 - W, 5}; /* its first query sees 230 */
+            assert_int_equal(pkv_attn_prefill(c, 0, &early, 1, q, out, &p), PKV_EINVAL);
+            const pkv_attn_tree_req tr_early = {s[2].id, s[2].len - W, 4, parent};
+            assert_int_equal(pkv_attn_tree(c, 1, &tr_early, 1, q, out, &p), PKV_EINVAL);
+            assert_memory_equal(out, out2, sizeof(float) * 16 * NQH * D);
+            const uint32_t front = (s[0].len - W) / B * B;
+            float row[H * D];
+            uint8_t raw[H * D * 4];
+            int32_t slot;
+            pkv_seq pin;
+            const uint32_t idx[1] = {0};
+            assert_int_equal(pkv_seq_gather(c, s[0].id, 0, front - 1, 1, row, NULL), PKV_EINVAL);
+            assert_int_equal(pkv_seq_gather(c, s[0].id, 0, front - 1, 2, row, row), PKV_EINVAL);
+            assert_int_equal(pkv_seq_read_stored(c, s[0].id, 0, 0, 1, raw, NULL), PKV_EINVAL);
+            assert_int_equal(pkv_seq_write_kv(c, s[0].id, 0, front - 1, 1, row, NULL, PKV_DTYPE_F32), PKV_EINVAL);
+            assert_int_equal(pkv_seq_slots(c, s[0].id, front - 1, 1, &slot), PKV_EINVAL);
+            assert_int_equal(pkv_seq_keep(c, s[0].id, front - 1, idx, 1), PKV_EINVAL);
+            assert_int_equal(pkv_seq_truncate(c, s[0].id, front - 1), PKV_EINVAL);
+            assert_int_equal(pkv_pin_create(c, s[0].id, 16, &pin), PKV_EINVAL);
+            assert_int_equal(pkv_seq_drop_front(c, s[0].id, s[0].len + 1), PKV_EINVAL);
+            pkv_tier *t = NULL;
+            uint32_t saved = 99;
+            assert_int_equal(pkv_tier_host_create(1u << 20, NULL, &t), PKV_OK);
+            assert_int_equal(pkv_tier_save(t, c, s[0].id, &saved), PKV_EINVAL);
+            pkv_tier_destroy(t);
+            assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
+            assert_int_equal(st1.n_active, st0.n_active);
+            assert_int_equal(st1.n_free, st0.n_free);
+            assert_int_equal(st1.n_tokens, st0.n_tokens);
+            /* what is left reads back as written, and a truncate to the front itself is taken */
+            assert_int_equal(pkv_seq_gather(c, s[0].id, 1, front, 1, row, NULL), PKV_OK);
+            const float *want = &s[0].k[1][front][0][0];
+            for (uint32_t j = 0; j < H * D; j++) assert_true(row[j] == want[j]);
+            assert_int_equal(pkv_seq_truncate(c, s[0].id, front), PKV_OK);
+            s[0].len = front;
+            cache_ok(c);
+
+            /* chunks of 64: the parent, grown back to 300, drops to its current chunk (256) */
+            append_write(c, dt, &s[0], 300 - front, 11);
+            assert_int_equal(pkv_seq_drop_front(c, s[0].id, 256), PKV_OK);
+            p = pkv_attn_params_default();
+            p.n_q_heads = NQH, p.attn_chunk = 64;
+            assert_int_equal(pkv_attn_decode(c, 0, &s[0].id, 1, q, out, &p), PKV_OK);
+            check(&s[0], 0, q, out, NULL, 299, 1, &p);
+            free(q), free(out), free(out2);
+            for (int i = 0; i < 3; i++) assert_int_equal(pkv_seq_release(c, s[i].id), PKV_OK);
+            assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
+            assert_int_equal(st1.n_active, 0);
+            cache_ok(c);
+            pkv_cache_destroy(c);
+        }
+    /* prefix caching on: refused, nothing changes */
+    pkv_cache *c = make_cache(PKV_DTYPE_F32, 1, 1);
+    seq_new(c, PKV_DTYPE_F32, &s[0], 100, 1);
+    pkv_stats st0, st1;
+    pkv_seq_info in;
+    assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
+    assert_int_equal(pkv_seq_drop_front(c, s[0].id, 64), PKV_ENOTSUP);
+    assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
+    assert_int_equal(st1.n_active, st0.n_active);
+    assert_int_equal(pkv_seq_get_info(c, s[0].id, &in), PKV_OK);
+    assert_int_equal(in.n_dropped, 0);
+    assert_int_equal(pkv_seq_drop_front(NULL, s[0].id, 64), PKV_EINVAL);
+    assert_int_equal(pkv_seq_drop_front(c, s[0].id + 1, 0), PKV_ENOTSUP); /* the cache's answer first */
+    cache_ok(c);
+    pkv_cache_destroy(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_api_oracle),
@@ -1975,6 +2147,7 @@ int main(void) {
         cmocka_unit_test(test_api_share_chunk_cross),
         cmocka_unit_test(test_api_noncausal),
         cmocka_unit_test(test_api_share_chain),
+        cmocka_unit_test(test_api_drop_front),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
