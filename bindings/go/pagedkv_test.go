@@ -505,6 +505,55 @@ func min(a, b int) int {
 	return b
 }
 
+// TestDropFront: under a window of 24 the first 16 positions' block goes, decode over the rest
+// matches the reference, a read of the front and a decode without the window are EINVAL; a cache
+// that indexes prefixes says ENOTSUP.
+func TestDropFront(t *testing.T) {
+	r := rng(11)
+	const h, d, hq = 2, 64, 4
+	cfg := DefaultConfig()
+	cfg.NKVHeads, cfg.HeadDim, cfg.NBlocks, cfg.KDtype, cfg.VDtype, cfg.NThreads = h, d, 32, F32, F32, 2
+	cfg.PrefixCache = false
+	c, err := NewCache(cfg)
+	must(t, err)
+	t.Cleanup(c.Close)
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	fill(t, c, s, 40, &r)
+	k, v, err := c.Gather(s, 0, 0, 40)
+	must(t, err)
+	st0, err := c.Stats()
+	must(t, err)
+	must(t, c.DropFront(s, 40-24))
+	info, err := c.SeqInfo(s)
+	must(t, err)
+	st1, err := c.Stats()
+	must(t, err)
+	tab, err := c.BlockTable(s)
+	must(t, err)
+	if info.NDropped != 16 || st1.NActive != st0.NActive-1 || tab[0] != -1 {
+		t.Fatalf("after DropFront: n_dropped %d, active %d -> %d, table %v", info.NDropped, st0.NActive, st1.NActive, tab)
+	}
+	q := r.vec(hq * d)
+	out := make([]float32, hq*d)
+	must(t, c.Decode(0, []Seq{s}, q, out, AttnParams{NQHeads: hq, Window: 24}, nil))
+	w, _ := reference(q, k, v, hq, h, d, 1/math.Sqrt(d), 0, 24)
+	assertClose(t, out, w, 1e-5, "decode over a dropped front")
+	if err := c.Decode(0, []Seq{s}, q, out, AttnParams{NQHeads: hq}, nil); code(err) != EINVAL {
+		t.Fatalf("decode that sees the dropped front: %v", err)
+	}
+	if _, _, err := c.Gather(s, 0, 15, 1); code(err) != EINVAL {
+		t.Fatalf("gather of a dropped position: %v", err)
+	}
+	cp := newCache(t, h, d, 32, F32)
+	sp, err := cp.SeqCreate(nil)
+	must(t, err)
+	fill(t, cp, sp, 40, &r)
+	if err := cp.DropFront(sp, 32); code(err) != ENOTSUP {
+		t.Fatalf("DropFront with prefix caching: %v", err)
+	}
+}
+
 func TestSoftcapWindowMerge(t *testing.T) {
 	r := rng(7)
 	const h, d, hq = 2, 64, 4

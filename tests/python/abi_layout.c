@@ -30,7 +30,7 @@ int main(void) {
     FIELD(pkv_layout, k_dtype), FIELD(pkv_layout, v_dtype), FIELD(pkv_layout, v_dim);
     SIZE(pkv_seq_info);
     FIELD(pkv_seq_info, n_tokens), FIELD(pkv_seq_info, n_committed), FIELD(pkv_seq_info, n_blocks);
-    FIELD(pkv_seq_info, n_shared), FIELD(pkv_seq_info, n_reused);
+    FIELD(pkv_seq_info, n_shared), FIELD(pkv_seq_info, n_reused), FIELD(pkv_seq_info, n_dropped);
     SIZE(pkv_stats);
     FIELD(pkv_stats, n_blocks), FIELD(pkv_stats, n_free), FIELD(pkv_stats, n_cached), FIELD(pkv_stats, n_active);
     FIELD(pkv_stats, n_seqs), FIELD(pkv_stats, n_pins), FIELD(pkv_stats, n_tokens), FIELD(pkv_stats, n_slots_used);

@@ -948,6 +948,41 @@ class TestModel(Base):
 
 
 class TestCache(Base):
+    def test_drop_front(self):
+        """drop_front under a window: the blocks before the front go, decode over what is left
+        matches the reference, reads of the front are EINVAL, the table reads -1 there, and a
+        cache that indexes prefixes says ENOTSUP."""
+        with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=1,
+                       enable_prefix_cache=False) as c:
+            s = c.seq_create()
+            self.fill(c, s, 100)
+            K, V = c.gather(s, 0)
+            active = c.stats()["n_active"]
+            c.drop_front(s, 100 - 40)  # a window of 40: blocks 0-2 (positions 0-47) go
+            self.assertEqual(c.seq_info(s).n_dropped, 48)
+            self.assertEqual(c.seq_info(s).n_tokens, 100)
+            self.assertEqual(c.stats()["n_active"], active - 3)
+            self.assertEqual(list(c.block_table(s)[:3]), [-1, -1, -1])
+            self.assertTrue((c.block_table(s)[3:] >= 0).all())
+            q = self.rng.standard_normal((1, 4, 32)).astype(np.float32)
+            want, _ = ref_attn(q[0], K, V, 1 / np.sqrt(32), window=40)
+            self.assertClose(c.decode(0, [s], q, window=40)[0], want, 1e-5, "decode over a dropped front")
+            for call in (lambda: c.decode(0, [s], q), lambda: c.decode(0, [s], q, window=60),
+                         lambda: c.gather(s, 0, 40, 10), lambda: c.truncate(s, 47), lambda: c.drop_front(s, 101)):
+                with self.assertRaises(pkv.PkvError) as e:
+                    call()
+                self.assertEqual(e.exception.code, pkv.EINVAL)
+            np.testing.assert_array_equal(c.gather(s, 0, 48)[0], K[48:])
+            c.release(s)
+            self.assertEqual(c.stats()["n_active"], 0)
+        with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=1) as c:
+            s = c.seq_create()
+            self.fill(c, s, 40)
+            with self.assertRaises(pkv.PkvError) as e:
+                c.drop_front(s, 32)
+            self.assertEqual(e.exception.code, pkv.ENOTSUP)
+            self.assertEqual(c.seq_info(s).n_dropped, 0)
+
     def test_prefix_fork_cow_exports(self):
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=1) as c:
             a = c.seq_create(b"tenant-1")

@@ -225,7 +225,7 @@ fn struct_layouts_match_c() {
         m,
         "pkv_seq_info",
         ffi::pkv_seq_info,
-        [n_tokens, n_committed, n_blocks, n_shared, n_reused]
+        [n_tokens, n_committed, n_blocks, n_shared, n_reused, n_dropped]
     );
     offsets!(
         m,
@@ -670,6 +670,47 @@ fn bf16_dot_rounds_as_documented() {
     }
     let c16 = Cache::new(&cfg(h as u32, d as u32, 8, Dtype::F16)).unwrap();
     assert!(!c16.bf16_dot_used());
+}
+
+/// drop_front under a window of 24: the first 16 positions' block goes, decode over the rest
+/// matches the reference, a read of the front and a decode without the window are EINVAL; a
+/// cache that indexes prefixes says ENOTSUP.
+#[test]
+fn drop_front_window() {
+    let mut rng = Rng(11);
+    let (h, d, hq) = (2usize, 64usize, 4usize);
+    let mut conf = cfg(h as u32, d as u32, 32, Dtype::F32);
+    conf.prefix_cache = false;
+    let mut c = Cache::new(&conf).unwrap();
+    let s = c.seq_create(b"").unwrap();
+    fill(&mut c, s, 40, &mut rng);
+    let (k, v) = c.gather(s, 0, 0, 40).unwrap();
+    let active = c.stats().unwrap().n_active;
+    c.drop_front(s, 40 - 24).unwrap();
+    assert_eq!(c.seq_info(s).unwrap().n_dropped, 16);
+    assert_eq!(c.stats().unwrap().n_active, active - 1);
+    assert_eq!(c.block_table(s).unwrap()[0], -1);
+    let q: Vec<f32> = rng.vec(hq * d);
+    let p = AttnParams {
+        n_q_heads: hq as u32,
+        window: 24,
+        ..AttnParams::default()
+    };
+    let mut out = vec![0f32; hq * d];
+    c.decode(0, &[s], &q, &mut out, &p, None).unwrap();
+    let (w, _) = reference(&q, &k, &v, hq, h, d, 1.0 / (d as f64).sqrt(), 0.0, 24);
+    assert_close(&out, &w, 1e-5, "decode over a dropped front");
+    let all = AttnParams {
+        n_q_heads: hq as u32,
+        ..AttnParams::default()
+    };
+    let e = c.decode(0, &[s], &q, &mut out, &all, None).unwrap_err();
+    assert_eq!(e.code(), EINVAL);
+    assert_eq!(c.gather(s, 0, 15, 1).unwrap_err().code(), EINVAL);
+    let mut cp = Cache::new(&cfg(h as u32, d as u32, 32, Dtype::F32)).unwrap();
+    let t = cp.seq_create(b"").unwrap();
+    fill(&mut cp, t, 40, &mut rng);
+    assert_eq!(cp.drop_front(t, 32).unwrap_err().code(), ENOTSUP);
 }
 
 #[test]
