@@ -1,0 +1,141 @@
+/* hybrid_window.c: a model that mixes sliding-window layers with global ones (Gemma 2 and 3,
+ * gpt-oss, Mistral's window, Llama 4's chunked layers), its windowed layers' K/V in a cache of
+ * their own that lets go of what the window has passed (pkv_seq_drop_front), checked against a
+ * direct computation.
+ *
+ * A block holds every layer of its cache, so one cache for all layers keeps every position of
+ * the global layers and, with them, of the windowed ones. Here layers 0 and 2 are global (their
+ * cache indexes prefixes as usual) and layers 1 and 3 see the last W positions: their cache has
+ * prefix caching off, and after each step a sequence drops the blocks its next query no longer
+ * sees. Four sequences take a 40-token prompt, then decode 160 steps each; every step's output of
+ * every layer is compared with attention over a plain copy of the K/V. At the end the windowed
+ * cache holds at most ceil(W / B) + 1 blocks a sequence, where the global one holds the whole
+ * length. The example fails if an output differs from the direct computation by more than float
+ * rounding, or if the windowed cache holds more than that. */
+#include <pkv.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+enum { SEQS = 4, PROMPT = 40, STEPS = 160, LEN = PROMPT + STEPS, H = 2, HQ = 4, D = 32, BT = 16, W = 48 };
+
+static float rnd(unsigned *s) {
+    *s = *s * 1103515245u + 12345u;
+    return (float)((*s >> 8) & 0xffff) / 32768.0f - 1.0f;
+}
+
+/* The example's own copy of the K/V: [model layer][seq][position][H][D]. */
+static float K[4][SEQS][LEN][H][D], V[4][SEQS][LEN][H][D];
+
+/* The largest difference between out ([HQ][D]) and attention of q ([HQ][D]) at position pos of
+ * sequence i over layer l's positions [lo, pos]. */
+static double check(const float *q, const float *out, int l, int i, int pos, int lo) {
+    double worst = 0;
+    for (int h = 0; h < HQ; h++) {
+        const int kh = h / (HQ / H);
+        double s[LEN], mx = -INFINITY, sum = 0;
+        for (int t = lo; t <= pos; t++) {
+            double dot = 0;
+            for (int d = 0; d < D; d++) dot += (double)q[h * D + d] * K[l][i][t][kh][d];
+            s[t] = dot / sqrt((double)D);
+            mx = s[t] > mx ? s[t] : mx;
+        }
+        for (int t = lo; t <= pos; t++) sum += (s[t] = exp(s[t] - mx));
+        for (int d = 0; d < D; d++) {
+            double o = 0;
+            for (int t = lo; t <= pos; t++) o += s[t] / sum * V[l][i][t][kh][d];
+            worst = fmax(worst, fabs(o - out[h * D + d]));
+        }
+    }
+    return worst;
+}
+
+/* Appends n positions (token ids from tok) to sequence i in both caches and writes every model
+ * layer's K/V for them: layers 0, 2 to the global cache's 0, 1, layers 1, 3 to the local one's. */
+static int append(pkv_cache *g, pkv_cache *w, const pkv_seq *sg, const pkv_seq *sw, int i, int start, int n,
+                  unsigned *seed) {
+    int32_t tok[PROMPT], slots[PROMPT];
+    for (int j = 0; j < n; j++) tok[j] = 1 + (start + j) % 500;
+    for (int l = 0; l < 4; l++)
+        for (int j = start; j < start + n; j++)
+            for (int h = 0; h < H; h++)
+                for (int d = 0; d < D; d++) K[l][i][j][h][d] = rnd(seed), V[l][i][j][h][d] = rnd(seed);
+    for (int side = 0; side < 2; side++) {
+        pkv_cache *c = side ? w : g;
+        const pkv_seq s = side ? sw[i] : sg[i];
+        int rc = pkv_seq_append(c, s, tok, (uint32_t)n, slots);
+        for (int cl = 0; cl < 2 && !rc; cl++) {
+            const int l = 2 * cl + side;
+            rc = pkv_write_kv(c, (uint32_t)cl, slots, (uint32_t)n, &K[l][i][start][0][0], &V[l][i][start][0][0],
+                              PKV_DTYPE_F32);
+        }
+        if (!rc) rc = pkv_seq_commit(c, s, (uint32_t)(start + n));
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+int main(void) {
+    pkv_config cfg = pkv_config_default();
+    cfg.n_layers = 2, cfg.n_kv_heads = H, cfg.head_dim = D, cfg.block_tokens = BT;
+    cfg.k_dtype = cfg.v_dtype = PKV_DTYPE_F32;
+    cfg.n_blocks = SEQS * (LEN / BT + 1); /* the global layers keep every position */
+    pkv_cache *g = NULL, *w = NULL;
+    int rc = pkv_cache_create(&cfg, &g);
+    cfg.enable_prefix_cache = 0;             /* pkv_seq_drop_front's condition */
+    cfg.n_blocks = SEQS * ((W + BT - 1) / BT + 2); /* the window's blocks, and one the step appends to */
+    if (!rc) rc = pkv_cache_create(&cfg, &w);
+    pkv_seq sg[SEQS], sw[SEQS];
+    unsigned seed = 11;
+    for (int i = 0; i < SEQS && !rc; i++) {
+        rc = pkv_seq_create(g, NULL, 0, &sg[i]);
+        if (!rc) rc = pkv_seq_create(w, NULL, 0, &sw[i]);
+        if (!rc) rc = append(g, w, sg, sw, i, 0, PROMPT, &seed);
+        if (!rc) rc = pkv_seq_drop_front(w, sw[i], PROMPT + 1 > W ? PROMPT + 1 - W : 0);
+    }
+    if (rc) {
+        fprintf(stderr, "hybrid_window: set-up failed: %s\n", pkv_strerror(rc));
+        return 1;
+    }
+    static float q[SEQS][HQ][D], out[SEQS][HQ][D];
+    pkv_attn_params pg = pkv_attn_params_default(), pw = pkv_attn_params_default();
+    pg.n_q_heads = pw.n_q_heads = HQ;
+    pw.window = W;
+    double worst = 0;
+    uint32_t most_local = 0;
+    for (int step = 0; step < STEPS && !rc; step++) {
+        const int pos = PROMPT + step; /* the position each sequence decodes */
+        for (int i = 0; i < SEQS && !rc; i++) rc = append(g, w, sg, sw, i, pos, 1, &seed);
+        for (int l = 0; l < 4 && !rc; l++) { /* the model's layers in order, one batch each */
+            for (int j = 0; j < SEQS * HQ * D; j++) (&q[0][0][0])[j] = rnd(&seed);
+            const int local = l % 2;
+            rc = pkv_attn_decode(local ? w : g, (uint32_t)(l / 2), local ? sw : sg, SEQS, &q[0][0][0], &out[0][0][0],
+                                 local ? &pw : &pg);
+            for (int i = 0; i < SEQS && !rc; i++)
+                worst = fmax(worst, check(&q[i][0][0], &out[i][0][0], l, i, pos, local && pos + 1 > W ? pos + 1 - W : 0));
+        }
+        /* the next query, at pos + 1, sees from pos + 2 - W on: the blocks wholly before go */
+        for (int i = 0; i < SEQS && !rc && pos + 2 > W; i++) rc = pkv_seq_drop_front(w, sw[i], (uint32_t)(pos + 2 - W));
+        pkv_stats st;
+        if (!rc) rc = pkv_cache_get_stats(w, &st);
+        if (!rc && st.n_active > most_local) most_local = st.n_active;
+    }
+    pkv_stats sg_st, sw_st;
+    if (!rc) rc = pkv_cache_get_stats(g, &sg_st);
+    if (!rc) rc = pkv_cache_get_stats(w, &sw_st);
+    if (rc) {
+        fprintf(stderr, "hybrid_window: %s\n", pkv_strerror(rc));
+        return 1;
+    }
+    const uint32_t bound = SEQS * ((W + BT - 1) / BT + 1);
+    printf("hybrid_window: %d sequences of %d positions, window %d: global layers' cache %u blocks, windowed "
+           "layers' %u (at most %u during the run, bound %u); worst |out - direct| %.2e\n",
+           SEQS, LEN, W, sg_st.n_active, sw_st.n_active, most_local, bound, worst);
+    if (worst > 1e-4 || most_local > bound) {
+        fprintf(stderr, "hybrid_window: FAILED\n");
+        return 1;
+    }
+    pkv_cache_destroy(g);
+    pkv_cache_destroy(w);
+    return 0;
+}
