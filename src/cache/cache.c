@@ -1490,7 +1490,7 @@ PKV_API int pkv_batch_compact(pkv_cache *c, const pkv_seq *seqs, uint32_t n, uin
     for (uint32_t i = 0; i < n && !rc; i++) {
         pkv__seq *s;
         rc = get_seq(c, seqs[i], &s);
-        for (uint32_t p = s->n_dropped; !rc && p < s->n_blocks; p++) {
+        for (uint32_t p = rc ? 0 : s->n_dropped; !rc && p < s->n_blocks; p++) {
             const uint32_t b = (uint32_t)s->table[p];
             if (!movable(c, b)) continue;
             if (w.at[b] != PKV_NONE) /* held once, so named twice: a repeated id */
