@@ -216,6 +216,22 @@ static void lru_tail(world *w) {
     p->lru_tail = p->lru_head;
 }
 
+/* dropped fronts (pkv_seq_drop_front): past the table, in a cache that indexes prefixes, and an
+   entry in the front that is not -1 (the cache made to index nothing, and b's chain forgotten, so
+   that only the entry is wrong) */
+static pkv__seq *slot_of(world *w, pkv_seq id) { return &w->c->seqs[id & 0xffffffffu]; }
+static void front_past_table(world *w) {
+    pkv__seq *s = slot_of(w, w->r);
+    s->n_dropped = s->n_blocks + 1;
+}
+static void front_indexed(world *w) { slot_of(w, w->b)->n_dropped = 1; }
+static void front_entry(world *w) {
+    pkv__seq *s = slot_of(w, w->b);
+    w->c->cfg.enable_prefix_cache = 0;
+    s->idx_len = 0;
+    s->n_dropped = 1;
+}
+
 static void test_checker_fires(void **state) {
     (void)state;
     static const struct {
@@ -269,6 +285,9 @@ static void test_checker_fires(void **state) {
         {state_counts, "block states:"},
         {free_tail, "blocks linked, n_free="},
         {lru_tail, "blocks linked, n_cached="},
+        {front_past_table, "blocks dropped of"},
+        {front_indexed, "a dropped front in a cache that indexes prefixes"},
+        {front_entry, "in its dropped front"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) expect_corrupt(cases[i].brk, cases[i].want);
     /* and the world itself is sound, before and after a round of use */
