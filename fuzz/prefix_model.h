@@ -57,6 +57,7 @@ typedef struct pm_seq {
     pkv_seq id;
     int live, is_pin, salt;
     uint32_t len, committed;
+    uint32_t dropped; /* positions [0, dropped) let go (pkv_seq_drop_front; a multiple of B) */
     int32_t tok[PM_MAX_TOK];
     uint64_t h[PM_MAX_TOK]; /* h[p] = H(salt, tok[0..p]) */
 } pm_seq;
@@ -105,6 +106,8 @@ typedef struct pm_world {
     /* coverage, so a test can insist the workload did exercise reuse */
     uint64_t n_steps, n_matches, n_full_block_hits, n_partial_hits, n_root_hits, n_enospc, n_forks, n_pins, n_truncs;
     uint64_t n_compact_moved; /* blocks pkv_seq_compact moved */
+    uint64_t n_drops;         /* pkv_seq_drop_front calls taken */
+    uint64_t n_attn_front;    /* attention calls checked over a sequence with a dropped front */
     /* attention calls checked, their queries, bad calls, calls with out == q */
     uint64_t n_attn, n_attn_queries, n_attn_bad, n_attn_in_place;
     uint64_t n_attn_shared; /* attention calls that read a shared prefix once for a group */
@@ -450,14 +453,16 @@ PM_NOCOV static inline int pm_verify(pm_world *w) {
                   q->committed);
         PM_EXPECT(w, info.n_blocks == (q->len + w->B - 1) / w->B, "seq %d: %u blocks for %u tokens", i, info.n_blocks,
                   q->len);
-        if (!q->len) continue;
-        for (uint32_t l = 0; l < w->cfg.n_layers; l++) {
-            rc = pkv_seq_gather(w->c, q->id, l, 0, q->len, w->kbuf, w->vbuf);
+        PM_EXPECT(w, info.n_dropped == q->dropped, "seq %d: %u positions dropped, model %u", i, info.n_dropped,
+                  q->dropped);
+        if (q->len == q->dropped) continue;
+        for (uint32_t l = 0; l < w->cfg.n_layers; l++) { /* (kbuf from the front's end: its row 0 is position dropped) */
+            rc = pkv_seq_gather(w->c, q->id, l, q->dropped, q->len - q->dropped, w->kbuf, w->vbuf);
             PM_EXPECT(w, rc == 0, "gather: %s", pkv_strerror(rc));
-            for (uint32_t p = 0; p < q->len; p++)
+            for (uint32_t p = q->dropped; p < q->len; p++)
                 for (uint32_t h = 0; h < H; h++)
                     for (uint32_t d = 0; d < D; d++) {
-                        size_t o = ((size_t)p * H + h) * D + d;
+                        size_t o = ((size_t)(p - q->dropped) * H + h) * D + d;
                         float ke = pm_val(q->h[p], l, 0, h, d), ve = pm_val(q->h[p], l, 1, h, d);
                         PM_EXPECT(w, w->kbuf[o] == ke && w->vbuf[o] == ve,
                                   "seq %d layer %u pos %u head %u dim %u: K %g V %g, expected %g %g (len %u, "
@@ -596,6 +601,7 @@ enum {
     PM_OP_MATCH2,
     PM_OP_ATTN,
     PM_OP_COMPACT,
+    PM_OP_DROP,
     PM_OP_COUNT
 };
 
@@ -715,13 +721,16 @@ static inline int pm_op_tree(pm_world *w, pm_src *src) {
     pm_draw_queries(w, src, (size_t)n * Hq * D);
     const int bad = n > 1 && pm_byte(src) < 24;
     if (bad) par[1 + pm_below(src, n - 1)] = pm_byte(src) & 1 ? -2 : (int32_t)n; /* outside [-1, i) */
+    if (q->dropped && q_start + 1 > q->dropped && (pm_byte(src) & 1)) /* the widest window the root takes */
+        ap.window = q_start + 1 - q->dropped, ap.attn_chunk = 0;
     const pkv_attn_tree_req r = {.seq = q->id, .q_start = q_start, .n_nodes = n, .parent = par};
+    const int front = pm_key_lo(&ap, q_start) < q->dropped; /* the root sees a dropped position */
     const int rc = pkv_attn_tree(w->c, layer, &r, 1, w->aq, w->aout, &ap);
-    PM_TR(w, "   tree over seq %d's last %u positions (Hq %u, layer %u, window %u, chunk %u, sinks %d, bad %d) -> %s\n",
-          PM_SI(w, q), n, Hq, layer, ap.window, ap.attn_chunk, ap.sinks != NULL, bad,
+    PM_TR(w, "   tree over seq %d's last %u positions (Hq %u, layer %u, window %u, chunk %u, sinks %d, bad %d, front %d) -> %s\n",
+          PM_SI(w, q), n, Hq, layer, ap.window, ap.attn_chunk, ap.sinks != NULL, bad, front,
           pkv_strerror(rc));
-    if (bad) {
-        PM_EXPECT(w, rc == PKV_EINVAL, "tree with a bad parent: %s", pkv_strerror(rc));
+    if (bad || front) {
+        PM_EXPECT(w, rc == PKV_EINVAL, "tree with a bad parent or over a dropped front: %s", pkv_strerror(rc));
         PM_EXPECT(w, pm_untouched(w->aout, 0, sizeof w->aout), "tree with a bad parent wrote out");
         PM_EXPECT(w, pm_untouched(w->alse, 0, sizeof w->alse), "tree with a bad parent wrote lse");
         w->n_attn_bad++;
@@ -752,6 +761,7 @@ static inline int pm_op_tree(pm_world *w, pm_src *src) {
     }
     w->n_attn++;
     w->n_attn_queries += n;
+    w->n_attn_front += q->dropped > 0;
     return 0;
 }
 
@@ -796,6 +806,16 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         reqs[i] = (pkv_attn_req){.seq = pick[i]->id, .q_start = q0, .n_q = m};
         nq += m;
     }
+    /* over dropped fronts, half the time the widest window every request's first query takes
+       (else the call is refused, below) */
+    uint32_t fit = UINT32_MAX, fronts = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const uint32_t q0 = prefill ? reqs[i].q_start : pick[i]->len - 1;
+        fronts += pick[i]->dropped > 0;
+        const uint32_t wi = q0 + 1 > pick[i]->dropped ? q0 + 1 - pick[i]->dropped : 0; /* 0: none fits */
+        if (wi < fit) fit = wi;
+    }
+    if (fronts && fit && (pm_byte(src) & 1)) ap.window = fit, ap.attn_chunk = 0;
     /* non-causal (PKV_ATTN_NONCAUSAL, without a window or chunks): every query over the whole
        sequence, q_start 0 */
     const int noncausal = prefill && (b & 32) && !ap.window && !ap.attn_chunk;
@@ -841,7 +861,14 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         want_rc = PKV_EINVAL;
     }
     if (bad == 8) ap.flags = 4u, want_rc = PKV_EINVAL; /* a flag pkv.h does not define */
-    if (!bad && b >= 192) { /* in place: out is q, the queries copied there first */
+    /* a request whose first query sees a dropped position (pkv_seq_drop_front) is refused; the
+       sequences are checked in order, so one before a stale id (bad 5) says EINVAL first */
+    for (uint32_t i = 0; i < n && want_rc != PKV_EINVAL; i++) {
+        const uint32_t m = prefill ? reqs[i].n_q : 1, q0 = prefill ? reqs[i].q_start : pick[i]->len - 1;
+        const int stale = bad == 5 && want_rc == PKV_ENOENT && i == n - 1;
+        if (m && !stale && (noncausal ? 0 : pm_key_lo(&ap, q0)) < pick[i]->dropped) want_rc = PKV_EINVAL;
+    }
+    if (!want_rc && b >= 192) { /* in place: out is q, the queries copied there first */
         memcpy(w->aout, w->aq, (size_t)nq * Hq * D * sizeof(float));
         qp = w->aout;
     }
@@ -900,6 +927,11 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     w->n_attn++;
     w->n_attn_queries += nq;
     w->n_attn_in_place += qp == w->aout;
+    for (uint32_t i = 0; i < n; i++)
+        if (pick[i]->dropped) {
+            w->n_attn_front++;
+            break;
+        }
     return 0;
 }
 
@@ -1078,6 +1110,10 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         rc = pkv_seq_truncate(w->c, q->id, n);
         PM_TR(w, "%llu: s%d truncate(%u) of %u -> %s\n", (unsigned long long)w->n_steps, PM_SI(w, q), n, q->len,
               pkv_strerror(rc));
+        if (n < q->len && n < q->dropped) { /* into the dropped front */
+            PM_EXPECT(w, rc == PKV_EINVAL, "truncate %u into a front dropped to %u: %s", n, q->dropped, pkv_strerror(rc));
+            break;
+        }
         PM_EXPECT(w, rc == 0, "truncate %u of %u: %s", n, q->len, pkv_strerror(rc));
         if (n < q->len) q->len = n;
         if (q->committed > q->len) q->committed = q->len;
@@ -1126,6 +1162,27 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         w->n_compact_moved += moved;
         break;
     }
+    case PM_OP_DROP: { /* pkv_seq_drop_front: ENOTSUP where prefixes are indexed, EINVAL past the
+                          length, each changing nothing (pm_verify); else the front grows */
+        pm_seq *q = pm_pick(w, src, 0);
+        if (!q) break;
+        const uint32_t pos = pm_below(src, q->len + 3);
+        pkv_stats before, after;
+        if (pkv_cache_get_stats(w->c, &before) < 0) return pm_fail(w, "stats");
+        rc = pkv_seq_drop_front(w->c, q->id, pos);
+        PM_TR(w, "%llu: s%d drop_front(%u) of %u (dropped %u) -> %s\n", (unsigned long long)w->n_steps, PM_SI(w, q),
+              pos, q->len, q->dropped, pkv_strerror(rc));
+        const int want = w->cfg.enable_prefix_cache ? PKV_ENOTSUP : pos > q->len ? PKV_EINVAL : 0;
+        PM_EXPECT(w, rc == want, "drop_front(%u) of %u: %s, want %s", pos, q->len, pkv_strerror(rc), pkv_strerror(want));
+        if (pkv_cache_get_stats(w->c, &after) < 0) return pm_fail(w, "stats");
+        if (rc) {
+            PM_EXPECT(w, memcmp(&before, &after, sizeof before) == 0, "a refused drop_front changed the statistics");
+            break;
+        }
+        if (pos / w->B * w->B > q->dropped) q->dropped = pos / w->B * w->B;
+        w->n_drops++;
+        break;
+    }
     case PM_OP_RELEASE: {
         pm_seq *q = pm_pick(w, src, 0);
         if (!q) break;
@@ -1147,6 +1204,10 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         rc = pkv_pin_create(w->c, p->id, n_pos, &id);
         PM_TR(w, "%llu: s%d = pin(s%d, %u) of %u -> %s\n", (unsigned long long)w->n_steps, q ? PM_SI(w, q) : -1,
               PM_SI(w, p), n_pos, p->len, pkv_strerror(rc));
+        if (p->dropped) { /* no prefix left to pin */
+            PM_EXPECT(w, rc == PKV_EINVAL, "pin of a sequence with a dropped front: %s", pkv_strerror(rc));
+            break;
+        }
         if (!q) {
             PM_EXPECT(w, rc == PKV_ELIMIT, "pin when full: %s", pkv_strerror(rc));
             break;
@@ -1198,8 +1259,8 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         } else if (kind == 2 && q) { /* gather past the end */
             rc = pkv_seq_gather(w->c, q->id, 0, q->len, 1, w->kbuf, w->vbuf);
             PM_EXPECT(w, rc == PKV_EINVAL, "gather past length %u: %s", q->len, pkv_strerror(rc));
-        } else if (kind == 3 && q && q->committed) { /* write into a committed position */
-            uint32_t p = pm_below(src, q->committed);
+        } else if (kind == 3 && q && q->committed > q->dropped) { /* write into a committed position */
+            uint32_t p = q->dropped + pm_below(src, q->committed - q->dropped);
             int32_t slot;
             rc = pkv_seq_slots(w->c, q->id, p, 1, &slot);
             PM_EXPECT(w, rc == 0, "slots: %s", pkv_strerror(rc));
@@ -1229,6 +1290,12 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         uint32_t p = pm_below(src, q->len);
         int32_t slot;
         rc = pkv_seq_slots(w->c, q->id, p, 1, &slot);
+        if (p < q->dropped) { /* no slot: the block is gone; nor a write by position */
+            PM_EXPECT(w, rc == PKV_EINVAL, "slots of dropped position %u: %s", p, pkv_strerror(rc));
+            rc = pkv_seq_write_kv(w->c, q->id, 0, p, 1, w->kbuf, w->vbuf, PKV_DTYPE_F32);
+            PM_EXPECT(w, rc == PKV_EINVAL, "write of dropped position %u: %s", p, pkv_strerror(rc));
+            break;
+        }
         PM_EXPECT(w, rc == 0, "slots: %s", pkv_strerror(rc));
         int shared = 0;
         uint32_t nb;

@@ -14,6 +14,7 @@
 typedef struct totals {
     uint64_t matches, full_hits, partial_hits, root_hits, evictions, cow, enospc, forks, pins, truncs, tokens_hit, compact_moved;
     uint64_t attn, attn_queries, attn_bad, attn_pool, attn_in_place, attn_shared;
+    uint64_t drops, attn_front;
 } totals;
 
 static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, int steps, totals *t) {
@@ -48,6 +49,8 @@ static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, i
     t->attn_in_place += w->n_attn_in_place;
     t->attn_shared += w->n_attn_shared;
     t->attn_pool += st.attn_reqs_pool;
+    t->drops += w->n_drops;
+    t->attn_front += w->n_attn_front;
     pm_fini(w);
     free(w);
 }
@@ -93,9 +96,12 @@ static void test_prefix_random_shapes(void **state) {
 static void test_prefix_random_disabled(void **state) {
     (void)state;
     totals t = {0};
-    for (uint64_t seed = 1; seed <= 2; seed++) run_world(0x00, 20, 1, seed, 800, &t);
+    for (uint64_t seed = 1; seed <= 4; seed++) run_world(0x00, 20, 1, seed, 800, &t);
+    print_message("prefix off: %llu drop_front calls taken, %llu attention calls checked over dropped fronts\n",
+                  (unsigned long long)t.drops, (unsigned long long)t.attn_front);
     assert_true(t.matches > 0);
     assert_int_equal(t.tokens_hit, 0);
+    assert_true(t.drops > 0 && t.attn_front > 0); /* pkv_seq_drop_front, and attention past the fronts */
 }
 
 /* The same workloads with attention read in pool order (the sweep), whatever the call's size:
