@@ -12,7 +12,7 @@ import random
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "corpus")
 # pm_step op numbers (enum in prefix_model.h)
-MATCH, CREATE, APPEND, COMMIT, FORK, TRUNC, RELEASE, PIN, UNPIN, NEG, REWRITE, MATCH2, ATTN = range(13)
+MATCH, CREATE, APPEND, COMMIT, FORK, TRUNC, RELEASE, PIN, UNPIN, NEG, REWRITE, MATCH2, ATTN, COMPACT, DROP = range(15)
 THEMES = {
     "match": [MATCH, MATCH2, CREATE, RELEASE, MATCH, COMMIT],
     "evict": [CREATE, APPEND, APPEND, RELEASE, MATCH, MATCH2],
@@ -20,6 +20,8 @@ THEMES = {
     "pin": [MATCH, PIN, RELEASE, UNPIN, APPEND, MATCH2],
     "mixed": list(range(13)),
     "attn": [MATCH, APPEND, FORK, ATTN, TRUNC, ATTN, RELEASE, MATCH2, ATTN],
+    # dropped fronts (prefix cache off): attention, trees, truncates and pins over them
+    "drop": [CREATE, APPEND, APPEND, DROP, ATTN, FORK, DROP, ATTN, TRUNC, PIN, REWRITE, COMPACT, ATTN],
 }
 
 
@@ -32,7 +34,7 @@ def main():
         for k in range(4):
             cfg = configs[(n + k) % len(configs)]
             pool = rng.randrange(256)
-            b2 = 0xFF if (theme == "mixed" and k == 3) else rng.randrange(4)
+            b2 = 0xFF if (theme == "mixed" and k == 3) or theme == "drop" else rng.randrange(4)
             if theme == "attn" and k % 2:
                 b2 |= 4  # attention in pool order
             data = bytearray([cfg, pool, b2])
