@@ -1979,6 +1979,12 @@ static uint32_t blocks_held(pkv_cache *c, const pkv_seq *ids, uint32_t n) {
  * read_stored, write by position, slots, keep and truncate below it, a pin, a tier's save; and a
  * drop past the length. Chunks of 64: the front dropped to the current chunk, decode matches.
  * With prefix caching on: PKV_ENOTSUP, nothing changes. */
+static char g_said[400]; /* the last refusal's reason (the cache's log hook) */
+static void said_fn(void *ctx, int level, const char *msg) {
+    (void)ctx;
+    if (level == PKV_LOG_ERROR) snprintf(g_said, sizeof g_said, "%s", msg);
+}
+
 static void test_api_drop_front(void **state) {
     (void)state;
     static host_seq s[4];
@@ -1986,7 +1992,10 @@ static void test_api_drop_front(void **state) {
     for (int ti = 0; ti < 2; ti++)
         for (uint32_t nt = 1; nt <= 2; nt++) {
             const pkv_dtype dt = k_types[ti];
-            pkv_cache *c = make_cache(dt, nt, 0);
+            pkv_config cfg = api_config(dt, nt, 0);
+            cfg.log = said_fn;
+            pkv_cache *c = NULL;
+            assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
             pkv__cache_test_share(c, 1, 0);
             seq_new(c, dt, &s[0], 300, 11);
             for (int i = 1; i <= 2; i++) {
@@ -2046,7 +2055,9 @@ static void test_api_drop_front(void **state) {
             assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
             pkv_attn_params bad = p;
             bad.window = 0;
+            g_said[0] = 0;
             assert_int_equal(pkv_attn_decode(c, 1, ids, 3, q, out, &bad), PKV_EINVAL);
+            assert_non_null(strstr(g_said, "sees position 0, dropped (pkv_seq_drop_front: before 224)")); /* 300 - 70 */
             bad.window = W + B + 1; /* sees the last dropped block of each */
             assert_int_equal(pkv_attn_decode(c, 1, ids, 3, q, out, &bad), PKV_EINVAL);
             bad.window = 0, bad.attn_chunk = 200; /* F1's chunk starts at 200, before its front (224) */

@@ -391,6 +391,9 @@ static int batch_with(fx *f, pkv_seq s, const int32_t *tok, uint32_t n, uint32_t
     X(truncate_id0, PKV_ENOENT, pkv_seq_truncate(f->c, 0, 0))                                                         \
     X(truncate_pin, PKV_EINVAL, pkv_seq_truncate(f->c, f->pin, 0))                                                    \
     X(truncate_past_length_noop, PKV_OK, pkv_seq_truncate(f->c, f->live, UINT32_MAX))                                 \
+    X(drop_front_null_cache, PKV_EINVAL, pkv_seq_drop_front(NULL, f->live, 4))                                        \
+    X(drop_front_prefix_cache, PKV_ENOTSUP, pkv_seq_drop_front(f->c, f->live, 4))                                     \
+    X(drop_front_prefix_cache_stale, PKV_ENOTSUP, pkv_seq_drop_front(f->c, f->stale, 4))                              \
     /* release */                                                                                                     \
     X(release_null_cache, PKV_EINVAL, pkv_seq_release(NULL, f->live))                                                 \
     X(release_stale, PKV_ENOENT, pkv_seq_release(f->c, f->stale))                                                     \
