@@ -106,6 +106,9 @@ int main(void) {
     for (int step = 0; step < STEPS && !rc; step++) {
         const int pos = PROMPT + step; /* the position each sequence decodes */
         for (int i = 0; i < SEQS && !rc; i++) rc = append(g, w, sg, sw, i, pos, 1, &seed);
+        pkv_stats st; /* the windowed cache's peak: after the appends, before the drops */
+        if (!rc) rc = pkv_cache_get_stats(w, &st);
+        if (!rc && st.n_active > most_local) most_local = st.n_active;
         for (int l = 0; l < 4 && !rc; l++) { /* the model's layers in order, one batch each */
             for (int j = 0; j < SEQS * HQ * D; j++) (&q[0][0][0])[j] = rnd(&seed);
             const int local = l % 2;
@@ -116,9 +119,6 @@ int main(void) {
         }
         /* the next query, at pos + 1, sees from pos + 2 - W on: the blocks wholly before go */
         for (int i = 0; i < SEQS && !rc && pos + 2 > W; i++) rc = pkv_seq_drop_front(w, sw[i], (uint32_t)(pos + 2 - W));
-        pkv_stats st;
-        if (!rc) rc = pkv_cache_get_stats(w, &st);
-        if (!rc && st.n_active > most_local) most_local = st.n_active;
     }
     pkv_stats sg_st, sw_st;
     if (!rc) rc = pkv_cache_get_stats(g, &sg_st);
@@ -127,7 +127,7 @@ int main(void) {
         fprintf(stderr, "hybrid_window: %s\n", pkv_strerror(rc));
         return 1;
     }
-    const uint32_t bound = SEQS * ((W + BT - 1) / BT + 1);
+    const uint32_t bound = SEQS * ((W + BT - 1) / BT + 1); /* a block-aligned front: < W + BT positions */
     printf("hybrid_window: %d sequences of %d positions, window %d: global layers' cache %u blocks, windowed "
            "layers' %u (at most %u during the run, bound %u); worst |out - direct| %.2e\n",
            SEQS, LEN, W, sg_st.n_active, sw_st.n_active, most_local, bound, worst);

@@ -16,7 +16,7 @@
  * pkv_attn_* (they read every sequence of the batch), pkv_seq_gather, pkv_seq_read_stored,
  * pkv_seq_get_info, pkv_seq_slots, pkv_seq_block_table, pkv_export_*, and pkv_seq_fork and
  * pkv_pin_create, which read their source. A call that changes a sequence (append, commit,
- * truncate, compact, release, a prefix match into it, a pkv_batch_compact or pkv_batch_append
+ * truncate, drop_front, compact, release, a prefix match into it, a pkv_batch_compact or pkv_batch_append
  * that names it) must not overlap any other call that names or reads that sequence.
  * pkv_write_kv, pkv_seq_write_kv and pkv_seq_write_stored may overlap reads of other layers or
  * other positions (layer l + 1 of a new token while attention reads layer l), not a read of the
@@ -383,8 +383,9 @@ PKV_NODISCARD PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
  * A block here holds every layer's rows, so a model mixing windowed or chunked layers with
  * global ones (Gemma 2/3, gpt-oss, Llama 4) keeps its windowed layers in a cache of their own and
  * drops there (examples/hybrid_window.c).
- * PKV_ENOTSUP where the cache indexes prefixes (enable_prefix_cache): an indexed block's holders
- * hold the blocks before it, and eviction relies on that. PKV_ENOENT: an unknown sequence. */
+ * PKV_ENOTSUP where the cache indexes prefixes (enable_prefix_cache), whatever s is: an indexed
+ * block's holders hold the blocks before it, and eviction relies on that. Else PKV_ENOENT for an
+ * unknown sequence, PKV_EINVAL for a pin. */
 PKV_NODISCARD PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq s, uint32_t pos);
 
 /* Keeps the positions start + idx[0] < start + idx[1] < ... < start + idx[n - 1] of s's
@@ -530,12 +531,15 @@ PKV_NODISCARD PKV_API int pkv_seq_write_stored(pkv_cache *c, pkv_seq s, uint32_t
 
 /* Block tables of n_seqs sequences, vLLM dense format: block_tables [n_seqs][max_blocks]
  * int32 (unused entries -1) and seq_lens [n_seqs] int32. PKV_EINVAL if a table is longer
- * than max_blocks. */
+ * than max_blocks. A front dropped by pkv_seq_drop_front reads -1 too, and seq_lens counts it:
+ * a kernel that loads every block up to the length (not only those its window sees) must not
+ * be given such a sequence (vLLM names a valid null block there instead). */
 PKV_NODISCARD PKV_API int pkv_export_dense(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, uint32_t max_blocks,
                                            int32_t *block_tables, int32_t *seq_lens);
 
 /* FlashInfer CSR format: indptr [n_seqs + 1], indices [indptr[n_seqs]] (capacity
  * indices_cap), last_page_len [n_seqs] (tokens in each last block, 0 for an empty sequence).
+ * A front dropped by pkv_seq_drop_front is there as -1 indices (see pkv_export_dense).
  * PKV_EINVAL if indices_cap is too small (n_needed, if not NULL, says how many), or if the
  * tables hold more than INT32_MAX ids in all (a sequence named many times: n_needed untouched). */
 PKV_NODISCARD PKV_API int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint32_t n_seqs, int32_t *indptr,

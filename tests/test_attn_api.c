@@ -2007,9 +2007,14 @@ static void test_api_drop_front(void **state) {
             pkv_stats st0, st1;
             assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
             assert_int_equal(st0.n_active, blocks_held(c, ids, 3));
-            /* each drops the blocks before its next decode's first key, len - W */
+            /* each drops the blocks before its next decode's first key, len - W: blocks 0-13 for the
+               parent and F1 (still held by the others: nothing freed), 0-14 for F2 (blocks 0-13
+               freed; 14 is the parent's and F1's still) */
             for (int i = 0; i < 3; i++) {
+                pkv_stats sd;
                 assert_int_equal(pkv_seq_drop_front(c, s[i].id, s[i].len - W), PKV_OK);
+                assert_int_equal(pkv_cache_get_stats(c, &sd), PKV_OK);
+                if (i < 2) assert_int_equal(sd.n_active, st0.n_active);
                 pkv_seq_info in;
                 assert_int_equal(pkv_seq_get_info(c, s[i].id, &in), PKV_OK);
                 assert_int_equal(in.n_dropped, (s[i].len - W) / B * B);
@@ -2052,6 +2057,8 @@ static void test_api_drop_front(void **state) {
             /* refusals: each leaves out and the counts as they were */
             for (uint32_t i = 0; i < 16 * NQH * D; i++) out[i] = 7.0f;
             memcpy(out2, out, sizeof(float) * 16 * NQH * D);
+            float lse2[16 * NQH];
+            for (uint32_t i = 0; i < 16 * NQH; i++) lse[i] = lse2[i] = 7.0f;
             assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
             pkv_attn_params bad = p;
             bad.window = 0;
@@ -2060,16 +2067,29 @@ static void test_api_drop_front(void **state) {
             assert_non_null(strstr(g_said, "sees position 0, dropped (pkv_seq_drop_front: before 224)")); /* 300 - 70 */
             bad.window = W + B + 1; /* sees the last dropped block of each */
             assert_int_equal(pkv_attn_decode(c, 1, ids, 3, q, out, &bad), PKV_EINVAL);
+            assert_non_null(strstr(g_said, "sequence 0: the query at position 299 sees position 213, dropped"));
             bad.window = 0, bad.attn_chunk = 200; /* F1's chunk starts at 200, before its front (224) */
             assert_int_equal(pkv_attn_decode(c, 1, &s[1].id, 1, q, out, &bad), PKV_EINVAL);
+            assert_non_null(strstr(g_said, "the query at position 310 sees position 200, dropped"));
             bad = p, bad.window = 0, bad.flags = PKV_ATTN_NONCAUSAL;
             const pkv_attn_req all = {s[0].id, 0, 2};
             assert_int_equal(pkv_attn_prefill(c, 0, &all, 1, q, out, &bad), PKV_EINVAL);
-            const pkv_attn_req early = {s[1].id, s[1].len - 5 - W, 5}; /* its first query sees 230 */
+            assert_non_null(strstr(g_said, "request 0: the query at position 0 sees position 0, dropped"));
+            const pkv_attn_req early = {s[1].id, s[1].len - 5 - W, 5}; /* 236: its first query sees 167 */
             assert_int_equal(pkv_attn_prefill(c, 0, &early, 1, q, out, &p), PKV_EINVAL);
+            assert_non_null(strstr(g_said, "the query at position 236 sees position 167, dropped"));
             const pkv_attn_tree_req tr_early = {s[2].id, s[2].len - W, 4, parent};
             assert_int_equal(pkv_attn_tree(c, 1, &tr_early, 1, q, out, &p), PKV_EINVAL);
+            assert_non_null(strstr(g_said, "the node at position 241 sees position 172, dropped"));
+            /* a window of 1 below F2's front (240): no node sees the prefix, so no item reaches the
+               kernels' driver, and only the tree's own check keeps its paths off the -1 entries */
+            const pkv_attn_tree_req tr_low = {s[2].id, 200, 4, parent};
+            bad = p, bad.window = 1;
+            g_said[0] = 0;
+            assert_int_equal(pkv_attn_tree(c, 1, &tr_low, 1, q, out, &bad), PKV_EINVAL);
+            assert_non_null(strstr(g_said, "the node at position 200 sees position 200, dropped"));
             assert_memory_equal(out, out2, sizeof(float) * 16 * NQH * D);
+            assert_memory_equal(lse, lse2, sizeof lse2);
             const uint32_t front = (s[0].len - W) / B * B;
             float row[H * D];
             uint8_t raw[H * D * 4];

@@ -405,9 +405,12 @@ static void do_write(world *w, sh_seq *s) {
     if (p0 < s->dropped) { /* the dropped front: no slots, no write by position, nothing changes */
         int32_t slots[9];
         float k[9 * ROW] = {0}, v[9 * ROW] = {0};
+        const pkv_stats st0 = tu_stats(w->c);
         if (pkv_seq_slots(w->c, s->id, p0, n, slots) != PKV_EINVAL ||
             pkv_seq_write_kv(w->c, s->id, l, p0, n, k, v, PKV_DTYPE_F32) != PKV_EINVAL)
             fail_at(w, "slots or a write of a dropped position not refused");
+        const pkv_stats st1 = tu_stats(w->c);
+        TU_STATS_EQ(&st0, &st1); /* (the K/V: verify_all, every 997 steps) */
         w->n_fail[OP_WRITE]++;
         return;
     }
@@ -543,9 +546,12 @@ static void do_pin(world *w, sh_seq *s) {
     int i = pick(w, 0, 0);
     pkv_seq pin = 0;
     uint32_t n_pos = tu_rng_below(&w->r, s->len + 3);
+    const pkv_stats st0 = tu_stats(w->c);
     int rc = pkv_pin_create(w->c, s->id, n_pos, &pin);
     if (s->dropped) { /* no prefix left to pin */
         if (rc != PKV_EINVAL) fail_at(w, "a pin of a sequence with a dropped front not refused");
+        const pkv_stats st1 = tu_stats(w->c);
+        TU_STATS_EQ(&st0, &st1);
         return;
     }
     if (i < 0) {
