@@ -269,6 +269,47 @@ static void test_preempt_swap(void **state) {
     free(rr.out), free(rs.out);
 }
 
+/* --window under the same pressure: every layer sees the last 64 positions and paged drops the
+ * blocks before them (pkv_seq_drop_front) after each step. The same requests complete with a clean
+ * checker (which checks the dropped fronts); paged holds fewer blocks a sequence, so it is
+ * preempted less, recomputes less and runs more sequences at once. paged_prefix and contiguous keep
+ * every block, and scheduling never depends on what attention computes: their counts are those of
+ * the run without a window. With --preempt swap it is a usage error. */
+static void test_window(void **state) {
+    (void)state;
+    char *argv_a[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
+                      "--seed", "3", NULL};
+    char *argv_w[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
+                      "--seed", "3", "--window", "64", NULL};
+    runs ra, rw;
+    sim(argv_a, &ra);
+    sim(argv_w, &rw);
+    static const char *same[] = {"completed", "preemptions", "peak_seqs", "mean_seqs", "peak_blocks", "prefill_tokens",
+                                 "steps"};
+    for (int i = 0; i < 3; i++) {
+        assert_true(field(rw.line[i], "check") == 1.0);
+        assert_true(field(rw.line[i], "window") == 64 && field(ra.line[i], "window") == 0);
+        assert_true(field(rw.line[i], "completed") + field(rw.line[i], "rejected") == 60);
+        assert_true(field(rw.line[i], "completed") == field(ra.line[i], "completed"));
+        for (size_t k = 0; i != 1 && k < sizeof same / sizeof same[0]; k++)
+            if (field(rw.line[i], same[k]) != field(ra.line[i], same[k]))
+                fail_msg("policy %d: %s %g with the window, %g without", i, same[k], field(rw.line[i], same[k]),
+                         field(ra.line[i], same[k]));
+    }
+    print_message("paged, window 64 / none: preemptions %g / %g, prefill tokens %g / %g, mean seqs %g / %g\n",
+                  field(rw.line[1], "preemptions"), field(ra.line[1], "preemptions"),
+                  field(rw.line[1], "prefill_tokens"), field(ra.line[1], "prefill_tokens"),
+                  field(rw.line[1], "mean_seqs"), field(ra.line[1], "mean_seqs"));
+    assert_true(field(rw.line[1], "preemptions") < field(ra.line[1], "preemptions"));
+    assert_true(field(rw.line[1], "prefill_tokens") < field(ra.line[1], "prefill_tokens"));
+    assert_true(field(rw.line[1], "mean_seqs") > field(ra.line[1], "mean_seqs"));
+    free(ra.out), free(rw.out);
+    char *argv_s[] = {"pkv", "sim", SMALL, "--requests", "5", "--window", "64", "--preempt", "swap", NULL}, *out, *err;
+    assert_int_equal(run_cli(argv_s, &out, &err), 1);
+    assert_non_null(strstr(err, "--window with --preempt swap"));
+    free(out), free(err);
+}
+
 /* --tier: paged_prefix loads from a host (or file) tier what its pool evicted, so it prefills
  * fewer tokens and preempts less; the other policies do not use it; bad values are refused */
 static void test_tier(void **state) {
@@ -598,6 +639,7 @@ int main(void) {
         cmocka_unit_test(test_help_and_usage_errors),
         cmocka_unit_test(test_plot_writes_png),
         cmocka_unit_test(test_route),
+        cmocka_unit_test(test_window),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

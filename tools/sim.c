@@ -100,6 +100,12 @@ static void usage(FILE *f) {
             "                      what the prefix match does not find in the pool is loaded from it\n"
             "                      (pkv_tier_load), and each computed prompt's full blocks are saved\n"
             "                      to it (pkv_tier_save)\n"
+            "  --window W          a sliding window on every layer (Mistral 7B v0.1's 4096): attention\n"
+            "                      sees the last W positions, and paged lets go of the blocks before\n"
+            "                      them after each step (pkv_seq_drop_front; its admission counts a\n"
+            "                      prompt's chunk and the window before it, not the whole prompt);\n"
+            "                      paged_prefix keeps them (its prefix index needs them), contiguous\n"
+            "                      still reserves max_len; not with --preempt swap [0: off]\n"
             "  --no-attn           skip K/V writes and attention: memory-only replay (the pool then\n"
             "                      holds a 1-layer head_dim-8 shape; block accounting is the same)\n"
             "  --compact           before each step, pkv_seq_compact on every decoding sequence (its\n"
@@ -187,7 +193,8 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         } else if (!strcmp(a, "--preempt")) {
             bad = strcmp(v, "swap") && strcmp(v, "recompute");
             c->so.swap = !strcmp(v, "swap");
-        } else if (!strcmp(a, "--batch-compact")) bad = tool_parse_u32(v, &c->so.batch_compact);
+        } else if (!strcmp(a, "--window")) bad = tool_parse_u32(v, &c->so.window);
+        else if (!strcmp(a, "--batch-compact")) bad = tool_parse_u32(v, &c->so.batch_compact);
         else if (!strcmp(a, "--slack")) bad = tool_parse_u32(v, &c->so.slack);
         else if (!strcmp(a, "--requests")) bad = tool_parse_u32(v, &c->wo.n_requests) || c->wo.n_requests == 0;
         else if (!strcmp(a, "--rate")) bad = tool_parse_f64(v, &c->wo.rate) || c->wo.rate <= 0;
@@ -236,6 +243,10 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
             return -1;
         }
     }
+    if (c->so.window && c->so.swap) { /* a swapped request is read from position 0 */
+        fprintf(stderr, "pkv sim: --window with --preempt swap: paged has dropped the positions a swap reads\n");
+        return -1;
+    }
     if (c->so.model.n_q_heads % c->so.model.n_kv_heads) {
         fprintf(stderr, "pkv sim: --q-heads %u is not a multiple of --kv-heads %u\n", c->so.model.n_q_heads,
                 c->so.model.n_kv_heads);
@@ -273,7 +284,7 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            "\"decode_switch\":%.4f,\"decode_shared\":%.4f,\"compact\":\"%s\",\"batch_compact\":%u,\"slack\":%u,\"repack\":%s,\"batch_cached\":%s,"
            "\"compacted_blocks\":%llu,\"compact_s\":%.4f,\"preempt\":\"%s\",\"swap_outs\":%u,\"swap_in_tokens\":%llu,"
            "\"swap_peak_bytes\":%llu,\"tier_bytes_cap\":%llu,\"tier_hit_tokens\":%llu,\"tier_saved_blocks\":%llu,"
-           "\"tier_evictions\":%llu,\"tier_bytes\":%llu}\n",
+           "\"tier_evictions\":%llu,\"tier_bytes\":%llu,\"window\":%u}\n",
            sim_policy_names[r->policy], n_requests, r->completed, r->rejected, r->peak_seqs, r->mean_seqs,
            r->peak_blocks, c->so.n_blocks, r->kv_utilization, r->waste, r->prefix_hit_rate,
            (unsigned long long)r->prefix_hit_tokens, (unsigned long long)r->prompt_tokens, r->preemptions,
@@ -287,7 +298,7 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            c->so.swap ? "swap" : "recompute", r->swap_outs, (unsigned long long)r->swap_in_tokens,
            (unsigned long long)r->swap_peak_bytes, (unsigned long long)(r->policy == SIM_PAGED_PREFIX ? c->so.tier_bytes : 0),
            (unsigned long long)r->tier_hit_tokens, (unsigned long long)r->tier_saved_blocks,
-           (unsigned long long)r->tier_evictions, (unsigned long long)r->tier_bytes);
+           (unsigned long long)r->tier_evictions, (unsigned long long)r->tier_bytes, c->so.window);
 }
 
 /* What would fail the plot, checked before the run rather than after it: gnuplot on PATH, and
@@ -397,16 +408,18 @@ int tool_sim(int argc, char **argv) {
     const sim_model *md = &c.so.model;
     double block_kib = (double)c.so.block_tokens * md->n_layers * 2.0 *
                        (double)pkv_dtype_row_bytes(md->dtype, md->head_dim) * md->n_kv_heads / 1024.0;
+    char window_note[64] = "";
+    if (c.so.window) snprintf(window_note, sizeof window_note, "; window %u (paged drops what it passed)", c.so.window);
     if (!c.json) {
         printf("pkv sim: %u requests (%s, seed %llu): prompt mean %.0f, output mean %.0f tokens, %llu with a shared "
                "prefix, %llu with n > 1\n",
                w.n, c.trace ? c.trace : "built-in", (unsigned long long)c.wo.seed, (double)prompt_sum / w.n,
                (double)out_sum / w.n, (unsigned long long)grouped, (unsigned long long)multi);
         printf("pkv sim: model %u layers x %u kv heads x %u (%u q heads), %s; pool %u blocks x %u tokens = %.1f MiB; "
-               "max_len %u, %u tokens/step, max %u seqs%s\n",
+               "max_len %u, %u tokens/step, max %u seqs%s%s\n",
                md->n_layers, md->n_kv_heads, md->head_dim, md->n_q_heads, pkv_dtype_name(md->dtype), c.so.n_blocks,
                c.so.block_tokens, block_kib * c.so.n_blocks / 1024.0, c.so.max_len, c.so.step_tokens, c.so.max_seqs,
-               c.so.attn ? "" : "; --no-attn (no K/V writes, no attention)");
+               c.so.attn ? "" : "; --no-attn (no K/V writes, no attention)", window_note);
         fflush(stdout);
     }
     sim_result res[SIM_N_POLICIES];

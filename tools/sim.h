@@ -89,6 +89,9 @@ typedef struct sim_opts {
                                the prefix match, pkv_tier_load; when a prompt is computed,
                                pkv_tier_save */
     const char *tier_dir;   /* file:DIR (NULL: host memory) */
+    uint32_t window;        /* --window W: every layer's attention sees the last W positions
+                               (0: all); paged lets go of the blocks before them after each
+                               step (pkv_seq_drop_front) */
     uint64_t seed;
     int progress;           /* draw a progress bar on stderr */
     int want_series;        /* keep (step, blocks, seqs) samples for --plot */

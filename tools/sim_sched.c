@@ -256,8 +256,10 @@ static int admit(sim *S, uint32_t *budget, uint32_t *n_items, uint32_t *off) {
              * watermark plus `headroom` blocks per running sequence (their growth over the next
              * B steps: without it a new admission is preempted again at once); cached blocks
              * count as available since they can be evicted */
-            uint64_t need = ceil_div(rq->prompt_len + S->rs[r].kept, B) + 1u + wm +
-                            (uint64_t)(o->headroom * S->running_seqs + 0.5);
+            uint64_t span = rq->prompt_len + S->rs[r].kept; /* the prompt's positions held at once */
+            if (o->window && S->policy == SIM_PAGED && span > (uint64_t)o->window + o->step_tokens)
+                span = (uint64_t)o->window + o->step_tokens; /* a chunk, and the window before it */
+            uint64_t need = ceil_div(span, B) + 1u + wm + (uint64_t)(o->headroom * S->running_seqs + 0.5);
             if ((uint64_t)st.n_free + st.n_cached < need) break;
         }
         S->wq_head = (S->wq_head + 1) % S->wq_cap;
@@ -393,6 +395,7 @@ static int decode_order(sim *S, uint32_t n_dec) {
         int rc = pkv_seq_block_table(S->c, S->dec_seqs[d], S->tab, S->max_bps, &n);
         if (rc < 0) return fail(S, rc, "pkv_seq_block_table");
         for (uint32_t j = 0; j < n; j++) {
+            if (S->tab[j] < 0) continue; /* a dropped front (--window) */
             int32_t *o = &S->owner[S->tab[j]];
             *o = *o == 0 ? (int32_t)d + 1 : -1; /* -1: shared */
         }
@@ -490,6 +493,7 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
     }
     pkv_attn_params ap = pkv_attn_params_default();
     ap.n_q_heads = md->n_q_heads;
+    ap.window = o->window;
 
     uint32_t wm = (uint32_t)ceil(o->watermark * o->n_blocks);
     uint32_t next = 0, n_ttft = 0;
@@ -670,6 +674,20 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
                 res->decode_tokens++;
             }
             if (S.ent[ei].gen >= rq->output_len && finish_entry(&S, &S.ent[ei])) goto done;
+        }
+
+        /* --window: paged lets go of the blocks before each sequence's next first key (its next
+           position, len, sees from len + 1 - W); paged_prefix cannot (its index needs them) */
+        if (o->window && policy == SIM_PAGED) {
+            uint64_t t0 = tool_now_ns();
+            for (uint32_t i = 0; i < S.n_ent; i++) {
+                const entry *e = &S.ent[i];
+                if (e->alive && e->len + 1 > o->window && (rc = pkv_seq_drop_front(S.c, e->s, e->len + 1 - o->window)) < 0) {
+                    fail(&S, rc, "pkv_seq_drop_front");
+                    goto done;
+                }
+            }
+            S.ns_pkv += tool_now_ns() - t0;
         }
 
         /* measure the step */
