@@ -16,6 +16,9 @@
               "--max-len", "512", "--prompt-mean", "60", "--output-mean", "80", "--sys-len", "64",     \
               "--no-progress", "--json"
 
+/* a pool too small for the arrivals: the paged policies preempt */
+#define PRESSURE "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000", "--seed", "3"
+
 static double field(const char *line, const char *key) {
     char pat[64];
     snprintf(pat, sizeof pat, "\"%s\":", key);
@@ -225,8 +228,7 @@ static void test_compact_keeps_schedule(void **state) {
  * complete everything with a clean checker. */
 static void test_preemption_under_pressure(void **state) {
     (void)state;
-    char *argv[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
-                    "--seed", "3", NULL};
+    char *argv[] = {"pkv", "sim", SMALL, PRESSURE, NULL};
     runs r;
     sim(argv, &r);
     assert_true(field(r.line[0], "preemptions") + field(r.line[1], "preemptions") > 0);
@@ -245,10 +247,8 @@ static void test_preemption_under_pressure(void **state) {
  * paged policies prefill fewer tokens than with recompute. */
 static void test_preempt_swap(void **state) {
     (void)state;
-    char *argv_r[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
-                      "--seed", "3", NULL};
-    char *argv_s[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
-                      "--seed", "3", "--preempt", "swap", NULL};
+    char *argv_r[] = {"pkv", "sim", SMALL, PRESSURE, NULL};
+    char *argv_s[] = {"pkv", "sim", SMALL, PRESSURE, "--preempt", "swap", NULL};
     runs rr, rs;
     sim(argv_r, &rr);
     sim(argv_s, &rs);
@@ -277,10 +277,8 @@ static void test_preempt_swap(void **state) {
  * the run without a window. With --preempt swap it is a usage error. */
 static void test_window(void **state) {
     (void)state;
-    char *argv_a[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
-                      "--seed", "3", NULL};
-    char *argv_w[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
-                      "--seed", "3", "--window", "64", NULL};
+    char *argv_a[] = {"pkv", "sim", SMALL, PRESSURE, NULL};
+    char *argv_w[] = {"pkv", "sim", SMALL, PRESSURE, "--window", "64", NULL};
     runs ra, rw;
     sim(argv_a, &ra);
     sim(argv_w, &rw);
@@ -318,12 +316,9 @@ static void test_tier(void **state) {
     assert_non_null(mkdtemp(dir));
     char file_opt[128];
     snprintf(file_opt, sizeof file_opt, "file:%s/t:8", dir);
-    char *argv_r[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
-                      "--seed", "3", NULL};
-    char *argv_h[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
-                      "--seed", "3", "--tier", "host:8", NULL};
-    char *argv_f[] = {"pkv", "sim", SMALL, "--requests", "60", "--blocks", "150", "--headroom", "0", "--rate", "1000",
-                      "--seed", "3", "--tier", file_opt, NULL};
+    char *argv_r[] = {"pkv", "sim", SMALL, PRESSURE, NULL};
+    char *argv_h[] = {"pkv", "sim", SMALL, PRESSURE, "--tier", "host:8", NULL};
+    char *argv_f[] = {"pkv", "sim", SMALL, PRESSURE, "--tier", file_opt, NULL};
     runs rr, rh, rf;
     sim(argv_r, &rr);
     sim(argv_h, &rh);
