@@ -104,6 +104,25 @@ static void *worker(void *p) {
             if (memcmp(out, a->want + layer * DEC_N, sizeof out) != 0)
                 TFAIL(a, "thread %d: decode of the shared parents changed (layer %u)", a->tid, layer);
         }
+        { /* a fork of a shared parent drops its front (prefix cache off; else PKV_ENOTSUP) while
+             the others decode the parent: a decode whose window starts past the front reads the
+             same blocks as the parent's, the same bits */
+            pkv_config cc;
+            pkv_seq d = 0;
+            TCALL(a, pkv_cache_config(c, &cc));
+            TCALL(a, pkv_seq_fork(c, a->parents[k], &d));
+            const uint32_t front = tu_rng_below(&r, PARENT_LEN);
+            const int rc = pkv_seq_drop_front(c, d, front);
+            if (rc != (cc.enable_prefix_cache ? PKV_ENOTSUP : PKV_OK))
+                TFAIL(a, "thread %d: drop_front -> %s", a->tid, pkv_strerror(rc));
+            pkv_attn_params ap = pkv_attn_params_default();
+            ap.n_q_heads = QH, ap.window = PARENT_LEN - front / B * B; /* the query at PARENT_LEN - 1 sees the front on */
+            float od[QH * HD], op[QH * HD]; /* one sequence's */
+            TCALL(a, pkv_attn_decode(c, it % LAYERS, &d, 1, a->q, od, &ap));
+            TCALL(a, pkv_attn_decode(c, it % LAYERS, &a->parents[k], 1, a->q, op, &ap));
+            if (memcmp(od, op, sizeof od) != 0) TFAIL(a, "thread %d: decode past a dropped front differs", a->tid);
+            TCALL(a, pkv_seq_release(c, d));
+        }
         /* compaction of this thread's sequences while the others work (the shared parents'
            blocks never move): their K/V stays */
         uint32_t moved = 0;
