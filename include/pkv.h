@@ -374,12 +374,13 @@ PKV_NODISCARD PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
  * alone; shared with a fork, it stays the fork's) and its table entry reads -1
  * (pkv_seq_block_table and the exports give -1 there). The length, committed count and every
  * later position stay as they are; pkv_seq_info.n_dropped says where the dropped front ends (a
- * multiple of block_tokens). A pos at or below that is a no-op.
+ * multiple of block_tokens). A pos that drops no further block is a no-op.
  * Afterwards any call that would read or write a dropped position is PKV_EINVAL: attention
  * whose query sees a key there (window or attn_chunk must hide them; PKV_ATTN_NONCAUSAL sees all
  * of them), pkv_seq_gather / read_stored / write_kv / write_stored / slots from there,
  * pkv_seq_truncate or pkv_seq_keep to below it, pkv_pin_create and the storage tiers' save and
- * load. A fork inherits the dropped front. Compaction moves the blocks that are left.
+ * load. A slot taken before the drop names a block s no longer holds, as one kept past a
+ * truncate does. A fork inherits the dropped front. Compaction moves the blocks that are left.
  * A block here holds every layer's rows, so a model mixing windowed or chunked layers with
  * global ones (Gemma 2/3, gpt-oss, Llama 4) keeps its windowed layers in a cache of their own and
  * drops there (examples/hybrid_window.c).
