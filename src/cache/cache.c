@@ -72,10 +72,25 @@ static int check_span(const pkv_cache *c, const pkv__seq *s, uint32_t start, uin
     if ((uint64_t)start + n > s->n_tokens)
         return pkv__say(c, PKV_EINVAL, api, "positions [%u, %llu) past the sequence's length %u", start,
                         (unsigned long long)start + n, s->n_tokens);
-    if (n && start < s->n_dropped * c->B)
+    if (n && start < pkv__seq_front(c, s))
         return pkv__say(c, PKV_EINVAL, api, "position %u was dropped (pkv_seq_drop_front: positions before %u)",
-                        start, s->n_dropped * c->B);
+                        start, pkv__seq_front(c, s));
     return PKV_OK;
+}
+
+int pkv__seq_whole(const pkv_cache *c, const pkv__seq *s, const char *api) {
+    return s->n_dropped ? pkv__say(c, PKV_EINVAL, api, "the sequence dropped positions [0, %u) (pkv_seq_drop_front)",
+                                   pkv__seq_front(c, s))
+                        : PKV_OK;
+}
+
+/* Whether the query (or tree node) at pos of s, whose first key is lo, sees only positions s still
+ * holds; said as api's refusal ("request 3: the query at position ...") if not. */
+static int check_front(const pkv_cache *c, const pkv__seq *s, const char *api, const char *what, uint32_t i,
+                       const char *who, uint32_t pos, uint32_t lo) {
+    if (lo >= pkv__seq_front(c, s)) return PKV_OK;
+    return pkv__say(c, PKV_EINVAL, api, "%s %u: the %s at position %u sees position %u, dropped (pkv_seq_drop_front: "
+                    "before %u)", what, i, who, pos, lo, pkv__seq_front(c, s));
 }
 
 /* Each cache starts its slots' generations at its own base: the n-th cache of the process at
@@ -983,7 +998,6 @@ void pkv__seq_drop_blocks(pkv_cache *c, pkv__seq *s, uint32_t keep_blocks) {
         const int32_t b = s->table[--s->n_blocks];
         if (b >= 0) pkv__drop_block(c, (uint32_t)b);
     }
-    if (s->n_dropped > s->n_blocks) s->n_dropped = s->n_blocks; /* (only pkv_seq_release drops into them) */
 }
 
 void pkv__seq_share(pkv_cache *c, pkv__seq *dst, const pkv__seq *src, uint32_t n_blocks) {
@@ -1015,9 +1029,9 @@ PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq id, uint32_t n) {
     LOCK(c);
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
-    if (!rc && n < s->n_tokens && n < s->n_dropped * c->B)
+    if (!rc && n < s->n_tokens && n < pkv__seq_front(c, s))
         rc = PKV__SAY(c, PKV_EINVAL, "n %u is below the positions dropped (pkv_seq_drop_front: before %u)", n,
-                      s->n_dropped * c->B);
+                      pkv__seq_front(c, s));
     if (!rc && n < s->n_tokens) seq_cut(c, s, n);
     UNLOCK(c);
     return rc;
@@ -1068,9 +1082,9 @@ PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq id, uint32_t start, const uint32_
     LOCK(c);
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
-    if (!rc && (start < s->n_committed || start < s->n_dropped * c->B || start > s->n_tokens))
+    if (!rc && (start < s->n_committed || start < pkv__seq_front(c, s) || start > s->n_tokens))
         rc = PKV__SAY(c, PKV_EINVAL, "start %u is not in [max(committed %u, dropped %u), length %u]", start,
-                      s->n_committed, s->n_dropped * c->B, s->n_tokens);
+                      s->n_committed, pkv__seq_front(c, s), s->n_tokens);
     for (uint32_t k = 0; k < n && !rc; k++)
         if ((k && idx[k] <= idx[k - 1]) || (uint64_t)start + idx[k] >= s->n_tokens)
             rc = PKV__SAY(c, PKV_EINVAL, "idx[%u] = %u: not ascending, or past the length %u (start %u)", k, idx[k],
@@ -1565,7 +1579,7 @@ PKV_API int pkv_seq_get_info(pkv_cache *c, pkv_seq id, pkv_seq_info *out) {
         out->n_reused = s->n_reused;
         out->n_shared = 0;
         for (uint32_t i = s->n_dropped; i < s->n_blocks; i++) out->n_shared += c->blk[s->table[i]].ref > 1;
-        out->n_dropped = s->n_dropped * c->B;
+        out->n_dropped = pkv__seq_front(c, s);
     }
     UNLOCK(c);
     return rc;
@@ -1869,13 +1883,10 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         else if (!reqs && s->n_tokens == 0)
             rc = pkv__say(c, PKV_EINVAL, api, "sequence %u (%#llx) is empty: no position to query", i,
                           (unsigned long long)seqs[i]);
-        else if (s->n_dropped && (reqs ? reqs[i].n_q : 1)) { /* its first query's first key (the least) */
+        else if (s->n_dropped && (!reqs || reqs[i].n_q)) { /* its first query's first key (the least) */
             const uint32_t q0 = reqs ? reqs[i].q_start : s->n_tokens - 1;
-            const uint32_t lo = noncausal ? 0 : pkv__attn_key_lo(&call, q0);
-            if (lo < s->n_dropped * c->B)
-                rc = pkv__say(c, PKV_EINVAL, api,
-                              "%s %u: the query at position %u sees position %u, dropped (pkv_seq_drop_front: "
-                              "before %u)", reqs ? "request" : "sequence", i, q0, lo, s->n_dropped * c->B);
+            rc = check_front(c, s, api, reqs ? "request" : "sequence", i, "query", q0,
+                             noncausal ? 0 : pkv__attn_key_lo(&call, q0));
         }
         n_rows += reqs ? reqs[i].n_q : 1;
     }
@@ -2057,10 +2068,8 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
                           r->q_start, (unsigned long long)r->q_start + r->n_nodes, s->n_tokens);
         else if (r->n_nodes && !r->parent)
             rc = pkv__say(c, PKV_EINVAL, api, "request %u: parent is NULL, %u nodes", i, r->n_nodes);
-        else if (r->n_nodes && pkv__attn_key_lo(&call, r->q_start) < s->n_dropped * c->B) /* node 0, a root */
-            rc = pkv__say(c, PKV_EINVAL, api, "request %u: the node at position %u sees position %u, dropped "
-                          "(pkv_seq_drop_front: before %u)", i, r->q_start, pkv__attn_key_lo(&call, r->q_start),
-                          s->n_dropped * c->B);
+        else if (s->n_dropped && r->n_nodes) /* node 0, a root: the least first key */
+            rc = check_front(c, s, api, "request", i, "node", r->q_start, pkv__attn_key_lo(&call, r->q_start));
         for (uint32_t j = 0; !rc && j < r->n_nodes; j++)
             if (r->parent[j] < -1 || r->parent[j] >= (int32_t)j)
                 rc = pkv__say(c, PKV_EINVAL, api, "request %u: node %u's parent %d is not in [-1, %u)", i, j,

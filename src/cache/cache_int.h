@@ -122,13 +122,18 @@ int pkv__say(const pkv_cache *c, int rc, const char *api, const char *fmt, ...) 
 #define PKV__SAY(c, rc, ...) pkv__say((c), (rc), __func__, __VA_ARGS__)
 /* A live, non-pin sequence (*out) or the status saying why not, said as api's refusal. */
 int pkv__get_seq(pkv_cache *c, pkv_seq id, pkv__seq **out, const char *api);
+/* The first position s still holds: the end of its dropped front (pkv_seq_drop_front; 0: none). */
+static inline uint32_t pkv__seq_front(const pkv_cache *c, const pkv__seq *s) { return s->n_dropped * c->B; }
+/* PKV_OK where s dropped nothing, else PKV_EINVAL said as api's refusal: for the calls that key
+ * or hold a sequence by every position from 0 (pins, the storage tiers). */
+int pkv__seq_whole(const pkv_cache *c, const pkv__seq *s, const char *api);
 
 /* A fresh live slot (NULL when max_seqs are live) / back to the free list (id goes stale). */
 pkv__seq *pkv__seq_new(pkv_cache *c);
 void pkv__seq_free(pkv_cache *c, pkv__seq *s);
 pkv_seq pkv__seq_id(const pkv_cache *c, const pkv__seq *s);
 /* Drops table[keep_blocks ..) deepest first (so the LRU queue holds leaves before parents);
- * the dropped front's -1 entries (n_dropped) are passed over and kept. */
+ * the dropped front's -1 entries (n_dropped) are passed over. */
 void pkv__seq_drop_blocks(pkv_cache *c, pkv__seq *s, uint32_t keep_blocks);
 /* dst (empty) takes references to src's first n_blocks blocks, its indexed chain up to there
  * and its namespace (fork and pins). Lengths are the caller's to set. */

@@ -382,11 +382,8 @@ PKV_API int pkv_pin_create(pkv_cache *c, pkv_seq id, uint32_t n_pos, pkv_seq *pi
     pkv__seq *s;
     int rc = pkv__get_seq(c, id, &s, __func__);
     if (rc) goto out;
-    if (s->n_dropped) {
-        rc = PKV__SAY(c, PKV_EINVAL, "the sequence dropped positions [0, %u) (pkv_seq_drop_front): no prefix to pin",
-                      s->n_dropped * c->B);
-        goto out;
-    }
+    rc = pkv__seq_whole(c, s, __func__); /* no prefix left to pin */
+    if (rc) goto out;
     pkv__seq *p = pkv__seq_new(c);
     if (!p) {
         rc = PKV__SAY(c, PKV_ELIMIT, "%u sequences and pins are live, max_seqs %u", c->n_live, c->max_seqs);

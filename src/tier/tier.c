@@ -276,9 +276,7 @@ static int seq_peek(pkv_cache *c, pkv_seq id, const char *api, uint32_t *n_token
     pthread_mutex_lock(&c->mu);
     pkv__seq *s;
     int rc = pkv__get_seq(c, id, &s, api);
-    if (!rc && s->n_dropped) /* an entry is keyed by every token before it */
-        rc = pkv__say(c, PKV_EINVAL, api, "the sequence dropped positions [0, %u) (pkv_seq_drop_front)",
-                      s->n_dropped * c->B);
+    if (!rc) rc = pkv__seq_whole(c, s, api); /* an entry is keyed by every token before it */
     if (!rc && toks && (s->n_tokens != *n_tokens || s->n_committed != *n_committed || nb > s->n_blocks))
         rc = pkv__say(c, PKV_EINVAL, api, "the sequence changed during the call");
     if (!rc) {
