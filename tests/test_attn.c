@@ -7,6 +7,7 @@
 #include <setjmp.h>
 #include <cmocka.h>
 #include "tu_assert.h"
+#include "tu_ref.h"
 #include "tu_shard.h"
 
 #include <math.h>
@@ -126,7 +127,8 @@ static void seq_put(tpool *p, tseq *s, uint32_t pos, const float *k, const float
         float *kf = s->kf + ((size_t)pos * p->H + h) * D, *vf = s->vf + ((size_t)pos * p->H + h) * D;
         pkv__row_decode(p->view.k_dtype, kr, D, kf);
         pkv__row_decode(p->view.v_dtype, vr, D, vf);
-        for (uint32_t d = 0; d < D; d++) s->vmax = fmaxf(s->vmax, fabsf(vf[d]));
+        for (uint32_t d = 0; d < D; d++) /* not fmaxf: a call per element where NaN need not be handled */
+            if (fabsf(vf[d]) > s->vmax) s->vmax = fabsf(vf[d]);
     }
 }
 
@@ -170,9 +172,7 @@ static void ref_query(const tpool *p, const tseq *s, uint32_t n_q_heads, const f
         double mx = -INFINITY;
         for (uint32_t t = lo; t <= pos; t++) {
             const float *kr = s->kf + ((size_t)t * p->H + h) * D;
-            double dot = 0;
-            for (uint32_t d = 0; d < D; d++) dot += (double)qr[d] * kr[d];
-            double x = dot * scale;
+            double x = tu_dot(qr, kr, D) * scale;
             if (softcap > 0) x = softcap * tanh(x / softcap);
             if (alibi) x += (double)alibi[hq] * ((double)t - (double)pos); /* after the cap */
             w[t - lo] = x;

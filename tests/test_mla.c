@@ -11,6 +11,7 @@
 #include <setjmp.h>
 #include <cmocka.h>
 #include "tu_assert.h"
+#include "tu_ref.h"
 
 #include <math.h>
 #include <stdbool.h>
@@ -135,9 +136,7 @@ static void ref_rows(const world *w, uint32_t i, uint32_t l, const float *q, uin
         const float *kh = k + (size_t)(h / G) * D; /* row t of kv head h / G at kh + t * nkv * D */
         double mx = -INFINITY, sum = 0;
         for (uint32_t t = lo; t < n; t++) {
-            double dot = 0;
-            for (uint32_t d = 0; d < D; d++) dot += (double)q[(size_t)h * D + d] * kh[(size_t)t * nkv * D + d];
-            double x = dot * scale;
+            double x = tu_dot(q + (size_t)h * D, kh + (size_t)t * nkv * D, D) * scale;
             if (w->ex.softcap > 0) x = w->ex.softcap * tanh(x / w->ex.softcap);
             p[t] = x;
             mx = fmax(mx, x);

@@ -11,6 +11,7 @@
 #include <setjmp.h>
 #include <cmocka.h>
 #include "tu_shard.h"
+#include "tu_ref.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -158,9 +159,7 @@ static void ref_attn(const world *w, const float *kx, const float *vx, uint32_t 
     double *sc = malloc((pos + 1) * sizeof(double));
     for (uint32_t t = 0; t <= pos; t++) {
         const float *k = kx + kv_index(w, s, t, h);
-        double acc = 0;
-        for (uint32_t d = 0; d < D; d++) acc += (double)q[d] * k[d];
-        sc[t] = acc * scale;
+        sc[t] = tu_dot(q, k, D) * scale;
         if (sc[t] > mx) mx = sc[t];
     }
     double l = 0;

@@ -1,0 +1,24 @@
+/* tu_ref.h: the arithmetic the double-precision oracles share. */
+#ifndef PKV_TU_REF_H
+#define PKV_TU_REF_H
+
+#include <stddef.h>
+
+/* sum a[i] * b[i] in double, over four running sums: one chain of dependent adds waits out the
+ * add's latency at every element, which made the reference the slowest part of test_attn (a
+ * quarter of its time, more under qemu); the sums' order differs from one chain's by rounding
+ * far below any tolerance the tests hold the kernels to */
+static inline double tu_dot(const float *a, const float *b, size_t n) {
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += (double)a[i] * b[i];
+        s1 += (double)a[i + 1] * b[i + 1];
+        s2 += (double)a[i + 2] * b[i + 2];
+        s3 += (double)a[i + 3] * b[i + 3];
+    }
+    for (; i < n; i++) s0 += (double)a[i] * b[i];
+    return (s0 + s1) + (s2 + s3);
+}
+
+#endif
