@@ -133,16 +133,17 @@ bool pkv__stored_fits(pkv_dtype dt, const void *rows, size_t n_rows, uint32_t d)
 static inline uint32_t pkv__f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float pkv__bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
+/* Without branches, so that a loop over a row vectorizes (the reference backend's and the
+ * portable row decoder's): exponent and mantissa move to f32's places and the exponent gains
+ * 127 - 15; inf / nan gain as much again (to 255, the payload kept); a subnormal man * 2^-24
+ * is formed as (1 + man / 1024) * 2^-14 - 2^-14, exactly, from normal f32 numbers only (so a
+ * caller's flush-to-zero / denormals-are-zero mode cannot change it) */
 static inline float pkv__f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-    if (exp == 0x1f) return pkv__bits_f32(sign | 0x7f800000u | (man << 13)); /* inf / nan */
-    if (exp == 0) {
-        if (man == 0) return pkv__bits_f32(sign);
-        float f = (float)man * (1.0f / 16777216.0f); /* subnormal: man * 2^-24 */
-        return sign ? -f : f;
-    }
-    return pkv__bits_f32(sign | ((exp + 112) << 23) | (man << 13));
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, em = (uint32_t)(h & 0x7fff) << 13;
+    const uint32_t e = em & 0x0f800000u;
+    const uint32_t normal = em + (e == 0x0f800000u ? 0x70000000u : 0x38000000u);
+    const float sub = pkv__bits_f32(em + 0x38800000u) - 0x1p-14f;
+    return pkv__bits_f32(sign | (e ? normal : pkv__f32_bits(sub)));
 }
 
 static inline uint16_t pkv__f32_to_f16(float f) {
