@@ -7,6 +7,7 @@
 #include <setjmp.h>
 #include <cmocka.h>
 #include "tu_assert.h"
+#include "tu_ref.h"
 
 #include <float.h>
 #include <math.h>
@@ -121,9 +122,7 @@ static void ref_one(const host_seq *s, uint32_t l, const float *q, uint32_t pos,
         const uint32_t h = hq / (NQH / H);
         double w[MAXTOK], mx = -INFINITY, sum = 0;
         for (uint32_t t = lo; t <= pos; t++) {
-            double dot = 0;
-            for (uint32_t d = 0; d < D; d++) dot += (double)q[hq * D + d] * s->k[l][t][h][d];
-            double x = dot * scale;
+            double x = tu_dot(q + hq * D, s->k[l][t][h], D) * scale;
             if (p->softcap > 0) x = p->softcap * tanh(x / p->softcap);
             if (p->alibi_slopes) x += (double)p->alibi_slopes[hq] * ((double)t - (double)pos); /* after the cap */
             w[t] = x;
@@ -131,11 +130,11 @@ static void ref_one(const host_seq *s, uint32_t l, const float *q, uint32_t pos,
         }
         if (p->sinks) mx = fmax(mx, p->sinks[hq]), sum = exp(p->sinks[hq] - mx); /* a key of value 0 */
         for (uint32_t t = lo; t <= pos; t++) sum += (w[t] = exp(w[t] - mx));
-        for (uint32_t d = 0; d < D; d++) {
-            double o = 0;
-            for (uint32_t t = lo; t <= pos; t++) o += w[t] * s->v[l][t][h][d];
-            out[hq * D + d] = o / sum;
-        }
+        double *o = out + hq * D; /* key after key, each row's elements side by side */
+        for (uint32_t d = 0; d < D; d++) o[d] = 0;
+        for (uint32_t t = lo; t <= pos; t++)
+            for (uint32_t d = 0; d < D; d++) o[d] += w[t] * s->v[l][t][h][d];
+        for (uint32_t d = 0; d < D; d++) o[d] /= sum;
         if (lse) lse[hq] = mx + log(sum);
     }
 }
@@ -820,14 +819,11 @@ static void ref_tree(const host_seq *s, uint32_t l, const float *q, uint32_t nqh
         for (uint32_t d = 0; d < D; d++) xs[d] = q[(size_t)hq * D + d] * fscale;
         q8_query(xs, xq);
         for (uint32_t k = 0; k < n; k++) {
-            double dot = 0, x;
-            if (g_tree_q8 && keys[k] < q_start) { /* the prefix part: int8 queries, the scale in them */
-                for (uint32_t d = 0; d < D; d++) dot += (double)xq[d] * s->k[l][keys[k]][h][d];
-                x = dot;
-            } else {
-                for (uint32_t d = 0; d < D; d++) dot += (double)q[(size_t)hq * D + d] * s->k[l][keys[k]][h][d];
-                x = dot * scale;
-            }
+            double x;
+            if (g_tree_q8 && keys[k] < q_start) /* the prefix part: int8 queries, the scale in them */
+                x = tu_dot(xq, s->k[l][keys[k]][h], D);
+            else
+                x = tu_dot(q + (size_t)hq * D, s->k[l][keys[k]][h], D) * scale;
             if (p->softcap > 0) x = p->softcap * tanh(x / p->softcap);
             if (p->alibi_slopes) x += (double)p->alibi_slopes[hq] * ((double)kpos[k] - (double)pos);
             w[k] = x;
@@ -835,11 +831,11 @@ static void ref_tree(const host_seq *s, uint32_t l, const float *q, uint32_t nqh
         }
         if (p->sinks) sum = exp(p->sinks[hq] - mx);
         for (uint32_t k = 0; k < n; k++) sum += (w[k] = exp(w[k] - mx));
-        for (uint32_t d = 0; d < D; d++) {
-            double o = 0;
-            for (uint32_t k = 0; k < n; k++) o += w[k] * s->v[l][keys[k]][h][d];
-            out[(size_t)hq * D + d] = o / sum;
-        }
+        double *o = out + (size_t)hq * D;
+        for (uint32_t d = 0; d < D; d++) o[d] = 0;
+        for (uint32_t k = 0; k < n; k++)
+            for (uint32_t d = 0; d < D; d++) o[d] += w[k] * s->v[l][keys[k]][h][d];
+        for (uint32_t d = 0; d < D; d++) o[d] /= sum;
         if (lse) lse[hq] = mx + log(sum);
     }
 }

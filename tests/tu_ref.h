@@ -11,13 +11,13 @@
 static inline double tu_dot(const float *a, const float *b, size_t n) {
     double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     size_t i = 0;
-    for (; i + 4 <= n; i += 4) {
+    for (; i < n % 4; i++) s0 += (double)a[i] * b[i]; /* the odd ones first, then fours */
+    for (; i < n; i += 4) {
         s0 += (double)a[i] * b[i];
         s1 += (double)a[i + 1] * b[i + 1];
         s2 += (double)a[i + 2] * b[i + 2];
         s3 += (double)a[i + 3] * b[i + 3];
     }
-    for (; i < n; i++) s0 += (double)a[i] * b[i];
     return (s0 + s1) + (s2 + s3);
 }
 
