@@ -2149,6 +2149,52 @@ static void test_api_drop_front(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* pkv_attn_tree's path part runs a node a task on the cache's threads (tree_task) where the
+ * work is worth it: 1 thread, 2 threads and a caller's executor of 2 workers give the same bits
+ * (with and without a prefix part), the executor is called for a tree with no prefix part (so by
+ * the path part alone), and one that runs nothing fails the call with its reason. */
+static void test_api_tree_threads(void **state) {
+    (void)state;
+    static host_seq hs;
+    enum { N = 250 };
+    static int32_t par[N];
+    static float o[3][N * NQH * D], l[3][N * NQH];
+    api_exec x = {.mode = EXEC_GOOD, .n_workers = 2};
+    for (uint32_t q0 = 0; q0 <= 100; q0 += 100)
+        for (int k = 0; k < 3; k++) {
+            pkv_config cfg = api_config(PKV_DTYPE_F16, k ? 2 : 1, 0);
+            if (k == 2) cfg.executor = (pkv_executor){.parallel_for = api_parallel_for, .ctx = &x, .n_workers = 2};
+            cfg.log = said_fn;
+            pkv_cache *c = NULL;
+            assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+            g_rng = 990; /* the same K/V, tree and queries in each cache */
+            memset(&hs, 0, sizeof hs);
+            assert_int_equal(pkv_seq_create(c, NULL, 0, &hs.id), PKV_OK);
+            append_write(c, PKV_DTYPE_F16, &hs, q0 + N, 500);
+            rand_tree(par, N);
+            float *q = rand_q(N);
+            pkv_attn_params p = pkv_attn_params_default();
+            p.n_q_heads = NQH, p.lse = l[k];
+            const pkv_attn_tree_req r = {hs.id, q0, N, par};
+            const uint64_t jobs = x.jobs;
+            assert_int_equal(pkv_attn_tree(c, 1, &r, 1, q, o[k], &p), PKV_OK);
+            if (k == 0) check_tree(&hs, 1, q, o[0], l[0], NQH, q0, par, N, &p, TOL);
+            else {
+                assert_memory_equal(o[k], o[0], sizeof o[0]);
+                assert_memory_equal(l[k], l[0], sizeof l[0]);
+            }
+            if (k == 2 && q0 == 0) assert_true(x.jobs > jobs);
+            if (k == 2) {
+                x.mode = EXEC_NONE, g_said[0] = 0;
+                assert_int_equal(pkv_attn_tree(c, 1, &r, 1, q, o[k], &p), PKV_EINVAL);
+                assert_non_null(strstr(g_said, "the executor broke its contract"));
+                x.mode = EXEC_GOOD;
+            }
+            free(q);
+            pkv_cache_destroy(c);
+        }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_api_oracle),
@@ -2168,6 +2214,7 @@ int main(void) {
         cmocka_unit_test(test_api_value_max),
         cmocka_unit_test(test_api_order_env),
         cmocka_unit_test(test_api_executor),
+        cmocka_unit_test(test_api_tree_threads),
         cmocka_unit_test(test_api_fork_child),
         cmocka_unit_test(test_api_share),
         cmocka_unit_test(test_api_share_window),

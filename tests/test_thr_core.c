@@ -10,6 +10,7 @@
 #include <cmocka.h>
 
 #include "support_util.h"
+#include "cache/cache_int.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -260,7 +261,9 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
     cfg.enable_prefix_cache = prefix;
     cfg.max_seqs = 64;
     cfg.event_capacity = 48; /* small: the consumer falls behind and resyncs now and then */
+    cfg.n_threads = 2;        /* attention on the cache's pool, every call (below) */
     pkv_cache *c = tu_create(&cfg);
+    pkv__cache_test_inline_work(c, 0); /* the 3-node trees' path parts too (tree_task) */
     targ args[NTHR];
     memset(args, 0, sizeof args);
     pkv_seq parents[NPARENT];

@@ -490,6 +490,14 @@ bool pkv__attn_has_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) 
 const char *pkv__attn_backend_name(const pkv__attn *at) { return at ? at->kt->name : "none"; }
 uint32_t pkv__attn_n_threads(const pkv__attn *at) { return at ? at->n_threads : 0; }
 
+int pkv__attn_parallel(pkv__attn *at, void (*fn)(void *ctx, uint32_t task, uint32_t tid), void *ctx, uint32_t n_tasks,
+                       uint64_t work_elems) {
+    if (n_tasks > 1 && at->n_threads > 1 && work_elems >= at->inline_elems)
+        return pkv__tpool_run(&at->pool, fn, ctx, n_tasks);
+    for (uint32_t i = 0; i < n_tasks; i++) fn(ctx, i, 0);
+    return PKV_OK;
+}
+
 /* ---- one work unit --------------------------------------------------------------------------- */
 
 typedef struct unit {

@@ -203,6 +203,13 @@ bool pkv__attn_lp_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype);
  * the row path: NEON). */
 bool pkv__attn_has_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype);
 uint32_t pkv__attn_n_threads(const pkv__attn *at);
+/* Runs fn(ctx, task, tid) for task in [0, n_tasks) on the context's threads (tid < its
+ * n_threads; each tid is one thread at a time), or on the calling thread alone (tid 0) where
+ * n_tasks is 1 or the job's work, work_elems, is under what the attention calls run inline. Not
+ * while an attention call runs on the same context (the cache serializes them). Returns 0, or
+ * PKV_EINVAL where a caller's executor broke its contract (some tasks then did not run). */
+int pkv__attn_parallel(pkv__attn *at, void (*fn)(void *ctx, uint32_t task, uint32_t tid), void *ctx, uint32_t n_tasks,
+                       uint64_t work_elems);
 
 /* Runs attention for n_items items (n_items <= max_items). Not reentrant on one context: the
  * cache serializes calls. Allocates nothing. Returns 0, PKV_EINVAL (NULL pointers, n_q_heads

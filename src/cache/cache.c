@@ -265,11 +265,13 @@ static uint32_t pow2_at_least(uint64_t n) {
 /* Every allocation create makes, in order, with its size in bytes as a uint64_t (every factor
  * is bounded by the config's checks, so no product overflows 64 bits; create refuses one past
  * size_t, which on a 32-bit machine several can be); destroy frees the same list. */
-/* pkv_attn_tree's scratch (c->tree), in this order: a node's path scores (double), the prefix
- * part's log-sum-exps of a run (tree_lse_cap floats), a head's p.V sum (head_dim floats), the K
- * and V rows of a node's path for one kv head widened to f32 (tree_path_floats each: the rows of
- * paths up to that many values long; longer ones are widened a query head at a time), the
- * request's node depths and a node's path. tree_bytes sizes it, tree_carve cuts it. */
+/* pkv_attn_tree's scratch (c->tree): first what a call shares, the prefix part's log-sum-exps of
+ * a run (tree_lse_cap floats) and the request's node depths; then, for each of the cache's
+ * attention threads (the path part runs a node a task on them), a node's path scores (double),
+ * a head's p.V sum (head_dim floats), the K and V rows of a node's path for one kv head widened
+ * to f32 (tree_path_floats each: the rows of paths up to that many values long; longer ones are
+ * widened a query head at a time) and the node's path, each thread's part whole 64-byte lines.
+ * tree_bytes sizes it, tree_carve cuts a thread's view of it. */
 #define TREE_PATH_FLOATS 32768u
 static uint32_t tree_lse_cap(const pkv_cache *c) {
     return PKV_MAX(4096u, 1024u * c->n_kv); /* a node's rows at the most query heads a call takes */
@@ -277,25 +279,34 @@ static uint32_t tree_lse_cap(const pkv_cache *c) {
 static size_t tree_path_floats(const pkv_cache *c) {
     return PKV_MAX(TREE_PATH_FLOATS, c->head_dim);
 }
+static uint64_t tree_shared_bytes(const pkv_cache *c) {
+    return ((sizeof(float) * (uint64_t)tree_lse_cap(c) + sizeof(uint32_t) * PKV_TREE_MAX_NODES) + 63u) & ~(uint64_t)63u;
+}
+static uint64_t tree_thread_bytes(const pkv_cache *c) {
+    const uint64_t b = sizeof(double) * (uint64_t)PKV_TREE_MAX_NODES +
+                       sizeof(float) * (c->head_dim + 2u * (uint64_t)tree_path_floats(c)) +
+                       sizeof(uint32_t) * (uint64_t)PKV_TREE_MAX_NODES;
+    return (b + 63u) & ~(uint64_t)63u;
+}
 static uint64_t tree_bytes(const pkv_cache *c) {
-    return sizeof(double) * (uint64_t)PKV_TREE_MAX_NODES +
-           sizeof(float) * ((uint64_t)tree_lse_cap(c) + c->head_dim + 2u * (uint64_t)tree_path_floats(c)) +
-           sizeof(uint32_t) * 2u * PKV_TREE_MAX_NODES;
+    return tree_shared_bytes(c) + (uint64_t)c->cfg.n_threads * tree_thread_bytes(c);
 }
 typedef struct tree_scratch {
-    double *sc;
-    float *la, *acc, *kr, *vr;
-    uint32_t *depth, *path;
+    float *la;        /* shared */
+    uint32_t *depth;  /* shared */
+    double *sc;       /* the thread's own from here */
+    float *acc, *kr, *vr;
+    uint32_t *path;
 } tree_scratch;
-static tree_scratch tree_carve(const pkv_cache *c) {
+static tree_scratch tree_carve(const pkv_cache *c, uint32_t tid) {
     tree_scratch t;
-    t.sc = (double *)(void *)c->tree;
-    t.la = (float *)(void *)(t.sc + PKV_TREE_MAX_NODES);
-    t.acc = t.la + tree_lse_cap(c);
+    t.la = (float *)(void *)c->tree;
+    t.depth = (uint32_t *)(void *)(t.la + tree_lse_cap(c));
+    t.sc = (double *)(void *)((uint8_t *)c->tree + tree_shared_bytes(c) + (size_t)tid * tree_thread_bytes(c));
+    t.acc = (float *)(void *)(t.sc + PKV_TREE_MAX_NODES);
     t.kr = t.acc + c->head_dim;
     t.vr = t.kr + tree_path_floats(c);
-    t.depth = (uint32_t *)(void *)(t.vr + tree_path_floats(c));
-    t.path = t.depth + PKV_TREE_MAX_NODES;
+    t.path = (uint32_t *)(void *)(t.vr + tree_path_floats(c));
     return t;
 }
 
@@ -1937,6 +1948,12 @@ PKV_API int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *r
     return attn_common(c, layer, NULL, reqs, n_reqs, q, out, p);
 }
 
+void pkv__cache_test_inline_work(pkv_cache *c, uint64_t elems) {
+    pthread_mutex_lock(&c->attn_mu);
+    pkv__attn_set_inline_work(c->attn, elems);
+    pthread_mutex_unlock(&c->attn_mu);
+}
+
 /* ---- tree attention ---------------------------------------------------------------------------- */
 /* Node i's path (itself, its parent, ... up to its root, or to where a window or chunk ends it)
  * into path; returns its length. depth: the request's node depths; q_start: the first node's
@@ -1966,13 +1983,15 @@ static inline void tree_row(const pkv_cache *c, const int32_t *table, const uint
     pkv__row_decode(dt, base + at, c->head_dim, y);
 }
 
-/* The rows of nodes [i0, i1) of request r (queries q, outputs out, lse or NULL: the request's own
- * rows): the prefix part already in out with its log-sum-exps in t->la (-inf: none), the path
- * part computed here, the two (and the sinks) merged by log-sum-exp into out and lse. A path's K
- * and V rows are widened once a kv head for all its query heads where they fit the scratch. */
-static void tree_paths(const pkv_cache *c, const tree_scratch *t, const pkv__kv_view *kv, const int32_t *table,
-                       const pkv_attn_tree_req *r, uint32_t i0, uint32_t i1, const pkv__attn_call *call,
-                       const float *sinks, const float *q, float *out, float *lse) {
+/* The rows of node i of request r, in the run of nodes from i0 (queries q, outputs out, lse or
+ * NULL: the request's own rows): the prefix part already in out with its log-sum-exps in t->la
+ * (-inf: none), the path part computed here, the two (and the sinks) merged by log-sum-exp into
+ * out and lse. A path's K and V rows are widened once a kv head for all its query heads where
+ * they fit the scratch. What it writes is node i's alone, and t's own part: nodes run side by
+ * side, each on its thread's part of the scratch (tree_task). */
+static void tree_node(const pkv_cache *c, const tree_scratch *t, const pkv__kv_view *kv, const int32_t *table,
+                      const pkv_attn_tree_req *r, uint32_t i0, uint32_t i, const pkv__attn_call *call,
+                      const float *sinks, const float *q, float *out, float *lse) {
     const uint32_t D = c->head_dim, Dv = c->v_dim, nqh = call->n_q_heads, G = nqh / c->n_kv;
     const size_t path_floats = tree_path_floats(c);
     double *sc = t->sc;
@@ -1981,60 +2000,76 @@ static void tree_paths(const pkv_cache *c, const tree_scratch *t, const pkv__kv_
     const uint32_t *depth = t->depth;
     uint32_t *path = t->path;
     const bool v_in_k = kv->v == kv->k; /* V's rows are the K rows' first v_dim values */
-    for (uint32_t i = i0; i < i1; i++) {
-        const uint32_t np = tree_path(call, r->parent, depth, r->q_start, i, path);
-        const bool once = (size_t)np * D <= path_floats; /* the path's rows widened once a kv head */
-        const float *vrows = once && v_in_k ? kr : vr; /* the widened V rows, where once */
-        for (uint32_t h = 0; h < nqh; h++) {
-            const uint32_t kh = h / G;
-            if (once && h % G == 0)
-                for (uint32_t k = 0; k < np; k++) {
-                    tree_row(c, table, kv->k, kv->k_block_bytes, kv->k_row_bytes, kv->k_dtype, kh, r->q_start + path[k],
-                             kr + (size_t)k * D);
-                    if (!v_in_k)
-                        tree_row(c, table, kv->v, kv->v_block_bytes, kv->v_row_bytes, kv->v_dtype, kh,
-                                 r->q_start + path[k], vr + (size_t)k * D);
-                }
-            const size_t row = (size_t)i * nqh + h;
-            const float *qr = q + row * D;
-            double mb = -INFINITY;
+    const uint32_t np = tree_path(call, r->parent, depth, r->q_start, i, path);
+    const bool once = (size_t)np * D <= path_floats; /* the path's rows widened once a kv head */
+    const float *vrows = once && v_in_k ? kr : vr; /* the widened V rows, where once */
+    for (uint32_t h = 0; h < nqh; h++) {
+        const uint32_t kh = h / G;
+        if (once && h % G == 0)
             for (uint32_t k = 0; k < np; k++) {
-                const float *kk = kr + (once ? (size_t)k * D : 0);
-                if (!once)
-                    tree_row(c, table, kv->k, kv->k_block_bytes, kv->k_row_bytes, kv->k_dtype, kh, r->q_start + path[k], kr);
-                double x = (double)tree_dot(qr, kk, D) * call->scale;
-                if (call->softcap > 0.0f) x = call->softcap * tanh(x / call->softcap);
-                /* ALiBi: the ancestor's distance in the text, depth against depth */
-                if (call->alibi) x += (double)call->alibi[h] * ((double)depth[path[k]] - (double)depth[i]);
-                sc[k] = x;
-                mb = x > mb ? x : mb;
+                tree_row(c, table, kv->k, kv->k_block_bytes, kv->k_row_bytes, kv->k_dtype, kh, r->q_start + path[k],
+                         kr + (size_t)k * D);
+                if (!v_in_k)
+                    tree_row(c, table, kv->v, kv->v_block_bytes, kv->v_row_bytes, kv->v_dtype, kh,
+                             r->q_start + path[k], vr + (size_t)k * D);
             }
-            double lb = 0.0;
-            for (uint32_t d = 0; d < Dv; d++) acc[d] = 0.0f;
-            for (uint32_t k = 0; k < np; k++) {
-                const float *vv = vrows + (once ? (size_t)k * D : 0);
-                if (!once)
-                    tree_row(c, table, kv->v, kv->v_block_bytes, kv->v_row_bytes, kv->v_dtype, kh, r->q_start + path[k], vr);
-                const double w = exp(sc[k] - mb);
-                const float wf = (float)w;
-                lb += w;
-                for (uint32_t d = 0; d < Dv; d++) acc[d] += wf * vv[d];
-            }
-            /* the parts' weights against the largest of their log-sum-exps (the path part has its
-               node itself, so lb >= 1 and its log-sum-exp is finite) */
-            const double a = la[(size_t)(i - i0) * nqh + h], b = mb + log(lb), s = sinks ? sinks[h] : -INFINITY;
-            const double m = PKV_MAX(PKV_MAX(a, b), s);
-            const double wa = a == -INFINITY ? 0.0 : exp(a - m), wb = exp(b - m), ws = sinks ? exp(s - m) : 0.0;
-            const double tot = wa + wb + ws;
-            const float fa = (float)(wa / tot), fb = (float)(wb / (lb * tot));
-            float *o = out + row * Dv;
-            if (wa > 0.0)
-                for (uint32_t d = 0; d < Dv; d++) o[d] = fa * o[d] + fb * acc[d];
-            else
-                for (uint32_t d = 0; d < Dv; d++) o[d] = fb * acc[d];
-            if (lse) lse[row] = (float)(m + log(tot));
+        const size_t row = (size_t)i * nqh + h;
+        const float *qr = q + row * D;
+        double mb = -INFINITY;
+        for (uint32_t k = 0; k < np; k++) {
+            const float *kk = kr + (once ? (size_t)k * D : 0);
+            if (!once)
+                tree_row(c, table, kv->k, kv->k_block_bytes, kv->k_row_bytes, kv->k_dtype, kh, r->q_start + path[k], kr);
+            double x = (double)tree_dot(qr, kk, D) * call->scale;
+            if (call->softcap > 0.0f) x = call->softcap * tanh(x / call->softcap);
+            /* ALiBi: the ancestor's distance in the text, depth against depth */
+            if (call->alibi) x += (double)call->alibi[h] * ((double)depth[path[k]] - (double)depth[i]);
+            sc[k] = x;
+            mb = x > mb ? x : mb;
         }
+        double lb = 0.0;
+        for (uint32_t d = 0; d < Dv; d++) acc[d] = 0.0f;
+        for (uint32_t k = 0; k < np; k++) {
+            const float *vv = vrows + (once ? (size_t)k * D : 0);
+            if (!once)
+                tree_row(c, table, kv->v, kv->v_block_bytes, kv->v_row_bytes, kv->v_dtype, kh, r->q_start + path[k], vr);
+            const double w = exp(sc[k] - mb);
+            const float wf = (float)w;
+            lb += w;
+            for (uint32_t d = 0; d < Dv; d++) acc[d] += wf * vv[d];
+        }
+        /* the parts' weights against the largest of their log-sum-exps (the path part has its
+           node itself, so lb >= 1 and its log-sum-exp is finite) */
+        const double a = la[(size_t)(i - i0) * nqh + h], b = mb + log(lb), s = sinks ? sinks[h] : -INFINITY;
+        const double m = PKV_MAX(PKV_MAX(a, b), s);
+        const double wa = a == -INFINITY ? 0.0 : exp(a - m), wb = exp(b - m), ws = sinks ? exp(s - m) : 0.0;
+        const double tot = wa + wb + ws;
+        const float fa = (float)(wa / tot), fb = (float)(wb / (lb * tot));
+        float *o = out + row * Dv;
+        if (wa > 0.0)
+            for (uint32_t d = 0; d < Dv; d++) o[d] = fa * o[d] + fb * acc[d];
+        else
+            for (uint32_t d = 0; d < Dv; d++) o[d] = fb * acc[d];
+        if (lse) lse[row] = (float)(m + log(tot));
     }
+}
+
+/* One run of nodes' path parts, a node a task (tree_node). */
+typedef struct tree_job {
+    const pkv_cache *c;
+    const pkv__kv_view *kv;
+    const int32_t *table;
+    const pkv_attn_tree_req *r;
+    uint32_t i0;
+    const pkv__attn_call *call;
+    const float *sinks, *q;
+    float *out, *lse;
+} tree_job;
+
+static void tree_task(void *ctx, uint32_t task, uint32_t tid) {
+    const tree_job *j = ctx;
+    const tree_scratch t = tree_carve(j->c, tid);
+    tree_node(j->c, &t, j->kv, j->table, j->r, j->i0, j->i0 + task, j->call, j->sinks, j->q, j->out, j->lse);
 }
 
 PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req *reqs, uint32_t n_reqs, const float *q,
@@ -2080,7 +2115,7 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
     if (!rc) rc = check_buffers(c, api, q, out, lse, &call, n_rows, false);
     const float *sinks = call.sinks;
     call.sinks = NULL; /* counted once a row, in the merge of the two parts (tree_paths) */
-    const tree_scratch ts = tree_carve(c);
+    const tree_scratch ts = tree_carve(c, 0);
     float *la = ts.la;
     uint32_t *depth = ts.depth;
     const uint32_t run_nodes = tree_lse_cap(c) / nqh; /* >= 1: nqh <= 1024 x n_kv */
@@ -2133,8 +2168,17 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
                         float *a = &la[(size_t)(i - i0) * nqh + h];
                         if (*a != -INFINITY) *a += call.alibi[h] * (float)(i - depth[i]);
                     }
-            tree_paths(c, &ts, &view, table, r, i0, i1, &call, sinks, q + row0 * qrow, out + row0 * orow,
-                       lse ? lse + row0 * nqh : NULL);
+            /* the path parts, a node a task on the cache's threads where they are worth it: a
+               node's path is at most depth + 1 rows, each read by every query head */
+            uint64_t work = 0;
+            for (uint32_t i = i0; i < i1; i++) work += (uint64_t)(depth[i] + 1u) * nqh * c->head_dim;
+            tree_job job = {.c = c, .kv = &view, .table = table, .r = r, .i0 = i0, .call = &call, .sinks = sinks,
+                            .q = q + row0 * qrow, .out = out + row0 * orow, .lse = lse ? lse + row0 * nqh : NULL};
+            if ((rc = pkv__attn_parallel(c->attn, tree_task, &job, i1 - i0, work)) != 0) {
+                rc = pkv__say(c, rc, api, "the executor broke its contract: a worker index out of range or in use, "
+                              "or tasks left");
+                break;
+            }
             i0 = i1;
         }
     }

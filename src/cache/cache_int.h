@@ -215,6 +215,10 @@ uint64_t pkv__content_hash(const pkv_cache *c, uint32_t parent, const int32_t *t
 void pkv__salt_digest(const void *salt, size_t len, uint64_t *lo, uint64_t *hi);
 /* Test-only: make every identity hash collide (forces exact comparison). */
 void pkv__cache_test_const_hash(pkv_cache *c, int on);
+/* Tests: attention and the tree's path part go to the cache's threads from elems K/V elements on
+ * (pkv__attn_set_inline_work; 0: every call with more than one task), so that a small test
+ * call runs on them as a large one would. */
+void pkv__cache_test_inline_work(pkv_cache *c, uint64_t elems);
 
 /* ---- events.c ---- (under c->mu; no-ops with event_capacity 0) */
 /* Records STORED / REMOVED of indexed block b (its fields set: hash, parent, depth). */
