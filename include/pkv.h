@@ -879,8 +879,9 @@ enum { PKV_TREE_MAX_NODES = 1024 };
  * for ALiBi is the node's position, q_start + depth, minus the key's, as for the window). The prefix is read by the
  * prefill kernels, all of a request's nodes at once (in runs of max(4096, 1024 x n_kv_heads) /
  * n_q_heads nodes: a request of more reads its prefix once a run; where a window or chunk ends inside
- * the prefix for some node, a read a node), the paths on the
- * calling thread; the two parts are merged by log-sum-exp. A chain (parent[i] = i - 1) gives what
+ * the prefix for some node, a read a node), the paths a node a task on the cache's attention
+ * threads (or its executor; on the calling thread alone where they are little work, as small
+ * decodes are: the same bits either way); the two parts are merged by log-sum-exp. A chain (parent[i] = i - 1) gives what
  * pkv_attn_prefill gives over the same positions, up to float rounding. Bad input (a parent
  * outside [-1, i), n_nodes past PKV_TREE_MAX_NODES or the sequence, a NULL parent with nodes, and
  * every refusal of pkv_attn_prefill) is PKV_EINVAL (PKV_ENOENT: an unknown sequence) with nothing
