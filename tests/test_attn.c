@@ -608,7 +608,8 @@ static void test_oracle_extreme_shapes(void **state) {
     static const struct { uint32_t D, nqh, H, B, cap; } shapes[] = {
         {1, 4, 2, 3, 700},   {3, 3, 1, 1, 700},     {7, 64, 1, 5, 700},  {17, 33, 1, 16, 700},
         {200, 66, 2, 7, 300}, {64, 128, 2, 16, 300}, {1000, 2, 2, 1024, 400}, {1024, 8, 4, 16, 300},
-        {5, 100, 1, 16, 300}, {33, 260, 2, 3, 200},
+        {5, 100, 1, 16, 300}, {33, 260, 2, 3, 200}, {1500, 4, 2, 16, 120}, /* past the reference's
+                                                                               1024-value chunks */
     };
     g_rng = 406;
     for (int prefill = 0; prefill < 2; prefill++)

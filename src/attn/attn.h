@@ -407,6 +407,25 @@ typedef void (*pkv__attn_accum_fn)(const float *p, uint32_t p_stride, uint32_t n
 typedef void (*pkv__attn_softmax_fn)(float *s, uint32_t s_stride, uint32_t n_rows, uint32_t n_keys, float softcap,
                                      float *m, float *l, float *acc, uint32_t head_dim);
 
+/* The portable primitives' (attn_ref.c, attn_q_ref.c) dot product of f32 rows: four running
+ * sums, so that it does not wait out the add's latency at every element (the compiler may
+ * vectorize it). Those primitives decode a K or V row once, PKV__REF_CHUNK values at a time,
+ * into a row on the stack, and use it for every query row (one chunk up to head_dim 1024, the
+ * cache's limit; the kernels' own limit is 4096). */
+#define PKV__REF_CHUNK 1024u
+static inline float pkv__ref_dot(const float *a, const float *b, uint32_t n) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    uint32_t d = 0;
+    for (; d + 4 <= n; d += 4) {
+        s0 += a[d] * b[d];
+        s1 += a[d + 1] * b[d + 1];
+        s2 += a[d + 2] * b[d + 2];
+        s3 += a[d + 3] * b[d + 3];
+    }
+    for (; d < n; d++) s0 += a[d] * b[d];
+    return (s0 + s1) + (s2 + s3);
+}
+
 /* The end of one row's softmax step, common to every backend: with the block's max folded in
  * (mnew >= *m) and sum = the row's new exp(s - mnew) total, rescale the row's acc, l and m
  * when the max moved, then add sum. The multiply loop is left to the compiler's vectorizer

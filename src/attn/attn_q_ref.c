@@ -120,6 +120,7 @@ void pkv__attn_prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32
 static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
                       uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
+    float kf[PKV__REF_CHUNK];
     pkv__attn_pf_start(pf, n_keys);
     for (uint32_t t = 0; t < n_keys; t++) {
         pkv__attn_pf_step(pf);
@@ -127,12 +128,15 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
         float sk;
         memcpy(&sk, kr, 4);
         const uint8_t *e = kr + PKV_FP8_ROW_HEADER;
-        for (uint32_t r = 0; r < n_rows; r++) {
-            const float *qr = (const float *)((const uint8_t *)qp + r * qrow);
-            float acc = 0.0f;
-            for (uint32_t d = 0; d < head_dim; d++) acc += qr[d] * pkv__e4m3_to_f32(e[d]);
-            s[r * s_stride + t] = sk * acc;
+        for (uint32_t d0 = 0; d0 < head_dim; d0 += PKV__REF_CHUNK) { /* decoded once, for every row */
+            const uint32_t n = PKV_MIN(PKV__REF_CHUNK, head_dim - d0);
+            for (uint32_t d = 0; d < n; d++) kf[d] = pkv__e4m3_to_f32(e[d0 + d]);
+            for (uint32_t r = 0; r < n_rows; r++) {
+                const float x = pkv__ref_dot((const float *)((const uint8_t *)qp + r * qrow) + d0, kf, n);
+                s[r * s_stride + t] = d0 ? s[r * s_stride + t] + x : x;
+            }
         }
+        for (uint32_t r = 0; r < n_rows; r++) s[r * s_stride + t] *= sk;
     }
 }
 
@@ -181,15 +185,20 @@ static void accum_q4_0(const float *p, uint32_t p_stride, uint32_t n_rows, const
 static void accum_fp8(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
                       uint32_t n_keys, uint32_t head_dim, float *acc, pkv__attn_pf *pf) {
     (void)pf; /* accum_pf off: the driver gives score both runs */
+    float vf[PKV__REF_CHUNK];
     for (uint32_t t = 0; t < n_keys; t++) {
         const uint8_t *vr = v + t * v_row_bytes;
         float sv;
         memcpy(&sv, vr, 4);
         const uint8_t *e = vr + PKV_FP8_ROW_HEADER;
-        for (uint32_t r = 0; r < n_rows; r++) {
-            const float w = p[r * p_stride + t] * sv;
-            float *a = acc + (size_t)r * head_dim;
-            for (uint32_t d = 0; d < head_dim; d++) a[d] += w * pkv__e4m3_to_f32(e[d]);
+        for (uint32_t d0 = 0; d0 < head_dim; d0 += PKV__REF_CHUNK) { /* decoded once, for every row */
+            const uint32_t n = PKV_MIN(PKV__REF_CHUNK, head_dim - d0);
+            for (uint32_t d = 0; d < n; d++) vf[d] = pkv__e4m3_to_f32(e[d0 + d]);
+            for (uint32_t r = 0; r < n_rows; r++) {
+                const float w = p[r * p_stride + t] * sv;
+                float *a = acc + (size_t)r * head_dim + d0;
+                for (uint32_t d = 0; d < n; d++) a[d] += w * vf[d];
+            }
         }
     }
 }

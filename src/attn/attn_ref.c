@@ -15,54 +15,45 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
     }
 }
 
-/* Each K or V row is decoded to f32 once (head_dim <= PKV__REF_DIM_MAX, the cache's limit) and
- * then used by every query row of the group; a score sums over four running sums, so that it
- * does not wait out the add's latency at every element (the loops vectorize where the compiler
- * can). The reference favours clarity, but it is also the path of a CPU without SIMD paths. */
-#define PKV__REF_DIM_MAX 1024
-
-static inline float ref_dot(const float *a, const float *b, uint32_t n) {
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-    uint32_t d = 0;
-    for (; d + 4 <= n; d += 4) {
-        s0 += a[d] * b[d];
-        s1 += a[d + 1] * b[d + 1];
-        s2 += a[d + 2] * b[d + 2];
-        s3 += a[d + 3] * b[d + 3];
-    }
-    for (; d < n; d++) s0 += a[d] * b[d];
-    return (s0 + s1) + (s2 + s3);
-}
-
+/* Each K or V row is decoded to f32 once (pkv__ref_dot's row) and then used by every query row of
+ * the group. The reference favours clarity, but it is also the path of a CPU without SIMD paths. */
 #define REF_SCORE(NAME, T, CVT)                                                                          \
     static void NAME(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys, \
                      uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf) {                 \
         const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);                                              \
-        float kf[PKV__REF_DIM_MAX];                                                                      \
+        float kf[PKV__REF_CHUNK];                                                                        \
         pkv__attn_pf_start(pf, n_keys);                                                                  \
         for (uint32_t t = 0; t < n_keys; t++) {                                                          \
             pkv__attn_pf_step(pf);                                                                       \
             const T *kr = (const T *)(k + t * k_row_bytes);                                              \
-            for (uint32_t d = 0; d < head_dim; d++) kf[d] = CVT(kr[d]);                                  \
-            for (uint32_t r = 0; r < n_rows; r++)                                                        \
-                s[r * s_stride + t] = ref_dot((const float *)((const uint8_t *)qp + r * qrow), kf, head_dim); \
+            for (uint32_t d0 = 0; d0 < head_dim; d0 += PKV__REF_CHUNK) {                                 \
+                const uint32_t n = PKV_MIN(PKV__REF_CHUNK, head_dim - d0);                               \
+                for (uint32_t d = 0; d < n; d++) kf[d] = CVT(kr[d0 + d]);                                \
+                for (uint32_t r = 0; r < n_rows; r++) {                                                  \
+                    const float x = pkv__ref_dot((const float *)((const uint8_t *)qp + r * qrow) + d0, kf, n); \
+                    s[r * s_stride + t] = d0 ? s[r * s_stride + t] + x : x;                              \
+                }                                                                                        \
+            }                                                                                            \
         }                                                                                                \
     }
 
 #define REF_ACCUM(NAME, T, CVT)                                                                          \
     static void NAME(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes, \
                      uint32_t n_keys, uint32_t head_dim, float *acc, pkv__attn_pf *pf) {                 \
-        float vf[PKV__REF_DIM_MAX];                                                                      \
+        float vf[PKV__REF_CHUNK];                                                                        \
         pkv__attn_pf_start(pf, n_keys);                                                                  \
         for (uint32_t t = 0; t < n_keys; t++) {                                                          \
             pkv__attn_pf_step(pf);                                                                       \
             const T *vr = (const T *)(v + t * v_row_bytes);                                              \
-            for (uint32_t d = 0; d < head_dim; d++) vf[d] = CVT(vr[d]);                                  \
-            for (uint32_t r = 0; r < n_rows; r++) {                                                      \
-                const float w = p[r * p_stride + t];                                                     \
-                if (w == 0.0f) continue;                                                                 \
-                float *a = acc + (size_t)r * head_dim;                                                   \
-                for (uint32_t d = 0; d < head_dim; d++) a[d] += w * vf[d];                               \
+            for (uint32_t d0 = 0; d0 < head_dim; d0 += PKV__REF_CHUNK) {                                 \
+                const uint32_t n = PKV_MIN(PKV__REF_CHUNK, head_dim - d0);                               \
+                for (uint32_t d = 0; d < n; d++) vf[d] = CVT(vr[d0 + d]);                                \
+                for (uint32_t r = 0; r < n_rows; r++) {                                                  \
+                    const float w = p[r * p_stride + t];                                                 \
+                    if (w == 0.0f) continue;                                                             \
+                    float *a = acc + (size_t)r * head_dim + d0;                                          \
+                    for (uint32_t d = 0; d < n; d++) a[d] += w * vf[d];                                  \
+                }                                                                                        \
             }                                                                                            \
         }                                                                                                \
     }
