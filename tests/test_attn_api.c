@@ -2151,8 +2151,10 @@ static void test_api_drop_front(void **state) {
 
 /* pkv_attn_tree's path part runs a node a task on the cache's threads (tree_task) where the
  * work is worth it: 1 thread, 2 threads and a caller's executor of 2 workers give the same bits
- * (with and without a prefix part), the executor is called for a tree with no prefix part (so by
- * the path part alone), and one that runs nothing fails the call with its reason. */
+ * (with and without a prefix part; a random tree, and a chain whose paths, up to 250 rows, pass
+ * the 128 rows of 64 values a worker's scratch widens at once but not the calling thread's
+ * 512), the executor is called for a tree with no prefix part (so by the path part alone), and
+ * one that runs nothing fails the call with its reason and leaves the cache working. */
 static void test_api_tree_threads(void **state) {
     (void)state;
     static host_seq hs;
@@ -2160,8 +2162,10 @@ static void test_api_tree_threads(void **state) {
     static int32_t par[N];
     static float o[3][N * NQH * D], l[3][N * NQH];
     api_exec x = {.mode = EXEC_GOOD, .n_workers = 2};
-    for (uint32_t q0 = 0; q0 <= 100; q0 += 100)
+    for (uint32_t v = 0; v < 4; v++) /* a random tree, then a chain; without a prefix, then after 100 */
         for (int k = 0; k < 3; k++) {
+            const int shape = v >= 2;
+            const uint32_t q0 = v % 2 ? 100 : 0;
             pkv_config cfg = api_config(PKV_DTYPE_F16, k ? 2 : 1, 0);
             if (k == 2) cfg.executor = (pkv_executor){.parallel_for = api_parallel_for, .ctx = &x, .n_workers = 2};
             cfg.log = said_fn;
@@ -2172,6 +2176,8 @@ static void test_api_tree_threads(void **state) {
             assert_int_equal(pkv_seq_create(c, NULL, 0, &hs.id), PKV_OK);
             append_write(c, PKV_DTYPE_F16, &hs, q0 + N, 500);
             rand_tree(par, N);
+            if (shape)
+                for (uint32_t i = 0; i < N; i++) par[i] = (int32_t)i - 1;
             float *q = rand_q(N);
             pkv_attn_params p = pkv_attn_params_default();
             p.n_q_heads = NQH, p.lse = l[k];
@@ -2189,6 +2195,8 @@ static void test_api_tree_threads(void **state) {
                 assert_int_equal(pkv_attn_tree(c, 1, &r, 1, q, o[k], &p), PKV_EINVAL);
                 assert_non_null(strstr(g_said, "the executor broke its contract"));
                 x.mode = EXEC_GOOD;
+                assert_int_equal(pkv_attn_tree(c, 1, &r, 1, q, o[k], &p), PKV_OK);
+                assert_memory_equal(o[k], o[0], sizeof o[0]);
             }
             free(q);
             pkv_cache_destroy(c);

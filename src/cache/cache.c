@@ -270,26 +270,30 @@ static uint32_t pow2_at_least(uint64_t n) {
  * attention threads (the path part runs a node a task on them), a node's path scores (double),
  * a head's p.V sum (head_dim floats), the K and V rows of a node's path for one kv head widened
  * to f32 (tree_path_floats each: the rows of paths up to that many values long; longer ones are
- * widened a query head at a time) and the node's path, each thread's part whole 64-byte lines.
- * tree_bytes sizes it, tree_carve cuts a thread's view of it. */
+ * widened a query head at a time, the same arithmetic) and the node's path, each thread's part
+ * whole 64-byte lines. The calling thread's rows hold 32,768 values (a path of 256 rows at
+ * head_dim 128), the other threads' 8,192, so that a cache of many threads does not carry 256 KiB
+ * of rows for each (76 KiB a thread at head_dim 128). tree_bytes sizes it, tree_carve cuts a
+ * thread's view of it. */
 #define TREE_PATH_FLOATS 32768u
+#define TREE_PATH_FLOATS_WORKER 8192u
 static uint32_t tree_lse_cap(const pkv_cache *c) {
     return PKV_MAX(4096u, 1024u * c->n_kv); /* a node's rows at the most query heads a call takes */
 }
-static size_t tree_path_floats(const pkv_cache *c) {
-    return PKV_MAX(TREE_PATH_FLOATS, c->head_dim);
+static size_t tree_path_floats(const pkv_cache *c, uint32_t tid) {
+    return PKV_MAX(tid ? TREE_PATH_FLOATS_WORKER : TREE_PATH_FLOATS, c->head_dim);
 }
 static uint64_t tree_shared_bytes(const pkv_cache *c) {
     return ((sizeof(float) * (uint64_t)tree_lse_cap(c) + sizeof(uint32_t) * PKV_TREE_MAX_NODES) + 63u) & ~(uint64_t)63u;
 }
-static uint64_t tree_thread_bytes(const pkv_cache *c) {
+static uint64_t tree_thread_bytes(const pkv_cache *c, uint32_t tid) {
     const uint64_t b = sizeof(double) * (uint64_t)PKV_TREE_MAX_NODES +
-                       sizeof(float) * (c->head_dim + 2u * (uint64_t)tree_path_floats(c)) +
+                       sizeof(float) * (c->head_dim + 2u * (uint64_t)tree_path_floats(c, tid)) +
                        sizeof(uint32_t) * (uint64_t)PKV_TREE_MAX_NODES;
     return (b + 63u) & ~(uint64_t)63u;
 }
 static uint64_t tree_bytes(const pkv_cache *c) {
-    return tree_shared_bytes(c) + (uint64_t)c->cfg.n_threads * tree_thread_bytes(c);
+    return tree_shared_bytes(c) + tree_thread_bytes(c, 0) + (uint64_t)(c->cfg.n_threads - 1u) * tree_thread_bytes(c, 1);
 }
 typedef struct tree_scratch {
     float *la;        /* shared */
@@ -297,16 +301,20 @@ typedef struct tree_scratch {
     double *sc;       /* the thread's own from here */
     float *acc, *kr, *vr;
     uint32_t *path;
+    size_t path_floats; /* kr's and vr's floats */
 } tree_scratch;
 static tree_scratch tree_carve(const pkv_cache *c, uint32_t tid) {
+    pkv_assert(tid < c->cfg.n_threads);
     tree_scratch t;
     t.la = (float *)(void *)c->tree;
     t.depth = (uint32_t *)(void *)(t.la + tree_lse_cap(c));
-    t.sc = (double *)(void *)((uint8_t *)c->tree + tree_shared_bytes(c) + (size_t)tid * tree_thread_bytes(c));
+    const uint64_t at = tree_shared_bytes(c) + (tid ? tree_thread_bytes(c, 0) + (tid - 1u) * tree_thread_bytes(c, 1) : 0);
+    t.sc = (double *)(void *)((uint8_t *)c->tree + at);
+    t.path_floats = tree_path_floats(c, tid);
     t.acc = (float *)(void *)(t.sc + PKV_TREE_MAX_NODES);
     t.kr = t.acc + c->head_dim;
-    t.vr = t.kr + tree_path_floats(c);
-    t.path = (uint32_t *)(void *)(t.vr + tree_path_floats(c));
+    t.vr = t.kr + t.path_floats;
+    t.path = (uint32_t *)(void *)(t.vr + t.path_floats);
     return t;
 }
 
@@ -1993,7 +2001,7 @@ static void tree_node(const pkv_cache *c, const tree_scratch *t, const pkv__kv_v
                       const pkv_attn_tree_req *r, uint32_t i0, uint32_t i, const pkv__attn_call *call,
                       const float *sinks, const float *q, float *out, float *lse) {
     const uint32_t D = c->head_dim, Dv = c->v_dim, nqh = call->n_q_heads, G = nqh / c->n_kv;
-    const size_t path_floats = tree_path_floats(c);
+    const size_t path_floats = t->path_floats;
     double *sc = t->sc;
     float *acc = t->acc, *kr = t->kr, *vr = t->vr;
     const float *la = t->la;

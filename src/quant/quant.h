@@ -135,14 +135,15 @@ static inline float pkv__bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); retu
 
 /* Without branches, so that a loop over a row vectorizes (the reference backend's and the
  * portable row decoder's): exponent and mantissa move to f32's places and the exponent gains
- * 127 - 15; inf / nan gain as much again (to 255, the payload kept); a subnormal man * 2^-24
- * is formed as (1 + man / 1024) * 2^-14 - 2^-14, exactly, from normal f32 numbers only (so a
- * caller's flush-to-zero / denormals-are-zero mode cannot change it) */
+ * 127 - 15; inf / nan gain as much again (to 255, the payload kept where the value is returned
+ * in a vector or integer register: i386's x87 returns quiet a signalling NaN); a subnormal
+ * man * 2^-24 is that product, exact and a normal f32 (so a caller's flush-to-zero /
+ * denormals-are-zero mode cannot change it, and zero is +0 in any rounding mode) */
 static inline float pkv__f16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, em = (uint32_t)(h & 0x7fff) << 13;
     const uint32_t e = em & 0x0f800000u;
     const uint32_t normal = em + (e == 0x0f800000u ? 0x70000000u : 0x38000000u);
-    const float sub = pkv__bits_f32(em + 0x38800000u) - 0x1p-14f;
+    const float sub = (float)(h & 0x3ffu) * 0x1p-24f;
     return pkv__bits_f32(sign | (e ? normal : pkv__f32_bits(sub)));
 }
 
