@@ -174,8 +174,9 @@ typedef struct pkv_config {
                                     max_blocks_per_seq at most 2^34 */
     uint32_t n_threads;          /* attention worker threads incl. the caller, at most 256;
                                     0 = all online cpus (at most 256), or the executor's.
-                                    Each thread past the first adds scratch to meta_bytes
-                                    (about 80 KiB at head_dim 128, most of it pkv_attn_tree's) */
+                                    Each thread past the first adds its scratch to meta_bytes
+                                    (1.9 MiB at head_dim 128 with 8 kv heads: the kernels'
+                                    buffers, 76 KiB of it pkv_attn_tree's) */
     int enable_prefix_cache;     /* 1 (default): full committed blocks are indexed and reused */
     int huge_pages;              /* 1 (default): madvise(MADV_HUGEPAGE) the pool where possible;
                                     0: a pool the default allocator made gets MADV_NOHUGEPAGE */
