@@ -60,6 +60,16 @@ static void sim(char **argv, runs *r) {
     split(r);
 }
 
+/* The run under PRESSURE alone, which four tests compare with: run once and kept (never freed). */
+static const runs *pressure_run(void) {
+    static runs r;
+    if (!r.out) {
+        char *argv[] = {"pkv", "sim", SMALL, PRESSURE, NULL};
+        sim(argv, &r);
+    }
+    return &r;
+}
+
 static void test_policies_complete_same_requests(void **state) {
     (void)state;
     char *argv[] = {"pkv", "sim", SMALL, "--requests", "80", "--blocks", "400", "--seed", "5", NULL};
@@ -228,17 +238,14 @@ static void test_compact_keeps_schedule(void **state) {
  * complete everything with a clean checker. */
 static void test_preemption_under_pressure(void **state) {
     (void)state;
-    char *argv[] = {"pkv", "sim", SMALL, PRESSURE, NULL};
-    runs r;
-    sim(argv, &r);
-    assert_true(field(r.line[0], "preemptions") + field(r.line[1], "preemptions") > 0);
+    const runs *r = pressure_run();
+    assert_true(field(r->line[0], "preemptions") + field(r->line[1], "preemptions") > 0);
     for (int i = 0; i < 3; i++) {
-        assert_true(field(r.line[i], "check") == 1.0);
-        assert_true(field(r.line[i], "completed") == field(r.line[0], "completed"));
-        assert_true(field(r.line[i], "completed") + field(r.line[i], "rejected") == 60);
-        assert_true(field(r.line[i], "peak_blocks") <= 150);
+        assert_true(field(r->line[i], "check") == 1.0);
+        assert_true(field(r->line[i], "completed") == field(r->line[0], "completed"));
+        assert_true(field(r->line[i], "completed") + field(r->line[i], "rejected") == 60);
+        assert_true(field(r->line[i], "peak_blocks") <= 150);
     }
-    free(r.out);
 }
 
 /* --preempt swap under the same pressure: the same requests complete with a clean checker, and
@@ -247,26 +254,25 @@ static void test_preemption_under_pressure(void **state) {
  * paged policies prefill fewer tokens than with recompute. */
 static void test_preempt_swap(void **state) {
     (void)state;
-    char *argv_r[] = {"pkv", "sim", SMALL, PRESSURE, NULL};
     char *argv_s[] = {"pkv", "sim", SMALL, PRESSURE, "--preempt", "swap", NULL};
-    runs rr, rs;
-    sim(argv_r, &rr);
+    const runs *rr = pressure_run();
+    runs rs;
     sim(argv_s, &rs);
     for (int i = 0; i < 3; i++) {
         assert_true(field(rs.line[i], "check") == 1.0);
-        assert_true(field(rs.line[i], "completed") == field(rr.line[i], "completed"));
+        assert_true(field(rs.line[i], "completed") == field(rr->line[i], "completed"));
         assert_true(field(rs.line[i], "completed") + field(rs.line[i], "rejected") == 60);
-        assert_true(field(rr.line[i], "swap_outs") == 0 && field(rr.line[i], "swap_in_tokens") == 0);
+        assert_true(field(rr->line[i], "swap_outs") == 0 && field(rr->line[i], "swap_in_tokens") == 0);
         assert_true(field(rs.line[i], "swap_outs") <= field(rs.line[i], "preemptions"));
     }
     for (int i = 0; i < 2; i++) { /* the paged policies */
         assert_true(field(rs.line[i], "swap_outs") > 0);
         assert_true(field(rs.line[i], "swap_in_tokens") > 0);
         assert_true(field(rs.line[i], "swap_peak_bytes") > 0);
-        assert_true(field(rs.line[i], "prefill_tokens") < field(rr.line[i], "prefill_tokens"));
+        assert_true(field(rs.line[i], "prefill_tokens") < field(rr->line[i], "prefill_tokens"));
     }
     assert_true(field(rs.line[2], "swap_outs") == 0); /* reservation never preempts */
-    free(rr.out), free(rs.out);
+    free(rs.out);
 }
 
 /* --window under the same pressure: every layer sees the last 64 positions and paged drops the
@@ -277,31 +283,30 @@ static void test_preempt_swap(void **state) {
  * the run without a window. With --preempt swap it is a usage error. */
 static void test_window(void **state) {
     (void)state;
-    char *argv_a[] = {"pkv", "sim", SMALL, PRESSURE, NULL};
     char *argv_w[] = {"pkv", "sim", SMALL, PRESSURE, "--window", "64", NULL};
-    runs ra, rw;
-    sim(argv_a, &ra);
+    const runs *ra = pressure_run();
+    runs rw;
     sim(argv_w, &rw);
     static const char *same[] = {"completed", "preemptions", "peak_seqs", "mean_seqs", "peak_blocks", "prefill_tokens",
                                  "steps"};
     for (int i = 0; i < 3; i++) {
         assert_true(field(rw.line[i], "check") == 1.0);
-        assert_true(field(rw.line[i], "window") == 64 && field(ra.line[i], "window") == 0);
+        assert_true(field(rw.line[i], "window") == 64 && field(ra->line[i], "window") == 0);
         assert_true(field(rw.line[i], "completed") + field(rw.line[i], "rejected") == 60);
-        assert_true(field(rw.line[i], "completed") == field(ra.line[i], "completed"));
+        assert_true(field(rw.line[i], "completed") == field(ra->line[i], "completed"));
         for (size_t k = 0; i != 1 && k < sizeof same / sizeof same[0]; k++)
-            if (field(rw.line[i], same[k]) != field(ra.line[i], same[k]))
+            if (field(rw.line[i], same[k]) != field(ra->line[i], same[k]))
                 fail_msg("policy %d: %s %g with the window, %g without", i, same[k], field(rw.line[i], same[k]),
-                         field(ra.line[i], same[k]));
+                         field(ra->line[i], same[k]));
     }
     print_message("paged, window 64 / none: preemptions %g / %g, prefill tokens %g / %g, mean seqs %g / %g\n",
-                  field(rw.line[1], "preemptions"), field(ra.line[1], "preemptions"),
-                  field(rw.line[1], "prefill_tokens"), field(ra.line[1], "prefill_tokens"),
-                  field(rw.line[1], "mean_seqs"), field(ra.line[1], "mean_seqs"));
-    assert_true(field(rw.line[1], "preemptions") < field(ra.line[1], "preemptions"));
-    assert_true(field(rw.line[1], "prefill_tokens") < field(ra.line[1], "prefill_tokens"));
-    assert_true(field(rw.line[1], "mean_seqs") > field(ra.line[1], "mean_seqs"));
-    free(ra.out), free(rw.out);
+                  field(rw.line[1], "preemptions"), field(ra->line[1], "preemptions"),
+                  field(rw.line[1], "prefill_tokens"), field(ra->line[1], "prefill_tokens"),
+                  field(rw.line[1], "mean_seqs"), field(ra->line[1], "mean_seqs"));
+    assert_true(field(rw.line[1], "preemptions") < field(ra->line[1], "preemptions"));
+    assert_true(field(rw.line[1], "prefill_tokens") < field(ra->line[1], "prefill_tokens"));
+    assert_true(field(rw.line[1], "mean_seqs") > field(ra->line[1], "mean_seqs"));
+    free(rw.out);
     char *argv_s[] = {"pkv", "sim", SMALL, "--requests", "5", "--window", "64", "--preempt", "swap", NULL}, *out, *err;
     assert_int_equal(run_cli(argv_s, &out, &err), 1);
     assert_non_null(strstr(err, "--window with --preempt swap"));
@@ -316,28 +321,27 @@ static void test_tier(void **state) {
     assert_non_null(mkdtemp(dir));
     char file_opt[128];
     snprintf(file_opt, sizeof file_opt, "file:%s/t:8", dir);
-    char *argv_r[] = {"pkv", "sim", SMALL, PRESSURE, NULL};
     char *argv_h[] = {"pkv", "sim", SMALL, PRESSURE, "--tier", "host:8", NULL};
     char *argv_f[] = {"pkv", "sim", SMALL, PRESSURE, "--tier", file_opt, NULL};
-    runs rr, rh, rf;
-    sim(argv_r, &rr);
+    const runs *rr = pressure_run();
+    runs rh, rf;
     sim(argv_h, &rh);
     sim(argv_f, &rf);
     for (int i = 0; i < 3; i++) {
         assert_true(field(rh.line[i], "check") == 1.0 && field(rf.line[i], "check") == 1.0);
-        assert_true(field(rh.line[i], "completed") == field(rr.line[i], "completed"));
-        assert_true(field(rr.line[i], "tier_hit_tokens") == 0);
+        assert_true(field(rh.line[i], "completed") == field(rr->line[i], "completed"));
+        assert_true(field(rr->line[i], "tier_hit_tokens") == 0);
     }
     assert_true(field(rh.line[0], "tier_hit_tokens") > 0);
     assert_true(field(rh.line[0], "tier_saved_blocks") > 0);
-    assert_true(field(rh.line[0], "prefill_tokens") < field(rr.line[0], "prefill_tokens"));
+    assert_true(field(rh.line[0], "prefill_tokens") < field(rr->line[0], "prefill_tokens"));
     /* the file tier holds the same entries: the same run, the same counts */
     assert_true(field(rf.line[0], "tier_hit_tokens") == field(rh.line[0], "tier_hit_tokens"));
     assert_true(field(rf.line[0], "prefill_tokens") == field(rh.line[0], "prefill_tokens"));
     for (int i = 1; i < 3; i++) /* paged and contiguous: no tier */
         assert_true(field(rh.line[i], "tier_hit_tokens") == 0 && field(rh.line[i], "tier_saved_blocks") == 0 &&
-                    field(rh.line[i], "prefill_tokens") == field(rr.line[i], "prefill_tokens"));
-    free(rr.out), free(rh.out), free(rf.out);
+                    field(rh.line[i], "prefill_tokens") == field(rr->line[i], "prefill_tokens"));
+    free(rh.out), free(rf.out);
     char cmd[256];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     assert_int_equal(system(cmd), 0);

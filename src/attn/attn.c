@@ -492,8 +492,7 @@ uint32_t pkv__attn_n_threads(const pkv__attn *at) { return at ? at->n_threads : 
 
 int pkv__attn_parallel(pkv__attn *at, void (*fn)(void *ctx, uint32_t task, uint32_t tid), void *ctx, uint32_t n_tasks,
                        uint64_t work_elems) {
-    if (n_tasks > 1 && at->n_threads > 1 && work_elems >= at->inline_elems)
-        return pkv__tpool_run(&at->pool, fn, ctx, n_tasks);
+    if (work_elems >= at->inline_elems) return pkv__tpool_run(&at->pool, fn, ctx, n_tasks); /* inline itself for 1 */
     for (uint32_t i = 0; i < n_tasks; i++) fn(ctx, i, 0);
     return PKV_OK;
 }
@@ -1864,13 +1863,9 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     }
     /* the items the sweep did not take, as units */
     const uint32_t n_units = rc ? 0 : make_plan(at, swept);
-    const bool small = at->head_blocks * elems_per_head_block < at->inline_elems;
-    if (n_units && small) {
-        for (uint32_t u = 0; u < n_units; u++) run_unit(at, u, 0); /* small call: the caller alone */
-    } else if (n_units) {
-        rc = pkv__tpool_run(&at->pool, run_unit, at, n_units);
-        if (n_units > 1) threads = at->n_threads;
-    }
+    const uint64_t work = at->head_blocks * elems_per_head_block; /* a small call: the caller alone */
+    if (n_units) rc = pkv__attn_parallel(at, run_unit, at, n_units, work);
+    if (n_units > 1 && work >= at->inline_elems) threads = at->n_threads;
     at->kv = NULL;
     at->items = NULL;
     at->call = NULL;

@@ -407,23 +407,41 @@ typedef void (*pkv__attn_accum_fn)(const float *p, uint32_t p_stride, uint32_t n
 typedef void (*pkv__attn_softmax_fn)(float *s, uint32_t s_stride, uint32_t n_rows, uint32_t n_keys, float softcap,
                                      float *m, float *l, float *acc, uint32_t head_dim);
 
-/* The portable primitives' (attn_ref.c, attn_q_ref.c) dot product of f32 rows: four running
- * sums, so that it does not wait out the add's latency at every element (the compiler may
- * vectorize it). Those primitives decode a K or V row once, PKV__REF_CHUNK values at a time,
- * into a row on the stack, and use it for every query row (one chunk up to head_dim 1024, the
- * cache's limit; the kernels' own limit is 4096). */
-#define PKV__REF_CHUNK 1024u
+/* The portable primitives' (attn_ref.c, attn_q_ref.c, the tree's paths in cache.c) dot product
+ * of f32 rows, in 8 partial sums (a loop the compiler turns into vector FMAs). */
 static inline float pkv__ref_dot(const float *a, const float *b, uint32_t n) {
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    float s[8] = {0}, t = 0.0f;
     uint32_t d = 0;
-    for (; d + 4 <= n; d += 4) {
-        s0 += a[d] * b[d];
-        s1 += a[d + 1] * b[d + 1];
-        s2 += a[d + 2] * b[d + 2];
-        s3 += a[d + 3] * b[d + 3];
+    for (; d + 8 <= n; d += 8)
+        for (uint32_t j = 0; j < 8; j++) s[j] += a[d + j] * b[d + j];
+    for (; d < n; d++) t += a[d] * b[d];
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])) + t;
+}
+
+/* The reference primitives decode a K or V row once, PKV__REF_CHUNK values at a time, into a row
+ * on the stack, and use it for every query row (one chunk up to head_dim 1024, the cache's limit;
+ * the kernels' own limit is 4096). pkv__ref_score_chunk: values [d0, d0 + n) of key t's row, kf,
+ * into the n_rows scores of key t (the first chunk sets them, later ones add). */
+#define PKV__REF_CHUNK 1024u
+static inline void pkv__ref_score_chunk(const void *qp, uint32_t n_rows, uint32_t head_dim, const float *kf,
+                                        uint32_t d0, uint32_t n, float *s, uint32_t s_stride, uint32_t t) {
+    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
+    for (uint32_t r = 0; r < n_rows; r++) {
+        const float x = pkv__ref_dot((const float *)((const uint8_t *)qp + r * qrow) + d0, kf, n);
+        s[r * s_stride + t] = d0 ? s[r * s_stride + t] + x : x;
     }
-    for (; d < n; d++) s0 += a[d] * b[d];
-    return (s0 + s1) + (s2 + s3);
+}
+/* Values [d0, d0 + n) of key t's V row, vf, into the n_rows accumulators with weight p[r][t] x
+ * scale; a row of weight 0 is left alone. */
+static inline void pkv__ref_accum_chunk(const float *p, uint32_t p_stride, uint32_t n_rows, float scale,
+                                        const float *vf, uint32_t d0, uint32_t n, float *acc, uint32_t head_dim,
+                                        uint32_t t) {
+    for (uint32_t r = 0; r < n_rows; r++) {
+        const float w = p[r * p_stride + t] * scale;
+        if (w == 0.0f) continue;
+        float *a = acc + (size_t)r * head_dim + d0;
+        for (uint32_t d = 0; d < n; d++) a[d] += w * vf[d];
+    }
 }
 
 /* The end of one row's softmax step, common to every backend: with the block's max folded in

@@ -119,7 +119,6 @@ void pkv__attn_prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32
 
 static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
                       uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf) {
-    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
     float kf[PKV__REF_CHUNK];
     pkv__attn_pf_start(pf, n_keys);
     for (uint32_t t = 0; t < n_keys; t++) {
@@ -131,10 +130,7 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
         for (uint32_t d0 = 0; d0 < head_dim; d0 += PKV__REF_CHUNK) { /* decoded once, for every row */
             const uint32_t n = PKV_MIN(PKV__REF_CHUNK, head_dim - d0);
             for (uint32_t d = 0; d < n; d++) kf[d] = pkv__e4m3_to_f32(e[d0 + d]);
-            for (uint32_t r = 0; r < n_rows; r++) {
-                const float x = pkv__ref_dot((const float *)((const uint8_t *)qp + r * qrow) + d0, kf, n);
-                s[r * s_stride + t] = d0 ? s[r * s_stride + t] + x : x;
-            }
+            pkv__ref_score_chunk(qp, n_rows, head_dim, kf, d0, n, s, s_stride, t);
         }
         for (uint32_t r = 0; r < n_rows; r++) s[r * s_stride + t] *= sk;
     }
@@ -194,11 +190,7 @@ static void accum_fp8(const float *p, uint32_t p_stride, uint32_t n_rows, const 
         for (uint32_t d0 = 0; d0 < head_dim; d0 += PKV__REF_CHUNK) { /* decoded once, for every row */
             const uint32_t n = PKV_MIN(PKV__REF_CHUNK, head_dim - d0);
             for (uint32_t d = 0; d < n; d++) vf[d] = pkv__e4m3_to_f32(e[d0 + d]);
-            for (uint32_t r = 0; r < n_rows; r++) {
-                const float w = p[r * p_stride + t] * sv;
-                float *a = acc + (size_t)r * head_dim + d0;
-                for (uint32_t d = 0; d < n; d++) a[d] += w * vf[d];
-            }
+            pkv__ref_accum_chunk(p, p_stride, n_rows, sv, vf, d0, n, acc, head_dim, t);
         }
     }
 }

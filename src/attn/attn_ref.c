@@ -15,12 +15,12 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
     }
 }
 
-/* Each K or V row is decoded to f32 once (pkv__ref_dot's row) and then used by every query row of
- * the group. The reference favours clarity, but it is also the path of a CPU without SIMD paths. */
+/* Each K or V row is decoded to f32 once, a chunk at a time (attn.h, pkv__ref_score_chunk), and
+ * then used by every query row of the group. The reference favours clarity, but it is also the
+ * path of a CPU without SIMD paths. */
 #define REF_SCORE(NAME, T, CVT)                                                                          \
     static void NAME(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys, \
                      uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf) {                 \
-        const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);                                              \
         float kf[PKV__REF_CHUNK];                                                                        \
         pkv__attn_pf_start(pf, n_keys);                                                                  \
         for (uint32_t t = 0; t < n_keys; t++) {                                                          \
@@ -29,10 +29,7 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
             for (uint32_t d0 = 0; d0 < head_dim; d0 += PKV__REF_CHUNK) {                                 \
                 const uint32_t n = PKV_MIN(PKV__REF_CHUNK, head_dim - d0);                               \
                 for (uint32_t d = 0; d < n; d++) kf[d] = CVT(kr[d0 + d]);                                \
-                for (uint32_t r = 0; r < n_rows; r++) {                                                  \
-                    const float x = pkv__ref_dot((const float *)((const uint8_t *)qp + r * qrow) + d0, kf, n); \
-                    s[r * s_stride + t] = d0 ? s[r * s_stride + t] + x : x;                              \
-                }                                                                                        \
+                pkv__ref_score_chunk(qp, n_rows, head_dim, kf, d0, n, s, s_stride, t);                   \
             }                                                                                            \
         }                                                                                                \
     }
@@ -48,12 +45,7 @@ static void prep_f32(const float *q, size_t q_stride, uint32_t n_rows, uint32_t 
             for (uint32_t d0 = 0; d0 < head_dim; d0 += PKV__REF_CHUNK) {                                 \
                 const uint32_t n = PKV_MIN(PKV__REF_CHUNK, head_dim - d0);                               \
                 for (uint32_t d = 0; d < n; d++) vf[d] = CVT(vr[d0 + d]);                                \
-                for (uint32_t r = 0; r < n_rows; r++) {                                                  \
-                    const float w = p[r * p_stride + t];                                                 \
-                    if (w == 0.0f) continue;                                                             \
-                    float *a = acc + (size_t)r * head_dim + d0;                                          \
-                    for (uint32_t d = 0; d < n; d++) a[d] += w * vf[d];                                  \
-                }                                                                                        \
+                pkv__ref_accum_chunk(p, p_stride, n_rows, 1.0f, vf, d0, n, acc, head_dim, t);            \
             }                                                                                            \
         }                                                                                                \
     }

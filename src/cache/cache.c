@@ -1853,14 +1853,14 @@ static int check_buffers(pkv_cache *c, const char *api, const float *q, const fl
     return PKV_OK;
 }
 
+/* Why a job on the cache's threads failed where a caller's executor runs them (pkv__tpool_run). */
+static const char k_exec_broke[] = "the executor broke its contract: a worker index out of range or in use, or tasks "
+                                   "left";
+
 int pkv__cache_attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, const pkv__attn_call *call,
                         const char *api) {
     const int rc = pkv__attn_run(c->attn, view, c->items, k, call);
-    if (rc)
-        pkv__say(c, rc, api, "%s",
-                 c->cfg.executor.parallel_for
-                     ? "the executor broke its contract: a worker index out of range or in use, or tasks left"
-                     : "the kernels refused the call");
+    if (rc) pkv__say(c, rc, api, "%s", c->cfg.executor.parallel_for ? k_exec_broke : "the kernels refused the call");
     return rc;
 }
 
@@ -1974,16 +1974,6 @@ static uint32_t tree_path(const pkv__attn_call *call, const int32_t *parent, con
     return n;
 }
 
-/* <a, b> over n floats, in 8 partial sums (a loop the compiler turns into vector FMAs). */
-static inline float tree_dot(const float *a, const float *b, uint32_t n) {
-    float s[8] = {0}, t = 0.0f;
-    uint32_t d = 0;
-    for (; d + 8 <= n; d += 8)
-        for (uint32_t j = 0; j < 8; j++) s[j] += a[d + j] * b[d + j];
-    for (; d < n; d++) t += a[d] * b[d];
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])) + t;
-}
-
 /* Row `pos` of kv head h of one layer's K (or V) array base, widened to f32 into y. */
 static inline void tree_row(const pkv_cache *c, const int32_t *table, const uint8_t *base, size_t blk_bytes,
                             size_t row_bytes, pkv_dtype dt, uint32_t h, uint32_t pos, float *y) {
@@ -2028,7 +2018,7 @@ static void tree_node(const pkv_cache *c, const tree_scratch *t, const pkv__kv_v
             const float *kk = kr + (once ? (size_t)k * D : 0);
             if (!once)
                 tree_row(c, table, kv->k, kv->k_block_bytes, kv->k_row_bytes, kv->k_dtype, kh, r->q_start + path[k], kr);
-            double x = (double)tree_dot(qr, kk, D) * call->scale;
+            double x = (double)pkv__ref_dot(qr, kk, D) * call->scale;
             if (call->softcap > 0.0f) x = call->softcap * tanh(x / call->softcap);
             /* ALiBi: the ancestor's distance in the text, depth against depth */
             if (call->alibi) x += (double)call->alibi[h] * ((double)depth[path[k]] - (double)depth[i]);
@@ -2183,8 +2173,7 @@ PKV_API int pkv_attn_tree(pkv_cache *c, uint32_t layer, const pkv_attn_tree_req 
             tree_job job = {.c = c, .kv = &view, .table = table, .r = r, .i0 = i0, .call = &call, .sinks = sinks,
                             .q = q + row0 * qrow, .out = out + row0 * orow, .lse = lse ? lse + row0 * nqh : NULL};
             if ((rc = pkv__attn_parallel(c->attn, tree_task, &job, i1 - i0, work)) != 0) {
-                rc = pkv__say(c, rc, api, "the executor broke its contract: a worker index out of range or in use, "
-                              "or tasks left");
+                rc = pkv__say(c, rc, api, "%s", k_exec_broke);
                 break;
             }
             i0 = i1;
