@@ -408,14 +408,20 @@ typedef void (*pkv__attn_softmax_fn)(float *s, uint32_t s_stride, uint32_t n_row
                                      float *m, float *l, float *acc, uint32_t head_dim);
 
 /* The portable primitives' (attn_ref.c, attn_q_ref.c, the tree's paths in cache.c) dot product
- * of f32 rows, in 8 partial sums (a loop the compiler turns into vector FMAs). */
+ * of f32 rows, in four running sums, so that it does not wait out the add's latency at every
+ * element (the compiler may vectorize it; eight sums made the reference 8% slower in decode and
+ * 17% in prefill here; the tree's times were the same either way). */
 static inline float pkv__ref_dot(const float *a, const float *b, uint32_t n) {
-    float s[8] = {0}, t = 0.0f;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
     uint32_t d = 0;
-    for (; d + 8 <= n; d += 8)
-        for (uint32_t j = 0; j < 8; j++) s[j] += a[d + j] * b[d + j];
-    for (; d < n; d++) t += a[d] * b[d];
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])) + t;
+    for (; d + 4 <= n; d += 4) {
+        s0 += a[d] * b[d];
+        s1 += a[d + 1] * b[d + 1];
+        s2 += a[d + 2] * b[d + 2];
+        s3 += a[d + 3] * b[d + 3];
+    }
+    for (; d < n; d++) s0 += a[d] * b[d];
+    return (s0 + s1) + (s2 + s3);
 }
 
 /* The reference primitives decode a K or V row once, PKV__REF_CHUNK values at a time, into a row
