@@ -159,38 +159,57 @@ static void seq_free(tseq *s) {
 }
 
 /* ---- the reference: plain contiguous attention in double -------------------------------------- */
+/* A custom mask's row for the reference: key t (of [0, n)) is seen where bit bit0 + t of bits is
+ * set (bit i: bit i % 8 of byte i / 8, numpy's packbits(bitorder="little")). */
+typedef struct ref_mask {
+    const uint8_t *bits;
+    uint64_t bit0;
+    uint32_t n;
+} ref_mask;
+
+static bool mask_bit(const uint8_t *bits, uint64_t i) { return bits[i >> 3] >> (i & 7u) & 1u; }
+
+/* The query at position pos: causal under the window and chunks, or, where mk is set, the keys
+ * its row sets (pos then only ALiBi's). A query that sees no key gets 0 (lse: the sink's, or -inf). */
 static void ref_query(const tpool *p, const tseq *s, uint32_t n_q_heads, const float *q, uint32_t pos, double scale,
                       double softcap, uint32_t window, uint32_t chunk, const float *sinks, const float *alibi,
-                      double *out, double *lse) {
+                      const ref_mask *mk, double *out, double *lse) {
     const uint32_t D = p->D, G = n_q_heads / p->H;
     uint32_t lo = (window && pos + 1 > window) ? pos + 1 - window : 0;
     if (chunk && pos / chunk * chunk > lo) lo = pos / chunk * chunk; /* the query's chunk's first key */
-    double *w = malloc(sizeof(double) * (pos - lo + 1));
+    const uint32_t n_all = mk ? mk->n : pos + 1;
+    uint32_t *keys = malloc(sizeof(uint32_t) * n_all), nk = 0; /* the keys it sees */
+    for (uint32_t t = mk ? 0 : lo; t < n_all; t++)
+        if (!mk || mask_bit(mk->bits, mk->bit0 + t)) keys[nk++] = t;
+    double *w = malloc(sizeof(double) * (nk + 1));
     for (uint32_t hq = 0; hq < n_q_heads; hq++) {
         const uint32_t h = hq / G;
         const float *qr = q + (size_t)hq * D;
         double mx = -INFINITY;
-        for (uint32_t t = lo; t <= pos; t++) {
+        for (uint32_t i = 0; i < nk; i++) {
+            const uint32_t t = keys[i];
             const float *kr = s->kf + ((size_t)t * p->H + h) * D;
             double x = tu_dot(qr, kr, D) * scale;
             if (softcap > 0) x = softcap * tanh(x / softcap);
             if (alibi) x += (double)alibi[hq] * ((double)t - (double)pos); /* after the cap */
-            w[t - lo] = x;
+            w[i] = x;
             mx = fmax(mx, x);
         }
         if (sinks) mx = fmax(mx, sinks[hq]); /* a key of this logit and value 0 */
         double sum = sinks ? exp(sinks[hq] - mx) : 0;
-        for (uint32_t t = lo; t <= pos; t++) sum += (w[t - lo] = exp(w[t - lo] - mx));
+        for (uint32_t i = 0; i < nk; i++) sum += (w[i] = exp(w[i] - mx));
         double *o = out + (size_t)hq * D;
         for (uint32_t d = 0; d < D; d++) o[d] = 0;
-        for (uint32_t t = lo; t <= pos; t++) {
-            const float *vr = s->vf + ((size_t)t * p->H + h) * D;
-            for (uint32_t d = 0; d < D; d++) o[d] += w[t - lo] * vr[d];
+        for (uint32_t i = 0; i < nk; i++) {
+            const float *vr = s->vf + ((size_t)keys[i] * p->H + h) * D;
+            for (uint32_t d = 0; d < D; d++) o[d] += w[i] * vr[d];
         }
-        for (uint32_t d = 0; d < D; d++) o[d] /= sum;
-        if (lse) lse[hq] = mx + log(sum);
+        if (nk)
+            for (uint32_t d = 0; d < D; d++) o[d] /= sum;
+        if (lse) lse[hq] = sum > 0 ? mx + log(sum) : -INFINITY;
     }
     free(w);
+    free(keys);
 }
 
 /* Compares the n_q queries of one item with the reference; returns the worst scaled error. */
@@ -200,15 +219,21 @@ static double check_item(const tpool *p, const tseq *s, uint32_t nqh, const pkv_
     double *ro = malloc(sizeof(double) * nqh * D), *rl = malloc(sizeof(double) * nqh);
     double worst = 0;
     for (uint32_t qi = 0; qi < it->n_q; qi++) {
-        ref_query(p, s, nqh, it->q + (size_t)qi * nqh * D, it->q_pos0 + qi, c->scale, c->softcap, c->window, c->chunk,
-                  c->sinks, c->alibi, ro, rl);
+        const ref_mask mk = {.bits = it->mask, .bit0 = (uint64_t)qi * it->mask_row, .n = it->mask_row};
+        ref_query(p, s, nqh, it->q + (size_t)qi * nqh * D, (it->mask ? it->mask_pos0 : it->q_pos0) + qi, c->scale,
+                  c->softcap, c->window, c->chunk, c->sinks, c->alibi, it->mask ? &mk : NULL, ro, rl);
         for (uint32_t i = 0; i < nqh * D; i++) {
             double e = fabs((double)it->out[(size_t)qi * nqh * D + i] - ro[i]) / fmax(s->vmax, 1e-30);
             if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
         }
         if (it->lse)
             for (uint32_t h = 0; h < nqh; h++) {
-                double e = fabs((double)it->lse[(size_t)qi * nqh + h] - rl[h]) / fmax(1.0, fabs(rl[h]));
+                const float got = it->lse[(size_t)qi * nqh + h];
+                if (isinf(rl[h])) { /* no key seen, no sink: exactly -inf */
+                    if (!(got == -INFINITY)) *lse_err = INFINITY;
+                    continue;
+                }
+                double e = fabs((double)got - rl[h]) / fmax(1.0, fabs(rl[h]));
                 if (!(e <= *lse_err)) *lse_err = isnan(e) ? INFINITY : e;
             }
     }
@@ -351,6 +376,7 @@ typedef struct oracle_opts {
     int sinks;       /* random attention-sink logits */
     int alibi;       /* random ALiBi slopes (rand_alibi) */
     int chunk;       /* random chunks of local attention (rand_chunk) */
+    int mask;        /* prefill items of random custom masks (rand_mask) */
     uint32_t block_tokens; /* 0: drawn from k_btok */
     uint32_t len_cap;      /* 0: rand_len() alone; else contexts of at most this many tokens */
 } oracle_opts;
@@ -376,6 +402,49 @@ static void rand_alibi(float *a, uint32_t nqh) {
 static uint32_t rand_chunk(uint32_t B, bool prefill) {
     const uint32_t most = prefill ? 120 : 900;
     return rng_below(2) ? B * (1 + rng_below(most / B + 1)) : 1 + rng_below(most);
+}
+
+/* A custom mask for n_q queries at real positions pos0 on over keys [0, kv_len), rows of kv_len
+ * bits, in one of the shapes masks take: random bits (sparse, even, dense); causal with
+ * bidirectional spans (Gemma 3's image tokens, PaliGemma's prefix); causal within documents
+ * (packed sequences); causal with whole runs of keys off (block-sparse). One case in three then
+ * clears a few queries' rows (they see nothing). The item's key range goes to *k_start and
+ * *k_end: one case in two that of the bits set (the first one's block on), else all of [0, kv_len). */
+static uint8_t *rand_mask(uint32_t n_q, uint32_t pos0, uint32_t kv_len, uint32_t B, uint32_t *k_start,
+                          uint32_t *k_end) {
+    const uint64_t n_bits = (uint64_t)n_q * kv_len;
+    uint8_t *m = calloc(n_bits / 8 + 1, 1);
+    const uint32_t shape = rng_below(4), cut = 1 + rng_below(kv_len), cut2 = rng_below(kv_len + 1);
+    const double density = (double[]){0.03, 0.5, 0.97}[rng_below(3)];
+    const uint32_t span0 = PKV_MIN(cut, cut2), span1 = PKV_MAX(cut, cut2); /* a span, or two documents' edge */
+    for (uint32_t qi = 0; qi < n_q; qi++) {
+        const uint32_t p = pos0 + qi;
+        for (uint32_t t = 0; t < kv_len; t++) {
+            bool on;
+            switch (shape) {
+            case 0: on = rng_unit() < density; break;
+            case 1: on = t <= p || (p >= span0 && p < span1 && t >= span0 && t < span1); break;
+            case 2: on = t <= p && (p < cut) == (t < cut); break;
+            default: on = t <= p && !(t >= span0 && t < span1); break;
+            }
+            if (on) m[((uint64_t)qi * kv_len + t) >> 3] |= (uint8_t)(1u << (((uint64_t)qi * kv_len + t) & 7u));
+        }
+    }
+    if (rng_below(3) == 0)
+        for (uint32_t k = 0, n = 1 + rng_below(2); k < n; k++) {
+            const uint32_t qi = rng_below(n_q);
+            for (uint32_t t = 0; t < kv_len; t++) {
+                const uint64_t b = (uint64_t)qi * kv_len + t;
+                m[b >> 3] &= (uint8_t) ~(1u << (b & 7u));
+            }
+        }
+    uint32_t lo = kv_len, hi = 0;
+    for (uint64_t b = 0; b < n_bits; b++)
+        if (mask_bit(m, b)) lo = PKV_MIN(lo, (uint32_t)(b % kv_len)), hi = PKV_MAX(hi, (uint32_t)(b % kv_len));
+    if (lo == kv_len) lo = hi = kv_len - 1; /* no bit set: the last key's block, read and all masked */
+    if (rng_below(2)) *k_start = lo / B * B, *k_end = hi + 1;
+    else *k_start = 0, *k_end = kv_len;
+    return m;
 }
 
 /* One random case: a batch of sequences in one pool, one run, every query checked. */
@@ -449,6 +518,19 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
                                     .q = rand_q((size_t)n_q * nqh * D),
                                     .out = malloc(sizeof(float) * n_q * nqh * D),
                                     .lse = rng_below(2) ? malloc(sizeof(float) * n_q * nqh) : NULL};
+        if (o->mask) { /* over the request's keys [0, pos0 + n_q), or (non-causal) the whole sequence */
+            pkv__attn_item *it = &items[i];
+            const uint32_t kv_len = rng_below(2) ? pos0 + n_q : lens[i];
+            it->mask = rand_mask(n_q, pos0, kv_len, B, &it->k_start, &it->k_end);
+            it->mask_row = kv_len, it->mask_pos0 = pos0, it->q_pos0 = kv_len; /* nominal positions */
+        }
+    }
+    /* A mask lets a query see keys ahead of it, which positive slopes raise: the leading logits
+     * are then slope x distance, rounded to f32 (as negative slopes' far keys: pkv.h), so the
+     * slopes are held to 8 over the farthest distance ahead, where that rounding stays under 1e-6. */
+    for (uint32_t i = 0; alibi && o->mask && i < n_seqs; i++) {
+        const float most = 8.0f / (float)PKV_MAX(1u, items[i].mask_row - items[i].mask_pos0);
+        for (uint32_t h = 0; h < nqh; h++) alibi[h] = PKV_MAX(-most, PKV_MIN(alibi[h], most));
     }
     assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
     /* The row path in two passes (a window's K, then its V: attn.c, pass_window) or in one gives
@@ -492,6 +574,7 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
                               call.chunk, call.alibi != NULL, n_threads, e);
         }
         free((void *)items[i].q);
+        free((void *)items[i].mask);
         free(items[i].out);
         free(items[i].lse);
         seq_free(&seqs[i]);
@@ -514,9 +597,9 @@ static void run_oracle_dims(const char *backend, const oracle_opts *o, uint64_t 
                 pkv_dtype kdt = k_types[ti], vdt = rng_below(4) ? kdt : k_types[rng_below(3)];
                 oracle_case(backend, nt, dims[di], k_heads[hi][0], k_heads[hi][1], kdt, vdt, o, &worst, &worst_lse);
             }
-        print_message("  %s K=%s%s%s%s%s%s%s: max err %.3g of the tolerance, lse err %.3g\n", backend,
+        print_message("  %s K=%s%s%s%s%s%s%s%s: max err %.3g of the tolerance, lse err %.3g\n", backend,
                       pkv_dtype_name(k_types[ti]), o->prefill ? " prefill" : " decode", o->softcap ? " softcap" : "",
-                      o->window ? " window" : "", o->chunk ? " chunk" : "", o->sinks ? " sinks" : "",
+                      o->window ? " window" : "", o->chunk ? " chunk" : "", o->mask ? " mask" : "", o->sinks ? " sinks" : "",
                       o->alibi ? " alibi" : "", worst, worst_lse);
         assert_true(worst <= 1.0);
         assert_true(worst_lse <= TOL_LSE);
@@ -692,6 +775,17 @@ static void test_oracle_chunk(void **state) {
     run_oracle(bc->name, &o, 315);
     o.prefill = 0;
     run_oracle(bc->name, &o, 316);
+}
+
+/* Custom masks (pkv__attn_item.mask: pkv_attn_prefill_masked): every path against the reference,
+ * alone and with the soft-cap, sinks and ALiBi (real positions, keys ahead of a query included). */
+static void test_oracle_mask(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    oracle_opts o = {.prefill = 1, .mask = 1};
+    run_oracle(bc->name, &o, 317);
+    o.softcap = o.sinks = o.alibi = 1;
+    run_oracle(bc->name, &o, 318);
 }
 
 /* ---- soft-cap and window: exact effects on a hand-made case ------------------------------------ */
@@ -1471,6 +1565,7 @@ int main(void) {
         PER_BACKEND(test_oracle_extreme_shapes),
         PER_BACKEND(test_oracle_moving_max),
         PER_BACKEND(test_oracle_chunk),
+        PER_BACKEND(test_oracle_mask),
         PER_BACKEND(test_window_one_sees_itself),
         PER_BACKEND(test_lse_merge_halves),
         PER_BACKEND(test_threads_agree),

@@ -870,11 +870,17 @@ __attribute__((noinline)) static void bias_block(const pkv__attn *at, uint32_t h
 /* The soft-cap the softmax steps take: the call's, or 0 where ALiBi's pass (bias_block) caps first. */
 static inline float sm_cap(const pkv__attn *at) { return at->call->alibi ? 0.0f : at->call->softcap; }
 
+/* The real position of a unit's first query, its first at pos_first (ALiBi's: an item of a custom
+ * mask has its queries at nominal positions, and its real ones from mask_pos0). */
+static inline uint32_t bias_first(const unit *w, uint32_t pos_first) {
+    return w->item->mask ? w->item->mask_pos0 + w->qa : pos_first;
+}
+
 /* A unit's rows of kv head kvh (of a block's keys from kp0): ALiBi's bias where the call has it. */
 static inline void unit_bias(const pkv__attn *at, const unit *w, uint32_t kvh, uint32_t pos_first, uint32_t kp0,
                              uint32_t n_keys, float *s, size_t rs, size_t ts) {
     if (PKV_UNLIKELY(at->call->alibi != NULL))
-        bias_block(at, kvh * at->G + w->g0, w->nq, w->gs, pos_first, kp0, n_keys, s, rs, ts);
+        bias_block(at, kvh * at->G + w->g0, w->nq, w->gs, bias_first(w, pos_first), kp0, n_keys, s, rs, ts);
 }
 
 /* What block_pieces does to a piece's scores: the masks where mask is set (run_unit: causal or
@@ -953,7 +959,7 @@ static inline unit_block unit_block_at(const pkv__attn *at, const pkv__attn_item
     ub.t0 = k_lo > ub.kb ? k_lo - ub.kb : 0;
     const uint32_t t1 = PKV_MIN(B, k_hi - ub.kb + 1);
     ub.n_keys = t1 - ub.t0;
-    ub.mask = (ub.kb + t1 - 1 > pos_first) || (lo_last > ub.kb + ub.t0);
+    ub.mask = it->mask || (ub.kb + t1 - 1 > pos_first) || (lo_last > ub.kb + ub.t0);
     ub.kn = ub.vn = NULL;
     if (PKV_ATTN_PF_DIST && b + PKV_ATTN_PF_DIST < b1) {
         ub.kn = kv->k + (size_t)it->block_table[b + PKV_ATTN_PF_DIST] * kv->k_block_bytes;
@@ -963,11 +969,24 @@ static inline unit_block unit_block_at(const pkv__attn *at, const pkv__attn_item
 }
 
 /* The masks of one block's scores for a unit's queries: -inf where key kp is past query p or
- * before its first (key_lo: its window's or chunk's). s[qi * gs + g][t] lies at
- * s + (qi * gs + g) * rs + t * ts (the row path's layout: rs = s_stride, ts = 1; the transposed
- * path's: rs = 1, ts = rp). */
+ * before its first (key_lo: its window's or chunk's), or, for an item of a custom mask, where its
+ * bit is clear. s[qi * gs + g][t] lies at s + (qi * gs + g) * rs + t * ts (the row path's
+ * layout: rs = s_stride, ts = 1; the transposed path's: rs = 1, ts = rp). */
 static void mask_block(const pkv__attn *at, const unit *w, uint32_t pos_first, uint32_t kp0, uint32_t n_keys,
                        float *s, size_t rs, size_t ts) {
+    const pkv__attn_item *it = w->item;
+    if (it->mask) { /* its positions are nominal: the bits say it all */
+        for (uint32_t qi = 0; qi < w->nq; qi++) {
+            const uint64_t bit0 = (uint64_t)(w->qa + qi) * it->mask_row + kp0;
+            float *sq = s + (size_t)qi * w->gs * rs;
+            for (uint32_t t = 0; t < n_keys; t++) {
+                const uint64_t b = bit0 + t;
+                if (it->mask[b >> 3] >> (b & 7u) & 1u) continue;
+                for (uint32_t g = 0; g < w->gs; g++) sq[g * rs + t * ts] = -INFINITY;
+            }
+        }
+        return;
+    }
     for (uint32_t qi = 0; qi < w->nq; qi++) {
         const uint32_t p = pos_first + qi, plo = key_lo(at->call, w->item, p);
         for (uint32_t g = 0; g < w->gs; g++) {
@@ -1127,7 +1146,7 @@ static void pass_window(const pkv__attn *at, const pass_walk *pw, uint32_t xw0, 
             if (b->mask) mask_block(at, w, pos_first, b->kp0, b->n_keys, s, ss, 1);
             if (PKV_UNLIKELY(at->call->alibi != NULL)) /* a unit's blocks, or a sweep's entries of one query each */
                 bias_block(at, (pw->h0 + h) * at->G + (w ? w->g0 : 0), w ? w->nq : 1, w ? w->gs : rows_h,
-                           w ? pos_first : b->qpos, b->kp0, b->n_keys, s, ss, 1);
+                           w ? bias_first(w, pos_first) : b->qpos, b->kp0, b->n_keys, s, ss, 1);
         }
     }
     for (uint32_t j = 0; j < nw; j++) { /* the V pass */
@@ -1821,6 +1840,10 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
         /* every query sees a key (a tile of later queries would otherwise have none: k_lo > k_hi) */
         if (it->k_end && key_lo(call, it, it->q_pos0 + it->n_q - 1) >= it->k_end) return PKV_EINVAL;
         if (it->k_start % kv->block_tokens || it->k_start > it->q_pos0 || (it->k_end && it->k_start >= it->k_end))
+            return PKV_EINVAL;
+        /* a custom mask: nominal positions past k_end, rows of at least k_end bits, no window or chunks */
+        if (it->mask && (!it->k_end || it->q_pos0 < it->k_end || it->mask_row < it->k_end || it->partial ||
+                         call->window || call->chunk || (uint64_t)it->mask_pos0 + it->n_q > UINT32_MAX))
             return PKV_EINVAL;
         /* only the blocks a query can see are read; each must name a block of the pool */
         const uint32_t lo = item_key_lo(call, it, it->q_pos0) / kv->block_tokens;

@@ -41,7 +41,12 @@ typedef struct pkv__kv_view {
  * shared-prefix part of a group of decodes, or the tree's prefix part for a run of nodes): the
  * call's window, chunks and sinks are not applied to it (neither hides a key of it for any of its
  * real queries; the merge with the members' own parts, or the tree's paths, adds the sinks there)
- * and pkv__attn_item_counts does not count it. */
+ * and pkv__attn_item_counts does not count it. mask: a custom mask (pkv_attn_prefill_masked):
+ * query qi of the item (0 .. n_q - 1) sees key kp only where bit qi x mask_row + kp of mask is
+ * set (bit i is bit i % 8 of byte i / 8), within [k_start, k_end) as any item's; such an item's
+ * queries are at nominal positions (q_pos0 >= k_end, as non-causal ones: every key below k_end
+ * is behind them) and the call has neither window nor chunks; ALiBi takes their real positions,
+ * mask_pos0 on. */
 typedef struct pkv__attn_item {
     const int32_t *block_table;
     uint32_t q_pos0;
@@ -49,6 +54,9 @@ typedef struct pkv__attn_item {
     uint32_t k_end;
     uint32_t k_start;
     bool partial;
+    const uint8_t *mask; /* NULL: none */
+    uint32_t mask_row;   /* bits a query's row of mask: at least k_end */
+    uint32_t mask_pos0;  /* the first query's real position (ALiBi) */
     const float *q; /* [n_q][n_q_heads][head_dim] */
     float *out;     /* [n_q][n_q_heads][v_dim] */
     float *lse;     /* [n_q][n_q_heads] or NULL */
