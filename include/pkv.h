@@ -857,6 +857,26 @@ typedef struct pkv_attn_req {
 PKV_NODISCARD PKV_API int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs,
                                            const float *q, float *out, const pkv_attn_params *p);
 
+/* pkv_attn_prefill with a custom mask per request (FlashInfer's custom_mask): masks[i] NULL leaves
+ * request i to pkv_attn_prefill's rule; otherwise its query j sees key t exactly where bit
+ * j x kv_len + t of masks[i] is set, for keys t of [0, kv_len), kv_len = q_start + n_q (with
+ * PKV_ATTN_NONCAUSAL: the sequence's length). Bit i is bit i % 8 of byte i / 8: a bool array
+ * [n_q][kv_len] through numpy.packbits(m, axis=None, bitorder="little"); n_q x kv_len bits, read
+ * during the call. Causality is the mask's to say: a query may see keys ahead of it (Gemma 3's
+ * and PaliGemma's bidirectional image and prefix tokens), or only its own document's (packed
+ * sequences), or any pattern. A query that sees no key gets out 0 and lse -inf (with sinks: lse
+ * sinks[h]). Soft-cap, sinks, lse, GQA, MLA and ALiBi apply as in pkv_attn_prefill (ALiBi's
+ * distance t - p at the query's real position p, positive for a key ahead of it); a window or
+ * attn_chunk with any mask is PKV_EINVAL (set their bits in the mask instead). A masked request
+ * reads the blocks from the one holding the least key any of its queries sees to the one holding
+ * the greatest, and is not grouped with others as a shared prefix; past a dropped front
+ * (pkv_seq_drop_front) that least key must be kept, as for any query. masks NULL with n_reqs > 0
+ * is PKV_EINVAL. Scores are masked after they are computed: a mask saves no arithmetic inside
+ * the blocks it reads. */
+PKV_NODISCARD PKV_API int pkv_attn_prefill_masked(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs,
+                                                  uint32_t n_reqs, const uint8_t *const *masks, const float *q,
+                                                  float *out, const pkv_attn_params *p);
+
 /* One request of pkv_attn_tree: a tree of draft tokens (speculative decoding) whose K/V a
  * sequence holds at positions [q_start, q_start + n_nodes), node i at q_start + i, in any order
  * where each node comes after its parent (parent[i] < i). Node i's position in the text is

@@ -2203,6 +2203,216 @@ static void test_api_tree_threads(void **state) {
         }
 }
 
+/* ---- custom masks (pkv_attn_prefill_masked) ----------------------------------------------------- */
+static bool bit_at(const uint8_t *m, uint64_t i) { return m[i >> 3] >> (i & 7u) & 1u; }
+static void bit_set(uint8_t *m, uint64_t i, bool on) {
+    if (on) m[i >> 3] |= (uint8_t)(1u << (i & 7u));
+    else m[i >> 3] &= (uint8_t) ~(1u << (i & 7u));
+}
+
+/* Reference for the query at real position pos whose mask row starts at bit bit0 of m, over keys
+ * [0, kv_len) of s: p's scale, soft-cap, sinks and ALiBi; no key seen: 0, lse -inf (or the sink's). */
+static void ref_masked(const host_seq *s, uint32_t l, const float *q, uint32_t pos, const uint8_t *m, uint64_t bit0,
+                       uint32_t kv_len, const pkv_attn_params *p, double *out, double *lse) {
+    const double scale = p->scale > 0 ? p->scale : 1.0 / sqrt((double)D);
+    for (uint32_t hq = 0; hq < NQH; hq++) {
+        const uint32_t h = hq / (NQH / H);
+        double w[MAXTOK], mx = -INFINITY, sum = 0;
+        for (uint32_t t = 0; t < kv_len; t++) {
+            if (!bit_at(m, bit0 + t)) continue;
+            double x = tu_dot(q + hq * D, s->k[l][t][h], D) * scale;
+            if (p->softcap > 0) x = p->softcap * tanh(x / p->softcap);
+            if (p->alibi_slopes) x += (double)p->alibi_slopes[hq] * ((double)t - (double)pos);
+            w[t] = x;
+            mx = fmax(mx, x);
+        }
+        if (p->sinks) mx = fmax(mx, p->sinks[hq]), sum = exp(p->sinks[hq] - mx);
+        double *o = out + hq * D;
+        for (uint32_t d = 0; d < D; d++) o[d] = 0;
+        for (uint32_t t = 0; t < kv_len; t++)
+            if (bit_at(m, bit0 + t)) {
+                sum += (w[t] = exp(w[t] - mx));
+                for (uint32_t d = 0; d < D; d++) o[d] += w[t] * s->v[l][t][h][d];
+            }
+        if (sum > 0)
+            for (uint32_t d = 0; d < D; d++) o[d] /= sum;
+        if (lse) lse[hq] = sum > 0 ? mx + log(sum) : -INFINITY;
+    }
+}
+
+/* Checks request r's n_q queries (q_start on, kv_len keys a row) in out/lse against ref_masked. */
+static void check_masked(const host_seq *s, uint32_t l, const float *q, const float *out, const float *lse,
+                         uint32_t q_start, uint32_t n_q, const uint8_t *m, uint32_t kv_len, const pkv_attn_params *p,
+                         double tol) {
+    double ro[NQH * D], rl[NQH];
+    const double vm = vmax_of(s, l);
+    for (uint32_t i = 0; i < n_q; i++) {
+        ref_masked(s, l, q + (size_t)i * NQH * D, q_start + i, m, (uint64_t)i * kv_len, kv_len, p, ro, rl);
+        for (uint32_t j = 0; j < NQH * D; j++) assert_true(fabs(out[(size_t)i * NQH * D + j] - ro[j]) <= tol * vm);
+        if (lse)
+            for (uint32_t h = 0; h < NQH; h++) {
+                if (isinf(rl[h])) assert_true(lse[i * NQH + h] == -INFINITY);
+                else assert_true(fabs(lse[i * NQH + h] - rl[h]) <= tol * fmax(1.0, fabs(rl[h])));
+            }
+    }
+}
+
+enum { MASK_REQS = 5 };
+
+/* pkv_attn_prefill_masked, one call of five requests: an extend of 80 queries over 120 positions,
+ * causal with a bidirectional span [60, 100) (Gemma 3's image tokens); a prompt of 90 packed as
+ * three documents (edges 30 and 65), causal within each; random bits over 50 positions from
+ * query 20, two rows empty; a request left causal (mask NULL) beside them; a request of no
+ * queries. Plain, with a soft-cap, scale and lse, with sinks, with ALiBi (keys ahead raised), each
+ * against the reference, every float dtype and the 8-bit ones, 1 and 2 threads; in place the same
+ * bits; a mask that is the causal one gives pkv_attn_prefill's results, all masks NULL its bits;
+ * with PKV_ATTN_NONCAUSAL rows of the sequence's length. Past a dropped front a mask that sees none
+ * of it is taken and one that sees its last key refused; a window or chunks with a mask, masks
+ * NULL: PKV_EINVAL, out untouched. */
+static void test_api_mask(void **state) {
+    (void)state;
+    static host_seq s[4];
+    for (size_t ti = 0; ti < 5; ti++)
+        for (uint32_t nt = 1; nt <= 2; nt++) {
+            const pkv_dtype dt = q_types[ti];
+            pkv_config cfg = api_config(dt, nt, 0);
+            cfg.log = said_fn;
+            pkv_cache *c = NULL;
+            assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+            static const uint32_t lens[4] = {120, 90, 70, 40};
+            for (int i = 0; i < 4; i++) seq_new(c, dt, &s[i], lens[i], 100 * i);
+            const pkv_attn_req reqs[MASK_REQS] = {
+                {s[0].id, 40, 80}, {s[1].id, 0, 90}, {s[2].id, 20, 30}, {s[3].id, 25, 15}, {s[0].id, 10, 0}};
+            const host_seq *who[MASK_REQS] = {&s[0], &s[1], &s[2], &s[3], &s[0]};
+            uint8_t *m[MASK_REQS] = {NULL};
+            for (uint32_t r = 0; r < 3; r++) {
+                const uint32_t n_q = reqs[r].n_q, kv = reqs[r].q_start + n_q;
+                m[r] = calloc((size_t)n_q * kv / 8 + 1, 1);
+                for (uint32_t i = 0; i < n_q; i++)
+                    for (uint32_t t = 0; t < kv; t++) {
+                        const uint32_t pos = reqs[r].q_start + i;
+                        const bool on = r == 0   ? t <= pos || (pos >= 60 && pos < 100 && t >= 60 && t < 100)
+                                        : r == 1 ? t <= pos && (pos >= 30) == (t >= 30) && (pos >= 65) == (t >= 65)
+                                                 : (i != 3 && i != 17 && rnd() > 0.2f);
+                        bit_set(m[r], (uint64_t)i * kv + t, on);
+                    }
+            }
+            const uint8_t *const masks[MASK_REQS] = {m[0], m[1], m[2], NULL, m[4]};
+            const uint32_t nq = 80 + 90 + 30 + 15;
+            float *q = rand_q(nq), *out = malloc(sizeof(float) * nq * NQH * D), *o2 = malloc(sizeof(float) * nq * NQH * D);
+            float *lse = malloc(sizeof(float) * nq * NQH), sinks[NQH], slopes[NQH];
+            for (uint32_t h = 0; h < NQH; h++) sinks[h] = 4.0f * rnd() + 1.0f, slopes[h] = 0.05f * (float)(h + 1) * rnd();
+            for (int variant = 0; variant < 4; variant++) {
+                pkv_attn_params p = pkv_attn_params_default();
+                p.n_q_heads = NQH;
+                if (variant == 1) p.softcap = 6.0f, p.scale = 0.3f, p.lse = lse;
+                if (variant == 2) p.sinks = sinks, p.lse = lse;
+                if (variant == 3) p.alibi_slopes = slopes, p.lse = lse;
+                const uint32_t l = (uint32_t)variant % L;
+                assert_int_equal(pkv_attn_prefill_masked(c, l, reqs, MASK_REQS, masks, q, out, &p), PKV_OK);
+                for (uint32_t j = 0, at = 0; j < MASK_REQS; at += reqs[j].n_q, j++) {
+                    const float *qj = q + (size_t)at * NQH * D, *oj = out + (size_t)at * NQH * D;
+                    const float *lj = p.lse ? lse + at * NQH : NULL;
+                    if (masks[j])
+                        check_masked(who[j], l, qj, oj, lj, reqs[j].q_start, reqs[j].n_q, masks[j],
+                                     reqs[j].q_start + reqs[j].n_q, &p, tol_of(dt));
+                    else
+                        check_tol(who[j], l, qj, oj, lj, reqs[j].q_start, reqs[j].n_q, &p, tol_of(dt));
+                }
+                memcpy(o2, q, sizeof(float) * nq * NQH * D); /* in place: the same bits */
+                assert_int_equal(pkv_attn_prefill_masked(c, l, reqs, MASK_REQS, masks, o2, o2, &p), PKV_OK);
+                assert_memory_equal(o2, out, sizeof(float) * nq * NQH * D);
+            }
+            /* a causal mask: pkv_attn_prefill's results; masks all NULL: its bits */
+            {
+                pkv_attn_params p = pkv_attn_params_default();
+                p.n_q_heads = NQH;
+                const uint32_t kv = 120;
+                uint8_t *cm = calloc((size_t)80 * kv / 8 + 1, 1);
+                for (uint32_t i = 0; i < 80; i++)
+                    for (uint32_t t = 0; t <= 40 + i; t++) bit_set(cm, (uint64_t)i * kv + t, true);
+                const uint8_t *const one[1] = {cm}, *const none[MASK_REQS] = {NULL};
+                assert_int_equal(pkv_attn_prefill_masked(c, 0, reqs, 1, one, q, out, &p), PKV_OK);
+                check_tol(&s[0], 0, q, out, NULL, 40, 80, &p, tol_of(dt));
+                assert_int_equal(pkv_attn_prefill(c, 0, reqs, MASK_REQS, q, o2, &p), PKV_OK);
+                assert_int_equal(pkv_attn_prefill_masked(c, 0, reqs, MASK_REQS, none, q, out, &p), PKV_OK);
+                assert_memory_equal(o2, out, sizeof(float) * nq * NQH * D);
+                free(cm);
+            }
+            /* non-causal: rows of the sequence's length (40 queries over s[2]'s 70 positions) */
+            {
+                pkv_attn_params p = pkv_attn_params_default();
+                p.n_q_heads = NQH, p.flags = PKV_ATTN_NONCAUSAL, p.lse = lse;
+                const pkv_attn_req nr = {s[2].id, 0, 40};
+                uint8_t *nm = calloc(40 * 70 / 8 + 1, 1);
+                for (uint32_t b = 0; b < 40 * 70; b++) bit_set(nm, b, rnd() > 0.5f);
+                const uint8_t *const one[1] = {nm};
+                assert_int_equal(pkv_attn_prefill_masked(c, 1, &nr, 1, one, q, out, &p), PKV_OK);
+                pkv_attn_params pr = p;
+                pr.flags = 0; /* the reference's rule: the bits alone */
+                check_masked(&s[2], 1, q, out, lse, 0, 40, nm, 70, &pr, tol_of(dt));
+                free(nm);
+            }
+            /* refusals, out untouched */
+            memset(out, 0x5a, sizeof(float) * nq * NQH * D);
+            memcpy(o2, out, sizeof(float) * nq * NQH * D);
+            for (int bad = 0; bad < 4; bad++) {
+                pkv_attn_params pb = pkv_attn_params_default();
+                pb.n_q_heads = NQH;
+                if (bad == 0) pb.window = 8;
+                if (bad == 1) pb.attn_chunk = 16;
+                if (bad == 3) pb.flags = PKV_ATTN_NONCAUSAL; /* request 0's q_start 40 */
+                g_said[0] = 0;
+                assert_int_equal(pkv_attn_prefill_masked(c, 0, reqs, MASK_REQS, bad == 2 ? NULL : masks, q, out, &pb),
+                                 PKV_EINVAL);
+                assert_true(g_said[0] != 0);
+                assert_memory_equal(o2, out, sizeof(float) * nq * NQH * D);
+            }
+            /* a window without any mask set is no refusal */
+            {
+                pkv_attn_params pw = pkv_attn_params_default();
+                pw.n_q_heads = NQH, pw.window = 8;
+                const uint8_t *const none[1] = {NULL};
+                assert_int_equal(pkv_attn_prefill_masked(c, 0, &reqs[3], 1, none, q, out, &pw), PKV_OK);
+                check_tol(&s[3], 0, q, out, NULL, 25, 15, &pw, tol_of(dt));
+            }
+            /* a dropped front (s[1]'s first two blocks, [0, 32)): the third document's queries
+               ([65, 90), seeing [65, ..)) are taken; the second's ([30, 65), seeing [31, ..): the
+               last key dropped) refused until no query sees key 31 */
+            assert_int_equal(pkv_seq_drop_front(c, s[1].id, 40), PKV_OK);
+            {
+                pkv_attn_params p = pkv_attn_params_default();
+                p.n_q_heads = NQH;
+                const pkv_attn_req late = {s[1].id, 65, 25}, mid = {s[1].id, 30, 35};
+                uint8_t *dm = calloc(25 * 90 / 8 + 1, 1);
+                for (uint32_t i = 0; i < 25; i++)
+                    for (uint32_t t = 65; t <= 65 + i; t++) bit_set(dm, (uint64_t)i * 90 + t, true);
+                const uint8_t *const one[1] = {dm};
+                assert_int_equal(pkv_attn_prefill_masked(c, 0, &late, 1, one, q, out, &p), PKV_OK);
+                check_masked(&s[1], 0, q, out, NULL, 65, 25, dm, 90, &p, tol_of(dt));
+                uint8_t *mm = calloc(35 * 65 / 8 + 1, 1);
+                for (uint32_t i = 0; i < 35; i++)
+                    for (uint32_t t = 31; t <= 30 + i; t++) bit_set(mm, (uint64_t)i * 65 + t, true);
+                const uint8_t *const two[1] = {mm};
+                memcpy(o2, out, sizeof(float) * nq * NQH * D);
+                g_said[0] = 0;
+                assert_int_equal(pkv_attn_prefill_masked(c, 0, &mid, 1, two, q, out, &p), PKV_EINVAL);
+                assert_non_null(strstr(g_said, "dropped"));
+                assert_memory_equal(o2, out, sizeof(float) * nq * NQH * D);
+                for (uint32_t i = 0; i < 35; i++) /* now no query sees 31 (the first two see nothing) */
+                    bit_set(mm, (uint64_t)i * 65 + 31, false);
+                assert_int_equal(pkv_attn_prefill_masked(c, 0, &mid, 1, two, q, out, &p), PKV_OK);
+                check_masked(&s[1], 0, q, out, NULL, 30, 35, mm, 65, &p, tol_of(dt));
+                free(dm), free(mm);
+            }
+            char msg[256];
+            assert_int_equal(pkv_cache_check(c, msg, sizeof msg), PKV_OK);
+            for (int r = 0; r < MASK_REQS; r++) free(m[r]);
+            free(q), free(out), free(o2), free(lse);
+            pkv_cache_destroy(c);
+        }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_api_oracle),
@@ -2230,6 +2440,7 @@ int main(void) {
         cmocka_unit_test(test_api_noncausal),
         cmocka_unit_test(test_api_share_chain),
         cmocka_unit_test(test_api_drop_front),
+        cmocka_unit_test(test_api_mask),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -871,9 +871,10 @@ __attribute__((noinline)) static void bias_block(const pkv__attn *at, uint32_t h
 static inline float sm_cap(const pkv__attn *at) { return at->call->alibi ? 0.0f : at->call->softcap; }
 
 /* The real position of a unit's first query, its first at pos_first (ALiBi's: an item of a custom
- * mask has its queries at nominal positions, and its real ones from mask_pos0). */
+ * mask has its queries at nominal positions, and its real ones from mask_pos0). A sweep entry's
+ * unit has no item (its query's position is real). */
 static inline uint32_t bias_first(const unit *w, uint32_t pos_first) {
-    return w->item->mask ? w->item->mask_pos0 + w->qa : pos_first;
+    return w->item && w->item->mask ? w->item->mask_pos0 + w->qa : pos_first;
 }
 
 /* A unit's rows of kv head kvh (of a block's keys from kp0): ALiBi's bias where the call has it. */
@@ -1720,7 +1721,7 @@ static void run_chunk(void *ctx, uint32_t c, uint32_t tid) {
             }
         }
         /* the entry's rows as a unit's for ALiBi's bias (every kv head's G query heads, one query;
-           no item: neither the bias nor a mask-free piece reads it) */
+           no item: a mask-free piece does not read it, the bias only to see it is NULL) */
         const unit wi = {.n_kvh = H, .gs = G, .nq = 1};
         if (piece_take(at, n_keys, G)) {
             /* no masks (an entry's keys are its query's); ALiBi's bias where the call has it */

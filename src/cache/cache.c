@@ -1864,15 +1864,60 @@ int pkv__cache_attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, cons
     return rc;
 }
 
-/* Shared body of decode and prefill: reqs == NULL means decode (one query at length - 1). */
-static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const pkv_attn_req *reqs, uint32_t n,
-                       const float *q, float *out, const pkv_attn_params *p) {
-    const char *api = reqs ? "pkv_attn_prefill" : "pkv_attn_decode";
+/* The first set bit of bits [from, to) of m (bit i: bit i % 8 of byte i / 8), or to if none. */
+static uint64_t bits_first(const uint8_t *m, uint64_t from, uint64_t to) {
+    while (from < to) {
+        const unsigned b = m[from >> 3] >> (from & 7u); /* from's bit and those after it in its byte */
+        if (b) return PKV_MIN(from + (uint64_t)__builtin_ctz(b), to);
+        from = (from | 7u) + 1;
+    }
+    return to;
+}
+
+/* The last set bit of bits [from, to) of m, or UINT64_MAX if none. */
+static uint64_t bits_last(const uint8_t *m, uint64_t from, uint64_t to) {
+    while (to > from) {
+        const uint64_t i = to - 1;
+        const unsigned b = m[i >> 3] & (0xFFu >> (7u - (i & 7u))); /* i's bit and those before it */
+        if (b) {
+            const uint64_t x = (i & ~(uint64_t)7) + (uint64_t)(31 - __builtin_clz(b));
+            return x >= from ? x : UINT64_MAX;
+        }
+        to = i & ~(uint64_t)7;
+    }
+    return UINT64_MAX;
+}
+
+/* The keys a custom mask of n_q rows of kv_len bits sets, the least and the greatest of any row,
+ * in *lo and *hi; false (and kv_len - 1 in both) where it sets none. Each row is read up to the
+ * least found so far from its front and down to the greatest from its back. */
+static bool mask_keys(const uint8_t *m, uint32_t n_q, uint32_t kv_len, uint32_t *lo, uint32_t *hi) {
+    uint64_t l = kv_len, h = UINT64_MAX;
+    for (uint64_t r = 0, base = 0; r < n_q; r++, base += kv_len) {
+        l = bits_first(m, base, base + l) - base;
+        const uint64_t x = bits_last(m, base + (h == UINT64_MAX ? 0 : h + 1), base + kv_len);
+        if (x != UINT64_MAX) h = x - base;
+    }
+    const bool any = h != UINT64_MAX;
+    *lo = any ? (uint32_t)l : kv_len - 1, *hi = any ? (uint32_t)h : kv_len - 1;
+    return any;
+}
+
+/* Shared body of decode and prefill: reqs == NULL means decode (one query at length - 1). masks:
+ * pkv_attn_prefill_masked's, or NULL. */
+static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const pkv_attn_req *reqs,
+                       const uint8_t *const *masks, uint32_t n, const float *q, float *out, const pkv_attn_params *p) {
+    const char *api = masks ? "pkv_attn_prefill_masked" : reqs ? "pkv_attn_prefill" : "pkv_attn_decode";
     if (!c) return PKV_EINVAL;
     if (n && (!q || !out)) return pkv__say(c, PKV_EINVAL, api, "%s is NULL, %u %s", !q ? "q" : "out", n, reqs ? "requests" : "sequences");
     pkv__attn_call call;
     int rc = resolve_call(c, layer, p, &call, api);
     if (rc || n == 0) return rc;
+    bool any_mask = false;
+    for (uint32_t i = 0; masks && i < n; i++) any_mask |= masks[i] != NULL;
+    if (any_mask && (call.window || call.chunk))
+        return pkv__say(c, PKV_EINVAL, api, "a custom mask with %s: the mask says which keys a query sees (set "
+                        "the window's or chunk's bits in it)", call.window ? "a window" : "attn_chunk");
     float *lse = p ? p->lse : NULL;
     const size_t qrow = (size_t)call.n_q_heads * c->head_dim, orow = (size_t)call.n_q_heads * c->v_dim;
     pkv__kv_view view = layer_view(c, layer);
@@ -1902,10 +1947,15 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         else if (!reqs && s->n_tokens == 0)
             rc = pkv__say(c, PKV_EINVAL, api, "sequence %u (%#llx) is empty: no position to query", i,
                           (unsigned long long)seqs[i]);
+        else if (masks && masks[i] && reqs[i].n_q &&
+                 ((uint64_t)reqs[i].n_q * (noncausal ? s->n_tokens : reqs[i].q_start + reqs[i].n_q) + 7) / 8 > SIZE_MAX)
+            rc = pkv__say(c, PKV_EINVAL, api, "request %u: its mask's bits are past size_t", i);
         else if (s->n_dropped && (!reqs || reqs[i].n_q)) { /* its first query's first key (the least) */
             const uint32_t q0 = reqs ? reqs[i].q_start : s->n_tokens - 1;
-            rc = check_front(c, s, api, reqs ? "request" : "sequence", i, "query", q0,
-                             noncausal ? 0 : pkv__attn_key_lo(&call, q0));
+            uint32_t lo = noncausal ? 0 : pkv__attn_key_lo(&call, q0), hi;
+            if (masks && masks[i]) /* the least key a query of it sees, or (none) the last it may */
+                (void)mask_keys(masks[i], reqs[i].n_q, noncausal ? s->n_tokens : q0 + reqs[i].n_q, &lo, &hi);
+            rc = check_front(c, s, api, reqs ? "request" : "sequence", i, "query", q0, lo);
         }
         n_rows += reqs ? reqs[i].n_q : 1;
     }
@@ -1927,12 +1977,22 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
             }
             uint32_t q0 = reqs ? reqs[i].q_start : s->n_tokens - 1, nq = reqs ? reqs[i].n_q : 1;
             if (nq == 0) continue;
+            const uint32_t q_real = q0;
             /* non-causal: the queries at nominal positions from length on, every one seeing [0, k_end) */
             if (noncausal) q0 = s->n_tokens;
-            c->items[k++] = (pkv__attn_item){.block_table = s->table, .q_pos0 = q0, .n_q = nq,
-                                             .k_end = noncausal ? s->n_tokens : 0,
-                                             .q = q + q_at * qrow, .out = out + q_at * orow,
-                                             .lse = lse ? lse + q_at * call.n_q_heads : NULL};
+            pkv__attn_item *it = &c->items[k++];
+            *it = (pkv__attn_item){.block_table = s->table, .q_pos0 = q0, .n_q = nq,
+                                   .k_end = noncausal ? s->n_tokens : 0,
+                                   .q = q + q_at * qrow, .out = out + q_at * orow,
+                                   .lse = lse ? lse + q_at * call.n_q_heads : NULL};
+            if (masks && masks[i]) { /* its keys [0, kv_len), read from the block of the least it sets
+                                        to the greatest; nominal positions past them (attn.h) */
+                const uint32_t kv_len = noncausal ? s->n_tokens : q_real + nq;
+                uint32_t lo, hi;
+                (void)mask_keys(masks[i], nq, kv_len, &lo, &hi);
+                it->mask = masks[i], it->mask_row = kv_len, it->mask_pos0 = q_real;
+                it->q_pos0 = kv_len, it->k_start = lo / c->B * c->B, it->k_end = hi + 1;
+            }
             q_at += nq;
         }
         UNLOCK(c);
@@ -1947,13 +2007,21 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
 PKV_API int pkv_attn_decode(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, uint32_t n_seqs, const float *q,
                             float *out, const pkv_attn_params *p) {
     if (n_seqs && !seqs) return PKV__SAY(c, PKV_EINVAL, "seqs is NULL, n_seqs %u", n_seqs);
-    return attn_common(c, layer, seqs, NULL, n_seqs, q, out, p);
+    return attn_common(c, layer, seqs, NULL, NULL, n_seqs, q, out, p);
 }
 
 PKV_API int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs, const float *q,
                              float *out, const pkv_attn_params *p) {
     if (n_reqs && !reqs) return PKV__SAY(c, PKV_EINVAL, "reqs is NULL, n_reqs %u", n_reqs);
-    return attn_common(c, layer, NULL, reqs, n_reqs, q, out, p);
+    return attn_common(c, layer, NULL, reqs, NULL, n_reqs, q, out, p);
+}
+
+PKV_API int pkv_attn_prefill_masked(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs, uint32_t n_reqs,
+                                    const uint8_t *const *masks, const float *q, float *out,
+                                    const pkv_attn_params *p) {
+    if (n_reqs && (!reqs || !masks))
+        return PKV__SAY(c, PKV_EINVAL, "%s is NULL, n_reqs %u", !reqs ? "reqs" : "masks", n_reqs);
+    return attn_common(c, layer, NULL, reqs, masks, n_reqs, q, out, p);
 }
 
 void pkv__cache_test_inline_work(pkv_cache *c, uint64_t elems) {
