@@ -278,6 +278,7 @@ def _load():
         "pkv_attn_params_default": (_AttnParams, []),
         "pkv_attn_decode": (_int, [_vp, _u32, _vp, _u32, _vp, _vp, _P(_AttnParams)]),
         "pkv_attn_prefill": (_int, [_vp, _u32, _vp, _u32, _vp, _vp, _P(_AttnParams)]),
+        "pkv_attn_prefill_masked": (_int, [_vp, _u32, _vp, _u32, _vp, _vp, _vp, _P(_AttnParams)]),
         "pkv_attn_merge": (_int, [_u32, _u32, _vp, _vp, _vp, _vp, _vp, _vp]),
         "pkv_attn_backend": (_cp, [_vp]),
         "pkv_tier_host_create": (_int, [_u64, _vp, _P(_vp)]),
@@ -1323,7 +1324,8 @@ class Cache:
 
     @_in_call
     def prefill(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
-                out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None, attn_chunk=0, causal=True):
+                out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None, attn_chunk=0, causal=True,
+                masks=None):
         """Prefill / extend attention over a ragged batch (pkv_attn_prefill), causal unless causal=False.
         reqs: (seq, q_start, n_q) triples; q: the requests' queries concatenated,
         [sum n_q][n_q_heads][head_dim]. Returns out (and lse) like decode, one row per query
@@ -1331,7 +1333,13 @@ class Cache:
         alibi_slopes and attn_chunk as in decode. causal=False (PKV_ATTN_NONCAUSAL): each query
         sees its whole sequence, [0, length): an encoder's self-attention, or cross-attention
         over a sequence holding an encoder's K/V; q_start must then be 0 and n_q may be any
-        count (window, attn_chunk and alibi_slopes are refused with it)."""
+        count (window, attn_chunk and alibi_slopes are refused with it).
+        masks: custom masks (pkv_attn_prefill_masked), one per request: None leaves the request
+        to the rule above; else a boolean array [n_q][kv_len], kv_len = q_start + n_q (with
+        causal=False the sequence's length), whose [j][t] says whether query j sees key t:
+        causality is the mask's to say (keys ahead of a query may be seen: bidirectional image
+        or prefix tokens; documents packed in one sequence kept apart). A query that sees no key
+        gets 0 (lse -inf, or the sink's). window and attn_chunk are refused with a mask."""
         rs = list(reqs)
         if not rs:
             raise _invalid("prefill: no requests")
@@ -1350,9 +1358,38 @@ class Cache:
                                              "prefill")
         if not causal:
             p.flags |= ATTN_NONCAUSAL
-        self._check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa), _ptr(out),
-                                     ctypes.byref(p)), "pkv_attn_prefill")
+        if masks is None:
+            self._check(_lib.pkv_attn_prefill(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs),
+                                              _ptr(qa), _ptr(out), ctypes.byref(p)), "pkv_attn_prefill")
+            return (out, lse) if return_lse else out
+        packed = self._masks(masks, arr, causal)
+        ptrs = (_vp * len(rs))(*[None if m is None else m.ctypes.data for m in packed])
+        self._check(_lib.pkv_attn_prefill_masked(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs),
+                                                 ctypes.cast(ptrs, _vp), _ptr(qa), _ptr(out), ctypes.byref(p)),
+                    "pkv_attn_prefill_masked")
         return (out, lse) if return_lse else out
+
+    def _masks(self, masks, arr, causal):
+        """prefill's masks, each checked against its request's [n_q][kv_len] and packed as the C
+        call reads them (numpy.packbits, little bit order), or None."""
+        ms = list(masks)
+        if len(ms) != len(arr):
+            raise _invalid("prefill: %d masks for %d requests" % (len(ms), len(arr)))
+        packed = []
+        for i, m in enumerate(ms):
+            if m is None:
+                packed.append(None)
+                continue
+            r = arr[i]
+            kv_len = r.q_start + r.n_q if causal else self._info(r.seq).n_tokens
+            a = np.asarray(m)
+            if a.dtype != np.bool_:
+                raise _invalid("prefill: mask %d is %s, a boolean array is needed" % (i, a.dtype))
+            if a.shape != (r.n_q, kv_len):
+                raise _invalid("prefill: mask %d is shaped %s, (%d, %d) needed ([n_q][kv_len])"
+                               % (i, a.shape, r.n_q, kv_len))
+            packed.append(np.packbits(a, axis=None, bitorder="little"))
+        return packed
 
     @_in_call
     def tree(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,

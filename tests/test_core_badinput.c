@@ -520,6 +520,20 @@ static int batch_with(fx *f, pkv_seq s, const int32_t *tok, uint32_t n, uint32_t
                                       pkv_attn_prefill(f->c, 0, &r, 1, f->kv, f->out, NULL); }))                      \
     X(prefill_null_q, PKV_EINVAL, ({ pkv_attn_req r = {f->live, 0, 1};                                                \
                                      pkv_attn_prefill(f->c, 0, &r, 1, NULL, f->out, NULL); }))                      \
+    X(masked_null_cache, PKV_EINVAL, ({ pkv_attn_req r = {f->live, 0, 1}; const uint8_t *m[1] = {NULL};              \
+                                        pkv_attn_prefill_masked(NULL, 0, &r, 1, m, f->kv, f->out, NULL); }))        \
+    X(masked_null_masks, PKV_EINVAL, ({ pkv_attn_req r = {f->live, 0, 1};                                             \
+                                        pkv_attn_prefill_masked(f->c, 0, &r, 1, NULL, f->kv, f->out, NULL); }))     \
+    X(masked_null_reqs, PKV_EINVAL, ({ const uint8_t *m[1] = {NULL};                                                  \
+                                       pkv_attn_prefill_masked(f->c, 0, NULL, 1, m, f->kv, f->out, NULL); }))       \
+    X(masked_past_length, PKV_EINVAL, ({ pkv_attn_req r = {f->live, 5, 6}; static const uint8_t b[8] = {0xff};        \
+                                         const uint8_t *m[1] = {b};                                                   \
+                                         pkv_attn_prefill_masked(f->c, 0, &r, 1, m, f->kv, f->out, NULL); }))       \
+    X(masked_window, PKV_EINVAL, ({ pkv_attn_req r = {f->live, 0, 1}; static const uint8_t b[1] = {1};                \
+                                    const uint8_t *m[1] = {b}; pkv_attn_params p = pkv_attn_params_default();         \
+                                    p.window = 4; pkv_attn_prefill_masked(f->c, 0, &r, 1, m, f->kv, f->out, &p); })) \
+    X(masked_stale, PKV_ENOENT, ({ pkv_attn_req r = {f->stale, 0, 0}; const uint8_t *m[1] = {NULL};                   \
+                                   pkv_attn_prefill_masked(f->c, 0, &r, 1, m, f->kv, f->out, NULL); }))             \
     /* queries that are not finite */                                                                                 \
     X(decode_nan_q, PKV_EINVAL, attn_q_with(f, 0, 5, NAN))                                                             \
     X(decode_inf_q, PKV_EINVAL, attn_q_with(f, 0, NH * HD - 1, INFINITY))                                             \

@@ -488,6 +488,48 @@ class TestAttention(Base):
                 self.assertEinval(c.prefill, 0, [(s, 0, 40)], q[:40], causal=False, **kw)
             self.assertEinval(c.prefill, 0, [(s, 1, 39)], q[:39], causal=False)  # q_start past 0
 
+    def test_masks(self):
+        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f16", v_dtype="f16", n_threads=2) as c:
+            s, t, _ = self.two_seqs(c)
+            K, V = c.gather(s, 0)
+            Kt, Vt = c.gather(t, 0)
+            # an extend of 30 queries from 10, causal with a bidirectional span [20, 32) (image
+            # tokens), and 23 queries over t packed as two documents (edge 9), one row empty
+            pos = np.arange(10, 40)[:, None]
+            keys = np.arange(40)[None, :]
+            span = (pos >= 20) & (pos < 32) & (keys >= 20) & (keys < 32)
+            m0 = (keys <= pos) | span
+            pt, kt = np.arange(23)[:, None], np.arange(23)[None, :]
+            m1 = (kt <= pt) & ((pt >= 9) == (kt >= 9))
+            m1[5] = False
+            q = self.rng.standard_normal((53, 4, 64)).astype(np.float32)
+            out, lse = c.prefill(0, [(s, 10, 30), (t, 0, 23)], q, masks=[m0, m1], softcap=6.0, return_lse=True)
+            for row in range(53):
+                m, KK, VV = (m0[row], K, V) if row < 30 else (m1[row - 30], Kt, Vt)
+                if not m.any():
+                    self.assertTrue(np.all(out[row] == 0) and np.all(lse[row] == -np.inf), "an empty row")
+                    continue
+                want, wlse = ref_attn(q[row], KK[m].astype(np.float64), VV[m].astype(np.float64), 1 / 8, 6.0)
+                self.assertClose(out[row], want, 1e-5, "masked, query %d" % row)
+                self.assertClose(lse[row], wlse, 1e-5, "masked lse, query %d" % row)
+            # the causal mask gives the causal results; None leaves a request causal
+            causal = c.prefill(0, [(s, 10, 30)], q[:30])
+            self.assertClose(c.prefill(0, [(s, 10, 30)], q[:30], masks=[keys <= pos]), causal.astype(np.float64),
+                             1e-5, "a causal mask")
+            np.testing.assert_array_equal(c.prefill(0, [(s, 10, 30)], q[:30], masks=[None]), causal)
+            # non-causal: rows of the whole sequence
+            mn = self.rng.random((12, 23)) < 0.5
+            mn[:, 0] = True
+            outn = c.prefill(0, [(t, 0, 12)], q[:12], masks=[mn], causal=False)
+            for row in range(12):
+                want, _ = ref_attn(q[row], Kt[mn[row]].astype(np.float64), Vt[mn[row]].astype(np.float64), 1 / 8)
+                self.assertClose(outn[row], want, 1e-5, "non-causal mask, query %d" % row)
+            # refusals: a window with a mask, a wrong shape or type, a mask too few
+            self.assertEinval(c.prefill, 0, [(s, 10, 30)], q[:30], masks=[m0], window=8)
+            self.assertEinval(c.prefill, 0, [(s, 10, 30)], q[:30], masks=[m0[:, :39]])
+            self.assertEinval(c.prefill, 0, [(s, 10, 30)], q[:30], masks=[m0.astype(np.uint8)])
+            self.assertEinval(c.prefill, 0, [(s, 10, 30), (t, 0, 23)], q, masks=[m0])
+
     def test_tree_keep(self):
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=2) as c:
             s = c.seq_create()
