@@ -1758,6 +1758,104 @@ func (c *Cache) Prefill(layer uint32, reqs []AttnReq, q, out []float32, ap AttnP
 		})
 }
 
+// PackMask packs a row-major [n_q][kv_len] mask of bools as PrefillMasked reads it: bool i is
+// bit i % 8 of byte i / 8 (numpy's packbits(bitorder="little")).
+func PackMask(bits []bool) []byte {
+	out := make([]byte, (len(bits)+7)/8)
+	for i, b := range bits {
+		if b {
+			out[i/8] |= 1 << (i % 8)
+		}
+	}
+	return out
+}
+
+// PrefillMasked is pkv_attn_prefill_masked: Prefill with a custom mask per request. masks[i]
+// nil leaves request i to Prefill's rule; otherwise its query j sees key t exactly where bit
+// j*kvLen + t of masks[i] is set (PackMask), kvLen = QStart + NQ, or the sequence's length with
+// ap.NonCausal. Causality is the mask's to say: keys ahead of a query may be seen (bidirectional
+// image or prefix tokens), a packed sequence's documents kept apart. A query that sees no key
+// gets 0 (lse -inf, or the sink's). A mask shorter than its NQ x kvLen bits, or a count of masks
+// other than the requests', is EINVAL here (with ap.NonCausal also a sequence whose length
+// changed before the call took its locks); a window or AttnChunk with a mask is libpkv's EINVAL.
+// The masks are copied for the call.
+func (c *Cache) PrefillMasked(layer uint32, reqs []AttnReq, masks [][]byte, q, out []float32, ap AttnParams,
+	lse []float32) error {
+	if c == nil {
+		return errClosed
+	}
+	if len(masks) != len(reqs) {
+		return invalid("PrefillMasked: %d masks for %d requests", len(masks), len(reqs))
+	}
+	var total64, bytes uint64
+	need := make([]uint64, len(reqs)) // each mask's bytes; kv: its row's bits
+	kv := make([]uint64, len(reqs))
+	for i, r := range reqs {
+		total64 += uint64(r.NQ)
+		if masks[i] == nil {
+			continue
+		}
+		kv[i] = uint64(r.QStart) + uint64(r.NQ)
+		if ap.NonCausal {
+			info, err := c.SeqInfo(r.Seq)
+			if err != nil {
+				return err
+			}
+			kv[i] = uint64(info.NTokens)
+		}
+		need[i] = (uint64(r.NQ)*kv[i] + 7) / 8
+		if uint64(len(masks[i])) < need[i] {
+			return invalid("PrefillMasked: mask %d has %d bytes, %d needed (%d x %d bits)", i, len(masks[i]), need[i],
+				r.NQ, kv[i])
+		}
+		bytes += need[i]
+	}
+	if total64 > math.MaxInt32 || bytes > math.MaxInt32 {
+		return invalid("PrefillMasked: %d queries, %d bytes of masks", total64, bytes)
+	}
+	// the masks and their pointers in C memory (cgo: C may not hold Go pointers)
+	ptrs := (*unsafe.Pointer)(C.malloc(C.size_t(len(reqs)+1) * C.size_t(unsafe.Sizeof(unsafe.Pointer(nil)))))
+	if ptrs == nil {
+		return &Error{Code: ENOMEM, Op: "PrefillMasked: masks"}
+	}
+	defer C.free(unsafe.Pointer(ptrs))
+	data := (*byte)(C.malloc(C.size_t(bytes + 1)))
+	if data == nil {
+		return &Error{Code: ENOMEM, Op: "PrefillMasked: masks"}
+	}
+	defer C.free(unsafe.Pointer(data))
+	pv, dv := unsafe.Slice(ptrs, len(reqs)+1), unsafe.Slice(data, bytes+1)
+	at := uint64(0)
+	for i := range reqs {
+		pv[i] = nil
+		if masks[i] != nil {
+			copy(dv[at:at+need[i]], masks[i])
+			pv[i] = unsafe.Pointer(&dv[at])
+			at += need[i]
+		}
+	}
+	var rp *C.pkv_attn_req
+	if len(reqs) > 0 {
+		rp = (*C.pkv_attn_req)(unsafe.Pointer(&reqs[0])) // same layout (TestLayout)
+	}
+	seqs := make([]Seq, 0, len(reqs))
+	for _, r := range reqs {
+		seqs = append(seqs, r.Seq)
+	}
+	return c.attnCall("PrefillMasked", "pkv_attn_prefill_masked", seqs, len(reqs), int(total64), q, out, ap, lse,
+		func(p *C.pkv_cache, n C.uint32_t, raw *C.pkv_attn_params) C.int {
+			for i, r := range reqs { // under the sequences' locks: the lengths the masks were sized for
+				var info C.pkv_seq_info
+				if masks[i] != nil && ap.NonCausal &&
+					(C.pkv_seq_get_info(p, C.pkv_seq(r.Seq), &info) != 0 || uint64(info.n_tokens) != kv[i]) {
+					return C.PKV_EINVAL
+				}
+			}
+			return C.pkv_attn_prefill_masked(p, C.uint32_t(layer), rp, n, (**C.uint8_t)(unsafe.Pointer(ptrs)),
+				f32p(q), f32p(out), raw)
+		})
+}
+
 // Tree is pkv_attn_tree, tree attention for speculative decoding (SpecInfer / Medusa / EAGLE
 // verification): node i of a request sees the positions before its QStart (the prefix) and the
 // nodes on its path to its root, itself included, not its siblings or other branches. With a

@@ -3135,3 +3135,99 @@ func TestSharedPrefixDecode(t *testing.T) {
 		t.Fatal("a decode of one sequence counted shared positions")
 	}
 }
+
+// PrefillMasked: an extend of 30 queries from 10 over 40 positions, causal with a bidirectional
+// span [20, 32), one row empty, beside a request left causal, each query against the reference
+// over the keys its row sets; non-causal rows of the sequence's length; PackMask's bit order; a
+// short mask, a count of masks other than the requests' and a window with a mask are EINVAL, out
+// untouched.
+func TestPrefillMasked(t *testing.T) {
+	r := rng(11)
+	const h, d, hq = 2, 64, 4
+	c := newCache(t, h, d, 32, F32)
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	fill(t, c, s, 40, &r)
+	k, v, err := c.Gather(s, 0, 0, 40)
+	must(t, err)
+	if got := PackMask([]bool{true, false, false, true, false, false, false, false, true}); len(got) != 2 ||
+		got[0] != 9 || got[1] != 1 {
+		t.Fatalf("PackMask: %v", got)
+	}
+	pick := func(x []float32, seen []int) []float32 {
+		var o []float32
+		for _, p := range seen {
+			o = append(o, x[p*h*d:(p+1)*h*d]...)
+		}
+		return o
+	}
+	const q0, nq, kv = 10, 30, 40
+	want := make([]bool, nq*kv)
+	for j := 0; j < nq; j++ {
+		p := q0 + j
+		for key := 0; key < kv; key++ {
+			span := p >= 20 && p < 32 && key >= 20 && key < 32
+			want[j*kv+key] = j != 7 && (key <= p || span)
+		}
+	}
+	mask := PackMask(want)
+	reqs := []AttnReq{{Seq: s, QStart: q0, NQ: nq}, {Seq: s, QStart: 30, NQ: 5}}
+	q := r.vec((nq + 5) * hq * d)
+	out := make([]float32, (nq+5)*hq*d)
+	ap := AttnParams{NQHeads: hq}
+	must(t, c.PrefillMasked(0, reqs, [][]byte{mask, nil}, q, out, ap, nil))
+	for j := 0; j < nq+5; j++ {
+		var seen []int
+		for key := 0; key < kv; key++ {
+			if (j < nq && want[j*kv+key]) || (j >= nq && key <= 30+j-nq) {
+				seen = append(seen, key)
+			}
+		}
+		oj := out[j*hq*d : (j+1)*hq*d]
+		if len(seen) == 0 {
+			for _, x := range oj {
+				if x != 0 {
+					t.Fatalf("query %d sees nothing: out %g", j, x)
+				}
+			}
+			continue
+		}
+		w, _ := reference(q[j*hq*d:(j+1)*hq*d], pick(k, seen), pick(v, seen), hq, h, d, 1/math.Sqrt(d), 0, 0)
+		assertClose(t, oj, w, 1e-5, fmt.Sprintf("masked query %d", j))
+	}
+	// non-causal: 12 queries, rows of 40 bits
+	nm := make([]bool, 12*40)
+	for i := range nm {
+		nm[i] = i%40 == 0 || r.vec(1)[0] > 0
+	}
+	on := make([]float32, 12*hq*d)
+	must(t, c.PrefillMasked(0, []AttnReq{{Seq: s, QStart: 0, NQ: 12}}, [][]byte{PackMask(nm)}, q[:12*hq*d], on,
+		AttnParams{NQHeads: hq, NonCausal: true}, nil))
+	for j := 0; j < 12; j++ {
+		var seen []int
+		for key := 0; key < 40; key++ {
+			if nm[j*40+key] {
+				seen = append(seen, key)
+			}
+		}
+		w, _ := reference(q[j*hq*d:(j+1)*hq*d], pick(k, seen), pick(v, seen), hq, h, d, 1/math.Sqrt(d), 0, 0)
+		assertClose(t, on[j*hq*d:(j+1)*hq*d], w, 1e-5, fmt.Sprintf("non-causal masked query %d", j))
+	}
+	keep := append([]float32(nil), out...)
+	for i, bad := range []func() error{
+		func() error { return c.PrefillMasked(0, reqs, [][]byte{mask[:len(mask)-1], nil}, q, out, ap, nil) },
+		func() error { return c.PrefillMasked(0, reqs, [][]byte{mask}, q, out, ap, nil) },
+		func() error {
+			return c.PrefillMasked(0, reqs, [][]byte{mask, nil}, q, out, AttnParams{NQHeads: hq, Window: 8}, nil)
+		},
+	} {
+		if err := bad(); code(err) != EINVAL {
+			t.Fatalf("refusal %d: %v", i, err)
+		}
+	}
+	for i := range out {
+		if math.Float32bits(out[i]) != math.Float32bits(keep[i]) {
+			t.Fatalf("a refusal wrote out[%d]", i)
+		}
+	}
+}

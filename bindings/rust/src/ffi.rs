@@ -400,6 +400,16 @@ extern "C" {
         out: *mut f32,
         p: *const pkv_attn_params,
     ) -> c_int;
+    pub fn pkv_attn_prefill_masked(
+        c: *mut pkv_cache,
+        layer: u32,
+        reqs: *const pkv_attn_req,
+        n_reqs: u32,
+        masks: *const *const u8,
+        q: *const f32,
+        out: *mut f32,
+        p: *const pkv_attn_params,
+    ) -> c_int;
     pub fn pkv_attn_tree(
         c: *mut pkv_cache,
         layer: u32,

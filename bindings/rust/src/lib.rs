@@ -376,6 +376,16 @@ pub struct AttnReq {
     pub n_q: u32,
 }
 
+/// Packs a row-major `[n_q][kv_len]` mask of bools as [`Cache::prefill_masked`] reads it: bit i
+/// (the bool at i) is bit `i % 8` of byte `i / 8` (numpy's `packbits(bitorder="little")`).
+pub fn pack_mask(bits: &[bool]) -> Vec<u8> {
+    let mut out = vec![0u8; bits.len().div_ceil(8)];
+    for (i, &b) in bits.iter().enumerate() {
+        out[i / 8] |= (b as u8) << (i % 8);
+    }
+    out
+}
+
 /// `PKV_TREE_MAX_NODES` (pkv.h): the most nodes a [`TreeReq`] may have; past it, `EINVAL`.
 pub const TREE_MAX_NODES: u32 = ffi::PKV_TREE_MAX_NODES;
 
@@ -1734,6 +1744,76 @@ impl Cache {
             p,
             lse,
             |c, n, qp, op, raw| unsafe { ffi::pkv_attn_prefill(c, layer, rp, n, qp, op, raw) },
+        )
+    }
+
+    /// Prefill with a custom mask per request (pkv_attn_prefill_masked): `masks[i]` `None`
+    /// leaves request i to [`Cache::prefill`]'s rule; `Some(bits)` makes its query j see key t
+    /// exactly where bit `j * kv_len + t` of `bits` is set (bit i: bit `i % 8` of byte `i / 8`;
+    /// [`pack_mask`] packs a row-major `[n_q][kv_len]` of bools), with kv_len = q_start + n_q, or
+    /// the sequence's length with `p.noncausal`. Causality is the mask's to say: keys ahead of a
+    /// query may be seen (bidirectional image or prefix tokens), a packed sequence's documents
+    /// kept apart. A query that sees no key gets 0 (lse -inf, or the sink's). A mask shorter
+    /// than its n_q x kv_len bits, or a count of masks other than the requests', is `EINVAL`
+    /// here; a window or attn_chunk with a mask is libpkv's `EINVAL`. Otherwise as
+    /// [`Cache::prefill`].
+    pub fn prefill_masked(
+        &self,
+        layer: u32,
+        reqs: &[AttnReq],
+        masks: &[Option<&[u8]>],
+        q: &[f32],
+        out: &mut [f32],
+        p: &AttnParams<'_>,
+        lse: Option<&mut [f32]>,
+    ) -> Result<()> {
+        if masks.len() != reqs.len() {
+            return Err(invalid(format!(
+                "prefill_masked: {} masks for {} requests",
+                masks.len(),
+                reqs.len()
+            )));
+        }
+        let mut ptrs = Vec::with_capacity(masks.len());
+        for (i, (r, m)) in reqs.iter().zip(masks).enumerate() {
+            let Some(m) = m else {
+                ptrs.push(std::ptr::null());
+                continue;
+            };
+            // the sequence cannot grow during the call: appending borrows the cache mutably
+            let kv_len = if p.noncausal {
+                self.seq_info(r.seq)?.n_tokens as u64
+            } else {
+                r.q_start as u64 + r.n_q as u64
+            };
+            let bytes = (r.n_q as u64 * kv_len).div_ceil(8);
+            if (m.len() as u64) < bytes {
+                return Err(invalid(format!(
+                    "prefill_masked: mask {} has {} bytes, {} needed ({} x {} bits)",
+                    i,
+                    m.len(),
+                    bytes,
+                    r.n_q,
+                    kv_len
+                )));
+            }
+            ptrs.push(m.as_ptr());
+        }
+        let total = reqs
+            .iter()
+            .try_fold(0usize, |t, r| t.checked_add(r.n_q as usize))
+            .ok_or_else(|| invalid("prefill_masked: the queries' count is past usize".to_string()))?;
+        let rp = reqs.as_ptr() as *const ffi::pkv_attn_req;
+        let mp = ptrs.as_ptr();
+        self.attn_call(
+            "prefill_masked",
+            reqs.len(),
+            total,
+            q,
+            out,
+            p,
+            lse,
+            |c, n, qp, op, raw| unsafe { ffi::pkv_attn_prefill_masked(c, layer, rp, n, mp, qp, op, raw) },
         )
     }
 

@@ -2511,3 +2511,58 @@ fn shared_prefix_decode() {
     }
     assert_eq!(c.stats().unwrap().attn_shared_keys, shared);
 }
+
+/// pkv_attn_prefill_masked: an extend of 30 queries from 10 over 40 positions, causal with a
+/// bidirectional span [20, 32), one row empty, beside a request left causal; each query against
+/// the reference over the keys its row sets; pack_mask's bit order; a short mask, a count of
+/// masks other than the requests' and a window with a mask are EINVAL, out untouched.
+#[test]
+fn prefill_masked_against_reference() {
+    let mut rng = Rng(11);
+    let (h, d, hq) = (2usize, 64usize, 4usize);
+    let mut c = Cache::new(&cfg(h as u32, d as u32, 32, Dtype::F32)).unwrap();
+    let s = c.seq_create(b"").unwrap();
+    fill(&mut c, s, 40, &mut rng);
+    let (k, v) = c.gather(s, 0, 0, 40).unwrap();
+    assert_eq!(pack_mask(&[true, false, false, true, false, false, false, false, true]), vec![9u8, 1]);
+    let (q0, nq, kv) = (10usize, 30usize, 40usize);
+    let mut want = vec![false; nq * kv];
+    for j in 0..nq {
+        let p = q0 + j;
+        for t in 0..kv {
+            let span = (20..32).contains(&p) && (20..32).contains(&t);
+            want[j * kv + t] = j != 7 && (t <= p || span);
+        }
+    }
+    let mask = pack_mask(&want);
+    let reqs = [
+        AttnReq { seq: s, q_start: q0 as u32, n_q: nq as u32 },
+        AttnReq { seq: s, q_start: 30, n_q: 5 },
+    ];
+    let q: Vec<f32> = rng.vec((nq + 5) * hq * d);
+    let p = AttnParams { n_q_heads: hq as u32, ..AttnParams::default() };
+    let mut out = vec![0f32; (nq + 5) * hq * d];
+    c.prefill_masked(0, &reqs, &[Some(&mask), None], &q, &mut out, &p, None).unwrap();
+    for j in 0..nq + 5 {
+        let (qj, oj) = (&q[j * hq * d..(j + 1) * hq * d], &out[j * hq * d..(j + 1) * hq * d]);
+        let seen: Vec<usize> = if j < nq {
+            (0..kv).filter(|&t| want[j * kv + t]).collect()
+        } else {
+            (0..=30 + j - nq).collect() // the causal request
+        };
+        if seen.is_empty() {
+            assert!(oj.iter().all(|&x| x == 0.0), "an empty row gives 0");
+            continue;
+        }
+        let pick = |x: &[f32]| -> Vec<f32> { seen.iter().flat_map(|&t| x[t * h * d..(t + 1) * h * d].to_vec()).collect() };
+        expect_attn(oj, qj, &pick(&k), &pick(&v), hq, h, d, &format!("masked query {}", j));
+    }
+    let keep = out.clone();
+    let short = &mask[..mask.len() - 1];
+    let wp = AttnParams { window: 8, ..p };
+    for (m, pp) in [([Some(short), None], &p), ([Some(&mask[..]), None], &wp)] {
+        assert_eq!(c.prefill_masked(0, &reqs, &m, &q, &mut out, pp, None).unwrap_err().code(), EINVAL);
+    }
+    assert_eq!(c.prefill_masked(0, &reqs, &[None], &q, &mut out, &p, None).unwrap_err().code(), EINVAL);
+    assert_eq!(bits(&out), bits(&keep));
+}
