@@ -407,24 +407,29 @@ static uint32_t rand_chunk(uint32_t B, bool prefill) {
 /* A custom mask for n_q queries at real positions pos0 on over keys [0, kv_len), rows of kv_len
  * bits, in one of the shapes masks take: random bits (sparse, even, dense); causal with
  * bidirectional spans (Gemma 3's image tokens, PaliGemma's prefix); causal within documents
- * (packed sequences); causal with whole runs of keys off (block-sparse). One case in three then
+ * (packed sequences); causal with whole runs of keys off (block-sparse); one key a query (one
+ * case in two a block's first: a tile then reads blocks where each row sees one key, or none,
+ * and must skip only the latter). One case in three then
  * clears a few queries' rows (they see nothing). The item's key range goes to *k_start and
  * *k_end: one case in two that of the bits set (the first one's block on), else all of [0, kv_len). */
 static uint8_t *rand_mask(uint32_t n_q, uint32_t pos0, uint32_t kv_len, uint32_t B, uint32_t *k_start,
                           uint32_t *k_end) {
     const uint64_t n_bits = (uint64_t)n_q * kv_len;
     uint8_t *m = calloc(n_bits / 8 + 1, 1);
-    const uint32_t shape = rng_below(4), cut = 1 + rng_below(kv_len), cut2 = rng_below(kv_len + 1);
+    const uint32_t shape = rng_below(5), cut = 1 + rng_below(kv_len), cut2 = rng_below(kv_len + 1);
+    const bool at_block = rng_below(2);
     const double density = (double[]){0.03, 0.5, 0.97}[rng_below(3)];
     const uint32_t span0 = PKV_MIN(cut, cut2), span1 = PKV_MAX(cut, cut2); /* a span, or two documents' edge */
     for (uint32_t qi = 0; qi < n_q; qi++) {
         const uint32_t p = pos0 + qi;
+        const uint32_t one = at_block ? rng_below(kv_len) / B * B : rng_below(kv_len); /* shape 4's key */
         for (uint32_t t = 0; t < kv_len; t++) {
             bool on;
             switch (shape) {
             case 0: on = rng_unit() < density; break;
             case 1: on = t <= p || (p >= span0 && p < span1 && t >= span0 && t < span1); break;
             case 2: on = t <= p && (p < cut) == (t < cut); break;
+            case 4: on = t == one; break;
             default: on = t <= p && !(t >= span0 && t < span1); break;
             }
             if (on) m[((uint64_t)qi * kv_len + t) >> 3] |= (uint8_t)(1u << (((uint64_t)qi * kv_len + t) & 7u));

@@ -61,11 +61,11 @@ static void expect_usage_errors(char *bad[][5], size_t n) {
 static void test_json_lines(void **state) {
     (void)state;
     char *argv[] = {"pkv",  "bench",    "attn", "--quick", "--json", "--dtype", "f16,q8_0,q4_0",
-                    "--ctx", "512", "--threads", "1", "--prompt", "64", "--occupancy", "50", NULL};
+                    "--ctx", "512", "--threads", "1", "--prompt", "64", "--occupancy", "50", "--mask", NULL};
     char *out, *err;
     int rc = run_cli(argv, &out, &err);
     if (rc != 0) fail_msg("exit %d: %s", rc, err);
-    int machine = 0, decode[3][2] = {{0}}, prefill[3] = {0};
+    int machine = 0, decode[3][2] = {{0}}, prefill[3][2] = {{0}}; /* prefill: paged, masked (--mask) */
     static const char *dts[3] = {"f16", "q8_0", "q4_0"};
     static const pkv_dtype dtv[3] = {PKV_DTYPE_F16, PKV_DTYPE_Q8_0, PKV_DTYPE_Q4_0};
     for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
@@ -102,9 +102,13 @@ static void test_json_lines(void **state) {
             }
         } else if (str_is(line, "kernel", "prefill")) {
             assert_int_equal((int)num(line, "ctx"), 64);
-            const double g = num(line, "gflops"), f = num(line, "frac_of_peak");
-            assert_true(isfinite(g) && g > 0 && isfinite(f) && f > 0);
-            prefill[d]++;
+            const double g = num(line, "gflops");
+            assert_true(isfinite(g) && g > 0);
+            const int masked = str_is(line, "layout", "masked");
+            if (!masked && !str_is(line, "layout", "paged")) fail_msg("bad layout: %s", line);
+            const double f = num(line, masked ? "masked_over_causal" : "frac_of_peak");
+            assert_true(isfinite(f) && f > 0);
+            prefill[d][masked]++;
         } else {
             fail_msg("unknown kernel: %s", line);
         }
@@ -113,7 +117,8 @@ static void test_json_lines(void **state) {
     for (int d = 0; d < 3; d++) {
         assert_int_equal(decode[d][0], 1);
         assert_int_equal(decode[d][1], 1);
-        assert_int_equal(prefill[d], 1);
+        assert_int_equal(prefill[d][0], 1);
+        assert_int_equal(prefill[d][1], 1);
     }
     free(out), free(err);
 }

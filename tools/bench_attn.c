@@ -28,7 +28,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: pkv bench attn [--json] [--quick] [--dtype LIST] [--ctx LIST] [--batch LIST]\n"
             "                      [--threads LIST] [--prompt N] [--block-tokens N] [--occupancy PCT]\n"
-            "                      [--compact | --batch-compact] [--rounds N] [--bf16-dot]\n"
+            "                      [--compact | --batch-compact] [--rounds N] [--bf16-dot] [--mask]\n"
             "\n"
             "Paged attention, n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u.\n"
             "Decode: contexts 512, 4096, 32768; batch 1 and 16; 1 and 2 threads; every KV dtype the\n"
@@ -88,6 +88,10 @@ static void usage(FILE *f) {
             "              the CPU has them (queries rounded to bf16; pkv.h); the header says whether it\n"
             "              took effect, the JSON lines carry attn_flags; each round also times the\n"
             "              contiguous layout with the flag and without, calls interleaved (their ratio)\n"
+            "  --mask      each prefill round also times the prompt through pkv_attn_prefill_masked with\n"
+            "              the causal mask (the same keys: what a custom mask costs), its call after the\n"
+            "              causal one's; a \"prefill\" line of layout \"masked\" gives its median and the\n"
+            "              median of per-round masked / causal\n"
             "  -h, --help  this text\n"
             "Goals: decode f16 at contexts >= 4096 reaches >= 85%% of the read bandwidth at 2 threads;\n"
             "paged within 3%% of contiguous; prefill >= 40%% of the FMA peak.\n",
@@ -626,6 +630,7 @@ typedef struct opts {
     uint32_t block_tokens;
     uint32_t occupancy;
     uint32_t rounds; /* 0: the default (7; 3 with --quick) */
+    int mask;        /* --mask */
 } opts;
 
 static int opts_rounds(const opts *o) { return o->rounds ? (int)o->rounds : o->quick ? 3 : 7; }
@@ -1015,22 +1020,29 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     }
     const size_t n = (size_t)n_tok * H_Q * HEAD_DIM;
     float *q = malloc(sizeof(float) * n), *out = malloc(sizeof(float) * n);
-    if (!q || !out) {
+    /* --mask: the causal mask, n_tok rows of n_tok bits */
+    uint8_t *mask = o->mask ? calloc((size_t)n_tok * n_tok / 8 + 1, 1) : NULL;
+    if (!q || !out || (o->mask && !mask)) {
         fprintf(stderr, "pkv bench attn: out of memory for the queries\n");
-        free(q), free(out);
+        free(q), free(out), free(mask);
         setup_free(&s);
         return -1;
     }
     for (size_t i = 0; i < n; i++) q[i] = (float)tool_rng_normal(rng);
+    for (uint64_t i = 0; mask && i < n_tok; i++)
+        for (uint64_t t = 0; t <= i; t++) mask[(i * n_tok + t) >> 3] |= (uint8_t)(1u << ((i * n_tok + t) & 7u));
+    const uint8_t *const masks[1] = {mask};
     pkv_attn_req req = {.seq = s.seqs[0], .q_start = 0, .n_q = n_tok};
     pkv_attn_params p = bench_params();
     /* rounds of (FMA peak sample, one prefill, FMA peak sample): the peak the machine gives
      * around the call, as the mean of the samples on either side of it */
-    double t[ROUNDS_MAX], frac[ROUNDS_MAX], peak[ROUNDS_MAX];
+    double t[ROUNDS_MAX], frac[ROUNDS_MAX], peak[ROUNDS_MAX], tm[ROUNDS_MAX], ratio[ROUNDS_MAX];
     const int reps = opts_rounds(o);
     /* causal: query i sees i + 1 keys; q.k and p.v are one multiply-add each per element */
     const double flop = 4.0 * H_Q * HEAD_DIM * ((double)n_tok * (n_tok + 1) / 2.0);
     rc = tool_check(pkv_attn_prefill(s.c, 0, &req, 1, q, out, &p), "pkv_attn_prefill"); /* warm-up */
+    if (mask && rc == 0)
+        rc = tool_check(pkv_attn_prefill_masked(s.c, 0, &req, 1, masks, q, out, &p), "pkv_attn_prefill_masked");
     for (int i = 0; i < reps && rc == 0; i++) {
         const double before = peak_sample(nt);
         uint64_t t0 = tool_now_ns();
@@ -1038,9 +1050,15 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
         t[i] = (double)(tool_now_ns() - t0) * 1e-9;
         peak[i] = 0.5 * (before + peak_sample(nt));
         frac[i] = peak[i] > 0 ? flop / t[i] * 1e-9 / peak[i] : 0;
+        if (mask && rc == 0) {
+            t0 = tool_now_ns();
+            rc = tool_check(pkv_attn_prefill_masked(s.c, 0, &req, 1, masks, q, out, &p), "pkv_attn_prefill_masked");
+            tm[i] = (double)(tool_now_ns() - t0) * 1e-9;
+            ratio[i] = tm[i] / t[i];
+        }
     }
     setup_free(&s);
-    free(q), free(out);
+    free(q), free(out), free(mask);
     if (rc < 0) return -1;
     const double med = tool_median(t, (size_t)reps), gflops = flop / med * 1e-9;
     const double peak_med = tool_median(peak, (size_t)reps), frac_med = tool_median(frac, (size_t)reps);
@@ -1051,6 +1069,17 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     else
         printf("%-7s %-8s %6u %5u %3u  %-6s %10.1f %8.2f %8.2f %6.1f%%\n", "prefill", pkv_dtype_name(dt), n_tok, 1, nt,
                "paged", med * 1e6, gflops, peak_med, 100.0 * frac_med);
+    if (mask) { /* the same keys through the causal mask: masked / causal */
+        const double mmed = tool_median(tm, (size_t)reps), rmed = tool_median(ratio, (size_t)reps);
+        if (o->json)
+            printf("{\"bench\":\"attn\",\"kernel\":\"prefill\",\"kv_dtype\":\"%s\",\"ctx\":%u,\"batch\":1,"
+                   "\"threads\":%u,\"layout\":\"masked\",\"median_us\":%.1f,\"gflops\":%.2f,"
+                   "\"masked_over_causal\":%.4f}\n",
+                   pkv_dtype_name(dt), n_tok, nt, mmed * 1e6, flop / mmed * 1e-9, rmed);
+        else
+            printf("%-7s %-8s %6u %5u %3u  %-6s %10.1f %8.2f  masked/causal %.3f\n", "prefill", pkv_dtype_name(dt), n_tok,
+                   1, nt, "masked", mmed * 1e6, flop / mmed * 1e-9, rmed);
+    }
     fflush(stdout);
     return 0;
 }
@@ -1081,6 +1110,7 @@ int tool_bench_attn(int argc, char **argv) {
         else if (!strcmp(arg, "--compact")) g_compact = 1;
         else if (!strcmp(arg, "--batch-compact")) g_compact = 2;
         else if (!strcmp(arg, "--bf16-dot")) g_attn_flags = PKV_ATTN_BF16_DOT;
+        else if (!strcmp(arg, "--mask")) o.mask = 1;
         else if (!strcmp(arg, "--dtype") && val) bad = parse_dtypes(val, &o), i++;
         else if (!strcmp(arg, "--ctx") && val) bad = tool_parse_u32_list(val, o.ctx, 8, 1u << 20, &o.n_ctx), i++;
         else if (!strcmp(arg, "--batch") && val) bad = tool_parse_u32_list(val, o.batch, 8, BATCH_MAX, &o.n_batch), i++;

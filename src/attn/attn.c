@@ -969,6 +969,35 @@ static inline unit_block unit_block_at(const pkv__attn *at, const pkv__attn_item
     return ub;
 }
 
+/* A tile of an item's custom mask: its queries qa .. qa + nq - 1 narrow the keys [*k_lo, *k_hi]
+ * to the least and the greatest their rows set; false where they set none (a tile that reads
+ * nothing). A causal mask's tile then reads what a causal tile reads, not every key to k_end.
+ * Each row is read up to the least found so far from its front and down to the greatest from its
+ * back: nq x (k_hi - k_lo + 1) bits at most, beside as many scores of head_dim products each. */
+static bool mask_tile_keys(const pkv__attn_item *it, uint32_t qa, uint32_t nq, uint32_t *k_lo, uint32_t *k_hi) {
+    uint64_t lo = (uint64_t)*k_hi + 1, hi = UINT64_MAX; /* within the rows: lo = none found yet */
+    for (uint32_t r = 0; r < nq; r++) {
+        const uint64_t base = (uint64_t)(qa + r) * it->mask_row;
+        lo = pkv__bits_first(it->mask, base + *k_lo, base + lo) - base;
+        const uint64_t from = hi == UINT64_MAX ? *k_lo : PKV_MAX((uint64_t)*k_lo, hi + 1);
+        const uint64_t x = pkv__bits_last(it->mask, base + from, base + *k_hi + 1);
+        if (x != UINT64_MAX) hi = x - base;
+    }
+    if (hi == UINT64_MAX) return false;
+    *k_lo = (uint32_t)lo, *k_hi = (uint32_t)hi;
+    return true;
+}
+
+/* Whether no query of a tile (qa .. qa + nq - 1) of an item's custom mask sees a key of
+ * [kp0, kp0 + n): the block is not read (a document's tile skips the other documents' blocks). */
+static bool mask_block_none(const pkv__attn_item *it, uint32_t qa, uint32_t nq, uint32_t kp0, uint32_t n) {
+    for (uint32_t r = 0; r < nq; r++) {
+        const uint64_t b = (uint64_t)(qa + r) * it->mask_row + kp0;
+        if (pkv__bits_first(it->mask, b, b + n) < b + n) return false;
+    }
+    return true;
+}
+
 /* The masks of one block's scores for a unit's queries: -inf where key kp is past query p or
  * before its first (key_lo: its window's or chunk's), or, for an item of a custom mask, where its
  * bit is clear. s[qi * gs + g][t] lies at s + (qi * gs + g) * rs + t * ts (the row path's
@@ -1201,6 +1230,7 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
     for (uint32_t b = b0; b < b1; b++) {
         const unit_block ub = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);
         const uint32_t n_keys = ub.n_keys;
+        if (it->mask && mask_block_none(it, w->qa, w->nq, ub.kb + ub.t0, n_keys)) continue;
         for (uint32_t j = 0; j < w->n_kvh; j++) {
             const uint32_t r0 = j * rows_h;
             head_io io;
@@ -1244,8 +1274,10 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     /* keys this tile sees: [k_lo, k_hi]; split ks takes an even share of its blocks */
     const uint32_t pos_first = it->q_pos0 + w.qa, pos_last = pos_first + w.nq - 1;
-    const uint32_t k_lo = item_key_lo(call, it, pos_first), k_hi = item_key_hi(it, pos_last);
-    const uint32_t bl = k_lo / B, nb = k_hi / B - bl + 1;
+    uint32_t k_lo = item_key_lo(call, it, pos_first), k_hi = item_key_hi(it, pos_last);
+    /* a custom mask's tile: the keys its rows set (none: no block; every split of it agrees) */
+    const bool none = it->mask && !mask_tile_keys(it, w.qa, w.nq, &k_lo, &k_hi);
+    const uint32_t bl = k_lo / B, nb = none ? 0 : k_hi / B - bl + 1;
     const uint32_t b0 = bl + (uint32_t)((uint64_t)nb * w.ks / pi->n_ks);
     const uint32_t b1 = bl + (uint32_t)((uint64_t)nb * (w.ks + 1) / pi->n_ks);
     /* rows that may need masking inside a block: causal when a key is past the first query,
@@ -1275,6 +1307,7 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
         for (uint32_t b = b0; b < b1; b++) {
             const unit_block ub = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);
             const uint32_t n_keys = ub.n_keys;
+            if (it->mask && mask_block_none(it, w.qa, w.nq, ub.kb + ub.t0, n_keys)) continue;
             if (piece_take(at, n_keys, rows_h)) {
                 const piece_mask pm = {.w = &w, .pos_first = pos_first, .kp0 = ub.kb + ub.t0, .mask = ub.mask};
                 block_pieces(at, ub.bid, w.kvh0, w.kvh0 + w.n_kvh, ub.t0, n_keys, ub.kn, ub.vn, qp, rows_h, s, m, l,

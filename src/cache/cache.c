@@ -1864,38 +1864,14 @@ int pkv__cache_attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, cons
     return rc;
 }
 
-/* The first set bit of bits [from, to) of m (bit i: bit i % 8 of byte i / 8), or to if none. */
-static uint64_t bits_first(const uint8_t *m, uint64_t from, uint64_t to) {
-    while (from < to) {
-        const unsigned b = m[from >> 3] >> (from & 7u); /* from's bit and those after it in its byte */
-        if (b) return PKV_MIN(from + (uint64_t)__builtin_ctz(b), to);
-        from = (from | 7u) + 1;
-    }
-    return to;
-}
-
-/* The last set bit of bits [from, to) of m, or UINT64_MAX if none. */
-static uint64_t bits_last(const uint8_t *m, uint64_t from, uint64_t to) {
-    while (to > from) {
-        const uint64_t i = to - 1;
-        const unsigned b = m[i >> 3] & (0xFFu >> (7u - (i & 7u))); /* i's bit and those before it */
-        if (b) {
-            const uint64_t x = (i & ~(uint64_t)7) + (uint64_t)(31 - __builtin_clz(b));
-            return x >= from ? x : UINT64_MAX;
-        }
-        to = i & ~(uint64_t)7;
-    }
-    return UINT64_MAX;
-}
-
 /* The keys a custom mask of n_q rows of kv_len bits sets, the least and the greatest of any row,
  * in *lo and *hi; false (and kv_len - 1 in both) where it sets none. Each row is read up to the
  * least found so far from its front and down to the greatest from its back. */
 static bool mask_keys(const uint8_t *m, uint32_t n_q, uint32_t kv_len, uint32_t *lo, uint32_t *hi) {
     uint64_t l = kv_len, h = UINT64_MAX;
     for (uint64_t r = 0, base = 0; r < n_q; r++, base += kv_len) {
-        l = bits_first(m, base, base + l) - base;
-        const uint64_t x = bits_last(m, base + (h == UINT64_MAX ? 0 : h + 1), base + kv_len);
+        l = pkv__bits_first(m, base, base + l) - base;
+        const uint64_t x = pkv__bits_last(m, base + (h == UINT64_MAX ? 0 : h + 1), base + kv_len);
         if (x != UINT64_MAX) h = x - base;
     }
     const bool any = h != UINT64_MAX;

@@ -42,6 +42,31 @@ static inline bool pkv__f32_rows_bytes(uint64_t n, size_t width, size_t *out) {
 }
 /* Whether the byte ranges [a, a + na) and [b, b + nb) share a byte (the caller's arrays: an
  * aliasing check, by address). */
+/* Bit arrays as custom masks give them (pkv_attn_prefill_masked): bit i is bit i % 8 of byte i / 8.
+ * The first set bit of bits [from, to) of m, or to if none. */
+static inline uint64_t pkv__bits_first(const uint8_t *m, uint64_t from, uint64_t to) {
+    while (from < to) {
+        const unsigned b = m[from >> 3] >> (from & 7u); /* from's bit and those after it in its byte */
+        if (b) return PKV_MIN(from + (uint64_t)__builtin_ctz(b), to);
+        from = (from | 7u) + 1;
+    }
+    return to;
+}
+
+/* The last set bit of bits [from, to) of m, or UINT64_MAX if none. */
+static inline uint64_t pkv__bits_last(const uint8_t *m, uint64_t from, uint64_t to) {
+    while (to > from) {
+        const uint64_t i = to - 1;
+        const unsigned b = m[i >> 3] & (0xFFu >> (7u - (i & 7u))); /* i's bit and those before it */
+        if (b) {
+            const uint64_t x = (i & ~(uint64_t)7) + (uint64_t)(31 - __builtin_clz(b));
+            return x >= from ? x : UINT64_MAX;
+        }
+        to = i & ~(uint64_t)7;
+    }
+    return UINT64_MAX;
+}
+
 static inline bool pkv__overlap(const void *a, size_t na, const void *b, size_t nb) {
     const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
     return x < y ? y - x < na : x - y < nb;
