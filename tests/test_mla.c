@@ -267,6 +267,23 @@ static void run_world(world *w, float scale) {
                 check_row_as(w, 2, l, q + (size_t)t * nqh * D, w->len[2] - 1, scale, out + (size_t)t * nqh * Dv,
                              lse + t * nqh, co + (size_t)t * nqh * D, clse + t * nqh, !quick() || t == 0);
         }
+        /* a custom mask (pkv_attn_prefill_masked, where the world has no window or chunks): the
+           causal one over [100, 112) of sequence 0, against the causal rows' reference */
+        if (!w->ex.window && !w->ex.chunk) {
+            enum { KV = 112 };
+            uint8_t cm[12 * KV / 8 + 1] = {0};
+            for (uint32_t i = 0; i < 12; i++)
+                for (uint32_t t = 0; t <= 100 + i; t++) cm[(i * KV + t) / 8] |= (uint8_t)(1u << ((i * KV + t) % 8));
+            const uint8_t *const ms[1] = {cm};
+            pkv_attn_params pm = p;
+            pm.lse = lse;
+            assert_int_equal(pkv_attn_prefill_masked(w->c[0], l, &r[0][0], 1, ms, q, out, &pm), PKV_OK);
+            pm.lse = clse;
+            assert_int_equal(pkv_attn_prefill_masked(w->c[1], l, &r[1][0], 1, ms, q, co, &pm), PKV_OK);
+            for (uint32_t t = 0; t < 12; t++)
+                check_row_as(w, 0, l, q + (size_t)t * nqh * D, 100 + t, scale, out + (size_t)t * nqh * Dv,
+                             lse + t * nqh, co + (size_t)t * nqh * D, clse + t * nqh, !quick() || t == 0 || t == 11);
+        }
         /* a tree of 4 nodes at the end of sequence 0: a chain 0-1-2 and a node 3 under 0; against
            the twin (the paths' reference is test_attn_api.c's) */
         const int32_t parent[4] = {-1, 0, 1, 0};
