@@ -108,6 +108,7 @@ typedef struct pm_world {
     uint64_t n_compact_moved; /* blocks pkv_seq_compact moved */
     uint64_t n_drops;         /* pkv_seq_drop_front calls taken */
     uint64_t n_attn_front;    /* attention calls checked over a sequence with a dropped front */
+    uint64_t n_attn_masked;   /* prefill calls checked through pkv_attn_prefill_masked */
     /* attention calls checked, their queries, bad calls, calls with out == q */
     uint64_t n_attn, n_attn_queries, n_attn_bad, n_attn_in_place;
     uint64_t n_attn_shared; /* attention calls that read a shared prefix once for a group */
@@ -876,14 +877,32 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
        (512 positions); now and then a scratch of two queries' rows, so that groups are refused */
     const uint32_t shb = pm_byte(src), sh_min = shb % 3 == 0 ? 0 : shb % 3 == 1 ? 1 : (512 + w->B - 1) / w->B;
     pkv__cache_test_share(w->c, sh_min, shb & 64 ? 2 * Hq : 0);
+    /* custom masks (pkv_attn_prefill_masked) of the rule the reference follows, causal or (non-
+       causal) the whole sequence, for some requests (NULL for the others), where the call has no
+       window or chunks: the masked path against the same reference */
+    static uint8_t mbits[PM_ATTN_MAX_Q * (PM_MAX_TOK + 1) / 8 + PM_ATTN_MAX_SEQS];
+    const uint8_t *masks[PM_ATTN_MAX_SEQS] = {NULL};
+    const int masked = prefill && !ap.window && !ap.attn_chunk && (pm_byte(src) & 3) == 0;
+    for (size_t i = 0, at = 0; masked && i < n; i++) {
+        const uint64_t kv = noncausal ? pick[i]->len : (uint64_t)reqs[i].q_start + reqs[i].n_q;
+        const uint64_t bytes = ((uint64_t)reqs[i].n_q * kv + 7) / 8;
+        if ((pm_byte(src) & 3) == 0 || kv > pick[i]->len || at + bytes > sizeof mbits) continue;
+        uint8_t *m = mbits + at;
+        memset(m, 0, bytes);
+        for (uint64_t j = 0; j < reqs[i].n_q; j++)
+            for (uint64_t t = 0; t < kv && (noncausal || t <= reqs[i].q_start + j); t++)
+                m[(j * kv + t) >> 3] |= (uint8_t)(1u << ((j * kv + t) & 7u));
+        masks[i] = m, at += bytes;
+    }
     pkv_stats st0;
     PM_EXPECT(w, pkv_cache_get_stats(w->c, &st0) == 0, "pkv_cache_get_stats");
-    int rc = prefill ? pkv_attn_prefill(w->c, l, reqs, n, qp, w->aout, &ap)
-                     : pkv_attn_decode(w->c, l, seqs, n, qp, w->aout, &ap);
+    int rc = masked    ? pkv_attn_prefill_masked(w->c, l, reqs, n, masks, qp, w->aout, &ap)
+             : prefill ? pkv_attn_prefill(w->c, l, reqs, n, qp, w->aout, &ap)
+                       : pkv_attn_decode(w->c, l, seqs, n, qp, w->aout, &ap);
     PM_TR(w,
           "   attn %s of %u seqs (%u queries, Hq %u, layer %u, scale %g cap %g window %u chunk %u lse %d, sinks %d,"
           " in place %d, flags %u (used %d), bad %u, share %u %d) -> %s\n",
-          prefill ? "prefill" : "decode", n, nq, Hq, l, (double)ap.scale, (double)ap.softcap, ap.window,
+          masked ? "masked prefill" : prefill ? "prefill" : "decode", n, nq, Hq, l, (double)ap.scale, (double)ap.softcap, ap.window,
           ap.attn_chunk, ap.lse != NULL, ap.sinks != NULL, qp == w->aout, ap.flags, used, bad, sh_min, (shb & 64) != 0, pkv_strerror(rc));
     pkv_stats st1;
     PM_EXPECT(w, pkv_cache_get_stats(w->c, &st1) == 0, "pkv_cache_get_stats");
@@ -925,6 +944,7 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
                               (double)w->alse[row * Hq + h], lse[h]);
         }
     w->n_attn++;
+    w->n_attn_masked += masked;
     w->n_attn_queries += nq;
     w->n_attn_in_place += qp == w->aout;
     for (uint32_t i = 0; i < n; i++)

@@ -14,7 +14,7 @@
 typedef struct totals {
     uint64_t matches, full_hits, partial_hits, root_hits, evictions, cow, enospc, forks, pins, truncs, tokens_hit, compact_moved;
     uint64_t attn, attn_queries, attn_bad, attn_pool, attn_in_place, attn_shared;
-    uint64_t drops, attn_front;
+    uint64_t drops, attn_front, attn_masked;
 } totals;
 
 static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, int steps, totals *t) {
@@ -51,6 +51,7 @@ static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, i
     t->attn_pool += st.attn_reqs_pool;
     t->drops += w->n_drops;
     t->attn_front += w->n_attn_front;
+    t->attn_masked += w->n_attn_masked;
     pm_fini(w);
     free(w);
 }
@@ -61,11 +62,12 @@ static void test_prefix_random_b4(void **state) {
     totals t = {0};
     for (uint64_t seed = 1; seed <= 6; seed++) run_world(0x00, (uint32_t)(seed * 7), 0, seed, 1500, &t);
     print_message("B=4: matches %llu full-block hits %llu partial hits %llu (in block 0 %llu) evictions %llu cow %llu "
-                  "enospc %llu attention calls %llu (%llu queries) bad %llu\n",
+                  "enospc %llu attention calls %llu (%llu queries, %llu masked) bad %llu\n",
                   (unsigned long long)t.matches, (unsigned long long)t.full_hits, (unsigned long long)t.partial_hits,
                   (unsigned long long)t.root_hits,
                   (unsigned long long)t.evictions, (unsigned long long)t.cow, (unsigned long long)t.enospc,
-                  (unsigned long long)t.attn, (unsigned long long)t.attn_queries, (unsigned long long)t.attn_bad);
+                  (unsigned long long)t.attn, (unsigned long long)t.attn_queries, (unsigned long long)t.attn_masked,
+                  (unsigned long long)t.attn_bad);
     /* the workload must really exercise what it checks, or it proves nothing */
     assert_true(t.full_hits > 0);
     assert_true(t.partial_hits > 0);
@@ -76,6 +78,7 @@ static void test_prefix_random_b4(void **state) {
     /* attention over those sequences, against the model's K/V, and its bad calls */
     assert_true(t.attn > 0 && t.attn_queries > t.attn && t.attn_bad > 0 && t.attn_in_place > 0);
     assert_true(t.attn_shared > 0); /* decodes of forks and matched prompts in shared-prefix groups */
+    assert_true(t.attn_masked > 0);  /* prefills through custom masks */
 }
 
 /* Other block sizes (1, 3, 16), dtypes (f32, bf16, mixed K/V) and two layers. */
