@@ -862,7 +862,7 @@ PKV_NODISCARD PKV_API int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const p
  * j x kv_len + t of masks[i] is set, for keys t of [0, kv_len), kv_len = q_start + n_q (with
  * PKV_ATTN_NONCAUSAL: the sequence's length). Bit i is bit i % 8 of byte i / 8: a bool array
  * [n_q][kv_len] through numpy.packbits(m, axis=None, bitorder="little"); n_q x kv_len bits, read
- * during the call. Causality is the mask's to say: a query may see keys ahead of it (Gemma 3's
+ * during the call, not overlapping out or lse (else PKV_EINVAL). Causality is the mask's to say: a query may see keys ahead of it (Gemma 3's
  * and PaliGemma's bidirectional image and prefix tokens), or only its own document's (packed
  * sequences), or any pattern. A query that sees no key gets out 0 and lse -inf (with sinks: lse
  * sinks[h]). Soft-cap, sinks, lse, GQA, MLA and ALiBi apply as in pkv_attn_prefill (ALiBi's

@@ -2268,7 +2268,7 @@ enum { MASK_REQS = 5 };
  * bits; a mask that is the causal one gives pkv_attn_prefill's results, all masks NULL its bits;
  * with PKV_ATTN_NONCAUSAL rows of the sequence's length. Past a dropped front a mask that sees none
  * of it is taken and one that sees its last key refused; a window or chunks with a mask, masks
- * NULL: PKV_EINVAL, out untouched. */
+ * NULL, a mask overlapping out or lse: PKV_EINVAL, out untouched. */
 static void test_api_mask(void **state) {
     (void)state;
     static host_seq s[4];
@@ -2356,14 +2356,19 @@ static void test_api_mask(void **state) {
             /* refusals, out untouched */
             memset(out, 0x5a, sizeof(float) * nq * NQH * D);
             memcpy(o2, out, sizeof(float) * nq * NQH * D);
-            for (int bad = 0; bad < 4; bad++) {
+            for (int bad = 0; bad < 6; bad++) {
                 pkv_attn_params pb = pkv_attn_params_default();
                 pb.n_q_heads = NQH;
                 if (bad == 0) pb.window = 8;
                 if (bad == 1) pb.attn_chunk = 16;
                 if (bad == 3) pb.flags = PKV_ATTN_NONCAUSAL; /* request 0's q_start 40 */
+                /* a mask overlapping out (its last bytes) or lse, which the call writes */
+                const uint8_t *over[MASK_REQS] = {masks[0], masks[1], masks[2], NULL, NULL};
+                if (bad == 4) over[2] = (const uint8_t *)(out + (size_t)nq * NQH * D) - 8;
+                if (bad == 5) pb.lse = lse, over[1] = (const uint8_t *)lse + 4;
                 g_said[0] = 0;
-                assert_int_equal(pkv_attn_prefill_masked(c, 0, reqs, MASK_REQS, bad == 2 ? NULL : masks, q, out, &pb),
+                assert_int_equal(pkv_attn_prefill_masked(c, 0, reqs, MASK_REQS,
+                                                         bad == 2 ? NULL : bad >= 4 ? over : masks, q, out, &pb),
                                  PKV_EINVAL);
                 assert_true(g_said[0] != 0);
                 assert_memory_equal(o2, out, sizeof(float) * nq * NQH * D);

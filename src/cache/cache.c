@@ -1903,6 +1903,11 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
     pthread_mutex_lock(&c->attn_mu);
     /* validate everything first: no kernel runs on a bad request */
     uint64_t n_rows = 0; /* queries in all */
+    /* the bytes out and lse will take, which a mask (read during the call) must not overlap */
+    uint64_t all_rows = 0, o_span = 0, l_span = 0;
+    for (uint32_t i = 0; any_mask && i < n; i++) all_rows += reqs[i].n_q;
+    if (any_mask)
+        o_span = all_rows * orow * sizeof(float), l_span = lse ? all_rows * call.n_q_heads * sizeof(float) : 0;
     LOCK(c);
     for (uint32_t i = 0; i < n && !rc; i++) {
         pkv__seq *s;
@@ -1923,10 +1928,16 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         else if (!reqs && s->n_tokens == 0)
             rc = pkv__say(c, PKV_EINVAL, api, "sequence %u (%#llx) is empty: no position to query", i,
                           (unsigned long long)seqs[i]);
-        else if (masks && masks[i] && reqs[i].n_q &&
-                 ((uint64_t)reqs[i].n_q * (noncausal ? s->n_tokens : reqs[i].q_start + reqs[i].n_q) + 7) / 8 > SIZE_MAX)
-            rc = pkv__say(c, PKV_EINVAL, api, "request %u: its mask's bits are past size_t", i);
-        else if (s->n_dropped && (!reqs || reqs[i].n_q)) { /* its first query's first key (the least) */
+        else if (masks && masks[i] && reqs[i].n_q) {
+            const uint64_t bytes =
+                ((uint64_t)reqs[i].n_q * (noncausal ? s->n_tokens : reqs[i].q_start + reqs[i].n_q) + 7) / 8;
+            if (bytes > SIZE_MAX || o_span > SIZE_MAX || l_span > SIZE_MAX)
+                rc = pkv__say(c, PKV_EINVAL, api, "request %u: its mask's bytes, or out's, are past size_t", i);
+            else if (pkv__overlap(masks[i], (size_t)bytes, out, (size_t)o_span) ||
+                     (lse && pkv__overlap(masks[i], (size_t)bytes, lse, (size_t)l_span)))
+                rc = pkv__say(c, PKV_EINVAL, api, "request %u: its mask overlaps out or lse", i);
+        }
+        if (!rc && s->n_dropped && (!reqs || reqs[i].n_q)) { /* its first query's first key (the least) */
             const uint32_t q0 = reqs ? reqs[i].q_start : s->n_tokens - 1;
             uint32_t lo = noncausal ? 0 : pkv__attn_key_lo(&call, q0), hi;
             if (masks && masks[i]) /* the least key a query of it sees, or (none) the last it may */
