@@ -1981,6 +1981,15 @@ static void said_fn(void *ctx, int level, const char *msg) {
     if (level == PKV_LOG_ERROR) snprintf(g_said, sizeof g_said, "%s", msg);
 }
 
+/* make_cache's cache (prefix caching off), its refusals' reasons in g_said. */
+static pkv_cache *said_cache(pkv_dtype dt, uint32_t n_threads) {
+    pkv_config cfg = api_config(dt, n_threads, 0);
+    cfg.log = said_fn;
+    pkv_cache *c = NULL;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    return c;
+}
+
 static void test_api_drop_front(void **state) {
     (void)state;
     static host_seq s[4];
@@ -1988,10 +1997,7 @@ static void test_api_drop_front(void **state) {
     for (int ti = 0; ti < 2; ti++)
         for (uint32_t nt = 1; nt <= 2; nt++) {
             const pkv_dtype dt = k_types[ti];
-            pkv_config cfg = api_config(dt, nt, 0);
-            cfg.log = said_fn;
-            pkv_cache *c = NULL;
-            assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+            pkv_cache *c = said_cache(dt, nt);
             pkv__cache_test_share(c, 1, 0);
             seq_new(c, dt, &s[0], 300, 11);
             for (int i = 1; i <= 2; i++) {
@@ -2275,10 +2281,7 @@ static void test_api_mask(void **state) {
     for (size_t ti = 0; ti < 5; ti++)
         for (uint32_t nt = 1; nt <= 2; nt++) {
             const pkv_dtype dt = q_types[ti];
-            pkv_config cfg = api_config(dt, nt, 0);
-            cfg.log = said_fn;
-            pkv_cache *c = NULL;
-            assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+            pkv_cache *c = said_cache(dt, nt);
             static const uint32_t lens[4] = {120, 90, 70, 40};
             for (int i = 0; i < 4; i++) seq_new(c, dt, &s[i], lens[i], 100 * i);
             const pkv_attn_req reqs[MASK_REQS] = {

@@ -554,15 +554,22 @@ func TestDropFront(t *testing.T) {
 	}
 }
 
+// fortyTokens: an f32 cache of 2 kv heads of 64, one sequence of 40 random tokens in it, and
+// their K and V as gathered.
+func fortyTokens(t *testing.T, r *rng) (*Cache, Seq, []float32, []float32) {
+	c := newCache(t, 2, 64, 32, F32)
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	fill(t, c, s, 40, r)
+	k, v, err := c.Gather(s, 0, 0, 40)
+	must(t, err)
+	return c, s, k, v
+}
+
 func TestSoftcapWindowMerge(t *testing.T) {
 	r := rng(7)
 	const h, d, hq = 2, 64, 4
-	c := newCache(t, h, d, 32, F32)
-	s, err := c.SeqCreate(nil)
-	must(t, err)
-	fill(t, c, s, 40, &r)
-	k, v, err := c.Gather(s, 0, 0, 40)
-	must(t, err)
+	c, s, k, v := fortyTokens(t, &r)
 	q := r.vec(hq * d)
 	for i := range q {
 		q[i] *= 3
@@ -3144,12 +3151,7 @@ func TestSharedPrefixDecode(t *testing.T) {
 func TestPrefillMasked(t *testing.T) {
 	r := rng(11)
 	const h, d, hq = 2, 64, 4
-	c := newCache(t, h, d, 32, F32)
-	s, err := c.SeqCreate(nil)
-	must(t, err)
-	fill(t, c, s, 40, &r)
-	k, v, err := c.Gather(s, 0, 0, 40)
-	must(t, err)
+	c, s, k, v := fortyTokens(t, &r)
 	if got := PackMask([]bool{true, false, false, true, false, false, false, false, true}); len(got) != 2 ||
 		got[0] != 9 || got[1] != 1 {
 		t.Fatalf("PackMask: %v", got)
