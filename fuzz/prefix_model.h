@@ -944,7 +944,11 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
                               (double)w->alse[row * Hq + h], lse[h]);
         }
     w->n_attn++;
-    w->n_attn_masked += masked;
+    for (uint32_t i = 0; masked && i < n; i++)
+        if (masks[i]) { /* a call whose masks all came out NULL is pkv_attn_prefill's */
+            w->n_attn_masked++;
+            break;
+        }
     w->n_attn_queries += nq;
     w->n_attn_in_place += qp == w->aout;
     for (uint32_t i = 0; i < n; i++)

@@ -869,10 +869,14 @@ PKV_NODISCARD PKV_API int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const p
  * distance t - p at the query's real position p, positive for a key ahead of it); a window or
  * attn_chunk with any mask is PKV_EINVAL (set their bits in the mask instead). A masked request
  * reads the blocks from the one holding the least key any of its queries sees to the one holding
- * the greatest, and is not grouped with others as a shared prefix; past a dropped front
- * (pkv_seq_drop_front) that least key must be kept, as for any query. masks NULL with n_reqs > 0
- * is PKV_EINVAL. Scores are masked after they are computed: a mask saves no arithmetic inside
- * the blocks it reads. */
+ * the greatest (each tile of its queries only those its rows see), and is not grouped with others
+ * as a shared prefix; past a dropped front (pkv_seq_drop_front) that least key must be kept, as
+ * for any query (a mask that sets no bit sees nothing and reads nothing, dropped or not). masks
+ * NULL with n_reqs > 0, or the reqs or masks array overlapping out or lse, is PKV_EINVAL. With
+ * PKV_ATTN_NONCAUSAL a mask's rows are the length the call checked: a sequence that another
+ * thread grows or cuts during the call (a misuse) makes it fail with PKV_EINVAL before its mask
+ * is read past its bits. Scores are masked after they are computed: a mask saves no arithmetic
+ * inside the blocks it reads. The masks are scanned outside the cache's metadata lock. */
 PKV_NODISCARD PKV_API int pkv_attn_prefill_masked(pkv_cache *c, uint32_t layer, const pkv_attn_req *reqs,
                                                   uint32_t n_reqs, const uint8_t *const *masks, const float *q,
                                                   float *out, const pkv_attn_params *p);

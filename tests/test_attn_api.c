@@ -20,6 +20,7 @@
 #include "quant/quant.h"
 
 void pkv__cache_test_share(pkv_cache *c, uint32_t min_blocks, uint32_t rows); /* cache_int.h */
+void pkv__cache_test_inline_work(pkv_cache *c, uint64_t elems);                /* cache_int.h */
 
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
@@ -2290,7 +2291,7 @@ static void test_api_mask(void **state) {
             uint8_t *m[MASK_REQS] = {NULL};
             for (uint32_t r = 0; r < 3; r++) {
                 const uint32_t n_q = reqs[r].n_q, kv = reqs[r].q_start + n_q;
-                m[r] = calloc((size_t)n_q * kv / 8 + 1, 1);
+                m[r] = calloc(((size_t)n_q * kv + 7) / 8, 1); /* exactly its bits: no spare byte */
                 for (uint32_t i = 0; i < n_q; i++)
                     for (uint32_t t = 0; t < kv; t++) {
                         const uint32_t pos = reqs[r].q_start + i;
@@ -2331,7 +2332,7 @@ static void test_api_mask(void **state) {
                 pkv_attn_params p = pkv_attn_params_default();
                 p.n_q_heads = NQH;
                 const uint32_t kv = 120;
-                uint8_t *cm = calloc((size_t)80 * kv / 8 + 1, 1);
+                uint8_t *cm = calloc(((size_t)80 * kv + 7) / 8, 1);
                 for (uint32_t i = 0; i < 80; i++)
                     for (uint32_t t = 0; t <= 40 + i; t++) bit_set(cm, (uint64_t)i * kv + t, true);
                 const uint8_t *const one[1] = {cm}, *const none[MASK_REQS] = {NULL};
@@ -2347,7 +2348,7 @@ static void test_api_mask(void **state) {
                 pkv_attn_params p = pkv_attn_params_default();
                 p.n_q_heads = NQH, p.flags = PKV_ATTN_NONCAUSAL, p.lse = lse;
                 const pkv_attn_req nr = {s[2].id, 0, 40};
-                uint8_t *nm = calloc(40 * 70 / 8 + 1, 1);
+                uint8_t *nm = calloc((40 * 70 + 7) / 8, 1);
                 for (uint32_t b = 0; b < 40 * 70; b++) bit_set(nm, b, rnd() > 0.5f);
                 const uint8_t *const one[1] = {nm};
                 assert_int_equal(pkv_attn_prefill_masked(c, 1, &nr, 1, one, q, out, &p), PKV_OK);
@@ -2376,6 +2377,14 @@ static void test_api_mask(void **state) {
                 assert_true(g_said[0] != 0);
                 assert_memory_equal(o2, out, sizeof(float) * nq * NQH * D);
             }
+            { /* the request array inside out (read again after a group of max_seqs wrote out) */
+                pkv_attn_req *in_out = (pkv_attn_req *)(void *)(out + 64);
+                memcpy(in_out, reqs, sizeof reqs);
+                memcpy(o2, out, sizeof(float) * nq * NQH * D);
+                assert_int_equal(pkv_attn_prefill_masked(c, 0, in_out, MASK_REQS, masks, q, out, NULL), PKV_EINVAL);
+                assert_non_null(strstr(g_said, "reqs array overlaps"));
+                assert_memory_equal(o2, out, sizeof(float) * nq * NQH * D);
+            }
             /* a window without any mask set is no refusal */
             {
                 pkv_attn_params pw = pkv_attn_params_default();
@@ -2392,13 +2401,13 @@ static void test_api_mask(void **state) {
                 pkv_attn_params p = pkv_attn_params_default();
                 p.n_q_heads = NQH;
                 const pkv_attn_req late = {s[1].id, 65, 25}, mid = {s[1].id, 30, 35};
-                uint8_t *dm = calloc(25 * 90 / 8 + 1, 1);
+                uint8_t *dm = calloc((25 * 90 + 7) / 8, 1);
                 for (uint32_t i = 0; i < 25; i++)
                     for (uint32_t t = 65; t <= 65 + i; t++) bit_set(dm, (uint64_t)i * 90 + t, true);
                 const uint8_t *const one[1] = {dm};
                 assert_int_equal(pkv_attn_prefill_masked(c, 0, &late, 1, one, q, out, &p), PKV_OK);
                 check_masked(&s[1], 0, q, out, NULL, 65, 25, dm, 90, &p, tol_of(dt));
-                uint8_t *mm = calloc(35 * 65 / 8 + 1, 1);
+                uint8_t *mm = calloc((35 * 65 + 7) / 8, 1);
                 for (uint32_t i = 0; i < 35; i++)
                     for (uint32_t t = 31; t <= 30 + i; t++) bit_set(mm, (uint64_t)i * 65 + t, true);
                 const uint8_t *const two[1] = {mm};
@@ -2411,6 +2420,17 @@ static void test_api_mask(void **state) {
                     bit_set(mm, (uint64_t)i * 65 + 31, false);
                 assert_int_equal(pkv_attn_prefill_masked(c, 0, &mid, 1, two, q, out, &p), PKV_OK);
                 check_masked(&s[1], 0, q, out, NULL, 30, 35, mm, 65, &p, tol_of(dt));
+                /* a mask of no bit sees nothing, dropped or not: queries [0, 10), whose keys are all
+                   dropped, taken with out 0 and lse -inf */
+                const pkv_attn_req early = {s[1].id, 0, 10};
+                memset(mm, 0, (35 * 65 + 7) / 8);
+                p.lse = lse;
+                memset(out, 0x5a, sizeof(float) * 10 * NQH * D);
+                assert_int_equal(pkv_attn_prefill_masked(c, 0, &early, 1, two, q, out, &p), PKV_OK);
+                for (uint32_t x = 0; x < 10 * NQH; x++) {
+                    assert_true(lse[x] == -INFINITY);
+                    for (uint32_t d = 0; d < D; d++) assert_true(out[(size_t)x * D + d] == 0.0f);
+                }
                 free(dm), free(mm);
             }
             char msg[256];
@@ -2419,6 +2439,65 @@ static void test_api_mask(void **state) {
             free(q), free(out), free(o2), free(lse);
             pkv_cache_destroy(c);
         }
+}
+
+/* A sequence that grows during a masked non-causal call (a misuse: the mask's rows were sized for
+ * the length the call checked): the caller's executor appends to it while the first group of
+ * max_seqs requests runs, and the second group, which holds the masked request, is refused with
+ * the reason, its mask never read past its bits (ASan: the mask is exactly its size). */
+typedef struct grow_exec {
+    pkv_cache *c;
+    pkv_seq s;
+    int grown;
+} grow_exec;
+
+static void grow_parallel_for(void *ctx, pkv_task_fn fn, void *job, uint32_t n) {
+    grow_exec *x = ctx;
+    if (!x->grown) {
+        int32_t tok[8] = {1, 2, 3, 4, 5, 6, 7, 8}, slots[8];
+        assert_int_equal(pkv_seq_append(x->c, x->s, tok, 8, slots), PKV_OK);
+        x->grown = 1;
+    }
+    for (uint32_t k = 0; k < n; k++) fn(job, k, k % 2);
+}
+
+static void test_api_mask_length_moves(void **state) {
+    (void)state;
+    static host_seq s[2];
+    grow_exec x = {0};
+    pkv_config cfg = api_config(PKV_DTYPE_F32, 2, 0);
+    cfg.log = said_fn;
+    cfg.executor = (pkv_executor){.parallel_for = grow_parallel_for, .ctx = &x, .n_workers = 2};
+    pkv_cache *c = NULL;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    pkv__cache_test_inline_work(c, 0); /* every group through the executor */
+    seq_new(c, PKV_DTYPE_F32, &s[0], 40, 0);
+    seq_new(c, PKV_DTYPE_F32, &s[1], 30, 500);
+    x.c = c, x.s = s[1].id;
+    enum { NR = 17 }; /* max_seqs 16: the masked request is in the second group */
+    pkv_attn_req reqs[NR];
+    const uint8_t *masks[NR] = {NULL};
+    for (int i = 0; i < NR - 1; i++) reqs[i] = (pkv_attn_req){s[0].id, 0, 2};
+    reqs[NR - 1] = (pkv_attn_req){s[1].id, 0, 4};
+    uint8_t *bits = malloc((4 * 30 + 7) / 8);
+    memset(bits, 0xff, (4 * 30 + 7) / 8);
+    masks[NR - 1] = bits;
+    const uint32_t nq = 2 * (NR - 1) + 4;
+    float *q = rand_q(nq), *out = malloc(sizeof(float) * nq * NQH * D);
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = NQH, p.flags = PKV_ATTN_NONCAUSAL;
+    g_said[0] = 0;
+    assert_int_equal(pkv_attn_prefill_masked(c, 0, reqs, NR, masks, q, out, &p), PKV_EINVAL);
+    assert_true(x.grown);
+    assert_non_null(strstr(g_said, "length went from 30 to 38"));
+    /* at the length it has now, a mask of its rows is taken */
+    free(bits);
+    bits = malloc((4 * 38 + 7) / 8);
+    memset(bits, 0xff, (4 * 38 + 7) / 8);
+    masks[NR - 1] = bits;
+    assert_int_equal(pkv_attn_prefill_masked(c, 0, reqs, NR, masks, q, out, &p), PKV_OK);
+    free(bits), free(q), free(out);
+    pkv_cache_destroy(c);
 }
 
 int main(void) {
@@ -2449,6 +2528,7 @@ int main(void) {
         cmocka_unit_test(test_api_share_chain),
         cmocka_unit_test(test_api_drop_front),
         cmocka_unit_test(test_api_mask),
+        cmocka_unit_test(test_api_mask_length_moves),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -271,7 +271,7 @@ static void run_world(world *w, float scale) {
            causal one over [100, 112) of sequence 0, against the causal rows' reference */
         if (!w->ex.window && !w->ex.chunk) {
             enum { KV = 112 };
-            uint8_t cm[12 * KV / 8 + 1] = {0};
+            uint8_t cm[(12 * KV + 7) / 8] = {0};
             for (uint32_t i = 0; i < 12; i++)
                 for (uint32_t t = 0; t <= 100 + i; t++) cm[(i * KV + t) / 8] |= (uint8_t)(1u << ((i * KV + t) % 8));
             const uint8_t *const ms[1] = {cm};

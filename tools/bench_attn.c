@@ -1020,8 +1020,9 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     }
     const size_t n = (size_t)n_tok * H_Q * HEAD_DIM;
     float *q = malloc(sizeof(float) * n), *out = malloc(sizeof(float) * n);
-    /* --mask: the causal mask, n_tok rows of n_tok bits */
-    uint8_t *mask = o->mask ? calloc((size_t)n_tok * n_tok / 8 + 1, 1) : NULL;
+    /* --mask: the causal mask, n_tok rows of n_tok bits (64-bit: 65536^2 / 8 passes a 32-bit size_t) */
+    const uint64_t mask_bytes = ((uint64_t)n_tok * n_tok + 7) / 8;
+    uint8_t *mask = o->mask && mask_bytes <= SIZE_MAX ? calloc((size_t)mask_bytes, 1) : NULL;
     if (!q || !out || (o->mask && !mask)) {
         fprintf(stderr, "pkv bench attn: out of memory for the queries\n");
         free(q), free(out), free(mask);

@@ -73,8 +73,9 @@ typedef struct pkv__attn_call {
     const float *alibi; /* [n_q_heads] ALiBi slopes (pkv_attn_params.alibi_slopes: finite, at most
                            PKV_ALIBI_SLOPE_MAX), or NULL: each visible logit, after the soft-cap,
                            gains alibi[h] x (key position - query position), the query's position
-                           being the item's (nominal where an item's are: its callers correct the
-                           log-sum-exps, which shift by alibi[h] x (nominal - real) per row) */
+                           being the item's (nominal where a partial item's are: its callers
+                           correct the log-sum-exps, which shift by alibi[h] x (nominal - real)
+                           per row; an item of a custom mask gives its real ones, mask_pos0 on) */
 } pkv__attn_call;
 
 /* The first key a query at position pos sees under the call's window and chunks (0 where

@@ -1902,7 +1902,8 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
     const bool noncausal = reqs && (call.flags & PKV_ATTN_NONCAUSAL);
     pthread_mutex_lock(&c->attn_mu);
     /* validate everything first: no kernel runs on a bad request */
-    uint64_t n_rows = 0; /* queries in all */
+    uint64_t n_rows = 0;      /* queries in all */
+    bool mask_fronts = false; /* a masked request over a sequence with a dropped front */
     /* the bytes out and lse will take, which a mask (read during the call) must not overlap */
     uint64_t all_rows = 0, o_span = 0, l_span = 0;
     for (uint32_t i = 0; any_mask && i < n; i++) all_rows += reqs[i].n_q;
@@ -1937,17 +1938,46 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
                      (lse && pkv__overlap(masks[i], (size_t)bytes, lse, (size_t)l_span)))
                 rc = pkv__say(c, PKV_EINVAL, api, "request %u: its mask overlaps out or lse", i);
         }
-        if (!rc && s->n_dropped && (!reqs || reqs[i].n_q)) { /* its first query's first key (the least) */
+        if (!rc && masks && masks[i]) {
+            s->attn_len = s->n_tokens; /* a non-causal mask's rows: its length now (checked again below) */
+            mask_fronts |= s->n_dropped && reqs[i].n_q; /* its least key, read below, outside the lock */
+        } else if (!rc && s->n_dropped && (!reqs || reqs[i].n_q)) { /* its first query's first key (the least) */
             const uint32_t q0 = reqs ? reqs[i].q_start : s->n_tokens - 1;
-            uint32_t lo = noncausal ? 0 : pkv__attn_key_lo(&call, q0), hi;
-            if (masks && masks[i]) /* the least key a query of it sees, or (none) the last it may */
-                (void)mask_keys(masks[i], reqs[i].n_q, noncausal ? s->n_tokens : q0 + reqs[i].n_q, &lo, &hi);
-            rc = check_front(c, s, api, reqs ? "request" : "sequence", i, "query", q0, lo);
+            rc = check_front(c, s, api, reqs ? "request" : "sequence", i, "query", q0,
+                             noncausal ? 0 : pkv__attn_key_lo(&call, q0));
         }
         n_rows += reqs ? reqs[i].n_q : 1;
     }
     UNLOCK(c);
     if (!rc) rc = check_buffers(c, api, q, out, lse, &call, n_rows, true);
+    /* the request array (and the masks' pointers) are read again as each group of max_seqs is
+       built, after earlier groups wrote out and lse: they must not overlap them */
+    if (!rc) {
+        const size_t o_bytes = (size_t)n_rows * orow * sizeof(float), l_bytes = (size_t)n_rows * call.n_q_heads * sizeof(float);
+        const void *arr[2] = {reqs ? (const void *)reqs : (const void *)seqs, masks};
+        const size_t arr_bytes[2] = {(size_t)n * (reqs ? sizeof *reqs : sizeof *seqs), (size_t)n * sizeof *masks};
+        for (int a = 0; a < 2 && !rc; a++)
+            if (arr[a] && (pkv__overlap(arr[a], arr_bytes[a], out, o_bytes) ||
+                           (lse && pkv__overlap(arr[a], arr_bytes[a], lse, l_bytes))))
+                rc = pkv__say(c, PKV_EINVAL, api, "the %s array overlaps out or lse", a ? "masks" : reqs ? "reqs" : "seqs");
+    }
+    /* a masked request past a dropped front: the least key a query of it sees (a mask of no bit
+       sees none), read outside the metadata lock, then checked against the front under it */
+    for (uint32_t i = 0; mask_fronts && i < n && !rc; i++) {
+        if (!masks[i] || !reqs[i].n_q) continue;
+        LOCK(c);
+        pkv__seq *s;
+        rc = pkv__get_seq(c, reqs[i].seq, &s, api);
+        const uint32_t kv_len = rc ? 0 : noncausal ? s->attn_len : reqs[i].q_start + reqs[i].n_q;
+        const bool dropped = !rc && s->n_dropped;
+        UNLOCK(c);
+        uint32_t lo, hi;
+        if (!dropped || !mask_keys(masks[i], reqs[i].n_q, kv_len, &lo, &hi)) continue;
+        LOCK(c);
+        rc = pkv__get_seq(c, reqs[i].seq, &s, api);
+        if (!rc) rc = check_front(c, s, api, "request", i, "query", reqs[i].q_start, lo);
+        UNLOCK(c);
+    }
     size_t q_at = 0;
     pkv__attn_hold_counts(c->attn); /* the statistics count a call whose every group ran, or nothing */
     c->share.call_keys = 0;
@@ -1972,17 +2002,37 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
                                    .k_end = noncausal ? s->n_tokens : 0,
                                    .q = q + q_at * qrow, .out = out + q_at * orow,
                                    .lse = lse ? lse + q_at * call.n_q_heads : NULL};
-            if (masks && masks[i]) { /* its keys [0, kv_len), read from the block of the least it sets
-                                        to the greatest; nominal positions past them (attn.h) */
+            if (masks && masks[i]) { /* its keys [0, kv_len), at nominal positions past them (attn.h) */
+                if (noncausal && s->n_tokens != s->attn_len) { /* grown or cut since the check: a misuse */
+                    rc = pkv__say(c, PKV_EINVAL, api, "request %u: its sequence's length went from %u to %u during the "
+                                  "call (its mask's rows)", i, s->attn_len, s->n_tokens);
+                    k = 0;
+                    break;
+                }
                 const uint32_t kv_len = noncausal ? s->n_tokens : q_real + nq;
-                uint32_t lo, hi;
-                (void)mask_keys(masks[i], nq, kv_len, &lo, &hi);
                 it->mask = masks[i], it->mask_row = kv_len, it->mask_pos0 = q_real;
-                it->q_pos0 = kv_len, it->k_start = lo / c->B * c->B, it->k_end = hi + 1;
+                it->q_pos0 = it->k_end = kv_len;
             }
             q_at += nq;
         }
         UNLOCK(c);
+        /* the masked items' blocks: from the one of the least key a mask sets to the greatest's,
+           found outside the lock; a mask of no bit sees nothing (out 0, lse its sink's or -inf) */
+        for (uint32_t j = 0; j < k; j++) {
+            pkv__attn_item *it = &c->items[j];
+            uint32_t lo, hi;
+            if (!it->mask) continue;
+            if (mask_keys(it->mask, it->n_q, it->mask_row, &lo, &hi)) {
+                it->k_start = lo / c->B * c->B, it->k_end = hi + 1;
+                continue;
+            }
+            for (uint32_t r = 0; r < it->n_q; r++)
+                for (uint32_t h = 0; h < call.n_q_heads; h++) {
+                    memset(it->out + ((size_t)r * call.n_q_heads + h) * c->v_dim, 0, c->v_dim * sizeof(float));
+                    if (it->lse) it->lse[(size_t)r * call.n_q_heads + h] = call.sinks ? call.sinks[h] : -INFINITY;
+                }
+            it->n_q = 0; /* no kernel runs it */
+        }
         if (k) rc = pkv__share_run(c, &view, k, &call, api);
     }
     pkv__attn_release_counts(c->attn, rc == 0);

@@ -21,6 +21,8 @@ typedef struct pkv__seq {
     uint64_t ns_lo, ns_hi; /* namespace: XXH3-128 of the salt */
     uint32_t next_free;    /* free-slot list */
     uint32_t mark;         /* pkv_batch_compact's and pkv_batch_append's scratch, under the lock */
+    uint32_t attn_len;     /* the length a masked non-causal request over it was checked at (its
+                              mask's rows; attn_common, under attn_mu) */
     int32_t *table;        /* [max_blocks_per_seq] block ids; [0, n_blocks) valid */
 } pkv__seq;
 

@@ -40,8 +40,6 @@ static inline bool pkv__f32_rows_bytes(uint64_t n, size_t width, size_t *out) {
     size_t elems;
     return (uint64_t)(size_t)n == n && pkv__mul_ok((size_t)n, width, &elems) && pkv__mul_ok(elems, sizeof(float), out);
 }
-/* Whether the byte ranges [a, a + na) and [b, b + nb) share a byte (the caller's arrays: an
- * aliasing check, by address). */
 /* Bit arrays as custom masks give them (pkv_attn_prefill_masked): bit i is bit i % 8 of byte i / 8.
  * The first set bit of bits [from, to) of m, or to if none. */
 static inline uint64_t pkv__bits_first(const uint8_t *m, uint64_t from, uint64_t to) {
@@ -67,6 +65,8 @@ static inline uint64_t pkv__bits_last(const uint8_t *m, uint64_t from, uint64_t 
     return UINT64_MAX;
 }
 
+/* Whether the byte ranges [a, a + na) and [b, b + nb) share a byte (the caller's arrays: an
+ * aliasing check, by address). */
 static inline bool pkv__overlap(const void *a, size_t na, const void *b, size_t nb) {
     const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
     return x < y ? y - x < na : x - y < nb;
