@@ -1338,8 +1338,11 @@ class Cache:
         to the rule above; else a boolean array [n_q][kv_len], kv_len = q_start + n_q (with
         causal=False the sequence's length), whose [j][t] says whether query j sees key t:
         causality is the mask's to say (keys ahead of a query may be seen: bidirectional image
-        or prefix tokens; documents packed in one sequence kept apart). A query that sees no key
-        gets 0 (lse -inf, or the sink's). window and attn_chunk are refused with a mask."""
+        or prefix tokens; documents packed in one sequence kept apart). A mask may also be given
+        packed already: a 1-D uint8 array of exactly ceil(n_q * kv_len / 8) bytes, as
+        numpy.packbits(m, axis=None, bitorder="little") (and FlashInfer's packbits) makes it. A
+        query that sees no key gets 0 (lse -inf, or the sink's). window and attn_chunk are refused
+        with a mask."""
         rs = list(reqs)
         if not rs:
             raise _invalid("prefill: no requests")
@@ -1383,8 +1386,16 @@ class Cache:
             r = arr[i]
             kv_len = r.q_start + r.n_q if causal else self._info(r.seq).n_tokens
             a = np.asarray(m)
+            if a.dtype == np.uint8 and a.ndim == 1:  # packed already (packbits, little bit order)
+                need = (r.n_q * kv_len + 7) // 8
+                if a.size != need:
+                    raise _invalid("prefill: packed mask %d has %d bytes, %d needed (%d x %d bits)"
+                                   % (i, a.size, need, r.n_q, kv_len))
+                packed.append(np.ascontiguousarray(a))
+                continue
             if a.dtype != np.bool_:
-                raise _invalid("prefill: mask %d is %s, a boolean array is needed" % (i, a.dtype))
+                raise _invalid("prefill: mask %d is %s, a boolean array (or packed uint8 bytes) is needed"
+                               % (i, a.dtype))
             if a.shape != (r.n_q, kv_len):
                 raise _invalid("prefill: mask %d is shaped %s, (%d, %d) needed ([n_q][kv_len])"
                                % (i, a.shape, r.n_q, kv_len))

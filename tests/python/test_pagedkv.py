@@ -517,6 +517,11 @@ class TestAttention(Base):
             self.assertClose(c.prefill(0, [(s, 10, 30)], q[:30], masks=[keys <= pos]), causal.astype(np.float64),
                              1e-5, "a causal mask")
             np.testing.assert_array_equal(c.prefill(0, [(s, 10, 30)], q[:30], masks=[None]), causal)
+            # packed already: the same bits as the bool array
+            packed = np.packbits(m0, axis=None, bitorder="little")
+            np.testing.assert_array_equal(c.prefill(0, [(s, 10, 30)], q[:30], masks=[packed]),
+                                          c.prefill(0, [(s, 10, 30)], q[:30], masks=[m0]))
+            self.assertEinval(c.prefill, 0, [(s, 10, 30)], q[:30], masks=[packed[:-1]])
             # non-causal: rows of the whole sequence
             mn = self.rng.random((12, 23)) < 0.5
             mn[:, 0] = True
