@@ -649,6 +649,10 @@ PM_NOCOV static inline void pm_attn_ref_keys(const pm_world *w, const pm_seq *q,
             sum += e;
             for (uint32_t d = 0; d < D; d++) ref[h * D + d] += e * pm_val(q->h[j], l, 1, h / G, d);
         }
+        if (!(sum > 0.0)) { /* no key and no sink (a mask's empty row): 0, lse -inf */
+            lse[h] = -INFINITY;
+            continue;
+        }
         for (uint32_t d = 0; d < D; d++) ref[h * D + d] /= sum;
         lse[h] = mx + log(sum);
     }
@@ -862,13 +866,50 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         want_rc = PKV_EINVAL;
     }
     if (bad == 8) ap.flags = 4u, want_rc = PKV_EINVAL; /* a flag pkv.h does not define */
+    /* custom masks (pkv_attn_prefill_masked) for some requests (NULL for the others), where the
+       call has no window or chunks, over keys [0, q_start + n_q) or (non-causal) the sequence:
+       the reference's own rule (causal, or every key), random bits (dense or sparse), causal
+       within two documents; now and then a row cleared (it sees nothing). The reference then
+       takes each row's keys (pm_attn_ref_keys) */
+    static uint8_t mbits[PM_ATTN_MAX_Q * (PM_MAX_TOK + 1) / 8 + PM_ATTN_MAX_SEQS];
+    const uint8_t *masks[PM_ATTN_MAX_SEQS] = {NULL};
+    uint32_t mask_len[PM_ATTN_MAX_SEQS] = {0}; /* a mask's rows: kv_len bits */
+    const int masked = prefill && !ap.window && !ap.attn_chunk && (pm_byte(src) & 3) == 0;
+    for (size_t i = 0, at = 0; masked && i < n; i++) {
+        const uint64_t kv = noncausal ? pick[i]->len : (uint64_t)reqs[i].q_start + reqs[i].n_q;
+        const uint64_t bytes = ((uint64_t)reqs[i].n_q * kv + 7) / 8;
+        const uint32_t shape = pm_byte(src) % 5, edge = kv ? pm_below(src, (uint32_t)kv) : 0;
+        if (shape == 4 || kv > pick[i]->len || at + bytes > sizeof mbits) continue;
+        uint8_t *m = mbits + at;
+        memset(m, 0, bytes);
+        for (uint64_t j = 0; j < reqs[i].n_q; j++) {
+            const uint64_t p = reqs[i].q_start + j;
+            const int cleared = pm_byte(src) < 16;
+            for (uint64_t t = 0; t < kv && !cleared; t++) {
+                const int on = shape == 0   ? noncausal || t <= p
+                               : shape == 1 ? pm_byte(src) & 1
+                               : shape == 2 ? pm_byte(src) < 32
+                                            : t <= p && (t < edge) == (p < edge);
+                if (on) m[(j * kv + t) >> 3] |= (uint8_t)(1u << ((j * kv + t) & 7u));
+            }
+        }
+        masks[i] = m, mask_len[i] = (uint32_t)kv, at += bytes;
+    }
     /* a request whose first query sees a dropped position (pkv_seq_drop_front) is refused; the
        sequences are checked in order, so one before a stale id (bad 5) says EINVAL first */
     for (uint32_t i = 0; i < n && want_rc != PKV_EINVAL; i++) {
         const uint32_t m = prefill ? reqs[i].n_q : 1, q0 = prefill ? reqs[i].q_start : pick[i]->len - 1;
         const int stale = bad == 5 && want_rc == PKV_ENOENT && i == n - 1;
-        if (m && !stale && (noncausal ? 0 : pm_key_lo(&ap, q0)) < pick[i]->dropped) want_rc = PKV_EINVAL;
+        if (m && !stale && !masks[i] && (noncausal ? 0 : pm_key_lo(&ap, q0)) < pick[i]->dropped) want_rc = PKV_EINVAL;
     }
+    /* a masked request's least key (none where its mask sets no bit) is checked after every
+       request passed the rest */
+    for (uint32_t i = 0; i < n && !want_rc; i++)
+        for (uint64_t x = 0; masks[i] && x < (uint64_t)reqs[i].n_q * mask_len[i]; x++)
+            if (masks[i][x >> 3] >> (x & 7u) & 1u && x % mask_len[i] < pick[i]->dropped) {
+                want_rc = PKV_EINVAL;
+                break;
+            }
     if (!want_rc && b >= 192) { /* in place: out is q, the queries copied there first */
         memcpy(w->aout, w->aq, (size_t)nq * Hq * D * sizeof(float));
         qp = w->aout;
@@ -877,23 +918,6 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
        (512 positions); now and then a scratch of two queries' rows, so that groups are refused */
     const uint32_t shb = pm_byte(src), sh_min = shb % 3 == 0 ? 0 : shb % 3 == 1 ? 1 : (512 + w->B - 1) / w->B;
     pkv__cache_test_share(w->c, sh_min, shb & 64 ? 2 * Hq : 0);
-    /* custom masks (pkv_attn_prefill_masked) of the rule the reference follows, causal or (non-
-       causal) the whole sequence, for some requests (NULL for the others), where the call has no
-       window or chunks: the masked path against the same reference */
-    static uint8_t mbits[PM_ATTN_MAX_Q * (PM_MAX_TOK + 1) / 8 + PM_ATTN_MAX_SEQS];
-    const uint8_t *masks[PM_ATTN_MAX_SEQS] = {NULL};
-    const int masked = prefill && !ap.window && !ap.attn_chunk && (pm_byte(src) & 3) == 0;
-    for (size_t i = 0, at = 0; masked && i < n; i++) {
-        const uint64_t kv = noncausal ? pick[i]->len : (uint64_t)reqs[i].q_start + reqs[i].n_q;
-        const uint64_t bytes = ((uint64_t)reqs[i].n_q * kv + 7) / 8;
-        if ((pm_byte(src) & 3) == 0 || kv > pick[i]->len || at + bytes > sizeof mbits) continue;
-        uint8_t *m = mbits + at;
-        memset(m, 0, bytes);
-        for (uint64_t j = 0; j < reqs[i].n_q; j++)
-            for (uint64_t t = 0; t < kv && (noncausal || t <= reqs[i].q_start + j); t++)
-                m[(j * kv + t) >> 3] |= (uint8_t)(1u << ((j * kv + t) & 7u));
-        masks[i] = m, at += bytes;
-    }
     pkv_stats st0;
     PM_EXPECT(w, pkv_cache_get_stats(w->c, &st0) == 0, "pkv_cache_get_stats");
     int rc = masked    ? pkv_attn_prefill_masked(w->c, l, reqs, n, masks, qp, w->aout, &ap)
@@ -929,7 +953,16 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
     for (uint32_t i = 0; i < n; i++)
         for (uint32_t t = 0; t < reqs[i].n_q; t++, row++) {
             const uint32_t pos = noncausal ? pick[i]->len - 1 : reqs[i].q_start + t; /* non-causal: the last's */
-            pm_attn_ref(w, pick[i], layer, pos, Hq, &ap, w->aq + row * Hq * D, bf16q, ref, lse);
+            if (masks[i]) { /* the keys its row sets */
+                static uint32_t keys[PM_MAX_TOK];
+                uint32_t nk = 0;
+                for (uint32_t k = 0; k < mask_len[i]; k++) {
+                    const uint64_t bit = (uint64_t)t * mask_len[i] + k;
+                    if (masks[i][bit >> 3] >> (bit & 7u) & 1u) keys[nk++] = k;
+                }
+                pm_attn_ref_keys(w, pick[i], layer, keys, nk, Hq, &ap, w->aq + row * Hq * D, bf16q, ref, lse);
+            } else
+                pm_attn_ref(w, pick[i], layer, pos, Hq, &ap, w->aq + row * Hq * D, bf16q, ref, lse);
             for (uint32_t e = 0; e < Hq * D; e++) {
                 const float o = w->aout[row * Hq * D + e];
                 PM_EXPECT(w, fabs((double)o - ref[e]) <= tol,
@@ -939,7 +972,8 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
             }
             if (ap.lse)
                 for (uint32_t h = 0; h < Hq; h++)
-                    PM_EXPECT(w, fabs((double)w->alse[row * Hq + h] - lse[h]) <= 1e-4 * (1.0 + fabs(lse[h])),
+                    PM_EXPECT(w, isinf(lse[h]) ? w->alse[row * Hq + h] == -INFINITY /* a row that saw nothing */
+                                                : fabs((double)w->alse[row * Hq + h] - lse[h]) <= 1e-4 * (1.0 + fabs(lse[h])),
                               "attn lse seq %d pos %u head %u: %.7g, reference %.7g", PM_SI(w, pick[i]), pos, h,
                               (double)w->alse[row * Hq + h], lse[h]);
         }
