@@ -50,61 +50,70 @@ void pkv__attn_prep_q8(const float *q, size_t q_stride, uint32_t n_rows, uint32_
     }
 }
 
-/* Integer dot product of one query block (32 int8) with K block b of row kr. */
-static int32_t dot_q8_0(const int8_t *q, const uint8_t *kr, uint32_t b, float *dk) {
-    pkv_block_q8_0 blk;
-    memcpy(&blk, kr + b * sizeof blk, sizeof blk);
-    int32_t isum = 0;
-    for (int j = 0; j < 32; j++) isum += (int32_t)q[j] * blk.qs[j];
-    *dk = pkv__f16_to_f32(blk.d);
-    return isum;
-}
-
-static int32_t dot_q4_0(const int8_t *q, const uint8_t *kr, uint32_t b, float *dk) {
-    pkv_block_q4_0 blk;
-    memcpy(&blk, kr + b * sizeof blk, sizeof blk);
-    int32_t isum = 0;
-    for (int j = 0; j < 16; j++) {
-        isum += (int32_t)q[j] * ((blk.qs[j] & 15) - 8);
-        isum += (int32_t)q[j + 16] * ((blk.qs[j] >> 4) - 8);
+/* A q8_0 / q4_0 K row's values [d0, d0 + n) (n a multiple of 32) as int8 into kq, and its
+ * blocks' scales into dk: decoded once a key for every query row of the group. */
+static void unpack_q8_0(const uint8_t *kr, uint32_t d0, uint32_t n, int8_t *kq, float *dk) {
+    for (uint32_t b = 0; b < n / 32; b++) {
+        pkv_block_q8_0 blk;
+        memcpy(&blk, kr + (d0 / 32 + b) * sizeof blk, sizeof blk);
+        memcpy(kq + 32 * b, blk.qs, 32);
+        dk[b] = pkv__f16_to_f32(blk.d);
     }
-    *dk = pkv__f16_to_f32(blk.d);
-    return isum;
 }
 
-/* q8_0 / q4_0 K: per 32-value block an exact integer dot, scaled by dq * dk. */
+static void unpack_q4_0(const uint8_t *kr, uint32_t d0, uint32_t n, int8_t *kq, float *dk) {
+    for (uint32_t b = 0; b < n / 32; b++) {
+        pkv_block_q4_0 blk;
+        memcpy(&blk, kr + (d0 / 32 + b) * sizeof blk, sizeof blk);
+        for (int j = 0; j < 16; j++) {
+            kq[32 * b + j] = (int8_t)((blk.qs[j] & 15) - 8);
+            kq[32 * b + j + 16] = (int8_t)((blk.qs[j] >> 4) - 8);
+        }
+        dk[b] = pkv__f16_to_f32(blk.d);
+    }
+}
+
+/* q8_0 / q4_0 K: per 32-value block an exact integer dot, scaled by dq * dk, the blocks summed in
+ * order. Each key's row is unpacked once (PKV__REF_CHUNK values at a time) for all the rows, and
+ * the blocks' integer dots run over plain int8 arrays, which the compiler vectorizes. */
 static void score_int8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
                        uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf,
-                       int32_t (*dot)(const int8_t *, const uint8_t *, uint32_t, float *)) {
+                       void (*unpack)(const uint8_t *, uint32_t, uint32_t, int8_t *, float *)) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
-    const uint32_t nb = head_dim / 32;
+    int8_t kq[PKV__REF_CHUNK];
+    float dk[PKV__REF_CHUNK / 32];
     pkv__attn_pf_start(pf, n_keys);
     for (uint32_t t = 0; t < n_keys; t++) {
         pkv__attn_pf_step(pf);
         const uint8_t *kr = k + t * k_row_bytes;
-        for (uint32_t r = 0; r < n_rows; r++) {
-            const uint8_t *row = (const uint8_t *)qp + r * qrow;
-            const int8_t *qs = (const int8_t *)row;
-            const float *dq = (const float *)(row + 2 * (size_t)head_dim);
-            float acc = 0.0f;
-            for (uint32_t b = 0; b < nb; b++) {
-                float dk;
-                const int32_t isum = dot(qs + 32 * b, kr, b, &dk);
-                acc += dq[b] * dk * (float)isum;
+        for (uint32_t r = 0; r < n_rows; r++) s[r * s_stride + t] = 0.0f;
+        for (uint32_t d0 = 0; d0 < head_dim; d0 += PKV__REF_CHUNK) {
+            const uint32_t n = PKV_MIN(PKV__REF_CHUNK, head_dim - d0);
+            unpack(kr, d0, n, kq, dk);
+            for (uint32_t r = 0; r < n_rows; r++) {
+                const uint8_t *row = (const uint8_t *)qp + r * qrow;
+                const int8_t *qs = (const int8_t *)row + d0;
+                const float *dq = (const float *)(row + 2 * (size_t)head_dim) + d0 / 32;
+                float acc = s[r * s_stride + t];
+                for (uint32_t b = 0; b < n / 32; b++) {
+                    int32_t isum = 0;
+                    for (int j = 0; j < 32; j++) isum += (int32_t)qs[32 * b + j] * kq[32 * b + j];
+                    acc += dq[b] * dk[b] * (float)isum;
+                }
+                s[r * s_stride + t] = acc;
             }
-            s[r * s_stride + t] = acc;
         }
     }
 }
 
 static void score_q8_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
                        uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf) {
-    score_int8(qp, n_rows, k, k_row_bytes, n_keys, head_dim, s, s_stride, pf, dot_q8_0);
+    score_int8(qp, n_rows, k, k_row_bytes, n_keys, head_dim, s, s_stride, pf, unpack_q8_0);
 }
 
 static void score_q4_0(const void *qp, uint32_t n_rows, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
                        uint32_t head_dim, float *s, uint32_t s_stride, pkv__attn_pf *pf) {
-    score_int8(qp, n_rows, k, k_row_bytes, n_keys, head_dim, s, s_stride, pf, dot_q4_0);
+    score_int8(qp, n_rows, k, k_row_bytes, n_keys, head_dim, s, s_stride, pf, unpack_q4_0);
 }
 
 /* ---- fp8 K: f32 query (the prep of the float dtypes), row scale applied after the sum ---- */
@@ -136,46 +145,42 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
     }
 }
 
-/* ---- V accumulation: acc[r] += p[r][t] * scale(t, block) * code ---- */
-static void accum_q8_0(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
-                       uint32_t n_keys, uint32_t head_dim, float *acc, pkv__attn_pf *pf) {
-    (void)pf; /* accum_pf off: the driver gives score both runs */
-    const uint32_t nb = head_dim / 32;
+/* ---- V accumulation: acc[r] += p[r][t] * scale(t, block) * code ----
+ * Each key's row is unpacked once (PKV__REF_CHUNK values at a time: its codes as floats, exact,
+ * and its blocks' scales) for all the rows; each element still gets (p x scale) x code, one add a
+ * key, as before the unpacking. */
+static void accum_int8(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
+                       uint32_t n_keys, uint32_t head_dim, float *acc,
+                       void (*unpack)(const uint8_t *, uint32_t, uint32_t, int8_t *, float *)) {
+    int8_t vq[PKV__REF_CHUNK];
+    float vf[PKV__REF_CHUNK], dv[PKV__REF_CHUNK / 32];
     for (uint32_t t = 0; t < n_keys; t++) {
         const uint8_t *vr = v + t * v_row_bytes;
-        for (uint32_t b = 0; b < nb; b++) {
-            pkv_block_q8_0 blk;
-            memcpy(&blk, vr + b * sizeof blk, sizeof blk);
-            const float dv = pkv__f16_to_f32(blk.d);
+        for (uint32_t d0 = 0; d0 < head_dim; d0 += PKV__REF_CHUNK) {
+            const uint32_t n = PKV_MIN(PKV__REF_CHUNK, head_dim - d0);
+            unpack(vr, d0, n, vq, dv);
+            for (uint32_t j = 0; j < n; j++) vf[j] = (float)vq[j];
             for (uint32_t r = 0; r < n_rows; r++) {
-                const float w = p[r * p_stride + t] * dv;
-                float *a = acc + (size_t)r * head_dim + 32 * b;
-                for (int j = 0; j < 32; j++) a[j] += w * (float)blk.qs[j];
+                float *a = acc + (size_t)r * head_dim + d0;
+                for (uint32_t b = 0; b < n / 32; b++) {
+                    const float w = p[r * p_stride + t] * dv[b];
+                    for (int j = 0; j < 32; j++) a[32 * b + j] += w * vf[32 * b + j];
+                }
             }
         }
     }
 }
 
-static void accum_q4_0(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
+static void accum_q8_0(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
                        uint32_t n_keys, uint32_t head_dim, float *acc, pkv__attn_pf *pf) {
     (void)pf; /* accum_pf off: the driver gives score both runs */
-    const uint32_t nb = head_dim / 32;
-    for (uint32_t t = 0; t < n_keys; t++) {
-        const uint8_t *vr = v + t * v_row_bytes;
-        for (uint32_t b = 0; b < nb; b++) {
-            pkv_block_q4_0 blk;
-            memcpy(&blk, vr + b * sizeof blk, sizeof blk);
-            const float dv = pkv__f16_to_f32(blk.d);
-            for (uint32_t r = 0; r < n_rows; r++) {
-                const float w = p[r * p_stride + t] * dv;
-                float *a = acc + (size_t)r * head_dim + 32 * b;
-                for (int j = 0; j < 16; j++) {
-                    a[j] += w * (float)((blk.qs[j] & 15) - 8);
-                    a[j + 16] += w * (float)((blk.qs[j] >> 4) - 8);
-                }
-            }
-        }
-    }
+    accum_int8(p, p_stride, n_rows, v, v_row_bytes, n_keys, head_dim, acc, unpack_q8_0);
+}
+
+static void accum_q4_0(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
+                       uint32_t n_keys, uint32_t head_dim, float *acc, pkv__attn_pf *pf) {
+    (void)pf;
+    accum_int8(p, p_stride, n_rows, v, v_row_bytes, n_keys, head_dim, acc, unpack_q4_0);
 }
 
 static void accum_fp8(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
