@@ -763,8 +763,9 @@ PKV_API pkv_attn_params pkv_attn_params_default(void);
  * p NULL means pkv_attn_params_default() (n_q_heads = n_kv_heads).
  * q, out: [n_seqs][n_q_heads][head_dim] f32 (out [n_seqs][n_q_heads][v_dim] where V lives in K:
  * MLA below). out may be q (in place; not where v_dim differs from head_dim); any other overlap of q,
- * out and p->lse is PKV_EINVAL, and so is a q element that is not finite or whose magnitude
- * times the scale is over PKV_VALUE_MAX. K/V of every visible position must have been written
+ * out and p->lse is PKV_EINVAL, and so is seqs (pkv_attn_prefill's reqs) overlapping out or
+ * lse (a batch past max_seqs reads them again after writing outputs), or a q element that is
+ * not finite or whose magnitude times the scale is over PKV_VALUE_MAX. K/V of every visible position must have been written
  * for this layer (pkv_write_kv keeps them within PKV_VALUE_MAX; values put in the pool around
  * it past that make the rows that see them unspecified, and different between backends). A
  * sequence may appear more than once (each entry its own query and output), and n_seqs may
@@ -862,9 +863,9 @@ PKV_NODISCARD PKV_API int pkv_attn_prefill(pkv_cache *c, uint32_t layer, const p
  * j x kv_len + t of masks[i] is set, for keys t of [0, kv_len), kv_len = q_start + n_q (with
  * PKV_ATTN_NONCAUSAL: the sequence's length). Bit i is bit i % 8 of byte i / 8: a bool array
  * [n_q][kv_len] through numpy.packbits(m, axis=None, bitorder="little"); n_q x kv_len bits, read
- * during the call, not overlapping out or lse (else PKV_EINVAL). Causality is the mask's to say: a query may see keys ahead of it (Gemma 3's
- * and PaliGemma's bidirectional image and prefix tokens), or only its own document's (packed
- * sequences), or any pattern. A query that sees no key gets out 0 and lse -inf (with sinks: lse
+ * during the call, not overlapping out or lse (else PKV_EINVAL). Causality is the mask's to say:
+ * a query may see keys ahead of it (Gemma 3's and PaliGemma's bidirectional image and prefix
+ * tokens), or only its own document's (packed sequences), or any pattern. A query that sees no key gets out 0 and lse -inf (with sinks: lse
  * sinks[h]). Soft-cap, sinks, lse, GQA, MLA and ALiBi apply as in pkv_attn_prefill (ALiBi's
  * distance t - p at the query's real position p, positive for a key ahead of it); a window or
  * attn_chunk with any mask is PKV_EINVAL (set their bits in the mask instead). A masked request
