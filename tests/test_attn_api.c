@@ -114,15 +114,21 @@ static uint32_t ref_key_lo(const pkv_attn_params *p, uint32_t pos) {
     return lo;
 }
 
-/* Reference for one query row set (NQH heads) at position pos of s. */
-static void ref_one(const host_seq *s, uint32_t l, const float *q, uint32_t pos, const pkv_attn_params *p, double *out,
-                    double *lse) {
+static bool bit_at(const uint8_t *m, uint64_t i) { return m[i >> 3] >> (i & 7u) & 1u; }
+
+/* Reference for one query row set (NQH heads) at position pos of s: the keys p's window and chunks
+ * leave it, or, where m is set (a custom mask, pkv_attn_prefill_masked), those of [0, kv_len)
+ * whose bit bit0 + t of m is set (pos then only ALiBi's). No key seen: 0, lse -inf (or the
+ * sink's). */
+static void ref_one(const host_seq *s, uint32_t l, const float *q, uint32_t pos, const pkv_attn_params *p,
+                    const uint8_t *m, uint64_t bit0, uint32_t kv_len, double *out, double *lse) {
     const double scale = p->scale > 0 ? p->scale : 1.0 / sqrt((double)D);
-    const uint32_t lo = ref_key_lo(p, pos);
+    const uint32_t t0 = m ? 0 : ref_key_lo(p, pos), t1 = m ? kv_len : pos + 1; /* keys [t0, t1) */
     for (uint32_t hq = 0; hq < NQH; hq++) {
         const uint32_t h = hq / (NQH / H);
         double w[MAXTOK], mx = -INFINITY, sum = 0;
-        for (uint32_t t = lo; t <= pos; t++) {
+        for (uint32_t t = t0; t < t1; t++) {
+            if (m && !bit_at(m, bit0 + t)) continue;
             double x = tu_dot(q + hq * D, s->k[l][t][h], D) * scale;
             if (p->softcap > 0) x = p->softcap * tanh(x / p->softcap);
             if (p->alibi_slopes) x += (double)p->alibi_slopes[hq] * ((double)t - (double)pos); /* after the cap */
@@ -130,13 +136,16 @@ static void ref_one(const host_seq *s, uint32_t l, const float *q, uint32_t pos,
             mx = fmax(mx, x);
         }
         if (p->sinks) mx = fmax(mx, p->sinks[hq]), sum = exp(p->sinks[hq] - mx); /* a key of value 0 */
-        for (uint32_t t = lo; t <= pos; t++) sum += (w[t] = exp(w[t] - mx));
         double *o = out + hq * D; /* key after key, each row's elements side by side */
         for (uint32_t d = 0; d < D; d++) o[d] = 0;
-        for (uint32_t t = lo; t <= pos; t++)
+        for (uint32_t t = t0; t < t1; t++) {
+            if (m && !bit_at(m, bit0 + t)) continue;
+            sum += (w[t] = exp(w[t] - mx));
             for (uint32_t d = 0; d < D; d++) o[d] += w[t] * s->v[l][t][h][d];
-        for (uint32_t d = 0; d < D; d++) o[d] /= sum;
-        if (lse) lse[hq] = mx + log(sum);
+        }
+        if (sum > 0)
+            for (uint32_t d = 0; d < D; d++) o[d] /= sum;
+        if (lse) lse[hq] = sum > 0 ? mx + log(sum) : -INFINITY;
     }
 }
 
@@ -151,17 +160,27 @@ static double vmax_of(const host_seq *s, uint32_t l) {
     return m;
 }
 
-/* Checks n queries (positions pos0..) of s in out/lse against the reference. */
-static void check_tol(const host_seq *s, uint32_t l, const float *q, const float *out, const float *lse,
-                      uint32_t pos0, uint32_t n, const pkv_attn_params *p, double tol) {
+/* Checks n queries (positions pos0..) of s in out/lse against the reference; m: their custom
+ * mask (rows of kv_len bits) or NULL. */
+static void check_rows(const host_seq *s, uint32_t l, const float *q, const float *out, const float *lse,
+                       uint32_t pos0, uint32_t n, const pkv_attn_params *p, double tol, const uint8_t *m,
+                       uint32_t kv_len) {
     double ro[NQH * D], rl[NQH];
     const double vm = vmax_of(s, l);
     for (uint32_t i = 0; i < n; i++) {
-        ref_one(s, l, q + (size_t)i * NQH * D, pos0 + i, p, ro, rl);
+        ref_one(s, l, q + (size_t)i * NQH * D, pos0 + i, p, m, (uint64_t)i * kv_len, kv_len, ro, rl);
         for (uint32_t j = 0; j < NQH * D; j++) assert_true(fabs(out[(size_t)i * NQH * D + j] - ro[j]) <= tol * vm);
         if (lse)
-            for (uint32_t h = 0; h < NQH; h++) assert_true(fabs(lse[i * NQH + h] - rl[h]) <= tol * fmax(1.0, fabs(rl[h])));
+            for (uint32_t h = 0; h < NQH; h++) {
+                if (isinf(rl[h])) assert_true(lse[i * NQH + h] == -INFINITY); /* a masked row that saw nothing */
+                else assert_true(fabs(lse[i * NQH + h] - rl[h]) <= tol * fmax(1.0, fabs(rl[h])));
+            }
     }
+}
+
+static void check_tol(const host_seq *s, uint32_t l, const float *q, const float *out, const float *lse,
+                      uint32_t pos0, uint32_t n, const pkv_attn_params *p, double tol) {
+    check_rows(s, l, q, out, lse, pos0, n, p, tol, NULL, 0);
 }
 
 static void check(const host_seq *s, uint32_t l, const float *q, const float *out, const float *lse, uint32_t pos0,
@@ -2211,57 +2230,9 @@ static void test_api_tree_threads(void **state) {
 }
 
 /* ---- custom masks (pkv_attn_prefill_masked) ----------------------------------------------------- */
-static bool bit_at(const uint8_t *m, uint64_t i) { return m[i >> 3] >> (i & 7u) & 1u; }
 static void bit_set(uint8_t *m, uint64_t i, bool on) {
     if (on) m[i >> 3] |= (uint8_t)(1u << (i & 7u));
     else m[i >> 3] &= (uint8_t) ~(1u << (i & 7u));
-}
-
-/* Reference for the query at real position pos whose mask row starts at bit bit0 of m, over keys
- * [0, kv_len) of s: p's scale, soft-cap, sinks and ALiBi; no key seen: 0, lse -inf (or the sink's). */
-static void ref_masked(const host_seq *s, uint32_t l, const float *q, uint32_t pos, const uint8_t *m, uint64_t bit0,
-                       uint32_t kv_len, const pkv_attn_params *p, double *out, double *lse) {
-    const double scale = p->scale > 0 ? p->scale : 1.0 / sqrt((double)D);
-    for (uint32_t hq = 0; hq < NQH; hq++) {
-        const uint32_t h = hq / (NQH / H);
-        double w[MAXTOK], mx = -INFINITY, sum = 0;
-        for (uint32_t t = 0; t < kv_len; t++) {
-            if (!bit_at(m, bit0 + t)) continue;
-            double x = tu_dot(q + hq * D, s->k[l][t][h], D) * scale;
-            if (p->softcap > 0) x = p->softcap * tanh(x / p->softcap);
-            if (p->alibi_slopes) x += (double)p->alibi_slopes[hq] * ((double)t - (double)pos);
-            w[t] = x;
-            mx = fmax(mx, x);
-        }
-        if (p->sinks) mx = fmax(mx, p->sinks[hq]), sum = exp(p->sinks[hq] - mx);
-        double *o = out + hq * D;
-        for (uint32_t d = 0; d < D; d++) o[d] = 0;
-        for (uint32_t t = 0; t < kv_len; t++)
-            if (bit_at(m, bit0 + t)) {
-                sum += (w[t] = exp(w[t] - mx));
-                for (uint32_t d = 0; d < D; d++) o[d] += w[t] * s->v[l][t][h][d];
-            }
-        if (sum > 0)
-            for (uint32_t d = 0; d < D; d++) o[d] /= sum;
-        if (lse) lse[hq] = sum > 0 ? mx + log(sum) : -INFINITY;
-    }
-}
-
-/* Checks request r's n_q queries (q_start on, kv_len keys a row) in out/lse against ref_masked. */
-static void check_masked(const host_seq *s, uint32_t l, const float *q, const float *out, const float *lse,
-                         uint32_t q_start, uint32_t n_q, const uint8_t *m, uint32_t kv_len, const pkv_attn_params *p,
-                         double tol) {
-    double ro[NQH * D], rl[NQH];
-    const double vm = vmax_of(s, l);
-    for (uint32_t i = 0; i < n_q; i++) {
-        ref_masked(s, l, q + (size_t)i * NQH * D, q_start + i, m, (uint64_t)i * kv_len, kv_len, p, ro, rl);
-        for (uint32_t j = 0; j < NQH * D; j++) assert_true(fabs(out[(size_t)i * NQH * D + j] - ro[j]) <= tol * vm);
-        if (lse)
-            for (uint32_t h = 0; h < NQH; h++) {
-                if (isinf(rl[h])) assert_true(lse[i * NQH + h] == -INFINITY);
-                else assert_true(fabs(lse[i * NQH + h] - rl[h]) <= tol * fmax(1.0, fabs(rl[h])));
-            }
-    }
 }
 
 enum { MASK_REQS = 5 };
@@ -2317,11 +2288,8 @@ static void test_api_mask(void **state) {
                 for (uint32_t j = 0, at = 0; j < MASK_REQS; at += reqs[j].n_q, j++) {
                     const float *qj = q + (size_t)at * NQH * D, *oj = out + (size_t)at * NQH * D;
                     const float *lj = p.lse ? lse + at * NQH : NULL;
-                    if (masks[j])
-                        check_masked(who[j], l, qj, oj, lj, reqs[j].q_start, reqs[j].n_q, masks[j],
-                                     reqs[j].q_start + reqs[j].n_q, &p, tol_of(dt));
-                    else
-                        check_tol(who[j], l, qj, oj, lj, reqs[j].q_start, reqs[j].n_q, &p, tol_of(dt));
+                    check_rows(who[j], l, qj, oj, lj, reqs[j].q_start, reqs[j].n_q, &p, tol_of(dt), masks[j],
+                               reqs[j].q_start + reqs[j].n_q); /* (a NULL mask: causal) */
                 }
                 memcpy(o2, q, sizeof(float) * nq * NQH * D); /* in place: the same bits */
                 assert_int_equal(pkv_attn_prefill_masked(c, l, reqs, MASK_REQS, masks, o2, o2, &p), PKV_OK);
@@ -2354,7 +2322,7 @@ static void test_api_mask(void **state) {
                 assert_int_equal(pkv_attn_prefill_masked(c, 1, &nr, 1, one, q, out, &p), PKV_OK);
                 pkv_attn_params pr = p;
                 pr.flags = 0; /* the reference's rule: the bits alone */
-                check_masked(&s[2], 1, q, out, lse, 0, 40, nm, 70, &pr, tol_of(dt));
+                check_rows(&s[2], 1, q, out, lse, 0, 40, &pr, tol_of(dt), nm, 70);
                 free(nm);
             }
             /* refusals, out untouched */
@@ -2406,7 +2374,7 @@ static void test_api_mask(void **state) {
                     for (uint32_t t = 65; t <= 65 + i; t++) bit_set(dm, (uint64_t)i * 90 + t, true);
                 const uint8_t *const one[1] = {dm};
                 assert_int_equal(pkv_attn_prefill_masked(c, 0, &late, 1, one, q, out, &p), PKV_OK);
-                check_masked(&s[1], 0, q, out, NULL, 65, 25, dm, 90, &p, tol_of(dt));
+                check_rows(&s[1], 0, q, out, NULL, 65, 25, &p, tol_of(dt), dm, 90);
                 uint8_t *mm = calloc((35 * 65 + 7) / 8, 1);
                 for (uint32_t i = 0; i < 35; i++)
                     for (uint32_t t = 31; t <= 30 + i; t++) bit_set(mm, (uint64_t)i * 65 + t, true);
@@ -2419,7 +2387,7 @@ static void test_api_mask(void **state) {
                 for (uint32_t i = 0; i < 35; i++) /* now no query sees 31 (the first two see nothing) */
                     bit_set(mm, (uint64_t)i * 65 + 31, false);
                 assert_int_equal(pkv_attn_prefill_masked(c, 0, &mid, 1, two, q, out, &p), PKV_OK);
-                check_masked(&s[1], 0, q, out, NULL, 30, 35, mm, 65, &p, tol_of(dt));
+                check_rows(&s[1], 0, q, out, NULL, 30, 35, &p, tol_of(dt), mm, 65);
                 /* a mask of no bit sees nothing, dropped or not: queries [0, 10), whose keys are all
                    dropped, taken with out 0 and lse -inf */
                 const pkv_attn_req early = {s[1].id, 0, 10};

@@ -490,9 +490,12 @@ bool pkv__attn_has_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) 
 const char *pkv__attn_backend_name(const pkv__attn *at) { return at ? at->kt->name : "none"; }
 uint32_t pkv__attn_n_threads(const pkv__attn *at) { return at ? at->n_threads : 0; }
 
+/* Whether a job of work_elems K/V elements goes to the thread pool (else the caller runs it alone). */
+static inline bool goes_parallel(const pkv__attn *at, uint64_t work_elems) { return work_elems >= at->inline_elems; }
+
 int pkv__attn_parallel(pkv__attn *at, void (*fn)(void *ctx, uint32_t task, uint32_t tid), void *ctx, uint32_t n_tasks,
                        uint64_t work_elems) {
-    if (work_elems >= at->inline_elems) return pkv__tpool_run(&at->pool, fn, ctx, n_tasks); /* inline itself for 1 */
+    if (goes_parallel(at, work_elems)) return pkv__tpool_run(&at->pool, fn, ctx, n_tasks); /* inline itself for 1 */
     for (uint32_t i = 0; i < n_tasks; i++) fn(ctx, i, 0);
     return PKV_OK;
 }
@@ -969,25 +972,6 @@ static inline unit_block unit_block_at(const pkv__attn *at, const pkv__attn_item
     return ub;
 }
 
-/* A tile of an item's custom mask: its queries qa .. qa + nq - 1 narrow the keys [*k_lo, *k_hi]
- * to the least and the greatest their rows set; false where they set none (a tile that reads
- * nothing). A causal mask's tile then reads what a causal tile reads, not every key to k_end.
- * Each row is read up to the least found so far from its front and down to the greatest from its
- * back: nq x (k_hi - k_lo + 1) bits at most, beside as many scores of head_dim products each. */
-static bool mask_tile_keys(const pkv__attn_item *it, uint32_t qa, uint32_t nq, uint32_t *k_lo, uint32_t *k_hi) {
-    uint64_t lo = (uint64_t)*k_hi + 1, hi = UINT64_MAX; /* within the rows: lo = none found yet */
-    for (uint32_t r = 0; r < nq; r++) {
-        const uint64_t base = (uint64_t)(qa + r) * it->mask_row;
-        lo = pkv__bits_first(it->mask, base + *k_lo, base + lo) - base;
-        const uint64_t from = hi == UINT64_MAX ? *k_lo : PKV_MAX((uint64_t)*k_lo, hi + 1);
-        const uint64_t x = pkv__bits_last(it->mask, base + from, base + *k_hi + 1);
-        if (x != UINT64_MAX) hi = x - base;
-    }
-    if (hi == UINT64_MAX) return false;
-    *k_lo = (uint32_t)lo, *k_hi = (uint32_t)hi;
-    return true;
-}
-
 /* Whether no query of a tile (qa .. qa + nq - 1) of an item's custom mask sees a key of
  * [kp0, kp0 + n): the block is not read (a document's tile skips the other documents' blocks). */
 static bool mask_block_none(const pkv__attn_item *it, uint32_t qa, uint32_t nq, uint32_t kp0, uint32_t n) {
@@ -1275,8 +1259,10 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
     /* keys this tile sees: [k_lo, k_hi]; split ks takes an even share of its blocks */
     const uint32_t pos_first = it->q_pos0 + w.qa, pos_last = pos_first + w.nq - 1;
     uint32_t k_lo = item_key_lo(call, it, pos_first), k_hi = item_key_hi(it, pos_last);
-    /* a custom mask's tile: the keys its rows set (none: no block; every split of it agrees) */
-    const bool none = it->mask && !mask_tile_keys(it, w.qa, w.nq, &k_lo, &k_hi);
+    /* a custom mask's tile: the keys its rows set (core.h; none: no block; every split of it
+       agrees), so a causal mask's tile reads what a causal tile reads, not every key to k_end:
+       nq x (k_hi - k_lo + 1) bits at most, beside as many scores of head_dim products each */
+    const bool none = it->mask && !pkv__bits_rows_span(it->mask, it->mask_row, w.qa, w.nq, &k_lo, &k_hi);
     const uint32_t bl = k_lo / B, nb = none ? 0 : k_hi / B - bl + 1;
     const uint32_t b0 = bl + (uint32_t)((uint64_t)nb * w.ks / pi->n_ks);
     const uint32_t b1 = bl + (uint32_t)((uint64_t)nb * (w.ks + 1) / pi->n_ks);
@@ -1922,7 +1908,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     const uint32_t n_units = rc ? 0 : make_plan(at, swept);
     const uint64_t work = at->head_blocks * elems_per_head_block; /* a small call: the caller alone */
     if (n_units) rc = pkv__attn_parallel(at, run_unit, at, n_units, work);
-    if (n_units > 1 && work >= at->inline_elems) threads = at->n_threads;
+    if (n_units > 1 && goes_parallel(at, work)) threads = at->n_threads;
     at->kv = NULL;
     at->items = NULL;
     at->call = NULL;

@@ -147,8 +147,8 @@ static void score_fp8(const void *qp, uint32_t n_rows, const uint8_t *k, size_t 
 
 /* ---- V accumulation: acc[r] += p[r][t] * scale(t, block) * code ----
  * Each key's row is unpacked once (PKV__REF_CHUNK values at a time: its codes as floats, exact,
- * and its blocks' scales) for all the rows; each element still gets (p x scale) x code, one add a
- * key, as before the unpacking. */
+ * and its blocks' scales) for all the rows, then each block of 32 goes through the float
+ * reference's accumulation with the block's scale (attn.h): (p x scale) x code, one add a key. */
 static void accum_int8(const float *p, uint32_t p_stride, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
                        uint32_t n_keys, uint32_t head_dim, float *acc,
                        void (*unpack)(const uint8_t *, uint32_t, uint32_t, int8_t *, float *)) {
@@ -160,13 +160,8 @@ static void accum_int8(const float *p, uint32_t p_stride, uint32_t n_rows, const
             const uint32_t n = PKV_MIN(PKV__REF_CHUNK, head_dim - d0);
             unpack(vr, d0, n, vq, dv);
             for (uint32_t j = 0; j < n; j++) vf[j] = (float)vq[j];
-            for (uint32_t r = 0; r < n_rows; r++) {
-                float *a = acc + (size_t)r * head_dim + d0;
-                for (uint32_t b = 0; b < n / 32; b++) {
-                    const float w = p[r * p_stride + t] * dv[b];
-                    for (int j = 0; j < 32; j++) a[32 * b + j] += w * vf[32 * b + j];
-                }
-            }
+            for (uint32_t b = 0; b < n / 32; b++)
+                pkv__ref_accum_chunk(p, p_stride, n_rows, dv[b], vf + 32 * b, d0 + 32 * b, 32, acc, head_dim, t);
         }
     }
 }

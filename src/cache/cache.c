@@ -1864,21 +1864,6 @@ int pkv__cache_attn_run(pkv_cache *c, const pkv__kv_view *view, uint32_t k, cons
     return rc;
 }
 
-/* The keys a custom mask of n_q rows of kv_len bits sets, the least and the greatest of any row,
- * in *lo and *hi; false (and kv_len - 1 in both) where it sets none. Each row is read up to the
- * least found so far from its front and down to the greatest from its back. */
-static bool mask_keys(const uint8_t *m, uint32_t n_q, uint32_t kv_len, uint32_t *lo, uint32_t *hi) {
-    uint64_t l = kv_len, h = UINT64_MAX;
-    for (uint64_t r = 0, base = 0; r < n_q; r++, base += kv_len) {
-        l = pkv__bits_first(m, base, base + l) - base;
-        const uint64_t x = pkv__bits_last(m, base + (h == UINT64_MAX ? 0 : h + 1), base + kv_len);
-        if (x != UINT64_MAX) h = x - base;
-    }
-    const bool any = h != UINT64_MAX;
-    *lo = any ? (uint32_t)l : kv_len - 1, *hi = any ? (uint32_t)h : kv_len - 1;
-    return any;
-}
-
 /* Shared body of decode and prefill: reqs == NULL means decode (one query at length - 1). masks:
  * pkv_attn_prefill_masked's, or NULL. */
 static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const pkv_attn_req *reqs,
@@ -1902,13 +1887,7 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
     const bool noncausal = reqs && (call.flags & PKV_ATTN_NONCAUSAL);
     pthread_mutex_lock(&c->attn_mu);
     /* validate everything first: no kernel runs on a bad request */
-    uint64_t n_rows = 0;      /* queries in all */
-    bool mask_fronts = false; /* a masked request over a sequence with a dropped front */
-    /* the bytes out and lse will take, which a mask (read during the call) must not overlap */
-    uint64_t all_rows = 0, o_span = 0, l_span = 0;
-    for (uint32_t i = 0; any_mask && i < n; i++) all_rows += reqs[i].n_q;
-    if (any_mask)
-        o_span = all_rows * orow * sizeof(float), l_span = lse ? all_rows * call.n_q_heads * sizeof(float) : 0;
+    uint64_t n_rows = 0; /* queries in all */
     LOCK(c);
     for (uint32_t i = 0; i < n && !rc; i++) {
         pkv__seq *s;
@@ -1929,18 +1908,8 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         else if (!reqs && s->n_tokens == 0)
             rc = pkv__say(c, PKV_EINVAL, api, "sequence %u (%#llx) is empty: no position to query", i,
                           (unsigned long long)seqs[i]);
-        else if (masks && masks[i] && reqs[i].n_q) {
-            const uint64_t bytes =
-                ((uint64_t)reqs[i].n_q * (noncausal ? s->n_tokens : reqs[i].q_start + reqs[i].n_q) + 7) / 8;
-            if (bytes > SIZE_MAX || o_span > SIZE_MAX || l_span > SIZE_MAX)
-                rc = pkv__say(c, PKV_EINVAL, api, "request %u: its mask's bytes, or out's, are past size_t", i);
-            else if (pkv__overlap(masks[i], (size_t)bytes, out, (size_t)o_span) ||
-                     (lse && pkv__overlap(masks[i], (size_t)bytes, lse, (size_t)l_span)))
-                rc = pkv__say(c, PKV_EINVAL, api, "request %u: its mask overlaps out or lse", i);
-        }
-        if (!rc && masks && masks[i]) {
+        if (!rc && masks && masks[i]) { /* its mask's own checks below, outside the lock */
             s->attn_len = s->n_tokens; /* a non-causal mask's rows: its length now (checked again below) */
-            mask_fronts |= s->n_dropped && reqs[i].n_q; /* its least key, read below, outside the lock */
         } else if (!rc && s->n_dropped && (!reqs || reqs[i].n_q)) { /* its first query's first key (the least) */
             const uint32_t q0 = reqs ? reqs[i].q_start : s->n_tokens - 1;
             rc = check_front(c, s, api, reqs ? "request" : "sequence", i, "query", q0,
@@ -1951,9 +1920,10 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
     UNLOCK(c);
     if (!rc) rc = check_buffers(c, api, q, out, lse, &call, n_rows, true);
     /* the request array (and the masks' pointers) are read again as each group of max_seqs is
-       built, after earlier groups wrote out and lse: they must not overlap them */
+       built, after earlier groups wrote out and lse, and the masks during the call: none of them
+       may overlap out or lse (check_buffers held their sizes within size_t) */
+    const size_t o_bytes = (size_t)n_rows * orow * sizeof(float), l_bytes = (size_t)n_rows * call.n_q_heads * sizeof(float);
     if (!rc) {
-        const size_t o_bytes = (size_t)n_rows * orow * sizeof(float), l_bytes = (size_t)n_rows * call.n_q_heads * sizeof(float);
         const void *arr[2] = {reqs ? (const void *)reqs : (const void *)seqs, masks};
         const size_t arr_bytes[2] = {(size_t)n * (reqs ? sizeof *reqs : sizeof *seqs), (size_t)n * sizeof *masks};
         for (int a = 0; a < 2 && !rc; a++)
@@ -1961,9 +1931,10 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
                            (lse && pkv__overlap(arr[a], arr_bytes[a], lse, l_bytes))))
                 rc = pkv__say(c, PKV_EINVAL, api, "the %s array overlaps out or lse", a ? "masks" : reqs ? "reqs" : "seqs");
     }
-    /* a masked request past a dropped front: the least key a query of it sees (a mask of no bit
-       sees none), read outside the metadata lock, then checked against the front under it */
-    for (uint32_t i = 0; mask_fronts && i < n && !rc; i++) {
+    /* each mask: its bytes (its rows the length checked above where non-causal), and past a dropped
+       front the least key a query of it sees (a mask of no bit sees none), read outside the
+       metadata lock and then checked against the front under it */
+    for (uint32_t i = 0; any_mask && i < n && !rc; i++) {
         if (!masks[i] || !reqs[i].n_q) continue;
         LOCK(c);
         pkv__seq *s;
@@ -1971,8 +1942,15 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
         const uint32_t kv_len = rc ? 0 : noncausal ? s->attn_len : reqs[i].q_start + reqs[i].n_q;
         const bool dropped = !rc && s->n_dropped;
         UNLOCK(c);
-        uint32_t lo, hi;
-        if (!dropped || !mask_keys(masks[i], reqs[i].n_q, kv_len, &lo, &hi)) continue;
+        if (rc) break;
+        const uint64_t bytes = ((uint64_t)reqs[i].n_q * kv_len + 7) / 8;
+        if (bytes > SIZE_MAX)
+            rc = pkv__say(c, PKV_EINVAL, api, "request %u: its mask's bytes are past size_t", i);
+        else if (pkv__overlap(masks[i], (size_t)bytes, out, o_bytes) ||
+                 (lse && pkv__overlap(masks[i], (size_t)bytes, lse, l_bytes)))
+            rc = pkv__say(c, PKV_EINVAL, api, "request %u: its mask overlaps out or lse", i);
+        uint32_t lo = 0, hi = kv_len - 1;
+        if (rc || !dropped || !pkv__bits_rows_span(masks[i], kv_len, 0, reqs[i].n_q, &lo, &hi)) continue;
         LOCK(c);
         rc = pkv__get_seq(c, reqs[i].seq, &s, api);
         if (!rc) rc = check_front(c, s, api, "request", i, "query", reqs[i].q_start, lo);
@@ -2020,9 +1998,9 @@ static int attn_common(pkv_cache *c, uint32_t layer, const pkv_seq *seqs, const 
            found outside the lock; a mask of no bit sees nothing (out 0, lse its sink's or -inf) */
         for (uint32_t j = 0; j < k; j++) {
             pkv__attn_item *it = &c->items[j];
-            uint32_t lo, hi;
+            uint32_t lo = 0, hi = it->mask_row - 1;
             if (!it->mask) continue;
-            if (mask_keys(it->mask, it->n_q, it->mask_row, &lo, &hi)) {
+            if (pkv__bits_rows_span(it->mask, it->mask_row, 0, it->n_q, &lo, &hi)) {
                 it->k_start = lo / c->B * c->B, it->k_end = hi + 1;
                 continue;
             }

@@ -65,6 +65,25 @@ static inline uint64_t pkv__bits_last(const uint8_t *m, uint64_t from, uint64_t 
     return UINT64_MAX;
 }
 
+/* Rows r0 .. r0 + nr - 1 of a bit array of row_bits bits a row (a custom mask's queries over its
+ * keys): the least and the greatest column within [*lo, *hi] that any of them sets, into *lo and
+ * *hi; false where none does (both left as they were). Each row is read up to the least found so
+ * far from its front and down to the greatest from its back. */
+static inline bool pkv__bits_rows_span(const uint8_t *m, uint64_t row_bits, uint64_t r0, uint32_t nr, uint32_t *lo,
+                                       uint32_t *hi) {
+    uint64_t l = (uint64_t)*hi + 1, h = UINT64_MAX; /* l: none found yet */
+    for (uint64_t r = r0; r < r0 + nr; r++) {
+        const uint64_t base = r * row_bits;
+        l = pkv__bits_first(m, base + *lo, base + l) - base;
+        const uint64_t from = h == UINT64_MAX ? *lo : PKV_MAX((uint64_t)*lo, h + 1);
+        const uint64_t x = pkv__bits_last(m, base + from, base + *hi + 1);
+        if (x != UINT64_MAX) h = x - base;
+    }
+    if (h == UINT64_MAX) return false;
+    *lo = (uint32_t)l, *hi = (uint32_t)h;
+    return true;
+}
+
 /* Whether the byte ranges [a, a + na) and [b, b + nb) share a byte (the caller's arrays: an
  * aliasing check, by address). */
 static inline bool pkv__overlap(const void *a, size_t na, const void *b, size_t nb) {
