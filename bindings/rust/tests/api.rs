@@ -713,14 +713,21 @@ fn drop_front_window() {
     assert_eq!(cp.drop_front(t, 32).unwrap_err().code(), ENOTSUP);
 }
 
+/// An f32 cache of 2 kv heads of 64, one sequence of 40 random tokens in it, and their K and V
+/// as gathered.
+fn forty_tokens(rng: &mut Rng) -> (Cache, Seq, Vec<f32>, Vec<f32>) {
+    let mut c = Cache::new(&cfg(2, 64, 32, Dtype::F32)).unwrap();
+    let s = c.seq_create(b"").unwrap();
+    fill(&mut c, s, 40, rng);
+    let (k, v) = c.gather(s, 0, 0, 40).unwrap();
+    (c, s, k, v)
+}
+
 #[test]
 fn softcap_window_merge() {
     let mut rng = Rng(7);
     let (h, d, hq) = (2usize, 64usize, 4usize);
-    let mut c = Cache::new(&cfg(h as u32, d as u32, 32, Dtype::F32)).unwrap();
-    let s = c.seq_create(b"").unwrap();
-    fill(&mut c, s, 40, &mut rng);
-    let (k, v) = c.gather(s, 0, 0, 40).unwrap();
+    let (mut c, s, k, v) = forty_tokens(&mut rng);
     let q: Vec<f32> = rng.vec(hq * d).iter().map(|x| 3.0 * x).collect();
     for (cap, win) in [(5.0f32, 0u32), (0.0, 7), (5.0, 7)] {
         let p = AttnParams {
@@ -2520,10 +2527,7 @@ fn shared_prefix_decode() {
 fn prefill_masked_against_reference() {
     let mut rng = Rng(11);
     let (h, d, hq) = (2usize, 64usize, 4usize);
-    let mut c = Cache::new(&cfg(h as u32, d as u32, 32, Dtype::F32)).unwrap();
-    let s = c.seq_create(b"").unwrap();
-    fill(&mut c, s, 40, &mut rng);
-    let (k, v) = c.gather(s, 0, 0, 40).unwrap();
+    let (c, s, k, v) = forty_tokens(&mut rng);
     assert_eq!(pack_mask(&[true, false, false, true, false, false, false, false, true]), vec![9u8, 1]);
     let (q0, nq, kv) = (10usize, 30usize, 40usize);
     let mut want = vec![false; nq * kv];
