@@ -1994,7 +1994,7 @@ static uint32_t blocks_held(pkv_cache *c, const pkv_seq *ids, uint32_t n) {
  * chunks that start before the front, non-causal prefill, a tree whose root sees it, gather,
  * read_stored, write by position, slots, keep and truncate below it, a pin, a tier's save; and a
  * drop past the length. Chunks of 64: the front dropped to the current chunk, decode matches.
- * With prefix caching on: PKV_ENOTSUP, nothing changes. */
+ * (With prefix caching on: test_api_drop_front_indexed.) */
 static char g_said[400]; /* the last refusal's reason (the cache's log hook) */
 static void said_fn(void *ctx, int level, const char *msg) {
     (void)ctx;
@@ -2158,21 +2158,115 @@ static void test_api_drop_front(void **state) {
             cache_ok(c);
             pkv_cache_destroy(c);
         }
-    /* prefix caching on: refused, nothing changes */
-    pkv_cache *c = make_cache(PKV_DTYPE_F32, 1, 1);
-    seq_new(c, PKV_DTYPE_F32, &s[0], 100, 1);
-    pkv_stats st0, st1;
-    pkv_seq_info in;
-    assert_int_equal(pkv_cache_get_stats(c, &st0), PKV_OK);
-    assert_int_equal(pkv_seq_drop_front(c, s[0].id, 64), PKV_ENOTSUP);
-    assert_int_equal(pkv_cache_get_stats(c, &st1), PKV_OK);
-    assert_int_equal(st1.n_active, st0.n_active);
-    assert_int_equal(pkv_seq_get_info(c, s[0].id, &in), PKV_OK);
-    assert_int_equal(in.n_dropped, 0);
-    assert_int_equal(pkv_seq_drop_front(NULL, s[0].id, 64), PKV_EINVAL);
-    assert_int_equal(pkv_seq_drop_front(c, s[0].id + 1, 0), PKV_ENOTSUP); /* the cache's answer first */
-    cache_ok(c);
-    pkv_cache_destroy(c);
+}
+
+/* pkv_seq_drop_front where the cache indexes prefixes (a hybrid model's windowed layers with
+ * prefix caching): a dropped block held by nobody else stays indexed and goes CACHED above the
+ * blocks still in use; the same prompt again is matched whole, the dropped blocks taken back,
+ * and full attention over them matches the reference; an eviction of a dropped block takes its
+ * subtree out of the index (the blocks in use stay, their sequences' decodes unchanged), later
+ * matches stop before it, and a sequence whose chain it broke indexes nothing more. The counts
+ * are exact at each step and the checker runs after each; f32 and f16, 1 and 2 threads. */
+static void test_api_drop_front_indexed(void **state) {
+    (void)state;
+    static host_seq s[2];
+    enum { W = 70 };
+    for (int ti = 0; ti < 2; ti++)
+        for (uint32_t nt = 1; nt <= 2; nt++) {
+            const pkv_dtype dt = k_types[ti];
+            pkv_cache *c = make_cache(dt, nt, 1);
+            pkv_stats st;
+            seq_new(c, dt, &s[0], 300, 11); /* ids 11 + position */
+            assert_int_equal(pkv_seq_commit(c, s[0].id, 300), PKV_OK);
+            assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
+            assert_int_equal(st.n_indexed, 300 / B);
+            /* blocks 0-13 wholly before 230: s0 held them alone, so all 14 are CACHED, still indexed */
+            assert_int_equal(pkv_seq_drop_front(c, s[0].id, 300 - W), PKV_OK);
+            assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
+            assert_int_equal(st.n_cached, 14);
+            assert_int_equal(st.n_active, 19 - 14);
+            assert_int_equal(st.n_indexed, 300 / B);
+            cache_ok(c);
+            pkv_attn_params p = pkv_attn_params_default();
+            p.n_q_heads = NQH, p.window = W;
+            float *q = rand_q(2), *out = malloc(sizeof(float) * 2 * NQH * D);
+            /* s0 goes on past its front: its chain (blocks 14-17 indexed, past the front) grows */
+            append_write(c, dt, &s[0], 20, 11);
+            assert_int_equal(pkv_seq_commit(c, s[0].id, 320), PKV_OK);
+            assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
+            assert_int_equal(st.n_indexed, 320 / B);
+            assert_int_equal(pkv_attn_decode(c, 1, &s[0].id, 1, q, out, &p), PKV_OK);
+            check(&s[0], 1, q, out, NULL, 319, 1, &p);
+            /* the same prompt again: all 20 blocks, the 14 dropped ones taken back from the LRU */
+            int32_t prompt[321];
+            for (int i = 0; i < 321; i++) prompt[i] = 11 + i;
+            memcpy(&s[1], &s[0], sizeof s[0]);
+            assert_int_equal(pkv_seq_create(c, NULL, 0, &s[1].id), PKV_OK);
+            uint32_t reused = 0;
+            assert_int_equal(pkv_seq_match_prefix(c, s[1].id, prompt, 321, &reused), PKV_OK);
+            assert_int_equal(reused, 320);
+            assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
+            assert_int_equal(st.n_cached, 0);
+            assert_int_equal(st.n_active, 20);
+            cache_ok(c);
+            pkv_attn_params full = pkv_attn_params_default();
+            full.n_q_heads = NQH;
+            for (uint32_t l = 0; l < L; l++) {
+                assert_int_equal(pkv_attn_decode(c, l, &s[1].id, 1, q, out, &full), PKV_OK);
+                check(&s[1], l, q, out, NULL, 319, 1, &full);
+            }
+            /* s1 drops its front too, to 240: blocks 0-13 are nobody's again (CACHED, deepest
+               first), block 14 stays s0's */
+            assert_int_equal(pkv_seq_drop_front(c, s[1].id, 320 - W), PKV_OK);
+            assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
+            assert_int_equal(st.n_cached, 14);
+            cache_ok(c);
+            /* another prompt takes every FREE block and one more: the LRU head, block 13 (s1
+               released it first), goes with what hangs below it: blocks 14-19, which s0 and s1
+               still hold, leave the index; blocks 0-12 stay CACHED and indexed */
+            const pkv_stats before = st;
+            pkv_seq other;
+            assert_int_equal(pkv_seq_create(c, NULL, 0, &other), PKV_OK);
+            const uint32_t n_other = (before.n_free + 1) * B;
+            int32_t *toks = malloc(sizeof(int32_t) * n_other);
+            for (uint32_t i = 0; i < n_other; i++) toks[i] = 90000 + (int32_t)i;
+            assert_int_equal(pkv_seq_append(c, other, toks, n_other, NULL), PKV_OK);
+            free(toks);
+            assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
+            assert_int_equal(st.evictions, before.evictions + 1);
+            assert_int_equal(st.n_cached, 13);
+            assert_int_equal(st.n_free, 0);
+            assert_int_equal(st.n_indexed, 13);
+            cache_ok(c);
+            for (int i = 0; i < 2; i++) { /* their K/V is where it was */
+                assert_int_equal(pkv_attn_decode(c, 0, &s[i].id, 1, q, out, &p), PKV_OK);
+                check(&s[i], 0, q, out, NULL, 319, 1, &p);
+            }
+            /* s0's chain is broken at its front: a further full block is not indexed */
+            assert_int_equal(pkv_seq_release(c, other), PKV_OK);
+            append_write(c, dt, &s[0], 16, 11);
+            assert_int_equal(pkv_seq_commit(c, s[0].id, 336), PKV_OK);
+            assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
+            assert_int_equal(st.n_indexed, 13);
+            cache_ok(c);
+            /* the prompt once more: blocks 0-12, then the evicted block 13 is a miss */
+            pkv_seq again;
+            assert_int_equal(pkv_seq_create(c, NULL, 0, &again), PKV_OK);
+            const pkv_stats pre = st;
+            assert_int_equal(pkv_seq_match_prefix(c, again, prompt, 321, &reused), PKV_OK);
+            assert_int_equal(reused, 13 * B);
+            assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
+            assert_int_equal(st.prefix_miss_evicted, pre.prefix_miss_evicted + 1);
+            assert_int_equal(st.n_cached, 0);
+            cache_ok(c);
+            assert_int_equal(pkv_seq_release(c, again), PKV_OK);
+            for (int i = 0; i < 2; i++) assert_int_equal(pkv_seq_release(c, s[i].id), PKV_OK);
+            assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
+            assert_int_equal(st.n_active, 0);
+            cache_ok(c);
+            free(q), free(out);
+            pkv_cache_destroy(c);
+        }
 }
 
 /* pkv_attn_tree's path part runs a node a task on the cache's threads (tree_task) where the
@@ -2495,6 +2589,7 @@ int main(void) {
         cmocka_unit_test(test_api_noncausal),
         cmocka_unit_test(test_api_share_chain),
         cmocka_unit_test(test_api_drop_front),
+        cmocka_unit_test(test_api_drop_front_indexed),
         cmocka_unit_test(test_api_mask),
         cmocka_unit_test(test_api_mask_length_moves),
     };

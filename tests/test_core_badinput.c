@@ -392,8 +392,11 @@ static int batch_with(fx *f, pkv_seq s, const int32_t *tok, uint32_t n, uint32_t
     X(truncate_pin, PKV_EINVAL, pkv_seq_truncate(f->c, f->pin, 0))                                                    \
     X(truncate_past_length_noop, PKV_OK, pkv_seq_truncate(f->c, f->live, UINT32_MAX))                                 \
     X(drop_front_null_cache, PKV_EINVAL, pkv_seq_drop_front(NULL, f->live, 4))                                        \
-    X(drop_front_prefix_cache, PKV_ENOTSUP, pkv_seq_drop_front(f->c, f->live, 4))                                     \
-    X(drop_front_prefix_cache_stale, PKV_ENOTSUP, pkv_seq_drop_front(f->c, f->stale, 4))                              \
+    X(drop_front_stale, PKV_ENOENT, pkv_seq_drop_front(f->c, f->stale, 4))                                            \
+    X(drop_front_forged, PKV_ENOENT, pkv_seq_drop_front(f->c, f->forged, 4))                                          \
+    X(drop_front_foreign, PKV_ENOENT, pkv_seq_drop_front(f->c, f->foreign, 4))                                        \
+    X(drop_front_pin, PKV_EINVAL, pkv_seq_drop_front(f->c, f->pin, 4))                                                \
+    X(drop_front_past_length, PKV_EINVAL, pkv_seq_drop_front(f->c, f->live, UINT32_MAX))                              \
     /* release */                                                                                                     \
     X(release_null_cache, PKV_EINVAL, pkv_seq_release(NULL, f->live))                                                 \
     X(release_stale, PKV_ENOENT, pkv_seq_release(f->c, f->stale))                                                     \

@@ -3,7 +3,7 @@
  * checks is shown to fire here: a sound state with every kind of block (FREE, CACHED, ACTIVE
  * shared by a fork and a pin, indexed chains, a partial tail) is built through the API, one
  * field of the metadata is broken through the internal headers, and the checker must answer
- * PKV_ECORRUPT with a message that names the broken invariant (41 of its 61 checks; the rest
+ * PKV_ECORRUPT with a message that names the broken invariant (51 of its 69 checks; the rest
  * guard cycles, retired slots, the table capacity and states no field write reaches alone). */
 #include <stdarg.h>
 #include <stddef.h>
@@ -216,21 +216,27 @@ static void lru_tail(world *w) {
     p->lru_tail = p->lru_head;
 }
 
-/* dropped fronts (pkv_seq_drop_front): past the table, in a cache that indexes prefixes, and an
-   entry in the front that is not -1 (the cache made to index nothing, and b's chain forgotten, so
-   that only the entry is wrong) */
+/* dropped fronts (pkv_seq_drop_front): past the table, an entry in the front that is not -1,
+   and a partial right past a front (b's tail, once a, its fork and the pin are gone and b dropped
+   its first two blocks) under a block whose depth is not the one before it */
 static pkv__seq *slot_of(world *w, pkv_seq id) { return &w->c->seqs[id & 0xffffffffu]; }
 static void front_past_table(world *w) {
     pkv__seq *s = slot_of(w, w->r);
     s->n_dropped = s->n_blocks + 1;
 }
-static void front_indexed(world *w) { slot_of(w, w->b)->n_dropped = 1; }
-static void front_entry(world *w) {
-    pkv__seq *s = slot_of(w, w->b);
-    w->c->cfg.enable_prefix_cache = 0;
-    s->idx_len = 0;
-    s->n_dropped = 1;
+static void front_entry(world *w) { slot_of(w, w->b)->n_dropped = 1; }
+static void front_partial(world *w) {
+    TU_OK(pkv_seq_release(w->c, w->a));
+    TU_OK(pkv_seq_release(w->c, w->f));
+    TU_OK(pkv_pin_release(w->c, w->pin));
+    TU_OK(pkv_seq_drop_front(w->c, w->b, 2 * B));
+    TU_CHECK(w->c);
+    assert_int_equal(w->c->blk[w->ta[1]].state, PKV_BLK_CACHED); /* above b's partial, which b holds */
+    assert_int_equal(w->c->blk[w->tb[2]].parent, w->ta[1]);
+    w->c->blk[w->ta[1]].depth = 5;
 }
+/* an index entry held at another depth than its own */
+static void seq_depth(world *w) { w->c->blk[w->ta[1]].depth = 7; }
 
 static void test_checker_fires(void **state) {
     (void)state;
@@ -286,8 +292,9 @@ static void test_checker_fires(void **state) {
         {free_tail, "blocks linked, n_free="},
         {lru_tail, "blocks linked, n_cached="},
         {front_past_table, "blocks dropped of"},
-        {front_indexed, "a dropped front in a cache that indexes prefixes"},
         {front_entry, "in its dropped front"},
+        {front_partial, "table[2] (block 3), a partial past its dropped front, has parent 1"},
+        {seq_depth, "is an index entry of depth 7"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) expect_corrupt(cases[i].brk, cases[i].want);
     /* and the world itself is sound, before and after a round of use */
@@ -296,6 +303,17 @@ static void test_checker_fires(void **state) {
     TU_OK(pkv_seq_release(w.c, w.f));
     TU_OK(pkv_pin_release(w.c, w.pin));
     TU_CHECK(w.c);
+    /* fronts dropped under the index: a's block 0 goes CACHED only once b lets it go too, with
+       blocks in use below it, and the LRU queue then holds it before its children */
+    TU_OK(pkv_seq_drop_front(w.c, w.a, B));
+    TU_CHECK(w.c);
+    assert_int_equal(w.c->blk[w.ta[0]].state, PKV_BLK_ACTIVE);
+    TU_OK(pkv_seq_drop_front(w.c, w.b, 2 * B));
+    TU_CHECK(w.c);
+    assert_int_equal(w.c->blk[w.ta[0]].state, PKV_BLK_CACHED);
+    TU_OK(pkv_seq_release(w.c, w.a));
+    TU_CHECK(w.c);
+    assert_int_equal(w.c->blk[w.ta[1]].state, PKV_BLK_CACHED); /* behind block 0, its parent */
     pkv_cache_destroy(w.c);
 }
 

@@ -105,17 +105,13 @@ static void *worker(void *p) {
             if (memcmp(out, a->want + layer * DEC_N, sizeof out) != 0)
                 TFAIL(a, "thread %d: decode of the shared parents changed (layer %u)", a->tid, layer);
         }
-        { /* a fork of a shared parent drops its front (prefix cache off; else PKV_ENOTSUP) while
-             the others decode the parent: a decode whose window starts past the front reads the
-             same blocks as the parent's, the same bits */
-            pkv_config cc;
+        { /* a fork of a shared parent drops its front (indexed blocks, in the prefix-caching
+             runs) while the others decode the parent: a decode whose window starts past the
+             front reads the same blocks as the parent's, the same bits */
             pkv_seq d = 0;
-            TCALL(a, pkv_cache_config(c, &cc));
             TCALL(a, pkv_seq_fork(c, a->parents[k], &d));
             const uint32_t front = tu_rng_below(&r, PARENT_LEN);
-            const int rc = pkv_seq_drop_front(c, d, front);
-            if (rc != (cc.enable_prefix_cache ? PKV_ENOTSUP : PKV_OK))
-                TFAIL(a, "thread %d: drop_front -> %s", a->tid, pkv_strerror(rc));
+            TCALL(a, pkv_seq_drop_front(c, d, front));
             pkv_attn_params ap = pkv_attn_params_default();
             ap.n_q_heads = QH, ap.window = PARENT_LEN - front / B * B; /* the query at PARENT_LEN - 1 sees the front on */
             float od[QH * HD], op[QH * HD]; /* one sequence's */

@@ -506,8 +506,9 @@ func min(a, b int) int {
 }
 
 // TestDropFront: under a window of 24 the first 16 positions' block goes, decode over the rest
-// matches the reference, a read of the front and a decode without the window are EINVAL; a cache
-// that indexes prefixes says ENOTSUP.
+// matches the reference, a read of the front and a decode without the window are EINVAL. In a
+// cache that indexes prefixes the dropped blocks stay indexed (CACHED): the same prompt is matched
+// whole and reads them back.
 func TestDropFront(t *testing.T) {
 	r := rng(11)
 	const h, d, hq = 2, 64, 4
@@ -549,8 +550,31 @@ func TestDropFront(t *testing.T) {
 	sp, err := cp.SeqCreate(nil)
 	must(t, err)
 	fill(t, cp, sp, 40, &r)
-	if err := cp.DropFront(sp, 32); code(err) != ENOTSUP {
-		t.Fatalf("DropFront with prefix caching: %v", err)
+	kp, vp, err := cp.Gather(sp, 0, 0, 40)
+	must(t, err)
+	must(t, cp.DropFront(sp, 32)) // blocks 0 and 1, indexed, held by sp alone
+	st, err := cp.Stats()
+	must(t, err)
+	if st.NCached != 2 || st.NIndexed != 2 {
+		t.Fatalf("after DropFront with prefix caching: %d cached, %d indexed", st.NCached, st.NIndexed)
+	}
+	toks := make([]int32, 40)
+	for i := range toks {
+		toks[i] = int32((i*7 + 100) % 500) // fill's
+	}
+	tp, err := cp.SeqCreate(nil)
+	must(t, err)
+	n, err := cp.MatchPrefix(tp, toks)
+	must(t, err)
+	if n != 39 { // 2 blocks, then 7 of sp's tail copied
+		t.Fatalf("match over the dropped blocks reused %d", n)
+	}
+	kt, vt, err := cp.Gather(tp, 0, 0, 39)
+	must(t, err)
+	for i := range kt {
+		if kt[i] != kp[i] || vt[i] != vp[i] {
+			t.Fatalf("K/V matched over the dropped blocks differ at %d", i)
+		}
 	}
 }
 

@@ -370,6 +370,7 @@ static void reset_state(pkv_cache *c) {
     *link = PKV_NONE;
     c->n_live = c->n_pins = 0;
     c->n_tokens_total = 0;
+    c->front_indexed = 0;
     pkv__pool_init(&c->pool, c->blk, c->n_blocks);
     pkv__index_reset(c);
 }
@@ -1058,10 +1059,6 @@ PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq id, uint32_t n) {
 
 PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq id, uint32_t pos) {
     if (!c) return PKV_EINVAL;
-    /* the prefix index needs a holder of an indexed block to hold the blocks before it */
-    if (c->cfg.enable_prefix_cache)
-        return PKV__SAY(c, PKV_ENOTSUP, "the cache indexes prefixes (enable_prefix_cache): a sequence's front "
-                                        "cannot go while later blocks hang from it");
     LOCK(c);
     pkv__seq *s;
     int rc = get_seq(c, id, &s);
@@ -1070,7 +1067,11 @@ PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq id, uint32_t pos) {
     if (!rc) {
         const uint32_t j = pos / c->B; /* the blocks wholly before pos */
         for (uint32_t i = j; i > s->n_dropped; i--) { /* deepest first, as a release drops */
-            pkv__drop_block(c, (uint32_t)s->table[i - 1]);
+            const uint32_t b = (uint32_t)s->table[i - 1];
+            /* an indexed one stays in the index (CACHED where s held it alone), with its
+               descendants s still holds below it */
+            if (c->blk[b].flags & PKV_BLKF_INDEXED) c->front_indexed = 1;
+            pkv__drop_block(c, b);
             s->table[i - 1] = -1;
         }
         s->n_dropped = PKV_MAX(s->n_dropped, j);

@@ -101,12 +101,9 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
         REQUIRE(s->n_committed <= s->n_tokens, "sequence %u: committed %u > length %u", i, s->n_committed, s->n_tokens);
         REQUIRE((uint64_t)s->idx_len * c->B <= s->n_committed, "sequence %u: indexed chain of %u blocks past committed %u",
                 i, s->idx_len, s->n_committed);
-        /* a dropped front (pkv_seq_drop_front): -1 entries, whole blocks within the length, in a
-           cache that indexes nothing */
+        /* a dropped front (pkv_seq_drop_front): -1 entries, whole blocks within the length */
         REQUIRE(s->n_dropped <= s->n_blocks && (uint64_t)s->n_dropped * c->B <= s->n_tokens,
                 "sequence %u: %u blocks dropped of %u (%u tokens)", i, s->n_dropped, s->n_blocks, s->n_tokens);
-        REQUIRE(!s->n_dropped || (!c->cfg.enable_prefix_cache && !s->idx_len),
-                "sequence %u: a dropped front in a cache that indexes prefixes", i);
         for (uint32_t j = 0; j < s->n_dropped; j++)
             REQUIRE(s->table[j] == -1, "sequence %u: table[%u]=%d in its dropped front", i, j, s->table[j]);
         for (uint32_t j = s->n_dropped; j < s->n_blocks; j++) {
@@ -119,7 +116,10 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
             REQUIRE(k->n_fill >= need, "sequence %u: block %d holds %u tokens, sequence uses %u", i, b, k->n_fill, need);
             if (j < s->idx_len)
                 REQUIRE(k->flags & PKV_BLKF_INDEXED, "sequence %u: chain block %u (block %d) not indexed", i, j, b);
-            if (k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) {
+            if (k->flags & PKV_BLKF_INDEXED)
+                REQUIRE(k->depth == j, "sequence %u: table[%u] (block %d) is an index entry of depth %u", i, j, b,
+                        k->depth);
+            if ((k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) && (!j || j > s->n_dropped)) {
                 /* an index entry (on the chain or a registered partial) sits where its holders'
                    tables say: a root at table[0] under the holder's namespace, any other below
                    table[j - 1] */
@@ -129,6 +129,12 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
                 if (!j)
                     REQUIRE(k->ns_lo == s->ns_lo && k->ns_hi == s->ns_hi,
                             "sequence %u: its root (block %d) is in another namespace", i, b);
+            } else if (k->flags & PKV_BLKF_PARTIAL) {
+                /* a partial right past the front: below an index entry of the depth before it */
+                REQUIRE(k->parent < c->n_blocks && (c->blk[k->parent].flags & PKV_BLKF_INDEXED) &&
+                            c->blk[k->parent].depth + 1 == j,
+                        "sequence %u: table[%u] (block %d), a partial past its dropped front, has parent %u", i, j,
+                        b, k->parent);
             }
             uint64_t committed = s->n_committed > (uint64_t)j * c->B ? s->n_committed - (uint64_t)j * c->B : 0;
             REQUIRE(k->n_commit >= PKV_MIN(committed, (uint64_t)c->B),
@@ -229,9 +235,11 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
             if (k->parent != PKV_NONE) {
                 const pkv__blk *p = &c->blk[k->parent];
                 REQUIRE(p->flags & PKV_BLKF_INDEXED, "block %u: indexed under parent %u which is not indexed", b, k->parent);
-                if (k->state == PKV_BLK_ACTIVE)
+                /* (past a dropped front a block in use may hang below one no longer in use: its
+                   holders' tables say where, above; the LRU queue then keeps release order) */
+                if (k->state == PKV_BLK_ACTIVE && !c->front_indexed)
                     REQUIRE(p->state == PKV_BLK_ACTIVE, "block %u: ACTIVE but its parent %u is not", b, k->parent);
-                if (k->state == PKV_BLK_CACHED && p->state == PKV_BLK_CACHED)
+                if (k->state == PKV_BLK_CACHED && p->state == PKV_BLK_CACHED && !c->front_indexed)
                     REQUIRE(c->chk_pos[b] < c->chk_pos[k->parent],
                             "LRU: cached block %u is behind its cached parent %u (leaves must go first)", b, k->parent);
             }

@@ -8,9 +8,10 @@
  *
  * Chains: a sequence indexes its full committed blocks only while its own table is the indexed
  * chain (table[i]'s parent is table[i-1]). Hence whoever holds an indexed block holds its
- * ancestors, a CACHED block has no ACTIVE descendants, and releasing deepest-first keeps every
- * CACHED block behind its CACHED children in the LRU queue: evicting from the head always
- * takes a leaf. */
+ * ancestors, up to its dropped front (pkv_seq_drop_front), and releasing deepest-first keeps
+ * every CACHED block behind its CACHED children in the LRU queue. Without dropped fronts,
+ * evicting from the head takes a leaf; a front's dropped block may go CACHED above blocks still
+ * in use, and its eviction takes its whole subtree out of the index (pkv__index_evict). */
 #include "cache_int.h"
 
 #define XXH_INLINE_ALL
@@ -140,9 +141,10 @@ static void bucket_remove(pkv_cache *c, uint32_t b) {
     c->blk[b].hnext = PKV_NONE;
 }
 
-void pkv__index_evict(pkv_cache *c, uint32_t b) {
+/* Takes indexed block b out of the index: REMOVED said, its hash chain, its parent's count and
+ * child list. */
+static void unindex(pkv_cache *c, uint32_t b) {
     pkv__blk *k = &c->blk[b];
-    pkv_assert((k->flags & PKV_BLKF_INDEXED) && k->child == PKV_NONE && k->n_children == 0); /* a leaf */
     pkv__event_block(c, PKV_EVENT_REMOVED, b);
     bucket_remove(c, b);
     if (k->parent != PKV_NONE) c->blk[k->parent].n_children--;
@@ -150,6 +152,44 @@ void pkv__index_evict(pkv_cache *c, uint32_t b) {
     k->flags = 0;
     k->ns_lo = k->ns_hi = 0;
     c->n_indexed--;
+}
+
+/* After an eviction un-indexed blocks that sequences hold (each such holder dropped its front
+ * past the evicted block, pkv_seq_drop_front: a holder of the block before would hold the
+ * evicted one): every chain ends at its first entry no longer indexed. The subtree went whole, so
+ * a chain breaks at one place. */
+static void chains_clamp(pkv_cache *c) {
+    for (uint32_t i = 0; i < c->max_seqs; i++) {
+        pkv__seq *s = &c->seqs[i];
+        if (!s->live || !s->n_dropped) continue;
+        uint32_t j = s->n_dropped;
+        while (j < s->idx_len && (c->blk[s->table[j]].flags & PKV_BLKF_INDEXED)) j++;
+        if (j < s->idx_len) s->idx_len = j;
+    }
+}
+
+void pkv__index_evict(pkv_cache *c, uint32_t b) {
+    pkv_assert(c->blk[b].flags & PKV_BLKF_INDEXED);
+    /* the subtree below b, deepest first and without a stack: down to a first child while there
+       is one, that leaf out, back up to its parent. A block whose holders dropped the blocks
+       before it is found only here (whoever else holds an indexed block holds its ancestors) */
+    bool held = false;
+    for (uint32_t x = b;;) {
+        while (c->blk[x].child != PKV_NONE) x = c->blk[x].child;
+        const uint32_t up = c->blk[x].parent;
+        if (c->blk[x].flags & PKV_BLKF_PARTIAL) pkv__partial_unlink(c, x);
+        else unindex(c, x);
+        if (x == b) break;
+        if (c->blk[x].state == PKV_BLK_CACHED) { /* of no use without b: free */
+            pkv__pool_lru_remove(&c->pool, x);
+            pkv__pool_free_push(&c->pool, x);
+            c->evictions++;
+        } else {
+            held = true;
+        }
+        x = up;
+    }
+    if (held) chains_clamp(c);
 }
 
 void pkv__index_repoint(pkv_cache *c, uint32_t src, uint32_t dst) {
@@ -218,6 +258,9 @@ static void index_insert(pkv_cache *c, const pkv__seq *s, uint32_t b, uint32_t p
 
 void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
     if (!c->cfg.enable_prefix_cache) return;
+    /* past a dropped front the chain goes on only from a block s still holds: the one before
+       table[n_dropped] is gone from its table */
+    if (s->n_dropped && s->idx_len <= s->n_dropped) return;
     const uint32_t B = c->B;
     uint32_t full = s->n_committed / B;
     /* extend this sequence's indexed chain over its full committed blocks */

@@ -997,8 +997,9 @@ class TestModel(Base):
 class TestCache(Base):
     def test_drop_front(self):
         """drop_front under a window: the blocks before the front go, decode over what is left
-        matches the reference, reads of the front are EINVAL, the table reads -1 there, and a
-        cache that indexes prefixes says ENOTSUP."""
+        matches the reference, reads of the front are EINVAL, the table reads -1 there. In a
+        cache that indexes prefixes the dropped blocks stay indexed (CACHED): the same prompt is
+        matched whole and reads them back."""
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=1,
                        enable_prefix_cache=False) as c:
             s = c.seq_create()
@@ -1024,11 +1025,17 @@ class TestCache(Base):
             self.assertEqual(c.stats()["n_active"], 0)
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=1) as c:
             s = c.seq_create()
-            self.fill(c, s, 40)
-            with self.assertRaises(pkv.PkvError) as e:
-                c.drop_front(s, 32)
-            self.assertEqual(e.exception.code, pkv.ENOTSUP)
-            self.assertEqual(c.seq_info(s).n_dropped, 0)
+            toks = self.fill(c, s, 40)
+            K, V = c.gather(s, 0)
+            c.drop_front(s, 32)  # blocks 0 and 1, indexed, held by s alone
+            self.assertEqual(c.seq_info(s).n_dropped, 32)
+            self.assertEqual((c.stats()["n_cached"], c.stats()["n_indexed"]), (2, 2))
+            t = c.seq_create()
+            self.assertEqual(c.match_prefix(t, toks), 39)  # 2 blocks, then 7 of s's tail copied
+            self.assertEqual(c.stats()["n_cached"], 0)
+            Kt, Vt = c.gather(t, 0)
+            np.testing.assert_array_equal(Kt, K[:39])
+            np.testing.assert_array_equal(Vt, V[:39])
 
     def test_prefix_fork_cow_exports(self):
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=1) as c:

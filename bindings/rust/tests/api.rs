@@ -673,8 +673,9 @@ fn bf16_dot_rounds_as_documented() {
 }
 
 /// drop_front under a window of 24: the first 16 positions' block goes, decode over the rest
-/// matches the reference, a read of the front and a decode without the window are EINVAL; a
-/// cache that indexes prefixes says ENOTSUP.
+/// matches the reference, a read of the front and a decode without the window are EINVAL. In a
+/// cache that indexes prefixes the dropped blocks stay indexed (CACHED): the same prompt is
+/// matched whole and reads them back.
 #[test]
 fn drop_front_window() {
     let mut rng = Rng(11);
@@ -710,7 +711,16 @@ fn drop_front_window() {
     let mut cp = Cache::new(&cfg(h as u32, d as u32, 32, Dtype::F32)).unwrap();
     let t = cp.seq_create(b"").unwrap();
     fill(&mut cp, t, 40, &mut rng);
-    assert_eq!(cp.drop_front(t, 32).unwrap_err().code(), ENOTSUP);
+    let (kp, vp) = cp.gather(t, 0, 0, 40).unwrap();
+    cp.drop_front(t, 32).unwrap(); // blocks 0 and 1, indexed, held by t alone
+    let st = cp.stats().unwrap();
+    assert_eq!((st.n_cached, st.n_indexed), (2, 2));
+    let toks: Vec<i32> = (0..40).map(|i| ((i * 7 + 100) % 500) as i32).collect(); // fill's
+    let u = cp.seq_create(b"").unwrap();
+    assert_eq!(cp.match_prefix(u, &toks).unwrap(), 39); // 2 blocks, then 7 of t's tail copied
+    let (ku, vu) = cp.gather(u, 0, 0, 39).unwrap();
+    assert_eq!(ku[..], kp[..ku.len()]);
+    assert_eq!(vu[..], vp[..vu.len()]);
 }
 
 /// An f32 cache of 2 kv heads of 64, one sequence of 40 random tokens in it, and their K and V
