@@ -1,31 +1,35 @@
 /* hybrid_window.c: a model that mixes sliding-window layers with global ones (Gemma 2 and 3,
  * gpt-oss, Mistral's window, Llama 4's chunked layers), its windowed layers' K/V in a cache of
- * their own that lets go of what the window has passed (pkv_seq_drop_front), checked against a
- * direct computation.
+ * their own that lets go of what the window has passed (pkv_seq_drop_front), both caches
+ * indexing prefixes, checked against a direct computation.
  *
  * A block holds every layer of its cache, so one cache for all layers keeps every position of
- * the global layers and, with them, of the windowed ones. Here layers 0 and 2 are global (their
- * cache indexes prefixes as usual) and layers 1 and 3 see the last W positions: their cache has
- * prefix caching off, and after each step a sequence drops the blocks its next query no longer
- * sees. Four sequences take a 40-token prompt, then decode 160 steps each; every step's output of
- * every layer is compared with attention over a plain copy of the K/V. At the end the windowed
- * cache holds at most ceil(W / B) + 1 blocks a sequence, where the global one holds the whole
- * length. The example fails if an output differs from the direct computation by more than float
- * rounding, or if the windowed cache holds more than that. */
+ * the global layers and, with them, of the windowed ones. Here layers 0 and 2 are global and
+ * layers 1 and 3 see the last W positions: after each step a sequence drops, in their cache, the
+ * blocks its next query no longer sees. Four sequences take a 40-token prompt, then decode 160
+ * steps each; every step's output of every layer is compared with attention over a plain copy of
+ * the K/V. The windowed cache holds at most ceil(W / B) + 1 blocks a sequence in use, where the
+ * global one holds the whole length. Sequence 0's dropped blocks stay in the windowed cache's
+ * index (CACHED: its pool has room for them), so a second turn of its conversation (its 200
+ * positions and 8 new ones) is matched whole in both caches, as an engine needs before it skips
+ * the prefill, and decodes over the matched K/V. The example fails if an output differs from the
+ * direct computation by more than float rounding, if the windowed cache holds more than that, or
+ * if either cache matches less than the 200 positions. */
 #include <pkv.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-enum { SEQS = 4, PROMPT = 40, STEPS = 160, LEN = PROMPT + STEPS, H = 2, HQ = 4, D = 32, BT = 16, W = 48 };
+enum { SEQS = 4, PROMPT = 40, STEPS = 160, LEN = PROMPT + STEPS, TURN = 8, H = 2, HQ = 4, D = 32, BT = 16, W = 48 };
 
 static float rnd(unsigned *s) {
     *s = *s * 1103515245u + 12345u;
     return (float)((*s >> 8) & 0xffff) / 32768.0f - 1.0f;
 }
 
-/* The example's own copy of the K/V: [model layer][seq][position][H][D]. */
-static float K[4][SEQS][LEN][H][D], V[4][SEQS][LEN][H][D];
+/* The example's own copy of the K/V: [model layer][seq][position][H][D]; sequence SEQS is the
+ * second turn of sequence 0. */
+static float K[4][SEQS + 1][LEN + TURN][H][D], V[4][SEQS + 1][LEN + TURN][H][D];
 
 /* The largest difference between out ([HQ][D]) and attention of q ([HQ][D]) at position pos of
  * sequence i over layer l's positions [lo, pos]. */
@@ -33,7 +37,7 @@ static double check(const float *q, const float *out, int l, int i, int pos, int
     double worst = 0;
     for (int h = 0; h < HQ; h++) {
         const int kh = h / (HQ / H);
-        double s[LEN], mx = -INFINITY, sum = 0;
+        double s[LEN + TURN], mx = -INFINITY, sum = 0;
         for (int t = lo; t <= pos; t++) {
             double dot = 0;
             for (int d = 0; d < D; d++) dot += (double)q[h * D + d] * K[l][i][t][kh][d];
@@ -50,13 +54,14 @@ static double check(const float *q, const float *out, int l, int i, int pos, int
     return worst;
 }
 
-/* Appends n positions (token ids from tok) to sequence i in both caches and writes every model
- * layer's K/V for them: layers 0, 2 to the global cache's 0, 1, layers 1, 3 to the local one's. */
+/* Appends n positions (token ids 1 + position % 500) to sequence i in both caches, writes every
+ * model layer's K/V for them (random where fresh, else as K and V hold them already): layers 0, 2
+ * to the global cache's 0, 1, layers 1, 3 to the local one's; commits. */
 static int append(pkv_cache *g, pkv_cache *w, const pkv_seq *sg, const pkv_seq *sw, int i, int start, int n,
-                  unsigned *seed) {
-    int32_t tok[PROMPT], slots[PROMPT];
+                  int fresh, unsigned *seed) {
+    int32_t tok[LEN + TURN], slots[LEN + TURN];
     for (int j = 0; j < n; j++) tok[j] = 1 + (start + j) % 500;
-    for (int l = 0; l < 4; l++)
+    for (int l = 0; l < 4 && fresh; l++)
         for (int j = start; j < start + n; j++)
             for (int h = 0; h < H; h++)
                 for (int d = 0; d < D; d++) K[l][i][j][h][d] = rnd(seed), V[l][i][j][h][d] = rnd(seed);
@@ -75,63 +80,100 @@ static int append(pkv_cache *g, pkv_cache *w, const pkv_seq *sg, const pkv_seq *
     return 0;
 }
 
+/* Decodes the query at pos of each of the n sequences from i0 through the model's 4 layers (one
+ * batch a layer) and returns the worst difference from the direct computation in *worst. */
+static int decode(pkv_cache *g, pkv_cache *w, const pkv_seq *sg, const pkv_seq *sw, int i0, int n, int pos,
+                  unsigned *seed, double *worst) {
+    static float q[SEQS][HQ][D], out[SEQS][HQ][D];
+    pkv_attn_params pg = pkv_attn_params_default(), pw = pkv_attn_params_default();
+    pg.n_q_heads = pw.n_q_heads = HQ;
+    pw.window = W;
+    int rc = 0;
+    for (int l = 0; l < 4 && !rc; l++) {
+        for (int j = 0; j < n * HQ * D; j++) (&q[0][0][0])[j] = rnd(seed);
+        const int local = l % 2;
+        rc = pkv_attn_decode(local ? w : g, (uint32_t)(l / 2), (local ? sw : sg) + i0, (uint32_t)n, &q[0][0][0],
+                             &out[0][0][0], local ? &pw : &pg);
+        for (int i = 0; i < n && !rc; i++)
+            *worst = fmax(*worst, check(&q[i][0][0], &out[i][0][0], l, i0 + i, pos, local && pos + 1 > W ? pos + 1 - W : 0));
+    }
+    return rc;
+}
+
 int main(void) {
     pkv_config cfg = pkv_config_default();
     cfg.n_layers = 2, cfg.n_kv_heads = H, cfg.head_dim = D, cfg.block_tokens = BT;
     cfg.k_dtype = cfg.v_dtype = PKV_DTYPE_F32;
-    cfg.n_blocks = SEQS * (LEN / BT + 1); /* the global layers keep every position */
+    cfg.enable_prefix_cache = 1;
+    cfg.n_blocks = SEQS * (LEN / BT + 1) + (LEN + TURN) / BT + 2; /* every position, and the second turn */
     pkv_cache *g = NULL, *w = NULL;
     int rc = pkv_cache_create(&cfg, &g);
-    cfg.enable_prefix_cache = 0;             /* pkv_seq_drop_front's condition */
-    cfg.n_blocks = SEQS * ((W + BT - 1) / BT + 2); /* the window's blocks, and one the step appends to */
+    /* the window's blocks and one a step appends to, a sequence; and room for sequence 0's
+       dropped blocks (CACHED: the others' are twins of its prompt blocks, indexed by it alone,
+       so theirs go FREE) and the second turn's new block */
+    cfg.n_blocks = SEQS * ((W + BT - 1) / BT + 2) + (LEN + TURN) / BT + 2;
     if (!rc) rc = pkv_cache_create(&cfg, &w);
-    pkv_seq sg[SEQS], sw[SEQS];
+    pkv_seq sg[SEQS + 1], sw[SEQS + 1];
     unsigned seed = 11;
     for (int i = 0; i < SEQS && !rc; i++) {
         rc = pkv_seq_create(g, NULL, 0, &sg[i]);
         if (!rc) rc = pkv_seq_create(w, NULL, 0, &sw[i]);
-        if (!rc) rc = append(g, w, sg, sw, i, 0, PROMPT, &seed);
+        if (!rc) rc = append(g, w, sg, sw, i, 0, PROMPT, 1, &seed);
         if (!rc) rc = pkv_seq_drop_front(w, sw[i], PROMPT + 1 > W ? PROMPT + 1 - W : 0);
     }
     if (rc) {
         fprintf(stderr, "hybrid_window: set-up failed: %s\n", pkv_strerror(rc));
         return 1;
     }
-    static float q[SEQS][HQ][D], out[SEQS][HQ][D];
-    pkv_attn_params pg = pkv_attn_params_default(), pw = pkv_attn_params_default();
-    pg.n_q_heads = pw.n_q_heads = HQ;
-    pw.window = W;
     double worst = 0;
     uint32_t most_local = 0;
     for (int step = 0; step < STEPS && !rc; step++) {
         const int pos = PROMPT + step; /* the position each sequence decodes */
-        for (int i = 0; i < SEQS && !rc; i++) rc = append(g, w, sg, sw, i, pos, 1, &seed);
+        for (int i = 0; i < SEQS && !rc; i++) rc = append(g, w, sg, sw, i, pos, 1, 1, &seed);
         pkv_stats st; /* the windowed cache's peak: after the appends, before the drops */
         if (!rc) rc = pkv_cache_get_stats(w, &st);
         if (!rc && st.n_active > most_local) most_local = st.n_active;
-        for (int l = 0; l < 4 && !rc; l++) { /* the model's layers in order, one batch each */
-            for (int j = 0; j < SEQS * HQ * D; j++) (&q[0][0][0])[j] = rnd(&seed);
-            const int local = l % 2;
-            rc = pkv_attn_decode(local ? w : g, (uint32_t)(l / 2), local ? sw : sg, SEQS, &q[0][0][0], &out[0][0][0],
-                                 local ? &pw : &pg);
-            for (int i = 0; i < SEQS && !rc; i++)
-                worst = fmax(worst, check(&q[i][0][0], &out[i][0][0], l, i, pos, local && pos + 1 > W ? pos + 1 - W : 0));
-        }
+        if (!rc) rc = decode(g, w, sg, sw, 0, SEQS, pos, &seed, &worst);
         /* the next query, at pos + 1, sees from pos + 2 - W on: the blocks wholly before go */
         for (int i = 0; i < SEQS && !rc && pos + 2 > W; i++) rc = pkv_seq_drop_front(w, sw[i], (uint32_t)(pos + 2 - W));
     }
     pkv_stats sg_st, sw_st;
     if (!rc) rc = pkv_cache_get_stats(g, &sg_st);
     if (!rc) rc = pkv_cache_get_stats(w, &sw_st);
+    /* the second turn of sequence 0: its LEN positions and TURN new ones, matched in each cache;
+       an engine takes the shorter match of the two and computes the rest (here: writes the K/V
+       sequence 0 had there, which a model would compute again) */
+    uint32_t hit_g = 0, hit_w = 0;
+    const int t = SEQS, n_turn = LEN + TURN;
+    for (int l = 0; l < 4; l++)
+        for (int j = 0; j < n_turn; j++)
+            for (int h = 0; h < H; h++)
+                for (int d = 0; d < D; d++) {
+                    K[l][t][j][h][d] = j < LEN ? K[l][0][j][h][d] : rnd(&seed);
+                    V[l][t][j][h][d] = j < LEN ? V[l][0][j][h][d] : rnd(&seed);
+                }
+    int32_t prompt[LEN + TURN];
+    for (int j = 0; j < n_turn; j++) prompt[j] = 1 + j % 500;
+    if (!rc) rc = pkv_seq_create(g, NULL, 0, &sg[t]);
+    if (!rc) rc = pkv_seq_create(w, NULL, 0, &sw[t]);
+    if (!rc) rc = pkv_seq_match_prefix(g, sg[t], prompt, (uint32_t)n_turn, &hit_g);
+    if (!rc) rc = pkv_seq_match_prefix(w, sw[t], prompt, (uint32_t)n_turn, &hit_w);
+    const uint32_t hit = hit_g < hit_w ? hit_g : hit_w;
+    if (!rc) rc = pkv_seq_truncate(g, sg[t], hit);
+    if (!rc) rc = pkv_seq_truncate(w, sw[t], hit);
+    if (!rc) rc = append(g, w, sg, sw, t, (int)hit, n_turn - (int)hit, 0, &seed);
+    if (!rc) rc = pkv_seq_drop_front(w, sw[t], (uint32_t)(n_turn - W)); /* its query sees the last W */
+    if (!rc) rc = decode(g, w, sg, sw, t, 1, n_turn - 1, &seed, &worst);
     if (rc) {
         fprintf(stderr, "hybrid_window: %s\n", pkv_strerror(rc));
         return 1;
     }
     const uint32_t bound = SEQS * ((W + BT - 1) / BT + 1); /* a block-aligned front: < W + BT positions */
     printf("hybrid_window: %d sequences of %d positions, window %d: global layers' cache %u blocks, windowed "
-           "layers' %u (at most %u during the run, bound %u); worst |out - direct| %.2e\n",
-           SEQS, LEN, W, sg_st.n_active, sw_st.n_active, most_local, bound, worst);
-    if (worst > 1e-4 || most_local > bound) {
+           "layers' %u in use (at most %u during the run, bound %u), %u cached; a second turn of sequence 0 "
+           "matched %u positions in the global cache, %u in the windowed one; worst |out - direct| %.2e\n",
+           SEQS, LEN, W, sg_st.n_active, sw_st.n_active, most_local, bound, sw_st.n_cached, hit_g, hit_w, worst);
+    if (worst > 1e-4 || most_local > bound || hit < LEN) {
         fprintf(stderr, "hybrid_window: FAILED\n");
         return 1;
     }

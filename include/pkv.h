@@ -387,9 +387,14 @@ PKV_NODISCARD PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
  * A block here holds every layer's rows, so a model mixing windowed or chunked layers with
  * global ones (Gemma 2/3, gpt-oss, Llama 4) keeps its windowed layers in a cache of their own and
  * drops there (examples/hybrid_window.c).
- * PKV_ENOTSUP where the cache indexes prefixes (enable_prefix_cache), whatever s is: an indexed
- * block's holders hold the blocks before it, and eviction relies on that. Else PKV_ENOENT for an
- * unknown sequence, PKV_EINVAL for a pin. */
+ * Where the cache indexes prefixes (enable_prefix_cache), a dropped block stays in the index: one
+ * that s held alone goes CACHED (pkv_stats.n_cached) while s still holds the blocks after it, so
+ * the same prompt again (pkv_seq_match_prefix) is matched whole, the dropped blocks taken back,
+ * until eviction takes them. Identities chain from block 0, so evicting such a block takes every
+ * block below it out of the index too: those CACHED go FREE (counted in pkv_stats.evictions),
+ * those in use stay with their sequences, unindexed, and a sequence whose indexed chain broke so
+ * indexes none of its later blocks. A windowed cache under pressure therefore keeps few hits.
+ * PKV_ENOENT for an unknown sequence, PKV_EINVAL for a pin. */
 PKV_NODISCARD PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq s, uint32_t pos);
 
 /* Keeps the positions start + idx[0] < start + idx[1] < ... < start + idx[n - 1] of s's
@@ -658,7 +663,8 @@ typedef struct pkv_stats {
                                      dropped by pkv_cache_reset, which evictions does not count) */
     uint64_t prefix_miss_namespace; /* ... at a block indexed only under another namespace */
     uint64_t n_indexed;           /* blocks in the prefix index (ACTIVE or CACHED) */
-    uint64_t evictions;           /* CACHED blocks evicted to satisfy allocations */
+    uint64_t evictions;           /* CACHED blocks evicted to satisfy allocations (and
+                                     those below them in the index: pkv_seq_drop_front) */
     /* attention requests (decode sequences, prefill requests of n_q > 0) that
      * pkv_attn_decode / pkv_attn_prefill read, by block order (see pkv_attn_decode): in pool
      * order (the batch's blocks once each, ascending) and in table order; a call its checks

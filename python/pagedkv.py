@@ -895,8 +895,9 @@ class Cache:
     @_in_call
     def drop_front(self, seq, pos):
         """Lets go of the blocks wholly before position pos, which a sliding window or chunked
-        local attention no longer reads (pkv_seq_drop_front; ENOTSUP where the cache indexes
-        prefixes). Positions before seq_info(seq).n_dropped are then refused everywhere."""
+        local attention no longer reads (pkv_seq_drop_front). Positions before
+        seq_info(seq).n_dropped are then refused everywhere. Where the cache indexes prefixes,
+        the dropped blocks stay indexed until evicted, so the same prompt still matches."""
         self._check(_lib.pkv_seq_drop_front(self._h(), _seq_of(seq), _u32_of(pos, "pos")), "pkv_seq_drop_front")
 
     @_in_call

@@ -101,11 +101,12 @@ static void usage(FILE *f) {
             "                      (pkv_tier_load), and each computed prompt's full blocks are saved\n"
             "                      to it (pkv_tier_save)\n"
             "  --window W          a sliding window on every layer (Mistral 7B v0.1's 4096): attention\n"
-            "                      sees the last W positions, and paged lets go of the blocks before\n"
-            "                      them after each step (pkv_seq_drop_front; its admission counts a\n"
-            "                      prompt's chunk and the window before it, not the whole prompt);\n"
-            "                      paged_prefix keeps them (its prefix index needs them), contiguous\n"
-            "                      still reserves max_len; not with --preempt swap [0: off]\n"
+            "                      sees the last W positions, and paged and paged_prefix let go of\n"
+            "                      the blocks before them after each step (pkv_seq_drop_front; their\n"
+            "                      admission counts a prompt's chunk and the window before it, not\n"
+            "                      the whole prompt; paged_prefix's stay indexed until evicted, and\n"
+            "                      it keeps them all with --tier, which saves whole prompts);\n"
+            "                      contiguous still reserves max_len; not with --preempt swap [0: off]\n"
             "  --no-attn           skip K/V writes and attention: memory-only replay (the pool then\n"
             "                      holds a 1-layer head_dim-8 shape; block accounting is the same)\n"
             "  --compact           before each step, pkv_seq_compact on every decoding sequence (its\n"
@@ -409,7 +410,7 @@ int tool_sim(int argc, char **argv) {
     double block_kib = (double)c.so.block_tokens * md->n_layers * 2.0 *
                        (double)pkv_dtype_row_bytes(md->dtype, md->head_dim) * md->n_kv_heads / 1024.0;
     char window_note[64] = "";
-    if (c.so.window) snprintf(window_note, sizeof window_note, "; window %u (paged drops what it passed)", c.so.window);
+    if (c.so.window) snprintf(window_note, sizeof window_note, "; window %u (paged policies drop what it passed)", c.so.window);
     if (!c.json) {
         printf("pkv sim: %u requests (%s, seed %llu): prompt mean %.0f, output mean %.0f tokens, %llu with a shared "
                "prefix, %llu with n > 1\n",

@@ -231,6 +231,13 @@ static int finish_entry(sim *S, entry *e) {
     return 0;
 }
 
+/* Whether this run lets go of what --window has passed (pkv_seq_drop_front): the paged policies,
+ * except where a storage tier saves computed prompts (pkv_tier_save keys a sequence by every
+ * position from 0, and the prompt's front may be gone by the time its prefill ends). */
+static bool drops_front(const sim *S, const sim_opts *o) {
+    return o->window && S->policy != SIM_CONTIGUOUS && !S->tier;
+}
+
 /* Admits waiting requests while the budget, max_seqs and blocks allow (FIFO: the head blocks
  * the queue, as in vLLM). Appends the admitted items to items[*n_items]. */
 static int admit(sim *S, uint32_t *budget, uint32_t *n_items, uint32_t *off) {
@@ -257,7 +264,7 @@ static int admit(sim *S, uint32_t *budget, uint32_t *n_items, uint32_t *off) {
              * B steps: without it a new admission is preempted again at once); cached blocks
              * count as available since they can be evicted */
             uint64_t span = rq->prompt_len + S->rs[r].kept; /* the prompt's positions held at once */
-            if (o->window && S->policy == SIM_PAGED && span > (uint64_t)o->window + o->step_tokens)
+            if (drops_front(S, o) && span > (uint64_t)o->window + o->step_tokens)
                 span = (uint64_t)o->window + o->step_tokens; /* a chunk, and the window before it */
             uint64_t need = ceil_div(span, B) + 1u + wm + (uint64_t)(o->headroom * S->running_seqs + 0.5);
             if ((uint64_t)st.n_free + st.n_cached < need) break;
@@ -676,9 +683,9 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
             if (S.ent[ei].gen >= rq->output_len && finish_entry(&S, &S.ent[ei])) goto done;
         }
 
-        /* --window: paged lets go of the blocks before each sequence's next first key (its next
-           position, len, sees from len + 1 - W); paged_prefix cannot (its index needs them) */
-        if (o->window && policy == SIM_PAGED) {
+        /* --window: the paged policies let go of the blocks before each sequence's next first key
+           (its next position, len, sees from len + 1 - W); paged_prefix's stay in its index */
+        if (drops_front(&S, o)) {
             uint64_t t0 = tool_now_ns();
             for (uint32_t i = 0; i < S.n_ent; i++) {
                 const entry *e = &S.ent[i];

@@ -1006,7 +1006,8 @@ func (c *Cache) Truncate(s Seq, n uint32) error {
 
 // DropFront lets go of the blocks of s wholly before position pos, which a sliding window or
 // chunked local attention no longer reads (pkv_seq_drop_front): positions before
-// SeqInfo.NDropped are then refused by every call. ENOTSUP where the cache indexes prefixes.
+// SeqInfo.NDropped are then refused by every call. Where the cache indexes prefixes, the dropped
+// blocks stay indexed until evicted, so the same prompt still matches.
 func (c *Cache) DropFront(s Seq, pos uint32) error {
 	return c.op("pkv_seq_drop_front", moveRows, func(p *C.pkv_cache) C.int { return C.pkv_seq_drop_front(p, C.pkv_seq(s), C.uint32_t(pos)) }, s)
 }

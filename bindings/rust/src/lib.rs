@@ -1129,7 +1129,8 @@ impl Cache {
 
     /// Lets go of the blocks wholly before position `pos`, which a sliding window or chunked local
     /// attention no longer reads (pkv_seq_drop_front): positions before `seq_info(s).n_dropped`
-    /// are then refused by every call. `ENOTSUP` where the cache indexes prefixes.
+    /// are then refused by every call. Where the cache indexes prefixes, the dropped blocks stay
+    /// indexed until evicted, so the same prompt still matches.
     pub fn drop_front(&mut self, s: Seq, pos: u32) -> Result<()> {
         check(unsafe { ffi::pkv_seq_drop_front(self.p(), s.0, pos) }, "pkv_seq_drop_front")
     }
