@@ -31,7 +31,7 @@ typedef struct {
     uint32_t iters;
     long errors;
     long enospc;
-    long ok_iters, match_hits, moved;
+    long ok_iters, match_hits, moved, front_hits;
     char first_error[200];
 } targ;
 
@@ -147,6 +147,28 @@ static void *worker(void *p) {
             pkv_seq_info in;
             TCALL(a, pkv_seq_get_info(c, s, &in));
             if (tu_cmp_pattern(c, s, 0, in.n_tokens, tag) != 0) TFAIL(a, "thread %d: truncated parent wrong", a->tid);
+        }
+        if (tu_rng_chance(&r, 0.5)) { /* s drops its front (its indexed blocks stay in the index,
+                                          CACHED where s held them alone, while the other threads
+                                          evict): what is left reads the same, and s's tokens are
+                                          matched again into a new sequence, reading s's K/V */
+            pkv_seq_info in;
+            TCALL(a, pkv_seq_get_info(c, s, &in));
+            const uint32_t front = tu_rng_below(&r, in.n_tokens + 1);
+            TCALL(a, pkv_seq_drop_front(c, s, front));
+            TCALL(a, pkv_seq_get_info(c, s, &in));
+            if (in.n_dropped != front / B * B ||
+                tu_cmp_pattern(c, s, in.n_dropped, in.n_tokens - in.n_dropped, tag) != 0)
+                TFAIL(a, "thread %d: what a dropped front left reads wrong", a->tid);
+            pkv_seq m2 = 0;
+            TCALL(a, pkv_seq_create(c, NULL, 0, &m2));
+            uint32_t again = 0;
+            int rc = pkv_seq_match_prefix(c, m2, toks, in.n_tokens, &again);
+            if (rc == PKV_OK && again && tu_cmp_pattern(c, m2, 0, again, tag) != 0) rc = PKV_ECORRUPT;
+            if (pkv_seq_release(c, m2) && rc == PKV_OK) rc = PKV_EINVAL;
+            if (rc == PKV_ENOSPC) a->enospc++;
+            else if (rc) TFAIL(a, "thread %d: a match over a dropped front: %s", a->tid, pkv_strerror(rc));
+            a->front_hits += in.n_dropped >= B && again >= B; /* s's dropped block 0 taken */
         }
         { /* g's 3 uncommitted positions verified as a chain of drafts (tree attention over the
              shared parent's blocks while the others read them): what prefill gives; then the
@@ -291,7 +313,7 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
         args[t].iters = iters;
         assert_int_equal(pthread_create(&th[t], NULL, worker, &args[t]), 0);
     }
-    long errors = 0, ok = 0, enospc = 0, hits = 0, moved = 0;
+    long errors = 0, ok = 0, enospc = 0, hits = 0, moved = 0, front_hits = 0;
     for (int t = 0; t < NTHR; t++) {
         assert_int_equal(pthread_join(th[t], NULL), 0);
         if (args[t].errors) print_error("%s\n", args[t].first_error);
@@ -299,6 +321,7 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
         ok += args[t].ok_iters;
         enospc += args[t].enospc;
         hits += args[t].match_hits;
+        front_hits += args[t].front_hits;
         moved += args[t].moved;
     }
     atomic_store(&ec.stop, 1);
@@ -314,13 +337,13 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
     print_message("events: %llu taken, %llu overflows, %u blocks indexed at the end\n", (unsigned long long)ec.events,
                   (unsigned long long)ec.overflows, ec.n);
     if (prefix) assert_true(ec.events > 0);
-    print_message("prefix %s: %d threads x %u iterations: %ld complete, %ld out of blocks, %ld prefix hits, %ld "
-                  "blocks compacted\n",
-                  prefix ? "on" : "off", NTHR, iters, ok, enospc, hits, moved);
+    print_message("prefix %s: %d threads x %u iterations: %ld complete, %ld out of blocks, %ld prefix hits (%ld "
+                  "over dropped fronts), %ld blocks compacted\n",
+                  prefix ? "on" : "off", NTHR, iters, ok, enospc, hits, front_hits, moved);
     assert_int_equal(errors, 0);
     if (roomy) assert_true(ok > (long)(NTHR * iters) / 2);
     else assert_true(ok > 0); /* how many hit PKV_ENOSPC depends on the interleaving */
-    if (prefix) assert_true(hits > 0);
+    if (prefix) assert_true(hits > 0 && front_hits > 0);
     if (roomy) assert_true(moved > 0);
     TU_CHECK(c);
     pkv_stats st = tu_stats(c);
