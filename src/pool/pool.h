@@ -23,7 +23,7 @@ typedef struct pkv__blk {
     uint16_t n_commit; /* positions [0, n_commit) hold committed K/V */
     uint8_t inner;     /* CACHED in the inner queue (it has children in the index), not the LRU */
     uint8_t pad_;
-    uint32_t qprev, qnext; /* free queue (FIFO) or LRU queue links */
+    uint32_t qprev, qnext; /* free queue (FIFO), LRU queue or inner queue links */
     uint32_t parent;       /* index parent (INDEXED or PARTIAL), PKV_NONE for a root */
     uint32_t hnext;        /* hash-bucket chain (INDEXED) */
     uint32_t child;        /* first INDEXED or PARTIAL child */
