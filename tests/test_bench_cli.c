@@ -387,7 +387,7 @@ static void test_ops_json(void **state) {
 /* `pkv bench prefix --json` (the prefix-caching issue's contract): a header, then one object
  * per (op, prompt, index size): hit_hot, hit and miss at 256 and 8192 tokens over indexes of
  * 10,000 and (quick) 100,000 blocks, ns per token consistent with the median, the ratio 1 at the
- * smallest index. */
+ * smallest index; the events' lines and the dropped front's (evict_released, evict_front). */
 static void test_prefix_json(void **state) {
     (void)state;
     static const char *ops[3] = {"hit_hot", "hit", "miss"};
@@ -395,7 +395,7 @@ static void test_prefix_json(void **state) {
     char *out, *err;
     const int rc = run_cli(argv, &out, &err);
     if (rc != 0) fail_msg("exit %d: %s", rc, err);
-    int header = 0, seen[3][2][2] = {{{0}}}, ev_seen[2][2] = {{0}};
+    int header = 0, seen[3][2][2] = {{{0}}}, ev_seen[2][2] = {{0}}, fr_seen[2] = {0};
     for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
         one_object(line);
         assert_true(str_is(line, "bench", "prefix"));
@@ -403,6 +403,18 @@ static void test_prefix_json(void **state) {
             assert_int_equal((int)num(line, "block_tokens"), 16);
             assert_non_null(strstr(line, "\"quick\":true"));
             header++;
+            continue;
+        }
+        if (strstr(line, "\"ratio_vs_released\":")) { /* evicting a dropped front against a released chain */
+            static const char *fr_ops[2] = {"evict_released", "evict_front"};
+            const int fo = which(line, "op", fr_ops, 2);
+            fr_seen[fo]++;
+            assert_int_equal((int)num(line, "blocks"), 256);
+            assert_int_equal((int)num(line, "reps"), 3);
+            const double med = num(line, "median_ns"), ratio = num(line, "ratio_vs_released");
+            assert_true(med > 0 && fabs(num(line, "ns_per_block") - med / 256) <= 1.0 / 256 + 5e-4);
+            assert_true(isfinite(ratio) && ratio > 0);
+            if (!fo) assert_true(ratio == 1.0);
             continue;
         }
         if (strstr(line, "\"events\":")) { /* what recording the events costs: on and off, each op */
@@ -436,6 +448,7 @@ static void test_prefix_json(void **state) {
         for (int p = 0; p < 2; p++)
             for (int x = 0; x < 2; x++) assert_int_equal(seen[o][p][x], 1);
     for (int o = 0; o < 2; o++) assert_true(ev_seen[o][0] == 1 && ev_seen[o][1] == 1);
+    assert_true(fr_seen[0] == 1 && fr_seen[1] == 1);
     free(out), free(err);
 }
 

@@ -27,12 +27,16 @@ static void usage(FILE *f) {
             "The ratio column compares with the smallest index of the same run: ~1.0 means\n"
             "the cost does not grow with the index. Then what recording the index's events costs\n"
             "(event_capacity 1024 against 0): a commit that indexes 512 blocks (commit_index) and\n"
-            "an append that evicts 512 cached ones (append_evict), with the ratio on / off.\n"
+            "an append that evicts 512 cached ones (append_evict), with the ratio on / off. Then an\n"
+            "append that evicts 256 cached blocks a sequence dropped from its front above 256 it still\n"
+            "holds (pkv_seq_drop_front: the first eviction takes those 256 out of the index) against\n"
+            "256 of a released sequence (evict_front, ratio dropped / released).\n"
             "\n"
             "  --json     one JSON object per line (keys: op, prompt_tokens, index_blocks,\n"
             "             ns_per_token, median_ns, p10_ns_per_token, p90_ns_per_token, reps,\n"
             "             ratio_vs_smallest_index; the events' lines: op, events, blocks, reps,\n"
-            "             median_ns, ns_per_block, ratio_vs_no_events)\n"
+            "             median_ns, ns_per_block, ratio_vs_no_events; the dropped front's: op,\n"
+            "             blocks, reps, median_ns, ns_per_block, ratio_vs_released)\n"
             "  --quick    index sizes 10,000 and 100,000, fewer repetitions (a smoke run)\n"
             "  --reps N   repetitions per point (default 2001 for 256 tokens, 201 for 8192)\n"
             "  --help     this text\n");
@@ -222,6 +226,61 @@ static int measure_events(uint32_t reps, double out[2][2]) {
     return rc ? -1 : 0;
 }
 
+/* What evicting a dropped front costs (pkv_seq_drop_front with prefix caching: stop 84): an append
+ * that takes 256 CACHED blocks, (0) a released sequence's (a chain evicted leaf by leaf) and (1)
+ * the front a sequence dropped above 256 blocks it still holds (the first eviction walks those
+ * 256 out of the index and clamps the sequences' chains, max_seqs 256; then leaf by leaf), reps
+ * interleaved. out[case]: the median ns. */
+#define FR_BLOCKS 256u
+static int measure_front(uint32_t reps, double out[2]) {
+    pkv_cache *c = NULL;
+    int32_t *tok = malloc(2 * FR_BLOCKS * BLOCK * sizeof *tok);
+    double *ns = malloc(2 * (size_t)reps * sizeof *ns);
+    int rc = tok && ns ? 0 : -1;
+    pkv_config cfg = pkv_config_default();
+    cfg.n_layers = 1, cfg.n_kv_heads = 1, cfg.head_dim = 8;
+    cfg.block_tokens = BLOCK;
+    cfg.n_blocks = 2 * FR_BLOCKS;
+    cfg.max_seqs = 256;
+    cfg.n_threads = 1;
+    cfg.huge_pages = 0;
+    tool_log_errors(&cfg, "pkv bench prefix");
+    if (rc == 0) rc = tool_check(pkv_cache_create(&cfg, &c), "pkv_cache_create");
+    const uint32_t half = FR_BLOCKS * BLOCK;
+    for (uint32_t r = 0; r < reps && rc == 0; r++)
+        for (int k = 0; k < 2 && rc == 0; k++) {
+            const int front = (int)((r + (uint32_t)k) & 1);
+            pkv_seq s = 0, f = 0, s2 = 0;
+            for (uint32_t t = 0; t < 2 * half; t++) tok[t] = fill_token(3000000 + r * 2 + (uint32_t)front, t);
+            rc = tool_check(pkv_seq_create(c, NULL, 0, &s), "pkv_seq_create");
+            if (front) { /* 512 blocks committed, the first 256 dropped: CACHED above the rest */
+                if (rc == 0) rc = tool_check(pkv_seq_append(c, s, tok, 2 * half, NULL), "pkv_seq_append");
+                if (rc == 0) rc = tool_check(pkv_seq_commit(c, s, 2 * half), "pkv_seq_commit");
+                if (rc == 0) rc = tool_check(pkv_seq_drop_front(c, s, half), "pkv_seq_drop_front");
+            } else { /* 256 blocks committed and released, 256 held unindexed by another */
+                if (rc == 0) rc = tool_check(pkv_seq_append(c, s, tok, half, NULL), "pkv_seq_append");
+                if (rc == 0) rc = tool_check(pkv_seq_commit(c, s, half), "pkv_seq_commit");
+                if (rc == 0) rc = tool_check(pkv_seq_release(c, s), "pkv_seq_release");
+                s = 0;
+                if (rc == 0) rc = tool_check(pkv_seq_create(c, NULL, 0, &f), "pkv_seq_create");
+                if (rc == 0) rc = tool_check(pkv_seq_append(c, f, tok + half, half, NULL), "pkv_seq_append");
+            }
+            for (uint32_t t = 0; t < half; t++) tok[t] |= 0x40000000;
+            if (rc == 0) rc = tool_check(pkv_seq_create(c, NULL, 0, &s2), "pkv_seq_create");
+            const uint64_t t0 = tool_now_ns();
+            if (rc == 0) rc = tool_check(pkv_seq_append(c, s2, tok, half, NULL), "pkv_seq_append"); /* evicts 256 */
+            ns[front * reps + r] = (double)(tool_now_ns() - t0);
+            const pkv_seq ids[3] = {s, f, s2};
+            for (int i = 0; i < 3 && rc == 0; i++)
+                if (ids[i]) rc = tool_check(pkv_seq_release(c, ids[i]), "pkv_seq_release");
+            if (rc == 0) rc = tool_check(pkv_cache_reset(c), "pkv_cache_reset");
+        }
+    for (int front = 0; front < 2 && rc == 0; front++) out[front] = tool_median(ns + (size_t)front * reps, reps);
+    pkv_cache_destroy(c);
+    free(tok), free(ns);
+    return rc ? -1 : 0;
+}
+
 int tool_bench_prefix(int argc, char **argv) {
     int json = 0, quick = 0;
     uint32_t reps_arg = 0;
@@ -329,5 +388,18 @@ int tool_bench_prefix(int argc, char **argv) {
         else
             printf("%-13s %7u %12.0f %12.0f %8.3f\n", ev_ops[op], EV_BLOCKS, evm[op][0], evm[op][1], ratio);
     }
+    double fr[2];
+    if (measure_front(ev_reps, fr) < 0) return TOOL_FAIL;
+    const double fr_ratio = fr[0] > 0 ? fr[1] / fr[0] : 0.0;
+    if (json)
+        for (int front = 0; front < 2; front++)
+            printf("{\"bench\":\"prefix\",\"op\":\"%s\",\"blocks\":%u,\"reps\":%u,\"median_ns\":%.0f,"
+                   "\"ns_per_block\":%.3f,\"ratio_vs_released\":%.3f}\n",
+                   front ? "evict_front" : "evict_released", FR_BLOCKS, ev_reps, fr[front], fr[front] / FR_BLOCKS,
+                   front ? fr_ratio : 1.0);
+    else
+        printf("\ndropped fronts: an append that evicts %u CACHED blocks, released (a chain) against dropped above "
+               "%u held (pkv_seq_drop_front)\n%-13s %7u %12.0f %12.0f %8.3f\n",
+               FR_BLOCKS, FR_BLOCKS, "evict_front", FR_BLOCKS, fr[0], fr[1], fr_ratio);
     return TOOL_OK;
 }
