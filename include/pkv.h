@@ -387,13 +387,16 @@ PKV_NODISCARD PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
  * A block here holds every layer's rows, so a model mixing windowed or chunked layers with
  * global ones (Gemma 2/3, gpt-oss, Llama 4) keeps its windowed layers in a cache of their own and
  * drops there (examples/hybrid_window.c).
- * Where the cache indexes prefixes (enable_prefix_cache), a dropped block stays in the index: one
- * that s held alone goes CACHED (pkv_stats.n_cached) while s still holds the blocks after it, so
- * the same prompt again (pkv_seq_match_prefix) is matched whole, the dropped blocks taken back,
- * until eviction takes them. Identities chain from block 0, so evicting such a block takes every
- * block below it out of the index too: those CACHED go FREE (counted in pkv_stats.evictions),
- * those in use stay with their sequences, unindexed, and a sequence whose indexed chain broke so
- * indexes none of its later blocks. A windowed cache under pressure therefore keeps few hits.
+ * Where the cache indexes prefixes (enable_prefix_cache), a dropped block that was indexed stays
+ * in the index (one s held alone goes CACHED, pkv_stats.n_cached, at the LRU queue's tail; an
+ * unindexed one goes FREE), so the same prompt again (pkv_seq_match_prefix) is matched whole, the
+ * dropped blocks taken back, until eviction takes them. Identities chain from block 0, so
+ * evicting a dropped block takes every block below it out of the index too: those CACHED go FREE
+ * (counted in pkv_stats.evictions), those in use stay with their sequences, unindexed, and a
+ * sequence whose indexed chain broke so indexes none of its later blocks. Eviction is least
+ * recently released first: where a sequence drops a block a step, its oldest dropped block is
+ * the first to go, and with it everything below, so a windowed cache under pressure keeps few
+ * hits.
  * PKV_ENOENT for an unknown sequence, PKV_EINVAL for a pin. */
 PKV_NODISCARD PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq s, uint32_t pos);
 

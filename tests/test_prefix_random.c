@@ -79,7 +79,7 @@ static void test_prefix_random_b4(void **state) {
     assert_true(t.attn > 0 && t.attn_queries > t.attn && t.attn_bad > 0 && t.attn_in_place > 0);
     assert_true(t.attn_shared > 0); /* decodes of forks and matched prompts in shared-prefix groups */
     assert_true(t.attn_masked > 0);  /* prefills through custom masks */
-    assert_true(t.drops > 0);        /* dropped fronts under the index (evictions of their subtrees) */
+    assert_true(t.drops > 0);        /* fronts dropped under the index (pkv_seq_drop_front calls taken) */
 }
 
 /* Other block sizes (1, 3, 16), dtypes (f32, bf16, mixed K/V) and two layers. */

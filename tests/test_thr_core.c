@@ -148,10 +148,13 @@ static void *worker(void *p) {
             TCALL(a, pkv_seq_get_info(c, s, &in));
             if (tu_cmp_pattern(c, s, 0, in.n_tokens, tag) != 0) TFAIL(a, "thread %d: truncated parent wrong", a->tid);
         }
-        if (tu_rng_chance(&r, 0.5)) { /* s drops its front (its indexed blocks stay in the index,
-                                          CACHED where s held them alone, while the other threads
-                                          evict): what is left reads the same, and s's tokens are
-                                          matched again into a new sequence, reading s's K/V */
+        if (tu_rng_chance(&r, 0.5)) { /* s drops its front (its fork gone first, so s holds its
+                                          blocks alone: the indexed ones go CACHED and stay in the
+                                          index while the other threads evict): what is left reads
+                                          the same, and s's tokens are matched again into a new
+                                          sequence, reading s's K/V */
+            TCALL(a, pkv_seq_release(c, f));
+            f = 0;
             pkv_seq_info in;
             TCALL(a, pkv_seq_get_info(c, s, &in));
             const uint32_t front = tu_rng_below(&r, in.n_tokens + 1);
@@ -168,7 +171,7 @@ static void *worker(void *p) {
             if (pkv_seq_release(c, m2) && rc == PKV_OK) rc = PKV_EINVAL;
             if (rc == PKV_ENOSPC) a->enospc++;
             else if (rc) TFAIL(a, "thread %d: a match over a dropped front: %s", a->tid, pkv_strerror(rc));
-            a->front_hits += in.n_dropped >= B && again >= B; /* s's dropped block 0 taken */
+            a->front_hits += in.n_dropped >= B && again >= B; /* s's dropped block 0, CACHED, taken */
         }
         { /* g's 3 uncommitted positions verified as a chain of drafts (tree attention over the
              shared parent's blocks while the others read them): what prefill gives; then the

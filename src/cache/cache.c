@@ -140,11 +140,10 @@ void pkv__seq_free(pkv_cache *c, pkv__seq *s) {
 }
 
 /* ---- blocks ----------------------------------------------------------------------------------- */
-/* Takes a CACHED block out of the index (with its subtree: pkv__index_evict) and out of its
- * queue, counted: FREE, in no queue. */
+/* Takes a CACHED leaf out of the LRU queue and the index, counted: FREE, in no queue. */
 static void evict(pkv_cache *c, uint32_t b) {
-    pkv__index_evict(c, b); /* (b's queue may change meanwhile: it is a leaf once its children go) */
     pkv__pool_lru_remove(&c->pool, b);
+    pkv__index_evict(c, b);
     c->evictions++;
     c->blk[b].state = PKV_BLK_FREE;
 }
@@ -152,9 +151,7 @@ static void evict(pkv_cache *c, uint32_t b) {
 uint32_t pkv__take_block(pkv_cache *c) {
     uint32_t b = pkv__pool_free_pop(&c->pool);
     if (b == PKV_NONE) {
-        /* the least recently released leaf; only where there is none, a block with children
-           (that then leave the index with it: blocks in use below a dropped front) */
-        b = c->pool.lru_head != PKV_NONE ? c->pool.lru_head : c->pool.inner_head;
+        b = c->pool.lru_head;
         if (b == PKV_NONE) return PKV_NONE;
         evict(c, b);
     }
@@ -166,7 +163,7 @@ void pkv__drop_block(pkv_cache *c, uint32_t b) {
     if (pkv__pool_unref(&c->pool, b) > 0) return;
     pkv__blk *k = &c->blk[b];
     if (k->flags & PKV_BLKF_INDEXED) {
-        pkv__pool_lru_push(&c->pool, b, k->child != PKV_NONE);
+        pkv__pool_lru_push(&c->pool, b);
     } else {
         if (k->flags & PKV_BLKF_PARTIAL) pkv__partial_unlink(c, b);
         pkv__pool_free_push(&c->pool, b);
@@ -373,6 +370,7 @@ static void reset_state(pkv_cache *c) {
     *link = PKV_NONE;
     c->n_live = c->n_pins = 0;
     c->n_tokens_total = 0;
+    c->front_indexed = 0;
     pkv__pool_init(&c->pool, c->blk, c->n_blocks);
     pkv__index_reset(c);
 }
@@ -1070,8 +1068,9 @@ PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq id, uint32_t pos) {
         const uint32_t j = pos / c->B; /* the blocks wholly before pos */
         for (uint32_t i = j; i > s->n_dropped; i--) { /* deepest first, as a release drops */
             const uint32_t b = (uint32_t)s->table[i - 1];
-            /* an indexed one stays in the index (CACHED where s held it alone: in the inner
-               queue, the blocks s still holds hang below it) */
+            /* an indexed one stays in the index (CACHED where s held it alone), with its
+               descendants s still holds below it */
+            if (c->blk[b].flags & PKV_BLKF_INDEXED) c->front_indexed = 1;
             pkv__drop_block(c, b);
             s->table[i - 1] = -1;
         }
@@ -1198,7 +1197,6 @@ static void exchange_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
         for (uint32_t ch = c->blk[xy[i]].child; ch != PKV_NONE; ch = c->blk[ch].sib_next) c->blk[ch].parent = xy[i];
     pkv__pool *p = &c->pool;
     p->lru_head = renamed(p->lru_head, x, y), p->lru_tail = renamed(p->lru_tail, x, y);
-    p->inner_head = renamed(p->inner_head, x, y), p->inner_tail = renamed(p->inner_tail, x, y);
     if (heads[0] != PKV_NONE) c->buckets[heads[0]] = renamed(c->buckets[heads[0]], x, y);
     if (heads[1] != PKV_NONE && heads[1] != heads[0]) c->buckets[heads[1]] = renamed(c->buckets[heads[1]], x, y);
     if (root_heads[0]) *root_heads[0] = renamed(*root_heads[0], x, y);

@@ -61,6 +61,7 @@ static int fail(report *r, const char *fmt, ...) {
 
 static int check_queues(pkv_cache *c, report *r) {
     const pkv__pool *p = &c->pool;
+    uint32_t *pos = c->chk_pos;
     uint32_t n = 0, prev = PKV_NONE;
     for (uint32_t b = p->free_head; b != PKV_NONE; prev = b, b = c->blk[b].qnext) {
         REQUIRE(b < c->n_blocks, "free queue: block id %u out of range", b);
@@ -69,28 +70,16 @@ static int check_queues(pkv_cache *c, report *r) {
         REQUIRE(c->blk[b].qprev == prev, "free queue: block %u has a wrong back link", b);
     }
     REQUIRE(n == p->n_free && prev == p->free_tail, "free queue: %u blocks linked, n_free=%u", n, p->n_free);
-    /* the cached blocks: leaves (no child in the index) in the LRU queue, the others in the
-       inner queue (pool.h); both counted in n_cached */
-    uint32_t n_cached = 0;
-    for (int q = 0; q < 2; q++) {
-        const uint32_t head = q ? p->inner_head : p->lru_head, tail = q ? p->inner_tail : p->lru_tail;
-        const char *name = q ? "inner queue" : "LRU queue";
-        n = 0;
-        prev = PKV_NONE;
-        for (uint32_t b = head; b != PKV_NONE; prev = b, b = c->blk[b].qnext) {
-            REQUIRE(b < c->n_blocks, "%s: block id %u out of range", name, b);
-            REQUIRE(++n_cached <= p->n_cached, "%s: longer than n_cached=%u (cycle?)", name, p->n_cached);
-            n++;
-            const pkv__blk *k = &c->blk[b];
-            REQUIRE(k->state == PKV_BLK_CACHED, "%s: block %u is not CACHED", name, b);
-            REQUIRE(k->qprev == prev, "%s: block %u has a wrong back link", name, b);
-            REQUIRE(k->inner == q && (k->child != PKV_NONE) == q,
-                    "%s: block %u is marked %s and has %s", name, b, k->inner ? "inner" : "a leaf",
-                    k->child != PKV_NONE ? "children" : "no children");
-        }
-        REQUIRE(prev == tail, "%s: %u blocks linked, its tail is %u, not %u", name, n, tail, prev);
+    n = 0;
+    prev = PKV_NONE;
+    for (uint32_t b = p->lru_head; b != PKV_NONE; prev = b, b = c->blk[b].qnext) {
+        REQUIRE(b < c->n_blocks, "LRU queue: block id %u out of range", b);
+        REQUIRE(++n <= p->n_cached, "LRU queue: longer than n_cached=%u (cycle?)", p->n_cached);
+        REQUIRE(c->blk[b].state == PKV_BLK_CACHED, "LRU queue: block %u is not CACHED", b);
+        REQUIRE(c->blk[b].qprev == prev, "LRU queue: block %u has a wrong back link", b);
+        pos[b] = n;
     }
-    REQUIRE(n_cached == p->n_cached, "cached queues: %u blocks linked, n_cached=%u", n_cached, p->n_cached);
+    REQUIRE(n == p->n_cached && prev == p->lru_tail, "LRU queue: %u blocks linked, n_cached=%u", n, p->n_cached);
     return PKV_OK;
 }
 
@@ -210,7 +199,6 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
         REQUIRE(!((k->flags & PKV_BLKF_INDEXED) && (k->flags & PKV_BLKF_PARTIAL)), "block %u: both indexed and partial", b);
         REQUIRE(k->n_commit <= k->n_fill && k->n_fill <= c->B, "block %u: commit %u / fill %u / B %u inconsistent", b,
                 k->n_commit, k->n_fill, c->B);
-        REQUIRE(!k->inner || k->state == PKV_BLK_CACHED, "block %u: marked for the inner queue but not CACHED", b);
         switch (k->state) {
         case PKV_BLK_FREE:
             n_free++;
@@ -248,7 +236,12 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
                 const pkv__blk *p = &c->blk[k->parent];
                 REQUIRE(p->flags & PKV_BLKF_INDEXED, "block %u: indexed under parent %u which is not indexed", b, k->parent);
                 /* (past a dropped front a block in use may hang below one no longer in use: its
-                   holders' tables say where, check_sequences) */
+                   holders' tables say where, above; the LRU queue then keeps release order) */
+                if (k->state == PKV_BLK_ACTIVE && !c->front_indexed)
+                    REQUIRE(p->state == PKV_BLK_ACTIVE, "block %u: ACTIVE but its parent %u is not", b, k->parent);
+                if (k->state == PKV_BLK_CACHED && p->state == PKV_BLK_CACHED && !c->front_indexed)
+                    REQUIRE(c->chk_pos[b] < c->chk_pos[k->parent],
+                            "LRU: cached block %u is behind its cached parent %u (leaves must go first)", b, k->parent);
             }
             uint32_t n_ch = 0;
             for (uint32_t ch = k->child, before = PKV_NONE; ch != PKV_NONE; before = ch, ch = c->blk[ch].sib_next) {

@@ -8,11 +8,10 @@
  *
  * Chains: a sequence indexes its full committed blocks only while its own table is the indexed
  * chain (table[i]'s parent is table[i-1]). Hence whoever holds an indexed block holds its
- * ancestors, up to its dropped front (pkv_seq_drop_front). A CACHED block with children waits in
- * the pool's inner queue and joins the LRU queue's head once its last child has gone, so
- * eviction takes leaves first; only where no CACHED leaf is left does it take a block with
- * children, which a dropped front leaves above blocks still in use, and then its whole subtree
- * leaves the index (pkv__index_evict). */
+ * ancestors, up to its dropped front (pkv_seq_drop_front), and releasing deepest-first keeps
+ * every CACHED block behind its CACHED children in the LRU queue. Without dropped fronts,
+ * evicting from the head takes a leaf; a front's dropped block may go CACHED above blocks still
+ * in use, and its eviction takes its whole subtree out of the index (pkv__index_evict). */
 #include "cache_int.h"
 
 #define XXH_INLINE_ALL
@@ -112,19 +111,9 @@ void pkv__tree_unlink(pkv_cache *c, uint32_t b) {
     k->parent = PKV_NONE;
 }
 
-/* After a child of parent left the index tree: a CACHED parent without children left is a leaf,
- * the next to evict (it follows its children, which went first). */
-static void parent_left(pkv_cache *c, uint32_t parent) {
-    if (parent == PKV_NONE) return;
-    const pkv__blk *p = &c->blk[parent];
-    if (p->state == PKV_BLK_CACHED && p->inner && p->child == PKV_NONE) pkv__pool_lru_promote(&c->pool, parent);
-}
-
 void pkv__partial_unlink(pkv_cache *c, uint32_t b) {
     pkv_assert(c->blk[b].flags & PKV_BLKF_PARTIAL);
-    const uint32_t parent = c->blk[b].parent;
     pkv__tree_unlink(c, b);
-    parent_left(c, parent);
     c->blk[b].flags &= (uint8_t)~PKV_BLKF_PARTIAL;
     c->blk[b].ns_lo = c->blk[b].ns_hi = 0;
 }
@@ -158,10 +147,8 @@ static void unindex(pkv_cache *c, uint32_t b) {
     pkv__blk *k = &c->blk[b];
     pkv__event_block(c, PKV_EVENT_REMOVED, b);
     bucket_remove(c, b);
-    const uint32_t parent = k->parent;
-    if (parent != PKV_NONE) c->blk[parent].n_children--;
+    if (k->parent != PKV_NONE) c->blk[k->parent].n_children--;
     pkv__tree_unlink(c, b);
-    parent_left(c, parent);
     k->flags = 0;
     k->ns_lo = k->ns_hi = 0;
     c->n_indexed--;

@@ -1,5 +1,4 @@
-/* pool.c: block states, refcounts and the intrusive queues (FIFO free; the cached blocks' LRU and
- * inner queues). O(1). */
+/* pool.c: block states, refcounts and the two intrusive queues (FIFO free, LRU cached). O(1). */
 #include "pool.h"
 
 #include <string.h>
@@ -9,7 +8,7 @@ void pkv__pool_init(pkv__pool *p, pkv__blk *blk, uint32_t n_blocks) {
     p->blk = blk;
     p->n_blocks = n_blocks;
     p->free_head = p->free_tail = PKV_NONE;
-    p->lru_head = p->lru_tail = p->inner_head = p->inner_tail = PKV_NONE;
+    p->lru_head = p->lru_tail = PKV_NONE;
     for (uint32_t b = 0; b < n_blocks; b++) {
         memset(&blk[b], 0, sizeof blk[b]);
         blk[b].parent = blk[b].hnext = blk[b].child = PKV_NONE;
@@ -57,21 +56,15 @@ void pkv__pool_free_remove(pkv__pool *p, uint32_t b) {
     p->n_free--;
 }
 
-/* A cached block's queue: its head and tail. */
-static uint32_t *q_head(pkv__pool *p, const pkv__blk *k) { return k->inner ? &p->inner_head : &p->lru_head; }
-static uint32_t *q_tail(pkv__pool *p, const pkv__blk *k) { return k->inner ? &p->inner_tail : &p->lru_tail; }
-
-void pkv__pool_lru_push(pkv__pool *p, uint32_t b, bool inner) {
+void pkv__pool_lru_push(pkv__pool *p, uint32_t b) {
     pkv__blk *k = &p->blk[b];
     pkv_assert(k->ref == 0 && (k->flags & PKV_BLKF_INDEXED));
     k->state = PKV_BLK_CACHED;
-    k->inner = inner;
-    uint32_t *tail = q_tail(p, k);
     k->qnext = PKV_NONE;
-    k->qprev = *tail;
-    if (*tail != PKV_NONE) p->blk[*tail].qnext = b;
-    else *q_head(p, k) = b;
-    *tail = b;
+    k->qprev = p->lru_tail;
+    if (p->lru_tail != PKV_NONE) p->blk[p->lru_tail].qnext = b;
+    else p->lru_head = b;
+    p->lru_tail = b;
     p->n_cached++;
 }
 
@@ -79,25 +72,11 @@ void pkv__pool_lru_remove(pkv__pool *p, uint32_t b) {
     pkv__blk *k = &p->blk[b];
     pkv_assert(k->state == PKV_BLK_CACHED);
     if (k->qprev != PKV_NONE) p->blk[k->qprev].qnext = k->qnext;
-    else *q_head(p, k) = k->qnext;
+    else p->lru_head = k->qnext;
     if (k->qnext != PKV_NONE) p->blk[k->qnext].qprev = k->qprev;
-    else *q_tail(p, k) = k->qprev;
+    else p->lru_tail = k->qprev;
     k->qprev = k->qnext = PKV_NONE;
-    k->inner = 0;
     p->n_cached--;
-}
-
-void pkv__pool_lru_promote(pkv__pool *p, uint32_t b) {
-    pkv__blk *k = &p->blk[b];
-    pkv_assert(k->state == PKV_BLK_CACHED && k->inner);
-    pkv__pool_lru_remove(p, b);
-    k->state = PKV_BLK_CACHED;
-    k->qprev = PKV_NONE;
-    k->qnext = p->lru_head;
-    if (p->lru_head != PKV_NONE) p->blk[p->lru_head].qprev = b;
-    else p->lru_tail = b;
-    p->lru_head = b;
-    p->n_cached++;
 }
 
 static void became_active(pkv__pool *p, pkv__blk *k) {

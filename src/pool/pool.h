@@ -21,9 +21,8 @@ typedef struct pkv__blk {
     uint8_t state, flags;
     uint16_t n_fill;   /* positions [0, n_fill) hold tokens (max over holders) */
     uint16_t n_commit; /* positions [0, n_commit) hold committed K/V */
-    uint8_t inner;     /* CACHED in the inner queue (it has children in the index), not the LRU */
-    uint8_t pad_;
-    uint32_t qprev, qnext; /* free queue (FIFO), LRU queue or inner queue links */
+    uint16_t pad_;
+    uint32_t qprev, qnext; /* free queue (FIFO) or LRU queue links */
     uint32_t parent;       /* index parent (INDEXED or PARTIAL), PKV_NONE for a root */
     uint32_t hnext;        /* hash-bucket chain (INDEXED) */
     uint32_t child;        /* first INDEXED or PARTIAL child */
@@ -39,11 +38,7 @@ typedef struct pkv__pool {
     pkv__blk *blk;
     uint32_t n_blocks;
     uint32_t free_head, free_tail, n_free;
-    /* CACHED blocks: those without children in the prefix index in the LRU queue (head = least
-       recently released: eviction's first choice), those with children in the inner queue
-       (evicted only where the LRU queue is empty); n_cached counts both */
-    uint32_t lru_head, lru_tail, n_cached;
-    uint32_t inner_head, inner_tail;
+    uint32_t lru_head, lru_tail, n_cached; /* head = least recently released */
     uint32_t n_active, peak_active;
     uint64_t slots_used; /* sum of n_fill over ACTIVE blocks */
 } pkv__pool;
@@ -55,11 +50,8 @@ void pkv__pool_init(pkv__pool *p, pkv__blk *blk, uint32_t n_blocks);
 void pkv__pool_free_push(pkv__pool *p, uint32_t b);  /* b becomes FREE at the back */
 uint32_t pkv__pool_free_pop(pkv__pool *p);           /* front of the free queue or PKV_NONE */
 void pkv__pool_free_remove(pkv__pool *p, uint32_t b); /* unlinks a FREE block from anywhere in the queue */
-/* b becomes CACHED at the tail of the inner queue (inner: it has children) or the LRU queue. */
-void pkv__pool_lru_push(pkv__pool *p, uint32_t b, bool inner);
-void pkv__pool_lru_remove(pkv__pool *p, uint32_t b); /* unlinks a CACHED block from its queue */
-/* A CACHED block of the inner queue (its last child gone) moves to the head of the LRU queue. */
-void pkv__pool_lru_promote(pkv__pool *p, uint32_t b);
+void pkv__pool_lru_push(pkv__pool *p, uint32_t b);   /* b becomes CACHED at the tail */
+void pkv__pool_lru_remove(pkv__pool *p, uint32_t b); /* unlinks a CACHED block */
 
 /* A FREE block (popped) becomes ACTIVE with ref 1 and clean metadata. */
 void pkv__pool_activate(pkv__pool *p, uint32_t b);
