@@ -3,7 +3,7 @@
  * checks is shown to fire here: a sound state with every kind of block (FREE, CACHED, ACTIVE
  * shared by a fork and a pin, indexed chains, a partial tail) is built through the API, one
  * field of the metadata is broken through the internal headers, and the checker must answer
- * PKV_ECORRUPT with a message that names the broken invariant (51 of its 71 checks; the rest
+ * PKV_ECORRUPT with a message that names the broken invariant (57 of its 75 checks; the rest
  * guard cycles, retired slots, the table capacity and states no field write reaches alone). */
 #include <stdarg.h>
 #include <stddef.h>
@@ -235,6 +235,39 @@ static void front_partial(world *w) {
     assert_int_equal(w->c->blk[w->tb[2]].parent, w->ta[1]);
     w->c->blk[w->ta[1]].depth = 5;
 }
+/* the inner queue (CACHED blocks with a child in use, pool.h): a's first two blocks once a, its
+   fork and the pin are gone and b dropped them, b's partial tail in use below them. Its count
+   off, a block of it with none counted, one of the LRU queue with one, its tail, the flag on a
+   FREE block, a count on a block outside the index */
+static void inner_world(world *w) {
+    TU_OK(pkv_seq_release(w->c, w->a));
+    TU_OK(pkv_seq_release(w->c, w->f));
+    TU_OK(pkv_pin_release(w->c, w->pin));
+    TU_OK(pkv_seq_drop_front(w->c, w->b, 2 * B));
+    TU_CHECK(w->c);
+    const pkv__pool *p = &w->c->pool;
+    assert_int_equal(p->inner_head, w->ta[1]); /* dropped deepest first */
+    assert_int_equal(p->inner_tail, w->ta[0]);
+    assert_int_equal(w->c->blk[w->ta[1]].n_hot, 1); /* b's partial */
+}
+static void inner_count(world *w) {
+    inner_world(w);
+    w->c->blk[w->ta[1]].n_hot = 2;
+}
+static void inner_cold(world *w) {
+    inner_world(w);
+    w->c->blk[w->ta[0]].n_hot = 0;
+}
+static void lru_hot(world *w) {
+    inner_world(w);
+    pkv__pool_lru_demote(&w->c->pool, (uint32_t)w->ta[0]);
+}
+static void inner_tail(world *w) {
+    inner_world(w);
+    w->c->pool.inner_tail = (uint32_t)w->ta[1];
+}
+static void inner_mark(world *w) { w->c->blk[w->c->pool.free_head].inner = 1; }
+static void unindexed_hot(world *w) { w->c->blk[w->c->pool.free_head].n_hot = 1; }
 /* an index entry held at another depth than its own */
 static void seq_depth(world *w) { w->c->blk[w->ta[1]].depth = 7; }
 
@@ -290,7 +323,13 @@ static void test_checker_fires(void **state) {
         {slot_list_short, "sequence free list: 0 slots"},
         {state_counts, "block states:"},
         {free_tail, "blocks linked, n_free="},
-        {lru_tail, "blocks linked, n_cached="},
+        {lru_tail, "LRU queue: 2 blocks linked ending at 5, its tail says 6"},
+        {inner_count, "children in use, counter"},
+        {inner_cold, "inner queue: block 0 is marked inner with 0 children in use"},
+        {lru_hot, "LRU queue: block 0 is marked for the LRU with 1 children in use"},
+        {inner_tail, "inner queue: 2 blocks linked ending at 0, its tail says 1"},
+        {inner_mark, "marked for the inner queue but not CACHED"},
+        {unindexed_hot, "not indexed but 1 children in use counted"},
         {front_past_table, "blocks dropped of"},
         {front_entry, "in its dropped front"},
         {front_partial, "table[2] (block 3), a partial past its dropped front, has parent 1"},
@@ -303,17 +342,23 @@ static void test_checker_fires(void **state) {
     TU_OK(pkv_seq_release(w.c, w.f));
     TU_OK(pkv_pin_release(w.c, w.pin));
     TU_CHECK(w.c);
-    /* fronts dropped under the index: a's block 0 goes CACHED only once b lets it go too, with
-       blocks in use below it, and the LRU queue then holds it before its children */
+    /* fronts dropped under the index: a's block 0 goes CACHED only once b lets it go too, into
+       the inner queue (blocks in use below it), a's block 1 too once a is gone (b's partial in
+       use below it); once b is gone, both join the LRU queue, the child first */
+    const pkv__blk *k0 = &w.c->blk[w.ta[0]], *k1 = &w.c->blk[w.ta[1]];
     TU_OK(pkv_seq_drop_front(w.c, w.a, B));
     TU_CHECK(w.c);
-    assert_int_equal(w.c->blk[w.ta[0]].state, PKV_BLK_ACTIVE);
+    assert_int_equal(k0->state, PKV_BLK_ACTIVE);
     TU_OK(pkv_seq_drop_front(w.c, w.b, 2 * B));
     TU_CHECK(w.c);
-    assert_int_equal(w.c->blk[w.ta[0]].state, PKV_BLK_CACHED);
+    assert_true(k0->state == PKV_BLK_CACHED && k0->inner);
     TU_OK(pkv_seq_release(w.c, w.a));
     TU_CHECK(w.c);
-    assert_int_equal(w.c->blk[w.ta[1]].state, PKV_BLK_CACHED); /* behind block 0, its parent */
+    assert_true(k1->state == PKV_BLK_CACHED && k1->inner);
+    TU_OK(pkv_seq_release(w.c, w.b));
+    TU_CHECK(w.c);
+    assert_true(!k0->inner && !k1->inner && w.c->pool.inner_head == PKV_NONE);
+    assert_true(w.c->pool.lru_tail == (uint32_t)w.ta[0] && k0->qprev == (uint32_t)w.ta[1]);
     pkv_cache_destroy(w.c);
 }
 

@@ -209,6 +209,69 @@ static void test_prefix_evict_leaves_before_parents(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* A front dropped a block a step (a window of one block: pkv_seq_drop_front after each step)
+ * waits in the inner queue above the block still in use: eviction takes the LRU queue's leaves
+ * first (a finished request's chain), then the dropped front from its deepest block up, whose
+ * subtree (the block in use) leaves the index; the front's shallow part stays matchable, with
+ * the K/V it had. One LRU queue took the front's first block first, and with it everything
+ * (stop 84's review). */
+static void test_prefix_evict_dropped_front(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(4, 16, 1, PKV_DTYPE_F16, 1);
+    int32_t p[41], fill[28], other[8];
+    tp_tokens(p, 41, 41);
+    tp_tokens(fill, 28, 42);
+    tp_tokens(other, 8, 43);
+    pkv_seq o = tp_seq(c, 0);
+    tp_compute(c, o, 0, other, 0, 8);
+    tp_commit(c, o, 8);
+    int32_t to[2], ts[10], tw[7];
+    table(c, o, to);
+    assert_int_equal(pkv_seq_release(c, o), 0); /* 2 CACHED leaves */
+    pkv_seq s = tp_seq(c, 0);
+    tp_compute(c, s, 0, p, 0, 12);
+    tp_commit(c, s, 12);
+    for (uint32_t len = 12; len < 40; len++) {
+        tp_compute(c, s, 0, p, len, 1);
+        tp_commit(c, s, len + 1);
+        int32_t now[10]; /* s's ids, kept before each drop (dropped entries read -1) */
+        assert_true(table(c, s, now) <= 10);
+        for (uint32_t i = 0; i * 4 < len + 1; i++)
+            if (now[i] >= 0) ts[i] = now[i];
+        assert_int_equal(pkv_seq_drop_front(c, s, len + 2 - 4), 0); /* the next query sees from len + 2 - 4 */
+        tp_check(c);
+    }
+    pkv_stats st = stats(c);
+    assert_int_equal(st.n_cached, 2 + 9); /* o's, and s's blocks 0-8 (inner: s holds block 9) */
+    assert_int_equal(st.n_active, 1);
+    assert_int_equal(st.n_indexed, 12);
+    pkv_seq w = tp_seq(c, 0);
+    tp_compute(c, w, 0, fill, 0, 16); /* the 4 FREE blocks */
+    assert_int_equal(stats(c).evictions, 0);
+    tp_compute(c, w, 0, fill, 16, 8); /* o's two, leaf first */
+    assert_int_equal(table(c, w, tw), 6);
+    assert_true(tw[4] == to[1] && tw[5] == to[0]);
+    assert_int_equal(stats(c).evictions, 2);
+    tp_check(c);
+    tp_compute(c, w, 0, fill, 24, 4); /* s's block 8, the deepest dropped; block 9 leaves the index */
+    assert_int_equal(table(c, w, tw), 7);
+    assert_int_equal(tw[6], ts[8]);
+    st = stats(c);
+    assert_int_equal(st.evictions, 3);
+    assert_int_equal(st.n_indexed, 8);
+    assert_int_equal(st.n_cached, 8);
+    tp_check(c);
+    /* s's first 32 positions still match, with their K/V; s indexes nothing more */
+    pkv_seq t = tp_seq(c, 0);
+    uint32_t reused = 0;
+    assert_int_equal(pkv_seq_match_prefix(c, t, p, 41, &reused), 0);
+    assert_int_equal(reused, 32);
+    tp_expect_kv(c, t, 0, p, 0, 32);
+    assert_int_equal(pkv_seq_release(c, t), 0);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
 /* A pinned prefix survives any pressure, counts as ACTIVE, is reusable; unpinned, it is
  * CACHED and evictable. */
 static void test_prefix_pin_survives_pressure(void **state) {
@@ -334,6 +397,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_evict_lru_order),
         cmocka_unit_test(test_prefix_evict_match_refreshes),
         cmocka_unit_test(test_prefix_evict_leaves_before_parents),
+        cmocka_unit_test(test_prefix_evict_dropped_front),
         cmocka_unit_test(test_prefix_pin_survives_pressure),
         cmocka_unit_test(test_prefix_pin_rules),
     };

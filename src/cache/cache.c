@@ -140,18 +140,37 @@ void pkv__seq_free(pkv_cache *c, pkv__seq *s) {
 }
 
 /* ---- blocks ----------------------------------------------------------------------------------- */
-/* Takes a CACHED leaf out of the LRU queue and the index, counted: FREE, in no queue. */
+/* Takes a CACHED block out of the index (with its subtree: pkv__index_evict) and out of its
+ * queue, counted: FREE, in no queue. */
 static void evict(pkv_cache *c, uint32_t b) {
+    pkv__index_evict(c, b); /* (an inner block goes to the LRU queue once its subtree is gone) */
     pkv__pool_lru_remove(&c->pool, b);
-    pkv__index_evict(c, b);
     c->evictions++;
     c->blk[b].state = PKV_BLK_FREE;
+}
+
+/* Where the LRU queue is empty, the inner queue's block to evict: from its head (the least
+ * recently released), down to a child that waits there too while there is one, so that what a
+ * dropped front left goes from its deepest block up and the rest stays matchable. */
+static uint32_t inner_victim(const pkv_cache *c) {
+    uint32_t b = c->pool.inner_head;
+    for (uint32_t ch = b == PKV_NONE ? PKV_NONE : c->blk[b].child; ch != PKV_NONE;) {
+        if (c->blk[ch].state == PKV_BLK_CACHED && c->blk[ch].inner) {
+            b = ch;
+            ch = c->blk[b].child;
+        } else {
+            ch = c->blk[ch].sib_next;
+        }
+    }
+    return b;
 }
 
 uint32_t pkv__take_block(pkv_cache *c) {
     uint32_t b = pkv__pool_free_pop(&c->pool);
     if (b == PKV_NONE) {
-        b = c->pool.lru_head;
+        /* the least recently released block no block in use hangs below (a leaf: its CACHED
+           children went first) */
+        b = c->pool.lru_head != PKV_NONE ? c->pool.lru_head : inner_victim(c);
         if (b == PKV_NONE) return PKV_NONE;
         evict(c, b);
     }
@@ -163,7 +182,9 @@ void pkv__drop_block(pkv_cache *c, uint32_t b) {
     if (pkv__pool_unref(&c->pool, b) > 0) return;
     pkv__blk *k = &c->blk[b];
     if (k->flags & PKV_BLKF_INDEXED) {
-        pkv__pool_lru_push(&c->pool, b);
+        const bool inner = k->n_hot > 0; /* blocks in use below it: a dropped front's */
+        pkv__pool_lru_push(&c->pool, b, inner);
+        if (!inner) pkv__hot_down(c, k->parent);
     } else {
         if (k->flags & PKV_BLKF_PARTIAL) pkv__partial_unlink(c, b);
         pkv__pool_free_push(&c->pool, b);
@@ -370,7 +391,6 @@ static void reset_state(pkv_cache *c) {
     *link = PKV_NONE;
     c->n_live = c->n_pins = 0;
     c->n_tokens_total = 0;
-    c->front_indexed = 0;
     pkv__pool_init(&c->pool, c->blk, c->n_blocks);
     pkv__index_reset(c);
 }
@@ -1068,9 +1088,8 @@ PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq id, uint32_t pos) {
         const uint32_t j = pos / c->B; /* the blocks wholly before pos */
         for (uint32_t i = j; i > s->n_dropped; i--) { /* deepest first, as a release drops */
             const uint32_t b = (uint32_t)s->table[i - 1];
-            /* an indexed one stays in the index (CACHED where s held it alone), with its
-               descendants s still holds below it */
-            if (c->blk[b].flags & PKV_BLKF_INDEXED) c->front_indexed = 1;
+            /* an indexed one stays in the index (CACHED where s held it alone: in the inner
+               queue where s still holds the block below it) */
             pkv__drop_block(c, b);
             s->table[i - 1] = -1;
         }
@@ -1197,6 +1216,7 @@ static void exchange_blocks(pkv_cache *c, uint32_t x, uint32_t y) {
         for (uint32_t ch = c->blk[xy[i]].child; ch != PKV_NONE; ch = c->blk[ch].sib_next) c->blk[ch].parent = xy[i];
     pkv__pool *p = &c->pool;
     p->lru_head = renamed(p->lru_head, x, y), p->lru_tail = renamed(p->lru_tail, x, y);
+    p->inner_head = renamed(p->inner_head, x, y), p->inner_tail = renamed(p->inner_tail, x, y);
     if (heads[0] != PKV_NONE) c->buckets[heads[0]] = renamed(c->buckets[heads[0]], x, y);
     if (heads[1] != PKV_NONE && heads[1] != heads[0]) c->buckets[heads[1]] = renamed(c->buckets[heads[1]], x, y);
     if (root_heads[0]) *root_heads[0] = renamed(*root_heads[0], x, y);
@@ -1232,6 +1252,7 @@ static void move_block(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t dst) {
         d->hash = was.hash, d->chash = was.chash, d->ns_lo = was.ns_lo, d->ns_hi = was.ns_hi;
         d->parent = was.parent, d->hnext = was.hnext, d->child = was.child;
         d->sib_prev = was.sib_prev, d->sib_next = was.sib_next, d->n_children = was.n_children;
+        d->n_hot = was.n_hot;
         d->depth = was.depth;
     }
     s->table[i] = (int32_t)dst;

@@ -88,10 +88,6 @@ struct pkv_cache {
     uint64_t *fp_seen, *fp_content; /* [fp_mask + 1] fingerprints for miss reasons */
     uint32_t fp_mask;
     int const_hash; /* test switch: every identity hash is the same value */
-    /* An indexed block was let go from a sequence's front (pkv_seq_drop_front) since create or
-     * reset: from then on a CACHED block may precede its CACHED children in the LRU queue (it
-     * went CACHED while they were in use), so the checker stops asking leaves first there. */
-    int front_indexed;
 
     /* prefix-index events (events.c): a ring of ev_cap, the oldest at ev_head, ev_n held */
     pkv_event *ev;   /* [ev_cap] */
@@ -194,9 +190,16 @@ void pkv__share_carve(pkv_cache *c);
 void pkv__index_reset(pkv_cache *c);
 /* Un-indexes a CACHED block about to be reused (eviction) with everything below it in the index:
  * a CACHED descendant goes FREE (counted as evicted), an ACTIVE one stays with its holders, a
- * partial one is unlinked. Only a dropped front leaves descendants under a CACHED block; the
- * chains of their holders then end where the index does. */
+ * partial one is unlinked. Only the inner queue's blocks have descendants (a dropped front's);
+ * the chains of their holders then end where the index does. */
 void pkv__index_evict(pkv_cache *c, uint32_t b);
+/* Index entry p (PKV_NONE: none) gained / lost a child in use (pkv__blk.n_hot): a CACHED one
+ * moves to the inner queue / back to the LRU queue's tail where that changes whether it has one,
+ * and so on up. */
+void pkv__hot_up(pkv_cache *c, uint32_t p);
+void pkv__hot_down(pkv_cache *c, uint32_t p);
+/* pkv__pool_ref, counting a CACHED index entry taken back among its parent's children in use. */
+void pkv__ref_block(pkv_cache *c, uint32_t b);
 /* The root list of a namespace and first token id: c->roots[pkv__root_slot(...)]. */
 uint32_t pkv__root_slot(const pkv_cache *c, uint64_t ns_lo, uint64_t ns_hi, int32_t tok0);
 /* The slot naming b when it heads its list (its parent's child field, or its root list's head);

@@ -70,16 +70,27 @@ static int check_queues(pkv_cache *c, report *r) {
         REQUIRE(c->blk[b].qprev == prev, "free queue: block %u has a wrong back link", b);
     }
     REQUIRE(n == p->n_free && prev == p->free_tail, "free queue: %u blocks linked, n_free=%u", n, p->n_free);
-    n = 0;
-    prev = PKV_NONE;
-    for (uint32_t b = p->lru_head; b != PKV_NONE; prev = b, b = c->blk[b].qnext) {
-        REQUIRE(b < c->n_blocks, "LRU queue: block id %u out of range", b);
-        REQUIRE(++n <= p->n_cached, "LRU queue: longer than n_cached=%u (cycle?)", p->n_cached);
-        REQUIRE(c->blk[b].state == PKV_BLK_CACHED, "LRU queue: block %u is not CACHED", b);
-        REQUIRE(c->blk[b].qprev == prev, "LRU queue: block %u has a wrong back link", b);
-        pos[b] = n;
+    /* the cached blocks: those without a child in use in the LRU queue (positions kept for the
+       order check), the others in the inner queue (pool.h); both counted in n_cached */
+    uint32_t n_cached = 0;
+    for (int q = 0; q < 2; q++) {
+        const uint32_t head = q ? p->inner_head : p->lru_head, tail = q ? p->inner_tail : p->lru_tail;
+        const char *name = q ? "inner queue" : "LRU queue";
+        n = 0;
+        prev = PKV_NONE;
+        for (uint32_t b = head; b != PKV_NONE; prev = b, b = c->blk[b].qnext) {
+            REQUIRE(b < c->n_blocks, "%s: block id %u out of range", name, b);
+            REQUIRE(++n_cached <= p->n_cached, "%s: longer than n_cached=%u (cycle?)", name, p->n_cached);
+            const pkv__blk *k = &c->blk[b];
+            REQUIRE(k->state == PKV_BLK_CACHED, "%s: block %u is not CACHED", name, b);
+            REQUIRE(k->qprev == prev, "%s: block %u has a wrong back link", name, b);
+            REQUIRE(k->inner == q && (k->n_hot > 0) == q, "%s: block %u is marked %s with %u children in use", name,
+                    b, k->inner ? "inner" : "for the LRU", k->n_hot);
+            pos[b] = ++n;
+        }
+        REQUIRE(prev == tail, "%s: %u blocks linked ending at %u, its tail says %u", name, n, prev, tail);
     }
-    REQUIRE(n == p->n_cached && prev == p->lru_tail, "LRU queue: %u blocks linked, n_cached=%u", n, p->n_cached);
+    REQUIRE(n_cached == p->n_cached, "cached queues: %u blocks linked, n_cached=%u", n_cached, p->n_cached);
     return PKV_OK;
 }
 
@@ -199,6 +210,7 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
         REQUIRE(!((k->flags & PKV_BLKF_INDEXED) && (k->flags & PKV_BLKF_PARTIAL)), "block %u: both indexed and partial", b);
         REQUIRE(k->n_commit <= k->n_fill && k->n_fill <= c->B, "block %u: commit %u / fill %u / B %u inconsistent", b,
                 k->n_commit, k->n_fill, c->B);
+        REQUIRE(!k->inner || k->state == PKV_BLK_CACHED, "block %u: marked for the inner queue but not CACHED", b);
         switch (k->state) {
         case PKV_BLK_FREE:
             n_free++;
@@ -237,9 +249,9 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
                 REQUIRE(p->flags & PKV_BLKF_INDEXED, "block %u: indexed under parent %u which is not indexed", b, k->parent);
                 /* (past a dropped front a block in use may hang below one no longer in use: its
                    holders' tables say where, above; the LRU queue then keeps release order) */
-                if (k->state == PKV_BLK_ACTIVE && !c->front_indexed)
-                    REQUIRE(p->state == PKV_BLK_ACTIVE, "block %u: ACTIVE but its parent %u is not", b, k->parent);
-                if (k->state == PKV_BLK_CACHED && p->state == PKV_BLK_CACHED && !c->front_indexed)
+                /* (a block in use below a CACHED one: a dropped front's; the parent counts it in
+                   n_hot and waits in the inner queue, checked below and in check_queues) */
+                if (k->state == PKV_BLK_CACHED && !k->inner && p->state == PKV_BLK_CACHED && !p->inner)
                     REQUIRE(c->chk_pos[b] < c->chk_pos[k->parent],
                             "LRU: cached block %u is behind its cached parent %u (leaves must go first)", b, k->parent);
             }
@@ -276,14 +288,22 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
     REQUIRE(c->pool.peak_active >= n_active, "peak_active %u below n_active %u", c->pool.peak_active, n_active);
     REQUIRE(c->ev_n <= c->ev_cap && (c->ev_cap ? c->ev_head < c->ev_cap : c->ev_head == 0),
             "event ring: %u held from %u, capacity %u", c->ev_n, c->ev_head, c->ev_cap);
-    /* children counts: every INDEXED block's n_children equals its indexed children */
+    /* children counts: every INDEXED block's n_children equals its indexed children, its n_hot
+       its children in use (ACTIVE, or CACHED in the inner queue); other blocks have none */
     for (uint32_t b = 0; b < c->n_blocks; b++) {
         const pkv__blk *k = &c->blk[b];
-        if (!(k->flags & PKV_BLKF_INDEXED)) continue;
-        uint32_t n_idx = 0;
-        for (uint32_t ch = k->child; ch != PKV_NONE; ch = c->blk[ch].sib_next)
-            n_idx += (c->blk[ch].flags & PKV_BLKF_INDEXED) != 0;
+        if (!(k->flags & PKV_BLKF_INDEXED)) {
+            REQUIRE(k->n_hot == 0, "block %u: not indexed but %u children in use counted", b, k->n_hot);
+            continue;
+        }
+        uint32_t n_idx = 0, n_hot = 0;
+        for (uint32_t ch = k->child; ch != PKV_NONE; ch = c->blk[ch].sib_next) {
+            const pkv__blk *x = &c->blk[ch];
+            n_idx += (x->flags & PKV_BLKF_INDEXED) != 0;
+            n_hot += x->state == PKV_BLK_ACTIVE || (x->state == PKV_BLK_CACHED && x->inner);
+        }
         REQUIRE(n_idx == k->n_children, "block %u: %u indexed children, counter %u", b, n_idx, k->n_children);
+        REQUIRE(n_hot == k->n_hot, "block %u: %u children in use, counter %u", b, n_hot, k->n_hot);
     }
     return PKV_OK;
 }

@@ -9,9 +9,10 @@
  * Chains: a sequence indexes its full committed blocks only while its own table is the indexed
  * chain (table[i]'s parent is table[i-1]). Hence whoever holds an indexed block holds its
  * ancestors, up to its dropped front (pkv_seq_drop_front), and releasing deepest-first keeps
- * every CACHED block behind its CACHED children in the LRU queue. Without dropped fronts,
- * evicting from the head takes a leaf; a front's dropped block may go CACHED above blocks still
- * in use, and its eviction takes its whole subtree out of the index (pkv__index_evict). */
+ * every CACHED block behind its CACHED children in the LRU queue: evicting from the head takes a
+ * leaf. A front's dropped block may go CACHED above blocks still in use: it waits in the inner
+ * queue (pkv__blk.n_hot, below), taken only where the LRU queue is empty, and then its whole
+ * subtree leaves the index (pkv__index_evict). */
 #include "cache_int.h"
 
 #define XXH_INLINE_ALL
@@ -111,9 +112,45 @@ void pkv__tree_unlink(pkv_cache *c, uint32_t b) {
     k->parent = PKV_NONE;
 }
 
+/* ---- children in use (pkv__blk.n_hot) ----
+ * An index entry is hot where it is ACTIVE, or CACHED in the inner queue (a block below it is in
+ * use: only a dropped front leaves one so). A CACHED block with a hot child waits in the inner
+ * queue, one without in the LRU queue, behind the children that went CACHED before it. */
+static bool is_hot(const pkv__blk *k) { return k->state == PKV_BLK_ACTIVE || (k->state == PKV_BLK_CACHED && k->inner); }
+
+void pkv__hot_up(pkv_cache *c, uint32_t p) {
+    while (p != PKV_NONE) {
+        pkv__blk *k = &c->blk[p];
+        k->n_hot++;
+        if (k->state != PKV_BLK_CACHED || k->inner) return; /* it was hot already */
+        pkv__pool_lru_raise(&c->pool, p);
+        p = k->parent;
+    }
+}
+
+void pkv__hot_down(pkv_cache *c, uint32_t p) {
+    while (p != PKV_NONE) {
+        pkv__blk *k = &c->blk[p];
+        pkv_assert(k->n_hot > 0);
+        if (--k->n_hot || k->state != PKV_BLK_CACHED) return; /* still hot */
+        pkv__pool_lru_demote(&c->pool, p); /* behind its children that went CACHED */
+        p = k->parent;
+    }
+}
+
+void pkv__ref_block(pkv_cache *c, uint32_t b) {
+    const pkv__blk *k = &c->blk[b];
+    const bool cold = k->state == PKV_BLK_CACHED && !k->inner;
+    pkv__pool_ref(&c->pool, b);
+    if (cold && (k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL))) pkv__hot_up(c, k->parent);
+}
+
 void pkv__partial_unlink(pkv_cache *c, uint32_t b) {
     pkv_assert(c->blk[b].flags & PKV_BLKF_PARTIAL);
+    const uint32_t parent = c->blk[b].parent;
+    const bool hot = is_hot(&c->blk[b]);
     pkv__tree_unlink(c, b);
+    if (hot) pkv__hot_down(c, parent);
     c->blk[b].flags &= (uint8_t)~PKV_BLKF_PARTIAL;
     c->blk[b].ns_lo = c->blk[b].ns_hi = 0;
 }
@@ -147,8 +184,11 @@ static void unindex(pkv_cache *c, uint32_t b) {
     pkv__blk *k = &c->blk[b];
     pkv__event_block(c, PKV_EVENT_REMOVED, b);
     bucket_remove(c, b);
-    if (k->parent != PKV_NONE) c->blk[k->parent].n_children--;
+    const uint32_t parent = k->parent;
+    const bool hot = is_hot(k);
+    if (parent != PKV_NONE) c->blk[parent].n_children--;
     pkv__tree_unlink(c, b);
+    if (hot) pkv__hot_down(c, parent);
     k->flags = 0;
     k->ns_lo = k->ns_hi = 0;
     c->n_indexed--;
@@ -208,7 +248,7 @@ void pkv__index_repoint(pkv_cache *c, uint32_t src, uint32_t dst) {
     for (uint32_t ch = k->child; ch != PKV_NONE; ch = c->blk[ch].sib_next) c->blk[ch].parent = dst;
     k->flags = 0;
     k->parent = k->hnext = k->child = k->sib_prev = k->sib_next = PKV_NONE;
-    k->n_children = 0;
+    k->n_children = k->n_hot = 0;
     k->ns_lo = k->ns_hi = 0;
 }
 
@@ -238,14 +278,19 @@ static bool fp_has(const uint64_t *t, uint32_t mask, uint64_t x) {
 /* Makes block b (full, committed, table[i] of s) an index entry under parent. */
 static void index_insert(pkv_cache *c, const pkv__seq *s, uint32_t b, uint32_t parent, uint64_t h, uint32_t depth) {
     pkv__blk *k = &c->blk[b];
-    if (k->flags & PKV_BLKF_PARTIAL) pkv__partial_unlink(c, b); /* a registered partial that just filled up */
-    k->flags |= PKV_BLKF_INDEXED;
+    /* a registered partial that just filled up is on its parent's list (or its root list) already */
+    const bool linked = (k->flags & PKV_BLKF_PARTIAL) != 0;
+    pkv_assert(!linked || k->parent == parent);
+    k->flags = (uint8_t)((k->flags & ~PKV_BLKF_PARTIAL) | PKV_BLKF_INDEXED);
     k->hash = h;
     k->depth = depth;
     k->chash = pkv__content_hash(c, parent, c->tokens + (size_t)b * c->B);
     k->ns_lo = parent == PKV_NONE ? s->ns_lo : 0;
     k->ns_hi = parent == PKV_NONE ? s->ns_hi : 0;
-    pkv__tree_link(c, parent, b);
+    if (!linked) {
+        pkv__tree_link(c, parent, b);
+        pkv__hot_up(c, parent);
+    }
     if (parent != PKV_NONE) c->blk[parent].n_children++;
     uint32_t *bucket = &c->buckets[h & c->bucket_mask];
     k->hnext = *bucket;
@@ -258,16 +303,21 @@ static void index_insert(pkv_cache *c, const pkv__seq *s, uint32_t b, uint32_t p
 
 void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
     if (!c->cfg.enable_prefix_cache) return;
-    /* past a dropped front the chain goes on only from a block s still holds: the one before
-       table[n_dropped] is gone from its table */
-    if (s->n_dropped && s->idx_len <= s->n_dropped) return;
+    /* past a dropped front the chain goes on from a block s still holds, or from the block right
+       past the front where it is linked below the dropped one before it (a partial tail
+       registered while s held that one, filled up since): nothing else names that parent */
+    if (s->n_dropped && s->idx_len <= s->n_dropped) {
+        if (s->idx_len < s->n_dropped || s->idx_len >= s->n_blocks) return;
+        const pkv__blk *k = &c->blk[s->table[s->idx_len]];
+        if (!(k->flags & PKV_BLKF_PARTIAL) || k->parent == PKV_NONE) return;
+    }
     const uint32_t B = c->B;
     uint32_t full = s->n_committed / B;
     /* extend this sequence's indexed chain over its full committed blocks */
     while (s->idx_len < full) {
         uint32_t i = s->idx_len, b = (uint32_t)s->table[i];
-        uint32_t parent = i ? (uint32_t)s->table[i - 1] : PKV_NONE;
         pkv__blk *k = &c->blk[b];
+        const uint32_t parent = !i ? PKV_NONE : i > s->n_dropped ? (uint32_t)s->table[i - 1] : k->parent;
         if (k->flags & PKV_BLKF_INDEXED) { /* attached by match or fork: already the chain */
             pkv_assert(k->parent == parent);
             s->idx_len++;
@@ -282,13 +332,14 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
     /* register the committed part of the tail block for token-granular matching (block 0: on
        its root list, under s's namespace) */
     uint32_t rem = s->n_committed % B, i = full;
-    if (rem && i == s->idx_len && i < s->n_blocks) {
+    if (rem && i == s->idx_len && i < s->n_blocks && (!i || i > s->n_dropped)) {
         uint32_t b = (uint32_t)s->table[i];
         pkv__blk *k = &c->blk[b];
         if (!(k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) && k->n_commit > 0) {
             k->ns_lo = i ? 0 : s->ns_lo;
             k->ns_hi = i ? 0 : s->ns_hi;
             pkv__tree_link(c, i ? (uint32_t)s->table[i - 1] : PKV_NONE, b);
+            pkv__hot_up(c, k->parent);
             k->flags |= PKV_BLKF_PARTIAL;
         }
     }
@@ -363,7 +414,7 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
                 miss = true;
                 break;
             }
-            pkv__pool_ref(&c->pool, b);
+            pkv__ref_block(c, b);
             s->table[k++] = (int32_t)b;
             prev = b;
         }
@@ -396,7 +447,7 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
             }
         }
         if (best_m) {
-            pkv__pool_ref(&c->pool, best); /* protect the source from eviction */
+            pkv__ref_block(c, best); /* protect the source from eviction */
             uint32_t nb = pkv__take_block(c);
             pkv_assert(nb != PKV_NONE);
             pkv__copy_block(c, nb, best, best_m);

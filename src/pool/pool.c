@@ -1,4 +1,5 @@
-/* pool.c: block states, refcounts and the two intrusive queues (FIFO free, LRU cached). O(1). */
+/* pool.c: block states, refcounts and the intrusive queues (FIFO free; the cached blocks' LRU and
+ * inner queues). O(1). */
 #include "pool.h"
 
 #include <string.h>
@@ -8,7 +9,7 @@ void pkv__pool_init(pkv__pool *p, pkv__blk *blk, uint32_t n_blocks) {
     p->blk = blk;
     p->n_blocks = n_blocks;
     p->free_head = p->free_tail = PKV_NONE;
-    p->lru_head = p->lru_tail = PKV_NONE;
+    p->lru_head = p->lru_tail = p->inner_head = p->inner_tail = PKV_NONE;
     for (uint32_t b = 0; b < n_blocks; b++) {
         memset(&blk[b], 0, sizeof blk[b]);
         blk[b].parent = blk[b].hnext = blk[b].child = PKV_NONE;
@@ -30,7 +31,7 @@ void pkv__pool_free_push(pkv__pool *p, uint32_t b) {
     k->flags = 0;
     k->n_fill = k->n_commit = 0;
     k->parent = k->hnext = k->child = k->sib_prev = k->sib_next = PKV_NONE;
-    k->n_children = 0;
+    k->n_children = k->n_hot = 0;
     k->qnext = PKV_NONE;
     k->qprev = p->free_tail;
     if (p->free_tail != PKV_NONE) p->blk[p->free_tail].qnext = b;
@@ -56,15 +57,21 @@ void pkv__pool_free_remove(pkv__pool *p, uint32_t b) {
     p->n_free--;
 }
 
-void pkv__pool_lru_push(pkv__pool *p, uint32_t b) {
+/* A cached block's queue: its head and tail. */
+static uint32_t *q_head(pkv__pool *p, const pkv__blk *k) { return k->inner ? &p->inner_head : &p->lru_head; }
+static uint32_t *q_tail(pkv__pool *p, const pkv__blk *k) { return k->inner ? &p->inner_tail : &p->lru_tail; }
+
+void pkv__pool_lru_push(pkv__pool *p, uint32_t b, bool inner) {
     pkv__blk *k = &p->blk[b];
     pkv_assert(k->ref == 0 && (k->flags & PKV_BLKF_INDEXED));
     k->state = PKV_BLK_CACHED;
+    k->inner = inner;
+    uint32_t *tail = q_tail(p, k);
     k->qnext = PKV_NONE;
-    k->qprev = p->lru_tail;
-    if (p->lru_tail != PKV_NONE) p->blk[p->lru_tail].qnext = b;
-    else p->lru_head = b;
-    p->lru_tail = b;
+    k->qprev = *tail;
+    if (*tail != PKV_NONE) p->blk[*tail].qnext = b;
+    else *q_head(p, k) = b;
+    *tail = b;
     p->n_cached++;
 }
 
@@ -72,11 +79,24 @@ void pkv__pool_lru_remove(pkv__pool *p, uint32_t b) {
     pkv__blk *k = &p->blk[b];
     pkv_assert(k->state == PKV_BLK_CACHED);
     if (k->qprev != PKV_NONE) p->blk[k->qprev].qnext = k->qnext;
-    else p->lru_head = k->qnext;
+    else *q_head(p, k) = k->qnext;
     if (k->qnext != PKV_NONE) p->blk[k->qnext].qprev = k->qprev;
-    else p->lru_tail = k->qprev;
+    else *q_tail(p, k) = k->qprev;
     k->qprev = k->qnext = PKV_NONE;
+    k->inner = 0;
     p->n_cached--;
+}
+
+void pkv__pool_lru_demote(pkv__pool *p, uint32_t b) {
+    pkv_assert(p->blk[b].state == PKV_BLK_CACHED && p->blk[b].inner);
+    pkv__pool_lru_remove(p, b);
+    pkv__pool_lru_push(p, b, false);
+}
+
+void pkv__pool_lru_raise(pkv__pool *p, uint32_t b) {
+    pkv_assert(p->blk[b].state == PKV_BLK_CACHED && !p->blk[b].inner);
+    pkv__pool_lru_remove(p, b);
+    pkv__pool_lru_push(p, b, true);
 }
 
 static void became_active(pkv__pool *p, pkv__blk *k) {

@@ -21,13 +21,15 @@ typedef struct pkv__blk {
     uint8_t state, flags;
     uint16_t n_fill;   /* positions [0, n_fill) hold tokens (max over holders) */
     uint16_t n_commit; /* positions [0, n_commit) hold committed K/V */
-    uint16_t pad_;
-    uint32_t qprev, qnext; /* free queue (FIFO) or LRU queue links */
+    uint8_t inner;     /* CACHED in the inner queue (n_hot > 0), not the LRU queue */
+    uint8_t pad_;
+    uint32_t qprev, qnext; /* free queue (FIFO), LRU queue or inner queue links */
     uint32_t parent;       /* index parent (INDEXED or PARTIAL), PKV_NONE for a root */
     uint32_t hnext;        /* hash-bucket chain (INDEXED) */
     uint32_t child;        /* first INDEXED or PARTIAL child */
     uint32_t sib_prev, sib_next;
     uint32_t n_children; /* INDEXED children */
+    uint32_t n_hot;      /* children (INDEXED or PARTIAL) in use: ACTIVE, or CACHED in the inner queue */
     uint32_t depth;      /* index in its chain (INDEXED): parent's + 1, a root's 0 */
     uint64_t hash;       /* identity hash: namespace + whole token prefix (INDEXED) */
     uint64_t chash;      /* namespace-free content hash of the prefix (INDEXED) */
@@ -38,7 +40,12 @@ typedef struct pkv__pool {
     pkv__blk *blk;
     uint32_t n_blocks;
     uint32_t free_head, free_tail, n_free;
-    uint32_t lru_head, lru_tail, n_cached; /* head = least recently released */
+    /* CACHED blocks: those without a child in use (n_hot 0) in the LRU queue (head = least
+       recently released: eviction's first choice; a block follows its CACHED children there),
+       those with one in the inner queue (only a dropped front leaves such: evicted only where
+       the LRU queue is empty); n_cached counts both */
+    uint32_t lru_head, lru_tail, n_cached;
+    uint32_t inner_head, inner_tail;
     uint32_t n_active, peak_active;
     uint64_t slots_used; /* sum of n_fill over ACTIVE blocks */
 } pkv__pool;
@@ -50,8 +57,13 @@ void pkv__pool_init(pkv__pool *p, pkv__blk *blk, uint32_t n_blocks);
 void pkv__pool_free_push(pkv__pool *p, uint32_t b);  /* b becomes FREE at the back */
 uint32_t pkv__pool_free_pop(pkv__pool *p);           /* front of the free queue or PKV_NONE */
 void pkv__pool_free_remove(pkv__pool *p, uint32_t b); /* unlinks a FREE block from anywhere in the queue */
-void pkv__pool_lru_push(pkv__pool *p, uint32_t b);   /* b becomes CACHED at the tail */
-void pkv__pool_lru_remove(pkv__pool *p, uint32_t b); /* unlinks a CACHED block */
+/* b becomes CACHED at the tail of the inner queue (inner: it has children) or the LRU queue. */
+void pkv__pool_lru_push(pkv__pool *p, uint32_t b, bool inner);
+void pkv__pool_lru_remove(pkv__pool *p, uint32_t b); /* unlinks a CACHED block from its queue */
+/* A CACHED block moves from the inner queue to the LRU queue's tail (no child in use left), or
+ * back (one in use again). */
+void pkv__pool_lru_demote(pkv__pool *p, uint32_t b);
+void pkv__pool_lru_raise(pkv__pool *p, uint32_t b);
 
 /* A FREE block (popped) becomes ACTIVE with ref 1 and clean metadata. */
 void pkv__pool_activate(pkv__pool *p, uint32_t b);
