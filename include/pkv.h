@@ -393,10 +393,10 @@ PKV_NODISCARD PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
  * dropped blocks taken back, until eviction takes them. Identities chain from block 0, so
  * evicting a dropped block takes every block below it out of the index too: those CACHED go FREE
  * (counted in pkv_stats.evictions), those in use stay with their sequences, unindexed, and a
- * sequence whose indexed chain broke so indexes none of its later blocks. Eviction is least
- * recently released first: where a sequence drops a block a step, its oldest dropped block is
- * the first to go, and with it everything below, so a windowed cache under pressure keeps few
- * hits.
+ * sequence whose indexed chain broke so indexes none of its later blocks. Such dropped blocks,
+ * with blocks in use below them, are evicted only where no other CACHED block is left, the
+ * deepest first, so the shallow part of a front stays matchable longest; still, a windowed
+ * cache under pressure keeps fewer hits than one that keeps every block.
  * PKV_ENOENT for an unknown sequence, PKV_EINVAL for a pin. */
 PKV_NODISCARD PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq s, uint32_t pos);
 

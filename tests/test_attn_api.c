@@ -2221,9 +2221,10 @@ static void test_api_drop_front_indexed(void **state) {
             assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
             assert_int_equal(st.n_cached, 14);
             cache_ok(c);
-            /* another prompt takes every FREE block and one more: the LRU head, block 13 (s1
-               released it first), goes with what hangs below it: blocks 14-19, which s0 and s1
-               still hold, leave the index; blocks 0-12 stay CACHED and indexed */
+            /* another prompt takes every FREE block and one more: with nothing in the LRU queue
+               (blocks 0-13 wait in the inner queue above blocks in use), the deepest waiting
+               one, block 13, goes with what hangs below it: blocks 14-19, which s0 and s1 still
+               hold, leave the index; blocks 0-12 stay CACHED and indexed */
             const pkv_stats before = st;
             pkv_seq other;
             assert_int_equal(pkv_seq_create(c, NULL, 0, &other), PKV_OK);
