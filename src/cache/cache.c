@@ -151,7 +151,9 @@ static void evict(pkv_cache *c, uint32_t b) {
 
 /* Where the LRU queue is empty, the inner queue's block to evict: from its head (the least
  * recently released), down to a child that waits there too while there is one, so that what a
- * dropped front left goes from its deepest block up and the rest stays matchable. */
+ * dropped front left goes from its deepest block up and the rest stays matchable. Its cost is
+ * the child lists it passes (blocks in use among them): at most n_blocks, under the lock, and
+ * only where nothing else is CACHED. */
 static uint32_t inner_victim(const pkv_cache *c) {
     uint32_t b = c->pool.inner_head;
     for (uint32_t ch = b == PKV_NONE ? PKV_NONE : c->blk[b].child; ch != PKV_NONE;) {

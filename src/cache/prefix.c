@@ -278,19 +278,19 @@ static bool fp_has(const uint64_t *t, uint32_t mask, uint64_t x) {
 /* Makes block b (full, committed, table[i] of s) an index entry under parent. */
 static void index_insert(pkv_cache *c, const pkv__seq *s, uint32_t b, uint32_t parent, uint64_t h, uint32_t depth) {
     pkv__blk *k = &c->blk[b];
-    /* a registered partial that just filled up is on its parent's list (or its root list) already */
+    /* a registered partial that just filled up is on its parent's list (or its root list)
+       already, counted there in use: it moves to the list's head, as a new entry goes */
     const bool linked = (k->flags & PKV_BLKF_PARTIAL) != 0;
     pkv_assert(!linked || k->parent == parent);
+    if (linked) pkv__tree_unlink(c, b);
     k->flags = (uint8_t)((k->flags & ~PKV_BLKF_PARTIAL) | PKV_BLKF_INDEXED);
     k->hash = h;
     k->depth = depth;
     k->chash = pkv__content_hash(c, parent, c->tokens + (size_t)b * c->B);
     k->ns_lo = parent == PKV_NONE ? s->ns_lo : 0;
     k->ns_hi = parent == PKV_NONE ? s->ns_hi : 0;
-    if (!linked) {
-        pkv__tree_link(c, parent, b);
-        pkv__hot_up(c, parent);
-    }
+    pkv__tree_link(c, parent, b);
+    if (!linked) pkv__hot_up(c, parent);
     if (parent != PKV_NONE) c->blk[parent].n_children++;
     uint32_t *bucket = &c->buckets[h & c->bucket_mask];
     k->hnext = *bucket;
@@ -304,12 +304,13 @@ static void index_insert(pkv_cache *c, const pkv__seq *s, uint32_t b, uint32_t p
 void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
     if (!c->cfg.enable_prefix_cache) return;
     /* past a dropped front the chain goes on from a block s still holds, or from the block right
-       past the front where it is linked below the dropped one before it (a partial tail
-       registered while s held that one, filled up since): nothing else names that parent */
+       past the front where that is linked below the dropped one before it (a partial tail
+       registered while s held that one, filled up since, or a block a fork indexed there):
+       nothing else names that parent */
     if (s->n_dropped && s->idx_len <= s->n_dropped) {
         if (s->idx_len < s->n_dropped || s->idx_len >= s->n_blocks) return;
         const pkv__blk *k = &c->blk[s->table[s->idx_len]];
-        if (!(k->flags & PKV_BLKF_PARTIAL) || k->parent == PKV_NONE) return;
+        if (!(k->flags & (PKV_BLKF_PARTIAL | PKV_BLKF_INDEXED)) || k->parent == PKV_NONE) return;
     }
     const uint32_t B = c->B;
     uint32_t full = s->n_committed / B;
