@@ -281,6 +281,59 @@ static void test_prefix_evict_dropped_front(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* An inner block evicted with a CACHED block below it: s holds blocks f, a, g, h (committed); a
+ * fork F keeps only a (truncated to two blocks, its front dropped past f); s drops f, then f, a
+ * and g: f waits above a (F's), g above h (s's). With nothing in the LRU queue, eviction takes
+ * the inner queue's head, f (its child a is in use, not waiting), and f's subtree goes: a (F's)
+ * and h (s's) leave the index, g, CACHED below a, goes FREE with them (one append, two
+ * evictions: the walk's CACHED descendant), and the checker passes (both sequences' chains
+ * clamped at their fronts); their K/V stays. */
+static void test_prefix_evict_inner_subtree(void **state) {
+    (void)state;
+    pkv_cache *c = tp_cache(4, 8, 1, PKV_DTYPE_F16, 1);
+    int32_t p[16], fill[16];
+    tp_tokens(p, 16, 51);
+    tp_tokens(fill, 16, 52);
+    pkv_seq s = tp_seq(c, 0);
+    tp_compute(c, s, 0, p, 0, 16);
+    tp_commit(c, s, 16);
+    int32_t ts[4];
+    assert_int_equal(table(c, s, ts), 4); /* f, a, g, h */
+    pkv_seq f2;
+    assert_int_equal(pkv_seq_fork(c, s, &f2), 0);
+    assert_int_equal(pkv_seq_truncate(c, f2, 8), 0);
+    assert_int_equal(pkv_seq_drop_front(c, f2, 4), 0);
+    assert_int_equal(pkv_seq_drop_front(c, s, 4), 0); /* f: nobody's, a in use below it */
+    tp_check(c);
+    assert_int_equal(pkv_seq_drop_front(c, s, 12), 0); /* a stays F's; g waits above h */
+    tp_check(c);
+    pkv_stats st = stats(c);
+    assert_int_equal(st.n_cached, 2);
+    assert_int_equal(st.n_active, 2);
+    assert_int_equal(st.n_indexed, 4);
+    pkv_seq w = tp_seq(c, 0);
+    tp_compute(c, w, 0, fill, 0, 16); /* the 4 FREE blocks */
+    assert_int_equal(stats(c).evictions, 0);
+    pkv_seq w2 = tp_seq(c, 0);
+    tp_compute(c, w2, 0, fill, 0, 4); /* takes f; g goes FREE with it */
+    int32_t tw[1];
+    assert_int_equal(table(c, w2, tw), 1);
+    assert_int_equal(tw[0], ts[0]);
+    st = stats(c);
+    assert_int_equal(st.evictions, 2);
+    assert_int_equal(st.n_indexed, 0);
+    assert_int_equal(st.n_cached, 0);
+    assert_int_equal(st.n_free, 1);
+    tp_check(c);
+    tp_expect_kv(c, s, 0, p, 12, 4);
+    tp_expect_kv(c, f2, 0, p, 4, 4);
+    /* s's front stays where s put it */
+    pkv_seq_info in;
+    assert_int_equal(pkv_seq_get_info(c, s, &in), 0);
+    assert_int_equal(in.n_dropped, 12);
+    pkv_cache_destroy(c);
+}
+
 /* A pinned prefix survives any pressure, counts as ACTIVE, is reusable; unpinned, it is
  * CACHED and evictable. */
 static void test_prefix_pin_survives_pressure(void **state) {
@@ -407,6 +460,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_evict_match_refreshes),
         cmocka_unit_test(test_prefix_evict_leaves_before_parents),
         cmocka_unit_test(test_prefix_evict_dropped_front),
+        cmocka_unit_test(test_prefix_evict_inner_subtree),
         cmocka_unit_test(test_prefix_pin_survives_pressure),
         cmocka_unit_test(test_prefix_pin_rules),
     };
