@@ -222,15 +222,11 @@ static void test_prefix_evict_dropped_front(void **state) {
     tp_tokens(p, 41, 41);
     tp_tokens(fill, 28, 42);
     tp_tokens(other, 8, 43);
-    pkv_seq o = tp_seq(c, 0);
-    tp_compute(c, o, 0, other, 0, 8);
-    tp_commit(c, o, 8);
+    pkv_seq o = tp_prompt(c, 0, other, 8);
     int32_t to[2], ts[10], tw[7];
     table(c, o, to);
     assert_int_equal(pkv_seq_release(c, o), 0); /* 2 CACHED leaves */
-    pkv_seq s = tp_seq(c, 0);
-    tp_compute(c, s, 0, p, 0, 12);
-    tp_commit(c, s, 12);
+    pkv_seq s = tp_prompt(c, 0, p, 12);
     for (uint32_t len = 12; len < 40; len++) {
         tp_compute(c, s, 0, p, len, 1);
         tp_commit(c, s, len + 1);
@@ -294,9 +290,7 @@ static void test_prefix_evict_inner_subtree(void **state) {
     int32_t p[16], fill[16];
     tp_tokens(p, 16, 51);
     tp_tokens(fill, 16, 52);
-    pkv_seq s = tp_seq(c, 0);
-    tp_compute(c, s, 0, p, 0, 16);
-    tp_commit(c, s, 16);
+    pkv_seq s = tp_prompt(c, 0, p, 16);
     int32_t ts[4];
     assert_int_equal(table(c, s, ts), 4); /* f, a, g, h */
     pkv_seq f2;

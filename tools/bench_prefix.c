@@ -167,6 +167,20 @@ static int measure(pkv_cache *c, uint32_t n_fill, uint32_t index_blocks, int hit
     return rc ? -1 : 0;
 }
 
+/* A 1-layer cache of 1 kv head of 8 for the events' and the dropped front's measurements. */
+static int small_cache(uint32_t n_blocks, uint32_t max_seqs, uint32_t event_capacity, pkv_cache **out) {
+    pkv_config cfg = pkv_config_default();
+    cfg.n_layers = 1, cfg.n_kv_heads = 1, cfg.head_dim = 8;
+    cfg.block_tokens = BLOCK;
+    cfg.n_blocks = n_blocks;
+    cfg.max_seqs = max_seqs;
+    cfg.n_threads = 1;
+    cfg.huge_pages = 0;
+    cfg.event_capacity = event_capacity;
+    tool_log_errors(&cfg, "pkv bench prefix");
+    return tool_check(pkv_cache_create(&cfg, out), "pkv_cache_create");
+}
+
 /* What recording the prefix index's events costs: a commit that indexes a 512-block prompt
  * (commit_index) and an append that evicts 512 cached blocks (append_evict), in a cache with
  * event_capacity 0 and one with 1,024, reps interleaved (the order alternating), the events
@@ -178,18 +192,7 @@ static int measure_events(uint32_t reps, double out[2][2]) {
     double *ns = malloc(4 * (size_t)reps * sizeof *ns);
     pkv_event *ev = malloc(1024 * sizeof *ev);
     int rc = tok && ns && ev ? 0 : -1;
-    for (int e = 0; e < 2 && rc == 0; e++) {
-        pkv_config cfg = pkv_config_default();
-        cfg.n_layers = 1, cfg.n_kv_heads = 1, cfg.head_dim = 8;
-        cfg.block_tokens = BLOCK;
-        cfg.n_blocks = EV_BLOCKS;
-        cfg.max_seqs = 4;
-        cfg.n_threads = 1;
-        cfg.huge_pages = 0;
-        cfg.event_capacity = e ? 1024 : 0;
-        tool_log_errors(&cfg, "pkv bench prefix");
-        rc = tool_check(pkv_cache_create(&cfg, &c[e]), "pkv_cache_create");
-    }
+    for (int e = 0; e < 2 && rc == 0; e++) rc = small_cache(EV_BLOCKS, 4, e ? 1024 : 0, &c[e]);
     const uint32_t n = EV_BLOCKS * BLOCK;
     for (uint32_t r = 0; r < reps && rc == 0; r++)
         for (int k = 0; k < 2 && rc == 0; k++) {
@@ -237,15 +240,7 @@ static int measure_front(uint32_t reps, double out[2]) {
     int32_t *tok = malloc(2 * FR_BLOCKS * BLOCK * sizeof *tok);
     double *ns = malloc(2 * (size_t)reps * sizeof *ns);
     int rc = tok && ns ? 0 : -1;
-    pkv_config cfg = pkv_config_default();
-    cfg.n_layers = 1, cfg.n_kv_heads = 1, cfg.head_dim = 8;
-    cfg.block_tokens = BLOCK;
-    cfg.n_blocks = 2 * FR_BLOCKS;
-    cfg.max_seqs = 256;
-    cfg.n_threads = 1;
-    cfg.huge_pages = 0;
-    tool_log_errors(&cfg, "pkv bench prefix");
-    if (rc == 0) rc = tool_check(pkv_cache_create(&cfg, &c), "pkv_cache_create");
+    if (rc == 0) rc = small_cache(2 * FR_BLOCKS, 256, 0, &c);
     const uint32_t half = FR_BLOCKS * BLOCK;
     for (uint32_t r = 0; r < reps && rc == 0; r++)
         for (int k = 0; k < 2 && rc == 0; k++) {

@@ -1089,10 +1089,9 @@ PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq id, uint32_t pos) {
     if (!rc) {
         const uint32_t j = pos / c->B; /* the blocks wholly before pos */
         for (uint32_t i = j; i > s->n_dropped; i--) { /* deepest first, as a release drops */
-            const uint32_t b = (uint32_t)s->table[i - 1];
             /* an indexed one stays in the index (CACHED where s held it alone: in the inner
                queue where s still holds the block below it) */
-            pkv__drop_block(c, b);
+            pkv__drop_block(c, (uint32_t)s->table[i - 1]);
             s->table[i - 1] = -1;
         }
         s->n_dropped = PKV_MAX(s->n_dropped, j);

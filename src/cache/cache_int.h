@@ -193,9 +193,9 @@ void pkv__index_reset(pkv_cache *c);
  * partial one is unlinked. Only the inner queue's blocks have descendants (a dropped front's);
  * the chains of their holders then end where the index does. */
 void pkv__index_evict(pkv_cache *c, uint32_t b);
-/* Index entry p (PKV_NONE: none) gained / lost a child in use (pkv__blk.n_hot): a CACHED one
- * moves to the inner queue / back to the LRU queue's tail where that changes whether it has one,
- * and so on up. */
+/* Index entry p (PKV_NONE: none) gained / lost a child in use (pkv__blk.n_hot). p gains one only
+ * while in use itself; a CACHED p left with none moves from the inner queue to the LRU queue's
+ * tail, and so on up. */
 void pkv__hot_up(pkv_cache *c, uint32_t p);
 void pkv__hot_down(pkv_cache *c, uint32_t p);
 /* pkv__pool_ref, counting a CACHED index entry taken back among its parent's children in use. */

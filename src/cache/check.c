@@ -247,8 +247,6 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
             if (k->parent != PKV_NONE) {
                 const pkv__blk *p = &c->blk[k->parent];
                 REQUIRE(p->flags & PKV_BLKF_INDEXED, "block %u: indexed under parent %u which is not indexed", b, k->parent);
-                /* (past a dropped front a block in use may hang below one no longer in use: its
-                   holders' tables say where, above; the LRU queue then keeps release order) */
                 /* (a block in use below a CACHED one: a dropped front's; the parent counts it in
                    n_hot and waits in the inner queue, checked below and in check_queues) */
                 if (k->state == PKV_BLK_CACHED && !k->inner && p->state == PKV_BLK_CACHED && !p->inner)
@@ -300,7 +298,7 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
         for (uint32_t ch = k->child; ch != PKV_NONE; ch = c->blk[ch].sib_next) {
             const pkv__blk *x = &c->blk[ch];
             n_idx += (x->flags & PKV_BLKF_INDEXED) != 0;
-            n_hot += x->state == PKV_BLK_ACTIVE || (x->state == PKV_BLK_CACHED && x->inner);
+            n_hot += pkv__blk_hot(x);
         }
         REQUIRE(n_idx == k->n_children, "block %u: %u indexed children, counter %u", b, n_idx, k->n_children);
         REQUIRE(n_hot == k->n_hot, "block %u: %u children in use, counter %u", b, n_hot, k->n_hot);

@@ -116,16 +116,12 @@ void pkv__tree_unlink(pkv_cache *c, uint32_t b) {
  * An index entry is hot where it is ACTIVE, or CACHED in the inner queue (a block below it is in
  * use: only a dropped front leaves one so). A CACHED block with a hot child waits in the inner
  * queue, one without in the LRU queue, behind the children that went CACHED before it. */
-static bool is_hot(const pkv__blk *k) { return k->state == PKV_BLK_ACTIVE || (k->state == PKV_BLK_CACHED && k->inner); }
-
 void pkv__hot_up(pkv_cache *c, uint32_t p) {
-    while (p != PKV_NONE) {
-        pkv__blk *k = &c->blk[p];
-        k->n_hot++;
-        if (k->state != PKV_BLK_CACHED || k->inner) return; /* it was hot already */
-        pkv__pool_lru_raise(&c->pool, p);
-        p = k->parent;
-    }
+    if (p == PKV_NONE) return;
+    /* a child comes into use only below a block in use (a link below a held block; a match
+       takes a chain from its root): p's own count in its parent stays as it is */
+    pkv_assert(pkv__blk_hot(&c->blk[p]));
+    c->blk[p].n_hot++;
 }
 
 void pkv__hot_down(pkv_cache *c, uint32_t p) {
@@ -140,15 +136,15 @@ void pkv__hot_down(pkv_cache *c, uint32_t p) {
 
 void pkv__ref_block(pkv_cache *c, uint32_t b) {
     const pkv__blk *k = &c->blk[b];
-    const bool cold = k->state == PKV_BLK_CACHED && !k->inner;
+    const bool cold = k->state == PKV_BLK_CACHED && !k->inner; /* (CACHED: indexed) */
     pkv__pool_ref(&c->pool, b);
-    if (cold && (k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL))) pkv__hot_up(c, k->parent);
+    if (cold) pkv__hot_up(c, k->parent);
 }
 
 void pkv__partial_unlink(pkv_cache *c, uint32_t b) {
     pkv_assert(c->blk[b].flags & PKV_BLKF_PARTIAL);
     const uint32_t parent = c->blk[b].parent;
-    const bool hot = is_hot(&c->blk[b]);
+    const bool hot = pkv__blk_hot(&c->blk[b]);
     pkv__tree_unlink(c, b);
     if (hot) pkv__hot_down(c, parent);
     c->blk[b].flags &= (uint8_t)~PKV_BLKF_PARTIAL;
@@ -185,7 +181,7 @@ static void unindex(pkv_cache *c, uint32_t b) {
     pkv__event_block(c, PKV_EVENT_REMOVED, b);
     bucket_remove(c, b);
     const uint32_t parent = k->parent;
-    const bool hot = is_hot(k);
+    const bool hot = pkv__blk_hot(k);
     if (parent != PKV_NONE) c->blk[parent].n_children--;
     pkv__tree_unlink(c, b);
     if (hot) pkv__hot_down(c, parent);

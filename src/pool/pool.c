@@ -93,12 +93,6 @@ void pkv__pool_lru_demote(pkv__pool *p, uint32_t b) {
     pkv__pool_lru_push(p, b, false);
 }
 
-void pkv__pool_lru_raise(pkv__pool *p, uint32_t b) {
-    pkv_assert(p->blk[b].state == PKV_BLK_CACHED && !p->blk[b].inner);
-    pkv__pool_lru_remove(p, b);
-    pkv__pool_lru_push(p, b, true);
-}
-
 static void became_active(pkv__pool *p, pkv__blk *k) {
     k->state = PKV_BLK_ACTIVE;
     p->n_active++;

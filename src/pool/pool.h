@@ -60,10 +60,13 @@ void pkv__pool_free_remove(pkv__pool *p, uint32_t b); /* unlinks a FREE block fr
 /* b becomes CACHED at the tail of the inner queue (inner: it has children) or the LRU queue. */
 void pkv__pool_lru_push(pkv__pool *p, uint32_t b, bool inner);
 void pkv__pool_lru_remove(pkv__pool *p, uint32_t b); /* unlinks a CACHED block from its queue */
-/* A CACHED block moves from the inner queue to the LRU queue's tail (no child in use left), or
- * back (one in use again). */
+/* A CACHED block moves from the inner queue to the LRU queue's tail (no child in use left). */
 void pkv__pool_lru_demote(pkv__pool *p, uint32_t b);
-void pkv__pool_lru_raise(pkv__pool *p, uint32_t b);
+
+/* Whether index entry k counts in its parent's n_hot: in use, or CACHED above a block in use. */
+static inline bool pkv__blk_hot(const pkv__blk *k) {
+    return k->state == PKV_BLK_ACTIVE || (k->state == PKV_BLK_CACHED && k->inner);
+}
 
 /* A FREE block (popped) becomes ACTIVE with ref 1 and clean metadata. */
 void pkv__pool_activate(pkv__pool *p, uint32_t b);
