@@ -8,8 +8,14 @@
  * those after it included. The mask is built from the tokens' types, as a model's forward pass
  * builds it, one bit a (query, key), packed as numpy's packbits(bitorder="little") packs (bit i
  * is bit i % 8 of byte i / 8). The packed sequence holds documents of 20 and 12 tokens: each
- * query sees the earlier tokens of its own document. The example fails if an output differs from
- * the direct computation by more than float rounding, or if a mask beside a window is taken. */
+ * query sees the earlier tokens of its own document.
+ *
+ * The image's positions hold ids from pkv_media_tokens of the image's content id (a model's
+ * <image> placeholder is the same for every image: a prompt with another image would match this
+ * one whole and get its K/V), so once the prompt is committed a second request with the same
+ * image matches all of it and one with another image only the 8 text tokens before it. The
+ * example fails if an output differs from the direct computation by more than float rounding, if
+ * a mask beside a window is taken, or if a match reuses other than that. */
 #include <pkv.h>
 #include <math.h>
 #include <stdbool.h>
@@ -66,6 +72,9 @@ int main(void) {
     pkv_seq s;
     int32_t ids[N], slots[N];
     for (int t = 0; t < N; t++) ids[t] = 100 + t;
+    /* the image's positions: ids from what identifies its content (a digest of its bytes) */
+    static const char image_a[] = "sha256:4f0c...image a", image_b[] = "sha256:9e71...image b";
+    if (pkv_media_tokens(image_a, sizeof image_a, 0, IMG1 - IMG0, ids + IMG0)) return 1;
     if (pkv_cache_create(&cfg, &c) || pkv_seq_create(c, NULL, 0, &s) || pkv_seq_append(c, s, ids, N, slots) ||
         pkv_write_kv(c, 0, slots, N, &k[0][0][0][0], &v[0][0][0][0], PKV_DTYPE_F32) ||
         pkv_write_kv(c, 1, slots, N, &k[1][0][0][0], &v[1][0][0][0], PKV_DTYPE_F32)) {
@@ -95,11 +104,23 @@ int main(void) {
     const uint8_t *const one[1] = {all};
     p.window = 8;
     const bool refused = pkv_attn_prefill_masked(c, 0, &req, 1, one, &q[0][0][0], &out[0][0][0], &p) == PKV_EINVAL;
+    /* the prompt committed, the same text with the same image, then with another image */
+    int32_t other[N];
+    memcpy(other, ids, sizeof ids);
+    uint32_t same_img = 0, other_img = 0;
+    pkv_seq s2, s3;
+    if (pkv_seq_commit(c, s, N) || pkv_media_tokens(image_b, sizeof image_b, 0, IMG1 - IMG0, other + IMG0) ||
+        pkv_seq_create(c, NULL, 0, &s2) || pkv_seq_match_prefix(c, s2, ids, N, &same_img) ||
+        pkv_seq_create(c, NULL, 0, &s3) || pkv_seq_match_prefix(c, s3, other, N, &other_img)) {
+        fprintf(stderr, "image_mask: prefix matching failed\n");
+        return 1;
+    }
     printf("image_mask: %d tokens, image [%d, %d) bidirectional, then documents of %d and %d packed: max |diff| "
-           "%.2e against the direct computation; a window beside a mask %s\n",
-           N, IMG0, IMG1, DOC, N - DOC, worst, refused ? "refused" : "ACCEPTED");
+           "%.2e against the direct computation; a window beside a mask %s; the prompt again matched %u "
+           "positions with the same image, %u with another\n",
+           N, IMG0, IMG1, DOC, N - DOC, worst, refused ? "refused" : "ACCEPTED", same_img, other_img);
     pkv_cache_destroy(c);
-    if (!(worst <= 1e-5) || !refused) {
+    if (!(worst <= 1e-5) || !refused || same_img != N - 1 || other_img != IMG0) {
         fprintf(stderr, "image_mask: wrong\n");
         return 1;
     }

@@ -644,6 +644,31 @@ PKV_NODISCARD PKV_API int pkv_prefix_hashes(const void *salt, size_t salt_len, u
                                             const int32_t *tokens, size_t n, uint64_t *hashes, size_t cap,
                                             size_t *n_out);
 
+/* Token ids for the positions of an image, audio clip or other media in a prompt, from what
+ * identifies its content. The prefix index compares token ids only, and a model's placeholder
+ * ids (<image> repeated 576 times) are the same for every image: two prompts that differ only in
+ * their image would match, and the second would get the first's K/V. Append these ids instead
+ * of the placeholders (the model still embeds its own; the cache keeps these), pass them to
+ * pkv_seq_match_prefix and pkv_prefix_hashes the same way, and a prompt is matched through its
+ * media only where the content is the same. vLLM keys such blocks by the media's hash, SGLang
+ * swaps the placeholders for a value derived from it; this is the latter, one id a position.
+ *
+ * out[i] is the id of the media's position offset + i (so the ids of a media split across
+ * prefill chunks can be computed piece by piece): -1 - (31 bits of XXH3-64, seeded by that
+ * position, of XXH3-128 of id[0 .. id_len)). The ids are negative, so they never equal a
+ * vocabulary's, and the same on every machine and in every version (a router in another
+ * process computes the same; tests/test_prefix.c pins values). id is a digest of the content
+ * (SHA-256 of the image's bytes, as vLLM takes) or the bytes themselves; two contents whose
+ * ids differ get ids that agree at a position with probability 2^-31, independently from
+ * position to position. So a false match needs every media position inside the matched
+ * blocks to agree: 2^-31 a cached block at worst, where a media starts at a block's last slot
+ * (one of its positions in that block), and far less where more of them are. Requests of
+ * different tenants belong in different namespaces (pkv_seq_create's salt) all the same.
+ * PKV_EINVAL for id_len 0 (content with no identity), a NULL id or out (n > 0), or offset + n
+ * over 2^32. */
+PKV_NODISCARD PKV_API int pkv_media_tokens(const void *id, size_t id_len, uint32_t offset, uint32_t n,
+                                           int32_t *out);
+
 /* ---- statistics and checker ------------------------------------------------------------------ */
 typedef struct pkv_stats {
     uint32_t n_blocks, n_free, n_cached, n_active;

@@ -34,7 +34,7 @@ from collections import namedtuple
 import numpy as np
 
 __all__ = [
-    "Cache", "Tier", "TierStats", "Event", "prefix_hashes", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES", "bf16_bits", "bf16_value",
+    "Cache", "Tier", "TierStats", "Event", "prefix_hashes", "media_tokens", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES", "bf16_bits", "bf16_value",
     "PkvError", "InvalidArgumentError", "OutOfMemoryError", "NoSpaceError", "NotFoundError", "LimitError",
     "CorruptError", "IoError", "NotSupportedError", "BusyError",
     "OK", "EINVAL", "ENOMEM", "ENOSPC", "ENOENT", "ELIMIT", "ECORRUPT", "EIO", "ENOTSUP", "EBUSY",
@@ -297,6 +297,7 @@ def _load():
         "pkv_cache_take_events": (_int, [_vp, _P(_Event), _sz, _vp, _P(_sz)]),
         "pkv_prefix_snapshot": (_int, [_vp, _P(_Event), _sz, _vp, _P(_sz)]),
         "pkv_prefix_hashes": (_int, [_vp, _sz, _u32, _vp, _sz, _vp, _sz, _P(_sz)]),
+        "pkv_media_tokens": (_int, [_vp, _sz, _u32, _u32, _vp]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -357,6 +358,30 @@ def prefix_hashes(tokens, block_tokens, salt=b""):
     _check(_lib.pkv_prefix_hashes(salt if salt else None, len(salt), bt, _ptr(t), t.size, _ptr(out), out.size,
                                   ctypes.byref(n)), "pkv_prefix_hashes")
     return out[:n.value]
+
+
+def media_tokens(content_id, n, offset=0):
+    """Token ids (int32 array, all negative) for n positions of an image, audio clip or other
+    media in a prompt, positions offset .. offset + n - 1 of it, from content_id (bytes or str:
+    a digest of the content, e.g. hashlib.sha256(image_bytes).digest(), or the bytes
+    themselves) (pkv_media_tokens). The prefix index compares token ids only, so a model's
+    placeholder ids would let a prompt with another image match this one: append these in their
+    place (the model still embeds its own) and pass them to match_prefix and prefix_hashes."""
+    if isinstance(content_id, str):
+        cid = content_id.encode()
+    elif isinstance(content_id, (bytes, bytearray, memoryview)):
+        cid = bytes(content_id)
+    else:  # an int would be bytes(3), three zero bytes: every image the same
+        raise _invalid("media_tokens: content_id must be bytes or str, got %s" % type(content_id).__name__)
+    if not cid:
+        raise _invalid("media_tokens: content_id is empty (content with no identity)")
+    n = _u32_of(n, "n")
+    offset = _u32_of(offset, "offset")
+    if offset + n > 1 << 32:
+        raise _invalid("media_tokens: offset + n is over 2^32")
+    out = np.empty(n, dtype=np.int32)
+    _check(_lib.pkv_media_tokens(cid, len(cid), offset, n, _ptr(out) if n else None), "pkv_media_tokens")
+    return out
 
 
 def _events(buf, n, toks, block_tokens):

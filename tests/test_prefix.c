@@ -13,6 +13,9 @@
 
 #include <sys/mman.h>
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 /* Test-only switch of src/cache: every identity hash becomes the same value. */
 void pkv__cache_test_const_hash(pkv_cache *c, int on);
 
@@ -727,6 +730,119 @@ static void test_prefix_miss_reasons_full_index(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* ---- media positions keyed by their content (pkv_media_tokens) -------------------------------- */
+
+/* The documented derivation, computed here from XXH3 itself. */
+static int32_t media_id(const void *id, size_t len, uint64_t pos) {
+    XXH128_canonical_t key;
+    XXH128_canonicalFromHash(&key, XXH3_128bits_withSeed(id, len, 0x706b766d65646961ull));
+    return -1 - (int32_t)(XXH3_64bits_withSeed(&key, sizeof key, pos) >> 33);
+}
+
+/* The ids: as documented, negative, computed piece by piece the same, the same on every machine
+ * and version (pinned: a router in another process must compute these), and another content's
+ * differ at every position; the refusals write nothing. */
+static void test_prefix_media_ids(void **state) {
+    (void)state;
+    enum { N = 4096 };
+    static int32_t a[N], b[N], piece[N];
+    const char *ida = "sha256:of-image-a", *idb = "sha256:of-image-b";
+    assert_int_equal(pkv_media_tokens(ida, strlen(ida), 0, N, a), 0);
+    assert_int_equal(pkv_media_tokens(idb, strlen(idb), 0, N, b), 0);
+    uint32_t same = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        assert_int_equal(a[i], media_id(ida, strlen(ida), i));
+        assert_true(a[i] < 0 && b[i] < 0);
+        same += a[i] == b[i];
+    }
+    assert_int_equal(same, 0);
+    /* piece by piece: offsets 0, 1000, 1001 and 3000 */
+    assert_int_equal(pkv_media_tokens(ida, strlen(ida), 0, 1000, piece), 0);
+    assert_int_equal(pkv_media_tokens(ida, strlen(ida), 1000, 1, piece + 1000), 0);
+    assert_int_equal(pkv_media_tokens(ida, strlen(ida), 1001, 1999, piece + 1001), 0);
+    assert_int_equal(pkv_media_tokens(ida, strlen(ida), 3000, N - 3000, piece + 3000), 0);
+    assert_memory_equal(piece, a, sizeof a);
+    /* pinned: any change to the derivation breaks routers and stored tiers of older versions */
+    const int32_t pinned[4] = {-734316563, -1301613857, -1938098263, -98980382};
+    int32_t got[4];
+    assert_int_equal(pkv_media_tokens("pagedkv", 7, 0, 3, got), 0);
+    assert_int_equal(pkv_media_tokens("pagedkv", 7, UINT32_MAX, 1, got + 3), 0);
+    for (int i = 0; i < 4; i++) assert_int_equal(got[i], pinned[i]);
+    /* a one-byte id and a large one (an image's bytes themselves) */
+    static uint8_t pixels[1 << 16];
+    for (size_t i = 0; i < sizeof pixels; i++) pixels[i] = (uint8_t)(i * 131 + 7);
+    assert_int_equal(pkv_media_tokens(pixels, 1, 5, 1, got), 0);
+    assert_int_equal(got[0], media_id(pixels, 1, 5));
+    assert_int_equal(pkv_media_tokens(pixels, sizeof pixels, 0, 1, got), 0);
+    assert_int_equal(got[0], media_id(pixels, sizeof pixels, 0));
+    pixels[40000] ^= 1; /* one bit of the content: another id */
+    assert_int_equal(pkv_media_tokens(pixels, sizeof pixels, 0, 1, got + 1), 0);
+    assert_int_not_equal(got[1], got[0]);
+
+    /* refusals: nothing written */
+    int32_t out[2] = {7, 7};
+    assert_int_equal(pkv_media_tokens(ida, 0, 0, 2, out), PKV_EINVAL); /* no identity */
+    assert_int_equal(pkv_media_tokens(NULL, 4, 0, 2, out), PKV_EINVAL);
+    assert_int_equal(pkv_media_tokens(ida, 4, 0, 2, NULL), PKV_EINVAL);
+    assert_int_equal(pkv_media_tokens(ida, 4, UINT32_MAX, 2, out), PKV_EINVAL); /* past 2^32 */
+    assert_int_equal(pkv_media_tokens(ida, 4, 2, UINT32_MAX, out), PKV_EINVAL);
+    assert_int_equal(out[0], 7);
+    assert_int_equal(out[1], 7);
+    assert_int_equal(pkv_media_tokens(ida, 4, UINT32_MAX, 0, NULL), 0); /* none asked: valid */
+    assert_int_equal(pkv_media_tokens(ida, 4, UINT32_MAX, 1, out), 0); /* the last position */
+    assert_int_equal(out[0], media_id(ida, 4, UINT32_MAX));
+}
+
+/* Two prompts alike but for their image: 20 text tokens, 40 image positions, 12 text tokens,
+ * B = 16. With the model's placeholder id at the image positions the second matches the first
+ * whole, K/V of the wrong image included (the trap); with pkv_media_tokens ids it matches the
+ * 20 text tokens before the image only (block 0, then 4 tokens of block 1, token-granular),
+ * the same image again matches all 71 it may, and a router's pkv_prefix_hashes of the prompts
+ * agree on block 0 alone. */
+static void test_prefix_media_match(void **state) {
+    (void)state;
+    enum { T0 = 20, M = 40, T1 = 12, N = T0 + M + T1, B = 16 };
+    pkv_cache *c = tp_cache(B, 64, 2, PKV_DTYPE_F16, 1);
+    int32_t pa[N], pb[N], placeholder_a[N], placeholder_b[N];
+    tp_tokens(pa, T0, 51);
+    tp_tokens(pa + T0 + M, T1, 52);
+    memcpy(pb, pa, sizeof pa);
+    for (int i = 0; i < M; i++) pa[T0 + i] = pb[T0 + i] = 32000; /* the model's <image> */
+    memcpy(placeholder_a, pa, sizeof pa);
+    memcpy(placeholder_b, pb, sizeof pb);
+    assert_int_equal(pkv_media_tokens("image-a", 7, 0, M, pa + T0), 0);
+    assert_int_equal(pkv_media_tokens("image-b", 7, 0, M, pb + T0), 0);
+
+    pkv_seq a = tp_prompt(c, 0, pa, N);
+    pkv_seq b = tp_match(c, 0, pb, N, T0); /* the text before the image only */
+    tp_compute(c, b, 0, pb, T0, N - T0);
+    tp_commit(c, b, N);
+    tp_expect_kv(c, b, 0, pb, 0, N);
+    pkv_seq a2 = tp_match(c, 0, pa, N, N - 1); /* the same image: all of it */
+    tp_expect_same(c, a, a2, 0, N - 1);
+    pkv_seq b2 = tp_match(c, 0, pb, N, N - 1);
+    tp_expect_same(c, b, b2, 0, N - 1);
+    tp_check(c);
+
+    uint64_t ha[N / B], hb[N / B];
+    size_t na = 0, nb = 0;
+    assert_int_equal(pkv_prefix_hashes(NULL, 0, B, pa, N, ha, N / B, &na), 0);
+    assert_int_equal(pkv_prefix_hashes(NULL, 0, B, pb, N, hb, N / B, &nb), 0);
+    assert_int_equal(na, N / B);
+    assert_int_equal(nb, N / B);
+    assert_true(ha[0] == hb[0]);
+    for (size_t i = 1; i < na; i++) assert_true(ha[i] != hb[i]);
+
+    /* the trap, shown: with the placeholders both prompts are the same tokens */
+    pkv_seq pa_seq = tp_match(c, 0, placeholder_a, N, T0);
+    tp_compute(c, pa_seq, 0, placeholder_a, T0, N - T0);
+    tp_commit(c, pa_seq, N);
+    pkv_seq pb_seq = tp_match(c, 0, placeholder_b, N, N - 1);
+    tp_expect_same(c, pa_seq, pb_seq, 0, N - 1);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prefix_same_prompt_full_blocks_only),
@@ -749,6 +865,8 @@ int main(void) {
         cmocka_unit_test(test_prefix_disabled_no_reuse),
         cmocka_unit_test(test_prefix_miss_reasons),
         cmocka_unit_test(test_prefix_miss_reasons_full_index),
+        cmocka_unit_test(test_prefix_media_ids),
+        cmocka_unit_test(test_prefix_media_match),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

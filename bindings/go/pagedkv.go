@@ -1595,6 +1595,29 @@ func PrefixHashes(salt []byte, blockTokens uint32, tokens []int32) ([]uint64, er
 	return out[:n], nil
 }
 
+// MediaTokens is token ids (all negative) for n positions of an image, audio clip or other
+// media in a prompt, its positions offset .. offset + n - 1, from contentID: a digest of the
+// content (SHA-256 of the image's bytes) or the bytes themselves (pkv_media_tokens). The prefix
+// index compares token ids only, so a model's placeholder ids would let a prompt with another
+// image match this one: append these in their place (the model still embeds its own) and pass
+// them to MatchPrefix and PrefixHashes. EINVAL for an empty contentID, a negative n or
+// offset + n over 2^32.
+func MediaTokens(contentID []byte, offset uint32, n int) ([]int32, error) {
+	if len(contentID) == 0 {
+		return nil, invalid("MediaTokens: contentID is empty (content with no identity)")
+	}
+	if n < 0 || uint64(offset)+uint64(n) > 1<<32 {
+		return nil, invalid("MediaTokens: offset %d + n %d is not in 0..2^32", offset, n)
+	}
+	out := make([]int32, n)
+	rc := C.pkv_media_tokens(unsafe.Pointer(&contentID[0]), C.size_t(len(contentID)), C.uint32_t(offset),
+		C.uint32_t(n), i32p(out))
+	if err := check(rc, "pkv_media_tokens"); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // Stats is pkv_cache_get_stats.
 func (c *Cache) Stats() (Stats, error) {
 	var s C.pkv_stats

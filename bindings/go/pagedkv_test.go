@@ -2643,6 +2643,79 @@ func TestTierWriteBack(t *testing.T) {
 	must(t, a.Check())
 }
 
+func TestMediaTokens(t *testing.T) {
+	// an image's positions keyed by its content: the C library's ids (pinned in
+	// tests/test_prefix.c), piece by piece the same, and a prompt with another image matches
+	// only the text before it
+	ids, err := MediaTokens([]byte("pagedkv"), 0, 3)
+	must(t, err)
+	last, err := MediaTokens([]byte("pagedkv"), math.MaxUint32, 1)
+	must(t, err)
+	if !reflect.DeepEqual(append(ids, last...), []int32{-734316563, -1301613857, -1938098263, -98980382}) {
+		t.Fatalf("ids %v %v", ids, last)
+	}
+	a, err := MediaTokens([]byte("digest of image a"), 0, 40)
+	must(t, err)
+	b, err := MediaTokens([]byte("digest of image b"), 0, 40)
+	must(t, err)
+	p1, err := MediaTokens([]byte("digest of image a"), 0, 15)
+	must(t, err)
+	p2, err := MediaTokens([]byte("digest of image a"), 15, 25)
+	must(t, err)
+	if !reflect.DeepEqual(append(p1, p2...), a) {
+		t.Fatalf("piece by piece %v, whole %v", append(p1, p2...), a)
+	}
+	for i := range a {
+		if a[i] >= 0 || a[i] == b[i] {
+			t.Fatalf("position %d: %d and %d", i, a[i], b[i])
+		}
+	}
+	prompt := func(img []int32) []int32 {
+		p := make([]int32, 0, 72)
+		for x := int32(100); x < 120; x++ {
+			p = append(p, x)
+		}
+		p = append(p, img...)
+		for x := int32(200); x < 212; x++ {
+			p = append(p, x)
+		}
+		return p
+	}
+	pa, pb := prompt(a), prompt(b)
+	cfg := DefaultConfig()
+	cfg.NKVHeads, cfg.HeadDim, cfg.BlockTokens, cfg.NBlocks, cfg.NThreads = 1, 8, 16, 16, 1
+	c, err := NewCache(cfg)
+	must(t, err)
+	defer c.Close()
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	_, err = c.Append(s, pa)
+	must(t, err)
+	must(t, c.Commit(s, uint32(len(pa))))
+	for _, tc := range []struct {
+		prompt []int32
+		want   uint32
+	}{{pb, 20}, {pa, uint32(len(pa) - 1)}} { // the text before the image only; the same image: all
+		u, err := c.SeqCreate(nil)
+		must(t, err)
+		got, err := c.MatchPrefix(u, tc.prompt)
+		must(t, err)
+		if got != tc.want {
+			t.Fatalf("matched %d, want %d", got, tc.want)
+		}
+	}
+	must(t, c.Check())
+	for _, bad := range []struct {
+		id     []byte
+		offset uint32
+		n      int
+	}{{nil, 0, 4}, {[]byte("x"), math.MaxUint32, 2}, {[]byte("x"), 0, -1}} {
+		if _, err := MediaTokens(bad.id, bad.offset, bad.n); !errors.Is(err, ErrInvalid) {
+			t.Fatalf("%v: %v", bad, err)
+		}
+	}
+}
+
 func TestEvents(t *testing.T) {
 	// a router's view of a cache: the events name the blocks by the hashes PrefixHashes
 	// computes from the prompt, with no cache; eviction removes them leaf first; a snapshot

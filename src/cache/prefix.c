@@ -53,6 +53,18 @@ PKV_API int pkv_prefix_hashes(const void *salt, size_t salt_len, uint32_t block_
     return PKV_OK;
 }
 
+PKV_API int pkv_media_tokens(const void *id, size_t id_len, uint32_t offset, uint32_t n, int32_t *out) {
+    if (!id_len || !id || (!out && n) || (uint64_t)offset + n > (uint64_t)UINT32_MAX + 1) return PKV_EINVAL;
+    /* the digest in XXH3's canonical (big-endian) form: the same 16 bytes on every machine */
+    XXH128_canonical_t key;
+    XXH128_canonicalFromHash(&key, XXH3_128bits_withSeed(id, id_len, 0x706b766d65646961ull /* "pkvmedia" */));
+    for (uint32_t i = 0; i < n; i++) {
+        const uint64_t h = XXH3_64bits_withSeed(&key, sizeof key, (uint64_t)offset + i);
+        out[i] = -1 - (int32_t)(h >> 33); /* [-2^31, -1] */
+    }
+    return PKV_OK;
+}
+
 uint64_t pkv__content_hash(const pkv_cache *c, uint32_t parent, const int32_t *toks) {
     uint64_t seed = parent == PKV_NONE ? 0x636f6e74656e74ull : c->blk[parent].chash;
     return XXH3_64bits_withSeed(toks, (size_t)c->B * sizeof(int32_t), seed);

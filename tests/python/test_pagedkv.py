@@ -1415,6 +1415,40 @@ class TestCache(Base):
             pkv.prefix_hashes([1, 2], 2, salt=3)
         self.assertEqual(len(pkv.prefix_hashes([], 16)), 0)
 
+    def test_media_tokens(self):
+        # an image's positions keyed by its content: the same ids as the C library's (pinned in
+        # tests/test_prefix.c), piece by piece the same, and a prompt with another image matches
+        # only the text before it
+        import hashlib
+        ids = pkv.media_tokens("pagedkv", 3)
+        self.assertEqual(ids.dtype, np.int32)
+        self.assertEqual(ids.tolist(), [-734316563, -1301613857, -1938098263])
+        self.assertEqual(pkv.media_tokens(b"pagedkv", 1, offset=2**32 - 1).tolist(), [-98980382])
+        img_a, img_b = hashlib.sha256(b"pixels of a").digest(), hashlib.sha256(b"pixels of b").digest()
+        a = pkv.media_tokens(img_a, 40)
+        self.assertTrue((a < 0).all())
+        np.testing.assert_array_equal(np.concatenate([pkv.media_tokens(img_a, 15), pkv.media_tokens(img_a, 25, 15)]), a)
+        b = pkv.media_tokens(bytearray(img_b), 40)
+        self.assertEqual(int((a == b).sum()), 0)
+        self.assertEqual(len(pkv.media_tokens(img_a, 0)), 0)
+        text0, text1 = np.arange(100, 120), np.arange(200, 212)
+        pa, pb = np.concatenate([text0, a, text1]), np.concatenate([text0, b, text1])
+        with pkv.Cache(n_kv_heads=1, head_dim=8, block_tokens=16, n_blocks=16, n_threads=1) as c:
+            s = c.seq_create()
+            c.append(s, pa)
+            c.commit(s, len(pa))
+            t = c.seq_create()
+            self.assertEqual(c.match_prefix(t, pb), 20)  # the text before the image only
+            u = c.seq_create()
+            self.assertEqual(c.match_prefix(u, pa), len(pa) - 1)  # the same image: all
+        for bad, err in ((b"", "no identity"), (3, "bytes or str")):
+            with self.assertRaisesRegex(pkv.InvalidArgumentError, err):
+                pkv.media_tokens(bad, 4)
+        with self.assertRaisesRegex(pkv.InvalidArgumentError, "over 2"):
+            pkv.media_tokens(img_a, 2, offset=2**32 - 1)
+        with self.assertRaises(pkv.InvalidArgumentError):
+            pkv.media_tokens(img_a, -1)
+
     def test_tier_closed_under_load(self):
         # a Tier closed while other threads load and save through it: their calls in flight
         # finish, later ones raise InvalidArgumentError ("closed"), nothing crashes

@@ -341,6 +341,7 @@ extern "C" {
         cap: usize,
         n_out: *mut usize,
     ) -> c_int;
+    pub fn pkv_media_tokens(id: *const c_void, id_len: usize, offset: u32, n: u32, out: *mut i32) -> c_int;
     pub fn pkv_cache_get_stats(c: *mut pkv_cache, out: *mut pkv_stats) -> c_int;
     pub fn pkv_tier_host_create(capacity_bytes: u64, alloc: *const pkv_allocator, out: *mut *mut pkv_tier) -> c_int;
     pub fn pkv_tier_file_create(

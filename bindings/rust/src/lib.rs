@@ -684,6 +684,36 @@ pub fn prefix_hashes(salt: &[u8], block_tokens: u32, tokens: &[i32]) -> Result<V
     Ok(out)
 }
 
+/// Token ids (all negative) for `n` positions of an image, audio clip or other media in a
+/// prompt, its positions `offset .. offset + n`, from `content_id`: a digest of the content
+/// (SHA-256 of the image's bytes) or the bytes themselves (pkv_media_tokens). The prefix index
+/// compares token ids only, so a model's placeholder ids would let a prompt with another image
+/// match this one: append these in their place (the model still embeds its own) and pass them to
+/// [`Cache::match_prefix`] and [`prefix_hashes`]. EINVAL for an empty `content_id` or
+/// `offset + n` over 2^32.
+pub fn media_tokens(content_id: &[u8], offset: u32, n: u32) -> Result<Vec<i32>> {
+    if content_id.is_empty() {
+        return Err(invalid(
+            "media_tokens: content_id is empty (content with no identity)".into(),
+        ));
+    }
+    if u64::from(offset) + u64::from(n) > 1u64 << 32 {
+        return Err(invalid("media_tokens: offset + n is over 2^32".into()));
+    }
+    let mut out = vec![0i32; n as usize];
+    let rc = unsafe {
+        ffi::pkv_media_tokens(
+            content_id.as_ptr() as *const c_void,
+            content_id.len(),
+            offset,
+            n,
+            out.as_mut_ptr(),
+        )
+    };
+    check(rc, "pkv_media_tokens")?;
+    Ok(out)
+}
+
 /// A storage tier (pkv_tier): whole prefix blocks kept out of the pool, in host memory, files or
 /// Redis, for [`Cache::tier_load`] to copy back instead of recomputing them ("storage tiers" in
 /// pkv.h). Thread-safe: one tier may serve several caches and threads. Freed on drop (a file
@@ -1132,7 +1162,10 @@ impl Cache {
     /// are then refused by every call. Where the cache indexes prefixes, the dropped blocks stay
     /// indexed until evicted, so the same prompt still matches.
     pub fn drop_front(&mut self, s: Seq, pos: u32) -> Result<()> {
-        check(unsafe { ffi::pkv_seq_drop_front(self.p(), s.0, pos) }, "pkv_seq_drop_front")
+        check(
+            unsafe { ffi::pkv_seq_drop_front(self.p(), s.0, pos) },
+            "pkv_seq_drop_front",
+        )
     }
 
     /// Keeps the positions start + idx\[k\] of the sequence's uncommitted tail, moved to start + k

@@ -2063,6 +2063,49 @@ fn tier_write_back() {
 }
 
 #[test]
+fn media_tokens_key_images() {
+    // an image's positions keyed by its content: the C library's ids (pinned in
+    // tests/test_prefix.c), piece by piece the same, and a prompt with another image matches
+    // only the text before it
+    assert_eq!(
+        media_tokens(b"pagedkv", 0, 3).unwrap(),
+        [-734316563, -1301613857, -1938098263]
+    );
+    assert_eq!(media_tokens(b"pagedkv", u32::MAX, 1).unwrap(), [-98980382]);
+    let a = media_tokens(b"digest of image a", 0, 40).unwrap();
+    let b = media_tokens(b"digest of image b", 0, 40).unwrap();
+    assert!(a.iter().all(|&x| x < 0));
+    assert_eq!(a.iter().zip(&b).filter(|(x, y)| x == y).count(), 0);
+    let mut pieces = media_tokens(b"digest of image a", 0, 15).unwrap();
+    pieces.extend(media_tokens(b"digest of image a", 15, 25).unwrap());
+    assert_eq!(pieces, a);
+    assert_eq!(media_tokens(b"x", 0, 0).unwrap(), []);
+    let prompt = |img: &[i32]| -> Vec<i32> { (100..120).chain(img.iter().copied()).chain(200..212).collect() };
+    let (pa, pb) = (prompt(&a), prompt(&b));
+    let mut c = Cache::new(&Config {
+        n_kv_heads: 1,
+        head_dim: 8,
+        block_tokens: 16,
+        n_blocks: 16,
+        n_threads: 1,
+        ..Config::default()
+    })
+    .unwrap();
+    let s = c.seq_create(b"").unwrap();
+    c.append(s, &pa).unwrap();
+    c.commit(s, pa.len() as u32).unwrap();
+    let t = c.seq_create(b"").unwrap();
+    assert_eq!(c.match_prefix(t, &pb).unwrap(), 20); // the text before the image only
+    let u = c.seq_create(b"").unwrap();
+    assert_eq!(c.match_prefix(u, &pa).unwrap(), pa.len() as u32 - 1); // the same image: all
+    c.check().unwrap();
+    for (id, off, n) in [(&b""[..], 0, 4), (&b"x"[..], u32::MAX, 2)] {
+        let e = media_tokens(id, off, n).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{:?} {} {}", id, off, n);
+    }
+}
+
+#[test]
 fn prefix_index_events() {
     // a router's view of a cache: the events name the blocks by the hashes prefix_hashes
     // computes from the prompt, with no cache; eviction removes them leaf first; a snapshot
