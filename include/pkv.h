@@ -261,7 +261,9 @@ PKV_NODISCARD PKV_API int pkv_cache_layout(const pkv_cache *c, pkv_layout *out);
 /* New empty sequence. salt (may be NULL when salt_len == 0, at most 256 bytes) names its
  * prefix-index namespace: sequences with different salts never share indexed blocks. Whatever
  * makes the same tokens give other K/V belongs in it: the tenant (vLLM's cache_salt), the LoRA
- * adapter (its K/V projections differ), the model revision.
+ * adapter (its K/V projections differ), the weights' version (after an RL step updates the
+ * weights, a new salt leaves every older block unmatched, and those go as room is needed, with
+ * no call to flush them, while sequences in flight go on).
  * PKV_ELIMIT when max_seqs are live. */
 PKV_NODISCARD PKV_API int pkv_seq_create(pkv_cache *c, const void *salt, size_t salt_len, pkv_seq *out);
 
