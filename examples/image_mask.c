@@ -72,9 +72,10 @@ int main(void) {
     pkv_seq s;
     int32_t ids[N], slots[N];
     for (int t = 0; t < N; t++) ids[t] = 100 + t;
-    /* the image's positions: ids from what identifies its content (a digest of its bytes) */
+    /* the image's positions: ids from what identifies its content (a digest of its bytes and its
+       preprocessing), the string's bytes without its NUL (as Python's media_tokens(str) takes) */
     static const char image_a[] = "sha256:4f0c...image a", image_b[] = "sha256:9e71...image b";
-    if (pkv_media_tokens(image_a, sizeof image_a, 0, IMG1 - IMG0, ids + IMG0)) return 1;
+    if (pkv_media_tokens(image_a, sizeof image_a - 1, 0, IMG1 - IMG0, ids + IMG0)) return 1;
     if (pkv_cache_create(&cfg, &c) || pkv_seq_create(c, NULL, 0, &s) || pkv_seq_append(c, s, ids, N, slots) ||
         pkv_write_kv(c, 0, slots, N, &k[0][0][0][0], &v[0][0][0][0], PKV_DTYPE_F32) ||
         pkv_write_kv(c, 1, slots, N, &k[1][0][0][0], &v[1][0][0][0], PKV_DTYPE_F32)) {
@@ -109,7 +110,7 @@ int main(void) {
     memcpy(other, ids, sizeof ids);
     uint32_t same_img = 0, other_img = 0;
     pkv_seq s2, s3;
-    if (pkv_seq_commit(c, s, N) || pkv_media_tokens(image_b, sizeof image_b, 0, IMG1 - IMG0, other + IMG0) ||
+    if (pkv_seq_commit(c, s, N) || pkv_media_tokens(image_b, sizeof image_b - 1, 0, IMG1 - IMG0, other + IMG0) ||
         pkv_seq_create(c, NULL, 0, &s2) || pkv_seq_match_prefix(c, s2, ids, N, &same_img) ||
         pkv_seq_create(c, NULL, 0, &s3) || pkv_seq_match_prefix(c, s3, other, N, &other_img)) {
         fprintf(stderr, "image_mask: prefix matching failed\n");

@@ -307,7 +307,9 @@ static inline pkv_config pm_config(uint32_t b0, uint32_t b1, int prefix_off) {
 }
 
 /* Prompts that share prefixes: P1 and P2 extend P0's first 21 and 9 tokens, P4 extends P3,
- * P5 is P0 plus a tail. Small vocabulary so random appends sometimes coincide with them. */
+ * P5 is P0 plus a tail. Small vocabulary so random appends sometimes coincide with them. P4
+ * holds a media's ids at [26, 38) (negative, as pkv_media_tokens makes), from three values, so
+ * that a divergence inside it leaves a few agreeing: the match's media guard. */
 static inline void pm_make_prompts(pm_world *w, uint64_t seed) {
     uint64_t r = seed;
 #define PM_TOK() ((int32_t)((r = pm_mix(r)) % 24))
@@ -324,6 +326,7 @@ static inline void pm_make_prompts(pm_world *w, uint64_t seed) {
     w->prompt_len[4] = 52;
     memcpy(w->prompt[4], w->prompt[3], 20 * sizeof(int32_t));
     for (uint32_t i = 20; i < 52; i++) w->prompt[4][i] = 300 + PM_TOK();
+    for (uint32_t i = 26; i < 38; i++) w->prompt[4][i] = -1 - PM_TOK() % 3; /* a media's ids */
     w->prompt_len[5] = 70;
     memcpy(w->prompt[5], w->prompt[0], 37 * sizeof(int32_t));
     for (uint32_t i = 37; i < 70; i++) w->prompt[5][i] = PM_TOK();
@@ -583,7 +586,10 @@ static inline uint32_t pm_prompt(pm_world *w, pm_src *src, int32_t *out) {
     if (n > w->max_tok) n = w->max_tok;
     memcpy(out, w->prompt[k], n * sizeof(int32_t));
     uint32_t m = pm_byte(src);
-    if (m < 48 && n) out[m % n] = 1000 + (int32_t)(m % 3); /* diverge inside some block */
+    if (m < 48 && n) /* diverge inside some block (inside the media: another media id) */
+        out[m % n] = out[m % n] < 0 ? -100 - (int32_t)(m % 3) : 1000 + (int32_t)(m % 3);
+    else if (k == 4 && m >= 128 && n > 30) /* P4's media diverging after 1 to 3 of its ids */
+        out[27 + m % 3] = -100 - (int32_t)(m % 3);
     return n;
 }
 

@@ -261,7 +261,7 @@ PKV_NODISCARD PKV_API int pkv_cache_layout(const pkv_cache *c, pkv_layout *out);
 /* New empty sequence. salt (may be NULL when salt_len == 0, at most 256 bytes) names its
  * prefix-index namespace: sequences with different salts never share indexed blocks. Whatever
  * makes the same tokens give other K/V belongs in it: the tenant (vLLM's cache_salt), the LoRA
- * adapter (its K/V projections differ), the weights' version (after an RL step updates the
+ * adapter (the K/V it gives differ), the weights' version (after an RL step updates the
  * weights, a new salt leaves every older block unmatched, and those go as room is needed, with
  * no call to flush them, while sequences in flight go on).
  * PKV_ELIMIT when max_seqs are live. */
@@ -653,23 +653,30 @@ PKV_NODISCARD PKV_API int pkv_prefix_hashes(const void *salt, size_t salt_len, u
  * ids (<image> repeated 576 times) are the same for every image: two prompts that differ only in
  * their image would match, and the second would get the first's K/V. Append these ids instead
  * of the placeholders (the model still embeds its own; the cache keeps these), pass them to
- * pkv_seq_match_prefix and pkv_prefix_hashes the same way, and a prompt is matched through its
- * media only where the content is the same. vLLM keys such blocks by the media's hash, SGLang
- * swaps the placeholders for a value derived from it; this is the latter, one id a position.
+ * pkv_seq_match_prefix, pkv_tier_load and pkv_prefix_hashes the same way, and a prompt is
+ * matched through its media only where the content is the same. vLLM keys such blocks by the
+ * media's hash, SGLang swaps the placeholders for a value derived from it; this is the latter,
+ * one id a position.
+ *
+ * id must identify everything that decides the media's embeddings: its bytes and how they were
+ * preprocessed (resolution, crops or tiles, the processor's settings), e.g. a SHA-256 over both;
+ * the encoder's weights belong in the namespace (pkv_seq_create's salt) with the model's.
  *
  * out[i] is the id of the media's position offset + i (so the ids of a media split across
- * prefill chunks can be computed piece by piece): -1 - (31 bits of XXH3-64, seeded by that
- * position, of XXH3-128 of id[0 .. id_len)). The ids are negative, so they never equal a
- * vocabulary's, and the same on every machine and in every version (a router in another
- * process computes the same; tests/test_prefix.c pins values). id is a digest of the content
- * (SHA-256 of the image's bytes, as vLLM takes) or the bytes themselves; two contents whose
- * ids differ get ids that agree at a position with probability 2^-31, independently from
- * position to position. So a false match needs every media position inside the matched
- * blocks to agree: 2^-31 a cached block at worst, where a media starts at a block's last slot
- * (one of its positions in that block), and far less where more of them are. Requests of
- * different tenants belong in different namespaces (pkv_seq_create's salt) all the same.
- * PKV_EINVAL for id_len 0 (content with no identity), a NULL id or out (n > 0), or offset + n
- * over 2^32. */
+ * prefill chunks can be computed piece by piece): with key the 16 bytes of
+ * XXH128_canonicalFromHash(XXH3_128bits_withSeed(id, id_len, 0x706b766d65646961 ("pkvmedia"))),
+ * out[i] = -1 - (int32_t)(XXH3_64bits_withSeed(key, 16, offset + i) >> 33), in [-2^31, -1]:
+ * never a vocabulary's id, and the same on every machine and in every version (a router in
+ * another process computes the same; tests/test_prefix.c pins values). Two contents' ids agree
+ * at a position with probability 2^-31, as if independently from position to position. So that
+ * this is never enough for a false match, a match (and a tier load) that would end fewer than 4
+ * ids into a media whose next position the prompt has gives those positions back: a false match
+ * needs 4 ids agreeing by chance, 2^-124 a candidate block. Chance, not an attacker: the ids are
+ * 31 bits from a public, non-cryptographic hash, so content can be crafted to agree with a known
+ * id at a few positions (about 2^31 work a position); keep tenants apart by namespace. A
+ * router's pkv_prefix_hashes count may therefore be one block more than a match reuses. PKV_EINVAL
+ * for id_len 0 (content with no identity), a NULL id, a NULL out with n > 0, or offset + n over
+ * 2^32. */
 PKV_NODISCARD PKV_API int pkv_media_tokens(const void *id, size_t id_len, uint32_t offset, uint32_t n,
                                            int32_t *out);
 

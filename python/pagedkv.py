@@ -360,19 +360,23 @@ def prefix_hashes(tokens, block_tokens, salt=b""):
     return out[:n.value]
 
 
-def media_tokens(content_id, n, offset=0):
+def media_tokens(content_id, n, *, offset=0):
     """Token ids (int32 array, all negative) for n positions of an image, audio clip or other
-    media in a prompt, positions offset .. offset + n - 1 of it, from content_id (bytes or str:
-    a digest of the content, e.g. hashlib.sha256(image_bytes).digest(), or the bytes
-    themselves) (pkv_media_tokens). The prefix index compares token ids only, so a model's
-    placeholder ids would let a prompt with another image match this one: append these in their
-    place (the model still embeds its own) and pass them to match_prefix and prefix_hashes."""
+    media in a prompt, positions offset .. offset + n - 1 of it, from content_id: a digest of
+    the content and of how it was preprocessed (e.g. hashlib.sha256(...).digest()), or the
+    bytes themselves (bytes, bytearray, anything with the buffer protocol such as a numpy
+    array, whose bytes are taken; a str as UTF-8) (pkv_media_tokens). The prefix index compares
+    token ids only, so a model's placeholder ids would let a prompt with another image match
+    this one: append these in their place (the model still embeds its own) and pass them to
+    match_prefix and prefix_hashes."""
     if isinstance(content_id, str):
         cid = content_id.encode()
-    elif isinstance(content_id, (bytes, bytearray, memoryview)):
-        cid = bytes(content_id)
-    else:  # an int would be bytes(3), three zero bytes: every image the same
-        raise _invalid("media_tokens: content_id must be bytes or str, got %s" % type(content_id).__name__)
+    else:
+        try:  # bytes(3) would be three zero bytes: every image the same; an int has no buffer
+            cid = memoryview(content_id).tobytes()
+        except TypeError:
+            raise _invalid("media_tokens: content_id must be bytes, a buffer or str, got %s"
+                           % type(content_id).__name__) from None
     if not cid:
         raise _invalid("media_tokens: content_id is empty (content with no identity)")
     n = _u32_of(n, "n")

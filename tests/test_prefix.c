@@ -843,6 +843,68 @@ static void test_prefix_media_match(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* The guard against ids that agree by chance: a match does not end after fewer than 4 ids of a
+ * media whose next position the prompt has (negative ids, as pkv_media_tokens makes). Prompts
+ * of B = 16 whose media Y shares its first j ids with the cached prompt's media X (as a 2^-31
+ * collision a position would), then differs:
+ * - media at position 20 (slot 4 of block 1): j = 2 matches 20, not 22 (the copy trimmed);
+ *   j = 4 matches 24 (four ids: trusted);
+ * - media at position 30 (slot 14 of block 1, whose last two slots are X's): j = 2 matches 30,
+ *   not 32 (block 1 matched whole, given back, its first 14 positions copied); j = 3, the third
+ *   in block 2's copy, matches 30 too;
+ * - a 2-id media matched whole, the prompt going on with text, is not trimmed;
+ * and the pool stays sound, every block given back where it was (counts compared). */
+static void test_prefix_media_guard(void **state) {
+    (void)state;
+    enum { N = 80, B = 16 };
+    for (int at = 20; at <= 30; at += 10) {
+        pkv_cache *c = tp_cache(B, 64, 2, PKV_DTYPE_F16, 1);
+        int32_t x[N], y[N];
+        tp_tokens(x, N, 91);
+        assert_int_equal(pkv_media_tokens("image x", 7, 0, 40, x + at), 0);
+        pkv_seq a = tp_prompt(c, 0, x, N);
+        pkv_stats before = tp_stats(c);
+        const uint32_t js[] = {1, 2, 3, 4, 5};
+        for (size_t ji = 0; ji < sizeof js / sizeof *js; ji++) {
+            const uint32_t j = js[ji];
+            memcpy(y, x, sizeof x);
+            assert_int_equal(pkv_media_tokens("image y", 7, j, 40 - j, y + at + j), 0);
+            const uint32_t want = j < 4 ? (uint32_t)at : (uint32_t)at + j;
+            pkv_seq b = tp_match(c, 0, y, N, want);
+            tp_check(c);
+            int32_t ta[8], tb[8];
+            assert_int_equal(tp_table(c, a, ta, 8), 5);
+            const uint32_t nb = tp_table(c, b, tb, 8);
+            assert_int_equal(nb, (want + B - 1) / B);
+            for (uint32_t i = 0; i < want / B; i++) assert_int_equal(tb[i], ta[i]); /* shared */
+            if (want % B) assert_int_not_equal(tb[nb - 1], ta[nb - 1]);             /* copied */
+            assert_int_equal(pkv_seq_release(c, b), 0);
+            pkv_stats now = tp_stats(c);
+            assert_int_equal(now.n_active, before.n_active);
+            assert_int_equal(now.n_cached, before.n_cached);
+            assert_int_equal(now.n_indexed, before.n_indexed);
+        }
+        /* the same media matched: no trim (all 79 it may) */
+        pkv_seq same = tp_match(c, 0, x, N, N - 1);
+        tp_expect_same(c, a, same, 0, N - 1);
+        tp_check(c);
+        pkv_cache_destroy(c);
+    }
+    /* a short media matched whole, then text: kept; the same with the prompt's media going on */
+    pkv_cache *c = tp_cache(B, 64, 1, PKV_DTYPE_F32, 1);
+    int32_t p[40], q[40];
+    tp_tokens(p, 40, 92);
+    p[17] = -5, p[18] = -6; /* two media ids inside block 1 */
+    (void)tp_prompt(c, 0, p, 40);
+    memcpy(q, p, sizeof p);
+    q[19] = 7777777; /* text right after the media: the media was matched whole */
+    (void)tp_match(c, 0, q, 40, 19);
+    q[19] = -7; /* the prompt's media goes on past the two that agreed: given back */
+    (void)tp_match(c, 0, q, 40, 17);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prefix_same_prompt_full_blocks_only),
@@ -867,6 +929,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_miss_reasons_full_index),
         cmocka_unit_test(test_prefix_media_ids),
         cmocka_unit_test(test_prefix_media_match),
+        cmocka_unit_test(test_prefix_media_guard),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -190,6 +190,41 @@ static void test_partial(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* ---- a load ending a few ids into a media gives them back (pkv__media_trim), as a match ---- */
+/* The saved prompt holds a media's ids at [22, 45) (block 2's last two slots on); the loaded one
+ * a media agreeing on its first j ids only (as ids agreeing by chance would). Whole blocks load:
+ * j = 0 loads block 0-1 (16); j = 2 and j = 4 load block 2 as well, which ends 2 ids into the
+ * media, given back (22); j = 10 loads block 3, ending 10 ids in: kept (32). */
+static void test_media_guard(void **state) {
+    (void)state;
+    int32_t x[N], y[N];
+    prompt(x, N, 700);
+    TU_OK(pkv_media_tokens("image x", 7, 0, N - 22, x + 22));
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 16, LAYERS);
+    pkv_tier *t = host(1u << 24);
+    pkv_seq sa = filled(a, NULL, x, N);
+    TU_OK(pkv_tier_save(t, a, sa, NULL));
+    const uint32_t js[] = {0, 2, 4, 10}, want[] = {16, 22, 22, 32};
+    for (int i = 0; i < 4; i++) {
+        memcpy(y, x, sizeof x);
+        TU_OK(pkv_media_tokens("image y", 7, js[i], N - 22 - js[i], y + 22 + js[i]));
+        pkv_cache *b = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 16, LAYERS);
+        pkv_seq sb;
+        uint32_t reused;
+        assert_int_equal(load_fresh(t, b, NULL, y, N, &reused, &sb), want[i]);
+        assert_int_equal(reused, 0);
+        same_rows(a, sa, b, sb, want[i]);
+        pkv_cache_destroy(b);
+    }
+    /* the same media: the 5 saved blocks, ending 18 ids into it */
+    pkv_cache *b = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 16, LAYERS);
+    pkv_seq sb;
+    assert_int_equal(load_fresh(t, b, NULL, x, N, NULL, &sb), N / B * B);
+    pkv_cache_destroy(b);
+    pkv_tier_destroy(t);
+    pkv_cache_destroy(a);
+}
+
 /* ---- what must not match, and refusals ---- */
 static void test_mismatch(void **state) {
     (void)state;
@@ -1145,7 +1180,8 @@ static void test_random(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_roundtrip), cmocka_unit_test(test_partial),     cmocka_unit_test(test_mismatch),
+        cmocka_unit_test(test_roundtrip), cmocka_unit_test(test_partial),     cmocka_unit_test(test_media_guard),
+        cmocka_unit_test(test_mismatch),
         cmocka_unit_test(test_lru),       cmocka_unit_test(test_file),        cmocka_unit_test(test_faults),
         cmocka_unit_test(test_alloc_faults), cmocka_unit_test(test_random), cmocka_unit_test(test_use_order),
         cmocka_unit_test(test_prefetch),  cmocka_unit_test(test_write_back),

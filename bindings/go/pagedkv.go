@@ -1597,7 +1597,8 @@ func PrefixHashes(salt []byte, blockTokens uint32, tokens []int32) ([]uint64, er
 
 // MediaTokens is token ids (all negative) for n positions of an image, audio clip or other
 // media in a prompt, its positions offset .. offset + n - 1, from contentID: a digest of the
-// content (SHA-256 of the image's bytes) or the bytes themselves (pkv_media_tokens). The prefix
+// content and of how it was preprocessed (SHA-256 of both) or the bytes themselves
+// (pkv_media_tokens). The prefix
 // index compares token ids only, so a model's placeholder ids would let a prompt with another
 // image match this one: append these in their place (the model still embeds its own) and pass
 // them to MatchPrefix and PrefixHashes. EINVAL for an empty contentID, a negative n or

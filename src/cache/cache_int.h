@@ -202,6 +202,10 @@ void pkv__hot_down(pkv_cache *c, uint32_t p);
 void pkv__ref_block(pkv_cache *c, uint32_t b);
 /* The root list of a namespace and first token id: c->roots[pkv__root_slot(...)]. */
 uint32_t pkv__root_slot(const pkv_cache *c, uint64_t ns_lo, uint64_t ns_hi, int32_t tok0);
+/* The fewest ids of a media (pkv_media_tokens: negative ids) a match or a tier load may end
+ * after, where the prompt's media goes on: fewer are given back (pkv__media_trim). */
+#define PKV__MEDIA_MIN 4
+uint32_t pkv__media_trim(const int32_t *tokens, uint32_t n, uint32_t r);
 /* The slot naming b when it heads its list (its parent's child field, or its root list's head);
  * b INDEXED or PARTIAL. */
 uint32_t *pkv__tree_head(pkv_cache *c, uint32_t b);

@@ -18,6 +18,12 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+/* XXH3's output was final from xxHash 0.8.0 on: identity hashes (events, pkv_prefix_hashes) and
+ * media ids (pkv_media_tokens) must be the same in every build */
+#if XXH_VERSION_NUMBER < 800
+#error "xxHash 0.8.0 or later is needed (XXH3's output changed before it)"
+#endif
+
 void pkv__salt_digest(const void *salt, size_t len, uint64_t *lo, uint64_t *hi) {
     XXH128_hash_t h = XXH3_128bits_withSeed(len ? salt : "", len, 0x706b7673616c74ull /* "pkvsalt" */);
     *lo = h.low64;
@@ -357,6 +363,18 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
 /* children of one block compared for a token-granular hit */
 #define PARTIAL_SCAN 64
 
+/* Positions a match ending before tokens[r] gives back because they are the first few ids of a
+ * media (pkv_media_tokens: negative) whose next position it lacks: fewer than PKV__MEDIA_MIN of
+ * them may agree by chance (2^-31 each), PKV__MEDIA_MIN or more hardly ever (2^-124). 0 where
+ * the match ends on a text id, where the prompt goes on with a text id (the media was matched
+ * whole), or where at least PKV__MEDIA_MIN of the media's ids agreed. */
+uint32_t pkv__media_trim(const int32_t *tokens, uint32_t n, uint32_t r) {
+    if (r == 0 || r >= n || tokens[r] >= 0) return 0;
+    uint32_t run = 0;
+    while (run < PKV__MEDIA_MIN && run < r && tokens[r - 1 - run] < 0) run++;
+    return run < PKV__MEDIA_MIN ? run : 0;
+}
+
 static uint32_t common_prefix(const int32_t *a, const int32_t *b, uint32_t n) {
     uint32_t i = 0;
     while (i < n && a[i] == b[i]) i++;
@@ -430,15 +448,15 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
     }
     uint32_t reused = PKV_MIN(k * B, cap);
     s->n_blocks = k;
-    s->idx_len = PKV_MIN(k, reused / B);
     /* token-granular: the child of the last matched block (with none matched, the root of s's
        namespace) sharing the longest token prefix */
-    const uint32_t can_take = c->pool.n_free + c->pool.n_cached; /* blocks a copy could take */
+    uint32_t can_take = c->pool.n_free + c->pool.n_cached; /* blocks a copy could take */
+    uint32_t best = PKV_NONE, best_m = 0;
     if (reused == k * B && reused < cap && k < c->max_bps && can_take) {
         /* the copy needs a block besides its source: with one block to be had, a CACHED source
            (that block) is passed over for the best source in use (the copy then evicts it) */
         const bool cached_ok = can_take >= 2;
-        uint32_t want = PKV_MIN(B, cap - reused), best = PKV_NONE, best_m = 0;
+        uint32_t want = PKV_MIN(B, cap - reused);
         /* lists are linked newest first; a prefix shared by thousands of requests has thousands
            of children, so only the most recent PARTIAL_SCAN are compared: the token-granular
            extra is best effort, the full-block hits above are not. A root list may also hold
@@ -455,17 +473,40 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
                 best = ch;
             }
         }
-        if (best_m) {
-            pkv__ref_block(c, best); /* protect the source from eviction */
-            uint32_t nb = pkv__take_block(c);
-            pkv_assert(nb != PKV_NONE);
-            pkv__copy_block(c, nb, best, best_m);
-            pkv__pool_set_fill(&c->pool, nb, best_m);
-            c->blk[nb].n_commit = (uint16_t)best_m;
+        if (best_m) pkv__ref_block(c, best); /* protect the source from eviction */
+    }
+    /* a match does not end a few ids into a media whose next position it lacks (the ids agree
+       by chance there): the trim takes them off the copy, or from the matched blocks, whose last
+       one kept then becomes the copy's source (matched blocks are held: their refs go, deepest
+       first, so that a CACHED one rejoins the LRU queue behind its children) */
+    const uint32_t trim = pkv__media_trim(tokens, n, reused + best_m);
+    if (trim > best_m) {
+        if (best_m) pkv__drop_block(c, best);
+        const uint32_t r = reused + best_m - trim, keep = r / B;
+        best_m = r % B;
+        best = best_m ? (uint32_t)s->table[keep] : PKV_NONE;
+        for (uint32_t i = k; i-- > keep + (best_m ? 1 : 0);) pkv__drop_block(c, (uint32_t)s->table[i]);
+        k = s->n_blocks = keep;
+        reused = keep * B;
+        can_take = c->pool.n_free + c->pool.n_cached;
+        if (best_m && !can_take) { /* no block for the copy: its positions are computed */
             pkv__drop_block(c, best);
-            s->table[s->n_blocks++] = (int32_t)nb;
-            reused += best_m;
+            best_m = 0;
         }
+    } else if (trim) {
+        best_m -= trim;
+        if (!best_m) pkv__drop_block(c, best);
+    }
+    s->idx_len = PKV_MIN(k, reused / B);
+    if (best_m) {
+        uint32_t nb = pkv__take_block(c);
+        pkv_assert(nb != PKV_NONE);
+        pkv__copy_block(c, nb, best, best_m);
+        pkv__pool_set_fill(&c->pool, nb, best_m);
+        c->blk[nb].n_commit = (uint16_t)best_m;
+        pkv__drop_block(c, best);
+        s->table[s->n_blocks++] = (int32_t)nb;
+        reused += best_m;
     }
     s->n_tokens = s->n_committed = s->n_reused = reused;
     c->n_tokens_total += reused;

@@ -546,8 +546,17 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
                 reject(t, key);
                 break;
             }
-            if ((rc = pkv_seq_commit(c, id, to))) break; /* only where s changed under the call */
             pos = to, blocks++, prev = *key;
+        }
+        /* committed once at the end, so that a load ending a few ids into a media whose next
+           position the prompt has gives them back first, as a match does (pkv__media_trim) */
+        if (!rc && pos > m) {
+            const uint32_t trim = PKV_MIN(pkv__media_trim(tokens, n, pos), pos - m);
+            if (trim && !(rc = pkv_seq_truncate(c, id, pos - trim))) pos -= trim;
+        }
+        if (pos > m) {
+            const int cr = pkv_seq_commit(c, id, pos); /* fails only where s changed under the call */
+            if (!rc) rc = cr;
         }
         /* touched again deepest first, so that a least-recently-used store keeps the beginnings;
            not after a store failure, nor past one (each would wait on an unreachable store) */

@@ -1427,7 +1427,12 @@ class TestCache(Base):
         img_a, img_b = hashlib.sha256(b"pixels of a").digest(), hashlib.sha256(b"pixels of b").digest()
         a = pkv.media_tokens(img_a, 40)
         self.assertTrue((a < 0).all())
-        np.testing.assert_array_equal(np.concatenate([pkv.media_tokens(img_a, 15), pkv.media_tokens(img_a, 25, 15)]), a)
+        np.testing.assert_array_equal(np.concatenate([pkv.media_tokens(img_a, 15), pkv.media_tokens(img_a, 25, offset=15)]), a)
+        with self.assertRaises(TypeError):  # offset is keyword-only: C's (id, offset, n) order can't slip in
+            pkv.media_tokens(img_a, 15, 25)
+        pixels = np.arange(1000, dtype=np.uint16).reshape(10, 100)
+        np.testing.assert_array_equal(pkv.media_tokens(pixels, 3), pkv.media_tokens(pixels.tobytes(), 3))
+        np.testing.assert_array_equal(pkv.media_tokens(pixels[:, ::2], 3), pkv.media_tokens(pixels[:, ::2].tobytes(), 3))
         b = pkv.media_tokens(bytearray(img_b), 40)
         self.assertEqual(int((a == b).sum()), 0)
         self.assertEqual(len(pkv.media_tokens(img_a, 0)), 0)
@@ -1441,11 +1446,13 @@ class TestCache(Base):
             self.assertEqual(c.match_prefix(t, pb), 20)  # the text before the image only
             u = c.seq_create()
             self.assertEqual(c.match_prefix(u, pa), len(pa) - 1)  # the same image: all
-        for bad, err in ((b"", "no identity"), (3, "bytes or str")):
+        for bad, err in ((b"", "no identity"), (3, "bytes, a buffer or str"), (np.array([], np.uint8), "no identity")):
             with self.assertRaisesRegex(pkv.InvalidArgumentError, err):
                 pkv.media_tokens(bad, 4)
         with self.assertRaisesRegex(pkv.InvalidArgumentError, "over 2"):
             pkv.media_tokens(img_a, 2, offset=2**32 - 1)
+        with self.assertRaisesRegex(pkv.InvalidArgumentError, "bytes, a buffer or str"):
+            pkv.media_tokens(None, 2)
         with self.assertRaises(pkv.InvalidArgumentError):
             pkv.media_tokens(img_a, -1)
 

@@ -685,12 +685,12 @@ pub fn prefix_hashes(salt: &[u8], block_tokens: u32, tokens: &[i32]) -> Result<V
 }
 
 /// Token ids (all negative) for `n` positions of an image, audio clip or other media in a
-/// prompt, its positions `offset .. offset + n`, from `content_id`: a digest of the content
-/// (SHA-256 of the image's bytes) or the bytes themselves (pkv_media_tokens). The prefix index
-/// compares token ids only, so a model's placeholder ids would let a prompt with another image
-/// match this one: append these in their place (the model still embeds its own) and pass them to
-/// [`Cache::match_prefix`] and [`prefix_hashes`]. EINVAL for an empty `content_id` or
-/// `offset + n` over 2^32.
+/// prompt, its positions `offset .. offset + n`, from `content_id`: a digest of the content and
+/// of how it was preprocessed (SHA-256 of both) or the bytes themselves (pkv_media_tokens). The
+/// prefix index compares token ids only, so a model's placeholder ids would let a prompt with
+/// another image match this one: append these in their place (the model still embeds its own)
+/// and pass them to [`Cache::match_prefix`] and [`prefix_hashes`]. EINVAL for an empty
+/// `content_id`, `offset + n` over 2^32, or more ids than memory can hold here.
 pub fn media_tokens(content_id: &[u8], offset: u32, n: u32) -> Result<Vec<i32>> {
     if content_id.is_empty() {
         return Err(invalid(
@@ -699,6 +699,10 @@ pub fn media_tokens(content_id: &[u8], offset: u32, n: u32) -> Result<Vec<i32>> 
     }
     if u64::from(offset) + u64::from(n) > 1u64 << 32 {
         return Err(invalid("media_tokens: offset + n is over 2^32".into()));
+    }
+    // on a 32-bit target 4n bytes may be more than an allocation can be: refused, not a panic
+    if u64::from(n) * 4 > isize::MAX as u64 {
+        return Err(invalid(format!("media_tokens: {} ids do not fit in memory here", n)));
     }
     let mut out = vec![0i32; n as usize];
     let rc = unsafe {
