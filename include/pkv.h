@@ -638,11 +638,12 @@ PKV_NODISCARD PKV_API int pkv_prefix_snapshot(pkv_cache *c, pkv_event *out, size
  * under the namespace salt (as pkv_seq_create's): hashes[i] for block i, at most cap of them;
  * *n_out = min(n / block_tokens, cap). Needs no cache: a router computes a prompt's hashes and
  * counts how many leading ones each engine's events say it holds: a pkv_seq_match_prefix of
- * that prompt attaches those blocks (at most n - 1 tokens), and may copy more from live
+ * that prompt attaches those blocks (at most n - 1 tokens, and 1 to 3 fewer where they end that
+ * far into a media the prompt goes on with: pkv_media_tokens), and may copy more from live
  * sequences' committed tail blocks (token-granular matching), which no event names: at most one
  * block's worth, as full only where that tail block filled up after an identical twin was
- * indexed. Token ids are hashed as
- * int32 in the machine's byte order: hashes agree across machines of one byte order. PKV_EINVAL
+ * indexed. Token ids are hashed as int32 in the machine's byte order: hashes agree across
+ * machines of one byte order. PKV_EINVAL
  * for block_tokens outside 1..1024, salt_len over 256, or a NULL buffer with a nonzero size. */
 PKV_NODISCARD PKV_API int pkv_prefix_hashes(const void *salt, size_t salt_len, uint32_t block_tokens,
                                             const int32_t *tokens, size_t n, uint64_t *hashes, size_t cap,
