@@ -2665,6 +2665,9 @@ func TestMediaTokens(t *testing.T) {
 	if !reflect.DeepEqual(append(p1, p2...), a) {
 		t.Fatalf("piece by piece %v, whole %v", append(p1, p2...), a)
 	}
+	if none, err := MediaTokens([]byte("x"), math.MaxUint32, 0); err != nil || len(none) != 0 {
+		t.Fatalf("no ids: %v, %v", none, err)
+	}
 	for i := range a {
 		if a[i] >= 0 || a[i] == b[i] {
 			t.Fatalf("position %d: %d and %d", i, a[i], b[i])
