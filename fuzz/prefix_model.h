@@ -327,6 +327,7 @@ static inline void pm_make_prompts(pm_world *w, uint64_t seed) {
     memcpy(w->prompt[4], w->prompt[3], 20 * sizeof(int32_t));
     for (uint32_t i = 20; i < 52; i++) w->prompt[4][i] = 300 + PM_TOK();
     for (uint32_t i = 26; i < 38; i++) w->prompt[4][i] = -1 - PM_TOK() % 3; /* a media's ids */
+    w->prompt[4][26] = INT32_MIN + PM_TOK() % 2;                              /* its first */
     w->prompt_len[5] = 70;
     memcpy(w->prompt[5], w->prompt[0], 37 * sizeof(int32_t));
     for (uint32_t i = 37; i < 70; i++) w->prompt[5][i] = PM_TOK();
@@ -1038,9 +1039,11 @@ static inline int pm_op_match(pm_world *w, pm_src *src) {
         if (reused >= w->B) w->n_full_block_hits++;
         if (reused % w->B) w->n_partial_hits++;
         if (reused && reused < w->B) w->n_root_hits++; /* token-granular within block 0 */
-        if (reused % w->B && !(reused == n - 1 && n % w->B == 0)) {
+        if (reused % w->B && !(reused == n - 1 && n % w->B == 0) &&
+            !(reused < n && prompt[reused] < 0)) {
             /* the token-granular copy lives in a fresh, unshared block (unless the whole prompt
-               matched: then the tail is the attached indexed block, length n - 1) */
+               matched: then the tail is the attached indexed block, length n - 1; or the media
+               guard gave back the last few ids of a matched block, which stays attached) */
             PM_EXPECT(w, info.n_shared <= info.n_blocks - 1, "partial tail block shared");
         }
     }

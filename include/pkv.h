@@ -665,19 +665,22 @@ PKV_NODISCARD PKV_API int pkv_prefix_hashes(const void *salt, size_t salt_len, u
  *
  * out[i] is the id of the media's position offset + i (so the ids of a media split across
  * prefill chunks can be computed piece by piece): with key the 16 bytes of
- * XXH128_canonicalFromHash(XXH3_128bits_withSeed(id, id_len, 0x706b766d65646961 ("pkvmedia"))),
- * out[i] = -1 - (int32_t)(XXH3_64bits_withSeed(key, 16, offset + i) >> 33), in [-2^31, -1]:
- * never a vocabulary's id, and the same on every machine and in every version (a router in
- * another process computes the same; tests/test_prefix.c pins values). Two contents' ids agree
- * at a position with probability 2^-31, as if independently from position to position. So that
- * this is never enough for a false match, a match (and a tier load) that would end fewer than 4
- * ids into a media whose next position the prompt has gives those positions back: a false match
- * needs 4 ids agreeing by chance, 2^-124 a candidate block. Chance, not an attacker: the ids are
- * 31 bits from a public, non-cryptographic hash, so content can be crafted to agree with a known
- * id at a few positions (about 2^31 work a position); keep tenants apart by namespace. A
- * router's pkv_prefix_hashes count may therefore be one block more than a match reuses. PKV_EINVAL
- * for id_len 0 (content with no identity), a NULL id, a NULL out with n > 0, or offset + n over
- * 2^32. */
+ * XXH128_canonicalFromHash(XXH3_128bits_withSeed(id, id_len, 0x706b766d65646961 ("pkvmedia")))
+ * and v = (int32_t)(XXH3_64bits_withSeed(key, 16, p) >> 34) (30 bits) for p = offset + i,
+ * out[i] = INT32_MIN + v where p = 0 (a media's first id, in [-2^31, -2^30 - 1], so that two
+ * media side by side are told apart) and -1 - v otherwise (in [-2^30, -1]): never a
+ * vocabulary's id, and the same on every machine and in every version (a router in another
+ * process computes the same; tests/test_prefix.c pins values). Two contents' ids agree at a
+ * position with probability 2^-30, as if independently from position to position. So that this
+ * is never enough for a false match, a match or tier load that would end fewer than 4 ids into
+ * a media whose next position the prompt has gives those positions back, and a tier keys a
+ * block that ends that far into a media with the media's next ids too: a false match needs 4
+ * ids agreeing by chance, 2^-120 a candidate block (a media of 1 to 3 positions, matched whole,
+ * only its own: 2^-30 an id). Chance, not an attacker: the ids are 30 bits from a public,
+ * non-cryptographic hash, so content can be crafted to agree with a known id at a few
+ * positions; keep tenants apart by namespace. A router's pkv_prefix_hashes count may therefore
+ * be more than a match reuses (by the 1 to 3 ids given back). PKV_EINVAL for id_len 0 (content
+ * with no identity), a NULL id, a NULL out with n > 0, or offset + n over 2^32. */
 PKV_NODISCARD PKV_API int pkv_media_tokens(const void *id, size_t id_len, uint32_t offset, uint32_t n,
                                            int32_t *out);
 
@@ -1098,7 +1101,9 @@ PKV_NODISCARD PKV_API int pkv_tier_get_stats(pkv_tier *t, pkv_tier_stats *out);
  * counted, not an error. A put that fails otherwise fails the call, and the entries it stored
  * are deleted again (up to the first del the store fails). PKV_ENOMEM: the token, key and flag
  * buffers could not be allocated (through the cache's allocator) or the entry buffer (through
- * the tier's; the tier keeps one between calls). */
+ * the tier's; the tier keeps one between calls). A block that ends 1 to 3 ids into a media
+ * (pkv_media_tokens) is keyed with the media's next ids too, so it and the blocks after it are
+ * stored only where s's full committed blocks hold those ids. */
 PKV_NODISCARD PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq s, uint32_t *n_saved);
 /* For a sequence whose positions [0, m) are all committed and are tokens[0, m) (m <= n; what
  * pkv_seq_match_prefix leaves, or an empty sequence): appends, writes and commits the positions
@@ -1107,8 +1112,9 @@ PKV_NODISCARD PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq s, ui
  * *n_loaded: positions added. A block whose entry is missing, refused (then deleted), that the
  * store fails to give (counted in errors; nothing more is asked of the store in that call) or
  * that finds no room in the pool (PKV_ENOSPC, PKV_ELIMIT) ends the load: what was loaded before
- * it stays, and the call succeeds. The loaded full blocks enter the prefix index as committed
- * blocks do. PKV_EINVAL where s has uncommitted positions or its tokens differ from tokens[0,
+ * it stays, and the call succeeds; where that end is 1 to 3 ids into a media the prompt goes on
+ * with (pkv_media_tokens), those positions are given back, as a prefix match does. The loaded
+ * full blocks enter the prefix index as committed blocks do, when the load ends. PKV_EINVAL where s has uncommitted positions or its tokens differ from tokens[0,
  * m). */
 PKV_NODISCARD PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
                                         uint32_t *n_loaded);

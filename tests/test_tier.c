@@ -190,11 +190,14 @@ static void test_partial(void **state) {
     pkv_cache_destroy(c);
 }
 
-/* ---- a load ending a few ids into a media gives them back (pkv__media_trim), as a match ---- */
-/* The saved prompt holds a media's ids at [22, 45) (block 2's last two slots on); the loaded one
- * a media agreeing on its first j ids only (as ids agreeing by chance would). Whole blocks load:
- * j = 0 loads block 0-1 (16); j = 2 and j = 4 load block 2 as well, which ends 2 ids into the
- * media, given back (22); j = 10 loads block 3, ending 10 ids in: kept (32). */
+/* ---- media ids agreeing by chance: a block ending 1-3 ids into a media is keyed with the
+ * ids after it, and a load ending a few ids into a media gives them back ---- */
+/* The saved prompt x holds a media's ids at [22, 45): block 2 ([16, 24)) ends 2 ids into it, so
+ * its key takes ids 24 and 25 as well. A prompt y whose media agrees on its first j ids only (as
+ * ids agreeing by chance would): j = 0 and j = 2 load blocks 0-1 (16: block 2's key differs);
+ * j = 4 loads block 2 too, then misses block 3 and gives back the 2 media ids (22); j = 10 loads
+ * block 3 (32). Then y (j = 2) computed with other K/V and saved: its block 2 is an entry of
+ * its own, so a load of y reads y's K/V there and on, not x's. */
 static void test_media_guard(void **state) {
     (void)state;
     int32_t x[N], y[N];
@@ -204,7 +207,7 @@ static void test_media_guard(void **state) {
     pkv_tier *t = host(1u << 24);
     pkv_seq sa = filled(a, NULL, x, N);
     TU_OK(pkv_tier_save(t, a, sa, NULL));
-    const uint32_t js[] = {0, 2, 4, 10}, want[] = {16, 22, 22, 32};
+    const uint32_t js[] = {0, 2, 4, 10}, want[] = {16, 16, 22, 32};
     for (int i = 0; i < 4; i++) {
         memcpy(y, x, sizeof x);
         TU_OK(pkv_media_tokens("image y", 7, js[i], N - 22 - js[i], y + 22 + js[i]));
@@ -221,6 +224,25 @@ static void test_media_guard(void **state) {
     pkv_seq sb;
     assert_int_equal(load_fresh(t, b, NULL, x, N, NULL, &sb), N / B * B);
     pkv_cache_destroy(b);
+    /* y of j = 2 with K/V of its own (another pattern), saved: all 5 of its blocks are entries
+       of their own past block 1, and a load of y reads them back */
+    memcpy(y, x, sizeof x);
+    TU_OK(pkv_media_tokens("image y", 7, 2, N - 24, y + 24));
+    pkv_cache *ya = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 16, LAYERS);
+    pkv_seq sy;
+    TU_OK(pkv_seq_create(ya, NULL, 0, &sy));
+    TU_OK(pkv_seq_append(ya, sy, y, N, NULL));
+    TU_WRITE_PAT(ya, sy, 0, 16, TAG); /* blocks 0-1: x's ids, x's K/V */
+    TU_WRITE_PAT(ya, sy, 16, N - 16, TAG + 2);
+    TU_OK(pkv_seq_commit(ya, sy, N));
+    uint32_t saved = 0;
+    TU_OK(pkv_tier_save(t, ya, sy, &saved));
+    assert_int_equal(saved, 3); /* blocks 2, 3 and 4: 0 and 1 are x's, the same ids */
+    b = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 16, LAYERS);
+    assert_int_equal(load_fresh(t, b, NULL, y, N, NULL, &sb), N / B * B);
+    same_rows(ya, sy, b, sb, N / B * B); /* positions 16-23 included: y's, not x's */
+    pkv_cache_destroy(b);
+    pkv_cache_destroy(ya);
     pkv_tier_destroy(t);
     pkv_cache_destroy(a);
 }

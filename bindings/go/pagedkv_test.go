@@ -2651,7 +2651,7 @@ func TestMediaTokens(t *testing.T) {
 	must(t, err)
 	last, err := MediaTokens([]byte("pagedkv"), math.MaxUint32, 1)
 	must(t, err)
-	if !reflect.DeepEqual(append(ids, last...), []int32{-734316563, -1301613857, -1938098263, -98980382}) {
+	if !reflect.DeepEqual(append(ids, last...), []int32{-1780325367, -650806929, -969049132, -49490191}) {
 		t.Fatalf("ids %v %v", ids, last)
 	}
 	a, err := MediaTokens([]byte("digest of image a"), 0, 40)

@@ -65,8 +65,9 @@ PKV_API int pkv_media_tokens(const void *id, size_t id_len, uint32_t offset, uin
     XXH128_canonical_t key;
     XXH128_canonicalFromHash(&key, XXH3_128bits_withSeed(id, id_len, 0x706b766d65646961ull /* "pkvmedia" */));
     for (uint32_t i = 0; i < n; i++) {
-        const uint64_t h = XXH3_64bits_withSeed(&key, sizeof key, (uint64_t)offset + i);
-        out[i] = -1 - (int32_t)(h >> 33); /* [-2^31, -1] */
+        const uint64_t pos = (uint64_t)offset + i;
+        const int32_t v = (int32_t)(XXH3_64bits_withSeed(&key, sizeof key, pos) >> 34); /* 30 bits */
+        out[i] = pos == 0 ? INT32_MIN + v /* the first: [-2^31, -2^30 - 1] */ : -1 - v /* [-2^30, -1] */;
     }
     return PKV_OK;
 }
@@ -363,22 +364,32 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
 /* children of one block compared for a token-granular hit */
 #define PARTIAL_SCAN 64
 
-/* Positions a match ending before tokens[r] gives back because they are the first few ids of a
- * media (pkv_media_tokens: negative) whose next position it lacks: fewer than PKV__MEDIA_MIN of
- * them may agree by chance (2^-31 each), PKV__MEDIA_MIN or more hardly ever (2^-124). 0 where
- * the match ends on a text id, where the prompt goes on with a text id (the media was matched
- * whole), or where at least PKV__MEDIA_MIN of the media's ids agreed. */
-uint32_t pkv__media_trim(const int32_t *tokens, uint32_t n, uint32_t r) {
-    if (r == 0 || r >= n || tokens[r] >= 0) return 0;
-    uint32_t run = 0;
-    while (run < PKV__MEDIA_MIN && run < r && tokens[r - 1 - run] < 0) run++;
-    return run < PKV__MEDIA_MIN ? run : 0;
-}
-
 static uint32_t common_prefix(const int32_t *a, const int32_t *b, uint32_t n) {
     uint32_t i = 0;
     while (i < n && a[i] == b[i]) i++;
     return i;
+}
+
+/* The ids of a media open at r: where tokens[r - 1] is a media's (negative) and fewer than
+ * PKV__MEDIA_MIN of that media's ids are before r (back to its first, which pkv_media_tokens
+ * marks: two media side by side are told apart), their count; else 0. */
+uint32_t pkv__media_open(const int32_t *tokens, uint32_t r) {
+    uint32_t run = 0;
+    while (run < r && tokens[r - 1 - run] < 0) {
+        if (++run >= PKV__MEDIA_MIN) return 0;
+        if (pkv__media_first(tokens[r - run])) break;
+    }
+    return run;
+}
+
+/* Positions a match ending before tokens[r] gives back: the media ids open there
+ * (pkv__media_open) where the prompt's next id goes on with that media (fewer than
+ * PKV__MEDIA_MIN of its ids may agree by chance, 2^-30 each; PKV__MEDIA_MIN or more hardly
+ * ever). 0 where the match ends on a text id, where the prompt goes on with a text id or
+ * another media's first (the media was matched whole), or where enough of its ids agreed. */
+uint32_t pkv__media_trim(const int32_t *tokens, uint32_t n, uint32_t r) {
+    if (r == 0 || r >= n || tokens[r] >= 0 || pkv__media_first(tokens[r])) return 0;
+    return pkv__media_open(tokens, r);
 }
 
 PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, uint32_t *n_reused) {
@@ -450,7 +461,7 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
     s->n_blocks = k;
     /* token-granular: the child of the last matched block (with none matched, the root of s's
        namespace) sharing the longest token prefix */
-    uint32_t can_take = c->pool.n_free + c->pool.n_cached; /* blocks a copy could take */
+    const uint32_t can_take = c->pool.n_free + c->pool.n_cached; /* blocks a copy could take */
     uint32_t best = PKV_NONE, best_m = 0;
     if (reused == k * B && reused < cap && k < c->max_bps && can_take) {
         /* the copy needs a block besides its source: with one block to be had, a CACHED source
@@ -481,18 +492,14 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
        first, so that a CACHED one rejoins the LRU queue behind its children) */
     const uint32_t trim = pkv__media_trim(tokens, n, reused + best_m);
     if (trim > best_m) {
+        /* back into the matched blocks: the one the match now ends in stays attached, read to
+           its new end (as a whole prompt's last block is: an append copies it first) */
         if (best_m) pkv__drop_block(c, best);
-        const uint32_t r = reused + best_m - trim, keep = r / B;
-        best_m = r % B;
-        best = best_m ? (uint32_t)s->table[keep] : PKV_NONE;
-        for (uint32_t i = k; i-- > keep + (best_m ? 1 : 0);) pkv__drop_block(c, (uint32_t)s->table[i]);
+        reused = reused + best_m - trim;
+        best_m = 0;
+        const uint32_t keep = (reused + B - 1) / B;
+        for (uint32_t i = k; i-- > keep;) pkv__drop_block(c, (uint32_t)s->table[i]);
         k = s->n_blocks = keep;
-        reused = keep * B;
-        can_take = c->pool.n_free + c->pool.n_cached;
-        if (best_m && !can_take) { /* no block for the copy: its positions are computed */
-            pkv__drop_block(c, best);
-            best_m = 0;
-        }
     } else if (trim) {
         best_m -= trim;
         if (!best_m) pkv__drop_block(c, best);

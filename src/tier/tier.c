@@ -214,13 +214,22 @@ static void key_seed(const pkv_cache *c, uint64_t ns_lo, uint64_t ns_hi, tkey *o
     key_of(XXH3_128bits_digest(&st), out);
 }
 
-static void key_next(const tkey *parent, const int32_t *toks, uint32_t B, tkey *out) {
+/* Block i's key: its parent's, then its token ids, then, where it ends 1 to 3 ids into a media
+ * (pkv__media_open), the ids after it up to PKV__MEDIA_MIN of that media's: a block whose media
+ * ids agree with another content's by chance (2^-30 each) then has a key of its own, so a load
+ * cannot go through the other's entry into its own later blocks. toks: the ids from position 0,
+ * known of them; false (out untouched) where the ids after the block are not known. */
+static bool key_next(const tkey *parent, const int32_t *toks, uint32_t i, uint32_t B, size_t known, tkey *out) {
+    const size_t end = ((size_t)i + 1) * B;
+    const uint32_t open = pkv__media_open(toks, (uint32_t)end), more = open ? PKV__MEDIA_MIN - open : 0;
+    if (end + more > known) return false;
     XXH3_state_t st;
     XXH3_INITSTATE(&st);
     XXH3_128bits_reset(&st);
     XXH3_128bits_update(&st, parent->b, PKV__TIER_KEY);
-    XXH3_128bits_update(&st, toks, (size_t)B * sizeof(int32_t));
+    XXH3_128bits_update(&st, toks + (size_t)i * B, (size_t)(B + more) * sizeof(int32_t));
     key_of(XXH3_128bits_digest(&st), out);
+    return true;
 }
 
 /* ---- entries ---- */
@@ -344,8 +353,15 @@ static int save_prepare(pkv_cache *c, pkv_seq id, const char *api, save_prep *p)
         return rc;
     }
     key_seed(c, ns_lo, ns_hi, &p->seed);
-    for (uint32_t i = 0; i < nb; i++) key_next(i ? &p->keys[i - 1] : &p->seed, p->toks + (size_t)i * B, B, &p->keys[i]);
-    p->nb = nb;
+    uint32_t keyed = 0; /* up to a block whose key needs ids past the full blocks (a media's) */
+    while (keyed < nb && key_next(keyed ? &p->keys[keyed - 1] : &p->seed, p->toks, keyed, B, (size_t)nb * B,
+                                  &p->keys[keyed]))
+        keyed++;
+    if (!keyed) {
+        save_done(c, p);
+        return PKV_OK;
+    }
+    p->nb = keyed;
     return PKV_OK;
 }
 
@@ -508,11 +524,12 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
     if (!rc) {
         tkey prev;
         key_seed(c, ns_lo, ns_hi, &prev);
-        for (uint32_t i = 0; i < i0; i++) key_next(&prev, tokens + (size_t)i * B, B, &prev);
-        for (uint32_t i = i0; i < full && pos < cap; i++) {
+        bool keyed = true; /* false: a key needs ids past the prompt (a media's): nothing loads */
+        for (uint32_t i = 0; keyed && i < i0; i++) keyed = key_next(&prev, tokens, i, B, n, &prev);
+        for (uint32_t i = i0; keyed && i < full && pos < cap; i++) {
             tkey *key = &keys[i - i0];
             const int32_t *bt = tokens + (size_t)i * B;
-            key_next(&prev, bt, B, key);
+            if (!key_next(&prev, tokens, i, B, n, key)) break;
             size_t len = 0;
             int g = take_staged(t, key, buf, sh.entry, &len) ? PKV_OK : t->ops.get(t->ctx, key->b, buf, sh.entry, &len);
             if (g == PKV_ENOENT) {
@@ -552,7 +569,10 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
            position the prompt has gives them back first, as a match does (pkv__media_trim) */
         if (!rc && pos > m) {
             const uint32_t trim = PKV_MIN(pkv__media_trim(tokens, n, pos), pos - m);
-            if (trim && !(rc = pkv_seq_truncate(c, id, pos - trim))) pos -= trim;
+            if (trim) { /* the positions given back are never committed, even where this fails */
+                pos -= trim;
+                rc = pkv_seq_truncate(c, id, pos);
+            }
         }
         if (pos > m) {
             const int cr = pkv_seq_commit(c, id, pos); /* fails only where s changed under the call */
@@ -643,7 +663,7 @@ static void prefetch_job(pkv_tier *t, const pf_job *j) {
     for (uint32_t i = 0; i < j->nb; i++) {
         const int32_t *bt = j->toks + (size_t)i * j->B;
         parent = key;
-        key_next(&parent, bt, j->B, &key);
+        if (!key_next(&parent, j->toks, i, j->B, (size_t)j->nb * j->B, &key)) return;
         pthread_mutex_lock(&t->mu);
         pkv__tent *have = pkv__tmap_find(&t->staged, key.b);
         if (have) pkv__tmap_touch(&t->staged, have);
