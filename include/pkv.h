@@ -679,8 +679,10 @@ PKV_NODISCARD PKV_API int pkv_prefix_hashes(const void *salt, size_t salt_len, u
  * only its own: 2^-30 an id). Chance, not an attacker: the ids are 30 bits from a public,
  * non-cryptographic hash, so content can be crafted to agree with a known id at a few
  * positions; keep tenants apart by namespace. A router's pkv_prefix_hashes count may therefore
- * be more than a match reuses (by the 1 to 3 ids given back). PKV_EINVAL for id_len 0 (content
- * with no identity), a NULL id, a NULL out with n > 0, or offset + n over 2^32. */
+ * be more than a match reuses (by the 1 to 3 ids given back). The library takes every negative
+ * id for a media's: a prompt with negative ids of another meaning gets the same trims there.
+ * PKV_EINVAL for id_len 0 (content with no identity), a NULL id, a NULL out with n > 0, or
+ * offset + n over 2^32. */
 PKV_NODISCARD PKV_API int pkv_media_tokens(const void *id, size_t id_len, uint32_t offset, uint32_t n,
                                            int32_t *out);
 
