@@ -1043,7 +1043,8 @@ static inline int pm_op_match(pm_world *w, pm_src *src) {
             !(reused < n && prompt[reused] < 0)) {
             /* the token-granular copy lives in a fresh, unshared block (unless the whole prompt
                matched: then the tail is the attached indexed block, length n - 1; or the media
-               guard gave back the last few ids of a matched block, which stays attached) */
+               guard gave back the last few ids of a matched block, which stays attached: the
+               match then ends before a media's id, its first where all it had matched went) */
             PM_EXPECT(w, info.n_shared <= info.n_blocks - 1, "partial tail block shared");
         }
     }

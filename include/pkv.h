@@ -572,8 +572,11 @@ PKV_NODISCARD PKV_API int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint
  * found). A partial tail block is a candidate only while a sequence holds it: released, it
  * goes FREE (only full blocks stay CACHED), so once its holder is gone the same prompt reuses
  * the full blocks only. Reuses at most n - 1 tokens (the last prompt token must be computed).
- * On return s has length *n_reused, all committed; append the rest with pkv_seq_append.
- * PKV_EINVAL if s is not empty. With the prefix cache disabled it attaches nothing
+ * A match that would end 1 to 3 ids into a media the prompt goes on with ends before them
+ * (pkv_media_tokens); where that is inside a matched block, the block stays attached, read in
+ * part, as where the whole prompt matched: the first append copies it (one block, which
+ * pkv_seq_append_blocks counts). On return s has length *n_reused, all committed; append the
+ * rest with pkv_seq_append. PKV_EINVAL if s is not empty. With the prefix cache disabled it attaches nothing
  * (*n_reused = 0). No block free or evictable for the copy: the copy is skipped, not an error. */
 PKV_NODISCARD PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
                                                uint32_t *n_reused);
@@ -669,8 +672,9 @@ PKV_NODISCARD PKV_API int pkv_prefix_hashes(const void *salt, size_t salt_len, u
  * and v = (int32_t)(XXH3_64bits_withSeed(key, 16, p) >> 34) (30 bits) for p = offset + i,
  * out[i] = INT32_MIN + v where p = 0 (a media's first id, in [-2^31, -2^30 - 1], so that two
  * media side by side are told apart) and -1 - v otherwise (in [-2^30, -1]): never a
- * vocabulary's id, and the same on every machine and in every version (a router in another
- * process computes the same; tests/test_prefix.c pins values). Two contents' ids agree at a
+ * vocabulary's id, and the same on every machine and, from this version on, in every version
+ * (a router in another process computes the same; tests/test_prefix.c pins values; the ids of
+ * the unreleased first form, 31 bits and no first id, differ). Two contents' ids agree at a
  * position with probability 2^-30, as if independently from position to position. So that this
  * is never enough for a false match, a match or tier load that would end fewer than 4 ids into
  * a media whose next position the prompt has gives those positions back, and a tier keys a
@@ -680,7 +684,8 @@ PKV_NODISCARD PKV_API int pkv_prefix_hashes(const void *salt, size_t salt_len, u
  * non-cryptographic hash, so content can be crafted to agree with a known id at a few
  * positions; keep tenants apart by namespace. A router's pkv_prefix_hashes count may therefore
  * be more than a match reuses (by the 1 to 3 ids given back). The library takes every negative
- * id for a media's: a prompt with negative ids of another meaning gets the same trims there.
+ * id for a media's, and one under -2^30 for a media's first: a prompt with negative ids of
+ * another meaning gets the same trims there, and tier keys that take the ids after a block.
  * PKV_EINVAL for id_len 0 (content with no identity), a NULL id, a NULL out with n > 0, or
  * offset + n over 2^32. */
 PKV_NODISCARD PKV_API int pkv_media_tokens(const void *id, size_t id_len, uint32_t offset, uint32_t n,
@@ -1149,7 +1154,8 @@ PKV_NODISCARD PKV_API int pkv_tier_prefetch_wait(pkv_tier *t);
 
 /* Write-back: as pkv_tier_save, but the store's puts are left to the tier's thread
  * (pkv_tier_prefetch_start first, else PKV_EINVAL), so a file or Redis tier's save costs the
- * caller a copy of the rows into host memory. The full committed blocks' entries are made now
+ * caller a copy of the rows into host memory. The full committed blocks' entries (those
+ * pkv_tier_save would store, its media rule included) are made now
  * (s may be released as soon as it returns) into buffers within staging_bytes and queued, all of
  * them or, on a failure, none; *n_queued (may be NULL) is their count. Where staging has no
  * room for them (the writes queued before hold it: then nothing staged is dropped for them) or

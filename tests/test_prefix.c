@@ -847,14 +847,15 @@ static void test_prefix_media_match(void **state) {
 
 /* The guard against ids that agree by chance: a match does not end after fewer than 4 ids of a
  * media whose next position the prompt has (negative ids, as pkv_media_tokens makes). Prompts
- * of B = 16 whose media Y shares its first j ids with the cached prompt's media X (as a 2^-31
+ * of B = 16 whose media Y shares its first j ids with the cached prompt's media X (as a 2^-30
  * collision a position would), then differs:
  * - media at position 20 (slot 4 of block 1): j = 2 matches 20, not 22 (the copy trimmed);
  *   j = 4 matches 24 (four ids: trusted);
  * - media at position 30 (slot 14 of block 1, whose last two slots are X's): j = 2 matches 30,
- *   not 32 (block 1 matched whole, given back, its first 14 positions copied); j = 3, the third
+ *   not 32 (block 1 matched whole, given back: it stays attached, read to 30); j = 3, the third
  *   in block 2's copy, matches 30 too;
  * - a 2-id media matched whole, the prompt going on with text, is not trimmed;
+ * - two media side by side: the second's one agreeing id is given back;
  * and the pool stays sound, every block given back where it was (counts compared). */
 static void test_prefix_media_guard(void **state) {
     (void)state;

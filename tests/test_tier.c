@@ -243,6 +243,38 @@ static void test_media_guard(void **state) {
     same_rows(ya, sy, b, sb, N / B * B); /* positions 16-23 included: y's, not x's */
     pkv_cache_destroy(b);
     pkv_cache_destroy(ya);
+
+    /* a key takes only ids that go on with the media: a 2-id media complete at block 2's end,
+       then text, keeps block 2's plain key, so a prompt with other text after it loads block 2
+       (24); and a save reads the committed partial tail for those ids: 28 committed positions
+       whose block 2 ends 2 ids into a media going on at 24 and 25 save 3 blocks */
+    pkv_tier *t2 = host(1u << 24);
+    int32_t s2[N], o2[N];
+    prompt(s2, N, 900);
+    TU_OK(pkv_media_tokens("short", 5, 0, 2, s2 + 22));
+    memcpy(o2, s2, sizeof s2);
+    prompt(o2 + 24, N - 24, 950);
+    pkv_cache *sc = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 16, LAYERS);
+    pkv_seq ss = filled(sc, NULL, s2, N);
+    TU_OK(pkv_tier_save(t2, sc, ss, NULL));
+    b = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 16, LAYERS);
+    assert_int_equal(load_fresh(t2, b, NULL, o2, N, NULL, &sb), 24);
+    same_rows(sc, ss, b, sb, 24);
+    pkv_cache_destroy(b);
+    pkv_cache_destroy(sc);
+    pkv_tier_destroy(t2);
+    t2 = host(1u << 24);
+    sc = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 16, LAYERS);
+    ss = filled(sc, NULL, x, 28);
+    TU_OK(pkv_tier_save(t2, sc, ss, &saved));
+    assert_int_equal(saved, 3);
+    ss = filled(sc, NULL, x, 24); /* the ids after block 2 unknown: blocks 0-1 only */
+    pkv_tier *t3 = host(1u << 24);
+    TU_OK(pkv_tier_save(t3, sc, ss, &saved));
+    assert_int_equal(saved, 2);
+    pkv_tier_destroy(t3);
+    pkv_cache_destroy(sc);
+    pkv_tier_destroy(t2);
     pkv_tier_destroy(t);
     pkv_cache_destroy(a);
 }

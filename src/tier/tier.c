@@ -215,14 +215,21 @@ static void key_seed(const pkv_cache *c, uint64_t ns_lo, uint64_t ns_hi, tkey *o
 }
 
 /* Block i's key: its parent's, then its token ids, then, where it ends 1 to 3 ids into a media
- * (pkv__media_open), the ids after it up to PKV__MEDIA_MIN of that media's: a block whose media
- * ids agree with another content's by chance (2^-30 each) then has a key of its own, so a load
- * cannot go through the other's entry into its own later blocks. toks: the ids from position 0,
- * known of them; false (out untouched) where the ids after the block are not known. */
+ * (pkv__media_open), the ids after it that go on with that media, up to PKV__MEDIA_MIN of its
+ * ids in all: a block whose media ids agree with another content's by chance (2^-30 each) then
+ * has a key of its own, so a load cannot go through the other's entry into its own later
+ * blocks. toks: the ids from position 0, known of them; false (out untouched) where an id that
+ * decides the key is not known. Blocks that end on no media's first few ids keep the key they
+ * always had. */
 static bool key_next(const tkey *parent, const int32_t *toks, uint32_t i, uint32_t B, size_t known, tkey *out) {
     const size_t end = ((size_t)i + 1) * B;
-    const uint32_t open = pkv__media_open(toks, (uint32_t)end), more = open ? PKV__MEDIA_MIN - open : 0;
-    if (end + more > known) return false;
+    const uint32_t open = pkv__media_open(toks, (uint32_t)end);
+    uint32_t more = 0;
+    for (; open && open + more < PKV__MEDIA_MIN; more++) {
+        if (end + more >= known) return false;
+        const int32_t id = toks[end + more];
+        if (id >= 0 || pkv__media_first(id)) break; /* the media ended */
+    }
     XXH3_state_t st;
     XXH3_INITSTATE(&st);
     XXH3_128bits_reset(&st);
@@ -320,10 +327,11 @@ static int fill_entry(pkv_cache *c, pkv_seq id, const shape *sh, const tkey *key
 
 /* What a save of s needs: its full committed blocks' token ids and keys, the entry shape. */
 typedef struct save_prep {
-    uint32_t nb; /* full committed blocks; 0: nothing to save (and nothing allocated) */
+    uint32_t nb; /* full committed blocks, up to one whose key needs ids s lacks (key_next); 0:
+                    nothing to save (and nothing allocated) */
     shape sh;
     tkey seed;
-    int32_t *toks; /* [nb][B] */
+    int32_t *toks; /* the ids of s's committed positions, by whole blocks */
     tkey *keys;    /* [nb] */
     size_t toks_bytes, keys_bytes;
 } save_prep;
@@ -343,22 +351,24 @@ static int save_prepare(pkv_cache *c, pkv_seq id, const char *api, save_prep *p)
     const uint32_t B = c->B, nb = n_com / B;
     if (!nb) return PKV_OK;
     if (!shape_of(c, &p->sh)) return pkv__say(c, PKV_ENOMEM, api, "an entry's size overflows");
-    p->toks_bytes = (size_t)nb * B * sizeof(int32_t), p->keys_bytes = (size_t)nb * sizeof(tkey);
+    /* the ids of every committed position: a key may take ids past the full blocks (a media's) */
+    const uint32_t nbk = (n_com + B - 1) / B;
+    p->toks_bytes = (size_t)nbk * B * sizeof(int32_t), p->keys_bytes = (size_t)nb * sizeof(tkey);
     p->toks = pkv__alloc(&c->alloc, p->toks_bytes, 64);
     p->keys = pkv__alloc(&c->alloc, p->keys_bytes, 64);
     if (!p->toks || !p->keys) rc = pkv__say(c, PKV_ENOMEM, api, "the save's keys (%u blocks)", nb);
-    if (!rc) rc = seq_peek(c, id, api, &n_tok, &n_com, &ns_lo, &ns_hi, p->toks, nb);
+    if (!rc) rc = seq_peek(c, id, api, &n_tok, &n_com, &ns_lo, &ns_hi, p->toks, nbk);
     if (rc) {
         save_done(c, p);
         return rc;
     }
     key_seed(c, ns_lo, ns_hi, &p->seed);
     uint32_t keyed = 0; /* up to a block whose key needs ids past the full blocks (a media's) */
-    while (keyed < nb && key_next(keyed ? &p->keys[keyed - 1] : &p->seed, p->toks, keyed, B, (size_t)nb * B,
-                                  &p->keys[keyed]))
+    while (keyed < nb && key_next(keyed ? &p->keys[keyed - 1] : &p->seed, p->toks, keyed, B, n_com, &p->keys[keyed]))
         keyed++;
     if (!keyed) {
         save_done(c, p);
+        p->toks = NULL, p->keys = NULL;
         return PKV_OK;
     }
     p->nb = keyed;
@@ -615,10 +625,13 @@ struct pf_job {
     tkey seed;      /* the chain's seed: namespace and shape */
     shape sh;       /* the cache's, as the entries' checks need it */
     uint32_t B, nb; /* block tokens; blocks to fetch */
-    int32_t toks[]; /* [nb][B] */
+    uint32_t known; /* ids in toks: the blocks' and up to PKV__MEDIA_MIN after them (key_next) */
+    int32_t toks[]; /* [nb][B], then those */
 };
 
-static size_t job_size(uint32_t nb, uint32_t B) { return sizeof(pf_job) + (size_t)nb * B * sizeof(int32_t); }
+static size_t job_size(uint32_t nb, uint32_t B) {
+    return sizeof(pf_job) + ((size_t)nb * B + PKV__MEDIA_MIN) * sizeof(int32_t);
+}
 
 /* Fetches job's entries in order into staging, until the first the store lacks (or fails). */
 static void free_chain(pkv_tier *t, pkv__tent *e) { /* entries linked through hnext */
@@ -663,7 +676,7 @@ static void prefetch_job(pkv_tier *t, const pf_job *j) {
     for (uint32_t i = 0; i < j->nb; i++) {
         const int32_t *bt = j->toks + (size_t)i * j->B;
         parent = key;
-        if (!key_next(&parent, j->toks, i, j->B, (size_t)j->nb * j->B, &key)) return;
+        if (!key_next(&parent, j->toks, i, j->B, j->known, &key)) return;
         pthread_mutex_lock(&t->mu);
         pkv__tent *have = pkv__tmap_find(&t->staged, key.b);
         if (have) pkv__tmap_touch(&t->staged, have);
@@ -796,7 +809,8 @@ PKV_API int pkv_tier_prefetch(pkv_tier *t, const pkv_cache *c, const void *salt,
     pkv__salt_digest(salt, salt_len, &ns_lo, &ns_hi);
     key_seed(c, ns_lo, ns_hi, &j->seed);
     j->next = NULL, j->B = B, j->nb = nb, j->sh = sh;
-    memcpy(j->toks, tokens, (size_t)nb * B * sizeof(int32_t));
+    j->known = (uint32_t)PKV_MIN((uint64_t)n, (uint64_t)nb * B + PKV__MEDIA_MIN);
+    memcpy(j->toks, tokens, (size_t)j->known * sizeof(int32_t));
     pthread_mutex_lock(&t->mu);
     const bool full = t->pf_n >= PF_MAX_JOBS;
     if (!full) {
