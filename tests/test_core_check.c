@@ -225,12 +225,16 @@ static void front_past_table(world *w) {
     s->n_dropped = s->n_blocks + 1;
 }
 static void front_entry(world *w) { slot_of(w, w->b)->n_dropped = 1; }
-static void front_partial(world *w) {
+/* a, its fork and the pin gone, b drops its first two blocks: a's, CACHED above b's partial */
+static void b_drops_front(world *w) {
     TU_OK(pkv_seq_release(w->c, w->a));
     TU_OK(pkv_seq_release(w->c, w->f));
     TU_OK(pkv_pin_release(w->c, w->pin));
     TU_OK(pkv_seq_drop_front(w->c, w->b, 2 * B));
     TU_CHECK(w->c);
+}
+static void front_partial(world *w) {
+    b_drops_front(w);
     assert_int_equal(w->c->blk[w->ta[1]].state, PKV_BLK_CACHED); /* above b's partial, which b holds */
     assert_int_equal(w->c->blk[w->tb[2]].parent, w->ta[1]);
     w->c->blk[w->ta[1]].depth = 5;
@@ -240,11 +244,7 @@ static void front_partial(world *w) {
    off, a block of it with none counted, one of the LRU queue with one, its tail, the flag on a
    FREE block, a count on a block outside the index */
 static void inner_world(world *w) {
-    TU_OK(pkv_seq_release(w->c, w->a));
-    TU_OK(pkv_seq_release(w->c, w->f));
-    TU_OK(pkv_pin_release(w->c, w->pin));
-    TU_OK(pkv_seq_drop_front(w->c, w->b, 2 * B));
-    TU_CHECK(w->c);
+    b_drops_front(w);
     const pkv__pool *p = &w->c->pool;
     assert_int_equal(p->inner_head, w->ta[1]); /* dropped deepest first */
     assert_int_equal(p->inner_tail, w->ta[0]);

@@ -25,14 +25,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-static uint64_t g_rs;
-static uint64_t rnd(void) {
-    uint64_t z = (g_rs += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static uint32_t below(uint32_t n) { return (uint32_t)(rnd() % n); }
+#include "support_util.h"
+
+static tu_rng g_rng;
+static uint64_t rnd(void) { return tu_rng_u64(&g_rng); }
+static uint32_t below(uint32_t n) { return tu_rng_below(&g_rng, n); }
+/* the oracle's chain: a prefix's hash and one more position's content */
 static uint64_t mix(uint64_t a, uint64_t b) {
     uint64_t z = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -254,7 +252,7 @@ static void run(int side_by_side, uint64_t seed, int rounds) {
     static world w; /* large: not on the stack */
     memset(&w, 0, sizeof w);
     w.side_by_side = side_by_side;
-    g_rs = seed;
+    tu_rng_seed(&g_rng, seed);
     static const uint32_t Bs[] = {1, 2, 3, 4, 5, 8, 16};
     for (int r = 0; r < rounds; r++) {
         /* variant v of a media agrees with variant 0 on its first 1 to 3 ids, content apart */

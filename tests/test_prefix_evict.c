@@ -209,6 +209,15 @@ static void test_prefix_evict_leaves_before_parents(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* The block a new one-block sequence of fill's first 4 tokens takes (B = 4), computed and kept. */
+static int32_t block_taken(pkv_cache *c, const int32_t *fill) {
+    pkv_seq w = tp_seq(c, 0);
+    tp_compute(c, w, 0, fill, 0, 4);
+    int32_t t[1];
+    assert_int_equal(table(c, w, t), 1);
+    return t[0];
+}
+
 /* A front dropped a block a step (a window of one block: pkv_seq_drop_front after each step)
  * waits in the inner queue above the block still in use: eviction takes the LRU queue's leaves
  * first (a finished request's chain), then the dropped front from its deepest block up, whose
@@ -259,20 +268,11 @@ static void test_prefix_evict_dropped_front(void **state) {
     tp_check(c);
     /* the next eviction takes block 7, now an LRU leaf (the front joined the LRU queue deepest
        first once nothing in use hung below it) */
-    pkv_seq w2 = tp_seq(c, 0);
-    tp_compute(c, w2, 0, fill, 0, 4);
-    int32_t tw2[1];
-    assert_int_equal(table(c, w2, tw2), 1);
-    assert_int_equal(tw2[0], ts[7]);
+    assert_int_equal(block_taken(c, fill), ts[7]);
     assert_int_equal(stats(c).n_indexed, 7);
     tp_check(c);
     /* s's first 28 positions still match, with their K/V; s indexes nothing more */
-    pkv_seq t = tp_seq(c, 0);
-    uint32_t reused = 0;
-    assert_int_equal(pkv_seq_match_prefix(c, t, p, 41, &reused), 0);
-    assert_int_equal(reused, 28);
-    tp_expect_kv(c, t, 0, p, 0, 28);
-    assert_int_equal(pkv_seq_release(c, t), 0);
+    assert_int_equal(pkv_seq_release(c, tp_match(c, 0, p, 41, 28)), 0);
     tp_check(c);
     pkv_cache_destroy(c);
 }
@@ -308,11 +308,7 @@ static void test_prefix_evict_inner_subtree(void **state) {
     pkv_seq w = tp_seq(c, 0);
     tp_compute(c, w, 0, fill, 0, 16); /* the 4 FREE blocks */
     assert_int_equal(stats(c).evictions, 0);
-    pkv_seq w2 = tp_seq(c, 0);
-    tp_compute(c, w2, 0, fill, 0, 4); /* takes f; g goes FREE with it */
-    int32_t tw[1];
-    assert_int_equal(table(c, w2, tw), 1);
-    assert_int_equal(tw[0], ts[0]);
+    assert_int_equal(block_taken(c, fill), ts[0]); /* f; g goes FREE with it */
     st = stats(c);
     assert_int_equal(st.evictions, 2);
     assert_int_equal(st.n_indexed, 0);

@@ -207,6 +207,8 @@ uint32_t pkv__root_slot(const pkv_cache *c, uint64_t ns_lo, uint64_t ns_hi, int3
 #define PKV__MEDIA_MIN 4
 /* A media's first id (pkv_media_tokens: [-2^31, -2^30 - 1]; its others [-2^30, -1]). */
 static inline bool pkv__media_first(int32_t id) { return id < -(INT32_C(1) << 30); }
+/* Whether id goes on with the media before it: a media's id other than a first. */
+static inline bool pkv__media_more(int32_t id) { return id < 0 && !pkv__media_first(id); }
 uint32_t pkv__media_open(const int32_t *tokens, uint32_t r);
 uint32_t pkv__media_trim(const int32_t *tokens, uint32_t n, uint32_t r);
 /* The slot naming b when it heads its list (its parent's child field, or its root list's head);

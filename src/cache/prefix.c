@@ -388,8 +388,7 @@ uint32_t pkv__media_open(const int32_t *tokens, uint32_t r) {
  * ever). 0 where the match ends on a text id, where the prompt goes on with a text id or
  * another media's first (the media was matched whole), or where enough of its ids agreed. */
 uint32_t pkv__media_trim(const int32_t *tokens, uint32_t n, uint32_t r) {
-    if (r == 0 || r >= n || tokens[r] >= 0 || pkv__media_first(tokens[r])) return 0;
-    return pkv__media_open(tokens, r);
+    return r < n && pkv__media_more(tokens[r]) ? pkv__media_open(tokens, r) : 0;
 }
 
 PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, uint32_t *n_reused) {
@@ -484,28 +483,25 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
                 best = ch;
             }
         }
-        if (best_m) pkv__ref_block(c, best); /* protect the source from eviction */
     }
     /* a match does not end a few ids into a media whose next position it lacks (the ids agree
-       by chance there): the trim takes them off the copy, or from the matched blocks, whose last
-       one kept then becomes the copy's source (matched blocks are held: their refs go, deepest
-       first, so that a CACHED one rejoins the LRU queue behind its children) */
+       by chance there): the trim takes them off the copy, or from the matched blocks, where the
+       one the match now ends in stays attached, read to its new end (as a whole prompt's last
+       block is: an append copies it first), and the refs of those past it go, deepest first, so
+       that a CACHED one rejoins the LRU queue behind its children */
     const uint32_t trim = pkv__media_trim(tokens, n, reused + best_m);
     if (trim > best_m) {
-        /* back into the matched blocks: the one the match now ends in stays attached, read to
-           its new end (as a whole prompt's last block is: an append copies it first) */
-        if (best_m) pkv__drop_block(c, best);
         reused = reused + best_m - trim;
         best_m = 0;
         const uint32_t keep = (reused + B - 1) / B;
         for (uint32_t i = k; i-- > keep;) pkv__drop_block(c, (uint32_t)s->table[i]);
         k = s->n_blocks = keep;
-    } else if (trim) {
+    } else {
         best_m -= trim;
-        if (!best_m) pkv__drop_block(c, best);
     }
     s->idx_len = PKV_MIN(k, reused / B);
     if (best_m) {
+        pkv__ref_block(c, best); /* protect the source from eviction */
         uint32_t nb = pkv__take_block(c);
         pkv_assert(nb != PKV_NONE);
         pkv__copy_block(c, nb, best, best_m);

@@ -227,8 +227,7 @@ static bool key_next(const tkey *parent, const int32_t *toks, uint32_t i, uint32
     uint32_t more = 0;
     for (; open && open + more < PKV__MEDIA_MIN; more++) {
         if (end + more >= known) return false;
-        const int32_t id = toks[end + more];
-        if (id >= 0 || pkv__media_first(id)) break; /* the media ended */
+        if (!pkv__media_more(toks[end + more])) break; /* the media ended */
     }
     XXH3_state_t st;
     XXH3_INITSTATE(&st);
