@@ -1550,7 +1550,7 @@ static void test_bf16_dot(void **state) {
 }
 
 static backend_case g_ref = {"ref"}, g_avx2 = {"avx2"}, g_avx512 = {"avx512"}, g_avx512_emu = {"avx512-emu"},
-                    g_neon = {"neon"};
+                    g_neon = {"neon"}, g_amx = {"avx512-amx"};
 
 #define PER_BACKEND(fn)                                                                                            \
     cmocka_unit_test_prestate(fn, &g_ref), cmocka_unit_test_prestate(fn, &g_avx2),                                 \
@@ -1577,6 +1577,8 @@ int main(void) {
         PER_BACKEND(test_oracle_pool_order),
         PER_BACKEND(test_quant_dtypes_supported_or_enotsup),
         PER_BACKEND(test_bf16_dot),
+        /* avx512-amx differs from avx512-vnni only in calls with PKV_ATTN_BF16_DOT */
+        cmocka_unit_test_prestate(test_bf16_dot, &g_amx),
         cmocka_unit_test(test_inline_threshold_counts_heads),
         cmocka_unit_test(test_pool_order_choice),
         cmocka_unit_test(test_bad_input),

@@ -217,6 +217,18 @@ static bool have_avx512(uint32_t f) {
     const uint32_t need = PKV_CPU_AVX512F | PKV_CPU_AVX512BW | PKV_CPU_AVX512VL | PKV_CPU_AVX512DQ;
     return (f & need) == need && have_avx2(f);
 }
+/* "avx512-amx": avx512-vnni with bf16 tiles, where this build has AMX kernels (CMake:
+ * PKV_HAVE_AMX), the CPU has AMX-BF16 and AVX512_BF16 and Linux grants the tile state (asked
+ * here, once a process: pkv__amx_enable) */
+static bool have_amx(uint32_t f) {
+#ifdef PKV_HAVE_AMX
+    const uint32_t need = PKV_CPU_AVX512VNNI | PKV_CPU_AVX512BF16 | PKV_CPU_AMX_BF16;
+    return have_avx512(f) && (f & need) == need && pkv__amx_enable();
+#else
+    (void)f;
+    return false;
+#endif
+}
 #endif
 
 /* Every table starts as the reference, then the SIMD fillers override what they implement:
@@ -239,7 +251,9 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
 #endif
         return PKV_OK;
     }
-    const bool vnni = !strcmp(want, "avx512-vnni");
+    const bool amx = !strcmp(want, "avx512-amx");
+    if (amx && !have_amx(f)) return PKV_ENOTSUP;
+    const bool vnni = amx || !strcmp(want, "avx512-vnni");
     if (vnni && !(f & PKV_CPU_AVX512VNNI)) return PKV_ENOTSUP;
     if (vnni || !strcmp(want, "avx512")) {
         if (!have_avx512(f)) return PKV_ENOTSUP;
@@ -252,6 +266,12 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
         if (!(f & PKV_CPU_AVX512_HALVES)) pkv__attn_fill_q_avx512_wide(kt); /* not on Zen 4 */
         if (vnni) pkv__attn_fill_q_vnni(kt);
         if (vnni && !(f & PKV_CPU_AVX512_HALVES)) pkv__attn_fill_q_vnni_wide(kt); /* not on Zen 4 */
+#ifdef PKV_HAVE_AMX
+        if (amx) {
+            kt->name = "avx512-amx";
+            kt->lp_fill = pkv__attn_lp_fill_amx;
+        }
+#endif
         return PKV_OK;
     }
 #elif defined(__aarch64__)
@@ -277,6 +297,7 @@ static const char *auto_backend(void) {
     if (named) return named;
 #if defined(__x86_64__) || defined(__i386__)
     const uint32_t f = pkv__cpu_features();
+    if (have_amx(f)) return "avx512-amx";
     if (have_avx512(f)) return f & PKV_CPU_AVX512VNNI ? "avx512-vnni" : "avx512";
     if (have_avxvnni(f)) return "avx2-vnni";
     if (have_avx2(f)) return "avx2";
@@ -1211,6 +1232,7 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
     }
     const pkv__attn_score_t_fn score = kt->score_t[kv->k_dtype];
     const pkv__attn_accum_t_fn accum = kt->accum_t[kv->v_dtype];
+    if (kt->t_enter) kt->t_enter();
     for (uint32_t b = b0; b < b1; b++) {
         const unit_block ub = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);
         const uint32_t n_keys = ub.n_keys;
@@ -1228,6 +1250,7 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
             accum(sc->st, rp, rows_h, io.vr, kv->v_row_bytes, n_keys, Dv, sc->acc + (size_t)r0 * Dv, sc->vbuf, io.pvp);
         }
     }
+    if (kt->t_leave) kt->t_leave();
 }
 
 static void run_unit(void *ctx, uint32_t u, uint32_t tid) {

@@ -599,6 +599,11 @@ typedef struct pkv__attn_kernels {
      * values): lane r of pair i at qt + i * rp holds row r's values 2 i and 2 i + 1, pairs
      * i < (head_dim + 1) / 2; else qt is f32 [head_dim][rp] */
     bool qt_pairs[PKV_DTYPE_COUNT];
+    /* NULL, or called by the driver on the thread that runs a unit's blocks through score_t and
+     * accum_t: t_enter before the first, t_leave after the last (AMX: the tile configuration,
+     * loaded once a unit, and released, so that no tile state outlives the unit) */
+    void (*t_enter)(void);
+    void (*t_leave)(void);
 } pkv__attn_kernels;
 
 /* Even-odd order (the AVX-512 bf16 kernels): each full group of 32 of a row's head_dim values,
@@ -641,6 +646,16 @@ void pkv__attn_fill_q_vnni_wide(pkv__attn_kernels *kt);
 void pkv__attn_fill_q_avxvnni(pkv__attn_kernels *kt);
 void pkv__attn_fill_q_neon(pkv__attn_kernels *kt);  /* arm/attn_q_neon.c: q8_0, q4_0, fp8_e4m3 */
 void pkv__attn_fill_q_dotprod(pkv__attn_kernels *kt); /* arm/attn_q_dotprod.c: q8_0, q4_0 score (SDOT) */
+/* x86/attn_avx512.c: its lp_fill (bf16 K and V by vdpbf16ps) and the transposed primitives of
+ * that table, for attn_amx.c to fill over and to hand the shapes its tiles do not cover */
+void pkv__attn_lp_fill_bf16dp(pkv__attn_kernels *kt);
+void pkv__attn_score_t_bf16dp(const float *qt, uint32_t rp, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
+                              uint32_t head_dim, float *s, float *kbuf, pkv__attn_pf *pf);
+void pkv__attn_accum_t_bf16dp(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
+                              uint32_t n_keys, uint32_t head_dim, float *acc, float *vbuf, pkv__attn_pf *pf);
+/* x86/attn_amx.c (where the build has AMX: PKV_HAVE_AMX): the lp_fill of backend "avx512-amx",
+ * pkv__attn_lp_fill_bf16dp's table with the transposed bf16 primitives on AMX tiles */
+void pkv__attn_lp_fill_amx(pkv__attn_kernels *kt);
 /* arm/attn_bf16dot.c: the lp_fill of NEON where the CPU has bf16 (BFDOT): bf16 prep_q, score, accum */
 void pkv__attn_lp_fill_neon_bf16(pkv__attn_kernels *kt);
 

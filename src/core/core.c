@@ -8,6 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#endif
 #include <time.h>
 #include <unistd.h>
 #if defined(__aarch64__) && defined(__linux__)
@@ -160,6 +163,21 @@ static void detect_cpu(void) {
             if (r[0] & (1u << 4)) f |= PKV_CPU_AVXVNNI;
         }
     }
+#if defined(__x86_64__)
+    /* AMX: CPUID.(7, 0):EDX bits 24 (tiles) and 22 (bf16), and XCR0 bits 17-18 (the OS saves
+     * XTILECFG and XTILEDATA; OSXSAVE, CPUID.1:ECX bit 27, says xgetbv may be executed) */
+    cpuid(0, 0, r);
+    if (r[0] >= 7) {
+        cpuid(7, 0, r);
+        const uint32_t edx7 = r[3];
+        cpuid(1, 0, r);
+        if ((edx7 & (1u << 24)) && (edx7 & (1u << 22)) && (r[2] & (1u << 27))) {
+            uint32_t lo, hi;
+            __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+            if ((lo & (3u << 17)) == (3u << 17)) f |= PKV_CPU_AMX_BF16;
+        }
+    }
+#endif
     if (__builtin_cpu_is("amd")) {
         if (family == 0x19u) f |= PKV_CPU_AVX512_HALVES | PKV_CPU_VICTIM_L3; /* Zen 3 and 4 */
         if (family == 0x1Au) f |= PKV_CPU_PREFETCH_L1 | PKV_CPU_WIDE_SWEEP | PKV_CPU_TWO_PASS; /* Zen 5 */
@@ -178,6 +196,25 @@ static void detect_cpu(void) {
 uint32_t pkv__cpu_features(void) {
     pthread_once(&g_cpu_once, detect_cpu);
     return g_cpu;
+}
+
+static bool g_amx;
+static pthread_once_t g_amx_once = PTHREAD_ONCE_INIT;
+
+static void amx_request(void) {
+#if defined(__x86_64__) && defined(__linux__)
+    enum { ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    if (!(pkv__cpu_features() & PKV_CPU_AMX_BF16)) return;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return;
+    unsigned long granted = 0;
+    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &granted) != 0) return;
+    g_amx = (granted >> XFEATURE_XTILEDATA) & 1u;
+#endif
+}
+
+bool pkv__amx_enable(void) {
+    pthread_once(&g_amx_once, amx_request);
+    return g_amx;
 }
 
 bool pkv__force_ref(void) {

@@ -148,8 +148,18 @@ enum {
      * kept). Unmeasured on AMD. PKV_ATTN_PIECES=on|off overrides it. */
     PKV_CPU_PIECES = 1u << 19,
     PKV_CPU_ARM_BF16 = 1u << 20, /* Armv8.6 bf16 (BFDOT, BFCVT); read from AT_HWCAP2 on Linux */
+    /* AMX-TILE and AMX-BF16 (CPUID.(7, 0):EDX bits 24, 22) with the OS saving tile state
+     * (XCR0 bits 17, 18): Intel Sapphire Rapids and later Xeons, 64-bit. Using the tiles also
+     * needs Linux's leave (pkv__amx_enable). */
+    PKV_CPU_AMX_BF16 = 1u << 21,
 };
 uint32_t pkv__cpu_features(void);
+/* Asks Linux (5.16 and later) once per process for the AMX tile state (arch_prctl
+ * ARCH_REQ_XCOMP_PERM, XTILEDATA): true where it was granted and the CPU has AMX-BF16, false
+ * elsewhere (another OS, a 32-bit build, a kernel that refuses: one where a thread's signal
+ * stack is too small for the larger signal frame AMX brings). Granted, the process's signal
+ * frames grow by the 8 KiB of tile data. */
+bool pkv__amx_enable(void);
 /* True when PKV_FORCE_REF is set to a non-empty value other than "0". */
 bool pkv__force_ref(void);
 /* PKV_ATTN_BACKEND from the environment: a backend name to use instead of the detected one, or

@@ -801,6 +801,18 @@ static void lp_fill_bf16dp(pkv__attn_kernels *kt) {
     kt->qt_pairs[PKV_DTYPE_BF16] = true;
 }
 
+#ifndef PKV_AVX512_EMU
+void pkv__attn_lp_fill_bf16dp(pkv__attn_kernels *kt) { lp_fill_bf16dp(kt); }
+BF16DP void pkv__attn_score_t_bf16dp(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys,
+                                     uint32_t D, float *s, float *kbuf, pkv__attn_pf *pf) {
+    score_t_bf16dp(qt, rp, k, krb, n_keys, D, s, kbuf, pf);
+}
+BF16DP void pkv__attn_accum_t_bf16dp(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                                     uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    accum_t_bf16dp(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
+}
+#endif
+
 void PKV__AVX512_FILL(pkv__attn_kernels *kt) {
     kt->name = PKV__AVX512_NAME;
     kt->score[PKV_DTYPE_F32] = score_f32;

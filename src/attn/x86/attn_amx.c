@@ -1,0 +1,251 @@
+/* attn_amx.c: the transposed primitives (attn.h: score_t, accum_t) for bf16 K and V by Intel AMX
+ * tiles (AMX-BF16: Sapphire Rapids and later Xeons), in calls with PKV_ATTN_BF16_DOT: the same
+ * rounding as the vdpbf16ps kernels of attn_avx512.c (queries times scale and softmax weights
+ * rounded to bf16, nearest even; products exact, sums in f32), at the tiles' rate: one
+ * tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 f32 sums, 16 times the
+ * products of a 512-bit FMA (stop 86: 3.9 TFLOP/s a core against 0.25 for f32 FMAs).
+ *
+ * score_t: s[t * rp + r] = <K row t, query row r> is C[key][row] = A[key][d] . B[d][row]: A is
+ * 16 K rows straight from the pool (a tile load with the row stride), B the queries as bf16
+ * pairs, which is the driver's qt_pairs layout as it stands (lane r of pair i: row r's values
+ * 2 i, 2 i + 1 = a tile row of 16 pairs). C goes to s with rp lanes a row, no transposition.
+ * accum_t: acc[r][d] += sum_t p[t][r] V[t][d] is C[row][col] = A[row][t] . B[t][col]: A the
+ * weights rounded to bf16 in pairs of keys and transposed to rows (32 shuffles for 16 rows x 16
+ * keys), B two keys' V rows interleaved into pairs of one column (v_pairs, as the vdpbf16ps
+ * path), whose even and odd halves land in acc's even-odd order (attn.h) as that path keeps it;
+ * C tiles are loaded from acc and stored back.
+ *
+ * One tile configuration for both (amx_enter, called by the driver before a unit's
+ * first block; _leave releases the tiles after its last, so a thread holds no tile state
+ * between calls). Shapes the tiles do not cover go to the vdpbf16ps kernels: head_dim or v_dim
+ * not a multiple of 32, and a unit's last rows past a multiple of 16 (accum). Built where the
+ * compiler has AMX (CMake: PKV_HAVE_AMX), run where the CPU has it and Linux grants its state
+ * (core.c: pkv__amx_enable). */
+#include "../attn.h"
+
+#include <immintrin.h>
+#include <string.h>
+
+#define AMX
+
+/* The configuration: tiles 0-3 C (16 x 16 f32), 4 score's A (16 K rows x 32 bf16), 5 score's B
+ * (16 pairs x 16 rows), 6 accum's A (16 rows x 8 pairs: 16 keys), 7 accum's B (8 pairs x 16
+ * columns). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_cfg;
+
+static AMX void amx_enter(void) {
+    static const tile_cfg cfg __attribute__((aligned(64))) = {
+        .palette = 1,
+        .colsb = {64, 64, 64, 64, 64, 64, 32, 64},
+        .rows = {16, 16, 16, 16, 16, 16, 16, 8},
+    };
+    _tile_loadconfig(&cfg);
+}
+
+static AMX void amx_leave(void) { _tile_release(); }
+
+/* C tiles 0..n-1 (n <= 4, a constant where inlined) += A (tile 4) . B_j, B_j at b + 64 j bytes */
+#define SCORE_DP(j)                                                                                             \
+    do {                                                                                                        \
+        _tile_loadd(5, bq + 64 * (j), bqs);                                                                     \
+        _tile_dpbf16ps(j, 4, 5);                                                                                \
+    } while (0)
+#define C_ZERO(j) _tile_zero(j)
+#define C_STORE(j, dst, stride) _tile_stored(j, (dst) + 16 * (j), stride)
+
+/* One key chunk of 16 rows (ka, stride kas) against rows [n0, n0 + 16 n) of the queries: C[key]
+ * [row] into s (stride ss bytes). */
+static inline __attribute__((always_inline)) AMX void score_chunk(const uint32_t *qp, uint32_t rp, const uint8_t *ka,
+                                                                  size_t kas, uint32_t D, float *s, size_t ss,
+                                                                  const uint32_t n) {
+    const size_t bqs = (size_t)rp * 4;
+    if (n > 0) C_ZERO(0);
+    if (n > 1) C_ZERO(1);
+    if (n > 2) C_ZERO(2);
+    if (n > 3) C_ZERO(3);
+    for (uint32_t g = 0; g < D / 32; g++) { /* 32 values of head_dim: 16 pairs */
+        _tile_loadd(4, ka + 64 * (size_t)g, kas);
+        const uint8_t *bq = (const uint8_t *)(qp + (size_t)16 * g * rp);
+        if (n > 0) SCORE_DP(0);
+        if (n > 1) SCORE_DP(1);
+        if (n > 2) SCORE_DP(2);
+        if (n > 3) SCORE_DP(3);
+    }
+    if (n > 0) C_STORE(0, s, ss);
+    if (n > 1) C_STORE(1, s, ss);
+    if (n > 2) C_STORE(2, s, ss);
+    if (n > 3) C_STORE(3, s, ss);
+}
+
+static inline __attribute__((always_inline)) AMX void score_keys(const uint32_t *qp, uint32_t rp, const uint8_t *ka,
+                                                                 size_t kas, uint32_t D, float *s, size_t ss) {
+    uint32_t n0 = 0;
+    for (; n0 + 64 <= rp; n0 += 64) score_chunk(qp + n0, rp, ka, kas, D, s + n0, ss, 4);
+    switch ((rp - n0) / 16) {
+    case 3: score_chunk(qp + n0, rp, ka, kas, D, s + n0, ss, 3); break;
+    case 2: score_chunk(qp + n0, rp, ka, kas, D, s + n0, ss, 2); break;
+    case 1: score_chunk(qp + n0, rp, ka, kas, D, s + n0, ss, 1); break;
+    default: break;
+    }
+}
+
+static AMX void score_t_amx(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys,
+                               uint32_t D, float *s, float *kbuf, pkv__attn_pf *pf) {
+    if (D % 32 || rp % 16) {
+        pkv__attn_score_t_bf16dp(qt, rp, k, krb, n_keys, D, s, kbuf, pf);
+        return;
+    }
+    const uint32_t *qp = (const uint32_t *)(const void *)qt;
+    pkv__attn_pf_start(pf, (n_keys + 15) / 16);
+    uint32_t t0 = 0;
+    for (; t0 + 16 <= n_keys; t0 += 16) {
+        score_keys(qp, rp, k + t0 * krb, krb, D, s + (size_t)t0 * rp, (size_t)rp * 4);
+        pkv__attn_pf_step(pf);
+    }
+    if (t0 < n_keys) { /* the last keys, padded to 16 rows with zeros in kbuf; their scores by 16 */
+        const uint32_t nk = n_keys - t0;
+        uint8_t *kb = (uint8_t *)kbuf; /* room for 16 rows of D floats: 16 rows of D bf16 and the scores */
+        float *sb = (float *)(void *)(kb + (size_t)32 * D);
+        for (uint32_t t = 0; t < 16; t++) {
+            if (t < nk) memcpy(kb + (size_t)t * 2 * D, k + (t0 + t) * krb, (size_t)2 * D);
+            else memset(kb + (size_t)t * 2 * D, 0, (size_t)2 * D);
+        }
+        for (uint32_t n0 = 0; n0 < rp; n0 += 16) { /* 16 rows at a time through sb (1 KiB) */
+            score_chunk(qp + n0, rp, kb, (size_t)2 * D, D, sb, 64, 1);
+            for (uint32_t t = 0; t < nk; t++) memcpy(s + (size_t)(t0 + t) * rp + n0, sb + 16 * t, 64);
+        }
+    }
+    pkv__attn_pf_finish(pf);
+}
+
+/* 16 floats rounded to bf16 (nearest, ties to even), each in the low half of a 32-bit lane (the
+ * weights are finite: no NaN) */
+static inline __attribute__((always_inline)) AMX __m512i bf16_round_lo(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+}
+
+/* The weights of 16 keys (p + t * rp, lanes r0 .. r0 + 15) as accum's A tile: pa[r * 8 + j] =
+ * the bf16 pair of keys 2 j, 2 j + 1 of row r (keys past nk: 0). x[j] holds pair j of the 16
+ * rows (lane = row); an 8 x 16 transpose of 32-bit lanes (unpack by 32 and 64 bits, then the
+ * 128-bit lanes) turns it into rows. */
+static inline __attribute__((always_inline)) AMX void weights_a(const float *p, uint32_t rp, uint32_t nk,
+                                                                uint32_t *pa) {
+    __m512i x[8];
+    for (uint32_t j = 0; j < 8; j++) {
+        const __m512i lo = 2 * j < nk ? bf16_round_lo(_mm512_loadu_ps(p + (size_t)2 * j * rp)) : _mm512_setzero_si512();
+        const __m512i hi =
+            2 * j + 1 < nk ? bf16_round_lo(_mm512_loadu_ps(p + (size_t)(2 * j + 1) * rp)) : _mm512_setzero_si512();
+        x[j] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+    }
+    /* a[j/2][h]: rows 4k + 2h, 4k + 2h + 1 of pairs j, j + 1 (128-bit lane k) */
+    const __m512i a01l = _mm512_unpacklo_epi32(x[0], x[1]), a01h = _mm512_unpackhi_epi32(x[0], x[1]);
+    const __m512i a23l = _mm512_unpacklo_epi32(x[2], x[3]), a23h = _mm512_unpackhi_epi32(x[2], x[3]);
+    const __m512i a45l = _mm512_unpacklo_epi32(x[4], x[5]), a45h = _mm512_unpackhi_epi32(x[4], x[5]);
+    const __m512i a67l = _mm512_unpacklo_epi32(x[6], x[7]), a67h = _mm512_unpackhi_epi32(x[6], x[7]);
+    /* b[m] (pairs 0-3) and c[m] (pairs 4-7): lane k holds row 4k + m */
+    const __m512i b[4] = {_mm512_unpacklo_epi64(a01l, a23l), _mm512_unpackhi_epi64(a01l, a23l),
+                          _mm512_unpacklo_epi64(a01h, a23h), _mm512_unpackhi_epi64(a01h, a23h)};
+    const __m512i c[4] = {_mm512_unpacklo_epi64(a45l, a67l), _mm512_unpackhi_epi64(a45l, a67l),
+                          _mm512_unpacklo_epi64(a45h, a67h), _mm512_unpackhi_epi64(a45h, a67h)};
+    for (uint32_t m = 0; m < 4; m += 2) { /* rows 4k + m and 4k + m + 1: output vector 2k + m / 2 */
+        const __m512i pq01 = _mm512_shuffle_i32x4(b[m], c[m], 0x44), pq23 = _mm512_shuffle_i32x4(b[m], c[m], 0xEE);
+        const __m512i rs01 = _mm512_shuffle_i32x4(b[m + 1], c[m + 1], 0x44);
+        const __m512i rs23 = _mm512_shuffle_i32x4(b[m + 1], c[m + 1], 0xEE);
+        _mm512_storeu_si512((void *)(pa + 16 * (0 + m / 2)), _mm512_shuffle_i32x4(pq01, rs01, 0x88));
+        _mm512_storeu_si512((void *)(pa + 16 * (2 + m / 2)), _mm512_shuffle_i32x4(pq01, rs01, 0xDD));
+        _mm512_storeu_si512((void *)(pa + 16 * (4 + m / 2)), _mm512_shuffle_i32x4(pq23, rs23, 0x88));
+        _mm512_storeu_si512((void *)(pa + 16 * (6 + m / 2)), _mm512_shuffle_i32x4(pq23, rs23, 0xDD));
+    }
+}
+
+/* Two keys' V rows interleaved into pairs of one column, per 32-column group: the even columns
+ * (the low halves of both rows' 32-bit lanes), then the odd ones (attn_avx512.c: v_pairs). */
+static inline __attribute__((always_inline)) AMX void v_pairs(__m512i A, __m512i B, __m512i *even, __m512i *odd) {
+    const __mmask32 hi = 0xAAAAAAAAu;
+    *even = _mm512_mask_blend_epi16(hi, A, _mm512_slli_epi32(B, 16));
+    *odd = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(A, 16), B);
+}
+
+#define ACC_B(j, c)                                                                                             \
+    do {                                                                                                        \
+        _tile_loadd(7, vx + 64 * (c), vxs);                                                                     \
+        _tile_dpbf16ps(j, 6, 7);                                                                                \
+    } while (0)
+#define ACC_DP(j, c)                                                                                            \
+    do {                                                                                                        \
+        _tile_loadd(j, ar + 16 * (c), as);                                                                      \
+        _tile_loadd(7, vx + 64 * (c), vxs);                                                                     \
+        _tile_dpbf16ps(j, 6, 7);                                                                                \
+        _tile_stored(j, ar + 16 * (c), as);                                                                     \
+    } while (0)
+
+static AMX void accum_t_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                               uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    const uint32_t rows16 = n_rows & ~15u;
+    if (D % 32 || !rows16) {
+        pkv__attn_accum_t_bf16dp(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
+        return;
+    }
+    const uint32_t NG = D / 32;
+    const size_t vxs = (size_t)NG * 128, as = (size_t)D * 4; /* bytes of a pair's columns; of an acc row */
+    uint8_t *vx = (uint8_t *)vbuf;                          /* 8 pairs: half of vbuf's 16 rows of D floats */
+    uint32_t pa[16 * 8] __attribute__((aligned(64)));
+    pkv__attn_pf_start(pf, n_keys);
+    for (uint32_t k0 = 0; k0 < n_keys; k0 += 16) {
+        const uint32_t nk = PKV_MIN(16u, n_keys - k0);
+        const uint8_t *vk = v + k0 * vrb;
+        for (uint32_t j = 0; j < 8; j++) { /* pairs past nk: zeros (their weights are 0 too) */
+            const bool one = 2 * j < nk, two = 2 * j + 1 < nk;
+            const uint8_t *va = vk + 2 * j * vrb;
+            for (uint32_t g = 0; g < NG; g++) {
+                const __m512i A = one ? _mm512_loadu_si512((const void *)(va + 64 * g)) : _mm512_setzero_si512();
+                const __m512i B = two ? _mm512_loadu_si512((const void *)(va + vrb + 64 * g)) : _mm512_setzero_si512();
+                __m512i e, o;
+                v_pairs(A, B, &e, &o);
+                _mm512_storeu_si512((void *)(vx + j * vxs + 128 * g), e);
+                _mm512_storeu_si512((void *)(vx + j * vxs + 128 * g + 64), o);
+            }
+            if (one) pkv__attn_pf_step(pf);
+            if (two) pkv__attn_pf_step(pf);
+        }
+        for (uint32_t r0 = 0; r0 < rows16; r0 += 16) {
+            weights_a(p + (size_t)k0 * rp + r0, rp, nk, pa);
+            _tile_loadd(6, pa, 32);
+            float *ar = acc + (size_t)r0 * D;
+            uint32_t c = 0;
+            for (; c + 4 <= 2 * NG; c += 4) { /* 4 C tiles of acc in flight, B (tile 7) by turns */
+                _tile_loadd(0, ar + 16 * c, as);
+                _tile_loadd(1, ar + 16 * (c + 1), as);
+                _tile_loadd(2, ar + 16 * (c + 2), as);
+                _tile_loadd(3, ar + 16 * (c + 3), as);
+                ACC_B(0, c);
+                ACC_B(1, c + 1);
+                ACC_B(2, c + 2);
+                ACC_B(3, c + 3);
+                _tile_stored(0, ar + 16 * c, as);
+                _tile_stored(1, ar + 16 * (c + 1), as);
+                _tile_stored(2, ar + 16 * (c + 2), as);
+                _tile_stored(3, ar + 16 * (c + 3), as);
+            }
+            for (; c < 2 * NG; c++) ACC_DP(0, c);
+        }
+    }
+    pkv__attn_pf_finish(pf);
+    if (rows16 < n_rows) /* the last rows, by vdpbf16ps (its rounding is the same) */
+        pkv__attn_accum_t_bf16dp(p + rows16, rp, n_rows - rows16, v, vrb, n_keys, D, acc + (size_t)rows16 * D, vbuf,
+                                 NULL);
+}
+
+void pkv__attn_lp_fill_amx(pkv__attn_kernels *kt) {
+    pkv__attn_lp_fill_bf16dp(kt);
+    kt->score_t[PKV_DTYPE_BF16] = score_t_amx;
+    kt->accum_t[PKV_DTYPE_BF16] = accum_t_amx;
+    kt->t_enter = amx_enter;
+    kt->t_leave = amx_leave;
+}
