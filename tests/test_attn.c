@@ -369,6 +369,25 @@ static uint32_t rand_len(void) {
     return len <= max_len() ? len : 1 + len % max_len();
 }
 
+/* ---- PKV_ATTN_BF16_DOT ------------------------------------------------------------------------
+ * Where the backend scores bf16 K by bf16 dot products (pkv__attn_lp), each query row times scale
+ * is rounded to bf16, nearest even: the reference then takes those rounded queries (and scale 1),
+ * so the score side is checked as tightly as ever. Where it takes p.V of bf16 V by dot products
+ * (pkv__attn_lp_v), each weight p = exp(s - m) is rounded to bf16 too (8 significant bits: relative
+ * error <= 2^-8) while the sum l is not: |out - ref| <= 2^-8 sum p |V| / sum p <= 2^-8 max |V|, so
+ * TOL_BF16_DOT = 2^-7 of max |V| (twice the bound; measured: 0.28 of it). The lse is unchanged by that rounding:
+ * TOL_LSE. Elsewhere the flag changes nothing: the same bits as without it. Decode (the sweep
+ * too: several fragmented sequences) and extends of fewer than 16 rows a kv head (the row path)
+ * or more (the transposed primitives, on units of 16 rows and up). */
+#define TOL_BF16_DOT (1.0 / 128.0)
+static float bf16_round(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
 typedef struct oracle_opts {
     int prefill;     /* 0: decode items (one query at the end); 1: prefill / extend items */
     int softcap;     /* random soft-cap */
@@ -379,6 +398,8 @@ typedef struct oracle_opts {
     int mask;        /* prefill items of random custom masks (rand_mask) */
     uint32_t block_tokens; /* 0: drawn from k_btok */
     uint32_t len_cap;      /* 0: rand_len() alone; else contexts of at most this many tokens */
+    int bf16_dot;          /* calls with PKV_ATTN_BF16_DOT, bf16 K (V bf16 or drawn): the reference takes
+                              the queries rounded as the kernel does, the tolerance TOL_BF16_DOT more */
 } oracle_opts;
 
 /* ALiBi slopes for nqh heads into a: one case in two the models' own, 2^(-8 (h + 1) / nqh); else
@@ -537,6 +558,7 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         const float most = 8.0f / (float)PKV_MAX(1u, items[i].mask_row - items[i].mask_pos0);
         for (uint32_t h = 0; h < nqh; h++) alibi[h] = PKV_MAX(-most, PKV_MIN(alibi[h], most));
     }
+    if (o->bf16_dot) call.flags = PKV_ATTN_BF16_DOT;
     assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
     /* The row path in two passes (a window's K, then its V: attn.c, pass_window) or in one gives
      * the same bits; windows of 1 to 3 blocks put their edges everywhere, 0 the default size. */
@@ -568,8 +590,22 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         if (pieces && !two) assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
     }
     for (uint32_t i = 0; i < n_seqs; i++) {
-        /* errors in units of the tolerance of this (K, V) pair */
-        double e = check_item(&p, &seqs[i], nqh, &items[i], &call, worst_lse) / (tol_for(kdt, vdt) * dim_factor(D));
+        /* errors in units of the tolerance of this (K, V) pair; with PKV_ATTN_BF16_DOT, where the
+           kernels round (test_bf16_dot), the reference's queries rounded alike and the weights'
+           rounding on top */
+        const bool lp_k = o->bf16_dot && pkv__attn_lp(at, kdt), lp_v = o->bf16_dot && pkv__attn_lp_v(at, vdt);
+        pkv__attn_item ri = items[i];
+        pkv__attn_call rc = call;
+        float *qr = NULL;
+        if (lp_k) {
+            const size_t n = (size_t)items[i].n_q * nqh * D;
+            qr = malloc(sizeof(float) * n);
+            for (size_t x = 0; x < n; x++) qr[x] = bf16_round(items[i].q[x] * call.scale);
+            ri.q = qr, rc.scale = 1.0f;
+        }
+        const double tol = (lp_v ? TOL_BF16_DOT : 0) + tol_for(kdt, vdt) * dim_factor(D);
+        double e = check_item(&p, &seqs[i], nqh, &ri, &rc, worst_lse) / tol;
+        free(qr);
         if (!(e <= *worst)) {
             *worst = e;
             if (e > 1.0)
@@ -594,6 +630,7 @@ static void run_oracle_dims(const char *backend, const oracle_opts *o, uint64_t 
                             size_t n_dims) {
     g_rng = seed;
     for (size_t ti = 0; ti < sizeof k_types / sizeof *k_types; ti++) {
+        if (o->bf16_dot && k_types[ti] != PKV_DTYPE_BF16) continue;
         double worst = 0, worst_lse = 0;
         for (size_t di = 0; di < n_dims; di++)
             for (size_t hi = 0; hi < 4; hi++) {
@@ -602,8 +639,9 @@ static void run_oracle_dims(const char *backend, const oracle_opts *o, uint64_t 
                 pkv_dtype kdt = k_types[ti], vdt = rng_below(4) ? kdt : k_types[rng_below(3)];
                 oracle_case(backend, nt, dims[di], k_heads[hi][0], k_heads[hi][1], kdt, vdt, o, &worst, &worst_lse);
             }
-        print_message("  %s K=%s%s%s%s%s%s%s%s: max err %.3g of the tolerance, lse err %.3g\n", backend,
-                      pkv_dtype_name(k_types[ti]), o->prefill ? " prefill" : " decode", o->softcap ? " softcap" : "",
+        print_message("  %s K=%s%s%s%s%s%s%s%s%s: max err %.3g of the tolerance, lse err %.3g\n", backend,
+                      pkv_dtype_name(k_types[ti]), o->bf16_dot ? " bf16-dot" : "", o->prefill ? " prefill" : " decode",
+                      o->softcap ? " softcap" : "",
                       o->window ? " window" : "", o->chunk ? " chunk" : "", o->mask ? " mask" : "", o->sinks ? " sinks" : "",
                       o->alibi ? " alibi" : "", worst, worst_lse);
         assert_true(worst <= 1.0);
@@ -791,6 +829,27 @@ static void test_oracle_mask(void **state) {
     run_oracle(bc->name, &o, 317);
     o.softcap = o.sinks = o.alibi = 1;
     run_oracle(bc->name, &o, 318);
+}
+
+/* PKV_ATTN_BF16_DOT with every parameter the driver applies between score and accum (soft-cap,
+ * window, chunks, sinks, ALiBi, custom masks), prefill and decode, bf16 K (V bf16 or drawn):
+ * where the kernels of the flag take blocks in groups (accum_tn: AMX), each block's masks and
+ * biases land on its own rows of the scores. */
+static void test_oracle_bf16_dot(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    oracle_opts o = {.bf16_dot = 1, .prefill = 1};
+    run_oracle(bc->name, &o, 331);
+    o.softcap = o.window = o.sinks = 1;
+    run_oracle(bc->name, &o, 332);
+    o = (oracle_opts){.bf16_dot = 1, .prefill = 1, .chunk = 1, .alibi = 1};
+    run_oracle(bc->name, &o, 333);
+    o = (oracle_opts){.bf16_dot = 1, .prefill = 1, .mask = 1, .softcap = 1, .len_cap = 700};
+    run_oracle(bc->name, &o, 334);
+    o = (oracle_opts){.bf16_dot = 1, .window = 1, .alibi = 1};
+    run_oracle(bc->name, &o, 335);
+    o.prefill = 1; /* a window's first block seen from inside: its biases from key t0 on */
+    run_oracle(bc->name, &o, 336);
 }
 
 /* ---- soft-cap and window: exact effects on a hand-made case ------------------------------------ */
@@ -1426,25 +1485,6 @@ static void test_force_ref(void **state) {
     pkv__attn_destroy(at);
 }
 
-/* ---- PKV_ATTN_BF16_DOT ------------------------------------------------------------------------
- * Where the backend scores bf16 K by bf16 dot products (pkv__attn_lp), each query row times scale
- * is rounded to bf16, nearest even: the reference then takes those rounded queries (and scale 1),
- * so the score side is checked as tightly as ever. Where it takes p.V of bf16 V by dot products
- * (pkv__attn_lp_v), each weight p = exp(s - m) is rounded to bf16 too (8 significant bits: relative
- * error <= 2^-8) while the sum l is not: |out - ref| <= 2^-8 sum p |V| / sum p <= 2^-8 max |V|, so
- * TOL_BF16_DOT = 2^-7 of max |V| (twice the bound; measured: 0.28 of it). The lse is unchanged by that rounding:
- * TOL_LSE. Elsewhere the flag changes nothing: the same bits as without it. Decode (the sweep
- * too: several fragmented sequences) and extends of fewer than 16 rows a kv head (the row path)
- * or more (the transposed primitives, on units of 16 rows and up). */
-#define TOL_BF16_DOT (1.0 / 128.0)
-static float bf16_round(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-
 static void test_bf16_dot(void **state) {
     const backend_case *bc = *state;
     need_backend(bc->name);
@@ -1577,8 +1617,10 @@ int main(void) {
         PER_BACKEND(test_oracle_pool_order),
         PER_BACKEND(test_quant_dtypes_supported_or_enotsup),
         PER_BACKEND(test_bf16_dot),
+        PER_BACKEND(test_oracle_bf16_dot),
         /* avx512-amx differs from avx512-vnni only in calls with PKV_ATTN_BF16_DOT */
         cmocka_unit_test_prestate(test_bf16_dot, &g_amx),
+        cmocka_unit_test_prestate(test_oracle_bf16_dot, &g_amx),
         cmocka_unit_test(test_inline_threshold_counts_heads),
         cmocka_unit_test(test_pool_order_choice),
         cmocka_unit_test(test_bad_input),

@@ -411,7 +411,8 @@ static void test_api_bad_input(void **state) {
     assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, NULL), PKV_OK); /* NULL params: n_q_heads = n_kv_heads */
     const char *be = pkv_attn_backend(c);
     assert_true(!strcmp(be, "ref") || !strcmp(be, "avx2") || !strcmp(be, "avx2-vnni") || !strcmp(be, "avx512") ||
-                !strcmp(be, "avx512-vnni") || !strcmp(be, "neon") || !strcmp(be, "neon-dotprod"));
+                !strcmp(be, "avx512-vnni") || !strcmp(be, "avx512-amx") || !strcmp(be, "neon") ||
+                !strcmp(be, "neon-dotprod"));
     /* PKV_ATTN_BF16_DOT: accepted on any cache; with f16 K/V it changes nothing (the same bits) */
     assert_int_equal(pkv_attn_flags_used(c), 0u);
     assert_int_equal(pkv_attn_flags_used(NULL), 0u);
@@ -1263,7 +1264,8 @@ static void test_api_merge_values(void **state) {
 }
 
 /* Every backend name PKV_ATTN_BACKEND takes (those this machine lacks give PKV_ENOTSUP). */
-static const char *const g_backends[] = {"ref", "avx2", "avx2-vnni", "avx512", "avx512-vnni", "neon", "neon-dotprod"};
+static const char *const g_backends[] = {"ref", "avx2", "avx2-vnni", "avx512", "avx512-vnni", "avx512-amx",
+                                         "neon", "neon-dotprod"};
 
 /* PKV_ATTN_BACKEND=name picks the backend by name (each one this CPU has decodes as the oracle
  * says), a name this CPU or build lacks makes pkv_cache_create fail with PKV_ENOTSUP and change

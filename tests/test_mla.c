@@ -27,7 +27,8 @@ enum { B = 16, MAXTOK = 300, NSEQ = 3 };
 static tu_rng g_rng = {7};
 static float rnd(void) { return tu_rng_float(&g_rng); } /* uniform in [-1, 1) */
 
-static const char *const g_backends[] = {"ref", "avx2", "avx2-vnni", "avx512", "avx512-vnni", "neon", "neon-dotprod"};
+static const char *const g_backends[] = {"ref", "avx2", "avx2-vnni", "avx512", "avx512-vnni", "avx512-amx",
+                                         "neon", "neon-dotprod"};
 static const pkv_dtype g_types[] = {PKV_DTYPE_F32,  PKV_DTYPE_F16,  PKV_DTYPE_BF16,
                                     PKV_DTYPE_Q8_0, PKV_DTYPE_Q4_0, PKV_DTYPE_FP8_E4M3};
 /* q8_0 and q4_0 K score int8 queries (test_attn_api.c: tol_of); the rest keep f32 queries */

@@ -25,6 +25,10 @@
  * qt a thread needs at most, and the lanes of one head's transposed scores. */
 #define T_QT_ROWS (ROWS_MAX + 15u * (ROWS_MAX / PKV__ATTN_T_MIN_ROWS))
 #define T_ROWS_PAD ((ROWS_MAX + 15u) & ~15u)
+/* Keys the transposed scores hold: a block's, or a group's for accum_tn (attn.h) */
+#define T_S_KEYS(s_stride) PKV_MAX((s_stride), PKV__ATTN_T_RUN_KEYS)
+/* Rows of head_dim floats in vbuf: a block's widened V, or a group's interleaved pairs (accum_tn) */
+#define T_V_ROWS PKV_MAX(PKV__ATTN_T_KEYS, PKV__ATTN_T_RUN_KEYS / 2)
 /* Key-split partial slots per thread. */
 #define SLOTS_PER_THREAD 16u
 /* The row path's pieces where PKV_CPU_PIECES says (piece_call, block_pieces): a (block, head) run
@@ -138,7 +142,7 @@ struct pkv__attn {
      * m, l [ROWS_MAX], scores [ROWS_MAX][s_stride], the two passes' score window (pass_bytes); where
      * the backend has the transposed
      * primitives (attn.h: score_t) also qt [T_QT_ROWS][head_dim], scores [s_stride][T_ROWS_PAD],
-     * kbuf and vbuf [PKV__ATTN_T_KEYS][head_dim] */
+     * kbuf [PKV__ATTN_T_KEYS][head_dim] and vbuf [T_V_ROWS][head_dim] */
     uint8_t *scratch;
     size_t thread_bytes;
     uint32_t s_stride;
@@ -332,8 +336,9 @@ static size_t align64(size_t x) { return pkv__align_up(x, 64); }
 
 /* The transposed path's part of a thread's scratch (thread_scratch): qt, scores, kbuf, vbuf. */
 static size_t t_scratch_bytes(uint32_t D, uint32_t s_stride) {
-    return align64((size_t)T_QT_ROWS * D * sizeof(float)) + align64((size_t)s_stride * T_ROWS_PAD * sizeof(float)) +
-           2 * align64((size_t)PKV__ATTN_T_KEYS * D * sizeof(float));
+    return align64((size_t)T_QT_ROWS * D * sizeof(float)) +
+           align64((size_t)T_S_KEYS(s_stride) * T_ROWS_PAD * sizeof(float)) +
+           align64((size_t)PKV__ATTN_T_KEYS * D * sizeof(float)) + align64((size_t)T_V_ROWS * D * sizeof(float));
 }
 
 /* A core's L2 in bytes where the C library tells it (glibc: from CPUID on x86, 0 where it does
@@ -721,7 +726,7 @@ static scratch thread_scratch(const pkv__attn *at, uint32_t tid) {
         sc.qt = (float *)p;
         p += align64((size_t)T_QT_ROWS * D * sizeof(float));
         sc.st = (float *)p;
-        p += align64((size_t)at->s_stride * T_ROWS_PAD * sizeof(float));
+        p += align64((size_t)T_S_KEYS(at->s_stride) * T_ROWS_PAD * sizeof(float));
         sc.kbuf = (float *)p;
         p += align64((size_t)PKV__ATTN_T_KEYS * D * sizeof(float));
         sc.vbuf = (float *)p;
@@ -1232,23 +1237,49 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
     }
     const pkv__attn_score_t_fn score = kt->score_t[kv->k_dtype];
     const pkv__attn_accum_t_fn accum = kt->accum_t[kv->v_dtype];
+    const pkv__attn_accum_tn_fn accum_n = kt->accum_tn[kv->v_dtype];
     if (kt->t_enter) kt->t_enter();
     for (uint32_t b = b0; b < b1; b++) {
-        const unit_block ub = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);
-        const uint32_t n_keys = ub.n_keys;
-        if (it->mask && mask_block_none(it, w->qa, w->nq, ub.kb + ub.t0, n_keys)) continue;
+        unit_block ub[PKV__ATTN_T_RUNS];
+        ub[0] = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);
+        if (it->mask && mask_block_none(it, w->qa, w->nq, ub[0].kb + ub[0].t0, ub[0].n_keys)) continue;
+        /* with accum_tn, the next blocks too while each has at most 16 keys to see, up to
+           PKV__ATTN_T_RUN_KEYS in all (a block no query sees ends the group) */
+        uint32_t g = 1, n_keys = ub[0].n_keys;
+        if (accum_n && n_keys <= 16)
+            while (g < PKV__ATTN_T_RUNS && b + g < b1) {
+                const unit_block u = unit_block_at(at, it, b + g, b1, k_lo, k_hi, pos_first, lo_last);
+                if (u.n_keys > 16 || n_keys + u.n_keys > PKV__ATTN_T_RUN_KEYS ||
+                    (it->mask && mask_block_none(it, w->qa, w->nq, u.kb + u.t0, u.n_keys)))
+                    break;
+                ub[g++] = u, n_keys += u.n_keys;
+            }
         for (uint32_t j = 0; j < w->n_kvh; j++) {
             const uint32_t r0 = j * rows_h;
-            head_io io;
-            (void)head_io_fill(at, ub.bid, w->kvh0 + j, w->kvh0, w->kvh0 + w->n_kvh, false, ub.t0, ub.kn, ub.vn,
-                               NULL, 0, &io);
-            score(sc->qt + (size_t)j * rp * D, rp, io.kr, kv->k_row_bytes, n_keys, D, sc->st, sc->kbuf, io.pkp);
-            if (ub.mask) mask_block(at, w, pos_first, ub.kb + ub.t0, n_keys, sc->st, 1, rp);
-            unit_bias(at, w, w->kvh0 + j, pos_first, ub.kb + ub.t0, n_keys, sc->st, 1, rp);
-            kt->softmax_t(sc->st, rp, rows_h, n_keys, sm_cap(at), sc->m + r0, sc->l + r0,
-                          sc->acc + (size_t)r0 * Dv, Dv);
-            accum(sc->st, rp, rows_h, io.vr, kv->v_row_bytes, n_keys, Dv, sc->acc + (size_t)r0 * Dv, sc->vbuf, io.pvp);
+            const float *qt = sc->qt + (size_t)j * rp * D;
+            const uint8_t *vr[PKV__ATTN_T_RUNS];
+            uint32_t nv[PKV__ATTN_T_RUNS];
+            pkv__attn_pf *pvp = NULL;
+            float *st = sc->st;
+            for (uint32_t i = 0; i < g; i++) { /* each block's scores below the last's */
+                const unit_block *u = &ub[i];
+                head_io io;
+                (void)head_io_fill(at, u->bid, w->kvh0 + j, w->kvh0, w->kvh0 + w->n_kvh, false, u->t0, u->kn, u->vn,
+                                   NULL, 0, &io);
+                score(qt, rp, io.kr, kv->k_row_bytes, u->n_keys, D, st, sc->kbuf, io.pkp);
+                if (u->mask) mask_block(at, w, pos_first, u->kb + u->t0, u->n_keys, st, 1, rp);
+                unit_bias(at, w, w->kvh0 + j, pos_first, u->kb + u->t0, u->n_keys, st, 1, rp);
+                vr[i] = io.vr, nv[i] = u->n_keys, pvp = io.pvp;
+                st += (size_t)u->n_keys * rp;
+            }
+            kt->softmax_t(sc->st, rp, rows_h, n_keys, sm_cap(at), sc->m + r0, sc->l + r0, sc->acc + (size_t)r0 * Dv,
+                          Dv);
+            if (g > 1)
+                accum_n(sc->st, rp, rows_h, vr, nv, g, kv->v_row_bytes, Dv, sc->acc + (size_t)r0 * Dv, sc->vbuf, pvp);
+            else
+                accum(sc->st, rp, rows_h, vr[0], kv->v_row_bytes, n_keys, Dv, sc->acc + (size_t)r0 * Dv, sc->vbuf, pvp);
         }
+        b += g - 1;
     }
     if (kt->t_leave) kt->t_leave();
 }

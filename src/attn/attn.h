@@ -113,8 +113,8 @@ typedef struct pkv__attn pkv__attn; /* thread pool, scratch, chosen backend */
 /* n_threads: workers including the caller (0 = all cpus). Allocates through a. Picks the
  * backend once from pkv__cpu_features() (PKV_FORCE_REF=1 forces "ref"). */
 int pkv__attn_create(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim, pkv__attn **out);
-/* Same with a named backend ("ref", "avx2", "avx2-vnni", "avx512", "avx512-vnni", "neon", "neon-dotprod"; NULL =
- * automatic): tests use it to compare every SIMD path with the reference. PKV_ENOTSUP if this
+/* Same with a named backend ("ref", "avx2", "avx2-vnni", "avx512", "avx512-vnni", "avx512-amx", "neon",
+ * "neon-dotprod"; NULL = automatic): tests use it to compare every SIMD path with the reference. PKV_ENOTSUP if this
  * CPU or build lacks it. */
 int pkv__attn_create_backend(const pkv_allocator *a, uint32_t n_threads, const pkv__attn_limits *lim,
                              const char *backend, pkv__attn **out);
@@ -579,6 +579,19 @@ typedef void (*pkv__attn_accum_t_fn)(const float *p, uint32_t rp, uint32_t n_row
                                      size_t v_row_bytes, uint32_t n_keys, uint32_t head_dim, float *acc, float *vbuf,
                                      pkv__attn_pf *pf);
 
+/* accum_tn: accum_t over the keys of several blocks at once: run i is n[i] V rows at v[i] (1 <=
+ * n[i] <= 16, i < n_runs <= PKV__ATTN_T_RUNS, at most PKV__ATTN_T_RUN_KEYS keys in all), their
+ * weights p[t * rp + r] in the runs' order; vbuf has room for PKV__ATTN_T_RUN_KEYS / 2 rows of
+ * head_dim floats; prefetches pf (the run after the last). Where the table has it, the driver
+ * takes a unit's blocks of at most 16 visible keys that many at a time (score_t a block at a
+ * time into s's rows, softmax_t over them all): AMX, whose tiles of acc are then loaded and
+ * stored once for up to 64 keys, not once a block. */
+#define PKV__ATTN_T_RUNS 8u
+#define PKV__ATTN_T_RUN_KEYS 32u
+typedef void (*pkv__attn_accum_tn_fn)(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v,
+                                      const uint32_t *n, uint32_t n_runs, size_t v_row_bytes, uint32_t head_dim,
+                                      float *acc, float *vbuf, pkv__attn_pf *pf);
+
 typedef struct pkv__attn_kernels {
     const char *name;
     pkv__attn_prep_fn prep_q[PKV_DTYPE_COUNT];  /* by k_dtype */
@@ -590,6 +603,7 @@ typedef struct pkv__attn_kernels {
     pkv__attn_score_t_fn score_t[PKV_DTYPE_COUNT]; /* by k_dtype; NULL: the row path (above) */
     pkv__attn_accum_t_fn accum_t[PKV_DTYPE_COUNT]; /* by v_dtype */
     pkv__attn_softmax_t_fn softmax_t;
+    pkv__attn_accum_tn_fn accum_tn[PKV_DTYPE_COUNT]; /* by v_dtype; NULL: a block at a time */
     /* the table of calls with PKV_ATTN_BF16_DOT (pkv.h): applied to a copy of this one, it puts
      * in place the kernels that compute at the K and V dtypes' own precision, faster (acc in
      * accum's order as ever; for a K dtype whose prep_q it replaces, score and score_t to match,

@@ -29,7 +29,7 @@
 #define AMX
 
 /* The configuration: tiles 0-3 C (16 x 16 f32), 4 score's A (16 K rows x 32 bf16), 5 score's B
- * (16 pairs x 16 rows), 6 accum's A (16 rows x 8 pairs: 16 keys), 7 accum's B (8 pairs x 16
+ * (16 pairs x 16 rows), 6 accum's A (16 rows x 16 pairs: 32 keys), 7 accum's B (16 pairs x 16
  * columns). */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -40,8 +40,8 @@ typedef struct {
 static AMX void amx_enter(void) {
     static const tile_cfg cfg __attribute__((aligned(64))) = {
         .palette = 1,
-        .colsb = {64, 64, 64, 64, 64, 64, 32, 64},
-        .rows = {16, 16, 16, 16, 16, 16, 16, 8},
+        .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+        .rows = {16, 16, 16, 16, 16, 16, 16, 16},
     };
     _tile_loadconfig(&cfg);
 }
@@ -130,12 +130,12 @@ static inline __attribute__((always_inline)) AMX __m512i bf16_round_lo(__m512 x)
     return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
 }
 
-/* The weights of 16 keys (p + t * rp, lanes r0 .. r0 + 15) as accum's A tile: pa[r * 8 + j] =
- * the bf16 pair of keys 2 j, 2 j + 1 of row r (keys past nk: 0). x[j] holds pair j of the 16
- * rows (lane = row); an 8 x 16 transpose of 32-bit lanes (unpack by 32 and 64 bits, then the
- * 128-bit lanes) turns it into rows. */
-static inline __attribute__((always_inline)) AMX void weights_a(const float *p, uint32_t rp, uint32_t nk,
-                                                                uint32_t *pa) {
+/* Pairs of keys' weights of 16 rows as 8 vectors: x[j] lane r = row r's bf16 weights of keys
+ * 2 j, 2 j + 1 (p + t * rp, lanes r0 .. r0 + 15 already applied; keys past nk: 0), turned into
+ * rows by an 8 x 16 transpose of 32-bit lanes (unpack by 32 and 64 bits, then the 128-bit
+ * lanes): y[v] = row 2 v's 8 pairs, then row 2 v + 1's. */
+static inline __attribute__((always_inline)) AMX void weights_rows8(const float *p, uint32_t rp, uint32_t nk,
+                                                                    __m512i y[8]) {
     __m512i x[8];
     for (uint32_t j = 0; j < 8; j++) {
         const __m512i lo = 2 * j < nk ? bf16_round_lo(_mm512_loadu_ps(p + (size_t)2 * j * rp)) : _mm512_setzero_si512();
@@ -143,24 +143,39 @@ static inline __attribute__((always_inline)) AMX void weights_a(const float *p, 
             2 * j + 1 < nk ? bf16_round_lo(_mm512_loadu_ps(p + (size_t)(2 * j + 1) * rp)) : _mm512_setzero_si512();
         x[j] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
     }
-    /* a[j/2][h]: rows 4k + 2h, 4k + 2h + 1 of pairs j, j + 1 (128-bit lane k) */
+    /* aJl, aJh: rows 4k, 4k + 1 (l) or 4k + 2, 4k + 3 (h) of pairs J, J + 1, 128-bit lane k */
     const __m512i a01l = _mm512_unpacklo_epi32(x[0], x[1]), a01h = _mm512_unpackhi_epi32(x[0], x[1]);
     const __m512i a23l = _mm512_unpacklo_epi32(x[2], x[3]), a23h = _mm512_unpackhi_epi32(x[2], x[3]);
     const __m512i a45l = _mm512_unpacklo_epi32(x[4], x[5]), a45h = _mm512_unpackhi_epi32(x[4], x[5]);
     const __m512i a67l = _mm512_unpacklo_epi32(x[6], x[7]), a67h = _mm512_unpackhi_epi32(x[6], x[7]);
-    /* b[m] (pairs 0-3) and c[m] (pairs 4-7): lane k holds row 4k + m */
+    /* b[m] (pairs 0-3) and c[m] (pairs 4-7): 128-bit lane k holds row 4k + m */
     const __m512i b[4] = {_mm512_unpacklo_epi64(a01l, a23l), _mm512_unpackhi_epi64(a01l, a23l),
                           _mm512_unpacklo_epi64(a01h, a23h), _mm512_unpackhi_epi64(a01h, a23h)};
     const __m512i c[4] = {_mm512_unpacklo_epi64(a45l, a67l), _mm512_unpackhi_epi64(a45l, a67l),
                           _mm512_unpacklo_epi64(a45h, a67h), _mm512_unpackhi_epi64(a45h, a67h)};
-    for (uint32_t m = 0; m < 4; m += 2) { /* rows 4k + m and 4k + m + 1: output vector 2k + m / 2 */
+    for (uint32_t m = 0; m < 4; m += 2) { /* rows 4k + m, 4k + m + 1: y[2k + m / 2] */
         const __m512i pq01 = _mm512_shuffle_i32x4(b[m], c[m], 0x44), pq23 = _mm512_shuffle_i32x4(b[m], c[m], 0xEE);
         const __m512i rs01 = _mm512_shuffle_i32x4(b[m + 1], c[m + 1], 0x44);
         const __m512i rs23 = _mm512_shuffle_i32x4(b[m + 1], c[m + 1], 0xEE);
-        _mm512_storeu_si512((void *)(pa + 16 * (0 + m / 2)), _mm512_shuffle_i32x4(pq01, rs01, 0x88));
-        _mm512_storeu_si512((void *)(pa + 16 * (2 + m / 2)), _mm512_shuffle_i32x4(pq01, rs01, 0xDD));
-        _mm512_storeu_si512((void *)(pa + 16 * (4 + m / 2)), _mm512_shuffle_i32x4(pq23, rs23, 0x88));
-        _mm512_storeu_si512((void *)(pa + 16 * (6 + m / 2)), _mm512_shuffle_i32x4(pq23, rs23, 0xDD));
+        y[0 + m / 2] = _mm512_shuffle_i32x4(pq01, rs01, 0x88);
+        y[2 + m / 2] = _mm512_shuffle_i32x4(pq01, rs01, 0xDD);
+        y[4 + m / 2] = _mm512_shuffle_i32x4(pq23, rs23, 0x88);
+        y[6 + m / 2] = _mm512_shuffle_i32x4(pq23, rs23, 0xDD);
+    }
+}
+
+/* The weights of 32 keys (p + t * rp, lanes = 16 rows; keys past nk: 0) as accum's A tile:
+ * pa[r * 16 + j] = the bf16 pair of keys 2 j, 2 j + 1 of row r. */
+static inline __attribute__((always_inline)) AMX void weights_a(const float *p, uint32_t rp, uint32_t nk,
+                                                                uint32_t *pa) {
+    __m512i ya[8], yb[8];
+    weights_rows8(p, rp, nk, ya);
+    if (nk > 16) weights_rows8(p + (size_t)16 * rp, rp, nk - 16, yb);
+    else
+        for (uint32_t v = 0; v < 8; v++) yb[v] = _mm512_setzero_si512();
+    for (uint32_t v = 0; v < 8; v++) { /* row 2 v: pairs 0-7 of ya, 8-15 of yb; row 2 v + 1 likewise */
+        _mm512_storeu_si512((void *)(pa + 32 * v), _mm512_shuffle_i32x4(ya[v], yb[v], 0x44));
+        _mm512_storeu_si512((void *)(pa + 32 * v + 16), _mm512_shuffle_i32x4(ya[v], yb[v], 0xEE));
     }
 }
 
@@ -172,80 +187,115 @@ static inline __attribute__((always_inline)) AMX void v_pairs(__m512i A, __m512i
     *odd = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(A, 16), B);
 }
 
-#define ACC_B(j, c)                                                                                             \
+#define ACC_B(j, vxk, c)                                                                                        \
     do {                                                                                                        \
-        _tile_loadd(7, vx + 64 * (c), vxs);                                                                     \
+        _tile_loadd(7, (vxk) + 64 * (c), vxs);                                                                  \
         _tile_dpbf16ps(j, 6, 7);                                                                                \
-    } while (0)
-#define ACC_DP(j, c)                                                                                            \
-    do {                                                                                                        \
-        _tile_loadd(j, ar + 16 * (c), as);                                                                      \
-        _tile_loadd(7, vx + 64 * (c), vxs);                                                                     \
-        _tile_dpbf16ps(j, 6, 7);                                                                                \
-        _tile_stored(j, ar + 16 * (c), as);                                                                     \
     } while (0)
 
-static AMX void accum_t_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
-                               uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
-    const uint32_t rows16 = n_rows & ~15u;
-    if (D % 32 || !rows16) {
-        pkv__attn_accum_t_bf16dp(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
-        return;
-    }
-    const uint32_t NG = D / 32;
+/* accum over the keys of runs (n[i] V rows at v[i]), their weights p[t * rp + r] in the runs'
+ * order, up to 64 keys: every pair of keys interleaved into vx once (vbuf: 32 pairs), the
+ * weights of each 16 rows and 32 keys as an A tile (pa), then for each 16 rows and 4 tiles of
+ * 16 columns, acc's C tiles loaded once, every 32 keys' A . B added, and stored once. */
+static AMX void accum_runs(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
+                           uint32_t n_runs, size_t vrb, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    const uint32_t rows16 = n_rows & ~15u, NG = D / 32;
     const size_t vxs = (size_t)NG * 128, as = (size_t)D * 4; /* bytes of a pair's columns; of an acc row */
-    uint8_t *vx = (uint8_t *)vbuf;                          /* 8 pairs: half of vbuf's 16 rows of D floats */
-    uint32_t pa[16 * 8] __attribute__((aligned(64)));
+    uint8_t *vx = (uint8_t *)vbuf;
+    const uint8_t *row[PKV__ATTN_T_RUN_KEYS]; /* each key's V row */
+    uint32_t n_keys = 0;
+    for (uint32_t i = 0; i < n_runs; i++)
+        for (uint32_t t = 0; t < n[i]; t++) row[n_keys++] = v[i] + t * vrb;
+    const uint32_t n_kc = (n_keys + 31) / 32;
+    uint32_t pa[2][4][16 * 16] __attribute__((aligned(64))); /* [key chunk][16 rows]: A tiles */
     pkv__attn_pf_start(pf, n_keys);
-    for (uint32_t k0 = 0; k0 < n_keys; k0 += 16) {
-        const uint32_t nk = PKV_MIN(16u, n_keys - k0);
-        const uint8_t *vk = v + k0 * vrb;
-        for (uint32_t j = 0; j < 8; j++) { /* pairs past nk: zeros (their weights are 0 too) */
-            const bool one = 2 * j < nk, two = 2 * j + 1 < nk;
-            const uint8_t *va = vk + 2 * j * vrb;
-            for (uint32_t g = 0; g < NG; g++) {
-                const __m512i A = one ? _mm512_loadu_si512((const void *)(va + 64 * g)) : _mm512_setzero_si512();
-                const __m512i B = two ? _mm512_loadu_si512((const void *)(va + vrb + 64 * g)) : _mm512_setzero_si512();
-                __m512i e, o;
-                v_pairs(A, B, &e, &o);
-                _mm512_storeu_si512((void *)(vx + j * vxs + 128 * g), e);
-                _mm512_storeu_si512((void *)(vx + j * vxs + 128 * g + 64), o);
-            }
-            if (one) pkv__attn_pf_step(pf);
-            if (two) pkv__attn_pf_step(pf);
+    /* the weights first: their stores reach L1 while V is interleaved, before the tile loads */
+    for (uint32_t kc = 0; kc < n_kc; kc++)
+        for (uint32_t r0 = 0; r0 < rows16; r0 += 16)
+            weights_a(p + (size_t)32 * kc * rp + r0, rp, PKV_MIN(32u, n_keys - 32 * kc), pa[kc][r0 / 16]);
+    for (uint32_t j = 0; j < 16 * n_kc; j++) { /* pairs past n_keys: zeros (their weights are 0 too) */
+        const bool one = 2 * j < n_keys, two = 2 * j + 1 < n_keys;
+        for (uint32_t g = 0; g < NG; g++) {
+            const __m512i A = one ? _mm512_loadu_si512((const void *)(row[2 * j] + 64 * g)) : _mm512_setzero_si512();
+            const __m512i B = two ? _mm512_loadu_si512((const void *)(row[2 * j + 1] + 64 * g)) : _mm512_setzero_si512();
+            __m512i e, o;
+            v_pairs(A, B, &e, &o);
+            _mm512_storeu_si512((void *)(vx + j * vxs + 128 * g), e);
+            _mm512_storeu_si512((void *)(vx + j * vxs + 128 * g + 64), o);
         }
-        for (uint32_t r0 = 0; r0 < rows16; r0 += 16) {
-            weights_a(p + (size_t)k0 * rp + r0, rp, nk, pa);
-            _tile_loadd(6, pa, 32);
-            float *ar = acc + (size_t)r0 * D;
-            uint32_t c = 0;
-            for (; c + 4 <= 2 * NG; c += 4) { /* 4 C tiles of acc in flight, B (tile 7) by turns */
-                _tile_loadd(0, ar + 16 * c, as);
-                _tile_loadd(1, ar + 16 * (c + 1), as);
-                _tile_loadd(2, ar + 16 * (c + 2), as);
-                _tile_loadd(3, ar + 16 * (c + 3), as);
-                ACC_B(0, c);
-                ACC_B(1, c + 1);
-                ACC_B(2, c + 2);
-                ACC_B(3, c + 3);
-                _tile_stored(0, ar + 16 * c, as);
-                _tile_stored(1, ar + 16 * (c + 1), as);
-                _tile_stored(2, ar + 16 * (c + 2), as);
-                _tile_stored(3, ar + 16 * (c + 3), as);
+        if (one) pkv__attn_pf_step(pf);
+        if (two) pkv__attn_pf_step(pf);
+    }
+    for (uint32_t r0 = 0; r0 < rows16; r0 += 16) {
+        float *ar = acc + (size_t)r0 * D;
+        uint32_t c = 0;
+        for (; c + 4 <= 2 * NG; c += 4) { /* 4 C tiles of acc held over the keys, B (tile 7) by turns */
+            _tile_loadd(0, ar + 16 * c, as);
+            _tile_loadd(1, ar + 16 * (c + 1), as);
+            _tile_loadd(2, ar + 16 * (c + 2), as);
+            _tile_loadd(3, ar + 16 * (c + 3), as);
+            for (uint32_t kc = 0; kc < n_kc; kc++) {
+                const uint8_t *vxk = vx + (size_t)16 * kc * vxs;
+                _tile_loadd(6, pa[kc][r0 / 16], 64);
+                ACC_B(0, vxk, c);
+                ACC_B(1, vxk, c + 1);
+                ACC_B(2, vxk, c + 2);
+                ACC_B(3, vxk, c + 3);
             }
-            for (; c < 2 * NG; c++) ACC_DP(0, c);
+            _tile_stored(0, ar + 16 * c, as);
+            _tile_stored(1, ar + 16 * (c + 1), as);
+            _tile_stored(2, ar + 16 * (c + 2), as);
+            _tile_stored(3, ar + 16 * (c + 3), as);
+        }
+        for (; c < 2 * NG; c++) {
+            _tile_loadd(0, ar + 16 * c, as);
+            for (uint32_t kc = 0; kc < n_kc; kc++) {
+                _tile_loadd(6, pa[kc][r0 / 16], 64);
+                ACC_B(0, vx + (size_t)16 * kc * vxs, c);
+            }
+            _tile_stored(0, ar + 16 * c, as);
         }
     }
     pkv__attn_pf_finish(pf);
-    if (rows16 < n_rows) /* the last rows, by vdpbf16ps (its rounding is the same) */
-        pkv__attn_accum_t_bf16dp(p + rows16, rp, n_rows - rows16, v, vrb, n_keys, D, acc + (size_t)rows16 * D, vbuf,
-                                 NULL);
+    if (rows16 < n_rows) { /* the last rows, by vdpbf16ps (its rounding is the same), a run at a time */
+        const float *pt = p + rows16;
+        for (uint32_t i = 0; i < n_runs; pt += (size_t)n[i] * rp, i++)
+            pkv__attn_accum_t_bf16dp(pt, rp, n_rows - rows16, v[i], vrb, n[i], D, acc + (size_t)rows16 * D, vbuf,
+                                     NULL);
+    }
+}
+
+static AMX void accum_t_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                            uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    if (D % 32 || n_rows < 16) {
+        pkv__attn_accum_t_bf16dp(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
+        return;
+    }
+    /* a block of more keys than a call of accum_runs takes: in parts of 64 */
+    for (uint32_t k0 = 0; k0 < n_keys; k0 += PKV__ATTN_T_RUN_KEYS) {
+        const uint8_t *const vk = v + k0 * vrb;
+        const uint32_t nk = PKV_MIN(PKV__ATTN_T_RUN_KEYS, n_keys - k0);
+        accum_runs(p + (size_t)k0 * rp, rp, n_rows, &vk, &nk, 1, vrb, D, acc, vbuf,
+                   k0 + nk < n_keys ? NULL : pf);
+    }
+}
+
+static AMX void accum_tn_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
+                             uint32_t n_runs, size_t vrb, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    if (D % 32 || n_rows < 16) {
+        const float *pt = p;
+        for (uint32_t i = 0; i < n_runs; pt += (size_t)n[i] * rp, i++)
+            pkv__attn_accum_t_bf16dp(pt, rp, n_rows, v[i], vrb, n[i], D, acc, vbuf, i + 1 == n_runs ? pf : NULL);
+        return;
+    }
+    accum_runs(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf);
 }
 
 void pkv__attn_lp_fill_amx(pkv__attn_kernels *kt) {
     pkv__attn_lp_fill_bf16dp(kt);
     kt->score_t[PKV_DTYPE_BF16] = score_t_amx;
     kt->accum_t[PKV_DTYPE_BF16] = accum_t_amx;
+    kt->accum_tn[PKV_DTYPE_BF16] = accum_tn_amx;
     kt->t_enter = amx_enter;
     kt->t_leave = amx_leave;
 }
