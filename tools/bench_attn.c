@@ -87,7 +87,9 @@ static void usage(FILE *f) {
             "  --bf16-dot  every call with PKV_ATTN_BF16_DOT: bf16 K scored by bf16 dot products where\n"
             "              the CPU has them (queries rounded to bf16; pkv.h); the header says whether it\n"
             "              took effect, the JSON lines carry attn_flags; each round also times the\n"
-            "              contiguous layout with the flag and without, calls interleaved (their ratio)\n"
+            "              contiguous layout with the flag and without, calls interleaved (their ratio),\n"
+            "              and the prefill without it after the flag's call (a line of its own, with\n"
+            "              flag / without: on backend avx512-amx the flag's prefill runs on AMX tiles)\n"
             "  --mask      each prefill round also times the prompt through pkv_attn_prefill_masked with\n"
             "              the causal mask (the same keys: what a custom mask costs), its call after the\n"
             "              causal one's; a \"prefill\" line of layout \"masked\" gives its median and the\n"
@@ -1038,6 +1040,9 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     /* rounds of (FMA peak sample, one prefill, FMA peak sample): the peak the machine gives
      * around the call, as the mean of the samples on either side of it */
     double t[ROUNDS_MAX], frac[ROUNDS_MAX], peak[ROUNDS_MAX], tm[ROUNDS_MAX], ratio[ROUNDS_MAX];
+    double tp[ROUNDS_MAX], fratio[ROUNDS_MAX]; /* --bf16-dot: the call without the flag, flag / without */
+    pkv_attn_params plain = p;
+    plain.flags = 0;
     const int reps = opts_rounds(o);
     /* causal: query i sees i + 1 keys; q.k and p.v are one multiply-add each per element */
     const double flop = 4.0 * H_Q * HEAD_DIM * ((double)n_tok * (n_tok + 1) / 2.0);
@@ -1057,6 +1062,12 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
             tm[i] = (double)(tool_now_ns() - t0) * 1e-9;
             ratio[i] = tm[i] / t[i];
         }
+        if (g_attn_flags && rc == 0) { /* the same prompt without the flag, after the flag's call */
+            t0 = tool_now_ns();
+            rc = tool_check(pkv_attn_prefill(s.c, 0, &req, 1, q, out, &plain), "pkv_attn_prefill");
+            tp[i] = (double)(tool_now_ns() - t0) * 1e-9;
+            fratio[i] = t[i] / tp[i];
+        }
     }
     setup_free(&s);
     free(q), free(out), free(mask);
@@ -1065,11 +1076,23 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     const double peak_med = tool_median(peak, (size_t)reps), frac_med = tool_median(frac, (size_t)reps);
     if (o->json)
         printf("{\"bench\":\"attn\",\"kernel\":\"prefill\",\"kv_dtype\":\"%s\",\"ctx\":%u,\"batch\":1,\"threads\":%u,"
-               "\"layout\":\"paged\",\"median_us\":%.1f,\"gflops\":%.2f,\"peak_gflops\":%.2f,\"frac_of_peak\":%.4f}\n",
-               pkv_dtype_name(dt), n_tok, nt, med * 1e6, gflops, peak_med, frac_med);
+               "\"layout\":\"paged\",\"attn_flags\":%u,\"median_us\":%.1f,\"gflops\":%.2f,\"peak_gflops\":%.2f,"
+               "\"frac_of_peak\":%.4f}\n",
+               pkv_dtype_name(dt), n_tok, nt, g_attn_flags, med * 1e6, gflops, peak_med, frac_med);
     else
         printf("%-7s %-8s %6u %5u %3u  %-6s %10.1f %8.2f %8.2f %6.1f%%\n", "prefill", pkv_dtype_name(dt), n_tok, 1, nt,
                "paged", med * 1e6, gflops, peak_med, 100.0 * frac_med);
+    if (g_attn_flags) { /* --bf16-dot: the flag's call / the plain one's, per round */
+        const double pmed = tool_median(tp, (size_t)reps), fmed = tool_median(fratio, (size_t)reps);
+        if (o->json)
+            printf("{\"bench\":\"attn\",\"kernel\":\"prefill\",\"kv_dtype\":\"%s\",\"ctx\":%u,\"batch\":1,"
+                   "\"threads\":%u,\"layout\":\"paged\",\"attn_flags\":0,\"median_us\":%.1f,\"gflops\":%.2f,"
+                   "\"flags_over_plain\":%.4f}\n",
+                   pkv_dtype_name(dt), n_tok, nt, pmed * 1e6, flop / pmed * 1e-9, fmed);
+        else
+            printf("#   prefill without --bf16-dot's flag: %.1f us, %.2f GFLOP/s; flag / without (calls interleaved): %.3f\n",
+                   pmed * 1e6, flop / pmed * 1e-9, fmed);
+    }
     if (mask) { /* the same keys through the causal mask: masked / causal */
         const double mmed = tool_median(tm, (size_t)reps), rmed = tool_median(ratio, (size_t)reps);
         if (o->json)

@@ -1259,25 +1259,25 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
             const float *qt = sc->qt + (size_t)j * rp * D;
             const uint8_t *vr[PKV__ATTN_T_RUNS];
             uint32_t nv[PKV__ATTN_T_RUNS];
-            pkv__attn_pf *pvp = NULL;
             float *st = sc->st;
+            head_io io; /* the last block's, whose pvp (inside it) accum takes */
             for (uint32_t i = 0; i < g; i++) { /* each block's scores below the last's */
                 const unit_block *u = &ub[i];
-                head_io io;
                 (void)head_io_fill(at, u->bid, w->kvh0 + j, w->kvh0, w->kvh0 + w->n_kvh, false, u->t0, u->kn, u->vn,
                                    NULL, 0, &io);
                 score(qt, rp, io.kr, kv->k_row_bytes, u->n_keys, D, st, sc->kbuf, io.pkp);
                 if (u->mask) mask_block(at, w, pos_first, u->kb + u->t0, u->n_keys, st, 1, rp);
                 unit_bias(at, w, w->kvh0 + j, pos_first, u->kb + u->t0, u->n_keys, st, 1, rp);
-                vr[i] = io.vr, nv[i] = u->n_keys, pvp = io.pvp;
+                vr[i] = io.vr, nv[i] = u->n_keys;
                 st += (size_t)u->n_keys * rp;
             }
             kt->softmax_t(sc->st, rp, rows_h, n_keys, sm_cap(at), sc->m + r0, sc->l + r0, sc->acc + (size_t)r0 * Dv,
                           Dv);
             if (g > 1)
-                accum_n(sc->st, rp, rows_h, vr, nv, g, kv->v_row_bytes, Dv, sc->acc + (size_t)r0 * Dv, sc->vbuf, pvp);
+                accum_n(sc->st, rp, rows_h, vr, nv, g, kv->v_row_bytes, Dv, sc->acc + (size_t)r0 * Dv, sc->vbuf, io.pvp);
             else
-                accum(sc->st, rp, rows_h, vr[0], kv->v_row_bytes, n_keys, Dv, sc->acc + (size_t)r0 * Dv, sc->vbuf, pvp);
+                accum(sc->st, rp, rows_h, vr[0], kv->v_row_bytes, n_keys, Dv, sc->acc + (size_t)r0 * Dv, sc->vbuf,
+                      io.pvp);
         }
         b += g - 1;
     }

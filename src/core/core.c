@@ -141,7 +141,6 @@ static void detect_cpu(void) {
     if (__builtin_cpu_supports("avx512dq")) f |= PKV_CPU_AVX512DQ;
     if (__builtin_cpu_supports("avx512vnni")) f |= PKV_CPU_AVX512VNNI;
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-    if (__builtin_cpu_supports("avx512bf16")) f |= PKV_CPU_AVX512BF16;
     if (__builtin_cpu_supports("avx512fp16")) f |= PKV_CPU_AVX512FP16;
 #endif
     /* F16C: CPUID.1:ECX bit 29. The family from EAX: base (bits 8-11), plus the extended family
@@ -161,6 +160,9 @@ static void detect_cpu(void) {
         if (r[0] >= 1) {
             cpuid(7, 1, r);
             if (r[0] & (1u << 4)) f |= PKV_CPU_AVXVNNI;
+            /* AVX512_BF16: CPUID.(7, 1):EAX bit 5, read here too (clang 14 has no name for it),
+               with AVX-512, whose check above includes the OS's ZMM state */
+            if ((r[0] & (1u << 5)) && (f & PKV_CPU_AVX512F)) f |= PKV_CPU_AVX512BF16;
         }
     }
 #if defined(__x86_64__)
