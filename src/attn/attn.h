@@ -585,7 +585,7 @@ typedef void (*pkv__attn_accum_t_fn)(const float *p, uint32_t rp, uint32_t n_row
  * head_dim floats; prefetches pf (the run after the last). Where the table has it, the driver
  * takes a unit's blocks of at most 16 visible keys that many at a time (score_t a block at a
  * time into s's rows, softmax_t over them all): AMX, whose tiles of acc are then loaded and
- * stored once for up to 64 keys, not once a block. */
+ * stored once for up to 32 keys, not once a block (64 measured slower: docs/design.md, stop 86). */
 #define PKV__ATTN_T_RUNS 8u
 #define PKV__ATTN_T_RUN_KEYS 32u
 typedef void (*pkv__attn_accum_tn_fn)(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v,

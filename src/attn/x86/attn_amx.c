@@ -9,11 +9,12 @@
  * 16 K rows straight from the pool (a tile load with the row stride), B the queries as bf16
  * pairs, which is the driver's qt_pairs layout as it stands (lane r of pair i: row r's values
  * 2 i, 2 i + 1 = a tile row of 16 pairs). C goes to s with rp lanes a row, no transposition.
- * accum_t: acc[r][d] += sum_t p[t][r] V[t][d] is C[row][col] = A[row][t] . B[t][col]: A the
- * weights rounded to bf16 in pairs of keys and transposed to rows (32 shuffles for 16 rows x 16
- * keys), B two keys' V rows interleaved into pairs of one column (v_pairs, as the vdpbf16ps
- * path), whose even and odd halves land in acc's even-odd order (attn.h) as that path keeps it;
- * C tiles are loaded from acc and stored back.
+ * accum_t, accum_tn: acc[r][d] += sum_t p[t][r] V[t][d] is C[row][col] = A[row][t] . B[t][col]:
+ * A the weights rounded to bf16 in pairs of keys and transposed to rows (32 shuffles for 16
+ * rows x 8 pairs), B two keys' V rows interleaved into pairs of one column (v_pairs, as the
+ * vdpbf16ps path), whose even and odd halves land in acc's even-odd order (attn.h) as that path
+ * keeps it; C tiles are loaded from acc once for up to 32 keys (accum_tn: the keys of several
+ * 16-token blocks) and stored back.
  *
  * One tile configuration for both (amx_enter, called by the driver before a unit's
  * first block; _leave releases the tiles after its last, so a thread holds no tile state
@@ -26,7 +27,6 @@
 #include <immintrin.h>
 #include <string.h>
 
-#define AMX
 
 /* The configuration: tiles 0-3 C (16 x 16 f32), 4 score's A (16 K rows x 32 bf16), 5 score's B
  * (16 pairs x 16 rows), 6 accum's A (16 rows x 16 pairs: 32 keys), 7 accum's B (16 pairs x 16
@@ -37,7 +37,7 @@ typedef struct {
     uint8_t rows[16];
 } tile_cfg;
 
-static AMX void amx_enter(void) {
+static void amx_enter(void) {
     static const tile_cfg cfg __attribute__((aligned(64))) = {
         .palette = 1,
         .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
@@ -46,7 +46,7 @@ static AMX void amx_enter(void) {
     _tile_loadconfig(&cfg);
 }
 
-static AMX void amx_leave(void) { _tile_release(); }
+static void amx_leave(void) { _tile_release(); }
 
 /* C tiles 0..n-1 (n <= 4, a constant where inlined) += A (tile 4) . B_j, B_j at b + 64 j bytes */
 #define SCORE_DP(j)                                                                                             \
@@ -59,7 +59,7 @@ static AMX void amx_leave(void) { _tile_release(); }
 
 /* One key chunk of 16 rows (ka, stride kas) against rows [n0, n0 + 16 n) of the queries: C[key]
  * [row] into s (stride ss bytes). */
-static inline __attribute__((always_inline)) AMX void score_chunk(const uint32_t *qp, uint32_t rp, const uint8_t *ka,
+static inline __attribute__((always_inline)) void score_chunk(const uint32_t *qp, uint32_t rp, const uint8_t *ka,
                                                                   size_t kas, uint32_t D, float *s, size_t ss,
                                                                   const uint32_t n) {
     const size_t bqs = (size_t)rp * 4;
@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) AMX void score_chunk(const uint32_t
     if (n > 3) C_STORE(3, s, ss);
 }
 
-static inline __attribute__((always_inline)) AMX void score_keys(const uint32_t *qp, uint32_t rp, const uint8_t *ka,
+static inline __attribute__((always_inline)) void score_keys(const uint32_t *qp, uint32_t rp, const uint8_t *ka,
                                                                  size_t kas, uint32_t D, float *s, size_t ss) {
     uint32_t n0 = 0;
     for (; n0 + 64 <= rp; n0 += 64) score_chunk(qp + n0, rp, ka, kas, D, s + n0, ss, 4);
@@ -93,7 +93,7 @@ static inline __attribute__((always_inline)) AMX void score_keys(const uint32_t 
     }
 }
 
-static AMX void score_t_amx(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys,
+static void score_t_amx(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys,
                                uint32_t D, float *s, float *kbuf, pkv__attn_pf *pf) {
     if (D % 32 || rp % 16) {
         pkv__attn_score_t_bf16dp(qt, rp, k, krb, n_keys, D, s, kbuf, pf);
@@ -124,7 +124,7 @@ static AMX void score_t_amx(const float *qt, uint32_t rp, const uint8_t *k, size
 
 /* 16 floats rounded to bf16 (nearest, ties to even), each in the low half of a 32-bit lane (the
  * weights are finite: no NaN) */
-static inline __attribute__((always_inline)) AMX __m512i bf16_round_lo(__m512 x) {
+static inline __attribute__((always_inline)) __m512i bf16_round_lo(__m512 x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
@@ -134,7 +134,7 @@ static inline __attribute__((always_inline)) AMX __m512i bf16_round_lo(__m512 x)
  * 2 j, 2 j + 1 (p + t * rp, lanes r0 .. r0 + 15 already applied; keys past nk: 0), turned into
  * rows by an 8 x 16 transpose of 32-bit lanes (unpack by 32 and 64 bits, then the 128-bit
  * lanes): y[v] = row 2 v's 8 pairs, then row 2 v + 1's. */
-static inline __attribute__((always_inline)) AMX void weights_rows8(const float *p, uint32_t rp, uint32_t nk,
+static inline __attribute__((always_inline)) void weights_rows8(const float *p, uint32_t rp, uint32_t nk,
                                                                     __m512i y[8]) {
     __m512i x[8];
     for (uint32_t j = 0; j < 8; j++) {
@@ -166,7 +166,7 @@ static inline __attribute__((always_inline)) AMX void weights_rows8(const float 
 
 /* The weights of 32 keys (p + t * rp, lanes = 16 rows; keys past nk: 0) as accum's A tile:
  * pa[r * 16 + j] = the bf16 pair of keys 2 j, 2 j + 1 of row r. */
-static inline __attribute__((always_inline)) AMX void weights_a(const float *p, uint32_t rp, uint32_t nk,
+static inline __attribute__((always_inline)) void weights_a(const float *p, uint32_t rp, uint32_t nk,
                                                                 uint32_t *pa) {
     __m512i ya[8], yb[8];
     weights_rows8(p, rp, nk, ya);
@@ -181,7 +181,7 @@ static inline __attribute__((always_inline)) AMX void weights_a(const float *p, 
 
 /* Two keys' V rows interleaved into pairs of one column, per 32-column group: the even columns
  * (the low halves of both rows' 32-bit lanes), then the odd ones (attn_avx512.c: v_pairs). */
-static inline __attribute__((always_inline)) AMX void v_pairs(__m512i A, __m512i B, __m512i *even, __m512i *odd) {
+static inline __attribute__((always_inline)) void v_pairs(__m512i A, __m512i B, __m512i *even, __m512i *odd) {
     const __mmask32 hi = 0xAAAAAAAAu;
     *even = _mm512_mask_blend_epi16(hi, A, _mm512_slli_epi32(B, 16));
     *odd = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(A, 16), B);
@@ -194,10 +194,11 @@ static inline __attribute__((always_inline)) AMX void v_pairs(__m512i A, __m512i
     } while (0)
 
 /* accum over the keys of runs (n[i] V rows at v[i]), their weights p[t * rp + r] in the runs'
- * order, up to 64 keys: every pair of keys interleaved into vx once (vbuf: 32 pairs), the
- * weights of each 16 rows and 32 keys as an A tile (pa), then for each 16 rows and 4 tiles of
- * 16 columns, acc's C tiles loaded once, every 32 keys' A . B added, and stored once. */
-static AMX void accum_runs(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
+ * order, up to PKV__ATTN_T_RUN_KEYS keys: every pair of keys interleaved into vx once (vbuf:
+ * PKV__ATTN_T_RUN_KEYS / 2 pairs), the weights of each 16 rows and 32 keys as an A tile (pa),
+ * then for each 16 rows and 4 tiles of 16 columns, acc's C tiles loaded once, every 32 keys'
+ * A . B added, and stored once. */
+static void accum_runs(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
                            uint32_t n_runs, size_t vrb, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
     const uint32_t rows16 = n_rows & ~15u, NG = D / 32;
     const size_t vxs = (size_t)NG * 128, as = (size_t)D * 4; /* bytes of a pair's columns; of an acc row */
@@ -207,7 +208,8 @@ static AMX void accum_runs(const float *p, uint32_t rp, uint32_t n_rows, const u
     for (uint32_t i = 0; i < n_runs; i++)
         for (uint32_t t = 0; t < n[i]; t++) row[n_keys++] = v[i] + t * vrb;
     const uint32_t n_kc = (n_keys + 31) / 32;
-    uint32_t pa[2][4][16 * 16] __attribute__((aligned(64))); /* [key chunk][16 rows]: A tiles */
+    /* [key chunk][16 rows]: A tiles (rows <= T_ROWS_PAD, 64) */
+    uint32_t pa[(PKV__ATTN_T_RUN_KEYS + 31) / 32][4][16 * 16] __attribute__((aligned(64)));
     pkv__attn_pf_start(pf, n_keys);
     /* the weights first: their stores reach L1 while V is interleaved, before the tile loads */
     for (uint32_t kc = 0; kc < n_kc; kc++)
@@ -265,7 +267,7 @@ static AMX void accum_runs(const float *p, uint32_t rp, uint32_t n_rows, const u
     }
 }
 
-static AMX void accum_t_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
+static void accum_t_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
                             uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
     if (D % 32 || n_rows < 16) {
         pkv__attn_accum_t_bf16dp(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
@@ -280,7 +282,7 @@ static AMX void accum_t_amx(const float *p, uint32_t rp, uint32_t n_rows, const 
     }
 }
 
-static AMX void accum_tn_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
+static void accum_tn_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
                              uint32_t n_runs, size_t vrb, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
     if (D % 32 || n_rows < 16) {
         const float *pt = p;
