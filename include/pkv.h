@@ -798,12 +798,14 @@ typedef struct pkv_attn_params {
  *   is not), so an output moves by up to 2^-8 of the largest |V| it averages.
  * Decode and prefill alike. Elsewhere (other dtypes, other backends, PKV_FORCE_REF) the flag
  * changes nothing. On backend "avx512-amx" (pkv_attn_backend) prefill's units of 16 query rows a
- * kv head and more take bf16 K and V through AMX tiles, with the same rounding: a 2,048-token
+ * kv head and more take bf16 K and V through AMX tiles, their inputs rounded as above (sums in
+ * another order: not the same bits as avx512-vnni's): a 2,048-token
  * bf16 prompt (32 query heads, 8 kv heads, head_dim 128) took 0.42-0.46x the time of the
  * flag's absence and 0.31-0.33x that of vdpbf16ps (avx512-vnni's, which there took 1.35-1.39x
  * the time of no flag) on an Intel Xeon with AMX (family 6 model 167 as reported, stop 86).
  * Head dims and V dims that are not a multiple of 32, and units of fewer than 16 query rows a kv
- * head (decode of fewer than 16 query heads a kv head, short extends), keep vdpbf16ps. */
+ * head (decode of fewer than 16 query heads a kv head, decode read in pool order, short
+ * extends), keep vdpbf16ps. */
 enum { PKV_ATTN_BF16_DOT = 1u };
 /* pkv_attn_params.flags. PKV_ATTN_NONCAUSAL: each query of a pkv_attn_prefill request sees every
  * position its sequence holds, [0, length), whatever its own: an encoder's bidirectional
@@ -998,10 +1000,10 @@ PKV_NODISCARD PKV_API int pkv_attn_merge(uint32_t n_rows, uint32_t head_dim, con
  * score on AVX-VNNI: Intel cores without AVX-512 from Alder Lake and Sierra Forest on),
  * "avx512", "avx512-vnni" (avx512 with the q8_0 / q4_0 score on VNNI), "avx512-amx" (avx512-vnni
  * whose calls with PKV_ATTN_BF16_DOT run bf16 K and V on AMX tiles where a kv head has 16 query
- * rows or more, as prefill does: Intel Xeons from
- * Sapphire Rapids on, 64-bit Linux; creating a cache with it asks the kernel once for the
- * process's AMX state, arch_prctl ARCH_REQ_XCOMP_PERM, which makes signal frames 8 KiB larger,
- * and where the kernel refuses, detection picks avx512-vnni), "neon", "neon-dotprod" (chosen
+ * rows or more, as prefill does: Intel Xeons from Sapphire Rapids on, 64-bit Linux; detection
+ * takes it for a cache whose K or V is bf16 only, and creating such a cache asks the kernel
+ * once a process for its AMX state, arch_prctl ARCH_REQ_XCOMP_PERM, which makes signal frames
+ * 8 KiB larger; where the kernel refuses, detection picks avx512-vnni), "neon", "neon-dotprod" (chosen
  * once at creation from CPU detection; PKV_FORCE_REF=1 in the environment forces "ref" (so does
  * any value but an empty one or "0", "false" and "off" included), and
  * PKV_ATTN_BACKEND=name picks one by name: pkv_cache_create fails with PKV_ENOTSUP when this

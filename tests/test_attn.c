@@ -1489,7 +1489,8 @@ static void test_bf16_dot(void **state) {
     const backend_case *bc = *state;
     need_backend(bc->name);
     g_rng = 0xbf16;
-    static const uint32_t dims[] = {64, 80, 128, 256, 40, 36}; /* 36: past NEON's groups of 8 too */
+    /* 36: past NEON's groups of 8 too; 32 and 96: AMX's smallest head_dim and its split of C tiles */
+    static const uint32_t dims[] = {64, 80, 128, 256, 40, 36, 32, 96};
     /* K and V: bf16 both, bf16 K with f16 or f32 V, bf16 V with f16 or f32 K */
     static const pkv_dtype kv[][2] = {{PKV_DTYPE_BF16, PKV_DTYPE_BF16}, {PKV_DTYPE_BF16, PKV_DTYPE_F16},
                                       {PKV_DTYPE_BF16, PKV_DTYPE_F32},  {PKV_DTYPE_F16, PKV_DTYPE_BF16},
@@ -1503,7 +1504,8 @@ static void test_bf16_dot(void **state) {
         for (size_t hi = 0; hi < sizeof heads / sizeof *heads; hi++)
             for (size_t ti = 0; ti < sizeof kv / sizeof *kv; ti++) {
                 const uint32_t D = dims[di], nqh = heads[hi][0], H = heads[hi][1], G = nqh / H;
-                const uint32_t B = rng_below(3) ? 16 : 1 + rng_below(33), nt = 1 + rng_below(2);
+                /* 64-token blocks too: AMX's accum takes them 32 keys at a time */
+                const uint32_t B = rng_below(3) ? 16 : rng_below(4) ? 1 + rng_below(33) : 64, nt = 1 + rng_below(2);
                 const uint32_t n_seqs = 1 + rng_below(4);
                 uint32_t lens[4], total = 0, most = 0;
                 for (uint32_t i = 0; i < n_seqs; i++) {

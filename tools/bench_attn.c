@@ -1211,7 +1211,7 @@ int tool_bench_attn(int argc, char **argv) {
     /* the backend a cache picks; a cache the library refuses here (the environment's
      * PKV_ATTN_BACKEND, PKV_ATTN_ORDER, PKV_ATTN_SWEEP, PKV_ATTN_PASSES, PKV_ATTN_LEAD or PKV_ATTN_PIECES) ends the
      * run before any measurement */
-    static char backend[32];
+    static char backend[32], backend_bf16[32]; /* an f16 cache's; a bf16 one's (avx512-amx: bf16 only) */
     bool bf16_dot = false;
     {
         pkv_config cfg = pkv_config_default();
@@ -1231,6 +1231,7 @@ int tool_bench_attn(int argc, char **argv) {
         cfg.k_dtype = cfg.v_dtype = PKV_DTYPE_BF16; /* whether --bf16-dot changes anything here */
         if (pkv_cache_create(&cfg, &c) == PKV_OK) {
             bf16_dot = (pkv_attn_flags_used(c) & PKV_ATTN_BF16_DOT) != 0;
+            snprintf(backend_bf16, sizeof backend_bf16, "%s", pkv_attn_backend(c));
             pkv_cache_destroy(c);
         }
     }
@@ -1240,13 +1241,15 @@ int tool_bench_attn(int argc, char **argv) {
     }
     if (o.json)
         printf("{\"bench\":\"attn\",\"kind\":\"machine\",\"cpu\":\"%s\",\"build\":\"%s\",\"backend\":\"%s\","
-               "\"read_gbps_1t\":%.3f,\"read_gbps_2t\":%.3f,\"fma_gflops_1t\":%.2f,\"fma_gflops_2t\":%.2f,"
+               "\"backend_bf16\":\"%s\",\"read_gbps_1t\":%.3f,\"read_gbps_2t\":%.3f,\"fma_gflops_1t\":%.2f,\"fma_gflops_2t\":%.2f,"
                "\"sweep\":\"%s\",\"passes\":\"%s\",\"lead\":\"%s\",\"pieces\":\"%s\",\"bf16_dot\":%s}\n",
-               tool_cpu_name(), tool_build_info(), backend, g_bw[1], g_bw[2], g_peak[1], g_peak[2],
+               tool_cpu_name(), tool_build_info(), backend, backend_bf16, g_bw[1], g_bw[2], g_peak[1], g_peak[2],
                g_wide ? "wide" : "narrow", g_two ? "two" : "one", lead, pieces ? "on" : "off",
                bf16_dot ? "true" : "false");
     else {
-        printf("# %s, %s, attention backend %s\n", tool_cpu_name(), tool_build_info(), backend);
+        printf("# %s, %s, attention backend %s", tool_cpu_name(), tool_build_info(), backend);
+        if (backend_bf16[0] && strcmp(backend, backend_bf16)) printf(" (%s with bf16 K/V)", backend_bf16);
+        printf("\n");
         if (g_attn_flags & PKV_ATTN_BF16_DOT)
             printf("# --bf16-dot: %s\n", bf16_dot ? "bf16 K scored by bf16 dot products (queries rounded to bf16)"
                                                   : "no bf16 dot products here: the calls compute as without it");

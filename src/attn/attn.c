@@ -141,7 +141,7 @@ struct pkv__attn {
     /* per-thread scratch, thread_bytes each: prepared q [ROWS_MAX][QROW], acc [ROWS_MAX][head_dim],
      * m, l [ROWS_MAX], scores [ROWS_MAX][s_stride], the two passes' score window (pass_bytes); where
      * the backend has the transposed
-     * primitives (attn.h: score_t) also qt [T_QT_ROWS][head_dim], scores [s_stride][T_ROWS_PAD],
+     * primitives (attn.h: score_t) also qt [T_QT_ROWS][head_dim], scores [T_S_KEYS][T_ROWS_PAD],
      * kbuf [PKV__ATTN_T_KEYS][head_dim] and vbuf [T_V_ROWS][head_dim] */
     uint8_t *scratch;
     size_t thread_bytes;
@@ -295,13 +295,13 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
 
 /* PKV_FORCE_REF=1 first, then PKV_ATTN_BACKEND=name (an unknown name, or one this CPU or build
  * lacks, makes creation fail with PKV_ENOTSUP rather than run something else), then detection. */
-static const char *auto_backend(void) {
+static const char *auto_backend(const pkv__attn_limits *lim) {
     if (pkv__force_ref()) return "ref";
     const char *named = pkv__env_backend();
     if (named) return named;
 #if defined(__x86_64__) || defined(__i386__)
     const uint32_t f = pkv__cpu_features();
-    if (have_amx(f)) return "avx512-amx";
+    if (lim->bf16 && have_amx(f)) return "avx512-amx"; /* only then is the tile state asked for */
     if (have_avx512(f)) return f & PKV_CPU_AVX512VNNI ? "avx512-vnni" : "avx512";
     if (have_avxvnni(f)) return "avx2-vnni";
     if (have_avx2(f)) return "avx2";
@@ -364,7 +364,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
         lim->n_kv_heads == 0)
         return PKV_EINVAL;
     pkv__attn_kernels kt;
-    const char *want = backend ? backend : auto_backend();
+    const char *want = backend ? backend : auto_backend(lim);
     int rc = build_kernels(want, &kt);
     if (rc < 0) {
         pkv__log(lim->log, lim->log_ctx, PKV_LOG_ERROR,
@@ -1238,7 +1238,9 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
     const pkv__attn_score_t_fn score = kt->score_t[kv->k_dtype];
     const pkv__attn_accum_t_fn accum = kt->accum_t[kv->v_dtype];
     const pkv__attn_accum_tn_fn accum_n = kt->accum_tn[kv->v_dtype];
-    if (kt->t_enter) kt->t_enter();
+    /* the transposed path's set-up, where this call's primitives have one (AMX: bf16) */
+    const bool hooks = kt->t_enter && (kt->t_dtype == kv->k_dtype || kt->t_dtype == kv->v_dtype);
+    if (hooks) kt->t_enter();
     for (uint32_t b = b0; b < b1; b++) {
         unit_block ub[PKV__ATTN_T_RUNS];
         ub[0] = unit_block_at(at, it, b, b1, k_lo, k_hi, pos_first, lo_last);
@@ -1281,7 +1283,7 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
         }
         b += g - 1;
     }
-    if (kt->t_leave) kt->t_leave();
+    if (hooks) kt->t_leave();
 }
 
 static void run_unit(void *ctx, uint32_t u, uint32_t tid) {

@@ -103,6 +103,9 @@ typedef struct pkv__attn_limits {
     uint32_t max_items;          /* items per pkv__attn_run call */
     uint32_t max_blocks_per_seq;
     uint32_t n_kv_heads, head_dim, block_tokens;
+    /* K or V is bf16: automatic selection takes "avx512-amx" where the CPU has AMX (whose tiles
+       serve bf16 alone), asking Linux for the tile state then and only then */
+    bool bf16;
     pkv_executor exec; /* parallel_for set: the caller's executor (n_threads = its n_workers) */
     pkv_log_fn log;    /* where create says why it refuses (NULL: silent) */
     void *log_ctx;
@@ -614,10 +617,11 @@ typedef struct pkv__attn_kernels {
      * i < (head_dim + 1) / 2; else qt is f32 [head_dim][rp] */
     bool qt_pairs[PKV_DTYPE_COUNT];
     /* NULL, or called by the driver on the thread that runs a unit's blocks through score_t and
-     * accum_t: t_enter before the first, t_leave after the last (AMX: the tile configuration,
+     * accum_t where K or V is of t_dtype: t_enter before the first, t_leave after the last (AMX: the tile configuration,
      * loaded once a unit, and released, so that no tile state outlives the unit) */
     void (*t_enter)(void);
     void (*t_leave)(void);
+    pkv_dtype t_dtype; /* the K or V dtype whose transposed primitives need t_enter */
 } pkv__attn_kernels;
 
 /* Even-odd order (the AVX-512 bf16 kernels): each full group of 32 of a row's head_dim values,

@@ -1,7 +1,8 @@
 /* attn_amx.c: the transposed primitives (attn.h: score_t, accum_t) for bf16 K and V by Intel AMX
- * tiles (AMX-BF16: Sapphire Rapids and later Xeons), in calls with PKV_ATTN_BF16_DOT: the same
- * rounding as the vdpbf16ps kernels of attn_avx512.c (queries times scale and softmax weights
- * rounded to bf16, nearest even; products exact, sums in f32), at the tiles' rate: one
+ * tiles (AMX-BF16: Sapphire Rapids and later Xeons), in calls with PKV_ATTN_BF16_DOT: the
+ * inputs rounded as by the vdpbf16ps kernels of attn_avx512.c (queries times scale and softmax
+ * weights to bf16, nearest even; products exact, sums in f32, in another order: not the same
+ * bits), at the tiles' rate: one
  * tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 f32 sums, 16 times the
  * products of a 512-bit FMA (stop 86: 3.9 TFLOP/s a core against 0.25 for f32 FMAs).
  *
@@ -26,6 +27,11 @@
 
 #include <immintrin.h>
 #include <string.h>
+
+/* GCC's tile intrinsics are asm statements with no memory operand: this fence tells the compiler
+ * that the C stores before it (pa, vx, kbuf) are read by the tile loads after it, and that the
+ * tile stores before it (s, sb, acc) are read by whatever C reads those after it. */
+#define TILE_FENCE() __asm__ volatile("" ::: "memory")
 
 
 /* The configuration: tiles 0-3 C (16 x 16 f32), 4 score's A (16 K rows x 32 bf16), 5 score's B
@@ -115,11 +121,14 @@ static void score_t_amx(const float *qt, uint32_t rp, const uint8_t *k, size_t k
             else memset(kb + (size_t)t * 2 * D, 0, (size_t)2 * D);
         }
         for (uint32_t n0 = 0; n0 < rp; n0 += 16) { /* 16 rows at a time through sb (1 KiB) */
+            TILE_FENCE(); /* kb's rows written, sb's last scores read */
             score_chunk(qp + n0, rp, kb, (size_t)2 * D, D, sb, 64, 1);
+            TILE_FENCE();
             for (uint32_t t = 0; t < nk; t++) memcpy(s + (size_t)(t0 + t) * rp + n0, sb + 16 * t, 64);
         }
     }
     pkv__attn_pf_finish(pf);
+    TILE_FENCE();
 }
 
 /* 16 floats rounded to bf16 (nearest, ties to even), each in the low half of a 32-bit lane (the
@@ -228,6 +237,7 @@ static void accum_runs(const float *p, uint32_t rp, uint32_t n_rows, const uint8
         if (one) pkv__attn_pf_step(pf);
         if (two) pkv__attn_pf_step(pf);
     }
+    TILE_FENCE();
     for (uint32_t r0 = 0; r0 < rows16; r0 += 16) {
         float *ar = acc + (size_t)r0 * D;
         uint32_t c = 0;
@@ -259,7 +269,8 @@ static void accum_runs(const float *p, uint32_t rp, uint32_t n_rows, const uint8
         }
     }
     pkv__attn_pf_finish(pf);
-    if (rows16 < n_rows) { /* the last rows, by vdpbf16ps (its rounding is the same), a run at a time */
+    TILE_FENCE();
+    if (rows16 < n_rows) { /* the last rows, by vdpbf16ps (the same rounding of their inputs), a run at a time */
         const float *pt = p + rows16;
         for (uint32_t i = 0; i < n_runs; pt += (size_t)n[i] * rp, i++)
             pkv__attn_accum_t_bf16dp(pt, rp, n_rows - rows16, v[i], vrb, n[i], D, acc + (size_t)rows16 * D, vbuf,
@@ -273,7 +284,7 @@ static void accum_t_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint
         pkv__attn_accum_t_bf16dp(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
         return;
     }
-    /* a block of more keys than a call of accum_runs takes: in parts of 64 */
+    /* a block of more keys than a call of accum_runs takes: in parts of PKV__ATTN_T_RUN_KEYS */
     for (uint32_t k0 = 0; k0 < n_keys; k0 += PKV__ATTN_T_RUN_KEYS) {
         const uint8_t *const vk = v + k0 * vrb;
         const uint32_t nk = PKV_MIN(PKV__ATTN_T_RUN_KEYS, n_keys - k0);
@@ -300,4 +311,5 @@ void pkv__attn_lp_fill_amx(pkv__attn_kernels *kt) {
     kt->accum_tn[PKV_DTYPE_BF16] = accum_tn_amx;
     kt->t_enter = amx_enter;
     kt->t_leave = amx_leave;
+    kt->t_dtype = PKV_DTYPE_BF16;
 }
