@@ -249,10 +249,26 @@ typedef struct backend_case {
 
 /* A context with the named backend. "avx512-emu" is the AVX-512 kernels compiled for AVX2
  * (src/attn/x86/avx512_emu.h) over the avx2 table, when CMake linked them in (SIMDe found). */
+#ifdef PKV_TEST_AMX_EMU
+/* "avx512-amx-emu": avx512-vnni whose PKV_ATTN_BF16_DOT table is the AMX one, its tiles emulated */
+static void fill_amx_emu(pkv__attn_kernels *kt) {
+    kt->name = "avx512-amx-emu";
+    kt->lp_fill = pkv__attn_lp_fill_amx_emu;
+}
+#endif
+
 static int create_named(const char *backend, uint32_t n_threads, const pkv__attn_limits *lim, pkv__attn **out) {
 #ifdef PKV_HAVE_AVX512_EMU
     if (!strcmp(backend, "avx512-emu"))
         return pkv__attn_create_extended(NULL, n_threads, lim, "avx2", pkv__attn_fill_avx512_emu, out);
+    if (!strcmp(backend, "avx512-amx-emu")) { /* its fallbacks are the vdpbf16ps kernels */
+#ifdef PKV_TEST_AMX_EMU
+        if (!(pkv__cpu_features() & PKV_CPU_AVX512BF16)) return PKV_ENOTSUP;
+        return pkv__attn_create_extended(NULL, n_threads, lim, "avx512-vnni", fill_amx_emu, out);
+#else
+        return PKV_ENOTSUP;
+#endif
+    }
 #endif
     return pkv__attn_create_backend(NULL, n_threads, lim, backend, out);
 }
@@ -1595,7 +1611,7 @@ static void test_bf16_dot(void **state) {
 }
 
 static backend_case g_ref = {"ref"}, g_avx2 = {"avx2"}, g_avx512 = {"avx512"}, g_avx512_emu = {"avx512-emu"},
-                    g_neon = {"neon"}, g_amx = {"avx512-amx"};
+                    g_neon = {"neon"}, g_amx = {"avx512-amx"}, g_amx_emu = {"avx512-amx-emu"};
 
 #define PER_BACKEND(fn)                                                                                            \
     cmocka_unit_test_prestate(fn, &g_ref), cmocka_unit_test_prestate(fn, &g_avx2),                                 \
@@ -1626,6 +1642,8 @@ int main(void) {
         /* avx512-amx differs from avx512-vnni only in calls with PKV_ATTN_BF16_DOT */
         cmocka_unit_test_prestate(test_bf16_dot, &g_amx),
         cmocka_unit_test_prestate(test_oracle_bf16_dot, &g_amx),
+        cmocka_unit_test_prestate(test_bf16_dot, &g_amx_emu),
+        cmocka_unit_test_prestate(test_oracle_bf16_dot, &g_amx_emu),
         cmocka_unit_test(test_inline_threshold_counts_heads),
         cmocka_unit_test(test_pool_order_choice),
         cmocka_unit_test(test_bad_input),

@@ -674,6 +674,9 @@ void pkv__attn_accum_t_bf16dp(const float *p, uint32_t rp, uint32_t n_rows, cons
 /* x86/attn_amx.c (where the build has AMX: PKV_HAVE_AMX): the lp_fill of backend "avx512-amx",
  * pkv__attn_lp_fill_bf16dp's table with the transposed bf16 primitives on AMX tiles */
 void pkv__attn_lp_fill_amx(pkv__attn_kernels *kt);
+/* tests/amx_emu.c: the same with the tile instructions emulated in C (x86/amx_emu.h), for
+ * test_attn's "avx512-amx-emu" on CPUs with AVX-512 BF16 and no AMX */
+void pkv__attn_lp_fill_amx_emu(pkv__attn_kernels *kt);
 /* arm/attn_bf16dot.c: the lp_fill of NEON where the CPU has bf16 (BFDOT): bf16 prep_q, score, accum */
 void pkv__attn_lp_fill_neon_bf16(pkv__attn_kernels *kt);
 

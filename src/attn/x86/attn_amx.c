@@ -27,6 +27,18 @@
 
 #include <immintrin.h>
 #include <string.h>
+#ifdef PKV_AMX_EMU /* tests only: the tile instructions emulated in C */
+#include "amx_emu.h"
+#define PKV__AMX_LP_FILL pkv__attn_lp_fill_amx_emu
+#else
+#define PKV__AMX_LP_FILL pkv__attn_lp_fill_amx
+#define TILE_CFG(c) _tile_loadconfig(c)
+#define TILE_RELEASE() _tile_release()
+#define TILE_LOAD(t, p, s) _tile_loadd(t, p, s)
+#define TILE_STORE(t, p, s) _tile_stored(t, p, s)
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#endif
 
 /* GCC's tile intrinsics are asm statements with no memory operand: this fence tells the compiler
  * that the C stores before it (pa, vx, kbuf) are read by the tile loads after it, and that the
@@ -49,19 +61,19 @@ static void amx_enter(void) {
         .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
         .rows = {16, 16, 16, 16, 16, 16, 16, 16},
     };
-    _tile_loadconfig(&cfg);
+    TILE_CFG(&cfg);
 }
 
-static void amx_leave(void) { _tile_release(); }
+static void amx_leave(void) { TILE_RELEASE(); }
 
 /* C tiles 0..n-1 (n <= 4, a constant where inlined) += A (tile 4) . B_j, B_j at b + 64 j bytes */
 #define SCORE_DP(j)                                                                                             \
     do {                                                                                                        \
-        _tile_loadd(5, bq + 64 * (j), bqs);                                                                     \
-        _tile_dpbf16ps(j, 4, 5);                                                                                \
+        TILE_LOAD(5, bq + 64 * (j), bqs);                                                                       \
+        TILE_DP(j, 4, 5);                                                                                       \
     } while (0)
-#define C_ZERO(j) _tile_zero(j)
-#define C_STORE(j, dst, stride) _tile_stored(j, (dst) + 16 * (j), stride)
+#define C_ZERO(j) TILE_ZERO(j)
+#define C_STORE(j, dst, stride) TILE_STORE(j, (dst) + 16 * (j), stride)
 
 /* One key chunk of 16 rows (ka, stride kas) against rows [n0, n0 + 16 n) of the queries: C[key]
  * [row] into s (stride ss bytes). */
@@ -74,7 +86,7 @@ static inline __attribute__((always_inline)) void score_chunk(const uint32_t *qp
     if (n > 2) C_ZERO(2);
     if (n > 3) C_ZERO(3);
     for (uint32_t g = 0; g < D / 32; g++) { /* 32 values of head_dim: 16 pairs */
-        _tile_loadd(4, ka + 64 * (size_t)g, kas);
+        TILE_LOAD(4, ka + 64 * (size_t)g, kas);
         const uint8_t *bq = (const uint8_t *)(qp + (size_t)16 * g * rp);
         if (n > 0) SCORE_DP(0);
         if (n > 1) SCORE_DP(1);
@@ -198,8 +210,8 @@ static inline __attribute__((always_inline)) void v_pairs(__m512i A, __m512i B, 
 
 #define ACC_B(j, vxk, c)                                                                                        \
     do {                                                                                                        \
-        _tile_loadd(7, (vxk) + 64 * (c), vxs);                                                                  \
-        _tile_dpbf16ps(j, 6, 7);                                                                                \
+        TILE_LOAD(7, (vxk) + 64 * (c), vxs);                                                                    \
+        TILE_DP(j, 6, 7);                                                                                       \
     } while (0)
 
 /* accum over the keys of runs (n[i] V rows at v[i]), their weights p[t * rp + r] in the runs'
@@ -242,30 +254,30 @@ static void accum_runs(const float *p, uint32_t rp, uint32_t n_rows, const uint8
         float *ar = acc + (size_t)r0 * D;
         uint32_t c = 0;
         for (; c + 4 <= 2 * NG; c += 4) { /* 4 C tiles of acc held over the keys, B (tile 7) by turns */
-            _tile_loadd(0, ar + 16 * c, as);
-            _tile_loadd(1, ar + 16 * (c + 1), as);
-            _tile_loadd(2, ar + 16 * (c + 2), as);
-            _tile_loadd(3, ar + 16 * (c + 3), as);
+            TILE_LOAD(0, ar + 16 * c, as);
+            TILE_LOAD(1, ar + 16 * (c + 1), as);
+            TILE_LOAD(2, ar + 16 * (c + 2), as);
+            TILE_LOAD(3, ar + 16 * (c + 3), as);
             for (uint32_t kc = 0; kc < n_kc; kc++) {
                 const uint8_t *vxk = vx + (size_t)16 * kc * vxs;
-                _tile_loadd(6, pa[kc][r0 / 16], 64);
+                TILE_LOAD(6, pa[kc][r0 / 16], 64);
                 ACC_B(0, vxk, c);
                 ACC_B(1, vxk, c + 1);
                 ACC_B(2, vxk, c + 2);
                 ACC_B(3, vxk, c + 3);
             }
-            _tile_stored(0, ar + 16 * c, as);
-            _tile_stored(1, ar + 16 * (c + 1), as);
-            _tile_stored(2, ar + 16 * (c + 2), as);
-            _tile_stored(3, ar + 16 * (c + 3), as);
+            TILE_STORE(0, ar + 16 * c, as);
+            TILE_STORE(1, ar + 16 * (c + 1), as);
+            TILE_STORE(2, ar + 16 * (c + 2), as);
+            TILE_STORE(3, ar + 16 * (c + 3), as);
         }
         for (; c < 2 * NG; c++) {
-            _tile_loadd(0, ar + 16 * c, as);
+            TILE_LOAD(0, ar + 16 * c, as);
             for (uint32_t kc = 0; kc < n_kc; kc++) {
-                _tile_loadd(6, pa[kc][r0 / 16], 64);
+                TILE_LOAD(6, pa[kc][r0 / 16], 64);
                 ACC_B(0, vx + (size_t)16 * kc * vxs, c);
             }
-            _tile_stored(0, ar + 16 * c, as);
+            TILE_STORE(0, ar + 16 * c, as);
         }
     }
     pkv__attn_pf_finish(pf);
@@ -304,7 +316,7 @@ static void accum_tn_amx(const float *p, uint32_t rp, uint32_t n_rows, const uin
     accum_runs(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf);
 }
 
-void pkv__attn_lp_fill_amx(pkv__attn_kernels *kt) {
+void PKV__AMX_LP_FILL(pkv__attn_kernels *kt) {
     pkv__attn_lp_fill_bf16dp(kt);
     kt->score_t[PKV_DTYPE_BF16] = score_t_amx;
     kt->accum_t[PKV_DTYPE_BF16] = accum_t_amx;
