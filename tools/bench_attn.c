@@ -1013,6 +1013,15 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
 /* A short sample of the f32 FMA peak at nt threads, GFLOP/s (0 where there is no FMA loop). */
 static double peak_sample(uint32_t nt) { return fma_available() ? fma_peak_n((int)nt, 1, 100000000ull / 16) : 0; }
 
+/* A prefill JSON line beside the main one: layout (and what follows it: a JSON fragment), the
+ * median time, GFLOP/s, and a ratio against the main call under its name. */
+static void prefill_json_extra(pkv_dtype dt, uint32_t n_tok, uint32_t nt, const char *layout, double med, double flop,
+                               const char *ratio_name, double ratio) {
+    printf("{\"bench\":\"attn\",\"kernel\":\"prefill\",\"kv_dtype\":\"%s\",\"ctx\":%u,\"batch\":1,\"threads\":%u,"
+           "\"layout\":%s,\"median_us\":%.1f,\"gflops\":%.2f,\"%s\":%.4f}\n",
+           pkv_dtype_name(dt), n_tok, nt, layout, med * 1e6, flop / med * 1e-9, ratio_name, ratio);
+}
+
 static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t nt, tool_rng *rng) {
     setup s;
     int rc = setup_make(&s, dt, n_tok, 1, 1, nt, 1, NULL, rng, 100);
@@ -1085,10 +1094,7 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     if (g_attn_flags) { /* --bf16-dot: the flag's call / the plain one's, per round */
         const double pmed = tool_median(tp, (size_t)reps), fmed = tool_median(fratio, (size_t)reps);
         if (o->json)
-            printf("{\"bench\":\"attn\",\"kernel\":\"prefill\",\"kv_dtype\":\"%s\",\"ctx\":%u,\"batch\":1,"
-                   "\"threads\":%u,\"layout\":\"paged\",\"attn_flags\":0,\"median_us\":%.1f,\"gflops\":%.2f,"
-                   "\"flags_over_plain\":%.4f}\n",
-                   pkv_dtype_name(dt), n_tok, nt, pmed * 1e6, flop / pmed * 1e-9, fmed);
+            prefill_json_extra(dt, n_tok, nt, "\"paged\",\"attn_flags\":0", pmed, flop, "flags_over_plain", fmed);
         else
             printf("#   prefill without --bf16-dot's flag: %.1f us, %.2f GFLOP/s; flag / without (calls interleaved): %.3f\n",
                    pmed * 1e6, flop / pmed * 1e-9, fmed);
@@ -1096,10 +1102,7 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     if (mask) { /* the same keys through the causal mask: masked / causal */
         const double mmed = tool_median(tm, (size_t)reps), rmed = tool_median(ratio, (size_t)reps);
         if (o->json)
-            printf("{\"bench\":\"attn\",\"kernel\":\"prefill\",\"kv_dtype\":\"%s\",\"ctx\":%u,\"batch\":1,"
-                   "\"threads\":%u,\"layout\":\"masked\",\"median_us\":%.1f,\"gflops\":%.2f,"
-                   "\"masked_over_causal\":%.4f}\n",
-                   pkv_dtype_name(dt), n_tok, nt, mmed * 1e6, flop / mmed * 1e-9, rmed);
+            prefill_json_extra(dt, n_tok, nt, "\"masked\"", mmed, flop, "masked_over_causal", rmed);
         else
             printf("%-7s %-8s %6u %5u %3u  %-6s %10.1f %8.2f  masked/causal %.3f\n", "prefill", pkv_dtype_name(dt), n_tok,
                    1, nt, "masked", mmed * 1e6, flop / mmed * 1e-9, rmed);
