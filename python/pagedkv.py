@@ -714,7 +714,8 @@ class Cache:
     @property
     @_in_call
     def backend(self):
-        """The attention kernel family in use ("ref", "avx2", "avx2-vnni", "avx512", "avx512-vnni", "neon", ...)."""
+        """The attention kernel family in use ("ref", "avx2", "avx2-vnni", "avx512", "avx512-vnni", "avx512-amx",
+        "neon", ...)."""
         return _lib.pkv_attn_backend(self._h()).decode()
 
     @property

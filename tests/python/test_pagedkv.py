@@ -328,6 +328,18 @@ class TestAttention(Base):
                     self.assertLessEqual(err, 2.0 ** -7 * float(np.abs(V).max()), "bf16_dot decode %d" % i)
                 else:
                     self.assertClose(out[i], want, 1e-5, "bf16_dot decode %d" % i)
+            # a prefill of 40 positions: 160 query rows a kv head, the transposed kernels (AMX tiles
+            # on backend avx512-amx)
+            s, start, n = seqs[1], 160, 40
+            qp = self.rng.standard_normal((n, Hq, D)).astype(np.float32)
+            outp = c.prefill(0, [(s, start, n)], qp, bf16_dot=True)
+            qpr = pkv.bf16_value(pkv.bf16_bits(qp / np.sqrt(D))) if used else qp / np.sqrt(D)
+            K, V = c.gather(s, 0)
+            for j in range(n):
+                want, _ = ref_attn(qpr[j], K[:start + j + 1], V[:start + j + 1], 1.0)
+                err = float(np.abs(outp[j].astype(np.float64) - want).max())
+                bound = 2.0 ** -7 * float(np.abs(V).max()) if used else 1e-5 * max(1.0, float(np.abs(want).max()))
+                self.assertLessEqual(err, bound, "bf16_dot prefill, position %d (%s)" % (start + j, c.backend))
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=8, n_threads=1) as c:  # f16: nothing to take
             self.assertFalse(c.bf16_dot_used)
 
