@@ -404,6 +404,29 @@ static float bf16_round(float x) {
     return x;
 }
 
+/* check_item's error in units of the tolerance of (kdt, vdt), for a call whose kernels may have
+ * rounded as PKV_ATTN_BF16_DOT lets them: where K was scored in bf16 (lp_k) the reference takes
+ * the queries times scale rounded to bf16 (and scale 1); where p.V took bf16 weights (lp_v) the
+ * tolerance is TOL_BF16_DOT more. */
+static double check_item_lp(const tpool *p, const tseq *s, uint32_t nqh, const pkv__attn_item *it,
+                            const pkv__attn_call *call, pkv_dtype kdt, pkv_dtype vdt, bool lp_k, bool lp_v,
+                            double *lse_err) {
+    const uint32_t D = p->D;
+    pkv__attn_item ri = *it;
+    pkv__attn_call rc = *call;
+    float *qr = NULL;
+    if (lp_k) {
+        const size_t n = (size_t)it->n_q * nqh * D;
+        qr = malloc(sizeof(float) * n);
+        for (size_t x = 0; x < n; x++) qr[x] = bf16_round(it->q[x] * call->scale);
+        ri.q = qr, rc.scale = 1.0f;
+    }
+    const double tol = (lp_v ? TOL_BF16_DOT : 0) + tol_for(kdt, vdt) * dim_factor(D);
+    const double e = check_item(p, s, nqh, &ri, &rc, lse_err) / tol;
+    free(qr);
+    return e;
+}
+
 typedef struct oracle_opts {
     int prefill;     /* 0: decode items (one query at the end); 1: prefill / extend items */
     int softcap;     /* random soft-cap */
@@ -610,18 +633,7 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
            kernels round (test_bf16_dot), the reference's queries rounded alike and the weights'
            rounding on top */
         const bool lp_k = o->bf16_dot && pkv__attn_lp(at, kdt), lp_v = o->bf16_dot && pkv__attn_lp_v(at, vdt);
-        pkv__attn_item ri = items[i];
-        pkv__attn_call rc = call;
-        float *qr = NULL;
-        if (lp_k) {
-            const size_t n = (size_t)items[i].n_q * nqh * D;
-            qr = malloc(sizeof(float) * n);
-            for (size_t x = 0; x < n; x++) qr[x] = bf16_round(items[i].q[x] * call.scale);
-            ri.q = qr, rc.scale = 1.0f;
-        }
-        const double tol = (lp_v ? TOL_BF16_DOT : 0) + tol_for(kdt, vdt) * dim_factor(D);
-        double e = check_item(&p, &seqs[i], nqh, &ri, &rc, worst_lse) / tol;
-        free(qr);
+        const double e = check_item_lp(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_k, lp_v, worst_lse);
         if (!(e <= *worst)) {
             *worst = e;
             if (e > 1.0)
@@ -1575,21 +1587,13 @@ static void test_bf16_dot(void **state) {
                 for (uint32_t i = 0; i < n_seqs; i++) {
                     const size_t n = (size_t)items[i].n_q * nqh;
                     differs |= memcmp(plain[i], items[i].out, sizeof(float) * n * D) != 0;
-                    /* the reference's queries: rounded to bf16 after the scale where the kernel does */
-                    float *qr = malloc(sizeof(float) * n * D);
-                    for (size_t x = 0; x < n * D; x++) qr[x] = lp_k ? bf16_round(items[i].q[x] * call.scale) : items[i].q[x];
-                    pkv__attn_item ri = items[i];
-                    ri.q = qr;
-                    pkv__attn_call rc = call;
-                    if (lp_k) rc.scale = 1.0f;
-                    const double tol = (lp_v ? TOL_BF16_DOT : 0) + tol_for(kv[ti][0], kv[ti][1]) * dim_factor(D);
-                    const double e = check_item(&p, &seqs[i], nqh, &ri, &rc, &worst_lse) / tol;
+                    const double e =
+                        check_item_lp(&p, &seqs[i], nqh, &items[i], &call, kv[ti][0], kv[ti][1], lp_k, lp_v, &worst_lse);
                     if (e > 1.0)
                         print_message("  fail: %s D=%u q/kv=%u/%u B=%u K=%s V=%s len=%u q_pos0=%u n_q=%u thr=%u: err %.3g\n",
                                       bc->name, D, nqh, H, B, pkv_dtype_name(kv[ti][0]), pkv_dtype_name(kv[ti][1]),
                                       lens[i], items[i].q_pos0, items[i].n_q, nt, e);
                     worst = fmax(worst, e);
-                    free(qr);
                 }
                 /* the flag changes the results exactly where a kernel of its own ran (and some query sees
                    two keys: over one key the output is its V whatever the score) */

@@ -149,36 +149,33 @@ static void detect_cpu(void) {
     uint32_t r[4];
     cpuid(1, 0, r);
     if (r[2] & (1u << 29)) f |= PKV_CPU_F16C;
+    const uint32_t ecx1 = r[2];
     uint32_t family = (r[0] >> 8) & 0xFu;
     if (family == 0xFu) family += (r[0] >> 20) & 0xFFu;
-    /* AVX-VNNI: CPUID.(7, 1):EAX bit 4 (read here: __builtin_cpu_supports has no name for it in
-     * clang 14), where leaf 7 exists (CPUID.0:EAX, the last leaf) and has subleaf 1 (CPUID.(7,
-     * 0):EAX, the last subleaf); only with AVX2, whose check above includes the OS's YMM state */
+    /* leaf 7 where it exists (CPUID.0:EAX, the last leaf): l7 its subleaf 0, zeros elsewhere */
+    uint32_t l7[4] = {0, 0, 0, 0};
     cpuid(0, 0, r);
-    if (r[0] >= 7 && (f & PKV_CPU_AVX2)) {
-        cpuid(7, 0, r);
-        if (r[0] >= 1) {
-            cpuid(7, 1, r);
-            if (r[0] & (1u << 4)) f |= PKV_CPU_AVXVNNI;
-            /* AVX512_BF16: CPUID.(7, 1):EAX bit 5, read here too (clang 14 has no name for it),
-               with AVX-512, whose check above includes the OS's ZMM state */
-            if ((r[0] & (1u << 5)) && (f & PKV_CPU_AVX512F)) f |= PKV_CPU_AVX512BF16;
-        }
+    if (r[0] >= 7) cpuid(7, 0, l7);
+    /* AVX-VNNI: CPUID.(7, 1):EAX bit 4 (read here: __builtin_cpu_supports has no name for it in
+     * clang 14), where leaf 7 has subleaf 1 (CPUID.(7, 0):EAX, the last subleaf); only with AVX2,
+     * whose check above includes the OS's YMM state */
+    if (l7[0] >= 1 && (f & PKV_CPU_AVX2)) {
+        cpuid(7, 1, r);
+        if (r[0] & (1u << 4)) f |= PKV_CPU_AVXVNNI;
+        /* AVX512_BF16: CPUID.(7, 1):EAX bit 5, read here too (clang 14 has no name for it), with
+           AVX-512, whose check above includes the OS's ZMM state */
+        if ((r[0] & (1u << 5)) && (f & PKV_CPU_AVX512F)) f |= PKV_CPU_AVX512BF16;
     }
 #if defined(__x86_64__)
     /* AMX: CPUID.(7, 0):EDX bits 24 (tiles) and 22 (bf16), and XCR0 bits 17-18 (the OS saves
      * XTILECFG and XTILEDATA; OSXSAVE, CPUID.1:ECX bit 27, says xgetbv may be executed) */
-    cpuid(0, 0, r);
-    if (r[0] >= 7) {
-        cpuid(7, 0, r);
-        const uint32_t edx7 = r[3];
-        cpuid(1, 0, r);
-        if ((edx7 & (1u << 24)) && (edx7 & (1u << 22)) && (r[2] & (1u << 27))) {
-            uint32_t lo, hi;
-            __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-            if ((lo & (3u << 17)) == (3u << 17)) f |= PKV_CPU_AMX_BF16;
-        }
+    if ((l7[3] & (1u << 24)) && (l7[3] & (1u << 22)) && (ecx1 & (1u << 27))) {
+        uint32_t lo, hi;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        if ((lo & (3u << 17)) == (3u << 17)) f |= PKV_CPU_AMX_BF16;
     }
+#else
+    (void)ecx1;
 #endif
     if (__builtin_cpu_is("amd")) {
         if (family == 0x19u) f |= PKV_CPU_AVX512_HALVES | PKV_CPU_VICTIM_L3; /* Zen 3 and 4 */

@@ -27,6 +27,8 @@
 
 #include <immintrin.h>
 #include <string.h>
+
+#include "bf16_x86.h" /* bf16_round_lo, v_pairs: the vdpbf16ps kernels' own */
 #ifdef PKV_AMX_EMU /* tests only: the tile instructions emulated in C */
 #include "amx_emu.h"
 #define PKV__AMX_LP_FILL pkv__attn_lp_fill_amx_emu
@@ -143,14 +145,6 @@ static void score_t_amx(const float *qt, uint32_t rp, const uint8_t *k, size_t k
     TILE_FENCE();
 }
 
-/* 16 floats rounded to bf16 (nearest, ties to even), each in the low half of a 32-bit lane (the
- * weights are finite: no NaN) */
-static inline __attribute__((always_inline)) __m512i bf16_round_lo(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-}
-
 /* Pairs of keys' weights of 16 rows as 8 vectors: x[j] lane r = row r's bf16 weights of keys
  * 2 j, 2 j + 1 (p + t * rp, lanes r0 .. r0 + 15 already applied; keys past nk: 0), turned into
  * rows by an 8 x 16 transpose of 32-bit lanes (unpack by 32 and 64 bits, then the 128-bit
@@ -198,14 +192,6 @@ static inline __attribute__((always_inline)) void weights_a(const float *p, uint
         _mm512_storeu_si512((void *)(pa + 32 * v), _mm512_shuffle_i32x4(ya[v], yb[v], 0x44));
         _mm512_storeu_si512((void *)(pa + 32 * v + 16), _mm512_shuffle_i32x4(ya[v], yb[v], 0xEE));
     }
-}
-
-/* Two keys' V rows interleaved into pairs of one column, per 32-column group: the even columns
- * (the low halves of both rows' 32-bit lanes), then the odd ones (attn_avx512.c: v_pairs). */
-static inline __attribute__((always_inline)) void v_pairs(__m512i A, __m512i B, __m512i *even, __m512i *odd) {
-    const __mmask32 hi = 0xAAAAAAAAu;
-    *even = _mm512_mask_blend_epi16(hi, A, _mm512_slli_epi32(B, 16));
-    *odd = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(A, 16), B);
 }
 
 #define ACC_B(j, vxk, c)                                                                                        \

@@ -22,7 +22,8 @@
 #define PKV__AVX512_FILL pkv__attn_fill_avx512
 #define PKV__AVX512_NAME "avx512"
 #endif
-#include "fp8_x86.h" /* fp8 e4m3 rows widened for the transposed primitives */
+#include "bf16_x86.h" /* bf16 rounding and V pairs, shared with attn_amx.c */
+#include "fp8_x86.h"  /* fp8 e4m3 rows widened for the transposed primitives */
 
 static inline __m512 ld_f32(const void *p) { return _mm512_loadu_ps(p); }
 static inline __m512 ld_f16(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
@@ -456,14 +457,6 @@ static inline __m512bh as_bh(__m512i x) {
     memcpy(&r, &x, sizeof r);
     return r;
 }
-/* 16 floats rounded to bf16 (nearest, ties to even): the high halves of u + 0x7fff + (bit 16 of u),
- * as 16 words (NaN does not occur: the queries are finite, the weights in [0, e^8]). */
-static inline __attribute__((always_inline)) __m256i bf16_round16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
 /* Query rows times scale rounded to bf16, in K's own order, zeros past head_dim up to a multiple
  * of 32 values (a row's room is QROW bytes, head_dim floats: enough). The product is taken in
  * f32 and then rounded; q and scale are finite, so a product that overflows rounds to infinity. */
@@ -564,13 +557,7 @@ static BF16DP void score_bf16dp(const void *qp, uint32_t n_rows, const uint8_t *
  * blend each). Tiles of 4 rows x 64 columns (16 accumulators) as there; a key's prefetch share
  * per column tile as there; the columns past the last full group (head_dim not a multiple of 32)
  * with the f32 weights. */
-/* A 32-column group of two V rows (keys 2 j and 2 j + 1) as pairs of one column: the even columns
- * from the low halves of both rows' 32-bit lanes, the odd ones from the high halves. */
-static inline __attribute__((always_inline)) void v_pairs(__m512i A, __m512i B, __m512i *even, __m512i *odd) {
-    const __mmask32 hi = 0xAAAAAAAAu;
-    *even = _mm512_mask_blend_epi16(hi, A, _mm512_slli_epi32(B, 16));
-    *odd = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(A, 16), B);
-}
+/* v_pairs (bf16_x86.h): a 32-column group of two V rows as pairs of one column. */
 /* The columns [d0, D) past the last full group, in natural order, with the f32 weights
  * p[r * rs + t * ts] of rows r < R and keys t < nk. */
 static inline void accum_tail_cols(const float *p, size_t rs, size_t ts, uint32_t R, const uint8_t *vk, size_t vrb,
@@ -766,8 +753,8 @@ static BF16DP void accum_t_bf16dp(const float *p, uint32_t rp, uint32_t n_rows, 
         for (uint32_t r16 = 0; r16 < n_rows; r16 += 16) {
             for (uint32_t j = 0; j < np; j++) { /* keys k0 + 2 j and + 1 of rows r16 .. r16 + 15 */
                 const float *p0 = p + (size_t)(k0 + 2 * j) * rp + r16;
-                const __m512i lo = _mm512_cvtepu16_epi32(bf16_round16(_mm512_loadu_ps(p0)));
-                const __m512i h = 2 * j + 1 < nk ? _mm512_cvtepu16_epi32(bf16_round16(_mm512_loadu_ps(p0 + rp)))
+                const __m512i lo = bf16_round_lo(_mm512_loadu_ps(p0));
+                const __m512i h = 2 * j + 1 < nk ? bf16_round_lo(_mm512_loadu_ps(p0 + rp))
                                                  : _mm512_setzero_si512();
                 _mm512_storeu_si512((void *)(pb + 16 * j), _mm512_or_si512(lo, _mm512_slli_epi32(h, 16)));
             }
