@@ -5,7 +5,8 @@ Input format (fuzz/fuzz_api.c): byte 0 = config (block size 4/1/3/16 in bits 0-1
 layers in bit 7), byte 1 = pool size, byte 2 = prompt set (0xff: prefix cache off; bit 2:
 attention in pool order), then the call script read by pm_step (op byte, then its operand
 bytes). Each seed covers one config with a script biased towards one theme (matches, eviction
-pressure, forks/truncates, pins, attention over them)."""
+pressure, forks/truncates, pins, attention over them). The corpus's regress-NN files are
+not written here: each is an input a fuzz run once failed on, kept as found (minimized)."""
 import os
 import random
 

@@ -873,6 +873,13 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         want_rc = PKV_EINVAL;
     }
     if (bad == 8) ap.flags = 4u, want_rc = PKV_EINVAL; /* a flag pkv.h does not define */
+    /* non-causal queries past the positions a sequence may hold (pkv.h: max_blocks_per_seq x
+       block_tokens), as the queries added above make of a full sequence; requests are checked in
+       order, a stale id (bad 5, the last) before its own count */
+    for (uint32_t i = 0; noncausal && i < n && want_rc != PKV_EINVAL; i++)
+        if (!(bad == 5 && want_rc == PKV_ENOENT && i == n - 1) &&
+            reqs[i].n_q > (uint64_t)w->cfg.max_blocks_per_seq * w->B)
+            want_rc = PKV_EINVAL;
     /* custom masks (pkv_attn_prefill_masked) for some requests (NULL for the others), where the
        call has no window or chunks, over keys [0, q_start + n_q) or (non-causal) the sequence:
        the reference's own rule (causal, or every key), random bits (dense or sparse), causal

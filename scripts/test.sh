@@ -11,7 +11,9 @@
 # stage, default 200000: about 10 s there), PKV_THR_ITERS (threaded test
 # iterations, default 2000; the TSan stage uses PKV_TSAN_THR_ITERS, default 1000),
 # PKV_ASAN_ATTN_MAX_LEN (the longest oracle context in the ASan stage, default 400),
-# PKV_FUZZ_SECONDS (default 30), PKV_FUZZ_RUNS (default 2000000), PKV_SKIP_ARM64 (1: skip the
+# PKV_FUZZ_SECONDS (default 30), PKV_FUZZ_RUNS (default 2000000), PKV_FUZZ_SEED (libFuzzer's
+# -seed, default 1: the same mutations on every run of one commit, so that a stage fails or
+# passes for the code and not for the draw; 0 draws one, as libFuzzer does), PKV_SKIP_ARM64 (1: skip the
 # arm64 stage), PKV_SKIP_I386 (1: skip the i386 stage), JOBS (default nproc).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -140,9 +142,9 @@ if [ -f fuzz/fuzz_api.c ]; then
         work=$(mktemp -d)
         seeds=()
         [ -d fuzz/corpus ] && seeds=(fuzz/corpus)
-        echo "=== [fuzz] fuzz_api -runs=${PKV_FUZZ_RUNS:-2000000} -max_total_time=${PKV_FUZZ_SECONDS:-30}"
+        echo "=== [fuzz] fuzz_api -seed=${PKV_FUZZ_SEED:-1} -runs=${PKV_FUZZ_RUNS:-2000000} -max_total_time=${PKV_FUZZ_SECONDS:-30}"
         # new inputs go to a scratch corpus (first directory); fuzz/corpus only seeds the run
-        if ASAN_OPTIONS=detect_leaks=1 ./build-fuzz/fuzz_api -runs="${PKV_FUZZ_RUNS:-2000000}" \
+        if ASAN_OPTIONS=detect_leaks=1 ./build-fuzz/fuzz_api -seed="${PKV_FUZZ_SEED:-1}" -runs="${PKV_FUZZ_RUNS:-2000000}" \
             -max_total_time="${PKV_FUZZ_SECONDS:-30}" -print_final_stats=1 "$work" "${seeds[@]}" \
             >"$LOG_DIR/fuzz.run" 2>&1; then
             summary+=("[fuzz] $(grep -E '^Done|stat::number_of_executed_units' "$LOG_DIR/fuzz.run" | tr '\n' ' ') ($(($(date +%s) - t0)) s)")
