@@ -872,7 +872,7 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
         w->aq[pm_below(src, nq * Hq * D)] = refused[pm_byte(src) % 5];
         want_rc = PKV_EINVAL;
     }
-    if (bad == 8) ap.flags = 4u, want_rc = PKV_EINVAL; /* a flag pkv.h does not define */
+    if (bad == 8) ap.flags = 8u, want_rc = PKV_EINVAL; /* a flag pkv.h does not define */
     /* non-causal queries past the positions a sequence may hold (pkv.h: max_blocks_per_seq x
        block_tokens), as the queries added above make of a full sequence; requests are checked in
        order, a stale id (bad 5, the last) before its own count */

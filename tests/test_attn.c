@@ -254,6 +254,7 @@ typedef struct backend_case {
 static void fill_amx_emu(pkv__attn_kernels *kt) {
     kt->name = "avx512-amx-emu";
     kt->lp_fill = pkv__attn_lp_fill_amx_emu;
+    kt->f16_fill = pkv__attn_f16_fill_amx_emu;
 }
 #endif
 
@@ -427,6 +428,66 @@ static double check_item_lp(const tpool *p, const tseq *s, uint32_t nqh, const p
     return e;
 }
 
+/* ---- PKV_ATTN_F16_AS_BF16 ---------------------------------------------------------------------
+ * Where it applies (pkv__attn_f16bf: avx512-amx), a unit of the transposed path (16 rows a kv
+ * head and more) with head_dim a multiple of 32 scores f16 K as bf16 against its queries times
+ * scale rounded to bf16; with v_dim a multiple of 32 its first rows in 16s take f16 V as bf16 and
+ * their weights rounded to bf16. Other units, and a unit's rows past a multiple of 16 for V,
+ * compute as without the flag. Which unit a row fell in is the planner's business, so each
+ * output row is checked against the two references it may have taken, exact or with the queries
+ * times scale and K rounded as the tiles round them, and counts the nearer; V's side is in the
+ * tolerance: its values' rounding moves an output by up to 2^-8 of max |V|, the weights' by
+ * 2^-8 more (TOL_BF16_DOT: 2^-7, once the bound; lp_v: a bf16 V's weights under PKV_ATTN_BF16_DOT,
+ * the same). The lse likewise (the weights' rounding does not move it). */
+static double check_item_f16bf(const tpool *p, const tseq *s, uint32_t nqh, const pkv__attn_item *it,
+                               const pkv__attn_call *c, pkv_dtype kdt, pkv_dtype vdt, bool lp_v, double *lse_err) {
+    const uint32_t D = p->D;
+    const bool rk = kdt == PKV_DTYPE_F16 && D % 32 == 0, rv = vdt == PKV_DTYPE_F16 && D % 32 == 0;
+    tseq sr = *s;
+    float *kr = NULL, *qr = malloc(sizeof(float) * nqh * D);
+    if (rk) {
+        const size_t n = (size_t)s->len * p->H * D;
+        kr = malloc(sizeof(float) * (n + 1));
+        for (size_t x = 0; x < n; x++) kr[x] = bf16_round(s->kf[x]);
+        sr.kf = kr;
+    }
+    double *ro[2], *rl[2], worst = 0;
+    for (int r = 0; r < 2; r++) ro[r] = malloc(sizeof(double) * nqh * D), rl[r] = malloc(sizeof(double) * nqh);
+    for (uint32_t qi = 0; qi < it->n_q; qi++) {
+        const ref_mask mk = {.bits = it->mask, .bit0 = (uint64_t)qi * it->mask_row, .n = it->mask_row};
+        const float *q = it->q + (size_t)qi * nqh * D;
+        const uint32_t pos = (it->mask ? it->mask_pos0 : it->q_pos0) + qi;
+        ref_query(p, s, nqh, q, pos, c->scale, c->softcap, c->window, c->chunk, c->sinks, c->alibi,
+                  it->mask ? &mk : NULL, ro[0], rl[0]);
+        if (rk) {
+            for (uint32_t x = 0; x < nqh * D; x++) qr[x] = bf16_round(q[x] * c->scale);
+            ref_query(p, &sr, nqh, qr, pos, 1.0, c->softcap, c->window, c->chunk, c->sinks, c->alibi,
+                      it->mask ? &mk : NULL, ro[1], rl[1]);
+        }
+        for (uint32_t h = 0; h < nqh; h++) {
+            double e[2] = {0, 0}, le[2] = {0, 0};
+            for (int r = 0; r < (rk ? 2 : 1); r++) {
+                for (uint32_t d = 0; d < D; d++) {
+                    const double x = fabs((double)it->out[((size_t)qi * nqh + h) * D + d] - ro[r][h * D + d]) /
+                                     fmax(s->vmax, 1e-30);
+                    e[r] = isnan(x) ? INFINITY : fmax(e[r], x);
+                }
+                if (it->lse) {
+                    const float got = it->lse[(size_t)qi * nqh + h];
+                    le[r] = isinf(rl[r][h]) ? (got == -INFINITY ? 0 : INFINITY)
+                                            : fabs((double)got - rl[r][h]) / fmax(1.0, fabs(rl[r][h]));
+                    if (isnan(le[r])) le[r] = INFINITY;
+                }
+            }
+            const double eh = rk ? fmin(e[0], e[1]) : e[0], lh = rk ? fmin(le[0], le[1]) : le[0];
+            worst = fmax(worst, eh), *lse_err = fmax(*lse_err, lh);
+        }
+    }
+    for (int r = 0; r < 2; r++) free(ro[r]), free(rl[r]);
+    free(qr), free(kr);
+    return worst / ((rv || lp_v ? TOL_BF16_DOT : 0) + tol_for(kdt, vdt) * dim_factor(D));
+}
+
 typedef struct oracle_opts {
     int prefill;     /* 0: decode items (one query at the end); 1: prefill / extend items */
     int softcap;     /* random soft-cap */
@@ -439,6 +500,7 @@ typedef struct oracle_opts {
     uint32_t len_cap;      /* 0: rand_len() alone; else contexts of at most this many tokens */
     int bf16_dot;          /* calls with PKV_ATTN_BF16_DOT, bf16 K (V bf16 or drawn): the reference takes
                               the queries rounded as the kernel does, the tolerance TOL_BF16_DOT more */
+    int f16bf;             /* calls with PKV_ATTN_F16_AS_BF16, f16 K (V f16 or drawn): check_item_f16bf */
 } oracle_opts;
 
 /* ALiBi slopes for nqh heads into a: one case in two the models' own, 2^(-8 (h + 1) / nqh); else
@@ -598,6 +660,7 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         for (uint32_t h = 0; h < nqh; h++) alibi[h] = PKV_MAX(-most, PKV_MIN(alibi[h], most));
     }
     if (o->bf16_dot) call.flags = PKV_ATTN_BF16_DOT;
+    if (o->f16bf) call.flags |= PKV_ATTN_F16_AS_BF16;
     assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
     /* The row path in two passes (a window's K, then its V: attn.c, pass_window) or in one gives
      * the same bits; windows of 1 to 3 blocks put their edges everywhere, 0 the default size. */
@@ -633,7 +696,9 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
            kernels round (test_bf16_dot), the reference's queries rounded alike and the weights'
            rounding on top */
         const bool lp_k = o->bf16_dot && pkv__attn_lp(at, kdt), lp_v = o->bf16_dot && pkv__attn_lp_v(at, vdt);
-        const double e = check_item_lp(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_k, lp_v, worst_lse);
+        const double e = o->f16bf && pkv__attn_f16bf(at, kdt, vdt)
+                             ? check_item_f16bf(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_v, worst_lse)
+                             : check_item_lp(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_k, lp_v, worst_lse);
         if (!(e <= *worst)) {
             *worst = e;
             if (e > 1.0)
@@ -659,6 +724,7 @@ static void run_oracle_dims(const char *backend, const oracle_opts *o, uint64_t 
     g_rng = seed;
     for (size_t ti = 0; ti < sizeof k_types / sizeof *k_types; ti++) {
         if (o->bf16_dot && k_types[ti] != PKV_DTYPE_BF16) continue;
+        if (o->f16bf && k_types[ti] != PKV_DTYPE_F16) continue;
         double worst = 0, worst_lse = 0;
         for (size_t di = 0; di < n_dims; di++)
             for (size_t hi = 0; hi < 4; hi++) {
@@ -668,7 +734,7 @@ static void run_oracle_dims(const char *backend, const oracle_opts *o, uint64_t 
                 oracle_case(backend, nt, dims[di], k_heads[hi][0], k_heads[hi][1], kdt, vdt, o, &worst, &worst_lse);
             }
         print_message("  %s K=%s%s%s%s%s%s%s%s%s: max err %.3g of the tolerance, lse err %.3g\n", backend,
-                      pkv_dtype_name(k_types[ti]), o->bf16_dot ? " bf16-dot" : "", o->prefill ? " prefill" : " decode",
+                      pkv_dtype_name(k_types[ti]), o->bf16_dot ? " bf16-dot" : o->f16bf ? " f16-as-bf16" : "", o->prefill ? " prefill" : " decode",
                       o->softcap ? " softcap" : "",
                       o->window ? " window" : "", o->chunk ? " chunk" : "", o->mask ? " mask" : "", o->sinks ? " sinks" : "",
                       o->alibi ? " alibi" : "", worst, worst_lse);
@@ -857,6 +923,121 @@ static void test_oracle_mask(void **state) {
     run_oracle(bc->name, &o, 317);
     o.softcap = o.sinks = o.alibi = 1;
     run_oracle(bc->name, &o, 318);
+}
+
+/* PKV_ATTN_F16_AS_BF16 (check_item_f16bf): decode and extends of under and over 16 rows a kv
+ * head, head_dims that are and are not a multiple of 32, f16 K or V beside the other dtypes,
+ * with PKV_ATTN_BF16_DOT or without. Where pkv__attn_f16bf says the flag changes nothing
+ * (every backend but avx512-amx), and for a head_dim not a multiple of 32, the bits are those of
+ * the call without it; on avx512-amx some cases must differ (the tiles ran). */
+static void test_f16_as_bf16(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    g_rng = 0xf16bf;
+    static const uint32_t dims[] = {64, 128, 32, 96, 80, 40};
+    static const pkv_dtype kv[][2] = {{PKV_DTYPE_F16, PKV_DTYPE_F16}, {PKV_DTYPE_F16, PKV_DTYPE_F32},
+                                      {PKV_DTYPE_F32, PKV_DTYPE_F16}, {PKV_DTYPE_F16, PKV_DTYPE_BF16},
+                                      {PKV_DTYPE_BF16, PKV_DTYPE_F16}};
+    static const uint32_t heads[][2] = {{1, 1}, {8, 8}, {32, 8}, {8, 1}, {32, 2}};
+    double worst = 0, worst_lse = 0;
+    uint32_t n_used = 0, n_differ = 0, n_cases = 0;
+    for (size_t di = 0; di < sizeof dims / sizeof *dims; di++)
+        for (size_t hi = 0; hi < sizeof heads / sizeof *heads; hi++)
+            for (size_t ti = 0; ti < sizeof kv / sizeof *kv; ti++) {
+                const uint32_t D = dims[di], nqh = heads[hi][0], H = heads[hi][1], G = nqh / H;
+                const uint32_t B = rng_below(3) ? 16 : rng_below(4) ? 1 + rng_below(33) : 64, nt = 1 + rng_below(2);
+                const uint32_t n_seqs = 1 + rng_below(4);
+                uint32_t lens[4], total = 0, most = 0;
+                for (uint32_t i = 0; i < n_seqs; i++) {
+                    lens[i] = 1 + rng_below(rng_below(2) ? 40 : PKV_MIN(600u, max_len()));
+                    const uint32_t nb = (lens[i] + B - 1) / B;
+                    total += nb, most = nb > most ? nb : most;
+                }
+                tpool p;
+                pool_init(&p, H, D, B, total + 3, kv[ti][0], kv[ti][1]);
+                tseq seqs[4];
+                const float kmul = (float)(0.5 + 3.5 * rng_unit());
+                for (uint32_t i = 0; i < n_seqs; i++) seq_make(&p, &seqs[i], lens[i], kmul);
+                pkv__attn *at = make_attn(bc->name, nt, n_seqs, most, H, D, B);
+                if (!at) {
+                    for (uint32_t i = 0; i < n_seqs; i++) seq_free(&seqs[i]);
+                    pool_free(&p);
+                    skip();
+                }
+                const bool used = pkv__attn_f16bf(at, kv[ti][0], kv[ti][1]);
+                const bool dot = rng_below(2); /* PKV_ATTN_BF16_DOT beside it: the tables of both */
+                const bool lp_k = dot && pkv__attn_lp(at, kv[ti][0]), lp_v = dot && pkv__attn_lp_v(at, kv[ti][1]);
+                n_used += used, n_cases++;
+                pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
+                pkv__attn_item items[4];
+                float *plain[4];
+                for (uint32_t i = 0; i < n_seqs; i++) {
+                    uint32_t n_q = 1, pos0 = lens[i] - 1;
+                    if (rng_below(3)) { /* an extend: under 16 rows a kv head (the row path) or more */
+                        const uint32_t cap = rng_below(4) ? 64 : 15 / G;
+                        const uint32_t most_q = cap < lens[i] ? cap : lens[i];
+                        n_q = most_q ? 1 + rng_below(most_q) : 1;
+                        pos0 = rng_below(lens[i] - n_q + 1);
+                    }
+                    const size_t n = (size_t)n_q * nqh;
+                    items[i] = (pkv__attn_item){.block_table = seqs[i].table, .q_pos0 = pos0, .n_q = n_q,
+                                                .q = rand_q(n * D), .out = malloc(sizeof(float) * n * D),
+                                                .lse = malloc(sizeof(float) * n)};
+                    plain[i] = malloc(sizeof(float) * n * D);
+                }
+                call.flags = dot ? PKV_ATTN_BF16_DOT : 0;
+                assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
+                for (uint32_t i = 0; i < n_seqs; i++)
+                    memcpy(plain[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
+                call.flags |= PKV_ATTN_F16_AS_BF16;
+                assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
+                bool differs = false;
+                for (uint32_t i = 0; i < n_seqs; i++) {
+                    const size_t n = (size_t)items[i].n_q * nqh;
+                    differs |= memcmp(plain[i], items[i].out, sizeof(float) * n * D) != 0;
+                    /* with BF16_DOT too, a bf16 K rounds its queries in every unit (check_item_lp), an
+                       f16 V beside it in the tiles' (in the tolerance, as a bf16 V's weights) */
+                    const bool rv = used && kv[ti][1] == PKV_DTYPE_F16 && D % 32 == 0;
+                    const double e =
+                        used && !lp_k
+                            ? check_item_f16bf(&p, &seqs[i], nqh, &items[i], &call, kv[ti][0], kv[ti][1], lp_v,
+                                               &worst_lse)
+                            : check_item_lp(&p, &seqs[i], nqh, &items[i], &call, kv[ti][0], kv[ti][1], lp_k,
+                                            lp_v || rv, &worst_lse);
+                    if (e > 1.0)
+                        print_message("  fail: %s D=%u q/kv=%u/%u B=%u K=%s V=%s len=%u q_pos0=%u n_q=%u thr=%u dot=%d: err %.3g\n",
+                                      bc->name, D, nqh, H, B, pkv_dtype_name(kv[ti][0]), pkv_dtype_name(kv[ti][1]),
+                                      lens[i], items[i].q_pos0, items[i].n_q, nt, dot, e);
+                    worst = fmax(worst, e);
+                }
+                if (!used || D % 32) assert_false(differs);
+                n_differ += differs;
+                for (uint32_t i = 0; i < n_seqs; i++) {
+                    free((void *)items[i].q), free(items[i].out), free(items[i].lse), free(plain[i]);
+                    seq_free(&seqs[i]);
+                }
+                pkv__attn_destroy(at);
+                pool_free(&p);
+            }
+    print_message("  %s: the flag applied in %u of %u cases and changed the results of %u; max err %.3g of the "
+                  "tolerance, lse err %.3g\n", bc->name, n_used, n_cases, n_differ, worst, worst_lse);
+    if (n_used) assert_true(n_differ > 0);
+    assert_true(worst <= 1.0);
+    assert_true(worst_lse <= TOL_LSE);
+}
+
+/* PKV_ATTN_F16_AS_BF16 with the driver's parameters, as test_oracle_bf16_dot for bf16 */
+static void test_oracle_f16_as_bf16(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    oracle_opts o = {.f16bf = 1, .prefill = 1};
+    run_oracle(bc->name, &o, 341);
+    o.softcap = o.window = o.sinks = 1;
+    run_oracle(bc->name, &o, 342);
+    o = (oracle_opts){.f16bf = 1, .prefill = 1, .chunk = 1, .alibi = 1};
+    run_oracle(bc->name, &o, 343);
+    o = (oracle_opts){.f16bf = 1, .prefill = 1, .mask = 1, .softcap = 1, .len_cap = 700};
+    run_oracle(bc->name, &o, 344);
 }
 
 /* PKV_ATTN_BF16_DOT with every parameter the driver applies between score and accum (soft-cap,
@@ -1643,11 +1824,17 @@ int main(void) {
         PER_BACKEND(test_quant_dtypes_supported_or_enotsup),
         PER_BACKEND(test_bf16_dot),
         PER_BACKEND(test_oracle_bf16_dot),
-        /* avx512-amx differs from avx512-vnni only in calls with PKV_ATTN_BF16_DOT */
+        /* avx512-amx differs from avx512-vnni only in calls with PKV_ATTN_BF16_DOT or
+           PKV_ATTN_F16_AS_BF16 */
         cmocka_unit_test_prestate(test_bf16_dot, &g_amx),
         cmocka_unit_test_prestate(test_oracle_bf16_dot, &g_amx),
         cmocka_unit_test_prestate(test_bf16_dot, &g_amx_emu),
         cmocka_unit_test_prestate(test_oracle_bf16_dot, &g_amx_emu),
+        PER_BACKEND(test_f16_as_bf16),
+        cmocka_unit_test_prestate(test_f16_as_bf16, &g_amx),
+        cmocka_unit_test_prestate(test_f16_as_bf16, &g_amx_emu),
+        cmocka_unit_test_prestate(test_oracle_f16_as_bf16, &g_amx),
+        cmocka_unit_test_prestate(test_oracle_f16_as_bf16, &g_amx_emu),
         cmocka_unit_test(test_inline_threshold_counts_heads),
         cmocka_unit_test(test_pool_order_choice),
         cmocka_unit_test(test_bad_input),

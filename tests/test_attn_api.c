@@ -368,7 +368,7 @@ static void test_api_bad_input(void **state) {
     p.scale = -0.5f;
     assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
     p.scale = 0;
-    p.flags = 4u; /* a flag pkv.h does not define */
+    p.flags = 8u; /* a flag pkv.h does not define */
     assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
     p.flags = 0;
     assert_int_equal(pkv_attn_decode(NULL, 0, &s.id, 1, q, out, &p), PKV_EINVAL);
@@ -414,7 +414,7 @@ static void test_api_bad_input(void **state) {
                 !strcmp(be, "avx512-vnni") || !strcmp(be, "avx512-amx") || !strcmp(be, "neon") ||
                 !strcmp(be, "neon-dotprod"));
     /* PKV_ATTN_BF16_DOT: accepted on any cache; with f16 K/V it changes nothing (the same bits) */
-    assert_int_equal(pkv_attn_flags_used(c), 0u);
+    assert_int_equal(pkv_attn_flags_used(c) & PKV_ATTN_BF16_DOT, 0u);
     assert_int_equal(pkv_attn_flags_used(NULL), 0u);
     float plain[NQH * D];
     assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, plain, &p), PKV_OK);
@@ -429,6 +429,16 @@ static void test_api_bad_input(void **state) {
  * stay within the bound pkv.h states: scores from queries rounded to bf16, outputs within 2^-8
  * of max |V| of those (test_attn.c checks the kernels on every shape; here the cache's own
  * dispatch, decode and prefill, and the backend the environment picks). */
+/* x rounded to bf16, nearest even (the kernels' rounding under PKV_ATTN_BF16_DOT and
+ * PKV_ATTN_F16_AS_BF16) */
+static float bf16r(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
 static void test_api_bf16_dot(void **state) {
     (void)state;
     static host_seq s;
@@ -459,12 +469,7 @@ static void test_api_bf16_dot(void **state) {
     pr.scale = 1.0f;
     const float scale = 1.0f / sqrtf((float)D);
     for (size_t i = 0; i < sizeof q / sizeof *q; i++) {
-        float x = q[i] * scale;
-        uint32_t u;
-        memcpy(&u, &x, sizeof u);
-        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-        memcpy(&x, &u, sizeof x);
-        qr[i] = used ? x : q[i];
+        qr[i] = used ? bf16r(q[i] * scale) : q[i];
     }
     if (!used) pr.scale = 0;
     check_tol(&s, 0, qr, out, NULL, 197, 3, &pr, used ? 1.0 / 128.0 : TOL);
@@ -477,6 +482,49 @@ static void test_api_bf16_dot(void **state) {
     p.flags = 0;
     assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, plain, &p), PKV_OK);
     assert_true((memcmp(plain, out, sizeof out) != 0) == used);
+    pkv_cache_destroy(c);
+}
+
+/* PKV_ATTN_F16_AS_BF16 through the API: an f16 cache says whether its backend takes the flag
+ * (pkv_attn_flags_used: avx512-amx; head_dim 64 here), a decode (4 rows a kv head: the row path)
+ * gives the same bits with it, and a prefill of 16 queries (64 rows a kv head: AMX's tiles)
+ * differs exactly where it is used, within 2^-7 of max |V| of the reference over K and the
+ * queries times scale rounded to bf16 (test_attn.c checks the kernels on every shape). */
+static void test_api_f16_as_bf16(void **state) {
+    (void)state;
+    static host_seq s, sr;
+    pkv_cache *c = make_cache(PKV_DTYPE_F16, 2, 0);
+    seq_new(c, PKV_DTYPE_F16, &s, 200, 0);
+    const uint32_t used = pkv_attn_flags_used(c);
+    const bool amx = !strcmp(pkv_attn_backend(c), "avx512-amx");
+    assert_int_equal(used & PKV_ATTN_F16_AS_BF16, amx ? PKV_ATTN_F16_AS_BF16 : 0u);
+    assert_int_equal(used & PKV_ATTN_BF16_DOT, 0u);
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = NQH;
+    static float q[16 * NQH * D], plain[16 * NQH * D], out[16 * NQH * D], qr[16 * NQH * D];
+    for (size_t i = 0; i < sizeof q / sizeof *q; i++) q[i] = 2.0f * rnd();
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, plain, &p), PKV_OK);
+    p.flags = PKV_ATTN_F16_AS_BF16;
+    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_OK);
+    assert_memory_equal(plain, out, sizeof(float) * NQH * D);
+    const pkv_attn_req r = {s.id, 180, 16};
+    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_OK);
+    p.flags = 0;
+    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, plain, &p), PKV_OK);
+    assert_true((memcmp(plain, out, sizeof out) != 0) == amx);
+    if (!amx) {
+        check_tol(&s, 0, q, out, NULL, 180, 16, &p, TOL);
+    } else {
+        sr = s;
+        for (uint32_t t = 0; t < s.len; t++)
+            for (uint32_t h = 0; h < H; h++)
+                for (uint32_t d = 0; d < D; d++) sr.k[0][t][h][d] = bf16r(s.k[0][t][h][d]);
+        const float scale = 1.0f / sqrtf((float)D);
+        for (size_t i = 0; i < sizeof q / sizeof *q; i++) qr[i] = bf16r(q[i] * scale);
+        pkv_attn_params pr = p;
+        pr.scale = 1.0f;
+        check_tol(&sr, 0, qr, out, NULL, 180, 16, &pr, 1.0 / 128.0);
+    }
     pkv_cache_destroy(c);
 }
 
@@ -805,7 +853,7 @@ static void test_api_noncausal(void **state) {
                 if (bad == 2) pb.alibi_slopes = slopes;
                 if (bad == 3) rb[3].q_start = 1;
                 if (bad == 4) rb[1].seq = s[3].id; /* empty */
-                if (bad == 5) pb.flags |= 4u;
+                if (bad == 5) pb.flags |= 8u;
                 if (bad == 7) rb[1].n_q = 0x7fffffffu; /* past what a sequence may hold (checked first) */
                 if (bad == 6) {
                     const int32_t par[2] = {-1, 0};
@@ -2572,6 +2620,7 @@ int main(void) {
         cmocka_unit_test(test_api_shared_prefix),
         cmocka_unit_test(test_api_bad_input),
         cmocka_unit_test(test_api_bf16_dot),
+        cmocka_unit_test(test_api_f16_as_bf16),
         cmocka_unit_test(test_api_merge_cascade),
         cmocka_unit_test(test_api_merge_values),
         cmocka_unit_test(test_api_sinks),

@@ -130,9 +130,9 @@ struct pkv__attn {
     uint64_t inline_elems; /* plans under this many K/V elements run on the caller alone */
     pkv_allocator a;
     size_t alloc_bytes;
-    /* the backend's table, and a copy of it with its lp_fill applied (PKV_ATTN_BF16_DOT); kt, one
-     * of the two, is the current call's */
-    pkv__attn_kernels kt_tab[2];
+    /* the backend's table; copies of it with its lp_fill applied (PKV_ATTN_BF16_DOT: [1]), its
+     * f16_fill ([2]) or both ([3]); kt, one of the four, is the current call's (flags_table) */
+    pkv__attn_kernels kt_tab[4];
     const pkv__attn_kernels *kt;
     pkv__attn_limits lim;
     uint32_t n_threads;
@@ -274,6 +274,7 @@ static int build_kernels(const char *want, pkv__attn_kernels *kt) {
         if (amx) {
             kt->name = "avx512-amx";
             kt->lp_fill = pkv__attn_lp_fill_amx;
+            kt->f16_fill = pkv__attn_f16_fill_amx;
         }
 #endif
         return PKV_OK;
@@ -301,7 +302,7 @@ static const char *auto_backend(const pkv__attn_limits *lim) {
     if (named) return named;
 #if defined(__x86_64__) || defined(__i386__)
     const uint32_t f = pkv__cpu_features();
-    if (lim->bf16 && have_amx(f)) return "avx512-amx"; /* only then is the tile state asked for */
+    if (lim->amx && have_amx(f)) return "avx512-amx"; /* only then is the tile state asked for */
     if (have_avx512(f)) return f & PKV_CPU_AVX512VNNI ? "avx512-vnni" : "avx512";
     if (have_avxvnni(f)) return "avx2-vnni";
     if (have_avx2(f)) return "avx2";
@@ -439,6 +440,8 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->alloc_bytes = total;
     at->kt_tab[0] = at->kt_tab[1] = kt;
     if (kt.lp_fill) kt.lp_fill(&at->kt_tab[1]);
+    at->kt_tab[2] = at->kt_tab[0], at->kt_tab[3] = at->kt_tab[1];
+    if (kt.f16_fill) kt.f16_fill(&at->kt_tab[2]), kt.f16_fill(&at->kt_tab[3]);
     at->kt = &at->kt_tab[0];
     at->lim = *lim;
     at->lim.max_items = max_items;
@@ -506,6 +509,12 @@ bool pkv__attn_lp_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {
     return at && (unsigned)k_dtype < PKV_DTYPE_COUNT && (unsigned)v_dtype < PKV_DTYPE_COUNT &&
            (at->kt_tab[1].score_t[k_dtype] != at->kt_tab[0].score_t[k_dtype] ||
             at->kt_tab[1].accum_t[v_dtype] != at->kt_tab[0].accum_t[v_dtype]);
+}
+
+bool pkv__attn_f16bf(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {
+    return at && (unsigned)k_dtype < PKV_DTYPE_COUNT && (unsigned)v_dtype < PKV_DTYPE_COUNT &&
+           (at->kt_tab[2].score_t[k_dtype] != at->kt_tab[0].score_t[k_dtype] ||
+            at->kt_tab[2].accum_t[v_dtype] != at->kt_tab[0].accum_t[v_dtype]);
 }
 
 bool pkv__attn_has_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {
@@ -1214,7 +1223,7 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
     const uint32_t rows_h = w->nq * w->gs, rp = (rows_h + 15u) & ~15u;
     const size_t qrow = PKV__ATTN_QROW_BYTES(D);
     pkv_assert(w->n_kvh * rp <= T_QT_ROWS && rp <= T_ROWS_PAD);
-    const bool pairs = kt->qt_pairs[kv->k_dtype];
+    const bool pairs = kt->qt_pairs[kv->k_dtype], round = pkv__attn_qt_round(kt, kv->k_dtype, D);
     for (uint32_t j = 0; j < w->n_kvh; j++) {
         float *qt = sc->qt + (size_t)j * rp * D;
         if (pairs) { /* (D + 1) / 2 pairs of 16-bit values, in the room of D floats */
@@ -1228,6 +1237,17 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
                 for (uint32_t r = rows_h; r < rp; r++) qp[(size_t)i * rp + r] = 0;
             continue;
         }
+        if (round) { /* D / 2 pairs of the f32 rows rounded to bf16, in the room of D floats */
+            uint32_t *qp = (uint32_t *)(void *)qt;
+            for (uint32_t r = 0; r < rows_h; r++) {
+                const float *q = (const float *)(sc->qp + (size_t)(j * rows_h + r) * qrow);
+                for (uint32_t i = 0; i < D / 2; i++)
+                    qp[(size_t)i * rp + r] = pkv__f32_to_bf16(q[2 * i]) | (uint32_t)pkv__f32_to_bf16(q[2 * i + 1]) << 16;
+            }
+            for (uint32_t i = 0; i < D / 2; i++)
+                for (uint32_t r = rows_h; r < rp; r++) qp[(size_t)i * rp + r] = 0;
+            continue;
+        }
         for (uint32_t r = 0; r < rows_h; r++) {
             const float *q = (const float *)(sc->qp + (size_t)(j * rows_h + r) * qrow);
             for (uint32_t d = 0; d < D; d++) qt[(size_t)d * rp + r] = q[d];
@@ -1237,9 +1257,12 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
     }
     const pkv__attn_score_t_fn score = kt->score_t[kv->k_dtype];
     const pkv__attn_accum_t_fn accum = kt->accum_t[kv->v_dtype];
-    const pkv__attn_accum_tn_fn accum_n = kt->accum_tn[kv->v_dtype];
+    /* blocks in groups where v_dim is a multiple of 32, the tiles' groups (elsewhere accum_tn's
+       fallbacks take a block at a time anyway, and the groups would only change the softmax's
+       steps: PKV_ATTN_F16_AS_BF16 changes no bit there) */
+    const pkv__attn_accum_tn_fn accum_n = Dv % 32 ? NULL : kt->accum_tn[kv->v_dtype];
     /* the transposed path's set-up, where this call's primitives have one (AMX: bf16) */
-    const bool hooks = kt->t_enter && (kt->t_dtype == kv->k_dtype || kt->t_dtype == kv->v_dtype);
+    const bool hooks = kt->t_enter && ((kt->t_dtypes >> kv->k_dtype | kt->t_dtypes >> kv->v_dtype) & 1u);
     if (hooks) kt->t_enter();
     for (uint32_t b = b0; b < b1; b++) {
         unit_block ub[PKV__ATTN_T_RUNS];
@@ -1934,7 +1957,7 @@ int pkv__attn_run(pkv__attn *at, const pkv__kv_view *kv, const pkv__attn_item *i
     at->kv_own.v_dim = v_dim;
     at->kv = kv = &at->kv_own;
     at->call = call;
-    at->kt = &at->kt_tab[call->flags & PKV_ATTN_BF16_DOT ? 1 : 0];
+    at->kt = &at->kt_tab[(call->flags & PKV_ATTN_BF16_DOT ? 1 : 0) | (call->flags & PKV_ATTN_F16_AS_BF16 ? 2 : 0)];
     at->G = call->n_q_heads / kv->n_kv_heads;
     /* the bytes of a head's K and V runs of a block: the one-pass lead counts heads of them; the
      * two passes' lead counts single runs, about PKV_ATTN_PF_LEAD bytes of them, 2 to 64 */

@@ -103,9 +103,10 @@ typedef struct pkv__attn_limits {
     uint32_t max_items;          /* items per pkv__attn_run call */
     uint32_t max_blocks_per_seq;
     uint32_t n_kv_heads, head_dim, block_tokens;
-    /* K or V is bf16: automatic selection takes "avx512-amx" where the CPU has AMX (whose tiles
-       serve bf16 alone), asking Linux for the tile state then and only then */
-    bool bf16;
+    /* K or V is bf16 or f16 (the dtypes the AMX tables serve: PKV_ATTN_BF16_DOT,
+       PKV_ATTN_F16_AS_BF16): automatic selection takes "avx512-amx" where the CPU has AMX, asking
+       Linux for the tile state then and only then */
+    bool amx;
     pkv_executor exec; /* parallel_for set: the caller's executor (n_threads = its n_workers) */
     pkv_log_fn log;    /* where create says why it refuses (NULL: silent) */
     void *log_ctx;
@@ -211,6 +212,9 @@ bool pkv__attn_lp(const pkv__attn *at, pkv_dtype k_dtype);
 bool pkv__attn_lp_v(const pkv__attn *at, pkv_dtype v_dtype);
 /* The same for the transposed primitives (prefill tiles of 16 rows a kv head or more). */
 bool pkv__attn_lp_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype);
+/* Whether calls with PKV_ATTN_F16_AS_BF16 take other kernels than those without for this K or V
+ * dtype (the transposed primitives: f16 as bf16 on AMX tiles). */
+bool pkv__attn_f16bf(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype);
 /* Whether the backend has transposed primitives for this pair (without them, such tiles take
  * the row path: NEON). */
 bool pkv__attn_has_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype);
@@ -612,17 +616,30 @@ typedef struct pkv__attn_kernels {
      * accum's order as ever; for a K dtype whose prep_q it replaces, score and score_t to match,
      * with qt_pairs as the new score_t reads); NULL: such calls take this table */
     void (*lp_fill)(struct pkv__attn_kernels *kt);
+    /* the table of calls with PKV_ATTN_F16_AS_BF16 (pkv.h), applied to a copy of this one and of
+     * lp_fill's: transposed primitives that take f16 K and V as bf16 (qt_round); NULL: such
+     * calls take the table they would without the flag */
+    void (*f16_fill)(struct pkv__attn_kernels *kt);
     /* by k_dtype: score_t takes qt as 32-bit pairs of the prepared rows (prep_q's own 16-bit
      * values): lane r of pair i at qt + i * rp holds row r's values 2 i and 2 i + 1, pairs
      * i < (head_dim + 1) / 2; else qt is f32 [head_dim][rp] */
     bool qt_pairs[PKV_DTYPE_COUNT];
+    /* by k_dtype, where head_dim is a multiple of 32 and qt_pairs is not set: score_t takes qt as
+     * qt_pairs' layout of the prepared f32 rows rounded to bf16 (nearest even), which the driver
+     * writes; elsewhere qt is f32 as above (pkv__attn_qt_round) */
+    bool qt_round[PKV_DTYPE_COUNT];
     /* NULL, or called by the driver on the thread that runs a unit's blocks through score_t and
-     * accum_t where K or V is of t_dtype: t_enter before the first, t_leave after the last (AMX: the tile configuration,
+     * accum_t where K or V is of a dtype of t_dtypes: t_enter before the first, t_leave after the last (AMX: the tile configuration,
      * loaded once a unit, and released, so that no tile state outlives the unit) */
     void (*t_enter)(void);
     void (*t_leave)(void);
-    pkv_dtype t_dtype; /* the K or V dtype whose transposed primitives need t_enter */
+    uint32_t t_dtypes; /* bit d set: the K or V dtype d's transposed primitives need t_enter */
 } pkv__attn_kernels;
+
+/* Whether score_t of table kt takes qt rounded to bf16 pairs (qt_round) for K dtype k at head_dim D. */
+static inline bool pkv__attn_qt_round(const pkv__attn_kernels *kt, pkv_dtype k, uint32_t D) {
+    return kt->qt_round[k] && !kt->qt_pairs[k] && D % 32 == 0;
+}
 
 /* Even-odd order (the AVX-512 bf16 kernels): each full group of 32 of a row's head_dim values,
  * [32 g, 32 g + 32) with 32 g + 32 <= head_dim, holds the group's 16 even-indexed values, then its
@@ -674,9 +691,19 @@ void pkv__attn_accum_t_bf16dp(const float *p, uint32_t rp, uint32_t n_rows, cons
 /* x86/attn_amx.c (where the build has AMX: PKV_HAVE_AMX): the lp_fill of backend "avx512-amx",
  * pkv__attn_lp_fill_bf16dp's table with the transposed bf16 primitives on AMX tiles */
 void pkv__attn_lp_fill_amx(pkv__attn_kernels *kt);
-/* tests/amx_emu.c: the same with the tile instructions emulated in C (x86/amx_emu.h), for
+/* x86/attn_amx.c: the f16_fill of backend "avx512-amx" (PKV_ATTN_F16_AS_BF16): f16 K and V
+ * taken as bf16 by the transposed primitives on AMX tiles */
+void pkv__attn_f16_fill_amx(pkv__attn_kernels *kt);
+/* tests/amx_emu.c: the two with the tile instructions emulated in C (x86/amx_emu.h), for
  * test_attn's "avx512-amx-emu" on CPUs with AVX-512 BF16 and no AMX */
 void pkv__attn_lp_fill_amx_emu(pkv__attn_kernels *kt);
+void pkv__attn_f16_fill_amx_emu(pkv__attn_kernels *kt);
+/* x86/attn_avx512.c: its transposed f16 primitives (f32 arithmetic), for attn_amx.c's f16
+ * kernels to hand the shapes its tiles do not cover */
+void pkv__attn_score_t_f16_x512(const float *qt, uint32_t rp, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
+                                uint32_t head_dim, float *s, float *kbuf, pkv__attn_pf *pf);
+void pkv__attn_accum_t_f16_x512(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
+                                uint32_t n_keys, uint32_t head_dim, float *acc, float *vbuf, pkv__attn_pf *pf);
 /* arm/attn_bf16dot.c: the lp_fill of NEON where the CPU has bf16 (BFDOT): bf16 prep_q, score, accum */
 void pkv__attn_lp_fill_neon_bf16(pkv__attn_kernels *kt);
 

@@ -516,7 +516,8 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
 #endif
     pkv__attn_limits lim = {.max_items = share_items(c), .max_blocks_per_seq = c->max_bps,
                             .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B,
-                            .bf16 = cfg.k_dtype == PKV_DTYPE_BF16 || cfg.v_dtype == PKV_DTYPE_BF16,
+                            .amx = cfg.k_dtype == PKV_DTYPE_BF16 || cfg.v_dtype == PKV_DTYPE_BF16 ||
+                                   cfg.k_dtype == PKV_DTYPE_F16 || cfg.v_dtype == PKV_DTYPE_F16,
                             .exec = cfg.executor, .log = cfg.log, .log_ctx = cfg.log_ctx};
     c->attn_alloc = (pkv_allocator){.alloc = attn_shim_alloc, .free = attn_shim_free, .ctx = c};
     rc = pkv__attn_create(&c->attn_alloc, cfg.n_threads, &lim, &c->attn);
@@ -1788,8 +1789,14 @@ PKV_API const char *pkv_attn_backend(const pkv_cache *c) {
 }
 
 PKV_API uint32_t pkv_attn_flags_used(const pkv_cache *c) {
-    return c && (pkv__attn_lp(c->attn, c->cfg.k_dtype) || pkv__attn_lp_v(c->attn, c->cfg.v_dtype)) ? PKV_ATTN_BF16_DOT
-                                                                                                   : 0;
+    if (!c) return 0;
+    const pkv_dtype kd = c->cfg.k_dtype, vd = c->cfg.v_dtype;
+    uint32_t f = pkv__attn_lp(c->attn, kd) || pkv__attn_lp_v(c->attn, vd) ? PKV_ATTN_BF16_DOT : 0;
+    /* f16 as bf16: the tiles take head_dim (K) or v_dim (V) in groups of 32 */
+    if (((kd == PKV_DTYPE_F16 && c->head_dim % 32 == 0) || (vd == PKV_DTYPE_F16 && c->v_dim % 32 == 0)) &&
+        pkv__attn_f16bf(c->attn, kd, vd))
+        f |= PKV_ATTN_F16_AS_BF16;
+    return f;
 }
 
 static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_params *p, pkv__attn_call *call,
@@ -1806,7 +1813,7 @@ static int resolve_call(const pkv_cache *c, uint32_t layer, const pkv_attn_param
         return pkv__say(c, PKV_EINVAL, api, "scale %g is negative, NaN or infinite", (double)p->scale);
     if (!pkv__attn_softcap_ok(p->softcap))
         return pkv__say(c, PKV_EINVAL, api, "softcap %g is negative, NaN, infinite or too small", (double)p->softcap);
-    if (p->flags & ~(uint32_t)(PKV_ATTN_BF16_DOT | PKV_ATTN_NONCAUSAL))
+    if (p->flags & ~(uint32_t)(PKV_ATTN_BF16_DOT | PKV_ATTN_NONCAUSAL | PKV_ATTN_F16_AS_BF16))
         return pkv__say(c, PKV_EINVAL, api, "unknown flags %#x", p->flags);
     if ((p->flags & PKV_ATTN_NONCAUSAL) && (p->window || p->attn_chunk || p->alibi_slopes))
         return pkv__say(c, PKV_EINVAL, api, "PKV_ATTN_NONCAUSAL with %s: a non-causal query has no position",

@@ -32,8 +32,10 @@
 #ifdef PKV_AMX_EMU /* tests only: the tile instructions emulated in C */
 #include "amx_emu.h"
 #define PKV__AMX_LP_FILL pkv__attn_lp_fill_amx_emu
+#define PKV__AMX_F16_FILL pkv__attn_f16_fill_amx_emu
 #else
 #define PKV__AMX_LP_FILL pkv__attn_lp_fill_amx
+#define PKV__AMX_F16_FILL pkv__attn_f16_fill_amx
 #define TILE_CFG(c) _tile_loadconfig(c)
 #define TILE_RELEASE() _tile_release()
 #define TILE_LOAD(t, p, s) _tile_loadd(t, p, s)
@@ -145,6 +147,54 @@ static void score_t_amx(const float *qt, uint32_t rp, const uint8_t *k, size_t k
     TILE_FENCE();
 }
 
+/* 16 f16 values at p widened and rounded to bf16 (nearest even), each in the low half of its
+ * 32-bit lane: f16 K and V taken as bf16 (PKV_ATTN_F16_AS_BF16) */
+static inline __attribute__((always_inline)) __m512i f16_bf16_lo(const uint8_t *p) {
+    return bf16_round_lo(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p)));
+}
+
+/* score_t for f16 K (PKV_ATTN_F16_AS_BF16): qt as bf16 pairs (the driver's qt_round), each 16
+ * K rows rounded to bf16 into kbuf (2 D bytes a row; rows past the keys zeros), then score_t_amx's
+ * tiles over them; the scores of a last chunk of fewer keys through sb (1 KiB past the rows).
+ * head_dim not a multiple of 32: qt is f32 (pkv__attn_qt_round), the f32 kernel's. */
+static void score_t_amx_f16(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys,
+                                   uint32_t D, float *s, float *kbuf, pkv__attn_pf *pf) {
+    if (D % 32) {
+        pkv__attn_score_t_f16_x512(qt, rp, k, krb, n_keys, D, s, kbuf, pf);
+        return;
+    }
+    const uint32_t *qp = (const uint32_t *)(const void *)qt;
+    uint8_t *kb = (uint8_t *)kbuf; /* room for 16 rows of D floats: 16 rows of D bf16 and the scores */
+    float *sb = (float *)(void *)(kb + (size_t)32 * D);
+    pkv__attn_pf_start(pf, (n_keys + 15) / 16);
+    for (uint32_t t0 = 0; t0 < n_keys; t0 += 16) {
+        const uint32_t nk = PKV_MIN(16u, n_keys - t0);
+        for (uint32_t t = 0; t < 16; t++) {
+            uint8_t *dst = kb + (size_t)t * 2 * D;
+            const uint8_t *src = k + (t0 + t) * krb;
+            if (t >= nk) {
+                memset(dst, 0, (size_t)2 * D);
+                continue;
+            }
+            for (uint32_t d = 0; d < D; d += 16)
+                _mm256_storeu_si256((__m256i *)(void *)(dst + 2 * d), _mm512_cvtepi32_epi16(f16_bf16_lo(src + 2 * d)));
+        }
+        TILE_FENCE(); /* kb's rows written */
+        if (nk == 16) {
+            score_keys(qp, rp, kb, (size_t)2 * D, D, s + (size_t)t0 * rp, (size_t)rp * 4);
+        } else {
+            for (uint32_t n0 = 0; n0 < rp; n0 += 16) { /* 16 rows at a time through sb */
+                score_chunk(qp + n0, rp, kb, (size_t)2 * D, D, sb, 64, 1);
+                TILE_FENCE();
+                for (uint32_t t = 0; t < nk; t++) memcpy(s + (size_t)(t0 + t) * rp + n0, sb + 16 * t, 64);
+            }
+        }
+        TILE_FENCE(); /* kb read by the tiles before the next chunk's rows */
+        pkv__attn_pf_step(pf);
+    }
+    pkv__attn_pf_finish(pf);
+}
+
 /* Pairs of keys' weights of 16 rows as 8 vectors: x[j] lane r = row r's bf16 weights of keys
  * 2 j, 2 j + 1 (p + t * rp, lanes r0 .. r0 + 15 already applied; keys past nk: 0), turned into
  * rows by an 8 x 16 transpose of 32-bit lanes (unpack by 32 and 64 bits, then the 128-bit
@@ -205,8 +255,10 @@ static inline __attribute__((always_inline)) void weights_a(const float *p, uint
  * PKV__ATTN_T_RUN_KEYS / 2 pairs), the weights of each 16 rows and 32 keys as an A tile (pa),
  * then for each 16 rows and 4 tiles of 16 columns, acc's C tiles loaded once, every 32 keys'
  * A . B added, and stored once. */
-static void accum_runs(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
-                           uint32_t n_runs, size_t vrb, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+static inline __attribute__((always_inline)) void accum_runs(const float *p, uint32_t rp, uint32_t n_rows,
+                                                               const uint8_t *const *v, const uint32_t *n,
+                                                               uint32_t n_runs, size_t vrb, uint32_t D, float *acc,
+                                                               float *vbuf, pkv__attn_pf *pf, const bool f16) {
     const uint32_t rows16 = n_rows & ~15u, NG = D / 32;
     const size_t vxs = (size_t)NG * 128, as = (size_t)D * 4; /* bytes of a pair's columns; of an acc row */
     uint8_t *vx = (uint8_t *)vbuf;
@@ -225,10 +277,17 @@ static void accum_runs(const float *p, uint32_t rp, uint32_t n_rows, const uint8
     for (uint32_t j = 0; j < 16 * n_kc; j++) { /* pairs past n_keys: zeros (their weights are 0 too) */
         const bool one = 2 * j < n_keys, two = 2 * j + 1 < n_keys;
         for (uint32_t g = 0; g < NG; g++) {
-            const __m512i A = one ? _mm512_loadu_si512((const void *)(row[2 * j] + 64 * g)) : _mm512_setzero_si512();
-            const __m512i B = two ? _mm512_loadu_si512((const void *)(row[2 * j + 1] + 64 * g)) : _mm512_setzero_si512();
             __m512i e, o;
-            v_pairs(A, B, &e, &o);
+            if (f16) { /* rounded to bf16, paired by column in their own order: acc's natural order */
+                const __m512i z = _mm512_setzero_si512();
+                const uint8_t *ra = one ? row[2 * j] + 64 * g : NULL, *rb = two ? row[2 * j + 1] + 64 * g : NULL;
+                e = _mm512_or_si512(one ? f16_bf16_lo(ra) : z, _mm512_slli_epi32(two ? f16_bf16_lo(rb) : z, 16));
+                o = _mm512_or_si512(one ? f16_bf16_lo(ra + 32) : z, _mm512_slli_epi32(two ? f16_bf16_lo(rb + 32) : z, 16));
+            } else {
+                const __m512i A = one ? _mm512_loadu_si512((const void *)(row[2 * j] + 64 * g)) : _mm512_setzero_si512();
+                const __m512i B = two ? _mm512_loadu_si512((const void *)(row[2 * j + 1] + 64 * g)) : _mm512_setzero_si512();
+                v_pairs(A, B, &e, &o);
+            }
             _mm512_storeu_si512((void *)(vx + j * vxs + 128 * g), e);
             _mm512_storeu_si512((void *)(vx + j * vxs + 128 * g + 64), o);
         }
@@ -268,38 +327,62 @@ static void accum_runs(const float *p, uint32_t rp, uint32_t n_rows, const uint8
     }
     pkv__attn_pf_finish(pf);
     TILE_FENCE();
-    if (rows16 < n_rows) { /* the last rows, by vdpbf16ps (the same rounding of their inputs), a run at a time */
-        const float *pt = p + rows16;
-        for (uint32_t i = 0; i < n_runs; pt += (size_t)n[i] * rp, i++)
-            pkv__attn_accum_t_bf16dp(pt, rp, n_rows - rows16, v[i], vrb, n[i], D, acc + (size_t)rows16 * D, vbuf,
-                                     NULL);
-    }
+    /* the last rows, a run at a time: bf16 by vdpbf16ps (the same rounding of their inputs), f16
+       by the f32 kernel (none) */
+    const float *pt = p + rows16;
+    for (uint32_t i = 0; rows16 < n_rows && i < n_runs; pt += (size_t)n[i] * rp, i++)
+        (f16 ? pkv__attn_accum_t_f16_x512 : pkv__attn_accum_t_bf16dp)(pt, rp, n_rows - rows16, v[i], vrb, n[i], D,
+                                                                       acc + (size_t)rows16 * D, vbuf, NULL);
 }
 
-static void accum_t_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
-                            uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+/* accum_t: bf16 V (f16: false), or f16 V taken as bf16 (PKV_ATTN_F16_AS_BF16); shapes the
+ * tiles do not cover by vdpbf16ps (bf16) or the f32 kernel (f16), acc in each one's order */
+static inline __attribute__((always_inline)) void accum_t_tiles(const float *p, uint32_t rp, uint32_t n_rows,
+                                                                  const uint8_t *v, size_t vrb, uint32_t n_keys,
+                                                                  uint32_t D, float *acc, float *vbuf,
+                                                                  pkv__attn_pf *pf, const bool f16) {
     if (D % 32 || n_rows < 16) {
-        pkv__attn_accum_t_bf16dp(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
+        (f16 ? pkv__attn_accum_t_f16_x512 : pkv__attn_accum_t_bf16dp)(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
         return;
     }
     /* a block of more keys than a call of accum_runs takes: in parts of PKV__ATTN_T_RUN_KEYS */
     for (uint32_t k0 = 0; k0 < n_keys; k0 += PKV__ATTN_T_RUN_KEYS) {
         const uint8_t *const vk = v + k0 * vrb;
         const uint32_t nk = PKV_MIN(PKV__ATTN_T_RUN_KEYS, n_keys - k0);
-        accum_runs(p + (size_t)k0 * rp, rp, n_rows, &vk, &nk, 1, vrb, D, acc, vbuf,
-                   k0 + nk < n_keys ? NULL : pf);
+        accum_runs(p + (size_t)k0 * rp, rp, n_rows, &vk, &nk, 1, vrb, D, acc, vbuf, k0 + nk < n_keys ? NULL : pf, f16);
     }
 }
 
-static void accum_tn_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
-                             uint32_t n_runs, size_t vrb, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+/* accum_tn: the same over runs */
+static inline __attribute__((always_inline)) void accum_tn_tiles(const float *p, uint32_t rp, uint32_t n_rows,
+                                                                   const uint8_t *const *v, const uint32_t *n,
+                                                                   uint32_t n_runs, size_t vrb, uint32_t D, float *acc,
+                                                                   float *vbuf, pkv__attn_pf *pf, const bool f16) {
     if (D % 32 || n_rows < 16) {
         const float *pt = p;
         for (uint32_t i = 0; i < n_runs; pt += (size_t)n[i] * rp, i++)
-            pkv__attn_accum_t_bf16dp(pt, rp, n_rows, v[i], vrb, n[i], D, acc, vbuf, i + 1 == n_runs ? pf : NULL);
+            (f16 ? pkv__attn_accum_t_f16_x512 : pkv__attn_accum_t_bf16dp)(pt, rp, n_rows, v[i], vrb, n[i], D, acc,
+                                                                           vbuf, i + 1 == n_runs ? pf : NULL);
         return;
     }
-    accum_runs(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf);
+    accum_runs(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf, f16);
+}
+
+static void accum_t_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                            uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    accum_t_tiles(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf, false);
+}
+static void accum_t_amx_f16(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                            uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    accum_t_tiles(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf, true);
+}
+static void accum_tn_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
+                             uint32_t n_runs, size_t vrb, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    accum_tn_tiles(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf, false);
+}
+static void accum_tn_amx_f16(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
+                             uint32_t n_runs, size_t vrb, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    accum_tn_tiles(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf, true);
 }
 
 void PKV__AMX_LP_FILL(pkv__attn_kernels *kt) {
@@ -309,5 +392,17 @@ void PKV__AMX_LP_FILL(pkv__attn_kernels *kt) {
     kt->accum_tn[PKV_DTYPE_BF16] = accum_tn_amx;
     kt->t_enter = amx_enter;
     kt->t_leave = amx_leave;
-    kt->t_dtype = PKV_DTYPE_BF16;
+    kt->t_dtypes |= 1u << PKV_DTYPE_BF16;
+}
+
+/* PKV_ATTN_F16_AS_BF16's table (attn.h: f16_fill), over the backend's or lp_fill's: f16 K and V
+ * in the transposed primitives as bf16, the queries rounded by the driver (qt_round) */
+void PKV__AMX_F16_FILL(pkv__attn_kernels *kt) {
+    kt->score_t[PKV_DTYPE_F16] = score_t_amx_f16;
+    kt->accum_t[PKV_DTYPE_F16] = accum_t_amx_f16;
+    kt->accum_tn[PKV_DTYPE_F16] = accum_tn_amx_f16;
+    kt->qt_round[PKV_DTYPE_F16] = true;
+    kt->t_enter = amx_enter;
+    kt->t_leave = amx_leave;
+    kt->t_dtypes |= 1u << PKV_DTYPE_F16;
 }
