@@ -932,6 +932,10 @@ static inline int pm_op_attn(pm_world *w, pm_src *src) {
        (512 positions); now and then a scratch of two queries' rows, so that groups are refused */
     const uint32_t shb = pm_byte(src), sh_min = shb % 3 == 0 ? 0 : shb % 3 == 1 ? 1 : (512 + w->B - 1) / w->B;
     pkv__cache_test_share(w->c, sh_min, shb & 64 ? 2 * Hq : 0);
+    /* PKV_ATTN_F16_AS_BF16 now and then: at head_dim PM_MAX_D (not a multiple of 32) no backend
+       takes it, so the results stay the reference's within the tolerance below */
+    if (shb & 128) ap.flags |= PKV_ATTN_F16_AS_BF16;
+    PM_EXPECT(w, !(pkv_attn_flags_used(w->c) & PKV_ATTN_F16_AS_BF16), "PKV_ATTN_F16_AS_BF16 used at head_dim %u", D);
     pkv_stats st0;
     PM_EXPECT(w, pkv_cache_get_stats(w->c, &st0) == 0, "pkv_cache_get_stats");
     int rc = masked    ? pkv_attn_prefill_masked(w->c, l, reqs, n, masks, qp, w->aout, &ap)

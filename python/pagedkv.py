@@ -38,7 +38,7 @@ __all__ = [
     "PkvError", "InvalidArgumentError", "OutOfMemoryError", "NoSpaceError", "NotFoundError", "LimitError",
     "CorruptError", "IoError", "NotSupportedError", "BusyError",
     "OK", "EINVAL", "ENOMEM", "ENOSPC", "ENOENT", "ELIMIT", "ECORRUPT", "EIO", "ENOTSUP", "EBUSY",
-    "ATTN_BF16_DOT", "ATTN_NONCAUSAL", "VALUE_MAX",
+    "ATTN_BF16_DOT", "ATTN_NONCAUSAL", "ATTN_F16_AS_BF16", "VALUE_MAX",
 ]
 
 # ---- status codes (pkv.h: values never change once released) -----------------------------
@@ -47,6 +47,15 @@ OK, EINVAL, ENOMEM, ENOSPC, ENOENT, ELIMIT, ECORRUPT, EIO, ENOTSUP, EBUSY = 0, -
 ATTN_BF16_DOT = 1
 # pkv_attn_params.flags (pkv.h): what prefill's causal=False passes
 ATTN_NONCAUSAL = 2
+# pkv_attn_params.flags (pkv.h): what decode's, prefill's and tree's f16_as_bf16=True passes
+ATTN_F16_AS_BF16 = 4
+
+
+def _flags(bf16_dot, f16_as_bf16):
+    """pkv_attn_params.flags of the attention calls' bf16_dot and f16_as_bf16 arguments."""
+    return (ATTN_BF16_DOT if bf16_dot else 0) | (ATTN_F16_AS_BF16 if f16_as_bf16 else 0)
+
+
 # PKV_VALUE_MAX (pkv.h): the largest |element| write_kv takes, and the largest |q| x scale the
 # attention calls take (2^56); past it, EINVAL
 VALUE_MAX = float(2 ** 56)
@@ -725,6 +734,14 @@ class Cache:
         and a backend with bf16 dot products."""
         return bool(_lib.pkv_attn_flags_used(self._h()) & ATTN_BF16_DOT)
 
+    @property
+    @_in_call
+    def f16_as_bf16_used(self):
+        """Whether f16_as_bf16=True changes this cache's attention (pkv_attn_flags_used): f16 K
+        or V, a head_dim (or v_dim) a multiple of 32, and a backend with bf16 tiles
+        ("avx512-amx")."""
+        return bool(_lib.pkv_attn_flags_used(self._h()) & ATTN_F16_AS_BF16)
+
     @_in_call
     def layout(self):
         """Where the pool lives (pkv_cache_layout), for engines with kernels of their own:
@@ -1261,7 +1278,7 @@ class Cache:
         self._check(rc, "pkv_cache_check: " + buf.value.decode(errors="replace"))
 
     # -- attention --
-    def _params(self, n_q_heads, scale, softcap, window, lse, bf16_dot, sinks, alibi_slopes, attn_chunk, what):
+    def _params(self, n_q_heads, scale, softcap, window, lse, flags, sinks, alibi_slopes, attn_chunk, what):
         """The pkv_attn_params, and the sinks and ALiBi slope arrays it points to (the caller
         keeps them alive)."""
         p = _lib.pkv_attn_params_default()
@@ -1270,7 +1287,7 @@ class Cache:
         p.window = _u32_of(window, "window")
         p.attn_chunk = _u32_of(attn_chunk, "attn_chunk")
         p.lse = _ptr(lse)
-        p.flags = ATTN_BF16_DOT if bf16_dot else 0
+        p.flags = flags
         keep = []
         for name, arr in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):  # one float a query head
             if arr is not None:
@@ -1283,7 +1300,7 @@ class Cache:
 
     def _attn_io(self, q, n_queries, n_q_heads, out, lse_out, return_lse, params, what):
         """An attention call's queries, outputs (new or the caller's), lse and parameters
-        (scale, softcap, window, bf16_dot, sinks, alibi_slopes, attn_chunk): (q, out, lse, pkv_attn_params,
+        (scale, softcap, window, flags, sinks, alibi_slopes, attn_chunk): (q, out, lse, pkv_attn_params,
         the arrays the params point to, which the caller keeps alive through the call)."""
         qa, hq = self._q(q, n_queries, n_q_heads, what)
         if out is not None and self._Dv != self._D and isinstance(out, np.ndarray) and np.may_share_memory(out, qa):
@@ -1293,8 +1310,8 @@ class Cache:
         if lse_out is not None and not return_lse:
             raise _invalid("%s: lse_out given without return_lse=True" % what)
         lse = self._out(lse_out, (n_queries, hq), "%s: lse_out" % what) if return_lse else None
-        scale, softcap, window, bf16_dot, sinks, alibi_slopes, attn_chunk = params
-        p, sk = self._params(hq, scale, softcap, window, lse, bf16_dot, sinks, alibi_slopes, attn_chunk, what)
+        scale, softcap, window, flags, sinks, alibi_slopes, attn_chunk = params
+        p, sk = self._params(hq, scale, softcap, window, lse, flags, sinks, alibi_slopes, attn_chunk, what)
         return qa, out, lse, p, sk
 
     def _q(self, q, n_queries, n_q_heads, what):
@@ -1328,7 +1345,8 @@ class Cache:
 
     @_in_call
     def decode(self, layer, seqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
-               out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None, attn_chunk=0):
+               out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None, attn_chunk=0,
+               f16_as_bf16=False):
         """Decode attention (pkv_attn_decode): one query per sequence at its last position.
         q: [n_seqs][n_q_heads][head_dim] (float32; n_q_heads from its shape unless given).
         Returns out shaped [n_seqs][n_q_heads][head_dim] ([..][v_dim] on an MLA cache), and lse
@@ -1338,7 +1356,10 @@ class Cache:
         itself when q is such an array, except on an MLA cache whose v_dim is not head_dim).
         bf16_dot: allow bf16 arithmetic with bf16 K/V (PKV_ATTN_BF16_DOT: queries and softmax
         weights rounded to bf16 where the CPU has bf16 dot products; bf16_dot_used says whether
-        it does here). sinks: n_q_heads finite attention-sink logits (gpt-oss; pkv_attn_params.sinks), each head's
+        it does here). f16_as_bf16: allow f16 K/V to be computed as bf16 (PKV_ATTN_F16_AS_BF16:
+        queries, K, V and softmax weights rounded to bf16 where the backend has bf16 tiles, in
+        prefill's tiles of 16 rows a kv head and more; f16_as_bf16_used says whether it does
+        here). sinks: n_q_heads finite attention-sink logits (gpt-oss; pkv_attn_params.sinks), each head's
         softmax counting one more key of that logit and value 0; lse then includes it.
         alibi_slopes: n_q_heads ALiBi slopes (BLOOM, MPT; pkv_attn_params.alibi_slopes), each
         finite with magnitude at most 65536: head h's logit of the key at position k for the
@@ -1347,7 +1368,7 @@ class Cache:
         at p sees only [p - p % attn_chunk, p]; 0 means off."""
         a = self._seqs(seqs, "decode")
         qa, out, lse, p, _sk = self._attn_io(q, a.size, n_q_heads, out, lse_out, return_lse,
-                                             (scale, softcap, window, bf16_dot, sinks, alibi_slopes, attn_chunk),
+                                             (scale, softcap, window, _flags(bf16_dot, f16_as_bf16), sinks, alibi_slopes, attn_chunk),
                                              "decode")
         self._check(_lib.pkv_attn_decode(self._h(), _u32_of(layer, "layer"), _ptr(a), a.size, _ptr(qa), _ptr(out),
                                     ctypes.byref(p)), "pkv_attn_decode")
@@ -1356,11 +1377,11 @@ class Cache:
     @_in_call
     def prefill(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
                 out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None, attn_chunk=0, causal=True,
-                masks=None):
+                masks=None, f16_as_bf16=False):
         """Prefill / extend attention over a ragged batch (pkv_attn_prefill), causal unless causal=False.
         reqs: (seq, q_start, n_q) triples; q: the requests' queries concatenated,
         [sum n_q][n_q_heads][head_dim]. Returns out (and lse) like decode, one row per query
-        ([sum n_q][n_q_heads][v_dim] on an MLA cache); out, lse_out, bf16_dot, sinks,
+        ([sum n_q][n_q_heads][v_dim] on an MLA cache); out, lse_out, bf16_dot, f16_as_bf16, sinks,
         alibi_slopes and attn_chunk as in decode. causal=False (PKV_ATTN_NONCAUSAL): each query
         sees its whole sequence, [0, length): an encoder's self-attention, or cross-attention
         over a sequence holding an encoder's K/V; q_start must then be 0 and n_q may be any
@@ -1388,7 +1409,7 @@ class Cache:
             arr[i].seq, arr[i].q_start, arr[i].n_q = _seq_of(seq), _u32_of(q_start, "q_start"), _u32_of(n_q, "n_q")
             total += arr[i].n_q
         qa, out, lse, p, _sk = self._attn_io(q, total, n_q_heads, out, lse_out, return_lse,
-                                             (scale, softcap, window, bf16_dot, sinks, alibi_slopes, attn_chunk),
+                                             (scale, softcap, window, _flags(bf16_dot, f16_as_bf16), sinks, alibi_slopes, attn_chunk),
                                              "prefill")
         if not causal:
             p.flags |= ATTN_NONCAUSAL
@@ -1435,7 +1456,8 @@ class Cache:
 
     @_in_call
     def tree(self, layer, reqs, q, n_q_heads=None, scale=0.0, softcap=0.0, window=0, return_lse=False,
-             out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None, attn_chunk=0):
+             out=None, lse_out=None, bf16_dot=False, sinks=None, alibi_slopes=None, attn_chunk=0,
+             f16_as_bf16=False):
         """Tree attention (pkv_attn_tree) for speculative decoding: reqs are (seq, q_start,
         parents) triples, node i of a request at position q_start + i with parent parents[i]
         (in [-1, i), -1 for a root); node i sees the positions before q_start and its path to
@@ -1465,7 +1487,7 @@ class Cache:
             arr[i].n_nodes, arr[i].parent = _u32_of(pa.size, "tree: nodes"), _ptr(pa) if pa.size else None
             total += pa.size
         qa, out, lse, p, _sk = self._attn_io(q, total, n_q_heads, out, lse_out, return_lse,
-                                             (scale, softcap, window, bf16_dot, sinks, alibi_slopes, attn_chunk),
+                                             (scale, softcap, window, _flags(bf16_dot, f16_as_bf16), sinks, alibi_slopes, attn_chunk),
                                              "tree")
         self._check(_lib.pkv_attn_tree(self._h(), _u32_of(layer, "layer"), ctypes.cast(arr, _vp), len(rs), _ptr(qa),
                                        _ptr(out), ctypes.byref(p)), "pkv_attn_tree")

@@ -20,7 +20,7 @@ enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_DEFAULT = 16, BT_MAX = 1024, BATCH
 static uint32_t g_bt = BT_DEFAULT; /* block_tokens: opts.block_tokens, set by tool_bench_attn */
 static int g_compact;              /* --compact (1) / --batch-compact (2): the paged batch is
                                       compacted before it is timed */
-static uint32_t g_attn_flags;      /* --bf16-dot: pkv_attn_params.flags of every call */
+static uint32_t g_attn_flags;      /* --bf16-dot, --f16-as-bf16: pkv_attn_params.flags of every call */
 #define GIB (1024.0 * 1024.0 * 1024.0)
 #define ROUNDS_MAX 99 /* --rounds */
 
@@ -28,7 +28,8 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: pkv bench attn [--json] [--quick] [--dtype LIST] [--ctx LIST] [--batch LIST]\n"
             "                      [--threads LIST] [--prompt N] [--block-tokens N] [--occupancy PCT]\n"
-            "                      [--compact | --batch-compact] [--rounds N] [--bf16-dot] [--mask]\n"
+            "                      [--compact | --batch-compact] [--rounds N] [--bf16-dot] [--f16-as-bf16]\n"
+            "                      [--mask]\n"
             "\n"
             "Paged attention, n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u.\n"
             "Decode: contexts 512, 4096, 32768; batch 1 and 16; 1 and 2 threads; every KV dtype the\n"
@@ -90,6 +91,9 @@ static void usage(FILE *f) {
             "              contiguous layout with the flag and without, calls interleaved (their ratio),\n"
             "              and the prefill without it after the flag's call (a line of its own, with\n"
             "              flag / without: on backend avx512-amx the flag's prefill runs on AMX tiles)\n"
+            "  --f16-as-bf16  every call with PKV_ATTN_F16_AS_BF16: f16 K and V taken as bf16 where the\n"
+            "              backend has bf16 tiles (avx512-amx: prefill; pkv.h), reported as --bf16-dot's\n"
+            "              flag is (both options: both flags)\n"
             "  --mask      each prefill round also times the prompt through pkv_attn_prefill_masked with\n"
             "              the causal mask (the same keys: what a custom mask costs), its call after the\n"
             "              causal one's; a \"prefill\" line of layout \"masked\" gives its median and the\n"
@@ -433,7 +437,7 @@ static int scatter_free_queue(setup *s, tool_rng *rng, uint32_t n_blocks) {
     return 0;
 }
 
-/* The parameters of every attention call: 32 query heads, --bf16-dot's flag. */
+/* The parameters of every attention call: 32 query heads, --bf16-dot's and --f16-as-bf16's flags. */
 static pkv_attn_params bench_params(void) {
     pkv_attn_params p = pkv_attn_params_default();
     p.n_q_heads = H_Q;
@@ -993,7 +997,7 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
             } else {
                 printf("   %11.3f  %5.3f-%5.3f %8.3f\n", ratio_med, ratio_q1, ratio_q3, mem_ratio_med);
                 if (g_attn_flags)
-                    printf("#   contiguous, --bf16-dot's flag / without it (calls interleaved): %.3f (q1-q3 %.3f-%.3f)\n",
+                    printf("#   contiguous, the flag / without it (calls interleaved): %.3f (q1-q3 %.3f-%.3f)\n",
                            flag_med, flag_q1, flag_q3);
                 if (g_compact)
                 {
@@ -1096,7 +1100,7 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
         if (o->json)
             prefill_json_extra(dt, n_tok, nt, "\"paged\",\"attn_flags\":0", pmed, flop, "flags_over_plain", fmed);
         else
-            printf("#   prefill without --bf16-dot's flag: %.1f us, %.2f GFLOP/s; flag / without (calls interleaved): %.3f\n",
+            printf("#   prefill without the flag: %.1f us, %.2f GFLOP/s; flag / without (calls interleaved): %.3f\n",
                    pmed * 1e6, flop / pmed * 1e-9, fmed);
     }
     if (mask) { /* the same keys through the causal mask: masked / causal */
@@ -1136,7 +1140,8 @@ int tool_bench_attn(int argc, char **argv) {
         else if (!strcmp(arg, "--quick")) o.quick = 1;
         else if (!strcmp(arg, "--compact")) g_compact = 1;
         else if (!strcmp(arg, "--batch-compact")) g_compact = 2;
-        else if (!strcmp(arg, "--bf16-dot")) g_attn_flags = PKV_ATTN_BF16_DOT;
+        else if (!strcmp(arg, "--bf16-dot")) g_attn_flags |= PKV_ATTN_BF16_DOT;
+        else if (!strcmp(arg, "--f16-as-bf16")) g_attn_flags |= PKV_ATTN_F16_AS_BF16;
         else if (!strcmp(arg, "--mask")) o.mask = 1;
         else if (!strcmp(arg, "--dtype") && val) bad = parse_dtypes(val, &o), i++;
         else if (!strcmp(arg, "--ctx") && val) bad = tool_parse_u32_list(val, o.ctx, 8, 1u << 20, &o.n_ctx), i++;
@@ -1215,7 +1220,7 @@ int tool_bench_attn(int argc, char **argv) {
      * PKV_ATTN_BACKEND, PKV_ATTN_ORDER, PKV_ATTN_SWEEP, PKV_ATTN_PASSES, PKV_ATTN_LEAD or PKV_ATTN_PIECES) ends the
      * run before any measurement */
     static char backend[32], backend_bf16[32]; /* an f16 cache's; a bf16 one's (avx512-amx: bf16 only) */
-    bool bf16_dot = false;
+    bool bf16_dot = false, f16bf = false;
     {
         pkv_config cfg = pkv_config_default();
         cfg.n_blocks = 4;
@@ -1230,6 +1235,7 @@ int tool_bench_attn(int argc, char **argv) {
             return TOOL_FAIL;
         }
         snprintf(backend, sizeof backend, "%s", pkv_attn_backend(c));
+        f16bf = (pkv_attn_flags_used(c) & PKV_ATTN_F16_AS_BF16) != 0; /* the default: f16 K/V */
         pkv_cache_destroy(c);
         cfg.k_dtype = cfg.v_dtype = PKV_DTYPE_BF16; /* whether --bf16-dot changes anything here */
         if (pkv_cache_create(&cfg, &c) == PKV_OK) {
@@ -1245,10 +1251,11 @@ int tool_bench_attn(int argc, char **argv) {
     if (o.json)
         printf("{\"bench\":\"attn\",\"kind\":\"machine\",\"cpu\":\"%s\",\"build\":\"%s\",\"backend\":\"%s\","
                "\"backend_bf16\":\"%s\",\"read_gbps_1t\":%.3f,\"read_gbps_2t\":%.3f,\"fma_gflops_1t\":%.2f,\"fma_gflops_2t\":%.2f,"
-               "\"sweep\":\"%s\",\"passes\":\"%s\",\"lead\":\"%s\",\"pieces\":\"%s\",\"bf16_dot\":%s}\n",
+               "\"sweep\":\"%s\",\"passes\":\"%s\",\"lead\":\"%s\",\"pieces\":\"%s\",\"bf16_dot\":%s,"
+               "\"f16_as_bf16\":%s}\n",
                tool_cpu_name(), tool_build_info(), backend, backend_bf16, g_bw[1], g_bw[2], g_peak[1], g_peak[2],
                g_wide ? "wide" : "narrow", g_two ? "two" : "one", lead, pieces ? "on" : "off",
-               bf16_dot ? "true" : "false");
+               bf16_dot ? "true" : "false", f16bf ? "true" : "false");
     else {
         printf("# %s, %s, attention backend %s", tool_cpu_name(), tool_build_info(), backend);
         if (backend_bf16[0] && strcmp(backend, backend_bf16)) printf(" (%s with bf16 K/V)", backend_bf16);
@@ -1256,6 +1263,9 @@ int tool_bench_attn(int argc, char **argv) {
         if (g_attn_flags & PKV_ATTN_BF16_DOT)
             printf("# --bf16-dot: %s\n", bf16_dot ? "bf16 K scored by bf16 dot products (queries rounded to bf16)"
                                                   : "no bf16 dot products here: the calls compute as without it");
+        if (g_attn_flags & PKV_ATTN_F16_AS_BF16)
+            printf("# --f16-as-bf16: %s\n", f16bf ? "f16 K and V taken as bf16 by the prefill's tiles (inputs rounded to bf16)"
+                                                   : "no bf16 tiles here: the calls compute as without it");
         printf("# streaming read: %.2f GB/s (1 thread), %.2f GB/s (2 threads); f32 FMA peak: %.1f / %.1f GFLOP/s\n",
                g_bw[1], g_bw[2], g_peak[1], g_peak[2]);
         const char *order = getenv("PKV_ATTN_ORDER");

@@ -332,6 +332,10 @@ type TreeReq struct {
 // K/V): QStart must be 0 and NQ may be any count up to what a sequence may hold; a Window,
 // AttnChunk or AlibiSlopes with it (in any call), or Tree, is EINVAL; Decode otherwise computes
 // the same either way.
+//
+// F16AsBF16 is PKV_ATTN_F16_AS_BF16: with f16 K/V, queries, K, V and softmax weights rounded to
+// bf16 in prefill's tiles of 16 rows a kv head and more where the backend has bf16 tiles
+// ("avx512-amx"; Cache.F16AsBF16Used); elsewhere the same bits as without it.
 type AttnParams struct {
 	NQHeads     uint32
 	Scale       float32
@@ -342,6 +346,7 @@ type AttnParams struct {
 	AlibiSlopes []float32
 	AttnChunk   uint32
 	NonCausal   bool
+	F16AsBF16   bool
 }
 
 // SeqInfo is pkv_seq_info.
@@ -692,6 +697,18 @@ func (c *Cache) BF16DotUsed() bool {
 	}
 	defer g.exit()
 	return C.pkv_attn_flags_used(p)&C.PKV_ATTN_BF16_DOT != 0
+}
+
+// F16AsBF16Used says whether AttnParams.F16AsBF16 changes this cache's attention
+// (pkv_attn_flags_used): f16 K or V, head_dim (or v_dim) a multiple of 32 and a backend with bf16
+// tiles.
+func (c *Cache) F16AsBF16Used() bool {
+	p, g, err := c.enter(readSeqs)
+	if err != nil {
+		return false
+	}
+	defer g.exit()
+	return C.pkv_attn_flags_used(p)&C.PKV_ATTN_F16_AS_BF16 != 0
 }
 
 // kvElems is the elements of n K or V rows, or EINVAL where that is past int (a 32-bit int
@@ -1695,6 +1712,9 @@ func (c *Cache) attnCall(what, cname string, seqs []Seq, items, rows int, q, out
 	}
 	if ap.NonCausal {
 		raw.flags |= C.PKV_ATTN_NONCAUSAL
+	}
+	if ap.F16AsBF16 {
+		raw.flags |= C.PKV_ATTN_F16_AS_BF16
 	}
 	if ap.Sinks != nil {
 		if err := wantLenOf(len(ap.Sinks), hq, what, "sinks"); err != nil {

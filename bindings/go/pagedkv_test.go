@@ -277,6 +277,84 @@ func TestBF16Dot(t *testing.T) {
 	}
 }
 
+// F16AsBF16: where the cache takes it (F16AsBF16Used: backend avx512-amx), a prefill of 40
+// positions (160 query rows a kv head: the tiles) is the reference's over K and the queries times
+// scale rounded to bf16, within 2^-7 of max |V|, and differs from the call without it; a decode
+// (8 rows a kv head) gives the same bits.
+func TestF16AsBF16(t *testing.T) {
+	r := rng(0xf16b)
+	const h, d, hq = 2, 64, 8
+	c := newCache(t, h, d, 64, F16)
+	defer c.Close()
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	for k := 0; k < 13; k++ {
+		fill(t, c, s, 16, &r)
+	}
+	used := c.F16AsBF16Used()
+	if used != (c.Backend() == "avx512-amx") {
+		t.Fatalf("F16AsBF16Used %v on backend %s", used, c.Backend())
+	}
+	same := func(a, b []float32) bool {
+		for i := range a {
+			if a[i] != b[i] {
+				return false
+			}
+		}
+		return true
+	}
+	q := r.vec(hq * d)
+	plain, out := make([]float32, len(q)), make([]float32, len(q))
+	must(t, c.Decode(0, []Seq{s}, q, plain, AttnParams{NQHeads: hq}, nil))
+	must(t, c.Decode(0, []Seq{s}, q, out, AttnParams{NQHeads: hq, F16AsBF16: true}, nil))
+	if !same(plain, out) {
+		t.Fatal("F16AsBF16 changed a decode")
+	}
+	const start, n = 160, 40
+	reqs := []AttnReq{{Seq: s, QStart: start, NQ: n}}
+	qp := r.vec(n * hq * d)
+	plain, out = make([]float32, len(qp)), make([]float32, len(qp))
+	must(t, c.Prefill(0, reqs, qp, plain, AttnParams{NQHeads: hq}, nil))
+	must(t, c.Prefill(0, reqs, qp, out, AttnParams{NQHeads: hq, F16AsBF16: true}, nil))
+	if same(plain, out) == used {
+		t.Fatalf("prefill: results the same %v, F16AsBF16Used %v", !used, used)
+	}
+	round := func(x float32) float32 {
+		if !used {
+			return x
+		}
+		u := math.Float32bits(x)
+		return math.Float32frombits((u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000)
+	}
+	scale := float32(1 / math.Sqrt(d))
+	qr := make([]float32, len(qp))
+	for i, x := range qp {
+		qr[i] = round(x * scale)
+	}
+	for j := 0; j < n; j++ {
+		k, v, err := c.Gather(s, 0, 0, uint32(start+j+1))
+		must(t, err)
+		for i := range k {
+			k[i] = round(k[i])
+		}
+		w, _ := reference(qr[j*hq*d:(j+1)*hq*d], k, v, hq, h, d, 1, 0, 0)
+		vmax, e := 0.0, 0.0
+		for _, x := range v {
+			vmax = math.Max(vmax, math.Abs(float64(x)))
+		}
+		for i, g := range out[j*hq*d : (j+1)*hq*d] {
+			e = math.Max(e, math.Abs(float64(g)-w[i]))
+		}
+		tol := 1e-5 * math.Max(vmax, 1)
+		if used {
+			tol = vmax / 128
+		}
+		if !(e <= tol) { // NaN fails
+			t.Fatalf("F16AsBF16 prefill %d: error %g over %g", j, e, tol)
+		}
+	}
+}
+
 func TestDecodeAndPrefill(t *testing.T) {
 	r := rng(0x9e3779b97f4a7c15)
 	const h, d, hq = 2, 64, 8

@@ -343,6 +343,35 @@ class TestAttention(Base):
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=8, n_threads=1) as c:  # f16: nothing to take
             self.assertFalse(c.bf16_dot_used)
 
+    def test_f16_as_bf16(self):
+        # f16_as_bf16=True: where the cache says it takes it (avx512-amx), a prefill of 40 positions
+        # (160 query rows a kv head: the tiles) is within 2^-7 of max |V| of the reference over
+        # K and the queries times scale rounded to bf16 (pkv.h; test_attn.c has the bounds), and
+        # differs from the call without it; a decode (8 rows a kv head) gives the same bits
+        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=64, k_dtype="f16", v_dtype="f16", n_threads=2) as c:
+            Hq, D = 8, 64
+            s = c.seq_create()
+            for _ in range(0, 208, 16):
+                self.fill(c, s, 16)
+            used = c.f16_as_bf16_used
+            self.assertEqual(used, c.backend == "avx512-amx")
+            self.assertFalse(c.bf16_dot_used)
+            q = self.rng.standard_normal((1, Hq, D)).astype(np.float32)
+            self.assertTrue(np.array_equal(c.decode(0, [s], q), c.decode(0, [s], q, f16_as_bf16=True)))
+            start, n = 160, 40
+            qp = self.rng.standard_normal((n, Hq, D)).astype(np.float32)
+            plain = c.prefill(0, [(s, start, n)], qp)
+            outp = c.prefill(0, [(s, start, n)], qp, f16_as_bf16=True)
+            self.assertEqual(not np.array_equal(plain, outp), used)
+            K, V = c.gather(s, 0)
+            r16 = lambda x: pkv.bf16_value(pkv.bf16_bits(x)) if used else x
+            qpr, Kr = r16(qp / np.sqrt(D)), r16(K)
+            for j in range(n):
+                want, _ = ref_attn(qpr[j], Kr[:start + j + 1], V[:start + j + 1], 1.0)
+                err = float(np.abs(outp[j].astype(np.float64) - want).max())
+                bound = 2.0 ** -7 * float(np.abs(V).max()) if used else 1e-5 * max(1.0, float(np.abs(want).max()))
+                self.assertLessEqual(err, bound, "f16_as_bf16 prefill, position %d (%s)" % (start + j, c.backend))
+
     def test_f32_pool_stores_input_exactly(self):
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=8, k_dtype="f32", v_dtype="f32", n_threads=1) as c:
             s = c.seq_create()

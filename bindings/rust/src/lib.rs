@@ -453,6 +453,10 @@ pub struct AttnParams<'a> {
     /// or `alibi_slopes` with it (in any call), or a tree, is `EINVAL`; decode otherwise computes
     /// the same either way.
     pub noncausal: bool,
+    /// PKV_ATTN_F16_AS_BF16: with f16 K/V, queries, K, V and softmax weights rounded to bf16 in
+    /// prefill's tiles of 16 rows a kv head and more where the backend has bf16 tiles
+    /// ("avx512-amx"; `Cache::f16_as_bf16_used`); elsewhere the same bits as without it.
+    pub f16_as_bf16: bool,
 }
 
 impl Default for AttnParams<'_> {
@@ -467,6 +471,7 @@ impl Default for AttnParams<'_> {
             alibi_slopes: None,
             attn_chunk: 0,
             noncausal: false,
+            f16_as_bf16: false,
         }
     }
 }
@@ -936,6 +941,13 @@ impl Cache {
     pub fn bf16_dot_used(&self) -> bool {
         let used = unsafe { ffi::pkv_attn_flags_used(self.p()) };
         used & ffi::PKV_ATTN_BF16_DOT != 0
+    }
+
+    /// Whether `AttnParams::f16_as_bf16` changes this cache's attention (pkv_attn_flags_used):
+    /// f16 K or V, head_dim (or v_dim) a multiple of 32 and a backend with bf16 tiles.
+    pub fn f16_as_bf16_used(&self) -> bool {
+        let used = unsafe { ffi::pkv_attn_flags_used(self.p()) };
+        used & ffi::PKV_ATTN_F16_AS_BF16 != 0
     }
 
     /// Where the pool lives (pkv_cache_layout), for kernels of the caller's own. Where V lives
@@ -1709,7 +1721,8 @@ impl Cache {
         raw.window = p.window;
         raw.attn_chunk = p.attn_chunk;
         raw.flags = if p.bf16_dot { ffi::PKV_ATTN_BF16_DOT } else { 0 }
-            | if p.noncausal { ffi::PKV_ATTN_NONCAUSAL } else { 0 };
+            | if p.noncausal { ffi::PKV_ATTN_NONCAUSAL } else { 0 }
+            | if p.f16_as_bf16 { ffi::PKV_ATTN_F16_AS_BF16 } else { 0 };
         if let Some(s) = p.sinks {
             // a shared borrow: it cannot overlap out or lse, which are borrowed mutably
             want_len(s.len(), hq, &format!("{}: sinks", what))?;

@@ -672,6 +672,58 @@ fn bf16_dot_rounds_as_documented() {
     assert!(!c16.bf16_dot_used());
 }
 
+/// f16_as_bf16: where the cache takes it (f16_as_bf16_used: backend avx512-amx), a prefill of 40
+/// positions (160 query rows a kv head: the tiles) is the reference's over K and the queries
+/// times scale rounded to bf16, within 2^-7 of max |V|, and differs from the call without it; a
+/// decode (8 rows a kv head) gives the same bits.
+#[test]
+fn f16_as_bf16_rounds_as_documented() {
+    let mut rng = Rng(0xf16b);
+    let (h, d, hq) = (2usize, 64usize, 8usize);
+    let mut c = Cache::new(&cfg(h as u32, d as u32, 64, Dtype::F16)).unwrap();
+    let s = c.seq_create(b"").unwrap();
+    for _ in 0..13 {
+        fill(&mut c, s, 16, &mut rng);
+    }
+    let used = c.f16_as_bf16_used();
+    assert_eq!(used, c.backend() == "avx512-amx");
+    let p = AttnParams {
+        n_q_heads: hq as u32,
+        ..AttnParams::default()
+    };
+    let pf = AttnParams { f16_as_bf16: true, ..p };
+    let q = rng.vec(hq * d);
+    let (mut plain, mut out) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+    c.decode(0, &[s], &q, &mut plain, &p, None).unwrap();
+    c.decode(0, &[s], &q, &mut out, &pf, None).unwrap();
+    assert_eq!(plain, out);
+    let (start, n) = (160u32, 40u32);
+    let req = AttnReq { seq: s, q_start: start, n_q: n };
+    let qp = rng.vec(n as usize * hq * d);
+    let (mut plain, mut out) = (vec![0f32; qp.len()], vec![0f32; qp.len()]);
+    c.prefill(0, &[req], &qp, &mut plain, &p, None).unwrap();
+    c.prefill(0, &[req], &qp, &mut out, &pf, None).unwrap();
+    assert_eq!(plain != out, used);
+    let scale = 1.0 / (d as f32).sqrt();
+    let round = |x: f32| {
+        if !used {
+            return x;
+        }
+        let u = x.to_bits();
+        f32::from_bits(u.wrapping_add(0x7fff + ((u >> 16) & 1)) & 0xffff_0000)
+    };
+    let qr: Vec<f32> = qp.iter().map(|&x| round(x * scale)).collect();
+    for j in 0..n as usize {
+        let (k, v) = c.gather(s, 0, 0, start + j as u32 + 1).unwrap();
+        let kr: Vec<f32> = k.iter().map(|&x| round(x)).collect();
+        let (w, _) = reference(&qr[j * hq * d..][..hq * d], &kr, &v, hq, h, d, 1.0, 0.0, 0);
+        let vmax = v.iter().fold(0f64, |a, x| a.max(x.abs() as f64));
+        let err = max_err(out[j * hq * d..][..hq * d].iter().zip(&w));
+        let tol = if used { vmax / 128.0 } else { 1e-5 * vmax.max(1.0) };
+        assert!(err <= tol, "f16_as_bf16 prefill {}: error {:e} over {:e}", j, err, tol);
+    }
+}
+
 /// drop_front under a window of 24: the first 16 positions' block goes, decode over the rest
 /// matches the reference, a read of the front and a decode without the window are EINVAL. In a
 /// cache that indexes prefixes the dropped blocks stay indexed (CACHED): the same prompt is
@@ -750,6 +802,7 @@ fn softcap_window_merge() {
             alibi_slopes: None,
             attn_chunk: 0,
             noncausal: false,
+            f16_as_bf16: false,
         };
         let (mut out, mut lse) = (vec![0f32; hq * d], vec![0f32; hq]);
         c.decode(0, &[s], &q, &mut out, &p, Some(&mut lse)).unwrap();
