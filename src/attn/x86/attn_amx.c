@@ -147,10 +147,15 @@ static void score_t_amx(const float *qt, uint32_t rp, const uint8_t *k, size_t k
     TILE_FENCE();
 }
 
-/* 16 f16 values at p widened and rounded to bf16 (nearest even), each in the low half of its
- * 32-bit lane: f16 K and V taken as bf16 (PKV_ATTN_F16_AS_BF16) */
-static inline __attribute__((always_inline)) __m512i f16_bf16_lo(const uint8_t *p) {
-    return bf16_round_lo(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p)));
+/* f16 K and V taken as bf16 (PKV_ATTN_F16_AS_BF16): 16 f16 values at p widened, and two such
+ * vectors rounded to bf16, nearest even, by vcvtne2ps2bf16 (AVX512_BF16, which every AMX CPU
+ * has): x's in the low 16 words, y's in the high ones. Its treatment of f32 denormals never
+ * applies: f16 values widen to normal floats. */
+static inline __attribute__((always_inline)) __m512 f16_widen(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p));
+}
+static inline __attribute__((always_inline)) __m512i bf16_pack(__m512 x, __m512 y) {
+    return (__m512i)_mm512_cvtne2ps_pbh(y, x);
 }
 
 /* score_t for f16 K (PKV_ATTN_F16_AS_BF16): qt as bf16 pairs (the driver's qt_round), each 16
@@ -176,8 +181,8 @@ static void score_t_amx_f16(const float *qt, uint32_t rp, const uint8_t *k, size
                 memset(dst, 0, (size_t)2 * D);
                 continue;
             }
-            for (uint32_t d = 0; d < D; d += 16)
-                _mm256_storeu_si256((__m256i *)(void *)(dst + 2 * d), _mm512_cvtepi32_epi16(f16_bf16_lo(src + 2 * d)));
+            for (uint32_t d = 0; d < D; d += 32)
+                _mm512_storeu_si512((void *)(dst + 2 * d), bf16_pack(f16_widen(src + 2 * d), f16_widen(src + 2 * d + 32)));
         }
         TILE_FENCE(); /* kb's rows written */
         if (nk == 16) {
@@ -267,6 +272,9 @@ static inline __attribute__((always_inline)) void accum_runs(const float *p, uin
     for (uint32_t i = 0; i < n_runs; i++)
         for (uint32_t t = 0; t < n[i]; t++) row[n_keys++] = v[i] + t * vrb;
     const uint32_t n_kc = (n_keys + 31) / 32;
+    /* f16: words c and 16 + c (the two rows' column c) to 32-bit lane c */
+    const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     /* [key chunk][16 rows]: A tiles (rows <= T_ROWS_PAD, 64) */
     uint32_t pa[(PKV__ATTN_T_RUN_KEYS + 31) / 32][4][16 * 16] __attribute__((aligned(64)));
     pkv__attn_pf_start(pf, n_keys);
@@ -278,11 +286,12 @@ static inline __attribute__((always_inline)) void accum_runs(const float *p, uin
         const bool one = 2 * j < n_keys, two = 2 * j + 1 < n_keys;
         for (uint32_t g = 0; g < NG; g++) {
             __m512i e, o;
-            if (f16) { /* rounded to bf16, paired by column in their own order: acc's natural order */
-                const __m512i z = _mm512_setzero_si512();
+            if (f16) { /* rounded to bf16 and paired by column in their own order: acc's natural order */
+                const __m512 z = _mm512_setzero_ps();
                 const uint8_t *ra = one ? row[2 * j] + 64 * g : NULL, *rb = two ? row[2 * j + 1] + 64 * g : NULL;
-                e = _mm512_or_si512(one ? f16_bf16_lo(ra) : z, _mm512_slli_epi32(two ? f16_bf16_lo(rb) : z, 16));
-                o = _mm512_or_si512(one ? f16_bf16_lo(ra + 32) : z, _mm512_slli_epi32(two ? f16_bf16_lo(rb + 32) : z, 16));
+                const __m512i lo = bf16_pack(one ? f16_widen(ra) : z, two ? f16_widen(rb) : z); /* columns 0-15 */
+                const __m512i hi = bf16_pack(one ? f16_widen(ra + 32) : z, two ? f16_widen(rb + 32) : z);
+                e = _mm512_permutexvar_epi16(pair_idx, lo), o = _mm512_permutexvar_epi16(pair_idx, hi);
             } else {
                 const __m512i A = one ? _mm512_loadu_si512((const void *)(row[2 * j] + 64 * g)) : _mm512_setzero_si512();
                 const __m512i B = two ? _mm512_loadu_si512((const void *)(row[2 * j + 1] + 64 * g)) : _mm512_setzero_si512();
