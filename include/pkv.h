@@ -809,17 +809,18 @@ typedef struct pkv_attn_params {
 enum { PKV_ATTN_BF16_DOT = 1u };
 /* pkv_attn_params.flags. PKV_ATTN_F16_AS_BF16: allows f16 K and V to be computed as bf16 where
  * the backend multiplies bf16 much faster than f32: backend "avx512-amx" (pkv_attn_backend, AMX
- * tiles), in prefill's units of 16 query rows a kv head and more with head_dim a multiple of 32
- * (V: v_dim a multiple of 32) — where the flag applies, pkv_attn_flags_used says so. There, each
- * query row times scale, each K and V value (f16: 11 significant bits) and each softmax weight is
- * rounded to bf16 (8 significant bits, nearest even), the products exact and the sums in f32: a
- * score moves by up to about 2^-7 of sum |q_d k_d| x scale, an output by up to about 2^-7 of the
- * largest |V| it averages, what a model run in bf16 gets anyway. On an Intel Xeon with AMX
- * (family 6 model 167 as reported) a 2,048-token f16 prompt (32 query heads, 8 kv heads, head_dim
- * 128) took TODO the time without the flag. Elsewhere (other dtypes, other backends, decode, the
- * last rows of a unit past a multiple of 16, PKV_FORCE_REF) the flag changes nothing: the same
- * bits as without it. Independent of PKV_ATTN_BF16_DOT (which is about bf16 K and V); a call may
- * pass both. */
+ * tiles), in units of 16 query rows a kv head and more (prefill and extends; decode where a kv
+ * head has 16 query heads or more, unless read in pool order) with head_dim a multiple of 32 for
+ * K, v_dim for V; pkv_attn_flags_used says whether it applies to a cache. There each query row
+ * times scale and each K value, and for the unit's rows in 16s each V value and softmax weight,
+ * are rounded to bf16 (8 significant bits against f16's 11, nearest even), the products exact
+ * and the sums in f32: a score moves by up to about 2^-7 of sum |q_d k_d| x scale, an output by
+ * up to about 2^-7 of the largest |V| it averages, what a model run in bf16 gets anyway. On an
+ * Intel Xeon with AMX (family 6 model 167 as reported) a 2,048-token f16 prompt (32 query heads,
+ * 8 kv heads, head_dim 128) took 0.45-0.47x the time without the flag (pkv bench attn
+ * --f16-as-bf16, stop 87). Elsewhere (other dtypes, other backends, units of fewer rows,
+ * PKV_FORCE_REF) the flag changes nothing: the same bits as without it. Independent of
+ * PKV_ATTN_BF16_DOT (bf16 K and V); a call may pass both. */
 enum { PKV_ATTN_F16_AS_BF16 = 4u };
 /* pkv_attn_params.flags. PKV_ATTN_NONCAUSAL: each query of a pkv_attn_prefill request sees every
  * position its sequence holds, [0, length), whatever its own: an encoder's bidirectional
@@ -1013,9 +1014,10 @@ PKV_NODISCARD PKV_API int pkv_attn_merge(uint32_t n_rows, uint32_t head_dim, con
 /* Which kernel family attention uses: "ref", "avx2", "avx2-vnni" (avx2 with the q8_0 / q4_0
  * score on AVX-VNNI: Intel cores without AVX-512 from Alder Lake and Sierra Forest on),
  * "avx512", "avx512-vnni" (avx512 with the q8_0 / q4_0 score on VNNI), "avx512-amx" (avx512-vnni
- * whose calls with PKV_ATTN_BF16_DOT run bf16 K and V on AMX tiles where a kv head has 16 query
- * rows or more, as prefill does: Intel Xeons from Sapphire Rapids on, 64-bit Linux; detection
- * takes it for a cache whose K or V is bf16 only, and creating such a cache asks the kernel
+ * whose calls with PKV_ATTN_BF16_DOT run bf16 K and V, and with PKV_ATTN_F16_AS_BF16 f16 K and V,
+ * on AMX tiles where a kv head has 16 query rows or more, as prefill does: Intel Xeons from
+ * Sapphire Rapids on, 64-bit Linux; detection takes it for a cache whose K or V is bf16 or f16
+ * only (not f32 or the quantized types, which it serves as avx512-vnni), and creating such a cache asks the kernel
  * once a process for its AMX state, arch_prctl ARCH_REQ_XCOMP_PERM, which makes signal frames
  * 8 KiB larger; where the kernel refuses, detection picks avx512-vnni), "neon", "neon-dotprod" (chosen
  * once at creation from CPU detection; PKV_FORCE_REF=1 in the environment forces "ref" (so does

@@ -231,21 +231,26 @@ static void large_batch_once(int wide) {
     free(out), free(err);
 }
 
-/* --bf16-dot: every decode line carries attn_flags 1, the paged one the contiguous flag / plain
- * ratio between its quartiles; the machine line says whether the flag takes effect here, as the
- * library does for a bf16 cache (pkv_attn_flags_used); without the option attn_flags is 0 and no
- * ratio is printed. */
+/* --bf16-dot (--f16-as-bf16): every decode line carries attn_flags 1 (4), the paged one the
+ * contiguous flag / plain ratio between its quartiles; the machine line says whether each flag
+ * takes effect here, as the library does for a bf16 (f16) cache (pkv_attn_flags_used); without
+ * the options attn_flags is 0 and no ratio is printed. */
 static void test_bf16_dot_json(void **state) {
     (void)state;
     pkv_config cfg = pkv_config_default();
-    cfg.n_blocks = 4, cfg.n_threads = 1, cfg.k_dtype = cfg.v_dtype = PKV_DTYPE_BF16;
+    cfg.n_blocks = 4, cfg.n_threads = 1;
     pkv_cache *c = NULL;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK); /* f16 */
+    const int used16 = (pkv_attn_flags_used(c) & PKV_ATTN_F16_AS_BF16) != 0;
+    pkv_cache_destroy(c);
+    cfg.k_dtype = cfg.v_dtype = PKV_DTYPE_BF16;
     assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
     const int used = (pkv_attn_flags_used(c) & PKV_ATTN_BF16_DOT) != 0;
     pkv_cache_destroy(c);
-    for (int flag = 0; flag < 2; flag++) {
-        char *argv[] = {"pkv", "bench", "attn", "--quick", "--json", "--dtype", "bf16", "--ctx", "512", "--threads",
-                        "1", "--prompt", "0", flag ? "--bf16-dot" : NULL, NULL};
+    for (int flag = 0; flag < 3; flag++) {
+        char *argv[] = {"pkv", "bench", "attn", "--quick", "--json", "--dtype", flag == 2 ? "f16" : "bf16", "--ctx",
+                        "512", "--threads", "1", "--prompt", "0", flag == 1 ? "--bf16-dot" : flag ? "--f16-as-bf16" : NULL,
+                        NULL};
         char *out, *err;
         int rc = run_cli(argv, &out, &err);
         if (rc != 0) fail_msg("exit %d: %s", rc, err);
@@ -254,11 +259,12 @@ static void test_bf16_dot_json(void **state) {
             one_object(line);
             if (field(line, "kind")) {
                 assert_true(str_is(line, "kind", "machine"));
-                assert_string_equal(field(line, "bf16_dot"), used ? "true}" : "false}");
+                assert_true(!strncmp(field(line, "bf16_dot"), used ? "true," : "false,", used ? 5 : 6));
+                assert_string_equal(field(line, "f16_as_bf16"), used16 ? "true}" : "false}");
                 continue;
             }
             assert_true(str_is(line, "kernel", "decode"));
-            assert_int_equal((int)num(line, "attn_flags"), flag ? PKV_ATTN_BF16_DOT : 0);
+            assert_int_equal((int)num(line, "attn_flags"), flag == 1 ? PKV_ATTN_BF16_DOT : flag ? PKV_ATTN_F16_AS_BF16 : 0);
             const int paged = str_is(line, "layout", "paged");
             if (paged && flag) {
                 const double r = num(line, "contig_flags_over_plain");
