@@ -54,7 +54,7 @@ typedef struct extra {
     uint32_t window;
     uint32_t chunk; /* chunked local attention (pkv_attn_params.attn_chunk) */
     bool sinks;    /* sinks[h] = 0.5 - h / nqh */
-    uint32_t flags; /* PKV_ATTN_BF16_DOT */
+    uint32_t flags; /* PKV_ATTN_BF16_DOT, PKV_ATTN_F16_AS_BF16 */
 } extra;
 
 /* The MLA cache and its twin of the classic layout (V rows: copies of the K rows), the same
@@ -155,10 +155,16 @@ static void ref_rows(const world *w, uint32_t i, uint32_t l, const float *q, uin
     free(p);
 }
 
+/* Whether the call's flag rounds this world's inputs to bf16 (where the backend takes it) */
+static bool lp_world(const world *w) {
+    return ((w->ex.flags & PKV_ATTN_BF16_DOT) && w->dt == PKV_DTYPE_BF16) ||
+           ((w->ex.flags & PKV_ATTN_F16_AS_BF16) && w->dt == PKV_DTYPE_F16);
+}
+
 /* The tolerance against the reference: q8_0 and q4_0 score int8 queries; the bf16 flag rounds
- * queries and weights to bf16 (pkv.h) */
+ * queries and weights to bf16, the f16 one K and V too (pkv.h) */
 static double ref_tol(const world *w) {
-    return w->ex.flags && w->dt == PKV_DTYPE_BF16 ? 1.0 / 64.0 : tol_of(w->dt);
+    return !lp_world(w) ? tol_of(w->dt) : w->dt == PKV_DTYPE_F16 ? 1.0 / 32.0 : 1.0 / 64.0;
 }
 
 /* Under emulation (scripts/test-arm64.sh sets PKV_ATTN_TEST_MAX_LEN, as for test_attn) the
@@ -297,7 +303,7 @@ static void run_world(world *w, float scale) {
         assert_int_equal(pkv_attn_tree(w->c[1], l, &tr[1], 1, q, co, &p), PKV_OK);
         /* with the bf16 flag, bf16 V's columns past the last full group of 32 of v_dim (but not of
            head_dim: 128-135 at 200 / 136) take the f32 accum in the MLA cache, the bf16 one in the twin */
-        const bool lp = w->ex.flags && w->dt == PKV_DTYPE_BF16;
+        const bool lp = lp_world(w);
         for (uint32_t j = 0; j < 4 * nqh; j++) {
             for (uint32_t d = 0; d < Dv; d++)
                 assert_true(fabs(out[(size_t)j * Dv + d] - co[(size_t)j * D + d]) <=
@@ -388,7 +394,8 @@ static void test_mla_shapes(void **state) {
     (void)state;
     const shape shapes[5] = {{96, 64, 128, 1, 2}, {128, 96, 16, 2, 2}, {576, 512, 4, 1, 2}, {64, 32, 8, 2, 2},
                              {200, 136, 16, 1, 2}};
-    const extra exs[3] = {{0}, {.softcap = 3.0f, .window = 50, .chunk = 40, .sinks = true}, {.flags = PKV_ATTN_BF16_DOT}};
+    const extra exs[4] = {{0}, {.softcap = 3.0f, .window = 50, .chunk = 40, .sinks = true}, {.flags = PKV_ATTN_BF16_DOT},
+                          {.flags = PKV_ATTN_F16_AS_BF16}};
     const char *const backends[2] = {"ref", NULL};
     for (int b = 0; b < 2; b++) {
         const char *want = getenv("PKV_ATTN_TEST_BACKENDS");
@@ -398,10 +405,11 @@ static void test_mla_shapes(void **state) {
         for (int way = 0; way < (quick() ? 1 : 3); way += 2) {
             set_way(way);
             for (int s = 0; s < 5; s++)
-                for (int e = 0; e < 3; e++)
+                for (int e = 0; e < 4; e++)
                     for (size_t t = 0; t < sizeof g_types / sizeof *g_types; t++) {
                         const pkv_dtype dt = g_types[t];
                         if (e == 2 && dt != PKV_DTYPE_BF16) continue;
+                        if (e == 3 && dt != PKV_DTYPE_F16) continue;
                         if (s == 2 && dt != PKV_DTYPE_F16 && dt != PKV_DTYPE_BF16) continue;
                         if (!pkv_dtype_row_bytes(dt, shapes[s].Dv)) continue; /* q8_0 / q4_0 at v_dim 96 */
                         /* 128 heads, and x86's transposed parts (200 / 136): f16 alone */
