@@ -397,14 +397,6 @@ static uint32_t rand_len(void) {
  * too: several fragmented sequences) and extends of fewer than 16 rows a kv head (the row path)
  * or more (the transposed primitives, on units of 16 rows and up). */
 #define TOL_BF16_DOT (1.0 / 128.0)
-static float bf16_round(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-
 /* check_item's error in units of the tolerance of (kdt, vdt), for a call whose kernels may have
  * rounded as PKV_ATTN_BF16_DOT lets them: where K was scored in bf16 (lp_k) the reference takes
  * the queries times scale rounded to bf16 (and scale 1); where p.V took bf16 weights (lp_v) the
@@ -419,7 +411,7 @@ static double check_item_lp(const tpool *p, const tseq *s, uint32_t nqh, const p
     if (lp_k) {
         const size_t n = (size_t)it->n_q * nqh * D;
         qr = malloc(sizeof(float) * n);
-        for (size_t x = 0; x < n; x++) qr[x] = bf16_round(it->q[x] * call->scale);
+        for (size_t x = 0; x < n; x++) qr[x] = tu_bf16(it->q[x] * call->scale);
         ri.q = qr, rc.scale = 1.0f;
     }
     const double tol = (lp_v ? TOL_BF16_DOT : 0) + tol_for(kdt, vdt) * dim_factor(D);
@@ -448,7 +440,7 @@ static double check_item_f16bf(const tpool *p, const tseq *s, uint32_t nqh, cons
     if (rk) {
         const size_t n = (size_t)s->len * p->H * D;
         kr = malloc(sizeof(float) * (n + 1));
-        for (size_t x = 0; x < n; x++) kr[x] = bf16_round(s->kf[x]);
+        for (size_t x = 0; x < n; x++) kr[x] = tu_bf16(s->kf[x]);
         sr.kf = kr;
     }
     double *ro[2], *rl[2], worst = 0;
@@ -460,7 +452,7 @@ static double check_item_f16bf(const tpool *p, const tseq *s, uint32_t nqh, cons
         ref_query(p, s, nqh, q, pos, c->scale, c->softcap, c->window, c->chunk, c->sinks, c->alibi,
                   it->mask ? &mk : NULL, ro[0], rl[0]);
         if (rk) {
-            for (uint32_t x = 0; x < nqh * D; x++) qr[x] = bf16_round(q[x] * c->scale);
+            for (uint32_t x = 0; x < nqh * D; x++) qr[x] = tu_bf16(q[x] * c->scale);
             ref_query(p, &sr, nqh, qr, pos, 1.0, c->softcap, c->window, c->chunk, c->sinks, c->alibi,
                       it->mask ? &mk : NULL, ro[1], rl[1]);
         }
@@ -925,6 +917,57 @@ static void test_oracle_mask(void **state) {
     run_oracle(bc->name, &o, 318);
 }
 
+/* One case of test_f16_as_bf16 and test_bf16_dot: a pool of n_kv_heads H, head_dim D and K / V
+ * dtypes kdt / vdt, 16-token blocks mostly (else 1-33 or 64: AMX's accum takes those 32 keys at
+ * a time), 1-4 sequences of 1-40 tokens or up to 600 (max_len's), a context of 1-2 threads on the
+ * backend (the test skips where it is missing); items and plain: the test's, freed by
+ * lp_world_free. */
+typedef struct lp_world {
+    tpool p;
+    tseq seqs[4];
+    uint32_t n_seqs, lens[4], B, nt;
+    pkv__attn *at;
+    pkv__attn_item items[4];
+    float *plain[4];
+} lp_world;
+
+static void lp_world_make(lp_world *w, const char *backend, uint32_t H, uint32_t D, pkv_dtype kdt, pkv_dtype vdt) {
+    w->B = rng_below(3) ? 16 : rng_below(4) ? 1 + rng_below(33) : 64, w->nt = 1 + rng_below(2);
+    w->n_seqs = 1 + rng_below(4);
+    uint32_t total = 0, most = 0;
+    for (uint32_t i = 0; i < w->n_seqs; i++) {
+        w->lens[i] = 1 + rng_below(rng_below(2) ? 40 : PKV_MIN(600u, max_len())); /* qemu's stage: 200 */
+        const uint32_t nb = (w->lens[i] + w->B - 1) / w->B;
+        total += nb, most = nb > most ? nb : most;
+    }
+    pool_init(&w->p, H, D, w->B, total + 3, kdt, vdt);
+    const float kmul = (float)(0.5 + 3.5 * rng_unit());
+    for (uint32_t i = 0; i < w->n_seqs; i++) seq_make(&w->p, &w->seqs[i], w->lens[i], kmul);
+    w->at = make_attn(backend, w->nt, w->n_seqs, most, H, D, w->B);
+    if (!w->at) {
+        for (uint32_t i = 0; i < w->n_seqs; i++) seq_free(&w->seqs[i]);
+        pool_free(&w->p);
+        skip();
+    }
+}
+
+/* Item i of w: n_q queries from pos0 (nqh heads of D), out, lse and plain (a copy of out) of them */
+static void lp_item(lp_world *w, uint32_t i, uint32_t pos0, uint32_t n_q, uint32_t nqh, uint32_t D) {
+    const size_t n = (size_t)n_q * nqh;
+    w->items[i] = (pkv__attn_item){.block_table = w->seqs[i].table, .q_pos0 = pos0, .n_q = n_q, .q = rand_q(n * D),
+                                   .out = malloc(sizeof(float) * n * D), .lse = malloc(sizeof(float) * n)};
+    w->plain[i] = malloc(sizeof(float) * n * D);
+}
+
+static void lp_world_free(lp_world *w) {
+    for (uint32_t i = 0; i < w->n_seqs; i++) {
+        free((void *)w->items[i].q), free(w->items[i].out), free(w->items[i].lse), free(w->plain[i]);
+        seq_free(&w->seqs[i]);
+    }
+    pkv__attn_destroy(w->at);
+    pool_free(&w->p);
+}
+
 /* PKV_ATTN_F16_AS_BF16 (check_item_f16bf): decode and extends of under and over 16 rows a kv
  * head, head_dims that are and are not a multiple of 32, f16 K or V beside the other dtypes,
  * with PKV_ATTN_BF16_DOT or without. Where pkv__attn_f16bf says the flag changes nothing
@@ -945,79 +988,51 @@ static void test_f16_as_bf16(void **state) {
         for (size_t hi = 0; hi < sizeof heads / sizeof *heads; hi++)
             for (size_t ti = 0; ti < sizeof kv / sizeof *kv; ti++) {
                 const uint32_t D = dims[di], nqh = heads[hi][0], H = heads[hi][1], G = nqh / H;
-                const uint32_t B = rng_below(3) ? 16 : rng_below(4) ? 1 + rng_below(33) : 64, nt = 1 + rng_below(2);
-                const uint32_t n_seqs = 1 + rng_below(4);
-                uint32_t lens[4], total = 0, most = 0;
-                for (uint32_t i = 0; i < n_seqs; i++) {
-                    lens[i] = 1 + rng_below(rng_below(2) ? 40 : PKV_MIN(600u, max_len()));
-                    const uint32_t nb = (lens[i] + B - 1) / B;
-                    total += nb, most = nb > most ? nb : most;
-                }
-                tpool p;
-                pool_init(&p, H, D, B, total + 3, kv[ti][0], kv[ti][1]);
-                tseq seqs[4];
-                const float kmul = (float)(0.5 + 3.5 * rng_unit());
-                for (uint32_t i = 0; i < n_seqs; i++) seq_make(&p, &seqs[i], lens[i], kmul);
-                pkv__attn *at = make_attn(bc->name, nt, n_seqs, most, H, D, B);
-                if (!at) {
-                    for (uint32_t i = 0; i < n_seqs; i++) seq_free(&seqs[i]);
-                    pool_free(&p);
-                    skip();
-                }
+                lp_world w;
+                lp_world_make(&w, bc->name, H, D, kv[ti][0], kv[ti][1]);
+                pkv__attn *at = w.at;
                 const bool used = pkv__attn_f16bf(at, kv[ti][0], kv[ti][1]);
                 const bool dot = rng_below(2); /* PKV_ATTN_BF16_DOT beside it: the tables of both */
                 const bool lp_k = dot && pkv__attn_lp(at, kv[ti][0]), lp_v = dot && pkv__attn_lp_v(at, kv[ti][1]);
                 n_used += used, n_cases++;
                 pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
-                pkv__attn_item items[4];
-                float *plain[4];
-                for (uint32_t i = 0; i < n_seqs; i++) {
-                    uint32_t n_q = 1, pos0 = lens[i] - 1;
+                for (uint32_t i = 0; i < w.n_seqs; i++) {
+                    uint32_t n_q = 1, pos0 = w.lens[i] - 1;
                     if (rng_below(3)) { /* an extend: under 16 rows a kv head (the row path) or more */
                         const uint32_t cap = rng_below(4) ? 64 : 15 / G;
-                        const uint32_t most_q = cap < lens[i] ? cap : lens[i];
+                        const uint32_t most_q = cap < w.lens[i] ? cap : w.lens[i];
                         n_q = most_q ? 1 + rng_below(most_q) : 1;
-                        pos0 = rng_below(lens[i] - n_q + 1);
+                        pos0 = rng_below(w.lens[i] - n_q + 1);
                     }
-                    const size_t n = (size_t)n_q * nqh;
-                    items[i] = (pkv__attn_item){.block_table = seqs[i].table, .q_pos0 = pos0, .n_q = n_q,
-                                                .q = rand_q(n * D), .out = malloc(sizeof(float) * n * D),
-                                                .lse = malloc(sizeof(float) * n)};
-                    plain[i] = malloc(sizeof(float) * n * D);
+                    lp_item(&w, i, pos0, n_q, nqh, D);
                 }
                 call.flags = dot ? PKV_ATTN_BF16_DOT : 0;
-                assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
-                for (uint32_t i = 0; i < n_seqs; i++)
-                    memcpy(plain[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
+                assert_int_equal(pkv__attn_run(at, &w.p.view, w.items, w.n_seqs, &call), PKV_OK);
+                for (uint32_t i = 0; i < w.n_seqs; i++)
+                    memcpy(w.plain[i], w.items[i].out, sizeof(float) * w.items[i].n_q * nqh * D);
                 call.flags |= PKV_ATTN_F16_AS_BF16;
-                assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
+                assert_int_equal(pkv__attn_run(at, &w.p.view, w.items, w.n_seqs, &call), PKV_OK);
                 bool differs = false;
-                for (uint32_t i = 0; i < n_seqs; i++) {
-                    const size_t n = (size_t)items[i].n_q * nqh;
-                    differs |= memcmp(plain[i], items[i].out, sizeof(float) * n * D) != 0;
+                for (uint32_t i = 0; i < w.n_seqs; i++) {
+                    const pkv__attn_item *it = &w.items[i];
+                    differs |= memcmp(w.plain[i], it->out, sizeof(float) * it->n_q * nqh * D) != 0;
                     /* with BF16_DOT too, a bf16 K rounds its queries in every unit (check_item_lp), an
                        f16 V beside it in the tiles' (in the tolerance, as a bf16 V's weights) */
                     const bool rv = used && kv[ti][1] == PKV_DTYPE_F16 && D % 32 == 0;
                     const double e =
                         used && !lp_k
-                            ? check_item_f16bf(&p, &seqs[i], nqh, &items[i], &call, kv[ti][0], kv[ti][1], lp_v,
-                                               &worst_lse)
-                            : check_item_lp(&p, &seqs[i], nqh, &items[i], &call, kv[ti][0], kv[ti][1], lp_k,
-                                            lp_v || rv, &worst_lse);
+                            ? check_item_f16bf(&w.p, &w.seqs[i], nqh, it, &call, kv[ti][0], kv[ti][1], lp_v, &worst_lse)
+                            : check_item_lp(&w.p, &w.seqs[i], nqh, it, &call, kv[ti][0], kv[ti][1], lp_k, lp_v || rv,
+                                            &worst_lse);
                     if (e > 1.0)
                         print_message("  fail: %s D=%u q/kv=%u/%u B=%u K=%s V=%s len=%u q_pos0=%u n_q=%u thr=%u dot=%d: err %.3g\n",
-                                      bc->name, D, nqh, H, B, pkv_dtype_name(kv[ti][0]), pkv_dtype_name(kv[ti][1]),
-                                      lens[i], items[i].q_pos0, items[i].n_q, nt, dot, e);
+                                      bc->name, D, nqh, H, w.B, pkv_dtype_name(kv[ti][0]), pkv_dtype_name(kv[ti][1]),
+                                      w.lens[i], it->q_pos0, it->n_q, w.nt, dot, e);
                     worst = fmax(worst, e);
                 }
                 if (!used || D % 32) assert_false(differs);
                 n_differ += differs;
-                for (uint32_t i = 0; i < n_seqs; i++) {
-                    free((void *)items[i].q), free(items[i].out), free(items[i].lse), free(plain[i]);
-                    seq_free(&seqs[i]);
-                }
-                pkv__attn_destroy(at);
-                pool_free(&p);
+                lp_world_free(&w);
             }
     print_message("  %s: the flag applied in %u of %u cases and changed the results of %u; max err %.3g of the "
                   "tolerance, lse err %.3g\n", bc->name, n_used, n_cases, n_differ, worst, worst_lse);
@@ -1713,81 +1728,51 @@ static void test_bf16_dot(void **state) {
         for (size_t hi = 0; hi < sizeof heads / sizeof *heads; hi++)
             for (size_t ti = 0; ti < sizeof kv / sizeof *kv; ti++) {
                 const uint32_t D = dims[di], nqh = heads[hi][0], H = heads[hi][1], G = nqh / H;
-                /* 64-token blocks too: AMX's accum takes them 32 keys at a time */
-                const uint32_t B = rng_below(3) ? 16 : rng_below(4) ? 1 + rng_below(33) : 64, nt = 1 + rng_below(2);
-                const uint32_t n_seqs = 1 + rng_below(4);
-                uint32_t lens[4], total = 0, most = 0;
-                for (uint32_t i = 0; i < n_seqs; i++) {
-                    lens[i] = 1 + rng_below(rng_below(2) ? 40 : PKV_MIN(600u, max_len())); /* qemu's stage: 200 */
-                    const uint32_t nb = (lens[i] + B - 1) / B;
-                    total += nb, most = nb > most ? nb : most;
-                }
-                tpool p;
-                pool_init(&p, H, D, B, total + 3, kv[ti][0], kv[ti][1]);
-                tseq seqs[4];
-                const float kmul = (float)(0.5 + 3.5 * rng_unit());
-                for (uint32_t i = 0; i < n_seqs; i++) seq_make(&p, &seqs[i], lens[i], kmul);
-                pkv__attn *at = make_attn(bc->name, nt, n_seqs, most, H, D, B);
-                if (!at) {
-                    for (uint32_t i = 0; i < n_seqs; i++) seq_free(&seqs[i]);
-                    pool_free(&p);
-                    skip();
-                }
+                lp_world w;
+                lp_world_make(&w, bc->name, H, D, kv[ti][0], kv[ti][1]);
+                pkv__attn *at = w.at;
                 const bool lp_k = pkv__attn_lp(at, kv[ti][0]), lp_v = pkv__attn_lp_v(at, kv[ti][1]);
                 /* the transposed primitives follow the row path's: the same rounding in every unit
                    (a backend without them, NEON, runs such units on the row path) */
                 assert_true(pkv__attn_lp_t(at, kv[ti][0], kv[ti][1]) ==
                             ((lp_k || lp_v) && pkv__attn_has_t(at, kv[ti][0], kv[ti][1])));
                 n_lp += lp_k || lp_v, n_cases++;
-                pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D)),
-                                       .flags = PKV_ATTN_BF16_DOT};
-                pkv__attn_item items[4];
-                float *plain[4];
-                for (uint32_t i = 0; i < n_seqs; i++) {
-                    uint32_t n_q = 1, pos0 = lens[i] - 1;
+                pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
+                for (uint32_t i = 0; i < w.n_seqs; i++) {
+                    uint32_t n_q = 1, pos0 = w.lens[i] - 1;
                     if (rng_below(3) == 0) { /* an extend: under 16 rows a kv head (the row path) or more */
                         const uint32_t cap = rng_below(2) ? 15 / G : 48;
-                        const uint32_t most_q = cap < lens[i] ? cap : lens[i];
+                        const uint32_t most_q = cap < w.lens[i] ? cap : w.lens[i];
                         n_q = most_q ? 1 + rng_below(most_q) : 1;
-                        pos0 = rng_below(lens[i] - n_q + 1);
+                        pos0 = rng_below(w.lens[i] - n_q + 1);
                     }
-                    const size_t n = (size_t)n_q * nqh;
-                    items[i] = (pkv__attn_item){.block_table = seqs[i].table, .q_pos0 = pos0, .n_q = n_q,
-                                                .q = rand_q(n * D), .out = malloc(sizeof(float) * n * D),
-                                                .lse = malloc(sizeof(float) * n)};
-                    plain[i] = malloc(sizeof(float) * n * D);
+                    lp_item(&w, i, pos0, n_q, nqh, D);
                 }
                 /* without the flag first, to compare bits */
-                call.flags = 0;
-                assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
-                for (uint32_t i = 0; i < n_seqs; i++)
-                    memcpy(plain[i], items[i].out, sizeof(float) * items[i].n_q * nqh * D);
+                assert_int_equal(pkv__attn_run(at, &w.p.view, w.items, w.n_seqs, &call), PKV_OK);
+                for (uint32_t i = 0; i < w.n_seqs; i++)
+                    memcpy(w.plain[i], w.items[i].out, sizeof(float) * w.items[i].n_q * nqh * D);
                 call.flags = PKV_ATTN_BF16_DOT;
-                assert_int_equal(pkv__attn_run(at, &p.view, items, n_seqs, &call), PKV_OK);
+                assert_int_equal(pkv__attn_run(at, &w.p.view, w.items, w.n_seqs, &call), PKV_OK);
                 bool differs = false;
-                for (uint32_t i = 0; i < n_seqs; i++) {
-                    const size_t n = (size_t)items[i].n_q * nqh;
-                    differs |= memcmp(plain[i], items[i].out, sizeof(float) * n * D) != 0;
+                for (uint32_t i = 0; i < w.n_seqs; i++) {
+                    const pkv__attn_item *it = &w.items[i];
+                    differs |= memcmp(w.plain[i], it->out, sizeof(float) * it->n_q * nqh * D) != 0;
                     const double e =
-                        check_item_lp(&p, &seqs[i], nqh, &items[i], &call, kv[ti][0], kv[ti][1], lp_k, lp_v, &worst_lse);
+                        check_item_lp(&w.p, &w.seqs[i], nqh, it, &call, kv[ti][0], kv[ti][1], lp_k, lp_v, &worst_lse);
                     if (e > 1.0)
                         print_message("  fail: %s D=%u q/kv=%u/%u B=%u K=%s V=%s len=%u q_pos0=%u n_q=%u thr=%u: err %.3g\n",
-                                      bc->name, D, nqh, H, B, pkv_dtype_name(kv[ti][0]), pkv_dtype_name(kv[ti][1]),
-                                      lens[i], items[i].q_pos0, items[i].n_q, nt, e);
+                                      bc->name, D, nqh, H, w.B, pkv_dtype_name(kv[ti][0]), pkv_dtype_name(kv[ti][1]),
+                                      w.lens[i], it->q_pos0, it->n_q, w.nt, e);
                     worst = fmax(worst, e);
                 }
                 /* the flag changes the results exactly where a kernel of its own ran (and some query sees
                    two keys: over one key the output is its V whatever the score) */
                 bool two_keys = false;
-                for (uint32_t i = 0; i < n_seqs; i++) two_keys |= items[i].q_pos0 + items[i].n_q >= 2;
+                for (uint32_t i = 0; i < w.n_seqs; i++) two_keys |= w.items[i].q_pos0 + w.items[i].n_q >= 2;
                 if (!(lp_k || lp_v)) assert_false(differs);
                 else if (two_keys) assert_true(differs);
-                for (uint32_t i = 0; i < n_seqs; i++) {
-                    free((void *)items[i].q), free(items[i].out), free(items[i].lse), free(plain[i]);
-                    seq_free(&seqs[i]);
-                }
-                pkv__attn_destroy(at);
-                pool_free(&p);
+                lp_world_free(&w);
             }
     print_message("  %s: %u of %u cases took bf16 dot products; max err %.3g of the tolerance, lse err %.3g\n",
                   bc->name, n_lp, n_cases, worst, worst_lse);

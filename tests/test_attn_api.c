@@ -429,16 +429,6 @@ static void test_api_bad_input(void **state) {
  * stay within the bound pkv.h states: scores from queries rounded to bf16, outputs within 2^-8
  * of max |V| of those (test_attn.c checks the kernels on every shape; here the cache's own
  * dispatch, decode and prefill, and the backend the environment picks). */
-/* x rounded to bf16, nearest even (the kernels' rounding under PKV_ATTN_BF16_DOT and
- * PKV_ATTN_F16_AS_BF16) */
-static float bf16r(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-
 static void test_api_bf16_dot(void **state) {
     (void)state;
     static host_seq s;
@@ -469,7 +459,7 @@ static void test_api_bf16_dot(void **state) {
     pr.scale = 1.0f;
     const float scale = 1.0f / sqrtf((float)D);
     for (size_t i = 0; i < sizeof q / sizeof *q; i++) {
-        qr[i] = used ? bf16r(q[i] * scale) : q[i];
+        qr[i] = used ? tu_bf16(q[i] * scale) : q[i];
     }
     if (!used) pr.scale = 0;
     check_tol(&s, 0, qr, out, NULL, 197, 3, &pr, used ? 1.0 / 128.0 : TOL);
@@ -518,9 +508,9 @@ static void test_api_f16_as_bf16(void **state) {
         sr = s;
         for (uint32_t t = 0; t < s.len; t++)
             for (uint32_t h = 0; h < H; h++)
-                for (uint32_t d = 0; d < D; d++) sr.k[0][t][h][d] = bf16r(s.k[0][t][h][d]);
+                for (uint32_t d = 0; d < D; d++) sr.k[0][t][h][d] = tu_bf16(s.k[0][t][h][d]);
         const float scale = 1.0f / sqrtf((float)D);
-        for (size_t i = 0; i < sizeof q / sizeof *q; i++) qr[i] = bf16r(q[i] * scale);
+        for (size_t i = 0; i < sizeof q / sizeof *q; i++) qr[i] = tu_bf16(q[i] * scale);
         pkv_attn_params pr = p;
         pr.scale = 1.0f;
         check_tol(&sr, 0, qr, out, NULL, 180, 16, &pr, 1.0 / 128.0);

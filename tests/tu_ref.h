@@ -3,6 +3,8 @@
 #define PKV_TU_REF_H
 
 #include <stddef.h>
+#include <stdint.h>
+#include <string.h>
 
 /* sum a[i] * b[i] in double, over four running sums: one chain of dependent adds waits out the
  * add's latency at every element, which made the reference the slowest part of test_attn (a
@@ -19,6 +21,16 @@ static inline double tu_dot(const float *a, const float *b, size_t n) {
         s3 += (double)a[i + 3] * b[i + 3];
     }
     return (s0 + s1) + (s2 + s3);
+}
+
+/* x rounded to bf16, nearest even: what the kernels do to their inputs under PKV_ATTN_BF16_DOT
+ * and PKV_ATTN_F16_AS_BF16 (finite values) */
+static inline float tu_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, sizeof x);
+    return x;
 }
 
 #endif
