@@ -1041,18 +1041,28 @@ static void test_f16_as_bf16(void **state) {
     assert_true(worst_lse <= TOL_LSE);
 }
 
+/* The oracles of a rounding flag (base: bf16_dot or f16bf set), prefill: plain, soft-cap with a
+ * window and sinks, chunks with ALiBi, custom masks with soft-cap; seeds seed .. seed + 3 */
+static void run_oracle_lp(const char *backend, const oracle_opts *base, uint64_t seed) {
+    oracle_opts o = *base;
+    o.prefill = 1;
+    run_oracle(backend, &o, seed);
+    o.softcap = o.window = o.sinks = 1;
+    run_oracle(backend, &o, seed + 1);
+    o = *base;
+    o.prefill = o.chunk = o.alibi = 1;
+    run_oracle(backend, &o, seed + 2);
+    o = *base;
+    o.prefill = o.mask = o.softcap = 1, o.len_cap = 700;
+    run_oracle(backend, &o, seed + 3);
+}
+
 /* PKV_ATTN_F16_AS_BF16 with the driver's parameters, as test_oracle_bf16_dot for bf16 */
 static void test_oracle_f16_as_bf16(void **state) {
     const backend_case *bc = *state;
     need_backend(bc->name);
-    oracle_opts o = {.f16bf = 1, .prefill = 1};
-    run_oracle(bc->name, &o, 341);
-    o.softcap = o.window = o.sinks = 1;
-    run_oracle(bc->name, &o, 342);
-    o = (oracle_opts){.f16bf = 1, .prefill = 1, .chunk = 1, .alibi = 1};
-    run_oracle(bc->name, &o, 343);
-    o = (oracle_opts){.f16bf = 1, .prefill = 1, .mask = 1, .softcap = 1, .len_cap = 700};
-    run_oracle(bc->name, &o, 344);
+    const oracle_opts o = {.f16bf = 1};
+    run_oracle_lp(bc->name, &o, 341);
 }
 
 /* PKV_ATTN_BF16_DOT with every parameter the driver applies between score and accum (soft-cap,
@@ -1062,14 +1072,8 @@ static void test_oracle_f16_as_bf16(void **state) {
 static void test_oracle_bf16_dot(void **state) {
     const backend_case *bc = *state;
     need_backend(bc->name);
-    oracle_opts o = {.bf16_dot = 1, .prefill = 1};
-    run_oracle(bc->name, &o, 331);
-    o.softcap = o.window = o.sinks = 1;
-    run_oracle(bc->name, &o, 332);
-    o = (oracle_opts){.bf16_dot = 1, .prefill = 1, .chunk = 1, .alibi = 1};
-    run_oracle(bc->name, &o, 333);
-    o = (oracle_opts){.bf16_dot = 1, .prefill = 1, .mask = 1, .softcap = 1, .len_cap = 700};
-    run_oracle(bc->name, &o, 334);
+    oracle_opts o = {.bf16_dot = 1};
+    run_oracle_lp(bc->name, &o, 331);
     o = (oracle_opts){.bf16_dot = 1, .window = 1, .alibi = 1};
     run_oracle(bc->name, &o, 335);
     o.prefill = 1; /* a window's first block seen from inside: its biases from key t0 on */
