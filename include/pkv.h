@@ -1028,8 +1028,9 @@ PKV_API const char *pkv_attn_backend(const pkv_cache *c);
 
 /* Of the PKV_ATTN_* flags, those that change how this cache's attention computes (a call may
  * pass any of them; the others change nothing here): PKV_ATTN_BF16_DOT where K or V is bf16 and
- * the backend has bf16 dot products, PKV_ATTN_F16_AS_BF16 where K or V is f16 and the backend has
- * bf16 tiles ("avx512-amx"). 0 for NULL. */
+ * the backend has bf16 dot products, PKV_ATTN_F16_AS_BF16 where K (V) is f16 with head_dim (v_dim)
+ * a multiple of 32, the other of a dtype the transposed path takes (f32, f16, bf16, fp8_e4m3: not
+ * q8_0 or q4_0), and the backend has bf16 tiles ("avx512-amx"). 0 for NULL. */
 PKV_API uint32_t pkv_attn_flags_used(const pkv_cache *c);
 
 /* ---- storage tiers ----------------------------------------------------------------------------

@@ -738,8 +738,8 @@ class Cache:
     @_in_call
     def f16_as_bf16_used(self):
         """Whether f16_as_bf16=True changes this cache's attention (pkv_attn_flags_used): f16 K
-        or V, a head_dim (or v_dim) a multiple of 32, and a backend with bf16 tiles
-        ("avx512-amx")."""
+        or V with head_dim (or v_dim) a multiple of 32, the other not q8_0 or q4_0, and a backend
+        with bf16 tiles ("avx512-amx")."""
         return bool(_lib.pkv_attn_flags_used(self._h()) & ATTN_F16_AS_BF16)
 
     @_in_call
@@ -1357,9 +1357,9 @@ class Cache:
         bf16_dot: allow bf16 arithmetic with bf16 K/V (PKV_ATTN_BF16_DOT: queries and softmax
         weights rounded to bf16 where the CPU has bf16 dot products; bf16_dot_used says whether
         it does here). f16_as_bf16: allow f16 K/V to be computed as bf16 (PKV_ATTN_F16_AS_BF16:
-        queries, K, V and softmax weights rounded to bf16 where the backend has bf16 tiles, in
-        prefill's tiles of 16 rows a kv head and more; f16_as_bf16_used says whether it does
-        here). sinks: n_q_heads finite attention-sink logits (gpt-oss; pkv_attn_params.sinks), each head's
+        f16 K and the queries, f16 V and the softmax weights, rounded to bf16 where the backend
+        has bf16 tiles, in units of 16 query rows a kv head and more; f16_as_bf16_used says
+        whether it does here). sinks: n_q_heads finite attention-sink logits (gpt-oss; pkv_attn_params.sinks), each head's
         softmax counting one more key of that logit and value 0; lse then includes it.
         alibi_slopes: n_q_heads ALiBi slopes (BLOOM, MPT; pkv_attn_params.alibi_slopes), each
         finite with magnitude at most 65536: head h's logit of the key at position k for the

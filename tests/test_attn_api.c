@@ -516,6 +516,12 @@ static void test_api_f16_as_bf16(void **state) {
         check_tol(&sr, 0, qr, out, NULL, 180, 16, &pr, 1.0 / 128.0);
     }
     pkv_cache_destroy(c);
+    /* f16 K beside a q8_0 V: the transposed path takes no such pair, so the flag changes nothing */
+    pkv_config cfg = api_config(PKV_DTYPE_F16, 1, 0);
+    cfg.v_dtype = PKV_DTYPE_Q8_0;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    assert_int_equal(pkv_attn_flags_used(c) & PKV_ATTN_F16_AS_BF16, 0u);
+    pkv_cache_destroy(c);
 }
 
 /* Appends n tokens to dst holding src's K/V of positions [from, from + n) in every layer (the

@@ -155,16 +155,17 @@ static void ref_rows(const world *w, uint32_t i, uint32_t l, const float *q, uin
     free(p);
 }
 
-/* Whether the call's flag rounds this world's inputs to bf16 (where the backend takes it) */
+/* Whether the call's flag rounds this world's inputs to bf16: the bf16 flag with bf16 K/V, the f16
+ * one where the cache's backend takes it (pkv_attn_flags_used: avx512-amx) */
 static bool lp_world(const world *w) {
     return ((w->ex.flags & PKV_ATTN_BF16_DOT) && w->dt == PKV_DTYPE_BF16) ||
-           ((w->ex.flags & PKV_ATTN_F16_AS_BF16) && w->dt == PKV_DTYPE_F16);
+           ((w->ex.flags & PKV_ATTN_F16_AS_BF16) && (pkv_attn_flags_used(w->c[0]) & PKV_ATTN_F16_AS_BF16));
 }
 
-/* The tolerance against the reference: q8_0 and q4_0 score int8 queries; the bf16 flag rounds
- * queries and weights to bf16, the f16 one K and V too (pkv.h) */
+/* The tolerance against the reference: q8_0 and q4_0 score int8 queries; the flags round queries
+ * and weights to bf16, the f16 one K and V too (pkv.h) */
 static double ref_tol(const world *w) {
-    return !lp_world(w) ? tol_of(w->dt) : w->dt == PKV_DTYPE_F16 ? 1.0 / 32.0 : 1.0 / 64.0;
+    return lp_world(w) ? 1.0 / 64.0 : tol_of(w->dt);
 }
 
 /* Under emulation (scripts/test-arm64.sh sets PKV_ATTN_TEST_MAX_LEN, as for test_attn) the
@@ -198,7 +199,7 @@ static void check_row_as(const world *w, uint32_t i, uint32_t l, const float *q,
             /* the same kernels over the same values: equal up to the order of float sums (the
                MLA cache's shared-prefix groups hold 128-head members, the classic one's do not:
                with the bf16 flag each part's weights are rounded to bf16 apart) */
-            if (!(fabs(o - co[(size_t)h * D + d]) <= (w->ex.flags ? 1.0 / 128.0 : 1e-6) * vm))
+            if (!(fabs(o - co[(size_t)h * D + d]) <= (lp_world(w) ? 1.0 / 128.0 : 1e-6) * vm))
                 fail_msg("%s %s D %u Dv %u nqh %u nkv %u flags %u cap %g: seq %u pos %u head %u d %u: %g, classic %g",
                          pkv_dtype_name(w->dt), pkv_attn_backend(w->c[0]), D, Dv, nqh, w->sh.nkv, w->ex.flags,
                          w->ex.softcap, i, pos, h, d, o, co[(size_t)h * D + d]);

@@ -1219,7 +1219,7 @@ int tool_bench_attn(int argc, char **argv) {
     /* the backend a cache picks; a cache the library refuses here (the environment's
      * PKV_ATTN_BACKEND, PKV_ATTN_ORDER, PKV_ATTN_SWEEP, PKV_ATTN_PASSES, PKV_ATTN_LEAD or PKV_ATTN_PIECES) ends the
      * run before any measurement */
-    static char backend[32], backend_bf16[32]; /* an f16 cache's; a bf16 one's (avx512-amx: bf16 only) */
+    static char backend[32], backend_bf16[32]; /* an f16 cache's; a bf16 one's */
     bool bf16_dot = false, f16bf = false;
     {
         pkv_config cfg = pkv_config_default();

@@ -333,8 +333,8 @@ type TreeReq struct {
 // AttnChunk or AlibiSlopes with it (in any call), or Tree, is EINVAL; Decode otherwise computes
 // the same either way.
 //
-// F16AsBF16 is PKV_ATTN_F16_AS_BF16: with f16 K/V, queries, K, V and softmax weights rounded to
-// bf16 in prefill's tiles of 16 rows a kv head and more where the backend has bf16 tiles
+// F16AsBF16 is PKV_ATTN_F16_AS_BF16: f16 K and the queries, f16 V and the softmax weights,
+// rounded to bf16 in units of 16 query rows a kv head and more where the backend has bf16 tiles
 // ("avx512-amx"; Cache.F16AsBF16Used); elsewhere the same bits as without it.
 type AttnParams struct {
 	NQHeads     uint32
@@ -700,8 +700,8 @@ func (c *Cache) BF16DotUsed() bool {
 }
 
 // F16AsBF16Used says whether AttnParams.F16AsBF16 changes this cache's attention
-// (pkv_attn_flags_used): f16 K or V, head_dim (or v_dim) a multiple of 32 and a backend with bf16
-// tiles.
+// (pkv_attn_flags_used): f16 K or V with head_dim (or v_dim) a multiple of 32, the other not q8_0
+// or q4_0, and a backend with bf16 tiles.
 func (c *Cache) F16AsBF16Used() bool {
 	p, g, err := c.enter(readSeqs)
 	if err != nil {

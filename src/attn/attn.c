@@ -512,7 +512,9 @@ bool pkv__attn_lp_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {
 }
 
 bool pkv__attn_f16bf(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {
+    /* (the transposed path runs a pair with both primitives: f16 K beside a q8_0 V, say, never) */
     return at && (unsigned)k_dtype < PKV_DTYPE_COUNT && (unsigned)v_dtype < PKV_DTYPE_COUNT &&
+           at->kt_tab[2].score_t[k_dtype] && at->kt_tab[2].accum_t[v_dtype] &&
            (at->kt_tab[2].score_t[k_dtype] != at->kt_tab[0].score_t[k_dtype] ||
             at->kt_tab[2].accum_t[v_dtype] != at->kt_tab[0].accum_t[v_dtype]);
 }
@@ -1261,8 +1263,10 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
        fallbacks take a block at a time anyway, and the groups would only change the softmax's
        steps: PKV_ATTN_F16_AS_BF16 changes no bit there) */
     const pkv__attn_accum_tn_fn accum_n = Dv % 32 ? NULL : kt->accum_tn[kv->v_dtype];
-    /* the transposed path's set-up, where this call's primitives have one (AMX: bf16) */
-    const bool hooks = kt->t_enter && ((kt->t_dtypes >> kv->k_dtype | kt->t_dtypes >> kv->v_dtype) & 1u);
+    /* the transposed path's set-up, where this call's primitives have one (AMX: bf16, f16) and
+       some tile runs: K's with head_dim, V's with v_dim a multiple of 32 (else they fall back) */
+    const bool hooks = kt->t_enter && (((kt->t_dtypes >> kv->k_dtype & 1u) && D % 32 == 0) ||
+                                       ((kt->t_dtypes >> kv->v_dtype & 1u) && Dv % 32 == 0));
     if (hooks) kt->t_enter();
     for (uint32_t b = b0; b < b1; b++) {
         unit_block ub[PKV__ATTN_T_RUNS];

@@ -633,7 +633,9 @@ typedef struct pkv__attn_kernels {
      * loaded once a unit, and released, so that no tile state outlives the unit) */
     void (*t_enter)(void);
     void (*t_leave)(void);
-    uint32_t t_dtypes; /* bit d set: the K or V dtype d's transposed primitives need t_enter */
+    uint32_t t_dtypes; /* bit d set: the K or V dtype d's transposed primitives need t_enter
+                          where they run tiles (head_dim, v_dim a multiple of 32: else the
+                          driver calls no hook) */
 } pkv__attn_kernels;
 
 /* Whether score_t of table kt takes qt rounded to bf16 pairs (qt_round) for K dtype k at head_dim D. */

@@ -159,6 +159,7 @@ pub struct pkv_attn_params {
 pub const PKV_ATTN_BF16_DOT: u32 = 1;
 /// pkv_attn_params.flags: each prefill query sees its whole sequence (pkv.h).
 pub const PKV_ATTN_NONCAUSAL: u32 = 2;
+/// pkv_attn_params.flags: f16 K and V may be computed as bf16 where the backend has bf16 tiles (pkv.h).
 pub const PKV_ATTN_F16_AS_BF16: u32 = 4;
 
 #[repr(C)]

@@ -453,8 +453,8 @@ pub struct AttnParams<'a> {
     /// or `alibi_slopes` with it (in any call), or a tree, is `EINVAL`; decode otherwise computes
     /// the same either way.
     pub noncausal: bool,
-    /// PKV_ATTN_F16_AS_BF16: with f16 K/V, queries, K, V and softmax weights rounded to bf16 in
-    /// prefill's tiles of 16 rows a kv head and more where the backend has bf16 tiles
+    /// PKV_ATTN_F16_AS_BF16: f16 K and the queries, f16 V and the softmax weights, rounded to
+    /// bf16 in units of 16 query rows a kv head and more where the backend has bf16 tiles
     /// ("avx512-amx"; `Cache::f16_as_bf16_used`); elsewhere the same bits as without it.
     pub f16_as_bf16: bool,
 }
@@ -944,7 +944,8 @@ impl Cache {
     }
 
     /// Whether `AttnParams::f16_as_bf16` changes this cache's attention (pkv_attn_flags_used):
-    /// f16 K or V, head_dim (or v_dim) a multiple of 32 and a backend with bf16 tiles.
+    /// f16 K or V with head_dim (or v_dim) a multiple of 32, the other not q8_0 or q4_0, and a
+    /// backend with bf16 tiles.
     pub fn f16_as_bf16_used(&self) -> bool {
         let used = unsafe { ffi::pkv_attn_flags_used(self.p()) };
         used & ffi::PKV_ATTN_F16_AS_BF16 != 0

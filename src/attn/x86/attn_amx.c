@@ -161,7 +161,8 @@ static inline __attribute__((always_inline)) __m512i bf16_pack(__m512 x, __m512 
 /* score_t for f16 K (PKV_ATTN_F16_AS_BF16): qt as bf16 pairs (the driver's qt_round), each 16
  * K rows rounded to bf16 into kbuf (2 D bytes a row; rows past the keys zeros), then score_t_amx's
  * tiles over them; the scores of a last chunk of fewer keys through sb (1 KiB past the rows).
- * head_dim not a multiple of 32: qt is f32 (pkv__attn_qt_round), the f32 kernel's. */
+ * head_dim not a multiple of 32: qt is f32 (pkv__attn_qt_round), the f32 kernel's. rp is a
+ * multiple of 16, as the driver pads it. */
 static void score_t_amx_f16(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys,
                                    uint32_t D, float *s, float *kbuf, pkv__attn_pf *pf) {
     if (D % 32) {
@@ -176,11 +177,11 @@ static void score_t_amx_f16(const float *qt, uint32_t rp, const uint8_t *k, size
         const uint32_t nk = PKV_MIN(16u, n_keys - t0);
         for (uint32_t t = 0; t < 16; t++) {
             uint8_t *dst = kb + (size_t)t * 2 * D;
-            const uint8_t *src = k + (t0 + t) * krb;
             if (t >= nk) {
                 memset(dst, 0, (size_t)2 * D);
                 continue;
             }
+            const uint8_t *src = k + (t0 + t) * krb;
             for (uint32_t d = 0; d < D; d += 32)
                 _mm512_storeu_si512((void *)(dst + 2 * d), bf16_pack(f16_widen(src + 2 * d), f16_widen(src + 2 * d + 32)));
         }
@@ -189,6 +190,7 @@ static void score_t_amx_f16(const float *qt, uint32_t rp, const uint8_t *k, size
             score_keys(qp, rp, kb, (size_t)2 * D, D, s + (size_t)t0 * rp, (size_t)rp * 4);
         } else {
             for (uint32_t n0 = 0; n0 < rp; n0 += 16) { /* 16 rows at a time through sb */
+                TILE_FENCE(); /* sb's last scores read */
                 score_chunk(qp + n0, rp, kb, (size_t)2 * D, D, sb, 64, 1);
                 TILE_FENCE();
                 for (uint32_t t = 0; t < nk; t++) memcpy(s + (size_t)(t0 + t) * rp + n0, sb + 16 * t, 64);
