@@ -18,6 +18,11 @@
 #define ROWS_MAX 64u
 /* Prefill tiles aim at this many rows per kv head: every K/V row loaded is used this many times. */
 #define ROWS_PER_HEAD 32u
+/* The same where the units run AMX tiles (runs_tiles), whose kernels convert K and V (V's pairs;
+ * f16 to bf16) once a unit: a 2,048-token prefill on the Xeon of stop 87, standalone loop, 1
+ * thread: f16 with PKV_ATTN_F16_AS_BF16 113-115 ms against 129-133 at 32 rows, bf16 with
+ * PKV_ATTN_BF16_DOT 107-108 against 109-115. */
+#define ROWS_PER_HEAD_TILES 64u
 /* A key split covers at least this many blocks: below it, the merge costs more than it saves. */
 #define MIN_SPLIT_BLOCKS 4u
 /* The transposed path (attn.h: score_t) takes heads of at least PKV__ATTN_T_MIN_ROWS rows, so a
@@ -1213,6 +1218,17 @@ static void pass_window(const pkv__attn *at, const pass_walk *pw, uint32_t xw0, 
     }
 }
 
+/* Whether this call's units run tiles for its K or V (AMX: t_dtypes) where the transposed path
+ * takes them: head_dim (K) or v_dim (V) a multiple of 32, else the kernels fall back and no
+ * tile runs. The driver then loads the tile configuration for a unit (unit_blocks_t) and plans
+ * prefill tiles of ROWS_PER_HEAD_TILES rows. */
+static bool runs_tiles(const pkv__attn *at) {
+    const pkv__attn_kernels *kt = at->kt;
+    const pkv__kv_view *kv = at->kv;
+    return kt->t_enter && (((kt->t_dtypes >> kv->k_dtype & 1u) && kv->head_dim % 32 == 0) ||
+                           ((kt->t_dtypes >> kv->v_dtype & 1u) && kv->v_dim % 32 == 0));
+}
+
 /* run_unit's blocks [b0, b1) through the transposed primitives (attn.h: score_t): each head's
  * prepared rows transposed into qt once (pad rows 0), then for each block and head score_t, the
  * masks, softmax_t and accum_t. The row path's flow otherwise (run_unit below). */
@@ -1264,9 +1280,8 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
        steps: PKV_ATTN_F16_AS_BF16 changes no bit there) */
     const pkv__attn_accum_tn_fn accum_n = Dv % 32 ? NULL : kt->accum_tn[kv->v_dtype];
     /* the transposed path's set-up, where this call's primitives have one (AMX: bf16, f16) and
-       some tile runs: K's with head_dim, V's with v_dim a multiple of 32 (else they fall back) */
-    const bool hooks = kt->t_enter && (((kt->t_dtypes >> kv->k_dtype & 1u) && D % 32 == 0) ||
-                                       ((kt->t_dtypes >> kv->v_dtype & 1u) && Dv % 32 == 0));
+       some tile runs */
+    const bool hooks = runs_tiles(at);
     if (hooks) kt->t_enter();
     for (uint32_t b = b0; b < b1; b++) {
         unit_block ub[PKV__ATTN_T_RUNS];
@@ -1432,7 +1447,8 @@ static void plan_shape(const pkv__attn *at, const pkv__attn_item *it, plan_item 
            before the first query) all see the same keys: as many in a tile as it holds, so its
            blocks are read once a tile */
         const bool same = it->partial || (it->k_end && it->k_end <= it->q_pos0);
-        pi->qtile = PKV_MAX(1u, PKV_MIN(it->n_q, (same ? ROWS_MAX : ROWS_PER_HEAD) / G));
+        const uint32_t per_head = same ? ROWS_MAX : runs_tiles(at) ? ROWS_PER_HEAD_TILES : ROWS_PER_HEAD;
+        pi->qtile = PKV_MAX(1u, PKV_MIN(it->n_q, per_head / G));
         const uint32_t rows_h = pi->qtile * G;
         /* as many kv heads per unit as fit: their blocks are adjacent in the pool */
         pi->heads_per = PKV_MAX(1u, PKV_MIN(H, ROWS_MAX / rows_h));
