@@ -802,7 +802,8 @@ typedef struct pkv_attn_params {
  * another order: not the same bits as avx512-vnni's): a 2,048-token
  * bf16 prompt (32 query heads, 8 kv heads, head_dim 128) took 0.42-0.46x the time of the
  * flag's absence and 0.31-0.33x that of vdpbf16ps (avx512-vnni's, which there took 1.35-1.39x
- * the time of no flag) on an Intel Xeon with AMX (family 6 model 167 as reported, stop 86).
+ * the time of no flag) on an Intel Xeon with AMX (family 6 model 167 as reported, stop 86);
+ * 0.36-0.37x with tiles of 64 query rows a kv head (stop 87).
  * Head dims and V dims that are not a multiple of 32, and units of fewer than 16 query rows a kv
  * head (decode of fewer than 16 query heads a kv head, decode read in pool order, short
  * extends), keep vdpbf16ps. */
@@ -817,7 +818,7 @@ enum { PKV_ATTN_BF16_DOT = 1u };
  * and the sums in f32: a score moves by up to about 2^-7 of sum |q_d k_d| x scale, an output by
  * up to about 2^-7 of the largest |V| it averages, what a model run in bf16 gets anyway. On an
  * Intel Xeon with AMX (family 6 model 167 as reported) a 2,048-token f16 prompt (32 query heads,
- * 8 kv heads, head_dim 128) took 0.45-0.47x the time without the flag (pkv bench attn
+ * 8 kv heads, head_dim 128) took 0.37-0.40x the time without the flag (pkv bench attn
  * --f16-as-bf16, stop 87). Elsewhere (other dtypes, other backends, units of fewer rows,
  * PKV_FORCE_REF) the flag changes nothing: the same bits as without it. Independent of
  * PKV_ATTN_BF16_DOT (bf16 K and V); a call may pass both. */
