@@ -213,6 +213,24 @@ static void ref_query(const tpool *p, const tseq *s, uint32_t n_q_heads, const f
 }
 
 /* Compares the n_q queries of one item with the reference; returns the worst scaled error. */
+/* The error of n outputs against the reference's, in units of max |V| (NaN: infinite). */
+static double rows_err(const float *out, const double *ref, size_t n, float vmax) {
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double e = fabs((double)out[i] - ref[i]) / fmax(vmax, 1e-30);
+        if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
+    }
+    return worst;
+}
+
+/* A log-sum-exp's error: where the reference's is -inf (no key seen, no sink) it must be exactly
+ * that; else relative to max(1, |reference|) (NaN: infinite). */
+static double lse_err_of(float got, double ref) {
+    if (isinf(ref)) return got == -INFINITY ? 0 : INFINITY;
+    const double e = fabs((double)got - ref) / fmax(1.0, fabs(ref));
+    return isnan(e) ? INFINITY : e;
+}
+
 static double check_item(const tpool *p, const tseq *s, uint32_t nqh, const pkv__attn_item *it, const pkv__attn_call *c,
                          double *lse_err) {
     const uint32_t D = p->D;
@@ -222,20 +240,9 @@ static double check_item(const tpool *p, const tseq *s, uint32_t nqh, const pkv_
         const ref_mask mk = {.bits = it->mask, .bit0 = (uint64_t)qi * it->mask_row, .n = it->mask_row};
         ref_query(p, s, nqh, it->q + (size_t)qi * nqh * D, (it->mask ? it->mask_pos0 : it->q_pos0) + qi, c->scale,
                   c->softcap, c->window, c->chunk, c->sinks, c->alibi, it->mask ? &mk : NULL, ro, rl);
-        for (uint32_t i = 0; i < nqh * D; i++) {
-            double e = fabs((double)it->out[(size_t)qi * nqh * D + i] - ro[i]) / fmax(s->vmax, 1e-30);
-            if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
-        }
-        if (it->lse)
-            for (uint32_t h = 0; h < nqh; h++) {
-                const float got = it->lse[(size_t)qi * nqh + h];
-                if (isinf(rl[h])) { /* no key seen, no sink: exactly -inf */
-                    if (!(got == -INFINITY)) *lse_err = INFINITY;
-                    continue;
-                }
-                double e = fabs((double)got - rl[h]) / fmax(1.0, fabs(rl[h]));
-                if (!(e <= *lse_err)) *lse_err = isnan(e) ? INFINITY : e;
-            }
+        worst = fmax(worst, rows_err(it->out + (size_t)qi * nqh * D, ro, (size_t)nqh * D, s->vmax));
+        for (uint32_t h = 0; it->lse && h < nqh; h++)
+            *lse_err = fmax(*lse_err, lse_err_of(it->lse[(size_t)qi * nqh + h], rl[h]));
     }
     free(ro);
     free(rl);
@@ -459,17 +466,8 @@ static double check_item_f16bf(const tpool *p, const tseq *s, uint32_t nqh, cons
         for (uint32_t h = 0; h < nqh; h++) {
             double e[2] = {0, 0}, le[2] = {0, 0};
             for (int r = 0; r < (rk ? 2 : 1); r++) {
-                for (uint32_t d = 0; d < D; d++) {
-                    const double x = fabs((double)it->out[((size_t)qi * nqh + h) * D + d] - ro[r][h * D + d]) /
-                                     fmax(s->vmax, 1e-30);
-                    e[r] = isnan(x) ? INFINITY : fmax(e[r], x);
-                }
-                if (it->lse) {
-                    const float got = it->lse[(size_t)qi * nqh + h];
-                    le[r] = isinf(rl[r][h]) ? (got == -INFINITY ? 0 : INFINITY)
-                                            : fabs((double)got - rl[r][h]) / fmax(1.0, fabs(rl[r][h]));
-                    if (isnan(le[r])) le[r] = INFINITY;
-                }
+                e[r] = rows_err(it->out + ((size_t)qi * nqh + h) * D, ro[r] + (size_t)h * D, D, s->vmax);
+                if (it->lse) le[r] = lse_err_of(it->lse[(size_t)qi * nqh + h], rl[r][h]);
             }
             const double eh = rk ? fmin(e[0], e[1]) : e[0], lh = rk ? fmin(le[0], le[1]) : le[0];
             worst = fmax(worst, eh), *lse_err = fmax(*lse_err, lh);
@@ -688,7 +686,7 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
            kernels round (test_bf16_dot), the reference's queries rounded alike and the weights'
            rounding on top */
         const bool lp_k = o->bf16_dot && pkv__attn_lp(at, kdt), lp_v = o->bf16_dot && pkv__attn_lp_v(at, vdt);
-        const double e = o->f16bf && pkv__attn_f16bf(at, kdt, vdt)
+        const double e = o->f16bf && pkv__attn_f16bf(at, kdt, vdt, D, D)
                              ? check_item_f16bf(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_v, worst_lse)
                              : check_item_lp(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_k, lp_v, worst_lse);
         if (!(e <= *worst)) {
@@ -992,7 +990,7 @@ static void test_f16_as_bf16(void **state) {
                 lp_world w;
                 lp_world_make(&w, bc->name, H, D, kv[ti][0], kv[ti][1]);
                 pkv__attn *at = w.at;
-                const bool used = pkv__attn_f16bf(at, kv[ti][0], kv[ti][1]);
+                const bool used = pkv__attn_f16bf(at, kv[ti][0], kv[ti][1], D, D);
                 const bool dot = rng_below(2); /* PKV_ATTN_BF16_DOT beside it: the tables of both */
                 const bool lp_k = dot && pkv__attn_lp(at, kv[ti][0]), lp_v = dot && pkv__attn_lp_v(at, kv[ti][1]);
                 n_used += used, n_cases++;

@@ -516,12 +516,14 @@ bool pkv__attn_lp_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {
             at->kt_tab[1].accum_t[v_dtype] != at->kt_tab[0].accum_t[v_dtype]);
 }
 
-bool pkv__attn_f16bf(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {
-    /* (the transposed path runs a pair with both primitives: f16 K beside a q8_0 V, say, never) */
-    return at && (unsigned)k_dtype < PKV_DTYPE_COUNT && (unsigned)v_dtype < PKV_DTYPE_COUNT &&
-           at->kt_tab[2].score_t[k_dtype] && at->kt_tab[2].accum_t[v_dtype] &&
-           (at->kt_tab[2].score_t[k_dtype] != at->kt_tab[0].score_t[k_dtype] ||
-            at->kt_tab[2].accum_t[v_dtype] != at->kt_tab[0].accum_t[v_dtype]);
+bool pkv__attn_f16bf(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype, uint32_t head_dim, uint32_t v_dim) {
+    if (!at || (unsigned)k_dtype >= PKV_DTYPE_COUNT || (unsigned)v_dtype >= PKV_DTYPE_COUNT) return false;
+    const pkv__attn_kernels *f = &at->kt_tab[2], *o = &at->kt_tab[0];
+    /* the transposed path runs a pair with both primitives (f16 K beside a q8_0 V, say, never);
+       the tiles take head_dim (K) or v_dim (V) in groups of 32, the f32 kernels the rest */
+    return f->score_t[k_dtype] && f->accum_t[v_dtype] &&
+           ((f->score_t[k_dtype] != o->score_t[k_dtype] && head_dim % 32 == 0) ||
+            (f->accum_t[v_dtype] != o->accum_t[v_dtype] && v_dim % 32 == 0));
 }
 
 bool pkv__attn_has_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {
@@ -1244,25 +1246,21 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
     const bool pairs = kt->qt_pairs[kv->k_dtype], round = pkv__attn_qt_round(kt, kv->k_dtype, D);
     for (uint32_t j = 0; j < w->n_kvh; j++) {
         float *qt = sc->qt + (size_t)j * rp * D;
-        if (pairs) { /* (D + 1) / 2 pairs of 16-bit values, in the room of D floats */
+        if (pairs || round) { /* (D + 1) / 2 pairs of 16-bit values, in the room of D floats: the
+                                 prepared ones (pairs), or the f32 rows rounded to bf16 (round) */
             uint32_t *qp = (uint32_t *)(void *)qt;
             const uint32_t P = (D + 1) / 2;
             for (uint32_t r = 0; r < rows_h; r++) {
                 const uint8_t *q = sc->qp + (size_t)(j * rows_h + r) * qrow;
-                for (uint32_t i = 0; i < P; i++) memcpy(qp + (size_t)i * rp + r, q + 4 * (size_t)i, 4);
+                if (pairs) {
+                    for (uint32_t i = 0; i < P; i++) memcpy(qp + (size_t)i * rp + r, q + 4 * (size_t)i, 4);
+                } else { /* D even: a multiple of 32 */
+                    const float *f = (const float *)(const void *)q;
+                    for (uint32_t i = 0; i < P; i++)
+                        qp[(size_t)i * rp + r] = pkv__f32_to_bf16(f[2 * i]) | (uint32_t)pkv__f32_to_bf16(f[2 * i + 1]) << 16;
+                }
             }
             for (uint32_t i = 0; i < P; i++)
-                for (uint32_t r = rows_h; r < rp; r++) qp[(size_t)i * rp + r] = 0;
-            continue;
-        }
-        if (round) { /* D / 2 pairs of the f32 rows rounded to bf16, in the room of D floats */
-            uint32_t *qp = (uint32_t *)(void *)qt;
-            for (uint32_t r = 0; r < rows_h; r++) {
-                const float *q = (const float *)(sc->qp + (size_t)(j * rows_h + r) * qrow);
-                for (uint32_t i = 0; i < D / 2; i++)
-                    qp[(size_t)i * rp + r] = pkv__f32_to_bf16(q[2 * i]) | (uint32_t)pkv__f32_to_bf16(q[2 * i + 1]) << 16;
-            }
-            for (uint32_t i = 0; i < D / 2; i++)
                 for (uint32_t r = rows_h; r < rp; r++) qp[(size_t)i * rp + r] = 0;
             continue;
         }

@@ -212,9 +212,9 @@ bool pkv__attn_lp(const pkv__attn *at, pkv_dtype k_dtype);
 bool pkv__attn_lp_v(const pkv__attn *at, pkv_dtype v_dtype);
 /* The same for the transposed primitives (prefill tiles of 16 rows a kv head or more). */
 bool pkv__attn_lp_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype);
-/* Whether calls with PKV_ATTN_F16_AS_BF16 take other kernels than those without for this K or V
- * dtype (the transposed primitives: f16 as bf16 on AMX tiles). */
-bool pkv__attn_f16bf(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype);
+/* Whether calls with PKV_ATTN_F16_AS_BF16 compute otherwise than those without for this K and V
+ * dtype at these dims (the transposed primitives: f16 as bf16 on AMX tiles). */
+bool pkv__attn_f16bf(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype, uint32_t head_dim, uint32_t v_dim);
 /* Whether the backend has transposed primitives for this pair (without them, such tiles take
  * the row path: NEON). */
 bool pkv__attn_has_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype);

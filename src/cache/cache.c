@@ -1792,10 +1792,7 @@ PKV_API uint32_t pkv_attn_flags_used(const pkv_cache *c) {
     if (!c) return 0;
     const pkv_dtype kd = c->cfg.k_dtype, vd = c->cfg.v_dtype;
     uint32_t f = pkv__attn_lp(c->attn, kd) || pkv__attn_lp_v(c->attn, vd) ? PKV_ATTN_BF16_DOT : 0;
-    /* f16 as bf16: the tiles take head_dim (K) or v_dim (V) in groups of 32 */
-    if (((kd == PKV_DTYPE_F16 && c->head_dim % 32 == 0) || (vd == PKV_DTYPE_F16 && c->v_dim % 32 == 0)) &&
-        pkv__attn_f16bf(c->attn, kd, vd))
-        f |= PKV_ATTN_F16_AS_BF16;
+    if (pkv__attn_f16bf(c->attn, kd, vd, c->head_dim, c->v_dim)) f |= PKV_ATTN_F16_AS_BF16;
     return f;
 }
 

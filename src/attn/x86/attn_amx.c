@@ -115,38 +115,6 @@ static inline __attribute__((always_inline)) void score_keys(const uint32_t *qp,
     }
 }
 
-static void score_t_amx(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys,
-                               uint32_t D, float *s, float *kbuf, pkv__attn_pf *pf) {
-    if (D % 32 || rp % 16) {
-        pkv__attn_score_t_bf16dp(qt, rp, k, krb, n_keys, D, s, kbuf, pf);
-        return;
-    }
-    const uint32_t *qp = (const uint32_t *)(const void *)qt;
-    pkv__attn_pf_start(pf, (n_keys + 15) / 16);
-    uint32_t t0 = 0;
-    for (; t0 + 16 <= n_keys; t0 += 16) {
-        score_keys(qp, rp, k + t0 * krb, krb, D, s + (size_t)t0 * rp, (size_t)rp * 4);
-        pkv__attn_pf_step(pf);
-    }
-    if (t0 < n_keys) { /* the last keys, padded to 16 rows with zeros in kbuf; their scores by 16 */
-        const uint32_t nk = n_keys - t0;
-        uint8_t *kb = (uint8_t *)kbuf; /* room for 16 rows of D floats: 16 rows of D bf16 and the scores */
-        float *sb = (float *)(void *)(kb + (size_t)32 * D);
-        for (uint32_t t = 0; t < 16; t++) {
-            if (t < nk) memcpy(kb + (size_t)t * 2 * D, k + (t0 + t) * krb, (size_t)2 * D);
-            else memset(kb + (size_t)t * 2 * D, 0, (size_t)2 * D);
-        }
-        for (uint32_t n0 = 0; n0 < rp; n0 += 16) { /* 16 rows at a time through sb (1 KiB) */
-            TILE_FENCE(); /* kb's rows written, sb's last scores read */
-            score_chunk(qp + n0, rp, kb, (size_t)2 * D, D, sb, 64, 1);
-            TILE_FENCE();
-            for (uint32_t t = 0; t < nk; t++) memcpy(s + (size_t)(t0 + t) * rp + n0, sb + 16 * t, 64);
-        }
-    }
-    pkv__attn_pf_finish(pf);
-    TILE_FENCE();
-}
-
 /* f16 K and V taken as bf16 (PKV_ATTN_F16_AS_BF16): 16 f16 values at p widened, and two such
  * vectors rounded to bf16, nearest even, by vcvtne2ps2bf16 (AVX512_BF16, which every AMX CPU
  * has): x's in the low 16 words, y's in the high ones. Its treatment of f32 denormals never
@@ -158,48 +126,72 @@ static inline __attribute__((always_inline)) __m512i bf16_pack(__m512 x, __m512 
     return (__m512i)_mm512_cvtne2ps_pbh(y, x);
 }
 
-/* score_t for f16 K (PKV_ATTN_F16_AS_BF16): qt as bf16 pairs (the driver's qt_round), each 16
- * K rows rounded to bf16 into kbuf (2 D bytes a row; rows past the keys zeros), then score_t_amx's
- * tiles over them; the scores of a last chunk of fewer keys through sb (1 KiB past the rows).
- * head_dim not a multiple of 32: qt is f32 (pkv__attn_qt_round), the f32 kernel's. rp is a
- * multiple of 16, as the driver pads it. */
-static void score_t_amx_f16(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys,
-                                   uint32_t D, float *s, float *kbuf, pkv__attn_pf *pf) {
-    if (D % 32) {
-        pkv__attn_score_t_f16_x512(qt, rp, k, krb, n_keys, D, s, kbuf, pf);
-        return;
-    }
+/* score_t over bf16 rows: each 16 keys' rows as A tiles, bf16 K's straight from the pool, f16
+ * K's rounded to bf16 into kbuf (2 D bytes a row), a last chunk of fewer keys' there too, padded
+ * with zero rows; its scores 16 query rows at a time through sb (1 KiB past the rows). qt as bf16
+ * pairs (qt_pairs, or the driver's qt_round for f16); head_dim a multiple of 32, rp of 16. */
+static inline __attribute__((always_inline)) void score_t_tiles(const float *qt, uint32_t rp, const uint8_t *k,
+                                                                  size_t krb, uint32_t n_keys, uint32_t D, float *s,
+                                                                  float *kbuf, pkv__attn_pf *pf, const bool f16) {
     const uint32_t *qp = (const uint32_t *)(const void *)qt;
     uint8_t *kb = (uint8_t *)kbuf; /* room for 16 rows of D floats: 16 rows of D bf16 and the scores */
     float *sb = (float *)(void *)(kb + (size_t)32 * D);
     pkv__attn_pf_start(pf, (n_keys + 15) / 16);
     for (uint32_t t0 = 0; t0 < n_keys; t0 += 16) {
         const uint32_t nk = PKV_MIN(16u, n_keys - t0);
-        for (uint32_t t = 0; t < 16; t++) {
-            uint8_t *dst = kb + (size_t)t * 2 * D;
-            if (t >= nk) {
-                memset(dst, 0, (size_t)2 * D);
-                continue;
+        const uint8_t *ka = k + t0 * krb;
+        size_t kas = krb;
+        if (f16 || nk < 16) {
+            for (uint32_t t = 0; t < 16; t++) {
+                uint8_t *dst = kb + (size_t)t * 2 * D;
+                if (t >= nk) {
+                    memset(dst, 0, (size_t)2 * D);
+                    continue;
+                }
+                const uint8_t *src = ka + t * krb;
+                if (!f16) memcpy(dst, src, (size_t)2 * D);
+                else
+                    for (uint32_t d = 0; d < D; d += 32)
+                        _mm512_storeu_si512((void *)(dst + 2 * d),
+                                            bf16_pack(f16_widen(src + 2 * d), f16_widen(src + 2 * d + 32)));
             }
-            const uint8_t *src = k + (t0 + t) * krb;
-            for (uint32_t d = 0; d < D; d += 32)
-                _mm512_storeu_si512((void *)(dst + 2 * d), bf16_pack(f16_widen(src + 2 * d), f16_widen(src + 2 * d + 32)));
+            ka = kb, kas = (size_t)2 * D;
+            TILE_FENCE(); /* kb's rows written */
         }
-        TILE_FENCE(); /* kb's rows written */
         if (nk == 16) {
-            score_keys(qp, rp, kb, (size_t)2 * D, D, s + (size_t)t0 * rp, (size_t)rp * 4);
+            score_keys(qp, rp, ka, kas, D, s + (size_t)t0 * rp, (size_t)rp * 4);
         } else {
-            for (uint32_t n0 = 0; n0 < rp; n0 += 16) { /* 16 rows at a time through sb */
+            for (uint32_t n0 = 0; n0 < rp; n0 += 16) {
                 TILE_FENCE(); /* sb's last scores read */
-                score_chunk(qp + n0, rp, kb, (size_t)2 * D, D, sb, 64, 1);
+                score_chunk(qp + n0, rp, ka, kas, D, sb, 64, 1);
                 TILE_FENCE();
                 for (uint32_t t = 0; t < nk; t++) memcpy(s + (size_t)(t0 + t) * rp + n0, sb + 16 * t, 64);
             }
         }
-        TILE_FENCE(); /* kb read by the tiles before the next chunk's rows */
+        TILE_FENCE(); /* kb and s's scores read and written by the tiles before C goes on */
         pkv__attn_pf_step(pf);
     }
     pkv__attn_pf_finish(pf);
+}
+
+static void score_t_amx(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                        float *s, float *kbuf, pkv__attn_pf *pf) {
+    if (D % 32 || rp % 16) {
+        pkv__attn_score_t_bf16dp(qt, rp, k, krb, n_keys, D, s, kbuf, pf);
+        return;
+    }
+    score_t_tiles(qt, rp, k, krb, n_keys, D, s, kbuf, pf, false);
+}
+
+/* f16 K (PKV_ATTN_F16_AS_BF16); head_dim not a multiple of 32: qt is f32 (pkv__attn_qt_round),
+ * the f32 kernel's. rp is a multiple of 16, as the driver pads it. */
+static void score_t_amx_f16(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                            float *s, float *kbuf, pkv__attn_pf *pf) {
+    if (D % 32) {
+        pkv__attn_score_t_f16_x512(qt, rp, k, krb, n_keys, D, s, kbuf, pf);
+        return;
+    }
+    score_t_tiles(qt, rp, k, krb, n_keys, D, s, kbuf, pf, true);
 }
 
 /* Pairs of keys' weights of 16 rows as 8 vectors: x[j] lane r = row r's bf16 weights of keys
@@ -249,6 +241,12 @@ static inline __attribute__((always_inline)) void weights_a(const float *p, uint
         _mm512_storeu_si512((void *)(pa + 32 * v), _mm512_shuffle_i32x4(ya[v], yb[v], 0x44));
         _mm512_storeu_si512((void *)(pa + 32 * v + 16), _mm512_shuffle_i32x4(ya[v], yb[v], 0xEE));
     }
+}
+
+/* The kernel of the shapes the tiles do not cover: vdpbf16ps for bf16 V (the same rounding of
+ * its inputs), the f32 one for f16 V (none), acc in each one's order */
+static inline pkv__attn_accum_t_fn accum_fallback(const bool f16) {
+    return f16 ? pkv__attn_accum_t_f16_x512 : pkv__attn_accum_t_bf16dp;
 }
 
 #define ACC_B(j, vxk, c)                                                                                        \
@@ -338,22 +336,19 @@ static inline __attribute__((always_inline)) void accum_runs(const float *p, uin
     }
     pkv__attn_pf_finish(pf);
     TILE_FENCE();
-    /* the last rows, a run at a time: bf16 by vdpbf16ps (the same rounding of their inputs), f16
-       by the f32 kernel (none) */
-    const float *pt = p + rows16;
+    const float *pt = p + rows16; /* the last rows, a run at a time */
     for (uint32_t i = 0; rows16 < n_rows && i < n_runs; pt += (size_t)n[i] * rp, i++)
-        (f16 ? pkv__attn_accum_t_f16_x512 : pkv__attn_accum_t_bf16dp)(pt, rp, n_rows - rows16, v[i], vrb, n[i], D,
-                                                                       acc + (size_t)rows16 * D, vbuf, NULL);
+        accum_fallback(f16)(pt, rp, n_rows - rows16, v[i], vrb, n[i], D, acc + (size_t)rows16 * D, vbuf, NULL);
 }
 
 /* accum_t: bf16 V (f16: false), or f16 V taken as bf16 (PKV_ATTN_F16_AS_BF16); shapes the
- * tiles do not cover by vdpbf16ps (bf16) or the f32 kernel (f16), acc in each one's order */
+ * tiles do not cover by accum_fallback */
 static inline __attribute__((always_inline)) void accum_t_tiles(const float *p, uint32_t rp, uint32_t n_rows,
                                                                   const uint8_t *v, size_t vrb, uint32_t n_keys,
                                                                   uint32_t D, float *acc, float *vbuf,
                                                                   pkv__attn_pf *pf, const bool f16) {
     if (D % 32 || n_rows < 16) {
-        (f16 ? pkv__attn_accum_t_f16_x512 : pkv__attn_accum_t_bf16dp)(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
+        accum_fallback(f16)(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
         return;
     }
     /* a block of more keys than a call of accum_runs takes: in parts of PKV__ATTN_T_RUN_KEYS */
@@ -372,8 +367,7 @@ static inline __attribute__((always_inline)) void accum_tn_tiles(const float *p,
     if (D % 32 || n_rows < 16) {
         const float *pt = p;
         for (uint32_t i = 0; i < n_runs; pt += (size_t)n[i] * rp, i++)
-            (f16 ? pkv__attn_accum_t_f16_x512 : pkv__attn_accum_t_bf16dp)(pt, rp, n_rows, v[i], vrb, n[i], D, acc,
-                                                                           vbuf, i + 1 == n_runs ? pf : NULL);
+            accum_fallback(f16)(pt, rp, n_rows, v[i], vrb, n[i], D, acc, vbuf, i + 1 == n_runs ? pf : NULL);
         return;
     }
     accum_runs(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf, f16);
