@@ -438,13 +438,16 @@ static double check_item_lp(const tpool *p, const tseq *s, uint32_t nqh, const p
  * tolerance: its values' rounding moves an output by up to 2^-8 of max |V|, the weights' by
  * 2^-8 more (TOL_BF16_DOT: 2^-7, once the bound; lp_v: a bf16 V's weights under PKV_ATTN_BF16_DOT,
  * the same). The lse likewise (the weights' rounding does not move it). */
-static double check_item_f16bf(const tpool *p, const tseq *s, uint32_t nqh, const pkv__attn_item *it,
-                               const pkv__attn_call *c, pkv_dtype kdt, pkv_dtype vdt, bool lp_v, double *lse_err) {
+/* The check of a call whose tile units may have rounded: rk, their queries times scale (and
+ * where kround is set, K's values) to bf16, each output row checked against the exact reference
+ * and the rounded one, the nearer counted; vtol: TOL_BF16_DOT more for V's side. */
+static double check_item_tiles(const tpool *p, const tseq *s, uint32_t nqh, const pkv__attn_item *it,
+                               const pkv__attn_call *c, pkv_dtype kdt, pkv_dtype vdt, bool rk, bool kround, bool vtol,
+                               double *lse_err) {
     const uint32_t D = p->D;
-    const bool rk = kdt == PKV_DTYPE_F16 && D % 32 == 0, rv = vdt == PKV_DTYPE_F16 && D % 32 == 0;
     tseq sr = *s;
     float *kr = NULL, *qr = malloc(sizeof(float) * nqh * D);
-    if (rk) {
+    if (rk && kround) {
         const size_t n = (size_t)s->len * p->H * D;
         kr = malloc(sizeof(float) * (n + 1));
         for (size_t x = 0; x < n; x++) kr[x] = tu_bf16(s->kf[x]);
@@ -475,7 +478,24 @@ static double check_item_f16bf(const tpool *p, const tseq *s, uint32_t nqh, cons
     }
     for (int r = 0; r < 2; r++) free(ro[r]), free(rl[r]);
     free(qr), free(kr);
-    return worst / ((rv || lp_v ? TOL_BF16_DOT : 0) + tol_for(kdt, vdt) * dim_factor(D));
+    return worst / ((vtol ? TOL_BF16_DOT : 0) + tol_for(kdt, vdt) * dim_factor(D));
+}
+
+static double check_item_f16bf(const tpool *p, const tseq *s, uint32_t nqh, const pkv__attn_item *it,
+                               const pkv__attn_call *c, pkv_dtype kdt, pkv_dtype vdt, bool lp_v, double *lse_err) {
+    const bool rk = kdt == PKV_DTYPE_F16 && p->D % 32 == 0, rv = vdt == PKV_DTYPE_F16 && p->D % 32 == 0;
+    return check_item_tiles(p, s, nqh, it, c, kdt, vdt, rk, true, rv || lp_v, lse_err);
+}
+
+/* PKV_ATTN_BF16_DOT over fp8 e4m3 K or V where it applies (pkv__attn_lp_tiles: avx512-amx's tiles,
+ * head_dim a multiple of 32): a tile unit's queries times scale are rounded to bf16 (K's codes
+ * are bf16 exactly, their scales applied to the sums in f32), its first rows in 16s round their
+ * weights times V's scales (TOL_BF16_DOT, as for a bf16 V; lp_v: a bf16 V beside an fp8 K); other
+ * units compute as without the flag: check_item_tiles. */
+static double check_item_fp8bf(const tpool *p, const tseq *s, uint32_t nqh, const pkv__attn_item *it,
+                               const pkv__attn_call *c, pkv_dtype kdt, pkv_dtype vdt, bool lp_v, double *lse_err) {
+    const bool rk = kdt == PKV_DTYPE_FP8_E4M3 && p->D % 32 == 0, rv = vdt == PKV_DTYPE_FP8_E4M3 && p->D % 32 == 0;
+    return check_item_tiles(p, s, nqh, it, c, kdt, vdt, rk, false, rv || lp_v, lse_err);
 }
 
 typedef struct oracle_opts {
@@ -491,6 +511,7 @@ typedef struct oracle_opts {
     int bf16_dot;          /* calls with PKV_ATTN_BF16_DOT, bf16 K (V bf16 or drawn): the reference takes
                               the queries rounded as the kernel does, the tolerance TOL_BF16_DOT more */
     int f16bf;             /* calls with PKV_ATTN_F16_AS_BF16, f16 K (V f16 or drawn): check_item_f16bf */
+    int fp8bf;             /* with bf16_dot: fp8 e4m3 K (V fp8 or drawn), check_item_fp8bf where the tiles apply */
 } oracle_opts;
 
 /* ALiBi slopes for nqh heads into a: one case in two the models' own, 2^(-8 (h + 1) / nqh); else
@@ -692,6 +713,8 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         const bool lp_k = o->bf16_dot && pkv__attn_lp(at, kdt), lp_v = o->bf16_dot && pkv__attn_lp_v(at, vdt);
         const double e = o->f16bf && pkv__attn_f16bf(at, kdt, vdt, D, D)
                              ? check_item_f16bf(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_v, worst_lse)
+                         : o->fp8bf && pkv__attn_lp_tiles(at, kdt, vdt, D, D)
+                             ? check_item_fp8bf(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_v, worst_lse)
                              : check_item_lp(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_k, lp_v, worst_lse);
         if (!(e <= *worst)) {
             *worst = e;
@@ -720,16 +743,17 @@ static void run_oracle_dims(const char *backend, const oracle_opts *o, uint64_t 
     for (size_t ti = 0; ti < sizeof k_types / sizeof *k_types; ti++) {
         if (o->bf16_dot && k_types[ti] != PKV_DTYPE_BF16) continue;
         if (o->f16bf && k_types[ti] != PKV_DTYPE_F16) continue;
+        const pkv_dtype ktype = o->fp8bf ? PKV_DTYPE_FP8_E4M3 : k_types[ti]; /* fp8: once, in bf16's turn */
         double worst = 0, worst_lse = 0;
         for (size_t di = 0; di < n_dims; di++)
             for (size_t hi = 0; hi < 4; hi++) {
                 const uint32_t nt = 1 + rng_below(3); /* 1..3 threads: 2 and 3 exercise key splits */
                 /* K and V of different types sometimes: the dispatch is per tensor */
-                pkv_dtype kdt = k_types[ti], vdt = rng_below(4) ? kdt : k_types[rng_below(3)];
+                pkv_dtype kdt = ktype, vdt = rng_below(4) ? kdt : k_types[rng_below(3)];
                 oracle_case(backend, nt, dims[di], k_heads[hi][0], k_heads[hi][1], kdt, vdt, o, &worst, &worst_lse);
             }
         print_message("  %s K=%s%s%s%s%s%s%s%s%s: max err %.3g of the tolerance, lse err %.3g\n", backend,
-                      pkv_dtype_name(k_types[ti]), o->bf16_dot ? " bf16-dot" : o->f16bf ? " f16-as-bf16" : "", o->prefill ? " prefill" : " decode",
+                      pkv_dtype_name(ktype), o->bf16_dot ? " bf16-dot" : o->f16bf ? " f16-as-bf16" : "", o->prefill ? " prefill" : " decode",
                       o->softcap ? " softcap" : "",
                       o->window ? " window" : "", o->chunk ? " chunk" : "", o->mask ? " mask" : "", o->sinks ? " sinks" : "",
                       o->alibi ? " alibi" : "", worst, worst_lse);
@@ -1048,6 +1072,85 @@ static void test_f16_as_bf16(void **state) {
     assert_true(worst_lse <= TOL_LSE);
 }
 
+/* PKV_ATTN_BF16_DOT over fp8 e4m3 K or V (check_item_fp8bf): decode and extends of under and
+ * over 16 rows a kv head, head_dims that are and are not a multiple of 32, fp8 beside the other
+ * dtypes. Where neither K nor V is bf16 (whose row path the flag changes too) the bits are those
+ * of the call without it wherever pkv__attn_lp_tiles says it does not apply (every backend but
+ * avx512-amx), for a head_dim not a multiple of 32, and where every item has fewer than 16 rows
+ * a kv head; on avx512-amx some cases must differ (the tiles ran). */
+static void test_fp8_bf16_dot(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    g_rng = 0xf8bf;
+    static const uint32_t dims[] = {64, 128, 32, 96, 80, 40};
+    static const pkv_dtype kv[][2] = {{PKV_DTYPE_FP8_E4M3, PKV_DTYPE_FP8_E4M3}, {PKV_DTYPE_FP8_E4M3, PKV_DTYPE_F32},
+                                      {PKV_DTYPE_F32, PKV_DTYPE_FP8_E4M3},      {PKV_DTYPE_FP8_E4M3, PKV_DTYPE_F16},
+                                      {PKV_DTYPE_FP8_E4M3, PKV_DTYPE_BF16},     {PKV_DTYPE_BF16, PKV_DTYPE_FP8_E4M3}};
+    static const uint32_t heads[][2] = {{1, 1}, {8, 8}, {32, 8}, {8, 1}, {32, 2}};
+    double worst = 0, worst_lse = 0;
+    uint32_t n_used = 0, n_differ = 0, n_cases = 0;
+    for (size_t di = 0; di < sizeof dims / sizeof *dims; di++)
+        for (size_t hi = 0; hi < sizeof heads / sizeof *heads; hi++)
+            for (size_t ti = 0; ti < sizeof kv / sizeof *kv; ti++) {
+                const uint32_t D = dims[di], nqh = heads[hi][0], H = heads[hi][1], G = nqh / H;
+                const pkv_dtype kdt = kv[ti][0], vdt = kv[ti][1];
+                lp_world w;
+                lp_world_make(&w, bc->name, H, D, kdt, vdt);
+                pkv__attn *at = w.at;
+                const bool used = pkv__attn_lp_tiles(at, kdt, vdt, D, D);
+                const bool lp_k = pkv__attn_lp(at, kdt), lp_v = pkv__attn_lp_v(at, vdt);
+                /* the flag's fp8 kernels are the tiles' alone: no row path changes for fp8 */
+                assert_false(kdt == PKV_DTYPE_FP8_E4M3 && lp_k);
+                assert_false(vdt == PKV_DTYPE_FP8_E4M3 && lp_v);
+                n_used += used && !lp_k && !lp_v, n_cases++;
+                pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
+                for (uint32_t i = 0; i < w.n_seqs; i++) {
+                    uint32_t n_q = 1, pos0 = w.lens[i] - 1;
+                    if (rng_below(3)) { /* an extend: under 16 rows a kv head (the row path) or more */
+                        const uint32_t cap = rng_below(4) ? 64 : 15 / G;
+                        const uint32_t most_q = cap < w.lens[i] ? cap : w.lens[i];
+                        n_q = most_q ? 1 + rng_below(most_q) : 1;
+                        pos0 = rng_below(w.lens[i] - n_q + 1);
+                    }
+                    lp_item(&w, i, pos0, n_q, nqh, D);
+                }
+                assert_int_equal(pkv__attn_run(at, &w.p.view, w.items, w.n_seqs, &call), PKV_OK);
+                for (uint32_t i = 0; i < w.n_seqs; i++)
+                    memcpy(w.plain[i], w.items[i].out, sizeof(float) * w.items[i].n_q * nqh * D);
+                call.flags = PKV_ATTN_BF16_DOT;
+                assert_int_equal(pkv__attn_run(at, &w.p.view, w.items, w.n_seqs, &call), PKV_OK);
+                bool differs = false;
+                for (uint32_t i = 0; i < w.n_seqs; i++) {
+                    const pkv__attn_item *it = &w.items[i];
+                    differs |= memcmp(w.plain[i], it->out, sizeof(float) * it->n_q * nqh * D) != 0;
+                    /* a bf16 K rounds its queries in every unit (check_item_lp), an fp8 V beside it
+                       its weights in the tiles' (in the tolerance, as a bf16 V's) */
+                    const bool rv = used && vdt == PKV_DTYPE_FP8_E4M3 && D % 32 == 0;
+                    const double e =
+                        used && !lp_k
+                            ? check_item_fp8bf(&w.p, &w.seqs[i], nqh, it, &call, kdt, vdt, lp_v, &worst_lse)
+                            : check_item_lp(&w.p, &w.seqs[i], nqh, it, &call, kdt, vdt, lp_k, lp_v || rv, &worst_lse);
+                    if (e > 1.0)
+                        print_message("  fail: %s D=%u q/kv=%u/%u B=%u K=%s V=%s len=%u q_pos0=%u n_q=%u thr=%u: err %.3g\n",
+                                      bc->name, D, nqh, H, w.B, pkv_dtype_name(kdt), pkv_dtype_name(vdt), w.lens[i],
+                                      it->q_pos0, it->n_q, w.nt, e);
+                    worst = fmax(worst, e);
+                }
+                bool rows16 = false;
+                for (uint32_t i = 0; i < w.n_seqs; i++) rows16 |= w.items[i].n_q * G >= 16;
+                if (!lp_k && !lp_v) {
+                    if (!used || D % 32 || !rows16) assert_false(differs);
+                    n_differ += differs;
+                }
+                lp_world_free(&w);
+            }
+    print_message("  %s: the flag applied to fp8 alone in %u of %u cases and changed the results of %u; max err %.3g "
+                  "of the tolerance, lse err %.3g\n", bc->name, n_used, n_cases, n_differ, worst, worst_lse);
+    if (n_used) assert_true(n_differ > 0);
+    assert_true(worst <= 1.0);
+    assert_true(worst_lse <= TOL_LSE);
+}
+
 /* The oracles of a rounding flag (base: bf16_dot or f16bf set), prefill: plain, soft-cap with a
  * window and sinks, chunks with ALiBi, custom masks with soft-cap; seeds seed .. seed + 3 */
 static void run_oracle_lp(const char *backend, const oracle_opts *base, uint64_t seed) {
@@ -1070,6 +1173,15 @@ static void test_oracle_f16_as_bf16(void **state) {
     need_backend(bc->name);
     const oracle_opts o = {.f16bf = 1};
     run_oracle_lp(bc->name, &o, 341);
+}
+
+/* PKV_ATTN_BF16_DOT over fp8 e4m3 K (V fp8 or drawn) with the driver's parameters, as
+ * test_oracle_f16_as_bf16 for its flag */
+static void test_oracle_fp8_bf16_dot(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    const oracle_opts o = {.bf16_dot = 1, .fp8bf = 1};
+    run_oracle_lp(bc->name, &o, 351);
 }
 
 /* PKV_ATTN_BF16_DOT with every parameter the driver applies between score and accum (soft-cap,
@@ -1827,6 +1939,11 @@ int main(void) {
         cmocka_unit_test_prestate(test_bf16_dot, &g_amx_emu),
         cmocka_unit_test_prestate(test_oracle_bf16_dot, &g_amx_emu),
         PER_BACKEND(test_f16_as_bf16),
+        PER_BACKEND(test_fp8_bf16_dot),
+        cmocka_unit_test_prestate(test_fp8_bf16_dot, &g_amx),
+        cmocka_unit_test_prestate(test_fp8_bf16_dot, &g_amx_emu),
+        cmocka_unit_test_prestate(test_oracle_fp8_bf16_dot, &g_amx),
+        cmocka_unit_test_prestate(test_oracle_fp8_bf16_dot, &g_amx_emu),
         cmocka_unit_test_prestate(test_f16_as_bf16, &g_amx),
         cmocka_unit_test_prestate(test_f16_as_bf16, &g_amx_emu),
         cmocka_unit_test_prestate(test_oracle_f16_as_bf16, &g_amx),

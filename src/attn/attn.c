@@ -516,14 +516,25 @@ bool pkv__attn_lp_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {
             at->kt_tab[1].accum_t[v_dtype] != at->kt_tab[0].accum_t[v_dtype]);
 }
 
-bool pkv__attn_f16bf(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype, uint32_t head_dim, uint32_t v_dim) {
+/* Whether table kt_tab[tab]'s transposed primitives differ from the flagless table's for this K
+ * and V at these dims */
+static bool t_differs(const pkv__attn *at, unsigned tab, pkv_dtype k_dtype, pkv_dtype v_dtype, uint32_t head_dim,
+                      uint32_t v_dim) {
     if (!at || (unsigned)k_dtype >= PKV_DTYPE_COUNT || (unsigned)v_dtype >= PKV_DTYPE_COUNT) return false;
-    const pkv__attn_kernels *f = &at->kt_tab[2], *o = &at->kt_tab[0];
+    const pkv__attn_kernels *f = &at->kt_tab[tab], *o = &at->kt_tab[0];
     /* the transposed path runs a pair with both primitives (f16 K beside a q8_0 V, say, never);
        the tiles take head_dim (K) or v_dim (V) in groups of 32, the f32 kernels the rest */
     return f->score_t[k_dtype] && f->accum_t[v_dtype] &&
            ((f->score_t[k_dtype] != o->score_t[k_dtype] && head_dim % 32 == 0) ||
             (f->accum_t[v_dtype] != o->accum_t[v_dtype] && v_dim % 32 == 0));
+}
+
+bool pkv__attn_f16bf(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype, uint32_t head_dim, uint32_t v_dim) {
+    return t_differs(at, 2, k_dtype, v_dtype, head_dim, v_dim);
+}
+
+bool pkv__attn_lp_tiles(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype, uint32_t head_dim, uint32_t v_dim) {
+    return t_differs(at, 1, k_dtype, v_dtype, head_dim, v_dim);
 }
 
 bool pkv__attn_has_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {

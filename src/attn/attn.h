@@ -103,7 +103,7 @@ typedef struct pkv__attn_limits {
     uint32_t max_items;          /* items per pkv__attn_run call */
     uint32_t max_blocks_per_seq;
     uint32_t n_kv_heads, head_dim, block_tokens;
-    /* K or V is bf16 or f16 (the dtypes the AMX tables serve: PKV_ATTN_BF16_DOT,
+    /* K or V is bf16, f16 or fp8 e4m3 (the dtypes the AMX tables serve: PKV_ATTN_BF16_DOT,
        PKV_ATTN_F16_AS_BF16): automatic selection takes "avx512-amx" where the CPU has AMX, asking
        Linux for the tile state then and only then */
     bool amx;
@@ -215,6 +215,10 @@ bool pkv__attn_lp_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype);
 /* Whether calls with PKV_ATTN_F16_AS_BF16 compute otherwise than those without for this K and V
  * dtype at these dims (the transposed primitives: f16 as bf16 on AMX tiles). */
 bool pkv__attn_f16bf(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype, uint32_t head_dim, uint32_t v_dim);
+/* Whether calls with PKV_ATTN_BF16_DOT compute otherwise than those without in the transposed
+ * primitives for this K and V dtype at these dims (bf16 where pkv__attn_lp_t; fp8 e4m3 on AMX
+ * tiles, whose row path the flag leaves alone). */
+bool pkv__attn_lp_tiles(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype, uint32_t head_dim, uint32_t v_dim);
 /* Whether the backend has transposed primitives for this pair (without them, such tiles take
  * the row path: NEON). */
 bool pkv__attn_has_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype);
@@ -705,6 +709,12 @@ void pkv__attn_f16_fill_amx_emu(pkv__attn_kernels *kt);
 void pkv__attn_score_t_f16_x512(const float *qt, uint32_t rp, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
                                 uint32_t head_dim, float *s, float *kbuf, pkv__attn_pf *pf);
 void pkv__attn_accum_t_f16_x512(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
+                                uint32_t n_keys, uint32_t head_dim, float *acc, float *vbuf, pkv__attn_pf *pf);
+/* x86/attn_avx512.c: its transposed fp8 e4m3 primitives (f32 arithmetic, tpath_x86.h), for
+ * attn_amx.c's fp8 kernels to hand the shapes its tiles do not cover */
+void pkv__attn_score_t_fp8_x512(const float *qt, uint32_t rp, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
+                                uint32_t head_dim, float *s, float *kbuf, pkv__attn_pf *pf);
+void pkv__attn_accum_t_fp8_x512(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
                                 uint32_t n_keys, uint32_t head_dim, float *acc, float *vbuf, pkv__attn_pf *pf);
 /* arm/attn_bf16dot.c: the lp_fill of NEON where the CPU has bf16 (BFDOT): bf16 prep_q, score, accum */
 void pkv__attn_lp_fill_neon_bf16(pkv__attn_kernels *kt);

@@ -517,7 +517,8 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     pkv__attn_limits lim = {.max_items = share_items(c), .max_blocks_per_seq = c->max_bps,
                             .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B,
                             .amx = cfg.k_dtype == PKV_DTYPE_BF16 || cfg.v_dtype == PKV_DTYPE_BF16 ||
-                                   cfg.k_dtype == PKV_DTYPE_F16 || cfg.v_dtype == PKV_DTYPE_F16,
+                                   cfg.k_dtype == PKV_DTYPE_F16 || cfg.v_dtype == PKV_DTYPE_F16 ||
+                                   cfg.k_dtype == PKV_DTYPE_FP8_E4M3 || cfg.v_dtype == PKV_DTYPE_FP8_E4M3,
                             .exec = cfg.executor, .log = cfg.log, .log_ctx = cfg.log_ctx};
     c->attn_alloc = (pkv_allocator){.alloc = attn_shim_alloc, .free = attn_shim_free, .ctx = c};
     rc = pkv__attn_create(&c->attn_alloc, cfg.n_threads, &lim, &c->attn);
@@ -1791,7 +1792,10 @@ PKV_API const char *pkv_attn_backend(const pkv_cache *c) {
 PKV_API uint32_t pkv_attn_flags_used(const pkv_cache *c) {
     if (!c) return 0;
     const pkv_dtype kd = c->cfg.k_dtype, vd = c->cfg.v_dtype;
-    uint32_t f = pkv__attn_lp(c->attn, kd) || pkv__attn_lp_v(c->attn, vd) ? PKV_ATTN_BF16_DOT : 0;
+    uint32_t f = pkv__attn_lp(c->attn, kd) || pkv__attn_lp_v(c->attn, vd) ||
+                         pkv__attn_lp_tiles(c->attn, kd, vd, c->head_dim, c->v_dim)
+                     ? PKV_ATTN_BF16_DOT
+                     : 0;
     if (pkv__attn_f16bf(c->attn, kd, vd, c->head_dim, c->v_dim)) f |= PKV_ATTN_F16_AS_BF16;
     return f;
 }

@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "bf16_x86.h" /* bf16_round_lo, v_pairs: the vdpbf16ps kernels' own */
+#include "fp8_x86.h"  /* pkv__e4m3_f16x16: e4m3 codes to f16, exactly */
 #ifdef PKV_AMX_EMU /* tests only: the tile instructions emulated in C */
 #include "amx_emu.h"
 #define PKV__AMX_LP_FILL pkv__attn_lp_fill_amx_emu
@@ -115,24 +116,46 @@ static inline __attribute__((always_inline)) void score_keys(const uint32_t *qp,
     }
 }
 
-/* f16 K and V taken as bf16 (PKV_ATTN_F16_AS_BF16): 16 f16 values at p widened, and two such
+/* The K and V dtypes of the tiles: bf16 from the pool, f16 taken as bf16
+ * (PKV_ATTN_F16_AS_BF16), fp8 e4m3 codes (PKV_ATTN_BF16_DOT), whose values are bf16 exactly. */
+enum kv_kind { KV_BF16, KV_F16, KV_FP8 };
+
+/* f16 K and V taken as bf16: 16 f16 values at p widened, and two such
  * vectors rounded to bf16, nearest even, by vcvtne2ps2bf16 (AVX512_BF16, which every AMX CPU
  * has): x's in the low 16 words, y's in the high ones. Its treatment of f32 denormals never
  * applies: f16 values widen to normal floats. */
 static inline __attribute__((always_inline)) __m512 f16_widen(const uint8_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p));
 }
+/* 16 fp8 e4m3 codes at p as floats, each the code's value times 2^-8 (fp8_x86.h): 4 significant
+ * bits and exponents within bf16's, so bf16_pack keeps them exactly (the row's scale, times 2^8,
+ * is applied to the scores (K) or the weights (V), in f32) */
+static inline __attribute__((always_inline)) __m512 fp8_widen(const uint8_t *p) {
+    return _mm512_cvtph_ps(pkv__e4m3_f16x16(p));
+}
+/* a 16-bit K or V row's 32 values from column d on, or an fp8 row's (past its scale), widened */
+static inline __attribute__((always_inline)) __m512 kv_widen(const uint8_t *row, uint32_t d, const int kind) {
+    return kind == KV_FP8 ? fp8_widen(row + PKV_FP8_ROW_HEADER + d) : f16_widen(row + 2 * (size_t)d);
+}
+/* an fp8 row's scale times 2^8: what its codes' values above leave out */
+static inline float fp8_scale256(const uint8_t *row) {
+    float sc;
+    memcpy(&sc, row, sizeof sc);
+    return sc * 256.0f;
+}
 static inline __attribute__((always_inline)) __m512i bf16_pack(__m512 x, __m512 y) {
     return (__m512i)_mm512_cvtne2ps_pbh(y, x);
 }
 
 /* score_t over bf16 rows: each 16 keys' rows as A tiles, bf16 K's straight from the pool, f16
- * K's rounded to bf16 into kbuf (2 D bytes a row), a last chunk of fewer keys' there too, padded
- * with zero rows; its scores 16 query rows at a time through sb (1 KiB past the rows). qt as bf16
- * pairs (qt_pairs, or the driver's qt_round for f16); head_dim a multiple of 32, rp of 16. */
+ * K's rounded to bf16 and fp8 K's codes (exact) into kbuf (2 D bytes a row), a last chunk of
+ * fewer keys' there too, padded with zero rows; its scores 16 query rows at a time through sb
+ * (1 KiB past the rows); fp8: each key's scores then times its scale times 2^8, after the sums,
+ * as the f32 kernel (tpath_x86.h: score_t_fp8). qt as bf16 pairs (qt_pairs, or the driver's
+ * qt_round for f16 and fp8); head_dim a multiple of 32, rp of 16. */
 static inline __attribute__((always_inline)) void score_t_tiles(const float *qt, uint32_t rp, const uint8_t *k,
                                                                   size_t krb, uint32_t n_keys, uint32_t D, float *s,
-                                                                  float *kbuf, pkv__attn_pf *pf, const bool f16) {
+                                                                  float *kbuf, pkv__attn_pf *pf, const int kind) {
     const uint32_t *qp = (const uint32_t *)(const void *)qt;
     uint8_t *kb = (uint8_t *)kbuf; /* room for 16 rows of D floats: 16 rows of D bf16 and the scores */
     float *sb = (float *)(void *)(kb + (size_t)32 * D);
@@ -141,7 +164,7 @@ static inline __attribute__((always_inline)) void score_t_tiles(const float *qt,
         const uint32_t nk = PKV_MIN(16u, n_keys - t0);
         const uint8_t *ka = k + t0 * krb;
         size_t kas = krb;
-        if (f16 || nk < 16) {
+        if (kind != KV_BF16 || nk < 16) {
             for (uint32_t t = 0; t < 16; t++) {
                 uint8_t *dst = kb + (size_t)t * 2 * D;
                 if (t >= nk) {
@@ -149,11 +172,11 @@ static inline __attribute__((always_inline)) void score_t_tiles(const float *qt,
                     continue;
                 }
                 const uint8_t *src = ka + t * krb;
-                if (!f16) memcpy(dst, src, (size_t)2 * D);
+                if (kind == KV_BF16) memcpy(dst, src, (size_t)2 * D);
                 else
                     for (uint32_t d = 0; d < D; d += 32)
                         _mm512_storeu_si512((void *)(dst + 2 * d),
-                                            bf16_pack(f16_widen(src + 2 * d), f16_widen(src + 2 * d + 32)));
+                                            bf16_pack(kv_widen(src, d, kind), kv_widen(src, d + 16, kind)));
             }
             ka = kb, kas = (size_t)2 * D;
             TILE_FENCE(); /* kb's rows written */
@@ -169,6 +192,12 @@ static inline __attribute__((always_inline)) void score_t_tiles(const float *qt,
             }
         }
         TILE_FENCE(); /* kb and s's scores read and written by the tiles before C goes on */
+        if (kind == KV_FP8)
+            for (uint32_t t = 0; t < nk; t++) {
+                const __m512 sk = _mm512_set1_ps(fp8_scale256(k + (t0 + t) * krb));
+                float *st = s + (size_t)(t0 + t) * rp;
+                for (uint32_t r = 0; r < rp; r += 16) _mm512_storeu_ps(st + r, _mm512_mul_ps(_mm512_loadu_ps(st + r), sk));
+            }
         pkv__attn_pf_step(pf);
     }
     pkv__attn_pf_finish(pf);
@@ -180,7 +209,7 @@ static void score_t_amx(const float *qt, uint32_t rp, const uint8_t *k, size_t k
         pkv__attn_score_t_bf16dp(qt, rp, k, krb, n_keys, D, s, kbuf, pf);
         return;
     }
-    score_t_tiles(qt, rp, k, krb, n_keys, D, s, kbuf, pf, false);
+    score_t_tiles(qt, rp, k, krb, n_keys, D, s, kbuf, pf, KV_BF16);
 }
 
 /* f16 K (PKV_ATTN_F16_AS_BF16); head_dim not a multiple of 32: qt is f32 (pkv__attn_qt_round),
@@ -191,20 +220,35 @@ static void score_t_amx_f16(const float *qt, uint32_t rp, const uint8_t *k, size
         pkv__attn_score_t_f16_x512(qt, rp, k, krb, n_keys, D, s, kbuf, pf);
         return;
     }
-    score_t_tiles(qt, rp, k, krb, n_keys, D, s, kbuf, pf, true);
+    score_t_tiles(qt, rp, k, krb, n_keys, D, s, kbuf, pf, KV_F16);
+}
+
+/* fp8 K (PKV_ATTN_BF16_DOT); head_dim not a multiple of 32: the f32 kernel's, as score_t_amx_f16 */
+static void score_t_amx_fp8(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                            float *s, float *kbuf, pkv__attn_pf *pf) {
+    if (D % 32) {
+        pkv__attn_score_t_fp8_x512(qt, rp, k, krb, n_keys, D, s, kbuf, pf);
+        return;
+    }
+    score_t_tiles(qt, rp, k, krb, n_keys, D, s, kbuf, pf, KV_FP8);
 }
 
 /* Pairs of keys' weights of 16 rows as 8 vectors: x[j] lane r = row r's bf16 weights of keys
- * 2 j, 2 j + 1 (p + t * rp, lanes r0 .. r0 + 15 already applied; keys past nk: 0), turned into
+ * 2 j, 2 j + 1 (p + t * rp, lanes r0 .. r0 + 15 already applied; keys past nk: 0; where ws is
+ * set, key t's times ws[t] first, in f32), turned into
  * rows by an 8 x 16 transpose of 32-bit lanes (unpack by 32 and 64 bits, then the 128-bit
  * lanes): y[v] = row 2 v's 8 pairs, then row 2 v + 1's. */
+static inline __attribute__((always_inline)) __m512 weight_row(const float *p, uint32_t rp, uint32_t t,
+                                                                 const float *ws) {
+    const __m512 w = _mm512_loadu_ps(p + (size_t)t * rp);
+    return ws ? _mm512_mul_ps(w, _mm512_set1_ps(ws[t])) : w;
+}
 static inline __attribute__((always_inline)) void weights_rows8(const float *p, uint32_t rp, uint32_t nk,
-                                                                    __m512i y[8]) {
+                                                                    const float *ws, __m512i y[8]) {
     __m512i x[8];
     for (uint32_t j = 0; j < 8; j++) {
-        const __m512i lo = 2 * j < nk ? bf16_round_lo(_mm512_loadu_ps(p + (size_t)2 * j * rp)) : _mm512_setzero_si512();
-        const __m512i hi =
-            2 * j + 1 < nk ? bf16_round_lo(_mm512_loadu_ps(p + (size_t)(2 * j + 1) * rp)) : _mm512_setzero_si512();
+        const __m512i lo = 2 * j < nk ? bf16_round_lo(weight_row(p, rp, 2 * j, ws)) : _mm512_setzero_si512();
+        const __m512i hi = 2 * j + 1 < nk ? bf16_round_lo(weight_row(p, rp, 2 * j + 1, ws)) : _mm512_setzero_si512();
         x[j] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
     }
     /* aJl, aJh: rows 4k, 4k + 1 (l) or 4k + 2, 4k + 3 (h) of pairs J, J + 1, 128-bit lane k */
@@ -228,13 +272,13 @@ static inline __attribute__((always_inline)) void weights_rows8(const float *p, 
     }
 }
 
-/* The weights of 32 keys (p + t * rp, lanes = 16 rows; keys past nk: 0) as accum's A tile:
- * pa[r * 16 + j] = the bf16 pair of keys 2 j, 2 j + 1 of row r. */
+/* The weights of 32 keys (p + t * rp, lanes = 16 rows; keys past nk: 0; times ws[t] where set)
+ * as accum's A tile: pa[r * 16 + j] = the bf16 pair of keys 2 j, 2 j + 1 of row r. */
 static inline __attribute__((always_inline)) void weights_a(const float *p, uint32_t rp, uint32_t nk,
-                                                                uint32_t *pa) {
+                                                                const float *ws, uint32_t *pa) {
     __m512i ya[8], yb[8];
-    weights_rows8(p, rp, nk, ya);
-    if (nk > 16) weights_rows8(p + (size_t)16 * rp, rp, nk - 16, yb);
+    weights_rows8(p, rp, nk, ws, ya);
+    if (nk > 16) weights_rows8(p + (size_t)16 * rp, rp, nk - 16, ws ? ws + 16 : NULL, yb);
     else
         for (uint32_t v = 0; v < 8; v++) yb[v] = _mm512_setzero_si512();
     for (uint32_t v = 0; v < 8; v++) { /* row 2 v: pairs 0-7 of ya, 8-15 of yb; row 2 v + 1 likewise */
@@ -244,9 +288,9 @@ static inline __attribute__((always_inline)) void weights_a(const float *p, uint
 }
 
 /* The kernel of the shapes the tiles do not cover: vdpbf16ps for bf16 V (the same rounding of
- * its inputs), the f32 one for f16 V (none), acc in each one's order */
-static inline pkv__attn_accum_t_fn accum_fallback(const bool f16) {
-    return f16 ? pkv__attn_accum_t_f16_x512 : pkv__attn_accum_t_bf16dp;
+ * its inputs), the f32 ones for f16 and fp8 V (none), acc in each one's order */
+static inline pkv__attn_accum_t_fn accum_fallback(const int kind) {
+    return kind == KV_F16 ? pkv__attn_accum_t_f16_x512 : kind == KV_FP8 ? pkv__attn_accum_t_fp8_x512 : pkv__attn_accum_t_bf16dp;
 }
 
 #define ACC_B(j, vxk, c)                                                                                        \
@@ -263,7 +307,7 @@ static inline pkv__attn_accum_t_fn accum_fallback(const bool f16) {
 static inline __attribute__((always_inline)) void accum_runs(const float *p, uint32_t rp, uint32_t n_rows,
                                                                const uint8_t *const *v, const uint32_t *n,
                                                                uint32_t n_runs, size_t vrb, uint32_t D, float *acc,
-                                                               float *vbuf, pkv__attn_pf *pf, const bool f16) {
+                                                               float *vbuf, pkv__attn_pf *pf, const int kind) {
     const uint32_t rows16 = n_rows & ~15u, NG = D / 32;
     const size_t vxs = (size_t)NG * 128, as = (size_t)D * 4; /* bytes of a pair's columns; of an acc row */
     uint8_t *vx = (uint8_t *)vbuf;
@@ -272,7 +316,10 @@ static inline __attribute__((always_inline)) void accum_runs(const float *p, uin
     for (uint32_t i = 0; i < n_runs; i++)
         for (uint32_t t = 0; t < n[i]; t++) row[n_keys++] = v[i] + t * vrb;
     const uint32_t n_kc = (n_keys + 31) / 32;
-    /* f16: words c and 16 + c (the two rows' column c) to 32-bit lane c */
+    float ws[PKV__ATTN_T_RUN_KEYS]; /* fp8: each key's weights times its row's scale times 2^8 */
+    if (kind == KV_FP8)
+        for (uint32_t t = 0; t < n_keys; t++) ws[t] = fp8_scale256(row[t]);
+    /* f16, fp8: words c and 16 + c (the two rows' column c) to 32-bit lane c */
     const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     /* [key chunk][16 rows]: A tiles (rows <= T_ROWS_PAD, 64) */
@@ -281,16 +328,19 @@ static inline __attribute__((always_inline)) void accum_runs(const float *p, uin
     /* the weights first: their stores reach L1 while V is interleaved, before the tile loads */
     for (uint32_t kc = 0; kc < n_kc; kc++)
         for (uint32_t r0 = 0; r0 < rows16; r0 += 16)
-            weights_a(p + (size_t)32 * kc * rp + r0, rp, PKV_MIN(32u, n_keys - 32 * kc), pa[kc][r0 / 16]);
+            weights_a(p + (size_t)32 * kc * rp + r0, rp, PKV_MIN(32u, n_keys - 32 * kc),
+                      kind == KV_FP8 ? ws + 32 * kc : NULL, pa[kc][r0 / 16]);
     for (uint32_t j = 0; j < 16 * n_kc; j++) { /* pairs past n_keys: zeros (their weights are 0 too) */
         const bool one = 2 * j < n_keys, two = 2 * j + 1 < n_keys;
         for (uint32_t g = 0; g < NG; g++) {
             __m512i e, o;
-            if (f16) { /* rounded to bf16 and paired by column in their own order: acc's natural order */
+            if (kind != KV_BF16) { /* as bf16 (f16 rounded, fp8 exact), paired by column in their own
+                                      order: acc's natural order */
                 const __m512 z = _mm512_setzero_ps();
-                const uint8_t *ra = one ? row[2 * j] + 64 * g : NULL, *rb = two ? row[2 * j + 1] + 64 * g : NULL;
-                const __m512i lo = bf16_pack(one ? f16_widen(ra) : z, two ? f16_widen(rb) : z); /* columns 0-15 */
-                const __m512i hi = bf16_pack(one ? f16_widen(ra + 32) : z, two ? f16_widen(rb + 32) : z);
+                const uint8_t *ra = one ? row[2 * j] : NULL, *rb = two ? row[2 * j + 1] : NULL;
+                const uint32_t d = 32 * g;
+                const __m512i lo = bf16_pack(one ? kv_widen(ra, d, kind) : z, two ? kv_widen(rb, d, kind) : z); /* columns 0-15 */
+                const __m512i hi = bf16_pack(one ? kv_widen(ra, d + 16, kind) : z, two ? kv_widen(rb, d + 16, kind) : z);
                 e = _mm512_permutexvar_epi16(pair_idx, lo), o = _mm512_permutexvar_epi16(pair_idx, hi);
             } else {
                 const __m512i A = one ? _mm512_loadu_si512((const void *)(row[2 * j] + 64 * g)) : _mm512_setzero_si512();
@@ -338,24 +388,24 @@ static inline __attribute__((always_inline)) void accum_runs(const float *p, uin
     TILE_FENCE();
     const float *pt = p + rows16; /* the last rows, a run at a time */
     for (uint32_t i = 0; rows16 < n_rows && i < n_runs; pt += (size_t)n[i] * rp, i++)
-        accum_fallback(f16)(pt, rp, n_rows - rows16, v[i], vrb, n[i], D, acc + (size_t)rows16 * D, vbuf, NULL);
+        accum_fallback(kind)(pt, rp, n_rows - rows16, v[i], vrb, n[i], D, acc + (size_t)rows16 * D, vbuf, NULL);
 }
 
-/* accum_t: bf16 V (f16: false), or f16 V taken as bf16 (PKV_ATTN_F16_AS_BF16); shapes the
- * tiles do not cover by accum_fallback */
+/* accum_t: bf16 V, f16 V taken as bf16 (PKV_ATTN_F16_AS_BF16) or fp8 V (PKV_ATTN_BF16_DOT);
+ * shapes the tiles do not cover by accum_fallback */
 static inline __attribute__((always_inline)) void accum_t_tiles(const float *p, uint32_t rp, uint32_t n_rows,
                                                                   const uint8_t *v, size_t vrb, uint32_t n_keys,
                                                                   uint32_t D, float *acc, float *vbuf,
-                                                                  pkv__attn_pf *pf, const bool f16) {
+                                                                  pkv__attn_pf *pf, const int kind) {
     if (D % 32 || n_rows < 16) {
-        accum_fallback(f16)(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
+        accum_fallback(kind)(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
         return;
     }
     /* a block of more keys than a call of accum_runs takes: in parts of PKV__ATTN_T_RUN_KEYS */
     for (uint32_t k0 = 0; k0 < n_keys; k0 += PKV__ATTN_T_RUN_KEYS) {
         const uint8_t *const vk = v + k0 * vrb;
         const uint32_t nk = PKV_MIN(PKV__ATTN_T_RUN_KEYS, n_keys - k0);
-        accum_runs(p + (size_t)k0 * rp, rp, n_rows, &vk, &nk, 1, vrb, D, acc, vbuf, k0 + nk < n_keys ? NULL : pf, f16);
+        accum_runs(p + (size_t)k0 * rp, rp, n_rows, &vk, &nk, 1, vrb, D, acc, vbuf, k0 + nk < n_keys ? NULL : pf, kind);
     }
 }
 
@@ -363,41 +413,56 @@ static inline __attribute__((always_inline)) void accum_t_tiles(const float *p, 
 static inline __attribute__((always_inline)) void accum_tn_tiles(const float *p, uint32_t rp, uint32_t n_rows,
                                                                    const uint8_t *const *v, const uint32_t *n,
                                                                    uint32_t n_runs, size_t vrb, uint32_t D, float *acc,
-                                                                   float *vbuf, pkv__attn_pf *pf, const bool f16) {
+                                                                   float *vbuf, pkv__attn_pf *pf, const int kind) {
     if (D % 32 || n_rows < 16) {
         const float *pt = p;
         for (uint32_t i = 0; i < n_runs; pt += (size_t)n[i] * rp, i++)
-            accum_fallback(f16)(pt, rp, n_rows, v[i], vrb, n[i], D, acc, vbuf, i + 1 == n_runs ? pf : NULL);
+            accum_fallback(kind)(pt, rp, n_rows, v[i], vrb, n[i], D, acc, vbuf, i + 1 == n_runs ? pf : NULL);
         return;
     }
-    accum_runs(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf, f16);
+    accum_runs(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf, kind);
 }
 
 static void accum_t_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
                             uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
-    accum_t_tiles(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf, false);
+    accum_t_tiles(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf, KV_BF16);
 }
 static void accum_t_amx_f16(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
                             uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
-    accum_t_tiles(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf, true);
+    accum_t_tiles(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf, KV_F16);
+}
+static void accum_t_amx_fp8(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                            uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    accum_t_tiles(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf, KV_FP8);
 }
 static void accum_tn_amx(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
                              uint32_t n_runs, size_t vrb, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
-    accum_tn_tiles(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf, false);
+    accum_tn_tiles(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf, KV_BF16);
 }
 static void accum_tn_amx_f16(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
                              uint32_t n_runs, size_t vrb, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
-    accum_tn_tiles(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf, true);
+    accum_tn_tiles(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf, KV_F16);
+}
+static void accum_tn_amx_fp8(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
+                             uint32_t n_runs, size_t vrb, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    accum_tn_tiles(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf, KV_FP8);
 }
 
+/* PKV_ATTN_BF16_DOT's table (attn.h: lp_fill): bf16 K and V by vdpbf16ps (pkv__attn_lp_fill_bf16dp)
+ * and on tiles, and fp8 e4m3 K and V on tiles (their codes exact as bf16, the queries rounded by
+ * the driver, qt_round, and the weights by accum_runs, as for bf16) */
 void PKV__AMX_LP_FILL(pkv__attn_kernels *kt) {
     pkv__attn_lp_fill_bf16dp(kt);
     kt->score_t[PKV_DTYPE_BF16] = score_t_amx;
     kt->accum_t[PKV_DTYPE_BF16] = accum_t_amx;
     kt->accum_tn[PKV_DTYPE_BF16] = accum_tn_amx;
+    kt->score_t[PKV_DTYPE_FP8_E4M3] = score_t_amx_fp8;
+    kt->accum_t[PKV_DTYPE_FP8_E4M3] = accum_t_amx_fp8;
+    kt->accum_tn[PKV_DTYPE_FP8_E4M3] = accum_tn_amx_fp8;
+    kt->qt_round[PKV_DTYPE_FP8_E4M3] = true;
     kt->t_enter = amx_enter;
     kt->t_leave = amx_leave;
-    kt->t_dtypes |= 1u << PKV_DTYPE_BF16;
+    kt->t_dtypes |= 1u << PKV_DTYPE_BF16 | 1u << PKV_DTYPE_FP8_E4M3;
 }
 
 /* PKV_ATTN_F16_AS_BF16's table (attn.h: f16_fill), over the backend's or lp_fill's: f16 K and V

@@ -802,6 +802,14 @@ void pkv__attn_accum_t_f16_x512(const float *p, uint32_t rp, uint32_t n_rows, co
                                 uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
     accum_t_f16(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
 }
+void pkv__attn_score_t_fp8_x512(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                                float *s, float *kbuf, pkv__attn_pf *pf) {
+    score_t_fp8(qt, rp, k, krb, n_keys, D, s, kbuf, pf);
+}
+void pkv__attn_accum_t_fp8_x512(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                                uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    accum_t_fp8(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
+}
 BF16DP void pkv__attn_accum_t_bf16dp(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
                                      uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
     accum_t_bf16dp(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf);
