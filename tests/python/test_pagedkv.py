@@ -372,6 +372,36 @@ class TestAttention(Base):
                 bound = 2.0 ** -7 * float(np.abs(V).max()) if used else 1e-5 * max(1.0, float(np.abs(want).max()))
                 self.assertLessEqual(err, bound, "f16_as_bf16 prefill, position %d (%s)" % (start + j, c.backend))
 
+    def test_fp8_bf16_dot(self):
+        # bf16_dot=True over an fp8 e4m3 cache: taken where the backend is avx512-amx (its tiles:
+        # the codes are bf16 exactly, the queries times scale and the weights rounded to bf16);
+        # a decode (8 rows a kv head) gives the same bits, a prefill of 40 positions (160 rows a
+        # kv head) differs exactly where it is taken and is within 2^-7 of max |V| of the
+        # reference over the pool's values and the rounded queries
+        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=64, k_dtype="fp8_e4m3", v_dtype="fp8_e4m3",
+                       n_threads=2) as c:
+            Hq, D = 8, 64
+            s = c.seq_create()
+            for _ in range(0, 208, 16):
+                self.fill(c, s, 16)
+            used = c.bf16_dot_used
+            self.assertEqual(used, c.backend == "avx512-amx")
+            self.assertFalse(c.f16_as_bf16_used)
+            q = self.rng.standard_normal((1, Hq, D)).astype(np.float32)
+            self.assertTrue(np.array_equal(c.decode(0, [s], q), c.decode(0, [s], q, bf16_dot=True)))
+            start, n = 160, 40
+            qp = self.rng.standard_normal((n, Hq, D)).astype(np.float32)
+            plain = c.prefill(0, [(s, start, n)], qp)
+            outp = c.prefill(0, [(s, start, n)], qp, bf16_dot=True)
+            self.assertEqual(not np.array_equal(plain, outp), used)
+            K, V = c.gather(s, 0)
+            qpr = pkv.bf16_value(pkv.bf16_bits(qp / np.sqrt(D))) if used else qp / np.sqrt(D)
+            for j in range(n):
+                want, _ = ref_attn(qpr[j], K[:start + j + 1], V[:start + j + 1], 1.0)
+                err = float(np.abs(outp[j].astype(np.float64) - want).max())
+                bound = 2.0 ** -7 * float(np.abs(V).max()) if used else 1e-5 * max(1.0, float(np.abs(want).max()))
+                self.assertLessEqual(err, bound, "bf16_dot fp8 prefill, position %d (%s)" % (start + j, c.backend))
+
     def test_f32_pool_stores_input_exactly(self):
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=8, k_dtype="f32", v_dtype="f32", n_threads=1) as c:
             s = c.seq_create()
