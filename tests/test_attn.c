@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "attn/attn.h"
+#include "attn/attn_q.h"
 #include "quant/quant.h"
 
 /* ---- tolerances ------------------------------------------------------------------------------
@@ -440,13 +441,17 @@ static double check_item_lp(const tpool *p, const tseq *s, uint32_t nqh, const p
  * the same). The lse likewise (the weights' rounding does not move it). */
 /* The check of a call whose tile units may have rounded: rk, their queries times scale (and
  * where kround is set, K's values) to bf16, each output row checked against the exact reference
- * and the rounded one, the nearer counted; vtol: TOL_BF16_DOT more for V's side. */
+ * and the rounded one, the nearer counted; vtol: TOL_BF16_DOT more for V's side. The exact
+ * reference is the row path's: for q8_0 and q4_0 K its queries times scale quantized to int8 per
+ * 32 (pkv__attn_prep_q8, the row path's own, bit for bit) and taken back (times their dq). */
 static double check_item_tiles(const tpool *p, const tseq *s, uint32_t nqh, const pkv__attn_item *it,
                                const pkv__attn_call *c, pkv_dtype kdt, pkv_dtype vdt, bool rk, bool kround, bool vtol,
                                double *lse_err) {
     const uint32_t D = p->D;
+    const bool qi8 = kdt == PKV_DTYPE_Q8_0 || kdt == PKV_DTYPE_Q4_0;
     tseq sr = *s;
-    float *kr = NULL, *qr = malloc(sizeof(float) * nqh * D);
+    float *kr = NULL, *qr = malloc(sizeof(float) * nqh * D), *q8 = malloc(sizeof(float) * nqh * D);
+    uint8_t *qp = malloc(PKV__ATTN_QROW_BYTES(D));
     if (rk && kround) {
         const size_t n = (size_t)s->len * p->H * D;
         kr = malloc(sizeof(float) * (n + 1));
@@ -459,8 +464,16 @@ static double check_item_tiles(const tpool *p, const tseq *s, uint32_t nqh, cons
         const ref_mask mk = {.bits = it->mask, .bit0 = (uint64_t)qi * it->mask_row, .n = it->mask_row};
         const float *q = it->q + (size_t)qi * nqh * D;
         const uint32_t pos = (it->mask ? it->mask_pos0 : it->q_pos0) + qi;
-        ref_query(p, s, nqh, q, pos, c->scale, c->softcap, c->window, c->chunk, c->sinks, c->alibi,
-                  it->mask ? &mk : NULL, ro[0], rl[0]);
+        if (qi8) {
+            for (uint32_t h = 0; h < nqh; h++) {
+                pkv__attn_prep_q8(q + (size_t)h * D, D, 1, D, c->scale, qp);
+                const int8_t *qs = (const int8_t *)qp;
+                const float *dq = (const float *)(const void *)(qp + 2 * (size_t)D);
+                for (uint32_t d = 0; d < D; d++) q8[(size_t)h * D + d] = (float)qs[d] * dq[d / 32];
+            }
+        }
+        ref_query(p, s, nqh, qi8 ? q8 : q, pos, qi8 ? 1.0 : c->scale, c->softcap, c->window, c->chunk, c->sinks,
+                  c->alibi, it->mask ? &mk : NULL, ro[0], rl[0]);
         if (rk) {
             for (uint32_t x = 0; x < nqh * D; x++) qr[x] = tu_bf16(q[x] * c->scale);
             ref_query(p, &sr, nqh, qr, pos, 1.0, c->softcap, c->window, c->chunk, c->sinks, c->alibi,
@@ -477,7 +490,7 @@ static double check_item_tiles(const tpool *p, const tseq *s, uint32_t nqh, cons
         }
     }
     for (int r = 0; r < 2; r++) free(ro[r]), free(rl[r]);
-    free(qr), free(kr);
+    free(qr), free(kr), free(q8), free(qp);
     return worst / ((vtol ? TOL_BF16_DOT : 0) + tol_for(kdt, vdt) * dim_factor(D));
 }
 
@@ -487,14 +500,21 @@ static double check_item_f16bf(const tpool *p, const tseq *s, uint32_t nqh, cons
     return check_item_tiles(p, s, nqh, it, c, kdt, vdt, rk, true, rv || lp_v, lse_err);
 }
 
-/* PKV_ATTN_BF16_DOT over fp8 e4m3 K or V where it applies (pkv__attn_lp_tiles: avx512-amx's tiles,
- * head_dim a multiple of 32): a tile unit's queries times scale are rounded to bf16 (K's codes
- * are bf16 exactly, their scales applied to the sums in f32), its first rows in 16s round their
- * weights times V's scales (TOL_BF16_DOT, as for a bf16 V; lp_v: a bf16 V beside an fp8 K); other
- * units compute as without the flag: check_item_tiles. */
-static double check_item_fp8bf(const tpool *p, const tseq *s, uint32_t nqh, const pkv__attn_item *it,
-                               const pkv__attn_call *c, pkv_dtype kdt, pkv_dtype vdt, bool lp_v, double *lse_err) {
-    const bool rk = kdt == PKV_DTYPE_FP8_E4M3 && p->D % 32 == 0, rv = vdt == PKV_DTYPE_FP8_E4M3 && p->D % 32 == 0;
+/* The dtypes PKV_ATTN_BF16_DOT takes on avx512-amx's tiles alone: their values are bf16 exactly */
+static bool tiles_exact(pkv_dtype dt) {
+    return dt == PKV_DTYPE_FP8_E4M3 || dt == PKV_DTYPE_Q8_0 || dt == PKV_DTYPE_Q4_0;
+}
+
+/* PKV_ATTN_BF16_DOT over fp8 e4m3, q8_0 or q4_0 K or V where it applies (pkv__attn_lp_tiles:
+ * avx512-amx's tiles, head_dim a multiple of 32): a tile unit's queries times scale are rounded
+ * to bf16 (K's codes or integers are bf16 exactly, their scales applied to the sums in f32), its
+ * first rows in 16s round their weights times V's scales (TOL_BF16_DOT, as for a bf16 V; lp_v: a
+ * bf16 V beside such a K); other units compute as without the flag: check_item_tiles. used: the
+ * flag applies (else every unit computes as without it, q8_0 and q4_0 K on int8 queries). */
+static double check_item_qbf(const tpool *p, const tseq *s, uint32_t nqh, const pkv__attn_item *it,
+                             const pkv__attn_call *c, pkv_dtype kdt, pkv_dtype vdt, bool used, bool lp_v,
+                             double *lse_err) {
+    const bool rk = used && tiles_exact(kdt) && p->D % 32 == 0, rv = used && tiles_exact(vdt) && p->D % 32 == 0;
     return check_item_tiles(p, s, nqh, it, c, kdt, vdt, rk, false, rv || lp_v, lse_err);
 }
 
@@ -714,7 +734,7 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         const double e = o->f16bf && pkv__attn_f16bf(at, kdt, vdt, D, D)
                              ? check_item_f16bf(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_v, worst_lse)
                          : o->fp8bf && pkv__attn_lp_tiles(at, kdt, vdt, D, D)
-                             ? check_item_fp8bf(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_v, worst_lse)
+                             ? check_item_qbf(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, true, lp_v, worst_lse)
                              : check_item_lp(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_k, lp_v, worst_lse);
         if (!(e <= *worst)) {
             *worst = e;
@@ -1072,26 +1092,21 @@ static void test_f16_as_bf16(void **state) {
     assert_true(worst_lse <= TOL_LSE);
 }
 
-/* PKV_ATTN_BF16_DOT over fp8 e4m3 K or V (check_item_fp8bf): decode and extends of under and
- * over 16 rows a kv head, head_dims that are and are not a multiple of 32, fp8 beside the other
- * dtypes. Where neither K nor V is bf16 (whose row path the flag changes too) the bits are those
- * of the call without it wherever pkv__attn_lp_tiles says it does not apply (every backend but
- * avx512-amx), for a head_dim not a multiple of 32, and where every item has fewer than 16 rows
- * a kv head; on avx512-amx some cases must differ (the tiles ran). */
-static void test_fp8_bf16_dot(void **state) {
-    const backend_case *bc = *state;
-    need_backend(bc->name);
-    g_rng = 0xf8bf;
-    static const uint32_t dims[] = {64, 128, 32, 96, 80, 40};
-    static const pkv_dtype kv[][2] = {{PKV_DTYPE_FP8_E4M3, PKV_DTYPE_FP8_E4M3}, {PKV_DTYPE_FP8_E4M3, PKV_DTYPE_F32},
-                                      {PKV_DTYPE_F32, PKV_DTYPE_FP8_E4M3},      {PKV_DTYPE_FP8_E4M3, PKV_DTYPE_F16},
-                                      {PKV_DTYPE_FP8_E4M3, PKV_DTYPE_BF16},     {PKV_DTYPE_BF16, PKV_DTYPE_FP8_E4M3}};
+/* PKV_ATTN_BF16_DOT over fp8 e4m3, q8_0 or q4_0 K or V (check_item_qbf): decode and extends of
+ * under and over 16 rows a kv head, head_dims that are and (fp8) are not a multiple of 32, each
+ * beside the other dtypes. Where neither K nor V is bf16 (whose row path the flag changes too)
+ * the bits are those of the call without it wherever pkv__attn_lp_tiles says it does not apply
+ * (every backend but avx512-amx), for a head_dim not a multiple of 32, and where every item has
+ * fewer than 16 rows a kv head; on avx512-amx some cases must differ (the tiles ran). */
+static void run_q_bf16_dot(const backend_case *bc, uint64_t seed, const uint32_t *dims, size_t n_dims,
+                           const pkv_dtype (*kv)[2], size_t n_kv) {
+    g_rng = seed;
     static const uint32_t heads[][2] = {{1, 1}, {8, 8}, {32, 8}, {8, 1}, {32, 2}};
     double worst = 0, worst_lse = 0;
     uint32_t n_used = 0, n_differ = 0, n_cases = 0;
-    for (size_t di = 0; di < sizeof dims / sizeof *dims; di++)
+    for (size_t di = 0; di < n_dims; di++)
         for (size_t hi = 0; hi < sizeof heads / sizeof *heads; hi++)
-            for (size_t ti = 0; ti < sizeof kv / sizeof *kv; ti++) {
+            for (size_t ti = 0; ti < n_kv; ti++) {
                 const uint32_t D = dims[di], nqh = heads[hi][0], H = heads[hi][1], G = nqh / H;
                 const pkv_dtype kdt = kv[ti][0], vdt = kv[ti][1];
                 lp_world w;
@@ -1099,9 +1114,9 @@ static void test_fp8_bf16_dot(void **state) {
                 pkv__attn *at = w.at;
                 const bool used = pkv__attn_lp_tiles(at, kdt, vdt, D, D);
                 const bool lp_k = pkv__attn_lp(at, kdt), lp_v = pkv__attn_lp_v(at, vdt);
-                /* the flag's fp8 kernels are the tiles' alone: no row path changes for fp8 */
-                assert_false(kdt == PKV_DTYPE_FP8_E4M3 && lp_k);
-                assert_false(vdt == PKV_DTYPE_FP8_E4M3 && lp_v);
+                /* the flag's kernels of these dtypes are the tiles' alone: no row path changes */
+                assert_false(tiles_exact(kdt) && lp_k);
+                assert_false(tiles_exact(vdt) && lp_v);
                 n_used += used && !lp_k && !lp_v, n_cases++;
                 pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
                 for (uint32_t i = 0; i < w.n_seqs; i++) {
@@ -1123,12 +1138,11 @@ static void test_fp8_bf16_dot(void **state) {
                 for (uint32_t i = 0; i < w.n_seqs; i++) {
                     const pkv__attn_item *it = &w.items[i];
                     differs |= memcmp(w.plain[i], it->out, sizeof(float) * it->n_q * nqh * D) != 0;
-                    /* a bf16 K rounds its queries in every unit (check_item_lp), an fp8 V beside it
-                       its weights in the tiles' (in the tolerance, as a bf16 V's) */
-                    const bool rv = used && vdt == PKV_DTYPE_FP8_E4M3 && D % 32 == 0;
+                    /* a bf16 K rounds its queries in every unit (check_item_lp), a V of these dtypes
+                       beside it its weights in the tiles' (in the tolerance, as a bf16 V's) */
+                    const bool rv = used && tiles_exact(vdt) && D % 32 == 0;
                     const double e =
-                        used && !lp_k
-                            ? check_item_fp8bf(&w.p, &w.seqs[i], nqh, it, &call, kdt, vdt, lp_v, &worst_lse)
+                        !lp_k ? check_item_qbf(&w.p, &w.seqs[i], nqh, it, &call, kdt, vdt, used, lp_v, &worst_lse)
                             : check_item_lp(&w.p, &w.seqs[i], nqh, it, &call, kdt, vdt, lp_k, lp_v || rv, &worst_lse);
                     if (e > 1.0)
                         print_message("  fail: %s D=%u q/kv=%u/%u B=%u K=%s V=%s len=%u q_pos0=%u n_q=%u thr=%u: err %.3g\n",
@@ -1144,11 +1158,34 @@ static void test_fp8_bf16_dot(void **state) {
                 }
                 lp_world_free(&w);
             }
-    print_message("  %s: the flag applied to fp8 alone in %u of %u cases and changed the results of %u; max err %.3g "
+    print_message("  %s: the flag applied to these dtypes alone in %u of %u cases and changed the results of %u; max err %.3g "
                   "of the tolerance, lse err %.3g\n", bc->name, n_used, n_cases, n_differ, worst, worst_lse);
     if (n_used) assert_true(n_differ > 0);
     assert_true(worst <= 1.0);
     assert_true(worst_lse <= TOL_LSE);
+}
+
+static void test_fp8_bf16_dot(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    static const uint32_t dims[] = {64, 128, 32, 96, 80, 40};
+    static const pkv_dtype kv[][2] = {{PKV_DTYPE_FP8_E4M3, PKV_DTYPE_FP8_E4M3}, {PKV_DTYPE_FP8_E4M3, PKV_DTYPE_F32},
+                                      {PKV_DTYPE_F32, PKV_DTYPE_FP8_E4M3},      {PKV_DTYPE_FP8_E4M3, PKV_DTYPE_F16},
+                                      {PKV_DTYPE_FP8_E4M3, PKV_DTYPE_BF16},     {PKV_DTYPE_BF16, PKV_DTYPE_FP8_E4M3}};
+    run_q_bf16_dot(bc, 0xf8bf, dims, sizeof dims / sizeof *dims, kv, sizeof kv / sizeof *kv);
+}
+
+/* q8_0 and q4_0 (head_dim a multiple of 32 always), beside each other and the other dtypes; the
+ * row path's units score int8 queries (check_item_tiles' exact reference) */
+static void test_q_bf16_dot(void **state) {
+    const backend_case *bc = *state;
+    need_backend(bc->name);
+    static const uint32_t dims[] = {64, 128, 32, 96, 256};
+    static const pkv_dtype kv[][2] = {{PKV_DTYPE_Q8_0, PKV_DTYPE_Q8_0}, {PKV_DTYPE_Q4_0, PKV_DTYPE_Q4_0},
+                                      {PKV_DTYPE_Q8_0, PKV_DTYPE_F16},  {PKV_DTYPE_F32, PKV_DTYPE_Q4_0},
+                                      {PKV_DTYPE_Q4_0, PKV_DTYPE_Q8_0}, {PKV_DTYPE_Q8_0, PKV_DTYPE_BF16},
+                                      {PKV_DTYPE_BF16, PKV_DTYPE_Q8_0}, {PKV_DTYPE_FP8_E4M3, PKV_DTYPE_Q4_0}};
+    run_q_bf16_dot(bc, 0x98bf, dims, sizeof dims / sizeof *dims, kv, sizeof kv / sizeof *kv);
 }
 
 /* The oracles of a rounding flag (base: bf16_dot or f16bf set), prefill: plain, soft-cap with a
@@ -1942,6 +1979,9 @@ int main(void) {
         PER_BACKEND(test_fp8_bf16_dot),
         cmocka_unit_test_prestate(test_fp8_bf16_dot, &g_amx),
         cmocka_unit_test_prestate(test_fp8_bf16_dot, &g_amx_emu),
+        PER_BACKEND(test_q_bf16_dot),
+        cmocka_unit_test_prestate(test_q_bf16_dot, &g_amx),
+        cmocka_unit_test_prestate(test_q_bf16_dot, &g_amx_emu),
         cmocka_unit_test_prestate(test_oracle_fp8_bf16_dot, &g_amx),
         cmocka_unit_test_prestate(test_oracle_fp8_bf16_dot, &g_amx_emu),
         cmocka_unit_test_prestate(test_f16_as_bf16, &g_amx),

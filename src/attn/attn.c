@@ -1355,10 +1355,14 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     const uint32_t rows_h = w.nq * w.gs, rows = w.n_kvh * rows_h;
     pkv_assert(rows <= ROWS_MAX);
+    const bool tpath =
+        at->tpath && rows_h >= PKV__ATTN_T_MIN_ROWS && kt->score_t[kv->k_dtype] && kt->accum_t[kv->v_dtype];
+    const pkv__attn_prep_fn prep =
+        tpath && kt->prep_q_t[kv->k_dtype] ? kt->prep_q_t[kv->k_dtype] : kt->prep_q[kv->k_dtype];
     for (uint32_t j = 0; j < w.n_kvh; j++)
         for (uint32_t qi = 0; qi < w.nq; qi++) {
             const float *q = it->q + ((size_t)(w.qa + qi) * nqh + (size_t)(w.kvh0 + j) * G + w.g0) * D;
-            kt->prep_q[kv->k_dtype](q, D, w.gs, D, call->scale, qp + (size_t)(j * rows_h + qi * w.gs) * qrow);
+            prep(q, D, w.gs, D, call->scale, qp + (size_t)(j * rows_h + qi * w.gs) * qrow);
         }
     for (uint32_t r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
     memset(acc, 0, (size_t)rows * Dv * sizeof(float));
@@ -1379,8 +1383,6 @@ static void run_unit(void *ctx, uint32_t u, uint32_t tid) {
 
     const pkv__attn_score_fn score = kt->score[kv->k_dtype];
     const pkv__attn_accum_fn accum = kt->accum[kv->v_dtype];
-    const bool tpath =
-        at->tpath && rows_h >= PKV__ATTN_T_MIN_ROWS && kt->score_t[kv->k_dtype] && kt->accum_t[kv->v_dtype];
     if (tpath) {
         unit_blocks_t(at, &w, &sc, b0, b1, k_lo, k_hi, pos_first, lo_last);
     } else if (pass_on(at)) {

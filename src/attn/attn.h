@@ -628,6 +628,9 @@ typedef struct pkv__attn_kernels {
      * values): lane r of pair i at qt + i * rp holds row r's values 2 i and 2 i + 1, pairs
      * i < (head_dim + 1) / 2; else qt is f32 [head_dim][rp] */
     bool qt_pairs[PKV_DTYPE_COUNT];
+    /* by k_dtype: the prep_q of units that run the transposed path, where it differs from the
+     * row path's (AMX's q8_0 and q4_0 K: plain f32 rows for qt_round, not int8); NULL: prep_q */
+    pkv__attn_prep_fn prep_q_t[PKV_DTYPE_COUNT];
     /* by k_dtype, where head_dim is a multiple of 32 and qt_pairs is not set: score_t takes qt as
      * qt_pairs' layout of the prepared f32 rows rounded to bf16 (nearest even), which the driver
      * writes; elsewhere qt is f32 as above (pkv__attn_qt_round) */

@@ -516,9 +516,7 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
 #endif
     pkv__attn_limits lim = {.max_items = share_items(c), .max_blocks_per_seq = c->max_bps,
                             .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B,
-                            .amx = cfg.k_dtype == PKV_DTYPE_BF16 || cfg.v_dtype == PKV_DTYPE_BF16 ||
-                                   cfg.k_dtype == PKV_DTYPE_F16 || cfg.v_dtype == PKV_DTYPE_F16 ||
-                                   cfg.k_dtype == PKV_DTYPE_FP8_E4M3 || cfg.v_dtype == PKV_DTYPE_FP8_E4M3,
+                            .amx = cfg.k_dtype != PKV_DTYPE_F32 || cfg.v_dtype != PKV_DTYPE_F32,
                             .exec = cfg.executor, .log = cfg.log, .log_ctx = cfg.log_ctx};
     c->attn_alloc = (pkv_allocator){.alloc = attn_shim_alloc, .free = attn_shim_free, .ctx = c};
     rc = pkv__attn_create(&c->attn_alloc, cfg.n_threads, &lim, &c->attn);

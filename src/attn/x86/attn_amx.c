@@ -117,8 +117,10 @@ static inline __attribute__((always_inline)) void score_keys(const uint32_t *qp,
 }
 
 /* The K and V dtypes of the tiles: bf16 from the pool, f16 taken as bf16
- * (PKV_ATTN_F16_AS_BF16), fp8 e4m3 codes (PKV_ATTN_BF16_DOT), whose values are bf16 exactly. */
-enum kv_kind { KV_BF16, KV_F16, KV_FP8 };
+ * (PKV_ATTN_F16_AS_BF16), and in calls with PKV_ATTN_BF16_DOT fp8 e4m3 codes and q8_0 / q4_0
+ * integers, whose values are bf16 exactly (their scales applied in f32). */
+enum kv_kind { KV_BF16, KV_F16, KV_FP8, KV_Q8, KV_Q4 };
+#define KV_GROUPED(kind) ((kind) == KV_Q8 || (kind) == KV_Q4) /* a scale per 32 values */
 
 /* f16 K and V taken as bf16: 16 f16 values at p widened, and two such
  * vectors rounded to bf16, nearest even, by vcvtne2ps2bf16 (AVX512_BF16, which every AMX CPU
@@ -133,8 +135,27 @@ static inline __attribute__((always_inline)) __m512 f16_widen(const uint8_t *p) 
 static inline __attribute__((always_inline)) __m512 fp8_widen(const uint8_t *p) {
     return _mm512_cvtph_ps(pkv__e4m3_f16x16(p));
 }
-/* a 16-bit K or V row's 32 values from column d on, or an fp8 row's (past its scale), widened */
+/* q8_0 and q4_0 rows: groups of 32 values, each an f16 scale and 32 int8 (34 bytes) or 16 bytes
+ * of nibbles (18 bytes; value j in qs[j]'s low nibble, j + 16 in its high one: quant.h). The
+ * integers of group g, its values 16 h .. 16 h + 15 (h 0 or 1), as floats (int8, or the nibble
+ * minus 8: exact), and the group's scale. */
+static inline __attribute__((always_inline)) __m512 q_widen(const uint8_t *row, uint32_t g, uint32_t h,
+                                                              const int kind) {
+    if (kind == KV_Q8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(row + 34 * (size_t)g + 2 + 16 * h))));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(row + 18 * (size_t)g + 2)));
+    const __m512i nib = h ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(15));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(nib, _mm512_set1_epi32(8)));
+}
+static inline float q_scale(const uint8_t *row, uint32_t g, const int kind) {
+    uint16_t h;
+    memcpy(&h, row + (kind == KV_Q8 ? 34 : 18) * (size_t)g, sizeof h);
+    return _cvtsh_ss(h);
+}
+/* a K or V row's 16 values from column d on (a multiple of 16), widened: f16, fp8 (past its
+ * scale), q8_0 / q4_0 (their integers) */
 static inline __attribute__((always_inline)) __m512 kv_widen(const uint8_t *row, uint32_t d, const int kind) {
+    if (KV_GROUPED(kind)) return q_widen(row, d / 32, d / 16 % 2, kind);
     return kind == KV_FP8 ? fp8_widen(row + PKV_FP8_ROW_HEADER + d) : f16_widen(row + 2 * (size_t)d);
 }
 /* an fp8 row's scale times 2^8: what its codes' values above leave out */
@@ -223,6 +244,92 @@ static void score_t_amx_f16(const float *qt, uint32_t rp, const uint8_t *k, size
     score_t_tiles(qt, rp, k, krb, n_keys, D, s, kbuf, pf, KV_F16);
 }
 
+/* q8_0 / q4_0 K: 16 keys' integers as bf16 rows (kb, stride kbs) against query rows [0, 16 n)
+ * of qp, a group of 32 columns at a time: C = A_g . B_g through cb, then s[key][row] = (g 0) or
+ * += (later groups) the key's scale of group g times C, for the nk keys of the chunk (s + t ss) */
+static inline __attribute__((always_inline)) void score_q_chunk(const uint32_t *qp, uint32_t rp, const uint8_t *kb,
+                                                                    size_t kbs, uint32_t NG, const float (*dk)[16],
+                                                                    float *s, size_t ss, uint32_t nk, const uint32_t n,
+                                                                    float *cb) {
+    const size_t bqs = (size_t)rp * 4;
+    for (uint32_t g = 0; g < NG; g++) {
+        if (n > 0) C_ZERO(0);
+        if (n > 1) C_ZERO(1);
+        if (n > 2) C_ZERO(2);
+        if (n > 3) C_ZERO(3);
+        TILE_LOAD(4, kb + 64 * (size_t)g, kbs);
+        const uint8_t *bq = (const uint8_t *)(qp + (size_t)16 * g * rp);
+        if (n > 0) SCORE_DP(0);
+        if (n > 1) SCORE_DP(1);
+        if (n > 2) SCORE_DP(2);
+        if (n > 3) SCORE_DP(3);
+        if (n > 0) TILE_STORE(0, cb, 64);
+        if (n > 1) TILE_STORE(1, cb + 256, 64);
+        if (n > 2) TILE_STORE(2, cb + 512, 64);
+        if (n > 3) TILE_STORE(3, cb + 768, 64);
+        TILE_FENCE(); /* cb written by the tiles */
+        for (uint32_t j = 0; j < n; j++)
+            for (uint32_t t = 0; t < nk; t++) {
+                float *st = s + t * ss + 16 * j;
+                const __m512 x = _mm512_mul_ps(_mm512_load_ps(cb + 256 * j + 16 * t), _mm512_set1_ps(dk[g][t]));
+                _mm512_storeu_ps(st, g ? _mm512_add_ps(_mm512_loadu_ps(st), x) : x);
+            }
+        TILE_FENCE(); /* cb read before the next group's tile stores */
+    }
+}
+
+/* score_t of q8_0 / q4_0 K (PKV_ATTN_BF16_DOT): each 16 keys' integers into kb as bf16 rows (exact;
+ * rows past the last key 0) and their scales into dk, then score_q_chunk over 64 query rows at a
+ * time. qt as the driver's qt_round pairs of the f32 rows (prep_q_t); head_dim a multiple of 32
+ * (every q8_0 / q4_0 row is), rp of 16. The sums of a group are exact products added in f32,
+ * each then times the key's scale: no rounding of K. */
+static inline __attribute__((always_inline)) void score_t_q(const float *qt, uint32_t rp, const uint8_t *k, size_t krb,
+                                                              uint32_t n_keys, uint32_t D, float *s, float *kbuf,
+                                                              pkv__attn_pf *pf, const int kind) {
+    const uint32_t *qp = (const uint32_t *)(const void *)qt, NG = D / 32;
+    uint8_t *kb = (uint8_t *)kbuf; /* 16 rows of D bf16 */
+    float dk[1024 / 32][16];
+    float cb[4 * 256] __attribute__((aligned(64)));
+    pkv__attn_pf_start(pf, (n_keys + 15) / 16);
+    for (uint32_t t0 = 0; t0 < n_keys; t0 += 16) {
+        const uint32_t nk = PKV_MIN(16u, n_keys - t0);
+        for (uint32_t t = 0; t < 16; t++) {
+            uint8_t *dst = kb + (size_t)t * 2 * D;
+            if (t >= nk) {
+                memset(dst, 0, (size_t)2 * D);
+                continue;
+            }
+            const uint8_t *src = k + (t0 + t) * krb;
+            for (uint32_t g = 0; g < NG; g++) {
+                _mm512_storeu_si512((void *)(dst + 64 * g),
+                                    bf16_pack(q_widen(src, g, 0, kind), q_widen(src, g, 1, kind)));
+                dk[g][t] = q_scale(src, g, kind);
+            }
+        }
+        TILE_FENCE(); /* kb's rows written */
+        float *st = s + (size_t)t0 * rp;
+        uint32_t n0 = 0;
+        for (; n0 + 64 <= rp; n0 += 64) score_q_chunk(qp + n0, rp, kb, (size_t)2 * D, NG, dk, st + n0, rp, nk, 4, cb);
+        switch ((rp - n0) / 16) {
+        case 3: score_q_chunk(qp + n0, rp, kb, (size_t)2 * D, NG, dk, st + n0, rp, nk, 3, cb); break;
+        case 2: score_q_chunk(qp + n0, rp, kb, (size_t)2 * D, NG, dk, st + n0, rp, nk, 2, cb); break;
+        case 1: score_q_chunk(qp + n0, rp, kb, (size_t)2 * D, NG, dk, st + n0, rp, nk, 1, cb); break;
+        default: break;
+        }
+        TILE_FENCE(); /* kb read by the tiles before the next chunk's rows */
+        pkv__attn_pf_step(pf);
+    }
+    pkv__attn_pf_finish(pf);
+}
+static void score_t_amx_q8(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                           float *s, float *kbuf, pkv__attn_pf *pf) {
+    score_t_q(qt, rp, k, krb, n_keys, D, s, kbuf, pf, KV_Q8);
+}
+static void score_t_amx_q4(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
+                           float *s, float *kbuf, pkv__attn_pf *pf) {
+    score_t_q(qt, rp, k, krb, n_keys, D, s, kbuf, pf, KV_Q4);
+}
+
 /* fp8 K (PKV_ATTN_BF16_DOT); head_dim not a multiple of 32: the f32 kernel's, as score_t_amx_f16 */
 static void score_t_amx_fp8(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
                             float *s, float *kbuf, pkv__attn_pf *pf) {
@@ -287,10 +394,51 @@ static inline __attribute__((always_inline)) void weights_a(const float *p, uint
     }
 }
 
+/* q8_0 / q4_0 V in f32 (accum_t's contract; the rows a tile unit leaves past a multiple of 16):
+ * each key's group of 32 values decoded (integer times scale: exact in f32) and added in with
+ * each row's weight */
+static inline __attribute__((always_inline)) void accum_q_f32(const float *p, uint32_t rp, uint32_t n_rows,
+                                                                const uint8_t *v, size_t vrb, uint32_t n_keys,
+                                                                uint32_t D, float *acc, pkv__attn_pf *pf,
+                                                                const int kind) {
+    pkv__attn_pf_start(pf, n_keys);
+    for (uint32_t t = 0; t < n_keys; t++) {
+        const uint8_t *row = v + t * vrb;
+        for (uint32_t g = 0; g < D / 32; g++) {
+            const __m512 sc = _mm512_set1_ps(q_scale(row, g, kind));
+            const __m512 lo = _mm512_mul_ps(q_widen(row, g, 0, kind), sc), hi = _mm512_mul_ps(q_widen(row, g, 1, kind), sc);
+            for (uint32_t r = 0; r < n_rows; r++) {
+                const __m512 w = _mm512_set1_ps(p[(size_t)t * rp + r]);
+                float *a = acc + (size_t)r * D + 32 * g;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(w, lo, _mm512_loadu_ps(a)));
+                _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(w, hi, _mm512_loadu_ps(a + 16)));
+            }
+        }
+        pkv__attn_pf_step(pf);
+    }
+    pkv__attn_pf_finish(pf);
+}
+static void accum_t_q8_f32(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                           uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    (void)vbuf;
+    accum_q_f32(p, rp, n_rows, v, vrb, n_keys, D, acc, pf, KV_Q8);
+}
+static void accum_t_q4_f32(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb, uint32_t n_keys,
+                           uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    (void)vbuf;
+    accum_q_f32(p, rp, n_rows, v, vrb, n_keys, D, acc, pf, KV_Q4);
+}
+
 /* The kernel of the shapes the tiles do not cover: vdpbf16ps for bf16 V (the same rounding of
- * its inputs), the f32 ones for f16 and fp8 V (none), acc in each one's order */
+ * its inputs), the f32 ones for the others (none), acc in each one's order */
 static inline pkv__attn_accum_t_fn accum_fallback(const int kind) {
-    return kind == KV_F16 ? pkv__attn_accum_t_f16_x512 : kind == KV_FP8 ? pkv__attn_accum_t_fp8_x512 : pkv__attn_accum_t_bf16dp;
+    switch (kind) {
+    case KV_F16: return pkv__attn_accum_t_f16_x512;
+    case KV_FP8: return pkv__attn_accum_t_fp8_x512;
+    case KV_Q8: return accum_t_q8_f32;
+    case KV_Q4: return accum_t_q4_f32;
+    default: return pkv__attn_accum_t_bf16dp;
+    }
 }
 
 #define ACC_B(j, vxk, c)                                                                                        \
@@ -298,6 +446,56 @@ static inline pkv__attn_accum_t_fn accum_fallback(const int kind) {
         TILE_LOAD(7, (vxk) + 64 * (c), vxs);                                                                    \
         TILE_DP(j, 6, 7);                                                                                       \
     } while (0)
+
+/* accum_runs' tiles for q8_0 / q4_0 V (vx: the keys' integers in column pairs, as for f16): a
+ * group's 32 columns take the weights times each key's scale of that group, so each group has A
+ * tiles of its own (pq, made for the two groups of 4 C tiles at a time, 16 rows at a time). */
+static inline __attribute__((always_inline)) void accum_groups(const float *p, uint32_t rp, uint32_t rows16,
+                                                                 const uint8_t *const *row, uint32_t n_keys,
+                                                                 uint32_t n_kc, uint32_t D, float *acc,
+                                                                 const uint8_t *vx, const int kind) {
+    const uint32_t NG = D / 32;
+    const size_t vxs = (size_t)NG * 128, as = (size_t)D * 4;
+    float wq[1024 / 32][PKV__ATTN_T_RUN_KEYS]; /* [group][key]: the keys' scales */
+    for (uint32_t t = 0; t < n_keys; t++)
+        for (uint32_t g = 0; g < NG; g++) wq[g][t] = q_scale(row[t], g, kind);
+    uint32_t pq[2][(PKV__ATTN_T_RUN_KEYS + 31) / 32][16 * 16] __attribute__((aligned(64)));
+    for (uint32_t r0 = 0; r0 < rows16; r0 += 16) {
+        float *ar = acc + (size_t)r0 * D;
+        for (uint32_t c = 0; c < 2 * NG; c += 4) { /* groups c / 2 and (4 tiles) c / 2 + 1 */
+            const bool four = c + 4 <= 2 * NG;
+            TILE_FENCE(); /* pq's last A tiles loaded before it is written again */
+            for (uint32_t gi = 0; gi < (four ? 2u : 1u); gi++)
+                for (uint32_t kc = 0; kc < n_kc; kc++)
+                    weights_a(p + (size_t)32 * kc * rp + r0, rp, PKV_MIN(32u, n_keys - 32 * kc),
+                              wq[c / 2 + gi] + 32 * kc, pq[gi][kc]);
+            TILE_FENCE(); /* pq written */
+            TILE_LOAD(0, ar + 16 * c, as);
+            TILE_LOAD(1, ar + 16 * (c + 1), as);
+            if (four) {
+                TILE_LOAD(2, ar + 16 * (c + 2), as);
+                TILE_LOAD(3, ar + 16 * (c + 3), as);
+            }
+            for (uint32_t kc = 0; kc < n_kc; kc++) {
+                const uint8_t *vxk = vx + (size_t)16 * kc * vxs;
+                TILE_LOAD(6, pq[0][kc], 64);
+                ACC_B(0, vxk, c);
+                ACC_B(1, vxk, c + 1);
+                if (four) {
+                    TILE_LOAD(6, pq[1][kc], 64);
+                    ACC_B(2, vxk, c + 2);
+                    ACC_B(3, vxk, c + 3);
+                }
+            }
+            TILE_STORE(0, ar + 16 * c, as);
+            TILE_STORE(1, ar + 16 * (c + 1), as);
+            if (four) {
+                TILE_STORE(2, ar + 16 * (c + 2), as);
+                TILE_STORE(3, ar + 16 * (c + 3), as);
+            }
+        }
+    }
+}
 
 /* accum over the keys of runs (n[i] V rows at v[i]), their weights p[t * rp + r] in the runs'
  * order, up to PKV__ATTN_T_RUN_KEYS keys: every pair of keys interleaved into vx once (vbuf:
@@ -325,8 +523,9 @@ static inline __attribute__((always_inline)) void accum_runs(const float *p, uin
     /* [key chunk][16 rows]: A tiles (rows <= T_ROWS_PAD, 64) */
     uint32_t pa[(PKV__ATTN_T_RUN_KEYS + 31) / 32][4][16 * 16] __attribute__((aligned(64)));
     pkv__attn_pf_start(pf, n_keys);
-    /* the weights first: their stores reach L1 while V is interleaved, before the tile loads */
-    for (uint32_t kc = 0; kc < n_kc; kc++)
+    /* the weights first: their stores reach L1 while V is interleaved, before the tile loads
+       (q8_0, q4_0: a group's own, below) */
+    for (uint32_t kc = 0; kc < n_kc && !KV_GROUPED(kind); kc++)
         for (uint32_t r0 = 0; r0 < rows16; r0 += 16)
             weights_a(p + (size_t)32 * kc * rp + r0, rp, PKV_MIN(32u, n_keys - 32 * kc),
                       kind == KV_FP8 ? ws + 32 * kc : NULL, pa[kc][r0 / 16]);
@@ -354,6 +553,10 @@ static inline __attribute__((always_inline)) void accum_runs(const float *p, uin
         if (two) pkv__attn_pf_step(pf);
     }
     TILE_FENCE();
+    if (KV_GROUPED(kind)) {
+        accum_groups(p, rp, rows16, row, n_keys, n_kc, D, acc, vx, kind);
+        goto tail;
+    }
     for (uint32_t r0 = 0; r0 < rows16; r0 += 16) {
         float *ar = acc + (size_t)r0 * D;
         uint32_t c = 0;
@@ -384,6 +587,7 @@ static inline __attribute__((always_inline)) void accum_runs(const float *p, uin
             TILE_STORE(0, ar + 16 * c, as);
         }
     }
+tail:
     pkv__attn_pf_finish(pf);
     TILE_FENCE();
     const float *pt = p + rows16; /* the last rows, a run at a time */
@@ -447,6 +651,22 @@ static void accum_tn_amx_fp8(const float *p, uint32_t rp, uint32_t n_rows, const
                              uint32_t n_runs, size_t vrb, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
     accum_tn_tiles(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf, KV_FP8);
 }
+static void accum_t_amx_q8(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                           uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    accum_t_tiles(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf, KV_Q8);
+}
+static void accum_tn_amx_q8(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
+                            uint32_t n_runs, size_t vrb, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    accum_tn_tiles(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf, KV_Q8);
+}
+static void accum_t_amx_q4(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t vrb,
+                           uint32_t n_keys, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    accum_t_tiles(p, rp, n_rows, v, vrb, n_keys, D, acc, vbuf, pf, KV_Q4);
+}
+static void accum_tn_amx_q4(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *const *v, const uint32_t *n,
+                            uint32_t n_runs, size_t vrb, uint32_t D, float *acc, float *vbuf, pkv__attn_pf *pf) {
+    accum_tn_tiles(p, rp, n_rows, v, n, n_runs, vrb, D, acc, vbuf, pf, KV_Q4);
+}
 
 /* PKV_ATTN_BF16_DOT's table (attn.h: lp_fill): bf16 K and V by vdpbf16ps (pkv__attn_lp_fill_bf16dp)
  * and on tiles, and fp8 e4m3 K and V on tiles (their codes exact as bf16, the queries rounded by
@@ -460,9 +680,19 @@ void PKV__AMX_LP_FILL(pkv__attn_kernels *kt) {
     kt->accum_t[PKV_DTYPE_FP8_E4M3] = accum_t_amx_fp8;
     kt->accum_tn[PKV_DTYPE_FP8_E4M3] = accum_tn_amx_fp8;
     kt->qt_round[PKV_DTYPE_FP8_E4M3] = true;
+    /* q8_0 and q4_0, whose row path takes int8 queries: the tile units' prepared rows are f32
+       (the f32 K's prep), rounded to bf16 by the driver */
+    kt->score_t[PKV_DTYPE_Q8_0] = score_t_amx_q8;
+    kt->accum_t[PKV_DTYPE_Q8_0] = accum_t_amx_q8;
+    kt->accum_tn[PKV_DTYPE_Q8_0] = accum_tn_amx_q8;
+    kt->score_t[PKV_DTYPE_Q4_0] = score_t_amx_q4;
+    kt->accum_t[PKV_DTYPE_Q4_0] = accum_t_amx_q4;
+    kt->accum_tn[PKV_DTYPE_Q4_0] = accum_tn_amx_q4;
+    kt->prep_q_t[PKV_DTYPE_Q8_0] = kt->prep_q_t[PKV_DTYPE_Q4_0] = kt->prep_q[PKV_DTYPE_F32];
+    kt->qt_round[PKV_DTYPE_Q8_0] = kt->qt_round[PKV_DTYPE_Q4_0] = true;
     kt->t_enter = amx_enter;
     kt->t_leave = amx_leave;
-    kt->t_dtypes |= 1u << PKV_DTYPE_BF16 | 1u << PKV_DTYPE_FP8_E4M3;
+    kt->t_dtypes |= 1u << PKV_DTYPE_BF16 | 1u << PKV_DTYPE_FP8_E4M3 | 1u << PKV_DTYPE_Q8_0 | 1u << PKV_DTYPE_Q4_0;
 }
 
 /* PKV_ATTN_F16_AS_BF16's table (attn.h: f16_fill), over the backend's or lp_fill's: f16 K and V
