@@ -796,8 +796,8 @@ typedef struct pkv_attn_params {
  *   gets anyway.
  * - bf16 V: each softmax weight is rounded to bf16 for p.V (their sum, and so the log-sum-exp,
  *   is not), so an output moves by up to 2^-8 of the largest |V| it averages.
- * Decode and prefill alike. Elsewhere (other dtypes but fp8 e4m3 on "avx512-amx", below; other
- * backends, PKV_FORCE_REF) the flag changes nothing. On backend "avx512-amx" (pkv_attn_backend) prefill's units of 16 query rows a
+ * Decode and prefill alike. Elsewhere (other dtypes but fp8 e4m3, q8_0 and q4_0 on "avx512-amx",
+ * below; other backends, PKV_FORCE_REF) the flag changes nothing. On backend "avx512-amx" (pkv_attn_backend) prefill's units of 16 query rows a
  * kv head and more take bf16 K and V through AMX tiles, their inputs rounded as above (sums in
  * another order: not the same bits as avx512-vnni's): a 2,048-token
  * bf16 prompt (32 query heads, 8 kv heads, head_dim 128) took 0.42-0.46x the time of the
@@ -807,16 +807,19 @@ typedef struct pkv_attn_params {
  * Head dims and V dims that are not a multiple of 32, and units of fewer than 16 query rows a kv
  * head (decode of fewer than 16 query heads a kv head, decode read in pool order, short
  * extends), keep vdpbf16ps.
- * - fp8 e4m3 K and V, on "avx512-amx" alone and in those units alone (head_dim a multiple of 32
- *   for K, v_dim for V; the row path and other backends compute as without the flag): an e4m3
- *   code's value is a bf16 value exactly, so the tiles take the codes as they are and apply each
- *   row's scale in f32, to a key's sums (K) or to the weights of a V row before they are rounded.
- *   fp8 K then scores as bf16 K does (the queries times scale rounded to bf16), and fp8 V's
- *   weights times the row's scale are rounded as bf16 V's weights are, for the unit's rows in
- *   16s (the last rows past a multiple of 16 keep f32). A 2,048-token fp8 prompt (32 query
- *   heads, 8 kv heads, head_dim 128) took 0.41x the time of the flag's absence at 1 thread on
- *   an Intel Xeon with AMX (family 6 model 167 as reported, pkv bench attn --dtype fp8_e4m3
- *   --bf16-dot). */
+ * - fp8 e4m3, q8_0 and q4_0 K and V, on "avx512-amx" alone and in those units alone (head_dim a
+ *   multiple of 32 for K, v_dim for V; the row path and other backends compute as without the
+ *   flag): an e4m3 code's value, a q8_0 int8 and a q4_0 nibble minus 8 are bf16 values exactly,
+ *   so the tiles take them as they are and apply the scales in f32: fp8's row scale, q8_0's and
+ *   q4_0's scale of each 32 values, to a key's sums of those values (K) or to the weights of a V
+ *   row (of its 32 values) before they are rounded. Such K then scores as bf16 K does (the
+ *   queries times scale rounded to bf16; where the row path gives q8_0 and q4_0 K queries
+ *   quantized to int8 per 32, as ggml does, the tiles give them these), and such V's weights
+ *   times the scales are rounded as bf16 V's weights are, for the unit's rows in 16s (the last
+ *   rows past a multiple of 16 keep f32). A 2,048-token prompt (32 query heads, 8 kv heads,
+ *   head_dim 128) took 0.41x (fp8), 0.57x (q8_0) and 0.59x (q4_0) the time of the flag's
+ *   absence at 1 thread on an Intel Xeon with AMX (family 6 model 167 as reported, pkv bench attn
+ *   --dtype fp8_e4m3,q8_0,q4_0 --bf16-dot). */
 enum { PKV_ATTN_BF16_DOT = 1u };
 /* pkv_attn_params.flags. PKV_ATTN_F16_AS_BF16: allows f16 K and V to be computed as bf16 where
  * the backend multiplies bf16 much faster than f32: backend "avx512-amx" (pkv_attn_backend, AMX
@@ -1025,11 +1028,10 @@ PKV_NODISCARD PKV_API int pkv_attn_merge(uint32_t n_rows, uint32_t head_dim, con
 /* Which kernel family attention uses: "ref", "avx2", "avx2-vnni" (avx2 with the q8_0 / q4_0
  * score on AVX-VNNI: Intel cores without AVX-512 from Alder Lake and Sierra Forest on),
  * "avx512", "avx512-vnni" (avx512 with the q8_0 / q4_0 score on VNNI), "avx512-amx" (avx512-vnni
- * whose calls with PKV_ATTN_BF16_DOT run bf16 and fp8 e4m3 K and V, and with
+ * whose calls with PKV_ATTN_BF16_DOT run bf16, fp8 e4m3, q8_0 and q4_0 K and V, and with
  * PKV_ATTN_F16_AS_BF16 f16 K and V, on AMX tiles where a kv head has 16 query rows or more, as
  * prefill does: Intel Xeons from Sapphire Rapids on, 64-bit Linux; detection takes it for a
- * cache whose K or V is bf16, f16 or fp8 e4m3 only (not f32, q8_0 or q4_0, which it serves as
- * avx512-vnni), and creating such a cache asks the kernel
+ * cache whose K or V is of any dtype but f32 (an f32 cache it serves as avx512-vnni), and creating such a cache asks the kernel
  * once a process for its AMX state, arch_prctl ARCH_REQ_XCOMP_PERM, which makes signal frames
  * 8 KiB larger; where the kernel refuses, detection picks avx512-vnni), "neon", "neon-dotprod" (chosen
  * once at creation from CPU detection; PKV_FORCE_REF=1 in the environment forces "ref" (so does
@@ -1040,9 +1042,9 @@ PKV_API const char *pkv_attn_backend(const pkv_cache *c);
 
 /* Of the PKV_ATTN_* flags, those that change how this cache's attention computes (a call may
  * pass any of them; the others change nothing here): PKV_ATTN_BF16_DOT where K or V is bf16 and
- * the backend has bf16 dot products, or where K (V) is fp8 e4m3 with head_dim (v_dim) a
- * multiple of 32, the other of a dtype the transposed path takes, and the backend has bf16
- * tiles ("avx512-amx"); PKV_ATTN_F16_AS_BF16 where K (V) is f16 with head_dim (v_dim)
+ * the backend has bf16 dot products, or where K (V) is fp8 e4m3, q8_0 or q4_0 with head_dim
+ * (v_dim) a multiple of 32, the other of a dtype the transposed path takes, and the backend has
+ * bf16 tiles ("avx512-amx"); PKV_ATTN_F16_AS_BF16 where K (V) is f16 with head_dim (v_dim)
  * a multiple of 32, the other of a dtype the transposed path takes (f32, f16, bf16, fp8_e4m3: not
  * q8_0 or q4_0), and the backend has bf16 tiles ("avx512-amx"). 0 for NULL. */
 PKV_API uint32_t pkv_attn_flags_used(const pkv_cache *c);

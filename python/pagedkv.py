@@ -731,7 +731,7 @@ class Cache:
     @_in_call
     def bf16_dot_used(self):
         """Whether bf16_dot=True changes this cache's attention (pkv_attn_flags_used): bf16 K or V
-        and a backend with bf16 dot products, or fp8 e4m3 K or V and one with bf16 tiles
+        and a backend with bf16 dot products, or fp8 e4m3, q8_0 or q4_0 K or V and one with bf16 tiles
         ("avx512-amx")."""
         return bool(_lib.pkv_attn_flags_used(self._h()) & ATTN_BF16_DOT)
 
@@ -1356,8 +1356,8 @@ class Cache:
         C-contiguous arrays of those sizes, to be written in place of new ones (out may be q
         itself when q is such an array, except on an MLA cache whose v_dim is not head_dim).
         bf16_dot: allow bf16 arithmetic with bf16 K/V (PKV_ATTN_BF16_DOT: queries and softmax
-        weights rounded to bf16 where the CPU has bf16 dot products; with fp8 e4m3 K/V the same
-        on avx512-amx's tiles, in units of 16 query rows a kv head and more; bf16_dot_used says
+        weights rounded to bf16 where the CPU has bf16 dot products; with fp8 e4m3, q8_0 and q4_0
+        K/V the same on avx512-amx's tiles, in units of 16 query rows a kv head and more; bf16_dot_used says
         whether it does here). f16_as_bf16: allow f16 K/V to be computed as bf16 (PKV_ATTN_F16_AS_BF16:
         f16 K and the queries, f16 V and the softmax weights, rounded to bf16 where the backend
         has bf16 tiles, in units of 16 query rows a kv head and more; f16_as_bf16_used says

@@ -524,44 +524,49 @@ static void test_api_f16_as_bf16(void **state) {
     pkv_cache_destroy(c);
 }
 
-/* PKV_ATTN_BF16_DOT over an fp8 e4m3 cache through the API: the automatic backend is the one an
- * f16 cache gets (avx512-amx where the CPU has AMX), which says it takes the flag
+/* PKV_ATTN_BF16_DOT over fp8 e4m3, q8_0 and q4_0 caches through the API: the automatic backend
+ * is the one an f16 cache gets (avx512-amx where the CPU has AMX), which says it takes the flag
  * (pkv_attn_flags_used) exactly there; a decode (4 rows a kv head: the row path) gives the same
  * bits with it, and a prefill of 16 queries (64 rows a kv head: the tiles) differs exactly where
  * it is used, within 2^-7 of max |V| of the reference over the pool's values and the queries
- * times scale rounded to bf16 (fp8 codes are bf16 exactly). */
+ * times scale rounded to bf16 (fp8 codes and q8_0 / q4_0 integers are bf16 exactly). */
 static void test_api_fp8_bf16_dot(void **state) {
     (void)state;
     static host_seq s;
     pkv_cache *c = make_cache(PKV_DTYPE_F16, 1, 0);
     const bool amx = !strcmp(pkv_attn_backend(c), "avx512-amx");
     pkv_cache_destroy(c);
-    c = make_cache(PKV_DTYPE_FP8_E4M3, 2, 0);
-    assert_true(!strcmp(pkv_attn_backend(c), "avx512-amx") == amx);
-    seq_new(c, PKV_DTYPE_FP8_E4M3, &s, 200, 0);
-    assert_int_equal(pkv_attn_flags_used(c), amx ? PKV_ATTN_BF16_DOT : 0u);
-    pkv_attn_params p = pkv_attn_params_default();
-    p.n_q_heads = NQH;
-    static float q[16 * NQH * D], plain[16 * NQH * D], out[16 * NQH * D], qr[16 * NQH * D];
-    for (size_t i = 0; i < sizeof q / sizeof *q; i++) q[i] = 2.0f * rnd();
-    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, plain, &p), PKV_OK);
-    p.flags = PKV_ATTN_BF16_DOT;
-    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_OK);
-    assert_memory_equal(plain, out, sizeof(float) * NQH * D);
-    const pkv_attn_req r = {s.id, 180, 16};
-    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_OK);
-    p.flags = 0;
-    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, plain, &p), PKV_OK);
-    assert_true((memcmp(plain, out, sizeof out) != 0) == amx);
-    check_tol(&s, 0, q, plain, NULL, 180, 16, &p, TOL);
-    if (amx) {
-        const float scale = 1.0f / sqrtf((float)D);
-        for (size_t i = 0; i < sizeof q / sizeof *q; i++) qr[i] = tu_bf16(q[i] * scale);
-        pkv_attn_params pr = p;
-        pr.scale = 1.0f;
-        check_tol(&s, 0, qr, out, NULL, 180, 16, &pr, 1.0 / 128.0);
+    static const pkv_dtype dts[] = {PKV_DTYPE_FP8_E4M3, PKV_DTYPE_Q8_0, PKV_DTYPE_Q4_0};
+    for (size_t di = 0; di < sizeof dts / sizeof *dts; di++) {
+        const pkv_dtype dt = dts[di];
+        c = make_cache(dt, 2, 0);
+        assert_true(!strcmp(pkv_attn_backend(c), "avx512-amx") == amx);
+        seq_new(c, dt, &s, 200, 0);
+        assert_int_equal(pkv_attn_flags_used(c), amx ? PKV_ATTN_BF16_DOT : 0u);
+        pkv_attn_params p = pkv_attn_params_default();
+        p.n_q_heads = NQH;
+        static float q[16 * NQH * D], plain[16 * NQH * D], out[16 * NQH * D], qr[16 * NQH * D];
+        for (size_t i = 0; i < sizeof q / sizeof *q; i++) q[i] = 2.0f * rnd();
+        assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, plain, &p), PKV_OK);
+        p.flags = PKV_ATTN_BF16_DOT;
+        assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_OK);
+        assert_memory_equal(plain, out, sizeof(float) * NQH * D);
+        const pkv_attn_req r = {s.id, 180, 16};
+        assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_OK);
+        p.flags = 0;
+        assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, plain, &p), PKV_OK);
+        assert_true((memcmp(plain, out, sizeof out) != 0) == amx);
+        const double tol_plain = dt == PKV_DTYPE_FP8_E4M3 ? TOL : 2e-2; /* q8_0, q4_0: int8 queries */
+        check_tol(&s, 0, q, plain, NULL, 180, 16, &p, tol_plain);
+        if (amx) {
+            const float scale = 1.0f / sqrtf((float)D);
+            for (size_t i = 0; i < sizeof q / sizeof *q; i++) qr[i] = tu_bf16(q[i] * scale);
+            pkv_attn_params pr = p;
+            pr.scale = 1.0f;
+            check_tol(&s, 0, qr, out, NULL, 180, 16, &pr, 1.0 / 128.0);
+        }
+        pkv_cache_destroy(c);
     }
-    pkv_cache_destroy(c);
 }
 
 /* Appends n tokens to dst holding src's K/V of positions [from, from + n) in every layer (the

@@ -156,19 +156,20 @@ static void ref_rows(const world *w, uint32_t i, uint32_t l, const float *q, uin
 }
 
 /* Whether the call's flag rounds this world's inputs to bf16: the bf16 flag with bf16 K/V, or
- * with fp8 K/V and the f16 one where the cache's backend takes them (pkv_attn_flags_used:
- * avx512-amx) */
+ * with fp8, q8_0 or q4_0 K/V and the f16 one where the cache's backend takes them
+ * (pkv_attn_flags_used: avx512-amx) */
 static bool lp_world(const world *w) {
     return ((w->ex.flags & PKV_ATTN_BF16_DOT) && w->dt == PKV_DTYPE_BF16) ||
-           ((w->ex.flags & PKV_ATTN_BF16_DOT) && w->dt == PKV_DTYPE_FP8_E4M3 &&
+           ((w->ex.flags & PKV_ATTN_BF16_DOT) && w->dt != PKV_DTYPE_F32 && w->dt != PKV_DTYPE_F16 &&
             (pkv_attn_flags_used(w->c[0]) & PKV_ATTN_BF16_DOT)) ||
            ((w->ex.flags & PKV_ATTN_F16_AS_BF16) && (pkv_attn_flags_used(w->c[0]) & PKV_ATTN_F16_AS_BF16));
 }
 
-/* The tolerance against the reference: q8_0 and q4_0 score int8 queries; the flags round queries
- * and weights to bf16, the f16 one K and V too (pkv.h) */
+/* The tolerance against the reference: q8_0 and q4_0 score int8 queries (so do their units of
+ * the row path under the bf16 flag); the flags round queries and weights to bf16, the f16 one K
+ * and V too (pkv.h) */
 static double ref_tol(const world *w) {
-    return lp_world(w) ? 1.0 / 64.0 : tol_of(w->dt);
+    return lp_world(w) ? fmax(1.0 / 64.0, tol_of(w->dt)) : tol_of(w->dt);
 }
 
 /* Under emulation (scripts/test-arm64.sh sets PKV_ATTN_TEST_MAX_LEN, as for test_attn) the
@@ -392,7 +393,7 @@ static void test_mla_oracle(void **state) {
  * heads on one kv head (split into sub-groups of 64 rows), 2 kv heads, 4 query heads at head_dim
  * 576 (the row path: its 16-bit runs in pieces where the way says so), head_dim 200 and v_dim 136
  * at 16 heads (the transposed path's parts of 64 columns end on parts of 8), soft-cap with a
- * window, chunks of 40 and sinks, the bf16 flag over bf16 and fp8 caches (non-causal prefill where there is no window); then after pkv_seq_compact (1) and pkv_seq_keep (2) on both
+ * window, chunks of 40 and sinks, the bf16 flag over bf16, fp8, q8_0 and q4_0 caches (non-causal prefill where there is no window); then after pkv_seq_compact (1) and pkv_seq_keep (2) on both
  * caches. */
 static void test_mla_shapes(void **state) {
     (void)state;
@@ -412,7 +413,7 @@ static void test_mla_shapes(void **state) {
                 for (int e = 0; e < 4; e++)
                     for (size_t t = 0; t < sizeof g_types / sizeof *g_types; t++) {
                         const pkv_dtype dt = g_types[t];
-                        if (e == 2 && dt != PKV_DTYPE_BF16 && dt != PKV_DTYPE_FP8_E4M3) continue;
+                        if (e == 2 && (dt == PKV_DTYPE_F32 || dt == PKV_DTYPE_F16)) continue;
                         if (e == 3 && dt != PKV_DTYPE_F16) continue;
                         if (s == 2 && dt != PKV_DTYPE_F16 && dt != PKV_DTYPE_BF16) continue;
                         if (!pkv_dtype_row_bytes(dt, shapes[s].Dv)) continue; /* q8_0 / q4_0 at v_dim 96 */

@@ -91,7 +91,7 @@ static void usage(FILE *f) {
             "              contiguous layout with the flag and without, calls interleaved (their ratio),\n"
             "              and the prefill without it after the flag's call (a line of its own, with\n"
             "              flag / without: on backend avx512-amx the flag's prefill runs on AMX tiles,\n"
-            "              with bf16 and with fp8_e4m3 K and V)\n"
+            "              with bf16, fp8_e4m3, q8_0 and q4_0 K and V)\n"
             "  --f16-as-bf16  every call with PKV_ATTN_F16_AS_BF16: f16 K and V taken as bf16 where the\n"
             "              backend has bf16 tiles (avx512-amx: prefill; pkv.h), reported as --bf16-dot's\n"
             "              flag is (both options: both flags)\n"

@@ -307,8 +307,8 @@ type TreeReq struct {
 
 // AttnParams: NQHeads 0 means n_kv_heads, Scale 0 means 1/sqrt(head_dim), Softcap and Window
 // 0 mean off. BF16Dot is PKV_ATTN_BF16_DOT: with bf16 K/V, queries and softmax weights rounded
-// to bf16 and multiplied by bf16 dot products where the CPU has them; with fp8 e4m3 K/V the
-// same on avx512-amx's tiles, in units of 16 query rows a kv head and more (Cache.BF16DotUsed).
+// to bf16 and multiplied by bf16 dot products where the CPU has them; with fp8 e4m3, q8_0 and
+// q4_0 K/V the same on avx512-amx's tiles, in units of 16 query rows a kv head and more (Cache.BF16DotUsed).
 //
 // Sinks, if not nil, are attention-sink logits (gpt-oss; pkv_attn_params.sinks), one per query
 // head: exactly n_q_heads of them (n_kv_heads where NQHeads is 0), else EINVAL before libpkv is
@@ -690,8 +690,8 @@ func (c *Cache) Backend() string {
 }
 
 // BF16DotUsed says whether AttnParams.BF16Dot changes this cache's attention
-// (pkv_attn_flags_used): bf16 K or V and a backend with bf16 dot products, or fp8 e4m3 K or V
-// and one with bf16 tiles ("avx512-amx").
+// (pkv_attn_flags_used): bf16 K or V and a backend with bf16 dot products, or fp8 e4m3, q8_0 or
+// q4_0 K or V and one with bf16 tiles ("avx512-amx").
 func (c *Cache) BF16DotUsed() bool {
 	p, g, err := c.enter(readSeqs)
 	if err != nil {

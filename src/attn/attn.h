@@ -103,7 +103,7 @@ typedef struct pkv__attn_limits {
     uint32_t max_items;          /* items per pkv__attn_run call */
     uint32_t max_blocks_per_seq;
     uint32_t n_kv_heads, head_dim, block_tokens;
-    /* K or V is bf16, f16 or fp8 e4m3 (the dtypes the AMX tables serve: PKV_ATTN_BF16_DOT,
+    /* K or V is not f32 (the dtypes the AMX tables serve: PKV_ATTN_BF16_DOT,
        PKV_ATTN_F16_AS_BF16): automatic selection takes "avx512-amx" where the CPU has AMX, asking
        Linux for the tile state then and only then */
     bool amx;

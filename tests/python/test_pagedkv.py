@@ -373,13 +373,17 @@ class TestAttention(Base):
                 self.assertLessEqual(err, bound, "f16_as_bf16 prefill, position %d (%s)" % (start + j, c.backend))
 
     def test_fp8_bf16_dot(self):
-        # bf16_dot=True over an fp8 e4m3 cache: taken where the backend is avx512-amx (its tiles:
-        # the codes are bf16 exactly, the queries times scale and the weights rounded to bf16);
-        # a decode (8 rows a kv head) gives the same bits, a prefill of 40 positions (160 rows a
-        # kv head) differs exactly where it is taken and is within 2^-7 of max |V| of the
-        # reference over the pool's values and the rounded queries
-        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=64, k_dtype="fp8_e4m3", v_dtype="fp8_e4m3",
-                       n_threads=2) as c:
+        # bf16_dot=True over fp8 e4m3, q8_0 and q4_0 caches: taken where the backend is avx512-amx
+        # (its tiles: codes and integers are bf16 exactly, the queries times scale and the weights
+        # rounded to bf16); a decode (8 rows a kv head) gives the same bits, a prefill of 40
+        # positions (160 rows a kv head) differs exactly where it is taken and is then within
+        # 2^-7 of max |V| of the reference over the pool's values and the rounded queries
+        for dt in ("fp8_e4m3", "q8_0", "q4_0"):
+            with self.subTest(dtype=dt):
+                self.check_bf16_dot_tiles(dt)
+
+    def check_bf16_dot_tiles(self, dt):
+        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=64, k_dtype=dt, v_dtype=dt, n_threads=2) as c:
             Hq, D = 8, 64
             s = c.seq_create()
             for _ in range(0, 208, 16):
@@ -399,8 +403,10 @@ class TestAttention(Base):
             for j in range(n):
                 want, _ = ref_attn(qpr[j], K[:start + j + 1], V[:start + j + 1], 1.0)
                 err = float(np.abs(outp[j].astype(np.float64) - want).max())
+                if not used and dt != "fp8_e4m3":
+                    continue  # q8_0 and q4_0 score int8 queries without the flag (test_attn.c)
                 bound = 2.0 ** -7 * float(np.abs(V).max()) if used else 1e-5 * max(1.0, float(np.abs(want).max()))
-                self.assertLessEqual(err, bound, "bf16_dot fp8 prefill, position %d (%s)" % (start + j, c.backend))
+                self.assertLessEqual(err, bound, "bf16_dot %s prefill, position %d (%s)" % (dt, start + j, c.backend))
 
     def test_f32_pool_stores_input_exactly(self):
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=8, k_dtype="f32", v_dtype="f32", n_threads=1) as c:

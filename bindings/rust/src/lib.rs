@@ -425,8 +425,8 @@ pub struct AttnParams<'a> {
     /// Sliding window; 0 = off.
     pub window: u32,
     /// PKV_ATTN_BF16_DOT: with bf16 K/V, queries and softmax weights rounded to bf16 and
-    /// multiplied by bf16 dot products where the CPU has them; with fp8 e4m3 K/V the same on
-    /// avx512-amx's tiles, in units of 16 query rows a kv head and more (`Cache::bf16_dot_used`).
+    /// multiplied by bf16 dot products where the CPU has them; with fp8 e4m3, q8_0 and q4_0 K/V the
+    /// same on avx512-amx's tiles, in units of 16 query rows a kv head and more (`Cache::bf16_dot_used`).
     pub bf16_dot: bool,
     /// Attention-sink logits (gpt-oss; pkv_attn_params.sinks), one per query head: exactly
     /// n_q_heads of them (n_kv_heads where `n_q_heads` is 0), else `EINVAL` before libpkv is
@@ -938,7 +938,8 @@ impl Cache {
     }
 
     /// Whether `AttnParams::bf16_dot` changes this cache's attention (pkv_attn_flags_used): bf16
-    /// K or V and a backend with bf16 dot products, or fp8 e4m3 K or V and one with bf16 tiles
+    /// K or V and a backend with bf16 dot products, or fp8 e4m3, q8_0 or q4_0 K or V and one with bf16
+    /// tiles
     /// ("avx512-amx").
     pub fn bf16_dot_used(&self) -> bool {
         let used = unsafe { ffi::pkv_attn_flags_used(self.p()) };

@@ -4,7 +4,11 @@
  * weights to bf16, nearest even; products exact, sums in f32, in another order: not the same
  * bits), at the tiles' rate: one
  * tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 f32 sums, 16 times the
- * products of a 512-bit FMA (stop 86: 3.9 TFLOP/s a core against 0.25 for f32 FMAs).
+ * products of a 512-bit FMA (stop 86: 3.9 TFLOP/s a core against 0.25 for f32 FMAs). The same
+ * tiles take f16 K and V rounded to bf16 (PKV_ATTN_F16_AS_BF16), and with PKV_ATTN_BF16_DOT fp8
+ * e4m3, q8_0 and q4_0 K and V, whose codes and integers are bf16 exactly: their scales go on in
+ * f32 (fp8's per row on a key's scores or V row's weights; q8_0's and q4_0's per 32 values on
+ * each group's scores, score_q_chunk, or on each group's own weights, accum_groups).
  *
  * score_t: s[t * rp + r] = <K row t, query row r> is C[key][row] = A[key][d] . B[d][row]: A is
  * 16 K rows straight from the pool (a tile load with the row stride), B the queries as bf16
