@@ -1006,6 +1006,28 @@ static void lp_item(lp_world *w, uint32_t i, uint32_t pos0, uint32_t n_q, uint32
     w->plain[i] = malloc(sizeof(float) * n * D);
 }
 
+/* Items for every sequence of w: a decode, or (two in three) an extend of up to 64 queries or of
+ * under 16 rows a kv head (the row path) */
+static void lp_items_extend(lp_world *w, uint32_t nqh, uint32_t D, uint32_t G) {
+    for (uint32_t i = 0; i < w->n_seqs; i++) {
+        uint32_t n_q = 1, pos0 = w->lens[i] - 1;
+        if (rng_below(3)) {
+            const uint32_t cap = rng_below(4) ? 64 : 15 / G;
+            const uint32_t most_q = cap < w->lens[i] ? cap : w->lens[i];
+            n_q = most_q ? 1 + rng_below(most_q) : 1;
+            pos0 = rng_below(w->lens[i] - n_q + 1);
+        }
+        lp_item(w, i, pos0, n_q, nqh, D);
+    }
+}
+
+/* Runs w's items with call and keeps their outputs in plain (the call before a flag's, to compare bits) */
+static void lp_run_plain(lp_world *w, const pkv__attn_call *call, uint32_t nqh, uint32_t D) {
+    assert_int_equal(pkv__attn_run(w->at, &w->p.view, w->items, w->n_seqs, call), PKV_OK);
+    for (uint32_t i = 0; i < w->n_seqs; i++)
+        memcpy(w->plain[i], w->items[i].out, sizeof(float) * w->items[i].n_q * nqh * D);
+}
+
 static void lp_world_free(lp_world *w) {
     for (uint32_t i = 0; i < w->n_seqs; i++) {
         free((void *)w->items[i].q), free(w->items[i].out), free(w->items[i].lse), free(w->plain[i]);
@@ -1044,20 +1066,9 @@ static void test_f16_as_bf16(void **state) {
                 const bool lp_k = dot && pkv__attn_lp(at, kv[ti][0]), lp_v = dot && pkv__attn_lp_v(at, kv[ti][1]);
                 n_used += used, n_cases++;
                 pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
-                for (uint32_t i = 0; i < w.n_seqs; i++) {
-                    uint32_t n_q = 1, pos0 = w.lens[i] - 1;
-                    if (rng_below(3)) { /* an extend: under 16 rows a kv head (the row path) or more */
-                        const uint32_t cap = rng_below(4) ? 64 : 15 / G;
-                        const uint32_t most_q = cap < w.lens[i] ? cap : w.lens[i];
-                        n_q = most_q ? 1 + rng_below(most_q) : 1;
-                        pos0 = rng_below(w.lens[i] - n_q + 1);
-                    }
-                    lp_item(&w, i, pos0, n_q, nqh, D);
-                }
+                lp_items_extend(&w, nqh, D, G);
                 call.flags = dot ? PKV_ATTN_BF16_DOT : 0;
-                assert_int_equal(pkv__attn_run(at, &w.p.view, w.items, w.n_seqs, &call), PKV_OK);
-                for (uint32_t i = 0; i < w.n_seqs; i++)
-                    memcpy(w.plain[i], w.items[i].out, sizeof(float) * w.items[i].n_q * nqh * D);
+                lp_run_plain(&w, &call, nqh, D);
                 call.flags |= PKV_ATTN_F16_AS_BF16;
                 assert_int_equal(pkv__attn_run(at, &w.p.view, w.items, w.n_seqs, &call), PKV_OK);
                 bool differs = false;
@@ -1119,19 +1130,8 @@ static void run_q_bf16_dot(const backend_case *bc, uint64_t seed, const uint32_t
                 assert_false(tiles_exact(vdt) && lp_v);
                 n_used += used && !lp_k && !lp_v, n_cases++;
                 pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
-                for (uint32_t i = 0; i < w.n_seqs; i++) {
-                    uint32_t n_q = 1, pos0 = w.lens[i] - 1;
-                    if (rng_below(3)) { /* an extend: under 16 rows a kv head (the row path) or more */
-                        const uint32_t cap = rng_below(4) ? 64 : 15 / G;
-                        const uint32_t most_q = cap < w.lens[i] ? cap : w.lens[i];
-                        n_q = most_q ? 1 + rng_below(most_q) : 1;
-                        pos0 = rng_below(w.lens[i] - n_q + 1);
-                    }
-                    lp_item(&w, i, pos0, n_q, nqh, D);
-                }
-                assert_int_equal(pkv__attn_run(at, &w.p.view, w.items, w.n_seqs, &call), PKV_OK);
-                for (uint32_t i = 0; i < w.n_seqs; i++)
-                    memcpy(w.plain[i], w.items[i].out, sizeof(float) * w.items[i].n_q * nqh * D);
+                lp_items_extend(&w, nqh, D, G);
+                lp_run_plain(&w, &call, nqh, D);
                 call.flags = PKV_ATTN_BF16_DOT;
                 assert_int_equal(pkv__attn_run(at, &w.p.view, w.items, w.n_seqs, &call), PKV_OK);
                 bool differs = false;
@@ -1909,9 +1909,7 @@ static void test_bf16_dot(void **state) {
                     lp_item(&w, i, pos0, n_q, nqh, D);
                 }
                 /* without the flag first, to compare bits */
-                assert_int_equal(pkv__attn_run(at, &w.p.view, w.items, w.n_seqs, &call), PKV_OK);
-                for (uint32_t i = 0; i < w.n_seqs; i++)
-                    memcpy(w.plain[i], w.items[i].out, sizeof(float) * w.items[i].n_q * nqh * D);
+                lp_run_plain(&w, &call, nqh, D);
                 call.flags = PKV_ATTN_BF16_DOT;
                 assert_int_equal(pkv__attn_run(at, &w.p.view, w.items, w.n_seqs, &call), PKV_OK);
                 bool differs = false;

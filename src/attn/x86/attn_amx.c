@@ -84,17 +84,17 @@ static void amx_leave(void) { TILE_RELEASE(); }
 #define C_ZERO(j) TILE_ZERO(j)
 #define C_STORE(j, dst, stride) TILE_STORE(j, (dst) + 16 * (j), stride)
 
-/* One key chunk of 16 rows (ka, stride kas) against rows [n0, n0 + 16 n) of the queries: C[key]
- * [row] into s (stride ss bytes). */
-static inline __attribute__((always_inline)) void score_chunk(const uint32_t *qp, uint32_t rp, const uint8_t *ka,
-                                                                  size_t kas, uint32_t D, float *s, size_t ss,
-                                                                  const uint32_t n) {
+/* One key chunk of 16 rows (ka, stride kas) against rows [n0, n0 + 16 n) of the queries, over
+ * the groups [g0, g1) of 32 columns: C[key][row] into s (stride ss bytes). */
+static inline __attribute__((always_inline)) void score_chunk_g(const uint32_t *qp, uint32_t rp, const uint8_t *ka,
+                                                                    size_t kas, uint32_t g0, uint32_t g1, float *s,
+                                                                    size_t ss, const uint32_t n) {
     const size_t bqs = (size_t)rp * 4;
     if (n > 0) C_ZERO(0);
     if (n > 1) C_ZERO(1);
     if (n > 2) C_ZERO(2);
     if (n > 3) C_ZERO(3);
-    for (uint32_t g = 0; g < D / 32; g++) { /* 32 values of head_dim: 16 pairs */
+    for (uint32_t g = g0; g < g1; g++) { /* 32 values of head_dim: 16 pairs */
         TILE_LOAD(4, ka + 64 * (size_t)g, kas);
         const uint8_t *bq = (const uint8_t *)(qp + (size_t)16 * g * rp);
         if (n > 0) SCORE_DP(0);
@@ -106,6 +106,11 @@ static inline __attribute__((always_inline)) void score_chunk(const uint32_t *qp
     if (n > 1) C_STORE(1, s, ss);
     if (n > 2) C_STORE(2, s, ss);
     if (n > 3) C_STORE(3, s, ss);
+}
+static inline __attribute__((always_inline)) void score_chunk(const uint32_t *qp, uint32_t rp, const uint8_t *ka,
+                                                                  size_t kas, uint32_t D, float *s, size_t ss,
+                                                                  const uint32_t n) {
+    score_chunk_g(qp, rp, ka, kas, 0, D / 32, s, ss, n);
 }
 
 static inline __attribute__((always_inline)) void score_keys(const uint32_t *qp, uint32_t rp, const uint8_t *ka,
@@ -249,33 +254,20 @@ static void score_t_amx_f16(const float *qt, uint32_t rp, const uint8_t *k, size
 }
 
 /* q8_0 / q4_0 K: 16 keys' integers as bf16 rows (kb, stride kbs) against query rows [0, 16 n)
- * of qp, a group of 32 columns at a time: C = A_g . B_g through cb, then s[key][row] = (g 0) or
- * += (later groups) the key's scale of group g times C, for the nk keys of the chunk (s + t ss) */
+ * of qp, a group of 32 columns at a time: C = A_g . B_g into cb (C tile j at cb + 16 j: rows of
+ * 64 floats), then s[key][row] = (g 0) or += (later groups) the key's scale of group g times C,
+ * for the nk keys of the chunk (s + t ss) */
 static inline __attribute__((always_inline)) void score_q_chunk(const uint32_t *qp, uint32_t rp, const uint8_t *kb,
                                                                     size_t kbs, uint32_t NG, const float (*dk)[16],
                                                                     float *s, size_t ss, uint32_t nk, const uint32_t n,
                                                                     float *cb) {
-    const size_t bqs = (size_t)rp * 4;
     for (uint32_t g = 0; g < NG; g++) {
-        if (n > 0) C_ZERO(0);
-        if (n > 1) C_ZERO(1);
-        if (n > 2) C_ZERO(2);
-        if (n > 3) C_ZERO(3);
-        TILE_LOAD(4, kb + 64 * (size_t)g, kbs);
-        const uint8_t *bq = (const uint8_t *)(qp + (size_t)16 * g * rp);
-        if (n > 0) SCORE_DP(0);
-        if (n > 1) SCORE_DP(1);
-        if (n > 2) SCORE_DP(2);
-        if (n > 3) SCORE_DP(3);
-        if (n > 0) TILE_STORE(0, cb, 64);
-        if (n > 1) TILE_STORE(1, cb + 256, 64);
-        if (n > 2) TILE_STORE(2, cb + 512, 64);
-        if (n > 3) TILE_STORE(3, cb + 768, 64);
+        score_chunk_g(qp, rp, kb, kbs, g, g + 1, cb, 256, n);
         TILE_FENCE(); /* cb written by the tiles */
         for (uint32_t j = 0; j < n; j++)
             for (uint32_t t = 0; t < nk; t++) {
                 float *st = s + t * ss + 16 * j;
-                const __m512 x = _mm512_mul_ps(_mm512_load_ps(cb + 256 * j + 16 * t), _mm512_set1_ps(dk[g][t]));
+                const __m512 x = _mm512_mul_ps(_mm512_load_ps(cb + 64 * t + 16 * j), _mm512_set1_ps(dk[g][t]));
                 _mm512_storeu_ps(st, g ? _mm512_add_ps(_mm512_loadu_ps(st), x) : x);
             }
         TILE_FENCE(); /* cb read before the next group's tile stores */
