@@ -834,7 +834,8 @@ enum { PKV_ATTN_BF16_DOT = 1u };
  * 8 kv heads, head_dim 128) took 0.37-0.40x the time without the flag (pkv bench attn
  * --f16-as-bf16, stop 87). Elsewhere (other dtypes, other backends, units of fewer rows,
  * PKV_FORCE_REF) the flag changes nothing: the same bits as without it. Independent of
- * PKV_ATTN_BF16_DOT (bf16 K and V); a call may pass both. */
+ * PKV_ATTN_BF16_DOT (bf16 K and V); a call may pass both. f16 beside q8_0 or q4_0 goes through
+ * the tiles only in calls that pass both (PKV_ATTN_BF16_DOT takes such a pair there). */
 enum { PKV_ATTN_F16_AS_BF16 = 4u };
 /* pkv_attn_params.flags. PKV_ATTN_NONCAUSAL: each query of a pkv_attn_prefill request sees every
  * position its sequence holds, [0, length), whatever its own: an encoder's bidirectional
@@ -1045,8 +1046,9 @@ PKV_API const char *pkv_attn_backend(const pkv_cache *c);
  * the backend has bf16 dot products, or where K (V) is fp8 e4m3, q8_0 or q4_0 with head_dim
  * (v_dim) a multiple of 32, the other of a dtype the transposed path takes, and the backend has
  * bf16 tiles ("avx512-amx"); PKV_ATTN_F16_AS_BF16 where K (V) is f16 with head_dim (v_dim)
- * a multiple of 32, the other of a dtype the transposed path takes (f32, f16, bf16, fp8_e4m3: not
- * q8_0 or q4_0), and the backend has bf16 tiles ("avx512-amx"). 0 for NULL. */
+ * a multiple of 32, the other of a dtype the transposed path takes (f32, f16, bf16, fp8_e4m3, and
+ * q8_0 or q4_0 in calls that pass PKV_ATTN_BF16_DOT too), and the backend has bf16 tiles
+ * ("avx512-amx"). 0 for NULL. */
 PKV_API uint32_t pkv_attn_flags_used(const pkv_cache *c);
 
 /* ---- storage tiers ----------------------------------------------------------------------------

@@ -739,8 +739,8 @@ class Cache:
     @_in_call
     def f16_as_bf16_used(self):
         """Whether f16_as_bf16=True changes this cache's attention (pkv_attn_flags_used): f16 K
-        or V with head_dim (or v_dim) a multiple of 32, the other not q8_0 or q4_0, and a backend
-        with bf16 tiles ("avx512-amx")."""
+        or V with head_dim (or v_dim) a multiple of 32, the other q8_0 or q4_0 only where bf16_dot=True
+        is passed too, and a backend with bf16 tiles ("avx512-amx")."""
         return bool(_lib.pkv_attn_flags_used(self._h()) & ATTN_F16_AS_BF16)
 
     @_in_call

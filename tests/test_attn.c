@@ -531,7 +531,9 @@ typedef struct oracle_opts {
     int bf16_dot;          /* calls with PKV_ATTN_BF16_DOT, bf16 K (V bf16 or drawn): the reference takes
                               the queries rounded as the kernel does, the tolerance TOL_BF16_DOT more */
     int f16bf;             /* calls with PKV_ATTN_F16_AS_BF16, f16 K (V f16 or drawn): check_item_f16bf */
-    int fp8bf;             /* with bf16_dot: fp8 e4m3 K (V fp8 or drawn), check_item_fp8bf where the tiles apply */
+    int qbf;               /* with bf16_dot: K of dtype qbf_k (fp8 e4m3, q8_0, q4_0; V the same or drawn),
+                              check_item_qbf where the tiles apply */
+    pkv_dtype qbf_k;
 } oracle_opts;
 
 /* ALiBi slopes for nqh heads into a: one case in two the models' own, 2^(-8 (h + 1) / nqh); else
@@ -733,7 +735,7 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         const bool lp_k = o->bf16_dot && pkv__attn_lp(at, kdt), lp_v = o->bf16_dot && pkv__attn_lp_v(at, vdt);
         const double e = o->f16bf && pkv__attn_f16bf(at, kdt, vdt, D, D)
                              ? check_item_f16bf(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_v, worst_lse)
-                         : o->fp8bf && pkv__attn_lp_tiles(at, kdt, vdt, D, D)
+                         : o->qbf && pkv__attn_lp_tiles(at, kdt, vdt, D, D)
                              ? check_item_qbf(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, true, lp_v, worst_lse)
                              : check_item_lp(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_k, lp_v, worst_lse);
         if (!(e <= *worst)) {
@@ -763,10 +765,10 @@ static void run_oracle_dims(const char *backend, const oracle_opts *o, uint64_t 
     for (size_t ti = 0; ti < sizeof k_types / sizeof *k_types; ti++) {
         if (o->bf16_dot && k_types[ti] != PKV_DTYPE_BF16) continue;
         if (o->f16bf && k_types[ti] != PKV_DTYPE_F16) continue;
-        const pkv_dtype ktype = o->fp8bf ? PKV_DTYPE_FP8_E4M3 : k_types[ti]; /* fp8: once, in bf16's turn */
+        const pkv_dtype ktype = o->qbf ? o->qbf_k : k_types[ti]; /* qbf: once, in bf16's turn */
         double worst = 0, worst_lse = 0;
         for (size_t di = 0; di < n_dims; di++)
-            for (size_t hi = 0; hi < 4; hi++) {
+            for (size_t hi = 0; hi < 4 && pkv__row_bytes(ktype, dims[di]); hi++) { /* q8_0, q4_0: D % 32 */
                 const uint32_t nt = 1 + rng_below(3); /* 1..3 threads: 2 and 3 exercise key splits */
                 /* K and V of different types sometimes: the dispatch is per tensor */
                 pkv_dtype kdt = ktype, vdt = rng_below(4) ? kdt : k_types[rng_below(3)];
@@ -1048,9 +1050,12 @@ static void test_f16_as_bf16(void **state) {
     need_backend(bc->name);
     g_rng = 0xf16bf;
     static const uint32_t dims[] = {64, 128, 32, 96, 80, 40};
-    static const pkv_dtype kv[][2] = {{PKV_DTYPE_F16, PKV_DTYPE_F16}, {PKV_DTYPE_F16, PKV_DTYPE_F32},
-                                      {PKV_DTYPE_F32, PKV_DTYPE_F16}, {PKV_DTYPE_F16, PKV_DTYPE_BF16},
-                                      {PKV_DTYPE_BF16, PKV_DTYPE_F16}};
+    /* f16 beside q8_0 or q4_0: the transposed path takes such a pair only with PKV_ATTN_BF16_DOT
+       on avx512-amx (whose tiles then take the q8_0 / q4_0 side) */
+    static const pkv_dtype kv[][2] = {{PKV_DTYPE_F16, PKV_DTYPE_F16},  {PKV_DTYPE_F16, PKV_DTYPE_F32},
+                                      {PKV_DTYPE_F32, PKV_DTYPE_F16},  {PKV_DTYPE_F16, PKV_DTYPE_BF16},
+                                      {PKV_DTYPE_BF16, PKV_DTYPE_F16}, {PKV_DTYPE_F16, PKV_DTYPE_Q8_0},
+                                      {PKV_DTYPE_Q4_0, PKV_DTYPE_F16}};
     static const uint32_t heads[][2] = {{1, 1}, {8, 8}, {32, 8}, {8, 1}, {32, 2}};
     double worst = 0, worst_lse = 0;
     uint32_t n_used = 0, n_differ = 0, n_cases = 0;
@@ -1058,6 +1063,7 @@ static void test_f16_as_bf16(void **state) {
         for (size_t hi = 0; hi < sizeof heads / sizeof *heads; hi++)
             for (size_t ti = 0; ti < sizeof kv / sizeof *kv; ti++) {
                 const uint32_t D = dims[di], nqh = heads[hi][0], H = heads[hi][1], G = nqh / H;
+                if (!pkv__row_bytes(kv[ti][0], D) || !pkv__row_bytes(kv[ti][1], D)) continue; /* q8_0 / q4_0: D % 32 */
                 lp_world w;
                 lp_world_make(&w, bc->name, H, D, kv[ti][0], kv[ti][1]);
                 pkv__attn *at = w.at;
@@ -1076,13 +1082,20 @@ static void test_f16_as_bf16(void **state) {
                     const pkv__attn_item *it = &w.items[i];
                     differs |= memcmp(w.plain[i], it->out, sizeof(float) * it->n_q * nqh * D) != 0;
                     /* with BF16_DOT too, a bf16 K rounds its queries in every unit (check_item_lp), an
-                       f16 V beside it in the tiles' (in the tolerance, as a bf16 V's weights) */
-                    const bool rv = used && kv[ti][1] == PKV_DTYPE_F16 && D % 32 == 0;
+                       f16 V beside it in the tiles' (in the tolerance, as a bf16 V's weights); a q8_0
+                       or q4_0 K the tiles' queries, a q8_0 V their weights (check_item_tiles: the
+                       row path's int8 queries are its exact reference) */
+                    const pkv_dtype kd = kv[ti][0], vd = kv[ti][1];
+                    const bool rv = used && vd == PKV_DTYPE_F16 && D % 32 == 0;
+                    const bool qk = used && dot && tiles_exact(kd), qv = used && dot && tiles_exact(vd);
                     const double e =
-                        used && !lp_k
-                            ? check_item_f16bf(&w.p, &w.seqs[i], nqh, it, &call, kv[ti][0], kv[ti][1], lp_v, &worst_lse)
-                            : check_item_lp(&w.p, &w.seqs[i], nqh, it, &call, kv[ti][0], kv[ti][1], lp_k, lp_v || rv,
-                                            &worst_lse);
+                        used && !lp_k && !qk && !qv
+                            ? check_item_f16bf(&w.p, &w.seqs[i], nqh, it, &call, kd, vd, lp_v, &worst_lse)
+                        : tiles_exact(kd) || qv
+                            ? check_item_tiles(&w.p, &w.seqs[i], nqh, it, &call, kd, vd,
+                                               (qk || (used && kd == PKV_DTYPE_F16)) && D % 32 == 0,
+                                               kd == PKV_DTYPE_F16, rv || lp_v || qv, &worst_lse)
+                            : check_item_lp(&w.p, &w.seqs[i], nqh, it, &call, kd, vd, lp_k, lp_v || rv, &worst_lse);
                     if (e > 1.0)
                         print_message("  fail: %s D=%u q/kv=%u/%u B=%u K=%s V=%s len=%u q_pos0=%u n_q=%u thr=%u dot=%d: err %.3g\n",
                                       bc->name, D, nqh, H, w.B, pkv_dtype_name(kv[ti][0]), pkv_dtype_name(kv[ti][1]),
@@ -1212,13 +1225,17 @@ static void test_oracle_f16_as_bf16(void **state) {
     run_oracle_lp(bc->name, &o, 341);
 }
 
-/* PKV_ATTN_BF16_DOT over fp8 e4m3 K (V fp8 or drawn) with the driver's parameters, as
- * test_oracle_f16_as_bf16 for its flag */
-static void test_oracle_fp8_bf16_dot(void **state) {
+/* PKV_ATTN_BF16_DOT over fp8 e4m3, q8_0 and q4_0 K (V the same or drawn) with the driver's
+ * parameters, as test_oracle_f16_as_bf16 for its flag */
+static void test_oracle_quant_bf16_dot(void **state) {
     const backend_case *bc = *state;
     need_backend(bc->name);
-    const oracle_opts o = {.bf16_dot = 1, .fp8bf = 1};
+    oracle_opts o = {.bf16_dot = 1, .qbf = 1, .qbf_k = PKV_DTYPE_FP8_E4M3};
     run_oracle_lp(bc->name, &o, 351);
+    o.qbf_k = PKV_DTYPE_Q8_0; /* and the integer dtypes (the row path's units: int8 queries) */
+    run_oracle_lp(bc->name, &o, 361);
+    o.qbf_k = PKV_DTYPE_Q4_0;
+    run_oracle_lp(bc->name, &o, 371);
 }
 
 /* PKV_ATTN_BF16_DOT with every parameter the driver applies between score and accum (soft-cap,
@@ -1980,8 +1997,8 @@ int main(void) {
         PER_BACKEND(test_q_bf16_dot),
         cmocka_unit_test_prestate(test_q_bf16_dot, &g_amx),
         cmocka_unit_test_prestate(test_q_bf16_dot, &g_amx_emu),
-        cmocka_unit_test_prestate(test_oracle_fp8_bf16_dot, &g_amx),
-        cmocka_unit_test_prestate(test_oracle_fp8_bf16_dot, &g_amx_emu),
+        cmocka_unit_test_prestate(test_oracle_quant_bf16_dot, &g_amx),
+        cmocka_unit_test_prestate(test_oracle_quant_bf16_dot, &g_amx_emu),
         cmocka_unit_test_prestate(test_f16_as_bf16, &g_amx),
         cmocka_unit_test_prestate(test_f16_as_bf16, &g_amx_emu),
         cmocka_unit_test_prestate(test_oracle_f16_as_bf16, &g_amx),

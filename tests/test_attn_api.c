@@ -516,11 +516,29 @@ static void test_api_f16_as_bf16(void **state) {
         check_tol(&sr, 0, qr, out, NULL, 180, 16, &pr, 1.0 / 128.0);
     }
     pkv_cache_destroy(c);
-    /* f16 K beside a q8_0 V: the transposed path takes no such pair, so the flag changes nothing */
+    /* f16 K beside a q8_0 V: the transposed path takes such a pair only with PKV_ATTN_BF16_DOT on
+       avx512-amx, so there the flag changes the results of calls that pass both, and alone none */
     pkv_config cfg = api_config(PKV_DTYPE_F16, 1, 0);
     cfg.v_dtype = PKV_DTYPE_Q8_0;
     assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
-    assert_int_equal(pkv_attn_flags_used(c) & PKV_ATTN_F16_AS_BF16, 0u);
+    assert_int_equal(pkv_attn_flags_used(c), amx ? PKV_ATTN_BF16_DOT | PKV_ATTN_F16_AS_BF16 : 0u);
+    pkv_seq id;
+    assert_int_equal(pkv_seq_create(c, NULL, 0, &id), PKV_OK);
+    static int32_t tok[200], slots[200];
+    static float kin[200 * H * D], vin[200 * H * D];
+    for (uint32_t i = 0; i < 200; i++) tok[i] = (int32_t)i;
+    for (size_t i = 0; i < sizeof kin / sizeof *kin; i++) kin[i] = 2.0f * rnd(), vin[i] = rnd();
+    assert_int_equal(pkv_seq_append(c, id, tok, 200, slots), PKV_OK);
+    assert_int_equal(pkv_write_kv(c, 0, slots, 200, kin, vin, PKV_DTYPE_F32), PKV_OK);
+    const pkv_attn_req rq = {id, 180, 16};
+    static float o2[16 * NQH * D];
+    for (int dot = 0; dot < 2; dot++) {
+        p.flags = dot ? PKV_ATTN_BF16_DOT : 0;
+        assert_int_equal(pkv_attn_prefill(c, 0, &rq, 1, q, plain, &p), PKV_OK);
+        p.flags |= PKV_ATTN_F16_AS_BF16;
+        assert_int_equal(pkv_attn_prefill(c, 0, &rq, 1, q, o2, &p), PKV_OK);
+        assert_true((memcmp(plain, o2, sizeof o2) != 0) == (amx && dot));
+    }
     pkv_cache_destroy(c);
 }
 

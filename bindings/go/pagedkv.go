@@ -702,8 +702,8 @@ func (c *Cache) BF16DotUsed() bool {
 }
 
 // F16AsBF16Used says whether AttnParams.F16AsBF16 changes this cache's attention
-// (pkv_attn_flags_used): f16 K or V with head_dim (or v_dim) a multiple of 32, the other not q8_0
-// or q4_0, and a backend with bf16 tiles.
+// (pkv_attn_flags_used): f16 K or V with head_dim (or v_dim) a multiple of 32, the other q8_0 or
+// q4_0 only where BF16Dot is set too, and a backend with bf16 tiles.
 func (c *Cache) F16AsBF16Used() bool {
 	p, g, err := c.enter(readSeqs)
 	if err != nil {

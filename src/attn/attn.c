@@ -516,25 +516,27 @@ bool pkv__attn_lp_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {
             at->kt_tab[1].accum_t[v_dtype] != at->kt_tab[0].accum_t[v_dtype]);
 }
 
-/* Whether table kt_tab[tab]'s transposed primitives differ from the flagless table's for this K
+/* Whether table kt_tab[tab]'s transposed primitives differ from table kt_tab[base]'s for this K
  * and V at these dims */
-static bool t_differs(const pkv__attn *at, unsigned tab, pkv_dtype k_dtype, pkv_dtype v_dtype, uint32_t head_dim,
-                      uint32_t v_dim) {
+static bool t_differs(const pkv__attn *at, unsigned tab, unsigned base, pkv_dtype k_dtype, pkv_dtype v_dtype,
+                      uint32_t head_dim, uint32_t v_dim) {
     if (!at || (unsigned)k_dtype >= PKV_DTYPE_COUNT || (unsigned)v_dtype >= PKV_DTYPE_COUNT) return false;
-    const pkv__attn_kernels *f = &at->kt_tab[tab], *o = &at->kt_tab[0];
-    /* the transposed path runs a pair with both primitives (f16 K beside a q8_0 V, say, never);
-       the tiles take head_dim (K) or v_dim (V) in groups of 32, the f32 kernels the rest */
+    const pkv__attn_kernels *f = &at->kt_tab[tab], *o = &at->kt_tab[base];
+    /* the transposed path runs a pair with both primitives (f16 K beside a q8_0 V only in tables
+       with AMX's PKV_ATTN_BF16_DOT kernels); the tiles take head_dim (K) or v_dim (V) in groups
+       of 32, the f32 kernels the rest */
     return f->score_t[k_dtype] && f->accum_t[v_dtype] &&
            ((f->score_t[k_dtype] != o->score_t[k_dtype] && head_dim % 32 == 0) ||
             (f->accum_t[v_dtype] != o->accum_t[v_dtype] && v_dim % 32 == 0));
 }
 
 bool pkv__attn_f16bf(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype, uint32_t head_dim, uint32_t v_dim) {
-    return t_differs(at, 2, k_dtype, v_dtype, head_dim, v_dim);
+    /* alone (table 2 against 0), or beside PKV_ATTN_BF16_DOT (3 against 1) */
+    return t_differs(at, 2, 0, k_dtype, v_dtype, head_dim, v_dim) || t_differs(at, 3, 1, k_dtype, v_dtype, head_dim, v_dim);
 }
 
 bool pkv__attn_lp_tiles(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype, uint32_t head_dim, uint32_t v_dim) {
-    return t_differs(at, 1, k_dtype, v_dtype, head_dim, v_dim);
+    return t_differs(at, 1, 0, k_dtype, v_dtype, head_dim, v_dim);
 }
 
 bool pkv__attn_has_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype) {
@@ -1288,7 +1290,7 @@ static void unit_blocks_t(const pkv__attn *at, const unit *w, const scratch *sc,
        fallbacks take a block at a time anyway, and the groups would only change the softmax's
        steps: PKV_ATTN_F16_AS_BF16 changes no bit there) */
     const pkv__attn_accum_tn_fn accum_n = Dv % 32 ? NULL : kt->accum_tn[kv->v_dtype];
-    /* the transposed path's set-up, where this call's primitives have one (AMX: bf16, f16) and
+    /* the transposed path's set-up, where this call's primitives have one (AMX: bf16, f16, fp8, q8_0, q4_0) and
        some tile runs */
     const bool hooks = runs_tiles(at);
     if (hooks) kt->t_enter();

@@ -213,11 +213,12 @@ bool pkv__attn_lp_v(const pkv__attn *at, pkv_dtype v_dtype);
 /* The same for the transposed primitives (prefill tiles of 16 rows a kv head or more). */
 bool pkv__attn_lp_t(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype);
 /* Whether calls with PKV_ATTN_F16_AS_BF16 compute otherwise than those without for this K and V
- * dtype at these dims (the transposed primitives: f16 as bf16 on AMX tiles). */
+ * dtype at these dims (the transposed primitives: f16 as bf16 on AMX tiles), alone or beside
+ * PKV_ATTN_BF16_DOT (which alone takes f16 beside q8_0 or q4_0 to the transposed path). */
 bool pkv__attn_f16bf(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype, uint32_t head_dim, uint32_t v_dim);
 /* Whether calls with PKV_ATTN_BF16_DOT compute otherwise than those without in the transposed
- * primitives for this K and V dtype at these dims (bf16 where pkv__attn_lp_t; fp8 e4m3 on AMX
- * tiles, whose row path the flag leaves alone). */
+ * primitives for this K and V dtype at these dims (bf16 where pkv__attn_lp_t; fp8 e4m3, q8_0 and
+ * q4_0 on AMX tiles, whose row path the flag leaves alone). */
 bool pkv__attn_lp_tiles(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype, uint32_t head_dim, uint32_t v_dim);
 /* Whether the backend has transposed primitives for this pair (without them, such tiles take
  * the row path: NEON). */

@@ -347,7 +347,7 @@ class TestAttention(Base):
         # f16_as_bf16=True: where the cache says it takes it (avx512-amx), a prefill of 40 positions
         # (160 query rows a kv head: the tiles) is within 2^-7 of max |V| of the reference over
         # K and the queries times scale rounded to bf16 (pkv.h; test_attn.c has the bounds), and
-        # differs from the call without it; a decode (8 rows a kv head) gives the same bits
+        # differs from the call without it; a decode (4 rows a kv head) gives the same bits
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=64, k_dtype="f16", v_dtype="f16", n_threads=2) as c:
             Hq, D = 8, 64
             s = c.seq_create()
@@ -375,7 +375,7 @@ class TestAttention(Base):
     def test_fp8_bf16_dot(self):
         # bf16_dot=True over fp8 e4m3, q8_0 and q4_0 caches: taken where the backend is avx512-amx
         # (its tiles: codes and integers are bf16 exactly, the queries times scale and the weights
-        # rounded to bf16); a decode (8 rows a kv head) gives the same bits, a prefill of 40
+        # rounded to bf16); a decode (4 rows a kv head) gives the same bits, a prefill of 40
         # positions (160 rows a kv head) differs exactly where it is taken and is then within
         # 2^-7 of max |V| of the reference over the pool's values and the rounded queries
         for dt in ("fp8_e4m3", "q8_0", "q4_0"):

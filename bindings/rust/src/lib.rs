@@ -947,8 +947,8 @@ impl Cache {
     }
 
     /// Whether `AttnParams::f16_as_bf16` changes this cache's attention (pkv_attn_flags_used):
-    /// f16 K or V with head_dim (or v_dim) a multiple of 32, the other not q8_0 or q4_0, and a
-    /// backend with bf16 tiles.
+    /// f16 K or V with head_dim (or v_dim) a multiple of 32, the other q8_0 or q4_0 only where
+    /// `bf16_dot` is set too, and a backend with bf16 tiles.
     pub fn f16_as_bf16_used(&self) -> bool {
         let used = unsafe { ffi::pkv_attn_flags_used(self.p()) };
         used & ffi::PKV_ATTN_F16_AS_BF16 != 0

@@ -1,5 +1,5 @@
-/* attn_amx.c: the transposed primitives (attn.h: score_t, accum_t) for bf16 K and V by Intel AMX
- * tiles (AMX-BF16: Sapphire Rapids and later Xeons), in calls with PKV_ATTN_BF16_DOT: the
+/* attn_amx.c: the transposed primitives (attn.h: score_t, accum_t) for bf16 K and V (and the
+ * dtypes below) by Intel AMX tiles (AMX-BF16: Sapphire Rapids and later Xeons), in calls with PKV_ATTN_BF16_DOT: the
  * inputs rounded as by the vdpbf16ps kernels of attn_avx512.c (queries times scale and softmax
  * weights to bf16, nearest even; products exact, sums in f32, in another order: not the same
  * bits), at the tiles' rate: one
@@ -258,7 +258,7 @@ static void score_t_amx_f16(const float *qt, uint32_t rp, const uint8_t *k, size
  * 64 floats), then s[key][row] = (g 0) or += (later groups) the key's scale of group g times C,
  * for the nk keys of the chunk (s + t ss) */
 static inline __attribute__((always_inline)) void score_q_chunk(const uint32_t *qp, uint32_t rp, const uint8_t *kb,
-                                                                    size_t kbs, uint32_t NG, const float (*dk)[16],
+                                                                    size_t kbs, uint32_t NG, const float *dk,
                                                                     float *s, size_t ss, uint32_t nk, const uint32_t n,
                                                                     float *cb) {
     for (uint32_t g = 0; g < NG; g++) {
@@ -267,7 +267,7 @@ static inline __attribute__((always_inline)) void score_q_chunk(const uint32_t *
         for (uint32_t j = 0; j < n; j++)
             for (uint32_t t = 0; t < nk; t++) {
                 float *st = s + t * ss + 16 * j;
-                const __m512 x = _mm512_mul_ps(_mm512_load_ps(cb + 64 * t + 16 * j), _mm512_set1_ps(dk[g][t]));
+                const __m512 x = _mm512_mul_ps(_mm512_load_ps(cb + 64 * t + 16 * j), _mm512_set1_ps(dk[16 * g + t]));
                 _mm512_storeu_ps(st, g ? _mm512_add_ps(_mm512_loadu_ps(st), x) : x);
             }
         TILE_FENCE(); /* cb read before the next group's tile stores */
@@ -283,8 +283,8 @@ static inline __attribute__((always_inline)) void score_t_q(const float *qt, uin
                                                               uint32_t n_keys, uint32_t D, float *s, float *kbuf,
                                                               pkv__attn_pf *pf, const int kind) {
     const uint32_t *qp = (const uint32_t *)(const void *)qt, NG = D / 32;
-    uint8_t *kb = (uint8_t *)kbuf; /* 16 rows of D bf16 */
-    float dk[1024 / 32][16];
+    uint8_t *kb = (uint8_t *)kbuf; /* 16 rows of D bf16, then the keys' scales (kbuf: 64 D bytes) */
+    float *dk = (float *)(void *)(kb + (size_t)32 * D); /* [group][key]: 16 NG floats, 2 D bytes */
     float cb[4 * 256] __attribute__((aligned(64)));
     pkv__attn_pf_start(pf, (n_keys + 15) / 16);
     for (uint32_t t0 = 0; t0 < n_keys; t0 += 16) {
@@ -299,7 +299,7 @@ static inline __attribute__((always_inline)) void score_t_q(const float *qt, uin
             for (uint32_t g = 0; g < NG; g++) {
                 _mm512_storeu_si512((void *)(dst + 64 * g),
                                     bf16_pack(q_widen(src, g, 0, kind), q_widen(src, g, 1, kind)));
-                dk[g][t] = q_scale(src, g, kind);
+                dk[16 * g + t] = q_scale(src, g, kind);
             }
         }
         TILE_FENCE(); /* kb's rows written */
@@ -452,19 +452,19 @@ static inline __attribute__((always_inline)) void accum_groups(const float *p, u
                                                                  const uint8_t *vx, const int kind) {
     const uint32_t NG = D / 32;
     const size_t vxs = (size_t)NG * 128, as = (size_t)D * 4;
-    float wq[1024 / 32][PKV__ATTN_T_RUN_KEYS]; /* [group][key]: the keys' scales */
-    for (uint32_t t = 0; t < n_keys; t++)
-        for (uint32_t g = 0; g < NG; g++) wq[g][t] = q_scale(row[t], g, kind);
+    float wq[2][PKV__ATTN_T_RUN_KEYS]; /* [group of the quad][key]: the keys' scales */
     uint32_t pq[2][(PKV__ATTN_T_RUN_KEYS + 31) / 32][16 * 16] __attribute__((aligned(64)));
     for (uint32_t r0 = 0; r0 < rows16; r0 += 16) {
         float *ar = acc + (size_t)r0 * D;
         for (uint32_t c = 0; c < 2 * NG; c += 4) { /* groups c / 2 and (4 tiles) c / 2 + 1 */
             const bool four = c + 4 <= 2 * NG;
             TILE_FENCE(); /* pq's last A tiles loaded before it is written again */
-            for (uint32_t gi = 0; gi < (four ? 2u : 1u); gi++)
+            for (uint32_t gi = 0; gi < (four ? 2u : 1u); gi++) {
+                for (uint32_t t = 0; t < n_keys; t++) wq[gi][t] = q_scale(row[t], c / 2 + gi, kind);
                 for (uint32_t kc = 0; kc < n_kc; kc++)
                     weights_a(p + (size_t)32 * kc * rp + r0, rp, PKV_MIN(32u, n_keys - 32 * kc),
-                              wq[c / 2 + gi] + 32 * kc, pq[gi][kc]);
+                              wq[gi] + 32 * kc, pq[gi][kc]);
+            }
             TILE_FENCE(); /* pq written */
             TILE_LOAD(0, ar + 16 * c, as);
             TILE_LOAD(1, ar + 16 * (c + 1), as);
@@ -591,8 +591,8 @@ tail:
         accum_fallback(kind)(pt, rp, n_rows - rows16, v[i], vrb, n[i], D, acc + (size_t)rows16 * D, vbuf, NULL);
 }
 
-/* accum_t: bf16 V, f16 V taken as bf16 (PKV_ATTN_F16_AS_BF16) or fp8 V (PKV_ATTN_BF16_DOT);
- * shapes the tiles do not cover by accum_fallback */
+/* accum_t: bf16 V, f16 V taken as bf16 (PKV_ATTN_F16_AS_BF16) or fp8, q8_0 and q4_0 V
+ * (PKV_ATTN_BF16_DOT); shapes the tiles do not cover by accum_fallback */
 static inline __attribute__((always_inline)) void accum_t_tiles(const float *p, uint32_t rp, uint32_t n_rows,
                                                                   const uint8_t *v, size_t vrb, uint32_t n_keys,
                                                                   uint32_t D, float *acc, float *vbuf,
@@ -665,8 +665,8 @@ static void accum_tn_amx_q4(const float *p, uint32_t rp, uint32_t n_rows, const 
 }
 
 /* PKV_ATTN_BF16_DOT's table (attn.h: lp_fill): bf16 K and V by vdpbf16ps (pkv__attn_lp_fill_bf16dp)
- * and on tiles, and fp8 e4m3 K and V on tiles (their codes exact as bf16, the queries rounded by
- * the driver, qt_round, and the weights by accum_runs, as for bf16) */
+ * and on tiles, and fp8 e4m3, q8_0 and q4_0 K and V on tiles (their codes and integers exact as
+ * bf16, the queries rounded by the driver, qt_round, and the weights by accum_runs, as for bf16) */
 void PKV__AMX_LP_FILL(pkv__attn_kernels *kt) {
     pkv__attn_lp_fill_bf16dp(kt);
     kt->score_t[PKV_DTYPE_BF16] = score_t_amx;
