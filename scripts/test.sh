@@ -2,7 +2,8 @@
 # test.sh: the CI test run: installs missing Debian packages, then a Release build running every
 # ctest test, an ASan+UBSan Debug build running the "unit" tests, a TSan build running the
 # "thread" tests (both sanitizer builds at -O1, as the sanitizers' documentation advises: at -O0
-# the ASan stage's test_attn took about 3x as long), an arm64 cross build whose tests run under
+# the ASan stage's test_attn took about 3x as long; there test_attn and test_quant_attn run as
+# two ctest entries each, PKV_TEST_SHARDS=2, so that both cores share test_attn), an arm64 cross build whose tests run under
 # qemu (scripts/test-arm64.sh: the NEON kernels), a 32-bit x86 build running the unit tests and
 # the Go binding's tests, and (when fuzz/fuzz_api.c exists) a bounded libFuzzer run. Exits non-zero if any stage fails; prints each stage's ctest summary at the end.
 #
@@ -76,7 +77,7 @@ run_stage() {
 run_stage release build "-DCMAKE_BUILD_TYPE=Release" "" \
     "PKV_STRESS_OPS=${PKV_STRESS_OPS:-1000000}" "PKV_THR_ITERS=${PKV_THR_ITERS:-2000}"
 
-run_stage asan build-asan "-DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS=-O1 -DPKV_SANITIZE=address,undefined -DCMAKE_C_COMPILER=clang" "-L unit" \
+run_stage asan build-asan "-DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS=-O1 -DPKV_SANITIZE=address,undefined -DCMAKE_C_COMPILER=clang -DPKV_TEST_SHARDS=2" "-L unit" \
     "PKV_STRESS_OPS=${PKV_ASAN_STRESS_OPS:-200000}" "PKV_ATTN_TEST_MAX_LEN=${PKV_ASAN_ATTN_MAX_LEN:-400}" \
     "ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1" \
     "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1"
