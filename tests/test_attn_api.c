@@ -475,6 +475,24 @@ static void test_api_bf16_dot(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* A rounding flag's calls on sequence id at the positions of the tests below: a decode (4 rows a kv
+ * head: the row path) gives the same bits with flag as without, and a prefill of 16 queries from
+ * 180 (64 rows a kv head: the tiles) differs exactly where used; out holds the prefill with the
+ * flag, plain without, and p its flags 0 after. */
+static void flag_calls(pkv_cache *c, pkv_seq id, pkv_attn_params *p, uint32_t flag, const float *q, float *plain,
+                       float *out, bool used) {
+    p->flags = 0;
+    assert_int_equal(pkv_attn_decode(c, 0, &id, 1, q, plain, p), PKV_OK);
+    p->flags = flag;
+    assert_int_equal(pkv_attn_decode(c, 0, &id, 1, q, out, p), PKV_OK);
+    assert_memory_equal(plain, out, sizeof(float) * NQH * D);
+    const pkv_attn_req r = {id, 180, 16};
+    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, p), PKV_OK);
+    p->flags = 0;
+    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, plain, p), PKV_OK);
+    assert_true((memcmp(plain, out, sizeof(float) * 16 * NQH * D) != 0) == used);
+}
+
 /* PKV_ATTN_F16_AS_BF16 through the API: an f16 cache says whether its backend takes the flag
  * (pkv_attn_flags_used: avx512-amx; head_dim 64 here), a decode (4 rows a kv head: the row path)
  * gives the same bits with it, and a prefill of 16 queries (64 rows a kv head: AMX's tiles)
@@ -493,15 +511,7 @@ static void test_api_f16_as_bf16(void **state) {
     p.n_q_heads = NQH;
     static float q[16 * NQH * D], plain[16 * NQH * D], out[16 * NQH * D], qr[16 * NQH * D];
     for (size_t i = 0; i < sizeof q / sizeof *q; i++) q[i] = 2.0f * rnd();
-    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, plain, &p), PKV_OK);
-    p.flags = PKV_ATTN_F16_AS_BF16;
-    assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_OK);
-    assert_memory_equal(plain, out, sizeof(float) * NQH * D);
-    const pkv_attn_req r = {s.id, 180, 16};
-    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_OK);
-    p.flags = 0;
-    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, plain, &p), PKV_OK);
-    assert_true((memcmp(plain, out, sizeof out) != 0) == amx);
+    flag_calls(c, s.id, &p, PKV_ATTN_F16_AS_BF16, q, plain, out, amx);
     if (!amx) {
         check_tol(&s, 0, q, out, NULL, 180, 16, &p, TOL);
     } else {
@@ -565,15 +575,7 @@ static void test_api_fp8_bf16_dot(void **state) {
         p.n_q_heads = NQH;
         static float q[16 * NQH * D], plain[16 * NQH * D], out[16 * NQH * D], qr[16 * NQH * D];
         for (size_t i = 0; i < sizeof q / sizeof *q; i++) q[i] = 2.0f * rnd();
-        assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, plain, &p), PKV_OK);
-        p.flags = PKV_ATTN_BF16_DOT;
-        assert_int_equal(pkv_attn_decode(c, 0, &s.id, 1, q, out, &p), PKV_OK);
-        assert_memory_equal(plain, out, sizeof(float) * NQH * D);
-        const pkv_attn_req r = {s.id, 180, 16};
-        assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_OK);
-        p.flags = 0;
-        assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, plain, &p), PKV_OK);
-        assert_true((memcmp(plain, out, sizeof out) != 0) == amx);
+        flag_calls(c, s.id, &p, PKV_ATTN_BF16_DOT, q, plain, out, amx);
         const double tol_plain = dt == PKV_DTYPE_FP8_E4M3 ? TOL : 2e-2; /* q8_0, q4_0: int8 queries */
         check_tol(&s, 0, q, plain, NULL, 180, 16, &p, tol_plain);
         if (amx) {

@@ -348,29 +348,7 @@ class TestAttention(Base):
         # (160 query rows a kv head: the tiles) is within 2^-7 of max |V| of the reference over
         # K and the queries times scale rounded to bf16 (pkv.h; test_attn.c has the bounds), and
         # differs from the call without it; a decode (4 rows a kv head) gives the same bits
-        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=64, k_dtype="f16", v_dtype="f16", n_threads=2) as c:
-            Hq, D = 8, 64
-            s = c.seq_create()
-            for _ in range(0, 208, 16):
-                self.fill(c, s, 16)
-            used = c.f16_as_bf16_used
-            self.assertEqual(used, c.backend == "avx512-amx")
-            self.assertFalse(c.bf16_dot_used)
-            q = self.rng.standard_normal((1, Hq, D)).astype(np.float32)
-            self.assertTrue(np.array_equal(c.decode(0, [s], q), c.decode(0, [s], q, f16_as_bf16=True)))
-            start, n = 160, 40
-            qp = self.rng.standard_normal((n, Hq, D)).astype(np.float32)
-            plain = c.prefill(0, [(s, start, n)], qp)
-            outp = c.prefill(0, [(s, start, n)], qp, f16_as_bf16=True)
-            self.assertEqual(not np.array_equal(plain, outp), used)
-            K, V = c.gather(s, 0)
-            r16 = lambda x: pkv.bf16_value(pkv.bf16_bits(x)) if used else x
-            qpr, Kr = r16(qp / np.sqrt(D)), r16(K)
-            for j in range(n):
-                want, _ = ref_attn(qpr[j], Kr[:start + j + 1], V[:start + j + 1], 1.0)
-                err = float(np.abs(outp[j].astype(np.float64) - want).max())
-                bound = 2.0 ** -7 * float(np.abs(V).max()) if used else 1e-5 * max(1.0, float(np.abs(want).max()))
-                self.assertLessEqual(err, bound, "f16_as_bf16 prefill, position %d (%s)" % (start + j, c.backend))
+        self.check_flag_tiles("f16", "f16_as_bf16", round_k=True)
 
     def test_fp8_bf16_dot(self):
         # bf16_dot=True over fp8 e4m3, q8_0 and q4_0 caches: taken where the backend is avx512-amx
@@ -380,33 +358,37 @@ class TestAttention(Base):
         # 2^-7 of max |V| of the reference over the pool's values and the rounded queries
         for dt in ("fp8_e4m3", "q8_0", "q4_0"):
             with self.subTest(dtype=dt):
-                self.check_bf16_dot_tiles(dt)
+                self.check_flag_tiles(dt, "bf16_dot", round_k=False)
 
-    def check_bf16_dot_tiles(self, dt):
+    def check_flag_tiles(self, dt, flag, round_k):
+        """A rounding flag (keyword flag) over a cache of dt: the tests above. round_k: the flag
+        rounds K's values to bf16 too (f16)."""
+        other = "bf16_dot" if flag == "f16_as_bf16" else "f16_as_bf16"
         with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=64, k_dtype=dt, v_dtype=dt, n_threads=2) as c:
             Hq, D = 8, 64
             s = c.seq_create()
             for _ in range(0, 208, 16):
                 self.fill(c, s, 16)
-            used = c.bf16_dot_used
+            used = getattr(c, flag + "_used")
             self.assertEqual(used, c.backend == "avx512-amx")
-            self.assertFalse(c.f16_as_bf16_used)
+            self.assertFalse(getattr(c, other + "_used"))
             q = self.rng.standard_normal((1, Hq, D)).astype(np.float32)
-            self.assertTrue(np.array_equal(c.decode(0, [s], q), c.decode(0, [s], q, bf16_dot=True)))
+            self.assertTrue(np.array_equal(c.decode(0, [s], q), c.decode(0, [s], q, **{flag: True})))
             start, n = 160, 40
             qp = self.rng.standard_normal((n, Hq, D)).astype(np.float32)
             plain = c.prefill(0, [(s, start, n)], qp)
-            outp = c.prefill(0, [(s, start, n)], qp, bf16_dot=True)
+            outp = c.prefill(0, [(s, start, n)], qp, **{flag: True})
             self.assertEqual(not np.array_equal(plain, outp), used)
             K, V = c.gather(s, 0)
-            qpr = pkv.bf16_value(pkv.bf16_bits(qp / np.sqrt(D))) if used else qp / np.sqrt(D)
+            r16 = lambda x: pkv.bf16_value(pkv.bf16_bits(x)) if used else x
+            qpr, Kr = r16(qp / np.sqrt(D)), r16(K) if round_k else K
             for j in range(n):
-                want, _ = ref_attn(qpr[j], K[:start + j + 1], V[:start + j + 1], 1.0)
+                if not used and dt in ("q8_0", "q4_0"):
+                    break  # q8_0 and q4_0 score int8 queries without the flag (test_attn.c)
+                want, _ = ref_attn(qpr[j], Kr[:start + j + 1], V[:start + j + 1], 1.0)
                 err = float(np.abs(outp[j].astype(np.float64) - want).max())
-                if not used and dt != "fp8_e4m3":
-                    continue  # q8_0 and q4_0 score int8 queries without the flag (test_attn.c)
                 bound = 2.0 ** -7 * float(np.abs(V).max()) if used else 1e-5 * max(1.0, float(np.abs(want).max()))
-                self.assertLessEqual(err, bound, "bf16_dot %s prefill, position %d (%s)" % (dt, start + j, c.backend))
+                self.assertLessEqual(err, bound, "%s %s prefill, position %d (%s)" % (flag, dt, start + j, c.backend))
 
     def test_f32_pool_stores_input_exactly(self):
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=8, k_dtype="f32", v_dtype="f32", n_threads=1) as c:

@@ -8,7 +8,7 @@
  * tiles take f16 K and V rounded to bf16 (PKV_ATTN_F16_AS_BF16), and with PKV_ATTN_BF16_DOT fp8
  * e4m3, q8_0 and q4_0 K and V, whose codes and integers are bf16 exactly: their scales go on in
  * f32 (fp8's per row on a key's scores or V row's weights; q8_0's and q4_0's per 32 values on
- * each group's scores, score_q_chunk, or on each group's own weights, accum_groups).
+ * each group's scores, score_q_chunk, or on each group's own weights in accum_runs).
  *
  * score_t: s[t * rp + r] = <K row t, query row r> is C[key][row] = A[key][d] . B[d][row]: A is
  * 16 K rows straight from the pool (a tile load with the row stride), B the queries as bf16
@@ -84,6 +84,12 @@ static void amx_leave(void) { TILE_RELEASE(); }
 #define C_ZERO(j) TILE_ZERO(j)
 #define C_STORE(j, dst, stride) TILE_STORE(j, (dst) + 16 * (j), stride)
 
+/* The K and V dtypes of the tiles: bf16 from the pool, f16 taken as bf16
+ * (PKV_ATTN_F16_AS_BF16), and in calls with PKV_ATTN_BF16_DOT fp8 e4m3 codes and q8_0 / q4_0
+ * integers, whose values are bf16 exactly (their scales applied in f32). */
+enum kv_kind { KV_BF16, KV_F16, KV_FP8, KV_Q8, KV_Q4 };
+#define KV_GROUPED(kind) ((kind) == KV_Q8 || (kind) == KV_Q4) /* a scale per 32 values */
+
 /* One key chunk of 16 rows (ka, stride kas) against rows [n0, n0 + 16 n) of the queries, over
  * the groups [g0, g1) of 32 columns: C[key][row] into s (stride ss bytes). */
 static inline __attribute__((always_inline)) void score_chunk_g(const uint32_t *qp, uint32_t rp, const uint8_t *ka,
@@ -113,23 +119,51 @@ static inline __attribute__((always_inline)) void score_chunk(const uint32_t *qp
     score_chunk_g(qp, rp, ka, kas, 0, D / 32, s, ss, n);
 }
 
-static inline __attribute__((always_inline)) void score_keys(const uint32_t *qp, uint32_t rp, const uint8_t *ka,
-                                                                 size_t kas, uint32_t D, float *s, size_t ss) {
-    uint32_t n0 = 0;
-    for (; n0 + 64 <= rp; n0 += 64) score_chunk(qp + n0, rp, ka, kas, D, s + n0, ss, 4);
-    switch ((rp - n0) / 16) {
-    case 3: score_chunk(qp + n0, rp, ka, kas, D, s + n0, ss, 3); break;
-    case 2: score_chunk(qp + n0, rp, ka, kas, D, s + n0, ss, 2); break;
-    case 1: score_chunk(qp + n0, rp, ka, kas, D, s + n0, ss, 1); break;
-    default: break;
+/* q8_0 / q4_0 K: 16 keys' integers as bf16 rows (kb, stride kbs) against query rows [0, 16 n)
+ * of qp, a group of 32 columns at a time: C = A_g . B_g into cb (C tile j at cb + 16 j: rows of
+ * 64 floats), then s[key][row] = (g 0) or += (later groups) the key's scale of group g times C,
+ * for the nk keys of the chunk (key t's row at s + t ss bytes) */
+static inline __attribute__((always_inline)) void score_q_chunk(const uint32_t *qp, uint32_t rp, const uint8_t *kb,
+                                                                    size_t kbs, uint32_t NG, const float *dk,
+                                                                    float *s, size_t ss, uint32_t nk, const uint32_t n,
+                                                                    float *cb) {
+    for (uint32_t g = 0; g < NG; g++) {
+        score_chunk_g(qp, rp, kb, kbs, g, g + 1, cb, 256, n);
+        TILE_FENCE(); /* cb written by the tiles */
+        for (uint32_t j = 0; j < n; j++)
+            for (uint32_t t = 0; t < nk; t++) {
+                float *st = (float *)(void *)((uint8_t *)s + t * ss) + 16 * j;
+                const __m512 x = _mm512_mul_ps(_mm512_load_ps(cb + 64 * t + 16 * j), _mm512_set1_ps(dk[16 * g + t]));
+                _mm512_storeu_ps(st, g ? _mm512_add_ps(_mm512_loadu_ps(st), x) : x);
+            }
+        TILE_FENCE(); /* cb read before the next group's tile stores */
     }
 }
 
-/* The K and V dtypes of the tiles: bf16 from the pool, f16 taken as bf16
- * (PKV_ATTN_F16_AS_BF16), and in calls with PKV_ATTN_BF16_DOT fp8 e4m3 codes and q8_0 / q4_0
- * integers, whose values are bf16 exactly (their scales applied in f32). */
-enum kv_kind { KV_BF16, KV_F16, KV_FP8, KV_Q8, KV_Q4 };
-#define KV_GROUPED(kind) ((kind) == KV_Q8 || (kind) == KV_Q4) /* a scale per 32 values */
+/* One key chunk against query rows [n0, n0 + 16 n): score_chunk, or score_q_chunk for q8_0 /
+ * q4_0 (dk: the keys' group scales, nk keys, cb: its buffer) */
+static inline __attribute__((always_inline)) void score_rows(const uint32_t *qp, uint32_t rp, const uint8_t *ka,
+                                                                 size_t kas, uint32_t D, float *s, size_t ss,
+                                                                 const int kind, const float *dk, uint32_t nk,
+                                                                 float *cb, const uint32_t n) {
+    if (KV_GROUPED(kind)) score_q_chunk(qp, rp, ka, kas, D / 32, dk, s, ss, nk, n, cb);
+    else score_chunk(qp, rp, ka, kas, D, s, ss, n);
+}
+
+/* A key chunk against every query row [0, rp): 64 rows at a time, then the rest */
+static inline __attribute__((always_inline)) void score_keys(const uint32_t *qp, uint32_t rp, const uint8_t *ka,
+                                                                 size_t kas, uint32_t D, float *s, size_t ss,
+                                                                 const int kind, const float *dk, uint32_t nk,
+                                                                 float *cb) {
+    uint32_t n0 = 0;
+    for (; n0 + 64 <= rp; n0 += 64) score_rows(qp + n0, rp, ka, kas, D, s + n0, ss, kind, dk, nk, cb, 4);
+    switch ((rp - n0) / 16) {
+    case 3: score_rows(qp + n0, rp, ka, kas, D, s + n0, ss, kind, dk, nk, cb, 3); break;
+    case 2: score_rows(qp + n0, rp, ka, kas, D, s + n0, ss, kind, dk, nk, cb, 2); break;
+    case 1: score_rows(qp + n0, rp, ka, kas, D, s + n0, ss, kind, dk, nk, cb, 1); break;
+    default: break;
+    }
+}
 
 /* f16 K and V taken as bf16: 16 f16 values at p widened, and two such
  * vectors rounded to bf16, nearest even, by vcvtne2ps2bf16 (AVX512_BF16, which every AMX CPU
@@ -178,17 +212,22 @@ static inline __attribute__((always_inline)) __m512i bf16_pack(__m512 x, __m512 
 }
 
 /* score_t over bf16 rows: each 16 keys' rows as A tiles, bf16 K's straight from the pool, f16
- * K's rounded to bf16 and fp8 K's codes (exact) into kbuf (2 D bytes a row), a last chunk of
- * fewer keys' there too, padded with zero rows; its scores 16 query rows at a time through sb
- * (1 KiB past the rows); fp8: each key's scores then times its scale times 2^8, after the sums,
- * as the f32 kernel (tpath_x86.h: score_t_fp8). qt as bf16 pairs (qt_pairs, or the driver's
- * qt_round for f16 and fp8); head_dim a multiple of 32, rp of 16. */
+ * K's rounded to bf16 and fp8 K's codes and q8_0 / q4_0 K's integers (exact) into kbuf (2 D
+ * bytes a row), a last chunk of fewer keys' there too, padded with zero rows; its scores 16
+ * query rows at a time through sb (1 KiB past the rows); fp8: each key's scores then times its
+ * scale times 2^8, after the sums, as the f32 kernel (tpath_x86.h: score_t_fp8); q8_0 / q4_0:
+ * the keys' group scales past the rows (dk, where sb would be), each group's sums times its
+ * scale (score_q_chunk), so the sums of a group are exact products added in f32 and K is not
+ * rounded. qt as bf16 pairs (qt_pairs, or the driver's qt_round of f32 rows for the others:
+ * prep_q_t for q8_0 / q4_0); head_dim a multiple of 32, rp of 16. */
 static inline __attribute__((always_inline)) void score_t_tiles(const float *qt, uint32_t rp, const uint8_t *k,
                                                                   size_t krb, uint32_t n_keys, uint32_t D, float *s,
                                                                   float *kbuf, pkv__attn_pf *pf, const int kind) {
     const uint32_t *qp = (const uint32_t *)(const void *)qt;
     uint8_t *kb = (uint8_t *)kbuf; /* room for 16 rows of D floats: 16 rows of D bf16 and the scores */
     float *sb = (float *)(void *)(kb + (size_t)32 * D);
+    float *dk = sb;                                 /* q8_0 / q4_0: [group][key], 16 D / 32 floats */
+    float cb[KV_GROUPED(kind) ? 4 * 256 : 1] __attribute__((aligned(64))); /* score_q_chunk's */
     pkv__attn_pf_start(pf, (n_keys + 15) / 16);
     for (uint32_t t0 = 0; t0 < n_keys; t0 += 16) {
         const uint32_t nk = PKV_MIN(16u, n_keys - t0);
@@ -207,12 +246,14 @@ static inline __attribute__((always_inline)) void score_t_tiles(const float *qt,
                     for (uint32_t d = 0; d < D; d += 32)
                         _mm512_storeu_si512((void *)(dst + 2 * d),
                                             bf16_pack(kv_widen(src, d, kind), kv_widen(src, d + 16, kind)));
+                if (KV_GROUPED(kind))
+                    for (uint32_t g = 0; g < D / 32; g++) dk[16 * g + t] = q_scale(src, g, kind);
             }
             ka = kb, kas = (size_t)2 * D;
             TILE_FENCE(); /* kb's rows written */
         }
-        if (nk == 16) {
-            score_keys(qp, rp, ka, kas, D, s + (size_t)t0 * rp, (size_t)rp * 4);
+        if (nk == 16 || KV_GROUPED(kind)) { /* score_q_chunk writes the nk keys' rows alone */
+            score_keys(qp, rp, ka, kas, D, s + (size_t)t0 * rp, (size_t)rp * 4, kind, dk, nk, cb);
         } else {
             for (uint32_t n0 = 0; n0 < rp; n0 += 16) {
                 TILE_FENCE(); /* sb's last scores read */
@@ -253,77 +294,13 @@ static void score_t_amx_f16(const float *qt, uint32_t rp, const uint8_t *k, size
     score_t_tiles(qt, rp, k, krb, n_keys, D, s, kbuf, pf, KV_F16);
 }
 
-/* q8_0 / q4_0 K: 16 keys' integers as bf16 rows (kb, stride kbs) against query rows [0, 16 n)
- * of qp, a group of 32 columns at a time: C = A_g . B_g into cb (C tile j at cb + 16 j: rows of
- * 64 floats), then s[key][row] = (g 0) or += (later groups) the key's scale of group g times C,
- * for the nk keys of the chunk (s + t ss) */
-static inline __attribute__((always_inline)) void score_q_chunk(const uint32_t *qp, uint32_t rp, const uint8_t *kb,
-                                                                    size_t kbs, uint32_t NG, const float *dk,
-                                                                    float *s, size_t ss, uint32_t nk, const uint32_t n,
-                                                                    float *cb) {
-    for (uint32_t g = 0; g < NG; g++) {
-        score_chunk_g(qp, rp, kb, kbs, g, g + 1, cb, 256, n);
-        TILE_FENCE(); /* cb written by the tiles */
-        for (uint32_t j = 0; j < n; j++)
-            for (uint32_t t = 0; t < nk; t++) {
-                float *st = s + t * ss + 16 * j;
-                const __m512 x = _mm512_mul_ps(_mm512_load_ps(cb + 64 * t + 16 * j), _mm512_set1_ps(dk[16 * g + t]));
-                _mm512_storeu_ps(st, g ? _mm512_add_ps(_mm512_loadu_ps(st), x) : x);
-            }
-        TILE_FENCE(); /* cb read before the next group's tile stores */
-    }
-}
-
-/* score_t of q8_0 / q4_0 K (PKV_ATTN_BF16_DOT): each 16 keys' integers into kb as bf16 rows (exact;
- * rows past the last key 0) and their scales into dk, then score_q_chunk over 64 query rows at a
- * time. qt as the driver's qt_round pairs of the f32 rows (prep_q_t); head_dim a multiple of 32
- * (every q8_0 / q4_0 row is), rp of 16. The sums of a group are exact products added in f32,
- * each then times the key's scale: no rounding of K. */
-static inline __attribute__((always_inline)) void score_t_q(const float *qt, uint32_t rp, const uint8_t *k, size_t krb,
-                                                              uint32_t n_keys, uint32_t D, float *s, float *kbuf,
-                                                              pkv__attn_pf *pf, const int kind) {
-    const uint32_t *qp = (const uint32_t *)(const void *)qt, NG = D / 32;
-    uint8_t *kb = (uint8_t *)kbuf; /* 16 rows of D bf16, then the keys' scales (kbuf: 64 D bytes) */
-    float *dk = (float *)(void *)(kb + (size_t)32 * D); /* [group][key]: 16 NG floats, 2 D bytes */
-    float cb[4 * 256] __attribute__((aligned(64)));
-    pkv__attn_pf_start(pf, (n_keys + 15) / 16);
-    for (uint32_t t0 = 0; t0 < n_keys; t0 += 16) {
-        const uint32_t nk = PKV_MIN(16u, n_keys - t0);
-        for (uint32_t t = 0; t < 16; t++) {
-            uint8_t *dst = kb + (size_t)t * 2 * D;
-            if (t >= nk) {
-                memset(dst, 0, (size_t)2 * D);
-                continue;
-            }
-            const uint8_t *src = k + (t0 + t) * krb;
-            for (uint32_t g = 0; g < NG; g++) {
-                _mm512_storeu_si512((void *)(dst + 64 * g),
-                                    bf16_pack(q_widen(src, g, 0, kind), q_widen(src, g, 1, kind)));
-                dk[16 * g + t] = q_scale(src, g, kind);
-            }
-        }
-        TILE_FENCE(); /* kb's rows written */
-        float *st = s + (size_t)t0 * rp;
-        uint32_t n0 = 0;
-        for (; n0 + 64 <= rp; n0 += 64) score_q_chunk(qp + n0, rp, kb, (size_t)2 * D, NG, dk, st + n0, rp, nk, 4, cb);
-        switch ((rp - n0) / 16) {
-        case 3: score_q_chunk(qp + n0, rp, kb, (size_t)2 * D, NG, dk, st + n0, rp, nk, 3, cb); break;
-        case 2: score_q_chunk(qp + n0, rp, kb, (size_t)2 * D, NG, dk, st + n0, rp, nk, 2, cb); break;
-        case 1: score_q_chunk(qp + n0, rp, kb, (size_t)2 * D, NG, dk, st + n0, rp, nk, 1, cb); break;
-        default: break;
-        }
-        TILE_FENCE(); /* kb read by the tiles before the next chunk's rows */
-        pkv__attn_pf_step(pf);
-    }
-    pkv__attn_pf_finish(pf);
-}
 static void score_t_amx_q8(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
                            float *s, float *kbuf, pkv__attn_pf *pf) {
-    score_t_q(qt, rp, k, krb, n_keys, D, s, kbuf, pf, KV_Q8);
+    score_t_tiles(qt, rp, k, krb, n_keys, D, s, kbuf, pf, KV_Q8);
 }
 static void score_t_amx_q4(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys, uint32_t D,
                            float *s, float *kbuf, pkv__attn_pf *pf) {
-    score_t_q(qt, rp, k, krb, n_keys, D, s, kbuf, pf, KV_Q4);
+    score_t_tiles(qt, rp, k, krb, n_keys, D, s, kbuf, pf, KV_Q4);
 }
 
 /* fp8 K (PKV_ATTN_BF16_DOT); head_dim not a multiple of 32: the f32 kernel's, as score_t_amx_f16 */
@@ -443,56 +420,6 @@ static inline pkv__attn_accum_t_fn accum_fallback(const int kind) {
         TILE_DP(j, 6, 7);                                                                                       \
     } while (0)
 
-/* accum_runs' tiles for q8_0 / q4_0 V (vx: the keys' integers in column pairs, as for f16): a
- * group's 32 columns take the weights times each key's scale of that group, so each group has A
- * tiles of its own (pq, made for the two groups of 4 C tiles at a time, 16 rows at a time). */
-static inline __attribute__((always_inline)) void accum_groups(const float *p, uint32_t rp, uint32_t rows16,
-                                                                 const uint8_t *const *row, uint32_t n_keys,
-                                                                 uint32_t n_kc, uint32_t D, float *acc,
-                                                                 const uint8_t *vx, const int kind) {
-    const uint32_t NG = D / 32;
-    const size_t vxs = (size_t)NG * 128, as = (size_t)D * 4;
-    float wq[2][PKV__ATTN_T_RUN_KEYS]; /* [group of the quad][key]: the keys' scales */
-    uint32_t pq[2][(PKV__ATTN_T_RUN_KEYS + 31) / 32][16 * 16] __attribute__((aligned(64)));
-    for (uint32_t r0 = 0; r0 < rows16; r0 += 16) {
-        float *ar = acc + (size_t)r0 * D;
-        for (uint32_t c = 0; c < 2 * NG; c += 4) { /* groups c / 2 and (4 tiles) c / 2 + 1 */
-            const bool four = c + 4 <= 2 * NG;
-            TILE_FENCE(); /* pq's last A tiles loaded before it is written again */
-            for (uint32_t gi = 0; gi < (four ? 2u : 1u); gi++) {
-                for (uint32_t t = 0; t < n_keys; t++) wq[gi][t] = q_scale(row[t], c / 2 + gi, kind);
-                for (uint32_t kc = 0; kc < n_kc; kc++)
-                    weights_a(p + (size_t)32 * kc * rp + r0, rp, PKV_MIN(32u, n_keys - 32 * kc),
-                              wq[gi] + 32 * kc, pq[gi][kc]);
-            }
-            TILE_FENCE(); /* pq written */
-            TILE_LOAD(0, ar + 16 * c, as);
-            TILE_LOAD(1, ar + 16 * (c + 1), as);
-            if (four) {
-                TILE_LOAD(2, ar + 16 * (c + 2), as);
-                TILE_LOAD(3, ar + 16 * (c + 3), as);
-            }
-            for (uint32_t kc = 0; kc < n_kc; kc++) {
-                const uint8_t *vxk = vx + (size_t)16 * kc * vxs;
-                TILE_LOAD(6, pq[0][kc], 64);
-                ACC_B(0, vxk, c);
-                ACC_B(1, vxk, c + 1);
-                if (four) {
-                    TILE_LOAD(6, pq[1][kc], 64);
-                    ACC_B(2, vxk, c + 2);
-                    ACC_B(3, vxk, c + 3);
-                }
-            }
-            TILE_STORE(0, ar + 16 * c, as);
-            TILE_STORE(1, ar + 16 * (c + 1), as);
-            if (four) {
-                TILE_STORE(2, ar + 16 * (c + 2), as);
-                TILE_STORE(3, ar + 16 * (c + 3), as);
-            }
-        }
-    }
-}
-
 /* accum over the keys of runs (n[i] V rows at v[i]), their weights p[t * rp + r] in the runs'
  * order, up to PKV__ATTN_T_RUN_KEYS keys: every pair of keys interleaved into vx once (vbuf:
  * PKV__ATTN_T_RUN_KEYS / 2 pairs), the weights of each 16 rows and 32 keys as an A tile (pa),
@@ -549,41 +476,51 @@ static inline __attribute__((always_inline)) void accum_runs(const float *p, uin
         if (two) pkv__attn_pf_step(pf);
     }
     TILE_FENCE();
-    if (KV_GROUPED(kind)) {
-        accum_groups(p, rp, rows16, row, n_keys, n_kc, D, acc, vx, kind);
-        goto tail;
-    }
+    /* q8_0 / q4_0: a group's 32 columns take the weights times each key's scale of that group,
+       so each group has A tiles of its own (pq: made for the two groups of 4 C tiles at a time,
+       16 rows at a time); the others take pa's for every column */
+    float wq[2][PKV__ATTN_T_RUN_KEYS]; /* [group of the quad][key]: the keys' scales */
+    uint32_t pq[2][(PKV__ATTN_T_RUN_KEYS + 31) / 32][16 * 16] __attribute__((aligned(64)));
     for (uint32_t r0 = 0; r0 < rows16; r0 += 16) {
         float *ar = acc + (size_t)r0 * D;
-        uint32_t c = 0;
-        for (; c + 4 <= 2 * NG; c += 4) { /* 4 C tiles of acc held over the keys, B (tile 7) by turns */
+        for (uint32_t c = 0; c < 2 * NG; c += 4) { /* 4 C tiles of acc held over the keys (2 where
+                                                      NG is odd, at the end), B (tile 7) by turns */
+            const bool four = c + 4 <= 2 * NG;
+            if (KV_GROUPED(kind)) {
+                TILE_FENCE(); /* pq's last A tiles loaded before it is written again */
+                for (uint32_t gi = 0; gi < (four ? 2u : 1u); gi++) {
+                    for (uint32_t t = 0; t < n_keys; t++) wq[gi][t] = q_scale(row[t], c / 2 + gi, kind);
+                    for (uint32_t kc = 0; kc < n_kc; kc++)
+                        weights_a(p + (size_t)32 * kc * rp + r0, rp, PKV_MIN(32u, n_keys - 32 * kc),
+                                  wq[gi] + 32 * kc, pq[gi][kc]);
+                }
+                TILE_FENCE(); /* pq written */
+            }
             TILE_LOAD(0, ar + 16 * c, as);
             TILE_LOAD(1, ar + 16 * (c + 1), as);
-            TILE_LOAD(2, ar + 16 * (c + 2), as);
-            TILE_LOAD(3, ar + 16 * (c + 3), as);
+            if (four) {
+                TILE_LOAD(2, ar + 16 * (c + 2), as);
+                TILE_LOAD(3, ar + 16 * (c + 3), as);
+            }
             for (uint32_t kc = 0; kc < n_kc; kc++) {
                 const uint8_t *vxk = vx + (size_t)16 * kc * vxs;
-                TILE_LOAD(6, pa[kc][r0 / 16], 64);
+                TILE_LOAD(6, KV_GROUPED(kind) ? pq[0][kc] : pa[kc][r0 / 16], 64);
                 ACC_B(0, vxk, c);
                 ACC_B(1, vxk, c + 1);
-                ACC_B(2, vxk, c + 2);
-                ACC_B(3, vxk, c + 3);
+                if (four) {
+                    if (KV_GROUPED(kind)) TILE_LOAD(6, pq[1][kc], 64);
+                    ACC_B(2, vxk, c + 2);
+                    ACC_B(3, vxk, c + 3);
+                }
             }
             TILE_STORE(0, ar + 16 * c, as);
             TILE_STORE(1, ar + 16 * (c + 1), as);
-            TILE_STORE(2, ar + 16 * (c + 2), as);
-            TILE_STORE(3, ar + 16 * (c + 3), as);
-        }
-        for (; c < 2 * NG; c++) {
-            TILE_LOAD(0, ar + 16 * c, as);
-            for (uint32_t kc = 0; kc < n_kc; kc++) {
-                TILE_LOAD(6, pa[kc][r0 / 16], 64);
-                ACC_B(0, vx + (size_t)16 * kc * vxs, c);
+            if (four) {
+                TILE_STORE(2, ar + 16 * (c + 2), as);
+                TILE_STORE(3, ar + 16 * (c + 3), as);
             }
-            TILE_STORE(0, ar + 16 * c, as);
         }
     }
-tail:
     pkv__attn_pf_finish(pf);
     TILE_FENCE();
     const float *pt = p + rows16; /* the last rows, a run at a time */
