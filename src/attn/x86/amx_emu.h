@@ -87,17 +87,29 @@ static void amx_emu_dpbf16ps(int c, int a, int b) {
     if (amx_emu.rows[a] != M || amx_emu.rows[b] != K || amx_emu.colsb[b] != amx_emu.colsb[c] ||
         amx_emu.colsb[a] % 4 || amx_emu.colsb[c] % 4)
         amx_emu_fail("shapes a product cannot take", c);
-    for (int m = 0; m < M; m++)
+    /* B's values as f32, its pairs' first and second halves apart, then a row of C at a time: the
+       same sums in the same order per element as a loop over k innermost (k ascending, a pair's
+       first product before its second), without that loop's chain of dependent adds (the emulator
+       had been a third of test_attn's time) */
+    float b0[16][16], b1[16][16];
+    for (int k = 0; k < K; k++)
         for (int n = 0; n < N; n++) {
-            float acc;
-            memcpy(&acc, amx_emu.data[c] + 64 * m + 4 * n, sizeof acc);
-            for (int k = 0; k < K; k++) {
-                const uint8_t *pa = amx_emu.data[a] + 64 * m + 4 * k, *pb = amx_emu.data[b] + 64 * k + 4 * n;
-                acc += amx_emu_bf16(pa) * amx_emu_bf16(pb);
-                acc += amx_emu_bf16(pa + 2) * amx_emu_bf16(pb + 2);
-            }
-            memcpy(amx_emu.data[c] + 64 * m + 4 * n, &acc, sizeof acc);
+            b0[k][n] = amx_emu_bf16(amx_emu.data[b] + 64 * k + 4 * n);
+            b1[k][n] = amx_emu_bf16(amx_emu.data[b] + 64 * k + 4 * n + 2);
         }
+    for (int m = 0; m < M; m++) {
+        float acc[16];
+        memcpy(acc, amx_emu.data[c] + 64 * m, sizeof(float) * (size_t)N);
+        for (int k = 0; k < K; k++) {
+            const float a0 = amx_emu_bf16(amx_emu.data[a] + 64 * m + 4 * k);
+            const float a1 = amx_emu_bf16(amx_emu.data[a] + 64 * m + 4 * k + 2);
+            for (int n = 0; n < N; n++) {
+                acc[n] += a0 * b0[k][n];
+                acc[n] += a1 * b1[k][n];
+            }
+        }
+        memcpy(amx_emu.data[c] + 64 * m, acc, sizeof(float) * (size_t)N);
+    }
 }
 
 #define TILE_CFG(c) amx_emu_loadconfig(c)
