@@ -421,6 +421,13 @@ static uint32_t rand_len(void) {
  * too: several fragmented sequences) and extends of fewer than 16 rows a kv head (the row path)
  * or more (the transposed primitives, on units of 16 rows and up). */
 #define TOL_BF16_DOT (1.0 / 128.0)
+/* Whether a call with PKV_ATTN_BF16_DOT may round V's weights: where the row path's accum does
+ * (pkv__attn_lp_v), or for a bf16 V whose transposed primitives differ from the base's
+ * (avx512-amx: its tile units, and their vdpbf16ps fallbacks, round their weights; its row path
+ * keeps f32 weights, pkv__attn_lp_rows_f32) */
+static bool lp_v_any(const pkv__attn *at, pkv_dtype kdt, pkv_dtype vdt) {
+    return pkv__attn_lp_v(at, vdt) || (vdt == PKV_DTYPE_BF16 && pkv__attn_lp_t(at, kdt, vdt));
+}
 /* check_item's error in units of the tolerance of (kdt, vdt), for a call whose kernels may have
  * rounded as PKV_ATTN_BF16_DOT lets them: where K was scored in bf16 (lp_k) the reference takes
  * the queries times scale rounded to bf16 (and scale 1); where p.V took bf16 weights (lp_v) the
@@ -748,7 +755,7 @@ static void oracle_case(const char *backend, uint32_t n_threads, uint32_t D, uin
         /* errors in units of the tolerance of this (K, V) pair; with PKV_ATTN_BF16_DOT, where the
            kernels round (test_bf16_dot), the reference's queries rounded alike and the weights'
            rounding on top */
-        const bool lp_k = o->bf16_dot && pkv__attn_lp(at, kdt), lp_v = o->bf16_dot && pkv__attn_lp_v(at, vdt);
+        const bool lp_k = o->bf16_dot && pkv__attn_lp(at, kdt), lp_v = o->bf16_dot && lp_v_any(at, kdt, vdt);
         const double e = o->f16bf && pkv__attn_f16bf(at, kdt, vdt, D, D)
                              ? check_item_f16bf(&p, &seqs[i], nqh, &items[i], &call, kdt, vdt, lp_v, worst_lse)
                          : o->qbf && pkv__attn_lp_tiles(at, kdt, vdt, D, D)
@@ -1085,7 +1092,7 @@ static void test_f16_as_bf16(void **state) {
                 pkv__attn *at = w.at;
                 const bool used = pkv__attn_f16bf(at, kv[ti][0], kv[ti][1], D, D);
                 const bool dot = rng_below(2); /* PKV_ATTN_BF16_DOT beside it: the tables of both */
-                const bool lp_k = dot && pkv__attn_lp(at, kv[ti][0]), lp_v = dot && pkv__attn_lp_v(at, kv[ti][1]);
+                const bool lp_k = dot && pkv__attn_lp(at, kv[ti][0]), lp_v = dot && lp_v_any(at, kv[ti][0], kv[ti][1]);
                 n_used += used, n_cases++;
                 pkv__attn_call call = {.n_q_heads = nqh, .scale = (float)(1.0 / sqrt((double)D))};
                 lp_items_extend(&w, nqh, D, G);
@@ -1153,7 +1160,7 @@ static void run_q_bf16_dot(const backend_case *bc, uint64_t seed, const uint32_t
                 lp_world_make(&w, bc->name, H, D, kdt, vdt);
                 pkv__attn *at = w.at;
                 const bool used = pkv__attn_lp_tiles(at, kdt, vdt, D, D);
-                const bool lp_k = pkv__attn_lp(at, kdt), lp_v = pkv__attn_lp_v(at, vdt);
+                const bool lp_k = pkv__attn_lp(at, kdt), lp_v = lp_v_any(at, kdt, vdt);
                 /* the flag's kernels of these dtypes are the tiles' alone: no row path changes */
                 assert_false(tiles_exact(kdt) && lp_k);
                 assert_false(tiles_exact(vdt) && lp_v);
@@ -1924,7 +1931,10 @@ static void test_bf16_dot(void **state) {
                 lp_world w;
                 lp_world_make(&w, bc->name, H, D, kv[ti][0], kv[ti][1]);
                 pkv__attn *at = w.at;
-                const bool lp_k = pkv__attn_lp(at, kv[ti][0]), lp_v = pkv__attn_lp_v(at, kv[ti][1]);
+                const bool lp_k = pkv__attn_lp(at, kv[ti][0]), lp_v = lp_v_any(at, kv[ti][0], kv[ti][1]);
+                /* rows: the row path's accum rounds weights too (on avx512-amx only the tile units
+                   round a bf16 V's) */
+                const bool rows_v = pkv__attn_lp_v(at, kv[ti][1]);
                 /* the transposed primitives follow the row path's: the same rounding in every unit
                    (a backend without them, NEON, runs such units on the row path) */
                 assert_true(pkv__attn_lp_t(at, kv[ti][0], kv[ti][1]) ==
@@ -1959,10 +1969,13 @@ static void test_bf16_dot(void **state) {
                 }
                 /* the flag changes the results exactly where a kernel of its own ran (and some query sees
                    two keys: over one key the output is its V whatever the score) */
-                bool two_keys = false;
-                for (uint32_t i = 0; i < w.n_seqs; i++) two_keys |= w.items[i].q_pos0 + w.items[i].n_q >= 2;
-                if (!(lp_k || lp_v)) assert_false(differs);
-                else if (two_keys) assert_true(differs);
+                bool two_keys = false, t_rows = false; /* t_rows: a unit of 16 rows a kv head may run */
+                for (uint32_t i = 0; i < w.n_seqs; i++) {
+                    two_keys |= w.items[i].q_pos0 + w.items[i].n_q >= 2;
+                    t_rows |= w.items[i].n_q * G >= 16;
+                }
+                if (!(lp_k || rows_v || (lp_v && t_rows))) assert_false(differs);
+                else if (two_keys && (lp_k || rows_v)) assert_true(differs);
                 lp_world_free(&w);
             }
     print_message("  %s: %u of %u cases took bf16 dot products; max err %.3g of the tolerance, lse err %.3g\n",

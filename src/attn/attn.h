@@ -626,7 +626,7 @@ typedef struct pkv__attn_kernels {
      * calls take the table they would without the flag */
     void (*f16_fill)(struct pkv__attn_kernels *kt);
     /* by k_dtype: score_t takes qt as 32-bit pairs of the prepared rows (prep_q's own 16-bit
-     * values): lane r of pair i at qt + i * rp holds row r's values 2 i and 2 i + 1, pairs
+     * values, or prep_q_t's where set): lane r of pair i at qt + i * rp holds row r's values 2 i and 2 i + 1, pairs
      * i < (head_dim + 1) / 2; else qt is f32 [head_dim][rp] */
     bool qt_pairs[PKV_DTYPE_COUNT];
     /* by k_dtype: the prep_q of units that run the transposed path, where it differs from the
@@ -694,12 +694,16 @@ void pkv__attn_fill_q_dotprod(pkv__attn_kernels *kt); /* arm/attn_q_dotprod.c: q
 /* x86/attn_avx512.c: its lp_fill (bf16 K and V by vdpbf16ps) and the transposed primitives of
  * that table, for attn_amx.c to fill over and to hand the shapes its tiles do not cover */
 void pkv__attn_lp_fill_bf16dp(pkv__attn_kernels *kt);
+/* the same file: pkv__attn_lp_fill_bf16dp's table with its bf16 row path (prep_q, score, accum) on
+ * f32 FMAs over the rounded queries, the transposed path's queries prepared as before (prep_q_t) */
+void pkv__attn_lp_rows_f32(pkv__attn_kernels *kt);
 void pkv__attn_score_t_bf16dp(const float *qt, uint32_t rp, const uint8_t *k, size_t k_row_bytes, uint32_t n_keys,
                               uint32_t head_dim, float *s, float *kbuf, pkv__attn_pf *pf);
 void pkv__attn_accum_t_bf16dp(const float *p, uint32_t rp, uint32_t n_rows, const uint8_t *v, size_t v_row_bytes,
                               uint32_t n_keys, uint32_t head_dim, float *acc, float *vbuf, pkv__attn_pf *pf);
 /* x86/attn_amx.c (where the build has AMX: PKV_HAVE_AMX): the lp_fill of backend "avx512-amx",
- * pkv__attn_lp_fill_bf16dp's table with the transposed bf16 primitives on AMX tiles */
+ * pkv__attn_lp_fill_bf16dp's table with its bf16 row path on f32 FMAs (pkv__attn_lp_rows_f32) and
+ * the transposed primitives on AMX tiles */
 void pkv__attn_lp_fill_amx(pkv__attn_kernels *kt);
 /* x86/attn_amx.c: the f16_fill of backend "avx512-amx" (PKV_ATTN_F16_AS_BF16): f16 K and V
  * taken as bf16 by the transposed primitives on AMX tiles */

@@ -790,6 +790,46 @@ static void lp_fill_bf16dp(pkv__attn_kernels *kt) {
 
 #ifndef PKV_AVX512_EMU
 void pkv__attn_lp_fill_bf16dp(pkv__attn_kernels *kt) { lp_fill_bf16dp(kt); }
+
+/* ---- PKV_ATTN_BF16_DOT's bf16 row path on f32 FMAs (avx512-amx) ------------------------------
+ * The base table's bf16 score and accum over queries rounded as prep_bf16dp rounds them (q times
+ * scale in f32, then to bf16, nearest even), kept as f32 in even-odd order: the same products
+ * (a bf16 times a bf16 is exact in f32), added by f32 FMAs. On the Xeon of stops 86-89 vdpbf16ps
+ * issues at half the rate of a 512-bit FMA, so it makes no more products a cycle, and its row
+ * kernels (the rounding of the weights, V's pairs) made bf16 decode 1.14-1.19x the time of the
+ * f32 ones; these cost what the f32 ones cost. The weights are not rounded here (the tiles round
+ * theirs): the accum is the base's. score is a function of its own, so that the table differs
+ * from the base where it rounds (pkv__attn_lp). */
+static inline __m512 round_bf16_f32(__m512 x) { /* finite x: to nearest even bf16, as f32 */
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static void prep_bf16_eo_lp(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale,
+                            void *qp) {
+    prep_bf16_eo(q, q_stride, n_rows, head_dim, scale, qp);
+    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
+    for (uint32_t r = 0; r < n_rows; r++) {
+        float *row = (float *)((uint8_t *)qp + r * qrow);
+        uint32_t d = 0;
+        for (; d + 16 <= head_dim; d += 16) _mm512_storeu_ps(row + d, round_bf16_f32(_mm512_loadu_ps(row + d)));
+        for (; d < head_dim; d++) row[d] = pkv__bf16_to_f32(pkv__f32_to_bf16(row[d]));
+    }
+}
+
+static void score_bf16_lp(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,
+                          uint32_t D, float *s, uint32_t ss, pkv__attn_pf *pf) {
+    score_bf16(qp, n_rows, k, krb, n_keys, D, s, ss, pf);
+}
+
+void pkv__attn_lp_rows_f32(pkv__attn_kernels *kt) {
+    kt->prep_q[PKV_DTYPE_BF16] = prep_bf16_eo_lp;
+    kt->score[PKV_DTYPE_BF16] = score_bf16_lp;
+    kt->accum[PKV_DTYPE_BF16] = accum_bf16;
+    kt->prep_q_t[PKV_DTYPE_BF16] = prep_bf16dp; /* the transposed path's queries stay pairs (qt_pairs) */
+}
 BF16DP void pkv__attn_score_t_bf16dp(const float *qt, uint32_t rp, const uint8_t *k, size_t krb, uint32_t n_keys,
                                      uint32_t D, float *s, float *kbuf, pkv__attn_pf *pf) {
     score_t_bf16dp(qt, rp, k, krb, n_keys, D, s, kbuf, pf);
