@@ -804,9 +804,11 @@ typedef struct pkv_attn_params {
  * flag's absence and 0.31-0.33x that of vdpbf16ps (avx512-vnni's, which there took 1.35-1.39x
  * the time of no flag) on an Intel Xeon with AMX (family 6 model 167 as reported, stop 86);
  * 0.36-0.37x with tiles of 64 query rows a kv head (stop 87).
- * Head dims and V dims that are not a multiple of 32, and units of fewer than 16 query rows a kv
- * head (decode of fewer than 16 query heads a kv head, decode read in pool order, short
- * extends), keep vdpbf16ps.
+ * There, units of fewer than 16 query rows a kv head (decode of fewer than 16 query heads a kv
+ * head, decode read in pool order, short extends) take the rounded queries on f32 FMAs and keep
+ * f32 weights, since vdpbf16ps made that decode 1.14-1.19x the time of no flag on that Xeon;
+ * so decode with the flag costs what it costs without (1.00-1.02x, stop 89). Head dims and V
+ * dims that are not a multiple of 32 in the tile units keep vdpbf16ps.
  * - fp8 e4m3, q8_0 and q4_0 K and V, on "avx512-amx" alone and in those units alone (head_dim a
  *   multiple of 32 for K, v_dim for V; the row path and other backends compute as without the
  *   flag): an e4m3 code's value, a q8_0 int8 and a q4_0 nibble minus 8 are bf16 values exactly,
