@@ -1969,13 +1969,17 @@ static void test_bf16_dot(void **state) {
                 }
                 /* the flag changes the results exactly where a kernel of its own ran (and some query sees
                    two keys: over one key the output is its V whatever the score) */
-                bool two_keys = false, t_rows = false; /* t_rows: a unit of 16 rows a kv head may run */
+                /* t_rows: a unit of 16 rows a kv head may run; t_unit: one does (an extend, not the
+                   sweep's, of 16 rows a kv head and more), whose second query sees two keys */
+                bool two_keys = false, t_rows = false, t_unit = false;
                 for (uint32_t i = 0; i < w.n_seqs; i++) {
                     two_keys |= w.items[i].q_pos0 + w.items[i].n_q >= 2;
                     t_rows |= w.items[i].n_q * G >= 16;
+                    t_unit |= w.items[i].n_q >= 2 && w.items[i].n_q * G >= 16;
                 }
                 if (!(lp_k || rows_v || (lp_v && t_rows))) assert_false(differs);
                 else if (two_keys && (lp_k || rows_v)) assert_true(differs);
+                else if (t_unit && lp_v && pkv__attn_has_t(at, kv[ti][0], kv[ti][1])) assert_true(differs);
                 lp_world_free(&w);
             }
     print_message("  %s: %u of %u cases took bf16 dot products; max err %.3g of the tolerance, lse err %.3g\n",

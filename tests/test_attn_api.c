@@ -475,6 +475,41 @@ static void test_api_bf16_dot(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* pkv_attn_flags_used against what the flag does, for a bf16 V beside an f32 K at head_dim 80 (not
+ * a multiple of 32): a prefill of 16 query rows a kv head (the transposed path where the backend
+ * has it) differs with PKV_ATTN_BF16_DOT exactly where the cache says the flag applies. On
+ * avx512-amx only those units round there (their weights: the tiles' vdpbf16ps fallback), so the
+ * cache must say so (stop 89's review: it had said 0). */
+static void test_api_bf16_v_flags_used(void **state) {
+    (void)state;
+    enum { HD = 80, KVH = 2, QH = 8, N = 40, NQ = 8 };
+    pkv_config cfg = pkv_config_default();
+    cfg.n_layers = 1, cfg.n_kv_heads = KVH, cfg.head_dim = HD, cfg.block_tokens = 16, cfg.n_blocks = 8;
+    cfg.k_dtype = PKV_DTYPE_F32, cfg.v_dtype = PKV_DTYPE_BF16;
+    pkv_cache *c = NULL;
+    assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+    const bool used = (pkv_attn_flags_used(c) & PKV_ATTN_BF16_DOT) != 0;
+    if (!strcmp(pkv_attn_backend(c), "avx512-amx")) assert_true(used);
+    if (!strcmp(pkv_attn_backend(c), "ref")) assert_false(used);
+    pkv_seq s;
+    int32_t tok[N];
+    static float k[N * KVH * HD], v[N * KVH * HD], q[NQ * QH * HD], plain[NQ * QH * HD], out[NQ * QH * HD];
+    for (int i = 0; i < N; i++) tok[i] = 7 + i;
+    for (size_t i = 0; i < sizeof k / sizeof *k; i++) k[i] = rnd(), v[i] = rnd();
+    for (size_t i = 0; i < sizeof q / sizeof *q; i++) q[i] = 2.0f * rnd();
+    assert_int_equal(pkv_seq_create(c, NULL, 0, &s), PKV_OK);
+    assert_int_equal(pkv_seq_append(c, s, tok, N, NULL), PKV_OK);
+    assert_int_equal(pkv_seq_write_kv(c, s, 0, 0, N, k, v, PKV_DTYPE_F32), PKV_OK);
+    pkv_attn_params p = pkv_attn_params_default();
+    p.n_q_heads = QH;
+    const pkv_attn_req r = {s, N - NQ, NQ}; /* 8 queries x 4 query heads a kv head: 32 rows */
+    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, plain, &p), PKV_OK);
+    p.flags = PKV_ATTN_BF16_DOT;
+    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_OK);
+    assert_true((memcmp(plain, out, sizeof out) != 0) == used);
+    pkv_cache_destroy(c);
+}
+
 /* A rounding flag's calls on sequence id at the positions of the tests below: a decode (4 rows a kv
  * head: the row path) gives the same bits with flag as without, and a prefill of 16 queries from
  * 180 (64 rows a kv head: the tiles) differs exactly where used; out holds the prefill with the
@@ -2681,6 +2716,7 @@ int main(void) {
         cmocka_unit_test(test_api_shared_prefix),
         cmocka_unit_test(test_api_bad_input),
         cmocka_unit_test(test_api_bf16_dot),
+        cmocka_unit_test(test_api_bf16_v_flags_used),
         cmocka_unit_test(test_api_f16_as_bf16),
         cmocka_unit_test(test_api_fp8_bf16_dot),
         cmocka_unit_test(test_api_merge_cascade),

@@ -524,10 +524,11 @@ static bool t_differs(const pkv__attn *at, unsigned tab, unsigned base, pkv_dtyp
     const pkv__attn_kernels *f = &at->kt_tab[tab], *o = &at->kt_tab[base];
     /* the transposed path runs a pair with both primitives (f16 K beside a q8_0 V only in tables
        with AMX's PKV_ATTN_BF16_DOT kernels); the tiles take head_dim (K) or v_dim (V) in groups
-       of 32, the f32 kernels the rest */
+       of 32, the f32 kernels the rest; bf16's rest goes to the vdpbf16ps kernels, which round
+       alike (attn_amx.c: score_t_amx, accum_fallback), so bf16 differs at every head_dim */
     return f->score_t[k_dtype] && f->accum_t[v_dtype] &&
-           ((f->score_t[k_dtype] != o->score_t[k_dtype] && head_dim % 32 == 0) ||
-            (f->accum_t[v_dtype] != o->accum_t[v_dtype] && v_dim % 32 == 0));
+           ((f->score_t[k_dtype] != o->score_t[k_dtype] && (head_dim % 32 == 0 || k_dtype == PKV_DTYPE_BF16)) ||
+            (f->accum_t[v_dtype] != o->accum_t[v_dtype] && (v_dim % 32 == 0 || v_dtype == PKV_DTYPE_BF16)));
 }
 
 bool pkv__attn_f16bf(const pkv__attn *at, pkv_dtype k_dtype, pkv_dtype v_dtype, uint32_t head_dim, uint32_t v_dim) {

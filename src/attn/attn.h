@@ -573,8 +573,8 @@ static inline void pkv__attn_softmax_commit(float *m, float *l, float *acc_row, 
  * whole rows or with parts of rows (x86: tpath_x86.h's TP_DC columns), in the order its prep_q
  * and acc use; fp8 V with each row's scale, fp8 K without, its scores scaled after the sums), not
  * once per row group. A backend fills all three (and the float prep_q) or none; for a
- * K dtype with score_t and not qt_pairs, prep_q must give plain f32 rows (q times scale, in the
- * order the widened K uses), since the driver transposes them as floats.
+ * K dtype with score_t and not qt_pairs, prep_q (prep_q_t where set) must give plain f32 rows (q
+ * times scale, in the order the widened K uses), since the driver transposes them as floats.
  * score_t: for t < n_keys, r < rp: s[t * rp + r] = <qt column r, K row t>, K row t at
  * k + t * k_row_bytes; prefetches pf (the next block's K run) along the way. */
 #define PKV__ATTN_T_MIN_ROWS 16u

@@ -604,8 +604,8 @@ static void accum_tn_amx_q4(const float *p, uint32_t rp, uint32_t n_rows, const 
 /* PKV_ATTN_BF16_DOT's table (attn.h: lp_fill): bf16 K and V by vdpbf16ps (pkv__attn_lp_fill_bf16dp)
  * and on tiles, and fp8 e4m3, q8_0 and q4_0 K and V on tiles (their codes and integers exact as
  * bf16, the queries rounded by the driver, qt_round, and the weights by accum_runs, as for bf16).
- * bf16's row path (decode of fewer than 16 query heads a kv head, short extends) takes the
- * rounded queries on f32 FMAs instead (pkv__attn_lp_rows_f32): here vdpbf16ps makes no more
+ * bf16's row path (decode of fewer than 16 query heads a kv head, decode read in pool order,
+ * short extends) takes the rounded queries on f32 FMAs instead (pkv__attn_lp_rows_f32): here vdpbf16ps makes no more
  * products a cycle than a 512-bit FMA, and its row kernels made bf16 decode 1.14-1.19x the time
  * of the f32 ones (stop 89; on Zen 4, where it does, 0.80-0.82x: stop 59). */
 void PKV__AMX_LP_FILL(pkv__attn_kernels *kt) {
