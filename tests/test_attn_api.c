@@ -475,6 +475,17 @@ static void test_api_bf16_dot(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* A prefill of r under p with flags base, into plain, and with base | flag, into out (n floats
+ * each); p's flags are base | flag after. Whether the two differ. */
+static bool prefill_differs(pkv_cache *c, const pkv_attn_req *r, const float *q, float *plain, float *out, size_t n,
+                            pkv_attn_params *p, uint32_t base, uint32_t flag) {
+    p->flags = base;
+    assert_int_equal(pkv_attn_prefill(c, 0, r, 1, q, plain, p), PKV_OK);
+    p->flags = base | flag;
+    assert_int_equal(pkv_attn_prefill(c, 0, r, 1, q, out, p), PKV_OK);
+    return memcmp(plain, out, sizeof(float) * n) != 0;
+}
+
 /* pkv_attn_flags_used against what the flag does, for a bf16 V beside an f32 K at head_dim 80 (not
  * a multiple of 32): a prefill of 16 query rows a kv head (the transposed path where the backend
  * has it) differs with PKV_ATTN_BF16_DOT exactly where the cache says the flag applies. On
@@ -503,10 +514,7 @@ static void test_api_bf16_v_flags_used(void **state) {
     pkv_attn_params p = pkv_attn_params_default();
     p.n_q_heads = QH;
     const pkv_attn_req r = {s, N - NQ, NQ}; /* 8 queries x 4 query heads a kv head: 32 rows */
-    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, plain, &p), PKV_OK);
-    p.flags = PKV_ATTN_BF16_DOT;
-    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, &p), PKV_OK);
-    assert_true((memcmp(plain, out, sizeof out) != 0) == used);
+    assert_true(prefill_differs(c, &r, q, plain, out, NQ * QH * HD, &p, 0, PKV_ATTN_BF16_DOT) == used);
     pkv_cache_destroy(c);
 }
 
@@ -522,10 +530,8 @@ static void flag_calls(pkv_cache *c, pkv_seq id, pkv_attn_params *p, uint32_t fl
     assert_int_equal(pkv_attn_decode(c, 0, &id, 1, q, out, p), PKV_OK);
     assert_memory_equal(plain, out, sizeof(float) * NQH * D);
     const pkv_attn_req r = {id, 180, 16};
-    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, out, p), PKV_OK);
+    assert_true(prefill_differs(c, &r, q, plain, out, 16 * NQH * D, p, 0, flag) == used);
     p->flags = 0;
-    assert_int_equal(pkv_attn_prefill(c, 0, &r, 1, q, plain, p), PKV_OK);
-    assert_true((memcmp(plain, out, sizeof(float) * 16 * NQH * D) != 0) == used);
 }
 
 /* PKV_ATTN_F16_AS_BF16 through the API: an f16 cache says whether its backend takes the flag
@@ -577,13 +583,9 @@ static void test_api_f16_as_bf16(void **state) {
     assert_int_equal(pkv_write_kv(c, 0, slots, 200, kin, vin, PKV_DTYPE_F32), PKV_OK);
     const pkv_attn_req rq = {id, 180, 16};
     static float o2[16 * NQH * D];
-    for (int dot = 0; dot < 2; dot++) {
-        p.flags = dot ? PKV_ATTN_BF16_DOT : 0;
-        assert_int_equal(pkv_attn_prefill(c, 0, &rq, 1, q, plain, &p), PKV_OK);
-        p.flags |= PKV_ATTN_F16_AS_BF16;
-        assert_int_equal(pkv_attn_prefill(c, 0, &rq, 1, q, o2, &p), PKV_OK);
-        assert_true((memcmp(plain, o2, sizeof o2) != 0) == (amx && dot));
-    }
+    for (int dot = 0; dot < 2; dot++)
+        assert_true(prefill_differs(c, &rq, q, plain, o2, 16 * NQH * D, &p, dot ? PKV_ATTN_BF16_DOT : 0,
+                                    PKV_ATTN_F16_AS_BF16) == (amx && dot));
     pkv_cache_destroy(c);
 }
 

@@ -415,10 +415,17 @@ static inline __m512 exp16_scalef(__m512 x) {
 #define TP_E4M3_LD(p) _mm512_cvtph_ps(pkv__e4m3_f16x16(p))
 #include "tpath_x86.h"
 
+/* x, or (round) x rounded to bf16 as PKV_ATTN_BF16_DOT rounds queries (bf16_round_lo), as f32 */
+static inline __attribute__((always_inline)) __m512 eo_value(__m512 x, const bool round) {
+    return round ? _mm512_castsi512_ps(_mm512_slli_epi32(bf16_round_lo(x), 16)) : x;
+}
+
 /* bf16 queries, scaled, in even-odd order (attn.h): each full group of 32 by two two-source
  * permutes. A sweep's chunks prepare every sequence's queries before they start reading
  * (sweep_claim_queries in attn.c), so this copy is on the call's critical path. */
-static void prep_bf16_eo(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp) {
+static inline __attribute__((always_inline)) void prep_eo(const float *q, size_t q_stride, uint32_t n_rows,
+                                                           uint32_t head_dim, float scale, void *qp,
+                                                           const bool round) {
     const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
     const uint32_t D32 = head_dim & ~31u;
     const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -430,11 +437,16 @@ static void prep_bf16_eo(const float *q, size_t q_stride, uint32_t n_rows, uint3
         uint32_t d = 0;
         for (; d < D32; d += 32) {
             const __m512 a = _mm512_loadu_ps(src + d), b = _mm512_loadu_ps(src + d + 16);
-            _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_permutex2var_ps(a, ie, b), vs));
-            _mm512_storeu_ps(dst + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(a, io, b), vs));
+            _mm512_storeu_ps(dst + d, eo_value(_mm512_mul_ps(_mm512_permutex2var_ps(a, ie, b), vs), round));
+            _mm512_storeu_ps(dst + d + 16, eo_value(_mm512_mul_ps(_mm512_permutex2var_ps(a, io, b), vs), round));
         }
-        for (; d < head_dim; d++) dst[d] = src[d] * scale;
+        for (; d < head_dim; d++)
+            dst[d] = round ? pkv__bf16_to_f32(pkv__f32_to_bf16(src[d] * scale)) : src[d] * scale;
     }
+}
+
+static void prep_bf16_eo(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale, void *qp) {
+    prep_eo(q, q_stride, n_rows, head_dim, scale, qp, false);
 }
 
 /* ---- bf16 K by bf16 dot products (PKV_ATTN_BF16_DOT; AVX512_BF16) ------------------------------
@@ -800,23 +812,9 @@ void pkv__attn_lp_fill_bf16dp(pkv__attn_kernels *kt) { lp_fill_bf16dp(kt); }
  * f32 ones; these cost what the f32 ones cost. The weights are not rounded here (the tiles round
  * theirs): the accum is the base's. score is a function of its own, so that the table differs
  * from the base where it rounds (pkv__attn_lp). */
-static inline __m512 round_bf16_f32(__m512 x) { /* finite x: to nearest even bf16, as f32 */
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
 static void prep_bf16_eo_lp(const float *q, size_t q_stride, uint32_t n_rows, uint32_t head_dim, float scale,
                             void *qp) {
-    prep_bf16_eo(q, q_stride, n_rows, head_dim, scale, qp);
-    const size_t qrow = PKV__ATTN_QROW_BYTES(head_dim);
-    for (uint32_t r = 0; r < n_rows; r++) {
-        float *row = (float *)((uint8_t *)qp + r * qrow);
-        uint32_t d = 0;
-        for (; d + 16 <= head_dim; d += 16) _mm512_storeu_ps(row + d, round_bf16_f32(_mm512_loadu_ps(row + d)));
-        for (; d < head_dim; d++) row[d] = pkv__bf16_to_f32(pkv__f32_to_bf16(row[d]));
-    }
+    prep_eo(q, q_stride, n_rows, head_dim, scale, qp, true);
 }
 
 static void score_bf16_lp(const void *qp, uint32_t n_rows, const uint8_t *k, size_t krb, uint32_t n_keys,
