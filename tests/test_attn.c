@@ -286,6 +286,7 @@ static int create_named(const char *backend, uint32_t n_threads, const pkv__attn
 #ifdef PKV_HAVE_AVX512_EMU
     if (!strcmp(backend, "avx512-emu"))
         return pkv__attn_create_extended(NULL, n_threads, lim, "avx2", pkv__attn_fill_avx512_emu, out);
+#endif
     if (!strcmp(backend, "avx512-amx-emu")) { /* its fallbacks are the vdpbf16ps kernels */
 #ifdef PKV_TEST_AMX_EMU
         if (!(pkv__cpu_features() & PKV_CPU_AVX512BF16)) return PKV_ENOTSUP;
@@ -294,7 +295,6 @@ static int create_named(const char *backend, uint32_t n_threads, const pkv__attn
         return PKV_ENOTSUP;
 #endif
     }
-#endif
     return pkv__attn_create_backend(NULL, n_threads, lim, backend, out);
 }
 
