@@ -1122,7 +1122,10 @@ PKV_NODISCARD PKV_API int pkv_tier_file_create(const char *dir, uint64_t capacit
  * under key_prefix (NULL: "pkv:") followed by the key's 16 bytes, on the server at host:port.
  * What stays is the server's to decide, by its maxmemory and maxmemory-policy: allkeys-lru
  * drops the least recently used; under noeviction a full server refuses puts (PKV_ENOSPC, not an
- * error for a save). One connection a tier, its calls one at a time; a connection that broke
+ * error for a save). One connection a tier, its calls one at a time; a load (and the prefetch
+ * thread) sends the GETs of its next 4 blocks together and reads each reply as it comes to that
+ * block, so that the server answers the next while this one is checked and written (a load that
+ * ends earlier leaves replies that the next call reads past). A connection that broke
  * is made again at the next call, and a call that cannot reach the server is PKV_EIO (a save
  * fails; a load ends there). timeout_ms: for connecting and for each command (0: 1000). PKV_EIO
  * where the server does not answer at creation. hiredis allocates with malloc, not alloc.

@@ -12,6 +12,7 @@
 #include <cmocka.h>
 
 #include "support_util.h"
+#include "tier/tier_int.h" /* PKV__TIER_AHEAD */
 
 #include <signal.h>
 #include <stdio.h>
@@ -191,7 +192,189 @@ static void test_redis(void **state) {
     pkv_cache_destroy(d);
 }
 
+/* The server's count of the GETs it answered (INFO commandstats, through redis-cli). */
+static long gets_answered(int port) {
+    char cmd[96], line[256];
+    snprintf(cmd, sizeof cmd, "redis-cli -p %d INFO commandstats", port);
+    FILE *f = popen(cmd, "r");
+    assert_non_null(f);
+    long n = 0; /* no line: none yet */
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, "cmdstat_get:calls=", 18)) n = strtol(line + 18, NULL, 10);
+    assert_int_equal(pclose(f), 0);
+    return n;
+}
+
+/* a and b hold the same rows at [0, n) of sa and sb, every layer */
+static void same_rows(pkv_cache *a, pkv_seq sa, pkv_cache *b, pkv_seq sb, uint32_t n) {
+    const size_t kb = pkv_dtype_row_bytes(PKV_DTYPE_F16, HD) * KV * n, vb = pkv_dtype_row_bytes(PKV_DTYPE_Q8_0, HD) * KV * n;
+    uint8_t *x = malloc(kb + vb), *y = malloc(kb + vb);
+    for (uint32_t l = 0; l < LAYERS; l++) {
+        TU_OK(pkv_seq_read_stored(a, sa, l, 0, n, x, x + kb));
+        TU_OK(pkv_seq_read_stored(b, sb, l, 0, n, y, y + kb));
+        assert_memory_equal(x, y, kb + vb);
+    }
+    free(x);
+    free(y);
+}
+
+/* The store's gets ahead call by call (pkv__tier_redis_open: its ops and want): whatever comes
+ * after a want, each call answers for its own key, never with a reply sent ahead for another:
+ * a get of another key, a probe, a put and a del between, a want that skips one, a key the
+ * server lacks, a buffer too small. Values: key j's is j + 1 bytes of j (k[5] is stored later). */
+static void test_redis_store_ahead(void **state) {
+    (void)state;
+    pkv_tier_ops ops;
+    void *ctx = NULL;
+    pkv__tier_want_fn want = NULL;
+    if (pkv__tier_redis_open("127.0.0.1", 1, "x:", 100, NULL, &ops, &ctx, &want) == PKV_ENOTSUP) skip();
+    const int port = 20000 + (int)((getpid() + 13) % 20000);
+    start_server(port, "64mb", "allkeys-lru");
+    int rc = PKV_EIO;
+    for (int i = 0; i < 200 && rc; i++)
+        if ((rc = pkv__tier_redis_open("127.0.0.1", port, "ahead:", 500, NULL, &ops, &ctx, &want))) usleep(50000);
+    TU_OK(rc);
+    assert_non_null(want);
+    uint8_t k[6][PKV__TIER_KEY], v[64], got[64];
+    memset(k, 0, sizeof k);
+    for (int j = 0; j < 6; j++) k[j][0] = (uint8_t)(j + 1), k[j][15] = 0xA5;
+    for (int j = 0; j < 5; j++) {
+        memset(v, j, (size_t)j + 1);
+        TU_OK(ops.put(ctx, k[j], v, (size_t)j + 1));
+    }
+    size_t len = 0;
+#define GET_IS(j)                                                                      \
+    do {                                                                               \
+        memset(got, 0xEE, sizeof got);                                                 \
+        TU_OK(ops.get(ctx, k[j], got, sizeof got, &len));                              \
+        assert_int_equal(len, (size_t)(j) + 1);                                        \
+        for (size_t b_ = 0; b_ < len; b_++) assert_int_equal(got[b_], (uint8_t)(j));   \
+    } while (0)
+    want(ctx, &k[0][0], 4); /* 0-3 sent; 2 asked for first */
+    GET_IS(2);
+    GET_IS(0);
+    want(ctx, &k[0][0], 4);
+    GET_IS(0);
+    GET_IS(1);
+    TU_OK(ops.get(ctx, k[4], NULL, 0, &len)); /* a probe while 2 and 3 are unread */
+    assert_int_equal(len, 5);
+    GET_IS(3);
+    want(ctx, &k[0][0], 3);
+    memset(v, 9, 10);
+    TU_OK(ops.put(ctx, k[5], v, 10)); /* a put between */
+    GET_IS(0);
+    TU_OK(ops.get(ctx, k[5], got, sizeof got, &len));
+    assert_int_equal(len, 10);
+    want(ctx, &k[0][0], 4);
+    TU_OK(ops.del(ctx, k[1])); /* 1's reply was sent before the del: not the answer after it */
+    GET_IS(0);
+    TU_RC(ops.get(ctx, k[1], got, sizeof got, &len), PKV_ENOENT);
+    GET_IS(2);
+    memset(v, 1, 2);
+    TU_OK(ops.put(ctx, k[1], v, 2));
+    want(ctx, &k[0][0], 3);
+    want(ctx, &k[1][0], 3); /* 0 skipped */
+    GET_IS(1);
+    GET_IS(2);
+    want(ctx, &k[2][0], 2);
+    TU_RC(ops.get(ctx, k[2], got, 2, &len), PKV_ENOSPC); /* too small: the length said */
+    assert_int_equal(len, 3);
+    GET_IS(3);
+    uint8_t none[2][PKV__TIER_KEY] = {{0xFF}, {0}}; /* a key the server lacks, then k[0] */
+    memcpy(none[1], k[0], PKV__TIER_KEY);
+    want(ctx, &none[0][0], 2);
+    TU_RC(ops.get(ctx, none[0], got, sizeof got, &len), PKV_ENOENT);
+    GET_IS(0);
+#undef GET_IS
+    ops.destroy(ctx);
+    stop_server(g_srv);
+}
+
+/* A load of tokens[0, n) through t into a new cache: want positions, each the same as src's sa. */
+static void load_new(pkv_tier *t, const int32_t *toks, uint32_t n, uint32_t want, pkv_cache *src, pkv_seq sa) {
+    pkv_cache *b = mk(n / B + 1);
+    pkv_seq s;
+    assert_int_equal(load_fresh(t, b, toks, n, &s), want);
+    same_rows(src, sa, b, s, want);
+    pkv_cache_destroy(b);
+}
+
+/* Gets ahead (tier_redis.c): a load sends the GETs of the next PKV__TIER_AHEAD blocks together
+ * and reads their replies as it goes. Whatever ends a load early leaves replies unread, which
+ * the next call on the connection must read past, never take as its own: a load that runs out
+ * of room, one that stops at a block the server lacks (the GETs after it answered nil), and the
+ * tier's prefetch thread fetching one prompt while loads of another run on the same connection,
+ * with the staging so small that each prefetch fetches again. Each load is compared byte for
+ * byte; a reply taken for another key would be refused (rejected) and the load cut short. */
+static void test_redis_ahead(void **state) {
+    (void)state;
+    pkv_tier *t = NULL;
+    if (pkv_tier_redis_create("127.0.0.1", 1, NULL, 100, NULL, &t) == PKV_ENOTSUP) skip();
+    if (system("command -v redis-cli >/dev/null 2>&1") != 0) fail_msg("redis-cli is not installed");
+    const int port = 20000 + (int)((getpid() + 7) % 20000);
+    start_server(port, "64mb", "allkeys-lru");
+    char prefix[64];
+    snprintf(prefix, sizeof prefix, "pkvahead:%d:", (int)getpid());
+    t = connect_tier(port, prefix);
+    enum { NB = 9, M = NB * B + 1 }; /* 9 full blocks and a last token */
+    int32_t toks[M], alt[M];
+    for (int i = 0; i < M; i++) toks[i] = 7 + 5 * i, alt[i] = i < 5 * B ? toks[i] : 1000 + i;
+    pkv_cache *a = mk(NB + 1), *a2 = mk(NB + 1);
+    pkv_seq sa = filled(a, toks, M), sa2, s;
+    uint32_t saved = 0;
+    TU_OK(pkv_tier_save(t, a, sa, &saved));
+    assert_int_equal(saved, NB);
+
+    /* room for 4 blocks (6 of 10 held by another sequence): the 5th append ends the load, with
+       GETs sent past it */
+    pkv_cache *small = mk(NB + 1);
+    int32_t other[6 * B];
+    for (int i = 0; i < 6 * B; i++) other[i] = 3000 + i;
+    (void)filled(small, other, 6 * B);
+    const long g0 = gets_answered(port);
+    assert_int_equal(load_fresh(t, small, toks, M, &s), 4 * B);
+    /* blocks 0-4 asked for, and PKV__TIER_AHEAD - 1 past the 5th */
+    assert_int_equal(gets_answered(port) - g0, PKV_MIN(NB, 5 + PKV__TIER_AHEAD - 1));
+    same_rows(a, sa, small, s, 4 * B);
+    load_new(t, toks, M, NB * B, a, sa);
+
+    /* alt shares toks' first 5 blocks; its own last 4 are stored, toks' are not (another prefix) */
+    char prefix2[64];
+    snprintf(prefix2, sizeof prefix2, "pkvahead2:%d:", (int)getpid());
+    pkv_tier *u = connect_tier(port, prefix2);
+    sa2 = filled(a2, alt, M);
+    TU_OK(pkv_tier_save(u, a2, sa2, &saved));
+    assert_int_equal(saved, NB);
+    load_new(u, toks, M, 5 * B, a, sa); /* ends at block 5: nil, nil, nil after it */
+    load_new(u, alt, M, NB * B, a2, sa2);
+    assert_int_equal(tstats(u).rejected, 0);
+    assert_int_equal(tstats(u).errors, 0);
+
+    /* the prefetch thread on alt (staging: 2 entries, so each prefetch fetches again), loads of
+       toks beside it */
+    TU_OK(pkv_tier_save(u, a, sa, &saved));
+    assert_int_equal(saved, NB - 5);
+    TU_OK(pkv_tier_prefetch_start(u, 3 * 4096));
+    for (int round = 0; round < 20; round++) {
+        TU_OK(pkv_tier_prefetch(u, a, NULL, 0, alt, M));
+        load_new(u, toks, M, NB * B, a, sa);
+    }
+    TU_OK(pkv_tier_prefetch_wait(u));
+    const pkv_tier_stats st = tstats(u);
+    assert_int_equal(st.rejected, 0);
+    assert_int_equal(st.errors, 0);
+    assert_true(st.prefetched > 0);
+    pkv_tier_destroy(u);
+    pkv_tier_destroy(t);
+    stop_server(g_srv);
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(a2);
+    pkv_cache_destroy(small);
+}
+
 int main(void) {
-    const struct CMUnitTest tests[] = {cmocka_unit_test_teardown(test_redis, teardown)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test_teardown(test_redis, teardown),
+                                       cmocka_unit_test_teardown(test_redis_store_ahead, teardown),
+                                       cmocka_unit_test_teardown(test_redis_ahead, teardown)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -22,6 +22,7 @@ typedef struct pf_job pf_job;
 struct pkv_tier {
     pkv_tier_ops ops;
     void *ctx;
+    pkv__tier_want_fn want; /* a built-in store's (tier_int.h), or NULL */
     pkv_allocator alloc;
     pthread_mutex_t mu; /* the counters, the scratch, and the prefetch's jobs and staging */
     pkv_tier_stats st;
@@ -123,8 +124,12 @@ PKV_API int pkv_tier_redis_create(const char *host, int port, const char *key_pr
         return PKV_EINVAL;
     pkv_tier_ops ops;
     void *ctx;
-    const int rc = pkv__tier_redis_open(host, port, key_prefix ? key_prefix : "pkv:", timeout_ms, alloc, &ops, &ctx);
-    return tier_over(rc, &ops, ctx, alloc, out);
+    pkv__tier_want_fn want = NULL;
+    const int rc = pkv__tier_redis_open(host, port, key_prefix ? key_prefix : "pkv:", timeout_ms, alloc, &ops, &ctx,
+                                        &want);
+    const int r = tier_over(rc, &ops, ctx, alloc, out);
+    if (!r) (*out)->want = want;
+    return r;
 }
 
 static void prefetch_stop(pkv_tier *t);
@@ -194,6 +199,7 @@ static void scratch_give(pkv_tier *t, uint8_t *p, size_t size) {
 typedef struct tkey {
     uint8_t b[PKV__TIER_KEY];
 } tkey;
+_Static_assert(sizeof(tkey) == PKV__TIER_KEY, "keys side by side: want_ahead passes them as bytes");
 
 static void key_of(XXH128_hash_t h, tkey *out) {
     XXH128_canonical_t can;
@@ -236,6 +242,21 @@ static bool key_next(const tkey *parent, const int32_t *toks, uint32_t i, uint32
     XXH3_128bits_update(&st, toks + (size_t)i * B, (size_t)(B + more) * sizeof(int32_t));
     key_of(XXH3_128bits_digest(&st), out);
     return true;
+}
+
+/* Tells a store with gets ahead (t->want) that the gets of blocks i, i + 1, ... (up to
+ * PKV__TIER_AHEAD, below nb, as far as their keys are known) come next; key is block i's, its
+ * parent's the one before it. Costs a few hashes a block where the store has no use for it: not
+ * made there. */
+static void want_ahead(pkv_tier *t, const tkey *key, const int32_t *toks, uint32_t i, uint32_t nb, uint32_t B,
+                       size_t known) {
+    if (!t->want) return;
+    tkey win[PKV__TIER_AHEAD];
+    uint32_t n = 1;
+    win[0] = *key;
+    for (; n < PKV__TIER_AHEAD && i + n < nb && key_next(&win[n - 1], toks, i + n, B, known, &win[n]); n++) {
+    }
+    t->want(t->ctx, win[0].b, n);
 }
 
 /* ---- entries ---- */
@@ -540,7 +561,11 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
             const int32_t *bt = tokens + (size_t)i * B;
             if (!key_next(&prev, tokens, i, B, n, key)) break;
             size_t len = 0;
-            int g = take_staged(t, key, buf, sh.entry, &len) ? PKV_OK : t->ops.get(t->ctx, key->b, buf, sh.entry, &len);
+            int g = PKV_OK;
+            if (!take_staged(t, key, buf, sh.entry, &len)) {
+                want_ahead(t, key, tokens, i, full, B, n);
+                g = t->ops.get(t->ctx, key->b, buf, sh.entry, &len);
+            }
             if (g == PKV_ENOENT) {
                 miss = true;
                 break;
@@ -687,6 +712,7 @@ static void prefetch_job(pkv_tier *t, const pf_job *j) {
         pkv__tent *e = fetch_buffer(t, &key, j->sh.entry);
         if (!e) return;
         size_t len = 0;
+        want_ahead(t, &key, j->toks, i, j->nb, j->B, j->known);
         const int g = t->ops.get(t->ctx, key.b, e->data, j->sh.entry, &len);
         const bool ok = g == PKV_OK && entry_ok(&j->sh, e->data, len, &key, &parent, bt);
         pthread_mutex_lock(&t->mu);

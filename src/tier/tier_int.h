@@ -67,8 +67,15 @@ void pkv__tstore_usage(void *ctx, uint64_t *entries, uint64_t *bytes, uint64_t *
 int pkv__tier_host_open(uint64_t capacity, const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx);
 int pkv__tier_file_open(const char *dir, uint64_t capacity, const pkv_allocator *alloc, pkv_tier_ops *ops,
                         void **ctx);
+/* A built-in store's own call beside its ops (pkv_tier_ops is the public contract): want says
+ * that gets of keys[0], keys[1], ... keys[n - 1] (PKV__TIER_KEY bytes each, n <= PKV__TIER_AHEAD)
+ * are coming, in that order, the first of them next, so that the store may ask for them ahead
+ * (Redis: their GETs sent at once, the server answering the next while the caller takes in this
+ * one). Only a hint: any call may follow. */
+#define PKV__TIER_AHEAD 4u
+typedef void (*pkv__tier_want_fn)(void *ctx, const uint8_t *keys, uint32_t n);
 /* host under 256 bytes, prefix under 256 (checked by the caller); PKV_ENOTSUP without hiredis */
 int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms,
-                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx);
+                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_want_fn *want);
 
 #endif
