@@ -227,14 +227,17 @@ static void test_redis_store_ahead(void **state) {
     pkv_tier_ops ops;
     void *ctx = NULL;
     pkv__tier_want_fn want = NULL;
-    if (pkv__tier_redis_open("127.0.0.1", 1, "x:", 100, NULL, &ops, &ctx, &want) == PKV_ENOTSUP) skip();
+    pkv__tier_put_many_fn put_many = NULL;
+    if (pkv__tier_redis_open("127.0.0.1", 1, "x:", 100, NULL, &ops, &ctx, &want, &put_many) == PKV_ENOTSUP) skip();
     const int port = 20000 + (int)((getpid() + 13) % 20000);
     start_server(port, "64mb", "allkeys-lru");
     int rc = PKV_EIO;
     for (int i = 0; i < 200 && rc; i++)
-        if ((rc = pkv__tier_redis_open("127.0.0.1", port, "ahead:", 500, NULL, &ops, &ctx, &want))) usleep(50000);
+        if ((rc = pkv__tier_redis_open("127.0.0.1", port, "ahead:", 500, NULL, &ops, &ctx, &want, &put_many)))
+            usleep(50000);
     TU_OK(rc);
     assert_non_null(want);
+    assert_non_null(put_many);
     uint8_t k[6][PKV__TIER_KEY], v[64], got[64];
     memset(k, 0, sizeof k);
     for (int j = 0; j < 6; j++) k[j][0] = (uint8_t)(j + 1), k[j][15] = 0xA5;
@@ -285,9 +288,44 @@ static void test_redis_store_ahead(void **state) {
     want(ctx, &none[0][0], 2);
     TU_RC(ops.get(ctx, none[0], got, sizeof got, &len), PKV_ENOENT);
     GET_IS(0);
+    /* put_many (the write-back's): probes, then puts of those not found; after a want, whose
+       replies it reads past; k[0] and k[2] stored already (not written again), the two others
+       new (32 bytes of 0x60 + i) */
+    want(ctx, &k[0][0], 4);
+    uint8_t nk[2][PKV__TIER_KEY] = {{0x61, 1}, {0x62, 2}}, nv[2][32];
+    memset(nv[0], 0x60, 32), memset(nv[1], 0x61, 32);
+    const uint8_t *pk[4] = {k[0], nk[0], k[2], nk[1]};
+    const void *pd[4] = {nv[0], nv[0], nv[1], nv[1]};
+    const size_t pl[4] = {32, 32, 32, 32};
+    int pg[4], pp[4];
+    put_many(ctx, 4, pk, pd, pl, pg, pp);
+    assert_int_equal(pg[0], PKV_OK), assert_int_equal(pg[2], PKV_OK);
+    assert_int_equal(pg[1], PKV_ENOENT), assert_int_equal(pg[3], PKV_ENOENT);
+    TU_OK(pp[1]), TU_OK(pp[3]);
+    GET_IS(0);
+    GET_IS(2);
+    for (int i = 0; i < 2; i++) {
+        TU_OK(ops.get(ctx, nk[i], got, sizeof got, &len));
+        assert_int_equal(len, 32);
+        assert_memory_equal(got, nv[i], 32);
+    }
+    /* a full server (maxmemory 1 byte under noeviction) refuses the puts: PKV_ENOSPC */
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "redis-cli -p %d CONFIG SET maxmemory-policy noeviction >/dev/null", port);
+    assert_int_equal(system(cmd), 0);
+    snprintf(cmd, sizeof cmd, "redis-cli -p %d CONFIG SET maxmemory 1 >/dev/null", port);
+    assert_int_equal(system(cmd), 0);
+    nk[0][0] = 0x63, nk[1][0] = 0x64;
+    put_many(ctx, 2, (const uint8_t *const[]){nk[0], nk[1]}, pd, pl, pg, pp);
+    assert_int_equal(pg[0], PKV_ENOENT), assert_int_equal(pg[1], PKV_ENOENT);
+    assert_int_equal(pp[0], PKV_ENOSPC), assert_int_equal(pp[1], PKV_ENOSPC);
+    GET_IS(3);
+    /* the server gone: every status a failure, no crash, and nothing left to read after */
+    stop_server(g_srv);
+    put_many(ctx, 2, (const uint8_t *const[]){nk[0], nk[1]}, pd, pl, pg, pp);
+    for (int i = 0; i < 2; i++) assert_true(pg[i] != PKV_OK && pg[i] != PKV_ENOENT && pp[i] != PKV_OK);
 #undef GET_IS
     ops.destroy(ctx);
-    stop_server(g_srv);
 }
 
 /* A load of tokens[0, n) through t into a new cache: want positions, each the same as src's sa. */
@@ -350,10 +388,17 @@ static void test_redis_ahead(void **state) {
     assert_int_equal(tstats(u).rejected, 0);
     assert_int_equal(tstats(u).errors, 0);
 
-    /* the prefetch thread on alt (staging: 2 entries, so each prefetch fetches again), loads of
-       toks beside it */
-    TU_OK(pkv_tier_save(u, a, sa, &saved));
-    assert_int_equal(saved, NB - 5);
+    /* write-back (the thread's puts, PKV__TIER_AHEAD at a time): toks' last 4 blocks stored, its
+       first 5 found; then the prefetch thread on alt (staging: 2 entries, so each prefetch
+       fetches again), loads of toks beside it */
+    TU_OK(pkv_tier_prefetch_start(u, 64 * 4096));
+    TU_OK(pkv_tier_save_async(u, a, sa, &saved));
+    TU_OK(pkv_tier_flush(u));
+    assert_int_equal(tstats(u).saved, NB + NB - 5); /* alt's, then toks' own */
+    assert_int_equal(tstats(u).save_present, 5);
+    load_new(u, toks, M, NB * B, a, sa);
+    pkv_tier_destroy(u);
+    u = connect_tier(port, prefix2);
     TU_OK(pkv_tier_prefetch_start(u, 3 * 4096));
     for (int round = 0; round < 20; round++) {
         TU_OK(pkv_tier_prefetch(u, a, NULL, 0, alt, M));

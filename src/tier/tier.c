@@ -23,6 +23,7 @@ struct pkv_tier {
     pkv_tier_ops ops;
     void *ctx;
     pkv__tier_want_fn want; /* a built-in store's (tier_int.h), or NULL */
+    pkv__tier_put_many_fn put_many;
     pkv_allocator alloc;
     pthread_mutex_t mu; /* the counters, the scratch, and the prefetch's jobs and staging */
     pkv_tier_stats st;
@@ -125,10 +126,11 @@ PKV_API int pkv_tier_redis_create(const char *host, int port, const char *key_pr
     pkv_tier_ops ops;
     void *ctx;
     pkv__tier_want_fn want = NULL;
+    pkv__tier_put_many_fn put_many = NULL;
     const int rc = pkv__tier_redis_open(host, port, key_prefix ? key_prefix : "pkv:", timeout_ms, alloc, &ops, &ctx,
-                                        &want);
+                                        &want, &put_many);
     const int r = tier_over(rc, &ops, ctx, alloc, out);
-    if (!r) (*out)->want = want;
+    if (!r) (*out)->want = want, (*out)->put_many = put_many;
     return r;
 }
 
@@ -730,12 +732,9 @@ static void prefetch_job(pkv_tier *t, const pf_job *j) {
     }
 }
 
-/* One queued write: put unless the store has it, counted; its buffer then a spare. */
-static void write_back(pkv_tier *t, pkv__tent *e) {
-    size_t len = 0;
-    int g = t->ops.get(t->ctx, e->key, NULL, 0, &len), r = PKV_OK;
-    if (g != PKV_OK) r = t->ops.put(t->ctx, e->key, e->data, e->len);
-    pthread_mutex_lock(&t->mu);
+/* A queued write done (under the lock): counted by the probe's status g and the put's r (where
+ * g was not PKV_OK), its buffer then a spare. */
+static void wrote(pkv_tier *t, pkv__tent *e, int g, int r) {
     if (g != PKV_OK && g != PKV_ENOENT) t->st.errors++; /* taken as absent: the put says more */
     if (g == PKV_OK) t->st.save_present++;
     else if (r == PKV_OK) t->st.saved++;
@@ -744,6 +743,25 @@ static void write_back(pkv_tier *t, pkv__tent *e) {
     t->sz_write -= e->size;
     spare_keep(t, e);
     t->wb_done++;
+}
+
+/* Queued writes e[0, n) (n <= PKV__TIER_AHEAD; more than 1 only where the store has put_many):
+ * each put unless the store has it. */
+static void write_back(pkv_tier *t, pkv__tent *const *e, uint32_t n) {
+    int got[PKV__TIER_AHEAD], put[PKV__TIER_AHEAD];
+    if (t->put_many) {
+        const uint8_t *keys[PKV__TIER_AHEAD];
+        const void *data[PKV__TIER_AHEAD];
+        size_t lens[PKV__TIER_AHEAD];
+        for (uint32_t i = 0; i < n; i++) keys[i] = e[i]->key, data[i] = e[i]->data, lens[i] = e[i]->len;
+        t->put_many(t->ctx, n, keys, data, lens, got, put);
+    } else {
+        size_t len = 0;
+        got[0] = t->ops.get(t->ctx, e[0]->key, NULL, 0, &len), put[0] = PKV_OK;
+        if (got[0] != PKV_OK) put[0] = t->ops.put(t->ctx, e[0]->key, e[0]->data, e[0]->len);
+    }
+    pthread_mutex_lock(&t->mu);
+    for (uint32_t i = 0; i < n; i++) wrote(t, e[i], got[i], put[i]);
     pthread_mutex_unlock(&t->mu);
 }
 
@@ -753,11 +771,16 @@ static void *prefetch_main(void *arg) {
     for (;;) {
         while (!t->pf_stop && !t->pf_head && !t->wb_head) pthread_cond_wait(&t->pf_cv, &t->mu);
         if (t->wb_head) { /* writes first, and all of them before the thread stops */
-            pkv__tent *e = t->wb_head;
-            t->wb_head = e->hnext;
+            pkv__tent *e[PKV__TIER_AHEAD];
+            uint32_t n = 0;
+            const uint32_t most = t->put_many ? PKV__TIER_AHEAD : 1;
+            for (; n < most && t->wb_head; n++) {
+                e[n] = t->wb_head;
+                t->wb_head = e[n]->hnext;
+            }
             if (!t->wb_head) t->wb_tail = NULL;
             pthread_mutex_unlock(&t->mu);
-            write_back(t, e);
+            write_back(t, e, n);
             pthread_mutex_lock(&t->mu);
             pthread_cond_broadcast(&t->pf_idle); /* a flush waits for its count of writes done */
             continue;

@@ -74,8 +74,16 @@ int pkv__tier_file_open(const char *dir, uint64_t capacity, const pkv_allocator 
  * one). Only a hint: any call may follow. */
 #define PKV__TIER_AHEAD 4u
 typedef void (*pkv__tier_want_fn)(void *ctx, const uint8_t *keys, uint32_t n);
+/* Another: the write-back's puts of n <= PKV__TIER_AHEAD entries at once, each as a probe (get
+ * without data) and, where that did not find the key, a put: got[i] the probe's status (PKV_OK,
+ * PKV_ENOENT, or a failure), put[i] the put's where one was made. Redis sends the probes
+ * together and then the puts one after the other without waiting for replies, and reads the
+ * replies after: one round trip for all, where the ops take two for each. */
+typedef void (*pkv__tier_put_many_fn)(void *ctx, uint32_t n, const uint8_t *const *keys, const void *const *data,
+                                      const size_t *len, int *got, int *put);
 /* host under 256 bytes, prefix under 256 (checked by the caller); PKV_ENOTSUP without hiredis */
 int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms,
-                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_want_fn *want);
+                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_want_fn *want,
+                         pkv__tier_put_many_fn *put_many);
 
 #endif

@@ -15,8 +15,11 @@
 #include <string.h>
 
 #ifdef PKV_HAVE_HIREDIS
+#include <errno.h>
 #include <hiredis/hiredis.h>
+#include <signal.h>
 #include <sys/time.h>
+#include <time.h>
 
 typedef struct redis_store {
     pthread_mutex_t mu;
@@ -31,6 +34,38 @@ typedef struct redis_store {
     char host[256];
     char key[256 + PKV__TIER_KEY]; /* the prefix, then room for the key's bytes (under the lock) */
 } redis_store;
+
+/* hiredis writes with write(2): where the server has gone, a write after the first raises
+ * SIGPIPE, whose default action ends the process. A library cannot change that action for its
+ * caller, so each store call holds SIGPIPE back in its own thread while it runs and takes one
+ * raised meanwhile (unless one was pending already: that one is the caller's); the write then
+ * fails with EPIPE and the call with PKV_EIO. */
+typedef struct pipe_guard {
+    sigset_t old;
+    bool had; /* SIGPIPE pending before the call */
+} pipe_guard;
+
+static void enter(redis_store *r, pipe_guard *g) {
+    sigset_t pipe, pend;
+    sigemptyset(&pipe);
+    sigaddset(&pipe, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe, &g->old);
+    g->had = !sigpending(&pend) && sigismember(&pend, SIGPIPE);
+    pthread_mutex_lock(&r->mu);
+}
+
+static void leave(redis_store *r, pipe_guard *g) {
+    pthread_mutex_unlock(&r->mu);
+    sigset_t pipe, pend;
+    sigemptyset(&pipe);
+    sigaddset(&pipe, SIGPIPE);
+    if (!g->had && !sigpending(&pend) && sigismember(&pend, SIGPIPE)) {
+        const struct timespec none = {0, 0};
+        while (sigtimedwait(&pipe, NULL, &none) < 0 && errno == EINTR) {
+        }
+    }
+    pthread_sigmask(SIG_SETMASK, &g->old, NULL);
+}
 
 static int connect_now(redis_store *r) {
     if (r->rc) return PKV_OK;
@@ -64,6 +99,23 @@ static void drain(redis_store *r) {
     for (redisReply *y; r->n_ahead && (y = next_reply(r)); r->n_ahead--) freeReplyObject(y);
 }
 
+/* Queues the command for key (fmt: the key's %b, then the value's where data is set) and writes
+ * it out now (a put's value can be large: not kept queued beside the next); false where the
+ * connection failed (then dropped). */
+static bool send_now(redis_store *r, const char *fmt, const uint8_t *key, const void *data, size_t len) {
+    memcpy(r->key + r->prefix_len, key, PKV__TIER_KEY);
+    const int q = data ? redisAppendCommand(r->rc, fmt, r->key, r->prefix_len + PKV__TIER_KEY, data, len)
+                       : redisAppendCommand(r->rc, fmt, r->key, r->prefix_len + PKV__TIER_KEY);
+    int done = q != REDIS_OK;
+    while (!done)
+        if (redisBufferWrite(r->rc, &done) != REDIS_OK) break;
+    if (q != REDIS_OK || !done) {
+        drop_connection(r);
+        return false;
+    }
+    return true;
+}
+
 /* a command's reply, or NULL (connection dropped: made again at the next call) */
 static redisReply *command(redis_store *r, const char *fmt, const uint8_t *key, const void *data, size_t len) {
     drain(r);
@@ -77,43 +129,81 @@ static redisReply *command(redis_store *r, const char *fmt, const uint8_t *key, 
 
 static void redis_want(void *ctx, const uint8_t *keys, uint32_t n) {
     redis_store *r = ctx;
-    pthread_mutex_lock(&r->mu);
+    pipe_guard g;
+    enter(r, &g);
     n = n < PKV__TIER_AHEAD ? n : PKV__TIER_AHEAD;
     /* those sent already must be the first of keys, in order */
     const uint32_t same = r->n_ahead < n ? r->n_ahead : n;
     if (memcmp(r->ahead, keys, (size_t)same * PKV__TIER_KEY)) drain(r);
-    const uint32_t first = r->n_ahead;
-    if (first < n && !connect_now(r)) {
-        for (uint32_t j = first; j < n; j++) {
+    /* written at once: redisGetReply writes what is queued only while no reply is waiting */
+    if (r->n_ahead < n && !connect_now(r))
+        for (uint32_t j = r->n_ahead; j < n; j++) {
             const uint8_t *key = keys + (size_t)j * PKV__TIER_KEY;
-            memcpy(r->key + r->prefix_len, key, PKV__TIER_KEY);
-            if (redisAppendCommand(r->rc, "GET %b", r->key, r->prefix_len + PKV__TIER_KEY) != REDIS_OK) break;
+            if (!send_now(r, "GET %b", key, NULL, 0)) break;
             memcpy(r->ahead[r->n_ahead++], key, PKV__TIER_KEY);
         }
-        /* written now: redisGetReply writes what is queued only once no reply is waiting */
-        int done = 0;
-        while (r->n_ahead > first && !done)
-            if (redisBufferWrite(r->rc, &done) != REDIS_OK) drop_connection(r);
-    }
-    pthread_mutex_unlock(&r->mu);
+    leave(r, &g);
+}
+
+/* a SET's reply as a status: refused for want of room under noeviction (OOM) is PKV_ENOSPC */
+static int set_status(const redisReply *y) {
+    return !y                                                                      ? PKV_EIO
+           : y->type == REDIS_REPLY_STATUS                                         ? PKV_OK
+           : y->type == REDIS_REPLY_ERROR && y->str && !strncmp(y->str, "OOM", 3) ? PKV_ENOSPC
+                                                                                   : PKV_EIO;
 }
 
 static int redis_put(void *ctx, const uint8_t key[16], const void *data, size_t len) {
     redis_store *r = ctx;
-    pthread_mutex_lock(&r->mu);
+    pipe_guard g;
+    enter(r, &g);
     redisReply *y = command(r, "SET %b %b", key, data ? data : "", len);
-    int rc = !y                                  ? PKV_EIO
-             : y->type == REDIS_REPLY_STATUS     ? PKV_OK
-             : y->type == REDIS_REPLY_ERROR && y->str && !strncmp(y->str, "OOM", 3) ? PKV_ENOSPC
-                                                 : PKV_EIO;
+    const int rc = set_status(y);
     if (y) freeReplyObject(y);
-    pthread_mutex_unlock(&r->mu);
+    leave(r, &g);
     return rc;
+}
+
+static void redis_put_many(void *ctx, uint32_t n, const uint8_t *const *keys, const void *const *data,
+                           const size_t *len, int *got, int *put) {
+    redis_store *r = ctx;
+    pipe_guard g;
+    enter(r, &g);
+    drain(r);
+    uint32_t sent = 0, idx[PKV__TIER_AHEAD];
+    n = n < PKV__TIER_AHEAD ? n : PKV__TIER_AHEAD;
+    for (uint32_t i = 0; i < n; i++) got[i] = put[i] = PKV_EIO;
+    /* the probes: sent together, then their replies */
+    if (!connect_now(r))
+        for (; sent < n && send_now(r, "STRLEN %b", keys[sent], NULL, 0); sent++) {
+        }
+    for (uint32_t i = 0; i < sent && r->rc; i++) {
+        redisReply *y = next_reply(r);
+        if (!y) break;
+        got[i] = y->type != REDIS_REPLY_INTEGER ? PKV_EIO : y->integer > 0 ? PKV_OK : PKV_ENOENT;
+        freeReplyObject(y);
+    }
+    /* the puts of those not found, each written as soon as it is made, then their replies */
+    sent = 0;
+    if (!connect_now(r))
+        for (uint32_t i = 0; i < n; i++)
+            if (got[i] != PKV_OK) {
+                if (!send_now(r, "SET %b %b", keys[i], len[i] ? data[i] : "", len[i])) break;
+                idx[sent++] = i;
+            }
+    for (uint32_t j = 0; j < sent && r->rc; j++) {
+        redisReply *y = next_reply(r);
+        put[idx[j]] = set_status(y);
+        if (!y) break;
+        freeReplyObject(y);
+    }
+    leave(r, &g);
 }
 
 static int redis_get(void *ctx, const uint8_t key[16], void *data, size_t cap, size_t *len) {
     redis_store *r = ctx;
-    pthread_mutex_lock(&r->mu);
+    pipe_guard g;
+    enter(r, &g);
     int rc = PKV_EIO;
     /* the probe asks for the length (0: no such key; an entry is never empty); a get sent ahead
        takes its reply */
@@ -133,17 +223,18 @@ static int redis_get(void *ctx, const uint8_t key[16], void *data, size_t cap, s
         if (!rc) memcpy(data, y->str, y->len);
     }
     if (y) freeReplyObject(y);
-    pthread_mutex_unlock(&r->mu);
+    leave(r, &g);
     return rc;
 }
 
 static int redis_del(void *ctx, const uint8_t key[16]) {
     redis_store *r = ctx;
-    pthread_mutex_lock(&r->mu);
+    pipe_guard g;
+    enter(r, &g);
     redisReply *y = command(r, "DEL %b", key, NULL, 0);
     int rc = y && y->type == REDIS_REPLY_INTEGER ? PKV_OK : PKV_EIO;
     if (y) freeReplyObject(y);
-    pthread_mutex_unlock(&r->mu);
+    leave(r, &g);
     return rc;
 }
 
@@ -156,7 +247,8 @@ static void redis_destroy(void *ctx) {
 }
 
 int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms,
-                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_want_fn *want) {
+                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_want_fn *want,
+                         pkv__tier_put_many_fn *put_many) {
     redis_store *r = pkv__alloc(alloc, sizeof *r, 64);
     if (!r) return PKV_ENOMEM;
     memset(r, 0, sizeof *r);
@@ -169,12 +261,15 @@ int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_
     strcpy(r->host, host);
     r->prefix_len = strlen(prefix);
     memcpy(r->key, prefix, r->prefix_len);
+    pipe_guard g;
+    enter(r, &g);
     int rc = connect_now(r);
     if (!rc) { /* the server answers */
         redisReply *y = redisCommand(r->rc, "PING");
         rc = y && y->type != REDIS_REPLY_ERROR ? PKV_OK : PKV_EIO;
         if (y) freeReplyObject(y);
     }
+    leave(r, &g);
     if (rc) {
         redis_destroy(r);
         return rc;
@@ -182,12 +277,15 @@ int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_
     *ops = (pkv_tier_ops){redis_put, redis_get, redis_del, NULL, redis_destroy};
     *ctx = r;
     *want = redis_want;
+    *put_many = redis_put_many;
     return PKV_OK;
 }
 #else
 int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms,
-                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_want_fn *want) {
-    (void)host, (void)port, (void)prefix, (void)timeout_ms, (void)alloc, (void)ops, (void)ctx, (void)want;
+                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_want_fn *want,
+                         pkv__tier_put_many_fn *put_many) {
+    (void)host, (void)port, (void)prefix, (void)timeout_ms, (void)alloc, (void)ops, (void)ctx, (void)want,
+        (void)put_many;
     return PKV_ENOTSUP;
 }
 #endif
