@@ -14,10 +14,14 @@
 #include "support_util.h"
 #include "tier/tier_int.h" /* PKV__TIER_AHEAD */
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -328,6 +332,68 @@ static void test_redis_store_ahead(void **state) {
     ops.destroy(ctx);
 }
 
+/* A stand-in server on the listening socket *arg (closed once it has its one connection):
+ * answers the store's PING at its creation, then reads the start of the next command and hangs
+ * up. */
+static void *hang_up(void *arg) {
+    const int lfd = *(int *)arg;
+    const int fd = accept(lfd, NULL, NULL);
+    close(lfd); /* later connections refused */
+    char buf[4096];
+    size_t have = 0;
+    while (fd >= 0 && !memmem(buf, have, "PING\r\n", 6)) {
+        const ssize_t n = read(fd, buf + have, sizeof buf - have);
+        if (n <= 0) break;
+        have += (size_t)n;
+    }
+    if (fd >= 0) {
+        (void)!write(fd, "+PONG\r\n", 7);
+        (void)!read(fd, buf, sizeof buf); /* the put's first bytes */
+        close(fd);
+    }
+    return NULL;
+}
+
+/* A server that hangs up while a put is being written: the write after that raises SIGPIPE,
+ * whose default action (left as it is here) would end the process. The put fails with PKV_EIO,
+ * and the thread's signal mask and pending signals are as they were. */
+static void test_redis_hang_up_mid_put(void **state) {
+    (void)state;
+    pkv_tier_ops ops;
+    void *ctx = NULL;
+    pkv__tier_want_fn want;
+    pkv__tier_put_many_fn put_many;
+    if (pkv__tier_redis_open("127.0.0.1", 1, "x:", 100, NULL, &ops, &ctx, &want, &put_many) == PKV_ENOTSUP) skip();
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(lfd >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t al = sizeof a;
+    assert_int_equal(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
+    assert_int_equal(listen(lfd, 1), 0);
+    assert_int_equal(getsockname(lfd, (struct sockaddr *)&a, &al), 0);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, hang_up, &lfd), 0);
+    TU_OK(pkv__tier_redis_open("127.0.0.1", ntohs(a.sin_port), "x:", 2000, NULL, &ops, &ctx, &want, &put_many));
+    const size_t big = 64u << 20; /* far past what the sockets' buffers hold */
+    uint8_t *v = calloc(1, big), key[PKV__TIER_KEY] = {1};
+    assert_non_null(v);
+    TU_RC(ops.put(ctx, key, v, big), PKV_EIO);
+    const uint8_t *pk[2] = {key, key};
+    const void *pd[2] = {v, v};
+    const size_t pl[2] = {big, big};
+    int pg[2], pp[2];
+    put_many(ctx, 2, pk, pd, pl, pg, pp); /* (no one listens now: it cannot connect) */
+    assert_true(pp[0] == PKV_EIO && pp[1] == PKV_EIO);
+    sigset_t mask, pend;
+    assert_int_equal(pthread_sigmask(SIG_BLOCK, NULL, &mask), 0);
+    assert_false(sigismember(&mask, SIGPIPE));
+    assert_int_equal(sigpending(&pend), 0);
+    assert_false(sigismember(&pend, SIGPIPE));
+    pthread_join(th, NULL);
+    ops.destroy(ctx);
+    free(v);
+}
+
 /* A load of tokens[0, n) through t into a new cache: want positions, each the same as src's sa. */
 static void load_new(pkv_tier *t, const int32_t *toks, uint32_t n, uint32_t want, pkv_cache *src, pkv_seq sa) {
     pkv_cache *b = mk(n / B + 1);
@@ -420,6 +486,7 @@ static void test_redis_ahead(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {cmocka_unit_test_teardown(test_redis, teardown),
                                        cmocka_unit_test_teardown(test_redis_store_ahead, teardown),
+                                       cmocka_unit_test(test_redis_hang_up_mid_put),
                                        cmocka_unit_test_teardown(test_redis_ahead, teardown)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
