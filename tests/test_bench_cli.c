@@ -60,8 +60,9 @@ static void expect_usage_errors(char *bad[][5], size_t n) {
 
 static void test_json_lines(void **state) {
     (void)state;
-    char *argv[] = {"pkv",  "bench",    "attn", "--quick", "--json", "--dtype", "f16,q8_0,q4_0",
-                    "--ctx", "512", "--threads", "1", "--prompt", "64", "--occupancy", "50", "--mask", NULL};
+    char *argv[] = {"pkv",       "bench", "attn",     "--quick", "--json",      "--dtype", "f16,q8_0,q4_0",
+                    "--ctx",     "512",   "--threads", "1",      "--prompt",    "64",      "--occupancy",
+                    "50",        "--mask", "--q-heads", "64",    NULL};
     char *out, *err;
     int rc = run_cli(argv, &out, &err);
     if (rc != 0) fail_msg("exit %d: %s", rc, err);
@@ -79,6 +80,7 @@ static void test_json_lines(void **state) {
         const int d = which(line, "kv_dtype", dts, 3);
         assert_int_equal((int)num(line, "threads"), 1);
         assert_int_equal((int)num(line, "batch"), 1);
+        assert_int_equal((int)num(line, "n_q_heads"), 64);
         const double us = num(line, "median_us");
         assert_true(isfinite(us) && us > 0);
         if (str_is(line, "kernel", "decode")) {
@@ -131,6 +133,11 @@ static void test_usage_errors(void **state) {
                       {"pkv", "bench", "attn", "--block-tokens", "0"},
                       {"pkv", "bench", "attn", "--block-tokens", "1025"},
                       {"pkv", "bench", "attn", "--batch", "257"},
+                      /* query heads: a multiple of the 8 kv heads, 8 to 128 */
+                      {"pkv", "bench", "attn", "--q-heads", "12"},
+                      {"pkv", "bench", "attn", "--q-heads", "0"},
+                      {"pkv", "bench", "attn", "--q-heads", "136"},
+                      {"pkv", "bench", "attn", "--q-heads", NULL},
                       /* empty or malformed lists: nothing to run is an error, not an empty run */
                       {"pkv", "bench", "attn", "--dtype", ""},
                       {"pkv", "bench", "attn", "--dtype", ","},
@@ -264,6 +271,7 @@ static void test_bf16_dot_json(void **state) {
                 continue;
             }
             assert_true(str_is(line, "kernel", "decode"));
+            assert_int_equal((int)num(line, "n_q_heads"), 32); /* the default */
             assert_int_equal((int)num(line, "attn_flags"), flag == 1 ? PKV_ATTN_BF16_DOT : flag ? PKV_ATTN_F16_AS_BF16 : 0);
             const int paged = str_is(line, "layout", "paged");
             if (paged && flag) {

@@ -18,6 +18,7 @@
 
 enum { H_KV = 8, H_Q = 32, HEAD_DIM = 128, BT_DEFAULT = 16, BT_MAX = 1024, BATCH_MAX = 256, SETS_MAX = 2 };
 static uint32_t g_bt = BT_DEFAULT; /* block_tokens: opts.block_tokens, set by tool_bench_attn */
+static uint32_t g_hq = H_Q;        /* n_q_heads: opts.q_heads (--q-heads), set by tool_bench_attn */
 static int g_compact;              /* --compact (1) / --batch-compact (2): the paged batch is
                                       compacted before it is timed */
 static uint32_t g_attn_flags;      /* --bf16-dot, --f16-as-bf16: pkv_attn_params.flags of every call */
@@ -27,7 +28,7 @@ static uint32_t g_attn_flags;      /* --bf16-dot, --f16-as-bf16: pkv_attn_params
 static void usage(FILE *f) {
     fprintf(f,
             "usage: pkv bench attn [--json] [--quick] [--dtype LIST] [--ctx LIST] [--batch LIST]\n"
-            "                      [--threads LIST] [--prompt N] [--block-tokens N] [--occupancy PCT]\n"
+            "                      [--threads LIST] [--prompt N] [--block-tokens N] [--q-heads N] [--occupancy PCT]\n"
             "                      [--compact | --batch-compact] [--rounds N] [--bf16-dot] [--f16-as-bf16]\n"
             "                      [--mask]\n"
             "\n"
@@ -74,6 +75,9 @@ static void usage(FILE *f) {
             "  --prompt N      prefill prompt tokens (0: no prefill)\n"
             "  --block-tokens N  token slots per block, 1..1024, at most the smallest context and the\n"
             "              prompt [16]; larger blocks make longer runs, so fewer jumps in a paged table\n"
+            "  --q-heads N  query heads, a multiple of the 8 kv heads up to 128 [32]: 64 is Llama 3\n"
+            "              70B's 8 a kv head, where the arithmetic grows with the rows and hot_bw\n"
+            "              shows whether it, not memory, bounds decode here\n"
             "  --rounds N  rounds per configuration, 3..%d [7; 3 with --quick]: more rounds pin the\n"
             "              medians and the paged / contiguous ratio closer\n"
             "  --occupancy PCT  the decode batch holds PCT%% of its pool's blocks, 10..100 [100]: the\n"
@@ -441,7 +445,7 @@ static int scatter_free_queue(setup *s, tool_rng *rng, uint32_t n_blocks) {
 /* The parameters of every attention call: 32 query heads, --bf16-dot's and --f16-as-bf16's flags. */
 static pkv_attn_params bench_params(void) {
     pkv_attn_params p = pkv_attn_params_default();
-    p.n_q_heads = H_Q;
+    p.n_q_heads = g_hq;
     p.flags = g_attn_flags;
     return p;
 }
@@ -450,7 +454,7 @@ static pkv_attn_params bench_params(void) {
  * default where the tables jump): one decode of layer 0, and the library's own count of the
  * requests it read in pool order (pkv_stats.attn_reqs_pool). 1 yes, 0 no, -1 failed. */
 static int decode_sweeps(const setup *s) {
-    const size_t n = (size_t)s->batch * H_Q * HEAD_DIM;
+    const size_t n = (size_t)s->batch * g_hq * HEAD_DIM;
     float *q = calloc(n, sizeof *q), *out = malloc(n * sizeof *out);
     pkv_attn_params p = bench_params();
     pkv_stats a, b;
@@ -517,7 +521,7 @@ static int intel_cpu(void) {
 static int sweep_order(setup *s, uint32_t nt) {
     const size_t n = (size_t)s->per_seq * s->batch;
     const size_t qrow = ((size_t)HEAD_DIM * 4 + 63) / 64 * 64;
-    const size_t entry = s->L.k_block_bytes + s->L.v_block_bytes + (size_t)H_Q * (qrow + HEAD_DIM * sizeof(float));
+    const size_t entry = s->L.k_block_bytes + s->L.v_block_bytes + (size_t)g_hq * (qrow + HEAD_DIM * sizeof(float));
     const size_t budget = l2_bytes() / 8 * SW_L2_EIGHTHS;
     size_t per = (budget < SW_BYTES_MAX ? budget : SW_BYTES_MAX) / entry;
     const size_t per_min = g_victim_l3 ? SW_ITEMS_MIN_VICTIM : SW_ITEMS_MIN;
@@ -635,6 +639,7 @@ typedef struct opts {
     int dtype_on[PKV_DTYPE_COUNT], dtype_set;
     long prompt; /* -1: the default */
     uint32_t block_tokens;
+    uint32_t q_heads;
     uint32_t occupancy;
     uint32_t rounds; /* 0: the default (7; 3 with --quick) */
     int mask;        /* --mask */
@@ -693,13 +698,13 @@ static const uint8_t *two_run(const pkv_layout *L, const uint8_t *K, const uint8
 }
 
 /* Blocks ids[0 .. n) read as the library's two passes read them (g_two; attn.c, pass_window and
- * pass_pf): windows of as many blocks as 64 KiB of one decode's scores (H_Q rows a block) take,
+ * pass_pf): windows of as many blocks as 64 KiB of one decode's scores (g_hq rows a block) take,
  * at most 64; the prefetch leads by about PKV_ATTN_PF_LEAD bytes of the walk (2 x that over a K
  * and a V run's bytes, at least 2 runs) into L2, or where g_pf_l1 says with the NTA hint and the
  * next run into L1 (tool_sum_run). */
 static uint64_t read_two(const pkv_layout *L, const uint8_t *K, const uint8_t *V, const int32_t *ids, size_t n) {
     const size_t H = L->n_kv_heads, kh = L->k_block_bytes / H, vh = L->v_block_bytes / H;
-    const size_t per = (size_t)H_Q * ((g_bt + 15u) & ~15u) * sizeof(float), w0 = (size_t)64 * 1024 / per;
+    const size_t per = (size_t)g_hq * ((g_bt + 15u) & ~15u) * sizeof(float), w0 = (size_t)64 * 1024 / per;
     const size_t w = w0 < 1 ? 1 : w0 > 64 ? 64 : w0, ahead0 = (2 * PKV_ATTN_PF_LEAD + kh + vh - 1) / (kh + vh);
     const size_t ahead = ahead0 < 2 ? 2 : ahead0;
     uint64_t sum = 0;
@@ -899,13 +904,13 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
     const int rounds = opts_rounds(o);
     const double round_s = o->quick ? 0.1 : 0.15;
     const uint32_t min_calls = per_layer >= 64.0 * 1024 * 1024 ? 3 : 15;
-    float *q = malloc(sizeof(float) * batch * H_Q * HEAD_DIM), *out = malloc(sizeof(float) * batch * H_Q * HEAD_DIM);
+    float *q = malloc(sizeof(float) * batch * g_hq * HEAD_DIM), *out = malloc(sizeof(float) * batch * g_hq * HEAD_DIM);
     if (!q || !out) {
         fprintf(stderr, "pkv bench attn: out of memory for the queries\n");
         free(q), free(out);
         return -1;
     }
-    for (size_t i = 0; i < (size_t)batch * H_Q * HEAD_DIM; i++) q[i] = (float)tool_rng_normal(rng);
+    for (size_t i = 0; i < (size_t)batch * g_hq * HEAD_DIM; i++) q[i] = (float)tool_rng_normal(rng);
     /* su[2]: the in-cache run, paged, one layer of about HOT_BYTES: up to 2 of the batch's
      * sequences, as many tokens as fit (at most ctx) */
     const uint32_t hot_batch = batch < 2 ? batch : 2;
@@ -973,10 +978,10 @@ static int bench_decode(const opts *o, pkv_dtype dt, uint32_t ctx, uint32_t batc
             printf("{\"bench\":\"attn\",\"kernel\":\"decode\",\"kv_dtype\":\"%s\",\"ctx\":%u,\"batch\":%u,\"threads\":%u,"
                    "\"layout\":\"%s\",\"median_us\":%.2f,\"gbps\":%.3f,\"read_bw_gbps\":%.3f,\"frac_of_bw\":%.4f,"
                    "\"ws_mib\":%.0f,\"bytes_per_token_layer\":%zu,\"rounds\":%d,\"adjacent_blocks\":%.3f,"
-                   "\"occupancy\":%.2f,\"attn_flags\":%u",
+                   "\"occupancy\":%.2f,\"attn_flags\":%u,\"n_q_heads\":%u",
                    pkv_dtype_name(dt), ctx, batch, nt, layout, med * 1e6, gbps, bw_med, fr,
                    per_layer * n_layers / (1024.0 * 1024.0), (size_t)H_KV * row, rounds, adjacent[paged],
-                   o->occupancy / 100.0, g_attn_flags);
+                   o->occupancy / 100.0, g_attn_flags, g_hq);
         else
             printf("%-7s %-8s %6u %5u %3u  %-6s %10.1f %8.2f %8.2f %6.1f%% %7.0f %6zu", "decode", pkv_dtype_name(dt), ctx,
                    batch, nt, layout, med * 1e6, gbps, bw_med, 100.0 * fr, per_layer * n_layers / (1024.0 * 1024.0),
@@ -1023,8 +1028,8 @@ static double peak_sample(uint32_t nt) { return fma_available() ? fma_peak_n((in
 static void prefill_json_extra(pkv_dtype dt, uint32_t n_tok, uint32_t nt, const char *layout, double med, double flop,
                                const char *ratio_name, double ratio) {
     printf("{\"bench\":\"attn\",\"kernel\":\"prefill\",\"kv_dtype\":\"%s\",\"ctx\":%u,\"batch\":1,\"threads\":%u,"
-           "\"layout\":%s,\"median_us\":%.1f,\"gflops\":%.2f,\"%s\":%.4f}\n",
-           pkv_dtype_name(dt), n_tok, nt, layout, med * 1e6, flop / med * 1e-9, ratio_name, ratio);
+           "\"layout\":%s,\"n_q_heads\":%u,\"median_us\":%.1f,\"gflops\":%.2f,\"%s\":%.4f}\n",
+           pkv_dtype_name(dt), n_tok, nt, layout, g_hq, med * 1e6, flop / med * 1e-9, ratio_name, ratio);
 }
 
 static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t nt, tool_rng *rng) {
@@ -1034,7 +1039,7 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
         fprintf(stderr, "pkv bench attn: prefill set-up failed for %s: %s\n", pkv_dtype_name(dt), pkv_strerror(rc));
         return -1;
     }
-    const size_t n = (size_t)n_tok * H_Q * HEAD_DIM;
+    const size_t n = (size_t)n_tok * g_hq * HEAD_DIM;
     float *q = malloc(sizeof(float) * n), *out = malloc(sizeof(float) * n);
     /* --mask: the causal mask, n_tok rows of n_tok bits (64-bit: 65536^2 / 8 passes a 32-bit size_t) */
     const uint64_t mask_bytes = ((uint64_t)n_tok * n_tok + 7) / 8;
@@ -1059,7 +1064,7 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     plain.flags = 0;
     const int reps = opts_rounds(o);
     /* causal: query i sees i + 1 keys; q.k and p.v are one multiply-add each per element */
-    const double flop = 4.0 * H_Q * HEAD_DIM * ((double)n_tok * (n_tok + 1) / 2.0);
+    const double flop = 4.0 * g_hq * HEAD_DIM * ((double)n_tok * (n_tok + 1) / 2.0);
     rc = tool_check(pkv_attn_prefill(s.c, 0, &req, 1, q, out, &p), "pkv_attn_prefill"); /* warm-up */
     if (mask && rc == 0)
         rc = tool_check(pkv_attn_prefill_masked(s.c, 0, &req, 1, masks, q, out, &p), "pkv_attn_prefill_masked");
@@ -1090,9 +1095,9 @@ static int bench_prefill(const opts *o, pkv_dtype dt, uint32_t n_tok, uint32_t n
     const double peak_med = tool_median(peak, (size_t)reps), frac_med = tool_median(frac, (size_t)reps);
     if (o->json)
         printf("{\"bench\":\"attn\",\"kernel\":\"prefill\",\"kv_dtype\":\"%s\",\"ctx\":%u,\"batch\":1,\"threads\":%u,"
-               "\"layout\":\"paged\",\"attn_flags\":%u,\"median_us\":%.1f,\"gflops\":%.2f,\"peak_gflops\":%.2f,"
-               "\"frac_of_peak\":%.4f}\n",
-               pkv_dtype_name(dt), n_tok, nt, g_attn_flags, med * 1e6, gflops, peak_med, frac_med);
+               "\"layout\":\"paged\",\"attn_flags\":%u,\"n_q_heads\":%u,\"median_us\":%.1f,\"gflops\":%.2f,"
+               "\"peak_gflops\":%.2f,\"frac_of_peak\":%.4f}\n",
+               pkv_dtype_name(dt), n_tok, nt, g_attn_flags, g_hq, med * 1e6, gflops, peak_med, frac_med);
     else
         printf("%-7s %-8s %6u %5u %3u  %-6s %10.1f %8.2f %8.2f %6.1f%%\n", "prefill", pkv_dtype_name(dt), n_tok, 1, nt,
                "paged", med * 1e6, gflops, peak_med, 100.0 * frac_med);
@@ -1133,6 +1138,7 @@ int tool_bench_attn(int argc, char **argv) {
     memset(&o, 0, sizeof o);
     o.prompt = -1;
     o.block_tokens = BT_DEFAULT;
+    o.q_heads = H_Q;
     o.occupancy = 100;
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
@@ -1159,6 +1165,11 @@ int tool_bench_attn(int argc, char **argv) {
             bad = tool_parse_u32_list(val, &o.block_tokens, 1, BT_MAX, &n);
             i++;
         }
+        else if (!strcmp(arg, "--q-heads") && val) {
+            int n = 0;
+            bad = tool_parse_u32_list(val, &o.q_heads, 1, 16 * H_KV, &n) || o.q_heads % H_KV;
+            i++;
+        }
         else if (!strcmp(arg, "--rounds") && val) {
             int n = 0;
             bad = tool_parse_u32_list(val, &o.rounds, 1, ROUNDS_MAX, &n) || o.rounds < 3;
@@ -1183,6 +1194,7 @@ int tool_bench_attn(int argc, char **argv) {
         }
     }
     g_bt = o.block_tokens;
+    g_hq = o.q_heads;
     static const uint32_t ctxs_full[] = {512, 4096, 32768}, ctxs_quick[] = {512, 4096};
     static const uint32_t batches_full[] = {1, 16}, batches_quick[] = {1}, threads_all[] = {1, 2};
     const uint32_t *ctxs = o.n_ctx ? o.ctx : o.quick ? ctxs_quick : ctxs_full;
@@ -1273,7 +1285,7 @@ int tool_bench_attn(int argc, char **argv) {
         printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u, decode pools %u%% held by the batch, "
                "PKV_ATTN_ORDER=%s, PKV_ATTN_SWEEP=%s (%s here), PKV_ATTN_PASSES=%s (%s here), PKV_ATTN_LEAD=%s (%s "
                "here), PKV_ATTN_PIECES=%s (%s here)\n",
-               H_Q, H_KV, HEAD_DIM, g_bt, o.occupancy, order && *order ? order : "(auto)",
+               g_hq, H_KV, HEAD_DIM, g_bt, o.occupancy, order && *order ? order : "(auto)",
                sweep_env && *sweep_env ? sweep_env : "(auto)", g_wide ? "wide" : "narrow",
                passes_env && *passes_env ? passes_env : "(auto)", g_two ? "two" : "one",
                lead_env && *lead_env ? lead_env : "(auto)", lead, pieces_env && *pieces_env ? pieces_env : "(auto)",
