@@ -442,7 +442,8 @@ static int scatter_free_queue(setup *s, tool_rng *rng, uint32_t n_blocks) {
     return 0;
 }
 
-/* The parameters of every attention call: 32 query heads, --bf16-dot's and --f16-as-bf16's flags. */
+/* The parameters of every attention call: g_hq query heads (--q-heads), --bf16-dot's and
+ * --f16-as-bf16's flags. */
 static pkv_attn_params bench_params(void) {
     pkv_attn_params p = pkv_attn_params_default();
     p.n_q_heads = g_hq;
@@ -1282,7 +1283,7 @@ int tool_bench_attn(int argc, char **argv) {
         printf("# streaming read: %.2f GB/s (1 thread), %.2f GB/s (2 threads); f32 FMA peak: %.1f / %.1f GFLOP/s\n",
                g_bw[1], g_bw[2], g_peak[1], g_peak[2]);
         const char *order = getenv("PKV_ATTN_ORDER");
-        printf("# n_q_heads %d, n_kv_heads %d, head_dim %d, block_tokens %u, decode pools %u%% held by the batch, "
+        printf("# n_q_heads %u, n_kv_heads %d, head_dim %d, block_tokens %u, decode pools %u%% held by the batch, "
                "PKV_ATTN_ORDER=%s, PKV_ATTN_SWEEP=%s (%s here), PKV_ATTN_PASSES=%s (%s here), PKV_ATTN_LEAD=%s (%s "
                "here), PKV_ATTN_PIECES=%s (%s here)\n",
                g_hq, H_KV, HEAD_DIM, g_bt, o.occupancy, order && *order ? order : "(auto)",

@@ -22,8 +22,8 @@ typedef struct pf_job pf_job;
 struct pkv_tier {
     pkv_tier_ops ops;
     void *ctx;
-    pkv__tier_want_fn want; /* a built-in store's (tier_int.h), or NULL */
-    pkv__tier_put_many_fn put_many;
+    pkv__tier_ext ext; /* a built-in store's calls beside its ops (tier_int.h), or NULLs */
+    void *tctx;        /* the tier's thread's context on the store: ctx, or its own (ext.clone) */
     pkv_allocator alloc;
     pthread_mutex_t mu; /* the counters, the scratch, and the prefetch's jobs and staging */
     pkv_tier_stats st;
@@ -78,7 +78,7 @@ static int tier_new(const pkv_tier_ops *ops, void *ctx, const pkv_allocator *all
     if (!t) return PKV_ENOMEM;
     memset(t, 0, sizeof *t);
     t->ops = *ops;
-    t->ctx = ctx;
+    t->ctx = t->tctx = ctx;
     if (alloc) t->alloc = *alloc;
     pthread_mutex_init(&t->mu, NULL);
     *out = t;
@@ -125,12 +125,11 @@ PKV_API int pkv_tier_redis_create(const char *host, int port, const char *key_pr
         return PKV_EINVAL;
     pkv_tier_ops ops;
     void *ctx;
-    pkv__tier_want_fn want = NULL;
-    pkv__tier_put_many_fn put_many = NULL;
+    pkv__tier_ext ext = {0};
     const int rc = pkv__tier_redis_open(host, port, key_prefix ? key_prefix : "pkv:", timeout_ms, alloc, &ops, &ctx,
-                                        &want, &put_many);
+                                        &ext);
     const int r = tier_over(rc, &ops, ctx, alloc, out);
-    if (!r) (*out)->want = want, (*out)->put_many = put_many;
+    if (!r) (*out)->ext = ext;
     return r;
 }
 
@@ -250,15 +249,15 @@ static bool key_next(const tkey *parent, const int32_t *toks, uint32_t i, uint32
  * PKV__TIER_AHEAD, below nb, as far as their keys are known) come next; key is block i's, its
  * parent's the one before it. Costs a few hashes a block where the store has no use for it: not
  * made there. */
-static void want_ahead(pkv_tier *t, const tkey *key, const int32_t *toks, uint32_t i, uint32_t nb, uint32_t B,
-                       size_t known) {
-    if (!t->want) return;
+static void want_ahead(pkv_tier *t, void *ctx, const tkey *key, const int32_t *toks, uint32_t i, uint32_t nb,
+                       uint32_t B, size_t known) {
+    if (!t->ext.want) return;
     tkey win[PKV__TIER_AHEAD];
     uint32_t n = 1;
     win[0] = *key;
     for (; n < PKV__TIER_AHEAD && i + n < nb && key_next(&win[n - 1], toks, i + n, B, known, &win[n]); n++) {
     }
-    t->want(t->ctx, win[0].b, n);
+    t->ext.want(ctx, win[0].b, n);
 }
 
 /* ---- entries ---- */
@@ -565,7 +564,7 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
             size_t len = 0;
             int g = PKV_OK;
             if (!take_staged(t, key, buf, sh.entry, &len)) {
-                want_ahead(t, key, tokens, i, full, B, n);
+                want_ahead(t, t->ctx, key, tokens, i, full, B, n);
                 g = t->ops.get(t->ctx, key->b, buf, sh.entry, &len);
             }
             if (g == PKV_ENOENT) {
@@ -714,8 +713,8 @@ static void prefetch_job(pkv_tier *t, const pf_job *j) {
         pkv__tent *e = fetch_buffer(t, &key, j->sh.entry);
         if (!e) return;
         size_t len = 0;
-        want_ahead(t, &key, j->toks, i, j->nb, j->B, j->known);
-        const int g = t->ops.get(t->ctx, key.b, e->data, j->sh.entry, &len);
+        want_ahead(t, t->tctx, &key, j->toks, i, j->nb, j->B, j->known);
+        const int g = t->ops.get(t->tctx, key.b, e->data, j->sh.entry, &len);
         const bool ok = g == PKV_OK && entry_ok(&j->sh, e->data, len, &key, &parent, bt);
         pthread_mutex_lock(&t->mu);
         t->sz_fetch -= e->size;
@@ -749,16 +748,16 @@ static void wrote(pkv_tier *t, pkv__tent *e, int g, int r) {
  * each put unless the store has it. */
 static void write_back(pkv_tier *t, pkv__tent *const *e, uint32_t n) {
     int got[PKV__TIER_AHEAD], put[PKV__TIER_AHEAD];
-    if (t->put_many) {
+    if (t->ext.put_many) {
         const uint8_t *keys[PKV__TIER_AHEAD];
         const void *data[PKV__TIER_AHEAD];
         size_t lens[PKV__TIER_AHEAD];
         for (uint32_t i = 0; i < n; i++) keys[i] = e[i]->key, data[i] = e[i]->data, lens[i] = e[i]->len;
-        t->put_many(t->ctx, n, keys, data, lens, got, put);
+        t->ext.put_many(t->tctx, n, keys, data, lens, got, put);
     } else {
         size_t len = 0;
-        got[0] = t->ops.get(t->ctx, e[0]->key, NULL, 0, &len), put[0] = PKV_OK;
-        if (got[0] != PKV_OK) put[0] = t->ops.put(t->ctx, e[0]->key, e[0]->data, e[0]->len);
+        got[0] = t->ops.get(t->tctx, e[0]->key, NULL, 0, &len), put[0] = PKV_OK;
+        if (got[0] != PKV_OK) put[0] = t->ops.put(t->tctx, e[0]->key, e[0]->data, e[0]->len);
     }
     pthread_mutex_lock(&t->mu);
     for (uint32_t i = 0; i < n; i++) wrote(t, e[i], got[i], put[i]);
@@ -773,7 +772,7 @@ static void *prefetch_main(void *arg) {
         if (t->wb_head) { /* writes first, and all of them before the thread stops */
             pkv__tent *e[PKV__TIER_AHEAD];
             uint32_t n = 0;
-            const uint32_t most = t->put_many ? PKV__TIER_AHEAD : 1;
+            const uint32_t most = t->ext.put_many ? PKV__TIER_AHEAD : 1;
             for (; n < most && t->wb_head; n++) {
                 e[n] = t->wb_head;
                 t->wb_head = e[n]->hnext;
@@ -809,6 +808,10 @@ PKV_API int pkv_tier_prefetch_start(pkv_tier *t, uint64_t staging_bytes) {
     if (!rc) {
         t->staged_cap = staging_bytes;
         t->pf_stop = false;
+        /* a context of the thread's own where the store makes one (else the callers'): not
+           connected until the thread's first call */
+        void *own = NULL;
+        t->tctx = t->ext.clone && !t->ext.clone(t->ctx, &own) ? own : t->ctx;
         pthread_cond_init(&t->pf_cv, NULL);
         pthread_cond_init(&t->pf_idle, NULL);
         if (pthread_create(&t->pf_thread, NULL, prefetch_main, t)) {
@@ -816,6 +819,8 @@ PKV_API int pkv_tier_prefetch_start(pkv_tier *t, uint64_t staging_bytes) {
             pthread_cond_destroy(&t->pf_cv);
             pthread_cond_destroy(&t->pf_idle);
             pkv__tmap_fini(&t->staged);
+            if (t->tctx != t->ctx) t->ops.destroy(t->tctx);
+            t->tctx = t->ctx;
         } else {
             t->pf_on = true;
         }
@@ -841,6 +846,8 @@ static void prefetch_stop(pkv_tier *t) {
     pthread_cond_destroy(&t->pf_cv);
     pthread_cond_destroy(&t->pf_idle);
     pkv__tmap_fini(&t->staged);
+    if (t->tctx != t->ctx) t->ops.destroy(t->tctx);
+    t->tctx = t->ctx;
     t->pf_on = false;
 }
 

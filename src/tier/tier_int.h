@@ -81,9 +81,17 @@ typedef void (*pkv__tier_want_fn)(void *ctx, const uint8_t *keys, uint32_t n);
  * replies after: one round trip for all, where the ops take two for each. */
 typedef void (*pkv__tier_put_many_fn)(void *ctx, uint32_t n, const uint8_t *const *keys, const void *const *data,
                                       const size_t *len, int *got, int *put);
+/* And a third: another context on the same store (*out; PKV_OK, or PKV_ENOMEM), destroyed by
+ * the ops' destroy. The tier's thread (prefetch, write-back) takes one of its own, so that its
+ * calls and the callers' do not wait on one connection, nor drop each other's gets ahead. */
+typedef int (*pkv__tier_clone_fn)(void *ctx, void **out);
+typedef struct pkv__tier_ext {
+    pkv__tier_want_fn want;
+    pkv__tier_put_many_fn put_many;
+    pkv__tier_clone_fn clone;
+} pkv__tier_ext;
 /* host under 256 bytes, prefix under 256 (checked by the caller); PKV_ENOTSUP without hiredis */
 int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms,
-                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_want_fn *want,
-                         pkv__tier_put_many_fn *put_many);
+                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_ext *ext);
 
 #endif

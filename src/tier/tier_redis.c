@@ -94,10 +94,24 @@ static redisReply *next_reply(redis_store *r) {
     return y;
 }
 
-/* the replies of the GETs sent ahead, read and dropped */
-static void drain(redis_store *r) {
-    for (redisReply *y; r->n_ahead && (y = next_reply(r)); r->n_ahead--) freeReplyObject(y);
+/* the first k replies of the GETs sent ahead (k <= n_ahead), read and dropped */
+static void drop_ahead(redis_store *r, uint32_t k) {
+    uint32_t i = 0;
+    for (redisReply *y; i < k && (y = next_reply(r)); i++) freeReplyObject(y);
+    if (!r->rc) return; /* dropped: none left */
+    r->n_ahead -= k;
+    memmove(r->ahead[0], r->ahead[k], (size_t)r->n_ahead * PKV__TIER_KEY);
 }
+
+/* where the GET of key was sent ahead, its place among them; else n_ahead */
+static uint32_t ahead_of(const redis_store *r, const uint8_t *key) {
+    uint32_t k = 0;
+    while (k < r->n_ahead && memcmp(r->ahead[k], key, PKV__TIER_KEY)) k++;
+    return k;
+}
+
+/* every reply of the GETs sent ahead, read and dropped */
+static void drain(redis_store *r) { drop_ahead(r, r->n_ahead); }
 
 /* Queues the command for key (fmt: the key's %b, then the value's where data is set) and writes
  * it out now (a put's value can be large: not kept queued beside the next); false where the
@@ -132,11 +146,14 @@ static void redis_want(void *ctx, const uint8_t *keys, uint32_t n) {
     pipe_guard g;
     enter(r, &g);
     n = n < PKV__TIER_AHEAD ? n : PKV__TIER_AHEAD;
-    /* those sent already must be the first of keys, in order */
+    /* those sent before keys[0] are not wanted now (a prefetch that skipped staged blocks); the
+       rest must be the first of keys, in order */
+    drop_ahead(r, ahead_of(r, keys));
     const uint32_t same = r->n_ahead < n ? r->n_ahead : n;
     if (memcmp(r->ahead, keys, (size_t)same * PKV__TIER_KEY)) drain(r);
-    /* written at once: redisGetReply writes what is queued only while no reply is waiting */
-    if (r->n_ahead < n && !connect_now(r))
+    /* written at once: redisGetReply writes what is queued only while no reply is waiting. Not
+       where the connection is gone: the get after this connects (one timeout, not two) */
+    if (r->rc)
         for (uint32_t j = r->n_ahead; j < n; j++) {
             const uint8_t *key = keys + (size_t)j * PKV__TIER_KEY;
             if (!send_now(r, "GET %b", key, NULL, 0)) break;
@@ -164,39 +181,77 @@ static int redis_put(void *ctx, const uint8_t key[16], const void *data, size_t 
     return rc;
 }
 
+/* the probe's reply as a status: a length over 0 is there (an entry is never empty) */
+static int probe_status(const redisReply *y) {
+    return !y || y->type != REDIS_REPLY_INTEGER ? PKV_EIO : y->integer > 0 ? PKV_OK : PKV_ENOENT;
+}
+
 static void redis_put_many(void *ctx, uint32_t n, const uint8_t *const *keys, const void *const *data,
                            const size_t *len, int *got, int *put) {
     redis_store *r = ctx;
     pipe_guard g;
     enter(r, &g);
     drain(r);
-    uint32_t sent = 0, idx[PKV__TIER_AHEAD];
     n = n < PKV__TIER_AHEAD ? n : PKV__TIER_AHEAD;
-    for (uint32_t i = 0; i < n; i++) got[i] = put[i] = PKV_EIO;
-    /* the probes: sent together, then their replies */
-    if (!connect_now(r))
-        for (; sent < n && send_now(r, "STRLEN %b", keys[sent], NULL, 0); sent++) {
-        }
-    for (uint32_t i = 0; i < sent && r->rc; i++) {
-        redisReply *y = next_reply(r);
-        if (!y) break;
-        got[i] = y->type != REDIS_REPLY_INTEGER ? PKV_EIO : y->integer > 0 ? PKV_OK : PKV_ENOENT;
-        freeReplyObject(y);
+    /* state: probed (got set), put sent (its reply read, or lost with the connection: then
+       PKV_EIO, as a put whose reply never came); a key twice in the batch is put once, the
+       second then found as a probe made after the first put would find it */
+    bool probed[PKV__TIER_AHEAD] = {false}, sent_put[PKV__TIER_AHEAD] = {false};
+    uint32_t twin[PKV__TIER_AHEAD], sent = 0, idx[PKV__TIER_AHEAD];
+    for (uint32_t i = 0; i < n; i++) {
+        got[i] = put[i] = PKV_EIO;
+        twin[i] = i;
+        for (uint32_t j = 0; j < i && twin[i] == i; j++)
+            if (!memcmp(keys[i], keys[j], PKV__TIER_KEY)) twin[i] = j;
     }
-    /* the puts of those not found, each written as soon as it is made, then their replies */
-    sent = 0;
+    /* the probes of the first of each key: sent together, then their replies */
     if (!connect_now(r))
         for (uint32_t i = 0; i < n; i++)
-            if (got[i] != PKV_OK) {
-                if (!send_now(r, "SET %b %b", keys[i], len[i] ? data[i] : "", len[i])) break;
+            if (twin[i] == i) {
+                if (!send_now(r, "STRLEN %b", keys[i], NULL, 0)) break;
                 idx[sent++] = i;
             }
     for (uint32_t j = 0; j < sent && r->rc; j++) {
         redisReply *y = next_reply(r);
-        put[idx[j]] = set_status(y);
         if (!y) break;
+        got[idx[j]] = probe_status(y), probed[idx[j]] = true;
         freeReplyObject(y);
     }
+    /* the puts of those not found, each written as soon as it is made, then their replies */
+    sent = 0;
+    if (r->rc)
+        for (uint32_t i = 0; i < n; i++)
+            if (twin[i] == i && probed[i] && got[i] != PKV_OK) {
+                if (!send_now(r, "SET %b %b", keys[i], len[i] ? data[i] : "", len[i])) break;
+                idx[sent++] = i, sent_put[i] = true;
+            }
+    for (uint32_t j = 0; j < sent && r->rc; j++) {
+        redisReply *y = next_reply(r);
+        if (!y) break;
+        put[idx[j]] = set_status(y);
+        freeReplyObject(y);
+    }
+    /* where the connection failed on the way, those not tried yet one at a time, as the ops
+       would (each call connecting again) */
+    for (uint32_t i = 0; i < n; i++) {
+        if (twin[i] != i) continue;
+        if (!probed[i]) {
+            redisReply *y = command(r, "STRLEN %b", keys[i], NULL, 0);
+            got[i] = probe_status(y);
+            if (y) freeReplyObject(y);
+        }
+        if (got[i] != PKV_OK && !sent_put[i]) {
+            redisReply *y = command(r, "SET %b %b", keys[i], len[i] ? data[i] : "", len[i]);
+            put[i] = set_status(y);
+            if (y) freeReplyObject(y);
+        }
+    }
+    for (uint32_t i = 0; i < n; i++)
+        if (twin[i] != i) {
+            const uint32_t f = twin[i];
+            got[i] = got[f] == PKV_OK || put[f] == PKV_OK ? PKV_OK : got[f];
+            put[i] = put[f];
+        }
     leave(r, &g);
 }
 
@@ -208,8 +263,11 @@ static int redis_get(void *ctx, const uint8_t key[16], void *data, size_t cap, s
     /* the probe asks for the length (0: no such key; an entry is never empty); a get sent ahead
        takes its reply */
     redisReply *y;
-    if (data && r->n_ahead && !memcmp(r->ahead[0], key, PKV__TIER_KEY)) {
-        if ((y = next_reply(r))) memmove(r->ahead[0], r->ahead[1], (size_t)--r->n_ahead * PKV__TIER_KEY);
+    const uint32_t k = data ? ahead_of(r, key) : r->n_ahead;
+    if (k < r->n_ahead) { /* those before it dropped */
+        drop_ahead(r, k);
+        y = r->rc ? next_reply(r) : NULL;
+        if (y) memmove(r->ahead[0], r->ahead[1], (size_t)--r->n_ahead * PKV__TIER_KEY);
     } else {
         y = command(r, data ? "GET %b" : "STRLEN %b", key, NULL, 0);
     }
@@ -246,21 +304,35 @@ static void redis_destroy(void *ctx) {
     pkv__free(&a, r, sizeof *r);
 }
 
-int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms,
-                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_want_fn *want,
-                         pkv__tier_put_many_fn *put_many) {
+/* A store of those parameters, not connected yet (the first call connects). */
+static redis_store *store_new(const char *host, int port, const char *prefix, size_t prefix_len, struct timeval tv,
+                              const pkv_allocator *alloc) {
     redis_store *r = pkv__alloc(alloc, sizeof *r, 64);
-    if (!r) return PKV_ENOMEM;
+    if (!r) return NULL;
     memset(r, 0, sizeof *r);
     if (alloc) r->alloc = *alloc;
     pthread_mutex_init(&r->mu, NULL);
-    const uint32_t ms = timeout_ms ? timeout_ms : 1000;
-    r->tv.tv_sec = ms / 1000;
-    r->tv.tv_usec = (ms % 1000) * 1000;
+    r->tv = tv;
     r->port = port;
     strcpy(r->host, host);
-    r->prefix_len = strlen(prefix);
-    memcpy(r->key, prefix, r->prefix_len);
+    r->prefix_len = prefix_len;
+    memcpy(r->key, prefix, prefix_len);
+    return r;
+}
+
+static int redis_clone(void *ctx, void **out) {
+    const redis_store *r = ctx;
+    redis_store *c = store_new(r->host, r->port, r->key, r->prefix_len, r->tv, r->alloc.alloc ? &r->alloc : NULL);
+    *out = c;
+    return c ? PKV_OK : PKV_ENOMEM;
+}
+
+int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms,
+                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_ext *ext) {
+    const uint32_t ms = timeout_ms ? timeout_ms : 1000;
+    const struct timeval tv = {.tv_sec = ms / 1000, .tv_usec = (ms % 1000) * 1000};
+    redis_store *r = store_new(host, port, prefix, strlen(prefix), tv, alloc);
+    if (!r) return PKV_ENOMEM;
     pipe_guard g;
     enter(r, &g);
     int rc = connect_now(r);
@@ -276,16 +348,13 @@ int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_
     }
     *ops = (pkv_tier_ops){redis_put, redis_get, redis_del, NULL, redis_destroy};
     *ctx = r;
-    *want = redis_want;
-    *put_many = redis_put_many;
+    *ext = (pkv__tier_ext){redis_want, redis_put_many, redis_clone};
     return PKV_OK;
 }
 #else
 int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms,
-                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_want_fn *want,
-                         pkv__tier_put_many_fn *put_many) {
-    (void)host, (void)port, (void)prefix, (void)timeout_ms, (void)alloc, (void)ops, (void)ctx, (void)want,
-        (void)put_many;
+                         const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_ext *ext) {
+    (void)host, (void)port, (void)prefix, (void)timeout_ms, (void)alloc, (void)ops, (void)ctx, (void)ext;
     return PKV_ENOTSUP;
 }
 #endif
