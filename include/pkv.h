@@ -1122,16 +1122,16 @@ PKV_NODISCARD PKV_API int pkv_tier_file_create(const char *dir, uint64_t capacit
  * under key_prefix (NULL: "pkv:") followed by the key's 16 bytes, on the server at host:port.
  * What stays is the server's to decide, by its maxmemory and maxmemory-policy: allkeys-lru
  * drops the least recently used; under noeviction a full server refuses puts (PKV_ENOSPC, not an
- * error for a save). One connection a tier, its calls one at a time; a load (and the prefetch
- * thread) sends the GETs of its next 4 blocks together and reads each reply as it comes to that
- * block, so that the server answers the next while this one is checked and written (a load that
- * ends earlier leaves replies that the next call reads past); the write-back thread
- * (pkv_tier_save_async) takes 4 queued entries at a time, their probes in one round trip and
- * their puts in another. A connection that broke
- * is made again at the next call, and a call that cannot reach the server is PKV_EIO (a save
- * fails; a load ends there). SIGPIPE (hiredis writes with write(2), so a server gone mid-write
- * raises it) is held back in the calling thread during each call and taken if raised: the
- * process's handling of it is not touched. timeout_ms: for connecting and for each command (0: 1000). PKV_EIO
+ * error for a save). One connection for the callers' calls, one at a time, and one of its own
+ * for the tier's thread (pkv_tier_prefetch_start: its prefetches and write-backs). A load (and
+ * a prefetch) sends the GETs of its next 4 blocks together and reads each reply as it comes to
+ * that block, so that the server answers the next while this one is checked and written (a load
+ * that ends earlier leaves replies that the next call reads past); the write-back takes 4
+ * queued entries at a time, their probes in one round trip and their puts in another. A
+ * connection that broke is made again at the next call, and a call that cannot reach the
+ * server is PKV_EIO (a save fails; a load ends there). SIGPIPE (hiredis writes with write(2):
+ * a write to a connection the server has closed raises it) is held back in the calling thread
+ * during each call and taken if raised: the process's handling of it is not touched. timeout_ms: for connecting and for each command (0: 1000). PKV_EIO
  * where the server does not answer at creation. hiredis allocates with malloc, not alloc.
  * pkv_tier_get_stats' entries, bytes, capacity and evictions are 0 (the server's INFO has
  * them). */
