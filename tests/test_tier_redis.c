@@ -264,8 +264,11 @@ static void test_redis_store_ahead(void **state) {
         assert_int_equal(len, (size_t)(j) + 1);                                        \
         for (size_t b_ = 0; b_ < len; b_++) assert_int_equal(got[b_], (uint8_t)(j));   \
     } while (0)
-    want(ctx, &k[0][0], 4); /* 0-3 sent; 2 asked for first */
+    const long g0 = gets_answered(port);
+    want(ctx, &k[0][0], 4); /* 0-3 sent; 2 asked for first: 0 and 1 dropped */
     GET_IS(2);
+    GET_IS(3); /* sent ahead: not asked for again */
+    assert_int_equal(gets_answered(port) - g0, 4);
     GET_IS(0);
     want(ctx, &k[0][0], 4);
     GET_IS(0);
