@@ -235,14 +235,14 @@ static void test_redis_store_ahead(void **state) {
     pkv_tier_ops ops;
     void *ctx = NULL;
     pkv__tier_ext ext = {0};
-    if (pkv__tier_redis_open("127.0.0.1", 1, "x:", 100, NULL, &ops, &ctx, &ext) == PKV_ENOTSUP) skip();
+    if (pkv__tier_redis_open("127.0.0.1", 1, "x:", 100, 1, NULL, &ops, &ctx, &ext) == PKV_ENOTSUP) skip();
     if (system("command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1") != 0)
         fail_msg("redis-server or redis-cli is not installed");
     const int port = 20000 + (int)((getpid() + 13) % 20000);
     start_server(port, "64mb", "allkeys-lru");
     int rc = PKV_EIO;
     for (int i = 0; i < 200 && rc; i++)
-        if ((rc = pkv__tier_redis_open("127.0.0.1", port, "ahead:", 500, NULL, &ops, &ctx, &ext))) usleep(50000);
+        if ((rc = pkv__tier_redis_open("127.0.0.1", port, "ahead:", 500, 1, NULL, &ops, &ctx, &ext))) usleep(50000);
     TU_OK(rc);
     const pkv__tier_want_fn want = ext.want;
     const pkv__tier_put_many_fn put_many = ext.put_many;
@@ -383,7 +383,7 @@ static void test_redis_hang_up_mid_put(void **state) {
     pkv_tier_ops ops;
     void *ctx = NULL;
     pkv__tier_ext ext;
-    if (pkv__tier_redis_open("127.0.0.1", 1, "x:", 100, NULL, &ops, &ctx, &ext) == PKV_ENOTSUP) skip();
+    if (pkv__tier_redis_open("127.0.0.1", 1, "x:", 100, 1, NULL, &ops, &ctx, &ext) == PKV_ENOTSUP) skip();
     int lfd = socket(AF_INET, SOCK_STREAM, 0);
     assert_true(lfd >= 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -393,7 +393,7 @@ static void test_redis_hang_up_mid_put(void **state) {
     assert_int_equal(getsockname(lfd, (struct sockaddr *)&a, &al), 0);
     pthread_t th;
     assert_int_equal(pthread_create(&th, NULL, hang_up, &lfd), 0);
-    TU_OK(pkv__tier_redis_open("127.0.0.1", ntohs(a.sin_port), "x:", 2000, NULL, &ops, &ctx, &ext));
+    TU_OK(pkv__tier_redis_open("127.0.0.1", ntohs(a.sin_port), "x:", 2000, 1, NULL, &ops, &ctx, &ext));
     pthread_join(th, NULL);
     usleep(20000); /* the close has arrived */
     uint8_t keys[4][PKV__TIER_KEY] = {{1}, {2}, {3}, {4}}, got[8];
@@ -426,6 +426,42 @@ static void load_new(pkv_tier *t, const int32_t *toks, uint32_t n, uint32_t want
     assert_int_equal(load_fresh(t, b, toks, n, &s), want);
     same_rows(src, sa, b, s, want);
     pkv_cache_destroy(b);
+}
+
+/* A thread's loads of one prompt through a shared tier, each into a cache of its own, compared
+ * with the rows expected (no cmocka checks off the main thread: bad counts the loads that
+ * differ). */
+typedef struct loader {
+    pkv_tier *t;
+    const int32_t *toks;
+    uint32_t n, want, rounds;
+    const uint8_t *expect; /* every layer's K rows then V rows of [0, want), as same_rows reads */
+    size_t kb, vb;
+    int bad;
+} loader;
+
+static void *load_loop(void *arg) {
+    loader *w = arg;
+    uint8_t *y = malloc(w->kb + w->vb);
+    for (uint32_t r = 0; r < w->rounds && y; r++) {
+        pkv_config cfg = tu_config(w->n / B + 1, B, LAYERS, KV, HD, PKV_DTYPE_F16);
+        cfg.v_dtype = PKV_DTYPE_Q8_0;
+        pkv_cache *c = NULL;
+        pkv_seq s;
+        uint32_t got = 0;
+        if (pkv_cache_create(&cfg, &c) || pkv_seq_create(c, NULL, 0, &s) ||
+            pkv_tier_load(w->t, c, s, w->toks, w->n, &got) || got != w->want)
+            w->bad++;
+        for (uint32_t l = 0; l < LAYERS && got == w->want; l++)
+            if (pkv_seq_read_stored(c, s, l, 0, w->want, y, y + w->kb) ||
+                memcmp(y, w->expect + l * (w->kb + w->vb), w->kb + w->vb)) {
+                w->bad++;
+                break;
+            }
+        pkv_cache_destroy(c);
+    }
+    free(y);
+    return NULL;
 }
 
 /* Gets ahead (tier_redis.c): a load sends the GETs of the next PKV__TIER_AHEAD blocks together
@@ -504,6 +540,31 @@ static void test_redis_ahead(void **state) {
     assert_int_equal(st.rejected, 0);
     assert_int_equal(st.errors, 0);
     assert_true(st.prefetched > 0);
+    /* loads from 4 threads at once through t: the callers' connections (a thread keeps to one,
+       its gets ahead and its gets on it) */
+    {
+        enum { NT = 4 };
+        const size_t kb = pkv_dtype_row_bytes(PKV_DTYPE_F16, HD) * KV * NB * B,
+                     vb = pkv_dtype_row_bytes(PKV_DTYPE_Q8_0, HD) * KV * NB * B;
+        uint8_t *x = malloc(LAYERS * (kb + vb));
+        for (uint32_t l = 0; l < LAYERS; l++)
+            TU_OK(pkv_seq_read_stored(a, sa, l, 0, NB * B, x + l * (kb + vb), x + l * (kb + vb) + kb));
+        const long cl = clients(port);
+        pthread_t th[NT];
+        loader w[NT];
+        for (int i = 0; i < NT; i++) {
+            w[i] = (loader){.t = t, .toks = toks, .n = M, .want = NB * B, .rounds = 6, .expect = x, .kb = kb, .vb = vb};
+            assert_int_equal(pthread_create(&th[i], NULL, load_loop, &w[i]), 0);
+        }
+        for (int i = 0; i < NT; i++) {
+            assert_int_equal(pthread_join(th[i], NULL), 0);
+            assert_int_equal(w[i].bad, 0);
+        }
+        assert_true(clients(port) <= cl + PKV__TIER_REDIS_CONNS - 1); /* one was connected already */
+        assert_int_equal(tstats(t).rejected, 0);
+        assert_int_equal(tstats(t).errors, 0);
+        free(x);
+    }
     pkv_tier_destroy(u);
     pkv_tier_destroy(t);
     stop_server(g_srv);

@@ -126,8 +126,8 @@ PKV_API int pkv_tier_redis_create(const char *host, int port, const char *key_pr
     pkv_tier_ops ops;
     void *ctx;
     pkv__tier_ext ext = {0};
-    const int rc = pkv__tier_redis_open(host, port, key_prefix ? key_prefix : "pkv:", timeout_ms, alloc, &ops, &ctx,
-                                        &ext);
+    const int rc = pkv__tier_redis_open(host, port, key_prefix ? key_prefix : "pkv:", timeout_ms,
+                                        PKV__TIER_REDIS_CONNS, alloc, &ops, &ctx, &ext);
     const int r = tier_over(rc, &ops, ctx, alloc, out);
     if (!r) (*out)->ext = ext;
     return r;

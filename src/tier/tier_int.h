@@ -90,8 +90,13 @@ typedef struct pkv__tier_ext {
     pkv__tier_put_many_fn put_many;
     pkv__tier_clone_fn clone;
 } pkv__tier_ext;
-/* host under 256 bytes, prefix under 256 (checked by the caller); PKV_ENOTSUP without hiredis */
-int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms,
+/* host under 256 bytes, prefix under 256 (checked by the caller); conns: the callers'
+ * connections, 1 to PKV__TIER_REDIS_CONNS (a thread keeps to one: tier_redis.c); PKV_ENOTSUP
+ * without hiredis */
+#ifndef PKV__TIER_REDIS_CONNS
+#define PKV__TIER_REDIS_CONNS 4
+#endif
+int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms, uint32_t conns,
                          const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_ext *ext);
 
 #endif

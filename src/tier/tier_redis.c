@@ -35,6 +35,27 @@ typedef struct redis_store {
     char key[256 + PKV__TIER_KEY]; /* the prefix, then room for the key's bytes (under the lock) */
 } redis_store;
 
+/* The callers' connections: a thread takes the one its id hashes to, always the same, so that
+ * its gets ahead and the gets that take them meet on one connection, and threads that load at
+ * once mostly do so on connections of their own (connected at their first call). The tier's
+ * thread has a pool of one (redis_clone). */
+enum { REDIS_CONNS = PKV__TIER_REDIS_CONNS };
+typedef struct redis_pool {
+    uint32_t n;
+    pkv_allocator alloc;
+    redis_store *s[REDIS_CONNS];
+} redis_pool;
+
+static redis_store *pick(void *ctx) {
+    const redis_pool *p = ctx;
+    if (p->n == 1) return p->s[0];
+    const pthread_t self = pthread_self();
+    uint64_t h = 0;
+    memcpy(&h, &self, sizeof self < sizeof h ? sizeof self : sizeof h);
+    h *= 0x9E3779B97F4A7C15ull; /* the id's bits spread (ids are often aligned addresses) */
+    return p->s[(h >> 32) % p->n];
+}
+
 /* hiredis writes with write(2): where the server has gone, a write after the first raises
  * SIGPIPE, whose default action ends the process. A library cannot change that action for its
  * caller, so each store call holds SIGPIPE back in its own thread while it runs and takes one
@@ -142,7 +163,7 @@ static redisReply *command(redis_store *r, const char *fmt, const uint8_t *key, 
 }
 
 static void redis_want(void *ctx, const uint8_t *keys, uint32_t n) {
-    redis_store *r = ctx;
+    redis_store *r = pick(ctx);
     pipe_guard g;
     enter(r, &g);
     n = n < PKV__TIER_AHEAD ? n : PKV__TIER_AHEAD;
@@ -171,7 +192,7 @@ static int set_status(const redisReply *y) {
 }
 
 static int redis_put(void *ctx, const uint8_t key[16], const void *data, size_t len) {
-    redis_store *r = ctx;
+    redis_store *r = pick(ctx);
     pipe_guard g;
     enter(r, &g);
     redisReply *y = command(r, "SET %b %b", key, data ? data : "", len);
@@ -188,7 +209,7 @@ static int probe_status(const redisReply *y) {
 
 static void redis_put_many(void *ctx, uint32_t n, const uint8_t *const *keys, const void *const *data,
                            const size_t *len, int *got, int *put) {
-    redis_store *r = ctx;
+    redis_store *r = pick(ctx);
     pipe_guard g;
     enter(r, &g);
     drain(r);
@@ -256,7 +277,7 @@ static void redis_put_many(void *ctx, uint32_t n, const uint8_t *const *keys, co
 }
 
 static int redis_get(void *ctx, const uint8_t key[16], void *data, size_t cap, size_t *len) {
-    redis_store *r = ctx;
+    redis_store *r = pick(ctx);
     pipe_guard g;
     enter(r, &g);
     int rc = PKV_EIO;
@@ -286,7 +307,7 @@ static int redis_get(void *ctx, const uint8_t key[16], void *data, size_t cap, s
 }
 
 static int redis_del(void *ctx, const uint8_t key[16]) {
-    redis_store *r = ctx;
+    redis_store *r = pick(ctx);
     pipe_guard g;
     enter(r, &g);
     redisReply *y = command(r, "DEL %b", key, NULL, 0);
@@ -296,12 +317,18 @@ static int redis_del(void *ctx, const uint8_t key[16]) {
     return rc;
 }
 
-static void redis_destroy(void *ctx) {
-    redis_store *r = ctx;
+static void store_free(redis_store *r) {
     if (r->rc) redisFree(r->rc);
     pthread_mutex_destroy(&r->mu);
     pkv_allocator a = r->alloc;
     pkv__free(&a, r, sizeof *r);
+}
+
+static void redis_destroy(void *ctx) {
+    redis_pool *p = ctx;
+    for (uint32_t i = 0; i < p->n; i++) store_free(p->s[i]);
+    pkv_allocator a = p->alloc;
+    pkv__free(&a, p, sizeof *p);
 }
 
 /* A store of those parameters, not connected yet (the first call connects). */
@@ -320,15 +347,36 @@ static redis_store *store_new(const char *host, int port, const char *prefix, si
     return r;
 }
 
+/* A pool of n stores like `like` (first, where given, as its first: the caller's again where this
+ * fails), not connected yet; NULL where the allocator has no room. */
+static redis_pool *pool_new(uint32_t n, redis_store *first, const redis_store *like) {
+    const pkv_allocator *alloc = like->alloc.alloc ? &like->alloc : NULL;
+    redis_pool *p = pkv__alloc(alloc, sizeof *p, 64);
+    if (!p) return NULL;
+    memset(p, 0, sizeof *p);
+    if (alloc) p->alloc = *alloc;
+    for (uint32_t i = 0; i < n; i++) {
+        redis_store *r = i == 0 && first ? first
+                                         : store_new(like->host, like->port, like->key, like->prefix_len, like->tv, alloc);
+        if (!r) {
+            for (uint32_t j = first ? 1 : 0; j < p->n; j++) store_free(p->s[j]);
+            pkv__free(alloc, p, sizeof *p);
+            return NULL;
+        }
+        p->s[p->n++] = r;
+    }
+    return p;
+}
+
 static int redis_clone(void *ctx, void **out) {
-    const redis_store *r = ctx;
-    redis_store *c = store_new(r->host, r->port, r->key, r->prefix_len, r->tv, r->alloc.alloc ? &r->alloc : NULL);
+    redis_pool *c = pool_new(1, NULL, ((const redis_pool *)ctx)->s[0]);
     *out = c;
     return c ? PKV_OK : PKV_ENOMEM;
 }
 
-int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms,
+int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms, uint32_t conns,
                          const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_ext *ext) {
+    conns = conns < 1 ? 1 : conns > REDIS_CONNS ? REDIS_CONNS : conns;
     const uint32_t ms = timeout_ms ? timeout_ms : 1000;
     const struct timeval tv = {.tv_sec = ms / 1000, .tv_usec = (ms % 1000) * 1000};
     redis_store *r = store_new(host, port, prefix, strlen(prefix), tv, alloc);
@@ -342,19 +390,20 @@ int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_
         if (y) freeReplyObject(y);
     }
     leave(r, &g);
-    if (rc) {
-        redis_destroy(r);
-        return rc;
+    redis_pool *p = rc ? NULL : pool_new(conns, r, r);
+    if (!p) {
+        store_free(r);
+        return rc ? rc : PKV_ENOMEM;
     }
     *ops = (pkv_tier_ops){redis_put, redis_get, redis_del, NULL, redis_destroy};
-    *ctx = r;
+    *ctx = p;
     *ext = (pkv__tier_ext){redis_want, redis_put_many, redis_clone};
     return PKV_OK;
 }
 #else
-int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms,
+int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_t timeout_ms, uint32_t conns,
                          const pkv_allocator *alloc, pkv_tier_ops *ops, void **ctx, pkv__tier_ext *ext) {
-    (void)host, (void)port, (void)prefix, (void)timeout_ms, (void)alloc, (void)ops, (void)ctx, (void)ext;
+    (void)host, (void)port, (void)prefix, (void)timeout_ms, (void)conns, (void)alloc, (void)ops, (void)ctx, (void)ext;
     return PKV_ENOTSUP;
 }
 #endif
