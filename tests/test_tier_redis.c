@@ -565,6 +565,43 @@ static void test_redis_ahead(void **state) {
         assert_int_equal(tstats(t).errors, 0);
         free(x);
     }
+    /* every allocation of a Redis tier's making failing in turn (its connections', its
+       thread's): PKV_ENOMEM and nothing left, or, past the last, a tier that works; where the
+       thread's own connection cannot be made, it runs on the callers' */
+    tu_alloc_state as;
+    const pkv_allocator al = tu_allocator(&as);
+    for (long k = 0;; k++) {
+        tu_alloc_reset(&as, k);
+        pkv_tier *ft = NULL;
+        const int frc = pkv_tier_redis_create("127.0.0.1", port, prefix, 500, &al, &ft);
+        if (frc == PKV_OK) {
+            assert_int_equal(as.n_failed, 0);
+            break;
+        }
+        assert_int_equal(frc, PKV_ENOMEM);
+        assert_null(ft);
+        assert_int_equal(as.n_live, 0);
+    }
+    for (long k = 0;; k++) { /* the allocations of prefetch_start and the first prefetch */
+        tu_alloc_reset(&as, -1);
+        pkv_tier *ft = NULL;
+        TU_OK(pkv_tier_redis_create("127.0.0.1", port, prefix, 500, &al, &ft));
+        const long made = as.n_calls;
+        as.fail_at = made + k;
+        const int frc = pkv_tier_prefetch_start(ft, 1u << 22);
+        if (frc == PKV_OK) {
+            const int prc = pkv_tier_prefetch(ft, a, NULL, 0, toks, M);
+            assert_true(prc == PKV_OK || prc == PKV_ENOMEM);
+            TU_OK(pkv_tier_prefetch_wait(ft));
+            as.fail_at = -1; /* (the load's own allocations are test_tier's business) */
+            load_new(ft, toks, M, NB * B, a, sa); /* from staging or the store: the same rows */
+        } else {
+            assert_int_equal(frc, PKV_ENOMEM);
+        }
+        pkv_tier_destroy(ft);
+        assert_int_equal(as.n_live, 0);
+        if (as.n_failed == 0) break;
+    }
     pkv_tier_destroy(u);
     pkv_tier_destroy(t);
     stop_server(g_srv);
