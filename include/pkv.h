@@ -1122,8 +1122,10 @@ PKV_NODISCARD PKV_API int pkv_tier_file_create(const char *dir, uint64_t capacit
  * under key_prefix (NULL: "pkv:") followed by the key's 16 bytes, on the server at host:port.
  * What stays is the server's to decide, by its maxmemory and maxmemory-policy: allkeys-lru
  * drops the least recently used; under noeviction a full server refuses puts (PKV_ENOSPC, not an
- * error for a save). One connection for the callers' calls, one at a time, and one of its own
- * for the tier's thread (pkv_tier_prefetch_start: its prefetches and write-backs). A load (and
+ * error for a save). Up to 4 connections for the callers, a thread keeping to one of them (its
+ * calls on it one at a time; threads whose ids hash alike share one), each connected at its
+ * first use, and one of its own for the tier's thread (pkv_tier_prefetch_start: its
+ * prefetches and write-backs). A load (and
  * a prefetch) sends the GETs of its next 4 blocks together and reads each reply as it comes to
  * that block, so that the server answers the next while this one is checked and written (a load
  * that ends earlier leaves replies that the next call reads past); the write-back takes 4
