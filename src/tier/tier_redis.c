@@ -2,14 +2,17 @@
  * (PKV_HAVE_HIREDIS), else a constructor that answers PKV_ENOTSUP. An entry is a string value
  * under the key prefix followed by the 16 key bytes (binary-safe). What stays is the server's
  * business: its maxmemory and maxmemory-policy (allkeys-lru: the least recently used go;
- * noeviction: a put is refused with an OOM error, PKV_ENOSPC here). One connection, its calls
- * serialized by the store's lock (a hiredis context is not thread-safe); a connection that broke
- * is made again at the next call. hiredis allocates with malloc, not through the hook.
+ * noeviction: a put is refused with an OOM error, PKV_ENOSPC here). A store (redis_store) is one
+ * connection, its calls serialized by its lock (a hiredis context is not thread-safe); a
+ * connection that broke is made again at the next call. The ops' context is a pool of stores
+ * (redis_pool): the callers' threads each keep to one of up to 4, the tier's thread has a pool
+ * of one of its own (redis_clone). hiredis allocates with malloc, not through the hook.
  *
  * Gets ahead (redis_want: a load's or a prefetch's next entries): their GETs are sent together and
  * their replies read as the gets come, so that the server answers the next while the caller
- * takes in this one, instead of waiting for each request in turn; any other call first reads
- * and drops the replies still to come. */
+ * takes in this one, instead of waiting for each request in turn; a get past some of them drops
+ * those before it, any other call first reads and drops every reply still to come. put_many:
+ * the write-back's probes together, then its puts. */
 #include "tier_int.h"
 
 #include <string.h>
