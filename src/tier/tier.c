@@ -135,6 +135,13 @@ PKV_API int pkv_tier_redis_create(const char *host, int port, const char *key_pr
 
 static void prefetch_stop(pkv_tier *t);
 
+/* The thread's context on the store given back where it was its own (ext.clone): the callers'
+ * again. */
+static void thread_ctx_drop(pkv_tier *t) {
+    if (t->tctx != t->ctx) t->ops.destroy(t->tctx);
+    t->tctx = t->ctx;
+}
+
 PKV_API void pkv_tier_destroy(pkv_tier *t) {
     if (!t) return;
     if (t->pf_on) prefetch_stop(t); /* before the store goes: the thread calls its get */
@@ -245,7 +252,7 @@ static bool key_next(const tkey *parent, const int32_t *toks, uint32_t i, uint32
     return true;
 }
 
-/* Tells a store with gets ahead (t->want) that the gets of blocks i, i + 1, ... (up to
+/* Tells a store with gets ahead (t->ext.want) that the gets of blocks i, i + 1, ... (up to
  * PKV__TIER_AHEAD, below nb, as far as their keys are known) come next; key is block i's, its
  * parent's the one before it. Costs a few hashes a block where the store has no use for it: not
  * made there. */
@@ -819,8 +826,7 @@ PKV_API int pkv_tier_prefetch_start(pkv_tier *t, uint64_t staging_bytes) {
             pthread_cond_destroy(&t->pf_cv);
             pthread_cond_destroy(&t->pf_idle);
             pkv__tmap_fini(&t->staged);
-            if (t->tctx != t->ctx) t->ops.destroy(t->tctx);
-            t->tctx = t->ctx;
+            thread_ctx_drop(t);
         } else {
             t->pf_on = true;
         }
@@ -846,8 +852,7 @@ static void prefetch_stop(pkv_tier *t) {
     pthread_cond_destroy(&t->pf_cv);
     pthread_cond_destroy(&t->pf_idle);
     pkv__tmap_fini(&t->staged);
-    if (t->tctx != t->ctx) t->ops.destroy(t->tctx);
-    t->tctx = t->ctx;
+    thread_ctx_drop(t);
     t->pf_on = false;
 }
 

@@ -118,13 +118,17 @@ static redisReply *next_reply(redis_store *r) {
     return y;
 }
 
+/* the first k keys of the GETs sent ahead forgotten (their replies read) */
+static void forget_ahead(redis_store *r, uint32_t k) {
+    r->n_ahead -= k;
+    memmove(r->ahead[0], r->ahead[k], (size_t)r->n_ahead * PKV__TIER_KEY);
+}
+
 /* the first k replies of the GETs sent ahead (k <= n_ahead), read and dropped */
 static void drop_ahead(redis_store *r, uint32_t k) {
     uint32_t i = 0;
     for (redisReply *y; i < k && (y = next_reply(r)); i++) freeReplyObject(y);
-    if (!r->rc) return; /* dropped: none left */
-    r->n_ahead -= k;
-    memmove(r->ahead[0], r->ahead[k], (size_t)r->n_ahead * PKV__TIER_KEY);
+    if (r->rc) forget_ahead(r, k); /* (dropped: none left) */
 }
 
 /* where the GET of key was sent ahead, its place among them; else n_ahead */
@@ -154,15 +158,11 @@ static bool send_now(redis_store *r, const char *fmt, const uint8_t *key, const 
     return true;
 }
 
-/* a command's reply, or NULL (connection dropped: made again at the next call) */
+/* a command's reply (send_now's arguments), or NULL (connection dropped: made again at the next
+ * call) */
 static redisReply *command(redis_store *r, const char *fmt, const uint8_t *key, const void *data, size_t len) {
     drain(r);
-    if (connect_now(r)) return NULL;
-    memcpy(r->key + r->prefix_len, key, PKV__TIER_KEY);
-    redisReply *y = data ? redisCommand(r->rc, fmt, r->key, r->prefix_len + PKV__TIER_KEY, data, len)
-                         : redisCommand(r->rc, fmt, r->key, r->prefix_len + PKV__TIER_KEY);
-    if (!y) drop_connection(r);
-    return y;
+    return connect_now(r) || !send_now(r, fmt, key, data, len) ? NULL : next_reply(r);
 }
 
 static void redis_want(void *ctx, const uint8_t *keys, uint32_t n) {
@@ -291,15 +291,15 @@ static int redis_get(void *ctx, const uint8_t key[16], void *data, size_t cap, s
     if (k < r->n_ahead) { /* those before it dropped */
         drop_ahead(r, k);
         y = r->rc ? next_reply(r) : NULL;
-        if (y) memmove(r->ahead[0], r->ahead[1], (size_t)--r->n_ahead * PKV__TIER_KEY);
+        if (y) forget_ahead(r, 1);
     } else {
         y = command(r, data ? "GET %b" : "STRLEN %b", key, NULL, 0);
     }
-    if (y && !data && y->type == REDIS_REPLY_INTEGER) {
-        rc = y->integer > 0 ? PKV_OK : PKV_ENOENT;
-        *len = (size_t)y->integer;
-    } else if (y && data && y->type == REDIS_REPLY_NIL) rc = PKV_ENOENT;
-    else if (y && data && y->type == REDIS_REPLY_STRING) {
+    if (!data) {
+        rc = probe_status(y);
+        if (rc != PKV_EIO) *len = (size_t)y->integer;
+    } else if (y && y->type == REDIS_REPLY_NIL) rc = PKV_ENOENT;
+    else if (y && y->type == REDIS_REPLY_STRING) {
         *len = y->len;
         rc = y->len > cap ? PKV_ENOSPC : PKV_OK;
         if (!rc) memcpy(data, y->str, y->len);
