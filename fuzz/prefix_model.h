@@ -107,6 +107,8 @@ typedef struct pm_world {
     uint64_t n_steps, n_matches, n_full_block_hits, n_partial_hits, n_root_hits, n_enospc, n_forks, n_pins, n_truncs;
     uint64_t n_compact_moved; /* blocks pkv_seq_compact moved */
     uint64_t n_drops;         /* pkv_seq_drop_front calls taken */
+    uint64_t n_window_matches, n_window_fronts; /* pkv_seq_match_prefix_window calls taken, those that dropped a front */
+    uint64_t n_tomb_matches;  /* matches made while the index held tombstones */
     uint64_t n_attn_front;    /* attention calls checked over a sequence with a dropped front */
     uint64_t n_attn_masked;   /* prefill calls checked through pkv_attn_prefill_masked */
     /* attention calls checked, their queries, bad calls, calls with out == q */
@@ -1036,9 +1038,13 @@ static inline int pm_op_match(pm_world *w, pm_src *src) {
     pkv_stats before;
     if (pkv_cache_get_stats(w->c, &before) < 0) return pm_fail(w, "stats");
     uint32_t reused = 0xdeadbeef;
-    int rc = pkv_seq_match_prefix(w->c, q->id, prompt, n, &reused);
-    PM_TR(w, "%llu: s%d = create(salt %d) + match(%u tokens) -> %s, reused %u\n", (unsigned long long)w->n_steps,
-          PM_SI(w, q), salt, n, pkv_strerror(rc), reused);
+    /* a third of the matches under a window (pkv_seq_match_prefix_window: through tombstones,
+       its front dropped) */
+    const uint32_t window = pm_byte(src) % 3 == 0 ? 1 + pm_below(src, 3 * w->B) : 0;
+    int rc = window ? pkv_seq_match_prefix_window(w->c, q->id, prompt, n, window, &reused)
+                    : pkv_seq_match_prefix(w->c, q->id, prompt, n, &reused);
+    PM_TR(w, "%llu: s%d = create(salt %d) + match(%u tokens, window %u) -> %s, reused %u\n",
+          (unsigned long long)w->n_steps, PM_SI(w, q), salt, n, window, pkv_strerror(rc), reused);
     if (rc == PKV_ENOSPC) {
         /* only a token-granular copy needs a block; allowed only when none can be had */
         PM_EXPECT(w, before.n_free + before.n_cached == 0, "match: ENOSPC with %u free %u cached", before.n_free,
@@ -1058,6 +1064,21 @@ static inline int pm_op_match(pm_world *w, pm_src *src) {
         PM_EXPECT(w, rc == 0 && info.n_reused == reused, "info.n_reused %u, match said %u", info.n_reused, reused);
         pm_push_tokens(q, prompt, reused);
         q->committed = reused;
+        if (window) {
+            /* the front: whole blocks before the first key a query at reused sees, never past the
+               last whole block matched; no token-granular extra */
+            const uint32_t first_key = reused - (reused < window - 1 ? reused : window - 1);
+            const uint32_t last_full = reused / w->B ? reused / w->B - 1 : 0;
+            const uint32_t front = (first_key / w->B < last_full ? first_key / w->B : last_full) * w->B;
+            PM_EXPECT(w, info.n_dropped == front, "windowed match (%u) of %u: front %u, want %u", window, reused,
+                      info.n_dropped, front);
+            PM_EXPECT(w, reused % w->B == 0 || reused == n - 1 || (reused < n && prompt[reused] < 0),
+                      "windowed match reused %u of %u: not on a block boundary", reused, n);
+            q->dropped = info.n_dropped;
+            w->n_window_matches++;
+            if (before.n_tombstones) w->n_tomb_matches++;
+            if (info.n_dropped) w->n_window_fronts++;
+        }
         w->lookups++;
         w->tokens_queried += n;
         w->tokens_hit += reused;
@@ -1085,11 +1106,18 @@ static inline int pm_op_match(pm_world *w, pm_src *src) {
         r = pm_create(w, salt, &q2);
         if (r) return r < 0 ? -1 : 0;
         uint32_t reused2 = 0xdeadbeef;
-        rc = pkv_seq_match_prefix(w->c, q2->id, prompt, n, &reused2);
+        rc = window ? pkv_seq_match_prefix_window(w->c, q2->id, prompt, n, window, &reused2)
+                    : pkv_seq_match_prefix(w->c, q2->id, prompt, n, &reused2);
         PM_TR(w, "   s%d = create(salt %d) + same match -> %s, reused %u\n", PM_SI(w, q2), salt, pkv_strerror(rc),
               reused2);
         PM_EXPECT(w, rc == 0, "second match: %s", pkv_strerror(rc));
-        if (b2.n_free + b2.n_cached >= 1) {
+        if (window) { /* it takes no block: the same chain, the same front */
+            PM_EXPECT(w, reused2 == reused, "same windowed match right after reused %u, first %u", reused2, reused);
+            pkv_seq_info i2;
+            PM_EXPECT(w, pkv_seq_get_info(w->c, q2->id, &i2) == 0 && i2.n_dropped == q->dropped,
+                      "same windowed match right after: front %u, first %u", i2.n_dropped, q->dropped);
+            q2->dropped = q->dropped;
+        } else if (b2.n_free + b2.n_cached >= 1) {
             PM_EXPECT(w, reused2 == reused, "same match right after reused %u, first %u", reused2, reused);
         } else { /* the full blocks, less the media ids a match may not end in there */
             const uint32_t full = reused / w->B * w->B, lo = full - pm_media_trim(prompt, n, full);
@@ -1252,8 +1280,12 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         PM_EXPECT(w, before.n_cached - after.n_cached == ev && after.n_free - before.n_free == ev &&
                          before.n_indexed - after.n_indexed == ev,
                   "compact's evictions (%llu) against the counts", (unsigned long long)ev);
+        /* a leaf evicted below a tombstone takes the tombstones it was the last entry below */
+        PM_EXPECT(w, after.n_tombstones <= before.n_tombstones && (ev || after.n_tombstones == before.n_tombstones),
+                  "compact: tombstones %llu -> %llu with %llu evicted", (unsigned long long)before.n_tombstones,
+                  (unsigned long long)after.n_tombstones, (unsigned long long)ev);
         before.evictions = after.evictions, before.n_cached = after.n_cached, before.n_free = after.n_free;
-        before.n_indexed = after.n_indexed;
+        before.n_indexed = after.n_indexed, before.n_tombstones = after.n_tombstones;
         PM_EXPECT(w, memcmp(&before, &after, sizeof before) == 0, "compact changed the statistics (%u moved)", moved);
         w->n_compact_moved += moved;
         break;

@@ -581,6 +581,23 @@ PKV_NODISCARD PKV_API int pkv_export_csr(pkv_cache *c, const pkv_seq *seqs, uint
 PKV_NODISCARD PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
                                                uint32_t *n_reused);
 
+/* pkv_seq_match_prefix for a cache whose layers attend through a sliding window of `window`
+ * positions (a query at p sees keys p - window + 1 .. p; for chunked local attention pass
+ * attn_chunk, which bounds it the same way): vLLM's sliding-window prefix caching. The match
+ * needs K/V only for the blocks its first new query can see; blocks before them that were
+ * evicted may be tombstones: their token ids still in the index, compared exactly, so a match
+ * goes past them (pkv_seq_drop_front, "tombstones"). On return s has length *n_reused and a
+ * dropped front (pkv_seq_info.n_dropped) at the last block boundary at or before
+ * *n_reused - window + 1, but never past the last whole block matched; the blocks from the front
+ * on are attached, all committed, as by pkv_seq_match_prefix. The match is shortened until
+ * those blocks all hold K/V (and as pkv_seq_match_prefix shortens one that would end inside a
+ * media). No token-granular extra: a match ends on a block boundary or at n - 1. Attention over
+ * s must then see no key before the front (window or attn_chunk set: pkv_attn_params), as after
+ * pkv_seq_drop_front. window 0 is PKV_EINVAL (pkv_seq_match_prefix is that case); otherwise as
+ * pkv_seq_match_prefix. */
+PKV_NODISCARD PKV_API int pkv_seq_match_prefix_window(pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
+                                                      uint32_t window, uint32_t *n_reused);
+
 /* Pins the committed full blocks of positions [0, n_pos) of s: they stay in use (never
  * evicted, counted ACTIVE) until pkv_pin_release, even after s is released. *pin is a handle
  * of its own (it counts against max_seqs, and pkv_seq_* calls on it return PKV_EINVAL).
@@ -594,7 +611,9 @@ PKV_NODISCARD PKV_API int pkv_pin_release(pkv_cache *c, pkv_seq pin);
  * and in order, every change of its prefix index:
  *   PKV_EVENT_STORED   a full committed block was indexed (pkv_seq_commit, pkv_tier_load, ...);
  *                      a parent's STORED always comes before its children's
- *   PKV_EVENT_REMOVED  an indexed block was evicted to make room; children go before parents
+ *   PKV_EVENT_REMOVED  an indexed block was evicted to make room; children go before parents.
+ *                      A dropped front's evicted block may leave a tombstone (pkv_seq_drop_front):
+ *                      its identity stays, so REMOVED comes when that goes (after its children)
  *   PKV_EVENT_CLEARED  pkv_cache_reset emptied the index (no REMOVED for its blocks)
  *   PKV_EVENT_OVERFLOW the ring was full: `lost` events were dropped (counted with the ones
  *                      dropped with them); what the consumer knows of the index is stale:
@@ -617,7 +636,8 @@ typedef struct pkv_event {
     uint32_t kind;        /* pkv_event_kind */
     uint32_t depth;       /* STORED / REMOVED: the block's index in its chain (positions depth x B
                              .. depth x B + B - 1) */
-    uint32_t block;       /* STORED / REMOVED: the pool block at the time (compaction may move it) */
+    uint32_t block;       /* STORED / REMOVED: the pool block at the time (compaction may move it);
+                             n_blocks or more: a tombstone (pkv_seq_drop_front), no block */
     uint32_t reserved;    /* 0 */
 } pkv_event;
 
@@ -631,7 +651,8 @@ PKV_NODISCARD PKV_API int pkv_cache_take_events(pkv_cache *c, pkv_event *out, si
 
 /* The whole prefix index now, as STORED events (seqno 0), every parent before its children,
  * and the recorded events forgotten in the same step: a consumer that applies the snapshot and
- * then every event it takes afterwards stays exact. *n_out is the number of indexed blocks;
+ * then every event it takes afterwards stays exact. *n_out is the number of index entries
+ * (indexed blocks, and tombstones: pkv_stats.n_tombstones);
  * PKV_ELIMIT, with nothing written or forgotten, when that is over cap (call again with room for
  * *n_out). tokens: as in pkv_cache_take_events. Works with event_capacity 0 as well. */
 PKV_NODISCARD PKV_API int pkv_prefix_snapshot(pkv_cache *c, pkv_event *out, size_t cap, int32_t *tokens,
@@ -725,6 +746,11 @@ typedef struct pkv_stats {
      * share them rather than once a request (shared prefixes, see pkv_attn_decode): (members - 1)
      * x shared positions, summed over groups, calls and layers; a failed call counts nothing */
     uint64_t attn_shared_keys;
+    /* tombstones in the prefix index: evicted blocks whose token ids are kept while blocks
+       indexed below them are (pkv_seq_drop_front; pkv_seq_match_prefix_window matches through
+       them); at most n_blocks */
+    uint64_t n_tombstones;
+    uint64_t prefix_tomb_hits; /* pkv_seq_match_prefix_window calls whose match went past one */
 } pkv_stats;
 PKV_NODISCARD PKV_API int pkv_cache_get_stats(pkv_cache *c, pkv_stats *out);
 

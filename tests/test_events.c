@@ -284,7 +284,7 @@ static void test_events_bad_input(void **state) {
  * every step. */
 static void test_events_random_world(void **state) {
     (void)state;
-    uint64_t stored = 0, removed = 0, overflow = 0;
+    uint64_t stored = 0, removed = 0, overflow = 0, tomb_matches = 0;
     for (uint64_t seed = 1; seed <= 8; seed++) {
         pm_world *w = malloc(sizeof *w);
         assert_non_null(w);
@@ -297,12 +297,16 @@ static void test_events_random_world(void **state) {
         for (int i = 0; i < 800; i++)
             if (pm_step(w, &src) < 0) fail_msg("seed %llu: %s", (unsigned long long)seed, w->err);
         stored += w->ev->n_stored, removed += w->ev->n_removed, overflow += w->ev->n_overflow;
+        tomb_matches += w->n_tomb_matches;
         pm_fini(w);
         free(w);
     }
-    print_message("events: %llu stored, %llu removed, %llu overflows\n", (unsigned long long)stored,
-                  (unsigned long long)removed, (unsigned long long)overflow);
+    print_message("events: %llu stored, %llu removed, %llu overflows; %llu windowed matches while tombstones were "
+                  "indexed\n",
+                  (unsigned long long)stored, (unsigned long long)removed, (unsigned long long)overflow,
+                  (unsigned long long)tomb_matches);
     assert_true(stored > 500 && removed > 100 && overflow > 10);
+    assert_true(tomb_matches > 0); /* tombstones in the index the mirror follows */
 }
 
 /* A router's view: from the drained mirror and pkv_prefix_hashes alone it predicts how many full

@@ -11,6 +11,8 @@
 #include "../fuzz/prefix_model.h"
 #include "test_prefix_util.h"
 
+void pkv__cache_test_tombs(pkv_cache *c, uint32_t n); /* cache_int.h */
+
 static pkv_stats stats(pkv_cache *c) {
     pkv_stats st;
     assert_int_equal(pkv_cache_get_stats(c, &st), 0);
@@ -227,6 +229,7 @@ static int32_t block_taken(pkv_cache *c, const int32_t *fill) {
 static void test_prefix_evict_dropped_front(void **state) {
     (void)state;
     pkv_cache *c = tp_cache(4, 16, 1, PKV_DTYPE_F16, 1);
+    pkv__cache_test_tombs(c, 0); /* no tombstone to leave: the subtree goes (test_prefix_evict_tombstone) */
     int32_t p[41], fill[28], other[8];
     tp_tokens(p, 41, 41);
     tp_tokens(fill, 28, 42);
@@ -287,6 +290,7 @@ static void test_prefix_evict_dropped_front(void **state) {
 static void test_prefix_evict_inner_subtree(void **state) {
     (void)state;
     pkv_cache *c = tp_cache(4, 8, 1, PKV_DTYPE_F16, 1);
+    pkv__cache_test_tombs(c, 0); /* every tombstone taken, as it were: the subtree goes */
     int32_t p[16], fill[16];
     tp_tokens(p, 16, 51);
     tp_tokens(fill, 16, 52);
@@ -321,6 +325,145 @@ static void test_prefix_evict_inner_subtree(void **state) {
     pkv_seq_info in;
     assert_int_equal(pkv_seq_get_info(c, s, &in), 0);
     assert_int_equal(in.n_dropped, 12);
+    pkv_cache_destroy(c);
+}
+
+/* The inner_subtree scene (s: f, a, g, h; a fork F keeps a; s drops f, then g waits above h) with
+ * tombstones: evicting f leaves a tombstone in its place (one eviction, nothing else leaves the
+ * index, g stays CACHED). A plain match stops at it; a windowed one goes past it and takes only
+ * what its window sees; a prompt computed again fills it; once nothing is indexed below one, it
+ * goes, with REMOVED said after its children's. */
+static pkv_cache *tomb_scene(const int32_t *p, int32_t ts[4], pkv_seq *s, pkv_seq *f2, pkv_seq *w) {
+    pkv_cache *c = tp_cache(4, 8, 1, PKV_DTYPE_F16, 1);
+    *s = tp_prompt(c, 0, p, 16);
+    assert_int_equal(table(c, *s, ts), 4); /* f, a, g, h */
+    assert_int_equal(pkv_seq_fork(c, *s, f2), 0);
+    assert_int_equal(pkv_seq_truncate(c, *f2, 8), 0);
+    assert_int_equal(pkv_seq_drop_front(c, *f2, 4), 0);
+    assert_int_equal(pkv_seq_drop_front(c, *s, 4), 0);  /* f above a (F's): the inner queue's head */
+    assert_int_equal(pkv_seq_drop_front(c, *s, 12), 0); /* g above h */
+    *w = tp_seq(c, 0);
+    int32_t more[20];
+    tp_tokens(more, 20, 53);
+    tp_compute(c, *w, 0, more, 0, 16); /* the 4 FREE blocks */
+    assert_int_equal(stats(c).evictions, 0);
+    tp_compute(c, *w, 0, more, 16, 4); /* f, the inner queue's head: a tombstone in its place */
+    int32_t tw[5];
+    assert_int_equal(table(c, *w, tw), 5);
+    assert_int_equal(tw[4], ts[0]);
+    return c;
+}
+
+static void test_prefix_evict_tombstone(void **state) {
+    (void)state;
+    int32_t p[17], ts[4], tm[4];
+    tp_tokens(p, 17, 51);
+    pkv_seq s, f2, w;
+    pkv_cache *c = tomb_scene(p, ts, &s, &f2, &w);
+    pkv_stats st = stats(c);
+    assert_int_equal(st.evictions, 1);
+    assert_int_equal(st.n_tombstones, 1);
+    assert_int_equal(st.n_indexed, 3); /* a, g, h */
+    assert_int_equal(st.n_cached, 1);  /* g */
+    assert_int_equal(st.n_free, 0);
+    tp_check(c);
+    /* a plain match stops at the tombstone: its K/V is gone */
+    const uint64_t miss = st.prefix_miss_evicted;
+    assert_int_equal(probe(c, 0, p, 16), 0);
+    assert_int_equal(stats(c).prefix_miss_evicted, miss + 1);
+    /* under a window of 5 a query at 15 sees 11..15: blocks 2 and 3 (g, h) are taken, the front
+       ends at 8, and the tombstone (block 0) is passed */
+    pkv_seq m = tp_seq(c, 0);
+    uint32_t reused = 0;
+    assert_int_equal(pkv_seq_match_prefix_window(c, m, p, 16, 5, &reused), 0);
+    assert_int_equal(reused, 15);
+    pkv_seq_info in;
+    assert_int_equal(pkv_seq_get_info(c, m, &in), 0);
+    assert_int_equal(in.n_dropped, 8);
+    assert_int_equal(in.n_reused, 15);
+    assert_int_equal(table(c, m, tm), 4);
+    assert_true(tm[0] == -1 && tm[1] == -1 && tm[2] == ts[2] && tm[3] == ts[3]);
+    tp_expect_kv(c, m, 0, p, 8, 7);
+    st = stats(c);
+    assert_int_equal(st.prefix_tomb_hits, 1);
+    assert_int_equal(st.n_cached, 0); /* g taken back */
+    tp_check(c);
+    /* a window of 9 (from 7 on) needs a too: the front ends at 4 */
+    pkv_seq m2 = tp_seq(c, 0);
+    assert_int_equal(pkv_seq_match_prefix_window(c, m2, p, 16, 9, &reused), 0);
+    assert_int_equal(reused, 15);
+    assert_int_equal(pkv_seq_get_info(c, m2, &in), 0);
+    assert_int_equal(in.n_dropped, 4);
+    assert_int_equal(table(c, m2, tm), 4);
+    assert_true(tm[0] == -1 && tm[1] == ts[1] && tm[2] == ts[2] && tm[3] == ts[3]);
+    tp_expect_kv(c, m2, 0, p, 4, 11);
+    tp_check(c);
+    /* a window of 13 (from 3 on) would need block 0: the match ends before the tombstone, at 0 */
+    pkv_seq m3 = tp_seq(c, 0);
+    assert_int_equal(pkv_seq_match_prefix_window(c, m3, p, 16, 13, &reused), 0);
+    assert_int_equal(reused, 0);
+    assert_int_equal(pkv_seq_get_info(c, m3, &in), 0);
+    assert_int_equal(in.n_dropped, 0);
+    assert_int_equal(in.n_blocks, 0);
+    assert_int_equal(stats(c).prefix_tomb_hits, 2);
+    /* window 0 is pkv_seq_match_prefix's: refused here, nothing changed */
+    pkv_stats before = stats(c);
+    assert_int_equal(pkv_seq_match_prefix_window(c, m3, p, 16, 0, &reused), PKV_EINVAL);
+    st = stats(c);
+    assert_memory_equal(&before, &st, sizeof st);
+    /* the prompt computed again (m3, from 0) fills the tombstone at commit: its block 0 takes the
+       tombstone's place and children, and the whole chain matches again */
+    assert_int_equal(pkv_seq_release(c, w), 0); /* (its blocks were never committed: FREE) */
+    tp_compute(c, m3, 0, p, 0, 16);
+    tp_commit(c, m3, 16);
+    st = stats(c);
+    assert_int_equal(st.n_tombstones, 0);
+    assert_int_equal(st.n_indexed, 4);
+    assert_int_equal(table(c, m3, tm), 4);
+    tp_check(c);
+    pkv_seq all = tp_match(c, 0, p, 17, 16);
+    int32_t ta[4];
+    assert_int_equal(table(c, all, ta), 4);
+    assert_true(ta[0] == tm[0] && ta[1] == ts[1] && ta[2] == ts[2] && ta[3] == ts[3]);
+    tp_expect_kv(c, all, 0, p, 0, 16);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
+/* A tombstone goes once nothing is indexed below it: its children evicted as LRU leaves, the
+ * last one takes it (test_events_random_world checks the events' order over such worlds). */
+static void test_prefix_evict_tombstone_pruned(void **state) {
+    (void)state;
+    int32_t p[17], ts[4];
+    tp_tokens(p, 17, 51);
+    pkv_seq s, f2, w;
+    pkv_cache *c = tomb_scene(p, ts, &s, &f2, &w);
+    assert_int_equal(stats(c).n_tombstones, 1);
+    assert_int_equal(pkv_seq_release(c, s), 0);  /* h: CACHED, a leaf; g with it */
+    assert_int_equal(pkv_seq_release(c, f2), 0); /* a: CACHED above g */
+    assert_int_equal(pkv_seq_release(c, w), 0);  /* 5 FREE (never committed) */
+    pkv_stats st = stats(c);
+    assert_int_equal(st.n_cached, 3);
+    assert_int_equal(st.n_free, 5);
+    assert_int_equal(st.n_tombstones, 1);
+    tp_check(c);
+    /* 5 FREE blocks, then h, g and a as leaves, deepest first: the tombstone goes with a */
+    pkv_seq x = tp_seq(c, 0);
+    int32_t more[32];
+    tp_tokens(more, 32, 54);
+    tp_compute(c, x, 0, more, 0, 20);
+    assert_int_equal(stats(c).evictions, 1); /* (f's, when the scene made the tombstone) */
+    tp_compute(c, x, 0, more, 20, 8);
+    st = stats(c);
+    assert_int_equal(st.evictions, 3);
+    assert_int_equal(st.n_tombstones, 1); /* a is still below it */
+    tp_check(c);
+    tp_compute(c, x, 0, more, 28, 4);
+    st = stats(c);
+    assert_int_equal(st.evictions, 4);
+    assert_int_equal(st.n_tombstones, 0);
+    assert_int_equal(st.n_indexed, 0);
+    tp_check(c);
     pkv_cache_destroy(c);
 }
 
@@ -451,6 +594,8 @@ int main(void) {
         cmocka_unit_test(test_prefix_evict_leaves_before_parents),
         cmocka_unit_test(test_prefix_evict_dropped_front),
         cmocka_unit_test(test_prefix_evict_inner_subtree),
+        cmocka_unit_test(test_prefix_evict_tombstone),
+        cmocka_unit_test(test_prefix_evict_tombstone_pruned),
         cmocka_unit_test(test_prefix_pin_survives_pressure),
         cmocka_unit_test(test_prefix_pin_rules),
     };

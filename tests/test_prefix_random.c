@@ -15,6 +15,7 @@ typedef struct totals {
     uint64_t matches, full_hits, partial_hits, root_hits, evictions, cow, enospc, forks, pins, truncs, tokens_hit, compact_moved;
     uint64_t attn, attn_queries, attn_bad, attn_pool, attn_in_place, attn_shared;
     uint64_t drops, attn_front, attn_masked;
+    uint64_t window_matches, window_fronts, tomb_matches, tombs_end, tomb_hits;
 } totals;
 
 static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, int steps, totals *t) {
@@ -52,6 +53,11 @@ static void run_world(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, i
     t->drops += w->n_drops;
     t->attn_front += w->n_attn_front;
     t->attn_masked += w->n_attn_masked;
+    t->window_matches += w->n_window_matches;
+    t->window_fronts += w->n_window_fronts;
+    t->tomb_matches += w->n_tomb_matches;
+    t->tombs_end += st.n_tombstones;
+    t->tomb_hits += st.prefix_tomb_hits;
     pm_fini(w);
     free(w);
 }
@@ -80,6 +86,11 @@ static void test_prefix_random_b4(void **state) {
     assert_true(t.attn_shared > 0); /* decodes of forks and matched prompts in shared-prefix groups */
     assert_true(t.attn_masked > 0);  /* prefills through custom masks */
     assert_true(t.drops > 0);        /* fronts dropped under the index (pkv_seq_drop_front calls taken) */
+    print_message("B=4: windowed matches %llu (%llu with a front, %llu while tombstones were indexed, %llu through "
+                  "one), tombstones at the end %llu\n",
+                  (unsigned long long)t.window_matches, (unsigned long long)t.window_fronts,
+                  (unsigned long long)t.tomb_matches, (unsigned long long)t.tomb_hits, (unsigned long long)t.tombs_end);
+    assert_true(t.window_matches > 0 && t.window_fronts > 0 && t.tomb_matches > 0 && t.tomb_hits > 0);
 }
 
 /* Other block sizes (1, 3, 16), dtypes (f32, bf16, mixed K/V) and two layers. */

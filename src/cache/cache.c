@@ -143,7 +143,9 @@ void pkv__seq_free(pkv_cache *c, pkv__seq *s) {
 /* Takes a CACHED block out of the index (with its subtree: pkv__index_evict) and out of its
  * queue, counted: FREE, in no queue. */
 static void evict(pkv_cache *c, uint32_t b) {
-    pkv__index_evict(c, b); /* (an inner block goes to the LRU queue once its subtree is gone) */
+    /* a block in the inner queue leaves a tombstone in its place where one is free; else its
+       subtree goes too (an inner block goes to the LRU queue once its subtree is gone) */
+    if (!c->blk[b].inner || !pkv__tomb_make(c, b)) pkv__index_evict(c, b);
     pkv__pool_lru_remove(&c->pool, b);
     c->evictions++;
     c->blk[b].state = PKV_BLK_FREE;
@@ -348,8 +350,8 @@ static uint32_t share_items(const pkv_cache *c) {
 }
 
 #define CACHE_ALLOCS(X)                                                                               \
-    X(blk, (uint64_t)sizeof(pkv__blk) * c->n_blocks)                                                   \
-    X(tokens, (uint64_t)sizeof(int32_t) * c->n_blocks * c->B)                                          \
+    X(blk, (uint64_t)sizeof(pkv__blk) * ((uint64_t)c->n_blocks + c->tomb_cap))                          \
+    X(tokens, (uint64_t)sizeof(int32_t) * ((uint64_t)c->n_blocks + c->tomb_cap) * c->B)                 \
     X(seqs, (uint64_t)sizeof(pkv__seq) * c->max_seqs)                                                  \
     X(tables, (uint64_t)sizeof(int32_t) * c->max_seqs * c->max_bps)                                    \
     X(buckets, (uint64_t)sizeof(uint32_t) * ((uint64_t)c->bucket_mask + 1))                            \
@@ -485,6 +487,7 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     c->v_blk = v_blk;
     c->v_off = v_off;
     c->layer_stride = layer_bytes;
+    c->tomb_cap = c->tomb_lim = cfg.enable_prefix_cache ? cfg.n_blocks : 0;
     c->bucket_mask = pow2_at_least(cfg.n_blocks) - 1;
     c->fp_mask = pow2_at_least(PKV_MIN((uint64_t)cfg.n_blocks * 2, 1u << 22)) - 1;
 

@@ -71,8 +71,8 @@ struct pkv_cache {
     size_t kv_bytes, layer_stride, v_off, k_row, v_row, k_blk, v_blk;
 
     pkv__pool pool;
-    pkv__blk *blk;  /* [n_blocks] */
-    int32_t *tokens; /* [n_blocks][B] token ids of each block */
+    pkv__blk *blk;  /* [n_blocks + tomb_cap]: the pool's blocks, then the tombstones (prefix.c) */
+    int32_t *tokens; /* [n_blocks + tomb_cap][B] token ids of each block and tombstone */
 
     pkv__seq *seqs;  /* [max_seqs] */
     int32_t *tables; /* [max_seqs][max_bps] */
@@ -84,7 +84,11 @@ struct pkv_cache {
     uint32_t *buckets; /* [bucket_mask + 1] first block of each hash chain */
     uint32_t *roots;   /* [bucket_mask + 1] first block of each root list (prefix.c) */
     uint32_t bucket_mask;
-    uint64_t n_indexed;
+    uint64_t n_indexed; /* index entries that hold K/V (blocks), tombstones not counted */
+    /* tombstones: ids n_blocks .. n_blocks + tomb_cap - 1 (prefix.c, "Tombstones"); tomb_cap is
+       n_blocks where the cache indexes prefixes, else 0 */
+    uint32_t tomb_cap, tomb_lim; /* tomb_lim: those that may be in use (a test hook lowers it) */
+    uint32_t tomb_free, n_tombs; /* free ones linked through qnext; in use */
     uint64_t *fp_seen, *fp_content; /* [fp_mask + 1] fingerprints for miss reasons */
     uint32_t fp_mask;
     int const_hash; /* test switch: every identity hash is the same value */
@@ -97,7 +101,7 @@ struct pkv_cache {
 
     /* counters */
     uint64_t cow_copies, evictions;
-    uint64_t pfx_lookups, pfx_queried, pfx_hit, miss_new, miss_evicted, miss_ns;
+    uint64_t pfx_lookups, pfx_queried, pfx_hit, miss_new, miss_evicted, miss_ns, pfx_tomb_hits;
     uint64_t meta_bytes;
 
     /* checker scratch */
@@ -188,6 +192,17 @@ void pkv__share_carve(pkv_cache *c);
 
 /* ---- prefix.c ---- */
 void pkv__index_reset(pkv_cache *c);
+/* Whether id names a tombstone slot (pkv__blk.state PKV_BLK_TOMB while in use). */
+static inline bool pkv__is_tomb(const pkv_cache *c, uint32_t id) { return id != PKV_NONE && id >= c->n_blocks; }
+/* Evicts CACHED block b that waits in the inner queue (entries below it in use) by leaving a
+ * tombstone in its place in the index (REMOVED said for b): true; false, and nothing changed,
+ * where no tombstone is free (the caller evicts its subtree then, pkv__index_evict). b keeps no
+ * index fields; its queue and state are the caller's. */
+bool pkv__tomb_make(pkv_cache *c, uint32_t b);
+/* Frees the tombstones from p up that have no entry below them left (p: any id or PKV_NONE). */
+void pkv__tomb_prune(pkv_cache *c, uint32_t p);
+/* Test hook: at most n tombstones in use (at most tomb_cap; those in use stay). */
+void pkv__cache_test_tombs(pkv_cache *c, uint32_t n);
 /* Un-indexes a CACHED block about to be reused (eviction) with everything below it in the index:
  * a CACHED descendant goes FREE (counted as evicted), an ACTIVE one stays with its holders, a
  * partial one is unlinked. Only the inner queue's blocks have descendants (a dropped front's);

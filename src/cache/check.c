@@ -24,6 +24,8 @@ PKV_API int pkv_cache_get_stats(pkv_cache *c, pkv_stats *out) {
     out->frag_slots = (uint64_t)c->pool.n_active * c->B - c->pool.slots_used;
     out->cow_copies = c->cow_copies;
     out->peak_active = c->pool.peak_active;
+    out->n_tombstones = c->n_tombs;
+    out->prefix_tomb_hits = c->pfx_tomb_hits;
     out->prefix_lookups = c->pfx_lookups;
     out->prefix_tokens_queried = c->pfx_queried;
     out->prefix_tokens_hit = c->pfx_hit;
@@ -142,7 +144,7 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
                             "sequence %u: its root (block %d) is in another namespace", i, b);
             } else if (k->flags & PKV_BLKF_PARTIAL) {
                 /* a partial right past the front: below an index entry of the depth before it */
-                REQUIRE(k->parent < c->n_blocks && (c->blk[k->parent].flags & PKV_BLKF_INDEXED) &&
+                REQUIRE(k->parent < c->n_blocks + c->tomb_cap && (c->blk[k->parent].flags & PKV_BLKF_INDEXED) &&
                             c->blk[k->parent].depth + 1 == j,
                         "sequence %u: table[%u] (block %d), a partial past its dropped front, has parent %u", i, j,
                         b, k->parent);
@@ -168,18 +170,22 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
     return PKV_OK;
 }
 
-/* The prefix index's hash chains: every entry a block in range, INDEXED, in the bucket its hash
- * names, and no chain cycling (so the walks of check_blocks and of lookup stay in bounds and
- * only ever meet index entries). O(buckets + n_blocks): buckets <= 2 n_blocks + 16. */
+/* The prefix index's hash chains: every entry a block or tombstone in range, INDEXED, in the
+ * bucket its hash names, and no chain cycling (so the walks of check_blocks and of lookup stay in
+ * bounds and only ever meet index entries). O(buckets + n_blocks + tomb_cap): buckets <= 2
+ * n_blocks + 16. */
 static int check_index_chains(pkv_cache *c, report *r, uint64_t *n_root_entries) {
     uint64_t n = 0;
+    const uint64_t n_ids = (uint64_t)c->n_blocks + c->tomb_cap;
     for (uint32_t i = 0; i <= c->bucket_mask; i++)
         for (uint32_t b = c->buckets[i]; b != PKV_NONE; b = c->blk[b].hnext) {
-            REQUIRE(b < c->n_blocks, "index bucket %u: block id %u out of range", i, b);
+            REQUIRE(b < n_ids, "index bucket %u: block id %u out of range", i, b);
             REQUIRE(c->blk[b].flags & PKV_BLKF_INDEXED, "index bucket %u: block %u is not indexed", i, b);
+            REQUIRE(b < c->n_blocks || c->blk[b].state == PKV_BLK_TOMB, "index bucket %u: tombstone slot %u is free",
+                    i, b);
             REQUIRE((c->blk[b].hash & c->bucket_mask) == i, "index bucket %u: block %u belongs in bucket %llu", i, b,
                     (unsigned long long)(c->blk[b].hash & c->bucket_mask));
-            REQUIRE(++n <= c->n_blocks, "index buckets: more entries than blocks (cycle?)");
+            REQUIRE(++n <= n_ids, "index buckets: more entries than blocks and tombstones (cycle?)");
         }
     /* the root lists: every entry an INDEXED or PARTIAL block without a parent, on the list its
        namespace and first token name, its back link the entry before it; and as many entries as
@@ -187,31 +193,47 @@ static int check_index_chains(pkv_cache *c, report *r, uint64_t *n_root_entries)
     n = 0;
     for (uint32_t i = 0; i <= c->bucket_mask; i++)
         for (uint32_t b = c->roots[i], before = PKV_NONE; b != PKV_NONE; before = b, b = c->blk[b].sib_next) {
-            REQUIRE(b < c->n_blocks, "root list %u: block id %u out of range", i, b);
+            REQUIRE(b < n_ids, "root list %u: block id %u out of range", i, b);
             const pkv__blk *k = &c->blk[b];
             REQUIRE((k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) && k->parent == PKV_NONE,
                     "root list %u: block %u is not a root of the index", i, b);
             REQUIRE(pkv__root_slot(c, k->ns_lo, k->ns_hi, c->tokens[(size_t)b * c->B]) == i,
                     "root list %u: block %u belongs on another list", i, b);
             REQUIRE(k->sib_prev == before, "root list %u: block %u links back to %u, not %u", i, b, k->sib_prev, before);
-            REQUIRE(++n <= c->n_blocks, "root lists: more entries than blocks (cycle?)");
+            REQUIRE(++n <= n_ids, "root lists: more entries than blocks and tombstones (cycle?)");
         }
     *n_root_entries = n;
     return PKV_OK;
 }
 
 static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
-    uint32_t n_free = 0, n_cached = 0, n_active = 0;
+    uint32_t n_free = 0, n_cached = 0, n_active = 0, n_tombs = 0, n_tomb_free = 0;
     uint64_t slots = 0, n_indexed = 0, n_roots = 0, n_children = 0, n_listed = 0;
-    for (uint32_t b = 0; b < c->n_blocks; b++) {
+    const uint32_t n_ids = c->n_blocks + c->tomb_cap;
+    for (uint32_t b = 0; b < n_ids; b++) {
         const pkv__blk *k = &c->blk[b];
-        REQUIRE(k->ref == c->chk_ref[b], "block %u: refcount %u but %u table entries and pins name it", b, k->ref,
-                c->chk_ref[b]);
+        if (b >= c->n_blocks) { /* a tombstone slot: free, or an index entry with one below it at least */
+            if (k->state == PKV_BLK_FREE) {
+                n_tomb_free++;
+                REQUIRE(k->flags == 0 && k->child == PKV_NONE && k->n_hot == 0,
+                        "tombstone slot %u: free but flags %u / a child / %u in use counted", b, k->flags, k->n_hot);
+                continue;
+            }
+            REQUIRE(k->state == PKV_BLK_TOMB, "tombstone slot %u: state %u", b, k->state);
+            REQUIRE(k->ref == 0 && !k->inner && k->flags == PKV_BLKF_INDEXED && k->child != PKV_NONE,
+                    "tombstone %u: ref %u, inner %u, flags %u, %s", b, k->ref, k->inner, k->flags,
+                    k->child == PKV_NONE ? "nothing below it" : "a child");
+            n_tombs++;
+        } else {
+            REQUIRE(k->ref == c->chk_ref[b], "block %u: refcount %u but %u table entries and pins name it", b, k->ref,
+                    c->chk_ref[b]);
+        }
         REQUIRE(!((k->flags & PKV_BLKF_INDEXED) && (k->flags & PKV_BLKF_PARTIAL)), "block %u: both indexed and partial", b);
         REQUIRE(k->n_commit <= k->n_fill && k->n_fill <= c->B, "block %u: commit %u / fill %u / B %u inconsistent", b,
                 k->n_commit, k->n_fill, c->B);
         REQUIRE(!k->inner || k->state == PKV_BLK_CACHED, "block %u: marked for the inner queue but not CACHED", b);
-        switch (k->state) {
+        switch (b >= c->n_blocks ? PKV_BLK_TOMB : k->state) {
+        case PKV_BLK_TOMB: break; /* (a block's state is never TOMB: the default below) */
         case PKV_BLK_FREE:
             n_free++;
             REQUIRE(k->ref == 0 && k->flags == 0, "block %u: FREE but ref %u flags %u", b, k->ref, k->flags);
@@ -232,14 +254,14 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
             n_children += k->parent != PKV_NONE;
         }
         if (k->flags & PKV_BLKF_INDEXED) {
-            n_indexed++;
+            n_indexed += b < c->n_blocks;
             REQUIRE(k->n_commit == c->B && k->n_fill == c->B, "block %u: indexed but not full and committed", b);
             const int32_t *toks = c->tokens + (size_t)b * c->B;
             uint64_t h = pkv__identity_hash(c, k->parent, k->ns_lo, k->ns_hi, toks);
             REQUIRE(h == k->hash, "block %u: indexed identity changed (hash %016llx, recomputed %016llx)", b,
                     (unsigned long long)k->hash, (unsigned long long)h);
             uint32_t x = c->buckets[h & c->bucket_mask], steps = 0;
-            while (x != PKV_NONE && x != b && steps++ <= c->n_blocks) x = c->blk[x].hnext;
+            while (x != PKV_NONE && x != b && steps++ <= n_ids) x = c->blk[x].hnext;
             REQUIRE(x == b, "block %u: indexed but not in its hash bucket", b);
             REQUIRE(k->depth == (k->parent == PKV_NONE ? 0 : c->blk[k->parent].depth + 1),
                     "block %u: depth %u under a parent of depth %u", b, k->depth,
@@ -249,16 +271,17 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
                 REQUIRE(p->flags & PKV_BLKF_INDEXED, "block %u: indexed under parent %u which is not indexed", b, k->parent);
                 /* (a block in use below a CACHED one: a dropped front's; the parent counts it in
                    n_hot and waits in the inner queue, checked below and in check_queues) */
-                if (k->state == PKV_BLK_CACHED && !k->inner && p->state == PKV_BLK_CACHED && !p->inner)
+                if (k->state == PKV_BLK_CACHED && !k->inner && p->state == PKV_BLK_CACHED && !p->inner &&
+                    k->parent < c->n_blocks)
                     REQUIRE(c->chk_pos[b] < c->chk_pos[k->parent],
                             "LRU: cached block %u is behind its cached parent %u (leaves must go first)", b, k->parent);
             }
             uint32_t n_ch = 0;
             for (uint32_t ch = k->child, before = PKV_NONE; ch != PKV_NONE; before = ch, ch = c->blk[ch].sib_next) {
-                REQUIRE(ch < c->n_blocks && c->blk[ch].parent == b, "block %u: child %u does not name it as parent", b, ch);
+                REQUIRE(ch < n_ids && c->blk[ch].parent == b, "block %u: child %u does not name it as parent", b, ch);
                 REQUIRE(c->blk[ch].sib_prev == before, "block %u: child %u links back to %u, not %u", b, ch,
                         c->blk[ch].sib_prev, before);
-                REQUIRE(++n_ch <= c->n_blocks, "block %u: child list cycles", b);
+                REQUIRE(++n_ch <= n_ids, "block %u: child list cycles", b);
             }
             n_listed += n_ch;
         } else if (k->flags & PKV_BLKF_PARTIAL) {
@@ -279,6 +302,16 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
             (unsigned long long)c->pool.slots_used);
     REQUIRE(n_indexed == c->n_indexed, "index: %llu indexed blocks, counter %llu", (unsigned long long)n_indexed,
             (unsigned long long)c->n_indexed);
+    REQUIRE(n_tombs == c->n_tombs && n_tombs + n_tomb_free == c->tomb_cap && c->n_tombs <= c->tomb_lim,
+            "tombstones: %u in use, %u free, counters %u of %u (at most %u)", n_tombs, n_tomb_free, c->n_tombs,
+            c->tomb_cap, c->tomb_lim);
+    uint32_t n_listed_free = 0;
+    for (uint32_t t = c->tomb_free; t != PKV_NONE; t = c->blk[t].qnext) {
+        REQUIRE(t >= c->n_blocks && t < n_ids && c->blk[t].state == PKV_BLK_FREE,
+                "tombstones' free list: %u is not a free tombstone slot", t);
+        REQUIRE(++n_listed_free <= n_tomb_free, "tombstones' free list: longer than the free slots (cycle?)");
+    }
+    REQUIRE(n_listed_free == n_tomb_free, "tombstones' free list: %u of %u free slots", n_listed_free, n_tomb_free);
     REQUIRE(n_listed == n_children, "child lists: %llu entries, %llu index entries with a parent",
             (unsigned long long)n_listed, (unsigned long long)n_children);
     REQUIRE(n_roots == n_root_entries, "root lists: %llu entries, %llu roots of the index", (unsigned long long)n_root_entries,
@@ -288,7 +321,7 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
             "event ring: %u held from %u, capacity %u", c->ev_n, c->ev_head, c->ev_cap);
     /* children counts: every INDEXED block's n_children equals its indexed children, its n_hot
        its children in use (ACTIVE, or CACHED in the inner queue); other blocks have none */
-    for (uint32_t b = 0; b < c->n_blocks; b++) {
+    for (uint32_t b = 0; b < n_ids; b++) {
         const pkv__blk *k = &c->blk[b];
         if (!(k->flags & PKV_BLKF_INDEXED)) {
             REQUIRE(k->n_hot == 0, "block %u: not indexed but %u children in use counted", b, k->n_hot);

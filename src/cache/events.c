@@ -102,11 +102,11 @@ PKV_API int pkv_prefix_snapshot(pkv_cache *c, pkv_event *out, size_t cap, int32_
     if (!n_out) return PKV__SAY(c, PKV_EINVAL, "n_out is NULL");
     if (!out && cap) return PKV__SAY(c, PKV_EINVAL, "out is NULL with cap %zu", cap);
     LOCK(c);
-    const uint64_t need = c->n_indexed;
+    const uint64_t need = c->n_indexed + c->n_tombs; /* the index's entries */
     if (need > cap) {
         UNLOCK(c);
         *n_out = (size_t)need;
-        return PKV__SAY(c, PKV_ELIMIT, "%llu indexed blocks, room for %zu", (unsigned long long)need, cap);
+        return PKV__SAY(c, PKV_ELIMIT, "%llu index entries, room for %zu", (unsigned long long)need, cap);
     }
     /* breadth first, out[] its own queue: the roots (every root list), then each entry's
        children; partial blocks are not index entries */

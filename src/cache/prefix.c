@@ -86,6 +86,14 @@ void pkv__cache_test_const_hash(pkv_cache *c, int on) {
 void pkv__index_reset(pkv_cache *c) {
     for (uint32_t i = 0; i <= c->bucket_mask; i++) c->buckets[i] = c->roots[i] = PKV_NONE;
     c->n_indexed = 0;
+    c->tomb_free = PKV_NONE;
+    for (uint32_t i = c->tomb_cap; i-- > 0;) { /* every tombstone free, the first on top */
+        pkv__blk *k = &c->blk[c->n_blocks + i];
+        *k = (pkv__blk){.state = PKV_BLK_FREE, .qprev = PKV_NONE, .qnext = c->tomb_free, .parent = PKV_NONE,
+                        .hnext = PKV_NONE, .child = PKV_NONE, .sib_prev = PKV_NONE, .sib_next = PKV_NONE};
+        c->tomb_free = c->n_blocks + i;
+    }
+    c->n_tombs = 0;
     /* the fingerprint tables keep their history across a reset: "evicted" stays meaningful */
 }
 
@@ -136,19 +144,32 @@ void pkv__tree_unlink(pkv_cache *c, uint32_t b) {
  * use: only a dropped front leaves one so). A CACHED block with a hot child waits in the inner
  * queue, one without in the LRU queue, behind the children that went CACHED before it. */
 void pkv__hot_up(pkv_cache *c, uint32_t p) {
-    if (p == PKV_NONE) return;
-    /* a child comes into use only below a block in use (a link below a held block; a match
-       takes a chain from its root): p's own count in its parent stays as it is */
-    pkv_assert(pkv__blk_hot(&c->blk[p]));
-    c->blk[p].n_hot++;
+    /* a child comes into use below a block in use (a link below a held block; a match that takes
+       a chain from its root), where p's own count in its parent stays as it is; or, from a
+       windowed match (pkv_seq_match_prefix_window), right past a front it does not take: p,
+       CACHED in the LRU queue or a tombstone with no child in use, becomes hot, and so on up */
+    while (p != PKV_NONE) {
+        pkv__blk *k = &c->blk[p];
+        const bool hot = pkv__blk_hot(k);
+        k->n_hot++;
+        if (hot) return;
+        if (k->state == PKV_BLK_CACHED) { /* to the inner queue's tail */
+            pkv__pool_lru_remove(&c->pool, p);
+            pkv__pool_lru_push(&c->pool, p, true);
+        } else {
+            pkv_assert(k->state == PKV_BLK_TOMB);
+        }
+        p = k->parent;
+    }
 }
 
 void pkv__hot_down(pkv_cache *c, uint32_t p) {
     while (p != PKV_NONE) {
         pkv__blk *k = &c->blk[p];
         pkv_assert(k->n_hot > 0);
-        if (--k->n_hot || k->state != PKV_BLK_CACHED) return; /* still hot */
-        pkv__pool_lru_demote(&c->pool, p); /* behind its children that went CACHED */
+        if (--k->n_hot) return; /* still hot */
+        if (k->state == PKV_BLK_CACHED) pkv__pool_lru_demote(&c->pool, p); /* behind its children that went CACHED */
+        else if (k->state != PKV_BLK_TOMB) return;                        /* ACTIVE: hot all the same */
         p = k->parent;
     }
 }
@@ -168,6 +189,7 @@ void pkv__partial_unlink(pkv_cache *c, uint32_t b) {
     if (hot) pkv__hot_down(c, parent);
     c->blk[b].flags &= (uint8_t)~PKV_BLKF_PARTIAL;
     c->blk[b].ns_lo = c->blk[b].ns_hi = 0;
+    pkv__tomb_prune(c, parent);
 }
 
 /* ---- hash table ---- */
@@ -193,10 +215,12 @@ static void bucket_remove(pkv_cache *c, uint32_t b) {
     c->blk[b].hnext = PKV_NONE;
 }
 
-/* Takes indexed block b out of the index: REMOVED said, its hash chain, its parent's count and
- * child list. */
+/* Takes index entry b out of the index: REMOVED said, its hash chain, its parent's count and
+ * child list; a tombstone (which has no entry below it left) freed. */
 static void unindex(pkv_cache *c, uint32_t b) {
     pkv__blk *k = &c->blk[b];
+    const bool tomb = k->state == PKV_BLK_TOMB;
+    pkv_assert(!tomb || k->child == PKV_NONE);
     pkv__event_block(c, PKV_EVENT_REMOVED, b);
     bucket_remove(c, b);
     const uint32_t parent = k->parent;
@@ -206,7 +230,93 @@ static void unindex(pkv_cache *c, uint32_t b) {
     if (hot) pkv__hot_down(c, parent);
     k->flags = 0;
     k->ns_lo = k->ns_hi = 0;
+    if (!tomb) {
+        c->n_indexed--;
+        return;
+    }
+    k->state = PKV_BLK_FREE;
+    k->n_children = k->n_hot = 0;
+    k->qnext = c->tomb_free;
+    c->tomb_free = b;
+    c->n_tombs--;
+}
+
+/* ---- tombstones ----
+ * A dropped front (pkv_seq_drop_front) leaves CACHED blocks above blocks in use. Evicting one
+ * used to take its whole subtree out of the index, since identities chain from block 0 (below);
+ * but a windowed or chunked layer's next query reads only the last window's blocks, so for
+ * pkv_seq_match_prefix_window an evicted ancestor is needed only as an identity: its token ids,
+ * to be compared, and its place in the tree. A tombstone keeps just that (SGLang's SWA radix
+ * cache keeps such nodes): a slot of blk[] and tokens[] past the pool's (ids n_blocks ..), state
+ * PKV_BLK_TOMB, flags INDEXED, in its hash chain and its parent's child list, its children's
+ * parent, counted in its parent's n_hot while an entry below it is in use; in no queue, and
+ * never in a table. Events describe the index's entries, so a block that leaves a tombstone
+ * says nothing, and REMOVED comes when the tombstone goes (its children's first, as ever; its
+ * block field then names the tombstone: n_blocks or more); n_indexed counts blocks only. It lives while an entry is below it (pkv__tomb_prune
+ * frees it when its last child goes), until pkv_cache_reset, or until a sequence indexes the
+ * same block again (tomb_fill, at commit: the block takes its place and its subtree). A plain
+ * match (pkv_seq_match_prefix) stops at one, as at an evicted block. With every tombstone in use
+ * (tomb_cap: n_blocks) eviction takes the subtree out as before. */
+void pkv__cache_test_tombs(pkv_cache *c, uint32_t n) {
+    pthread_mutex_lock(&c->mu);
+    c->tomb_lim = PKV_MIN(n, c->tomb_cap);
+    pthread_mutex_unlock(&c->mu);
+}
+
+bool pkv__tomb_make(pkv_cache *c, uint32_t b) {
+    if (c->tomb_free == PKV_NONE || c->n_tombs >= c->tomb_lim) return false;
+    const uint32_t t = c->tomb_free;
+    c->tomb_free = c->blk[t].qnext;
+    pkv__blk *k = &c->blk[t];
+    *k = c->blk[b];
+    k->state = PKV_BLK_TOMB;
+    k->ref = 0;
+    k->inner = 0;
+    k->qprev = k->qnext = PKV_NONE;
+    memcpy(c->tokens + (size_t)t * c->B, c->tokens + (size_t)b * c->B, (size_t)c->B * sizeof(int32_t));
+    pkv__index_repoint(c, b, t); /* its links name t; b keeps no index fields */
     c->n_indexed--;
+    c->n_tombs++;
+    return true;
+}
+
+void pkv__tomb_prune(pkv_cache *c, uint32_t p) {
+    while (pkv__is_tomb(c, p) && c->blk[p].child == PKV_NONE) {
+        const uint32_t up = c->blk[p].parent;
+        unindex(c, p);
+        p = up;
+    }
+}
+
+/* Block b (ACTIVE, full and committed, table[i] of a sequence, maybe a registered partial on the
+ * same list) takes the place of tombstone t, its twin (the same parent and token ids): t's
+ * children are b's, t is freed. No event: the entry never left the index. */
+static void tomb_fill(pkv_cache *c, uint32_t t, uint32_t b) {
+    pkv__blk *x = &c->blk[t], *k = &c->blk[b];
+    const uint32_t parent = x->parent;
+    const bool was_hot = x->n_hot > 0;
+    if (k->flags & PKV_BLKF_PARTIAL) {
+        /* counted in use under the same parent already: of the two, one stays counted */
+        pkv__tree_unlink(c, b);
+        k->flags &= (uint8_t)~PKV_BLKF_PARTIAL;
+        if (was_hot && parent != PKV_NONE) {
+            pkv_assert(c->blk[parent].n_hot > 1);
+            c->blk[parent].n_hot--;
+        }
+    } else if (!was_hot) {
+        pkv__hot_up(c, parent);
+    }
+    k->flags = PKV_BLKF_INDEXED;
+    k->hash = x->hash, k->chash = x->chash, k->ns_lo = x->ns_lo, k->ns_hi = x->ns_hi;
+    k->parent = x->parent, k->hnext = x->hnext, k->child = x->child;
+    k->sib_prev = x->sib_prev, k->sib_next = x->sib_next;
+    k->n_children = x->n_children, k->n_hot = x->n_hot, k->depth = x->depth;
+    pkv__index_repoint(c, t, b);
+    x->state = PKV_BLK_FREE;
+    x->qnext = c->tomb_free;
+    c->tomb_free = t;
+    c->n_tombs--;
+    c->n_indexed++;
 }
 
 /* After an eviction un-indexed blocks that sequences hold (each such holder dropped its front
@@ -225,6 +335,7 @@ static void chains_clamp(pkv_cache *c) {
 
 void pkv__index_evict(pkv_cache *c, uint32_t b) {
     pkv_assert(c->blk[b].flags & PKV_BLKF_INDEXED);
+    const uint32_t top = c->blk[b].parent;
     /* the subtree below b, deepest first and without a stack: down to a first child while there
        is one, that leaf out, back up to its parent. A block whose holders dropped the blocks
        before it is found only here (whoever else holds an indexed block holds its ancestors) */
@@ -232,19 +343,27 @@ void pkv__index_evict(pkv_cache *c, uint32_t b) {
     for (uint32_t x = b;;) {
         while (c->blk[x].child != PKV_NONE) x = c->blk[x].child;
         const uint32_t up = c->blk[x].parent;
-        if (c->blk[x].flags & PKV_BLKF_PARTIAL) pkv__partial_unlink(c, x);
-        else unindex(c, x);
+        const bool tomb = c->blk[x].state == PKV_BLK_TOMB; /* (unindex frees it) */
+        if (c->blk[x].flags & PKV_BLKF_PARTIAL) {
+            pkv__tree_unlink(c, x); /* pkv__partial_unlink, less its prune: up is walked next */
+            if (pkv__blk_hot(&c->blk[x])) pkv__hot_down(c, up);
+            c->blk[x].flags &= (uint8_t)~PKV_BLKF_PARTIAL;
+            c->blk[x].ns_lo = c->blk[x].ns_hi = 0;
+        } else {
+            unindex(c, x);
+        }
         if (x == b) break;
-        if (c->blk[x].state == PKV_BLK_CACHED) { /* of no use without b: free */
+        if (!tomb && c->blk[x].state == PKV_BLK_CACHED) { /* of no use without b: free */
             pkv__pool_lru_remove(&c->pool, x);
             pkv__pool_free_push(&c->pool, x);
             c->evictions++;
-        } else {
+        } else if (!tomb) {
             held = true;
         }
         x = up;
     }
     if (held) chains_clamp(c);
+    pkv__tomb_prune(c, top);
 }
 
 void pkv__index_repoint(pkv_cache *c, uint32_t src, uint32_t dst) {
@@ -341,7 +460,13 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
         }
         const int32_t *toks = c->tokens + (size_t)b * B;
         uint64_t h = pkv__identity_hash(c, parent, s->ns_lo, s->ns_hi, toks);
-        if (lookup(c, h, parent, s->ns_lo, s->ns_hi, toks) != PKV_NONE) break; /* a twin is indexed */
+        const uint32_t twin = lookup(c, h, parent, s->ns_lo, s->ns_hi, toks);
+        if (pkv__is_tomb(c, twin)) { /* the block comes back, under its subtree */
+            tomb_fill(c, twin, b);
+            s->idx_len++;
+            continue;
+        }
+        if (twin != PKV_NONE) break; /* a twin is indexed */
         index_insert(c, s, b, parent, h, i);
         s->idx_len++;
     }
@@ -391,16 +516,41 @@ uint32_t pkv__media_trim(const int32_t *tokens, uint32_t n, uint32_t r) {
     return r < n && pkv__media_more(tokens[r]) ? pkv__media_open(tokens, r) : 0;
 }
 
-PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, uint32_t *n_reused) {
+/* The front of a match of r positions under window: the blocks wholly before the first key a
+ * query at r sees (r - window + 1), but never the last full block of the match, so that the
+ * sequence's indexed chain goes on from one it holds. */
+static uint32_t window_front(uint32_t r, uint32_t window, uint32_t B) {
+    const uint32_t last_full = r / B ? r / B - 1 : 0;
+    return PKV_MIN((r - PKV_MIN(r, window - 1)) / B, last_full);
+}
+
+/* The longest match of at most r positions, over chain[0 .. k) (block ids and tombstones), whose
+ * blocks from its front (window_front) on are blocks, not tombstones. */
+static uint32_t window_fit(const pkv_cache *c, const uint32_t *chain, uint32_t k, uint32_t r, uint32_t window) {
+    const uint32_t B = c->B;
+    for (;;) {
+        if (!r) return 0;
+        const uint32_t lo = window_front(r, window, B);
+        uint32_t j = PKV_MIN(k, (r + B - 1) / B);
+        while (j > lo && !pkv__is_tomb(c, chain[j - 1])) j--;
+        if (j == lo) return r;
+        r = (j - 1) * B; /* ends before that tombstone */
+    }
+}
+
+/* pkv_seq_match_prefix (window 0) and pkv_seq_match_prefix_window. */
+static int match(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, uint32_t window, uint32_t *n_reused,
+                 const char *api) {
     if (!c) return PKV_EINVAL;
-    if (!n_reused) return PKV__SAY(c, PKV_EINVAL, "n_reused is NULL");
-    if (n && !tokens) return PKV__SAY(c, PKV_EINVAL, "tokens is NULL, n %u", n);
+    if (!n_reused) return pkv__say(c, PKV_EINVAL, api, "n_reused is NULL");
+    if (n && !tokens) return pkv__say(c, PKV_EINVAL, api, "tokens is NULL, n %u", n);
     pthread_mutex_lock(&c->mu);
     pkv__seq *s;
-    int rc = pkv__get_seq(c, id, &s, __func__);
+    int rc = pkv__get_seq(c, id, &s, api);
     if (rc) goto out;
     if (s->n_tokens != 0) {
-        rc = PKV__SAY(c, PKV_EINVAL, "the sequence holds %u positions: a match goes into an empty one", s->n_tokens);
+        rc = pkv__say(c, PKV_EINVAL, api, "the sequence holds %u positions: a match goes into an empty one",
+                      s->n_tokens);
         goto out;
     }
     *n_reused = 0;
@@ -413,6 +563,9 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
     /* blocks holding positions [0, cap): with B = 1 the block of the last prompt token holds no
        reusable position and must not be attached (it would lie past the length) */
     uint32_t prev = PKV_NONE, k = 0, full = (uint32_t)PKV_MIN(PKV_MIN(n / B, ((uint64_t)cap + B - 1) / B), c->max_bps);
+    /* the chain's ids, in s's table until they are taken (tombstones among them only under a
+       window) */
+    uint32_t *chain = (uint32_t *)(void *)s->table;
     /* The identity hash of block i is seeded by block i-1's hash, which on a hit is the hash
        just computed: so a chunk of hashes is computed ahead, and the bucket heads, block records
        and token ids of the next lookups are prefetched while this one is compared. Without it
@@ -441,22 +594,49 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
             const int32_t *t = tokens + (size_t)k * B;
             uint64_t h = hs[j];
             uint32_t b = lookup(c, h, prev, s->ns_lo, s->ns_hi, t);
-            if (b == PKV_NONE) {
-                /* why: the same namespace+prefix was indexed once (evicted), the same tokens
-                   exist under another namespace, or never seen. Best effort: fingerprints. */
+            if (b == PKV_NONE || (!window && pkv__is_tomb(c, b))) {
+                /* why: the same namespace+prefix was indexed once (evicted: its tombstone is no
+                   block), the same tokens exist under another namespace, or never seen. Best
+                   effort: fingerprints. */
                 uint64_t ch = pkv__content_hash(c, prev, t);
-                if (!c->const_hash && fp_has(c->fp_seen, c->fp_mask, h)) c->miss_evicted++;
+                if (b != PKV_NONE || (!c->const_hash && fp_has(c->fp_seen, c->fp_mask, h))) c->miss_evicted++;
                 else if (fp_has(c->fp_content, c->fp_mask, ch)) c->miss_ns++;
                 else c->miss_new++;
                 miss = true;
                 break;
             }
-            pkv__ref_block(c, b);
-            s->table[k++] = (int32_t)b;
+            chain[k++] = b;
             prev = b;
         }
     }
-    uint32_t reused = PKV_MIN(k * B, cap);
+    uint32_t reused = PKV_MIN(k * B, cap), front = 0;
+    if (window) {
+        /* a match under a window: no token-granular extra; the media trim and the window's
+           blocks, each of which can only shorten it, until both hold */
+        for (;;) {
+            const uint32_t r = reused - pkv__media_trim(tokens, n, reused);
+            reused = window_fit(c, chain, k, r, window);
+            if (reused == r && !pkv__media_trim(tokens, n, reused)) break;
+        }
+        k = (reused + B - 1) / B;
+        front = window_front(reused, window, B);
+        for (uint32_t i = 0; i < front; i++)
+            if (pkv__is_tomb(c, chain[i])) {
+                c->pfx_tomb_hits++;
+                break;
+            }
+        for (uint32_t i = front; i < k; i++) pkv__ref_block(c, chain[i]); /* parents first */
+        for (uint32_t i = 0; i < front; i++) s->table[i] = -1;
+        for (uint32_t i = front; i < k; i++) s->table[i] = (int32_t)chain[i];
+        s->n_blocks = k;
+        s->n_dropped = front;
+        s->idx_len = reused / B;
+        goto done;
+    }
+    for (uint32_t i = 0; i < k; i++) {
+        pkv__ref_block(c, chain[i]);
+        s->table[i] = (int32_t)chain[i];
+    }
     s->n_blocks = k;
     /* token-granular: the child of the last matched block (with none matched, the root of s's
        namespace) sharing the longest token prefix */
@@ -470,12 +650,13 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
         /* lists are linked newest first; a prefix shared by thousands of requests has thousands
            of children, so only the most recent PARTIAL_SCAN are compared: the token-granular
            extra is best effort, the full-block hits above are not. A root list may also hold
-           the roots of other namespaces or first tokens that share its slot: skipped, counted. */
+           the roots of other namespaces or first tokens that share its slot: skipped, counted.
+           Tombstones hold no K/V to copy. */
         uint32_t scanned = 0;
         const uint32_t first = k ? c->blk[prev].child : c->roots[root_slot];
         for (uint32_t ch = first; ch != PKV_NONE && scanned++ < PARTIAL_SCAN; ch = c->blk[ch].sib_next) {
             if (!k && (c->blk[ch].ns_lo != s->ns_lo || c->blk[ch].ns_hi != s->ns_hi)) continue;
-            if (!cached_ok && c->blk[ch].state == PKV_BLK_CACHED) continue;
+            if (c->blk[ch].state == PKV_BLK_TOMB || (!cached_ok && c->blk[ch].state == PKV_BLK_CACHED)) continue;
             uint32_t lim = PKV_MIN(want, (uint32_t)c->blk[ch].n_commit);
             uint32_t m = common_prefix(c->tokens + (size_t)ch * B, tokens + reused, lim);
             if (m > best_m) {
@@ -511,6 +692,7 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
         s->table[s->n_blocks++] = (int32_t)nb;
         reused += best_m;
     }
+done:
     s->n_tokens = s->n_committed = s->n_reused = reused;
     c->n_tokens_total += reused;
     c->pfx_hit += reused;
@@ -519,6 +701,16 @@ PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens
 out:
     pthread_mutex_unlock(&c->mu);
     return rc;
+}
+
+PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, uint32_t *n_reused) {
+    return match(c, id, tokens, n, 0, n_reused, __func__);
+}
+
+PKV_API int pkv_seq_match_prefix_window(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, uint32_t window,
+                                        uint32_t *n_reused) {
+    if (c && !window) return PKV__SAY(c, PKV_EINVAL, "window is 0: pkv_seq_match_prefix needs none");
+    return match(c, id, tokens, n, window, n_reused, __func__);
 }
 
 /* ---- pins ----------------------------------------------------------------------------------- */

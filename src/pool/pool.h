@@ -9,6 +9,10 @@
 
 /* Block states (ARCHITECTURE section 4). */
 enum { PKV_BLK_FREE = 0, PKV_BLK_CACHED = 1, PKV_BLK_ACTIVE = 2 };
+/* A tombstone (the cache layer's, never in the pool: ids n_blocks and up): an index entry that
+ * keeps an evicted block's identity and token ids, no K/V, while entries below it are indexed
+ * (src/cache/prefix.c, "Tombstones"). */
+enum { PKV_BLK_TOMB = 3 };
 /* Flags: INDEXED = full, committed, findable by hash; PARTIAL = committed prefix of a block
  * registered under its indexed parent for token-granular matching (never both). */
 enum { PKV_BLKF_INDEXED = 1, PKV_BLKF_PARTIAL = 2 };
@@ -63,9 +67,11 @@ void pkv__pool_lru_remove(pkv__pool *p, uint32_t b); /* unlinks a CACHED block f
 /* A CACHED block moves from the inner queue to the LRU queue's tail (no child in use left). */
 void pkv__pool_lru_demote(pkv__pool *p, uint32_t b);
 
-/* Whether index entry k counts in its parent's n_hot: in use, or CACHED above a block in use. */
+/* Whether index entry k counts in its parent's n_hot: in use, or CACHED or a tombstone above a
+ * block in use. */
 static inline bool pkv__blk_hot(const pkv__blk *k) {
-    return k->state == PKV_BLK_ACTIVE || (k->state == PKV_BLK_CACHED && k->inner);
+    return k->state == PKV_BLK_ACTIVE || (k->state == PKV_BLK_CACHED && k->inner) ||
+           (k->state == PKV_BLK_TOMB && k->n_hot > 0);
 }
 
 /* A FREE block (popped) becomes ACTIVE with ref 1 and clean metadata. */
