@@ -211,7 +211,7 @@ class _Stats(ctypes.Structure):
                 ("prefix_tokens_queried", _u64), ("prefix_tokens_hit", _u64), ("prefix_miss_new", _u64),
                 ("prefix_miss_evicted", _u64), ("prefix_miss_namespace", _u64), ("n_indexed", _u64),
                 ("evictions", _u64), ("attn_reqs_pool", _u64), ("attn_reqs_table", _u64),
-                ("attn_shared_keys", _u64)]
+                ("attn_shared_keys", _u64), ("n_tombstones", _u64), ("prefix_tomb_hits", _u64)]
 
 
 class _TierStats(ctypes.Structure):
@@ -280,6 +280,7 @@ def _load():
         "pkv_export_dense": (_int, [_vp, _vp, _u32, _u32, _vp, _vp]),
         "pkv_export_csr": (_int, [_vp, _vp, _u32, _vp, _vp, _u32, _vp, _P(_u32)]),
         "pkv_seq_match_prefix": (_int, [_vp, _u64, _vp, _u32, _P(_u32)]),
+        "pkv_seq_match_prefix_window": (_int, [_vp, _u64, _vp, _u32, _u32, _P(_u32)]),
         "pkv_pin_create": (_int, [_vp, _u64, _u32, _P(_u64)]),
         "pkv_pin_release": (_int, [_vp, _u64]),
         "pkv_cache_get_stats": (_int, [_vp, _P(_Stats)]),
@@ -1210,6 +1211,20 @@ class Cache:
         return out.value
 
     @_in_call
+    def match_prefix_window(self, seq, tokens, window):
+        """match_prefix for a cache whose layers attend through a sliding window of `window`
+        positions (or chunks of attn_chunk: pass that): reuses the prefix whose last window's
+        blocks hold K/V, matching through evicted blocks' tombstones before them, and leaves the
+        sequence's front dropped before the first key its next query sees (seq_info(seq).n_dropped;
+        pkv_seq_match_prefix_window). Returns the tokens reused."""
+        t = _i32_array(tokens, "match_prefix_window: tokens")
+        out = _u32()
+        self._check(_lib.pkv_seq_match_prefix_window(self._h(), _seq_of(seq), _ptr(t), t.size,
+                                                     _u32_of(window, "window"), ctypes.byref(out)),
+                    "pkv_seq_match_prefix_window")
+        return out.value
+
+    @_in_call
     def pin(self, seq, n_pos):
         """Pins the committed full blocks of positions [0, n_pos) of seq; returns the pin's handle."""
         out = _u64()
@@ -1245,7 +1260,7 @@ class Cache:
         bt = self._block_tokens()
         st = _Stats()
         self._check(_lib.pkv_cache_get_stats(self._h(), ctypes.byref(st)), "pkv_cache_get_stats")
-        cap = st.n_indexed + 64  # room for what other threads index meanwhile, usually
+        cap = st.n_indexed + st.n_tombstones + 64  # room for what other threads index meanwhile, usually
         while True:
             buf = (_Event * max(cap, 1))()
             toks = np.empty(cap * bt, dtype=np.int32) if tokens else None

@@ -364,6 +364,7 @@ type Stats struct {
 	PrefixLookups, PrefixTokensQueried, PrefixTokensHit                            uint64
 	PrefixMissNew, PrefixMissEvicted, PrefixMissNamespace, NIndexed, Evictions     uint64
 	AttnReqsPool, AttnReqsTable, AttnSharedKeys                                    uint64
+	NTombstones, PrefixTombHits                                                    uint64 // see pkv_stats
 }
 
 // Cache is a paged KV cache (pkv_cache). Close frees it.
@@ -1137,6 +1138,23 @@ func (c *Cache) MatchPrefix(s Seq, tokens []int32) (uint32, error) {
 	return uint32(r), err
 }
 
+// MatchPrefixWindow is MatchPrefix for a cache whose layers attend through a sliding window of
+// window positions (or chunks of attn_chunk: pass that): it reuses the prefix whose last
+// window's blocks hold K/V, matching through evicted blocks' tombstones before them, and leaves
+// the sequence's front dropped before the first key its next query sees (SeqInfo.NDropped; see
+// pkv_seq_match_prefix_window in pkv.h). EINVAL for window 0.
+func (c *Cache) MatchPrefixWindow(s Seq, tokens []int32, window uint32) (uint32, error) {
+	n, err := u32(len(tokens), "MatchPrefixWindow: tokens")
+	if err != nil {
+		return 0, err
+	}
+	var r C.uint32_t
+	err = c.op("pkv_seq_match_prefix_window", writeSeqs, func(p *C.pkv_cache) C.int {
+		return C.pkv_seq_match_prefix_window(p, C.pkv_seq(s), i32p(tokens), n, C.uint32_t(window), &r)
+	}, s)
+	return uint32(r), err
+}
+
 // SeqInfo describes a sequence.
 func (c *Cache) SeqInfo(s Seq) (SeqInfo, error) {
 	var i C.pkv_seq_info
@@ -1564,7 +1582,7 @@ func (c *Cache) PrefixSnapshot(withTokens bool) ([]Event, error) {
 	if err := check(C.pkv_cache_get_stats(p, &st), "pkv_cache_get_stats"); err != nil {
 		return nil, err
 	}
-	n, err := room(uint64(st.n_indexed)) // room for what other goroutines index meanwhile, usually
+	n, err := room(uint64(st.n_indexed) + uint64(st.n_tombstones)) // room for what other goroutines index meanwhile, usually
 	if err != nil {
 		return nil, err
 	}
@@ -1650,7 +1668,8 @@ func (c *Cache) Stats() (Stats, error) {
 		uint32(s.peak_active), uint64(s.prefix_lookups), uint64(s.prefix_tokens_queried),
 		uint64(s.prefix_tokens_hit), uint64(s.prefix_miss_new), uint64(s.prefix_miss_evicted),
 		uint64(s.prefix_miss_namespace), uint64(s.n_indexed), uint64(s.evictions), uint64(s.attn_reqs_pool),
-		uint64(s.attn_reqs_table), uint64(s.attn_shared_keys)}, nil
+		uint64(s.attn_reqs_table), uint64(s.attn_shared_keys), uint64(s.n_tombstones),
+		uint64(s.prefix_tomb_hits)}, nil
 }
 
 // Check verifies every invariant; the error (ECORRUPT) names the first one broken.

@@ -587,6 +587,78 @@ func min(a, b int) int {
 // matches the reference, a read of the front and a decode without the window are EINVAL. In a
 // cache that indexes prefixes the dropped blocks stay indexed (CACHED): the same prompt is matched
 // whole and reads them back.
+// A dropped front's evicted block leaves a tombstone: MatchPrefix stops there, MatchPrefixWindow
+// goes past it and takes only the blocks its window sees.
+func TestMatchPrefixWindowTombstone(t *testing.T) {
+	r := rng(12)
+	c := newCache(t, 2, 32, 8, F32)
+	put := func(s Seq, toks []int32) {
+		slots, err := c.Append(s, toks)
+		must(t, err)
+		l := len(toks) * 2 * 32
+		must(t, c.WriteKV(0, slots, r.vec(l), r.vec(l)))
+		info, err := c.SeqInfo(s)
+		must(t, err)
+		must(t, c.Commit(s, info.NTokens))
+	}
+	toks, other := make([]int32, 64), make([]int32, 80)
+	for i := range toks {
+		toks[i] = int32((i*7 + 3) % 500)
+	}
+	for i := range other {
+		other[i] = int32((i*11 + 5) % 500)
+	}
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	put(s, toks) // blocks 0-3
+	k, v, err := c.Gather(s, 0, 0, 64)
+	must(t, err)
+	f, err := c.Fork(s)
+	must(t, err)
+	must(t, c.Truncate(f, 32))
+	must(t, c.DropFront(f, 16)) // f keeps block 1
+	must(t, c.DropFront(s, 16)) // block 0: nobody's, block 1 in use below it
+	w, err := c.SeqCreate(nil)
+	must(t, err)
+	put(w, other[:64]) // the 4 free blocks
+	put(w, other[64:]) // block 0 evicted: a tombstone in its place
+	st, err := c.Stats()
+	must(t, err)
+	if st.Evictions != 1 || st.NTombstones != 1 || st.NIndexed != 8 {
+		t.Fatalf("evictions %d, tombstones %d, indexed %d; want 1, 1, 8", st.Evictions, st.NTombstones, st.NIndexed)
+	}
+	must(t, c.Check())
+	u, err := c.SeqCreate(nil)
+	must(t, err)
+	if n, err := c.MatchPrefix(u, toks); err != nil || n != 0 {
+		t.Fatalf("MatchPrefix through a tombstone: %d, %v", n, err)
+	}
+	if n, err := c.MatchPrefixWindow(u, toks, 20); err != nil || n != 63 { // a query at 63 sees from 44
+		t.Fatalf("MatchPrefixWindow: %d, %v", n, err)
+	}
+	info, err := c.SeqInfo(u)
+	must(t, err)
+	st, err = c.Stats()
+	must(t, err)
+	if info.NDropped != 32 || st.PrefixTombHits != 1 {
+		t.Fatalf("front %d, tomb hits %d; want 32, 1", info.NDropped, st.PrefixTombHits)
+	}
+	ku, vu, err := c.Gather(u, 0, 32, 31)
+	must(t, err)
+	const row = 2 * 32
+	for i := range ku {
+		if ku[i] != k[32*row+i] || vu[i] != v[32*row+i] {
+			t.Fatalf("K/V of the windowed match differs at %d", i)
+		}
+	}
+	must(t, c.Check())
+	x, err := c.SeqCreate(nil)
+	must(t, err)
+	if _, err := c.MatchPrefixWindow(x, toks, 0); code(err) != EINVAL {
+		t.Fatalf("window 0: %v", err)
+	}
+}
+
 func TestDropFront(t *testing.T) {
 	r := rng(11)
 	const h, d, hq = 2, 64, 4

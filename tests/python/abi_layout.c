@@ -40,6 +40,7 @@ int main(void) {
     FIELD(pkv_stats, prefix_miss_new), FIELD(pkv_stats, prefix_miss_evicted), FIELD(pkv_stats, prefix_miss_namespace);
     FIELD(pkv_stats, n_indexed), FIELD(pkv_stats, evictions), FIELD(pkv_stats, attn_reqs_pool);
     FIELD(pkv_stats, attn_reqs_table), FIELD(pkv_stats, attn_shared_keys);
+    FIELD(pkv_stats, n_tombstones), FIELD(pkv_stats, prefix_tomb_hits);
     SIZE(pkv_attn_params);
     FIELD(pkv_attn_params, n_q_heads), FIELD(pkv_attn_params, scale), FIELD(pkv_attn_params, softcap);
     FIELD(pkv_attn_params, window), FIELD(pkv_attn_params, lse), FIELD(pkv_attn_params, flags);

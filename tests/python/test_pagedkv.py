@@ -1096,6 +1096,36 @@ class TestCache(Base):
             np.testing.assert_array_equal(Kt, K[:39])
             np.testing.assert_array_equal(Vt, V[:39])
 
+    def test_match_prefix_window_tombstone(self):
+        """A dropped front's evicted block leaves a tombstone: match_prefix stops there,
+        match_prefix_window goes past it and takes only the blocks its window sees."""
+        with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=8, k_dtype="f32", v_dtype="f32", n_threads=1) as c:
+            s = c.seq_create()
+            toks = self.fill(c, s, 64)  # blocks 0-3
+            K, V = c.gather(s, 0)
+            f = c.fork(s)
+            c.truncate(f, 32)
+            c.drop_front(f, 16)  # f keeps block 1
+            c.drop_front(s, 16)  # block 0: nobody's, block 1 in use below it
+            w = c.seq_create()
+            self.fill(c, w, 64)  # the 4 free blocks
+            self.assertEqual(c.stats()["evictions"], 0)
+            self.fill(c, w, 16)  # block 0 evicted: a tombstone in its place
+            st = c.stats()
+            self.assertEqual((st["evictions"], st["n_tombstones"], st["n_indexed"]), (1, 1, 8))
+            c.check()
+            t = c.seq_create()
+            self.assertEqual(c.match_prefix(t, toks), 0)
+            self.assertEqual(c.match_prefix_window(t, toks, 20), 63)  # a query at 63 sees from 44
+            self.assertEqual(c.seq_info(t).n_dropped, 32)
+            self.assertEqual(c.stats()["prefix_tomb_hits"], 1)
+            Kt, Vt = c.gather(t, 0, 32)
+            np.testing.assert_array_equal(Kt, K[32:63])
+            np.testing.assert_array_equal(Vt, V[32:63])
+            c.check()
+            u = c.seq_create()
+            self.assertEinval(c.match_prefix_window, u, toks, 0)
+
     def test_prefix_fork_cow_exports(self):
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=1) as c:
             a = c.seq_create(b"tenant-1")

@@ -139,6 +139,8 @@ pub struct pkv_stats {
     pub attn_reqs_pool: u64,
     pub attn_reqs_table: u64,
     pub attn_shared_keys: u64,
+    pub n_tombstones: u64,
+    pub prefix_tomb_hits: u64,
 }
 
 #[repr(C)]
@@ -317,6 +319,14 @@ extern "C" {
     ) -> c_int;
     pub fn pkv_seq_match_prefix(c: *mut pkv_cache, s: pkv_seq, tokens: *const i32, n: u32, n_reused: *mut u32)
         -> c_int;
+    pub fn pkv_seq_match_prefix_window(
+        c: *mut pkv_cache,
+        s: pkv_seq,
+        tokens: *const i32,
+        n: u32,
+        window: u32,
+        n_reused: *mut u32,
+    ) -> c_int;
     pub fn pkv_pin_create(c: *mut pkv_cache, s: pkv_seq, n_pos: u32, pin: *mut pkv_seq) -> c_int;
     pub fn pkv_pin_release(c: *mut pkv_cache, pin: pkv_seq) -> c_int;
     pub fn pkv_cache_take_events(

@@ -1557,6 +1557,21 @@ impl Cache {
         Ok(r)
     }
 
+    /// [`Cache::match_prefix`] for a cache whose layers attend through a sliding window of
+    /// `window` positions (or chunks of attn_chunk: pass that): reuses the prefix whose last
+    /// window's blocks hold K/V, matching through evicted blocks' tombstones before them, and
+    /// leaves the sequence's front dropped before the first key its next query sees
+    /// (`SeqInfo::n_dropped`; see `pkv_seq_match_prefix_window` in pkv.h). EINVAL for window 0.
+    pub fn match_prefix_window(&mut self, s: Seq, tokens: &[i32], window: u32) -> Result<u32> {
+        let mut r = 0u32;
+        let n = len_u32(tokens.len(), "match_prefix_window: tokens")?;
+        check(
+            unsafe { ffi::pkv_seq_match_prefix_window(self.p(), s.0, tokens.as_ptr(), n, window, &mut r) },
+            "pkv_seq_match_prefix_window",
+        )?;
+        Ok(r)
+    }
+
     /// Stores the full committed blocks of `s` that `t` lacks (pkv_tier_save); returns how many
     /// it stored. A store refusing an entry for want of room is not an error; one failing
     /// otherwise (Redis unreachable: `Io`) fails the call, and the entries it stored are deleted
@@ -1650,7 +1665,8 @@ impl Cache {
                 .ok_or_else(|| invalid(format!("prefix_snapshot: {} indexed blocks is past usize", n)))
         };
         // room for what other threads index meanwhile, usually
-        let mut cap = room(self.stats()?.n_indexed)?;
+        let st = self.stats()?;
+        let mut cap = room(st.n_indexed.saturating_add(st.n_tombstones))?;
         loop {
             let mut buf = EventBuf::new(cap, b, with_tokens, "prefix_snapshot")?;
             let mut n = 0usize;

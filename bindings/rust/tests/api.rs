@@ -256,7 +256,9 @@ fn struct_layouts_match_c() {
             evictions,
             attn_reqs_pool,
             attn_reqs_table,
-            attn_shared_keys
+            attn_shared_keys,
+            n_tombstones,
+            prefix_tomb_hits
         ]
     );
     offsets!(
@@ -773,6 +775,51 @@ fn drop_front_window() {
     let (ku, vu) = cp.gather(u, 0, 0, 39).unwrap();
     assert_eq!(ku[..], kp[..ku.len()]);
     assert_eq!(vu[..], vp[..vu.len()]);
+}
+
+/// A dropped front's evicted block leaves a tombstone: `match_prefix` stops there,
+/// `match_prefix_window` goes past it and takes only the blocks its window sees.
+#[test]
+fn match_prefix_window_tombstone() {
+    let mut rng = Rng(12);
+    let mut c = Cache::new(&cfg(2, 32, 8, Dtype::F32)).unwrap();
+    let put = |c: &mut Cache, s: Seq, toks: &[i32], rng: &mut Rng| {
+        let slots = c.append(s, toks).unwrap();
+        let len = toks.len() * 2 * 32;
+        let (k, v) = (rng.vec(len), rng.vec(len));
+        c.write_kv(0, &slots, Some(KvData::F32(&k)), Some(KvData::F32(&v)))
+            .unwrap();
+        let t = c.seq_info(s).unwrap().n_tokens;
+        c.commit(s, t).unwrap();
+    };
+    let toks: Vec<i32> = (0..64).map(|i| (i * 7 + 3) % 500).collect();
+    let other: Vec<i32> = (0..80).map(|i| (i * 11 + 5) % 500).collect();
+    let s = c.seq_create(b"").unwrap();
+    put(&mut c, s, &toks, &mut rng); // blocks 0-3
+    let (k, v) = c.gather(s, 0, 0, 64).unwrap();
+    let f = c.fork(s).unwrap();
+    c.truncate(f, 32).unwrap();
+    c.drop_front(f, 16).unwrap(); // f keeps block 1
+    c.drop_front(s, 16).unwrap(); // block 0: nobody's, block 1 in use below it
+    let w = c.seq_create(b"").unwrap();
+    put(&mut c, w, &other[..64], &mut rng); // the 4 free blocks
+    assert_eq!(c.stats().unwrap().evictions, 0);
+    put(&mut c, w, &other[64..], &mut rng); // block 0 evicted: a tombstone in its place
+    let st = c.stats().unwrap();
+    assert_eq!((st.evictions, st.n_tombstones, st.n_indexed), (1, 1, 8));
+    c.check().unwrap();
+    let t = c.seq_create(b"").unwrap();
+    assert_eq!(c.match_prefix(t, &toks).unwrap(), 0);
+    assert_eq!(c.match_prefix_window(t, &toks, 20).unwrap(), 63); // a query at 63 sees from 44
+    assert_eq!(c.seq_info(t).unwrap().n_dropped, 32);
+    assert_eq!(c.stats().unwrap().prefix_tomb_hits, 1);
+    let (kt, vt) = c.gather(t, 0, 32, 31).unwrap();
+    let row = 2 * 32;
+    assert_eq!(kt[..], k[32 * row..63 * row]);
+    assert_eq!(vt[..], v[32 * row..63 * row]);
+    c.check().unwrap();
+    let u = c.seq_create(b"").unwrap();
+    assert_eq!(c.match_prefix_window(u, &toks, 0).unwrap_err().code(), EINVAL);
 }
 
 /// An f32 cache of 2 kv heads of 64, one sequence of 40 random tokens in it, and their K and V
