@@ -2311,13 +2311,15 @@ static void test_api_drop_front(void **state) {
 /* pkv_seq_drop_front where the cache indexes prefixes (a hybrid model's windowed layers with
  * prefix caching): a dropped block held by nobody else stays indexed and goes CACHED above the
  * blocks still in use; the same prompt again is matched whole, the dropped blocks taken back,
- * and full attention over them matches the reference; an eviction of a dropped block takes its
- * subtree out of the index (the blocks in use stay, their sequences' decodes unchanged), later
- * matches stop before it, and a sequence whose chain it broke indexes nothing more. The counts
- * are exact at each step and the checker runs after each; f32 and f16, 1 and 2 threads. */
+ * and full attention over them matches the reference; an eviction of a dropped block leaves a
+ * tombstone (the blocks below stay indexed, in use, their decodes unchanged); a plain match stops
+ * at it, a windowed one (pkv_seq_match_prefix_window) goes past it and decodes under the window
+ * as the reference does; the prompt computed again fills it. (test_prefix_evict: the same
+ * eviction with no tombstone to leave, which takes the subtree out.) The counts are exact at each
+ * step and the checker runs after each; f32 and f16, 1 and 2 threads. */
 static void test_api_drop_front_indexed(void **state) {
     (void)state;
-    static host_seq s[2];
+    static host_seq s[4];
     enum { W = 70 };
     for (int ti = 0; ti < 2; ti++)
         for (uint32_t nt = 1; nt <= 2; nt++) {
@@ -2371,8 +2373,8 @@ static void test_api_drop_front_indexed(void **state) {
             cache_ok(c);
             /* another prompt takes every FREE block and one more: with nothing in the LRU queue
                (blocks 0-13 wait in the inner queue above blocks in use), the deepest waiting
-               one, block 13, goes with what hangs below it: blocks 14-19, which s0 and s1 still
-               hold, leave the index; blocks 0-12 stay CACHED and indexed */
+               one, block 13, is evicted and leaves a tombstone: blocks 14-19, which s0 and s1
+               still hold, stay indexed below it; blocks 0-12 stay CACHED and indexed */
             const pkv_stats before = st;
             pkv_seq other;
             assert_int_equal(pkv_seq_create(c, NULL, 0, &other), PKV_OK);
@@ -2385,31 +2387,68 @@ static void test_api_drop_front_indexed(void **state) {
             assert_int_equal(st.evictions, before.evictions + 1);
             assert_int_equal(st.n_cached, 13);
             assert_int_equal(st.n_free, 0);
-            assert_int_equal(st.n_indexed, 13);
+            assert_int_equal(st.n_indexed, 19);
+            assert_int_equal(st.n_tombstones, 1);
             cache_ok(c);
             for (int i = 0; i < 2; i++) { /* their K/V is where it was */
                 assert_int_equal(pkv_attn_decode(c, 0, &s[i].id, 1, q, out, &p), PKV_OK);
                 check(&s[i], 0, q, out, NULL, 319, 1, &p);
             }
-            /* s0's chain is broken at its front: a further full block is not indexed */
+            /* s0's chain goes on below the tombstone: a further full block is indexed */
             assert_int_equal(pkv_seq_release(c, other), PKV_OK);
             append_write(c, dt, &s[0], 16, 11);
             assert_int_equal(pkv_seq_commit(c, s[0].id, 336), PKV_OK);
             assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
-            assert_int_equal(st.n_indexed, 13);
+            assert_int_equal(st.n_indexed, 20);
             cache_ok(c);
-            /* the prompt once more: blocks 0-12, then the evicted block 13 is a miss */
-            pkv_seq again;
-            assert_int_equal(pkv_seq_create(c, NULL, 0, &again), PKV_OK);
+            /* the prompt once more: blocks 0-12, then the tombstone is a miss (its K/V is gone) */
+            memcpy(&s[2], &s[1], sizeof s[1]);
+            assert_int_equal(pkv_seq_create(c, NULL, 0, &s[2].id), PKV_OK);
             const pkv_stats pre = st;
-            assert_int_equal(pkv_seq_match_prefix(c, again, prompt, 321, &reused), PKV_OK);
+            assert_int_equal(pkv_seq_match_prefix(c, s[2].id, prompt, 321, &reused), PKV_OK);
             assert_int_equal(reused, 13 * B);
             assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
             assert_int_equal(st.prefix_miss_evicted, pre.prefix_miss_evicted + 1);
             assert_int_equal(st.n_cached, 0);
             cache_ok(c);
+            /* under the window the match goes past it: a query at 320 sees from 251, so blocks
+               15-19 are taken and the front ends at 240 */
+            memcpy(&s[3], &s[1], sizeof s[1]);
+            assert_int_equal(pkv_seq_create(c, NULL, 0, &s[3].id), PKV_OK);
+            assert_int_equal(pkv_seq_match_prefix_window(c, s[3].id, prompt, 321, W, &reused), PKV_OK);
+            assert_int_equal(reused, 320);
+            pkv_seq_info in;
+            assert_int_equal(pkv_seq_get_info(c, s[3].id, &in), PKV_OK);
+            assert_int_equal(in.n_dropped, 15 * B);
+            assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
+            assert_int_equal(st.prefix_tomb_hits, pre.prefix_tomb_hits + 1);
+            cache_ok(c);
+            for (uint32_t l = 0; l < L; l++) {
+                assert_int_equal(pkv_attn_decode(c, l, &s[3].id, 1, q, out, &p), PKV_OK);
+                check(&s[3], l, q, out, NULL, 319, 1, &p);
+            }
+            /* the plain match's sequence computes the rest of the prompt: its block 13 fills the
+               tombstone (its chain then meets block 14, indexed: a twin), and the whole prompt
+               matches plainly again, through its block 13 */
+            s[2].len = 13 * B;
+            append_write(c, dt, &s[2], 320 - 13 * B, 11);
+            assert_int_equal(pkv_seq_commit(c, s[2].id, 320), PKV_OK);
+            assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
+            assert_int_equal(st.n_tombstones, 0);
+            assert_int_equal(st.n_indexed, 21);
+            cache_ok(c);
+            pkv_seq again;
+            assert_int_equal(pkv_seq_create(c, NULL, 0, &again), PKV_OK);
+            assert_int_equal(pkv_seq_match_prefix(c, again, prompt, 321, &reused), PKV_OK);
+            assert_int_equal(reused, 320);
+            int32_t t2[20], ta[20];
+            uint32_t n2 = 0, na = 0;
+            assert_int_equal(pkv_seq_block_table(c, s[2].id, t2, 20, &n2), PKV_OK);
+            assert_int_equal(pkv_seq_block_table(c, again, ta, 20, &na), PKV_OK);
+            assert_int_equal(ta[13], t2[13]);
+            cache_ok(c);
             assert_int_equal(pkv_seq_release(c, again), PKV_OK);
-            for (int i = 0; i < 2; i++) assert_int_equal(pkv_seq_release(c, s[i].id), PKV_OK);
+            for (int i = 0; i < 4; i++) assert_int_equal(pkv_seq_release(c, s[i].id), PKV_OK);
             assert_int_equal(pkv_cache_get_stats(c, &st), PKV_OK);
             assert_int_equal(st.n_active, 0);
             cache_ok(c);
