@@ -394,13 +394,17 @@ PKV_NODISCARD PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
  * Where the cache indexes prefixes (enable_prefix_cache), a dropped block that was indexed stays
  * in the index (one s held alone goes CACHED, pkv_stats.n_cached, at the LRU queue's tail; an
  * unindexed one goes FREE), so the same prompt again (pkv_seq_match_prefix) is matched whole, the
- * dropped blocks taken back, until eviction takes them. Identities chain from block 0, so
- * evicting a dropped block takes every block below it out of the index too: those CACHED go FREE
- * (counted in pkv_stats.evictions), those in use stay with their sequences, unindexed, and a
- * sequence whose indexed chain broke so indexes none of its later blocks. Such dropped blocks,
- * with blocks in use below them, are evicted only where no other CACHED block is left, the
- * deepest first, so the shallow part of a front stays matchable longest; still, a windowed
- * cache under pressure keeps fewer hits than one that keeps every block.
+ * dropped blocks taken back, until eviction takes them. Such dropped blocks, with blocks in use
+ * below them, are evicted only where no other CACHED block is left, the deepest first. Identities
+ * chain from block 0, so an evicted one leaves a tombstone in the index (pkv_stats.n_tombstones):
+ * its token ids and its place, no K/V, so that the blocks below it stay indexed. A plain match
+ * stops at a tombstone; pkv_seq_match_prefix_window goes past it where the window no longer
+ * reads that block (vLLM's sliding-window prefix caching); a sequence that computes the block
+ * again fills it at commit. A tombstone goes once nothing is indexed below it. With every one of
+ * the cache's n_blocks tombstones in use, eviction takes the block's subtree out of the index
+ * instead: those CACHED go FREE (counted in pkv_stats.evictions), those in use stay with their
+ * sequences, unindexed, and a sequence whose indexed chain broke so indexes none of its later
+ * blocks.
  * PKV_ENOENT for an unknown sequence, PKV_EINVAL for a pin. */
 PKV_NODISCARD PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq s, uint32_t pos);
 
@@ -591,7 +595,7 @@ PKV_NODISCARD PKV_API int pkv_seq_match_prefix(pkv_cache *c, pkv_seq s, const in
  * *n_reused - window + 1, but never past the last whole block matched; the blocks from the front
  * on are attached, all committed, as by pkv_seq_match_prefix. The match is shortened until
  * those blocks all hold K/V (and as pkv_seq_match_prefix shortens one that would end inside a
- * media). No token-granular extra: a match ends on a block boundary or at n - 1. Attention over
+ * media), then takes the token-granular extra as pkv_seq_match_prefix does. Attention over
  * s must then see no key before the front (window or attn_chunk set: pkv_attn_params), as after
  * pkv_seq_drop_front. window 0 is PKV_EINVAL (pkv_seq_match_prefix is that case); otherwise as
  * pkv_seq_match_prefix. */

@@ -611,14 +611,15 @@ static int match(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, ui
     }
     uint32_t reused = PKV_MIN(k * B, cap), front = 0;
     if (window) {
-        /* a match under a window: no token-granular extra; the media trim and the window's
-           blocks, each of which can only shorten it, until both hold */
+        /* a match under a window: the media trim and the window's blocks, each of which can only
+           shorten it, until both hold; then its blocks from the front on are taken */
         for (;;) {
             const uint32_t r = reused - pkv__media_trim(tokens, n, reused);
             reused = window_fit(c, chain, k, r, window);
             if (reused == r && !pkv__media_trim(tokens, n, reused)) break;
         }
         k = (reused + B - 1) / B;
+        prev = k ? chain[k - 1] : PKV_NONE; /* (a block: the front never passes the last) */
         front = window_front(reused, window, B);
         for (uint32_t i = 0; i < front; i++)
             if (pkv__is_tomb(c, chain[i])) {
@@ -627,15 +628,9 @@ static int match(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, ui
             }
         for (uint32_t i = front; i < k; i++) pkv__ref_block(c, chain[i]); /* parents first */
         for (uint32_t i = 0; i < front; i++) s->table[i] = -1;
-        for (uint32_t i = front; i < k; i++) s->table[i] = (int32_t)chain[i];
-        s->n_blocks = k;
         s->n_dropped = front;
-        s->idx_len = reused / B;
-        goto done;
-    }
-    for (uint32_t i = 0; i < k; i++) {
-        pkv__ref_block(c, chain[i]);
-        s->table[i] = (int32_t)chain[i];
+    } else {
+        for (uint32_t i = 0; i < k; i++) pkv__ref_block(c, chain[i]);
     }
     s->n_blocks = k;
     /* token-granular: the child of the last matched block (with none matched, the root of s's
@@ -671,7 +666,9 @@ static int match(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, ui
        block is: an append copies it first), and the refs of those past it go, deepest first, so
        that a CACHED one rejoins the LRU queue behind its children */
     const uint32_t trim = pkv__media_trim(tokens, n, reused + best_m);
-    if (trim > best_m) {
+    if (window && trim > best_m) { /* (cannot be: the window's match ends where no trim is due) */
+        best_m = 0;
+    } else if (trim > best_m) {
         reused = reused + best_m - trim;
         best_m = 0;
         const uint32_t keep = (reused + B - 1) / B;
@@ -692,7 +689,15 @@ static int match(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, ui
         s->table[s->n_blocks++] = (int32_t)nb;
         reused += best_m;
     }
-done:
+    if (window) { /* the copy's positions may move the front on by a block: what the window
+                     passed goes, deepest first (as pkv_seq_drop_front lets go) */
+        const uint32_t to = window_front(reused, window, B);
+        for (uint32_t i = to; i-- > front;) {
+            pkv__drop_block(c, (uint32_t)s->table[i]);
+            s->table[i] = -1;
+        }
+        if (to > front) s->n_dropped = to;
+    }
     s->n_tokens = s->n_committed = s->n_reused = reused;
     c->n_tokens_total += reused;
     c->pfx_hit += reused;
