@@ -9,12 +9,15 @@
  * blocks its next query no longer sees. Four sequences take a 40-token prompt, then decode 160
  * steps each; every step's output of every layer is compared with attention over a plain copy of
  * the K/V. The windowed cache holds at most ceil(W / B) + 1 blocks a sequence in use, where the
- * global one holds the whole length. Sequence 0's dropped blocks stay in the windowed cache's
- * index (CACHED: its pool has room for them), so a second turn of its conversation (its 200
- * positions and 8 new ones) is matched whole in both caches, as an engine needs before it skips
- * the prefill, and decodes over the matched K/V. The example fails if an output differs from the
- * direct computation by more than float rounding, if the windowed cache holds more than that, or
- * if either cache matches less than the 200 positions. */
+ * global one holds the whole length. The windowed cache's pool has room for two blocks more than
+ * that: as the sequences grow, their dropped blocks are evicted and leave tombstones in its index
+ * (token ids, no K/V), so a second turn of sequence 0's conversation (its 200 positions and 8 new
+ * ones) is matched whole in the global cache and, under the window
+ * (pkv_seq_match_prefix_window), in the windowed one, where a plain match stops at block 0, as
+ * an engine needs before it skips the prefill; it decodes over the matched K/V. The example fails
+ * if an output differs from the direct computation by more than float rounding, if the windowed
+ * cache holds more than that, if no tombstone was left, or if either cache matches less than the
+ * 200 positions. */
 #include <pkv.h>
 #include <math.h>
 #include <stdio.h>
@@ -108,10 +111,9 @@ int main(void) {
     cfg.n_blocks = SEQS * (LEN / BT + 1) + (LEN + TURN) / BT + 2; /* every position, and the second turn */
     pkv_cache *g = NULL, *w = NULL;
     int rc = pkv_cache_create(&cfg, &g);
-    /* the window's blocks and one a step appends to, a sequence; and room for sequence 0's
-       dropped blocks (CACHED: the others' are twins of its prompt blocks, indexed by it alone,
-       so theirs go FREE) and the second turn's new block */
-    cfg.n_blocks = SEQS * ((W + BT - 1) / BT + 2) + (LEN + TURN) / BT + 2;
+    /* the window's blocks and one a step appends to, a sequence, and two more: the sequences'
+       dropped blocks (CACHED, above the blocks they hold) are evicted as they grow */
+    cfg.n_blocks = SEQS * ((W + BT - 1) / BT + 2) + 2;
     if (!rc) rc = pkv_cache_create(&cfg, &w);
     pkv_seq sg[SEQS + 1], sw[SEQS + 1];
     unsigned seed = 11;
@@ -140,10 +142,15 @@ int main(void) {
     pkv_stats sg_st, sw_st;
     if (!rc) rc = pkv_cache_get_stats(g, &sg_st);
     if (!rc) rc = pkv_cache_get_stats(w, &sw_st);
-    /* the second turn of sequence 0: its LEN positions and TURN new ones, matched in each cache;
-       an engine takes the shorter match of the two and computes the rest (here: writes the K/V
-       sequence 0 had there, which a model would compute again) */
-    uint32_t hit_g = 0, hit_w = 0;
+    /* the second turn of sequence 0: its LEN positions and TURN new ones, matched in each cache
+       (the windowed one past its tombstones, up to the global match); an engine takes the shorter
+       match of the two and computes the rest (here: writes the K/V sequence 0 had there, which a
+       model would compute again). Sequences 1-3 are done: their blocks go back first */
+    for (int i = 1; i < SEQS && !rc; i++) {
+        rc = pkv_seq_release(g, sg[i]);
+        if (!rc) rc = pkv_seq_release(w, sw[i]);
+    }
+    uint32_t hit_g = 0, hit_w = 0, hit_plain = 0;
     const int t = SEQS, n_turn = LEN + TURN;
     for (int l = 0; l < 4; l++)
         for (int j = 0; j < n_turn; j++)
@@ -156,11 +163,18 @@ int main(void) {
     for (int j = 0; j < n_turn; j++) prompt[j] = 1 + j % 500;
     if (!rc) rc = pkv_seq_create(g, NULL, 0, &sg[t]);
     if (!rc) rc = pkv_seq_create(w, NULL, 0, &sw[t]);
+    pkv_stats tomb_st;
+    if (!rc) rc = pkv_cache_get_stats(w, &tomb_st);
+    pkv_seq plain = 0; /* what a plain match finds in the windowed cache: it stops at a tombstone */
+    if (!rc) rc = pkv_seq_create(w, NULL, 0, &plain);
+    if (!rc) rc = pkv_seq_match_prefix(w, plain, prompt, (uint32_t)n_turn, &hit_plain);
+    if (!rc) rc = pkv_seq_release(w, plain);
     if (!rc) rc = pkv_seq_match_prefix(g, sg[t], prompt, (uint32_t)n_turn, &hit_g);
-    if (!rc) rc = pkv_seq_match_prefix(w, sw[t], prompt, (uint32_t)n_turn, &hit_w);
-    const uint32_t hit = hit_g < hit_w ? hit_g : hit_w;
+    /* the windowed cache matches at most what the global one did (a windowed match's front may
+       not be truncated into), its front dropped before what the window sees */
+    if (!rc) rc = pkv_seq_match_prefix_window(w, sw[t], prompt, hit_g + 1, W, &hit_w);
+    const uint32_t hit = hit_w;
     if (!rc) rc = pkv_seq_truncate(g, sg[t], hit);
-    if (!rc) rc = pkv_seq_truncate(w, sw[t], hit);
     if (!rc) rc = append(g, w, sg, sw, t, (int)hit, n_turn - (int)hit, 0, &seed);
     if (!rc) rc = pkv_seq_drop_front(w, sw[t], (uint32_t)(n_turn - W)); /* its query sees the last W */
     if (!rc) rc = decode(g, w, sg, sw, t, 1, n_turn - 1, &seed, &worst);
@@ -170,10 +184,12 @@ int main(void) {
     }
     const uint32_t bound = SEQS * ((W + BT - 1) / BT + 1); /* a block-aligned front: < W + BT positions */
     printf("hybrid_window: %d sequences of %d positions, window %d: global layers' cache %u blocks, windowed "
-           "layers' %u in use (at most %u during the run, bound %u), %u cached; a second turn of sequence 0 "
-           "matched %u positions in the global cache, %u in the windowed one; worst |out - direct| %.2e\n",
-           SEQS, LEN, W, sg_st.n_active, sw_st.n_active, most_local, bound, sw_st.n_cached, hit_g, hit_w, worst);
-    if (worst > 1e-4 || most_local > bound || hit < LEN) {
+           "layers' %u in use (at most %u during the run, bound %u), %u cached, %llu tombstones; a second turn of "
+           "sequence 0 matched %u positions in the global cache, %u in the windowed one under the window (%u "
+           "plainly); worst |out - direct| %.2e\n",
+           SEQS, LEN, W, sg_st.n_active, sw_st.n_active, most_local, bound, sw_st.n_cached,
+           (unsigned long long)tomb_st.n_tombstones, hit_g, hit_w, hit_plain, worst);
+    if (worst > 1e-4 || most_local > bound || hit < LEN || tomb_st.n_tombstones == 0) {
         fprintf(stderr, "hybrid_window: FAILED\n");
         return 1;
     }
