@@ -285,7 +285,7 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            "\"decode_switch\":%.4f,\"decode_shared\":%.4f,\"compact\":\"%s\",\"batch_compact\":%u,\"slack\":%u,\"repack\":%s,\"batch_cached\":%s,"
            "\"compacted_blocks\":%llu,\"compact_s\":%.4f,\"preempt\":\"%s\",\"swap_outs\":%u,\"swap_in_tokens\":%llu,"
            "\"swap_peak_bytes\":%llu,\"tier_bytes_cap\":%llu,\"tier_hit_tokens\":%llu,\"tier_saved_blocks\":%llu,"
-           "\"tier_evictions\":%llu,\"tier_bytes\":%llu,\"window\":%u}\n",
+           "\"tier_evictions\":%llu,\"tier_bytes\":%llu,\"window\":%u,\"tomb_hits\":%llu,\"tombstones\":%llu}\n",
            sim_policy_names[r->policy], n_requests, r->completed, r->rejected, r->peak_seqs, r->mean_seqs,
            r->peak_blocks, c->so.n_blocks, r->kv_utilization, r->waste, r->prefix_hit_rate,
            (unsigned long long)r->prefix_hit_tokens, (unsigned long long)r->prompt_tokens, r->preemptions,
@@ -299,7 +299,8 @@ static void print_json(const sim_result *r, const sim_cli *c, uint32_t n_request
            c->so.swap ? "swap" : "recompute", r->swap_outs, (unsigned long long)r->swap_in_tokens,
            (unsigned long long)r->swap_peak_bytes, (unsigned long long)(r->policy == SIM_PAGED_PREFIX ? c->so.tier_bytes : 0),
            (unsigned long long)r->tier_hit_tokens, (unsigned long long)r->tier_saved_blocks,
-           (unsigned long long)r->tier_evictions, (unsigned long long)r->tier_bytes, c->so.window);
+           (unsigned long long)r->tier_evictions, (unsigned long long)r->tier_bytes, c->so.window,
+           (unsigned long long)r->tomb_hits, (unsigned long long)r->tombstones);
 }
 
 /* What would fail the plot, checked before the run rather than after it: gnuplot on PATH, and
@@ -463,9 +464,11 @@ int tool_sim(int argc, char **argv) {
                    "reused by pkv_seq_match_prefix; decode tok/s: decode tokens / seconds inside pkv calls.\n");
             for (int i = 0; i < n_run; i++)
                 printf("%s: %u rejected (too large for the pool), %llu copy-on-write copies, %llu evictions, "
-                       "%llu positions decode read once a group of sequences sharing them, checker %s\n",
+                       "%llu positions decode read once a group of sequences sharing them, %llu matches through a "
+                       "tombstone (%llu at the end), checker %s\n",
                        sim_policy_names[res[i].policy], res[i].rejected, (unsigned long long)res[i].cow_copies,
                        (unsigned long long)res[i].evictions, (unsigned long long)res[i].shared_keys,
+                       (unsigned long long)res[i].tomb_hits, (unsigned long long)res[i].tombstones,
                        res[i].check_rc == 0 ? "ok" : "FAILED");
             for (int i = 0; i < n_run; i++) {
                 printf("%s: decode batches in block id order: %.1f%% of neighbouring blocks belong to different "

@@ -121,6 +121,7 @@ typedef struct sim_result {
     uint64_t decode_tokens, prefill_tokens;
     uint64_t cow_copies, evictions;
     uint64_t shared_keys; /* pkv_stats.attn_shared_keys: positions decode read once a group */
+    uint64_t tombstones, tomb_hits; /* pkv_stats.n_tombstones at the end, prefix_tomb_hits (--window) */
     double ttft_p50, ttft_p90, ttft_p99; /* steps */
     double pkv_s, attn_s, wall_s;
     double decode_tok_s;    /* generated tokens / seconds inside pkv calls */

@@ -281,8 +281,10 @@ static int admit(sim *S, uint32_t *budget, uint32_t *n_items, uint32_t *off) {
         q->target = rq->prompt_len + q->kept;
         if (S->policy != SIM_CONTIGUOUS) {
             sim_tokens(rq, 0, 0, q->target, prompt);
-            rc = pkv_seq_match_prefix(S->c, s, prompt, q->target, &reused);
-            if (rc < 0) return fail(S, rc, "pkv_seq_match_prefix");
+            /* under --window a match needs only what the window sees (tombstones before it) */
+            rc = drops_front(S, o) ? pkv_seq_match_prefix_window(S->c, s, prompt, q->target, o->window, &reused)
+                                   : pkv_seq_match_prefix(S->c, s, prompt, q->target, &reused);
+            if (rc < 0) return fail(S, rc, drops_front(S, o) ? "pkv_seq_match_prefix_window" : "pkv_seq_match_prefix");
         }
         uint32_t loaded = 0;
         if (S->tier) { /* what the pool no longer holds, from the tier */
@@ -756,6 +758,8 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
             res->cow_copies = st.cow_copies;
             res->evictions = st.evictions;
             res->shared_keys = st.attn_shared_keys;
+            res->tombstones = st.n_tombstones;
+            res->tomb_hits = st.prefix_tomb_hits;
         }
     }
     if (S.tier) {
