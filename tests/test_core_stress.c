@@ -620,12 +620,14 @@ static void do_match(world *w) {
 
 /* The compaction rule of pkv.h, on a copy of the table and the blocks' states: FREE, held once
  * (movable), CACHED; each indexed or partial block's parent and number of children, so that a
- * CACHED leaf (what PKV_COMPACT_EVICT may take) is known as evictions and moves change them. */
+ * CACHED leaf (what PKV_COMPACT_EVICT may take) is known as evictions and moves change them.
+ * Tombstones (ids NBLK and up, prefix.c) count as children too; one whose last child is
+ * evicted goes, and its parent loses a child. */
 typedef struct {
     int32_t *t;
     uint32_t nb, flags, evicted;
     uint8_t free_[NBLK], mov[NBLK], cached[NBLK];
-    int par[NBLK], kids[NBLK];
+    int par[2 * NBLK], kids[2 * NBLK];
     int *bc;
 } cmodel;
 
@@ -653,20 +655,20 @@ static uint32_t cm_move_block(cmodel *m, uint32_t i, int to) {
         const int p = m->par[from], k = m->kids[from];
         m->par[from] = m->par[to], m->kids[from] = m->kids[to];
         m->par[to] = p, m->kids[to] = k;
-        for (int b = 0; b < NBLK; b++) m->par[b] = m->par[b] == from ? to : m->par[b] == to ? from : m->par[b];
+        for (int b = 0; b < 2 * NBLK; b++) m->par[b] = m->par[b] == from ? to : m->par[b] == to ? from : m->par[b];
         m->cached[from] = 1, m->mov[from] = 0;
         m->cached[to] = 0, m->mov[to] = 1;
         m->bc[to] = m->bc[from], m->bc[from] = 0;
         m->t[i] = to;
         return 2;
     }
-    if (m->cached[to]) { /* evicted */
+    if (m->cached[to]) { /* evicted: its parent loses a child, and a tombstone left with none goes */
         m->cached[to] = 0;
-        if (m->par[to] >= 0) m->kids[m->par[to]]--;
+        for (int p = m->par[to]; p >= 0 && --m->kids[p] == 0 && p >= NBLK; p = m->par[p]) {}
         m->evicted++;
     }
     m->par[to] = m->par[from], m->kids[to] = m->kids[from];
-    for (int b = 0; b < NBLK; b++)
+    for (int b = 0; b < 2 * NBLK; b++)
         if (m->par[b] == from) m->par[b] = to;
     m->par[from] = -1, m->kids[from] = 0;
     m->free_[from] = 1, m->mov[from] = 0;
@@ -700,12 +702,15 @@ static void do_compact(world *w, sh_seq *s) {
     int32_t want[NBLK];
     cmodel m = {.t = want, .nb = s->nb, .bc = w->bc};
     m.flags = w->prefix ? tu_rng_below(&w->r, 4) : 0; /* EVICT, CACHED, both */
-    for (int b = 0; b < NBLK; b++) m.par[b] = -1, m.kids[b] = 0;
-    for (int b = 0; b < NBLK; b++) {
+    for (int b = 0; b < 2 * NBLK; b++) m.par[b] = -1, m.kids[b] = 0;
+    assert_true(c->n_blocks == NBLK && c->tomb_cap <= NBLK);
+    for (int b = 0; b < NBLK + (int)c->tomb_cap; b++) {
         const pkv__blk *k = &c->blk[b];
-        m.free_[b] = k->state == PKV_BLK_FREE;
-        m.cached[b] = k->state == PKV_BLK_CACHED;
-        m.mov[b] = k->state == PKV_BLK_ACTIVE && k->ref == 1;
+        if (b < NBLK) {
+            m.free_[b] = k->state == PKV_BLK_FREE;
+            m.cached[b] = k->state == PKV_BLK_CACHED;
+            m.mov[b] = k->state == PKV_BLK_ACTIVE && k->ref == 1;
+        }
         if (k->flags && k->parent != PKV_NONE) m.par[b] = (int)k->parent, m.kids[k->parent]++;
     }
     memcpy(want, s->tab, s->nb * sizeof *want);
