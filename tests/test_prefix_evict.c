@@ -354,6 +354,20 @@ static pkv_cache *tomb_scene(const int32_t *p, int32_t ts[4], pkv_seq *s, pkv_se
     return c;
 }
 
+/* A new sequence matched under window: reused and the front (positions) as expected. */
+static pkv_seq window_match(pkv_cache *c, const int32_t *p, uint32_t n, uint32_t window, uint32_t want,
+                            uint32_t want_front) {
+    pkv_seq m = tp_seq(c, 0);
+    uint32_t reused = 0xffffffffu;
+    assert_int_equal(pkv_seq_match_prefix_window(c, m, p, n, window, &reused), 0);
+    assert_int_equal(reused, want);
+    pkv_seq_info in;
+    assert_int_equal(pkv_seq_get_info(c, m, &in), 0);
+    assert_int_equal(in.n_dropped, want_front);
+    assert_int_equal(in.n_reused, want);
+    return m;
+}
+
 static void test_prefix_evict_tombstone(void **state) {
     (void)state;
     int32_t p[17], ts[4], tm[4];
@@ -373,14 +387,7 @@ static void test_prefix_evict_tombstone(void **state) {
     assert_int_equal(stats(c).prefix_miss_evicted, miss + 1);
     /* under a window of 5 a query at 15 sees 11..15: blocks 2 and 3 (g, h) are taken, the front
        ends at 8, and the tombstone (block 0) is passed */
-    pkv_seq m = tp_seq(c, 0);
-    uint32_t reused = 0;
-    assert_int_equal(pkv_seq_match_prefix_window(c, m, p, 16, 5, &reused), 0);
-    assert_int_equal(reused, 15);
-    pkv_seq_info in;
-    assert_int_equal(pkv_seq_get_info(c, m, &in), 0);
-    assert_int_equal(in.n_dropped, 8);
-    assert_int_equal(in.n_reused, 15);
+    pkv_seq m = window_match(c, p, 16, 5, 15, 8);
     assert_int_equal(table(c, m, tm), 4);
     assert_true(tm[0] == -1 && tm[1] == -1 && tm[2] == ts[2] && tm[3] == ts[3]);
     tp_expect_kv(c, m, 0, p, 8, 7);
@@ -389,22 +396,17 @@ static void test_prefix_evict_tombstone(void **state) {
     assert_int_equal(st.n_cached, 0); /* g taken back */
     tp_check(c);
     /* a window of 9 (from 7 on) needs a too: the front ends at 4 */
-    pkv_seq m2 = tp_seq(c, 0);
-    assert_int_equal(pkv_seq_match_prefix_window(c, m2, p, 16, 9, &reused), 0);
-    assert_int_equal(reused, 15);
-    assert_int_equal(pkv_seq_get_info(c, m2, &in), 0);
-    assert_int_equal(in.n_dropped, 4);
+    pkv_seq m2 = window_match(c, p, 16, 9, 15, 4);
     assert_int_equal(table(c, m2, tm), 4);
     assert_true(tm[0] == -1 && tm[1] == ts[1] && tm[2] == ts[2] && tm[3] == ts[3]);
     tp_expect_kv(c, m2, 0, p, 4, 11);
     tp_check(c);
     /* a window of 13 (from 3 on) would need block 0: the match ends before the tombstone, at 0 */
-    pkv_seq m3 = tp_seq(c, 0);
-    assert_int_equal(pkv_seq_match_prefix_window(c, m3, p, 16, 13, &reused), 0);
-    assert_int_equal(reused, 0);
+    pkv_seq m3 = window_match(c, p, 16, 13, 0, 0);
+    pkv_seq_info in;
     assert_int_equal(pkv_seq_get_info(c, m3, &in), 0);
-    assert_int_equal(in.n_dropped, 0);
     assert_int_equal(in.n_blocks, 0);
+    uint32_t reused = 0;
     assert_int_equal(stats(c).prefix_tomb_hits, 2);
     /* window 0 is pkv_seq_match_prefix's: refused here, nothing changed */
     pkv_stats before = stats(c);
