@@ -400,7 +400,8 @@ PKV_NODISCARD PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
  * its token ids and its place, no K/V, so that the blocks below it stay indexed. A plain match
  * stops at a tombstone; pkv_seq_match_prefix_window goes past it where the window no longer
  * reads that block (vLLM's sliding-window prefix caching); a sequence that computes the block
- * again fills it at commit. A tombstone goes once nothing is indexed below it. With every one of
+ * again fills it at commit. A tombstone goes once nothing is indexed below it (and no sequence's
+ * committed partial tail block is registered below it). With every one of
  * the cache's n_blocks tombstones in use, eviction takes the block's subtree out of the index
  * instead: those CACHED go FREE (counted in pkv_stats.evictions), those in use stay with their
  * sequences, unindexed, and a sequence whose indexed chain broke so indexes none of its later
@@ -617,7 +618,8 @@ PKV_NODISCARD PKV_API int pkv_pin_release(pkv_cache *c, pkv_seq pin);
  *                      a parent's STORED always comes before its children's
  *   PKV_EVENT_REMOVED  an indexed block was evicted to make room; children go before parents.
  *                      A dropped front's evicted block may leave a tombstone (pkv_seq_drop_front):
- *                      its identity stays, so REMOVED comes when that goes (after its children)
+ *                      its identity stays, so REMOVED comes when that goes, after its children's
+ *                      (an eviction, a release or a truncate took the last entry below it)
  *   PKV_EVENT_CLEARED  pkv_cache_reset emptied the index (no REMOVED for its blocks)
  *   PKV_EVENT_OVERFLOW the ring was full: `lost` events were dropped (counted with the ones
  *                      dropped with them); what the consumer knows of the index is stale:
@@ -750,9 +752,9 @@ typedef struct pkv_stats {
      * share them rather than once a request (shared prefixes, see pkv_attn_decode): (members - 1)
      * x shared positions, summed over groups, calls and layers; a failed call counts nothing */
     uint64_t attn_shared_keys;
-    /* tombstones in the prefix index: evicted blocks whose token ids are kept while blocks
-       indexed below them are (pkv_seq_drop_front; pkv_seq_match_prefix_window matches through
-       them); at most n_blocks */
+    /* tombstones in the prefix index: evicted blocks whose token ids are kept while entries
+       below them are (pkv_seq_drop_front; pkv_seq_match_prefix_window matches through them); at
+       most n_blocks, past which eviction takes a subtree out */
     uint64_t n_tombstones;
     uint64_t prefix_tomb_hits; /* pkv_seq_match_prefix_window calls whose match went past one */
 } pkv_stats;

@@ -159,11 +159,14 @@ static void evict(pkv_cache *c, uint32_t b) {
 static uint32_t inner_victim(const pkv_cache *c) {
     uint32_t b = c->pool.inner_head;
     for (uint32_t ch = b == PKV_NONE ? PKV_NONE : c->blk[b].child; ch != PKV_NONE;) {
-        if (c->blk[ch].state == PKV_BLK_CACHED && c->blk[ch].inner) {
-            b = ch;
-            ch = c->blk[b].child;
+        const pkv__blk *k = &c->blk[ch];
+        /* down through a waiting block, or a tombstone with a block in use below it (one left
+           by an earlier eviction: what waits below it is deeper) */
+        if ((k->state == PKV_BLK_CACHED && k->inner) || (k->state == PKV_BLK_TOMB && k->n_hot)) {
+            if (k->state == PKV_BLK_CACHED) b = ch;
+            ch = k->child;
         } else {
-            ch = c->blk[ch].sib_next;
+            ch = k->sib_next;
         }
     }
     return b;

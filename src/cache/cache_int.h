@@ -195,22 +195,26 @@ void pkv__index_reset(pkv_cache *c);
 /* Whether id names a tombstone slot (pkv__blk.state PKV_BLK_TOMB while in use). */
 static inline bool pkv__is_tomb(const pkv_cache *c, uint32_t id) { return id != PKV_NONE && id >= c->n_blocks; }
 /* Evicts CACHED block b that waits in the inner queue (entries below it in use) by leaving a
- * tombstone in its place in the index (REMOVED said for b): true; false, and nothing changed,
+ * tombstone in its place in the index (no event: the entry stays): true; false, and nothing changed,
  * where no tombstone is free (the caller evicts its subtree then, pkv__index_evict). b keeps no
  * index fields; its queue and state are the caller's. */
 bool pkv__tomb_make(pkv_cache *c, uint32_t b);
-/* Frees the tombstones from p up that have no entry below them left (p: any id or PKV_NONE). */
+/* Frees the tombstones from p up that have no entry below them left (no indexed or partial
+ * child; p: any id or PKV_NONE). */
 void pkv__tomb_prune(pkv_cache *c, uint32_t p);
 /* Test hook: at most n tombstones in use (at most tomb_cap; those in use stay). */
 void pkv__cache_test_tombs(pkv_cache *c, uint32_t n);
 /* Un-indexes a CACHED block about to be reused (eviction) with everything below it in the index:
  * a CACHED descendant goes FREE (counted as evicted), an ACTIVE one stays with its holders, a
- * partial one is unlinked. Only the inner queue's blocks have descendants (a dropped front's);
- * the chains of their holders then end where the index does. */
+ * partial one is unlinked, a tombstone freed; then the tombstones above it left with nothing
+ * below. Only blocks above a dropped front's blocks have descendants (in the inner queue, or in
+ * the LRU queue above a tombstone whose blocks below went CACHED); the chains of their holders
+ * then end where the index does. */
 void pkv__index_evict(pkv_cache *c, uint32_t b);
-/* Index entry p (PKV_NONE: none) gained / lost a child in use (pkv__blk.n_hot). p gains one only
- * while in use itself; a CACHED p left with none moves from the inner queue to the LRU queue's
- * tail, and so on up. */
+/* Index entry p (PKV_NONE: none) gained / lost a child in use (pkv__blk.n_hot). A CACHED p that
+ * gains its first moves to the inner queue's tail, and a tombstone gains its first too, and so
+ * on up (a windowed match's first block below a front it does not take); a CACHED p left with
+ * none moves from the inner queue to the LRU queue's tail, and so on up. */
 void pkv__hot_up(pkv_cache *c, uint32_t p);
 void pkv__hot_down(pkv_cache *c, uint32_t p);
 /* pkv__pool_ref, counting a CACHED index entry taken back among its parent's children in use. */

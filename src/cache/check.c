@@ -302,9 +302,8 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
             (unsigned long long)c->pool.slots_used);
     REQUIRE(n_indexed == c->n_indexed, "index: %llu indexed blocks, counter %llu", (unsigned long long)n_indexed,
             (unsigned long long)c->n_indexed);
-    REQUIRE(n_tombs == c->n_tombs && n_tombs + n_tomb_free == c->tomb_cap && c->n_tombs <= c->tomb_lim,
-            "tombstones: %u in use, %u free, counters %u of %u (at most %u)", n_tombs, n_tomb_free, c->n_tombs,
-            c->tomb_cap, c->tomb_lim);
+    REQUIRE(n_tombs == c->n_tombs && n_tombs + n_tomb_free == c->tomb_cap,
+            "tombstones: %u in use, %u free, counters %u of %u", n_tombs, n_tomb_free, c->n_tombs, c->tomb_cap);
     uint32_t n_listed_free = 0;
     for (uint32_t t = c->tomb_free; t != PKV_NONE; t = c->blk[t].qnext) {
         REQUIRE(t >= c->n_blocks && t < n_ids && c->blk[t].state == PKV_BLK_FREE,

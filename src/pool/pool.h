@@ -33,7 +33,8 @@ typedef struct pkv__blk {
     uint32_t child;        /* first INDEXED or PARTIAL child */
     uint32_t sib_prev, sib_next;
     uint32_t n_children; /* INDEXED children */
-    uint32_t n_hot;      /* children (INDEXED or PARTIAL) in use: ACTIVE, or CACHED in the inner queue */
+    uint32_t n_hot;      /* children (INDEXED or PARTIAL) in use: ACTIVE, CACHED in the inner queue, or
+                            tombstones with such a child (pkv__blk_hot) */
     uint32_t depth;      /* index in its chain (INDEXED): parent's + 1, a root's 0 */
     uint64_t hash;       /* identity hash: namespace + whole token prefix (INDEXED) */
     uint64_t chash;      /* namespace-free content hash of the prefix (INDEXED) */
