@@ -320,6 +320,44 @@ static void test_window(void **state) {
     free(out), free(err);
 }
 
+/* --turns: conversations whose later turns' prompts hold the earlier turn's prompt and output;
+ * paged_prefix reuses a larger share of its prompts than without turns, and under --window the
+ * windowed match (past tombstones) reuses more than a plain one (--match plain) on the same
+ * requests; bad values are refused */
+static void test_turns(void **state) {
+    (void)state;
+    char *argv1[] = {"pkv", "sim", SMALL, "--requests", "30", "--blocks", "150", "--rate", "20", "--turn-gap", "2",
+                     "--seed", "4", NULL};
+    char *argv3[] = {"pkv", "sim", SMALL, "--requests", "30", "--blocks", "150", "--rate", "20", "--turn-gap", "2",
+                     "--seed", "4", "--turns", "3", NULL};
+    char *argvw[] = {"pkv", "sim", SMALL, "--requests", "30", "--blocks", "150", "--rate", "20", "--turn-gap", "2",
+                     "--seed", "4", "--turns", "3", "--window", "64", NULL};
+    char *argvp[] = {"pkv", "sim", SMALL, "--requests", "30", "--blocks", "150", "--rate", "20", "--turn-gap", "2",
+                     "--seed", "4", "--turns", "3", "--window", "64", "--match", "plain", NULL};
+    runs r1, r3, rw, rp;
+    sim(argv1, &r1), sim(argv3, &r3), sim(argvw, &rw), sim(argvp, &rp);
+    const double n = field(r3.line[0], "requests");
+    assert_true(field(r1.line[0], "requests") == 30 && n > 30 && n <= 90);
+    for (int i = 0; i < 3; i++) {
+        assert_true(field(r3.line[i], "check") == 1.0 && field(rw.line[i], "check") == 1.0);
+        assert_true(field(r3.line[i], "completed") + field(r3.line[i], "rejected") == n);
+    }
+    const double h1 = field(r1.line[0], "prefix_hit_tokens"), h3 = field(r3.line[0], "prefix_hit_tokens");
+    const double hw = field(rw.line[0], "prefix_hit_tokens"), hp = field(rp.line[0], "prefix_hit_tokens");
+    print_message("turns: %g requests; prefix hit tokens %g without turns, %g with; window 64: %g matched under the "
+                  "window (%g matches through a tombstone), %g plainly\n",
+                  n, h1, h3, hw, field(rw.line[0], "tomb_hits"), hp);
+    assert_true(h3 > h1);
+    assert_true(hw > hp && field(rw.line[0], "tomb_hits") > 0 && field(rp.line[0], "tomb_hits") == 0);
+    free(r1.out), free(r3.out), free(rw.out), free(rp.out);
+    static const char *bad[][2] = {{"--turns", "0"}, {"--turn-gap", "-1"}, {"--turn-mean", "0"}, {"--match", "all"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char *argv[] = {"pkv", "sim", (char *)bad[i][0], (char *)bad[i][1], NULL}, *out, *err;
+        assert_int_equal(run_cli(argv, &out, &err), 1);
+        free(out), free(err);
+    }
+}
+
 /* --tier: paged_prefix loads from a host (or file) tier what its pool evicted, so it prefills
  * fewer tokens and preempts less; the other policies do not use it; bad values are refused */
 static void test_tier(void **state) {
@@ -646,6 +684,7 @@ int main(void) {
         cmocka_unit_test(test_plot_writes_png),
         cmocka_unit_test(test_route),
         cmocka_unit_test(test_window),
+        cmocka_unit_test(test_turns),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

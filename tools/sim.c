@@ -23,7 +23,8 @@ static void defaults(sim_cli *c) {
     memset(c, 0, sizeof *c);
     c->wo = (sim_workload_opts){.n_requests = 100, .rate = 20.0, .prompt_mean = 160, .prompt_sigma = 1.0,
                                 .output_mean = 340, .output_sigma = 0.9, .max_len = 2048, .n_sys = 4,
-                                .sys_len = 256, .sys_frac = 0.5, .n_frac = 0.1, .n_samples = 4, .seed = 1};
+                                .sys_len = 256, .sys_frac = 0.5, .n_frac = 0.1, .n_samples = 4, .seed = 1,
+                                .turns = 1, .turn_gap_s = 20.0, .turn_mean = 64};
     c->so = (sim_opts){.model = {.n_layers = 2, .n_kv_heads = 2, .n_q_heads = 8, .head_dim = 64, .dtype = PKV_DTYPE_F16},
                        .block_tokens = 16, .n_blocks = 768, .max_len = 2048, .step_tokens = 2048, .max_seqs = 256,
                        .watermark = 0.01, .headroom = 1.0, .n_threads = 0, .attn = 1};
@@ -68,6 +69,13 @@ static void usage(FILE *f) {
             "  --sys-frac F        fraction of requests starting with one [%g]\n"
             "  --n-frac F          fraction of requests asking for several samples [%g]\n"
             "  --samples N         samples for those (forked after the prompt) [%u]\n"
+            "  --turns N           requests a conversation: each later one (single-sample ones\n"
+            "                      only) arrives --turn-gap after the one before, its prompt that\n"
+            "                      one's prompt and output, then new tokens (log-normal, mean\n"
+            "                      --turn-mean, --prompt-sigma); a conversation ends where the next\n"
+            "                      would pass --max-len; --requests counts first turns [%u]\n"
+            "  --turn-gap S        seconds between a conversation's turns [%g]\n"
+            "  --turn-mean N       mean new tokens of a later turn [%g]\n"
             "  --seed N            seed of the workload and of the K/V data [%llu]\n"
             "  --trace FILE        JSON lines instead of the built-in workload, one request a line:\n"
             "                      {\"arrival\": SECONDS, \"prompt\": [IDS...], \"max_tokens\": N}  or\n"
@@ -107,6 +115,9 @@ static void usage(FILE *f) {
             "                      the whole prompt; paged_prefix's stay indexed until evicted, and\n"
             "                      it keeps them all with --tier, which saves whole prompts);\n"
             "                      contiguous still reserves max_len; not with --preempt swap [0: off]\n"
+            "  --match M           under --window, paged_prefix's prefix match: window (the default:\n"
+            "                      pkv_seq_match_prefix_window, past tombstones) or plain\n"
+            "                      (pkv_seq_match_prefix, the whole chain; to compare)\n"
             "  --no-attn           skip K/V writes and attention: memory-only replay (the pool then\n"
             "                      holds a 1-layer head_dim-8 shape; block accounting is the same)\n"
             "  --compact           before each step, pkv_seq_compact on every decoding sequence (its\n"
@@ -137,7 +148,7 @@ static void usage(FILE *f) {
             "a failing pkv_cache_check at the end of a policy, gnuplot failure).\n",
             d.wo.n_requests, d.wo.rate, d.step_ms, d.wo.prompt_mean, d.wo.prompt_sigma, d.wo.output_mean,
             d.wo.output_sigma, d.wo.max_len, d.wo.n_sys, d.wo.sys_len, d.wo.sys_frac, d.wo.n_frac, d.wo.n_samples,
-            (unsigned long long)d.wo.seed, d.so.model.n_layers, d.so.model.n_kv_heads, d.so.model.n_q_heads,
+            d.wo.turns, d.wo.turn_gap_s, d.wo.turn_mean, (unsigned long long)d.wo.seed, d.so.model.n_layers, d.so.model.n_kv_heads, d.so.model.n_q_heads,
             d.so.model.head_dim, pkv_dtype_name(d.so.model.dtype), d.so.block_tokens, d.so.n_blocks,
             d.so.step_tokens, d.so.max_seqs, d.so.watermark, d.so.headroom, d.so.n_threads);
 }
@@ -211,6 +222,13 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         else if (!strcmp(a, "--n-frac")) bad = tool_parse_f64(v, &c->wo.n_frac) || c->wo.n_frac < 0 || c->wo.n_frac > 1;
         else if (!strcmp(a, "--samples")) bad = tool_parse_u32(v, &c->wo.n_samples) || c->wo.n_samples == 0;
         else if (!strcmp(a, "--seed")) bad = tool_parse_u64(v, &c->wo.seed);
+        else if (!strcmp(a, "--turns")) bad = tool_parse_u32(v, &c->wo.turns) || c->wo.turns == 0;
+        else if (!strcmp(a, "--turn-gap")) bad = tool_parse_f64(v, &c->wo.turn_gap_s) || c->wo.turn_gap_s < 0;
+        else if (!strcmp(a, "--turn-mean")) bad = tool_parse_f64(v, &c->wo.turn_mean) || c->wo.turn_mean < 1;
+        else if (!strcmp(a, "--match")) {
+            bad = strcmp(v, "window") && strcmp(v, "plain");
+            c->so.plain_match = !strcmp(v, "plain");
+        }
         else if (!strcmp(a, "--trace")) c->trace = v;
         else if (!strcmp(a, "--layers")) bad = tool_parse_u32(v, &c->so.model.n_layers) || !c->so.model.n_layers;
         else if (!strcmp(a, "--kv-heads")) bad = tool_parse_u32(v, &c->so.model.n_kv_heads) || !c->so.model.n_kv_heads;

@@ -35,6 +35,10 @@ typedef struct sim_workload_opts {
     uint32_t n_samples;   /* n for those */
     uint64_t seed;
     double step_s;        /* simulated duration of one step (arrival seconds -> steps) */
+    uint32_t turns;       /* requests a conversation (1: none follow); each later one's prompt
+                             is the one before's prompt and first sample's output, then new tokens */
+    double turn_gap_s;    /* seconds between a conversation's turns' arrivals */
+    double turn_mean;     /* mean new tokens of a later turn (log-normal, prompt_sigma) */
 } sim_workload_opts;
 
 typedef struct sim_workload {
@@ -89,6 +93,7 @@ typedef struct sim_opts {
                                the prefix match, pkv_tier_load; when a prompt is computed,
                                pkv_tier_save */
     const char *tier_dir;   /* file:DIR (NULL: host memory) */
+    int plain_match;        /* --match plain: pkv_seq_match_prefix under --window too */
     uint32_t window;        /* --window W: every layer's attention sees the last W positions
                                (0: all); paged lets go of the blocks before them after each
                                step (pkv_seq_drop_front) */

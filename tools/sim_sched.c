@@ -282,9 +282,10 @@ static int admit(sim *S, uint32_t *budget, uint32_t *n_items, uint32_t *off) {
         if (S->policy != SIM_CONTIGUOUS) {
             sim_tokens(rq, 0, 0, q->target, prompt);
             /* under --window a match needs only what the window sees (tombstones before it) */
-            rc = drops_front(S, o) ? pkv_seq_match_prefix_window(S->c, s, prompt, q->target, o->window, &reused)
-                                   : pkv_seq_match_prefix(S->c, s, prompt, q->target, &reused);
-            if (rc < 0) return fail(S, rc, drops_front(S, o) ? "pkv_seq_match_prefix_window" : "pkv_seq_match_prefix");
+            const bool windowed = drops_front(S, o) && !o->plain_match;
+            rc = windowed ? pkv_seq_match_prefix_window(S->c, s, prompt, q->target, o->window, &reused)
+                          : pkv_seq_match_prefix(S->c, s, prompt, q->target, &reused);
+            if (rc < 0) return fail(S, rc, windowed ? "pkv_seq_match_prefix_window" : "pkv_seq_match_prefix");
         }
         uint32_t loaded = 0;
         if (S->tier) { /* what the pool no longer holds, from the tier */

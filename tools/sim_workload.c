@@ -57,6 +57,74 @@ static int finish_request(sim_request *r, const sim_workload_opts *o) {
     return 0;
 }
 
+static int cmp_arrival(const void *a, const void *b);
+
+/* Multi-turn conversations (--turns): each of the w->n first requests is followed, turn_gap_s
+ * apart, by turns - 1 requests whose prompt is the one before's prompt and its first sample's
+ * output (sim_tokens' ids, so a prefix cache holds them), then new tokens of their own; a
+ * conversation ends early where that would not fit max_len. Prompts are stored (token_store);
+ * ids stay unique (a later turn's output ids hash its own), and the requests are put in arrival
+ * order. */
+static int add_turns(const sim_workload_opts *o, sim_workload *w, tool_rng *rng) {
+    const uint32_t n0 = w->n;
+    if ((uint64_t)n0 * o->turns > UINT32_MAX) return -1;
+    sim_request *reqs = realloc(w->reqs, (size_t)n0 * o->turns * sizeof *reqs);
+    if (!reqs) return -1;
+    w->reqs = reqs;
+    /* lengths first (prev: the turn before, at index i + (k - 1) * n0 until the conversation ends) */
+    uint32_t n = n0;
+    size_t store = 0;
+    uint32_t *prev_of = calloc((size_t)n0 * o->turns, sizeof *prev_of);
+    if (!prev_of) return -1;
+    for (uint32_t i = 0; i < n0; i++) {
+        uint32_t prev = i;
+        store += reqs[i].prompt_len;
+        for (uint32_t k = 1; k < o->turns; k++) {
+            const sim_request *p = &reqs[prev];
+            const uint32_t own = lognormal(rng, o->turn_mean, o->prompt_sigma);
+            const uint64_t len = (uint64_t)p->prompt_len + p->output_len + own;
+            const uint32_t out = lognormal(rng, o->output_mean, o->output_sigma);
+            if (p->n_samples != 1 || len > o->max_len - 1) break;
+            sim_request *r = &reqs[n];
+            *r = (sim_request){.arrival_s = p->arrival_s + o->turn_gap_s, .prompt_len = (uint32_t)len,
+                               .output_len = out, .n_samples = 1, .group = p->group, .group_len = p->group_len,
+                               .id = n};
+            if (finish_request(r, o)) {
+                free(prev_of);
+                return SIM_WORKLOAD_FAR;
+            }
+            prev_of[n] = prev;
+            store += r->prompt_len;
+            prev = n++;
+        }
+    }
+    w->token_store = malloc((store ? store : 1) * sizeof *w->token_store);
+    if (!w->token_store) {
+        free(prev_of);
+        return -1;
+    }
+    /* then the prompts, every turn after the one before it (n0 .. n are in that order) */
+    size_t at = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        sim_request *r = &reqs[i];
+        int32_t *t = w->token_store + at;
+        if (i < n0) {
+            sim_tokens(r, 0, 0, r->prompt_len, t);
+        } else {
+            const sim_request *p = &reqs[prev_of[i]];
+            const uint32_t kept = p->prompt_len + p->output_len;
+            sim_tokens(p, 0, 0, kept, t);
+            for (uint32_t q = kept; q < r->prompt_len; q++) t[q] = hash_token(2, r->id, q);
+        }
+        r->tokens = t;
+        at += r->prompt_len;
+    }
+    free(prev_of);
+    w->n = n;
+    qsort(reqs, n, sizeof *reqs, cmp_arrival); /* (the prompts stay where they are: ids unchanged) */
+    return 0;
+}
+
 int sim_workload_generate(const sim_workload_opts *o, sim_workload *w) {
     memset(w, 0, sizeof *w);
     w->reqs = calloc(o->n_requests ? o->n_requests : 1, sizeof *w->reqs);
@@ -88,6 +156,11 @@ int sim_workload_generate(const sim_workload_opts *o, sim_workload *w) {
         }
     }
     w->n = o->n_requests;
+    if (o->turns > 1) {
+        const int rc = add_turns(o, w, &rng);
+        if (rc) sim_workload_free(w);
+        return rc;
+    }
     return 0;
 }
 
