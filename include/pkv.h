@@ -402,7 +402,7 @@ PKV_NODISCARD PKV_API int pkv_seq_truncate(pkv_cache *c, pkv_seq s, uint32_t n);
  * reads that block (vLLM's sliding-window prefix caching); a sequence that computes the block
  * again fills it at commit. A tombstone goes once nothing is indexed below it (and no sequence's
  * committed partial tail block is registered below it). With every one of
- * the cache's n_blocks tombstones in use, eviction takes the block's subtree out of the index
+ * the cache's 4 x n_blocks tombstones in use, eviction takes the block's subtree out of the index
  * instead: those CACHED go FREE (counted in pkv_stats.evictions), those in use stay with their
  * sequences, unindexed, and a sequence whose indexed chain broke so indexes none of its later
  * blocks.
@@ -754,7 +754,7 @@ typedef struct pkv_stats {
     uint64_t attn_shared_keys;
     /* tombstones in the prefix index: evicted blocks whose token ids are kept while entries
        below them are (pkv_seq_drop_front; pkv_seq_match_prefix_window matches through them); at
-       most n_blocks, past which eviction takes a subtree out */
+       most 4 x n_blocks, past which eviction takes a subtree out */
     uint64_t n_tombstones;
     uint64_t prefix_tomb_hits; /* pkv_seq_match_prefix_window calls whose match went past one */
 } pkv_stats;

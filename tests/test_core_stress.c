@@ -627,7 +627,7 @@ typedef struct {
     int32_t *t;
     uint32_t nb, flags, evicted;
     uint8_t free_[NBLK], mov[NBLK], cached[NBLK];
-    int par[2 * NBLK], kids[2 * NBLK];
+    int par[5 * NBLK], kids[5 * NBLK];
     int *bc;
 } cmodel;
 
@@ -655,7 +655,7 @@ static uint32_t cm_move_block(cmodel *m, uint32_t i, int to) {
         const int p = m->par[from], k = m->kids[from];
         m->par[from] = m->par[to], m->kids[from] = m->kids[to];
         m->par[to] = p, m->kids[to] = k;
-        for (int b = 0; b < 2 * NBLK; b++) m->par[b] = m->par[b] == from ? to : m->par[b] == to ? from : m->par[b];
+        for (int b = 0; b < 5 * NBLK; b++) m->par[b] = m->par[b] == from ? to : m->par[b] == to ? from : m->par[b];
         m->cached[from] = 1, m->mov[from] = 0;
         m->cached[to] = 0, m->mov[to] = 1;
         m->bc[to] = m->bc[from], m->bc[from] = 0;
@@ -668,7 +668,7 @@ static uint32_t cm_move_block(cmodel *m, uint32_t i, int to) {
         m->evicted++;
     }
     m->par[to] = m->par[from], m->kids[to] = m->kids[from];
-    for (int b = 0; b < 2 * NBLK; b++)
+    for (int b = 0; b < 5 * NBLK; b++)
         if (m->par[b] == from) m->par[b] = to;
     m->par[from] = -1, m->kids[from] = 0;
     m->free_[from] = 1, m->mov[from] = 0;
@@ -702,8 +702,8 @@ static void do_compact(world *w, sh_seq *s) {
     int32_t want[NBLK];
     cmodel m = {.t = want, .nb = s->nb, .bc = w->bc};
     m.flags = w->prefix ? tu_rng_below(&w->r, 4) : 0; /* EVICT, CACHED, both */
-    for (int b = 0; b < 2 * NBLK; b++) m.par[b] = -1, m.kids[b] = 0;
-    assert_true(c->n_blocks == NBLK && c->tomb_cap <= NBLK);
+    for (int b = 0; b < 5 * NBLK; b++) m.par[b] = -1, m.kids[b] = 0;
+    assert_true(c->n_blocks == NBLK && c->tomb_cap <= 4 * NBLK);
     for (int b = 0; b < NBLK + (int)c->tomb_cap; b++) {
         const pkv__blk *k = &c->blk[b];
         if (b < NBLK) {

@@ -490,7 +490,10 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     c->v_blk = v_blk;
     c->v_off = v_off;
     c->layer_stride = layer_bytes;
-    c->tomb_cap = c->tomb_lim = cfg.enable_prefix_cache ? cfg.n_blocks : 0;
+    /* tombstones (prefix.c): a windowed sequence leaves up to (length - window) / B of them where
+       it holds about window / B blocks; 4 a block, ids below PKV_NONE */
+    c->tomb_cap = c->tomb_lim =
+        cfg.enable_prefix_cache ? (uint32_t)PKV_MIN(4ull * cfg.n_blocks, UINT32_MAX - 1ull - cfg.n_blocks) : 0;
     c->bucket_mask = pow2_at_least(cfg.n_blocks) - 1;
     c->fp_mask = pow2_at_least(PKV_MIN((uint64_t)cfg.n_blocks * 2, 1u << 22)) - 1;
 

@@ -86,7 +86,7 @@ struct pkv_cache {
     uint32_t bucket_mask;
     uint64_t n_indexed; /* index entries that hold K/V (blocks), tombstones not counted */
     /* tombstones: ids n_blocks .. n_blocks + tomb_cap - 1 (prefix.c, "Tombstones"); tomb_cap is
-       n_blocks where the cache indexes prefixes, else 0 */
+       4 x n_blocks where the cache indexes prefixes, else 0 */
     uint32_t tomb_cap, tomb_lim; /* tomb_lim: those that may be in use (a test hook lowers it) */
     uint32_t tomb_free, n_tombs; /* free ones linked through qnext; in use */
     uint64_t *fp_seen, *fp_content; /* [fp_mask + 1] fingerprints for miss reasons */

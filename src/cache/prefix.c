@@ -256,7 +256,7 @@ static void unindex(pkv_cache *c, uint32_t b) {
  * frees it when its last child goes), until pkv_cache_reset, or until a sequence indexes the
  * same block again (tomb_fill, at commit: the block takes its place and its subtree). A plain
  * match (pkv_seq_match_prefix) stops at one, as at an evicted block. With every tombstone in use
- * (tomb_cap: n_blocks) eviction takes the subtree out as before. */
+ * (tomb_cap: 4 x n_blocks) eviction takes the subtree out as before. */
 void pkv__cache_test_tombs(pkv_cache *c, uint32_t n) {
     pthread_mutex_lock(&c->mu);
     c->tomb_lim = PKV_MIN(n, c->tomb_cap);
