@@ -737,7 +737,8 @@ typedef struct pkv_stats {
     uint64_t prefix_tokens_hit;
     uint64_t prefix_miss_new;     /* lookups that stopped at a block never indexed */
     uint64_t prefix_miss_evicted; /* ... at a block that was indexed but has been evicted (or
-                                     dropped by pkv_cache_reset, which evictions does not count) */
+                                     dropped by pkv_cache_reset, which evictions does not count;
+                                     a windowed match that a tombstone in its window ended too) */
     uint64_t prefix_miss_namespace; /* ... at a block indexed only under another namespace */
     uint64_t n_indexed;           /* blocks in the prefix index (ACTIVE or CACHED) */
     uint64_t evictions;           /* CACHED blocks evicted to satisfy allocations (and

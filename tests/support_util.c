@@ -208,7 +208,7 @@ void tu_assert_stats_eq_(const pkv_stats *a, const pkv_stats *b, const char *fil
     TU_F(n_slots_used) TU_F(kv_bytes) TU_F(kv_bytes_per_block) TU_F(meta_bytes) TU_F(frag_slots)
     TU_F(cow_copies) TU_F(peak_active) TU_F(prefix_lookups) TU_F(prefix_tokens_queried) TU_F(prefix_tokens_hit)
     TU_F(prefix_miss_new) TU_F(prefix_miss_evicted) TU_F(prefix_miss_namespace) TU_F(n_indexed) TU_F(evictions)
-    TU_F(attn_reqs_pool) TU_F(attn_reqs_table) TU_F(attn_shared_keys)
+    TU_F(attn_reqs_pool) TU_F(attn_reqs_table) TU_F(attn_shared_keys) TU_F(n_tombstones) TU_F(prefix_tomb_hits)
 #undef TU_F
 }
 

@@ -402,7 +402,9 @@ static void test_prefix_evict_tombstone(void **state) {
     tp_expect_kv(c, m2, 0, p, 4, 11);
     tp_check(c);
     /* a window of 13 (from 3 on) would need block 0: the match ends before the tombstone, at 0 */
+    const uint64_t miss2 = stats(c).prefix_miss_evicted;
     pkv_seq m3 = window_match(c, p, 16, 13, 0, 0);
+    assert_int_equal(stats(c).prefix_miss_evicted, miss2 + 1);
     pkv_seq_info in;
     assert_int_equal(pkv_seq_get_info(c, m3, &in), 0);
     assert_int_equal(in.n_blocks, 0);

@@ -613,11 +613,14 @@ static int match(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, ui
     if (window) {
         /* a match under a window: the media trim and the window's blocks, each of which can only
            shorten it, until both hold; then its blocks from the front on are taken */
+        bool cut = false; /* by a tombstone the window sees: a miss at an evicted block */
         for (;;) {
             const uint32_t r = reused - pkv__media_trim(tokens, n, reused);
             reused = window_fit(c, chain, k, r, window);
+            cut |= reused < r;
             if (reused == r && !pkv__media_trim(tokens, n, reused)) break;
         }
+        if (cut && !miss) c->miss_evicted++;
         k = (reused + B - 1) / B;
         prev = k ? chain[k - 1] : PKV_NONE; /* (a block: the front never passes the last) */
         front = window_front(reused, window, B);
