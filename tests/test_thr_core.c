@@ -31,7 +31,7 @@ typedef struct {
     uint32_t iters;
     long errors;
     long enospc;
-    long ok_iters, match_hits, moved, front_hits;
+    long ok_iters, match_hits, moved, front_hits, window_matches;
     char first_error[200];
 } targ;
 
@@ -165,9 +165,16 @@ static void *worker(void *p) {
                 TFAIL(a, "thread %d: what a dropped front left reads wrong", a->tid);
             pkv_seq m2 = 0;
             TCALL(a, pkv_seq_create(c, NULL, 0, &m2));
-            uint32_t again = 0;
-            int rc = pkv_seq_match_prefix(c, m2, toks, in.n_tokens, &again);
-            if (rc == PKV_OK && again && tu_cmp_pattern(c, m2, 0, again, tag) != 0) rc = PKV_ECORRUPT;
+            uint32_t again = 0, from = 0;
+            /* half the time under a window (tombstones the others' evictions leave passed): what
+               it attached, from its front, reads s's K/V */
+            const uint32_t window = tu_rng_chance(&r, 0.5) ? 1 + tu_rng_below(&r, in.n_tokens + 1) : 0;
+            int rc = window ? pkv_seq_match_prefix_window(c, m2, toks, in.n_tokens, window, &again)
+                            : pkv_seq_match_prefix(c, m2, toks, in.n_tokens, &again);
+            pkv_seq_info i2;
+            if (rc == PKV_OK && window && (rc = pkv_seq_get_info(c, m2, &i2)) == PKV_OK) from = i2.n_dropped;
+            if (rc == PKV_OK && again > from && tu_cmp_pattern(c, m2, from, again - from, tag) != 0) rc = PKV_ECORRUPT;
+            a->window_matches += window && rc == PKV_OK && from > 0;
             if (pkv_seq_release(c, m2) && rc == PKV_OK) rc = PKV_EINVAL;
             if (rc == PKV_ENOSPC) a->enospc++;
             else if (rc) TFAIL(a, "thread %d: a match over a dropped front: %s", a->tid, pkv_strerror(rc));
@@ -316,7 +323,7 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
         args[t].iters = iters;
         assert_int_equal(pthread_create(&th[t], NULL, worker, &args[t]), 0);
     }
-    long errors = 0, ok = 0, enospc = 0, hits = 0, moved = 0, front_hits = 0;
+    long errors = 0, ok = 0, enospc = 0, hits = 0, moved = 0, front_hits = 0, window_matches = 0;
     for (int t = 0; t < NTHR; t++) {
         assert_int_equal(pthread_join(th[t], NULL), 0);
         if (args[t].errors) print_error("%s\n", args[t].first_error);
@@ -325,6 +332,7 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
         enospc += args[t].enospc;
         hits += args[t].match_hits;
         front_hits += args[t].front_hits;
+        window_matches += args[t].window_matches;
         moved += args[t].moved;
     }
     atomic_store(&ec.stop, 1);
@@ -341,12 +349,12 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
                   (unsigned long long)ec.overflows, ec.n);
     if (prefix) assert_true(ec.events > 0);
     print_message("prefix %s: %d threads x %u iterations: %ld complete, %ld out of blocks, %ld prefix hits (%ld "
-                  "over dropped fronts), %ld blocks compacted\n",
-                  prefix ? "on" : "off", NTHR, iters, ok, enospc, hits, front_hits, moved);
+                  "over dropped fronts, %ld windowed matches with a front), %ld blocks compacted\n",
+                  prefix ? "on" : "off", NTHR, iters, ok, enospc, hits, front_hits, window_matches, moved);
     assert_int_equal(errors, 0);
     if (roomy) assert_true(ok > (long)(NTHR * iters) / 2);
     else assert_true(ok > 0); /* how many hit PKV_ENOSPC depends on the interleaving */
-    if (prefix) assert_true(hits > 0 && front_hits > 0);
+    if (prefix) assert_true(hits > 0 && front_hits > 0 && window_matches > 0);
     if (roomy) assert_true(moved > 0);
     TU_CHECK(c);
     pkv_stats st = tu_stats(c);
