@@ -625,7 +625,7 @@ static void do_match(world *w) {
  * evicted goes, and its parent loses a child. */
 typedef struct {
     int32_t *t;
-    uint32_t nb, flags, evicted;
+    uint32_t nb, flags, evicted, pruned; /* pruned: tombstones that went with the evicted */
     uint8_t free_[NBLK], mov[NBLK], cached[NBLK];
     int par[5 * NBLK], kids[5 * NBLK];
     int *bc;
@@ -664,7 +664,7 @@ static uint32_t cm_move_block(cmodel *m, uint32_t i, int to) {
     }
     if (m->cached[to]) { /* evicted: its parent loses a child, and a tombstone left with none goes */
         m->cached[to] = 0;
-        for (int p = m->par[to]; p >= 0 && --m->kids[p] == 0 && p >= NBLK; p = m->par[p]) {}
+        for (int p = m->par[to]; p >= 0 && --m->kids[p] == 0 && p >= NBLK; p = m->par[p]) m->pruned++;
         m->evicted++;
     }
     m->par[to] = m->par[from], m->kids[to] = m->kids[from];
@@ -739,6 +739,7 @@ static void do_compact(world *w, sh_seq *s) {
     if (n_runs(s->tab + d, s->nb - d) > runs0) fail_at(w, "compact: more runs");
     const pkv_stats st1 = tu_stats(w->c);
     st0.evictions += m.evicted, st0.n_cached -= m.evicted, st0.n_free += m.evicted, st0.n_indexed -= m.evicted;
+    st0.n_tombstones -= m.pruned;
     TU_STATS_EQ(&st0, &st1);
     for (uint32_t l = 0; l < NL && s->len > s->dropped; l++) verify_range(w, s, l, s->dropped, s->len - s->dropped);
     w->n_ok[OP_COMPACT] += moved > 0;
