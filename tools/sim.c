@@ -148,8 +148,8 @@ static void usage(FILE *f) {
             "a failing pkv_cache_check at the end of a policy, gnuplot failure).\n",
             d.wo.n_requests, d.wo.rate, d.step_ms, d.wo.prompt_mean, d.wo.prompt_sigma, d.wo.output_mean,
             d.wo.output_sigma, d.wo.max_len, d.wo.n_sys, d.wo.sys_len, d.wo.sys_frac, d.wo.n_frac, d.wo.n_samples,
-            d.wo.turns, d.wo.turn_gap_s, d.wo.turn_mean, (unsigned long long)d.wo.seed, d.so.model.n_layers, d.so.model.n_kv_heads, d.so.model.n_q_heads,
-            d.so.model.head_dim, pkv_dtype_name(d.so.model.dtype), d.so.block_tokens, d.so.n_blocks,
+            d.wo.turns, d.wo.turn_gap_s, d.wo.turn_mean, (unsigned long long)d.wo.seed, d.so.model.n_layers,
+            d.so.model.n_kv_heads, d.so.model.n_q_heads, d.so.model.head_dim, pkv_dtype_name(d.so.model.dtype), d.so.block_tokens, d.so.n_blocks,
             d.so.step_tokens, d.so.max_seqs, d.so.watermark, d.so.headroom, d.so.n_threads);
 }
 

@@ -1258,14 +1258,7 @@ static void move_block(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t dst) {
     pkv__pool_set_fill(&c->pool, dst, was.n_fill);
     pkv__blk *d = &c->blk[dst];
     d->n_commit = was.n_commit;
-    if (was.flags) {
-        d->flags = was.flags;
-        d->hash = was.hash, d->chash = was.chash, d->ns_lo = was.ns_lo, d->ns_hi = was.ns_hi;
-        d->parent = was.parent, d->hnext = was.hnext, d->child = was.child;
-        d->sib_prev = was.sib_prev, d->sib_next = was.sib_next, d->n_children = was.n_children;
-        d->n_hot = was.n_hot;
-        d->depth = was.depth;
-    }
+    if (was.flags) pkv__index_fields_copy(d, &was);
     s->table[i] = (int32_t)dst;
 }
 

@@ -192,6 +192,15 @@ void pkv__share_carve(pkv_cache *c);
 
 /* ---- prefix.c ---- */
 void pkv__index_reset(pkv_cache *c);
+/* d takes s's place in the index as s's fields say it (flags, identity, links, counts): the
+ * half of a move that pkv__index_repoint leaves to the caller (compaction, a tombstone filled). */
+static inline void pkv__index_fields_copy(pkv__blk *d, const pkv__blk *s) {
+    d->flags = s->flags;
+    d->hash = s->hash, d->chash = s->chash, d->ns_lo = s->ns_lo, d->ns_hi = s->ns_hi;
+    d->parent = s->parent, d->hnext = s->hnext, d->child = s->child;
+    d->sib_prev = s->sib_prev, d->sib_next = s->sib_next;
+    d->n_children = s->n_children, d->n_hot = s->n_hot, d->depth = s->depth;
+}
 /* Whether id names a tombstone slot (pkv__blk.state PKV_BLK_TOMB while in use). */
 static inline bool pkv__is_tomb(const pkv_cache *c, uint32_t id) { return id != PKV_NONE && id >= c->n_blocks; }
 /* Evicts CACHED block b that waits in the inner queue (entries below it in use) by leaving a

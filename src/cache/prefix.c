@@ -181,7 +181,8 @@ void pkv__ref_block(pkv_cache *c, uint32_t b) {
     if (cold) pkv__hot_up(c, k->parent);
 }
 
-void pkv__partial_unlink(pkv_cache *c, uint32_t b) {
+/* pkv__partial_unlink less its prune (pkv__index_evict walks the parent next); the parent. */
+static uint32_t partial_drop(pkv_cache *c, uint32_t b) {
     pkv_assert(c->blk[b].flags & PKV_BLKF_PARTIAL);
     const uint32_t parent = c->blk[b].parent;
     const bool hot = pkv__blk_hot(&c->blk[b]);
@@ -189,8 +190,10 @@ void pkv__partial_unlink(pkv_cache *c, uint32_t b) {
     if (hot) pkv__hot_down(c, parent);
     c->blk[b].flags &= (uint8_t)~PKV_BLKF_PARTIAL;
     c->blk[b].ns_lo = c->blk[b].ns_hi = 0;
-    pkv__tomb_prune(c, parent);
+    return parent;
 }
+
+void pkv__partial_unlink(pkv_cache *c, uint32_t b) { pkv__tomb_prune(c, partial_drop(c, b)); }
 
 /* ---- hash table ---- */
 static uint32_t lookup(const pkv_cache *c, uint64_t h, uint32_t parent, uint64_t ns_lo, uint64_t ns_hi,
@@ -215,6 +218,16 @@ static void bucket_remove(pkv_cache *c, uint32_t b) {
     c->blk[b].hnext = PKV_NONE;
 }
 
+/* Tombstone t (out of the index now) back on the free list. */
+static void tomb_put(pkv_cache *c, uint32_t t) {
+    pkv__blk *k = &c->blk[t];
+    k->state = PKV_BLK_FREE;
+    k->n_children = k->n_hot = 0;
+    k->qnext = c->tomb_free;
+    c->tomb_free = t;
+    c->n_tombs--;
+}
+
 /* Takes index entry b out of the index: REMOVED said, its hash chain, its parent's count and
  * child list; a tombstone (which has no entry below it left) freed. */
 static void unindex(pkv_cache *c, uint32_t b) {
@@ -230,15 +243,8 @@ static void unindex(pkv_cache *c, uint32_t b) {
     if (hot) pkv__hot_down(c, parent);
     k->flags = 0;
     k->ns_lo = k->ns_hi = 0;
-    if (!tomb) {
-        c->n_indexed--;
-        return;
-    }
-    k->state = PKV_BLK_FREE;
-    k->n_children = k->n_hot = 0;
-    k->qnext = c->tomb_free;
-    c->tomb_free = b;
-    c->n_tombs--;
+    if (tomb) tomb_put(c, b);
+    else c->n_indexed--;
 }
 
 /* ---- tombstones ----
@@ -252,9 +258,10 @@ static void unindex(pkv_cache *c, uint32_t b) {
  * parent, counted in its parent's n_hot while an entry below it is in use; in no queue, and
  * never in a table. Events describe the index's entries, so a block that leaves a tombstone
  * says nothing, and REMOVED comes when the tombstone goes (its children's first, as ever; its
- * block field then names the tombstone: n_blocks or more); n_indexed counts blocks only. It lives while an entry is below it (pkv__tomb_prune
- * frees it when its last child goes), until pkv_cache_reset, or until a sequence indexes the
- * same block again (tomb_fill, at commit: the block takes its place and its subtree). A plain
+ * block field then names the tombstone: n_blocks or more); n_indexed counts blocks only. It
+ * lives while an entry is below it (pkv__tomb_prune frees it when its last child goes), until
+ * pkv_cache_reset, or until a sequence indexes the same block again (tomb_fill, at commit: the
+ * block takes its place and its subtree). A plain
  * match (pkv_seq_match_prefix) stops at one, as at an evicted block. With every tombstone in use
  * (tomb_cap: 4 x n_blocks) eviction takes the subtree out as before. */
 void pkv__cache_test_tombs(pkv_cache *c, uint32_t n) {
@@ -306,16 +313,9 @@ static void tomb_fill(pkv_cache *c, uint32_t t, uint32_t b) {
     } else if (!was_hot) {
         pkv__hot_up(c, parent);
     }
-    k->flags = PKV_BLKF_INDEXED;
-    k->hash = x->hash, k->chash = x->chash, k->ns_lo = x->ns_lo, k->ns_hi = x->ns_hi;
-    k->parent = x->parent, k->hnext = x->hnext, k->child = x->child;
-    k->sib_prev = x->sib_prev, k->sib_next = x->sib_next;
-    k->n_children = x->n_children, k->n_hot = x->n_hot, k->depth = x->depth;
+    pkv__index_fields_copy(k, x); /* (flags: INDEXED) */
     pkv__index_repoint(c, t, b);
-    x->state = PKV_BLK_FREE;
-    x->qnext = c->tomb_free;
-    c->tomb_free = t;
-    c->n_tombs--;
+    tomb_put(c, t);
     c->n_indexed++;
 }
 
@@ -344,14 +344,8 @@ void pkv__index_evict(pkv_cache *c, uint32_t b) {
         while (c->blk[x].child != PKV_NONE) x = c->blk[x].child;
         const uint32_t up = c->blk[x].parent;
         const bool tomb = c->blk[x].state == PKV_BLK_TOMB; /* (unindex frees it) */
-        if (c->blk[x].flags & PKV_BLKF_PARTIAL) {
-            pkv__tree_unlink(c, x); /* pkv__partial_unlink, less its prune: up is walked next */
-            if (pkv__blk_hot(&c->blk[x])) pkv__hot_down(c, up);
-            c->blk[x].flags &= (uint8_t)~PKV_BLKF_PARTIAL;
-            c->blk[x].ns_lo = c->blk[x].ns_hi = 0;
-        } else {
-            unindex(c, x);
-        }
+        if (c->blk[x].flags & PKV_BLKF_PARTIAL) partial_drop(c, x); /* (up is walked next) */
+        else unindex(c, x);
         if (x == b) break;
         if (!tomb && c->blk[x].state == PKV_BLK_CACHED) { /* of no use without b: free */
             pkv__pool_lru_remove(&c->pool, x);
