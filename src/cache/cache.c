@@ -494,7 +494,9 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
        it holds about window / B blocks; 4 a block, ids below PKV_NONE */
     c->tomb_cap = c->tomb_lim =
         cfg.enable_prefix_cache ? (uint32_t)PKV_MIN(4ull * cfg.n_blocks, UINT32_MAX - 1ull - cfg.n_blocks) : 0;
-    c->bucket_mask = pow2_at_least(cfg.n_blocks) - 1;
+    /* hash buckets (and root lists): one a block, two where tombstones may join the chains, so
+       that with all 4 x n_blocks in use a chain holds 2.5 entries on average, not 5 */
+    c->bucket_mask = pow2_at_least(c->tomb_cap ? 2ull * cfg.n_blocks : cfg.n_blocks) - 1;
     c->fp_mask = pow2_at_least(PKV_MIN((uint64_t)cfg.n_blocks * 2, 1u << 22)) - 1;
 
     uint64_t meta = sizeof *c;
