@@ -27,6 +27,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         fprintf(stderr, "fuzz_api: %s\n", w->err);
         abort();
     }
+    w->trace = getenv("PM_TRACE") && atoi(getenv("PM_TRACE")); /* each step said, to follow a crash */
     int bad = 0;
     for (int steps = 0; steps < 400 && !src.done; steps++) {
         if (pm_step(w, &src) < 0) {

@@ -471,6 +471,70 @@ static void test_prefix_evict_tombstone_pruned(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* A registered partial that filled up beside its indexed twin stays a partial (its commit stops
+ * at the twin), found only by a match's token-granular scan. When the twin, waiting in the inner
+ * queue, is evicted, the partial takes its place: no tombstone, the identity stays indexed with
+ * its K/V and subtree, and a plain match goes on through it. Before (the fuzz case of stop 92), a
+ * tombstone stood beside the full copy: a plain match stopped there and copied the block, whose
+ * commit filled the tombstone, so the same match again found 3 blocks more. The tomb_scene
+ * (s: f, a, g, h; a fork F keeps a; f waits above a, g above h), with such a partial of f. */
+static void test_prefix_evict_hand_over(void **state) {
+    (void)state;
+    int32_t p[17], ts[4], tq[1], tw[4], tm[4], more[16];
+    tp_tokens(p, 17, 51);
+    tp_tokens(more, 16, 53);
+    pkv_cache *c = tp_cache(4, 8, 1, PKV_DTYPE_F16, 1);
+    pkv_seq s = tp_prompt(c, 0, p, 16);
+    assert_int_equal(table(c, s, ts), 4); /* f, a, g, h */
+    pkv_seq f2;
+    assert_int_equal(pkv_seq_fork(c, s, &f2), 0);
+    assert_int_equal(pkv_seq_truncate(c, f2, 8), 0);
+    assert_int_equal(pkv_seq_drop_front(c, f2, 4), 0);
+    assert_int_equal(pkv_seq_drop_front(c, s, 4), 0);
+    assert_int_equal(pkv_seq_drop_front(c, s, 12), 0);
+    pkv_seq q = tp_seq(c, 0); /* f's tokens computed again, one position first: a registered partial */
+    tp_compute(c, q, 0, p, 0, 1);
+    tp_commit(c, q, 1);
+    tp_compute(c, q, 0, p, 1, 3);
+    tp_commit(c, q, 4); /* full, but f is indexed: it stays a partial */
+    assert_int_equal(table(c, q, tq), 1);
+    pkv_stats st = stats(c);
+    assert_int_equal(st.n_indexed, 4);
+    assert_int_equal(st.n_cached, 2); /* f and g */
+    assert_int_equal(st.n_free, 3);
+    tp_check(c);
+    pkv_seq w = tp_seq(c, 0);
+    tp_compute(c, w, 0, more, 0, 12); /* the 3 FREE blocks */
+    assert_int_equal(stats(c).evictions, 0);
+    tp_compute(c, w, 0, more, 12, 4); /* f, the inner queue's head: q's block takes its place */
+    assert_int_equal(table(c, w, tw), 4);
+    assert_int_equal(tw[3], ts[0]);
+    st = stats(c);
+    assert_int_equal(st.evictions, 1);
+    assert_int_equal(st.n_tombstones, 0);
+    assert_int_equal(st.n_indexed, 4); /* q's block, a, g, h */
+    assert_int_equal(st.n_cached, 1);  /* g */
+    tp_check(c);
+    /* the whole prompt matches plainly, through q's block, and the same again */
+    for (int i = 0; i < 2; i++) {
+        pkv_seq m = tp_match(c, 0, p, 17, 16);
+        assert_int_equal(table(c, m, tm), 4);
+        assert_true(tm[0] == tq[0] && tm[1] == ts[1] && tm[2] == ts[2] && tm[3] == ts[3]);
+        tp_check(c);
+        assert_int_equal(pkv_seq_release(c, m), 0);
+    }
+    /* q goes on over its chain, now the index's: its second block's twin is a (indexed: the
+       commit stops there); the block it takes is g's (a tombstone stays: h is below it) */
+    tp_compute(c, q, 0, p, 4, 4);
+    tp_commit(c, q, 8);
+    tp_check(c);
+    st = stats(c);
+    assert_int_equal(st.n_indexed, 3); /* q's first block, a, h */
+    assert_int_equal(st.n_tombstones, 1);
+    assert_int_equal(st.evictions, 2);
+    pkv_cache_destroy(c);
+}
+
 /* A pinned prefix survives any pressure, counts as ACTIVE, is reusable; unpinned, it is
  * CACHED and evictable. */
 static void test_prefix_pin_survives_pressure(void **state) {
@@ -600,6 +664,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_evict_inner_subtree),
         cmocka_unit_test(test_prefix_evict_tombstone),
         cmocka_unit_test(test_prefix_evict_tombstone_pruned),
+        cmocka_unit_test(test_prefix_evict_hand_over),
         cmocka_unit_test(test_prefix_pin_survives_pressure),
         cmocka_unit_test(test_prefix_pin_rules),
     };

@@ -143,9 +143,11 @@ void pkv__seq_free(pkv_cache *c, pkv__seq *s) {
 /* Takes a CACHED block out of the index (with its subtree: pkv__index_evict) and out of its
  * queue, counted: FREE, in no queue. */
 static void evict(pkv_cache *c, uint32_t b) {
-    /* a block in the inner queue leaves a tombstone in its place where one is free; else its
-       subtree goes too (an inner block goes to the LRU queue once its subtree is gone) */
-    if (!c->blk[b].inner || !pkv__tomb_make(c, b)) pkv__index_evict(c, b);
+    /* a block in the inner queue hands its place over to a full registered partial of the same
+       content where there is one, else leaves a tombstone in its place where one is free; else
+       its subtree goes too (an inner block goes to the LRU queue once its subtree is gone) */
+    const bool inner = c->blk[b].inner;
+    if (!inner || (!pkv__index_hand_over(c, b) && !pkv__tomb_make(c, b))) pkv__index_evict(c, b);
     pkv__pool_lru_remove(&c->pool, b);
     c->evictions++;
     c->blk[b].state = PKV_BLK_FREE;

@@ -208,6 +208,11 @@ static inline bool pkv__is_tomb(const pkv_cache *c, uint32_t id) { return id != 
  * where no tombstone is free (the caller evicts its subtree then, pkv__index_evict). b keeps no
  * index fields; its queue and state are the caller's. */
 bool pkv__tomb_make(pkv_cache *c, uint32_t b);
+/* Where a full registered partial with the same parent and token ids as index entry b (CACHED,
+ * being evicted) is on b's list, it takes b's place in the index, subtree and all (no event):
+ * true, and b keeps no index fields (its queue and state are the caller's). Else false, nothing
+ * changed. */
+bool pkv__index_hand_over(pkv_cache *c, uint32_t b);
 /* Frees the tombstones from p up that have no entry below them left (no indexed or partial
  * child; p: any id or PKV_NONE). */
 void pkv__tomb_prune(pkv_cache *c, uint32_t p);

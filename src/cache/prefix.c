@@ -247,6 +247,9 @@ static void unindex(pkv_cache *c, uint32_t b) {
     else c->n_indexed--;
 }
 
+/* the entries of one list a scan for a registered partial compares (newest first) */
+#define PARTIAL_SCAN 64
+
 /* ---- tombstones ----
  * A dropped front (pkv_seq_drop_front) leaves CACHED blocks above blocks in use. Evicting one
  * used to take its whole subtree out of the index, since identities chain from block 0 (below);
@@ -296,10 +299,13 @@ void pkv__tomb_prune(pkv_cache *c, uint32_t p) {
 }
 
 /* Block b (ACTIVE, full and committed, table[i] of a sequence, maybe a registered partial on the
- * same list) takes the place of tombstone t, its twin (the same parent and token ids): t's
- * children are b's, t is freed. No event: the entry never left the index. */
-static void tomb_fill(pkv_cache *c, uint32_t t, uint32_t b) {
+ * same list) takes the place of index entry t, its twin (the same parent and token ids): a
+ * tombstone (freed) or a CACHED block being evicted (pkv__index_hand_over; the caller frees it).
+ * t's children are b's. No event: the entry never left the index (its block changes, as when
+ * compaction moves one). */
+static void take_place(pkv_cache *c, uint32_t t, uint32_t b) {
     pkv__blk *x = &c->blk[t], *k = &c->blk[b];
+    const bool tomb = x->state == PKV_BLK_TOMB;
     const uint32_t parent = x->parent;
     const bool was_hot = x->n_hot > 0;
     if (k->flags & PKV_BLKF_PARTIAL) {
@@ -315,8 +321,34 @@ static void tomb_fill(pkv_cache *c, uint32_t t, uint32_t b) {
     }
     pkv__index_fields_copy(k, x); /* (flags: INDEXED) */
     pkv__index_repoint(c, t, b);
-    tomb_put(c, t);
-    c->n_indexed++;
+    if (tomb) {
+        tomb_put(c, t);
+        c->n_indexed++;
+    }
+}
+
+/* A registered partial that filled up where its twin was indexed stays a partial (the commit
+ * stops at the twin), found only by a match's token-granular scan. When that twin is evicted, such
+ * a block takes its place, so that the identity stays indexed with K/V and its subtree with it:
+ * else a tombstone (or nothing) would stand in the index beside a full copy, and a plain match
+ * would stop at the tombstone where the scan then copies the block and its commit fills the
+ * tombstone: the same match again would find more. Scans the most recent PARTIAL_SCAN entries of
+ * b's list (as the match's scan does). */
+bool pkv__index_hand_over(pkv_cache *c, uint32_t b) {
+    const pkv__blk *k = &c->blk[b];
+    if (!(k->flags & PKV_BLKF_INDEXED)) return false;
+    const uint32_t B = c->B;
+    const int32_t *toks = c->tokens + (size_t)b * B;
+    uint32_t scanned = 0;
+    for (uint32_t ch = *pkv__tree_head(c, b); ch != PKV_NONE && scanned++ < PARTIAL_SCAN; ch = c->blk[ch].sib_next) {
+        const pkv__blk *x = &c->blk[ch];
+        if (!(x->flags & PKV_BLKF_PARTIAL) || x->n_commit != B || x->ns_lo != k->ns_lo || x->ns_hi != k->ns_hi ||
+            memcmp(c->tokens + (size_t)ch * B, toks, (size_t)B * sizeof(int32_t)))
+            continue;
+        take_place(c, b, ch);
+        return true;
+    }
+    return false;
 }
 
 /* After an eviction un-indexed blocks that sequences hold (each such holder dropped its front
@@ -456,7 +488,7 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
         uint64_t h = pkv__identity_hash(c, parent, s->ns_lo, s->ns_hi, toks);
         const uint32_t twin = lookup(c, h, parent, s->ns_lo, s->ns_hi, toks);
         if (pkv__is_tomb(c, twin)) { /* the block comes back, under its subtree */
-            tomb_fill(c, twin, b);
+            take_place(c, twin, b);
             s->idx_len++;
             continue;
         }
@@ -481,7 +513,6 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
 }
 
 /* children of one block compared for a token-granular hit */
-#define PARTIAL_SCAN 64
 
 static uint32_t common_prefix(const int32_t *a, const int32_t *b, uint32_t n) {
     uint32_t i = 0;
