@@ -1218,6 +1218,28 @@ PKV_NODISCARD PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq s, ui
  * m). */
 PKV_NODISCARD PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq s, const int32_t *tokens, uint32_t n,
                                         uint32_t *n_loaded);
+/* pkv_tier_load for a cache whose layers attend through a sliding window of `window` positions
+ * (chunked local attention: attn_chunk), the tier's side of pkv_seq_match_prefix_window. Into an
+ * empty sequence it loads only the blocks the window of the longest prefix it can restore reads:
+ * the latest end (as pkv_tier_load's: never the last token, a media's last few ids given back)
+ * for which the store has every block from that match's front on (the front as
+ * pkv_seq_match_prefix_window sets it: the block boundary at or before end - window + 1, never
+ * past the last whole block). It asks the store whether it has each block (a get with no buffer,
+ * or staging: pkv_tier_prefetch), from the prompt's last full block down, each at most once,
+ * before it loads any. The sequence comes back with its front dropped there, as after
+ * pkv_seq_drop_front, the positions before it counted in its length and in *n_loaded though no
+ * K/V of theirs was loaded (pkv_seq_get_info's n_dropped: the front; pkv_tier_stats counts the
+ * positions loaded). Its blocks enter the prefix index below the identities of the blocks before
+ * the front, from tokens: the index's own entries where it has them, else tombstones made for
+ * them (PKV_EVENT_STORED said for each, its block n_blocks or more), so pkv_seq_match_prefix_window
+ * and pkv_tier_save go on from it (nothing indexed where no tombstone is free). Where the load
+ * ends early (an entry gone since, refused, no room), so that the window would reach back past
+ * the front, the sequence goes back to empty and *n_loaded is 0. Into a sequence that holds
+ * positions (a windowed match's, pkv_tier_load's) it is pkv_tier_load: the blocks from the one
+ * holding its length on, up to the first the store lacks. window 0 is PKV_EINVAL; otherwise as
+ * pkv_tier_load. */
+PKV_NODISCARD PKV_API int pkv_tier_load_window(pkv_tier *t, pkv_cache *c, pkv_seq s, const int32_t *tokens,
+                                               uint32_t n, uint32_t window, uint32_t *n_loaded);
 
 /* Prefetch (SGLang HiCache's prefetch from storage while a request waits): a thread of the
  * tier's own fetches a prompt's entries from the store into host memory (staging), so that the

@@ -49,20 +49,22 @@ static pkv_seq filled(pkv_cache *c, const char *salt, const int32_t *toks, uint3
     return s;
 }
 
-/* positions [0, n) of a in ca and b in cb: the same stored bytes, every layer */
-static void same_rows(pkv_cache *ca, pkv_seq a, pkv_cache *cb, pkv_seq b, uint32_t n) {
+/* positions [start, start + n) of a in ca and b in cb: the same stored bytes, every layer */
+static void same_rows_at(pkv_cache *ca, pkv_seq a, pkv_cache *cb, pkv_seq b, uint32_t start, uint32_t n) {
     pkv_config cfg;
     TU_OK(pkv_cache_config(ca, &cfg));
     const size_t kb = pkv_dtype_row_bytes(cfg.k_dtype, HD) * KV * n, vb = pkv_dtype_row_bytes(cfg.v_dtype, HD) * KV * n;
     uint8_t *x = malloc(kb + vb + 1), *y = malloc(kb + vb + 1);
     for (uint32_t l = 0; l < cfg.n_layers; l++) {
-        TU_OK(pkv_seq_read_stored(ca, a, l, 0, n, x, x + kb));
-        TU_OK(pkv_seq_read_stored(cb, b, l, 0, n, y, y + kb));
+        TU_OK(pkv_seq_read_stored(ca, a, l, start, n, x, x + kb));
+        TU_OK(pkv_seq_read_stored(cb, b, l, start, n, y, y + kb));
         assert_memory_equal(x, y, kb + vb);
     }
     free(x);
     free(y);
 }
+
+static void same_rows(pkv_cache *ca, pkv_seq a, pkv_cache *cb, pkv_seq b, uint32_t n) { same_rows_at(ca, a, cb, b, 0, n); }
 
 static pkv_tier *host(uint64_t cap) {
     pkv_tier *t = NULL;
@@ -722,6 +724,182 @@ static void test_faults(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* ---- sliding windows: a dropped front saved, and a windowed load of what the window reads ---- */
+enum { WN = 217, WIN = 40 };
+
+/* A fresh sequence of c loaded under the window from t with toks[0, n): the positions it gives
+ * (asserted to be the sequence's length, all committed) and the front (positions). */
+static uint32_t load_window_fresh(pkv_tier *t, pkv_cache *c, const int32_t *toks, uint32_t n, pkv_seq *out,
+                                  uint32_t *front) {
+    pkv_seq s;
+    uint32_t got = 99999;
+    TU_OK(pkv_seq_create(c, "win", 3, &s));
+    TU_OK(pkv_tier_load_window(t, c, s, toks, n, WIN, &got));
+    const pkv_seq_info info = tu_info(c, s);
+    assert_int_equal(info.n_tokens, got);
+    assert_int_equal(info.n_committed, got);
+    *front = info.n_dropped;
+    TU_CHECK(c);
+    *out = s;
+    return got;
+}
+
+/* A conversation of 200 positions in cache a drops what a window of 40 no longer reads (blocks
+ * 0-19): its save stores blocks 20-24 only, keyed through the ids the index keeps of the front.
+ * An empty cache b restores it with pkv_tier_load_window: the front skipped (200 positions, 5
+ * blocks loaded, K/V byte for byte a's), the front's identities tombstones in b's index (20,
+ * STORED said parents first), so a windowed match in b takes the loaded blocks and a plain one
+ * stops at once. The conversation goes on in b (2 blocks more) and is saved from b: only the new
+ * blocks are stored, under the keys a would have made, as a third cache's windowed load of the
+ * longer prompt shows (front 176), and a plain pkv_tier_load continues a windowed sequence. */
+static void test_window(void **state) {
+    (void)state;
+    int32_t toks[WN];
+    prompt(toks, WN, 3000);
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
+    pkv_tier *t = host(1u << 24);
+    pkv_seq sa;
+    TU_OK(pkv_seq_create(a, "win", 3, &sa));
+    TU_OK(pkv_seq_append(a, sa, toks, 200, NULL));
+    TU_WRITE_PAT(a, sa, 0, 200, TAG);
+    TU_OK(pkv_seq_commit(a, sa, 200));
+    TU_OK(pkv_seq_drop_front(a, sa, 200 - WIN + 1)); /* the next query (200) sees 161 .. 200 */
+    assert_int_equal(tu_info(a, sa).n_dropped, 160);
+    uint32_t saved = 99;
+    TU_OK(pkv_tier_save(t, a, sa, &saved));
+    assert_int_equal(saved, 5);
+    assert_int_equal(tstats(t).entries, 5);
+    TU_CHECK(a);
+    /* b restores the window: blocks 20-24 */
+    pkv_config cfg = tu_config(40, B, LAYERS, KV, HD, PKV_DTYPE_F16);
+    cfg.enable_prefix_cache = 1;
+    cfg.event_capacity = 256;
+    pkv_cache *b = tu_create(&cfg);
+    pkv_seq sb;
+    uint32_t front = 0;
+    assert_int_equal(load_window_fresh(t, b, toks, 201, &sb, &front), 200);
+    assert_int_equal(front, 160);
+    same_rows_at(a, sa, b, sb, 160, 40);
+    pkv_tier_stats ts = tstats(t);
+    assert_int_equal(ts.loaded_blocks, 5);
+    assert_int_equal(ts.loaded_tokens, 40);
+    assert_int_equal(ts.load_misses, 0);
+    pkv_stats st;
+    TU_OK(pkv_cache_get_stats(b, &st));
+    assert_int_equal(st.n_tombstones, 20);
+    assert_int_equal(st.n_indexed, 5);
+    assert_int_equal(st.n_active, 5);
+    pkv_event ev[64];
+    size_t n_ev = 0;
+    TU_OK(pkv_cache_take_events(b, ev, 64, NULL, &n_ev));
+    assert_int_equal(n_ev, 25);
+    for (uint32_t i = 0; i < 25; i++) {
+        assert_int_equal(ev[i].kind, PKV_EVENT_STORED);
+        assert_int_equal(ev[i].depth, i);
+        assert_true((ev[i].block >= 40) == (i < 20)); /* a tombstone's block: n_blocks or more */
+        if (i) assert_true(ev[i].parent_hash == ev[i - 1].hash);
+    }
+    /* b's pool now answers a windowed match; a plain one stops at the first tombstone */
+    pkv_seq m;
+    uint32_t r = 99;
+    TU_OK(pkv_seq_create(b, "win", 3, &m));
+    TU_OK(pkv_seq_match_prefix_window(b, m, toks, 201, WIN, &r));
+    assert_int_equal(r, 200);
+    assert_int_equal(tu_info(b, m).n_dropped, 160);
+    TU_OK(pkv_seq_release(b, m));
+    TU_OK(pkv_seq_create(b, "win", 3, &m));
+    TU_OK(pkv_seq_match_prefix(b, m, toks, 201, &r));
+    assert_int_equal(r, 0);
+    TU_OK(pkv_seq_release(b, m));
+    TU_CHECK(b);
+    /* the conversation goes on in b: 16 positions, 2 full blocks more; b's save stores those */
+    TU_OK(pkv_seq_append(b, sb, toks + 200, 16, NULL));
+    TU_WRITE_PAT(b, sb, 200, 16, TAG);
+    TU_OK(pkv_seq_commit(b, sb, 216));
+    TU_OK(pkv_tier_save(t, b, sb, &saved));
+    assert_int_equal(saved, 2);
+    assert_int_equal(tstats(t).save_present, 5);
+    /* a third cache: the longer prompt's window (from 177 on: blocks 22-26), and a plain load
+       that goes on past a windowed one */
+    pkv_cache *c = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
+    pkv_seq sc;
+    assert_int_equal(load_window_fresh(t, c, toks, WN, &sc, &front), 216);
+    assert_int_equal(front, 176);
+    same_rows_at(b, sb, c, sc, 176, 40);
+    TU_OK(pkv_seq_release(c, sc));
+    assert_int_equal(load_window_fresh(t, c, toks, 201, &sc, &front), 200); /* (from c's pool: none yet) */
+    uint32_t got = 0;
+    TU_OK(pkv_tier_load(t, c, sc, toks, WN, &got));
+    assert_int_equal(got, 16);
+    assert_int_equal(tu_info(c, sc).n_dropped, 160);
+    same_rows_at(b, sb, c, sc, 160, 56);
+    TU_CHECK(c);
+    /* window 0 is pkv_tier_load's: refused, nothing changed */
+    pkv_seq z;
+    TU_OK(pkv_seq_create(c, "win", 3, &z));
+    got = 7;
+    TU_RC(pkv_tier_load_window(t, c, z, toks, WN, 0, &got), PKV_EINVAL);
+    assert_int_equal(tu_info(c, z).n_tokens, 0);
+    pkv_tier_destroy(t);
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+    pkv_cache_destroy(c);
+}
+
+/* The windowed load against a store of the test's: a block missing inside the window rules out
+ * every end past it, each block asked about once (25 probes for a prompt of 25 blocks, none
+ * loadable: blocks 0-19 were never saved); a store that fails the third get of a load that
+ * skipped its front leaves the sequence empty (a window that would reach past the front). */
+static void test_window_faults(void **state) {
+    (void)state;
+    int32_t toks[WN];
+    prompt(toks, WN, 3000);
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
+    pkv_seq sa;
+    TU_OK(pkv_seq_create(a, "win", 3, &sa));
+    TU_OK(pkv_seq_append(a, sa, toks, 200, NULL));
+    TU_WRITE_PAT(a, sa, 0, 200, TAG);
+    TU_OK(pkv_seq_commit(a, sa, 200));
+    TU_OK(pkv_seq_drop_front(a, sa, 161));
+    fake f;
+    fake_init(&f);
+    pkv_tier *t = NULL;
+    TU_OK(pkv_tier_create(&fake_ops, &f, NULL, &t));
+    uint32_t saved = 0, front = 9;
+    TU_OK(pkv_tier_save(t, a, sa, &saved));
+    assert_int_equal(saved, 5);
+    pkv_cache *b = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
+    pkv_seq s;
+    /* the third get fails: 2 blocks loaded, then the window (from 137) would need block 17 */
+    f.fail_get_at = 2, f.n_get = 0;
+    assert_int_equal(load_window_fresh(t, b, toks, 201, &s, &front), 0);
+    assert_int_equal(front, 0);
+    pkv_tier_stats ts = tstats(t);
+    assert_int_equal(ts.errors, 1);
+    assert_int_equal(ts.loaded_blocks, 0);
+    pkv_stats st;
+    TU_OK(pkv_cache_get_stats(b, &st));
+    assert_int_equal(st.n_active, 0);
+    assert_int_equal(st.n_tombstones, 0);
+    TU_OK(pkv_seq_release(b, s));
+    f.fail_get_at = -1;
+    /* block 22 gone from the store: no end has its window's blocks all there */
+    for (int i = 0; i < 32; i++)
+        if (f.data[i] && first_tok(f.data[i]) == toks[22 * B]) free(f.data[i]), f.data[i] = NULL;
+    assert_int_equal(fake_count(&f), 4);
+    f.n_calls = 0;
+    assert_int_equal(load_window_fresh(t, b, toks, 201, &s, &front), 0);
+    assert_int_equal(f.n_calls, 25);
+    assert_int_equal(tstats(t).load_misses, 1);
+    TU_OK(pkv_cache_get_stats(b, &st));
+    assert_int_equal(st.n_active, 0);
+    TU_CHECK(b);
+    pkv_tier_destroy(t);
+    clear_fake(&f);
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+}
+
 /* ---- prefetch: a prompt's entries staged by the tier's thread, then loaded from memory ---- */
 static void test_prefetch(void **state) {
     (void)state;
@@ -1238,7 +1416,8 @@ int main(void) {
         cmocka_unit_test(test_mismatch),
         cmocka_unit_test(test_lru),       cmocka_unit_test(test_file),        cmocka_unit_test(test_faults),
         cmocka_unit_test(test_alloc_faults), cmocka_unit_test(test_random), cmocka_unit_test(test_use_order),
-        cmocka_unit_test(test_prefetch),  cmocka_unit_test(test_write_back),
+        cmocka_unit_test(test_prefetch),  cmocka_unit_test(test_write_back),  cmocka_unit_test(test_window),
+        cmocka_unit_test(test_window_faults),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

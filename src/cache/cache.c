@@ -1114,6 +1114,26 @@ PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq id, uint32_t pos) {
     return rc;
 }
 
+int pkv__seq_skip(pkv_cache *c, pkv_seq id, uint32_t pos, const char *api) {
+    LOCK(c);
+    pkv__seq *s;
+    int rc = pkv__get_seq(c, id, &s, api);
+    if (!rc && (s->n_blocks != s->n_dropped || s->n_tokens != pkv__seq_front(c, s)))
+        rc = pkv__say(c, PKV_EINVAL, api, "the sequence changed during the call");
+    if (!rc && (pos % c->B || pos / c->B > c->max_bps))
+        rc = pkv__say(c, PKV_EINVAL, api, "position %u is no block boundary within the table", pos);
+    if (!rc) {
+        const uint32_t nb = pos / c->B;
+        for (uint32_t i = 0; i < nb; i++) s->table[i] = -1;
+        c->n_tokens_total = c->n_tokens_total - s->n_tokens + pos;
+        s->n_blocks = s->n_dropped = s->idx_len = nb;
+        s->n_tokens = s->n_committed = pos;
+        s->n_reused = 0;
+    }
+    UNLOCK(c);
+    return rc;
+}
+
 /* Moves position from of table to position to: its token id and every layer's K and V rows. */
 static void move_position(pkv_cache *c, const int32_t *table, uint32_t from, uint32_t to) {
     const uint32_t B = c->B;

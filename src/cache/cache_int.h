@@ -208,6 +208,26 @@ static inline bool pkv__is_tomb(const pkv_cache *c, uint32_t id) { return id != 
  * where no tombstone is free (the caller evicts its subtree then, pkv__index_evict). b keeps no
  * index fields; its queue and state are the caller's. */
 bool pkv__tomb_make(pkv_cache *c, uint32_t b);
+/* The front of a match of r positions under window (prefix.c): the blocks wholly before the
+ * first key a query at r sees (r - window + 1), never the last full block of the match. */
+uint32_t pkv__window_front(uint32_t r, uint32_t window, uint32_t B);
+/* The token ids of s's dropped blocks [0, n_dropped) into toks (B a block), from the index: the
+ * chain above the first block s holds (blocks and tombstones). False where the index no longer
+ * names them (prefix caching off, a chain cut by an eviction that took a subtree, or a front a
+ * tier load skipped that pkv__seq_link_front did not link). Under the lock. */
+bool pkv__seq_front_ids(const pkv_cache *c, const pkv__seq *s, int32_t *toks);
+/* For a windowed tier load that started an empty sequence past its front (pkv__seq_skip): links
+ * its chain into the index, as a windowed match would have found it. The dropped blocks'
+ * identities, from tokens[0, n_dropped x B), are found in the index or made tombstones (STORED
+ * said for each: a new entry, with no K/V), and s's full committed blocks from the front on are
+ * indexed below them as a commit indexes them. Nothing where prefix caching is off, where s's
+ * block at the front is not full and committed or is indexed already, where its twin is indexed,
+ * or where no tombstone is free (those made go again: REMOVED). Takes the lock. */
+void pkv__seq_link_front(pkv_cache *c, pkv_seq id, const int32_t *tokens);
+/* Sequence id, holding no block (empty, or every block dropped, as only this leaves it), gets
+ * length pos (a multiple of B; 0: empty again) with every block dropped, committed. PKV_EINVAL
+ * (said as api's) where it holds a block, or for pos. Takes the lock. */
+int pkv__seq_skip(pkv_cache *c, pkv_seq id, uint32_t pos, const char *api);
 /* Where a full registered partial with the same parent and token ids as index entry b (CACHED,
  * being evicted) is on b's list, it takes b's place in the index, subtree and all (no event):
  * true, and b keeps no index fields (its queue and state are the caller's). Else false, nothing

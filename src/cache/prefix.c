@@ -544,7 +544,7 @@ uint32_t pkv__media_trim(const int32_t *tokens, uint32_t n, uint32_t r) {
 /* The front of a match of r positions under window: the blocks wholly before the first key a
  * query at r sees (r - window + 1), but never the last full block of the match, so that the
  * sequence's indexed chain goes on from one it holds. */
-static uint32_t window_front(uint32_t r, uint32_t window, uint32_t B) {
+uint32_t pkv__window_front(uint32_t r, uint32_t window, uint32_t B) {
     const uint32_t last_full = r / B ? r / B - 1 : 0;
     return PKV_MIN((r - PKV_MIN(r, window - 1)) / B, last_full);
 }
@@ -555,7 +555,7 @@ static uint32_t window_fit(const pkv_cache *c, const uint32_t *chain, uint32_t k
     const uint32_t B = c->B;
     for (;;) {
         if (!r) return 0;
-        const uint32_t lo = window_front(r, window, B);
+        const uint32_t lo = pkv__window_front(r, window, B);
         uint32_t j = PKV_MIN(k, (r + B - 1) / B);
         while (j > lo && !pkv__is_tomb(c, chain[j - 1])) j--;
         if (j == lo) return r;
@@ -648,7 +648,7 @@ static int match(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, ui
         if (cut && !miss) c->miss_evicted++;
         k = (reused + B - 1) / B;
         prev = k ? chain[k - 1] : PKV_NONE; /* (a block: the front never passes the last) */
-        front = window_front(reused, window, B);
+        front = pkv__window_front(reused, window, B);
         for (uint32_t i = 0; i < front; i++)
             if (pkv__is_tomb(c, chain[i])) {
                 c->pfx_tomb_hits++;
@@ -719,7 +719,7 @@ static int match(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, ui
     }
     if (window) { /* the copy's positions may move the front on by a block: what the window
                      passed goes, deepest first (as pkv_seq_drop_front lets go) */
-        const uint32_t to = window_front(reused, window, B);
+        const uint32_t to = pkv__window_front(reused, window, B);
         for (uint32_t i = to; i-- > front;) {
             pkv__drop_block(c, (uint32_t)s->table[i]);
             s->table[i] = -1;
@@ -744,6 +744,89 @@ PKV_API int pkv_seq_match_prefix_window(pkv_cache *c, pkv_seq id, const int32_t 
                                         uint32_t *n_reused) {
     if (c && !window) return PKV__SAY(c, PKV_EINVAL, "window is 0: pkv_seq_match_prefix needs none");
     return match(c, id, tokens, n, window, n_reused, __func__);
+}
+
+/* ---- a front the index is told of (tier.c's windowed load) ---- */
+bool pkv__seq_front_ids(const pkv_cache *c, const pkv__seq *s, int32_t *toks) {
+    const uint32_t nd = s->n_dropped, B = c->B;
+    if (!nd) return true;
+    if (nd >= s->n_blocks) return false;
+    const pkv__blk *k = &c->blk[s->table[nd]];
+    if (!(k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL))) return false;
+    uint32_t p = k->parent;
+    for (uint32_t i = nd; i-- > 0;) { /* (the checker's rules: depth i below the front) */
+        if (p == PKV_NONE || !(c->blk[p].flags & PKV_BLKF_INDEXED) || c->blk[p].depth != i) return false;
+        memcpy(toks + (size_t)i * B, c->tokens + (size_t)p * B, (size_t)B * sizeof(int32_t));
+        p = c->blk[p].parent;
+    }
+    return p == PKV_NONE;
+}
+
+/* A new tombstone: the identity h of block depth of s's chain (token ids toks) under parent, no
+ * block and, until the caller links one, no child; STORED said. PKV_NONE where none is free. */
+static uint32_t tomb_new(pkv_cache *c, const pkv__seq *s, uint32_t parent, uint64_t h, uint32_t depth,
+                         const int32_t *toks) {
+    if (c->tomb_free == PKV_NONE || c->n_tombs >= c->tomb_lim) return PKV_NONE;
+    const uint32_t t = c->tomb_free;
+    pkv__blk *k = &c->blk[t];
+    c->tomb_free = k->qnext;
+    memset(k, 0, sizeof *k);
+    k->state = PKV_BLK_TOMB;
+    k->flags = PKV_BLKF_INDEXED;
+    k->n_fill = k->n_commit = (uint16_t)c->B;
+    k->qprev = k->qnext = k->hnext = k->child = PKV_NONE;
+    k->hash = h;
+    k->depth = depth;
+    k->chash = pkv__content_hash(c, parent, toks);
+    k->ns_lo = parent == PKV_NONE ? s->ns_lo : 0;
+    k->ns_hi = parent == PKV_NONE ? s->ns_hi : 0;
+    memcpy(c->tokens + (size_t)t * c->B, toks, (size_t)c->B * sizeof(int32_t));
+    pkv__tree_link(c, parent, t);
+    if (parent != PKV_NONE) c->blk[parent].n_children++;
+    uint32_t *bucket = &c->buckets[h & c->bucket_mask];
+    k->hnext = *bucket;
+    *bucket = t;
+    fp_put(c->fp_seen, c->fp_mask, h);
+    fp_put(c->fp_content, c->fp_mask, k->chash);
+    c->n_tombs++;
+    pkv__event_block(c, PKV_EVENT_STORED, t);
+    return t;
+}
+
+void pkv__seq_link_front(pkv_cache *c, pkv_seq id, const int32_t *tokens) {
+    pthread_mutex_lock(&c->mu);
+    pkv__seq *s;
+    if (pkv__get_seq(c, id, &s, __func__) || !c->cfg.enable_prefix_cache) goto out;
+    const uint32_t nd = s->n_dropped, B = c->B;
+    if (!nd || s->idx_len != nd || nd >= s->n_blocks || s->n_committed < (nd + 1) * B) goto out;
+    const uint32_t b = (uint32_t)s->table[nd];
+    if (c->blk[b].flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) goto out;
+    uint32_t parent = PKV_NONE;
+    for (uint32_t i = 0; i < nd; i++) { /* the front's identities: found, or made tombstones */
+        const int32_t *t = tokens + (size_t)i * B;
+        const uint64_t h = pkv__identity_hash(c, parent, s->ns_lo, s->ns_hi, t);
+        uint32_t x = lookup(c, h, parent, s->ns_lo, s->ns_hi, t);
+        if (x == PKV_NONE && (x = tomb_new(c, s, parent, h, i, t)) == PKV_NONE) {
+            pkv__tomb_prune(c, parent); /* those made, childless */
+            goto out;
+        }
+        parent = x;
+    }
+    const int32_t *t = c->tokens + (size_t)b * B;
+    const uint64_t h = pkv__identity_hash(c, parent, s->ns_lo, s->ns_hi, t);
+    const uint32_t twin = lookup(c, h, parent, s->ns_lo, s->ns_hi, t);
+    if (pkv__is_tomb(c, twin)) {
+        take_place(c, twin, b);
+    } else if (twin != PKV_NONE) { /* (its parent was indexed before: nothing was made) */
+        pkv__tomb_prune(c, parent);
+        goto out;
+    } else {
+        index_insert(c, s, b, parent, h, nd);
+    }
+    s->idx_len = nd + 1;
+    pkv__index_after_commit(c, s); /* the rest of its full committed blocks */
+out:
+    pthread_mutex_unlock(&c->mu);
 }
 
 /* ---- pins ----------------------------------------------------------------------------------- */

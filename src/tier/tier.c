@@ -311,22 +311,28 @@ static bool entry_ok(const shape *sh, const uint8_t *buf, size_t len, const tkey
            XXH3_64bits(buf + sizeof h, len - sizeof h) == h.checksum;
 }
 
-/* Under the cache's lock: s (live, not a pin), and its length, committed length and namespace.
- * With toks: the token ids of its first nb blocks into toks, once its length and committed
- * length are checked to be *n_tokens and *n_committed still (a call that changed s meanwhile
- * broke pkv.h's rule; refused rather than read past the buffers sized for them). */
+/* Under the cache's lock: s (live, not a pin), and its length, committed length, namespace and
+ * front (blocks dropped: pkv_seq_drop_front). With toks: the token ids of its first nb blocks
+ * into toks (a dropped block's from the index: pkv__seq_front_ids; *known false, and toks
+ * unset, where the index no longer names them), once its length, committed length and front are
+ * checked to be as the call before said (a call that changed s meanwhile broke pkv.h's rule;
+ * refused rather than read past the buffers sized for them). */
 static int seq_peek(pkv_cache *c, pkv_seq id, const char *api, uint32_t *n_tokens, uint32_t *n_committed,
-                    uint64_t *ns_lo, uint64_t *ns_hi, int32_t *toks, uint32_t nb) {
+                    uint64_t *ns_lo, uint64_t *ns_hi, uint32_t *front, int32_t *toks, uint32_t nb, bool *known) {
     pthread_mutex_lock(&c->mu);
     pkv__seq *s;
     int rc = pkv__get_seq(c, id, &s, api);
-    if (!rc) rc = pkv__seq_whole(c, s, api); /* an entry is keyed by every token before it */
-    if (!rc && toks && (s->n_tokens != *n_tokens || s->n_committed != *n_committed || nb > s->n_blocks))
+    if (!rc && toks &&
+        (s->n_tokens != *n_tokens || s->n_committed != *n_committed || s->n_dropped != *front || nb > s->n_blocks))
         rc = pkv__say(c, PKV_EINVAL, api, "the sequence changed during the call");
     if (!rc) {
         *n_tokens = s->n_tokens, *n_committed = s->n_committed;
         *ns_lo = s->ns_lo, *ns_hi = s->ns_hi;
-        for (uint32_t i = 0; toks && i < nb; i++)
+        *front = s->n_dropped;
+    }
+    if (!rc && toks) {
+        *known = pkv__seq_front_ids(c, s, toks); /* an entry is keyed by every token before it */
+        for (uint32_t i = s->n_dropped; *known && i < nb; i++)
             memcpy(toks + (size_t)i * c->B, c->tokens + (size_t)s->table[i] * c->B, (size_t)c->B * sizeof(int32_t));
     }
     pthread_mutex_unlock(&c->mu);
@@ -357,6 +363,7 @@ static int fill_entry(pkv_cache *c, pkv_seq id, const shape *sh, const tkey *key
 typedef struct save_prep {
     uint32_t nb; /* full committed blocks, up to one whose key needs ids s lacks (key_next); 0:
                     nothing to save (and nothing allocated) */
+    uint32_t first; /* the first of them saved: s's front (the blocks before it are not s's) */
     shape sh;
     tkey seed;
     int32_t *toks; /* the ids of s's committed positions, by whole blocks */
@@ -372,12 +379,12 @@ static void save_done(pkv_cache *c, save_prep *p) {
 /* p := what saving s takes (api names the refusal); on failure nothing is left allocated. */
 static int save_prepare(pkv_cache *c, pkv_seq id, const char *api, save_prep *p) {
     memset(p, 0, sizeof *p);
-    uint32_t n_tok, n_com;
+    uint32_t n_tok, n_com, front;
     uint64_t ns_lo, ns_hi;
-    int rc = seq_peek(c, id, api, &n_tok, &n_com, &ns_lo, &ns_hi, NULL, 0);
+    int rc = seq_peek(c, id, api, &n_tok, &n_com, &ns_lo, &ns_hi, &front, NULL, 0, NULL);
     if (rc) return rc;
     const uint32_t B = c->B, nb = n_com / B;
-    if (!nb) return PKV_OK;
+    if (nb <= front) return PKV_OK;
     if (!shape_of(c, &p->sh)) return pkv__say(c, PKV_ENOMEM, api, "an entry's size overflows");
     /* the ids of every committed position: a key may take ids past the full blocks (a media's) */
     const uint32_t nbk = (n_com + B - 1) / B;
@@ -385,21 +392,24 @@ static int save_prepare(pkv_cache *c, pkv_seq id, const char *api, save_prep *p)
     p->toks = pkv__alloc(&c->alloc, p->toks_bytes, 64);
     p->keys = pkv__alloc(&c->alloc, p->keys_bytes, 64);
     if (!p->toks || !p->keys) rc = pkv__say(c, PKV_ENOMEM, api, "the save's keys (%u blocks)", nb);
-    if (!rc) rc = seq_peek(c, id, api, &n_tok, &n_com, &ns_lo, &ns_hi, p->toks, nbk);
-    if (rc) {
+    bool known = false;
+    if (!rc) rc = seq_peek(c, id, api, &n_tok, &n_com, &ns_lo, &ns_hi, &front, p->toks, nbk, &known);
+    if (rc || !known) { /* (not known: a front whose ids the index lost; nothing to key) */
         save_done(c, p);
+        p->toks = NULL, p->keys = NULL;
         return rc;
     }
     key_seed(c, ns_lo, ns_hi, &p->seed);
     uint32_t keyed = 0; /* up to a block whose key needs ids past the full blocks (a media's) */
     while (keyed < nb && key_next(keyed ? &p->keys[keyed - 1] : &p->seed, p->toks, keyed, B, n_com, &p->keys[keyed]))
         keyed++;
-    if (!keyed) {
+    if (keyed <= front) {
         save_done(c, p);
         p->toks = NULL, p->keys = NULL;
         return PKV_OK;
     }
     p->nb = keyed;
+    p->first = front;
     return PKV_OK;
 }
 
@@ -418,7 +428,7 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
     uint32_t saved = 0, present = 0, no_room = 0;
     if (!buf || !put) rc = PKV__SAY(c, PKV_ENOMEM, "the entry buffer (%zu bytes)", entry);
     /* deepest first: in a least-recently-used store the beginnings of prefixes stay longest */
-    for (uint32_t j = nb; !rc && j-- > 0;) {
+    for (uint32_t j = nb; !rc && j-- > sp.first;) {
         size_t len = 0;
         int g = t->ops.get(t->ctx, sp.keys[j].b, NULL, 0, &len);
         if (g == PKV_OK) {
@@ -438,7 +448,7 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
     }
     /* none of this call's entries stays, where the store lets them go: a del that fails (the
        store unreachable) ends the clean-up, rather than wait on each one */
-    for (uint32_t i = 0; rc && put && i < nb; i++)
+    for (uint32_t i = sp.first; rc && put && i < nb; i++)
         if (put[i] && t->ops.del(t->ctx, sp.keys[i].b) != PKV_OK) {
             COUNT(t, errors, 1);
             break;
@@ -525,49 +535,99 @@ static void reject(pkv_tier *t, const tkey *key) {
     (void)t->ops.del(t->ctx, key->b);
 }
 
-PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n,
-                          uint32_t *n_loaded) {
-    if (!c) return PKV_EINVAL;
-    if (!t) return PKV__SAY(c, PKV_EINVAL, "t is NULL");
-    if (!n_loaded) return PKV__SAY(c, PKV_EINVAL, "n_loaded is NULL");
-    if (n && !tokens) return PKV__SAY(c, PKV_EINVAL, "tokens is NULL, n %u", n);
+/* Whether the store (or staging) has key's entry: 1, 0, or -1 where the store failed. */
+static int probe(pkv_tier *t, const tkey *key) {
+    pthread_mutex_lock(&t->mu);
+    const bool staged = t->pf_on && pkv__tmap_find(&t->staged, key->b);
+    pthread_mutex_unlock(&t->mu);
+    if (staged) return 1;
+    size_t len = 0;
+    const int g = t->ops.get(t->ctx, key->b, NULL, 0, &len);
+    return g == PKV_OK ? 1 : g == PKV_ENOENT ? 0 : -1;
+}
+
+/* The front (blocks) a windowed load of an empty sequence that ends with block e - 1 sets: that
+ * of a match of as many positions (pkv__window_front), the last token and a media's last few
+ * ids given back first, as the load gives them back. */
+static uint32_t plan_front(const int32_t *tokens, uint32_t n, uint32_t e, uint32_t B, uint32_t window) {
+    uint32_t r = PKV_MIN(e * B, n - 1);
+    r -= pkv__media_trim(tokens, n, r);
+    return pkv__window_front(r, window, B);
+}
+
+/* pkv_tier_load (window 0) and pkv_tier_load_window. */
+static int load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, uint32_t window,
+                uint32_t *n_loaded, const char *api) {
+    if (!n_loaded) return pkv__say(c, PKV_EINVAL, api, "n_loaded is NULL");
+    if (n && !tokens) return pkv__say(c, PKV_EINVAL, api, "tokens is NULL, n %u", n);
     *n_loaded = 0;
-    uint32_t m, n_com;
+    uint32_t m, n_com, front;
     uint64_t ns_lo, ns_hi;
-    int rc = seq_peek(c, id, __func__, &m, &n_com, &ns_lo, &ns_hi, NULL, 0);
+    int rc = seq_peek(c, id, api, &m, &n_com, &ns_lo, &ns_hi, &front, NULL, 0, NULL);
     if (rc) return rc;
-    if (n_com != m) return PKV__SAY(c, PKV_EINVAL, "positions [%u, %u) of the sequence are not committed", n_com, m);
-    if (m > n) return PKV__SAY(c, PKV_EINVAL, "the sequence holds %u positions, past the prompt's %u", m, n);
+    if (n_com != m) return pkv__say(c, PKV_EINVAL, api, "positions [%u, %u) of the sequence are not committed", n_com, m);
+    if (m > n) return pkv__say(c, PKV_EINVAL, api, "the sequence holds %u positions, past the prompt's %u", m, n);
     const uint32_t B = c->B, cap = n ? n - 1 : 0;
     const uint32_t full = PKV_MIN(n / B, c->max_bps), i0 = m / B;
     if (m >= cap || i0 >= full) return PKV_OK;
     shape sh;
-    if (!shape_of(c, &sh)) return PKV__SAY(c, PKV_ENOMEM, "an entry's size overflows");
-    /* the sequence's own positions must be the prompt's: its blocks' token ids, compared */
-    const size_t toks_bytes = ((size_t)i0 + 1) * B * sizeof(int32_t), keys_bytes = (size_t)(full - i0) * sizeof(tkey);
+    if (!shape_of(c, &sh)) return pkv__say(c, PKV_ENOMEM, api, "an entry's size overflows");
+    /* the sequence's own positions must be the prompt's: its blocks' token ids, compared (a
+       dropped block's from the index: where it no longer names them, nothing is loaded) */
+    const size_t toks_bytes = ((size_t)i0 + 1) * B * sizeof(int32_t), keys_bytes = (size_t)full * sizeof(tkey);
     int32_t *toks = pkv__alloc(&c->alloc, toks_bytes, 64);
     tkey *keys = pkv__alloc(&c->alloc, keys_bytes, 64);
     size_t buf_size = 0;
     uint8_t *buf = scratch_take(t, sh.entry, &buf_size);
-    if (!toks || !keys || !buf) rc = PKV__SAY(c, PKV_ENOMEM, "the entry buffer (%zu bytes)", sh.entry);
+    bool known = false;
+    if (!toks || !keys || !buf) rc = pkv__say(c, PKV_ENOMEM, api, "the entry buffer (%zu bytes)", sh.entry);
     if (!rc) {
         /* the blocks of [0, m): i0 full ones and, where m is not a multiple of B, part of one */
         const uint32_t nbk = (m + B - 1) / B;
-        rc = seq_peek(c, id, __func__, &m, &n_com, &ns_lo, &ns_hi, toks, nbk);
-        if (!rc && memcmp(toks, tokens, (size_t)m * sizeof(int32_t)))
-            rc = PKV__SAY(c, PKV_EINVAL, "the sequence's positions [0, %u) are not tokens[0, %u)", m, m);
+        rc = seq_peek(c, id, api, &m, &n_com, &ns_lo, &ns_hi, &front, toks, nbk, &known);
+        if (!rc && known && memcmp(toks, tokens, (size_t)m * sizeof(int32_t)))
+            rc = pkv__say(c, PKV_EINVAL, api, "the sequence's positions [0, %u) are not tokens[0, %u)", m, m);
     }
-    uint32_t pos = m, blocks = 0;
+    uint32_t pos = m, blocks = 0, start = i0, end = 0, keyed = 0;
     bool miss = false, failed = false; /* ended on a block the store lacks / on a store failure */
-    if (!rc) {
-        tkey prev;
-        key_seed(c, ns_lo, ns_hi, &prev);
-        bool keyed = true; /* false: a key needs ids past the prompt (a media's): nothing loads */
-        for (uint32_t i = 0; keyed && i < i0; i++) keyed = key_next(&prev, tokens, i, B, n, &prev);
-        for (uint32_t i = i0; keyed && i < full && pos < cap; i++) {
-            tkey *key = &keys[i - i0];
+    tkey seed;
+    if (!rc && known) {
+        key_seed(c, ns_lo, ns_hi, &seed);
+        /* (a key that needs ids past the prompt, a media's: the blocks from it on do not load) */
+        while (keyed < full && key_next(keyed ? &keys[keyed - 1] : &seed, tokens, keyed, B, n, &keys[keyed])) keyed++;
+        end = keyed;
+    }
+    if (!rc && known && window && !m && keyed) {
+        /* an empty sequence under a window: the latest end whose window's blocks the store has
+           all, found from the last block down (each probed once: a block missing rules out
+           every end past it, whose windows reach back over it) */
+        for (uint32_t e = keyed; e;) {
+            const uint32_t lo = plan_front(tokens, n, e, B, window);
+            uint32_t j = e;
+            int pr = 1;
+            while (j > lo && (pr = probe(t, &keys[j - 1])) == 1) j--;
+            if (pr < 0) { /* nothing more is asked of a failing store */
+                COUNT(t, errors, 1);
+                failed = true;
+                end = 0;
+                break;
+            }
+            if (j == lo) {
+                start = lo, end = e;
+                break;
+            }
+            miss = true;
+            end = e = j - 1;
+        }
+        if (start) { /* the blocks before start are skipped: s's dropped front */
+            rc = pkv__seq_skip(c, id, start * B, api);
+            pos = start * B;
+        }
+    }
+    if (!rc && known) {
+        for (uint32_t i = start; i < end && pos < cap; i++) {
+            const tkey *key = &keys[i], *prev = i ? &keys[i - 1] : &seed;
             const int32_t *bt = tokens + (size_t)i * B;
-            if (!key_next(&prev, tokens, i, B, n, key)) break;
             size_t len = 0;
             int g = PKV_OK;
             if (!take_staged(t, key, buf, sh.entry, &len)) {
@@ -583,7 +643,7 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
                 failed = true;
                 break;
             }
-            if (g == PKV_ENOSPC || !entry_ok(&sh, buf, len, key, &prev, bt)) {
+            if (g == PKV_ENOSPC || !entry_ok(&sh, buf, len, key, prev, bt)) {
                 reject(t, key);
                 break;
             }
@@ -605,24 +665,33 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
                 reject(t, key);
                 break;
             }
-            pos = to, blocks++, prev = *key;
+            pos = to, blocks++;
         }
+        const uint32_t pos0 = start > i0 ? start * B : m; /* where the K/V loaded starts */
         /* committed once at the end, so that a load ending a few ids into a media whose next
            position the prompt has gives them back first, as a match does (pkv__media_trim) */
-        if (!rc && pos > m) {
-            const uint32_t trim = PKV_MIN(pkv__media_trim(tokens, n, pos), pos - m);
+        if (!rc && pos > pos0) {
+            const uint32_t trim = PKV_MIN(pkv__media_trim(tokens, n, pos), pos - pos0);
             if (trim) { /* the positions given back are never committed, even where this fails */
                 pos -= trim;
                 rc = pkv_seq_truncate(c, id, pos);
             }
         }
-        if (pos > m) {
+        if (!rc && start > i0 && start > pkv__window_front(pos, window, B)) {
+            /* a skip the window no longer allows (the load ended early): s goes back to empty
+               (the front ahead of every query it could make) */
+            rc = pkv_seq_truncate(c, id, start * B);
+            if (!rc) rc = pkv__seq_skip(c, id, 0, api);
+            pos = m, blocks = 0;
+        }
+        if (pos > pos0) {
             const int cr = pkv_seq_commit(c, id, pos); /* fails only where s changed under the call */
             if (!rc) rc = cr;
         }
+        if (!rc && start > i0 && pos > pos0) pkv__seq_link_front(c, id, tokens);
         /* touched again deepest first, so that a least-recently-used store keeps the beginnings;
            not after a store failure, nor past one (each would wait on an unreachable store) */
-        for (uint32_t j = blocks; !failed && j-- > 1;) {
+        for (uint32_t j = start + blocks; !failed && blocks && j-- > start + 1;) {
             size_t len;
             const int g = t->ops.get(t->ctx, keys[j - 1].b, NULL, 0, &len);
             if (g != PKV_OK && g != PKV_ENOENT) {
@@ -631,7 +700,7 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
             }
         }
         pthread_mutex_lock(&t->mu);
-        t->st.loaded_blocks += blocks, t->st.loaded_tokens += pos - m, t->st.load_misses += miss;
+        t->st.loaded_blocks += blocks, t->st.loaded_tokens += pos > pos0 ? pos - pos0 : 0, t->st.load_misses += miss;
         pthread_mutex_unlock(&t->mu);
         *n_loaded = pos - m;
     }
@@ -639,6 +708,21 @@ PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *
     pkv__free(&c->alloc, keys, keys_bytes);
     pkv__free(&c->alloc, toks, toks_bytes);
     return rc;
+}
+
+PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n,
+                          uint32_t *n_loaded) {
+    if (!c) return PKV_EINVAL;
+    if (!t) return PKV__SAY(c, PKV_EINVAL, "t is NULL");
+    return load(t, c, id, tokens, n, 0, n_loaded, __func__);
+}
+
+PKV_API int pkv_tier_load_window(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n,
+                                 uint32_t window, uint32_t *n_loaded) {
+    if (!c) return PKV_EINVAL;
+    if (!t) return PKV__SAY(c, PKV_EINVAL, "t is NULL");
+    if (!window) return PKV__SAY(c, PKV_EINVAL, "window is 0: pkv_tier_load needs none");
+    return load(t, c, id, tokens, n, window, n_loaded, __func__);
 }
 
 /* ---- prefetch ---- */
@@ -903,7 +987,7 @@ PKV_API int pkv_tier_save_async(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t 
     save_prep sp;
     int rc = save_prepare(c, id, __func__, &sp);
     if (rc || !sp.nb) return rc;
-    const uint32_t nb = sp.nb;
+    const uint32_t nb = sp.nb - sp.first; /* entries */
     const shape sh = sp.sh;
     /* room for all of them, or none: the spares of their size, the rest made room for by
        dropping spares and staged entries; where the writes waiting (and a fetch) hold too much
@@ -938,7 +1022,7 @@ PKV_API int pkv_tier_save_async(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t 
     }
     pkv__tent *head = NULL, *tail = NULL; /* this call's entries, deepest first */
     if (room) {
-        for (uint32_t j = nb; !rc && j-- > 0;) {
+        for (uint32_t j = sp.nb; !rc && j-- > sp.first;) {
             pkv__tent *e = mine;
             mine = e->hnext;
             memcpy(e->key, sp.keys[j].b, PKV__TIER_KEY);
