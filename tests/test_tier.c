@@ -900,6 +900,88 @@ static void test_window_faults(void **state) {
     pkv_cache_destroy(b);
 }
 
+/* Random requests under a window of 20 over two small caches and a host tier of 12 entries:
+ * each is matched under the window (pkv_seq_match_prefix_window), loaded under it
+ * (pkv_tier_load_window), computed, committed, drops what the window passed and is saved; at
+ * times the pool forgets (pkv_cache_reset). After each step: the sequence's front is one the
+ * window allows at its length, what it holds from there is its own variant's, the checker
+ * passes; at the end the tier's counts are the steps' sums. */
+static void test_window_random(void **state) {
+    (void)state;
+    enum { STEPS = 400, VAR = 4, MAXLEN = 120, LIVE = 3, W = 20 };
+    tu_rng r;
+    tu_rng_seed(&r, tu_env_u64("PKV_SEED", 72));
+    pkv_cache *cs[2] = {mk(PKV_DTYPE_F16, PKV_DTYPE_F32, 20, LAYERS), mk(PKV_DTYPE_F16, PKV_DTYPE_F32, 28, LAYERS)};
+    const uint64_t entry = 88 + B * 4 + (uint64_t)LAYERS * B * KV * (pkv_dtype_row_bytes(PKV_DTYPE_F16, HD) +
+                                                                       pkv_dtype_row_bytes(PKV_DTYPE_F32, HD));
+    pkv_tier *t = host(12 * entry);
+    pkv_seq live[2][LIVE];
+    int n_live[2] = {0, 0};
+    uint64_t loaded_total = 0, saved_total = 0, skips = 0, windowed_hits = 0;
+    int32_t toks[MAXLEN];
+    for (int step = 0; step < STEPS; step++) {
+        const int ci = (int)tu_rng_below(&r, 2);
+        pkv_cache *c = cs[ci];
+        const uint32_t v = tu_rng_below(&r, VAR), n = 2 + tu_rng_below(&r, MAXLEN - 1);
+        for (uint32_t i = 0; i < n; i++) toks[i] = (int32_t)(100 * v + 3 * i);
+        const char salt[2] = {(char)('a' + v % 2), 0};
+        pkv_seq s;
+        uint32_t reused = 0, got = 0, saved = 0;
+        TU_OK(pkv_seq_create(c, salt, 1, &s));
+        TU_OK(pkv_seq_match_prefix_window(c, s, toks, n, W, &reused));
+        TU_OK(pkv_tier_load_window(t, c, s, toks, n, W, &got));
+        const uint32_t len = reused + got;
+        const pkv_seq_info in = tu_info(c, s);
+        assert_true(len <= n - 1);
+        assert_int_equal(in.n_tokens, len);
+        assert_int_equal(in.n_committed, len);
+        /* the front: a block boundary no query at len or past it reads before */
+        assert_int_equal(in.n_dropped % B, 0);
+        assert_true(!in.n_dropped || in.n_dropped + W - 1 <= len);
+        if (len > in.n_dropped) assert_int_equal(tu_cmp_pattern(c, s, in.n_dropped, len - in.n_dropped, v), 0);
+        loaded_total += reused ? got : got - in.n_dropped;
+        skips += !reused && got && in.n_dropped;
+        windowed_hits += reused && in.n_dropped;
+        int rc = pkv_seq_append(c, s, toks + len, n - len, NULL);
+        if (rc == PKV_OK) {
+            TU_WRITE_PAT(c, s, len, n - len, v);
+            TU_OK(pkv_seq_commit(c, s, n));
+            if (n >= W) TU_OK(pkv_seq_drop_front(c, s, n - W + 1)); /* the next query, at n, sees n - W + 1 on */
+            TU_OK(pkv_tier_save(t, c, s, &saved));
+            saved_total += saved;
+        } else {
+            assert_int_equal(rc, PKV_ENOSPC);
+        }
+        TU_CHECK(c);
+        if (rc == PKV_OK && n_live[ci] < LIVE && tu_rng_chance(&r, 0.5)) live[ci][n_live[ci]++] = s;
+        else TU_OK(pkv_seq_release(c, s));
+        if (n_live[ci] && tu_rng_chance(&r, 0.3)) TU_OK(pkv_seq_release(c, live[ci][--n_live[ci]]));
+        if (tu_rng_chance(&r, 0.03)) { /* an engine restart: the pool forgets, the tier does not */
+            for (int j = 0; j < n_live[ci]; j++) TU_OK(pkv_seq_release(c, live[ci][j]));
+            n_live[ci] = 0;
+            TU_OK(pkv_cache_reset(c));
+        }
+        TU_CHECK(c);
+    }
+    pkv_tier_stats st = tstats(t);
+    if (getenv("PKV_TEST_VERBOSE"))
+        printf("test_window_random: %llu saved, %llu loaded blocks (%llu positions), %llu misses, %llu evictions; "
+               "%llu loads skipped a front, %llu windowed pool hits\n",
+               (unsigned long long)st.saved, (unsigned long long)st.loaded_blocks, (unsigned long long)st.loaded_tokens,
+               (unsigned long long)st.load_misses, (unsigned long long)st.evictions, (unsigned long long)skips,
+               (unsigned long long)windowed_hits);
+    assert_int_equal(st.saved, saved_total);
+    assert_int_equal(st.loaded_tokens, loaded_total);
+    assert_true(skips > 0 && windowed_hits > 0 && st.evictions > 0);
+    assert_int_equal(st.rejected + st.errors, 0);
+    for (int ci = 0; ci < 2; ci++) {
+        for (int j = 0; j < n_live[ci]; j++) TU_OK(pkv_seq_release(cs[ci], live[ci][j]));
+        TU_CHECK(cs[ci]);
+        pkv_cache_destroy(cs[ci]);
+    }
+    pkv_tier_destroy(t);
+}
+
 /* ---- prefetch: a prompt's entries staged by the tier's thread, then loaded from memory ---- */
 static void test_prefetch(void **state) {
     (void)state;
@@ -1417,7 +1499,7 @@ int main(void) {
         cmocka_unit_test(test_lru),       cmocka_unit_test(test_file),        cmocka_unit_test(test_faults),
         cmocka_unit_test(test_alloc_faults), cmocka_unit_test(test_random), cmocka_unit_test(test_use_order),
         cmocka_unit_test(test_prefetch),  cmocka_unit_test(test_write_back),  cmocka_unit_test(test_window),
-        cmocka_unit_test(test_window_faults),
+        cmocka_unit_test(test_window_faults), cmocka_unit_test(test_window_random),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
