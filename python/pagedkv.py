@@ -298,6 +298,7 @@ def _load():
         "pkv_tier_get_stats": (_int, [_vp, _P(_TierStats)]),
         "pkv_tier_save": (_int, [_vp, _vp, _u64, _P(_u32)]),
         "pkv_tier_load": (_int, [_vp, _vp, _u64, _vp, _u32, _P(_u32)]),
+        "pkv_tier_load_window": (_int, [_vp, _vp, _u64, _vp, _u32, _u32, _P(_u32)]),
         "pkv_tier_prefetch_start": (_int, [_vp, _u64]),
         "pkv_tier_prefetch": (_int, [_vp, _vp, _vp, _sz, _vp, _u32]),
         "pkv_tier_prefetch_wait": (_int, [_vp]),
@@ -1170,6 +1171,23 @@ class Cache:
         with tier._use():
             self._check(_lib.pkv_tier_load(tier._t, self._h(), _seq_of(seq), _ptr(t), t.size, ctypes.byref(out)),
                         "pkv_tier_load")
+        return out.value
+
+    @_in_call
+    def tier_load_window(self, tier, seq, tokens, window):
+        """tier_load for layers that attend through a sliding window of `window` positions (or
+        chunks of local attention: pass attn_chunk), the tier's side of match_prefix_window
+        (pkv_tier_load_window). Into an empty sequence it loads only what the window of the
+        longest prefix the tier can restore reads, and drops the front before it (seq_info's
+        n_dropped); the positions returned count the front's. Into a sequence that holds
+        positions it is tier_load. EINVAL for window 0."""
+        if not isinstance(tier, Tier):
+            raise _invalid("tier_load_window: a pagedkv.Tier is needed, got %s" % type(tier).__name__)
+        t = _i32_array(tokens, "tier_load_window: tokens")
+        out = _u32()
+        with tier._use():
+            self._check(_lib.pkv_tier_load_window(tier._t, self._h(), _seq_of(seq), _ptr(t), t.size, window,
+                                                  ctypes.byref(out)), "pkv_tier_load_window")
         return out.value
 
     @_in_call

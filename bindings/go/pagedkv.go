@@ -2269,3 +2269,23 @@ func (c *Cache) TierLoad(t *Tier, s Seq, tokens []int32) (uint32, error) {
 	})
 	return uint32(r), err
 }
+
+// TierLoadWindow is TierLoad for layers that attend through a sliding window of window
+// positions (chunks of local attention: pass AttnChunk), the tier's side of MatchPrefixWindow
+// (pkv_tier_load_window). Into an empty sequence it loads only what the window of the longest
+// prefix the tier can restore reads, and drops the front before it (SeqInfo.NDropped); the
+// positions returned count the front's. Into a sequence that holds positions it is TierLoad.
+// ErrInvalid for window 0.
+func (c *Cache) TierLoadWindow(t *Tier, s Seq, tokens []int32, window uint32) (uint32, error) {
+	n, err := u32(len(tokens), "TierLoadWindow: tokens")
+	if err != nil {
+		return 0, err
+	}
+	var r C.uint32_t
+	err = t.use(func(tp *C.pkv_tier) error {
+		return c.op("pkv_tier_load_window", access{write: true, kv: useShared, rows: useAlone}, func(p *C.pkv_cache) C.int {
+			return C.pkv_tier_load_window(tp, p, C.pkv_seq(s), i32p(tokens), n, C.uint32_t(window), &r)
+		}, s)
+	})
+	return uint32(r), err
+}

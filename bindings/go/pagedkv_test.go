@@ -659,6 +659,68 @@ func TestMatchPrefixWindowTombstone(t *testing.T) {
 	}
 }
 
+// A dropped front is saved from the front on (the ids before it from the index), and
+// TierLoadWindow restores into an empty cache only what a window of 20 reads.
+func TestTierLoadWindow(t *testing.T) {
+	r := rng(13)
+	a := newCache(t, 2, 32, 8, F32)
+	b := newCache(t, 2, 32, 8, F32)
+	tier, err := NewHostTier(1 << 24)
+	must(t, err)
+	defer tier.Close()
+	toks := make([]int32, 65)
+	for i := range toks {
+		toks[i] = int32((i*7 + 3) % 500)
+	}
+	s, err := a.SeqCreate(nil)
+	must(t, err)
+	slots, err := a.Append(s, toks[:64])
+	must(t, err)
+	k, v := r.vec(64*2*32), r.vec(64*2*32)
+	must(t, a.WriteKV(0, slots, k, v))
+	must(t, a.Commit(s, 64))
+	must(t, a.DropFront(s, 45)) // a query at 64 sees from 45: blocks 0-1 go
+	if n, err := a.TierSave(tier, s); err != nil || n != 2 {
+		t.Fatalf("TierSave: %d, %v", n, err)
+	}
+	u, err := b.SeqCreate(nil)
+	must(t, err)
+	if n, err := b.TierLoadWindow(tier, u, toks, 20); err != nil || n != 64 {
+		t.Fatalf("TierLoadWindow: %d, %v", n, err)
+	}
+	info, err := b.SeqInfo(u)
+	must(t, err)
+	st, err := b.Stats()
+	must(t, err)
+	if info.NDropped != 32 || st.NTombstones != 2 || st.NIndexed != 2 {
+		t.Fatalf("front %d, tombstones %d, indexed %d; want 32, 2, 2", info.NDropped, st.NTombstones, st.NIndexed)
+	}
+	kb, vb, err := b.Gather(u, 0, 32, 32)
+	must(t, err)
+	const row = 2 * 32
+	for i := range kb {
+		if kb[i] != k[32*row+i] || vb[i] != v[32*row+i] {
+			t.Fatalf("K/V of the windowed load differs at %d", i)
+		}
+	}
+	ts, err := tier.Stats()
+	must(t, err)
+	if ts.LoadedTokens != 32 {
+		t.Fatalf("loaded tokens %d; want 32", ts.LoadedTokens)
+	}
+	must(t, b.Check())
+	x, err := b.SeqCreate(nil)
+	must(t, err)
+	if n, err := b.MatchPrefixWindow(x, toks, 20); err != nil || n != 64 { // b's pool has it now
+		t.Fatalf("MatchPrefixWindow: %d, %v", n, err)
+	}
+	y, err := b.SeqCreate(nil)
+	must(t, err)
+	if _, err := b.TierLoadWindow(tier, y, toks, 0); code(err) != EINVAL {
+		t.Fatalf("window 0: %v", err)
+	}
+}
+
 func TestDropFront(t *testing.T) {
 	r := rng(11)
 	const h, d, hq = 2, 64, 4

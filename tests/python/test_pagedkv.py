@@ -1126,6 +1126,33 @@ class TestCache(Base):
             u = c.seq_create()
             self.assertEinval(c.match_prefix_window, u, toks, 0)
 
+    def test_tier_load_window(self):
+        """A dropped front is saved from the front on (the ids before it from the index), and
+        tier_load_window restores into an empty cache only what a window of 20 reads."""
+        kw = dict(n_kv_heads=2, head_dim=32, n_blocks=8, k_dtype="f32", v_dtype="f32", n_threads=1)
+        with pkv.Cache(**kw) as a, pkv.Cache(**kw) as b, pkv.Tier.host(1 << 24) as t:
+            s = a.seq_create()
+            toks = self.fill(a, s, 64)  # blocks 0-3
+            K, V = a.gather(s, 0)
+            a.drop_front(s, 45)  # a query at 64 sees from 45: blocks 0-1 go
+            self.assertEqual(a.tier_save(t, s), 2)
+            prompt = np.append(toks, 7)
+            u = b.seq_create()
+            self.assertEqual(b.tier_load_window(t, u, prompt, 20), 64)
+            self.assertEqual(b.seq_info(u).n_dropped, 32)
+            st = b.stats()
+            self.assertEqual((st["n_tombstones"], st["n_indexed"]), (2, 2))
+            Kb, Vb = b.gather(u, 0, 32)
+            np.testing.assert_array_equal(Kb, K[32:64])
+            np.testing.assert_array_equal(Vb, V[32:64])
+            self.assertEqual(t.stats().loaded_tokens, 32)
+            b.check()
+            x = b.seq_create()
+            self.assertEqual(b.match_prefix_window(x, prompt, 20), 64)  # b's pool has it now
+            y = b.seq_create()
+            self.assertEinval(b.tier_load_window, t, y, prompt, 0)
+            self.assertEqual(b.seq_info(y).n_tokens, 0)
+
     def test_prefix_fork_cow_exports(self):
         with pkv.Cache(n_kv_heads=2, head_dim=32, n_blocks=32, k_dtype="f32", v_dtype="f32", n_threads=1) as c:
             a = c.seq_create(b"tenant-1")

@@ -381,6 +381,15 @@ extern "C" {
         n: u32,
         n_loaded: *mut u32,
     ) -> c_int;
+    pub fn pkv_tier_load_window(
+        t: *mut pkv_tier,
+        c: *mut pkv_cache,
+        s: pkv_seq,
+        tokens: *const i32,
+        n: u32,
+        window: u32,
+        n_loaded: *mut u32,
+    ) -> c_int;
     pub fn pkv_tier_prefetch_start(t: *mut pkv_tier, staging_bytes: u64) -> c_int;
     pub fn pkv_tier_prefetch(
         t: *mut pkv_tier,

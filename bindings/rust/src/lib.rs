@@ -1617,6 +1617,22 @@ impl Cache {
         Ok(r)
     }
 
+    /// [`Cache::tier_load`] for layers that attend through a sliding window of `window`
+    /// positions (chunks of local attention: pass attn_chunk), the tier's side of
+    /// [`Cache::match_prefix_window`] (pkv_tier_load_window). Into an empty sequence it loads
+    /// only what the window of the longest prefix the tier can restore reads, and drops the
+    /// front before it (`SeqInfo::n_dropped`); the positions returned count the front's. Into a
+    /// sequence that holds positions it is `tier_load`. EINVAL for window 0.
+    pub fn tier_load_window(&mut self, t: &Tier, s: Seq, tokens: &[i32], window: u32) -> Result<u32> {
+        let n = len_u32(tokens.len(), "tier_load_window: tokens")?;
+        let mut r = 0u32;
+        check(
+            unsafe { ffi::pkv_tier_load_window(t.raw.as_ptr(), self.p(), s.0, tokens.as_ptr(), n, window, &mut r) },
+            "pkv_tier_load_window",
+        )?;
+        Ok(r)
+    }
+
     /// Pins the committed full blocks of positions [0, n_pos) of s; returns the pin.
     pub fn pin(&mut self, s: Seq, n_pos: u32) -> Result<Seq> {
         let mut p = 0u64;

@@ -822,6 +822,41 @@ fn match_prefix_window_tombstone() {
     assert_eq!(c.match_prefix_window(u, &toks, 0).unwrap_err().code(), EINVAL);
 }
 
+/// A dropped front is saved from the front on (the ids before it from the index), and
+/// `tier_load_window` restores into an empty cache only what a window of 20 reads.
+#[test]
+fn tier_load_window() {
+    let mut rng = Rng(13);
+    let mut a = Cache::new(&cfg(2, 32, 8, Dtype::F32)).unwrap();
+    let mut b = Cache::new(&cfg(2, 32, 8, Dtype::F32)).unwrap();
+    let t = Tier::host(1 << 24).unwrap();
+    let mut toks: Vec<i32> = (0..64).map(|i| (i * 7 + 3) % 500).collect();
+    let s = a.seq_create(b"").unwrap();
+    let slots = a.append(s, &toks).unwrap();
+    let (k, v) = (rng.vec(64 * 2 * 32), rng.vec(64 * 2 * 32));
+    a.write_kv(0, &slots, Some(KvData::F32(&k)), Some(KvData::F32(&v))).unwrap();
+    a.commit(s, 64).unwrap();
+    a.drop_front(s, 45).unwrap(); // a query at 64 sees from 45: blocks 0-1 go
+    assert_eq!(a.tier_save(&t, s).unwrap(), 2);
+    toks.push(7);
+    let u = b.seq_create(b"").unwrap();
+    assert_eq!(b.tier_load_window(&t, u, &toks, 20).unwrap(), 64);
+    assert_eq!(b.seq_info(u).unwrap().n_dropped, 32);
+    let st = b.stats().unwrap();
+    assert_eq!((st.n_tombstones, st.n_indexed), (2, 2));
+    let (kb, vb) = b.gather(u, 0, 32, 32).unwrap();
+    let row = 2 * 32;
+    assert_eq!(kb[..], k[32 * row..64 * row]);
+    assert_eq!(vb[..], v[32 * row..64 * row]);
+    assert_eq!(t.stats().unwrap().loaded_tokens, 32);
+    b.check().unwrap();
+    let x = b.seq_create(b"").unwrap();
+    assert_eq!(b.match_prefix_window(x, &toks, 20).unwrap(), 64); // b's pool has it now
+    let y = b.seq_create(b"").unwrap();
+    assert_eq!(b.tier_load_window(&t, y, &toks, 0).unwrap_err().code(), EINVAL);
+    assert_eq!(b.seq_info(y).unwrap().n_tokens, 0);
+}
+
 /// An f32 cache of 2 kv heads of 64, one sequence of 40 random tokens in it, and their K and V
 /// as gathered.
 fn forty_tokens(rng: &mut Rng) -> (Cache, Seq, Vec<f32>, Vec<f32>) {
