@@ -334,8 +334,13 @@ static void test_turns(void **state) {
                      "--seed", "4", "--turns", "3", "--window", "64", NULL};
     char *argvp[] = {"pkv", "sim", SMALL, "--requests", "30", "--blocks", "150", "--rate", "20", "--turn-gap", "2",
                      "--seed", "4", "--turns", "3", "--window", "64", "--match", "plain", NULL};
-    runs r1, r3, rw, rp;
-    sim(argv1, &r1), sim(argv3, &r3), sim(argvw, &rw), sim(argvp, &rp);
+    /* the same under the window with a host tier: its loads under the window too, or plain */
+    char *argvt[] = {"pkv", "sim", SMALL, "--requests", "30", "--blocks", "150", "--rate", "20", "--turn-gap", "2",
+                     "--seed", "4", "--turns", "3", "--window", "64", "--tier", "host:8", NULL};
+    char *argvtp[] = {"pkv", "sim", SMALL, "--requests", "30", "--blocks", "150", "--rate", "20", "--turn-gap", "2",
+                      "--seed", "4", "--turns", "3", "--window", "64", "--tier", "host:8", "--match", "plain", NULL};
+    runs r1, r3, rw, rp, rt, rtp;
+    sim(argv1, &r1), sim(argv3, &r3), sim(argvw, &rw), sim(argvp, &rp), sim(argvt, &rt), sim(argvtp, &rtp);
     const double n = field(r3.line[0], "requests");
     assert_true(field(r1.line[0], "requests") == 30 && n > 30 && n <= 90);
     for (int i = 0; i < 3; i++) {
@@ -349,7 +354,16 @@ static void test_turns(void **state) {
                   n, h1, h3, hw, field(rw.line[0], "tomb_hits"), hp);
     assert_true(h3 > h1);
     assert_true(hw > hp && field(rw.line[0], "tomb_hits") > 0 && field(rp.line[0], "tomb_hits") == 0);
-    free(r1.out), free(r3.out), free(rw.out), free(rp.out);
+    /* with the tier: fronts dropped and saved, restored under the window (pkv_tier_load_window) */
+    const double pw = field(rw.line[0], "prefill_tokens"), pt = field(rt.line[0], "prefill_tokens"),
+                 ptp = field(rtp.line[0], "prefill_tokens");
+    print_message("turns, window 64: prefill tokens %g without a tier, %g with one (%g positions from it), %g with "
+                  "it and plain matches and loads\n",
+                  pw, pt, field(rt.line[0], "tier_hit_tokens"), ptp);
+    assert_true(field(rt.line[0], "check") == 1.0 && field(rtp.line[0], "check") == 1.0);
+    assert_true(field(rt.line[0], "tier_hit_tokens") > 0 && field(rt.line[0], "tier_saved_blocks") > 0);
+    assert_true(pt < pw && pt < ptp);
+    free(r1.out), free(r3.out), free(rw.out), free(rp.out), free(rt.out), free(rtp.out);
     static const char *bad[][2] = {{"--turns", "0"}, {"--turn-gap", "-1"}, {"--turn-mean", "0"}, {"--match", "all"}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char *argv[] = {"pkv", "sim", (char *)bad[i][0], (char *)bad[i][1], NULL}, *out, *err;

@@ -231,12 +231,9 @@ static int finish_entry(sim *S, entry *e) {
     return 0;
 }
 
-/* Whether this run lets go of what --window has passed (pkv_seq_drop_front): the paged policies,
- * except where a storage tier saves computed prompts (pkv_tier_save keys a sequence by every
- * position from 0, and the prompt's front may be gone by the time its prefill ends). */
-static bool drops_front(const sim *S, const sim_opts *o) {
-    return o->window && S->policy != SIM_CONTIGUOUS && !S->tier;
-}
+/* Whether this run lets go of what --window has passed (pkv_seq_drop_front): the paged policies
+ * (a tier's save then keys the blocks past the front by the ids the index keeps of it). */
+static bool drops_front(const sim *S, const sim_opts *o) { return o->window && S->policy != SIM_CONTIGUOUS; }
 
 /* Admits waiting requests while the budget, max_seqs and blocks allow (FIFO: the head blocks
  * the queue, as in vLLM). Appends the admitted items to items[*n_items]. */
@@ -289,8 +286,10 @@ static int admit(sim *S, uint32_t *budget, uint32_t *n_items, uint32_t *off) {
         }
         uint32_t loaded = 0;
         if (S->tier) { /* what the pool no longer holds, from the tier */
-            rc = pkv_tier_load(S->tier, S->c, s, prompt, q->target, &loaded);
-            if (rc < 0) return fail(S, rc, "pkv_tier_load");
+            const bool windowed = drops_front(S, o) && !o->plain_match; /* (only what the window reads) */
+            rc = windowed ? pkv_tier_load_window(S->tier, S->c, s, prompt, q->target, o->window, &loaded)
+                          : pkv_tier_load(S->tier, S->c, s, prompt, q->target, &loaded);
+            if (rc < 0) return fail(S, rc, windowed ? "pkv_tier_load_window" : "pkv_tier_load");
             S->res->tier_hit_tokens += loaded;
         }
         S->ns_pkv += tool_now_ns() - t0;
