@@ -14,10 +14,15 @@
  * (token ids, no K/V), so a second turn of sequence 0's conversation (its 200 positions and 8 new
  * ones) is matched whole in the global cache and, under the window
  * (pkv_seq_match_prefix_window), in the windowed one, where a plain match stops at block 0, as
- * an engine needs before it skips the prefill; it decodes over the matched K/V. The example fails
- * if an output differs from the direct computation by more than float rounding, if the windowed
- * cache holds more than that, if no tombstone was left, or if either cache matches less than the
- * 200 positions. */
+ * an engine needs before it skips the prefill; it decodes over the matched K/V. Then the engine
+ * restarts: that turn, saved to a host tier from each cache beforehand (the windowed cache's from
+ * its front on), comes back whole in the global cache and, under the window
+ * (pkv_tier_load_window), only as far back as the window reads in the windowed one, and the
+ * turn's last query decodes again over it. The example fails if an output differs from the
+ * direct computation by more than float rounding, if the windowed cache holds more than that, if
+ * no tombstone was left, if either cache matches less than the 200 positions, or if the restore
+ * gives less than the turn's positions or stores as much for the windowed layers as for the
+ * global ones. */
 #include <pkv.h>
 #include <math.h>
 #include <stdio.h>
@@ -178,6 +183,35 @@ int main(void) {
     if (!rc) rc = append(g, w, sg, sw, t, (int)hit, n_turn - (int)hit, 0, &seed);
     if (!rc) rc = pkv_seq_drop_front(w, sw[t], (uint32_t)(n_turn - W)); /* its query sees the last W */
     if (!rc) rc = decode(g, w, sg, sw, t, 1, n_turn - 1, &seed, &worst);
+    /* an engine restart: the pools forget (pkv_cache_reset), host tiers do not. The second turn
+       was saved from both caches, each to a tier of its own (a key takes the cache's shape and
+       namespace, not which layers it holds: the same here). The windowed cache's save stores
+       the blocks from its front on (their keys take the ids before the front from its index).
+       The conversation comes back from the tiers: whole in the global cache (pkv_tier_load),
+       only what the window reads in the windowed one (pkv_tier_load_window: the front dropped
+       before it), and its last query decodes again over what came back */
+    pkv_tier *tg = NULL, *tw = NULL;
+    uint32_t saved_g = 0, saved_w = 0, got_g = 0, got_w = 0;
+    pkv_seq_info rw = {0};
+    if (!rc) rc = pkv_tier_host_create(64u << 20, NULL, &tg);
+    if (!rc) rc = pkv_tier_host_create(64u << 20, NULL, &tw);
+    if (!rc) rc = pkv_tier_save(tg, g, sg[t], &saved_g);
+    if (!rc) rc = pkv_tier_save(tw, w, sw[t], &saved_w);
+    for (int i = 0; i <= SEQS && !rc; i += SEQS) {
+        rc = pkv_seq_release(g, sg[i]);
+        if (!rc) rc = pkv_seq_release(w, sw[i]);
+    }
+    if (!rc) rc = pkv_cache_reset(g);
+    if (!rc) rc = pkv_cache_reset(w);
+    if (!rc) rc = pkv_seq_create(g, NULL, 0, &sg[t]);
+    if (!rc) rc = pkv_seq_create(w, NULL, 0, &sw[t]);
+    if (!rc) rc = pkv_tier_load(tg, g, sg[t], prompt, (uint32_t)n_turn, &got_g);
+    if (!rc) rc = pkv_tier_load_window(tw, w, sw[t], prompt, got_g + 1, W, &got_w);
+    if (!rc) rc = pkv_seq_get_info(w, sw[t], &rw);
+    if (!rc) rc = pkv_seq_truncate(g, sg[t], got_w); /* (the same here: n_turn - 1) */
+    if (!rc) rc = append(g, w, sg, sw, t, (int)got_w, n_turn - (int)got_w, 0, &seed);
+    if (!rc) rc = pkv_seq_drop_front(w, sw[t], (uint32_t)(n_turn - W));
+    if (!rc) rc = decode(g, w, sg, sw, t, 1, n_turn - 1, &seed, &worst);
     if (rc) {
         fprintf(stderr, "hybrid_window: %s\n", pkv_strerror(rc));
         return 1;
@@ -186,13 +220,18 @@ int main(void) {
     printf("hybrid_window: %d sequences of %d positions, window %d: global layers' cache %u blocks, windowed "
            "layers' %u in use (at most %u during the run, bound %u), %u cached, %llu tombstones; a second turn of "
            "sequence 0 matched %u positions in the global cache, %u in the windowed one under the window (%u "
-           "plainly); worst |out - direct| %.2e\n",
+           "plainly); after a restart, restored from host tiers: %u positions in the global cache (%u blocks "
+           "saved), %u in the windowed one (%u blocks saved, front %u); worst |out - direct| %.2e\n",
            SEQS, LEN, W, sg_st.n_active, sw_st.n_active, most_local, bound, sw_st.n_cached,
-           (unsigned long long)tomb_st.n_tombstones, hit_g, hit_w, hit_plain, worst);
-    if (worst > 1e-4 || most_local > bound || hit < LEN || tomb_st.n_tombstones == 0) {
+           (unsigned long long)tomb_st.n_tombstones, hit_g, hit_w, hit_plain, got_g, saved_g, got_w, saved_w,
+           rw.n_dropped, worst);
+    if (worst > 1e-4 || most_local > bound || hit < LEN || tomb_st.n_tombstones == 0 || got_w != (uint32_t)n_turn - 1 ||
+        saved_w >= saved_g || rw.n_dropped == 0) {
         fprintf(stderr, "hybrid_window: FAILED\n");
         return 1;
     }
+    pkv_tier_destroy(tg);
+    pkv_tier_destroy(tw);
     pkv_cache_destroy(g);
     pkv_cache_destroy(w);
     return 0;

@@ -615,7 +615,10 @@ PKV_NODISCARD PKV_API int pkv_pin_release(pkv_cache *c, pkv_seq pin);
  * blocks a prompt could reuse. With config event_capacity > 0 the cache records, under its lock
  * and in order, every change of its prefix index:
  *   PKV_EVENT_STORED   a full committed block was indexed (pkv_seq_commit, pkv_tier_load, ...);
- *                      a parent's STORED always comes before its children's
+ *                      a parent's STORED always comes before its children's. A windowed tier
+ *                      load (pkv_tier_load_window) that skipped a front indexes the identities
+ *                      of the blocks before it as tombstones where the index lacks them: their
+ *                      STORED name no block (block n_blocks or more)
  *   PKV_EVENT_REMOVED  an indexed block was evicted to make room; children go before parents.
  *                      A dropped front's evicted block may leave a tombstone (pkv_seq_drop_front):
  *                      its identity stays, so REMOVED comes when that goes, after its children's
@@ -643,7 +646,8 @@ typedef struct pkv_event {
     uint32_t depth;       /* STORED / REMOVED: the block's index in its chain (positions depth x B
                              .. depth x B + B - 1) */
     uint32_t block;       /* STORED / REMOVED: the pool block at the time (compaction may move it);
-                             n_blocks or more: a tombstone (pkv_seq_drop_front), no block */
+                             n_blocks or more: a tombstone (pkv_seq_drop_front,
+                             pkv_tier_load_window), no block */
     uint32_t reserved;    /* 0 */
 } pkv_event;
 
@@ -1197,7 +1201,11 @@ PKV_NODISCARD PKV_API int pkv_tier_get_stats(pkv_tier *t, pkv_tier_stats *out);
 
 /* Stores the full committed blocks of s that t lacks (deepest first, so that a least-recently-
  * used store drops the ends of prefixes before their beginnings); *n_saved (may be NULL): how
- * many it stored. Blocks t has are only touched; blocks the store refuses for want of room are
+ * many it stored. Where s dropped its front (pkv_seq_drop_front, a windowed match or load), the
+ * blocks from the front on: an entry's key takes every id before it, and the ids of the dropped
+ * blocks come from the prefix index (their blocks or tombstones); where it no longer names them
+ * (prefix caching off, or an eviction took the chain's subtree) nothing is stored, and the call
+ * succeeds. Blocks t has are only touched; blocks the store refuses for want of room are
  * counted, not an error. A put that fails otherwise fails the call, and the entries it stored
  * are deleted again (up to the first del the store fails). PKV_ENOMEM: the token, key and flag
  * buffers could not be allocated (through the cache's allocator) or the entry buffer (through
@@ -1206,7 +1214,9 @@ PKV_NODISCARD PKV_API int pkv_tier_get_stats(pkv_tier *t, pkv_tier_stats *out);
  * stored only where s's full committed blocks hold those ids. */
 PKV_NODISCARD PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq s, uint32_t *n_saved);
 /* For a sequence whose positions [0, m) are all committed and are tokens[0, m) (m <= n; what
- * pkv_seq_match_prefix leaves, or an empty sequence): appends, writes and commits the positions
+ * pkv_seq_match_prefix leaves, or an empty sequence; one with a dropped front too, whose ids
+ * before the front are compared as the prefix index has them: where it no longer names them
+ * nothing is loaded, as pkv_tier_save stores nothing): appends, writes and commits the positions
  * of the prompt tokens[0, n) that the tier holds, block after block from the one holding
  * position m, up to the first block it lacks, and never the last token (as a prefix match).
  * *n_loaded: positions added. A block whose entry is missing, refused (then deleted), that the
