@@ -4,7 +4,9 @@
  * back from the tiers; the tiers are small too, so they evict while other threads read. Runs
  * under ThreadSanitizer in CI (label "thread"). The file tier prefetches (its own thread stages a
  * prompt's entries while the requesting thread matches), so loads take staged entries too, and
- * two saves in three to it are written back by that thread (pkv_tier_save_async). */
+ * two saves in three to it are written back by that thread (pkv_tier_save_async). A request in
+ * three is windowed: matched and loaded under a window of 12 (pkv_seq_match_prefix_window,
+ * pkv_tier_load_window), its front dropped before its save, its rows checked from the front. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -19,7 +21,7 @@
 #include <string.h>
 #include <unistd.h>
 
-enum { NTHR = 3, ITERS = 60, B = 4, LAYERS = 2, KVH = 2, HD = 32, VARIANTS = 4, MAXN = 40 };
+enum { NTHR = 3, ITERS = 60, B = 4, LAYERS = 2, KVH = 2, HD = 32, VARIANTS = 4, MAXN = 40, W = 12 };
 
 typedef struct {
     pkv_cache *c;
@@ -49,6 +51,7 @@ static void *worker(void *p) {
         const uint32_t v = tu_rng_below(&r, VARIANTS), n = 2 + tu_rng_below(&r, MAXN - 1);
         for (uint32_t i = 0; i < n; i++) toks[i] = (int32_t)(1000 * v + i);
         pkv_tier *t = a->tiers[it % 2];
+        const bool win = it % 3 == 2; /* a windowed request: matched and loaded under W, its front dropped */
         pkv_seq s;
         uint32_t reused = 0, got = 0, saved = 0;
         int rc;
@@ -58,9 +61,10 @@ static void *worker(void *p) {
         }
         rc = pkv_seq_create(a->c, "t", 1, &s);
         TCHECK(a, rc == PKV_OK, "create: %d", rc);
-        rc = pkv_seq_match_prefix(a->c, s, toks, n, &reused);
+        rc = win ? pkv_seq_match_prefix_window(a->c, s, toks, n, W, &reused)
+                 : pkv_seq_match_prefix(a->c, s, toks, n, &reused);
         TCHECK(a, rc == PKV_OK, "match: %d", rc);
-        rc = pkv_tier_load(t, a->c, s, toks, n, &got);
+        rc = win ? pkv_tier_load_window(t, a->c, s, toks, n, W, &got) : pkv_tier_load(t, a->c, s, toks, n, &got);
         TCHECK(a, rc == PKV_OK, "load: %d", rc);
         a->loaded += got;
         const uint32_t m = reused + got;
@@ -70,12 +74,16 @@ static void *worker(void *p) {
             TCHECK(a, rc == PKV_OK, "write: %d", rc);
             rc = pkv_seq_commit(a->c, s, n);
             TCHECK(a, rc == PKV_OK, "commit: %d", rc);
+            if (win && n >= W) { /* the next query, at n, sees from n - W + 1 on */
+                rc = pkv_seq_drop_front(a->c, s, n - W + 1);
+                TCHECK(a, rc == PKV_OK, "drop_front: %d", rc);
+            }
         } else
             TCHECK(a, rc == PKV_ENOSPC, "append: %d", rc);
         pkv_seq_info info;
         rc = pkv_seq_get_info(a->c, s, &info);
         TCHECK(a, rc == PKV_OK, "info: %d", rc);
-        long bad = tu_cmp_pattern(a->c, s, 0, info.n_committed, v);
+        long bad = tu_cmp_pattern(a->c, s, info.n_dropped, info.n_committed - info.n_dropped, v);
         TCHECK(a, bad == 0, "variant %u, n %u (reused %u, loaded %u): %ld elements differ", v, n, reused, got, bad);
         rc = pkv_tier_save(a->tiers[0], a->c, s, &saved);
         TCHECK(a, rc == PKV_OK, "save: %d", rc);
