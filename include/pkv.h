@@ -1273,6 +1273,14 @@ PKV_NODISCARD PKV_API int pkv_tier_prefetch_start(pkv_tier *t, uint64_t staging_
 PKV_NODISCARD PKV_API int pkv_tier_prefetch(pkv_tier *t, const pkv_cache *c, const void *salt, size_t salt_len,
                                             const int32_t *tokens, uint32_t n);
 
+/* pkv_tier_prefetch for a pkv_tier_load_window of the prompt into an empty sequence: the thread
+ * fetches the blocks the window of the whole prompt reads (from the front that load would set
+ * for the prompt's last full block on), in order, and stops at the first the store lacks (a
+ * window the store does not hold whole: the load then asks the store itself). window 0 is
+ * PKV_EINVAL; otherwise as pkv_tier_prefetch. */
+PKV_NODISCARD PKV_API int pkv_tier_prefetch_window(pkv_tier *t, const pkv_cache *c, const void *salt, size_t salt_len,
+                                                   const int32_t *tokens, uint32_t n, uint32_t window);
+
 /* Waits until every queued prefetch is done (staged, or stopped at a miss). PKV_EINVAL before
  * pkv_tier_prefetch_start. */
 PKV_NODISCARD PKV_API int pkv_tier_prefetch_wait(pkv_tier *t);

@@ -301,6 +301,7 @@ def _load():
         "pkv_tier_load_window": (_int, [_vp, _vp, _u64, _vp, _u32, _u32, _P(_u32)]),
         "pkv_tier_prefetch_start": (_int, [_vp, _u64]),
         "pkv_tier_prefetch": (_int, [_vp, _vp, _vp, _sz, _vp, _u32]),
+        "pkv_tier_prefetch_window": (_int, [_vp, _vp, _vp, _sz, _vp, _u32, _u32]),
         "pkv_tier_prefetch_wait": (_int, [_vp]),
         "pkv_tier_save_async": (_int, [_vp, _vp, _u64, _P(_u32)]),
         "pkv_tier_flush": (_int, [_vp]),
@@ -1204,17 +1205,24 @@ class Cache:
         return out.value
 
     @_in_call
-    def tier_prefetch(self, tier, tokens, salt=b""):
+    def tier_prefetch(self, tier, tokens, salt=b"", window=0):
         """Queues the prompt's full blocks (namespace salt, this cache's shape) for tier's prefetch
         thread to stage in host memory ahead of tier_load (pkv_tier_prefetch; Tier.prefetch_start
-        first); returns at once. BusyError when 64 prefetches are queued."""
+        first); returns at once. With window: only those the window of the whole prompt reads,
+        ahead of tier_load_window (pkv_tier_prefetch_window). BusyError when 64 prefetches are
+        queued."""
         if not isinstance(tier, Tier):
             raise _invalid("tier_prefetch: a pagedkv.Tier is needed, got %s" % type(tier).__name__)
         t = _i32_array(tokens, "tier_prefetch: tokens")
         salt = _salt_bytes(salt)
+        sp = salt if salt else None
         with tier._use():
-            _check(_lib.pkv_tier_prefetch(tier._t, self._h(), salt if salt else None, len(salt), _ptr(t), t.size),
-                   "pkv_tier_prefetch")
+            if window:
+                _check(_lib.pkv_tier_prefetch_window(tier._t, self._h(), sp, len(salt), _ptr(t), t.size, window),
+                       "pkv_tier_prefetch_window")
+            else:
+                _check(_lib.pkv_tier_prefetch(tier._t, self._h(), sp, len(salt), _ptr(t), t.size),
+                       "pkv_tier_prefetch")
 
     @_in_call
     def match_prefix(self, seq, tokens):

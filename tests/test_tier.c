@@ -846,10 +846,12 @@ static void test_window(void **state) {
     pkv_cache_destroy(c);
 }
 
-/* The windowed load against a store of the test's: a block missing inside the window rules out
- * every end past it, each block asked about once (25 probes for a prompt of 25 blocks, none
- * loadable: blocks 0-19 were never saved); a store that fails the third get of a load that
- * skipped its front leaves the sequence empty (a window that would reach past the front). */
+/* The windowed load against a store of the test's: prefetched under the window
+ * (pkv_tier_prefetch_window), it takes every block from staging; a block missing inside the
+ * window rules out every end past it, each block asked about once (25 probes for a prompt of 25
+ * blocks, none loadable: blocks 0-19 were never saved); a store that fails the third get of a
+ * load that skipped its front leaves the sequence empty (a window that would reach past the
+ * front). */
 static void test_window_faults(void **state) {
     (void)state;
     int32_t toks[WN];
@@ -868,15 +870,31 @@ static void test_window_faults(void **state) {
     uint32_t saved = 0, front = 9;
     TU_OK(pkv_tier_save(t, a, sa, &saved));
     assert_int_equal(saved, 5);
-    pkv_cache *b = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
+    /* prefetched under the window: the thread stages blocks 20-24 (those the whole prompt's
+       window reads), and the load takes them from staging: no get of its own goes to the store */
+    TU_OK(pkv_tier_prefetch_start(t, 1u << 22));
+    pkv_cache *p = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
+    TU_RC(pkv_tier_prefetch_window(t, p, "win", 3, toks, 201, 0), PKV_EINVAL);
+    TU_OK(pkv_tier_prefetch_window(t, p, "win", 3, toks, 201, WIN));
+    TU_OK(pkv_tier_prefetch_wait(t));
+    assert_int_equal(tstats(t).prefetched, 5);
+    const int gets = f.n_get;
     pkv_seq s;
+    assert_int_equal(load_window_fresh(t, p, toks, 201, &s, &front), 200);
+    assert_int_equal(front, 160);
+    same_rows_at(a, sa, p, s, 160, 40);
+    assert_int_equal(tstats(t).prefetch_hits, 5);
+    assert_int_equal(f.n_get, gets);
+    pkv_cache_destroy(p);
+    pkv_cache *b = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
     /* the third get fails: 2 blocks loaded, then the window (from 137) would need block 17 */
     f.fail_get_at = 2, f.n_get = 0;
+    const uint64_t loaded_before = tstats(t).loaded_blocks;
     assert_int_equal(load_window_fresh(t, b, toks, 201, &s, &front), 0);
     assert_int_equal(front, 0);
     pkv_tier_stats ts = tstats(t);
     assert_int_equal(ts.errors, 1);
-    assert_int_equal(ts.loaded_blocks, 0);
+    assert_int_equal(ts.loaded_blocks, loaded_before);
     pkv_stats st;
     TU_OK(pkv_cache_get_stats(b, &st));
     assert_int_equal(st.n_active, 0);

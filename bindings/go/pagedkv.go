@@ -2166,6 +2166,20 @@ func (t *Tier) PrefetchStart(stagingBytes uint64) error {
 // the fetch is done. ErrInvalid before PrefetchStart; ErrBusy while 64 prefetches are queued;
 // ErrClosed for a closed (or nil) tier or cache.
 func (t *Tier) Prefetch(c *Cache, salt []byte, tokens []int32) error {
+	return t.prefetch(c, salt, tokens, 0)
+}
+
+// PrefetchWindow is Prefetch for a TierLoadWindow of the prompt into an empty sequence
+// (pkv_tier_prefetch_window): the thread fetches the blocks the window of the whole prompt
+// reads, in order, up to the first the store lacks. ErrInvalid for window 0 too.
+func (t *Tier) PrefetchWindow(c *Cache, salt []byte, tokens []int32, window uint32) error {
+	if window == 0 {
+		return invalid("PrefetchWindow: window 0")
+	}
+	return t.prefetch(c, salt, tokens, window)
+}
+
+func (t *Tier) prefetch(c *Cache, salt []byte, tokens []int32, window uint32) error {
 	if len(salt) > 256 {
 		return invalid("Prefetch: salt of %d bytes, at most 256", len(salt))
 	}
@@ -2184,7 +2198,12 @@ func (t *Tier) Prefetch(c *Cache, salt []byte, tokens []int32) error {
 			return err
 		}
 		defer g.exit()
-		rc := C.pkv_tier_prefetch(tp, p, sp, C.size_t(len(salt)), i32p(tokens), n)
+		var rc C.int
+		if window == 0 {
+			rc = C.pkv_tier_prefetch(tp, p, sp, C.size_t(len(salt)), i32p(tokens), n)
+		} else {
+			rc = C.pkv_tier_prefetch_window(tp, p, sp, C.size_t(len(salt)), i32p(tokens), n, C.uint32_t(window))
+		}
 		op := "pkv_tier_prefetch"
 		switch rc {
 		case EINVAL:

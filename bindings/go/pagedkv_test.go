@@ -683,10 +683,19 @@ func TestTierLoadWindow(t *testing.T) {
 	if n, err := a.TierSave(tier, s); err != nil || n != 2 {
 		t.Fatalf("TierSave: %d, %v", n, err)
 	}
+	must(t, tier.PrefetchStart(1<<22)) // the window's blocks staged ahead of the load
+	if err := tier.PrefetchWindow(b, nil, toks, 0); code(err) != EINVAL {
+		t.Fatalf("PrefetchWindow, window 0: %v", err)
+	}
+	must(t, tier.PrefetchWindow(b, nil, toks, 20))
+	must(t, tier.PrefetchWait())
 	u, err := b.SeqCreate(nil)
 	must(t, err)
 	if n, err := b.TierLoadWindow(tier, u, toks, 20); err != nil || n != 64 {
 		t.Fatalf("TierLoadWindow: %d, %v", n, err)
+	}
+	if ts, err := tier.Stats(); err != nil || ts.Prefetched != 2 || ts.PrefetchHits != 2 {
+		t.Fatalf("prefetched %d, prefetch hits %d (%v); want 2, 2", ts.Prefetched, ts.PrefetchHits, err)
 	}
 	info, err := b.SeqInfo(u)
 	must(t, err)

@@ -742,6 +742,7 @@ struct pf_job {
     shape sh;       /* the cache's, as the entries' checks need it */
     uint32_t B, nb; /* block tokens; blocks to fetch */
     uint32_t known; /* ids in toks: the blocks' and up to PKV__MEDIA_MIN after them (key_next) */
+    uint32_t n, window; /* the prompt's length; pkv_tier_prefetch_window's window (0: none) */
     int32_t toks[]; /* [nb][B], then those */
 };
 
@@ -789,10 +790,13 @@ static pkv__tent *fetch_buffer(pkv_tier *t, const tkey *key, size_t entry) {
  * load would accept from the store, and a garbled one is left for the load to find there). */
 static void prefetch_job(pkv_tier *t, const pf_job *j) {
     tkey key = j->seed, parent;
+    /* under a window, the blocks a windowed load of the whole prompt reads (its front on) */
+    const uint32_t from = j->window ? plan_front(j->toks, j->n, j->nb, j->B, j->window) : 0;
     for (uint32_t i = 0; i < j->nb; i++) {
         const int32_t *bt = j->toks + (size_t)i * j->B;
         parent = key;
         if (!key_next(&parent, j->toks, i, j->B, j->known, &key)) return;
+        if (i < from) continue;
         pthread_mutex_lock(&t->mu);
         pkv__tent *have = pkv__tmap_find(&t->staged, key.b);
         if (have) pkv__tmap_touch(&t->staged, have);
@@ -940,8 +944,8 @@ static void prefetch_stop(pkv_tier *t) {
     t->pf_on = false;
 }
 
-PKV_API int pkv_tier_prefetch(pkv_tier *t, const pkv_cache *c, const void *salt, size_t salt_len,
-                              const int32_t *tokens, uint32_t n) {
+static int prefetch(pkv_tier *t, const pkv_cache *c, const void *salt, size_t salt_len, const int32_t *tokens,
+                    uint32_t n, uint32_t window) {
     if (!t || !c || (!salt && salt_len) || salt_len > 256 || (!tokens && n) || !thread_on(t)) return PKV_EINVAL;
     const uint32_t B = c->B, nb = PKV_MIN(n / B, c->max_bps);
     if (!nb) return PKV_OK;
@@ -952,7 +956,7 @@ PKV_API int pkv_tier_prefetch(pkv_tier *t, const pkv_cache *c, const void *salt,
     uint64_t ns_lo, ns_hi;
     pkv__salt_digest(salt, salt_len, &ns_lo, &ns_hi);
     key_seed(c, ns_lo, ns_hi, &j->seed);
-    j->next = NULL, j->B = B, j->nb = nb, j->sh = sh;
+    j->next = NULL, j->B = B, j->nb = nb, j->sh = sh, j->n = n, j->window = window;
     j->known = (uint32_t)PKV_MIN((uint64_t)n, (uint64_t)nb * B + PKV__MEDIA_MIN);
     memcpy(j->toks, tokens, (size_t)j->known * sizeof(int32_t));
     pthread_mutex_lock(&t->mu);
@@ -967,6 +971,16 @@ PKV_API int pkv_tier_prefetch(pkv_tier *t, const pkv_cache *c, const void *salt,
     pthread_mutex_unlock(&t->mu);
     if (full) pkv__free(&t->alloc, j, job_size(nb, B));
     return full ? PKV_EBUSY : PKV_OK;
+}
+
+PKV_API int pkv_tier_prefetch(pkv_tier *t, const pkv_cache *c, const void *salt, size_t salt_len,
+                              const int32_t *tokens, uint32_t n) {
+    return prefetch(t, c, salt, salt_len, tokens, n, 0);
+}
+
+PKV_API int pkv_tier_prefetch_window(pkv_tier *t, const pkv_cache *c, const void *salt, size_t salt_len,
+                                     const int32_t *tokens, uint32_t n, uint32_t window) {
+    return window ? prefetch(t, c, salt, salt_len, tokens, n, window) : PKV_EINVAL;
 }
 
 PKV_API int pkv_tier_prefetch_wait(pkv_tier *t) {

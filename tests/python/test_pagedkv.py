@@ -1137,8 +1137,13 @@ class TestCache(Base):
             a.drop_front(s, 45)  # a query at 64 sees from 45: blocks 0-1 go
             self.assertEqual(a.tier_save(t, s), 2)
             prompt = np.append(toks, 7)
+            t.prefetch_start(1 << 22)  # the window's blocks staged ahead of the load
+            b.tier_prefetch(t, prompt, window=20)
+            t.prefetch_wait()
+            self.assertEqual(t.stats().prefetched, 2)
             u = b.seq_create()
             self.assertEqual(b.tier_load_window(t, u, prompt, 20), 64)
+            self.assertEqual(t.stats().prefetch_hits, 2)
             self.assertEqual(b.seq_info(u).n_dropped, 32)
             st = b.stats()
             self.assertEqual((st["n_tombstones"], st["n_indexed"]), (2, 2))

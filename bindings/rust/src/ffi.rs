@@ -399,6 +399,15 @@ extern "C" {
         tokens: *const i32,
         n: u32,
     ) -> c_int;
+    pub fn pkv_tier_prefetch_window(
+        t: *mut pkv_tier,
+        c: *const pkv_cache,
+        salt: *const c_void,
+        salt_len: usize,
+        tokens: *const i32,
+        n: u32,
+        window: u32,
+    ) -> c_int;
     pub fn pkv_tier_prefetch_wait(t: *mut pkv_tier) -> c_int;
     pub fn pkv_tier_save_async(t: *mut pkv_tier, c: *mut pkv_cache, s: pkv_seq, n_queued: *mut u32) -> c_int;
     pub fn pkv_tier_flush(t: *mut pkv_tier) -> c_int;

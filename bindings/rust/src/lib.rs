@@ -827,6 +827,20 @@ impl Tier {
     /// fetch is done. `InvalidArgument` before [`Tier::prefetch_start`]; `Busy` while 64
     /// prefetches are queued.
     pub fn prefetch(&self, cache: &Cache, salt: &[u8], tokens: &[i32]) -> Result<()> {
+        self.prefetch_in(cache, salt, tokens, 0)
+    }
+
+    /// [`Tier::prefetch`] for a [`Cache::tier_load_window`] of the prompt into an empty sequence
+    /// (pkv_tier_prefetch_window): the thread fetches the blocks the window of the whole prompt
+    /// reads, in order, up to the first the store lacks. `InvalidArgument` for window 0 too.
+    pub fn prefetch_window(&self, cache: &Cache, salt: &[u8], tokens: &[i32], window: u32) -> Result<()> {
+        if window == 0 {
+            return Err(invalid("Tier::prefetch_window: window 0".to_string()));
+        }
+        self.prefetch_in(cache, salt, tokens, window)
+    }
+
+    fn prefetch_in(&self, cache: &Cache, salt: &[u8], tokens: &[i32], window: u32) -> Result<()> {
         if salt.len() > 256 {
             return Err(invalid(format!(
                 "Tier::prefetch: salt of {} bytes, at most 256",
@@ -839,7 +853,14 @@ impl Tier {
         } else {
             salt.as_ptr() as *const c_void
         };
-        let rc = unsafe { ffi::pkv_tier_prefetch(self.raw.as_ptr(), cache.p(), sp, salt.len(), tokens.as_ptr(), n) };
+        let (t, c, tp) = (self.raw.as_ptr(), cache.p(), tokens.as_ptr());
+        let rc = unsafe {
+            if window == 0 {
+                ffi::pkv_tier_prefetch(t, c, sp, salt.len(), tp, n)
+            } else {
+                ffi::pkv_tier_prefetch_window(t, c, sp, salt.len(), tp, n, window)
+            }
+        };
         check(
             rc,
             match rc {

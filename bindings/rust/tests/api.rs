@@ -839,8 +839,14 @@ fn tier_load_window() {
     a.drop_front(s, 45).unwrap(); // a query at 64 sees from 45: blocks 0-1 go
     assert_eq!(a.tier_save(&t, s).unwrap(), 2);
     toks.push(7);
+    t.prefetch_start(1 << 22).unwrap(); // the window's blocks staged ahead of the load
+    assert_eq!(t.prefetch_window(&b, b"", &toks, 0).unwrap_err().code(), EINVAL);
+    t.prefetch_window(&b, b"", &toks, 20).unwrap();
+    t.prefetch_wait().unwrap();
+    assert_eq!(t.stats().unwrap().prefetched, 2);
     let u = b.seq_create(b"").unwrap();
     assert_eq!(b.tier_load_window(&t, u, &toks, 20).unwrap(), 64);
+    assert_eq!(t.stats().unwrap().prefetch_hits, 2);
     assert_eq!(b.seq_info(u).unwrap().n_dropped, 32);
     let st = b.stats().unwrap();
     assert_eq!((st.n_tombstones, st.n_indexed), (2, 2));
