@@ -727,6 +727,19 @@ static void test_faults(void **state) {
 /* ---- sliding windows: a dropped front saved, and a windowed load of what the window reads ---- */
 enum { WN = 217, WIN = 40 };
 
+/* A conversation of 200 positions of toks in a (pattern TAG), its front dropped as a window of
+ * WIN leaves it for the next query (at 200: blocks 0-19 go). */
+static pkv_seq window_conversation(pkv_cache *a, const int32_t *toks) {
+    pkv_seq sa;
+    TU_OK(pkv_seq_create(a, "win", 3, &sa));
+    TU_OK(pkv_seq_append(a, sa, toks, 200, NULL));
+    TU_WRITE_PAT(a, sa, 0, 200, TAG);
+    TU_OK(pkv_seq_commit(a, sa, 200));
+    TU_OK(pkv_seq_drop_front(a, sa, 200 - WIN + 1)); /* the next query (200) sees 161 .. 200 */
+    assert_int_equal(tu_info(a, sa).n_dropped, 160);
+    return sa;
+}
+
 /* A fresh sequence of c loaded under the window from t with toks[0, n): the positions it gives
  * (asserted to be the sequence's length, all committed) and the front (positions). */
 static uint32_t load_window_fresh(pkv_tier *t, pkv_cache *c, const int32_t *toks, uint32_t n, pkv_seq *out,
@@ -758,13 +771,7 @@ static void test_window(void **state) {
     prompt(toks, WN, 3000);
     pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
     pkv_tier *t = host(1u << 24);
-    pkv_seq sa;
-    TU_OK(pkv_seq_create(a, "win", 3, &sa));
-    TU_OK(pkv_seq_append(a, sa, toks, 200, NULL));
-    TU_WRITE_PAT(a, sa, 0, 200, TAG);
-    TU_OK(pkv_seq_commit(a, sa, 200));
-    TU_OK(pkv_seq_drop_front(a, sa, 200 - WIN + 1)); /* the next query (200) sees 161 .. 200 */
-    assert_int_equal(tu_info(a, sa).n_dropped, 160);
+    const pkv_seq sa = window_conversation(a, toks);
     uint32_t saved = 99;
     TU_OK(pkv_tier_save(t, a, sa, &saved));
     assert_int_equal(saved, 5);
@@ -857,12 +864,7 @@ static void test_window_faults(void **state) {
     int32_t toks[WN];
     prompt(toks, WN, 3000);
     pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
-    pkv_seq sa;
-    TU_OK(pkv_seq_create(a, "win", 3, &sa));
-    TU_OK(pkv_seq_append(a, sa, toks, 200, NULL));
-    TU_WRITE_PAT(a, sa, 0, 200, TAG);
-    TU_OK(pkv_seq_commit(a, sa, 200));
-    TU_OK(pkv_seq_drop_front(a, sa, 161));
+    const pkv_seq sa = window_conversation(a, toks);
     fake f;
     fake_init(&f);
     pkv_tier *t = NULL;

@@ -2276,17 +2276,7 @@ func (c *Cache) TierSaveAsync(t *Tier, s Seq) (uint32, error) {
 // positions added. A miss, a refused entry or a full pool ends the load. It changes s as
 // MatchPrefix does, and moves rows as Truncate does (a refused entry's positions are cut).
 func (c *Cache) TierLoad(t *Tier, s Seq, tokens []int32) (uint32, error) {
-	n, err := u32(len(tokens), "TierLoad: tokens")
-	if err != nil {
-		return 0, err
-	}
-	var r C.uint32_t
-	err = t.use(func(tp *C.pkv_tier) error {
-		return c.op("pkv_tier_load", access{write: true, kv: useShared, rows: useAlone}, func(p *C.pkv_cache) C.int {
-			return C.pkv_tier_load(tp, p, C.pkv_seq(s), i32p(tokens), n, &r)
-		}, s)
-	})
-	return uint32(r), err
+	return c.tierLoad(t, s, tokens, false, 0)
 }
 
 // TierLoadWindow is TierLoad for layers that attend through a sliding window of window
@@ -2296,14 +2286,25 @@ func (c *Cache) TierLoad(t *Tier, s Seq, tokens []int32) (uint32, error) {
 // positions returned count the front's. Into a sequence that holds positions it is TierLoad.
 // ErrInvalid for window 0.
 func (c *Cache) TierLoadWindow(t *Tier, s Seq, tokens []int32, window uint32) (uint32, error) {
-	n, err := u32(len(tokens), "TierLoadWindow: tokens")
+	return c.tierLoad(t, s, tokens, true, window)
+}
+
+func (c *Cache) tierLoad(t *Tier, s Seq, tokens []int32, windowed bool, window uint32) (uint32, error) {
+	op := "pkv_tier_load"
+	if windowed {
+		op = "pkv_tier_load_window"
+	}
+	n, err := u32(len(tokens), op+": tokens")
 	if err != nil {
 		return 0, err
 	}
 	var r C.uint32_t
 	err = t.use(func(tp *C.pkv_tier) error {
-		return c.op("pkv_tier_load_window", access{write: true, kv: useShared, rows: useAlone}, func(p *C.pkv_cache) C.int {
-			return C.pkv_tier_load_window(tp, p, C.pkv_seq(s), i32p(tokens), n, C.uint32_t(window), &r)
+		return c.op(op, access{write: true, kv: useShared, rows: useAlone}, func(p *C.pkv_cache) C.int {
+			if windowed {
+				return C.pkv_tier_load_window(tp, p, C.pkv_seq(s), i32p(tokens), n, C.uint32_t(window), &r)
+			}
+			return C.pkv_tier_load(tp, p, C.pkv_seq(s), i32p(tokens), n, &r)
 		}, s)
 	})
 	return uint32(r), err

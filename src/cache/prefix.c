@@ -435,6 +435,18 @@ static bool fp_has(const uint64_t *t, uint32_t mask, uint64_t x) {
     return t[x & mask] == x || t[(x >> 32) & mask] == x;
 }
 
+/* A new index entry x (its hash and content hash set, linked below parent): counted among
+ * parent's children, in its hash bucket, and in the fingerprints of the miss reasons. */
+static void entry_put(pkv_cache *c, uint32_t x, uint32_t parent) {
+    pkv__blk *k = &c->blk[x];
+    if (parent != PKV_NONE) c->blk[parent].n_children++;
+    uint32_t *bucket = &c->buckets[k->hash & c->bucket_mask];
+    k->hnext = *bucket;
+    *bucket = x;
+    fp_put(c->fp_seen, c->fp_mask, k->hash);
+    fp_put(c->fp_content, c->fp_mask, k->chash);
+}
+
 /* Makes block b (full, committed, table[i] of s) an index entry under parent. */
 static void index_insert(pkv_cache *c, const pkv__seq *s, uint32_t b, uint32_t parent, uint64_t h, uint32_t depth) {
     pkv__blk *k = &c->blk[b];
@@ -451,12 +463,7 @@ static void index_insert(pkv_cache *c, const pkv__seq *s, uint32_t b, uint32_t p
     k->ns_hi = parent == PKV_NONE ? s->ns_hi : 0;
     pkv__tree_link(c, parent, b);
     if (!linked) pkv__hot_up(c, parent);
-    if (parent != PKV_NONE) c->blk[parent].n_children++;
-    uint32_t *bucket = &c->buckets[h & c->bucket_mask];
-    k->hnext = *bucket;
-    *bucket = b;
-    fp_put(c->fp_seen, c->fp_mask, h);
-    fp_put(c->fp_content, c->fp_mask, k->chash);
+    entry_put(c, b, parent);
     c->n_indexed++;
     pkv__event_block(c, PKV_EVENT_STORED, b);
 }
@@ -782,12 +789,7 @@ static uint32_t tomb_new(pkv_cache *c, const pkv__seq *s, uint32_t parent, uint6
     k->ns_hi = parent == PKV_NONE ? s->ns_hi : 0;
     memcpy(c->tokens + (size_t)t * c->B, toks, (size_t)c->B * sizeof(int32_t));
     pkv__tree_link(c, parent, t);
-    if (parent != PKV_NONE) c->blk[parent].n_children++;
-    uint32_t *bucket = &c->buckets[h & c->bucket_mask];
-    k->hnext = *bucket;
-    *bucket = t;
-    fp_put(c->fp_seen, c->fp_mask, h);
-    fp_put(c->fp_content, c->fp_mask, k->chash);
+    entry_put(c, t, parent);
     c->n_tombs++;
     pkv__event_block(c, PKV_EVENT_STORED, t);
     return t;

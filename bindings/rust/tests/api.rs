@@ -834,7 +834,8 @@ fn tier_load_window() {
     let s = a.seq_create(b"").unwrap();
     let slots = a.append(s, &toks).unwrap();
     let (k, v) = (rng.vec(64 * 2 * 32), rng.vec(64 * 2 * 32));
-    a.write_kv(0, &slots, Some(KvData::F32(&k)), Some(KvData::F32(&v))).unwrap();
+    a.write_kv(0, &slots, Some(KvData::F32(&k)), Some(KvData::F32(&v)))
+        .unwrap();
     a.commit(s, 64).unwrap();
     a.drop_front(s, 45).unwrap(); // a query at 64 sees from 45: blocks 0-1 go
     assert_eq!(a.tier_save(&t, s).unwrap(), 2);
