@@ -263,10 +263,12 @@ static void unindex(pkv_cache *c, uint32_t b) {
  * says nothing, and REMOVED comes when the tombstone goes (its children's first, as ever; its
  * block field then names the tombstone: n_blocks or more); n_indexed counts blocks only. It
  * lives while an entry is below it (pkv__tomb_prune frees it when its last child goes), until
- * pkv_cache_reset, or until a sequence indexes the same block again (tomb_fill, at commit: the
- * block takes its place and its subtree). A plain
- * match (pkv_seq_match_prefix) stops at one, as at an evicted block. With every tombstone in use
- * (tomb_cap: 4 x n_blocks) eviction takes the subtree out as before. */
+ * pkv_cache_reset, or until a sequence indexes the same block again (take_place, at commit: the
+ * block takes its place and its subtree). A windowed tier load that skipped a front makes
+ * tombstones for the identities before it that the index lacks (tomb_new: STORED said), its
+ * first block linked below them at once. A plain match (pkv_seq_match_prefix) stops at one, as
+ * at an evicted block. With every tombstone in use (tomb_cap: 4 x n_blocks) eviction takes the
+ * subtree out as before. */
 void pkv__cache_test_tombs(pkv_cache *c, uint32_t n) {
     pthread_mutex_lock(&c->mu);
     c->tomb_lim = PKV_MIN(n, c->tomb_cap);
