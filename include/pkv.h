@@ -1241,8 +1241,10 @@ PKV_NODISCARD PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq s, co
  * K/V of theirs was loaded (pkv_seq_get_info's n_dropped: the front; pkv_tier_stats counts the
  * positions loaded). Its blocks enter the prefix index below the identities of the blocks before
  * the front, from tokens: the index's own entries where it has them, else tombstones made for
- * them (PKV_EVENT_STORED said for each, its block n_blocks or more), so pkv_seq_match_prefix_window
- * and pkv_tier_save go on from it (nothing indexed where no tombstone is free). Where the load
+ * them (PKV_EVENT_STORED said for each, its block n_blocks or more; all or none: nothing is
+ * indexed where too few tombstones are free), so pkv_seq_match_prefix_window and pkv_tier_save
+ * go on from it; where its first block is indexed already (another request's), the sequence
+ * takes that block instead of the copy it loaded. Where the load
  * ends early (an entry gone since, refused, no room), so that the window would reach back past
  * the front, the sequence goes back to empty and *n_loaded is 0. Into a sequence that holds
  * positions (a windowed match's, pkv_tier_load's) it is pkv_tier_load: the blocks from the one

@@ -920,6 +920,125 @@ static void test_window_faults(void **state) {
     pkv_cache_destroy(b);
 }
 
+void pkv__cache_test_tombs(pkv_cache *c, uint32_t n); /* cache_int.h */
+
+/* How the front of a windowed load is linked into the index (the review's cases of stop 92):
+ * - two windowed loads of one prompt (two requests matched before either loaded): the second's
+ *   first block has an indexed twin, the first's: it takes that block, so its chain is the
+ *   index's and its continuation's save stores the 2 new blocks;
+ * - too few tombstones for the front: none made, no event, nothing indexed (the load itself
+ *   succeeds);
+ * - a front block the index has only as a full registered partial (its indexed twin evicted):
+ *   the partial is made the entry, no tombstone beside it, so the same plain match twice finds
+ *   the same 16 positions (a tombstone there gave 8, then 16);
+ * - B = 1: the block of the prompt's last token (which no load gives) is not probed: no miss. */
+static void test_window_link(void **state) {
+    (void)state;
+    int32_t toks[WN];
+    prompt(toks, WN, 3000);
+    pkv_tier *t = host(1u << 24);
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
+    uint32_t saved = 0, got = 0, r = 9;
+    TU_OK(pkv_tier_save(t, a, window_conversation(a, toks), &saved));
+    assert_int_equal(saved, 5);
+    pkv_cache_destroy(a);
+    pkv_config cfg = tu_config(40, B, LAYERS, KV, HD, PKV_DTYPE_F16);
+    cfg.enable_prefix_cache = 1;
+    cfg.event_capacity = 256;
+    pkv_cache *b = tu_create(&cfg);
+    pkv_seq x, y;
+    TU_OK(pkv_seq_create(b, "win", 3, &x));
+    TU_OK(pkv_seq_create(b, "win", 3, &y));
+    TU_OK(pkv_seq_match_prefix_window(b, y, toks, 201, WIN, &r));
+    assert_int_equal(r, 0);
+    TU_OK(pkv_tier_load_window(t, b, x, toks, 201, WIN, &got));
+    assert_int_equal(got, 200);
+    TU_OK(pkv_tier_load_window(t, b, y, toks, 201, WIN, &got));
+    assert_int_equal(got, 200);
+    pkv_stats st;
+    TU_OK(pkv_cache_get_stats(b, &st));
+    assert_int_equal(st.n_active, 9); /* x's 5, y's own 4 (its first is x's) */
+    TU_CHECK(b);
+    TU_OK(pkv_seq_append(b, y, toks + 200, 16, NULL));
+    TU_WRITE_PAT(b, y, 200, 16, TAG);
+    TU_OK(pkv_seq_commit(b, y, 216));
+    TU_OK(pkv_tier_save(t, b, y, &saved));
+    assert_int_equal(saved, 2);
+    same_rows_at(b, x, b, y, 160, 40);
+    pkv_cache_destroy(b);
+    /* too few tombstones: 20 wanted, 5 allowed */
+    b = tu_create(&cfg);
+    pkv__cache_test_tombs(b, 5);
+    TU_OK(pkv_seq_create(b, "win", 3, &x));
+    TU_OK(pkv_tier_load_window(t, b, x, toks, 201, WIN, &got));
+    assert_int_equal(got, 200);
+    pkv_event ev[8];
+    size_t n_ev = 9;
+    TU_OK(pkv_cache_take_events(b, ev, 8, NULL, &n_ev));
+    assert_int_equal(n_ev, 0);
+    TU_OK(pkv_cache_get_stats(b, &st));
+    assert_int_equal(st.n_tombstones, 0);
+    assert_int_equal(st.n_indexed, 0);
+    TU_CHECK(b);
+    pkv_cache_destroy(b);
+    pkv_tier_destroy(t);
+    /* the front as a full registered partial: B = 8, a window of 8, 17 tokens */
+    int32_t p[17], other[56];
+    for (int i = 0; i < 17; i++) p[i] = 100 + i;
+    for (int i = 0; i < 56; i++) other[i] = 9000 + i;
+    t = host(1u << 24);
+    a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 16, LAYERS);
+    pkv_seq sa = filled(a, NULL, p, 16);
+    TU_OK(pkv_seq_drop_front(a, sa, 9));
+    TU_OK(pkv_tier_save(t, a, sa, &saved));
+    assert_int_equal(saved, 1);
+    b = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 8, LAYERS);
+    pkv_seq q = filled(b, NULL, p, 1); /* a registered partial of block 0 */
+    pkv_seq s2 = filled(b, NULL, p, 8);  /* block 0 indexed */
+    TU_OK(pkv_seq_append(b, q, p + 1, 7, NULL));
+    TU_WRITE_PAT(b, q, 1, 7, TAG);
+    TU_OK(pkv_seq_commit(b, q, 8)); /* full, its twin indexed: it stays a partial */
+    TU_OK(pkv_seq_release(b, s2));
+    TU_OK(pkv_seq_release(b, filled(b, NULL, other, 56))); /* s2's block evicted */
+    TU_OK(pkv_cache_get_stats(b, &st));
+    assert_int_equal(st.n_indexed, 7);
+    TU_OK(pkv_seq_create(b, NULL, 0, &y));
+    TU_OK(pkv_tier_load_window(t, b, y, p, 17, 8, &got));
+    assert_int_equal(got, 16);
+    assert_int_equal(tu_info(b, y).n_dropped, 8);
+    TU_OK(pkv_cache_get_stats(b, &st));
+    assert_int_equal(st.n_tombstones, 0);
+    TU_CHECK(b);
+    for (int i = 0; i < 2; i++) {
+        pkv_seq m;
+        TU_OK(pkv_seq_create(b, NULL, 0, &m));
+        TU_OK(pkv_seq_match_prefix(b, m, p, 17, &r));
+        assert_int_equal(r, 16);
+        TU_CHECK(b);
+        TU_OK(pkv_seq_release(b, m));
+    }
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+    pkv_tier_destroy(t);
+    /* B = 1 */
+    pkv_config c1 = tu_config(64, 1, LAYERS, KV, HD, PKV_DTYPE_F16);
+    c1.enable_prefix_cache = 1;
+    a = tu_create(&c1);
+    b = tu_create(&c1);
+    t = host(1u << 24);
+    TU_OK(pkv_tier_save(t, a, filled(a, NULL, toks, 29), &saved));
+    assert_int_equal(saved, 29);
+    TU_OK(pkv_seq_create(b, NULL, 0, &y));
+    TU_OK(pkv_tier_load_window(t, b, y, toks, 30, 5, &got));
+    assert_int_equal(got, 29);
+    assert_int_equal(tu_info(b, y).n_dropped, 25);
+    assert_int_equal(tstats(t).load_misses, 0);
+    TU_CHECK(b);
+    pkv_cache_destroy(a);
+    pkv_cache_destroy(b);
+    pkv_tier_destroy(t);
+}
+
 /* Random requests under a window of 20 over two small caches and a host tier of 12 entries:
  * each is matched under the window (pkv_seq_match_prefix_window), loaded under it
  * (pkv_tier_load_window), computed, committed, drops what the window passed and is saved; at
@@ -1519,7 +1638,7 @@ int main(void) {
         cmocka_unit_test(test_lru),       cmocka_unit_test(test_file),        cmocka_unit_test(test_faults),
         cmocka_unit_test(test_alloc_faults), cmocka_unit_test(test_random), cmocka_unit_test(test_use_order),
         cmocka_unit_test(test_prefetch),  cmocka_unit_test(test_write_back),  cmocka_unit_test(test_window),
-        cmocka_unit_test(test_window_faults), cmocka_unit_test(test_window_random),
+        cmocka_unit_test(test_window_faults), cmocka_unit_test(test_window_link), cmocka_unit_test(test_window_random),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -510,8 +510,9 @@ int tool_sim(int argc, char **argv) {
                        (double)res[i].swap_peak_bytes / 1048576.0);
             for (int i = 0; c.so.tier_bytes && i < n_run; i++)
                 if (res[i].policy == SIM_PAGED_PREFIX)
-                    printf("%s: --tier %s of %.1f MiB: %llu prompt positions loaded from it (beside %llu matched in "
-                           "the pool), %llu blocks saved, %llu dropped for room, %.1f MiB held at the end\n",
+                    printf("%s: --tier %s of %.1f MiB: %llu prompt positions from it (loaded, or a windowed load's "
+                           "skipped front; beside %llu matched in the pool), %llu blocks saved, %llu dropped for "
+                           "room, %.1f MiB held at the end\n",
                            sim_policy_names[res[i].policy], c.so.tier_dir ? "file" : "host",
                            (double)c.so.tier_bytes / 1048576.0, (unsigned long long)res[i].tier_hit_tokens,
                            (unsigned long long)res[i].prefix_hit_tokens, (unsigned long long)res[i].tier_saved_blocks,

@@ -118,7 +118,8 @@ typedef struct sim_result {
     uint32_t swap_outs;           /* --preempt swap: preemptions that kept their K/V on the host */
     uint64_t swap_in_tokens;      /* positions written back from the host, not recomputed */
     uint64_t swap_peak_bytes;     /* host bytes held at most */
-    uint64_t tier_hit_tokens;     /* --tier: prompt positions loaded from the tier */
+    uint64_t tier_hit_tokens;     /* --tier: prompt positions the tier gave (under --window, a
+                                     windowed load's skipped front too: positions not computed) */
     uint64_t tier_saved_blocks;   /* blocks stored in it */
     uint64_t tier_evictions;      /* entries it dropped for room */
     uint64_t tier_bytes;          /* bytes it held at the end */

@@ -2205,6 +2205,9 @@ func (t *Tier) prefetch(c *Cache, salt []byte, tokens []int32, window uint32) er
 			rc = C.pkv_tier_prefetch_window(tp, p, sp, C.size_t(len(salt)), i32p(tokens), n, C.uint32_t(window))
 		}
 		op := "pkv_tier_prefetch"
+		if window != 0 {
+			op = "pkv_tier_prefetch_window"
+		}
 		switch rc {
 		case EINVAL:
 			op += ": PrefetchStart not called"

@@ -218,11 +218,13 @@ uint32_t pkv__window_front(uint32_t r, uint32_t window, uint32_t B);
 bool pkv__seq_front_ids(const pkv_cache *c, const pkv__seq *s, int32_t *toks);
 /* For a windowed tier load that started an empty sequence past its front (pkv__seq_skip): links
  * its chain into the index, as a windowed match would have found it. The dropped blocks'
- * identities, from tokens[0, n_dropped x B), are found in the index or made tombstones (STORED
- * said for each: a new entry, with no K/V), and s's full committed blocks from the front on are
- * indexed below them as a commit indexes them. Nothing where prefix caching is off, where s's
- * block at the front is not full and committed or is indexed already, where its twin is indexed,
- * or where no tombstone is free (those made go again: REMOVED). Takes the lock. */
+ * identities, from tokens[0, n_dropped x B), are found in the index (a full registered partial
+ * is made the entry) or made tombstones (STORED said for each: a new entry, with no K/V), and
+ * s's full committed blocks from the front on are indexed below them as a commit indexes them;
+ * where the first of them is indexed already (another block), s takes that block instead of its
+ * copy. Nothing where prefix caching is off, where s's block at the front is not full and
+ * committed or is indexed already, or where too few tombstones are free for those missing (none
+ * made then). Takes the lock. */
 void pkv__seq_link_front(pkv_cache *c, pkv_seq id, const int32_t *tokens);
 /* Sequence id, holding no block (empty, or every block dropped, as only this leaves it), gets
  * length pos (a multiple of B; 0: empty again) with every block dropped, committed. PKV_EINVAL

@@ -173,7 +173,7 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
 /* The prefix index's hash chains: every entry a block or tombstone in range, INDEXED, in the
  * bucket its hash names, and no chain cycling (so the walks of check_blocks and of lookup stay in
  * bounds and only ever meet index entries). O(buckets + n_blocks + tomb_cap): buckets <= 4
- * n_blocks. */
+ * n_blocks, or 16. */
 static int check_index_chains(pkv_cache *c, report *r, uint64_t *n_root_entries) {
     uint64_t n = 0;
     const uint64_t n_ids = (uint64_t)c->n_blocks + c->tomb_cap;

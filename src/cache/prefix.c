@@ -336,21 +336,28 @@ static void take_place(pkv_cache *c, uint32_t t, uint32_t b) {
  * would stop at the tombstone where the scan then copies the block and its commit fills the
  * tombstone: the same match again would find more. Scans the most recent PARTIAL_SCAN entries of
  * b's list (as the match's scan does). */
+/* The newest full registered partial among the first PARTIAL_SCAN entries of the list from head
+ * (a child list, or a root list: namespace ns there, 0 below a parent) whose token ids are
+ * toks; PKV_NONE where there is none. */
+static uint32_t full_partial(const pkv_cache *c, uint32_t head, uint64_t ns_lo, uint64_t ns_hi, const int32_t *toks) {
+    const uint32_t B = c->B;
+    uint32_t scanned = 0;
+    for (uint32_t ch = head; ch != PKV_NONE && scanned++ < PARTIAL_SCAN; ch = c->blk[ch].sib_next) {
+        const pkv__blk *x = &c->blk[ch];
+        if ((x->flags & PKV_BLKF_PARTIAL) && x->n_commit == B && x->ns_lo == ns_lo && x->ns_hi == ns_hi &&
+            !memcmp(c->tokens + (size_t)ch * B, toks, (size_t)B * sizeof(int32_t)))
+            return ch;
+    }
+    return PKV_NONE;
+}
+
 bool pkv__index_hand_over(pkv_cache *c, uint32_t b) {
     const pkv__blk *k = &c->blk[b];
     if (!(k->flags & PKV_BLKF_INDEXED)) return false;
-    const uint32_t B = c->B;
-    const int32_t *toks = c->tokens + (size_t)b * B;
-    uint32_t scanned = 0;
-    for (uint32_t ch = *pkv__tree_head(c, b); ch != PKV_NONE && scanned++ < PARTIAL_SCAN; ch = c->blk[ch].sib_next) {
-        const pkv__blk *x = &c->blk[ch];
-        if (!(x->flags & PKV_BLKF_PARTIAL) || x->n_commit != B || x->ns_lo != k->ns_lo || x->ns_hi != k->ns_hi ||
-            memcmp(c->tokens + (size_t)ch * B, toks, (size_t)B * sizeof(int32_t)))
-            continue;
-        take_place(c, b, ch);
-        return true;
-    }
-    return false;
+    const uint32_t p = full_partial(c, *pkv__tree_head(c, b), k->ns_lo, k->ns_hi, c->tokens + (size_t)b * c->B);
+    if (p == PKV_NONE) return false;
+    take_place(c, b, p);
+    return true;
 }
 
 /* After an eviction un-indexed blocks that sequences hold (each such holder dropped its front
@@ -805,25 +812,42 @@ void pkv__seq_link_front(pkv_cache *c, pkv_seq id, const int32_t *tokens) {
     if (!nd || s->idx_len != nd || nd >= s->n_blocks || s->n_committed < (nd + 1) * B) goto out;
     const uint32_t b = (uint32_t)s->table[nd];
     if (c->blk[b].flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) goto out;
-    uint32_t parent = PKV_NONE;
-    for (uint32_t i = 0; i < nd; i++) { /* the front's identities: found, or made tombstones */
+    /* the front's identities the index has: entries (blocks, tombstones), or a full registered
+       partial, made the entry (a tombstone beside it would hide its K/V from a plain match),
+       down to the first it lacks: every one below that is missing too (an entry's parent is one) */
+    uint32_t parent = PKV_NONE, i = 0;
+    for (; i < nd; i++) {
         const int32_t *t = tokens + (size_t)i * B;
         const uint64_t h = pkv__identity_hash(c, parent, s->ns_lo, s->ns_hi, t);
         uint32_t x = lookup(c, h, parent, s->ns_lo, s->ns_hi, t);
-        if (x == PKV_NONE && (x = tomb_new(c, s, parent, h, i, t)) == PKV_NONE) {
-            pkv__tomb_prune(c, parent); /* those made, childless */
-            goto out;
+        if (x == PKV_NONE) {
+            const bool root = parent == PKV_NONE;
+            x = full_partial(c, root ? c->roots[pkv__root_slot(c, s->ns_lo, s->ns_hi, t[0])] : c->blk[parent].child,
+                             root ? s->ns_lo : 0, root ? s->ns_hi : 0, t);
+            if (x == PKV_NONE) break;
+            index_insert(c, s, x, parent, h, i);
         }
         parent = x;
+    }
+    /* the rest become tombstones: all of them, or none where too few are free */
+    if (c->n_tombs + (nd - i) > c->tomb_lim) goto out;
+    for (; i < nd; i++) {
+        const int32_t *t = tokens + (size_t)i * B;
+        const uint64_t h = pkv__identity_hash(c, parent, s->ns_lo, s->ns_hi, t);
+        parent = tomb_new(c, s, parent, h, i, t);
+        pkv_assert(parent != PKV_NONE);
     }
     const int32_t *t = c->tokens + (size_t)b * B;
     const uint64_t h = pkv__identity_hash(c, parent, s->ns_lo, s->ns_hi, t);
     const uint32_t twin = lookup(c, h, parent, s->ns_lo, s->ns_hi, t);
     if (pkv__is_tomb(c, twin)) {
         take_place(c, twin, b);
-    } else if (twin != PKV_NONE) { /* (its parent was indexed before: nothing was made) */
-        pkv__tomb_prune(c, parent);
-        goto out;
+    } else if (twin != PKV_NONE) {
+        /* the same block is indexed already (a restore of what the pool still holds past the
+           front): s takes it, as a match would, and lets go of its copy (freed: not indexed) */
+        pkv__ref_block(c, twin);
+        s->table[nd] = (int32_t)twin;
+        pkv__drop_block(c, b);
     } else {
         index_insert(c, s, b, parent, h, nd);
     }

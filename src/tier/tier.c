@@ -601,7 +601,7 @@ static int load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, ui
         /* an empty sequence under a window: the latest end whose window's blocks the store has
            all, found from the last block down (each probed once: a block missing rules out
            every end past it, whose windows reach back over it) */
-        for (uint32_t e = keyed; e;) {
+        for (uint32_t e = PKV_MIN(keyed, (cap + B - 1) / B); e;) { /* (a block past cap loads nothing) */
             const uint32_t lo = plan_front(tokens, n, e, B, window);
             uint32_t j = e;
             int pr = 1;

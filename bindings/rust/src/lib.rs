@@ -841,13 +841,15 @@ impl Tier {
     }
 
     fn prefetch_in(&self, cache: &Cache, salt: &[u8], tokens: &[i32], window: u32) -> Result<()> {
+        let what = if window == 0 {
+            "Tier::prefetch"
+        } else {
+            "Tier::prefetch_window"
+        };
         if salt.len() > 256 {
-            return Err(invalid(format!(
-                "Tier::prefetch: salt of {} bytes, at most 256",
-                salt.len()
-            )));
+            return Err(invalid(format!("{}: salt of {} bytes, at most 256", what, salt.len())));
         }
-        let n = len_u32(tokens.len(), "Tier::prefetch: tokens")?;
+        let n = len_u32(tokens.len(), &format!("{}: tokens", what))?;
         let sp = if salt.is_empty() {
             ptr::null()
         } else {
@@ -861,12 +863,17 @@ impl Tier {
                 ffi::pkv_tier_prefetch_window(t, c, sp, salt.len(), tp, n, window)
             }
         };
+        let op = if window == 0 {
+            "pkv_tier_prefetch"
+        } else {
+            "pkv_tier_prefetch_window"
+        };
         check(
             rc,
-            match rc {
-                EINVAL => "pkv_tier_prefetch: prefetch_start not called",
-                EBUSY => "pkv_tier_prefetch: 64 prefetches queued",
-                _ => "pkv_tier_prefetch",
+            &match rc {
+                EINVAL => format!("{}: prefetch_start not called", op),
+                EBUSY => format!("{}: 64 prefetches queued", op),
+                _ => op.to_string(),
             },
         )
     }
