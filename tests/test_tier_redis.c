@@ -2,7 +2,8 @@
  * own: blocks saved through one tier object and loaded through another (another process's view)
  * byte for byte, key prefixes apart, a server that goes away (a save fails with PKV_EIO, a load
  * ends with what it has) and comes back (the tier connects again), and a full server under
- * noeviction (puts refused for want of room: not an error). Where the library was built without
+ * noeviction (puts refused for want of room: not an error), and a windowed restore (loaded and
+ * prefetched under a window). Where the library was built without
  * hiredis, pkv_tier_redis_create must answer PKV_ENOTSUP, and the rest is skipped; where it was
  * built with it, a missing redis-server fails the test (scripts/deps.sh installs it). */
 #include <stdarg.h>
@@ -610,10 +611,72 @@ static void test_redis_ahead(void **state) {
     pkv_cache_destroy(small);
 }
 
+/* Under a sliding window (pkv_tier_load_window) against the server: a 200-position conversation
+ * dropped to a window of 40 saves its last 5 blocks; another tier object restores them into an
+ * empty cache (the probes, the gets ahead and the loads on one connection): 200 positions, front
+ * 160, the rows byte for byte; then, prefetched under the window by the tier's thread on its own
+ * connection, the same from staging (5 staged, 5 taken). */
+static void test_redis_window(void **state) {
+    (void)state;
+    pkv_tier *t = NULL;
+    if (pkv_tier_redis_create("127.0.0.1", 1, NULL, 100, NULL, &t) == PKV_ENOTSUP) skip();
+    if (system("command -v redis-server >/dev/null 2>&1") != 0) fail_msg("redis-server is not installed");
+    const int port = 20000 + (int)((getpid() + 3) % 20000);
+    pid_t srv = start_server(port, "64mb", "allkeys-lru");
+    char prefix[64];
+    snprintf(prefix, sizeof prefix, "pkvwin:%d:", (int)getpid());
+    t = connect_tier(port, prefix);
+    enum { WN = 201, WIN = 40 };
+    int32_t toks[WN];
+    for (int i = 0; i < WN; i++) toks[i] = 7 + 5 * i;
+    pkv_cache *a = mk(40);
+    pkv_seq sa = filled(a, toks, 200);
+    TU_OK(pkv_seq_drop_front(a, sa, 200 - WIN + 1)); /* the next query (200) sees 161 .. 200 */
+    uint32_t saved = 0, got = 0;
+    TU_OK(pkv_tier_save(t, a, sa, &saved));
+    assert_int_equal(saved, 5);
+    pkv_tier *t2 = connect_tier(port, prefix);
+    for (int staged = 0; staged < 2; staged++) {
+        if (staged) {
+            TU_OK(pkv_tier_prefetch_start(t2, 1u << 24));
+            TU_OK(pkv_tier_prefetch_window(t2, a, NULL, 0, toks, WN, WIN));
+            TU_OK(pkv_tier_prefetch_wait(t2));
+            assert_int_equal(tstats(t2).prefetched, 5);
+        }
+        pkv_cache *b = mk(40);
+        pkv_seq s;
+        TU_OK(pkv_seq_create(b, NULL, 0, &s));
+        TU_OK(pkv_tier_load_window(t2, b, s, toks, WN, WIN, &got));
+        assert_int_equal(got, 200);
+        assert_int_equal(tu_info(b, s).n_dropped, 160);
+        const size_t kb = pkv_dtype_row_bytes(PKV_DTYPE_F16, HD) * KV * 40,
+                     vb = pkv_dtype_row_bytes(PKV_DTYPE_Q8_0, HD) * KV * 40;
+        uint8_t *x = malloc(kb + vb), *y = malloc(kb + vb);
+        for (uint32_t l = 0; l < LAYERS; l++) {
+            TU_OK(pkv_seq_read_stored(a, sa, l, 160, 40, x, x + kb));
+            TU_OK(pkv_seq_read_stored(b, s, l, 160, 40, y, y + kb));
+            assert_memory_equal(x, y, kb + vb);
+        }
+        free(x);
+        free(y);
+        TU_CHECK(b);
+        pkv_cache_destroy(b);
+    }
+    const pkv_tier_stats st = tstats(t2);
+    assert_int_equal(st.loaded_blocks, 10);
+    assert_int_equal(st.prefetch_hits, 5);
+    assert_int_equal(st.errors + st.rejected + st.load_misses, 0);
+    pkv_tier_destroy(t2);
+    pkv_tier_destroy(t);
+    stop_server(srv);
+    pkv_cache_destroy(a);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {cmocka_unit_test_teardown(test_redis, teardown),
                                        cmocka_unit_test_teardown(test_redis_store_ahead, teardown),
                                        cmocka_unit_test(test_redis_hang_up_mid_put),
-                                       cmocka_unit_test_teardown(test_redis_ahead, teardown)};
+                                       cmocka_unit_test_teardown(test_redis_ahead, teardown),
+                                       cmocka_unit_test_teardown(test_redis_window, teardown)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
