@@ -1234,9 +1234,12 @@ PKV_NODISCARD PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq s, co
  * the latest end (as pkv_tier_load's: never the last token, a media's last few ids given back)
  * for which the store has every block from that match's front on (the front as
  * pkv_seq_match_prefix_window sets it: the block boundary at or before end - window + 1, never
- * past the last whole block). It asks the store whether it has each block (a get with no buffer,
- * or staging: pkv_tier_prefetch), from the prompt's last full block down, each at most once,
- * before it loads any. The sequence comes back with its front dropped there, as after
+ * past the last whole block). It first loads the latest window (that of the prompt's last full
+ * block) with no question asked; where the store lacks one of its blocks, the ends past it are
+ * ruled out, and unless what was loaded is the window of the end at it, it asks the store
+ * whether it has each block from there down (a get with no buffer, or staging:
+ * pkv_tier_prefetch), each at most once, then loads. The sequence comes back with its front
+ * dropped there, as after
  * pkv_seq_drop_front, the positions before it counted in its length and in *n_loaded though no
  * K/V of theirs was loaded (pkv_seq_get_info's n_dropped: the front; pkv_tier_stats counts the
  * positions loaded). Its blocks enter the prefix index below the identities of the blocks before

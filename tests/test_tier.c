@@ -853,12 +853,13 @@ static void test_window(void **state) {
     pkv_cache_destroy(c);
 }
 
-/* The windowed load against a store of the test's: prefetched under the window
+/* The windowed load against a store of the test's: where the store holds the latest window
+ * whole, it only gets those blocks (no probe first); prefetched under the window
  * (pkv_tier_prefetch_window), it takes every block from staging; a block missing inside the
- * window rules out every end past it, each block asked about once (25 probes for a prompt of 25
- * blocks, none loadable: blocks 0-19 were never saved); a store that fails the third get of a
- * load that skipped its front leaves the sequence empty (a window that would reach past the
- * front). */
+ * window rules out every end past it, each block asked about once after that (3 gets, then 22
+ * probes for a prompt of 25 blocks, none loadable: blocks 0-19 were never saved); a store that
+ * fails the third get of a load that skipped its front leaves the sequence empty (a window that
+ * would reach past the front). */
 static void test_window_faults(void **state) {
     (void)state;
     int32_t toks[WN];
@@ -872,16 +873,25 @@ static void test_window_faults(void **state) {
     uint32_t saved = 0, front = 9;
     TU_OK(pkv_tier_save(t, a, sa, &saved));
     assert_int_equal(saved, 5);
+    /* the store holds the latest window whole (the usual case): the load asks nothing first,
+       5 gets and the 4 touches after (deepest first, for a least-recently-used store); the
+       probes of the first form (stop 92's) came on top: 14 calls */
+    pkv_cache *p = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
+    pkv_seq s;
+    f.n_calls = 0, f.n_get = 0;
+    assert_int_equal(load_window_fresh(t, p, toks, 201, &s, &front), 200);
+    assert_int_equal(f.n_get, 5);
+    assert_int_equal(f.n_calls, 9);
+    pkv_cache_destroy(p);
     /* prefetched under the window: the thread stages blocks 20-24 (those the whole prompt's
        window reads), and the load takes them from staging: no get of its own goes to the store */
     TU_OK(pkv_tier_prefetch_start(t, 1u << 22));
-    pkv_cache *p = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
+    p = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 40, LAYERS);
     TU_RC(pkv_tier_prefetch_window(t, p, "win", 3, toks, 201, 0), PKV_EINVAL);
     TU_OK(pkv_tier_prefetch_window(t, p, "win", 3, toks, 201, WIN));
     TU_OK(pkv_tier_prefetch_wait(t));
     assert_int_equal(tstats(t).prefetched, 5);
     const int gets = f.n_get;
-    pkv_seq s;
     assert_int_equal(load_window_fresh(t, p, toks, 201, &s, &front), 200);
     assert_int_equal(front, 160);
     same_rows_at(a, sa, p, s, 160, 40);

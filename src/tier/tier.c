@@ -555,6 +555,72 @@ static uint32_t plan_front(const int32_t *tokens, uint32_t n, uint32_t e, uint32
     return pkv__window_front(r, window, B);
 }
 
+/* A load's blocks on their way into its sequence. */
+typedef struct load_run {
+    pkv_tier *t;
+    pkv_cache *c;
+    pkv_seq id;
+    const int32_t *tokens;
+    uint32_t n, cap, full; /* the prompt's length, its positions a load may give, its full blocks */
+    const shape *sh;
+    const tkey *keys, *seed; /* keys[i]: block i's; seed: block 0's parent */
+    uint8_t *buf;            /* an entry */
+    uint32_t pos, blocks;    /* the sequence's length; blocks loaded */
+    uint32_t miss_at;        /* the block the store lacked (PKV_NONE: none) */
+    bool failed;             /* a store call failed */
+} load_run;
+
+/* Appends, writes (not commits) blocks [from, end) of the prompt from L->pos on, up to a block
+ * the store lacks (L->miss_at), a store failure, an entry refused (then deleted) or no room in
+ * the pool: each ends the run, successfully. Fails only where the sequence changed under the
+ * call. */
+static int load_blocks(load_run *L, uint32_t from, uint32_t end) {
+    pkv_tier *t = L->t;
+    pkv_cache *c = L->c;
+    const shape *sh = L->sh;
+    const uint32_t B = c->B;
+    for (uint32_t i = from; i < end && L->pos < L->cap; i++) {
+        const tkey *key = &L->keys[i], *prev = i ? &L->keys[i - 1] : L->seed;
+        const int32_t *bt = L->tokens + (size_t)i * B;
+        size_t len = 0;
+        int g = PKV_OK;
+        if (!take_staged(t, key, L->buf, sh->entry, &len)) {
+            want_ahead(t, t->ctx, key, L->tokens, i, L->full, B, L->n);
+            g = t->ops.get(t->ctx, key->b, L->buf, sh->entry, &len);
+        }
+        if (g == PKV_ENOENT) {
+            L->miss_at = i;
+            return PKV_OK;
+        }
+        if (g != PKV_OK && g != PKV_ENOSPC) {
+            COUNT(t, errors, 1);
+            L->failed = true;
+            return PKV_OK;
+        }
+        if (g == PKV_ENOSPC || !entry_ok(sh, L->buf, len, key, prev, bt)) {
+            reject(t, key);
+            return PKV_OK;
+        }
+        const uint32_t at = L->pos, to = PKV_MIN((i + 1) * B, L->cap), cnt = to - at;
+        const int a = pkv_seq_append(c, L->id, L->tokens + at, cnt, NULL);
+        if (a == PKV_ENOSPC || a == PKV_ELIMIT) return PKV_OK; /* no room: the load ends, successfully */
+        if (a) return a;                                       /* only where s changed under the call */
+        const uint8_t *p = L->buf + sizeof(tier_hdr) + (size_t)B * sizeof(int32_t);
+        const size_t skip = at - (size_t)i * B;
+        int w = PKV_OK;
+        for (uint32_t l = 0; !w && l < c->n_layers; l++, p += sh->layer)
+            w = pkv_seq_write_stored(c, L->id, l, at, cnt, p + skip * sh->k_rows,
+                                     sh->v_rows ? p + (size_t)B * sh->k_rows + skip * sh->v_rows : NULL);
+        if (w) { /* rows the cache refuses (crafted to pass the checksum): a refused entry */
+            const int r = pkv_seq_truncate(c, L->id, at);
+            reject(t, key);
+            return r;
+        }
+        L->pos = to, L->blocks++;
+    }
+    return PKV_OK;
+}
+
 /* pkv_tier_load (window 0) and pkv_tier_load_window. */
 static int load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, uint32_t window,
                 uint32_t *n_loaded, const char *api) {
@@ -597,76 +663,56 @@ static int load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, ui
         while (keyed < full && key_next(keyed ? &keys[keyed - 1] : &seed, tokens, keyed, B, n, &keys[keyed])) keyed++;
         end = keyed;
     }
-    if (!rc && known && window && !m && keyed) {
-        /* an empty sequence under a window: the latest end whose window's blocks the store has
-           all, found from the last block down (each probed once: a block missing rules out
-           every end past it, whose windows reach back over it) */
-        for (uint32_t e = PKV_MIN(keyed, (cap + B - 1) / B); e;) { /* (a block past cap loads nothing) */
-            const uint32_t lo = plan_front(tokens, n, e, B, window);
-            uint32_t j = e;
-            int pr = 1;
-            while (j > lo && (pr = probe(t, &keys[j - 1])) == 1) j--;
-            if (pr < 0) { /* nothing more is asked of a failing store */
-                COUNT(t, errors, 1);
-                failed = true;
-                end = 0;
-                break;
-            }
-            if (j == lo) {
-                start = lo, end = e;
-                break;
-            }
-            miss = true;
-            end = e = j - 1;
-        }
-        if (start) { /* the blocks before start are skipped: s's dropped front */
-            rc = pkv__seq_skip(c, id, start * B, api);
-            pos = start * B;
-        }
-    }
+    load_run L = {.t = t, .c = c, .id = id, .tokens = tokens, .n = n, .cap = cap, .full = full, .sh = &sh,
+                  .keys = keys, .seed = &seed, .buf = buf, .pos = m, .miss_at = PKV_NONE};
     if (!rc && known) {
-        for (uint32_t i = start; i < end && pos < cap; i++) {
-            const tkey *key = &keys[i], *prev = i ? &keys[i - 1] : &seed;
-            const int32_t *bt = tokens + (size_t)i * B;
-            size_t len = 0;
-            int g = PKV_OK;
-            if (!take_staged(t, key, buf, sh.entry, &len)) {
-                want_ahead(t, t->ctx, key, tokens, i, full, B, n);
-                g = t->ops.get(t->ctx, key->b, buf, sh.entry, &len);
-            }
-            if (g == PKV_ENOENT) {
-                miss = true;
-                break;
-            }
-            if (g != PKV_OK && g != PKV_ENOSPC) {
-                COUNT(t, errors, 1);
-                failed = true;
-                break;
-            }
-            if (g == PKV_ENOSPC || !entry_ok(&sh, buf, len, key, prev, bt)) {
-                reject(t, key);
-                break;
-            }
-            const uint32_t from = pos, to = PKV_MIN((i + 1) * B, cap), cnt = to - from;
-            const int a = pkv_seq_append(c, id, tokens + from, cnt, NULL);
-            if (a == PKV_ENOSPC || a == PKV_ELIMIT) break; /* no room: the load ends, successfully */
-            if (a) { /* only where s changed under the call */
-                rc = a;
-                break;
-            }
-            const uint8_t *p = buf + sizeof(tier_hdr) + (size_t)B * sizeof(int32_t);
-            const size_t skip = from - (size_t)i * B;
-            int w = PKV_OK;
-            for (uint32_t l = 0; !w && l < c->n_layers; l++, p += sh.layer)
-                w = pkv_seq_write_stored(c, id, l, from, cnt, p + skip * sh.k_rows,
-                                         sh.v_rows ? p + (size_t)B * sh.k_rows + skip * sh.v_rows : NULL);
-            if (w) { /* rows the cache refuses (crafted to pass the checksum): a refused entry */
-                rc = pkv_seq_truncate(c, id, from);
-                reject(t, key);
-                break;
-            }
-            pos = to, blocks++;
+        /* an empty sequence under a window: first the latest window, with no question asked of
+           the store (where it holds that window whole, the usual case, that is the load) */
+        bool planned = !window || m || !keyed;
+        if (!planned) {
+            end = PKV_MIN(keyed, (cap + B - 1) / B); /* (a block past cap loads nothing) */
+            start = plan_front(tokens, n, end, B, window);
         }
+        for (;;) {
+            if (start > i0) { /* the blocks before start are skipped: s's dropped front */
+                rc = pkv__seq_skip(c, id, start * B, api);
+                L.pos = start * B;
+            }
+            if (!rc) rc = load_blocks(&L, start, end);
+            if (rc || planned || L.miss_at == PKV_NONE) break;
+            planned = true;
+            miss = true;
+            /* the store lacks block j of that window: every end past j is ruled out (its window
+               reaches back over j). Where the window ending at j starts at or past start, what
+               was loaded is it; else s goes back to empty, and the latest end whose window's
+               blocks the store has all is found from j down (each block probed once: a block
+               missing rules out every end past it, whose windows reach back over it) */
+            const uint32_t j = L.miss_at;
+            if (plan_front(tokens, n, j, B, window) >= start) break;
+            if (L.pos > start * B) rc = pkv_seq_truncate(c, id, start * B);
+            if (!rc && start) rc = pkv__seq_skip(c, id, 0, api);
+            if (rc) break;
+            L.pos = 0, L.blocks = 0, L.miss_at = PKV_NONE, start = end = 0;
+            for (uint32_t e = j; e;) {
+                const uint32_t lo = plan_front(tokens, n, e, B, window);
+                uint32_t k = e;
+                int pr = 1;
+                while (k > lo && (pr = probe(t, &keys[k - 1])) == 1) k--;
+                if (pr < 0) { /* nothing more is asked of a failing store */
+                    COUNT(t, errors, 1);
+                    L.failed = true;
+                    break;
+                }
+                if (k == lo) {
+                    start = lo, end = e;
+                    break;
+                }
+                e = k - 1;
+            }
+            if (L.failed || !end) break;
+        }
+        miss |= L.miss_at != PKV_NONE;
+        pos = L.pos, blocks = L.blocks, failed = L.failed;
         const uint32_t pos0 = start > i0 ? start * B : m; /* where the K/V loaded starts */
         /* committed once at the end, so that a load ending a few ids into a media whose next
            position the prompt has gives them back first, as a match does (pkv__media_trim) */
