@@ -1165,13 +1165,21 @@ class Cache:
         match_prefix leaves it, or empty): appends, writes and commits the prompt's next blocks
         from tier, up to the first it lacks, never the prompt's last token (pkv_tier_load);
         returns the positions added. A miss, a refused entry or a full pool ends the load."""
+        return self._tier_load("tier_load", tier, seq, tokens, None)
+
+    def _tier_load(self, what, tier, seq, tokens, window):
+        """pkv_tier_load (window None) or pkv_tier_load_window for tier_load and tier_load_window."""
         if not isinstance(tier, Tier):
-            raise _invalid("tier_load: a pagedkv.Tier is needed, got %s" % type(tier).__name__)
-        t = _i32_array(tokens, "tier_load: tokens")
+            raise _invalid("%s: a pagedkv.Tier is needed, got %s" % (what, type(tier).__name__))
+        t = _i32_array(tokens, what + ": tokens")
         out = _u32()
         with tier._use():
-            self._check(_lib.pkv_tier_load(tier._t, self._h(), _seq_of(seq), _ptr(t), t.size, ctypes.byref(out)),
-                        "pkv_tier_load")
+            if window is None:
+                rc = _lib.pkv_tier_load(tier._t, self._h(), _seq_of(seq), _ptr(t), t.size, ctypes.byref(out))
+            else:
+                rc = _lib.pkv_tier_load_window(tier._t, self._h(), _seq_of(seq), _ptr(t), t.size, window,
+                                               ctypes.byref(out))
+            self._check(rc, "pkv_" + what)
         return out.value
 
     @_in_call
@@ -1182,14 +1190,7 @@ class Cache:
         longest prefix the tier can restore reads, and drops the front before it (seq_info's
         n_dropped); the positions returned count the front's. Into a sequence that holds
         positions it is tier_load. EINVAL for window 0."""
-        if not isinstance(tier, Tier):
-            raise _invalid("tier_load_window: a pagedkv.Tier is needed, got %s" % type(tier).__name__)
-        t = _i32_array(tokens, "tier_load_window: tokens")
-        out = _u32()
-        with tier._use():
-            self._check(_lib.pkv_tier_load_window(tier._t, self._h(), _seq_of(seq), _ptr(t), t.size, window,
-                                                  ctypes.byref(out)), "pkv_tier_load_window")
-        return out.value
+        return self._tier_load("tier_load_window", tier, seq, tokens, window)
 
     @_in_call
     def tier_save_async(self, tier, seq):

@@ -333,7 +333,9 @@ static void test_prefix_evict_inner_subtree(void **state) {
  * index, g stays CACHED). A plain match stops at it; a windowed one goes past it and takes only
  * what its window sees; a prompt computed again fills it; once nothing is indexed below one, it
  * goes, with REMOVED said after its children's. */
-static pkv_cache *tomb_scene(const int32_t *p, int32_t ts[4], pkv_seq *s, pkv_seq *f2, pkv_seq *w) {
+/* The inner_subtree scene before any eviction, in a new cache of 8 blocks of 4: s holds f, a, g, h
+ * (ts), a fork F keeps a, s drops f (above a: the inner queue's head) and g (above h). */
+static pkv_cache *dropped_scene(const int32_t *p, int32_t ts[4], pkv_seq *s, pkv_seq *f2) {
     pkv_cache *c = tp_cache(4, 8, 1, PKV_DTYPE_F16, 1);
     *s = tp_prompt(c, 0, p, 16);
     assert_int_equal(table(c, *s, ts), 4); /* f, a, g, h */
@@ -342,6 +344,11 @@ static pkv_cache *tomb_scene(const int32_t *p, int32_t ts[4], pkv_seq *s, pkv_se
     assert_int_equal(pkv_seq_drop_front(c, *f2, 4), 0);
     assert_int_equal(pkv_seq_drop_front(c, *s, 4), 0);  /* f above a (F's): the inner queue's head */
     assert_int_equal(pkv_seq_drop_front(c, *s, 12), 0); /* g above h */
+    return c;
+}
+
+static pkv_cache *tomb_scene(const int32_t *p, int32_t ts[4], pkv_seq *s, pkv_seq *f2, pkv_seq *w) {
+    pkv_cache *c = dropped_scene(p, ts, s, f2);
     *w = tp_seq(c, 0);
     int32_t more[20];
     tp_tokens(more, 20, 53);
@@ -483,15 +490,8 @@ static void test_prefix_evict_hand_over(void **state) {
     int32_t p[17], ts[4], tq[1], tw[4], tm[4], more[16];
     tp_tokens(p, 17, 51);
     tp_tokens(more, 16, 53);
-    pkv_cache *c = tp_cache(4, 8, 1, PKV_DTYPE_F16, 1);
-    pkv_seq s = tp_prompt(c, 0, p, 16);
-    assert_int_equal(table(c, s, ts), 4); /* f, a, g, h */
-    pkv_seq f2;
-    assert_int_equal(pkv_seq_fork(c, s, &f2), 0);
-    assert_int_equal(pkv_seq_truncate(c, f2, 8), 0);
-    assert_int_equal(pkv_seq_drop_front(c, f2, 4), 0);
-    assert_int_equal(pkv_seq_drop_front(c, s, 4), 0);
-    assert_int_equal(pkv_seq_drop_front(c, s, 12), 0);
+    pkv_seq s, f2;
+    pkv_cache *c = dropped_scene(p, ts, &s, &f2);
     pkv_seq q = tp_seq(c, 0); /* f's tokens computed again, one position first: a registered partial */
     tp_compute(c, q, 0, p, 0, 1);
     tp_commit(c, q, 1);

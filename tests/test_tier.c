@@ -64,7 +64,9 @@ static void same_rows_at(pkv_cache *ca, pkv_seq a, pkv_cache *cb, pkv_seq b, uin
     free(y);
 }
 
-static void same_rows(pkv_cache *ca, pkv_seq a, pkv_cache *cb, pkv_seq b, uint32_t n) { same_rows_at(ca, a, cb, b, 0, n); }
+static void same_rows(pkv_cache *ca, pkv_seq a, pkv_cache *cb, pkv_seq b, uint32_t n) {
+    same_rows_at(ca, a, cb, b, 0, n);
+}
 
 static pkv_tier *host(uint64_t cap) {
     pkv_tier *t = NULL;

@@ -214,17 +214,21 @@ static long info_number(int port, const char *section, const char *field) {
 static long gets_answered(int port) { return info_number(port, "commandstats", "cmdstat_get:calls="); }
 static long clients(int port) { return info_number(port, "clients", "connected_clients:"); }
 
-/* a and b hold the same rows at [0, n) of sa and sb, every layer */
-static void same_rows(pkv_cache *a, pkv_seq sa, pkv_cache *b, pkv_seq sb, uint32_t n) {
+/* a and b hold the same rows at [start, start + n) of sa and sb, every layer */
+static void same_rows_at(pkv_cache *a, pkv_seq sa, pkv_cache *b, pkv_seq sb, uint32_t start, uint32_t n) {
     const size_t kb = pkv_dtype_row_bytes(PKV_DTYPE_F16, HD) * KV * n, vb = pkv_dtype_row_bytes(PKV_DTYPE_Q8_0, HD) * KV * n;
     uint8_t *x = malloc(kb + vb), *y = malloc(kb + vb);
     for (uint32_t l = 0; l < LAYERS; l++) {
-        TU_OK(pkv_seq_read_stored(a, sa, l, 0, n, x, x + kb));
-        TU_OK(pkv_seq_read_stored(b, sb, l, 0, n, y, y + kb));
+        TU_OK(pkv_seq_read_stored(a, sa, l, start, n, x, x + kb));
+        TU_OK(pkv_seq_read_stored(b, sb, l, start, n, y, y + kb));
         assert_memory_equal(x, y, kb + vb);
     }
     free(x);
     free(y);
+}
+
+static void same_rows(pkv_cache *a, pkv_seq sa, pkv_cache *b, pkv_seq sb, uint32_t n) {
+    same_rows_at(a, sa, b, sb, 0, n);
 }
 
 /* The store's gets ahead call by call (pkv__tier_redis_open: its ops and want): whatever comes
@@ -649,16 +653,7 @@ static void test_redis_window(void **state) {
         TU_OK(pkv_tier_load_window(t2, b, s, toks, WN, WIN, &got));
         assert_int_equal(got, 200);
         assert_int_equal(tu_info(b, s).n_dropped, 160);
-        const size_t kb = pkv_dtype_row_bytes(PKV_DTYPE_F16, HD) * KV * 40,
-                     vb = pkv_dtype_row_bytes(PKV_DTYPE_Q8_0, HD) * KV * 40;
-        uint8_t *x = malloc(kb + vb), *y = malloc(kb + vb);
-        for (uint32_t l = 0; l < LAYERS; l++) {
-            TU_OK(pkv_seq_read_stored(a, sa, l, 160, 40, x, x + kb));
-            TU_OK(pkv_seq_read_stored(b, s, l, 160, 40, y, y + kb));
-            assert_memory_equal(x, y, kb + vb);
-        }
-        free(x);
-        free(y);
+        same_rows_at(a, sa, b, s, 160, 40);
         TU_CHECK(b);
         pkv_cache_destroy(b);
     }

@@ -646,10 +646,8 @@ func TestMatchPrefixWindowTombstone(t *testing.T) {
 	ku, vu, err := c.Gather(u, 0, 32, 31)
 	must(t, err)
 	const row = 2 * 32
-	for i := range ku {
-		if ku[i] != k[32*row+i] || vu[i] != v[32*row+i] {
-			t.Fatalf("K/V of the windowed match differs at %d", i)
-		}
+	if !sameBits(ku, k[32*row:63*row]) || !sameBits(vu, v[32*row:63*row]) {
+		t.Fatal("K/V of the windowed match differs")
 	}
 	must(t, c.Check())
 	x, err := c.SeqCreate(nil)
@@ -707,10 +705,8 @@ func TestTierLoadWindow(t *testing.T) {
 	kb, vb, err := b.Gather(u, 0, 32, 32)
 	must(t, err)
 	const row = 2 * 32
-	for i := range kb {
-		if kb[i] != k[32*row+i] || vb[i] != v[32*row+i] {
-			t.Fatalf("K/V of the windowed load differs at %d", i)
-		}
+	if !sameBits(kb, k[32*row:64*row]) || !sameBits(vb, v[32*row:64*row]) {
+		t.Fatal("K/V of the windowed load differs")
 	}
 	ts, err := tier.Stats()
 	must(t, err)

@@ -218,6 +218,15 @@ static void bucket_remove(pkv_cache *c, uint32_t b) {
     c->blk[b].hnext = PKV_NONE;
 }
 
+/* A free tombstone slot, taken off the free list and counted in use; PKV_NONE where none may be. */
+static uint32_t tomb_take(pkv_cache *c) {
+    if (c->tomb_free == PKV_NONE || c->n_tombs >= c->tomb_lim) return PKV_NONE;
+    const uint32_t t = c->tomb_free;
+    c->tomb_free = c->blk[t].qnext;
+    c->n_tombs++;
+    return t;
+}
+
 /* Tombstone t (out of the index now) back on the free list. */
 static void tomb_put(pkv_cache *c, uint32_t t) {
     pkv__blk *k = &c->blk[t];
@@ -247,7 +256,8 @@ static void unindex(pkv_cache *c, uint32_t b) {
     else c->n_indexed--;
 }
 
-/* the entries of one list a scan for a registered partial compares (newest first) */
+/* the entries of one list a scan for a registered partial compares (newest first): a match's
+   token-granular hit, a full partial that takes an entry's place */
 #define PARTIAL_SCAN 64
 
 /* ---- tombstones ----
@@ -276,9 +286,8 @@ void pkv__cache_test_tombs(pkv_cache *c, uint32_t n) {
 }
 
 bool pkv__tomb_make(pkv_cache *c, uint32_t b) {
-    if (c->tomb_free == PKV_NONE || c->n_tombs >= c->tomb_lim) return false;
-    const uint32_t t = c->tomb_free;
-    c->tomb_free = c->blk[t].qnext;
+    const uint32_t t = tomb_take(c);
+    if (t == PKV_NONE) return false;
     pkv__blk *k = &c->blk[t];
     *k = c->blk[b];
     k->state = PKV_BLK_TOMB;
@@ -288,7 +297,6 @@ bool pkv__tomb_make(pkv_cache *c, uint32_t b) {
     memcpy(c->tokens + (size_t)t * c->B, c->tokens + (size_t)b * c->B, (size_t)c->B * sizeof(int32_t));
     pkv__index_repoint(c, b, t); /* its links name t; b keeps no index fields */
     c->n_indexed--;
-    c->n_tombs++;
     return true;
 }
 
@@ -329,13 +337,6 @@ static void take_place(pkv_cache *c, uint32_t t, uint32_t b) {
     }
 }
 
-/* A registered partial that filled up where its twin was indexed stays a partial (the commit
- * stops at the twin), found only by a match's token-granular scan. When that twin is evicted, such
- * a block takes its place, so that the identity stays indexed with K/V and its subtree with it:
- * else a tombstone (or nothing) would stand in the index beside a full copy, and a plain match
- * would stop at the tombstone where the scan then copies the block and its commit fills the
- * tombstone: the same match again would find more. Scans the most recent PARTIAL_SCAN entries of
- * b's list (as the match's scan does). */
 /* The newest full registered partial among the first PARTIAL_SCAN entries of the list from head
  * (a child list, or a root list: namespace ns there, 0 below a parent) whose token ids are
  * toks; PKV_NONE where there is none. */
@@ -351,6 +352,13 @@ static uint32_t full_partial(const pkv_cache *c, uint32_t head, uint64_t ns_lo, 
     return PKV_NONE;
 }
 
+/* A registered partial that filled up where its twin was indexed stays a partial (the commit
+ * stops at the twin), found only by a match's token-granular scan. When that twin is evicted, such
+ * a block takes its place, so that the identity stays indexed with K/V and its subtree with it:
+ * else a tombstone (or nothing) would stand in the index beside a full copy, and a plain match
+ * would stop at the tombstone where the scan then copies the block and its commit fills the
+ * tombstone: the same match again would find more. Scans the most recent PARTIAL_SCAN entries of
+ * b's list (as the match's scan does). */
 bool pkv__index_hand_over(pkv_cache *c, uint32_t b) {
     const pkv__blk *k = &c->blk[b];
     if (!(k->flags & PKV_BLKF_INDEXED)) return false;
@@ -527,8 +535,6 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
         }
     }
 }
-
-/* children of one block compared for a token-granular hit */
 
 static uint32_t common_prefix(const int32_t *a, const int32_t *b, uint32_t n) {
     uint32_t i = 0;
@@ -782,10 +788,9 @@ bool pkv__seq_front_ids(const pkv_cache *c, const pkv__seq *s, int32_t *toks) {
  * block and, until the caller links one, no child; STORED said. PKV_NONE where none is free. */
 static uint32_t tomb_new(pkv_cache *c, const pkv__seq *s, uint32_t parent, uint64_t h, uint32_t depth,
                          const int32_t *toks) {
-    if (c->tomb_free == PKV_NONE || c->n_tombs >= c->tomb_lim) return PKV_NONE;
-    const uint32_t t = c->tomb_free;
+    const uint32_t t = tomb_take(c);
+    if (t == PKV_NONE) return PKV_NONE;
     pkv__blk *k = &c->blk[t];
-    c->tomb_free = k->qnext;
     memset(k, 0, sizeof *k);
     k->state = PKV_BLK_TOMB;
     k->flags = PKV_BLKF_INDEXED;
@@ -799,7 +804,6 @@ static uint32_t tomb_new(pkv_cache *c, const pkv__seq *s, uint32_t parent, uint6
     memcpy(c->tokens + (size_t)t * c->B, toks, (size_t)c->B * sizeof(int32_t));
     pkv__tree_link(c, parent, t);
     entry_put(c, t, parent);
-    c->n_tombs++;
     pkv__event_block(c, PKV_EVENT_STORED, t);
     return t;
 }

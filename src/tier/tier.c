@@ -374,6 +374,7 @@ typedef struct save_prep {
 static void save_done(pkv_cache *c, save_prep *p) {
     pkv__free(&c->alloc, p->keys, p->keys_bytes);
     pkv__free(&c->alloc, p->toks, p->toks_bytes);
+    p->toks = NULL, p->keys = NULL;
 }
 
 /* p := what saving s takes (api names the refusal); on failure nothing is left allocated. */
@@ -396,7 +397,6 @@ static int save_prepare(pkv_cache *c, pkv_seq id, const char *api, save_prep *p)
     if (!rc) rc = seq_peek(c, id, api, &n_tok, &n_com, &ns_lo, &ns_hi, &front, p->toks, nbk, &known);
     if (rc || !known) { /* (not known: a front whose ids the index lost; nothing to key) */
         save_done(c, p);
-        p->toks = NULL, p->keys = NULL;
         return rc;
     }
     key_seed(c, ns_lo, ns_hi, &p->seed);
@@ -405,7 +405,6 @@ static int save_prepare(pkv_cache *c, pkv_seq id, const char *api, save_prep *p)
         keyed++;
     if (keyed <= front) {
         save_done(c, p);
-        p->toks = NULL, p->keys = NULL;
         return PKV_OK;
     }
     p->nb = keyed;
@@ -621,6 +620,13 @@ static int load_blocks(load_run *L, uint32_t from, uint32_t end) {
     return PKV_OK;
 }
 
+/* A sequence that skipped its front to front_pos (pkv__seq_skip) and loaded past it, uncommitted,
+ * made empty again: the loaded positions cut, the skip undone. */
+static int back_to_empty(pkv_cache *c, pkv_seq id, uint32_t front_pos, const char *api) {
+    const int rc = pkv_seq_truncate(c, id, front_pos);
+    return rc ? rc : pkv__seq_skip(c, id, 0, api);
+}
+
 /* pkv_tier_load (window 0) and pkv_tier_load_window. */
 static int load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, uint32_t window,
                 uint32_t *n_loaded, const char *api) {
@@ -631,7 +637,8 @@ static int load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, ui
     uint64_t ns_lo, ns_hi;
     int rc = seq_peek(c, id, api, &m, &n_com, &ns_lo, &ns_hi, &front, NULL, 0, NULL);
     if (rc) return rc;
-    if (n_com != m) return pkv__say(c, PKV_EINVAL, api, "positions [%u, %u) of the sequence are not committed", n_com, m);
+    if (n_com != m)
+        return pkv__say(c, PKV_EINVAL, api, "positions [%u, %u) of the sequence are not committed", n_com, m);
     if (m > n) return pkv__say(c, PKV_EINVAL, api, "the sequence holds %u positions, past the prompt's %u", m, n);
     const uint32_t B = c->B, cap = n ? n - 1 : 0;
     const uint32_t full = PKV_MIN(n / B, c->max_bps), i0 = m / B;
@@ -654,8 +661,8 @@ static int load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, ui
         if (!rc && known && memcmp(toks, tokens, (size_t)m * sizeof(int32_t)))
             rc = pkv__say(c, PKV_EINVAL, api, "the sequence's positions [0, %u) are not tokens[0, %u)", m, m);
     }
-    uint32_t pos = m, blocks = 0, start = i0, end = 0, keyed = 0;
-    bool miss = false, failed = false; /* ended on a block the store lacks / on a store failure */
+    uint32_t start = i0, end = 0, keyed = 0;
+    bool miss = false; /* the store lacked a block the load asked for */
     tkey seed;
     if (!rc && known) {
         key_seed(c, ns_lo, ns_hi, &seed);
@@ -689,9 +696,7 @@ static int load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, ui
                missing rules out every end past it, whose windows reach back over it) */
             const uint32_t j = L.miss_at;
             if (plan_front(tokens, n, j, B, window) >= start) break;
-            if (L.pos > start * B) rc = pkv_seq_truncate(c, id, start * B);
-            if (!rc && start) rc = pkv__seq_skip(c, id, 0, api);
-            if (rc) break;
+            if ((rc = back_to_empty(c, id, start * B, api))) break;
             L.pos = 0, L.blocks = 0, L.miss_at = PKV_NONE, start = end = 0;
             for (uint32_t e = j; e;) {
                 const uint32_t lo = plan_front(tokens, n, e, B, window);
@@ -712,32 +717,30 @@ static int load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, ui
             if (L.failed || !end) break;
         }
         miss |= L.miss_at != PKV_NONE;
-        pos = L.pos, blocks = L.blocks, failed = L.failed;
         const uint32_t pos0 = start > i0 ? start * B : m; /* where the K/V loaded starts */
         /* committed once at the end, so that a load ending a few ids into a media whose next
            position the prompt has gives them back first, as a match does (pkv__media_trim) */
-        if (!rc && pos > pos0) {
-            const uint32_t trim = PKV_MIN(pkv__media_trim(tokens, n, pos), pos - pos0);
+        if (!rc && L.pos > pos0) {
+            const uint32_t trim = PKV_MIN(pkv__media_trim(tokens, n, L.pos), L.pos - pos0);
             if (trim) { /* the positions given back are never committed, even where this fails */
-                pos -= trim;
-                rc = pkv_seq_truncate(c, id, pos);
+                L.pos -= trim;
+                rc = pkv_seq_truncate(c, id, L.pos);
             }
         }
-        if (!rc && start > i0 && start > pkv__window_front(pos, window, B)) {
+        if (!rc && start > i0 && start > pkv__window_front(L.pos, window, B)) {
             /* a skip the window no longer allows (the load ended early): s goes back to empty
                (the front ahead of every query it could make) */
-            rc = pkv_seq_truncate(c, id, start * B);
-            if (!rc) rc = pkv__seq_skip(c, id, 0, api);
-            pos = m, blocks = 0;
+            rc = back_to_empty(c, id, start * B, api);
+            L.pos = m, L.blocks = 0;
         }
-        if (pos > pos0) {
-            const int cr = pkv_seq_commit(c, id, pos); /* fails only where s changed under the call */
+        if (L.pos > pos0) {
+            const int cr = pkv_seq_commit(c, id, L.pos); /* fails only where s changed under the call */
             if (!rc) rc = cr;
         }
-        if (!rc && start > i0 && pos > pos0) pkv__seq_link_front(c, id, tokens);
+        if (!rc && start > i0 && L.pos > pos0) pkv__seq_link_front(c, id, tokens);
         /* touched again deepest first, so that a least-recently-used store keeps the beginnings;
            not after a store failure, nor past one (each would wait on an unreachable store) */
-        for (uint32_t j = start + blocks; !failed && blocks && j-- > start + 1;) {
+        for (uint32_t j = start + L.blocks; !L.failed && L.blocks && j-- > start + 1;) {
             size_t len;
             const int g = t->ops.get(t->ctx, keys[j - 1].b, NULL, 0, &len);
             if (g != PKV_OK && g != PKV_ENOENT) {
@@ -746,9 +749,10 @@ static int load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, ui
             }
         }
         pthread_mutex_lock(&t->mu);
-        t->st.loaded_blocks += blocks, t->st.loaded_tokens += pos > pos0 ? pos - pos0 : 0, t->st.load_misses += miss;
+        t->st.loaded_blocks += L.blocks, t->st.load_misses += miss;
+        t->st.loaded_tokens += L.pos > pos0 ? L.pos - pos0 : 0;
         pthread_mutex_unlock(&t->mu);
-        *n_loaded = pos - m;
+        *n_loaded = L.pos - m;
     }
     scratch_give(t, buf, buf_size);
     pkv__free(&c->alloc, keys, keys_bytes);
