@@ -535,6 +535,64 @@ static void test_prefix_evict_hand_over(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* A windowed match whose token-granular copy is a whole block moves its front on by one block
+ * (past the last block it found): the copy is indexed first, under the block it follows, so the
+ * chain goes on from it. Before (the CI fuzz case after stop 92), the copy stayed out of the index
+ * once the front passed its parent: the same match again, with no block free to copy into, found
+ * one block where the first had found two. The copy's source is a registered partial that filled
+ * up beside its indexed twin (y2), found only by the token-granular scan once that twin (y1), a
+ * leaf, is evicted. */
+static void test_prefix_window_full_copy(void **state) {
+    (void)state;
+    int32_t p[9], more[24], tq[2], tm[2], t1[2], t2[2];
+    tp_tokens(p, 9, 61);
+    tp_tokens(more, 24, 62);
+    pkv_cache *c = tp_cache(4, 8, 1, PKV_DTYPE_F16, 1);
+    pkv_seq s1 = tp_prompt(c, 0, p, 6); /* x, y1 (a partial of 2) */
+    pkv_seq s2 = tp_match(c, 0, p, 7, 6); /* x, y2: a copy of y1's 2, registered */
+    tp_compute(c, s1, 0, p, 6, 2);
+    tp_commit(c, s1, 8); /* y1 full: indexed */
+    tp_compute(c, s2, 0, p, 6, 2);
+    tp_commit(c, s2, 8); /* y2 full beside its indexed twin: stays a partial */
+    assert_int_equal(table(c, s1, t1), 2);
+    assert_int_equal(table(c, s2, t2), 2);
+    assert_true(t1[0] == t2[0] && t1[1] != t2[1]);
+    assert_int_equal(pkv_seq_release(c, s1), 0); /* y1: CACHED, a leaf */
+    pkv_seq w = tp_seq(c, 0);
+    tp_compute(c, w, 0, more, 0, 24); /* the 5 FREE blocks, then y1 */
+    pkv_stats st = stats(c);
+    assert_int_equal(st.evictions, 1);
+    assert_int_equal(st.n_free, 0);
+    assert_int_equal(pkv_seq_truncate(c, w, 20), 0); /* one block FREE */
+    assert_int_equal(stats(c).n_free, 1);
+    tp_check(c);
+    /* under a window of 2: x found, y1 gone, y2's 4 positions copied into the FREE block; the
+       front (4) passes x, which s2 keeps */
+    pkv_seq q = window_match(c, p, 9, 2, 8, 4);
+    assert_int_equal(table(c, q, tq), 2);
+    assert_true(tq[0] == -1 && tq[1] != t2[1]);
+    tp_expect_kv(c, q, 0, p, 4, 4);
+    st = stats(c);
+    assert_int_equal(st.n_free + st.n_cached, 0);
+    tp_check(c);
+    /* the same match again takes the copy, with no block free */
+    for (int i = 0; i < 2; i++) {
+        pkv_seq m = window_match(c, p, 9, 2, 8, 4);
+        assert_int_equal(table(c, m, tm), 2);
+        assert_true(tm[0] == -1 && tm[1] == tq[1]);
+        tp_expect_kv(c, m, 0, p, 4, 4);
+        tp_check(c);
+        assert_int_equal(pkv_seq_release(c, m), 0);
+    }
+    /* and so does a plain match, through x */
+    pkv_seq all = tp_match(c, 0, p, 9, 8);
+    assert_int_equal(table(c, all, tm), 2);
+    assert_true(tm[0] == t2[0] && tm[1] == tq[1]);
+    tp_expect_kv(c, all, 0, p, 0, 8);
+    tp_check(c);
+    pkv_cache_destroy(c);
+}
+
 /* A pinned prefix survives any pressure, counts as ACTIVE, is reusable; unpinned, it is
  * CACHED and evictable. */
 static void test_prefix_pin_survives_pressure(void **state) {
@@ -665,6 +723,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_evict_tombstone),
         cmocka_unit_test(test_prefix_evict_tombstone_pruned),
         cmocka_unit_test(test_prefix_evict_hand_over),
+        cmocka_unit_test(test_prefix_window_full_copy),
         cmocka_unit_test(test_prefix_pin_survives_pressure),
         cmocka_unit_test(test_prefix_pin_rules),
     };

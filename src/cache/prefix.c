@@ -739,8 +739,14 @@ static int match(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, ui
         s->table[s->n_blocks++] = (int32_t)nb;
         reused += best_m;
     }
-    if (window) { /* the copy's positions may move the front on by a block: what the window
-                     passed goes, deepest first (as pkv_seq_drop_front lets go) */
+    s->n_tokens = s->n_committed = s->n_reused = reused;
+    c->n_tokens_total += reused;
+    c->pfx_hit += reused;
+    *n_reused = reused;
+    pkv__index_after_commit(c, s);
+    if (window) { /* a whole block copied moves the front on by a block: what the window passed
+                     goes, deepest first (as pkv_seq_drop_front lets go), once the copy is indexed
+                     under the block it follows (past the front, nothing would name its parent) */
         const uint32_t to = pkv__window_front(reused, window, B);
         for (uint32_t i = to; i-- > front;) {
             pkv__drop_block(c, (uint32_t)s->table[i]);
@@ -748,11 +754,6 @@ static int match(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, ui
         }
         if (to > front) s->n_dropped = to;
     }
-    s->n_tokens = s->n_committed = s->n_reused = reused;
-    c->n_tokens_total += reused;
-    c->pfx_hit += reused;
-    *n_reused = reused;
-    pkv__index_after_commit(c, s);
 out:
     pthread_mutex_unlock(&c->mu);
     return rc;
