@@ -744,9 +744,10 @@ static int match(pkv_cache *c, pkv_seq id, const int32_t *tokens, uint32_t n, ui
     c->pfx_hit += reused;
     *n_reused = reused;
     pkv__index_after_commit(c, s);
-    if (window) { /* a whole block copied moves the front on by a block: what the window passed
-                     goes, deepest first (as pkv_seq_drop_front lets go), once the copy is indexed
-                     under the block it follows (past the front, nothing would name its parent) */
+    if (window) { /* the copy's positions may move the front on: what the window passed goes,
+                     deepest first (as pkv_seq_drop_front lets go), after the commit above (a
+                     whole block copied may see the front pass every block found: it is indexed
+                     under the last of them first, as past the front nothing names its parent) */
         const uint32_t to = pkv__window_front(reused, window, B);
         for (uint32_t i = to; i-- > front;) {
             pkv__drop_block(c, (uint32_t)s->table[i]);
