@@ -12,7 +12,10 @@
  * sequence and compares with the model, and compares the stats it can predict. Its attention
  * step (pm_op_attn) runs decode or ragged prefill over some live sequences and compares each
  * output and log-sum-exp with a double-precision reference over the model's K/V, or makes a
- * call with one bad input and checks its status and that nothing was written. Public API only.
+ * call with one bad input and checks its status and that nothing was written. With a host tier
+ * behind the cache (pm_tier_on), its saves and its loads (plain, windowed, after a match): what
+ * a load gives is checked as any sequence's K/V is, and each block it gives must have been
+ * saved. Public API only.
  * Header-only (static functions) so both users compile it without build-system changes. */
 #ifndef PKV_PREFIX_MODEL_H
 #define PKV_PREFIX_MODEL_H
@@ -27,6 +30,7 @@ void pkv__cache_test_share(pkv_cache *c, uint32_t min_blocks, uint32_t rows);
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define XXH_INLINE_ALL
@@ -114,6 +118,15 @@ typedef struct pm_world {
     /* attention calls checked, their queries, bad calls, calls with out == q */
     uint64_t n_attn, n_attn_queries, n_attn_bad, n_attn_in_place;
     uint64_t n_attn_shared; /* attention calls that read a shared prefix once for a group */
+    /* a host tier behind the cache (pm_tier_on; NULL: no tier ops), and the identities (the
+       model's hash of a block's last position) of the blocks any save may have stored: a load
+       gives no other (an open-addressed set; once half full, no longer kept: saved_full) */
+    pkv_tier *tier;
+    uint64_t *saved;
+    uint32_t n_saved;
+    int saved_full;
+    uint64_t n_tier_saves, n_tier_saved_blocks, n_tier_loads, n_tier_loaded_blocks, n_tier_window_loads,
+        n_tier_window_fronts, n_tier_reloads;
     char err[600];
     int trace; /* print every call to stderr (PM_TRACE=1 in the tests, -trace in the fuzzer) */
     /* scratch */
@@ -355,9 +368,53 @@ static inline int pm_init(pm_world *w, const pkv_config *cfg, uint64_t prompt_se
 }
 
 static inline void pm_fini(pm_world *w) {
+    pkv_tier_destroy(w->tier);
+    free(w->saved);
+    w->tier = NULL;
+    w->saved = NULL;
     pkv_cache_destroy(w->c);
     w->c = NULL;
     w->ev = NULL;
+}
+
+/* ---- a storage tier behind the cache ---- */
+#define PM_SAVED_SLOTS (1u << 15)
+
+/* Puts a host tier behind w's cache (room for every entry: it never drops one), which enables
+ * the tier ops of pm_step. */
+static inline int pm_tier_on(pm_world *w) {
+    const int rc = pkv_tier_host_create(1ull << 30, NULL, &w->tier);
+    if (rc) return pm_fail(w, "pkv_tier_host_create: %s", pkv_strerror(rc));
+    w->saved = (uint64_t *)calloc(PM_SAVED_SLOTS, sizeof(uint64_t));
+    if (!w->saved) return pm_fail(w, "no memory for the saved set");
+    return 0;
+}
+
+PM_NOCOV static inline void pm_saved_add(pm_world *w, uint64_t h) {
+    if (w->saved_full || w->n_saved >= PM_SAVED_SLOTS / 2) {
+        w->saved_full = 1;
+        return;
+    }
+    h |= !h; /* (0 marks an empty slot) */
+    for (uint32_t i = (uint32_t)h & (PM_SAVED_SLOTS - 1);; i = (i + 1) & (PM_SAVED_SLOTS - 1)) {
+        if (w->saved[i] == h) return;
+        if (!w->saved[i]) {
+            w->saved[i] = h;
+            w->n_saved++;
+            return;
+        }
+    }
+}
+
+/* Whether a save may have stored the block whose last position's hash is h (1 once the set is
+ * no longer kept). */
+PM_NOCOV static inline int pm_saved_has(const pm_world *w, uint64_t h) {
+    if (w->saved_full) return 1;
+    h |= !h;
+    for (uint32_t i = (uint32_t)h & (PM_SAVED_SLOTS - 1);; i = (i + 1) & (PM_SAVED_SLOTS - 1)) {
+        if (w->saved[i] == h) return 1;
+        if (!w->saved[i]) return 0;
+    }
 }
 
 static inline uint32_t pm_n_live(const pm_world *w) {
@@ -612,7 +669,12 @@ enum {
     PM_OP_ATTN,
     PM_OP_COMPACT,
     PM_OP_DROP,
-    PM_OP_COUNT
+    PM_OP_COUNT,
+    /* with a tier (pm_tier_on) only: drawn from PM_OP_COUNT_TIER ops, so that the corpus's
+       inputs without one keep their meaning */
+    PM_OP_TIER_SAVE = PM_OP_COUNT,
+    PM_OP_TIER_LOAD,
+    PM_OP_COUNT_TIER
 };
 
 /* The attention oracle: query row qv (Hq heads x D) at position pos of q, layer l, in double
@@ -1153,14 +1215,168 @@ static inline int pm_op_match(pm_world *w, pm_src *src) {
     return 0;
 }
 
+
+/* Whether any of tok[0, n) is a media's id (pkv_media_tokens: negative). */
+PM_NOCOV static inline int pm_has_media(const int32_t *tok, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++)
+        if (tok[i] < 0) return 1;
+    return 0;
+}
+
+/* A tier load into q (empty, or as a match left it) of prompt[0, n): plain, or under window (0:
+ * plain). Checks the status, the count, the front of a windowed load into an empty sequence and
+ * that every block it gave was saved (the K/V it gave: pm_verify); adds the positions to q.
+ * *loaded: the positions it added. */
+static inline int pm_tier_load_into(pm_world *w, pm_seq *q, const int32_t *prompt, uint32_t n, uint32_t window,
+                                    uint32_t *loaded) {
+    const uint32_t B = w->B, m = q->len;
+    pkv_tier_stats tb, ta;
+    if (pkv_tier_get_stats(w->tier, &tb) < 0) return pm_fail(w, "tier stats");
+    uint32_t got = 0xdeadbeef;
+    const int rc = window ? pkv_tier_load_window(w->tier, w->c, q->id, prompt, n, window, &got)
+                          : pkv_tier_load(w->tier, w->c, q->id, prompt, n, &got);
+    PM_TR(w, "   s%d tier load%s(%u tokens, window %u) from %u -> %s, loaded %u\n", PM_SI(w, q), window ? "_window" : "",
+          n, window, m, pkv_strerror(rc), got);
+    PM_EXPECT(w, rc == 0, "tier load of %u tokens (window %u) into %u: %s", n, window, m, pkv_strerror(rc));
+    PM_EXPECT(w, m + got <= (n ? n - 1 : 0) || !got, "tier load gave %u past %u of %u tokens", got, m, n);
+    if (pkv_tier_get_stats(w->tier, &ta) < 0) return pm_fail(w, "tier stats");
+    pkv_seq_info info;
+    if (pkv_seq_get_info(w->c, q->id, &info) < 0) return pm_fail(w, "info");
+    /* into an empty sequence under a window, the front as a windowed match of as many positions
+       sets it (none where nothing loaded); else the sequence's front stays */
+    const uint32_t front = window && !m ? (got ? pm_window_front(w, got, window) : 0) : q->dropped;
+    PM_EXPECT(w, info.n_dropped == front, "tier load (window %u) of %u: front %u, want %u", window, got,
+              info.n_dropped, front);
+    PM_EXPECT(w, ta.loaded_tokens - tb.loaded_tokens == (got ? m + got - (m ? m : front) : 0),
+              "tier stats: %llu positions loaded, the call says %u (from %u, front %u)",
+              (unsigned long long)(ta.loaded_tokens - tb.loaded_tokens), got, m, front);
+    pm_push_tokens(q, prompt + m, got);
+    q->committed = q->len;
+    q->dropped = front;
+    /* each block the load gave (from the front, or the one holding m, on; the last may be part
+       of a whole block of the prompt) was saved */
+    uint64_t h = 0;
+    for (uint32_t p = 0, i = (m ? m : front) / B; got && i < (q->len + B - 1) / B; i++) {
+        for (; p < (i + 1) * B; p++) h = pm_next(p ? h : pm_root(q->salt), prompt[p], p);
+        PM_EXPECT(w, pm_saved_has(w, h), "tier load gave block %u (positions to %u of %u), never saved", i, q->len, n);
+    }
+    w->n_tier_loads++;
+    w->n_tier_loaded_blocks += ta.loaded_blocks - tb.loaded_blocks;
+    if (window && !m) w->n_tier_window_loads++;
+    if (front) w->n_tier_window_fronts++;
+    *loaded = got;
+    return 0;
+}
+
+/* pkv_tier_save of a live sequence: the cache unchanged; the count as stored; each full committed
+ * block from the front on in the saved set. Of a sequence with no front and no media, every such
+ * block is stored or found; then, sometimes, the prompt of its committed positions is loaded
+ * into a new sequence (plain or windowed), which must give it all where the pool has room. */
+static inline int pm_op_tier_save(pm_world *w, pm_src *src) {
+    pm_seq *q = pm_pick(w, src, 0);
+    if (!q) return 0;
+    const uint32_t B = w->B;
+    pkv_stats before, after;
+    pkv_tier_stats tb, ta;
+    if (pkv_cache_get_stats(w->c, &before) < 0 || pkv_tier_get_stats(w->tier, &tb) < 0) return pm_fail(w, "stats");
+    uint32_t n_saved = 0xdeadbeef;
+    int rc = pkv_tier_save(w->tier, w->c, q->id, &n_saved);
+    PM_TR(w, "%llu: s%d tier save (len %u, committed %u, front %u) -> %s, saved %u\n", (unsigned long long)w->n_steps,
+          PM_SI(w, q), q->len, q->committed, q->dropped, pkv_strerror(rc), n_saved);
+    PM_EXPECT(w, rc == 0, "tier save: %s", pkv_strerror(rc));
+    if (pkv_cache_get_stats(w->c, &after) < 0 || pkv_tier_get_stats(w->tier, &ta) < 0) return pm_fail(w, "stats");
+    PM_EXPECT(w, after.n_free == before.n_free && after.n_cached == before.n_cached &&
+                     after.evictions == before.evictions && after.n_indexed == before.n_indexed &&
+                     after.n_tombstones == before.n_tombstones,
+              "tier save changed the cache");
+    const uint32_t from = q->dropped / B, full = q->committed / B, blocks = full > from ? full - from : 0;
+    const uint64_t stored = ta.saved - tb.saved, present = ta.save_present - tb.save_present,
+                   no_room = ta.save_no_room - tb.save_no_room;
+    PM_EXPECT(w, n_saved == stored && no_room == 0 && stored + present <= blocks,
+              "tier save: %u said, %llu stored, %llu present, %llu refused, of %u full committed blocks", n_saved,
+              (unsigned long long)stored, (unsigned long long)present, (unsigned long long)no_room, blocks);
+    const int whole = !q->dropped && !pm_has_media(q->tok, q->committed);
+    if (whole)
+        PM_EXPECT(w, stored + present == blocks, "tier save of %u full committed blocks: %llu stored, %llu present",
+                  blocks, (unsigned long long)stored, (unsigned long long)present);
+    for (uint32_t i = from; i < full; i++) pm_saved_add(w, q->h[(i + 1) * B - 1]);
+    w->n_tier_saves++;
+    w->n_tier_saved_blocks += stored;
+    if (pm_verify(w) < 0) return -1;
+    const uint32_t pick = pm_byte(src);
+    if (!whole || q->committed < 2 || pick >= 96 || !pm_free_slot(w)) return 0;
+    /* the same prompt again, into a new sequence of its namespace */
+    static int32_t prompt[PM_MAX_TOK];
+    const uint32_t n = q->committed, window = pick & 1 ? 1 + pm_below(src, 3 * B) : 0;
+    memcpy(prompt, q->tok, n * sizeof(int32_t));
+    pm_seq *q2 = NULL;
+    int r = pm_create(w, q->salt, &q2);
+    if (r) return r < 0 ? -1 : 0;
+    PM_TR(w, "   s%d = create(salt %d)\n", PM_SI(w, q2), q2->salt);
+    pkv_stats b2;
+    if (pkv_cache_get_stats(w->c, &b2) < 0) return pm_fail(w, "stats");
+    uint32_t got = 0;
+    if (pm_tier_load_into(w, q2, prompt, n, window, &got) < 0) return -1;
+    const uint32_t want = full * B < n - 1 ? full * B : n - 1;
+    const uint32_t front = window ? pm_window_front(w, want, window) : 0, need = (want + B - 1) / B - front / B;
+    if (b2.n_free + b2.n_cached >= need)
+        PM_EXPECT(w, got == want, "tier load (window %u) right after its save: %u of %u positions, %u blocks to be had",
+                  window, got, want, b2.n_free + b2.n_cached);
+    w->n_tier_reloads++;
+    return pm_verify(w);
+}
+
+/* A new sequence given a prompt from the tier: into it empty (plain or windowed), or after a
+ * plain or windowed match (then a plain load, or pkv_tier_load_window, which is one there). */
+static inline int pm_op_tier_load(pm_world *w, pm_src *src) {
+    int32_t prompt[PM_PROMPT_MAX];
+    const int salt = (int)(pm_byte(src) % PM_N_SALTS);
+    const uint32_t n = pm_prompt(w, src, prompt), how = pm_byte(src) % 4;
+    const uint32_t window = how & 1 ? 1 + pm_below(src, 3 * w->B) : 0;
+    pm_seq *q = NULL;
+    const int r = pm_create(w, salt, &q);
+    if (r) return r < 0 ? -1 : 0;
+    PM_TR(w, "%llu: s%d = create(salt %d) + tier load (how %u)\n", (unsigned long long)w->n_steps, PM_SI(w, q), salt,
+          how);
+    if (how >= 2) { /* a match first: the pool's blocks, then the tier's */
+        pkv_stats st;
+        uint32_t reused = 0xdeadbeef;
+        const int rc = window ? pkv_seq_match_prefix_window(w->c, q->id, prompt, n, window, &reused)
+                              : pkv_seq_match_prefix(w->c, q->id, prompt, n, &reused);
+        PM_TR(w, "   s%d match(%u tokens, window %u) -> %s, reused %u\n", PM_SI(w, q), n, window, pkv_strerror(rc),
+              reused);
+        PM_EXPECT(w, rc == 0 || rc == PKV_ENOSPC, "match before a tier load: %s", pkv_strerror(rc));
+        if (pkv_cache_get_stats(w->c, &st) < 0) return pm_fail(w, "stats");
+        w->lookups = st.prefix_lookups; /* (pm_op_match checks the counts) */
+        w->tokens_queried = st.prefix_tokens_queried;
+        w->tokens_hit = st.prefix_tokens_hit;
+        if (rc == 0) {
+            pkv_seq_info info;
+            if (pkv_seq_get_info(w->c, q->id, &info) < 0) return pm_fail(w, "info");
+            pm_push_tokens(q, prompt, reused);
+            q->committed = reused;
+            q->dropped = info.n_dropped;
+        }
+    }
+    uint32_t got = 0;
+    if (pm_tier_load_into(w, q, prompt, n, window, &got) < 0) return -1;
+    return pm_verify(w);
+}
+
 static inline int pm_step(pm_world *w, pm_src *src) {
     w->n_steps++;
-    uint32_t op = pm_byte(src) % PM_OP_COUNT;
+    uint32_t op = pm_byte(src) % (w->tier ? (uint32_t)PM_OP_COUNT_TIER : (uint32_t)PM_OP_COUNT);
     int rc, r;
     switch (op) {
     case PM_OP_MATCH:
     case PM_OP_MATCH2:
         if (pm_op_match(w, src) < 0) return -1;
+        break;
+    case PM_OP_TIER_SAVE:
+        if (pm_op_tier_save(w, src) < 0) return -1;
+        break;
+    case PM_OP_TIER_LOAD:
+        if (pm_op_tier_load(w, src) < 0) return -1;
         break;
     case PM_OP_CREATE_PROMPT: { /* a sequence that computes its prompt without looking it up */
         int32_t prompt[PM_PROMPT_MAX];
