@@ -3,7 +3,7 @@
 
 Input format (fuzz/fuzz_api.c): byte 0 = config (block size 4/1/3/16 in bits 0-1, dtypes,
 layers in bit 7), byte 1 = pool size, byte 2 = prompt set (0xff: prefix cache off; bit 2:
-attention in pool order), then the call script read by pm_step (op byte, then its operand
+attention in pool order; bit 3: a host tier, whose saves and loads are ops 15 and 16), then the call script read by pm_step (op byte, then its operand
 bytes). Each seed covers one config with a script biased towards one theme (matches, eviction
 pressure, forks/truncates, pins, attention over them). The corpus's regress-NN files are
 not written here: each is an input a fuzz run once failed on, kept as found (minimized)."""
@@ -14,6 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "corpus")
 # pm_step op numbers (enum in prefix_model.h)
 MATCH, CREATE, APPEND, COMMIT, FORK, TRUNC, RELEASE, PIN, UNPIN, NEG, REWRITE, MATCH2, ATTN, COMPACT, DROP = range(15)
+TIER_SAVE, TIER_LOAD = 15, 16  # with byte 2's bit 3 only
 THEMES = {
     "match": [MATCH, MATCH2, CREATE, RELEASE, MATCH, COMMIT],
     "evict": [CREATE, APPEND, APPEND, RELEASE, MATCH, MATCH2],
@@ -23,6 +24,8 @@ THEMES = {
     "attn": [MATCH, APPEND, FORK, ATTN, TRUNC, ATTN, RELEASE, MATCH2, ATTN],
     # dropped fronts (prefix cache off): attention, trees, truncates and pins over them
     "drop": [CREATE, APPEND, APPEND, DROP, ATTN, FORK, DROP, ATTN, TRUNC, PIN, REWRITE, COMPACT, ATTN],
+    # a host tier: saves and loads (plain, windowed, after matches) among drops, forks, evictions
+    "tier": [CREATE, APPEND, TIER_SAVE, TIER_LOAD, MATCH, RELEASE, DROP, TIER_SAVE, TIER_LOAD, FORK, ATTN, MATCH2],
 }
 
 
@@ -38,6 +41,8 @@ def main():
             b2 = 0xFF if (theme == "mixed" and k == 3) or theme == "drop" else rng.randrange(4)
             if theme == "attn" and k % 2:
                 b2 |= 4  # attention in pool order
+            if theme == "tier":
+                b2 |= 8
             data = bytearray([cfg, pool, b2])
             for _ in range(rng.randrange(40, 90)):
                 data.append(rng.choice(ops))
