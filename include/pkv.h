@@ -1166,7 +1166,9 @@ PKV_NODISCARD PKV_API int pkv_tier_file_create(const char *dir, uint64_t capacit
  * a prefetch) sends the GETs of its next 4 blocks together and reads each reply as it comes to
  * that block, so that the server answers the next while this one is checked and written (a load
  * that ends earlier leaves replies that the next call reads past); the write-back takes 4
- * queued entries at a time, their probes in one round trip and their puts in another. A
+ * queued entries at a time, their probes in one round trip and their puts in another; the
+ * probes of a save, of a windowed load's search (pkv_tier_load_window) and a load's touches
+ * after it (a get with no buffer each) go 16 to a round trip. A
  * connection that broke is made again at the next call, and a call that cannot reach the
  * server is PKV_EIO (a save fails; a load ends there). SIGPIPE (hiredis writes with write(2):
  * a write to a connection the server has closed raises it) is held back in the calling thread
@@ -1238,7 +1240,8 @@ PKV_NODISCARD PKV_API int pkv_tier_load(pkv_tier *t, pkv_cache *c, pkv_seq s, co
  * block) with no question asked; where the store lacks one of its blocks, the ends past it are
  * ruled out, and unless what was loaded is the window of the end at it, it asks the store
  * whether it has each block from there down (a get with no buffer, or staging:
- * pkv_tier_prefetch), each at most once, then loads. The sequence comes back with its front
+ * pkv_tier_prefetch), each at most once (a Redis tier asks for up to 16 blocks below it in one
+ * round trip: some may lie past the window it finds), then loads. The sequence comes back with its front
  * dropped there, as after
  * pkv_seq_drop_front, the positions before it counted in its length and in *n_loaded though no
  * K/V of theirs was loaded (pkv_seq_get_info's n_dropped: the front; pkv_tier_stats counts the

@@ -661,6 +661,25 @@ static void test_redis_window(void **state) {
     assert_int_equal(st.loaded_blocks, 10);
     assert_int_equal(st.prefetch_hits, 5);
     assert_int_equal(st.errors + st.rejected + st.load_misses, 0);
+    /* the conversation went on past its save (the window of 296 was never stored): the load
+       misses block 32, the first of that window, then probes from block 31 down, 16 blocks in
+       one round trip, and restores the window of 200 */
+    enum { WN2 = 297 };
+    int32_t toks2[WN2];
+    for (int i = 0; i < WN2; i++) toks2[i] = 7 + 5 * i;
+    pkv_cache *b = mk(40);
+    pkv_seq s;
+    TU_OK(pkv_seq_create(b, NULL, 0, &s));
+    TU_OK(pkv_tier_load_window(t2, b, s, toks2, WN2, WIN, &got));
+    assert_int_equal(got, 200);
+    assert_int_equal(tu_info(b, s).n_dropped, 160);
+    same_rows_at(a, sa, b, s, 160, 40);
+    TU_CHECK(b);
+    pkv_cache_destroy(b);
+    const pkv_tier_stats st2 = tstats(t2);
+    assert_int_equal(st2.loaded_blocks, 15);
+    assert_int_equal(st2.load_misses, 1);
+    assert_int_equal(st2.errors + st2.rejected, 0);
     pkv_tier_destroy(t2);
     pkv_tier_destroy(t);
     stop_server(srv);

@@ -426,10 +426,26 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
     bool *put = pkv__calloc(&c->alloc, nb, 1);
     uint32_t saved = 0, present = 0, no_room = 0;
     if (!buf || !put) rc = PKV__SAY(c, PKV_ENOMEM, "the entry buffer (%zu bytes)", entry);
-    /* deepest first: in a least-recently-used store the beginnings of prefixes stay longest */
+    /* deepest first: in a least-recently-used store the beginnings of prefixes stay longest.
+       Each block is probed first (a get with no buffer; up to PKV__TIER_PROBES in one round
+       trip where the store takes probes together: got[hi - 1 - j] then) */
+    int got[PKV__TIER_PROBES];
+    uint32_t lo = nb, hi = nb;
     for (uint32_t j = nb; !rc && j-- > sp.first;) {
         size_t len = 0;
-        int g = t->ops.get(t->ctx, sp.keys[j].b, NULL, 0, &len);
+        int g;
+        if (t->ext.probe_many) {
+            if (j < lo) {
+                uint8_t ask[PKV__TIER_PROBES][PKV__TIER_KEY];
+                hi = j + 1;
+                lo = hi - sp.first > PKV__TIER_PROBES ? hi - PKV__TIER_PROBES : sp.first;
+                for (uint32_t i = hi; i-- > lo;) memcpy(ask[hi - 1 - i], sp.keys[i].b, PKV__TIER_KEY);
+                t->ext.probe_many(t->ctx, hi - lo, ask[0], got);
+            }
+            g = got[hi - 1 - j];
+        } else {
+            g = t->ops.get(t->ctx, sp.keys[j].b, NULL, 0, &len);
+        }
         if (g == PKV_OK) {
             present++;
             continue;
@@ -534,15 +550,75 @@ static void reject(pkv_tier *t, const tkey *key) {
     (void)t->ops.del(t->ctx, key->b);
 }
 
-/* Whether the store (or staging) has key's entry: 1, 0, or -1 where the store failed. */
-static int probe(pkv_tier *t, const tkey *key) {
+/* Whether staging has key's entry. */
+static bool staged_has(pkv_tier *t, const tkey *key) {
     pthread_mutex_lock(&t->mu);
     const bool staged = t->pf_on && pkv__tmap_find(&t->staged, key->b);
     pthread_mutex_unlock(&t->mu);
-    if (staged) return 1;
-    size_t len = 0;
-    const int g = t->ops.get(t->ctx, key->b, NULL, 0, &len);
-    return g == PKV_OK ? 1 : g == PKV_ENOENT ? 0 : -1;
+    return staged;
+}
+
+/* A windowed load's probes, from one block down: the answers of those asked together
+ * (ext.probe_many), kept for blocks [lo, hi) of the prompt. */
+typedef struct probes {
+    uint32_t lo, hi;
+    int8_t has[PKV__TIER_PROBES]; /* block lo + i: 1, 0, or -1 where the store failed */
+} probes;
+
+/* Whether the store (or staging) has block i's entry (keys[i]): 1, 0, or -1 where the store
+ * failed. Asked alone, or with up to PKV__TIER_PROBES - 1 blocks below it where the store takes
+ * probes together (the blocks a windowed load probes come in descending order: P keeps the
+ * answers). */
+static int probe(pkv_tier *t, const tkey *keys, uint32_t i, probes *P) {
+    if (i >= P->lo && i < P->hi) return P->has[i - P->lo];
+    if (staged_has(t, &keys[i])) return 1;
+    if (!t->ext.probe_many) {
+        size_t len = 0;
+        const int g = t->ops.get(t->ctx, keys[i].b, NULL, 0, &len);
+        return g == PKV_OK ? 1 : g == PKV_ENOENT ? 0 : -1;
+    }
+    /* blocks i, i - 1, ...: the staged ones known, the others asked together */
+    uint8_t ask[PKV__TIER_PROBES][PKV__TIER_KEY];
+    int got[PKV__TIER_PROBES];
+    uint32_t at[PKV__TIER_PROBES], n = 0;
+    P->hi = i + 1;
+    P->lo = i + 1 > PKV__TIER_PROBES ? i + 1 - PKV__TIER_PROBES : 0;
+    for (uint32_t b = i + 1; b-- > P->lo;) {
+        if (b != i && staged_has(t, &keys[b])) {
+            P->has[b - P->lo] = 1;
+            continue;
+        }
+        memcpy(ask[n], keys[b].b, PKV__TIER_KEY);
+        at[n++] = b;
+    }
+    t->ext.probe_many(t->ctx, n, ask[0], got);
+    for (uint32_t j = 0; j < n; j++)
+        P->has[at[j] - P->lo] = (int8_t)(got[j] == PKV_OK ? 1 : got[j] == PKV_ENOENT ? 0 : -1);
+    return P->has[i - P->lo];
+}
+
+/* Blocks [from, to) of keys asked for again (a get with no buffer: a use, to a least-recently-used
+ * store), deepest first: one at a time, or up to PKV__TIER_PROBES in one round trip where the
+ * store takes probes together (in order). Ends at a store failure (counted: each call after it
+ * would wait on an unreachable store). */
+static void touch_down(pkv_tier *t, const tkey *keys, uint32_t from, uint32_t to) {
+    uint8_t ask[PKV__TIER_PROBES][PKV__TIER_KEY];
+    int got[PKV__TIER_PROBES];
+    for (uint32_t j = to; j > from;) {
+        uint32_t n = 0;
+        if (t->ext.probe_many) {
+            for (; n < PKV__TIER_PROBES && j > from; n++) memcpy(ask[n], keys[--j].b, PKV__TIER_KEY);
+            t->ext.probe_many(t->ctx, n, ask[0], got);
+        } else {
+            size_t len;
+            got[n++] = t->ops.get(t->ctx, keys[--j].b, NULL, 0, &len);
+        }
+        for (uint32_t i = 0; i < n; i++)
+            if (got[i] != PKV_OK && got[i] != PKV_ENOENT) {
+                COUNT(t, errors, 1);
+                return;
+            }
+    }
 }
 
 /* The front (blocks) a windowed load of an empty sequence that ends with block e - 1 sets: that
@@ -698,11 +774,12 @@ static int load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, ui
             if (plan_front(tokens, n, j, B, window) >= start) break;
             if ((rc = back_to_empty(c, id, start * B, api))) break;
             L.pos = 0, L.blocks = 0, L.miss_at = PKV_NONE, start = end = 0;
+            probes P = {.lo = 0, .hi = 0};
             for (uint32_t e = j; e;) {
                 const uint32_t lo = plan_front(tokens, n, e, B, window);
                 uint32_t k = e;
                 int pr = 1;
-                while (k > lo && (pr = probe(t, &keys[k - 1])) == 1) k--;
+                while (k > lo && (pr = probe(t, keys, k - 1, &P)) == 1) k--;
                 if (pr < 0) { /* nothing more is asked of a failing store */
                     COUNT(t, errors, 1);
                     L.failed = true;
@@ -738,16 +815,9 @@ static int load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, ui
             if (!rc) rc = cr;
         }
         if (!rc && start > i0 && L.pos > pos0) pkv__seq_link_front(c, id, tokens);
-        /* touched again deepest first, so that a least-recently-used store keeps the beginnings;
-           not after a store failure, nor past one (each would wait on an unreachable store) */
-        for (uint32_t j = start + L.blocks; !L.failed && L.blocks && j-- > start + 1;) {
-            size_t len;
-            const int g = t->ops.get(t->ctx, keys[j - 1].b, NULL, 0, &len);
-            if (g != PKV_OK && g != PKV_ENOENT) {
-                COUNT(t, errors, 1);
-                break;
-            }
-        }
+        /* touched again deepest first (the last one loaded is the latest used already), so that
+           a least-recently-used store keeps the beginnings; not after a store failure */
+        if (!L.failed && L.blocks > 1) touch_down(t, keys, start, start + L.blocks - 1);
         pthread_mutex_lock(&t->mu);
         t->st.loaded_blocks += L.blocks, t->st.load_misses += miss;
         t->st.loaded_tokens += L.pos > pos0 ? L.pos - pos0 : 0;

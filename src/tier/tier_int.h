@@ -85,10 +85,17 @@ typedef void (*pkv__tier_put_many_fn)(void *ctx, uint32_t n, const uint8_t *cons
  * the ops' destroy. The tier's thread (prefetch, write-back) takes one of its own, so that its
  * calls and the callers' do not wait on one connection, nor drop each other's gets ahead. */
 typedef int (*pkv__tier_clone_fn)(void *ctx, void **out);
+/* And a fourth: the probes (get without data) of keys[0], keys[1], ... keys[n - 1]
+ * (PKV__TIER_KEY bytes each, n <= PKV__TIER_PROBES) at once, got[i] each one's status (PKV_OK,
+ * PKV_ENOENT, or a failure). Redis sends them together and reads the replies after: one round
+ * trip for all. */
+#define PKV__TIER_PROBES 16u
+typedef void (*pkv__tier_probe_many_fn)(void *ctx, uint32_t n, const uint8_t *keys, int *got);
 typedef struct pkv__tier_ext {
     pkv__tier_want_fn want;
     pkv__tier_put_many_fn put_many;
     pkv__tier_clone_fn clone;
+    pkv__tier_probe_many_fn probe_many;
 } pkv__tier_ext;
 /* host under 256 bytes, prefix under 256 (checked by the caller); conns: the callers'
  * connections, 1 to PKV__TIER_REDIS_CONNS (a thread keeps to one: tier_redis.c); PKV_ENOTSUP

@@ -12,7 +12,8 @@
  * their replies read as the gets come, so that the server answers the next while the caller
  * takes in this one, instead of waiting for each request in turn; a get past some of them drops
  * those before it, any other call first reads and drops every reply still to come. put_many:
- * the write-back's probes together, then its puts. */
+ * the write-back's probes together, then its puts; probe_many: a windowed load's probes
+ * together. */
 #include "tier_int.h"
 
 #include <string.h>
@@ -279,6 +280,24 @@ static void redis_put_many(void *ctx, uint32_t n, const uint8_t *const *keys, co
     leave(r, &g);
 }
 
+static void redis_probe_many(void *ctx, uint32_t n, const uint8_t *keys, int *got) {
+    redis_store *r = pick(ctx);
+    pipe_guard g;
+    enter(r, &g);
+    drain(r);
+    n = n < PKV__TIER_PROBES ? n : PKV__TIER_PROBES;
+    uint32_t sent = 0;
+    if (!connect_now(r))
+        while (sent < n && send_now(r, "STRLEN %b", keys + (size_t)sent * PKV__TIER_KEY, NULL, 0)) sent++;
+    /* (a connection lost on the way fails the rest: the caller asks nothing more of the store) */
+    for (uint32_t i = 0; i < n; i++) {
+        redisReply *y = i < sent && r->rc ? next_reply(r) : NULL;
+        got[i] = probe_status(y);
+        if (y) freeReplyObject(y);
+    }
+    leave(r, &g);
+}
+
 static int redis_get(void *ctx, const uint8_t key[16], void *data, size_t cap, size_t *len) {
     redis_store *r = pick(ctx);
     pipe_guard g;
@@ -400,7 +419,7 @@ int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_
     }
     *ops = (pkv_tier_ops){redis_put, redis_get, redis_del, NULL, redis_destroy};
     *ctx = p;
-    *ext = (pkv__tier_ext){redis_want, redis_put_many, redis_clone};
+    *ext = (pkv__tier_ext){redis_want, redis_put_many, redis_clone, redis_probe_many};
     return PKV_OK;
 }
 #else
