@@ -122,11 +122,12 @@ typedef struct pm_world {
        model's hash of a block's last position) of the blocks any save may have stored: a load
        gives no other (an open-addressed set; once half full, no longer kept: saved_full) */
     pkv_tier *tier;
+    int tier_thread; /* the tier's thread runs (pm_tier_on): prefetches, write-back */
     uint64_t *saved;
     uint32_t n_saved;
     int saved_full;
     uint64_t n_tier_saves, n_tier_saved_blocks, n_tier_loads, n_tier_loaded_blocks, n_tier_window_loads,
-        n_tier_window_fronts, n_tier_reloads;
+        n_tier_window_fronts, n_tier_reloads, n_tier_async, n_tier_prefetches;
     char err[600];
     int trace; /* print every call to stderr (PM_TRACE=1 in the tests, -trace in the fuzzer) */
     /* scratch */
@@ -381,10 +382,14 @@ static inline void pm_fini(pm_world *w) {
 #define PM_SAVED_SLOTS (1u << 15)
 
 /* Puts a host tier behind w's cache (room for every entry: it never drops one), which enables
- * the tier ops of pm_step. */
-static inline int pm_tier_on(pm_world *w) {
-    const int rc = pkv_tier_host_create(1ull << 30, NULL, &w->tier);
+ * the tier ops of pm_step; with thread, its thread too (staging of 64 KiB: prefetched entries
+ * are dropped for room often), for prefetches before loads and saves written back by it. */
+static inline int pm_tier_on(pm_world *w, int thread) {
+    int rc = pkv_tier_host_create(1ull << 30, NULL, &w->tier);
     if (rc) return pm_fail(w, "pkv_tier_host_create: %s", pkv_strerror(rc));
+    if (thread && (rc = pkv_tier_prefetch_start(w->tier, 64u << 10)))
+        return pm_fail(w, "pkv_tier_prefetch_start: %s", pkv_strerror(rc));
+    w->tier_thread = thread;
     w->saved = (uint64_t *)calloc(PM_SAVED_SLOTS, sizeof(uint64_t));
     if (!w->saved) return pm_fail(w, "no memory for the saved set");
     return 0;
@@ -1226,10 +1231,20 @@ PM_NOCOV static inline int pm_has_media(const int32_t *tok, uint32_t n) {
 /* A tier load into q (empty, or as a match left it) of prompt[0, n): plain, or under window (0:
  * plain). Checks the status, the count, the front of a windowed load into an empty sequence and
  * that every block it gave was saved (the K/V it gave: pm_verify); adds the positions to q.
+ * With the tier's thread, prefetch 1 or 3 has the prompt prefetched first (3: and waited for).
  * *loaded: the positions it added. */
 static inline int pm_tier_load_into(pm_world *w, pm_seq *q, const int32_t *prompt, uint32_t n, uint32_t window,
-                                    uint32_t *loaded) {
+                                    uint32_t prefetch, uint32_t *loaded) {
     const uint32_t B = w->B, m = q->len;
+    if (w->tier_thread && prefetch) { /* the prompt's entries staged first (or on their way) */
+        const int pr = window && !m ? pkv_tier_prefetch_window(w->tier, w->c, pm_salts[q->salt], pm_salt_lens[q->salt],
+                                                               prompt, n, window)
+                                    : pkv_tier_prefetch(w->tier, w->c, pm_salts[q->salt], pm_salt_lens[q->salt], prompt, n);
+        PM_TR(w, "   tier prefetch%s(%u tokens) -> %s\n", window && !m ? "_window" : "", n, pkv_strerror(pr));
+        PM_EXPECT(w, pr == 0 || pr == PKV_EBUSY, "tier prefetch: %s", pkv_strerror(pr));
+        if (prefetch & 2) PM_EXPECT(w, pkv_tier_prefetch_wait(w->tier) == 0, "tier prefetch_wait");
+        w->n_tier_prefetches++;
+    }
     pkv_tier_stats tb, ta;
     if (pkv_tier_get_stats(w->tier, &tb) < 0) return pm_fail(w, "tier stats");
     uint32_t got = 0xdeadbeef;
@@ -1271,14 +1286,34 @@ static inline int pm_tier_load_into(pm_world *w, pm_seq *q, const int32_t *promp
 /* pkv_tier_save of a live sequence: the cache unchanged; the count as stored; each full committed
  * block from the front on in the saved set. Of a sequence with no front and no media, every such
  * block is stored or found; then, sometimes, the prompt of its committed positions is loaded
- * into a new sequence (plain or windowed), which must give it all where the pool has room. */
+ * into a new sequence (plain or windowed), which must give it all where the pool has room. With
+ * the tier's thread, half the saves are written back by it (pkv_tier_save_async, sometimes
+ * flushed at once); the others flush the writes queued before them first. */
 static inline int pm_op_tier_save(pm_world *w, pm_src *src) {
     pm_seq *q = pm_pick(w, src, 0);
     if (!q) return 0;
     const uint32_t B = w->B;
     pkv_stats before, after;
     pkv_tier_stats tb, ta;
-    if (pkv_cache_get_stats(w->c, &before) < 0 || pkv_tier_get_stats(w->tier, &tb) < 0) return pm_fail(w, "stats");
+    if (pkv_cache_get_stats(w->c, &before) < 0) return pm_fail(w, "stats");
+    const uint32_t how = pm_byte(src);
+    if (w->tier_thread && (how & 1)) { /* written back by the tier's thread */
+        uint32_t n_queued = 0xdeadbeef;
+        const int rc = pkv_tier_save_async(w->tier, w->c, q->id, &n_queued);
+        PM_TR(w, "%llu: s%d tier save_async (len %u, committed %u, front %u) -> %s, queued %u\n",
+              (unsigned long long)w->n_steps, PM_SI(w, q), q->len, q->committed, q->dropped, pkv_strerror(rc), n_queued);
+        PM_EXPECT(w, rc == 0, "tier save_async: %s", pkv_strerror(rc));
+        const uint32_t from = q->dropped / B, full = q->committed / B;
+        PM_EXPECT(w, n_queued <= (full > from ? full - from : 0), "tier save_async queued %u of %u..%u", n_queued, from,
+                  full);
+        for (uint32_t i = from; i < full; i++) pm_saved_add(w, q->h[(i + 1) * B - 1]);
+        if (how & 2) PM_EXPECT(w, pkv_tier_flush(w->tier) == 0, "tier flush");
+        w->n_tier_async++;
+        return pm_verify(w);
+    }
+    /* (the writes queued before are put first: the thread's counts do not move under this) */
+    if (w->tier_thread) PM_EXPECT(w, pkv_tier_flush(w->tier) == 0, "tier flush");
+    if (pkv_tier_get_stats(w->tier, &tb) < 0) return pm_fail(w, "stats");
     uint32_t n_saved = 0xdeadbeef;
     int rc = pkv_tier_save(w->tier, w->c, q->id, &n_saved);
     PM_TR(w, "%llu: s%d tier save (len %u, committed %u, front %u) -> %s, saved %u\n", (unsigned long long)w->n_steps,
@@ -1316,7 +1351,7 @@ static inline int pm_op_tier_save(pm_world *w, pm_src *src) {
     pkv_stats b2;
     if (pkv_cache_get_stats(w->c, &b2) < 0) return pm_fail(w, "stats");
     uint32_t got = 0;
-    if (pm_tier_load_into(w, q2, prompt, n, window, &got) < 0) return -1;
+    if (pm_tier_load_into(w, q2, prompt, n, window, (pick >> 2) & 3, &got) < 0) return -1;
     const uint32_t want = full * B < n - 1 ? full * B : n - 1;
     const uint32_t front = window ? pm_window_front(w, want, window) : 0, need = (want + B - 1) / B - front / B;
     if (b2.n_free + b2.n_cached >= need)
@@ -1359,7 +1394,7 @@ static inline int pm_op_tier_load(pm_world *w, pm_src *src) {
         }
     }
     uint32_t got = 0;
-    if (pm_tier_load_into(w, q, prompt, n, window, &got) < 0) return -1;
+    if (pm_tier_load_into(w, q, prompt, n, window, pm_byte(src) % 4, &got) < 0) return -1;
     return pm_verify(w);
 }
 

@@ -17,6 +17,7 @@ typedef struct totals {
     uint64_t drops, attn_front, attn_masked;
     uint64_t window_matches, window_fronts, tomb_matches, tombs_end, tomb_hits;
     uint64_t tier_saves, tier_saved, tier_loads, tier_loaded, tier_window_loads, tier_window_fronts, tier_reloads;
+    uint64_t tier_async, tier_prefetches, tier_prefetch_hits;
 } totals;
 
 static void run_world_tier(uint32_t b0, uint32_t b1, int prefix_off, uint64_t seed, int steps, int tier, totals *t) {
@@ -24,7 +25,7 @@ static void run_world_tier(uint32_t b0, uint32_t b1, int prefix_off, uint64_t se
     assert_non_null(w);
     pkv_config cfg = pm_config(b0, b1, prefix_off);
     if (pm_init(w, &cfg, seed) < 0) fail_msg("%s", w->err);
-    if (tier && pm_tier_on(w) < 0) fail_msg("%s", w->err);
+    if (tier && pm_tier_on(w, tier > 1) < 0) fail_msg("%s", w->err);
     w->trace = getenv("PM_TRACE") && atoi(getenv("PM_TRACE"));
     pm_src src = {.use_rng = 1, .rng = seed * 0x9E3779B97F4A7C15ull + b0 * 131 + b1};
     for (int i = 0; i < steps; i++)
@@ -67,6 +68,13 @@ static void run_world_tier(uint32_t b0, uint32_t b1, int prefix_off, uint64_t se
     t->tier_window_loads += w->n_tier_window_loads;
     t->tier_window_fronts += w->n_tier_window_fronts;
     t->tier_reloads += w->n_tier_reloads;
+    t->tier_async += w->n_tier_async;
+    t->tier_prefetches += w->n_tier_prefetches;
+    pkv_tier_stats ts;
+    if (w->tier) {
+        assert_int_equal(pkv_tier_get_stats(w->tier, &ts), 0);
+        t->tier_prefetch_hits += ts.prefetch_hits;
+    }
     pm_fini(w);
     free(w);
 }
@@ -150,19 +158,26 @@ static void test_prefix_random_attn_pool(void **state) {
 
 /* The same workloads with a host tier behind the cache: saves of every kind of sequence (fronts
  * dropped, media, forks), loads plain, windowed and after matches, each block checked against the
- * model's K/V and the saves made; a save of a whole prompt loaded again right away gives it all. */
+ * model's K/V and the saves made; a save of a whole prompt loaded again right away gives it all.
+ * Half the worlds run the tier's thread: loads after prefetches, saves written back. */
 static void test_prefix_random_tier(void **state) {
     (void)state;
     totals t = {0};
-    for (uint64_t seed = 1; seed <= 8; seed++) run_world_tier(0x00, (uint32_t)(seed * 7), 0, 400 + seed, 1500, 1, &t);
+    /* (odd seeds with the tier's thread: prefetches before loads, saves written back) */
+    for (uint64_t seed = 1; seed <= 8; seed++)
+        run_world_tier(0x00, (uint32_t)(seed * 7), 0, 400 + seed, 1500, 1 + (int)(seed & 1), &t);
     static const uint32_t b0s[] = {0x01, 0x03, 0x88, 0x16};
     for (size_t i = 0; i < sizeof b0s / sizeof b0s[0]; i++)
-        run_world_tier(b0s[i], (uint32_t)(17 + 5 * i), 0, 500 + i, 1000, 1, &t);
+        run_world_tier(b0s[i], (uint32_t)(17 + 5 * i), 0, 500 + i, 1000, 1 + (int)(i & 1), &t);
     print_message("tier: %llu saves (%llu blocks stored), %llu loads (%llu blocks), %llu windowed into an empty "
                   "sequence (%llu with a front), %llu reloads right after a save\n",
                   (unsigned long long)t.tier_saves, (unsigned long long)t.tier_saved, (unsigned long long)t.tier_loads,
                   (unsigned long long)t.tier_loaded, (unsigned long long)t.tier_window_loads,
                   (unsigned long long)t.tier_window_fronts, (unsigned long long)t.tier_reloads);
+    print_message("tier's thread: %llu saves written back, %llu prefetches, %llu blocks loaded from staging\n",
+                  (unsigned long long)t.tier_async, (unsigned long long)t.tier_prefetches,
+                  (unsigned long long)t.tier_prefetch_hits);
+    assert_true(t.tier_async > 0 && t.tier_prefetches > 0 && t.tier_prefetch_hits > 0);
     assert_true(t.tier_saved > 0 && t.tier_loaded > 0 && t.tier_window_fronts > 0 && t.tier_reloads > 0);
     assert_true(t.full_hits > 0 && t.window_fronts > 0 && t.evictions > 0);
 }
