@@ -6,14 +6,16 @@
  * Input: byte 0 picks block size, dtypes and layers, byte 1 the pool size, byte 2 whether the
  * prefix cache is on (0xff: off) and, bit 2, whether attention reads in pool order
  * (PKV_ATTN_ORDER=pool, else auto), bit 3, whether a host tier stands behind the cache
- * (pm_tier_on: saves and loads among the calls) and, bit 4, whether the tier's thread runs
- * (prefetches before loads, saves written back); the rest is the call script (pm_step). Any disagreement
+ * (pm_tier_on: saves and loads among the calls), bit 4, whether the tier's thread runs
+ * (prefetches before loads, saves written back) and, bit 5, whether it keeps files (in
+ * /tmp/pkvfuzz-<pid>, removed after each input) rather than host memory; the rest is the call script (pm_step). Any disagreement
  * with the model or a failing pkv_cache_check aborts (a finding); no input may crash the
  * library. */
 #include "prefix_model.h"
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 static pm_world g_world; /* large scratch: keep it off the stack */
 
@@ -29,7 +31,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         fprintf(stderr, "fuzz_api: %s\n", w->err);
         abort();
     }
-    if (data[2] != 0xff && (data[2] & 8) && pm_tier_on(w, data[2] & 16) < 0) {
+    char dir[64] = "";
+    if (data[2] != 0xff && (data[2] & 32)) snprintf(dir, sizeof dir, "/tmp/pkvfuzz-%d", (int)getpid());
+    if (data[2] != 0xff && (data[2] & 8) && pm_tier_on(w, data[2] & 16, dir[0] ? dir : NULL) < 0) {
         fprintf(stderr, "fuzz_api: %s\n", w->err);
         abort();
     }

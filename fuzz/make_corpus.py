@@ -4,7 +4,7 @@
 Input format (fuzz/fuzz_api.c): byte 0 = config (block size 4/1/3/16 in bits 0-1, dtypes,
 layers in bit 7), byte 1 = pool size, byte 2 = prompt set (0xff: prefix cache off; bit 2:
 attention in pool order; bit 3: a host tier, whose saves and loads are ops 15 and 16; bit 4: the
-tier's thread, prefetching and writing back), then the call script read by pm_step (op byte, then its operand
+tier's thread, prefetching and writing back; bit 5: files, not host memory), then the call script read by pm_step (op byte, then its operand
 bytes). Each seed covers one config with a script biased towards one theme (matches, eviction
 pressure, forks/truncates, pins, attention over them). The corpus's regress-NN files are
 not written here: each is an input a fuzz run once failed on, kept as found (minimized)."""
@@ -43,7 +43,7 @@ def main():
             if theme == "attn" and k % 2:
                 b2 |= 4  # attention in pool order
             if theme == "tier":
-                b2 |= 8 | (16 if k % 2 else 0)  # odd ones with the tier's thread
+                b2 |= 8 | (16 if k % 2 else 0) | (32 if k >= 2 else 0)  # odd: its thread; 2, 3: files
             data = bytearray([cfg, pool, b2])
             for _ in range(rng.randrange(40, 90)):
                 data.append(rng.choice(ops))

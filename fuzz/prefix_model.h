@@ -31,6 +31,9 @@ void pkv__cache_test_share(pkv_cache *c, uint32_t min_blocks, uint32_t rows);
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+
+#include <dirent.h>
+#include <unistd.h>
 #include <string.h>
 
 #define XXH_INLINE_ALL
@@ -123,6 +126,7 @@ typedef struct pm_world {
        gives no other (an open-addressed set; once half full, no longer kept: saved_full) */
     pkv_tier *tier;
     int tier_thread; /* the tier's thread runs (pm_tier_on): prefetches, write-back */
+    char tier_dir[200]; /* a file tier's directory ("": none) */
     uint64_t *saved;
     uint32_t n_saved;
     int saved_full;
@@ -370,6 +374,16 @@ static inline int pm_init(pm_world *w, const pkv_config *cfg, uint64_t prompt_se
 
 static inline void pm_fini(pm_world *w) {
     pkv_tier_destroy(w->tier);
+    if (w->tier_dir[0]) { /* a file tier's directory and its entries */
+        DIR *d = opendir(w->tier_dir);
+        char path[sizeof w->tier_dir + 300];
+        for (struct dirent *e; d && (e = readdir(d));)
+            if (e->d_name[0] != '.' && snprintf(path, sizeof path, "%s/%s", w->tier_dir, e->d_name) < (int)sizeof path)
+                (void)unlink(path);
+        if (d) closedir(d);
+        (void)rmdir(w->tier_dir);
+        w->tier_dir[0] = 0;
+    }
     free(w->saved);
     w->tier = NULL;
     w->saved = NULL;
@@ -381,12 +395,20 @@ static inline void pm_fini(pm_world *w) {
 /* ---- a storage tier behind the cache ---- */
 #define PM_SAVED_SLOTS (1u << 15)
 
-/* Puts a host tier behind w's cache (room for every entry: it never drops one), which enables
- * the tier ops of pm_step; with thread, its thread too (staging of 64 KiB: prefetched entries
- * are dropped for room often), for prefetches before loads and saves written back by it. */
-static inline int pm_tier_on(pm_world *w, int thread) {
-    int rc = pkv_tier_host_create(1ull << 30, NULL, &w->tier);
-    if (rc) return pm_fail(w, "pkv_tier_host_create: %s", pkv_strerror(rc));
+/* Puts a tier behind w's cache, which enables the tier ops of pm_step: host memory, or files in
+ * the directory dir (made; pm_fini removes it and its files), room for every entry (it never
+ * drops one); with thread, its thread too (staging of 64 KiB: prefetched entries are dropped
+ * for room often), for prefetches before loads and saves written back by it. */
+static inline int pm_tier_on(pm_world *w, int thread, const char *dir) {
+    int rc;
+    if (dir) {
+        if (strlen(dir) >= sizeof w->tier_dir) return pm_fail(w, "tier directory name too long");
+        strcpy(w->tier_dir, dir);
+        rc = pkv_tier_file_create(dir, 1ull << 30, NULL, &w->tier);
+    } else {
+        rc = pkv_tier_host_create(1ull << 30, NULL, &w->tier);
+    }
+    if (rc) return pm_fail(w, "pkv_tier_%s_create: %s", dir ? "file" : "host", pkv_strerror(rc));
     if (thread && (rc = pkv_tier_prefetch_start(w->tier, 64u << 10)))
         return pm_fail(w, "pkv_tier_prefetch_start: %s", pkv_strerror(rc));
     w->tier_thread = thread;

@@ -25,7 +25,9 @@ static void run_world_tier(uint32_t b0, uint32_t b1, int prefix_off, uint64_t se
     assert_non_null(w);
     pkv_config cfg = pm_config(b0, b1, prefix_off);
     if (pm_init(w, &cfg, seed) < 0) fail_msg("%s", w->err);
-    if (tier && pm_tier_on(w, tier > 1) < 0) fail_msg("%s", w->err);
+    char dir[64];
+    snprintf(dir, sizeof dir, "/tmp/pkv-prefix-random-%d", (int)getpid());
+    if (tier && pm_tier_on(w, tier & 2, tier & 4 ? dir : NULL) < 0) fail_msg("%s", w->err);
     w->trace = getenv("PM_TRACE") && atoi(getenv("PM_TRACE"));
     pm_src src = {.use_rng = 1, .rng = seed * 0x9E3779B97F4A7C15ull + b0 * 131 + b1};
     for (int i = 0; i < steps; i++)
@@ -159,16 +161,17 @@ static void test_prefix_random_attn_pool(void **state) {
 /* The same workloads with a host tier behind the cache: saves of every kind of sequence (fronts
  * dropped, media, forks), loads plain, windowed and after matches, each block checked against the
  * model's K/V and the saves made; a save of a whole prompt loaded again right away gives it all.
- * Half the worlds run the tier's thread: loads after prefetches, saves written back. */
+ * Half the worlds run the tier's thread (loads after prefetches, saves written back), half keep
+ * the entries in files (pkv_tier_file_create). */
 static void test_prefix_random_tier(void **state) {
     (void)state;
     totals t = {0};
-    /* (odd seeds with the tier's thread: prefetches before loads, saves written back) */
+    /* (tier: 1, on; 2, with its thread: prefetches before loads, saves written back; 4, files) */
     for (uint64_t seed = 1; seed <= 8; seed++)
-        run_world_tier(0x00, (uint32_t)(seed * 7), 0, 400 + seed, 1500, 1 + (int)(seed & 1), &t);
+        run_world_tier(0x00, (uint32_t)(seed * 7), 0, 400 + seed, 1500, 1 | (int)(seed & 3) << 1, &t);
     static const uint32_t b0s[] = {0x01, 0x03, 0x88, 0x16};
     for (size_t i = 0; i < sizeof b0s / sizeof b0s[0]; i++)
-        run_world_tier(b0s[i], (uint32_t)(17 + 5 * i), 0, 500 + i, 1000, 1 + (int)(i & 1), &t);
+        run_world_tier(b0s[i], (uint32_t)(17 + 5 * i), 0, 500 + i, 1000, 1 | (int)(i & 3) << 1, &t);
     print_message("tier: %llu saves (%llu blocks stored), %llu loads (%llu blocks), %llu windowed into an empty "
                   "sequence (%llu with a front), %llu reloads right after a save\n",
                   (unsigned long long)t.tier_saves, (unsigned long long)t.tier_saved, (unsigned long long)t.tier_loads,
