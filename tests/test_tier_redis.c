@@ -620,6 +620,21 @@ static void test_redis_ahead(void **state) {
  * empty cache (the probes, the gets ahead and the loads on one connection): 200 positions, front
  * 160, the rows byte for byte; then, prefetched under the window by the tier's thread on its own
  * connection, the same from staging (5 staged, 5 taken). */
+/* A windowed load of toks[0, n) into a new cache's empty sequence restores a's 200 positions,
+ * front 160, their rows a's (sa's) byte for byte. */
+static void restore_window(pkv_tier *t, pkv_cache *a, pkv_seq sa, const int32_t *toks, uint32_t n, uint32_t window) {
+    pkv_cache *b = mk(40);
+    pkv_seq s;
+    uint32_t got = 0;
+    TU_OK(pkv_seq_create(b, NULL, 0, &s));
+    TU_OK(pkv_tier_load_window(t, b, s, toks, n, window, &got));
+    assert_int_equal(got, 200);
+    assert_int_equal(tu_info(b, s).n_dropped, 160);
+    same_rows_at(a, sa, b, s, 160, 40);
+    TU_CHECK(b);
+    pkv_cache_destroy(b);
+}
+
 static void test_redis_window(void **state) {
     (void)state;
     pkv_tier *t = NULL;
@@ -636,7 +651,7 @@ static void test_redis_window(void **state) {
     pkv_cache *a = mk(40);
     pkv_seq sa = filled(a, toks, 200);
     TU_OK(pkv_seq_drop_front(a, sa, 200 - WIN + 1)); /* the next query (200) sees 161 .. 200 */
-    uint32_t saved = 0, got = 0;
+    uint32_t saved = 0;
     TU_OK(pkv_tier_save(t, a, sa, &saved));
     assert_int_equal(saved, 5);
     pkv_tier *t2 = connect_tier(port, prefix);
@@ -647,15 +662,7 @@ static void test_redis_window(void **state) {
             TU_OK(pkv_tier_prefetch_wait(t2));
             assert_int_equal(tstats(t2).prefetched, 5);
         }
-        pkv_cache *b = mk(40);
-        pkv_seq s;
-        TU_OK(pkv_seq_create(b, NULL, 0, &s));
-        TU_OK(pkv_tier_load_window(t2, b, s, toks, WN, WIN, &got));
-        assert_int_equal(got, 200);
-        assert_int_equal(tu_info(b, s).n_dropped, 160);
-        same_rows_at(a, sa, b, s, 160, 40);
-        TU_CHECK(b);
-        pkv_cache_destroy(b);
+        restore_window(t2, a, sa, toks, WN, WIN);
     }
     const pkv_tier_stats st = tstats(t2);
     assert_int_equal(st.loaded_blocks, 10);
@@ -667,15 +674,7 @@ static void test_redis_window(void **state) {
     enum { WN2 = 297 };
     int32_t toks2[WN2];
     for (int i = 0; i < WN2; i++) toks2[i] = 7 + 5 * i;
-    pkv_cache *b = mk(40);
-    pkv_seq s;
-    TU_OK(pkv_seq_create(b, NULL, 0, &s));
-    TU_OK(pkv_tier_load_window(t2, b, s, toks2, WN2, WIN, &got));
-    assert_int_equal(got, 200);
-    assert_int_equal(tu_info(b, s).n_dropped, 160);
-    same_rows_at(a, sa, b, s, 160, 40);
-    TU_CHECK(b);
-    pkv_cache_destroy(b);
+    restore_window(t2, a, sa, toks2, WN2, WIN);
     const pkv_tier_stats st2 = tstats(t2);
     assert_int_equal(st2.loaded_blocks, 15);
     assert_int_equal(st2.load_misses, 1);
