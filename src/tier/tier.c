@@ -412,6 +412,25 @@ static int save_prepare(pkv_cache *c, pkv_seq id, const char *api, save_prep *p)
     return PKV_OK;
 }
 
+/* The entries a save puts at once (pkv__tier_make_fn): blocks block[0, n) of sp, each made into
+ * buf in turn; failed_at: the one whose rows the cache refused (PKV_NONE: none). */
+typedef struct save_make {
+    pkv_cache *c;
+    pkv_seq id;
+    const save_prep *sp;
+    uint8_t *buf;
+    uint32_t block[PKV__TIER_PROBES], n, failed_at;
+} save_make;
+
+static int save_make_one(void *arg, uint32_t i, const void **data, size_t *len) {
+    save_make *m = arg;
+    const save_prep *sp = m->sp;
+    const int rc = fill_entry(m->c, m->id, &sp->sh, sp->keys, &sp->seed, sp->toks, m->block[i], m->buf);
+    m->failed_at = rc ? i : PKV_NONE;
+    *data = m->buf, *len = sp->sh.entry;
+    return rc;
+}
+
 PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_saved) {
     if (!c) return PKV_EINVAL;
     if (!t) return PKV__SAY(c, PKV_EINVAL, "t is NULL");
@@ -427,39 +446,57 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
     uint32_t saved = 0, present = 0, no_room = 0;
     if (!buf || !put) rc = PKV__SAY(c, PKV_ENOMEM, "the entry buffer (%zu bytes)", entry);
     /* deepest first: in a least-recently-used store the beginnings of prefixes stay longest.
-       Each block is probed first (a get with no buffer; up to PKV__TIER_PROBES in one round
-       trip where the store takes probes together: got[hi - 1 - j] then) */
-    int got[PKV__TIER_PROBES];
-    uint32_t lo = nb, hi = nb;
-    for (uint32_t j = nb; !rc && j-- > sp.first;) {
-        size_t len = 0;
-        int g;
-        if (t->ext.probe_many) {
-            if (j < lo) {
-                uint8_t ask[PKV__TIER_PROBES][PKV__TIER_KEY];
-                hi = j + 1;
-                lo = hi - sp.first > PKV__TIER_PROBES ? hi - PKV__TIER_PROBES : sp.first;
-                for (uint32_t i = hi; i-- > lo;) memcpy(ask[hi - 1 - i], sp.keys[i].b, PKV__TIER_KEY);
-                t->ext.probe_many(t->ctx, hi - lo, ask[0], got);
-            }
-            g = got[hi - 1 - j];
+       Each block is probed (a get with no buffer), and put where the store lacks it: block by
+       block, or up to PKV__TIER_PROBES at once where the store takes probes and puts together
+       (one round trip for the probes, one for the puts), in the same order */
+    const bool many = t->ext.probe_many && t->ext.put_stream;
+    save_make mk = {.c = c, .id = id, .sp = &sp, .buf = buf};
+    for (uint32_t hi = nb; !rc && hi > sp.first;) {
+        const uint32_t lo = !many ? hi - 1 : hi - sp.first > PKV__TIER_PROBES ? hi - PKV__TIER_PROBES : sp.first;
+        const uint32_t n = hi - lo; /* block hi - 1 - i at i */
+        uint8_t ask[PKV__TIER_PROBES][PKV__TIER_KEY];
+        int got[PKV__TIER_PROBES], res[PKV__TIER_PROBES];
+        if (many) {
+            for (uint32_t i = 0; i < n; i++) memcpy(ask[i], sp.keys[hi - 1 - i].b, PKV__TIER_KEY);
+            t->ext.probe_many(t->ctx, n, ask[0], got);
         } else {
-            g = t->ops.get(t->ctx, sp.keys[j].b, NULL, 0, &len);
+            size_t len = 0;
+            got[0] = t->ops.get(t->ctx, sp.keys[lo].b, NULL, 0, &len);
         }
-        if (g == PKV_OK) {
-            present++;
-            continue;
+        mk.n = 0, mk.failed_at = PKV_NONE;
+        for (uint32_t i = 0; i < n; i++) {
+            if (got[i] == PKV_OK) {
+                present++;
+                continue;
+            }
+            if (got[i] != PKV_ENOENT) COUNT(t, errors, 1); /* taken as absent: the put says more */
+            mk.block[mk.n] = hi - 1 - i;
+            memcpy(ask[mk.n++], sp.keys[hi - 1 - i].b, PKV__TIER_KEY);
         }
-        if (g != PKV_ENOENT) COUNT(t, errors, 1); /* taken as absent: the put says more */
-        if ((rc = fill_entry(c, id, &sp.sh, sp.keys, &sp.seed, sp.toks, j, buf))) break;
-        int r = t->ops.put(t->ctx, sp.keys[j].b, buf, entry);
-        if (r == PKV_OK) put[j] = true, saved++;
-        else if (r == PKV_ENOSPC) no_room++;
-        else {
-            COUNT(t, errors, 1);
-            rc = PKV__SAY(c, r < 0 && r > -64 ? r : PKV_EIO, "the tier's put of block %u failed: %s", j,
-                          pkv_strerror(r));
+        if (many) {
+            if (mk.n) t->ext.put_stream(t->ctx, mk.n, ask[0], save_make_one, &mk, res);
+        } else if (mk.n) {
+            const void *data;
+            size_t len;
+            res[0] = save_make_one(&mk, 0, &data, &len);
+            if (!res[0]) res[0] = t->ops.put(t->ctx, ask[0], data, len);
         }
+        /* every put that took is marked (the clean-up below deletes them where the call fails);
+           the first failure fails the call */
+        for (uint32_t i = 0; i < mk.n; i++) {
+            const uint32_t j = mk.block[i];
+            const int r = res[i];
+            if (r == PKV_OK) put[j] = true, saved++;
+            else if (r == PKV_ENOSPC) no_room++;
+            else if (r == PKV__TIER_UNTRIED || rc) continue;
+            else if (i == mk.failed_at) rc = r; /* the cache refused the rows (s changed) */
+            else {
+                COUNT(t, errors, 1);
+                rc = PKV__SAY(c, r < 0 && r > -64 ? r : PKV_EIO, "the tier's put of block %u failed: %s", j,
+                              pkv_strerror(r));
+            }
+        }
+        hi = lo;
     }
     /* none of this call's entries stays, where the store lets them go: a del that fails (the
        store unreachable) ends the clean-up, rather than wait on each one */

@@ -91,11 +91,22 @@ typedef int (*pkv__tier_clone_fn)(void *ctx, void **out);
  * trip for all. */
 #define PKV__TIER_PROBES 16u
 typedef void (*pkv__tier_probe_many_fn)(void *ctx, uint32_t n, const uint8_t *keys, int *got);
+/* And a fifth: the puts of n <= PKV__TIER_PROBES entries made one after another into the
+ * caller's one buffer: make(arg, i, &data, &len) makes entry i (PKV_OK; else that status ends
+ * the call), which is put under keys[i] (PKV__TIER_KEY bytes each) and written out before the
+ * next is made. put[i]: the put's status; the make's where it failed; PKV__TIER_UNTRIED for
+ * those after a make or a write that failed. Redis writes the SETs one after another and reads
+ * their replies after: one round trip for all, where the ops take one a put. */
+#define PKV__TIER_UNTRIED 1
+typedef int (*pkv__tier_make_fn)(void *arg, uint32_t i, const void **data, size_t *len);
+typedef void (*pkv__tier_put_stream_fn)(void *ctx, uint32_t n, const uint8_t *keys, pkv__tier_make_fn make, void *arg,
+                                        int *put);
 typedef struct pkv__tier_ext {
     pkv__tier_want_fn want;
     pkv__tier_put_many_fn put_many;
     pkv__tier_clone_fn clone;
     pkv__tier_probe_many_fn probe_many;
+    pkv__tier_put_stream_fn put_stream;
 } pkv__tier_ext;
 /* host under 256 bytes, prefix under 256 (checked by the caller); conns: the callers'
  * connections, 1 to PKV__TIER_REDIS_CONNS (a thread keeps to one: tier_redis.c); PKV_ENOTSUP

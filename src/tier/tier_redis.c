@@ -12,8 +12,8 @@
  * their replies read as the gets come, so that the server answers the next while the caller
  * takes in this one, instead of waiting for each request in turn; a get past some of them drops
  * those before it, any other call first reads and drops every reply still to come. put_many:
- * the write-back's probes together, then its puts; probe_many: a windowed load's probes
- * together. */
+ * the write-back's probes together, then its puts; probe_many: probes together (a save's, a
+ * windowed load's search, a load's touches); put_stream: a save's puts together. */
 #include "tier_int.h"
 
 #include <string.h>
@@ -298,6 +298,37 @@ static void redis_probe_many(void *ctx, uint32_t n, const uint8_t *keys, int *go
     leave(r, &g);
 }
 
+static void redis_put_stream(void *ctx, uint32_t n, const uint8_t *keys, pkv__tier_make_fn make, void *arg, int *put) {
+    redis_store *r = pick(ctx);
+    pipe_guard g;
+    enter(r, &g);
+    drain(r);
+    n = n < PKV__TIER_PROBES ? n : PKV__TIER_PROBES;
+    for (uint32_t i = 0; i < n; i++) put[i] = PKV__TIER_UNTRIED;
+    const bool up = !connect_now(r);
+    uint32_t sent = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const void *data = NULL;
+        size_t len = 0;
+        const int m = make(arg, i, &data, &len);
+        if (m) {
+            put[i] = m;
+            break;
+        }
+        if (!up || !send_now(r, "SET %b %b", keys + (size_t)i * PKV__TIER_KEY, len ? data : "", len)) {
+            put[i] = PKV_EIO;
+            break;
+        }
+        sent++;
+    }
+    for (uint32_t i = 0; i < sent; i++) { /* (a reply lost with the connection: PKV_EIO) */
+        redisReply *y = r->rc ? next_reply(r) : NULL;
+        put[i] = set_status(y);
+        if (y) freeReplyObject(y);
+    }
+    leave(r, &g);
+}
+
 static int redis_get(void *ctx, const uint8_t key[16], void *data, size_t cap, size_t *len) {
     redis_store *r = pick(ctx);
     pipe_guard g;
@@ -419,7 +450,7 @@ int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_
     }
     *ops = (pkv_tier_ops){redis_put, redis_get, redis_del, NULL, redis_destroy};
     *ctx = p;
-    *ext = (pkv__tier_ext){redis_want, redis_put_many, redis_clone, redis_probe_many};
+    *ext = (pkv__tier_ext){redis_want, redis_put_many, redis_clone, redis_probe_many, redis_put_stream};
     return PKV_OK;
 }
 #else
