@@ -235,6 +235,22 @@ static void same_rows(pkv_cache *a, pkv_seq sa, pkv_cache *b, pkv_seq sb, uint32
  * after a want, each call answers for its own key, never with a reply sent ahead for another:
  * a get of another key, a probe, a put and a del between, a want that skips one, a key the
  * server lacks, a buffer too small. Values: key j's is j + 1 bytes of j (k[5] is stored later). */
+/* put_stream's entries: entry i is 8 bytes of 0x40 + i, made into one buffer; the make of entry
+ * fail_at fails (PKV_EINVAL). */
+typedef struct stream_src {
+    uint32_t fail_at, calls;
+    uint8_t buf[8];
+} stream_src;
+
+static int stream_make(void *arg, uint32_t i, const void **data, size_t *len) {
+    stream_src *s = arg;
+    s->calls++;
+    if (i == s->fail_at) return PKV_EINVAL;
+    memset(s->buf, 0x40 + (int)i, sizeof s->buf);
+    *data = s->buf, *len = sizeof s->buf;
+    return PKV_OK;
+}
+
 static void test_redis_store_ahead(void **state) {
     (void)state;
     pkv_tier_ops ops;
@@ -338,6 +354,38 @@ static void test_redis_store_ahead(void **state) {
     TU_OK(ops.get(ctx, dk, got, sizeof got, &len));
     assert_int_equal(len, 32);
     assert_memory_equal(got, nv[0], 32);
+    /* probe_many (a save's, a windowed load's search, a load's touches): after a want, whose
+       replies it reads past; each key's status in its place */
+    want(ctx, &k[0][0], 4);
+    uint8_t pk6[4][PKV__TIER_KEY];
+    memcpy(pk6[0], k[3], PKV__TIER_KEY), memcpy(pk6[1], none[0], PKV__TIER_KEY);
+    memcpy(pk6[2], k[0], PKV__TIER_KEY), memcpy(pk6[3], dk, PKV__TIER_KEY);
+    int pr[4];
+    ext.probe_many(ctx, 4, pk6[0], pr);
+    TU_OK(pr[0]), assert_int_equal(pr[1], PKV_ENOENT), TU_OK(pr[2]), TU_OK(pr[3]);
+    GET_IS(0);
+    /* put_stream (a save's): each entry made by the callback as its turn comes; a make that
+       fails ends the call there, what was put before it stays put, the rest untried */
+    stream_src src = {.fail_at = 2};
+    uint8_t sk[4][PKV__TIER_KEY] = {{0x70, 1}, {0x71, 1}, {0x72, 1}, {0x73, 1}};
+    int ps[4];
+    ext.put_stream(ctx, 4, sk[0], stream_make, &src, ps);
+    TU_OK(ps[0]), TU_OK(ps[1]), assert_int_equal(ps[2], PKV_EINVAL), assert_int_equal(ps[3], PKV__TIER_UNTRIED);
+    assert_int_equal(src.calls, 3);
+    for (int i = 0; i < 4; i++) {
+        const int r = ops.get(ctx, sk[i], got, sizeof got, &len);
+        if (i < 2) {
+            TU_OK(r);
+            assert_int_equal(len, 8);
+            for (size_t b_ = 0; b_ < len; b_++) assert_int_equal(got[b_], 0x40 + i);
+        } else {
+            assert_int_equal(r, PKV_ENOENT);
+        }
+    }
+    src = (stream_src){.fail_at = 9};
+    ext.put_stream(ctx, 2, sk[2], stream_make, &src, ps);
+    TU_OK(ps[0]), TU_OK(ps[1]);
+    assert_int_equal(src.calls, 2);
     /* a full server (maxmemory 1 byte under noeviction) refuses the puts: PKV_ENOSPC */
     char cmd[128];
     snprintf(cmd, sizeof cmd, "redis-cli -p %d CONFIG SET maxmemory-policy noeviction >/dev/null", port);
@@ -353,6 +401,11 @@ static void test_redis_store_ahead(void **state) {
     stop_server(g_srv);
     put_many(ctx, 2, (const uint8_t *const[]){nk[0], nk[1]}, pd, pl, pg, pp);
     for (int i = 0; i < 2; i++) assert_true(pg[i] != PKV_OK && pg[i] != PKV_ENOENT && pp[i] != PKV_OK);
+    ext.probe_many(ctx, 2, sk[0], pr);
+    assert_true(pr[0] == PKV_EIO && pr[1] == PKV_EIO);
+    src = (stream_src){.fail_at = 9};
+    ext.put_stream(ctx, 2, sk[0], stream_make, &src, ps);
+    assert_true(ps[0] == PKV_EIO && ps[1] == PKV__TIER_UNTRIED && src.calls == 1);
 #undef GET_IS
     ops.destroy(ctx);
 }
