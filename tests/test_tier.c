@@ -10,6 +10,7 @@
 #include <cmocka.h>
 
 #include "support_util.h"
+#include "tier/tier_int.h" /* pkv__tier_test_ext */
 
 #include <dirent.h>
 #include <math.h>
@@ -671,6 +672,128 @@ static int fake_count(const fake *f) {
     int n = 0;
     for (int i = 0; i < 32; i++) n += f->data[i] != NULL;
     return n;
+}
+
+/* ---- a store taking probes and puts together (ext.probe_many, ext.put_stream: Redis's way),
+ * each entry's last use timed ---- */
+typedef struct bstore {
+    uint8_t key[64][16];
+    int32_t tok[64];   /* the first token id of the entry's block */
+    uint64_t used[64]; /* the clock at its last use: a probe that found it, a put */
+    int n;
+    uint64_t clock;
+    int probe_calls, stream_calls;
+    int drop_at; /* the next probe_many answers PKV_EIO from this key on (a lost connection); -1 */
+} bstore;
+
+static int bfind(const bstore *s, const uint8_t *key) {
+    for (int i = 0; i < s->n; i++)
+        if (!memcmp(s->key[i], key, 16)) return i;
+    return -1;
+}
+
+static int b_put(void *ctx, const uint8_t key[16], const void *data, size_t len) {
+    bstore *s = ctx;
+    (void)len;
+    int i = bfind(s, key);
+    if (i < 0) {
+        assert_true(s->n < 64);
+        i = s->n++;
+        memcpy(s->key[i], key, 16);
+    }
+    s->tok[i] = first_tok(data);
+    s->used[i] = ++s->clock;
+    return PKV_OK;
+}
+
+static int b_get(void *ctx, const uint8_t key[16], void *data, size_t cap, size_t *len) {
+    bstore *s = ctx;
+    assert_null(data); /* (probes only, here) */
+    (void)cap;
+    const int i = bfind(s, key);
+    if (i < 0) return PKV_ENOENT;
+    s->used[i] = ++s->clock;
+    *len = 1;
+    return PKV_OK;
+}
+
+static int b_del(void *ctx, const uint8_t key[16]) {
+    (void)ctx, (void)key;
+    return PKV_OK;
+}
+
+static void b_probe_many(void *ctx, uint32_t n, const uint8_t *keys, int *got) {
+    bstore *s = ctx;
+    s->probe_calls++;
+    for (uint32_t i = 0; i < n; i++) {
+        size_t len;
+        got[i] = s->drop_at >= 0 && (int)i >= s->drop_at ? PKV_EIO : b_get(ctx, keys + 16 * i, NULL, 0, &len);
+    }
+    s->drop_at = -1;
+}
+
+static void b_put_stream(void *ctx, uint32_t n, const uint8_t *keys, pkv__tier_make_fn make, void *arg, int *put) {
+    bstore *s = ctx;
+    s->stream_calls++;
+    for (uint32_t i = 0; i < n; i++) put[i] = PKV__TIER_UNTRIED;
+    for (uint32_t i = 0; i < n; i++) {
+        const void *data;
+        size_t len;
+        if ((put[i] = make(arg, i, &data, &len))) break;
+        put[i] = b_put(ctx, keys + 16 * i, data, len);
+    }
+}
+
+/* The last use of block j's entry, toks's blocks looked up by their first token id. */
+static uint64_t b_used(const bstore *s, const int32_t *toks, uint32_t j) {
+    for (int i = 0; i < s->n; i++)
+        if (s->tok[i] == toks[j * B]) return s->used[i];
+    fail_msg("block %u is not stored", j);
+    return 0;
+}
+
+/* A save's probes and puts, taken together, leave the store as one at a time did: a
+ * conversation saved at 10 blocks, then at 20, has its blocks last used beginnings last (the
+ * probes of the 10 found come after the puts of the 10 new: the first batch ends before them);
+ * a probe lost with the connection is counted once and its block put again, the blocks after it
+ * asked anew. With and without the batched calls. */
+static void test_save_batched(void **state) {
+    (void)state;
+    enum { NB = 20 };
+    int32_t toks[NB * B];
+    prompt(toks, NB * B, 1300);
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 2 * NB + 4, 1);
+    pkv_seq half = filled(a, NULL, toks, NB * B / 2), whole = filled(a, NULL, toks, NB * B);
+    for (int batched = 0; batched < 2; batched++) {
+        bstore s = {.drop_at = -1};
+        const pkv_tier_ops ops = {b_put, b_get, b_del, NULL, NULL};
+        pkv_tier *t = NULL;
+        TU_OK(pkv_tier_create(&ops, &s, NULL, &t));
+        if (batched) pkv__tier_test_ext(t, &(pkv__tier_ext){.probe_many = b_probe_many, .put_stream = b_put_stream});
+        uint32_t saved = 0;
+        TU_OK(pkv_tier_save(t, a, half, &saved));
+        assert_int_equal(saved, NB / 2);
+        TU_OK(pkv_tier_save(t, a, whole, &saved));
+        assert_int_equal(saved, NB / 2);
+        pkv_tier_stats st = tstats(t);
+        assert_int_equal(st.save_present, NB / 2);
+        for (uint32_t j = 0; j + 1 < NB; j++) assert_true(b_used(&s, toks, j) > b_used(&s, toks, j + 1));
+        if (batched) { /* two saves: the first probes 10 and puts 10; the second probes 16, puts
+                          10, then probes 10 */
+            assert_int_equal(s.probe_calls, 3);
+            assert_int_equal(s.stream_calls, 2);
+        }
+        /* every block stored: the third probe of the next save is lost with the connection */
+        s.drop_at = 2;
+        TU_OK(pkv_tier_save(t, a, whole, &saved));
+        st = tstats(t);
+        assert_int_equal(st.errors, batched ? 1 : 0);
+        assert_int_equal(saved, batched ? 1 : 0);
+        assert_int_equal(st.save_present, NB / 2 + NB - (batched ? 1 : 0));
+        for (uint32_t j = 0; j + 1 < NB; j++) assert_true(b_used(&s, toks, j) > b_used(&s, toks, j + 1));
+        pkv_tier_destroy(t);
+    }
+    pkv_cache_destroy(a);
 }
 
 static void test_faults(void **state) {
@@ -1647,7 +1770,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip), cmocka_unit_test(test_partial),     cmocka_unit_test(test_media_guard),
         cmocka_unit_test(test_mismatch),
-        cmocka_unit_test(test_lru),       cmocka_unit_test(test_file),        cmocka_unit_test(test_faults),
+        cmocka_unit_test(test_lru),       cmocka_unit_test(test_file),        cmocka_unit_test(test_faults), cmocka_unit_test(test_save_batched),
         cmocka_unit_test(test_alloc_faults), cmocka_unit_test(test_random), cmocka_unit_test(test_use_order),
         cmocka_unit_test(test_prefetch),  cmocka_unit_test(test_write_back),  cmocka_unit_test(test_window),
         cmocka_unit_test(test_window_faults), cmocka_unit_test(test_window_link), cmocka_unit_test(test_window_random),

@@ -92,6 +92,8 @@ static int tier_over(int rc, const pkv_tier_ops *ops, void *ctx, const pkv_alloc
     return rc;
 }
 
+void pkv__tier_test_ext(pkv_tier *t, const pkv__tier_ext *ext) { t->ext = *ext; }
+
 PKV_API int pkv_tier_create(const pkv_tier_ops *ops, void *ctx, const pkv_allocator *alloc, pkv_tier **out) {
     if (out) *out = NULL;
     if (!out || !ops || !ops->put || !ops->get || !ops->del) return PKV_EINVAL;
@@ -448,7 +450,8 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
     /* deepest first: in a least-recently-used store the beginnings of prefixes stay longest.
        Each block is probed (a get with no buffer), and put where the store lacks it: block by
        block, or up to PKV__TIER_PROBES at once where the store takes probes and puts together
-       (one round trip for the probes, one for the puts), in the same order */
+       (one round trip for the probes, one for the puts), in the order the store sees them one
+       by one */
     const bool many = t->ext.probe_many && t->ext.put_stream;
     save_make mk = {.c = c, .id = id, .sp = &sp, .buf = buf};
     for (uint32_t hi = nb; !rc && hi > sp.first;) {
@@ -463,15 +466,29 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
             size_t len = 0;
             got[0] = t->ops.get(t->ctx, sp.keys[lo].b, NULL, 0, &len);
         }
+        /* the batch ends before a block found past one not found (its probe, a use, came before
+           the puts of those deeper: it is asked again after them, so that the beginnings stay
+           the latest used), and after a failed probe (the answers past it are a lost
+           connection's; its put connects again, and the next batch asks for them anew) */
+        uint32_t used = n;
         mk.n = 0, mk.failed_at = PKV_NONE;
         for (uint32_t i = 0; i < n; i++) {
             if (got[i] == PKV_OK) {
+                if (mk.n) {
+                    used = i;
+                    break;
+                }
                 present++;
                 continue;
             }
-            if (got[i] != PKV_ENOENT) COUNT(t, errors, 1); /* taken as absent: the put says more */
+            const bool failed = got[i] != PKV_ENOENT;
+            if (failed) COUNT(t, errors, 1); /* taken as absent: the put says more */
             mk.block[mk.n] = hi - 1 - i;
             memcpy(ask[mk.n++], sp.keys[hi - 1 - i].b, PKV__TIER_KEY);
+            if (failed) {
+                used = i + 1;
+                break;
+            }
         }
         if (many) {
             if (mk.n) t->ext.put_stream(t->ctx, mk.n, ask[0], save_make_one, &mk, res);
@@ -496,7 +513,7 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
                               pkv_strerror(r));
             }
         }
-        hi = lo;
+        hi -= used;
     }
     /* none of this call's entries stays, where the store lets them go: a del that fails (the
        store unreachable) ends the clean-up, rather than wait on each one */

@@ -108,6 +108,9 @@ typedef struct pkv__tier_ext {
     pkv__tier_probe_many_fn probe_many;
     pkv__tier_put_stream_fn put_stream;
 } pkv__tier_ext;
+/* Tests: t's store calls beside its ops made ext's (a store of the test's own, taking probes and
+ * puts together as Redis does). */
+void pkv__tier_test_ext(pkv_tier *t, const pkv__tier_ext *ext);
 /* host under 256 bytes, prefix under 256 (checked by the caller); conns: the callers'
  * connections, 1 to PKV__TIER_REDIS_CONNS (a thread keeps to one: tier_redis.c); PKV_ENOTSUP
  * without hiredis */
