@@ -7,8 +7,8 @@
  * prefix cache is on (0xff: off) and, bit 2, whether attention reads in pool order
  * (PKV_ATTN_ORDER=pool, else auto), bit 3, whether a host tier stands behind the cache
  * (pm_tier_on: saves and loads among the calls), bit 4, whether the tier's thread runs
- * (prefetches before loads, saves written back) and, bit 5, whether it keeps files (in
- * /tmp/pkvfuzz-<pid>, removed after each input) rather than host memory; the rest is the call script (pm_step). Any disagreement
+ * (prefetches before loads, saves written back) and, bit 5, whether it keeps files (in a new
+ * /tmp/pkvfuzz-XXXXXX, removed after each input) rather than host memory; the rest is the call script (pm_step). Any disagreement
  * with the model or a failing pkv_cache_check aborts (a finding); no input may crash the
  * library. */
 #include "prefix_model.h"
@@ -32,7 +32,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         abort();
     }
     char dir[64] = "";
-    if (data[2] != 0xff && (data[2] & 32)) snprintf(dir, sizeof dir, "/tmp/pkvfuzz-%d", (int)getpid());
+    if (data[2] != 0xff && (data[2] & 8) && (data[2] & 32)) { /* a new one: one left by an input killed on the way
+                                                                  would hold entries never saved here */
+        snprintf(dir, sizeof dir, "/tmp/pkvfuzz-XXXXXX");
+        if (!mkdtemp(dir)) abort();
+    }
     if (data[2] != 0xff && (data[2] & 8) && pm_tier_on(w, data[2] & 16, dir[0] ? dir : NULL) < 0) {
         fprintf(stderr, "fuzz_api: %s\n", w->err);
         abort();

@@ -25,8 +25,8 @@ static void run_world_tier(uint32_t b0, uint32_t b1, int prefix_off, uint64_t se
     assert_non_null(w);
     pkv_config cfg = pm_config(b0, b1, prefix_off);
     if (pm_init(w, &cfg, seed) < 0) fail_msg("%s", w->err);
-    char dir[64];
-    snprintf(dir, sizeof dir, "/tmp/pkv-prefix-random-%d", (int)getpid());
+    char dir[] = "/tmp/pkv-prefix-random-XXXXXX";
+    if (tier & 4) assert_non_null(mkdtemp(dir));
     if (tier && pm_tier_on(w, tier & 2, tier & 4 ? dir : NULL) < 0) fail_msg("%s", w->err);
     w->trace = getenv("PM_TRACE") && atoi(getenv("PM_TRACE"));
     pm_src src = {.use_rng = 1, .rng = seed * 0x9E3779B97F4A7C15ull + b0 * 131 + b1};

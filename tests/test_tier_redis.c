@@ -668,11 +668,6 @@ static void test_redis_ahead(void **state) {
     pkv_cache_destroy(small);
 }
 
-/* Under a sliding window (pkv_tier_load_window) against the server: a 200-position conversation
- * dropped to a window of 40 saves its last 5 blocks; another tier object restores them into an
- * empty cache (the probes, the gets ahead and the loads on one connection): 200 positions, front
- * 160, the rows byte for byte; then, prefetched under the window by the tier's thread on its own
- * connection, the same from staging (5 staged, 5 taken). */
 /* A windowed load of toks[0, n) into a new cache's empty sequence restores a's 200 positions,
  * front 160, their rows a's (sa's) byte for byte. */
 static void restore_window(pkv_tier *t, pkv_cache *a, pkv_seq sa, const int32_t *toks, uint32_t n, uint32_t window) {
@@ -688,6 +683,11 @@ static void restore_window(pkv_tier *t, pkv_cache *a, pkv_seq sa, const int32_t 
     pkv_cache_destroy(b);
 }
 
+/* Under a sliding window (pkv_tier_load_window) against the server: a 200-position conversation
+ * dropped to a window of 40 saves its last 5 blocks; another tier object restores them into an
+ * empty cache (the probes, the gets ahead and the loads on one connection): 200 positions, front
+ * 160, the rows byte for byte; then, prefetched under the window by the tier's thread on its own
+ * connection, the same from staging (5 staged, 5 taken). */
 static void test_redis_window(void **state) {
     (void)state;
     pkv_tier *t = NULL;
