@@ -684,6 +684,12 @@ typedef struct bstore {
     uint64_t clock;
     int probe_calls, stream_calls;
     int drop_at; /* the next probe_many answers PKV_EIO from this key on (a lost connection); -1 */
+    /* the next put_stream: its put fail_put_at fails (PKV_EIO, the others put), its puts from
+       lose_from on are taken but answered PKV_EIO (replies lost), and after its make number
+       trunc_after the sequence s of c is cut to 8 blocks (the next make fails); -1: none */
+    int fail_put_at, lose_from, trunc_after;
+    pkv_cache *c;
+    pkv_seq s;
 } bstore;
 
 static int bfind(const bstore *s, const uint8_t *key) {
@@ -718,7 +724,13 @@ static int b_get(void *ctx, const uint8_t key[16], void *data, size_t cap, size_
 }
 
 static int b_del(void *ctx, const uint8_t key[16]) {
-    (void)ctx, (void)key;
+    bstore *s = ctx;
+    const int i = bfind(s, key);
+    if (i >= 0) { /* the last entry takes its place */
+        s->n--;
+        memcpy(s->key[i], s->key[s->n], 16);
+        s->tok[i] = s->tok[s->n], s->used[i] = s->used[s->n];
+    }
     return PKV_OK;
 }
 
@@ -740,8 +752,11 @@ static void b_put_stream(void *ctx, uint32_t n, const uint8_t *keys, pkv__tier_m
         const void *data;
         size_t len;
         if ((put[i] = make(arg, i, &data, &len))) break;
-        put[i] = b_put(ctx, keys + 16 * i, data, len);
+        if ((int)i == s->trunc_after) TU_OK(pkv_seq_truncate(s->c, s->s, 8 * B));
+        put[i] = (int)i == s->fail_put_at ? PKV_EIO : b_put(ctx, keys + 16 * i, data, len);
+        if (s->lose_from >= 0 && (int)i >= s->lose_from) put[i] = PKV_EIO;
     }
+    s->fail_put_at = s->lose_from = s->trunc_after = -1;
 }
 
 /* The last use of block j's entry, toks's blocks looked up by their first token id. */
@@ -756,7 +771,8 @@ static uint64_t b_used(const bstore *s, const int32_t *toks, uint32_t j) {
  * conversation saved at 10 blocks, then at 20, has its blocks last used beginnings last (the
  * probes of the 10 found come after the puts of the 10 new: the first batch ends before them);
  * a probe lost with the connection is counted once and its block put again, the blocks after it
- * asked anew. With and without the batched calls. */
+ * asked anew. With and without the batched calls. And a batched save that fails deletes what
+ * it put, even where the store's answer was lost. */
 static void test_save_batched(void **state) {
     (void)state;
     enum { NB = 20 };
@@ -765,7 +781,7 @@ static void test_save_batched(void **state) {
     pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 2 * NB + 4, 1);
     pkv_seq half = filled(a, NULL, toks, NB * B / 2), whole = filled(a, NULL, toks, NB * B);
     for (int batched = 0; batched < 2; batched++) {
-        bstore s = {.drop_at = -1};
+        bstore s = {.drop_at = -1, .fail_put_at = -1, .lose_from = -1, .trunc_after = -1};
         const pkv_tier_ops ops = {b_put, b_get, b_del, NULL, NULL};
         pkv_tier *t = NULL;
         TU_OK(pkv_tier_create(&ops, &s, NULL, &t));
@@ -792,6 +808,29 @@ static void test_save_batched(void **state) {
         assert_int_equal(st.save_present, NB / 2 + NB - (batched ? 1 : 0));
         for (uint32_t j = 0; j + 1 < NB; j++) assert_true(b_used(&s, toks, j) > b_used(&s, toks, j + 1));
         pkv_tier_destroy(t);
+    }
+    /* a batched save that fails leaves none of its entries: the store fails the third put of 16
+       (the others taken), or loses the replies of the puts from the sixth on (all taken), or the
+       sequence is cut after the third entry is made (the fourth cannot be); the counts as
+       before the call, one error where the store failed */
+    for (int how = 0; how < 3; how++) {
+        pkv_cache *c = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, NB + 4, 1);
+        pkv_seq sc = filled(c, NULL, toks, NB * B);
+        bstore s = {.drop_at = -1, .fail_put_at = how == 0 ? 2 : -1, .lose_from = how == 1 ? 5 : -1,
+                    .trunc_after = how == 2 ? 2 : -1, .c = c, .s = sc};
+        const pkv_tier_ops ops = {b_put, b_get, b_del, NULL, NULL};
+        pkv_tier *t = NULL;
+        TU_OK(pkv_tier_create(&ops, &s, NULL, &t));
+        pkv__tier_test_ext(t, &(pkv__tier_ext){.probe_many = b_probe_many, .put_stream = b_put_stream});
+        uint32_t saved = 99;
+        TU_RC(pkv_tier_save(t, c, sc, &saved), how == 2 ? PKV_EINVAL : PKV_EIO);
+        assert_int_equal(saved, 0);
+        assert_int_equal(s.n, 0);
+        const pkv_tier_stats st = tstats(t);
+        assert_int_equal(st.errors, how == 2 ? 0 : 1);
+        assert_int_equal(st.saved + st.save_present + st.save_no_room, 0);
+        pkv_tier_destroy(t);
+        pkv_cache_destroy(c);
     }
     pkv_cache_destroy(a);
 }

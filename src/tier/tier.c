@@ -498,16 +498,21 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
             res[0] = save_make_one(&mk, 0, &data, &len);
             if (!res[0]) res[0] = t->ops.put(t->ctx, ask[0], data, len);
         }
-        /* every put that took is marked (the clean-up below deletes them where the call fails);
-           the first failure fails the call */
+        /* every put that took is marked for the clean-up below (where the call fails), and so
+           is every put that failed (its reply may have been lost with the connection after the
+           store took it); the first failure fails the call */
         for (uint32_t i = 0; i < mk.n; i++) {
             const uint32_t j = mk.block[i];
             const int r = res[i];
+            if (r == PKV__TIER_UNTRIED || i == mk.failed_at) { /* (the cache refused the rows: s changed) */
+                if (i == mk.failed_at && !rc) rc = r;
+                continue;
+            }
             if (r == PKV_OK) put[j] = true, saved++;
             else if (r == PKV_ENOSPC) no_room++;
-            else if (r == PKV__TIER_UNTRIED || rc) continue;
-            else if (i == mk.failed_at) rc = r; /* the cache refused the rows (s changed) */
             else {
+                put[j] = true;
+                if (rc) continue;
                 COUNT(t, errors, 1);
                 rc = PKV__SAY(c, r < 0 && r > -64 ? r : PKV_EIO, "the tier's put of block %u failed: %s", j,
                               pkv_strerror(r));
@@ -515,7 +520,7 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
         }
         hi -= used;
     }
-    /* none of this call's entries stays, where the store lets them go: a del that fails (the
+    /* none of this call's entries stays (nor one whose put failed), where the store lets them go: a del that fails (the
        store unreachable) ends the clean-up, rather than wait on each one */
     for (uint32_t i = sp.first; rc && put && i < nb; i++)
         if (put[i] && t->ops.del(t->ctx, sp.keys[i].b) != PKV_OK) {

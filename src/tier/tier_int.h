@@ -94,8 +94,9 @@ typedef void (*pkv__tier_probe_many_fn)(void *ctx, uint32_t n, const uint8_t *ke
 /* And a fifth: the puts of n <= PKV__TIER_PROBES entries made one after another into the
  * caller's one buffer: make(arg, i, &data, &len) makes entry i (PKV_OK; else that status ends
  * the call), which is put under keys[i] (PKV__TIER_KEY bytes each) and written out before the
- * next is made. put[i]: the put's status; the make's where it failed; PKV__TIER_UNTRIED for
- * those after a make or a write that failed. Redis writes the SETs one after another and reads
+ * next is made. put[i]: the put's status (a failure may be a reply lost after the store took
+ * the entry); the make's where it failed; PKV__TIER_UNTRIED for those after a make or a write
+ * that failed (the first, unmade, where the store cannot be reached). Redis writes the SETs one after another and reads
  * their replies after: one round trip for all, where the ops take one a put. */
 #define PKV__TIER_UNTRIED 1
 typedef int (*pkv__tier_make_fn)(void *arg, uint32_t i, const void **data, size_t *len);

@@ -307,7 +307,8 @@ static void redis_put_stream(void *ctx, uint32_t n, const uint8_t *keys, pkv__ti
     for (uint32_t i = 0; i < n; i++) put[i] = PKV__TIER_UNTRIED;
     const bool up = !connect_now(r);
     uint32_t sent = 0;
-    for (uint32_t i = 0; i < n; i++) {
+    if (!up && n) put[0] = PKV_EIO; /* (nothing made for a store out of reach) */
+    for (uint32_t i = 0; up && i < n; i++) {
         const void *data = NULL;
         size_t len = 0;
         const int m = make(arg, i, &data, &len);
@@ -315,7 +316,7 @@ static void redis_put_stream(void *ctx, uint32_t n, const uint8_t *keys, pkv__ti
             put[i] = m;
             break;
         }
-        if (!up || !send_now(r, "SET %b %b", keys + (size_t)i * PKV__TIER_KEY, len ? data : "", len)) {
+        if (!send_now(r, "SET %b %b", keys + (size_t)i * PKV__TIER_KEY, len ? data : "", len)) {
             put[i] = PKV_EIO;
             break;
         }
