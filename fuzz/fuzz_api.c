@@ -5,12 +5,12 @@
  *
  * Input: byte 0 picks block size, dtypes and layers, byte 1 the pool size, byte 2 whether the
  * prefix cache is on (0xff: off) and, bit 2, whether attention reads in pool order
- * (PKV_ATTN_ORDER=pool, else auto), bit 3, whether a host tier stands behind the cache
- * (pm_tier_on: saves and loads among the calls), bit 4, whether the tier's thread runs
- * (prefetches before loads, saves written back) and, bit 5, whether it keeps files (in a new
- * /tmp/pkvfuzz-XXXXXX, removed after each input) rather than host memory; the rest is the call script (pm_step). Any disagreement
- * with the model or a failing pkv_cache_check aborts (a finding); no input may crash the
- * library. */
+ * (PKV_ATTN_ORDER=pool, else auto), bit 3, whether a tier stands behind the cache (pm_tier_on:
+ * saves and loads among the calls), bit 4, whether the tier's thread runs (prefetches before
+ * loads, saves written back) and, bit 5, whether it keeps files (in a new /tmp/pkvfuzz-XXXXXX,
+ * removed after each input) rather than host memory; the rest is the call script (pm_step).
+ * Any disagreement with the model or a failing pkv_cache_check aborts (a finding); no input may
+ * crash the library. */
 #include "prefix_model.h"
 
 #include <stdio.h>

@@ -1259,9 +1259,10 @@ static inline int pm_tier_load_into(pm_world *w, pm_seq *q, const int32_t *promp
                                     uint32_t prefetch, uint32_t *loaded) {
     const uint32_t B = w->B, m = q->len;
     if (w->tier_thread && prefetch) { /* the prompt's entries staged first (or on their way) */
-        const int pr = window && !m ? pkv_tier_prefetch_window(w->tier, w->c, pm_salts[q->salt], pm_salt_lens[q->salt],
-                                                               prompt, n, window)
-                                    : pkv_tier_prefetch(w->tier, w->c, pm_salts[q->salt], pm_salt_lens[q->salt], prompt, n);
+        const char *salt = pm_salts[q->salt];
+        const size_t salt_len = pm_salt_lens[q->salt];
+        const int pr = window && !m ? pkv_tier_prefetch_window(w->tier, w->c, salt, salt_len, prompt, n, window)
+                                    : pkv_tier_prefetch(w->tier, w->c, salt, salt_len, prompt, n);
         PM_TR(w, "   tier prefetch%s(%u tokens) -> %s\n", window && !m ? "_window" : "", n, pkv_strerror(pr));
         PM_EXPECT(w, pr == 0 || pr == PKV_EBUSY, "tier prefetch: %s", pkv_strerror(pr));
         if (prefetch & 2) PM_EXPECT(w, pkv_tier_prefetch_wait(w->tier) == 0, "tier prefetch_wait");
@@ -1272,8 +1273,8 @@ static inline int pm_tier_load_into(pm_world *w, pm_seq *q, const int32_t *promp
     uint32_t got = 0xdeadbeef;
     const int rc = window ? pkv_tier_load_window(w->tier, w->c, q->id, prompt, n, window, &got)
                           : pkv_tier_load(w->tier, w->c, q->id, prompt, n, &got);
-    PM_TR(w, "   s%d tier load%s(%u tokens, window %u) from %u -> %s, loaded %u\n", PM_SI(w, q), window ? "_window" : "",
-          n, window, m, pkv_strerror(rc), got);
+    PM_TR(w, "   s%d tier load%s(%u tokens, window %u) from %u -> %s, loaded %u\n", PM_SI(w, q),
+          window ? "_window" : "", n, window, m, pkv_strerror(rc), got);
     PM_EXPECT(w, rc == 0, "tier load of %u tokens (window %u) into %u: %s", n, window, m, pkv_strerror(rc));
     PM_EXPECT(w, m + got <= (n ? n - 1 : 0) || !got, "tier load gave %u past %u of %u tokens", got, m, n);
     if (pkv_tier_get_stats(w->tier, &ta) < 0) return pm_fail(w, "tier stats");
@@ -1323,7 +1324,8 @@ static inline int pm_op_tier_save(pm_world *w, pm_src *src) {
         uint32_t n_queued = 0xdeadbeef;
         const int rc = pkv_tier_save_async(w->tier, w->c, q->id, &n_queued);
         PM_TR(w, "%llu: s%d tier save_async (len %u, committed %u, front %u) -> %s, queued %u\n",
-              (unsigned long long)w->n_steps, PM_SI(w, q), q->len, q->committed, q->dropped, pkv_strerror(rc), n_queued);
+              (unsigned long long)w->n_steps, PM_SI(w, q), q->len, q->committed, q->dropped, pkv_strerror(rc),
+              n_queued);
         PM_EXPECT(w, rc == 0, "tier save_async: %s", pkv_strerror(rc));
         const uint32_t from = q->dropped / B, full = q->committed / B;
         PM_EXPECT(w, n_queued <= (full > from ? full - from : 0), "tier save_async queued %u of %u..%u", n_queued, from,

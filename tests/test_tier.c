@@ -1809,7 +1809,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip), cmocka_unit_test(test_partial),     cmocka_unit_test(test_media_guard),
         cmocka_unit_test(test_mismatch),
-        cmocka_unit_test(test_lru),       cmocka_unit_test(test_file),        cmocka_unit_test(test_faults), cmocka_unit_test(test_save_batched),
+        cmocka_unit_test(test_lru),       cmocka_unit_test(test_file),        cmocka_unit_test(test_faults),
+        cmocka_unit_test(test_save_batched),
         cmocka_unit_test(test_alloc_faults), cmocka_unit_test(test_random), cmocka_unit_test(test_use_order),
         cmocka_unit_test(test_prefetch),  cmocka_unit_test(test_write_back),  cmocka_unit_test(test_window),
         cmocka_unit_test(test_window_faults), cmocka_unit_test(test_window_link), cmocka_unit_test(test_window_random),
