@@ -690,6 +690,7 @@ typedef struct bstore {
     int fail_put_at, lose_from, trunc_after;
     pkv_cache *c;
     pkv_seq s;
+    atomic_int gate, waiting; /* a probe waits while gate is set (waiting: probes that came) */
 } bstore;
 
 static int bfind(const bstore *s, const uint8_t *key) {
@@ -714,6 +715,8 @@ static int b_put(void *ctx, const uint8_t key[16], const void *data, size_t len)
 
 static int b_get(void *ctx, const uint8_t key[16], void *data, size_t cap, size_t *len) {
     bstore *s = ctx;
+    atomic_fetch_add(&s->waiting, 1);
+    while (atomic_load(&s->gate)) usleep(100);
     assert_null(data); /* (probes only, here) */
     (void)cap;
     const int i = bfind(s, key);
@@ -832,6 +835,51 @@ static void test_save_batched(void **state) {
         pkv_tier_destroy(t);
         pkv_cache_destroy(c);
     }
+    pkv_cache_destroy(a);
+}
+
+/* The write-back takes up to 16 queued writes at once where the store takes probes and puts
+ * together (Redis's way): their probes in one round trip, the puts of those not found in
+ * another. While the thread waits on its first write's probe, a prompt of 6 blocks is queued
+ * twice and its continuation to 12 blocks once: the next 16 writes go together (the second 6 are
+ * the first's twins: counted found, not put again), then the last 8 in two rounds (blocks 7 and
+ * 6 put, then 5 to 0 found: the round ends before them, so that they are used after the puts),
+ * the conversation's blocks last used beginnings last, as one at a time. */
+static void test_write_back_batched(void **state) {
+    (void)state;
+    enum { NB = 12 };
+    int32_t toks[NB * B], other[B];
+    prompt(toks, NB * B, 1500);
+    prompt(other, B, 1700);
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 2 * NB + 4, 1);
+    pkv_seq half = filled(a, NULL, toks, NB * B / 2), whole = filled(a, NULL, toks, NB * B);
+    pkv_seq one = filled(a, NULL, other, B);
+    bstore s = {.drop_at = -1, .fail_put_at = -1, .lose_from = -1, .trunc_after = -1};
+    const pkv_tier_ops ops = {b_put, b_get, b_del, NULL, NULL};
+    pkv_tier *t = NULL;
+    TU_OK(pkv_tier_create(&ops, &s, NULL, &t));
+    pkv__tier_test_ext(t, &(pkv__tier_ext){.probe_many = b_probe_many, .put_stream = b_put_stream});
+    TU_OK(pkv_tier_prefetch_start(t, 1u << 24));
+    atomic_store(&s.gate, 1);
+    uint32_t queued = 0;
+    TU_OK(pkv_tier_save_async(t, a, one, &queued));
+    assert_int_equal(queued, 1);
+    while (atomic_load(&s.waiting) < 1) usleep(100);
+    TU_OK(pkv_tier_save_async(t, a, half, &queued));
+    TU_OK(pkv_tier_save_async(t, a, half, &queued));
+    TU_OK(pkv_tier_save_async(t, a, whole, &queued));
+    assert_int_equal(queued, NB);
+    atomic_store(&s.gate, 0);
+    TU_OK(pkv_tier_flush(t));
+    const pkv_tier_stats st = tstats(t);
+    assert_int_equal(st.saved, 1 + NB);
+    assert_int_equal(st.save_present, NB);
+    assert_int_equal(st.errors + st.save_no_room, 0);
+    assert_int_equal(s.n, 1 + NB);
+    assert_int_equal(s.probe_calls, 1 + 2); /* 16 writes; 8 in two rounds (the first write alone) */
+    assert_int_equal(s.stream_calls, 1 + 1);
+    for (uint32_t j = 0; j + 1 < NB; j++) assert_true(b_used(&s, toks, j) > b_used(&s, toks, j + 1));
+    pkv_tier_destroy(t);
     pkv_cache_destroy(a);
 }
 
@@ -1810,7 +1858,7 @@ int main(void) {
         cmocka_unit_test(test_roundtrip), cmocka_unit_test(test_partial),     cmocka_unit_test(test_media_guard),
         cmocka_unit_test(test_mismatch),
         cmocka_unit_test(test_lru),       cmocka_unit_test(test_file),        cmocka_unit_test(test_faults),
-        cmocka_unit_test(test_save_batched),
+        cmocka_unit_test(test_save_batched), cmocka_unit_test(test_write_back_batched),
         cmocka_unit_test(test_alloc_faults), cmocka_unit_test(test_random), cmocka_unit_test(test_use_order),
         cmocka_unit_test(test_prefetch),  cmocka_unit_test(test_write_back),  cmocka_unit_test(test_window),
         cmocka_unit_test(test_window_faults), cmocka_unit_test(test_window_link), cmocka_unit_test(test_window_random),

@@ -251,7 +251,7 @@ static int stream_make(void *arg, uint32_t i, const void **data, size_t *len) {
  * after a want, each call answers for its own key, never with a reply sent ahead for another:
  * a get of another key, a probe, a put and a del between, a want that skips one, a key the
  * server lacks, a buffer too small. Values: key j's is j + 1 bytes of j (k[5] is stored later).
- * Then the calls beside: put_many, probe_many, put_stream, against a full server and a gone one. */
+ * Then the calls beside: probe_many, put_stream, against a full server and a gone one. */
 static void test_redis_store_ahead(void **state) {
     (void)state;
     pkv_tier_ops ops;
@@ -267,9 +267,9 @@ static void test_redis_store_ahead(void **state) {
         if ((rc = pkv__tier_redis_open("127.0.0.1", port, "ahead:", 500, 1, NULL, &ops, &ctx, &ext))) usleep(50000);
     TU_OK(rc);
     const pkv__tier_want_fn want = ext.want;
-    const pkv__tier_put_many_fn put_many = ext.put_many;
     assert_non_null(want);
-    assert_non_null(put_many);
+    assert_non_null(ext.probe_many);
+    assert_non_null(ext.put_stream);
     assert_non_null(ext.clone);
     uint8_t k[6][PKV__TIER_KEY], v[64], got[64];
     memset(k, 0, sizeof k);
@@ -324,37 +324,7 @@ static void test_redis_store_ahead(void **state) {
     want(ctx, &none[0][0], 2);
     TU_RC(ops.get(ctx, none[0], got, sizeof got, &len), PKV_ENOENT);
     GET_IS(0);
-    /* put_many (the write-back's): probes, then puts of those not found; after a want, whose
-       replies it reads past; k[0] and k[2] stored already (not written again), the two others
-       new (32 bytes of 0x60 + i) */
-    want(ctx, &k[0][0], 4);
-    uint8_t nk[2][PKV__TIER_KEY] = {{0x61, 1}, {0x62, 2}}, nv[2][32];
-    memset(nv[0], 0x60, 32), memset(nv[1], 0x61, 32);
-    const uint8_t *pk[4] = {k[0], nk[0], k[2], nk[1]};
-    const void *pd[4] = {nv[0], nv[0], nv[1], nv[1]};
-    const size_t pl[4] = {32, 32, 32, 32};
-    int pg[4], pp[4];
-    put_many(ctx, 4, pk, pd, pl, pg, pp);
-    assert_int_equal(pg[0], PKV_OK), assert_int_equal(pg[2], PKV_OK);
-    assert_int_equal(pg[1], PKV_ENOENT), assert_int_equal(pg[3], PKV_ENOENT);
-    TU_OK(pp[1]), TU_OK(pp[3]);
-    GET_IS(0);
-    GET_IS(2);
-    for (int i = 0; i < 2; i++) {
-        TU_OK(ops.get(ctx, nk[i], got, sizeof got, &len));
-        assert_int_equal(len, 32);
-        assert_memory_equal(got, nv[i], 32);
-    }
-    /* a key twice in one batch (two saves of one prompt queued together): put once, the second
-       found, as one at a time would count them */
-    uint8_t dk[PKV__TIER_KEY] = {0x65, 5};
-    put_many(ctx, 3, (const uint8_t *const[]){dk, k[0], dk}, pd, pl, pg, pp);
-    assert_int_equal(pg[0], PKV_ENOENT), TU_OK(pp[0]);
-    TU_OK(pg[1]);
-    TU_OK(pg[2]); /* found: not put again */
-    TU_OK(ops.get(ctx, dk, got, sizeof got, &len));
-    assert_int_equal(len, 32);
-    assert_memory_equal(got, nv[0], 32);
+    uint8_t dk[PKV__TIER_KEY] = {0x65, 5}; /* a key the server lacks */
     /* probe_many (a save's, a windowed load's search, a load's touches): after a want, whose
        replies it reads past; each key's status in its place */
     want(ctx, &k[0][0], 4);
@@ -363,10 +333,12 @@ static void test_redis_store_ahead(void **state) {
     memcpy(pk6[2], k[0], PKV__TIER_KEY), memcpy(pk6[3], dk, PKV__TIER_KEY);
     int pr[4];
     ext.probe_many(ctx, 4, pk6[0], pr);
-    TU_OK(pr[0]), assert_int_equal(pr[1], PKV_ENOENT), TU_OK(pr[2]), TU_OK(pr[3]);
+    TU_OK(pr[0]), assert_int_equal(pr[1], PKV_ENOENT), TU_OK(pr[2]), assert_int_equal(pr[3], PKV_ENOENT);
     GET_IS(0);
-    /* put_stream (a save's): each entry made by the callback as its turn comes; a make that
-       fails ends the call there, what was put before it stays put, the rest untried */
+    /* put_stream (a save's, the write-back's): after a want, whose replies it reads past; each
+       entry made by the callback as its turn comes; a make that fails ends the call there, what
+       was put before it stays put, the rest untried */
+    want(ctx, &k[0][0], 4);
     stream_src src = {.fail_at = 2};
     uint8_t sk[4][PKV__TIER_KEY] = {{0x70, 1}, {0x71, 1}, {0x72, 1}, {0x73, 1}};
     int ps[4];
@@ -387,21 +359,20 @@ static void test_redis_store_ahead(void **state) {
     ext.put_stream(ctx, 2, sk[2], stream_make, &src, ps);
     TU_OK(ps[0]), TU_OK(ps[1]);
     assert_int_equal(src.calls, 2);
+    GET_IS(0);
     /* a full server (maxmemory 1 byte under noeviction) refuses the puts: PKV_ENOSPC */
     char cmd[128];
     snprintf(cmd, sizeof cmd, "redis-cli -p %d CONFIG SET maxmemory-policy noeviction >/dev/null", port);
     assert_int_equal(system(cmd), 0);
     snprintf(cmd, sizeof cmd, "redis-cli -p %d CONFIG SET maxmemory 1 >/dev/null", port);
     assert_int_equal(system(cmd), 0);
-    nk[0][0] = 0x63, nk[1][0] = 0x64;
-    put_many(ctx, 2, (const uint8_t *const[]){nk[0], nk[1]}, pd, pl, pg, pp);
-    assert_int_equal(pg[0], PKV_ENOENT), assert_int_equal(pg[1], PKV_ENOENT);
-    assert_int_equal(pp[0], PKV_ENOSPC), assert_int_equal(pp[1], PKV_ENOSPC);
+    uint8_t nk[2][PKV__TIER_KEY] = {{0x63, 1}, {0x64, 2}};
+    src = (stream_src){.fail_at = 9};
+    ext.put_stream(ctx, 2, nk[0], stream_make, &src, ps);
+    assert_int_equal(ps[0], PKV_ENOSPC), assert_int_equal(ps[1], PKV_ENOSPC);
     GET_IS(3);
     /* the server gone: every status a failure, no crash, and nothing left to read after */
     stop_server(g_srv);
-    put_many(ctx, 2, (const uint8_t *const[]){nk[0], nk[1]}, pd, pl, pg, pp);
-    for (int i = 0; i < 2; i++) assert_true(pg[i] != PKV_OK && pg[i] != PKV_ENOENT && pp[i] != PKV_OK);
     ext.probe_many(ctx, 2, sk[0], pr);
     assert_true(pr[0] == PKV_EIO && pr[1] == PKV_EIO);
     src = (stream_src){.fail_at = 9};
@@ -435,8 +406,22 @@ static void *hang_up(void *arg) {
 /* A server that has hung up: a call's first write goes out (the peer answers it with a reset),
  * its second raises SIGPIPE, whose default action (left as it is here) would end the process:
  * the GETs a load sends ahead, each written on its own. The get fails with PKV_EIO, so do the
- * put and put_many after it (no one listens now), and the thread's signal mask and pending
- * signals are as they were. */
+ * put, the probes and the puts together after it (no one listens now), and the thread's signal
+ * mask and pending signals are as they were. */
+typedef struct big_src {
+    const uint8_t *v;
+    size_t len;
+    int calls;
+} big_src;
+
+static int big_make(void *arg, uint32_t i, const void **data, size_t *len) {
+    big_src *s = arg;
+    (void)i;
+    s->calls++;
+    *data = s->v, *len = s->len;
+    return PKV_OK;
+}
+
 static void test_redis_hang_up_mid_put(void **state) {
     (void)state;
     pkv_tier_ops ops;
@@ -463,12 +448,12 @@ static void test_redis_hang_up_mid_put(void **state) {
     uint8_t *v = calloc(1, big), *key = keys[0];
     assert_non_null(v);
     TU_RC(ops.put(ctx, key, v, big), PKV_EIO);
-    const uint8_t *pk[2] = {key, key};
-    const void *pd[2] = {v, v};
-    const size_t pl[2] = {big, big};
     int pg[2], pp[2];
-    ext.put_many(ctx, 2, pk, pd, pl, pg, pp); /* (no one listens now: it cannot connect) */
-    assert_true(pp[0] == PKV_EIO && pp[1] == PKV_EIO);
+    ext.probe_many(ctx, 2, keys[0], pg); /* (no one listens now: it cannot connect) */
+    assert_true(pg[0] == PKV_EIO && pg[1] == PKV_EIO);
+    big_src src = {v, big, 0};
+    ext.put_stream(ctx, 2, keys[0], big_make, &src, pp);
+    assert_true(pp[0] == PKV_EIO && pp[1] == PKV__TIER_UNTRIED);
     sigset_t mask, pend;
     assert_int_equal(pthread_sigmask(SIG_BLOCK, NULL, &mask), 0);
     assert_false(sigismember(&mask, SIGPIPE));

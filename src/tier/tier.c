@@ -1018,24 +1018,81 @@ static void wrote(pkv_tier *t, pkv__tent *e, int g, int r) {
     t->wb_done++;
 }
 
-/* Queued writes e[0, n) (n <= PKV__TIER_AHEAD; more than 1 only where the store has put_many):
- * each put unless the store has it. */
+/* The entries a write-back puts at once (pkv__tier_make_fn): e[at[i]], made already. */
+typedef struct wb_make {
+    pkv__tent *const *e;
+    uint32_t at[PKV__TIER_PROBES];
+} wb_make;
+
+static int wb_make_one(void *arg, uint32_t i, const void **data, size_t *len) {
+    const wb_make *m = arg;
+    const pkv__tent *x = m->e[m->at[i]];
+    *data = x->data, *len = (size_t)x->len;
+    return PKV_OK;
+}
+
+/* Queued writes e[0, n) (n <= PKV__TIER_PROBES; more than 1 only where the store takes probes and
+ * puts together): each put unless the store has it; wrote() counts each. Together, in rounds,
+ * each its probes in one round trip, then the puts of those not found in another, as the store
+ * would see them one at a time: a round ends before an entry found past one not found (that
+ * probe, a use, came before the puts before it: it is asked again in the next round, after
+ * them, as the save's batches do). A key twice in a round (two saves of one prompt queued
+ * together) is probed and put once, the second counted as found where that put took, as one at
+ * a time would count them. An entry whose put was not tried (a write failed before it: the
+ * connection lost) is put alone, as the ops would (connecting again). */
 static void write_back(pkv_tier *t, pkv__tent *const *e, uint32_t n) {
-    int got[PKV__TIER_AHEAD], put[PKV__TIER_AHEAD];
-    if (t->ext.put_many) {
-        const uint8_t *keys[PKV__TIER_AHEAD];
-        const void *data[PKV__TIER_AHEAD];
-        size_t lens[PKV__TIER_AHEAD];
-        for (uint32_t i = 0; i < n; i++) keys[i] = e[i]->key, data[i] = e[i]->data, lens[i] = e[i]->len;
-        t->ext.put_many(t->tctx, n, keys, data, lens, got, put);
-    } else {
-        size_t len = 0;
-        got[0] = t->ops.get(t->tctx, e[0]->key, NULL, 0, &len), put[0] = PKV_OK;
-        if (got[0] != PKV_OK) put[0] = t->ops.put(t->tctx, e[0]->key, e[0]->data, e[0]->len);
+    for (uint32_t off = 0; off < n;) {
+        pkv__tent *const *x = e + off;
+        const uint32_t m = n - off; /* this round's candidates: x[0, m) */
+        int got[PKV__TIER_PROBES], put[PKV__TIER_PROBES];
+        uint32_t first[PKV__TIER_PROBES], end = m; /* first: x[i]'s key's first among them */
+        for (uint32_t i = 0; i < m; i++) {
+            got[i] = put[i] = PKV__TIER_UNTRIED;
+            first[i] = i;
+            for (uint32_t j = 0; j < i && first[i] == i; j++)
+                if (!memcmp(x[i]->key, x[j]->key, PKV__TIER_KEY)) first[i] = j;
+        }
+        if (m > 1) {
+            uint8_t ask[PKV__TIER_PROBES][PKV__TIER_KEY];
+            int res[PKV__TIER_PROBES];
+            wb_make mk = {.e = x};
+            uint32_t q = 0, k = 0;
+            for (uint32_t i = 0; i < m; i++)
+                if (first[i] == i) memcpy(ask[q], x[i]->key, PKV__TIER_KEY), mk.at[q++] = i;
+            t->ext.probe_many(t->tctx, q, ask[0], res);
+            for (uint32_t j = 0; j < q; j++) got[mk.at[j]] = res[j];
+            for (uint32_t i = 0; i < m; i++) { /* the round's end; its absent keys, in order */
+                if (first[i] != i) continue;
+                if (got[i] == PKV_OK) {
+                    if (k) {
+                        end = i;
+                        break;
+                    }
+                    continue;
+                }
+                memcpy(ask[k], x[i]->key, PKV__TIER_KEY), mk.at[k++] = i;
+            }
+            if (k) t->ext.put_stream(t->tctx, k, ask[0], wb_make_one, &mk, res);
+            for (uint32_t j = 0; j < k; j++) put[mk.at[j]] = res[j];
+        }
+        for (uint32_t i = 0; i < end; i++) { /* one at a time: alone, or not tried together */
+            if (first[i] != i) continue;
+            size_t len = 0;
+            if (got[i] == PKV__TIER_UNTRIED) got[i] = t->ops.get(t->tctx, x[i]->key, NULL, 0, &len);
+            if (got[i] == PKV_OK) put[i] = PKV_OK;
+            else if (put[i] == PKV__TIER_UNTRIED) put[i] = t->ops.put(t->tctx, x[i]->key, x[i]->data, x[i]->len);
+        }
+        for (uint32_t i = 0; i < end; i++)
+            if (first[i] != i) {
+                const uint32_t f = first[i];
+                got[i] = got[f] == PKV_OK || put[f] == PKV_OK ? PKV_OK : got[f];
+                put[i] = put[f];
+            }
+        pthread_mutex_lock(&t->mu);
+        for (uint32_t i = 0; i < end; i++) wrote(t, x[i], got[i], put[i]);
+        pthread_mutex_unlock(&t->mu);
+        off += end;
     }
-    pthread_mutex_lock(&t->mu);
-    for (uint32_t i = 0; i < n; i++) wrote(t, e[i], got[i], put[i]);
-    pthread_mutex_unlock(&t->mu);
 }
 
 static void *prefetch_main(void *arg) {
@@ -1044,9 +1101,9 @@ static void *prefetch_main(void *arg) {
     for (;;) {
         while (!t->pf_stop && !t->pf_head && !t->wb_head) pthread_cond_wait(&t->pf_cv, &t->mu);
         if (t->wb_head) { /* writes first, and all of them before the thread stops */
-            pkv__tent *e[PKV__TIER_AHEAD];
+            pkv__tent *e[PKV__TIER_PROBES];
             uint32_t n = 0;
-            const uint32_t most = t->ext.put_many ? PKV__TIER_AHEAD : 1;
+            const uint32_t most = t->ext.probe_many && t->ext.put_stream ? PKV__TIER_PROBES : 1;
             for (; n < most && t->wb_head; n++) {
                 e[n] = t->wb_head;
                 t->wb_head = e[n]->hnext;

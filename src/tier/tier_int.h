@@ -74,37 +74,30 @@ int pkv__tier_file_open(const char *dir, uint64_t capacity, const pkv_allocator 
  * one). Only a hint: any call may follow. */
 #define PKV__TIER_AHEAD 4u
 typedef void (*pkv__tier_want_fn)(void *ctx, const uint8_t *keys, uint32_t n);
-/* Another: the write-back's puts of n <= PKV__TIER_AHEAD entries at once, each as a probe (get
- * without data) and, where that did not find the key, a put: got[i] the probe's status (PKV_OK,
- * PKV_ENOENT, or a failure), put[i] the put's where one was made. Redis sends the probes
- * together and then the puts one after the other without waiting for replies, and reads the
- * replies after: one round trip for all, where the ops take two for each. */
-typedef void (*pkv__tier_put_many_fn)(void *ctx, uint32_t n, const uint8_t *const *keys, const void *const *data,
-                                      const size_t *len, int *got, int *put);
-/* And a third: another context on the same store (*out; PKV_OK, or PKV_ENOMEM), destroyed by
+/* A second: another context on the same store (*out; PKV_OK, or PKV_ENOMEM), destroyed by
  * the ops' destroy. The tier's thread (prefetch, write-back) takes one of its own, so that its
  * calls and the callers' do not wait on one connection, nor drop each other's gets ahead. */
 typedef int (*pkv__tier_clone_fn)(void *ctx, void **out);
-/* And a fourth: the probes (get without data) of keys[0], keys[1], ... keys[n - 1]
+/* And a third: the probes (get without data) of keys[0], keys[1], ... keys[n - 1]
  * (PKV__TIER_KEY bytes each, n <= PKV__TIER_PROBES) at once, got[i] each one's status (PKV_OK,
  * PKV_ENOENT, or a failure). Redis sends them together and reads the replies after: one round
  * trip for all. */
 #define PKV__TIER_PROBES 16u
 typedef void (*pkv__tier_probe_many_fn)(void *ctx, uint32_t n, const uint8_t *keys, int *got);
-/* And a fifth: the puts of n <= PKV__TIER_PROBES entries made one after another into the
- * caller's one buffer: make(arg, i, &data, &len) makes entry i (PKV_OK; else that status ends
- * the call), which is put under keys[i] (PKV__TIER_KEY bytes each) and written out before the
- * next is made. put[i]: the put's status (a failure may be a reply lost after the store took
- * the entry); the make's where it failed; PKV__TIER_UNTRIED for those after a make or a write
- * that failed (the first, unmade, where the store cannot be reached). Redis writes the SETs one after another and reads
- * their replies after: one round trip for all, where the ops take one a put. */
+/* And a fourth: the puts of n <= PKV__TIER_PROBES entries, each made when its turn comes (into
+ * the caller's one buffer, a save's; or made already, the write-back's): make(arg, i, &data,
+ * &len) gives entry i (PKV_OK; else that status ends the call), which is put under keys[i]
+ * (PKV__TIER_KEY bytes each) and written out before the next is made. put[i]: the put's status
+ * (a failure may be a reply lost after the store took the entry); the make's where it failed;
+ * PKV__TIER_UNTRIED for those after a make or a write that failed (the first, unmade, where the
+ * store cannot be reached). Redis writes the SETs one after another and reads their replies
+ * after: one round trip for all, where the ops take one a put. */
 #define PKV__TIER_UNTRIED 1
 typedef int (*pkv__tier_make_fn)(void *arg, uint32_t i, const void **data, size_t *len);
 typedef void (*pkv__tier_put_stream_fn)(void *ctx, uint32_t n, const uint8_t *keys, pkv__tier_make_fn make, void *arg,
                                         int *put);
 typedef struct pkv__tier_ext {
     pkv__tier_want_fn want;
-    pkv__tier_put_many_fn put_many;
     pkv__tier_clone_fn clone;
     pkv__tier_probe_many_fn probe_many;
     pkv__tier_put_stream_fn put_stream;

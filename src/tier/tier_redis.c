@@ -11,9 +11,9 @@
  * Gets ahead (redis_want: a load's or a prefetch's next entries): their GETs are sent together and
  * their replies read as the gets come, so that the server answers the next while the caller
  * takes in this one, instead of waiting for each request in turn; a get past some of them drops
- * those before it, any other call first reads and drops every reply still to come. put_many:
- * the write-back's probes together, then its puts; probe_many: probes together (a save's, a
- * windowed load's search, a load's touches); put_stream: a save's puts together. */
+ * those before it, any other call first reads and drops every reply still to come.
+ * probe_many: probes together (a save's, the write-back's, a windowed load's search, a load's
+ * touches); put_stream: puts together (a save's, the write-back's). */
 #include "tier_int.h"
 
 #include <string.h>
@@ -211,75 +211,6 @@ static int probe_status(const redisReply *y) {
     return !y || y->type != REDIS_REPLY_INTEGER ? PKV_EIO : y->integer > 0 ? PKV_OK : PKV_ENOENT;
 }
 
-static void redis_put_many(void *ctx, uint32_t n, const uint8_t *const *keys, const void *const *data,
-                           const size_t *len, int *got, int *put) {
-    redis_store *r = pick(ctx);
-    pipe_guard g;
-    enter(r, &g);
-    drain(r);
-    n = n < PKV__TIER_AHEAD ? n : PKV__TIER_AHEAD;
-    /* state: probed (got set), put sent (its reply read, or lost with the connection: then
-       PKV_EIO, as a put whose reply never came); a key twice in the batch is put once, the
-       second then found as a probe made after the first put would find it */
-    bool probed[PKV__TIER_AHEAD] = {false}, sent_put[PKV__TIER_AHEAD] = {false};
-    uint32_t twin[PKV__TIER_AHEAD], sent = 0, idx[PKV__TIER_AHEAD];
-    for (uint32_t i = 0; i < n; i++) {
-        got[i] = put[i] = PKV_EIO;
-        twin[i] = i;
-        for (uint32_t j = 0; j < i && twin[i] == i; j++)
-            if (!memcmp(keys[i], keys[j], PKV__TIER_KEY)) twin[i] = j;
-    }
-    /* the probes of the first of each key: sent together, then their replies */
-    if (!connect_now(r))
-        for (uint32_t i = 0; i < n; i++)
-            if (twin[i] == i) {
-                if (!send_now(r, "STRLEN %b", keys[i], NULL, 0)) break;
-                idx[sent++] = i;
-            }
-    for (uint32_t j = 0; j < sent && r->rc; j++) {
-        redisReply *y = next_reply(r);
-        if (!y) break;
-        got[idx[j]] = probe_status(y), probed[idx[j]] = true;
-        freeReplyObject(y);
-    }
-    /* the puts of those not found, each written as soon as it is made, then their replies */
-    sent = 0;
-    if (r->rc)
-        for (uint32_t i = 0; i < n; i++)
-            if (twin[i] == i && probed[i] && got[i] != PKV_OK) {
-                if (!send_now(r, "SET %b %b", keys[i], len[i] ? data[i] : "", len[i])) break;
-                idx[sent++] = i, sent_put[i] = true;
-            }
-    for (uint32_t j = 0; j < sent && r->rc; j++) {
-        redisReply *y = next_reply(r);
-        if (!y) break;
-        put[idx[j]] = set_status(y);
-        freeReplyObject(y);
-    }
-    /* where the connection failed on the way, those not tried yet one at a time, as the ops
-       would (each call connecting again) */
-    for (uint32_t i = 0; i < n; i++) {
-        if (twin[i] != i) continue;
-        if (!probed[i]) {
-            redisReply *y = command(r, "STRLEN %b", keys[i], NULL, 0);
-            got[i] = probe_status(y);
-            if (y) freeReplyObject(y);
-        }
-        if (got[i] != PKV_OK && !sent_put[i]) {
-            redisReply *y = command(r, "SET %b %b", keys[i], len[i] ? data[i] : "", len[i]);
-            put[i] = set_status(y);
-            if (y) freeReplyObject(y);
-        }
-    }
-    for (uint32_t i = 0; i < n; i++)
-        if (twin[i] != i) {
-            const uint32_t f = twin[i];
-            got[i] = got[f] == PKV_OK || put[f] == PKV_OK ? PKV_OK : got[f];
-            put[i] = put[f];
-        }
-    leave(r, &g);
-}
-
 static void redis_probe_many(void *ctx, uint32_t n, const uint8_t *keys, int *got) {
     redis_store *r = pick(ctx);
     pipe_guard g;
@@ -451,7 +382,7 @@ int pkv__tier_redis_open(const char *host, int port, const char *prefix, uint32_
     }
     *ops = (pkv_tier_ops){redis_put, redis_get, redis_del, NULL, redis_destroy};
     *ctx = p;
-    *ext = (pkv__tier_ext){redis_want, redis_put_many, redis_clone, redis_probe_many, redis_put_stream};
+    *ext = (pkv__tier_ext){redis_want, redis_clone, redis_probe_many, redis_put_stream};
     return PKV_OK;
 }
 #else
