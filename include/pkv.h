@@ -1165,10 +1165,10 @@ PKV_NODISCARD PKV_API int pkv_tier_file_create(const char *dir, uint64_t capacit
  * prefetches and write-backs). A load (and
  * a prefetch) sends the GETs of its next 4 blocks together and reads each reply as it comes to
  * that block, so that the server answers the next while this one is checked and written (a load
- * that ends earlier leaves replies that the next call reads past); the write-back takes 4
- * queued entries at a time, their probes in one round trip and their puts in another; a
- * save's probes and its puts, the probes of a windowed load's search (pkv_tier_load_window)
- * and a load's touches after it (a get with no buffer each) go 16 to a round trip. A
+ * that ends earlier leaves replies that the next call reads past); the probes and the puts of
+ * a save and of the write-back, the probes of a windowed load's search (pkv_tier_load_window)
+ * and a load's touches after it (a get with no buffer each) go up to 16 to a round trip, in
+ * the order one at a time would take them. A
  * connection that broke is made again at the next call, and a call that cannot reach the
  * server is PKV_EIO (a save fails; a load ends there). SIGPIPE (hiredis writes with write(2):
  * a write to a connection the server has closed raises it) is held back in the calling thread
