@@ -844,14 +844,16 @@ static void test_save_batched(void **state) {
  * twice and its continuation to 12 blocks once: the next 16 writes go together (the second 6 are
  * the first's twins: counted found, not put again), then the last 8 in two rounds (blocks 7 and
  * 6 put, then 5 to 0 found: the round ends before them, so that they are used after the puts),
- * the conversation's blocks last used beginnings last, as one at a time. */
+ * the conversation's blocks last used beginnings last, as one at a time. Then a probe lost with
+ * the connection (one error, the round ends after it) and a put together that fails (put again
+ * alone). */
 static void test_write_back_batched(void **state) {
     (void)state;
     enum { NB = 12 };
     int32_t toks[NB * B], other[B];
     prompt(toks, NB * B, 1500);
     prompt(other, B, 1700);
-    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 2 * NB + 4, 1);
+    pkv_cache *a = mk(PKV_DTYPE_F16, PKV_DTYPE_F16, 2 * NB + 8, 1);
     pkv_seq half = filled(a, NULL, toks, NB * B / 2), whole = filled(a, NULL, toks, NB * B);
     pkv_seq one = filled(a, NULL, other, B);
     bstore s = {.drop_at = -1, .fail_put_at = -1, .lose_from = -1, .trunc_after = -1};
@@ -879,6 +881,26 @@ static void test_write_back_batched(void **state) {
     assert_int_equal(s.probe_calls, 1 + 2); /* 16 writes; 8 in two rounds (the first write alone) */
     assert_int_equal(s.stream_calls, 1 + 1);
     for (uint32_t j = 0; j + 1 < NB; j++) assert_true(b_used(&s, toks, j) > b_used(&s, toks, j + 1));
+    /* the conversation written back again, all of it stored: the third probe is lost with the
+       connection; one error, its block put again, the round ends there and the rest are found */
+    s.drop_at = 2;
+    TU_OK(pkv_tier_save_async(t, a, whole, &queued));
+    TU_OK(pkv_tier_flush(t));
+    pkv_tier_stats st2 = tstats(t);
+    assert_int_equal(st2.errors, 1);
+    assert_int_equal(st2.saved, st.saved + 1);
+    assert_int_equal(st2.save_present, st.save_present + NB - 1);
+    /* a new prompt of 3 blocks whose second put fails together: put again alone, no error */
+    int32_t more[3 * B];
+    prompt(more, 3 * B, 1900);
+    pkv_seq three = filled(a, NULL, more, 3 * B);
+    s.fail_put_at = 1;
+    TU_OK(pkv_tier_save_async(t, a, three, &queued));
+    TU_OK(pkv_tier_flush(t));
+    const pkv_tier_stats st3 = tstats(t);
+    assert_int_equal(st3.errors, 1);
+    assert_int_equal(st3.saved, st2.saved + 3);
+    assert_int_equal(s.n, 1 + NB + 3);
     pkv_tier_destroy(t);
     pkv_cache_destroy(a);
 }

@@ -1071,16 +1071,31 @@ static void write_back(pkv_tier *t, pkv__tent *const *e, uint32_t n) {
                     continue;
                 }
                 memcpy(ask[k], x[i]->key, PKV__TIER_KEY), mk.at[k++] = i;
+                if (got[i] != PKV_ENOENT) { /* a failed probe (taken as absent): the answers past
+                                               it are a lost connection's, asked anew next round */
+                    end = i + 1;
+                    break;
+                }
             }
             if (k) t->ext.put_stream(t->tctx, k, ask[0], wb_make_one, &mk, res);
             for (uint32_t j = 0; j < k; j++) put[mk.at[j]] = res[j];
         }
-        for (uint32_t i = 0; i < end; i++) { /* one at a time: alone, or not tried together */
+        /* one at a time: alone, or where a put together failed or was not tried (the connection
+           lost: put alone, connecting again, as the ops would; a SET is put again harmlessly
+           where only its reply was lost), until a call alone fails too */
+        bool down = false;
+        for (uint32_t i = 0; i < end; i++) {
             if (first[i] != i) continue;
             size_t len = 0;
-            if (got[i] == PKV__TIER_UNTRIED) got[i] = t->ops.get(t->tctx, x[i]->key, NULL, 0, &len);
-            if (got[i] == PKV_OK) put[i] = PKV_OK;
-            else if (put[i] == PKV__TIER_UNTRIED) put[i] = t->ops.put(t->tctx, x[i]->key, x[i]->data, x[i]->len);
+            if (got[i] == PKV__TIER_UNTRIED)
+                got[i] = down ? PKV_EIO : t->ops.get(t->tctx, x[i]->key, NULL, 0, &len);
+            if (got[i] == PKV_OK) {
+                put[i] = PKV_OK;
+                continue;
+            }
+            if (put[i] == PKV_OK || put[i] == PKV_ENOSPC) continue;
+            put[i] = down ? PKV_EIO : t->ops.put(t->tctx, x[i]->key, x[i]->data, x[i]->len);
+            down = put[i] != PKV_OK && put[i] != PKV_ENOSPC;
         }
         for (uint32_t i = 0; i < end; i++)
             if (first[i] != i) {
