@@ -98,6 +98,13 @@ typedef struct pm_ev {
     int32_t toks[PM_EV_MAX * PM_EV_B];
 } pm_ev;
 
+/* A set of hashes (open addressing; once half full, no longer kept: full, and then unknown). */
+typedef struct pm_hset {
+    uint64_t *slot;
+    uint32_t n;
+    int full;
+} pm_hset;
+
 typedef struct pm_world {
     pkv_cache *c;
     pm_ev *ev; /* the event mirror, when cfg.event_capacity > 0 (pm_init) */
@@ -122,16 +129,15 @@ typedef struct pm_world {
     uint64_t n_attn, n_attn_queries, n_attn_bad, n_attn_in_place;
     uint64_t n_attn_shared; /* attention calls that read a shared prefix once for a group */
     /* a host tier behind the cache (pm_tier_on; NULL: no tier ops), and the identities (the
-       model's hash of a block's last position) of the blocks any save may have stored: a load
-       gives no other (an open-addressed set; once half full, no longer kept: saved_full) */
+       model's hash of a block's last position) of the blocks any save may have stored (a load
+       gives no other) and of those a save surely stored (a plain load gives all it can reach) */
     pkv_tier *tier;
     int tier_thread; /* the tier's thread runs (pm_tier_on): prefetches, write-back */
     char tier_dir[200]; /* a file tier's directory ("": none) */
-    uint64_t *saved;
-    uint32_t n_saved;
-    int saved_full;
+    pm_hset saved, sure;
     uint64_t n_tier_saves, n_tier_saved_blocks, n_tier_loads, n_tier_loaded_blocks, n_tier_window_loads,
         n_tier_window_fronts, n_tier_reloads, n_tier_async, n_tier_prefetches;
+    uint64_t n_tier_bounded; /* loads held to what the store surely had */
     char err[600];
     int trace; /* print every call to stderr (PM_TRACE=1 in the tests, -trace in the fuzzer) */
     /* scratch */
@@ -384,9 +390,10 @@ static inline void pm_fini(pm_world *w) {
         (void)rmdir(w->tier_dir);
         w->tier_dir[0] = 0;
     }
-    free(w->saved);
+    free(w->saved.slot);
+    free(w->sure.slot);
     w->tier = NULL;
-    w->saved = NULL;
+    w->saved.slot = w->sure.slot = NULL;
     pkv_cache_destroy(w->c);
     w->c = NULL;
     w->ev = NULL;
@@ -412,37 +419,42 @@ static inline int pm_tier_on(pm_world *w, int thread, const char *dir) {
     if (thread && (rc = pkv_tier_prefetch_start(w->tier, 64u << 10)))
         return pm_fail(w, "pkv_tier_prefetch_start: %s", pkv_strerror(rc));
     w->tier_thread = thread;
-    w->saved = (uint64_t *)calloc(PM_SAVED_SLOTS, sizeof(uint64_t));
-    if (!w->saved) return pm_fail(w, "no memory for the saved set");
+    w->saved.slot = (uint64_t *)calloc(PM_SAVED_SLOTS, sizeof(uint64_t));
+    w->sure.slot = (uint64_t *)calloc(PM_SAVED_SLOTS, sizeof(uint64_t));
+    if (!w->saved.slot || !w->sure.slot) return pm_fail(w, "no memory for the saved sets");
     return 0;
 }
 
-PM_NOCOV static inline void pm_saved_add(pm_world *w, uint64_t h) {
-    if (w->saved_full || w->n_saved >= PM_SAVED_SLOTS / 2) {
-        w->saved_full = 1;
+PM_NOCOV static inline void pm_hset_add(pm_hset *set, uint64_t h) {
+    if (set->full || set->n >= PM_SAVED_SLOTS / 2) {
+        set->full = 1;
         return;
     }
     h |= !h; /* (0 marks an empty slot) */
     for (uint32_t i = (uint32_t)h & (PM_SAVED_SLOTS - 1);; i = (i + 1) & (PM_SAVED_SLOTS - 1)) {
-        if (w->saved[i] == h) return;
-        if (!w->saved[i]) {
-            w->saved[i] = h;
-            w->n_saved++;
+        if (set->slot[i] == h) return;
+        if (!set->slot[i]) {
+            set->slot[i] = h;
+            set->n++;
             return;
         }
     }
 }
 
-/* Whether a save may have stored the block whose last position's hash is h (1 once the set is
- * no longer kept). */
-PM_NOCOV static inline int pm_saved_has(const pm_world *w, uint64_t h) {
-    if (w->saved_full) return 1;
+/* Whether h is in the set: 1, 0, or -1 once the set is no longer kept. */
+PM_NOCOV static inline int pm_hset_has(const pm_hset *set, uint64_t h) {
+    if (set->full) return -1;
     h |= !h;
     for (uint32_t i = (uint32_t)h & (PM_SAVED_SLOTS - 1);; i = (i + 1) & (PM_SAVED_SLOTS - 1)) {
-        if (w->saved[i] == h) return 1;
-        if (!w->saved[i]) return 0;
+        if (set->slot[i] == h) return 1;
+        if (!set->slot[i]) return 0;
     }
 }
+
+/* The blocks a save may have stored (by the hash of a block's last position), and those one
+ * surely stored. */
+PM_NOCOV static inline void pm_saved_add(pm_world *w, uint64_t h) { pm_hset_add(&w->saved, h); }
+PM_NOCOV static inline int pm_saved_has(const pm_world *w, uint64_t h) { return pm_hset_has(&w->saved, h) != 0; }
 
 static inline uint32_t pm_n_live(const pm_world *w) {
     uint32_t n = 0;
@@ -1269,7 +1281,8 @@ static inline int pm_tier_load_into(pm_world *w, pm_seq *q, const int32_t *promp
         w->n_tier_prefetches++;
     }
     pkv_tier_stats tb, ta;
-    if (pkv_tier_get_stats(w->tier, &tb) < 0) return pm_fail(w, "tier stats");
+    pkv_stats pb;
+    if (pkv_tier_get_stats(w->tier, &tb) < 0 || pkv_cache_get_stats(w->c, &pb) < 0) return pm_fail(w, "stats");
     uint32_t got = 0xdeadbeef;
     const int rc = window ? pkv_tier_load_window(w->tier, w->c, q->id, prompt, n, window, &got)
                           : pkv_tier_load(w->tier, w->c, q->id, prompt, n, &got);
@@ -1278,6 +1291,24 @@ static inline int pm_tier_load_into(pm_world *w, pm_seq *q, const int32_t *promp
     PM_EXPECT(w, rc == 0, "tier load of %u tokens (window %u) into %u: %s", n, window, m, pkv_strerror(rc));
     PM_EXPECT(w, m + got <= (n ? n - 1 : 0) || !got, "tier load gave %u past %u of %u tokens", got, m, n);
     if (pkv_tier_get_stats(w->tier, &ta) < 0) return pm_fail(w, "tier stats");
+    /* a plain load (a windowed one into a sequence holding positions is one) of a text prompt into
+       a sequence with no front gives the blocks from the one holding m on that a save surely
+       stored, up to the first it did not, where the pool has room (a copy on write besides) */
+    if (!(window && !m) && !q->dropped && n >= 2 && !pm_has_media(prompt, n)) {
+        const uint32_t full = n / B < w->cfg.max_blocks_per_seq ? n / B : w->cfg.max_blocks_per_seq;
+        uint64_t h = 0;
+        uint32_t e = 0; /* the end (blocks) of what the store surely has from block m / B on */
+        for (uint32_t p = 0; e < full; e++) {
+            for (; p < (e + 1) * B; p++) h = pm_next(p ? h : pm_root(q->salt), prompt[p], p);
+            if (e >= m / B && pm_hset_has(&w->sure, h) != 1) break;
+        }
+        const uint32_t target = e * B < n - 1 ? e * B : n - 1, need = (target + B - 1) / B - (m + B - 1) / B + 1;
+        if (target > m && pb.n_free + pb.n_cached >= need) {
+            PM_EXPECT(w, m + got >= target, "tier load from %u gave %u, but the store has blocks to %u (%u free, %u cached)",
+                      m, got, e, pb.n_free, pb.n_cached);
+            w->n_tier_bounded++;
+        }
+    }
     pkv_seq_info info;
     if (pkv_seq_get_info(w->c, q->id, &info) < 0) return pm_fail(w, "info");
     /* into an empty sequence under a window, the front as a windowed match of as many positions
@@ -1359,6 +1390,7 @@ static inline int pm_op_tier_save(pm_world *w, pm_src *src) {
         PM_EXPECT(w, stored + present == blocks, "tier save of %u full committed blocks: %llu stored, %llu present",
                   blocks, (unsigned long long)stored, (unsigned long long)present);
     for (uint32_t i = from; i < full; i++) pm_saved_add(w, q->h[(i + 1) * B - 1]);
+    for (uint32_t i = from; whole && i < full; i++) pm_hset_add(&w->sure, q->h[(i + 1) * B - 1]); /* (never dropped) */
     w->n_tier_saves++;
     w->n_tier_saved_blocks += stored;
     if (pm_verify(w) < 0) return -1;
