@@ -50,6 +50,14 @@ static pkv_seq filled(pkv_cache *c, const char *salt, const int32_t *toks, uint3
     return s;
 }
 
+/* s (committed to from) goes on with toks[from, from + n): appended, the pattern TAG written,
+ * committed */
+static void goes_on(pkv_cache *c, pkv_seq s, const int32_t *toks, uint32_t from, uint32_t n) {
+    TU_OK(pkv_seq_append(c, s, toks + from, n, NULL));
+    TU_WRITE_PAT(c, s, from, n, TAG);
+    TU_OK(pkv_seq_commit(c, s, from + n));
+}
+
 /* positions [start, start + n) of a in ca and b in cb: the same stored bytes, every layer */
 static void same_rows_at(pkv_cache *ca, pkv_seq a, pkv_cache *cb, pkv_seq b, uint32_t start, uint32_t n) {
     pkv_config cfg;
@@ -1054,9 +1062,7 @@ static void test_window(void **state) {
     TU_OK(pkv_seq_release(b, m));
     TU_CHECK(b);
     /* the conversation goes on in b: 16 positions, 2 full blocks more; b's save stores those */
-    TU_OK(pkv_seq_append(b, sb, toks + 200, 16, NULL));
-    TU_WRITE_PAT(b, sb, 200, 16, TAG);
-    TU_OK(pkv_seq_commit(b, sb, 216));
+    goes_on(b, sb, toks, 200, 16);
     TU_OK(pkv_tier_save(t, b, sb, &saved));
     assert_int_equal(saved, 2);
     assert_int_equal(tstats(t).save_present, 5);
@@ -1203,9 +1209,7 @@ static void test_window_link(void **state) {
     TU_OK(pkv_cache_get_stats(b, &st));
     assert_int_equal(st.n_active, 9); /* x's 5, y's own 4 (its first is x's) */
     TU_CHECK(b);
-    TU_OK(pkv_seq_append(b, y, toks + 200, 16, NULL));
-    TU_WRITE_PAT(b, y, 200, 16, TAG);
-    TU_OK(pkv_seq_commit(b, y, 216));
+    goes_on(b, y, toks, 200, 16);
     TU_OK(pkv_tier_save(t, b, y, &saved));
     assert_int_equal(saved, 2);
     same_rows_at(b, x, b, y, 160, 40);

@@ -414,6 +414,46 @@ static int save_prepare(pkv_cache *c, pkv_seq id, const char *api, save_prep *p)
     return PKV_OK;
 }
 
+/* keys[hi - 1], keys[hi - 2], ... keys[hi - n] into ask, in that order (deepest first). */
+static void keys_down(const tkey *keys, uint32_t hi, uint32_t n, uint8_t (*ask)[PKV__TIER_KEY]) {
+    for (uint32_t i = 0; i < n; i++) memcpy(ask[i], keys[hi - 1 - i].b, PKV__TIER_KEY);
+}
+
+/* The probes of keys[0, n) (a get with no buffer each; PKV__TIER_KEY bytes a key), got[i] each
+ * one's status: together where the store takes probes together (ext.probe_many), else one at a
+ * time, up to a failure (those after it PKV__TIER_UNTRIED: nothing more is asked of a failing
+ * store). */
+static void probe_keys(pkv_tier *t, void *ctx, uint32_t n, uint8_t (*keys)[PKV__TIER_KEY], int *got) {
+    if (t->ext.probe_many) {
+        t->ext.probe_many(ctx, n, keys[0], got);
+        return;
+    }
+    bool failed = false;
+    for (uint32_t i = 0; i < n; i++) {
+        size_t len = 0;
+        got[i] = failed ? PKV__TIER_UNTRIED : t->ops.get(ctx, keys[i], NULL, 0, &len);
+        failed |= got[i] != PKV_OK && got[i] != PKV_ENOENT;
+    }
+}
+
+/* The puts of keys[0, n), entry i made by make(arg, i, ...) when its turn comes, res[i] each
+ * one's status as ext.put_stream's contract has it: together where the store takes puts
+ * together, else one at a time. */
+static void put_keys(pkv_tier *t, void *ctx, uint32_t n, uint8_t (*keys)[PKV__TIER_KEY],
+                     pkv__tier_make_fn make, void *arg, int *res) {
+    if (t->ext.put_stream) {
+        t->ext.put_stream(ctx, n, keys[0], make, arg, res);
+        return;
+    }
+    for (uint32_t i = 0; i < n; i++) res[i] = PKV__TIER_UNTRIED;
+    for (uint32_t i = 0; i < n; i++) {
+        const void *data;
+        size_t len;
+        if ((res[i] = make(arg, i, &data, &len))) break;
+        if ((res[i] = t->ops.put(ctx, keys[i], data, len)) != PKV_OK && res[i] != PKV_ENOSPC) break;
+    }
+}
+
 /* The entries a save puts at once (pkv__tier_make_fn): blocks block[0, n) of sp, each made into
  * buf in turn; failed_at: the one whose rows the cache refused (PKV_NONE: none). */
 typedef struct save_make {
@@ -459,13 +499,8 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
         const uint32_t n = hi - lo; /* block hi - 1 - i at i */
         uint8_t ask[PKV__TIER_PROBES][PKV__TIER_KEY];
         int got[PKV__TIER_PROBES], res[PKV__TIER_PROBES];
-        if (many) {
-            for (uint32_t i = 0; i < n; i++) memcpy(ask[i], sp.keys[hi - 1 - i].b, PKV__TIER_KEY);
-            t->ext.probe_many(t->ctx, n, ask[0], got);
-        } else {
-            size_t len = 0;
-            got[0] = t->ops.get(t->ctx, sp.keys[lo].b, NULL, 0, &len);
-        }
+        keys_down(sp.keys, hi, n, ask);
+        probe_keys(t, t->ctx, n, ask, got);
         /* the batch ends before a block found past one not found (its probe, a use, came before
            the puts of those deeper: it is asked again after them, so that the beginnings stay
            the latest used), and after a failed probe (the answers past it are a lost
@@ -490,14 +525,7 @@ PKV_API int pkv_tier_save(pkv_tier *t, pkv_cache *c, pkv_seq id, uint32_t *n_sav
                 break;
             }
         }
-        if (many) {
-            if (mk.n) t->ext.put_stream(t->ctx, mk.n, ask[0], save_make_one, &mk, res);
-        } else if (mk.n) {
-            const void *data;
-            size_t len;
-            res[0] = save_make_one(&mk, 0, &data, &len);
-            if (!res[0]) res[0] = t->ops.put(t->ctx, ask[0], data, len);
-        }
+        if (mk.n) put_keys(t, t->ctx, mk.n, ask, save_make_one, &mk, res);
         /* every put that took is marked for the clean-up below (where the call fails), and so
            is every put that failed (its reply may have been lost with the connection after the
            store took it); the first failure fails the call */
@@ -657,21 +685,17 @@ static int probe(pkv_tier *t, const tkey *keys, uint32_t i, probes *P) {
 }
 
 /* Blocks [from, to) of keys asked for again (a get with no buffer: a use, to a least-recently-used
- * store), deepest first: one at a time, or up to PKV__TIER_PROBES in one round trip where the
- * store takes probes together (in order). Ends at a store failure (counted: each call after it
- * would wait on an unreachable store). */
+ * store), deepest first, up to PKV__TIER_PROBES in one round trip where the store takes probes
+ * together (in order). Ends at a store failure (counted: each call after it would wait on an
+ * unreachable store). */
 static void touch_down(pkv_tier *t, const tkey *keys, uint32_t from, uint32_t to) {
     uint8_t ask[PKV__TIER_PROBES][PKV__TIER_KEY];
     int got[PKV__TIER_PROBES];
     for (uint32_t j = to; j > from;) {
-        uint32_t n = 0;
-        if (t->ext.probe_many) {
-            for (; n < PKV__TIER_PROBES && j > from; n++) memcpy(ask[n], keys[--j].b, PKV__TIER_KEY);
-            t->ext.probe_many(t->ctx, n, ask[0], got);
-        } else {
-            size_t len;
-            got[n++] = t->ops.get(t->ctx, keys[--j].b, NULL, 0, &len);
-        }
+        const uint32_t n = j - from < PKV__TIER_PROBES ? j - from : PKV__TIER_PROBES;
+        keys_down(keys, j, n, ask);
+        probe_keys(t, t->ctx, n, ask, got);
+        j -= n;
         for (uint32_t i = 0; i < n; i++)
             if (got[i] != PKV_OK && got[i] != PKV_ENOENT) {
                 COUNT(t, errors, 1);
@@ -1059,7 +1083,7 @@ static void write_back(pkv_tier *t, pkv__tent *const *e, uint32_t n) {
             uint32_t q = 0, k = 0;
             for (uint32_t i = 0; i < m; i++)
                 if (first[i] == i) memcpy(ask[q], x[i]->key, PKV__TIER_KEY), mk.at[q++] = i;
-            t->ext.probe_many(t->tctx, q, ask[0], res);
+            probe_keys(t, t->tctx, q, ask, res);
             for (uint32_t j = 0; j < q; j++) got[mk.at[j]] = res[j];
             for (uint32_t i = 0; i < m; i++) { /* the round's end; its absent keys, in order */
                 if (first[i] != i) continue;
@@ -1077,7 +1101,7 @@ static void write_back(pkv_tier *t, pkv__tent *const *e, uint32_t n) {
                     break;
                 }
             }
-            if (k) t->ext.put_stream(t->tctx, k, ask[0], wb_make_one, &mk, res);
+            if (k) put_keys(t, t->tctx, k, ask, wb_make_one, &mk, res);
             for (uint32_t j = 0; j < k; j++) put[mk.at[j]] = res[j];
         }
         /* one at a time: alone, or where a put together failed or was not tried (the connection
