@@ -138,6 +138,7 @@ typedef struct pm_world {
     uint64_t n_tier_saves, n_tier_saved_blocks, n_tier_loads, n_tier_loaded_blocks, n_tier_window_loads,
         n_tier_window_fronts, n_tier_reloads, n_tier_async, n_tier_prefetches;
     uint64_t n_tier_bounded; /* loads held to what the store surely had */
+    uint64_t n_tier_window_bounded; /* windowed loads into empty sequences so held */
     char err[600];
     int trace; /* print every call to stderr (PM_TRACE=1 in the tests, -trace in the fuzzer) */
     /* scratch */
@@ -1263,8 +1264,9 @@ PM_NOCOV static inline int pm_has_media(const int32_t *tok, uint32_t n) {
 }
 
 /* A tier load into q (empty, or as a match left it) of prompt[0, n): plain, or under window (0:
- * plain). Checks the status, the count, the front of a windowed load into an empty sequence and
- * that every block it gave was saved (the K/V it gave: pm_verify); adds the positions to q.
+ * plain). Checks the status, the count, the front of a windowed load into an empty sequence,
+ * that every block it gave was saved (the K/V it gave: pm_verify) and, where the pool has room,
+ * that it gave at least what whole-prompt saves surely stored (w->sure); adds the positions to q.
  * With the tier's thread, prefetch 1 or 3 has the prompt prefetched first (3: and waited for).
  * *loaded: the positions it added. */
 static inline int pm_tier_load_into(pm_world *w, pm_seq *q, const int32_t *prompt, uint32_t n, uint32_t window,
@@ -1307,6 +1309,33 @@ static inline int pm_tier_load_into(pm_world *w, pm_seq *q, const int32_t *promp
             PM_EXPECT(w, m + got >= target, "tier load from %u gave %u, but the store has blocks to %u (%u free, %u cached)",
                       m, got, e, pb.n_free, pb.n_cached);
             w->n_tier_bounded++;
+        }
+    }
+    /* a windowed load of a text prompt into an empty sequence gives at least the latest window
+       whose blocks a save surely stored, where the pool has room for any window it may try
+       first (it tries the latest, then searches down from a block the store lacks) */
+    if (window && !m && n >= 2 && !pm_has_media(prompt, n)) {
+        const uint32_t full = n / B < w->cfg.max_blocks_per_seq ? n / B : w->cfg.max_blocks_per_seq;
+        const uint32_t last = (n - 1 + B - 1) / B, E = full < last ? full : last; /* the latest end */
+        uint64_t hb[PM_MAX_TOK], h = 0;
+        for (uint32_t p = 0; p < E * B; p++) {
+            h = pm_next(p ? h : pm_root(q->salt), prompt[p], p);
+            if (p % B == B - 1) hb[p / B] = h;
+        }
+        uint32_t e = E, room = 0; /* room: the most blocks a window ending in [e, E] holds */
+        for (; e; e--) {
+            const uint32_t lo = pm_window_front(w, e * B < n - 1 ? e * B : n - 1, window) / B;
+            if (e - lo > room) room = e - lo;
+            uint32_t k = e;
+            while (k > lo && pm_hset_has(&w->sure, hb[k - 1]) == 1) k--;
+            if (k == lo) break;
+        }
+        const uint32_t target = e * B < n - 1 ? e * B : n - 1;
+        if (e && pb.n_free + pb.n_cached >= room) {
+            PM_EXPECT(w, got >= target,
+                      "tier load (window %u) gave %u, but the store has the window ending at block %u (%u free, %u cached)",
+                      window, got, e, pb.n_free, pb.n_cached);
+            w->n_tier_window_bounded++;
         }
     }
     pkv_seq_info info;
