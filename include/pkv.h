@@ -420,6 +420,50 @@ PKV_NODISCARD PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq s, uint32_t p
  * n 0 truncates to start. Threads: as pkv_seq_truncate (it changes s). */
 PKV_NODISCARD PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq s, uint32_t start, const uint32_t *idx, uint32_t n);
 
+/* RoPE as the engine applied it to the K rows it wrote (pkv_seq_shift): pair i of a K row is
+ * turned by position x freq[i] radians, freq[i] = theta^(-2i / n_rot) or inv_freq[i] where given
+ * (Llama 3's scaled frequencies, YaRN's, any others), i < n_rot / 2. PKV_ROPE_NEOX pairs values
+ * dim0 + i and dim0 + i + n_rot / 2 (rotate_half: Llama and Qwen in Hugging Face's layout, GPT-NeoX,
+ * llama.cpp's NEOX mode); PKV_ROPE_GPTJ pairs dim0 + 2i and dim0 + 2i + 1 (interleaved: GPT-J,
+ * llama.cpp's default mode, llama2.c). */
+typedef enum pkv_rope_style { PKV_ROPE_NEOX = 0, PKV_ROPE_GPTJ = 1 } pkv_rope_style;
+
+typedef struct pkv_rope {
+    uint32_t dim0;         /* the first value of a K row RoPE turns: 0, or where the rotary part
+                              begins (DeepSeek's MLA: kv_lora_rank, 512) */
+    uint32_t n_rot;        /* values turned from dim0 on: even, at least 2, dim0 + n_rot <= head_dim */
+    uint32_t style;        /* pkv_rope_style */
+    float theta;           /* the frequencies' base (10000, 500000, ...) where inv_freq is NULL */
+    const float *inv_freq; /* NULL, or [n_rot / 2] radians per position of each pair (finite) */
+} pkv_rope;
+
+/* Context shift: removes positions [from, to) of s; positions [to, length) move down to [from,
+ * length - (to - from)) with their token ids and every layer's K and V rows, each K row turned back
+ * by to - from positions of rope (NULL: moved as stored, for models whose K carries no position:
+ * ALiBi's, NoPE's), so that it reads as if computed at its new position. This is llama.cpp's
+ * context shift (llama_memory_seq_rm, then llama_memory_seq_add of -(to - from)) and StreamingLLM's
+ * cache (keep the first positions, the attention sinks, remove the oldest after them) when a
+ * sequence reaches the context the model was trained for. to == length is pkv_seq_truncate to
+ * from; from == to changes nothing.
+ * - Values: V rows, and K values outside [dim0, dim0 + n_rot), move bit for bit where K is f32,
+ *   f16 or bf16; a turned value is rounded to the pool's dtype once per shift. q8_0, q4_0 and fp8
+ *   K rows are decoded, turned and encoded again (a write's error, once per shift).
+ * - Exactness: the moved positions were computed with the removed ones in their context, so they
+ *   hold what no prefill of the new token ids computes. From from on s indexes nothing in the
+ *   prefix cache (later commits neither; its blocks before from stay indexed), a storage tier
+ *   saves only its blocks before from, and a fork inherits that; pkv_seq_truncate to from or
+ *   below makes s exact again.
+ * - Sharing: a block that receives moved rows and is shared (a fork's, a matched prefix's) or in
+ *   the prefix index is copied first (pkv_stats.cow_copies), so the other holders and the index
+ *   keep theirs; PKV_ENOSPC, nothing changed, where no block can be had for a copy.
+ * The committed count loses the committed positions removed; committed positions stay committed.
+ * PKV_EINVAL, nothing changed: from > to, to past the length, from inside a dropped front
+ * (pkv_seq_drop_front), a rope whose fields break the rules above, or a K value the turn takes
+ * past what the pool's dtype holds (f16's 65504, PKV_VALUE_MAX); PKV_ENOENT for an unknown
+ * sequence, PKV_EINVAL for a pin. Threads: as pkv_seq_truncate (it changes s); it holds the
+ * cache's lock while it moves rows (about 2 x (length - from) rows a layer and kv head). */
+PKV_NODISCARD PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq s, uint32_t from, uint32_t to, const pkv_rope *rope);
+
 /* Compaction: moves blocks of s into free room (FREE blocks; with PKV_COMPACT_EVICT also CACHED
  * ones eviction could take) so that its block table holds longer runs of consecutive ids.
  * Decode reads a batch's blocks in ascending id (docs/design.md, "Attention"), and each block of

@@ -118,6 +118,7 @@ pkv__seq *pkv__seq_new(pkv_cache *c) {
     s->live = 1;
     s->is_pin = 0;
     s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = 0;
+    s->exact = PKV_NONE;
     s->ns_lo = s->ns_hi = 0;
     s->next_free = PKV_NONE;
     c->n_live++;
@@ -1064,6 +1065,7 @@ void pkv__seq_share(pkv_cache *c, pkv__seq *dst, const pkv__seq *src, uint32_t n
     dst->n_blocks = n_blocks;
     dst->n_dropped = PKV_MIN(src->n_dropped, n_blocks);
     dst->idx_len = PKV_MIN(src->idx_len, n_blocks);
+    dst->exact = src->exact;
     dst->ns_lo = src->ns_lo;
     dst->ns_hi = src->ns_hi;
 }
@@ -1077,6 +1079,7 @@ static void seq_cut(pkv_cache *c, pkv__seq *s, uint32_t n) {
     if (s->n_committed > n) s->n_committed = n;
     if (s->n_reused > n) s->n_reused = n; /* of the tokens it still holds */
     if (s->idx_len > n / B) s->idx_len = n / B;
+    if (s->exact != PKV_NONE && n <= s->exact) s->exact = PKV_NONE; /* what is left is exact */
     claim_tail(c, s);
 }
 
@@ -1128,6 +1131,7 @@ int pkv__seq_skip(pkv_cache *c, pkv_seq id, uint32_t pos, const char *api) {
         c->n_tokens_total = c->n_tokens_total - s->n_tokens + pos;
         s->n_blocks = s->n_dropped = s->idx_len = nb;
         s->n_tokens = s->n_committed = pos;
+        s->exact = PKV_NONE;
         s->n_reused = 0;
     }
     UNLOCK(c);
@@ -1172,6 +1176,166 @@ PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq id, uint32_t start, const uint32_
             if (idx[k] != k) move_position(c, s->table, start + idx[k], start + k);
         if (start + n < s->n_tokens) seq_cut(c, s, start + n);
     }
+    UNLOCK(c);
+    return rc;
+}
+
+/* ---- context shift (pkv_seq_shift) ---------------------------------------------------------- */
+/* A turn back by d positions of rope: the pairs' value offsets and cos / sin of -d x freq. */
+typedef struct rope_turn {
+    uint32_t n;                /* pairs */
+    uint32_t lo[512], hi[512]; /* pair i's two values in a row */
+    float cs[512], sn[512];
+} rope_turn;
+
+/* t := rope's turn back by d positions, or PKV_EINVAL said where rope breaks pkv_rope's rules. */
+static int rope_plan(const pkv_cache *c, const pkv_rope *rope, uint32_t d, rope_turn *t) {
+    const uint64_t end = (uint64_t)rope->dim0 + rope->n_rot;
+    if (rope->n_rot < 2 || rope->n_rot % 2 || end > c->head_dim)
+        return PKV__SAY(c, PKV_EINVAL, "rope: n_rot %u must be even, at least 2, and dim0 %u + n_rot within head_dim %u",
+                        rope->n_rot, rope->dim0, c->head_dim);
+    if (rope->style != PKV_ROPE_NEOX && rope->style != PKV_ROPE_GPTJ)
+        return PKV__SAY(c, PKV_EINVAL, "rope: style %u is neither PKV_ROPE_NEOX nor PKV_ROPE_GPTJ", rope->style);
+    if (!rope->inv_freq && !(isfinite(rope->theta) && rope->theta > 0.0f))
+        return PKV__SAY(c, PKV_EINVAL, "rope: theta %g is not finite and positive (and no inv_freq)", (double)rope->theta);
+    t->n = rope->n_rot / 2;
+    for (uint32_t i = 0; i < t->n; i++) {
+        double f;
+        if (rope->inv_freq) {
+            if (!isfinite(rope->inv_freq[i]))
+                return PKV__SAY(c, PKV_EINVAL, "rope: inv_freq[%u] is not finite", i);
+            f = rope->inv_freq[i];
+        } else {
+            f = pow((double)rope->theta, -2.0 * i / rope->n_rot);
+        }
+        const double a = -(double)d * f;
+        t->cs[i] = (float)cos(a), t->sn[i] = (float)sin(a);
+        t->lo[i] = rope->dim0 + (rope->style == PKV_ROPE_NEOX ? i : 2 * i);
+        t->hi[i] = rope->dim0 + (rope->style == PKV_ROPE_NEOX ? i + t->n : 2 * i + 1);
+    }
+    return PKV_OK;
+}
+
+/* x turned by t (each pair's rotation in double: one rounding to float a value) */
+static void rope_apply(const rope_turn *t, float *x) {
+    for (uint32_t i = 0; i < t->n; i++) {
+        const double a = x[t->lo[i]], b = x[t->hi[i]];
+        x[t->lo[i]] = (float)(a * t->cs[i] - b * t->sn[i]);
+        x[t->hi[i]] = (float)(a * t->sn[i] + b * t->cs[i]);
+    }
+}
+
+/* The K row of kv head h at position pos of table, in layer l. */
+static uint8_t *k_row_at(const pkv_cache *c, const int32_t *table, uint32_t l, uint32_t h, uint32_t pos) {
+    return c->kv + l * c->layer_stride + (size_t)table[pos / c->B] * c->k_blk + ((size_t)h * c->B + pos % c->B) * c->k_row;
+}
+
+/* Whether every K row of positions [from, to) of s, turned by t, is one the pool holds; else
+ * PKV_EINVAL said, naming the first that is not. */
+static int rope_check(pkv_cache *c, const pkv__seq *s, uint32_t from, uint32_t to, const rope_turn *t) {
+    float x[1024];
+    for (uint32_t l = 0; l < c->n_layers; l++)
+        for (uint32_t h = 0; h < c->n_kv; h++)
+            for (uint32_t p = from; p < to; p++) {
+                pkv__row_decode(c->cfg.k_dtype, k_row_at(c, s->table, l, h, p), c->head_dim, x);
+                rope_apply(t, x);
+                if (!pkv__input_fits(PKV_DTYPE_F32, x, c->head_dim, c->cfg.k_dtype))
+                    return PKV__SAY(c, PKV_EINVAL, "position %u, layer %u, kv head %u: K turned holds a value past what %s holds",
+                                    p, l, h, pkv_dtype_name(c->cfg.k_dtype));
+            }
+    return PKV_OK;
+}
+
+/* Whether block b must be copied before s writes into it: shared or in the prefix index. */
+static bool shift_copies(const pkv_cache *c, uint32_t b) {
+    return c->blk[b].ref > 1 || (c->blk[b].flags & PKV_BLKF_INDEXED);
+}
+
+PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq id, uint32_t from, uint32_t to, const pkv_rope *rope) {
+    if (!c) return PKV_EINVAL;
+    if (from > to) return PKV__SAY(c, PKV_EINVAL, "from %u is past to %u", from, to);
+    const uint32_t B = c->B, d = to - from;
+    rope_turn turn;
+    turn.n = 0;
+    if (rope && rope_plan(c, rope, d, &turn)) return PKV_EINVAL;
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    if (!rc && to > s->n_tokens) rc = PKV__SAY(c, PKV_EINVAL, "to %u is past the sequence's length %u", to, s->n_tokens);
+    if (!rc && from < pkv__seq_front(c, s))
+        rc = PKV__SAY(c, PKV_EINVAL, "from %u is inside the dropped front (pkv_seq_drop_front: before %u)", from,
+                      pkv__seq_front(c, s));
+    if (rc || !d) goto out;
+    if (to == s->n_tokens) { /* nothing moves: a truncate */
+        seq_cut(c, s, from);
+        goto out;
+    }
+    const uint32_t len = s->n_tokens - d, first = from / B, nb = (len + B - 1) / B; /* blocks [first, nb) written */
+    if (rope && (rc = rope_check(c, s, to, s->n_tokens, &turn))) goto out;
+    /* the copies, one after another: each takes a block, and one s held alone (indexed) goes
+       CACHED, to be had by the next */
+    uint64_t avail = (uint64_t)c->pool.n_free + c->pool.n_cached;
+    for (uint32_t i = first; i < nb; i++) {
+        const uint32_t b = (uint32_t)s->table[i];
+        if (!shift_copies(c, b)) continue;
+        if (!avail) {
+            rc = PKV__SAY(c, PKV_ENOSPC, "block %u of the sequence is shared or indexed, and no block is free for its copy",
+                          i);
+            goto out;
+        }
+        avail = avail - 1 + (c->blk[b].ref == 1);
+    }
+    for (uint32_t i = first; i < nb; i++) {
+        const uint32_t b = (uint32_t)s->table[i], used = PKV_MIN(B, s->n_tokens - i * B);
+        if (shift_copies(c, b)) {
+            const uint32_t nb2 = pkv__take_block(c);
+            pkv_assert(nb2 != PKV_NONE); /* counted above */
+            pkv__copy_block(c, nb2, b, used);
+            pkv__pool_set_fill(&c->pool, nb2, used);
+            s->table[i] = (int32_t)nb2;
+            pkv__drop_block(c, b);
+            c->cow_copies++;
+        } else if (c->blk[b].flags & PKV_BLKF_PARTIAL) {
+            pkv__partial_unlink(c, b); /* its committed rows change: no match may copy them */
+        }
+    }
+    /* ascending: each position is written after the one it takes was read (p + d > p) */
+    float x[1024];
+    for (uint32_t l = 0; l < c->n_layers; l++) {
+        uint8_t *vl = c->kv + l * c->layer_stride + c->v_off;
+        for (uint32_t h = 0; h < c->n_kv; h++)
+            for (uint32_t p = from; p < len; p++) {
+                uint8_t *dst = k_row_at(c, s->table, l, h, p);
+                const uint8_t *src = k_row_at(c, s->table, l, h, p + d);
+                if (rope) {
+                    pkv__row_decode(c->cfg.k_dtype, src, c->head_dim, x);
+                    rope_apply(&turn, x);
+                    pkv__row_encode(c->cfg.k_dtype, x, c->head_dim, dst);
+                } else {
+                    memcpy(dst, src, c->k_row);
+                }
+                if (c->v_row)
+                    memcpy(vl + (size_t)s->table[p / B] * c->v_blk + ((size_t)h * B + p % B) * c->v_row,
+                           vl + (size_t)s->table[(p + d) / B] * c->v_blk + ((size_t)h * B + (p + d) % B) * c->v_row,
+                           c->v_row);
+            }
+    }
+    for (uint32_t p = from; p < len; p++)
+        c->tokens[(size_t)s->table[p / B] * B + p % B] = c->tokens[(size_t)s->table[(p + d) / B] * B + (p + d) % B];
+    const uint32_t com = s->n_committed <= from ? s->n_committed : s->n_committed >= to ? s->n_committed - d : from;
+    pkv__seq_drop_blocks(c, s, nb);
+    c->n_tokens_total -= d;
+    s->n_tokens = len;
+    s->n_committed = com;
+    if (s->n_reused > from) s->n_reused = from;
+    if (s->idx_len > first) s->idx_len = first;
+    s->exact = s->exact == PKV_NONE ? from : PKV_MIN(s->exact, from);
+    for (uint32_t i = first; i < nb; i++) { /* s's own blocks now: its fill and commits */
+        const uint32_t b = (uint32_t)s->table[i];
+        pkv__pool_set_fill(&c->pool, b, PKV_MIN(B, len - i * B));
+        c->blk[b].n_commit = (uint16_t)committed_in_block(c, s, i);
+    }
+out:
     UNLOCK(c);
     return rc;
 }

@@ -18,6 +18,9 @@ typedef struct pkv__seq {
     uint32_t idx_len; /* table[0 .. idx_len) is this sequence's indexed chain */
     uint32_t n_dropped; /* table[0 .. n_dropped) are -1: blocks let go (pkv_seq_drop_front); it
                            indexes nothing more, and every position it is asked for is past them */
+    uint32_t exact;     /* positions [0, exact) hold what a prefill of their token ids computes
+                           (PKV_NONE: all): pkv_seq_shift lowers it, a truncate to it or below
+                           sets PKV_NONE again; s indexes no block at or past exact / B */
     uint64_t ns_lo, ns_hi; /* namespace: XXH3-128 of the salt */
     uint32_t next_free;    /* free-slot list */
     uint32_t mark;         /* pkv_batch_compact's and pkv_batch_append's scratch, under the lock */
@@ -130,6 +133,10 @@ int pkv__say(const pkv_cache *c, int rc, const char *api, const char *fmt, ...) 
 int pkv__get_seq(pkv_cache *c, pkv_seq id, pkv__seq **out, const char *api);
 /* The first position s still holds: the end of its dropped front (pkv_seq_drop_front; 0: none). */
 static inline uint32_t pkv__seq_front(const pkv_cache *c, const pkv__seq *s) { return s->n_dropped * c->B; }
+/* The blocks s may index: none at or past its first inexact position's (pkv_seq_shift). */
+static inline uint32_t pkv__seq_index_cap(const pkv_cache *c, const pkv__seq *s) {
+    return s->exact == PKV_NONE ? PKV_NONE : s->exact / c->B;
+}
 /* PKV_OK where s dropped nothing, else PKV_EINVAL said as api's refusal: for the calls that key
  * or hold a sequence by every position from 0 (pins, the storage tiers). */
 int pkv__seq_whole(const pkv_cache *c, const pkv__seq *s, const char *api);

@@ -114,6 +114,15 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
         REQUIRE(s->n_committed <= s->n_tokens, "sequence %u: committed %u > length %u", i, s->n_committed, s->n_tokens);
         REQUIRE((uint64_t)s->idx_len * c->B <= s->n_committed, "sequence %u: indexed chain of %u blocks past committed %u",
                 i, s->idx_len, s->n_committed);
+        /* after a shift (pkv_seq_shift), positions past exact are moved ones: none of them indexed */
+        REQUIRE(s->exact == PKV_NONE || s->exact < s->n_tokens, "sequence %u: exact to %u of %u positions", i, s->exact,
+                s->n_tokens);
+        REQUIRE(s->exact == PKV_NONE || s->idx_len <= s->exact / c->B,
+                "sequence %u: indexed chain of %u blocks past its exact positions (%u)", i, s->idx_len, s->exact);
+        for (uint32_t j = PKV_MAX(s->n_dropped, s->exact == PKV_NONE ? s->n_blocks : s->exact / c->B); j < s->n_blocks; j++)
+            REQUIRE(!(c->blk[s->table[j]].flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)),
+                    "sequence %u: table[%u] (block %d), past its exact positions (%u), is in the prefix index", i, j,
+                    s->table[j], s->exact);
         /* a dropped front (pkv_seq_drop_front): -1 entries, whole blocks within the length */
         REQUIRE(s->n_dropped <= s->n_blocks && (uint64_t)s->n_dropped * c->B <= s->n_tokens,
                 "sequence %u: %u blocks dropped of %u (%u tokens)", i, s->n_dropped, s->n_blocks, s->n_tokens);

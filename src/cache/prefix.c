@@ -496,8 +496,8 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
         const pkv__blk *k = &c->blk[s->table[s->idx_len]];
         if (!(k->flags & (PKV_BLKF_PARTIAL | PKV_BLKF_INDEXED)) || k->parent == PKV_NONE) return;
     }
-    const uint32_t B = c->B;
-    uint32_t full = s->n_committed / B;
+    const uint32_t B = c->B, cap = pkv__seq_index_cap(c, s); /* (a shift's moved rows: none) */
+    uint32_t full = PKV_MIN(s->n_committed / B, cap);
     /* extend this sequence's indexed chain over its full committed blocks */
     while (s->idx_len < full) {
         uint32_t i = s->idx_len, b = (uint32_t)s->table[i];
@@ -523,7 +523,7 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
     /* register the committed part of the tail block for token-granular matching (block 0: on
        its root list, under s's namespace) */
     uint32_t rem = s->n_committed % B, i = full;
-    if (rem && i == s->idx_len && i < s->n_blocks && (!i || i > s->n_dropped)) {
+    if (rem && i == s->idx_len && i < s->n_blocks && i < cap && (!i || i > s->n_dropped)) {
         uint32_t b = (uint32_t)s->table[i];
         pkv__blk *k = &c->blk[b];
         if (!(k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) && k->n_commit > 0) {

@@ -341,6 +341,16 @@ static int seq_peek(pkv_cache *c, pkv_seq id, const char *api, uint32_t *n_token
     return rc;
 }
 
+/* The blocks of id a save may store: none at or past its first position a shift moved
+ * (pkv_seq_shift: what no prefill of its ids computes). */
+static uint32_t seq_save_cap(pkv_cache *c, pkv_seq id) {
+    pthread_mutex_lock(&c->mu);
+    const pkv__seq *s = pkv__seq_get(c, id);
+    const uint32_t cap = s ? pkv__seq_index_cap(c, s) : 0;
+    pthread_mutex_unlock(&c->mu);
+    return cap;
+}
+
 /* ---- save ---- */
 /* buf := the entry of block j of sequence id (keys[], its blocks' keys from seed; toks[], its
  * blocks' token ids): header, token ids, every layer's rows, checksum. */
@@ -386,7 +396,7 @@ static int save_prepare(pkv_cache *c, pkv_seq id, const char *api, save_prep *p)
     uint64_t ns_lo, ns_hi;
     int rc = seq_peek(c, id, api, &n_tok, &n_com, &ns_lo, &ns_hi, &front, NULL, 0, NULL);
     if (rc) return rc;
-    const uint32_t B = c->B, nb = n_com / B;
+    const uint32_t B = c->B, nb = PKV_MIN(n_com / B, seq_save_cap(c, id));
     if (nb <= front) return PKV_OK;
     if (!shape_of(c, &p->sh)) return pkv__say(c, PKV_ENOMEM, api, "an entry's size overflows");
     /* the ids of every committed position: a key may take ids past the full blocks (a media's) */
