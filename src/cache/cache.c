@@ -131,6 +131,7 @@ void pkv__seq_free(pkv_cache *c, pkv__seq *s) {
     s->live = 0;
     s->is_pin = 0;
     s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = s->n_dropped = 0;
+    s->exact = PKV_NONE;
     c->n_live--;
     /* a released id is stale forever: a slot whose generations are used up (2^32 - 1 ids) is
        retired (generation 0, off the free list) rather than wrapped */
@@ -393,6 +394,7 @@ static void reset_state(pkv_cache *c) {
         if (s->live) s->gen = next_gen(c, s->gen); /* 0 when used up: retired, as in pkv__seq_free */
         s->live = s->is_pin = 0;
         s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = s->n_dropped = 0;
+        s->exact = PKV_NONE;
         s->next_free = PKV_NONE;
         if (s->gen == 0) continue;
         *link = i;
