@@ -34,7 +34,7 @@ from collections import namedtuple
 import numpy as np
 
 __all__ = [
-    "Cache", "Tier", "TierStats", "Event", "prefix_hashes", "media_tokens", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES", "bf16_bits", "bf16_value",
+    "Cache", "Tier", "TierStats", "Event", "Rope", "prefix_hashes", "media_tokens", "merge", "version", "strerror", "dtype_row_bytes", "DTYPES", "bf16_bits", "bf16_value",
     "PkvError", "InvalidArgumentError", "OutOfMemoryError", "NoSpaceError", "NotFoundError", "LimitError",
     "CorruptError", "IoError", "NotSupportedError", "BusyError",
     "OK", "EINVAL", "ENOMEM", "ENOSPC", "ENOENT", "ELIMIT", "ECORRUPT", "EIO", "ENOTSUP", "EBUSY",
@@ -241,6 +241,35 @@ class _AppendReq(ctypes.Structure):
     _fields_ = [("seq", _u64), ("tokens", _vp), ("n", _u32), ("slots_out", _vp)]
 
 
+class _Rope(ctypes.Structure):
+    _fields_ = [("dim0", _u32), ("n_rot", _u32), ("style", _u32), ("theta", ctypes.c_float), ("inv_freq", _vp)]
+
+
+class Rope:
+    """RoPE as the engine applied it to the K rows it wrote, for Cache.shift (pkv_rope): pair i
+    of a K row turned by position x theta^(-2i / n_rot) radians, or inv_freq[i] where given
+    (n_rot / 2 values: Llama 3's or YaRN's scaled frequencies). style "neox" pairs values dim0 + i
+    and dim0 + i + n_rot / 2 (rotate_half: Llama and Qwen in Hugging Face's layout), "gptj" pairs
+    dim0 + 2i and dim0 + 2i + 1 (interleaved: GPT-J, llama.cpp's default mode, llama2.c)."""
+
+    _STYLES = {"neox": 0, "gptj": 1}
+
+    def __init__(self, n_rot, theta=10000.0, style="neox", dim0=0, inv_freq=None):
+        if style not in self._STYLES:
+            raise _invalid("Rope: style must be 'neox' or 'gptj', not %r" % (style,))
+        self.n_rot, self.theta, self.style, self.dim0 = n_rot, float(theta), style, dim0
+        self.inv_freq = None
+        if inv_freq is not None:
+            f = np.ascontiguousarray(np.asarray(inv_freq, dtype=np.float32).reshape(-1))
+            if f.size * 2 != n_rot:
+                raise _invalid("Rope: inv_freq holds %d values, n_rot / 2 is %s" % (f.size, n_rot / 2))
+            self.inv_freq = f
+
+    def _struct(self):
+        return _Rope(_u32_of(self.dim0, "Rope.dim0"), _u32_of(self.n_rot, "Rope.n_rot"), self._STYLES[self.style],
+                     self.theta, _ptr(self.inv_freq) if self.inv_freq is not None else None)
+
+
 def _load():
     global _lib
     lib = ctypes.CDLL(_find_library())
@@ -267,6 +296,7 @@ def _load():
         "pkv_seq_truncate": (_int, [_vp, _u64, _u32]),
         "pkv_seq_drop_front": (_int, [_vp, _u64, _u32]),
         "pkv_seq_keep": (_int, [_vp, _u64, _u32, _vp, _u32]),
+        "pkv_seq_shift": (_int, [_vp, _u64, _u32, _u32, _vp]),
         "pkv_attn_tree": (_int, [_vp, _u32, _vp, _u32, _vp, _vp, _P(_AttnParams)]),
     "pkv_seq_compact": (_int, [_vp, _u64, _u32, ctypes.POINTER(_u32)]),
     "pkv_batch_compact": (_int, [_vp, _vp, _u32, _u32, _u32, ctypes.POINTER(_u32)]),
@@ -963,6 +993,20 @@ class Cache:
         _u32_of(a.size, "keep: idx count")
         self._check(_lib.pkv_seq_keep(self._h(), _seq_of(seq), _u32_of(start, "start"), _ptr(a) if a.size else None,
                                       a.size), "pkv_seq_keep")
+
+    @_in_call
+    def shift(self, seq, start, end, rope=None):
+        """Context shift (pkv_seq_shift): removes positions [start, end) of seq; the positions
+        after them move down by end - start with their token ids and K/V, each K row turned back by
+        as many positions of rope (a Rope; None: moved as stored, for K without RoPE). llama.cpp's
+        context shift, StreamingLLM's cache. From start on, seq then indexes nothing in the prefix
+        cache and a tier saves nothing (truncate(seq, start) or below makes it exact again); shared
+        or indexed blocks are copied first (NoSpaceError where no block can be had)."""
+        if rope is not None and not isinstance(rope, Rope):
+            raise _invalid("shift: rope must be a pagedkv.Rope or None")
+        r = rope._struct() if rope is not None else None
+        self._check(_lib.pkv_seq_shift(self._h(), _seq_of(seq), _u32_of(start, "start"), _u32_of(end, "end"),
+                                       ctypes.byref(r) if r is not None else None), "pkv_seq_shift")
 
     @_in_call
     def compact(self, seq, evict=False, cached=False):

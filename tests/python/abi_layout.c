@@ -22,6 +22,9 @@ int main(void) {
     FIELD(pkv_allocator, alloc), FIELD(pkv_allocator, free), FIELD(pkv_allocator, ctx);
     SIZE(pkv_executor);
     FIELD(pkv_executor, parallel_for), FIELD(pkv_executor, ctx), FIELD(pkv_executor, n_workers);
+    SIZE(pkv_rope);
+    FIELD(pkv_rope, dim0), FIELD(pkv_rope, n_rot), FIELD(pkv_rope, style), FIELD(pkv_rope, theta);
+    FIELD(pkv_rope, inv_freq);
     SIZE(pkv_layout);
     FIELD(pkv_layout, k_base), FIELD(pkv_layout, v_base), FIELD(pkv_layout, layer_stride_bytes);
     FIELD(pkv_layout, k_row_bytes), FIELD(pkv_layout, v_row_bytes), FIELD(pkv_layout, k_block_bytes);

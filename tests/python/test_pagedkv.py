@@ -169,7 +169,7 @@ class TestLibrary(Base):
         mirrors = {"pkv_config": pkv._Config, "pkv_allocator": pkv._Allocator, "pkv_executor": pkv._Executor,
                    "pkv_layout": pkv._Layout, "pkv_seq_info": pkv._SeqInfo, "pkv_stats": pkv._Stats,
                    "pkv_attn_params": pkv._AttnParams, "pkv_attn_req": pkv._AttnReq,
-                   "pkv_append_req": pkv._AppendReq, "pkv_tier_stats": pkv._TierStats, "pkv_event": pkv._Event}
+                   "pkv_append_req": pkv._AppendReq, "pkv_rope": pkv._Rope, "pkv_tier_stats": pkv._TierStats, "pkv_event": pkv._Event}
         for name, cls in mirrors.items():
             self.assertEqual(ctypes.sizeof(cls), int(c[name]), "sizeof(%s)" % name)
             fields = [f for f, _ in cls._fields_]
@@ -634,6 +634,43 @@ class TestAttention(Base):
             np.testing.assert_array_equal(K2[37:], K[[37, 38, 40, 44]])
             np.testing.assert_array_equal(V2[37:], V[[37, 38, 40, 44]])
             np.testing.assert_array_equal(K2[:37], K[:37])
+            c.check()
+
+    def test_shift(self):
+        def rope(x, pos, n_rot, theta):  # neox pairs (i, i + n_rot / 2), numpy's own, in float64
+            h = n_rot // 2
+            f = theta ** (-2.0 * np.arange(h) / n_rot)
+            a = np.asarray(pos, dtype=np.float64)[:, None, None] * f
+            y = x.astype(np.float64).copy()
+            y[..., :h] = x[..., :h] * np.cos(a) - x[..., h:n_rot] * np.sin(a)
+            y[..., h:n_rot] = x[..., :h] * np.sin(a) + x[..., h:n_rot] * np.cos(a)
+            return y
+
+        with pkv.Cache(n_kv_heads=2, head_dim=64, n_blocks=32, k_dtype="f32", v_dtype="f32") as c:
+            s = c.seq_create()
+            raw = self.rng.standard_normal((30, 2, 64))
+            Vr = self.rng.standard_normal((30, 2, 64)).astype(np.float32)
+            slots = c.append(s, np.arange(30))
+            c.write_kv(0, slots, rope(raw, np.arange(30), 64, 10000.0).astype(np.float32), Vr)
+            c.commit(s, 30)
+            c.shift(s, 4, 13, pkv.Rope(64, theta=10000.0))  # 4 sinks kept, the 9 oldest after them gone
+            self.assertEqual(c.seq_info(s).n_tokens, 21)
+            orig = np.r_[0:4, 13:30]
+            K, V = c.gather(s, 0)
+            self.assertClose(K, rope(raw[orig], np.arange(21), 64, 10000.0), 1e-5, "K turned to its new position")
+            np.testing.assert_array_equal(V, Vr[orig])
+            K0 = K.copy()
+            c.shift(s, 0, 1)  # no rope: moved as stored
+            np.testing.assert_array_equal(c.gather(s, 0)[0], K0[1:])
+            self.assertEinval(c.shift, s, 10, 5)
+            self.assertEinval(c.shift, s, 1, 2, pkv.Rope(63))
+            self.assertEinval(c.shift, s, 1, 2, "neox")
+            with self.assertRaises(pkv.PkvError):
+                pkv.Rope(64, style="rotate")
+            with self.assertRaises(pkv.PkvError):
+                pkv.Rope(64, inv_freq=[1.0, 2.0])
+            c.shift(s, 1, 2, pkv.Rope(64, inv_freq=np.full(32, 0.5)))
+            self.assertEqual(c.seq_info(s).n_tokens, 19)
             c.check()
 
     def test_softcap_window_merge(self):
