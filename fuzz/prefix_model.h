@@ -65,8 +65,13 @@ typedef struct pm_seq {
     int live, is_pin, salt;
     uint32_t len, committed;
     uint32_t dropped; /* positions [0, dropped) let go (pkv_seq_drop_front; a multiple of B) */
+    int shifted;      /* a shift (pkv_seq_shift) moved positions [exact, len): their K/V are no
+                         prefill of their ids, and s indexes and saves no block from exact / B on */
+    uint32_t exact;
     int32_t tok[PM_MAX_TOK];
-    uint64_t h[PM_MAX_TOK]; /* h[p] = H(salt, tok[0..p]) */
+    uint64_t h[PM_MAX_TOK];  /* h[p] = H(salt, tok[0..p]): the identity of the prefix to p */
+    uint64_t kv[PM_MAX_TOK]; /* the K/V position p holds: pm_val(kv[p], ...); h[p] where p was
+                                computed in this sequence's own prefix, another's after a shift */
 } pm_seq;
 
 typedef struct pm_src {
@@ -139,6 +144,8 @@ typedef struct pm_world {
         n_tier_window_fronts, n_tier_reloads, n_tier_async, n_tier_prefetches;
     uint64_t n_tier_bounded; /* loads held to what the store surely had */
     uint64_t n_tier_window_bounded; /* windowed loads into empty sequences so held */
+    int shift_on;             /* pkv_seq_shift among the ops (pm_op_shift) */
+    uint64_t n_shifts, n_shift_moves, n_shift_copies; /* shifts taken, those that moved rows, blocks they copied */
     char err[600];
     int trace; /* print every call to stderr (PM_TRACE=1 in the tests, -trace in the fuzzer) */
     /* scratch */
@@ -484,6 +491,7 @@ PM_NOCOV static inline void pm_push_tokens(pm_seq *q, const int32_t *tok, uint32
         uint32_t p = q->len + i;
         q->tok[p] = tok[i];
         q->h[p] = pm_next(p ? q->h[p - 1] : pm_root(q->salt), tok[i], p);
+        q->kv[p] = q->h[p];
     }
     q->len += n;
 }
@@ -514,8 +522,8 @@ PM_NOCOV static inline int pm_write(pm_world *w, pm_seq *q, uint32_t start, uint
         for (uint32_t i = 0; i < n; i++)
             for (uint32_t h = 0; h < H; h++)
                 for (uint32_t d = 0; d < D; d++) {
-                    w->kbuf[(i * H + h) * D + d] = pm_val(q->h[start + i], l, 0, h, d);
-                    w->vbuf[(i * H + h) * D + d] = pm_val(q->h[start + i], l, 1, h, d);
+                    w->kbuf[(i * H + h) * D + d] = pm_val(q->kv[start + i], l, 0, h, d);
+                    w->vbuf[(i * H + h) * D + d] = pm_val(q->kv[start + i], l, 1, h, d);
                 }
         /* odd steps write by position (pkv_seq_write_kv): the same rows, the same contract */
         int rc = w->n_steps % 2 ? pkv_seq_write_kv(w->c, q->id, l, start, n, w->kbuf, w->vbuf, PKV_DTYPE_F32)
@@ -567,7 +575,7 @@ PM_NOCOV static inline int pm_verify(pm_world *w) {
                 for (uint32_t h = 0; h < H; h++)
                     for (uint32_t d = 0; d < D; d++) {
                         size_t o = ((size_t)(p - q->dropped) * H + h) * D + d;
-                        float ke = pm_val(q->h[p], l, 0, h, d), ve = pm_val(q->h[p], l, 1, h, d);
+                        float ke = pm_val(q->kv[p], l, 0, h, d), ve = pm_val(q->kv[p], l, 1, h, d);
                         PM_EXPECT(w, w->kbuf[o] == ke && w->vbuf[o] == ve,
                                   "seq %d layer %u pos %u head %u dim %u: K %g V %g, expected %g %g (len %u, "
                                   "committed %u)",
@@ -716,6 +724,7 @@ enum {
     PM_OP_TIER_LOAD,
     PM_OP_COUNT_TIER
 };
+/* with shifts on (w->shift_on), one op more past those: pm_op_shift */
 
 /* The attention oracle: query row qv (Hq heads x D) at position pos of q, layer l, in double
  * from the model's K/V (exact in every pool dtype the model uses), into ref (Hq x D) and lse. */
@@ -742,9 +751,9 @@ PM_NOCOV static inline void pm_attn_ref_keys(const pm_world *w, const pm_seq *q,
             const uint32_t j = keys[x_];
             double x = 0.0;
             if (bf16q)
-                for (uint32_t d = 0; d < D; d++) x += (double)pm_bf16(qv[h * D + d] * fscale) * pm_val(q->h[j], l, 0, h / G, d);
+                for (uint32_t d = 0; d < D; d++) x += (double)pm_bf16(qv[h * D + d] * fscale) * pm_val(q->kv[j], l, 0, h / G, d);
             else {
-                for (uint32_t d = 0; d < D; d++) x += (double)qv[h * D + d] * pm_val(q->h[j], l, 0, h / G, d);
+                for (uint32_t d = 0; d < D; d++) x += (double)qv[h * D + d] * pm_val(q->kv[j], l, 0, h / G, d);
                 x *= scale;
             }
             if (ap->softcap > 0.0f) x = ap->softcap * tanh(x / ap->softcap);
@@ -758,7 +767,7 @@ PM_NOCOV static inline void pm_attn_ref_keys(const pm_world *w, const pm_seq *q,
             const uint32_t j = keys[x_];
             const double e = exp(sc[x_] - mx);
             sum += e;
-            for (uint32_t d = 0; d < D; d++) ref[h * D + d] += e * pm_val(q->h[j], l, 1, h / G, d);
+            for (uint32_t d = 0; d < D; d++) ref[h * D + d] += e * pm_val(q->kv[j], l, 1, h / G, d);
         }
         if (!(sum > 0.0)) { /* no key and no sink (a mask's empty row): 0, lse -inf */
             lse[h] = -INFINITY;
@@ -1366,6 +1375,13 @@ static inline int pm_tier_load_into(pm_world *w, pm_seq *q, const int32_t *promp
     return 0;
 }
 
+/* The end (blocks) of what a save of q may store: its full committed blocks, none from the first
+ * a shift moved on. */
+static inline uint32_t pm_save_end(const pm_world *w, const pm_seq *q) {
+    const uint32_t full = q->committed / w->B, cap = q->shifted ? q->exact / w->B : full;
+    return full < cap ? full : cap;
+}
+
 /* pkv_tier_save of a live sequence: the cache unchanged; the count as stored; each full committed
  * block from the front on in the saved set. Of a sequence with no front and no media, every such
  * block is stored or found; then, sometimes, the prompt of its committed positions is loaded
@@ -1387,7 +1403,7 @@ static inline int pm_op_tier_save(pm_world *w, pm_src *src) {
               (unsigned long long)w->n_steps, PM_SI(w, q), q->len, q->committed, q->dropped, pkv_strerror(rc),
               n_queued);
         PM_EXPECT(w, rc == 0, "tier save_async: %s", pkv_strerror(rc));
-        const uint32_t from = q->dropped / B, full = q->committed / B;
+        const uint32_t from = q->dropped / B, full = pm_save_end(w, q);
         PM_EXPECT(w, n_queued <= (full > from ? full - from : 0), "tier save_async queued %u of %u..%u", n_queued, from,
                   full);
         for (uint32_t i = from; i < full; i++) pm_saved_add(w, q->h[(i + 1) * B - 1]);
@@ -1408,13 +1424,13 @@ static inline int pm_op_tier_save(pm_world *w, pm_src *src) {
                      after.evictions == before.evictions && after.n_indexed == before.n_indexed &&
                      after.n_tombstones == before.n_tombstones,
               "tier save changed the cache");
-    const uint32_t from = q->dropped / B, full = q->committed / B, blocks = full > from ? full - from : 0;
+    const uint32_t from = q->dropped / B, full = pm_save_end(w, q), blocks = full > from ? full - from : 0;
     const uint64_t stored = ta.saved - tb.saved, present = ta.save_present - tb.save_present,
                    no_room = ta.save_no_room - tb.save_no_room;
     PM_EXPECT(w, n_saved == stored && no_room == 0 && stored + present <= blocks,
               "tier save: %u said, %llu stored, %llu present, %llu refused, of %u full committed blocks", n_saved,
               (unsigned long long)stored, (unsigned long long)present, (unsigned long long)no_room, blocks);
-    const int whole = !q->dropped && !pm_has_media(q->tok, q->committed);
+    const int whole = !q->dropped && !q->shifted && !pm_has_media(q->tok, q->committed);
     if (whole)
         PM_EXPECT(w, stored + present == blocks, "tier save of %u full committed blocks: %llu stored, %llu present",
                   blocks, (unsigned long long)stored, (unsigned long long)present);
@@ -1483,9 +1499,62 @@ static inline int pm_op_tier_load(pm_world *w, pm_src *src) {
     return pm_verify(w);
 }
 
+/* pkv_seq_shift of a live sequence (no rope: the rows move as stored, so pm_verify reads them
+ * exactly): refused (nothing changed) where [from, to) is not within its positions past the front,
+ * PKV_ENOSPC (nothing changed) only where fewer blocks can be had than it writes; else the
+ * positions after to move down, their ids with them (the identities after from are those of
+ * the new ids, the K/V the rows' own), the committed count loses the committed positions
+ * removed, and from from on nothing is indexed or saved (the checker, pm_save_end) until a
+ * truncate to the exact part. */
+static inline int pm_op_shift(pm_world *w, pm_src *src) {
+    pm_seq *q = pm_pick(w, src, 0);
+    if (!q) return 0;
+    const uint32_t B = w->B, from = pm_below(src, q->len + 1), to = from + pm_below(src, q->len - from + 3);
+    pkv_stats before, after;
+    if (pkv_cache_get_stats(w->c, &before) < 0) return pm_fail(w, "stats");
+    const int rc = pkv_seq_shift(w->c, q->id, from, to, NULL);
+    PM_TR(w, "%llu: s%d shift(%u, %u) of %u (committed %u, front %u) -> %s\n", (unsigned long long)w->n_steps,
+          PM_SI(w, q), from, to, q->len, q->committed, q->dropped, pkv_strerror(rc));
+    if (pkv_cache_get_stats(w->c, &after) < 0) return pm_fail(w, "stats");
+    if (to > q->len || from < q->dropped) {
+        PM_EXPECT(w, rc == PKV_EINVAL, "shift(%u, %u) of %u (front %u): %s", from, to, q->len, q->dropped,
+                  pkv_strerror(rc));
+        PM_EXPECT(w, memcmp(&before, &after, sizeof before) == 0, "a refused shift changed the statistics");
+        return pm_verify(w);
+    }
+    const uint32_t d = to - from, len = q->len - d, nb = (len + B - 1) / B;
+    if (rc == PKV_ENOSPC) {
+        PM_EXPECT(w, d && to < q->len && before.n_free + before.n_cached < nb - from / B,
+                  "shift(%u, %u) of %u: ENOSPC with %u free, %u cached", from, to, q->len, before.n_free,
+                  before.n_cached);
+        PM_EXPECT(w, memcmp(&before, &after, sizeof before) == 0, "a shift refused for room changed the statistics");
+        w->n_enospc++;
+        return pm_verify(w);
+    }
+    PM_EXPECT(w, rc == 0, "shift(%u, %u) of %u: %s", from, to, q->len, pkv_strerror(rc));
+    if (!d) return pm_verify(w);
+    if (to == q->len) { /* a truncate */
+        if (q->shifted && from <= q->exact) q->shifted = 0;
+    } else {
+        q->exact = q->shifted && q->exact < from ? q->exact : from;
+        q->shifted = 1;
+        memmove(q->tok + from, q->tok + to, (q->len - to) * sizeof(int32_t));
+        memmove(q->kv + from, q->kv + to, (q->len - to) * sizeof(uint64_t));
+        for (uint32_t p = from; p < len; p++) q->h[p] = pm_next(p ? q->h[p - 1] : pm_root(q->salt), q->tok[p], p);
+        w->n_shift_moves++;
+        w->n_shift_copies += after.cow_copies - before.cow_copies;
+    }
+    q->committed = q->committed <= from ? q->committed : q->committed >= to ? q->committed - d : from;
+    q->len = len;
+    w->n_shifts++;
+    return pm_verify(w);
+}
+
 static inline int pm_step(pm_world *w, pm_src *src) {
     w->n_steps++;
-    uint32_t op = pm_byte(src) % (w->tier ? (uint32_t)PM_OP_COUNT_TIER : (uint32_t)PM_OP_COUNT);
+    const uint32_t n_ops = (w->tier ? (uint32_t)PM_OP_COUNT_TIER : (uint32_t)PM_OP_COUNT) + (w->shift_on ? 1 : 0);
+    uint32_t op = pm_byte(src) % n_ops;
+    if (w->shift_on && op == n_ops - 1) return pm_op_shift(w, src);
     int rc, r;
     switch (op) {
     case PM_OP_MATCH:
@@ -1584,6 +1653,7 @@ static inline int pm_step(pm_world *w, pm_src *src) {
             break;
         }
         PM_EXPECT(w, rc == 0, "truncate %u of %u: %s", n, q->len, pkv_strerror(rc));
+        if (n < q->len && q->shifted && n <= q->exact) q->shifted = 0; /* what is left is exact */
         if (n < q->len) q->len = n;
         if (q->committed > q->len) q->committed = q->len;
         w->n_truncs++;
@@ -1785,8 +1855,8 @@ static inline int pm_step(pm_world *w, pm_src *src) {
         for (uint32_t l = 0; l < w->cfg.n_layers && rc == 0; l++) {
             for (uint32_t h = 0; h < w->cfg.n_kv_heads; h++)
                 for (uint32_t d = 0; d < w->cfg.head_dim; d++) {
-                    w->kbuf[h * w->cfg.head_dim + d] = pm_val(q->h[p], l, 0, h, d);
-                    w->vbuf[h * w->cfg.head_dim + d] = pm_val(q->h[p], l, 1, h, d);
+                    w->kbuf[h * w->cfg.head_dim + d] = pm_val(q->kv[p], l, 0, h, d);
+                    w->vbuf[h * w->cfg.head_dim + d] = pm_val(q->kv[p], l, 1, h, d);
                 }
             rc = pkv_write_kv(w->c, l, s2, 1, w->kbuf, w->vbuf, PKV_DTYPE_F32);
         }

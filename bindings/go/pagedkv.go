@@ -67,6 +67,13 @@ static int pkvgo_batch_append(pkv_cache *c, const pkv_seq *seqs, const uint32_t 
 	return rc;
 }
 
+// pkv_seq_shift with its rope built here (use 0: none), for the same reason: inv_freq may be Go memory.
+static int pkvgo_shift(pkv_cache *c, pkv_seq s, uint32_t from, uint32_t to, int use, uint32_t dim0, uint32_t n_rot,
+                       uint32_t style, float theta, const float *inv_freq) {
+	const pkv_rope r = {.dim0 = dim0, .n_rot = n_rot, .style = style, .theta = theta, .inv_freq = inv_freq};
+	return pkv_seq_shift(c, s, from, to, use ? &r : NULL);
+}
+
 static size_t pkvgo_attn_req_size(void) { return sizeof(pkv_attn_req); }
 static size_t pkvgo_attn_req_off(int f) {
 	return f == 0 ? offsetof(pkv_attn_req, seq) : f == 1 ? offsetof(pkv_attn_req, q_start) : offsetof(pkv_attn_req, n_q);
@@ -1048,6 +1055,50 @@ func (c *Cache) Keep(s Seq, start uint32, idx []uint32) error {
 	}
 	return c.op("pkv_seq_keep", moveRows, func(p *C.pkv_cache) C.int {
 		return C.pkv_seq_keep(p, C.pkv_seq(s), C.uint32_t(start), (*C.uint32_t)(slicePtr(idx)), n)
+	}, s)
+}
+
+// RopeStyle says how RoPE pairs a K row's values (Rope).
+type RopeStyle uint32
+
+const (
+	// RopeNeox pairs values Dim0+i and Dim0+i+NRot/2 (rotate_half: Llama and Qwen in Hugging
+	// Face's layout, GPT-NeoX, llama.cpp's NEOX mode).
+	RopeNeox RopeStyle = 0
+	// RopeGptj pairs values Dim0+2i and Dim0+2i+1 (interleaved: GPT-J, llama.cpp's default mode,
+	// llama2.c).
+	RopeGptj RopeStyle = 1
+)
+
+// Rope is RoPE as the engine applied it to the K rows it wrote, for Shift (pkv_rope): pair i
+// turned by position x Theta^(-2i/NRot) radians, or InvFreq[i] where InvFreq is given (NRot/2
+// values: Llama 3's or YaRN's scaled frequencies).
+type Rope struct {
+	Dim0, NRot uint32
+	Style      RopeStyle
+	Theta      float32
+	InvFreq    []float32
+}
+
+// Shift is the context shift (pkv_seq_shift): it removes positions [from, to) of s; the
+// positions after them move down by to-from with their token ids and K/V, each K row turned back
+// by as many positions of rope (nil: moved as stored, for K without RoPE). llama.cpp's context
+// shift, StreamingLLM's cache. From from on, s then indexes nothing in the prefix cache and a tier
+// saves nothing (Truncate to from or below makes it exact again); shared or indexed blocks are
+// copied first (ENOSPC, nothing changed, where no block can be had). EINVAL for a rope whose
+// InvFreq is not NRot/2 values, and as pkv.h says. It moves rows, so it locks as Truncate does.
+func (c *Cache) Shift(s Seq, from, to uint32, rope *Rope) error {
+	var use C.int
+	var r Rope
+	if rope != nil {
+		use, r = 1, *rope
+		if r.InvFreq != nil && uint64(len(r.InvFreq))*2 != uint64(r.NRot) {
+			return invalid("Shift: InvFreq holds %d values, NRot %d takes NRot/2", len(r.InvFreq), r.NRot)
+		}
+	}
+	return c.op("pkv_seq_shift", moveRows, func(p *C.pkv_cache) C.int {
+		return C.pkvgo_shift(p, C.pkv_seq(s), C.uint32_t(from), C.uint32_t(to), use, C.uint32_t(r.Dim0),
+			C.uint32_t(r.NRot), C.uint32_t(r.Style), C.float(r.Theta), (*C.float)(slicePtr(r.InvFreq)))
 	}, s)
 }
 

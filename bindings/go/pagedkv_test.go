@@ -3550,3 +3550,77 @@ func TestPrefillMasked(t *testing.T) {
 		}
 	}
 }
+
+// TestShift: the context shift (pkv_seq_shift). K written as RoPE(raw, position) by the test's
+// own RoPE (float64); 9 positions removed after 4 kept: each K row reads RoPE(raw, its new
+// position), V moved bit for bit; without a rope rows move as stored; refusals.
+func TestShift(t *testing.T) {
+	const h, d = 2, 32
+	rr := rng(0x5e1f7)
+	r := &rr
+	rope := func(x []float32, pos int) []float64 { // neox pairs (i, i + d/2) of each kv head's row
+		y := toF64(x)
+		for hh := 0; hh < h; hh++ {
+			for i := 0; i < d/2; i++ {
+				a := float64(pos) * math.Pow(10000, -2*float64(i)/d)
+				u, w := float64(x[hh*d+i]), float64(x[hh*d+i+d/2])
+				y[hh*d+i] = u*math.Cos(a) - w*math.Sin(a)
+				y[hh*d+i+d/2] = u*math.Sin(a) + w*math.Cos(a)
+			}
+		}
+		return y
+	}
+	c := newCache(t, h, d, 64, F32)
+	s, err := c.SeqCreate(nil)
+	must(t, err)
+	toks := make([]int32, 30)
+	for i := range toks {
+		toks[i] = int32(i)
+	}
+	_, err = c.Append(s, toks)
+	must(t, err)
+	raw := make([][]float32, 30)
+	v := r.vec(30 * h * d)
+	for p := 0; p < 30; p++ {
+		raw[p] = r.vec(h * d)
+		k := make([]float32, h*d)
+		for i, x := range rope(raw[p], p) {
+			k[i] = float32(x)
+		}
+		must(t, c.WriteKVSeq(s, 0, uint32(p), k, v[p*h*d:(p+1)*h*d]))
+	}
+	must(t, c.Commit(s, 30))
+	must(t, c.Shift(s, 4, 13, &Rope{NRot: d, Style: RopeNeox, Theta: 10000}))
+	k2, v2, err := c.Gather(s, 0, 0, 21)
+	must(t, err)
+	for p := 0; p < 21; p++ {
+		o := p
+		if p >= 4 {
+			o = p + 9
+		}
+		assertClose(t, k2[p*h*d:(p+1)*h*d], rope(raw[o], p), 1e-5, fmt.Sprintf("K at %d", p))
+		for i := 0; i < h*d; i++ {
+			if v2[p*h*d+i] != v[o*h*d+i] {
+				t.Fatalf("V at %d value %d: %g, want %g", p, i, v2[p*h*d+i], v[o*h*d+i])
+			}
+		}
+	}
+	must(t, c.Shift(s, 0, 1, nil)) // moved as stored
+	k3, _, err := c.Gather(s, 0, 0, 20)
+	must(t, err)
+	for i := range k3 {
+		if k3[i] != k2[h*d+i] {
+			t.Fatalf("K moved as stored, value %d: %g, want %g", i, k3[i], k2[h*d+i])
+		}
+	}
+	if code(c.Shift(s, 10, 5, nil)) != EINVAL || code(c.Shift(s, 1, 2, &Rope{NRot: d, Theta: 1, InvFreq: make([]float32, 3)})) != EINVAL ||
+		code(c.Shift(s, 1, 2, &Rope{NRot: 31, Theta: 10000})) != EINVAL {
+		t.Fatal("a refusal was taken")
+	}
+	info, err := c.SeqInfo(s)
+	must(t, err)
+	if info.NTokens != 20 {
+		t.Fatalf("%d positions after the refusals, want 20", info.NTokens)
+	}
+	must(t, c.Check())
+}

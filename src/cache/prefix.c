@@ -883,6 +883,7 @@ PKV_API int pkv_pin_create(pkv_cache *c, pkv_seq id, uint32_t n_pos, pkv_seq *pi
     c->n_pins++;
     pkv__seq_share(c, p, s, nb);
     p->n_tokens = p->n_committed = nb * c->B;
+    if (p->exact != PKV_NONE && p->exact >= p->n_tokens) p->exact = PKV_NONE; /* (its blocks before a shift's) */
     *pin = pkv__seq_id(c, p);
 out:
     pthread_mutex_unlock(&c->mu);

@@ -194,6 +194,19 @@ pub struct pkv_append_req {
 
 pub const PKV_APPEND_FIT: u32 = 1;
 
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct pkv_rope {
+    pub dim0: u32,
+    pub n_rot: u32,
+    pub style: u32,
+    pub theta: f32,
+    pub inv_freq: *const f32,
+}
+
+pub const PKV_ROPE_NEOX: u32 = 0;
+pub const PKV_ROPE_GPTJ: u32 = 1;
+
 /// pkv_event_kind (pkv.h, "prefix-index events").
 pub const PKV_EVENT_STORED: u32 = 1;
 pub const PKV_EVENT_REMOVED: u32 = 2;
@@ -259,6 +272,7 @@ extern "C" {
     pub fn pkv_seq_truncate(c: *mut pkv_cache, s: pkv_seq, n: u32) -> c_int;
     pub fn pkv_seq_drop_front(c: *mut pkv_cache, s: pkv_seq, pos: u32) -> c_int;
     pub fn pkv_seq_keep(c: *mut pkv_cache, s: pkv_seq, start: u32, idx: *const u32, n: u32) -> c_int;
+    pub fn pkv_seq_shift(c: *mut pkv_cache, s: pkv_seq, from: u32, to: u32, rope: *const pkv_rope) -> c_int;
     pub fn pkv_seq_compact(c: *mut pkv_cache, s: pkv_seq, flags: u32, n_moved: *mut u32) -> c_int;
     pub fn pkv_batch_compact(
         c: *mut pkv_cache,

@@ -367,6 +367,35 @@ impl Default for Config {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Seq(pub u64);
 
+/// How RoPE pairs a K row's values ([`Rope`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Values dim0 + i and dim0 + i + n_rot / 2 (rotate_half: Llama and Qwen in Hugging Face's
+    /// layout, GPT-NeoX, llama.cpp's NEOX mode).
+    Neox,
+    /// Values dim0 + 2i and dim0 + 2i + 1 (interleaved: GPT-J, llama.cpp's default mode, llama2.c).
+    Gptj,
+}
+
+/// RoPE as the engine applied it to the K rows it wrote, for [`Cache::shift`] (pkv_rope): pair
+/// i turned by position x theta^(-2i / n_rot) radians, or `inv_freq[i]` where given (n_rot / 2
+/// values: Llama 3's or YaRN's scaled frequencies).
+#[derive(Clone, Copy, Debug)]
+pub struct Rope<'a> {
+    pub dim0: u32,
+    pub n_rot: u32,
+    pub style: RopeStyle,
+    pub theta: f32,
+    pub inv_freq: Option<&'a [f32]>,
+}
+
+impl Rope<'_> {
+    /// n_rot values from 0 turned, base theta, the given style.
+    pub fn new(n_rot: u32, theta: f32, style: RopeStyle) -> Rope<'static> {
+        Rope { dim0: 0, n_rot, style, theta, inv_freq: None }
+    }
+}
+
 /// One prefill / extend request: queries for positions [q_start, q_start + n_q) of seq.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1231,6 +1260,42 @@ impl Cache {
             unsafe { ffi::pkv_seq_keep(self.p(), s.0, start, idx.as_ptr(), n) },
             "pkv_seq_keep",
         )
+    }
+
+    /// Context shift (pkv_seq_shift): removes positions [from, to) of `s`; the positions after
+    /// them move down by to - from with their token ids and K/V, each K row turned back by as
+    /// many positions of `rope` (None: moved as stored, for K without RoPE). llama.cpp's context
+    /// shift, StreamingLLM's cache. From `from` on, `s` then indexes nothing in the prefix cache
+    /// and a tier saves nothing ([`Cache::truncate`] to `from` or below makes it exact again);
+    /// shared or indexed blocks are copied first (`ENOSPC`, nothing changed, where no block can be
+    /// had). `EINVAL` for a rope whose inv_freq is not n_rot / 2 values, and as pkv.h says.
+    pub fn shift(&mut self, s: Seq, from: u32, to: u32, rope: Option<&Rope>) -> Result<()> {
+        let r = match rope {
+            None => None,
+            Some(r) => {
+                if let Some(f) = r.inv_freq {
+                    if f.len() as u64 * 2 != r.n_rot as u64 {
+                        return Err(invalid(format!(
+                            "shift: inv_freq holds {} values, n_rot {} takes n_rot / 2",
+                            f.len(),
+                            r.n_rot
+                        )));
+                    }
+                }
+                Some(ffi::pkv_rope {
+                    dim0: r.dim0,
+                    n_rot: r.n_rot,
+                    style: match r.style {
+                        RopeStyle::Neox => ffi::PKV_ROPE_NEOX,
+                        RopeStyle::Gptj => ffi::PKV_ROPE_GPTJ,
+                    },
+                    theta: r.theta,
+                    inv_freq: r.inv_freq.map_or(std::ptr::null(), |f| f.as_ptr()),
+                })
+            }
+        };
+        let rp = r.as_ref().map_or(std::ptr::null(), |r| r as *const ffi::pkv_rope);
+        check(unsafe { ffi::pkv_seq_shift(self.p(), s.0, from, to, rp) }, "pkv_seq_shift")
     }
 
     /// Moves runs of the sequence's blocks that it alone holds (no fork or pin shares them) into

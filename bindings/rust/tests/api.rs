@@ -276,6 +276,7 @@ fn struct_layouts_match_c() {
         [seq, q_start, n_nodes, parent]
     );
     offsets!(m, "pkv_append_req", ffi::pkv_append_req, [seq, tokens, n, slots_out]);
+    offsets!(m, "pkv_rope", ffi::pkv_rope, [dim0, n_rot, style, theta, inv_freq]);
     offsets!(
         m,
         "pkv_tier_stats",
@@ -2764,4 +2765,57 @@ fn prefill_masked_against_reference() {
     }
     assert_eq!(c.prefill_masked(0, &reqs, &[None], &q, &mut out, &p, None).unwrap_err().code(), EINVAL);
     assert_eq!(bits(&out), bits(&keep));
+}
+
+/// Context shift (pkv_seq_shift): K written as RoPE(raw, position) (the test's own RoPE, float64),
+/// 9 positions removed after 4 kept: each K row reads RoPE(raw, its new position), V moved bit for
+/// bit; without a rope rows move as stored; refusals.
+#[test]
+fn shift_turns_k_back() {
+    let mut rng = Rng(0x5e1f7);
+    let (h, d) = (2usize, 32usize);
+    let rope = |x: &[f32], pos: usize| -> Vec<f64> {
+        // neox pairs (i, i + d / 2) of every kv head's row
+        let mut y: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        for hh in 0..h {
+            for i in 0..d / 2 {
+                let a = pos as f64 * 10000f64.powf(-2.0 * i as f64 / d as f64);
+                let (u, w) = (x[hh * d + i] as f64, x[hh * d + i + d / 2] as f64);
+                y[hh * d + i] = u * a.cos() - w * a.sin();
+                y[hh * d + i + d / 2] = u * a.sin() + w * a.cos();
+            }
+        }
+        y
+    };
+    let mut c = Cache::new(&cfg(h as u32, d as u32, 64, Dtype::F32)).unwrap();
+    let s = c.seq_create(b"").unwrap();
+    c.append(s, &(0..30).collect::<Vec<i32>>()).unwrap();
+    let raw: Vec<Vec<f32>> = (0..30).map(|_| rng.vec(h * d)).collect();
+    let v = rng.vec(30 * h * d);
+    for p in 0..30 {
+        let k: Vec<f32> = rope(&raw[p], p).iter().map(|&x| x as f32).collect();
+        c.write_kv_seq(s, 0, p as u32, Some(KvData::F32(&k)), Some(KvData::F32(&v[p * h * d..(p + 1) * h * d])))
+            .unwrap();
+    }
+    c.commit(s, 30).unwrap();
+    c.shift(s, 4, 13, Some(&Rope::new(d as u32, 10000.0, RopeStyle::Neox))).unwrap();
+    assert_eq!(c.seq_info(s).unwrap().n_tokens, 21);
+    let (k2, v2) = c.gather(s, 0, 0, 21).unwrap();
+    for p in 0..21 {
+        let o = if p < 4 { p } else { p + 9 };
+        let want = rope(&raw[o], p);
+        for i in 0..h * d {
+            assert!((k2[p * h * d + i] as f64 - want[i]).abs() <= 1e-5, "K at {} value {}", p, i);
+        }
+        assert_eq!(&v2[p * h * d..(p + 1) * h * d], &v[o * h * d..(o + 1) * h * d]);
+    }
+    c.shift(s, 0, 1, None).unwrap(); // moved as stored
+    assert_eq!(c.gather(s, 0, 0, 20).unwrap().0[..], k2[h * d..]);
+    assert_eq!(c.shift(s, 10, 5, None).unwrap_err().code(), EINVAL);
+    let f = [0.5f32; 3];
+    let bad = Rope { dim0: 0, n_rot: d as u32, style: RopeStyle::Gptj, theta: 1.0, inv_freq: Some(&f) };
+    assert_eq!(c.shift(s, 1, 2, Some(&bad)).unwrap_err().code(), EINVAL);
+    assert_eq!(c.shift(s, 1, 2, Some(&Rope::new(31, 10000.0, RopeStyle::Neox))).unwrap_err().code(), EINVAL);
+    assert_eq!(c.seq_info(s).unwrap().n_tokens, 20);
+    c.check().unwrap();
 }
