@@ -392,7 +392,13 @@ pub struct Rope<'a> {
 impl Rope<'_> {
     /// n_rot values from 0 turned, base theta, the given style.
     pub fn new(n_rot: u32, theta: f32, style: RopeStyle) -> Rope<'static> {
-        Rope { dim0: 0, n_rot, style, theta, inv_freq: None }
+        Rope {
+            dim0: 0,
+            n_rot,
+            style,
+            theta,
+            inv_freq: None,
+        }
     }
 }
 
@@ -1295,7 +1301,10 @@ impl Cache {
             }
         };
         let rp = r.as_ref().map_or(std::ptr::null(), |r| r as *const ffi::pkv_rope);
-        check(unsafe { ffi::pkv_seq_shift(self.p(), s.0, from, to, rp) }, "pkv_seq_shift")
+        check(
+            unsafe { ffi::pkv_seq_shift(self.p(), s.0, from, to, rp) },
+            "pkv_seq_shift",
+        )
     }
 
     /// Moves runs of the sequence's blocks that it alone holds (no fork or pin shares them) into

@@ -265,7 +265,17 @@ fn struct_layouts_match_c() {
         m,
         "pkv_attn_params",
         ffi::pkv_attn_params,
-        [n_q_heads, scale, softcap, window, lse, flags, sinks, alibi_slopes, attn_chunk]
+        [
+            n_q_heads,
+            scale,
+            softcap,
+            window,
+            lse,
+            flags,
+            sinks,
+            alibi_slopes,
+            attn_chunk
+        ]
     );
     offsets!(m, "pkv_attn_req", ffi::pkv_attn_req, [seq, q_start, n_q]);
     offsets!(m, "pkv_attn_req", AttnReq, [seq, q_start, n_q]); // the safe type handed over as one
@@ -701,7 +711,11 @@ fn f16_as_bf16_rounds_as_documented() {
     c.decode(0, &[s], &q, &mut out, &pf, None).unwrap();
     assert_eq!(plain, out);
     let (start, n) = (160u32, 40u32);
-    let req = AttnReq { seq: s, q_start: start, n_q: n };
+    let req = AttnReq {
+        seq: s,
+        q_start: start,
+        n_q: n,
+    };
     let qp = rng.vec(n as usize * hq * d);
     let (mut plain, mut out) = (vec![0f32; qp.len()], vec![0f32; qp.len()]);
     c.prefill(0, &[req], &qp, &mut plain, &p, None).unwrap();
@@ -2724,7 +2738,10 @@ fn prefill_masked_against_reference() {
     let mut rng = Rng(11);
     let (h, d, hq) = (2usize, 64usize, 4usize);
     let (c, s, k, v) = forty_tokens(&mut rng);
-    assert_eq!(pack_mask(&[true, false, false, true, false, false, false, false, true]), vec![9u8, 1]);
+    assert_eq!(
+        pack_mask(&[true, false, false, true, false, false, false, false, true]),
+        vec![9u8, 1]
+    );
     let (q0, nq, kv) = (10usize, 30usize, 40usize);
     let mut want = vec![false; nq * kv];
     for j in 0..nq {
@@ -2736,13 +2753,25 @@ fn prefill_masked_against_reference() {
     }
     let mask = pack_mask(&want);
     let reqs = [
-        AttnReq { seq: s, q_start: q0 as u32, n_q: nq as u32 },
-        AttnReq { seq: s, q_start: 30, n_q: 5 },
+        AttnReq {
+            seq: s,
+            q_start: q0 as u32,
+            n_q: nq as u32,
+        },
+        AttnReq {
+            seq: s,
+            q_start: 30,
+            n_q: 5,
+        },
     ];
     let q: Vec<f32> = rng.vec((nq + 5) * hq * d);
-    let p = AttnParams { n_q_heads: hq as u32, ..AttnParams::default() };
+    let p = AttnParams {
+        n_q_heads: hq as u32,
+        ..AttnParams::default()
+    };
     let mut out = vec![0f32; (nq + 5) * hq * d];
-    c.prefill_masked(0, &reqs, &[Some(&mask), None], &q, &mut out, &p, None).unwrap();
+    c.prefill_masked(0, &reqs, &[Some(&mask), None], &q, &mut out, &p, None)
+        .unwrap();
     for j in 0..nq + 5 {
         let (qj, oj) = (&q[j * hq * d..(j + 1) * hq * d], &out[j * hq * d..(j + 1) * hq * d]);
         let seen: Vec<usize> = if j < nq {
@@ -2754,16 +2783,30 @@ fn prefill_masked_against_reference() {
             assert!(oj.iter().all(|&x| x == 0.0), "an empty row gives 0");
             continue;
         }
-        let pick = |x: &[f32]| -> Vec<f32> { seen.iter().flat_map(|&t| x[t * h * d..(t + 1) * h * d].to_vec()).collect() };
+        let pick = |x: &[f32]| -> Vec<f32> {
+            seen.iter()
+                .flat_map(|&t| x[t * h * d..(t + 1) * h * d].to_vec())
+                .collect()
+        };
         expect_attn(oj, qj, &pick(&k), &pick(&v), hq, h, d, &format!("masked query {}", j));
     }
     let keep = out.clone();
     let short = &mask[..mask.len() - 1];
     let wp = AttnParams { window: 8, ..p };
     for (m, pp) in [([Some(short), None], &p), ([Some(&mask[..]), None], &wp)] {
-        assert_eq!(c.prefill_masked(0, &reqs, &m, &q, &mut out, pp, None).unwrap_err().code(), EINVAL);
+        assert_eq!(
+            c.prefill_masked(0, &reqs, &m, &q, &mut out, pp, None)
+                .unwrap_err()
+                .code(),
+            EINVAL
+        );
     }
-    assert_eq!(c.prefill_masked(0, &reqs, &[None], &q, &mut out, &p, None).unwrap_err().code(), EINVAL);
+    assert_eq!(
+        c.prefill_masked(0, &reqs, &[None], &q, &mut out, &p, None)
+            .unwrap_err()
+            .code(),
+        EINVAL
+    );
     assert_eq!(bits(&out), bits(&keep));
 }
 
@@ -2794,18 +2837,30 @@ fn shift_turns_k_back() {
     let v = rng.vec(30 * h * d);
     for p in 0..30 {
         let k: Vec<f32> = rope(&raw[p], p).iter().map(|&x| x as f32).collect();
-        c.write_kv_seq(s, 0, p as u32, Some(KvData::F32(&k)), Some(KvData::F32(&v[p * h * d..(p + 1) * h * d])))
-            .unwrap();
+        c.write_kv_seq(
+            s,
+            0,
+            p as u32,
+            Some(KvData::F32(&k)),
+            Some(KvData::F32(&v[p * h * d..(p + 1) * h * d])),
+        )
+        .unwrap();
     }
     c.commit(s, 30).unwrap();
-    c.shift(s, 4, 13, Some(&Rope::new(d as u32, 10000.0, RopeStyle::Neox))).unwrap();
+    c.shift(s, 4, 13, Some(&Rope::new(d as u32, 10000.0, RopeStyle::Neox)))
+        .unwrap();
     assert_eq!(c.seq_info(s).unwrap().n_tokens, 21);
     let (k2, v2) = c.gather(s, 0, 0, 21).unwrap();
     for p in 0..21 {
         let o = if p < 4 { p } else { p + 9 };
         let want = rope(&raw[o], p);
         for i in 0..h * d {
-            assert!((k2[p * h * d + i] as f64 - want[i]).abs() <= 1e-5, "K at {} value {}", p, i);
+            assert!(
+                (k2[p * h * d + i] as f64 - want[i]).abs() <= 1e-5,
+                "K at {} value {}",
+                p,
+                i
+            );
         }
         assert_eq!(&v2[p * h * d..(p + 1) * h * d], &v[o * h * d..(o + 1) * h * d]);
     }
@@ -2813,9 +2868,20 @@ fn shift_turns_k_back() {
     assert_eq!(c.gather(s, 0, 0, 20).unwrap().0[..], k2[h * d..]);
     assert_eq!(c.shift(s, 10, 5, None).unwrap_err().code(), EINVAL);
     let f = [0.5f32; 3];
-    let bad = Rope { dim0: 0, n_rot: d as u32, style: RopeStyle::Gptj, theta: 1.0, inv_freq: Some(&f) };
+    let bad = Rope {
+        dim0: 0,
+        n_rot: d as u32,
+        style: RopeStyle::Gptj,
+        theta: 1.0,
+        inv_freq: Some(&f),
+    };
     assert_eq!(c.shift(s, 1, 2, Some(&bad)).unwrap_err().code(), EINVAL);
-    assert_eq!(c.shift(s, 1, 2, Some(&Rope::new(31, 10000.0, RopeStyle::Neox))).unwrap_err().code(), EINVAL);
+    assert_eq!(
+        c.shift(s, 1, 2, Some(&Rope::new(31, 10000.0, RopeStyle::Neox)))
+            .unwrap_err()
+            .code(),
+        EINVAL
+    );
     assert_eq!(c.seq_info(s).unwrap().n_tokens, 20);
     c.check().unwrap();
 }
