@@ -8,7 +8,8 @@
  * (PKV_ATTN_ORDER=pool, else auto), bit 3, whether a tier stands behind the cache (pm_tier_on:
  * saves and loads among the calls), bit 4, whether the tier's thread runs (prefetches before
  * loads, saves written back) and, bit 5, whether it keeps files (in a new /tmp/pkvfuzz-XXXXXX,
- * removed after each input) rather than host memory; the rest is the call script (pm_step).
+ * removed after each input) rather than host memory, and, bit 6, whether context shifts
+ * (pkv_seq_shift) are among the calls; the rest is the call script (pm_step).
  * Any disagreement with the model or a failing pkv_cache_check aborts (a finding); no input may
  * crash the library. */
 #include "prefix_model.h"
@@ -41,6 +42,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         fprintf(stderr, "fuzz_api: %s\n", w->err);
         abort();
     }
+    w->shift_on = data[2] != 0xff && (data[2] & 64);
     w->trace = getenv("PM_TRACE") && atoi(getenv("PM_TRACE")); /* each step said, to follow a crash */
     int bad = 0;
     for (int steps = 0; steps < 400 && !src.done; steps++) {

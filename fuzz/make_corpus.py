@@ -4,7 +4,8 @@
 Input format (fuzz/fuzz_api.c): byte 0 = config (block size 4/1/3/16 in bits 0-1, dtypes,
 layers in bit 7), byte 1 = pool size, byte 2 = prompt set (0xff: prefix cache off; bit 2:
 attention in pool order; bit 3: a host tier, whose saves and loads are ops 15 and 16; bit 4: the
-tier's thread, prefetching and writing back; bit 5: files, not host memory), then the call script read by pm_step (op byte, then its operand
+tier's thread, prefetching and writing back; bit 5: files, not host memory; bit 6: context shifts,
+the op after all others: 15, or 17 with a tier), then the call script read by pm_step (op byte, then its operand
 bytes). Each seed covers one config with a script biased towards one theme (matches, eviction
 pressure, forks/truncates, pins, attention over them). The corpus's regress-NN files are
 not written here: each is an input a fuzz run once failed on, kept as found (minimized)."""
@@ -16,6 +17,7 @@ OUT = os.path.join(HERE, "corpus")
 # pm_step op numbers (enum in prefix_model.h)
 MATCH, CREATE, APPEND, COMMIT, FORK, TRUNC, RELEASE, PIN, UNPIN, NEG, REWRITE, MATCH2, ATTN, COMPACT, DROP = range(15)
 TIER_SAVE, TIER_LOAD = 15, 16  # with byte 2's bit 3 only
+SHIFT = -1  # with byte 2's bit 6: 15, or 17 where a tier's ops come first
 THEMES = {
     "match": [MATCH, MATCH2, CREATE, RELEASE, MATCH, COMMIT],
     "evict": [CREATE, APPEND, APPEND, RELEASE, MATCH, MATCH2],
@@ -27,6 +29,8 @@ THEMES = {
     "drop": [CREATE, APPEND, APPEND, DROP, ATTN, FORK, DROP, ATTN, TRUNC, PIN, REWRITE, COMPACT, ATTN],
     # a host tier: saves and loads (plain, windowed, after matches) among drops, forks, evictions
     "tier": [CREATE, APPEND, TIER_SAVE, TIER_LOAD, MATCH, RELEASE, DROP, TIER_SAVE, TIER_LOAD, FORK, ATTN, MATCH2],
+    # context shifts among appends, commits, forks, matches, pins and attention (k >= 2: with a tier's saves)
+    "shift": [CREATE, APPEND, SHIFT, MATCH, FORK, SHIFT, COMMIT, TRUNC, ATTN, SHIFT, PIN, MATCH2, APPEND, TIER_SAVE],
 }
 
 
@@ -44,9 +48,16 @@ def main():
                 b2 |= 4  # attention in pool order
             if theme == "tier":
                 b2 |= 8 | (16 if k % 2 else 0) | (32 if k >= 2 else 0)  # odd: its thread; 2, 3: files
+            if theme == "shift":
+                b2 |= 64 | (8 if k >= 2 else 0)
             data = bytearray([cfg, pool, b2])
             for _ in range(rng.randrange(40, 90)):
-                data.append(rng.choice(ops))
+                op = rng.choice(ops)
+                if op == SHIFT:
+                    op = 17 if b2 & 8 else 15
+                elif theme == "shift" and op == TIER_SAVE and not b2 & 8:
+                    op = APPEND
+                data.append(op)
                 data.extend(rng.randrange(256) for _ in range(6))  # operands: any bytes decode
             with open(os.path.join(OUT, "seed-%02d-%s" % (n, theme)), "wb") as f:
                 f.write(bytes(data))

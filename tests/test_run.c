@@ -379,6 +379,82 @@ static void test_cli_spec_tree(void **state) {
     free(err), free(want);
 }
 
+/* The oracle's context shift: positions [keep, keep + d) removed, the rest moved down, each K
+ * row turned back by d positions of llama2.c's RoPE (pairs (2i, 2i + 1) of a head, 10000^(-2i /
+ * head_size)), in double. */
+static void oracle_shift(const model *m, oseq *s, uint32_t keep, uint32_t d) {
+    const size_t kvd = (size_t)m->cfg.kv_dim, hs = (size_t)m->cfg.head_size;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        float *K = s->k + (size_t)l * s->max_len * kvd, *V = s->v + (size_t)l * s->max_len * kvd;
+        for (uint32_t p = keep; p + d < s->len; p++) {
+            memcpy(V + p * kvd, V + (p + d) * kvd, kvd * sizeof(float));
+            for (size_t h = 0; h < kvd / hs; h++)
+                for (size_t i = 0; i < hs / 2; i++) {
+                    const double a = -(double)d * pow(10000.0, -2.0 * (double)i / (double)hs);
+                    const double x = K[(p + d) * kvd + h * hs + 2 * i], y = K[(p + d) * kvd + h * hs + 2 * i + 1];
+                    K[p * kvd + h * hs + 2 * i] = (float)(x * cos(a) - y * sin(a));
+                    K[p * kvd + h * hs + 2 * i + 1] = (float)(x * sin(a) + y * cos(a));
+                }
+        }
+    }
+    s->len -= d;
+}
+
+/* --ctx: greedy decoding past the context, shifted (pkv_seq_shift) each time the cache is full,
+ * equals the oracle's decoding with its own shift, token for token; two sequences (one forked, so
+ * the shift copies shared blocks first), several shifts each. */
+static void test_cli_context_shift(void **state) {
+    (void)state;
+    model m;
+    if (load_model(&m)) {
+        skip();
+        return;
+    }
+    const int32_t V = m.cfg.vocab_size;
+    const uint32_t steps = 180, ctx = 48, keep = 4;
+    char *argv[] = {"pkv", "run", (char *)shared_model("stories260K.bin"), "-t", "0", "-n", "180", "--ctx", "48",
+                    "--keep", "4", "--block-tokens", "8", "--prompt-ids", "1,300,301,302,303,304,305", "--batch", "2",
+                    NULL};
+    char *out = NULL, *err = NULL;
+    const int rc = run_cli(argv, &out, &err);
+    if (rc != 0) fail_msg("pkv run --ctx exited %d: %s", rc, err ? err : "");
+    const int32_t prompt[] = {1, 300, 301, 302, 303, 304, 305};
+    model_scratch so;
+    assert_int_equal(model_scratch_init(&so, &m, 8), 0);
+    float *lo = malloc((size_t)V * sizeof(float));
+    oseq s;
+    oseq_init(&s, &m, ctx + 1);
+    oracle_forward(&m, &so, &s, prompt, 7, lo);
+    char want[8192];
+    size_t wn = 0;
+    want[0] = 0;
+    uint32_t shifts = 0, n_out = 0;
+    for (uint32_t len = 7;; len++) {
+        const int32_t t = argmax(lo, V);
+        if (t == 1) break;
+        wn += (size_t)snprintf(want + wn, sizeof want - wn, wn ? " %d" : "%d", t);
+        n_out++;
+        if (len + 1 > steps) break;
+        if (s.len >= ctx) {
+            oracle_shift(&m, &s, keep, (s.len - keep) / 2);
+            shifts++;
+        }
+        oracle_forward(&m, &so, &s, &t, 1, lo);
+    }
+    strcat(want, "\n");
+    char both[16384];
+    snprintf(both, sizeof both, "%s%s", want, want); /* the fork decodes the same */
+    assert_string_equal(out, both);
+    assert_true(shifts >= 3 && n_out > 2 * ctx);
+    char said[64];
+    snprintf(said, sizeof said, "context shifts: %u ", 2 * shifts);
+    if (!strstr(err, said)) fail_msg("stderr lacks '%s': %s", said, err);
+    oseq_free(&s);
+    free(lo), free(out), free(err);
+    model_scratch_free(&so);
+    model_free(&m);
+}
+
 /* Sampling is seeded: the same seed gives the same tokens, another seed other tokens. */
 static void test_cli_sampling_is_seeded(void **state) {
     (void)state;
@@ -526,6 +602,7 @@ int main(void) {
         cmocka_unit_test(test_cli_spec_tree),
         cmocka_unit_test(test_cli_shared_forks),
         cmocka_unit_test(test_cli_sampling_is_seeded),
+        cmocka_unit_test(test_cli_context_shift),
         cmocka_unit_test(test_cli_tier),
         cmocka_unit_test(test_cli_usage_errors),
         cmocka_unit_test(test_cli_tokenizer_text),

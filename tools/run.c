@@ -48,6 +48,13 @@ static void usage(FILE *f) {
             "                     another order: a near-tie may go the other way); stderr says how\n"
             "                     many positions each pass kept\n"
             "  --spec-depth D     draft tokens per continuation, 1 to 32 [5]\n"
+            "  --ctx N            context shift (llama.cpp's; pkv_seq_shift): a sequence whose cache\n"
+            "                     holds N positions, before its next token, keeps the first --keep,\n"
+            "                     removes half of the rest, and moves the others down with their K\n"
+            "                     turned back by RoPE; -n may then exceed the model's seq_len. N in\n"
+            "                     [--keep + 2, seq_len]; not with --spec-tree. stderr says how many\n"
+            "                     shifts were made\n"
+            "  --keep K           positions a context shift keeps at the start (attention sinks) [4]\n"
             "  -h, --help         this help\n"
             "\n"
             "Prompts are prefilled one after the other, each first matching the prefix cache, so\n"
@@ -199,7 +206,7 @@ int tool_run(int argc, char **argv) {
     uint64_t seed = 0;
     int have_seed = 0, prefix_cache = 1;
     const char *tier_dir = NULL;
-    uint32_t steps = 256, batch = 0, block_tokens = 16, n_blocks = 0, n_threads = 0;
+    uint32_t steps = 256, batch = 0, block_tokens = 16, n_blocks = 0, n_threads = 0, ctx = 0, keep = 4;
     spec_ctx sp = {.depth = 5};
     prompt_list pl = {0};
     int status = TOOL_FAIL;
@@ -247,6 +254,8 @@ int tool_run(int argc, char **argv) {
         else if (!strcmp(a, "--threads")) bad = tool_parse_u32(val, &n_threads) || n_threads > 256; /* pkv.h */
         else if (!strcmp(a, "--spec-tree")) bad = tool_parse_u32(val, &sp.width) || sp.width == 0 || sp.width > 16;
         else if (!strcmp(a, "--spec-depth")) bad = tool_parse_u32(val, &sp.depth) || sp.depth == 0 || sp.depth > 32;
+        else if (!strcmp(a, "--ctx")) bad = tool_parse_u32(val, &ctx) || ctx == 0;
+        else if (!strcmp(a, "--keep")) bad = tool_parse_u32(val, &keep);
         else if (!strcmp(a, "--tier-dir")) {
             tier_dir = val;
             bad = !*val;
@@ -283,6 +292,11 @@ int tool_run(int argc, char **argv) {
         status = TOOL_USAGE;
         goto out;
     }
+    if (ctx && sp.width) {
+        fprintf(stderr, "pkv run: --ctx (a context shift) does not go with --spec-tree\n");
+        status = TOOL_USAGE;
+        goto out;
+    }
     if (batch == 0) batch = pl.n;
     if (batch < pl.n) {
         fprintf(stderr, "pkv run: --batch %u is smaller than the %u prompts given\n", batch, pl.n);
@@ -297,7 +311,14 @@ int tool_run(int argc, char **argv) {
         goto out;
     }
     const model_config *p = &m.cfg;
-    if (steps == 0 || steps > (uint32_t)p->seq_len) steps = (uint32_t)p->seq_len;
+    if (ctx && (ctx > (uint32_t)p->seq_len || ctx < keep + 2)) {
+        fprintf(stderr, "pkv run: --ctx %u is not in [--keep + 2, the model's seq_len %d]\n", ctx, p->seq_len);
+        status = TOOL_USAGE;
+        model_free(&m);
+        goto out;
+    }
+    if (steps == 0 || (!ctx && steps > (uint32_t)p->seq_len)) steps = (uint32_t)p->seq_len;
+    if (ctx && steps > 1u << 24) steps = 1u << 24; /* (the generated ids are kept) */
     uint32_t max_prompt = 0;
     for (uint32_t i = 0; i < pl.n; i++) {
         for (uint32_t j = 0; j < pl.len[i]; j++)
@@ -325,7 +346,7 @@ int tool_run(int argc, char **argv) {
 
     /* The pool: every sequence at full length, plus one block each for copy-on-write. */
     const uint32_t tree_max = sp.width ? 1 + sp.width * sp.depth : 0; /* a tree's nodes */
-    uint64_t per_seq = (steps + tree_max + block_tokens - 1) / block_tokens + 1;
+    uint64_t per_seq = ((ctx ? ctx : steps) + tree_max + block_tokens - 1) / block_tokens + 1;
     if (n_blocks == 0) n_blocks = (uint32_t)(per_seq * batch + 1);
     pkv_config cfg = model_pkv_config(&m, block_tokens, n_blocks);
     cfg.max_seqs = batch + 1;
@@ -432,7 +453,7 @@ int tool_run(int argc, char **argv) {
         memcpy(logits + (size_t)i * p->vocab_size, logits + (size_t)src * p->vocab_size, (size_t)p->vocab_size * sizeof(float));
     }
     uint64_t t_decode = tool_now_ns();
-    uint64_t n_decoded = 0, n_steps = 0;
+    uint64_t n_decoded = 0, n_steps = 0, n_shifts = 0, n_shifted = 0;
     uint32_t n_live = batch;
     for (uint32_t i = 0; i < batch; i++) live[i] = 1;
     for (uint32_t i = 0; sp.width && i < batch; i++) { /* one sequence after the other */
@@ -457,6 +478,23 @@ int tool_run(int argc, char **argv) {
                 live[i] = 0;
                 n_live--;
                 continue;
+            }
+            if (ctx) { /* full: the context shift before the token goes in */
+                pkv_seq_info si;
+                rc = pkv_seq_get_info(c, seqs[i], &si);
+                if (rc >= 0 && si.n_tokens >= ctx) {
+                    const uint32_t discard = (si.n_tokens - keep) / 2;
+                    const pkv_rope rope = {.dim0 = 0, .n_rot = (uint32_t)p->head_size, .style = PKV_ROPE_GPTJ,
+                                           .theta = 10000.0f, .inv_freq = NULL}; /* llama2.c's (model.c) */
+                    const uint64_t t0 = tool_now_ns();
+                    rc = pkv_seq_shift(c, seqs[i], keep, keep + discard, &rope);
+                    tm.ns_pkv += tool_now_ns() - t0;
+                    n_shifts++, n_shifted += discard;
+                }
+                if (rc < 0) {
+                    fprintf(stderr, "pkv run: context shift of sequence %u failed: %s\n", i, pkv_strerror(rc));
+                    goto cleanup;
+                }
             }
             bseqs[nb] = seqs[i];
             feed[nb] = t;
@@ -538,6 +576,9 @@ int tool_run(int argc, char **argv) {
                 (unsigned long long)sp.passes, (unsigned long long)sp.nodes, (unsigned long long)sp.kept,
                 sp.passes ? (double)sp.kept / (double)sp.passes : 0.0,
                 sp.passes ? (double)sp.nodes / (double)sp.passes : 0.0);
+    if (ctx)
+        fprintf(stderr, "pkv run: context shifts: %llu (at %u positions, %llu positions removed after the first %u)\n",
+                (unsigned long long)n_shifts, ctx, (unsigned long long)n_shifted, keep);
     if (tier)
         fprintf(stderr, "pkv run: tier %s: %llu prompt positions loaded from it, %llu blocks saved to it\n", tier_dir,
                 (unsigned long long)loaded_total, (unsigned long long)saved_total);

@@ -1187,7 +1187,7 @@ PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq id, uint32_t start, const uint32_
 typedef struct rope_turn {
     uint32_t n;                /* pairs */
     uint32_t lo[512], hi[512]; /* pair i's two values in a row */
-    float cs[512], sn[512];
+    double cs[512], sn[512];
 } rope_turn;
 
 /* t := rope's turn back by d positions, or PKV_EINVAL said where rope breaks pkv_rope's rules. */
@@ -1211,7 +1211,7 @@ static int rope_plan(const pkv_cache *c, const pkv_rope *rope, uint32_t d, rope_
             f = pow((double)rope->theta, -2.0 * i / rope->n_rot);
         }
         const double a = -(double)d * f;
-        t->cs[i] = (float)cos(a), t->sn[i] = (float)sin(a);
+        t->cs[i] = cos(a), t->sn[i] = sin(a);
         t->lo[i] = rope->dim0 + (rope->style == PKV_ROPE_NEOX ? i : 2 * i);
         t->hi[i] = rope->dim0 + (rope->style == PKV_ROPE_NEOX ? i + t->n : 2 * i + 1);
     }
