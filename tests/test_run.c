@@ -538,10 +538,14 @@ static void test_cli_usage_errors(void **state) {
         {"pkv", "run", (char *)path, "--block-tokens", "1025", NULL},
         {"pkv", "run", (char *)path, "-t", "0", "--spec-tree", "17", NULL},
         {"pkv", "run", (char *)path, "-t", "0", "--spec-tree", "2", "--spec-depth", "0", NULL},
+        {"pkv", "run", (char *)path, "-t", "0", "--spec-tree", "2", "--ctx", "48", NULL},
+        /* a context under --keep + 2, or past the model's seq_len */
+        {"pkv", "run", (char *)path, "--ctx", "5", NULL},
+        {"pkv", "run", (char *)path, "--ctx", "100000", NULL},
     };
     const int have_model = access(path, R_OK) == 0;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        if (i == 5 && !have_model) continue; /* an id past the vocab needs the model's vocab size */
+        if ((i == 5 || i >= 15) && !have_model) continue; /* the model's vocab size, its seq_len */
         char *err = NULL;
         int rc = run_cli(cases[i], NULL, &err);
         if (rc != 1) fail_msg("case %zu: exit %d (want 1): %s", i, rc, err ? err : "");
