@@ -557,6 +557,41 @@ static void test_share_json(void **state) {
     expect_usage_errors(bad, sizeof bad / sizeof bad[0]);
 }
 
+/* `pkv bench shift --json`: one line a (dtype, ctx) with positive medians, their ratios, and the
+ * bytes moved: every K and V row of the ctx - 4 - (ctx - 4) / 2 positions after the removed ones,
+ * each layer and kv head (8), at the dtype's row bytes. Bad options are usage errors. */
+static void test_shift_json(void **state) {
+    (void)state;
+    char *argv[] = {"pkv", "bench", "shift", "--json", "--ctx", "40,301", "--dtype", "f16,q8_0", "--layers", "2",
+                    "--rounds", "3", NULL};
+    char *out, *err;
+    const int rc = run_cli(argv, &out, &err);
+    if (rc != 0) fail_msg("exit %d: %s", rc, err);
+    int seen[2][2] = {{0}};
+    for (char *save = NULL, *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        one_object(line);
+        assert_true(str_is(line, "bench", "shift"));
+        const int q8 = str_is(line, "kv_dtype", "q8_0");
+        assert_true(q8 || str_is(line, "kv_dtype", "f16"));
+        const uint32_t ctx = (uint32_t)num(line, "ctx");
+        assert_true(ctx == 40 || ctx == 301);
+        assert_int_equal((int)num(line, "layers"), 2);
+        seen[q8][ctx == 301]++;
+        const uint32_t moved = ctx - 4 - (ctx - 4) / 2;
+        assert_true(num(line, "moved_bytes") == (double)moved * 2 * 8 * pkv_dtype_row_bytes(q8 ? PKV_DTYPE_Q8_0 : PKV_DTYPE_F16, 128) * 2);
+        const double sh = num(line, "shift_us"), mv = num(line, "move_us"), cp = num(line, "copy_us");
+        assert_true(sh > 0 && mv > 0 && cp > 0);
+        assert_true(fabs(num(line, "shift_over_copy") - sh / cp) <= 2e-3 * (1 + sh / cp));
+        assert_true(fabs(num(line, "move_over_copy") - mv / cp) <= 2e-3 * (1 + mv / cp));
+    }
+    for (int i = 0; i < 4; i++) assert_int_equal(seen[i / 2][i % 2], 1);
+    free(out), free(err);
+    static char *bad[][5] = {{"pkv", "bench", "shift", "--ctx", "7"},     {"pkv", "bench", "shift", "--layers", "0"},
+                             {"pkv", "bench", "shift", "--layers", "65"}, {"pkv", "bench", "shift", "--rounds", "2"},
+                             {"pkv", "bench", "shift", "--dtype", "x"},   {"pkv", "bench", "shift", "--bogus", NULL}};
+    expect_usage_errors(bad, sizeof bad / sizeof bad[0]);
+}
+
 /* `pkv bench mla --json`: one line a configuration with both medians, their ratio, rates that
  * agree with the mla median and the bytes, and the pool bytes a token takes a layer: K alone in
  * the MLA cache (row bytes), K and V in the classic one. Bad options are usage errors. */
@@ -669,6 +704,7 @@ int main(void) {
         cmocka_unit_test(test_ops_json),
         cmocka_unit_test(test_prefix_json),
         cmocka_unit_test(test_mla_json),
+        cmocka_unit_test(test_shift_json),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -26,6 +26,7 @@ static void usage(FILE *f) {
             "  bench share    decode of forks with their shared prefix read once, against a read a fork\n"
             "  bench mla      decode over a cache whose V lives in K (MLA, DeepSeek's shape), against V\n"
             "                 stored apart\n"
+            "  bench shift    a context shift (pkv_seq_shift) against a copy of the bytes it moves\n"
             "  version        print the library version\n"
             "\n"
             "Each command takes --help. Exit status: 0 ok, 1 usage error, 2 runtime error.\n",
@@ -50,9 +51,9 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "run")) return tool_run(argc - 1, argv + 1);
     if (!strcmp(cmd, "route")) return tool_route(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) {
-        static const char bench_usage[] = "usage: pkv bench ops|attn|prefix|tier|tree|share|mla [options]  (`pkv bench attn --help`, ...)\n";
+        static const char bench_usage[] = "usage: pkv bench ops|attn|prefix|tier|tree|share|mla|shift [options]  (`pkv bench attn --help`, ...)\n";
         if (argc < 3) {
-            fprintf(stderr, "pkv bench: which benchmark? ops, attn, prefix, tier, tree, share or mla\n%s", bench_usage);
+            fprintf(stderr, "pkv bench: which benchmark? ops, attn, prefix, tier, tree, share, mla or shift\n%s", bench_usage);
             return TOOL_USAGE;
         }
         const char *what = argv[2];
@@ -67,7 +68,8 @@ int main(int argc, char **argv) {
         if (!strcmp(what, "tree")) return tool_bench_tree(argc - 2, argv + 2);
         if (!strcmp(what, "share")) return tool_bench_share(argc - 2, argv + 2);
         if (!strcmp(what, "mla")) return tool_bench_mla(argc - 2, argv + 2);
-        fprintf(stderr, "pkv bench: unknown benchmark '%s' (ops, attn, prefix, tier, tree, share, mla)\n", what);
+        if (!strcmp(what, "shift")) return tool_bench_shift(argc - 2, argv + 2);
+        fprintf(stderr, "pkv bench: unknown benchmark '%s' (ops, attn, prefix, tier, tree, share, mla, shift)\n", what);
         return TOOL_USAGE;
     }
     fprintf(stderr, "pkv: unknown command '%s'\n\n", cmd);

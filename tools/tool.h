@@ -18,6 +18,7 @@ int tool_bench_tier(int argc, char **argv);   /* tools/bench_tier.c */
 int tool_bench_tree(int argc, char **argv);   /* tools/bench_tree.c */
 int tool_bench_share(int argc, char **argv);  /* tools/bench_share.c */
 int tool_bench_mla(int argc, char **argv);    /* tools/bench_mla.c */
+int tool_bench_shift(int argc, char **argv);  /* tools/bench_shift.c */
 int tool_sim(int argc, char **argv);          /* tools/sim.c */
 int tool_run(int argc, char **argv);          /* tools/run.c */
 int tool_route(int argc, char **argv);        /* tools/route.c */
