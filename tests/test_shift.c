@@ -412,6 +412,45 @@ static void test_shift_nospace(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* A fork of a shifted sequence truncated back into the exact part shares the block the shift
+ * moved rows into: neither may hand that block's rows to a match, whoever commits it (fuzz_api
+ * found the fork's commits exposed through the other's registered partial), until the exact one
+ * holds it alone and writes its own rows there. */
+static void test_shift_fork_truncate(void **state) {
+    (void)state;
+    const pkv_config cfg = cfg_of(PKV_DTYPE_F32, NB, 1);
+    pkv_cache *c = tu_create(&cfg);
+    mseq a = make_seq(c, 65, NULL, 0, 13, 4); /* block 0 committed and indexed */
+    TU_OK(pkv_seq_shift(c, a.id, 6, 7, NULL)); /* block 1 (positions 4-7) takes moved rows */
+    model_shift(&a, 6, 7);
+    mseq f = a;
+    TU_OK(pkv_seq_fork(c, a.id, &f.id));
+    TU_OK(pkv_seq_truncate(c, a.id, 5)); /* a: exact again, block 1 shared with f */
+    a.len = 5;
+    TU_OK(pkv_seq_commit(c, a.id, 5));
+    TU_OK(pkv_seq_commit(c, f.id, 10)); /* f commits its moved rows in block 1 */
+    TU_CHECK(c);
+    int32_t tok[12];
+    for (uint32_t p = 0; p < f.len; p++) tok[p] = (int32_t)(TOK0 + f.orig[p]);
+    const pkv_stats st0 = tu_stats(c);
+    pkv_seq m = tu_seq(c);
+    uint32_t reused = 0;
+    TU_OK(pkv_seq_match_prefix(c, m, tok, 12, &reused));
+    assert_int_equal(reused, 4); /* block 0 alone: nothing of block 1 */
+    TU_OK(pkv_seq_release(c, m));
+    TU_OK(pkv_seq_release(c, f.id));
+    /* a alone writes its own rows into block 1: then it indexes it */
+    int32_t more[3] = {9001, 9002, 9003};
+    TU_OK(pkv_seq_append(c, a.id, more, 3, NULL));
+    for (uint32_t p = 5; p < 8; p++) a.orig[p] = 9001 + p;
+    a.len = 8;
+    write_rows(c, 65, NULL, &a, 5);
+    TU_OK(pkv_seq_commit(c, a.id, 8));
+    assert_int_equal(tu_stats(c).n_indexed, st0.n_indexed + 1);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
 /* A storage tier saves a shifted sequence's blocks before the shift only. */
 static void test_shift_tier(void **state) {
     (void)state;
@@ -568,7 +607,7 @@ static void test_shift_random(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_shift_oracle),  cmocka_unit_test(test_shift_attention), cmocka_unit_test(test_shift_refusals),
-        cmocka_unit_test(test_shift_nospace), cmocka_unit_test(test_shift_tier),      cmocka_unit_test(test_shift_mla),
+        cmocka_unit_test(test_shift_nospace), cmocka_unit_test(test_shift_fork_truncate), cmocka_unit_test(test_shift_tier),      cmocka_unit_test(test_shift_mla),
         cmocka_unit_test(test_shift_random),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -661,6 +661,7 @@ static void claim_tail(pkv_cache *c, pkv__seq *s) {
     pkv__blk *k = &c->blk[b];
     if (k->ref != 1 || (k->flags & PKV_BLKF_INDEXED)) return;
     uint32_t own = committed_in_block(c, s, s->n_blocks - 1);
+    if (s->n_blocks - 1 < pkv__seq_index_cap(c, s)) k->moved = 0; /* s's rows alone, exact (a fork's moved past them) */
     if (k->n_fill > off) pkv__pool_set_fill(&c->pool, b, off);
     if (k->n_commit > own) k->n_commit = (uint16_t)own;
     if ((k->flags & PKV_BLKF_PARTIAL) && k->n_commit == 0) pkv__partial_unlink(c, b);
@@ -679,6 +680,7 @@ static void cow_tail(pkv_cache *c, pkv__seq *s) {
     pkv__copy_block(c, nb, old, off);
     pkv__pool_set_fill(&c->pool, nb, off);
     c->blk[nb].n_commit = (uint16_t)PKV_MIN(committed_in_block(c, s, i), off);
+    c->blk[nb].moved = i >= pkv__seq_index_cap(c, s);
     s->table[i] = (int32_t)nb;
     if (s->idx_len > i) s->idx_len = i;
     pkv__drop_block(c, old);
@@ -737,6 +739,7 @@ static void append_locked(pkv_cache *c, pkv__seq *s, const int32_t *tokens, uint
         if (bi == s->n_blocks) {
             uint32_t b = pkv__take_block(c);
             pkv_assert(b != PKV_NONE);
+            c->blk[b].moved = bi >= pkv__seq_index_cap(c, s); /* computed after rows a shift moved */
             s->table[s->n_blocks++] = (int32_t)b;
         }
         uint32_t b = (uint32_t)s->table[bi];
@@ -1336,6 +1339,7 @@ PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq id, uint32_t from, uint32_t to, 
         const uint32_t b = (uint32_t)s->table[i];
         pkv__pool_set_fill(&c->pool, b, PKV_MIN(B, len - i * B));
         c->blk[b].n_commit = (uint16_t)committed_in_block(c, s, i);
+        c->blk[b].moved = 1; /* whoever holds it later: never indexed */
     }
 out:
     UNLOCK(c);
@@ -1448,6 +1452,7 @@ static void move_block(pkv_cache *c, pkv__seq *s, uint32_t i, uint32_t dst) {
     pkv__pool_set_fill(&c->pool, dst, was.n_fill);
     pkv__blk *d = &c->blk[dst];
     d->n_commit = was.n_commit;
+    d->moved = was.moved;
     if (was.flags) pkv__index_fields_copy(d, &was);
     s->table[i] = (int32_t)dst;
 }

@@ -120,9 +120,8 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
         REQUIRE(s->exact == PKV_NONE || s->idx_len <= s->exact / c->B,
                 "sequence %u: indexed chain of %u blocks past its exact positions (%u)", i, s->idx_len, s->exact);
         for (uint32_t j = PKV_MAX(s->n_dropped, s->exact == PKV_NONE ? s->n_blocks : s->exact / c->B); j < s->n_blocks; j++)
-            REQUIRE(!(c->blk[s->table[j]].flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)),
-                    "sequence %u: table[%u] (block %d), past its exact positions (%u), is in the prefix index", i, j,
-                    s->table[j], s->exact);
+            REQUIRE(c->blk[s->table[j]].moved, "sequence %u: table[%u] (block %d), past its exact positions (%u), not marked moved",
+                    i, j, s->table[j], s->exact);
         /* a dropped front (pkv_seq_drop_front): -1 entries, whole blocks within the length */
         REQUIRE(s->n_dropped <= s->n_blocks && (uint64_t)s->n_dropped * c->B <= s->n_tokens,
                 "sequence %u: %u blocks dropped of %u (%u tokens)", i, s->n_dropped, s->n_blocks, s->n_tokens);
@@ -258,6 +257,8 @@ static int check_blocks(pkv_cache *c, report *r, uint64_t n_root_entries) {
             break;
         default: return fail(r, "block %u: unknown state %u", b, k->state);
         }
+        REQUIRE(!k->moved || (k->state == PKV_BLK_ACTIVE && !(k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL))),
+                "block %u: holds rows a shift moved, yet is %s", b, k->state != PKV_BLK_ACTIVE ? "not in use" : "in the index");
         if (k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) {
             n_roots += k->parent == PKV_NONE;
             n_children += k->parent != PKV_NONE;

@@ -508,6 +508,7 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
             s->idx_len++;
             continue;
         }
+        if (k->moved) break; /* (a fork's shift moved rows into it: pkv_seq_shift) */
         const int32_t *toks = c->tokens + (size_t)b * B;
         uint64_t h = pkv__identity_hash(c, parent, s->ns_lo, s->ns_hi, toks);
         const uint32_t twin = lookup(c, h, parent, s->ns_lo, s->ns_hi, toks);
@@ -526,7 +527,7 @@ void pkv__index_after_commit(pkv_cache *c, pkv__seq *s) {
     if (rem && i == s->idx_len && i < s->n_blocks && i < cap && (!i || i > s->n_dropped)) {
         uint32_t b = (uint32_t)s->table[i];
         pkv__blk *k = &c->blk[b];
-        if (!(k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) && k->n_commit > 0) {
+        if (!(k->flags & (PKV_BLKF_INDEXED | PKV_BLKF_PARTIAL)) && k->n_commit > 0 && !k->moved) {
             k->ns_lo = i ? 0 : s->ns_lo;
             k->ns_hi = i ? 0 : s->ns_hi;
             pkv__tree_link(c, i ? (uint32_t)s->table[i - 1] : PKV_NONE, b);

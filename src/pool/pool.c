@@ -28,7 +28,7 @@ void pkv__pool_free_push(pkv__pool *p, uint32_t b) {
     pkv__blk *k = &p->blk[b];
     pkv_assert(k->ref == 0 && !(k->flags & PKV_BLKF_INDEXED));
     k->state = PKV_BLK_FREE;
-    k->flags = 0;
+    k->flags = k->moved = 0;
     k->n_fill = k->n_commit = 0;
     k->parent = k->hnext = k->child = k->sib_prev = k->sib_next = PKV_NONE;
     k->n_children = k->n_hot = 0;
@@ -103,7 +103,7 @@ static void became_active(pkv__pool *p, pkv__blk *k) {
 void pkv__pool_activate(pkv__pool *p, uint32_t b) {
     pkv__blk *k = &p->blk[b];
     pkv_assert(k->state == PKV_BLK_FREE && k->ref == 0);
-    k->flags = 0;
+    k->flags = k->moved = 0;
     k->n_fill = k->n_commit = 0;
     k->ref = 1;
     became_active(p, k);

@@ -26,7 +26,8 @@ typedef struct pkv__blk {
     uint16_t n_fill;   /* positions [0, n_fill) hold tokens (max over holders) */
     uint16_t n_commit; /* positions [0, n_commit) hold committed K/V */
     uint8_t inner;     /* CACHED in the inner queue (n_hot > 0), not the LRU queue */
-    uint8_t pad_;
+    uint8_t moved;     /* holds rows a context shift moved, or rows computed after them (the cache
+                          layer's pkv_seq_shift): never INDEXED nor PARTIAL, whoever commits it */
     uint32_t qprev, qnext; /* free queue (FIFO), LRU queue or inner queue links */
     uint32_t parent;       /* index parent (INDEXED or PARTIAL), PKV_NONE for a root */
     uint32_t hnext;        /* hash-bucket chain (INDEXED) */
