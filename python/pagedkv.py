@@ -266,8 +266,18 @@ class Rope:
             self.inv_freq = f
 
     def _struct(self):
-        return _Rope(_u32_of(self.dim0, "Rope.dim0"), _u32_of(self.n_rot, "Rope.n_rot"), self._STYLES[self.style],
-                     self.theta, _ptr(self.inv_freq) if self.inv_freq is not None else None)
+        """The pkv_rope, its fields checked again (they may have been set since __init__)."""
+        if self.style not in self._STYLES:
+            raise _invalid("Rope: style must be 'neox' or 'gptj', not %r" % (self.style,))
+        n_rot = _u32_of(self.n_rot, "Rope.n_rot")
+        f = self.inv_freq
+        if f is not None:
+            f = np.ascontiguousarray(np.asarray(f, dtype=np.float32).reshape(-1))
+            if f.size * 2 != n_rot:
+                raise _invalid("Rope: inv_freq holds %d values, n_rot / 2 is %s" % (f.size, n_rot / 2))
+            self.inv_freq = f  # (kept: the struct points into it for the call)
+        return _Rope(_u32_of(self.dim0, "Rope.dim0"), n_rot, self._STYLES[self.style], float(self.theta),
+                     _ptr(f) if f is not None else None)
 
 
 def _load():

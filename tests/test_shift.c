@@ -451,6 +451,65 @@ static void test_shift_fork_truncate(void **state) {
     pkv_cache_destroy(c);
 }
 
+/* pkv_seq_keep after a shift, keeping rows from past the exact part at positions before it: the
+ * exact part ends where they now begin, so the commit after indexes none of them (the review's
+ * find: they had been indexed, and a match of those ids handed them out as a prefill). */
+static void test_shift_then_keep(void **state) {
+    (void)state;
+    const pkv_config cfg = cfg_of(PKV_DTYPE_F32, NB, 1);
+    pkv_cache *c = tu_create(&cfg);
+    mseq a = make_seq(c, 66, NULL, 0, 20, 0); /* nothing committed */
+    TU_OK(pkv_seq_shift(c, a.id, 8, 12, NULL)); /* exact 8, length 16 */
+    model_shift(&a, 8, 12);
+    const uint32_t idx[5] = {5, 6, 7, 8, 9}; /* positions 4..8 take the rows of 9..13 */
+    TU_OK(pkv_seq_keep(c, a.id, 4, idx, 5));
+    for (uint32_t k = 0; k < 5; k++) a.orig[4 + k] = a.orig[4 + idx[k]];
+    a.len = 9;
+    TU_OK(pkv_seq_commit(c, a.id, 9));
+    TU_CHECK(c);
+    check_seq(c, 66, NULL, &a, PKV_DTYPE_F32, 0);
+    int32_t tok[9];
+    for (uint32_t p = 0; p < 9; p++) tok[p] = (int32_t)(TOK0 + a.orig[p]);
+    const pkv_seq m = tu_seq(c);
+    uint32_t reused = 0;
+    TU_OK(pkv_seq_match_prefix(c, m, tok, 9, &reused));
+    assert_int_equal(reused, 4); /* block 0: positions 0..3, exact */
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
+/* A shift whose copies evict a CACHED twin of a full partial s registered (an inner block of a
+ * fork's dropped front): the eviction would hand the twin's index entry to the partial, which then
+ * needs a copy the count before had not seen. The partials s holds alone are unlinked before any
+ * copy, so the shift succeeds (it had aborted on pkv_assert: the review's find). */
+static void test_shift_hand_over(void **state) {
+    (void)state;
+    pkv_config cfg = cfg_of(PKV_DTYPE_F32, 16, 1);
+    pkv_cache *c = tu_create(&cfg);
+    int32_t t[16];
+    tu_tokens(t, 16, 100);
+    pkv_seq s = tu_seq(c), q, r;
+    TU_OK(pkv_seq_append(c, s, t, 8, NULL));
+    TU_OK(pkv_seq_commit(c, s, 8)); /* a0 a1 indexed */
+    TU_OK(pkv_seq_fork(c, s, &q));
+    TU_OK(pkv_seq_append(c, q, t + 8, 8, NULL));
+    TU_OK(pkv_seq_commit(c, q, 16));     /* X (under a1) and Y indexed */
+    TU_OK(pkv_seq_drop_front(c, q, 12)); /* X CACHED in the inner queue (Y in use) */
+    TU_OK(pkv_seq_fork(c, s, &r));
+    TU_OK(pkv_seq_drop_front(c, r, 4)); /* a1 shared with r */
+    TU_OK(pkv_seq_append(c, s, t + 8, 4, NULL));
+    TU_OK(pkv_seq_commit(c, s, 10));
+    TU_OK(pkv_seq_commit(c, s, 12)); /* s's third block: a full registered partial, X's twin */
+    const pkv_seq f = tu_seq(c);
+    const int32_t ft[4] = {7, 7, 7, 7};
+    while (tu_stats(c).n_free) TU_OK(pkv_seq_append(c, f, ft, 4, NULL));
+    assert_int_equal(tu_stats(c).n_cached, 1);
+    TU_OK(pkv_seq_shift(c, s, 0, 1, NULL));
+    assert_int_equal(tu_info(c, s).n_tokens, 11);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
 /* A storage tier saves a shifted sequence's blocks before the shift only. */
 static void test_shift_tier(void **state) {
     (void)state;
@@ -607,7 +666,8 @@ static void test_shift_random(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_shift_oracle),  cmocka_unit_test(test_shift_attention), cmocka_unit_test(test_shift_refusals),
-        cmocka_unit_test(test_shift_nospace), cmocka_unit_test(test_shift_fork_truncate), cmocka_unit_test(test_shift_tier),      cmocka_unit_test(test_shift_mla),
+        cmocka_unit_test(test_shift_nospace), cmocka_unit_test(test_shift_fork_truncate),
+        cmocka_unit_test(test_shift_then_keep), cmocka_unit_test(test_shift_hand_over), cmocka_unit_test(test_shift_tier),      cmocka_unit_test(test_shift_mla),
         cmocka_unit_test(test_shift_random),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

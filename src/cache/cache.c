@@ -1159,6 +1159,21 @@ static void move_position(pkv_cache *c, const int32_t *table, uint32_t from, uin
     c->tokens[tb * B + to % B] = c->tokens[fb * B + from % B];
 }
 
+/* s's positions from `from` on hold rows moved by a shift or computed after them: its exact part
+ * ends there, and its blocks from that one's on are marked (none indexed: pkv_seq_keep and
+ * pkv_seq_shift write only into blocks s holds alone outside the index; a partial s registered
+ * there is unlinked). */
+static void seq_mark_moved(pkv_cache *c, pkv__seq *s, uint32_t from) {
+    s->exact = s->exact == PKV_NONE ? from : PKV_MIN(s->exact, from);
+    if (s->idx_len > from / c->B) s->idx_len = from / c->B;
+    for (uint32_t i = PKV_MAX(from / c->B, s->n_dropped); i < s->n_blocks; i++) {
+        pkv__blk *k = &c->blk[s->table[i]];
+        pkv_assert(!(k->flags & PKV_BLKF_INDEXED));
+        if (k->flags & PKV_BLKF_PARTIAL) pkv__partial_unlink(c, (uint32_t)s->table[i]);
+        k->moved = 1;
+    }
+}
+
 PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq id, uint32_t start, const uint32_t *idx, uint32_t n) {
     if (!c) return PKV_EINVAL;
     if (n && !idx) return PKV__SAY(c, PKV_EINVAL, "idx is NULL, n %u", n);
@@ -1179,6 +1194,11 @@ PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq id, uint32_t start, const uint32_
         /* ascending: position start + k is written after every position it held was read */
         for (uint32_t k = 0; k < n; k++)
             if (idx[k] != k) move_position(c, s->table, start + idx[k], start + k);
+        /* after a shift, the first position kept from past s's exact part (pkv_seq_shift) is
+           where its inexact rows now begin (a position written, so its block is s's alone) */
+        uint32_t k = 0;
+        while (s->exact != PKV_NONE && k < n && start + idx[k] < s->exact) k++;
+        if (s->exact != PKV_NONE && k < n && start + k < s->exact) seq_mark_moved(c, s, start + k);
         if (start + n < s->n_tokens) seq_cut(c, s, start + n);
     }
     UNLOCK(c);
@@ -1290,6 +1310,12 @@ PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq id, uint32_t from, uint32_t to, 
         }
         avail = avail - 1 + (c->blk[b].ref == 1);
     }
+    /* the partials s holds alone there unlinked first: a take below may evict an indexed twin,
+       which would hand its place to one (pkv__index_hand_over), a copy not counted */
+    for (uint32_t i = first; i < nb; i++) {
+        const uint32_t b = (uint32_t)s->table[i];
+        if (!shift_copies(c, b) && (c->blk[b].flags & PKV_BLKF_PARTIAL)) pkv__partial_unlink(c, b);
+    }
     for (uint32_t i = first; i < nb; i++) {
         const uint32_t b = (uint32_t)s->table[i], used = PKV_MIN(B, s->n_tokens - i * B);
         if (shift_copies(c, b)) {
@@ -1300,8 +1326,6 @@ PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq id, uint32_t from, uint32_t to, 
             s->table[i] = (int32_t)nb2;
             pkv__drop_block(c, b);
             c->cow_copies++;
-        } else if (c->blk[b].flags & PKV_BLKF_PARTIAL) {
-            pkv__partial_unlink(c, b); /* its committed rows change: no match may copy them */
         }
     }
     /* ascending: each position is written after the one it takes was read (p + d > p) */
@@ -1333,14 +1357,12 @@ PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq id, uint32_t from, uint32_t to, 
     s->n_tokens = len;
     s->n_committed = com;
     if (s->n_reused > from) s->n_reused = from;
-    if (s->idx_len > first) s->idx_len = first;
-    s->exact = s->exact == PKV_NONE ? from : PKV_MIN(s->exact, from);
     for (uint32_t i = first; i < nb; i++) { /* s's own blocks now: its fill and commits */
         const uint32_t b = (uint32_t)s->table[i];
         pkv__pool_set_fill(&c->pool, b, PKV_MIN(B, len - i * B));
         c->blk[b].n_commit = (uint16_t)committed_in_block(c, s, i);
-        c->blk[b].moved = 1; /* whoever holds it later: never indexed */
     }
+    seq_mark_moved(c, s, from); /* whoever holds them later: never indexed */
 out:
     UNLOCK(c);
     return rc;

@@ -669,6 +669,11 @@ class TestAttention(Base):
                 pkv.Rope(64, style="rotate")
             with self.assertRaises(pkv.PkvError):
                 pkv.Rope(64, inv_freq=[1.0, 2.0])
+            r = pkv.Rope(2, inv_freq=[0.5])
+            r.n_rot = 64  # changed after construction: checked again at the call
+            self.assertEinval(c.shift, s, 1, 2, r)
+            r.n_rot, r.style = 2, "rotate"
+            self.assertEinval(c.shift, s, 1, 2, r)
             c.shift(s, 1, 2, pkv.Rope(64, inv_freq=np.full(32, 0.5)))
             self.assertEqual(c.seq_info(s).n_tokens, 19)
             c.check()
