@@ -17,7 +17,8 @@ static void usage(FILE *f) {
             "cache off). Times, calls interleaved in each round, the median over rounds:\n"
             "  shift  pkv_seq_shift with RoPE (NEOX, all %d values): K decoded, turned, encoded\n"
             "  move   pkv_seq_shift with no rope: K and V rows moved as stored\n"
-            "  copy   memcpy of as many bytes (every moved K and V row, one buffer to another): the floor\n"
+            "  copy   memcpy of as many bytes (every moved K and V row, one buffer to another, on huge\n"
+            "         pages as the pool): the floor\n"
             "and the bytes moved per second of each, shift / copy and move / copy. After each round the\n"
             "sequence is filled to CTX again.\n"
             "\n"
@@ -92,6 +93,15 @@ int tool_bench_shift(int argc, char **argv) {
     double *t[3] = {malloc(sizeof(double) * rounds), malloc(sizeof(double) * rounds), malloc(sizeof(double) * rounds)};
     int status = TOOL_FAIL;
     if (!kv || !t[0] || !t[1] || !t[2]) goto done;
+    /* the copy's buffers, on huge pages as the pool is, once for the largest configuration */
+    size_t most = 0;
+    for (int di = 0; di < n_dt; di++)
+        for (int ci = 0; ci < n_ctx; ci++) {
+            const size_t b = (size_t)(ctx[ci] - KEEP - (ctx[ci] - KEEP) / 2) * layers * NKV * pkv_dtype_row_bytes(dts[di], HD) * 2;
+            most = b > most ? b : most;
+        }
+    uint8_t *src = tool_map_huge(most), *dst = tool_map_huge(most); /* (never freed: tool.h) */
+    if (!src || !dst) goto done;
     uint64_t rng = 12345;
     const pkv_rope rope = {.dim0 = 0, .n_rot = HD, .style = PKV_ROPE_NEOX, .theta = 10000.0f, .inv_freq = NULL};
     for (int di = 0; di < n_dt; di++)
@@ -108,9 +118,8 @@ int tool_bench_shift(int argc, char **argv) {
             if (tool_check(pkv_cache_create(&cfg, &c), "pkv_cache_create") < 0) goto done;
             /* the copy's floor: every moved row of K and V, as the pool stores them */
             const size_t row = pkv_dtype_row_bytes(dts[di], HD), bytes = (size_t)moved * layers * NKV * row * 2;
-            uint8_t *src = malloc(bytes), *dst = malloc(bytes);
             pkv_seq s;
-            int ok = src && dst && tool_check(pkv_seq_create(c, NULL, 0, &s), "pkv_seq_create") >= 0 &&
+            int ok = tool_check(pkv_seq_create(c, NULL, 0, &s), "pkv_seq_create") >= 0 &&
                      fill(c, s, C, layers, kv, &rng) == 0;
             if (ok) memset(src, 1, bytes), memset(dst, 2, bytes);
             for (uint32_t r = 0; ok && r < rounds + 1; r++) /* round 0 warms up */
@@ -127,7 +136,6 @@ int tool_bench_shift(int argc, char **argv) {
                     if (ok && which != 2) ok = fill(c, s, discard, layers, kv, &rng) == 0; /* full again */
                 }
             pkv_cache_destroy(c);
-            free(src), free(dst);
             if (!ok) goto done;
             const double ms = tool_median(t[0], rounds), mm = tool_median(t[1], rounds), mc = tool_median(t[2], rounds);
             const double mb = (double)bytes / 1e6;

@@ -1208,8 +1208,8 @@ PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq id, uint32_t start, const uint32_
 /* ---- context shift (pkv_seq_shift) ---------------------------------------------------------- */
 /* A turn back by d positions of rope: the pairs' value offsets and cos / sin of -d x freq. */
 typedef struct rope_turn {
-    uint32_t n;                /* pairs */
-    uint32_t lo[512], hi[512]; /* pair i's two values in a row */
+    uint32_t n, dim0; /* pairs; the first value turned */
+    bool neox;        /* pair i: values dim0 + i and dim0 + n + i; else dim0 + 2i and dim0 + 2i + 1 */
     double cs[512], sn[512];
 } rope_turn;
 
@@ -1224,6 +1224,7 @@ static int rope_plan(const pkv_cache *c, const pkv_rope *rope, uint32_t d, rope_
     if (!rope->inv_freq && !(isfinite(rope->theta) && rope->theta > 0.0f))
         return PKV__SAY(c, PKV_EINVAL, "rope: theta %g is not finite and positive (and no inv_freq)", (double)rope->theta);
     t->n = rope->n_rot / 2;
+    t->neox = rope->style == PKV_ROPE_NEOX, t->dim0 = rope->dim0;
     for (uint32_t i = 0; i < t->n; i++) {
         double f;
         if (rope->inv_freq) {
@@ -1235,18 +1236,27 @@ static int rope_plan(const pkv_cache *c, const pkv_rope *rope, uint32_t d, rope_
         }
         const double a = -(double)d * f;
         t->cs[i] = cos(a), t->sn[i] = sin(a);
-        t->lo[i] = rope->dim0 + (rope->style == PKV_ROPE_NEOX ? i : 2 * i);
-        t->hi[i] = rope->dim0 + (rope->style == PKV_ROPE_NEOX ? i + t->n : 2 * i + 1);
     }
     return PKV_OK;
 }
 
 /* x turned by t (each pair's rotation in double: one rounding to float a value) */
 static void rope_apply(const rope_turn *t, float *x) {
-    for (uint32_t i = 0; i < t->n; i++) {
-        const double a = x[t->lo[i]], b = x[t->hi[i]];
-        x[t->lo[i]] = (float)(a * t->cs[i] - b * t->sn[i]);
-        x[t->hi[i]] = (float)(a * t->sn[i] + b * t->cs[i]);
+    const uint32_t n = t->n;
+    if (t->neox) { /* two runs of n values, so the loop vectorizes */
+        float *restrict u = x + t->dim0, *restrict w = x + t->dim0 + n;
+        for (uint32_t i = 0; i < n; i++) {
+            const double a = u[i], b = w[i];
+            u[i] = (float)(a * t->cs[i] - b * t->sn[i]);
+            w[i] = (float)(a * t->sn[i] + b * t->cs[i]);
+        }
+        return;
+    }
+    float *v = x + t->dim0; /* GPT-J: pairs side by side */
+    for (uint32_t i = 0; i < n; i++) {
+        const double a = v[2 * i], b = v[2 * i + 1];
+        v[2 * i] = (float)(a * t->cs[i] - b * t->sn[i]);
+        v[2 * i + 1] = (float)(a * t->sn[i] + b * t->cs[i]);
     }
 }
 
