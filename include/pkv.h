@@ -417,7 +417,9 @@ PKV_NODISCARD PKV_API int pkv_seq_drop_front(pkv_cache *c, pkv_seq s, uint32_t p
  * strictly ascending, start + idx[n - 1] < length, start at or past the committed count, and each
  * position moved into one pkv_seq_write_kv could write (a block s holds alone, outside the prefix
  * index, not committed): else PKV_EINVAL (PKV_ENOENT: an unknown sequence) and nothing changes.
- * n 0 truncates to start. Threads: as pkv_seq_truncate (it changes s). */
+ * n 0 truncates to start. After a context shift (pkv_seq_shift), the first position kept from
+ * past the sequence's exact part is where that part now ends (nothing from there on is indexed).
+ * Threads: as pkv_seq_truncate (it changes s). */
 PKV_NODISCARD PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq s, uint32_t start, const uint32_t *idx, uint32_t n);
 
 /* RoPE as the engine applied it to the K rows it wrote (pkv_seq_shift): pair i of a K row is
