@@ -38,24 +38,6 @@ static void usage(FILE *f) {
             "  --json          one JSON object per line\n");
 }
 
-/* Appends n tokens to s (ids tok0 + i) and writes the same random K/V in every layer. */
-static int fill(pkv_cache *c, pkv_seq s, uint32_t n, int32_t tok0, uint32_t n_layers, float *kv, uint64_t *rng) {
-    for (uint32_t done = 0; done < n;) {
-        const uint32_t m = n - done < 1024 ? n - done : 1024;
-        int32_t tok[1024], slots[1024];
-        for (uint32_t i = 0; i < m; i++) tok[i] = tok0 + (int32_t)(done + i);
-        if (tool_check(pkv_seq_append(c, s, tok, m, slots), "pkv_seq_append") < 0) return -1;
-        for (size_t i = 0; i < (size_t)m * NKV * HD; i++) {
-            *rng = *rng * 6364136223846793005ull + 1442695040888963407ull;
-            kv[i] = (float)(int32_t)(*rng >> 40) / 8388608.0f;
-        }
-        for (uint32_t l = 0; l < n_layers; l++)
-            if (tool_check(pkv_write_kv(c, l, slots, m, kv, kv, PKV_DTYPE_F32), "pkv_write_kv") < 0) return -1;
-        done += m;
-    }
-    return 0;
-}
-
 /* The batch's shape: R requests of `prompt` positions after a system prompt of ctx, F forks of
  * each, `own` positions each fork. */
 typedef struct shape {
@@ -79,15 +61,15 @@ static pkv_cache *make(const pkv_config *cfg, const shape *sp, bool share_off, p
     if (tool_check(rc, "pkv_cache_create") < 0) return NULL;
     uint64_t rng = 12345; /* both caches alike */
     pkv_seq sys;
-    const uint32_t F = sp->F, L = cfg->n_layers;
-    int ok = tool_check(pkv_seq_create(c, NULL, 0, &sys), "pkv_seq_create") >= 0 && fill(c, sys, sp->ctx, 0, L, kv, &rng) == 0;
+    const uint32_t F = sp->F;
+    int ok = tool_check(pkv_seq_create(c, NULL, 0, &sys), "pkv_seq_create") >= 0 && tool_fill_seq(c, sys, sp->ctx, 0, kv, &rng) == 0;
     for (uint32_t r = 0; ok && r < sp->R; r++) {
         pkv_seq *req = &ids[r * F];
         ok = tool_check(pkv_seq_fork(c, sys, req), "pkv_seq_fork") >= 0 &&
-             fill(c, *req, sp->prompt, 2000000 + (int32_t)(r * sp->prompt), L, kv, &rng) == 0;
+             tool_fill_seq(c, *req, sp->prompt, 2000000 + (int32_t)(r * sp->prompt), kv, &rng) == 0;
         for (uint32_t f = 1; ok && f < F; f++) ok = tool_check(pkv_seq_fork(c, *req, &req[f]), "pkv_seq_fork") >= 0;
     }
-    for (uint32_t x = 0; ok && x < sp->R * F; x++) ok = fill(c, ids[x], sp->own, 1000000 + (int32_t)(x * sp->own), L, kv, &rng) == 0;
+    for (uint32_t x = 0; ok && x < sp->R * F; x++) ok = tool_fill_seq(c, ids[x], sp->own, 1000000 + (int32_t)(x * sp->own), kv, &rng) == 0;
     if (!ok) {
         pkv_cache_destroy(c);
         return NULL;
@@ -138,7 +120,7 @@ int tool_bench_share(int argc, char **argv) {
                "%u positions, own %u, %u MiB, %u rounds\n%-8s %8s %5s %4s %6s %12s %12s %13s %12s\n",
                tool_build_info(), tool_cpu_name(), NQH, NKV, HD, BT, n_req, prompt, own, mib, rounds, "dtype", "ctx",
                "forks", "thr", "layers", "plain_us", "shared_us", "shared/plain", "shared_keys");
-    float *kv = malloc(sizeof(float) * 1024 * NKV * HD), *q = malloc(sizeof(float) * MAX_FORKS * NQH * HD);
+    float *kv = malloc(sizeof(float) * TOOL_FILL_CHUNK * NKV * HD), *q = malloc(sizeof(float) * MAX_FORKS * NQH * HD);
     float *out = malloc(sizeof(float) * MAX_FORKS * NQH * HD);
     double *t[2] = {malloc(sizeof(double) * rounds * MAX_LAYERS), malloc(sizeof(double) * rounds * MAX_LAYERS)};
     int status = TOOL_FAIL;

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { NKV = 8, HD = 128, BT = 16, KEEP = 4, CHUNK = 512 };
+enum { NKV = 8, HD = 128, BT = 16, KEEP = 4 };
 
 static void usage(FILE *f) {
     fprintf(f,
@@ -28,27 +28,6 @@ static void usage(FILE *f) {
             "  --rounds N      rounds, 3..99 [7]\n"
             "  --json          one JSON object per line\n",
             KEEP, NKV, HD, BT, HD);
-}
-
-/* Appends n positions to s, writing random K/V into every layer. */
-static int fill(pkv_cache *c, pkv_seq s, uint32_t n, uint32_t layers, float *kv, uint64_t *rng) {
-    for (uint32_t done = 0; done < n;) {
-        const uint32_t m = n - done < CHUNK ? n - done : CHUNK;
-        int32_t tok[CHUNK];
-        pkv_seq_info info;
-        if (tool_check(pkv_seq_get_info(c, s, &info), "pkv_seq_get_info") < 0) return -1;
-        for (uint32_t i = 0; i < m; i++) tok[i] = (int32_t)(done + i);
-        if (tool_check(pkv_seq_append(c, s, tok, m, NULL), "pkv_seq_append") < 0) return -1;
-        for (size_t i = 0; i < (size_t)m * NKV * HD; i++) {
-            *rng = *rng * 6364136223846793005ull + 1442695040888963407ull;
-            kv[i] = (float)(int32_t)(*rng >> 40) / 8388608.0f;
-        }
-        for (uint32_t l = 0; l < layers; l++)
-            if (tool_check(pkv_seq_write_kv(c, s, l, info.n_tokens, m, kv, kv, PKV_DTYPE_F32), "pkv_seq_write_kv") < 0)
-                return -1;
-        done += m;
-    }
-    return 0;
 }
 
 int tool_bench_shift(int argc, char **argv) {
@@ -89,7 +68,7 @@ int tool_bench_shift(int argc, char **argv) {
                "%6s %8s %10s %11s %11s %11s %9s %9s %9s %11s %10s\n",
                tool_build_info(), tool_cpu_name(), NKV, HD, BT, layers, KEEP, rounds, "dtype", "ctx", "moved_MB",
                "shift_us", "move_us", "copy_us", "shift_GBs", "move_GBs", "copy_GBs", "shift/copy", "move/copy");
-    float *kv = malloc(sizeof(float) * CHUNK * NKV * HD);
+    float *kv = malloc(sizeof(float) * TOOL_FILL_CHUNK * NKV * HD);
     double *t[3] = {malloc(sizeof(double) * rounds), malloc(sizeof(double) * rounds), malloc(sizeof(double) * rounds)};
     int status = TOOL_FAIL;
     if (!kv || !t[0] || !t[1] || !t[2]) goto done;
@@ -120,7 +99,7 @@ int tool_bench_shift(int argc, char **argv) {
             const size_t row = pkv_dtype_row_bytes(dts[di], HD), bytes = (size_t)moved * layers * NKV * row * 2;
             pkv_seq s;
             int ok = tool_check(pkv_seq_create(c, NULL, 0, &s), "pkv_seq_create") >= 0 &&
-                     fill(c, s, C, layers, kv, &rng) == 0;
+                     tool_fill_seq(c, s, C, 0, kv, &rng) == 0;
             if (ok) memset(src, 1, bytes), memset(dst, 2, bytes);
             for (uint32_t r = 0; ok && r < rounds + 1; r++) /* round 0 warms up */
                 for (int k = 0; ok && k < 3; k++) {
@@ -133,7 +112,7 @@ int tool_bench_shift(int argc, char **argv) {
                     }
                     const uint64_t t1 = tool_now_ns();
                     if (r) t[which][r - 1] = (double)(t1 - t0) * 1e-3;
-                    if (ok && which != 2) ok = fill(c, s, discard, layers, kv, &rng) == 0; /* full again */
+                    if (ok && which != 2) ok = tool_fill_seq(c, s, discard, 0, kv, &rng) == 0; /* full again */
                 }
             pkv_cache_destroy(c);
             if (!ok) goto done;

@@ -30,26 +30,6 @@ static void usage(FILE *f) {
             "  --json          one JSON object per line\n");
 }
 
-/* Appends n tokens to s and writes random K/V into every position (1 layer). */
-static int fill(pkv_cache *c, pkv_seq s, uint32_t n, float *kv, uint64_t *rng) {
-    for (uint32_t done = 0; done < n;) {
-        const uint32_t m = n - done < 1024 ? n - done : 1024;
-        int32_t tok[1024];
-        pkv_seq_info info;
-        if (tool_check(pkv_seq_get_info(c, s, &info), "pkv_seq_get_info") < 0) return -1;
-        for (uint32_t i = 0; i < m; i++) tok[i] = (int32_t)(done + i);
-        if (tool_check(pkv_seq_append(c, s, tok, m, NULL), "pkv_seq_append") < 0) return -1;
-        for (size_t i = 0; i < (size_t)m * NKV * HD; i++) {
-            *rng = *rng * 6364136223846793005ull + 1442695040888963407ull;
-            kv[i] = (float)(int32_t)(*rng >> 40) / 8388608.0f;
-        }
-        if (tool_check(pkv_seq_write_kv(c, s, 0, info.n_tokens, m, kv, kv, PKV_DTYPE_F32), "pkv_seq_write_kv") < 0)
-            return -1;
-        done += m;
-    }
-    return 0;
-}
-
 int tool_bench_tree(int argc, char **argv) {
     uint32_t ctx[8] = {512, 4096, 32768}, width[8] = {1, 4, 16}, thr[4] = {1, 2}, rounds = 7;
     int n_ctx = 3, n_w = 3, n_thr = 2, json = 0;
@@ -84,7 +64,7 @@ int tool_bench_tree(int argc, char **argv) {
                "paths_us", "prefill_us", "tree/paths", "tree/prefill");
     /* queries: the tree's 1 + 4W, the paths' 5W */
     const size_t rows = 5 * ((MAX_NODES - 1) / 4);
-    float *kv = malloc(sizeof(float) * 1024 * NKV * HD), *q = malloc(sizeof(float) * rows * NQH * HD);
+    float *kv = malloc(sizeof(float) * TOOL_FILL_CHUNK * NKV * HD), *q = malloc(sizeof(float) * rows * NQH * HD);
     float *out = malloc(sizeof(float) * rows * NQH * HD);
     double *t[3] = {malloc(sizeof(double) * rounds), malloc(sizeof(double) * rounds), malloc(sizeof(double) * rounds)};
     int status = TOOL_FAIL;
@@ -110,13 +90,13 @@ int tool_bench_tree(int argc, char **argv) {
                     for (uint32_t d = 0; d < 4; d++) par[1 + 4 * b + d] = d ? (int32_t)(4 * b + d) : 0;
                 pkv_seq s, paths[MAX_NODES / 4];
                 pkv_attn_req preq[MAX_NODES / 4];
-                int ok = tool_check(pkv_seq_create(c, NULL, 0, &s), "pkv_seq_create") >= 0 && fill(c, s, C, kv, &rng) == 0;
+                int ok = tool_check(pkv_seq_create(c, NULL, 0, &s), "pkv_seq_create") >= 0 && tool_fill_seq(c, s, C, 0, kv, &rng) == 0;
                 if (ok) ok = tool_check(pkv_seq_commit(c, s, C), "pkv_seq_commit") >= 0;
                 for (uint32_t b = 0; ok && b < W; b++) { /* each path: a fork holding its 5 positions */
-                    ok = tool_check(pkv_seq_fork(c, s, &paths[b]), "pkv_seq_fork") >= 0 && fill(c, paths[b], 5, kv, &rng) == 0;
+                    ok = tool_check(pkv_seq_fork(c, s, &paths[b]), "pkv_seq_fork") >= 0 && tool_fill_seq(c, paths[b], 5, 0, kv, &rng) == 0;
                     preq[b] = (pkv_attn_req){paths[b], C, 5};
                 }
-                ok = ok && fill(c, s, n, kv, &rng) == 0;
+                ok = ok && tool_fill_seq(c, s, n, 0, kv, &rng) == 0;
                 const pkv_attn_tree_req tr = {s, C, n, par};
                 const pkv_attn_req pr = {s, C, n};
                 pkv_attn_params p = pkv_attn_params_default();

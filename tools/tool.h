@@ -68,6 +68,12 @@ int tool_parse_dtype_list(const char *s, pkv_dtype *out, int cap, int *n);
 int tool_parse_f64(const char *s, double *out);
 /* Fails with a message naming the call when rc < 0; returns rc. */
 int tool_check(int rc, const char *what);
+/* Appends n positions to s (token ids tok0, tok0 + 1, ...), TOOL_FILL_CHUNK at a time, and writes
+ * the same random K and V rows (f32 input) into every layer of the cache: the benches' sequences.
+ * kv: TOOL_FILL_CHUNK x n_kv_heads x head_dim floats of scratch; *rng the generator's state. 0, or
+ * -1 with the failing call said. */
+#define TOOL_FILL_CHUNK 1024u
+int tool_fill_seq(pkv_cache *c, pkv_seq s, uint32_t n, int32_t tok0, float *kv, uint64_t *rng);
 /* Gives cfg a log hook that prints the library's errors and warnings to stderr after "who: "
  * (e.g. why pkv_cache_create refused a config); who must outlive the cache. */
 void tool_log_errors(pkv_config *cfg, const char *who);

@@ -103,6 +103,26 @@ int tool_check(int rc, const char *what) {
     return rc;
 }
 
+int tool_fill_seq(pkv_cache *c, pkv_seq s, uint32_t n, int32_t tok0, float *kv, uint64_t *rng) {
+    pkv_config cfg;
+    if (tool_check(pkv_cache_config(c, &cfg), "pkv_cache_config") < 0) return -1;
+    const size_t row = (size_t)cfg.n_kv_heads * cfg.head_dim;
+    for (uint32_t done = 0; done < n;) {
+        const uint32_t m = n - done < TOOL_FILL_CHUNK ? n - done : TOOL_FILL_CHUNK;
+        int32_t tok[TOOL_FILL_CHUNK], slots[TOOL_FILL_CHUNK];
+        for (uint32_t i = 0; i < m; i++) tok[i] = tok0 + (int32_t)(done + i);
+        if (tool_check(pkv_seq_append(c, s, tok, m, slots), "pkv_seq_append") < 0) return -1;
+        for (size_t i = 0; i < (size_t)m * row; i++) {
+            *rng = *rng * 6364136223846793005ull + 1442695040888963407ull;
+            kv[i] = (float)(int32_t)(*rng >> 40) / 8388608.0f;
+        }
+        for (uint32_t l = 0; l < cfg.n_layers; l++)
+            if (tool_check(pkv_write_kv(c, l, slots, m, kv, kv, PKV_DTYPE_F32), "pkv_write_kv") < 0) return -1;
+        done += m;
+    }
+    return 0;
+}
+
 static void log_errors(void *ctx, int level, const char *msg) {
     if (level <= PKV_LOG_WARN) fprintf(stderr, "%s: %s\n", (const char *)ctx, msg);
 }
