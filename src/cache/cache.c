@@ -1143,69 +1143,7 @@ int pkv__seq_skip(pkv_cache *c, pkv_seq id, uint32_t pos, const char *api) {
     return rc;
 }
 
-/* Moves position from of table to position to: its token id and every layer's K and V rows. */
-static void move_position(pkv_cache *c, const int32_t *table, uint32_t from, uint32_t to) {
-    const uint32_t B = c->B;
-    const size_t fb = (size_t)table[from / B], tb = (size_t)table[to / B];
-    for (uint32_t l = 0; l < c->n_layers; l++) {
-        uint8_t *k = c->kv + l * c->layer_stride, *v = k + c->v_off;
-        for (uint32_t h = 0; h < c->n_kv; h++) {
-            memcpy(k + tb * c->k_blk + ((size_t)h * B + to % B) * c->k_row,
-                   k + fb * c->k_blk + ((size_t)h * B + from % B) * c->k_row, c->k_row);
-            memcpy(v + tb * c->v_blk + ((size_t)h * B + to % B) * c->v_row,
-                   v + fb * c->v_blk + ((size_t)h * B + from % B) * c->v_row, c->v_row);
-        }
-    }
-    c->tokens[tb * B + to % B] = c->tokens[fb * B + from % B];
-}
-
-/* s's positions from `from` on hold rows moved by a shift or computed after them: its exact part
- * ends there, and its blocks from that one's on are marked (none indexed: pkv_seq_keep and
- * pkv_seq_shift write only into blocks s holds alone outside the index; a partial s registered
- * there is unlinked). */
-static void seq_mark_moved(pkv_cache *c, pkv__seq *s, uint32_t from) {
-    s->exact = s->exact == PKV_NONE ? from : PKV_MIN(s->exact, from);
-    if (s->idx_len > from / c->B) s->idx_len = from / c->B;
-    for (uint32_t i = PKV_MAX(from / c->B, s->n_dropped); i < s->n_blocks; i++) {
-        pkv__blk *k = &c->blk[s->table[i]];
-        pkv_assert(!(k->flags & PKV_BLKF_INDEXED));
-        if (k->flags & PKV_BLKF_PARTIAL) pkv__partial_unlink(c, (uint32_t)s->table[i]);
-        k->moved = 1;
-    }
-}
-
-PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq id, uint32_t start, const uint32_t *idx, uint32_t n) {
-    if (!c) return PKV_EINVAL;
-    if (n && !idx) return PKV__SAY(c, PKV_EINVAL, "idx is NULL, n %u", n);
-    LOCK(c);
-    pkv__seq *s;
-    int rc = get_seq(c, id, &s);
-    if (!rc && (start < s->n_committed || start < pkv__seq_front(c, s) || start > s->n_tokens))
-        rc = PKV__SAY(c, PKV_EINVAL, "start %u is not in [max(committed %u, dropped %u), length %u]", start,
-                      s->n_committed, pkv__seq_front(c, s), s->n_tokens);
-    for (uint32_t k = 0; k < n && !rc; k++)
-        if ((k && idx[k] <= idx[k - 1]) || (uint64_t)start + idx[k] >= s->n_tokens)
-            rc = PKV__SAY(c, PKV_EINVAL, "idx[%u] = %u: not ascending, or past the length %u (start %u)", k, idx[k],
-                          s->n_tokens, start);
-    /* every position written to is one pkv_seq_write_kv could write (s's alone, not committed) */
-    for (uint32_t k = 0; k < n && !rc; k++)
-        if (idx[k] != k) rc = check_write_row(c, write_slot(c, NULL, s->table, start, k), k, "position", start + k, __func__);
-    if (!rc) {
-        /* ascending: position start + k is written after every position it held was read */
-        for (uint32_t k = 0; k < n; k++)
-            if (idx[k] != k) move_position(c, s->table, start + idx[k], start + k);
-        /* after a shift, the first position kept from past s's exact part (pkv_seq_shift) is
-           where its inexact rows now begin (a position written, so its block is s's alone) */
-        uint32_t k = 0;
-        while (s->exact != PKV_NONE && k < n && start + idx[k] < s->exact) k++;
-        if (s->exact != PKV_NONE && k < n && start + k < s->exact) seq_mark_moved(c, s, start + k);
-        if (start + n < s->n_tokens) seq_cut(c, s, start + n);
-    }
-    UNLOCK(c);
-    return rc;
-}
-
-/* ---- context shift (pkv_seq_shift) ---------------------------------------------------------- */
+/* ---- moving positions (pkv_seq_keep, pkv_seq_shift) ----------------------------------------- */
 /* A turn back by d positions of rope: the pairs' value offsets and cos / sin of -d x freq. */
 typedef struct rope_turn {
     uint32_t n, dim0; /* pairs; the first value turned */
@@ -1260,9 +1198,88 @@ static void rope_apply(const rope_turn *t, float *x) {
     }
 }
 
-/* The K row of kv head h at position pos of table, in layer l. */
+/* The K row, and the V row, of kv head h at position pos of table, in layer l. */
 static uint8_t *k_row_at(const pkv_cache *c, const int32_t *table, uint32_t l, uint32_t h, uint32_t pos) {
     return c->kv + l * c->layer_stride + (size_t)table[pos / c->B] * c->k_blk + ((size_t)h * c->B + pos % c->B) * c->k_row;
+}
+static uint8_t *v_row_at(const pkv_cache *c, const int32_t *table, uint32_t l, uint32_t h, uint32_t pos) {
+    return c->kv + l * c->layer_stride + c->v_off + (size_t)table[pos / c->B] * c->v_blk +
+           ((size_t)h * c->B + pos % c->B) * c->v_row;
+}
+
+/* Moves the rows of kv head h in layer l from position from of table to position to: K turned by
+ * turn where that is not NULL (pkv_seq_shift), else as stored, and V. */
+static void move_row(pkv_cache *c, const int32_t *table, uint32_t l, uint32_t h, uint32_t from, uint32_t to,
+                     const rope_turn *turn) {
+    if (turn) {
+        float x[1024];
+        pkv__row_decode(c->cfg.k_dtype, k_row_at(c, table, l, h, from), c->head_dim, x);
+        rope_apply(turn, x);
+        pkv__row_encode(c->cfg.k_dtype, x, c->head_dim, k_row_at(c, table, l, h, to));
+    } else {
+        memcpy(k_row_at(c, table, l, h, to), k_row_at(c, table, l, h, from), c->k_row);
+    }
+    if (c->v_row) memcpy(v_row_at(c, table, l, h, to), v_row_at(c, table, l, h, from), c->v_row);
+}
+
+/* Moves position from of table to position to's token id. */
+static void move_token(pkv_cache *c, const int32_t *table, uint32_t from, uint32_t to) {
+    c->tokens[(size_t)table[to / c->B] * c->B + to % c->B] = c->tokens[(size_t)table[from / c->B] * c->B + from % c->B];
+}
+
+/* Moves position from of table to position to: its token id and every layer's K and V rows. */
+static void move_position(pkv_cache *c, const int32_t *table, uint32_t from, uint32_t to) {
+    for (uint32_t l = 0; l < c->n_layers; l++)
+        for (uint32_t h = 0; h < c->n_kv; h++) move_row(c, table, l, h, from, to, NULL);
+    move_token(c, table, from, to);
+}
+
+/* s's positions from `from` on hold rows moved by a shift or computed after them: its exact part
+ * ends there, and its blocks from that one's on are marked (none indexed: pkv_seq_keep and
+ * pkv_seq_shift write only into blocks s holds alone outside the index; a partial s registered
+ * there is unlinked). */
+static void seq_mark_moved(pkv_cache *c, pkv__seq *s, uint32_t from) {
+    s->exact = s->exact == PKV_NONE ? from : PKV_MIN(s->exact, from);
+    if (s->idx_len > from / c->B) s->idx_len = from / c->B;
+    for (uint32_t i = PKV_MAX(from / c->B, s->n_dropped); i < s->n_blocks; i++) {
+        pkv__blk *k = &c->blk[s->table[i]];
+        pkv_assert(!(k->flags & PKV_BLKF_INDEXED));
+        if (k->flags & PKV_BLKF_PARTIAL) pkv__partial_unlink(c, (uint32_t)s->table[i]);
+        k->moved = 1;
+    }
+}
+
+PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq id, uint32_t start, const uint32_t *idx, uint32_t n) {
+    if (!c) return PKV_EINVAL;
+    if (n && !idx) return PKV__SAY(c, PKV_EINVAL, "idx is NULL, n %u", n);
+    LOCK(c);
+    pkv__seq *s;
+    int rc = get_seq(c, id, &s);
+    if (!rc && (start < s->n_committed || start < pkv__seq_front(c, s) || start > s->n_tokens))
+        rc = PKV__SAY(c, PKV_EINVAL, "start %u is not in [max(committed %u, dropped %u), length %u]", start,
+                      s->n_committed, pkv__seq_front(c, s), s->n_tokens);
+    for (uint32_t k = 0; k < n && !rc; k++)
+        if ((k && idx[k] <= idx[k - 1]) || (uint64_t)start + idx[k] >= s->n_tokens)
+            rc = PKV__SAY(c, PKV_EINVAL, "idx[%u] = %u: not ascending, or past the length %u (start %u)", k, idx[k],
+                          s->n_tokens, start);
+    /* every position written to is one pkv_seq_write_kv could write (s's alone, not committed) */
+    for (uint32_t k = 0; k < n && !rc; k++)
+        if (idx[k] != k) rc = check_write_row(c, write_slot(c, NULL, s->table, start, k), k, "position", start + k, __func__);
+    if (!rc) {
+        /* ascending: position start + k is written after every position it held was read */
+        for (uint32_t k = 0; k < n; k++)
+            if (idx[k] != k) move_position(c, s->table, start + idx[k], start + k);
+        /* after a shift, the first position kept from past s's exact part (pkv_seq_shift) is
+           where its inexact rows now begin (a position written, so its block is s's alone) */
+        if (s->exact != PKV_NONE) {
+            uint32_t k = 0;
+            while (k < n && start + idx[k] < s->exact) k++;
+            if (k < n && start + k < s->exact) seq_mark_moved(c, s, start + k);
+        }
+        if (start + n < s->n_tokens) seq_cut(c, s, start + n);
+    }
+    UNLOCK(c);
+    return rc;
 }
 
 /* Whether every K row of positions [from, to) of s, turned by t, is one the pool holds; else
@@ -1338,29 +1355,12 @@ PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq id, uint32_t from, uint32_t to, 
             c->cow_copies++;
         }
     }
-    /* ascending: each position is written after the one it takes was read (p + d > p) */
-    float x[1024];
-    for (uint32_t l = 0; l < c->n_layers; l++) {
-        uint8_t *vl = c->kv + l * c->layer_stride + c->v_off;
+    /* ascending: each position is written after the one it takes was read (p + d > p); a kv head's
+       rows at a time (position by position across layers and heads took twice as long) */
+    for (uint32_t l = 0; l < c->n_layers; l++)
         for (uint32_t h = 0; h < c->n_kv; h++)
-            for (uint32_t p = from; p < len; p++) {
-                uint8_t *dst = k_row_at(c, s->table, l, h, p);
-                const uint8_t *src = k_row_at(c, s->table, l, h, p + d);
-                if (rope) {
-                    pkv__row_decode(c->cfg.k_dtype, src, c->head_dim, x);
-                    rope_apply(&turn, x);
-                    pkv__row_encode(c->cfg.k_dtype, x, c->head_dim, dst);
-                } else {
-                    memcpy(dst, src, c->k_row);
-                }
-                if (c->v_row)
-                    memcpy(vl + (size_t)s->table[p / B] * c->v_blk + ((size_t)h * B + p % B) * c->v_row,
-                           vl + (size_t)s->table[(p + d) / B] * c->v_blk + ((size_t)h * B + (p + d) % B) * c->v_row,
-                           c->v_row);
-            }
-    }
-    for (uint32_t p = from; p < len; p++)
-        c->tokens[(size_t)s->table[p / B] * B + p % B] = c->tokens[(size_t)s->table[(p + d) / B] * B + (p + d) % B];
+            for (uint32_t p = from; p < len; p++) move_row(c, s->table, l, h, p + d, p, rope ? &turn : NULL);
+    for (uint32_t p = from; p < len; p++) move_token(c, s->table, p + d, p);
     const uint32_t com = s->n_committed <= from ? s->n_committed : s->n_committed >= to ? s->n_committed - d : from;
     pkv__seq_drop_blocks(c, s, nb);
     c->n_tokens_total -= d;
