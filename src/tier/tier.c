@@ -314,13 +314,15 @@ static bool entry_ok(const shape *sh, const uint8_t *buf, size_t len, const tkey
 }
 
 /* Under the cache's lock: s (live, not a pin), and its length, committed length, namespace and
- * front (blocks dropped: pkv_seq_drop_front). With toks: the token ids of its first nb blocks
+ * front (blocks dropped: pkv_seq_drop_front); with cap, the blocks it may key (none at or past
+ * its first position a shift moved: pkv_seq_shift, what no prefill of its ids computes). With toks: the token ids of its first nb blocks
  * into toks (a dropped block's from the index: pkv__seq_front_ids; *known false, and toks
  * unset, where the index no longer names them), once its length, committed length and front are
  * checked to be as the call before said (a call that changed s meanwhile broke pkv.h's rule;
  * refused rather than read past the buffers sized for them). */
 static int seq_peek(pkv_cache *c, pkv_seq id, const char *api, uint32_t *n_tokens, uint32_t *n_committed,
-                    uint64_t *ns_lo, uint64_t *ns_hi, uint32_t *front, int32_t *toks, uint32_t nb, bool *known) {
+                    uint64_t *ns_lo, uint64_t *ns_hi, uint32_t *front, uint32_t *cap, int32_t *toks, uint32_t nb,
+                    bool *known) {
     pthread_mutex_lock(&c->mu);
     pkv__seq *s;
     int rc = pkv__get_seq(c, id, &s, api);
@@ -331,6 +333,7 @@ static int seq_peek(pkv_cache *c, pkv_seq id, const char *api, uint32_t *n_token
         *n_tokens = s->n_tokens, *n_committed = s->n_committed;
         *ns_lo = s->ns_lo, *ns_hi = s->ns_hi;
         *front = s->n_dropped;
+        if (cap) *cap = pkv__seq_index_cap(c, s);
     }
     if (!rc && toks) {
         *known = pkv__seq_front_ids(c, s, toks); /* an entry is keyed by every token before it */
@@ -339,16 +342,6 @@ static int seq_peek(pkv_cache *c, pkv_seq id, const char *api, uint32_t *n_token
     }
     pthread_mutex_unlock(&c->mu);
     return rc;
-}
-
-/* The blocks of id a save may store: none at or past its first position a shift moved
- * (pkv_seq_shift: what no prefill of its ids computes). */
-static uint32_t seq_save_cap(pkv_cache *c, pkv_seq id) {
-    pthread_mutex_lock(&c->mu);
-    const pkv__seq *s = pkv__seq_get(c, id);
-    const uint32_t cap = s ? pkv__seq_index_cap(c, s) : 0;
-    pthread_mutex_unlock(&c->mu);
-    return cap;
 }
 
 /* ---- save ---- */
@@ -392,11 +385,11 @@ static void save_done(pkv_cache *c, save_prep *p) {
 /* p := what saving s takes (api names the refusal); on failure nothing is left allocated. */
 static int save_prepare(pkv_cache *c, pkv_seq id, const char *api, save_prep *p) {
     memset(p, 0, sizeof *p);
-    uint32_t n_tok, n_com, front;
+    uint32_t n_tok, n_com, front, cap;
     uint64_t ns_lo, ns_hi;
-    int rc = seq_peek(c, id, api, &n_tok, &n_com, &ns_lo, &ns_hi, &front, NULL, 0, NULL);
+    int rc = seq_peek(c, id, api, &n_tok, &n_com, &ns_lo, &ns_hi, &front, &cap, NULL, 0, NULL);
     if (rc) return rc;
-    const uint32_t B = c->B, nb = PKV_MIN(n_com / B, seq_save_cap(c, id));
+    const uint32_t B = c->B, nb = PKV_MIN(n_com / B, cap);
     if (nb <= front) return PKV_OK;
     if (!shape_of(c, &p->sh)) return pkv__say(c, PKV_ENOMEM, api, "an entry's size overflows");
     /* the ids of every committed position: a key may take ids past the full blocks (a media's) */
@@ -406,7 +399,7 @@ static int save_prepare(pkv_cache *c, pkv_seq id, const char *api, save_prep *p)
     p->keys = pkv__alloc(&c->alloc, p->keys_bytes, 64);
     if (!p->toks || !p->keys) rc = pkv__say(c, PKV_ENOMEM, api, "the save's keys (%u blocks)", nb);
     bool known = false;
-    if (!rc) rc = seq_peek(c, id, api, &n_tok, &n_com, &ns_lo, &ns_hi, &front, p->toks, nbk, &known);
+    if (!rc) rc = seq_peek(c, id, api, &n_tok, &n_com, &ns_lo, &ns_hi, &front, NULL, p->toks, nbk, &known);
     if (rc || !known) { /* (not known: a front whose ids the index lost; nothing to key) */
         save_done(c, p);
         return rc;
@@ -804,7 +797,7 @@ static int load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, ui
     *n_loaded = 0;
     uint32_t m, n_com, front;
     uint64_t ns_lo, ns_hi;
-    int rc = seq_peek(c, id, api, &m, &n_com, &ns_lo, &ns_hi, &front, NULL, 0, NULL);
+    int rc = seq_peek(c, id, api, &m, &n_com, &ns_lo, &ns_hi, &front, NULL, NULL, 0, NULL);
     if (rc) return rc;
     if (n_com != m)
         return pkv__say(c, PKV_EINVAL, api, "positions [%u, %u) of the sequence are not committed", n_com, m);
@@ -826,7 +819,7 @@ static int load(pkv_tier *t, pkv_cache *c, pkv_seq id, const int32_t *tokens, ui
     if (!rc) {
         /* the blocks of [0, m): i0 full ones and, where m is not a multiple of B, part of one */
         const uint32_t nbk = (m + B - 1) / B;
-        rc = seq_peek(c, id, api, &m, &n_com, &ns_lo, &ns_hi, &front, toks, nbk, &known);
+        rc = seq_peek(c, id, api, &m, &n_com, &ns_lo, &ns_hi, &front, NULL, toks, nbk, &known);
         if (!rc && known && memcmp(toks, tokens, (size_t)m * sizeof(int32_t)))
             rc = pkv__say(c, PKV_EINVAL, api, "the sequence's positions [0, %u) are not tokens[0, %u)", m, m);
     }
