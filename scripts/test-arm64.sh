@@ -7,7 +7,9 @@
 #
 # Under emulation code runs 10-50x slower, so the stage runs the "unit" tests with
 # PKV_ATTN_TEST_BACKENDS=neon (the reference is tested natively), shorter oracle contexts
-# (PKV_ARM64_ATTN_MAX_LEN, default 120) and a shorter stress run; test_attn and test_quant_attn,
+# (PKV_ARM64_ATTN_MAX_LEN, default 80: test_attn's oracles took 287 s of CPU at 120, 189 s at 80,
+# its prefills growing with the square of the context), PKV_TEST_EMULATED=1 (test_attn_api's
+# 1-and-2-thread tests at 2 threads alone) and a shorter stress run; test_attn and test_quant_attn,
 # the longest by far there, run as three ctest entries each (PKV_TEST_SHARDS, tests/tu_shard.h)
 # so that ctest -j keeps every core busy to the end. The tests that spawn the pkv
 # CLI (test_run*, test_sim, test_bench_cli) are left out: an arm64 binary cannot be exec'd
@@ -30,5 +32,5 @@ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-g
     -DPKV_TEST_SHARDS=3
 ninja -C "$BUILD_DIR" -j "$JOBS"
 cd "$BUILD_DIR"
-env PKV_ATTN_TEST_BACKENDS=neon PKV_ATTN_TEST_MAX_LEN="${PKV_ARM64_ATTN_MAX_LEN:-120}" PKV_STRESS_OPS=20000 \
+env PKV_TEST_EMULATED=1 PKV_ATTN_TEST_BACKENDS=neon PKV_ATTN_TEST_MAX_LEN="${PKV_ARM64_ATTN_MAX_LEN:-80}" PKV_STRESS_OPS=20000 \
     ctest --output-on-failure -j "$JOBS" -L unit -E '^test_(run|run_checkpoint|sim|bench_cli)$' --timeout 900

@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <setjmp.h>
 #include <cmocka.h>
+#include "tu_shard.h"
 
 #include "pkv.h"
 #include "test_run_spawn.h"
@@ -706,5 +707,5 @@ int main(void) {
         cmocka_unit_test(test_mla_json),
         cmocka_unit_test(test_shift_json),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return TU_RUN_TESTS(tests);
 }

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <setjmp.h>
 #include <cmocka.h>
+#include "tu_shard.h"
 #include "tu_assert.h"
 #include "tu_ref.h"
 
@@ -622,5 +623,5 @@ int main(void) {
         cmocka_unit_test(test_mla_shared_prefix), cmocka_unit_test(test_mla_refusals),
         cmocka_unit_test(test_mla_stored_tier),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return TU_RUN_TESTS(tests);
 }
