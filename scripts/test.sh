@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # test.sh: the CI test run: installs missing Debian packages, then a Release build running every
-# ctest test, an ASan+UBSan Debug build running the "unit" tests, a TSan build running the
+# ctest test (test_attn and test_quant_attn as two ctest entries each there too), an ASan+UBSan Debug build running the "unit" tests, a TSan build running the
 # "thread" tests (both sanitizer builds at -O1, as the sanitizers' documentation advises: at -O0
 # the ASan stage's test_attn took about 3x as long; there test_attn and test_quant_attn run as
 # two ctest entries each, PKV_TEST_SHARDS=2, so that both cores share test_attn), an arm64 cross build whose tests run under
-# qemu (scripts/test-arm64.sh: the NEON kernels), a 32-bit x86 build running the unit tests and
-# the Go binding's tests, and (when fuzz/fuzz_api.c exists) a bounded libFuzzer run. Exits non-zero if any stage fails; prints each stage's ctest summary at the end.
+# qemu (scripts/test-arm64.sh: the NEON kernels), a 32-bit x86 build running the unit tests (but
+# test_bench_cli: its timed benchmark runs took 42 s there; the Release and ASan stages run it)
+# and the Go binding's tests, and (when fuzz/fuzz_api.c exists) bounded libFuzzer runs, one a core. Exits non-zero if any stage fails; prints each stage's ctest summary at the end.
 #
 # Environment: PKV_STRESS_OPS (stress test operations in the Release stage, default 1000000, about
 # 5 s; the test itself defaults to 200000 when run alone), PKV_ASAN_STRESS_OPS (the ASan
 # stage, default 200000: about 10 s there), PKV_THR_ITERS (threaded test
 # iterations, default 2000; the TSan stage uses PKV_TSAN_THR_ITERS, default 1000),
 # PKV_ASAN_ATTN_MAX_LEN (the longest oracle context in the ASan stage, default 400),
-# PKV_FUZZ_SECONDS (default 30), PKV_FUZZ_RUNS (default 2000000), PKV_FUZZ_SEED (libFuzzer's
-# -seed, default 1: the same mutations on every run of one commit, so that a stage fails or
-# passes for the code and not for the draw; 0 draws one, as libFuzzer does), PKV_SKIP_ARM64 (1: skip the
+# PKV_FUZZ_SECONDS (each fuzz process's time, default 15; JOBS processes side by side),
+# PKV_FUZZ_RUNS (each one's runs, default 1000000), PKV_FUZZ_SEED (libFuzzer's -seed of the first
+# process, the next one's +1..., default 1: the same mutations on every run of one commit, so that
+# a stage fails or passes for the code and not for the draw; 0 draws one, as libFuzzer does), PKV_SKIP_ARM64 (1: skip the
 # arm64 stage), PKV_SKIP_I386 (1: skip the i386 stage), PKV_EMU_EVERYWHERE (1: the SIMDe
 # emulation of the AVX-512 kernels in every stage, not only Release, below), JOBS (default nproc).
 set -euo pipefail
@@ -87,7 +89,7 @@ if [ "${PKV_EMU_EVERYWHERE:-0}" != 1 ] && [ -r /proc/cpuinfo ] &&
 fi
 summary+=("[emu] the AVX-512 kernels under SIMDe in the sanitizer and i386 stages: $emu (native AVX-512: $([ $emu = OFF ] && echo yes || echo no))")
 
-run_stage release build "-DCMAKE_BUILD_TYPE=Release" "" \
+run_stage release build "-DCMAKE_BUILD_TYPE=Release -DPKV_TEST_SHARDS=2" "" \
     "PKV_STRESS_OPS=${PKV_STRESS_OPS:-1000000}" "PKV_THR_ITERS=${PKV_THR_ITERS:-2000}"
 
 run_stage asan build-asan "-DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS=-O1 -DPKV_SANITIZE=address,undefined -DCMAKE_C_COMPILER=clang -DPKV_TEST_SHARDS=2 -DPKV_TEST_AVX512_EMU=$emu" "-L unit" \
@@ -134,7 +136,7 @@ if [ "$(uname -m)" = x86_64 ] && [ "${PKV_SKIP_I386:-0}" != 1 ]; then
         -DCMAKE_LIBRARY_ARCHITECTURE=i386-linux-gnu -DPKV_TEST_SHARDS=2 -DPKV_TEST_AVX512_EMU=$emu >>"$log" 2>&1 &&
         ninja -C build-i386 -j "$JOBS" >>"$log" 2>&1 &&
         (cd build-i386 && PKV_ATTN_TEST_MAX_LEN=120 PKV_STRESS_OPS=50000 ctest --output-on-failure -j "$JOBS" \
-            -L unit -E '^test_python$') >>"$log" 2>&1 &&
+            -L unit -E '^test_(python|bench_cli)$') >>"$log" 2>&1 &&
         (cd bindings/go && GOARCH=386 CGO_ENABLED=1 CC="gcc $m32" \
             CGO_LDFLAGS="-L$PWD/../../build-i386 -Wl,-rpath,$PWD/../../build-i386" go test -count=1 ./...) >>"$log" 2>&1; then
         summary+=("[i386] $(grep -E 'tests passed' "$log" | tail -n 1); go $(grep -E '^ok' "$log" | tail -n 1) ($(($(date +%s) - t0)) s)")
@@ -153,19 +155,28 @@ if [ -f fuzz/fuzz_api.c ]; then
     if cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang -DPKV_FUZZ=ON \
         -DPKV_BUILD_TESTS=OFF -DPKV_BUILD_TOOLS=OFF >"$log" 2>&1 &&
         ninja -C build-fuzz -j "$JOBS" fuzz_api >>"$log" 2>&1; then
-        work=$(mktemp -d)
+        # JOBS processes side by side, seeds S, S+1, ..., each for PKV_FUZZ_SECONDS into a scratch
+        # corpus of its own (fuzz/corpus only seeds them), each one as deterministic as a lone run
+        # (libFuzzer's -jobs would share a corpus that each reloads as the others write it)
         seeds=()
         [ -d fuzz/corpus ] && seeds=(fuzz/corpus)
-        echo "=== [fuzz] fuzz_api -seed=${PKV_FUZZ_SEED:-1} -runs=${PKV_FUZZ_RUNS:-2000000} -max_total_time=${PKV_FUZZ_SECONDS:-30}"
-        # new inputs go to a scratch corpus (first directory); fuzz/corpus only seeds the run
-        if ASAN_OPTIONS=detect_leaks=1 ./build-fuzz/fuzz_api -seed="${PKV_FUZZ_SEED:-1}" -runs="${PKV_FUZZ_RUNS:-2000000}" \
-            -max_total_time="${PKV_FUZZ_SECONDS:-30}" -print_final_stats=1 "$work" "${seeds[@]}" \
-            >"$LOG_DIR/fuzz.run" 2>&1; then
-            summary+=("[fuzz] $(grep -E '^Done|stat::number_of_executed_units' "$LOG_DIR/fuzz.run" | tr '\n' ' ') ($(($(date +%s) - t0)) s)")
+        seed=${PKV_FUZZ_SEED:-1} n_fuzz=$JOBS pids=()
+        echo "=== [fuzz] $n_fuzz x fuzz_api -seed=$seed.. -runs=${PKV_FUZZ_RUNS:-1000000} -max_total_time=${PKV_FUZZ_SECONDS:-15}"
+        for ((j = 0; j < n_fuzz; j++)); do
+            mkdir -p "$LOG_DIR/fuzz-corpus-$j"
+            # seed 0 draws one per process, as libFuzzer does
+            ASAN_OPTIONS=detect_leaks=1 ./build-fuzz/fuzz_api -seed=$((seed ? seed + j : 0)) \
+                -runs="${PKV_FUZZ_RUNS:-1000000}" -max_total_time="${PKV_FUZZ_SECONDS:-15}" -print_final_stats=1 \
+                "$LOG_DIR/fuzz-corpus-$j" "${seeds[@]}" >"$LOG_DIR/fuzz-$j.run" 2>&1 &
+            pids+=($!)
+        done
+        failed_run=
+        for ((j = 0; j < n_fuzz; j++)); do wait "${pids[j]}" || failed_run=${failed_run:-$LOG_DIR/fuzz-$j.run}; done
+        if [ -z "$failed_run" ]; then
+            summary+=("[fuzz] $(cat "$LOG_DIR"/fuzz-*.run | grep -E '^Done|stat::number_of_executed_units' | tr '\n' ' ') ($(($(date +%s) - t0)) s)")
         else
-            stage_failed fuzz "$LOG_DIR/fuzz.run" 60 "FAILED (crash or leak; see above)"
+            stage_failed fuzz "$failed_run" 60 "FAILED (crash or leak in $(basename "$failed_run"); see above)"
         fi
-        rm -rf "$work"
     else
         stage_failed "fuzz (build)" "$log" 60 "build failed"
     fi
