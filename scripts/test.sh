@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # test.sh: the CI test run: installs missing Debian packages, then a Release build running every
-# ctest test (test_attn and test_quant_attn as two ctest entries each there too), an ASan+UBSan Debug build running the "unit" tests, a TSan build running the
+# ctest test, an ASan+UBSan Debug build running the "unit" tests, a TSan build running the
 # "thread" tests (both sanitizer builds at -O1, as the sanitizers' documentation advises: at -O0
 # the ASan stage's test_attn took about 3x as long; there test_attn and test_quant_attn run as
-# two ctest entries each, PKV_TEST_SHARDS=2, so that both cores share test_attn), an arm64 cross build whose tests run under
+# two ctest entries each, PKV_TEST_SHARDS=2, as in the Release and i386 stages, so that both cores
+# share test_attn), an arm64 cross build whose tests run under
 # qemu (scripts/test-arm64.sh: the NEON kernels), a 32-bit x86 build running the unit tests (but
 # test_bench_cli: its timed benchmark runs took 42 s there; the Release and ASan stages run it)
-# and the Go binding's tests, and (when fuzz/fuzz_api.c exists) bounded libFuzzer runs, one a core. Exits non-zero if any stage fails; prints each stage's ctest summary at the end.
+# and the Go binding's tests, and (when fuzz/fuzz_api.c exists) bounded libFuzzer runs, one a
+# core. Exits non-zero if any stage fails; prints each stage's ctest summary at the end.
 #
 # Environment: PKV_STRESS_OPS (stress test operations in the Release stage, default 1000000, about
 # 5 s; the test itself defaults to 200000 when run alone), PKV_ASAN_STRESS_OPS (the ASan
@@ -16,8 +18,8 @@
 # PKV_FUZZ_SECONDS (each fuzz process's time, default 15; JOBS processes side by side),
 # PKV_FUZZ_RUNS (each one's runs, default 1000000), PKV_FUZZ_SEED (libFuzzer's -seed of the first
 # process, the next one's +1..., default 1: the same mutations on every run of one commit, so that
-# a stage fails or passes for the code and not for the draw; 0 draws one, as libFuzzer does), PKV_SKIP_ARM64 (1: skip the
-# arm64 stage), PKV_SKIP_I386 (1: skip the i386 stage), PKV_EMU_EVERYWHERE (1: the SIMDe
+# a stage fails or passes for the code and not for the draw; 0 draws one, as libFuzzer does),
+# PKV_SKIP_ARM64 (1: skip the arm64 stage), PKV_SKIP_I386 (1: skip the i386 stage), PKV_EMU_EVERYWHERE (1: the SIMDe
 # emulation of the AVX-512 kernels in every stage, not only Release, below), JOBS (default nproc).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -160,22 +162,30 @@ if [ -f fuzz/fuzz_api.c ]; then
         # (libFuzzer's -jobs would share a corpus that each reloads as the others write it)
         seeds=()
         [ -d fuzz/corpus ] && seeds=(fuzz/corpus)
-        seed=${PKV_FUZZ_SEED:-1} n_fuzz=$JOBS pids=()
-        echo "=== [fuzz] $n_fuzz x fuzz_api -seed=$seed.. -runs=${PKV_FUZZ_RUNS:-1000000} -max_total_time=${PKV_FUZZ_SECONDS:-15}"
-        for ((j = 0; j < n_fuzz; j++)); do
+        seed=${PKV_FUZZ_SEED:-1} n_fuzz=$((JOBS > 0 ? JOBS : 1)) pids=() failed_runs=()
+        if ! [[ $seed =~ ^[0-9]{1,9}$ ]]; then # decimal, and seed + j within libFuzzer's unsigned
+            echo "=== [fuzz] PKV_FUZZ_SEED=$seed: want a decimal number below 10^9"
+            seed=
+        fi
+        echo "=== [fuzz] $n_fuzz x fuzz_api -seed=${seed:-?}.. -runs=${PKV_FUZZ_RUNS:-1000000} -max_total_time=${PKV_FUZZ_SECONDS:-15}"
+        for ((j = 0; j < n_fuzz && ${#seed}; j++)); do
             mkdir -p "$LOG_DIR/fuzz-corpus-$j"
             # seed 0 draws one per process, as libFuzzer does
-            ASAN_OPTIONS=detect_leaks=1 ./build-fuzz/fuzz_api -seed=$((seed ? seed + j : 0)) \
+            ASAN_OPTIONS=detect_leaks=1 ./build-fuzz/fuzz_api -seed=$((10#$seed ? 10#$seed + j : 0)) \
                 -runs="${PKV_FUZZ_RUNS:-1000000}" -max_total_time="${PKV_FUZZ_SECONDS:-15}" -print_final_stats=1 \
                 "$LOG_DIR/fuzz-corpus-$j" "${seeds[@]}" >"$LOG_DIR/fuzz-$j.run" 2>&1 &
             pids+=($!)
         done
-        failed_run=
-        for ((j = 0; j < n_fuzz; j++)); do wait "${pids[j]}" || failed_run=${failed_run:-$LOG_DIR/fuzz-$j.run}; done
-        if [ -z "$failed_run" ]; then
+        for ((j = 0; j < ${#pids[@]}; j++)); do wait "${pids[j]}" || failed_runs+=("$LOG_DIR/fuzz-$j.run"); done
+        if [ -z "$seed" ]; then
+            failed+=(fuzz)
+            summary+=("[fuzz] FAILED: PKV_FUZZ_SEED is not a decimal number below 10^9")
+        elif ((${#failed_runs[@]} == 0)); then
             summary+=("[fuzz] $(cat "$LOG_DIR"/fuzz-*.run | grep -E '^Done|stat::number_of_executed_units' | tr '\n' ' ') ($(($(date +%s) - t0)) s)")
         else
-            stage_failed fuzz "$failed_run" 60 "FAILED (crash or leak in $(basename "$failed_run"); see above)"
+            for run in "${failed_runs[@]}"; do echo "=== [fuzz] $(basename "$run"):"; tail -n 60 "$run"; done
+            failed+=(fuzz)
+            summary+=("[fuzz] FAILED (crash or leak in ${#failed_runs[@]} of $n_fuzz processes; see above)")
         fi
     else
         stage_failed "fuzz (build)" "$log" 60 "build failed"

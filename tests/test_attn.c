@@ -1008,7 +1008,7 @@ static void lp_world_make(lp_world *w, const char *backend, uint32_t H, uint32_t
     w->n_seqs = 1 + rng_below(4);
     uint32_t total = 0, most = 0;
     for (uint32_t i = 0; i < w->n_seqs; i++) {
-        w->lens[i] = 1 + rng_below(rng_below(2) ? 40 : PKV_MIN(600u, max_len())); /* qemu's stage: 200 */
+        w->lens[i] = 1 + rng_below(rng_below(2) ? 40 : PKV_MIN(600u, max_len())); /* qemu's stage: 80 */
         const uint32_t nb = (w->lens[i] + w->B - 1) / w->B;
         total += nb, most = nb > most ? nb : most;
     }

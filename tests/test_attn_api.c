@@ -35,7 +35,9 @@ enum { L = 2, H = 2, D = 64, B = 16, NQH = 8, MAXTOK = 400 };
 /* The first thread count of the tests that run at 1 and 2 threads: 2 alone under emulation
  * (scripts/test-arm64.sh sets PKV_TEST_EMULATED=1), where qemu made test_api_mask,
  * test_api_noncausal and test_api_tree 41 s of this test's 56; the kernels at 1 thread are those
- * at 2, and the driver's 1-thread path is tested natively. */
+ * at 2, and the driver's 1-thread path is tested natively. Each (dtype, threads) case of those
+ * seeds its own draws, so the 2-thread cases see the same data either way, and so do the tests
+ * after them (q8_0's margin in test_api_tree does not move with the tests before it). */
 static uint32_t nt_first(void) {
     const char *e = getenv("PKV_TEST_EMULATED");
     return e && !strcmp(e, "1") ? 2u : 1u;
@@ -900,7 +902,7 @@ static void q8_query(const float *x, float *y) {
  * sequence, more queries than positions) and two requests of 3 and 4 queries over one sequence of
  * 48 positions, with an empty request, in one call, each query against the reference of
  * one at the sequence's last position; plain, with soft-cap and lse, with sinks; every float
- * dtype and the 8-bit ones, 1 and 2 threads; in place the same bits as apart. Decode takes the
+ * dtype and the 8-bit ones, 1 and 2 threads (nt_first); in place the same bits as apart. Decode takes the
  * flag and gives the same bits. Refusals (a window, chunks or ALiBi with it, q_start past 0, queries
  * over an empty sequence, a tree, an unknown flag, more queries than a sequence may hold) leave
  * out untouched. */
@@ -909,6 +911,7 @@ static void test_api_noncausal(void **state) {
     static host_seq s[4];
     for (size_t ti = 0; ti < 5; ti++)
         for (uint32_t nt = nt_first(); nt <= 2; nt++) {
+            g_rng = 900u + 2u * ti + nt; /* each case its own draws: nt_first() */
             const pkv_dtype dt = q_types[ti];
             pkv_cache *c = make_cache(dt, nt, 0);
             pkv__cache_test_share(c, 1, 0); /* groups of any whole block, where they were allowed */
@@ -1057,7 +1060,7 @@ static void rand_tree(int32_t *parent, uint32_t n) {
  * reference; fp8 K keeps f32 queries, so the float tolerance holds; q8_0 K scores int8 queries
  * in the prefix part, which the reference quantizes as the kernels do (q8_query), so 1e-4 holds
  * there too: errors of about 1e-6 seen, where an unquantized reference needed 2e-2 and once saw
- * 0.0216), 1 and 2 threads, prefixes of 0 to 150
+ * 0.0216), 1 and 2 threads (nt_first), prefixes of 0 to 150
  * tokens (a block boundary inside the tree), trees of 1 to 60 nodes, two requests and an empty
  * one in a call, with window (shorter and longer than the paths), soft-cap, sinks, ALiBi (its
  * distances by depth), chunks of local attention (edges in the prefix and among the nodes) and
@@ -1066,10 +1069,10 @@ static void test_api_tree(void **state) {
     (void)state;
     static host_seq s[2];
     static const uint32_t prefixes[] = {0, 1, 37, 150}, sizes[] = {1, 7, 60};
-    g_rng = 770; /* its own stream: q8_0's margin (below) does not move with the tests before it */
     for (size_t ti = 0; ti < 5; ti++) {
         g_tree_worst = 0;
         for (uint32_t nt = nt_first(); nt <= 2; nt++) {
+            g_rng = 770u + 2u * ti + nt; /* each case its own draws: nt_first() */
             const pkv_dtype dt = q_types[ti];
             const double tol = dt == PKV_DTYPE_Q8_0 ? 1e-4 : TOL;
             g_tree_q8 = dt == PKV_DTYPE_Q8_0;
@@ -2541,7 +2544,7 @@ enum { MASK_REQS = 5 };
  * three documents (edges 30 and 65), causal within each; random bits over 50 positions from
  * query 20, two rows empty; a request left causal (mask NULL) beside them; a request of no
  * queries. Plain, with a soft-cap, scale and lse, with sinks, with ALiBi (keys ahead raised), each
- * against the reference, every float dtype and the 8-bit ones, 1 and 2 threads; in place the same
+ * against the reference, every float dtype and the 8-bit ones, 1 and 2 threads (nt_first); in place the same
  * bits; a mask that is the causal one gives pkv_attn_prefill's results, all masks NULL its bits;
  * with PKV_ATTN_NONCAUSAL rows of the sequence's length. Past a dropped front a mask that sees none
  * of it is taken and one that sees its last key refused; a window or chunks with a mask, masks
@@ -2551,6 +2554,7 @@ static void test_api_mask(void **state) {
     static host_seq s[4];
     for (size_t ti = 0; ti < 5; ti++)
         for (uint32_t nt = nt_first(); nt <= 2; nt++) {
+            g_rng = 2540u + 2u * ti + nt; /* each case its own draws: nt_first() */
             const pkv_dtype dt = q_types[ti];
             pkv_cache *c = said_cache(dt, nt);
             static const uint32_t lens[4] = {120, 90, 70, 40};

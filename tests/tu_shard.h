@@ -3,8 +3,8 @@
  * order (the entries of one function, one a backend, stay together); PKV_TEST_FILTER (a cmocka
  * glob, e.g. "test_oracle_prefill*") picks tests by name as well. CMake's PKV_TEST_SHARDS
  * registers the longest tests as n ctest entries of this kind, so that ctest -j runs their
- * shards side by side: the arm64 stage of scripts/test.sh does, where qemu makes test_attn run
- * for minutes. Include after cmocka.h. */
+ * shards side by side: scripts/test.sh's stages do (2), and scripts/test-arm64.sh (3), where qemu
+ * makes test_attn run for minutes. Include after cmocka.h. */
 #ifndef PKV_TU_SHARD_H
 #define PKV_TU_SHARD_H
 
