@@ -165,28 +165,26 @@ if [ -f fuzz/fuzz_api.c ]; then
         [ -d fuzz/corpus ] && seeds=(fuzz/corpus)
         seed=${PKV_FUZZ_SEED:-1} n_fuzz=$((JOBS > 0 ? JOBS : 1)) pids=() failed_runs=()
         if ! [[ $seed =~ ^[0-9]{1,9}$ ]]; then # decimal, and seed + j within libFuzzer's unsigned
-            echo "=== [fuzz] PKV_FUZZ_SEED=$seed: want a decimal number below 10^9"
-            seed=
-        fi
-        echo "=== [fuzz] $n_fuzz x fuzz_api -seed=${seed:-?}.. -runs=${PKV_FUZZ_RUNS:-1000000} -max_total_time=${PKV_FUZZ_SECONDS:-15}"
-        for ((j = 0; j < n_fuzz && ${#seed}; j++)); do
-            mkdir -p "$LOG_DIR/fuzz-corpus-$j"
-            # seed 0 draws one per process, as libFuzzer does
-            ASAN_OPTIONS=detect_leaks=1 ./build-fuzz/fuzz_api -seed=$((10#$seed ? 10#$seed + j : 0)) \
-                -runs="${PKV_FUZZ_RUNS:-1000000}" -max_total_time="${PKV_FUZZ_SECONDS:-15}" -print_final_stats=1 \
-                "$LOG_DIR/fuzz-corpus-$j" "${seeds[@]}" >"$LOG_DIR/fuzz-$j.run" 2>&1 &
-            pids+=($!)
-        done
-        for ((j = 0; j < ${#pids[@]}; j++)); do wait "${pids[j]}" || failed_runs+=("$LOG_DIR/fuzz-$j.run"); done
-        if [ -z "$seed" ]; then
             failed+=(fuzz)
-            summary+=("[fuzz] FAILED: PKV_FUZZ_SEED is not a decimal number below 10^9")
-        elif ((${#failed_runs[@]} == 0)); then
-            summary+=("[fuzz] $(cat "$LOG_DIR"/fuzz-*.run | grep -E '^Done|stat::number_of_executed_units' | tr '\n' ' ') ($(($(date +%s) - t0)) s)")
+            summary+=("[fuzz] FAILED: PKV_FUZZ_SEED=$seed is not a decimal number below 10^9")
         else
-            for run in "${failed_runs[@]}"; do echo "=== [fuzz] $(basename "$run"):"; tail -n 60 "$run"; done
-            failed+=(fuzz)
-            summary+=("[fuzz] FAILED (crash or leak in ${#failed_runs[@]} of $n_fuzz processes; see above)")
+            echo "=== [fuzz] $n_fuzz x fuzz_api -seed=$seed.. -runs=${PKV_FUZZ_RUNS:-1000000} -max_total_time=${PKV_FUZZ_SECONDS:-15}"
+            for ((j = 0; j < n_fuzz; j++)); do
+                mkdir -p "$LOG_DIR/fuzz-corpus-$j"
+                # seed 0 draws one per process, as libFuzzer does
+                ASAN_OPTIONS=detect_leaks=1 ./build-fuzz/fuzz_api -seed=$((10#$seed ? 10#$seed + j : 0)) \
+                    -runs="${PKV_FUZZ_RUNS:-1000000}" -max_total_time="${PKV_FUZZ_SECONDS:-15}" -print_final_stats=1 \
+                    "$LOG_DIR/fuzz-corpus-$j" "${seeds[@]}" >"$LOG_DIR/fuzz-$j.run" 2>&1 &
+                pids+=($!)
+            done
+            for ((j = 0; j < n_fuzz; j++)); do wait "${pids[j]}" || failed_runs+=("$LOG_DIR/fuzz-$j.run"); done
+            if ((${#failed_runs[@]} == 0)); then
+                summary+=("[fuzz] $(cat "$LOG_DIR"/fuzz-*.run | grep -E '^Done|stat::number_of_executed_units' | tr '\n' ' ') ($(($(date +%s) - t0)) s)")
+            else
+                for run in "${failed_runs[@]}"; do echo "=== [fuzz] $(basename "$run"):"; tail -n 60 "$run"; done
+                failed+=(fuzz)
+                summary+=("[fuzz] FAILED (crash or leak in ${#failed_runs[@]} of $n_fuzz processes; see above)")
+            fi
         fi
     else
         stage_failed "fuzz (build)" "$log" 60 "build failed"

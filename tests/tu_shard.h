@@ -1,8 +1,8 @@
 /* tu_shard.h: runs a cmocka group whole or one shard of it. PKV_TEST_SHARD="k/n" (0 <= k < n)
  * keeps the tests whose function has ordinal i % n == k, counting the distinct functions in
- * order (the entries of one function, one a backend, stay together); PKV_TEST_FILTER (a cmocka
- * glob, e.g. "test_oracle_prefill*") picks tests by name as well, and PKV_TEST_SKIP (globs,
- * comma-separated, fnmatch(3)) leaves tests out by name. CMake's PKV_TEST_SHARDS
+ * order (the entries of one function, one a backend, stay together); PKV_TEST_FILTER picks tests
+ * by name as well and PKV_TEST_SKIP leaves tests out by name (globs, comma-separated, fnmatch(3):
+ * "test_oracle_prefill*"). CMake's PKV_TEST_SHARDS
  * registers the longest tests as n ctest entries of this kind, so that ctest -j runs their
  * shards side by side: scripts/test.sh's stages do (2), and scripts/test-arm64.sh (3), where qemu
  * makes test_attn run for minutes. Include after cmocka.h. */
@@ -14,7 +14,7 @@
 #include <string.h>
 
 /* Whether name matches one of the comma-separated globs in list (NULL or empty: none). */
-static inline int tu_skipped(const char *list, const char *name) {
+static inline int tu_matches(const char *list, const char *name) {
     char glob[256];
     for (const char *p = list; p && *p;) {
         const char *end = strchr(p, ',');
@@ -30,9 +30,7 @@ static inline int tu_skipped(const char *list, const char *name) {
 }
 
 static inline int tu_run_tests(const char *group, const struct CMUnitTest *tests, size_t n_tests) {
-    const char *filter = getenv("PKV_TEST_FILTER");
-    if (filter && *filter) cmocka_set_test_filter(filter);
-    const char *skip = getenv("PKV_TEST_SKIP");
+    const char *filter = getenv("PKV_TEST_FILTER"), *skip = getenv("PKV_TEST_SKIP");
     const char *shard = getenv("PKV_TEST_SHARD");
     unsigned long k = 0, n = 1;
     if (shard && *shard) {
@@ -49,7 +47,9 @@ static inline int tu_run_tests(const char *group, const struct CMUnitTest *tests
     size_t n_picked = 0, ordinal = 0;
     for (size_t i = 0; i < n_tests; i++) {
         if (i > 0 && strcmp(tests[i].name, tests[i - 1].name)) ordinal++;
-        if (ordinal % n == k && !tu_skipped(skip, tests[i].name)) picked[n_picked++] = tests[i];
+        if (ordinal % n == k && (!filter || !*filter || tu_matches(filter, tests[i].name)) &&
+            !tu_matches(skip, tests[i].name))
+            picked[n_picked++] = tests[i];
     }
     const int rc = _cmocka_run_group_tests(group, picked, n_picked, NULL, NULL);
     free(picked);
