@@ -1,5 +1,6 @@
-/* attn_pool.c: fixed pthread pool of the attention context: workers spin briefly for the next
- * job (decode calls come back-to-back), then sleep on a condition variable. Tasks are claimed
+/* attn_pool.c: fixed pthread pool of the attention context: workers spin while the job they
+ * took part in is still running elsewhere and briefly after it for the next one (decode calls
+ * come back-to-back), then sleep on a condition variable. Tasks are claimed
  * from one ticket (attn_pool.h); a job is over when its tasks are done. */
 #include "attn_pool.h"
 
@@ -12,9 +13,30 @@ static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
 static void on_fork_child(void) { atomic_fetch_add_explicit(&g_forks, 1, memory_order_relaxed); }
 static void atfork_init(void) { (void)pthread_atfork(NULL, NULL, on_fork_child); }
 
-/* How long an idle thread spins before sleeping: long enough to bridge consecutive calls of
- * one decode step (layers), short enough not to steal a shared core for long. */
+/* How long an idle thread spins before sleeping once a job is over: long enough to bridge
+ * consecutive calls of one decode step (layers), short enough not to steal a shared core for
+ * long. */
 #define SPIN_NS 50000u
+/* While the job a thread took part in is still running on other threads (it ran out of tasks
+ * first: the caller waiting for the job's end, a worker for the next job, which cannot come
+ * before it), the thread spins for as long as it worked on the job itself, at least SPIN_NS
+ * and at most SPIN_JOB_MAX_NS: the others' tasks began with its own and are about as long, so
+ * the job is then likely to end soon, and a thread that slept instead would add a wake-up to
+ * the call (the caller's) or to the next one (a worker's). On the Xeon VM of stop 96 such a
+ * wake-up cost about a quarter of a 2-thread decode of one 4096-token sequence: f16, 16 MiB a
+ * call, 14.1-14.5 GB/s with the 50 us spin alone, 17.8-18.5 with this (docs/design.md). A
+ * thread whose partner was preempted still sleeps after the bound. */
+#define SPIN_JOB_MAX_NS 2000000u
+
+/* The spin bound of a thread that worked busy_ns on a job still in flight (above). */
+static uint64_t job_spin_ns(uint64_t busy_ns) { return PKV_MIN(PKV_MAX(busy_ns, (uint64_t)SPIN_NS), (uint64_t)SPIN_JOB_MAX_NS); }
+
+/* Whether the current job has tasks not yet done (some claimed by other threads, or none
+ * published: ticket and n_done both 0). */
+static bool job_in_flight(pkv__tpool *p) {
+    const uint32_t n = (uint32_t)(atomic_load_explicit(&p->ticket, memory_order_relaxed) >> 32);
+    return atomic_load_explicit(&p->n_done, memory_order_relaxed) != n;
+}
 
 /* Claims the current job's next task: its index, or -1 when every task is taken; *n is the
  * claimed job's task count. */
@@ -61,17 +83,25 @@ static void exec_call(void *job, uint32_t i, uint32_t w) {
     atomic_store_explicit(&p->workers[w].busy, 0, memory_order_release);
 }
 
-/* Waits until gen differs from seen; returns the new value (or seen when stopping). */
-static uint64_t wait_gen(pkv__tpool *p, uint64_t seen) {
-    uint64_t t0 = 0;
+/* Waits until gen differs from seen; returns the new value (or seen when stopping). busy_ns:
+ * how long this worker ran tasks of the job before (the spin bound while it is in flight). */
+static uint64_t wait_gen(pkv__tpool *p, uint64_t seen, uint64_t busy_ns) {
+    const uint64_t in_flight_ns = job_spin_ns(busy_ns);
+    uint64_t t0 = 0, t_over = 0; /* when the spin began; when the job was seen over */
     for (uint32_t i = 0;; i++) {
         uint64_t g = atomic_load_explicit(&p->gen, memory_order_acquire);
         if (g != seen || atomic_load_explicit(&p->stop, memory_order_acquire)) return g;
         pkv__cpu_relax();
         if ((i & 63) == 63) {
-            uint64_t now = pkv__now_ns();
+            const uint64_t now = pkv__now_ns();
             if (!t0) t0 = now;
-            else if (now - t0 > SPIN_NS) break;
+            if (!t_over && job_in_flight(p)) {
+                if (now - t0 > in_flight_ns) break;
+            } else if (!t_over) {
+                t_over = now;
+            } else if (now - t_over > SPIN_NS) {
+                break;
+            }
         }
     }
     uint64_t g;
@@ -86,11 +116,13 @@ static uint64_t wait_gen(pkv__tpool *p, uint64_t seen) {
 static void *worker_main(void *arg) {
     pkv__tpool_worker *w = arg;
     pkv__tpool *p = w->pool;
-    uint64_t seen = 0;
+    uint64_t seen = 0, busy_ns = 0;
     for (;;) {
-        seen = wait_gen(p, seen);
+        seen = wait_gen(p, seen, busy_ns);
         if (atomic_load_explicit(&p->stop, memory_order_acquire)) break;
+        const uint64_t t0 = pkv__now_ns();
         run_tasks(p, w->tid); /* may find the job (or several) already over: nothing to do */
+        busy_ns = pkv__now_ns() - t0;
     }
     return NULL;
 }
@@ -174,15 +206,17 @@ int pkv__tpool_run(pkv__tpool *p, pkv__task_fn fn, void *ctx, uint32_t n_tasks) 
     atomic_fetch_add_explicit(&p->gen, 1, memory_order_release);
     pthread_cond_broadcast(&p->cv_work);
     pthread_mutex_unlock(&p->mu);
+    const uint64_t t_run = pkv__now_ns();
     run_tasks(p, 0);
-    /* the tasks other threads still run */
+    /* the tasks other threads still run: spin for up to job_spin_ns of this thread's share, then sleep */
+    const uint64_t spin_ns = job_spin_ns(pkv__now_ns() - t_run);
     uint64_t t0 = 0;
     for (uint32_t i = 0; atomic_load_explicit(&p->n_done, memory_order_acquire) != n_tasks; i++) {
         pkv__cpu_relax();
         if ((i & 63) == 63) {
             uint64_t now = pkv__now_ns();
             if (!t0) t0 = now;
-            else if (now - t0 > SPIN_NS) {
+            else if (now - t0 > spin_ns) {
                 pthread_mutex_lock(&p->mu);
                 while (atomic_load_explicit(&p->n_done, memory_order_acquire) != n_tasks)
                     pthread_cond_wait(&p->cv_done, &p->mu);
