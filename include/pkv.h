@@ -462,8 +462,10 @@ typedef struct pkv_rope {
  * PKV_EINVAL, nothing changed: from > to, to past the length, from inside a dropped front
  * (pkv_seq_drop_front), a rope whose fields break the rules above, or a K value the turn takes
  * past what the pool's dtype holds (f16's 65504, PKV_VALUE_MAX); PKV_ENOENT for an unknown
- * sequence, PKV_EINVAL for a pin. Threads: as pkv_seq_truncate (it changes s); it holds the
- * cache's lock while it moves rows (about 2 x (length - from) rows a layer and kv head). */
+ * sequence, PKV_EINVAL for a pin. Threads: as pkv_seq_truncate (it changes s). It checks the
+ * turn and moves the rows (about 2 x (length - from) rows a layer and kv head) without holding the
+ * cache's lock, so calls on other sequences go on meanwhile; it holds the lock for its copies of
+ * shared blocks and for its changes to s's table and counts. */
 PKV_NODISCARD PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq s, uint32_t from, uint32_t to, const pkv_rope *rope);
 
 /* Compaction: moves blocks of s into free room (FREE blocks; with PKV_COMPACT_EVICT also CACHED

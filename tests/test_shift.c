@@ -384,6 +384,53 @@ static void test_shift_refusals(void **state) {
     assert_int_equal(tu_info(c, s).n_tokens, 7);
     TU_CHECK(c);
     pkv_cache_destroy(c);
+
+    /* Rows whose magnitudes alone do not clear them (the check's scan: 1.5 x the largest under
+       the pool's limit) are turned to tell: pair 0 turns by -1 rad, (a, b) -> (a cos 1 + b sin 1,
+       b cos 1 - a sin 1). f16: (50000, 0) stays within 65504 and is taken, whatever a scan says;
+       f32: (a, a) with a = 0.7 x 2^56 turns to 0.967 x 2^56, taken, and a = 0.75 x 2^56 to 1.036
+       x 2^56, refused with nothing changed. */
+    const struct {
+        pkv_dtype dt;
+        float a, b;
+        int want;
+    } turned[] = {
+        {PKV_DTYPE_F16, 50000.0f, 0.0f, PKV_OK},
+        {PKV_DTYPE_F32, 0.7f * 0x1p56f, 0.7f * 0x1p56f, PKV_OK},
+        {PKV_DTYPE_F32, 0.75f * 0x1p56f, 0.75f * 0x1p56f, PKV_EINVAL},
+        {PKV_DTYPE_BF16, 0.75f * 0x1p56f, 0.75f * 0x1p56f, PKV_EINVAL},
+    };
+    for (size_t t = 0; t < sizeof turned / sizeof turned[0]; t++) {
+        cfg = cfg_of(turned[t].dt, NB, 0);
+        c = tu_create(&cfg);
+        const pkv_seq u = tu_seq(c);
+        tu_append(c, u, 8, 0, NULL);
+        for (uint32_t i = 0; i < H * D; i++) k[i] = 1.0f, v[i] = 1.0f;
+        for (uint32_t h = 0; h < H; h++) k[h * D] = turned[t].a, k[h * D + D / 2] = turned[t].b; /* pair 0 (NEOX) */
+        for (uint32_t l = 0; l < L; l++)
+            for (uint32_t pos = 0; pos < 8; pos++) TU_OK(pkv_seq_write_kv(c, u, l, pos, 1, k, v, PKV_DTYPE_F32));
+        const pkv_stats u0 = tu_stats(c);
+        float g0[8 * H * D]; /* as stored (f16 rounds 50000 to 50016) */
+        TU_OK(pkv_seq_gather(c, u, 0, 0, 8, g0, NULL));
+        TU_RC(pkv_seq_shift(c, u, 2, 3, &big), turned[t].want);
+        TU_OK(pkv_seq_gather(c, u, 0, 0, turned[t].want ? 8 : 7, g, NULL));
+        if (turned[t].want) { /* nothing changed */
+            const pkv_stats u1 = tu_stats(c);
+            TU_STATS_EQ(&u1, &u0);
+            assert_memory_equal(g, g0, sizeof g0);
+        } else { /* before 2: as they were; 2 on: the rows of 3 on, pair 0 as a double turn gives */
+            assert_memory_equal(g, g0, sizeof(float) * 2 * H * D);
+            for (uint32_t h = 0; h < H; h++) {
+                const double x0 = g0[3 * H * D + h * D], y0 = g0[3 * H * D + h * D + D / 2];
+                const double x = x0 * cos(1.0) + y0 * sin(1.0), y = y0 * cos(1.0) - x0 * sin(1.0);
+                TU_NEAR(g[2 * H * D + h * D], (float)x, fabsf((float)x) * 1e-3f);
+                TU_NEAR(g[2 * H * D + h * D + D / 2], (float)y, fabsf((float)y) * 1e-3f);
+            }
+            assert_int_equal(tu_info(c, u).n_tokens, 7);
+        }
+        TU_CHECK(c);
+        pkv_cache_destroy(c);
+    }
 }
 
 /* Copies need blocks: none to be had is PKV_ENOSPC with nothing changed; a block s held alone

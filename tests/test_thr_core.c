@@ -31,7 +31,8 @@ typedef struct {
     uint32_t iters;
     long errors;
     long enospc;
-    long ok_iters, match_hits, moved, front_hits, window_matches;
+    uint32_t shift_every; /* iterations a fork is shifted: one in shift_every */
+    long ok_iters, match_hits, moved, front_hits, window_matches, shifts;
     char first_error[200];
 } targ;
 
@@ -49,6 +50,26 @@ typedef struct {
         }                                                                                                            \
         if (rc_) TFAIL(a, "thread %d: %s -> %s", (a)->tid, #expr, pkv_strerror(rc_));                               \
     } while (0)
+
+/* Whether h's first len positions are what a shift of [from, from + d) left of the pattern the
+ * worker wrote (tag below n, tag2 from n on, then removed and moved down): V and, where rope turned
+ * K's values [HD / 2, HD), K's values [0, HD / 2) bit for bit; with no rope all of K. 0, or -1. */
+static int check_shifted(pkv_cache *c, pkv_seq h, uint32_t len, uint32_t from, uint32_t d, uint32_t n, uint32_t tag,
+                         uint32_t tag2, int turned) {
+    enum { ROW = KVH * HD, MAXLEN = 40 };
+    float k[MAXLEN * ROW], v[MAXLEN * ROW];
+    for (uint32_t l = 0; l < LAYERS; l++) {
+        if (len > MAXLEN || pkv_seq_gather(c, h, l, 0, len, k, v)) return -1;
+        for (uint32_t p = 0; p < len; p++) {
+            const uint32_t src = p < from ? p : p + d, t = src < n ? tag : tag2;
+            for (uint32_t e = 0; e < ROW; e++) {
+                if (v[p * ROW + e] != tu_pat(t, l, src, e, 1)) return -1;
+                if ((!turned || e % HD < HD / 2) && k[p * ROW + e] != tu_pat(t, l, src, e, 0)) return -1;
+            }
+        }
+    }
+    return 0;
+}
 
 static void *worker(void *p) {
     targ *a = p;
@@ -73,6 +94,27 @@ static void *worker(void *p) {
         if (tu_cmp_pattern(c, f, 0, n, tag) != 0) TFAIL(a, "thread %d: fork lost the parent's K/V", a->tid);
         if (tu_cmp_pattern(c, f, n, extra, tag + 1) != 0) TFAIL(a, "thread %d: fork's own K/V wrong", a->tid);
         if (tu_cmp_pattern(c, s, 0, n, tag) != 0) TFAIL(a, "thread %d: parent changed by its fork", a->tid);
+        if (it % a->shift_every == 0) { /* a context shift of a fork of s (its blocks shared with s: copied first), with a rope
+             over half of each K row or none, while the others work: the rows move without the
+             cache's lock (pkv_seq_shift), and s keeps its own. Out of blocks (the small pool),
+             the iteration goes on without it; there, one iteration in four shifts, so that the
+             others still reach the matches below. */
+            pkv_seq h = 0;
+            const uint32_t more = 1 + tu_rng_below(&r, 8), len0 = n + more;
+            const uint32_t from = tu_rng_below(&r, len0), d = 1 + tu_rng_below(&r, len0 - from);
+            const int turned = (int)tu_rng_below(&r, 2);
+            const pkv_rope rope = {.dim0 = HD / 2, .n_rot = HD / 2, .style = PKV_ROPE_NEOX, .theta = 10000.0f};
+            int rc = pkv_seq_fork(c, s, &h);
+            if (!rc) rc = pkv_seq_append(c, h, toks + n, more, NULL);
+            if (!rc) rc = tu_write_pattern(c, h, n, more, tag + 5);
+            if (!rc) rc = pkv_seq_shift(c, h, from, from + d, turned ? &rope : NULL);
+            if (!rc && check_shifted(c, h, len0 - d, from, d, n, tag, tag + 5, turned)) rc = PKV_ECORRUPT;
+            a->shifts += rc == PKV_OK;
+            if (h && pkv_seq_release(c, h) && !rc) rc = PKV_EINVAL;
+            if (rc == PKV_ENOSPC) a->enospc++;
+            else if (rc) TFAIL(a, "thread %d: a shifted fork (from %u, d %u): %s", a->tid, from, d, pkv_strerror(rc));
+            if (tu_cmp_pattern(c, s, 0, n, tag) != 0) TFAIL(a, "thread %d: a fork's shift changed s", a->tid);
+        }
         /* truncate and rewrite the fork */
         uint32_t keep = n + tu_rng_below(&r, extra);
         TCALL(a, pkv_seq_truncate(c, f, keep));
@@ -321,9 +363,10 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
         memcpy(args[t].parent_tok, ptok, sizeof ptok);
         args[t].tid = t;
         args[t].iters = iters;
+        args[t].shift_every = roomy ? 1 : 4;
         assert_int_equal(pthread_create(&th[t], NULL, worker, &args[t]), 0);
     }
-    long errors = 0, ok = 0, enospc = 0, hits = 0, moved = 0, front_hits = 0, window_matches = 0;
+    long errors = 0, ok = 0, enospc = 0, hits = 0, moved = 0, front_hits = 0, window_matches = 0, shifts = 0;
     for (int t = 0; t < NTHR; t++) {
         assert_int_equal(pthread_join(th[t], NULL), 0);
         if (args[t].errors) print_error("%s\n", args[t].first_error);
@@ -334,6 +377,7 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
         front_hits += args[t].front_hits;
         window_matches += args[t].window_matches;
         moved += args[t].moved;
+        shifts += args[t].shifts;
     }
     atomic_store(&ec.stop, 1);
     assert_int_equal(pthread_join(kth, NULL), 0);
@@ -349,13 +393,13 @@ static void run_threads(int prefix, uint32_t n_blocks, uint32_t iters, int roomy
                   (unsigned long long)ec.overflows, ec.n);
     if (prefix) assert_true(ec.events > 0);
     print_message("prefix %s: %d threads x %u iterations: %ld complete, %ld out of blocks, %ld prefix hits (%ld "
-                  "over dropped fronts, %ld windowed matches with a front), %ld blocks compacted\n",
-                  prefix ? "on" : "off", NTHR, iters, ok, enospc, hits, front_hits, window_matches, moved);
+                  "over dropped fronts, %ld windowed matches with a front), %ld blocks compacted, %ld shifts\n",
+                  prefix ? "on" : "off", NTHR, iters, ok, enospc, hits, front_hits, window_matches, moved, shifts);
     assert_int_equal(errors, 0);
     if (roomy) assert_true(ok > (long)(NTHR * iters) / 2);
     else assert_true(ok > 0); /* how many hit PKV_ENOSPC depends on the interleaving */
     if (prefix) assert_true(hits > 0 && front_hits > 0 && window_matches > 0);
-    if (roomy) assert_true(moved > 0);
+    if (roomy) assert_true(moved > 0 && shifts > 0);
     TU_CHECK(c);
     pkv_stats st = tu_stats(c);
     assert_int_equal(st.n_seqs, NPARENT);

@@ -1222,6 +1222,19 @@ static void move_row(pkv_cache *c, const int32_t *table, uint32_t l, uint32_t h,
     if (c->v_row) memcpy(v_row_at(c, table, l, h, to), v_row_at(c, table, l, h, from), c->v_row);
 }
 
+/* move_row of n positions from `from` and to `to` on, each run in one block (to < from: a run
+ * moved down, ascending, reads every row before it is written over): V, and K where it is not
+ * turned, by one copy a run (its rows are consecutive in the block). */
+static void move_rows(pkv_cache *c, const int32_t *table, uint32_t l, uint32_t h, uint32_t from, uint32_t to,
+                      uint32_t n, const rope_turn *turn) {
+    if (turn)
+        for (uint32_t i = 0; i < n; i++) move_row(c, table, l, h, from + i, to + i, turn);
+    else
+        memmove(k_row_at(c, table, l, h, to), k_row_at(c, table, l, h, from), (size_t)n * c->k_row);
+    if (turn && c->v_row) return; /* move_row moved V */
+    if (c->v_row) memmove(v_row_at(c, table, l, h, to), v_row_at(c, table, l, h, from), (size_t)n * c->v_row);
+}
+
 /* Moves position from of table to position to's token id. */
 static void move_token(pkv_cache *c, const int32_t *table, uint32_t from, uint32_t to) {
     c->tokens[(size_t)table[to / c->B] * c->B + to % c->B] = c->tokens[(size_t)table[from / c->B] * c->B + from % c->B];
@@ -1282,18 +1295,55 @@ PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq id, uint32_t start, const uint32_
     return rc;
 }
 
-/* Whether every K row of positions [from, to) of s, turned by t, is one the pool holds; else
- * PKV_EINVAL said, naming the first that is not. */
-static int rope_check(pkv_cache *c, const pkv__seq *s, uint32_t from, uint32_t to, const rope_turn *t) {
+/* Whether the K rows of kv head h in layer l at positions [p0, p1) of table, one block's, turned
+ * by any rotation, certainly hold values the pool's dtype holds: a turn keeps each pair's norm,
+ * at most sqrt(2) x the row's largest magnitude M, and its double result is rounded once to
+ * float, so M x 1.5 under the first magnitude pkv__input_fits refuses (65520 for f16, else
+ * PKV_VALUE_MAX) is enough. q8_0 and q4_0 rows hold at most 127 x 65504 in magnitude: always;
+ * fp8 rows at most 448 x their scale. false: turn them to tell (rope_check). */
+static bool turn_fits(const pkv_cache *c, const int32_t *table, uint32_t l, uint32_t h, uint32_t p0, uint32_t p1) {
+    const pkv_dtype dt = c->cfg.k_dtype;
+    const float lim = dt == PKV_DTYPE_F16 ? 65520.0f : 0x1p56f;
+    const uint8_t *r = k_row_at(c, table, l, h, p0);
+    switch (dt) {
+    case PKV_DTYPE_Q8_0:
+    case PKV_DTYPE_Q4_0: return true;
+    case PKV_DTYPE_FP8_E4M3:
+        for (uint32_t p = p0; p < p1; p++, r += c->k_row) {
+            float sc;
+            memcpy(&sc, r, sizeof sc);
+            if (!(sc * 448.0f * 1.5f < lim)) return false;
+        }
+        return true;
+    default: {
+        const uint32_t bits = pkv__max_abs_bits(dt, r, (size_t)(p1 - p0) * c->head_dim);
+        const float m = dt == PKV_DTYPE_F32    ? pkv__bits_f32(bits)
+                        : dt == PKV_DTYPE_F16 ? pkv__f16_to_f32((uint16_t)bits)
+                                              : pkv__bf16_to_f32((uint16_t)bits);
+        return m * 1.5f < lim; /* NaN: false */
+    }
+    }
+}
+
+/* Whether every K row of positions [from, to) of table, turned by t, is one the pool holds; else
+ * PKV_EINVAL said, naming the first that is not. Rows turn_fits clears are not turned: a block's
+ * rows a scan of their magnitudes, or (q8_0, q4_0) nothing. */
+static int rope_check(pkv_cache *c, const int32_t *table, uint32_t from, uint32_t to, const rope_turn *t) {
     float x[1024];
     for (uint32_t l = 0; l < c->n_layers; l++)
         for (uint32_t h = 0; h < c->n_kv; h++)
-            for (uint32_t p = from; p < to; p++) {
-                pkv__row_decode(c->cfg.k_dtype, k_row_at(c, s->table, l, h, p), c->head_dim, x);
-                rope_apply(t, x);
-                if (!pkv__input_fits(PKV_DTYPE_F32, x, c->head_dim, c->cfg.k_dtype))
-                    return PKV__SAY(c, PKV_EINVAL, "position %u, layer %u, kv head %u: K turned holds a value past what %s holds",
-                                    p, l, h, pkv_dtype_name(c->cfg.k_dtype));
+            for (uint32_t p0 = from; p0 < to;) {
+                const uint32_t p1 = PKV_MIN(to, (p0 / c->B + 1) * c->B);
+                if (!turn_fits(c, table, l, h, p0, p1))
+                    for (uint32_t p = p0; p < p1; p++) {
+                        pkv__row_decode(c->cfg.k_dtype, k_row_at(c, table, l, h, p), c->head_dim, x);
+                        rope_apply(t, x);
+                        if (!pkv__input_fits(PKV_DTYPE_F32, x, c->head_dim, c->cfg.k_dtype))
+                            return PKV__SAY(c, PKV_EINVAL,
+                                            "position %u, layer %u, kv head %u: K turned holds a value past what %s holds", p,
+                                            l, h, pkv_dtype_name(c->cfg.k_dtype));
+                    }
+                p0 = p1;
             }
     return PKV_OK;
 }
@@ -1303,6 +1353,13 @@ static bool shift_copies(const pkv_cache *c, uint32_t b) {
     return c->blk[b].ref > 1 || (c->blk[b].flags & PKV_BLKF_INDEXED);
 }
 
+/* The rows of a shift move, and its turn is checked, without the cache's lock: every other call
+ * goes on meanwhile (a shift of 32768 positions over 8 layers of f16 took 0.3 s, stop 96). s is
+ * the caller's alone for the call (pkv.h: a call that changes s overlaps none that names or reads
+ * it), so its table stays as it is; the blocks the rows move into are s's alone and outside the
+ * index (the copies below are made under the lock first), so no other call reads or moves them;
+ * and the blocks the check reads are held by s, so none is freed or moved. The token ids, the
+ * counts and the marks change under the lock after the rows, as one step. */
 PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq id, uint32_t from, uint32_t to, const pkv_rope *rope) {
     if (!c) return PKV_EINVAL;
     if (from > to) return PKV__SAY(c, PKV_EINVAL, "from %u is past to %u", from, to);
@@ -1322,8 +1379,17 @@ PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq id, uint32_t from, uint32_t to, 
         seq_cut(c, s, from);
         goto out;
     }
-    const uint32_t len = s->n_tokens - d, first = from / B, nb = (len + B - 1) / B; /* blocks [first, nb) written */
-    if (rope && (rc = rope_check(c, s, to, s->n_tokens, &turn))) goto out;
+    const uint32_t n0 = s->n_tokens, front = s->n_dropped;
+    if (rope) { /* before anything changes; s's rows as they are, without the lock (above) */
+        UNLOCK(c);
+        rc = rope_check(c, s->table, to, n0, &turn);
+        LOCK(c);
+        /* a call that changed s meanwhile broke pkv.h's rule: refused rather than read stale */
+        if (!rc && (rc = get_seq(c, id, &s)) == PKV_OK && (s->n_tokens != n0 || s->n_dropped != front))
+            rc = PKV__SAY(c, PKV_EINVAL, "the sequence changed during the call");
+        if (rc) goto out;
+    }
+    const uint32_t len = n0 - d, first = from / B, nb = (len + B - 1) / B; /* blocks [first, nb) written */
     /* the copies, one after another: each takes a block, and one s held alone (indexed) goes
        CACHED, to be had by the next */
     uint64_t avail = (uint64_t)c->pool.n_free + c->pool.n_cached;
@@ -1344,7 +1410,7 @@ PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq id, uint32_t from, uint32_t to, 
         if (!shift_copies(c, b) && (c->blk[b].flags & PKV_BLKF_PARTIAL)) pkv__partial_unlink(c, b);
     }
     for (uint32_t i = first; i < nb; i++) {
-        const uint32_t b = (uint32_t)s->table[i], used = PKV_MIN(B, s->n_tokens - i * B);
+        const uint32_t b = (uint32_t)s->table[i], used = PKV_MIN(B, n0 - i * B);
         if (shift_copies(c, b)) {
             const uint32_t nb2 = pkv__take_block(c);
             pkv_assert(nb2 != PKV_NONE); /* counted above */
@@ -1356,10 +1422,15 @@ PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq id, uint32_t from, uint32_t to, 
         }
     }
     /* ascending: each position is written after the one it takes was read (p + d > p); a kv head's
-       rows at a time (position by position across layers and heads took twice as long) */
+       rows at a time (position by position across layers and heads took twice as long). Without
+       the lock (above). */
+    UNLOCK(c);
     for (uint32_t l = 0; l < c->n_layers; l++)
-        for (uint32_t h = 0; h < c->n_kv; h++)
-            for (uint32_t p = from; p < len; p++) move_row(c, s->table, l, h, p + d, p, rope ? &turn : NULL);
+        for (uint32_t p = from, n; p < len; p += n) { /* runs within one source and one target block */
+            n = PKV_MIN(len - p, PKV_MIN(B - p % B, B - (p + d) % B));
+            for (uint32_t h = 0; h < c->n_kv; h++) move_rows(c, s->table, l, h, p + d, p, n, rope ? &turn : NULL);
+        }
+    LOCK(c);
     for (uint32_t p = from; p < len; p++) move_token(c, s->table, p + d, p);
     const uint32_t com = s->n_committed <= from ? s->n_committed : s->n_committed >= to ? s->n_committed - d : from;
     pkv__seq_drop_blocks(c, s, nb);
