@@ -1421,9 +1421,10 @@ PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq id, uint32_t from, uint32_t to, 
             c->cow_copies++;
         }
     }
-    /* ascending: each position is written after the one it takes was read (p + d > p); a kv head's
-       rows at a time (position by position across layers and heads took twice as long). Without
-       the lock (above). */
+    /* ascending: each position is written after the one it takes was read (p + d > p); a run of
+       rows within one source and one target block at a time, one copy a kv head (position by
+       position across layers and heads had taken twice as long as a kv head's rows at a time;
+       runs, stop 96: the same as the latter). Without the lock (above). */
     UNLOCK(c);
     for (uint32_t l = 0; l < c->n_layers; l++)
         for (uint32_t p = from, n; p < len; p += n) { /* runs within one source and one target block */
