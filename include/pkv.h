@@ -815,7 +815,9 @@ PKV_NODISCARD PKV_API int pkv_cache_get_stats(pkv_cache *c, pkv_stats *out);
 
 /* Verifies every invariant (block-state counts, refcounts against block tables and pins,
  * free/LRU queues, index identities, sequence lengths) in O(n_blocks + table entries).
- * 0 if all hold, else PKV_ECORRUPT with a description of the first broken one in msg. */
+ * 0 if all hold, else PKV_ECORRUPT with a description of the first broken one in msg. It may
+ * overlap any other call: of a sequence a pkv_seq_shift is moving rows of at that moment it
+ * checks only the blocks its table holds (the rest of its record is midway). */
 PKV_NODISCARD PKV_API int pkv_cache_check(pkv_cache *c, char *msg, size_t msg_cap);
 
 /* ---- attention ------------------------------------------------------------------------------- */

@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 enum { NTHR = 4, NPARENT = 3, PARENT_LEN = 10, B = 4, LAYERS = 2, KVH = 2, HD = 8, QH = 4 };
 enum { DEC_N = NPARENT * QH * HD }; /* one decode of the parents: their queries or outputs */
@@ -51,24 +52,28 @@ typedef struct {
         if (rc_) TFAIL(a, "thread %d: %s -> %s", (a)->tid, #expr, pkv_strerror(rc_));                               \
     } while (0)
 
-/* Whether h's first len positions are what a shift of [from, from + d) left of the pattern the
- * worker wrote (tag below n, tag2 from n on, then removed and moved down): V and, where rope turned
- * K's values [HD / 2, HD), K's values [0, HD / 2) bit for bit; with no rope all of K. 0, or -1. */
-static int check_shifted(pkv_cache *c, pkv_seq h, uint32_t len, uint32_t from, uint32_t d, uint32_t n, uint32_t tag,
-                         uint32_t tag2, int turned) {
-    enum { ROW = KVH * HD, MAXLEN = 40 };
-    float k[MAXLEN * ROW], v[MAXLEN * ROW];
-    for (uint32_t l = 0; l < LAYERS; l++) {
-        if (len > MAXLEN || pkv_seq_gather(c, h, l, 0, len, k, v)) return -1;
-        for (uint32_t p = 0; p < len; p++) {
+/* Whether h's first len positions are what a shift of [from, from + d) left of the pattern
+ * written before it (tag below n, tag2 from n on, then removed and moved down): V and, where
+ * rope turned K's values [HD / 2, HD), K's values [0, HD / 2) bit for bit; with no rope all of K.
+ * 0, or -1. */
+static int check_shifted_len(pkv_cache *c, pkv_seq h, uint32_t len, uint32_t from, uint32_t d, uint32_t n,
+                             uint32_t tag, uint32_t tag2, int turned) {
+    enum { ROW = KVH * HD };
+    float *k = malloc(sizeof(float) * ROW * (len + 1)), *v = malloc(sizeof(float) * ROW * (len + 1));
+    int rc = k && v ? 0 : -1;
+    for (uint32_t l = 0; !rc && l < LAYERS; l++) {
+        if (pkv_seq_gather(c, h, l, 0, len, k, v)) rc = -1;
+        for (uint32_t p = 0; !rc && p < len; p++) {
             const uint32_t src = p < from ? p : p + d, t = src < n ? tag : tag2;
             for (uint32_t e = 0; e < ROW; e++) {
-                if (v[p * ROW + e] != tu_pat(t, l, src, e, 1)) return -1;
-                if ((!turned || e % HD < HD / 2) && k[p * ROW + e] != tu_pat(t, l, src, e, 0)) return -1;
+                if (v[p * ROW + e] != tu_pat(t, l, src, e, 1)) rc = -1;
+                if ((!turned || e % HD < HD / 2) && k[p * ROW + e] != tu_pat(t, l, src, e, 0)) rc = -1;
             }
         }
     }
-    return 0;
+    free(k);
+    free(v);
+    return rc;
 }
 
 static void *worker(void *p) {
@@ -108,7 +113,7 @@ static void *worker(void *p) {
             if (!rc) rc = pkv_seq_append(c, h, toks + n, more, NULL);
             if (!rc) rc = tu_write_pattern(c, h, n, more, tag + 5);
             if (!rc) rc = pkv_seq_shift(c, h, from, from + d, turned ? &rope : NULL);
-            if (!rc && check_shifted(c, h, len0 - d, from, d, n, tag, tag + 5, turned)) rc = PKV_ECORRUPT;
+            if (!rc && check_shifted_len(c, h, len0 - d, from, d, n, tag, tag + 5, turned)) rc = PKV_ECORRUPT;
             a->shifts += rc == PKV_OK;
             if (h && pkv_seq_release(c, h) && !rc) rc = PKV_EINVAL;
             if (rc == PKV_ENOSPC) a->enospc++;
@@ -428,11 +433,78 @@ static void test_threads_small_pool(void **state) {
     run_threads(1, 20, (uint32_t)tu_env_u64("PKV_THR_ITERS", 2000) / 2, 0);
 }
 
+/* pkv_cache_check from another thread, in a loop, while this one shifts forks of a committed,
+ * indexed sequence (the shift copies their shared, indexed blocks, then moves rows without the
+ * cache's lock, its record midway meanwhile): every check passes, and the forks read as shifted. */
+typedef struct checker {
+    pkv_cache *c;
+    atomic_int stop, shifting;
+    atomic_long during; /* read by the shifting thread as its stop rule */
+    long checks, failed;
+    char msg[200];
+} checker;
+
+static void *check_loop(void *p) {
+    checker *k = p;
+    while (!atomic_load(&k->stop)) {
+        const int during = atomic_load(&k->shifting);
+        char msg[200];
+        const int rc = pkv_cache_check(k->c, msg, sizeof msg);
+        k->checks++;
+        if (during && atomic_load(&k->shifting)) atomic_fetch_add(&k->during, 1);
+        if (rc && !k->failed++) snprintf(k->msg, sizeof k->msg, "%s", msg);
+    }
+    return NULL;
+}
+
+static void test_check_during_shift(void **state) {
+    (void)state;
+    enum { LEN = 4096, MAX_SHIFTS = 200, WANT_DURING = 8 };
+    pkv_config cfg = tu_config(2 * LEN / B + 64, B, LAYERS, KVH, HD, PKV_DTYPE_F32);
+    cfg.max_seqs = 8;
+    pkv_cache *c = tu_create(&cfg);
+    const pkv_seq s = tu_seq(c);
+    int32_t *toks = malloc(sizeof(int32_t) * LEN);
+    assert_non_null(toks);
+    for (uint32_t i = 0; i < LEN; i++) toks[i] = (int32_t)i;
+    TU_OK(pkv_seq_append(c, s, toks, LEN, NULL));
+    free(toks);
+    TU_WRITE_PAT(c, s, 0, LEN, 4242);
+    TU_OK(pkv_seq_commit(c, s, LEN));
+    static checker k;
+    memset(&k, 0, sizeof k);
+    k.c = c;
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, check_loop, &k), 0);
+    const pkv_rope rope = {.dim0 = HD / 2, .n_rot = HD / 2, .style = PKV_ROPE_NEOX, .theta = 10000.0f};
+    uint32_t i = 0;
+    for (; i < MAX_SHIFTS && (i < 4 || atomic_load(&k.during) < WANT_DURING); i++) {
+        pkv_seq f;
+        TU_OK(pkv_seq_fork(c, s, &f));
+        const uint32_t from = 4 + i % 64, d = LEN / 2 - 3 * (i % 64);
+        atomic_store(&k.shifting, 1);
+        TU_OK(pkv_seq_shift(c, f, from, from + d, i % 2 ? &rope : NULL));
+        atomic_store(&k.shifting, 0);
+        if (i < 4) assert_int_equal(check_shifted_len(c, f, LEN - d, from, d, LEN, 4242, 4242, (int)(i % 2)), 0);
+        TU_OK(pkv_seq_release(c, f));
+    }
+    atomic_store(&k.stop, 1);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    print_message("%u shifts; %ld checks, %ld of them during a shift, %ld failed%s%s\n", i, k.checks, atomic_load(&k.during),
+                  k.failed, k.failed ? ": " : "", k.msg);
+    assert_int_equal(k.failed, 0);
+    if (sysconf(_SC_NPROCESSORS_ONLN) > 1) assert_true(atomic_load(&k.during) > 0); /* the checks met the shifts */
+    TU_SAME_PAT(c, s, 0, LEN, 4242);
+    TU_CHECK(c);
+    pkv_cache_destroy(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_threads_prefix_off),
         cmocka_unit_test(test_threads_prefix_on),
         cmocka_unit_test(test_threads_small_pool),
+        cmocka_unit_test(test_check_during_shift),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -117,6 +117,7 @@ pkv__seq *pkv__seq_new(pkv_cache *c) {
     c->seq_free = s->next_free;
     s->live = 1;
     s->is_pin = 0;
+    s->shifting = 0;
     s->n_tokens = s->n_committed = s->n_blocks = s->n_reused = s->idx_len = 0;
     s->exact = PKV_NONE;
     s->ns_lo = s->ns_hi = 0;
@@ -1424,7 +1425,10 @@ PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq id, uint32_t from, uint32_t to, 
     /* ascending: each position is written after the one it takes was read (p + d > p); a run of
        rows within one source and one target block at a time, one copy a kv head (position by
        position across layers and heads had taken twice as long as a kv head's rows at a time;
-       runs, stop 96: the same as the latter). Without the lock (above). */
+       runs, stop 96: the same as the latter). Without the lock (above); meanwhile s's record is
+       half changed (its copies replace shared and indexed blocks, its chain and counts are the
+       old ones), so pkv_cache_check checks only its references to blocks (s->shifting). */
+    s->shifting = 1;
     UNLOCK(c);
     for (uint32_t l = 0; l < c->n_layers; l++)
         for (uint32_t p = from, n; p < len; p += n) { /* runs within one source and one target block */
@@ -1432,6 +1436,7 @@ PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq id, uint32_t from, uint32_t to, 
             for (uint32_t h = 0; h < c->n_kv; h++) move_rows(c, s->table, l, h, p + d, p, n, rope ? &turn : NULL);
         }
     LOCK(c);
+    s->shifting = 0;
     for (uint32_t p = from; p < len; p++) move_token(c, s->table, p + d, p);
     const uint32_t com = s->n_committed <= from ? s->n_committed : s->n_committed >= to ? s->n_committed - d : from;
     pkv__seq_drop_blocks(c, s, nb);

@@ -14,6 +14,9 @@ typedef struct pkv__seq {
     uint32_t gen;  /* generation: the id is (gen << 32) | index; moves on at release */
     uint8_t live;  /* slot holds a live sequence or pin */
     uint8_t is_pin;
+    uint8_t shifting; /* pkv_seq_shift is moving its rows without the lock: its table holds the
+                         blocks it refers to, the rest of its record is as the shift left it
+                         midway (check.c checks only the former) */
     uint32_t n_tokens, n_committed, n_blocks, n_reused;
     uint32_t idx_len; /* table[0 .. idx_len) is this sequence's indexed chain */
     uint32_t n_dropped; /* table[0 .. n_dropped) are -1: blocks let go (pkv_seq_drop_front); it

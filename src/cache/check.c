@@ -107,6 +107,15 @@ static int check_sequences(pkv_cache *c, report *r, uint64_t *n_tokens) {
         live++;
         pins += s->is_pin;
         if (!s->is_pin) *n_tokens += s->n_tokens;
+        if (s->shifting) { /* midway through pkv_seq_shift (cache.c): only its blocks' references */
+            for (uint32_t j = s->n_dropped; j < s->n_blocks; j++) {
+                const int32_t b = s->table[j];
+                REQUIRE(b >= 0 && (uint32_t)b < c->n_blocks, "sequence %u: table[%u]=%d out of range", i, j, b);
+                REQUIRE(c->blk[b].state == PKV_BLK_ACTIVE, "sequence %u: table[%u]=block %d is not ACTIVE", i, j, b);
+                ref[b]++;
+            }
+            continue;
+        }
         REQUIRE(s->gen != 0, "sequence %u: generation 0", i);
         REQUIRE(s->n_blocks == (s->n_tokens + c->B - 1) / c->B,
                 "sequence %u: %u blocks for %u tokens (B=%u)", i, s->n_blocks, s->n_tokens, c->B);
