@@ -1385,7 +1385,8 @@ PKV_API int pkv_seq_shift(pkv_cache *c, pkv_seq id, uint32_t from, uint32_t to, 
         UNLOCK(c);
         rc = rope_check(c, s->table, to, n0, &turn);
         LOCK(c);
-        /* a call that changed s meanwhile broke pkv.h's rule: refused rather than read stale */
+        /* a call that changed s meanwhile broke pkv.h's rule: where it changed s's length or
+           front (what this can see), refused rather than go on from stale counts */
         if (!rc && (rc = get_seq(c, id, &s)) == PKV_OK && (s->n_tokens != n0 || s->n_dropped != front))
             rc = PKV__SAY(c, PKV_EINVAL, "the sequence changed during the call");
         if (rc) goto out;
