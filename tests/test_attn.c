@@ -312,17 +312,6 @@ static pkv__attn *make_attn(const char *backend, uint32_t n_threads, uint32_t ma
     return at;
 }
 
-/* Whether the comma-separated list names backend. */
-static bool listed(const char *list, const char *backend) {
-    const size_t n = strlen(backend);
-    for (const char *p = list; *p;) {
-        const size_t len = strcspn(p, ",");
-        if (len == n && !strncmp(p, backend, n)) return true;
-        p += len + (p[len] == ',');
-    }
-    return false;
-}
-
 /* Skips the calling test before it allocates anything when this CPU or build lacks the backend,
  * when PKV_ATTN_TEST_BACKENDS (a comma-separated list of names) is set and does not name it, or
  * when PKV_ATTN_TEST_EXCLUDE names it; a backend PKV_ATTN_TEST_BACKENDS names must exist (the
@@ -330,8 +319,8 @@ static bool listed(const char *list, const char *backend) {
  * (the reference is tested natively); ctest runs "avx512-emu" as an entry of its own. */
 static void need_backend(const char *backend) {
     const char *only = getenv("PKV_ATTN_TEST_BACKENDS"), *except = getenv("PKV_ATTN_TEST_EXCLUDE");
-    if (only && *only && !listed(only, backend)) skip();
-    if (except && listed(except, backend)) skip();
+    if (only && *only && !tu_matches(only, backend)) skip(); /* tu_shard.h: comma-separated names */
+    if (except && tu_matches(except, backend)) skip();
     pkv__attn_limits lim = {.max_items = 1, .max_blocks_per_seq = 1, .n_kv_heads = 1, .head_dim = 8, .block_tokens = 1};
     pkv__attn *at = NULL;
     int rc = create_named(backend, 1, &lim, &at);

@@ -1208,31 +1208,23 @@ static uint8_t *v_row_at(const pkv_cache *c, const int32_t *table, uint32_t l, u
            ((size_t)h * c->B + pos % c->B) * c->v_row;
 }
 
-/* Moves the rows of kv head h in layer l from position from of table to position to: K turned by
- * turn where that is not NULL (pkv_seq_shift), else as stored, and V. */
-static void move_row(pkv_cache *c, const int32_t *table, uint32_t l, uint32_t h, uint32_t from, uint32_t to,
-                     const rope_turn *turn) {
-    if (turn) {
-        float x[1024];
-        pkv__row_decode(c->cfg.k_dtype, k_row_at(c, table, l, h, from), c->head_dim, x);
-        rope_apply(turn, x);
-        pkv__row_encode(c->cfg.k_dtype, x, c->head_dim, k_row_at(c, table, l, h, to));
-    } else {
-        memcpy(k_row_at(c, table, l, h, to), k_row_at(c, table, l, h, from), c->k_row);
-    }
-    if (c->v_row) memcpy(v_row_at(c, table, l, h, to), v_row_at(c, table, l, h, from), c->v_row);
-}
-
-/* move_row of n positions from `from` and to `to` on, each run in one block (to < from: a run
- * moved down, ascending, reads every row before it is written over): V, and K where it is not
- * turned, by one copy a run (its rows are consecutive in the block). */
+/* Moves the rows of kv head h in layer l at n positions from `from` of table to n positions from
+ * `to` on, each run within one block (to < from: a run moved down in ascending order reads every
+ * row before it is written over): K turned by turn where that is not NULL (pkv_seq_shift), a row
+ * at a time, else as stored, and V, as stored, by one copy a run (its rows are consecutive in the
+ * block). */
 static void move_rows(pkv_cache *c, const int32_t *table, uint32_t l, uint32_t h, uint32_t from, uint32_t to,
                       uint32_t n, const rope_turn *turn) {
-    if (turn)
-        for (uint32_t i = 0; i < n; i++) move_row(c, table, l, h, from + i, to + i, turn);
-    else
+    if (turn) {
+        float x[1024];
+        for (uint32_t i = 0; i < n; i++) {
+            pkv__row_decode(c->cfg.k_dtype, k_row_at(c, table, l, h, from + i), c->head_dim, x);
+            rope_apply(turn, x);
+            pkv__row_encode(c->cfg.k_dtype, x, c->head_dim, k_row_at(c, table, l, h, to + i));
+        }
+    } else {
         memmove(k_row_at(c, table, l, h, to), k_row_at(c, table, l, h, from), (size_t)n * c->k_row);
-    if (turn && c->v_row) return; /* move_row moved V */
+    }
     if (c->v_row) memmove(v_row_at(c, table, l, h, to), v_row_at(c, table, l, h, from), (size_t)n * c->v_row);
 }
 
@@ -1244,7 +1236,7 @@ static void move_token(pkv_cache *c, const int32_t *table, uint32_t from, uint32
 /* Moves position from of table to position to: its token id and every layer's K and V rows. */
 static void move_position(pkv_cache *c, const int32_t *table, uint32_t from, uint32_t to) {
     for (uint32_t l = 0; l < c->n_layers; l++)
-        for (uint32_t h = 0; h < c->n_kv; h++) move_row(c, table, l, h, from, to, NULL);
+        for (uint32_t h = 0; h < c->n_kv; h++) move_rows(c, table, l, h, from, to, 1, NULL);
     move_token(c, table, from, to);
 }
 
@@ -1304,7 +1296,7 @@ PKV_API int pkv_seq_keep(pkv_cache *c, pkv_seq id, uint32_t start, const uint32_
  * fp8 rows at most 448 x their scale. false: turn them to tell (rope_check). */
 static bool turn_fits(const pkv_cache *c, const int32_t *table, uint32_t l, uint32_t h, uint32_t p0, uint32_t p1) {
     const pkv_dtype dt = c->cfg.k_dtype;
-    const float lim = dt == PKV_DTYPE_F16 ? 65520.0f : 0x1p56f;
+    const float lim = dt == PKV_DTYPE_F16 ? 65520.0f : pkv__bits_f32(PKV__VALUE_MAX_BITS);
     const uint8_t *r = k_row_at(c, table, l, h, p0);
     switch (dt) {
     case PKV_DTYPE_Q8_0:
