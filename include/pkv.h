@@ -199,11 +199,23 @@ typedef struct pkv_config {
                                     of 32); writes and reads of V rows (a v or v_out that is not
                                     NULL) are PKV_EINVAL, and attention's outputs are
                                     [n][n_q_heads][v_dim] (pkv_attn_decode). See "MLA" below. */
+    uint32_t spin_us;            /* how long the cache's own attention threads poll for the next
+                                    call once one is over before they sleep, in microseconds,
+                                    at most 1000000; default 50, 0 = sleep at once. A sleeping
+                                    thread must be woken by the next call, and where its core
+                                    sat idle meanwhile that wake-up can take a large part of a
+                                    call on a VM (0.1-0.3 ms measured: pkv.h "Threads"). An
+                                    engine whose attention calls come further apart than 50 us
+                                    with its other cores idle between them (single-threaded work
+                                    between layers) gains by setting it past that gap; a polling
+                                    thread holds its core, so one whose own threads are busy
+                                    then loses. Unused with an executor. */
 } pkv_config;
 
 /* Defaults: 1 layer, 8 kv heads, head_dim 128, B = 16, 1024 blocks, f16/f16, 256 sequences,
- * prefix cache on, huge pages on, all cpus. Fields are only ever appended. Start a config from
- * this, not from zeros: a zeroed pkv_config is refused (block_tokens and max_seqs 0). */
+ * prefix cache on, huge pages on, all cpus, threads polling 50 us after a call. Fields are only
+ * ever appended. Start a config from this, not from zeros: a zeroed pkv_config is refused
+ * (block_tokens and max_seqs 0). */
 PKV_API pkv_config pkv_config_default(void);
 
 typedef struct pkv_cache pkv_cache;

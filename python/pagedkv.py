@@ -173,7 +173,7 @@ class _Config(ctypes.Structure):
                 ("max_seqs", _u32), ("max_blocks_per_seq", _u32), ("n_threads", _u32),
                 ("enable_prefix_cache", _int), ("huge_pages", _int), ("allocator", _Allocator),
                 ("log", _LOG_FN), ("log_ctx", _vp), ("executor", _Executor), ("event_capacity", _u32),
-                ("v_dim", _u32)]
+                ("v_dim", _u32), ("spin_us", _u32)]
 
 
 class _Event(ctypes.Structure):
@@ -591,8 +591,11 @@ class Cache:
     Keyword arguments are pkv_config's fields; those left out keep pkv_config_default()'s
     values: n_layers, n_kv_heads, head_dim, block_tokens, n_blocks, mem_budget_bytes,
     k_dtype and v_dtype (names: "f32", "f16", "bf16", "q8_0", "q4_0", "fp8_e4m3"), max_seqs,
-    max_blocks_per_seq, n_threads, enable_prefix_cache, huge_pages, event_capacity, v_dim, and
-    log (a callable log(level, message), called on the thread that makes the libpkv call).
+    max_blocks_per_seq, n_threads, enable_prefix_cache, huge_pages, event_capacity, v_dim, spin_us
+    and log (a callable log(level, message), called on the thread that makes the libpkv call).
+    spin_us (default 50, at most 1000000) is how long the cache's attention threads poll for the
+    next call before they sleep: raise it past the time between a model's attention calls when
+    the cores are otherwise idle then (pkv.h).
     v_dim (0, the default: V has rows of its own) in 1..head_dim makes an MLA cache (multi-head
     latent attention, DeepSeek-V2 / V3: pkv.h's "MLA"): V lives in K, a token's V being the
     first v_dim values of its K row (v_dtype must equal k_dtype; q8_0 / q4_0 need v_dim a
@@ -611,7 +614,7 @@ class Cache:
     """
 
     _INT_FIELDS = ("n_layers", "n_kv_heads", "head_dim", "block_tokens", "n_blocks", "max_seqs",
-                   "max_blocks_per_seq", "n_threads", "event_capacity", "v_dim")
+                   "max_blocks_per_seq", "n_threads", "event_capacity", "v_dim", "spin_us")
 
     def __init__(self, **kw):
         self._c = None

@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <time.h>
 
 #include "pkv.h"
 #include "quant/quant.h"
@@ -2091,6 +2092,42 @@ static void test_api_executor(void **state) {
     free(q);
 }
 
+/* pkv_config.spin_us, how long the cache's threads poll for the next call: the default, what
+ * pkv_cache_config reports, and the same results bit for bit whether the threads sleep after
+ * every job (0), poll as by default, or never sleep between the calls here (1 s), with pauses
+ * between calls past the default's poll. */
+static void test_api_spin(void **state) {
+    (void)state;
+    static host_seq hs[EX_SEQS];
+    static float dec0[EX_SEQS * NQH * D], pre0[EX_SEQS * EX_Q * NQH * D];
+    static float dec[EX_SEQS * NQH * D], pre[EX_SEQS * EX_Q * NQH * D];
+    assert_int_equal(pkv_config_default().spin_us, 50);
+    pkv_cache *c0 = make_cache(PKV_DTYPE_F16, 2, 0);
+    pkv_seq ids0[EX_SEQS], ids[EX_SEQS];
+    build_exec_batch(c0, hs, ids0);
+    float *q = rand_q(EX_SEQS * EX_Q);
+    assert_int_equal(exec_calls(c0, ids0, q, dec0, pre0), PKV_OK);
+    static const uint32_t spins[] = {0, 50, 1000000};
+    for (size_t k = 0; k < sizeof spins / sizeof spins[0]; k++) {
+        pkv_config cfg = api_config(PKV_DTYPE_F16, 2, 0);
+        cfg.spin_us = spins[k];
+        pkv_cache *c = NULL;
+        assert_int_equal(pkv_cache_create(&cfg, &c), PKV_OK);
+        pkv_config eff;
+        assert_int_equal(pkv_cache_config(c, &eff), PKV_OK);
+        assert_int_equal(eff.spin_us, spins[k]);
+        build_exec_batch(c, hs, ids);
+        for (int r = 0; r < 3; r++) {
+            expect_exec_same(c, ids, q, dec, pre, dec0, pre0);
+            const struct timespec pause = {0, 300000}; /* past the default poll: asleep there */
+            nanosleep(&pause, NULL);
+        }
+        pkv_cache_destroy(c);
+    }
+    pkv_cache_destroy(c0);
+    free(q);
+}
+
 /* A child process (fork) of a program whose cache has worker threads: they are not in the
  * child, so there attention runs on the calling thread alone, with the same results bit for
  * bit, and destroying the cache returns (it hung, joining threads that are not there). The
@@ -2793,6 +2830,7 @@ int main(void) {
         cmocka_unit_test(test_api_value_max),
         cmocka_unit_test(test_api_order_env),
         cmocka_unit_test(test_api_executor),
+        cmocka_unit_test(test_api_spin),
         cmocka_unit_test(test_api_tree_threads),
         cmocka_unit_test(test_api_fork_child),
         cmocka_unit_test(test_api_share),

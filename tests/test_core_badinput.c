@@ -711,6 +711,7 @@ static void expect_refused(const char *name, pkv_config cfg, const tu_alloc_stat
     X(n_kv_heads_4097, PKV_EINVAL, "n_kv_heads 4097", c->n_kv_heads = 4097)                                           \
     X(prefix_cache_2, PKV_EINVAL, "enable_prefix_cache 2", c->enable_prefix_cache = 2)                                \
     X(huge_pages_neg, PKV_EINVAL, "huge_pages -1", c->huge_pages = -1)                                                \
+    X(spin_us_over, PKV_EINVAL, "spin_us 1000001 is over 1000000", c->spin_us = 1000001)                              \
     X(table_slots_overflow, PKV_EINVAL, "max_blocks_per_seq 2097152 x block_tokens 1024",                             \
       (c->block_tokens = 1024, c->max_blocks_per_seq = 1u << 21))                                                     \
     X(alloc_without_free, PKV_EINVAL, "allocator.alloc without allocator.free", c->allocator.free = NULL)             \

@@ -52,7 +52,8 @@ static pkv__kv_view view(void) {
 }
 
 static pkv__attn *make(uint32_t nt) {
-    pkv__attn_limits lim = {.max_items = 4, .max_blocks_per_seq = NB, .n_kv_heads = H, .head_dim = D, .block_tokens = B};
+    pkv__attn_limits lim = {.max_items = 4, .max_blocks_per_seq = NB, .n_kv_heads = H, .head_dim = D, .block_tokens = B,
+                            .spin_us = PKV__SPIN_US_DEFAULT};
     pkv__attn *at = NULL;
     assert_int_equal(pkv__attn_create(NULL, nt, &lim, &at), PKV_OK);
     pkv__attn_set_inline_work(at, 0); /* every call through the pool, however small */
@@ -200,25 +201,36 @@ static void pool_task(void *ctx, uint32_t task, uint32_t tid) {
 static void test_thr_pool_tasks_once(void **state) {
     (void)state;
     static pkv__tpool_worker workers[3];
-    pkv__tpool p;
-    assert_int_equal(pkv__tpool_init(&p, 3, workers, NULL), PKV_OK);
-    for (uint32_t i = 0; i < POOL_JOBS; i++) {
-        pool_job *j = &g_jobs[i];
-        const uint32_t n = 1 + (i * 7 + i / 5) % POOL_MAX_TASKS;
-        j->n_threads = 3;
-        if (i % 50 == 49) { /* past the workers' spin: they sleep, and the next job must wake them */
-            struct timespec ts = {0, 200000};
-            nanosleep(&ts, NULL);
+    /* the workers' poll after a job (pkv_config.spin_us): none (they sleep after every job), the
+       default, and longer than the pauses below (they never sleep) */
+    static const uint32_t spins[] = {0, PKV__SPIN_US_DEFAULT, 5000};
+    uint64_t sleeps[3];
+    for (size_t k = 0; k < sizeof spins / sizeof spins[0]; k++) {
+        memset(g_jobs, 0, sizeof g_jobs);
+        pkv__tpool p;
+        assert_int_equal(pkv__tpool_init(&p, 3, workers, NULL, spins[k]), PKV_OK);
+        for (uint32_t i = 0; i < POOL_JOBS; i++) {
+            pool_job *j = &g_jobs[i];
+            const uint32_t n = 1 + (i * 7 + i / 5) % POOL_MAX_TASKS;
+            j->n_threads = 3;
+            if (i % 50 == 49) { /* past the default spin: they sleep, and the next job must wake them */
+                struct timespec ts = {0, 200000};
+                nanosleep(&ts, NULL);
+            }
+            pkv__tpool_run(&p, pool_task, j, n);
+            atomic_store(&j->closed, 1);
+            for (uint32_t t = 0; t < POOL_MAX_TASKS; t++) assert_int_equal(atomic_load(&j->runs[t]), t < n ? 1 : 0);
         }
-        pkv__tpool_run(&p, pool_task, j, n);
-        atomic_store(&j->closed, 1);
-        for (uint32_t t = 0; t < POOL_MAX_TASKS; t++) assert_int_equal(atomic_load(&j->runs[t]), t < n ? 1 : 0);
+        pkv__tpool_fini(&p);
+        sleeps[k] = atomic_load(&p.n_sleeps);
+        for (uint32_t i = 0; i < POOL_JOBS; i++) { /* after fini no worker is left to run anything */
+            assert_int_equal(atomic_load(&g_jobs[i].late), 0);
+            assert_int_equal(atomic_load(&g_jobs[i].bad_tid), 0);
+        }
     }
-    pkv__tpool_fini(&p);
-    for (uint32_t i = 0; i < POOL_JOBS; i++) { /* after fini no worker is left to run anything */
-        assert_int_equal(atomic_load(&g_jobs[i].late), 0);
-        assert_int_equal(atomic_load(&g_jobs[i].bad_tid), 0);
-    }
+    /* the poll is the one asked for: without it the workers sleep between most jobs, with 5 ms
+       they sleep at most where a thread was held up that long (a loaded machine), far less */
+    if (sleeps[2] * 4 >= sleeps[0]) fail_msg("worker sleeps: %lu polling 0 us, %lu polling 5 ms", (unsigned long)sleeps[0], (unsigned long)sleeps[2]);
 }
 
 /* ---- a caller's executor (pkv_executor): an engine's own pool of pthreads ----
@@ -313,7 +325,7 @@ static void test_thr_pool_executor(void **state) {
     exec_start(&x, 3);
     const pkv_executor e = executor_of(&x);
     pkv__tpool p;
-    assert_int_equal(pkv__tpool_init(&p, e.n_workers, workers, &e), PKV_OK);
+    assert_int_equal(pkv__tpool_init(&p, e.n_workers, workers, &e, PKV__SPIN_US_DEFAULT), PKV_OK);
     assert_int_equal(p.n_threads, 3);
     memset(g_jobs, 0, sizeof g_jobs);
     uint64_t multi = 0;

@@ -260,17 +260,23 @@ type Config struct {
 	PrefixCache, HugePages                           bool
 	EventCapacity                                    uint32 // prefix-index events kept for TakeEvents, at most 2^24; 0: none recorded
 	VDim                                             uint32 // 0: V rows of their own; 1..HeadDim: V is K's first VDim values (MLA)
+	// SpinUS: how long the cache's attention threads poll for the next call before they sleep, in
+	// microseconds, at most 1000000; 50 by default, 0: sleep at once. Raise it past the time between
+	// a model's attention calls where the cores are otherwise idle then (pkv.h). Unused with an
+	// executor.
+	SpinUS uint32
 }
 
 func configFromC(c *C.pkv_config) Config {
 	return Config{uint32(c.n_layers), uint32(c.n_kv_heads), uint32(c.head_dim), uint32(c.block_tokens),
 		uint32(c.n_blocks), uint64(c.mem_budget_bytes), Dtype(c.k_dtype), Dtype(c.v_dtype), uint32(c.max_seqs),
 		uint32(c.max_blocks_per_seq), uint32(c.n_threads), c.enable_prefix_cache != 0, c.huge_pages != 0,
-		uint32(c.event_capacity), uint32(c.v_dim)}
+		uint32(c.event_capacity), uint32(c.v_dim), uint32(c.spin_us)}
 }
 
 // DefaultConfig: 1 layer, 8 kv heads, head_dim 128, 16-token blocks, 1024 blocks, f16 K and V,
-// 256 sequences, prefix cache and huge pages on, every CPU, V rows of their own (VDim 0).
+// 256 sequences, prefix cache and huge pages on, every CPU, V rows of their own (VDim 0),
+// threads polling 50 us after a call (SpinUS).
 func DefaultConfig() Config {
 	c := C.pkv_config_default()
 	return configFromC(&c)
@@ -406,6 +412,7 @@ func NewCache(cfg Config) (*Cache, error) {
 	raw.enable_prefix_cache, raw.huge_pages = b2i(cfg.PrefixCache), b2i(cfg.HugePages)
 	raw.event_capacity = C.uint32_t(cfg.EventCapacity)
 	raw.v_dim = C.uint32_t(cfg.VDim)
+	raw.spin_us = C.uint32_t(cfg.SpinUS)
 	C.pkvgo_set_log(&raw)
 	runtime.LockOSThread() // check reads what libpkv said on this thread
 	defer runtime.UnlockOSThread()

@@ -175,7 +175,7 @@ func TestBasics(t *testing.T) {
 	}
 	d := DefaultConfig()
 	if d.NLayers != 1 || d.NKVHeads != 8 || d.HeadDim != 128 || d.BlockTokens != 16 || d.NBlocks != 1024 ||
-		d.KDtype != F16 || d.MaxSeqs != 256 || !d.PrefixCache {
+		d.KDtype != F16 || d.MaxSeqs != 256 || !d.PrefixCache || d.SpinUS != 50 {
 		t.Fatalf("defaults %+v", d)
 	}
 	if dt, err := DtypeFromName("fp8"); err != nil || dt != FP8E4M3 {
@@ -188,7 +188,7 @@ func TestBasics(t *testing.T) {
 		t.Fatal("q8_0 name or row bytes")
 	}
 	want := Config{NLayers: 3, NKVHeads: 2, HeadDim: 64, BlockTokens: 8, NBlocks: 40, KDtype: BF16, VDtype: Q8_0,
-		MaxSeqs: 7, MaxBlocksPerSeq: 9, NThreads: 2, EventCapacity: 5}
+		MaxSeqs: 7, MaxBlocksPerSeq: 9, NThreads: 2, EventCapacity: 5, SpinUS: 700}
 	c, err := NewCache(want)
 	must(t, err)
 	defer c.Close()

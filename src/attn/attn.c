@@ -482,7 +482,7 @@ int pkv__attn_create_extended(const pkv_allocator *a, uint32_t n_threads, const 
     at->two_pass = passes;
     at->pass_blocks = PASS_BLOCKS_MAX;
     at->pass_bytes = pass_bytes;
-    rc = pkv__tpool_init(&at->pool, n_threads, at->workers, &lim->exec);
+    rc = pkv__tpool_init(&at->pool, n_threads, at->workers, &lim->exec, lim->spin_us);
     if (rc < 0) {
         pkv__free(&at->a, mem, total);
         return rc;

@@ -108,6 +108,7 @@ typedef struct pkv__attn_limits {
        Linux for the tile state then and only then */
     bool amx;
     pkv_executor exec; /* parallel_for set: the caller's executor (n_threads = its n_workers) */
+    uint32_t spin_us;  /* the own threads' poll for the next job (pkv_config.spin_us) */
     pkv_log_fn log;    /* where create says why it refuses (NULL: silent) */
     void *log_ctx;
 } pkv__attn_limits;

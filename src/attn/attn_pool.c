@@ -13,10 +13,11 @@ static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
 static void on_fork_child(void) { atomic_fetch_add_explicit(&g_forks, 1, memory_order_relaxed); }
 static void atfork_init(void) { (void)pthread_atfork(NULL, NULL, on_fork_child); }
 
-/* How long an idle thread spins before sleeping once a job is over: long enough to bridge
- * consecutive calls of one decode step (layers), short enough not to steal a shared core for
- * long. */
-#define SPIN_NS 50000u
+/* How long a thread spins at least while the job it worked on runs on elsewhere (below). Once
+ * the job is over, a worker spins for the pool's spin_ns (pkv_config.spin_us: 50 us by
+ * default, long enough to bridge consecutive calls of one decode step, short enough not to
+ * steal a shared core for long) before it sleeps. */
+#define SPIN_NS (PKV__SPIN_US_DEFAULT * 1000u)
 /* While the job a thread took part in is still running on other threads (it ran out of tasks
  * first: the caller waiting for the job's end, a worker for the next job, which cannot come
  * before it), the thread spins for as long as it worked on the job itself, at least SPIN_NS
@@ -28,8 +29,12 @@ static void atfork_init(void) { (void)pthread_atfork(NULL, NULL, on_fork_child);
  * thread whose partner was preempted still sleeps after the bound. */
 #define SPIN_JOB_MAX_NS 2000000u
 
-/* The spin bound of a thread that worked busy_ns on a job still in flight (above). */
-static uint64_t job_spin_ns(uint64_t busy_ns) { return PKV_MIN(PKV_MAX(busy_ns, (uint64_t)SPIN_NS), (uint64_t)SPIN_JOB_MAX_NS); }
+/* The spin bound of a thread that worked busy_ns on a job still in flight (above), or the pool's
+ * poll after a job where that is longer: a caller that asked for a longer poll between jobs
+ * wants no wake-up within one either. */
+static uint64_t job_spin_ns(const pkv__tpool *p, uint64_t busy_ns) {
+    return PKV_MAX(PKV_MIN(PKV_MAX(busy_ns, (uint64_t)SPIN_NS), (uint64_t)SPIN_JOB_MAX_NS), p->spin_ns);
+}
 
 /* Whether the current job has tasks not yet done (some claimed by other threads, or none
  * published: ticket and n_done both 0). */
@@ -86,7 +91,7 @@ static void exec_call(void *job, uint32_t i, uint32_t w) {
 /* Waits until gen differs from seen; returns the new value (or seen when stopping). busy_ns:
  * how long this worker ran tasks of the job before (the spin bound while it is in flight). */
 static uint64_t wait_gen(pkv__tpool *p, uint64_t seen, uint64_t busy_ns) {
-    const uint64_t in_flight_ns = job_spin_ns(busy_ns);
+    const uint64_t in_flight_ns = job_spin_ns(p, busy_ns);
     uint64_t t0 = 0, t_over = 0; /* when the spin began; when the job was seen over */
     for (uint32_t i = 0;; i++) {
         uint64_t g = atomic_load_explicit(&p->gen, memory_order_acquire);
@@ -99,13 +104,14 @@ static uint64_t wait_gen(pkv__tpool *p, uint64_t seen, uint64_t busy_ns) {
                 if (now - t0 > in_flight_ns) break;
             } else if (!t_over) {
                 t_over = now;
-            } else if (now - t_over > SPIN_NS) {
+            } else if (now - t_over >= p->spin_ns) {
                 break;
             }
         }
     }
     uint64_t g;
     pthread_mutex_lock(&p->mu);
+    if (atomic_load_explicit(&p->gen, memory_order_acquire) == seen) atomic_fetch_add_explicit(&p->n_sleeps, 1, memory_order_relaxed);
     while ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen &&
            !atomic_load_explicit(&p->stop, memory_order_acquire))
         pthread_cond_wait(&p->cv_work, &p->mu);
@@ -127,9 +133,11 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
-int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *workers, const pkv_executor *exec) {
+int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *workers, const pkv_executor *exec,
+                    uint32_t spin_us) {
     p->exec = exec && exec->parallel_for ? *exec : (pkv_executor){0};
     p->n_threads = n_threads;
+    p->spin_ns = (uint64_t)spin_us * 1000u;
     pthread_once(&g_atfork_once, atfork_init);
     p->fork_gen = atomic_load_explicit(&g_forks, memory_order_relaxed);
     p->workers = workers;
@@ -138,6 +146,7 @@ int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *worker
     atomic_init(&p->n_done, 0);
     atomic_init(&p->stop, 0);
     atomic_init(&p->exec_bad, 0);
+    atomic_init(&p->n_sleeps, 0);
     for (uint32_t i = 0; i < n_threads; i++) atomic_init(&workers[i].busy, 0);
     p->fn = NULL;
     p->ctx = NULL;
@@ -209,7 +218,7 @@ int pkv__tpool_run(pkv__tpool *p, pkv__task_fn fn, void *ctx, uint32_t n_tasks) 
     const uint64_t t_run = pkv__now_ns();
     run_tasks(p, 0);
     /* the tasks other threads still run: spin for up to job_spin_ns of this thread's share, then sleep */
-    const uint64_t spin_ns = job_spin_ns(pkv__now_ns() - t_run);
+    const uint64_t spin_ns = job_spin_ns(p, pkv__now_ns() - t_run);
     uint64_t t0 = 0;
     for (uint32_t i = 0; atomic_load_explicit(&p->n_done, memory_order_acquire) != n_tasks; i++) {
         pkv__cpu_relax();

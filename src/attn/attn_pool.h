@@ -39,6 +39,7 @@ typedef struct pkv__tpool_worker {
 typedef struct pkv__tpool {
     uint32_t n_threads;           /* including the caller (tid 0) */
     uint32_t fork_gen;            /* the process's fork count when the workers started (attn_pool.c) */
+    uint64_t spin_ns;             /* a worker's poll for the next job once one is over */
     pkv__tpool_worker *workers;   /* [n_threads - 1], tids 1.. */
     pthread_mutex_t mu;
     pthread_cond_t cv_work;       /* workers sleep here for a new generation */
@@ -56,13 +57,16 @@ typedef struct pkv__tpool {
     void *ctx;
     pkv_executor exec;          /* exec.parallel_for: the caller's executor; no workers then */
     _Atomic uint32_t exec_bad;  /* the executor broke its contract in the current job */
+    _Atomic uint64_t n_sleeps;  /* times a worker went to sleep between jobs (tests) */
 } pkv__tpool;
 
 /* Starts n_threads - 1 workers, or none when exec (may be NULL) has a parallel_for: its jobs
  * then run on it, and n_threads must be its n_workers. workers[] storage is given by the
- * caller, n_threads entries. Returns 0 or PKV_ENOMEM (threads could not be created; none left
+ * caller, n_threads entries. spin_us: how long a worker polls for the next job once one is over
+ * (pkv_config.spin_us). Returns 0 or PKV_ENOMEM (threads could not be created; none left
  * running). */
-int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *workers, const pkv_executor *exec);
+int pkv__tpool_init(pkv__tpool *p, uint32_t n_threads, pkv__tpool_worker *workers, const pkv_executor *exec,
+                    uint32_t spin_us);
 void pkv__tpool_fini(pkv__tpool *p);
 /* Runs the job to completion; the caller takes part as tid 0, the workers that are awake
  * share the tasks with it. Returns 0 when every task is done, or PKV_EINVAL when a caller's

@@ -26,6 +26,7 @@ PKV_API pkv_config pkv_config_default(void) {
     cfg.max_seqs = 256;
     cfg.enable_prefix_cache = 1;
     cfg.huge_pages = 1;
+    cfg.spin_us = PKV__SPIN_US_DEFAULT;
     return cfg;
 }
 
@@ -284,6 +285,7 @@ static int validate_config(const pkv_config *cfg) {
                x->n_workers);
     if (cfg->event_capacity > (1u << 24))
         REFUSE(cfg, PKV_EINVAL, "event_capacity %u is over 2^24", cfg->event_capacity);
+    if (cfg->spin_us > PKV__SPIN_US_MAX) REFUSE(cfg, PKV_EINVAL, "spin_us %u is over %u", cfg->spin_us, PKV__SPIN_US_MAX);
     if (!x->parallel_for && x->n_workers != 0)
         REFUSE(cfg, PKV_EINVAL, "executor.n_workers %u without executor.parallel_for", x->n_workers);
     return PKV_OK;
@@ -534,7 +536,7 @@ PKV_API int pkv_cache_create(const pkv_config *cfg_in, pkv_cache **out) {
     pkv__attn_limits lim = {.max_items = share_items(c), .max_blocks_per_seq = c->max_bps,
                             .n_kv_heads = c->n_kv, .head_dim = c->head_dim, .block_tokens = c->B,
                             .amx = cfg.k_dtype != PKV_DTYPE_F32 || cfg.v_dtype != PKV_DTYPE_F32,
-                            .exec = cfg.executor, .log = cfg.log, .log_ctx = cfg.log_ctx};
+                            .exec = cfg.executor, .spin_us = cfg.spin_us, .log = cfg.log, .log_ctx = cfg.log_ctx};
     c->attn_alloc = (pkv_allocator){.alloc = attn_shim_alloc, .free = attn_shim_free, .ctx = c};
     rc = pkv__attn_create(&c->attn_alloc, cfg.n_threads, &lim, &c->attn);
     if (rc) { /* what the environment got wrong it said itself */

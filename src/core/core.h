@@ -18,6 +18,8 @@
 #define PKV_CACHELINE 64
 #define PKV_HUGEPAGE (2u << 20)
 #define PKV_MAX_THREADS 256u /* attention threads of a cache, the caller included */
+#define PKV__SPIN_US_DEFAULT 50u    /* pkv_config.spin_us: the attention threads' poll after a job */
+#define PKV__SPIN_US_MAX 1000000u
 
 /* x rounded up to a multiple of a (a power of two); less than x when that wraps */
 static inline size_t pkv__align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }

@@ -17,7 +17,7 @@ int main(void) {
     FIELD(pkv_config, max_blocks_per_seq), FIELD(pkv_config, n_threads), FIELD(pkv_config, enable_prefix_cache);
     FIELD(pkv_config, huge_pages), FIELD(pkv_config, allocator), FIELD(pkv_config, log);
     FIELD(pkv_config, log_ctx), FIELD(pkv_config, executor), FIELD(pkv_config, event_capacity);
-    FIELD(pkv_config, v_dim);
+    FIELD(pkv_config, v_dim), FIELD(pkv_config, spin_us);
     SIZE(pkv_allocator);
     FIELD(pkv_allocator, alloc), FIELD(pkv_allocator, free), FIELD(pkv_allocator, ctx);
     SIZE(pkv_executor);

@@ -136,18 +136,21 @@ class TestLibrary(Base):
         self.assertEqual((cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"], cfg["block_tokens"]), (1, 8, 128, 16))
         self.assertEqual((cfg["n_blocks"], cfg["max_seqs"], cfg["max_blocks_per_seq"]), (1024, 256, 1024))
         self.assertEqual((cfg["k_dtype"], cfg["v_dtype"], cfg["enable_prefix_cache"]), ("f16", "f16", True))
+        self.assertEqual(cfg["spin_us"], 50)
+        with self.assertRaisesRegex(pkv.InvalidArgumentError, "spin_us 1000001 is over 1000000"):
+            pkv.Cache(n_threads=1, spin_us=1000001)
 
     def test_config_round_trip(self):
         # every field after the two dtypes sits where pkv.h puts it, or these come back wrong
         with pkv.Cache(n_layers=3, n_kv_heads=2, head_dim=64, block_tokens=8, n_blocks=40, k_dtype="bf16",
                        v_dtype="q8_0", max_seqs=7, max_blocks_per_seq=9, n_threads=2, enable_prefix_cache=False,
-                       huge_pages=False, event_capacity=5) as c:
+                       huge_pages=False, event_capacity=5, spin_us=700) as c:
             cfg = c.config
             lo = c.layout()
             st = c.stats()
         self.assertEqual(cfg, dict(n_layers=3, n_kv_heads=2, head_dim=64, block_tokens=8, n_blocks=40, max_seqs=7,
                                    max_blocks_per_seq=9, n_threads=2, event_capacity=5, mem_budget_bytes=0, k_dtype="bf16",
-                                   v_dtype="q8_0", enable_prefix_cache=False, huge_pages=False, v_dim=0))
+                                   v_dtype="q8_0", enable_prefix_cache=False, huge_pages=False, v_dim=0, spin_us=700))
         self.assertEqual((lo.n_blocks, lo.block_tokens, lo.n_kv_heads, lo.head_dim, lo.n_layers), (40, 8, 2, 64, 3))
         self.assertEqual((lo.k_dtype, lo.v_dtype, lo.k_row_bytes, lo.v_row_bytes), ("bf16", "q8_0", 128, 68))
         self.assertEqual(lo.k_block_bytes, 2 * 8 * 128)

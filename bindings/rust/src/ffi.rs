@@ -78,6 +78,7 @@ pub struct pkv_config {
     pub executor: pkv_executor,
     pub event_capacity: u32,
     pub v_dim: u32,
+    pub spin_us: u32,
 }
 
 #[repr(C)]

@@ -283,7 +283,7 @@ impl Dtype {
 /// The cache's configuration (pkv_config without the hooks). `Config::default()` is
 /// pkv_config_default(): 1 layer, 8 kv heads, head_dim 128, 16-token blocks, 1024 blocks,
 /// f16 K and V, 256 sequences, prefix cache and huge pages on, every CPU, V rows of their own
-/// (`v_dim` 0).
+/// (`v_dim` 0), threads polling 50 us after a call.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
     pub n_layers: u32,
@@ -309,6 +309,12 @@ pub struct Config {
     /// K alone), and the attention calls' outputs are `[..][n_q_heads][v_dim]`, their queries
     /// still `[..][n_q_heads][head_dim]`.
     pub v_dim: u32,
+    /// How long the cache's attention threads poll for the next call before they sleep, in
+    /// microseconds, at most 1,000,000; 50 by default, 0: sleep at once. Raise it past the time
+    /// between a model's attention calls where the cores are otherwise idle then: a sleeping
+    /// thread's wake-up can take a large part of a call on a VM (pkv.h). A polling thread holds
+    /// its core. Unused with an executor.
+    pub spin_us: u32,
 }
 
 impl Config {
@@ -329,6 +335,7 @@ impl Config {
             huge_pages: c.huge_pages != 0,
             event_capacity: c.event_capacity,
             v_dim: c.v_dim,
+            spin_us: c.spin_us,
         }
     }
 
@@ -349,6 +356,7 @@ impl Config {
         c.huge_pages = self.huge_pages as c_int;
         c.event_capacity = self.event_capacity;
         c.v_dim = self.v_dim;
+        c.spin_us = self.spin_us;
         c
     }
 }

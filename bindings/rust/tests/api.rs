@@ -194,7 +194,8 @@ fn struct_layouts_match_c() {
             log_ctx,
             executor,
             event_capacity,
-            v_dim
+            v_dim,
+            spin_us
         ]
     );
     offsets!(m, "pkv_allocator", ffi::pkv_allocator, [alloc, free, ctx]);
@@ -333,8 +334,8 @@ fn library_basics() {
         (1, 8, 128, 16, 1024)
     );
     assert_eq!(
-        (d.k_dtype, d.v_dtype, d.max_seqs, d.prefix_cache),
-        (Dtype::F16, Dtype::F16, 256, true)
+        (d.k_dtype, d.v_dtype, d.max_seqs, d.prefix_cache, d.spin_us),
+        (Dtype::F16, Dtype::F16, 256, true, 50)
     );
     assert_eq!(Dtype::from_name("fp8").unwrap(), Dtype::Fp8E4m3);
     assert_eq!(Dtype::Q8_0.name(), "q8_0");
@@ -357,6 +358,7 @@ fn library_basics() {
         mem_budget_bytes: 0,
         event_capacity: 5,
         v_dim: 0,
+        spin_us: 700,
     };
     let c = Cache::new(&want).unwrap();
     assert_eq!(c.config(), &want);
