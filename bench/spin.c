@@ -33,9 +33,11 @@ static pkv_cache *make(uint32_t n_threads, uint32_t spin_us, uint32_t len, uint3
     if (tool_check(pkv_cache_create(&cfg, &c), "pkv_cache_create")) exit(1);
     static int32_t tok[16], slots[16], other[16];
     static float k[16][KVH][HD], v[16][KVH][HD];
-    for (int i = 0; i < 16 * KVH * HD; i++) (&k[0][0][0])[i] = (float)(i % 7) / 7, (&v[0][0][0])[i] = (float)(i % 5) / 5;
+    for (int i = 0; i < 16 * KVH * HD; i++)
+        (&k[0][0][0])[i] = (float)(i % 7) / 7, (&v[0][0][0])[i] = (float)(i % 5) / 5;
     pkv_seq s2;
-    if (tool_check(pkv_seq_create(c, NULL, 0, s), "pkv_seq_create") || tool_check(pkv_seq_create(c, NULL, 0, &s2), "pkv_seq_create"))
+    if (tool_check(pkv_seq_create(c, NULL, 0, s), "pkv_seq_create") ||
+        tool_check(pkv_seq_create(c, NULL, 0, &s2), "pkv_seq_create"))
         exit(1);
     for (uint32_t t = 0; t < len; t += 16) {
         for (int j = 0; j < 16; j++) tok[j] = (int32_t)(t + (uint32_t)j);
@@ -56,7 +58,8 @@ static void engine_work(uint64_t gap_ns) {
 }
 
 /* Median microseconds of a block of decode calls (past the first 2), each after the gap. */
-static double block_us(pkv_cache *c, pkv_seq s, uint32_t nl, uint32_t *layer, const float *q, float *o, uint64_t gap_ns) {
+static double block_us(pkv_cache *c, pkv_seq s, uint32_t nl, uint32_t *layer, const float *q, float *o,
+                       uint64_t gap_ns) {
     pkv_attn_params p = pkv_attn_params_default();
     p.n_q_heads = QH;
     double t[BLOCK];
@@ -87,7 +90,8 @@ int main(int argc, char **argv) {
     for (size_t ci = 0; ci < sizeof ctxs / sizeof ctxs[0]; ci++) {
         const uint32_t len = ctxs[ci], nl = (uint32_t)((512ull << 20) / ((uint64_t)len * KVH * HD * 2 * 2));
         pkv_seq s[N_CACHES];
-        pkv_cache *c[N_CACHES] = {make(2, 50, len, nl, &s[0]), make(2, spin, len, nl, &s[1]), make(1, 50, len, nl, &s[2])};
+        pkv_cache *c[N_CACHES] = {make(2, 50, len, nl, &s[0]), make(2, spin, len, nl, &s[1]),
+                                  make(1, 50, len, nl, &s[2])};
         float *q = calloc((size_t)QH * HD, sizeof(float)), *o = calloc((size_t)QH * HD, sizeof(float));
         if (!q || !o) return 1;
         for (size_t i = 0; i < (size_t)QH * HD; i++) q[i] = (float)(i % 3) / 3;
@@ -114,8 +118,9 @@ int main(int argc, char **argv) {
             const double sq1 = tool_percentile(rs, (size_t)rounds, 25), sq3 = tool_percentile(rs, (size_t)rounds, 75);
             const double oq1 = tool_percentile(r1, (size_t)rounds, 25), oq3 = tool_percentile(r1, (size_t)rounds, 75);
             printf("%5u %6u %6u %10.1f %10.1f %10.1f %12.3f %5.3f-%.3f %12.3f %5.3f-%.3f\n", len, nl, gaps_us[gi],
-                   tool_median(u[0], (size_t)rounds), tool_median(u[1], (size_t)rounds), tool_median(u[2], (size_t)rounds),
-                   tool_median(rs, (size_t)rounds), sq1, sq3, tool_median(r1, (size_t)rounds), oq1, oq3);
+                   tool_median(u[0], (size_t)rounds), tool_median(u[1], (size_t)rounds),
+                   tool_median(u[2], (size_t)rounds), tool_median(rs, (size_t)rounds), sq1, sq3,
+                   tool_median(r1, (size_t)rounds), oq1, oq3);
             fflush(stdout);
         }
         for (int j = 0; j < N_CACHES; j++) pkv_cache_destroy(c[j]);

@@ -230,7 +230,8 @@ static void test_thr_pool_tasks_once(void **state) {
     }
     /* the poll is the one asked for: without it the workers sleep between most jobs, with 5 ms
        they sleep at most where a thread was held up that long (a loaded machine), far less */
-    if (sleeps[2] * 4 >= sleeps[0]) fail_msg("worker sleeps: %lu polling 0 us, %lu polling 5 ms", (unsigned long)sleeps[0], (unsigned long)sleeps[2]);
+    if (sleeps[2] * 4 >= sleeps[0])
+        fail_msg("worker sleeps: %lu polling 0 us, %lu polling 5 ms", (unsigned long)sleeps[0], (unsigned long)sleeps[2]);
 }
 
 /* ---- a caller's executor (pkv_executor): an engine's own pool of pthreads ----

@@ -285,7 +285,8 @@ static int validate_config(const pkv_config *cfg) {
                x->n_workers);
     if (cfg->event_capacity > (1u << 24))
         REFUSE(cfg, PKV_EINVAL, "event_capacity %u is over 2^24", cfg->event_capacity);
-    if (cfg->spin_us > PKV__SPIN_US_MAX) REFUSE(cfg, PKV_EINVAL, "spin_us %u is over %u", cfg->spin_us, PKV__SPIN_US_MAX);
+    if (cfg->spin_us > PKV__SPIN_US_MAX)
+        REFUSE(cfg, PKV_EINVAL, "spin_us %u is over %u", cfg->spin_us, PKV__SPIN_US_MAX);
     if (!x->parallel_for && x->n_workers != 0)
         REFUSE(cfg, PKV_EINVAL, "executor.n_workers %u without executor.parallel_for", x->n_workers);
     return PKV_OK;
