@@ -201,15 +201,18 @@ typedef struct pkv_config {
                                     [n][n_q_heads][v_dim] (pkv_attn_decode). See "MLA" below. */
     uint32_t spin_us;            /* how long the cache's own attention threads poll for the next
                                     call once one is over before they sleep, in microseconds,
-                                    at most 1000000; default 50, 0 = sleep at once. A sleeping
-                                    thread must be woken by the next call, and where its core
-                                    sat idle meanwhile that wake-up can take a large part of a
-                                    call on a VM (0.1-0.3 ms measured: pkv.h "Threads"). An
-                                    engine whose attention calls come further apart than 50 us
-                                    with its other cores idle between them (single-threaded work
-                                    between layers) gains by setting it past that gap; a polling
-                                    thread holds its core, so one whose own threads are busy
-                                    then loses. Unused with an executor. */
+                                    at most 1000000; default 50, 0 = sleep as soon as the call
+                                    is over. A sleeping thread must be woken by the next call,
+                                    and where its core sat idle meanwhile that wake-up took a
+                                    few hundred microseconds on a VM (docs/design.md, stop 97).
+                                    An engine whose attention calls come further apart than
+                                    50 us with its other cores idle between them (single-
+                                    threaded work between layers) gains by setting it past that
+                                    gap; a polling thread holds its core, so one whose own
+                                    threads are busy then loses. Within a call, a thread that
+                                    ran out of work (the caller included) polls for the others
+                                    for as long as it worked, at least 50 us and spin_us, at
+                                    most 2 ms, then sleeps. Unused with an executor. */
 } pkv_config;
 
 /* Defaults: 1 layer, 8 kv heads, head_dim 128, B = 16, 1024 blocks, f16/f16, 256 sequences,

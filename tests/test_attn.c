@@ -302,7 +302,7 @@ static int create_named(const char *backend, uint32_t n_threads, const pkv__attn
 static pkv__attn *make_attn(const char *backend, uint32_t n_threads, uint32_t max_items, uint32_t max_blocks,
                             uint32_t H, uint32_t D, uint32_t B) {
     pkv__attn_limits lim = {.max_items = max_items, .max_blocks_per_seq = max_blocks, .n_kv_heads = H, .head_dim = D,
-                            .block_tokens = B};
+                            .block_tokens = B, .spin_us = PKV__SPIN_US_DEFAULT};
     pkv__attn *at = NULL;
     int rc = create_named(backend, n_threads, &lim, &at);
     if (rc == PKV_ENOTSUP) return NULL;
@@ -1695,7 +1695,7 @@ static void test_pool_order_choice(void **state) {
     pkv__attn_destroy(at);
 
     pkv__attn_limits lim = {.max_items = 4, .max_blocks_per_seq = 64, .n_kv_heads = 4, .head_dim = 64,
-                            .block_tokens = 16};
+                            .block_tokens = 16, .spin_us = PKV__SPIN_US_DEFAULT};
     setenv("PKV_ATTN_ORDER", "pool", 1);
     assert_int_equal(pkv__attn_create_backend(NULL, 2, &lim, "ref", &at), PKV_OK);
     assert_true(swept_case(at, 2, 40, 16, 4, 1, 1, 0)); /* forced: small and in order */

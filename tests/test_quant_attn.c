@@ -185,7 +185,7 @@ typedef struct {
 static int run_world(const world *w, const char *be, uint32_t n_threads, int prefill, float qmul, float *q_all,
                      float *out, uint32_t *q_off, uint32_t *nq_of) {
     pkv__attn_limits lim = {.max_items = w->n_seqs, .max_blocks_per_seq = w->max_blocks, .n_kv_heads = w->H,
-                            .head_dim = w->D, .block_tokens = w->B};
+                            .head_dim = w->D, .block_tokens = w->B, .spin_us = PKV__SPIN_US_DEFAULT};
     pkv__attn *at = NULL;
     int rc = create_backend(n_threads, &lim, be, &at);
     if (rc < 0) return rc;

@@ -204,7 +204,6 @@ static void test_thr_pool_tasks_once(void **state) {
     /* the workers' poll after a job (pkv_config.spin_us): none (they sleep after every job), the
        default, and longer than the pauses below (they never sleep) */
     static const uint32_t spins[] = {0, PKV__SPIN_US_DEFAULT, 5000};
-    uint64_t sleeps[3];
     for (size_t k = 0; k < sizeof spins / sizeof spins[0]; k++) {
         memset(g_jobs, 0, sizeof g_jobs);
         pkv__tpool p;
@@ -222,16 +221,45 @@ static void test_thr_pool_tasks_once(void **state) {
             for (uint32_t t = 0; t < POOL_MAX_TASKS; t++) assert_int_equal(atomic_load(&j->runs[t]), t < n ? 1 : 0);
         }
         pkv__tpool_fini(&p);
-        sleeps[k] = atomic_load(&p.n_sleeps);
         for (uint32_t i = 0; i < POOL_JOBS; i++) { /* after fini no worker is left to run anything */
             assert_int_equal(atomic_load(&g_jobs[i].late), 0);
             assert_int_equal(atomic_load(&g_jobs[i].bad_tid), 0);
         }
     }
-    /* the poll is the one asked for: without it the workers sleep between most jobs, with 5 ms
-       they sleep at most where a thread was held up that long (a loaded machine), far less */
-    if (sleeps[2] * 4 >= sleeps[0])
-        fail_msg("worker sleeps: %lu polling 0 us, %lu polling 5 ms", (unsigned long)sleeps[0], (unsigned long)sleeps[2]);
+}
+
+static void count_task(void *ctx, uint32_t task, uint32_t tid) {
+    (void)task, (void)tid;
+    atomic_fetch_add((_Atomic uint32_t *)ctx, 1);
+}
+
+/* The poll between jobs is the one asked for (pkv_config.spin_us): jobs of two quick tasks on a
+ * pool of two threads, a 2 ms pause before every 4th. Polling 50 us, the worker sleeps in
+ * about every pause; polling 5 ms, in none (its time preempted does not count: attn_pool.c). */
+static void test_thr_pool_poll(void **state) {
+    (void)state;
+    enum { JOBS = 400, EVERY = 4 };
+    static pkv__tpool_worker workers[2];
+    static const uint32_t spins[] = {PKV__SPIN_US_DEFAULT, 5000};
+    uint64_t sleeps[2];
+    for (size_t k = 0; k < 2; k++) {
+        pkv__tpool p;
+        assert_int_equal(pkv__tpool_init(&p, 2, workers, NULL, spins[k]), PKV_OK);
+        _Atomic uint32_t runs = 0;
+        for (uint32_t i = 0; i < JOBS; i++) {
+            if (i % EVERY == 0) {
+                const struct timespec ts = {0, 2000000};
+                nanosleep(&ts, NULL);
+            }
+            assert_int_equal(pkv__tpool_run(&p, count_task, (void *)&runs, 2), PKV_OK);
+        }
+        pkv__tpool_fini(&p);
+        assert_int_equal(atomic_load(&runs), 2 * JOBS);
+        sleeps[k] = atomic_load(&p.n_sleeps);
+    }
+    if (sleeps[0] < JOBS / EVERY / 4 || sleeps[1] * 4 >= sleeps[0])
+        fail_msg("worker sleeps in %d pauses: %lu polling 50 us, %lu polling 5 ms", JOBS / EVERY,
+                 (unsigned long)sleeps[0], (unsigned long)sleeps[1]);
 }
 
 /* ---- a caller's executor (pkv_executor): an engine's own pool of pthreads ----
@@ -382,6 +410,7 @@ int main(void) {
         cmocka_unit_test(test_thr_create_destroy),
         cmocka_unit_test(test_thr_two_contexts),
         cmocka_unit_test(test_thr_pool_tasks_once),
+        cmocka_unit_test(test_thr_pool_poll),
         cmocka_unit_test(test_thr_pool_executor),
         cmocka_unit_test(test_thr_attn_executor),
     };
