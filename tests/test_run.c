@@ -535,6 +535,7 @@ static void test_cli_usage_errors(void **state) {
         {"pkv", "run", (char *)path, "-s", "-1", NULL},
         /* past the library's limits: a usage error that names the option, not a failed create */
         {"pkv", "run", (char *)path, "--threads", "257", NULL},
+        {"pkv", "run", (char *)path, "--spin-us", "1000001", NULL},
         {"pkv", "run", (char *)path, "--block-tokens", "1025", NULL},
         {"pkv", "run", (char *)path, "-t", "0", "--spec-tree", "17", NULL},
         {"pkv", "run", (char *)path, "-t", "0", "--spec-tree", "2", "--spec-depth", "0", NULL},
@@ -545,7 +546,7 @@ static void test_cli_usage_errors(void **state) {
     };
     const int have_model = access(path, R_OK) == 0;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        if ((i == 5 || i >= 15) && !have_model) continue; /* the model's vocab size, its seq_len */
+        if ((i == 5 || i >= 16) && !have_model) continue; /* the model's vocab size, its seq_len */
         char *err = NULL;
         int rc = run_cli(cases[i], NULL, &err);
         if (rc != 1) fail_msg("case %zu: exit %d (want 1): %s", i, rc, err ? err : "");

@@ -518,7 +518,8 @@ static void test_help_and_usage_errors(void **state) {
     char *out;
     assert_int_equal(run_cli(h, &out, NULL), 0);
     static const char *opts[] = {"--requests", "--rate", "--trace", "--blocks", "--block-tokens", "--no-attn", "--json",
-                                 "--plot", "--policies", "--seed", "--step-tokens", "--max-seqs", "--preempt", "requests [100]"};
+                                 "--plot", "--policies", "--seed", "--step-tokens", "--max-seqs", "--preempt", "requests [100]",
+                                 "--spin-us"};
     for (size_t i = 0; i < sizeof opts / sizeof opts[0]; i++)
         if (!strstr(out, opts[i])) fail_msg("--help does not mention %s", opts[i]);
     free(out);
@@ -542,7 +543,8 @@ static void test_help_and_usage_errors(void **state) {
                       /* the name goes into gnuplot's script between single quotes */
                       {"pkv", "sim", "--plot", "/tmp/x.png'; system 'true", NULL},
                       {"pkv", "sim", "--plot", "/tmp/x\n.png", NULL},
-                      {"pkv", "sim", "--plot", "", NULL}};
+                      {"pkv", "sim", "--plot", "", NULL},
+                      {"pkv", "sim", "--spin-us", "1000001", NULL}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char *err;
         int rc = run_cli(bad[i], NULL, &err);

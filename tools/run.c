@@ -33,6 +33,9 @@ static void usage(FILE *f) {
             "  --block-tokens B   cache block size in tokens, 1 to 1024 [16]\n"
             "  --blocks N         pool size in blocks [enough for every sequence at full length]\n"
             "  --threads N        attention threads, at most 256; 0 = all cpus [0]\n"
+            "  --spin-us US       how long they poll for the next attention call before they\n"
+            "                     sleep (pkv_config.spin_us), at most 1000000 [50]; set it past\n"
+            "                     the time between two layers' calls where the cores idle then\n"
             "  --no-prefix-cache  disable prefix caching (prompts sharing a prefix recompute it)\n"
             "  --tier-dir DIR     keep prompt prefixes in a file tier in DIR (made if missing; 1 GiB):\n"
             "                     each prompt loads what the tier holds after its prefix match\n"
@@ -206,7 +209,7 @@ int tool_run(int argc, char **argv) {
     uint64_t seed = 0;
     int have_seed = 0, prefix_cache = 1;
     const char *tier_dir = NULL;
-    uint32_t steps = 256, batch = 0, block_tokens = 16, n_blocks = 0, n_threads = 0, ctx = 0, keep = 4;
+    uint32_t steps = 256, batch = 0, block_tokens = 16, n_blocks = 0, n_threads = 0, ctx = 0, keep = 4, spin_us = 50;
     spec_ctx sp = {.depth = 5};
     prompt_list pl = {0};
     int status = TOOL_FAIL;
@@ -252,6 +255,7 @@ int tool_run(int argc, char **argv) {
             bad = tool_parse_u32(val, &block_tokens) || block_tokens == 0 || block_tokens > 1024; /* pkv.h */
         else if (!strcmp(a, "--blocks")) bad = tool_parse_u32(val, &n_blocks);
         else if (!strcmp(a, "--threads")) bad = tool_parse_u32(val, &n_threads) || n_threads > 256; /* pkv.h */
+        else if (!strcmp(a, "--spin-us")) bad = tool_parse_u32(val, &spin_us) || spin_us > 1000000;
         else if (!strcmp(a, "--spec-tree")) bad = tool_parse_u32(val, &sp.width) || sp.width == 0 || sp.width > 16;
         else if (!strcmp(a, "--spec-depth")) bad = tool_parse_u32(val, &sp.depth) || sp.depth == 0 || sp.depth > 32;
         else if (!strcmp(a, "--ctx")) bad = tool_parse_u32(val, &ctx) || ctx == 0;
@@ -352,6 +356,7 @@ int tool_run(int argc, char **argv) {
     cfg.max_seqs = batch + 1;
     cfg.max_blocks_per_seq = (uint32_t)(per_seq < n_blocks ? per_seq : n_blocks); /* the default caps it at 4096 */
     cfg.n_threads = n_threads;
+    cfg.spin_us = spin_us;
     cfg.enable_prefix_cache = prefix_cache;
     pkv_cache *c = NULL;
     pkv_tier *tier = NULL;

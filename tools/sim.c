@@ -27,7 +27,7 @@ static void defaults(sim_cli *c) {
                                 .turns = 1, .turn_gap_s = 20.0, .turn_mean = 64};
     c->so = (sim_opts){.model = {.n_layers = 2, .n_kv_heads = 2, .n_q_heads = 8, .head_dim = 64, .dtype = PKV_DTYPE_F16},
                        .block_tokens = 16, .n_blocks = 768, .max_len = 2048, .step_tokens = 2048, .max_seqs = 256,
-                       .watermark = 0.01, .headroom = 1.0, .n_threads = 0, .attn = 1};
+                       .watermark = 0.01, .headroom = 1.0, .n_threads = 0, .spin_us = 50, .attn = 1};
     c->step_ms = 20.0;
     c->n_policies = SIM_N_POLICIES;
     for (int i = 0; i < SIM_N_POLICIES; i++) c->policies[i] = i;
@@ -95,6 +95,8 @@ static void usage(FILE *f) {
             "                      the running ones can grow without preempting the newcomer,\n"
             "                      at most 1e6 [%g]\n"
             "  --threads N         attention threads, 0 = all cpus [%u]\n"
+            "  --spin-us US        how long the attention threads poll for the next call\n"
+            "                      before they sleep (pkv_config.spin_us), at most 1000000 [%u]\n"
             "  --policies LIST     comma-separated subset of paged_prefix,paged,contiguous [all]\n"
             "  --preempt MODE      recompute (default) or swap: a preempted single-sample request's\n"
             "                      K/V goes to host memory as the pool stores it (pkv_seq_read_stored)\n"
@@ -151,7 +153,7 @@ static void usage(FILE *f) {
             d.wo.output_sigma, d.wo.max_len, d.wo.n_sys, d.wo.sys_len, d.wo.sys_frac, d.wo.n_frac, d.wo.n_samples,
             d.wo.turns, d.wo.turn_gap_s, d.wo.turn_mean, (unsigned long long)d.wo.seed, d.so.model.n_layers,
             d.so.model.n_kv_heads, d.so.model.n_q_heads, d.so.model.head_dim, pkv_dtype_name(d.so.model.dtype), d.so.block_tokens, d.so.n_blocks,
-            d.so.step_tokens, d.so.max_seqs, d.so.watermark, d.so.headroom, d.so.n_threads);
+            d.so.step_tokens, d.so.max_seqs, d.so.watermark, d.so.headroom, d.so.n_threads, d.so.spin_us);
 }
 
 static int parse_policies(sim_cli *c, const char *s) {
@@ -243,6 +245,7 @@ static int parse_args(sim_cli *c, int argc, char **argv) {
         else if (!strcmp(a, "--watermark")) bad = tool_parse_f64(v, &d) || d < 0 || d >= 1 || ((c->so.watermark = d), 0);
         else if (!strcmp(a, "--headroom")) bad = tool_parse_f64(v, &c->so.headroom) || c->so.headroom < 0 || c->so.headroom > 1e6;
         else if (!strcmp(a, "--threads")) bad = tool_parse_u32(v, &c->so.n_threads);
+        else if (!strcmp(a, "--spin-us")) bad = tool_parse_u32(v, &c->so.spin_us) || c->so.spin_us > 1000000;
         else if (!strcmp(a, "--policies")) bad = parse_policies(c, v);
         else if (!strcmp(a, "--plot")) {
             /* the name goes into gnuplot's script in single quotes: no quote or control byte */

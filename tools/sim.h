@@ -76,6 +76,7 @@ typedef struct sim_opts {
     double watermark;       /* fraction of the pool kept free at admission */
     double headroom;        /* blocks per running sequence kept free at admission */
     uint32_t n_threads;
+    uint32_t spin_us;       /* --spin-us: pkv_config.spin_us */
     int attn;               /* 0: --no-attn (no K/V writes, no kernels) */
     int compact;            /* --compact (1) / --compact-evict (2) / --compact-cached (3):
                                pkv_seq_compact on each decoding sequence every step, with

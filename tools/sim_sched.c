@@ -444,6 +444,7 @@ int sim_run_policy(const sim_opts *o, const sim_workload *w, int policy, sim_res
     cfg.max_blocks_per_seq = ceil_div(o->max_len, B) + 2;
     S.max_bps = cfg.max_blocks_per_seq;
     cfg.n_threads = o->n_threads;
+    cfg.spin_us = o->spin_us;
     cfg.enable_prefix_cache = policy == SIM_PAGED_PREFIX;
     tool_log_errors(&cfg, "pkv sim");
     int rc = pkv_cache_create(&cfg, &S.c);
