@@ -212,7 +212,9 @@ typedef struct pkv_config {
                                     threads are busy then loses. Within a call, a thread that
                                     ran out of work (the caller included) polls for the others
                                     for as long as it worked, at least 50 us and spin_us, at
-                                    most 2 ms, then sleeps. Unused with an executor. */
+                                    most 2 ms, then sleeps. Time a polling thread was not
+                                    running (preempted) does not count. Unused with an
+                                    executor. */
 } pkv_config;
 
 /* Defaults: 1 layer, 8 kv heads, head_dim 128, B = 16, 1024 blocks, f16/f16, 256 sequences,
