@@ -25,7 +25,7 @@
 enum { KVH = 8, QH = 32, HD = 128, BLOCK = 24, MAX_ROUNDS = 99, N_CACHES = 3 };
 
 /* a cache of nl layers holding one sequence of len tokens, its blocks interleaved with a
- * second sequence's (released after), K/V the same pattern in every cache */
+ * second sequence's (released after), the same random K/V in every cache */
 static pkv_cache *make(uint32_t n_threads, uint32_t spin_us, uint32_t len, uint32_t nl, pkv_seq *s) {
     pkv_config cfg = pkv_config_default();
     cfg.n_kv_heads = KVH, cfg.head_dim = HD, cfg.n_layers = nl, cfg.n_blocks = 2 * len / 16 + 2;
@@ -33,20 +33,16 @@ static pkv_cache *make(uint32_t n_threads, uint32_t spin_us, uint32_t len, uint3
     cfg.n_threads = n_threads, cfg.spin_us = spin_us;
     pkv_cache *c = NULL;
     if (tool_check(pkv_cache_create(&cfg, &c), "pkv_cache_create")) exit(1);
-    static int32_t tok[16], slots[16], other[16];
-    static float k[16][KVH][HD], v[16][KVH][HD];
-    for (int i = 0; i < 16 * KVH * HD; i++)
-        (&k[0][0][0])[i] = (float)(i % 7) / 7, (&v[0][0][0])[i] = (float)(i % 5) / 5;
+    static float kv[16 * KVH * HD];
+    static const int32_t other[16]; /* the second sequence's token ids: never read */
+    uint64_t rng = 1;
     pkv_seq s2;
     if (tool_check(pkv_seq_create(c, NULL, 0, s), "pkv_seq_create") ||
         tool_check(pkv_seq_create(c, NULL, 0, &s2), "pkv_seq_create"))
         exit(1);
     for (uint32_t t = 0; t < len; t += 16) {
-        for (int j = 0; j < 16; j++) tok[j] = (int32_t)(t + (uint32_t)j);
-        if (tool_check(pkv_seq_append(c, *s, tok, 16, slots), "pkv_seq_append")) exit(1);
-        if ((t / 16) % 2 && tool_check(pkv_seq_append(c, s2, tok, 16, other), "pkv_seq_append")) exit(1);
-        for (uint32_t l = 0; l < nl; l++)
-            if (tool_check(pkv_write_kv(c, l, slots, 16, k, v, PKV_DTYPE_F32), "pkv_write_kv")) exit(1);
+        if (tool_fill_seq(c, *s, 16, (int32_t)t, kv, &rng)) exit(1);
+        if ((t / 16) % 2 && tool_check(pkv_seq_append(c, s2, other, 16, NULL), "pkv_seq_append")) exit(1);
     }
     if (tool_check(pkv_seq_release(c, s2), "pkv_seq_release")) exit(1);
     return c;

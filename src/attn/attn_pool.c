@@ -131,12 +131,12 @@ static uint64_t wait_gen(pkv__tpool *p, uint64_t seen, uint64_t busy_ns) {
     }
     uint64_t g;
     pthread_mutex_lock(&p->mu);
-    if (atomic_load_explicit(&p->gen, memory_order_acquire) == seen &&
-        !atomic_load_explicit(&p->stop, memory_order_acquire))
-        atomic_fetch_add_explicit(&p->n_sleeps, 1, memory_order_relaxed);
-    while ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen &&
-           !atomic_load_explicit(&p->stop, memory_order_acquire))
+    for (bool first = true; (g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen &&
+                            !atomic_load_explicit(&p->stop, memory_order_acquire);
+         first = false) {
+        if (first) atomic_fetch_add_explicit(&p->n_sleeps, 1, memory_order_relaxed);
         pthread_cond_wait(&p->cv_work, &p->mu);
+    }
     pthread_mutex_unlock(&p->mu);
     return g;
 }
